@@ -1,0 +1,15 @@
+"""fedweave: federated learning across five topologies, faithful to the papers that define them."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "run", "Result"]
+
+
+def __getattr__(name: str):  # lazy: `import fedweave` stays cheap, torch loads on first use
+    if name in ("run", "Result"):
+        from fedweave import api
+
+        return getattr(api, name)
+    raise AttributeError(name)

@@ -1,0 +1,1 @@
+"""Algorithm families; importing this package registers every algorithm by name."""

@@ -1,0 +1,43 @@
+"""The in-memory form every dataset loader returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Dataset:
+    """Train/test tensors of one dataset, ready for training.
+
+    ``train_x``/``test_x``: float32 features ``(N, *input_shape)`` (images as C,H,W, normalized) or int64
+    token ids for text; ``train_y``/``test_y``: int64 labels ``(N,)``. ``train_users``/``test_users`` hold the
+    natural owner of each sample (Shakespeare role, LEAF writer) when the data are naturally federated.
+    """
+
+    name: str
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    num_classes: int
+    input_shape: tuple[int, ...]
+    train_users: np.ndarray | None = None
+    test_users: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        for split in ("train", "test"):
+            x, y = getattr(self, f"{split}_x"), getattr(self, f"{split}_y")
+            if len(x) != len(y):
+                raise ValueError(f"dataset {self.name!r}: {split}_x has {len(x)} rows but {split}_y has {len(y)}")
+            if tuple(x.shape[1:]) != tuple(self.input_shape):
+                raise ValueError(
+                    f"dataset {self.name!r}: {split}_x rows have shape {tuple(x.shape[1:])}, "
+                    f"expected input_shape {tuple(self.input_shape)}"
+                )
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_y)

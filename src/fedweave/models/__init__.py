@@ -1,0 +1,1 @@
+"""Model zoo; every builder is registered by name in ``fedweave.registry.MODELS``."""
