@@ -1,0 +1,128 @@
+"""What every algorithm is to the runner, and the context it is built from.
+
+An algorithm is constructed from a :class:`RunContext` and its typed hyper-parameters, then the runner
+calls ``run_round(r)`` for r = 0, 1, ... and ``evaluate(r)`` every ``eval.every`` rounds. Both return flat
+``{metric: float}`` dicts that become columns of ``metrics.csv``. ``state_dict``/``load_state_dict`` carry
+everything a resumed run needs beyond the context (the context's ledger is saved by the runner).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from functools import cached_property
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedweave.config import ConfigError, RunConfig, build_dataclass, check_options
+from fedweave.data.base import Dataset
+from fedweave.ledger import Ledger
+from fedweave.registry import ALGORITHMS, DATASETS, MODELS, PARTITIONERS
+from fedweave.seeding import Seeds
+
+
+@dataclasses.dataclass
+class NoHparams:
+    """For algorithms without hyper-parameters of their own."""
+
+
+class RunContext:
+    """The pieces of a run, built lazily from the config so that a family uses only what it needs."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self.seeds = Seeds(config.seed)
+        self.ledger = Ledger()
+
+    @cached_property
+    def dataset(self) -> Dataset:
+        loader = DATASETS.get(self.config.dataset.name)
+        opts = check_options(loader, self.config.dataset.options, "dataset")
+        return loader(**opts)
+
+    @cached_property
+    def partition(self) -> list[np.ndarray]:
+        """Training-set indices of each client."""
+        part = self.config.partition
+        fn = PARTITIONERS.get(part.name)
+        opts = dict(part.options)
+        num_clients = opts.pop("num_clients", None)
+        if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
+            raise ConfigError(f"partition.num_clients must be a positive integer, got {num_clients!r}")
+        opts = check_options(fn, opts, "partition", skip=("labels", "num_clients", "rng", "users"))
+        ds = self.dataset
+        return fn(
+            ds.train_y.numpy(), num_clients, self.seeds.numpy("partition"), users=ds.train_users, **opts
+        )
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.partition)
+
+    def build_model(self) -> nn.Module:
+        """A fresh model, initialized from the ``model_init`` stream (same seed, same weights)."""
+        builder = MODELS.get(self.config.model.name)
+        opts = check_options(builder, self.config.model.options, "model", skip=("input_shape", "num_classes"))
+        ds = self.dataset
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seeds.int_seed("model_init"))
+            return builder(tuple(ds.input_shape), ds.num_classes, **opts)
+
+    @cached_property
+    def model(self) -> nn.Module:
+        return self.build_model()
+
+
+class Algorithm(ABC):
+    """Base class of every registered algorithm."""
+
+    name: ClassVar[str] = ""
+    family: ClassVar[str] = ""
+    Hparams: ClassVar[type] = NoHparams
+
+    def __init__(self, ctx: RunContext, hp: Any) -> None:
+        self.ctx = ctx
+        self.hp = hp
+
+    @property
+    def config(self) -> RunConfig:
+        return self.ctx.config
+
+    @property
+    def seeds(self) -> Seeds:
+        return self.ctx.seeds
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.ctx.ledger
+
+    @abstractmethod
+    def run_round(self, r: int) -> dict[str, float]:
+        """Run communication round ``r``; return per-round metrics (may be empty)."""
+
+    @abstractmethod
+    def evaluate(self, r: int) -> dict[str, float]:
+        """Evaluate after round ``r``; must include ``test_accuracy`` and ``test_loss`` where meaningful."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume; default: tensors and arrays listed in ``_checkpoint``."""
+        return {k: getattr(self, k) for k in getattr(self, "_checkpoint", ())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            cur = getattr(self, k, None)
+            if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor) and cur.shape == v.shape:
+                cur.copy_(v)
+            else:
+                setattr(self, k, v)
+
+
+def build_algorithm(ctx: RunContext) -> Algorithm:
+    """Look up ``algorithm.name``, validate its options against its ``Hparams``, construct it."""
+    section = ctx.config.algorithm
+    cls = ALGORITHMS.get(section.name)
+    hp = build_dataclass(cls.Hparams, section.options, "algorithm")
+    return cls(ctx, hp)

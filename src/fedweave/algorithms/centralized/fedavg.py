@@ -1,0 +1,21 @@
+"""FedAvg (McMahan et al., 2017): local SGD on sampled clients, weighted averaging of their models."""
+
+from __future__ import annotations
+
+from fedweave.registry import ALGORITHMS
+from fedweave.topology.star import StarAlgorithm
+
+
+@ALGORITHMS.register("fedavg")
+class FedAvg(StarAlgorithm):
+    name = "fedavg"
+
+    def run_round(self, r: int) -> dict[str, float]:
+        clients = self.sample_clients(r)
+        self.send(r, clients, "model", self.x)
+        local = self.trainer.train(self.x, clients, r)
+        self.receive(r, clients, "model", local.params)
+        p = self.weights(clients)
+        delta = p @ (local.params - self.x)  # weighted mean of the local updates
+        self.x = self.x + self.hp.server_lr * delta
+        return {"train_loss": float(p @ local.loss)}

@@ -1,0 +1,344 @@
+"""The typed run configuration: YAML + ``key=value`` overrides, validated with errors that name the key.
+
+Fixed sections (``local``, ``eval``, ``output``) are dataclasses. The sections that pick an object by name
+(``dataset``, ``partition``, ``model``, ``algorithm``) hold ``name`` plus that object's own options, which
+are checked against the object itself: an algorithm's ``Hparams`` dataclass, or a loader's keyword arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and what is allowed."""
+
+
+@dataclass
+class Section:
+    """A config section that selects a registered object by ``name`` and passes it ``options``."""
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **self.options}
+
+
+@dataclass
+class LocalConfig:
+    """Local training of each client (shared by the families that train neural models)."""
+
+    epochs: int | None = None  # default: 1 epoch when steps is not set either
+    steps: int | None = None
+    batch_size: int = 32
+    lr: float = 0.05
+    lr_decay: float = 1.0  # multiplicative, per round
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: float | None = None
+    augment: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if self.epochs is not None and self.steps is not None:
+            raise ConfigError("set only one of local.epochs and local.steps (the other must be null)")
+        if self.epochs is None and self.steps is None:
+            self.epochs = 1
+        for key in ("epochs", "steps", "batch_size"):
+            v = getattr(self, key)
+            if v is not None and v < 1:
+                raise ConfigError(f"local.{key} must be >= 1, got {v}")
+        if self.lr <= 0:
+            raise ConfigError(f"local.lr must be > 0, got {self.lr}")
+        if not 0 < self.lr_decay <= 1:
+            raise ConfigError(f"local.lr_decay must be in (0, 1], got {self.lr_decay}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"local.momentum must be in [0, 1), got {self.momentum}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"local.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ConfigError(f"local.grad_clip must be > 0 or null, got {self.grad_clip}")
+
+
+@dataclass
+class EvalConfig:
+    every: int = 1
+    batch_size: int = 2048
+    per_client: bool = False  # evaluate each client's model on its own test set (personalized methods)
+
+    def validate(self) -> None:
+        if self.every < 1:
+            raise ConfigError(f"eval.every must be >= 1, got {self.every}")
+        if self.batch_size < 1:
+            raise ConfigError(f"eval.batch_size must be >= 1, got {self.batch_size}")
+
+
+@dataclass
+class OutputConfig:
+    dir: str | None = None  # default: runs/<name>-<seed>-<timestamp>
+    checkpoint_every: int = 0  # rounds; 0 = never
+    plots: bool = True
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"output.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+
+
+BACKENDS = ("auto", "loop", "vmap")
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    seed: int = 0
+    rounds: int = 100
+    backend: str = "auto"
+    threads: int | None = None  # torch intra-op threads; null = torch's default
+    dataset: Section = field(default_factory=lambda: Section("mnist"))
+    partition: Section = field(default_factory=lambda: Section("iid", {"num_clients": 10}))
+    model: Section = field(default_factory=lambda: Section("logistic"))
+    algorithm: Section = field(default_factory=lambda: Section("fedavg"))
+    local: LocalConfig = field(default_factory=LocalConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def validate(self) -> None:
+        if self.seed < 0:
+            raise ConfigError(f"seed must be a non-negative integer, got {self.seed}")
+        if self.rounds < 1:
+            raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1 or null, got {self.threads}")
+        self.local.validate()
+        self.eval.validate()
+        self.output.validate()
+
+    @property
+    def num_clients(self) -> int:
+        return int(self.partition.options.get("num_clients", 0))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Section):
+                out[f.name] = v.to_dict()
+            elif dataclasses.is_dataclass(v):
+                out[f.name] = dataclasses.asdict(v)
+            else:
+                out[f.name] = v
+        return out
+
+
+# ---- type checking --------------------------------------------------------------------------------
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        return "a list"
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; int->float and list->tuple are accepted."""
+    if tp is Any or tp is inspect.Parameter.empty:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if value is None or isinstance(value, dict):
+            return build_dataclass(tp, value, key)
+        raise ConfigError(f"{key} must be a mapping of {tp.__name__} keys, got {value!r}")
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{key} must be null, got {value!r}")
+    if origin in (list, tuple) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        args = typing.get_args(tp)
+        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+            args = (args[0],)
+        item_tp = args[0] if len(args) == 1 else Any
+        items = [coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if (origin is tuple or tp is tuple) else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    if typing.get_origin(tp) is typing.Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{key} must be one of {list(typing.get_args(tp))}, got {value!r}")
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+
+
+def _unknown(key: str, bad: str, allowed: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(bad, allowed, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    prefix = f"{key}." if key else ""
+    return ConfigError(f"unknown key '{prefix}{bad}'.{hint} Allowed: {', '.join(sorted(allowed))}")
+
+
+def build_dataclass(cls: type, data: dict[str, Any] | None, key: str) -> Any:
+    """Instantiate dataclass ``cls`` from ``data``, checking names and types; errors name ``key.field``."""
+    data = dict(data or {})
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for k in data:
+        if k not in names:
+            raise _unknown(key, k, names)
+    kwargs = {k: coerce(v, hints[k], f"{key}.{k}" if key else k) for k, v in data.items()}
+    try:
+        obj = cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{key}: {e}") from e
+    return obj
+
+
+def check_options(fn: Any, options: dict[str, Any], key: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Check ``options`` against the keyword parameters of callable ``fn`` (names and annotated types)."""
+    sig = inspect.signature(fn)
+    params = {
+        n: p
+        for n, p in sig.parameters.items()
+        if n not in skip and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # unresolvable annotations: check names only
+        hints = {}
+    out = {}
+    for k, v in options.items():
+        if k not in params:
+            if takes_any:
+                out[k] = v
+                continue
+            raise _unknown(key, k, list(params))
+        out[k] = coerce(v, hints.get(k, Any), f"{key}.{k}")
+    return out
+
+
+def _section(data: Any, key: str) -> Section:
+    if isinstance(data, str):
+        return Section(data)
+    if not isinstance(data, dict) or "name" not in data:
+        raise ConfigError(f"{key} must be a mapping with a 'name' key (or just the name), got {data!r}")
+    opts = dict(data)
+    name = opts.pop("name")
+    if not isinstance(name, str):
+        raise ConfigError(f"{key}.name must be a string, got {name!r}")
+    return Section(name, opts)
+
+
+SECTION_KEYS = ("dataset", "partition", "model", "algorithm")
+
+
+def from_dict(data: dict[str, Any]) -> RunConfig:
+    """Build and validate a :class:`RunConfig` from plain data (e.g. parsed YAML)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"a config must be a mapping of keys to values, got {type(data).__name__}")
+    data = dict(data)
+    sections = {k: _section(data.pop(k), k) for k in SECTION_KEYS if k in data}
+    cfg = build_dataclass(RunConfig, data, "")
+    for k, s in sections.items():
+        setattr(cfg, k, s)
+    cfg.validate()
+    return cfg
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key=value (e.g. local.lr=0.1)")
+    key, raw = text.split("=", 1)
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"override {text!r} has an empty key")
+    return key.split("."), yaml.safe_load(raw) if raw != "" else None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b=value`` overrides (values parsed as YAML scalars/lists) to nested plain data."""
+    data = _deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for i, p in enumerate(path[:-1]):
+            cur = node.get(p)
+            if isinstance(cur, str) and p in SECTION_KEYS:  # `model: cnn` shorthand
+                cur = node[p] = {"name": cur}
+            if cur is None:
+                cur = node[p] = {}
+            if not isinstance(cur, dict):
+                raise ConfigError(f"override {text!r}: '{'.'.join(path[: i + 1])}' is not a section")
+            node = cur
+        node[path[-1]] = value
+    return data
+
+
+def _deepcopy(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _deepcopy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deepcopy(v) for v in d]
+    return d
+
+
+def load(source: str | Path | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+    """Load a config from a YAML file (or plain data), apply overrides, validate."""
+    if isinstance(source, dict):
+        data = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+    return from_dict(apply_overrides(data, overrides or []))

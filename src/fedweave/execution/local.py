@@ -1,0 +1,201 @@
+"""Local training of many clients with one semantics on every backend (DESIGN principle 4).
+
+A *job* is one client's local work in a round: start parameters, the client's data, a number of SGD steps.
+The batch sequence of a job comes from the named stream ``("batches", round, client, *key)`` and its
+augmentation from ``("augment", round, client, *key)``, so the ``loop`` and ``vmap`` backends see exactly
+the same samples in the same order.
+
+Algorithms change the local update through a :class:`LocalRule`: it maps the current iterate and a gradient
+oracle to the direction the optimizer applies (FedProx adds a proximal term, SCAFFOLD a control variate,
+FedSAM evaluates the gradient at a perturbed point, ...). A rule is written once with broadcasting: it is
+called with ``w`` of shape ``(P,)`` and ``jobs`` an int on the loop backend, and with ``w`` of shape
+``(K, P)`` and ``jobs`` a ``LongTensor`` of job positions on the vmap backend.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedweave.config import LocalConfig
+from fedweave.execution.params import ParamLayout
+from fedweave.seeding import Seeds
+
+GradFn = Callable[[torch.Tensor], torch.Tensor]
+Augment = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+
+
+class LocalRule:
+    """The plain local SGD rule: the direction is the stochastic gradient. Subclass to change it."""
+
+    def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
+        return grad(w)
+
+    def project(self, w: torch.Tensor, jobs: int | torch.Tensor) -> torch.Tensor:
+        """Projection onto a constraint set after each step (identity by default)."""
+        return w
+
+
+PLAIN = LocalRule()
+
+
+@dataclass
+class LocalResult:
+    params: torch.Tensor  # (K, P) final local parameters
+    steps: torch.Tensor  # (K,) local steps taken
+    loss: torch.Tensor  # (K,) mean training loss over the steps
+
+
+@dataclass
+class Batches:
+    """The batch plan of K jobs: per step, sample indices (into the training set) and a validity mask."""
+
+    index: torch.Tensor  # (T, K, B) int64
+    mask: torch.Tensor  # (T, K, B) bool
+    steps: torch.Tensor  # (K,) int64, the number of real steps of each job
+
+
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean cross-entropy over the valid samples of a batch."""
+    losses = nn.functional.cross_entropy(logits, y, reduction="none")
+    if mask is None:
+        return losses.mean()
+    m = mask.to(losses.dtype)
+    return (losses * m).sum() / m.sum().clamp_min(1.0)
+
+
+class LocalTrainer:
+    """Runs local SGD for batches of jobs on the ``loop`` or ``vmap`` backend."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_x: torch.Tensor,
+        train_y: torch.Tensor,
+        parts: Sequence[np.ndarray],
+        local: LocalConfig,
+        seeds: Seeds,
+        *,
+        backend: str = "loop",
+        augment: Augment | None = None,
+        vmap_chunk: int = 64,
+    ) -> None:
+        if backend not in ("loop", "vmap"):
+            raise ValueError(f"backend must be 'loop' or 'vmap' here, got {backend!r}")
+        self.layout = ParamLayout(model)
+        self.train_x, self.train_y = train_x, train_y
+        self.parts = [torch.as_tensor(np.asarray(p), dtype=torch.long) for p in parts]
+        self.local = local
+        self.seeds = seeds
+        self.backend = backend
+        self.augment = augment
+        self.vmap_chunk = vmap_chunk
+        self.loss_fn = cross_entropy
+
+    # ---- batch plan ------------------------------------------------------------------------------
+    def num_steps(self, client: int, steps: int | None = None) -> int:
+        if steps is not None:
+            return steps
+        if self.local.steps is not None:
+            return self.local.steps
+        n = len(self.parts[client])
+        return self.local.epochs * math.ceil(n / self.local.batch_size)
+
+    def client_batches(self, client: int, round: int, key: tuple[int, ...], steps: int | None) -> list[torch.Tensor]:
+        """Indices (into the training set) of each local batch of ``client`` in ``round``."""
+        idx = self.parts[client]
+        n, bs = len(idx), self.local.batch_size
+        if n == 0:
+            return []
+        g = self.seeds.torch("batches", round, client, *key)
+        fixed = steps if steps is not None else self.local.steps
+        out: list[torch.Tensor] = []
+        if fixed is None:  # epochs: reshuffle every epoch, keep the last partial batch
+            for _ in range(self.local.epochs):
+                perm = idx[torch.randperm(n, generator=g)]
+                out.extend(perm.split(bs))
+            return out
+        # a fixed number of full batches drawn from a stream of reshuffled epochs
+        stream: list[torch.Tensor] = []
+        have = 0
+        while have < fixed * bs:
+            stream.append(idx[torch.randperm(n, generator=g)])
+            have += n
+        flat = torch.cat(stream)
+        return list(flat[: fixed * bs].split(bs))
+
+    def plan(self, clients: Sequence[int], round: int, key: tuple[int, ...], steps: int | None) -> Batches:
+        per_job = [self.client_batches(int(c), round, key, steps) for c in clients]
+        T = max((len(b) for b in per_job), default=0)
+        K, B = len(per_job), self.local.batch_size
+        index = torch.zeros((T, K, B), dtype=torch.long)
+        mask = torch.zeros((T, K, B), dtype=torch.bool)
+        for k, batches in enumerate(per_job):
+            for t, b in enumerate(batches):
+                index[t, k, : len(b)] = b
+                mask[t, k, : len(b)] = True
+        return Batches(index, mask, torch.tensor([len(b) for b in per_job], dtype=torch.long))
+
+    def batch_data(
+        self, index: torch.Tensor, client: int, round: int, key: tuple[int, ...], gens: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.train_x[index], self.train_y[index]
+        if self.augment is not None:
+            g = gens.get(client)
+            if g is None:
+                g = gens[client] = self.seeds.torch("augment", round, client, *key)
+            x = self.augment(x, g)
+        return x, y
+
+    # ---- training --------------------------------------------------------------------------------
+    def lr(self, round: int) -> float:
+        return self.local.lr * self.local.lr_decay**round
+
+    def train(
+        self,
+        starts: torch.Tensor,
+        clients: Sequence[int],
+        round: int,
+        *,
+        rule: LocalRule = PLAIN,
+        lr: float | None = None,
+        steps: int | None = None,
+        key: tuple[int, ...] = (),
+    ) -> LocalResult:
+        """Train jobs ``k`` = client ``clients[k]`` from ``starts[k]``; returns the final parameters.
+
+        ``key`` distinguishes several jobs of one client in one round (e.g. the two perturbed solves of
+        ZO-HFL use the same key, hence the same batches).
+        """
+        starts = starts if starts.dim() == 2 else starts.expand(len(clients), -1)
+        if len(clients) != starts.shape[0]:
+            raise ValueError(f"{len(clients)} clients but {starts.shape[0]} start vectors")
+        lr = self.lr(round) if lr is None else lr
+        from fedweave.execution import loop, vmap  # the two backends share this plan
+
+        run = loop.run if self.backend == "loop" else vmap.run
+        return run(self, starts, list(map(int, clients)), round, rule, lr, steps, key)
+
+    def sgd_update(
+        self,
+        w: torch.Tensor,
+        d: torch.Tensor,
+        buf: torch.Tensor | None,
+        lr: float,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One SGD step with weight decay, gradient clipping and heavy-ball momentum (torch.optim.SGD form)."""
+        c = self.local
+        if c.grad_clip is not None:  # clip the per-job gradient norm
+            norm = d.norm(dim=-1, keepdim=True)
+            d = d * (c.grad_clip / norm.clamp_min(c.grad_clip))
+        if c.weight_decay:
+            d = d + c.weight_decay * w
+        if c.momentum:
+            buf = d if buf is None else c.momentum * buf + d
+            d = buf
+        return w - lr * d, buf

@@ -1,0 +1,48 @@
+"""The reference backend: jobs one after another on the one reused template model."""
+
+from __future__ import annotations
+
+import torch
+
+from fedweave.execution.local import LocalResult, LocalRule, LocalTrainer
+
+
+def run(
+    tr: LocalTrainer,
+    starts: torch.Tensor,
+    clients: list[int],
+    round: int,
+    rule: LocalRule,
+    lr: float,
+    steps: int | None,
+    key: tuple[int, ...],
+) -> LocalResult:
+    out = torch.empty_like(starts)
+    nsteps = torch.zeros(len(clients), dtype=torch.long)
+    losses = torch.zeros(len(clients))
+    layout = tr.layout
+    for k, c in enumerate(clients):
+        batches = tr.client_batches(c, round, key, steps)
+        gens: dict = {}
+        w = starts[k].clone()
+        buf = None
+        total = 0.0
+        for b in batches:
+            x, y = tr.batch_data(b, c, round, key, gens)
+            last = {}
+
+            def grad(v: torch.Tensor, x=x, y=y, last=last) -> torch.Tensor:
+                v = v.detach().requires_grad_(True)
+                loss = tr.loss_fn(layout.functional(v, x), y)
+                last.setdefault("loss", loss.detach())
+                (g,) = torch.autograd.grad(loss, v)
+                return g
+
+            d = rule.direction(w, grad, k)
+            w, buf = tr.sgd_update(w, d, buf, lr)
+            w = rule.project(w, k)
+            total += float(last["loss"]) if last else 0.0
+        out[k] = w
+        nsteps[k] = len(batches)
+        losses[k] = total / max(len(batches), 1)
+    return LocalResult(out, nsteps, losses)

@@ -1,0 +1,131 @@
+"""Small two-conv CNNs: conv → ReLU → maxpool(2), twice, then fully connected layers.
+
+All share one class; the registered builders fix the widths from the papers and specs:
+
+| name          | convs (kernel 5)   | padding | fc layers              | source                                   |
+|---------------|--------------------|---------|------------------------|------------------------------------------|
+| cnn_mnist     | C→32, 32→64        | 0 (opt) | flat→512→K             | FedAvg CNN (McMahan et al. 2017)         |
+| cnn_small     | C→16, 16→32        | 0       | flat→64→K              | fast CPU runs (fedmim A12 "a small CNN") |
+| cnn_fmnist    | C→16, 16→32        | 2       | flat→K                 | afind-plus §4.3 FMNIST 2-layer CNN       |
+| cnn_cifar     | C→32, 32→64        | 0       | flat→512→K             | afind-plus §4.3 CIFAR-10 4-layer CNN     |
+| cnn_femnist   | C→32, 32→64        | 2       | flat→2048→K            | afind-plus §4.3 LEAF FEMNIST CNN         |
+
+"flat" is computed from the input shape at build time, so any channel count and spatial size that
+survives the two conv+pool stages works.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedweave.models.options import (
+    Opt,
+    check_classes,
+    check_shape,
+    choice,
+    conv_out,
+    finalize,
+    parse_options,
+)
+from fedweave.registry import MODELS
+
+KERNEL = 5
+
+
+class TwoConvCNN(nn.Module):
+    """conv1 → ReLU → pool → conv2 → ReLU → pool → flatten → (fc_i → ReLU)* → last fc (logits)."""
+
+    def __init__(
+        self,
+        model: str,
+        input_shape: tuple[int, int, int],
+        channels: tuple[int, int],
+        padding: int,
+        hidden: tuple[int, ...],
+        num_classes: int,
+    ) -> None:
+        super().__init__()
+        c, h, w = input_shape
+        self.conv1 = nn.Conv2d(c, channels[0], KERNEL, padding=padding)
+        self.conv2 = nn.Conv2d(channels[0], channels[1], KERNEL, padding=padding)
+        for _ in range(2):  # conv (stride 1) then maxpool 2×2 stride 2, floor mode
+            h = conv_out(model, conv_out(model, h, KERNEL, 1, padding), 2, 2)
+            w = conv_out(model, conv_out(model, w, KERNEL, 1, padding), 2, 2)
+        self.flat_features = channels[1] * h * w
+        sizes = (self.flat_features, *hidden, num_classes)
+        self.fcs = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        last = len(self.fcs) - 1
+        self.classifier = (f"fcs.{last}",)
+        # The "output layer of the featurizer" (afind-plus A4): the last layer before the classifier.
+        self.featurizer = (f"fcs.{last - 1}",) if hidden else ("conv2",)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = x.reshape(x.shape[0], -1)
+        for fc in self.fcs[:-1]:
+            x = F.relu(fc(x))
+        return self.fcs[-1](x)
+
+
+def _builder(name: str, channels: tuple[int, int], padding: int, hidden: tuple[int, ...], doc: str) -> None:
+    opts_spec = {}
+    if name == "cnn_mnist":
+        opts_spec["padding"] = Opt(
+            padding,
+            choice(0, 2),
+            "0 (28×28 → 64·4·4 = 1024 features) or 2 ('same', as in McMahan et al.: 64·7·7 = 3136)",
+        )
+
+    def build(input_shape: tuple[int, ...], num_classes: int, **options: Any) -> nn.Module:
+        shape = check_shape(name, input_shape, ndim=3)
+        k = check_classes(name, num_classes)
+        opts = parse_options(name, options, opts_spec)
+        pad = opts.get("padding", padding)
+        return finalize(TwoConvCNN(name, shape, channels, pad, hidden, k))  # type: ignore[arg-type]
+
+    build.__name__ = f"build_{name}"
+    build.__doc__ = doc
+    MODELS.register(name)(build)
+
+
+_builder(
+    "cnn_mnist",
+    (32, 64),
+    0,
+    (512,),
+    "FedAvg CNN: conv 1-32-5, pool, conv 32-64-5, pool, fc 1024-512, fc 512-K (582,026 params on MNIST).",
+)
+_builder(
+    "cnn_small",
+    (16, 32),
+    0,
+    (64,),
+    "Small CNN for fast CPU runs: conv C-16-5, pool, conv 16-32-5, pool, fc 512-64-K (46,730 on MNIST).",
+)
+_builder(
+    "cnn_fmnist",
+    (16, 32),
+    2,
+    (),
+    "afind-plus §4.3 FMNIST 2-layer CNN: conv 1-16-5 p2, pool, conv 16-32-5 p2, pool, fc 1568-K (28,938).",
+)
+_builder(
+    "cnn_cifar",
+    (32, 64),
+    0,
+    (512,),
+    "afind-plus §4.3 CIFAR-10 4-layer CNN: conv 3-32-5, pool, conv 32-64-5, pool, fc 1600-512-K (878,538).",
+)
+_builder(
+    "cnn_femnist",
+    (32, 64),
+    2,
+    (2048,),
+    "afind-plus §4.3 LEAF FEMNIST CNN: conv 1-32-5 p2, pool, conv 32-64-5 p2, pool, fc 3136-2048-K "
+    "(6,603,710 for K = 62).",
+)

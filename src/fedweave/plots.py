@@ -1,0 +1,51 @@
+"""Plots of run directories: accuracy against rounds and against bytes communicated."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from fedweave.results import atomic_write, read_metrics  # noqa: E402
+
+
+def _save(fig, path: Path) -> None:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    atomic_write(path, buf.getvalue())
+
+
+def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str = "test_accuracy") -> list[Path]:
+    """``metric`` vs rounds and vs total bytes (up + down + lateral) for one or more runs."""
+    out_dir = Path(out_dir)
+    series = []
+    for d in run_dirs:
+        rows = [r for r in read_metrics(d) if r.get(metric) is not None]
+        if rows:
+            series.append((Path(d).name, rows))
+    if not series:
+        raise ValueError(f"no run among {list(map(str, run_dirs))} has metric {metric!r}")
+    written = []
+    for xkey, xlabel, fname in (
+        ("round", "communication round", f"{metric}_vs_rounds.png"),
+        ("bytes_total", "bytes communicated (MiB)", f"{metric}_vs_bytes.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, rows in series:
+            xs = [r.get(xkey, r.get("bytes_up", 0) + r.get("bytes_down", 0)) for r in rows]
+            if xkey == "bytes_total":
+                xs = [x / 2**20 for x in xs]
+            ax.plot(xs, [r[metric] for r in rows], label=label)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(metric.replace("_", " "))
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend(fontsize=7)
+        _save(fig, out_dir / fname)
+        written.append(out_dir / fname)
+    return written

@@ -1,0 +1,189 @@
+"""The runner: rounds, evaluation, divergence checks, checkpoints and the run directory."""
+
+from __future__ import annotations
+
+import io
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedweave import __version__
+from fedweave.algorithms.base import Algorithm, RunContext, build_algorithm
+from fedweave.config import RunConfig
+from fedweave.config import load as load_config
+from fedweave.results import RunDir, atomic_write, default_run_dir
+
+
+class DivergenceError(RuntimeError):
+    """Training produced NaN or Inf; the run stopped and kept its last good results."""
+
+
+@dataclass
+class Result:
+    """What ``fedweave.run`` returns: the run directory, its metric rows and its summary."""
+
+    run_dir: Path
+    metrics: list[dict[str, Any]]
+    summary: dict[str, Any]
+    algorithm: Algorithm | None = field(default=None, repr=False)
+
+    @property
+    def final_accuracy(self) -> float | None:
+        return self.summary.get("final_test_accuracy")
+
+    @property
+    def best_accuracy(self) -> float | None:
+        return self.summary.get("best_test_accuracy")
+
+
+def _check_finite(values: dict[str, float], r: int, what: str) -> None:
+    bad = {k: v for k, v in values.items() if isinstance(v, float) and not math.isfinite(v)}
+    if bad:
+        raise DivergenceError(
+            f"round {r + 1}: {what} is not finite ({', '.join(f'{k}={v}' for k, v in bad.items())}); "
+            "the run stopped. Lower local.lr or enable local.grad_clip."
+        )
+
+
+def _progress(enabled: bool, total: int, initial: int):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, unit="round", dynamic_ncols=True, file=sys.stderr)
+
+
+CHECKPOINT = "checkpoint.pt"
+
+
+def save_checkpoint(run: RunDir, algo: Algorithm, next_round: int, wall: float) -> None:
+    state = {
+        "next_round": next_round,
+        "wall_seconds": wall,
+        "algorithm": algo.state_dict(),
+        "ledger": algo.ledger.state_dict(),
+        "rows": run.rows,
+    }
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    atomic_write(run.path / CHECKPOINT, buf.getvalue())
+
+
+def run(
+    config: RunConfig,
+    *,
+    run_dir: str | Path | None = None,
+    progress: bool | None = None,
+    resume: bool = False,
+) -> Result:
+    """Run an experiment described by ``config``; write and return its results."""
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    path = Path(run_dir) if run_dir else Path(config.output.dir) if config.output.dir else None
+    path = path or default_run_dir(config.name, config.seed)
+    out = RunDir(path)
+    ctx = RunContext(config)
+    algo = build_algorithm(ctx)
+    start_round, wall_before = 0, 0.0
+    if resume:
+        ckpt = torch.load(out.path / CHECKPOINT, weights_only=True)
+        algo.load_state_dict(ckpt["algorithm"])
+        ctx.ledger.load_state_dict(ckpt["ledger"])
+        out.rows = list(ckpt["rows"])
+        out.flush_metrics()
+        start_round, wall_before = ckpt["next_round"], ckpt["wall_seconds"]
+    out.write_config(config.to_dict())
+
+    show = config.output.progress if progress is None else progress
+    bar = _progress(show, config.rounds, start_round)
+    t0 = time.perf_counter() - wall_before
+    status, error = "completed", None
+    ledger = ctx.ledger
+    try:
+        for r in range(start_round, config.rounds):
+            round_metrics = algo.run_round(r)
+            _check_finite(round_metrics, r, "a training metric")
+            last = r == config.rounds - 1
+            if (r + 1) % config.eval.every == 0 or last:
+                ev = algo.evaluate(r)
+                _check_finite(ev, r, "an evaluation metric")
+                row = {
+                    "round": r + 1,
+                    **ev,
+                    "bytes_up": ledger.bytes("up", upto_round=r),
+                    "bytes_down": ledger.bytes("down", upto_round=r),
+                    "bytes_lateral": ledger.bytes("lateral", upto_round=r),
+                    "bytes_total": ledger.bytes(upto_round=r),
+                    "wall_seconds": round(time.perf_counter() - t0, 4),
+                    **round_metrics,
+                }
+                out.add_metrics(row)
+                if bar is not None:
+                    post = {"acc": f"{ev['test_accuracy']:.4f}"} if "test_accuracy" in ev else {}
+                    post["sent"] = f"{row['bytes_total'] / 2**20:.1f}MiB"
+                    bar.set_postfix(post, refresh=False)
+            every = config.output.checkpoint_every
+            if every and ((r + 1) % every == 0 or last):
+                save_checkpoint(out, algo, r + 1, time.perf_counter() - t0)
+            if bar is not None:
+                bar.update(1)
+    except DivergenceError as e:
+        status, error = "diverged", str(e)
+    finally:
+        if bar is not None:
+            bar.close()
+    summary = _summary(config, out.rows, ledger.summary(), time.perf_counter() - t0, status, error)
+    out.write_json("summary.json", summary)
+    if config.output.plots and out.rows:
+        from fedweave.plots import plot_runs
+
+        metric = "test_accuracy" if "test_accuracy" in out.rows[-1] else next(
+            (k for k in out.rows[-1] if k not in ("round",)), "test_accuracy"
+        )
+        plot_runs([out.path], out.path, metric=metric)
+    if error:
+        raise DivergenceError(f"{error} Results so far are in {out.path}")
+    return Result(out.path, out.rows, summary, algo)
+
+
+def _summary(config: RunConfig, rows, ledger_summary, wall: float, status: str, error: str | None) -> dict:
+    accs = [r["test_accuracy"] for r in rows if r.get("test_accuracy") is not None]
+    best = max(range(len(accs)), key=accs.__getitem__) if accs else None
+    return {
+        "status": status,
+        "error": error,
+        "name": config.name,
+        "algorithm": config.algorithm.name,
+        "seed": config.seed,
+        "rounds": rows[-1]["round"] if rows else 0,
+        "final_test_accuracy": accs[-1] if accs else None,
+        "best_test_accuracy": accs[best] if accs else None,
+        "best_round": rows[best]["round"] if best is not None else None,
+        "final": rows[-1] if rows else None,
+        "wall_seconds": round(wall, 3),
+        "communication": ledger_summary,
+        "versions": {
+            "fedweave": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+    }
+
+
+def resume(run_dir: str | Path, *, progress: bool | None = None) -> Result:
+    """Continue the run in ``run_dir`` from its last checkpoint."""
+    path = Path(run_dir)
+    if not (path / CHECKPOINT).is_file():
+        raise FileNotFoundError(f"{path / CHECKPOINT} not found: the run has no checkpoint to resume from")
+    return run(load_config(path / "config.yaml"), run_dir=path, progress=progress, resume=True)
+
+
+def run_config(source: str | Path | dict | RunConfig, overrides: list[str] | None = None, **kw: Any) -> Result:
+    cfg = source if isinstance(source, RunConfig) else load_config(source, overrides)
+    return run(cfg, **kw)
