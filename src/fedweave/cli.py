@@ -24,8 +24,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"run directory: {res.run_dir}")
     if acc is not None:
         print(f"final test accuracy {acc:.4f} (best {s['best_test_accuracy']:.4f} at round {s['best_round']})")
-    print(f"communication: {comm['bytes_up'] / 2**20:.1f} MiB up, {comm['bytes_down'] / 2**20:.1f} MiB down, "
-          f"{comm['bytes_lateral'] / 2**20:.1f} MiB lateral; wall {s['wall_seconds']:.1f} s")
+    print(
+        f"communication: {comm['bytes_up'] / 2**20:.1f} MiB up, {comm['bytes_down'] / 2**20:.1f} MiB down, "
+        f"{comm['bytes_lateral'] / 2**20:.1f} MiB lateral; wall {s['wall_seconds']:.1f} s"
+    )
     return 0
 
 
@@ -33,8 +35,12 @@ def _cmd_list(args: argparse.Namespace) -> int:
     from fedweave.registry import ALGORITHMS, DATASETS, MODELS, PARTITIONERS
     from fedweave.reproduce import available
 
-    for title, reg in (("algorithms", ALGORITHMS), ("datasets", DATASETS), ("models", MODELS),
-                       ("partitioners", PARTITIONERS)):
+    for title, reg in (
+        ("algorithms", ALGORITHMS),
+        ("datasets", DATASETS),
+        ("models", MODELS),
+        ("partitioners", PARTITIONERS),
+    ):
         print(f"{title}: {', '.join(reg.names())}")
     print(f"reproductions: {', '.join(available())}")
     return 0

@@ -245,9 +245,7 @@ def check_options(fn: Any, options: dict[str, Any], key: str, skip: tuple[str, .
     """Check ``options`` against the keyword parameters of callable ``fn`` (names and annotated types)."""
     sig = inspect.signature(fn)
     params = {
-        n: p
-        for n, p in sig.parameters.items()
-        if n not in skip and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        n: p for n, p in sig.parameters.items() if n not in skip and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
     }
     takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
     try:

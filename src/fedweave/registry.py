@@ -31,9 +31,7 @@ class Registry:
         if name not in self._items:
             close = difflib.get_close_matches(str(name), self._items, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise UnknownNameError(
-                f"unknown {self.kind} {name!r}.{hint} Allowed: {', '.join(sorted(self._items))}"
-            )
+            raise UnknownNameError(f"unknown {self.kind} {name!r}.{hint} Allowed: {', '.join(sorted(self._items))}")
         return self._items[name]
 
     def names(self) -> list[str]:

@@ -143,8 +143,10 @@ def run(
     if config.output.plots and out.rows:
         from fedweave.plots import plot_runs
 
-        metric = "test_accuracy" if "test_accuracy" in out.rows[-1] else next(
-            (k for k in out.rows[-1] if k not in ("round",)), "test_accuracy"
+        metric = (
+            "test_accuracy"
+            if "test_accuracy" in out.rows[-1]
+            else next((k for k in out.rows[-1] if k not in ("round",)), "test_accuracy")
         )
         plot_runs([out.path], out.path, metric=metric)
     if error:

@@ -54,9 +54,7 @@ class RunContext:
             raise ConfigError(f"partition.num_clients must be a positive integer, got {num_clients!r}")
         opts = check_options(fn, opts, "partition", skip=("labels", "num_clients", "rng", "users"))
         ds = self.dataset
-        return fn(
-            ds.train_y.numpy(), num_clients, self.seeds.numpy("partition"), users=ds.train_users, **opts
-        )
+        return fn(ds.train_y.numpy(), num_clients, self.seeds.numpy("partition"), users=ds.train_users, **opts)
 
     @property
     def num_clients(self) -> int:
