@@ -7,7 +7,7 @@ import importlib
 PRESETS = {
     "fedmim": "fedweave.reproduce.fedmim",
     "zo-hfl": "fedweave.reproduce.zo_hfl",
-    "afind-plus": "fedweave.reproduce.afind_plus",
+    "afind": "fedweave.reproduce.afind_plus",
     "cse-fsl": "fedweave.reproduce.cse_fsl",
     "cfl-saga": "fedweave.reproduce.cfl_saga",
 }
