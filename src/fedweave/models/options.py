@@ -28,9 +28,7 @@ def parse_options(model: str, options: Mapping[str, Any], spec: Mapping[str, Opt
     unknown = sorted(set(options) - set(spec))
     if unknown:
         allowed = ", ".join(f"model.{k}" for k in sorted(spec)) or "none"
-        raise ValueError(
-            f"unknown option model.{unknown[0]} for model {model!r}; allowed options: {allowed}"
-        )
+        raise ValueError(f"unknown option model.{unknown[0]} for model {model!r}; allowed options: {allowed}")
     out: dict[str, Any] = {}
     for key, opt in spec.items():
         value = options.get(key, opt.default)
