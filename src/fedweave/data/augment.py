@@ -68,12 +68,11 @@ def random_crop(
         keep = torch.rand(b, generator=g) >= p
         dy = torch.where(keep, (hp - oh) // 2, dy)
         dx = torch.where(keep, (wp - ow) // 2, dx)
-    dy, dx = dy.to(x.device), dx.to(x.device)
-    rows = (dy[:, None] + torch.arange(oh, device=x.device))[:, None, :, None]  # (B, 1, oh, 1)
-    cols = (dx[:, None] + torch.arange(ow, device=x.device))[:, None, None, :]  # (B, 1, 1, ow)
-    bi = torch.arange(b, device=x.device)[:, None, None, None]
-    ci = torch.arange(c, device=x.device)[None, :, None, None]
-    return padded[bi, ci, rows, cols]
+    # One gather on the flattened images: index of (b, ch, r, col) = ch*hp*wp + (dy_b + r)*wp + dx_b + col.
+    dev = x.device
+    window = torch.arange(oh, device=dev)[:, None] * wp + torch.arange(ow, device=dev)  # (oh, ow)
+    idx = (dy * wp + dx).to(dev)[:, None, None, None] + window + (torch.arange(c, device=dev) * hp * wp)[:, None, None]
+    return padded.reshape(b, -1).gather(1, idx.reshape(b, -1)).reshape(b, c, oh, ow)
 
 
 def horizontal_flip(x: Tensor, g: torch.Generator, p: float = 0.5) -> Tensor:

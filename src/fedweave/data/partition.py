@@ -9,7 +9,6 @@ gives the same partition. Errors name the config key as written (``partition.alp
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Sequence
 
@@ -272,7 +271,7 @@ def pathological(
     grid = np.repeat(class_order, shards[class_order]).reshape(c, m)  # grid[r, j]: j's r-th class
     client_of_column = rng.permutation(m)
     owner = np.full(len(labels), -1, dtype=np.int64)
-    for k in range(len(present)):
+    for k in np.flatnonzero(shards):
         _, cols = np.nonzero(grid == k)  # the s_k slots of class k, one per distinct client
         members = rng.permutation(np.flatnonzero(labels == present[k]))
         for shard, col in zip(np.array_split(members, len(cols)), cols):
@@ -393,40 +392,6 @@ def natural(
     client_of_user = np.full(n_users, -1, dtype=np.int64)
     client_of_user[np.sort(chosen)] = np.arange(num_clients)
     return _groups(client_of_user[inverse.ravel()], int(num_clients))
-
-
-# ------------------------------------------------------------------------------------------- entry point
-
-
-def make_partition(
-    name: str,
-    labels: np.ndarray,
-    num_clients: int | None,
-    rng: np.random.Generator,
-    *,
-    users: np.ndarray | None = None,
-    dataset: str | None = None,
-    **params: object,
-) -> list[np.ndarray]:
-    """Look up partitioner ``name`` and call it, rejecting unknown ``partition.*`` keys by name.
-
-    ``dataset`` only names the dataset in error messages.
-    """
-    fn = PARTITIONERS.get(name)
-    accepted = [p for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
-    allowed = [p.name for p in accepted if p.name != "users"]
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise ValueError(
-            f"unknown key partition.{unknown[0]} for partitioner {name!r}; "
-            f"allowed: {', '.join(allowed) or '(none)'}"
-        )
-    try:
-        return fn(labels, num_clients, rng, users=users, **params)
-    except ValueError as e:
-        if dataset is None:
-            raise
-        raise ValueError(f"dataset {dataset!r}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------- per-client test sets

@@ -5,28 +5,17 @@ from __future__ import annotations
 import csv
 import io
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from fedweave.data.partition import partition_stats
+from fedweave.results import atomic_write
 
 # Above these sizes a stacked bar chart is unreadable (and slow to draw): show a heat map instead.
 _MAX_BAR_CLASSES = 20
 _MAX_BAR_CLIENTS = 200
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _csv_bytes(hist: np.ndarray) -> bytes:
@@ -79,6 +68,6 @@ def write_partition_report(
     stats = partition_stats(parts, labels, num_classes)
     hist = stats["histogram"]
     assert isinstance(hist, np.ndarray)
-    _atomic_write_bytes(out / "partition.csv", _csv_bytes(hist))
-    _atomic_write_bytes(out / "partition.png", _png_bytes(hist))
+    atomic_write(out / "partition.csv", _csv_bytes(hist))
+    atomic_write(out / "partition.png", _png_bytes(hist))
     return stats
