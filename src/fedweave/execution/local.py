@@ -27,6 +27,7 @@ from fedweave.execution.params import ParamLayout
 from fedweave.seeding import Seeds
 
 GradFn = Callable[[torch.Tensor], torch.Tensor]
+LR = float | Callable[[int], float]  # a constant, or the step size of local step t (t = 0, 1, ... per call)
 Augment = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 
 
@@ -156,6 +157,11 @@ class LocalTrainer:
     def lr(self, round: int) -> float:
         return self.local.lr * self.local.lr_decay**round
 
+    @staticmethod
+    def step_lr(lr: LR, t: int) -> float:
+        """The step size of local step ``t`` under ``lr`` (a constant or a schedule)."""
+        return float(lr(t)) if callable(lr) else lr
+
     def train(
         self,
         starts: torch.Tensor,
@@ -163,14 +169,15 @@ class LocalTrainer:
         round: int,
         *,
         rule: LocalRule = PLAIN,
-        lr: float | None = None,
+        lr: LR | None = None,
         steps: int | None = None,
         key: tuple[int, ...] = (),
     ) -> LocalResult:
         """Train jobs ``k`` = client ``clients[k]`` from ``starts[k]``; returns the final parameters.
 
         ``key`` distinguishes several jobs of one client in one round (e.g. the two perturbed solves of
-        ZO-HFL use the same key, hence the same batches).
+        ZO-HFL use the same key, hence the same batches). ``lr`` may be a function of the local step index
+        ``t`` (restarting at 0 in every call), e.g. the decaying ``0.1 / (t + 1)`` of ZO-HFL's Algorithm 2.
         """
         starts = starts if starts.dim() == 2 else starts.expand(len(clients), -1)
         if len(clients) != starts.shape[0]:

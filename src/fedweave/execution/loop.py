@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fedweave.execution.local import LocalResult, LocalRule, LocalTrainer
+from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer
 
 
 def run(
@@ -13,7 +13,7 @@ def run(
     clients: list[int],
     round: int,
     rule: LocalRule,
-    lr: float,
+    lr: LR,
     steps: int | None,
     key: tuple[int, ...],
 ) -> LocalResult:
@@ -27,7 +27,7 @@ def run(
         w = starts[k].clone()
         buf = None
         total = 0.0
-        for b in batches:
+        for t, b in enumerate(batches):
             x, y = tr.batch_data(b, c, round, key, gens)
             last = {}
 
@@ -39,7 +39,7 @@ def run(
                 return g
 
             d = rule.direction(w, grad, k)
-            w, buf = tr.sgd_update(w, d, buf, lr)
+            w, buf = tr.sgd_update(w, d, buf, tr.step_lr(lr, t))
             w = rule.project(w, k)
             total += float(last["loss"]) if last else 0.0
         out[k] = w

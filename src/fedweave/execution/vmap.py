@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.func import grad_and_value, vmap
 
-from fedweave.execution.local import LocalResult, LocalRule, LocalTrainer
+from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer
 
 
 def run(
@@ -19,7 +19,7 @@ def run(
     clients: list[int],
     round: int,
     rule: LocalRule,
-    lr: float,
+    lr: LR,
     steps: int | None,
     key: tuple[int, ...],
 ) -> LocalResult:
@@ -70,7 +70,7 @@ def _run_chunk(tr, starts, clients, round, rule, lr, steps, key, offset) -> Loca
 
         active = (t < plan.steps).unsqueeze(1)
         d = rule.direction(w, grad, jobs)
-        w_new, buf_new = tr.sgd_update(w, d, buf, lr)
+        w_new, buf_new = tr.sgd_update(w, d, buf, tr.step_lr(lr, t))
         w_new = rule.project(w_new, jobs)
         w = torch.where(active, w_new, w)
         buf = buf_new if buf is None else torch.where(active, buf_new, buf)
