@@ -41,7 +41,8 @@ def _cases() -> list[tuple[str, tuple[int, ...], int]]:
 
 
 def test_registry_lists_every_model() -> None:
-    assert MODELS.names() == sorted([*IMAGE_MODELS, "char_lstm"])
+    # Other packages (and test fixtures) may register more models; the zoo's own must all be there.
+    assert set(IMAGE_MODELS) | {"char_lstm"} <= set(MODELS.names())
     with pytest.raises(UnknownNameError, match="Did you mean 'cnn_mnist'"):
         build_model("cnn_mnst", MNIST, 10)
 
