@@ -28,14 +28,19 @@ def _check_labels(labels: np.ndarray) -> np.ndarray:
     return labels.astype(np.int64, copy=False)
 
 
+def _check_int(key: str, value: int, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{key} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
 def _check_clients(num_clients: int, n: int) -> int:
-    if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)) or num_clients < 1:
-        raise ValueError(f"partition.num_clients must be an integer >= 1, got {num_clients!r}")
+    num_clients = _check_int("partition.num_clients", num_clients, 1)
     if num_clients > n:
         raise ValueError(
             f"partition.num_clients ({num_clients}) exceeds the {n} training samples; use at most {n} clients"
         )
-    return int(num_clients)
+    return num_clients
 
 
 def _check_positive(key: str, value: float) -> float:
@@ -47,8 +52,7 @@ def _check_positive(key: str, value: float) -> float:
 
 
 def _check_min_size(min_size: int, num_clients: int, n: int) -> int:
-    if isinstance(min_size, bool) or not isinstance(min_size, (int, np.integer)) or min_size < 0:
-        raise ValueError(f"partition.min_size must be an integer >= 0, got {min_size!r}")
+    min_size = _check_int("partition.min_size", min_size, 0)
     if num_clients * min_size > n:
         raise ValueError(
             f"partition.min_size ({min_size}) x partition.num_clients ({num_clients}) = "
@@ -56,7 +60,7 @@ def _check_min_size(min_size: int, num_clients: int, n: int) -> int:
             f"(at most {n // num_clients} for {num_clients} clients) or partition.num_clients "
             f"(at most {n // max(min_size, 1)} for min_size {min_size})"
         )
-    return int(min_size)
+    return min_size
 
 
 def _groups(owner: np.ndarray, num_clients: int) -> list[np.ndarray]:
@@ -159,13 +163,12 @@ def dirichlet(
     m = _check_clients(num_clients, n)
     alpha = _check_positive("alpha", alpha)
     min_size = _check_min_size(min_size, m, n)
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, (int, np.integer)) or max_attempts < 1:
-        raise ValueError(f"partition.max_attempts must be an integer >= 1, got {max_attempts!r}")
+    max_attempts = _check_int("partition.max_attempts", max_attempts, 1)
 
     # One shuffle serves all attempts: the draws decide only how many of each class a client gets.
     order, class_sizes = _shuffled_by_class(labels, rng)
     best, best_short = None, None
-    for _ in range(int(max_attempts)):
+    for _ in range(max_attempts):
         owner = np.empty(n, dtype=np.int64)
         owner[order] = _dirichlet_attempt(class_sizes, m, alpha, rng)
         short = int(np.maximum(min_size - np.bincount(owner, minlength=m), 0).sum())
@@ -256,22 +259,22 @@ def pathological(
             f"(the number of classes present), got {c!r}"
         )
     slots = m * c
-    shards = np.full(len(present), slots // len(present), dtype=np.int64)
-    shards[rng.choice(len(present), size=slots % len(present), replace=False)] += 1
+    shard_counts = np.full(len(present), slots // len(present), dtype=np.int64)
+    shard_counts[rng.choice(len(present), size=slots % len(present), replace=False)] += 1
     counts = np.bincount(labels)[present]
-    bad = np.flatnonzero(counts < shards)
+    bad = np.flatnonzero(counts < shard_counts)
     if bad.size:
         k = bad[0]
         raise ValueError(
-            f"partition 'pathological': class {present[k]} has {counts[k]} samples but needs {shards[k]} "
+            f"partition 'pathological': class {present[k]} has {counts[k]} samples but needs {shard_counts[k]} "
             f"shards (partition.num_clients x partition.classes_per_client = {slots} shards over "
             f"{len(present)} classes); lower partition.num_clients or partition.classes_per_client"
         )
     class_order = rng.permutation(len(present))
-    grid = np.repeat(class_order, shards[class_order]).reshape(c, m)  # grid[r, j]: j's r-th class
+    grid = np.repeat(class_order, shard_counts[class_order]).reshape(c, m)  # grid[r, j]: j's r-th class
     client_of_column = rng.permutation(m)
     owner = np.full(len(labels), -1, dtype=np.int64)
-    for k in np.flatnonzero(shards):
+    for k in np.flatnonzero(shard_counts):
         _, cols = np.nonzero(grid == k)  # the s_k slots of class k, one per distinct client
         members = rng.permutation(np.flatnonzero(labels == present[k]))
         for shard, col in zip(np.array_split(members, len(cols)), cols):
@@ -296,9 +299,7 @@ def shards(
     labels = _check_labels(labels)
     n = len(labels)
     m = _check_clients(num_clients, n)
-    s = shards_per_client
-    if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1:
-        raise ValueError(f"partition.shards_per_client must be an integer >= 1, got {s!r}")
+    s = _check_int("partition.shards_per_client", shards_per_client, 1)
     if m * s > n:
         raise ValueError(
             f"partition.num_clients x partition.shards_per_client = {m * s} shards exceeds the {n} "
@@ -373,8 +374,7 @@ def natural(
     n_users = len(ids)
     if num_clients is None or num_clients == 0:
         num_clients = n_users
-    if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)) or num_clients < 0:
-        raise ValueError(f"partition.num_clients must be an integer >= 0 (0: all users), got {num_clients!r}")
+    num_clients = _check_int("partition.num_clients", num_clients, 0)
     if num_clients > n_users:
         raise ValueError(
             f"partition.num_clients ({num_clients}) exceeds the {n_users} natural users of the dataset; "
@@ -391,7 +391,7 @@ def natural(
         raise ValueError(f"partition.select must be one of {', '.join(allowed)}, got {select!r}")
     client_of_user = np.full(n_users, -1, dtype=np.int64)
     client_of_user[np.sort(chosen)] = np.arange(num_clients)
-    return _groups(client_of_user[inverse.ravel()], int(num_clients))
+    return _groups(client_of_user[inverse.ravel()], num_clients)
 
 
 # ---------------------------------------------------------------------------------- per-client test sets
@@ -418,12 +418,7 @@ def client_test_split(
     m = len(train_parts)
     if m == 0:
         return []
-    if per_client is None:
-        n_te = math.ceil(len(test_labels) / m)
-    elif isinstance(per_client, bool) or not isinstance(per_client, (int, np.integer)) or per_client < 1:
-        raise ValueError(f"per-client test size must be an integer >= 1, got {per_client!r}")
-    else:
-        n_te = int(per_client)
+    n_te = -(-len(test_labels) // m) if per_client is None else _check_int("per_client", per_client, 1)
     order, class_sizes = _shuffled_by_class(test_labels, rng)
     starts = np.concatenate(([0], np.cumsum(class_sizes)))
     out = []
