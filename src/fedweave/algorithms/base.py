@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -29,6 +31,18 @@ class NoHparams:
     """For algorithms without hyper-parameters of their own."""
 
 
+@contextmanager
+def _as_config_error(section: str) -> Iterator[None]:
+    """Option errors raised by a loader, partitioner or model builder are configuration errors."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+        raise ConfigError(msg if f"{section}." in msg else f"{section}: {msg}") from e
+
+
 class RunContext:
     """The pieces of a run, built lazily from the config so that a family uses only what it needs."""
 
@@ -41,7 +55,8 @@ class RunContext:
     def dataset(self) -> Dataset:
         loader = DATASETS.get(self.config.dataset.name)
         opts = check_options(loader, self.config.dataset.options, "dataset")
-        return loader(**opts)
+        with _as_config_error("dataset"):
+            return loader(**opts)
 
     @cached_property
     def partition(self) -> list[np.ndarray]:
@@ -54,7 +69,8 @@ class RunContext:
             raise ConfigError(f"partition.num_clients must be a positive integer, got {num_clients!r}")
         opts = check_options(fn, opts, "partition", skip=("labels", "num_clients", "rng", "users"))
         ds = self.dataset
-        return fn(ds.train_y.numpy(), num_clients, self.seeds.numpy("partition"), users=ds.train_users, **opts)
+        with _as_config_error("partition"):
+            return fn(ds.train_y.numpy(), num_clients, self.seeds.numpy("partition"), users=ds.train_users, **opts)
 
     @property
     def num_clients(self) -> int:
@@ -65,7 +81,7 @@ class RunContext:
         builder = MODELS.get(self.config.model.name)
         opts = check_options(builder, self.config.model.options, "model", skip=("input_shape", "num_classes"))
         ds = self.dataset
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _as_config_error("model"):
             torch.manual_seed(self.seeds.int_seed("model_init"))
             return builder(tuple(ds.input_shape), ds.num_classes, **opts)
 

@@ -1,0 +1,57 @@
+"""Shared test fixtures: a tiny learnable dataset and a linear model, registered under test-only names."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedweave.data.base import Dataset
+from fedweave.registry import DATASETS, MODELS
+
+
+def make_toy(n_train: int = 1200, n_test: int = 300, side: int = 6, classes: int = 4, seed: int = 0) -> Dataset:
+    """Linearly separable-ish images: labels are the argmax of a fixed random linear map (test fixture)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_train + n_test, 1, side, side, generator=g)
+    w = torch.randn(side * side, classes, generator=g)
+    y = (x.flatten(1) @ w).argmax(1)
+    return Dataset("_toy", x[:n_train], y[:n_train], x[n_train:], y[n_train:], classes, (1, side, side))
+
+
+if "_toy" not in DATASETS._items:
+    DATASETS.register("_toy")(make_toy)
+
+
+if "_toy_cnn" not in MODELS._items:
+
+    @MODELS.register("_toy_cnn")
+    def _toy_cnn(input_shape: tuple[int, ...], num_classes: int, width: int = 3) -> nn.Module:
+        c, h, w = input_shape
+        return nn.Sequential(
+            nn.Conv2d(c, width, 3), nn.ReLU(), nn.Flatten(), nn.Linear(width * (h - 2) * (w - 2), num_classes)
+        )
+
+
+@pytest.fixture
+def toy_config() -> dict:
+    """A small FedAvg run on the toy data (a few seconds)."""
+    return {
+        "name": "toy",
+        "seed": 3,
+        "rounds": 4,
+        "dataset": {"name": "_toy"},
+        "partition": {"name": "dirichlet", "num_clients": 12, "alpha": 0.5, "min_size": 20},
+        "model": {"name": "logistic"},
+        "algorithm": {"name": "fedavg", "clients_per_round": 4},
+        "local": {"epochs": 1, "batch_size": 16, "lr": 0.1},
+        "output": {"progress": False, "plots": False},
+    }
+
+
+@pytest.fixture
+def uneven_parts() -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(1200)
+    return [np.sort(p) for p in np.split(perm, [7, 40, 41, 200, 380, 700])]

@@ -1,0 +1,130 @@
+"""FedAvg through the runner: ledger formula, determinism, run-directory files, errors, divergence, resume."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+import yaml
+
+import fedweave
+from fedweave.cli import main as cli_main
+from fedweave.config import ConfigError, load
+from fedweave.runner import DivergenceError, resume, run
+
+
+def test_fedavg_bytes_match_the_formula(toy_config, tmp_path):
+    res = fedweave.run(toy_config, run_dir=tmp_path / "r")
+    params = 36 * 4 + 4  # logistic on 1x6x6 inputs, 4 classes
+    expected = toy_config["rounds"] * toy_config["algorithm"]["clients_per_round"] * params * 4
+    comm = res.summary["communication"]
+    assert comm["bytes_up"] == expected and comm["bytes_down"] == expected
+    assert res.metrics[-1]["bytes_up"] == expected
+    assert res.metrics[0]["bytes_up"] == expected // toy_config["rounds"]  # cumulative per round
+
+
+def test_same_seed_same_metrics_and_other_seed_differs(toy_config, tmp_path):
+    a = fedweave.run(toy_config, run_dir=tmp_path / "a")
+    b = fedweave.run(toy_config, run_dir=tmp_path / "b")
+    strip = [{k: v for k, v in r.items() if k != "wall_seconds"} for r in a.metrics]
+    assert strip == [{k: v for k, v in r.items() if k != "wall_seconds"} for r in b.metrics]
+    c = fedweave.run({**toy_config, "seed": 4}, run_dir=tmp_path / "c")
+    assert c.metrics[-1]["test_loss"] != a.metrics[-1]["test_loss"]
+
+
+def test_fedavg_learns_the_toy_problem(toy_config, tmp_path):
+    cfg = {**toy_config, "rounds": 15, "eval": {"every": 5}}
+    res = fedweave.run(cfg, run_dir=tmp_path / "r")
+    assert [r["round"] for r in res.metrics] == [5, 10, 15]
+    assert res.final_accuracy > 0.8  # chance is 0.25
+
+
+def test_loop_and_vmap_runs_agree(toy_config, tmp_path):
+    out = {}
+    for backend in ("loop", "vmap"):
+        out[backend] = fedweave.run({**toy_config, "backend": backend}, run_dir=tmp_path / backend)
+    for ra, rb in zip(out["loop"].metrics, out["vmap"].metrics):
+        assert ra["test_loss"] == pytest.approx(rb["test_loss"], rel=1e-5)
+
+
+def test_run_directory_contents(toy_config, tmp_path):
+    cfg = {**toy_config, "output": {"progress": False, "plots": True}}
+    res = fedweave.run(cfg, run_dir=tmp_path / "r")
+    d = res.run_dir
+    assert {p.name for p in d.iterdir()} >= {
+        "config.yaml",
+        "metrics.csv",
+        "metrics.jsonl",
+        "summary.json",
+        "test_accuracy_vs_rounds.png",
+        "test_accuracy_vs_bytes.png",
+    }
+    header = next(csv.reader((d / "metrics.csv").open()))
+    assert header[:6] == ["round", "test_accuracy", "test_loss", "bytes_up", "bytes_down", "wall_seconds"]
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["seed"] == 3
+    assert summary["versions"]["torch"] == torch.__version__
+    resolved = yaml.safe_load((d / "config.yaml").read_text())
+    assert load(resolved).to_dict() == resolved  # the resolved config reloads to itself
+    assert not list(d.glob(".*.tmp"))  # no temp files left behind
+
+
+def test_misspelled_key_is_named(tmp_path, toy_config, capsys):
+    bad = {**toy_config, "local": {"lrr": 0.1}}
+    with pytest.raises(ConfigError, match=r"unknown key 'local\.lrr'.*Did you mean 'lr'"):
+        load(bad)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    assert cli_main(["run", str(path), "--no-progress"]) == 2
+    assert "local.lrr" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rounds=zero", "rounds must be an integer"),
+        ("algorithm.clients_per_round=100", "exceeds partition.num_clients"),
+        ("algorithm.weighting=size", "algorithm.weighting must be one of"),
+        ("algorithm.name=fedavgg", "unknown algorithm 'fedavgg'. Did you mean 'fedavg'"),
+        ("model.depth=3", "model.depth"),
+        ("backend=gpu", "backend must be one of"),
+        ("partition.alpha=-1", "partition.alpha"),
+        ("local.epochs=2", None),
+    ],
+)
+def test_bad_values_get_clear_errors(toy_config, tmp_path, override, message):
+    if message is None:
+        load(toy_config, [override])
+        return
+    with pytest.raises((ConfigError, KeyError), match=message):
+        run(load(toy_config, [override]), run_dir=tmp_path / "r")
+
+
+def test_divergence_stops_with_a_clear_error_and_keeps_results(toy_config, tmp_path):
+    cfg = {**toy_config, "rounds": 30, "local": {"lr": 1e38, "batch_size": 16}}
+    with pytest.raises(DivergenceError, match="not finite"):
+        run(load(cfg), run_dir=tmp_path / "r")
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "diverged" and "not finite" in summary["error"]
+
+
+def test_resume_continues_identically(toy_config, tmp_path):
+    cfg = {**toy_config, "rounds": 6, "output": {"progress": False, "plots": False, "checkpoint_every": 2}}
+    full = fedweave.run(cfg, run_dir=tmp_path / "full")
+    part = {**cfg, "rounds": 4}
+    fedweave.run(part, run_dir=tmp_path / "part")
+    # continue the 4-round run to 6 rounds from its checkpoint
+    conf = yaml.safe_load((tmp_path / "part" / "config.yaml").read_text())
+    conf["rounds"] = 6
+    (tmp_path / "part" / "config.yaml").write_text(yaml.safe_dump(conf))
+    cont = resume(tmp_path / "part", progress=False)
+    key = [("round", "test_loss", "bytes_up")]
+    assert [[r[k] for k in key[0]] for r in cont.metrics] == [[r[k] for k in key[0]] for r in full.metrics]
+
+
+def test_cli_list_shows_registries(capsys):
+    assert cli_main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "fedavg" in out and "dirichlet" in out and "logistic" in out
