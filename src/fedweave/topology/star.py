@@ -7,15 +7,25 @@ aggregates. Every transfer is recorded in the ledger with its exact size.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.config import ConfigError
-from fedweave.execution import LocalTrainer, ParamLayout, choose_backend, evaluate, evaluate_clients
+from fedweave.execution import (
+    LocalResult,
+    LocalTrainer,
+    ParamLayout,
+    StateStore,
+    choose_backend,
+    evaluate,
+    evaluate_clients,
+)
+from fedweave.execution.local import GradFn
 
 
 @dataclass
@@ -23,6 +33,7 @@ class StarHparams:
     clients_per_round: int = 10
     weighting: Literal["samples", "uniform"] = "samples"  # aggregation weights over the round's clients
     server_lr: float = 1.0
+    consistency: bool = False  # log the local-consistency metric every round (FedMIM Fig. 2b)
 
     def __post_init__(self) -> None:
         if self.clients_per_round < 1:
@@ -31,9 +42,16 @@ class StarHparams:
             raise ConfigError(f"algorithm.server_lr must be > 0, got {self.server_lr}")
 
 
-def make_trainer(ctx: RunContext, jobs_per_call: int) -> LocalTrainer:
-    """The local trainer of a run: its data, partition, local config, augmentation and backend."""
+def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: bool = False) -> LocalTrainer:
+    """The local trainer of a run: its data, partition, local config, augmentation and backend.
+
+    With ``regularize_in_rule`` the trainer applies neither weight decay nor clipping: the algorithm's
+    rule adds them to the loss gradient itself (see :func:`regularized`).
+    """
     cfg = ctx.config
+    local = cfg.local
+    if regularize_in_rule:
+        local = dataclasses.replace(local, weight_decay=0.0, grad_clip=None)
     augment = None
     if cfg.local.augment:
         from fedweave.data.augment import build_augment
@@ -42,8 +60,36 @@ def make_trainer(ctx: RunContext, jobs_per_call: int) -> LocalTrainer:
     ds = ctx.dataset
     backend = choose_backend(cfg.backend, ctx.model, jobs_per_call)
     return LocalTrainer(
-        ctx.model, ds.train_x, ds.train_y, ctx.partition, cfg.local, ctx.seeds, backend=backend, augment=augment
+        ctx.model, ds.train_x, ds.train_y, ctx.partition, local, ctx.seeds, backend=backend, augment=augment
     )
+
+
+def regularized(grad: GradFn, weight_decay: float, grad_clip: float | None) -> GradFn:
+    """The gradient of f_i including its L2 term, ``clip(grad CE(v)) + wd * v``, evaluated at any point v.
+
+    The same arithmetic as the trainer's SGD step, so a rule that regularizes inside reproduces the
+    trainer's plain step bit for bit when it evaluates at the iterate (fedmim spec A7).
+    """
+
+    def g(v: torch.Tensor) -> torch.Tensor:
+        d = grad(v)
+        if grad_clip is not None:
+            d = d * (grad_clip / d.norm(dim=-1, keepdim=True).clamp_min(grad_clip))
+        if weight_decay:
+            d = d + weight_decay * v
+        return d
+
+    return g
+
+
+def per_job(t: torch.Tensor, jobs: int | torch.Tensor) -> torch.Tensor:
+    """Inside a ``LocalRule``: a tensor shared by all jobs ``(P,)`` as is, a per-job table ``(K, P)`` at ``jobs``."""
+    return t if t.dim() == 1 else t[jobs]
+
+
+def local_consistency(params: torch.Tensor) -> float:
+    """(1/S) sum_i ||x_i - xbar||^2 with xbar the plain mean of the S local models (FedMIM Sec. V-C3)."""
+    return float((params - params.mean(0)).pow(2).sum(1).mean())
 
 
 class StarAlgorithm(Algorithm):
@@ -51,6 +97,8 @@ class StarAlgorithm(Algorithm):
 
     family = "centralized"
     Hparams = StarHparams
+    # True: the local rule applies weight decay and clipping to the loss gradient (see ``regularized``)
+    regularize_in_rule: ClassVar[bool] = False
 
     def __init__(self, ctx: RunContext, hp: StarHparams) -> None:
         super().__init__(ctx, hp)
@@ -59,11 +107,25 @@ class StarAlgorithm(Algorithm):
             raise ConfigError(
                 f"algorithm.clients_per_round ({hp.clients_per_round}) exceeds partition.num_clients ({n})"
             )
-        self.trainer = make_trainer(ctx, hp.clients_per_round)
+        self.trainer = make_trainer(ctx, hp.clients_per_round, regularize_in_rule=self.regularize_in_rule)
         self.layout: ParamLayout = self.trainer.layout
         self.x = self.layout.flatten()  # the global model x_t
         self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=torch.float32)
         self._checkpoint = ("x",)
+        self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        if self.store is not None:
+            out["client_state"] = self.store.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        clients = state.pop("client_state", None)
+        super().load_state_dict(state)
+        if clients is not None and self.store is not None:
+            self.store.load_state_dict(clients)
 
     @property
     def num_params(self) -> int:
@@ -85,6 +147,19 @@ class StarAlgorithm(Algorithm):
     def receive(self, r: int, clients: np.ndarray, kind: str, *per_client: torch.Tensor) -> None:
         """Each client of ``clients`` -> server: the given tensors (their size is per client)."""
         self.ledger.record(r, "client", "server", kind, len(clients) * _size(per_client), len(clients))
+
+    def reference_steps(self) -> int:
+        """K of the papers that normalize by it: local.steps, else E*ceil(n_i/B), the same for every client
+        of a balanced split; for unbalanced splits the rounded mean over clients (fedmim spec A5)."""
+        ks = [self.trainer.num_steps(c) for c in range(self.ctx.num_clients)]
+        return max(1, round(sum(ks) / len(ks)))
+
+    def local_metrics(self, local: LocalResult, p: torch.Tensor) -> dict[str, float]:
+        """Per-round metrics of the local results: weighted train loss, optionally local consistency."""
+        out = {"train_loss": float(p @ local.loss)}
+        if self.hp.consistency:
+            out["local_consistency"] = local_consistency(local.params)
+        return out
 
     def evaluate(self, r: int) -> dict[str, float]:
         ds, ev = self.ctx.dataset, self.config.eval

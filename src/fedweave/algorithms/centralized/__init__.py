@@ -1,3 +1,13 @@
-"""Centralized (star) FL: FedAvg and, with FedMIM, its baselines."""
+"""Centralized (star) FL: FedMIM and its baselines FedAvg, FedAdam/FedOpt, SCAFFOLD, FedDyn, FedCM
+(+ MoFedSAM), FedSAM, and FedProx."""
 
-from fedweave.algorithms.centralized import fedavg  # noqa: F401
+from fedweave.algorithms.centralized import (  # noqa: F401
+    fedadam,
+    fedavg,
+    fedcm,
+    feddyn,
+    fedmim,
+    fedprox,
+    fedsam,
+    scaffold,
+)

@@ -18,4 +18,4 @@ class FedAvg(StarAlgorithm):
         p = self.weights(clients)
         delta = p @ (local.params - self.x)  # weighted mean of the local updates
         self.x = self.x + self.hp.server_lr * delta
-        return {"train_loss": float(p @ local.loss)}
+        return self.local_metrics(local, p)

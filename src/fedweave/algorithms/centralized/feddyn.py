@@ -1,0 +1,71 @@
+"""FedDyn (Acar et al., ICLR 2021): dynamic regularization (Alg. 1; FedMIM spec §5).
+
+Client i approximately minimizes ``f_i(theta) - <grad L_i, theta> + (alpha/2)||theta - x_t||^2`` with its
+K local SGD steps (Eq. 1 of FedDyn's Alg. 1), then ``grad L_i <- grad L_i - alpha (theta_i - x_t)``.
+Server: ``h <- h - alpha (1/N) sum_{i in S} (theta_i - x_t)`` and ``x_{t+1} = mean_S theta_i - h / alpha``.
+The ``grad L_i`` live in the client state store; messages are one model each way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fedweave.algorithms.centralized.fedprox import ProxRule
+from fedweave.config import ConfigError
+from fedweave.execution import StateStore
+from fedweave.execution.local import GradFn
+from fedweave.ledger import nbytes
+from fedweave.registry import ALGORITHMS
+from fedweave.topology.star import StarAlgorithm, StarHparams, per_job
+
+
+class FedDynRule(ProxRule):
+    """Direction ``grad f_i(w) - grad L_i + alpha (w - x_t)``: FedProx's rule plus the linear term."""
+
+    def __init__(self, alpha: float, anchor: torch.Tensor, lin: torch.Tensor) -> None:
+        super().__init__(alpha, anchor)
+        self.lin = lin  # (K, P): grad L_i of each job
+
+    def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
+        return super().direction(w, grad, jobs) - per_job(self.lin, jobs)
+
+
+@dataclass
+class FedDynHparams(StarHparams):
+    alpha: float = 0.1  # the "prox-weight" of FedMIM Sec. V-A
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.alpha <= 0:
+            raise ConfigError(f"algorithm.alpha must be > 0, got {self.alpha}")
+
+
+@ALGORITHMS.register("feddyn")
+class FedDyn(StarAlgorithm):
+    name = "feddyn"
+    Hparams = FedDynHparams
+
+    def __init__(self, ctx, hp: FedDynHparams) -> None:
+        super().__init__(ctx, hp)
+        self.h = torch.zeros_like(self.x)
+        self.store = StateStore(ctx.num_clients)
+        self.store.create("grad_L", self.num_params)
+        self._checkpoint = ("x", "h")
+        self.ledger.store("server", "h", nbytes(self.h))
+        self.ledger.store("client", "grad_L", nbytes(self.h))  # per client
+
+    def run_round(self, r: int) -> dict[str, float]:
+        a = self.hp.alpha
+        clients = self.sample_clients(r)
+        self.send(r, clients, "model", self.x)
+        lin = self.store["grad_L"][clients]
+        local = self.trainer.train(self.x, clients, r, rule=FedDynRule(a, self.x, lin))
+        self.receive(r, clients, "model", local.params)
+        moved = local.params - self.x
+        self.store["grad_L"][clients] = lin - a * moved
+        self.h = self.h - a * moved.sum(0) / self.ctx.num_clients
+        p = self.weights(clients)
+        self.x = p @ local.params - self.h / a
+        return self.local_metrics(local, p)

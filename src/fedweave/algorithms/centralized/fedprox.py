@@ -1,0 +1,59 @@
+"""FedProx (Li et al., MLSys 2020): local SGD on f_k(w) + (mu/2)||w - w^t||^2, FedAvg aggregation.
+
+Optional baseline of FedMIM (spec §5, related work); also the local rule of ZO-HFL's FedProx baseline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fedweave.config import ConfigError
+from fedweave.execution import LocalRule
+from fedweave.execution.local import GradFn
+from fedweave.registry import ALGORITHMS
+from fedweave.topology.star import StarAlgorithm, StarHparams, per_job
+
+
+class ProxRule(LocalRule):
+    """Direction ``grad f_k(w) + mu (w - anchor)`` (FedProx Eq. 2's objective, its gradient).
+
+    Args:
+        mu: proximal weight, >= 0 (``mu = 0`` is plain local SGD).
+        anchor: the proximal centre, ``(P,)`` shared by every job (FedProx: the global model w^t) or
+            ``(K, P)`` with one row per job, in the job order of ``LocalTrainer.train``.
+    """
+
+    def __init__(self, mu: float, anchor: torch.Tensor) -> None:
+        if mu < 0:
+            raise ValueError(f"ProxRule: mu must be >= 0, got {mu}")
+        self.mu, self.anchor = float(mu), anchor
+
+    def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
+        return grad(w) + self.mu * (w - per_job(self.anchor, jobs))
+
+
+@dataclass
+class FedProxHparams(StarHparams):
+    mu: float = 0.01  # proximal weight; the paper searches {0.001, 0.01, 0.1, 1}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mu < 0:
+            raise ConfigError(f"algorithm.mu must be >= 0, got {self.mu}")
+
+
+@ALGORITHMS.register("fedprox")
+class FedProx(StarAlgorithm):
+    name = "fedprox"
+    Hparams = FedProxHparams
+
+    def run_round(self, r: int) -> dict[str, float]:
+        clients = self.sample_clients(r)
+        self.send(r, clients, "model", self.x)
+        local = self.trainer.train(self.x, clients, r, rule=ProxRule(self.hp.mu, self.x))
+        self.receive(r, clients, "model", local.params)
+        p = self.weights(clients)
+        self.x = self.x + self.hp.server_lr * (p @ (local.params - self.x))
+        return self.local_metrics(local, p)

@@ -1,0 +1,70 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020), option II control variates (FedMIM spec §5).
+
+Client step ``y <- y - eta_l (g_i(y) - c_i + c)`` (Alg. 1 line 10); after K_i steps
+``c_i+ = c_i - c + (x - y_i) / (K_i eta_l)`` (line 12, option II). The client sends ``Delta y_i`` and
+``Delta c_i = c_i+ - c_i`` (twice FedAvg's uplink); the server updates ``x += eta_g mean(Delta y)`` and
+``c += (1/N) sum_{i in S} Delta c_i`` (lines 16-17). The c_i live in the client state store.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fedweave.execution import LocalRule, StateStore
+from fedweave.execution.local import GradFn
+from fedweave.ledger import nbytes
+from fedweave.registry import ALGORITHMS
+from fedweave.topology.star import StarAlgorithm, per_job
+
+
+class ScaffoldRule(LocalRule):
+    """Direction ``grad f_i(w) - c_i + c`` (SCAFFOLD Alg. 1 line 10).
+
+    Args:
+        c_local: the client control variates, ``(K, P)`` with one row per job in the job order of
+            ``LocalTrainer.train`` (or ``(P,)`` if every job shares one).
+        c_global: the server control variate ``c``, ``(P,)`` (or ``(K, P)`` per job).
+    """
+
+    def __init__(self, c_local: torch.Tensor, c_global: torch.Tensor) -> None:
+        self.c_local, self.c_global = c_local, c_global
+
+    def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
+        return grad(w) - per_job(self.c_local, jobs) + per_job(self.c_global, jobs)
+
+
+def option_ii(
+    c_local: torch.Tensor, c_global: torch.Tensor, x: torch.Tensor, y: torch.Tensor, steps: torch.Tensor, lr: float
+) -> torch.Tensor:
+    """New client control variates ``c_i - c + (x - y_i) / (K_i eta_l)`` (SCAFFOLD Eq. option II)."""
+    k = steps.clamp_min(1).to(y.dtype).unsqueeze(1)
+    return c_local - c_global + (x - y) / (k * lr)
+
+
+@ALGORITHMS.register("scaffold")
+class Scaffold(StarAlgorithm):
+    name = "scaffold"
+
+    def __init__(self, ctx, hp) -> None:
+        super().__init__(ctx, hp)
+        self.c = torch.zeros_like(self.x)  # server control variate
+        self.store = StateStore(ctx.num_clients)
+        self.store.create("c", self.num_params)  # c_i, initialised to 0
+        self._checkpoint = ("x", "c")
+        self.ledger.store("server", "control_variate", nbytes(self.c))
+        self.ledger.store("client", "control_variate", nbytes(self.c))  # per client
+
+    def run_round(self, r: int) -> dict[str, float]:
+        clients = self.sample_clients(r)
+        c_i = self.store["c"][clients]
+        self.send(r, clients, "model+control", self.x, self.c)
+        lr = self.trainer.lr(r)
+        local = self.trainer.train(self.x, clients, r, rule=ScaffoldRule(c_i, self.c), lr=lr)
+        c_new = option_ii(c_i, self.c, self.x, local.params, local.steps, lr)
+        dy, dc = local.params - self.x, c_new - c_i
+        self.receive(r, clients, "update+control_delta", dy, dc)
+        self.store["c"][clients] = c_new
+        p = self.weights(clients)
+        self.x = self.x + self.hp.server_lr * (p @ dy)
+        self.c = self.c + dc.sum(0) / self.ctx.num_clients
+        return self.local_metrics(local, p)
