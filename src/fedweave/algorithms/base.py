@@ -65,8 +65,8 @@ class RunContext:
         fn = PARTITIONERS.get(part.name)
         opts = dict(part.options)
         num_clients = opts.pop("num_clients", None)
-        if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
-            raise ConfigError(f"partition.num_clients must be a positive integer, got {num_clients!r}")
+        if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 0:
+            raise ConfigError(f"partition.num_clients must be a non-negative integer (0 = one client per natural user), got {num_clients!r}")
         opts = check_options(fn, opts, "partition", skip=("labels", "num_clients", "rng", "users"))
         ds = self.dataset
         with _as_config_error("partition"):
