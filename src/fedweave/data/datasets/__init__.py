@@ -1,0 +1,13 @@
+"""Dataset loaders, one module per format or family; importing this package registers them all."""
+
+from fedweave.data.datasets import (  # noqa: F401  (each module registers its loaders)
+    adult,
+    bundled,
+    cifar,
+    idx,
+    leaf,
+    libsvm,
+    mushroom,
+    shakespeare,
+    synthetic,
+)

@@ -1,0 +1,123 @@
+"""Shared pieces of the loaders: option checks that name the option, deterministic splits, scaling."""
+
+from __future__ import annotations
+
+import difflib
+import gzip
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedweave.seeding import Seeds
+
+
+class OptionError(ValueError):
+    """A dataset option has an unknown name or a bad value."""
+
+
+def reject_unknown(dataset: str, unknown: Mapping[str, Any], loader: Callable[..., Any]) -> None:
+    """Raise for options the loader does not take, listing the ones it does."""
+    if not unknown:
+        return
+    allowed = [p for p in inspect.signature(loader).parameters if p not in ("unknown",)]
+    bad = sorted(unknown)
+    close = difflib.get_close_matches(bad[0], allowed, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise OptionError(
+        f"dataset {dataset!r}: unknown option(s) {', '.join(map(repr, bad))}.{hint} Allowed: {', '.join(allowed)}"
+    )
+
+
+def opt_int(dataset: str, option: str, value: Any, *, minimum: int = 1, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        none = " or None" if allow_none else ""
+        raise OptionError(
+            f"dataset {dataset!r}: option {option!r} must be an integer >= {minimum}{none}, got {value!r}"
+        )
+    return int(value)
+
+
+def opt_float(
+    dataset: str,
+    option: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if ok:
+        v = float(value)
+        ok = np.isfinite(v)
+        if low is not None:
+            ok = ok and (v > low if low_open else v >= low)
+        if high is not None:
+            ok = ok and (v < high if high_open else v <= high)
+    if not ok:
+        lo = "" if low is None else f"{'(' if low_open else '['}{low}"
+        hi = "" if high is None else f"{high}{')' if high_open else ']'}"
+        rng = f" in {lo or '(-inf'}, {hi or 'inf)'}"
+        raise OptionError(f"dataset {dataset!r}: option {option!r} must be a number{rng}, got {value!r}")
+    return float(value)
+
+
+def opt_bool(dataset: str, option: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise OptionError(f"dataset {dataset!r}: option {option!r} must be true or false, got {value!r}")
+    return bool(value)
+
+
+def opt_choice(dataset: str, option: str, value: Any, allowed: Sequence[str]) -> str:
+    if value not in allowed:
+        raise OptionError(
+            f"dataset {dataset!r}: option {option!r} must be one of {', '.join(map(repr, allowed))}, got {value!r}"
+        )
+    return str(value)
+
+
+def stratified_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic train/test indices: within each class, ``round(test_fraction * n_c)`` go to test.
+
+    Depends only on the labels and ``seed`` (named stream ``"split"``), so every run sees the same split.
+    """
+    rng = Seeds(seed).numpy("split")
+    train, test = [], []
+    for c in np.unique(y):
+        idx = rng.permutation(np.flatnonzero(y == c))
+        k = int(round(test_fraction * len(idx)))
+        test.append(idx[:k])
+        train.append(idx[k:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+
+
+def standardize(train: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Scale each feature to zero mean and unit variance with the TRAIN statistics (constant features: 0)."""
+    mean = train.mean(axis=0)
+    std = train.std(axis=0)
+    std = np.where(std > 1e-12, std, 1.0)
+    return ((train - mean) / std).astype(np.float32), ((test - mean) / std).astype(np.float32)
+
+
+def head(x: np.ndarray, y: np.ndarray, n: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``n`` rows (file order); a speed option, not a sampling scheme."""
+    return (x, y) if n is None else (x[:n], y[:n])
+
+
+def as_tensors(x: np.ndarray, y: np.ndarray, x_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.as_tensor(np.ascontiguousarray(x)).to(x_dtype), torch.as_tensor(np.asarray(y, dtype=np.int64))
+
+
+def open_maybe_gz(path: Path, mode: str = "rb"):
+    """Open a file that may be gzipped (``.gz`` suffix), in binary or text (``"rt"``) mode."""
+    text = {"encoding": "utf-8", "newline": ""} if "t" in mode else {}
+    if Path(path).suffix == ".gz":
+        return gzip.open(path, mode, **text)
+    return open(path, mode, **text)

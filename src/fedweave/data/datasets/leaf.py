@@ -1,0 +1,168 @@
+"""LEAF's JSON output (FEMNIST, Shakespeare, ...): ``train/*.json`` and ``test/*.json`` under one directory.
+
+Each file holds ``{"users": [...], "num_samples": [...], "user_data": {user: {"x": [...], "y": [...]}}}``.
+Users keep their natural identity: ``train_users`` / ``test_users`` number them in order of first
+appearance in the (sorted) train files. LEAF data are not downloadable from a package registry; point
+root= at the directory LEAF's preprocessing scripts wrote (e.g. ``leaf/data/femnist/data``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedweave.data.base import Dataset
+from fedweave.data.datasets._common import opt_choice, opt_int, reject_unknown
+from fedweave.registry import DATASETS
+from fedweave.seeding import Seeds
+
+
+class LEAFFormatError(ValueError):
+    """A LEAF JSON file does not have the expected layout."""
+
+
+def read_split(directory: Path) -> dict[str, dict[str, list]]:
+    """Merge ``user_data`` of every ``*.json`` in ``directory`` (sorted), users in first-seen order."""
+    files = sorted(directory.glob("*.json"))
+    if not files:
+        raise FileNotFoundError(f"no LEAF JSON files (*.json) in {directory}")
+    users: dict[str, dict[str, list]] = {}
+    for f in files:
+        with open(f, encoding="utf-8") as fh:
+            blob = json.load(fh)
+        if not isinstance(blob, dict) or "user_data" not in blob or "users" not in blob:
+            raise LEAFFormatError(f"{f}: expected keys 'users' and 'user_data' (LEAF layout)")
+        for u in blob["users"]:
+            d = blob["user_data"].get(u)
+            if d is None or "x" not in d or "y" not in d or len(d["x"]) != len(d["y"]):
+                raise LEAFFormatError(f"{f}: user {u!r} lacks equal-length 'x' and 'y'")
+            entry = users.setdefault(str(u), {"x": [], "y": []})
+            entry["x"].extend(d["x"])
+            entry["y"].extend(d["y"])
+    return users
+
+
+def _kind_of(sample: Any) -> str:
+    return "text" if isinstance(sample, str) else "image" if np.asarray(sample).size == 784 else "vector"
+
+
+def _encode_x(xs: list, kind: str, source: str) -> torch.Tensor:
+    if kind == "text":
+        from fedweave.data.datasets.shakespeare import VOCAB, encode
+
+        lengths = {len(s) for s in xs}
+        if len(lengths) > 1:
+            raise LEAFFormatError(f"{source}: text samples have different lengths {sorted(lengths)[:5]}")
+        space = VOCAB.index(" ")
+        ids = encode("".join(xs), unknown=space).astype(np.int64)
+        return torch.from_numpy(ids.reshape(len(xs), -1))
+    arr = np.asarray(xs, dtype=np.float32)
+    if kind == "image":
+        if arr.ndim != 2 or arr.shape[1] != 784:
+            raise LEAFFormatError(f"{source}: image samples must have 784 values, got shape {arr.shape}")
+        arr = arr.reshape(-1, 1, 28, 28)
+    return torch.from_numpy(arr)
+
+
+def _encode_y(ys: list, kind: str) -> np.ndarray:
+    if kind == "text":
+        from fedweave.data.datasets.shakespeare import VOCAB, encode
+
+        if any(not isinstance(c, str) or len(c) != 1 for c in ys):
+            raise LEAFFormatError("text labels must be single characters")
+        return encode("".join(ys), unknown=VOCAB.index(" ")).astype(np.int64)
+    return np.asarray(ys, dtype=np.int64)
+
+
+def load_leaf_dir(
+    root: Path,
+    *,
+    name: str = "leaf",
+    kind: str = "auto",
+    num_classes: int | None = None,
+    max_users: int | None = None,
+    seed: int = 0,
+) -> Dataset:
+    """Read ``root/train`` and ``root/test``; see :func:`load_leaf` for the options."""
+    for split in ("train", "test"):
+        if not (root / split).is_dir():
+            raise FileNotFoundError(
+                f"dataset {name!r}: {root / split} is missing; LEAF data need root=DIR with train/*.json and "
+                "test/*.json (the output of LEAF's preprocess.sh)"
+            )
+    train, test = read_split(root / "train"), read_split(root / "test")
+    ids = {u: i for i, u in enumerate(train)}
+    for u in test:  # users seen only in test get ids after the train users
+        ids.setdefault(u, len(ids))
+    users = list(ids)
+    if max_users is not None and max_users < len(users):
+        keep = Seeds(seed).numpy("leaf-users").choice(len(users), max_users, replace=False)
+        users = [users[i] for i in np.sort(keep)]
+    first = next((d["x"][0] for d in train.values() if d["x"]), None)
+    if first is None:
+        raise LEAFFormatError(f"{root / 'train'}: no samples")
+    if kind == "auto":
+        kind = _kind_of(first)
+
+    parts = {}
+    for split, data in (("train", train), ("test", test)):
+        xs, ys, us = [], [], []
+        for u in users:
+            d = data.get(u)
+            if d:
+                xs.extend(d["x"])
+                ys.extend(d["y"])
+                us.append(np.full(len(d["y"]), ids[u], np.int64))
+        if not xs:
+            raise LEAFFormatError(f"{root / split}: no samples for the selected users")
+        parts[split] = (_encode_x(xs, kind, str(root / split)), _encode_y(ys, kind), np.concatenate(us))
+    ymax = max(int(parts[s][1].max()) for s in parts)
+    if num_classes is None:
+        from fedweave.data.datasets.shakespeare import VOCAB
+
+        num_classes = len(VOCAB) if kind == "text" else 62 if kind == "image" and ymax < 62 else ymax + 1
+    if ymax >= num_classes or min(int(parts[s][1].min()) for s in parts) < 0:
+        raise LEAFFormatError(f"dataset {name!r}: labels outside 0..{num_classes - 1}")
+    (tx, ty, tu), (vx, vy, vu) = parts["train"], parts["test"]
+    return Dataset(
+        name,
+        tx,
+        torch.from_numpy(ty),
+        vx,
+        torch.from_numpy(vy),
+        num_classes=num_classes,
+        input_shape=tuple(tx.shape[1:]),
+        train_users=tu,
+        test_users=vu,
+    )
+
+
+@DATASETS.register("leaf")
+def load_leaf(
+    root=None,
+    *,
+    kind: str = "auto",
+    num_classes: int | None = None,
+    max_users: int | None = None,
+    seed: int = 0,
+    **unknown,
+) -> Dataset:
+    """LEAF JSON: FEMNIST images become float32 (N, 1, 28, 28); text becomes int64 (N, L) over LEAF's
+    80-symbol vocabulary (unknown symbols map to a space); other vectors stay float32 (N, d).
+
+    Options: ``kind`` = ``"auto"`` / ``"image"`` / ``"text"`` / ``"vector"``; ``num_classes`` (default: 62
+    for 28x28 images (FEMNIST), 80 for text, else max label + 1); ``max_users`` (a random subset of users,
+    drawn with ``seed``).
+    """
+    reject_unknown("leaf", unknown, load_leaf)
+    if root is None:
+        raise ValueError("dataset 'leaf' needs root=DIR containing LEAF's train/*.json and test/*.json")
+    kind = opt_choice("leaf", "kind", kind, ("auto", "image", "text", "vector"))
+    num_classes = opt_int("leaf", "num_classes", num_classes, minimum=2, allow_none=True)
+    max_users = opt_int("leaf", "max_users", max_users, allow_none=True)
+    seed = opt_int("leaf", "seed", seed, minimum=0)
+    return load_leaf_dir(Path(root), kind=kind, num_classes=num_classes, max_users=max_users, seed=seed)

@@ -1,0 +1,96 @@
+"""Any classification file in the LIBSVM / svmlight text format (``label idx:value ...`` per line).
+
+LIBSVM files (a9a, w8a, covtype, ijcnn1, ...) are not on a package registry; pass the file path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fedweave.data.base import Dataset
+from fedweave.data.datasets._common import (
+    OptionError,
+    as_tensors,
+    opt_bool,
+    opt_float,
+    opt_int,
+    reject_unknown,
+    stratified_split,
+)
+from fedweave.data.datasets._common import standardize as standardize_features
+from fedweave.registry import DATASETS
+
+
+def _path(root, value, option: str) -> Path:
+    p = Path(value).expanduser()
+    if not p.is_absolute() and root is not None:
+        p = Path(root).expanduser() / p
+    if not p.is_file():
+        raise FileNotFoundError(f"dataset 'libsvm': option {option!r} names {p}, which is not a file")
+    return p
+
+
+def map_labels(*label_arrays: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """Map the distinct labels of all arrays, sorted, to 0..C-1 (e.g. {-1, +1} -> {0, 1})."""
+    allv = np.concatenate(label_arrays)
+    if not np.all(np.isfinite(allv)) or not np.all(allv == np.round(allv)):
+        raise ValueError("libsvm labels must be integers (classification); regression files are not supported")
+    classes = np.unique(allv)
+    return [np.searchsorted(classes, a).astype(np.int64) for a in label_arrays], classes
+
+
+@DATASETS.register("libsvm")
+def load_libsvm(
+    root=None,
+    *,
+    path: str | None = None,
+    test_path: str | None = None,
+    test_fraction: float = 0.2,
+    split_seed: int = 0,
+    n_features: int | None = None,
+    standardize: bool = False,
+    **unknown,
+) -> Dataset:
+    """A svmlight/LIBSVM file as dense float32 features (N, d) and labels mapped to 0..C-1.
+
+    Options: ``path`` (required; relative paths are taken under root=), ``test_path`` (a separate test
+    file; otherwise a stratified ``test_fraction`` split fixed by ``split_seed``), ``n_features`` (pad to
+    this width; default: the widest of the files), ``standardize`` (False; LIBSVM files are usually
+    already scaled).
+    """
+    from sklearn.datasets import load_svmlight_file, load_svmlight_files
+
+    reject_unknown("libsvm", unknown, load_libsvm)
+    if path is None:
+        raise OptionError("dataset 'libsvm' needs option 'path' (a file in svmlight / LIBSVM text format)")
+    n_features = opt_int("libsvm", "n_features", n_features, allow_none=True)
+    do_standardize = opt_bool("libsvm", "standardize", standardize)
+    train_file = _path(root, path, "path")
+    try:
+        if test_path is not None:
+            test_file = _path(root, test_path, "test_path")
+            xtr, ytr, xte, yte = load_svmlight_files([str(train_file), str(test_file)], n_features=n_features)
+            (ytr, yte), classes = map_labels(ytr, yte)
+            xtr, xte = xtr.toarray(), xte.toarray()
+        else:
+            test_fraction = opt_float(
+                "libsvm", "test_fraction", test_fraction, low=0, high=1, low_open=True, high_open=True
+            )
+            split_seed = opt_int("libsvm", "split_seed", split_seed, minimum=0)
+            x, y = load_svmlight_file(str(train_file), n_features=n_features)
+            (y,), classes = map_labels(y)
+            tr, te = stratified_split(y, test_fraction, split_seed)
+            x = x.toarray()
+            xtr, ytr, xte, yte = x[tr], y[tr], x[te], y[te]
+    except ValueError as e:
+        raise ValueError(f"dataset 'libsvm': cannot parse {train_file}: {e}") from e
+    if len(classes) < 2:
+        raise ValueError(f"dataset 'libsvm': {train_file} has a single label {classes.tolist()}")
+    xtr, xte = xtr.astype(np.float32), xte.astype(np.float32)
+    if do_standardize:
+        xtr, xte = standardize_features(xtr, xte)
+    return Dataset(
+        "libsvm", *as_tensors(xtr, ytr), *as_tensors(xte, yte), num_classes=len(classes), input_shape=(xtr.shape[1],)
+    )
