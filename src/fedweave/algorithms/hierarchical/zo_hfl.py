@@ -1,0 +1,147 @@
+"""ZO-HFL (Qiu, Kim, Yousefian, 2025): randomized zeroth-order hierarchical FL (spec zo-hfl, Alg. 1-2).
+
+The server minimizes f(x) = f1(x) + f2(x): its own loss f1 on its own data plus the implicit penalty
+f2(x) = (lambda/2) sum_i w_i ||x - y_i(x)||^2, where y_i(x) = argmin_{y in Y_i(x)} L_i(y) + (mu/2)||x - y||^2
+is client i's personalized model (eq. (1), §IV). y_i has no usable Jacobian, so the server steps along a
+two-point zeroth-order estimate of the gradient of the spherically smoothed f2^eta (Lemma 7(i)):
+
+    g_i = (d / (2 eta)) [f2(x + eta v_i, y_i^+) - f2(x - eta v_i, y_i^-)] v_i            (Alg. 1 line 7)
+    x_{r+1} = x_r - gamma_r (grad f~1(x_r, xi_r) + sum_i g_i)                            (Alg. 1 line 8)
+
+where y_i^{+/-} are H_{i,r} projected SGD steps of client i at x_r +/- eta v_i (Algorithm 2). ``lam = 0`` is
+the server-only control (SGD on f1; spec §9.2 C4): the clients are then not contacted at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from fedweave.config import ConfigError
+from fedweave.registry import ALGORITHMS
+from fedweave.topology.hierarchy import (
+    HierarchicalAlgorithm,
+    HierarchyHparams,
+    LowerLevelRule,
+    make_projection,
+    unit_directions,
+    zo_gradient,
+)
+
+
+@dataclass
+class ZOHFLHparams(HierarchyHparams):
+    lam: float = 10.0  # lambda, weight of f2 (not given in the paper; spec A1 scaled-run value)
+    mu: float = 0.1  # mu, proximal weight of the lower level (not given; spec A1)
+    eta: float = 0.1  # smoothing radius (paper §IV)
+    server_lr: float = 0.01  # gamma_0 in gamma_r = gamma_0 / (r+1)^p (paper §IV: 0.01 / sqrt(r+1))
+    server_lr_power: float = 0.5  # p (Thm 1: 1/2; Thm 2 needs p in (1/2, 1])
+    server_batch_size: int = 64  # |xi_r| (not given; spec A6)
+    weights: Literal["data", "uniform"] = "data"  # w_i = N_i/N_tr (§IV) or 1/m (eq. (1)); spec A2
+    partial: Literal["zero", "rescale"] = "zero"  # non-participants add g_i = 0, or scale the sum by m/k (A3)
+    crn: bool = True  # the +/- solves of a client share their mini-batch sequence (spec A5)
+    constraint: Literal["none", "ball", "box"] = "none"  # Y_i(x) (spec A17); the ball is centred at x
+    radius: float = 1.0  # ball radius
+    box_low: float = 0.0
+    box_high: float = float("inf")
+    direction_message: Literal["vector", "seed"] = "vector"  # send v_i itself (Alg. 1) or its 8-byte seed
+    upload: Literal["models", "values"] = "models"  # y^+/y^- (Alg. 1 line 5) or the two f2 values (A24)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("lam", "mu"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"algorithm.{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("eta", "server_lr", "radius"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"algorithm.{key} must be > 0, got {getattr(self, key)}")
+        if self.server_lr_power < 0:
+            raise ConfigError(f"algorithm.server_lr_power must be >= 0, got {self.server_lr_power}")
+        if self.server_batch_size < 1:
+            raise ConfigError(f"algorithm.server_batch_size must be >= 1, got {self.server_batch_size}")
+        if self.box_low > self.box_high:
+            raise ConfigError(f"algorithm.box_low ({self.box_low}) must be <= algorithm.box_high ({self.box_high})")
+
+
+@ALGORITHMS.register("zo_hfl")
+class ZOHFL(HierarchicalAlgorithm):
+    name = "zo_hfl"
+    Hparams = ZOHFLHparams
+    jobs_per_client = 2  # the +/- solves
+
+    def __init__(self, ctx, hp: ZOHFLHparams) -> None:
+        super().__init__(ctx, hp)
+        w = self.rho if hp.weights == "data" else torch.full((self.m,), 1.0 / self.m, dtype=torch.float64)
+        self.w = w
+        self.projection = make_projection(hp.constraint, hp.radius, hp.box_low, hp.box_high)
+
+    def server_lr(self, r: int) -> float:
+        return self.hp.server_lr / (r + 1) ** self.hp.server_lr_power  # gamma_r (paper §IV)
+
+    def solve(self, r: int, clients: np.ndarray, inputs: torch.Tensor, H: int) -> torch.Tensor:
+        """Algorithm 2 for every job: client ``clients[j // 2]`` from y_0 = its input point ``inputs[j]``
+        (spec A4); jobs 2i and 2i+1 are the + and - solves of one client and, with CRN, share the key."""
+        jobs = np.repeat(clients, 2)
+        rule = LowerLevelRule(self.hp.mu, inputs, self.projection)
+        lr = self.local_lr()
+        if self.hp.crn:
+            return self.trainer.train(inputs, jobs, r, rule=rule, lr=lr, steps=H).params
+        out = torch.empty_like(inputs)
+        for s in (0, 1):  # independent mini-batch sequences for + and - (the literal zeta^{r,+}, zeta^{r,-})
+            sel = slice(s, None, 2)
+            part = LowerLevelRule(self.hp.mu, inputs[sel], self.projection)
+            out[sel] = self.trainer.train(inputs[sel], jobs[sel], r, rule=part, lr=lr, steps=H, key=(s,)).params
+        return out
+
+    def run_round(self, r: int) -> dict[str, float]:
+        hp, d = self.hp, self.dim
+        g1, f1_batch = self.server_gradient(r, hp.server_batch_size)  # grad f~1(x^_r, xi_r)
+        metrics = {"server_batch_loss": f1_batch}
+        g = g1.double()
+        if hp.lam > 0:
+            clients = self.sample_clients(r)
+            H = self.steps(r)
+            v = unit_directions(self.seeds, r, self.m, d)[clients]  # drawn for all i (A28), used by S_r
+            fp32 = self.x.element_size()
+            self.send(r, clients, "model+direction", d * fp32 + (d * fp32 if hp.direction_message == "vector" else 8))
+            x_plus, x_minus = self.x + hp.eta * v, self.x - hp.eta * v
+            inputs = torch.stack([x_plus, x_minus], 1).reshape(-1, d)  # job order: (i1,+), (i1,-), (i2,+), ...
+            y = self.solve(r, clients, inputs, H).reshape(len(clients), 2, d)
+            up = 2 * d * fp32 if hp.upload == "models" else 2 * 8
+            self.receive(r, clients, "solutions" if hp.upload == "models" else "penalty_values", up)
+            # f2(x, y_i) = (lambda/2) w_i ||x - y_i||^2 (§IV); the difference as <a - b, a + b> in float64 (A29)
+            a = x_plus.double() - y[:, 0].double()
+            b = x_minus.double() - y[:, 1].double()
+            half_lw = 0.5 * hp.lam * self.w[clients]
+            f_diff = half_lw * ((a - b) * (a + b)).sum(1)
+            gz = zo_gradient(f_diff, torch.zeros_like(f_diff), v.double(), hp.eta).sum(0)
+            scale = self.m / len(clients) if hp.partial == "rescale" else 1.0
+            g = g + scale * gz
+            # A13(b): the penalty estimate from the returned solutions, extrapolated to all clients
+            pen = (half_lw * 0.5 * ((a * a).sum(1) + (b * b).sum(1))).sum() * self.m / len(clients)
+            metrics.update(
+                local_steps=float(H),
+                penalty=float(pen),
+                zo_norm=float(scale * gz.norm()),
+                participants=float(len(clients)),
+            )
+        step = self.server_lr(r) * g
+        self.x = (self.x.double() - step).float()  # x^_{r+1} = x^_r - gamma_r g^_r (Alg. 1 line 8)
+        metrics["step_norm"] = float(step.norm())  # ||gamma_r g^|| (stability diagnostic, A1)
+        self._penalty = metrics.get("penalty", 0.0)
+        return metrics
+
+    def evaluate(self, r: int) -> dict[str, float]:
+        out = super().evaluate(r)
+        out["global_loss"] = out["server_loss"] + getattr(self, "_penalty", 0.0)  # A13: f1 + f2 estimate
+        return out
+
+    def state_dict(self) -> dict:
+        return {"x": self.x, "penalty": float(getattr(self, "_penalty", 0.0))}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.x = state["x"].clone()
+        self._penalty = float(state["penalty"])

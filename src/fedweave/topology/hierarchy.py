@@ -1,0 +1,300 @@
+"""The hierarchical topology: a server with its own data above personalized clients (ZO-HFL, spec zo-hfl).
+
+The training set is split once, from named streams, into the server's share (30% in the paper, uniformly
+at random) and the clients' pool, which the configured partitioner (Dirichlet in the paper) spreads over
+the clients; optionally train and test are first pooled and re-split (the paper's 90/10, spec §4.1).
+Each round a fraction ``participation`` (beta) of the clients is sampled without replacement (spec A20).
+Every message (the model x and direction v_i down, the two lower-level solutions up) goes through the
+ledger with its exact size.
+
+Also here: the mechanics the family shares -- the lower-level rule of Algorithm 2 (proximal term and
+projection onto Y_i(x)), the local-step and step-size schedules, unit directions on the sphere and the
+two-point randomized-smoothing estimator of Lemma 7(i).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from fedweave.algorithms.base import Algorithm, RunContext
+from fedweave.config import ConfigError, check_options
+from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, choose_backend, evaluate
+from fedweave.execution.local import GradFn
+from fedweave.ledger import nbytes
+from fedweave.registry import PARTITIONERS
+from fedweave.seeding import Seeds
+
+# ---- schedules -----------------------------------------------------------------------------------------
+
+
+def local_steps(tau: float, r: int, power: float = 0.5) -> int:
+    """H_{i,r} = floor(tau (r+1)^q), at least 1 (Thm 1(ii): q = 1/2; Remark 3: q >= 1/2; spec A7)."""
+    return max(1, int(np.floor(tau * (r + 1) ** power + 1e-9)))
+
+
+def decaying(c: float, offset: float = 1.0):
+    """The step size schedule t -> c / (t + offset) (client: gamma~_{i,t} = gamma~_i / (t + Gamma), Prop. 1)."""
+
+    def lr(t: int) -> float:
+        return c / (t + offset)
+
+    return lr
+
+
+# ---- the lower-level problem (Algorithm 2) -------------------------------------------------------------
+
+
+class Projection:
+    """Euclidean projection onto Y_i(x); ``centre`` is the lower level's input point x (spec A17)."""
+
+    def __call__(self, w: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
+        return w
+
+
+class BallProjection(Projection):
+    """Y_i(x) = {y : ||y - x|| <= radius}: Pi(z) = x + (z - x) min(1, radius / ||z - x||) (spec §2.3)."""
+
+    def __init__(self, radius: float) -> None:
+        self.radius = float(radius)
+
+    def __call__(self, w: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
+        z = w - centre
+        norm = z.norm(dim=-1, keepdim=True)
+        return centre + z * (self.radius / norm.clamp_min(self.radius))
+
+
+class BoxProjection(Projection):
+    """Y = [low, high]^n (coordinate-wise clipping); ``low=0, high=inf`` is the orthant of example (3)."""
+
+    def __init__(self, low: float, high: float) -> None:
+        if low > high:
+            raise ValueError(f"box projection needs low <= high, got {low} > {high}")
+        self.low, self.high = float(low), float(high)
+
+    def __call__(self, w: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
+        return w.clamp(self.low, self.high)
+
+
+def make_projection(kind: str, radius: float = 1.0, low: float = 0.0, high: float = float("inf")) -> Projection:
+    if kind == "none":
+        return Projection()
+    if kind == "ball":
+        return BallProjection(radius)
+    if kind == "box":
+        return BoxProjection(low, high)
+    raise ConfigError(f"algorithm.constraint must be one of none, ball, box; got {kind!r}")
+
+
+class LowerLevelRule(LocalRule):
+    """Algorithm 2, line 4: y <- Pi_{Y_i(x)}[y - gamma~_t (grad L~_i(y, zeta) + mu (y - x))].
+
+    ``anchors`` holds the input point x of every job, ``(K, P)`` in the job order of ``LocalTrainer.train``
+    (ZO-HFL: x^_r + eta v_i and x^_r - eta v_i), or ``(P,)`` shared by all jobs.
+    """
+
+    def __init__(self, mu: float, anchors: torch.Tensor, projection: Projection | None = None) -> None:
+        if mu < 0:
+            raise ValueError(f"LowerLevelRule: mu must be >= 0, got {mu}")
+        self.mu, self.anchors = float(mu), anchors
+        self.projection = projection or Projection()
+
+    def _anchor(self, jobs: int | torch.Tensor) -> torch.Tensor:
+        return self.anchors if self.anchors.dim() == 1 else self.anchors[jobs]
+
+    def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
+        # grad_y h~_i(x, y, zeta) = grad L~_i(y, zeta) + mu (y - x)   (spec §2.3, x = the perturbed input)
+        return grad(w) + self.mu * (w - self._anchor(jobs))
+
+    def project(self, w: torch.Tensor, jobs: int | torch.Tensor) -> torch.Tensor:
+        return self.projection(w, self._anchor(jobs))
+
+
+# ---- randomized smoothing (Lemma 7) --------------------------------------------------------------------
+
+
+def unit_directions(seeds: Seeds, r: int, clients: int, dim: int) -> torch.Tensor:
+    """v_{i,r} ~ Unif(S^{d-1}) for every client i (Alg. 1 line 3; spec A28), as z/||z||, z ~ N(0, I_d),
+    each from its own stream ``("zo_direction", r, i)``; shape ``(clients, dim)``, float32."""
+    out = torch.empty(clients, dim)
+    for i in range(clients):
+        z = torch.randn(dim, generator=seeds.torch("zo_direction", r, i), dtype=torch.float64)
+        out[i] = (z / z.norm()).float()
+    return out
+
+
+def zo_gradient(f_plus: torch.Tensor, f_minus: torch.Tensor, v: torch.Tensor, eta: float) -> torch.Tensor:
+    """The two-point estimate (n / (2 eta)) (f(x + eta v) - f(x - eta v)) v of grad f^eta(x) (Lemma 7(i),
+    Alg. 1 line 7); ``f_plus``/``f_minus`` of shape ``(K,)``, ``v`` of shape ``(K, n)``; returns ``(K, n)``."""
+    n = v.shape[-1]
+    return (n / (2.0 * eta)) * (f_plus - f_minus).unsqueeze(-1) * v
+
+
+# ---- the data split ------------------------------------------------------------------------------------
+
+
+@dataclass
+class HierarchyData:
+    """Training/test tensors of a hierarchical run and who holds which training sample."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    server: torch.Tensor  # training-set indices held by the server
+    parts: list[np.ndarray]  # per client, training-set indices
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_y)
+
+
+def split_hierarchy(ctx: RunContext, server_share: float, test_fraction: float | None) -> HierarchyData:
+    """Server share, client partition and (optionally) a pooled train/test re-split (spec §4.1, A15).
+
+    Streams: ``test_split`` (the pooled re-split), ``server_split`` (the server's uniform share),
+    ``partition`` (the configured partitioner over the clients' pool).
+    """
+    ds = ctx.dataset
+    if ds.train_users is not None:
+        raise ConfigError(
+            f"dataset {ds.name!r} is naturally federated (per-user samples); the hierarchical family splits "
+            "an unowned training set between server and clients"
+        )
+    train_x, train_y, test_x, test_y = ds.train_x, ds.train_y, ds.test_x, ds.test_y
+    if test_fraction is not None:  # pool the official splits and re-split (the paper's 90/10)
+        x, y = torch.cat([train_x, test_x]), torch.cat([train_y, test_y])
+        perm = torch.as_tensor(ctx.seeds.numpy("test_split").permutation(len(y)))
+        n_test = int(round(test_fraction * len(y)))
+        test_x, test_y = x[perm[:n_test]], y[perm[:n_test]]
+        train_x, train_y = x[perm[n_test:]], y[perm[n_test:]]
+    n = len(train_y)
+    perm = ctx.seeds.numpy("server_split").permutation(n)
+    n_server = int(round(server_share * n))
+    server, pool = np.sort(perm[:n_server]), np.sort(perm[n_server:])
+
+    part = ctx.config.partition
+    fn = PARTITIONERS.get(part.name)
+    opts = dict(part.options)
+    m = opts.pop("num_clients", None)
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        raise ConfigError(f"partition.num_clients must be a positive integer, got {m!r}")
+    opts = check_options(fn, opts, "partition", skip=("labels", "num_clients", "rng", "users"))
+    try:
+        local = fn(train_y[torch.as_tensor(pool)].numpy(), m, ctx.seeds.numpy("partition"), **opts)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"partition (of the clients' {len(pool)} samples): {e}") from e
+    parts = [pool[np.asarray(p, dtype=np.int64)] for p in local]
+    return HierarchyData(train_x, train_y, test_x, test_y, torch.as_tensor(server, dtype=torch.long), parts)
+
+
+# ---- the family's base class ---------------------------------------------------------------------------
+
+
+@dataclass
+class HierarchyHparams:
+    """What every method of the family shares: data split, participation and the local-step schedule."""
+
+    server_share: float = 0.3  # fraction of the training set held by the server (paper §IV)
+    participation: float = 0.9  # beta: fraction of clients sampled per round, k = max(1, round(beta m))
+    test_fraction: float | None = None  # null: the dataset's own test set; 0.1: pool and re-split 90/10
+    tau: float = 20.0  # H_{i,r} = floor(tau (r+1)^q) local steps (Table I: tau = 20)
+    steps_power: float = 0.5  # q
+    local_schedule: Literal["decaying", "constant"] = "decaying"  # local.lr/(t+Gamma) or local.lr
+    local_offset: float = 1.0  # Gamma in gamma~_t = local.lr / (t + Gamma)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.server_share < 1:
+            raise ConfigError(f"algorithm.server_share must be in [0, 1), got {self.server_share}")
+        if not 0 < self.participation <= 1:
+            raise ConfigError(f"algorithm.participation must be in (0, 1], got {self.participation}")
+        if self.test_fraction is not None and not 0 < self.test_fraction < 1:
+            raise ConfigError(f"algorithm.test_fraction must be in (0, 1) or null, got {self.test_fraction}")
+        if self.tau <= 0:
+            raise ConfigError(f"algorithm.tau must be > 0, got {self.tau}")
+        if self.steps_power < 0:
+            raise ConfigError(f"algorithm.steps_power must be >= 0, got {self.steps_power}")
+        if self.local_offset <= 0:
+            raise ConfigError(f"algorithm.local_offset must be > 0, got {self.local_offset}")
+
+
+class HierarchicalAlgorithm(Algorithm):
+    """Shared mechanics: the split, sampling, schedules, ledger messages and global-model evaluation.
+
+    ``jobs_per_client`` is the number of local jobs each participant runs per round (ZO-HFL: 2), so the
+    backend choice (``backend: auto``) sees the real batch width.
+    """
+
+    family = "hierarchical"
+    Hparams = HierarchyHparams
+    jobs_per_client = 1
+
+    def __init__(self, ctx: RunContext, hp: HierarchyHparams) -> None:
+        super().__init__(ctx, hp)
+        self.data = split_hierarchy(ctx, hp.server_share, hp.test_fraction)
+        self.m = len(self.data.parts)
+        self.k = max(1, int(round(hp.participation * self.m)))  # spec A20
+        cfg = ctx.config
+        backend = choose_backend(cfg.backend, ctx.model, self.jobs_per_client * self.k)
+        d = self.data
+        self.trainer = LocalTrainer(ctx.model, d.train_x, d.train_y, d.parts, cfg.local, ctx.seeds, backend=backend)
+        self.layout: ParamLayout = self.trainer.layout
+        self.x = self.layout.flatten()  # the global model x^_r
+        self.sizes = torch.tensor([len(p) for p in d.parts], dtype=torch.float64)
+        self.rho = self.sizes / d.num_train  # rho_i = N_i / N_tr (paper §IV; sums to 1 - server_share)
+        self.server_x, self.server_y = d.train_x[d.server], d.train_y[d.server]
+        self.ledger.store("server", "server_data", nbytes(self.server_x, self.server_y))
+        self._checkpoint = ("x",)
+
+    @property
+    def dim(self) -> int:
+        return self.layout.numel
+
+    @property
+    def backend(self) -> str:
+        return self.trainer.backend
+
+    def sample_clients(self, r: int) -> np.ndarray:
+        """S_r: k clients uniformly without replacement from the ``("client_sampling", r)`` stream."""
+        rng = self.seeds.numpy("client_sampling", r)
+        return np.sort(rng.choice(self.m, self.k, replace=False))
+
+    def steps(self, r: int) -> int:
+        return local_steps(self.hp.tau, r, self.hp.steps_power)
+
+    def local_lr(self):
+        lr = self.config.local.lr
+        return decaying(lr, self.hp.local_offset) if self.hp.local_schedule == "decaying" else lr
+
+    def send(self, r: int, clients: np.ndarray, kind: str, per_client_bytes: int) -> None:
+        """Server -> each client of ``clients``: one message of ``per_client_bytes``."""
+        self.ledger.record(r, "server", "client", kind, len(clients) * per_client_bytes, len(clients))
+
+    def receive(self, r: int, clients: np.ndarray, kind: str, per_client_bytes: int) -> None:
+        """Each client of ``clients`` -> server: one message of ``per_client_bytes``."""
+        self.ledger.record(r, "client", "server", kind, len(clients) * per_client_bytes, len(clients))
+
+    def server_batch(self, r: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """xi_r: a mini-batch of the server's data from the ``("server_batches", r)`` stream."""
+        n = len(self.server_y)
+        idx = torch.as_tensor(self.seeds.numpy("server_batches", r).choice(n, min(size, n), replace=False))
+        return self.server_x[idx], self.server_y[idx]
+
+    def server_gradient(self, r: int, size: int) -> tuple[torch.Tensor, float]:
+        """grad f~1(x^_r, xi_r) and the batch loss (the server's "pre-training" loss, eq. (1))."""
+        xb, yb = self.server_batch(r, size)
+        w = self.x.detach().clone().requires_grad_(True)
+        loss = self.trainer.loss_fn(self.layout.functional(w, xb), yb)
+        (g,) = torch.autograd.grad(loss, w)
+        return g, float(loss.detach())
+
+    def evaluate(self, r: int) -> dict[str, float]:
+        bs = self.config.eval.batch_size
+        d = self.data
+        acc, loss = evaluate(self.layout, self.x, d.test_x, d.test_y, bs)
+        _, f1 = evaluate(self.layout, self.x, self.server_x, self.server_y, bs)
+        _, train = evaluate(self.layout, self.x, d.train_x, d.train_y, bs)
+        return {"test_accuracy": acc, "test_loss": loss, "server_loss": f1, "train_loss_all": train}

@@ -1,0 +1,190 @@
+"""The hierarchical topology and ZO-HFL on a tiny fixture dataset: the data split, the ledger, identities
+of the algorithm (lambda = 0 is server SGD, CRN pairs), backend equivalence, resume and config errors."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import fedweave.algorithms  # noqa: F401  (families first: topology modules import the algorithm base)
+from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.config import ConfigError, load
+from fedweave.data.base import Dataset
+from fedweave.registry import DATASETS
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny tensors: intra-op threads only add latency (50x on a busy 2-core machine)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _toy_hier(n_train: int = 600, n_test: int = 200, side: int = 4, classes: int = 3) -> Dataset:
+    """Test fixture (synthetic): labels are the argmax of a fixed random linear map of Gaussian images."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(n_train + n_test, 1, side, side, generator=g)
+    y = (x.flatten(1) @ torch.randn(side * side, classes, generator=g)).argmax(1)
+    return Dataset("_toy_hier", x[:n_train], y[:n_train], x[n_train:], y[n_train:], classes, (1, side, side))
+
+
+if "_toy_hier" not in DATASETS._items:
+    DATASETS.register("_toy_hier")(_toy_hier)
+
+
+def _config(**algo) -> dict:
+    return {
+        "name": "hier",
+        "seed": 2,
+        "rounds": 3,
+        "backend": algo.pop("backend", "loop"),
+        "dataset": {"name": "_toy_hier"},
+        "partition": {"name": "dirichlet", "num_clients": 6, "alpha": 1.0, "min_size": 10},
+        "model": {"name": "logistic", "bias": False, "init": "zeros"},
+        "algorithm": {"name": "zo_hfl", "tau": 2, "participation": 0.5, "server_batch_size": 16, **algo},
+        "local": {"batch_size": 8, "lr": 0.1},
+        "output": {"progress": False, "plots": False},
+    }
+
+
+def _build(**algo):
+    return build_algorithm(RunContext(load(_config(**algo))))
+
+
+def test_split_server_share_and_client_pool():
+    a = _build(server_share=0.3)
+    d = a.data
+    server = set(d.server.tolist())
+    clients = [set(p.tolist()) for p in d.parts]
+    assert len(server) == round(0.3 * 600)
+    assert all(not (server & c) for c in clients)
+    assert set().union(*clients) | server == set(range(600))  # dirichlet keeps every pool sample
+    assert sum(map(len, clients)) == 600 - 180 and min(map(len, clients)) >= 10
+    assert float(a.rho.sum()) == pytest.approx(0.7)  # rho_i = N_i / N_tr, N_tr includes the server (spec A2)
+    assert a.k == 3 and len(a.sample_clients(0)) == 3
+    # pooled 90/10 re-split (paper §IV)
+    b = _build(test_fraction=0.1)
+    assert len(b.data.test_y) == 80 and len(b.data.train_y) == 720 and len(b.data.server) == 216
+
+
+@pytest.mark.parametrize(
+    ("message", "upload", "down", "up"),
+    [
+        ("vector", "models", 2 * 48 * 4, 2 * 48 * 4),
+        ("seed", "models", 48 * 4 + 8, 2 * 48 * 4),
+        ("vector", "values", 2 * 48 * 4, 16),
+    ],
+)
+def test_ledger_bytes_per_round_match_the_formula(message, upload, down, up):
+    # spec §7: down x^_r and v_i (or a seed), up y^+ and y^- (or two float64 penalty values), per participant
+    a = _build(direction_message=message, upload=upload)
+    assert a.dim == 16 * 3
+    for r in range(2):
+        a.run_round(r)
+        assert a.ledger.bytes("down", round=r) == a.k * down
+        assert a.ledger.bytes("up", round=r) == a.k * up
+    assert a.ledger.count(kind="model+direction") == 2 * a.k
+
+
+def test_lambda_zero_is_sgd_on_the_server_data_and_contacts_no_client():
+    a = _build(lam=0.0, server_lr=0.5)
+    x = a.x.clone()
+    for r in range(3):
+        xb, yb = a.server_batch(r, 16)
+        w = x.clone().requires_grad_(True)
+        loss = torch.nn.functional.cross_entropy(xb.flatten(1) @ w.view(3, 16).T, yb)
+        (g,) = torch.autograd.grad(loss, w)
+        x = x - 0.5 / (r + 1) ** 0.5 * g  # gamma_r = gamma_0 / sqrt(r+1)
+        a.run_round(r)
+    assert torch.allclose(a.x, x, atol=1e-6)
+    assert a.ledger.bytes() == 0
+
+
+def test_crn_pairs_share_batches_and_the_zo_term_uses_them():
+    a = _build(crn=True)
+    same = torch.zeros(4, a.dim)  # two clients, identical + and - inputs
+    out = a.solve(0, np.array([1, 4]), same, H=3)
+    assert torch.equal(out[0], out[1]) and torch.equal(out[2], out[3])
+    assert not torch.equal(out[0], out[2])
+    b = _build(crn=False)
+    out = b.solve(0, np.array([1, 4]), same, H=3)
+    assert not torch.equal(out[0], out[1])
+
+
+def test_zo_step_matches_a_hand_computation():
+    a = _build(lam=4.0, eta=0.2, server_lr=0.3)
+    r, x0 = 0, a.x.clone()
+    clients = a.sample_clients(r)
+    g1, _ = a.server_gradient(r, 16)
+    from fedweave.topology.hierarchy import unit_directions
+
+    v = unit_directions(a.seeds, r, a.m, a.dim)[clients]
+    inputs = torch.stack([x0 + 0.2 * v, x0 - 0.2 * v], 1).reshape(-1, a.dim)
+    y = a.solve(r, clients, inputs, a.steps(r)).reshape(len(clients), 2, a.dim)
+    g = g1.double()
+    for j, i in enumerate(clients):
+        fp = 2.0 * a.rho[i] * ((inputs[2 * j] - y[j, 0]).double() ** 2).sum()  # (lam/2) rho_i ||x - y||^2
+        fm = 2.0 * a.rho[i] * ((inputs[2 * j + 1] - y[j, 1]).double() ** 2).sum()
+        g = g + a.dim / (2 * 0.2) * (fp - fm) * v[j].double()
+    a.run_round(r)
+    assert torch.allclose(a.x.double(), x0.double() - 0.3 * g, atol=1e-5)
+
+
+def test_loop_and_vmap_backends_agree_and_auto_picks_vmap():
+    a, b = _build(backend="loop"), _build(backend="vmap")
+    assert _build(backend="auto").backend == "vmap"  # softmax regression, 2 x 3 jobs per call
+    assert _build(backend="auto", participation=0.2).backend == "loop"  # 1 client: 2 jobs, a loop wins
+    for r in range(3):
+        ma, mb = a.run_round(r), b.run_round(r)
+        assert ma["penalty"] == pytest.approx(mb["penalty"], rel=1e-4)
+    assert torch.allclose(a.x, b.x, atol=1e-5)
+
+
+def test_resume_from_state_dict_continues_identically():
+    a = _build()
+    for r in range(3):
+        a.run_round(r)
+    b = _build()
+    b.run_round(0)
+    buf = io.BytesIO()
+    torch.save(b.state_dict(), buf)
+    buf.seek(0)
+    c = _build()
+    c.load_state_dict(torch.load(buf, weights_only=True))
+    for r in (1, 2):
+        c.run_round(r)
+    assert torch.equal(a.x, c.x)
+
+
+def test_run_end_to_end_writes_metrics(tmp_path):
+    from fedweave.runner import run
+
+    cfg = _config()
+    cfg["output"]["dir"] = str(tmp_path / "run")
+    res = run(load(cfg))
+    last = res.metrics[-1]
+    for key in ("test_accuracy", "server_loss", "global_loss", "penalty", "step_norm", "local_steps"):
+        assert np.isfinite(last[key])
+    assert last["local_steps"] == 2 * 3**0.5 // 1  # H_2 = floor(2 sqrt(3))
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"participation": 0.0}, "algorithm.participation"),
+        ({"server_share": 1.0}, "algorithm.server_share"),
+        ({"eta": 0.0}, "algorithm.eta"),
+        ({"lam": -1.0}, "algorithm.lam"),
+        ({"constraint": "disk"}, "algorithm.constraint"),
+        ({"lamda": 1.0}, "algorithm.lamda"),
+        ({"tau": 0}, "algorithm.tau"),
+    ],
+)
+def test_bad_options_name_the_key(options, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        _build(**options)
