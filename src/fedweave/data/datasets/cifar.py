@@ -15,7 +15,15 @@ import numpy as np
 
 from fedweave.data import sources
 from fedweave.data.base import Dataset
-from fedweave.data.datasets._common import as_tensors, head, opt_bool, opt_choice, opt_int, reject_unknown
+from fedweave.data.datasets._common import (
+    as_tensors,
+    head,
+    open_maybe_gz,
+    opt_bool,
+    opt_choice,
+    opt_int,
+    reject_unknown,
+)
 from fedweave.registry import DATASETS
 
 try:  # numpy >= 2 moved the core modules; the old names still appear inside pickles
@@ -71,7 +79,7 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 def restricted_load(path: str | Path) -> Any:
     """Load one pickle file with :class:`RestrictedUnpickler` (``encoding='bytes'`` for Python 2 pickles)."""
-    with open(path, "rb") as f:
+    with open_maybe_gz(Path(path), "rb") as f:
         return RestrictedUnpickler(f, source=str(path), encoding="bytes").load()
 
 
