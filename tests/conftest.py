@@ -10,6 +10,10 @@ from torch import nn
 from fedweave.data.base import Dataset
 from fedweave.registry import DATASETS, MODELS
 
+# Test workloads are tiny: one intra-op thread is as fast and avoids thread oversubscription when several
+# processes share the cores.
+torch.set_num_threads(1)
+
 
 def make_toy(n_train: int = 1200, n_test: int = 300, side: int = 6, classes: int = 4, seed: int = 0) -> Dataset:
     """Linearly separable-ish images: labels are the argmax of a fixed random linear map (test fixture)."""
