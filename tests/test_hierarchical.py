@@ -53,7 +53,12 @@ def _config(**algo) -> dict:
 
 
 def _build(**algo):
-    return build_algorithm(RunContext(load(_config(**algo))))
+    name = algo.pop("name", "zo_hfl")
+    cfg = _config(**algo)
+    cfg["algorithm"]["name"] = name
+    if name != "zo_hfl":
+        cfg["algorithm"].pop("server_batch_size")
+    return build_algorithm(RunContext(load(cfg)))
 
 
 def test_split_server_share_and_client_pool():
@@ -188,3 +193,46 @@ def test_run_end_to_end_writes_metrics(tmp_path):
 def test_bad_options_name_the_key(options, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         _build(**options)
+
+
+# ---- the baselines in the same server-data setting ----------------------------------------------------------
+
+
+def test_baselines_ledger_and_fedprox_mu_zero_is_fedavg():
+    avg, prox = _build(name="hier_fedavg"), _build(name="hier_fedprox", mu=0.0)
+    scaf = _build(name="hier_scaffold")
+    for r in range(2):
+        avg.run_round(r), prox.run_round(r), scaf.run_round(r)
+    assert torch.allclose(avg.x, prox.x, atol=1e-6)
+    d = avg.dim * 4
+    assert avg.ledger.bytes("down") == avg.ledger.bytes("up") == 2 * avg.k * d
+    assert scaf.ledger.bytes("down") == scaf.ledger.bytes("up") == 2 * scaf.k * 2 * d  # x and c / dy and dc
+
+
+def test_fedavg_round_is_the_sample_weighted_mean_of_local_solves():
+    a = _build(name="hier_fedavg", tau=3)
+    clients = a.sample_clients(0)
+    local = a.trainer.train(a.x, clients, 0, lr=a.local_lr(), steps=3)
+    p = a.sizes[clients] / a.sizes[clients].sum()
+    a.run_round(0)
+    assert torch.allclose(a.x, p.float() @ local.params, atol=1e-6)
+
+
+def test_scaffold_option_ii_with_the_step_schedule():
+    a = _build(name="hier_scaffold", tau=3)
+    clients = a.sample_clients(0)
+    local = a.trainer.train(a.x, clients, 0, lr=a.local_lr(), steps=3)
+    a.run_round(0)  # c = c_i = 0: local steps are plain SGD, x <- x + mean(dy)
+    assert torch.allclose(a.x, local.params.mean(0), atol=1e-6)
+    lr_sum = 0.1 * (1 + 1 / 2 + 1 / 3)  # sum_k 0.1 / (k + 1)
+    assert torch.allclose(a.store["c"][clients], -local.params / lr_sum, atol=1e-4)  # (x - y_i)/sum eta, x = 0
+    assert torch.allclose(a.c, a.store["c"][clients].sum(0) / a.m, atol=1e-6)
+
+
+def test_server_as_client_trains_on_the_server_share_without_traffic():
+    a = _build(name="hier_fedavg", server_data="client")
+    clients, jobs = a.participants(0)
+    assert jobs[-1] == a.server_job and len(jobs) == a.k + 1
+    assert set(a.trainer.parts[a.server_job].tolist()) == set(a.data.server.tolist())
+    a.run_round(0)
+    assert a.ledger.count(kind="model") == 2 * a.k  # the server's own job sends nothing

@@ -205,6 +205,7 @@ class HierarchyHparams:
     steps_power: float = 0.5  # q
     local_schedule: Literal["decaying", "constant"] = "decaying"  # local.lr/(t+Gamma) or local.lr
     local_offset: float = 1.0  # Gamma in gamma~_t = local.lr / (t + Gamma)
+    eval_train_loss: bool = False  # also log the cross-entropy of x on the whole training set (A13(c))
 
     def __post_init__(self) -> None:
         if not 0 <= self.server_share < 1:
@@ -240,10 +241,14 @@ class HierarchicalAlgorithm(Algorithm):
         cfg = ctx.config
         backend = choose_backend(cfg.backend, ctx.model, self.jobs_per_client * self.k)
         d = self.data
-        self.trainer = LocalTrainer(ctx.model, d.train_x, d.train_y, d.parts, cfg.local, ctx.seeds, backend=backend)
+        # trainer data index m is the server's own share (a baseline control trains on it as a client)
+        jobs = [*d.parts, d.server.numpy()]
+        self.server_job = self.m
+        self.trainer = LocalTrainer(ctx.model, d.train_x, d.train_y, jobs, cfg.local, ctx.seeds, backend=backend)
         self.layout: ParamLayout = self.trainer.layout
         self.x = self.layout.flatten()  # the global model x^_r
-        self.sizes = torch.tensor([len(p) for p in d.parts], dtype=torch.float64)
+        self.job_sizes = torch.tensor([len(p) for p in jobs], dtype=torch.float64)
+        self.sizes = self.job_sizes[: self.m]
         self.rho = self.sizes / d.num_train  # rho_i = N_i / N_tr (paper §IV; sums to 1 - server_share)
         self.server_x, self.server_y = d.train_x[d.server], d.train_y[d.server]
         self.ledger.store("server", "server_data", nbytes(self.server_x, self.server_y))
@@ -284,7 +289,10 @@ class HierarchicalAlgorithm(Algorithm):
         return self.server_x[idx], self.server_y[idx]
 
     def server_gradient(self, r: int, size: int) -> tuple[torch.Tensor, float]:
-        """grad f~1(x^_r, xi_r) and the batch loss (the server's "pre-training" loss, eq. (1))."""
+        """grad f~1(x^_r, xi_r) and the batch loss (the server's "pre-training" loss, eq. (1)); zero without
+        server data (``server_share: 0``, f1 = 0)."""
+        if len(self.server_y) == 0:
+            return torch.zeros_like(self.x), 0.0
         xb, yb = self.server_batch(r, size)
         w = self.x.detach().clone().requires_grad_(True)
         loss = self.trainer.loss_fn(self.layout.functional(w, xb), yb)
@@ -295,6 +303,9 @@ class HierarchicalAlgorithm(Algorithm):
         bs = self.config.eval.batch_size
         d = self.data
         acc, loss = evaluate(self.layout, self.x, d.test_x, d.test_y, bs)
-        _, f1 = evaluate(self.layout, self.x, self.server_x, self.server_y, bs)
-        _, train = evaluate(self.layout, self.x, d.train_x, d.train_y, bs)
-        return {"test_accuracy": acc, "test_loss": loss, "server_loss": f1, "train_loss_all": train}
+        out = {"test_accuracy": acc, "test_loss": loss}
+        if len(self.server_y):
+            out["server_loss"] = evaluate(self.layout, self.x, self.server_x, self.server_y, bs)[1]  # f1(x^_r)
+        if self.hp.eval_train_loss:
+            out["train_loss_all"] = evaluate(self.layout, self.x, d.train_x, d.train_y, bs)[1]
+        return out

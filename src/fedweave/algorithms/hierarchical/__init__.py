@@ -1,3 +1,3 @@
 """Hierarchical / bilevel FL: a server with its own data above personalized clients (ZO-HFL and baselines)."""
 
-from fedweave.algorithms.hierarchical import zo_hfl  # noqa: F401
+from fedweave.algorithms.hierarchical import baselines, zo_hfl  # noqa: F401

@@ -136,7 +136,7 @@ class ZOHFL(HierarchicalAlgorithm):
 
     def evaluate(self, r: int) -> dict[str, float]:
         out = super().evaluate(r)
-        out["global_loss"] = out["server_loss"] + getattr(self, "_penalty", 0.0)  # A13: f1 + f2 estimate
+        out["global_loss"] = out.get("server_loss", 0.0) + getattr(self, "_penalty", 0.0)  # A13: f1 + f2 estimate
         return out
 
     def state_dict(self) -> dict:

@@ -1,0 +1,139 @@
+"""ZO-HFL's baselines in the same server-data setting: FedAvg, FedProx, SCAFFOLD (spec zo-hfl §5, A11, A12).
+
+Same split as ZO-HFL (the server's share set aside, the clients' pool partitioned), same participation,
+same local-step count H_{i,r} = floor(tau sqrt(r+1)) and local schedule gamma~_t = local.lr / (t + Gamma).
+By default the server's share is unused, as the paper's baselines presumably did (A12, primary setting);
+``server_data: client`` adds the server as an extra client that trains on its share every round (the control
+of A12). ``steps_factor: 2`` gives the compute-matched variant (2 H_{i,r} steps, ZO-HFL's two solves; A11).
+
+    FedAvg:   y_i = H steps of SGD from x;  x <- sum_i N_i y_i / sum_i N_i                  (McMahan et al.)
+    FedProx:  the same on L_i(y) + (mu/2)||y - x||^2                                         (Li et al., eq. 2)
+    SCAFFOLD: steps along grad - c_i + c; c_i+ = c_i - c + (x - y_i) / sum_k eta_k (option II);
+              x <- x + mean_i (y_i - x), c <- c + (1/m) sum_i (c_i+ - c_i)                (Karimireddy et al.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from fedweave.algorithms.centralized.fedprox import ProxRule
+from fedweave.algorithms.centralized.scaffold import ScaffoldRule
+from fedweave.config import ConfigError
+from fedweave.execution import LocalRule, StateStore
+from fedweave.execution.local import PLAIN
+from fedweave.ledger import nbytes
+from fedweave.registry import ALGORITHMS
+from fedweave.topology.hierarchy import HierarchicalAlgorithm, HierarchyHparams
+
+
+@dataclass
+class BaselineHparams(HierarchyHparams):
+    server_data: Literal["none", "client"] = "none"  # the server's share: unused, or an always-on client (A12)
+    steps_factor: int = 1  # local steps per round = steps_factor * H_{i,r} (2: compute-matched with ZO-HFL)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.steps_factor < 1:
+            raise ConfigError(f"algorithm.steps_factor must be >= 1, got {self.steps_factor}")
+
+
+@dataclass
+class ProxHparams(BaselineHparams):
+    mu: float = 0.1  # mu_p = ZO-HFL's lower-level mu (spec §5)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mu < 0:
+            raise ConfigError(f"algorithm.mu must be >= 0, got {self.mu}")
+
+
+class _Baseline(HierarchicalAlgorithm):
+    """Model-averaging baselines on the hierarchical split."""
+
+    Hparams = BaselineHparams
+
+    def participants(self, r: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the round's sampled clients, the training jobs: those clients plus the server's job if any)."""
+        clients = self.sample_clients(r)
+        jobs = np.append(clients, self.server_job) if self.hp.server_data == "client" else clients
+        return clients, jobs
+
+    def local_train(self, r: int, jobs: np.ndarray, rule: LocalRule):
+        return self.trainer.train(self.x, jobs, r, rule=rule, lr=self.local_lr(), steps=self.round_steps(r))
+
+    def round_steps(self, r: int) -> int:
+        return self.hp.steps_factor * self.steps(r)
+
+    def step_sizes_sum(self, r: int) -> float:
+        lr, H = self.local_lr(), self.round_steps(r)
+        return sum(self.trainer.step_lr(lr, t) for t in range(H))
+
+    def sample_weights(self, jobs: np.ndarray) -> torch.Tensor:
+        w = self.job_sizes[torch.as_tensor(jobs)].float()
+        return w / w.sum()
+
+
+class _Averaging(_Baseline):
+    def rule(self) -> LocalRule:
+        return PLAIN
+
+    def run_round(self, r: int) -> dict[str, float]:
+        clients, jobs = self.participants(r)
+        self.send(r, clients, "model", nbytes(self.x))
+        local = self.local_train(r, jobs, self.rule())
+        self.receive(r, clients, "model", nbytes(self.x))
+        p = self.sample_weights(jobs)
+        self.x = p @ local.params  # x <- sum_i (N_i / sum_j N_j) y_i
+        return {"train_loss": float(p @ local.loss), "local_steps": float(self.round_steps(r))}
+
+
+@ALGORITHMS.register("hier_fedavg")
+class HierFedAvg(_Averaging):
+    name = "hier_fedavg"
+
+
+@ALGORITHMS.register("hier_fedprox")
+class HierFedProx(_Averaging):
+    name = "hier_fedprox"
+    Hparams = ProxHparams
+
+    def rule(self) -> LocalRule:
+        return ProxRule(self.hp.mu, self.x)
+
+
+@ALGORITHMS.register("hier_scaffold")
+class HierScaffold(_Baseline):
+    name = "hier_scaffold"
+
+    def __init__(self, ctx, hp: BaselineHparams) -> None:
+        super().__init__(ctx, hp)
+        self.c = torch.zeros_like(self.x)  # server control variate c
+        self.store = StateStore(self.m + 1)  # c_i of every client (+ the server's job)
+        self.store.create("c", self.dim)
+        self.ledger.store("server", "control_variate", nbytes(self.c))
+        self.ledger.store("client", "control_variate", nbytes(self.c))
+
+    def run_round(self, r: int) -> dict[str, float]:
+        clients, jobs = self.participants(r)
+        c_i = self.store["c"][torch.as_tensor(jobs)]
+        self.send(r, clients, "model+control", 2 * nbytes(self.x))
+        local = self.local_train(r, jobs, ScaffoldRule(c_i, self.c))
+        # option II with a step schedule: (x - y_i) / sum_k eta_k (spec §5)
+        c_new = c_i - self.c + (self.x - local.params) / self.step_sizes_sum(r)
+        dy, dc = local.params - self.x, c_new - c_i
+        self.receive(r, clients, "update+control_delta", 2 * nbytes(self.x))
+        self.store["c"][torch.as_tensor(jobs)] = c_new
+        self.x = self.x + dy.mean(0)  # eta_g = 1, uniform mean over the round's clients
+        self.c = self.c + dc.sum(0) / (self.m + (self.hp.server_data == "client"))
+        return {"train_loss": float(local.loss.mean()), "local_steps": float(self.round_steps(r))}
+
+    def state_dict(self) -> dict:
+        return {"x": self.x, "c": self.c, "c_i": self.store["c"].clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.x, self.c = state["x"].clone(), state["c"].clone()
+        self.store["c"].copy_(state["c_i"])
