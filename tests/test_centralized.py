@@ -1,0 +1,344 @@
+"""The centralized family: FedMIM's identities and special cases, known optima, byte formulas, backends."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fedweave
+from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.algorithms.centralized import fedmim as fedmim_mod
+from fedweave.algorithms.centralized.fedadam import FedOpt, FedOptHparams
+from fedweave.algorithms.centralized.fedmim import MIMRule
+from fedweave.algorithms.centralized.fedprox import ProxRule
+from fedweave.algorithms.centralized.scaffold import ScaffoldRule, option_ii
+from fedweave.config import ConfigError, load
+from fedweave.data.base import Dataset
+from fedweave.registry import DATASETS, MODELS, PARTITIONERS
+from fedweave.runner import run as run_config
+from fedweave.topology.star import local_consistency, regularized
+from tests.conftest import make_toy
+
+# ---- fixtures: a small classification toy and a federated least-squares problem (test data) ----------
+if "_toy_central" not in DATASETS._items:
+    DATASETS.register("_toy_central")(lambda: make_toy(n_train=480, n_test=120, seed=5))
+
+N_Q, M_Q, D_Q = 4, 40, 3  # clients, samples per client, features of the least-squares toy
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one intra-op thread is fastest and immune to a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _quad_data() -> Dataset:
+    """Client i: features scaled by (i+2)/3 and its own linear target map, so the client Hessians and
+    optima differ (heterogeneity). Integer targets, since labels are int64."""
+    g = torch.Generator().manual_seed(7)
+    xs, ys = [], []
+    for i in range(N_Q):
+        a = torch.randn(M_Q, D_Q, generator=g) * (i + 2) / 3
+        w = torch.randn(D_Q, generator=g) * 2
+        xs.append(a)
+        ys.append((a @ w).round().long())
+    x, y = torch.cat(xs), torch.cat(ys)
+    return Dataset("_quad_central", x, y, x[:4], y[:4], 1, (D_Q,))
+
+
+if "_quad_central" not in DATASETS._items:
+    DATASETS.register("_quad_central")(_quad_data)
+if "_quad_lin" not in MODELS._items:
+    MODELS.register("_quad_lin")(lambda input_shape, num_classes: nn.Linear(input_shape[0], 1, bias=False))
+if "_blocks" not in PARTITIONERS._items:
+
+    @PARTITIONERS.register("_blocks")
+    def _blocks(labels, num_clients, rng, *, users=None):
+        return list(np.array_split(np.arange(len(labels)), num_clients))
+
+
+def _cfg(alg: str, rounds: int = 3, backend: str = "loop", local: dict | None = None, **opts) -> dict:
+    return {
+        "name": "t",
+        "seed": 4,
+        "rounds": rounds,
+        "backend": backend,
+        "dataset": {"name": "_toy_central"},
+        "partition": {"name": "_blocks", "num_clients": 8},
+        "model": {"name": "logistic"},
+        "algorithm": {"name": alg, "clients_per_round": 3, **opts},
+        "local": local or {"steps": 4, "batch_size": 16, "lr": 0.2, "weight_decay": 1e-2, "grad_clip": 1.0},
+        "output": {"progress": False, "plots": False},
+    }
+
+
+def _algo(cfg: dict):
+    return build_algorithm(RunContext(load(cfg)))
+
+
+def _rounds(algo, n: int, start: int = 0) -> torch.Tensor:
+    for r in range(start, start + n):
+        algo.run_round(r)
+    return algo.x
+
+
+# ---- FedMIM special cases (spec 2.3, 9.3 items 3-5) -------------------------------------------------
+@pytest.mark.parametrize("opts", [{"alpha": [0.0, 0.0], "beta": [0.0, 0.0]}, {"alpha": [], "beta": []}])
+def test_fedmim_without_momentum_is_fedavg_bit_for_bit(opts):
+    base = _rounds(_algo(_cfg("fedavg")), 3)
+    mim = _rounds(_algo(_cfg("fedmim", **opts)), 3)
+    assert torch.equal(base, mim)
+
+
+def test_fedmim_j1_beta0_is_fedcm():
+    local = {"steps": 4, "batch_size": 16, "lr": 0.2, "weight_decay": 1e-2}  # constant lr (spec A8)
+    cm = _rounds(_algo(_cfg("fedcm", local=local, alpha=0.1)), 4)
+    mim = _rounds(_algo(_cfg("fedmim", local=local, alpha=[0.9], beta=[0.0])), 4)
+    torch.testing.assert_close(cm, mim, rtol=1e-5, atol=1e-6)
+    fedavg = _rounds(_algo(_cfg("fedavg", local=local)), 4)
+    assert (cm - fedavg).abs().max() > 1e-3  # the momentum mattered
+
+
+def test_fedmim_round_zero_is_fedavg_with_lr_A_eta():
+    local = {"steps": 4, "batch_size": 16, "lr": 0.2, "weight_decay": 1e-2}
+    mim = _rounds(_algo(_cfg("fedmim", local=local, rounds=1)), 1)
+    avg = _rounds(_algo(_cfg("fedavg", local={**local, "lr": 0.2 * (1 - 0.6 - 0.3)}, rounds=1)), 1)
+    torch.testing.assert_close(mim, avg, rtol=1e-6, atol=1e-7)
+
+
+class _Recording(MIMRule):
+    """MIMRule that also sums each job's gradients g_{i,k} (for the lemma checks)."""
+
+    sums: dict[int, torch.Tensor] = {}
+
+    def direction(self, w, grad, jobs):
+        g = regularized(grad, self.weight_decay, self.grad_clip)(w - self.m_beta)
+        _Recording.sums[jobs] = _Recording.sums.get(jobs, 0) + g
+        return self.m_alpha / self.lr + self.A * g
+
+
+def test_fedmim_lemmas_5_and_6_hold(monkeypatch):
+    monkeypatch.setattr(fedmim_mod, "MIMRule", _Recording)
+    alpha, beta = [0.6, 0.3], [0.9, 0.1]
+    local = {"steps": 5, "batch_size": 16, "lr": 0.1, "lr_decay": 0.9}
+    algo = _algo(_cfg("fedmim", local=local, alpha=alpha, beta=beta, weighting="uniform"))
+    A, K, S = 0.1, 5, 3
+    c = torch.tensor([sum(alpha[j:]) for j in range(2)])
+
+    def u(hist):  # Lemma 5's auxiliary sequence, hist[j] = x_{t-j}
+        return hist[0] + sum(c[j] * (hist[j] - hist[j + 1]) for j in range(2)) / A
+
+    for r in range(5):
+        _Recording.sums = {}
+        hist, d_old = algo.history.clone(), algo.deltas()
+        algo.run_round(r)
+        gsum = sum(_Recording.sums.values())  # sum over clients and steps
+        lr = 0.1 * 0.9**r
+        # Lemma 6 (Eq. 19-20): delta_{t+1} = A (eta/(S K)) sum g + sum_j alpha_j delta_{t-j}
+        lhs = (hist[0] - algo.x) / K
+        rhs = A * lr / (S * K) * gsum + alpha[0] * d_old[0] + alpha[1] * d_old[1]
+        torch.testing.assert_close(lhs, rhs, rtol=1e-4, atol=1e-7)
+        # Lemma 5 (Eq. 15-17): u_{t+1} = u_t - (eta/S) sum g
+        torch.testing.assert_close(u(algo.history), u(hist) - lr / S * gsum, rtol=1e-4, atol=1e-6)
+    assert algo.deltas().abs().max() > 0
+
+
+def test_fedmim_history_is_kept_on_the_server():
+    algo = _algo(_cfg("fedmim"))
+    xs = [algo.x.clone()]
+    for r in range(3):
+        algo.run_round(r)
+        xs.append(algo.x.clone())
+    torch.testing.assert_close(algo.history, torch.stack([xs[3], xs[2], xs[1]]))
+    torch.testing.assert_close(algo.deltas()[0], (xs[2] - xs[3]) / 4)  # K = local.steps
+
+
+@pytest.mark.parametrize(
+    "opts,key",
+    [
+        ({"alpha": [0.6, 0.5], "beta": [0.9, 0.1]}, "algorithm.alpha must sum"),
+        ({"alpha": [-0.1, 0.3], "beta": [0.9, 0.1]}, "algorithm.alpha[0]"),
+        ({"alpha": [0.6], "beta": [0.9, 0.1]}, "same length"),
+        ({"beta": [0.9, -0.1]}, "algorithm.beta[1]"),
+        ({"downlink": "carrier_pigeon"}, "algorithm.downlink"),
+    ],
+)
+def test_fedmim_rejects_bad_hyperparameters(opts, key):
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        _algo(_cfg("fedmim", **opts))
+
+
+# ---- a federated least-squares problem with a known optimum -------------------------------------------
+def _quad_cfg(alg: str, **opts) -> dict:
+    return {
+        "name": "q",
+        "seed": 0,
+        "rounds": 1,
+        "backend": "vmap",
+        "dataset": {"name": "_quad_central"},
+        "partition": {"name": "_blocks", "num_clients": N_Q},
+        "model": {"name": "_quad_lin"},
+        "algorithm": {"name": alg, "clients_per_round": N_Q, "weighting": "uniform", **opts},
+        "local": {"steps": 5, "batch_size": M_Q, "lr": 0.1},  # full-batch gradient descent
+        "output": {"progress": False, "plots": False},
+    }
+
+
+def _squared(out, y, mask=None):
+    err = 0.5 * (out.squeeze(-1) - y.to(out.dtype)) ** 2
+    if mask is None:
+        return err.mean()
+    m = mask.to(err.dtype)
+    return (err * m).sum() / m.sum().clamp_min(1.0)
+
+
+def _quad_optimum() -> torch.Tensor:
+    ds = _quad_data()
+    a, y = ds.train_x.double(), ds.train_y.double()  # balanced clients: pooled least squares
+    return torch.linalg.lstsq(a, y.unsqueeze(1)).solution.squeeze(1).float()
+
+
+QUAD_ROUNDS = 40
+
+
+@pytest.fixture(scope="module")
+def quad_final() -> dict[str, float]:
+    """Relative distance to the optimum after QUAD_ROUNDS rounds, full participation, 5 local GD steps."""
+    opt = _quad_optimum()
+    out = {}
+    for alg, opts in [("fedavg", {}), ("scaffold", {}), ("feddyn", {"alpha": 1.0}), ("fedmim", {})]:
+        algo = _algo(_quad_cfg(alg, **opts))
+        algo.trainer.loss_fn = _squared
+        x = _rounds(algo, QUAD_ROUNDS)
+        out[alg] = float((x - opt).norm() / opt.norm())
+    return out
+
+
+def test_scaffold_and_feddyn_reach_the_optimum_where_fedavg_drifts(quad_final):
+    assert quad_final["fedavg"] > 1e-2, quad_final  # client drift: a biased fixed point
+    assert quad_final["scaffold"] < 1e-4, quad_final
+    assert quad_final["feddyn"] < 1e-4, quad_final
+    assert quad_final["fedmim"] < quad_final["fedavg"], quad_final  # its fixed point is FedAvg at lr A eta
+
+
+# ---- ledger bytes per round (spec §7) -------------------------------------------------------------------
+D_TOY = (36 + 1) * 4  # logistic on 6x6 inputs, 4 classes
+
+
+@pytest.mark.parametrize(
+    "alg,opts,down,up",
+    [
+        ("fedavg", {}, 1, 1),
+        ("fedprox", {}, 1, 1),
+        ("fedsam", {}, 1, 1),
+        ("fedadam", {}, 1, 1),
+        ("feddyn", {}, 1, 1),
+        ("fedcm", {}, 2, 1),
+        ("mofedsam", {}, 2, 1),
+        ("scaffold", {}, 2, 2),
+        ("fedmim", {}, 3, 1),  # x_t and delta_t, delta_{t-1}
+        ("fedmim", {"alpha": [0.5], "beta": [0.0]}, 2, 1),
+        ("fedmim", {"alpha": [0.0, 0.0], "beta": [0.0, 0.0]}, 1, 1),
+    ],
+)
+def test_ledger_bytes_per_round_match_the_formulas(alg, opts, down, up):
+    algo = _algo(_cfg(alg, **opts))
+    algo.run_round(0)
+    algo.run_round(1)
+    d, S = D_TOY * 4, 3
+    for r in (0, 1):
+        assert algo.ledger.bytes("down", round=r) == down * S * d
+        assert algo.ledger.bytes("up", round=r) == up * S * d
+
+
+def test_fedmim_broadcast_downlink_counts_every_client():
+    algo = _algo(_cfg("fedmim", downlink="broadcast"))
+    algo.run_round(0)
+    assert algo.ledger.bytes("down", round=0) == 8 * D_TOY * 4
+    assert algo.ledger.count(kind="model", sender="server") == 8
+
+
+# ---- backends, checkpoints, metrics ---------------------------------------------------------------
+@pytest.mark.parametrize("alg", ["fedmim", "scaffold", "feddyn", "fedcm", "fedsam"])
+def test_loop_and_vmap_agree(alg):
+    xs = [_rounds(_algo(_cfg(alg, backend=b)), 3) for b in ("loop", "vmap")]
+    torch.testing.assert_close(xs[0], xs[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("alg", ["scaffold", "fedmim"])
+def test_resume_continues_identically(alg, tmp_path):
+    cfg = _cfg(alg, rounds=4)
+    full = fedweave.run(cfg, run_dir=tmp_path / "full")
+    cfg2 = {**cfg, "output": {**cfg["output"], "checkpoint_every": 2}}
+    part = fedweave.run({**cfg2, "rounds": 2}, run_dir=tmp_path / "part")
+    assert part.metrics[-1]["round"] == 2
+    resumed = run_config(load({**cfg2, "rounds": 4}), run_dir=tmp_path / "part", resume=True)
+    torch.testing.assert_close(resumed.algorithm.x, full.algorithm.x)
+
+
+def test_consistency_metric_is_the_papers_formula():
+    xs = torch.tensor([[0.0, 0.0], [2.0, 0.0], [1.0, 3.0]])
+    # mean (1, 1): squared distances 2, 2, 4 -> mean 8/3
+    assert local_consistency(xs) == pytest.approx(8 / 3)
+    res = fedweave.run(_cfg("fedmim", rounds=2, consistency=True))
+    assert all(row["local_consistency"] > 0 for row in res.metrics)
+
+
+# ---- the rules on their own ---------------------------------------------------------------------
+def test_prox_and_scaffold_rules_on_their_own():
+    w, anchor = torch.tensor([1.0, -2.0]), torch.tensor([0.5, 0.5])
+    grad = lambda v: 3 * v  # noqa: E731  (gradient of 1.5 ||v||^2)
+    torch.testing.assert_close(ProxRule(0.1, anchor).direction(w, grad, 0), 3 * w + 0.1 * (w - anchor))
+    table = torch.stack([anchor, -anchor])  # per-job rows
+    torch.testing.assert_close(ProxRule(0.1, table).direction(w, grad, 1), 3 * w + 0.1 * (w + anchor))
+    c_i, c = torch.tensor([[1.0, 1.0], [2.0, 0.0]]), torch.tensor([0.0, 5.0])
+    torch.testing.assert_close(ScaffoldRule(c_i, c).direction(w, grad, 1), 3 * w - c_i[1] + c)
+    with pytest.raises(ValueError, match="mu"):
+        ProxRule(-1.0, anchor)
+    # option II: c_i+ = c_i - c + (x - y) / (K eta)
+    new = option_ii(c_i, c, torch.zeros(2), torch.ones(2, 2), torch.tensor([2, 4]), 0.5)
+    torch.testing.assert_close(new, c_i - c + torch.tensor([[-1.0], [-0.5]]))
+
+
+def test_scaffold_rule_with_zero_variates_is_plain_sgd():
+    a = _rounds(_algo(_cfg("fedavg", rounds=1)), 1)
+    s = _algo(_cfg("scaffold", rounds=1))
+    torch.testing.assert_close(_rounds(s, 1), a)  # c = c_i = 0 in round 0
+    assert s.store["c"].abs().sum() > 0 and s.c.abs().sum() > 0
+
+
+@pytest.mark.parametrize("opt", ["adam", "yogi", "adagrad", "momentum"])
+def test_fedopt_server_step_closed_form(opt):
+    hp = FedOptHparams(server_opt=opt, server_lr=0.1, beta1=0.9, beta2=0.99, tau=1e-2)
+    algo = SimpleNamespace(hp=hp, m=torch.zeros(2), v=torch.zeros(2))
+    d1, d2 = torch.tensor([1.0, -2.0]), torch.tensor([0.5, 0.5])
+    FedOpt.server_step(algo, d1)
+    step = FedOpt.server_step(algo, d2)
+    if opt == "momentum":
+        m = 0.9 * d1 + d2
+        torch.testing.assert_close(step, 0.1 * m)
+        return
+    m = 0.9 * 0.1 * d1 + 0.1 * d2
+    v1 = {"adam": 0.01 * d1**2, "yogi": 0.01 * d1**2, "adagrad": d1**2}[opt]
+    v = {
+        "adam": 0.99 * v1 + 0.01 * d2**2,
+        "yogi": v1 - 0.01 * d2**2 * torch.sign(v1 - d2**2),
+        "adagrad": v1 + d2**2,
+    }[opt]
+    torch.testing.assert_close(step, 0.1 * m / (v.sqrt() + 1e-2))
+
+
+def test_fedadam_defaults_and_errors():
+    hp = FedOptHparams()
+    assert (hp.server_lr, hp.beta1, hp.beta2, hp.tau) == (0.1, 0.9, 0.99, 1e-2)
+    with pytest.raises(ConfigError, match="algorithm.beta2"):
+        _algo(_cfg("fedadam", beta2=1.0))
+    with pytest.raises(ConfigError, match="algorithm.server_opt"):
+        _algo(_cfg("fedopt", server_opt="lion"))
