@@ -1,0 +1,41 @@
+"""FSL_AN: federated split learning with an auxiliary network (Han et al., 2021).
+
+The client is CSE-FSL's (local loss through the auxiliary net, eq. 8), but it uploads the smashed data of
+every batch, and the main server keeps one server-side copy per client, each stepping on its own client's
+uploads (cse-fsl spec §5). No gradients go back. The fed server averages client-side models and auxiliary
+nets; the main server averages its copies at the end of the round (A18).
+"""
+
+from __future__ import annotations
+
+from fedweave.registry import ALGORITHMS
+from fedweave.topology.split import SplitAlgorithm
+
+
+@ALGORITHMS.register("fsl_an")
+class FSLAN(SplitAlgorithm):
+    name = "fsl_an"
+    method = "fsl_an"
+    uses_aux = True
+
+    def run_round(self, r: int) -> dict[str, float]:
+        clients = self.sample_clients(r)
+        lr_c, lr_a, lr_s = self.lrs(r)
+        xc_rows, xa_rows = self.download(r, clients)
+        xs_rows = self.xs.expand(len(clients), -1).clone()  # n server-side copies, stacked
+        self.hold_server_models(len(clients))
+        losses, server_losses = [], []
+        for k, i in enumerate(clients):
+            self.load_client(xc_rows[k], xa_rows[k])
+            self.ls.load_(xs_rows[k])
+            with self.stream("dropout", r, int(i)):
+                for x, y in self.local_batches(r, int(i)):
+                    a, loss = self.local_step(x, y, lr_c, lr_a)  # eq. (8)
+                    self.send_smashed(r, y)
+                    server_losses.append(self.server_step(a, y, lr_s)[0])  # copy i, eq. (11)
+                    losses.append(loss)
+            xc_rows[k], xa_rows[k], xs_rows[k] = self.lc.flatten(), self.la.flatten(), self.ls.flatten()
+        self.upload_models(r, clients)
+        self.aggregate(clients, xc_rows, xa_rows)  # eq. (14)
+        self.xs = self.weights(clients) @ xs_rows
+        return self.round_metrics(r, len(clients), len(server_losses), losses, server_losses)

@@ -1,0 +1,320 @@
+"""Federated split learning mechanics: clients, a main server, a fed server (cse-fsl spec §1).
+
+One template of each part (client-side model, auxiliary net, server-side model) is reused for every
+client: a client's parameters are rows of stacked flat tensors loaded into the template for its local
+epoch and read back afterwards (no model object per client). The main server holds either one
+server-side model (FSL_OC, CSE-FSL) or n stacked copies (FSL_MC, FSL_AN), and the fed server averages the
+client-side models and auxiliary nets every round (eq. 14).
+
+Every message goes through the ledger with its exact size: ``smashed`` and ``labels`` (client -> server),
+``gradient`` (server -> client), ``client_model`` and ``aux_model`` (fed_server <-> client). Server storage
+is recorded the way the paper's Table V counts it (spec §7.3): ``server_models`` (copies × P_s) and
+``client_models`` (the n received client-side models and auxiliary nets), plus the ``queue_peak``.
+
+The CSE-FSL server queue is simulated on a clock (spec §1.6): client i takes τ_i per local batch
+(τ_i ~ U[1, speed_spread] from the ``clock`` stream, fixed per client), an upload after batch m arrives at
+(m+1)·τ_i + latency, and a server step takes ``server_step_time``. The processing order is ``ordered``
+(window by window, clients by id: the authors' code), ``random`` (a random client order per window, Fig. 6),
+``event`` (FIFO by arrival time: the asynchronous event-triggered server) or ``sync`` (a barrier per window,
+then client order). Client updates do not depend on the server model, so training all clients first and
+then draining the queue in that order is the same computation as true interleaving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedweave.accounting import split as accounting
+from fedweave.algorithms.base import Algorithm, RunContext
+from fedweave.config import ConfigError
+from fedweave.execution import LocalTrainer, ParamLayout, evaluate
+from fedweave.execution.local import cross_entropy
+from fedweave.models.split import build_split_model
+
+ORDERS = ("ordered", "random", "event", "sync")
+
+
+@dataclass
+class SplitHparams:
+    """Options shared by the split family (spec §2.5, §3)."""
+
+    clients_per_round: int | None = None  # null: every client, every round (CIFAR setting)
+    weighting: Literal["samples", "uniform"] = "samples"  # eq. (14) is uniform; the code weights by |D_i| (A20)
+    client_lr: float | None = None  # null: local.lr (the paper uses one lr for all three optimizers, A16)
+    aux_lr: float | None = None
+    server_lr: float | None = None
+    lr_decay_every: int = 1  # local.lr_decay applies every this many rounds (CIFAR: 0.99 every 10, A15)
+    clip: float | None = None  # clip_grad_norm_ max norm on the client-side and server-side updates
+
+    def __post_init__(self) -> None:
+        if self.clients_per_round is not None and self.clients_per_round < 1:
+            raise ConfigError(f"algorithm.clients_per_round must be >= 1 or null, got {self.clients_per_round}")
+        for key in ("client_lr", "aux_lr", "server_lr", "clip"):
+            v = getattr(self, key)
+            if v is not None and v <= 0:
+                raise ConfigError(f"algorithm.{key} must be > 0 or null, got {v}")
+        if self.lr_decay_every < 1:
+            raise ConfigError(f"algorithm.lr_decay_every must be >= 1, got {self.lr_decay_every}")
+
+
+@dataclass
+class Upload:
+    """One item of the server's dataQueue: a client's smashed mini-batch and its labels."""
+
+    pos: int  # the client's position in this round's client list
+    window: int  # k: the client's k-th upload of the round
+    batch: int  # m: the local batch it came from
+    smashed: torch.Tensor
+    labels: torch.Tensor
+    arrival: float = 0.0
+
+
+def process_order(mode: str, items: list[Upload], rng: np.random.Generator) -> list[int]:
+    """The order in which the server dequeues ``items`` (spec §1.6 table)."""
+    if mode in ("ordered", "sync"):
+        return sorted(range(len(items)), key=lambda j: (items[j].window, items[j].pos))
+    if mode == "random":  # a random client order within each window (Fig. 6 "randomly ordered")
+        windows = sorted({it.window for it in items})
+        rank = {w: rng.permutation(1 + max(it.pos for it in items)) for w in windows}
+        return sorted(range(len(items)), key=lambda j: (items[j].window, rank[items[j].window][items[j].pos]))
+    if mode == "event":  # FIFO by arrival time (ties: client position)
+        return sorted(range(len(items)), key=lambda j: (items[j].arrival, items[j].pos))
+    raise ValueError(f"server order must be one of {', '.join(ORDERS)}, got {mode!r}")
+
+
+def simulate_server(items: list[Upload], order: list[int], step_time: float, barrier: bool) -> dict[str, float]:
+    """Server timeline for processing ``items`` in ``order``: finish time, idle time, queue high-water mark.
+
+    A step starts when the server is free and its item has arrived (with ``barrier``: when every item of
+    its window has arrived, the synchronous server).
+    """
+    if not items:
+        return {"finish": 0.0, "idle": 0.0, "queue_peak": 0}
+    arrival = np.array([it.arrival for it in items])
+    ready = arrival.copy()
+    if barrier:
+        win = np.array([it.window for it in items])
+        for w in np.unique(win):
+            ready[win == w] = arrival[win == w].max()
+    start = np.empty(len(items))
+    t = idle = 0.0
+    for j in order:
+        s = max(t, ready[j])
+        idle += s - t
+        start[j] = s
+        t = s + step_time
+    # items that have arrived and not yet been taken up, seen at each dequeue
+    waiting = (arrival[None, :] <= start[:, None]) & (start[None, :] >= start[:, None])
+    return {"finish": float(t), "idle": float(idle), "queue_peak": int(waiting.sum(1).max())}
+
+
+class SplitAlgorithm(Algorithm):
+    """Shared mechanics of the split family; subclasses write ``run_round`` as their paper's protocol."""
+
+    family = "split"
+    Hparams = SplitHparams
+    method: ClassVar[str] = ""  # the accounting name: fsl_mc, fsl_oc, fsl_an, cse_fsl
+    uses_aux: ClassVar[bool] = False
+
+    def __init__(self, ctx: RunContext, hp: SplitHparams) -> None:
+        super().__init__(ctx, hp)
+        cfg = ctx.config
+        if cfg.local.momentum or cfg.local.weight_decay:
+            raise ConfigError(
+                "local.momentum and local.weight_decay must be 0 for split algorithms "
+                "(the paper trains every part with plain SGD)"
+            )
+        ds = ctx.dataset
+        n = ctx.num_clients
+        self.per_round = hp.clients_per_round or n
+        if self.per_round > n:
+            raise ConfigError(f"algorithm.clients_per_round ({self.per_round}) exceeds partition.num_clients ({n})")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seeds.int_seed("model_init"))
+            try:
+                self.parts = build_split_model(cfg.model.name, tuple(ds.input_shape), ds.num_classes, cfg.model.options)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+        self.client, self.server, self.aux = self.parts.client, self.parts.server, self.parts.aux
+        self.lc, self.ls, self.la = ParamLayout(self.client), ParamLayout(self.server), ParamLayout(self.aux)
+        self.full = ParamLayout(nn.Sequential(self.client, self.server))  # the inference model x_s ∘ x_c
+        self.local_model = ParamLayout(nn.Sequential(self.client, self.aux))  # a_c ∘ x_c (the local loss)
+        self.xc, self.xs, self.xa = self.lc.flatten(), self.ls.flatten(), self.la.flatten()
+        augment = None
+        if cfg.local.augment:
+            from fedweave.data.augment import build_augment
+
+            augment = build_augment(list(cfg.local.augment))
+        # only the batch plan (named ``batches`` stream) and augmentation of the foundation trainer are used
+        self.batcher = LocalTrainer(
+            self.client, ds.train_x, ds.train_y, ctx.partition, cfg.local, self.seeds, augment=augment
+        )
+        self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=torch.float32)
+        self.smashed_bytes = self.parts.smashed_floats * accounting.FLOAT_BYTES  # q_b per sample
+        self.server_copies = 1
+        self._checkpoint = ("xc", "xs", "xa")
+
+    # ---- sizes ---------------------------------------------------------------------------------------
+    @property
+    def split_sizes(self) -> accounting.SplitSizes:
+        return accounting.SplitSizes(self.lc.numel, self.ls.numel, self.la.numel, self.parts.smashed_floats)
+
+    # ---- clients, weights, learning rates ------------------------------------------------------------
+    def sample_clients(self, r: int) -> np.ndarray:
+        n = self.ctx.num_clients
+        if self.per_round == n:
+            return np.arange(n)
+        rng = self.seeds.numpy("client_sampling", r)
+        return np.sort(rng.choice(n, self.per_round, replace=False))
+
+    def weights(self, clients: np.ndarray) -> torch.Tensor:
+        """Aggregation weights p_i of eq. (14), summing to one."""
+        w = self.sizes[clients] if self.hp.weighting == "samples" else torch.ones(len(clients))
+        return w / w.sum()
+
+    def lrs(self, r: int) -> tuple[float, float, float]:
+        """(client, auxiliary, server) learning rates η_t of round r."""
+        loc = self.config.local
+        decay = loc.lr_decay ** (r // self.hp.lr_decay_every)
+        hp = self.hp
+        return tuple((v if v is not None else loc.lr) * decay for v in (hp.client_lr, hp.aux_lr, hp.server_lr))
+
+    def local_batches(self, r: int, client: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Client ``client``'s shuffled mini-batches of round r (local.epochs epochs, or local.steps)."""
+        gens: dict = {}
+        idx = self.batcher.client_batches(client, r, (), None)
+        return [self.batcher.batch_data(b, client, r, (), gens) for b in idx]
+
+    @contextlib.contextmanager
+    def stream(self, name: str, *keys: int) -> Iterator[None]:
+        """Seed torch's global RNG (dropout) from a named stream for the duration of the block."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seeds.int_seed(name, *keys))
+            yield
+
+    # ---- messages ------------------------------------------------------------------------------------
+    def download(self, r: int, clients: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fed server -> clients: x_c^t (and a_c^t); returns the stacked per-client rows (Alg. 1 line 3)."""
+        k = len(clients)
+        self.ledger.record(r, "fed_server", "client", "client_model", k * self.lc.numel * 4, k)
+        if self.uses_aux:
+            self.ledger.record(r, "fed_server", "client", "aux_model", k * self.la.numel * 4, k)
+        return self.xc.expand(k, -1).clone(), self.xa.expand(k, -1).clone()
+
+    def upload_models(self, r: int, clients: np.ndarray) -> None:
+        """Clients -> fed server: x_{c,i} (and a_{c,i}) for aggregation; the server holds all n (Table V)."""
+        k = len(clients)
+        per = self.lc.numel + (self.la.numel if self.uses_aux else 0)
+        self.ledger.record(r, "client", "fed_server", "client_model", k * self.lc.numel * 4, k)
+        if self.uses_aux:
+            self.ledger.record(r, "client", "fed_server", "aux_model", k * self.la.numel * 4, k)
+        self.ledger.store("fed_server", "client_models", k * per * 4)
+
+    def send_smashed(self, r: int, labels: torch.Tensor) -> None:
+        """Client -> main server: one mini-batch of smashed data and its labels."""
+        self.ledger.record(r, "client", "server", "smashed", len(labels) * self.smashed_bytes)
+        self.ledger.record(r, "client", "server", "labels", labels.numel() * labels.element_size())
+
+    def send_gradient(self, r: int, grad: torch.Tensor) -> None:
+        """Main server -> client: the gradient of the loss with respect to the smashed data."""
+        self.ledger.record(r, "server", "client", "gradient", grad.numel() * grad.element_size())
+
+    def hold_server_models(self, copies: int) -> None:
+        self.server_copies = copies
+        self.ledger.store("server", "server_models", copies * self.ls.numel * 4)
+
+    # ---- the three updates ---------------------------------------------------------------------------
+    def _sgd(self, module: nn.Module, lr: float) -> None:
+        params = [p for p in module.parameters() if p.grad is not None]
+        with torch.no_grad():
+            if self.hp.clip is not None:
+                nn.utils.clip_grad_norm_(params, self.hp.clip)
+            if self.config.local.grad_clip is not None:
+                nn.utils.clip_grad_norm_(params, self.config.local.grad_clip)
+            for p in params:
+                p.add_(p.grad, alpha=-lr)
+                p.grad = None
+
+    def local_step(self, x: torch.Tensor, y: torch.Tensor, lr_c: float, lr_a: float) -> tuple[torch.Tensor, float]:
+        """Eq. (8): one SGD step of the client-side model and auxiliary net on the local loss.
+
+        Returns the (pre-update) smashed data of this batch, detached, and the loss.
+        """
+        a = self.client(x)
+        loss = cross_entropy(self.aux(a), y)
+        loss.backward()
+        self._sgd(self.client, lr_c)
+        self._sgd(self.aux, lr_a)
+        return a.detach(), float(loss.detach())
+
+    def server_step(self, smashed: torch.Tensor, y: torch.Tensor, lr: float, *, want_grad: bool = False):
+        """Eq. (11): one SGD step of the loaded server-side model on a received smashed batch.
+
+        Returns the loss and, with ``want_grad`` (FSL_MC/OC), the gradient with respect to the smashed data.
+        """
+        a = smashed.detach().requires_grad_(want_grad)
+        loss = cross_entropy(self.server(a), y)
+        loss.backward()
+        self._sgd(self.server, lr)
+        return float(loss.detach()), (a.grad if want_grad else None)
+
+    def backprop_step(self, x: torch.Tensor, y: torch.Tensor, r: int, lr_c: float, lr_s: float) -> float:
+        """One batch of traditional split learning (Fig. 1 steps 2-4): smashed up, server step, gradient down,
+        client backward and step. The loaded server-side model is the one this client talks to."""
+        a = self.client(x)
+        self.send_smashed(r, y)
+        loss, g = self.server_step(a, y, lr_s, want_grad=True)
+        self.send_gradient(r, g)
+        a.backward(g)
+        self._sgd(self.client, lr_c)
+        return loss
+
+    def smashed(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.client(x)
+
+    # ---- loading rows into the templates -------------------------------------------------------------
+    def load_client(self, xc: torch.Tensor, xa: torch.Tensor | None = None) -> None:
+        self.lc.load_(xc)
+        if xa is not None:
+            self.la.load_(xa)
+
+    def aggregate(self, clients: np.ndarray, xc_rows: torch.Tensor, xa_rows: torch.Tensor) -> None:
+        """Eq. (14): the fed server averages the client-side models and auxiliary nets."""
+        p = self.weights(clients)
+        self.xc = p @ xc_rows
+        if self.uses_aux:
+            self.xa = p @ xa_rows
+
+    # ---- metrics -------------------------------------------------------------------------------------
+    def round_metrics(self, r: int, n: int, steps: int, losses: list[float], server_losses: list[float]) -> dict:
+        led = self.ledger
+        load = sum(led.bytes(kind=k, upto_round=r) for k in ("smashed", "gradient", "client_model", "aux_model"))
+        per = self.lc.numel + (self.la.numel if self.uses_aux else 0)
+        return {
+            "train_loss": float(np.mean(losses)) if losses else float("nan"),
+            "server_loss": float(np.mean(server_losses)) if server_losses else float("nan"),
+            "server_steps": steps,
+            "server_copies": self.server_copies,
+            "smashed_uploads_per_client": led.count(kind="smashed") / max(n, 1),  # cumulative
+            "load_bytes": load,  # Table V load: smashed + gradients + models, labels excluded
+            "storage_params": self.server_copies * self.ls.numel + n * per,  # Table V convention
+            "storage_params_streaming": self.server_copies * self.ls.numel + per,  # running-sum aggregation
+        }
+
+    def evaluate(self, r: int) -> dict[str, float]:
+        """Top-1 accuracy of x_s ∘ x_c on the test set (the auxiliary net is dropped at inference)."""
+        ds, ev = self.ctx.dataset, self.config.eval
+        acc, loss = evaluate(self.full, torch.cat([self.xc, self.xs]), ds.test_x, ds.test_y, ev.batch_size)
+        out = {"test_accuracy": acc, "test_loss": loss}
+        if self.uses_aux:
+            aux_acc, _ = evaluate(self.local_model, torch.cat([self.xc, self.xa]), ds.test_x, ds.test_y, ev.batch_size)
+            out["aux_test_accuracy"] = aux_acc
+        return out

@@ -1,0 +1,220 @@
+"""Runtime checks of the split protocols (cse-fsl spec §9.2): exact ledger bytes, server copies and steps,
+order identities, reductions between methods, the server clock, checkpoints and config errors.
+
+All data here are SYNTHETIC (class means plus noise), used only to count bytes and check identities.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from fedweave.accounting.split import round_bytes, server_copies, server_steps, storage_params
+from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.config import ConfigError, from_dict
+from fedweave.data.base import Dataset
+from fedweave.registry import DATASETS
+from fedweave.topology.split import Upload, process_order, simulate_server
+
+if "_toy_split" not in DATASETS._items:
+
+    @DATASETS.register("_toy_split")
+    def _toy_split(n_train: int = 1000, n_test: int = 200, side: int = 8, channels: int = 1) -> Dataset:
+        """Synthetic class-conditional images (for counting and identities only)."""
+        g = torch.Generator().manual_seed(0)
+        mu = torch.randn(10, channels, side, side, generator=g)
+        y = torch.randint(0, 10, (n_train + n_test,), generator=g)
+        x = mu[y] + 0.8 * torch.randn(len(y), channels, side, side, generator=g)
+        return Dataset("_toy_split", x[:n_train], y[:n_train], x[n_train:], y[n_train:], 10, (channels, side, side))
+
+
+torch.set_num_threads(1)
+METHODS = ("fsl_mc", "fsl_oc", "fsl_an", "cse_fsl")
+
+
+def make(algorithm, *, model="split_small", data=None, clients=5, batch=10, lr=0.05, seed=0, **local):
+    cfg = from_dict(
+        {
+            "seed": seed,
+            "rounds": 1,
+            "dataset": {"name": "_toy_split", "n_train": 400, **(data or {})},
+            "partition": {"name": "iid", "num_clients": clients},
+            "model": model if isinstance(model, dict) else {"name": model},
+            "algorithm": algorithm if isinstance(algorithm, dict) else {"name": algorithm},
+            "local": {"batch_size": batch, "lr": lr, **local},
+        }
+    )
+    return build_algorithm(RunContext(cfg))
+
+
+def kinds(algo):
+    led = algo.ledger
+    return {k: led.bytes(kind=k) for k in ("smashed", "labels", "gradient", "client_model", "aux_model")}
+
+
+# ---- spec §9.2: the full-size CIFAR models on synthetic CIFAR-shaped data ------------------------------
+CIFAR_DATA = {"n_train": 100, "n_test": 10, "side": 24, "channels": 3}  # 5 clients × 20 samples, B = 5 → M_i = 4
+
+
+@pytest.mark.parametrize("method, h", [("fsl_mc", 1), ("fsl_oc", 1), ("fsl_an", 1), ("cse_fsl", 2), ("cse_fsl", 4)])
+def test_cifar_round_bytes_copies_steps(method, h):
+    opts = {"name": method, **({"h": h} if method == "cse_fsl" else {})}
+    algo = make(opts, model="split_cifar", data=CIFAR_DATA, batch=5, lr=0.01)
+    sizes = algo.split_sizes
+    assert (sizes.client, sizes.server, sizes.aux, sizes.smashed) == (107_328, 960_970, 23_050, 2304)
+    m = algo.run_round(0)
+    samples = [20] * 5
+    expected = round_bytes(method, sizes, samples, 5, h=h)
+    got = kinds(algo)
+    assert got == {k: expected[k] for k in got}, method
+    assert m["load_bytes"] == expected["load"]
+    assert (
+        m["server_copies"]
+        == algo.server_copies
+        == server_copies(method, 5)
+        == {"fsl_mc": 5, "fsl_an": 5}.get(method, 1)
+    )
+    assert m["server_steps"] == server_steps(method, samples, 5, h=h)
+    storage = algo.ledger.summary()["storage_peak_bytes"]
+    held = storage["server"]["server_models"] + storage["fed_server"]["client_models"]
+    assert held == 4 * storage_params(method, sizes, 5) == 4 * m["storage_params"]
+    if method == "cse_fsl":
+        assert m["server_steps"] == 5 * (4 // h)  # n·⌊M_i/h⌋ steps: the queue is drained
+    if method in ("fsl_mc", "fsl_oc"):
+        assert got["gradient"] == got["smashed"]
+
+
+def test_digits_shaped_bytes_match_spec_table():
+    # spec §9.3: 5 × 280 samples of 1×8×8, B = 10; CSE h = 4 sends 1,304,720 B per round, FSL_MC 6,117,120
+    algo = make({"name": "cse_fsl", "h": 4}, data={"n_train": 1400, "n_test": 10})
+    algo.run_round(0)
+    assert algo.round_metrics(0, 5, 0, [], [])["load_bytes"] == 1_304_720
+    assert kinds(algo)["labels"] == 5 * 7 * 10 * 8
+
+
+# ---- identities ------------------------------------------------------------------------------------------
+def _round(opts, **kw):
+    algo = make(opts, **kw)
+    algo.run_round(0)
+    return algo
+
+
+def test_client_side_independent_of_server_order():
+    base = {"name": "cse_fsl", "h": 2}
+    a = _round({**base, "server_order": "ordered"})
+    s = _round({**base, "server_order": "sync"})
+    r = _round({**base, "server_order": "random"})
+    e = _round({**base, "server_order": "event"})  # equal speeds: arrivals tie window by window
+    for other in (s, r, e):
+        assert torch.equal(a.xc, other.xc) and torch.equal(a.xa, other.xa)  # clients never see the server
+    assert torch.equal(a.xs, s.xs) and torch.equal(a.xs, e.xs)  # same processing order
+    assert not torch.equal(a.xs, r.xs)  # another order of sequential steps gives another model
+
+
+def test_cse_h1_equals_fsl_an_for_one_client():
+    # with n = 1, FSL_AN's single copy takes the same steps on the same batches as CSE-FSL's one model
+    cse = _round({"name": "cse_fsl", "h": 1}, clients=1, data={"n_train": 60})
+    an = _round("fsl_an", clients=1, data={"n_train": 60})
+    assert torch.allclose(cse.xc, an.xc) and torch.allclose(cse.xa, an.xa)
+    assert torch.allclose(cse.xs, an.xs, atol=1e-6)
+
+
+def test_cse_client_update_equals_fsl_an_for_any_n():
+    cse = _round({"name": "cse_fsl", "h": 3})
+    an = _round("fsl_an")
+    assert torch.equal(cse.xc, an.xc) and torch.equal(cse.xa, an.xa)  # eq. (8) does not depend on h
+    assert cse.server_copies == 1 and an.server_copies == 5
+
+
+def test_fsl_mc_equals_fsl_oc_for_one_client():
+    mc = _round("fsl_mc", clients=1, data={"n_train": 60})
+    oc = _round({"name": "fsl_oc", "clip": None}, clients=1, data={"n_train": 60})
+    assert torch.allclose(mc.xc, oc.xc, atol=1e-6) and torch.allclose(mc.xs, oc.xs, atol=1e-6)
+
+
+def test_oc_schedules_differ_but_count_the_same():
+    seq = _round("fsl_oc")
+    inter = _round({"name": "fsl_oc", "schedule": "interleaved"})
+    assert kinds(seq) == kinds(inter)
+    assert not torch.equal(seq.xs, inter.xs)
+
+
+def test_reproducible_and_learns():
+    a = make({"name": "cse_fsl", "h": 2}, seed=3)
+    b = make({"name": "cse_fsl", "h": 2}, seed=3)
+    for r in range(3):
+        a.run_round(r)
+        b.run_round(r)
+    assert torch.equal(a.xs, b.xs) and torch.equal(a.xc, b.xc)
+    ev = a.evaluate(2)
+    assert ev["test_accuracy"] > 0.6 and ev["aux_test_accuracy"] > 0.6  # synthetic, chance is 0.1
+
+
+def test_partial_participation_counts():
+    algo = make({"name": "cse_fsl", "h": 5, "clients_per_round": 2}, clients=10, data={"n_train": 1000})
+    m = algo.run_round(0)  # 10 clients × 100 samples, 2 active: 10 batches each, 2 uploads each
+    assert m["server_steps"] == 4
+    assert kinds(algo)["client_model"] == 2 * 2 * 9_568 * 4
+    assert m["storage_params"] == 66_954 + 2 * (9_568 + 5_130)
+
+
+def test_checkpoint_roundtrip():
+    a = _round({"name": "cse_fsl", "h": 2})
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b = make({"name": "cse_fsl", "h": 2})
+    b.load_state_dict(torch.load(buf, weights_only=True))
+    for k in ("xc", "xs", "xa"):
+        assert torch.equal(getattr(a, k), getattr(b, k))
+    a.run_round(1)
+    b.run_round(1)
+    assert torch.equal(a.xs, b.xs)
+
+
+# ---- the server queue and clock ----------------------------------------------------------------------------
+def _items(arrivals):
+    return [Upload(pos, win, 0, torch.zeros(1), torch.zeros(1), arr) for pos, win, arr in arrivals]
+
+
+def test_event_order_and_clock_closed_form():
+    # client 0 is slow (τ = 3), client 1 fast (τ = 1); h = 1, two uploads each
+    items = _items([(0, 0, 3.0), (0, 1, 6.0), (1, 0, 1.0), (1, 1, 2.0)])
+    rng = np.random.default_rng(0)
+    order = process_order("event", items, rng)
+    assert order == [2, 3, 0, 1]
+    clock = simulate_server(items, order, step_time=0.5, barrier=False)
+    # starts 1, 2, 3, 6; idle 1 + 0.5 + 0.5 + 2.5 = 4.5; finish 6.5
+    assert clock == {"finish": 6.5, "idle": 4.5, "queue_peak": 1}
+    sync = simulate_server(items, process_order("sync", items, rng), step_time=0.5, barrier=True)
+    # window 0 ready at 3: steps at 3, 3.5; window 1 ready at 6: steps at 6, 6.5
+    assert sync["finish"] == 7.0 and sync["idle"] == 3.0 + 2.0
+    slow = simulate_server(items, order, step_time=5.0, barrier=False)
+    assert slow["queue_peak"] == 3  # items pile up while the server is busy
+
+
+def test_event_mode_run_reports_clock():
+    algo = make({"name": "cse_fsl", "h": 2, "server_order": "event", "speed_spread": 4.0, "server_step_time": 0.1})
+    m = algo.run_round(0)
+    assert m["sim_round_time"] > 8 and m["server_idle_time"] >= 0 and m["queue_peak"] >= 1
+
+
+# ---- configuration errors ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "algorithm, model, local, match",
+    [
+        ({"name": "cse_fsl", "h": 0}, "split_small", {}, "algorithm.h"),
+        ({"name": "cse_fsl", "server_order": "lifo"}, "split_small", {}, "algorithm.server_order"),
+        ({"name": "fsl_mc", "clients_per_round": 9}, "split_small", {}, "clients_per_round"),
+        ("fsl_an", "logistic", {}, "not a split model"),
+        ("fsl_an", {"name": "split_small", "aux": "rnn"}, {}, "model.aux"),
+        ("fsl_an", {"name": "split_small", "depth": 3}, {}, "model.depth"),
+        ("fsl_mc", "split_small", {"momentum": 0.9}, "local.momentum"),
+    ],
+)
+def test_config_errors(algorithm, model, local, match):
+    with pytest.raises(ConfigError, match=match):
+        make(algorithm, model=model, **local)
