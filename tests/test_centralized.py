@@ -283,11 +283,11 @@ def test_resume_continues_identically(alg, tmp_path):
     torch.testing.assert_close(resumed.algorithm.x, full.algorithm.x)
 
 
-def test_consistency_metric_is_the_papers_formula():
+def test_consistency_metric_is_the_papers_formula(tmp_path):
     xs = torch.tensor([[0.0, 0.0], [2.0, 0.0], [1.0, 3.0]])
     # mean (1, 1): squared distances 2, 2, 4 -> mean 8/3
     assert local_consistency(xs) == pytest.approx(8 / 3)
-    res = fedweave.run(_cfg("fedmim", rounds=2, consistency=True))
+    res = fedweave.run(_cfg("fedmim", rounds=2, consistency=True), run_dir=tmp_path)
     assert all(row["local_consistency"] > 0 for row in res.metrics)
 
 
