@@ -342,3 +342,17 @@ def test_fedadam_defaults_and_errors():
         _algo(_cfg("fedadam", beta2=1.0))
     with pytest.raises(ConfigError, match="algorithm.server_opt"):
         _algo(_cfg("fedopt", server_opt="lion"))
+
+
+def test_example_configs_are_valid():
+    from pathlib import Path
+
+    from fedweave.config import build_dataclass
+    from fedweave.registry import ALGORITHMS
+
+    files = sorted(Path(__file__).parents[1].glob("configs/centralized/*.yaml"))
+    assert len(files) >= 8
+    for f in files:
+        cfg = load(f)
+        cfg.validate()
+        build_dataclass(ALGORITHMS.get(cfg.algorithm.name).Hparams, cfg.algorithm.options, "algorithm")
