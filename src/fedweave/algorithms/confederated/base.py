@@ -1,0 +1,171 @@
+"""The gradient-tracking skeleton shared by the confederated methods (paper eq. 5-6 and 56).
+
+    x^{k+1} = W x^k - alpha y^k                 (servers mix models, step along their trackers)
+    g^{k+1} = the method's estimate of grad f_i(x_i^{k+1}), assembled from user uploads
+    y^{k+1} = W y^k + g^{k+1} - g^k             (dynamic average consensus keeps mean(y) = mean(g), eq. 84)
+
+with x^0 = y^0 = g^0 = 0 (Lemma 7). A subclass writes only ``estimate``. One round is
+``iterations_per_round`` iterations (default 1: a round is an iteration, so metrics are per iteration).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+import fedweave.data.datasets.cfl_logreg  # noqa: F401  (registers the paper's synthetic data)
+from fedweave.algorithms.base import Algorithm, RunContext
+from fedweave.algorithms.confederated.problem import LogRegProblem, build_problem
+from fedweave.config import ConfigError
+from fedweave.topology.confederation import Confederation, ConfederationHparams
+
+
+@dataclass
+class ConfederatedHparams(ConfederationHparams):
+    """The system (servers, users, graph), the problem (mini-batches, kappa) and the step size."""
+
+    batch_size: int = 5  # samples per mini-batch f_ij,t (paper: 5, so S_ij = 10 at 50 samples per user)
+    kappa: float = 0.05  # l2 weight per sample (eq. 48)
+    feature_scaling: Literal["none", "unit_norm", "standardize"] = "none"
+    intercept: bool = False
+    step_size: float | None = None  # alpha; null: step_scale / L_f
+    step_scale: float = 0.05  # alpha = step_scale / L_f when step_size is null (spec §3: best of the pilot grid)
+    iterations_per_round: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.batch_size < 1:
+            raise ConfigError(f"algorithm.batch_size must be >= 1, got {self.batch_size}")
+        if self.kappa <= 0:
+            raise ConfigError(f"algorithm.kappa must be > 0 (strong convexity), got {self.kappa}")
+        if self.step_size is not None and self.step_size <= 0:
+            raise ConfigError(f"algorithm.step_size must be > 0 or null, got {self.step_size}")
+        if self.step_scale <= 0:
+            raise ConfigError(f"algorithm.step_scale must be > 0, got {self.step_scale}")
+        if self.iterations_per_round < 1:
+            raise ConfigError(f"algorithm.iterations_per_round must be >= 1, got {self.iterations_per_round}")
+
+
+@contextmanager
+def compute_threads(threads: int | None) -> Iterator[None]:
+    """Run on one torch thread unless the config sets ``threads``: these iterations are many small tensor ops,
+    and on a shared 2-core machine two threads were 13x slower than one (they wait for each other)."""
+    if threads is not None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def users_per_iteration(sample_rate: float, users: int) -> int:
+    """m_i = SR * P_i users selected per server and iteration (at least one)."""
+    return max(1, min(users, round(sample_rate * users)))
+
+
+def check_rate(name: str, value: float) -> None:
+    if not 0 < value <= 1:
+        raise ConfigError(f"algorithm.{name} must be in (0, 1], got {value}")
+
+
+class ConfederatedAlgorithm(Algorithm):
+    family = "confederated"
+    Hparams = ConfederatedHparams
+    _state: tuple[str, ...] = ()  # subclass tensors/ints to checkpoint besides the skeleton's
+
+    def __init__(self, ctx: RunContext, hp: ConfederatedHparams) -> None:
+        super().__init__(ctx, hp)
+        self.net = Confederation(hp, self.seeds.numpy("server_graph"), self.ledger)
+        self.problem: LogRegProblem = build_problem(
+            ctx.dataset,
+            hp.num_servers,
+            hp.users_per_server,
+            hp.batch_size,
+            hp.kappa,
+            self.seeds.numpy("partition"),
+            feature_scaling=hp.feature_scaling,
+            intercept=hp.intercept,
+        )
+        pb = self.problem
+        self.x_star = pb.solve()
+        self.f_star = pb.loss(self.x_star)
+        self.L_f = pb.lipschitz()
+        self.alpha = hp.step_size if hp.step_size is not None else hp.step_scale / self.L_f
+        n, d = pb.N, pb.d
+        self.X = torch.zeros(n, d, dtype=torch.float64)  # server models x_i^k
+        self.Y = torch.zeros(n, d, dtype=torch.float64)  # trackers y_i^k
+        self.G = torch.zeros(n, d, dtype=torch.float64)  # estimates g_i^k
+        self.k = 0  # iterations done
+        self.uploads = 0  # user -> server vectors so far (the paper's metric)
+        self.vector_bytes = d * self.X.element_size()
+        self._all_users = torch.arange(pb.P).expand(n, pb.P)
+        self._checkpoint = ("X", "Y", "G", "k", "uploads", *self._state)
+        self.ledger.store("edge", "x_y_g", 3 * self.vector_bytes)
+
+    # ---- randomness: one stream per iteration and purpose -----------------------------------------
+    def draw_batches(self, k: int) -> torch.Tensor:
+        """t_ij^{k+1} ~ Unif{1..S} for every user (N, P); drawn for all users so that user selection does
+        not shift the mini-batch draws (spec §9.1 item 4)."""
+        pb = self.problem
+        return torch.from_numpy(self.seeds.numpy("batches", k).integers(pb.S, size=(pb.N, pb.P)))
+
+    def select_users(self, k: int, m: int) -> torch.Tensor:
+        """m users per server, uniformly without replacement (spec A13), sorted: (N, m)."""
+        pb = self.problem
+        if m == pb.P:
+            return self._all_users
+        keys = self.seeds.numpy("user_selection", k).random((pb.N, pb.P))
+        return torch.from_numpy(np.sort(np.argsort(keys, axis=1)[:, :m], axis=1))
+
+    def upload(self, r: int, kind: str, count: int) -> None:
+        self.uploads += int(count)
+        self.net.upload(r, kind, int(count), self.vector_bytes)
+
+    # ---- the iteration ------------------------------------------------------------------------------
+    def estimate(self, r: int, k: int, x_new: torch.Tensor, x_old: torch.Tensor) -> torch.Tensor:
+        """g^{k+1} (N, d): the method's estimate of grad f_i(x_i^{k+1}); records its transfers."""
+        raise NotImplementedError
+
+    def step(self, r: int) -> None:
+        """One iteration k -> k+1 of the gradient-tracking skeleton (eq. 56)."""
+        mix, vb = self.net.mix, self.vector_bytes
+        x_new = mix(self.X) - self.alpha * self.Y  # eq. (5)
+        self.net.exchange(r, "model", vb)
+        g_new = self.estimate(r, self.k, x_new, self.X)
+        self.Y = mix(self.Y) + g_new - self.G  # eq. (6) with g in place of grad f_i
+        self.net.exchange(r, "tracker", vb)
+        self.X, self.G = x_new, g_new
+        self.k += 1
+
+    def run_round(self, r: int) -> dict[str, float]:
+        before = self.uploads
+        with compute_threads(self.config.threads):
+            for _ in range(self.hp.iterations_per_round):
+                self.step(r)
+        n = self.hp.iterations_per_round
+        return {"iterations": self.k, "uploads": self.uploads, "uploads_per_iteration": (self.uploads - before) / n}
+
+    # ---- metrics --------------------------------------------------------------------------------------
+    def opt_gap(self) -> float:
+        """opg^k = ||x^k - 1 (x) x*|| / sqrt(N) (paper §VIII-A)."""
+        return math.sqrt(float(((self.X - self.x_star) ** 2).sum(1).mean()))
+
+    def evaluate(self, r: int) -> dict[str, Any]:
+        xbar = self.X.mean(0)
+        out = {
+            "opt_gap": self.opt_gap(),
+            "objective_gap": self.problem.loss(xbar) - self.f_star,
+            "consensus_error": math.sqrt(float(((self.X - xbar) ** 2).sum(1).mean())),
+        }
+        if self.problem.has_test:
+            out.update(self.problem.test_metrics(xbar))
+        return out
