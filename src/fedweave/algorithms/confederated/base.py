@@ -21,7 +21,7 @@ import torch
 
 import fedweave.data.datasets.cfl_logreg  # noqa: F401  (registers the paper's synthetic data)
 from fedweave.algorithms.base import Algorithm, RunContext
-from fedweave.algorithms.confederated.problem import LogRegProblem, build_problem
+from fedweave.algorithms.confederated.problem import build_problem
 from fedweave.config import ConfigError
 from fedweave.topology.confederation import Confederation, ConfederationHparams
 
@@ -77,6 +77,31 @@ def check_rate(name: str, value: float) -> None:
         raise ConfigError(f"algorithm.{name} must be in (0, 1], got {value}")
 
 
+_CACHE: dict[tuple, tuple] = {}
+
+
+def _problem(ctx: RunContext, hp: ConfederatedHparams, rng: np.random.Generator) -> tuple:
+    """(problem, x*, f*, L_f), memoized per data, distribution and problem options: sweeps over methods and
+    hyper-parameters on one problem pay the Newton solve once (the problem is never modified in place)."""
+    cfg = ctx.config
+    key = (
+        cfg.dataset.name, repr(sorted(cfg.dataset.options.items())), cfg.seed, hp.num_servers,
+        hp.users_per_server, hp.batch_size, hp.kappa, hp.feature_scaling, hp.intercept,
+    )  # fmt: skip
+    if key not in _CACHE:
+        with compute_threads(cfg.threads):
+            pb = build_problem(
+                ctx.dataset, hp.num_servers, hp.users_per_server, hp.batch_size, hp.kappa, rng,
+                feature_scaling=hp.feature_scaling, intercept=hp.intercept,
+            )  # fmt: skip
+            x_star = pb.solve()
+            value = (pb, x_star, pb.loss(x_star), pb.lipschitz())
+        if len(_CACHE) >= 4:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = value
+    return _CACHE[key]
+
+
 class ConfederatedAlgorithm(Algorithm):
     family = "confederated"
     Hparams = ConfederatedHparams
@@ -85,21 +110,9 @@ class ConfederatedAlgorithm(Algorithm):
     def __init__(self, ctx: RunContext, hp: ConfederatedHparams) -> None:
         super().__init__(ctx, hp)
         self.net = Confederation(hp, self.seeds.numpy("server_graph"), self.ledger)
-        self.problem: LogRegProblem = build_problem(
-            ctx.dataset,
-            hp.num_servers,
-            hp.users_per_server,
-            hp.batch_size,
-            hp.kappa,
-            self.seeds.numpy("partition"),
-            feature_scaling=hp.feature_scaling,
-            intercept=hp.intercept,
-        )
-        pb = self.problem
-        self.x_star = pb.solve()
-        self.f_star = pb.loss(self.x_star)
-        self.L_f = pb.lipschitz()
+        self.problem, self.x_star, self.f_star, self.L_f = _problem(ctx, hp, self.seeds.numpy("partition"))
         self.alpha = hp.step_size if hp.step_size is not None else hp.step_scale / self.L_f
+        pb = self.problem
         n, d = pb.N, pb.d
         self.X = torch.zeros(n, d, dtype=torch.float64)  # server models x_i^k
         self.Y = torch.zeros(n, d, dtype=torch.float64)  # trackers y_i^k
