@@ -356,3 +356,15 @@ def test_example_configs_are_valid():
         cfg = load(f)
         cfg.validate()
         build_dataclass(ALGORITHMS.get(cfg.algorithm.name).Hparams, cfg.algorithm.options, "algorithm")
+
+
+@pytest.mark.parametrize("wd_at", ["lookahead", "iterate"])
+def test_mim_rule_closed_form(wd_at):
+    w, ma, mb = torch.tensor([1.0, -1.0]), torch.tensor([0.2, 0.1]), torch.tensor([0.5, -0.5])
+    rule = MIMRule(ma, mb, A=0.1, lr=0.05, weight_decay=0.01, wd_at=wd_at)
+    y2 = w - mb
+    l2 = 0.01 * (y2 if wd_at == "lookahead" else w)
+    expected = ma / 0.05 + 0.1 * (2 * y2 + l2)  # grad of ||v||^2 at the look-ahead point
+    torch.testing.assert_close(rule.direction(w, lambda v: 2 * v, 0), expected)
+    # one SGD step of size eta_l from x_k lands on y1 - A eta_l g (P-line 12)
+    torch.testing.assert_close(w - 0.05 * expected, (w - ma) - 0.1 * 0.05 * (2 * y2 + l2))
