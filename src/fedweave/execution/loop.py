@@ -20,7 +20,9 @@ def run(
     out = torch.empty_like(starts)
     nsteps = torch.zeros(len(clients), dtype=torch.long)
     losses = torch.zeros(len(clients))
-    layout = tr.layout
+    value, gradbuf = tr.layout.bind()
+    model = tr.layout.model
+    template = value.clone()  # restored at the end: training leaves the template model unchanged
     for k, c in enumerate(clients):
         batches = tr.client_batches(c, round, key, steps)
         gens: dict = {}
@@ -32,11 +34,12 @@ def run(
             last = {}
 
             def grad(v: torch.Tensor, x=x, y=y, last=last) -> torch.Tensor:
-                v = v.detach().requires_grad_(True)
-                loss = tr.loss_fn(layout.functional(v, x), y)
+                value.copy_(v)  # the template's parameters are views of `value`
+                gradbuf.zero_()
+                loss = tr.loss_fn(model(x), y)
+                loss.backward()  # accumulates into `gradbuf`
                 last.setdefault("loss", loss.detach())
-                (g,) = torch.autograd.grad(loss, v)
-                return g
+                return gradbuf.clone()
 
             d = rule.direction(w, grad, k)
             w, buf = tr.sgd_update(w, d, buf, tr.step_lr(lr, t))
@@ -45,4 +48,5 @@ def run(
         out[k] = w
         nsteps[k] = len(batches)
         losses[k] = total / max(len(batches), 1)
+    value.copy_(template)
     return LocalResult(out, nsteps, losses)

@@ -21,6 +21,22 @@ class ParamLayout:
         self.numel = sum(self.numels)
         self.buffers = dict(model.named_buffers())
 
+    def bind(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make the template's parameters and their gradients views of two flat buffers (idempotent).
+
+        Loading a client is then one ``copy_`` into the value buffer, and a backward pass writes the flat
+        gradient directly, with no per-parameter gather: the loop backend's fast path.
+        """
+        if getattr(self, "_bound", None) is None:
+            value = self.flatten().clone()
+            grad = torch.zeros_like(value)
+            params = dict(self.model.named_parameters())
+            for n, v, g, s in zip(self.names, value.split(self.numels), grad.split(self.numels), self.shapes):
+                params[n].data = v.view(s)
+                params[n].grad = g.view(s)
+            self._bound = (value, grad)
+        return self._bound
+
     def flatten(self) -> torch.Tensor:
         """The template model's current parameters as a new flat vector."""
         return torch.cat([p.detach().reshape(-1) for p in self.model.parameters() if p.requires_grad])

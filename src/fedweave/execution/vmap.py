@@ -1,8 +1,8 @@
 """The batched backend: all jobs advance one step at a time in one ``torch.func.vmap`` computation.
 
-Jobs with fewer steps (smaller clients) are masked: after their last step their parameters, momentum and
-loss stop changing. A partial last batch is padded and its padding masked out of the loss, so each job
-computes exactly what the loop backend computes.
+Jobs with fewer steps (smaller clients) drop out of the batch once they are done, so no work is spent on
+finished jobs. A partial last batch is padded and its padding masked out of the loss, so each job computes
+exactly what the loop backend computes.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.func import grad_and_value, vmap
 
-from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer
+from fedweave.execution.local import LocalResult, LocalRule, LocalTrainer
 
 
 def run(
@@ -19,7 +19,7 @@ def run(
     clients: list[int],
     round: int,
     rule: LocalRule,
-    lr: LR,
+    lr: float,
     steps: int | None,
     key: tuple[int, ...],
 ) -> LocalResult:
@@ -27,16 +27,27 @@ def run(
     for lo in range(0, len(clients), tr.vmap_chunk):
         hi = min(lo + tr.vmap_chunk, len(clients))
         outs.append(_run_chunk(tr, starts[lo:hi], clients[lo:hi], round, rule, lr, steps, key, lo))
-    return LocalResult(
-        torch.cat([o.params for o in outs]), torch.cat([o.steps for o in outs]), torch.cat([o.loss for o in outs])
-    )
+    cat = torch.cat
+    return LocalResult(cat([o.params for o in outs]), cat([o.steps for o in outs]), cat([o.loss for o in outs]))
+
+
+def _batch(tr: LocalTrainer, index, mask, clients, active, round, key, gens):
+    """Stacked inputs of the active jobs at one step: (A, B, ...) features, labels and validity mask."""
+    if tr.augment is None:
+        return tr.train_x[index], tr.train_y[index], mask
+    xs = []
+    for row, k in enumerate(active.tolist()):  # augmentation draws from each client's own stream
+        m = mask[row]
+        x, _ = tr.batch_data(index[row][m], clients[k], round, key, gens)
+        pad = index.shape[1] - x.shape[0]
+        xs.append(torch.cat([x, x[:1].expand(pad, *x.shape[1:])]) if pad else x)
+    return torch.stack(xs), tr.train_y[index], mask
 
 
 def _run_chunk(tr, starts, clients, round, rule, lr, steps, key, offset) -> LocalResult:
     layout = tr.layout
     plan = tr.plan(clients, round, key, steps)
-    K = len(clients)
-    jobs = torch.arange(offset, offset + K)
+    jobs = torch.arange(offset, offset + len(clients))
 
     def loss_one(v, x, y, m):
         return tr.loss_fn(layout.functional(v, x), y, m)
@@ -45,35 +56,25 @@ def _run_chunk(tr, starts, clients, round, rule, lr, steps, key, offset) -> Loca
     gens: dict = {}
     w = starts.clone()
     buf = None
-    total = torch.zeros(K)
+    total = torch.zeros(len(clients))
     for t in range(plan.index.shape[0]):
-        idx, m = plan.index[t], plan.mask[t]
-        xs, ys = [], []
-        for k, c in enumerate(clients):
-            if t < plan.steps[k]:
-                x, y = tr.batch_data(idx[k][m[k]], c, round, key, gens)
-                if x.shape[0] < idx.shape[1]:  # pad a partial batch; the mask removes it from the loss
-                    pad = idx.shape[1] - x.shape[0]
-                    x = torch.cat([x, x[:1].expand(pad, *x.shape[1:])])
-                    y = torch.cat([y, y[:1].expand(pad)])
-            else:  # finished job: any data, its update is discarded below
-                x, y = tr.train_x[idx[k]], tr.train_y[idx[k]]
-            xs.append(x)
-            ys.append(y)
-        X, Y = torch.stack(xs), torch.stack(ys)
-        last = {}
+        active = (plan.steps > t).nonzero().squeeze(1)
+        X, Y, M = _batch(tr, plan.index[t, active], plan.mask[t, active], clients, active, round, key, gens)
+        seen: list[torch.Tensor] = []
 
-        def grad(v, X=X, Y=Y, m=m, last=last):
-            g, loss = batched(v, X, Y, m)
-            last.setdefault("loss", loss)
+        def grad(v, X=X, Y=Y, M=M, seen=seen):
+            g, loss = batched(v, X, Y, M)
+            seen.append(loss)
             return g
 
-        active = (t < plan.steps).unsqueeze(1)
-        d = rule.direction(w, grad, jobs)
-        w_new, buf_new = tr.sgd_update(w, d, buf, tr.step_lr(lr, t))
-        w_new = rule.project(w_new, jobs)
-        w = torch.where(active, w_new, w)
-        buf = buf_new if buf is None else torch.where(active, buf_new, buf)
-        if last:
-            total += torch.where(active.squeeze(1), last["loss"], 0.0)
+        wa = w[active]
+        d = rule.direction(wa, grad, jobs[active])
+        new, buf_a = tr.sgd_update(wa, d, None if buf is None else buf[active], lr)
+        w[active] = rule.project(new, jobs[active])
+        if buf_a is not None:
+            if buf is None:
+                buf = torch.zeros_like(w)
+            buf[active] = buf_a
+        if seen:
+            total[active] += seen[0]
     return LocalResult(w, plan.steps, total / plan.steps.clamp_min(1))
