@@ -39,10 +39,14 @@ def test_smoke_preset_writes_table_csv_and_plots(tmp_path):
     md = (out / "table.md").read_text()
     assert "| FedMIM |" in md and "86.39" in md  # the paper's CIFAR-10 IID number sits beside ours
     assert (out / "curves-_toy_repro.png").stat().st_size > 1000
-    # a second call reuses the finished runs
+    # a second call reuses the finished runs, even with no time budget left; a new seed is skipped
     before = (out / "runs" / "_toy_repro-iid-fedavg-s0" / "summary.json").stat().st_mtime
-    repro.main(["--scale", "smoke", "--out", str(out), "--workers", "1", "--datasets", "_toy_repro"])
+    argv = ["--scale", "smoke", "--out", str(out), "--workers", "1", "--datasets", "_toy_repro"]
+    repro.main([*argv, "--budget-minutes", "0", "--seeds", "0", "1"])
     assert (out / "runs" / "_toy_repro-iid-fedavg-s0" / "summary.json").stat().st_mtime == before
+    md = (out / "table.md").read_text()
+    assert "Not run (time budget reached): _toy_repro-dir0.1-fedavg-1" in md
+    assert len(list(csv.DictReader((out / "results.csv").open()))) == 4
 
 
 def _rec(split, method, seed, acc, cons):
