@@ -60,6 +60,8 @@ def test_run_directory_contents(toy_config, tmp_path):
         "summary.json",
         "test_accuracy_vs_rounds.png",
         "test_accuracy_vs_bytes.png",
+        "partition.csv",
+        "partition.png",
     }
     header = next(csv.reader((d / "metrics.csv").open()))
     assert header[:6] == ["round", "test_accuracy", "test_loss", "bytes_up", "bytes_down", "wall_seconds"]

@@ -99,6 +99,11 @@ def run(
         out.flush_metrics()
         start_round, wall_before = ckpt["next_round"], ckpt["wall_seconds"]
     out.write_config(config.to_dict())
+    if "partition" in ctx.__dict__ and not resume:  # the family partitioned a dataset: report it
+        from fedweave.data.report import write_partition_report
+
+        ds = ctx.dataset
+        write_partition_report(ctx.partition, ds.train_y.numpy(), ds.num_classes, out.path, plot=config.output.plots)
 
     show = config.output.progress if progress is None else progress
     bar = _progress(show, config.rounds, start_round)

@@ -60,14 +60,20 @@ def _png_bytes(hist: np.ndarray) -> bytes:
 
 
 def write_partition_report(
-    parts: Sequence[np.ndarray], labels: np.ndarray, num_classes: int, out_dir: str | os.PathLike[str]
+    parts: Sequence[np.ndarray],
+    labels: np.ndarray,
+    num_classes: int,
+    out_dir: str | os.PathLike[str],
+    *,
+    plot: bool = True,
 ) -> dict[str, object]:
-    """Write ``partition.csv`` and ``partition.png`` into ``out_dir`` atomically; return the stats."""
+    """Write ``partition.csv`` (and ``partition.png`` if ``plot``) into ``out_dir`` atomically; return the stats."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stats = partition_stats(parts, labels, num_classes)
     hist = stats["histogram"]
     assert isinstance(hist, np.ndarray)
     atomic_write(out / "partition.csv", _csv_bytes(hist))
-    atomic_write(out / "partition.png", _png_bytes(hist))
+    if plot:
+        atomic_write(out / "partition.png", _png_bytes(hist))
     return stats
