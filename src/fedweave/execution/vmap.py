@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.func import grad_and_value, vmap
 
-from fedweave.execution.local import LocalResult, LocalRule, LocalTrainer
+from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer
 
 
 def run(
@@ -19,7 +19,7 @@ def run(
     clients: list[int],
     round: int,
     rule: LocalRule,
-    lr: float,
+    lr: LR,
     steps: int | None,
     key: tuple[int, ...],
 ) -> LocalResult:
@@ -69,7 +69,7 @@ def _run_chunk(tr, starts, clients, round, rule, lr, steps, key, offset) -> Loca
 
         wa = w[active]
         d = rule.direction(wa, grad, jobs[active])
-        new, buf_a = tr.sgd_update(wa, d, None if buf is None else buf[active], lr)
+        new, buf_a = tr.sgd_update(wa, d, None if buf is None else buf[active], tr.step_lr(lr, t))
         w[active] = rule.project(new, jobs[active])
         if buf_a is not None:
             if buf is None:
