@@ -368,3 +368,15 @@ def test_mim_rule_closed_form(wd_at):
     torch.testing.assert_close(rule.direction(w, lambda v: 2 * v, 0), expected)
     # one SGD step of size eta_l from x_k lands on y1 - A eta_l g (P-line 12)
     torch.testing.assert_close(w - 0.05 * expected, (w - ma) - 0.1 * 0.05 * (2 * y2 + l2))
+
+
+def test_bernoulli_sampling_is_seeded_and_has_the_right_mean_size():
+    algo = _algo(_cfg("fedavg", sampling="bernoulli"))
+    draws = [algo.sample_clients(r) for r in range(400)]
+    assert all(len(d) >= 1 and len(set(d.tolist())) == len(d) for d in draws)
+    assert np.mean([len(d) for d in draws]) == pytest.approx(3, abs=0.2)  # p = 3/8 of 8 clients
+    assert len({len(d) for d in draws}) > 3  # sizes vary, unlike the fixed-size default
+    again = _algo(_cfg("fedavg", sampling="bernoulli"))
+    assert all(np.array_equal(a, again.sample_clients(r)) for r, a in enumerate(draws[:20]))
+    algo.run_round(0)
+    assert algo.ledger.bytes("up", round=0) == len(draws[0]) * D_TOY * 4

@@ -34,6 +34,9 @@ class StarHparams:
     weighting: Literal["samples", "uniform"] = "samples"  # aggregation weights over the round's clients
     server_lr: float = 1.0
     consistency: bool = False  # log the local-consistency metric every round (FedMIM Fig. 2b)
+    # fixed: clients_per_round clients without replacement; bernoulli: each client independently with
+    # probability clients_per_round / N, redrawn if none is active (fedmim spec A6)
+    sampling: Literal["fixed", "bernoulli"] = "fixed"
 
     def __post_init__(self) -> None:
         if self.clients_per_round < 1:
@@ -60,7 +63,15 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
     ds = ctx.dataset
     backend = choose_backend(cfg.backend, ctx.model, jobs_per_call)
     return LocalTrainer(
-        ctx.model, ds.train_x, ds.train_y, ctx.partition, local, ctx.seeds, backend=backend, augment=augment
+        ctx.model,
+        ds.train_x,
+        ds.train_y,
+        ctx.partition,
+        local,
+        ctx.seeds,
+        backend=backend,
+        augment=augment,
+        rounds=cfg.rounds,
     )
 
 
@@ -133,7 +144,13 @@ class StarAlgorithm(Algorithm):
 
     def sample_clients(self, r: int) -> np.ndarray:
         rng = self.seeds.numpy("client_sampling", r)
-        return np.sort(rng.choice(self.ctx.num_clients, self.hp.clients_per_round, replace=False))
+        n = self.ctx.num_clients
+        if getattr(self.hp, "sampling", "fixed") == "bernoulli":
+            while True:
+                active = np.flatnonzero(rng.random(n) < self.hp.clients_per_round / n)
+                if len(active):
+                    return active
+        return np.sort(rng.choice(n, self.hp.clients_per_round, replace=False))
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:
         """Aggregation weights of the round's clients, summing to one."""
