@@ -236,3 +236,16 @@ def test_server_as_client_trains_on_the_server_share_without_traffic():
     assert set(a.trainer.parts[a.server_job].tolist()) == set(a.data.server.tolist())
     a.run_round(0)
     assert a.ledger.count(kind="model") == 2 * a.k  # the server's own job sends nothing
+
+
+def test_example_configs_validate():
+    from pathlib import Path
+
+    from fedweave.config import build_dataclass
+    from fedweave.registry import ALGORITHMS
+
+    paths = sorted((Path(__file__).parents[1] / "configs" / "hierarchical").glob("*.yaml"))
+    assert len(paths) >= 5
+    for path in paths:
+        cfg = load(path)
+        build_dataclass(ALGORITHMS.get(cfg.algorithm.name).Hparams, cfg.algorithm.options, "algorithm")

@@ -230,3 +230,16 @@ def test_zo_hfl_on_the_appendix_example_descends_through_the_kink(start):
         assert torch.isfinite(x).all()
     assert float(_implicit(x)) < 0.02 < f0
     assert (x < -0.8).all()
+
+
+def test_step_schedule_gives_the_same_numbers_on_loop_and_vmap():
+    q = _Quadratic()
+    clients = np.array([0, 0, 2, 2])
+    start = torch.randn(4, q.n, generator=torch.Generator().manual_seed(1))
+    out = {
+        b: q.trainer(b, 5).train(start, clients, 3, rule=LowerLevelRule(0.2, start), lr=decaying(0.1), steps=6).params
+        for b in ("loop", "vmap")
+    }
+    assert torch.allclose(out["loop"], out["vmap"], atol=1e-6)
+    const = q.trainer("loop", 5).train(start, clients, 3, rule=LowerLevelRule(0.2, start), lr=0.1, steps=6).params
+    assert not torch.allclose(out["loop"], const)

@@ -95,6 +95,19 @@ class Preset:
     lam: float = 10.0  # spec A1 (not given in the paper)
     mu: float = 0.1
     min_size: int = 10
+    extra_lams: list[float] = field(default_factory=list)  # lambda sensitivity: extra ZO-HFL rows
+
+    @property
+    def methods(self) -> list[str]:
+        return METHODS + [f"zo_hfl_lam{lam:g}" for lam in self.extra_lams]
+
+
+def label(m: str) -> str:
+    return LABELS.get(m) or f"ZO-HFL (lambda={m.removeprefix('zo_hfl_lam')})"
+
+
+def method_lam(p: Preset, m: str) -> float:
+    return 0.0 if m == "server_only" else float(m.removeprefix("zo_hfl_lam")) if m.startswith("zo_hfl_lam") else p.lam
 
 
 PRESETS = {
@@ -123,6 +136,7 @@ PRESETS = {
         server_batch_size=32,
         eval_every=2,
         dataset_options={"mnist": {"normalize": False}, "fashion_mnist": {"normalize": False}},
+        extra_lams=[1.0],
     ),
     "paper": Preset(
         datasets=["mnist", "fashion_mnist", "cifar10"],
@@ -150,17 +164,17 @@ def run_config(
     """The config of one run (spec §9.2/§9.3: pooled 90/10 split, 30% server share, Dir(alpha) clients)."""
     alpha, beta = setting
     algo: dict[str, Any] = {
-        "name": ALGO[method],
+        "name": ALGO.get(method, "zo_hfl"),
         "participation": beta,
         "tau": tau,
         "test_fraction": 0.1,
         "server_share": 0.3,
     }
-    if method in ("zo_hfl", "server_only"):
-        algo.update(lam=0.0 if method == "server_only" else p.lam, mu=p.mu, server_batch_size=p.server_batch_size)
+    if ALGO.get(method, "zo_hfl") == "zo_hfl":
+        algo.update(lam=method_lam(p, method), mu=p.mu, server_batch_size=p.server_batch_size)
     if method == "fedprox":
         algo["mu"] = p.mu  # mu_p = mu (spec §5)
-    name = f"{dataset}-a{alpha:g}-b{beta:g}-{method}-tau{tau:g}-s{seed}"
+    name = f"{dataset}-a{alpha:g}-b{beta:g}-{method}-tau{tau:g}-R{rounds}-s{seed}"
     return {
         "name": name,
         "seed": seed,
@@ -197,14 +211,33 @@ def _run_one(cfg: dict[str, Any]) -> dict[str, Any]:
     from fedweave.runner import DivergenceError, run
 
     t0 = time.perf_counter()
+    path = Path(cfg["output"]["dir"])
+    done = _completed(path, cfg)
+    if done is not None:  # an identical run finished earlier (e.g. before the preset gained rows): reuse it
+        return {"name": cfg["name"], "rows": done, "status": "completed", "seconds": _seconds(path), "reused": True}
     try:
         res = run(load(cfg), progress=False)
         rows, status = res.metrics, res.summary["status"]
     except DivergenceError:  # keep the rows before the NaN; the table marks the run
-        path = Path(cfg["output"]["dir"])
         rows, status = (read_metrics(path) if (path / "metrics.jsonl").is_file() else []), "diverged"
         rows = rows or [{"round": 0, "test_accuracy": float("nan"), "global_loss": float("nan")}]
     return {"name": cfg["name"], "rows": rows, "status": status, "seconds": time.perf_counter() - t0}
+
+
+def _completed(path: Path, cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
+    from fedweave.config import load
+    from fedweave.results import read_metrics
+
+    try:
+        summary = json.loads((path / "summary.json").read_text())
+        same = load(path / "config.yaml").to_dict() == load(cfg).to_dict()
+    except (OSError, ValueError):
+        return None
+    return read_metrics(path) if same and summary.get("status") == "completed" else None
+
+
+def _seconds(path: Path) -> float:
+    return float(json.loads((path / "summary.json").read_text()).get("wall_seconds", 0.0))
 
 
 def run_all(configs: list[dict[str, Any]], workers: int) -> dict[str, dict[str, Any]]:
@@ -239,7 +272,7 @@ def summarize(
     acc: dict[tuple[str, str, tuple[float, float]], tuple[float, float]] = {}
     for ds in p.datasets:
         for si, s in enumerate(SETTINGS):
-            for m in METHODS:
+            for m in p.methods:
                 res = [results[run_config(p, ds, s, m, seed, p.tau, p.rounds, out)["name"]] for seed in seeds]
                 mean, std = _ms([100 * _final(r) for r in res])
                 last_mean, _ = _ms([100 * _last10(r, p.rounds) for r in res])
@@ -269,8 +302,8 @@ def check_claims(p: Preset, acc, results, out: Path) -> dict[str, Any]:
     homo, mid, extreme = SETTINGS
     claims: dict[str, Any] = {}
     for ds in p.datasets:
-        a = {(m, s): acc[(ds, m, s)][0] for m in METHODS for s in SETTINGS}
-        drop = {m: a[(m, homo)] - a[(m, extreme)] for m in METHODS}
+        a = {(m, s): acc[(ds, m, s)][0] for m in p.methods for s in SETTINGS}
+        drop = {m: a[(m, homo)] - a[(m, extreme)] for m in p.methods}
         c1 = a[("zo_hfl", extreme)] >= max(a[("fedavg", extreme)], a[("fedprox", extreme)]) and drop[
             "zo_hfl"
         ] <= 0.5 * max(drop["fedavg"], 0.0)
@@ -339,13 +372,13 @@ def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], o
     for ds in p.datasets:
         head = "| method | " + " | ".join(SETTING_NAMES[s] for s in SETTINGS) + " |"
         lines += [f"## {DATASET_LABELS.get(ds, ds)}", "", head, "|---" * (len(SETTINGS) + 1) + "|"]
-        for m in METHODS:
+        for m in p.methods:
             cells = []
             for s in SETTINGS:
                 r = next(x for x in rows if x["dataset"] == ds and x["method"] == m and (x["alpha"], x["beta"]) == s)
                 paper = f"{r['paper_acc']:.2f}" if r["paper_acc"] != "" else "n/a"
                 cells.append(f"{r['acc_mean']:.2f} +- {r['acc_std']:.2f} [{r['acc_last10_mean']:.2f}] / {paper}")
-            lines.append(f"| {LABELS[m]} | " + " | ".join(cells) + " |")
+            lines.append(f"| {label(m)} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Claims (spec §9.2)", "", "```json", json.dumps(claims, indent=2), "```", ""]
     lines += [f"Total wall time: {meta['wall_seconds']:.0f} s with {meta['workers']} worker process(es).", ""]
@@ -382,10 +415,10 @@ def write_plots(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int],
     for ds in p.datasets:  # accuracy vs rounds per method
         fig, axes = plt.subplots(1, len(SETTINGS), figsize=(4.2 * len(SETTINGS), 3.4), sharey=True)
         for ax, s in zip(np.atleast_1d(axes), SETTINGS):
-            for m in METHODS:
+            for m in p.methods:
                 runs = [results[run_config(p, ds, s, m, seed, p.tau, p.rounds, out)["name"]]["rows"] for seed in seeds]
                 x = [r["round"] for r in runs[0]]
-                ax.plot(x, np.mean([[r["test_accuracy"] for r in rows] for rows in runs], axis=0), label=LABELS[m])
+                ax.plot(x, np.mean([[r["test_accuracy"] for r in rows] for rows in runs], axis=0), label=label(m))
             ax.set_title(f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})")
             ax.set_xlabel("round")
         np.atleast_1d(axes)[0].set_ylabel("test accuracy")
@@ -402,7 +435,7 @@ def plan(p: Preset, seeds: list[int], out: Path) -> list[dict[str, Any]]:
     for ds in p.datasets:
         for s in SETTINGS:
             for seed in seeds:
-                for m in METHODS:
+                for m in p.methods:
                     c = run_config(p, ds, s, m, seed, p.tau, p.rounds, out)
                     configs[c["name"]] = c
     for ds in p.sweep_dataset:
