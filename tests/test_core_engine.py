@@ -97,9 +97,16 @@ def test_same_stream_same_batches_and_key_changes_them(uneven_parts):
     assert sorted(torch.cat(a).tolist()) == sorted(uneven_parts[4].tolist())  # one epoch = every sample once
 
 
-def test_lr_decays_per_round(uneven_parts):
+def test_lr_schedules(uneven_parts):
     tr = _trainer(next(_models()), uneven_parts, "loop", epochs=1, lr=0.1, lr_decay=0.5)
     assert tr.lr(0) == 0.1 and tr.lr(3) == pytest.approx(0.0125)
+    tr = _trainer(next(_models()), uneven_parts, "loop", epochs=1, lr=0.1, lr_decay=0.5, lr_schedule="step", lr_step=2)
+    assert [tr.lr(r) for r in range(5)] == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025])
+    tr = _trainer(next(_models()), uneven_parts, "loop", epochs=1, lr=0.1, lr_schedule="cosine", lr_min=0.02)
+    with pytest.raises(ValueError, match="cosine"):
+        tr.lr(0)
+    tr.rounds = 10
+    assert tr.lr(0) == pytest.approx(0.1) and tr.lr(5) == pytest.approx(0.06) and tr.lr(10) == pytest.approx(0.02)
 
 
 def test_auto_backend_picks_vmap_only_for_a_single_linear_layer():

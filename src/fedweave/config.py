@@ -14,7 +14,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -42,7 +42,10 @@ class LocalConfig:
     steps: int | None = None
     batch_size: int = 32
     lr: float = 0.05
-    lr_decay: float = 1.0  # multiplicative, per round
+    lr_decay: float = 1.0  # multiplicative factor of the exponential and step schedules
+    lr_schedule: Literal["exponential", "step", "cosine"] = "exponential"
+    lr_step: int = 1  # step schedule: multiply by lr_decay every lr_step rounds
+    lr_min: float = 0.0  # cosine schedule: the lr of the last round
     momentum: float = 0.0
     weight_decay: float = 0.0
     grad_clip: float | None = None
@@ -61,6 +64,10 @@ class LocalConfig:
             raise ConfigError(f"local.lr must be > 0, got {self.lr}")
         if not 0 < self.lr_decay <= 1:
             raise ConfigError(f"local.lr_decay must be in (0, 1], got {self.lr_decay}")
+        if self.lr_step < 1:
+            raise ConfigError(f"local.lr_step must be >= 1, got {self.lr_step}")
+        if not 0 <= self.lr_min <= self.lr:
+            raise ConfigError(f"local.lr_min must be in [0, local.lr], got {self.lr_min}")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"local.momentum must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:

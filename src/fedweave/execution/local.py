@@ -85,6 +85,7 @@ class LocalTrainer:
         backend: str = "loop",
         augment: Augment | None = None,
         vmap_chunk: int = 64,
+        rounds: int | None = None,
     ) -> None:
         if backend not in ("loop", "vmap"):
             raise ValueError(f"backend must be 'loop' or 'vmap' here, got {backend!r}")
@@ -96,6 +97,7 @@ class LocalTrainer:
         self.backend = backend
         self.augment = augment
         self.vmap_chunk = vmap_chunk
+        self.rounds = rounds
         self.loss_fn = cross_entropy
 
     # ---- batch plan ------------------------------------------------------------------------------
@@ -155,7 +157,15 @@ class LocalTrainer:
 
     # ---- training --------------------------------------------------------------------------------
     def lr(self, round: int) -> float:
-        return self.local.lr * self.local.lr_decay**round
+        """The local learning rate of ``round`` under ``local.lr_schedule``."""
+        c = self.local
+        if c.lr_schedule == "step":
+            return c.lr * c.lr_decay ** (round // c.lr_step)
+        if c.lr_schedule == "cosine":
+            if self.rounds is None:
+                raise ValueError("local.lr_schedule 'cosine' needs the number of rounds (LocalTrainer(rounds=...))")
+            return c.lr_min + (c.lr - c.lr_min) * (1 + math.cos(math.pi * round / self.rounds)) / 2
+        return c.lr * c.lr_decay**round
 
     @staticmethod
     def step_lr(lr: LR, t: int) -> float:
