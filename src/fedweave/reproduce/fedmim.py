@@ -373,8 +373,9 @@ def markdown(table: list[dict], claims: dict, preset_name: str, p: Preset, wall:
         f"local {p.local}, T = {p.rounds}. Wall time {wall / 60:.1f} min.",
         "",
         "Final test accuracy (%) of the global model, mean ± std over seeds. `rank` is our ranking in the "
-        "column; the paper has no MNIST/Fashion-MNIST column, so its CIFAR-10 number and rank for the same "
-        "split (Table I) are shown beside ours. `cons.` is the local consistency (1/S)Σ‖x_i − x̄‖² averaged "
+        "column (among the methods run there, as is `paper rank`); the paper has no MNIST/Fashion-MNIST "
+        "column, so its CIFAR-10 number and rank for the same split (Table I) are shown beside ours. "
+        "`cons.` is the local consistency (1/S)Σ‖x_i − x̄‖² averaged "
         "over the evaluations of the last 20 rounds (Fig. 2b; lower is more consistent).",
         "",
     ]
