@@ -1,0 +1,121 @@
+"""Gossip / DFedAvg / DFedAvgM / FedAvg-FT: average with neighbours, train locally.
+
+* ``gossip`` = ``fedavg_ft`` (Hegedus et al. 2019; the FedAvg-FT base row of AFIND+'s Table 2): each round
+  client i pulls the round-start models of its sampled neighbours R_i, sets
+  w_i <- (w_i + sum_{j in R_i} w_j) / (|R_i| + 1), then trains K local epochs ("aggregate then train").
+* ``dfedavg`` (Sun et al. 2022, DFedAvg): K local epochs first, then one gossip step
+  x_i^{t+1} = sum_j m_ij z_j^t with the sampled uniform weights or, with ``mixing: metropolis``, the
+  doubly-stochastic Metropolis matrix of the whole graph. ``dfedavgm`` is DFedAvg with heavy-ball
+  momentum (``local_momentum``, default 0.9) in the local steps.
+* The neighbours come from a pluggable :class:`NeighbourSelector` (``selection: random|topk|afind``);
+  with ``afind`` the sampled uniform weights become AFIND+'s Boltzmann weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from fedweave.algorithms.base import RunContext
+from fedweave.algorithms.decentralized.selection import NeighbourSelector, SelectionHparams
+from fedweave.config import ConfigError
+from fedweave.registry import ALGORITHMS
+from fedweave.topology.graph import GraphAlgorithm, GraphHparams, gossip, metropolis_weights, with_local
+
+
+@dataclass
+class DFedAvgHparams(SelectionHparams, GraphHparams):
+    order: Literal["train_aggregate", "aggregate_train"] = "train_aggregate"
+    mixing: Literal["sampled", "metropolis"] = "sampled"
+    local_momentum: float | None = None  # heavy-ball momentum of the local steps; null = local.momentum
+
+    def __post_init__(self) -> None:
+        GraphHparams.__post_init__(self)
+        SelectionHparams.__post_init__(self)
+        if self.local_momentum is not None and not 0 <= self.local_momentum < 1:
+            raise ConfigError(f"algorithm.local_momentum must be in [0, 1), got {self.local_momentum}")
+        if self.mixing == "metropolis" and self.selection != "random":
+            raise ConfigError("algorithm.mixing 'metropolis' mixes with every graph neighbour; use selection 'random'")
+
+
+@ALGORITHMS.register("dfedavg")
+class DFedAvg(GraphAlgorithm):
+    name = "dfedavg"
+    Hparams = DFedAvgHparams
+
+    def __init__(self, ctx: RunContext, hp: DFedAvgHparams) -> None:
+        super().__init__(ctx, hp)
+        if hp.local_momentum is not None:
+            self.trainer = with_local(self.trainer, momentum=hp.local_momentum)
+        self.selector = NeighbourSelector(self, hp)
+        self.mixing = metropolis_weights(self.graph) if hp.mixing == "metropolis" else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "selector": self.selector.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        self.selector.load_state_dict(state.pop("selector"))
+        super().load_state_dict(state)
+
+    def mix(self, r: int, W: torch.Tensor, sent: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """New rows from the round-start ``W`` (proxies) and the models ``sent`` (double-buffered)."""
+        if self.mixing is not None:  # every client sends to every graph neighbour
+            self.peer(r, "model", self.model_bytes, 2 * self.graph.number_of_edges())
+            if self.hp.dp_sigma:
+                raise ConfigError("algorithm.dp_sigma needs mixing 'sampled' (per-message noise)")
+            return gossip(sent, self.mixing), float(self.graph.number_of_edges() * 2 / self.num_clients)
+        new = torch.empty_like(sent)
+        picks = self.selector.select(r, W, sent)
+        for i, (chosen, wts) in enumerate(picks):
+            self.peer(r, "model", self.model_bytes, len(chosen))  # each j in R_i -> i
+            rows = [sent[i], *(self.noisy(sent[j], r, int(j), i) for j in chosen)]
+            new[i] = (wts.to(sent.dtype)[:, None] * torch.stack(rows)).sum(0)
+        return new, float(sum(len(c) for c, _ in picks) / self.num_clients)
+
+    def run_round(self, r: int) -> dict[str, float]:
+        W0 = self.W
+        if self.hp.order == "aggregate_train":
+            mixed, k = self.mix(r, W0, W0)
+            own = self.trainer.train(mixed, range(self.num_clients), r)
+            new = own.params
+        else:
+            own = self.trainer.train(W0, range(self.num_clients), r)
+            new, k = self.mix(r, W0, own.params)
+        self.commit("model", new)
+        return {"train_loss": float(own.loss.mean()), "selected_mean": k}
+
+
+@dataclass
+class DFedAvgMHparams(DFedAvgHparams):
+    local_momentum: float | None = 0.9
+
+
+@ALGORITHMS.register("dfedavgm")
+class DFedAvgM(DFedAvg):
+    """DFedAvgM (Sun et al. 2022): DFedAvg with heavy-ball momentum in the local steps."""
+
+    name = "dfedavgm"
+    Hparams = DFedAvgMHparams
+
+
+@dataclass
+class GossipHparams(DFedAvgHparams):
+    order: Literal["train_aggregate", "aggregate_train"] = "aggregate_train"
+
+
+@ALGORITHMS.register("gossip")
+class Gossip(DFedAvg):
+    """Gossip learning with random neighbours, aggregate then train (AFIND+ Table 1 "Gossip")."""
+
+    name = "gossip"
+    Hparams = GossipHparams
+
+
+@ALGORITHMS.register("fedavg_ft")
+class FedAvgFT(Gossip):
+    """FedAvg-FT in DFL (Cheng et al. 2021 backbone; Table 2 base row): Gossip + 1 fine-tune epoch at eval."""
+
+    name = "fedavg_ft"

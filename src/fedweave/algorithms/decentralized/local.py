@@ -1,0 +1,16 @@
+"""Local: every client trains only on its own data; no communication (the lower baseline of Table 1)."""
+
+from __future__ import annotations
+
+from fedweave.registry import ALGORITHMS
+from fedweave.topology.graph import GraphAlgorithm
+
+
+@ALGORITHMS.register("local")
+class Local(GraphAlgorithm):
+    name = "local"
+
+    def run_round(self, r: int) -> dict[str, float]:
+        own = self.trainer.train(self.W, range(self.num_clients), r)  # K local epochs from the own model
+        self.commit("model", own.params)
+        return {"train_loss": float(own.loss.mean())}

@@ -1,0 +1,318 @@
+"""Peer-to-peer graphs and the shared mechanics of decentralized FL (DFL).
+
+* Graphs from networkx: fully connected, the random "half" graph of AFIND+'s Table 3, Erdos-Renyi, ring,
+  torus, random regular, small world, or an edge-list file. A graph says who *can* talk; which neighbours
+  a client talks to in a round is sampled per round from the ``("neighbour_sampling", round, client)``
+  stream (part of the protocol, not of the graph).
+* Synchronous, double-buffered rounds: every algorithm reads the round-start models ``W`` (an ``(N, P)``
+  tensor in a :class:`StateStore`) and commits a new tensor at the end of the round, so no client ever sees
+  a neighbour's half-updated model.
+* Every peer-to-peer transfer is a ledger entry ``peer -> peer`` with its exact bytes (kinds ``model``,
+  ``feature_proxy``, ``loss``, ``mask``, ...).
+* Personalized evaluation: each client's model, fine-tuned ``finetune_epochs`` local epochs (the
+  FedAvg-FT backbone of afind-plus §4.5), on its own test set drawn with its train label distribution
+  (``client_test_split``); ``test_accuracy`` is the unweighted mean over clients.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import networkx as nx
+import numpy as np
+import torch
+
+from fedweave.algorithms.base import Algorithm, RunContext
+from fedweave.config import ConfigError
+from fedweave.execution import LocalTrainer, ParamLayout, StateStore, evaluate_clients
+from fedweave.topology.star import make_trainer
+
+TOPOLOGIES = ("full", "half", "erdos_renyi", "ring", "torus", "random_regular", "small_world", "edgelist")
+Topology = Literal["full", "half", "erdos_renyi", "ring", "torus", "random_regular", "small_world", "edgelist"]
+
+# batch-stream keys (``("batches", round, client, *key)``) of the jobs a DFL round may run besides the
+# client's own training (key ()): fine-tuning before evaluation, and copies trained for another client.
+FINETUNE_KEY = 1_000_003
+COPY_KEY = 1_000_033  # + target client id
+
+
+# ---------------------------------------------------------------------------------------------- graphs
+def _factor_rows(n: int) -> int:
+    """The largest divisor of ``n`` not above sqrt(n) (a near-square torus)."""
+    return max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+
+
+def read_edge_list(path: str | Path, num_clients: int) -> nx.Graph:
+    """An undirected graph from a text file of ``u v`` lines (0-based client ids; ``#`` comments)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"algorithm.edge_file {str(p)!r} does not exist")
+    g = nx.Graph()
+    g.add_nodes_from(range(num_clients))
+    for lineno, line in enumerate(p.read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        try:
+            u, v = int(parts[0]), int(parts[1])
+        except (IndexError, ValueError):
+            raise ConfigError(f"algorithm.edge_file {str(p)!r} line {lineno}: expected 'u v', got {line!r}") from None
+        for x in (u, v):
+            if not 0 <= x < num_clients:
+                raise ConfigError(
+                    f"algorithm.edge_file {str(p)!r} line {lineno}: client {x} is outside [0, {num_clients})"
+                )
+        if u != v:
+            g.add_edge(u, v)
+    return g
+
+
+def build_graph(
+    topology: str,
+    num_clients: int,
+    seed: int,
+    *,
+    edge_prob: float = 0.5,
+    degree: int = 4,
+    rewire_prob: float = 0.1,
+    torus_rows: int = 0,
+    edge_file: str | None = None,
+) -> nx.Graph:
+    """The communication graph G = (N, V) of afind-plus §1.2 over clients ``0..num_clients-1``."""
+    m = num_clients
+    if topology == "full":
+        g = nx.complete_graph(m)
+    elif topology == "half":
+        # Table 3: "each client randomly connects to half of the other clients" -> a random
+        # floor((m-1)/2)-regular graph (A26); one less when m*d is odd (no such regular graph exists).
+        d = (m - 1) // 2
+        d -= (m * d) % 2
+        g = nx.random_regular_graph(d, m, seed=seed) if d > 0 else nx.empty_graph(m)
+    elif topology == "erdos_renyi":
+        if not 0 < edge_prob <= 1:
+            raise ConfigError(f"algorithm.edge_prob must be in (0, 1], got {edge_prob}")
+        g = nx.gnp_random_graph(m, edge_prob, seed=seed)
+    elif topology == "ring":
+        g = nx.cycle_graph(m) if m > 2 else nx.complete_graph(m)
+    elif topology == "torus":
+        rows = torus_rows or _factor_rows(m)
+        if rows < 1 or m % rows:
+            raise ConfigError(f"algorithm.torus_rows ({rows}) must divide partition.num_clients ({m})")
+        g = nx.convert_node_labels_to_integers(nx.grid_2d_graph(rows, m // rows, periodic=True), ordering="sorted")
+    elif topology == "random_regular":
+        if not 0 < degree < m or (m * degree) % 2:
+            raise ConfigError(
+                f"algorithm.degree must be in [1, {m - 1}] with num_clients*degree even, got {degree} for {m} clients"
+            )
+        g = nx.random_regular_graph(degree, m, seed=seed)
+    elif topology == "small_world":
+        if not 2 <= degree < m:
+            raise ConfigError(f"algorithm.degree must be in [2, {m - 1}] for small_world, got {degree}")
+        if not 0 <= rewire_prob <= 1:
+            raise ConfigError(f"algorithm.rewire_prob must be in [0, 1], got {rewire_prob}")
+        g = nx.connected_watts_strogatz_graph(m, degree, rewire_prob, tries=1000, seed=seed)
+    elif topology == "edgelist":
+        if not edge_file:
+            raise ConfigError("algorithm.topology 'edgelist' needs algorithm.edge_file (a file of 'u v' lines)")
+        g = read_edge_list(edge_file, m)
+    else:
+        raise ConfigError(f"algorithm.topology must be one of {', '.join(TOPOLOGIES)}; got {topology!r}")
+    lonely = [i for i in range(m) if g.degree(i) == 0]
+    if m > 1 and lonely:
+        raise ConfigError(
+            f"algorithm.topology {topology!r} left client(s) {lonely[:5]} without neighbours; "
+            "use a denser graph (e.g. a larger algorithm.edge_prob)"
+        )
+    return g
+
+
+def neighbour_lists(g: nx.Graph) -> list[np.ndarray]:
+    """S_i = {j : w_ij = 1} of every client, sorted."""
+    return [np.array(sorted(g.neighbors(i)), dtype=np.int64) for i in range(g.number_of_nodes())]
+
+
+def metropolis_weights(g: nx.Graph) -> torch.Tensor:
+    """The Metropolis-Hastings mixing matrix: symmetric and doubly stochastic on any undirected graph.
+
+    w_ij = 1 / (1 + max(d_i, d_j)) on edges, w_ii = 1 - sum_j w_ij (Xiao & Boyd, 2004).
+    """
+    m = g.number_of_nodes()
+    M = torch.zeros(m, m, dtype=torch.float64)
+    deg = dict(g.degree())
+    for u, v in g.edges():
+        M[u, v] = M[v, u] = 1.0 / (1 + max(deg[u], deg[v]))
+    M += torch.diag(1.0 - M.sum(1))
+    return M
+
+
+def gossip(W: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """One synchronous gossip step x_i <- sum_j M_ij x_j, from the round-start rows only (a new tensor)."""
+    return (M.to(W.dtype) @ W).contiguous()
+
+
+# --------------------------------------------------------------------------------------------- hparams
+@dataclass
+class GraphHparams:
+    """Topology, per-round neighbour budget, evaluation backbone and DP noise shared by DFL methods."""
+
+    topology: Topology = "full"
+    edge_prob: float = 0.5  # erdos_renyi
+    degree: int = 4  # random_regular, small_world (ring neighbours k)
+    rewire_prob: float = 0.1  # small_world
+    torus_rows: int = 0  # torus: 0 = the most square factorization
+    edge_file: str | None = None  # edgelist
+    neighbours: int = 10  # |B_i^t|: neighbours available (contacted) per round; "10 neighbours" (C.3)
+    finetune_epochs: int = 1  # FedAvg-FT backbone: local epochs on a copy before evaluation (C.3)
+    test_per_client: int | None = None  # per-client test size; null = ceil(N_test / m) (spec 4.2)
+    dp_sigma: float = 0.0  # Table 4 sigma_2: Gaussian noise on exchanged tensors (A27 option)
+    dp_clip: float = 1.0  # C in the noise scale sigma_2 * C / L (L = local batch size)
+
+    def __post_init__(self) -> None:
+        if self.topology not in TOPOLOGIES:
+            raise ConfigError(f"algorithm.topology must be one of {', '.join(TOPOLOGIES)}; got {self.topology!r}")
+        if self.neighbours < 1:
+            raise ConfigError(f"algorithm.neighbours must be >= 1, got {self.neighbours}")
+        if self.finetune_epochs < 0:
+            raise ConfigError(f"algorithm.finetune_epochs must be >= 0, got {self.finetune_epochs}")
+        if self.dp_sigma < 0:
+            raise ConfigError(f"algorithm.dp_sigma must be >= 0, got {self.dp_sigma}")
+        if self.dp_clip <= 0:
+            raise ConfigError(f"algorithm.dp_clip must be > 0, got {self.dp_clip}")
+        if self.test_per_client is not None and self.test_per_client < 1:
+            raise ConfigError(f"algorithm.test_per_client must be >= 1 or null, got {self.test_per_client}")
+
+
+def with_local(trainer: LocalTrainer, **changes: Any) -> LocalTrainer:
+    """A trainer sharing data, model and backend with ``trainer`` but with other ``local`` settings."""
+    other = copy.copy(trainer)
+    other.local = dataclasses.replace(trainer.local, **changes)
+    return other
+
+
+# ------------------------------------------------------------------------------------------ algorithm
+class GraphAlgorithm(Algorithm):
+    """Base of DFL methods: graph, per-client models ``W`` (N, P), neighbour sampling, ledger, evaluation."""
+
+    family = "decentralized"
+    Hparams = GraphHparams
+
+    def __init__(self, ctx: RunContext, hp: GraphHparams) -> None:
+        super().__init__(ctx, hp)
+        n = ctx.num_clients
+        self.num_clients = n
+        self.graph = build_graph(
+            hp.topology,
+            n,
+            self.seeds.int_seed("topology") % 2**31,
+            edge_prob=hp.edge_prob,
+            degree=hp.degree,
+            rewire_prob=hp.rewire_prob,
+            torus_rows=hp.torus_rows,
+            edge_file=hp.edge_file,
+        )
+        self.neighbours = neighbour_lists(self.graph)
+        self.trainer = make_trainer(ctx, n)
+        self.ft_trainer = with_local(self.trainer, epochs=hp.finetune_epochs or 1, steps=None)
+        self.layout: ParamLayout = self.trainer.layout
+        self.store = StateStore(n)
+        self.store.create("model", self.layout.numel, fill=self.layout.flatten())
+        self.model_bytes = self.layout.numel * 4  # float32 rows
+        self._test_parts: list[np.ndarray] | None = None
+        self._checkpoint: tuple[str, ...] = ()
+
+    # ---- state -----------------------------------------------------------------------------------
+    @property
+    def W(self) -> torch.Tensor:
+        """Round-start personalized models, one row per client."""
+        return self.store["model"]
+
+    def commit(self, name: str, new: torch.Tensor) -> None:
+        """End of round: replace state ``name`` by ``new`` (computed from round-start values only)."""
+        self.store[name].copy_(new)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"store": self.store.state_dict(), **super().state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        self.store.load_state_dict(state.pop("store"))
+        super().load_state_dict(state)
+
+    # ---- protocol --------------------------------------------------------------------------------
+    def available(self, r: int, i: int, k: int | None = None) -> np.ndarray:
+        """B_i^t: ``k`` (default ``neighbours``) of i's graph neighbours, uniformly without replacement."""
+        nb = self.neighbours[i]
+        k = min(self.hp.neighbours if k is None else k, len(nb))
+        rng = self.seeds.numpy("neighbour_sampling", r, i)
+        return np.sort(rng.choice(nb, size=k, replace=False)) if k < len(nb) else nb.copy()
+
+    def peer(self, r: int, kind: str, nbytes_each: int, count: int = 1) -> None:
+        """``count`` peer-to-peer messages of ``nbytes_each`` bytes each."""
+        if count:
+            self.ledger.record(r, "peer", "peer", kind, nbytes_each * count, count)
+
+    def noisy(self, x: torch.Tensor, r: int, sender: int, receiver: int, what: int = 0) -> torch.Tensor:
+        """The tensor as received under the DP option: x + N(0, (sigma_2 C / L)^2 I) (A27), else x."""
+        if not self.hp.dp_sigma:
+            return x
+        g = self.seeds.torch("dp_noise", r, sender, receiver, what)
+        std = self.hp.dp_sigma * self.hp.dp_clip / self.config.local.batch_size
+        return x + std * torch.randn(x.shape, generator=g, dtype=x.dtype)
+
+    @property
+    def label_overlap(self) -> torch.Tensor:
+        """O_ij = sum_c min(q_ic, q_jc) of the clients' train label distributions q (1 = same labels).
+
+        Ground truth for diagnostics only (how alike the neighbours a method picks are); never used to train.
+        """
+        if getattr(self, "_overlap", None) is None:
+            ds = self.ctx.dataset
+            y = ds.train_y.numpy()
+            q = np.stack([np.bincount(y[p], minlength=ds.num_classes) / max(len(p), 1) for p in self.ctx.partition])
+            q_t = torch.as_tensor(q)
+            self._overlap = torch.minimum(q_t[:, None, :], q_t[None, :, :]).sum(-1)
+        return self._overlap
+
+    # ---- evaluation ------------------------------------------------------------------------------
+    @property
+    def test_parts(self) -> list[np.ndarray]:
+        """Per-client test indices with each client's train label distribution (spec 4.2)."""
+        if self._test_parts is None:
+            from fedweave.data.partition import client_test_split, user_test_split
+
+            ds = self.ctx.dataset
+            if ds.train_users is not None and ds.test_users is not None:
+                self._test_parts = user_test_split(self.ctx.partition, ds.train_users, ds.test_users)
+            else:
+                self._test_parts = client_test_split(
+                    self.ctx.partition,
+                    ds.train_y.numpy(),
+                    ds.test_y.numpy(),
+                    self.seeds.numpy("test_split"),
+                    per_client=self.hp.test_per_client,
+                )
+        return self._test_parts
+
+    def eval_models(self, r: int) -> torch.Tensor:
+        """The models evaluated after round ``r`` (default: ``W``)."""
+        return self.W
+
+    def evaluate(self, r: int) -> dict[str, float]:
+        """Mean over clients of per-client test accuracy, after ``finetune_epochs`` of local fine-tuning
+        on a throw-away copy (afind-plus R10; training continues from the un-tuned models)."""
+        models = self.eval_models(r)
+        if self.hp.finetune_epochs:
+            models = self.ft_trainer.train(models, range(self.num_clients), r, key=(FINETUNE_KEY,)).params
+        ds, ev = self.ctx.dataset, self.config.eval
+        accs, losses = evaluate_clients(self.layout, models, ds.test_x, ds.test_y, self.test_parts, ev.batch_size)
+        return {
+            "test_accuracy": float(accs.mean()),
+            "test_loss": float(losses.mean()),
+            "test_accuracy_min": float(accs.min()),
+        }

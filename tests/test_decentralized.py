@@ -1,0 +1,282 @@
+"""Decentralized FL: graphs, gossip identities, double buffering, ledger sizes, AFIND+'s rules and readings."""
+
+from __future__ import annotations
+
+import io
+
+import networkx as nx
+import numpy as np
+import pytest
+import torch
+
+from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.algorithms.decentralized.selection import (
+    AfindOptions,
+    ProxyComputer,
+    boltzmann,
+    eq9_update,
+    sampling_probs,
+    synthetic_selection,
+    threshold,
+    uncertainty,
+)
+from fedweave.config import ConfigError, load
+from fedweave.registry import PARTITIONERS
+from fedweave.topology.graph import build_graph, gossip, metropolis_weights, neighbour_lists
+
+if "_toy_dfl_groups" not in PARTITIONERS._items:
+
+    @PARTITIONERS.register("_toy_dfl_groups")
+    def _two_groups(labels, num_clients, rng, *, users=None, per_client: int = 40):
+        """Test fixture: the first half of the clients holds classes {0, 1}, the second half {2, 3}."""
+        half = num_clients // 2
+        out = []
+        pools = {0: rng.permutation(np.flatnonzero(labels < 2)), 1: rng.permutation(np.flatnonzero(labels >= 2))}
+        for i in range(num_clients):
+            g, k = (0, i) if i < half else (1, i - half)
+            out.append(np.sort(pools[g][k * per_client : (k + 1) * per_client]))
+        return out
+
+
+def config(algo: str, rounds: int = 2, clients: int = 8, **opts) -> dict:
+    return {
+        "name": "dfl",
+        "seed": 1,
+        "rounds": rounds,
+        "dataset": {"name": "_toy"},
+        "partition": {"name": "_toy_dfl_groups", "num_clients": clients},
+        "model": {"name": "mlp", "hidden": [8]},
+        "algorithm": {"name": algo, **opts},
+        "local": {"epochs": 1, "batch_size": 20, "lr": 0.1},
+        "output": {"progress": False, "plots": False},
+    }
+
+
+def build(algo: str, **kw):
+    cfg = load(config(algo, **kw))
+    ctx = RunContext(cfg)
+    return build_algorithm(ctx)
+
+
+# ------------------------------------------------------------------------------------------- graphs
+@pytest.mark.parametrize(
+    ("topology", "opts", "degrees"),
+    [
+        ("full", {}, {11}),
+        ("half", {}, {5}),
+        ("ring", {}, {2}),
+        ("torus", {}, {4}),
+        ("random_regular", {"degree": 3}, {3}),
+    ],
+)
+def test_graph_degrees(topology, opts, degrees):
+    g = build_graph(topology, 12, seed=0, **opts)
+    assert g.number_of_nodes() == 12
+    assert {d for _, d in g.degree()} == degrees
+
+
+def test_graph_random_kinds_connected_and_seeded():
+    for kind, opts in (("erdos_renyi", {"edge_prob": 0.5}), ("small_world", {"degree": 4, "rewire_prob": 0.3})):
+        a, b = build_graph(kind, 16, 5, **opts), build_graph(kind, 16, 5, **opts)
+        assert sorted(a.edges()) == sorted(b.edges())
+        assert nx.is_connected(a)
+
+
+def test_graph_edge_list_file(tmp_path):
+    f = tmp_path / "edges.txt"
+    f.write_text("# a path\n0 1\n1 2\n2 3  # last\n")
+    g = build_graph("edgelist", 4, 0, edge_file=str(f))
+    assert [list(nb) for nb in neighbour_lists(g)] == [[1], [0, 2], [1, 3], [2]]
+    f.write_text("0 1\n1 7\n")
+    with pytest.raises(ConfigError, match="outside"):
+        build_graph("edgelist", 4, 0, edge_file=str(f))
+    f.write_text("0 1\n")
+    with pytest.raises(ConfigError, match="without neighbours"):
+        build_graph("edgelist", 4, 0, edge_file=str(f))
+    with pytest.raises(ConfigError, match="edge_file"):
+        build_graph("edgelist", 4, 0)
+
+
+def test_bad_topology_name_is_a_config_error():
+    with pytest.raises(ConfigError, match="algorithm.topology"):
+        build("gossip", topology="star")
+
+
+# ------------------------------------------------------------------------------------------- gossip
+def test_metropolis_gossip_preserves_average_and_reaches_consensus():
+    g = build_graph("ring", 9, 0)
+    M = metropolis_weights(g)
+    assert torch.allclose(M.sum(0), torch.ones(9, dtype=M.dtype)) and torch.allclose(
+        M.sum(1), torch.ones(9, dtype=M.dtype)
+    )
+    assert torch.equal(M, M.T)
+    X = torch.randn(9, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    mean = X.mean(0)
+    for _ in range(400):
+        X = gossip(X, M)
+        assert torch.allclose(X.mean(0), mean, atol=1e-12)  # doubly stochastic: the average is invariant
+    assert (X - mean).abs().max() < 1e-6  # consensus on a connected graph
+
+
+def test_gossip_is_double_buffered():
+    """One round of 'aggregate then train' equals the computation from the round-start snapshot."""
+    algo = build("gossip", neighbours=3)
+    W0 = algo.W.clone()
+    algo.W.add_(torch.randn(W0.shape, generator=torch.Generator().manual_seed(0)) * 0.1)  # distinct models
+    W0 = algo.W.clone()
+    algo.run_round(0)
+    mixed = torch.stack([W0[[i, *algo.available(0, i).tolist()]].mean(0) for i in range(algo.num_clients)])
+    expect = algo.trainer.train(mixed, range(algo.num_clients), 0).params
+    assert torch.allclose(algo.W, expect, atol=1e-6)
+
+
+def test_ledger_counts_match_topology_and_budget():
+    algo = build("gossip", neighbours=3)
+    P = algo.layout.numel
+    for r in range(2):
+        algo.run_round(r)
+    led = algo.ledger
+    assert led.count(kind="model", sender="peer", receiver="peer") == 2 * 8 * 3
+    assert led.bytes(kind="model") == 2 * 8 * 3 * P * 4
+    # whole-graph Metropolis mixing on a ring: every client sends to both ring neighbours
+    ring = build("dfedavg", topology="ring", mixing="metropolis")
+    ring.run_round(0)
+    assert ring.ledger.bytes(kind="model") == 8 * 2 * P * 4
+
+
+def test_afind_ledger_counts_match_selected_neighbours():
+    algo = build("afind_plus", neighbours=4)
+    P, d_phi = algo.layout.numel, algo.proxy.size
+    assert d_phi == 36 * 8 + 8  # the featurizer (hidden) layer of mlp(hidden=[8]) on the 6x6 toy images
+    stats = [algo.run_round(r) for r in range(2)]
+    n, B = algo.num_clients, 4
+    selected = sum(s["selected_mean"] * n for s in stats)
+    led = algo.ledger
+    assert led.count(kind="feature_proxy") == 2 * n * B
+    assert led.bytes(kind="feature_proxy") == 2 * n * B * d_phi * 4
+    # w_i^t to every available neighbour, and one trained copy back from each selected one
+    assert led.count(kind="model") == round(2 * n * B + selected)
+    assert led.bytes(kind="model") == round(2 * n * B + selected) * P * 4
+    assert led.bytes(kind="loss") == round(2 * n * B + selected) * 4
+
+
+# -------------------------------------------------------------------------------------- AFIND+ rules
+def test_equations_closed_forms():
+    s = torch.tensor([0.9, 0.1, -0.5])
+    p = sampling_probs(s, 0.1)
+    e = torch.exp(s.double() / 0.1)
+    assert torch.allclose(p, e / e.sum())
+    # Eq. (9) with the coreset = everything equals Eq. (8); otherwise it keeps total mass 1
+    assert torch.allclose(eq9_update(torch.full((3,), 1 / 3), torch.arange(3), s, 0.1), p)
+    q = eq9_update(torch.tensor([0.2, 0.5, 0.3]), torch.tensor([0, 2]), s[[0, 2]], 0.1)
+    assert q[1] == 0.5 and torch.isclose(q.sum(), torch.tensor(1.0, dtype=q.dtype))
+    # Eqs. (10)-(13): e = (s+1)/2; empty coreset gives theta = tau/2; theta <= tau/2 always
+    h = uncertainty(torch.tensor([0.0, 0.0]))
+    assert h == pytest.approx(2 * 0.5 * np.log(2))
+    assert threshold(0.0, 0.8) == pytest.approx(0.4)
+    assert threshold(h, 0.8) == pytest.approx(0.8 * (1 - 1 / (1 + np.exp(-h))))
+    assert uncertainty(torch.tensor([0.0, 0.0]), "mean") == pytest.approx(h / 2)
+    w = boltzmann(torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.allclose(w, torch.softmax(-torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), 0))
+
+
+def test_proxy_is_the_layer_gradient():
+    algo = build("afind_plus")
+    pc: ProxyComputer = algo.proxy
+    w = algo.W[0] + 0.01
+    phis, losses = pc.proxies(w, [2, 5])
+    model = algo.layout.load_(w)
+    ds = algo.ctx.dataset
+    for q, c in enumerate([2, 5]):
+        idx = torch.as_tensor(algo.ctx.partition[c])
+        model.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(ds.train_x[idx]), ds.train_y[idx])
+        loss.backward()
+        expect = torch.cat([model.hidden[0].weight.grad.reshape(-1), model.hidden[0].bias.grad])
+        assert torch.allclose(phis[q], expect, atol=1e-6)
+        assert losses[q] == pytest.approx(float(loss.detach()), rel=1e-5)
+
+
+def test_afind_plus_selects_own_group_far_more_than_chance():
+    algo = build("afind_plus", rounds=3, neighbours=7, tau=0.5)
+    group = np.arange(8) >= 4
+    same = total = 0
+    for r in range(3):
+        algo.run_round(r)
+        if r == 0:
+            continue  # theta^0 = 0 selects every available neighbour (A2)
+        for i, C in enumerate(algo.last_coreset):
+            same += int((group[C] == group[i]).sum())
+            total += len(C)
+    chance = 3 / 7
+    assert total > 0
+    assert same / total > 0.9 > chance + 0.4
+
+
+def test_larger_tau_selects_fewer_neighbours():
+    sizes = []
+    for tau in (0.1, 0.5, 1.5):
+        out = synthetic_selection(AfindOptions(tau=tau), num_clients=40, groups=4, rounds=6, seed=2)
+        sizes.append(np.mean(out["selected"][2:]))
+    assert sizes[0] > sizes[1] > sizes[2]
+
+
+def test_literal_reading_is_degenerate_as_the_spec_says():
+    """Spec 2.7: p over all n-1 neighbours, Eq. 9 staleness, theta^0 = 0 -> everyone selected forever."""
+    m = 100  # the spec's setting: 10 groups, n_i = 99
+    lit = synthetic_selection(AfindOptions(reading="literal", tau=0.5), num_clients=m, available=None, rounds=4)
+    assert lit["selected"] == [m - 1] * 4
+    assert np.mean(lit["same_group"]) == pytest.approx(9 / 99, abs=1e-9)  # no identification at all
+    res = synthetic_selection(AfindOptions(tau=0.5), num_clients=m, rounds=4)  # the resolved reading
+    assert np.mean(res["selected"][2:]) < 3 and np.nanmean(res["same_group"][2:]) > 3 * 9 / 99
+    # the algorithm's literal mode: round 0 takes every graph neighbour (p = 1/n_i >= theta^0 = 0); later
+    # rounds select from the stored Eq. (9) p before any proxy, and ask proxies of the coreset only
+    algo = build("afind_plus", reading="literal")
+    assert algo.run_round(0)["selected_mean"] == 7
+    sel = algo.run_round(1)["selected_mean"]
+    assert algo.ledger.count(kind="feature_proxy") == 8 * 7 + round(8 * sel)
+
+
+def test_afind_all_own_model_uniform_reduces_to_dfedavg():
+    a = build("afind_plus", neighbours=3, selection="all", aggregation="uniform", exchange="own_model")
+    b = build("dfedavg", neighbours=3)
+    for r in range(2):
+        a.run_round(r)
+        b.run_round(r)
+    assert torch.allclose(a.W, b.W, atol=1e-6)
+
+
+def test_dp_noise_changes_only_when_enabled():
+    a, b, c = (
+        build("gossip", neighbours=3),
+        build("gossip", neighbours=3, dp_sigma=0.0),
+        build("gossip", neighbours=3, dp_sigma=5.0),
+    )
+    for algo in (a, b, c):
+        algo.run_round(0)
+    assert torch.equal(a.W, b.W) and not torch.allclose(a.W, c.W)
+
+
+def test_plugin_selection_and_checkpoint_roundtrip():
+    algo = build("dfedavg", neighbours=7, selection="afind")
+    for r in range(2):
+        stats = algo.run_round(r)
+    assert stats["selected_mean"] < 7
+    buf = io.BytesIO()
+    torch.save(algo.state_dict(), buf)
+    buf.seek(0)
+    other = build("dfedavg", neighbours=7, selection="afind")
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    assert torch.equal(other.W, algo.W)
+    assert torch.equal(other.selector.state.theta, algo.selector.state.theta)
+
+
+def test_run_end_to_end_reports_personalized_accuracy(tmp_path):
+    from fedweave.runner import run
+
+    cfg = config("afind_plus", rounds=2, neighbours=4)
+    cfg["output"]["dir"] = str(tmp_path / "run")
+    res = run(load(cfg))
+    row = res.metrics[-1]
+    assert 0 <= row["test_accuracy"] <= 1 and row["bytes_lateral"] > 0 and row["bytes_up"] == 0
+    assert "selected_mean" in row and "theta_mean" in row
