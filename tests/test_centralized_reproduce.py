@@ -80,3 +80,18 @@ def test_claims_and_ranks_follow_the_pass_criteria():
     cell = next(t for t in table if (t["split"], t["method"]) == ("dir0.1", "fedmim"))
     assert cell["rank"] == 1 and cell["paper_rank"] == 1 and cell["paper_cifar10"] == 80.82
     assert cell["final_acc_std"] == pytest.approx(0.7637626, rel=1e-6)
+
+
+@pytest.mark.parametrize("scale", sorted(repro.PRESETS))
+def test_every_preset_plans_valid_configs(scale, tmp_path):
+    from fedweave.config import build_dataclass, load
+    from fedweave.registry import ALGORITHMS
+
+    p = repro.PRESETS[scale]
+    jobs = repro.plan(p, tmp_path, p.seeds, None, None, extend=True)
+    assert len(jobs) == len(p.seeds) * sum(len(g) for _, _, g in p.grid + p.extension)
+    assert [k for k, _ in jobs][0][2] == p.grid[0][2][0]  # priority order: the first cell comes first
+    for _, cfg in jobs:
+        c = load(cfg)
+        c.validate()
+        build_dataclass(ALGORITHMS.get(c.algorithm.name).Hparams, c.algorithm.options, "algorithm")
