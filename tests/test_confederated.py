@@ -112,6 +112,27 @@ def test_dataset_generator_and_distribution():
         make("cfl_saga", rho=-1.0)
 
 
+def _toy(num_classes: int):
+    from fedweave.data.base import Dataset
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(200, 2, 3, generator=g) * 5  # image-shaped, unscaled features
+    y = torch.randint(num_classes, (200,), generator=g)
+    return Dataset("toy", x[:160], y[:160], x[160:], y[160:], num_classes, (2, 3))
+
+
+def test_real_data_layout_options():
+    from fedweave.algorithms.confederated.problem import build_problem
+
+    pb = build_problem(_toy(2), 4, 3, 2, 0.05, np.random.default_rng(0), feature_scaling="unit_norm", intercept=True)
+    assert pb.omega.shape == (4, 3, 6, 2, 7) and pb.test_x.shape == (40, 7)  # 144 of 160 rows used
+    assert torch.allclose(pb.omega[..., :6].norm(dim=-1), torch.ones(()).double()) and (pb.omega[..., 6] == 1).all()
+    std = build_problem(_toy(2), 4, 3, 2, 0.05, np.random.default_rng(0), feature_scaling="standardize")
+    assert std.omega.reshape(-1, 6).mean(0).abs().max() < 0.2
+    with pytest.raises(ConfigError, match="3 classes"):
+        build_problem(_toy(3), 4, 3, 2, 0.05, np.random.default_rng(0))
+
+
 # ---- estimators ----------------------------------------------------------------------------------------
 def test_saga_estimate_is_unbiased_by_enumeration():
     """(1/S) sum_t [S (grad f_ij,t(x) - T_t) + sum_t' T_t'] = grad f_ij(x) (eq. 16) for a random table."""
