@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,7 +21,13 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """A configuration problem; the message names the key and what is allowed."""
+    """A configuration problem; the message names the key and what is allowed.
+
+    The message is kept on one line (the command line prints it as one ``fedweave: error: ...`` line).
+    """
+
+    def __init__(self, message: object = "") -> None:
+        super().__init__(" ".join(str(message).split()))
 
 
 @dataclass
@@ -60,8 +67,8 @@ class LocalConfig:
             v = getattr(self, key)
             if v is not None and v < 1:
                 raise ConfigError(f"local.{key} must be >= 1, got {v}")
-        if self.lr <= 0:
-            raise ConfigError(f"local.lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise ConfigError(f"local.lr must be a finite number > 0, got {self.lr}")
         if not 0 < self.lr_decay <= 1:
             raise ConfigError(f"local.lr_decay must be in (0, 1], got {self.lr_decay}")
         if self.lr_step < 1:
@@ -70,10 +77,16 @@ class LocalConfig:
             raise ConfigError(f"local.lr_min must be in [0, local.lr], got {self.lr_min}")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"local.momentum must be in [0, 1), got {self.momentum}")
-        if self.weight_decay < 0:
-            raise ConfigError(f"local.weight_decay must be >= 0, got {self.weight_decay}")
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ConfigError(f"local.grad_clip must be > 0 or null, got {self.grad_clip}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ConfigError(f"local.weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.grad_clip is not None and not 0 < self.grad_clip < math.inf:
+            raise ConfigError(f"local.grad_clip must be a finite number > 0 or null, got {self.grad_clip}")
+        if self.augment:
+            from fedweave.data.augment import AUGMENTATIONS  # lazy: keeps torch out of config loading
+
+            for i, name in enumerate(self.augment):
+                if name not in AUGMENTATIONS:
+                    raise ConfigError(f"local.augment[{i}] must be one of {', '.join(AUGMENTATIONS)}, got {name!r}")
 
 
 @dataclass
@@ -101,6 +114,38 @@ class OutputConfig:
             raise ConfigError(f"output.checkpoint_every must be >= 0, got {self.checkpoint_every}")
 
 
+@dataclass
+class FaultsConfig:
+    """Faults injected into a run (see docs/reliability.md); the defaults inject none.
+
+    Every decision is a pure function of (seed, round, who), drawn by :class:`fedweave.faults.Faults`.
+    """
+
+    dropout: float = 0.0  # P(a participating client fails to report), per client and round
+    outage_rounds: list[int] = field(default_factory=list)  # rounds (1-based, as in metrics) nobody reports
+    deadline: float | None = None  # per-round deadline in simulated time; null = no stragglers
+    speed_sigma: float = 0.5  # log-normal spread of the clients' compute times (median 1 per unit of work)
+    speed_jitter: float = 0.0  # log-normal per-round jitter of each client's compute time
+    straggler_policy: Literal["drop", "late"] = "drop"  # late clients are dropped, or arrive in a later round
+    link_loss: float = 0.0  # P(a peer link is down), per link and round (decentralized)
+    server_miss: float = 0.0  # P(an edge server misses a round), per server and round (confederated)
+
+    def validate(self) -> None:
+        for key in ("dropout", "link_loss", "server_miss"):
+            v = getattr(self, key)
+            if not 0.0 <= v <= 1.0:
+                raise ConfigError(f"faults.{key} must be a probability in [0, 1], got {v}")
+        for i, r in enumerate(self.outage_rounds):
+            if r < 1:
+                raise ConfigError(f"faults.outage_rounds[{i}] must be a round number >= 1, got {r}")
+        if self.deadline is not None and not 0.0 < self.deadline < math.inf:
+            raise ConfigError(f"faults.deadline must be a finite number > 0 or null, got {self.deadline}")
+        for key in ("speed_sigma", "speed_jitter"):
+            v = getattr(self, key)
+            if not 0.0 <= v < math.inf:
+                raise ConfigError(f"faults.{key} must be a finite number >= 0, got {v}")
+
+
 BACKENDS = ("auto", "loop", "vmap")
 
 
@@ -118,6 +163,7 @@ class RunConfig:
     local: LocalConfig = field(default_factory=LocalConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     def validate(self) -> None:
         if self.seed < 0:
@@ -131,6 +177,7 @@ class RunConfig:
         self.local.validate()
         self.eval.validate()
         self.output.validate()
+        self.faults.validate()
 
     @property
     def num_clients(self) -> int:
@@ -223,11 +270,11 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
 
 
-def _unknown(key: str, bad: str, allowed: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(bad, allowed, n=1)
+def _unknown(key: str, bad: Any, allowed: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(bad, allowed, n=1) if isinstance(bad, str) else []
     hint = f" Did you mean {close[0]!r}?" if close else ""
     prefix = f"{key}." if key else ""
-    return ConfigError(f"unknown key '{prefix}{bad}'.{hint} Allowed: {', '.join(sorted(allowed))}")
+    return ConfigError(f"unknown key '{prefix}{bad}'.{hint} Allowed: {', '.join(sorted(map(str, allowed)))}")
 
 
 def build_dataclass(cls: type, data: dict[str, Any] | None, key: str) -> Any:
@@ -276,6 +323,9 @@ def _section(data: Any, key: str) -> Section:
     if not isinstance(data, dict) or "name" not in data:
         raise ConfigError(f"{key} must be a mapping with a 'name' key (or just the name), got {data!r}")
     opts = dict(data)
+    for k in opts:
+        if not isinstance(k, str):
+            raise ConfigError(f"{key}: option names must be strings, got {k!r}")
     name = opts.pop("name")
     if not isinstance(name, str):
         raise ConfigError(f"{key}.name must be a string, got {name!r}")
@@ -304,11 +354,24 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, raw = text.split("=", 1)
     if not key or any(not p for p in key.split(".")):
         raise ConfigError(f"override {text!r} has an empty key")
-    return key.split("."), yaml.safe_load(raw) if raw != "" else None
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: the value of {key} is not valid YAML ({_yaml_problem(e)})") from e
+    return key.split("."), value
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error on one line: what is wrong and where."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(problem)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``a.b=value`` overrides (values parsed as YAML scalars/lists) to nested plain data."""
+    if overrides and not isinstance(data, dict):
+        raise ConfigError(f"a config must be a mapping of keys to values, got {type(data).__name__}")
     data = _deepcopy(data)
     for text in overrides:
         path, value = parse_override(text)
@@ -343,7 +406,10 @@ def load(source: str | Path | dict[str, Any], overrides: list[str] | None = None
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from e
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_yaml_problem(e)}") from e
+        data = {} if data is None else data
     return from_dict(apply_overrides(data, overrides or []))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import math
 import platform
 import sys
@@ -15,9 +16,14 @@ import torch
 
 from fedweave import __version__
 from fedweave.algorithms.base import Algorithm, RunContext, build_algorithm
-from fedweave.config import RunConfig
+from fedweave.config import ConfigError, RunConfig
 from fedweave.config import load as load_config
+from fedweave.faults import Faults
+from fedweave.registry import ALGORITHMS
 from fedweave.results import RunDir, atomic_write, default_run_dir
+from fedweave.seeding import Seeds
+
+log = logging.getLogger("fedweave")
 
 
 class DivergenceError(RuntimeError):
@@ -60,19 +66,79 @@ def _progress(enabled: bool, total: int, initial: int):
 
 
 CHECKPOINT = "checkpoint.pt"
+# Config keys a resumed run may change: how long it runs and where/how it reports, not what it computes.
+RESUMABLE_CHANGES = ("rounds", "output", "threads", "eval")
 
 
-def save_checkpoint(run: RunDir, algo: Algorithm, next_round: int, wall: float) -> None:
+def _non_finite(obj: Any, path: str = "") -> str | None:
+    """The path of the first floating tensor in ``obj`` holding NaN or Inf, else None."""
+    if isinstance(obj, torch.Tensor):
+        return path or "state" if obj.is_floating_point() and not bool(torch.isfinite(obj).all()) else None
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        return None
+    for k, v in items:
+        bad = _non_finite(v, f"{path}.{k}" if path else str(k))
+        if bad:
+            return bad
+    return None
+
+
+def save_checkpoint(
+    run: RunDir,
+    algo: Algorithm,
+    next_round: int,
+    wall: float,
+    *,
+    extra: dict[str, Any] | None = None,
+    verify: bool = False,
+) -> None:
+    """Write the state after round ``next_round - 1`` atomically (temp file + rename).
+
+    A state holding NaN/Inf is never written (it raises :class:`DivergenceError`), so the checkpoint on
+    disk is always the last good one. With ``verify`` the bytes are read back with ``weights_only=True``
+    first, so a state that could not be resumed fails now rather than at resume time.
+    """
+    algo_state = algo.state_dict()
+    bad = _non_finite(algo_state)
+    if bad:
+        raise DivergenceError(
+            f"round {next_round}: the algorithm state '{bad}' is not finite; the run stopped before "
+            "checkpointing it. Lower local.lr or enable local.grad_clip."
+        )
     state = {
         "next_round": next_round,
         "wall_seconds": wall,
-        "algorithm": algo.state_dict(),
+        "algorithm": algo_state,
         "ledger": algo.ledger.state_dict(),
         "rows": run.rows,
+        **(extra or {}),
     }
     buf = io.BytesIO()
     torch.save(state, buf)
-    atomic_write(run.path / CHECKPOINT, buf.getvalue())
+    data = buf.getvalue()
+    if verify:
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as e:  # an object torch's safe loader refuses (e.g. a numpy array or a class)
+            raise TypeError(
+                f"algorithm '{algo.name}': its state_dict() holds an object torch.load(weights_only=True) "
+                f"refuses, so the run could not be resumed; keep tensors, numbers, strings, lists and dicts "
+                f"only ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            ) from e
+    atomic_write(run.path / CHECKPOINT, data)
+
+
+def _check_resumable(saved: dict[str, Any], now: dict[str, Any], path: Path) -> None:
+    changed = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
+    if changed:
+        raise ConfigError(
+            f"{path / 'config.yaml'}: {', '.join(changed)} changed since the checkpoint was written; a resumed "
+            f"run may change only {', '.join(RESUMABLE_CHANGES)}. Start a new run instead"
+        )
 
 
 def run(
@@ -87,17 +153,27 @@ def run(
         torch.set_num_threads(config.threads)
     path = Path(run_dir) if run_dir else Path(config.output.dir) if config.output.dir else None
     path = path or default_run_dir(config.name, config.seed)
+    # injected faults an algorithm does not handle are an error, never silently ignored
+    Faults(config.faults, Seeds(config.seed)).require_handled(
+        config.algorithm.name, getattr(ALGORITHMS.get(config.algorithm.name), "handles_faults", ())
+    )
     out = RunDir(path)
     ctx = RunContext(config)
     algo = build_algorithm(ctx)
-    start_round, wall_before = 0, 0.0
+    start_round, wall_before, skipped = 0, 0.0, []
     if resume:
         ckpt = torch.load(out.path / CHECKPOINT, weights_only=True)
+        if "config" in ckpt:
+            _check_resumable(ckpt["config"], config.to_dict(), out.path)
         algo.load_state_dict(ckpt["algorithm"])
         ctx.ledger.load_state_dict(ckpt["ledger"])
         out.rows = list(ckpt["rows"])
         out.flush_metrics()
         start_round, wall_before = ckpt["next_round"], ckpt["wall_seconds"]
+        skipped = list(ckpt.get("skipped_rounds", []))
+    else:
+        # a checkpoint left by an earlier run in this directory must not be resumed into this one
+        (out.path / CHECKPOINT).unlink(missing_ok=True)
     out.write_config(config.to_dict())
     if "partition" in ctx.__dict__ and not resume:  # the family partitioned a dataset: report it
         from fedweave.data.report import write_partition_report
@@ -110,10 +186,14 @@ def run(
     t0 = time.perf_counter() - wall_before
     status, error = "completed", None
     ledger = ctx.ledger
+    verified = False
     try:
         for r in range(start_round, config.rounds):
             round_metrics = algo.run_round(r)
             _check_finite(round_metrics, r, "a training metric")
+            if round_metrics.get("reported_clients", 1) == 0:
+                skipped.append(r + 1)
+                log.warning("round %d: no client reported; the round was skipped (model unchanged)", r + 1)
             last = r == config.rounds - 1
             if (r + 1) % config.eval.every == 0 or last:
                 ev = algo.evaluate(r)
@@ -128,6 +208,8 @@ def run(
                     "wall_seconds": round(time.perf_counter() - t0, 4),
                     **round_metrics,
                 }
+                if "reported_clients" in round_metrics:
+                    row["skipped_rounds"] = len(skipped)  # cumulative: rounds without eval are counted too
                 out.add_metrics(row)
                 if bar is not None:
                     post = {"acc": f"{ev['test_accuracy']:.4f}"} if "test_accuracy" in ev else {}
@@ -135,7 +217,9 @@ def run(
                     bar.set_postfix(post, refresh=False)
             every = config.output.checkpoint_every
             if every and ((r + 1) % every == 0 or last):
-                save_checkpoint(out, algo, r + 1, time.perf_counter() - t0)
+                extra = {"config": config.to_dict(), "skipped_rounds": skipped}
+                save_checkpoint(out, algo, r + 1, time.perf_counter() - t0, extra=extra, verify=not verified)
+                verified = True
             if bar is not None:
                 bar.update(1)
     except DivergenceError as e:
@@ -144,6 +228,8 @@ def run(
         if bar is not None:
             bar.close()
     summary = _summary(config, out.rows, ledger.summary(), time.perf_counter() - t0, status, error)
+    if skipped or config.faults != type(config.faults)():
+        summary["skipped_rounds"] = skipped
     out.write_json("summary.json", summary)
     if config.output.plots and out.rows:
         from fedweave.plots import plot_runs
