@@ -51,6 +51,7 @@ ALGO = {
     "scaffold": "hier_scaffold",
     "zo_hfl": "zo_hfl",
     "server_only": "zo_hfl",
+    "server_only_long": "zo_hfl",
 }
 DATASET_LABELS = {"mnist": "MNIST", "fashion_mnist": "Fa.-MNIST", "cifar10": "CIFAR-10", "digits": "digits"}
 
@@ -96,18 +97,31 @@ class Preset:
     mu: float = 0.1
     min_size: int = 10
     extra_lams: list[float] = field(default_factory=list)  # lambda sensitivity: extra ZO-HFL rows
+    long_server_only: int | None = None  # also run the (cheap) server-only control for this many rounds
 
     @property
     def methods(self) -> list[str]:
-        return METHODS + [f"zo_hfl_lam{lam:g}" for lam in self.extra_lams]
+        extra = [f"zo_hfl_lam{lam:g}" for lam in self.extra_lams]
+        return METHODS + extra + (["server_only_long"] if self.long_server_only else [])
+
+    def rounds_of(self, method: str) -> int:
+        return self.long_server_only if method == "server_only_long" else self.rounds
 
 
-def label(m: str) -> str:
+def label(m: str, p: Preset | None = None) -> str:
+    if m == "server_only_long":
+        return f"server-only (lambda=0), {p.long_server_only if p else 'more'} rounds"
     return LABELS.get(m) or f"ZO-HFL (lambda={m.removeprefix('zo_hfl_lam')})"
 
 
 def method_lam(p: Preset, m: str) -> float:
-    return 0.0 if m == "server_only" else float(m.removeprefix("zo_hfl_lam")) if m.startswith("zo_hfl_lam") else p.lam
+    return (
+        0.0
+        if m.startswith("server_only")
+        else float(m.removeprefix("zo_hfl_lam"))
+        if m.startswith("zo_hfl_lam")
+        else p.lam
+    )
 
 
 PRESETS = {
@@ -137,6 +151,7 @@ PRESETS = {
         eval_every=2,
         dataset_options={"mnist": {"normalize": False}, "fashion_mnist": {"normalize": False}},
         extra_lams=[1.0],
+        long_server_only=500,
     ),
     "paper": Preset(
         datasets=["mnist", "fashion_mnist", "cifar10"],
@@ -186,7 +201,7 @@ def run_config(
         "model": {"name": "logistic", "bias": False, "init": "zeros"},  # x^_0 = 0, x in R^{n x C} (A8, A16)
         "algorithm": algo,
         "local": {"batch_size": p.batch_size, "lr": 0.1},  # gamma~_{i,t} = 0.1 / (t + 1) (paper §IV)
-        "eval": {"every": p.eval_every},
+        "eval": {"every": max(p.eval_every, rounds // 50)},
         "output": {"dir": str(out / "runs" / name), "plots": False, "progress": False},
     }
 
@@ -273,9 +288,10 @@ def summarize(
     for ds in p.datasets:
         for si, s in enumerate(SETTINGS):
             for m in p.methods:
-                res = [results[run_config(p, ds, s, m, seed, p.tau, p.rounds, out)["name"]] for seed in seeds]
+                R = p.rounds_of(m)
+                res = [results[run_config(p, ds, s, m, seed, p.tau, R, out)["name"]] for seed in seeds]
                 mean, std = _ms([100 * _final(r) for r in res])
-                last_mean, _ = _ms([100 * _last10(r, p.rounds) for r in res])
+                last_mean, _ = _ms([100 * _last10(r, R) for r in res])
                 acc[(ds, m, s)] = (mean, std)
                 paper = PAPER_TABLE.get(m, {}).get(ds)
                 rows.append(
@@ -320,6 +336,11 @@ def check_claims(p: Preset, acc, results, out: Path) -> dict[str, Any]:
             "ZO-HFL_minus_best_baseline_homogeneous": round(a[("zo_hfl", homo)] - best, 2),
             "C4_zo_hfl_within_1std_of_server_only": c4,
         }
+        if p.long_server_only and ds in PAPER_TABLE["zo_hfl"]:  # can the server's share alone explain Table I?
+            claims[ds][f"server_only_{p.long_server_only}_rounds_vs_paper_zo_hfl"] = {
+                SETTING_NAMES[s]: [round(acc[(ds, "server_only_long", s)][0], 2), PAPER_TABLE["zo_hfl"][ds][k]]
+                for k, s in enumerate(SETTINGS)
+            }
     for ds in p.sweep_dataset:
         if ds not in claims:
             claims[ds] = {}
@@ -378,7 +399,7 @@ def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], o
                 r = next(x for x in rows if x["dataset"] == ds and x["method"] == m and (x["alpha"], x["beta"]) == s)
                 paper = f"{r['paper_acc']:.2f}" if r["paper_acc"] != "" else "n/a"
                 cells.append(f"{r['acc_mean']:.2f} +- {r['acc_std']:.2f} [{r['acc_last10_mean']:.2f}] / {paper}")
-            lines.append(f"| {label(m)} | " + " | ".join(cells) + " |")
+            lines.append(f"| {label(m, p)} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Claims (spec §9.2)", "", "```json", json.dumps(claims, indent=2), "```", ""]
     lines += [f"Total wall time: {meta['wall_seconds']:.0f} s with {meta['workers']} worker process(es).", ""]
@@ -415,7 +436,7 @@ def write_plots(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int],
     for ds in p.datasets:  # accuracy vs rounds per method
         fig, axes = plt.subplots(1, len(SETTINGS), figsize=(4.2 * len(SETTINGS), 3.4), sharey=True)
         for ax, s in zip(np.atleast_1d(axes), SETTINGS):
-            for m in p.methods:
+            for m in (m for m in p.methods if p.rounds_of(m) == p.rounds):
                 runs = [results[run_config(p, ds, s, m, seed, p.tau, p.rounds, out)["name"]]["rows"] for seed in seeds]
                 x = [r["round"] for r in runs[0]]
                 ax.plot(x, np.mean([[r["test_accuracy"] for r in rows] for rows in runs], axis=0), label=label(m))
@@ -436,7 +457,7 @@ def plan(p: Preset, seeds: list[int], out: Path) -> list[dict[str, Any]]:
         for s in SETTINGS:
             for seed in seeds:
                 for m in p.methods:
-                    c = run_config(p, ds, s, m, seed, p.tau, p.rounds, out)
+                    c = run_config(p, ds, s, m, seed, p.tau, p.rounds_of(m), out)
                     configs[c["name"]] = c
     for ds in p.sweep_dataset:
         for s in SETTINGS:
