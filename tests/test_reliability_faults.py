@@ -1,0 +1,199 @@
+"""Injected faults: the decisions of fedweave.faults, and FedAvg under dropout, outages and stragglers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fedweave
+from fedweave.algorithms.centralized.fedavg import FedAvg
+from fedweave.config import ConfigError, FaultsConfig, load
+from fedweave.faults import Faults, reweighted
+from fedweave.registry import ALGORITHMS
+from fedweave.seeding import Seeds
+
+PARAMS = 36 * 4 + 4  # logistic on the 1x6x6, 4-class toy data
+BYTES = PARAMS * 4
+
+
+# ---- the star family's fault handling, as FedAvg does it (see docs/reliability.md) -------------------
+class _FedAvgUnderFaults(FedAvg):
+    """FedAvg with the star family's fault protocol: the server sends to every sampled client, uses only
+    the uploads that arrive, re-weights over them, and skips a round nobody reports in."""
+
+    handles_faults = ("dropout", "deadline")
+
+    def run_round(self, r: int) -> dict[str, float]:
+        faults = Faults(self.config.faults, self.seeds)
+        clients = self.sample_clients(r)
+        self.send(r, clients, "model", self.x)
+        work = np.array([self.trainer.num_steps(int(c)) for c in clients]) / self.reference_steps()
+        clients = faults.reporting(r, clients, work)  # dropouts and late clients deliver nothing
+        if len(clients) == 0:
+            return {"reported_clients": 0.0}
+        local = self.trainer.train(self.x, clients, r)
+        self.receive(r, clients, "model", local.params)
+        p = self.weights(clients)  # re-weighted over the clients that reported
+        self.x = self.x + self.hp.server_lr * (p @ (local.params - self.x))
+        return {**self.local_metrics(local, p), "reported_clients": float(len(clients))}
+
+
+class _FedAvgNoFaults(FedAvg):
+    handles_faults = ()
+
+
+for _name, _cls in (("_fedavg_faults", _FedAvgUnderFaults), ("_fedavg_no_faults", _FedAvgNoFaults)):
+    if _name not in ALGORITHMS._items:
+        ALGORITHMS.register(_name)(_cls)
+
+# The star family's own FedAvg joins these tests once it declares the faults it handles.
+STAR = ["_fedavg_faults"] + (["fedavg"] if "dropout" in getattr(FedAvg, "handles_faults", ()) else [])
+
+
+def _cfg(toy_config: dict, algo: str, faults: dict, **kw) -> dict:
+    algorithm = {**toy_config["algorithm"], "name": algo}
+    return {**toy_config, "backend": "loop", "algorithm": algorithm, "faults": faults, **kw}
+
+
+# ---- decisions --------------------------------------------------------------------------------------
+def test_decisions_are_pure_functions_of_seed_round_and_who():
+    cfg = FaultsConfig(dropout=0.3, link_loss=0.4, server_miss=0.2, deadline=1.2, speed_jitter=0.3)
+    a, b = Faults(cfg, Seeds(5)), Faults(cfg, Seeds(5))
+    everyone = np.arange(200)
+    some = np.array([17, 3, 150])
+    # a client's fate does not depend on who else was sampled, nor on call order, nor on the instance
+    assert np.array_equal(a.dropped(4, some), b.dropped(4, everyone)[some])
+    assert np.array_equal(a.arrival_times(4, some), b.arrival_times(4, everyone)[some])
+    assert np.array_equal(a.servers_up(2, some), b.servers_up(2, everyone)[some])
+    assert a.link_up(3, 7, 11) == a.link_up(3, 11, 7) == bool(b.links_up(3, np.array([11]), np.array([7]))[0])
+    # other rounds and other seeds draw differently
+    assert not np.array_equal(a.dropped(4, everyone), a.dropped(5, everyone))
+    assert not np.array_equal(a.dropped(4, everyone), Faults(cfg, Seeds(6)).dropped(4, everyone))
+
+
+def test_rates_match_the_configured_probabilities():
+    cfg = FaultsConfig(dropout=0.2, link_loss=0.3, server_miss=0.1, deadline=1.5, speed_sigma=0.5)
+    f, n = Faults(cfg, Seeds(0)), np.arange(20000)
+    assert f.dropped(0, n).mean() == pytest.approx(0.2, abs=0.01)
+    assert 1 - f.links_up(0, n, n + 1).mean() == pytest.approx(0.3, abs=0.01)
+    assert 1 - f.servers_up(0, n).mean() == pytest.approx(0.1, abs=0.01)
+    # log-normal speeds: P(exp(0.5 z) > 1.5) = P(z > 2 ln 1.5) = 0.2087
+    assert f.late(0, n).mean() == pytest.approx(0.2087, abs=0.01)
+
+
+def test_stragglers_twice_the_work_take_twice_as_long_and_delay_counts_deadlines():
+    f = Faults(FaultsConfig(deadline=1.0, speed_sigma=0.7, straggler_policy="late"), Seeds(1))
+    c = np.arange(50)
+    t1, t2 = f.arrival_times(3, c, 1.0), f.arrival_times(3, c, 2.0)
+    assert np.allclose(t2, 2 * t1)
+    assert np.array_equal(f.arrival_times(3, c), f.arrival_times(9, c))  # no jitter: a speed per client
+    d = f.delay_rounds(3, c)
+    assert np.array_equal(d > 0, f.late(3, c)) and np.all((d < t1) & (t1 <= d + 1))
+    assert f.active() == {"late"} and len(f.reporting(3, c)) == int((d == 0).sum())
+
+
+def test_no_faults_by_default_and_outages_drop_everyone():
+    f = Faults(FaultsConfig(), Seeds(0))
+    c = np.arange(10)
+    assert f.active() == set() and np.array_equal(f.reporting(0, c), c)
+    assert f.surviving_links(0, np.ones((4, 4))).sum() == 16
+    g = Faults(FaultsConfig(outage_rounds=[3]), Seeds(0))
+    assert g.dropped(2, c).all() and not g.dropped(1, c).any() and g.active() == {"dropout"}
+
+
+def test_surviving_links_are_symmetric_and_keep_self_loops():
+    f = Faults(FaultsConfig(link_loss=0.5), Seeds(2))
+    w = np.full((30, 30), 0.25)
+    s = f.surviving_links(7, w)
+    assert np.array_equal(s, s.T) and np.all(np.diag(s) == 0.25)
+    assert 0.3 < (s == 0).sum() / (30 * 29) < 0.7
+
+
+def test_reweighted_renormalizes_over_delivered():
+    w = reweighted(np.array([1.0, 2.0, 3.0, 4.0]), np.array([True, False, True, False]))
+    assert np.allclose(w, [0.25, 0, 0.75, 0])
+    assert not reweighted(np.ones(3), np.zeros(3, dtype=bool)).any()
+
+
+# ---- configuration ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "faults, key",
+    [
+        ({"dropout": 1.5}, "faults.dropout"),
+        ({"link_loss": -0.1}, "faults.link_loss"),
+        ({"server_miss": float("nan")}, "faults.server_miss"),
+        ({"deadline": 0}, "faults.deadline"),
+        ({"straggler_policy": "wait"}, "faults.straggler_policy"),
+        ({"outage_rounds": [0]}, "faults.outage_rounds[0]"),
+        ({"speed_sigma": "fast"}, "faults.speed_sigma"),
+        ({"dropuot": 0.1}, "faults.dropuot"),
+    ],
+)
+def test_bad_faults_name_the_key(toy_config, faults, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("[", r"\[")):
+        load({**toy_config, "faults": faults})
+
+
+def test_a_fault_the_algorithm_does_not_handle_is_refused(toy_config, tmp_path):
+    cfg = _cfg(toy_config, "_fedavg_no_faults", {"dropout": 0.2})
+    with pytest.raises(ConfigError, match=r"faults\.dropout.*'_fedavg_no_faults' does not handle"):
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+    cfg = _cfg(toy_config, "_fedavg_faults", {"link_loss": 0.2})
+    with pytest.raises(ConfigError, match=r"faults\.link_loss.*handles: deadline, dropout"):
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+
+
+# ---- FedAvg under faults ----------------------------------------------------------------------------
+@pytest.mark.parametrize("algo", STAR)
+def test_fedavg_converges_under_20_percent_dropout_and_counts_only_delivered(toy_config, tmp_path, algo):
+    rounds, per_round = 12, 4
+    cfg = _cfg(toy_config, algo, {"dropout": 0.2}, rounds=rounds)
+    res = fedweave.run(cfg, run_dir=tmp_path / "r")
+    reported = [int(r["reported_clients"]) for r in res.metrics]
+    # the same decisions, recomputed: sampled clients minus those that dropped
+    algo_obj, faults = res.algorithm, Faults(FaultsConfig(dropout=0.2), Seeds(toy_config["seed"]))
+    expected = [int((~faults.dropped(r, algo_obj.sample_clients(r))).sum()) for r in range(rounds)]
+    assert reported == expected and sum(expected) < rounds * per_round  # some clients did drop
+    comm = res.summary["communication"]
+    assert comm["bytes_down"] == rounds * per_round * BYTES  # the server sent to every sampled client
+    assert comm["bytes_up"] == sum(expected) * BYTES  # only delivered uploads are counted
+    assert res.final_accuracy > 0.8  # chance is 0.25; the no-fault run reaches the same bar
+
+
+@pytest.mark.parametrize("algo", STAR)
+def test_a_round_nobody_reports_in_is_skipped_and_logged(toy_config, tmp_path, algo, caplog):
+    cfg = _cfg(toy_config, algo, {"outage_rounds": [3]}, rounds=4)
+    with caplog.at_level("WARNING", logger="fedweave"):
+        res = fedweave.run(cfg, run_dir=tmp_path / "r")
+    rows = res.metrics
+    assert [r["reported_clients"] for r in rows] == [4, 4, 0, 4]
+    assert [r["skipped_rounds"] for r in rows] == [0, 0, 1, 1]
+    assert rows[2]["test_loss"] == rows[1]["test_loss"]  # the model did not change in round 3
+    assert rows[2]["bytes_up"] == rows[1]["bytes_up"] and rows[2]["bytes_down"] > rows[1]["bytes_down"]
+    assert res.summary["skipped_rounds"] == [3] and res.summary["status"] == "completed"
+    assert "round 3: no client reported" in caplog.text
+
+
+def test_every_client_dropping_every_round_does_not_crash(toy_config, tmp_path):
+    res = fedweave.run(_cfg(toy_config, "_fedavg_faults", {"dropout": 1.0}, rounds=3), run_dir=tmp_path / "r")
+    assert [r["reported_clients"] for r in res.metrics] == [0, 0, 0]
+    assert len({r["test_loss"] for r in res.metrics}) == 1 and res.summary["communication"]["bytes_up"] == 0
+    assert res.summary["skipped_rounds"] == [1, 2, 3]
+
+
+def test_stragglers_past_the_deadline_are_dropped(toy_config, tmp_path):
+    faults = {"deadline": 1.2, "speed_sigma": 0.5}
+    res = fedweave.run(_cfg(toy_config, "_fedavg_faults", faults, rounds=3), run_dir=tmp_path / "r")
+    f, algo = Faults(FaultsConfig(**faults), Seeds(toy_config["seed"])), res.algorithm
+    expected = []
+    for r in range(3):
+        c = algo.sample_clients(r)
+        work = np.array([algo.trainer.num_steps(int(i)) for i in c]) / algo.reference_steps()
+        expected.append(float((~f.late(r, c, work)).sum()))
+    assert [r["reported_clients"] for r in res.metrics] == expected and min(expected) < 4
+
+
+def test_faults_off_changes_nothing(toy_config, tmp_path):
+    a = fedweave.run({**toy_config, "backend": "loop"}, run_dir=tmp_path / "a")
+    b = fedweave.run(_cfg(toy_config, "_fedavg_faults", {}), run_dir=tmp_path / "b")
+    assert [r["test_loss"] for r in a.metrics] == [r["test_loss"] for r in b.metrics]
