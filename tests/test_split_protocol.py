@@ -218,3 +218,10 @@ def test_event_mode_run_reports_clock():
 def test_config_errors(algorithm, model, local, match):
     with pytest.raises(ConfigError, match=match):
         make(algorithm, model=model, **local)
+
+
+def test_fewer_batches_than_h_uploads_nothing():
+    algo = make({"name": "cse_fsl", "h": 50}, data={"n_train": 100})  # 2 batches per client < h
+    m = algo.run_round(0)
+    assert m["server_steps"] == 0 and "server_loss" not in m and kinds(algo)["smashed"] == 0
+    assert np.isfinite(m["train_loss"])

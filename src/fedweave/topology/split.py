@@ -298,9 +298,11 @@ class SplitAlgorithm(Algorithm):
         led = self.ledger
         load = sum(led.bytes(kind=k, upto_round=r) for k in ("smashed", "gradient", "client_model", "aux_model"))
         per = self.lc.numel + (self.la.numel if self.uses_aux else 0)
+        out = {"train_loss": float(np.mean(losses))} if losses else {}
+        if server_losses:  # a round may have no server step (CSE-FSL with fewer than h local batches)
+            out["server_loss"] = float(np.mean(server_losses))
         return {
-            "train_loss": float(np.mean(losses)) if losses else float("nan"),
-            "server_loss": float(np.mean(server_losses)) if server_losses else float("nan"),
+            **out,
             "server_steps": steps,
             "server_copies": self.server_copies,
             "smashed_uploads_per_client": led.count(kind="smashed") / max(n, 1),  # cumulative
