@@ -1,0 +1,183 @@
+"""Crash and resume: SIGKILL a real run mid-way, resume it, get the uninterrupted run bit for bit; divergence."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+import fedweave
+from fedweave.algorithms.centralized.fedavg import FedAvg
+from fedweave.cli import main as cli_main
+from fedweave.config import ConfigError
+from fedweave.registry import ALGORITHMS
+from fedweave.results import read_metrics
+from fedweave.runner import CHECKPOINT, DivergenceError, resume, save_checkpoint
+
+# A real dataset that needs no network (scikit-learn's bundled digits), so a subprocess can load it.
+DIGITS = {
+    "name": "digits",
+    "seed": 7,
+    "rounds": 12,
+    "backend": "loop",
+    "threads": 1,
+    "dataset": {"name": "digits"},
+    "partition": {"name": "dirichlet", "num_clients": 10, "alpha": 0.5, "min_size": 20},
+    "model": {"name": "logistic"},
+    "algorithm": {"name": "fedavg", "clients_per_round": 5},
+    "local": {"epochs": 1, "batch_size": 8, "lr": 0.02, "momentum": 0.5},
+    "output": {"progress": False, "plots": False, "checkpoint_every": 1},
+}
+
+
+def _strip(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "wall_seconds"} for r in rows]
+
+
+def _checkpoint(path) -> dict:
+    return torch.load(io.BytesIO((path / CHECKPOINT).read_bytes()), weights_only=True)
+
+
+def test_sigkill_mid_run_then_resume_equals_an_uninterrupted_run(tmp_path):
+    cfg_path = tmp_path / "digits.yaml"
+    cfg_path.write_text(yaml.safe_dump(DIGITS))
+    run_dir = tmp_path / "killed"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedweave.cli", "run", str(cfg_path), "--out", str(run_dir), "--no-progress"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    killed_at = None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (run_dir / CHECKPOINT).is_file():
+                nxt = _checkpoint(run_dir)["next_round"]
+                if nxt >= 2:
+                    proc.send_signal(signal.SIGKILL)
+                    killed_at = nxt
+                    break
+            time.sleep(0.01)
+    finally:
+        if proc.poll() is None and killed_at is None:
+            proc.kill()
+        _, err = proc.communicate(timeout=60)
+    assert killed_at is not None, f"the run ended before it could be killed: {err.decode()[-2000:]}"
+    assert proc.returncode == -signal.SIGKILL
+    assert not (run_dir / "summary.json").exists()  # it really died mid-way
+    ckpt = _checkpoint(run_dir)
+    assert ckpt["next_round"] < DIGITS["rounds"]
+
+    assert cli_main(["run", "--resume", str(run_dir), "--no-progress"]) == 0
+    full = fedweave.run(DIGITS, run_dir=tmp_path / "full")
+    resumed = read_metrics(run_dir)
+    assert [r["round"] for r in resumed] == list(range(1, DIGITS["rounds"] + 1))
+    assert _strip(resumed) == _strip(full.metrics)  # bit for bit: every loss, accuracy and byte count
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["communication"] == full.summary["communication"]
+    a, b = _checkpoint(run_dir)["algorithm"]["x"], _checkpoint(tmp_path / "full")["algorithm"]["x"]
+    assert torch.equal(a, b)
+
+
+def test_checkpoint_is_safe_to_load_and_holds_what_resume_needs(toy_config, tmp_path):
+    cfg = {**toy_config, "output": {"progress": False, "plots": False, "checkpoint_every": 2}}
+    fedweave.run(cfg, run_dir=tmp_path / "r")
+    ckpt = _checkpoint(tmp_path / "r")  # weights_only=True: no code runs on load
+    assert set(ckpt) >= {"next_round", "algorithm", "ledger", "rows", "config", "skipped_rounds"}
+    assert ckpt["next_round"] == 4 and len(ckpt["rows"]) == 4 and ckpt["config"]["seed"] == toy_config["seed"]
+    assert not list((tmp_path / "r").glob(".*.tmp"))
+
+
+def test_resume_refuses_a_changed_config_but_may_extend_rounds(toy_config, tmp_path):
+    cfg = {**toy_config, "output": {"progress": False, "plots": False, "checkpoint_every": 1}}
+    fedweave.run(cfg, run_dir=tmp_path / "r")
+    path = tmp_path / "r" / "config.yaml"
+    conf = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**conf, "local": {**conf["local"], "lr": 0.5}}))
+    with pytest.raises(ConfigError, match="local changed since the checkpoint"):
+        resume(tmp_path / "r", progress=False)
+    path.write_text(yaml.safe_dump({**conf, "rounds": 5}))
+    assert resume(tmp_path / "r", progress=False).metrics[-1]["round"] == 5
+
+
+def test_resume_without_a_checkpoint_is_a_clear_cli_error(toy_config, tmp_path, capsys):
+    fedweave.run(toy_config, run_dir=tmp_path / "r")  # checkpoint_every = 0
+    assert cli_main(["run", "--resume", str(tmp_path / "r"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint.pt not found" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_fresh_run_removes_a_stale_checkpoint(toy_config, tmp_path):
+    cfg = {**toy_config, "output": {"progress": False, "plots": False, "checkpoint_every": 1}}
+    fedweave.run(cfg, run_dir=tmp_path / "r")
+    fedweave.run(toy_config, run_dir=tmp_path / "r")  # same directory, no checkpoints this time
+    assert not (tmp_path / "r" / CHECKPOINT).exists()
+
+
+def test_a_state_torch_cannot_load_safely_fails_at_the_first_checkpoint(toy_config, tmp_path):
+    import numpy as np
+
+    algo = fedweave.run(toy_config, run_dir=tmp_path / "r").algorithm
+    algo.bad = np.zeros(3)  # a numpy array: refused by weights_only=True
+    algo._checkpoint = ("x", "bad")
+    from fedweave.results import RunDir
+
+    with pytest.raises(TypeError, match="weights_only=True"):
+        save_checkpoint(RunDir(tmp_path / "s"), algo, 1, 0.0, verify=True)
+    assert not (tmp_path / "s" / CHECKPOINT).exists()
+
+
+# ---- divergence -------------------------------------------------------------------------------------
+def test_huge_learning_rate_exits_non_zero_with_one_clear_line(toy_config, tmp_path, capsys):
+    cfg = {**toy_config, "local": {"lr": 1e38, "batch_size": 16}, "output": {"progress": False, "plots": False}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**cfg, "output": {**cfg["output"], "checkpoint_every": 1}}))
+    assert cli_main(["run", str(path), "--out", str(tmp_path / "r"), "--no-progress"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not finite" in err and "local.lr" in err
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["rounds"] == 0
+    assert not (tmp_path / "r" / CHECKPOINT).exists()  # nothing good to keep, and nothing bad written
+
+
+class _BlowsUp(FedAvg):
+    """FedAvg whose model overflows in round ``blow_up`` while its reported training loss stays finite:
+    only the state check before checkpointing can notice (what a huge lr does a few rounds in)."""
+
+    def run_round(self, r: int) -> dict[str, float]:
+        out = super().run_round(r)
+        if r + 1 >= 4:
+            self.x = self.x * 1e38 * 1e38  # -> inf
+        return out
+
+
+if "_fedavg_blows_up" not in ALGORITHMS._items:
+    ALGORITHMS.register("_fedavg_blows_up")(_BlowsUp)
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_divergence_keeps_the_last_good_checkpoint_and_metrics(toy_config, tmp_path, every):
+    out = {"progress": False, "plots": False, "checkpoint_every": 1}
+    base = {**toy_config, "rounds": 8, "output": out, "backend": "loop"}
+    cfg = {**base, "algorithm": {**toy_config["algorithm"], "name": "_fedavg_blows_up"}, "eval": {"every": every}}
+    with pytest.raises(DivergenceError, match="not finite"):
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+    ckpt = _checkpoint(tmp_path / "r")
+    assert ckpt["next_round"] == 3 and bool(torch.isfinite(ckpt["algorithm"]["x"]).all())
+    good = fedweave.run({**base, "rounds": 3}, run_dir=tmp_path / "good")  # plain FedAvg, 3 rounds
+    assert torch.equal(ckpt["algorithm"]["x"], good.algorithm.x)
+    rows = read_metrics(tmp_path / "r")
+    assert [r["round"] for r in rows] == [r for r in range(1, 4) if r % every == 0]
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "diverged" and "round 4" in summary["error"]
