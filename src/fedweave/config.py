@@ -146,7 +146,25 @@ class FaultsConfig:
                 raise ConfigError(f"faults.{key} must be a finite number >= 0, got {v}")
 
 
-BACKENDS = ("auto", "loop", "vmap")
+@dataclass
+class RayConfig:
+    """The ``ray`` backend: where its workers run (see docs/performance.md)."""
+
+    address: str | None = None  # an existing cluster ("auto", "ray://host:10001", ...); null = start a local Ray
+    num_workers: int | None = None  # actors, one CPU each; null = the cluster's CPUs
+    object_store_memory_mb: int | None = None  # cap of a local Ray's object store; null = sized from the data
+
+    def validate(self) -> None:
+        if self.address is not None and not self.address.strip():
+            raise ConfigError("ray.address must be a non-empty string (e.g. 'auto' or 'ray://host:10001') or null")
+        if self.num_workers is not None and self.num_workers < 1:
+            raise ConfigError(f"ray.num_workers must be >= 1 or null, got {self.num_workers}")
+        if self.object_store_memory_mb is not None and self.object_store_memory_mb < 80:
+            got = self.object_store_memory_mb
+            raise ConfigError(f"ray.object_store_memory_mb must be >= 80 (Ray's minimum) or null, got {got}")
+
+
+BACKENDS = ("auto", "loop", "vmap", "ray")
 
 
 @dataclass
@@ -164,6 +182,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
     def validate(self) -> None:
         if self.seed < 0:
@@ -178,6 +197,7 @@ class RunConfig:
         self.eval.validate()
         self.output.validate()
         self.faults.validate()
+        self.ray.validate()
 
     @property
     def num_clients(self) -> int:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedweave.config import LocalConfig
+from fedweave.config import LocalConfig, RayConfig
 from fedweave.execution.params import ParamLayout
 from fedweave.seeding import Seeds
 
@@ -71,7 +71,7 @@ def cross_entropy(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | No
 
 
 class LocalTrainer:
-    """Runs local SGD for batches of jobs on the ``loop`` or ``vmap`` backend."""
+    """Runs local SGD for batches of jobs on the ``loop``, ``vmap`` or ``ray`` backend."""
 
     def __init__(
         self,
@@ -86,9 +86,10 @@ class LocalTrainer:
         augment: Augment | None = None,
         vmap_chunk: int = 64,
         rounds: int | None = None,
+        ray: RayConfig | None = None,
     ) -> None:
-        if backend not in ("loop", "vmap"):
-            raise ValueError(f"backend must be 'loop' or 'vmap' here, got {backend!r}")
+        if backend not in ("loop", "vmap", "ray"):
+            raise ValueError(f"backend must be 'loop', 'vmap' or 'ray' here, got {backend!r}")
         self.layout = ParamLayout(model)
         self.train_x, self.train_y = train_x, train_y
         self.parts = [torch.as_tensor(np.asarray(p), dtype=torch.long) for p in parts]
@@ -99,6 +100,10 @@ class LocalTrainer:
         self.vmap_chunk = vmap_chunk
         self.rounds = rounds
         self.loss_fn = cross_entropy
+        self.ray = ray or RayConfig()  # the ray backend's cluster and workers
+        # Resources shared by shallow copies of this trainer (the ray backend's actors): a copy that only
+        # changes ``local`` (e.g. a fine-tuning trainer) reuses them.
+        self.shared: dict = {}
 
     # ---- batch plan ------------------------------------------------------------------------------
     def num_steps(self, client: int, steps: int | None = None) -> int:
@@ -193,9 +198,9 @@ class LocalTrainer:
         if len(clients) != starts.shape[0]:
             raise ValueError(f"{len(clients)} clients but {starts.shape[0]} start vectors")
         lr = self.lr(round) if lr is None else lr
-        from fedweave.execution import loop, vmap  # the two backends share this plan
+        from fedweave.execution import loop, ray, vmap  # the backends share this plan
 
-        run = loop.run if self.backend == "loop" else vmap.run
+        run = {"loop": loop.run, "vmap": vmap.run, "ray": ray.run}[self.backend]
         return run(self, starts, list(map(int, clients)), round, rule, lr, steps, key)
 
     def sgd_update(

@@ -16,7 +16,10 @@ def run(
     lr: LR,
     steps: int | None,
     key: tuple[int, ...],
+    offset: int = 0,
 ) -> LocalResult:
+    """Train the jobs in order. ``offset``: the position of the first job in the whole ``train`` call when
+    this runs one shard of it (the ray backend), so a rule's per-job tensors are indexed globally."""
     out = torch.empty_like(starts)
     nsteps = torch.zeros(len(clients), dtype=torch.long)
     losses = torch.zeros(len(clients))
@@ -41,9 +44,9 @@ def run(
                 last.setdefault("loss", loss.detach())
                 return gradbuf.clone()
 
-            d = rule.direction(w, grad, k)
+            d = rule.direction(w, grad, offset + k)
             w, buf = tr.sgd_update(w, d, buf, tr.step_lr(lr, t))
-            w = rule.project(w, k)
+            w = rule.project(w, offset + k)
             total += float(last["loss"]) if last else 0.0
         out[k] = w
         nsteps[k] = len(batches)

@@ -72,6 +72,7 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
         backend=backend,
         augment=augment,
         rounds=cfg.rounds,
+        ray=cfg.ray,
     )
 
 

@@ -1,0 +1,246 @@
+"""The ray backend computes what the loop backend computes, with bounded memory, on a local 2-CPU Ray.
+
+All Ray tests share one local Ray (started once for the module, about 10-30 s on 2 busy cores).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.config import ConfigError, LocalConfig, load
+from fedweave.execution import LocalRule, LocalTrainer
+from fedweave.execution.ray import pool, shard_bounds
+from fedweave.runner import run
+from fedweave.seeding import Seeds
+from tests.conftest import make_toy
+
+HAVE_RAY = importlib.util.find_spec("ray") is not None
+needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="Ray is not installed (pip install 'fedweave[ray]')")
+
+
+# ---- without Ray -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("work", "shards", "want"),
+    [
+        ([1, 1, 1, 1], 2, [(0, 2), (2, 4)]),
+        ([8, 1, 1, 1, 1, 1, 1, 1, 1], 2, [(0, 1), (1, 9)]),  # one big client alone, the rest together
+        ([3, 3, 3], 5, [(0, 1), (1, 2), (2, 3)]),  # more workers than jobs: one job each
+        ([0, 0, 5, 0], 2, [(0, 4)]),  # empty clients add no work
+        ([4], 3, [(0, 1)]),
+        ([], 2, []),
+    ],
+)
+def test_shard_bounds_known_answers(work, shards, want):
+    assert shard_bounds(work, shards) == want
+
+
+def test_shard_bounds_are_contiguous_and_optimal():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        k = int(torch.randint(1, 12, (1,), generator=g))
+        work = torch.randint(0, 20, (k,), generator=g).tolist()
+        s = int(torch.randint(1, 5, (1,), generator=g))
+        b = shard_bounds(work, s)
+        assert b[0][0] == 0 and b[-1][1] == k and all(b[i][1] == b[i + 1][0] for i in range(len(b) - 1))
+        assert len(b) <= s and all(lo < hi for lo, hi in b)
+        best = _brute_force_max_load(work, s)
+        assert max(sum(work[lo:hi]) for lo, hi in b) == max(best, 0) or sum(work) == 0
+
+
+def _brute_force_max_load(work, s):
+    from itertools import combinations
+
+    k, best = len(work), sum(work)
+    for m in range(0, min(s, k) - 1 + 1):
+        for cuts in combinations(range(1, k), m):
+            edges = [0, *cuts, k]
+            best = min(best, max(sum(work[a:b]) for a, b in zip(edges, edges[1:])))
+    return best
+
+
+def test_missing_ray_says_how_to_install(monkeypatch):
+    from fedweave.execution.ray import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'fedweave\[ray\]'"):
+        import_ray()
+
+
+def test_ray_config_is_validated(toy_config):
+    cfg = load({**toy_config, "backend": "ray", "ray": {"num_workers": 2, "object_store_memory_mb": 200}})
+    assert cfg.backend == "ray" and cfg.ray.num_workers == 2
+    with pytest.raises(ConfigError, match=r"ray\.num_workers must be >= 1"):
+        load({**toy_config, "ray": {"num_workers": 0}})
+    with pytest.raises(ConfigError, match=r"ray\.object_store_memory_mb"):
+        load({**toy_config, "ray": {"object_store_memory_mb": 10}})
+    with pytest.raises(ConfigError, match=r"ray\.adress.*Did you mean 'address'"):
+        load({**toy_config, "ray": {"adress": "auto"}})
+
+
+# ---- on a local 2-CPU Ray ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def local_ray():
+    if not HAVE_RAY:
+        pytest.skip("Ray is not installed (pip install 'fedweave[ray]')")
+    import ray
+
+    from fedweave.execution.ray import LOCAL_RAY_ENV
+
+    for k, v in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(k, v)
+    # the rules defined here travel by value: Ray's workers cannot import this test module
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def _both(config: dict, tmp_path: Path) -> dict:
+    out = {}
+    for backend in ("loop", "ray"):
+        cfg = load({**config, "backend": backend, "ray": {"num_workers": 2}})
+        out[backend] = run(cfg, run_dir=tmp_path / backend)
+    return out
+
+
+def _same_metrics(a, b) -> None:
+    keys = ("train_loss", "test_accuracy", "test_loss")
+    for ra, rb in zip(a.metrics, b.metrics, strict=True):
+        for k in keys:
+            if k in ra:
+                assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), k
+
+
+@needs_ray
+def test_fedavg_on_ray_equals_loop(local_ray, toy_config, tmp_path):
+    config = {**toy_config, "model": {"name": "_toy_cnn"}, "rounds": 3}
+    res = _both(config, tmp_path)
+    assert res["ray"].algorithm.trainer.backend == "ray"
+    assert len(pool(res["ray"].algorithm.trainer).actors) == 2
+    torch.testing.assert_close(res["ray"].algorithm.x, res["loop"].algorithm.x, rtol=1e-5, atol=1e-6)
+    _same_metrics(res["loop"], res["ray"])
+
+
+@needs_ray
+def test_scaffold_on_ray_equals_loop(local_ray, toy_config, tmp_path):
+    # uneven clients (Dirichlet 0.5), momentum: the control variates c_i are indexed by global job position
+    config = {
+        **toy_config,
+        "model": {"name": "_toy_cnn"},
+        "rounds": 3,
+        "algorithm": {"name": "scaffold", "clients_per_round": 5},
+        "local": {"epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.5},
+    }
+    res = _both(config, tmp_path)
+    a, b = res["loop"].algorithm, res["ray"].algorithm
+    assert float(b.store["c"].abs().sum()) > 0  # state was built up
+    torch.testing.assert_close(b.store["c"], a.store["c"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(b.c, a.c, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(b.x, a.x, rtol=1e-5, atol=1e-6)
+    _same_metrics(res["loop"], res["ray"])
+
+
+@needs_ray
+def test_decentralized_dfedavgm_on_ray_equals_loop(local_ray, toy_config, tmp_path):
+    # a trainer copy with other local settings (momentum) shares the actors of the original
+    config = {
+        **toy_config,
+        "rounds": 2,
+        "partition": {"name": "dirichlet", "num_clients": 6, "alpha": 0.5, "min_size": 20},
+        "algorithm": {"name": "dfedavgm", "neighbours": 2},
+    }
+    res = _both(config, tmp_path)
+    torch.testing.assert_close(res["ray"].algorithm.W, res["loop"].algorithm.W, rtol=1e-5, atol=1e-6)
+    _same_metrics(res["loop"], res["ray"])
+
+
+class PerJobRule(LocalRule):
+    """Per-job anchors, a look-ahead gradient and a projection: wrong job indexing changes the result."""
+
+    def __init__(self, anchors: torch.Tensor) -> None:
+        self.anchors = anchors
+
+    def direction(self, w, grad, jobs):
+        return grad(w - 0.01 * self.anchors[jobs]) + 0.5 * (w - self.anchors[jobs])
+
+    def project(self, w, jobs):
+        return w.clamp(-0.3, 0.3)
+
+
+@needs_ray
+@pytest.mark.parametrize("model", ["linear", "cnn"])  # linear: shards of >= 4 jobs run on vmap inside actors
+def test_trainer_shards_equal_loop_with_a_per_job_rule(local_ray, model, uneven_parts):
+    torch.manual_seed(0)
+    if model == "linear":
+        net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(36, 4))
+    else:
+        net = torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(48, 4))
+    ds = make_toy()
+    local = LocalConfig(epochs=2, batch_size=16, lr=0.1, momentum=0.9)
+    local.validate()
+    clients = [0, 1, 2, 3, 4, 5, 1, 3, 0]  # uneven sizes, repeated clients
+    out = {}
+    for backend in ("loop", "ray"):
+        tr = LocalTrainer(copy.deepcopy(net), ds.train_x, ds.train_y, uneven_parts, local, Seeds(5), backend=backend)
+        starts = tr.layout.flatten() + 0.01 * torch.arange(len(clients), dtype=torch.float32)[:, None]
+        anchors = torch.randn(len(clients), tr.layout.numel, generator=torch.Generator().manual_seed(1)) * 0.1
+        out[backend] = tr.train(starts, clients, round=1, rule=PerJobRule(anchors))
+    a, b = out["loop"], out["ray"]
+    assert torch.equal(a.steps, b.steps)
+    torch.testing.assert_close(b.params, a.params, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-5)
+
+
+def _rss_bytes(pids) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            text = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        total += next(int(line.split()[1]) * 1024 for line in text.splitlines() if line.startswith("VmRSS:"))
+    return total
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(p.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+@needs_ray
+def test_memory_is_bounded_over_100_rounds(local_ray, toy_config):
+    """Resident memory of the whole process tree (driver, Ray's processes, the actors) after round 100 is
+    within 10% of that after round 10."""
+    cfg = load({**toy_config, "backend": "ray", "ray": {"num_workers": 2}, "model": {"name": "_toy_cnn"}})
+    algo = build_algorithm(RunContext(cfg))
+    actors = pool(algo.trainer).pids()
+    rss = {}
+    for r in range(100):
+        algo.run_round(r)
+        if r + 1 in (10, 100):
+            pids = set(_descendants(os.getpid())) | set(actors)
+            rss[r + 1] = _rss_bytes(pids)
+    assert rss[100] <= 1.10 * rss[10], f"RSS grew from {rss[10] / 2**20:.0f} MB to {rss[100] / 2**20:.0f} MB"
