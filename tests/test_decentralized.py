@@ -280,3 +280,14 @@ def test_run_end_to_end_reports_personalized_accuracy(tmp_path):
     row = res.metrics[-1]
     assert 0 <= row["test_accuracy"] <= 1 and row["bytes_lateral"] > 0 and row["bytes_up"] == 0
     assert "selected_mean" in row and "theta_mean" in row
+
+
+def test_reproduce_smoke(tmp_path):
+    """The reproduction pipeline on generated data (seconds; the numbers mean nothing)."""
+    from fedweave.reproduce.afind_plus import main
+
+    assert main(["--scale", "smoke", "--out", str(tmp_path), "--tables", "tau", "--workers", "1"]) == 0
+    text = (tmp_path / "results.md").read_text()
+    assert "tau sweep" in text and "generated" in text and "strictly decreasing" in text
+    for f in ("tau.csv", "accuracy_vs_round.png", "accuracy_vs_bytes.png", "results.json"):
+        assert (tmp_path / f).is_file()

@@ -287,7 +287,8 @@ class GraphAlgorithm(Algorithm):
             from fedweave.data.partition import client_test_split, user_test_split
 
             ds = self.ctx.dataset
-            if ds.train_users is not None and ds.test_users is not None:
+            natural = self.config.partition.name == "natural"
+            if natural and ds.train_users is not None and ds.test_users is not None:
                 self._test_parts = user_test_split(self.ctx.partition, ds.train_users, ds.test_users)
             else:
                 self._test_parts = client_test_split(

@@ -113,20 +113,22 @@ class ProxyComputer:
         train_x: torch.Tensor,
         train_y: torch.Tensor,
         parts: Sequence[np.ndarray],
-        layer: Literal["featurizer", "classifier"] = "featurizer",
+        layer: Literal["featurizer", "classifier"] | None = "featurizer",
         max_samples: int | None = None,
         seed: int = 0,
     ) -> None:
         self.layout = layout
-        names = set(layer_parameter_names(model, layer))
-        idx, off = [], 0
-        for n, k in zip(layout.names, layout.numels, strict=True):
-            if n in names:
-                idx.append(torch.arange(off, off + k))
-            off += k
-        if not idx:
-            raise ConfigError(f"algorithm.proxy_layer {layer!r}: the model has no parameters in that layer")
-        self.index = torch.cat(idx)
+        self.index = torch.zeros(0, dtype=torch.long)  # layer None: losses only (PENS, FedeRiCo)
+        if layer is not None:
+            names = set(layer_parameter_names(model, layer))
+            idx, off = [], 0
+            for n, k in zip(layout.names, layout.numels, strict=True):
+                if n in names:
+                    idx.append(torch.arange(off, off + k))
+                off += k
+            if not idx:
+                raise ConfigError(f"algorithm.proxy_layer {layer!r}: the model has no parameters in that layer")
+            self.index = torch.cat(idx)
         self.train_x, self.train_y = train_x, train_y
         rng = np.random.default_rng(seed)
         self.parts = []
@@ -150,11 +152,13 @@ class ProxyComputer:
         if len(clients) == 0:
             return torch.zeros(0, self.size), torch.zeros(0, dtype=torch.float64)
         phis, losses = [], []
+        base = w.detach()
         for c in clients:  # one backward per client: a batched (vmapped) backward measured far slower on CPU
-            v = w.detach().clone().requires_grad_(True)
-            loss = self._forward(v, [c])[0]
-            (g,) = torch.autograd.grad(loss, v)
-            phis.append(g[self.index])
+            # differentiate w.r.t. the proxy layer only: layers below it need no backward pass
+            phi = base[self.index].clone().requires_grad_(True)
+            loss = self._forward(base.index_put((self.index,), phi), [c])[0]
+            (g,) = torch.autograd.grad(loss, phi)
+            phis.append(g)
             losses.append(float(loss.detach()))
         return torch.stack(phis), torch.tensor(losses, dtype=torch.float64)
 

@@ -1,0 +1,79 @@
+"""FedeRiCo, "Find your friends" (Sui et al. 2022), as summarized in afind-plus spec 5.
+
+Client i keeps weights pi_i over its neighbours and itself (uniform at first) and tracked losses L_ij.
+Each round: with probability eps it samples ``neighbours`` uniformly, otherwise takes the ones with the
+largest pi_ij (epsilon-greedy); receives their round-start models, measures l_ij = F_i(w_j) on its own
+training data, tracks L_ij <- (1-b) L_ij + b l_ij, runs the E-step pi_ij <- pi_ij exp(-L_ij) (normalized,
+i itself included with l_ii), aggregates the received models and its own with pi restricted to them
+(renormalized), then trains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedweave.algorithms.base import RunContext
+from fedweave.algorithms.decentralized.selection import ProxyComputer
+from fedweave.config import ConfigError
+from fedweave.registry import ALGORITHMS
+from fedweave.topology.graph import GraphAlgorithm, GraphHparams
+
+
+@dataclass
+class FedeRiCoHparams(GraphHparams):
+    eps: float = 0.3  # exploration probability of the epsilon-greedy sampling
+    loss_beta: float = 0.9  # b: weight of the new loss in the tracked loss
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.eps <= 1:
+            raise ConfigError(f"algorithm.eps must be in [0, 1], got {self.eps}")
+        if not 0 < self.loss_beta <= 1:
+            raise ConfigError(f"algorithm.loss_beta must be in (0, 1], got {self.loss_beta}")
+
+
+@ALGORITHMS.register("federico")
+class FedeRiCo(GraphAlgorithm):
+    name = "federico"
+    Hparams = FedeRiCoHparams
+
+    def __init__(self, ctx: RunContext, hp: FedeRiCoHparams) -> None:
+        super().__init__(ctx, hp)
+        ds = ctx.dataset
+        self.proxy = ProxyComputer(self.layout, ctx.model, ds.train_x, ds.train_y, ctx.partition, None)
+        n = self.num_clients
+        adj = torch.eye(n, dtype=torch.bool)
+        for i, nb in enumerate(self.neighbours):
+            adj[i, nb] = True
+        self.pi = adj.double() / adj.sum(1, keepdim=True)  # uniform over S_i and i
+        self.tracked = torch.full((n, n), float("nan"), dtype=torch.float64)
+        self._checkpoint = ("pi", "tracked")
+
+    def run_round(self, r: int) -> dict[str, float]:
+        n, W0, b = self.num_clients, self.W, self.hp.loss_beta
+        mixed = torch.empty_like(W0)
+        for i in range(n):
+            nb = self.neighbours[i]
+            rng = self.seeds.numpy("neighbour_selection", r, i)
+            k = min(self.hp.neighbours, len(nb))
+            if rng.random() < self.hp.eps:
+                chosen = self.available(r, i)
+            else:  # the k largest weights (ties by id)
+                chosen = np.sort(nb[np.argsort(-self.pi[i, nb].numpy(), kind="stable")[:k]])
+            self.peer(r, "model", self.model_bytes, len(chosen))
+            received = torch.stack([self.noisy(W0[j], r, int(j), i) for j in chosen])
+            group = [i, *chosen.tolist()]
+            losses = self.proxy.model_losses(torch.cat([W0[i : i + 1], received]), i)
+            old = self.tracked[i, group]
+            self.tracked[i, group] = torch.where(old.isnan(), losses, (1 - b) * old + b * losses)
+            post = self.pi[i, group] * torch.exp(-self.tracked[i, group])  # E-step
+            self.pi[i, group] = post / post.sum() * self.pi[i, group].sum()
+            self.pi[i] /= self.pi[i].sum()
+            wts = (self.pi[i, group] / self.pi[i, group].sum()).to(W0.dtype)
+            mixed[i] = (wts[:, None] * torch.cat([W0[i : i + 1], received])).sum(0)
+        own = self.trainer.train(mixed, range(n), r)
+        self.commit("model", own.params)
+        return {"train_loss": float(own.loss.mean()), "selected_mean": float(min(self.hp.neighbours, n - 1))}

@@ -1,0 +1,83 @@
+"""PENS, performance-based neighbour selection (Onoszko et al. 2021), as summarized in afind-plus spec 5.
+
+Phase 1 (rounds < T_1): client i receives the round-start models of ``neighbours`` (n_s) random
+neighbours, keeps the ``m_top`` with the lowest loss on its own training data, counts c_ij += 1 for each,
+averages them with its own model (weights proportional to n_j) and trains. Then
+N_i = {j : c_ij > E_i}, E_i = T_1 m_top / |S_i| (the count expected under random choice). Phase 2:
+each round i samples m_top neighbours uniformly from N_i (all if fewer), averages, trains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedweave.algorithms.base import RunContext
+from fedweave.algorithms.decentralized.selection import ProxyComputer
+from fedweave.config import ConfigError
+from fedweave.registry import ALGORITHMS
+from fedweave.topology.graph import GraphAlgorithm, GraphHparams
+
+
+@dataclass
+class PENSHparams(GraphHparams):
+    m_top: int = 5
+    phase1_rounds: int = 50  # T_1 (10% of T = 500; spec 5 suggestion)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.m_top < 1:
+            raise ConfigError(f"algorithm.m_top must be >= 1, got {self.m_top}")
+        if self.phase1_rounds < 1:
+            raise ConfigError(f"algorithm.phase1_rounds must be >= 1, got {self.phase1_rounds}")
+
+
+@ALGORITHMS.register("pens")
+class PENS(GraphAlgorithm):
+    name = "pens"
+    Hparams = PENSHparams
+
+    def __init__(self, ctx: RunContext, hp: PENSHparams) -> None:
+        super().__init__(ctx, hp)
+        ds = ctx.dataset
+        self.proxy = ProxyComputer(self.layout, ctx.model, ds.train_x, ds.train_y, ctx.partition, None)
+        n = self.num_clients
+        self.counts = torch.zeros(n, n, dtype=torch.long)  # c_ij
+        self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=torch.float64)
+        self._checkpoint = ("counts",)
+
+    def preferred(self, i: int) -> np.ndarray:
+        """N_i: neighbours chosen more often than expected under random selection."""
+        nb = self.neighbours[i]
+        expected = self.hp.phase1_rounds * self.hp.m_top / len(nb)
+        return nb[(self.counts[i, nb] > expected).numpy()]
+
+    def run_round(self, r: int) -> dict[str, float]:
+        hp, n, W0 = self.hp, self.num_clients, self.W
+        mixed = torch.empty_like(W0)
+        sizes = []
+        for i in range(n):
+            if r < hp.phase1_rounds:  # phase 1: n_s random models, keep the m_top best on local data
+                avail = self.available(r, i)
+                self.peer(r, "model", self.model_bytes, len(avail))
+                received = torch.stack([self.noisy(W0[j], r, int(j), i) for j in avail])
+                losses = self.proxy.model_losses(received, i)
+                keep = np.sort(np.argsort(losses.numpy(), kind="stable")[: hp.m_top])
+                chosen, models = avail[keep], received[keep]
+                self.counts[i, chosen] += 1
+            else:  # phase 2: m_top uniformly from N_i
+                pref = self.preferred(i)
+                rng = self.seeds.numpy("neighbour_sampling", r, i)
+                k = min(hp.m_top, len(pref))
+                chosen = np.sort(rng.choice(pref, size=k, replace=False)) if k < len(pref) else pref
+                self.peer(r, "model", self.model_bytes, len(chosen))
+                models = torch.stack([self.noisy(W0[j], r, int(j), i) for j in chosen]) if len(chosen) else W0[:0]
+            wts = self.sizes[[i, *chosen.tolist()]]
+            wts = (wts / wts.sum()).to(W0.dtype)
+            mixed[i] = (wts[:, None] * torch.cat([W0[i : i + 1], models])).sum(0)
+            sizes.append(len(chosen))
+        own = self.trainer.train(mixed, range(n), r)  # aggregate, then train
+        self.commit("model", own.params)
+        return {"train_loss": float(own.loss.mean()), "selected_mean": float(np.mean(sizes))}
