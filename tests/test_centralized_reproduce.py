@@ -95,3 +95,15 @@ def test_every_preset_plans_valid_configs(scale, tmp_path):
         c = load(cfg)
         c.validate()
         build_dataclass(ALGORITHMS.get(c.algorithm.name).Hparams, c.algorithm.options, "algorithm")
+
+
+def test_a_diverged_run_is_recorded_not_fatal(tmp_path):
+    p = repro.PRESETS["smoke"]
+    cfg = repro.run_config(p, "_toy_repro", "iid", "fedavg", 0, tmp_path / "run")
+    cfg["local"] = {**cfg["local"], "lr": 1e12}
+    cfg["dataset"] = {"name": "_toy_repro"}
+    rec = repro._record("_toy_repro", "iid", "fedavg", 0, repro._run_one(cfg))
+    assert rec["status"] == "diverged" and rec["final_acc"] != rec["final_acc"]  # NaN
+    table, _ = repro.summarize([rec, {**rec, "seed": 1, "final_acc": 50.0, "status": "completed"}])
+    assert table[0]["diverged"] == 1 and table[0]["final_acc_mean"] == 50.0
+    assert repro._run_one(cfg)["summary"]["status"] == "diverged"  # reused from disk, not rerun

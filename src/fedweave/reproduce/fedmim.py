@@ -118,7 +118,7 @@ PRESETS: dict[str, Preset] = {
         num_clients=100,
         clients_per_round=10,
         model="cnn_small",
-        local={"epochs": 1, "batch_size": 20, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3},
+        local={"epochs": 1, "batch_size": 20, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3, "grad_clip": 10.0},
         dataset_options={"max_train": 20000},
         eval_every=5,
         note="small preset: Fashion-MNIST/MNIST, 20k training images (200 per client), E = 1 epoch of B = 20 "
@@ -171,43 +171,63 @@ def run_config(p: Preset, dataset: str, split: str, method: str, seed: int, run_
 
 
 def _finished(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """The results of a completed run of ``cfg`` already on disk, else None."""
+    """The results of a finished (completed or diverged) run of exactly ``cfg`` on disk, else None."""
+    import yaml
+
+    from fedweave.config import load
     from fedweave.results import read_metrics
 
     path = Path(cfg["output"]["dir"])
-    if (path / "summary.json").is_file():
-        summary = json.loads((path / "summary.json").read_text())
-        if summary.get("status") == "completed" and summary.get("rounds") == cfg["rounds"]:
-            return {"summary": summary, "rows": read_metrics(path)}
+    if not (path / "summary.json").is_file() or not (path / "config.yaml").is_file():
+        return None
+    summary = json.loads((path / "summary.json").read_text())
+    same = yaml.safe_load((path / "config.yaml").read_text()) == yaml.safe_load(yaml.safe_dump(load(cfg).to_dict()))
+    if same and summary.get("status") in ("completed", "diverged"):
+        rows = read_metrics(path) if (path / "metrics.jsonl").is_file() else []  # diverged before any eval
+        return {"summary": summary, "rows": rows}
     return None
 
 
 def _run_one(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Run one configuration unless its directory already holds a completed run; return its metrics."""
+    """Run one configuration unless its directory already holds that finished run; return its metrics.
+    A diverged run (NaN/Inf) is kept as such: it is a result, not a reason to stop the grid."""
     import fedweave
+    from fedweave.runner import DivergenceError
 
     done = _finished(cfg)
     if done is not None:
         return done
-    res = fedweave.run(cfg)
+    try:
+        res = fedweave.run(cfg)
+    except DivergenceError:
+        done = _finished(cfg)
+        if done is None:
+            raise
+        return done
     return {"summary": res.summary, "rows": res.metrics}
 
 
 def _record(dataset: str, split: str, method: str, seed: int, out: dict[str, Any]) -> dict[str, Any]:
     rows, summary = out["rows"], out["summary"]
+    if summary.get("status") == "diverged" or not rows:  # counted as chance-level failure, flagged
+        rows = rows or [{"round": 0, "test_accuracy": float("nan")}]
     last = rows[-1]["round"]
     tail = [r for r in rows if r["round"] > last - 20 and r.get("local_consistency") is not None]
     accs = [100 * r["test_accuracy"] for r in rows]
+    if summary.get("status") == "diverged":  # no final model: the run is reported as diverged
+        accs = [*accs, float("nan")]
     return {
         "dataset": dataset,
         "split": split,
         "method": method,
         "seed": seed,
         "final_acc": accs[-1],
-        "best_acc": max(accs),
+        "best_acc": max((a for a in accs if a == a), default=float("nan")),
         "last3_acc": sum(accs[-3:]) / len(accs[-3:]),
-        "consistency_last20": sum(r["local_consistency"] for r in tail) / max(len(tail), 1),
+        "consistency_last20": sum(r["local_consistency"] for r in tail) / len(tail) if tail else float("nan"),
         "wall_seconds": summary.get("wall_seconds"),
+        "status": summary.get("status", "completed"),
+        "rounds_done": last,
         "curve_rounds": [r["round"] for r in rows],
         "curve_acc": accs,
         "curve_consistency": [r.get("local_consistency") for r in rows],
@@ -297,7 +317,8 @@ def summarize(records: list[dict]) -> tuple[list[dict], dict]:
     for r in records:
         cells.setdefault((r["dataset"], r["split"], r["method"]), []).append(r)
     table = []
-    for (d, s, m), rs in cells.items():
+    for (d, s, m), all_rs in cells.items():
+        rs = [r for r in all_rs if math.isfinite(r["final_acc"])] or all_rs
         acc_m, acc_sd = _mean_std([r["final_acc"] for r in rs])
         best_m, _ = _mean_std([r["best_acc"] for r in rs])
         cons_m, _ = _mean_std([r["consistency_last20"] for r in rs])
@@ -306,7 +327,8 @@ def summarize(records: list[dict]) -> tuple[list[dict], dict]:
                 "dataset": d,
                 "split": s,
                 "method": m,
-                "seeds": len(rs),
+                "seeds": len(all_rs),
+                "diverged": sum(not math.isfinite(r["final_acc"]) for r in all_rs),
                 "final_acc_mean": acc_m,
                 "final_acc_std": acc_sd,
                 "best_acc_mean": best_m,
@@ -393,8 +415,9 @@ def markdown(table: list[dict], claims: dict, preset_name: str, p: Preset, wall:
                     continue
                 present = True
                 paper = f"{t['paper_cifar10']:.2f}" if t["paper_cifar10"] is not None else "–"
+                div = f" ({t['diverged']}/{t['seeds']} diverged)" if t["diverged"] else ""
                 cells.append(
-                    f"{t['final_acc_mean']:.2f} ± {t['final_acc_std']:.2f} | {t['rank']} | "
+                    f"{t['final_acc_mean']:.2f} ± {t['final_acc_std']:.2f}{div} | {t['rank']} | "
                     f"{t['consistency_last20']:.3g} | {paper} | {t['paper_rank'] or '–'}"
                 )
             if present:
@@ -480,8 +503,8 @@ def main(argv: list[str]) -> int:
     wall = time.perf_counter() - t0
     table, claims = summarize(records)
     keys = ["dataset", "split", "method", "seed", "final_acc", "best_acc", "last3_acc", "consistency_last20"]
-    atomic_write(out / "results.csv", _csv(records, keys + ["wall_seconds"]))
-    tkeys = ["dataset", "split", "method", "seeds", "final_acc_mean", "final_acc_std", "best_acc_mean"]
+    atomic_write(out / "results.csv", _csv(records, keys + ["status", "rounds_done", "wall_seconds"]))
+    tkeys = ["dataset", "split", "method", "seeds", "diverged", "final_acc_mean", "final_acc_std", "best_acc_mean"]
     tkeys += ["consistency_last20", "rank", "paper_cifar10", "paper_rank"]
     atomic_write(out / "table.csv", _csv(table, tkeys))
     md = markdown(table, claims, args.scale, p, wall)
