@@ -27,7 +27,7 @@ class ConfigError(ValueError):
     """
 
     def __init__(self, message: object = "") -> None:
-        super().__init__(" ".join(str(message).split()))
+        super().__init__(" ".join(line.strip() for line in str(message).splitlines() if line.strip()))
 
 
 @dataclass
@@ -294,7 +294,8 @@ def _unknown(key: str, bad: Any, allowed: list[str]) -> ConfigError:
     close = difflib.get_close_matches(bad, allowed, n=1) if isinstance(bad, str) else []
     hint = f" Did you mean {close[0]!r}?" if close else ""
     prefix = f"{key}." if key else ""
-    return ConfigError(f"unknown key '{prefix}{bad}'.{hint} Allowed: {', '.join(sorted(map(str, allowed)))}")
+    shown = repr(f"{prefix}{bad}")  # repr: a key with control characters stays visible and on one line
+    return ConfigError(f"unknown key {shown}.{hint} Allowed: {', '.join(sorted(map(str, allowed)))}")
 
 
 def build_dataclass(cls: type, data: dict[str, Any] | None, key: str) -> Any:
