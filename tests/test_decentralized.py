@@ -291,3 +291,33 @@ def test_reproduce_smoke(tmp_path):
     assert "tau sweep" in text and "generated" in text and "strictly decreasing" in text
     for f in ("tau.csv", "accuracy_vs_round.png", "accuracy_vs_bytes.png", "results.json"):
         assert (tmp_path / f).is_file()
+
+
+def test_ditto_without_proximal_term_is_plain_local_training_of_the_personal_model():
+    algo = build("ditto", neighbours=3, lam=0.0, personal_epochs=1)
+    algo.store["personal"].add_(0.05)
+    V0 = algo.store["personal"].clone()
+    algo.run_round(0)
+    expect = algo.personal_trainer.train(V0, range(8), 0, key=(1,)).params
+    assert torch.allclose(algo.store["personal"], expect, atol=1e-6)
+    assert algo.ledger.count(kind="model") == 8 * 3
+
+
+@pytest.mark.parametrize("algo_name", ["ditto", "fomo"])
+def test_plugins_accept_afind_selection(algo_name):
+    algo = build(algo_name, neighbours=7, selection="afind")
+    for r in range(2):
+        stats = algo.run_round(r)
+    assert stats["selected_mean"] < 7  # the threshold keeps only part of the available neighbours
+    assert algo.ledger.count(kind="feature_proxy") == 2 * 8 * 7
+
+
+def test_fomo_moves_towards_models_that_lower_the_local_loss():
+    algo = build("fomo", neighbours=3, greedy=0.0)
+    W0 = algo.W.clone()
+    algo.run_round(0)
+    # the update is a convex combination of the received (trained) models: the loss does not get worse
+    for i in range(8):
+        before = float(algo.losses.losses(W0[i], [i])[0])
+        after = float(algo.losses.losses(algo.W[i], [i])[0])
+        assert after <= before + 1e-6

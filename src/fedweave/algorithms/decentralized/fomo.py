@@ -1,0 +1,92 @@
+"""FedFomo (Zhang et al. 2020, first-order model optimization) in DFL, as in the DisPFL code (spec 5).
+
+Per round client i trains theta_i -> theta_i'. It then receives the trained models theta_j of k
+neighbours: FOMO's own choice (with probability ``greedy`` the top-k by accumulated affinity P_i, else
+uniformly at random) or, as the AFIND+ plug-in, those of a :class:`NeighbourSelector`. On its local data
+it weighs u_ij = (L_i(theta_i) - L_i(theta_j)) / |theta_j - theta_i| (theta_i' for j = i), keeps the
+positive part normalized, u~, and sets theta_i <- theta_i + sum_j u~_ij (theta_j - theta_i) (theta_i if
+no u is positive). The affinities accumulate: P_i += u_i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedweave.algorithms.base import RunContext
+from fedweave.algorithms.decentralized.selection import NeighbourSelector, ProxyComputer, SelectionHparams
+from fedweave.config import ConfigError
+from fedweave.registry import ALGORITHMS
+from fedweave.topology.graph import GraphAlgorithm, GraphHparams
+
+
+@dataclass
+class FomoHparams(SelectionHparams, GraphHparams):
+    greedy: float = 0.5  # FOMO's own choice (selection: random): P(top-k by affinity)
+    finetune_epochs: int = 0
+
+    def __post_init__(self) -> None:
+        GraphHparams.__post_init__(self)
+        SelectionHparams.__post_init__(self)
+        if not 0 <= self.greedy <= 1:
+            raise ConfigError(f"algorithm.greedy must be in [0, 1], got {self.greedy}")
+
+
+@ALGORITHMS.register("fomo")
+class Fomo(GraphAlgorithm):
+    name = "fomo"
+    Hparams = FomoHparams
+
+    def __init__(self, ctx: RunContext, hp: FomoHparams) -> None:
+        super().__init__(ctx, hp)
+        ds = ctx.dataset
+        self.losses = ProxyComputer(self.layout, ctx.model, ds.train_x, ds.train_y, ctx.partition, None)
+        self.selector = NeighbourSelector(self, hp)
+        n = self.num_clients
+        self.affinity = torch.zeros(n, n, dtype=torch.float64)
+        self._checkpoint = ("affinity",)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "selector": self.selector.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        self.selector.load_state_dict(state.pop("selector"))
+        super().load_state_dict(state)
+
+    def _native(self, r: int, i: int) -> np.ndarray:
+        avail = self.available(r, i)
+        k = len(avail) if self.hp.select_k is None else min(self.hp.select_k, len(avail))
+        rng = self.seeds.numpy("neighbour_selection", r, i)
+        if rng.random() < self.hp.greedy:
+            nb = self.neighbours[i]
+            return np.sort(nb[np.argsort(-self.affinity[i, nb].numpy(), kind="stable")[:k]])
+        return np.sort(rng.choice(avail, size=k, replace=False)) if k < len(avail) else avail
+
+    def run_round(self, r: int) -> dict[str, float]:
+        n, W0 = self.num_clients, self.W
+        own = self.trainer.train(W0, range(n), r)
+        sent = own.params
+        if self.hp.selection == "random":
+            chosen_all = [self._native(r, i) for i in range(n)]
+        else:
+            chosen_all = [c for c, _ in self.selector.select(r, W0, sent)]
+        new = torch.empty_like(W0)
+        for i, chosen in enumerate(chosen_all):
+            self.peer(r, "model", self.model_bytes, len(chosen))
+            models = torch.stack([sent[i], *(self.noisy(sent[j], r, int(j), i) for j in chosen)])
+            base_loss = float(self.losses.losses(W0[i], [i])[0])
+            dist = (models - W0[i]).double().norm(dim=1).clamp_min(1e-12)
+            u = (base_loss - self.losses.model_losses(models, i)) / dist
+            self.affinity[i, chosen] += u[1:]
+            pos = u.clamp_min(0)
+            if pos.sum() > 0:
+                wts = (pos / pos.sum()).to(W0.dtype)
+                new[i] = W0[i] + (wts[:, None] * (models - W0[i])).sum(0)
+            else:
+                new[i] = W0[i]
+        self.commit("model", new)
+        return {"train_loss": float(own.loss.mean()), "selected_mean": float(np.mean([len(c) for c in chosen_all]))}
