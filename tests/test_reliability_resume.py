@@ -181,3 +181,30 @@ def test_divergence_keeps_the_last_good_checkpoint_and_metrics(toy_config, tmp_p
     assert [r["round"] for r in rows] == [r for r in range(1, 4) if r % every == 0]
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["status"] == "diverged" and "round 4" in summary["error"]
+
+
+class _WithMarker(FedAvg):
+    """FedAvg holding a tensor that uses NaN as 'not seen yet' (as peer-loss trackers do)."""
+
+    def __init__(self, ctx, hp):
+        super().__init__(ctx, hp)
+        self.seen = torch.full((ctx.num_clients,), float("nan"))
+        self._checkpoint = ("x", "seen")
+
+    def run_round(self, r: int) -> dict[str, float]:
+        out = super().run_round(r)
+        self.seen[self.sample_clients(r)] = float(r)
+        return out
+
+
+if "_fedavg_with_marker" not in ALGORITHMS._items:
+    ALGORITHMS.register("_fedavg_with_marker")(_WithMarker)
+
+
+def test_nan_used_as_a_marker_from_the_start_is_not_divergence(toy_config, tmp_path):
+    out = {"progress": False, "plots": False, "checkpoint_every": 1}
+    cfg = {**toy_config, "algorithm": {**toy_config["algorithm"], "name": "_fedavg_with_marker"}, "output": out}
+    res = fedweave.run(cfg, run_dir=tmp_path / "r")
+    assert res.summary["status"] == "completed"
+    seen = _checkpoint(tmp_path / "r")["algorithm"]["seen"]
+    assert bool(seen.isnan().any()) and not bool(seen.isnan().all())

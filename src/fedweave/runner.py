@@ -70,20 +70,32 @@ CHECKPOINT = "checkpoint.pt"
 RESUMABLE_CHANGES = ("rounds", "output", "threads", "eval")
 
 
-def _non_finite(obj: Any, path: str = "") -> str | None:
-    """The path of the first floating tensor in ``obj`` holding NaN or Inf, else None."""
+def _tensors(obj: Any, path: str = ""):
+    """(path, tensor) for every floating tensor nested in dicts and lists of ``obj``."""
     if isinstance(obj, torch.Tensor):
-        return path or "state" if obj.is_floating_point() and not bool(torch.isfinite(obj).all()) else None
-    if isinstance(obj, dict):
-        items = obj.items()
+        if obj.is_floating_point():
+            yield path or "state", obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{path}.{k}" if path else str(k))
     elif isinstance(obj, (list, tuple)):
-        items = enumerate(obj)
-    else:
-        return None
-    for k, v in items:
-        bad = _non_finite(v, f"{path}.{k}" if path else str(k))
-        if bad:
-            return bad
+        for k, v in enumerate(obj):
+            yield from _tensors(v, f"{path}.{k}" if path else str(k))
+
+
+def finite_tensors(state: Any) -> set[str]:
+    """Paths of the floating tensors of ``state`` that hold no NaN or Inf.
+
+    Taken from the freshly built algorithm, it separates the tensors that must stay finite (models,
+    momenta, control variates) from those that use NaN/Inf as a marker (e.g. 'no loss tracked yet').
+    """
+    return {p for p, t in _tensors(state) if bool(torch.isfinite(t).all())}
+
+
+def _diverged(state: Any, must_be_finite: set[str] | None) -> str | None:
+    for p, t in _tensors(state):
+        if (must_be_finite is None or p in must_be_finite) and not bool(torch.isfinite(t).all()):
+            return p
     return None
 
 
@@ -95,15 +107,17 @@ def save_checkpoint(
     *,
     extra: dict[str, Any] | None = None,
     verify: bool = False,
+    must_be_finite: set[str] | None = None,
 ) -> None:
     """Write the state after round ``next_round - 1`` atomically (temp file + rename).
 
-    A state holding NaN/Inf is never written (it raises :class:`DivergenceError`), so the checkpoint on
-    disk is always the last good one. With ``verify`` the bytes are read back with ``weights_only=True``
-    first, so a state that could not be resumed fails now rather than at resume time.
+    A state whose tensors ``must_be_finite`` (paths; default: all) hold NaN/Inf is never written (it
+    raises :class:`DivergenceError`), so the checkpoint on disk is always the last good one. With
+    ``verify`` the bytes are read back with ``weights_only=True`` first, so a state that could not be
+    resumed fails now rather than at resume time.
     """
     algo_state = algo.state_dict()
-    bad = _non_finite(algo_state)
+    bad = _diverged(algo_state, must_be_finite)
     if bad:
         raise DivergenceError(
             f"round {next_round}: the algorithm state '{bad}' is not finite; the run stopped before "
@@ -160,6 +174,7 @@ def run(
     out = RunDir(path)
     ctx = RunContext(config)
     algo = build_algorithm(ctx)
+    finite_at_start = finite_tensors(algo.state_dict()) if config.output.checkpoint_every else set()
     start_round, wall_before, skipped = 0, 0.0, []
     if resume:
         ckpt = torch.load(out.path / CHECKPOINT, weights_only=True)
@@ -218,7 +233,15 @@ def run(
             every = config.output.checkpoint_every
             if every and ((r + 1) % every == 0 or last):
                 extra = {"config": config.to_dict(), "skipped_rounds": skipped}
-                save_checkpoint(out, algo, r + 1, time.perf_counter() - t0, extra=extra, verify=not verified)
+                save_checkpoint(
+                    out,
+                    algo,
+                    r + 1,
+                    time.perf_counter() - t0,
+                    extra=extra,
+                    verify=not verified,
+                    must_be_finite=finite_at_start,
+                )
                 verified = True
             if bar is not None:
                 bar.update(1)
