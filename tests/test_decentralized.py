@@ -303,7 +303,7 @@ def test_ditto_without_proximal_term_is_plain_local_training_of_the_personal_mod
     assert algo.ledger.count(kind="model") == 8 * 3
 
 
-@pytest.mark.parametrize("algo_name", ["ditto", "fomo"])
+@pytest.mark.parametrize("algo_name", ["ditto", "fomo", "dispfl"])
 def test_plugins_accept_afind_selection(algo_name):
     algo = build(algo_name, neighbours=7, selection="afind")
     for r in range(2):
@@ -321,3 +321,43 @@ def test_fomo_moves_towards_models_that_lower_the_local_loss():
         before = float(algo.losses.losses(W0[i], [i])[0])
         after = float(algo.losses.losses(algo.W[i], [i])[0])
         assert after <= before + 1e-6
+
+
+def test_example_configs_are_valid():
+    from pathlib import Path
+
+    from fedweave.config import build_dataclass
+    from fedweave.registry import ALGORITHMS
+
+    files = sorted(Path(__file__).resolve().parents[1].joinpath("configs", "decentralized").glob("*.yaml"))
+    assert files
+    for f in files:
+        cfg = load(f)
+        cls = ALGORITHMS.get(cfg.algorithm.name)
+        build_dataclass(cls.Hparams, cfg.algorithm.options, "algorithm")
+
+
+def test_erk_densities_hit_the_target():
+    from fedweave.algorithms.decentralized.dispfl import erk_densities
+
+    shapes = [(16, 1, 5, 5), (32, 16, 5, 5), (64, 512), (10, 64)]
+    d = erk_densities(shapes, 0.5)
+    n = [int(np.prod(s)) for s in shapes]
+    assert sum(di * ni for di, ni in zip(d, n)) == pytest.approx(0.5 * sum(n))
+    assert max(d) <= 1 and d[0] == 1.0  # the small first conv is dense
+
+
+def test_dispfl_dense_without_evolution_is_gossip_and_sparse_messages_are_counted():
+    a = build("dispfl", neighbours=3, density=1.0, anneal=0.0)
+    b = build("gossip", neighbours=3, finetune_epochs=0)
+    a.run_round(0)
+    b.run_round(0)
+    assert torch.allclose(a.W, b.W, atol=1e-6)
+    s = build("dispfl", neighbours=3, density=0.5)
+    M0 = s.store["mask"].clone()
+    s.run_round(0)
+    assert float(s.store["mask"].mean()) == pytest.approx(float(M0.mean()), abs=1e-6)  # prune = regrow
+    assert torch.equal(s.W * s.store["mask"], s.W)  # the model stays on its mask
+    expect = sum(int(M0[j].sum()) * 4 for i in range(8) for j in s.available(0, i))
+    assert s.ledger.bytes(kind="model") == expect
+    assert s.ledger.bytes(kind="mask") == 8 * 3 * -(-s.layout.numel // 8)
