@@ -197,3 +197,23 @@ def test_faults_off_changes_nothing(toy_config, tmp_path):
     a = fedweave.run({**toy_config, "backend": "loop"}, run_dir=tmp_path / "a")
     b = fedweave.run(_cfg(toy_config, "_fedavg_faults", {}), run_dir=tmp_path / "b")
     assert [r["test_loss"] for r in a.metrics] == [r["test_loss"] for r in b.metrics]
+
+
+def test_mixing_without_lost_links_stays_doubly_stochastic():
+    from fedweave.faults import mixing_without
+
+    rng = np.random.default_rng(0)
+    a = np.triu(rng.random((8, 8)) < 0.5, 1)
+    adj = a | a.T
+    deg = adj.sum(1)
+    w = np.where(adj, 1.0 / (1 + np.maximum(deg[:, None], deg[None, :])), 0.0)  # Metropolis weights
+    w[np.diag_indices(8)] = 1 - w.sum(1)
+    f = Faults(FaultsConfig(link_loss=0.5, server_miss=0.3), Seeds(1))
+    idx, servers = np.arange(8), f.servers_up(2, np.arange(8))
+    up = f.links_up(2, idx[:, None], idx[None, :]) & servers[:, None] & servers[None, :]
+    m = mixing_without(w, up)
+    assert np.allclose(m.sum(0), 1) and np.allclose(m.sum(1), 1) and np.allclose(m, m.T)
+    assert np.all(m[~up & ~np.eye(8, dtype=bool)] == 0)
+    down = np.flatnonzero(~servers)
+    assert len(down) and np.allclose(m[down], np.eye(8)[down])  # a server that misses keeps its value
+    assert np.array_equal(mixing_without(w, np.ones((8, 8), bool)), w)

@@ -185,6 +185,19 @@ class Faults:
         return bool(self.servers_up(r, [s])[0])
 
 
+def mixing_without(w: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """Mixing matrix ``w`` (n x n) with the links where ``up`` is False removed, their weight moved to the
+    diagonal: each node keeps its own value in place of the message it did not get. A symmetric doubly
+    stochastic ``w`` stays so (for a symmetric ``up``), which gossip and gradient-tracking methods need.
+    Pass ``up = links_up & servers_up[:, None] & servers_up[None, :]`` for servers that miss the round.
+    """
+    w = np.asarray(w, dtype=np.float64)
+    up = np.asarray(up, dtype=bool) | np.eye(len(w), dtype=bool)
+    out = np.where(up, w, 0.0)
+    out[np.diag_indices_from(out)] += np.where(up, 0.0, w).sum(axis=1)
+    return out
+
+
 def reweighted(weights: np.ndarray, delivered: np.ndarray) -> np.ndarray:
     """Aggregation weights renormalized over the delivered entries (zeros elsewhere); all zero if none."""
     w = np.where(delivered, np.asarray(weights, dtype=np.float64), 0.0)
