@@ -361,3 +361,16 @@ def test_dispfl_dense_without_evolution_is_gossip_and_sparse_messages_are_counte
     expect = sum(int(M0[j].sum()) * 4 for i in range(8) for j in s.available(0, i))
     assert s.ledger.bytes(kind="model") == expect
     assert s.ledger.bytes(kind="mask") == 8 * 3 * -(-s.layout.numel // 8)
+
+
+@pytest.mark.parametrize("algo_name", ["gossip", "afind_plus"])
+def test_loop_and_vmap_backends_agree(algo_name):
+    models = []
+    for backend in ("loop", "vmap"):
+        cfg = config(algo_name, neighbours=3)
+        cfg["backend"] = backend
+        algo = build_algorithm(RunContext(load(cfg)))
+        assert algo.trainer.backend == backend
+        algo.run_round(0)
+        models.append(algo.W.clone())
+    assert torch.allclose(models[0], models[1], atol=1e-5)
