@@ -43,7 +43,9 @@ class StateStore:
             t = torch.from_numpy(arr)
         else:
             t = torch.empty(full, dtype=dtype)
-        t[:] = fill
+        # a new memory-mapped file already reads as zeros: writing them would page in the whole table
+        if not (mmap and isinstance(fill, (int, float)) and fill == 0):
+            t[:] = fill
         self._tensors[name] = t
         return t
 

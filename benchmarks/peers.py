@@ -1,0 +1,442 @@
+"""Peer-framework benchmark: fedweave against Flower 1.41's simulation engine on the same workloads.
+
+Workloads (issue 8; MNIST, FedAvg, Dirichlet(0.3) label skew, 1 local epoch, lr 0.05, global-model
+evaluation on the 10k test set every round):
+  cnn:       CNN (conv 1-32-5, pool, conv 32-64-5, pool, fc 1024-512-10), 100 clients, 10 per round, batch 32
+             [fedweave per round <= 0.6x Flower's, start-up <= 5 s, peak memory <= 1 GB, same accuracy]
+  logistic:  softmax regression, 1000 clients, 50 per round, batch 10   [fedweave >= 10x faster per round]
+  mlp:       2-layer MLP (784-64-10), same setting                        [fedweave >= 10x faster per round]
+
+Both frameworks run the same computation: the same partition indices (fedweave's partitioner and seed), the
+same initial weights (fedweave's ``model_init`` stream), the same sampled clients each round (fedweave's
+``client_sampling`` stream; Flower's server sends each sampled client its id), the same batches in the same
+order (the ``batches`` stream), plain SGD, sample-weighted averaging and the same evaluation code
+(inference mode, batches of 2048). A run whose final accuracy differs from the others by more than 0.5
+points is reported as void.
+
+Every configuration runs in a fresh process; the parent samples the resident memory of that process's
+whole tree (the process, Ray's processes and actors) every 0.2 s. Start-up = launch to the start of round 1
+(imports, data, partition, model, Ray and its actors). Per round = median wall time of rounds 2..R
+(training + evaluation); round 1, which includes lazy actor start-up, is reported apart.
+
+Usage:
+  python benchmarks/peers.py --workload cnn --rounds 20
+  python benchmarks/peers.py --workload logistic mlp --rounds 20
+  python benchmarks/peers.py --workload cnn --rounds 2 --only fedweave-loop   # a quick look
+Needs the ``bench`` extra (pip install 'fedweave[bench]') for Flower; telemetry and Ray usage stats are off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+
+WORKLOADS = {
+    "cnn": {"model": "cnn_mnist", "num_clients": 100, "per_round": 10, "batch_size": 32},
+    "logistic": {"model": "logistic", "num_clients": 1000, "per_round": 50, "batch_size": 10},
+    "mlp": {"model": "mlp", "model_options": {"hidden": [64]}, "num_clients": 1000, "per_round": 50, "batch_size": 10},
+}
+LR, ALPHA, SEED, EVAL_BATCH = 0.05, 0.3, 0, 2048
+
+# name -> how it runs (each in its own process)
+CONFIGS = {
+    "fedweave-loop": {"framework": "fedweave", "backend": "auto", "threads": 2},
+    "fedweave-loop-1t": {"framework": "fedweave", "backend": "auto", "threads": 1},
+    "fedweave-ray-2x1": {"framework": "fedweave", "backend": "ray", "threads": 2, "workers": 2},
+    "flower-2x1": {"framework": "flower", "actors": 2, "actor_cpus": 1},
+    "flower-1x2": {"framework": "flower", "actors": 1, "actor_cpus": 2},
+}
+DEFAULT_CONFIGS = {
+    "cnn": ["fedweave-loop", "fedweave-ray-2x1", "flower-2x1", "flower-1x2"],
+    "logistic": ["fedweave-loop", "flower-2x1"],
+    "mlp": ["fedweave-loop", "flower-2x1"],
+}
+
+
+def fedweave_config(workload: str, rounds: int, backend: str = "auto", threads: int | None = None, workers=None):
+    w = WORKLOADS[workload]
+    return {
+        "name": f"peers-{workload}",
+        "seed": SEED,
+        "rounds": rounds,
+        "backend": backend,
+        "threads": threads,
+        "dataset": {"name": "mnist"},
+        "partition": {"name": "dirichlet", "num_clients": w["num_clients"], "alpha": ALPHA, "min_size": 10},
+        "model": {"name": w["model"], **w.get("model_options", {})},
+        "algorithm": {"name": "fedavg", "clients_per_round": w["per_round"]},
+        "local": {"epochs": 1, "batch_size": w["batch_size"], "lr": LR},
+        "eval": {"every": 1, "batch_size": EVAL_BATCH},
+        "output": {"progress": False, "plots": False},
+        "ray": {"num_workers": workers},
+    }
+
+
+def partition_digest(parts) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p.astype("int64").tobytes())
+    return h.hexdigest()[:16]
+
+
+# ---- fedweave ----------------------------------------------------------------------------------------
+def run_fedweave(workload: str, rounds: int, spec: dict, launched: float) -> dict:
+    import torch
+
+    from fedweave.algorithms.base import RunContext, build_algorithm
+    from fedweave.config import load
+
+    cfg = load(fedweave_config(workload, rounds, spec["backend"], spec.get("threads"), spec.get("workers")))
+    torch.set_num_threads(cfg.threads or torch.get_num_threads())
+    ctx = RunContext(cfg)
+    algo = build_algorithm(ctx)  # the runner's loop below, without its result files
+    if algo.trainer.backend == "ray":
+        from fedweave.execution.ray import pool
+
+        pool(algo.trainer).pids()  # start Ray and the actors before round 1 (counted as start-up)
+    start = time.time() - launched
+    train, evals, accs = [], [], []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        algo.run_round(r)
+        t1 = time.perf_counter()
+        ev = algo.evaluate(r)
+        train.append(t1 - t0)
+        evals.append(time.perf_counter() - t1)
+        accs.append(ev["test_accuracy"])
+    return {
+        "startup": start,
+        "train": train,
+        "eval": evals,
+        "accuracy": accs,
+        "backend": algo.trainer.backend,
+        "threads": torch.get_num_threads(),
+        "partition": partition_digest(ctx.partition),
+    }
+
+
+# ---- Flower ------------------------------------------------------------------------------------------
+_CACHE: dict = {}
+
+
+def _plan(setting: dict):
+    """The data, partition, model builder and batch plan shared by Flower's server and client apps."""
+    if "plan" not in _CACHE:
+        from fedweave.algorithms.base import RunContext
+        from fedweave.config import LocalConfig, load
+        from fedweave.execution import LocalTrainer
+
+        ctx = RunContext(load(setting["config"]))
+        ds = ctx.dataset
+        local = LocalConfig(epochs=1, batch_size=setting["batch_size"], lr=LR)
+        local.validate()
+        # only its batch plan is used: the same ("batches", round, client) stream as fedweave's
+        planner = LocalTrainer(ctx.build_model(), ds.train_x, ds.train_y, ctx.partition, local, ctx.seeds)
+        _CACHE["plan"] = (ctx, ds, planner)
+    return _CACHE["plan"]
+
+
+def _model(setting: dict):
+    if "model" not in _CACHE:
+        ctx, _, _ = _plan(setting)
+        _CACHE["model"] = ctx.build_model()  # reused for every client this process serves
+    return _CACHE["model"]
+
+
+def evaluate_model(model, x, y) -> float:
+    import torch
+
+    model.eval()
+    correct = 0
+    with torch.inference_mode():
+        for lo in range(0, len(y), EVAL_BATCH):
+            correct += int((model(x[lo : lo + EVAL_BATCH]).argmax(1) == y[lo : lo + EVAL_BATCH]).sum())
+    model.train()
+    return correct / len(y)
+
+
+def flower_train(msg, context, setting: dict):
+    """The ClientApp's train: plain PyTorch SGD over the client's batches on one reused model."""
+    import torch
+    from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    _, ds, planner = _plan(setting)
+    cid, rnd = int(msg.content["config"]["cid"]), int(msg.content["config"]["round"])
+    model = _model(setting)
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for b in planner.client_batches(cid, rnd, (), None):
+        opt.zero_grad(set_to_none=False)
+        torch.nn.functional.cross_entropy(model(ds.train_x[b]), ds.train_y[b]).backward()
+        opt.step()
+    n = len(planner.parts[cid])
+    content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord({"num-examples": n})})
+    return Message(content=content, reply_to=msg)
+
+
+def run_flower(workload: str, rounds: int, spec: dict, launched: float) -> dict:
+    import numpy as np
+    import torch
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+    from flwr.serverapp.strategy import FedAvg
+    from flwr.simulation import run_simulation
+
+    torch.set_num_threads(2)  # the server's evaluation, like fedweave's
+    w = WORKLOADS[workload]
+    setting = {"config": fedweave_config(workload, rounds), "batch_size": w["batch_size"]}
+    ctx, ds, _ = _plan(setting)
+    n, k = w["num_clients"], w["per_round"]
+    sampled = [np.sort(ctx.seeds.numpy("client_sampling", r).choice(n, k, replace=False)) for r in range(rounds)]
+    marks: dict = {"round_start": [], "train_end": [], "round_end": [], "accuracy": []}
+
+    class SampledFedAvg(FedAvg):
+        """FedAvg whose round-r clients are fedweave's sampled clients (each told its id)."""
+
+        def configure_train(self, server_round, arrays, config, grid):
+            marks["round_start"].append(time.time())
+            nodes = sorted(grid.get_node_ids())
+            msgs = []
+            for c in sampled[server_round - 1]:
+                cfg = ConfigRecord({"cid": int(c), "round": server_round - 1})
+                content = RecordDict({"arrays": arrays, "config": cfg})
+                msgs.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=nodes[int(c)]))
+            return msgs
+
+        def aggregate_train(self, server_round, replies):
+            out = super().aggregate_train(server_round, replies)
+            marks["train_end"].append(time.time())
+            return out
+
+    def central_eval(server_round: int, arrays: ArrayRecord):
+        if server_round == 0:
+            return None
+        model = _model(setting)
+        model.load_state_dict(arrays.to_torch_state_dict())
+        acc = evaluate_model(model, ds.test_x, ds.test_y)
+        marks["accuracy"].append(acc)
+        marks["round_end"].append(time.time())
+        return MetricRecord({"accuracy": acc})
+
+    server = ServerApp()
+
+    @server.main()
+    def main(grid, context) -> None:
+        strategy = SampledFedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=n)
+        init = ArrayRecord(ctx.build_model().state_dict())  # fedweave's initial weights
+        strategy.start(grid=grid, initial_arrays=init, num_rounds=rounds, evaluate_fn=central_eval)
+
+    client = ClientApp()
+
+    @client.train()
+    def train(msg, context):
+        return flower_train(msg, context, setting)
+
+    backend = {
+        "client_resources": {"num_cpus": spec["actor_cpus"], "num_gpus": 0.0},
+        "init_args": {"num_cpus": spec["actors"] * spec["actor_cpus"]},
+    }
+    run_simulation(server_app=server, client_app=client, num_supernodes=n, backend_config=backend)
+    starts, ends, trains = marks["round_start"], marks["round_end"], marks["train_end"]
+    return {
+        "startup": starts[0] - launched,
+        "train": [t - s for s, t in zip(starts, trains)],
+        "eval": [e - t for t, e in zip(trains, ends)],
+        "accuracy": marks["accuracy"],
+        "partition": partition_digest(ctx.partition),
+    }
+
+
+# ---- measurement -------------------------------------------------------------------------------------
+def tree(root: int) -> list[int]:
+    """``root`` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(p.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def memory(pids) -> dict[str, int]:
+    """Summed RSS, PSS (shared pages divided among the processes that map them), and the PSS of anonymous
+    memory (heaps) and of shared memory (e.g. Ray's object store in /dev/shm) of ``pids``, bytes."""
+    out = {"rss": 0, "pss": 0, "anon": 0, "shmem": 0}
+    keys = {"Rss:": "rss", "Pss:": "pss", "Pss_Anon:": "anon", "Pss_Shmem:": "shmem"}
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                k = keys.get(line.split(maxsplit=1)[0]) if line else None
+                if k:
+                    out[k] += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return out
+
+
+def matmul_gflops(threads: int, n: int = 2048, reps: int = 10) -> float:
+    """Dense float32 matmul throughput of this machine at ``threads`` threads (GFLOP/s)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
+
+
+def train_flops_per_round(workload: str, rounds: int) -> list[float]:
+    """FLOPs of local training in each round: 3x the forward FLOPs (forward + backward) of every sample."""
+    import numpy as np
+    import torch
+
+    from fedweave.algorithms.base import RunContext
+    from fedweave.config import load
+
+    ctx = RunContext(load(fedweave_config(workload, rounds)))
+    model = ctx.build_model()
+    flops = [0]
+
+    def hook(m, inp, out):
+        if isinstance(m, torch.nn.Conv2d):
+            flops[0] += 2 * out.numel() * m.in_channels * m.kernel_size[0] * m.kernel_size[1] // m.groups
+        elif isinstance(m, torch.nn.Linear):
+            flops[0] += 2 * out.numel() * m.in_features
+
+    for m in model.modules():
+        m.register_forward_hook(hook)
+    with torch.no_grad():
+        model(ctx.dataset.train_x[:1])
+    per_sample = flops[0]
+    sizes = np.array([len(p) for p in ctx.partition])
+    w = WORKLOADS[workload]
+    out = []
+    for r in range(rounds):
+        clients = ctx.seeds.numpy("client_sampling", r).choice(w["num_clients"], w["per_round"], replace=False)
+        out.append(3.0 * per_sample * float(sizes[clients].sum()))
+    return out
+
+
+def launch(name: str, workload: str, rounds: int) -> dict:
+    """Run one configuration in a fresh process, sampling its process tree's memory."""
+    out = Path(f"/tmp/peers-{os.getpid()}-{name}-{workload}.json")
+    cmd = [sys.executable, __file__, "--child", name, "--workload", workload, "--rounds", str(rounds)]
+    launched = time.time()
+    cmd += ["--out", str(out), "--launched", repr(launched)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    peak = {"rss": 0, "pss": 0, "anon": 0, "shmem": 0}
+    nprocs = 0
+    while proc.poll() is None:
+        pids = tree(proc.pid)
+        for k, v in memory(pids).items():
+            peak[k] = max(peak[k], v)
+        nprocs = max(nprocs, len(pids))
+        time.sleep(0.2)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} on {workload} failed with exit code {proc.returncode}")
+    res = json.loads(out.read_text())
+    out.unlink()
+    res.update({f"peak_{k}": v for k, v in peak.items()}, processes=nprocs, total=time.time() - launched)
+    return res
+
+
+def summarize(workload: str, rounds: int, results: dict[str, dict], threads: int) -> str:
+    fl = train_flops_per_round(workload, rounds)
+    peak = matmul_gflops(threads)
+    lines = [f"## {workload}: {rounds} rounds, load average {os.getloadavg()[0]:.2f} at the end", ""]
+    lines.append(
+        "| configuration | per round (s) | train / eval (s) | round 1 (s) | start-up (s) | peak RSS / PSS (GB) "
+        "| peak anon / shm (GB) | processes | final acc | train GFLOP/s |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    per_round = {}
+    for name, r in results.items():
+        tot = [a + b for a, b in zip(r["train"], r["eval"])]
+        later = tot[1:] or tot
+        per_round[name] = statistics.median(later)
+        tr, ev = statistics.median(r["train"][1:] or r["train"]), statistics.median(r["eval"][1:] or r["eval"])
+        gflops = sum(fl[1:] or fl) / sum(r["train"][1:] or r["train"]) / 1e9
+        lines.append(
+            f"| {name} | {per_round[name]:.3f} | {tr:.3f} / {ev:.3f} | {tot[0]:.2f} | {r['startup']:.1f} "
+            f"| {r['peak_rss'] / 2**30:.2f} / {r['peak_pss'] / 2**30:.2f} "
+            f"| {r['peak_anon'] / 2**30:.2f} / {r['peak_shmem'] / 2**30:.2f} | {r['processes']} "
+            f"| {100 * r['accuracy'][-1]:.2f} | {gflops:.1f} ({100 * gflops / peak:.0f}% of matmul) |"
+        )
+    lines.append("")
+    lines.append(f"Dense float32 matmul (2048^2, {threads} threads): {peak:.1f} GFLOP/s.")
+    accs = {n: 100 * r["accuracy"][-1] for n, r in results.items()}
+    spread = max(accs.values()) - min(accs.values())
+    digests = {r["partition"] for r in results.values()}
+    lines.append(f"Same partition in every run: {'yes' if len(digests) == 1 else 'NO'} ({', '.join(digests)}).")
+    verdict = "agree" if spread <= 0.5 else "DISAGREE: the comparison is void"
+    lines.append(f"Final accuracies {verdict} (spread {spread:.2f} points).")
+    fw = {n: v for n, v in per_round.items() if n.startswith("fedweave")}
+    flw = {n: v for n, v in per_round.items() if n.startswith("flower")}
+    if fw and flw:
+        best_fw, best_fl = min(fw, key=fw.get), min(flw, key=flw.get)
+        ratio = fw[best_fw] / flw[best_fl]
+        lines.append(
+            f"Best fedweave ({best_fw}) / best Flower ({best_fl}) per round: {ratio:.3f}x "
+            f"(Flower is {1 / ratio:.1f}x slower)."
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", nargs="+", default=["cnn"], choices=list(WORKLOADS))
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--only", nargs="+", choices=list(CONFIGS), help="configurations to run (default: per workload)")
+    ap.add_argument("--json", type=Path, help="also write all measurements here")
+    ap.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--launched", type=float, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        spec = CONFIGS[args.child]
+        fn = run_fedweave if spec["framework"] == "fedweave" else run_flower
+        res = fn(args.workload[0], args.rounds, spec, args.launched)
+        args.out.write_text(json.dumps(res))
+        return
+    everything = {}
+    for workload in args.workload:
+        names = args.only or DEFAULT_CONFIGS[workload]
+        results = {}
+        for name in names:
+            print(f"[{workload}] {name} ...", file=sys.stderr, flush=True)
+            results[name] = launch(name, workload, args.rounds)
+        everything[workload] = results
+        print(summarize(workload, args.rounds, results, threads=2), flush=True)
+        print()
+    if args.json:
+        args.json.write_text(json.dumps(everything, indent=1))
+
+
+if __name__ == "__main__":
+    main()

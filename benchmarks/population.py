@@ -1,0 +1,170 @@
+"""Large-population benchmark: memory of 10,000 stateful clients, and per-round cost vs population size.
+
+(a) SCAFFOLD (fedweave's implementation, unchanged) with 10,000 clients whose control variates c_i
+    (one small CNN's worth of parameters each, ``cnn_small``) live in a memory-mapped state store instead of
+    RAM. Reported: the store's size, the process's resident memory before the algorithm is built, after the
+    rounds, its peak (VmHWM), and the anonymous (heap) part, against the RAM an in-memory store would need.
+(b) FedAvg with 1,000 and with 10,000 clients at 10 clients per round, the same local work per client
+    (``local.steps`` fixed), median wall time of a round (training and aggregation, no evaluation): the cost
+    should follow the clients per round, not the population.
+
+MNIST, IID split (10,000 clients hold 6 images each). Each measurement runs in a fresh process so peaks are
+its own.
+
+Usage: python benchmarks/population.py [--rounds 20] [--clients 10000] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def config(algorithm: str, clients: int, rounds: int, threads: int) -> dict:
+    return {
+        "name": f"population-{algorithm}-{clients}",
+        "seed": 0,
+        "rounds": rounds,
+        "backend": "loop",
+        "threads": threads,
+        "dataset": {"name": "mnist"},
+        "partition": {"name": "iid", "num_clients": clients},
+        "model": {"name": "cnn_small"},
+        "algorithm": {"name": algorithm, "clients_per_round": 10},
+        "local": {"steps": 5, "batch_size": 5, "lr": 0.05},
+        "output": {"progress": False, "plots": False},
+    }
+
+
+def proc_status() -> dict[str, int]:
+    """This process's memory counters from /proc/self/status, bytes."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+            out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def memory_mapped(store_cls, directory: Path):
+    """A StateStore class whose tables are memory-mapped files in ``directory``."""
+
+    class MmapStore(store_cls):
+        def __init__(self, num_clients: int, mmap_dir=None) -> None:
+            super().__init__(num_clients, mmap_dir or directory)
+
+        def create(self, name, shape, **kw):
+            return super().create(name, shape, **{**kw, "mmap": True})
+
+    return MmapStore
+
+
+def child(kind: str, clients: int, rounds: int, threads: int) -> dict:
+    import torch
+
+    from fedweave.algorithms.base import RunContext, build_algorithm
+    from fedweave.algorithms.centralized import scaffold
+    from fedweave.config import load
+
+    torch.set_num_threads(threads)
+    cfg = load(config("scaffold" if kind == "scaffold-mmap" else "fedavg", clients, rounds, threads))
+    ctx = RunContext(cfg)
+    _ = ctx.dataset, ctx.partition  # loaded before the baseline
+    before = proc_status()
+    with tempfile.TemporaryDirectory(prefix="fedweave-state-") as d:
+        if kind == "scaffold-mmap":
+            with mock.patch.object(scaffold, "StateStore", memory_mapped(scaffold.StateStore, Path(d))):
+                algo = build_algorithm(ctx)
+            store_bytes = algo.store.nbytes()
+            disk = sum(f.stat().st_blocks * 512 for f in Path(d).iterdir())
+        else:
+            algo = build_algorithm(ctx)
+            store_bytes = disk = 0
+        built = proc_status()
+        times = []
+        for r in range(rounds):
+            t = time.perf_counter()
+            algo.run_round(r)
+            times.append(time.perf_counter() - t)
+        after = proc_status()  # before the check below, which reads every row
+        touched = 0
+        if kind == "scaffold-mmap":
+            disk = sum(f.stat().st_blocks * 512 for f in Path(d).iterdir())
+            c = algo.store["c"]
+            for lo in range(0, len(c), 256):  # rows written so far, in small pieces
+                touched += int((c[lo : lo + 256] != 0).any(1).sum())
+    return {
+        "kind": kind,
+        "clients": clients,
+        "params": algo.num_params,
+        "store_bytes": store_bytes,
+        "disk_bytes": disk,
+        "rows_written": touched,
+        "before": before,
+        "built": built,
+        "after": after,
+        "round_times": times,
+    }
+
+
+def launch(kind: str, clients: int, rounds: int, threads: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, __file__, "--child", kind, "--clients", str(clients), "--rounds", str(rounds)]
+        cmd += ["--threads", str(threads), "--out", f.name]
+        subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        return json.loads(Path(f.name).read_text())
+
+
+def gb(x: int) -> str:
+    return f"{x / 2**30:.3f} GB"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--clients", type=int, default=10000, help="the large population")
+    ap.add_argument("--small", type=int, default=1000, help="the small population of (b)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        Path(args.out).write_text(json.dumps(child(args.child, args.clients, args.rounds, args.threads)))
+        return
+
+    print(f"load average {os.getloadavg()[0]:.2f}, {args.threads} threads, {args.rounds} rounds")
+    a = launch("scaffold-mmap", args.clients, args.rounds, args.threads)
+    in_ram = a["clients"] * a["params"] * 4
+    print(f"\n(a) SCAFFOLD, {a['clients']} clients, cnn_small ({a['params']} parameters), c_i memory-mapped")
+    print(f"  client state: {gb(a['store_bytes'])} (all of it in RAM with an in-memory store)")
+    print(f"  on disk (allocated blocks of the sparse file): {gb(a['disk_bytes'])}")
+    print(f"  clients whose state was written: {a['rows_written']}")
+    for stage in ("before", "built", "after"):
+        s = a[stage]
+        print(f"  RSS {stage:6s}: {gb(s['VmRSS'])} (anonymous {gb(s['RssAnon'])}, file-backed {gb(s['RssFile'])})")
+    growth = a["after"]["VmHWM"] - a["before"]["VmRSS"]
+    print(f"  peak RSS (VmHWM): {gb(a['after']['VmHWM'])}; growth over the data-loaded baseline: {gb(growth)}")
+    print(f"  = {100 * growth / in_ram:.1f}% of the {gb(in_ram)} an in-RAM store needs")
+    print(f"  median round: {statistics.median(a['round_times'][1:]):.4f} s")
+
+    print(f"\n(b) FedAvg, 10 clients per round, {args.rounds} rounds (median of rounds 2..R, no evaluation)")
+    med = {}
+    for n in (args.small, args.clients):
+        b = launch("fedavg", n, args.rounds, args.threads)
+        med[n] = statistics.median(b["round_times"][1:])
+        print(f"  {n:6d} clients: {med[n]:.4f} s per round  (peak RSS {gb(b['after']['VmHWM'])})")
+    print(f"  ratio {args.clients} / {args.small} clients: {med[args.clients] / med[args.small]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
