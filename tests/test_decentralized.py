@@ -374,3 +374,21 @@ def test_loop_and_vmap_backends_agree(algo_name):
         algo.run_round(0)
         models.append(algo.W.clone())
     assert torch.allclose(models[0], models[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("scale", ["small", "paper"])
+def test_reproduce_presets_are_valid_configs(scale):
+    """Every run of the small and paper presets is a valid config (data-free check)."""
+    import json
+
+    from fedweave.config import build_dataclass
+    from fedweave.registry import ALGORITHMS
+    from fedweave.reproduce.afind_plus import plan, preset
+
+    p = preset(scale)
+    jobs, rows = plan(p, 1, {"1", "2", "3", "tau", "dp"})
+    assert {"table1", "table2", "table3", "tau", "dp"} <= set(rows)
+    bases = {s.key: s.base for s in p.settings}
+    for j in jobs:
+        cfg = load({**bases[j.setting], "name": "x", "seed": 0, "algorithm": json.loads(j.algo)})
+        build_dataclass(ALGORITHMS.get(cfg.algorithm.name).Hparams, cfg.algorithm.options, "algorithm")
