@@ -66,8 +66,8 @@ def _progress(enabled: bool, total: int, initial: int):
 
 
 CHECKPOINT = "checkpoint.pt"
-# Config keys a resumed run may change: how long it runs and where/how it reports, not what it computes.
-RESUMABLE_CHANGES = ("rounds", "output", "threads", "eval")
+# Config keys a resumed run may change: how long it runs, how it reports, which backend; not what it computes.
+RESUMABLE_CHANGES = ("rounds", "output", "threads", "eval", "backend")
 
 
 def _tensors(obj: Any, path: str = ""):
