@@ -217,3 +217,10 @@ def test_mixing_without_lost_links_stays_doubly_stochastic():
     down = np.flatnonzero(~servers)
     assert len(down) and np.allclose(m[down], np.eye(8)[down])  # a server that misses keeps its value
     assert np.array_equal(mixing_without(w, np.ones((8, 8), bool)), w)
+
+
+def test_a_skipped_round_between_evaluations_is_still_counted(toy_config, tmp_path):
+    cfg = _cfg(toy_config, "_fedavg_faults", {"outage_rounds": [3]}, rounds=4, eval={"every": 2})
+    res = fedweave.run(cfg, run_dir=tmp_path / "r")
+    assert [(r["round"], r["reported_clients"], r["skipped_rounds"]) for r in res.metrics] == [(2, 4, 0), (4, 4, 1)]
+    assert res.summary["skipped_rounds"] == [3]
