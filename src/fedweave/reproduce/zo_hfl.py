@@ -402,14 +402,20 @@ def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], o
             lines.append(f"| {label(m, p)} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Claims (spec §9.2)", "", "```json", json.dumps(claims, indent=2), "```", ""]
-    lines += [f"Total wall time: {meta['wall_seconds']:.0f} s with {meta['workers']} worker process(es).", ""]
+    lines += [
+        f"Wall time of this invocation: {meta['wall_seconds']:.0f} s with {meta['workers']} worker process(es); "
+        f"sum of the {meta['runs']} runs' own wall times: {sum(meta['run_seconds'].values()):.0f} s "
+        f"({meta['reused']} runs reused from an earlier invocation, counted with their original time).",
+        "",
+    ]
     atomic_write(out / "table.md", "\n".join(lines))
     atomic_write(out / "claims.json", json.dumps({"claims": claims, "meta": meta}, indent=2))
 
 
 def _png(fig) -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
     return buf.getvalue()
 
 
@@ -502,6 +508,7 @@ def main(argv: list[str]) -> int:
         "wall_seconds": round(wall, 1),
         "runs": len(configs),
         "run_seconds": {k: round(v["seconds"], 1) for k, v in results.items()},
+        "reused": sum(bool(v.get("reused")) for v in results.values()),
     }
     rows, claims = summarize(p, results, seeds, out)
     write_table(p, rows, claims, out, meta)
