@@ -311,6 +311,48 @@ def matmul_gflops(threads: int, n: int = 2048, reps: int = 10) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
 
 
+def eval_variants(workload: str, threads: int, reps: int = 3) -> str:
+    """Seconds to evaluate the global model on the 10k test images along cheaper evaluation paths."""
+    import torch
+
+    from fedweave.algorithms.base import RunContext
+    from fedweave.config import load
+    from fedweave.execution import ParamLayout, evaluate
+
+    torch.set_num_threads(threads)
+    ctx = RunContext(load(fedweave_config(workload, 1)))
+    x, y = ctx.dataset.test_x, ctx.dataset.test_y
+    model = ctx.build_model()
+    layout = ParamLayout(model)
+    w = layout.flatten()
+
+    def plain(bs: int, channels_last: bool = False):
+        m = model.to(memory_format=torch.channels_last) if channels_last else model
+        xx = x.contiguous(memory_format=torch.channels_last) if channels_last and x.dim() == 4 else x
+        m.eval()
+        with torch.inference_mode():
+            for lo in range(0, len(y), bs):
+                m(xx[lo : lo + bs]).argmax(1)
+        m.to(memory_format=torch.contiguous_format).train()
+
+    variants = {
+        "fedweave evaluate (inference mode, batch 2048)": lambda: evaluate(layout, w, x, y, 2048),
+        "inference mode, batch 512": lambda: plain(512),
+        "inference mode, batch 10000": lambda: plain(10000),
+        "inference mode, batch 2048, channels-last": lambda: plain(2048, True),
+    }
+    lines = [f"Evaluation of the {workload} model on the 10k test set ({threads} threads, best of {reps}):", ""]
+    for name, fn in variants.items():
+        fn()
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        lines.append(f"- {name}: {best:.3f} s")
+    return "\n".join(lines)
+
+
 def train_flops_per_round(workload: str, rounds: int) -> list[float]:
     """FLOPs of local training in each round: 3x the forward FLOPs (forward + backward) of every sample."""
     import numpy as np
@@ -414,6 +456,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--only", nargs="+", choices=list(CONFIGS), help="configurations to run (default: per workload)")
     ap.add_argument("--json", type=Path, help="also write all measurements here")
+    ap.add_argument("--eval-variants", action="store_true", help="also time cheaper evaluation paths")
     ap.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--launched", type=float, help=argparse.SUPPRESS)
@@ -434,6 +477,9 @@ def main() -> None:
         everything[workload] = results
         print(summarize(workload, args.rounds, results, threads=2), flush=True)
         print()
+        if args.eval_variants:
+            print(eval_variants(workload, threads=2), flush=True)
+            print()
     if args.json:
         args.json.write_text(json.dumps(everything, indent=1))
 

@@ -11,7 +11,7 @@
 MNIST, IID split (10,000 clients hold 6 images each). Each measurement runs in a fresh process so peaks are
 its own.
 
-Usage: python benchmarks/population.py [--rounds 20] [--clients 10000] [--threads 2]
+Usage: python benchmarks/population.py [--rounds 20] [--clients 10000] [--small 1000] [--threads 1]
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--clients", type=int, default=10000, help="the large population")
     ap.add_argument("--small", type=int, default=1000, help="the small population of (b)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (one is fastest for this small model)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
