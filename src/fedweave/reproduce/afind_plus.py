@@ -230,6 +230,11 @@ def _run_job(args: tuple[Job, dict[str, Any], str]) -> dict[str, Any]:
     return _collect(job, path, res.summary)
 
 
+def _finished(out: Path, job: Job) -> bool:
+    done = Path(out) / "runs" / job.slug / "summary.json"
+    return done.is_file() and json.loads(done.read_text()).get("status") == "completed"
+
+
 def _collect(job: Job, path: Path, summary: dict[str, Any]) -> dict[str, Any]:
     from fedweave.results import read_metrics
 
@@ -450,6 +455,7 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--rounds", type=int, default=None, help="override the preset's number of rounds")
     ap.add_argument("--primary-only", action="store_true", help="Table 1 on the primary setting only")
+    ap.add_argument("--only", default="", help="comma list of method labels to run (e.g. 'Local,Gossip,AFIND+')")
     args = ap.parse_args(argv)
     p = preset(args.scale)
     if args.rounds is not None:
@@ -467,6 +473,12 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jobs, rows = plan(p, seeds, wanted)
+    if args.only:  # run only these rows' jobs (the tables still show every finished run)
+        keep = {x.strip() for x in args.only.split(",")}
+        jobs = [j for j in jobs if j.label in keep or _finished(out, j)]
+        unknown = keep - {j.label for j in jobs}
+        if unknown:
+            raise SystemExit(f"--only: unknown method label(s) {sorted(unknown)}")
     print(f"afind reproduction, scale {args.scale}: {len(jobs)} runs, {args.workers} worker(s) -> {out}", flush=True)
     t0 = time.perf_counter()
     results = run_all(jobs, p, out, 1 if args.scale == "smoke" else args.workers, lambda s: print(s, flush=True))
