@@ -225,3 +225,15 @@ def test_fewer_batches_than_h_uploads_nothing():
     m = algo.run_round(0)
     assert m["server_steps"] == 0 and "server_loss" not in m and kinds(algo)["smashed"] == 0
     assert np.isfinite(m["train_loss"])
+
+
+def test_aggregation_every_c_batches():
+    # 5 × 80 samples, B = 10 → M = 8; c = 3 → the models go down and up ⌈8/3⌉ = 3 times
+    c3 = _round({"name": "cse_fsl", "h": 2, "agg_every": 3})
+    expected = round_bytes("cse_fsl", c3.split_sizes, [80] * 5, 10, h=2, agg_every=3)
+    assert kinds(c3) == {k: expected[k] for k in kinds(c3)}
+    assert kinds(c3)["client_model"] == 3 * 2 * 5 * 9_568 * 4
+    once = _round({"name": "cse_fsl", "h": 2})
+    late = _round({"name": "cse_fsl", "h": 2, "agg_every": 8})  # c = M: the default schedule
+    assert torch.equal(once.xc, late.xc) and torch.equal(once.xs, late.xs)
+    assert not torch.equal(once.xc, c3.xc)

@@ -32,11 +32,14 @@ class CSEFSLHparams(SplitHparams):
     speed_spread: float = 1.0  # client i needs τ_i ~ U[1, speed_spread] time units per local batch
     latency: float = 0.0  # uplink latency of a smashed upload, in the same units
     server_step_time: float = 0.0  # time of one server step
+    agg_every: int | None = None  # c: aggregate every c local batches (Alg. 1 line 16); null: once per round
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.h < 1:
             raise ConfigError(f"algorithm.h must be >= 1, got {self.h}")
+        if self.agg_every is not None and self.agg_every < 1:
+            raise ConfigError(f"algorithm.agg_every must be >= 1 or null, got {self.agg_every}")
         if self.speed_spread < 1:
             raise ConfigError(f"algorithm.speed_spread must be >= 1, got {self.speed_spread}")
         for key in ("latency", "server_step_time"):
@@ -59,26 +62,33 @@ class CSEFSL(SplitAlgorithm):
         hp = self.hp
         clients = self.sample_clients(r)
         lr_c, lr_a, lr_s = self.lrs(r)
-        xc_rows, xa_rows = self.download(r, clients)  # Alg. 1 line 3
         self.hold_server_models(1)
         queue: list[Upload] = []
         losses, client_end = [], 0.0
-        for k, i in enumerate(clients):  # in parallel: nothing here depends on the server
-            self.load_client(xc_rows[k], xa_rows[k])
-            batches = self.local_batches(r, int(i))
-            window = {m: w for w, m in enumerate(upload_batches(len(batches), hp.h, hp.upload_at))}
-            tau = self.batch_time(int(i))
-            with self.stream("dropout", r, int(i)):
-                for m, (x, y) in enumerate(batches):
-                    a, loss = self.local_step(x, y, lr_c, lr_a)  # eq. (8)
-                    losses.append(loss)
-                    if m in window:  # Alg. 1 lines 10-13: one batch per h goes up
-                        if hp.recompute_smashed:
-                            a = self.smashed(x)
-                        self.send_smashed(r, y)
-                        queue.append(Upload(k, window[m], m, a, y, arrival=(m + 1) * tau + hp.latency))
-            client_end = max(client_end, len(batches) * tau)
-            xc_rows[k], xa_rows[k] = self.lc.flatten(), self.la.flatten()
+        plan = [len(self.batcher.client_batches(int(i), r, (), None)) for i in clients]
+        longest = max(max(plan, default=0), 1)
+        period = hp.agg_every or longest  # default: aggregate once, after the local epoch(s)
+        for seg, start in enumerate(range(0, longest, period)):
+            xc_rows, xa_rows = self.download(r, clients)  # Alg. 1 line 3
+            for k, i in enumerate(clients):  # in parallel: nothing here depends on the server
+                self.load_client(xc_rows[k], xa_rows[k])
+                batches = self.local_batches(r, int(i))
+                window = {m: w for w, m in enumerate(upload_batches(len(batches), hp.h, hp.upload_at))}
+                tau = self.batch_time(int(i))
+                with self.stream("dropout", r, int(i), *((seg,) if seg else ())):
+                    for m in range(start, min(start + period, len(batches))):
+                        x, y = batches[m]
+                        a, loss = self.local_step(x, y, lr_c, lr_a)  # eq. (8)
+                        losses.append(loss)
+                        if m in window:  # Alg. 1 lines 10-13: one batch per h goes up
+                            if hp.recompute_smashed:
+                                a = self.smashed(x)
+                            self.send_smashed(r, y)
+                            queue.append(Upload(k, window[m], m, a, y, arrival=(m + 1) * tau + hp.latency))
+                client_end = max(client_end, len(batches) * tau)
+                xc_rows[k], xa_rows[k] = self.lc.flatten(), self.la.flatten()
+            self.upload_models(r, clients)  # Alg. 1 lines 16-17: every c batches
+            self.aggregate(clients, xc_rows, xa_rows)  # eq. (14)
         # Alg. 2 lines 3-10: the server drains its dataQueue, one SGD step per item on its one model
         order = process_order(hp.server_order, queue, self.seeds.numpy("server_order", r))
         clock = simulate_server(queue, order, hp.server_step_time, barrier=hp.server_order == "sync")
@@ -90,8 +100,6 @@ class CSEFSL(SplitAlgorithm):
             for j in order:
                 server_losses.append(self.server_step(queue[j].smashed, queue[j].labels, lr_s)[0])  # eq. (11)
         self.xs = self.ls.flatten()
-        self.upload_models(r, clients)  # Alg. 1 lines 16-17
-        self.aggregate(clients, xc_rows, xa_rows)  # eq. (14)
         out = self.round_metrics(r, len(clients), len(order), losses, server_losses)
         out.update(
             sim_round_time=max(client_end, clock["finish"]),
