@@ -106,13 +106,23 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    import pickle
+
     from fedweave.config import ConfigError
+    from fedweave.data.sources import DataSourceError
     from fedweave.registry import UnknownNameError
     from fedweave.runner import DivergenceError
 
     try:
         return args.fn(args)
-    except (ConfigError, UnknownNameError, DivergenceError, FileNotFoundError) as e:
+    except (
+        ConfigError,
+        UnknownNameError,
+        DivergenceError,
+        FileNotFoundError,
+        DataSourceError,
+        pickle.UnpicklingError,
+    ) as e:
         print(f"fedweave: error: {e}", file=sys.stderr)
         return 2
 

@@ -26,6 +26,7 @@ from fedweave.execution import (
     evaluate_clients,
 )
 from fedweave.execution.local import GradFn
+from fedweave.faults import Faults
 
 
 @dataclass
@@ -111,6 +112,9 @@ class StarAlgorithm(Algorithm):
     Hparams = StarHparams
     # True: the local rule applies weight decay and clipping to the loss gradient (see ``regularized``)
     regularize_in_rule: ClassVar[bool] = False
+    # Injected faults (fedweave.faults) this class's run_round handles; the runner refuses the others.
+    # Not inherited in spirit: a subclass declares them once its own run_round calls ``reporting``.
+    handles_faults: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: RunContext, hp: StarHparams) -> None:
         super().__init__(ctx, hp)
@@ -125,6 +129,7 @@ class StarAlgorithm(Algorithm):
         self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=torch.float32)
         self._checkpoint = ("x",)
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
+        self.faults = Faults(ctx.config.faults, ctx.seeds)
 
     def state_dict(self) -> dict:
         out = super().state_dict()
@@ -152,6 +157,19 @@ class StarAlgorithm(Algorithm):
                 if len(active):
                     return active
         return np.sort(rng.choice(n, self.hp.clients_per_round, replace=False))
+
+    def reporting(self, r: int, clients: np.ndarray) -> np.ndarray:
+        """The sampled clients whose upload reaches the server in round ``r``: those that drop out, and
+        those past the deadline (policy drop), deliver nothing. A client's work is its local steps relative
+        to the mean, so clients with more data are slower (docs/reliability.md)."""
+        if not self.faults.active():
+            return clients
+        work = np.array([self.trainer.num_steps(int(c)) for c in clients], dtype=np.float64)
+        return self.faults.reporting(r, clients, work / self.reference_steps())
+
+    def fault_metrics(self, reported: np.ndarray) -> dict[str, float]:
+        """``reported_clients`` when faults are injected (0 marks a skipped round for the runner)."""
+        return {"reported_clients": float(len(reported))} if self.faults.active() else {}
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:
         """Aggregation weights of the round's clients, summing to one."""
