@@ -115,6 +115,9 @@ def run_job(job: Job) -> dict[str, Any]:
         row[f"uploads_{t:.0e}"] = hit[t][1] if hit[t] else None
     slope, r2 = tail_fit(gaps)
     row["tail_slope"], row["tail_r2"] = slope, r2
+    if algo.problem.has_test:  # sanity of the real problems: accuracy of the servers' average model
+        row["test_accuracy"] = algo.problem.test_metrics(algo.X.mean(0))["test_accuracy"]
+        row["test_accuracy_x_star"] = algo.problem.test_metrics(algo.x_star)["test_accuracy"]
     if job.curve:
         row["_curve"] = (np.array(gaps), np.array(ups), np.array(secs))
     return row
@@ -597,6 +600,9 @@ def write_report(rows: list[dict], out: Path, meta: dict) -> None:
         md.insert(1, "\n**Smoke scale: a tiny synthetic problem for testing; these numbers mean nothing.**\n")
     for prob in sorted({a["problem"] for a in aggs}, key=lambda p: p != "synthetic"):
         md += [f"## {prob}", "", table_md(aggs, prob), ""]
+        acc = [r["test_accuracy_x_star"] for r in rows if r["problem"] == prob and "test_accuracy_x_star" in r]
+        if acc:
+            md += [f"Test accuracy of x* (the optimum every method approaches): {acc[0]:.4f}.", ""]
     md += [
         "## The paper's claims (synthetic problem)",
         "",
