@@ -254,6 +254,14 @@ def test_linear_convergence(name, opts):
     assert slope < 0 and r2 > 0.98
 
 
+def test_single_level_gt_saga_converges_without_user_uploads():
+    algo = make("gt_saga", mode="decentralized")  # Algorithm 1: each server samples its own mini-batches
+    gaps = run(algo, 700)
+    assert min(gaps) <= 1e-8 and algo.uploads == 0 and algo.ledger.count(sender="user") == 0
+    slope, r2 = _tail_fit(gaps)
+    assert slope < 0 and r2 > 0.95
+
+
 def test_drift_reading_of_the_trigger_does_not_converge():
     """Spec A2: Delta against the last *uploaded* estimate converges; against the last fresh one it stalls."""
     lag = run(make("cfl_saga", rho=1e3), 600)
