@@ -52,6 +52,7 @@ ALGO = {
     "zo_hfl": "zo_hfl",
     "server_only": "zo_hfl",
     "server_only_long": "zo_hfl",
+    "fedavg_server": "hier_fedavg",
 }
 DATASET_LABELS = {"mnist": "MNIST", "fashion_mnist": "Fa.-MNIST", "cifar10": "CIFAR-10", "digits": "digits"}
 
@@ -98,10 +99,12 @@ class Preset:
     min_size: int = 10
     extra_lams: list[float] = field(default_factory=list)  # lambda sensitivity: extra ZO-HFL rows
     long_server_only: int | None = None  # also run the (cheap) server-only control for this many rounds
+    server_as_client: bool = False  # also run FedAvg with the server's share as an extra client (A12 control)
 
     @property
     def methods(self) -> list[str]:
         extra = [f"zo_hfl_lam{lam:g}" for lam in self.extra_lams]
+        extra += ["fedavg_server"] if self.server_as_client else []
         return METHODS + extra + (["server_only_long"] if self.long_server_only else [])
 
     def rounds_of(self, method: str) -> int:
@@ -109,6 +112,8 @@ class Preset:
 
 
 def label(m: str, p: Preset | None = None) -> str:
+    if m == "fedavg_server":
+        return "FedAvg + server as client"
     if m == "server_only_long":
         return f"server-only (lambda=0), {p.long_server_only if p else 'more'} rounds"
     return LABELS.get(m) or f"ZO-HFL (lambda={m.removeprefix('zo_hfl_lam')})"
@@ -152,6 +157,7 @@ PRESETS = {
         dataset_options={"mnist": {"normalize": False}, "fashion_mnist": {"normalize": False}},
         extra_lams=[1.0],
         long_server_only=500,
+        server_as_client=True,
     ),
     "paper": Preset(
         datasets=["mnist", "fashion_mnist", "cifar10"],
@@ -189,6 +195,8 @@ def run_config(
         algo.update(lam=method_lam(p, method), mu=p.mu, server_batch_size=p.server_batch_size)
     if method == "fedprox":
         algo["mu"] = p.mu  # mu_p = mu (spec §5)
+    if method == "fedavg_server":
+        algo["server_data"] = "client"
     name = f"{dataset}-a{alpha:g}-b{beta:g}-{method}-tau{tau:g}-R{rounds}-s{seed}"
     return {
         "name": name,
