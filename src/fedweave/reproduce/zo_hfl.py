@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import functools
 import io
 import json
@@ -493,7 +494,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="parallel processes")
     ap.add_argument("--rounds", type=int, default=None, help="override the Table I rounds of the preset")
     args = ap.parse_args(argv)
-    p = PRESETS[args.scale]
+    p = dataclasses.replace(PRESETS[args.scale])  # a copy: the presets stay as defined
     if args.rounds is not None:
         p.rounds = args.rounds
     n_seeds = args.seeds if args.seeds is not None else (1 if args.scale == "smoke" else 3)

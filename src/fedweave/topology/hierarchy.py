@@ -14,6 +14,7 @@ two-point randomized-smoothing estimator of Lemma 7(i).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,7 +24,7 @@ import torch
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.config import ConfigError, check_options
 from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, choose_backend, evaluate
-from fedweave.execution.local import GradFn
+from fedweave.execution.local import LR, GradFn
 from fedweave.ledger import nbytes
 from fedweave.registry import PARTITIONERS
 from fedweave.seeding import Seeds
@@ -36,7 +37,7 @@ def local_steps(tau: float, r: int, power: float = 0.5) -> int:
     return max(1, int(np.floor(tau * (r + 1) ** power + 1e-9)))
 
 
-def decaying(c: float, offset: float = 1.0):
+def decaying(c: float, offset: float = 1.0) -> Callable[[int], float]:
     """The step size schedule t -> c / (t + offset) (client: gamma~_{i,t} = gamma~_i / (t + Gamma), Prop. 1)."""
 
     def lr(t: int) -> float:
@@ -270,7 +271,7 @@ class HierarchicalAlgorithm(Algorithm):
     def steps(self, r: int) -> int:
         return local_steps(self.hp.tau, r, self.hp.steps_power)
 
-    def local_lr(self):
+    def local_lr(self) -> LR:
         lr = self.config.local.lr
         return decaying(lr, self.hp.local_offset) if self.hp.local_schedule == "decaying" else lr
 

@@ -20,11 +20,12 @@ from typing import Literal
 import numpy as np
 import torch
 
+from fedweave.algorithms.base import RunContext
 from fedweave.algorithms.centralized.fedprox import ProxRule
 from fedweave.algorithms.centralized.scaffold import ScaffoldRule
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule, StateStore
-from fedweave.execution.local import PLAIN
+from fedweave.execution.local import PLAIN, LocalResult
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
 from fedweave.topology.hierarchy import HierarchicalAlgorithm, HierarchyHparams
@@ -62,7 +63,7 @@ class _Baseline(HierarchicalAlgorithm):
         jobs = np.append(clients, self.server_job) if self.hp.server_data == "client" else clients
         return clients, jobs
 
-    def local_train(self, r: int, jobs: np.ndarray, rule: LocalRule):
+    def local_train(self, r: int, jobs: np.ndarray, rule: LocalRule) -> LocalResult:
         return self.trainer.train(self.x, jobs, r, rule=rule, lr=self.local_lr(), steps=self.round_steps(r))
 
     def round_steps(self, r: int) -> int:
@@ -109,7 +110,7 @@ class HierFedProx(_Averaging):
 class HierScaffold(_Baseline):
     name = "hier_scaffold"
 
-    def __init__(self, ctx, hp: BaselineHparams) -> None:
+    def __init__(self, ctx: RunContext, hp: BaselineHparams) -> None:
         super().__init__(ctx, hp)
         self.c = torch.zeros_like(self.x)  # server control variate c
         self.store = StateStore(self.m + 1)  # c_i of every client (+ the server's job)

@@ -20,6 +20,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from fedweave.algorithms.base import RunContext
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
 from fedweave.topology.hierarchy import (
@@ -72,7 +73,7 @@ class ZOHFL(HierarchicalAlgorithm):
     Hparams = ZOHFLHparams
     jobs_per_client = 2  # the +/- solves
 
-    def __init__(self, ctx, hp: ZOHFLHparams) -> None:
+    def __init__(self, ctx: RunContext, hp: ZOHFLHparams) -> None:
         super().__init__(ctx, hp)
         w = self.rho if hp.weights == "data" else torch.full((self.m,), 1.0 / self.m, dtype=torch.float64)
         self.w = w
