@@ -176,6 +176,7 @@ def test_run_end_to_end_writes_metrics(tmp_path):
     for key in ("test_accuracy", "server_loss", "global_loss", "penalty", "step_norm", "local_steps"):
         assert np.isfinite(last[key])
     assert last["local_steps"] == 2 * 3**0.5 // 1  # H_2 = floor(2 sqrt(3))
+    assert last["client_sgd_steps"] == 2 * 3 * last["local_steps"] and last["zo_evaluations"] == 6
 
 
 @pytest.mark.parametrize(

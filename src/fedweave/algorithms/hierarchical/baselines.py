@@ -73,6 +73,10 @@ class _Baseline(HierarchicalAlgorithm):
         lr, H = self.local_lr(), self.round_steps(r)
         return sum(self.trainer.step_lr(lr, t) for t in range(H))
 
+    def counters(self, r: int, jobs: np.ndarray) -> dict[str, float]:
+        H = self.round_steps(r)
+        return {"local_steps": float(H), "client_sgd_steps": float(H * len(jobs))}
+
     def sample_weights(self, jobs: np.ndarray) -> torch.Tensor:
         w = self.job_sizes[torch.as_tensor(jobs)].float()
         return w / w.sum()
@@ -89,7 +93,7 @@ class _Averaging(_Baseline):
         self.receive(r, clients, "model", nbytes(self.x))
         p = self.sample_weights(jobs)
         self.x = p @ local.params  # x <- sum_i (N_i / sum_j N_j) y_i
-        return {"train_loss": float(p @ local.loss), "local_steps": float(self.round_steps(r))}
+        return {"train_loss": float(p @ local.loss), **self.counters(r, jobs)}
 
 
 @ALGORITHMS.register("hier_fedavg")
@@ -130,7 +134,7 @@ class HierScaffold(_Baseline):
         self.store["c"][torch.as_tensor(jobs)] = c_new
         self.x = self.x + dy.mean(0)  # eta_g = 1, uniform mean over the round's clients
         self.c = self.c + dc.sum(0) / (self.m + (self.hp.server_data == "client"))
-        return {"train_loss": float(local.loss.mean()), "local_steps": float(self.round_steps(r))}
+        return {"train_loss": float(local.loss.mean()), **self.counters(r, jobs)}
 
     def state_dict(self) -> dict:
         return {"x": self.x, "c": self.c, "c_i": self.store["c"].clone()}

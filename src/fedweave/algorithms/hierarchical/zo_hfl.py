@@ -124,7 +124,9 @@ class ZOHFL(HierarchicalAlgorithm):
             # A13(b): the penalty estimate from the returned solutions, extrapolated to all clients
             pen = (half_lw * 0.5 * ((a * a).sum(1) + (b * b).sum(1))).sum() * self.m / len(clients)
             metrics.update(
-                local_steps=float(H),
+                local_steps=float(H),  # per call of Algorithm 2 (spec A7)
+                client_sgd_steps=float(2 * H * len(clients)),  # spec §7 counters: +/- calls counted apart
+                zo_evaluations=float(2 * len(clients)),
                 penalty=float(pen),
                 zo_norm=float(scale * gz.norm()),
                 participants=float(len(clients)),
