@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 
 from fedweave.config import ConfigError
@@ -136,9 +137,9 @@ class FedMIM(StarAlgorithm):
         self.history = torch.cat([self.x.unsqueeze(0), self.history[:-1]])
         return self.local_metrics(local, p)
 
-    def _send_history(self, r: int, clients) -> None:
+    def _send_history(self, r: int, clients: np.ndarray) -> None:
         if self.hp.downlink == "broadcast":  # every client receives every x_t and keeps J of them (P-line 2)
-            everyone = torch.arange(self.ctx.num_clients).numpy()
+            everyone = np.arange(self.ctx.num_clients)
             self.send(r, everyone, "model", self.x)
             self.ledger.store("client", "global_history", nbytes(self.history[1:]))
         else:  # the sampled clients receive x_t and the deltas they use
