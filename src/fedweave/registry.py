@@ -57,6 +57,8 @@ def _load_builtins() -> None:
     if _loaded:
         return
     _loaded = True
-    import fedweave.algorithms  # noqa: F401
     import fedweave.data  # noqa: F401
     import fedweave.models  # noqa: F401
+    from fedweave.algorithms import load_families
+
+    load_families()

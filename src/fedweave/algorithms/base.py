@@ -61,16 +61,24 @@ class RunContext:
     @cached_property
     def partition(self) -> list[np.ndarray]:
         """Training-set indices of each client."""
+        ds = self.dataset
+        return self.partition_of(ds.train_y.numpy(), users=ds.train_users)
+
+    def partition_of(self, labels: np.ndarray, users: np.ndarray | None = None) -> list[np.ndarray]:
+        """Split samples with these labels over the clients with the configured partitioner
+        (indices into ``labels``); the ``partition`` stream makes it deterministic."""
         part = self.config.partition
         fn = PARTITIONERS.get(part.name)
         opts = dict(part.options)
         num_clients = opts.pop("num_clients", None)
         if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 0:
-            raise ConfigError(f"partition.num_clients must be a non-negative integer (0 = one client per natural user), got {num_clients!r}")
+            raise ConfigError(
+                f"partition.num_clients must be a non-negative integer (0 = one client per natural user), "
+                f"got {num_clients!r}"
+            )
         opts = check_options(fn, opts, "partition", skip=("labels", "num_clients", "rng", "users"))
-        ds = self.dataset
         with _as_config_error("partition"):
-            return fn(ds.train_y.numpy(), num_clients, self.seeds.numpy("partition"), users=ds.train_users, **opts)
+            return fn(labels, num_clients, self.seeds.numpy("partition"), users=users, **opts)
 
     @property
     def num_clients(self) -> int:

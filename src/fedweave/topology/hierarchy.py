@@ -22,11 +22,10 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import Algorithm, RunContext
-from fedweave.config import ConfigError, check_options
+from fedweave.config import ConfigError
 from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, choose_backend, evaluate
 from fedweave.execution.local import LR, GradFn
 from fedweave.ledger import nbytes
-from fedweave.registry import PARTITIONERS
 from fedweave.seeding import Seeds
 
 # ---- schedules -----------------------------------------------------------------------------------------
@@ -177,16 +176,11 @@ def split_hierarchy(ctx: RunContext, server_share: float, test_fraction: float |
     n_server = int(round(server_share * n))
     server, pool = np.sort(perm[:n_server]), np.sort(perm[n_server:])
 
-    part = ctx.config.partition
-    fn = PARTITIONERS.get(part.name)
-    opts = dict(part.options)
-    m = opts.pop("num_clients", None)
-    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-        raise ConfigError(f"partition.num_clients must be a positive integer, got {m!r}")
-    opts = check_options(fn, opts, "partition", skip=("labels", "num_clients", "rng", "users"))
+    if ctx.config.num_clients < 1:
+        raise ConfigError(f"partition.num_clients must be a positive integer, got {ctx.config.num_clients!r}")
     try:
-        local = fn(train_y[torch.as_tensor(pool)].numpy(), m, ctx.seeds.numpy("partition"), **opts)
-    except (ValueError, TypeError) as e:
+        local = ctx.partition_of(train_y[torch.as_tensor(pool)].numpy())
+    except ConfigError as e:
         raise ConfigError(f"partition (of the clients' {len(pool)} samples): {e}") from e
     parts = [pool[np.asarray(p, dtype=np.int64)] for p in local]
     return HierarchyData(train_x, train_y, test_x, test_y, torch.as_tensor(server, dtype=torch.long), parts)
