@@ -59,10 +59,18 @@ def run_job(job: Job) -> dict[str, Any]:
     """Run one method until opg <= stop or kmax iterations; iterations and uploads at each target."""
     import torch
 
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # small tensor ops: one thread is fastest (see docs/algorithms/confederated.md)
+    try:
+        return _run_job(job)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_job(job: Job) -> dict[str, Any]:
     from fedweave.algorithms.base import RunContext, build_algorithm
     from fedweave.config import load
 
-    torch.set_num_threads(1)
     data = {**job.data, "seed": job.seed} if job.data.get("name") == "cfl_logreg" else dict(job.data)
     cfg = load(
         {
@@ -266,6 +274,30 @@ def real_jobs(seed: int) -> list[Job]:
             jobs.append(
                 Job(tag, "random", f"GT-SAGA SR={sr:g}", "gt_saga", {"sample_rate": sr, **common}, seed, k, 1e-8,
                     data, system, True)
+            )  # fmt: skip
+    return jobs
+
+
+ALPHA_GRID = (0.02, 0.05, 0.1, 0.2)  # alpha = scale / L_f (spec A5)
+
+
+def alpha_jobs(seed: int) -> list[Job]:
+    """The spec's step-size grid on the random graph: does the reduction survive tuning alpha per method?"""
+    methods = (
+        ("CFL-SAGA rho=1e+05", "cfl_saga", {"rho": 1e5}),
+        ("CFL-SAGA rho=1e+06", "cfl_saga", {"rho": 1e6}),
+        ("GT-SAGA SR=0.05", "gt_saga", {"sample_rate": 0.05}),
+        ("GT-SAGA SR=0.25", "gt_saga", {"sample_rate": 0.25}),
+        ("GT-SAGA SR=0.45", "gt_saga", {"sample_rate": 0.45}),
+        ("GT-SVRG SR=0.15 T=100", "gt_svrg", {"sample_rate": 0.15, "inner_loop": 100}),
+    )
+    jobs = []
+    for scale in ALPHA_GRID:
+        for name, algo, opts in methods:
+            k = 30_000 if algo == "gt_saga" and opts["sample_rate"] <= 0.05 else 10_000
+            jobs.append(
+                Job("synthetic, alpha grid", "random", f"{name} alpha={scale:g}/L_f", algo,
+                    {**opts, "step_scale": scale}, seed, k, 1e-8, PAPER_DATA)
             )  # fmt: skip
     return jobs
 
@@ -623,9 +655,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument(
         "--part",
-        choices=("all", "synthetic", "real"),
+        choices=("all", "synthetic", "real", "alpha"),
         default="all",
-        help="run only one part; the other part's runs already in OUT are kept (small and paper scales)",
+        help="run only one part; the other parts' runs already in OUT are kept. 'alpha' (never part of 'all') "
+        "runs the spec's step-size grid on the random graph",
     )
     p.add_argument("--report-only", action="store_true", help="rebuild the report from OUT/raw.json and curves.npz")
     args = p.parse_args(argv)
@@ -637,21 +670,21 @@ def main(argv: list[str] | None = None) -> int:
         write_report(rows, out, json.loads((out / "meta.json").read_text()))
         print(f"wrote {out / 'summary.md'}")
         return 0
-    jobs = synthetic_jobs(args.scale, seeds) if args.part != "real" else []
-    if args.scale != "smoke" and args.part != "synthetic":
+    jobs = synthetic_jobs(args.scale, seeds) if args.part in ("all", "synthetic") else []
+    if args.scale != "smoke" and args.part in ("all", "real"):
         jobs += real_jobs(seeds[0])
+    if args.part == "alpha":
+        jobs = alpha_jobs(seeds[0])
     kept: list[dict] = []
     meta = {"scale": args.scale, "seeds": seeds, "runs": []}
     if args.part != "all" and (out / "raw.json").is_file():
         meta = json.loads((out / "meta.json").read_text())
-        meta["runs"] = [r for r in meta["runs"] if r["part"] not in (args.part, "all")] + (
-            [{**r, "part": "synthetic" if args.part == "real" else "real"} for r in meta["runs"] if r["part"] == "all"]
-        )
-        keep = (
-            (lambda r: r["problem"] != "synthetic")
-            if args.part == "synthetic"
-            else (lambda r: r["problem"] == "synthetic")
-        )
+        meta["runs"] = [r for r in meta["runs"] if r["part"] != args.part]
+        part_of = {"synthetic": "synthetic", "synthetic, alpha grid": "alpha"}
+
+        def keep(r: dict) -> bool:
+            return part_of.get(r["problem"], "real") != args.part
+
         kept = [r for r in load_raw(out) if keep(r)]
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
