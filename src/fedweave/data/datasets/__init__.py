@@ -3,6 +3,7 @@
 from fedweave.data.datasets import (  # noqa: F401  (each module registers its loaders)
     adult,
     bundled,
+    cfl_logreg,
     cifar,
     idx,
     leaf,
