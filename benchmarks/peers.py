@@ -22,7 +22,7 @@ whole tree (the process, Ray's processes and actors) every 0.2 s. Start-up = lau
 Usage:
   python benchmarks/peers.py --workload cnn --rounds 20
   python benchmarks/peers.py --workload logistic mlp --rounds 20
-  python benchmarks/peers.py --workload cnn --rounds 2 --only fedweave-loop   # a quick look
+  python benchmarks/peers.py --workload cnn --rounds 2 --only fedweave   # a quick look
 Needs the ``bench`` extra (pip install 'fedweave[bench]') for Flower; telemetry and Ray usage stats are off.
 """
 
@@ -53,16 +53,16 @@ LR, ALPHA, SEED, EVAL_BATCH = 0.05, 0.3, 0, 2048
 
 # name -> how it runs (each in its own process)
 CONFIGS = {
-    "fedweave-loop": {"framework": "fedweave", "backend": "auto", "threads": 2},
-    "fedweave-loop-1t": {"framework": "fedweave", "backend": "auto", "threads": 1},
+    "fedweave": {"framework": "fedweave", "backend": "auto", "threads": 2},
+    "fedweave-1t": {"framework": "fedweave", "backend": "auto", "threads": 1},
     "fedweave-ray-2x1": {"framework": "fedweave", "backend": "ray", "threads": 2, "workers": 2},
     "flower-2x1": {"framework": "flower", "actors": 2, "actor_cpus": 1},
     "flower-1x2": {"framework": "flower", "actors": 1, "actor_cpus": 2},
 }
 DEFAULT_CONFIGS = {
-    "cnn": ["fedweave-loop", "fedweave-ray-2x1", "flower-2x1", "flower-1x2"],
-    "logistic": ["fedweave-loop", "flower-2x1"],
-    "mlp": ["fedweave-loop", "flower-2x1"],
+    "cnn": ["fedweave", "fedweave-ray-2x1", "flower-2x1", "flower-1x2"],
+    "logistic": ["fedweave", "fedweave-1t", "flower-2x1"],
+    "mlp": ["fedweave", "fedweave-1t", "flower-2x1"],
 }
 
 
@@ -212,6 +212,9 @@ def run_flower(workload: str, rounds: int, spec: dict, launched: float) -> dict:
         def configure_train(self, server_round, arrays, config, grid):
             marks["round_start"].append(time.time())
             nodes = sorted(grid.get_node_ids())
+            while len(nodes) < n:  # the nodes register in the background at start-up
+                time.sleep(0.05)
+                nodes = sorted(grid.get_node_ids())
             msgs = []
             for c in sampled[server_round - 1]:
                 cfg = ConfigRecord({"cid": int(c), "round": server_round - 1})
@@ -243,10 +246,13 @@ def run_flower(workload: str, rounds: int, spec: dict, launched: float) -> dict:
         strategy.start(grid=grid, initial_arrays=init, num_rounds=rounds, evaluate_fn=central_eval)
 
     client = ClientApp()
+    # Flower ships the app with every message; the client code lives in an importable module so that each
+    # actor process keeps one model and one copy of the data across the messages it serves
+    from benchmarks import peers as module
 
     @client.train()
     def train(msg, context):
-        return flower_train(msg, context, setting)
+        return module.flower_train(msg, context, setting)
 
     backend = {
         "client_resources": {"num_cpus": spec["actor_cpus"], "num_gpus": 0.0},
@@ -424,8 +430,9 @@ def summarize(workload: str, rounds: int, results: dict[str, dict], threads: int
         per_round[name] = statistics.median(later)
         tr, ev = statistics.median(r["train"][1:] or r["train"]), statistics.median(r["eval"][1:] or r["eval"])
         gflops = sum(fl[1:] or fl) / sum(r["train"][1:] or r["train"]) / 1e9
+        label = f"{name} ({r['backend']})" if "backend" in r else name
         lines.append(
-            f"| {name} | {per_round[name]:.3f} | {tr:.3f} / {ev:.3f} | {tot[0]:.2f} | {r['startup']:.1f} "
+            f"| {label} | {per_round[name]:.3f} | {tr:.3f} / {ev:.3f} | {tot[0]:.2f} | {r['startup']:.1f} "
             f"| {r['peak_rss'] / 2**30:.2f} / {r['peak_pss'] / 2**30:.2f} "
             f"| {r['peak_anon'] / 2**30:.2f} / {r['peak_shmem'] / 2**30:.2f} | {r['processes']} "
             f"| {100 * r['accuracy'][-1]:.2f} | {gflops:.1f} ({100 * gflops / peak:.0f}% of matmul) |"
