@@ -255,4 +255,6 @@ def test_memory_is_bounded_over_100_rounds(local_ray, toy_config):
         algo.run_round(r)
         if r + 1 in (10, 100):
             rss[r + 1] = _rss_bytes(_simulation_pids(actors))
-    assert rss[100] <= 1.10 * rss[10], f"RSS grew from {rss[10] / 2**20:.0f} MB to {rss[100] / 2**20:.0f} MB"
+    report = f"RSS after round 10: {rss[10] / 2**20:.0f} MB, after round 100: {rss[100] / 2**20:.0f} MB"
+    print(report)  # shown with pytest -s
+    assert rss[100] <= 1.10 * rss[10], report
