@@ -309,7 +309,7 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
         settings = list(dict.fromkeys(s for _, s, _ in rows["table1"]))
         labels = list(dict.fromkeys(lb for _, _, lb in rows["table1"]))
         header = ["method"] + [f"{titles[s]} best" for s in settings] + [f"{titles[s]} final" for s in settings]
-        header += ["mean selected", "MB sent (primary)"] + [f"paper {c}" for c in PAPER_T1_COLUMNS]
+        header += ["mean selected", "MB sent (primary)", "seeds"] + [f"paper {c}" for c in PAPER_T1_COLUMNS]
         body = []
         for lb in labels:
             paper = PAPER_T1.get(lb, [None] * 8)
@@ -318,26 +318,28 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
                 + [cell(s, lb, "best") for s in settings]
                 + [cell(s, lb, "final") for s in settings]
                 + [cell(settings[0], lb, "selected", 1.0), cell(settings[0], lb, "bytes", 2**-20)]
+                + ["/".join(str(len(by[(s, lb)])) for s in settings)]
                 + [f"{v:.2f}" if v is not None else "-" for v in paper]
             )
         out["table1"] = (header, body)
     for name, paper in (("table2", PAPER_T2), ("table3", PAPER_T3)):
         if name in rows:
-            header = ["method", "best", "final", "mean selected", "MB sent"] + [f"paper {c}" for c in PAPER_T23_COLUMNS]
+            header = ["method", "best", "final", "mean selected", "MB sent", "seeds"]
+            header += [f"paper {c}" for c in PAPER_T23_COLUMNS]
             body = []
             for row, s, lb in rows[name]:
                 body.append(
                     [row, cell(s, lb, "best"), cell(s, lb, "final"), cell(s, lb, "selected", 1.0)]
-                    + [cell(s, lb, "bytes", 2**-20)]
+                    + [cell(s, lb, "bytes", 2**-20), str(len(by[(s, lb)]))]
                     + [f"{v:.2f}" for v in paper[row if name == "table2" else lb.replace(" [half]", "")]]
                 )
             out[name] = (header, body)
     if "tau" in rows:
-        header = ["tau", "mean selected", "best", "final", "label overlap of selected", "MB sent"]
+        header = ["tau", "mean selected", "best", "final", "label overlap of selected", "MB sent", "seeds"]
         body = [
             [row, cell(s, lb, "selected", 1.0), cell(s, lb, "best"), cell(s, lb, "final"),
              cell(s, lb, "overlap_selected", 1.0) if all(r["overlap_selected"] is not None for r in by[(s, lb)])
-             else "-", cell(s, lb, "bytes", 2**-20)]
+             else "-", cell(s, lb, "bytes", 2**-20), str(len(by[(s, lb)]))]
             for row, s, lb in rows["tau"]
         ]  # fmt: skip
         out["tau"] = (header, body)
@@ -455,6 +457,7 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--rounds", type=int, default=None, help="override the preset's number of rounds")
     ap.add_argument("--primary-only", action="store_true", help="Table 1 on the primary setting only")
+    ap.add_argument("--collect", action="store_true", help="run nothing: tables from the finished runs only")
     ap.add_argument("--only", default="", help="comma list of method labels to run (e.g. 'Local,Gossip,AFIND+')")
     args = ap.parse_args(argv)
     p = preset(args.scale)
@@ -479,6 +482,8 @@ def main(argv: list[str]) -> int:
         unknown = keep - {j.label for j in jobs}
         if unknown:
             raise SystemExit(f"--only: unknown method label(s) {sorted(unknown)}")
+    if args.collect:
+        jobs = [j for j in jobs if _finished(out, j)]
     print(f"afind reproduction, scale {args.scale}: {len(jobs)} runs, {args.workers} worker(s) -> {out}", flush=True)
     t0 = time.perf_counter()
     results = run_all(jobs, p, out, 1 if args.scale == "smoke" else args.workers, lambda s: print(s, flush=True))
