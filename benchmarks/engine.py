@@ -77,9 +77,14 @@ def bench(workload: str, rounds: int) -> dict[str, float]:
             t = time.perf_counter()
             outs[b] = tr.train(start, clients, r).params
             dt[b] = time.perf_counter() - t
-        for b, out in outs.items():  # the comparison is void unless all compute the same thing
-            err = (out - ref).abs().max().item()
-            assert err < 1e-3, f"{workload}: {b} differs from the hand-written loop by {err}"
+        # The comparison is void unless all compute the same thing: the local updates must agree. They are
+        # not bit-identical (`w - lr * d` vs SGD's fused in-place add; vmap's batched kernels sum in another
+        # order), and over a round of SGD steps on a CNN such rounding differences grow, so compare the
+        # updates relative to their size.
+        for b, out in outs.items():
+            rel = ((out - ref).norm() / (ref - start).norm()).item()
+            print(f"  [{workload}] round {r}: {b} update vs hand-written, relative difference {rel:.1e}")
+            assert rel < 5e-2, f"{workload}: {b}'s local updates differ from the hand-written loop's by {rel:.1e}"
         if r > 0:
             for name, v in dt.items():
                 times[name].append(v)
