@@ -239,7 +239,9 @@ class HierarchicalAlgorithm(Algorithm):
         # trainer data index m is the server's own share (a baseline control trains on it as a client)
         jobs = [*d.parts, d.server.numpy()]
         self.server_job = self.m
-        self.trainer = LocalTrainer(ctx.model, d.train_x, d.train_y, jobs, cfg.local, ctx.seeds, backend=backend)
+        self.trainer = LocalTrainer(
+            ctx.model, d.train_x, d.train_y, jobs, cfg.local, ctx.seeds, backend=backend, ray=cfg.ray
+        )
         self.layout: ParamLayout = self.trainer.layout
         self.x = self.layout.flatten()  # the global model x^_r
         self.job_sizes = torch.tensor([len(p) for p in jobs], dtype=torch.float64)
