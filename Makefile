@@ -26,6 +26,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py
+	$(BIN)/python benchmarks/population.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
