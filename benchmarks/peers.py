@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+from fedweave.memory import memory, process_tree
+
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -269,41 +271,7 @@ def run_flower(workload: str, rounds: int, spec: dict, launched: float) -> dict:
     }
 
 
-# ---- measurement -------------------------------------------------------------------------------------
-def tree(root: int) -> list[int]:
-    """``root`` and all its descendants."""
-    children: dict[int, list[int]] = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(p.name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
-def memory(pids) -> dict[str, int]:
-    """Summed RSS, PSS (shared pages divided among the processes that map them), and the PSS of anonymous
-    memory (heaps) and of shared memory (e.g. Ray's object store in /dev/shm) of ``pids``, bytes."""
-    out = {"rss": 0, "pss": 0, "anon": 0, "shmem": 0}
-    keys = {"Rss:": "rss", "Pss:": "pss", "Pss_Anon:": "anon", "Pss_Shmem:": "shmem"}
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                k = keys.get(line.split(maxsplit=1)[0]) if line else None
-                if k:
-                    out[k] += int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return out
-
-
+# ---- measurement (process-tree memory comes from fedweave.memory) ------------------------------
 def matmul_gflops(threads: int, n: int = 2048, reps: int = 10) -> float:
     """Dense float32 matmul throughput of this machine at ``threads`` threads (GFLOP/s)."""
     import torch
@@ -401,7 +369,7 @@ def launch(name: str, workload: str, rounds: int) -> dict:
     peak = {"rss": 0, "pss": 0, "anon": 0, "shmem": 0}
     nprocs = 0
     while proc.poll() is None:
-        pids = tree(proc.pid)
+        pids = process_tree(proc.pid)
         for k, v in memory(pids).items():
             peak[k] = max(peak[k], v)
         nprocs = max(nprocs, len(pids))

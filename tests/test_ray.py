@@ -18,6 +18,7 @@ from fedweave.algorithms.base import RunContext, build_algorithm
 from fedweave.config import ConfigError, LocalConfig, load
 from fedweave.execution import LocalRule, LocalTrainer
 from fedweave.execution.ray import pool, shard_bounds
+from fedweave.memory import memory, process_tree
 from fedweave.runner import run
 from fedweave.seeding import Seeds
 from tests.conftest import make_toy
@@ -202,39 +203,11 @@ def test_trainer_shards_equal_loop_with_a_per_job_rule(local_ray, model, uneven_
     torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-5)
 
 
-def _rss_bytes(pids) -> int:
-    total = 0
-    for pid in pids:
-        try:
-            text = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        total += next(int(line.split()[1]) * 1024 for line in text.splitlines() if line.startswith("VmRSS:"))
-    return total
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(p.name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
 def _simulation_pids(actors: list[int]) -> set[int]:
     """The driver, its actors and Ray's daemons (the object store lives in the raylet); not the idle workers
     Ray starts and stops on its own schedule."""
     pids = {os.getpid(), *actors}
-    for pid in _descendants(os.getpid()):
+    for pid in process_tree(os.getpid()):
         try:
             if Path(f"/proc/{pid}/comm").read_text().strip() in ("raylet", "gcs_server"):
                 pids.add(pid)
@@ -254,7 +227,7 @@ def test_memory_is_bounded_over_100_rounds(local_ray, toy_config):
     for r in range(100):
         algo.run_round(r)
         if r + 1 in (10, 100):
-            rss[r + 1] = _rss_bytes(_simulation_pids(actors))
+            rss[r + 1] = memory(list(_simulation_pids(actors)))["rss"]
     report = f"RSS after round 10: {rss[10] / 2**20:.0f} MB, after round 100: {rss[100] / 2**20:.0f} MB"
     print(report)  # shown with pytest -s
     assert rss[100] <= 1.10 * rss[10], report
