@@ -285,6 +285,22 @@ def url_tarball(url: str, archive: str) -> Callable[[Path, Sequence[str]], Path]
     return fetch
 
 
+def _cifar_spec(name: str, label: str, tarball: str) -> DataSpec:
+    """CIFAR-10/100: no registry mirror; the canonical tarball, or the same tarball dropped in by hand."""
+    url = f"{_CIFAR_URL}/{tarball}"
+    return DataSpec(
+        name,
+        f"{label} (python pickles)",
+        canonical=url_tarball(url, tarball),
+        canonical_desc=f"canonical URL {url}",
+        archive=tarball,
+        note=(
+            f"No package registry ships {label}. You may instead put {tarball} ({ARCHIVES[tarball]}, from {url}) "
+            "in that directory: it is checked and extracted on the next fetch."
+        ),
+    )
+
+
 def installed_package(module: str, inner: str) -> Callable[[], Path | None]:
     """The directory ``inner`` of an installed package, found without importing it."""
 
@@ -344,30 +360,8 @@ SPECS: dict[str, DataSpec] = {
             installed_desc="installed Debian package dataset-fashion-mnist",
             aliases=("FashionMNIST/raw", "raw"),
         ),
-        DataSpec(
-            "cifar10",
-            "CIFAR-10 (python pickles)",
-            canonical=url_tarball(f"{_CIFAR_URL}/cifar-10-python.tar.gz", "cifar-10-python.tar.gz"),
-            canonical_desc=f"canonical URL {_CIFAR_URL}/cifar-10-python.tar.gz",
-            archive="cifar-10-python.tar.gz",
-            note=(
-                "No package registry ships CIFAR-10. You may instead put cifar-10-python.tar.gz "
-                f"({ARCHIVES['cifar-10-python.tar.gz']}, from {_CIFAR_URL}/cifar-10-python.tar.gz) in that "
-                "directory: it is checked and extracted on the next fetch."
-            ),
-        ),
-        DataSpec(
-            "cifar100",
-            "CIFAR-100 (python pickles)",
-            canonical=url_tarball(f"{_CIFAR_URL}/cifar-100-python.tar.gz", "cifar-100-python.tar.gz"),
-            canonical_desc=f"canonical URL {_CIFAR_URL}/cifar-100-python.tar.gz",
-            archive="cifar-100-python.tar.gz",
-            note=(
-                "No package registry ships CIFAR-100. You may instead put cifar-100-python.tar.gz "
-                f"({ARCHIVES['cifar-100-python.tar.gz']}, from {_CIFAR_URL}/cifar-100-python.tar.gz) in that "
-                "directory: it is checked and extracted on the next fetch."
-            ),
-        ),
+        _cifar_spec("cifar10", "CIFAR-10", "cifar-10-python.tar.gz"),
+        _cifar_spec("cifar100", "CIFAR-100", "cifar-100-python.tar.gz"),
         DataSpec(
             "adult",
             "UCI Adult (CSV)",
