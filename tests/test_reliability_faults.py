@@ -16,38 +16,16 @@ PARAMS = 36 * 4 + 4  # logistic on the 1x6x6, 4-class toy data
 BYTES = PARAMS * 4
 
 
-# ---- the star family's fault handling, as FedAvg does it (see docs/reliability.md) -------------------
-class _FedAvgUnderFaults(FedAvg):
-    """FedAvg with the star family's fault protocol: the server sends to every sampled client, uses only
-    the uploads that arrive, re-weights over them, and skips a round nobody reports in."""
-
-    handles_faults = ("dropout", "deadline")
-
-    def run_round(self, r: int) -> dict[str, float]:
-        faults = Faults(self.config.faults, self.seeds)
-        clients = self.sample_clients(r)
-        self.send(r, clients, "model", self.x)
-        work = np.array([self.trainer.num_steps(int(c)) for c in clients]) / self.reference_steps()
-        clients = faults.reporting(r, clients, work)  # dropouts and late clients deliver nothing
-        if len(clients) == 0:
-            return {"reported_clients": 0.0}
-        local = self.trainer.train(self.x, clients, r)
-        self.receive(r, clients, "model", local.params)
-        p = self.weights(clients)  # re-weighted over the clients that reported
-        self.x = self.x + self.hp.server_lr * (p @ (local.params - self.x))
-        return {**self.local_metrics(local, p), "reported_clients": float(len(clients))}
-
-
+# ---- the star family's fault handling (see docs/reliability.md) ---------------------------------------
 class _FedAvgNoFaults(FedAvg):
     handles_faults = ()
 
 
-for _name, _cls in (("_fedavg_faults", _FedAvgUnderFaults), ("_fedavg_no_faults", _FedAvgNoFaults)):
-    if _name not in ALGORITHMS._items:
-        ALGORITHMS.register(_name)(_cls)
+if "_fedavg_no_faults" not in ALGORITHMS._items:
+    ALGORITHMS.register("_fedavg_no_faults")(_FedAvgNoFaults)
 
-# The star family's own FedAvg joins these tests once it declares the faults it handles.
-STAR = ["_fedavg_faults"] + (["fedavg"] if "dropout" in getattr(FedAvg, "handles_faults", ()) else [])
+# every centralized method follows the star protocol: send to all sampled, use what arrives, re-weight
+STAR = ["fedavg", "fedprox", "scaffold", "feddyn", "fedadam", "fedcm", "mofedsam", "fedmim", "fedsam"]
 
 
 def _cfg(toy_config: dict, algo: str, faults: dict, **kw) -> dict:
@@ -138,26 +116,40 @@ def test_a_fault_the_algorithm_does_not_handle_is_refused(toy_config, tmp_path):
     cfg = _cfg(toy_config, "_fedavg_no_faults", {"dropout": 0.2})
     with pytest.raises(ConfigError, match=r"faults\.dropout.*'_fedavg_no_faults' does not handle"):
         fedweave.run(cfg, run_dir=tmp_path / "r")
-    cfg = _cfg(toy_config, "_fedavg_faults", {"link_loss": 0.2})
+    cfg = _cfg(toy_config, "fedavg", {"link_loss": 0.2})
     with pytest.raises(ConfigError, match=r"faults\.link_loss.*handles: deadline, dropout"):
         fedweave.run(cfg, run_dir=tmp_path / "r")
 
 
-# ---- FedAvg under faults ----------------------------------------------------------------------------
+# ---- the centralized family under faults ------------------------------------------------------------
 @pytest.mark.parametrize("algo", STAR)
-def test_fedavg_converges_under_20_percent_dropout_and_counts_only_delivered(toy_config, tmp_path, algo):
+def test_star_methods_converge_under_20_percent_dropout_and_count_only_delivered(toy_config, tmp_path, algo):
     rounds, per_round = 12, 4
-    cfg = _cfg(toy_config, algo, {"dropout": 0.2}, rounds=rounds)
-    res = fedweave.run(cfg, run_dir=tmp_path / "r")
+    clean = fedweave.run(_cfg(toy_config, algo, {}, rounds=rounds), run_dir=tmp_path / "clean")
+    res = fedweave.run(_cfg(toy_config, algo, {"dropout": 0.2}, rounds=rounds), run_dir=tmp_path / "r")
     reported = [int(r["reported_clients"]) for r in res.metrics]
     # the same decisions, recomputed: sampled clients minus those that dropped
     algo_obj, faults = res.algorithm, Faults(FaultsConfig(dropout=0.2), Seeds(toy_config["seed"]))
     expected = [int((~faults.dropped(r, algo_obj.sample_clients(r))).sum()) for r in range(rounds)]
     assert reported == expected and sum(expected) < rounds * per_round  # some clients did drop
-    comm = res.summary["communication"]
-    assert comm["bytes_down"] == rounds * per_round * BYTES  # the server sent to every sampled client
-    assert comm["bytes_up"] == sum(expected) * BYTES  # only delivered uploads are counted
-    assert res.final_accuracy > 0.8  # chance is 0.25; the no-fault run reaches the same bar
+    comm, clean_comm = res.summary["communication"], clean.summary["communication"]
+    assert comm["bytes_down"] == clean_comm["bytes_down"]  # the server sent to every sampled client
+    up_per_client = clean_comm["bytes_up"] // (rounds * per_round)
+    assert up_per_client >= BYTES and comm["bytes_up"] == sum(expected) * up_per_client  # only delivered
+    # chance is 0.25; fault-free, the methods reach 0.67 (FedCM's slow start) to 0.88 in 12 rounds
+    assert res.final_accuracy > 0.6 and res.final_accuracy > clean.final_accuracy - 0.05
+
+
+def test_a_dropped_client_keeps_its_own_state(toy_config, tmp_path):
+    """SCAFFOLD: only the clients that reported replace their control variate c_i."""
+    res = fedweave.run(_cfg(toy_config, "scaffold", {"dropout": 0.5}, rounds=1), run_dir=tmp_path / "r")
+    algo = res.algorithm
+    sampled = algo.sample_clients(0)
+    dropped = Faults(FaultsConfig(dropout=0.5), Seeds(toy_config["seed"])).dropped(0, sampled)
+    assert dropped.any() and not dropped.all()
+    c = algo.store["c"]
+    touched = c.abs().sum(1) > 0
+    assert set(np.flatnonzero(touched.numpy())) == set(sampled[~dropped].tolist())
 
 
 @pytest.mark.parametrize("algo", STAR)
@@ -175,7 +167,7 @@ def test_a_round_nobody_reports_in_is_skipped_and_logged(toy_config, tmp_path, a
 
 
 def test_every_client_dropping_every_round_does_not_crash(toy_config, tmp_path):
-    res = fedweave.run(_cfg(toy_config, "_fedavg_faults", {"dropout": 1.0}, rounds=3), run_dir=tmp_path / "r")
+    res = fedweave.run(_cfg(toy_config, "fedavg", {"dropout": 1.0}, rounds=3), run_dir=tmp_path / "r")
     assert [r["reported_clients"] for r in res.metrics] == [0, 0, 0]
     assert len({r["test_loss"] for r in res.metrics}) == 1 and res.summary["communication"]["bytes_up"] == 0
     assert res.summary["skipped_rounds"] == [1, 2, 3]
@@ -183,7 +175,7 @@ def test_every_client_dropping_every_round_does_not_crash(toy_config, tmp_path):
 
 def test_stragglers_past_the_deadline_are_dropped(toy_config, tmp_path):
     faults = {"deadline": 1.2, "speed_sigma": 0.5}
-    res = fedweave.run(_cfg(toy_config, "_fedavg_faults", faults, rounds=3), run_dir=tmp_path / "r")
+    res = fedweave.run(_cfg(toy_config, "fedavg", faults, rounds=3), run_dir=tmp_path / "r")
     f, algo = Faults(FaultsConfig(**faults), Seeds(toy_config["seed"])), res.algorithm
     expected = []
     for r in range(3):
@@ -195,7 +187,7 @@ def test_stragglers_past_the_deadline_are_dropped(toy_config, tmp_path):
 
 def test_faults_off_changes_nothing(toy_config, tmp_path):
     a = fedweave.run({**toy_config, "backend": "loop"}, run_dir=tmp_path / "a")
-    b = fedweave.run(_cfg(toy_config, "_fedavg_faults", {}), run_dir=tmp_path / "b")
+    b = fedweave.run(_cfg(toy_config, "fedavg", {}), run_dir=tmp_path / "b")
     assert [r["test_loss"] for r in a.metrics] == [r["test_loss"] for r in b.metrics]
 
 
@@ -220,7 +212,7 @@ def test_mixing_without_lost_links_stays_doubly_stochastic():
 
 
 def test_a_skipped_round_between_evaluations_is_still_counted(toy_config, tmp_path):
-    cfg = _cfg(toy_config, "_fedavg_faults", {"outage_rounds": [3]}, rounds=4, eval={"every": 2})
+    cfg = _cfg(toy_config, "fedavg", {"outage_rounds": [3]}, rounds=4, eval={"every": 2})
     res = fedweave.run(cfg, run_dir=tmp_path / "r")
     assert [(r["round"], r["reported_clients"], r["skipped_rounds"]) for r in res.metrics] == [(2, 4, 0), (4, 4, 1)]
     assert res.summary["skipped_rounds"] == [3]

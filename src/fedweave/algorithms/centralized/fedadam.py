@@ -44,6 +44,7 @@ class FedOptHparams(StarHparams):
 @ALGORITHMS.register("fedadam")
 class FedOpt(StarAlgorithm):
     name = "fedadam"
+    handles_faults = ("dropout", "deadline")
     Hparams = FedOptHparams
 
     def __init__(self, ctx, hp: FedOptHparams) -> None:
@@ -72,8 +73,11 @@ class FedOpt(StarAlgorithm):
     def run_round(self, r: int) -> dict[str, float]:
         clients = self.sample_clients(r)
         self.send(r, clients, "model", self.x)
+        clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
+        if len(clients) == 0:
+            return self.fault_metrics(clients)  # skipped round: all state stays as it was
         local = self.trainer.train(self.x, clients, r)
         self.receive(r, clients, "model", local.params)
         p = self.weights(clients)
         self.x = self.x + self.server_step(p @ (local.params - self.x))
-        return self.local_metrics(local, p)
+        return {**self.local_metrics(local, p), **self.fault_metrics(clients)}

@@ -65,6 +65,7 @@ class FedCMHparams(StarHparams):
 @ALGORITHMS.register("fedcm")
 class FedCM(StarAlgorithm):
     name = "fedcm"
+    handles_faults = ("dropout", "deadline")
     Hparams = FedCMHparams
     regularize_in_rule = True
 
@@ -79,6 +80,9 @@ class FedCM(StarAlgorithm):
         hp, c = self.hp, self.config.local
         clients = self.sample_clients(r)
         self.send(r, clients, "model+momentum", self.x, self.momentum)
+        clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
+        if len(clients) == 0:
+            return self.fault_metrics(clients)  # skipped round: all state stays as it was
         lr = self.trainer.lr(r)
         rule = FedCMRule(
             hp.alpha, self.momentum, weight_decay=c.weight_decay, grad_clip=c.grad_clip, sam_rho=hp.sam_rho
@@ -89,7 +93,7 @@ class FedCM(StarAlgorithm):
         dbar = p @ (local.params - self.x)
         self.momentum = -dbar / (lr * self.K)  # Delta_{t+1}
         self.x = self.x + hp.server_lr * dbar  # = x_t - eta_g eta_l K Delta_{t+1}
-        return self.local_metrics(local, p)
+        return {**self.local_metrics(local, p), **self.fault_metrics(clients)}
 
 
 @dataclass

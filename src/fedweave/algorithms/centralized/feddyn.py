@@ -45,6 +45,7 @@ class FedDynHparams(StarHparams):
 @ALGORITHMS.register("feddyn")
 class FedDyn(StarAlgorithm):
     name = "feddyn"
+    handles_faults = ("dropout", "deadline")
     Hparams = FedDynHparams
 
     def __init__(self, ctx, hp: FedDynHparams) -> None:
@@ -60,6 +61,9 @@ class FedDyn(StarAlgorithm):
         a = self.hp.alpha
         clients = self.sample_clients(r)
         self.send(r, clients, "model", self.x)
+        clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
+        if len(clients) == 0:
+            return self.fault_metrics(clients)  # skipped round: all state stays as it was
         lin = self.store["grad_L"][clients]
         local = self.trainer.train(self.x, clients, r, rule=FedDynRule(a, self.x, lin))
         self.receive(r, clients, "model", local.params)
@@ -68,4 +72,4 @@ class FedDyn(StarAlgorithm):
         self.h = self.h - a * moved.sum(0) / self.ctx.num_clients
         p = self.weights(clients)
         self.x = p @ local.params - self.h / a
-        return self.local_metrics(local, p)
+        return {**self.local_metrics(local, p), **self.fault_metrics(clients)}

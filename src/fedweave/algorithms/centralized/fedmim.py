@@ -100,6 +100,7 @@ class FedMIMHparams(StarHparams):
 @ALGORITHMS.register("fedmim")
 class FedMIM(StarAlgorithm):
     name = "fedmim"
+    handles_faults = ("dropout", "deadline")
     Hparams = FedMIMHparams
     regularize_in_rule = True
 
@@ -127,6 +128,9 @@ class FedMIM(StarAlgorithm):
         hp, c = self.hp, self.config.local
         clients = self.sample_clients(r)
         self._send_history(r, clients)
+        clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
+        if len(clients) == 0:
+            return self.fault_metrics(clients)  # skipped round: all state stays as it was
         lr = self.trainer.lr(r)
         m_alpha, m_beta = self.momenta()
         rule = MIMRule(m_alpha, m_beta, hp.A, lr, weight_decay=c.weight_decay, grad_clip=c.grad_clip, wd_at=hp.wd_at)
@@ -135,7 +139,7 @@ class FedMIM(StarAlgorithm):
         p = self.weights(clients)
         self.x = self.x + hp.server_lr * (p @ (local.params - self.x))  # P-line 16
         self.history = torch.cat([self.x.unsqueeze(0), self.history[:-1]])
-        return self.local_metrics(local, p)
+        return {**self.local_metrics(local, p), **self.fault_metrics(clients)}
 
     def _send_history(self, r: int, clients: np.ndarray) -> None:
         if self.hp.downlink == "broadcast":  # every client receives every x_t and keeps J of them (P-line 2)

@@ -51,13 +51,17 @@ class FedSAMHparams(StarHparams):
 @ALGORITHMS.register("fedsam")
 class FedSAM(StarAlgorithm):
     name = "fedsam"
+    handles_faults = ("dropout", "deadline")
     Hparams = FedSAMHparams
 
     def run_round(self, r: int) -> dict[str, float]:
         clients = self.sample_clients(r)
         self.send(r, clients, "model", self.x)
+        clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
+        if len(clients) == 0:
+            return self.fault_metrics(clients)  # skipped round: all state stays as it was
         local = self.trainer.train(self.x, clients, r, rule=SAMRule(self.hp.rho))
         self.receive(r, clients, "model", local.params)
         p = self.weights(clients)
         self.x = self.x + self.hp.server_lr * (p @ (local.params - self.x))
-        return self.local_metrics(local, p)
+        return {**self.local_metrics(local, p), **self.fault_metrics(clients)}

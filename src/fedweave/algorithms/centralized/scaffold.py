@@ -44,6 +44,7 @@ def option_ii(
 @ALGORITHMS.register("scaffold")
 class Scaffold(StarAlgorithm):
     name = "scaffold"
+    handles_faults = ("dropout", "deadline")
 
     def __init__(self, ctx, hp) -> None:
         super().__init__(ctx, hp)
@@ -56,8 +57,11 @@ class Scaffold(StarAlgorithm):
 
     def run_round(self, r: int) -> dict[str, float]:
         clients = self.sample_clients(r)
-        c_i = self.store["c"][clients]
         self.send(r, clients, "model+control", self.x, self.c)
+        clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
+        if len(clients) == 0:
+            return self.fault_metrics(clients)  # skipped round: all state stays as it was
+        c_i = self.store["c"][clients]
         lr = self.trainer.lr(r)
         local = self.trainer.train(self.x, clients, r, rule=ScaffoldRule(c_i, self.c), lr=lr)
         c_new = option_ii(c_i, self.c, self.x, local.params, local.steps, lr)
@@ -67,4 +71,4 @@ class Scaffold(StarAlgorithm):
         p = self.weights(clients)
         self.x = self.x + self.hp.server_lr * (p @ dy)
         self.c = self.c + dc.sum(0) / self.ctx.num_clients
-        return self.local_metrics(local, p)
+        return {**self.local_metrics(local, p), **self.fault_metrics(clients)}
