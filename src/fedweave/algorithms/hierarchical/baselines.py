@@ -6,6 +6,10 @@ By default the server's share is unused, as the paper's baselines presumably did
 ``server_data: client`` adds the server as an extra client that trains on its share every round (the control
 of A12). ``steps_factor: 2`` gives the compute-matched variant (2 H_{i,r} steps, ZO-HFL's two solves; A11).
 
+Faults (docs/reliability.md): the server sends to every sampled client; a client that drops out or misses the
+deadline delivers nothing (no upload in the ledger) and keeps its state (SCAFFOLD's c_i); the average is
+re-weighted over the clients that reported. The server's own job (``server_data: client``) never drops.
+
     FedAvg:   y_i = H steps of SGD from x;  x <- sum_i N_i y_i / sum_i N_i                  (McMahan et al.)
     FedProx:  the same on L_i(y) + (mu/2)||y - x||^2                                         (Li et al., eq. 2)
     SCAFFOLD: steps along grad - c_i + c; c_i+ = c_i - c + (x - y_i) / sum_k eta_k (option II);
@@ -56,12 +60,16 @@ class _Baseline(HierarchicalAlgorithm):
     """Model-averaging baselines on the hierarchical split."""
 
     Hparams = BaselineHparams
+    handles_faults = ("dropout", "deadline")
 
     def participants(self, r: int) -> tuple[np.ndarray, np.ndarray]:
         """(the round's sampled clients, the training jobs: those clients plus the server's job if any)."""
         clients = self.sample_clients(r)
-        jobs = np.append(clients, self.server_job) if self.hp.server_data == "client" else clients
-        return clients, jobs
+        return clients, self.jobs_of(clients)
+
+    def jobs_of(self, clients: np.ndarray) -> np.ndarray:
+        """The training jobs of a round: ``clients`` plus the server's own job under ``server_data: client``."""
+        return np.append(clients, self.server_job) if self.hp.server_data == "client" else clients
 
     def local_train(self, r: int, jobs: np.ndarray, rule: LocalRule) -> LocalResult:
         return self.trainer.train(self.x, jobs, r, rule=rule, lr=self.local_lr(), steps=self.round_steps(r))
@@ -87,13 +95,17 @@ class _Averaging(_Baseline):
         return PLAIN
 
     def run_round(self, r: int) -> dict[str, float]:
-        clients, jobs = self.participants(r)
-        self.send(r, clients, "model", nbytes(self.x))
+        sampled = self.sample_clients(r)
+        self.send(r, sampled, "model", nbytes(self.x))
+        clients = self.reporting(r, sampled)  # dropouts and stragglers deliver nothing
+        jobs = self.jobs_of(clients)
+        if len(jobs) == 0:
+            return self.fault_metrics(clients)  # nobody reported: x stays, the runner logs the skip
         local = self.local_train(r, jobs, self.rule())
         self.receive(r, clients, "model", nbytes(self.x))
-        p = self.sample_weights(jobs)
+        p = self.sample_weights(jobs)  # re-weighted over the jobs that delivered
         self.x = p @ local.params  # x <- sum_i (N_i / sum_j N_j) y_i
-        return {"train_loss": float(p @ local.loss), **self.counters(r, jobs)}
+        return {"train_loss": float(p @ local.loss), **self.counters(r, jobs), **self.fault_metrics(clients)}
 
 
 @ALGORITHMS.register("hier_fedavg")
@@ -123,18 +135,22 @@ class HierScaffold(_Baseline):
         self.ledger.store("client", "control_variate", nbytes(self.c))
 
     def run_round(self, r: int) -> dict[str, float]:
-        clients, jobs = self.participants(r)
+        sampled = self.sample_clients(r)
+        self.send(r, sampled, "model+control", 2 * nbytes(self.x))
+        clients = self.reporting(r, sampled)  # a client that drops keeps its c_i
+        jobs = self.jobs_of(clients)
+        if len(jobs) == 0:
+            return self.fault_metrics(clients)  # nobody reported: x and c stay, the runner logs the skip
         c_i = self.store["c"][torch.as_tensor(jobs)]
-        self.send(r, clients, "model+control", 2 * nbytes(self.x))
         local = self.local_train(r, jobs, ScaffoldRule(c_i, self.c))
         # option II with a step schedule: (x - y_i) / sum_k eta_k (spec §5)
         c_new = c_i - self.c + (self.x - local.params) / self.step_sizes_sum(r)
         dy, dc = local.params - self.x, c_new - c_i
         self.receive(r, clients, "update+control_delta", 2 * nbytes(self.x))
         self.store["c"][torch.as_tensor(jobs)] = c_new
-        self.x = self.x + dy.mean(0)  # eta_g = 1, uniform mean over the round's clients
+        self.x = self.x + dy.mean(0)  # eta_g = 1, uniform mean over the round's clients that reported
         self.c = self.c + dc.sum(0) / (self.m + (self.hp.server_data == "client"))
-        return {"train_loss": float(local.loss.mean()), **self.counters(r, jobs)}
+        return {"train_loss": float(local.loss.mean()), **self.counters(r, jobs), **self.fault_metrics(clients)}
 
     def state_dict(self) -> dict:
         return {"x": self.x, "c": self.c, "c_i": self.store["c"].clone()}

@@ -10,6 +10,12 @@ two-point zeroth-order estimate of the gradient of the spherically smoothed f2^e
 
 where y_i^{+/-} are H_{i,r} projected SGD steps of client i at x_r +/- eta v_i (Algorithm 2). ``lam = 0`` is
 the server-only control (SGD on f1; spec §9.2 C4): the clients are then not contacted at all.
+
+Faults (docs/reliability.md): x and v_i go to every sampled client; a client that drops out or misses the
+deadline returns nothing and adds g_i = 0, exactly like a non-participant (the paper's H_{i,r} = 0 straggler,
+§IV; spec A3), and ``partial: rescale`` divides by the number that reported. ZO-HFL keeps no personalized
+state across rounds (y_0 is the input point, A4), so a dropout changes nothing on the client. The server's
+own step on f1 is unaffected: in a round nobody reports in, x still moves along grad f~1.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ class ZOHFL(HierarchicalAlgorithm):
     name = "zo_hfl"
     Hparams = ZOHFLHparams
     jobs_per_client = 2  # the +/- solves
+    handles_faults = ("dropout", "deadline")
 
     def __init__(self, ctx: RunContext, hp: ZOHFLHparams) -> None:
         super().__init__(ctx, hp)
@@ -102,12 +109,16 @@ class ZOHFL(HierarchicalAlgorithm):
         g1, f1_batch = self.server_gradient(r, hp.server_batch_size)  # grad f~1(x^_r, xi_r)
         metrics = {"server_batch_loss": f1_batch}
         g = g1.double()
+        clients = np.empty(0, dtype=np.int64)  # the clients whose solutions arrive (none for lam = 0)
         if hp.lam > 0:
-            clients = self.sample_clients(r)
+            sampled = self.sample_clients(r)
             H = self.steps(r)
-            v = unit_directions(self.seeds, r, self.m, d)[clients]  # drawn for all i (A28), used by S_r
             fp32 = self.x.element_size()
-            self.send(r, clients, "model+direction", d * fp32 + (d * fp32 if hp.direction_message == "vector" else 8))
+            self.send(r, sampled, "model+direction", d * fp32 + (d * fp32 if hp.direction_message == "vector" else 8))
+            clients = self.reporting(r, sampled)  # dropouts and stragglers return nothing: g_i = 0 (A3)
+            metrics.update(participants=float(len(sampled)), **self.fault_metrics(clients))
+        if len(clients):
+            v = unit_directions(self.seeds, r, self.m, d)[clients]  # drawn for all i (A28), used by S_r
             x_plus, x_minus = self.x + hp.eta * v, self.x - hp.eta * v
             inputs = torch.stack([x_plus, x_minus], 1).reshape(-1, d)  # job order: (i1,+), (i1,-), (i2,+), ...
             y = self.solve(r, clients, inputs, H).reshape(len(clients), 2, d)
@@ -129,12 +140,12 @@ class ZOHFL(HierarchicalAlgorithm):
                 zo_evaluations=float(2 * len(clients)),
                 penalty=float(pen),
                 zo_norm=float(scale * gz.norm()),
-                participants=float(len(clients)),
             )
         step = self.server_lr(r) * g
         self.x = (self.x.double() - step).float()  # x^_{r+1} = x^_r - gamma_r g^_r (Alg. 1 line 8)
         metrics["step_norm"] = float(step.norm())  # ||gamma_r g^|| (stability diagnostic, A1)
-        self._penalty = metrics.get("penalty", 0.0)
+        if "penalty" in metrics or hp.lam == 0:  # no solution arrived: keep the last f2 estimate (A13(b))
+            self._penalty = metrics.get("penalty", 0.0)
         return metrics
 
     def evaluate(self, r: int) -> dict[str, float]:
