@@ -175,7 +175,7 @@ def run(
     ctx = RunContext(config)
     algo = build_algorithm(ctx)
     finite_at_start = finite_tensors(algo.state_dict()) if config.output.checkpoint_every else set()
-    start_round, wall_before, skipped = 0, 0.0, []
+    start_round, wall_before, cpu_before, skipped = 0, 0.0, 0.0, []
     if resume:
         ckpt = torch.load(out.path / CHECKPOINT, weights_only=True)
         if "config" in ckpt:
@@ -185,6 +185,7 @@ def run(
         out.rows = list(ckpt["rows"])
         out.flush_metrics()
         start_round, wall_before = ckpt["next_round"], ckpt["wall_seconds"]
+        cpu_before = float(ckpt.get("cpu_seconds", 0.0))
         skipped = list(ckpt.get("skipped_rounds", []))
     else:
         # a checkpoint left by an earlier run in this directory must not be resumed into this one
@@ -199,6 +200,7 @@ def run(
     show = config.output.progress if progress is None else progress
     bar = _progress(show, config.rounds, start_round)
     t0 = time.perf_counter() - wall_before
+    cpu0 = time.process_time() - cpu_before  # this process, all threads: what a loaded machine inflates least
     status, error = "completed", None
     ledger = ctx.ledger
     verified = False
@@ -233,6 +235,7 @@ def run(
             every = config.output.checkpoint_every
             if every and ((r + 1) % every == 0 or last):
                 extra = {"config": config.to_dict(), "skipped_rounds": skipped}
+                extra["cpu_seconds"] = time.process_time() - cpu0
                 save_checkpoint(
                     out,
                     algo,
@@ -251,6 +254,7 @@ def run(
         if bar is not None:
             bar.close()
     summary = _summary(config, out.rows, ledger.summary(), time.perf_counter() - t0, status, error)
+    summary["cpu_seconds"] = round(time.process_time() - cpu0, 3)
     if skipped or config.faults != type(config.faults)():
         summary["skipped_rounds"] = skipped
     out.write_json("summary.json", summary)
