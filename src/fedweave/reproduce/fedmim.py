@@ -233,6 +233,7 @@ def _record(dataset: str, split: str, method: str, seed: int, out: dict[str, Any
         "last3_acc": sum(accs[-3:]) / len(accs[-3:]),
         "consistency_last20": sum(r["local_consistency"] for r in tail) / len(tail) if tail else float("nan"),
         "wall_seconds": summary.get("wall_seconds"),
+        "cpu_seconds": summary.get("cpu_seconds"),
         "status": summary.get("status", "completed"),
         "rounds_done": last,
         "curve_rounds": [r["round"] for r in rows],
@@ -394,12 +395,16 @@ def _csv(rows: list[dict], keys: list[str]) -> str:
     return buf.getvalue()
 
 
-def markdown(table: list[dict], claims: dict, preset_name: str, p: Preset, wall: float) -> str:
+def markdown(
+    table: list[dict], claims: dict, preset_name: str, p: Preset, wall: float, cpu: float | None = None
+) -> str:
+    # runs share the machine: the summed CPU time of the runs says what the preset costs on idle cores
+    cpu_note = f"; CPU time of the runs {cpu / 60:.1f} min (one thread each)" if cpu else ""
     lines = [
         f"# FedMIM reproduction, preset `{preset_name}`",
         "",
         f"{p.note}. {p.num_clients} clients, {p.clients_per_round} per round, model `{p.model}`, "
-        f"local {p.local}, T = {p.rounds}. Wall time {wall / 60:.1f} min.",
+        f"local {p.local}, T = {p.rounds}. Wall time {wall / 60:.1f} min{cpu_note}.",
         "",
         "Final test accuracy (%) of the global model, mean ± std over seeds. `rank` is our ranking in the "
         "column (among the methods run there, as is `paper rank`); the paper has no MNIST/Fashion-MNIST "
@@ -510,11 +515,12 @@ def main(argv: list[str]) -> int:
     wall = time.perf_counter() - t0
     table, claims = summarize(records)
     keys = ["dataset", "split", "method", "seed", "final_acc", "best_acc", "last3_acc", "consistency_last20"]
-    atomic_write(out / "results.csv", _csv(records, keys + ["status", "rounds_done", "wall_seconds"]))
+    atomic_write(out / "results.csv", _csv(records, keys + ["status", "rounds_done", "wall_seconds", "cpu_seconds"]))
     tkeys = ["dataset", "split", "method", "seeds", "diverged", "final_acc_mean", "final_acc_std", "best_acc_mean"]
     tkeys += ["consistency_last20", "rank", "paper_cifar10", "paper_rank"]
     atomic_write(out / "table.csv", _csv(table, tkeys))
-    md = markdown(table, claims, args.scale, p, wall)
+    cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
+    md = markdown(table, claims, args.scale, p, wall, sum(cpus) if len(cpus) == len(records) else None)
     if skipped:
         md += "\nNot run (time budget reached): " + ", ".join("-".join(map(str, k)) for k in skipped) + "\n"
     atomic_write(out / "table.md", md)
