@@ -6,6 +6,11 @@
 
 with x^0 = y^0 = g^0 = 0 (Lemma 7). A subclass writes only ``estimate``. One round is
 ``iterations_per_round`` iterations (default 1: a round is an iteration, so metrics are per iteration).
+
+Injected faults (docs/reliability.md), decided once per round: a server that misses the round keeps x_i, y_i,
+g_i and skips its users; a lost server link or a missing server is removed from W by ``mixing_without`` (the
+weight moves to the diagonal, so W_r stays symmetric and doubly stochastic and mean(y) = mean(g) still
+holds); a user that drops out neither computes nor uploads. A round in which no user takes part is skipped.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import fedweave.data.datasets.cfl_logreg  # noqa: F401  (registers the paper's s
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.algorithms.confederated.problem import build_problem
 from fedweave.config import ConfigError
+from fedweave.faults import Faults, mixing_without
 from fedweave.topology.confederation import Confederation, ConfederationHparams
 
 
@@ -105,6 +111,7 @@ def _problem(ctx: RunContext, hp: ConfederatedHparams, rng: np.random.Generator)
 class ConfederatedAlgorithm(Algorithm):
     family = "confederated"
     Hparams = ConfederatedHparams
+    handles_faults = ("dropout", "server_miss", "link_loss")
     _state: tuple[str, ...] = ()  # subclass tensors/ints to checkpoint besides the skeleton's
 
     def __init__(self, ctx: RunContext, hp: ConfederatedHparams) -> None:
@@ -123,6 +130,52 @@ class ConfederatedAlgorithm(Algorithm):
         self._all_users = torch.arange(pb.P).expand(n, pb.P)
         self._checkpoint = ("X", "Y", "G", "k", "uploads", *self._state)
         self.ledger.store("edge", "x_y_g", 3 * self.vector_bytes)
+        self.faults = Faults(ctx.config.faults, self.seeds)
+        self.faulty = bool(self.faults.active())
+        # this round's faults (set by ``apply_faults``); None without faults, so that path stays as it was
+        self.server_on: torch.Tensor | None = None  # (N,) the servers that take part
+        self.user_on: torch.Tensor | None = None  # (N, P) the users that take part (not dropped, server up)
+        self.W_r = self.net.W
+        self.adj_r = self.net.adjacency
+
+    # ---- faults -------------------------------------------------------------------------------------
+    def apply_faults(self, r: int) -> None:
+        """Decide round r's faults: servers up, surviving links, W_r = mixing_without(W, links & up_i & up_j)."""
+        pb, f = self.problem, self.faults
+        idx = np.arange(pb.N)
+        up = f.servers_up(r, idx)
+        links = f.links_up(r, idx[:, None], idx[None, :]) & up[:, None] & up[None, :]
+        self.adj_r = self.net.adjacency & links
+        self.W_r = torch.from_numpy(mixing_without(self.net.W.numpy(), links))
+        dropped = f.dropped(r, np.arange(pb.N * pb.P)).reshape(pb.N, pb.P)  # user (i, j) is client i P + j
+        self.server_on = torch.from_numpy(up)
+        self.user_on = torch.from_numpy(~dropped & up[:, None])
+
+    def taking_part(self) -> int:
+        """How many of this round's clients take part: users (servers, for a method without users)."""
+        assert self.user_on is not None
+        return int(self.user_on.sum())
+
+    def mix(self, z: torch.Tensor) -> torch.Tensor:
+        """Sum_{i'} w_ii' z_i' with the round's W_r (W without faults)."""
+        if self.server_on is None:
+            return self.net.mix(z)
+        return self.W_r.to(z.dtype) @ z
+
+    def exchange(self, r: int, kind: str, message_bytes: int) -> None:
+        """Each server -> each neighbour it can reach this round (2 messages per surviving link)."""
+        if self.server_on is None:
+            self.net.exchange(r, kind, message_bytes)
+            return
+        n = 2 * int(np.triu(self.adj_r, 1).sum())
+        if n:
+            self.ledger.record(r, "edge", "edge", kind, n * message_bytes, n)
+
+    def broadcast(self, r: int, kind: str, users_per_server: int, message_bytes: int) -> None:
+        """Each server that is up -> ``users_per_server`` of its users (a user that then drops received it)."""
+        servers = self.problem.N if self.server_on is None else int(self.server_on.sum())
+        if servers:
+            self.net.broadcast(r, kind, servers * users_per_server, message_bytes)
 
     # ---- randomness: one stream per iteration and purpose -----------------------------------------
     def draw_batches(self, k: int) -> torch.Tensor:
@@ -150,22 +203,35 @@ class ConfederatedAlgorithm(Algorithm):
 
     def step(self, r: int) -> None:
         """One iteration k -> k+1 of the gradient-tracking skeleton (eq. 56)."""
-        mix, vb = self.net.mix, self.vector_bytes
+        mix, vb, on = self.mix, self.vector_bytes, self.server_on
         x_new = mix(self.X) - self.alpha * self.Y  # eq. (5)
-        self.net.exchange(r, "model", vb)
+        if on is not None:  # a server that misses the round keeps x_i (it neither mixes nor steps)
+            x_new = torch.where(on[:, None], x_new, self.X)
+        self.exchange(r, "model", vb)
         g_new = self.estimate(r, self.k, x_new, self.X)
-        self.Y = mix(self.Y) + g_new - self.G  # eq. (6) with g in place of grad f_i
-        self.net.exchange(r, "tracker", vb)
+        if on is not None:  # ... and g_i; W_r doubly stochastic keeps mean(y) = mean(g) (eq. 84)
+            g_new = torch.where(on[:, None], g_new, self.G)
+        y_new = mix(self.Y) + g_new - self.G  # eq. (6) with g in place of grad f_i
+        # W_r's row i is e_i up to rounding (w_ii plus the moved weight), so freeze y_i exactly
+        self.Y = y_new if on is None else torch.where(on[:, None], y_new, self.Y)
+        self.exchange(r, "tracker", vb)
         self.X, self.G = x_new, g_new
         self.k += 1
 
     def run_round(self, r: int) -> dict[str, float]:
         before = self.uploads
+        extra: dict[str, float] = {}
+        if self.faulty:
+            self.apply_faults(r)
+            extra = {"reported_clients": float(self.taking_part()), "servers_up": float(self.server_on.sum())}
+            if not extra["reported_clients"]:  # nobody takes part: the round is skipped, the state stays
+                return {"iterations": self.k, "uploads": self.uploads, "uploads_per_iteration": 0.0, **extra}
         with compute_threads(self.config.threads):
             for _ in range(self.hp.iterations_per_round):
                 self.step(r)
         n = self.hp.iterations_per_round
-        return {"iterations": self.k, "uploads": self.uploads, "uploads_per_iteration": (self.uploads - before) / n}
+        out = {"iterations": self.k, "uploads": self.uploads, "uploads_per_iteration": (self.uploads - before) / n}
+        return {**out, **extra}
 
     # ---- metrics --------------------------------------------------------------------------------------
     def opt_gap(self) -> float:

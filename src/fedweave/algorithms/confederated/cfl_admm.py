@@ -13,6 +13,10 @@ x_ij = z_i (user-server) and z_i = z_i' (server-server), not the algorithm of th
 Unselected users' last uploads are reused. ``local_gradient="full"`` (an option beyond the spec) lets a selected
 user use its exact local gradient grad f_ij instead of one scaled mini-batch gradient. The model of server i
 is z_i (the optimality gap uses it).
+
+Under faults: a selected user that drops out keeps x_ij, lambda_ij and its last upload (as an unselected one);
+a server that misses the round keeps z_i and gamma_i; the server-server terms use only the links that are up
+this round (adjacency A_r, degrees d_r), which keeps sum_i gamma_i = 0 since A_r is symmetric.
 """
 
 from __future__ import annotations
@@ -74,20 +78,29 @@ class CFLADMM(ConfederatedAlgorithm):
         users = self.select_users(self.k, self.m)
         idx = pb.batch_index(users, self.draw_batches(self.k).gather(1, users))
         z = self.X
-        self.net.broadcast(r, "model", pb.N * self.m, self.vector_bytes)
+        self.broadcast(r, "model", self.m, self.vector_bytes)
         x, lam = self.xu[rows, users], self.lam[rows, users]
         if self.hp.local_gradient == "minibatch":
             h = pb.S * pb.batch_grad(x, idx)  # unbiased estimate of grad f_ij(x_ij)
         else:
             h = sum(pb.batch_grad(x, pb.batch_index(users, torch.full_like(users, t))) for t in range(pb.S))
-        x = z[:, None] - (lam + h) / beta  # linearized primal step
-        lam = lam + beta * (x - z[:, None])
-        self.xu[rows, users], self.lam[rows, users] = x, lam
-        self.msg[rows, users] = beta * x + lam
-        self.upload(r, "admm_primal_dual", pb.N * self.m)
-        num = self.msg.sum(1) - self.gamma + c * (self.deg * z + self.adj @ z)
-        z = num / (pb.P * beta + 2 * c * self.deg)
-        self.net.exchange(r, "model", self.vector_bytes)
-        self.gamma = self.gamma + c * (self.deg * z - self.adj @ z)
-        self.X = z
+        x_new = z[:, None] - (lam + h) / beta  # linearized primal step
+        lam_new = lam + beta * (x_new - z[:, None])
+        if self.user_on is None:
+            adj, deg, sent = self.adj, self.deg, pb.N * self.m
+        else:  # only the users that take part update and upload
+            on = self.user_on.gather(1, users)[..., None]
+            x_new, lam_new = torch.where(on, x_new, x), torch.where(on, lam_new, lam)
+            adj = torch.from_numpy(self.adj_r.astype("float64"))
+            deg, sent = adj.sum(1, keepdim=True), int(on.sum())
+        self.xu[rows, users], self.lam[rows, users] = x_new, lam_new
+        self.msg[rows, users] = beta * x_new + lam_new
+        self.upload(r, "admm_primal_dual", sent)
+        num = self.msg.sum(1) - self.gamma + c * (deg * z + adj @ z)
+        z_new = num / (pb.P * beta + 2 * c * deg)
+        if self.server_on is not None:  # a server that misses the round keeps z_i (and gamma_i: its row of A_r is 0)
+            z_new = torch.where(self.server_on[:, None], z_new, z)
+        self.exchange(r, "model", self.vector_bytes)
+        self.gamma = self.gamma + c * (deg * z_new - adj @ z_new)
+        self.X = z_new
         self.k += 1

@@ -55,28 +55,40 @@ class CFLSAGA(ConfederatedAlgorithm):
             self.ref = self.held
 
     def estimate(self, r: int, k: int, x_new: torch.Tensor, x_old: torch.Tensor) -> torch.Tensor:
-        pb, users = self.problem, self._all_users
-        self.net.broadcast(r, "model", pb.N * pb.P, self.vector_bytes)
-        e = ((self.net.mix(x_new) - x_new) ** 2).sum(1)  # step 2: e_i^{k+1}, a scalar per server
-        self.net.broadcast(r, "trigger_threshold", pb.N * pb.P, x_new.element_size())
+        pb, users, on = self.problem, self._all_users, self.user_on  # on: None without faults
+        self.broadcast(r, "model", pb.P, self.vector_bytes)
+        e = ((self.mix(x_new) - x_new) ** 2).sum(1)  # step 2: e_i^{k+1}, a scalar per server (W_r under faults)
+        self.broadcast(r, "trigger_threshold", pb.P, x_new.element_size())
         idx = pb.batch_index(users, self.draw_batches(k))
         grad = pb.batch_grad(x_new, idx)  # grad f_ij,t(x_i^{k+1})
         flat = idx.reshape(-1)
         diff = grad - self.table.index_select(0, flat).view_as(grad)
+        if on is not None:  # a user that drops out computes nothing: its table and copy stay as they are
+            diff = diff * on[..., None]
         fresh = pb.S * diff + self.table_sum  # eq. (16)
         self.table_sum += diff
-        self.table.index_copy_(0, flat, grad.reshape(-1, pb.d))  # phi_ij,t <- x_i^{k+1} for every user (A3)
+        if on is None:
+            self.table.index_copy_(0, flat, grad.reshape(-1, pb.d))  # phi_ij,t <- x_i^{k+1} for every user (A3)
+        else:
+            keep = on.reshape(-1)
+            self.table.index_copy_(0, flat[keep], grad.reshape(-1, pb.d)[keep])
         delta = fresh - self.ref
         lhs = (delta**2).sum(-1)
         fire = lhs > self.hp.rho * e[:, None]  # eq. (17), strict
+        if on is not None:
+            fire &= on  # the trigger sees no new estimate of a user that dropped out
         if self.hp.trigger == "lag":
             self.held.copy_(torch.where(fire[..., None], fresh, self.held))  # g^_ij <- g_ij^{k+1} on upload
         else:
             self.held += delta * fire[..., None]
-            self.ref = fresh
+            self.ref = fresh if on is None else torch.where(on[..., None], fresh, self.ref)
         self.upload(r, "vr_gradient_innovation", int(fire.sum()))
         ratio = lhs / e[:, None]
-        self.last_ratio_median = float(ratio.median()) if bool(e.gt(0).all()) else float("nan")
+        if on is None:
+            ok = bool(e.gt(0).all())
+        else:
+            ratio, ok = ratio[on], bool(e[on.any(1)].gt(0).all())
+        self.last_ratio_median = float(ratio.median()) if ok and ratio.numel() else float("nan")
         return self.held.sum(1)  # eq. (18): g_i^{k+1} = sum_j of the held copies
 
     def run_round(self, r: int) -> dict[str, float]:

@@ -23,6 +23,7 @@ from fedweave.algorithms.confederated.base import (
     check_rate,
     users_per_iteration,
 )
+from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
 
 
@@ -49,13 +50,23 @@ class GTSAGA(ConfederatedAlgorithm):
         self.table = torch.zeros(pb.N * pb.P * pb.S, pb.d, dtype=torch.float64)  # entries 0 (spec A4)
         self.table_sum = torch.zeros(pb.N, pb.d, dtype=torch.float64)  # g_i,sum, held by the server
         self.ledger.store("user", "saga_table", pb.S * self.vector_bytes)
+        if hp.mode == "decentralized" and "dropout" in self.faults.active():
+            raise ConfigError(
+                "faults.dropout / faults.outage_rounds: gt_saga with algorithm.mode 'decentralized' has no users "
+                "to drop out (use faults.server_miss, or mode 'cfl')"
+            )
+
+    def taking_part(self) -> int:
+        if self.hp.mode == "decentralized":  # single level: the servers are the nodes
+            return int(self.server_on.sum())
+        return super().taking_part()
 
     def estimate(self, r: int, k: int, x_new: torch.Tensor, x_old: torch.Tensor) -> torch.Tensor:
         pb = self.problem
         if self.hp.mode == "cfl":
             users = self.select_users(k, self.m)
             t = self.draw_batches(k).gather(1, users)
-            self.net.broadcast(r, "model", pb.N * self.m, self.vector_bytes)
+            self.broadcast(r, "model", self.m, self.vector_bytes)
         else:  # one of the server's S~_i = P S mini-batches, uniformly (Algorithm 1)
             pick = torch.from_numpy(self.seeds.numpy("batches", k).integers(pb.P * pb.S, size=(pb.N, 1)))
             users, t = pick // pb.S, pick % pb.S
@@ -63,9 +74,19 @@ class GTSAGA(ConfederatedAlgorithm):
         grad = pb.batch_grad(x_new, idx)
         flat = idx.reshape(-1)
         diff = grad - self.table.index_select(0, flat).view_as(grad)  # eq. (10)
-        self.table.index_copy_(0, flat, grad.reshape(-1, pb.d))  # phi_ij,t <- x_i^{k+1}, selected users only
-        g_new = (pb.P * pb.S / self.m) * diff.sum(1) + self.table_sum  # eq. (11), S~_i = P S
+        if self.user_on is None:
+            self.table.index_copy_(0, flat, grad.reshape(-1, pb.d))  # phi_ij,t <- x_i^{k+1}, selected users only
+            g_new = (pb.P * pb.S / self.m) * diff.sum(1) + self.table_sum  # eq. (11), S~_i = P S
+            arrived = pb.N * self.m
+        else:  # only what arrives: eq. (11) re-weighted over the m'_i selected users that reported
+            on = self.user_on.gather(1, users) if self.hp.mode == "cfl" else self.server_on[:, None]
+            diff = diff * on[..., None]
+            keep = on.reshape(-1)
+            self.table.index_copy_(0, flat[keep], grad.reshape(-1, pb.d)[keep])  # a dropped user keeps its table
+            got = on.sum(1, keepdim=True).to(diff.dtype)
+            g_new = (pb.P * pb.S / got.clamp_min(1)) * diff.sum(1) + self.table_sum  # m'_i = 0: the table's sum
+            arrived = int(on.sum())
         self.table_sum += diff.sum(1)  # eq. (12)
         if self.hp.mode == "cfl":
-            self.upload(r, "saga_difference", pb.N * self.m)
+            self.upload(r, "saga_difference", arrived)
         return g_new

@@ -17,9 +17,12 @@ from fedweave.registry import ALGORITHMS
 class GTSARAH(GTSVRG):
     name = "gt_sarah"
     Hparams = GTSVRGHparams
-    _state = ()  # the recursion needs only g^k and x^k of the skeleton
+    _state = ("due", "anchored")  # the recursion needs only g^k and x^k of the skeleton (and, under faults, ``due``)
+    recursive = True
 
     def estimate(self, r: int, k: int, x_new: torch.Tensor, x_old: torch.Tensor) -> torch.Tensor:
+        if self.user_on is not None:
+            return self.estimate_under_faults(r, k, x_new, x_old)  # GT-SVRG's, with the recursive estimator
         if k % self.hp.inner_loop == 0:
             return self.snapshot(r, x_new)
         pb = self.problem
