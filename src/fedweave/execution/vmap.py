@@ -67,6 +67,8 @@ def _run_chunk(tr, starts, clients, round, rule, lr, steps, key, offset) -> Loca
             seen.append(loss)
             return g
 
+        grad.batch = (X, Y, M)  # type: ignore[attr-defined]  # per-sample rules (see loop.py)
+        grad.report = seen.append  # type: ignore[attr-defined]
         wa = w[active]
         d = rule.direction(wa, grad, jobs[active])
         new, buf_a = tr.sgd_update(wa, d, None if buf is None else buf[active], tr.step_lr(lr, t))

@@ -12,6 +12,10 @@
 * Personalized evaluation: each client's model, fine-tuned ``finetune_epochs`` local epochs (the
   FedAvg-FT backbone of afind-plus §4.5), on its own test set drawn with its train label distribution
   (``client_test_split``); ``test_accuracy`` is the unweighted mean over clients.
+* Injected faults (docs/reliability.md): a client that drops out in a round neither sends, receives,
+  trains nor changes any of its state; a lost link carries nothing. Every method filters the peers it
+  contacts with :meth:`GraphAlgorithm.reachable`, so only delivered messages reach the ledger and the
+  mixing weights are re-normalized over what arrived.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import networkx as nx
 import numpy as np
@@ -30,6 +34,8 @@ import torch
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.config import ConfigError
 from fedweave.execution import LocalTrainer, ParamLayout, StateStore, evaluate_clients
+from fedweave.execution.dpsgd import PrivateTrainer
+from fedweave.faults import Faults
 from fedweave.topology.star import make_trainer
 
 TOPOLOGIES = ("full", "half", "erdos_renyi", "ring", "torus", "random_regular", "small_world", "edgelist")
@@ -170,8 +176,11 @@ class GraphHparams:
     neighbours: int = 10  # |B_i^t|: neighbours available (contacted) per round; "10 neighbours" (C.3)
     finetune_epochs: int = 1  # FedAvg-FT backbone: local epochs on a copy before evaluation (C.3)
     test_per_client: int | None = None  # per-client test size; null = ceil(N_test / m) (spec 4.2)
-    dp_sigma: float = 0.0  # Table 4 sigma_2: Gaussian noise on exchanged tensors (A27 option)
-    dp_clip: float = 1.0  # C in the noise scale sigma_2 * C / L (L = local batch size)
+    dp_sigma: float = 0.0  # Table 4 sigma_2 (0 = no DP); the noise multiplier of dp_mode
+    dp_clip: float = 1.0  # C: per-sample clipping norm (sgd) / the noise scale sigma_2 * C / L (exchange)
+    # A27: sgd = per-sample clipped DP-SGD on every local step that produces a shared model (resolution);
+    # exchange = every exchanged tensor received as x + N(0, (sigma_2 C / L)^2 I), L = local batch size
+    dp_mode: Literal["sgd", "exchange"] = "sgd"
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
@@ -201,6 +210,8 @@ class GraphAlgorithm(Algorithm):
 
     family = "decentralized"
     Hparams = GraphHparams
+    # Every DFL method here filters its peers with ``reachable`` and holds dropped clients (reliability.md).
+    handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "link_loss")
 
     def __init__(self, ctx: RunContext, hp: GraphHparams) -> None:
         super().__init__(ctx, hp)
@@ -219,12 +230,17 @@ class GraphAlgorithm(Algorithm):
         self.neighbours = neighbour_lists(self.graph)
         self.trainer = make_trainer(ctx, n)
         self.ft_trainer = with_local(self.trainer, epochs=hp.finetune_epochs or 1, steps=None)
+        if hp.dp_sigma and hp.dp_mode == "sgd":  # the fine-tuning copy is never sent: it stays plain SGD
+            self.trainer = PrivateTrainer.of(self.trainer, hp.dp_clip, hp.dp_sigma)
         self.layout: ParamLayout = self.trainer.layout
         self.store = StateStore(n)
         self.store.create("model", self.layout.numel, fill=self.layout.flatten())
         self.model_bytes = self.layout.numel * 4  # float32 rows
         self._test_parts: list[np.ndarray] | None = None
         self._checkpoint: tuple[str, ...] = ()
+        self.faults = Faults(ctx.config.faults, ctx.seeds)
+        self.faulty = bool(self.faults.active())
+        self._up: tuple[int, np.ndarray] | None = None
 
     # ---- state -----------------------------------------------------------------------------------
     @property
@@ -244,13 +260,57 @@ class GraphAlgorithm(Algorithm):
         self.store.load_state_dict(state.pop("store"))
         super().load_state_dict(state)
 
+    # ---- faults ----------------------------------------------------------------------------------
+    def up(self, r: int) -> np.ndarray:
+        """Bool mask over clients: True where the client takes part in round ``r`` (not dropped out)."""
+        if self._up is None or self._up[0] != r:
+            self._up = (r, ~self.faults.dropped(r, np.arange(self.num_clients)))
+        return self._up[1]
+
+    def is_up(self, r: int, i: int) -> bool:
+        return not self.faulty or bool(self.up(r)[i])
+
+    def reachable(self, r: int, i: int, peers: np.ndarray) -> np.ndarray:
+        """The ``peers`` that exchange messages with i in round ``r``: both up and the link {i, j} up.
+
+        Empty for a dropped i. Without injected faults: ``peers`` unchanged (the same array)."""
+        if not self.faulty:
+            return peers
+        peers = np.asarray(peers, dtype=np.int64)
+        if not self.up(r)[i]:
+            return peers[:0]
+        keep = self.up(r)[peers] & self.faults.links_up(r, i, peers)
+        return peers[keep]
+
+    def hold_dropped(self, r: int, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """``new`` rows for the clients that took part, ``old`` rows for those that dropped out."""
+        if not self.faulty:
+            return new
+        return torch.where(torch.as_tensor(self.up(r))[:, None], new, old)
+
+    def all_down(self, r: int) -> bool:
+        """Nobody takes part in round ``r``: the method skips it (state unchanged, ``reported_clients`` 0)."""
+        return self.faulty and not self.up(r).any()
+
+    def fault_metrics(self, r: int) -> dict[str, float]:
+        """``reported_clients`` (those that took part) when faults are injected; 0 marks a skipped round."""
+        return {"reported_clients": float(self.up(r).sum())} if self.faulty else {}
+
+    def mean_over_up(self, r: int, values: torch.Tensor) -> float:
+        """Mean of a per-client quantity over the clients that took part in round ``r``."""
+        if not self.faulty:
+            return float(values.mean())
+        return float(values[torch.as_tensor(self.up(r))].mean())
+
     # ---- protocol --------------------------------------------------------------------------------
     def available(self, r: int, i: int, k: int | None = None) -> np.ndarray:
-        """B_i^t: ``k`` (default ``neighbours``) of i's graph neighbours, uniformly without replacement."""
+        """B_i^t: ``k`` (default ``neighbours``) of i's graph neighbours, uniformly without replacement,
+        restricted to those that are reachable this round (sampling first, so faults leave the stream)."""
         nb = self.neighbours[i]
         k = min(self.hp.neighbours if k is None else k, len(nb))
         rng = self.seeds.numpy("neighbour_sampling", r, i)
-        return np.sort(rng.choice(nb, size=k, replace=False)) if k < len(nb) else nb.copy()
+        picked = np.sort(rng.choice(nb, size=k, replace=False)) if k < len(nb) else nb.copy()
+        return self.reachable(r, i, picked)
 
     def peer(self, r: int, kind: str, nbytes_each: int, count: int = 1) -> None:
         """``count`` peer-to-peer messages of ``nbytes_each`` bytes each."""
@@ -258,8 +318,8 @@ class GraphAlgorithm(Algorithm):
             self.ledger.record(r, "peer", "peer", kind, nbytes_each * count, count)
 
     def noisy(self, x: torch.Tensor, r: int, sender: int, receiver: int, what: int = 0) -> torch.Tensor:
-        """The tensor as received under the DP option: x + N(0, (sigma_2 C / L)^2 I) (A27), else x."""
-        if not self.hp.dp_sigma:
+        """The tensor as received under ``dp_mode: exchange``: x + N(0, (sigma_2 C / L)^2 I) (A27), else x."""
+        if not self.hp.dp_sigma or self.hp.dp_mode != "exchange":
             return x
         g = self.seeds.torch("dp_noise", r, sender, receiver, what)
         std = self.hp.dp_sigma * self.hp.dp_clip / self.config.local.batch_size

@@ -120,6 +120,8 @@ class AfindPlus(GraphAlgorithm):
         return val
 
     def run_round(self, r: int) -> dict[str, float]:
+        if self.all_down(r):
+            return self.fault_metrics(r)
         hp, n = self.hp, self.num_clients
         W0 = self.W  # round-start models: read-only until commit
         own = self.trainer.train(W0, range(n), r)  # R7, lines 17-23
@@ -127,10 +129,13 @@ class AfindPlus(GraphAlgorithm):
         d_phi = self.proxy.size
         sizes, thetas, s_in, s_out, ov_in, ov_pool = [], [], [], [], [], []
         for i in range(n):
+            if not self.is_up(r, i):  # dropped out: no messages, threshold and model unchanged
+                new[i] = W0[i]
+                continue
             rng = self.seeds.numpy("neighbour_selection", r, i)
-            avail = self.available(r, i) if hp.reading == "resolved" else self.neighbours[i]
+            avail = self.available(r, i) if hp.reading == "resolved" else self.reachable(r, i, self.neighbours[i])
             thetas.append(float(self.state.theta[i]))
-            pool = self.state.pool(i, avail, rng)
+            pool = self.reachable(r, i, self.state.pool(i, avail, rng))  # literal: C_i from the stored p
             # R2-R3: w_i^t -> each j in the pool; phi_j(w_i^t) and F_j(w_i^t) come back
             phis, lpre = self.proxy.proxies(W0[i], [i, *pool.tolist()])
             phis = torch.stack([self.noisy(phis[q], r, int(c), i, 1) for q, c in enumerate([i, *pool])])
@@ -187,7 +192,8 @@ class AfindPlus(GraphAlgorithm):
         self.state.end_round()
         self.commit("model", new)
         out = {
-            "train_loss": float(own.loss.mean()),
+            **self.fault_metrics(r),
+            "train_loss": self.mean_over_up(r, own.loss),
             "selected_mean": float(np.mean(sizes)),
             "selected_min": float(np.min(sizes)),
             "selected_max": float(np.max(sizes)),

@@ -16,11 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from fedweave.algorithms.base import RunContext
 from fedweave.algorithms.decentralized.selection import NeighbourSelector, SelectionHparams
 from fedweave.config import ConfigError
+from fedweave.faults import mixing_without
 from fedweave.registry import ALGORITHMS
 from fedweave.topology.graph import GraphAlgorithm, GraphHparams, gossip, metropolis_weights, with_local
 
@@ -61,21 +63,37 @@ class DFedAvg(GraphAlgorithm):
         super().load_state_dict(state)
 
     def mix(self, r: int, W: torch.Tensor, sent: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """New rows from the round-start ``W`` (proxies) and the models ``sent`` (double-buffered)."""
+        """New rows from the round-start ``W`` (proxies) and the models ``sent`` (double-buffered).
+
+        Under faults only delivered models are mixed: the sampled weights are re-normalized over them, and
+        the Metropolis matrix moves the weight of a lost link or a dropped peer to the diagonal."""
         if self.mixing is not None:  # every client sends to every graph neighbour
-            self.peer(r, "model", self.model_bytes, 2 * self.graph.number_of_edges())
-            if self.hp.dp_sigma:
-                raise ConfigError("algorithm.dp_sigma needs mixing 'sampled' (per-message noise)")
-            return gossip(sent, self.mixing), float(self.graph.number_of_edges() * 2 / self.num_clients)
+            if self.hp.dp_sigma and self.hp.dp_mode == "exchange":
+                raise ConfigError(
+                    "algorithm.dp_sigma with dp_mode 'exchange' needs mixing 'sampled' (per-message noise)"
+                )
+            M = self.mixing
+            messages = 2 * self.graph.number_of_edges()
+            if self.faulty:
+                n = self.num_clients
+                idx, up = np.arange(n), self.up(r)
+                ok = self.faults.links_up(r, idx[:, None], idx[None, :]) & up[:, None] & up[None, :]
+                M = torch.as_tensor(mixing_without(M.numpy(), ok))
+                messages = int(((self.mixing.numpy() > 0) & ok & ~np.eye(n, dtype=bool)).sum())
+            self.peer(r, "model", self.model_bytes, messages)
+            return gossip(sent, M), messages / max(1, int(self.up(r).sum()) if self.faulty else self.num_clients)
         new = torch.empty_like(sent)
         picks = self.selector.select(r, W, sent)
         for i, (chosen, wts) in enumerate(picks):
-            self.peer(r, "model", self.model_bytes, len(chosen))  # each j in R_i -> i
+            self.peer(r, "model", self.model_bytes, len(chosen))  # each j in R_i -> i (delivered only)
             rows = [sent[i], *(self.noisy(sent[j], r, int(j), i) for j in chosen)]
             new[i] = (wts.to(sent.dtype)[:, None] * torch.stack(rows)).sum(0)
-        return new, float(sum(len(c) for c, _ in picks) / self.num_clients)
+        sizes = torch.tensor([float(len(c)) for c, _ in picks], dtype=torch.float64)
+        return new, self.mean_over_up(r, sizes)
 
     def run_round(self, r: int) -> dict[str, float]:
+        if self.all_down(r):
+            return self.fault_metrics(r)
         W0 = self.W
         if self.hp.order == "aggregate_train":
             mixed, k = self.mix(r, W0, W0)
@@ -83,9 +101,9 @@ class DFedAvg(GraphAlgorithm):
             new = own.params
         else:
             own = self.trainer.train(W0, range(self.num_clients), r)
-            new, k = self.mix(r, W0, own.params)
-        self.commit("model", new)
-        return {"train_loss": float(own.loss.mean()), "selected_mean": k}
+            new, k = self.mix(r, W0, self.hold_dropped(r, own.params, W0))  # a dropped peer sends nothing
+        self.commit("model", self.hold_dropped(r, new, W0))  # ... and does not update
+        return {"train_loss": self.mean_over_up(r, own.loss), "selected_mean": k, **self.fault_metrics(r)}
 
 
 @dataclass

@@ -122,6 +122,8 @@ class DisPFL(GraphAlgorithm):
         return g
 
     def run_round(self, r: int) -> dict[str, float]:
+        if self.all_down(r):
+            return self.fault_metrics(r)
         n, W0, M0 = self.num_clients, self.W, self.store["mask"].clone()
         mask_bytes = math.ceil(self.layout.numel / 8)
         mixed = torch.empty_like(W0)
@@ -139,6 +141,9 @@ class DisPFL(GraphAlgorithm):
         new_w, new_m = own.params.clone(), M0.clone()
         rate = self.prune_rate(r)
         for i in range(n):  # mask evolution: magnitude prune, gradient regrow
+            if not self.is_up(r, i):  # dropped out: model and mask unchanged
+                new_w[i] = W0[i]
+                continue
             g = self._gradient(new_w[i], i, r)
             for lo, hi in self.layers:
                 m, w, gr = new_m[i, lo:hi], new_w[i, lo:hi], g[lo:hi]
@@ -157,8 +162,10 @@ class DisPFL(GraphAlgorithm):
                 w[grow] = 0.0
         self.commit("model", new_w * new_m)
         self.commit("mask", new_m)
+        sizes = torch.tensor([float(len(c)) for c, _ in picks], dtype=torch.float64)
         return {
-            "train_loss": float(own.loss.mean()),
-            "selected_mean": float(sum(len(c) for c, _ in picks) / n),
+            "train_loss": self.mean_over_up(r, own.loss),
+            "selected_mean": self.mean_over_up(r, sizes),
             "density": float(new_m.mean()),
+            **self.fault_metrics(r),
         }

@@ -57,7 +57,8 @@ class Ditto(GraphAlgorithm):
     def __init__(self, ctx: RunContext, hp: DittoHparams) -> None:
         super().__init__(ctx, hp)
         self.store.create("personal", self.layout.numel, fill=self.W[0])
-        self.personal_trainer = with_local(self.trainer, epochs=hp.personal_epochs, steps=None)
+        # from the plain trainer: the personal model never leaves the client, so DP-SGD is not applied to it
+        self.personal_trainer = with_local(self.ft_trainer, epochs=hp.personal_epochs, steps=None)
         self.selector = NeighbourSelector(self, hp)
 
     def state_dict(self) -> dict[str, Any]:
@@ -72,19 +73,23 @@ class Ditto(GraphAlgorithm):
         return self.store["personal"]
 
     def run_round(self, r: int) -> dict[str, float]:
-        n, W0 = self.num_clients, self.W
+        if self.all_down(r):
+            return self.fault_metrics(r)
+        n, W0, V0 = self.num_clients, self.W, self.store["personal"]
         mixed = torch.empty_like(W0)
-        picks = self.selector.select(r, W0)
+        picks = self.selector.select(r, W0)  # a dropped client selects nobody and keeps w_i
         for i, (chosen, wts) in enumerate(picks):
             self.peer(r, "model", self.model_bytes, len(chosen))
             rows = [W0[i], *(self.noisy(W0[j], r, int(j), i) for j in chosen)]
             mixed[i] = (wts.to(W0.dtype)[:, None] * torch.stack(rows)).sum(0)
         shared = self.trainer.train(mixed, range(n), r)
         rule = ProximalRule(self.hp.lam, mixed)
-        personal = self.personal_trainer.train(self.store["personal"], range(n), r, rule=rule, key=(1,))
-        self.commit("model", shared.params)
-        self.commit("personal", personal.params)
+        personal = self.personal_trainer.train(V0, range(n), r, rule=rule, key=(1,))
+        self.commit("model", self.hold_dropped(r, shared.params, W0))
+        self.commit("personal", self.hold_dropped(r, personal.params, V0))
+        sizes = torch.tensor([float(len(c)) for c, _ in picks], dtype=torch.float64)
         return {
-            "train_loss": float(personal.loss.mean()),
-            "selected_mean": float(sum(len(c) for c, _ in picks) / n),
+            "train_loss": self.mean_over_up(r, personal.loss),
+            "selected_mean": self.mean_over_up(r, sizes),
+            **self.fault_metrics(r),
         }

@@ -53,18 +53,24 @@ class FedeRiCo(GraphAlgorithm):
         self._checkpoint = ("pi", "tracked")
 
     def run_round(self, r: int) -> dict[str, float]:
+        if self.all_down(r):
+            return self.fault_metrics(r)
         n, W0, b = self.num_clients, self.W, self.hp.loss_beta
         mixed = torch.empty_like(W0)
+        sizes = []
         for i in range(n):
+            if not self.is_up(r, i):  # dropped out: no messages, weights and model unchanged
+                mixed[i] = W0[i]
+                continue
             nb = self.neighbours[i]
             rng = self.seeds.numpy("neighbour_selection", r, i)
             k = min(self.hp.neighbours, len(nb))
             if rng.random() < self.hp.eps:
                 chosen = self.available(r, i)
-            else:  # the k largest weights (ties by id)
-                chosen = np.sort(nb[np.argsort(-self.pi[i, nb].numpy(), kind="stable")[:k]])
+            else:  # the k largest weights (ties by id), of which the reachable ones answer
+                chosen = self.reachable(r, i, np.sort(nb[np.argsort(-self.pi[i, nb].numpy(), kind="stable")[:k]]))
             self.peer(r, "model", self.model_bytes, len(chosen))
-            received = torch.stack([self.noisy(W0[j], r, int(j), i) for j in chosen])
+            received = torch.stack([self.noisy(W0[j], r, int(j), i) for j in chosen]) if len(chosen) else W0[:0]
             group = [i, *chosen.tolist()]
             losses = self.proxy.model_losses(torch.cat([W0[i : i + 1], received]), i)
             old = self.tracked[i, group]
@@ -74,6 +80,11 @@ class FedeRiCo(GraphAlgorithm):
             self.pi[i] /= self.pi[i].sum()
             wts = (self.pi[i, group] / self.pi[i, group].sum()).to(W0.dtype)
             mixed[i] = (wts[:, None] * torch.cat([W0[i : i + 1], received])).sum(0)
+            sizes.append(len(chosen))
         own = self.trainer.train(mixed, range(n), r)
-        self.commit("model", own.params)
-        return {"train_loss": float(own.loss.mean()), "selected_mean": float(min(self.hp.neighbours, n - 1))}
+        self.commit("model", self.hold_dropped(r, own.params, W0))
+        return {
+            "train_loss": self.mean_over_up(r, own.loss),
+            "selected_mean": float(np.mean(sizes)),
+            **self.fault_metrics(r),
+        }

@@ -61,21 +61,26 @@ class Fomo(GraphAlgorithm):
         avail = self.available(r, i)
         k = len(avail) if self.hp.select_k is None else min(self.hp.select_k, len(avail))
         rng = self.seeds.numpy("neighbour_selection", r, i)
-        if rng.random() < self.hp.greedy:
+        if rng.random() < self.hp.greedy:  # top-k by affinity, of which the reachable ones answer
             nb = self.neighbours[i]
-            return np.sort(nb[np.argsort(-self.affinity[i, nb].numpy(), kind="stable")[:k]])
+            return self.reachable(r, i, np.sort(nb[np.argsort(-self.affinity[i, nb].numpy(), kind="stable")[:k]]))
         return np.sort(rng.choice(avail, size=k, replace=False)) if k < len(avail) else avail
 
     def run_round(self, r: int) -> dict[str, float]:
+        if self.all_down(r):
+            return self.fault_metrics(r)
         n, W0 = self.num_clients, self.W
         own = self.trainer.train(W0, range(n), r)
         sent = own.params
         if self.hp.selection == "random":
-            chosen_all = [self._native(r, i) for i in range(n)]
+            chosen_all = [self._native(r, i) if self.is_up(r, i) else np.zeros(0, dtype=np.int64) for i in range(n)]
         else:
             chosen_all = [c for c, _ in self.selector.select(r, W0, sent)]
         new = torch.empty_like(W0)
         for i, chosen in enumerate(chosen_all):
+            if not self.is_up(r, i):  # dropped out: no messages, affinities and model unchanged
+                new[i] = W0[i]
+                continue
             self.peer(r, "model", self.model_bytes, len(chosen))
             models = torch.stack([sent[i], *(self.noisy(sent[j], r, int(j), i) for j in chosen)])
             base_loss = float(self.losses.losses(W0[i], [i])[0])
@@ -89,4 +94,9 @@ class Fomo(GraphAlgorithm):
             else:
                 new[i] = W0[i]
         self.commit("model", new)
-        return {"train_loss": float(own.loss.mean()), "selected_mean": float(np.mean([len(c) for c in chosen_all]))}
+        sizes = torch.tensor([float(len(c)) for c in chosen_all], dtype=torch.float64)
+        return {
+            "train_loss": self.mean_over_up(r, own.loss),
+            "selected_mean": self.mean_over_up(r, sizes),
+            **self.fault_metrics(r),
+        }

@@ -11,6 +11,8 @@ class Local(GraphAlgorithm):
     name = "local"
 
     def run_round(self, r: int) -> dict[str, float]:
+        if self.all_down(r):
+            return self.fault_metrics(r)
         own = self.trainer.train(self.W, range(self.num_clients), r)  # K local epochs from the own model
-        self.commit("model", own.params)
-        return {"train_loss": float(own.loss.mean())}
+        self.commit("model", self.hold_dropped(r, own.params, self.W))  # a dropped client does not update
+        return {"train_loss": self.mean_over_up(r, own.loss), **self.fault_metrics(r)}

@@ -55,29 +55,42 @@ class PENS(GraphAlgorithm):
         return nb[(self.counts[i, nb] > expected).numpy()]
 
     def run_round(self, r: int) -> dict[str, float]:
+        if self.all_down(r):
+            return self.fault_metrics(r)
         hp, n, W0 = self.hp, self.num_clients, self.W
         mixed = torch.empty_like(W0)
         sizes = []
         for i in range(n):
+            if not self.is_up(r, i):  # dropped out: no messages, counts and model unchanged
+                mixed[i] = W0[i]
+                continue
             if r < hp.phase1_rounds:  # phase 1: n_s random models, keep the m_top best on local data
-                avail = self.available(r, i)
+                avail = self.available(r, i)  # those that arrive
                 self.peer(r, "model", self.model_bytes, len(avail))
-                received = torch.stack([self.noisy(W0[j], r, int(j), i) for j in avail])
-                losses = self.proxy.model_losses(received, i)
-                keep = np.sort(np.argsort(losses.numpy(), kind="stable")[: hp.m_top])
-                chosen, models = avail[keep], received[keep]
+                if len(avail):
+                    received = torch.stack([self.noisy(W0[j], r, int(j), i) for j in avail])
+                    losses = self.proxy.model_losses(received, i)
+                    keep = np.sort(np.argsort(losses.numpy(), kind="stable")[: hp.m_top])
+                    chosen, models = avail[keep], received[keep]
+                else:
+                    chosen, models = avail, W0[:0]
                 self.counts[i, chosen] += 1
             else:  # phase 2: m_top uniformly from N_i
                 pref = self.preferred(i)
                 rng = self.seeds.numpy("neighbour_sampling", r, i)
                 k = min(hp.m_top, len(pref))
                 chosen = np.sort(rng.choice(pref, size=k, replace=False)) if k < len(pref) else pref
+                chosen = self.reachable(r, i, chosen)
                 self.peer(r, "model", self.model_bytes, len(chosen))
                 models = torch.stack([self.noisy(W0[j], r, int(j), i) for j in chosen]) if len(chosen) else W0[:0]
             wts = self.sizes[[i, *chosen.tolist()]]
-            wts = (wts / wts.sum()).to(W0.dtype)
+            wts = (wts / wts.sum()).to(W0.dtype)  # re-normalized over the models that arrived
             mixed[i] = (wts[:, None] * torch.cat([W0[i : i + 1], models])).sum(0)
             sizes.append(len(chosen))
         own = self.trainer.train(mixed, range(n), r)  # aggregate, then train
-        self.commit("model", own.params)
-        return {"train_loss": float(own.loss.mean()), "selected_mean": float(np.mean(sizes))}
+        self.commit("model", self.hold_dropped(r, own.params, W0))
+        return {
+            "train_loss": self.mean_over_up(r, own.loss),
+            "selected_mean": float(np.mean(sizes)),
+            **self.fault_metrics(r),
+        }

@@ -326,7 +326,10 @@ class NeighbourSelector:
         algo, hp = self.algo, self.hp
         out = []
         for i in range(algo.num_clients):
-            avail = algo.available(r, i)
+            if not algo.is_up(r, i):  # dropped out: no messages, no selection state change, keeps its model
+                out.append((np.zeros(0, dtype=np.int64), torch.ones(1, dtype=torch.float64)))
+                continue
+            avail = algo.available(r, i)  # only peers reachable this round
             rng = algo.seeds.numpy("neighbour_selection", r, i)
             if hp.selection == "random":
                 k = len(avail) if hp.select_k is None else min(hp.select_k, len(avail))

@@ -1,0 +1,145 @@
+"""Injected faults in the decentralized family (docs/reliability.md): dropped peers, lost links, skipped rounds."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import tests.conftest  # noqa: F401  (registers the _toy dataset)
+from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.config import ConfigError, load
+from fedweave.faults import Faults
+from fedweave.runner import run
+
+DFL = ["local", "gossip", "fedavg_ft", "dfedavg", "dfedavgm", "pens", "federico", "ditto", "fomo", "dispfl",
+       "afind", "afind_plus"]  # fmt: skip
+
+
+def config(algo: str, faults: dict, rounds: int = 12, clients: int = 8, **opts) -> dict:
+    return {
+        "name": "dfl-faults",
+        "seed": 1,
+        "rounds": rounds,
+        "dataset": {"name": "_toy"},
+        "partition": {"name": "iid", "num_clients": clients},
+        "model": {"name": "logistic"},
+        "algorithm": {"name": algo, "neighbours": 3, "finetune_epochs": 0, **opts},
+        "faults": faults,
+        "local": {"epochs": 1, "batch_size": 20, "lr": 0.2},
+        "eval": {"every": rounds},
+        "output": {"progress": False, "plots": False},
+    }
+
+
+def build(algo: str, faults: dict, **kw):
+    return build_algorithm(RunContext(load(config(algo, faults, **kw))))
+
+
+def test_every_dfl_method_declares_dropout_and_link_loss():
+    from fedweave.registry import ALGORITHMS
+
+    for name in DFL:
+        assert set(ALGORITHMS.get(name).handles_faults) == {"dropout", "link_loss"}, name
+    with pytest.raises(ConfigError, match="faults.server_miss"):
+        run(load(config("gossip", {"server_miss": 0.1})), progress=False)
+
+
+@pytest.mark.parametrize("faults", [{"dropout": 0.2}, {"link_loss": 0.2}])
+def test_gossip_still_converges_under_faults(tmp_path, faults):
+    acc = {}
+    for name, f in (("clean", {}), ("faulty", faults)):
+        acc[name] = run(load(config("gossip", f)), run_dir=tmp_path / name, progress=False).summary
+    local = run(load(config("local", {})), run_dir=tmp_path / "local", progress=False).summary
+    # chance is 0.25 (4 classes); local training alone reaches ~0.74 here, gossip ~0.87
+    assert acc["faulty"]["final_test_accuracy"] > 0.82
+    assert acc["faulty"]["final_test_accuracy"] > local["final_test_accuracy"] + 0.08
+    assert acc["faulty"]["communication"]["bytes_total"] < acc["clean"]["communication"]["bytes_total"]
+
+
+@pytest.mark.parametrize("algo", DFL)
+def test_dropped_clients_keep_their_state_and_send_nothing(algo):
+    a = build(algo, {"dropout": 0.4, "link_loss": 0.3}, rounds=3)
+    a.run_round(0)
+    before = {k: v.clone() for k, v in a.store.state_dict().items()}  # models, personal models, masks
+    theta = a.state.theta.clone() if hasattr(a, "state") else None  # AFIND+ thresholds
+    out = a.run_round(1)
+    up = a.up(1)
+    assert 0 < up.sum() < len(up), "the fixture needs some dropped and some active clients in round 1"
+    assert out["reported_clients"] == float(up.sum())
+    down = torch.as_tensor(~up)
+    for name, old in before.items():
+        assert torch.equal(a.store[name][down], old[down]), name  # a dropped client changes nothing
+    assert not torch.equal(a.W[~down], before["model"][~down])  # the others trained
+    if theta is not None:
+        assert torch.equal(a.state.theta[down], theta[down])
+
+
+@pytest.mark.parametrize("algo", DFL)
+def test_a_round_nobody_reports_in_is_skipped(algo, tmp_path, caplog):
+    a = build(algo, {"outage_rounds": [2]}, rounds=3)
+    a.run_round(0)
+    W, nbytes = a.W.clone(), a.ledger.bytes()
+    assert a.run_round(1) == {"reported_clients": 0.0}
+    assert torch.equal(a.W, W) and a.ledger.bytes() == nbytes
+    if algo in ("gossip", "afind_plus"):  # through the runner: logged, counted, training goes on
+        with caplog.at_level(logging.WARNING, logger="fedweave"):
+            res = run(load(config(algo, {"dropout": 1.0}, rounds=2)), run_dir=tmp_path / algo, progress=False)
+        assert res.summary["skipped_rounds"] == [1, 2]
+        assert "no client reported" in caplog.text
+
+
+def _expected_messages(algo_clean, faults: Faults, r: int) -> int:
+    """Peer models delivered in round r: each active i pulls from the sampled peers that are up over an up link."""
+    n = algo_clean.num_clients
+    up = ~faults.dropped(r, np.arange(n))
+    total = 0
+    for i in range(n):
+        if up[i]:
+            sampled = algo_clean.available(r, i)  # the fault-free sample of the same stream
+            total += int((up[sampled] & faults.links_up(r, i, sampled)).sum())
+    return total
+
+
+def test_ledger_counts_only_delivered_models_sampled_gossip():
+    faults = {"dropout": 0.25, "link_loss": 0.3}
+    a, clean = build("gossip", faults, rounds=4), build("gossip", {}, rounds=4)
+    for r in range(4):
+        before = a.ledger.bytes()
+        a.run_round(r)
+        want = _expected_messages(clean, a.faults, r)
+        assert want > 0
+        assert a.ledger.bytes() - before == want * a.model_bytes
+
+
+def test_ledger_counts_only_delivered_models_metropolis():
+    faults = {"dropout": 0.25, "link_loss": 0.3}
+    a = build("dfedavg", faults, mixing="metropolis", topology="ring", rounds=3)
+    n = a.num_clients
+    for r in range(3):
+        before = a.ledger.bytes()
+        a.run_round(r)
+        up = a.up(r)
+        edges = [(u, v) for u, v in a.graph.edges() if up[u] and up[v] and a.faults.link_up(r, u, v)]
+        assert a.ledger.bytes() - before == 2 * len(edges) * a.model_bytes  # both directions of each live edge
+    # the mixing of what arrived keeps the network average of the active clients' sent models
+    W = torch.randn(n, 5, dtype=torch.float64)
+    from fedweave.faults import mixing_without
+
+    idx = np.arange(n)
+    ok = a.faults.links_up(0, idx[:, None], idx[None, :]) & a.up(0)[:, None] & a.up(0)[None, :]
+    M = torch.as_tensor(mixing_without(a.mixing.numpy(), ok))
+    assert torch.allclose((M @ W).mean(0), W.mean(0))
+
+
+def test_afind_plus_counts_only_reachable_peers():
+    a = build("afind_plus", {"link_loss": 0.5}, rounds=1, clients=6)
+    clean = build("afind_plus", {}, rounds=1, clients=6)
+    a.run_round(0)
+    pool = sum(len(a.reachable(0, i, clean.available(0, i))) for i in range(6))
+    full = sum(len(clean.available(0, i)) for i in range(6))
+    proxies = [e.count for e in a.ledger.entries() if e.kind == "feature_proxy"]
+    assert 0 < pool < full and proxies == [pool]  # one proxy per reachable pool member, none over a lost link
+    assert a.ledger.bytes(kind="feature_proxy") == pool * a.proxy.size * 4
