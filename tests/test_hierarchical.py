@@ -250,3 +250,19 @@ def test_example_configs_validate():
     for path in paths:
         cfg = load(path)
         build_dataclass(ALGORITHMS.get(cfg.algorithm.name).Hparams, cfg.algorithm.options, "algorithm")
+
+
+def test_validation_holds_out_training_samples_and_hides_the_test_set():
+    a = _build(server_share=0.3, validation=0.2)
+    d = a.data
+    val = set(d.validation.tolist())
+    server = set(d.server.tolist())
+    clients = set().union(*(set(p.tolist()) for p in d.parts))
+    assert len(val) == 120 and not (val & server) and not (val & clients)
+    assert val | server | clients == set(range(600))  # every training sample is somewhere, once
+    assert d.num_train == 480 and len(server) == round(0.3 * 480)
+    assert float(a.rho.sum()) == pytest.approx(0.7)  # N_tr excludes the held-out samples
+    out = a.evaluate(0)
+    assert "val_accuracy" in out and "val_loss" in out and "test_accuracy" not in out
+    # without validation the split is the one it always was (same streams)
+    assert torch.equal(_build(server_share=0.3).data.server, _build(server_share=0.3, validation=0.0).data.server)

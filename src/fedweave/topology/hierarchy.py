@@ -14,6 +14,8 @@ two-point randomized-smoothing estimator of Lemma 7(i).
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -104,7 +106,12 @@ class LowerLevelRule(LocalRule):
         self.projection = projection or Projection()
 
     def _anchor(self, jobs: int | torch.Tensor) -> torch.Tensor:
-        return self.anchors if self.anchors.dim() == 1 else self.anchors[jobs]
+        if self.anchors.dim() == 1:
+            return self.anchors
+        k = len(self.anchors)
+        if isinstance(jobs, torch.Tensor) and jobs.numel() == k and bool((jobs == torch.arange(k)).all()):
+            return self.anchors  # every job, in order: no gather of a (K, P) table per step
+        return self.anchors[jobs]
 
     def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
         # grad_y h~_i(x, y, zeta) = grad L~_i(y, zeta) + mu (y - x)   (spec §2.3, x = the perturbed input)
@@ -147,15 +154,46 @@ class HierarchyData:
     test_y: torch.Tensor
     server: torch.Tensor  # training-set indices held by the server
     parts: list[np.ndarray]  # per client, training-set indices
+    validation: torch.Tensor | None = None  # training-set indices held out for tuning (nobody trains on them)
 
     @property
     def num_train(self) -> int:
-        return len(self.train_y)
+        """N_tr: the training samples held by the server or a client (the validation set excluded)."""
+        return len(self.train_y) - (0 if self.validation is None else len(self.validation))
 
 
-def split_hierarchy(ctx: RunContext, server_share: float, test_fraction: float | None) -> HierarchyData:
+# (id of the dataset, root seed, test fraction) -> the pooled train/test re-split; a few entries, each dropped
+# when its dataset is freed. Many runs of one process (a reproduction's worker) share a dataset and seed, and
+# pooling copies the whole dataset (about 1 s for MNIST).
+_POOLED: OrderedDict[tuple[int, int, float], tuple[torch.Tensor, ...]] = OrderedDict()
+_POOLED_MAX = 2
+
+
+def _pooled_split(ctx: RunContext, test_fraction: float) -> tuple[torch.Tensor, ...]:
+    """(train_x, train_y, test_x, test_y): the official splits pooled and re-split from ``test_split``."""
+    ds = ctx.dataset
+    key = (id(ds), ctx.config.seed, test_fraction)
+    if key in _POOLED:
+        _POOLED.move_to_end(key)
+        return _POOLED[key]
+    x, y = torch.cat([ds.train_x, ds.test_x]), torch.cat([ds.train_y, ds.test_y])
+    perm = torch.as_tensor(ctx.seeds.numpy("test_split").permutation(len(y)))
+    n_test = int(round(test_fraction * len(y)))
+    out = (x[perm[n_test:]], y[perm[n_test:]], x[perm[:n_test]], y[perm[:n_test]])
+    _POOLED[key] = out
+    weakref.finalize(ds, _POOLED.pop, key, None)  # the id may be reused once the dataset is gone
+    while len(_POOLED) > _POOLED_MAX:
+        _POOLED.popitem(last=False)
+    return out
+
+
+def split_hierarchy(
+    ctx: RunContext, server_share: float, test_fraction: float | None, validation: float = 0.0
+) -> HierarchyData:
     """Server share, client partition and (optionally) a pooled train/test re-split (spec §4.1, A15).
 
+    ``validation`` > 0 first holds out that fraction of the training set (stream ``validation_split``) for
+    tuning hyper-parameters without looking at the test set (spec A1); the rest is split as usual.
     Streams: ``test_split`` (the pooled re-split), ``server_split`` (the server's uniform share),
     ``partition`` (the configured partitioner over the clients' pool).
     """
@@ -167,13 +205,15 @@ def split_hierarchy(ctx: RunContext, server_share: float, test_fraction: float |
         )
     train_x, train_y, test_x, test_y = ds.train_x, ds.train_y, ds.test_x, ds.test_y
     if test_fraction is not None:  # pool the official splits and re-split (the paper's 90/10)
-        x, y = torch.cat([train_x, test_x]), torch.cat([train_y, test_y])
-        perm = torch.as_tensor(ctx.seeds.numpy("test_split").permutation(len(y)))
-        n_test = int(round(test_fraction * len(y)))
-        test_x, test_y = x[perm[:n_test]], y[perm[:n_test]]
-        train_x, train_y = x[perm[n_test:]], y[perm[n_test:]]
-    n = len(train_y)
-    perm = ctx.seeds.numpy("server_split").permutation(n)
+        train_x, train_y, test_x, test_y = _pooled_split(ctx, test_fraction)
+    held = np.arange(len(train_y))  # the samples the server and the clients share out
+    val = None
+    if validation > 0:
+        vperm = ctx.seeds.numpy("validation_split").permutation(len(held))
+        n_val = int(round(validation * len(held)))
+        val, held = torch.as_tensor(np.sort(vperm[:n_val])), np.sort(vperm[n_val:])
+    n = len(held)
+    perm = held[ctx.seeds.numpy("server_split").permutation(n)]
     n_server = int(round(server_share * n))
     server, pool = np.sort(perm[:n_server]), np.sort(perm[n_server:])
 
@@ -184,7 +224,7 @@ def split_hierarchy(ctx: RunContext, server_share: float, test_fraction: float |
     except ConfigError as e:
         raise ConfigError(f"partition (of the clients' {len(pool)} samples): {e}") from e
     parts = [pool[np.asarray(p, dtype=np.int64)] for p in local]
-    return HierarchyData(train_x, train_y, test_x, test_y, torch.as_tensor(server, dtype=torch.long), parts)
+    return HierarchyData(train_x, train_y, test_x, test_y, torch.as_tensor(server, dtype=torch.long), parts, val)
 
 
 # ---- the family's base class ---------------------------------------------------------------------------
@@ -202,6 +242,8 @@ class HierarchyHparams:
     local_schedule: Literal["decaying", "constant"] = "decaying"  # local.lr/(t+Gamma) or local.lr
     local_offset: float = 1.0  # Gamma in gamma~_t = local.lr / (t + Gamma)
     eval_train_loss: bool = False  # also log the cross-entropy of x on the whole training set (A13(c))
+    # > 0: hold out this fraction of the training set and evaluate on it (val_*) instead of the test set (A1)
+    validation: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.server_share < 1:
@@ -216,6 +258,8 @@ class HierarchyHparams:
             raise ConfigError(f"algorithm.steps_power must be >= 0, got {self.steps_power}")
         if self.local_offset <= 0:
             raise ConfigError(f"algorithm.local_offset must be > 0, got {self.local_offset}")
+        if not 0 <= self.validation < 1:
+            raise ConfigError(f"algorithm.validation must be in [0, 1), got {self.validation}")
 
 
 class HierarchicalAlgorithm(Algorithm):
@@ -233,7 +277,7 @@ class HierarchicalAlgorithm(Algorithm):
 
     def __init__(self, ctx: RunContext, hp: HierarchyHparams) -> None:
         super().__init__(ctx, hp)
-        self.data = split_hierarchy(ctx, hp.server_share, hp.test_fraction)
+        self.data = split_hierarchy(ctx, hp.server_share, hp.test_fraction, hp.validation)
         self.m = len(self.data.parts)
         self.k = max(1, int(round(hp.participation * self.m)))  # spec A20
         cfg = ctx.config
@@ -315,8 +359,12 @@ class HierarchicalAlgorithm(Algorithm):
     def evaluate(self, r: int) -> dict[str, float]:
         bs = self.config.eval.batch_size
         d = self.data
-        acc, loss = evaluate(self.layout, self.x, d.test_x, d.test_y, bs)
-        out = {"test_accuracy": acc, "test_loss": loss}
+        if d.validation is None:
+            acc, loss = evaluate(self.layout, self.x, d.test_x, d.test_y, bs)
+            out = {"test_accuracy": acc, "test_loss": loss}
+        else:  # tuning: the test set is not looked at
+            acc, loss = evaluate(self.layout, self.x, d.train_x[d.validation], d.train_y[d.validation], bs)
+            out = {"val_accuracy": acc, "val_loss": loss}
         if len(self.server_y):
             out["server_loss"] = evaluate(self.layout, self.x, self.server_x, self.server_y, bs)[1]  # f1(x^_r)
         if self.hp.eval_train_loss:
