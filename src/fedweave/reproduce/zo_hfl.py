@@ -45,6 +45,8 @@ LABELS = {
     "scaffold": "SCAFFOLD",
     "zo_hfl": "ZO-HFL",
     "server_only": "server-only (lambda=0)",
+    "fedavg_server": "FedAvg + server as client",
+    "zo_hfl_nocrn": "ZO-HFL, independent +/- batches (crn: false)",
 }
 ALGO = {
     "fedavg": "hier_fedavg",
@@ -55,6 +57,10 @@ ALGO = {
     "server_only_long": "zo_hfl",
     "fedavg_server": "hier_fedavg",
 }
+# Sensitivity variants of the baselines (spec §9.2, A11): a constant local step (more client drift) and
+# the compute-matched 2 H_{i,r} local steps (ZO-HFL's two solves per round).
+VARIANTS = {"const": "constant local lr {lr:g}", "2h": "2H local steps"}
+CONSTANT_LR = 0.05  # spec §9.2 sensitivity run
 DATASET_LABELS = {"mnist": "MNIST", "fashion_mnist": "Fa.-MNIST", "cifar10": "CIFAR-10", "digits": "digits"}
 
 # Table I of the paper, test accuracy (%) of the global model (spec §6.1, verbatim).
@@ -101,22 +107,36 @@ class Preset:
     extra_lams: list[float] = field(default_factory=list)  # lambda sensitivity: extra ZO-HFL rows
     long_server_only: int | None = None  # also run the (cheap) server-only control for this many rounds
     server_as_client: bool = False  # also run FedAvg with the server's share as an extra client (A12 control)
+    server_lr: float = 0.01  # gamma_0 (paper §IV)
+    table_eval_every: int = 0  # evaluation interval of the Table I runs (0: eval_every)
+    sensitivity: list[str] = field(default_factory=list)  # extra rows: "<baseline>_const", "<baseline>_2h", ...
+    sensitivity_seeds: int = 3
+    eval_batch_size: int = 8192
+    # ``--tune``: the grid of spec A1, scored by validation accuracy (10% of the training set held out)
+    tune_lams: list[float] = field(default_factory=lambda: [0.0, 0.1, 1.0, 10.0, 100.0])
+    tune_mus: list[float] = field(default_factory=lambda: [0.01, 0.1, 1.0])
+    tune_server_lrs: list[float] = field(default_factory=lambda: [0.01])
+    validation: float = 0.1
 
     @property
     def methods(self) -> list[str]:
         extra = [f"zo_hfl_lam{lam:g}" for lam in self.extra_lams]
         extra += ["fedavg_server"] if self.server_as_client else []
-        return METHODS + extra + (["server_only_long"] if self.long_server_only else [])
+        return METHODS + extra + (["server_only_long"] if self.long_server_only else []) + self.sensitivity
+
+    def seeds_of(self, method: str, seeds: list[int]) -> list[int]:
+        return seeds[: self.sensitivity_seeds] if method in self.sensitivity else seeds
 
     def rounds_of(self, method: str) -> int:
         return self.long_server_only if method == "server_only_long" else self.rounds
 
 
 def label(m: str, p: Preset | None = None) -> str:
-    if m == "fedavg_server":
-        return "FedAvg + server as client"
     if m == "server_only_long":
         return f"server-only (lambda=0), {p.long_server_only if p else 'more'} rounds"
+    base, _, variant = m.partition("_")
+    if variant in VARIANTS and base in ("fedavg", "fedprox", "scaffold"):
+        return f"{LABELS[base]}, {VARIANTS[variant].format(lr=CONSTANT_LR)}"
     return LABELS.get(m) or f"ZO-HFL (lambda={m.removeprefix('zo_hfl_lam')})"
 
 
@@ -128,6 +148,17 @@ def method_lam(p: Preset, m: str) -> float:
         if m.startswith("zo_hfl_lam")
         else p.lam
     )
+
+
+def algo_of(m: str) -> str:
+    base = m.partition("_")[0] if m.partition("_")[2] in VARIANTS else m
+    return ALGO.get(base, "zo_hfl")
+
+
+def run_setting(m: str, setting: tuple[float, float]) -> tuple[float, float]:
+    """The server-only control contacts no client, so alpha and beta do not change it: one run serves all
+    three columns (the split, the server's share and its batches come from streams independent of both)."""
+    return SETTINGS[0] if m.startswith("server_only") else setting
 
 
 PRESETS = {
@@ -156,9 +187,12 @@ PRESETS = {
         server_batch_size=32,
         eval_every=2,
         dataset_options={"mnist": {"normalize": False}, "fashion_mnist": {"normalize": False}},
-        extra_lams=[1.0],
+        extra_lams=[10.0],
         long_server_only=500,
         server_as_client=True,
+        table_eval_every=4,
+        sensitivity=["fedavg_const", "fedprox_const", "scaffold_const", "zo_hfl_nocrn"],
+        sensitivity_seeds=3,
     ),
     "paper": Preset(
         datasets=["mnist", "fashion_mnist", "cifar10"],
@@ -181,36 +215,59 @@ PRESETS = {
 
 
 def run_config(
-    p: Preset, dataset: str, setting: tuple[float, float], method: str, seed: int, tau: float, rounds: int, out: Path
+    p: Preset,
+    dataset: str,
+    setting: tuple[float, float],
+    method: str,
+    seed: int,
+    tau: float,
+    rounds: int,
+    out: Path,
+    *,
+    overrides: dict[str, Any] | None = None,
+    tag: str = "",
 ) -> dict[str, Any]:
     """The config of one run (spec §9.2/§9.3: pooled 90/10 split, 30% server share, Dir(alpha) clients)."""
+    setting = run_setting(method, setting)
     alpha, beta = setting
+    algo_name = algo_of(method)
     algo: dict[str, Any] = {
-        "name": ALGO.get(method, "zo_hfl"),
+        "name": algo_name,
         "participation": beta,
         "tau": tau,
         "test_fraction": 0.1,
         "server_share": 0.3,
     }
-    if ALGO.get(method, "zo_hfl") == "zo_hfl":
-        algo.update(lam=method_lam(p, method), mu=p.mu, server_batch_size=p.server_batch_size)
-    if method == "fedprox":
+    local = {"batch_size": p.batch_size, "lr": 0.1}  # gamma~_{i,t} = 0.1 / (t + 1) (paper §IV)
+    if algo_name == "zo_hfl":
+        algo.update(lam=method_lam(p, method), mu=p.mu, server_batch_size=p.server_batch_size, server_lr=p.server_lr)
+    if method == "zo_hfl_nocrn":
+        algo["crn"] = False  # spec A5 literal reading
+    if method.startswith("fedprox"):
         algo["mu"] = p.mu  # mu_p = mu (spec §5)
     if method == "fedavg_server":
         algo["server_data"] = "client"
-    name = f"{dataset}-a{alpha:g}-b{beta:g}-{method}-tau{tau:g}-R{rounds}-s{seed}"
+    if method.endswith("_const") and algo_name != "zo_hfl":
+        algo["local_schedule"] = "constant"
+        local["lr"] = CONSTANT_LR
+    if method.endswith("_2h") and algo_name != "zo_hfl":
+        algo["steps_factor"] = 2
+    algo.update(overrides or {})
+    name = f"{dataset}-a{alpha:g}-b{beta:g}-{method}-tau{tau:g}-R{rounds}-s{seed}{tag}"
+    table_run = rounds == p.rounds and tau == p.tau
+    every = (p.table_eval_every or p.eval_every) if table_run else p.eval_every
     return {
         "name": name,
         "seed": seed,
         "rounds": rounds,
-        "backend": "auto",
+        "backend": "vmap",  # with the closed-form gradient, vmap beat the loop at every width measured
         "threads": 1,
         "dataset": {"name": dataset, **p.dataset_options.get(dataset, {})},
         "partition": {"name": "dirichlet", "num_clients": 10, "alpha": alpha, "min_size": p.min_size},
         "model": {"name": "logistic", "bias": False, "init": "zeros"},  # x^_0 = 0, x in R^{n x C} (A8, A16)
         "algorithm": algo,
-        "local": {"batch_size": p.batch_size, "lr": 0.1},  # gamma~_{i,t} = 0.1 / (t + 1) (paper §IV)
-        "eval": {"every": max(p.eval_every, rounds // 50)},
+        "local": local,
+        "eval": {"every": max(every, rounds // 50), "batch_size": p.eval_batch_size},
         "output": {"dir": str(out / "runs" / name), "plots": False, "progress": False},
     }
 
@@ -234,18 +291,26 @@ def _run_one(cfg: dict[str, Any]) -> dict[str, Any]:
     from fedweave.results import read_metrics
     from fedweave.runner import DivergenceError, run
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     path = Path(cfg["output"]["dir"])
     done = _completed(path, cfg)
     if done is not None:  # an identical run finished earlier (e.g. before the preset gained rows): reuse it
-        return {"name": cfg["name"], "rows": done, "status": "completed", "seconds": _seconds(path), "reused": True}
+        wall, cpu = _seconds(path)
+        return {"name": cfg["name"], "rows": done, "status": "completed", "seconds": wall, "cpu": cpu, "reused": True}
     try:
         res = run(load(cfg), progress=False)
         rows, status = res.metrics, res.summary["status"]
     except DivergenceError:  # keep the rows before the NaN; the table marks the run
         rows, status = (read_metrics(path) if (path / "metrics.jsonl").is_file() else []), "diverged"
         rows = rows or [{"round": 0, "test_accuracy": float("nan"), "global_loss": float("nan")}]
-    return {"name": cfg["name"], "rows": rows, "status": status, "seconds": time.perf_counter() - t0}
+    # CPU time of this process for the run, data split included (a loaded machine inflates it far less)
+    return {
+        "name": cfg["name"],
+        "rows": rows,
+        "status": status,
+        "seconds": time.perf_counter() - t0,
+        "cpu": time.process_time() - c0,
+    }
 
 
 def _completed(path: Path, cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -260,8 +325,9 @@ def _completed(path: Path, cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
     return read_metrics(path) if same and summary.get("status") == "completed" else None
 
 
-def _seconds(path: Path) -> float:
-    return float(json.loads((path / "summary.json").read_text()).get("wall_seconds", 0.0))
+def _seconds(path: Path) -> tuple[float, float]:
+    summary = json.loads((path / "summary.json").read_text())
+    return float(summary.get("wall_seconds", 0.0)), float(summary.get("cpu_seconds") or 0.0)
 
 
 def run_all(configs: list[dict[str, Any]], workers: int) -> dict[str, dict[str, Any]]:
@@ -271,6 +337,14 @@ def run_all(configs: list[dict[str, Any]], workers: int) -> dict[str, dict[str, 
     ctx = get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as ex:
         return {r["name"]: r for r in ex.map(_run_one, configs)}
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (the workers: start-up and data loading included)."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 # ---- summarizing ---------------------------------------------------------------------------------------
@@ -298,7 +372,8 @@ def summarize(
         for si, s in enumerate(SETTINGS):
             for m in p.methods:
                 R = p.rounds_of(m)
-                res = [results[run_config(p, ds, s, m, seed, p.tau, R, out)["name"]] for seed in seeds]
+                run_seeds = p.seeds_of(m, seeds)
+                res = [results[run_config(p, ds, s, m, seed, p.tau, R, out)["name"]] for seed in run_seeds]
                 mean, std = _ms([100 * _final(r) for r in res])
                 last_mean, _ = _ms([100 * _last10(r, R) for r in res])
                 acc[(ds, m, s)] = (mean, std)
@@ -313,8 +388,9 @@ def summarize(
                         "acc_std": round(std, 2),
                         "acc_last10_mean": round(last_mean, 2),
                         "paper_acc": paper[si] if paper else "",
-                        "seeds": len(seeds),
+                        "seeds": len(run_seeds),
                         "seconds_mean": round(float(np.mean([r["seconds"] for r in res])), 1),
+                        "cpu_seconds_mean": round(float(np.mean([r.get("cpu", 0.0) for r in res])), 2),
                         "diverged": sum(r["status"] == "diverged" for r in res),
                     }
                 )
@@ -413,8 +489,11 @@ def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], o
     lines += ["## Claims (spec §9.2)", "", "```json", json.dumps(claims, indent=2), "```", ""]
     lines += [
         f"Wall time of this invocation: {meta['wall_seconds']:.0f} s with {meta['workers']} worker process(es); "
-        f"sum of the {meta['runs']} runs' own wall times: {sum(meta['run_seconds'].values()):.0f} s "
-        f"({meta['reused']} runs reused from an earlier invocation, counted with their original time).",
+        f"CPU time of this invocation (workers, their start-up and data loading included): "
+        f"{meta['cpu_seconds']:.0f} s; sum of the {meta['runs']} runs' own CPU times "
+        f"{sum(meta['run_cpu_seconds'].values()):.0f} s and wall times {sum(meta['run_seconds'].values()):.0f} s "
+        f"({meta['reused']} runs reused from an earlier invocation, counted with their original time); "
+        f"load average at the end {meta['load_at_end']}.",
         "",
     ]
     atomic_write(out / "table.md", "\n".join(lines))
@@ -452,7 +531,7 @@ def write_plots(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int],
     for ds in p.datasets:  # accuracy vs rounds per method
         fig, axes = plt.subplots(1, len(SETTINGS), figsize=(4.2 * len(SETTINGS), 3.4), sharey=True)
         for ax, s in zip(np.atleast_1d(axes), SETTINGS):
-            for m in (m for m in p.methods if p.rounds_of(m) == p.rounds):
+            for m in (m for m in p.methods if p.rounds_of(m) == p.rounds and m not in p.sensitivity):
                 runs = [results[run_config(p, ds, s, m, seed, p.tau, p.rounds, out)["name"]]["rows"] for seed in seeds]
                 x = [r["round"] for r in runs[0]]
                 ax.plot(x, np.mean([[r["test_accuracy"] for r in rows] for rows in runs], axis=0), label=label(m))
@@ -471,8 +550,8 @@ def plan(p: Preset, seeds: list[int], out: Path) -> list[dict[str, Any]]:
     configs = {}
     for ds in p.datasets:
         for s in SETTINGS:
-            for seed in seeds:
-                for m in p.methods:
+            for m in p.methods:
+                for seed in p.seeds_of(m, seeds):
                     c = run_config(p, ds, s, m, seed, p.tau, p.rounds_of(m), out)
                     configs[c["name"]] = c
     for ds in p.sweep_dataset:
@@ -481,9 +560,86 @@ def plan(p: Preset, seeds: list[int], out: Path) -> list[dict[str, Any]]:
                 for tau in p.sweep_taus:
                     c = run_config(p, ds, s, "zo_hfl", seed, tau, p.sweep_rounds, out)
                     configs.setdefault(c["name"], c)
-    # longest first (most local steps x participants), so the workers finish together
+    return order(list(configs.values()))
+
+
+def order(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs of one (dataset, seed) together, so a worker re-splits the data rarely (the split is cached per
+    process); within a group the longest first (local steps x participants), so the workers finish together."""
     cost = lambda c: c["algorithm"]["tau"] * c["rounds"] ** 1.5 * c["algorithm"]["participation"]  # noqa: E731
-    return sorted(configs.values(), key=cost, reverse=True)
+    return sorted(configs, key=lambda c: (c["dataset"]["name"], c["seed"], -cost(c)))
+
+
+# ---- tuning lambda and mu on a validation split (spec A1) -----------------------------------------------
+
+
+def tune_configs(p: Preset, seeds: list[int], out: Path) -> list[dict[str, Any]]:
+    """ZO-HFL over the (lambda, mu, gamma_0) grid on every dataset and setting; scored on a validation set
+    held out of the training set, so the test set is not looked at. lambda = 0 ignores mu (one run)."""
+    configs = {}
+    for ds in p.datasets:
+        for s in SETTINGS:
+            for seed in seeds:
+                for lam in p.tune_lams:
+                    for mu in p.tune_mus if lam > 0 else p.tune_mus[:1]:
+                        for g in p.tune_server_lrs:
+                            over = {"lam": lam, "mu": mu, "server_lr": g, "validation": p.validation}
+                            tag = f"-lam{lam:g}-mu{mu:g}-g{g:g}-val"
+                            c = run_config(p, ds, s, "zo_hfl", seed, p.tau, p.rounds, out, overrides=over, tag=tag)
+                            configs[c["name"]] = c
+    return order(list(configs.values()))
+
+
+def tune_summary(configs: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (lambda, mu, gamma_0): final validation accuracy per dataset and setting (seed mean) and overall."""
+    cells: dict[tuple, dict[str, list[float]]] = {}
+    for c in configs:
+        a = c["algorithm"]
+        key = (a["lam"], a["mu"] if a["lam"] > 0 else "-", a["server_lr"])
+        col = f"{c['dataset']['name']} {SETTING_NAMES[(c['partition']['alpha'], a['participation'])]}"
+        acc = float(results[c["name"]]["rows"][-1]["val_accuracy"])
+        cells.setdefault(key, {}).setdefault(col, []).append(100 * acc)
+    rows = []
+    for (lam, mu, g), cols in cells.items():
+        means = {col: round(float(np.mean(v)), 2) for col, v in cols.items()}
+        rows.append(
+            {"lam": lam, "mu": mu, "server_lr": g, **means, "mean": round(float(np.mean(list(means.values()))), 2)}
+        )
+    return sorted(rows, key=lambda r: -r["mean"])
+
+
+def write_tune(rows: list[dict[str, Any]], out: Path, meta: dict) -> None:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write(out / "tune.csv", buf.getvalue())
+    cols = list(rows[0])
+    lines = [
+        "# ZO-HFL: lambda and mu chosen on a validation split (spec A1)",
+        "",
+        f"Final validation accuracy % (10% of the training set held out; the test set is not used), "
+        f"{meta['rounds']} rounds, tau = {meta['tau']:g}, {meta['seeds']} seed(s); best first. "
+        f"lambda = 0 is the server-only control (mu unused).",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|---" * len(cols) + "|",
+    ]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    lines += [
+        "",
+        f"Wall time {meta['wall_seconds']:.0f} s with {meta['workers']} worker(s); CPU time of the invocation "
+        f"(workers included) {meta['cpu_seconds']:.0f} s; load average at the end {meta['load']}.",
+        "",
+    ]
+    atomic_write(out / "tune.md", "\n".join(lines))
+
+
+def _load() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
 
 
 def main(argv: list[str]) -> int:
@@ -493,6 +649,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default="runs/reproduce-zo-hfl")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="parallel processes")
     ap.add_argument("--rounds", type=int, default=None, help="override the Table I rounds of the preset")
+    ap.add_argument(
+        "--tune", action="store_true", help="only tune lambda and mu (and gamma_0) on a validation split (spec A1)"
+    )
     args = ap.parse_args(argv)
     p = dataclasses.replace(PRESETS[args.scale])  # a copy: the presets stay as defined
     if args.rounds is not None:
@@ -504,6 +663,24 @@ def main(argv: list[str]) -> int:
     p.sweep_seeds = min(p.sweep_seeds, n_seeds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.tune:
+        tune_seeds = seeds if args.seeds is not None else [0]
+        configs = tune_configs(p, tune_seeds, out)
+        print(f"zo-hfl tuning ({args.scale}): {len(configs)} runs on {args.workers} worker(s) -> {out}")
+        t0 = time.perf_counter()
+        results = run_all(configs, args.workers)
+        meta = {
+            "rounds": p.rounds,
+            "tau": p.tau,
+            "seeds": len(tune_seeds),
+            "workers": args.workers,
+            "wall_seconds": time.perf_counter() - t0,
+            "cpu_seconds": cpu_seconds(),
+            "load": _load(),
+        }
+        write_tune(tune_summary(configs, results), out, meta)
+        print((out / "tune.md").read_text())
+        return 0
     configs = plan(p, seeds, out)
     print(f"zo-hfl reproduction ({args.scale}): {len(configs)} runs on {args.workers} worker(s) -> {out}")
     t0 = time.perf_counter()
@@ -517,6 +694,9 @@ def main(argv: list[str]) -> int:
         "wall_seconds": round(wall, 1),
         "runs": len(configs),
         "run_seconds": {k: round(v["seconds"], 1) for k, v in results.items()},
+        "run_cpu_seconds": {k: round(v.get("cpu", 0.0), 2) for k, v in results.items()},
+        "cpu_seconds": round(cpu_seconds(), 1),  # this invocation, workers included
+        "load_at_end": _load(),
         "reused": sum(bool(v.get("reused")) for v in results.values()),
     }
     rows, claims = summarize(p, results, seeds, out)
