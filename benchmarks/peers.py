@@ -58,6 +58,7 @@ CONFIGS = {
     "fedweave": {"framework": "fedweave", "backend": "auto", "threads": 2},
     "fedweave-1t": {"framework": "fedweave", "backend": "auto", "threads": 1},
     "fedweave-ray-2x1": {"framework": "fedweave", "backend": "ray", "threads": 2, "workers": 2},
+    "fedweave-pool-2x1": {"framework": "fedweave", "backend": "pool", "threads": 2},
     "flower-2x1": {"framework": "flower", "actors": 2, "actor_cpus": 1},
     "flower-1x2": {"framework": "flower", "actors": 1, "actor_cpus": 2},
 }
@@ -95,6 +96,19 @@ def partition_digest(parts) -> str:
     return h.hexdigest()[:16]
 
 
+def tree_cpu() -> float:
+    """CPU seconds (user + system) used so far by this process and its live descendants (pool workers, Ray's
+    processes and actors): robust to other load on the machine, unlike wall time."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0
+    for pid in process_tree(os.getpid()):
+        try:
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(f[11]) + int(f[12])
+    return total / tick
+
+
 # ---- fedweave ----------------------------------------------------------------------------------------
 def run_fedweave(workload: str, rounds: int, spec: dict, launched: float) -> dict:
     import torch
@@ -110,18 +124,25 @@ def run_fedweave(workload: str, rounds: int, spec: dict, launched: float) -> dic
         from fedweave.execution.ray import pool
 
         pool(algo.trainer).pids()  # start Ray and the actors before round 1 (counted as start-up)
+    if algo.trainer.backend == "pool":
+        from fedweave.execution.pool import pool
+
+        pool(algo.trainer)  # fork the workers before round 1 (counted as start-up)
     start = time.time() - launched
-    train, evals, accs = [], [], []
+    train, evals, accs, cpu = [], [], [], []
     for r in range(rounds):
         t0 = time.perf_counter()
+        cpu.append(tree_cpu())
         algo.run_round(r)
         t1 = time.perf_counter()
         ev = algo.evaluate(r)
         train.append(t1 - t0)
         evals.append(time.perf_counter() - t1)
         accs.append(ev["test_accuracy"])
+    cpu.append(tree_cpu())
     return {
         "startup": start,
+        "cpu": [b - a for a, b in zip(cpu, cpu[1:])],
         "train": train,
         "eval": evals,
         "accuracy": accs,
@@ -206,13 +227,14 @@ def run_flower(workload: str, rounds: int, spec: dict, launched: float) -> dict:
     ctx, ds, _ = _plan(setting)
     n, k = w["num_clients"], w["per_round"]
     sampled = [np.sort(ctx.seeds.numpy("client_sampling", r).choice(n, k, replace=False)) for r in range(rounds)]
-    marks: dict = {"round_start": [], "train_end": [], "round_end": [], "accuracy": []}
+    marks: dict = {"round_start": [], "train_end": [], "round_end": [], "accuracy": [], "cpu": []}
 
     class SampledFedAvg(FedAvg):
         """FedAvg whose round-r clients are fedweave's sampled clients (each told its id)."""
 
         def configure_train(self, server_round, arrays, config, grid):
             marks["round_start"].append(time.time())
+            marks["cpu"].append(tree_cpu())
             nodes = sorted(grid.get_node_ids())
             while len(nodes) < n:  # the nodes register in the background at start-up
                 time.sleep(0.05)
@@ -237,6 +259,8 @@ def run_flower(workload: str, rounds: int, spec: dict, launched: float) -> dict:
         acc = evaluate_model(model, ds.test_x, ds.test_y)
         marks["accuracy"].append(acc)
         marks["round_end"].append(time.time())
+        if server_round == rounds:
+            marks["cpu"].append(tree_cpu())
         return MetricRecord({"accuracy": acc})
 
     server = ServerApp()
@@ -264,6 +288,7 @@ def run_flower(workload: str, rounds: int, spec: dict, launched: float) -> dict:
     starts, ends, trains = marks["round_start"], marks["round_end"], marks["train_end"]
     return {
         "startup": starts[0] - launched,
+        "cpu": [b - a for a, b in zip(marks["cpu"], marks["cpu"][1:])],
         "train": [t - s for s, t in zip(starts, trains)],
         "eval": [e - t for t, e in zip(trains, ends)],
         "accuracy": marks["accuracy"],
@@ -379,50 +404,70 @@ def launch(name: str, workload: str, rounds: int) -> dict:
     res = json.loads(out.read_text())
     out.unlink()
     res.update({f"peak_{k}": v for k, v in peak.items()}, processes=nprocs, total=time.time() - launched)
+    res["load"] = os.getloadavg()[0]
     return res
 
 
-def summarize(workload: str, rounds: int, results: dict[str, dict], threads: int) -> str:
+def _median_rounds(values: list[float]) -> float:
+    return statistics.median(values[1:] or values)  # round 1 pays the warm-up
+
+
+def summarize(workload: str, rounds: int, results: dict[str, list[dict]], threads: int) -> str:
+    """One table row per configuration: medians over the repetitions, which ran interleaved."""
     fl = train_flops_per_round(workload, rounds)
     peak = matmul_gflops(threads)
-    lines = [f"## {workload}: {rounds} rounds, load average {os.getloadavg()[0]:.2f} at the end", ""]
-    lines.append(
-        "| configuration | per round (s) | train / eval (s) | round 1 (s) | start-up (s) | start-up + warm-up (s) "
-        "| peak RSS / PSS (GB) "
-        "| peak anon / shm (GB) | processes | final acc | train GFLOP/s |"
-    )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
-    per_round = {}
-    for name, r in results.items():
-        tot = [a + b for a, b in zip(r["train"], r["eval"])]
-        later = tot[1:] or tot
-        per_round[name] = statistics.median(later)
-        tr, ev = statistics.median(r["train"][1:] or r["train"]), statistics.median(r["eval"][1:] or r["eval"])
-        gflops = sum(fl[1:] or fl) / sum(r["train"][1:] or r["train"]) / 1e9
-        label = f"{name} ({r['backend']})" if "backend" in r else name
+    loads = [r["load"] for runs in results.values() for r in runs]
+    reps = max(len(runs) for runs in results.values())
+    lines = [
+        f"## {workload}: {rounds} rounds, {reps} interleaved repetition(s), "
+        f"load average {min(loads):.1f}-{max(loads):.1f} (1 min, after each run)",
+        "",
+        "| configuration | per round (s) | per round, each repetition (s) | train / eval (s) | CPU per round (s) "
+        "| round 1 (s) | start-up (s) | start-up + warm-up (s) | peak RSS / PSS (GB) | peak anon / shm (GB) "
+        "| processes | final acc (%) | train GFLOP/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    per_rep: dict[str, list[float]] = {}
+    for name, runs in results.items():
+        per_rep[name] = [_median_rounds([a + b for a, b in zip(r["train"], r["eval"])]) for r in runs]
+        med = statistics.median
+        tr = med([_median_rounds(r["train"]) for r in runs])
+        ev = med([_median_rounds(r["eval"]) for r in runs])
+        cpu = med([_median_rounds(r["cpu"]) for r in runs])
+        first = med([r["train"][0] + r["eval"][0] for r in runs])
+        start = med([r["startup"] for r in runs])
+        warm = med([r["startup"] + max(r["train"][0] + r["eval"][0] - p, 0) for r, p in zip(runs, per_rep[name])])
+        gflops = sum(fl[1:] or fl) / tr / max(len(fl) - 1, 1) / 1e9
+        pk = {k: max(r[f"peak_{k}"] for r in runs) / 2**30 for k in ("rss", "pss", "anon", "shmem")}
+        label = f"{name} ({runs[0]['backend']})" if "backend" in runs[0] else name
         lines.append(
-            f"| {label} | {per_round[name]:.3f} | {tr:.3f} / {ev:.3f} | {tot[0]:.2f} | {r['startup']:.1f} "
-            f"| {r['startup'] + max(tot[0] - per_round[name], 0):.1f} "
-            f"| {r['peak_rss'] / 2**30:.2f} / {r['peak_pss'] / 2**30:.2f} "
-            f"| {r['peak_anon'] / 2**30:.2f} / {r['peak_shmem'] / 2**30:.2f} | {r['processes']} "
-            f"| {100 * r['accuracy'][-1]:.2f} | {gflops:.1f} ({100 * gflops / peak:.0f}% of matmul) |"
+            f"| {label} | {med(per_rep[name]):.3f} | {', '.join(f'{v:.3f}' for v in per_rep[name])} "
+            f"| {tr:.3f} / {ev:.3f} | {cpu:.2f} | {first:.2f} | {start:.1f} | {warm:.1f} "
+            f"| {pk['rss']:.2f} / {pk['pss']:.2f} | {pk['anon']:.2f} / {pk['shmem']:.2f} "
+            f"| {max(r['processes'] for r in runs)} | {100 * runs[-1]['accuracy'][-1]:.2f} "
+            f"| {gflops:.1f} ({100 * gflops / peak:.0f}% of matmul) |"
         )
     lines.append("")
-    lines.append(f"Dense float32 matmul (2048^2, {threads} threads): {peak:.1f} GFLOP/s.")
-    accs = {n: 100 * r["accuracy"][-1] for n, r in results.items()}
+    lines.append(
+        f"Dense float32 matmul (2048^2, {threads} threads): {peak:.1f} GFLOP/s; train GFLOP/s = training FLOPs "
+        "of a median round over its median training time."
+    )
+    accs = {n: 100 * r["accuracy"][-1] for n, runs in results.items() for r in runs}
     spread = max(accs.values()) - min(accs.values())
-    digests = {r["partition"] for r in results.values()}
+    digests = {r["partition"] for runs in results.values() for r in runs}
     lines.append(f"Same partition in every run: {'yes' if len(digests) == 1 else 'NO'} ({', '.join(digests)}).")
     verdict = "agree" if spread <= 0.5 else "DISAGREE: the comparison is void"
     lines.append(f"Final accuracies {verdict} (spread {spread:.2f} points).")
-    fw = {n: v for n, v in per_round.items() if n.startswith("fedweave")}
-    flw = {n: v for n, v in per_round.items() if n.startswith("flower")}
+    med_rep = {n: statistics.median(v) for n, v in per_rep.items()}
+    fw = {n: v for n, v in med_rep.items() if n.startswith("fedweave")}
+    flw = {n: v for n, v in med_rep.items() if n.startswith("flower")}
     if fw and flw:
         best_fw, best_fl = min(fw, key=fw.get), min(flw, key=flw.get)
+        pairs = [a / b for a, b in zip(per_rep[best_fw], per_rep[best_fl])]
         ratio = fw[best_fw] / flw[best_fl]
         lines.append(
-            f"Best fedweave ({best_fw}) / best Flower ({best_fl}) per round: {ratio:.3f}x "
-            f"(Flower is {1 / ratio:.1f}x slower)."
+            f"Best fedweave ({best_fw}) / best Flower ({best_fl}) per round: {ratio:.3f}x (Flower {1 / ratio:.1f}x "
+            f"slower); per repetition {', '.join(f'{x:.3f}' for x in pairs)}."
         )
     return "\n".join(lines)
 
@@ -432,6 +477,7 @@ def main() -> None:
     ap.add_argument("--workload", nargs="+", default=["cnn"], choices=list(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--only", nargs="+", choices=list(CONFIGS), help="configurations to run (default: per workload)")
+    ap.add_argument("--repeat", type=int, default=1, help="repetitions, interleaved across configurations")
     ap.add_argument("--json", type=Path, help="also write all measurements here")
     ap.add_argument("--eval-variants", action="store_true", help="also time cheaper evaluation paths")
     ap.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
@@ -447,10 +493,11 @@ def main() -> None:
     everything = {}
     for workload in args.workload:
         names = args.only or DEFAULT_CONFIGS[workload]
-        results = {}
-        for name in names:
-            print(f"[{workload}] {name} ...", file=sys.stderr, flush=True)
-            results[name] = launch(name, workload, args.rounds)
+        results: dict[str, list[dict]] = {name: [] for name in names}
+        for rep in range(args.repeat):  # interleaved, so that changes in the machine's load hit every one
+            for name in names:
+                print(f"[{workload}] {name}, repetition {rep + 1} ...", file=sys.stderr, flush=True)
+                results[name].append(launch(name, workload, args.rounds))
         everything[workload] = results
         print(summarize(workload, args.rounds, results, threads=2), flush=True)
         print()

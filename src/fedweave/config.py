@@ -94,6 +94,9 @@ class EvalConfig:
     every: int = 1
     batch_size: int = 2048
     per_client: bool = False  # evaluate each client's model on its own test set (personalized methods)
+    # star family: test_accuracy = mean over clients of the global model's accuracy on each client's own
+    # test set (drawn with its train label distribution, as the decentralized family; afind-plus A29)
+    personal_test: bool = False
 
     def validate(self) -> None:
         if self.every < 1:
@@ -164,7 +167,7 @@ class RayConfig:
             raise ConfigError(f"ray.object_store_memory_mb must be >= 80 (Ray's minimum) or null, got {got}")
 
 
-BACKENDS = ("auto", "loop", "vmap", "ray")
+BACKENDS = ("auto", "loop", "vmap", "ray", "pool")
 
 
 @dataclass

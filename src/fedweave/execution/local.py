@@ -71,7 +71,7 @@ def cross_entropy(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | No
 
 
 class LocalTrainer:
-    """Runs local SGD for batches of jobs on the ``loop``, ``vmap`` or ``ray`` backend."""
+    """Runs local SGD for batches of jobs on the ``loop``, ``vmap``, ``ray`` or ``pool`` backend."""
 
     def __init__(
         self,
@@ -88,8 +88,8 @@ class LocalTrainer:
         rounds: int | None = None,
         ray: RayConfig | None = None,
     ) -> None:
-        if backend not in ("loop", "vmap", "ray"):
-            raise ValueError(f"backend must be 'loop', 'vmap' or 'ray' here, got {backend!r}")
+        if backend not in ("loop", "vmap", "ray", "pool"):
+            raise ValueError(f"backend must be 'loop', 'vmap', 'ray' or 'pool' here, got {backend!r}")
         self.layout = ParamLayout(model)
         self.train_x, self.train_y = train_x, train_y
         self.parts = [torch.as_tensor(np.asarray(p), dtype=torch.long) for p in parts]
@@ -198,9 +198,9 @@ class LocalTrainer:
         if len(clients) != starts.shape[0]:
             raise ValueError(f"{len(clients)} clients but {starts.shape[0]} start vectors")
         lr = self.lr(round) if lr is None else lr
-        from fedweave.execution import loop, ray, vmap  # the backends share this plan
+        from fedweave.execution import loop, pool, ray, vmap  # the backends share this plan
 
-        run = {"loop": loop.run, "vmap": vmap.run, "ray": ray.run}[self.backend]
+        run = {"loop": loop.run, "vmap": vmap.run, "ray": ray.run, "pool": pool.run}[self.backend]
         return run(self, starts, list(map(int, clients)), round, rule, lr, steps, key)
 
     def sgd_update(

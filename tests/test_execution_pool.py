@@ -1,0 +1,153 @@
+"""The pool backend computes what the loop backend computes; evaluation gives the same sums on the pool's
+workers as in the driver; the plain-SGD fast path of the loop backend gives the general path's bits."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.config import load
+from fedweave.execution import LocalRule, evaluate, evaluate_clients
+from fedweave.execution.evaluate import EVAL_ROWS, batch_sums, channels_last_ok
+from fedweave.execution.pool import pool, pool_for
+from tests.conftest import make_toy
+from tests.test_core_engine import ProxLookAhead, _models, _trainer
+
+
+class Unchanged(LocalRule):
+    """Plain SGD written as a rule: takes the general path, not the fast path."""
+
+    def direction(self, w, grad, jobs):
+        return grad(w)
+
+
+class Boom(LocalRule):
+    def direction(self, w, grad, jobs):
+        raise ValueError("rule failed on purpose")
+
+
+@pytest.fixture(params=["linear", "cnn"])
+def model(request):
+    return dict(zip(["linear", "cnn"], _models()))[request.param]
+
+
+@pytest.mark.parametrize("local", [{"epochs": 2, "batch_size": 16, "lr": 0.1}, {"steps": 4, "batch_size": 8}])
+def test_plain_fast_path_gives_the_general_paths_bits(model, uneven_parts, local):
+    tr = _trainer(model, uneven_parts, "loop", **local)
+    w0 = tr.layout.flatten()
+    starts = w0 + 0.01 * torch.arange(5, dtype=torch.float32)[:, None]
+    fast = tr.train(starts, [0, 1, 2, 3, 5], round=1)
+    general = tr.train(starts, [0, 1, 2, 3, 5], round=1, rule=Unchanged())
+    assert torch.equal(fast.params, general.params) and torch.equal(fast.loss, general.loss)
+    assert torch.equal(tr.layout.flatten(), w0)  # the template model is left as it was
+
+
+def test_pool_equals_loop_for_plain_and_custom_rules(model, uneven_parts):
+    clients = [0, 1, 2, 3, 5, 4]
+    loop = _trainer(model, uneven_parts, "loop", epochs=1, batch_size=16, lr=0.1)
+    pooled = _trainer(model, uneven_parts, "pool", epochs=1, batch_size=16, lr=0.1)
+    pool(pooled, workers=2)
+    w0 = loop.layout.flatten()
+    starts = w0 + 0.01 * torch.arange(len(clients), dtype=torch.float32)[:, None]
+    anchors = torch.randn(len(clients), loop.layout.numel, generator=torch.Generator().manual_seed(1)) * 0.1
+    for rule in (LocalRule(), ProxLookAhead(anchors)):  # per-job tensors indexed by global job position
+        a = loop.train(starts, clients, round=2, rule=rule)
+        b = pooled.train(starts, clients, round=2, rule=rule)
+        assert torch.equal(a.steps, b.steps)
+        torch.testing.assert_close(b.params, a.params, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=1e-6)
+    one = pooled.train(w0, [3], round=0)  # one shared start, fewer jobs than workers
+    torch.testing.assert_close(one.params, loop.train(w0, [3], round=0).params, rtol=1e-6, atol=1e-6)
+    assert pooled.train(w0, [], round=0).params.shape == (0, w0.numel())
+
+
+def test_pool_evaluation_adds_the_same_batch_sums(model, uneven_parts):
+    ds = make_toy(n_test=301)  # 301 rows, batches of 64: 5 batches, uneven over 2 workers
+    tr = _trainer(model, uneven_parts, "pool", epochs=1, batch_size=16, lr=0.1)
+    w = tr.layout.flatten() + 0.05
+    local = batch_sums(tr.layout, w, ds.test_x, ds.test_y, 64)
+    want = (sum(c for _, c in local) / 301, sum(s for s, _ in local) / 301)
+    assert evaluate(tr.layout, w, ds.test_x, ds.test_y, 64) == want  # no pool yet: in the driver
+    p = pool(tr, workers=2)
+    assert pool_for(tr.layout) is p
+    assert p.batch_sums(w, ds.test_x, ds.test_y, 64) == local  # the same batches, the same values
+    assert evaluate(tr.layout, w, ds.test_x, ds.test_y, 64) == want
+    assert evaluate(tr.layout, w, ds.test_x, ds.test_y, 64) == want  # the set is cached in the workers
+    ds.test_x[0] += 1.0  # modified in place: sent again, not served stale
+    changed = batch_sums(tr.layout, w, ds.test_x, ds.test_y, 64)
+    assert p.batch_sums(w, ds.test_x, ds.test_y, 64) == changed
+
+
+def test_evaluation_rows_and_channels_last_twin():
+    torch.manual_seed(0)
+    cnn = nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(48, 4))
+    assert channels_last_ok(cnn) and not channels_last_ok(nn.Sequential(nn.Flatten(), nn.Linear(36, 4)))
+    assert not channels_last_ok(nn.Sequential(nn.Conv2d(1, 3, 3), nn.GroupNorm(1, 3)))
+    from fedweave.execution import ParamLayout
+
+    layout = ParamLayout(cnn)
+    ds = make_toy(n_test=600)
+    w = layout.flatten()
+    with torch.inference_mode():  # the plain NCHW model, in one batch
+        logits = cnn(ds.test_x)
+        loss = float(nn.functional.cross_entropy(logits, ds.test_y))
+        acc = int((logits.argmax(1) == ds.test_y).sum()) / 600
+    got_acc, got_loss = evaluate(layout, w, ds.test_x, ds.test_y, 2048)
+    assert got_acc == pytest.approx(acc, abs=1e-9) and got_loss == pytest.approx(loss, rel=1e-5)
+    assert len(batch_sums(layout, w, ds.test_x, ds.test_y, min(2048, EVAL_ROWS))) == -(-600 // EVAL_ROWS)
+    accs, losses = evaluate_clients(layout, w, ds.test_x, ds.test_y, [list(range(300)), list(range(300, 600))])
+    assert (accs * 300).sum() / 600 == pytest.approx(acc) and losses.mean() == pytest.approx(loss, rel=1e-5)
+
+
+def test_a_failing_rule_reports_the_workers_traceback(uneven_parts):
+    tr = _trainer(next(_models()), uneven_parts, "pool", epochs=1, batch_size=16, lr=0.1)
+    pool(tr, workers=2)
+    with pytest.raises(RuntimeError, match="rule failed on purpose"):
+        tr.train(tr.layout.flatten(), [0, 1, 3], round=0, rule=Boom())
+    assert tr.train(tr.layout.flatten(), [0, 1], round=0).params.shape[0] == 2  # the pool still serves
+
+
+def test_workers_exit_when_the_trainer_is_collected(uneven_parts):
+    tr = _trainer(next(_models()), uneven_parts, "pool", epochs=1, batch_size=16, lr=0.1)
+    pids = pool(tr, workers=2).pids()
+    assert all(os.path.exists(f"/proc/{p}") for p in pids)
+    del tr
+    gc.collect()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
+def test_a_run_on_the_pool_equals_the_loop(toy_config, algorithm):
+    out = {}
+    for backend in ("loop", "pool"):
+        cfg = {**toy_config, "backend": backend, "threads": 2, "model": {"name": "_toy_cnn"}}
+        cfg["algorithm"] = {"name": algorithm, "clients_per_round": 5}
+        ctx = RunContext(load(cfg))
+        algo = build_algorithm(ctx)
+        evals = []
+        for r in range(3):
+            algo.run_round(r)
+            evals.append(algo.evaluate(r))
+        out[backend] = (algo.x.clone(), evals)
+        torch.set_num_threads(1)
+    torch.testing.assert_close(out["pool"][0], out["loop"][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(out["loop"][1], out["pool"][1]):
+        assert a["test_accuracy"] == b["test_accuracy"]
+        assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-5)
