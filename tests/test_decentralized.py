@@ -379,16 +379,16 @@ def test_loop_and_vmap_backends_agree(algo_name):
 @pytest.mark.parametrize("scale", ["small", "paper"])
 def test_reproduce_presets_are_valid_configs(scale):
     """Every run of the small and paper presets is a valid config (data-free check)."""
-    import json
 
     from fedweave.config import build_dataclass
     from fedweave.registry import ALGORITHMS
-    from fedweave.reproduce.afind_plus import plan, preset
+    from fedweave.reproduce.afind_plus import plan, preset, run_config
 
     p = preset(scale)
     jobs, rows = plan(p, 1, {"1", "2", "3", "tau", "dp"})
     assert {"table1", "table2", "table3", "tau", "dp"} <= set(rows)
     bases = {s.key: s.base for s in p.settings}
     for j in jobs:
-        cfg = load({**bases[j.setting], "name": "x", "seed": 0, "algorithm": json.loads(j.algo)})
+        cfg = load(run_config(j, bases[j.setting]))
+        assert cfg.eval.personal_test == (j.label == "FedAvg") and cfg.eval.every == bases[j.setting]["eval"]["every"]
         build_dataclass(ALGORITHMS.get(cfg.algorithm.name).Hparams, cfg.algorithm.options, "algorithm")

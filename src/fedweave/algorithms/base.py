@@ -84,6 +84,27 @@ class RunContext:
     def num_clients(self) -> int:
         return len(self.partition)
 
+    def personal_test_parts(self, per_client: int | None = None) -> list[np.ndarray]:
+        """Per-client test indices: the natural users' own test samples for a ``natural`` partition, else a
+        draw from the test split with each client's train label distribution (afind-plus spec 4.2; the
+        ``test_split`` stream, so every family evaluating a run's clients sees the same sets)."""
+        cache = self.__dict__.setdefault("_personal_test_parts", {})
+        if per_client not in cache:
+            from fedweave.data.partition import client_test_split, user_test_split
+
+            ds = self.dataset
+            if self.config.partition.name == "natural" and ds.train_users is not None and ds.test_users is not None:
+                cache[per_client] = user_test_split(self.partition, ds.train_users, ds.test_users)
+            else:
+                cache[per_client] = client_test_split(
+                    self.partition,
+                    ds.train_y.numpy(),
+                    ds.test_y.numpy(),
+                    self.seeds.numpy("test_split"),
+                    per_client=per_client,
+                )
+        return cache[per_client]
+
     def build_model(self) -> nn.Module:
         """A fresh model, initialized from the ``model_init`` stream (same seed, same weights)."""
         builder = MODELS.get(self.config.model.name)

@@ -236,7 +236,6 @@ class GraphAlgorithm(Algorithm):
         self.store = StateStore(n)
         self.store.create("model", self.layout.numel, fill=self.layout.flatten())
         self.model_bytes = self.layout.numel * 4  # float32 rows
-        self._test_parts: list[np.ndarray] | None = None
         self._checkpoint: tuple[str, ...] = ()
         self.faults = Faults(ctx.config.faults, ctx.seeds)
         self.faulty = bool(self.faults.active())
@@ -343,22 +342,7 @@ class GraphAlgorithm(Algorithm):
     @property
     def test_parts(self) -> list[np.ndarray]:
         """Per-client test indices with each client's train label distribution (spec 4.2)."""
-        if self._test_parts is None:
-            from fedweave.data.partition import client_test_split, user_test_split
-
-            ds = self.ctx.dataset
-            natural = self.config.partition.name == "natural"
-            if natural and ds.train_users is not None and ds.test_users is not None:
-                self._test_parts = user_test_split(self.ctx.partition, ds.train_users, ds.test_users)
-            else:
-                self._test_parts = client_test_split(
-                    self.ctx.partition,
-                    ds.train_y.numpy(),
-                    ds.test_y.numpy(),
-                    self.seeds.numpy("test_split"),
-                    per_client=self.hp.test_per_client,
-                )
-        return self._test_parts
+        return self.ctx.personal_test_parts(self.hp.test_per_client)
 
     def eval_models(self, r: int) -> torch.Tensor:
         """The models evaluated after round ``r`` (default: ``W``)."""

@@ -201,6 +201,16 @@ class StarAlgorithm(Algorithm):
         ds, ev = self.ctx.dataset, self.config.eval
         acc, loss = evaluate(self.layout, self.x, ds.test_x, ds.test_y, ev.batch_size)
         out = {"test_accuracy": acc, "test_loss": loss}
+        if ev.personal_test:  # the global model on each client's own test set, averaged over clients
+            parts = self.ctx.personal_test_parts()
+            accs, losses = evaluate_clients(self.layout, self.x, ds.test_x, ds.test_y, parts, ev.batch_size)
+            out = {
+                "test_accuracy": float(accs.mean()),
+                "test_loss": float(losses.mean()),
+                "test_accuracy_min": float(accs.min()),
+                "test_accuracy_global": acc,
+                "test_loss_global": loss,
+            }
         if ev.per_client:
             accs, _ = evaluate_clients(self.layout, self.x, ds.train_x, ds.train_y, self.ctx.partition, ev.batch_size)
             out["client_train_accuracy_mean"] = float(accs.mean())

@@ -1,0 +1,88 @@
+"""AFIND+ Table 1's centralized FedAvg row: the global model on every client's personalized test set."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tests.conftest  # noqa: F401  (registers the _toy dataset)
+from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.config import ConfigError, load
+from fedweave.execution import evaluate
+
+
+def _cfg(algo: dict, personal: bool | None = None) -> dict:
+    cfg = {
+        "name": "t1",
+        "seed": 4,
+        "rounds": 2,
+        "dataset": {"name": "_toy"},
+        "partition": {"name": "pathological", "num_clients": 6, "classes_per_client": 2},
+        "model": {"name": "logistic"},
+        "algorithm": algo,
+        "local": {"epochs": 1, "batch_size": 20, "lr": 0.2},
+        "output": {"progress": False, "plots": False},
+    }
+    if personal is not None:
+        cfg["eval"] = {"personal_test": personal}
+    return cfg
+
+
+def test_fedavg_personal_test_is_the_mean_of_per_client_accuracies_on_the_dfl_test_sets():
+    fed = build_algorithm(RunContext(load(_cfg({"name": "fedavg", "clients_per_round": 3}, True))))
+    for r in range(2):
+        fed.run_round(r)
+    got = fed.evaluate(1)
+    # the same per-client test sets as a decentralized run of the same data, partition and seed
+    dfl = build_algorithm(RunContext(load(_cfg({"name": "local"}))))
+    parts = dfl.test_parts
+    assert all(np.array_equal(a, b) for a, b in zip(fed.ctx.personal_test_parts(), parts, strict=True))
+    ds = fed.ctx.dataset
+    accs = []
+    for idx in parts:
+        t = torch.as_tensor(idx)
+        assert set(ds.test_y[t].tolist()) <= set(ds.train_y[torch.as_tensor(fed.ctx.partition[len(accs)])].tolist())
+        accs.append(evaluate(fed.layout, fed.x, ds.test_x[t], ds.test_y[t])[0])
+    assert got["test_accuracy"] == pytest.approx(float(np.mean(accs)), abs=1e-12)
+    assert got["test_accuracy_min"] == pytest.approx(min(accs), abs=1e-12)
+    assert got["test_accuracy_global"] == pytest.approx(evaluate(fed.layout, fed.x, ds.test_x, ds.test_y)[0])
+
+
+def test_personal_test_off_by_default_and_type_checked():
+    fed = build_algorithm(RunContext(load(_cfg({"name": "fedavg", "clients_per_round": 3}))))
+    fed.run_round(0)
+    out = fed.evaluate(0)
+    assert set(out) == {"test_accuracy", "test_loss"}
+    with pytest.raises(ConfigError, match="eval.personal_test"):
+        load(_cfg({"name": "fedavg"}, "yes"))  # type: ignore[arg-type]
+
+
+def test_reproduce_smoke_table1_fedavg_row(tmp_path):
+    """Table 1 gets the FedAvg row, evaluated on the personalized test sets (seconds; generated data)."""
+    import csv
+
+    from fedweave.reproduce.afind_plus import main
+
+    argv = ["--scale", "smoke", "--out", str(tmp_path), "--tables", "1", "--workers", "1", "--only", "FedAvg"]
+    assert main(argv) == 0
+    rows = {r[0]: r for r in csv.reader((tmp_path / "table1.csv").open())}
+    assert rows["FedAvg"][-8:] == ["55.29", "78.24", "59.81", "56.87", "45.42", "46.48", "27.20", "35.29"]
+    assert rows["FedAvg"][1] != "-"  # measured
+    assert "personal_test: true" in (tmp_path / "runs/synthetic/FedAvg/s0/config.yaml").read_text()
+
+
+def test_table4_rows_run_dp_sgd():
+    """Table 4 (data-free check of the plan): sigma_2 = 0 is the plain AFIND+ run, the others DP-SGD, C = 1."""
+    from fedweave.reproduce.afind_plus import plan, preset, run_config
+
+    p = preset("small")
+    jobs, rows = plan(p, 1, {"dp"})
+    assert [r for r, _, _ in rows["dp"]] == ["0", *(f"{s:g}" for s in p.dp_sigmas)]
+    bases = {s.key: s.base for s in p.settings}
+    for j in jobs:
+        algo = load(run_config(j, bases[j.setting])).algorithm.options
+        if j.label == "AFIND+":
+            assert "dp_sigma" not in algo
+        else:
+            assert algo["dp_mode"] == "sgd" and algo["dp_clip"] == 1.0 and algo["dp_sigma"] in p.dp_sigmas
