@@ -10,17 +10,32 @@ Resolutions of the spec (cse-fsl §2.5, §8): uploads at the end of each full h-
 activations (A4, code parity; ``upload_at='start'`` is Alg. 1 as written, ``recompute_smashed`` uses the
 updated client model); trailing batches are trained but not uploaded (A27); ``server_order`` picks the
 dataQueue discipline and the simulated clock (``ordered``, ``random``, ``event``, ``sync``; §1.6).
+
+Faults (docs/reliability.md). A client that drops out trains nothing and sends nothing in the round. With
+``faults.deadline`` set, the clock is the fault model's: client i's upload after local batch m arrives at
+``faults.arrival_times(r, i, (m + 1) / reference_batches)`` (+ ``latency``), and its model upload at the end
+of its epoch, so the fed server aggregates exactly the clients of ``faults.reporting``; a late model misses
+the aggregation and is not sent (the client gets the new model next round). A smashed upload past the
+deadline is discarded (policy ``drop``) or, with the asynchronous ``event`` server and policy ``late``,
+reaches the server's queue ``ceil(t / deadline) - 1`` rounds later, at time ``t - delay * deadline`` of that
+round (rounds last one deadline), where it is processed in arrival order like any other batch.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+import numpy as np
+import torch
 
 from fedweave.accounting.split import upload_batches
+from fedweave.algorithms.base import RunContext
+from fedweave.algorithms.split.base import FaultySplitAlgorithm
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.split import SplitAlgorithm, SplitHparams, Upload, process_order, simulate_server
+from fedweave.topology.split import SplitHparams, Upload, process_order, simulate_server
 
 
 @dataclass
@@ -47,16 +62,53 @@ class CSEFSLHparams(SplitHparams):
                 raise ConfigError(f"algorithm.{key} must be >= 0, got {getattr(self, key)}")
 
 
+@dataclass
+class InFlight:
+    """A smashed upload that arrives in a later round (straggler policy ``late``)."""
+
+    due: int  # the round whose queue it joins
+    client: int
+    upload: Upload  # ``arrival`` is the time within round ``due``
+
+
 @ALGORITHMS.register("cse_fsl")
-class CSEFSL(SplitAlgorithm):
+class CSEFSL(FaultySplitAlgorithm):
     name = "cse_fsl"
     method = "cse_fsl"
     uses_aux = True
     Hparams = CSEFSLHparams
+    handles_faults = ("dropout", "deadline", "late")
+
+    def __init__(self, ctx: RunContext, hp: CSEFSLHparams) -> None:
+        super().__init__(ctx, hp)
+        fc = ctx.config.faults
+        self.timed = fc.deadline is not None  # the fault model's clock replaces the ``clock`` stream
+        self.in_flight: list[InFlight] = []
+        if self.timed and hp.speed_spread != 1:
+            raise ConfigError(
+                f"algorithm.speed_spread ({hp.speed_spread}) cannot be combined with faults.deadline: the client "
+                "speeds then come from faults.speed_sigma / faults.speed_jitter; leave speed_spread at 1"
+            )
+        if self.timed and hp.agg_every is not None:
+            raise ConfigError(
+                "faults.deadline: cse_fsl times one aggregation per round; set algorithm.agg_every to null"
+            )
+        if "late" in self.faults.active() and hp.server_order != "event":
+            raise ConfigError(
+                f"faults.straggler_policy 'late' needs the asynchronous server, algorithm.server_order 'event' "
+                f"(got {hp.server_order!r}, which processes the queue in a fixed order); use policy 'drop'"
+            )
 
     def batch_time(self, client: int) -> float:
         """τ_i: the simulated time client i needs per local batch (a fixed device speed)."""
         return float(self.seeds.numpy("clock", client).uniform(1.0, self.hp.speed_spread))
+
+    def upload_times(self, r: int, client: int, batches: list[int]) -> np.ndarray:
+        """Arrival times of client ``client``'s smashed uploads after the given local batches (0-based)."""
+        if self.timed:
+            work = (np.asarray(batches, dtype=np.float64) + 1) / self.reference_batches
+            return self.faults.arrival_times(r, np.full(len(batches), client), work) + self.hp.latency
+        return (np.asarray(batches, dtype=np.float64) + 1) * self.batch_time(client) + self.hp.latency
 
     def run_round(self, r: int) -> dict[str, float]:
         hp = self.hp
@@ -65,16 +117,27 @@ class CSEFSL(SplitAlgorithm):
         self.hold_server_models(1)
         queue: list[Upload] = []
         losses, client_end = [], 0.0
+        deadline = self.config.faults.deadline
+        late_policy = "late" in self.faults.active()
+        dropped = self.faults.dropped(r, clients) if self.faulty else np.zeros(len(clients), dtype=bool)
+        on_time = set(self.reporting(r, clients).tolist()) if self.timed else None  # whose model arrives
+        delivered: set[int] = set()  # clients of which something reaches a server this round
+        models_in = 0
         plan = [len(self.batcher.client_batches(int(i), r, (), None)) for i in clients]
         longest = max(max(plan, default=0), 1)
         period = hp.agg_every or longest  # default: aggregate once, after the local epoch(s)
         for seg, start in enumerate(range(0, longest, period)):
-            xc_rows, xa_rows = self.download(r, clients)  # Alg. 1 line 3
+            self.download(r, clients if seg == 0 else clients[~dropped])  # Alg. 1 line 3
+            xc_rows = self.xc.expand(len(clients), -1).clone()
+            xa_rows = self.xa.expand(len(clients), -1).clone()
+            arrived = []  # positions whose model reaches the fed server
             for k, i in enumerate(clients):  # in parallel: nothing here depends on the server
+                if dropped[k]:
+                    continue  # fails this round: trains nothing, sends nothing
                 self.load_client(xc_rows[k], xa_rows[k])
                 batches = self.local_batches(r, int(i))
                 window = {m: w for w, m in enumerate(upload_batches(len(batches), hp.h, hp.upload_at))}
-                tau = self.batch_time(int(i))
+                times = dict(zip(window, self.upload_times(r, int(i), list(window))))
                 with self.stream("dropout", r, int(i), *((seg,) if seg else ())):
                     for m in range(start, min(start + period, len(batches))):
                         x, y = batches[m]
@@ -83,12 +146,38 @@ class CSEFSL(SplitAlgorithm):
                         if m in window:  # Alg. 1 lines 10-13: one batch per h goes up
                             if hp.recompute_smashed:
                                 a = self.smashed(x)
-                            self.send_smashed(r, y)
-                            queue.append(Upload(k, window[m], m, a, y, arrival=(m + 1) * tau + hp.latency))
-                client_end = max(client_end, len(batches) * tau)
+                            up = Upload(k, window[m], m, a, y, arrival=float(times[m]))
+                            delay = 0 if deadline is None else max(math.ceil(up.arrival / deadline) - 1, 0)
+                            if delay == 0:
+                                self.send_smashed(r, y)
+                                queue.append(up)
+                                delivered.add(int(i))
+                            elif late_policy:  # arrives `delay` rounds later (docs/reliability.md)
+                                up.arrival -= delay * deadline
+                                up.pos = int(i)
+                                self.in_flight.append(InFlight(r + delay, int(i), up))
+                            # policy drop: past the deadline, discarded, never delivered
+                if self.timed:
+                    client_end = max(client_end, float(self.faults.arrival_times(r, [i], self.work([i]))[0]))
+                else:
+                    client_end = max(client_end, len(batches) * self.batch_time(int(i)))
                 xc_rows[k], xa_rows[k] = self.lc.flatten(), self.la.flatten()
-            self.upload_models(r, clients)  # Alg. 1 lines 16-17: every c batches
-            self.aggregate(clients, xc_rows, xa_rows)  # eq. (14)
+                if on_time is None or int(i) in on_time:
+                    arrived.append(k)
+            if arrived:
+                got = clients[arrived]
+                self.upload_models(r, got)  # Alg. 1 lines 16-17: every c batches
+                self.aggregate(got, xc_rows[arrived], xa_rows[arrived])  # eq. (14), re-weighted over arrivals
+                delivered.update(got.tolist())
+                models_in = max(models_in, len(arrived))
+        late_in = [f for f in self.in_flight if f.due == r]  # stragglers' uploads of earlier rounds arrive
+        self.in_flight = [f for f in self.in_flight if f.due != r]
+        for f in late_in:
+            self.send_smashed(r, f.upload.labels)
+            queue.append(f.upload)
+            delivered.add(f.client)
+        if self.faulty and not delivered:
+            return self.fault_metrics(0)  # nothing reached a server: both models stay, the runner logs the skip
         # Alg. 2 lines 3-10: the server drains its dataQueue, one SGD step per item on its one model
         order = process_order(hp.server_order, queue, self.seeds.numpy("server_order", r))
         clock = simulate_server(queue, order, hp.server_step_time, barrier=hp.server_order == "sync")
@@ -100,10 +189,41 @@ class CSEFSL(SplitAlgorithm):
             for j in order:
                 server_losses.append(self.server_step(queue[j].smashed, queue[j].labels, lr_s)[0])  # eq. (11)
         self.xs = self.ls.flatten()
-        out = self.round_metrics(r, len(clients), len(order), losses, server_losses)
+        n = models_in if self.faulty else len(clients)
+        out = self.round_metrics(r, n, len(order), losses, server_losses)
         out.update(
             sim_round_time=max(client_end, clock["finish"]),
             server_idle_time=clock["idle"],
             queue_peak=clock["queue_peak"],
         )
+        if self.faulty:
+            out.update(
+                self.fault_metrics(len(delivered)),
+                late_uploads=len(late_in),  # smashed batches of earlier rounds processed in this one
+                in_flight_uploads=len(self.in_flight),
+            )
         return out
+
+    # ---- checkpoints: the uploads still in flight ------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        if self.in_flight:
+            f = self.in_flight
+            out["in_flight"] = {
+                "ints": torch.tensor([[x.due, x.client, x.upload.pos, x.upload.window, x.upload.batch] for x in f]),
+                "arrival": torch.tensor([x.upload.arrival for x in f], dtype=torch.float64),
+                "smashed": [x.upload.smashed for x in f],
+                "labels": [x.upload.labels for x in f],
+            }
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        f = state.pop("in_flight", None)
+        super().load_state_dict(state)
+        self.in_flight = []
+        if f is not None:
+            for (due, client, pos, window, batch), t, a, y in zip(
+                f["ints"].tolist(), f["arrival"].tolist(), f["smashed"], f["labels"]
+            ):
+                self.in_flight.append(InFlight(due, client, Upload(pos, window, batch, a, y, arrival=t)))

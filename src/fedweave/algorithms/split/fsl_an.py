@@ -4,16 +4,18 @@ The client is CSE-FSL's (local loss through the auxiliary net, eq. 8), but it up
 every batch, and the main server keeps one server-side copy per client, each stepping on its own client's
 uploads (cse-fsl spec §5). No gradients go back. The fed server averages client-side models and auxiliary
 nets; the main server averages its copies at the end of the round (A18).
+Faults: synchronous (the copies are averaged at the round's end); clients that drop out or miss the deadline
+deliver nothing (``FaultySplitAlgorithm``).
 """
 
 from __future__ import annotations
 
+from fedweave.algorithms.split.base import FaultySplitAlgorithm
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.split import SplitAlgorithm
 
 
 @ALGORITHMS.register("fsl_an")
-class FSLAN(SplitAlgorithm):
+class FSLAN(FaultySplitAlgorithm):
     name = "fsl_an"
     method = "fsl_an"
     uses_aux = True
@@ -22,6 +24,10 @@ class FSLAN(SplitAlgorithm):
         clients = self.sample_clients(r)
         lr_c, lr_a, lr_s = self.lrs(r)
         xc_rows, xa_rows = self.download(r, clients)
+        clients = self.reporting(r, clients)  # dropouts and stragglers send no smashed data
+        if len(clients) == 0:
+            return self.fault_metrics(0)
+        xc_rows, xa_rows = xc_rows[: len(clients)], xa_rows[: len(clients)]
         xs_rows = self.xs.expand(len(clients), -1).clone()  # n server-side copies, stacked
         self.hold_server_models(len(clients))
         losses, server_losses = [], []
@@ -38,4 +44,5 @@ class FSLAN(SplitAlgorithm):
         self.upload_models(r, clients)
         self.aggregate(clients, xc_rows, xa_rows)  # eq. (14)
         self.xs = self.weights(clients) @ xs_rows
-        return self.round_metrics(r, len(clients), len(server_losses), losses, server_losses)
+        out = self.round_metrics(r, len(clients), len(server_losses), losses, server_losses)
+        return {**out, **self.fault_metrics(len(clients))}

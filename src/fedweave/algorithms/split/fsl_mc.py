@@ -3,16 +3,17 @@
 Per batch the client uploads smashed data and labels, its server-side copy takes an SGD step and sends
 back the gradient of the smashed data, and the client back-propagates it (cse-fsl spec §5). At the end of
 the round the fed server averages the client-side models and the main server averages its n copies (A18).
+Faults: synchronous; clients that drop out or miss the deadline deliver nothing (``FaultySplitAlgorithm``).
 """
 
 from __future__ import annotations
 
+from fedweave.algorithms.split.base import FaultySplitAlgorithm
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.split import SplitAlgorithm
 
 
 @ALGORITHMS.register("fsl_mc")
-class FSLMC(SplitAlgorithm):
+class FSLMC(FaultySplitAlgorithm):
     name = "fsl_mc"
     method = "fsl_mc"
 
@@ -20,6 +21,10 @@ class FSLMC(SplitAlgorithm):
         clients = self.sample_clients(r)
         lr_c, _, lr_s = self.lrs(r)
         xc_rows, _ = self.download(r, clients)
+        clients = self.reporting(r, clients)  # dropouts and stragglers open no server-side copy
+        if len(clients) == 0:
+            return self.fault_metrics(0)  # nobody reported: the models stay, the runner logs the skip
+        xc_rows = xc_rows[: len(clients)]
         xs_rows = self.xs.expand(len(clients), -1).clone()  # n server-side copies, stacked
         self.hold_server_models(len(clients))
         losses, steps = [], 0
@@ -34,4 +39,4 @@ class FSLMC(SplitAlgorithm):
         self.upload_models(r, clients)
         self.aggregate(clients, xc_rows, xc_rows)
         self.xs = self.weights(clients) @ xs_rows  # SFLV1: the main server averages its copies
-        return self.round_metrics(r, len(clients), steps, losses, losses)
+        return {**self.round_metrics(r, len(clients), steps, losses, losses), **self.fault_metrics(len(clients))}

@@ -4,7 +4,8 @@ Same per-batch exchange as FSL_MC, but one shared server-side model is updated o
 in turn. The CSE-FSL authors add gradient clipping to stabilise it; the threshold is not given (spec A17),
 so ``clip`` defaults to 1.0 on both parts. Schedule (A19): ``sequential`` serves whole client epochs one
 after another in a random order per round (the SFLV2 reference code); ``interleaved`` serves batch m of
-every client before batch m+1.
+every client before batch m+1. Faults: synchronous; clients that drop out or miss the deadline are left out
+of the schedule and the aggregation (``FaultySplitAlgorithm``).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from fedweave.algorithms.split.base import FaultySplitAlgorithm
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.split import SplitAlgorithm, SplitHparams
+from fedweave.topology.split import SplitHparams
 
 
 @dataclass
@@ -23,7 +25,7 @@ class FSLOCHparams(SplitHparams):
 
 
 @ALGORITHMS.register("fsl_oc")
-class FSLOC(SplitAlgorithm):
+class FSLOC(FaultySplitAlgorithm):
     name = "fsl_oc"
     method = "fsl_oc"
     Hparams = FSLOCHparams
@@ -32,6 +34,10 @@ class FSLOC(SplitAlgorithm):
         clients = self.sample_clients(r)
         lr_c, _, lr_s = self.lrs(r)
         xc_rows, _ = self.download(r, clients)
+        clients = self.reporting(r, clients)  # dropouts and stragglers take no turn on the shared model
+        if len(clients) == 0:
+            return self.fault_metrics(0)
+        xc_rows = xc_rows[: len(clients)]
         self.hold_server_models(1)
         self.ls.load_(self.xs)  # the one server-side model
         batches = {k: self.local_batches(r, int(i)) for k, i in enumerate(clients)}
@@ -56,4 +62,4 @@ class FSLOC(SplitAlgorithm):
         self.xs = self.ls.flatten()
         self.upload_models(r, clients)
         self.aggregate(clients, xc_rows, xc_rows)
-        return self.round_metrics(r, len(clients), len(plan), losses, losses)
+        return {**self.round_metrics(r, len(clients), len(plan), losses, losses), **self.fault_metrics(len(clients))}
