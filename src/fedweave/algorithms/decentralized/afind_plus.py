@@ -11,6 +11,13 @@ Per round and client i (spec 2.5; all reads from round-start state, all writes c
   R8  w_i^{t+1} = sum_{j in C_i + {i}} varpi_ij w_j, varpi = exp(-F~/T)/Z (Eq. 16) or uniform (AFIND)
   R9  theta_i^{t+1} = tau (1 - sigmoid(h_i)), h_i = -sum_{C_i} e ln e, e = (s+1)/2 (Eqs. 10-13)
 Evaluation: FedAvg-FT backbone (1 fine-tune epoch on a copy), mean of per-client accuracies.
+
+Partial personalization (``personal: head``, Alg. 1's general form, spec A15): the classifier layer is the
+personal block beta_i, never sent. Local update = ``head_epochs`` (K_beta) epochs on beta with w frozen,
+then K_w epochs on w with the new beta frozen (lines 17-23); neighbour j computes its proxy, losses and
+trained copy at (w_i, beta_j) with a copy of its own beta_j (A5); only w is aggregated (line 13) and only w
+is on the wire (ledger bytes of the shared part). Spec A15 evaluates this mode without fine-tuning
+(``finetune_epochs: 0``).
 """
 
 from __future__ import annotations
@@ -32,8 +39,26 @@ from fedweave.algorithms.decentralized.selection import (
     smoothed_loss,
 )
 from fedweave.config import ConfigError
+from fedweave.execution import LocalResult, LocalRule
+from fedweave.models import layer_parameter_names
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.graph import COPY_KEY, GraphAlgorithm, GraphHparams
+from fedweave.topology.graph import COPY_KEY, GraphAlgorithm, GraphHparams, with_local
+
+HEAD_KEY = 1_000_081  # batch-stream key of the personal-head epochs (K_beta) of a local update
+
+
+class FrozenRule(LocalRule):
+    """SGD on the coordinates in ``mask`` only; the others stay at their start values ``anchor`` (per job)."""
+
+    def __init__(self, mask: torch.Tensor, anchor: torch.Tensor) -> None:
+        self.mask, self.anchor = mask, anchor
+        self._scale = mask.to(anchor.dtype)
+
+    def direction(self, w, grad, jobs):
+        return grad(w) * self._scale
+
+    def project(self, w, jobs):  # also undoes weight decay on the frozen block
+        return torch.where(self.mask, w, self.anchor[jobs])
 
 
 @dataclass
@@ -54,6 +79,8 @@ class AfindPlusHparams(GraphHparams):
     loss_smoothing: Literal["eq15", "ema_rounds"] = "eq15"  # A11
     proxy_layer: Literal["featurizer", "classifier"] = "featurizer"  # A4
     proxy_samples: int | None = None  # proxy data: full local train set (null) or a fixed random subset
+    personal: Literal["none", "head"] = "none"  # A15: beta = nothing (FedAvg-FT backbone) or the classifier
+    head_epochs: int = 1  # K_beta: local epochs on the personal head before the K_w epochs on w (A14)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -64,6 +91,12 @@ class AfindPlusHparams(GraphHparams):
             raise ConfigError(f"algorithm.boltzmann_T must be > 0, got {self.boltzmann_T}")
         if self.proxy_samples is not None and self.proxy_samples < 1:
             raise ConfigError(f"algorithm.proxy_samples must be >= 1 or null, got {self.proxy_samples}")
+        if self.head_epochs < 1:
+            raise ConfigError(f"algorithm.head_epochs must be >= 1, got {self.head_epochs}")
+        if self.personal == "head" and self.proxy_layer == "classifier":
+            raise ConfigError(
+                "algorithm.proxy_layer 'classifier' is the personal head with personal 'head'; use 'featurizer'"
+            )
 
     def afind_options(self) -> AfindOptions:
         return AfindOptions(
@@ -100,6 +133,15 @@ class AfindPlus(GraphAlgorithm):
         n = self.num_clients
         self.prev_loss = torch.full((n, n), float("nan"), dtype=torch.float64)  # ema_rounds smoothing
         self.last_coreset: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * n
+        self.head: torch.Tensor | None = None  # bool mask of the personal block beta over the flat parameters
+        if hp.personal == "head":
+            names = set(layer_parameter_names(ctx.model, "classifier"))
+            self.head = torch.cat(
+                [torch.full((k,), nm in names) for nm, k in zip(self.layout.names, self.layout.numels, strict=True)]
+            )
+            self.model_bytes = int((~self.head).sum()) * 4  # only w is sent
+            # beta never leaves the client: its epochs are plain SGD even under DP-SGD
+            self.head_trainer = with_local(self.ft_trainer, epochs=hp.head_epochs, steps=None)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "afind": self.state.state_dict(), "prev_loss": self.prev_loss.clone()}
@@ -119,12 +161,31 @@ class AfindPlus(GraphAlgorithm):
         self.prev_loss[i, j] = val
         return val
 
+    def local_update(self, starts: torch.Tensor, clients, r: int, key: tuple[int, ...] = ()) -> LocalResult:
+        """Alg. 1 lines 17-23: K_beta epochs on beta (w frozen), then K_w epochs on w (new beta frozen)."""
+        if self.head is None:
+            return self.trainer.train(starts, clients, r, key=key)
+        starts = starts if starts.dim() == 2 else starts.expand(len(clients), -1)
+        h = self.head_trainer.train(starts, clients, r, rule=FrozenRule(self.head, starts), key=(*key, HEAD_KEY))
+        return self.trainer.train(h.params, clients, r, rule=FrozenRule(~self.head, h.params), key=key)
+
+    def at(self, W: torch.Tensor, i: int, j: int) -> torch.Tensor:
+        """The parameters j evaluates for i: (w_i, beta_j) with a personal head, else w_i."""
+        return W[i] if self.head is None else torch.where(self.head, W[j], W[i])
+
+    def proxies_for(self, W: torch.Tensor, i: int, peers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """phi_j and F_j at (w_i^t, beta_j^t) for j in [i, *peers] (R2-R3)."""
+        if self.head is None:
+            return self.proxy.proxies(W[i], [i, *peers])
+        got = [self.proxy.proxies(self.at(W, i, j), [j]) for j in [i, *peers]]
+        return torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got])
+
     def run_round(self, r: int) -> dict[str, float]:
         if self.all_down(r):
             return self.fault_metrics(r)
         hp, n = self.hp, self.num_clients
         W0 = self.W  # round-start models: read-only until commit
-        own = self.trainer.train(W0, range(n), r)  # R7, lines 17-23
+        own = self.local_update(W0, range(n), r)  # R7, lines 17-23
         new = torch.empty_like(W0)
         d_phi = self.proxy.size
         sizes, thetas, s_in, s_out, ov_in, ov_pool = [], [], [], [], [], []
@@ -137,7 +198,7 @@ class AfindPlus(GraphAlgorithm):
             thetas.append(float(self.state.theta[i]))
             pool = self.reachable(r, i, self.state.pool(i, avail, rng))  # literal: C_i from the stored p
             # R2-R3: w_i^t -> each j in the pool; phi_j(w_i^t) and F_j(w_i^t) come back
-            phis, lpre = self.proxy.proxies(W0[i], [i, *pool.tolist()])
+            phis, lpre = self.proxies_for(W0, i, pool.tolist())
             phis = torch.stack([self.noisy(phis[q], r, int(c), i, 1) for q, c in enumerate([i, *pool])])
             self.peer(r, "model", self.model_bytes, len(pool))
             self.peer(r, "feature_proxy", d_phi * 4, len(pool))
@@ -158,14 +219,18 @@ class AfindPlus(GraphAlgorithm):
                 ov_pool.append(float(self.label_overlap[i, pool].mean()))
 
             # R6: the coreset's contributions and their smoothed losses (Eq. 15)
-            if len(C) and hp.exchange == "train_copy":  # Alg. 1 line 7: w_j^{t,0} = w_i^t
-                models = self.trainer.train(W0[i], C.tolist(), r, key=(COPY_KEY + i,)).params
+            if len(C) and hp.exchange == "train_copy":  # Alg. 1 line 7: w_j^{t,0} = w_i^t (with a copy of beta_j)
+                starts = W0[i] if self.head is None else torch.stack([self.at(W0, i, int(j)) for j in C])
+                models = self.local_update(starts, C.tolist(), r, key=(COPY_KEY + i,)).params
                 after = [float(self.proxy.losses(models[q], [int(j)])[0]) for q, j in enumerate(C)]
                 before = lpre[1:][pos].tolist()
-            elif len(C):  # own_model: j's own new model, judged on i's data (as PENS/FedeRiCo)
+            elif len(C):  # own_model: j's own new model, judged on i's data (as PENS/FedeRiCo), with beta_i
                 models = own.params[C]
-                after = self.proxy.model_losses(models, i).tolist()
-                before = self.proxy.model_losses(W0[C], i).tolist()
+                judged, prior = models, W0[C]
+                if self.head is not None:
+                    judged, prior = (torch.where(self.head, own.params[i], M) for M in (models, prior))
+                after = self.proxy.model_losses(judged, i).tolist()
+                before = self.proxy.model_losses(prior, i).tolist()
             else:
                 models, after, before = W0[:0], [], []
             self.peer(r, "model", self.model_bytes, len(C))
@@ -189,6 +254,8 @@ class AfindPlus(GraphAlgorithm):
             else:
                 wts = torch.full((len(cand),), 1.0 / len(cand), dtype=torch.float64)
             new[i] = (wts.to(W0.dtype)[:, None] * torch.stack(cand)).sum(0)
+            if self.head is not None:  # only w is aggregated; beta_i^{t+1} is i's own (never sent)
+                new[i] = torch.where(self.head, own.params[i], new[i])
         self.state.end_round()
         self.commit("model", new)
         out = {
