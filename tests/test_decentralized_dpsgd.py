@@ -164,3 +164,14 @@ def test_dp_sgd_config_errors():
     with pytest.raises(ValueError, match="clip"):
         DPSGD(ParamLayout(_model()), 0.0, 1.0, Seeds(0), 0, [0])
     assert dataclasses.is_dataclass(LocalConfig)
+
+
+def test_dp_sgd_rule_pickles_for_the_ray_backend():
+    import pickle
+
+    tr = _trainer("loop")
+    rule = DPSGD(tr.layout, 0.5, 1.0, Seeds(0), 2, [0, 1], (3,))
+    v, ds = tr.layout.flatten(), make_toy()
+    x, y = ds.train_x[:8], ds.train_y[:8]
+    copy = pickle.loads(pickle.dumps(rule))
+    assert torch.equal(copy.private(v, _Grad(x, y), 1), rule.private(v, _Grad(x, y), 1))

@@ -55,17 +55,16 @@ class DPSGD(LocalRule):
         self.clip, self.sigma, self.base = float(clip), float(sigma), base
         self.seeds, self.round, self.clients, self.key = seeds, round, list(map(int, clients)), tuple(key)
         self.calls: dict[int, int] = {}  # job -> gradient calls so far (the noise stream's last key)
+        self.layout, self.loss_fn = layout, loss_fn  # plain attributes: the rule pickles (the ray backend)
 
-        def sample_loss(v: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return loss_fn(layout.functional(v, x.unsqueeze(0)), y.unsqueeze(0))
-
-        self._per_sample = vmap(grad_and_value(sample_loss), in_dims=(None, 0, 0))  # (B, P), (B,)
+    def sample_loss(self, v: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of one sample (x, y) at parameters ``v``."""
+        return self.loss_fn(self.layout.functional(v, x.unsqueeze(0)), y.unsqueeze(0))
 
     def per_sample(self, v: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sample gradients and losses at ``v``: (B, P) and (B,); with a leading job axis if ``v`` has one."""
-        if v.dim() == 1:
-            return self._per_sample(v, x, y)
-        return vmap(self._per_sample)(v, x, y)
+        one = vmap(grad_and_value(self.sample_loss), in_dims=(None, 0, 0))
+        return one(v, x, y) if v.dim() == 1 else vmap(one)(v, x, y)
 
     def noise(self, jobs: int | torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """N(0, I) of each job's next gradient call, from its own named stream: (P,) or (len(jobs), P)."""
