@@ -118,7 +118,7 @@ def preset(scale: str) -> Preset:
                     {"name": "pathological", "num_clients": m, "classes_per_client": 2}, model, 20, local, 2)),
         ]  # fmt: skip
         # proxy data: a fixed random half of each client's 100 images (spec A4 option), for CPU time
-        return Preset(settings, "fmnist-dir0.3", 10, 5, [0.1, 1.5], [5.0, 50.0], 3, {"proxy_samples": 50})
+        return Preset(settings, "fmnist-dir0.3", 10, 5, [0.1, 1.5], [2.0, 5.0, 10.0, 50.0], 3, {"proxy_samples": 50})
     if scale == "paper":  # spec 9.2 (needs the CIFAR files)
         local = {"epochs": 5, "batch_size": 128, "lr": 0.01, "momentum": 0.9, "weight_decay": 5e-4,
                  "augment": ["crop", "flip"]}  # fmt: skip
