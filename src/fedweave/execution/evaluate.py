@@ -31,6 +31,12 @@ def channels_last_ok(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in layers) and all(isinstance(m, nn.Conv2d | nn.Linear) for m in layers)
 
 
+def to_channels_last(x: torch.Tensor) -> torch.Tensor:
+    """A channels-last copy of a 4-D batch. (``x.contiguous(memory_format=...)`` keeps a one-channel batch's
+    NCHW strides, with which convolution and pooling still take their slower NCHW kernels.)"""
+    return torch.empty(x.shape, dtype=x.dtype, memory_format=torch.channels_last).copy_(x)
+
+
 def eval_model(layout: ParamLayout, w: torch.Tensor) -> tuple[nn.Module, bool]:
     """The model to evaluate ``w`` with, loaded, and whether its inputs should be channels-last."""
     if not channels_last_ok(layout.model):
@@ -58,7 +64,7 @@ def batch_sums(
         for lo in range(0, len(y), batch_size):
             xb, yb = x[lo : lo + batch_size], y[lo : lo + batch_size]
             if cl and xb.dim() == 4:
-                xb = xb.contiguous(memory_format=torch.channels_last)
+                xb = to_channels_last(xb)
             logits = model(xb)
             loss = float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
             out.append((loss, int((logits.argmax(1) == yb).sum())))
