@@ -67,6 +67,7 @@ def _serve(conn: Any, tr: LocalTrainer) -> None:
         try:
             if op == "train":
                 local, starts, count, clients, round, rule, lr, steps, key, offset = args
+                starts = torch.from_numpy(starts)
                 tr.local = local  # the call may come from a copy of the trainer with other local settings
                 starts = starts.expand(count, -1) if starts.dim() == 1 else starts
                 if choose_backend("auto", tr.layout.model, count) == "loop":
@@ -74,6 +75,7 @@ def _serve(conn: Any, tr: LocalTrainer) -> None:
                 else:
                     rule = Shifted(rule, offset) if offset else rule
                     out = vmap.run(tr, starts, clients, round, rule, lr, steps, key)
+                out = (out.params.numpy(), out.steps.numpy(), out.loss.numpy())
             elif op == "data":  # an evaluation set's rows for this worker, kept for later calls
                 token, x, y = args
                 while len(cache) >= _CACHE_KEEP:
@@ -82,6 +84,7 @@ def _serve(conn: Any, tr: LocalTrainer) -> None:
                 out = None
             elif op == "evaluate":
                 token, w, batch_size = args
+                w = torch.from_numpy(w)
                 x, y = cache[token]
                 out = batch_sums(tr.layout, w, x, y, batch_size)
             else:
@@ -157,11 +160,13 @@ class WorkerPool:
         shared = starts.stride(0) == 0  # one start for every job (an expanded vector): send one row
         calls = []
         for i, (lo, hi) in enumerate(shard_bounds(work, self.size)):
-            s = starts[lo].clone() if shared else starts[lo:hi].contiguous()
+            # numpy arrays pickle as one buffer copy (a torch tensor pickles through torch.save, much slower)
+            s = (starts[lo] if shared else starts[lo:hi]).detach().numpy().copy()
             calls.append((i, "train", (tr.local, s, hi - lo, clients[lo:hi], round, rule, lr, steps, key, lo)))
         parts = self.request(calls)
         cat = torch.cat
-        return LocalResult(cat([p.params for p in parts]), cat([p.steps for p in parts]), cat([p.loss for p in parts]))
+        params, nsteps, loss = ([torch.from_numpy(p[i]) for p in parts] for i in range(3))
+        return LocalResult(cat(params), cat(nsteps), cat(loss))
 
     # ---- evaluation ------------------------------------------------------------------------------
     def batch_sums(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> list:
@@ -180,12 +185,13 @@ class WorkerPool:
             self.tokens += 1
             token = self.tokens
             calls = [(i, "data", (token, x[lo:hi].clone(), y[lo:hi].clone())) for i, (lo, hi) in enumerate(bounds)]
+            # (sent once per evaluation set, so torch's slower pickling of tensors does not matter here)
             self.request([c for c in calls if bounds[c[0]][1] > bounds[c[0]][0]])
             self.sent = self.sent[-(_CACHE_KEEP - 1) :]  # the workers keep the last _CACHE_KEEP sets too
             self.sent.append((weakref.ref(x), weakref.ref(y), x._version, y._version, batch_size, token, bounds))
             have = token, bounds
         token, bounds = have
-        w = w.detach().clone()
+        w = w.detach().numpy().copy()
         calls = [(i, "evaluate", (token, w, batch_size)) for i, (lo, hi) in enumerate(bounds) if hi > lo]
         return [s for part in self.request(calls) for s in part]
 

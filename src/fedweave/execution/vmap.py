@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch.func import grad_and_value, vmap
 
-from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer
+from fedweave.execution.batched import batched_grad
+from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer, cross_entropy
 
 
 def run(
@@ -52,7 +53,9 @@ def _run_chunk(tr, starts, clients, round, rule, lr, steps, key, offset) -> Loca
     def loss_one(v, x, y, m):
         return tr.loss_fn(layout.functional(v, x), y, m)
 
-    batched = vmap(grad_and_value(loss_one))
+    # MLPs with the default loss: closed-form backpropagation with bmm (fedweave.execution.batched)
+    fast = batched_grad(layout) if tr.loss_fn is cross_entropy else None
+    batched = fast or vmap(grad_and_value(loss_one))
     gens: dict = {}
     w = starts.clone()
     buf = None

@@ -1,0 +1,98 @@
+"""The engine's faster kernels compute what autograd computes: the closed-form batched MLP gradient (vmap
+backend) and the channels-last training twin of plain CNNs (loop backend)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fedweave.config import LocalConfig
+from fedweave.execution import LocalTrainer, ParamLayout
+from fedweave.execution.batched import batched_grad
+from fedweave.execution.local import cross_entropy
+from fedweave.execution.loop import compute
+from fedweave.models import build_model
+from fedweave.seeding import Seeds
+from tests.conftest import make_toy
+
+
+def _autograd(layout: ParamLayout, v: torch.Tensor, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor | None):
+    v = v.clone().requires_grad_()
+    loss = cross_entropy(layout.functional(v, x), y, m)
+    (g,) = torch.autograd.grad(loss, v)
+    return g, loss.detach()
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("logistic", {}), ("logistic", {"bias": False}), ("mlp", {"hidden": [7]}), ("mlp", {"hidden": [5, 6]}),
+     ("mlp", {"hidden": [4], "bias": False})],
+)  # fmt: skip
+def test_batched_mlp_gradient_equals_autograd(name, options):
+    torch.manual_seed(0)
+    model = build_model(name, (1, 4, 4), 3, **options)
+    layout = ParamLayout(model)
+    f = batched_grad(layout)
+    assert f is not None
+    K, B = 4, 6
+    V = layout.flatten() + 0.3 * torch.randn(K, layout.numel)
+    X, Y = torch.randn(K, B, 1, 4, 4), torch.randint(0, 3, (K, B))
+    M = torch.ones(K, B, dtype=torch.bool)
+    M[1, 4:] = False  # a partial last batch
+    M[2, 1:] = False
+    G, loss = f(V, X, Y, M)
+    for k in range(K):
+        g, lk = _autograd(layout, V[k], X[k], Y[k], M[k])
+        torch.testing.assert_close(G[k], g, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(loss[k], lk, rtol=1e-5, atol=1e-6)
+    out = torch.full_like(V, float("nan"))
+    G2, loss2 = f(V, X, Y, None, out=out)  # no mask: every row is real; written into `out`
+    assert G2 is out and not out.isnan().any()
+    g, lk = _autograd(layout, V[2], X[2], Y[2], None)
+    torch.testing.assert_close(G2[2], g, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss2[2], lk, rtol=1e-5, atol=1e-6)
+
+
+def test_batched_gradient_only_for_mlps():
+    assert batched_grad(ParamLayout(nn.Sequential(nn.Flatten(), nn.Linear(16, 3)))) is None  # not fedweave's MLP
+    assert batched_grad(ParamLayout(build_model("cnn_mnist", (1, 28, 28), 10))) is None
+
+
+@pytest.mark.parametrize("name", ["logistic", "mlp"])
+def test_vmap_with_the_closed_form_gradient_equals_the_loop(name, uneven_parts):
+    ds = make_toy()
+    out = {}
+    for backend in ("loop", "vmap"):
+        torch.manual_seed(0)
+        model = build_model(name, (1, 6, 6), 4)
+        cfg = LocalConfig(epochs=1, batch_size=16, lr=0.1)
+        cfg.validate()
+        tr = LocalTrainer(model, ds.train_x, ds.train_y, uneven_parts, cfg, Seeds(2), backend=backend)
+        out[backend] = tr.train(tr.layout.flatten(), [0, 1, 2, 3, 5], round=1)
+    torch.testing.assert_close(out["vmap"].params, out["loop"].params, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["vmap"].loss, out["loop"].loss, rtol=1e-5, atol=1e-5)
+
+
+def test_channels_last_twin_gradient_equals_the_templates():
+    torch.manual_seed(0)
+    model = build_model("cnn_mnist", (1, 28, 28), 10)
+    layout = ParamLayout(model)
+    comp = compute(layout)
+    assert comp.channels_last and comp.model is not model
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    for _ in range(2):  # the twin follows changes of the flat parameters
+        comp.value.add_(0.01 * torch.randn_like(comp.value))
+        comp.gradbuf.zero_()
+        loss = comp.loss_backward(cross_entropy, x, y)
+        twin = comp.gradbuf.clone()
+        v = layout.flatten().requires_grad_()
+        ref = cross_entropy(layout.functional(v, x), y)  # the NCHW template, through autograd
+        (g,) = torch.autograd.grad(ref, v)
+        torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(twin, g, rtol=1e-3, atol=1e-5)
+
+
+def test_models_with_normalization_keep_the_template():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.GroupNorm(1, 2), nn.Flatten(), nn.Linear(32, 3))
+    assert compute(ParamLayout(model)).model is model
