@@ -63,9 +63,9 @@ CONFIGS = {
     "flower-1x2": {"framework": "flower", "actors": 1, "actor_cpus": 2},
 }
 DEFAULT_CONFIGS = {
-    "cnn": ["fedweave", "fedweave-ray-2x1", "flower-2x1", "flower-1x2"],
-    "logistic": ["fedweave", "fedweave-1t", "flower-2x1"],
-    "mlp": ["fedweave", "fedweave-1t", "flower-2x1"],
+    "cnn": ["fedweave-pool-2x1", "fedweave-1t", "flower-2x1"],
+    "logistic": ["fedweave-1t", "fedweave-pool-2x1", "flower-2x1"],
+    "mlp": ["fedweave-1t", "fedweave-pool-2x1", "flower-2x1"],
 }
 
 
@@ -317,6 +317,7 @@ def eval_variants(workload: str, threads: int, reps: int = 3) -> str:
     from fedweave.algorithms.base import RunContext
     from fedweave.config import load
     from fedweave.execution import ParamLayout, evaluate
+    from fedweave.execution.evaluate import to_channels_last
 
     torch.set_num_threads(threads)
     ctx = RunContext(load(fedweave_config(workload, 1)))
@@ -327,18 +328,21 @@ def eval_variants(workload: str, threads: int, reps: int = 3) -> str:
 
     def plain(bs: int, channels_last: bool = False):
         m = model.to(memory_format=torch.channels_last) if channels_last else model
-        xx = x.contiguous(memory_format=torch.channels_last) if channels_last and x.dim() == 4 else x
         m.eval()
         with torch.inference_mode():
             for lo in range(0, len(y), bs):
-                m(xx[lo : lo + bs]).argmax(1)
+                xb = x[lo : lo + bs]
+                m(to_channels_last(xb) if channels_last and xb.dim() == 4 else xb).argmax(1)
         m.to(memory_format=torch.contiguous_format).train()
 
     variants = {
-        "fedweave evaluate (inference mode, batch 2048)": lambda: evaluate(layout, w, x, y, 2048),
-        "inference mode, batch 512": lambda: plain(512),
-        "inference mode, batch 10000": lambda: plain(10000),
+        "fedweave evaluate (channels-last twin for plain CNNs, at most 256 rows a pass)": lambda: evaluate(
+            layout, w, x, y, 2048
+        ),
+        "inference mode, batch 2048 (the peers' evaluation)": lambda: plain(2048),
+        "inference mode, batch 256": lambda: plain(256),
         "inference mode, batch 2048, channels-last": lambda: plain(2048, True),
+        "inference mode, batch 256, channels-last": lambda: plain(256, True),
     }
     lines = [f"Evaluation of the {workload} model on the 10k test set ({threads} threads, best of {reps}):", ""]
     for name, fn in variants.items():
@@ -502,8 +506,9 @@ def main() -> None:
         print(summarize(workload, args.rounds, results, threads=2), flush=True)
         print()
         if args.eval_variants:
-            print(eval_variants(workload, threads=2), flush=True)
-            print()
+            for threads in (1, 2):
+                print(eval_variants(workload, threads=threads), flush=True)
+                print()
     if args.json:
         args.json.write_text(json.dumps(everything, indent=1))
 
