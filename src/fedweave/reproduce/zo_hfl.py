@@ -279,7 +279,7 @@ def run_config(
         "name": name,
         "seed": seed,
         "rounds": rounds,
-        "backend": "vmap",  # with the closed-form gradient: faster than the loop, or within 10% for 1 job
+        "backend": "vmap",  # closed-form batched gradients: faster than the loop, or within 10% for 1 job
         "threads": 1,
         "dataset": {"name": dataset, **p.dataset_options.get(dataset, {})},
         "partition": {"name": "dirichlet", "num_clients": 10, "alpha": alpha, "min_size": p.min_size},

@@ -27,7 +27,6 @@ import torch
 from fedweave.algorithms.base import RunContext
 from fedweave.algorithms.centralized.fedprox import ProxRule
 from fedweave.algorithms.centralized.scaffold import ScaffoldRule
-from fedweave.algorithms.hierarchical.linear import with_closed_form
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule, StateStore
 from fedweave.execution.local import PLAIN, LocalResult
@@ -73,7 +72,6 @@ class _Baseline(HierarchicalAlgorithm):
         return np.append(clients, self.server_job) if self.hp.server_data == "client" else clients
 
     def local_train(self, r: int, jobs: np.ndarray, rule: LocalRule) -> LocalResult:
-        rule = with_closed_form(rule, self.trainer)
         return self.trainer.train(self.x, jobs, r, rule=rule, lr=self.local_lr(), steps=self.round_steps(r))
 
     def round_steps(self, r: int) -> int:

@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import RunContext
-from fedweave.algorithms.hierarchical.linear import with_closed_form
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
 from fedweave.topology.hierarchy import (
@@ -94,14 +93,14 @@ class ZOHFL(HierarchicalAlgorithm):
         """Algorithm 2 for every job: client ``clients[j // 2]`` from y_0 = its input point ``inputs[j]``
         (spec A4); jobs 2i and 2i+1 are the + and - solves of one client and, with CRN, share the key."""
         jobs = np.repeat(clients, 2)
-        rule = with_closed_form(LowerLevelRule(self.hp.mu, inputs, self.projection), self.trainer)
+        rule = LowerLevelRule(self.hp.mu, inputs, self.projection)
         lr = self.local_lr()
         if self.hp.crn:
             return self.trainer.train(inputs, jobs, r, rule=rule, lr=lr, steps=H).params
         out = torch.empty_like(inputs)
         for s in (0, 1):  # independent mini-batch sequences for + and - (the literal zeta^{r,+}, zeta^{r,-})
             sel = slice(s, None, 2)
-            part = with_closed_form(LowerLevelRule(self.hp.mu, inputs[sel], self.projection), self.trainer)
+            part = LowerLevelRule(self.hp.mu, inputs[sel], self.projection)
             out[sel] = self.trainer.train(inputs[sel], jobs[sel], r, rule=part, lr=lr, steps=H, key=(s,)).params
         return out
 
