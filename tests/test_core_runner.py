@@ -131,3 +131,17 @@ def test_cli_list_shows_registries(capsys):
     assert cli_main(["list"]) == 0
     out = capsys.readouterr().out
     assert "fedavg" in out and "dirichlet" in out and "logistic" in out
+
+
+def test_finished_run_is_recognised_even_when_the_schema_gained_keys(toy_config, tmp_path):
+    from fedweave.runner import finished_run
+
+    d = tmp_path / "r"
+    res = fedweave.run(toy_config, run_dir=d)
+    assert finished_run(d, toy_config).metrics == res.metrics
+    assert finished_run(d, {**toy_config, "seed": toy_config["seed"] + 1}) is None  # another run
+    assert finished_run(tmp_path / "nothing", toy_config) is None
+    saved = yaml.safe_load((d / "config.yaml").read_text())
+    del saved["eval"]["every"]  # as written by a version before this key existed (its default applies)
+    (d / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert finished_run(d, toy_config) is not None

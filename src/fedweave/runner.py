@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import math
 import platform
@@ -20,7 +21,7 @@ from fedweave.config import ConfigError, RunConfig
 from fedweave.config import load as load_config
 from fedweave.faults import Faults
 from fedweave.registry import ALGORITHMS
-from fedweave.results import RunDir, atomic_write, default_run_dir
+from fedweave.results import RunDir, atomic_write, default_run_dir, read_metrics
 from fedweave.seeding import Seeds
 
 log = logging.getLogger("fedweave")
@@ -155,6 +156,27 @@ def _check_resumable(saved: dict[str, Any], now: dict[str, Any], path: Path) -> 
         )
 
 
+def finished_run(run_dir: str | Path, config: RunConfig | dict[str, Any]) -> Result | None:
+    """The finished (completed or diverged) run of exactly ``config`` in ``run_dir``, else None.
+
+    The saved config is re-resolved by the current loader, so a run is still recognised after keys with
+    defaults were added to the config schema. Reproductions use this to continue an interrupted grid.
+    """
+    path = Path(run_dir)
+    if not (path / "summary.json").is_file() or not (path / "config.yaml").is_file():
+        return None
+    want = config if isinstance(config, RunConfig) else load_config(config)
+    try:
+        saved = load_config(path / "config.yaml")
+    except ConfigError:  # written by a version whose keys no longer exist: not this run
+        return None
+    summary = json.loads((path / "summary.json").read_text())
+    if saved.to_dict() != want.to_dict() or summary.get("status") not in ("completed", "diverged"):
+        return None
+    rows = read_metrics(path) if (path / "metrics.jsonl").is_file() else []  # diverged before any evaluation
+    return Result(path, rows, summary, None)
+
+
 def run(
     config: RunConfig,
     *,
@@ -179,7 +201,8 @@ def run(
     if resume:
         ckpt = torch.load(out.path / CHECKPOINT, weights_only=True)
         if "config" in ckpt:
-            _check_resumable(ckpt["config"], config.to_dict(), out.path)
+            # re-resolved, so keys added to the config schema since then (with their defaults) are no change
+            _check_resumable(load_config(ckpt["config"]).to_dict(), config.to_dict(), out.path)
         algo.load_state_dict(ckpt["algorithm"])
         ctx.ledger.load_state_dict(ckpt["ledger"])
         out.rows = list(ckpt["rows"])

@@ -182,20 +182,10 @@ def run_config(p: Preset, dataset: str, split: str, method: str, seed: int, run_
 
 def _finished(cfg: dict[str, Any]) -> dict[str, Any] | None:
     """The results of a finished (completed or diverged) run of exactly ``cfg`` on disk, else None."""
-    import yaml
+    from fedweave.runner import finished_run
 
-    from fedweave.config import load
-    from fedweave.results import read_metrics
-
-    path = Path(cfg["output"]["dir"])
-    if not (path / "summary.json").is_file() or not (path / "config.yaml").is_file():
-        return None
-    summary = json.loads((path / "summary.json").read_text())
-    same = yaml.safe_load((path / "config.yaml").read_text()) == yaml.safe_load(yaml.safe_dump(load(cfg).to_dict()))
-    if same and summary.get("status") in ("completed", "diverged"):
-        rows = read_metrics(path) if (path / "metrics.jsonl").is_file() else []  # diverged before any eval
-        return {"summary": summary, "rows": rows}
-    return None
+    done = finished_run(cfg["output"]["dir"], cfg)
+    return None if done is None else {"summary": done.summary, "rows": done.metrics}
 
 
 def _run_one(cfg: dict[str, Any]) -> dict[str, Any]:
