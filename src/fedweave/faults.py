@@ -8,8 +8,9 @@ What a family does with the answers (docs/reliability.md):
 
 - a client that drops out or misses the deadline (policy ``drop``) delivers nothing: its upload is not
   recorded in the ledger, and aggregation re-weights over the clients that reported;
-- a round in which nobody reports leaves the model unchanged; the family returns ``reported_clients = 0``
-  and the runner logs the round as skipped;
+- a round in which nobody reports uses no client update (a star model stays as it was; a server with data
+  of its own still takes its step); the family returns ``reported_clients = 0`` and the runner logs the
+  round as skipped;
 - with policy ``late`` a straggler's update arrives ``delay_rounds`` rounds later (asynchronous families);
 - a lost peer link carries nothing in either direction for the round; a server that misses a round neither
   sends nor receives and keeps its state.

@@ -233,7 +233,7 @@ def run(
             _check_finite(round_metrics, r, "a training metric")
             if round_metrics.get("reported_clients", 1) == 0:
                 skipped.append(r + 1)
-                log.warning("round %d: no client reported; the round was skipped (model unchanged)", r + 1)
+                log.warning("round %d: no client reported; the round was skipped (no client update used)", r + 1)
             last = r == config.rounds - 1
             if (r + 1) % config.eval.every == 0 or last:
                 ev = algo.evaluate(r)
