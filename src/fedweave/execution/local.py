@@ -197,6 +197,8 @@ class LocalTrainer:
         starts = starts if starts.dim() == 2 else starts.expand(len(clients), -1)
         if len(clients) != starts.shape[0]:
             raise ValueError(f"{len(clients)} clients but {starts.shape[0]} start vectors")
+        if len(clients) == 0:  # e.g. every sampled client dropped out: no backend needs to start
+            return LocalResult(starts[:0].clone(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
         lr = self.lr(round) if lr is None else lr
         from fedweave.execution import loop, pool, ray, vmap  # the backends share this plan
 

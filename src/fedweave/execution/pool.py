@@ -221,7 +221,4 @@ def run(
     steps: int | None,
     key: tuple[int, ...],
 ) -> LocalResult:
-    if not clients:
-        empty = torch.zeros(0, dtype=torch.long)
-        return LocalResult(starts[:0].clone(), empty, torch.zeros(0))
     return pool(tr).train(tr, starts, clients, round, rule, lr, steps, key)

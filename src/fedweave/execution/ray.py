@@ -252,7 +252,4 @@ def run(
     steps: int | None,
     key: tuple[int, ...],
 ) -> LocalResult:
-    if not clients:
-        empty = torch.zeros(0, dtype=torch.long)
-        return LocalResult(starts[:0].clone(), empty, torch.zeros(0))
     return pool(tr).run(tr, starts, clients, round, rule, lr, steps, key)
