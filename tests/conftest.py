@@ -15,6 +15,13 @@ from fedweave.registry import DATASETS, MODELS
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Every test starts on one intra-op thread, whatever thread count an earlier run set."""
+    torch.set_num_threads(1)
+    yield
+
+
 def make_toy(n_train: int = 1200, n_test: int = 300, side: int = 6, classes: int = 4, seed: int = 0) -> Dataset:
     """Linearly separable-ish images: labels are the argmax of a fixed random linear map (test fixture)."""
     g = torch.Generator().manual_seed(seed)

@@ -30,15 +30,6 @@ if "_toy_central" not in DATASETS._items:
 N_Q, M_Q, D_Q = 4, 40, 3  # clients, samples per client, features of the least-squares toy
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is fastest and immune to a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _quad_data() -> Dataset:
     """Client i: features scaled by (i+2)/3 and its own linear target map, so the client Hessians and
     optima differ (heterogeneity). Integer targets, since labels are int64."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 
 import pytest
-import torch
 
 from fedweave.registry import DATASETS
 from fedweave.reproduce import fedmim as repro
@@ -19,14 +18,6 @@ def _toy_repro(max_train: int | None = None, max_test: int | None = None):
 
 if "_toy_repro" not in DATASETS._items:
     DATASETS.register("_toy_repro")(_toy_repro)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_smoke_preset_writes_table_csv_and_plots(tmp_path):

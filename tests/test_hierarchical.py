@@ -16,15 +16,6 @@ from fedweave.data.base import Dataset
 from fedweave.registry import DATASETS
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: intra-op threads only add latency (50x on a busy 2-core machine)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _toy_hier(n_train: int = 600, n_test: int = 200, side: int = 4, classes: int = 3) -> Dataset:
     """Test fixture (synthetic): labels are the argmax of a fixed random linear map of Gaussian images."""
     g = torch.Generator().manual_seed(11)

@@ -24,14 +24,6 @@ SEED = 2  # the fixture's root seed
 ZO = {"server_lr": 0.5}  # gamma_0 large enough for the 48-parameter fixture to train in a few rounds
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _cfg(name: str, faults: dict, rounds: int = 3, **algo) -> dict:
     cfg = _config(**({**ZO, **algo} if name == "zo_hfl" else algo))
     cfg["algorithm"]["name"] = name

@@ -7,17 +7,8 @@ import csv
 import json
 
 import pytest
-import torch
 
 from fedweave.reproduce import zo_hfl
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_smoke_preset_writes_table_claims_and_plots(tmp_path):

@@ -23,15 +23,6 @@ from fedweave.topology.hierarchy import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: intra-op threads only add latency (50x on a busy 2-core machine)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _sphere(n: int, d: int, seed: int) -> torch.Tensor:
     z = torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     return z / z.norm(dim=1, keepdim=True)
