@@ -57,6 +57,8 @@ LR, ALPHA, SEED, EVAL_BATCH = 0.05, 0.3, 0, 2048
 CONFIGS = {
     "fedweave": {"framework": "fedweave", "backend": "auto", "threads": 2},
     "fedweave-1t": {"framework": "fedweave", "backend": "auto", "threads": 1},
+    "fedweave-loop-1t": {"framework": "fedweave", "backend": "loop", "threads": 1},
+    "fedweave-vmap-1t": {"framework": "fedweave", "backend": "vmap", "threads": 1},
     "fedweave-ray-2x1": {"framework": "fedweave", "backend": "ray", "threads": 2, "workers": 2},
     "fedweave-pool-2x1": {"framework": "fedweave", "backend": "pool", "threads": 2},
     "flower-2x1": {"framework": "flower", "actors": 2, "actor_cpus": 1},
