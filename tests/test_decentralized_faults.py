@@ -143,3 +143,13 @@ def test_afind_plus_counts_only_reachable_peers():
     proxies = [e.count for e in a.ledger.entries() if e.kind == "feature_proxy"]
     assert 0 < pool < full and proxies == [pool]  # one proxy per reachable pool member, none over a lost link
     assert a.ledger.bytes(kind="feature_proxy") == pool * a.proxy.size * 4
+
+
+@pytest.mark.parametrize("algo", DFL)
+def test_faults_that_hit_nobody_change_no_number(algo, tmp_path):
+    """With the fault machinery active but no fault landing (an outage after the last round), every method
+    computes exactly what it computes without faults."""
+    clean = run(load(config(algo, {}, rounds=3)), run_dir=tmp_path / "clean", progress=False)
+    idle = run(load(config(algo, {"outage_rounds": [99]}, rounds=3)), run_dir=tmp_path / "idle", progress=False)
+    keys = ("test_accuracy", "test_loss", "bytes_total")
+    assert [[r[k] for k in keys] for r in clean.metrics] == [[r[k] for k in keys] for r in idle.metrics]

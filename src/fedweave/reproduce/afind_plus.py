@@ -531,7 +531,8 @@ def main(argv: list[str]) -> int:
 
     md = [f"# AFIND+ reproduction ({args.scale} scale, {p.settings[0].base['rounds']} rounds)\n",
           f"{len(jobs)} runs, {seeds} seed(s), {wall:.0f} s wall. Accuracy: best-round and final-round mean of "
-          "per-client test accuracy (after 1 fine-tune epoch), % mean±std over seeds (population std). The paper's "
+          "per-client test accuracy (after 1 fine-tune epoch; FedAvg's global model without), "
+          "% mean±std over seeds (population std). The paper's "
           "numbers are on CIFAR-10/100 with 100 clients and 500 rounds; they are shown for the pattern, not for a "
           "like-for-like comparison.\n"]  # fmt: skip
     if args.scale == "smoke":
