@@ -21,6 +21,7 @@ from torch import nn
 
 from fedweave.config import ConfigError, RunConfig, build_dataclass, check_options
 from fedweave.data.base import Dataset
+from fedweave.faults import Faults
 from fedweave.ledger import Ledger
 from fedweave.registry import ALGORITHMS, DATASETS, MODELS, PARTITIONERS
 from fedweave.seeding import Seeds
@@ -125,6 +126,8 @@ class Algorithm(ABC):
     name: ClassVar[str] = ""
     family: ClassVar[str] = ""
     Hparams: ClassVar[type] = NoHparams
+    # Injected faults (fedweave.faults) this class's run_round handles; the runner refuses the others.
+    handles_faults: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: RunContext, hp: Any) -> None:
         self.ctx = ctx
@@ -141,6 +144,29 @@ class Algorithm(ABC):
     @property
     def ledger(self) -> Ledger:
         return self.ctx.ledger
+
+    # ---- injected faults (docs/reliability.md): the server side of the star, hierarchical and split
+    # families; the graph family asks per peer and link instead
+    @cached_property
+    def faults(self) -> Faults:
+        """The run's fault decisions, pure functions of (seed, round, who); inactive when none are injected."""
+        return Faults(self.config.faults, self.seeds)
+
+    def client_work(self, clients: np.ndarray) -> np.ndarray | float:
+        """Each client's work in a round relative to the mean work: its upload's arrival time scales with it."""
+        return 1.0
+
+    def reporting(self, r: int, clients: np.ndarray) -> np.ndarray:
+        """The clients of ``clients`` whose upload arrives in round ``r`` (order kept): those that drop out,
+        and those past the deadline (policy drop), deliver nothing."""
+        if not self.faults.active():
+            return clients
+        return self.faults.reporting(r, clients, self.client_work(clients))
+
+    def fault_metrics(self, reported: int | np.ndarray) -> dict[str, float]:
+        """``reported_clients`` when faults are injected (0 marks a skipped round for the runner)."""
+        n = reported if isinstance(reported, int) else len(reported)
+        return {"reported_clients": float(n)} if self.faults.active() else {}
 
     @abstractmethod
     def run_round(self, r: int) -> dict[str, float]:

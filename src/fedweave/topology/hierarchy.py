@@ -18,7 +18,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -27,7 +27,6 @@ from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, choose_backend, evaluate
 from fedweave.execution.local import LR, GradFn
-from fedweave.faults import Faults
 from fedweave.ledger import nbytes
 from fedweave.seeding import Seeds
 
@@ -272,8 +271,6 @@ class HierarchicalAlgorithm(Algorithm):
     family = "hierarchical"
     Hparams = HierarchyHparams
     jobs_per_client = 1
-    # Injected faults (fedweave.faults) a subclass's run_round handles; the runner refuses the others.
-    handles_faults: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: RunContext, hp: HierarchyHparams) -> None:
         super().__init__(ctx, hp)
@@ -297,7 +294,6 @@ class HierarchicalAlgorithm(Algorithm):
         self.server_x, self.server_y = d.train_x[d.server], d.train_y[d.server]
         self.ledger.store("server", "server_data", nbytes(self.server_x, self.server_y))
         self._checkpoint = ("x",)
-        self.faults = Faults(cfg.faults, ctx.seeds)
 
     @property
     def dim(self) -> int:
@@ -312,17 +308,8 @@ class HierarchicalAlgorithm(Algorithm):
         rng = self.seeds.numpy("client_sampling", r)
         return np.sort(rng.choice(self.m, self.k, replace=False))
 
-    def reporting(self, r: int, clients: np.ndarray) -> np.ndarray:
-        """The sampled clients whose upload reaches the server in round ``r`` (dropouts and stragglers past
-        the deadline deliver nothing; docs/reliability.md). Every client of a round runs the same H_{i,r}
-        local steps, so each one's work relative to the round's mean is 1 and only its speed decides."""
-        if not self.faults.active():
-            return clients
-        return self.faults.reporting(r, clients, 1.0)
-
-    def fault_metrics(self, reported: np.ndarray) -> dict[str, float]:
-        """``reported_clients`` when faults are injected (0 marks a skipped round for the runner)."""
-        return {"reported_clients": float(len(reported))} if self.faults.active() else {}
+    # faults: Algorithm.reporting with work 1, since every client of a round runs the same H_{i,r} local
+    # steps, so only its speed decides whether it is late (docs/reliability.md)
 
     def steps(self, r: int) -> int:
         return local_steps(self.hp.tau, r, self.hp.steps_power)

@@ -160,11 +160,27 @@ class SplitAlgorithm(Algorithm):
         self.smashed_bytes = self.parts.smashed_floats * accounting.FLOAT_BYTES  # q_b per sample
         self.server_copies = 1
         self._checkpoint = ("xc", "xs", "xa")
+        n = ctx.num_clients  # the mean local batches per client: the unit of a client's work under faults
+        self.reference_batches = max(1, round(sum(self.batcher.num_steps(c) for c in range(n)) / n))
 
     # ---- sizes ---------------------------------------------------------------------------------------
     @property
     def split_sizes(self) -> accounting.SplitSizes:
         return accounting.SplitSizes(self.lc.numel, self.ls.numel, self.la.numel, self.parts.smashed_floats)
+
+    # ---- injected faults (docs/reliability.md) ------------------------------------------------------
+    # A client that drops out received the fed server's download and delivers nothing in the round: no
+    # smashed data, no model upload, and (FSL_MC, FSL_AN) no server-side copy is opened for it. Split
+    # clients keep no state across rounds, so nothing else changes. The synchronous protocols (FSL_MC,
+    # FSL_OC, FSL_AN wait for the round's clients) drop a client past the deadline like a dropout and refuse
+    # ``late``; CSE-FSL times each upload (see ``cse_fsl``). Aggregation re-weights over the reporters.
+    @property
+    def faulty(self) -> bool:
+        return bool(self.faults.active())
+
+    def client_work(self, clients: np.ndarray) -> np.ndarray:
+        """Each client's local batches relative to the mean: a client with twice the data is twice as slow."""
+        return np.array([self.batcher.num_steps(int(c)) for c in clients], dtype=np.float64) / self.reference_batches
 
     # ---- clients, weights, learning rates ------------------------------------------------------------
     def sample_clients(self, r: int) -> np.ndarray:

@@ -26,7 +26,6 @@ from fedweave.execution import (
     evaluate_clients,
 )
 from fedweave.execution.local import GradFn
-from fedweave.faults import Faults
 
 
 @dataclass
@@ -129,7 +128,6 @@ class StarAlgorithm(Algorithm):
         self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=torch.float32)
         self._checkpoint = ("x",)
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
-        self.faults = Faults(ctx.config.faults, ctx.seeds)
 
     def state_dict(self) -> dict:
         out = super().state_dict()
@@ -158,18 +156,10 @@ class StarAlgorithm(Algorithm):
                     return active
         return np.sort(rng.choice(n, self.hp.clients_per_round, replace=False))
 
-    def reporting(self, r: int, clients: np.ndarray) -> np.ndarray:
-        """The sampled clients whose upload reaches the server in round ``r``: those that drop out, and
-        those past the deadline (policy drop), deliver nothing. A client's work is its local steps relative
-        to the mean, so clients with more data are slower (docs/reliability.md)."""
-        if not self.faults.active():
-            return clients
+    def client_work(self, clients: np.ndarray) -> np.ndarray:
+        """A client's local steps relative to the mean: clients with more data are slower."""
         work = np.array([self.trainer.num_steps(int(c)) for c in clients], dtype=np.float64)
-        return self.faults.reporting(r, clients, work / self.reference_steps())
-
-    def fault_metrics(self, reported: np.ndarray) -> dict[str, float]:
-        """``reported_clients`` when faults are injected (0 marks a skipped round for the runner)."""
-        return {"reported_clients": float(len(reported))} if self.faults.active() else {}
+        return work / self.reference_steps()
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:
         """Aggregation weights of the round's clients, summing to one."""

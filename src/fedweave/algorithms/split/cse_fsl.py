@@ -32,10 +32,9 @@ import torch
 
 from fedweave.accounting.split import upload_batches
 from fedweave.algorithms.base import RunContext
-from fedweave.algorithms.split.base import FaultySplitAlgorithm
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.split import SplitHparams, Upload, process_order, simulate_server
+from fedweave.topology.split import SplitAlgorithm, SplitHparams, Upload, process_order, simulate_server
 
 
 @dataclass
@@ -72,7 +71,7 @@ class InFlight:
 
 
 @ALGORITHMS.register("cse_fsl")
-class CSEFSL(FaultySplitAlgorithm):
+class CSEFSL(SplitAlgorithm):
     name = "cse_fsl"
     method = "cse_fsl"
     uses_aux = True
@@ -158,7 +157,7 @@ class CSEFSL(FaultySplitAlgorithm):
                                 self.in_flight.append(InFlight(r + delay, int(i), up))
                             # policy drop: past the deadline, discarded, never delivered
                 if self.timed:
-                    client_end = max(client_end, float(self.faults.arrival_times(r, [i], self.work([i]))[0]))
+                    client_end = max(client_end, float(self.faults.arrival_times(r, [i], self.client_work([i]))[0]))
                 else:
                     client_end = max(client_end, len(batches) * self.batch_time(int(i)))
                 xc_rows[k], xa_rows[k] = self.lc.flatten(), self.la.flatten()

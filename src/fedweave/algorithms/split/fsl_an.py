@@ -5,17 +5,18 @@ every batch, and the main server keeps one server-side copy per client, each ste
 uploads (cse-fsl spec §5). No gradients go back. The fed server averages client-side models and auxiliary
 nets; the main server averages its copies at the end of the round (A18).
 Faults: synchronous (the copies are averaged at the round's end); clients that drop out or miss the deadline
-deliver nothing (``FaultySplitAlgorithm``).
+deliver nothing (``SplitAlgorithm.reporting``).
 """
 
 from __future__ import annotations
 
-from fedweave.algorithms.split.base import FaultySplitAlgorithm
 from fedweave.registry import ALGORITHMS
+from fedweave.topology.split import SplitAlgorithm
 
 
 @ALGORITHMS.register("fsl_an")
-class FSLAN(FaultySplitAlgorithm):
+class FSLAN(SplitAlgorithm):
+    handles_faults = ("dropout", "deadline")
     name = "fsl_an"
     method = "fsl_an"
     uses_aux = True

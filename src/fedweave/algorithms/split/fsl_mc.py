@@ -3,17 +3,18 @@
 Per batch the client uploads smashed data and labels, its server-side copy takes an SGD step and sends
 back the gradient of the smashed data, and the client back-propagates it (cse-fsl spec §5). At the end of
 the round the fed server averages the client-side models and the main server averages its n copies (A18).
-Faults: synchronous; clients that drop out or miss the deadline deliver nothing (``FaultySplitAlgorithm``).
+Faults: synchronous; clients that drop out or miss the deadline deliver nothing (``SplitAlgorithm.reporting``).
 """
 
 from __future__ import annotations
 
-from fedweave.algorithms.split.base import FaultySplitAlgorithm
 from fedweave.registry import ALGORITHMS
+from fedweave.topology.split import SplitAlgorithm
 
 
 @ALGORITHMS.register("fsl_mc")
-class FSLMC(FaultySplitAlgorithm):
+class FSLMC(SplitAlgorithm):
+    handles_faults = ("dropout", "deadline")
     name = "fsl_mc"
     method = "fsl_mc"
 

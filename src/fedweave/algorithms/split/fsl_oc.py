@@ -5,7 +5,7 @@ in turn. The CSE-FSL authors add gradient clipping to stabilise it; the threshol
 so ``clip`` defaults to 1.0 on both parts. Schedule (A19): ``sequential`` serves whole client epochs one
 after another in a random order per round (the SFLV2 reference code); ``interleaved`` serves batch m of
 every client before batch m+1. Faults: synchronous; clients that drop out or miss the deadline are left out
-of the schedule and the aggregation (``FaultySplitAlgorithm``).
+of the schedule and the aggregation (``SplitAlgorithm.reporting``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from fedweave.algorithms.split.base import FaultySplitAlgorithm
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.split import SplitHparams
+from fedweave.topology.split import SplitAlgorithm, SplitHparams
 
 
 @dataclass
@@ -25,7 +24,8 @@ class FSLOCHparams(SplitHparams):
 
 
 @ALGORITHMS.register("fsl_oc")
-class FSLOC(FaultySplitAlgorithm):
+class FSLOC(SplitAlgorithm):
+    handles_faults = ("dropout", "deadline")
     name = "fsl_oc"
     method = "fsl_oc"
     Hparams = FSLOCHparams
