@@ -152,6 +152,11 @@ class Algorithm(ABC):
         """The run's fault decisions, pure functions of (seed, round, who); inactive when none are injected."""
         return Faults(self.config.faults, self.seeds)
 
+    @property
+    def faulty(self) -> bool:
+        """True when the config injects any fault (without faults every family runs its fault-free path)."""
+        return bool(self.faults.active())
+
     def client_work(self, clients: np.ndarray) -> np.ndarray | float:
         """Each client's work in a round relative to the mean work: its upload's arrival time scales with it."""
         return 1.0

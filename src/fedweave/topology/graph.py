@@ -35,7 +35,6 @@ from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.config import ConfigError
 from fedweave.execution import LocalTrainer, ParamLayout, StateStore, evaluate_clients
 from fedweave.execution.dpsgd import PrivateTrainer
-from fedweave.faults import Faults
 from fedweave.topology.star import make_trainer
 
 TOPOLOGIES = ("full", "half", "erdos_renyi", "ring", "torus", "random_regular", "small_world", "edgelist")
@@ -237,8 +236,6 @@ class GraphAlgorithm(Algorithm):
         self.store.create("model", self.layout.numel, fill=self.layout.flatten())
         self.model_bytes = self.layout.numel * 4  # float32 rows
         self._checkpoint: tuple[str, ...] = ()
-        self.faults = Faults(ctx.config.faults, ctx.seeds)
-        self.faulty = bool(self.faults.active())
         self._up: tuple[int, np.ndarray] | None = None
 
     # ---- state -----------------------------------------------------------------------------------
@@ -291,9 +288,9 @@ class GraphAlgorithm(Algorithm):
         """Nobody takes part in round ``r``: the method skips it (state unchanged, ``reported_clients`` 0)."""
         return self.faulty and not self.up(r).any()
 
-    def fault_metrics(self, r: int) -> dict[str, float]:
-        """``reported_clients`` (those that took part) when faults are injected; 0 marks a skipped round."""
-        return {"reported_clients": float(self.up(r).sum())} if self.faulty else {}
+    def round_fault_metrics(self, r: int) -> dict[str, float]:
+        """``reported_clients`` (those that took part in round ``r``) when faults are injected; 0 = skipped."""
+        return self.fault_metrics(int(self.up(r).sum()) if self.faulty else 0)
 
     def mean_over_up(self, r: int, values: torch.Tensor) -> float:
         """Mean of a per-client quantity over the clients that took part in round ``r``."""

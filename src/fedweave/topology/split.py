@@ -174,10 +174,6 @@ class SplitAlgorithm(Algorithm):
     # clients keep no state across rounds, so nothing else changes. The synchronous protocols (FSL_MC,
     # FSL_OC, FSL_AN wait for the round's clients) drop a client past the deadline like a dropout and refuse
     # ``late``; CSE-FSL times each upload (see ``cse_fsl``). Aggregation re-weights over the reporters.
-    @property
-    def faulty(self) -> bool:
-        return bool(self.faults.active())
-
     def client_work(self, clients: np.ndarray) -> np.ndarray:
         """Each client's local batches relative to the mean: a client with twice the data is twice as slow."""
         return np.array([self.batcher.num_steps(int(c)) for c in clients], dtype=np.float64) / self.reference_batches

@@ -28,7 +28,7 @@ import fedweave.data.datasets.cfl_logreg  # noqa: F401  (registers the paper's s
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.algorithms.confederated.problem import build_problem
 from fedweave.config import ConfigError
-from fedweave.faults import Faults, mixing_without
+from fedweave.faults import mixing_without
 from fedweave.topology.confederation import Confederation, ConfederationHparams
 
 
@@ -130,8 +130,6 @@ class ConfederatedAlgorithm(Algorithm):
         self._all_users = torch.arange(pb.P).expand(n, pb.P)
         self._checkpoint = ("X", "Y", "G", "k", "uploads", *self._state)
         self.ledger.store("edge", "x_y_g", 3 * self.vector_bytes)
-        self.faults = Faults(ctx.config.faults, self.seeds)
-        self.faulty = bool(self.faults.active())
         # this round's faults (set by ``apply_faults``); None without faults, so that path stays as it was
         self.server_on: torch.Tensor | None = None  # (N,) the servers that take part
         self.user_on: torch.Tensor | None = None  # (N, P) the users that take part (not dropped, server up)

@@ -182,7 +182,7 @@ class AfindPlus(GraphAlgorithm):
 
     def run_round(self, r: int) -> dict[str, float]:
         if self.all_down(r):
-            return self.fault_metrics(r)
+            return self.round_fault_metrics(r)
         hp, n = self.hp, self.num_clients
         W0 = self.W  # round-start models: read-only until commit
         own = self.local_update(W0, range(n), r)  # R7, lines 17-23
@@ -259,7 +259,7 @@ class AfindPlus(GraphAlgorithm):
         self.state.end_round()
         self.commit("model", new)
         out = {
-            **self.fault_metrics(r),
+            **self.round_fault_metrics(r),
             "train_loss": self.mean_over_up(r, own.loss),
             "selected_mean": float(np.mean(sizes)),
             "selected_min": float(np.min(sizes)),

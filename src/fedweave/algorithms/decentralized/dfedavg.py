@@ -93,7 +93,7 @@ class DFedAvg(GraphAlgorithm):
 
     def run_round(self, r: int) -> dict[str, float]:
         if self.all_down(r):
-            return self.fault_metrics(r)
+            return self.round_fault_metrics(r)
         W0 = self.W
         if self.hp.order == "aggregate_train":
             mixed, k = self.mix(r, W0, W0)
@@ -103,7 +103,7 @@ class DFedAvg(GraphAlgorithm):
             own = self.trainer.train(W0, range(self.num_clients), r)
             new, k = self.mix(r, W0, self.hold_dropped(r, own.params, W0))  # a dropped peer sends nothing
         self.commit("model", self.hold_dropped(r, new, W0))  # ... and does not update
-        return {"train_loss": self.mean_over_up(r, own.loss), "selected_mean": k, **self.fault_metrics(r)}
+        return {"train_loss": self.mean_over_up(r, own.loss), "selected_mean": k, **self.round_fault_metrics(r)}
 
 
 @dataclass

@@ -123,7 +123,7 @@ class DisPFL(GraphAlgorithm):
 
     def run_round(self, r: int) -> dict[str, float]:
         if self.all_down(r):
-            return self.fault_metrics(r)
+            return self.round_fault_metrics(r)
         n, W0, M0 = self.num_clients, self.W, self.store["mask"].clone()
         mask_bytes = math.ceil(self.layout.numel / 8)
         mixed = torch.empty_like(W0)
@@ -167,5 +167,5 @@ class DisPFL(GraphAlgorithm):
             "train_loss": self.mean_over_up(r, own.loss),
             "selected_mean": self.mean_over_up(r, sizes),
             "density": float(new_m.mean()),
-            **self.fault_metrics(r),
+            **self.round_fault_metrics(r),
         }

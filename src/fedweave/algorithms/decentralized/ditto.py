@@ -74,7 +74,7 @@ class Ditto(GraphAlgorithm):
 
     def run_round(self, r: int) -> dict[str, float]:
         if self.all_down(r):
-            return self.fault_metrics(r)
+            return self.round_fault_metrics(r)
         n, W0, V0 = self.num_clients, self.W, self.store["personal"]
         mixed = torch.empty_like(W0)
         picks = self.selector.select(r, W0)  # a dropped client selects nobody and keeps w_i
@@ -91,5 +91,5 @@ class Ditto(GraphAlgorithm):
         return {
             "train_loss": self.mean_over_up(r, personal.loss),
             "selected_mean": self.mean_over_up(r, sizes),
-            **self.fault_metrics(r),
+            **self.round_fault_metrics(r),
         }

@@ -54,7 +54,7 @@ class FedeRiCo(GraphAlgorithm):
 
     def run_round(self, r: int) -> dict[str, float]:
         if self.all_down(r):
-            return self.fault_metrics(r)
+            return self.round_fault_metrics(r)
         n, W0, b = self.num_clients, self.W, self.hp.loss_beta
         mixed = torch.empty_like(W0)
         sizes = []
@@ -86,5 +86,5 @@ class FedeRiCo(GraphAlgorithm):
         return {
             "train_loss": self.mean_over_up(r, own.loss),
             "selected_mean": float(np.mean(sizes)),
-            **self.fault_metrics(r),
+            **self.round_fault_metrics(r),
         }

@@ -68,7 +68,7 @@ class Fomo(GraphAlgorithm):
 
     def run_round(self, r: int) -> dict[str, float]:
         if self.all_down(r):
-            return self.fault_metrics(r)
+            return self.round_fault_metrics(r)
         n, W0 = self.num_clients, self.W
         own = self.trainer.train(W0, range(n), r)
         sent = own.params
@@ -98,5 +98,5 @@ class Fomo(GraphAlgorithm):
         return {
             "train_loss": self.mean_over_up(r, own.loss),
             "selected_mean": self.mean_over_up(r, sizes),
-            **self.fault_metrics(r),
+            **self.round_fault_metrics(r),
         }

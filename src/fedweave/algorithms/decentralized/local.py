@@ -12,7 +12,7 @@ class Local(GraphAlgorithm):
 
     def run_round(self, r: int) -> dict[str, float]:
         if self.all_down(r):
-            return self.fault_metrics(r)
+            return self.round_fault_metrics(r)
         own = self.trainer.train(self.W, range(self.num_clients), r)  # K local epochs from the own model
         self.commit("model", self.hold_dropped(r, own.params, self.W))  # a dropped client does not update
-        return {"train_loss": self.mean_over_up(r, own.loss), **self.fault_metrics(r)}
+        return {"train_loss": self.mean_over_up(r, own.loss), **self.round_fault_metrics(r)}

@@ -56,7 +56,7 @@ class PENS(GraphAlgorithm):
 
     def run_round(self, r: int) -> dict[str, float]:
         if self.all_down(r):
-            return self.fault_metrics(r)
+            return self.round_fault_metrics(r)
         hp, n, W0 = self.hp, self.num_clients, self.W
         mixed = torch.empty_like(W0)
         sizes = []
@@ -92,5 +92,5 @@ class PENS(GraphAlgorithm):
         return {
             "train_loss": self.mean_over_up(r, own.loss),
             "selected_mean": float(np.mean(sizes)),
-            **self.fault_metrics(r),
+            **self.round_fault_metrics(r),
         }
