@@ -86,41 +86,14 @@ def run(
     nsteps = torch.zeros(len(clients), dtype=torch.long)
     losses = torch.zeros(len(clients))
     comp = compute(tr.layout)
-    value, gradbuf = comp.value, comp.gradbuf
-    template = value.clone()  # restored at the end: training leaves the template model unchanged
-    if plain_sgd(tr, rule):
-        _run_plain(tr, comp, starts, clients, round, lr, steps, key, out, nsteps, losses)
-        value.copy_(template)
-        return LocalResult(out, nsteps, losses)
+    template = comp.value.clone()  # restored at the end: training leaves the template model unchanged
+    train_job = _train_plain if plain_sgd(tr, rule) else _train_with_rule
     for k, c in enumerate(clients):
         batches = tr.client_batches(c, round, key, steps)
-        gens: dict = {}
-        w = starts[k].clone()
-        buf = None
-        total = 0.0
-        for t, b in enumerate(batches):
-            x, y = tr.batch_data(b, c, round, key, gens)
-            last = {}
-
-            def grad(v: torch.Tensor, x=x, y=y, last=last) -> torch.Tensor:
-                value.copy_(v)  # the compute model's parameters are views of `value`
-                gradbuf.zero_()
-                loss = comp.loss_backward(tr.loss_fn, x, y)
-                last.setdefault("loss", loss.detach())
-                return gradbuf.clone()
-
-            # for rules that need the samples themselves (per-sample gradients, DP-SGD): the batch and a
-            # way to report the loss they computed in place of ``grad``
-            grad.batch = (x, y, None)  # type: ignore[attr-defined]
-            grad.report = lambda loss, last=last: last.setdefault("loss", loss)  # type: ignore[attr-defined]
-            d = rule.direction(w, grad, offset + k)
-            w, buf = tr.sgd_update(w, d, buf, tr.step_lr(lr, t))
-            w = rule.project(w, offset + k)
-            total += float(last["loss"]) if last else 0.0
-        out[k] = w
+        out[k], total = train_job(tr, comp, starts[k], batches, c, round, key, lr, rule, offset + k)
         nsteps[k] = len(batches)
         losses[k] = total / max(len(batches), 1)
-    value.copy_(template)
+    comp.value.copy_(template)
     return LocalResult(out, nsteps, losses)
 
 
@@ -133,22 +106,46 @@ def plain_sgd(tr: LocalTrainer, rule: LocalRule) -> bool:
     return plain_rule and not c.momentum and not c.weight_decay and c.grad_clip is None
 
 
-def _run_plain(tr, comp, starts, clients, round, lr, steps, key, out, nsteps, losses) -> None:
-    """Plain SGD trained in place on the flat buffers: per step one forward, one backward into the flat
-    gradient and ``w -= lr * g`` without allocating. ``gradbuf.mul_(lr)`` then ``value.sub_`` round exactly
-    like the general path's ``w - lr * d``, so both give the same bits."""
+def _train_with_rule(tr, comp, start, batches, c, round, key, lr, rule, job) -> tuple[torch.Tensor, float]:
+    """One job's local steps with the rule's direction and projection and the configured SGD; returns the
+    final parameters and the summed batch losses."""
     value, gradbuf = comp.value, comp.gradbuf
-    for k, c in enumerate(clients):
-        batches = tr.client_batches(c, round, key, steps)
-        gens: dict = {}
-        value.copy_(starts[k])
-        total = 0.0
-        for t, b in enumerate(batches):
-            x, y = tr.batch_data(b, c, round, key, gens)
+    gens: dict = {}
+    w, buf, total = start.clone(), None, 0.0
+    for t, b in enumerate(batches):
+        x, y = tr.batch_data(b, c, round, key, gens)
+        last = {}
+
+        def grad(v: torch.Tensor, x=x, y=y, last=last) -> torch.Tensor:
+            value.copy_(v)  # the compute model's parameters are views of `value`
             gradbuf.zero_()
             loss = comp.loss_backward(tr.loss_fn, x, y)
-            value.sub_(gradbuf.mul_(tr.step_lr(lr, t)))
-            total += loss.item()
-        out[k] = value
-        nsteps[k] = len(batches)
-        losses[k] = total / max(len(batches), 1)
+            last.setdefault("loss", loss.detach())
+            return gradbuf.clone()
+
+        # for rules that need the samples themselves (per-sample gradients, DP-SGD): the batch and a way to
+        # report the loss they computed in place of ``grad``
+        grad.batch = (x, y, None)  # type: ignore[attr-defined]
+        grad.report = lambda loss, last=last: last.setdefault("loss", loss)  # type: ignore[attr-defined]
+        d = rule.direction(w, grad, job)
+        w, buf = tr.sgd_update(w, d, buf, tr.step_lr(lr, t))
+        w = rule.project(w, job)
+        total += float(last["loss"]) if last else 0.0
+    return w, total
+
+
+def _train_plain(tr, comp, start, batches, c, round, key, lr, rule, job) -> tuple[torch.Tensor, float]:
+    """Plain SGD in place on the flat buffers: per step one forward, one backward into the flat gradient and
+    ``w -= lr * g`` without allocating. ``gradbuf.mul_(lr)`` then ``value.sub_`` round exactly like the
+    general path's ``w - lr * d``, so both give the same bits."""
+    value, gradbuf = comp.value, comp.gradbuf
+    gens: dict = {}
+    value.copy_(start)
+    total = 0.0
+    for t, b in enumerate(batches):
+        x, y = tr.batch_data(b, c, round, key, gens)
+        gradbuf.zero_()
+        loss = comp.loss_backward(tr.loss_fn, x, y)
+        value.sub_(gradbuf.mul_(tr.step_lr(lr, t)))
+        total += loss.item()
+    return value, total  # the live buffer: the caller copies it into its output row

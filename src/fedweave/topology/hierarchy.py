@@ -265,7 +265,9 @@ class HierarchicalAlgorithm(Algorithm):
     """Shared mechanics: the split, sampling, schedules, ledger messages and global-model evaluation.
 
     ``jobs_per_client`` is the number of local jobs each participant runs per round (ZO-HFL: 2), so the
-    backend choice (``backend: auto``) sees the real batch width.
+    backend choice (``backend: auto``) sees the real batch width. Faults use ``Algorithm.reporting`` with
+    the default work 1: every client of a round runs the same H_{i,r} local steps, so only its speed
+    decides whether it is late (docs/reliability.md).
     """
 
     family = "hierarchical"
@@ -307,9 +309,6 @@ class HierarchicalAlgorithm(Algorithm):
         """S_r: k clients uniformly without replacement from the ``("client_sampling", r)`` stream."""
         rng = self.seeds.numpy("client_sampling", r)
         return np.sort(rng.choice(self.m, self.k, replace=False))
-
-    # faults: Algorithm.reporting with work 1, since every client of a round runs the same H_{i,r} local
-    # steps, so only its speed decides whether it is late (docs/reliability.md)
 
     def steps(self, r: int) -> int:
         return local_steps(self.hp.tau, r, self.hp.steps_power)
