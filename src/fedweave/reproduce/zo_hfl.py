@@ -333,15 +333,10 @@ def _run_one(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _completed(path: Path, cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
-    from fedweave.config import load
-    from fedweave.results import read_metrics
+    from fedweave.runner import finished_run
 
-    try:
-        summary = json.loads((path / "summary.json").read_text())
-        same = load(path / "config.yaml").to_dict() == load(cfg).to_dict()
-    except (OSError, ValueError):
-        return None
-    return read_metrics(path) if same and summary.get("status") == "completed" else None
+    done = finished_run(path, cfg)
+    return done.metrics if done is not None and done.summary.get("status") == "completed" else None
 
 
 def _seconds(path: Path) -> tuple[float, float]:
