@@ -236,11 +236,9 @@ def run_config(job: Job, base: dict[str, Any]) -> dict[str, Any]:
 def _run_job(args: tuple[Job, dict[str, Any], str]) -> dict[str, Any]:
     job, base, out = args
     path = Path(out) / "runs" / job.slug
-    done = path / "summary.json"
-    if done.is_file():
-        summary = json.loads(done.read_text())
-        if summary.get("status") == "completed":
-            return _collect(job, path, summary)
+    done = _finished(out, job, base)
+    if done is not None:  # an identical run finished earlier: reuse it
+        return _collect(job, path, done.summary)
     import torch
 
     from fedweave.config import load
@@ -252,9 +250,12 @@ def _run_job(args: tuple[Job, dict[str, Any], str]) -> dict[str, Any]:
     return _collect(job, path, res.summary)
 
 
-def _finished(out: Path, job: Job) -> bool:
-    done = Path(out) / "runs" / job.slug / "summary.json"
-    return done.is_file() and json.loads(done.read_text()).get("status") == "completed"
+def _finished(out: str | Path, job: Job, base: dict[str, Any]):
+    """The completed run of exactly this job's config in its run directory, else None."""
+    from fedweave.runner import finished_run
+
+    done = finished_run(Path(out) / "runs" / job.slug, run_config(job, base))
+    return done if done is not None and done.summary.get("status") == "completed" else None
 
 
 def _collect(job: Job, path: Path, summary: dict[str, Any]) -> dict[str, Any]:
@@ -516,14 +517,15 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jobs, rows = plan(p, seeds, wanted)
+    bases = {s.key: s.base for s in p.settings}
     if args.only:  # run only these rows' jobs (the tables still show every finished run)
         keep = {x.strip() for x in args.only.split(",")}
-        jobs = [j for j in jobs if j.label in keep or _finished(out, j)]
+        jobs = [j for j in jobs if j.label in keep or _finished(out, j, bases[j.setting])]
         unknown = keep - {j.label for j in jobs}
         if unknown:
             raise SystemExit(f"--only: unknown method label(s) {sorted(unknown)}")
     if args.collect:
-        jobs = [j for j in jobs if _finished(out, j)]
+        jobs = [j for j in jobs if _finished(out, j, bases[j.setting])]
     print(f"afind reproduction, scale {args.scale}: {len(jobs)} runs, {args.workers} worker(s) -> {out}", flush=True)
     t0 = time.perf_counter()
     results = run_all(jobs, p, out, 1 if args.scale == "smoke" else args.workers, lambda s: print(s, flush=True))
