@@ -1,5 +1,5 @@
 """The engine's faster kernels compute what autograd computes: the closed-form batched MLP gradient (vmap
-backend) and the channels-last training twin of plain CNNs (loop backend)."""
+backend), the fused plain-SGD MLP step and the channels-last training twin of plain CNNs (loop backend)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from torch import nn
 from fedweave.config import LocalConfig
 from fedweave.execution import LocalTrainer, ParamLayout
 from fedweave.execution.batched import batched_grad
-from fedweave.execution.local import cross_entropy
+from fedweave.execution.fused import FusedSGD, fused_sgd
+from fedweave.execution.local import LocalRule, cross_entropy
 from fedweave.execution.loop import compute
 from fedweave.models import build_model
 from fedweave.seeding import Seeds
@@ -24,11 +25,14 @@ def _autograd(layout: ParamLayout, v: torch.Tensor, x: torch.Tensor, y: torch.Te
     return g, loss.detach()
 
 
-@pytest.mark.parametrize(
+MLPS = pytest.mark.parametrize(
     ("name", "options"),
     [("logistic", {}), ("logistic", {"bias": False}), ("mlp", {"hidden": [7]}), ("mlp", {"hidden": [5, 6]}),
      ("mlp", {"hidden": [4], "bias": False})],
 )  # fmt: skip
+
+
+@MLPS
 def test_batched_mlp_gradient_equals_autograd(name, options):
     torch.manual_seed(0)
     model = build_model(name, (1, 4, 4), 3, **options)
@@ -55,8 +59,41 @@ def test_batched_mlp_gradient_equals_autograd(name, options):
 
 
 def test_batched_gradient_only_for_mlps():
-    assert batched_grad(ParamLayout(nn.Sequential(nn.Flatten(), nn.Linear(16, 3)))) is None  # not fedweave's MLP
-    assert batched_grad(ParamLayout(build_model("cnn_mnist", (1, 28, 28), 10))) is None
+    for model in (nn.Sequential(nn.Flatten(), nn.Linear(16, 3)), build_model("cnn_mnist", (1, 28, 28), 10)):
+        layout = ParamLayout(model)  # not fedweave's MLP, a CNN
+        assert batched_grad(layout) is None and fused_sgd(layout, layout.flatten()) is None
+
+
+class _ThroughAutograd(LocalRule):
+    """The plain SGD direction, but overridden, so the loop takes its general autograd path."""
+
+    def direction(self, w, grad, jobs):
+        return grad(w)
+
+
+@MLPS
+@pytest.mark.parametrize("steps", [None, 70])  # one epoch with partial last batches; 70 steps, over two gathers
+def test_fused_mlp_sgd_equals_autograd_sgd(name, options, steps, uneven_parts, monkeypatch):
+    ds = make_toy()
+    torch.manual_seed(0)
+    model = build_model(name, (1, 6, 6), 4, **options)
+    cfg = LocalConfig(epochs=1, batch_size=5, lr=0.1)
+    cfg.validate()
+    tr = LocalTrainer(model, ds.train_x, ds.train_y, uneven_parts, cfg, Seeds(3), backend="loop")
+    start = tr.layout.flatten() + 0.1 * torch.randn(tr.layout.numel)
+    calls = []
+    run = FusedSGD.run
+    monkeypatch.setattr(FusedSGD, "run", lambda self, *a: calls.append(1) or run(self, *a))
+    clients = [0, 2, 3, 5]
+    kwargs = {"lr": lambda t: 0.2 / (t + 1), "steps": steps}
+    fused = tr.train(start, clients, round=2, **kwargs)
+    assert len(calls) == len(clients)  # the fused kernel ran every job
+    reference = tr.train(start, clients, round=2, rule=_ThroughAutograd(), **kwargs)
+    assert len(calls) == len(clients)
+    assert not torch.equal(fused.params, start.expand_as(fused.params))
+    torch.testing.assert_close(fused.params, reference.params, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.loss, reference.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.steps, reference.steps, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", ["logistic", "mlp"])

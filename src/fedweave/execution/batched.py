@@ -37,11 +37,13 @@ def mlp_layers(model: nn.Module) -> list[nn.Linear] | None:
     return None
 
 
-def batched_grad(layout: ParamLayout) -> BatchedGrad | None:
-    """``f(V, X, Y, M, out=None) -> (G, loss)``: per-job gradients ``G`` (K, P) and masked mean
-    cross-entropies (K,) at parameters ``V`` (K, P) on batches ``X`` (K, B, ...), labels ``Y`` and masks
-    ``M`` (K, B) or None (every row real); ``G`` is written into ``out`` when given. None when the model is
-    not an MLP of this form (or has buffers)."""
+LayerSpec = tuple[tuple[int, int], int, int, tuple[int, int] | None]  # weight slice, out, in, bias slice
+
+
+def layer_spec(layout: ParamLayout) -> list[LayerSpec] | None:
+    """Per linear layer of a fedweave MLP or softmax regression, in order: the weight's slice of the flat
+    parameter vector, its output and input sizes, and the bias's slice (None without bias). None when the
+    model is not of this form (or has buffers)."""
     layers = mlp_layers(layout.model)
     if layers is None or list(layout.model.buffers()):
         return None
@@ -51,11 +53,22 @@ def batched_grad(layout: ParamLayout) -> BatchedGrad | None:
         offsets[name] = (at, at + n)
         at += n
     names = {id(p): n for n, p in layout.model.named_parameters()}
-    spec = []  # per layer: (weight slice, out, in, bias slice or None)
+    spec = []
     for layer in layers:
         w = offsets[names[id(layer.weight)]]
         b = offsets[names[id(layer.bias)]] if layer.bias is not None else None
         spec.append((w, layer.out_features, layer.in_features, b))
+    return spec
+
+
+def batched_grad(layout: ParamLayout) -> BatchedGrad | None:
+    """``f(V, X, Y, M, out=None) -> (G, loss)``: per-job gradients ``G`` (K, P) and masked mean
+    cross-entropies (K,) at parameters ``V`` (K, P) on batches ``X`` (K, B, ...), labels ``Y`` and masks
+    ``M`` (K, B) or None (every row real); ``G`` is written into ``out`` when given. None when the model is
+    not an MLP of this form (or has buffers)."""
+    spec = layer_spec(layout)
+    if spec is None:
+        return None
 
     def f(
         V: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, M: torch.Tensor | None, out: torch.Tensor | None = None

@@ -15,7 +15,8 @@ import weakref
 import torch
 
 from fedweave.execution.evaluate import channels_last_ok, to_channels_last
-from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer
+from fedweave.execution.fused import fused_sgd
+from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer, cross_entropy
 from fedweave.execution.params import ParamLayout
 
 
@@ -24,6 +25,7 @@ class Compute:
 
     def __init__(self, layout: ParamLayout) -> None:
         self.value, self.gradbuf = layout.bind()
+        self.fused = fused_sgd(layout, self.value)  # plain SGD without autograd for MLPs (execution.fused)
         model = layout.model
         self.sync: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (twin weight, value, grad)
         self.channels_last = channels_last_ok(model) and not list(model.buffers())
@@ -135,12 +137,16 @@ def _train_with_rule(tr, comp, start, batches, c, round, key, lr, rule, job) -> 
 
 
 def _train_plain(tr, comp, start, batches, c, round, key, lr, rule, job) -> tuple[torch.Tensor, float]:
-    """Plain SGD in place on the flat buffers: per step one forward, one backward into the flat gradient and
-    ``w -= lr * g`` without allocating. ``gradbuf.mul_(lr)`` then ``value.sub_`` round exactly like the
-    general path's ``w - lr * d``, so both give the same bits."""
+    """Plain SGD in place on the flat buffers. MLPs use the fused kernel of ``execution.fused`` (equal to the
+    general path to float rounding). Other models take per step one forward, one backward into the flat
+    gradient and ``w -= lr * g`` without allocating: ``gradbuf.mul_(lr)`` then ``value.sub_`` round exactly
+    like the general path's ``w - lr * d``, so both give the same bits."""
     value, gradbuf = comp.value, comp.gradbuf
-    gens: dict = {}
     value.copy_(start)
+    if comp.fused is not None and tr.loss_fn is cross_entropy and tr.augment is None:
+        lrs = [tr.step_lr(lr, t) for t in range(len(batches))]
+        return value, comp.fused.run(tr.train_x, tr.train_y, batches, lrs)
+    gens: dict = {}
     total = 0.0
     for t, b in enumerate(batches):
         x, y = tr.batch_data(b, c, round, key, gens)
