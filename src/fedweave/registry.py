@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ class Registry:
         return deco
 
     def get(self, name: str) -> Any:
-        _load_builtins()
+        _load_builtins(until=lambda: name in self._items)
         if name not in self._items:
             close = difflib.get_close_matches(str(name), self._items, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -39,7 +40,7 @@ class Registry:
         return sorted(self._items)
 
     def __contains__(self, name: str) -> bool:
-        _load_builtins()
+        _load_builtins(until=lambda: name in self._items)
         return name in self._items
 
 
@@ -48,17 +49,17 @@ DATASETS = Registry("dataset")
 MODELS = Registry("model")
 PARTITIONERS = Registry("partitioner")
 
-_loaded = False
+_pending: list[str] | None = None  # the built-in modules not imported yet
 
 
-def _load_builtins() -> None:
-    """Import the modules whose decorators fill the registries (once)."""
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    import fedweave.data  # noqa: F401
-    import fedweave.models  # noqa: F401
-    from fedweave.algorithms import load_families
+def _load_builtins(until: Callable[[], bool] | None = None) -> None:
+    """Import the modules whose decorators fill the registries, in order, stopping once ``until()`` holds:
+    looking up ``fedavg`` imports the data layer, the models and the centralized family only, not the
+    families that need networkx (0.3 s of start-up). Without ``until`` everything is imported."""
+    global _pending
+    if _pending is None:
+        from fedweave.algorithms import family_modules
 
-    load_families()
+        _pending = ["fedweave.data", "fedweave.models", *family_modules()]
+    while _pending and not (until is not None and until()):
+        importlib.import_module(_pending.pop(0))
