@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -68,3 +71,15 @@ def test_state_store_rows_fill_and_mmap(tmp_path):
         store.create("c", 3)
     with pytest.raises(KeyError, match="no client state"):
         store["missing"]
+
+
+def test_looking_up_an_algorithm_imports_only_the_families_up_to_its_own():
+    code = (
+        "import sys; from fedweave.registry import ALGORITHMS; ALGORITHMS.get('fedavg'); "
+        "print(sorted(m for m in sys.modules if m.count('.') == 2 and m.startswith('fedweave.algorithms.')), "
+        "'networkx' in sys.modules); print(len(ALGORITHMS.names()), 'networkx' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "['fedweave.algorithms.base', 'fedweave.algorithms.centralized'] False"
+    n, networkx = out[1].split()
+    assert int(n) > 30 and networkx == "True"  # names() imports every family
