@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedweave.memory import memory, process_tree
+from fedweave.memory import cpu_seconds, memory, process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -98,19 +98,6 @@ def partition_digest(parts) -> str:
     return h.hexdigest()[:16]
 
 
-def tree_cpu() -> float:
-    """CPU seconds (user + system) used so far by this process and its live descendants (pool workers, Ray's
-    processes and actors): robust to other load on the machine, unlike wall time."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0
-    for pid in process_tree(os.getpid()):
-        try:
-            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(f[11]) + int(f[12])
-    return total / tick
-
-
 # ---- fedweave ----------------------------------------------------------------------------------------
 def run_fedweave(workload: str, rounds: int, spec: dict, launched: float) -> dict:
     import torch
@@ -134,14 +121,14 @@ def run_fedweave(workload: str, rounds: int, spec: dict, launched: float) -> dic
     train, evals, accs, cpu = [], [], [], []
     for r in range(rounds):
         t0 = time.perf_counter()
-        cpu.append(tree_cpu())
+        cpu.append(cpu_seconds())
         algo.run_round(r)
         t1 = time.perf_counter()
         ev = algo.evaluate(r)
         train.append(t1 - t0)
         evals.append(time.perf_counter() - t1)
         accs.append(ev["test_accuracy"])
-    cpu.append(tree_cpu())
+    cpu.append(cpu_seconds())
     return {
         "startup": start,
         "cpu": [b - a for a, b in zip(cpu, cpu[1:])],
@@ -236,7 +223,7 @@ def run_flower(workload: str, rounds: int, spec: dict, launched: float) -> dict:
 
         def configure_train(self, server_round, arrays, config, grid):
             marks["round_start"].append(time.time())
-            marks["cpu"].append(tree_cpu())
+            marks["cpu"].append(cpu_seconds())
             nodes = sorted(grid.get_node_ids())
             while len(nodes) < n:  # the nodes register in the background at start-up
                 time.sleep(0.05)
@@ -262,7 +249,7 @@ def run_flower(workload: str, rounds: int, spec: dict, launched: float) -> dict:
         marks["accuracy"].append(acc)
         marks["round_end"].append(time.time())
         if server_round == rounds:
-            marks["cpu"].append(tree_cpu())
+            marks["cpu"].append(cpu_seconds())
         return MetricRecord({"accuracy": acc})
 
     server = ServerApp()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -83,3 +84,20 @@ def test_looking_up_an_algorithm_imports_only_the_families_up_to_its_own():
     assert out[0] == "['fedweave.algorithms.base', 'fedweave.algorithms.centralized'] False"
     n, networkx = out[1].split()
     assert int(n) > 30 and networkx == "True"  # names() imports every family
+
+
+def test_cpu_seconds_counts_live_worker_processes():
+    from fedweave.memory import cpu_seconds
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\ntime.sleep(60)"
+    own0, before = time.process_time(), cpu_seconds()
+    child = subprocess.Popen([sys.executable, "-c", burn])
+    try:
+        deadline = time.time() + 30
+        while cpu_seconds() - before - (time.process_time() - own0) < 0.45 and time.time() < deadline:
+            time.sleep(0.05)
+        assert cpu_seconds() - before - (time.process_time() - own0) >= 0.45  # the child's CPU, while it lives
+    finally:
+        child.kill()
+        child.wait()
+    assert cpu_seconds() - before - (time.process_time() - own0) >= 0.45  # and once it has been waited for

@@ -109,12 +109,16 @@ def test_lr_schedules(uneven_parts):
     assert tr.lr(0) == pytest.approx(0.1) and tr.lr(5) == pytest.approx(0.06) and tr.lr(10) == pytest.approx(0.02)
 
 
-def test_auto_backend_picks_vmap_only_for_a_single_linear_layer():
+def test_auto_backend_picks_vmap_for_a_linear_layer_and_the_pool_for_convolutions_with_threads():
     lin, cnn = _models()
-    assert choose_backend("auto", lin, 10) == "vmap"
-    assert choose_backend("auto", lin, 2) == "vmap"
-    assert choose_backend("auto", lin, 1) == "loop"
+    assert torch.get_num_threads() == 1  # pinned by conftest: the default below is one thread
+    assert choose_backend("auto", lin, 50) == "loop"  # one thread: the fused loop kernel
+    assert choose_backend("auto", lin, 16, threads=2) == "vmap"
+    assert choose_backend("auto", lin, 10, threads=2) == "loop"
     assert choose_backend("auto", cnn, 10) == "loop"
+    assert choose_backend("auto", cnn, 10, threads=2) == "pool"  # one-thread workers beat two threads
+    assert choose_backend("auto", cnn, 1, threads=2) == "loop"  # one job: nothing to spread
     mlp = nn.Sequential(nn.Flatten(), nn.Linear(36, 8), nn.ReLU(), nn.Linear(8, 4))
-    assert choose_backend("auto", mlp, 10) == "loop"
+    assert choose_backend("auto", mlp, 10, threads=2) == "loop"
     assert choose_backend("vmap", cnn, 10) == "vmap"
+    assert choose_backend("loop", cnn, 10, threads=2) == "loop"

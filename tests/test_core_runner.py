@@ -69,6 +69,7 @@ def test_run_directory_contents(toy_config, tmp_path):
     assert summary["status"] == "completed" and summary["seed"] == 3
     assert summary["versions"]["torch"] == torch.__version__
     assert summary["cpu_seconds"] > 0 and summary["wall_seconds"] > 0  # CPU time of the run, next to wall time
+    assert summary["execution"] == {"backend": "loop", "threads": 1}  # what `auto` resolved to
     resolved = yaml.safe_load((d / "config.yaml").read_text())
     assert load(resolved).to_dict() == resolved  # the resolved config reloads to itself
     assert not list(d.glob(".*.tmp"))  # no temp files left behind

@@ -136,18 +136,20 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
 def test_a_run_on_the_pool_equals_the_loop(toy_config, algorithm):
     out = {}
-    for backend in ("loop", "pool"):
+    for backend in ("loop", "auto"):  # auto: a CNN with 2 threads runs on the pool
         cfg = {**toy_config, "backend": backend, "threads": 2, "model": {"name": "_toy_cnn"}}
         cfg["algorithm"] = {"name": algorithm, "clients_per_round": 5}
         ctx = RunContext(load(cfg))
+        torch.set_num_threads(2)  # as the runner does for `threads: 2`
         algo = build_algorithm(ctx)
+        assert algo.trainer.backend == {"loop": "loop", "auto": "pool"}[backend]
         evals = []
         for r in range(3):
             algo.run_round(r)
             evals.append(algo.evaluate(r))
         out[backend] = (algo.x.clone(), evals)
         torch.set_num_threads(1)
-    torch.testing.assert_close(out["pool"][0], out["loop"][0], rtol=1e-5, atol=1e-6)
-    for a, b in zip(out["loop"][1], out["pool"][1]):
+    torch.testing.assert_close(out["auto"][0], out["loop"][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(out["loop"][1], out["auto"][1]):
         assert a["test_accuracy"] == b["test_accuracy"]
         assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-5)

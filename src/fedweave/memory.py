@@ -1,7 +1,10 @@
-"""Memory of a process tree, read from /proc (Linux): what benchmarks and memory tests measure."""
+"""Memory and CPU time of a process tree, read from /proc (Linux): what run summaries, benchmarks and memory
+tests measure."""
 
 from __future__ import annotations
 
+import os
+import resource
 from pathlib import Path
 
 
@@ -37,3 +40,21 @@ def memory(pids: list[int]) -> dict[str, int]:
         except OSError:
             continue
     return out
+
+
+def cpu_seconds() -> float:
+    """CPU seconds (user + system, all threads) used so far by this process, its finished children and its
+    live descendants (the pool backend's workers, a local Ray's processes). Without /proc: this process and
+    its finished children only."""
+    own, done = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + done.ru_utime + done.ru_stime
+    if not Path("/proc/self/stat").exists():
+        return total
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in process_tree(os.getpid())[1:]:
+        try:
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        total += (int(f[11]) + int(f[12])) / tick
+    return total

@@ -20,6 +20,7 @@ from fedweave.algorithms.base import Algorithm, RunContext, build_algorithm
 from fedweave.config import ConfigError, RunConfig
 from fedweave.config import load as load_config
 from fedweave.faults import Faults
+from fedweave.memory import cpu_seconds
 from fedweave.registry import ALGORITHMS
 from fedweave.results import RunDir, atomic_write, default_run_dir, read_metrics
 from fedweave.seeding import Seeds
@@ -223,7 +224,7 @@ def run(
     show = config.output.progress if progress is None else progress
     bar = _progress(show, config.rounds, start_round)
     t0 = time.perf_counter() - wall_before
-    cpu0 = time.process_time() - cpu_before  # this process, all threads: what a loaded machine inflates least
+    cpu0 = cpu_seconds() - cpu_before  # all threads and worker processes: what a loaded machine inflates least
     status, error = "completed", None
     ledger = ctx.ledger
     verified = False
@@ -258,7 +259,7 @@ def run(
             every = config.output.checkpoint_every
             if every and ((r + 1) % every == 0 or last):
                 extra = {"config": config.to_dict(), "skipped_rounds": skipped}
-                extra["cpu_seconds"] = time.process_time() - cpu0
+                extra["cpu_seconds"] = cpu_seconds() - cpu0
                 save_checkpoint(
                     out,
                     algo,
@@ -277,7 +278,12 @@ def run(
         if bar is not None:
             bar.close()
     summary = _summary(config, out.rows, ledger.summary(), time.perf_counter() - t0, status, error)
-    summary["cpu_seconds"] = round(time.process_time() - cpu0, 3)
+    summary["cpu_seconds"] = round(cpu_seconds() - cpu0, 3)
+    trainer = getattr(algo, "trainer", None)
+    summary["execution"] = {  # what `backend: auto` resolved to, and the threads it ran with
+        "backend": trainer.backend if trainer is not None else config.backend,
+        "threads": torch.get_num_threads(),
+    }
     if skipped or config.faults != type(config.faults)():
         summary["skipped_rounds"] = skipped
     out.write_json("summary.json", summary)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from fedweave.execution.evaluate import evaluate, evaluate_clients
@@ -21,13 +22,26 @@ __all__ = [
 ]
 
 
-def choose_backend(requested: str, model: nn.Module, jobs_per_call: int) -> str:
-    """Resolve ``auto``. vmap wins on CPU only for a single linear layer (logistic/softmax regression)
-    with at least 2 jobs per call (with the closed-form batched gradient of ``execution.batched``: MNIST
-    softmax regression, 2 jobs 0.205 vs 0.289 CPU-s, 4 jobs 0.442 vs 0.517, 1 job a tie); for MLPs and CNNs
-    it measured 0.4-1.2x the loop (DESIGN principle 4)."""
+def choose_backend(requested: str, model: nn.Module, jobs_per_call: int, threads: int | None = None) -> str:
+    """Resolve ``auto`` (DESIGN principle 4) for a process with ``threads`` torch threads (default: the
+    current count). Measured on 2 CPU cores, FedAvg on MNIST (docs/performance.md):
+
+    - ``vmap`` for a single linear layer (softmax regression) from 16 jobs per call with 2 or more threads:
+      its batched matrix products use both threads (50 jobs: 2.5 vs 3.4-3.8 s wall for 20 rounds), while the
+      loop's fused kernel (``execution.fused``) is as fast or faster at one thread or with few jobs (2
+      jobs, 2 threads: 0.28-0.34 vs 0.44-0.50 s; 10 jobs a tie; 100 jobs, 1 thread: 0.30 vs 0.35 s a round).
+    - ``pool`` for a convolutional model from 2 jobs per call with 2 or more threads: one-thread worker
+      processes beat one process with the same threads on small convolutions, on an idle machine (the
+      demo's CNN: 7.0 vs 9.3 s for 10 rounds) and more so on a busy one, where the threads of one process
+      spin waiting for each other.
+    - ``loop`` otherwise; MLPs train with the loop's fused kernel (vmap measured 0.4-1.2x the loop on MLPs
+      and CNNs).
+    """
     if requested != "auto":
         return requested
+    threads = torch.get_num_threads() if threads is None else threads
     layers = [m for m in model.modules() if list(m.parameters(recurse=False))]
-    linear = len(layers) == 1 and isinstance(layers[0], nn.Linear)
-    return "vmap" if linear and jobs_per_call >= 2 else "loop"
+    if len(layers) == 1 and isinstance(layers[0], nn.Linear):
+        return "vmap" if threads >= 2 and jobs_per_call >= 16 else "loop"
+    conv = any(isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) for m in layers)
+    return "pool" if conv and jobs_per_call >= 2 and threads >= 2 else "loop"

@@ -70,7 +70,7 @@ def _serve(conn: Any, tr: LocalTrainer) -> None:
                 starts = torch.from_numpy(starts)
                 tr.local = local  # the call may come from a copy of the trainer with other local settings
                 starts = starts.expand(count, -1) if starts.dim() == 1 else starts
-                if choose_backend("auto", tr.layout.model, count) == "loop":
+                if choose_backend("auto", tr.layout.model, count, threads=1) == "loop":
                     out: Any = loop.run(tr, starts, clients, round, rule, lr, steps, key, offset=offset)
                 else:
                     rule = Shifted(rule, offset) if offset else rule

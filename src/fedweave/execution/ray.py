@@ -226,7 +226,7 @@ class RayPool:
         futures = []
         for actor, (lo, hi) in zip(self.actors, bounds):
             s = starts[lo].clone() if shared else starts[lo:hi].contiguous()
-            inner = choose_backend("auto", tr.layout.model, hi - lo)
+            inner = choose_backend("auto", tr.layout.model, hi - lo, threads=1)
             args = (tr.local, s, hi - lo, clients[lo:hi], round, rule_ref, lr, steps, key, lo, inner)
             futures.append(actor.run.remote(self.setup_id, self.setup, *args))
         parts = ray.get(futures)

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from fedweave.memory import cpu_seconds
 from fedweave.results import atomic_write
 
 SETTINGS = [(1000.0, 0.9), (1.0, 0.5), (0.1, 0.1)]  # (Dirichlet alpha, participation beta), paper §IV
@@ -351,14 +352,6 @@ def run_all(configs: list[dict[str, Any]], workers: int) -> dict[str, dict[str, 
     ctx = get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as ex:
         return {r["name"]: r for r in ex.map(_run_one, configs)}
-
-
-def cpu_seconds() -> float:
-    """CPU time of this process and its finished children (the workers: start-up and data loading included)."""
-    import resource
-
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 # ---- summarizing ---------------------------------------------------------------------------------------
