@@ -276,3 +276,31 @@ def test_bad_shapes_and_classes() -> None:
         build_model("char_lstm", (1, 80), 80)
     # Any spatial size that survives the two conv + pool stages works, e.g. 12×12 with padding 2.
     assert build_model("cnn_fmnist", (3, 12, 12), 5)(torch.randn(2, 3, 12, 12)).shape == (2, 5)
+
+
+@pytest.mark.parametrize("name", ["cnn_mnist", "cnn_small", "cnn_fmnist"])
+def test_two_conv_cnn_equals_the_textbook_layer_order_bit_for_bit(name):
+    """The CNNs apply each ReLU after its max-pool (cheaper); values and gradients must be those of
+    conv -> ReLU -> pool exactly."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = build_model(name, MNIST, 10)
+
+    def textbook(x):
+        x = F.max_pool2d(F.relu(model.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(model.conv2(x)), 2).reshape(x.shape[0], -1)
+        for fc in model.fcs[:-1]:
+            x = F.relu(fc(x))
+        return model.fcs[-1](x)
+
+    x, y = torch.randn(16, *MNIST), torch.randint(0, 10, (16,))
+    grads = []
+    for f in (model, textbook):
+        model.zero_grad()
+        out = f(x)
+        F.cross_entropy(out, y).backward()
+        grads.append((out.detach(), [p.grad.clone() for p in model.parameters()]))
+    (out_a, g_a), (out_b, g_b) = grads
+    assert torch.equal(out_a, out_b)
+    assert all(torch.equal(a, b) for a, b in zip(g_a, g_b))
