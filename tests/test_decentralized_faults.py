@@ -18,11 +18,12 @@ DFL = ["local", "gossip", "fedavg_ft", "dfedavg", "dfedavgm", "pens", "federico"
        "afind", "afind_plus"]  # fmt: skip
 
 
-def config(algo: str, faults: dict, rounds: int = 12, clients: int = 8, **opts) -> dict:
+def config(algo: str, faults: dict, rounds: int = 12, clients: int = 8, backend: str = "auto", **opts) -> dict:
     return {
         "name": "dfl-faults",
         "seed": 1,
         "rounds": rounds,
+        "backend": backend,
         "dataset": {"name": "_toy"},
         "partition": {"name": "iid", "num_clients": clients},
         "model": {"name": "logistic"},
@@ -57,6 +58,52 @@ def test_gossip_still_converges_under_faults(tmp_path, faults):
     assert acc["faulty"]["final_test_accuracy"] > 0.82
     assert acc["faulty"]["final_test_accuracy"] > local["final_test_accuracy"] + 0.08
     assert acc["faulty"]["communication"]["bytes_total"] < acc["clean"]["communication"]["bytes_total"]
+
+
+@pytest.mark.parametrize("algo", DFL)
+def test_dropped_clients_train_nothing(algo, monkeypatch):
+    from fedweave.execution import LocalTrainer
+
+    calls = []
+    train = LocalTrainer.train
+
+    def recording(self, starts, clients, r, **kw):
+        calls.append(list(clients))
+        return train(self, starts, clients, r, **kw)
+
+    monkeypatch.setattr(LocalTrainer, "train", recording)
+    a = build(algo, {"dropout": 0.4}, rounds=3)
+    a.run_round(1)
+    up = set(np.flatnonzero(a.up(1)).tolist())
+    assert 0 < len(up) < a.num_clients
+    assert calls and all(set(c) <= up for c in calls)  # every local-training call: clients that are up only
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+@pytest.mark.parametrize("algo", ["ditto", "dispfl"])  # rules with per-client tensors: anchors, masks
+def test_training_only_the_clients_up_gives_their_rows_of_a_call_over_everyone(algo, backend):
+    from fedweave.algorithms.decentralized.dispfl import MaskedRule
+    from fedweave.execution.local import LocalRule
+
+    a = build(algo, {"dropout": 0.4}, rounds=3, backend=backend)
+    a.run_round(0)
+    n, r = a.num_clients, 1
+    starts = a.W + 0.01 * torch.randn(a.W.shape, generator=torch.Generator().manual_seed(0))
+    table = torch.randn(a.W.shape, generator=torch.Generator().manual_seed(1))
+
+    class Anchored(LocalRule):  # a per-client tensor, indexed by job position
+        def direction(self, w, grad, jobs):
+            return grad(w) + 0.5 * (w - table[jobs])
+
+    rule = MaskedRule(a.store["mask"]) if algo == "dispfl" else Anchored()
+    full = a.trainer.train(starts, range(n), r, rule=rule)
+    part = a.train_up(r, a.trainer, starts, rule=rule)
+    up = torch.as_tensor(a.up(r))
+    assert 0 < up.sum() < n
+    torch.testing.assert_close(part.params[up], full.params[up], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(part.loss[up], full.loss[up], rtol=1e-6, atol=1e-7)
+    assert torch.equal(part.params[~up], starts[~up]) and (part.steps[~up] == 0).all()
+    assert part.loss[~up].isnan().all() and not torch.equal(full.params[~up], starts[~up])
 
 
 @pytest.mark.parametrize("algo", DFL)

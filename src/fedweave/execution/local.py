@@ -45,6 +45,33 @@ class LocalRule:
 PLAIN = LocalRule()
 
 
+class Reindexed(LocalRule):
+    """``rule`` seen from a call that runs some of its jobs: job k of this call is job ``positions[k]`` of
+    the call the rule's per-job tensors were made for (a shard of a pool or Ray call; the clients of a round
+    that did not drop out)."""
+
+    def __init__(self, rule: LocalRule, positions: torch.Tensor) -> None:
+        self.rule, self.positions = rule, positions
+
+    def _map(self, jobs: int | torch.Tensor) -> int | torch.Tensor:
+        return int(self.positions[jobs]) if isinstance(jobs, int) else self.positions[jobs]
+
+    def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
+        return self.rule.direction(w, grad, self._map(jobs))
+
+    def project(self, w: torch.Tensor, jobs: int | torch.Tensor) -> torch.Tensor:
+        return self.rule.project(w, self._map(jobs))
+
+
+def reindexed(rule: LocalRule, positions: Sequence[int] | torch.Tensor) -> LocalRule:
+    """``rule`` for a call of the jobs at ``positions`` of the original call; the rule itself when it does
+    not depend on the job (so the plain-SGD fast path stays available)."""
+    cls = type(rule)
+    if cls.direction is LocalRule.direction and cls.project is LocalRule.project:
+        return rule
+    return Reindexed(rule, torch.as_tensor(np.asarray(positions), dtype=torch.long))
+
+
 @dataclass
 class LocalResult:
     params: torch.Tensor  # (K, P) final local parameters

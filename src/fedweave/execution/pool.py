@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from fedweave.execution import loop, vmap
-from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer
+from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer, reindexed
 from fedweave.execution.params import ParamLayout
 
 # layout -> the pool that serves it, so that evaluation with that layout runs on the pool's workers too
@@ -55,7 +55,6 @@ def _serve(conn: Any, tr: LocalTrainer) -> None:
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     from fedweave.execution import choose_backend
     from fedweave.execution.evaluate import batch_sums
-    from fedweave.execution.ray import Shifted
 
     while True:
         try:
@@ -73,7 +72,7 @@ def _serve(conn: Any, tr: LocalTrainer) -> None:
                 if choose_backend("auto", tr.layout.model, count, threads=1) == "loop":
                     out: Any = loop.run(tr, starts, clients, round, rule, lr, steps, key, offset=offset)
                 else:
-                    rule = Shifted(rule, offset) if offset else rule
+                    rule = reindexed(rule, range(offset, offset + count))  # job positions in the whole call
                     out = vmap.run(tr, starts, clients, round, rule, lr, steps, key)
                 out = (out.params.numpy(), out.steps.numpy(), out.loss.numpy())
             elif op == "data":  # an evaluation set's rows for this worker, kept for later calls

@@ -30,7 +30,7 @@ import torch
 
 from fedweave.config import ConfigError, LocalConfig, RayConfig
 from fedweave.execution import choose_backend, loop, vmap
-from fedweave.execution.local import LR, PLAIN, LocalResult, LocalRule, LocalTrainer
+from fedweave.execution.local import LR, PLAIN, LocalResult, LocalRule, LocalTrainer, reindexed
 
 # Set for a Ray that fedweave starts itself (the user's environment wins).
 LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
@@ -77,20 +77,6 @@ def shard_bounds(work: Sequence[int], shards: int) -> list[tuple[int, int]]:
         else:
             lo = mid + 1
     return fill(lo)
-
-
-class Shifted(LocalRule):
-    """``rule`` seen from a shard that starts at job ``offset`` of the call (for the vmap backend, whose job
-    positions start at 0 in every call)."""
-
-    def __init__(self, rule: LocalRule, offset: int) -> None:
-        self.rule, self.offset = rule, offset
-
-    def direction(self, w, grad, jobs):
-        return self.rule.direction(w, grad, jobs + self.offset)
-
-    def project(self, w, jobs):
-        return self.rule.project(w, jobs + self.offset)
 
 
 class Worker:
@@ -143,7 +129,8 @@ class Worker:
         starts = starts.expand(count, -1) if starts.dim() == 1 else starts
         if backend == "loop":
             return loop.run(tr, starts, clients, round, rule, lr, steps, key, offset=offset)
-        return vmap.run(tr, starts, clients, round, Shifted(rule, offset) if offset else rule, lr, steps, key)
+        rule = reindexed(rule, range(offset, offset + count))  # job positions in the whole call
+        return vmap.run(tr, starts, clients, round, rule, lr, steps, key)
 
     def forget(self, setup_id: str) -> None:
         self.trainers.pop(setup_id, None)

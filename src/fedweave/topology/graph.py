@@ -33,8 +33,9 @@ import torch
 
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.config import ConfigError
-from fedweave.execution import LocalTrainer, ParamLayout, StateStore, evaluate_clients
+from fedweave.execution import LocalResult, LocalRule, LocalTrainer, ParamLayout, StateStore, evaluate_clients
 from fedweave.execution.dpsgd import PrivateTrainer
+from fedweave.execution.local import PLAIN, reindexed
 from fedweave.topology.star import make_trainer
 
 TOPOLOGIES = ("full", "half", "erdos_renyi", "ring", "torus", "random_regular", "small_world", "edgelist")
@@ -277,6 +278,39 @@ class GraphAlgorithm(Algorithm):
             return peers[:0]
         keep = self.up(r)[peers] & self.faults.links_up(r, i, peers)
         return peers[keep]
+
+    def clients_up(self, r: int) -> np.ndarray:
+        """The ids of the clients that take part in round ``r`` (all of them without injected faults)."""
+        return np.flatnonzero(self.up(r)) if self.faulty else np.arange(self.num_clients)
+
+    def train_up(
+        self, r: int, trainer: LocalTrainer, starts: torch.Tensor, rule: LocalRule = PLAIN, key: tuple[int, ...] = ()
+    ) -> LocalResult:
+        """Local training in round ``r`` of every client from its row of ``starts``, except that a dropped
+        client trains nothing (see :meth:`fill_dropped`). ``rule``'s per-job tensors are indexed by client,
+        as for a call over all clients."""
+        n = self.num_clients
+        starts = starts if starts.dim() == 2 else starts.expand(n, -1)
+        up = self.clients_up(r)
+        if len(up) == n:
+            return trainer.train(starts, range(n), r, rule=rule, key=key)
+        res = trainer.train(starts[torch.as_tensor(up)], up, r, rule=reindexed(rule, up), key=key)
+        return self.fill_dropped(r, res, starts)
+
+    def fill_dropped(self, r: int, res: LocalResult, starts: torch.Tensor) -> LocalResult:
+        """``res``, a result over :meth:`clients_up` in order, as rows over all clients: a dropped client's row
+        keeps its start, with 0 steps and a NaN loss (which :meth:`mean_over_up` never reads)."""
+        n = self.num_clients
+        up = torch.as_tensor(self.clients_up(r))
+        if len(up) == n:
+            return res
+        params = (starts if starts.dim() == 2 else starts.expand(n, -1)).clone()
+        params[up] = res.params
+        steps = torch.zeros(n, dtype=res.steps.dtype)
+        steps[up] = res.steps
+        loss = torch.full((n,), float("nan"), dtype=res.loss.dtype)
+        loss[up] = res.loss
+        return LocalResult(params, steps, loss)
 
     def hold_dropped(self, r: int, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         """``new`` rows for the clients that took part, ``old`` rows for those that dropped out."""

@@ -185,7 +185,8 @@ class AfindPlus(GraphAlgorithm):
             return self.round_fault_metrics(r)
         hp, n = self.hp, self.num_clients
         W0 = self.W  # round-start models: read-only until commit
-        own = self.local_update(W0, range(n), r)  # R7, lines 17-23
+        up = self.clients_up(r)  # R7, lines 17-23 (a dropped client trains nothing)
+        own = self.fill_dropped(r, self.local_update(W0[torch.as_tensor(up)], up, r), W0)
         new = torch.empty_like(W0)
         d_phi = self.proxy.size
         sizes, thetas, s_in, s_out, ov_in, ov_pool = [], [], [], [], [], []

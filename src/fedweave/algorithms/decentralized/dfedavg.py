@@ -97,10 +97,10 @@ class DFedAvg(GraphAlgorithm):
         W0 = self.W
         if self.hp.order == "aggregate_train":
             mixed, k = self.mix(r, W0, W0)
-            own = self.trainer.train(mixed, range(self.num_clients), r)
+            own = self.train_up(r, self.trainer, mixed)
             new = own.params
         else:
-            own = self.trainer.train(W0, range(self.num_clients), r)
+            own = self.train_up(r, self.trainer, W0)
             new, k = self.mix(r, W0, self.hold_dropped(r, own.params, W0))  # a dropped peer sends nothing
         self.commit("model", self.hold_dropped(r, new, W0))  # ... and does not update
         return {"train_loss": self.mean_over_up(r, own.loss), "selected_mean": k, **self.round_fault_metrics(r)}

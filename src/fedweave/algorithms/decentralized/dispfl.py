@@ -137,7 +137,7 @@ class DisPFL(GraphAlgorithm):
             a = wts.to(W0.dtype)[:, None] * M0[group]
             num, den = (a * rows).sum(0), a.sum(0)
             mixed[i] = torch.where(den > 0, num / den.clamp_min(1e-12), W0[i]) * M0[i]
-        own = self.trainer.train(mixed, range(n), r, rule=MaskedRule(M0))
+        own = self.train_up(r, self.trainer, mixed, rule=MaskedRule(M0))
         new_w, new_m = own.params.clone(), M0.clone()
         rate = self.prune_rate(r)
         for i in range(n):  # mask evolution: magnitude prune, gradient regrow

@@ -75,16 +75,16 @@ class Ditto(GraphAlgorithm):
     def run_round(self, r: int) -> dict[str, float]:
         if self.all_down(r):
             return self.round_fault_metrics(r)
-        n, W0, V0 = self.num_clients, self.W, self.store["personal"]
+        W0, V0 = self.W, self.store["personal"]
         mixed = torch.empty_like(W0)
         picks = self.selector.select(r, W0)  # a dropped client selects nobody and keeps w_i
         for i, (chosen, wts) in enumerate(picks):
             self.peer(r, "model", self.model_bytes, len(chosen))
             rows = [W0[i], *(self.noisy(W0[j], r, int(j), i) for j in chosen)]
             mixed[i] = (wts.to(W0.dtype)[:, None] * torch.stack(rows)).sum(0)
-        shared = self.trainer.train(mixed, range(n), r)
+        shared = self.train_up(r, self.trainer, mixed)
         rule = ProximalRule(self.hp.lam, mixed)
-        personal = self.personal_trainer.train(V0, range(n), r, rule=rule, key=(1,))
+        personal = self.train_up(r, self.personal_trainer, V0, rule=rule, key=(1,))
         self.commit("model", self.hold_dropped(r, shared.params, W0))
         self.commit("personal", self.hold_dropped(r, personal.params, V0))
         sizes = torch.tensor([float(len(c)) for c, _ in picks], dtype=torch.float64)

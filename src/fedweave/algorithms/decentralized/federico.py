@@ -81,7 +81,7 @@ class FedeRiCo(GraphAlgorithm):
             wts = (self.pi[i, group] / self.pi[i, group].sum()).to(W0.dtype)
             mixed[i] = (wts[:, None] * torch.cat([W0[i : i + 1], received])).sum(0)
             sizes.append(len(chosen))
-        own = self.trainer.train(mixed, range(n), r)
+        own = self.train_up(r, self.trainer, mixed)
         self.commit("model", self.hold_dropped(r, own.params, W0))
         return {
             "train_loss": self.mean_over_up(r, own.loss),

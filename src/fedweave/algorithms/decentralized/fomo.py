@@ -70,7 +70,7 @@ class Fomo(GraphAlgorithm):
         if self.all_down(r):
             return self.round_fault_metrics(r)
         n, W0 = self.num_clients, self.W
-        own = self.trainer.train(W0, range(n), r)
+        own = self.train_up(r, self.trainer, W0)
         sent = own.params
         if self.hp.selection == "random":
             chosen_all = [self._native(r, i) if self.is_up(r, i) else np.zeros(0, dtype=np.int64) for i in range(n)]

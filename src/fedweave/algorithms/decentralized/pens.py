@@ -87,7 +87,7 @@ class PENS(GraphAlgorithm):
             wts = (wts / wts.sum()).to(W0.dtype)  # re-normalized over the models that arrived
             mixed[i] = (wts[:, None] * torch.cat([W0[i : i + 1], models])).sum(0)
             sizes.append(len(chosen))
-        own = self.trainer.train(mixed, range(n), r)  # aggregate, then train
+        own = self.train_up(r, self.trainer, mixed)  # aggregate, then train
         self.commit("model", self.hold_dropped(r, own.params, W0))
         return {
             "train_loss": self.mean_over_up(r, own.loss),
