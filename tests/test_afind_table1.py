@@ -86,3 +86,28 @@ def test_table4_rows_run_dp_sgd():
             assert "dp_sigma" not in algo
         else:
             assert algo["dp_mode"] == "sgd" and algo["dp_clip"] == 1.0 and algo["dp_sigma"] in p.dp_sigmas
+
+
+def test_a_diverged_run_is_a_table_entry_not_fatal(tmp_path, monkeypatch):
+    """A sweep point that diverges (Table 4 at a large sigma_2) is reported as diverged; the reproduction
+    goes on and reuses the diverged run on the next invocation."""
+    import csv
+
+    from fedweave.reproduce import afind_plus
+
+    real = afind_plus.run_config
+
+    def exploding(job, base):
+        cfg = real(job, base)
+        return {**cfg, "local": {**cfg["local"], "lr": 1e38}} if "dp" in job.label else cfg
+
+    monkeypatch.setattr(afind_plus, "run_config", exploding)
+    argv = ["--scale", "smoke", "--out", str(tmp_path), "--tables", "dp", "--workers", "1"]
+    assert afind_plus.main(argv) == 0
+    rows = {r[0]: r for r in csv.reader((tmp_path / "dp.csv").open())}
+    assert rows["5"][1] == "diverged (1/1)" and rows["0"][1][0].isdigit()
+    summary = (tmp_path / "runs/synthetic/AFIND__dp_5/s0/summary.json").read_text()
+    assert '"status": "diverged"' in summary
+    mtime = (tmp_path / "runs/synthetic/AFIND__dp_5/s0/summary.json").stat().st_mtime
+    assert afind_plus.main(argv) == 0
+    assert (tmp_path / "runs/synthetic/AFIND__dp_5/s0/summary.json").stat().st_mtime == mtime  # reused

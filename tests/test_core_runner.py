@@ -112,6 +112,10 @@ def test_divergence_stops_with_a_clear_error_and_keeps_results(toy_config, tmp_p
         run(load(cfg), run_dir=tmp_path / "r")
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["status"] == "diverged" and "not finite" in summary["error"]
+    res = run(load(cfg), run_dir=tmp_path / "r2", on_divergence="return")  # for sweeps: a result
+    assert res.summary["status"] == "diverged" and res.summary == json.loads((tmp_path / "r2/summary.json").read_text())
+    with pytest.raises(ValueError, match="on_divergence"):
+        run(load(cfg), run_dir=tmp_path / "r3", on_divergence="ignore")
 
 
 def test_resume_continues_identically(toy_config, tmp_path):

@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -184,8 +184,15 @@ def run(
     run_dir: str | Path | None = None,
     progress: bool | None = None,
     resume: bool = False,
+    on_divergence: Literal["raise", "return"] = "raise",
 ) -> Result:
-    """Run an experiment described by ``config``; write and return its results."""
+    """Run an experiment described by ``config``; write and return its results.
+
+    A run that meets NaN or Inf stops; its results so far are written with ``status: diverged``. Then
+    ``on_divergence="raise"`` raises :class:`DivergenceError` (one experiment: an error), ``"return"`` returns
+    that Result (a sweep, where a diverged run is a result to report)."""
+    if on_divergence not in ("raise", "return"):
+        raise ValueError(f"on_divergence must be 'raise' or 'return', got {on_divergence!r}")
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     path = Path(run_dir) if run_dir else Path(config.output.dir) if config.output.dir else None
@@ -296,7 +303,7 @@ def run(
             else next((k for k in out.rows[-1] if k not in ("round",)), "test_accuracy")
         )
         plot_runs([out.path], out.path, metric=metric)
-    if error:
+    if error and on_divergence == "raise":
         raise DivergenceError(f"{error} Results so far are in {out.path}")
     return Result(out.path, out.rows, summary, algo)
 

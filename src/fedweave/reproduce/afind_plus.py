@@ -20,6 +20,7 @@ import argparse
 import csv
 import io
 import json
+import math
 import os
 import time
 from collections import defaultdict
@@ -246,30 +247,31 @@ def _run_job(args: tuple[Job, dict[str, Any], str]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     cfg = load(run_config(job, base))
-    res = run(cfg, run_dir=path, progress=False)
+    res = run(cfg, run_dir=path, progress=False, on_divergence="return")  # a diverged run is a result
     return _collect(job, path, res.summary)
 
 
 def _finished(out: str | Path, job: Job, base: dict[str, Any]):
-    """The completed run of exactly this job's config in its run directory, else None."""
+    """The finished (completed or diverged) run of exactly this job's config in its run directory, else None."""
     from fedweave.runner import finished_run
 
-    done = finished_run(Path(out) / "runs" / job.slug, run_config(job, base))
-    return done if done is not None and done.summary.get("status") == "completed" else None
+    return finished_run(Path(out) / "runs" / job.slug, run_config(job, base))
 
 
 def _collect(job: Job, path: Path, summary: dict[str, Any]) -> dict[str, Any]:
     from fedweave.results import read_metrics
 
-    rows = read_metrics(path)
+    rows = read_metrics(path) if (path / "metrics.jsonl").is_file() else []  # none: diverged before evaluating
     sel = [float(r["selected_mean"]) for r in rows if r.get("selected_mean") not in (None, "")]
     ov = [float(r["overlap_selected"]) for r in rows if r.get("overlap_selected") not in (None, "")]
     return {
         "setting": job.setting,
         "label": job.label,
         "seed": job.seed,
-        "best": summary["best_test_accuracy"],
-        "final": summary["final_test_accuracy"],
+        "status": summary["status"],
+        # a diverged run: the best accuracy it evaluated before the NaN (NaN if none); no final model
+        "best": math.nan if summary["best_test_accuracy"] is None else summary["best_test_accuracy"],
+        "final": math.nan if summary["status"] == "diverged" else summary["final_test_accuracy"],
         "selected": float(np.mean(sel)) if sel else 0.0,
         "overlap_selected": float(np.mean(ov)) if ov else None,
         "bytes": summary["communication"]["bytes_total"],
@@ -298,10 +300,15 @@ def run_all(jobs: list[Job], p: Preset, out: Path, workers: int, log: Callable[[
 
 # ------------------------------------------------------------------------------------------- tables
 def _ms(vals: list[float], scale: float = 100.0) -> str:
+    """mean±std over the runs, and how many diverged (NaN) if any did."""
     if not vals:
         return "-"
-    a = np.asarray(vals) * scale
-    return f"{a.mean():.2f}±{a.std():.2f}"
+    a = np.asarray(vals, dtype=float) * scale
+    ok = a[np.isfinite(a)]
+    if len(ok) == 0:
+        return f"diverged ({len(a)}/{len(a)})"
+    text = f"{ok.mean():.2f}±{ok.std():.2f}"
+    return text if len(ok) == len(a) else f"{text} ({len(a) - len(ok)}/{len(a)} diverged)"
 
 
 def _md(header: list[str], rows: list[list[str]]) -> str:
@@ -420,8 +427,9 @@ def claims(results: list[dict[str, Any]], p: Preset) -> list[tuple[str, bool | N
     for sigma in p.dp_sigmas:
         got = best(f"AFIND+ dp={sigma:g}")
         common = sorted(set(got) & set(base))
-        if common:
-            dp[sigma] = (float(np.mean([got[s] - base[s] for s in common])), len(common))
+        if common:  # a run that diverged before evaluating counts as the worst possible change
+            diffs = [got[s] - base[s] for s in common]
+            dp[sigma] = (float(np.mean(diffs)) if np.isfinite(diffs).all() else -math.inf, len(common))
     small = [s for s in dp if s <= 5]
     if small:
         out.append(("Table 4: DP noise sigma_2 <= 5 costs at most 3 points (paper: <= 2.84)",
@@ -432,7 +440,8 @@ def claims(results: list[dict[str, Any]], p: Preset) -> list[tuple[str, bool | N
         b = max(big)
         worse = bool(dp[b][0] < min(dp[s][0] for s in small))
         out.append((f"Table 4: sigma_2 = {b:g} hurts more than sigma_2 <= 5", worse,
-                    f"sigma {b:g}: {100 * dp[b][0]:+.2f} points vs sigma 0"))  # fmt: skip
+                    f"sigma {b:g}: {100 * dp[b][0]:+.2f} points vs sigma 0"
+                    + (" (diverged)" if dp[b][0] == -math.inf else "")))  # fmt: skip
     return out
 
 

@@ -192,18 +192,11 @@ def _run_one(cfg: dict[str, Any]) -> dict[str, Any]:
     """Run one configuration unless its directory already holds that finished run; return its metrics.
     A diverged run (NaN/Inf) is kept as such: it is a result, not a reason to stop the grid."""
     import fedweave
-    from fedweave.runner import DivergenceError
 
     done = _finished(cfg)
     if done is not None:
         return done
-    try:
-        res = fedweave.run(cfg)
-    except DivergenceError:
-        done = _finished(cfg)
-        if done is None:
-            raise
-        return done
+    res = fedweave.run(cfg, on_divergence="return")
     return {"summary": res.summary, "rows": res.metrics}
 
 

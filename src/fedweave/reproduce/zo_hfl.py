@@ -308,8 +308,7 @@ def _worker_init() -> None:
 
 def _run_one(cfg: dict[str, Any]) -> dict[str, Any]:
     from fedweave.config import load
-    from fedweave.results import read_metrics
-    from fedweave.runner import DivergenceError, run
+    from fedweave.runner import run
 
     t0, c0 = time.perf_counter(), time.process_time()
     path = Path(cfg["output"]["dir"])
@@ -317,12 +316,10 @@ def _run_one(cfg: dict[str, Any]) -> dict[str, Any]:
     if done is not None:  # an identical run finished earlier (e.g. before the preset gained rows): reuse it
         wall, cpu = _seconds(path)
         return {"name": cfg["name"], "rows": done, "status": "completed", "seconds": wall, "cpu": cpu, "reused": True}
-    try:
-        res = run(load(cfg), progress=False)
-        rows, status = res.metrics, res.summary["status"]
-    except DivergenceError:  # keep the rows before the NaN; the table marks the run
-        rows, status = (read_metrics(path) if (path / "metrics.jsonl").is_file() else []), "diverged"
-        rows = rows or [{"round": 0, "test_accuracy": float("nan"), "global_loss": float("nan")}]
+    res = run(load(cfg), progress=False, on_divergence="return")  # a diverged run keeps its rows before the NaN
+    rows, status = res.metrics, res.summary["status"]
+    if not rows:  # diverged before any evaluation; the table marks the run
+        rows = [{"round": 0, "test_accuracy": float("nan"), "global_loss": float("nan")}]
     # CPU time of this process for the run, data split included (a loaded machine inflates it far less)
     return {
         "name": cfg["name"],
