@@ -72,12 +72,16 @@ class _ThroughAutograd(LocalRule):
 
 
 @MLPS
-@pytest.mark.parametrize("steps", [None, 70])  # one epoch with partial last batches; 70 steps, over two gathers
-def test_fused_mlp_sgd_equals_autograd_sgd(name, options, steps, uneven_parts, monkeypatch):
+@pytest.mark.parametrize(
+    ("steps", "sgd"),
+    [(None, {}), (70, {}), (None, {"momentum": 0.9}), (None, {"weight_decay": 0.05}),
+     (70, {"momentum": 0.5, "weight_decay": 0.01})],
+)  # fmt: skip  # one epoch with partial last batches; 70 steps, over two gathers
+def test_fused_mlp_sgd_equals_autograd_sgd(name, options, steps, sgd, uneven_parts, monkeypatch):
     ds = make_toy()
     torch.manual_seed(0)
     model = build_model(name, (1, 6, 6), 4, **options)
-    cfg = LocalConfig(epochs=1, batch_size=5, lr=0.1)
+    cfg = LocalConfig(epochs=1, batch_size=5, lr=0.1, **sgd)
     cfg.validate()
     tr = LocalTrainer(model, ds.train_x, ds.train_y, uneven_parts, cfg, Seeds(3), backend="loop")
     start = tr.layout.flatten() + 0.1 * torch.randn(tr.layout.numel)
@@ -94,6 +98,15 @@ def test_fused_mlp_sgd_equals_autograd_sgd(name, options, steps, uneven_parts, m
     torch.testing.assert_close(fused.params, reference.params, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fused.loss, reference.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fused.steps, reference.steps, rtol=0, atol=0)
+
+
+def test_fused_kernel_is_not_used_with_gradient_clipping(uneven_parts, monkeypatch):
+    ds = make_toy()
+    cfg = LocalConfig(epochs=1, batch_size=5, lr=0.1, grad_clip=0.5)
+    cfg.validate()
+    tr = LocalTrainer(build_model("mlp", (1, 6, 6), 4), ds.train_x, ds.train_y, uneven_parts, cfg, Seeds(3))
+    monkeypatch.setattr(FusedSGD, "run", lambda *a: pytest.fail("fused kernel used with clipping"))
+    tr.train(tr.layout.flatten(), [0, 2], round=0)
 
 
 @pytest.mark.parametrize("name", ["logistic", "mlp"])

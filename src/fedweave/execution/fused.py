@@ -13,9 +13,12 @@ a batch of n rows is (the same equations as ``execution.batched``, for one job):
   update    W_l += -(lr/n) dz_l^T h_{l-1},  b_l += -(lr/n) dz_l^T 1
 
 The update is one in-place ``addmm_`` / ``addmv_`` per parameter on the flat parameter buffer: no gradient
-buffer, no autograd graph, no allocation for the parameters. The result equals autograd's SGD step to float
-rounding (tests in ``tests/test_execution_kernels.py``); on the 784-64-10 MLP at batch 10 it takes about half
-the CPU time (docs/performance.md).
+buffer, no autograd graph, no allocation for the parameters. Weight decay and heavy-ball momentum follow
+``LocalTrainer.sgd_update`` (torch.optim.SGD): d = g + wd w, buf = m buf + d, w -= lr buf; with momentum the
+gradient goes into the buffer by the same ``addmm_`` (beta = m). Gradient clipping needs the whole gradient
+first, so it is not fused. The result equals autograd's SGD step to float rounding (tests in
+``tests/test_execution_kernels.py``); on the 784-64-10 MLP at batch 10 it takes about half the CPU time
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ class FusedSGD:
         self.layers = [(w, w.t(), None if b is None else value[b[0] : b[1]]) for w, (*_, b) in zip(weights, spec)]
         self.classes = spec[-1][1]
         self._ones: dict[int, torch.Tensor] = {}
+        self.momentum, self.weight_decay = 0.0, 0.0
+        # heavy-ball buffers of (W, b) per layer, made on first use with momentum
+        self.bufs: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     def ones(self, n: int) -> torch.Tensor:
         o = self._ones.get(n)
@@ -49,11 +55,28 @@ class FusedSGD:
             o = self._ones[n] = torch.ones(n)
         return o
 
-    def run(self, x: torch.Tensor, y: torch.Tensor, batches: Sequence[torch.Tensor], lrs: Sequence[float]) -> float:
-        """SGD steps on the rows ``batches[t]`` of the training set ``(x, y)`` with step sizes ``lrs[t]``;
-        returns the sum of the steps' mean batch losses."""
+    def run(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        batches: Sequence[torch.Tensor],
+        lrs: Sequence[float],
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+    ) -> float:
+        """SGD steps (momentum buffers starting at zero) on the rows ``batches[t]`` of the training set
+        ``(x, y)`` with step sizes ``lrs[t]``; returns the sum of the steps' mean batch losses."""
         if not batches:
             return 0.0
+        self.momentum, self.weight_decay = momentum, weight_decay
+        if momentum:
+            if self.bufs is None:
+                zeros = torch.zeros_like
+                self.bufs = [(zeros(W), None if b is None else zeros(b)) for W, _, b in self.layers]
+            for bw, bb in self.bufs:
+                bw.zero_()
+                if bb is not None:
+                    bb.zero_()
         dots = torch.empty(len(batches))  # per step: sum_b <log softmax(z_b), onehot(y_b)>
         sizes = torch.tensor([len(b) for b in batches], dtype=dots.dtype)
         eye = torch.eye(self.classes)
@@ -82,19 +105,38 @@ class FusedSGD:
         torch.dot(logp.view(-1), target.view(-1), out=dot)
         dz = logp.exp_().sub_(target)  # n * dloss/dz
         n = x.shape[0]
-        a = -lr / n
+        ones = self.ones(n)
         for layer in range(len(layers) - 1, -1, -1):
             W, _, b = layers[layer]
             h = acts[layer]
             if layer:  # the next layer down's gradient, at the weights before this step
                 dh = torch.ops.aten.threshold_backward(dz.mm(W), h, 0)
-            W.addmm_(dz.t(), h, alpha=a)
+            bw, bb = self.bufs[layer] if self.momentum else (None, None)
+            self._sgd(W, bw, dz.t(), h, lr)  # g_W = (1/n) dz^T h
             if b is not None:
-                b.addmv_(dz.t(), self.ones(n), alpha=a)
+                self._sgd(b, bb, dz.t(), ones, lr)  # g_b = (1/n) dz^T 1
             if layer:
                 dz = dh
 
+    def _sgd(self, P: torch.Tensor, buf: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor, lr: float) -> None:
+        """One torch.optim.SGD step of parameter ``P`` in place, its gradient being g = (1/n) A B with n the
+        batch size (``A.shape[1]``); a matrix product for a weight, a matrix-vector product for a bias."""
+        n, wd = A.shape[1], self.weight_decay
+
+        def add_grad(T: torch.Tensor, beta: float, alpha: float) -> None:  # T = beta T + alpha g
+            (T.addmm_ if B.dim() == 2 else T.addmv_)(A, B, beta=beta, alpha=alpha / n)
+
+        if buf is None:  # no momentum: P - lr (g + wd P) = (1 - lr wd) P - lr g
+            if wd:
+                P.mul_(1.0 - lr * wd)
+            add_grad(P, 1.0, -lr)
+            return
+        add_grad(buf, self.momentum, 1.0)  # buf = m buf + g
+        if wd:
+            buf.add_(P, alpha=wd)  # ... + wd P
+        P.add_(buf, alpha=-lr)
+
 
 def fused_sgd(layout: ParamLayout, value: torch.Tensor) -> FusedSGD | None:
-    """The fused plain-SGD kernel on ``value`` when the model is a fedweave MLP or softmax regression."""
+    """The fused SGD kernel on ``value`` when the model is a fedweave MLP or softmax regression."""
     return FusedSGD(layout, value) if layer_spec(layout) is not None else None

@@ -45,6 +45,13 @@ class LocalRule:
 PLAIN = LocalRule()
 
 
+def plain_rule(rule: LocalRule) -> bool:
+    """True when ``rule`` changes neither the direction nor the projection (FedAvg's local step): it does
+    not depend on the job, and the loop backend may take its fast paths."""
+    cls = type(rule)
+    return cls.direction is LocalRule.direction and cls.project is LocalRule.project
+
+
 class Reindexed(LocalRule):
     """``rule`` seen from a call that runs some of its jobs: job k of this call is job ``positions[k]`` of
     the call the rule's per-job tensors were made for (a shard of a pool or Ray call; the clients of a round
@@ -66,8 +73,7 @@ class Reindexed(LocalRule):
 def reindexed(rule: LocalRule, positions: Sequence[int] | torch.Tensor) -> LocalRule:
     """``rule`` for a call of the jobs at ``positions`` of the original call; the rule itself when it does
     not depend on the job (so the plain-SGD fast path stays available)."""
-    cls = type(rule)
-    if cls.direction is LocalRule.direction and cls.project is LocalRule.project:
+    if plain_rule(rule):
         return rule
     return Reindexed(rule, torch.as_tensor(np.asarray(positions), dtype=torch.long))
 

@@ -16,7 +16,7 @@ import torch
 
 from fedweave.execution.evaluate import channels_last_ok, to_channels_last
 from fedweave.execution.fused import fused_sgd
-from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer, cross_entropy
+from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer, cross_entropy, plain_rule
 from fedweave.execution.params import ParamLayout
 
 
@@ -89,7 +89,12 @@ def run(
     losses = torch.zeros(len(clients))
     comp = compute(tr.layout)
     template = comp.value.clone()  # restored at the end: training leaves the template model unchanged
-    train_job = _train_plain if plain_sgd(tr, rule) else _train_with_rule
+    train_job = _train_with_rule
+    if plain_rule(rule) and tr.local.grad_clip is None:
+        if comp.fused is not None and tr.loss_fn is cross_entropy and tr.augment is None:
+            train_job = _train_fused  # MLPs: backpropagation written out (execution.fused)
+        elif not tr.local.momentum and not tr.local.weight_decay:
+            train_job = _train_plain
     for k, c in enumerate(clients):
         batches = tr.client_batches(c, round, key, steps)
         out[k], total = train_job(tr, comp, starts[k], batches, c, round, key, lr, rule, offset + k)
@@ -97,15 +102,6 @@ def run(
         losses[k] = total / max(len(batches), 1)
     comp.value.copy_(template)
     return LocalResult(out, nsteps, losses)
-
-
-def plain_sgd(tr: LocalTrainer, rule: LocalRule) -> bool:
-    """True when the step is plain SGD: the rule changes neither direction nor projection, and no momentum,
-    weight decay or clipping is configured (FedAvg's local step)."""
-    c = tr.local
-    cls = type(rule)
-    plain_rule = cls.direction is LocalRule.direction and cls.project is LocalRule.project
-    return plain_rule and not c.momentum and not c.weight_decay and c.grad_clip is None
 
 
 def _train_with_rule(tr, comp, start, batches, c, round, key, lr, rule, job) -> tuple[torch.Tensor, float]:
@@ -137,15 +133,11 @@ def _train_with_rule(tr, comp, start, batches, c, round, key, lr, rule, job) -> 
 
 
 def _train_plain(tr, comp, start, batches, c, round, key, lr, rule, job) -> tuple[torch.Tensor, float]:
-    """Plain SGD in place on the flat buffers. MLPs use the fused kernel of ``execution.fused`` (equal to the
-    general path to float rounding). Other models take per step one forward, one backward into the flat
-    gradient and ``w -= lr * g`` without allocating: ``gradbuf.mul_(lr)`` then ``value.sub_`` round exactly
-    like the general path's ``w - lr * d``, so both give the same bits."""
+    """Plain SGD (no momentum, weight decay or clipping) in place on the flat buffers: per step one forward,
+    one backward into the flat gradient and ``w -= lr * g`` without allocating. ``gradbuf.mul_(lr)`` then
+    ``value.sub_`` round exactly like the general path's ``w - lr * d``, so both give the same bits."""
     value, gradbuf = comp.value, comp.gradbuf
     value.copy_(start)
-    if comp.fused is not None and tr.loss_fn is cross_entropy and tr.augment is None:
-        lrs = [tr.step_lr(lr, t) for t in range(len(batches))]
-        return value, comp.fused.run(tr.train_x, tr.train_y, batches, lrs)
     gens: dict = {}
     total = 0.0
     for t, b in enumerate(batches):
@@ -155,3 +147,13 @@ def _train_plain(tr, comp, start, batches, c, round, key, lr, rule, job) -> tupl
         value.sub_(gradbuf.mul_(tr.step_lr(lr, t)))
         total += loss.item()
     return value, total  # the live buffer: the caller copies it into its output row
+
+
+def _train_fused(tr, comp, start, batches, c, round, key, lr, rule, job) -> tuple[torch.Tensor, float]:
+    """SGD with the configured momentum and weight decay on an MLP or softmax regression, by the fused kernel
+    of ``execution.fused`` (equal to the general path to float rounding)."""
+    comp.value.copy_(start)
+    lrs = [tr.step_lr(lr, t) for t in range(len(batches))]
+    loc = tr.local
+    total = comp.fused.run(tr.train_x, tr.train_y, batches, lrs, loc.momentum, loc.weight_decay)
+    return comp.value, total  # the live buffer: the caller copies it into its output row
