@@ -467,6 +467,8 @@ def plots(results: list[dict[str, Any]], p: Preset, out: Path) -> list[Path]:
 
     paths = []
     labels = ["Local", "FedAvg", "Gossip", "PENS", "FedeRiCo", "+i (top-k)", "+i+ii (AFIND)", "AFIND+"]
+    if not any(r["setting"] == p.primary and r["label"] in labels for r in results):
+        return paths  # e.g. only Table 4 ran: keep the figures of an earlier invocation
     for xkey, xlabel, fname in (
         (0, "round", "accuracy_vs_round.png"),
         (2, "MiB sent (all peers)", "accuracy_vs_bytes.png"),
