@@ -237,3 +237,38 @@ def test_aggregation_every_c_batches():
     late = _round({"name": "cse_fsl", "h": 2, "agg_every": 8})  # c = M: the default schedule
     assert torch.equal(once.xc, late.xc) and torch.equal(once.xs, late.xs)
     assert not torch.equal(once.xc, c3.xc)
+
+
+def test_cifar_crop_trains_on_random_crops_and_tests_on_the_centre(monkeypatch):
+    """CSE-FSL's CIFAR pipeline (spec §3): RandomCrop(24) to train, CenterCrop(24) to test, so q = 2304 and
+    the server has 960,970 parameters on 32×32 images."""
+    from fedweave.models.split import CenterCrop
+
+    seen = []
+    forward = CenterCrop.forward
+    monkeypatch.setattr(CenterCrop, "forward", lambda self, x: seen.append(tuple(x.shape[-2:])) or forward(self, x))
+    crop = {"augment": ["crop", "flip"], "crop_size": 24, "crop_padding": 0}
+    algo = make({"name": "cse_fsl", "h": 2}, model={"name": "split_cifar", "crop": 24},
+                data={**CIFAR_DATA, "side": 32}, batch=5, lr=0.01, **crop)  # fmt: skip
+    sizes = algo.split_sizes
+    assert (sizes.client, sizes.server, sizes.aux, sizes.smashed) == (107_328, 960_970, 23_050, 2304)
+    algo.run_round(0)
+    assert seen and set(seen) == {(24, 24)}  # training batches arrive as random 24×24 crops
+    expected = round_bytes("cse_fsl", sizes, [20] * 5, 5, h=2)
+    got = kinds(algo)
+    assert got == {k: expected[k] for k in got}  # 2304 floats of smashed data per sample
+    seen.clear()
+    algo.evaluate(0)
+    assert set(seen) == {(32, 32)}  # whole test images, centre-cropped by the model
+    with pytest.raises(ConfigError, match="local.crop_size"):
+        make("cse_fsl", crop_size=24)  # without the crop augmentation
+
+
+def test_center_crop_offsets_are_torchvisions():
+    from fedweave.data.augment import center_crop
+
+    x = torch.arange(2 * 3 * 32 * 31, dtype=torch.float32).reshape(2, 3, 32, 31)
+    assert torch.equal(center_crop(x, 24), x[..., 4:28, 4:28])  # (32-24)/2 = 4; (31-24)/2 = 3.5 -> 4
+    assert torch.equal(center_crop(x, 31), x[..., 0:31, :])  # 0.5 rounds to 0 (half to even)
+    with pytest.raises(ValueError, match="does not fit"):
+        center_crop(x, 33)

@@ -57,6 +57,10 @@ class LocalConfig:
     weight_decay: float = 0.0
     grad_clip: float | None = None
     augment: list[str] = field(default_factory=list)
+    # the "crop" augmentation: pad each side by crop_padding, then a random crop_size window (null: the
+    # image size). CSE-FSL's CIFAR RandomCrop(24) is crop_size 24, crop_padding 0 (with model.crop: 24).
+    crop_size: int | None = None
+    crop_padding: int = 4
 
     def validate(self) -> None:
         if self.epochs is not None and self.steps is not None:
@@ -81,6 +85,14 @@ class LocalConfig:
             raise ConfigError(f"local.weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if self.grad_clip is not None and not 0 < self.grad_clip < math.inf:
             raise ConfigError(f"local.grad_clip must be a finite number > 0 or null, got {self.grad_clip}")
+        if self.crop_size is not None and self.crop_size < 1:
+            raise ConfigError(f"local.crop_size must be >= 1 or null, got {self.crop_size}")
+        if self.crop_padding < 0:
+            raise ConfigError(f"local.crop_padding must be >= 0, got {self.crop_padding}")
+        if (self.crop_size is not None or self.crop_padding != 4) and "crop" not in self.augment:
+            raise ConfigError(
+                "local.crop_size and local.crop_padding apply to the 'crop' augmentation: add it to local.augment"
+            )
         if self.augment:
             from fedweave.data.augment import AUGMENTATIONS  # lazy: keeps torch out of config loading
 

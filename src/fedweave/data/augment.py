@@ -7,6 +7,7 @@ every execution backend given the same named stream. Nothing loops over samples 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -73,6 +74,16 @@ def random_crop(
     window = torch.arange(oh, device=dev)[:, None] * wp + torch.arange(ow, device=dev)  # (oh, ow)
     idx = (dy * wp + dx).to(dev)[:, None, None, None] + window + (torch.arange(c, device=dev) * hp * wp)[:, None, None]
     return padded.reshape(b, -1).gather(1, idx.reshape(b, -1)).reshape(b, c, oh, ow)
+
+
+def center_crop(x: Tensor, size: int) -> Tensor:
+    """CenterCrop(size) of a batch (B, C, H, W), at torchvision's offsets ``round((H - size) / 2)``."""
+    _check_images(x, "center_crop")
+    h, w = x.shape[-2:]
+    if not (0 < size <= h and size <= w):
+        raise ValueError(f"center crop size {size} does not fit in images of {h}x{w}")
+    top, left = int(round((h - size) / 2.0)), int(round((w - size) / 2.0))
+    return x[..., top : top + size, left : left + size]
 
 
 def horizontal_flip(x: Tensor, g: torch.Generator, p: float = 0.5) -> Tensor:
@@ -180,3 +191,11 @@ def build_augment(
         return x
 
     return augment
+
+
+def augment_for(local: Any) -> Callable[[Tensor, torch.Generator], Tensor] | None:
+    """The training augmentation of a run's ``local`` config section (``augment``, ``crop_size``,
+    ``crop_padding``), or None without one."""
+    if not local.augment:
+        return None
+    return build_augment(list(local.augment), padding=local.crop_padding, crop_size=local.crop_size)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedweave.data.augment import center_crop
 from fedweave.registry import Registry
 
 SPLIT_MODELS = Registry("split model")
@@ -114,6 +115,19 @@ def _check_image(name: str, input_shape: tuple[int, ...], num_classes: int) -> t
     return input_shape  # type: ignore[return-value]
 
 
+class CenterCrop(nn.Module):
+    """A centre crop to ``size`` x ``size`` of inputs that are larger, no-op otherwise: training batches
+    arrive already cut to that size by the random ``crop`` augmentation, evaluation images whole (the
+    paper's CIFAR pipeline: RandomCrop(24) to train, CenterCrop(24) to test)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if x.shape[-2:] == (self.size, self.size) else center_crop(x, self.size)
+
+
 @SPLIT_MODELS.register("split_cifar")
 def split_cifar(
     input_shape: tuple[int, ...],
@@ -123,15 +137,22 @@ def split_cifar(
     aux_channels: int | None = None,
     init: str = "default",
     pool: str = "max3",
+    crop: int | None = None,
 ) -> SplitModel:
     """The paper's CIFAR-10 model (TF tutorial CNN), cut after the two conv blocks (spec §4.2, A9).
 
     ``pool='max3'``: MaxPool 3×3 stride 2 pad 1 as in the authors' code; ``'max2'``: the text's 2×2 pool.
-    Both give 64×6×6 on 24×24 crops (q = 2304).
+    Both give 64×6×6 on 24×24 crops (q = 2304). ``crop=24``: the model takes 24×24 inputs and its client
+    part starts with a centre crop of larger ones (spec §3: train on random 24×24 crops, set ``local.augment:
+    [crop, ...]``, ``local.crop_size: 24``, ``local.crop_padding: 0``; test on the centre crop).
     """
-    c, _, _ = _check_image("split_cifar", tuple(input_shape), num_classes)
+    c, h, w = _check_image("split_cifar", tuple(input_shape), num_classes)
     if pool not in ("max3", "max2"):
         raise ValueError(f"model.pool must be 'max3' or 'max2', got {pool!r}")
+    if crop is not None and not 0 < crop <= min(h, w):
+        raise ValueError(f"model.crop must be between 1 and the image size {min(h, w)}, got {crop}")
+    front = [CenterCrop(crop)] if crop is not None else []
+    input_shape = (c, crop, crop) if crop is not None else tuple(input_shape)
 
     def mp() -> nn.Module:
         return nn.MaxPool2d(3, 2, 1) if pool == "max3" else nn.MaxPool2d(2, 2)
@@ -140,6 +161,7 @@ def split_cifar(
         return nn.LocalResponseNorm(4, alpha=0.001 / 9.0, beta=0.75, k=1.0)
 
     client = nn.Sequential(
+        *front,
         nn.Conv2d(c, 64, 5, padding=2), nn.ReLU(), mp(), lrn(),
         nn.Conv2d(64, 64, 5, padding=2), nn.ReLU(), lrn(), mp(),  # LRN before the pool in block 2 (code)
         nn.Flatten(),

@@ -58,8 +58,10 @@ class Preset:
 
 def preset(scale: str, dataset: str) -> Preset:
     if scale == "paper":
-        return Preset({"name": "cifar10"}, {"name": "split_cifar", "aux": "mlp", "init": "normal"}, 5, 50, 0.15,
-                      200, [5, 10, 25, 50], 5, 0.70, 5, {"lr_decay": 0.99, "augment": ["flip"]},
+        # spec §3: random 24×24 crops and flips to train, the centre crop to test (q = 2304)
+        return Preset({"name": "cifar10"}, {"name": "split_cifar", "aux": "mlp", "init": "normal", "crop": 24}, 5,
+                      50, 0.15, 200, [5, 10, 25, 50], 5, 0.70, 5,
+                      {"lr_decay": 0.99, "augment": ["crop", "flip"], "crop_size": 24, "crop_padding": 0},
                       {"lr_decay_every": 10})  # fmt: skip
     if dataset == "digits":  # spec §9.3: 1,400 train / 397 test, 5 × 280, B = 10 → M_i = 28
         p = Preset({"name": "digits", "as_image": True, "test_fraction": 0.2213}, {"name": "split_small"}, 5, 10,

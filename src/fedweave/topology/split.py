@@ -34,6 +34,7 @@ from torch import nn
 from fedweave.accounting import split as accounting
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.config import ConfigError
+from fedweave.data.augment import augment_for
 from fedweave.execution import LocalTrainer, ParamLayout, evaluate
 from fedweave.execution.local import cross_entropy
 from fedweave.models.split import build_split_model
@@ -147,11 +148,7 @@ class SplitAlgorithm(Algorithm):
         self.full = ParamLayout(nn.Sequential(self.client, self.server))  # the inference model x_s ∘ x_c
         self.local_model = ParamLayout(nn.Sequential(self.client, self.aux))  # a_c ∘ x_c (the local loss)
         self.xc, self.xs, self.xa = self.lc.flatten(), self.ls.flatten(), self.la.flatten()
-        augment = None
-        if cfg.local.augment:
-            from fedweave.data.augment import build_augment
-
-            augment = build_augment(list(cfg.local.augment))
+        augment = augment_for(cfg.local)
         # only the batch plan (named ``batches`` stream) and augmentation of the foundation trainer are used
         self.batcher = LocalTrainer(
             self.client, ds.train_x, ds.train_y, ctx.partition, cfg.local, self.seeds, augment=augment

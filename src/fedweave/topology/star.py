@@ -16,6 +16,7 @@ import torch
 
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.config import ConfigError
+from fedweave.data.augment import augment_for
 from fedweave.execution import (
     LocalResult,
     LocalTrainer,
@@ -55,11 +56,7 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
     local = cfg.local
     if regularize_in_rule:
         local = dataclasses.replace(local, weight_decay=0.0, grad_clip=None)
-    augment = None
-    if cfg.local.augment:
-        from fedweave.data.augment import build_augment
-
-        augment = build_augment(list(cfg.local.augment))
+    augment = augment_for(cfg.local)
     ds = ctx.dataset
     backend = choose_backend(cfg.backend, ctx.model, jobs_per_call)
     return LocalTrainer(
