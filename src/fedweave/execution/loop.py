@@ -25,7 +25,7 @@ class Compute:
 
     def __init__(self, layout: ParamLayout) -> None:
         self.value, self.gradbuf = layout.bind()
-        self.fused = fused_sgd(layout, self.value)  # plain SGD without autograd for MLPs (execution.fused)
+        self.fused = fused_sgd(layout, self.value)  # SGD without autograd for MLPs (execution.fused)
         model = layout.model
         self.sync: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (twin weight, value, grad)
         self.channels_last = channels_last_ok(model) and not list(model.buffers())
