@@ -17,7 +17,8 @@ import torch
 from fedweave.algorithms.base import RunContext, build_algorithm
 from fedweave.config import ConfigError, LocalConfig, load
 from fedweave.execution import LocalRule, LocalTrainer
-from fedweave.execution.ray import pool, shard_bounds
+from fedweave.execution.ray import pool
+from fedweave.execution.shards import shard_bounds
 from fedweave.memory import memory, process_tree
 from fedweave.runner import run
 from fedweave.seeding import Seeds

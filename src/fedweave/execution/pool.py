@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from fedweave.execution import loop, vmap
-from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer, reindexed
+from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer
 from fedweave.execution.params import ParamLayout
+from fedweave.execution.shards import run_shard, split_call
 
 # layout -> the pool that serves it, so that evaluation with that layout runs on the pool's workers too
 _POOLS: weakref.WeakKeyDictionary[ParamLayout, WorkerPool] = weakref.WeakKeyDictionary()
@@ -53,7 +53,6 @@ def _serve(conn: Any, tr: LocalTrainer) -> None:
     """A worker's loop: answer ``train`` and ``evaluate`` requests until the driver hangs up."""
     torch.set_num_threads(1)
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    from fedweave.execution import choose_backend
     from fedweave.execution.evaluate import batch_sums
 
     while True:
@@ -65,16 +64,9 @@ def _serve(conn: Any, tr: LocalTrainer) -> None:
             return
         try:
             if op == "train":
-                local, starts, count, clients, round, rule, lr, steps, key, offset = args
-                starts = torch.from_numpy(starts)
-                tr.local = local  # the call may come from a copy of the trainer with other local settings
-                starts = starts.expand(count, -1) if starts.dim() == 1 else starts
-                if choose_backend("auto", tr.layout.model, count, threads=1) == "loop":
-                    out: Any = loop.run(tr, starts, clients, round, rule, lr, steps, key, offset=offset)
-                else:
-                    rule = reindexed(rule, range(offset, offset + count))  # job positions in the whole call
-                    out = vmap.run(tr, starts, clients, round, rule, lr, steps, key)
-                out = (out.params.numpy(), out.steps.numpy(), out.loss.numpy())
+                local, starts, *call = args
+                res = run_shard(tr, local, torch.from_numpy(starts), *call)
+                out: Any = (res.params.numpy(), res.steps.numpy(), res.loss.numpy())
             elif op == "data":  # an evaluation set's rows for this worker, kept for later calls
                 token, x, y = args
                 while len(cache) >= _CACHE_KEEP:
@@ -153,14 +145,10 @@ class WorkerPool:
 
     # ---- training --------------------------------------------------------------------------------
     def train(self, tr, starts, clients, round, rule, lr, steps, key) -> LocalResult:
-        from fedweave.execution.ray import shard_bounds
-
-        work = [tr.num_steps(c, steps) for c in clients]
-        shared = starts.stride(0) == 0  # one start for every job (an expanded vector): send one row
         calls = []
-        for i, (lo, hi) in enumerate(shard_bounds(work, self.size)):
+        for i, (lo, hi, s) in enumerate(split_call(tr, starts, clients, steps, self.size)):
             # numpy arrays pickle as one buffer copy (a torch tensor pickles through torch.save, much slower)
-            s = (starts[lo] if shared else starts[lo:hi]).detach().numpy().copy()
+            s = s.detach().numpy().copy()
             calls.append((i, "train", (tr.local, s, hi - lo, clients[lo:hi], round, rule, lr, steps, key, lo)))
         parts = self.request(calls)
         cat = torch.cat

@@ -22,15 +22,14 @@ import os
 import uuid
 import warnings
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from fedweave.config import ConfigError, LocalConfig, RayConfig
-from fedweave.execution import choose_backend, loop, vmap
-from fedweave.execution.local import LR, PLAIN, LocalResult, LocalRule, LocalTrainer, reindexed
+from fedweave.execution.local import LR, PLAIN, LocalResult, LocalRule, LocalTrainer
+from fedweave.execution.shards import run_shard, split_call
 
 # Set for a Ray that fedweave starts itself (the user's environment wins).
 LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
@@ -48,35 +47,6 @@ def import_ray() -> Any:
             "(or choose backend: loop, vmap or auto)"
         ) from e
     return ray
-
-
-def shard_bounds(work: Sequence[int], shards: int) -> list[tuple[int, int]]:
-    """Split jobs ``0..K-1`` into at most ``shards`` contiguous non-empty ranges ``[lo, hi)`` that minimise
-    the largest total work of a range (binary search on that bound; greedy filling is optimal for it)."""
-    if shards < 1:
-        raise ValueError(f"shards must be >= 1, got {shards}")
-    w = [max(int(x), 0) for x in work]
-    if not w:
-        return []
-
-    def fill(cap: int) -> list[tuple[int, int]]:
-        out, lo, load = [], 0, 0
-        for k, x in enumerate(w):
-            if k > lo and load + x > cap:
-                out.append((lo, k))
-                lo, load = k, 0
-            load += x
-        out.append((lo, len(w)))
-        return out
-
-    lo, hi = max(max(w), 1), max(sum(w), 1)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(fill(mid)) <= shards:
-            hi = mid
-        else:
-            lo = mid + 1
-    return fill(lo)
 
 
 class Worker:
@@ -122,15 +92,9 @@ class Worker:
         steps: int | None,
         key: tuple[int, ...],
         offset: int,
-        backend: str,
     ) -> LocalResult:
         tr = self._trainer(setup_id, setup)
-        tr.local = local  # a call may come from a copy of the trainer with other local settings
-        starts = starts.expand(count, -1) if starts.dim() == 1 else starts
-        if backend == "loop":
-            return loop.run(tr, starts, clients, round, rule, lr, steps, key, offset=offset)
-        rule = reindexed(rule, range(offset, offset + count))  # job positions in the whole call
-        return vmap.run(tr, starts, clients, round, rule, lr, steps, key)
+        return run_shard(tr, local, starts, count, clients, round, rule, lr, steps, key, offset)
 
     def forget(self, setup_id: str) -> None:
         self.trainers.pop(setup_id, None)
@@ -206,15 +170,10 @@ class RayPool:
 
     def run(self, tr, starts, clients, round, rule, lr, steps, key) -> LocalResult:
         ray = self.ray
-        work = [tr.num_steps(c, steps) for c in clients]
-        bounds = shard_bounds(work, len(self.actors))
         rule_ref = ray.put(rule) if rule is not PLAIN else rule  # serialized once for all shards
-        shared = starts.stride(0) == 0  # one start for every job (an expanded vector): send one row
         futures = []
-        for actor, (lo, hi) in zip(self.actors, bounds):
-            s = starts[lo].clone() if shared else starts[lo:hi].contiguous()
-            inner = choose_backend("auto", tr.layout.model, hi - lo, threads=1)
-            args = (tr.local, s, hi - lo, clients[lo:hi], round, rule_ref, lr, steps, key, lo, inner)
+        for actor, (lo, hi, s) in zip(self.actors, split_call(tr, starts, clients, steps, len(self.actors))):
+            args = (tr.local, s.clone(), hi - lo, clients[lo:hi], round, rule_ref, lr, steps, key, lo)
             futures.append(actor.run.remote(self.setup_id, self.setup, *args))
         parts = ray.get(futures)
         cat = torch.cat
