@@ -7,10 +7,13 @@ every execution backend given the same named stream. Nothing loops over samples 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from fedweave.config import LocalConfig
 
 # ITU-R BT.601 luma weights, as torchvision's rgb_to_grayscale.
 _LUMA = (0.299, 0.587, 0.114)
@@ -193,7 +196,7 @@ def build_augment(
     return augment
 
 
-def augment_for(local: Any) -> Callable[[Tensor, torch.Generator], Tensor] | None:
+def augment_for(local: LocalConfig) -> Callable[[Tensor, torch.Generator], Tensor] | None:
     """The training augmentation of a run's ``local`` config section (``augment``, ``crop_size``,
     ``crop_padding``), or None without one."""
     if not local.augment:

@@ -122,16 +122,13 @@ class FusedSGD:
         """One torch.optim.SGD step of parameter ``P`` in place, its gradient being g = (1/n) A B with n the
         batch size (``A.shape[1]``); a matrix product for a weight, a matrix-vector product for a bias."""
         n, wd = A.shape[1], self.weight_decay
-
-        def add_grad(T: torch.Tensor, beta: float, alpha: float) -> None:  # T = beta T + alpha g
-            (T.addmm_ if B.dim() == 2 else T.addmv_)(A, B, beta=beta, alpha=alpha / n)
-
+        add_product = torch.Tensor.addmm_ if B.dim() == 2 else torch.Tensor.addmv_  # T = beta T + alpha A B
         if buf is None:  # no momentum: P - lr (g + wd P) = (1 - lr wd) P - lr g
             if wd:
                 P.mul_(1.0 - lr * wd)
-            add_grad(P, 1.0, -lr)
+            add_product(P, A, B, alpha=-lr / n)
             return
-        add_grad(buf, self.momentum, 1.0)  # buf = m buf + g
+        add_product(buf, A, B, beta=self.momentum, alpha=1.0 / n)  # buf = m buf + g
         if wd:
             buf.add_(P, alpha=wd)  # ... + wd P
         P.add_(buf, alpha=-lr)

@@ -239,9 +239,6 @@ class AfindState:
         p = sampling_probs(sims, o.upsilon)  # Eq. (8) over B_i^t
         return self._fallback(pick(o.selection, p, float(self.theta[i]), o.topk, rng), p)
 
-    def probs(self, sims: torch.Tensor) -> torch.Tensor:
-        return sampling_probs(sims, self.opts.upsilon)
-
     def _fallback(self, pos: np.ndarray, p: torch.Tensor) -> np.ndarray:
         if len(pos) == 0 and len(p) and self.opts.empty_fallback == "top1":
             return np.array([int(torch.argmax(p))])
