@@ -83,12 +83,17 @@ def evaluate(
     batch_size = min(batch_size, EVAL_ROWS)
     pool = pool_for(layout)
     sums = pool.batch_sums(w, x, y, batch_size) if pool is not None else batch_sums(layout, w, x, y, batch_size)
+    return _accuracy_and_loss(sums, len(y))
+
+
+def _accuracy_and_loss(sums: list[tuple[float, int]], n: int) -> tuple[float, float]:
+    """Accuracy and mean loss over ``n`` rows from per-batch (loss sum, correct), added in batch order
+    (wherever the batches were computed)."""
     loss, correct = 0.0, 0
-    for s, c in sums:  # in batch order, wherever the batches were computed
+    for s, c in sums:
         loss += s
         correct += c
-    n = max(len(y), 1)
-    return correct / n, loss / n
+    return correct / max(n, 1), loss / max(n, 1)
 
 
 def evaluate_clients(
@@ -105,6 +110,5 @@ def evaluate_clients(
         w = params[k] if params.dim() == 2 else params
         t = torch.as_tensor(idx, dtype=torch.long)
         sums = batch_sums(layout, w, x[t], y[t], min(batch_size, EVAL_ROWS))  # small sets: here, not on a pool
-        n = max(len(t), 1)
-        accs[k], losses[k] = sum(c for _, c in sums) / n, sum(s for s, _ in sums) / n
+        accs[k], losses[k] = _accuracy_and_loss(sums, len(t))
     return accs, losses
