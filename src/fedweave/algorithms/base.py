@@ -164,14 +164,14 @@ class Algorithm(ABC):
     def reporting(self, r: int, clients: np.ndarray) -> np.ndarray:
         """The clients of ``clients`` whose upload arrives in round ``r`` (order kept): those that drop out,
         and those past the deadline (policy drop), deliver nothing."""
-        if not self.faults.active():
+        if not self.faulty:
             return clients
         return self.faults.reporting(r, clients, self.client_work(clients))
 
     def fault_metrics(self, reported: int | np.ndarray) -> dict[str, float]:
         """``reported_clients`` when faults are injected (0 marks a skipped round for the runner)."""
         n = reported if isinstance(reported, int) else len(reported)
-        return {"reported_clients": float(n)} if self.faults.active() else {}
+        return {"reported_clients": float(n)} if self.faulty else {}
 
     @abstractmethod
     def run_round(self, r: int) -> dict[str, float]:
