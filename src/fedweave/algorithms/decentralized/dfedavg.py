@@ -101,7 +101,7 @@ class DFedAvg(GraphAlgorithm):
             new = own.params
         else:
             own = self.train_up(r, self.trainer, W0)
-            new, k = self.mix(r, W0, self.hold_dropped(r, own.params, W0))  # a dropped peer sends nothing
+            new, k = self.mix(r, W0, own.params)  # a dropped peer trained nothing and sends nothing
         self.commit("model", self.hold_dropped(r, new, W0))  # ... and does not update
         return {"train_loss": self.mean_over_up(r, own.loss), "selected_mean": k, **self.round_fault_metrics(r)}
 

@@ -86,7 +86,7 @@ class Ditto(GraphAlgorithm):
         rule = ProximalRule(self.hp.lam, mixed)
         personal = self.train_up(r, self.personal_trainer, V0, rule=rule, key=(1,))
         self.commit("model", self.hold_dropped(r, shared.params, W0))
-        self.commit("personal", self.hold_dropped(r, personal.params, V0))
+        self.commit("personal", personal.params)  # a dropped client's v_i: untrained, unchanged
         sizes = torch.tensor([float(len(c)) for c, _ in picks], dtype=torch.float64)
         return {
             "train_loss": self.mean_over_up(r, personal.loss),

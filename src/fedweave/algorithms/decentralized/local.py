@@ -13,6 +13,6 @@ class Local(GraphAlgorithm):
     def run_round(self, r: int) -> dict[str, float]:
         if self.all_down(r):
             return self.round_fault_metrics(r)
-        own = self.train_up(r, self.trainer, self.W)  # K local epochs from the own model
-        self.commit("model", self.hold_dropped(r, own.params, self.W))  # a dropped client does not update
+        own = self.train_up(r, self.trainer, self.W)  # K local epochs from the own model (a dropped client: none)
+        self.commit("model", own.params)
         return {"train_loss": self.mean_over_up(r, own.loss), **self.round_fault_metrics(r)}
