@@ -104,7 +104,7 @@ def test_resume_refuses_a_changed_config_but_may_extend_rounds(toy_config, tmp_p
     fedweave.run(cfg, run_dir=tmp_path / "r")
     path = tmp_path / "r" / "config.yaml"
     conf = yaml.safe_load(path.read_text())
-    path.write_text(yaml.safe_dump({**conf, "local": {**conf["local"], "lr": 0.5}}))
+    path.write_text(yaml.safe_dump({**conf, "local": {**conf["local"], "batch_size": 7}}))
     with pytest.raises(ConfigError, match="local changed since the checkpoint"):
         resume(tmp_path / "r", progress=False)
     path.write_text(yaml.safe_dump({**conf, "rounds": 5}))
@@ -121,7 +121,10 @@ def test_resume_without_a_checkpoint_is_a_clear_cli_error(toy_config, tmp_path, 
 def test_a_fresh_run_removes_a_stale_checkpoint(toy_config, tmp_path):
     cfg = {**toy_config, "output": {"progress": False, "plots": False, "checkpoint_every": 1}}
     fedweave.run(cfg, run_dir=tmp_path / "r")
-    fedweave.run(toy_config, run_dir=tmp_path / "r")  # same directory, no checkpoints this time
+    with pytest.raises(OSError, match="already holds a finished run"):  # never replaced by accident
+        fedweave.run(toy_config, run_dir=tmp_path / "r")
+    assert (tmp_path / "r" / CHECKPOINT).exists()
+    fedweave.run(toy_config, run_dir=tmp_path / "r", overwrite=True)  # same directory, no checkpoints this time
     assert not (tmp_path / "r" / CHECKPOINT).exists()
 
 

@@ -18,9 +18,13 @@ def run(
     run_dir: str | Path | None = None,
     progress: bool | None = None,
     on_divergence: Literal["raise", "return"] = "raise",
+    overwrite: bool = False,
 ) -> Result:
     """Run one experiment. ``config`` is a YAML path, a dict, or a :class:`RunConfig`;
     ``overrides`` are ``key=value`` strings such as ``"local.lr=0.1"``. A run that meets NaN or Inf stops
     with ``status: diverged`` in its summary and raises ``DivergenceError``, or with
-    ``on_divergence="return"`` returns its Result (for sweeps)."""
-    return run_config(config, overrides, run_dir=run_dir, progress=progress, on_divergence=on_divergence)
+    ``on_divergence="return"`` returns its Result (for sweeps). A run directory that already holds a run is
+    refused unless ``overwrite=True``."""
+    return run_config(
+        config, overrides, run_dir=run_dir, progress=progress, on_divergence=on_divergence, overwrite=overwrite
+    )

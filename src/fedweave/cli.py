@@ -3,21 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import signal
 import sys
+import threading
 from pathlib import Path
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from fedweave.config import load
+    from fedweave.config import ConfigError, load
     from fedweave.runner import resume, run
 
     if args.resume:
-        res = resume(args.resume, progress=not args.no_progress)
+        overrides = list(args.overrides)
+        if args.config and "=" in args.config:  # `run --resume DIR rounds=18`: argparse took it for CONFIG
+            overrides.insert(0, args.config)
+        elif args.config:
+            raise ConfigError(
+                f"give either a CONFIG ({args.config}) or --resume RUN_DIR, not both: a resumed run uses the "
+                "config saved in its directory (change rounds and the like with key=value overrides)"
+            )
+        if args.out or args.overwrite:
+            raise ConfigError("--out and --overwrite do not apply to --resume (the run continues in RUN_DIR)")
+        res = resume(args.resume, overrides, progress=not args.no_progress)
     else:
         if not args.config:
-            raise SystemExit("fedweave run: give a CONFIG file (or --resume RUN_DIR)")
+            raise ConfigError("fedweave run needs a CONFIG file (or --resume RUN_DIR)")
         cfg = load(args.config, args.overrides)
-        res = run(cfg, run_dir=args.out, progress=False if args.no_progress else None)
+        res = run(cfg, run_dir=args.out, progress=False if args.no_progress else None, overwrite=args.overwrite)
     s = res.summary
     acc = s.get("final_test_accuracy")
     comm = s["communication"]
@@ -47,18 +60,44 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
-    from fedweave.data.sources import fetch
+    from fedweave.data.sources import SourceFailed, fetch
 
-    path = fetch(args.name, root=args.root)
+    if args.root is not None and not Path(args.root).expanduser().is_dir():
+        what = "is not a directory" if Path(args.root).expanduser().exists() else "does not exist"
+        raise SourceFailed(f"--root {args.root!r} {what}; give the directory that holds the {args.name} files")
+    path = fetch(args.name, root=args.root, rehash=True)  # "fetch and verify": hash the files every time
     print(f"{args.name}: {path}")
     return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from fedweave.data.sources import DataSourceError, cached, verify
+
+    names = args.names or cached()
+    if not names:
+        print("no dataset is cached yet (fedweave data fetch NAME)")
+        return 0
+    failed = []
+    for name in names:
+        try:
+            print(f"{name}: OK ({verify(name)})")
+        except DataSourceError as e:
+            failed.append(name)
+            print(f"fedweave: error: {name}: {e}", file=sys.stderr)
+    return 2 if failed else 0
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from fedweave.plots import plot_runs
 
+    from fedweave.config import ConfigError
+
     out = Path(args.out) if args.out else Path(args.run_dirs[0])
-    for p in plot_runs(args.run_dirs, out, metric=args.metric):
+    try:
+        written = plot_runs(args.run_dirs, out, metric=args.metric)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    for p in written:
         print(p)
     return 0
 
@@ -79,6 +118,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="run directory (default: runs/<name>-s<seed>-<time>)")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--overwrite", action="store_true", help="replace a run already in the run directory")
     r.set_defaults(fn=_cmd_run)
 
     ls = sub.add_parser("list", help="list algorithms, datasets, models, partitioners, reproductions")
@@ -90,6 +130,9 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("name")
     f.add_argument("--root", help="a directory that already holds the files")
     f.set_defaults(fn=_cmd_data)
+    v = dsub.add_parser("verify", help="hash cached dataset files against their checksums now")
+    v.add_argument("names", nargs="*", metavar="NAME", help="datasets to verify (default: every cached one)")
+    v.set_defaults(fn=_cmd_verify)
 
     pl = sub.add_parser("plot", help="plot one or more run directories")
     pl.add_argument("run_dirs", nargs="+")
@@ -104,6 +147,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _os_error(e: OSError) -> str:
+    """One line for a file-system failure: which file and what the system said."""
+    where = f"{e.filename}: " if e.filename else ""
+    if e.errno == errno.ENOSPC:
+        return f"{where}no space left on device; files already written are intact (free space, then resume or rerun)"
+    return f"{where}{e.strerror or e}"
+
+
+def _sigterm(signum, frame) -> None:  # noqa: ARG001
+    from fedweave.runner import RunInterrupted
+
+    raise RunInterrupted("terminated", "SIGTERM")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     import pickle
@@ -111,20 +172,37 @@ def main(argv: list[str] | None = None) -> int:
     from fedweave.config import ConfigError
     from fedweave.data.sources import DataSourceError
     from fedweave.registry import UnknownNameError
-    from fedweave.runner import DivergenceError
+    from fedweave.results import RunDirError
+    from fedweave.runner import CheckpointError, DivergenceError, RunInterrupted
 
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _sigterm)
     try:
         return args.fn(args)
     except (
         ConfigError,
         UnknownNameError,
         DivergenceError,
+        CheckpointError,
+        RunDirError,
         FileNotFoundError,
         DataSourceError,
         pickle.UnpicklingError,
     ) as e:
-        print(f"fedweave: error: {e}", file=sys.stderr)
+        print(f"fedweave: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except RunInterrupted as e:
+        print(f"fedweave: interrupted: {_one_line(e)}", file=sys.stderr)
+        return 143 if e.signal_name == "SIGTERM" else 130
+    except KeyboardInterrupt:  # outside a run (while loading data, say)
+        print("fedweave: interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:
+        print(f"fedweave: error: {_one_line(_os_error(e))}", file=sys.stderr)
+        return 2
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,59 @@ import dataclasses
 import difflib
 import inspect
 import math
+import os
+import re
 import types
+import unicodedata
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's float rule and refusal of duplicate keys.
+
+    YAML 1.1 (PyYAML's default) reads ``1e-3`` as a string because its float rule wants a dot and a signed
+    exponent; every spelling Python's ``float()`` accepts for a decimal number is a float here. A key given
+    twice in one mapping is an error instead of the last one silently winning.
+    """
+
+
+_FLOAT = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:float"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+
+
+def _mapping_without_duplicates(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: dict[Any, Any] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            line = key_node.start_mark.line + 1
+            raise ConfigError(f"duplicate key {key!r} at line {line}: give each key once")
+        seen[key] = True
+    return loader.construct_mapping(node, deep=True)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def yaml_load(text: str) -> Any:
+    """Parse YAML config text (YAML 1.2 floats such as ``1e-3``, duplicate keys refused)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506  (a SafeLoader subclass)
 
 
 class ConfigError(ValueError):
@@ -71,6 +117,10 @@ class LocalConfig:
             v = getattr(self, key)
             if v is not None and v < 1:
                 raise ConfigError(f"local.{key} must be >= 1, got {v}")
+        for key, most in (("epochs", MAX_LOCAL_EPOCHS), ("steps", MAX_LOCAL_STEPS)):
+            v = getattr(self, key)
+            if v is not None and v > most:
+                raise ConfigError(f"local.{key} must be <= {most:,} (a larger value runs for days), got {v:,}")
         if not 0 < self.lr < math.inf:
             raise ConfigError(f"local.lr must be a finite number > 0, got {self.lr}")
         if not 0 < self.lr_decay <= 1:
@@ -109,10 +159,15 @@ class EvalConfig:
     # star family: test_accuracy = mean over clients of the global model's accuracy on each client's own
     # test set (drawn with its train label distribution, as the decentralized family; afind-plus A29)
     personal_test: bool = False
+    # a run stops as diverged when a loss it reports exceeds this multiple of its first value (null: only
+    # NaN/Inf stop it): a loss of 1e27 is finite but the model is already useless
+    explode_factor: float | None = 1.0e4
 
     def validate(self) -> None:
         if self.every < 1:
             raise ConfigError(f"eval.every must be >= 1, got {self.every}")
+        if self.explode_factor is not None and not 1 < self.explode_factor < math.inf:
+            raise ConfigError(f"eval.explode_factor must be a finite number > 1 or null, got {self.explode_factor}")
         if self.batch_size < 1:
             raise ConfigError(f"eval.batch_size must be >= 1, got {self.batch_size}")
 
@@ -180,6 +235,27 @@ class RayConfig:
 
 
 BACKENDS = ("auto", "loop", "vmap", "ray", "pool")
+# Upper bounds that catch a typo (1e12 rounds or epochs would run forever) long before they bind real work.
+MAX_ROUNDS = 10_000_000
+MAX_LOCAL_EPOCHS = 10_000
+MAX_LOCAL_STEPS = 10_000_000
+
+
+def max_threads() -> int:
+    """The most torch threads a run may ask for: 4x the CPUs (more only thrashes, and a huge value makes
+    OpenMP fail to start its pool)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def check_run_name(name: str) -> None:
+    """A run name becomes one path component of ``runs/``: no separators, no '..', no control characters."""
+    bad = [c for c in name if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")]
+    if bad:
+        raise ConfigError(f"name must not contain control characters, got {name!r}")
+    if not name.strip() or name in (".", "..") or "/" in name or "\\" in name or name.startswith("-"):
+        raise ConfigError(
+            f"name must be one path component (letters, digits, '-', '_', '.'; no '/', '\\' or '..'), got {name!r}"
+        )
 
 
 @dataclass
@@ -200,14 +276,18 @@ class RunConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
     def validate(self) -> None:
+        check_run_name(self.name)
         if self.seed < 0:
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed}")
-        if self.rounds < 1:
-            raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
+        if not 1 <= self.rounds <= MAX_ROUNDS:
+            raise ConfigError(f"rounds must be in [1, {MAX_ROUNDS:,}], got {self.rounds}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"threads must be >= 1 or null, got {self.threads}")
+        if self.threads is not None and not 1 <= self.threads <= max_threads():
+            raise ConfigError(
+                f"threads must be in [1, {max_threads()}] (this machine has {os.cpu_count()} CPUs) or null, "
+                f"got {self.threads}"
+            )
         self.local.validate()
         self.eval.validate()
         self.output.validate()
@@ -291,6 +371,11 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # every spelling float() accepts, e.g. a quoted "1e-3"
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{key} must be a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):
@@ -303,6 +388,15 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if isinstance(tp, type) and isinstance(value, tp):
         return value
     raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+
+
+def _check_finite(value: Any, default: Any, key: str) -> Any:
+    """NaN is never a setting, and +-inf only where the default is infinite (a box bound, say): anything
+    else would pass validation and surface later as a diverged run blamed on the learning rate."""
+    if isinstance(value, float) and not math.isfinite(value):
+        if math.isnan(value) or not (isinstance(default, float) and math.isinf(default)):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+    return value
 
 
 def _unknown(key: str, bad: Any, allowed: list[str]) -> ConfigError:
@@ -321,7 +415,11 @@ def build_dataclass(cls: type, data: dict[str, Any] | None, key: str) -> Any:
     for k in data:
         if k not in names:
             raise _unknown(key, k, names)
-    kwargs = {k: coerce(v, hints[k], f"{key}.{k}" if key else k) for k, v in data.items()}
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        where = f"{key}.{k}" if key else k
+        kwargs[k] = _check_finite(coerce(v, hints[k], where), defaults.get(k), where)
     try:
         obj = cls(**kwargs)
     except (TypeError, ValueError) as e:
@@ -349,7 +447,7 @@ def check_options(fn: Any, options: dict[str, Any], key: str, skip: tuple[str, .
                 out[k] = v
                 continue
             raise _unknown(key, k, list(params))
-        out[k] = coerce(v, hints.get(k, Any), f"{key}.{k}")
+        out[k] = _check_finite(coerce(v, hints.get(k, Any), f"{key}.{k}"), params[k].default, f"{key}.{k}")
     return out
 
 
@@ -391,7 +489,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not p for p in key.split(".")):
         raise ConfigError(f"override {text!r} has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw != "" else None
+        value = yaml_load(raw) if raw != "" else None
+    except ConfigError as e:
+        raise ConfigError(f"override {text!r}: {e}") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: the value of {key} is not valid YAML ({_yaml_problem(e)})") from e
     return key.split("."), value
@@ -439,10 +539,18 @@ def load(source: str | Path | dict[str, Any], overrides: list[str] | None = None
         data = source
     else:
         path = Path(source)
-        if not path.is_file():
+        if not path.exists():
             raise ConfigError(f"config file {str(path)!r} does not exist")
+        if path.is_dir():
+            raise ConfigError(f"config file {str(path)!r} is a directory; give a YAML file")
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} is not a regular file (a device or pipe); give a YAML file")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+            data = yaml_load(path.read_text(encoding="utf-8"))
+        except PermissionError as e:
+            raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from e
+        except ConfigError as e:
+            raise ConfigError(f"config file {str(path)!r}: {e}") from e
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from e
         except yaml.YAMLError as e:

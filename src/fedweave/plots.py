@@ -29,7 +29,10 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str = "te
         if rows:
             series.append((Path(d).name, rows))
     if not series:
-        raise ValueError(f"no run among {list(map(str, run_dirs))} has metric {metric!r}")
+        known = sorted({k for d in run_dirs for r in read_metrics(d) for k, v in r.items() if isinstance(v, float)})
+        raise ValueError(
+            f"--metric {metric!r} is not a metric of {', '.join(map(str, run_dirs))}; choose one of {', '.join(known)}"
+        )
     written = []
     for xkey, xlabel, fname in (
         ("round", "communication round", f"{metric}_vs_rounds.png"),

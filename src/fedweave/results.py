@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -16,8 +17,25 @@ import yaml
 CORE_COLUMNS = ["round", "test_accuracy", "test_loss", "bytes_up", "bytes_down", "wall_seconds"]
 
 
+class RunDirError(OSError):
+    """A run directory that cannot be used (it holds a finished run, is a file, is not writable, the disk is
+    full); the message is one line naming the path and what to do."""
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _umask()  # read once: os.umask can only be read by setting it
+
+
 def atomic_write(path: str | Path, data: str | bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same directory and an atomic rename."""
+    """Write ``data`` to ``path`` via a temporary file in the same directory and an atomic rename.
+
+    The file gets the user's usual permissions (mkstemp would leave it 0600). A failed write (disk full,
+    say) removes its temporary file and leaves the previous version of ``path`` in place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     mode = "wb" if isinstance(data, bytes) else "w"
@@ -27,10 +45,69 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~UMASK)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+RUN_FILES = ("config.yaml", "summary.json", "metrics.csv", "metrics.jsonl", "checkpoint.pt")
+
+
+def holds_run(path: Path) -> bool:
+    return any((path / f).exists() for f in RUN_FILES)
+
+
+def check_run_dir(path: Path, *, resume: bool = False, overwrite: bool = False) -> None:
+    """Refuse, before anything is written, a run directory that cannot take this run."""
+    for parent in [path, *path.parents]:
+        if parent.exists() and not parent.is_dir():
+            what = "the run directory" if parent == path else f"a parent of the run directory {str(path)!r}"
+            raise RunDirError(f"{str(parent)!r} is a file, not a directory; it cannot be {what}")
+    if resume or overwrite or not path.is_dir():
+        return
+    if holds_run(path):
+        summary = path / "summary.json"
+        what = "a finished run" if summary.is_file() else "an unfinished run"
+        raise RunDirError(
+            f"{str(path)!r} already holds {what}; give another --out / output.dir, resume it with "
+            f"'fedweave run --resume {path}', or replace it with --overwrite"
+        )
+
+
+def clean_temp_files(path: Path) -> list[Path]:
+    """Remove the temporary files that a write killed half-way left behind (``.NAME.*.tmp``)."""
+    stale = [p for p in path.glob(".*.tmp") if p.is_file()]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
+def clear_run(path: Path) -> None:
+    """Remove a previous run's files from ``path`` (``--overwrite``): the directory is first renamed aside,
+    so a kill leaves either the old run or an empty directory for the new one, never a mix of the two."""
+    for old in path.parent.glob(f".{path.name}.overwritten-*"):  # left by a kill during an earlier overwrite
+        shutil.rmtree(old, ignore_errors=True)
+    if not path.is_dir():
+        return
+    aside = path.with_name(f".{path.name}.overwritten-{os.getpid()}")
+    os.replace(path, aside)
+    path.mkdir()
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def make_run_dir(path: Path) -> None:
+    """Create the run directory, with a one-line error when the file system refuses."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-probe-{os.getpid()}.tmp"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except PermissionError as e:
+        raise RunDirError(f"cannot write the run directory {str(path)!r}: permission denied") from e
+    except OSError as e:
+        raise RunDirError(f"cannot write the run directory {str(path)!r}: {e.strerror or e}") from e
 
 
 def default_run_dir(name: str, seed: int) -> Path:
@@ -59,7 +136,8 @@ class RunDir:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        make_run_dir(self.path)
+        clean_temp_files(self.path)
         self.rows: list[dict[str, Any]] = []
 
     def write_config(self, config: dict[str, Any]) -> None:

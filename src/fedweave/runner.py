@@ -22,14 +22,33 @@ from fedweave.config import load as load_config
 from fedweave.faults import Faults
 from fedweave.memory import cpu_seconds
 from fedweave.registry import ALGORITHMS
-from fedweave.results import RunDir, atomic_write, default_run_dir, read_metrics
+from fedweave.results import (
+    RunDir,
+    atomic_write,
+    check_run_dir,
+    clear_run,
+    default_run_dir,
+    read_metrics,
+)
 from fedweave.seeding import Seeds
 
 log = logging.getLogger("fedweave")
 
 
 class DivergenceError(RuntimeError):
-    """Training produced NaN or Inf; the run stopped and kept its last good results."""
+    """Training produced NaN or Inf, or its loss exploded; the run stopped and kept its last good results."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped the run; ``summary.json`` says ``status: interrupted``."""
+
+    def __init__(self, message: str, signal_name: str = "SIGINT") -> None:
+        super().__init__(message)
+        self.signal_name = signal_name
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is damaged or not this run's; the message names the file and what is wrong."""
 
 
 @dataclass
@@ -67,9 +86,28 @@ def _progress(enabled: bool, total: int, initial: int):
     return tqdm(total=total, initial=initial, unit="round", dynamic_ncols=True, file=sys.stderr)
 
 
+def _check_explosion(values: dict[str, float], first: dict[str, float], r: int, factor: float | None) -> None:
+    """A loss far above its first value means the run has blown up, long before it overflows to Inf."""
+    if factor is None:
+        return
+    for key, v in values.items():
+        if not key.endswith("loss") or not isinstance(v, float):
+            continue
+        if v > 0:
+            first.setdefault(key, v)  # the first positive value (a round nobody reported may give 0)
+        base = first.get(key)
+        if base is not None and v > factor * base:
+            raise DivergenceError(
+                f"round {r + 1}: {key} = {v:.4g} exploded (over eval.explode_factor = {factor:g} times its first "
+                f"value {base:.4g}); the run stopped."
+            )
+
+
 CHECKPOINT = "checkpoint.pt"
 # Config keys a resumed run may change: how long it runs, how it reports, which backend; not what it computes.
 RESUMABLE_CHANGES = ("rounds", "output", "threads", "eval", "backend")
+# ...and these change what it computes from the resumed round on (a smaller lr after a divergence, say).
+RESUMABLE_LOCAL = ("lr", "grad_clip")
 
 
 def _tensors(obj: Any, path: str = ""):
@@ -149,12 +187,63 @@ def save_checkpoint(
 
 
 def _check_resumable(saved: dict[str, Any], now: dict[str, Any], path: Path) -> None:
-    changed = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
+    def local(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in d.get("local", {}).items() if k not in RESUMABLE_LOCAL}
+
+    changed = sorted(
+        k
+        for k in set(saved) | set(now)
+        if k not in RESUMABLE_CHANGES
+        and (local(saved) != local(now) if k == "local" else saved.get(k) != now.get(k))
+    )
     if changed:
+        allowed = ", ".join([*RESUMABLE_CHANGES, *(f"local.{k}" for k in RESUMABLE_LOCAL)])
         raise ConfigError(
             f"{path / 'config.yaml'}: {', '.join(changed)} changed since the checkpoint was written; a resumed "
-            f"run may change only {', '.join(RESUMABLE_CHANGES)}. Start a new run instead"
+            f"run may change only {allowed}. Start a new run instead"
         )
+
+
+def _shapes(state: Any) -> dict[str, tuple[int, ...]]:
+    return {p: tuple(t.shape) for p, t in _tensors(state)}
+
+
+def load_checkpoint(path: Path, algo: Algorithm, config: RunConfig) -> dict[str, Any]:
+    """Read and check ``path/checkpoint.pt`` against the freshly built ``algo``: every problem is one
+    :class:`CheckpointError` naming the file, never a traceback from deep inside torch."""
+    file = path / CHECKPOINT
+    if not file.is_file():
+        raise CheckpointError(f"{file} not found: the run has no checkpoint to resume from")
+    try:
+        ckpt = torch.load(file, weights_only=True, map_location="cpu")
+    except Exception as e:  # truncated, empty, not a torch file, or objects the safe loader refuses
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            first = "it holds objects other than tensors and plain data"
+        raise CheckpointError(f"{file} is not a readable fedweave checkpoint and was not loaded ({first[:200]})") from e
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"{file} is not a fedweave checkpoint (it holds a {type(ckpt).__name__}, not a mapping)")
+    missing = [k for k in ("next_round", "wall_seconds", "algorithm", "ledger", "rows") if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{file} is not a complete fedweave checkpoint (missing {', '.join(missing)})")
+    nxt = ckpt["next_round"]
+    if not isinstance(nxt, int) or isinstance(nxt, bool) or not 0 <= nxt <= config.rounds:
+        raise CheckpointError(
+            f"{file}: next_round must be a round in [0, {config.rounds}] (the config's rounds), got {nxt!r}"
+        )
+    if not isinstance(ckpt["rows"], list) or not isinstance(ckpt["algorithm"], dict):
+        raise CheckpointError(f"{file} is damaged: 'rows' must be a list and 'algorithm' a mapping")
+    want, got = _shapes(algo.state_dict()), _shapes(ckpt["algorithm"])
+    for p, shape in want.items():
+        if p in got and got[p] != shape:
+            raise CheckpointError(
+                f"{file}: the algorithm state '{p}' has shape {list(got[p])} but this run's is {list(shape)}; "
+                "it was written by a different model or population"
+            )
+    absent = [k for k in algo.state_dict() if k not in ckpt["algorithm"]]
+    if absent:
+        raise CheckpointError(f"{file}: the algorithm state lacks {', '.join(map(repr, absent))}")
+    return ckpt
 
 
 def finished_run(run_dir: str | Path, config: RunConfig | dict[str, Any]) -> Result | None:
@@ -185,34 +274,57 @@ def run(
     progress: bool | None = None,
     resume: bool = False,
     on_divergence: Literal["raise", "return"] = "raise",
+    overwrite: bool = False,
 ) -> Result:
     """Run an experiment described by ``config``; write and return its results.
 
-    A run that meets NaN or Inf stops; its results so far are written with ``status: diverged``. Then
-    ``on_divergence="raise"`` raises :class:`DivergenceError` (one experiment: an error), ``"return"`` returns
-    that Result (a sweep, where a diverged run is a result to report)."""
+    A run that meets NaN or Inf, or whose loss explodes, stops; its results so far are written with
+    ``status: diverged``. Then ``on_divergence="raise"`` raises :class:`DivergenceError` (one experiment: an
+    error), ``"return"`` returns that Result (a sweep, where a diverged run is a result to report).
+    A directory that already holds a run is refused unless ``overwrite`` (which removes the old run first).
+    Ctrl-C or SIGTERM ends the run with ``status: interrupted`` and raises :class:`RunInterrupted`."""
     if on_divergence not in ("raise", "return"):
         raise ValueError(f"on_divergence must be 'raise' or 'return', got {on_divergence!r}")
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     path = Path(run_dir) if run_dir else Path(config.output.dir) if config.output.dir else None
     path = path or default_run_dir(config.name, config.seed)
+    check_run_dir(path, resume=resume, overwrite=overwrite)
     # injected faults an algorithm does not handle are an error, never silently ignored
     Faults(config.faults, Seeds(config.seed)).require_handled(
         config.algorithm.name, getattr(ALGORITHMS.get(config.algorithm.name), "handles_faults", ())
     )
-    out = RunDir(path)
+    late = [r for r in config.faults.outage_rounds if r > config.rounds]
+    if late:  # allowed (a fault switched on that hits nobody), but rarely meant
+        log.warning("faults.outage_rounds %s are after the last round (%d) and never happen", late, config.rounds)
     ctx = RunContext(config)
-    algo = build_algorithm(ctx)
+    algo = build_algorithm(ctx)  # a config problem found while building ends here, before anything is written
     finite_at_start = finite_tensors(algo.state_dict()) if config.output.checkpoint_every else set()
     start_round, wall_before, cpu_before, skipped = 0, 0.0, 0.0, []
+    ckpt = None
     if resume:
-        ckpt = torch.load(out.path / CHECKPOINT, weights_only=True)
+        ckpt = load_checkpoint(path, algo, config)
         if "config" in ckpt:
             # re-resolved, so keys added to the config schema since then (with their defaults) are no change
-            _check_resumable(load_config(ckpt["config"]).to_dict(), config.to_dict(), out.path)
-        algo.load_state_dict(ckpt["algorithm"])
-        ctx.ledger.load_state_dict(ckpt["ledger"])
+            saved = load_config(ckpt["config"])
+            _check_resumable(saved.to_dict(), config.to_dict(), path)
+            if config.rounds != saved.rounds and (
+                config.local.lr_schedule == "cosine" or getattr(algo, "uses_total_rounds", False)
+            ):
+                why = "local.lr_schedule is cosine" if config.local.lr_schedule == "cosine" else algo.name
+                raise ConfigError(
+                    f"rounds: cannot change from {saved.rounds} to {config.rounds} on resume because the "
+                    f"schedule depends on the total ({why}); start a new run with rounds={config.rounds}"
+                )
+        try:
+            algo.load_state_dict(ckpt["algorithm"])
+            ctx.ledger.load_state_dict(ckpt["ledger"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{path / CHECKPOINT} does not fit this run ({type(e).__name__}: {e})") from e
+    elif overwrite:
+        clear_run(path)
+    out = RunDir(path)
+    if ckpt is not None:
         out.rows = list(ckpt["rows"])
         out.flush_metrics()
         start_round, wall_before = ckpt["next_round"], ckpt["wall_seconds"]
@@ -235,10 +347,14 @@ def run(
     status, error = "completed", None
     ledger = ctx.ledger
     verified = False
+    first_losses = _first_losses(out.rows)
+    interrupted: BaseException | None = None
+    last_checkpoint = start_round if resume else None
     try:
         for r in range(start_round, config.rounds):
             round_metrics = algo.run_round(r)
             _check_finite(round_metrics, r, "a training metric")
+            _check_explosion(round_metrics, first_losses, r, config.eval.explode_factor)
             if round_metrics.get("reported_clients", 1) == 0:
                 skipped.append(r + 1)
                 log.warning("round %d: no client reported; the round was skipped (no client update used)", r + 1)
@@ -246,6 +362,7 @@ def run(
             if (r + 1) % config.eval.every == 0 or last:
                 ev = algo.evaluate(r)
                 _check_finite(ev, r, "an evaluation metric")
+                _check_explosion(ev, first_losses, r, config.eval.explode_factor)
                 row = {
                     "round": r + 1,
                     **ev,
@@ -277,10 +394,16 @@ def run(
                     must_be_finite=finite_at_start,
                 )
                 verified = True
+                last_checkpoint = r + 1
             if bar is not None:
                 bar.update(1)
     except DivergenceError as e:
-        status, error = "diverged", str(e)
+        status, error = "diverged", f"{e} {_kept(out.path, last_checkpoint)}"
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM turned into one by the command line
+        interrupted = e
+        status, error = "interrupted", f"stopped by {getattr(e, 'signal_name', 'SIGINT')}. " + _kept(
+            out.path, last_checkpoint, smaller_lr=False
+        )
     finally:
         if bar is not None:
             bar.close()
@@ -303,9 +426,32 @@ def run(
             else next((k for k in out.rows[-1] if k not in ("round",)), "test_accuracy")
         )
         plot_runs([out.path], out.path, metric=metric)
+    if interrupted is not None:
+        raise RunInterrupted(error or "interrupted", getattr(interrupted, "signal_name", "SIGINT")) from None
     if error and on_divergence == "raise":
         raise DivergenceError(f"{error} Results so far are in {out.path}")
     return Result(out.path, out.rows, summary, algo)
+
+
+def _first_losses(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The first value of every loss column (the explosion check's reference), from a resumed run's rows."""
+    first: dict[str, float] = {}
+    for row in rows:
+        for k, v in row.items():
+            if k.endswith("loss") and isinstance(v, float) and v > 0:
+                first.setdefault(k, v)
+    return first
+
+
+def _kept(path: Path, checkpoint_round: int | None, smaller_lr: bool = True) -> str:
+    """What is left to continue from, for the one line that reports a stopped run."""
+    if not checkpoint_round:
+        return "No checkpoint was written (output.checkpoint_every is 0 or no checkpoint round was reached)."
+    lr = " local.lr=SMALLER" if smaller_lr else ""
+    return (
+        f"The checkpoint of round {checkpoint_round} is kept; continue with "
+        f"'fedweave run --resume {path}{lr}'."
+    )
 
 
 def _summary(config: RunConfig, rows, ledger_summary, wall: float, status: str, error: str | None) -> dict:
@@ -332,12 +478,18 @@ def _summary(config: RunConfig, rows, ledger_summary, wall: float, status: str, 
     }
 
 
-def resume(run_dir: str | Path, *, progress: bool | None = None) -> Result:
-    """Continue the run in ``run_dir`` from its last checkpoint."""
+def resume(run_dir: str | Path, overrides: list[str] | None = None, *, progress: bool | None = None) -> Result:
+    """Continue the run in ``run_dir`` from its last checkpoint. ``overrides`` may change only what a resumed
+    run can change (:data:`RESUMABLE_CHANGES`, e.g. ``rounds=200`` to extend a finished run, which then gives
+    the numbers of a run started with 200 rounds; or a smaller ``local.lr`` after a divergence)."""
     path = Path(run_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a run directory")
     if not (path / CHECKPOINT).is_file():
-        raise FileNotFoundError(f"{path / CHECKPOINT} not found: the run has no checkpoint to resume from")
-    return run(load_config(path / "config.yaml"), run_dir=path, progress=progress, resume=True)
+        raise CheckpointError(
+            f"{path / CHECKPOINT} not found: the run has no checkpoint to resume from (set output.checkpoint_every)"
+        )
+    return run(load_config(path / "config.yaml", overrides), run_dir=path, progress=progress, resume=True)
 
 
 def run_config(source: str | Path | dict | RunConfig, overrides: list[str] | None = None, **kw: Any) -> Result:

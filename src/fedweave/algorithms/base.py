@@ -44,6 +44,26 @@ def _as_config_error(section: str) -> Iterator[None]:
         raise ConfigError(msg if f"{section}." in msg else f"{section}: {msg}") from e
 
 
+def check_model_fits(model: nn.Module, ds: Dataset, model_name: str, dataset_name: str) -> None:
+    """One forward pass on two training samples, so that a model that cannot read the dataset's input
+    (a character LSTM on images, say) is a configuration error now rather than a traceback in round 1.
+    Eval mode and no_grad: no batch-norm statistics move and no random numbers are drawn."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(ds.train_x[:2])
+    except (RuntimeError, ValueError, IndexError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"model {model_name!r} does not fit dataset {dataset_name!r}: its input is "
+            f"{tuple(ds.train_x.shape[1:])} ({ds.train_x.dtype}) with {ds.num_classes} classes, and the model "
+            f"fails on it ({first[:160]}); choose a model for this kind of input (fedweave list)"
+        ) from e
+    finally:
+        model.train(was_training)
+
+
 class RunContext:
     """The pieces of a run, built lazily from the config so that a family uses only what it needs."""
 
@@ -113,7 +133,9 @@ class RunContext:
         ds = self.dataset
         with torch.random.fork_rng(devices=[]), _as_config_error("model"):
             torch.manual_seed(self.seeds.int_seed("model_init"))
-            return builder(tuple(ds.input_shape), ds.num_classes, **opts)
+            model = builder(tuple(ds.input_shape), ds.num_classes, **opts)
+        check_model_fits(model, ds, self.config.model.name, self.config.dataset.name)
+        return model
 
     @cached_property
     def model(self) -> nn.Module:

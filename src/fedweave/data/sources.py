@@ -391,9 +391,14 @@ def names() -> list[str]:
     return sorted(SPECS)
 
 
+class UnknownDataset(DataSourceError, KeyError):
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
 def _spec(name: str) -> DataSpec:
     if name not in SPECS:
-        raise KeyError(
+        raise UnknownDataset(
             f"no download sources for dataset {name!r}; known: {', '.join(names())}. "
             "Datasets such as leaf, libsvm, digits, breast_cancer and synthetic need no fetch."
         )
@@ -463,19 +468,26 @@ def _read_stamp(directory: Path) -> dict:
         return {}
 
 
+def _identity(st: os.stat_result) -> dict[str, int]:
+    """What changes when a file's bytes may have: its inode, size, mtime and ctime. The ctime matters: an
+    in-place edit that restores the mtime (``touch -r``) still moves it, and it cannot be set back."""
+    return {"ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
 def _write_stamp(directory: Path, files: dict[str, Path], pinned: dict[str, str]) -> None:
-    data = {}
-    for rel, p in files.items():
-        st = p.stat()
-        data[rel] = {"digest": pinned[rel], "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    """Record the identity of files just verified. Best effort: a read-only cache only loses the shortcut."""
+    data = {rel: {"digest": pinned[rel], **_identity(p.stat())} for rel, p in files.items()}
     tmp = directory / f".{STAMP}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, directory / STAMP)
+    try:
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, directory / STAMP)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
-def _check_cache(spec: DataSpec, directory: Path) -> dict[str, Path]:
-    """Files already in the cache. A file whose size and mtime match the stamp written when it was
-    verified is not hashed again; any other file is hashed in full."""
+def _check_cache(spec: DataSpec, directory: Path, *, rehash: bool = False) -> dict[str, Path]:
+    """Files already in the cache. A file whose inode, size, mtime and ctime match the stamp written when
+    it was verified is not hashed again (unless ``rehash``); any other file is hashed in full."""
     pinned = CHECKSUMS[spec.name]
     found = {rel: directory / rel for rel in spec.files if (directory / rel).is_file()}
     missing = [rel for rel in spec.files if rel not in found]
@@ -483,8 +495,8 @@ def _check_cache(spec: DataSpec, directory: Path) -> dict[str, Path]:
         raise SourceFailed(_missing_reason(missing, len(spec.files)))
     stamp, rehashed = _read_stamp(directory), False
     for rel, p in found.items():
-        st, s = p.stat(), stamp.get(rel, {})
-        if s.get("digest") == pinned[rel] and s.get("size") == st.st_size and s.get("mtime_ns") == st.st_mtime_ns:
+        s = stamp.get(rel, {})
+        if not rehash and s == {"digest": pinned[rel], **_identity(p.stat())}:
             continue
         verify_file(p, pinned[rel], decompress=False, hint=_fix_hint(spec.name))
         rehashed = True
@@ -530,8 +542,11 @@ def _instructions(spec: DataSpec, cache: Path) -> str:
     return "\n".join(lines)
 
 
-def resolve(name: str, root: str | Path | None = None, *, offline: bool | None = None) -> Resolved:
-    """Locate and verify the files of ``name``, trying root=, the cache, the mirror, the URL in order."""
+def resolve(
+    name: str, root: str | Path | None = None, *, offline: bool | None = None, rehash: bool = False
+) -> Resolved:
+    """Locate and verify the files of ``name``, trying root=, the cache, the mirror, the URL in order.
+    ``rehash``: hash cached files even when their identity matches the stamp (``fedweave data fetch``)."""
     spec = _spec(name)
     rels, attempts = spec.files, []
     cache = cache_root() / name
@@ -555,7 +570,7 @@ def resolve(name: str, root: str | Path | None = None, *, offline: bool | None =
 
     src = f"cache {cache}"
     try:
-        return Resolved(name, cache, _check_cache(spec, cache), src, attempts)
+        return Resolved(name, cache, _check_cache(spec, cache, rehash=rehash), src, attempts)
     except (SourceFailed, ChecksumError) as e:
         attempts.append(Attempt(src, str(e)))
 
@@ -612,6 +627,19 @@ def resolve(name: str, root: str | Path | None = None, *, offline: bool | None =
     raise DataNotFoundError(name, attempts, _instructions(spec, cache))
 
 
-def fetch(name: str, root: str | Path | None = None, *, offline: bool | None = None) -> Path:
+def fetch(name: str, root: str | Path | None = None, *, offline: bool | None = None, rehash: bool = False) -> Path:
     """Make sure the verified files of ``name`` are available; return the directory that holds them."""
-    return resolve(name, root, offline=offline).directory
+    return resolve(name, root, offline=offline, rehash=rehash).directory
+
+
+def verify(name: str) -> Path:
+    """Hash every cached file of ``name`` against its pinned checksum now (``fedweave data verify``)."""
+    spec = _spec(name)
+    directory = cache_root() / name
+    _check_cache(spec, directory, rehash=True)
+    return directory
+
+
+def cached() -> list[str]:
+    """Datasets with a cache directory."""
+    return [n for n in names() if (cache_root() / n).is_dir()]

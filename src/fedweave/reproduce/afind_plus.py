@@ -247,7 +247,8 @@ def _run_job(args: tuple[Job, dict[str, Any], str]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     cfg = load(run_config(job, base))
-    res = run(cfg, run_dir=path, progress=False, on_divergence="return")  # a diverged run is a result
+    # a diverged run is a result; a run of another config in this directory is replaced
+    res = run(cfg, run_dir=path, progress=False, on_divergence="return", overwrite=True)
     return _collect(job, path, res.summary)
 
 

@@ -115,7 +115,7 @@ def _run_one(job: dict[str, Any]) -> dict[str, Any]:
     from fedweave.runner import run
 
     torch.set_num_threads(1)
-    res = run(from_dict(job["config"]), progress=False)
+    res = run(from_dict(job["config"]), progress=False, overwrite=True)  # its directory is the job's own
     algo = res.algorithm
     sizes = algo.split_sizes
     samples = [len(part) for part in algo.ctx.partition]

@@ -196,7 +196,7 @@ def _run_one(cfg: dict[str, Any]) -> dict[str, Any]:
     done = _finished(cfg)
     if done is not None:
         return done
-    res = fedweave.run(cfg, on_divergence="return")
+    res = fedweave.run(cfg, on_divergence="return", overwrite=True)  # not the finished run above: replace it
     return {"summary": res.summary, "rows": res.metrics}
 
 

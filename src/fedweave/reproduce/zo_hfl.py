@@ -316,7 +316,8 @@ def _run_one(cfg: dict[str, Any]) -> dict[str, Any]:
     if done is not None:  # an identical run finished earlier (e.g. before the preset gained rows): reuse it
         wall, cpu = _seconds(path)
         return {"name": cfg["name"], "rows": done, "status": "completed", "seconds": wall, "cpu": cpu, "reused": True}
-    res = run(load(cfg), progress=False, on_divergence="return")  # a diverged run keeps its rows before the NaN
+    # a diverged run keeps its rows before the NaN; not the finished run above, so its directory is replaced
+    res = run(load(cfg), progress=False, on_divergence="return", overwrite=True)
     rows, status = res.metrics, res.summary["status"]
     if not rows:  # diverged before any evaluation; the table marks the run
         rows = [{"round": 0, "test_accuracy": float("nan"), "global_loss": float("nan")}]
