@@ -88,9 +88,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from fedweave.plots import plot_runs
-
     from fedweave.config import ConfigError
+    from fedweave.plots import plot_runs
 
     out = Path(args.out) if args.out else Path(args.run_dirs[0])
     try:

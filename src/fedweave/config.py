@@ -14,8 +14,8 @@ import math
 import os
 import re
 import types
-import unicodedata
 import typing
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -393,9 +393,9 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
 def _check_finite(value: Any, default: Any, key: str) -> Any:
     """NaN is never a setting, and +-inf only where the default is infinite (a box bound, say): anything
     else would pass validation and surface later as a diverged run blamed on the learning rate."""
-    if isinstance(value, float) and not math.isfinite(value):
-        if math.isnan(value) or not (isinstance(default, float) and math.isinf(default)):
-            raise ConfigError(f"{key} must be a finite number, got {value}")
+    infinite_default = isinstance(default, float) and math.isinf(default)
+    if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and not infinite_default)):
+        raise ConfigError(f"{key} must be a finite number, got {value}")
     return value
 
 

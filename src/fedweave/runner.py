@@ -193,8 +193,7 @@ def _check_resumable(saved: dict[str, Any], now: dict[str, Any], path: Path) -> 
     changed = sorted(
         k
         for k in set(saved) | set(now)
-        if k not in RESUMABLE_CHANGES
-        and (local(saved) != local(now) if k == "local" else saved.get(k) != now.get(k))
+        if k not in RESUMABLE_CHANGES and (local(saved) != local(now) if k == "local" else saved.get(k) != now.get(k))
     )
     if changed:
         allowed = ", ".join([*RESUMABLE_CHANGES, *(f"local.{k}" for k in RESUMABLE_LOCAL)])
@@ -401,8 +400,9 @@ def run(
         status, error = "diverged", f"{e} {_kept(out.path, last_checkpoint)}"
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM turned into one by the command line
         interrupted = e
-        status, error = "interrupted", f"stopped by {getattr(e, 'signal_name', 'SIGINT')}. " + _kept(
-            out.path, last_checkpoint, smaller_lr=False
+        status, error = (
+            "interrupted",
+            f"stopped by {getattr(e, 'signal_name', 'SIGINT')}. " + _kept(out.path, last_checkpoint, smaller_lr=False),
         )
     finally:
         if bar is not None:
@@ -448,10 +448,7 @@ def _kept(path: Path, checkpoint_round: int | None, smaller_lr: bool = True) -> 
     if not checkpoint_round:
         return "No checkpoint was written (output.checkpoint_every is 0 or no checkpoint round was reached)."
     lr = " local.lr=SMALLER" if smaller_lr else ""
-    return (
-        f"The checkpoint of round {checkpoint_round} is kept; continue with "
-        f"'fedweave run --resume {path}{lr}'."
-    )
+    return f"The checkpoint of round {checkpoint_round} is kept; continue with 'fedweave run --resume {path}{lr}'."
 
 
 def _summary(config: RunConfig, rows, ledger_summary, wall: float, status: str, error: str | None) -> dict:
