@@ -47,6 +47,11 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~UMASK)
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.filename is None:  # a failed write names no file: name the one being written
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -1,0 +1,605 @@
+"""Every bad input ends in one clear line, and no run is lost or overwritten (docs/reliability.md).
+
+The table-driven test feeds broken configs and overrides through the real command-line entry point
+in-process and asserts: exit code 2, exactly one line on stderr that names the key or file, no traceback, and
+nothing written outside the run directory. The other tests cover the file system (read-only directories, a
+file where a directory is expected, a full disk), damaged checkpoints, interrupts on a real subprocess, the
+run directory's lifecycle and the dataset cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import fedweave
+import fedweave.algorithms  # noqa: F401  (registers the algorithms)
+from fedweave.cli import main as cli_main
+from fedweave.config import ConfigError, load
+from fedweave.registry import ALGORITHMS
+from fedweave.runner import CHECKPOINT, DivergenceError
+
+BASE = {
+    "name": "bad",
+    "seed": 1,
+    "rounds": 2,
+    "dataset": {"name": "_toy"},
+    "partition": {"name": "iid", "num_clients": 4},
+    "model": {"name": "logistic"},
+    "algorithm": {"name": "fedavg", "clients_per_round": 2},
+    "local": {"batch_size": 32, "lr": 0.1},
+    "output": {"progress": False, "plots": False},
+}
+
+
+def _float_fields(cls) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    return [f.name for f in dataclasses.fields(cls) if hints[f.name] in (float, float | None)]
+
+
+def _cases() -> list[tuple[list[str], str]]:
+    """(overrides, text the error line must contain)."""
+    cases: list[tuple[list[str], str]] = []
+    # every float option of every registered algorithm refuses NaN at config time, naming the key
+    for name in ALGORITHMS.names():
+        for key in _float_fields(ALGORITHMS.get(name).Hparams):
+            cases.append(([f"algorithm={{name: {name}, {key}: .nan}}"], f"algorithm.{key}"))
+    for key in ("lr", "lr_decay", "lr_min", "momentum", "weight_decay", "grad_clip"):
+        cases.append(([f"local.{key}=.nan"], f"local.{key}"))
+        cases.append(([f"local.{key}=.inf"], f"local.{key}"))
+    for key in ("dropout", "link_loss", "server_miss", "deadline", "speed_sigma", "speed_jitter"):
+        cases.append(([f"faults.{key}=.nan"], f"faults.{key}"))
+    cases += [
+        (["algorithm.server_lr=.nan"], "algorithm.server_lr"),
+        (["algorithm={name: fedprox, mu: .inf}"], "algorithm.mu"),
+        (["partition.name=dirichlet", "partition.alpha=.inf"], "partition.alpha"),
+        (["partition.name=dirichlet", "partition.alpha=-1"], "alpha"),
+        (["local.epochs=1000000000000"], "local.epochs"),
+        (["local.steps=100000000000", "local.epochs=null"], "local.steps"),
+        (["rounds=1e12"], "rounds"),
+        (["rounds=0"], "rounds"),
+        (["threads=100000"], "threads"),
+        (["threads=0"], "threads"),
+        (["name=../../escape"], "name"),
+        (["name=a/b"], "name"),
+        (["name=.."], "name"),
+        (["name="], "name"),
+        (["seed=-1"], "seed"),
+        (["seed=1.5"], "seed"),
+        (["backend=gpu"], "backend"),
+        (["local.lr=fast"], "local.lr"),
+        (["local.lr=-1e-3"], "local.lr"),
+        (["local.lr=0"], "local.lr"),
+        (["local.batch_size=0"], "local.batch_size"),
+        (["local.epochs=2", "local.steps=3"], "local.epochs"),
+        (["local.lr_schedule=linear"], "local.lr_schedule"),
+        (["local.augment=[spin]"], "local.augment"),
+        (["local.crop_size=24"], "local.crop_size"),
+        (["local.lrr=0.1"], "local.lrr"),
+        (["eval.every=0"], "eval.every"),
+        (["eval.batch_size=-3"], "eval.batch_size"),
+        (["eval.explode_factor=1"], "eval.explode_factor"),
+        (["eval.explode_factor=.nan"], "eval.explode_factor"),
+        (["output.checkpoint_every=-1"], "output.checkpoint_every"),
+        (["output.plots=maybe"], "output.plots"),
+        (["output.colour=red"], "output.colour"),
+        (["faults.dropout=1.5"], "faults.dropout"),
+        (["faults.outage_rounds=[0]"], "faults.outage_rounds"),
+        (["faults.straggler_policy=wait"], "faults.straggler_policy"),
+        (["ray.num_workers=0"], "ray.num_workers"),
+        (["ray.object_store_memory_mb=1"], "ray.object_store_memory_mb"),
+        (["algorithm.name=nosuch"], "nosuch"),
+        (["algorithm.clients_per_round=-2"], "clients_per_round"),
+        (["algorithm.colour=red"], "algorithm.colour"),
+        (["dataset.name=nosuch"], "nosuch"),
+        (["dataset.bogus=1"], "dataset.bogus"),
+        (["model.name=nosuch"], "nosuch"),
+        (["model.depth=3"], "model.depth"),
+        (["partition.name=nosuch"], "nosuch"),
+        (["partition.num_clients=-4"], "partition.num_clients"),
+        (["partition.num_clients=many"], "partition.num_clients"),
+        (["partition.name=dirichlet", "partition.min_size=100000"], "partition"),
+        (["model.name=char_lstm"], "char_lstm"),
+        (["lr=0.1"], "lr"),
+        (["local=3"], "local"),
+        (["algorithm=[1, 2]"], "algorithm"),
+        (["nokey"], "nokey"),
+        (["=3"], "=3"),
+        (["local..lr=3"], "local..lr"),
+        (["local.lr=[1"], "local.lr"),
+        (["rounds"], "rounds"),
+    ]
+    return cases
+
+
+CASES = _cases()
+
+
+def _ids(case):
+    return " ".join(case[0])[:60]
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    """A working directory holding only the config file: anything else found there afterwards was written
+    by the command."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    (work / "c.yaml").write_text(yaml.safe_dump(BASE))
+    return work
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def _one_line_error(capsys, code: int, expect: str) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("fedweave: error: "), err
+    assert expect in lines[0], (expect, lines[0])
+    return lines[0]
+
+
+def test_there_are_at_least_150_cases():
+    assert len(CASES) >= 150
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_broken_config_gets_one_line_naming_the_key(case, in_tmp, capsys):
+    overrides, expect = case
+    code = cli_main(["run", "c.yaml", *overrides, "--out", "run", "--no-progress"])
+    _one_line_error(capsys, code, expect)
+    assert _files(in_tmp) == {"c.yaml"}  # nothing written: not even an empty run directory
+
+
+# ---- config files ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spelling", ["1e-3", "1E-3", "1e+9", "1.0e9", "1e9", "-2.5e-2", ".5e-1", "5e-1"])
+def test_scientific_notation_is_a_number_in_yaml_files_and_overrides(tmp_path, spelling):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"local:\n  lr: {spelling}\n  weight_decay: {spelling.lstrip('-')}\n")
+    want = float(spelling)
+    if want > 0:
+        assert load(path).local.lr == want
+        assert load(BASE, [f"local.lr={spelling}"]).local.lr == want
+    assert load(path, ["local.lr=0.1"]).local.weight_decay == abs(want)
+
+
+def test_quoted_numbers_are_numbers_too():
+    assert load(BASE, ["local.lr='1e-3'"]).local.lr == 1e-3
+
+
+def test_infinity_is_kept_where_the_default_is_infinite():
+    from fedweave.config import build_dataclass
+
+    assert build_dataclass(ALGORITHMS.get("zo_hfl").Hparams, {"box_high": float("inf")}, "algorithm").box_high > 1e308
+    with pytest.raises(ConfigError, match="algorithm.box_high must be a finite number, got nan"):
+        build_dataclass(ALGORITHMS.get("zo_hfl").Hparams, {"box_high": float("nan")}, "algorithm")
+
+
+def test_duplicate_yaml_keys_are_an_error_naming_the_key(in_tmp, capsys):
+    (in_tmp / "d.yaml").write_text("name: x\nlocal:\n  lr: 0.1\n  lr: 0.2\n")
+    line = _one_line_error(capsys, cli_main(["run", "d.yaml"]), "duplicate key 'lr' at line 4")
+    assert "d.yaml" in line
+
+
+@pytest.mark.parametrize(
+    "make, expect",
+    [
+        (lambda d: d / "missing.yaml", "does not exist"),
+        (lambda d: d, "is a directory"),
+        (lambda d: Path("/dev/null"), "not a regular file"),
+    ],
+)
+def test_a_config_that_is_not_a_file_says_what_it_is(in_tmp, capsys, make, expect):
+    _one_line_error(capsys, cli_main(["run", str(make(in_tmp))]), expect)
+
+
+def test_a_nul_in_the_name_is_refused(in_tmp, capsys):
+    (in_tmp / "n.yaml").write_text(yaml.safe_dump({**BASE, "name": "a\x00b"}))
+    _one_line_error(capsys, cli_main(["run", "n.yaml"]), "name must not contain control characters")
+    assert _files(in_tmp) == {"c.yaml", "n.yaml"}
+
+
+def test_run_without_a_config_exits_2(capsys):
+    _one_line_error(capsys, cli_main(["run"]), "needs a CONFIG")
+
+
+# ---- other commands ----------------------------------------------------------------------------------
+def test_data_fetch_of_an_unknown_dataset(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDWEAVE_DATA", str(tmp_path))
+    _one_line_error(capsys, cli_main(["data", "fetch", "NOSUCH"]), "no download sources for dataset 'NOSUCH'")
+
+
+def test_data_fetch_with_a_missing_root_is_refused(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDWEAVE_DATA", str(tmp_path))
+    _one_line_error(capsys, cli_main(["data", "fetch", "mnist", "--root", str(tmp_path / "no")]), "does not exist")
+
+
+def test_plot_of_an_unknown_metric_lists_the_metrics(toy_config, tmp_path, capsys):
+    fedweave.run(toy_config, run_dir=tmp_path / "r")
+    line = _one_line_error(capsys, cli_main(["plot", str(tmp_path / "r"), "--metric", "NOSUCH"]), "'NOSUCH'")
+    assert "test_accuracy" in line
+
+
+# ---- the run directory -------------------------------------------------------------------------------
+def test_output_dir_that_is_a_file(in_tmp, capsys):
+    (in_tmp / "taken").write_text("mine")
+    _one_line_error(capsys, cli_main(["run", "c.yaml", "--out", "taken"]), "is a file")
+    _one_line_error(capsys, cli_main(["run", "c.yaml", "--out", "taken/run"]), "is a file")
+    assert (in_tmp / "taken").read_text() == "mine"
+
+
+def test_a_finished_run_is_never_overwritten_without_overwrite(in_tmp, capsys):
+    assert cli_main(["run", "c.yaml", "--out", "r", "--no-progress"]) == 0
+    capsys.readouterr()
+    (in_tmp / "r" / "mine.txt").write_text("notes")
+    before = {p.name: p.read_bytes() for p in (in_tmp / "r").iterdir()}
+    code = cli_main(["run", "c.yaml", "local.lr=0.2", "--out", "r", "--no-progress"])
+    _one_line_error(capsys, code, "already holds a finished run")
+    assert {p.name: p.read_bytes() for p in (in_tmp / "r").iterdir()} == before
+    assert cli_main(["run", "c.yaml", "local.lr=0.2", "--out", "r", "--overwrite", "--no-progress"]) == 0
+    assert not (in_tmp / "r" / "mine.txt").exists()  # the old run's files went with it, nothing mixed in
+    assert load(in_tmp / "r" / "config.yaml").local.lr == 0.2
+    assert not list(in_tmp.glob(".r.overwritten-*"))
+
+
+def test_a_kill_during_overwrite_leaves_no_mix_and_is_cleaned(tmp_path):
+    from fedweave.results import clear_run
+
+    run = tmp_path / "r"
+    fedweave.run({**BASE, "rounds": 1}, run_dir=run)
+    aside = tmp_path / ".r.overwritten-999"  # what a kill between the rename and the removal leaves
+    aside.mkdir()
+    (aside / "summary.json").write_text("{}")
+    clear_run(run)
+    assert not aside.exists() and run.is_dir() and not any(run.iterdir())
+
+
+def test_a_config_error_at_build_time_leaves_no_directory(tmp_path):
+    with pytest.raises(ConfigError, match="char_lstm"):
+        fedweave.run({**BASE, "model": {"name": "char_lstm"}}, run_dir=tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
+def test_run_files_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        fedweave.run(BASE, run_dir=tmp_path / "r")
+    finally:
+        os.umask(old)
+    for name in ("config.yaml", "metrics.csv", "summary.json"):
+        assert stat.S_IMODE((tmp_path / "r" / name).stat().st_mode) == 0o644, name
+
+
+def test_stale_temporary_files_are_removed_when_a_run_resumes(tmp_path):
+    cfg = {**BASE, "output": {**BASE["output"], "checkpoint_every": 1}}
+    fedweave.run(cfg, run_dir=tmp_path / "r")
+    stale = tmp_path / "r" / ".checkpoint.pt.abc123.tmp"  # left by a kill during a checkpoint write
+    stale.write_bytes(b"\0" * 1024)
+    assert cli_main(["run", "--resume", str(tmp_path / "r"), "--no-progress"]) == 0
+    assert not stale.exists()
+
+
+def _read_only_dir(path: Path):
+    """A directory nobody can write: chmod for a normal user; for root (whom chmod does not stop) a
+    read-only tmpfs, where the system allows mounting one."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        return lambda: path.chmod(0o755)
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)], capture_output=True
+    ).returncode:
+        pytest.skip("running as root and no read-only file system can be mounted here")
+    return lambda: subprocess.run(["umount", str(path)], check=False)
+
+
+def test_a_read_only_output_directory(in_tmp, capsys):
+    undo = _read_only_dir(in_tmp / "ro")
+    try:
+        code = cli_main(["run", "c.yaml", "--out", "ro/run", "--no-progress"])
+        line = _one_line_error(capsys, code, "ro/run")
+        assert "cannot write the run directory" in line
+    finally:
+        undo()
+
+
+def test_a_read_only_data_cache(capsys, tmp_path, monkeypatch):
+    undo = _read_only_dir(tmp_path / "cache")
+    monkeypatch.setenv("FEDWEAVE_DATA", str(tmp_path / "cache"))
+    monkeypatch.setenv("FEDWEAVE_OFFLINE", "1")
+    try:
+        code = cli_main(["data", "fetch", "mnist"])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err and err.startswith("fedweave: error: ")
+        assert "mnist" in err
+    finally:
+        undo()
+
+
+def _full_disk(path: Path, size: str, monkeypatch):
+    """A small file system that fills up; where none can be mounted, ENOSPC injected at the write call."""
+    path.mkdir()
+    mounted = (
+        os.geteuid() == 0
+        and not subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+    )
+    if mounted:
+        return lambda: subprocess.run(["umount", str(path)], check=False)
+    import fedweave.results as results
+
+    real = results.atomic_write
+
+    def full(target, data):
+        if Path(target).name == CHECKPOINT:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
+        real(target, data)
+
+    monkeypatch.setattr(results, "atomic_write", full)
+    monkeypatch.setattr("fedweave.runner.atomic_write", full)
+    return lambda: None
+
+
+def test_disk_full_while_writing_a_checkpoint(in_tmp, capsys, monkeypatch):
+    # SCAFFOLD keeps a control variate per client: its checkpoint is larger than the small file system
+    (in_tmp / "big.yaml").write_text(
+        yaml.safe_dump(
+            {
+                **BASE,
+                "partition": {"name": "iid", "num_clients": 200},
+                "model": {"name": "mlp", "hidden": [64]},
+                "algorithm": {"name": "scaffold", "clients_per_round": 2},
+                "output": {**BASE["output"], "checkpoint_every": 1},
+            }
+        )
+    )
+    undo = _full_disk(in_tmp / "small", "256k", monkeypatch)
+    try:
+        code = cli_main(["run", "big.yaml", "--out", "small/run", "--no-progress"])
+        line = _one_line_error(capsys, code, "no space left on device")
+        assert CHECKPOINT in line
+        run = in_tmp / "small" / "run"
+        assert (run / "config.yaml").is_file() and not list(run.glob(".*.tmp"))  # nothing half-written
+    finally:
+        undo()
+
+
+# ---- damaged checkpoints -----------------------------------------------------------------------------
+@pytest.fixture
+def checkpointed(tmp_path):
+    cfg = {**BASE, "output": {**BASE["output"], "checkpoint_every": 1}}
+    fedweave.run(cfg, run_dir=tmp_path / "r")
+    return tmp_path / "r"
+
+
+def _damage(kind: str, path: Path) -> None:
+    ck = path / CHECKPOINT
+    good = torch.load(ck, weights_only=True)
+    if kind == "truncated":
+        ck.write_bytes(ck.read_bytes()[:100])
+    elif kind == "empty":
+        ck.write_bytes(b"")
+    elif kind == "text":
+        ck.write_text("not a checkpoint")
+    elif kind == "list":
+        torch.save([1, 2, 3], ck)
+    elif kind == "missing key":
+        del good["ledger"]
+        torch.save(good, ck)
+    elif kind == "negative round":
+        torch.save({**good, "next_round": -5}, ck)
+    elif kind == "round beyond the run":
+        torch.save({**good, "next_round": 999}, ck)
+    elif kind == "wrong shape":
+        good["algorithm"]["x"] = torch.zeros(3)
+        torch.save(good, ck)
+    elif kind == "an object":
+        torch.save({**good, "rows": Path("x")}, ck)
+
+
+DAMAGE = {
+    "truncated": "not a readable fedweave checkpoint",
+    "empty": "not a readable fedweave checkpoint",
+    "text": "not a readable fedweave checkpoint",
+    "list": "not a fedweave checkpoint",
+    "missing key": "missing ledger",
+    "negative round": "next_round must be a round in [0, 2]",
+    "round beyond the run": "next_round must be a round in [0, 2]",
+    "wrong shape": "has shape [3]",
+    "an object": "holds objects other than tensors",
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(checkpointed, kind, capsys):
+    _damage(kind, checkpointed)
+    line = _one_line_error(capsys, cli_main(["run", "--resume", str(checkpointed)]), DAMAGE[kind])
+    assert str(checkpointed / CHECKPOINT) in line
+    assert "weights_only=False" not in line
+
+
+# ---- resume ------------------------------------------------------------------------------------------
+def _numbers(rows):
+    return [{k: v for k, v in r.items() if k != "wall_seconds"} for r in rows]
+
+
+def test_resume_extends_a_finished_run_to_the_numbers_of_a_longer_run(tmp_path, capsys):
+    cfg = {**BASE, "output": {**BASE["output"], "checkpoint_every": 1}}
+    fedweave.run(cfg, run_dir=tmp_path / "short")
+    assert cli_main(["run", "--resume", str(tmp_path / "short"), "rounds=5", "--no-progress"]) == 0
+    long = fedweave.run({**cfg, "rounds": 5}, run_dir=tmp_path / "long")
+    from fedweave.results import read_metrics
+
+    assert _numbers(read_metrics(tmp_path / "short")) == _numbers(long.metrics)
+
+
+def test_resume_refuses_a_config_and_a_changed_computation(checkpointed, capsys, in_tmp):
+    line = _one_line_error(capsys, cli_main(["run", "c.yaml", "--resume", str(checkpointed)]), "not both")
+    assert "c.yaml" in line
+    _one_line_error(capsys, cli_main(["run", "--resume", str(checkpointed), "seed=4"]), "seed changed")
+
+
+def test_resume_refuses_to_extend_a_cosine_schedule(tmp_path, capsys):
+    cfg = {**BASE, "local": {**BASE["local"], "lr_schedule": "cosine"}}
+    fedweave.run({**cfg, "output": {**BASE["output"], "checkpoint_every": 1}}, run_dir=tmp_path / "r")
+    _one_line_error(capsys, cli_main(["run", "--resume", str(tmp_path / "r"), "rounds=4"]), "cosine")
+
+
+# ---- divergence --------------------------------------------------------------------------------------
+def test_an_exploding_loss_stops_the_run_and_says_what_is_kept(tmp_path):
+    # this MLP's test loss goes 8.8e6, 3.8e13, 5.4e19, ... and reaches NaN at round 6: finite but useless
+    cfg = {
+        **BASE,
+        "rounds": 15,
+        "model": {"name": "mlp"},
+        "local": {"batch_size": 8, "lr": 2.0},
+        "output": {**BASE["output"], "checkpoint_every": 1},
+    }
+    with pytest.raises(DivergenceError) as e:
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+    msg = str(e.value)
+    assert "round 2: train_loss" in msg and "exploded" in msg and "explode_factor" in msg
+    assert "The checkpoint of round 1 is kept" in msg and "local.lr=SMALLER" in msg
+    summary = yaml.safe_load((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["rounds"] == 1
+    assert torch.load(tmp_path / "r" / CHECKPOINT, weights_only=True)["next_round"] == 1
+    # and it resumes with a smaller learning rate
+    res = fedweave.runner.resume(tmp_path / "r", ["local.lr=0.01"], progress=False)
+    assert res.summary["status"] == "completed"
+
+
+def test_the_explosion_check_can_be_switched_off():
+    from fedweave.runner import _check_explosion
+
+    first: dict[str, float] = {}
+    _check_explosion({"test_loss": 2.0}, first, 0, 10.0)
+    _check_explosion({"test_loss": 19.0}, first, 1, 10.0)
+    with pytest.raises(DivergenceError, match="test_loss = 21 exploded"):
+        _check_explosion({"test_loss": 21.0}, first, 2, 10.0)
+    _check_explosion({"test_loss": 1e30}, first, 3, None)
+
+
+# ---- interrupts on a real process ---------------------------------------------------------------------
+SUBPROCESS_CFG = {
+    "name": "int",
+    "seed": 2,
+    "rounds": 3000,
+    "dataset": {"name": "digits"},
+    "partition": {"name": "iid", "num_clients": 4},
+    "model": {"name": "logistic"},
+    "algorithm": {"name": "fedavg", "clients_per_round": 2},
+    "local": {"steps": 1, "epochs": None, "batch_size": 8, "lr": 0.05},
+    "backend": "loop",
+    "threads": 1,
+    "output": {"progress": False, "plots": False, "checkpoint_every": 1},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_and_sigterm_write_an_interrupted_summary_and_resume_identically(tmp_path, sig, code):
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(SUBPROCESS_CFG))
+    run = tmp_path / "r"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedweave.cli", "run", str(tmp_path / "c.yaml"), "--out", str(run), "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        rows = (run / "metrics.jsonl").read_text().count("\n") if (run / "metrics.jsonl").exists() else 0
+        if rows >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("fedweave: interrupted:") and "Traceback" not in err, err
+    summary = yaml.safe_load((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and "--resume" in summary["error"]
+    done = torch.load(run / CHECKPOINT, weights_only=True)["next_round"]
+    stop = done + 3
+    assert cli_main(["run", "--resume", str(run), f"rounds={stop}", "--no-progress"]) == 0
+    fresh = fedweave.run(load(tmp_path / "c.yaml", [f"rounds={stop}"]), run_dir=tmp_path / "fresh")
+    from fedweave.results import read_metrics
+
+    assert _numbers(read_metrics(run)) == _numbers(fresh.metrics)
+
+
+# ---- the dataset cache -------------------------------------------------------------------------------
+@pytest.fixture
+def cached_mnist(tmp_path, monkeypatch):
+    import hashlib
+
+    import numpy as np
+
+    from fedweave.data import sources
+
+    monkeypatch.setenv("FEDWEAVE_DATA", str(tmp_path / "cache"))
+    monkeypatch.setenv("FEDWEAVE_OFFLINE", "1")
+    rng = np.random.default_rng(0)
+    root = tmp_path / "cache" / "mnist"
+    root.mkdir(parents=True)
+    table = {}
+    for name in sources.SPECS["mnist"].files:
+        blob = rng.integers(0, 256, 2000, dtype=np.uint8).tobytes()
+        (root / name).write_bytes(blob)
+        table[name] = "sha256:" + hashlib.sha256(blob).hexdigest()
+    monkeypatch.setitem(sources.CHECKSUMS, "mnist", table)
+    sources.fetch("mnist")  # verified once: the stamp is written
+    return root
+
+
+def _corrupt_in_place(path: Path) -> None:
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    with open(path, "r+b") as f:  # same inode, same size
+        f.write(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # and the timestamp restored
+
+
+def test_a_same_size_corruption_with_its_timestamp_restored_is_caught(cached_mnist, capsys):
+    from fedweave.data import sources
+
+    name = sources.SPECS["mnist"].files[0]
+    _corrupt_in_place(cached_mnist / name)
+    with pytest.raises(sources.DataNotFoundError, match="sha256"):
+        sources.resolve("mnist")  # the quick check sees the changed ctime and hashes again
+    assert cli_main(["data", "verify", "mnist"]) == 2
+    assert "sha256" in capsys.readouterr().err
+
+
+def test_data_fetch_hashes_every_time(cached_mnist, capsys, monkeypatch):
+    from fedweave.data import sources
+
+    hashed = []
+    real = sources.verify_file
+    monkeypatch.setattr(sources, "verify_file", lambda p, *a, **k: (hashed.append(Path(p).name), real(p, *a, **k)))
+    sources.resolve("mnist")
+    assert hashed == []  # a run's quick check: identity unchanged, nothing hashed
+    assert cli_main(["data", "fetch", "mnist"]) == 0
+    assert sorted(hashed) == sorted(sources.SPECS["mnist"].files)
+    assert cli_main(["data", "verify"]) == 0
+    assert "mnist: OK" in capsys.readouterr().out
