@@ -45,6 +45,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
+    from fedweave.config import examples
     from fedweave.registry import ALGORITHMS, DATASETS, MODELS, PARTITIONERS
     from fedweave.reproduce import available
 
@@ -56,6 +57,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     ):
         print(f"{title}: {', '.join(reg.names())}")
     print(f"reproductions: {', '.join(available())}")
+    print(f"example configs (fedweave run example:NAME): {', '.join(examples())}")
     return 0
 
 
@@ -108,11 +110,14 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from fedweave import __version__
+
     p = argparse.ArgumentParser(prog="fedweave", description="Federated learning simulator.")
+    p.add_argument("--version", action="version", version=f"fedweave {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="run an experiment from a YAML config")
-    r.add_argument("config", nargs="?", help="YAML config file")
+    r.add_argument("config", nargs="?", help="YAML config file, or example:NAME for a bundled one")
     r.add_argument("overrides", nargs="*", help="key=value overrides, e.g. local.lr=0.1 rounds=50")
     r.add_argument("--out", help="run directory (default: runs/<name>-s<seed>-<time>)")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")

@@ -533,11 +533,31 @@ def _deepcopy(d: Any) -> Any:
     return d
 
 
+EXAMPLES = Path(__file__).parent / "configs"  # the example configs, shipped inside the package
+EXAMPLE_PREFIX = "example:"
+
+
+def examples() -> list[str]:
+    """Names of the bundled example configs, e.g. ``demo`` or ``centralized/fedmim`` (``example:NAME``)."""
+    return sorted(str(p.relative_to(EXAMPLES).with_suffix("")) for p in EXAMPLES.rglob("*.yaml"))
+
+
+def example_path(name: str) -> Path:
+    """The file of a bundled example config (``example:demo``), or a ConfigError listing them."""
+    path = EXAMPLES / f"{name.removesuffix('.yaml')}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"no example config {name!r}; examples: {', '.join(examples())}")
+    return path
+
+
 def load(source: str | Path | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
-    """Load a config from a YAML file (or plain data), apply overrides, validate."""
+    """Load a config from a YAML file, a bundled example (``"example:demo"``) or plain data, apply
+    overrides, validate."""
     if isinstance(source, dict):
         data = source
     else:
+        if isinstance(source, str) and source.startswith(EXAMPLE_PREFIX):
+            source = example_path(source[len(EXAMPLE_PREFIX) :])
         path = Path(source)
         if not path.exists():
             raise ConfigError(f"config file {str(path)!r} does not exist")

@@ -1,0 +1,134 @@
+"""fedweave as a package: what `import fedweave` and a plain run load, and a built wheel installed into a
+fresh environment beside other versions of its dependencies, run from outside the source tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import fedweave
+from fedweave.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIONAL = ["ray", "flwr", "matplotlib", "tensorboard", "mlflow", "wandb"]
+
+LOADED = """
+import json, sys
+import fedweave
+after_import = sorted(sys.modules)
+res = fedweave.run(json.loads(sys.argv[1]), run_dir=sys.argv[2])
+print(json.dumps({"import": after_import, "run": sorted(sys.modules), "status": res.summary["status"]}))
+"""
+
+TINY = {
+    "name": "plain",
+    "rounds": 2,
+    "dataset": {"name": "digits"},
+    "partition": {"name": "iid", "num_clients": 4},
+    "model": {"name": "logistic"},
+    "algorithm": {"name": "fedavg", "clients_per_round": 2},
+    "backend": "loop",
+    "output": {"progress": False, "plots": False},
+}
+
+
+def _top(modules: list[str]) -> set[str]:
+    return {m.split(".")[0] for m in modules}
+
+
+def _loaded(cfg: dict, tmp_path: Path) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", LOADED, json.dumps(cfg), str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_import_and_a_plain_run_load_no_optional_extra(tmp_path):
+    got = _loaded(TINY, tmp_path)
+    assert got["status"] == "completed"
+    assert "torch" not in _top(got["import"])  # `import fedweave` is cheap: torch loads on first use
+    assert not _top(got["run"]) & set(OPTIONAL), sorted(_top(got["run"]) & set(OPTIONAL))
+
+
+def test_writing_a_plot_is_what_loads_matplotlib(tmp_path):
+    got = _loaded({**TINY, "output": {"progress": False, "plots": True}}, tmp_path)
+    assert "matplotlib" in _top(got["run"])  # the check above can fail
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fedweave {fedweave.__version__}"
+
+
+def test_the_example_configs_ship_in_the_package_and_load():
+    from fedweave.config import example_path, examples, load
+
+    assert "demo" in examples() and "centralized/fedmim" in examples()
+    assert load("example:demo").name == load(ROOT / "configs" / "demo.yaml").name
+    assert example_path("demo").is_relative_to(Path(fedweave.__file__).parent)
+
+
+def _run(argv: list[str], **kw) -> str:
+    proc = subprocess.run(argv, capture_output=True, text=True, **kw)
+    assert proc.returncode == 0, f"{' '.join(map(str, argv))}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def _versions(python: Path, names: list[str]) -> dict[str, str]:
+    code = "import importlib.metadata as m, sys; print(*[m.version(n) for n in sys.argv[1:]])"
+    return dict(zip(names, _run([str(python), "-c", code, *names]).split(), strict=True))
+
+
+# Versions inside the declared ranges but not the locked ones: a researcher's environment.
+THEIRS = {"numpy": "2.2.6", "scikit-learn": "1.6.1"}
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_beside_other_versions_and_runs_outside_the_source_tree(tmp_path):
+    dist = tmp_path / "dist"
+    # --no-isolation: build with the setuptools already installed (pyproject asks for >= 77)
+    _run([sys.executable, "-m", "build", "--no-isolation", "--wheel", "--sdist", "--outdir", str(dist), str(ROOT)])
+    wheel = next(dist.glob("fedweave-*.whl"))
+    sdist = next(dist.glob("fedweave-*.tar.gz"))
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    for f in ("fedweave/py.typed", "fedweave/data/checksums.json", "fedweave/configs/demo.yaml"):
+        assert f in shipped, f
+    assert "fedweave/configs/centralized/fedmim.yaml" in shipped
+    with tarfile.open(sdist) as tar:
+        in_sdist = {Path(*Path(n).parts[1:]).as_posix() for n in tar.getnames()}
+    assert {"src/fedweave/configs/demo.yaml", "src/fedweave/data/checksums.json", "pyproject.toml"} <= in_sdist
+
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)])
+    py = venv / "bin" / "python"
+    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    _run([*pip, "torch==2.13.0", *(f"{n}=={v}" for n, v in THEIRS.items())])
+    _run([*pip, str(wheel)])
+    assert _versions(py, list(THEIRS)) == THEIRS  # nothing downgraded or replaced
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    exe = str(venv / "bin" / "fedweave")
+    origin = _run([str(py), "-c", "import fedweave; print(fedweave.__file__)"], cwd=outside, env=env)
+    assert str(venv) in origin  # the installed package, not the source tree
+    assert "example configs" in _run([exe, "list"], cwd=outside, env=env)
+    overrides = ["rounds=2", "dataset=digits", "model=logistic", "partition={name: iid, num_clients: 10}"]
+    out = _run(
+        [exe, "run", "example:centralized/fedavg", *overrides, "--out", "r", "--no-progress"], cwd=outside, env=env
+    )
+    assert "final test accuracy" in out
+    summary = json.loads((outside / "r" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds"] == 2
