@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import yaml
 
+from fedweave.registry import UnknownNameError
+
 
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader with YAML 1.2's float rule and refusal of duplicate keys.
@@ -152,10 +154,29 @@ class LocalConfig:
 
 
 @dataclass
+class TaskConfig:
+    """What is predicted and how it is scored (fedweave.tasks; docs/tasks.md)."""
+
+    loss: str = "cross_entropy"  # a registered loss: cross_entropy, nll, mse, bce_with_logits, or a plug-in's
+    loss_options: dict[str, Any] = field(default_factory=dict)  # e.g. {half: true} for mse
+    metrics: list[str] | None = None  # null: the loss's defaults (accuracy; mse/rmse/mae/r2; auc/f1)
+    main: str | None = None  # the metric of final/best in summary.json; null: the first metric's
+
+    def validate(self) -> None:
+        from fedweave.tasks import build_task  # lazy: keeps torch out of config loading
+
+        try:
+            build_task(self.loss, self.loss_options, self.metrics, self.main)
+        except UnknownNameError as e:
+            raise ConfigError(f"task.loss: {e}") from e
+
+
+@dataclass
 class EvalConfig:
     every: int = 1
     batch_size: int = 2048
     per_client: bool = False  # evaluate each client's model on its own test set (personalized methods)
+    at_start: bool = False  # evaluate the initial model as round 0 (peer frameworks report it)
     # star family: test_accuracy = mean over clients of the global model's accuracy on each client's own
     # test set (drawn with its train label distribution, as the decentralized family; afind-plus A29)
     personal_test: bool = False
@@ -265,6 +286,8 @@ class RunConfig:
     rounds: int = 100
     backend: str = "auto"
     threads: int | None = None  # torch intra-op threads; null = torch's default
+    # the floating dtype of models, data, state, aggregation and checkpoints (bytes in the ledger follow it)
+    precision: Literal["float32", "float64"] = "float32"
     dataset: Section = field(default_factory=lambda: Section("mnist"))
     partition: Section = field(default_factory=lambda: Section("iid", {"num_clients": 10}))
     model: Section = field(default_factory=lambda: Section("logistic"))
@@ -274,6 +297,10 @@ class RunConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    # modules or .py files imported before the run is built: they register datasets, models, losses,
+    # metrics or samplers that the config names
+    plugins: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         check_run_name(self.name)
@@ -293,6 +320,7 @@ class RunConfig:
         self.output.validate()
         self.faults.validate()
         self.ray.validate()
+        self.task.validate()
 
     @property
     def num_clients(self) -> int:
@@ -478,6 +506,10 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
     cfg = build_dataclass(RunConfig, data, "")
     for k, s in sections.items():
         setattr(cfg, k, s)
+    if cfg.plugins:  # before validation: a plug-in may register the loss or metric the config names
+        from fedweave.plugins import load_plugins
+
+        load_plugins(cfg.plugins)
     cfg.validate()
     return cfg
 

@@ -337,7 +337,9 @@ def run(
         from fedweave.data.report import write_partition_report
 
         ds = ctx.dataset
-        write_partition_report(ctx.partition, ds.train_y.numpy(), ds.num_classes, out.path, plot=config.output.plots)
+        labels = ctx.label_view(ds.train_y.numpy())  # float targets: their quantile bins
+        classes = ds.num_classes if not ds.train_y.is_floating_point() else int(labels.max(initial=0)) + 1
+        write_partition_report(ctx.partition, labels, classes, out.path, plot=config.output.plots)
 
     show = config.output.progress if progress is None else progress
     bar = _progress(show, config.rounds, start_round)

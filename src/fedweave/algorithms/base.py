@@ -19,12 +19,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedweave.byo import RunObjects
 from fedweave.config import ConfigError, RunConfig, build_dataclass, check_options
 from fedweave.data.base import Dataset
 from fedweave.faults import Faults
 from fedweave.ledger import Ledger
 from fedweave.registry import ALGORITHMS, DATASETS, MODELS, PARTITIONERS
 from fedweave.seeding import Seeds
+from fedweave.tasks import Task, build_task
 
 
 @dataclasses.dataclass
@@ -42,6 +44,36 @@ def _as_config_error(section: str) -> Iterator[None]:
     except (ValueError, TypeError) as e:
         msg = str(e)
         raise ConfigError(msg if f"{section}." in msg else f"{section}: {msg}") from e
+
+
+def load_initial_weights(model: nn.Module, path: str) -> None:
+    """``model.init_from``: initial weights from a ``state_dict`` saved by ``torch.save`` (read with
+    ``weights_only=True``: no code runs) or an ``.npz`` of arrays named as the model's state_dict keys."""
+    from pathlib import Path
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"model.init_from: {path!r} is not a file")
+    try:
+        if file.suffix == ".npz":
+            with np.load(file, allow_pickle=False) as z:
+                state = {k: torch.from_numpy(z[k]) for k in z.files}
+        else:
+            state = torch.load(file, weights_only=True, map_location="cpu")
+    except Exception as e:
+        raise ConfigError(f"model.init_from: {path!r} is not a readable state_dict or .npz ({type(e).__name__})") from e
+    if not isinstance(state, dict):
+        raise ConfigError(f"model.init_from: {path!r} must hold a mapping of parameter names to tensors")
+    own = model.state_dict()
+    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or extra:
+        raise ConfigError(f"model.init_from: {path!r} does not match the model (missing {missing}, unexpected {extra})")
+    for k, v in state.items():
+        if tuple(v.shape) != tuple(own[k].shape):
+            raise ConfigError(
+                f"model.init_from: {k!r} has shape {list(v.shape)} in {path!r}, the model's is {list(own[k].shape)}"
+            )
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
 
 
 def check_model_fits(model: nn.Module, ds: Dataset, model_name: str, dataset_name: str) -> None:
@@ -64,26 +96,90 @@ def check_model_fits(model: nn.Module, ds: Dataset, model_name: str, dataset_nam
         model.train(was_training)
 
 
+# partitioners that use only the number of samples (or the users), never the labels
+LABEL_FREE_PARTITIONERS = ("iid", "quantity_skew", "natural", "from_file")
+TARGET_BINS = 10  # quantile bins that stand for classes where float targets need labels
+
+
 class RunContext:
     """The pieces of a run, built lazily from the config so that a family uses only what it needs."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, objects: RunObjects | None = None) -> None:
         self.config = config
         self.seeds = Seeds(config.seed)
         self.ledger = Ledger()
+        self.objects = objects or RunObjects()  # a model factory, data or a loss passed from Python
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The floating dtype of the run's models, data and state (``precision``)."""
+        return torch.float64 if self.config.precision == "float64" else torch.float32
+
+    @cached_property
+    def task(self) -> Task:
+        """The run's loss, metrics and main metric (``task`` section, or a loss passed from Python)."""
+        t = self.config.task
+        if self.objects.loss is not None:
+            return build_task(self.objects.loss, {}, t.metrics, t.main)
+        return build_task(t.loss, t.loss_options, t.metrics, t.main)
 
     @cached_property
     def dataset(self) -> Dataset:
-        loader = DATASETS.get(self.config.dataset.name)
-        opts = check_options(loader, self.config.dataset.options, "dataset")
-        with _as_config_error("dataset"):
-            return loader(**opts)
+        if self.objects.dataset is not None:
+            ds = self.objects.dataset
+        else:
+            loader = DATASETS.get(self.config.dataset.name)
+            opts = check_options(loader, self.config.dataset.options, "dataset")
+            with _as_config_error("dataset"):
+                ds = loader(**opts)
+        return self._checked(self._in_precision(ds))
+
+    def _in_precision(self, ds: Dataset) -> Dataset:
+        """Floating features and targets in the run's dtype (token ids and class labels stay integers)."""
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype else t
+
+        if self.dtype == torch.float32 and not ds.train_y.is_floating_point():
+            return ds  # the common case: nothing to convert
+        return dataclasses.replace(
+            ds, train_x=cast(ds.train_x), train_y=cast(ds.train_y), test_x=cast(ds.test_x), test_y=cast(ds.test_y)
+        )
+
+    def _checked(self, ds: Dataset) -> Dataset:
+        """The task's loss must fit the targets: class losses need integer labels, the others float ones."""
+        wants = self.task.loss.targets
+        has = "float" if ds.train_y.is_floating_point() else "class"
+        if wants == "class" and has == "float":
+            raise ConfigError(
+                f"task.loss {self.task.loss.name!r} needs integer class labels, but dataset "
+                f"{self.config.dataset.name!r} has float targets; use mse or bce_with_logits (task.loss)"
+            )
+        if wants == "float" and has == "class" and self.task.loss.name in ("mse", "bce_with_logits"):
+            raise ConfigError(
+                f"task.loss {self.task.loss.name!r} needs float targets, but dataset {self.config.dataset.name!r} "
+                "has class labels; use cross_entropy (the default) or nll"
+            )
+        return ds
 
     @cached_property
     def partition(self) -> list[np.ndarray]:
         """Training-set indices of each client."""
         ds = self.dataset
         return self.partition_of(ds.train_y.numpy(), users=ds.train_users)
+
+    def label_view(self, y: np.ndarray, bins: int = TARGET_BINS) -> np.ndarray:
+        """Integer labels of targets: class labels as they are; float targets as the index of their first
+        column's quantile bin (over the training targets), so label-based partitioners, per-client test sets
+        and reports can work on regression and multi-label data."""
+        y = np.asarray(y)
+        if np.issubdtype(y.dtype, np.integer):
+            return y
+        first = y.reshape(len(y), -1)[:, 0] if y.ndim > 1 else y
+        train = self.dataset.train_y.numpy()
+        ref = train.reshape(len(train), -1)[:, 0] if train.ndim > 1 else train
+        edges = np.unique(np.quantile(ref, np.linspace(0, 1, bins + 1)[1:-1]))
+        return np.searchsorted(edges, first, side="right").astype(np.int64)
 
     def partition_of(self, labels: np.ndarray, users: np.ndarray | None = None) -> list[np.ndarray]:
         """Split samples with these labels over the clients with the configured partitioner
@@ -92,6 +188,21 @@ class RunContext:
         fn = PARTITIONERS.get(part.name)
         opts = dict(part.options)
         num_clients = opts.pop("num_clients", None)
+        bins = opts.pop("bins", None)
+        if not np.issubdtype(np.asarray(labels).dtype, np.integer):  # float targets (regression, multi-label)
+            if part.name in LABEL_FREE_PARTITIONERS:
+                labels = np.zeros(len(labels), dtype=np.int64)  # these partitioners read only the sample count
+            elif bins is None:
+                raise ConfigError(
+                    f"partition {part.name!r} splits by class label, but the targets are floats; use iid, "
+                    "quantity_skew, natural or from_file, or give partition.bins: N to split by N target quantiles"
+                )
+            elif not isinstance(bins, int) or isinstance(bins, bool) or bins < 2:
+                raise ConfigError(f"partition.bins must be an integer >= 2, got {bins!r}")
+            else:
+                labels = self.label_view(labels, bins)
+        elif bins is not None:
+            raise ConfigError("partition.bins applies to float targets only; these targets are class labels")
         if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 0:
             raise ConfigError(
                 f"partition.num_clients must be a non-negative integer (0 = one client per natural user), "
@@ -119,21 +230,32 @@ class RunContext:
             else:
                 cache[per_client] = client_test_split(
                     self.partition,
-                    ds.train_y.numpy(),
-                    ds.test_y.numpy(),
+                    self.label_view(ds.train_y.numpy()),
+                    self.label_view(ds.test_y.numpy()),
                     self.seeds.numpy("test_split"),
                     per_client=per_client,
                 )
         return cache[per_client]
 
     def build_model(self) -> nn.Module:
-        """A fresh model, initialized from the ``model_init`` stream (same seed, same weights)."""
-        builder = MODELS.get(self.config.model.name)
-        opts = check_options(builder, self.config.model.options, "model", skip=("input_shape", "num_classes"))
+        """A fresh model, initialized from the ``model_init`` stream (same seed, same weights), in the run's
+        dtype; ``model.init_from`` (a state_dict or .npz file) then sets its weights."""
         ds = self.dataset
+        opts = dict(self.config.model.options)
+        init_from = opts.pop("init_from", None)
         with torch.random.fork_rng(devices=[]), _as_config_error("model"):
             torch.manual_seed(self.seeds.int_seed("model_init"))
-            model = builder(tuple(ds.input_shape), ds.num_classes, **opts)
+            if self.objects.model is not None:
+                model = self.objects.model()
+                if not isinstance(model, nn.Module):
+                    raise ConfigError(f"model: the factory must return an nn.Module, got {type(model).__name__}")
+            else:
+                builder = MODELS.get(self.config.model.name)
+                opts = check_options(builder, opts, "model", skip=("input_shape", "num_classes"))
+                model = builder(tuple(ds.input_shape), ds.num_classes, **opts)
+        model = model.to(self.dtype)
+        if init_from is not None:
+            load_initial_weights(model, init_from)
         check_model_fits(model, ds, self.config.model.name, self.config.dataset.name)
         return model
 
@@ -150,6 +272,8 @@ class Algorithm(ABC):
     Hparams: ClassVar[type] = NoHparams
     # Injected faults (fedweave.faults) this class's run_round handles; the runner refuses the others.
     handles_faults: ClassVar[tuple[str, ...]] = ()
+    # Why the family trains only its own task (None: it trains any task of fedweave.tasks)
+    fixed_task: ClassVar[str | None] = None
 
     def __init__(self, ctx: RunContext, hp: Any) -> None:
         self.ctx = ctx
@@ -221,4 +345,6 @@ def build_algorithm(ctx: RunContext) -> Algorithm:
     section = ctx.config.algorithm
     cls = ALGORITHMS.get(section.name)
     hp = build_dataclass(cls.Hparams, section.options, "algorithm")
+    if cls.fixed_task and (ctx.config.task != type(ctx.config.task)() or ctx.objects.loss is not None):
+        raise ConfigError(f"task: the {cls.family} family {cls.fixed_task}; leave the task section out")
     return cls(ctx, hp)

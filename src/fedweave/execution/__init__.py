@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedweave.execution.evaluate import evaluate, evaluate_clients
+from fedweave.execution.evaluate import evaluate, evaluate_clients, evaluate_clients_task, evaluate_task
 from fedweave.execution.local import LocalResult, LocalRule, LocalTrainer
 from fedweave.execution.params import ParamLayout
 from fedweave.execution.state import StateStore
@@ -18,6 +18,8 @@ __all__ = [
     "StateStore",
     "choose_backend",
     "evaluate",
+    "evaluate_task",
+    "evaluate_clients_task",
     "evaluate_clients",
 ]
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from fedweave.execution.params import ParamLayout
+from fedweave.tasks import Task, evaluate_batches
 
 # Rows per forward pass at most: beyond this the activations of a CNN fall out of the CPU caches (MNIST CNN,
 # one thread: 256 rows ran 1.7x faster than 2048; docs/performance.md). ``batch_size`` only lowers it.
@@ -94,6 +95,49 @@ def _accuracy_and_loss(sums: list[tuple[float, int]], n: int) -> tuple[float, fl
         loss += s
         correct += c
     return correct / max(n, 1), loss / max(n, 1)
+
+
+def evaluate_task(
+    layout: ParamLayout, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, task: Task, batch_size: int = 2048
+) -> dict[str, float]:
+    """The task's mean loss and metrics of parameters ``w`` on ``(x, y)`` (keys without a ``test_`` prefix).
+    Classification with cross-entropy takes :func:`evaluate` (and the pool where there is one)."""
+    if task.is_default:
+        acc, loss = evaluate(layout, w, x, y, batch_size)
+        return {"accuracy": acc, "loss": loss}
+    model, cl = eval_model(layout, w)
+    model.eval()
+    try:
+        with torch.inference_mode():
+            return evaluate_batches(
+                lambda xb: model(to_channels_last(xb) if cl and xb.dim() == 4 else xb),
+                x,
+                y,
+                task,
+                min(batch_size, EVAL_ROWS),
+            )
+    finally:
+        model.train()
+
+
+def evaluate_clients_task(
+    layout: ParamLayout,
+    params: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    parts: list[np.ndarray],
+    task: Task,
+    batch_size: int = 2048,
+) -> dict[str, np.ndarray]:
+    """Per client (row ``k`` of ``params``, or one shared vector, on ``parts[k]``): each of the task's values."""
+    if task.is_default:
+        accs, losses = evaluate_clients(layout, params, x, y, parts, batch_size)
+        return {"accuracy": accs, "loss": losses}
+    rows = []
+    for k, idx in enumerate(parts):
+        t = torch.as_tensor(idx, dtype=torch.long)
+        rows.append(evaluate_task(layout, params[k] if params.dim() == 2 else params, x[t], y[t], task, batch_size))
+    return {key: np.array([r[key] for r in rows]) for key in rows[0]} if rows else {}
 
 
 def evaluate_clients(

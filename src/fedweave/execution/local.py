@@ -25,6 +25,7 @@ from torch import nn
 from fedweave.config import LocalConfig, RayConfig
 from fedweave.execution.params import ParamLayout
 from fedweave.seeding import Seeds
+from fedweave.tasks import Loss, cross_entropy  # noqa: F401  (cross_entropy: the default loss, re-exported)
 
 GradFn = Callable[[torch.Tensor], torch.Tensor]
 LR = float | Callable[[int], float]  # a constant, or the step size of local step t (t = 0, 1, ... per call)
@@ -94,15 +95,6 @@ class Batches:
     steps: torch.Tensor  # (K,) int64, the number of real steps of each job
 
 
-def cross_entropy(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean cross-entropy over the valid samples of a batch."""
-    losses = nn.functional.cross_entropy(logits, y, reduction="none")
-    if mask is None:
-        return losses.mean()
-    m = mask.to(losses.dtype)
-    return (losses * m).sum() / m.sum().clamp_min(1.0)
-
-
 class LocalTrainer:
     """Runs local SGD for batches of jobs on the ``loop``, ``vmap``, ``ray`` or ``pool`` backend."""
 
@@ -120,6 +112,7 @@ class LocalTrainer:
         vmap_chunk: int = 64,
         rounds: int | None = None,
         ray: RayConfig | None = None,
+        loss_fn: Loss = cross_entropy,
     ) -> None:
         if backend not in ("loop", "vmap", "ray", "pool"):
             raise ValueError(f"backend must be 'loop', 'vmap', 'ray' or 'pool' here, got {backend!r}")
@@ -132,7 +125,7 @@ class LocalTrainer:
         self.augment = augment
         self.vmap_chunk = vmap_chunk
         self.rounds = rounds
-        self.loss_fn = cross_entropy
+        self.loss_fn = loss_fn  # the task's loss (fedweave.tasks): mean over a batch's valid samples
         self.ray = ray or RayConfig()  # the ray backend's cluster and workers
         # Resources shared by shallow copies of this trainer (the ray backend's actors): a copy that only
         # changes ``local`` (e.g. a fine-tuning trainer) reuses them.

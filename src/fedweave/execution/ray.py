@@ -71,7 +71,7 @@ class Worker:
                 tx, ty = torch.from_numpy(x), torch.from_numpy(y)
             tr = LocalTrainer(
                 s["model"], tx, ty, parts, LocalConfig(epochs=1), s["seeds"],
-                augment=s["augment"], rounds=s["rounds"], vmap_chunk=s["vmap_chunk"],
+                augment=s["augment"], rounds=s["rounds"], vmap_chunk=s["vmap_chunk"], loss_fn=s["loss_fn"],
             )  # fmt: skip
             while len(self.trainers) >= self.KEEP:
                 self.trainers.pop(next(iter(self.trainers)))
@@ -159,6 +159,7 @@ class RayPool:
             "augment": tr.augment,
             "rounds": tr.rounds,
             "vmap_chunk": tr.vmap_chunk,
+            "loss_fn": tr.loss_fn,
         }
         self.setup = [ray.put(setup)]  # in a list: actors fetch it only the first time they serve this trainer
         self.setup_id = uuid.uuid4().hex

@@ -33,7 +33,15 @@ import torch
 
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.config import ConfigError
-from fedweave.execution import LocalResult, LocalRule, LocalTrainer, ParamLayout, StateStore, evaluate_clients
+from fedweave.execution import (
+    LocalResult,
+    LocalRule,
+    LocalTrainer,
+    ParamLayout,
+    StateStore,
+    evaluate_clients,
+    evaluate_clients_task,
+)
 from fedweave.execution.dpsgd import PrivateTrainer
 from fedweave.execution.local import PLAIN, reindexed
 from fedweave.topology.star import make_trainer
@@ -363,8 +371,9 @@ class GraphAlgorithm(Algorithm):
         """
         if getattr(self, "_overlap", None) is None:
             ds = self.ctx.dataset
-            y = ds.train_y.numpy()
-            q = np.stack([np.bincount(y[p], minlength=ds.num_classes) / max(len(p), 1) for p in self.ctx.partition])
+            y = self.ctx.label_view(ds.train_y.numpy())
+            nc = int(y.max(initial=0)) + 1
+            q = np.stack([np.bincount(y[p], minlength=nc) / max(len(p), 1) for p in self.ctx.partition])
             q_t = torch.as_tensor(q)
             self._overlap = torch.minimum(q_t[:, None, :], q_t[None, :, :]).sum(-1)
         return self._overlap
@@ -385,7 +394,12 @@ class GraphAlgorithm(Algorithm):
         models = self.eval_models(r)
         if self.hp.finetune_epochs:
             models = self.ft_trainer.train(models, range(self.num_clients), r, key=(FINETUNE_KEY,)).params
-        ds, ev = self.ctx.dataset, self.config.eval
+        ds, ev, task = self.ctx.dataset, self.config.eval, self.ctx.task
+        if not task.is_default:  # any task: each value's mean over clients, and the worst client's main metric
+            per = evaluate_clients_task(self.layout, models, ds.test_x, ds.test_y, self.test_parts, task, ev.batch_size)
+            out = {f"test_{k}": float(v.mean()) for k, v in per.items()}
+            worst = per[task.main].min() if task.direction == "max" else per[task.main].max()
+            return {**out, f"test_{task.main}_worst": float(worst)}
         accs, losses = evaluate_clients(self.layout, models, ds.test_x, ds.test_y, self.test_parts, ev.batch_size)
         return {
             "test_accuracy": float(accs.mean()),

@@ -25,7 +25,7 @@ import torch
 
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.config import ConfigError
-from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, choose_backend, evaluate
+from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, choose_backend, evaluate_task
 from fedweave.execution.local import LR, GradFn
 from fedweave.ledger import nbytes
 from fedweave.seeding import Seeds
@@ -286,8 +286,9 @@ class HierarchicalAlgorithm(Algorithm):
         jobs = [*d.parts, d.server.numpy()]
         self.server_job = self.m
         self.trainer = LocalTrainer(
-            ctx.model, d.train_x, d.train_y, jobs, cfg.local, ctx.seeds, backend=backend, ray=cfg.ray
-        )
+            ctx.model, d.train_x, d.train_y, jobs, cfg.local, ctx.seeds, backend=backend, ray=cfg.ray,
+            loss_fn=ctx.task.loss,
+        )  # fmt: skip
         self.layout: ParamLayout = self.trainer.layout
         self.x = self.layout.flatten()  # the global model x^_r
         self.job_sizes = torch.tensor([len(p) for p in jobs], dtype=torch.float64)
@@ -343,16 +344,19 @@ class HierarchicalAlgorithm(Algorithm):
         return g, float(loss.detach())
 
     def evaluate(self, r: int) -> dict[str, float]:
-        bs = self.config.eval.batch_size
+        bs, task = self.config.eval.batch_size, self.ctx.task
         d = self.data
+
+        def scores(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+            return evaluate_task(self.layout, self.x, x, y, task, bs)
+
         if d.validation is None:
-            acc, loss = evaluate(self.layout, self.x, d.test_x, d.test_y, bs)
-            out = {"test_accuracy": acc, "test_loss": loss}
+            out = {f"test_{k}": v for k, v in scores(d.test_x, d.test_y).items()}
         else:  # tuning: the test set is not looked at
-            acc, loss = evaluate(self.layout, self.x, d.train_x[d.validation], d.train_y[d.validation], bs)
-            out = {"val_accuracy": acc, "val_loss": loss}
+            val = scores(d.train_x[d.validation], d.train_y[d.validation])
+            out = {f"val_{k}": v for k, v in val.items()}
         if len(self.server_y):
-            out["server_loss"] = evaluate(self.layout, self.x, self.server_x, self.server_y, bs)[1]  # f1(x^_r)
+            out["server_loss"] = scores(self.server_x, self.server_y)["loss"]  # f1(x^_r)
         if self.hp.eval_train_loss:
-            out["train_loss_all"] = evaluate(self.layout, self.x, d.train_x, d.train_y, bs)[1]
+            out["train_loss_all"] = scores(d.train_x, d.train_y)["loss"]
         return out

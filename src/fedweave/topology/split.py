@@ -120,6 +120,7 @@ class SplitAlgorithm(Algorithm):
     """Shared mechanics of the split family; subclasses write ``run_round`` as their paper's protocol."""
 
     family = "split"
+    fixed_task = "trains classifiers with cross-entropy (the client's auxiliary head and the server's top)"
     Hparams = SplitHparams
     method: ClassVar[str] = ""  # the accounting name: fsl_mc, fsl_oc, fsl_an, cse_fsl
     uses_aux: ClassVar[bool] = False

@@ -25,6 +25,8 @@ from fedweave.execution import (
     choose_backend,
     evaluate,
     evaluate_clients,
+    evaluate_clients_task,
+    evaluate_task,
 )
 from fedweave.execution.local import GradFn
 
@@ -70,6 +72,7 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
         augment=augment,
         rounds=cfg.rounds,
         ray=cfg.ray,
+        loss_fn=ctx.task.loss,
     )
 
 
@@ -122,7 +125,7 @@ class StarAlgorithm(Algorithm):
         self.trainer = make_trainer(ctx, hp.clients_per_round, regularize_in_rule=self.regularize_in_rule)
         self.layout: ParamLayout = self.trainer.layout
         self.x = self.layout.flatten()  # the global model x_t
-        self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=torch.float32)
+        self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=self.x.dtype)
         self._checkpoint = ("x",)
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
 
@@ -160,7 +163,7 @@ class StarAlgorithm(Algorithm):
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:
         """Aggregation weights of the round's clients, summing to one."""
-        w = self.sizes[clients] if self.hp.weighting == "samples" else torch.ones(len(clients))
+        w = self.sizes[clients] if self.hp.weighting == "samples" else torch.ones(len(clients), dtype=self.sizes.dtype)
         return w / w.sum()
 
     def send(self, r: int, clients: np.ndarray, kind: str, *per_client: torch.Tensor) -> None:
@@ -185,7 +188,9 @@ class StarAlgorithm(Algorithm):
         return out
 
     def evaluate(self, r: int) -> dict[str, float]:
-        ds, ev = self.ctx.dataset, self.config.eval
+        ds, ev, task = self.ctx.dataset, self.config.eval, self.ctx.task
+        if not task.is_default:
+            return self.evaluate_task(r)
         acc, loss = evaluate(self.layout, self.x, ds.test_x, ds.test_y, ev.batch_size)
         out = {"test_accuracy": acc, "test_loss": loss}
         if ev.personal_test:  # the global model on each client's own test set, averaged over clients
@@ -201,6 +206,27 @@ class StarAlgorithm(Algorithm):
         if ev.per_client:
             accs, _ = evaluate_clients(self.layout, self.x, ds.train_x, ds.train_y, self.ctx.partition, ev.batch_size)
             out["client_train_accuracy_mean"] = float(accs.mean())
+        return out
+
+    def evaluate_task(self, r: int) -> dict[str, float]:
+        """Evaluation under any task: ``test_<metric>`` for each of the task's values, the loss included;
+        with ``eval.personal_test`` their means over the clients' own test sets (and the worst client's
+        main metric), with ``eval.per_client`` the mean of each client's main metric on its training data."""
+        ds, ev, task = self.ctx.dataset, self.config.eval, self.ctx.task
+        glob = evaluate_task(self.layout, self.x, ds.test_x, ds.test_y, task, ev.batch_size)
+        out = {f"test_{k}": v for k, v in glob.items()}
+        if ev.personal_test:
+            parts = self.ctx.personal_test_parts()
+            per = evaluate_clients_task(self.layout, self.x, ds.test_x, ds.test_y, parts, task, ev.batch_size)
+            out = {f"test_{k}": float(v.mean()) for k, v in per.items()}
+            worst = per[task.main].min() if task.direction == "max" else per[task.main].max()
+            out[f"test_{task.main}_worst"] = float(worst)
+            out.update({f"test_{k}_global": v for k, v in glob.items()})
+        if ev.per_client:
+            per = evaluate_clients_task(
+                self.layout, self.x, ds.train_x, ds.train_y, self.ctx.partition, task, ev.batch_size
+            )
+            out[f"client_train_{task.main}_mean"] = float(per[task.main].mean())
         return out
 
 

@@ -128,6 +128,7 @@ class AfindPlus(GraphAlgorithm):
             hp.proxy_layer,
             hp.proxy_samples,
             self.seeds.int_seed("proxy_data"),
+            loss=ctx.task.loss,
         )
         self.state = AfindState(self.neighbours, hp.afind_options())
         n = self.num_clients

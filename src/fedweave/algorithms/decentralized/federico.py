@@ -43,7 +43,9 @@ class FedeRiCo(GraphAlgorithm):
     def __init__(self, ctx: RunContext, hp: FedeRiCoHparams) -> None:
         super().__init__(ctx, hp)
         ds = ctx.dataset
-        self.proxy = ProxyComputer(self.layout, ctx.model, ds.train_x, ds.train_y, ctx.partition, None)
+        self.proxy = ProxyComputer(
+            self.layout, ctx.model, ds.train_x, ds.train_y, ctx.partition, None, loss=ctx.task.loss
+        )
         n = self.num_clients
         adj = torch.eye(n, dtype=torch.bool)
         for i, nb in enumerate(self.neighbours):

@@ -43,7 +43,9 @@ class Fomo(GraphAlgorithm):
     def __init__(self, ctx: RunContext, hp: FomoHparams) -> None:
         super().__init__(ctx, hp)
         ds = ctx.dataset
-        self.losses = ProxyComputer(self.layout, ctx.model, ds.train_x, ds.train_y, ctx.partition, None)
+        self.losses = ProxyComputer(
+            self.layout, ctx.model, ds.train_x, ds.train_y, ctx.partition, None, loss=ctx.task.loss
+        )
         self.selector = NeighbourSelector(self, hp)
         n = self.num_clients
         self.affinity = torch.zeros(n, n, dtype=torch.float64)

@@ -42,7 +42,9 @@ class PENS(GraphAlgorithm):
     def __init__(self, ctx: RunContext, hp: PENSHparams) -> None:
         super().__init__(ctx, hp)
         ds = ctx.dataset
-        self.proxy = ProxyComputer(self.layout, ctx.model, ds.train_x, ds.train_y, ctx.partition, None)
+        self.proxy = ProxyComputer(
+            self.layout, ctx.model, ds.train_x, ds.train_y, ctx.partition, None, loss=ctx.task.loss
+        )
         n = self.num_clients
         self.counts = torch.zeros(n, n, dtype=torch.long)  # c_ij
         self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=torch.float64)

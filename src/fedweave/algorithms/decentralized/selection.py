@@ -26,6 +26,7 @@ from torch import nn
 from fedweave.config import ConfigError
 from fedweave.execution import ParamLayout
 from fedweave.models import layer_parameter_names
+from fedweave.tasks import Loss, cross_entropy
 
 Selection = Literal["threshold", "topk", "random", "all"]
 
@@ -102,7 +103,7 @@ def pick(rule: Selection, p: torch.Tensor, theta: float, k: int, rng: np.random.
 class ProxyComputer:
     """phi = the gradient restricted to one layer, and the loss, of a model on several clients' data.
 
-    The gradient of the mean cross-entropy of each client's proxy data (its full local training set by
+    The gradient of the mean loss (the task's; cross-entropy in the paper) of each client's proxy data (its full local training set by
     default, spec A13) at one parameter vector; all clients in one forward pass and one batched backward.
     """
 
@@ -116,8 +117,10 @@ class ProxyComputer:
         layer: Literal["featurizer", "classifier"] | None = "featurizer",
         max_samples: int | None = None,
         seed: int = 0,
+        loss: Loss = cross_entropy,
     ) -> None:
         self.layout = layout
+        self.loss = loss  # the task's loss (cross-entropy for the classification the papers use)
         self.index = torch.zeros(0, dtype=torch.long)  # layer None: losses only (PENS, FedeRiCo)
         if layer is not None:
             names = set(layer_parameter_names(model, layer))
@@ -167,14 +170,14 @@ class ProxyComputer:
         idx = self.parts[int(client)]
         x, y = self.train_x[idx], self.train_y[idx]
         with torch.no_grad():
-            return torch.stack([nn.functional.cross_entropy(self.layout.functional(w, x), y) for w in Ws]).double()
+            return torch.stack([self.loss(self.layout.functional(w, x), y) for w in Ws]).double()
 
     def _forward(self, w: torch.Tensor, clients: Sequence[int]) -> torch.Tensor:
         idx = [self.parts[int(c)] for c in clients]
         sizes = [len(i) for i in idx]
         allidx = torch.cat(idx)
         logits = self.layout.functional(w, self.train_x[allidx])
-        per = nn.functional.cross_entropy(logits, self.train_y[allidx], reduction="none")
+        per = self.loss.per_sample(logits, self.train_y[allidx])
         owner = torch.repeat_interleave(torch.arange(len(idx)), torch.tensor(sizes))
         sums = torch.zeros(len(idx), dtype=per.dtype).index_add(0, owner, per)
         return sums / torch.tensor(sizes, dtype=per.dtype).clamp_min(1)

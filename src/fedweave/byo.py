@@ -1,0 +1,110 @@
+"""Bring your own objects: a model factory, data and a loss passed from Python, no registry involved.
+
+``fedweave.run(config, model=..., dataset=..., loss=...)`` hands them to the run through :class:`RunObjects`.
+The data may be a fedweave :class:`~fedweave.data.base.Dataset`, a tuple ``(train_x, train_y, test_x,
+test_y)`` of arrays or tensors (optionally with ``train_users, test_users`` for a ``natural`` partition), or
+a pair of in-memory ``torch.utils.data.Dataset`` objects ``(train, test)`` whose items are ``(x, y)``. The
+run directory records what was passed in ``objects.json`` (class names, shapes, dtypes and a hash of the
+data), so a run can be told apart from another made with other objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedweave.config import ConfigError
+from fedweave.data.base import Dataset
+
+
+@dataclass
+class RunObjects:
+    """Objects that replace what the config's ``model``, ``dataset`` and ``task.loss`` would name."""
+
+    model: Callable[[], nn.Module] | None = None
+    dataset: Dataset | None = None
+    loss: Callable | None = None
+    described: dict[str, Any] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.model is not None:
+            out["model"] = {"factory": _qualname(self.model)}
+        if self.dataset is not None:
+            out["dataset"] = describe_dataset(self.dataset)
+        if self.loss is not None:
+            out["loss"] = {"callable": _qualname(self.loss)}
+        return out
+
+
+def _qualname(obj: Any) -> str:
+    target = obj if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__") else type(obj)
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(obj).__name__)}"
+
+
+def _tensor(a: Any, what: str) -> torch.Tensor:
+    if isinstance(a, torch.Tensor):
+        return a.detach().cpu()
+    try:
+        return torch.as_tensor(np.asarray(a))
+    except Exception as e:
+        raise ConfigError(f"dataset: {what} must be an array or a tensor, got {type(a).__name__}") from e
+
+
+def _stack(ds: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """All ``(x, y)`` items of an in-memory torch Dataset, stacked."""
+    try:
+        n = len(ds)
+    except TypeError as e:
+        raise ConfigError(f"dataset: the {what} torch Dataset must have a length (an in-memory Dataset)") from e
+    xs, ys = zip(*(ds[i] for i in range(n)), strict=True) if n else ((), ())
+    return torch.stack([_tensor(x, f"{what} x") for x in xs]), torch.stack([_tensor(y, f"{what} y") for y in ys])
+
+
+def as_dataset(data: Any, name: str = "python") -> Dataset:
+    """A fedweave Dataset from what ``fedweave.run(dataset=...)`` accepts (see the module docstring)."""
+    if isinstance(data, Dataset):
+        return data
+    users = (None, None)
+    if isinstance(data, tuple | list) and len(data) == 2 and isinstance(data[0], torch.utils.data.Dataset):
+        (tx, ty), (vx, vy) = _stack(data[0], "train"), _stack(data[1], "test")
+    elif isinstance(data, tuple | list) and len(data) in (4, 6):
+        tx, ty, vx, vy = (_tensor(a, w) for a, w in zip(data[:4], ("train_x", "train_y", "test_x", "test_y")))
+        if len(data) == 6:
+            users = (np.asarray(data[4]), np.asarray(data[5]))
+    else:
+        raise ConfigError(
+            "dataset must be a fedweave Dataset, (train_x, train_y, test_x, test_y[, train_users, test_users]) "
+            f"arrays or tensors, or (train, test) torch Datasets; got {type(data).__name__}"
+        )
+    if tx.is_floating_point():
+        tx, vx = tx.float(), vx.float()
+    if ty.is_floating_point():  # regression or multi-label targets: float, one column per output
+        ty, vy = ty.float(), vy.float()
+        num_outputs = 1 if ty.dim() == 1 else int(np.prod(ty.shape[1:]))
+    else:
+        ty, vy = ty.long(), vy.long()
+        num_outputs = int(max(int(ty.max()), int(vy.max()) if len(vy) else 0)) + 1 if len(ty) else 0
+    return Dataset(name, tx, ty, vx, vy, num_outputs, tuple(tx.shape[1:]), *users)
+
+
+def describe_dataset(ds: Dataset) -> dict[str, Any]:
+    h = hashlib.sha256()
+    for t in (ds.train_x, ds.train_y, ds.test_x, ds.test_y):
+        h.update(str((tuple(t.shape), str(t.dtype))).encode())
+        h.update(np.ascontiguousarray(t.numpy()).tobytes())
+    return {
+        "class": type(ds).__name__,
+        "train_x": [list(ds.train_x.shape), str(ds.train_x.dtype)],
+        "train_y": [list(ds.train_y.shape), str(ds.train_y.dtype)],
+        "test_x": [list(ds.test_x.shape), str(ds.test_x.dtype)],
+        "test_y": [list(ds.test_y.shape), str(ds.test_y.dtype)],
+        "outputs": ds.num_classes,
+        "sha256": h.hexdigest(),
+    }

@@ -1,0 +1,49 @@
+"""User plug-ins: modules or ``.py`` files that register datasets, models, losses, metrics or samplers, so
+that a YAML config and the command line can name them (``plugins:`` in a config, ``fedweave run --plugin``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+_LOADED: dict[str, str] = {}  # what was asked for -> the module name it was imported as
+
+
+def load_plugin(spec: str) -> str:
+    """Import ``spec``: a path to a ``.py`` file, or a module name on the path. Imported once per process."""
+    from fedweave.config import ConfigError
+
+    if spec in _LOADED:
+        return _LOADED[spec]
+    if spec.endswith(".py") or "/" in spec:
+        path = Path(spec).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(f"plugins: {spec!r} is not a file (give a .py file or an importable module name)")
+        name = f"fedweave_plugin_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ConfigError(f"plugins: {spec!r} cannot be imported as Python")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[name]
+            raise ConfigError(f"plugins: importing {spec!r} failed ({type(e).__name__}: {e})") from e
+    else:
+        name = spec
+        try:
+            importlib.import_module(spec)
+        except ImportError as e:
+            raise ConfigError(f"plugins: no module {spec!r} ({e}); give a .py file or an importable module") from e
+    _LOADED[spec] = name
+    return name
+
+
+def load_plugins(specs: list[str]) -> None:
+    for spec in specs:
+        load_plugin(spec)

@@ -1,0 +1,386 @@
+"""What a run predicts and how it is scored (DESIGN principle 10): a loss, metrics, and the main metric.
+
+A :class:`Loss` gives per-sample losses; local training minimises their mean over a batch (the valid rows
+of a masked batch), evaluation adds them up. A :class:`Metric` accumulates over the batches of an
+evaluation and returns one or more named values. Local training, every family's evaluation, the summary's
+final/best value, the progress bar, the plots and the divergence checks read the task; nothing else names
+cross-entropy or accuracy.
+
+Registered losses: ``cross_entropy`` (the default; class indices), ``nll`` (the model outputs
+log-probabilities), ``mse`` (``half: true`` for the ``0.5 * mean((pred - y)^2)`` convention) and
+``bce_with_logits`` (multi-label or binary 0/1 targets). Any callable ``loss(out, y) -> per-sample losses``
+can be passed through the Python API (``fedweave.run(..., loss=fn)``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedweave.registry import Registry
+
+LOSSES = Registry("loss")
+METRICS = Registry("metric")
+
+
+# ---- losses ----------------------------------------------------------------------------------------
+class Loss:
+    """Per-sample losses of a batch; calling it gives their mean over the valid rows (the training loss)."""
+
+    name = "custom"
+    targets = "float"  # "class" (int64 class indices) or "float" (same shape as the model's output)
+
+    def per_sample(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        losses = self.per_sample(out, y)
+        if mask is None:
+            return losses.mean()
+        m = mask.to(losses.dtype)
+        return (losses * m).sum() / m.sum().clamp_min(1.0)
+
+    def __reduce__(self):  # registered singletons unpickle to themselves (ray actors keep fast paths)
+        if LOSSES._items.get(self.name) is type(self) and _SINGLETONS.get(self.name) is self:
+            return (_singleton, (self.name,))
+        return object.__reduce__(self)
+
+
+_SINGLETONS: dict[str, Loss] = {}
+
+
+def _singleton(name: str) -> Loss:
+    return _SINGLETONS[name]
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """Per-sample mean over the output columns: (B, ...) -> (B,)."""
+    return t.reshape(len(t), -1).mean(1) if t.dim() > 1 else t
+
+
+def _like(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Float targets in the output's shape and dtype ((N,) targets against an (N, 1) output)."""
+    return y.to(out.dtype).reshape(out.shape)
+
+
+@LOSSES.register("cross_entropy")
+class CrossEntropy(Loss):
+    """Softmax cross-entropy of logits against class indices."""
+
+    name, targets = "cross_entropy", "class"
+
+    def per_sample(self, out, y):
+        return nn.functional.cross_entropy(out, y, reduction="none")
+
+
+@LOSSES.register("nll")
+class NLL(Loss):
+    """Negative log-likelihood of a model that outputs log-probabilities (e.g. ends in log_softmax)."""
+
+    name, targets = "nll", "class"
+
+    def per_sample(self, out, y):
+        return nn.functional.nll_loss(out, y, reduction="none")
+
+
+@LOSSES.register("mse")
+class MSE(Loss):
+    """Squared error, averaged over the output columns; ``half``: times 1/2 (the least-squares convention)."""
+
+    name = "mse"
+
+    def __init__(self, half: bool = False) -> None:
+        self.half = half
+
+    def per_sample(self, out, y):
+        se = _rows((out - _like(y, out)).pow(2))
+        return 0.5 * se if self.half else se
+
+    def __reduce__(self):
+        return (MSE, (self.half,))
+
+
+@LOSSES.register("bce_with_logits")
+class BCEWithLogits(Loss):
+    """Binary cross-entropy on logits, averaged over the labels (multi-label, or binary with one output)."""
+
+    name = "bce_with_logits"
+
+    def per_sample(self, out, y):
+        return _rows(nn.functional.binary_cross_entropy_with_logits(out, _like(y, out), reduction="none"))
+
+
+class CallableLoss(Loss):
+    """A user's ``fn(out, y)`` returning per-sample losses (shape ``(B,)``) or their mean (a scalar)."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], targets: str = "float") -> None:
+        self.fn, self.targets = fn, targets
+        self.name = getattr(fn, "__name__", type(fn).__name__)
+
+    def per_sample(self, out, y):
+        v = self.fn(out, y)
+        if v.dim() == 0:
+            raise ValueError(
+                f"the loss {self.name!r} must return one loss per sample (shape (B,)), got a scalar; "
+                "compute it with reduction='none'"
+            )
+        return v
+
+    def __reduce__(self):
+        return (CallableLoss, (self.fn, self.targets))
+
+
+for _name in ("cross_entropy", "nll", "bce_with_logits"):
+    _SINGLETONS[_name] = LOSSES.get(_name)()
+cross_entropy: Loss = _SINGLETONS["cross_entropy"]
+
+
+# ---- metrics -----------------------------------------------------------------------------------------
+class Metric:
+    """Accumulates over the batches of one evaluation; ``result()`` gives its named values. ``keys``: the
+    values it always gives, with whether higher (``max``) or lower (``min``) is better."""
+
+    keys: dict[str, str] = {}
+
+    def update(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def result(self) -> dict[str, float]:
+        raise NotImplementedError
+
+
+@METRICS.register("accuracy")
+class Accuracy(Metric):
+    """Share of rows whose true class is among the ``k`` largest outputs."""
+
+    k = 1
+    keys = {"accuracy": "max"}
+
+    def __init__(self) -> None:
+        self.correct, self.n = 0, 0
+
+    def update(self, out, y):
+        if self.k == 1:
+            self.correct += int((out.argmax(1) == y).sum())
+        else:
+            self.correct += int((out.topk(min(self.k, out.shape[1]), dim=1).indices == y[:, None]).any(1).sum())
+        self.n += len(y)
+
+    def result(self):
+        return {next(iter(self.keys)): self.correct / max(self.n, 1)}
+
+
+@METRICS.register("top3")
+class Top3(Accuracy):
+    k, keys = 3, {"top3": "max"}
+
+
+@METRICS.register("top5")
+class Top5(Accuracy):
+    k, keys = 5, {"top5": "max"}
+
+
+class _Errors(Metric):
+    """Sums of squared and absolute errors and of the targets, per output column (all additive)."""
+
+    def __init__(self) -> None:
+        self.sums: list[torch.Tensor] | None = None
+        self.n = 0
+
+    def update(self, out, y):
+        y = _like(y, out).double().reshape(len(out), -1)
+        err = out.double().reshape(len(out), -1) - y
+        sums = [err.pow(2).sum(0), err.abs().sum(0), y.sum(0), y.pow(2).sum(0)]
+        self.sums = sums if self.sums is None else [a + b for a, b in zip(self.sums, sums)]
+        self.n += len(out)
+
+    def result(self):
+        sse, sae, sy, syy = self.sums
+        n, cols = max(self.n, 1), sse.numel()
+        mse = float(sse.sum()) / (n * cols)
+        sst = syy - sy.pow(2) / n
+        values = {
+            "mse": mse,
+            "rmse": math.sqrt(mse),
+            "mae": float(sae.sum()) / (n * cols),
+            "r2": float((1 - sse / sst.clamp_min(1e-300)).mean()),  # uniform average over outputs (sklearn's)
+        }
+        return {k: values[k] for k in self.keys}
+
+
+@METRICS.register("mse")
+class MeanSquaredError(_Errors):
+    keys = {"mse": "min"}
+
+
+@METRICS.register("rmse")
+class RootMeanSquaredError(_Errors):
+    keys = {"rmse": "min"}
+
+
+@METRICS.register("mae")
+class MeanAbsoluteError(_Errors):
+    keys = {"mae": "min"}
+
+
+@METRICS.register("r2")
+class R2(_Errors):
+    """Coefficient of determination, 1 - SSE/SST per output column, averaged."""
+
+    keys = {"r2": "max"}
+
+
+@METRICS.register("auc")
+class AUC(Metric):
+    """ROC AUC of the logits against 0/1 targets, macro-averaged over the labels that have both classes
+    (scikit-learn's ``roc_auc_score``)."""
+
+    keys = {"auc": "max"}
+
+    def __init__(self) -> None:
+        self.scores: list[np.ndarray] = []
+        self.labels: list[np.ndarray] = []
+
+    def update(self, out, y):
+        self.scores.append(out.detach().double().reshape(len(out), -1).numpy())
+        self.labels.append(_like(y, out).reshape(len(out), -1).numpy())
+
+    def result(self):
+        from sklearn.metrics import roc_auc_score
+
+        s, t = np.concatenate(self.scores), np.concatenate(self.labels)
+        both = [j for j in range(t.shape[1]) if 0 < t[:, j].sum() < len(t)]
+        return {"auc": float(np.mean([roc_auc_score(t[:, j], s[:, j]) for j in both])) if both else float("nan")}
+
+
+@METRICS.register("f1")
+class F1(Metric):
+    """F1 per label at logit 0 (probability 1/2): ``f1`` is their mean, ``f1_<j>`` each label's."""
+
+    keys = {"f1": "max"}
+
+    def __init__(self) -> None:
+        self.tp = self.fp = self.fn = None
+
+    def update(self, out, y):
+        pred = out.reshape(len(out), -1) > 0
+        true = _like(y, out).reshape(len(out), -1) > 0.5
+        counts = ((pred & true).sum(0), (pred & ~true).sum(0), (~pred & true).sum(0))
+        if self.tp is None:
+            self.tp, self.fp, self.fn = counts
+        else:
+            self.tp, self.fp, self.fn = (a + b for a, b in zip((self.tp, self.fp, self.fn), counts))
+
+    def result(self):
+        f1 = (2 * self.tp / (2 * self.tp + self.fp + self.fn).clamp_min(1)).double()
+        out = {"f1": float(f1.mean())}
+        if len(f1) > 1:
+            out.update({f"f1_{j}": float(v) for j, v in enumerate(f1)})
+        return out
+
+
+@METRICS.register("perplexity")
+class Perplexity(Metric):
+    """exp(mean cross-entropy per token), for next-token models."""
+
+    keys = {"perplexity": "min"}
+
+    def __init__(self) -> None:
+        self.total, self.n = 0.0, 0
+
+    def update(self, out, y):
+        self.total += float(nn.functional.cross_entropy(out, y, reduction="sum"))
+        self.n += len(y)
+
+    def result(self):
+        return {"perplexity": math.exp(self.total / max(self.n, 1))}
+
+
+# ---- the task ----------------------------------------------------------------------------------------
+DEFAULT_METRICS = {"class": ["accuracy"], "float": ["mse", "rmse", "mae", "r2"]}
+
+
+@dataclass
+class Task:
+    """A run's loss, its evaluation metrics and the main one (with its direction)."""
+
+    loss: Loss = field(default_factory=lambda: cross_entropy)
+    metrics: list[str] = field(default_factory=lambda: ["accuracy"])
+    main: str = "accuracy"
+    direction: str = "max"  # "max": higher is better; "min": lower is better
+
+    @property
+    def is_default(self) -> bool:
+        """Cross-entropy and accuracy: the families' fast evaluation paths (and the pool's) apply."""
+        return self.loss is cross_entropy and self.metrics == ["accuracy"]
+
+    @property
+    def main_key(self) -> str:
+        """The metrics.csv column of the main metric."""
+        return f"test_{self.main}"
+
+    def new_metrics(self) -> list[Metric]:
+        return [METRICS.get(m)() for m in self.metrics]
+
+    def better(self, a: float, b: float) -> bool:
+        return a > b if self.direction == "max" else a < b
+
+
+def build_task(
+    loss: str | Loss | Callable = "cross_entropy",
+    options: dict[str, Any] | None = None,
+    metrics: list[str] | None = None,
+    main: str | None = None,
+) -> Task:
+    """A :class:`Task` from a registered loss name (with options) or a Loss/callable, checked."""
+    from fedweave.config import ConfigError, check_options
+
+    if isinstance(loss, str):
+        cls = LOSSES.get(loss)
+        opts = check_options(cls, options or {}, "task.loss_options")
+        loss_obj = _SINGLETONS[loss] if (loss in _SINGLETONS and not opts) else cls(**opts)
+    elif isinstance(loss, Loss):
+        loss_obj = loss
+    elif callable(loss):
+        loss_obj = CallableLoss(loss)
+    else:
+        raise ConfigError(f"task.loss must be a registered loss name or a callable, got {loss!r}")
+    if metrics is None:
+        metrics = ["auc", "f1"] if loss_obj.name == "bce_with_logits" else DEFAULT_METRICS[loss_obj.targets]
+    for i, m in enumerate(metrics):
+        if m not in METRICS:
+            raise ConfigError(f"task.metrics[{i}] must be one of {', '.join(METRICS.names())}, got {m!r}")
+    directions = {"loss": "min"}
+    for m in metrics:
+        directions.update(METRICS.get(m).keys)
+    if main is None:
+        main = next(iter(METRICS.get(metrics[0]).keys)) if metrics else "loss"
+    if main not in directions:
+        raise ConfigError(
+            f"task.main must be one of {', '.join(sorted(directions))} (the task's metrics), got {main!r}"
+        )
+    return Task(loss_obj, list(metrics), main, directions[main])
+
+
+def evaluate_batches(
+    forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor, task: Task, batch_size: int
+) -> dict[str, float]:
+    """Mean loss and the task's metrics of ``forward`` on ``(x, y)``, in batches."""
+    metrics = task.new_metrics()
+    total = 0.0
+    for lo in range(0, len(y), batch_size):
+        xb, yb = x[lo : lo + batch_size], y[lo : lo + batch_size]
+        out = forward(xb)
+        total += float(task.loss.per_sample(out, yb).sum())
+        for m in metrics:
+            m.update(out, yb)
+    res = {"loss": total / max(len(y), 1)}
+    for m in metrics:
+        res.update(m.result())
+    return res
