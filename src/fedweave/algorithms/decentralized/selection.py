@@ -103,8 +103,9 @@ def pick(rule: Selection, p: torch.Tensor, theta: float, k: int, rng: np.random.
 class ProxyComputer:
     """phi = the gradient restricted to one layer, and the loss, of a model on several clients' data.
 
-    The gradient of the mean loss (the task's; cross-entropy in the paper) of each client's proxy data (its full local training set by
-    default, spec A13) at one parameter vector; all clients in one forward pass and one batched backward.
+    The gradient of the mean loss (the task's; cross-entropy in the paper) of each client's proxy data (its
+    full local training set by default, spec A13) at one parameter vector; all clients in one forward pass and
+    one batched backward.
     """
 
     def __init__(
