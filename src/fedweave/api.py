@@ -2,29 +2,59 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from fedweave.config import RunConfig
-from fedweave.runner import Result, run_config
+from torch import nn
+
+from fedweave.config import RunConfig, Section
+from fedweave.config import load as load_config
+from fedweave.runner import Result
+from fedweave.runner import run as run_resolved
 
 __all__ = ["Result", "run"]
+
+PYTHON = "python"  # the name a config records for an object passed from Python
 
 
 def run(
     config: str | Path | dict[str, Any] | RunConfig,
     overrides: list[str] | None = None,
     *,
+    model: Callable[[], nn.Module] | None = None,
+    dataset: Any = None,
+    loss: Callable | None = None,
     run_dir: str | Path | None = None,
     progress: bool | None = None,
     on_divergence: Literal["raise", "return"] = "raise",
     overwrite: bool = False,
 ) -> Result:
-    """Run one experiment. ``config`` is a YAML path, a dict, or a :class:`RunConfig`;
-    ``overrides`` are ``key=value`` strings such as ``"local.lr=0.1"``. A run that meets NaN or Inf stops
-    with ``status: diverged`` in its summary and raises ``DivergenceError``, or with
-    ``on_divergence="return"`` returns its Result (for sweeps). A run directory that already holds a run is
-    refused unless ``overwrite=True``."""
-    return run_config(
-        config, overrides, run_dir=run_dir, progress=progress, on_divergence=on_divergence, overwrite=overwrite
+    """Run one experiment. ``config`` is a YAML path (or ``"example:NAME"``), a dict, or a
+    :class:`RunConfig`; ``overrides`` are ``key=value`` strings such as ``"local.lr=0.1"``.
+
+    Your own objects, without registering them: ``model`` a function returning a fresh ``nn.Module``
+    (called once, under the run's ``model_init`` seed), ``dataset`` a fedweave ``Dataset``, arrays or tensors
+    ``(train_x, train_y, test_x, test_y[, train_users, test_users])`` or in-memory torch Datasets
+    ``(train, test)``, ``loss`` a function ``(output, target) -> per-sample losses``. The config then records
+    ``python`` for each, and ``objects.json`` in the run directory what was passed (docs/tasks.md).
+
+    A run that meets NaN or Inf stops with ``status: diverged`` in its summary and raises ``DivergenceError``,
+    or with ``on_divergence="return"`` returns its Result (for sweeps). A run directory that already holds a
+    run is refused unless ``overwrite=True``."""
+    from fedweave.byo import RunObjects, as_dataset
+
+    cfg = copy.deepcopy(config) if isinstance(config, RunConfig) else load_config(config, overrides)
+    objects = None
+    if model is not None or dataset is not None or loss is not None:
+        objects = RunObjects(model=model, dataset=as_dataset(dataset) if dataset is not None else None, loss=loss)
+        if model is not None:
+            cfg.model = Section(PYTHON)
+        if dataset is not None:
+            cfg.dataset = Section(PYTHON)
+        if loss is not None:
+            cfg.task.loss = PYTHON
+    return run_resolved(
+        cfg, run_dir=run_dir, progress=progress, on_divergence=on_divergence, overwrite=overwrite, objects=objects
     )

@@ -12,8 +12,10 @@ from pathlib import Path
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from fedweave.config import ConfigError, load
+    from fedweave.plugins import load_plugins
     from fedweave.runner import resume, run
 
+    load_plugins(args.plugin)  # before the config: it may name what a plug-in registers
     if args.resume:
         overrides = list(args.overrides)
         if args.config and "=" in args.config:  # `run --resume DIR rounds=18`: argparse took it for CONFIG
@@ -32,11 +34,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
         cfg = load(args.config, args.overrides)
         res = run(cfg, run_dir=args.out, progress=False if args.no_progress else None, overwrite=args.overwrite)
     s = res.summary
-    acc = s.get("final_test_accuracy")
     comm = s["communication"]
     print(f"run directory: {res.run_dir}")
-    if acc is not None:
+    key = s.get("main_metric")
+    if key == "test_accuracy":
+        acc = s["final_test_accuracy"]
         print(f"final test accuracy {acc:.4f} (best {s['best_test_accuracy']:.4f} at round {s['best_round']})")
+    elif key and s.get("final_main") is not None:
+        name = key.replace("_", " ")
+        print(f"final {name} {s['final_main']:.6g} (best {s['best_main']:.6g} at round {s['best_round']})")
     print(
         f"communication: {comm['bytes_up'] / 2**20:.1f} MiB up, {comm['bytes_down'] / 2**20:.1f} MiB down, "
         f"{comm['bytes_lateral'] / 2**20:.1f} MiB lateral; wall {s['wall_seconds']:.1f} s"
@@ -46,14 +52,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_list(args: argparse.Namespace) -> int:
     from fedweave.config import examples
-    from fedweave.registry import ALGORITHMS, DATASETS, MODELS, PARTITIONERS
+    from fedweave.registry import ALGORITHMS, DATASETS, MODELS, PARTITIONERS, SAMPLERS
     from fedweave.reproduce import available
+    from fedweave.tasks import LOSSES, METRICS
 
     for title, reg in (
         ("algorithms", ALGORITHMS),
         ("datasets", DATASETS),
         ("models", MODELS),
         ("partitioners", PARTITIONERS),
+        ("losses", LOSSES),
+        ("metrics", METRICS),
+        ("samplers", SAMPLERS),
     ):
         print(f"{title}: {', '.join(reg.names())}")
     print(f"reproductions: {', '.join(available())}")
@@ -123,6 +133,13 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--overwrite", action="store_true", help="replace a run already in the run directory")
+    r.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="PATH_OR_MODULE",
+        help="import a module or .py file that registers datasets, models, losses, metrics or samplers (repeatable)",
+    )
     r.set_defaults(fn=_cmd_run)
 
     ls = sub.add_parser("list", help="list algorithms, datasets, models, partitioners, reproductions")

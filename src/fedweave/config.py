@@ -292,6 +292,8 @@ class RunConfig:
     partition: Section = field(default_factory=lambda: Section("iid", {"num_clients": 10}))
     model: Section = field(default_factory=lambda: Section("logistic"))
     algorithm: Section = field(default_factory=lambda: Section("fedavg"))
+    # who takes part in each round (fedweave.topology.samplers): uniform, bernoulli, fixed, schedule, ...
+    sampler: Section = field(default_factory=lambda: Section("uniform"))
     local: LocalConfig = field(default_factory=LocalConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
@@ -494,7 +496,7 @@ def _section(data: Any, key: str) -> Section:
     return Section(name, opts)
 
 
-SECTION_KEYS = ("dataset", "partition", "model", "algorithm")
+SECTION_KEYS = ("dataset", "partition", "model", "algorithm", "sampler")
 
 
 def from_dict(data: dict[str, Any]) -> RunConfig:

@@ -48,6 +48,7 @@ ALGORITHMS = Registry("algorithm")
 DATASETS = Registry("dataset")
 MODELS = Registry("model")
 PARTITIONERS = Registry("partitioner")
+SAMPLERS = Registry("sampler")
 
 _pending: list[str] | None = None  # the built-in modules not imported yet
 
@@ -60,6 +61,6 @@ def _load_builtins(until: Callable[[], bool] | None = None) -> None:
     if _pending is None:
         from fedweave.algorithms import family_modules
 
-        _pending = ["fedweave.data", "fedweave.models", *family_modules()]
+        _pending = ["fedweave.data", "fedweave.models", "fedweave.topology.samplers", *family_modules()]
     while _pending and not (until is not None and until()):
         importlib.import_module(_pending.pop(0))

@@ -17,6 +17,7 @@ import torch
 
 from fedweave import __version__
 from fedweave.algorithms.base import Algorithm, RunContext, build_algorithm
+from fedweave.byo import RunObjects
 from fedweave.config import ConfigError, RunConfig
 from fedweave.config import load as load_config
 from fedweave.faults import Faults
@@ -31,6 +32,7 @@ from fedweave.results import (
     read_metrics,
 )
 from fedweave.seeding import Seeds
+from fedweave.tasks import Task
 
 log = logging.getLogger("fedweave")
 
@@ -274,8 +276,10 @@ def run(
     resume: bool = False,
     on_divergence: Literal["raise", "return"] = "raise",
     overwrite: bool = False,
+    objects: RunObjects | None = None,
 ) -> Result:
-    """Run an experiment described by ``config``; write and return its results.
+    """Run an experiment described by ``config``; write and return its results. ``objects``: a model
+    factory, data or a loss passed from Python in place of the registered ones (see :mod:`fedweave.byo`).
 
     A run that meets NaN or Inf, or whose loss explodes, stops; its results so far are written with
     ``status: diverged``. Then ``on_divergence="raise"`` raises :class:`DivergenceError` (one experiment: an
@@ -296,7 +300,7 @@ def run(
     late = [r for r in config.faults.outage_rounds if r > config.rounds]
     if late:  # allowed (a fault switched on that hits nobody), but rarely meant
         log.warning("faults.outage_rounds %s are after the last round (%d) and never happen", late, config.rounds)
-    ctx = RunContext(config)
+    ctx = RunContext(config, objects)
     algo = build_algorithm(ctx)  # a config problem found while building ends here, before anything is written
     finite_at_start = finite_tensors(algo.state_dict()) if config.output.checkpoint_every else set()
     start_round, wall_before, cpu_before, skipped = 0, 0.0, 0.0, []
@@ -333,6 +337,8 @@ def run(
         # a checkpoint left by an earlier run in this directory must not be resumed into this one
         (out.path / CHECKPOINT).unlink(missing_ok=True)
     out.write_config(config.to_dict())
+    if objects is not None and objects.describe():
+        out.write_json("objects.json", objects.describe())  # what was passed from Python in place of names
     if "partition" in ctx.__dict__ and not resume:  # the family partitioned a dataset: report it
         from fedweave.data.report import write_partition_report
 
@@ -348,9 +354,14 @@ def run(
     status, error = "completed", None
     ledger = ctx.ledger
     verified = False
-    first_losses = _first_losses(out.rows)
     interrupted: BaseException | None = None
     last_checkpoint = start_round if resume else None
+    if config.eval.at_start and start_round == 0:  # the initial model, as round 0 (peer frameworks report it)
+        ev = algo.evaluate(-1)
+        _check_finite(ev, -1, "an evaluation metric of the initial model")
+        zero = {"bytes_up": 0, "bytes_down": 0, "bytes_lateral": 0, "bytes_total": 0}
+        out.add_metrics({"round": 0, **ev, **zero, "wall_seconds": round(time.perf_counter() - t0, 4)})
+    first_losses = _first_losses(out.rows)  # the explosion check's reference: the first losses reported
     try:
         for r in range(start_round, config.rounds):
             round_metrics = algo.run_round(r)
@@ -378,7 +389,8 @@ def run(
                     row["skipped_rounds"] = len(skipped)  # cumulative: rounds without eval are counted too
                 out.add_metrics(row)
                 if bar is not None:
-                    post = {"acc": f"{ev['test_accuracy']:.4f}"} if "test_accuracy" in ev else {}
+                    main = ctx.task.main_key
+                    post = {main.removeprefix("test_"): f"{ev[main]:.4g}"} if main in ev else {}
                     post["sent"] = f"{row['bytes_total'] / 2**20:.1f}MiB"
                     bar.set_postfix(post, refresh=False)
             every = config.output.checkpoint_every
@@ -409,7 +421,7 @@ def run(
     finally:
         if bar is not None:
             bar.close()
-    summary = _summary(config, out.rows, ledger.summary(), time.perf_counter() - t0, status, error)
+    summary = _summary(config, ctx.task, out.rows, ledger.summary(), time.perf_counter() - t0, status, error)
     summary["cpu_seconds"] = round(cpu_seconds() - cpu0, 3)
     trainer = getattr(algo, "trainer", None)
     summary["execution"] = {  # what `backend: auto` resolved to, and the threads it ran with
@@ -422,12 +434,7 @@ def run(
     if config.output.plots and out.rows:
         from fedweave.plots import plot_runs
 
-        metric = (
-            "test_accuracy"
-            if "test_accuracy" in out.rows[-1]
-            else next((k for k in out.rows[-1] if k not in ("round",)), "test_accuracy")
-        )
-        plot_runs([out.path], out.path, metric=metric)
+        plot_runs([out.path], out.path, metric=summary["main_metric"] or "test_loss")
     if interrupted is not None:
         raise RunInterrupted(error or "interrupted", getattr(interrupted, "signal_name", "SIGINT")) from None
     if error and on_divergence == "raise":
@@ -453,9 +460,23 @@ def _kept(path: Path, checkpoint_round: int | None, smaller_lr: bool = True) -> 
     return f"The checkpoint of round {checkpoint_round} is kept; continue with 'fedweave run --resume {path}{lr}'."
 
 
-def _summary(config: RunConfig, rows, ledger_summary, wall: float, status: str, error: str | None) -> dict:
-    accs = [r["test_accuracy"] for r in rows if r.get("test_accuracy") is not None]
-    best = max(range(len(accs)), key=accs.__getitem__) if accs else None
+def main_metric(task: Task, rows: list[dict[str, Any]]) -> str | None:
+    """The metrics column of the task's main metric: ``test_<main>``, or ``val_<main>`` in a tuning run."""
+    for key in (task.main_key, f"val_{task.main}"):
+        if any(r.get(key) is not None for r in rows):
+            return key
+    return None
+
+
+def _summary(config: RunConfig, task: Task, rows, ledger_summary, wall: float, status: str, error: str | None) -> dict:
+    key = main_metric(task, rows)
+    scored = [r for r in rows if key is not None and r.get(key) is not None and r["round"] > 0]
+    best = None
+    for r in scored:  # the first round that reached the best value
+        if best is None or task.better(r[key], best[key]):
+            best = r
+    accs = [r for r in rows if r.get("test_accuracy") is not None and r["round"] > 0]
+    best_acc = max(accs, key=lambda r: r["test_accuracy"]) if accs else None
     return {
         "status": status,
         "error": error,
@@ -463,9 +484,13 @@ def _summary(config: RunConfig, rows, ledger_summary, wall: float, status: str, 
         "algorithm": config.algorithm.name,
         "seed": config.seed,
         "rounds": rows[-1]["round"] if rows else 0,
-        "final_test_accuracy": accs[-1] if accs else None,
-        "best_test_accuracy": accs[best] if accs else None,
-        "best_round": rows[best]["round"] if best is not None else None,
+        "main_metric": key,
+        "direction": task.direction,
+        "final_main": scored[-1][key] if scored else None,
+        "best_main": best[key] if best else None,
+        "best_round": best["round"] if best else None,
+        "final_test_accuracy": accs[-1]["test_accuracy"] if accs else None,
+        "best_test_accuracy": best_acc["test_accuracy"] if best_acc else None,
         "final": rows[-1] if rows else None,
         "wall_seconds": round(wall, 3),
         "communication": ledger_summary,

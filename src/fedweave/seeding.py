@@ -27,7 +27,9 @@ class Seeds:
         self.root = int(root)
 
     def sequence(self, name: str, *keys: int) -> np.random.SeedSequence:
-        return np.random.SeedSequence(self.root, spawn_key=(_name_key(name), *map(int, keys)))
+        # a negative key (round -1: the initial model's evaluation) gets a stream of its own: 2**64 + key
+        keys = tuple(int(k) if k >= 0 else (1 << 64) + int(k) for k in keys)
+        return np.random.SeedSequence(self.root, spawn_key=(_name_key(name), *keys))
 
     def int_seed(self, name: str, *keys: int) -> int:
         """A 63-bit integer seed for the stream (for libraries that take an int)."""

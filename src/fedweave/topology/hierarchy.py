@@ -29,6 +29,7 @@ from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, choose_back
 from fedweave.execution.local import LR, GradFn
 from fedweave.ledger import nbytes
 from fedweave.seeding import Seeds
+from fedweave.topology.samplers import make_sampler
 
 # ---- schedules -----------------------------------------------------------------------------------------
 
@@ -285,6 +286,7 @@ class HierarchicalAlgorithm(Algorithm):
         # trainer data index m is the server's own share (a baseline control trains on it as a client)
         jobs = [*d.parts, d.server.numpy()]
         self.server_job = self.m
+        self.sampler = make_sampler(ctx, self.k, self.m)
         self.trainer = LocalTrainer(
             ctx.model, d.train_x, d.train_y, jobs, cfg.local, ctx.seeds, backend=backend, ray=cfg.ray,
             loss_fn=ctx.task.loss,
@@ -307,9 +309,8 @@ class HierarchicalAlgorithm(Algorithm):
         return self.trainer.backend
 
     def sample_clients(self, r: int) -> np.ndarray:
-        """S_r: k clients uniformly without replacement from the ``("client_sampling", r)`` stream."""
-        rng = self.seeds.numpy("client_sampling", r)
-        return np.sort(rng.choice(self.m, self.k, replace=False))
+        """S_r: k clients from the run's sampler (uniformly without replacement by default)."""
+        return self.sampler(r)
 
     def steps(self, r: int) -> int:
         return local_steps(self.hp.tau, r, self.hp.steps_power)

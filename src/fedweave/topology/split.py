@@ -38,6 +38,7 @@ from fedweave.data.augment import augment_for
 from fedweave.execution import LocalTrainer, ParamLayout, evaluate
 from fedweave.execution.local import cross_entropy
 from fedweave.models.split import build_split_model
+from fedweave.topology.samplers import make_sampler
 
 ORDERS = ("ordered", "random", "event", "sync")
 
@@ -136,6 +137,7 @@ class SplitAlgorithm(Algorithm):
         ds = ctx.dataset
         n = ctx.num_clients
         self.per_round = hp.clients_per_round or n
+        self.sampler = make_sampler(ctx, self.per_round)
         if self.per_round > n:
             raise ConfigError(f"algorithm.clients_per_round ({self.per_round}) exceeds partition.num_clients ({n})")
         with torch.random.fork_rng(devices=[]):
@@ -178,11 +180,9 @@ class SplitAlgorithm(Algorithm):
 
     # ---- clients, weights, learning rates ------------------------------------------------------------
     def sample_clients(self, r: int) -> np.ndarray:
-        n = self.ctx.num_clients
-        if self.per_round == n:
-            return np.arange(n)
-        rng = self.seeds.numpy("client_sampling", r)
-        return np.sort(rng.choice(n, self.per_round, replace=False))
+        """The round's clients from the run's sampler (uniformly without replacement by default; every client
+        when ``clients_per_round`` is all of them; ``fixed`` for the authors' code's first five, spec A13)."""
+        return self.sampler(r)
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:
         """Aggregation weights p_i of eq. (14), summing to one."""

@@ -29,6 +29,7 @@ from fedweave.execution import (
     evaluate_task,
 )
 from fedweave.execution.local import GradFn
+from fedweave.topology.samplers import make_sampler
 
 
 @dataclass
@@ -126,6 +127,9 @@ class StarAlgorithm(Algorithm):
         self.layout: ParamLayout = self.trainer.layout
         self.x = self.layout.flatten()  # the global model x_t
         self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=self.x.dtype)
+        # the run's sampler; `sampling: bernoulli` (fedmim spec A6) picks the bernoulli one
+        bernoulli = getattr(hp, "sampling", "fixed") == "bernoulli"
+        self.sampler = make_sampler(ctx, hp.clients_per_round, default="bernoulli" if bernoulli else "uniform")
         self._checkpoint = ("x",)
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
 
@@ -147,14 +151,7 @@ class StarAlgorithm(Algorithm):
         return self.layout.numel
 
     def sample_clients(self, r: int) -> np.ndarray:
-        rng = self.seeds.numpy("client_sampling", r)
-        n = self.ctx.num_clients
-        if getattr(self.hp, "sampling", "fixed") == "bernoulli":
-            while True:
-                active = np.flatnonzero(rng.random(n) < self.hp.clients_per_round / n)
-                if len(active):
-                    return active
-        return np.sort(rng.choice(n, self.hp.clients_per_round, replace=False))
+        return self.sampler(r)
 
     def client_work(self, clients: np.ndarray) -> np.ndarray:
         """A client's local steps relative to the mean: clients with more data are slower."""
