@@ -60,8 +60,8 @@ def memory_mapped(store_cls, directory: Path):
     """A StateStore class whose tables are memory-mapped files in ``directory``."""
 
     class MmapStore(store_cls):
-        def __init__(self, num_clients: int, mmap_dir=None) -> None:
-            super().__init__(num_clients, mmap_dir or directory)
+        def __init__(self, num_clients: int, mmap_dir=None, **kw) -> None:
+            super().__init__(num_clients, mmap_dir or directory, **kw)
 
         def create(self, name, shape, **kw):
             return super().create(name, shape, **{**kw, "mmap": True})

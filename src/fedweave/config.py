@@ -96,6 +96,9 @@ class LocalConfig:
     epochs: int | None = None  # default: 1 epoch when steps is not set either
     steps: int | None = None
     batch_size: int = 32
+    # every local step on the client's whole data (full-batch gradient descent; batch_size is ignored): one
+    # step per epoch, or local.steps steps
+    full_batch: bool = False
     lr: float = 0.05
     lr_decay: float = 1.0  # multiplicative factor of the exponential and step schedules
     lr_schedule: Literal["exponential", "step", "cosine"] = "exponential"

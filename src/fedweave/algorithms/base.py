@@ -115,6 +115,11 @@ class RunContext:
         """The floating dtype of the run's models, data and state (``precision``)."""
         return torch.float64 if self.config.precision == "float64" else torch.float32
 
+    @property
+    def float_bytes(self) -> int:
+        """Bytes of one value on the wire and in storage: 4 in float32, 8 in float64."""
+        return torch.finfo(self.dtype).bits // 8
+
     @cached_property
     def task(self) -> Task:
         """The run's loss, metrics and main metric (``task`` section, or a loss passed from Python)."""

@@ -478,3 +478,46 @@ def partition_stats(parts: Sequence[np.ndarray], labels: np.ndarray, num_classes
         "max_size": int(sizes.max()) if len(parts) else 0,
         "mean_size": float(sizes.mean()) if len(parts) else 0.0,
     }
+
+
+@PARTITIONERS.register("from_file")
+def from_file(
+    labels: np.ndarray,
+    num_clients: int | None,
+    rng: np.random.Generator,
+    *,
+    users: np.ndarray | None = None,
+    path: str = "",
+) -> list[np.ndarray]:
+    """Per-client training-set indices read from ``path``: a JSON list of index lists (or an object of them
+    keyed "0", "1", ...), or an ``.npz`` with arrays ``client_0``, ``client_1``, ... To match another
+    framework's partition exactly. ``num_clients`` 0 (or the file's count) takes every client of the file.
+    Indices must be distinct and inside the training set; samples of no client are left out."""
+    import json
+    from pathlib import Path
+
+    file = Path(path).expanduser()
+    if not path or not file.is_file():
+        raise ValueError(f"partition.path must name a JSON or .npz file of per-client index lists, got {path!r}")
+    try:
+        if file.suffix == ".npz":
+            with np.load(file, allow_pickle=False) as z:
+                keys = sorted((k for k in z.files if k.startswith("client_")), key=lambda k: int(k.split("_")[1]))
+                lists = [z[k] for k in keys]
+        else:
+            data = json.loads(file.read_text())
+            lists = [data[k] for k in sorted(data, key=int)] if isinstance(data, dict) else data
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"partition.path {path!r} is not a readable list of index lists ({e})") from e
+    parts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in lists]
+    if not parts:
+        raise ValueError(f"partition.path {path!r} holds no clients")
+    if num_clients not in (None, 0, len(parts)):
+        raise ValueError(f"partition.num_clients is {num_clients} but {path!r} holds {len(parts)} clients (or use 0)")
+    flat = np.concatenate(parts)
+    n = len(labels)
+    if len(flat) and (flat.min() < 0 or flat.max() >= n):
+        raise ValueError(f"partition.path {path!r}: indices must be in [0, {n - 1}] (the training set)")
+    if len(np.unique(flat)) != len(flat):
+        raise ValueError(f"partition.path {path!r}: a sample is given to more than one client (or twice)")
+    return [np.sort(p) for p in parts]

@@ -44,6 +44,7 @@ class FusedSGD:
         # (W, W^T, b): the transposed views made once, not at every step
         self.layers = [(w, w.t(), None if b is None else value[b[0] : b[1]]) for w, (*_, b) in zip(weights, spec)]
         self.classes = spec[-1][1]
+        self.dtype = value.dtype  # the run's precision: every work tensor below is made in it
         self._ones: dict[int, torch.Tensor] = {}
         self.momentum, self.weight_decay = 0.0, 0.0
         # heavy-ball buffers of (W, b) per layer, made on first use with momentum
@@ -52,7 +53,7 @@ class FusedSGD:
     def ones(self, n: int) -> torch.Tensor:
         o = self._ones.get(n)
         if o is None:
-            o = self._ones[n] = torch.ones(n)
+            o = self._ones[n] = torch.ones(n, dtype=self.dtype)
         return o
 
     def run(
@@ -77,9 +78,9 @@ class FusedSGD:
                 bw.zero_()
                 if bb is not None:
                     bb.zero_()
-        dots = torch.empty(len(batches))  # per step: sum_b <log softmax(z_b), onehot(y_b)>
+        dots = torch.empty(len(batches), dtype=self.dtype)  # per step: sum_b <log softmax(z_b), onehot(y_b)>
         sizes = torch.tensor([len(b) for b in batches], dtype=dots.dtype)
-        eye = torch.eye(self.classes)
+        eye = torch.eye(self.classes, dtype=self.dtype)
         for lo in range(0, len(batches), GATHER):
             chunk = batches[lo : lo + GATHER]
             idx = torch.cat(list(chunk))

@@ -14,6 +14,7 @@ called with ``w`` of shape ``(P,)`` and ``jobs`` an int on the loop backend, and
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from fedweave.execution.params import ParamLayout
 from fedweave.seeding import Seeds
 from fedweave.tasks import Loss, cross_entropy  # noqa: F401  (cross_entropy: the default loss, re-exported)
 
+log = logging.getLogger("fedweave")
 GradFn = Callable[[torch.Tensor], torch.Tensor]
 LR = float | Callable[[int], float]  # a constant, or the step size of local step t (t = 0, 1, ... per call)
 Augment = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
@@ -127,6 +129,13 @@ class LocalTrainer:
         self.rounds = rounds
         self.loss_fn = loss_fn  # the task's loss (fedweave.tasks): mean over a batch's valid samples
         self.ray = ray or RayConfig()  # the ray backend's cluster and workers
+        small = [i for i, p in enumerate(self.parts) if 0 < len(p) < local.batch_size]
+        if local.steps is not None and not local.full_batch and small:
+            log.warning(
+                "local.batch_size %d exceeds the data of %d client(s) (client %d has %d samples): their batches are "
+                "cut from reshuffled epochs, so rows repeat unevenly; set local.full_batch: true for full-batch steps",
+                local.batch_size, len(small), small[0], len(self.parts[small[0]]),
+            )  # fmt: skip
         # Resources shared by shallow copies of this trainer (the ray backend's actors): a copy that only
         # changes ``local`` (e.g. a fine-tuning trainer) reuses them.
         self.shared: dict = {}
@@ -137,6 +146,8 @@ class LocalTrainer:
             return steps
         if self.local.steps is not None:
             return self.local.steps
+        if self.local.full_batch:
+            return self.local.epochs
         n = len(self.parts[client])
         return self.local.epochs * math.ceil(n / self.local.batch_size)
 
@@ -146,8 +157,10 @@ class LocalTrainer:
         n, bs = len(idx), self.local.batch_size
         if n == 0:
             return []
-        g = self.seeds.torch("batches", round, client, *key)
         fixed = steps if steps is not None else self.local.steps
+        if self.local.full_batch:  # gradient descent: every step sees the client's whole data, in order
+            return [idx] * (fixed if fixed is not None else self.local.epochs)
+        g = self.seeds.torch("batches", round, client, *key)
         out: list[torch.Tensor] = []
         if fixed is None:  # epochs: reshuffle every epoch, keep the last partial batch
             for _ in range(self.local.epochs):
@@ -167,6 +180,8 @@ class LocalTrainer:
         per_job = [self.client_batches(int(c), round, key, steps) for c in clients]
         T = max((len(b) for b in per_job), default=0)
         K, B = len(per_job), self.local.batch_size
+        if self.local.full_batch:
+            B = max((len(b[0]) for b in per_job if b), default=1)
         index = torch.zeros((T, K, B), dtype=torch.long)
         mask = torch.zeros((T, K, B), dtype=torch.bool)
         for k, batches in enumerate(per_job):

@@ -38,7 +38,7 @@ class Compute:
         for name, (v, g, shape) in zip(layout.names, views, strict=True):
             p = params[name]
             if len(shape) == 4:  # a convolution weight: its own channels-last tensor
-                p.data = torch.empty(shape, memory_format=torch.channels_last)
+                p.data = torch.empty(shape, dtype=v.dtype, memory_format=torch.channels_last)
                 p.grad = torch.zeros_like(p.data)
                 self.sync.append((p, v.view(shape), g.view(shape)))
             else:
@@ -86,7 +86,7 @@ def run(
     this runs one shard of it (the ray backend), so a rule's per-job tensors are indexed globally."""
     out = torch.empty_like(starts)
     nsteps = torch.zeros(len(clients), dtype=torch.long)
-    losses = torch.zeros(len(clients))
+    losses = torch.zeros(len(clients), dtype=starts.dtype)
     comp = compute(tr.layout)
     template = comp.value.clone()  # restored at the end: training leaves the template model unchanged
     train_job = _train_with_rule

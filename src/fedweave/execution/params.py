@@ -10,7 +10,8 @@ from torch import nn
 
 
 class ParamLayout:
-    """Maps a model's trainable parameters to and from a flat float32 vector of length ``numel``."""
+    """Maps a model's trainable parameters to and from a flat vector of length ``numel`` (in the model's
+    dtype: float32, or float64 under ``precision: float64``)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

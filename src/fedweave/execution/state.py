@@ -15,8 +15,11 @@ import torch
 class StateStore:
     """Named tensors of shape ``(num_clients, *shape)``; rows are indexed by client id."""
 
-    def __init__(self, num_clients: int, mmap_dir: str | Path | None = None) -> None:
+    def __init__(
+        self, num_clients: int, mmap_dir: str | Path | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
         self.num_clients = int(num_clients)
+        self.dtype = dtype  # the run's precision: the default dtype of every state created here
         self.mmap_dir = Path(mmap_dir) if mmap_dir is not None else None
         self._tensors: dict[str, torch.Tensor] = {}
 
@@ -25,7 +28,7 @@ class StateStore:
         name: str,
         shape: tuple[int, ...] | int,
         *,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         fill: float | torch.Tensor = 0.0,
         mmap: bool = False,
     ) -> torch.Tensor:
@@ -34,6 +37,7 @@ class StateStore:
             raise ValueError(f"client state {name!r} already exists")
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         full = (self.num_clients, *shape)
+        dtype = self.dtype if dtype is None else dtype
         if mmap:
             if self.mmap_dir is None:
                 raise ValueError(f"client state {name!r}: mmap=True needs a StateStore(mmap_dir=...)")

@@ -59,7 +59,7 @@ def _run_chunk(tr, starts, clients, round, rule, lr, steps, key, offset) -> Loca
     gens: dict = {}
     w = starts.clone()
     buf = None
-    total = torch.zeros(len(clients))
+    total = torch.zeros(len(clients), dtype=starts.dtype)
     for t in range(plan.index.shape[0]):
         active = (plan.steps > t).nonzero().squeeze(1)
         X, Y, M = _batch(tr, plan.index[t, active], plan.mask[t, active], clients, active, round, key, gens)

@@ -241,9 +241,9 @@ class GraphAlgorithm(Algorithm):
         if hp.dp_sigma and hp.dp_mode == "sgd":  # the fine-tuning copy is never sent: it stays plain SGD
             self.trainer = PrivateTrainer.of(self.trainer, hp.dp_clip, hp.dp_sigma)
         self.layout: ParamLayout = self.trainer.layout
-        self.store = StateStore(n)
+        self.store = StateStore(n, dtype=ctx.dtype)
         self.store.create("model", self.layout.numel, fill=self.layout.flatten())
-        self.model_bytes = self.layout.numel * 4  # float32 rows
+        self.model_bytes = self.layout.numel * ctx.float_bytes  # one model row
         self._checkpoint: tuple[str, ...] = ()
         self._up: tuple[int, np.ndarray] | None = None
 

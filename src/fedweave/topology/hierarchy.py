@@ -124,13 +124,13 @@ class LowerLevelRule(LocalRule):
 # ---- randomized smoothing (Lemma 7) --------------------------------------------------------------------
 
 
-def unit_directions(seeds: Seeds, r: int, clients: int, dim: int) -> torch.Tensor:
+def unit_directions(seeds: Seeds, r: int, clients: int, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """v_{i,r} ~ Unif(S^{d-1}) for every client i (Alg. 1 line 3; spec A28), as z/||z||, z ~ N(0, I_d),
-    each from its own stream ``("zo_direction", r, i)``; shape ``(clients, dim)``, float32."""
-    out = torch.empty(clients, dim)
+    each from its own stream ``("zo_direction", r, i)``, drawn in float64; shape ``(clients, dim)``, ``dtype``."""
+    out = torch.empty(clients, dim, dtype=dtype)
     for i in range(clients):
         z = torch.randn(dim, generator=seeds.torch("zo_direction", r, i), dtype=torch.float64)
-        out[i] = (z / z.norm()).float()
+        out[i] = (z / z.norm()).to(dtype)
     return out
 
 

@@ -146,6 +146,8 @@ class SplitAlgorithm(Algorithm):
                 self.parts = build_split_model(cfg.model.name, tuple(ds.input_shape), ds.num_classes, cfg.model.options)
             except ValueError as e:
                 raise ConfigError(str(e)) from e
+        for m in (self.parts.client, self.parts.server, self.parts.aux):
+            m.to(ctx.dtype)  # the run's precision (in place: the parts keep their modules)
         self.client, self.server, self.aux = self.parts.client, self.parts.server, self.parts.aux
         self.lc, self.ls, self.la = ParamLayout(self.client), ParamLayout(self.server), ParamLayout(self.aux)
         self.full = ParamLayout(nn.Sequential(self.client, self.server))  # the inference model x_s ∘ x_c
@@ -156,8 +158,8 @@ class SplitAlgorithm(Algorithm):
         self.batcher = LocalTrainer(
             self.client, ds.train_x, ds.train_y, ctx.partition, cfg.local, self.seeds, augment=augment
         )
-        self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=torch.float32)
-        self.smashed_bytes = self.parts.smashed_floats * accounting.FLOAT_BYTES  # q_b per sample
+        self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=ctx.dtype)
+        self.smashed_bytes = self.parts.smashed_floats * ctx.float_bytes  # q_b per sample (4 bytes a float in float32)
         self.server_copies = 1
         self._checkpoint = ("xc", "xs", "xa")
         n = ctx.num_clients  # the mean local batches per client: the unit of a client's work under faults
@@ -186,7 +188,7 @@ class SplitAlgorithm(Algorithm):
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:
         """Aggregation weights p_i of eq. (14), summing to one."""
-        w = self.sizes[clients] if self.hp.weighting == "samples" else torch.ones(len(clients))
+        w = self.sizes[clients] if self.hp.weighting == "samples" else torch.ones(len(clients), dtype=self.sizes.dtype)
         return w / w.sum()
 
     def lrs(self, r: int) -> tuple[float, float, float]:
@@ -213,19 +215,19 @@ class SplitAlgorithm(Algorithm):
     def download(self, r: int, clients: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Fed server -> clients: x_c^t (and a_c^t); returns the stacked per-client rows (Alg. 1 line 3)."""
         k = len(clients)
-        self.ledger.record(r, "fed_server", "client", "client_model", k * self.lc.numel * 4, k)
+        self.ledger.record(r, "fed_server", "client", "client_model", k * self.lc.numel * self.ctx.float_bytes, k)
         if self.uses_aux:
-            self.ledger.record(r, "fed_server", "client", "aux_model", k * self.la.numel * 4, k)
+            self.ledger.record(r, "fed_server", "client", "aux_model", k * self.la.numel * self.ctx.float_bytes, k)
         return self.xc.expand(k, -1).clone(), self.xa.expand(k, -1).clone()
 
     def upload_models(self, r: int, clients: np.ndarray) -> None:
         """Clients -> fed server: x_{c,i} (and a_{c,i}) for aggregation; the server holds all n (Table V)."""
         k = len(clients)
         per = self.lc.numel + (self.la.numel if self.uses_aux else 0)
-        self.ledger.record(r, "client", "fed_server", "client_model", k * self.lc.numel * 4, k)
+        self.ledger.record(r, "client", "fed_server", "client_model", k * self.lc.numel * self.ctx.float_bytes, k)
         if self.uses_aux:
-            self.ledger.record(r, "client", "fed_server", "aux_model", k * self.la.numel * 4, k)
-        self.ledger.store("fed_server", "client_models", k * per * 4)
+            self.ledger.record(r, "client", "fed_server", "aux_model", k * self.la.numel * self.ctx.float_bytes, k)
+        self.ledger.store("fed_server", "client_models", k * per * self.ctx.float_bytes)
 
     def send_smashed(self, r: int, labels: torch.Tensor) -> None:
         """Client -> main server: one mini-batch of smashed data and its labels."""
@@ -238,7 +240,7 @@ class SplitAlgorithm(Algorithm):
 
     def hold_server_models(self, copies: int) -> None:
         self.server_copies = copies
-        self.ledger.store("server", "server_models", copies * self.ls.numel * 4)
+        self.ledger.store("server", "server_models", copies * self.ls.numel * self.ctx.float_bytes)
 
     # ---- the three updates ---------------------------------------------------------------------------
     def _sgd(self, module: nn.Module, lr: float) -> None:

@@ -140,7 +140,7 @@ class AfindPlus(GraphAlgorithm):
             self.head = torch.cat(
                 [torch.full((k,), nm in names) for nm, k in zip(self.layout.names, self.layout.numels, strict=True)]
             )
-            self.model_bytes = int((~self.head).sum()) * 4  # only w is sent
+            self.model_bytes = int((~self.head).sum()) * ctx.float_bytes  # only w is sent
             # beta never leaves the client: its epochs are plain SGD even under DP-SGD
             self.head_trainer = with_local(self.ft_trainer, epochs=hp.head_epochs, steps=None)
 

@@ -111,7 +111,7 @@ class DisPFL(GraphAlgorithm):
         return self.hp.anneal / 2 * (1 + math.cos(math.pi * r / self.config.rounds))
 
     def sparse_bytes(self, j: int, mask: torch.Tensor) -> int:
-        return int(mask[j].sum()) * 4
+        return int(mask[j].sum()) * self.ctx.float_bytes
 
     def _gradient(self, w: torch.Tensor, client: int, r: int) -> torch.Tensor:
         """Dense gradient of F_i at w on one local batch (for regrowth)."""

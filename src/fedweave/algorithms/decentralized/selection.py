@@ -342,7 +342,7 @@ class NeighbourSelector:
             phis, _ = self.proxy.proxies(w_i, [i, *avail.tolist()])
             phis = torch.stack([algo.noisy(phis[q], r, int(c), i, 1) for q, c in enumerate([i, *avail])])
             algo.peer(r, "model", algo.model_bytes, len(avail))  # w_i -> each j in B_i
-            algo.peer(r, "feature_proxy", self.proxy.size * 4, len(avail))
+            algo.peer(r, "feature_proxy", self.proxy.size * algo.ctx.float_bytes, len(avail))
             algo.peer(r, "loss", 4, len(avail))
             sims = cosine(phis[0], phis[1:])
             pos = self.state.choose(i, avail, sims, rng)

@@ -113,12 +113,12 @@ class ZOHFL(HierarchicalAlgorithm):
         if hp.lam > 0:
             sampled = self.sample_clients(r)
             H = self.steps(r)
-            fp32 = self.x.element_size()
+            fp32 = self.x.element_size()  # bytes per value (8 in float64)
             self.send(r, sampled, "model+direction", d * fp32 + (d * fp32 if hp.direction_message == "vector" else 8))
             clients = self.reporting(r, sampled)  # dropouts and stragglers return nothing: g_i = 0 (A3)
             metrics.update(participants=float(len(sampled)), **self.fault_metrics(clients))
         if len(clients):
-            v = unit_directions(self.seeds, r, self.m, d)[clients]  # drawn for all i (A28), used by S_r
+            v = unit_directions(self.seeds, r, self.m, d, self.x.dtype)[clients]  # all i drawn (A28), S_r used
             x_plus, x_minus = self.x + hp.eta * v, self.x - hp.eta * v
             inputs = torch.stack([x_plus, x_minus], 1).reshape(-1, d)  # job order: (i1,+), (i1,-), (i2,+), ...
             y = self.solve(r, clients, inputs, H).reshape(len(clients), 2, d)
@@ -142,7 +142,8 @@ class ZOHFL(HierarchicalAlgorithm):
                 zo_norm=float(scale * gz.norm()),
             )
         step = self.server_lr(r) * g
-        self.x = (self.x.double() - step).float()  # x^_{r+1} = x^_r - gamma_r g^_r (Alg. 1 line 8)
+        # x^_{r+1} = x^_r - gamma_r g^_r (Alg. 1 line 8), in float64, stored in the run's precision
+        self.x = (self.x.double() - step).to(self.x.dtype)
         metrics["step_norm"] = float(step.norm())  # ||gamma_r g^|| (stability diagnostic, A1)
         if "penalty" in metrics or hp.lam == 0:  # no solution arrived: keep the last f2 estimate (A13(b))
             self._penalty = metrics.get("penalty", 0.0)

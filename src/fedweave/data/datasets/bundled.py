@@ -1,4 +1,4 @@
-"""Datasets bundled in the scikit-learn wheel (always offline): digits and breast cancer.
+"""Datasets bundled in the scikit-learn wheel (always offline): digits, breast cancer and diabetes (regression).
 
 Features are standardized with the training statistics; the train/test split is stratified and fixed by
 ``split_seed``.
@@ -7,6 +7,7 @@ Features are standardized with the training statistics; the train/test split is 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from fedweave.data.base import Dataset
 from fedweave.data.datasets._common import (
@@ -75,3 +76,40 @@ def load_breast_cancer(
         "breast_cancer", d.data, d.target.astype(np.int64), test_fraction, split_seed, standardize
     )
     return Dataset("breast_cancer", *as_tensors(xtr, ytr), *as_tensors(xte, yte), num_classes=2, input_shape=(30,))
+
+
+@DATASETS.register("diabetes")
+def load_diabetes(
+    root=None,
+    *,
+    test_fraction: float = 0.2,
+    split_seed: int = 0,
+    standardize: bool = True,
+    standardize_target: bool = True,
+    **unknown,
+) -> Dataset:
+    """scikit-learn diabetes (Efron et al. 2004): 442 patients x 10 baseline variables, the target a
+    quantitative measure of disease progression one year later (a float; regression, ``task.loss: mse``).
+
+    Options: ``test_fraction`` (0.2), ``split_seed`` (0; a random, not stratified, split), ``standardize``
+    (features, with the training statistics; True), ``standardize_target`` (the target likewise, so losses
+    are in units of its spread; True). ``root`` is ignored (the data ship with scikit-learn).
+    """
+    from sklearn.datasets import load_diabetes as sk_diabetes
+
+    reject_unknown("diabetes", unknown, load_diabetes)
+    test_fraction = opt_float("diabetes", "test_fraction", test_fraction, low=0, high=1, low_open=True, high_open=True)
+    split_seed = opt_int("diabetes", "split_seed", split_seed, minimum=0)
+    d = sk_diabetes(scaled=False)
+    x, y = d.data.astype(np.float32), d.target.astype(np.float32)
+    perm = np.random.default_rng(split_seed).permutation(len(y))
+    cut = len(y) - max(1, round(test_fraction * len(y)))
+    tr, te = np.sort(perm[:cut]), np.sort(perm[cut:])
+    xtr, xte, ytr, yte = x[tr], x[te], y[tr], y[te]
+    if opt_bool("diabetes", "standardize", standardize):
+        xtr, xte = standardize_features(xtr, xte)
+    if opt_bool("diabetes", "standardize_target", standardize_target):
+        mu, sd = ytr.mean(), ytr.std()
+        ytr, yte = (ytr - mu) / sd, (yte - mu) / sd
+    t = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)) for a in (xtr, ytr, xte, yte)]
+    return Dataset("diabetes", *t, num_classes=1, input_shape=(10,))
