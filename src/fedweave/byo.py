@@ -83,10 +83,8 @@ def as_dataset(data: Any, name: str = "python") -> Dataset:
             "dataset must be a fedweave Dataset, (train_x, train_y, test_x, test_y[, train_users, test_users]) "
             f"arrays or tensors, or (train, test) torch Datasets; got {type(data).__name__}"
         )
-    if tx.is_floating_point():
-        tx, vx = tx.float(), vx.float()
+    # floating data keep their dtype here; the run casts them to its precision
     if ty.is_floating_point():  # regression or multi-label targets: float, one column per output
-        ty, vy = ty.float(), vy.float()
         num_outputs = 1 if ty.dim() == 1 else int(np.prod(ty.shape[1:]))
     else:
         ty, vy = ty.long(), vy.long()

@@ -26,7 +26,7 @@ from fedweave.faults import Faults
 from fedweave.ledger import Ledger
 from fedweave.registry import ALGORITHMS, DATASETS, MODELS, PARTITIONERS
 from fedweave.seeding import Seeds
-from fedweave.tasks import Task, build_task
+from fedweave.tasks import CallableLoss, Loss, Task, build_task
 
 
 @dataclasses.dataclass
@@ -125,19 +125,26 @@ class RunContext:
         """The run's loss, metrics and main metric (``task`` section, or a loss passed from Python)."""
         t = self.config.task
         if self.objects.loss is not None:
-            return build_task(self.objects.loss, {}, t.metrics, t.main)
+            loss = self.objects.loss
+            if not isinstance(loss, Loss):  # a plain function: its targets are what the data hold
+                floats = self._loaded.train_y.is_floating_point()
+                loss = CallableLoss(loss, targets="float" if floats else "class")
+            return build_task(loss, {}, t.metrics, t.main)
         return build_task(t.loss, t.loss_options, t.metrics, t.main)
 
     @cached_property
-    def dataset(self) -> Dataset:
+    def _loaded(self) -> Dataset:
+        """The dataset as its loader (or the Python caller) gave it."""
         if self.objects.dataset is not None:
-            ds = self.objects.dataset
-        else:
-            loader = DATASETS.get(self.config.dataset.name)
-            opts = check_options(loader, self.config.dataset.options, "dataset")
-            with _as_config_error("dataset"):
-                ds = loader(**opts)
-        return self._checked(self._in_precision(ds))
+            return self.objects.dataset
+        loader = DATASETS.get(self.config.dataset.name)
+        opts = check_options(loader, self.config.dataset.options, "dataset")
+        with _as_config_error("dataset"):
+            return loader(**opts)
+
+    @cached_property
+    def dataset(self) -> Dataset:
+        return self._checked(self._in_precision(self._loaded))
 
     def _in_precision(self, ds: Dataset) -> Dataset:
         """Floating features and targets in the run's dtype (token ids and class labels stay integers)."""
@@ -145,7 +152,8 @@ class RunContext:
         def cast(t: torch.Tensor) -> torch.Tensor:
             return t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype else t
 
-        if self.dtype == torch.float32 and not ds.train_y.is_floating_point():
+        tensors = (ds.train_x, ds.train_y, ds.test_x, ds.test_y)
+        if all(not t.is_floating_point() or t.dtype == self.dtype for t in tensors):
             return ds  # the common case: nothing to convert
         return dataclasses.replace(
             ds, train_x=cast(ds.train_x), train_y=cast(ds.train_y), test_x=cast(ds.test_x), test_y=cast(ds.test_y)

@@ -1,0 +1,451 @@
+"""Any task, any model, any data (docs/tasks.md): losses, metrics, float targets, samplers, objects passed from
+Python, plug-ins, and exact agreement with closed forms on a federated least-squares problem."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fedweave
+from fedweave.cli import main as cli_main
+from fedweave.config import ConfigError
+from fedweave.registry import SAMPLERS
+from fedweave.tasks import LOSSES, METRICS, build_task
+
+# ---- a deterministic federated least-squares problem -------------------------------------------------
+D, SIZES, K, LR, ROUNDS = 4, (7, 12, 5, 20, 9), 3, 0.05, 6
+SCHEDULE = [[0, 2, 4], [1, 3], [0, 1, 2, 3, 4], [3, 4]]  # cycled: partial participation
+
+
+def _problem():
+    g = np.random.default_rng(3)
+    n = sum(SIZES)
+    A = g.normal(size=(n, D))
+    x_true = g.normal(size=D)
+    b = A @ x_true + 0.3 * g.normal(size=n) + np.repeat(g.normal(size=len(SIZES)), SIZES)  # heterogeneous
+    edges = np.cumsum((0, *SIZES))
+    parts = [list(range(edges[i], edges[i + 1])) for i in range(len(SIZES))]
+    return A, b, parts
+
+
+def _client(A, b, part):
+    """f_i(x) = (1/2n_i)||A_i x - b_i||^2: K full-batch GD steps are x <- (I - lr H_i) x + lr g_i."""
+    Ai, bi = A[part], b[part]
+    return Ai.T @ Ai / len(part), Ai.T @ bi / len(part)
+
+
+def _closed_form(method: str, weighting: str, mu: float = 0.1, alpha: float = 0.1) -> np.ndarray:
+    """The global model after ROUNDS rounds, each client's K steps computed with the quadratic's affine map."""
+    A, b, parts = _problem()
+    H, g = zip(*(_client(A, b, p) for p in parts), strict=True)
+    N = len(SIZES)
+    x = np.zeros(D)
+    c, c_i = np.zeros(D), np.zeros((N, D))  # SCAFFOLD
+    h, lin = np.zeros(D), np.zeros((N, D))  # FedDyn
+    for r in range(ROUNDS):
+        S = SCHEDULE[r % len(SCHEDULE)]
+        ys = []
+        for i in S:
+            y = x.copy()
+            for _ in range(K):
+                grad = H[i] @ y - g[i]
+                if method == "fedprox":
+                    grad = grad + mu * (y - x)  # FedProx eq. (2)
+                elif method == "scaffold":
+                    grad = grad - c_i[i] + c  # SCAFFOLD Alg. 1 line 10
+                elif method == "feddyn":
+                    grad = grad - lin[i] + alpha * (y - x)  # FedDyn's local objective
+                y = y - LR * grad
+            ys.append(y)
+        ys = np.array(ys)
+        sizes = np.array([SIZES[i] for i in S], dtype=float)
+        p = sizes / sizes.sum() if weighting == "samples" else np.full(len(S), 1 / len(S))
+        if method == "scaffold":
+            new_c = c_i[S] - c + (x - ys) / (K * LR)  # option II
+            dc = new_c - c_i[S]
+            c_i[S] = new_c
+            x = x + p @ (ys - x)
+            c = c + dc.sum(0) / N
+        elif method == "feddyn":
+            lin[S] = lin[S] - alpha * (ys - x)
+            h = h - alpha * (ys - x).sum(0) / N
+            x = p @ ys - h / alpha
+        else:
+            x = x + p @ (ys - x)
+    return x
+
+
+def _zero_linear() -> nn.Module:
+    m = nn.Linear(D, 1, bias=False)
+    nn.init.zeros_(m.weight)
+    return m
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+@pytest.mark.parametrize(
+    "method, weighting",
+    [
+        ("fedavg", "uniform"),
+        ("fedavg", "samples"),
+        ("fedprox", "samples"),
+        ("scaffold", "uniform"),
+        ("feddyn", "uniform"),
+    ],
+)
+def test_least_squares_equals_the_closed_form(method, weighting, backend, tmp_path):
+    A, b, parts = _problem()
+    (tmp_path / "parts.json").write_text(json.dumps(parts))
+    x = torch.from_numpy(A)
+    y = torch.from_numpy(b)
+    algo = {"name": method, "clients_per_round": 1, "weighting": weighting}
+    algo.update({"mu": 0.1} if method == "fedprox" else {"alpha": 0.1} if method == "feddyn" else {})
+    config = {
+        "name": "lsq",
+        "rounds": ROUNDS,
+        "precision": "float64",
+        "backend": backend,
+        "partition": {"name": "from_file", "num_clients": 0, "path": str(tmp_path / "parts.json")},
+        "sampler": {"name": "schedule", "clients": SCHEDULE},
+        "algorithm": algo,
+        "task": {"loss": "mse", "loss_options": {"half": True}},
+        "local": {"full_batch": True, "steps": K, "epochs": None, "lr": LR},
+        "output": {"progress": False, "plots": False},
+    }
+    res = fedweave.run(config, model=_zero_linear, dataset=(x, y, x, y), run_dir=tmp_path / "r")
+    got = res.algorithm.x.numpy()
+    want = _closed_form(method, weighting)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-10)
+    assert np.abs(want).max() > 0.1  # the problem moved: the comparison means something
+    described = json.loads((res.run_dir / "objects.json").read_text())
+    assert described["dataset"]["train_x"] == [[sum(SIZES), D], "torch.float64"]
+    assert described["model"]["factory"].endswith("_zero_linear")
+
+
+# ---- regression on a real dataset through every partitioner that takes float targets -------------------
+REGRESSION = {
+    "name": "reg",
+    "rounds": 8,
+    "dataset": {"name": "diabetes"},
+    "model": {"name": "mlp", "hidden": [16]},
+    "algorithm": {"name": "fedavg", "clients_per_round": 4},
+    "task": {"loss": "mse"},
+    "local": {"batch_size": 16, "lr": 0.05},
+    "output": {"progress": False, "plots": False},
+}
+
+
+@pytest.mark.parametrize(
+    "partition",
+    [
+        {"name": "iid", "num_clients": 8},
+        {"name": "quantity_skew", "num_clients": 8},
+        {"name": "dirichlet", "num_clients": 8, "alpha": 0.5, "bins": 5, "min_size": 5},
+        {"name": "shards", "num_clients": 8, "bins": 4},
+    ],
+)
+def test_regression_on_diabetes(partition, tmp_path):
+    res = fedweave.run({**REGRESSION, "partition": partition}, run_dir=tmp_path / "r")
+    s = res.summary
+    assert s["main_metric"] == "test_mse" and s["direction"] == "min"
+    first, last = res.metrics[0], res.metrics[-1]
+    assert set(last) >= {"test_mse", "test_rmse", "test_mae", "test_r2", "test_loss"}
+    assert last["test_rmse"] == pytest.approx(last["test_mse"] ** 0.5)
+    assert last["test_mse"] < 1.0 and last["test_r2"] > 0.0  # better than predicting the mean (targets standardized)
+    assert last["test_mse"] < first["test_mse"] and s["best_main"] == min(r["test_mse"] for r in res.metrics)
+    assert "test_accuracy" not in last and s["final_test_accuracy"] is None
+    assert (res.run_dir / "partition.csv").is_file()  # the report shows target-quantile bins per client
+
+
+def test_label_partitioners_refuse_float_targets_without_bins(tmp_path):
+    with pytest.raises(ConfigError, match="partition.bins"):
+        fedweave.run({**REGRESSION, "partition": {"name": "dirichlet", "num_clients": 4}}, run_dir=tmp_path / "r")
+
+
+def test_a_class_loss_on_float_targets_and_mse_on_labels_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="needs integer class labels"):
+        fedweave.run({**REGRESSION, "task": {"loss": "cross_entropy"}}, run_dir=tmp_path / "a")
+    digits = {**REGRESSION, "dataset": {"name": "digits"}, "partition": {"name": "iid", "num_clients": 4}}
+    with pytest.raises(ConfigError, match="needs float targets"):
+        fedweave.run(digits, run_dir=tmp_path / "b")
+
+
+# ---- multi-label with bce_with_logits on real images -------------------------------------------------
+def _multilabel_digits():
+    from fedweave.data.datasets.bundled import load_digits
+
+    ds = load_digits()
+
+    def labels(y):  # three properties of the digit: even, greater than four, has a closed loop
+        return torch.stack([(y % 2 == 0), (y > 4), torch.isin(y, torch.tensor([0, 6, 8, 9]))], 1).double()
+
+    return ds.train_x, labels(ds.train_y), ds.test_x, labels(ds.test_y)
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+def test_multilabel_with_bce(backend, tmp_path):
+    cfg = {
+        "name": "ml",
+        "rounds": 6,
+        "backend": backend,
+        "partition": {"name": "iid", "num_clients": 6},
+        "model": {"name": "logistic"},
+        "algorithm": {"name": "fedavg", "clients_per_round": 3},
+        "task": {"loss": "bce_with_logits"},
+        "local": {"batch_size": 32, "lr": 0.2},
+        "output": {"progress": False, "plots": False},
+    }
+    res = fedweave.run(cfg, dataset=_multilabel_digits(), run_dir=tmp_path / "r")
+    last = res.metrics[-1]
+    assert res.summary["main_metric"] == "test_auc" and res.summary["direction"] == "max"
+    assert {"test_auc", "test_f1", "test_f1_0", "test_f1_1", "test_f1_2", "test_loss"} <= set(last)
+    assert last["test_auc"] > 0.9 and last["test_f1"] > 0.7
+
+
+def test_bce_loss_and_auc_match_torch_and_sklearn():
+    from sklearn.metrics import roc_auc_score
+
+    g = torch.Generator().manual_seed(0)
+    out, y = torch.randn(50, 3, generator=g), (torch.rand(50, 3, generator=g) > 0.5).double()
+    task = build_task("bce_with_logits")
+    want = nn.functional.binary_cross_entropy_with_logits(out, y.float())
+    assert float(task.loss(out, y)) == pytest.approx(float(want), rel=1e-6)
+    auc = METRICS.get("auc")()
+    auc.update(out[:20], y[:20])
+    auc.update(out[20:], y[20:])
+    assert auc.result()["auc"] == pytest.approx(np.mean([roc_auc_score(y[:, j], out[:, j]) for j in range(3)]))
+
+
+def test_regression_metrics_match_their_definitions():
+    g = torch.Generator().manual_seed(1)
+    pred, y = torch.randn(40, 1, generator=g), torch.randn(40, generator=g)
+    ms = [METRICS.get(m)() for m in ("mse", "rmse", "mae", "r2")]
+    for m in ms:
+        m.update(pred[:15], y[:15])
+        m.update(pred[15:], y[15:])
+    got = {k: v for m in ms for k, v in m.result().items()}
+    err = pred[:, 0].double() - y.double()
+    assert got["mse"] == pytest.approx(float(err.pow(2).mean()))
+    assert got["rmse"] == pytest.approx(float(err.pow(2).mean().sqrt()))
+    assert got["mae"] == pytest.approx(float(err.abs().mean()))
+    assert got["r2"] == pytest.approx(1 - float(err.pow(2).sum() / (y.double() - y.double().mean()).pow(2).sum()))
+    assert float(build_task("mse", {"half": True}).loss(pred, y)) == pytest.approx(0.5 * got["mse"], rel=1e-6)
+
+
+# ---- a custom loss and the user's own nn.Module on every backend -------------------------------------
+class SmallNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 12), nn.Tanh(), nn.Linear(12, 10))
+
+    def forward(self, x):
+        return self.body(x.flatten(1))
+
+
+def smoothed_ce(out, y):
+    """Label-smoothed cross-entropy, per sample."""
+    return nn.functional.cross_entropy(out, y, reduction="none", label_smoothing=0.1)
+
+
+def _digits_arrays():
+    from fedweave.data.datasets.bundled import load_digits
+
+    ds = load_digits()
+    return ds.train_x, ds.train_y, ds.test_x, ds.test_y
+
+
+BACKENDS = ["loop", "vmap", "pool", pytest.param("ray", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_custom_loss_and_module_are_the_same_on_every_backend(backend, tmp_path):
+    if backend == "ray":
+        pytest.importorskip("ray")
+        import sys
+
+        from ray import cloudpickle
+
+        # Ray's workers cannot import this test module: ship its objects by value (docs/tasks.md)
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cfg = {
+        "name": "byo",
+        "rounds": 3,
+        "backend": backend,
+        "threads": 2,
+        "partition": {"name": "iid", "num_clients": 6},
+        "algorithm": {"name": "fedavg", "clients_per_round": 4},
+        "local": {"batch_size": 32, "lr": 0.1},
+        "ray": {"num_workers": 2},
+        "output": {"progress": False, "plots": False},
+    }
+    data = _digits_arrays()
+    ref = fedweave.run(
+        {**cfg, "backend": "loop"}, model=SmallNet, dataset=data, loss=smoothed_ce, run_dir=tmp_path / "loop"
+    )
+    res = fedweave.run(cfg, model=SmallNet, dataset=data, loss=smoothed_ce, run_dir=tmp_path / "b")
+    torch.testing.assert_close(res.algorithm.x, ref.algorithm.x, rtol=1e-4, atol=1e-5)
+    assert res.metrics[-1]["test_accuracy"] == pytest.approx(ref.metrics[-1]["test_accuracy"], abs=0.01)
+    assert ref.metrics[-1]["test_accuracy"] > 0.5
+    described = json.loads((res.run_dir / "objects.json").read_text())
+    assert described["loss"]["callable"].endswith("smoothed_ce") and described["model"]["factory"].endswith("SmallNet")
+
+
+def test_a_torch_dataset_and_a_scalar_loss(tmp_path):
+    x, y, tx, ty = _digits_arrays()
+    train, test = torch.utils.data.TensorDataset(x, y), torch.utils.data.TensorDataset(tx, ty)
+    cfg = {"rounds": 1, "partition": {"name": "iid", "num_clients": 3}, "output": {"progress": False, "plots": False}}
+    cfg["algorithm"] = {"name": "fedavg", "clients_per_round": 3}
+    res = fedweave.run(cfg, dataset=(train, test), run_dir=tmp_path / "r")
+    assert res.summary["status"] == "completed"
+    with pytest.raises(ValueError, match="one loss per sample"):
+        fedweave.run(cfg, dataset=(train, test), loss=nn.functional.cross_entropy, run_dir=tmp_path / "s")
+
+
+# ---- samplers -----------------------------------------------------------------------------------------
+def _star(tmp_path, sampler=None, **algo):
+    cfg = {
+        "name": "smp",
+        "rounds": 5,
+        "dataset": {"name": "digits"},
+        "partition": {"name": "iid", "num_clients": 10},
+        "algorithm": {"name": "fedavg", "clients_per_round": 3, **algo},
+        "output": {"progress": False, "plots": False},
+        **({"sampler": sampler} if sampler else {}),
+    }
+    return fedweave.run(cfg, run_dir=tmp_path / f"r{len(list(tmp_path.iterdir()))}")
+
+
+def _picked(res):
+    return [res.algorithm.sample_clients(r).tolist() for r in range(5)]
+
+
+def test_schedule_fixed_and_bernoulli_samplers(tmp_path):
+    sched = _star(tmp_path, {"name": "schedule", "clients": [[1, 2], [9, 0, 4]]})
+    assert _picked(sched) == [[1, 2], [0, 4, 9], [1, 2], [0, 4, 9], [1, 2]]
+    sent = sched.summary["communication"]["by_transfer"]
+    assert sum(v["count"] for k, v in sent.items() if k.startswith("server->client")) == 2 + 3 + 2 + 3 + 2
+    assert _picked(_star(tmp_path, {"name": "fixed", "clients": 5})) == [[0, 1, 2, 3, 4]] * 5
+    assert _picked(_star(tmp_path, {"name": "fixed"})) == [[0, 1, 2]] * 5  # clients_per_round of them
+    # the star's `sampling: bernoulli` hyper-parameter is the bernoulli sampler
+    assert _picked(_star(tmp_path, {"name": "bernoulli"})) == _picked(_star(tmp_path, sampling="bernoulli"))
+    uniform = _picked(_star(tmp_path))
+    assert uniform == _picked(_star(tmp_path, {"name": "uniform"})) and len({tuple(c) for c in uniform}) > 1
+
+
+@pytest.mark.parametrize(
+    "sampler, match",
+    [
+        ({"name": "schedule", "clients": [[0, 10]]}, "distinct client ids in"),
+        ({"name": "schedule", "clients": [[1, 1]]}, "distinct client ids"),
+        ({"name": "schedule", "clients": [[0]], "cycle": False}, "schedule has 1 rounds"),
+        ({"name": "schedule"}, "exactly one of clients"),
+        ({"name": "fixed", "clients": 11}, "sampler.clients"),
+        ({"name": "nosuch"}, "unknown sampler"),
+        ({"name": "uniform", "k": 3}, "sampler.k"),
+    ],
+)
+def test_bad_sampler_settings_fail_before_training(sampler, match, tmp_path):
+    with pytest.raises((ConfigError, KeyError), match=match):
+        _star(tmp_path, sampler)
+
+
+def test_a_registered_sampler_is_used(tmp_path):
+    if "_evens" not in SAMPLERS._items:
+
+        @SAMPLERS.register("_evens")
+        def _evens(num_clients, per_round, r, rng, *, rounds):
+            return np.arange(0, num_clients, 2)
+
+    assert _picked(_star(tmp_path, {"name": "_evens"})) == [[0, 2, 4, 6, 8]] * 5
+
+
+# ---- eval.at_start, model.init_from, full_batch ---------------------------------------------------------
+def test_eval_at_start_reports_the_initial_model_as_round_0(tmp_path):
+    base = {
+        "rounds": 2,
+        "dataset": {"name": "digits"},
+        "partition": {"name": "iid", "num_clients": 4},
+        "algorithm": {"name": "fedavg", "clients_per_round": 2},
+        "output": {"progress": False, "plots": False},
+    }
+    res = fedweave.run({**base, "eval": {"at_start": True}}, run_dir=tmp_path / "a")
+    plain = fedweave.run(base, run_dir=tmp_path / "b")
+    assert [r["round"] for r in res.metrics] == [0, 1, 2] and res.metrics[0]["bytes_total"] == 0
+    assert res.metrics[0]["test_accuracy"] < 0.3  # an untrained model
+    strip = [{k: v for k, v in r.items() if k != "wall_seconds"} for r in res.metrics[1:]]
+    assert strip == [{k: v for k, v in r.items() if k != "wall_seconds"} for r in plain.metrics]
+
+
+def test_model_init_from_a_state_dict_and_an_npz(tmp_path):
+    from fedweave.algorithms.base import RunContext
+    from fedweave.config import load
+
+    base = {"dataset": {"name": "digits"}, "partition": {"name": "iid", "num_clients": 2}}
+    model = RunContext(load(base)).build_model()
+    state = {k: torch.full_like(v, 0.25) for k, v in model.state_dict().items()}
+    torch.save(state, tmp_path / "w.pt")
+    np.savez(tmp_path / "w.npz", **{k: v.numpy() for k, v in state.items()})
+    for f in ("w.pt", "w.npz"):
+        m = RunContext(load({**base, "model": {"name": "logistic", "init_from": str(tmp_path / f)}})).build_model()
+        assert all(torch.equal(v, state[k]) for k, v in m.state_dict().items())
+    torch.save({"linear.weight": torch.zeros(3)}, tmp_path / "bad.pt")
+    with pytest.raises(ConfigError, match="model.init_from"):
+        RunContext(load({**base, "model": {"name": "logistic", "init_from": str(tmp_path / "bad.pt")}})).build_model()
+
+
+def test_full_batch_steps_and_the_large_batch_warning(tmp_path, caplog):
+    from fedweave.algorithms.base import RunContext, build_algorithm
+    from fedweave.config import load
+
+    base = {"dataset": {"name": "digits"}, "partition": {"name": "iid", "num_clients": 40}}
+    algo = build_algorithm(RunContext(load({**base, "local": {"steps": 2, "epochs": None, "full_batch": True}})))
+    batches = algo.trainer.client_batches(3, 0, (), None)
+    assert len(batches) == 2 and all(torch.equal(b, algo.trainer.parts[3]) for b in batches)
+    with caplog.at_level("WARNING", logger="fedweave"):
+        build_algorithm(RunContext(load({**base, "local": {"steps": 2, "epochs": None, "batch_size": 64}})))
+    assert "local.full_batch" in caplog.text
+
+
+# ---- plug-ins and the listing ---------------------------------------------------------------------------
+PLUGIN = """
+import torch
+from fedweave.tasks import LOSSES, Loss
+
+@LOSSES.register("plugin_l1")
+class L1(Loss):
+    name = "plugin_l1"
+    def per_sample(self, out, y):
+        return (out - y.to(out.dtype).reshape(out.shape)).abs().reshape(len(out), -1).mean(1)
+"""
+
+
+def test_a_plugin_registers_a_loss_for_the_command_line(tmp_path, capsys):
+    (tmp_path / "myplug.py").write_text(PLUGIN)
+    args = [
+        "run",
+        "example:centralized/fedavg",
+        "dataset=diabetes",
+        "model={name: mlp, hidden: [8]}",
+        "partition={name: iid, num_clients: 4}",
+        "algorithm.clients_per_round=2",
+        "rounds=2",
+        "task={loss: plugin_l1, metrics: [mae]}",
+        "--plugin",
+        str(tmp_path / "myplug.py"),
+        "--out",
+        str(tmp_path / "r"),
+        "--no-progress",
+    ]
+    assert cli_main(args) == 0, capsys.readouterr().err
+    assert "final test mae" in capsys.readouterr().out
+    assert "plugin_l1" in LOSSES
+
+
+def test_list_shows_losses_metrics_and_samplers(capsys):
+    assert cli_main(["list"]) == 0
+    out = capsys.readouterr().out
+    for word in ("mse", "bce_with_logits", "nll", "auc", "perplexity", "schedule", "bernoulli", "from_file"):
+        assert word in out
