@@ -30,6 +30,9 @@ class FedOptHparams(StarHparams):
     beta1: float = 0.9
     beta2: float = 0.99
     tau: float = 1e-2  # adaptivity; Reddi et al. tune it in [1e-3, 1e-1]
+    # v_{-1}, the second moment before round 0. Reddi et al. (2021, Alg. 2) assume v_{-1} >= tau^2; the
+    # default 0 is what Flower's FedAdam/FedYogi/FedAdagrad and most code do (docs/algorithms/centralized.md)
+    v_init: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -38,6 +41,8 @@ class FedOptHparams(StarHparams):
                 raise ConfigError(f"algorithm.{key} must be in [0, 1), got {getattr(self, key)}")
         if self.tau <= 0:
             raise ConfigError(f"algorithm.tau must be > 0, got {self.tau}")
+        if self.v_init < 0:
+            raise ConfigError(f"algorithm.v_init must be >= 0 (Reddi et al.: >= tau^2), got {self.v_init}")
 
 
 @ALGORITHMS.register("fedopt")
@@ -50,7 +55,7 @@ class FedOpt(StarAlgorithm):
     def __init__(self, ctx, hp: FedOptHparams) -> None:
         super().__init__(ctx, hp)
         self.m = torch.zeros_like(self.x)
-        self.v = torch.zeros_like(self.x)
+        self.v = torch.full_like(self.x, hp.v_init)  # v_{-1}
         self._checkpoint = ("x", "m", "v")
         self.ledger.store("server", "optimizer_state", nbytes(self.m, self.v))
 
