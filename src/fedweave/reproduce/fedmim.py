@@ -10,6 +10,8 @@ Presets (``--scale``):
 - ``smoke``: seconds; a handful of rounds on a tiny slice, for tests (``--datasets`` may name a fixture).
 - ``small``: the scaled-down CPU grid of spec §9 on real Fashion-MNIST and MNIST (100 clients, 10 % per
   round, Dirichlet-0.1 and IID, ``cnn_small``, 3 seeds), in the spec's priority order (see GRIDS).
+- ``long``: the small preset's Dir-0.1 Fashion-MNIST cell with FedMIM, FedAvg, FedCM and SCAFFOLD at
+  T = 500 (3 seeds): tests whether FedMIM's gap closes or reverses over a longer horizon.
 - ``paper``: Table I's settings (CIFAR-10/100 files needed locally, ResNet-18-GN, E = 5, B = 50,
   T = 1000, lr 0.1 x 0.998^t, weight decay 1e-3); days of CPU time.
 """
@@ -133,6 +135,21 @@ PRESETS: dict[str, Preset] = {
         eval_every=5,
         note="small preset: Fashion-MNIST/MNIST, 20k training images (200 per client), E = 1 epoch of B = 20 "
         "(K = 10), T = 50",
+    ),
+    # Issue check of the page's explanation "the gain comes from the learning-rate ramp-up": the small
+    # preset's Dir-0.1 Fashion-MNIST cell with the four core methods, run ten times longer (T = 500);
+    # evaluated every 10 rounds so the gap can be read at rounds 50, 150, 300 and 500.
+    "long": Preset(
+        grid=[("fashion_mnist", "dir0.1", CORE)],
+        seeds=(0, 1, 2),
+        rounds=500,
+        num_clients=100,
+        clients_per_round=10,
+        model="cnn_small",
+        local={"epochs": 1, "batch_size": 20, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3, "grad_clip": 10.0},
+        dataset_options={"max_train": 20000},
+        eval_every=10,
+        note="long preset: the small preset's Dir-0.1 Fashion-MNIST cell (FedMIM, FedAvg, FedCM, SCAFFOLD) at T = 500",
     ),
     "paper": Preset(
         grid=[(d, s, ALL) for d in ("cifar10", "cifar100") for s in ("iid", "dir0.3", "dir0.1")],
@@ -367,8 +384,8 @@ def _claims(records: list[dict], dataset: str) -> dict[str, Any]:
         g = out["dir0.1"]
         out["claim_accuracy"] = g["gap_mean"] >= 1.0 and g["wins"] >= min(2, g["seeds"])
         out["claim_consistency"] = g["consistency_ratio"] < 0.5
-        if "iid" in out:
-            out["claim_iid_smaller"] = out["iid"]["gap_mean"] < g["gap_mean"]
+        if "iid" in out:  # "the advantage shrinks without heterogeneity" needs an advantage: None = untestable
+            out["claim_iid_smaller"] = out["iid"]["gap_mean"] < g["gap_mean"] if g["gap_mean"] > 0 else None
     return out
 
 
@@ -434,10 +451,14 @@ def markdown(
             for key, text in (
                 ("claim_accuracy", "Dir-0.1: FedMIM ≥ FedAvg + 1.0 point on average and ahead on ≥ 2 seeds"),
                 ("claim_consistency", "Dir-0.1: FedMIM's local dispersion < 0.5 × FedAvg's"),
-                ("claim_iid_smaller", "the IID gap is smaller than the Dir-0.1 gap (informative)"),
+                (
+                    "claim_iid_smaller",
+                    "the IID gap is smaller than the Dir-0.1 gap (informative; untestable without a Dir-0.1 gain)",
+                ),
             ):
                 if key in c:
-                    lines.append(f"- {text}: **{'held' if c[key] else 'did not hold'}**")
+                    verdict = "untestable" if c[key] is None else "held" if c[key] else "did not hold"
+                    lines.append(f"- {text}: **{verdict}**")
             lines.append("")
     return "\n".join(lines)
 
