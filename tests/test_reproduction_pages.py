@@ -1,0 +1,127 @@
+"""Every reproduction page agrees with the result files committed beside it.
+
+For each claim table of ``docs/reproductions/<name>.md`` (a table whose first column is ``claim``), every
+number in the row must occur in the files of ``docs/reproductions/<name>/`` (at the precision the page
+prints), and the row's verdict must be the file's verdict for that claim, word for word. A claim the
+generated files do not evaluate must say which committed plot it was read from.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+PAGES = Path(__file__).parents[1] / "docs" / "reproductions"
+NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?", re.IGNORECASE)
+BOLD = re.compile(r"\*\*(.+?)\*\*")
+
+
+def _norm(text: str) -> str:
+    return text.replace("−", "-").replace("\u2009", "")
+
+
+def claim_tables(md: str) -> list[list[list[str]]]:
+    """The rows (lists of cells) of every table whose header starts with ``| claim``."""
+    lines, tables, i = md.splitlines(), [], 0
+    while i < len(lines):
+        if lines[i].startswith("| claim"):
+            rows, i = [], i + 2
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append([c.strip() for c in lines[i].strip().strip("|").split("|")])
+                i += 1
+            tables.append(rows)
+        i += 1
+    return tables
+
+
+def result_text(name: str, pattern: str = "*") -> str:
+    files = [f for f in sorted((PAGES / name).glob(pattern)) if f.suffix in (".md", ".csv", ".json")]
+    assert files, f"docs/reproductions/{name}/ has no result files"
+    return _norm("\n".join(f.read_text(encoding="utf-8") for f in files))
+
+
+def _decimals(token: str) -> int:
+    mantissa = token.replace(",", "").lower().split("e")[0]
+    return len(mantissa.split(".")[1]) if "." in mantissa else 0
+
+
+def missing_numbers(cells: list[str], source: str) -> list[str]:
+    """Numbers of ``cells`` that no number of ``source`` equals at the precision the cell prints."""
+    values = [float(t.replace(",", "")) for t in NUMBER.findall(source)]
+    out = []
+    for token in (t for cell in cells for t in NUMBER.findall(_norm(cell))):
+        v = float(token.replace(",", ""))
+        if "e" in token.lower():
+            ok = any(math.isclose(v, f, rel_tol=1e-9) for f in values)
+        else:
+            d = _decimals(token)
+            ok = any(abs(round(f, d) - v) < 0.5 * 10**-d + 1e-12 for f in values)
+        if not ok:
+            out.append(token)
+    return out
+
+
+def _claim_id(text: str) -> str:
+    m = re.match(r"(C\d+)\b", text)
+    return m.group(1) if m else text
+
+
+def test_pages_have_claim_tables_and_result_files():
+    for name in ("afind", "cfl-saga", "cse-fsl"):
+        assert claim_tables((PAGES / f"{name}.md").read_text(encoding="utf-8")), name
+        assert result_text(name)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in PAGES.glob("*.md")))
+def test_every_number_in_a_claim_table_is_in_the_committed_files(name):
+    tables = claim_tables((PAGES / f"{name}.md").read_text(encoding="utf-8"))
+    if not tables:
+        pytest.skip(f"{name}.md has no claim table")
+    source = result_text(name)
+    bad = {row[0][:60]: miss for rows in tables for row in rows if (miss := missing_numbers(row[1:], source))}
+    assert not bad, f"{name}.md: numbers not in docs/reproductions/{name}/: {bad}"
+
+
+def _file_verdicts(md: str, verdict_col: int) -> dict[str, str]:
+    return {_claim_id(r[0]): r[verdict_col] for rows in claim_tables(md) for r in rows}
+
+
+@pytest.mark.parametrize(
+    "page_table, result_file", [(0, "table-fashion_mnist.md"), (1, "table-digits.md")], ids=["fashion", "digits"]
+)
+def test_cse_fsl_verdicts_are_the_files(page_table, result_file):
+    page = claim_tables((PAGES / "cse-fsl.md").read_text(encoding="utf-8"))[page_table]
+    verdicts = _file_verdicts((PAGES / "cse-fsl" / result_file).read_text(encoding="utf-8"), 2)
+    for row in page:
+        key = _claim_id(row[0])
+        if key in verdicts:
+            assert row[-1].split(" (")[0] == verdicts[key], (key, row[-1], verdicts[key])
+        else:  # not evaluated by the generator: the row names the committed plot it was read from
+            plots = [p.name for p in (PAGES / "cse-fsl").glob("*.png")]
+            assert any(p in row[1] for p in plots) and "from the plot" in row[-1], row
+
+
+def test_afind_verdicts_are_the_files():
+    page = claim_tables((PAGES / "afind.md").read_text(encoding="utf-8"))
+    verdicts: dict[str, str] = {}
+    for f in sorted((PAGES / "afind").rglob("results.md")):
+        verdicts.update(_file_verdicts(f.read_text(encoding="utf-8"), 1))
+    for rows in page:
+        for row in rows:
+            assert row[0] in verdicts, f"afind.md claim {row[0]!r} is in no committed results.md"
+            assert row[1] == verdicts[row[0]], (row[0], row[1], verdicts[row[0]])
+
+
+def test_cfl_saga_verdicts_are_the_files_word_for_word():
+    with open(PAGES / "cfl-saga" / "claims.csv", encoding="utf-8") as f:
+        verdicts = {r["verdict"] for r in csv.DictReader(f)}
+    page = claim_tables((PAGES / "cfl-saga.md").read_text(encoding="utf-8"))[0]
+    for row in page:
+        said = [b for b in BOLD.findall(row[-1]) if b not in ("the reconstruction is unverified",)]
+        assert said, row[0]
+        for verdict in said:
+            assert verdict in verdicts, (row[0], verdict)
