@@ -125,3 +125,37 @@ def test_cfl_saga_verdicts_are_the_files_word_for_word():
         assert said, row[0]
         for verdict in said:
             assert verdict in verdicts, (row[0], verdict)
+
+
+def _fedmim_record(split: str, method: str, seed: int, acc: float) -> dict:
+    return {"dataset": "d", "split": split, "method": method, "seed": seed, "final_acc": acc, "consistency_last20": 1.0}
+
+
+def test_fedmim_iid_shrink_claim_is_untestable_without_a_dir01_gain():
+    from fedweave.reproduce.fedmim import _claims
+
+    def records(dir_gap: float) -> list[dict]:
+        rows = []
+        for s in range(3):
+            rows += [_fedmim_record("dir0.1", "fedavg", s, 70.0), _fedmim_record("dir0.1", "fedmim", s, 70 + dir_gap)]
+            rows += [_fedmim_record("iid", "fedavg", s, 80.0), _fedmim_record("iid", "fedmim", s, 79.0)]
+        return rows
+
+    assert _claims(records(-1.0), "d")["claim_iid_smaller"] is None  # no advantage to shrink
+    assert _claims(records(+2.0), "d")["claim_iid_smaller"] is True
+
+
+def test_cse_fsl_c7_is_untestable_when_fsl_oc_did_not_struggle():
+    from fedweave.reproduce.cse_fsl import claims, preset
+
+    def table(oc: float) -> list[dict]:
+        base = {"load_exact": True, "load_to_target_gib": 1.0, "storage_m": 1.0, "server_copies": 1}
+        accs = {"fsl_mc": 84.0, "fsl_an": 84.0, "fsl_oc": oc, "cse_fsl h=1": 85.0, "cse_fsl h=5": 83.0}
+        return [{**base, "method": m, "accuracy": a} for m, a in accs.items()] + [
+            {**base, "method": "cse_fsl h=5 random", "accuracy": 83.0}
+        ]
+
+    p = preset("small", "digits")
+    c7 = {c[:2]: ok for c, _, ok in claims(table(85.0), p)}["C7"]
+    assert c7 is None
+    assert {c[:2]: ok for c, _, ok in claims(table(80.0), p)}["C7"] is True
