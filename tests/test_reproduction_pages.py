@@ -159,3 +159,22 @@ def test_cse_fsl_c7_is_untestable_when_fsl_oc_did_not_struggle():
     c7 = {c[:2]: ok for c, _, ok in claims(table(85.0), p)}["C7"]
     assert c7 is None
     assert {c[:2]: ok for c, _, ok in claims(table(80.0), p)}["C7"] is True
+
+
+def test_fedmim_gaps_reads_the_checkpoint_rounds_of_every_run(tmp_path):
+    from fedweave.reproduce.fedmim import PRESETS, gaps
+
+    p = PRESETS["long"]
+    accs = {"fedavg": (0.70, 0.80), "fedmim": (0.72, 0.79), "fedcm": (0.71, 0.78), "scaffold": (0.73, 0.81)}
+    for m, (a50, a500) in accs.items():
+        for seed in (0, 1):
+            d = tmp_path / "runs" / f"fashion_mnist-dir0.1-{m}-s{seed}"
+            d.mkdir(parents=True)
+            rows = [(50, a50 + seed / 100), (150, 0.75), (300, 0.77), (500, a500)]
+            (d / "metrics.csv").write_text("round,test_accuracy\n" + "".join(f"{t},{a}\n" for t, a in rows))
+    table, md = gaps(tmp_path, p, (0, 1, 2))  # seed 2 has no runs: the cells count the seeds that do
+    assert "fashion_mnist,dir0.1,fedavg,1,50,71.00,2.00" in table  # FedMIM 73 - FedAvg 71 at seed 1
+    assert "| 50 | 70.50 ± 0.50 (2) | 72.50 ± 0.50 (2) |" in md
+    assert (
+        "| 500 | 80.00 ± 0.00 (2) | 79.00 ± 0.00 (2) | 78.00 ± 0.00 (2) | 81.00 ± 0.00 (2) | -1.00 (-1.00, -1.00)" in md
+    )
