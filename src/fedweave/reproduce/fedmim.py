@@ -515,7 +515,7 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> tuple[str, str]:
                     acc[(dataset, split, m, seed)] = {t: rows[t] for t in p.report_rounds if t in rows}
     lines = ["dataset,split,method,seed,round,accuracy,fedmim_minus_method"]
     md = [f"# FedMIM's gap over a longer horizon (preset rounds {p.rounds})", ""]
-    md += ["Test accuracy (%) at each round, mean ± std over the seeds that reached it (population std), "
+    md += ["Test accuracy (%) at each round, mean ± std over the seeds that reached it (sample std), "
            "and FedMIM − method, per seed.", ""]  # fmt: skip
     for dataset, split, methods in p.grid:
         md += [f"## {dataset} {split}", "", "| round | " + " | ".join(LABELS[m] for m in methods)]
