@@ -11,7 +11,8 @@ Presets (``--scale``):
 - ``small``: the scaled-down CPU grid of spec §9 on real Fashion-MNIST and MNIST (100 clients, 10 % per
   round, Dirichlet-0.1 and IID, ``cnn_small``, 3 seeds), in the spec's priority order (see GRIDS).
 - ``long``: the small preset's Dir-0.1 Fashion-MNIST cell with FedMIM, FedAvg, FedCM and SCAFFOLD at
-  T = 500 (3 seeds): tests whether FedMIM's gap closes or reverses over a longer horizon.
+  T = 500 (3 seeds): tests whether FedMIM's gap closes or reverses over a longer horizon; also writes
+  ``OUT/gaps.csv`` and ``OUT/gaps.md`` (accuracy and FedMIM's gaps at rounds 50, 150, 300 and 500).
 - ``paper``: Table I's settings (CIFAR-10/100 files needed locally, ResNet-18-GN, E = 5, B = 50,
   T = 1000, lr 0.1 x 0.998^t, weight decay 1e-3); days of CPU time.
 """
