@@ -326,9 +326,28 @@ def test_fedopt_server_step_closed_form(opt):
     torch.testing.assert_close(step, 0.1 * m / (v.sqrt() + 1e-2))
 
 
+@pytest.mark.parametrize("v_init", [0.0, 1e-4, 0.25])
+def test_fedadam_v_init_first_step_known_answer(v_init):
+    # Reddi et al. Alg. 2 with v_{-1} = v_init: one round from x = 0, Delta = (1, -2, 0):
+    # m = 0.1 Delta, v = 0.99 v_init + 0.01 Delta^2, x_1 = 0.1 m / (sqrt(v) + 0.01)
+    algo = _algo(_cfg("fedadam", rounds=1, v_init=v_init))
+    torch.testing.assert_close(algo.v, torch.full_like(algo.x, v_init))
+    d = torch.zeros_like(algo.x)
+    d[:3] = torch.tensor([1.0, -2.0, 0.0])
+    step = algo.server_step(d)
+    expected = (
+        torch.tensor([1.0, -2.0, 0.0]) * 0.01 / (torch.tensor([0.01, 0.04, 0.0]) + 0.99 * v_init).sqrt().add(0.01)
+    )
+    torch.testing.assert_close(step[:3], expected)
+    if v_init == 0.0:  # by hand: 0.1 * 0.1 / (sqrt(0.01) + 0.01) = 0.01 / 0.11
+        assert float(step[0]) == pytest.approx(0.01 / 0.11)
+    with pytest.raises(ConfigError, match="algorithm.v_init"):
+        _algo(_cfg("fedadam", v_init=-1.0))
+
+
 def test_fedadam_defaults_and_errors():
     hp = FedOptHparams()
-    assert (hp.server_lr, hp.beta1, hp.beta2, hp.tau) == (0.1, 0.9, 0.99, 1e-2)
+    assert (hp.server_lr, hp.beta1, hp.beta2, hp.tau, hp.v_init) == (0.1, 0.9, 0.99, 1e-2, 0.0)
     with pytest.raises(ConfigError, match="algorithm.beta2"):
         _algo(_cfg("fedadam", beta2=1.0))
     with pytest.raises(ConfigError, match="algorithm.server_opt"):

@@ -154,6 +154,16 @@ def test_cifar10_pickles(cifar10_root):
     assert float(norm.train_x[0, 2, 0, 0]) == pytest.approx((first[2048] - mean[2]) / std[2], abs=1e-5)
 
 
+def test_cifar10_half_stats_are_the_cse_fsl_authors_normalisation(cifar10_root):
+    # Normalize((0.5,) * 3, (0.5,) * 3) of the authors' code: x -> (x / 255 - 0.5) / 0.5 = 2 x / 255 - 1
+    ds = DATASETS.get("cifar10")(root=cifar10_root, stats="half")
+    raw = DATASETS.get("cifar10")(root=cifar10_root, normalize=False)
+    torch.testing.assert_close(ds.train_x, 2 * raw.train_x - 1)
+    torch.testing.assert_close(ds.test_x, 2 * raw.test_x - 1)
+    with pytest.raises(ValueError, match="stats"):
+        DATASETS.get("cifar10")(root=cifar10_root, stats="imagenet")
+
+
 def test_cifar100_fine_and_coarse(tmp_path, monkeypatch):
     d = tmp_path / "cifar-100-python"
     d.mkdir()

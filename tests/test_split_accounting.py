@@ -47,6 +47,27 @@ def test_femnist_cnn_aux_table_iv(c, expected):
     assert _parts("split_femnist", (1, 28, 28), 62, aux="cnn", aux_channels=c)[2] == expected == 8993 * c + 62
 
 
+def test_paper_preset_cifar_crop_gives_the_papers_q():
+    # 32x32 CIFAR images with the 24x24 crop of the authors' pipeline: q = 2,304 (not 4,096), same sizes
+    assert _parts("split_cifar", (3, 32, 32), 10, crop=24) == (107_328, 960_970, 23_050, 2304)
+    assert _parts("split_cifar", (3, 32, 32), 10)[3] == 4096  # without the crop
+
+
+def test_paper_models_default_to_the_authors_init_spec_a28():
+    import torch
+
+    torch.manual_seed(0)
+    for name, shape, k in (("split_cifar", (3, 24, 24), 10), ("split_femnist", (1, 28, 28), 62)):
+        m = build_split_model(name, shape, k)
+        flat = torch.cat([p.detach().flatten() for part in (m.client, m.server, m.aux) for p in part.parameters()])
+        assert abs(float(flat.mean())) < 1e-3 and float(flat.std()) == pytest.approx(0.05, rel=0.01), name
+        bias = m.server[0].bias.detach()  # biases too: N(0, 0.05^2), PyTorch would give U(+-1/sqrt(q))
+        assert float(bias.abs().max()) > 1 / 2304**0.5
+    small = build_split_model("split_small", (1, 8, 8), 10)  # fedweave's own model keeps PyTorch's init
+    w = small.server[0].weight.detach()
+    assert float(w.abs().max()) <= 1 / 512**0.5 + 1e-7
+
+
 def test_aux_percentages_tables_iii_iv():
     # "% of whole model" = |a| / (|x_c| + |x_s|)
     assert round(100 * 23_050 / CIFAR.whole, 2) == 2.16

@@ -449,26 +449,3 @@ def test_list_shows_losses_metrics_and_samplers(capsys):
     out = capsys.readouterr().out
     for word in ("mse", "bce_with_logits", "nll", "auc", "perplexity", "schedule", "bernoulli", "from_file"):
         assert word in out
-
-
-def test_fedadam_v_init_is_the_second_moment_before_round_0(tmp_path):
-    """One FedAdam server step from a known pseudo-gradient, with v_{-1} = 0 and = tau^2 (Reddi et al. Alg. 2)."""
-    from fedweave.algorithms.base import RunContext, build_algorithm
-    from fedweave.config import load
-
-    base = {"dataset": {"name": "digits"}, "partition": {"name": "iid", "num_clients": 2}}
-    delta = torch.linspace(-1, 1, 650)
-    for v_init in (0.0, 1e-4):
-        algo = build_algorithm(
-            RunContext(load({**base, "algorithm": {"name": "fedadam", "v_init": v_init, "clients_per_round": 2}}))
-        )
-        hp = algo.hp
-        assert torch.equal(algo.v, torch.full_like(algo.x, v_init))
-        step = algo.server_step(delta)
-        m = (1 - hp.beta1) * delta
-        v = hp.beta2 * v_init + (1 - hp.beta2) * delta**2
-        torch.testing.assert_close(step, hp.server_lr * m / (v.sqrt() + hp.tau))
-    with pytest.raises(ConfigError, match="algorithm.v_init"):
-        build_algorithm(
-            RunContext(load({**base, "algorithm": {"name": "fedadam", "v_init": -1, "clients_per_round": 2}}))
-        )

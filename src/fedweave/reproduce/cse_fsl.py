@@ -15,8 +15,9 @@ clients) for 3 seeds, and writes, atomically, into ``--out`` (default ``runs/rep
 samples, B = 10, 30 rounds, h ∈ {1, 2, 4, 7, 14}); ``--dataset mnist`` swaps in MNIST. ``--scale smoke``
 is a seconds-long pipeline check (2 rounds, 1 seed) whose accuracies mean nothing. ``--scale paper`` is the
 paper's CIFAR-10 setting (5 clients, B = 50, lr 0.15 ×0.99 per 10 rounds, 200 rounds, N(0, 0.05²) init,
-h ∈ {5, 10, 25, 50}, 5 seeds; needs the CIFAR-10 files and days of CPU time; the loader's 32×32 images
-give q = 4096 instead of the paper's 24×24 crops with q = 2304).
+h ∈ {5, 10, 25, 50}, 5 seeds; needs the CIFAR-10 files and days of CPU time). It trains on random 24×24
+crops and flips and tests on the centre crop, so q = 2,304 as in the paper, and normalises with mean 0.5 /
+std 0.5 per channel as the authors' code does (``stats: half``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class Preset:
 def preset(scale: str, dataset: str) -> Preset:
     if scale == "paper":
         # spec §3: random 24×24 crops and flips to train, the centre crop to test (q = 2304)
-        return Preset({"name": "cifar10"}, {"name": "split_cifar", "aux": "mlp", "init": "normal", "crop": 24}, 5,
+        cifar = {"name": "cifar10", "stats": "half"}  # the authors' Normalize(0.5, 0.5) (docs/algorithms/split.md)
+        return Preset(cifar, {"name": "split_cifar", "aux": "mlp", "init": "normal", "crop": 24}, 5,
                       50, 0.15, 200, [5, 10, 25, 50], 5, 0.70, 5,
                       {"lr_decay": 0.99, "augment": ["crop", "flip"], "crop_size": 24, "crop_padding": 0},
                       {"lr_decay_every": 10})  # fmt: skip
@@ -227,8 +229,13 @@ def claims(table: list[dict[str, Any]], p: Preset) -> list[tuple[str, str, bool 
                     f"{ordered['accuracy']:.2f} vs {rnd['accuracy']:.2f} %", diff <= 1.5))  # fmt: skip
     h1 = by.get("cse_fsl h=1")
     if h1:
-        ok7 = h1["accuracy"] >= oc["accuracy"] - 1
-        out.append(("C7 CSE-FSL h=1 >= FSL_OC (+clip) - 1 pp", f"{h1['accuracy']:.2f} vs {oc['accuracy']:.2f} %", ok7))
+        # "the auxiliary net fixes the single-server-model problem" needs that problem: FSL_OC more than 1 pp
+        # below the better of FSL_MC / FSL_AN (the paper: 73.74 vs 80.55 on CIFAR); otherwise untestable
+        struggled = oc["accuracy"] < max(mc["accuracy"], an["accuracy"]) - 1
+        ok7 = h1["accuracy"] >= oc["accuracy"] - 1 if struggled else None
+        out.append(("C7 CSE-FSL h=1 >= FSL_OC (+clip) - 1 pp (testable only if FSL_OC is > 1 pp below FSL_MC/AN)",
+                    f"{h1['accuracy']:.2f} vs {oc['accuracy']:.2f} %; FSL_OC vs best of FSL_MC/AN "
+                    f"{oc['accuracy']:.2f} vs {max(mc['accuracy'], an['accuracy']):.2f} %", ok7))  # fmt: skip
     return out
 
 
@@ -274,7 +281,7 @@ def markdown(table, verdicts, p: Preset, args, wall: float) -> str:
         nd = {"load_gib": 5, "storage_m": 4, "load_to_target_gib": 5, "load_ratio": 3, "paper_load_ratio": 3}
         lines.append("| " + " | ".join(_fmt(t[k], nd.get(k, 2)) for k, _ in COLUMNS) + " |")
     lines += ["", "## Claims (spec §9.3)", "", "| claim | measured | held |", "|---|---|---|"]
-    lines += [f"| {c} | {m} | {_fmt(ok)} |" for c, m, ok in verdicts]
+    lines += [f"| {c} | {m} | {'untestable' if ok is None else _fmt(ok)} |" for c, m, ok in verdicts]
     lines += ["", "Per-seed final accuracies (%):", ""]
     lines += [f"- {t['method']}: {', '.join(f'{a:.2f}' for a in t['accs'])}" for t in table]
     return "\n".join(lines) + "\n"

@@ -6,7 +6,12 @@ pseudo-gradient ``Delta = mean_S (y_i - x_t)`` (FedMIM spec §5). ``server_opt``
 - ``adagrad`` (FedAdagrad): m as Adam,                v = v + Delta^2
 - ``momentum`` (FedAvgM, Hsu et al. 2019): m = b1 m + Delta, x += eta_g m
 
-and ``x_{t+1} = x_t + eta_g m / (sqrt(v) + tau)`` for the adaptive three; m_0 = v_0 = 0, no bias correction.
+and ``x_{t+1} = x_t + eta_g m / (sqrt(v) + tau)`` for the adaptive three; m starts at 0, no bias correction.
+The second moment starts at ``v_init`` (default 0). Reddi et al. Alg. 2 initialise ``v_{-1} >= tau^2``; set
+``v_init: tau^2`` (or larger) for the paper's rule. The default 0 is the convention of Flower's FedAdam /
+FedYogi / FedAdagrad strategies (``flwr.server.strategy``: ``v_t`` starts as zeros) and of FedMIM's
+baselines; with v = 0 the first step is ``eta_g (1-b1) Delta / (sqrt(1-b2) |Delta| + tau)``, larger than
+under the paper's rule when |Delta| is small.
 Registered as ``fedadam`` (server_opt adam) and ``fedopt`` (the same class).
 """
 
@@ -30,9 +35,7 @@ class FedOptHparams(StarHparams):
     beta1: float = 0.9
     beta2: float = 0.99
     tau: float = 1e-2  # adaptivity; Reddi et al. tune it in [1e-3, 1e-1]
-    # v_{-1}, the second moment before round 0. Reddi et al. (2021, Alg. 2) assume v_{-1} >= tau^2; the
-    # default 0 is what Flower's FedAdam/FedYogi/FedAdagrad and most code do (docs/algorithms/centralized.md)
-    v_init: float = 0.0
+    v_init: float = 0.0  # v_{-1}; Reddi et al. Alg. 2 take v_{-1} >= tau^2, Flower 0 (module docstring)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -41,7 +44,7 @@ class FedOptHparams(StarHparams):
                 raise ConfigError(f"algorithm.{key} must be in [0, 1), got {getattr(self, key)}")
         if self.tau <= 0:
             raise ConfigError(f"algorithm.tau must be > 0, got {self.tau}")
-        if self.v_init < 0:
+        if not self.v_init >= 0:
             raise ConfigError(f"algorithm.v_init must be >= 0 (Reddi et al.: >= tau^2), got {self.v_init}")
 
 
@@ -55,7 +58,7 @@ class FedOpt(StarAlgorithm):
     def __init__(self, ctx, hp: FedOptHparams) -> None:
         super().__init__(ctx, hp)
         self.m = torch.zeros_like(self.x)
-        self.v = torch.full_like(self.x, hp.v_init)  # v_{-1}
+        self.v = torch.full_like(self.x, hp.v_init)  # v_{-1} (Reddi et al. Alg. 2)
         self._checkpoint = ("x", "m", "v")
         self.ledger.store("server", "optimizer_state", nbytes(self.m, self.v))
 

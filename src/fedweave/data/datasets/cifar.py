@@ -111,8 +111,19 @@ _STATS = {
 }
 
 
-def _finish(name: str, parts: dict[str, tuple[np.ndarray, np.ndarray]], num_classes: int, normalize: bool) -> Dataset:
-    mean, std = (np.asarray(v, np.float32).reshape(1, 3, 1, 1) for v in _STATS[name])
+# ``stats: half``: mean 0.5 / std 0.5 per channel, the CSE-FSL authors' Normalize((.5,.5,.5), (.5,.5,.5))
+_HALF = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+STATS_CHOICES = ("dataset", "half")
+
+
+def _finish(
+    name: str,
+    parts: dict[str, tuple[np.ndarray, np.ndarray]],
+    num_classes: int,
+    normalize: bool,
+    stats: str = "dataset",
+) -> Dataset:
+    mean, std = (np.asarray(v, np.float32).reshape(1, 3, 1, 1) for v in (_HALF if stats == "half" else _STATS[name]))
     out = {}
     for split, (x, y) in parts.items():
         if y.size and (y.min() < 0 or y.max() >= num_classes):
@@ -127,32 +138,40 @@ def _finish(name: str, parts: dict[str, tuple[np.ndarray, np.ndarray]], num_clas
     return Dataset(name, *out["train"], *out["test"], num_classes=num_classes, input_shape=(3, 32, 32))
 
 
-def _limits(name: str, normalize, max_train, max_test) -> tuple[bool, int | None, int | None]:
+def _limits(name: str, normalize, max_train, max_test, stats) -> tuple[bool, int | None, int | None, str]:
     return (
         opt_bool(name, "normalize", normalize),
         opt_int(name, "max_train", max_train, allow_none=True),
         opt_int(name, "max_test", max_test, allow_none=True),
+        opt_choice(name, "stats", stats, STATS_CHOICES),
     )
 
 
 @DATASETS.register("cifar10")
 def load_cifar10(
-    root=None, *, normalize: bool = True, max_train: int | None = None, max_test: int | None = None, **unknown
+    root=None,
+    *,
+    normalize: bool = True,
+    stats: str = "dataset",
+    max_train: int | None = None,
+    max_test: int | None = None,
+    **unknown,
 ) -> Dataset:
     """CIFAR-10: 50,000 + 10,000 images, float32 (N, 3, 32, 32), per-channel standardized; 10 classes.
 
     Reads ``cifar-10-batches-py/data_batch_1..5`` and ``test_batch`` (root= may be that directory or its
-    parent). Options: ``normalize``, ``max_train``, ``max_test`` (first rows, for quick runs).
+    parent). Options: ``normalize``; ``stats`` = ``"dataset"`` (the training set's per-channel mean/std) or
+    ``"half"`` (mean 0.5, std 0.5: the CSE-FSL authors' code); ``max_train``, ``max_test`` (first rows).
     """
     reject_unknown("cifar10", unknown, load_cifar10)
-    normalize, max_train, max_test = _limits("cifar10", normalize, max_train, max_test)
+    normalize, max_train, max_test, stats = _limits("cifar10", normalize, max_train, max_test, stats)
     files = sources.resolve("cifar10", root).files
     d = "cifar-10-batches-py/"
     train = [read_batch(files[f"{d}data_batch_{i}"], "labels") for i in range(1, 6)]
     x, y = np.concatenate([b[0] for b in train]), np.concatenate([b[1] for b in train])
     tx, ty = read_batch(files[f"{d}test_batch"], "labels")
     parts = {"train": head(x, y, max_train), "test": head(tx, ty, max_test)}
-    return _finish("cifar10", parts, 10, normalize)
+    return _finish("cifar10", parts, 10, normalize, stats)
 
 
 @DATASETS.register("cifar100")
@@ -161,6 +180,7 @@ def load_cifar100(
     *,
     labels: str = "fine",
     normalize: bool = True,
+    stats: str = "dataset",
     max_train: int | None = None,
     max_test: int | None = None,
     **unknown,
@@ -168,14 +188,14 @@ def load_cifar100(
     """CIFAR-100: 50,000 + 10,000 images, float32 (N, 3, 32, 32), per-channel standardized.
 
     Reads ``cifar-100-python/train`` and ``test``. Options: ``labels`` = ``"fine"`` (100 classes) or
-    ``"coarse"`` (20 superclasses); ``normalize``, ``max_train``, ``max_test``.
+    ``"coarse"`` (20 superclasses); ``normalize``, ``stats``, ``max_train``, ``max_test`` (as CIFAR-10).
     """
     reject_unknown("cifar100", unknown, load_cifar100)
     labels = opt_choice("cifar100", "labels", labels, ("fine", "coarse"))
-    normalize, max_train, max_test = _limits("cifar100", normalize, max_train, max_test)
+    normalize, max_train, max_test, stats = _limits("cifar100", normalize, max_train, max_test, stats)
     files = sources.resolve("cifar100", root).files
     key = f"{labels}_labels"
     x, y = read_batch(files["cifar-100-python/train"], key)
     tx, ty = read_batch(files["cifar-100-python/test"], key)
     parts = {"train": head(x, y, max_train), "test": head(tx, ty, max_test)}
-    return _finish("cifar100", parts, 100 if labels == "fine" else 20, normalize)
+    return _finish("cifar100", parts, 100 if labels == "fine" else 20, normalize, stats)

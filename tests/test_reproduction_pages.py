@@ -1,0 +1,180 @@
+"""Every reproduction page agrees with the result files committed beside it.
+
+For each claim table of ``docs/reproductions/<name>.md`` (a table whose first column is ``claim``), every
+number in the row must occur in the files of ``docs/reproductions/<name>/`` (at the precision the page
+prints), and the row's verdict must be the file's verdict for that claim, word for word. A claim the
+generated files do not evaluate must say which committed plot it was read from.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+PAGES = Path(__file__).parents[1] / "docs" / "reproductions"
+NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?", re.IGNORECASE)
+BOLD = re.compile(r"\*\*(.+?)\*\*")
+
+
+def _norm(text: str) -> str:
+    return text.replace("−", "-").replace("\u2009", "")
+
+
+def claim_tables(md: str) -> list[list[list[str]]]:
+    """The rows (lists of cells) of every table whose header starts with ``| claim``."""
+    lines, tables, i = md.splitlines(), [], 0
+    while i < len(lines):
+        if lines[i].startswith("| claim"):
+            rows, i = [], i + 2
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append([c.strip() for c in lines[i].strip().strip("|").split("|")])
+                i += 1
+            tables.append(rows)
+        i += 1
+    return tables
+
+
+def result_text(name: str, pattern: str = "*") -> str:
+    files = [f for f in sorted((PAGES / name).glob(pattern)) if f.suffix in (".md", ".csv", ".json")]
+    assert files, f"docs/reproductions/{name}/ has no result files"
+    return _norm("\n".join(f.read_text(encoding="utf-8") for f in files))
+
+
+def _decimals(token: str) -> int:
+    mantissa = token.replace(",", "").lower().split("e")[0]
+    return len(mantissa.split(".")[1]) if "." in mantissa else 0
+
+
+def missing_numbers(cells: list[str], source: str) -> list[str]:
+    """Numbers of ``cells`` that no number of ``source`` equals at the precision the cell prints."""
+    values = [float(t.replace(",", "")) for t in NUMBER.findall(source)]
+    out = []
+    for token in (t for cell in cells for t in NUMBER.findall(_norm(cell))):
+        v = float(token.replace(",", ""))
+        if "e" in token.lower():
+            ok = any(math.isclose(v, f, rel_tol=1e-9) for f in values)
+        else:
+            d = _decimals(token)
+            ok = any(abs(round(f, d) - v) < 0.5 * 10**-d + 1e-12 for f in values)
+        if not ok:
+            out.append(token)
+    return out
+
+
+def _claim_id(text: str) -> str:
+    m = re.match(r"(C\d+)\b", text)
+    return m.group(1) if m else text
+
+
+def test_pages_have_claim_tables_and_result_files():
+    for name in ("afind", "cfl-saga", "cse-fsl"):
+        assert claim_tables((PAGES / f"{name}.md").read_text(encoding="utf-8")), name
+        assert result_text(name)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in PAGES.glob("*.md")))
+def test_every_number_in_a_claim_table_is_in_the_committed_files(name):
+    tables = claim_tables((PAGES / f"{name}.md").read_text(encoding="utf-8"))
+    if not tables:
+        pytest.skip(f"{name}.md has no claim table")
+    source = result_text(name)
+    bad = {row[0][:60]: miss for rows in tables for row in rows if (miss := missing_numbers(row[1:], source))}
+    assert not bad, f"{name}.md: numbers not in docs/reproductions/{name}/: {bad}"
+
+
+def _file_verdicts(md: str, verdict_col: int) -> dict[str, str]:
+    return {_claim_id(r[0]): r[verdict_col] for rows in claim_tables(md) for r in rows}
+
+
+@pytest.mark.parametrize(
+    "page_table, result_file", [(0, "table-fashion_mnist.md"), (1, "table-digits.md")], ids=["fashion", "digits"]
+)
+def test_cse_fsl_verdicts_are_the_files(page_table, result_file):
+    page = claim_tables((PAGES / "cse-fsl.md").read_text(encoding="utf-8"))[page_table]
+    verdicts = _file_verdicts((PAGES / "cse-fsl" / result_file).read_text(encoding="utf-8"), 2)
+    for row in page:
+        key = _claim_id(row[0])
+        if key in verdicts:
+            assert row[-1].split(" (")[0] == verdicts[key], (key, row[-1], verdicts[key])
+        else:  # not evaluated by the generator: the row names the committed plot it was read from
+            plots = [p.name for p in (PAGES / "cse-fsl").glob("*.png")]
+            assert any(p in row[1] for p in plots) and "from the plot" in row[-1], row
+
+
+def test_afind_verdicts_are_the_files():
+    page = claim_tables((PAGES / "afind.md").read_text(encoding="utf-8"))
+    verdicts: dict[str, str] = {}
+    for f in sorted((PAGES / "afind").rglob("results.md")):
+        verdicts.update(_file_verdicts(f.read_text(encoding="utf-8"), 1))
+    for rows in page:
+        for row in rows:
+            assert row[0] in verdicts, f"afind.md claim {row[0]!r} is in no committed results.md"
+            assert row[1] == verdicts[row[0]], (row[0], row[1], verdicts[row[0]])
+
+
+def test_cfl_saga_verdicts_are_the_files_word_for_word():
+    with open(PAGES / "cfl-saga" / "claims.csv", encoding="utf-8") as f:
+        verdicts = {r["verdict"] for r in csv.DictReader(f)}
+    page = claim_tables((PAGES / "cfl-saga.md").read_text(encoding="utf-8"))[0]
+    for row in page:
+        said = [b for b in BOLD.findall(row[-1]) if b not in ("the reconstruction is unverified",)]
+        assert said, row[0]
+        for verdict in said:
+            assert verdict in verdicts, (row[0], verdict)
+
+
+def _fedmim_record(split: str, method: str, seed: int, acc: float) -> dict:
+    return {"dataset": "d", "split": split, "method": method, "seed": seed, "final_acc": acc, "consistency_last20": 1.0}
+
+
+def test_fedmim_iid_shrink_claim_is_untestable_without_a_dir01_gain():
+    from fedweave.reproduce.fedmim import _claims
+
+    def records(dir_gap: float) -> list[dict]:
+        rows = []
+        for s in range(3):
+            rows += [_fedmim_record("dir0.1", "fedavg", s, 70.0), _fedmim_record("dir0.1", "fedmim", s, 70 + dir_gap)]
+            rows += [_fedmim_record("iid", "fedavg", s, 80.0), _fedmim_record("iid", "fedmim", s, 79.0)]
+        return rows
+
+    assert _claims(records(-1.0), "d")["claim_iid_smaller"] is None  # no advantage to shrink
+    assert _claims(records(+2.0), "d")["claim_iid_smaller"] is True
+
+
+def test_cse_fsl_c7_is_untestable_when_fsl_oc_did_not_struggle():
+    from fedweave.reproduce.cse_fsl import claims, preset
+
+    def table(oc: float) -> list[dict]:
+        base = {"load_exact": True, "load_to_target_gib": 1.0, "storage_m": 1.0, "server_copies": 1}
+        accs = {"fsl_mc": 84.0, "fsl_an": 84.0, "fsl_oc": oc, "cse_fsl h=1": 85.0, "cse_fsl h=5": 83.0}
+        return [{**base, "method": m, "accuracy": a} for m, a in accs.items()] + [
+            {**base, "method": "cse_fsl h=5 random", "accuracy": 83.0}
+        ]
+
+    p = preset("small", "digits")
+    c7 = {c[:2]: ok for c, _, ok in claims(table(85.0), p)}["C7"]
+    assert c7 is None
+    assert {c[:2]: ok for c, _, ok in claims(table(80.0), p)}["C7"] is True
+
+
+def test_fedmim_gaps_reads_the_checkpoint_rounds_of_every_run(tmp_path):
+    from fedweave.reproduce.fedmim import PRESETS, gaps
+
+    p = PRESETS["long"]
+    accs = {"fedavg": (0.70, 0.80), "fedmim": (0.72, 0.79), "fedcm": (0.71, 0.78), "scaffold": (0.73, 0.81)}
+    for m, (a50, a500) in accs.items():
+        for seed in (0, 1):
+            d = tmp_path / "runs" / f"fashion_mnist-dir0.1-{m}-s{seed}"
+            d.mkdir(parents=True)
+            rows = [(50, a50 + seed / 100), (150, 0.75), (300, 0.77), (500, a500)]
+            (d / "metrics.csv").write_text("round,test_accuracy\n" + "".join(f"{t},{a}\n" for t, a in rows))
+    table, md = gaps(tmp_path, p, (0, 1, 2))  # seed 2 has no runs: the cells count the seeds that do
+    assert "fashion_mnist,dir0.1,fedavg,1,50,71.00,2.00" in table  # FedMIM 73 - FedAvg 71 at seed 1
+    assert "| 50 | 70.50 ± 0.71 (2) | 72.50 ± 0.71 (2) |" in md  # sample std
+    assert (
+        "| 500 | 80.00 ± 0.00 (2) | 79.00 ± 0.00 (2) | 78.00 ± 0.00 (2) | 81.00 ± 0.00 (2) | -1.00 (-1.00, -1.00)" in md
+    )
