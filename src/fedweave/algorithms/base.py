@@ -147,7 +147,9 @@ class RunContext:
         return self._checked(self._in_precision(self._loaded))
 
     def _in_precision(self, ds: Dataset) -> Dataset:
-        """Floating features and targets in the run's dtype (token ids and class labels stay integers)."""
+        """Floating features and targets in the run's dtype (token ids and class labels stay integers):
+        under ``precision: float64`` every dataset; under float32 the data passed from Python (a registered
+        loader's own dtype is kept: the confederated problems are float64 by design)."""
 
         def cast(t: torch.Tensor) -> torch.Tensor:
             return t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype else t
@@ -155,6 +157,8 @@ class RunContext:
         tensors = (ds.train_x, ds.train_y, ds.test_x, ds.test_y)
         if all(not t.is_floating_point() or t.dtype == self.dtype for t in tensors):
             return ds  # the common case: nothing to convert
+        if self.dtype == torch.float32 and self.objects.dataset is None:
+            return ds
         return dataclasses.replace(
             ds, train_x=cast(ds.train_x), train_y=cast(ds.train_y), test_x=cast(ds.test_x), test_y=cast(ds.test_y)
         )

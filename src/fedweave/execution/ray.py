@@ -116,7 +116,7 @@ def _start_ray(ray: Any, cfg: RayConfig, data_bytes: int) -> None:
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, object_store_memory=store_mb * MB)
 
 
-_ACTORS: dict[str, list] = {}  # Ray job id -> the actors started in that session
+_ACTORS: dict[tuple[str, str], list] = {}  # (job id, node id) -> the actors started in that session
 
 
 def actors(ray: Any, n: int) -> list:
@@ -124,7 +124,10 @@ def actors(ray: Any, n: int) -> list:
     cpus = int(ray.cluster_resources().get("CPU", 0))
     if n > cpus:
         raise ConfigError(f"ray.num_workers ({n}) exceeds the CPUs of the Ray cluster ({cpus})")
-    job = ray.get_runtime_context().get_job_id()
+    ctx = ray.get_runtime_context()
+    # the job id alone repeats across sessions (a fresh local Ray numbers its first job 01000000 again);
+    # with the driver's node id, the handles of a shut-down session are never reused
+    job = (ctx.get_job_id(), ctx.get_node_id())
     for old in [k for k in _ACTORS if k != job]:  # handles of an earlier, shut-down session
         del _ACTORS[old]
     have = _ACTORS.setdefault(job, [])
