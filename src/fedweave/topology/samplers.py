@@ -10,8 +10,9 @@ backend and after a resume) and ``per_round`` the algorithm's ``clients_per_roun
 ``sampler`` section of a config (``sampler: {name: schedule, clients: [[0, 1], [2, 3]]}``); register your
 own with ``@SAMPLERS.register("name")`` (in a plug-in, for YAML configs).
 
-The confederated family does not use one: choosing users is part of its methods (CFL-SAGA's triggered
-uploads, GT-SVRG's sample rate).
+The confederated family keeps its own vectorised uniform draw of ``m = sample_rate * P`` users per edge
+server (spec A13) under the default; any other sampler is asked by each edge server for exactly m of its
+users, on the ``("user_selection", k, server)`` stream (``ConfederatedAlgorithm._sampled_users``).
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ import torch
 import fedweave.data.datasets.cfl_logreg  # noqa: F401  (registers the paper's synthetic data)
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.algorithms.confederated.problem import build_problem
-from fedweave.config import ConfigError
+from fedweave.config import ConfigError, check_options
 from fedweave.faults import mixing_without
+from fedweave.registry import SAMPLERS
 from fedweave.topology.confederation import Confederation, ConfederationHparams
 
 
@@ -184,12 +185,34 @@ class ConfederatedAlgorithm(Algorithm):
         return torch.from_numpy(self.seeds.numpy("batches", k).integers(pb.S, size=(pb.N, pb.P)))
 
     def select_users(self, k: int, m: int) -> torch.Tensor:
-        """m users per server, uniformly without replacement (spec A13), sorted: (N, m)."""
+        """m users per server, uniformly without replacement (spec A13), sorted: (N, m). A ``sampler``
+        section other than the default picks them instead (``_sampled_users``)."""
         pb = self.problem
+        if self.config.sampler.name != "uniform" or self.config.sampler.options:
+            return self._sampled_users(k, m)
         if m == pb.P:
             return self._all_users
         keys = self.seeds.numpy("user_selection", k).random((pb.N, pb.P))
         return torch.from_numpy(np.sort(np.argsort(keys, axis=1)[:, :m], axis=1))
+
+    def _sampled_users(self, k: int, m: int) -> torch.Tensor:
+        """Each edge server i asks the run's sampler for its users at iteration k, on its own
+        ``("user_selection", k, i)`` stream; the methods' estimators (e.g. eq. (11)'s P S / m) need m each."""
+        pb, section = self.problem, self.config.sampler
+        fn = SAMPLERS.get(section.name)
+        opts = check_options(fn, section.options, "sampler", skip=("num_clients", "per_round", "r", "rng", "rounds"))
+        rows = []
+        for i in range(pb.N):
+            row = np.asarray(
+                fn(pb.P, m, k, self.seeds.numpy("user_selection", k, i), rounds=self.config.rounds, **opts)
+            )
+            if len(row) != m:
+                raise ConfigError(
+                    f"sampler {section.name!r} picked {len(row)} users of edge server {i} at iteration {k}; the "
+                    f"confederated methods take exactly m = {m} per server (algorithm.sample_rate * users_per_server)"
+                )
+            rows.append(row)
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
 
     def upload(self, r: int, kind: str, count: int) -> None:
         self.uploads += int(count)

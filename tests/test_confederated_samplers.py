@@ -1,0 +1,55 @@
+"""The confederated edge servers ask the run's sampler for their users when the config names one (DESIGN
+principle 11); the default keeps the family's own vectorised uniform draw (spec A13)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.config import ConfigError, load
+
+# the spec's small configuration (tests/test_confederated.py): N=6 servers, P=5 users, synthetic data
+_ALGO = {"num_servers": 6, "users_per_server": 5, "batch_size": 2, "graph_seed": 3, "sample_rate": 0.4}
+_DATA = {"name": "cfl_logreg", "num_samples": 300, "dim": 20, "seed": 1}
+
+
+def _make(name: str = "gt_saga", sampler: dict | None = None):
+    cfg = {"seed": 0, "rounds": 4, "dataset": _DATA, "algorithm": {"name": name, **_ALGO}}
+    return build_algorithm(RunContext(load({**cfg, **({"sampler": sampler} if sampler else {})})))
+
+
+def test_default_and_explicit_uniform_keep_the_vectorised_draw():
+    default, uniform = _make(), _make(sampler={"name": "uniform"})
+    for k in range(4):
+        keys = np.random.Generator(np.random.PCG64(default.seeds.sequence("user_selection", k))).random((6, 5))
+        want = np.sort(np.argsort(keys, axis=1)[:, :2], axis=1)
+        assert default.select_users(k, 2).tolist() == want.tolist()
+        assert torch.equal(default.select_users(k, 2), uniform.select_users(k, 2))
+
+
+@pytest.mark.parametrize("name", ["gt_saga", "gt_svrg", "cfl_admm"])
+def test_every_edge_server_follows_a_schedule_through_whole_rounds(name):
+    algo = _make(name, {"name": "schedule", "clients": [[0, 4], [1, 2], [3, 0], [2, 1]]})
+    assert algo.select_users(2, 2).tolist() == [[0, 3]] * 6
+    assert algo.select_users(5, 2).tolist() == [[1, 2]] * 6  # cycled
+    for r in range(4):
+        algo.run_round(r)
+    assert np.isfinite(algo.opt_gap())
+
+
+def test_fixed_users_every_iteration():
+    algo = _make(sampler={"name": "fixed"})  # the first m = 2 users of every server
+    assert all(algo.select_users(k, 2).tolist() == [[0, 1]] * 6 for k in range(3))
+    listed = _make(sampler={"name": "fixed", "clients": [4, 2]})
+    assert listed.select_users(0, 2).tolist() == [[2, 4]] * 6
+
+
+def test_a_sampler_must_pick_m_users_per_server():
+    with pytest.raises(ConfigError, match=r"picked 3 users of edge server 0 at iteration 0; .* exactly m = 2"):
+        _make(sampler={"name": "fixed", "clients": 3}).select_users(0, 2)
+    algo = _make(sampler={"name": "bernoulli"})  # a random number of users: some server soon differs from m
+    with pytest.raises(ConfigError, match=r"picked \d users of edge server \d at iteration \d+"):
+        for k in range(50):
+            algo.select_users(k, 2)
