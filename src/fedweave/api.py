@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fedweave.config import RunConfig
+from fedweave.experiments import SweepResult, sweep
 from fedweave.runner import Result, run_config
 
-__all__ = ["Result", "run"]
+__all__ = ["Result", "SweepResult", "run", "sweep"]
 
 
 def run(
