@@ -160,7 +160,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    if extra and args.command == "sweep" and not any(e.startswith("-") for e in extra):
+        args.overrides += extra  # key=value overrides after the options
+    elif extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "sweep":  # remember which were given, so they win over a YAML `sweep:` section
         args.seeds_given, args.workers_given, args.out_given = args.seeds, args.workers, args.out
         args.seeds, args.workers, args.out = args.seeds or 1, args.workers or 1, args.out or "runs/sweep"

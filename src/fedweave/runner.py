@@ -222,6 +222,11 @@ def run(
         # a checkpoint left by an earlier run in this directory must not be resumed into this one
         (out.path / CHECKPOINT).unlink(missing_ok=True)
     out.write_config(config.to_dict())
+    trackers = None
+    if config.output.trackers:  # TensorBoard / MLflow / W&B callbacks (fedweave.experiments.trackers)
+        from fedweave.experiments.trackers import Trackers
+
+        trackers = Trackers(config.output.trackers, config.to_dict(), out.path)
     if "partition" in ctx.__dict__ and not resume:  # the family partitioned a dataset: report it
         from fedweave.data.report import write_partition_report
 
@@ -259,6 +264,8 @@ def run(
                 if "reported_clients" in round_metrics:
                     row["skipped_rounds"] = len(skipped)  # cumulative: rounds without eval are counted too
                 out.add_metrics(row)
+                if trackers is not None:
+                    trackers.log_metrics(row)
                 if bar is not None:
                     post = {"acc": f"{ev['test_accuracy']:.4f}"} if "test_accuracy" in ev else {}
                     post["sent"] = f"{row['bytes_total'] / 2**20:.1f}MiB"
@@ -303,6 +310,8 @@ def run(
             else next((k for k in out.rows[-1] if k not in ("round",)), "test_accuracy")
         )
         plot_runs([out.path], out.path, metric=metric)
+    if trackers is not None:
+        trackers.finish(summary, sorted(out.path.glob("*.png")))
     if error and on_divergence == "raise":
         raise DivergenceError(f"{error} Results so far are in {out.path}")
     return Result(out.path, out.rows, summary, algo)
