@@ -105,6 +105,14 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from fedweave.experiments.report import write_report
+
+    out = args.out or str(Path(args.dirs[0]) / "report.html")
+    print(write_report(args.dirs, out))
+    return 0
+
+
 def _cmd_reproduce(args: argparse.Namespace) -> int:
     from fedweave.reproduce import main as reproduce_main
 
@@ -151,6 +159,11 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--target", type=float, default=None, help="report rounds and bytes to reach this metric")
     sw.add_argument("--no-progress", action="store_true")
     sw.set_defaults(fn=_cmd_sweep)
+
+    rep = sub.add_parser("report", help="one self-contained HTML page for run and sweep directories")
+    rep.add_argument("dirs", nargs="+", metavar="RUN_OR_SWEEP_DIR")
+    rep.add_argument("--out", help="the HTML file (default: report.html in the first directory)")
+    rep.set_defaults(fn=_cmd_report)
 
     rp = sub.add_parser("reproduce", help="reproduce a paper's experiments at a chosen scale")
     rp.add_argument("name")
