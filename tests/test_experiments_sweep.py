@@ -137,3 +137,22 @@ def test_killed_sweep_resumes_to_the_same_tables_as_an_uninterrupted_one(tmp_pat
     assert cli_main(["sweep", str(cfg), *grid, "--seeds", "2", "--out", str(full), "--no-progress"]) == 0
     assert _read(killed / "sweep.csv") == _read(full / "sweep.csv")
     assert _read(killed / "summary.csv") == _read(full / "summary.csv")
+
+
+@pytest.mark.slow
+def test_a_sweep_on_a_ray_cluster_equals_one_in_processes(tmp_path):
+    ray = pytest.importorskip("ray")
+    from fedweave.execution.ray import LOCAL_RAY_ENV
+
+    for k, v in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(k, v)
+    cfg = {**DIGITS, "rounds": 3}
+    grid = {"local.lr": [0.02, 0.05]}
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # stands for an existing cluster
+    try:
+        on_ray = fedweave.sweep(cfg, grid, out=tmp_path / "ray", ray_address="auto", progress=False)
+    finally:
+        ray.shutdown()
+    local = fedweave.sweep(cfg, grid, workers=2, out=tmp_path / "pool", progress=False)
+    assert _read(tmp_path / "ray" / "sweep.csv") == _read(tmp_path / "pool" / "sweep.csv")
+    assert on_ray.summary == local.summary

@@ -99,6 +99,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         metric=args.metric,
         target=args.target,
         progress=not args.no_progress,
+        ray_address=args.ray,
     )
     print(res.table(), end="")
     print(f"sweep directory: {res.out_dir}")
@@ -157,6 +158,7 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--out", default=None, help="sweep directory (default runs/sweep)")
     sw.add_argument("--metric", default="test_accuracy")
     sw.add_argument("--target", type=float, default=None, help="report rounds and bytes to reach this metric")
+    sw.add_argument("--ray", metavar="ADDRESS", help="run the points as tasks on this existing Ray cluster")
     sw.add_argument("--no-progress", action="store_true")
     sw.set_defaults(fn=_cmd_sweep)
 

@@ -46,9 +46,11 @@ def run_points(
     *,
     workers: int = 1,
     progress: bool = True,
+    ray_address: str | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run every point into ``runs_dir/<point.slug>``; returns ``{slug: summary}``. ``workers`` processes run
-    at once, each with its share of the cores."""
+    at once, each with its share of the cores; with ``ray_address`` the points are Ray tasks on that existing
+    cluster instead (one CPU each; ``runs_dir`` must be on storage its nodes share)."""
     runs_dir = Path(runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     threads = threads_per_worker(workers)
@@ -60,7 +62,9 @@ def run_points(
         bar = tqdm(total=len(jobs), unit="run", dynamic_ncols=True, file=sys.stderr, desc="sweep")
     out: dict[str, dict[str, Any]] = {}
     try:
-        if workers <= 1:
+        if ray_address is not None:
+            _on_ray(jobs, out, ray_address, bar)
+        elif workers <= 1:
             for slug, args in jobs.items():
                 out[slug] = _run_one(*args)
                 if bar is not None:
@@ -79,3 +83,22 @@ def run_points(
         if bar is not None:
             bar.close()
     return {slug: out[slug] for slug in jobs}
+
+
+def _on_ray(jobs: dict[str, tuple], out: dict[str, dict[str, Any]], address: str, bar: Any) -> None:
+    import ray
+
+    from fedweave.execution.ray import LOCAL_RAY_ENV
+
+    if not ray.is_initialized():
+        for k, v in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(k, v)
+        ray.init(address=address)
+    task = ray.remote(num_cpus=1)(_run_one)
+    pending = {task.remote(cfg, run_dir, 1): slug for slug, (cfg, run_dir, _) in jobs.items()}
+    while pending:
+        finished, _ = ray.wait(list(pending), num_returns=1)
+        for ref in finished:
+            out[pending.pop(ref)] = ray.get(ref)
+            if bar is not None:
+                bar.update(1)

@@ -41,6 +41,7 @@ def sweep(
     metric: str = "test_accuracy",
     target: float | None = None,
     progress: bool = True,
+    ray_address: str | None = None,
 ) -> SweepResult:
     """Run ``config`` over the ``grid`` (product), ``zipped`` keys (together) and ``seeds`` seeds into ``out``.
     Runs already finished there are reused and killed ones resume, so re-running a sweep continues it."""
@@ -49,7 +50,7 @@ def sweep(
     out.mkdir(parents=True, exist_ok=True)
     spec = {"grid": grid or {}, "zipped": zipped or {}, "seeds": seeds, "metric": metric, "target": target}
     atomic_write(out / "sweep.json", json.dumps(spec, indent=2, default=str))
-    summaries = run_points(points, out / "runs", workers=workers, progress=progress)
+    summaries = run_points(points, out / "runs", workers=workers, progress=progress, ray_address=ray_address)
 
     records, by_point, curves = [], {}, {}
     for p in points:
