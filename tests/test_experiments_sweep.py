@@ -103,6 +103,9 @@ def test_a_sweep_written_as_yaml(toy_config, tmp_path, capsys):
     rows = _read(tmp_path / "s" / "sweep.csv")
     assert len(rows) == 4 and {r["rounds"] for r in rows} == {"2"}
     assert "local.lr=0.1" in capsys.readouterr().out
+    # `fedweave plot` reads a sweep directory as all its runs
+    assert cli_main(["plot", str(tmp_path / "s"), "--out", str(tmp_path / "p")]) == 0
+    assert (tmp_path / "p" / "test_accuracy_vs_rounds.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.slow
