@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -84,10 +85,20 @@ def test_wandb_offline_run_directory_holds_the_history(toy_config, tmp_path, mon
     (datafile,) = offline.glob("*.wandb")
     from wandb.proto import wandb_internal_pb2
 
+    # the W&B service process may still be writing the file when finish() returns: read it once it holds the
+    # run's exit record
+    deadline = time.monotonic() + 30
+    while True:
+        records = []
+        for data in _wandb_records(datafile.read_bytes()):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(data)
+            records.append(rec)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     history, config = [], None
-    for data in _wandb_records(datafile.read_bytes()):
-        rec = wandb_internal_pb2.Record()
-        rec.ParseFromString(data)
+    for rec in records:
         if rec.WhichOneof("record_type") == "history":
             history.append({_key(i): json.loads(i.value_json) for i in rec.history.item})
         elif rec.WhichOneof("record_type") == "run":
