@@ -4,11 +4,11 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "run", "Result"]
+__all__ = ["__version__", "run", "Result", "sweep", "SweepResult"]
 
 
 def __getattr__(name: str):  # lazy: `import fedweave` stays cheap, torch loads on first use
-    if name in ("run", "Result"):
+    if name in ("run", "Result", "sweep", "SweepResult"):
         from fedweave import api
 
         return getattr(api, name)

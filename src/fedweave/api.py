@@ -13,8 +13,9 @@ from fedweave.config import RunConfig, Section
 from fedweave.config import load as load_config
 from fedweave.runner import Result
 from fedweave.runner import run as run_resolved
+from fedweave.experiments import SweepResult, sweep
 
-__all__ = ["Result", "run"]
+__all__ = ["Result", "SweepResult", "run", "sweep"]
 
 PYTHON = "python"  # the name a config records for an object passed from Python
 

@@ -202,10 +202,14 @@ class OutputConfig:
     checkpoint_every: int = 0  # rounds; 0 = never
     plots: bool = True
     progress: bool = True
+    trackers: list[str] = field(default_factory=list)  # tensorboard, mlflow, wandb (fedweave.experiments.trackers)
 
     def validate(self) -> None:
         if self.checkpoint_every < 0:
             raise ConfigError(f"output.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        bad = [t for t in self.trackers if t not in ("tensorboard", "mlflow", "wandb")]
+        if bad:
+            raise ConfigError(f"output.trackers: unknown tracker {bad[0]!r} (allowed: tensorboard, mlflow, wandb)")
 
 
 @dataclass

@@ -339,6 +339,11 @@ def run(
     out.write_config(config.to_dict())
     if objects is not None and objects.describe():
         out.write_json("objects.json", objects.describe())  # what was passed from Python in place of names
+    trackers = None
+    if config.output.trackers:  # TensorBoard / MLflow / W&B callbacks (fedweave.experiments.trackers)
+        from fedweave.experiments.trackers import Trackers
+
+        trackers = Trackers(config.output.trackers, config.to_dict(), out.path)
     if "partition" in ctx.__dict__ and not resume:  # the family partitioned a dataset: report it
         from fedweave.data.report import write_partition_report
 
@@ -361,6 +366,8 @@ def run(
         _check_finite(ev, -1, "an evaluation metric of the initial model")
         zero = {"bytes_up": 0, "bytes_down": 0, "bytes_lateral": 0, "bytes_total": 0}
         out.add_metrics({"round": 0, **ev, **zero, "wall_seconds": round(time.perf_counter() - t0, 4)})
+        if trackers is not None:
+            trackers.log_metrics(out.rows[-1])
     first_losses = _first_losses(out.rows)  # the explosion check's reference: the first losses reported
     try:
         for r in range(start_round, config.rounds):
@@ -388,6 +395,8 @@ def run(
                 if "reported_clients" in round_metrics:
                     row["skipped_rounds"] = len(skipped)  # cumulative: rounds without eval are counted too
                 out.add_metrics(row)
+                if trackers is not None:
+                    trackers.log_metrics(row)
                 if bar is not None:
                     main = ctx.task.main_key
                     post = {main.removeprefix("test_"): f"{ev[main]:.4g}"} if main in ev else {}
@@ -435,6 +444,8 @@ def run(
         from fedweave.plots import plot_runs
 
         plot_runs([out.path], out.path, metric=summary["main_metric"] or "test_loss")
+    if trackers is not None:
+        trackers.finish(summary, sorted(out.path.glob("*.png")))
     if interrupted is not None:
         raise RunInterrupted(error or "interrupted", getattr(interrupted, "signal_name", "SIGINT")) from None
     if error and on_divergence == "raise":

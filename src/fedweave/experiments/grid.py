@@ -1,0 +1,101 @@
+"""A sweep's points: a base config crossed with a grid of key values (zipped keys vary together) and seeds."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedweave.config import ConfigError, RunConfig, apply_overrides, load
+
+
+class GridError(ConfigError):
+    """A grid key or value that cannot make a valid config; raised before anything runs."""
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run of a sweep: the grid values it sets (without the seed), its seed and its resolved config."""
+
+    values: tuple[tuple[str, Any], ...]
+    seed: int
+    config: RunConfig
+
+    @property
+    def label(self) -> str:
+        """The grid values as ``key=value,...``: what the runs of one point over seeds share."""
+        return ",".join(f"{k}={_text(v)}" for k, v in self.values) or "base"
+
+    @property
+    def slug(self) -> str:
+        """A directory name for this run: the label and the seed, made filesystem-safe."""
+        return re.sub(r"[^A-Za-z0-9_.=,-]+", "_", f"{self.label},seed={self.seed}")
+
+
+def _text(v: Any) -> str:
+    return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def parse_grid(items: list[str], flag: str = "--grid") -> dict[str, list[Any]]:
+    """``["KEY=V1,V2", ...]`` -> ``{KEY: [V1, V2]}``; each value is read as YAML (``0.1`` is a number)."""
+    grid: dict[str, list[Any]] = {}
+    for item in items:
+        if "=" not in item or not item.split("=", 1)[0]:
+            raise GridError(f"{flag} {item!r} must look like KEY=V1,V2 (e.g. local.lr=0.01,0.1)")
+        key, raw = item.split("=", 1)
+        if key in grid:
+            raise GridError(f"{flag} key {key!r} is given twice")
+        try:
+            values = [yaml.safe_load(v) for v in raw.split(",")]
+        except yaml.YAMLError as e:
+            raise GridError(f"{flag} {key}: a value is not valid YAML ({e})") from e
+        if not values or raw == "":
+            raise GridError(f"{flag} {key!r} has no values")
+        grid[key] = values
+    return grid
+
+
+def expand(
+    base: str | Path | dict[str, Any],
+    grid: dict[str, list[Any]] | None = None,
+    *,
+    zipped: dict[str, list[Any]] | None = None,
+    seeds: int = 1,
+    overrides: list[str] | None = None,
+) -> list[Point]:
+    """Every point of the sweep: the product of the ``grid`` keys, with all ``zipped`` keys varying together
+    (one list position at a time), each for ``seeds`` seeds (the base seed, +1, ...). Every config is resolved
+    and validated here, so a bad key or value fails with one line naming it before anything runs."""
+    grid, zipped = dict(grid or {}), dict(zipped or {})
+    if seeds < 1:
+        raise GridError(f"seeds must be at least 1, got {seeds}")
+    if "seed" in grid or "seed" in zipped:
+        raise GridError("the grid may not set 'seed': use seeds N (runs the base seed and the next N-1)")
+    both = set(grid) & set(zipped)
+    if both:
+        raise GridError(f"key {sorted(both)[0]!r} is both a grid key and a zipped key")
+    lengths = {k: len(v) for k, v in zipped.items()}
+    if len(set(lengths.values())) > 1:
+        raise GridError(f"zipped keys must have equally many values, got {lengths}")
+    data = yaml.safe_load(Path(base).read_text()) if not isinstance(base, dict) else base
+    data = apply_overrides(data, overrides or [])
+    base_seed = load(data).seed
+    zip_rows = [tuple(zip(zipped, vs)) for vs in zip(*zipped.values())] or [()]
+    grid_rows = [tuple(zip(grid, vs)) for vs in itertools.product(*grid.values())]
+    points = []
+    for g in grid_rows:
+        for z in zip_rows:
+            values = g + z
+            for i in range(seeds):
+                sets = [f"{k}={_text(v)}" for k, v in values]
+                try:
+                    cfg = load(apply_overrides(data, [*sets, f"seed={base_seed + i}"]))
+                except ConfigError as e:
+                    where = ",".join(f"{k}={_text(v)}" for k, v in values)
+                    raise GridError(f"sweep point {where}: {e}") from e
+                points.append(Point(values, base_seed + i, cfg))
+    return points

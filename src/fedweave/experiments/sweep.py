@@ -1,0 +1,100 @@
+"""``fedweave sweep``: expand, run, aggregate over seeds, and write sweep.csv, summary.csv/.md and plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedweave.experiments.aggregate import mean_std, to_target
+from fedweave.experiments.grid import expand
+from fedweave.experiments.jobs import run_points
+from fedweave.experiments.tables import markdown, write_csv
+from fedweave.results import atomic_write, read_metrics
+
+
+@dataclass
+class SweepResult:
+    """What ``fedweave.sweep`` returns: one record per run, one per point (over seeds), the best point."""
+
+    out_dir: Path
+    records: list[dict[str, Any]]
+    summary: list[dict[str, Any]]
+    best: int | None
+
+    def table(self) -> str:
+        """The summary as a markdown table, the best point in bold."""
+        return markdown(self.summary, self.best)
+
+
+def sweep(
+    config: str | Path | dict[str, Any],
+    grid: dict[str, list[Any]] | None = None,
+    *,
+    zipped: dict[str, list[Any]] | None = None,
+    seeds: int = 1,
+    workers: int = 1,
+    out: str | Path = "runs/sweep",
+    overrides: list[str] | None = None,
+    metric: str = "test_accuracy",
+    target: float | None = None,
+    progress: bool = True,
+    ray_address: str | None = None,
+) -> SweepResult:
+    """Run ``config`` over the ``grid`` (product), ``zipped`` keys (together) and ``seeds`` seeds into ``out``.
+    Runs already finished there are reused and killed ones resume, so re-running a sweep continues it."""
+    points = expand(config, grid, zipped=zipped, seeds=seeds, overrides=overrides)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {"grid": grid or {}, "zipped": zipped or {}, "seeds": seeds, "metric": metric, "target": target}
+    atomic_write(out / "sweep.json", json.dumps(spec, indent=2, default=str))
+    summaries = run_points(points, out / "runs", workers=workers, progress=progress, ray_address=ray_address)
+
+    records, by_point, curves = [], {}, {}
+    for p in points:
+        s = summaries[p.slug]
+        rows = read_metrics(out / "runs" / p.slug) if (out / "runs" / p.slug / "metrics.jsonl").is_file() else []
+        final = s.get("final") or {}
+        rec = {
+            "point": p.label,
+            **dict(p.values),
+            "seed": p.seed,
+            "status": s["status"],
+            "rounds": s["rounds"],
+            f"final_{metric}": final.get(metric),
+            f"best_{metric}": max((r[metric] for r in rows if r.get(metric) is not None), default=None),
+            "bytes_total": s["communication"]["bytes_total"],
+            "wall_seconds": s["wall_seconds"],
+            "run_dir": f"runs/{p.slug}",
+        }
+        if target is not None:
+            rec["rounds_to_target"] = to_target(rows, metric, target, "round")
+            rec["bytes_to_target"] = to_target(rows, metric, target, "bytes_total")
+        records.append(rec)
+        by_point.setdefault(p.label, []).append(rec)
+        curves.setdefault(p.label, []).append(rows)
+
+    summary = []
+    for label, recs in by_point.items():
+        m, sd = mean_std([r[f"final_{metric}"] for r in recs if r["status"] == "completed"])
+        row = {"point": label, "seeds": len(recs), "diverged": sum(r["status"] == "diverged" for r in recs)}
+        row[f"{metric}_mean"], row[f"{metric}_std"] = m, sd
+        if target is not None:
+            for x in ("rounds_to_target", "bytes_to_target"):
+                hit = [r[x] for r in recs if r[x] is not None]
+                row[f"{x}_mean"] = mean_std(hit)[0] if len(hit) == len(recs) else None  # all seeds reached it
+        summary.append(row)
+    scored = [i for i, r in enumerate(summary) if not math.isnan(r[f"{metric}_mean"])]
+    best = max(scored, key=lambda i: summary[i][f"{metric}_mean"]) if scored else None
+    for i, r in enumerate(summary):
+        r["best"] = i == best
+
+    write_csv(out / "sweep.csv", records)
+    write_csv(out / "summary.csv", summary)
+    atomic_write(out / "summary.md", markdown(summary, best))
+    from fedweave.experiments.plots import plot_sweep
+
+    plot_sweep(curves, out, metric)
+    return SweepResult(out, records, summary, best)

@@ -1,0 +1,161 @@
+"""Sweeps: a grid crossed with seeds run on parallel workers, resumed after a kill, diverged points recorded."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+import fedweave
+from fedweave.cli import main as cli_main
+from fedweave.experiments import GridError, expand, parse_grid
+from fedweave.experiments.aggregate import mean_std
+from fedweave.runner import CHECKPOINT
+
+# scikit-learn's bundled digits need no network, so a sweep in a subprocess can load them
+DIGITS = {
+    "name": "digits",
+    "seed": 7,
+    "rounds": 6,
+    "backend": "loop",
+    "dataset": {"name": "digits"},
+    "partition": {"name": "dirichlet", "num_clients": 10, "alpha": 0.5, "min_size": 20},
+    "model": {"name": "logistic"},
+    "algorithm": {"name": "fedavg", "clients_per_round": 5},
+    "local": {"epochs": 1, "batch_size": 8, "lr": 0.02},
+    "output": {"progress": False, "plots": False, "checkpoint_every": 1},
+}
+
+
+def _read(path) -> list[dict]:
+    with open(path) as f:
+        return [{k: v for k, v in r.items() if k != "wall_seconds"} for r in csv.DictReader(f)]
+
+
+def test_grid_times_seeds_on_two_workers_equals_one_worker(toy_config, tmp_path):
+    grid = parse_grid(["local.lr=0.05,0.2"])
+    two = fedweave.sweep(toy_config, grid, seeds=2, workers=2, out=tmp_path / "w2", progress=False)
+    one = fedweave.sweep(toy_config, grid, seeds=2, workers=1, out=tmp_path / "w1", progress=False)
+    assert len(two.records) == 4 and [r["seed"] for r in two.records] == [3, 4, 3, 4]
+    assert {r["local.lr"] for r in two.records} == {0.05, 0.2}
+    assert _read(tmp_path / "w2" / "sweep.csv") == _read(tmp_path / "w1" / "sweep.csv")
+    assert one.summary == two.summary  # same seeds, same numbers, however many workers
+    for row in two.summary:  # mean +- std over the seeds of each point, from the runs' own summaries
+        finals = [r["final_test_accuracy"] for r in two.records if r["point"] == row["point"]]
+        assert (row["test_accuracy_mean"], row["test_accuracy_std"]) == pytest.approx(mean_std(finals))
+        assert row["seeds"] == 2
+    best = max(range(2), key=lambda i: two.summary[i]["test_accuracy_mean"])
+    assert two.best == best and two.summary[best]["best"]
+    md = (tmp_path / "w2" / "summary.md").read_text()
+    assert md.count("**") == 2 * len(two.summary[0]) and "local.lr=0.2" in md
+    assert (tmp_path / "w2" / "test_accuracy_vs_rounds.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "w2" / "test_accuracy_vs_bytes.png").is_file()
+    # a second sweep into the same directory recognises every finished run and runs nothing
+    mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "w2" / "runs").glob("*/summary.json")}
+    fedweave.sweep(toy_config, grid, seeds=2, workers=2, out=tmp_path / "w2", progress=False)
+    assert mtimes == {p: p.stat().st_mtime_ns for p in (tmp_path / "w2" / "runs").glob("*/summary.json")}
+
+
+def test_zipped_keys_vary_together(toy_config):
+    pts = expand(toy_config, {"rounds": [2, 3]}, zipped={"local.lr": [0.1, 0.2], "local.batch_size": [8, 16]})
+    combos = [(p.config.rounds, p.config.local.lr, p.config.local.batch_size) for p in pts]
+    assert combos == [(2, 0.1, 8), (2, 0.2, 16), (3, 0.1, 8), (3, 0.2, 16)]
+    with pytest.raises(GridError, match="equally many"):
+        expand(toy_config, zipped={"local.lr": [0.1, 0.2], "local.batch_size": [8]})
+
+
+@pytest.mark.parametrize(
+    "grid, words",
+    [
+        (["local.lrr=0.1,0.2"], ["lrr"]),
+        (["local.lr=0.1,abc"], ["local.lr", "abc"]),
+        (["local.lr"], ["--grid", "KEY=V1,V2"]),
+        (["seed=1,2"], ["seed", "seeds"]),
+    ],
+)
+def test_a_bad_grid_is_one_clear_line_before_anything_runs(toy_config, tmp_path, capsys, grid, words):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(toy_config))
+    args = [a for g in grid for a in ("--grid", g)]
+    assert cli_main(["sweep", str(cfg), *args, "--out", str(tmp_path / "s"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(w in err for w in words), err
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_diverging_point_is_recorded_and_the_sweep_goes_on(toy_config, tmp_path):
+    res = fedweave.sweep(toy_config, {"local.lr": [0.1, 1e38]}, out=tmp_path / "s", progress=False)
+    status = {r["local.lr"]: r["status"] for r in res.records}
+    assert status == {0.1: "completed", 1e38: "diverged"}
+    assert res.summary[1]["diverged"] == 1 and res.best == 0
+
+
+def test_a_sweep_written_as_yaml(toy_config, tmp_path, capsys):
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text(yaml.safe_dump({**toy_config, "sweep": {"grid": {"local.lr": [0.05, 0.1]}, "seeds": 2}}))
+    assert cli_main(["sweep", str(cfg), "rounds=2", "--out", str(tmp_path / "s"), "--no-progress"]) == 0
+    rows = _read(tmp_path / "s" / "sweep.csv")
+    assert len(rows) == 4 and {r["rounds"] for r in rows} == {"2"}
+    assert "local.lr=0.1" in capsys.readouterr().out
+    # `fedweave plot` reads a sweep directory as all its runs
+    assert cli_main(["plot", str(tmp_path / "s"), "--out", str(tmp_path / "p")]) == 0
+    assert (tmp_path / "p" / "test_accuracy_vs_rounds.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_killed_sweep_resumes_to_the_same_tables_as_an_uninterrupted_one(tmp_path):
+    cfg = tmp_path / "digits.yaml"
+    cfg.write_text(yaml.safe_dump(DIGITS))
+    grid = ["--grid", "local.lr=0.02,0.05"]
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "fedweave.cli", "sweep", str(cfg), *grid, "--seeds", "2", "--out", str(killed)]
+    proc = subprocess.Popen([*cmd, "--no-progress"], env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    was_killed = False
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            done = list(killed.glob("runs/*/summary.json"))
+            mid = [p for p in killed.glob("runs/*/" + CHECKPOINT) if not (p.parent / "summary.json").exists()]
+            if done and mid:  # one run finished and another one part-way
+                proc.send_signal(signal.SIGKILL)
+                was_killed = True
+                break
+            time.sleep(0.01)
+    finally:
+        if proc.poll() is None and not was_killed:
+            proc.kill()
+        _, err = proc.communicate(timeout=60)
+    assert was_killed, f"the sweep ended before it could be killed: {err.decode()[-2000:]}"
+    assert not (killed / "sweep.csv").exists()
+
+    assert cli_main(["sweep", str(cfg), *grid, "--seeds", "2", "--out", str(killed), "--no-progress"]) == 0
+    full = tmp_path / "full"
+    assert cli_main(["sweep", str(cfg), *grid, "--seeds", "2", "--out", str(full), "--no-progress"]) == 0
+    assert _read(killed / "sweep.csv") == _read(full / "sweep.csv")
+    assert _read(killed / "summary.csv") == _read(full / "summary.csv")
+
+
+@pytest.mark.slow
+def test_a_sweep_on_a_ray_cluster_equals_one_in_processes(tmp_path):
+    ray = pytest.importorskip("ray")
+    from fedweave.execution.ray import LOCAL_RAY_ENV
+
+    for k, v in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(k, v)
+    cfg = {**DIGITS, "rounds": 3}
+    grid = {"local.lr": [0.02, 0.05]}
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # stands for an existing cluster
+    try:
+        on_ray = fedweave.sweep(cfg, grid, out=tmp_path / "ray", ray_address="auto", progress=False)
+    finally:
+        ray.shutdown()
+    local = fedweave.sweep(cfg, grid, workers=2, out=tmp_path / "pool", progress=False)
+    assert _read(tmp_path / "ray" / "sweep.csv") == _read(tmp_path / "pool" / "sweep.csv")
+    assert on_ray.summary == local.summary

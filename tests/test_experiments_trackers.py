@@ -1,0 +1,140 @@
+"""Trackers read back with their own libraries: TensorBoard events, the MLflow file store, W&B offline runs."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+import fedweave
+from fedweave.config import ConfigError
+from fedweave.experiments.trackers import Trackers
+
+
+def _same(pairs, rows):
+    """(step, value) pairs equal the rows' (round, test_accuracy); TensorBoard keeps values as float32."""
+    assert [p[0] for p in pairs] == [r["round"] for r in rows]
+    assert [p[1] for p in pairs] == pytest.approx([r["test_accuracy"] for r in rows], rel=1e-6)
+
+
+def _wandb_records(raw: bytes):
+    """The protobuf records of a W&B run file: a 7-byte ':W&B' header, then LevelDB-style log blocks of 32 KiB
+    whose records carry a 7-byte header (crc32c, little-endian length, type: 1 full, 2 first, 3 middle, 4 last)."""
+    assert raw[:4] == b":W&B"
+    pos, part = 7, b""
+    while pos + 7 <= len(raw):
+        room = 32768 - pos % 32768
+        if room < 7:  # a block's tail too short for a header is padding
+            pos += room
+            continue
+        length, kind = int.from_bytes(raw[pos + 4 : pos + 6], "little"), raw[pos + 6]
+        if length == 0 and kind == 0:
+            break
+        part += raw[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            yield part
+            part = b""
+
+
+def _key(item) -> str:
+    return item.key or "/".join(item.nested_key)
+
+
+def _run(toy_config, tmp_path, trackers, name="r"):
+    cfg = {**toy_config, "output": {"progress": False, "plots": True, "trackers": trackers}}
+    return fedweave.run(cfg, run_dir=tmp_path / name)
+
+
+def test_tensorboard_events_hold_every_metric_row_and_the_plots(toy_config, tmp_path):
+    res = _run(toy_config, tmp_path, ["tensorboard"])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = EventAccumulator(str(res.run_dir / "tensorboard"), size_guidance={"images": 0, "scalars": 0})
+    ev.Reload()
+    acc = ev.Scalars("test_accuracy")
+    _same([(e.step, e.value) for e in acc], res.metrics)
+    by_bytes = ev.Scalars("by_bytes/test_accuracy")
+    assert [e.step for e in by_bytes] == [r["bytes_total"] for r in res.metrics]
+    assert ev.Scalars("communication/bytes_total")[0].value == res.summary["communication"]["bytes_total"]
+    assert "test_accuracy_vs_rounds" in ev.Tags()["images"]
+    assert "config" in " ".join(ev.Tags()["tensors"])
+
+
+def test_mlflow_file_store_holds_params_metrics_and_artifacts(toy_config, tmp_path, monkeypatch):
+    res = _run(toy_config, tmp_path, ["mlflow"])
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow.MlflowClient(tracking_uri=(res.run_dir / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("toy").experiment_id])
+    assert run.data.params["local.lr"] == str(toy_config["local"]["lr"])
+    hist = client.get_metric_history(run.info.run_id, "test_accuracy")
+    _same([(m.step, m.value) for m in hist], res.metrics)
+    assert run.data.metrics["communication.bytes_up"] == res.summary["communication"]["bytes_up"]
+    names = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.json", "summary.json", "test_accuracy_vs_rounds.png"} <= names
+    assert run.info.status == "FINISHED"
+
+
+def test_wandb_offline_run_directory_holds_the_history(toy_config, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    res = _run(toy_config, tmp_path, ["wandb"])
+    (offline,) = (res.run_dir / "wandb").glob("offline-run-*")
+    (datafile,) = offline.glob("*.wandb")
+    from wandb.proto import wandb_internal_pb2
+
+    # the W&B service process may still be writing the file when finish() returns: read it once it holds the
+    # run's exit record
+    deadline = time.monotonic() + 30
+    while True:
+        records = []
+        for data in _wandb_records(datafile.read_bytes()):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(data)
+            records.append(rec)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    history, config = [], None
+    for rec in records:
+        if rec.WhichOneof("record_type") == "history":
+            history.append({_key(i): json.loads(i.value_json) for i in rec.history.item})
+        elif rec.WhichOneof("record_type") == "run":
+            config = {_key(i): json.loads(i.value_json) for i in rec.run.config.update}
+    accs = [(h["_step"], h["test_accuracy"]) for h in history if "test_accuracy" in h]
+    _same(accs, res.metrics)
+    assert config["local"]["lr"] == toy_config["local"]["lr"]
+
+
+def test_an_unknown_tracker_is_one_clear_line(toy_config):
+    with pytest.raises(ConfigError, match="output.trackers: unknown tracker 'neptune'"):
+        fedweave.run({**toy_config, "output": {"trackers": ["neptune"]}})
+
+
+def test_a_missing_extra_says_what_to_install(tmp_path, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_mlflow(name, *a, **k):
+        if name == "mlflow":
+            raise ImportError("no module named mlflow")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_mlflow)
+    with pytest.raises(ConfigError, match=r"pip install 'fedweave\[mlflow\]'"):
+        Trackers(["mlflow"], {}, tmp_path)
+
+
+def test_a_sweep_groups_its_runs(toy_config, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    import mlflow
+
+    cfg = {**toy_config, "rounds": 2, "output": {"progress": False, "plots": False, "trackers": ["mlflow"]}}
+    res = fedweave.sweep(cfg, {"local.lr": [0.05, 0.1]}, out=tmp_path / "lr-sweep", progress=False)
+    for rec in res.records:
+        client = mlflow.MlflowClient(tracking_uri=(res.out_dir / rec["run_dir"] / "mlruns").resolve().as_uri())
+        (run,) = client.search_runs([client.get_experiment_by_name("lr-sweep").experiment_id])
+        assert run.data.tags["sweep"] == "lr-sweep" and run.data.params["local.lr"] == str(rec["local.lr"])
