@@ -11,9 +11,9 @@ from torch import nn
 
 from fedweave.config import RunConfig, Section
 from fedweave.config import load as load_config
+from fedweave.experiments import SweepResult, sweep
 from fedweave.runner import Result
 from fedweave.runner import run as run_resolved
-from fedweave.experiments import SweepResult, sweep
 
 __all__ = ["Result", "SweepResult", "run", "sweep"]
 
