@@ -9,6 +9,7 @@ import math
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -185,12 +186,14 @@ def run(
     progress: bool | None = None,
     resume: bool = False,
     on_divergence: Literal["raise", "return"] = "raise",
+    prepare: Callable[[Algorithm], None] | None = None,
 ) -> Result:
     """Run an experiment described by ``config``; write and return its results.
 
     A run that meets NaN or Inf stops; its results so far are written with ``status: diverged``. Then
     ``on_divergence="raise"`` raises :class:`DivergenceError` (one experiment: an error), ``"return"`` returns
-    that Result (a sweep, where a diverged run is a result to report)."""
+    that Result (a sweep, where a diverged run is a result to report). ``prepare`` is called with the built
+    algorithm before its first round (the Flower deployment points its trainer at the SuperNodes)."""
     if on_divergence not in ("raise", "return"):
         raise ValueError(f"on_divergence must be 'raise' or 'return', got {on_divergence!r}")
     if config.threads is not None:
@@ -204,6 +207,8 @@ def run(
     out = RunDir(path)
     ctx = RunContext(config)
     algo = build_algorithm(ctx)
+    if prepare is not None:
+        prepare(algo)
     finite_at_start = finite_tensors(algo.state_dict()) if config.output.checkpoint_every else set()
     start_round, wall_before, cpu_before, skipped = 0, 0.0, 0.0, []
     if resume:
