@@ -41,7 +41,7 @@ lock:
 	$(PY) -m venv build/lock-venv
 	build/lock-venv/bin/pip install -q --upgrade pip
 	build/lock-venv/bin/pip install -q torch==$$(sed -n 's/^torch==//p' $(CONSTRAINTS))
-	build/lock-venv/bin/pip install -q ".[dev,ray,bench]"
+	build/lock-venv/bin/pip install -q ".[dev,ray,bench,flower,tensorboard,mlflow,wandb]"
 	( echo "# Exact versions for fedweave's own CI and Makefile: make lock (docs/development.md)."; \
 	  build/lock-venv/bin/pip freeze --exclude fedweave | sed 's/+cpu$$//' ) > $(CONSTRAINTS)
 	rm -rf build/lock-venv

@@ -170,6 +170,16 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     return reproduce_main(args.name, args.args)
 
 
+def _cmd_flower_app(args: argparse.Namespace) -> int:
+    from fedweave.config import load
+    from fedweave.deploy.project import write_app
+
+    cfg = load(args.config, args.overrides)
+    path = write_app(cfg, args.dir, run_dir=args.run_dir or "")
+    print(f"{path} (run it with: flwr run {args.dir} SUPERLINK)")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     from fedweave import __version__
 
@@ -235,6 +245,13 @@ def parser() -> argparse.ArgumentParser:
     rp.add_argument("name")
     rp.add_argument("args", nargs=argparse.REMAINDER)
     rp.set_defaults(fn=_cmd_reproduce)
+
+    fa = sub.add_parser("flower-app", help="write a Flower app project that runs a config on SuperNodes")
+    fa.add_argument("config", help="YAML config file")
+    fa.add_argument("dir", help="directory for the app project")
+    fa.add_argument("overrides", nargs="*", help="key=value overrides")
+    fa.add_argument("--run-dir", help="results directory on the SuperLink's machine (default: the config's)")
+    fa.set_defaults(fn=_cmd_flower_app)
     return p
 
 

@@ -9,6 +9,7 @@ import math
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -277,9 +278,12 @@ def run(
     on_divergence: Literal["raise", "return"] = "raise",
     overwrite: bool = False,
     objects: RunObjects | None = None,
+    prepare: Callable[[Algorithm], None] | None = None,
 ) -> Result:
     """Run an experiment described by ``config``; write and return its results. ``objects``: a model
     factory, data or a loss passed from Python in place of the registered ones (see :mod:`fedweave.byo`).
+    ``prepare`` is called with the built algorithm before its first round (the Flower deployment points its
+    trainer at the SuperNodes).
 
     A run that meets NaN or Inf, or whose loss explodes, stops; its results so far are written with
     ``status: diverged``. Then ``on_divergence="raise"`` raises :class:`DivergenceError` (one experiment: an
@@ -302,6 +306,8 @@ def run(
         log.warning("faults.outage_rounds %s are after the last round (%d) and never happen", late, config.rounds)
     ctx = RunContext(config, objects)
     algo = build_algorithm(ctx)  # a config problem found while building ends here, before anything is written
+    if prepare is not None:  # e.g. the Flower deployment points the algorithm's trainer at the SuperNodes
+        prepare(algo)
     finite_at_start = finite_tensors(algo.state_dict()) if config.output.checkpoint_every else set()
     start_round, wall_before, cpu_before, skipped = 0, 0.0, 0.0, []
     ckpt = None

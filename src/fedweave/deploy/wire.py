@@ -1,0 +1,29 @@
+"""Jobs and results as Flower records, and the bytes Flower actually serialises for them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+from fedweave.deploy.jobs import encode_header
+
+
+def to_records(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> RecordDict:
+    arrays = ArrayRecord(array_dict={k: Array(t.detach().cpu().numpy()) for k, t in tensors.items()})
+    return RecordDict({"tensors": arrays, "header": ConfigRecord({"json": encode_header(header)})})
+
+
+def from_records(content: RecordDict) -> tuple[str, dict[str, torch.Tensor]]:
+    """The JSON header and the tensors of a record dict (KeyError when either is missing)."""
+    header = str(content["header"]["json"])
+    arrays = content["tensors"]
+    return header, {k: torch.from_numpy(np.array(a.numpy())) for k, a in arrays.items()}
+
+
+def wire_bytes(obj: Any) -> int:
+    """Bytes of ``obj`` as Flower serialises it for transport (the object and its children)."""
+    children = getattr(obj, "children", None) or {}
+    return len(obj.deflate()) + sum(wire_bytes(c) for c in children.values())
