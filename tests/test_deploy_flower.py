@@ -150,6 +150,12 @@ def test_deployed_run_equals_simulation(federation, tmp_path, algorithm):
     assert summary["execution"]["backend"] == "flower"
     # both byte counts: the ledger's payload and Flower's serialised messages (payload + framing)
     fl, ledger = summary["flower"], summary["communication"]
-    assert fl["bytes_sent"] > ledger["bytes_down"] and fl["bytes_received"] > ledger["bytes_up"]
+    assert fl["bytes_sent"] > ledger["bytes_down"]
+    if algorithm["name"] == "scaffold":
+        # c_i stays in the ServerApp's store (not yet on the node): a reply carries y_i only, while the
+        # ledger counts SCAFFOLD's protocol upload (Delta y_i and Delta c_i); docs/deployment.md
+        assert fl["bytes_received"] < ledger["bytes_up"]
+    else:
+        assert fl["bytes_received"] > ledger["bytes_up"]
     assert fl["overhead_bytes"] == fl["bytes_sent"] + fl["bytes_received"] - ledger["bytes_total"]
     assert fl["messages"] >= 2 * 3 * CLIENTS
