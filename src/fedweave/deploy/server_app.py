@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ from fedweave.algorithms.base import Algorithm
 from fedweave.config import load as load_config
 from fedweave.deploy.jobs import encode_job
 from fedweave.deploy.wire import from_records, to_records, wire_bytes
-from fedweave.execution.local import LR, PLAIN, LocalResult, LocalRule, LocalTrainer
+from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer
 from fedweave.results import atomic_write
 
 log = logging.getLogger("fedweave")
@@ -88,21 +87,17 @@ class FlowerTrainer(LocalTrainer):
 
     clients: FlowerClients
 
-    def train(
+    def run_jobs(
         self,
         starts: torch.Tensor,
-        clients: Sequence[int],
+        clients: list[int],
         round: int,
-        *,
-        rule: LocalRule = PLAIN,
-        lr: LR | None = None,
-        steps: int | None = None,
-        key: tuple[int, ...] = (),
+        rule: LocalRule,
+        lr: LR,
+        steps: int | None,
+        key: tuple[int, ...],
     ) -> LocalResult:
-        starts = starts if starts.dim() == 2 else starts.expand(len(clients), -1)
-        if len(clients) != starts.shape[0]:
-            raise ValueError(f"{len(clients)} clients but {starts.shape[0]} start vectors")
-        lr = self.lr(round) if lr is None else lr
+        """The call's jobs as one Message each to the SuperNode holding that client's data."""
         msgs = []
         for k, c in enumerate(map(int, clients)):
             header, tensors = encode_job(
@@ -127,8 +122,6 @@ class FlowerTrainer(LocalTrainer):
         if lost:
             raise DeploymentError(f"round {round + 1}: no reply from clients {lost} in {self.clients.reply_timeout} s")
         done = [o for o in out if o is not None]
-        if not done:
-            return LocalResult(starts[:0].clone(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
         return LocalResult(
             torch.stack([o[0] for o in done]),
             torch.tensor([o[1] for o in done], dtype=torch.long),

@@ -241,10 +241,24 @@ class LocalTrainer:
         if len(clients) == 0:  # e.g. every sampled client dropped out: no backend needs to start
             return LocalResult(starts[:0].clone(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
         lr = self.lr(round) if lr is None else lr
+        return self.run_jobs(starts, list(map(int, clients)), round, rule, lr, steps, key)
+
+    def run_jobs(
+        self,
+        starts: torch.Tensor,
+        clients: list[int],
+        round: int,
+        rule: LocalRule,
+        lr: LR,
+        steps: int | None,
+        key: tuple[int, ...],
+    ) -> LocalResult:
+        """Run a checked, non-empty call on this trainer's backend (a deployment overrides this: its jobs
+        run elsewhere)."""
         from fedweave.execution import loop, pool, ray, vmap  # the backends share this plan
 
         run = {"loop": loop.run, "vmap": vmap.run, "ray": ray.run, "pool": pool.run}[self.backend]
-        return run(self, starts, list(map(int, clients)), round, rule, lr, steps, key)
+        return run(self, starts, clients, round, rule, lr, steps, key)
 
     def sgd_update(
         self,
