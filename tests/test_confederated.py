@@ -299,3 +299,16 @@ def test_fedweave_run_and_resume(tmp_path):
     resumed = resume(tmp_path / "b")
     assert part.metrics[-1]["round"] == 3
     assert resumed.metrics[-1]["opt_gap"] == row["opt_gap"] and resumed.metrics[-1]["uploads"] == row["uploads"]
+
+
+def test_the_objective_is_the_shared_logistic_loss():
+    """Eq. (48)'s softplus(z) - b z, written out for its analytic gradient and Newton solve, is fedweave.tasks'
+    bce_with_logits plus the l2 term."""
+    from fedweave.tasks import LOSSES
+
+    algo = make("gt_saga", data={**SMALL_DATA, "num_test": 50})
+    pb = algo.problem
+    x = torch.linspace(-1, 1, pb.d, dtype=torch.float64)
+    bce = LOSSES.get("bce_with_logits")().per_sample(pb.flat_x @ x, pb.flat_b).sum()
+    want = (float(bce) + 0.5 * pb.kappa * pb.n * float(x @ x)) / pb.N
+    assert pb.loss(x) == pytest.approx(want, rel=1e-12, abs=1e-12)

@@ -449,3 +449,29 @@ def test_list_shows_losses_metrics_and_samplers(capsys):
     out = capsys.readouterr().out
     for word in ("mse", "bce_with_logits", "nll", "auc", "perplexity", "schedule", "bernoulli", "from_file"):
         assert word in out
+
+
+@pytest.mark.parametrize("method", ["cse_fsl", "fsl_mc"])
+def test_split_learning_trains_a_regression_task(method, tmp_path):
+    """The split family's auxiliary (eq. 8) and server (eq. 11) losses follow the task: regress the digit's
+    value from its image with mse."""
+    from fedweave.data.datasets.bundled import load_digits
+
+    ds = load_digits(as_image=True)
+    data = (ds.train_x, ds.train_y.double() / 9, ds.test_x, ds.test_y.double() / 9)
+    cfg = {
+        "name": "split-reg",
+        "rounds": 4,
+        "partition": {"name": "iid", "num_clients": 4},
+        "model": {"name": "split_small"},
+        "algorithm": {"name": method, **({"h": 2} if method == "cse_fsl" else {})},
+        "task": {"loss": "mse"},
+        "local": {"batch_size": 32, "lr": 0.05},
+        "output": {"progress": False, "plots": False},
+    }
+    res = fedweave.run(cfg, dataset=data, run_dir=tmp_path / "r")
+    first, last = res.metrics[0], res.metrics[-1]
+    assert res.summary["main_metric"] == "test_mse" and "test_accuracy" not in last
+    assert last["test_mse"] < first["test_mse"] and last["test_r2"] > 0.3
+    if method == "cse_fsl":
+        assert "aux_test_mse" in last

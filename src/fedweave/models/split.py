@@ -113,8 +113,8 @@ def _finish(
 def _check_image(name: str, input_shape: tuple[int, ...], num_classes: int) -> tuple[int, int, int]:
     if len(input_shape) != 3:
         raise ValueError(f"model {name!r} needs image inputs (C, H, W), got input_shape {input_shape}")
-    if num_classes < 2:
-        raise ValueError(f"model {name!r} needs num_classes >= 2, got {num_classes}")
+    if num_classes < 1:  # outputs: classes, or the columns of a float target
+        raise ValueError(f"model {name!r} needs at least one output (num_classes >= 1), got {num_classes}")
     return input_shape  # type: ignore[return-value]
 
 

@@ -35,8 +35,7 @@ from fedweave.accounting import split as accounting
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.config import ConfigError
 from fedweave.data.augment import augment_for
-from fedweave.execution import LocalTrainer, ParamLayout, evaluate
-from fedweave.execution.local import cross_entropy
+from fedweave.execution import LocalTrainer, ParamLayout, evaluate_task
 from fedweave.models.split import build_split_model
 from fedweave.topology.samplers import make_sampler
 
@@ -121,7 +120,6 @@ class SplitAlgorithm(Algorithm):
     """Shared mechanics of the split family; subclasses write ``run_round`` as their paper's protocol."""
 
     family = "split"
-    fixed_task = "trains classifiers with cross-entropy (the client's auxiliary head and the server's top)"
     Hparams = SplitHparams
     method: ClassVar[str] = ""  # the accounting name: fsl_mc, fsl_oc, fsl_an, cse_fsl
     uses_aux: ClassVar[bool] = False
@@ -138,6 +136,7 @@ class SplitAlgorithm(Algorithm):
         n = ctx.num_clients
         self.per_round = hp.clients_per_round or n
         self.sampler = make_sampler(ctx, self.per_round)
+        self.loss = ctx.task.loss  # the local (auxiliary) and server losses: cross-entropy in the paper
         if self.per_round > n:
             raise ConfigError(f"algorithm.clients_per_round ({self.per_round}) exceeds partition.num_clients ({n})")
         with torch.random.fork_rng(devices=[]):
@@ -260,7 +259,7 @@ class SplitAlgorithm(Algorithm):
         Returns the (pre-update) smashed data of this batch, detached, and the loss.
         """
         a = self.client(x)
-        loss = cross_entropy(self.aux(a), y)
+        loss = self.loss(self.aux(a), y)  # the task's loss (cross-entropy in the paper)
         loss.backward()
         self._sgd(self.client, lr_c)
         self._sgd(self.aux, lr_a)
@@ -272,7 +271,7 @@ class SplitAlgorithm(Algorithm):
         Returns the loss and, with ``want_grad`` (FSL_MC/OC), the gradient with respect to the smashed data.
         """
         a = smashed.detach().requires_grad_(want_grad)
-        loss = cross_entropy(self.server(a), y)
+        loss = self.loss(self.server(a), y)
         loss.backward()
         self._sgd(self.server, lr)
         return float(loss.detach()), (a.grad if want_grad else None)
@@ -324,11 +323,13 @@ class SplitAlgorithm(Algorithm):
         }
 
     def evaluate(self, r: int) -> dict[str, float]:
-        """Top-1 accuracy of x_s ∘ x_c on the test set (the auxiliary net is dropped at inference)."""
-        ds, ev = self.ctx.dataset, self.config.eval
-        acc, loss = evaluate(self.full, torch.cat([self.xc, self.xs]), ds.test_x, ds.test_y, ev.batch_size)
-        out = {"test_accuracy": acc, "test_loss": loss}
+        """The task's metrics of x_s ∘ x_c on the test set (the auxiliary net is dropped at inference), and
+        the main metric of the client side with its auxiliary net (``aux_test_<main>``)."""
+        ds, ev, task = self.ctx.dataset, self.config.eval, self.ctx.task
+        full = evaluate_task(self.full, torch.cat([self.xc, self.xs]), ds.test_x, ds.test_y, task, ev.batch_size)
+        out = {f"test_{k}": v for k, v in full.items()}
         if self.uses_aux:
-            aux_acc, _ = evaluate(self.local_model, torch.cat([self.xc, self.xa]), ds.test_x, ds.test_y, ev.batch_size)
-            out["aux_test_accuracy"] = aux_acc
+            w = torch.cat([self.xc, self.xa])
+            aux = evaluate_task(self.local_model, w, ds.test_x, ds.test_y, task, ev.batch_size)
+            out[f"aux_test_{task.main}"] = aux[task.main]
         return out

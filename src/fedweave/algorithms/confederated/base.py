@@ -111,7 +111,7 @@ def _problem(ctx: RunContext, hp: ConfederatedHparams, rng: np.random.Generator)
 
 class ConfederatedAlgorithm(Algorithm):
     family = "confederated"
-    fixed_task = "solves its paper's regularized least-squares or logistic problems (docs/algorithms/confederated.md)"
+    fixed_task = "solves its paper's regularized logistic regression, eq. (48) (docs/algorithms/confederated.md)"
     Hparams = ConfederatedHparams
     handles_faults = ("dropout", "server_miss", "link_loss")
     _state: tuple[str, ...] = ()  # subclass tensors/ints to checkpoint besides the skeleton's
