@@ -44,8 +44,9 @@ class RunObjects:
 
 
 def _qualname(obj: Any) -> str:
-    target = obj if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__") else type(obj)
-    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(obj).__name__)}"
+    """module.name of a class or function; of an instance (a callable object), its class's."""
+    target = obj if hasattr(obj, "__qualname__") else type(obj)
+    return f"{target.__module__}.{target.__qualname__}"
 
 
 def _tensor(a: Any, what: str) -> torch.Tensor:

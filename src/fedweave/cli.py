@@ -260,7 +260,7 @@ def _os_error(e: OSError) -> str:
     where = f"{e.filename}: " if e.filename else ""
     if e.errno == errno.ENOSPC:
         return f"{where}no space left on device; files already written are intact (free space, then resume or rerun)"
-    return f"{where}{e.strerror or e}"
+    return f"{where}{e.strerror or _one_line(e)}"
 
 
 def _sigterm(signum, frame) -> None:  # noqa: ARG001
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         print("fedweave: interrupted", file=sys.stderr)
         return 130
     except OSError as e:
-        print(f"fedweave: error: {_one_line(_os_error(e))}", file=sys.stderr)
+        print(f"fedweave: error: {_os_error(e)}", file=sys.stderr)
         return 2
     finally:
         if threading.current_thread() is threading.main_thread():

@@ -531,8 +531,3 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, progress:
             f"{path / CHECKPOINT} not found: the run has no checkpoint to resume from (set output.checkpoint_every)"
         )
     return run(load_config(path / "config.yaml", overrides), run_dir=path, progress=progress, resume=True)
-
-
-def run_config(source: str | Path | dict | RunConfig, overrides: list[str] | None = None, **kw: Any) -> Result:
-    cfg = source if isinstance(source, RunConfig) else load_config(source, overrides)
-    return run(cfg, **kw)
