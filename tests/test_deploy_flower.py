@@ -88,7 +88,8 @@ class Federation:
     def supernode(self, partition: int) -> subprocess.Popen:
         return self.start(
             f"supernode-{partition}", "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-            "--port", str(free_port()), "--node-config", f"partition-id={partition}",
+            "--port", str(free_port()),
+            "--node-config", f"partition-id={partition} state-dir='{self.root / f'state-{partition}'}'",
         )  # fmt: skip
 
     def flwr_run(self, app: Path, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -151,11 +152,10 @@ def test_deployed_run_equals_simulation(federation, tmp_path, algorithm):
     # both byte counts: the ledger's payload and Flower's serialised messages (payload + framing)
     fl, ledger = summary["flower"], summary["communication"]
     assert fl["bytes_sent"] > ledger["bytes_down"]
-    if algorithm["name"] == "scaffold":
-        # c_i stays in the ServerApp's store (not yet on the node): a reply carries y_i only, while the
-        # ledger counts SCAFFOLD's protocol upload (Delta y_i and Delta c_i); docs/deployment.md
-        assert fl["bytes_received"] < ledger["bytes_up"]
-    else:
-        assert fl["bytes_received"] > ledger["bytes_up"]
+    assert fl["bytes_received"] > ledger["bytes_up"]
+    # the arrays the messages carry are the ledger's protocol: SCAFFOLD's nodes keep c_i and send up
+    # Delta y_i and Delta c_i, and receive x and c
+    assert fl["payload_received"] == ledger["bytes_up"]
+    assert fl["payload_sent"] == ledger["bytes_down"]
     assert fl["overhead_bytes"] == fl["bytes_sent"] + fl["bytes_received"] - ledger["bytes_total"]
     assert fl["messages"] >= 2 * 3 * CLIENTS

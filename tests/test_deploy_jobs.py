@@ -128,3 +128,81 @@ def test_importing_fedweave_and_its_deploy_package_does_not_import_flwr():
     code = "import sys, fedweave, fedweave.deploy, fedweave.deploy.jobs, fedweave.cli; print('flwr' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", ["scaffold", "feddyn"])
+def test_a_stateful_client_on_its_node_equals_the_simulation(tmp_path, toy_config, name):
+    """Two rounds of a stateful algorithm's clients: the simulation's call over its StateStore, and each
+    client as a node job (its state in the node's files, the step rebuilt from the message) agree, and the
+    node keeps the state the simulation stores."""
+    pytest.importorskip("flwr")
+    from fedweave.algorithms.base import RunContext
+    from fedweave.algorithms.centralized.feddyn import FedDynStep
+    from fedweave.algorithms.centralized.scaffold import ScaffoldStep
+    from fedweave.deploy.client_app import _run_step
+    from fedweave.deploy.node_state import INITIAL, NodeState
+    from fedweave.execution import StateStore
+    from fedweave.execution.local import LocalTrainer
+
+    ctx = RunContext(load({**toy_config, "local": {"steps": 3, "batch_size": 8, "lr": 0.1}}))
+    ds = ctx.dataset
+    tr = LocalTrainer(ctx.model, ds.train_x, ds.train_y, ctx.partition, ctx.config.local, ctx.seeds)
+    x = tr.layout.flatten()
+    P = x.numel()
+    store = StateStore(ctx.num_clients)
+    store.create(ScaffoldStep.state[0] if name == "scaffold" else FedDynStep.state[0], P)
+    node = NodeState(tmp_path, run_id=7)
+    clients, accepted = [1, 4], dict.fromkeys([1, 4], INITIAL)
+    for r in range(2):
+        step = ScaffoldStep(0.01 * torch.ones(P), 0.1) if name == "scaffold" else FedDynStep(0.05, x)
+        res, upload = tr.train_with_state(x, clients, r, step, store, lr=0.1)
+        for k, c in enumerate(clients):
+            header, tensors = encode_job(start=x, client=c, round=r, k=k, jobs=2, lr=0.1, steps=None, key=(),
+                                         local=tr.local, step=step, state_round=accepted[c])  # fmt: skip
+            job = decode_job(encode_header(header), tensors)
+            assert type(job.step) is type(step) and job.state_round == accepted[c]
+            got, sent = _run_step(tr, job, node)
+            if name == "scaffold":  # the client sends Delta y_i and Delta c_i, not its model
+                assert sorted(sent) == ["dc", "dy"]
+                torch.testing.assert_close(sent["dc"][0], upload["dc"][k])
+                torch.testing.assert_close(sent["dy"][0], upload["dy"][k])
+            else:  # FedDyn's client sends its model
+                assert sorted(sent) == ["params"]
+            torch.testing.assert_close(got.params[0], res.params[k])
+            accepted[c] = r
+            kept = node.load(c, r, step.state, x)
+            torch.testing.assert_close(kept[step.state[0]][0], store[step.state[0]][c])
+        x = res.params.mean(0)
+    # the state moved away from zero: the comparison above was not of two zeros
+    assert float(store[step.state[0]][clients].abs().sum()) > 0
+
+
+def test_node_state_keeps_the_accepted_version_and_the_new_one(tmp_path):
+    from fedweave.deploy.node_state import INITIAL, NodeState, StateMissingError
+
+    node = NodeState(tmp_path, run_id=1)
+    like = torch.zeros(3)
+    assert node.load(2, INITIAL, ("c",), like)["c"].tolist() == [[0.0, 0.0, 0.0]]
+    node.save(2, 0, {"c": torch.ones(1, 3)}, accepted=INITIAL)
+    node.save(2, 1, {"c": 2 * torch.ones(1, 3)}, accepted=0)
+    files = lambda: sorted(p.name for p in (tmp_path / "run-1" / "client-2").iterdir())  # noqa: E731
+    assert files() == ["round-0.npz", "round-1.npz"]
+    # round 2's reply never reached the server: it still names round 0, so round 1 is forgotten
+    assert node.load(2, 0, ("c",), like)["c"].tolist() == [[1.0, 1.0, 1.0]]
+    node.save(2, 2, {"c": 3 * torch.ones(1, 3)}, accepted=0)
+    assert files() == ["round-0.npz", "round-2.npz"]
+    with pytest.raises(StateMissingError, match="state of client 2 from round 2 is not in"):
+        node.load(2, 1, ("c",), like)
+    assert not list((tmp_path / "run-1" / "client-2").glob("*.tmp"))
+
+
+def test_a_step_job_carries_the_servers_tensors_and_the_state_version_not_the_state():
+    from fedweave.algorithms.centralized.scaffold import ScaffoldStep
+
+    header, tensors = encode_job(start=VEC, client=3, round=5, k=0, jobs=1, lr=0.1, steps=2, key=(),
+                                 local=LocalConfig(steps=2), step=ScaffoldStep(-VEC, 0.1), state_round=3)  # fmt: skip
+    assert sorted(tensors) == ["start", "step.c_global"]
+    assert header["step"] == "scaffold" and header["state_round"] == 3 and header["step_scalars"] == {"lr": 0.1}
+    header["step"] = "homemade"
+    with pytest.raises(UnknownRuleError, match="unknown client step 'homemade'; this node knows: scaffold, feddyn"):
+        decode_job(encode_header(header), tensors)

@@ -175,7 +175,10 @@ def _cmd_flower_app(args: argparse.Namespace) -> int:
     from fedweave.deploy.project import write_app
 
     cfg = load(args.config, args.overrides)
-    path = write_app(cfg, args.dir, run_dir=args.run_dir or "")
+    path = write_app(
+        cfg, args.dir, run_dir=args.run_dir or "", on_error=args.on_error, reply_timeout=args.reply_timeout,
+        node_wait=args.node_wait,
+    )  # fmt: skip
     print(f"{path} (run it with: flwr run {args.dir} SUPERLINK)")
     return 0
 
@@ -251,6 +254,11 @@ def parser() -> argparse.ArgumentParser:
     fa.add_argument("dir", help="directory for the app project")
     fa.add_argument("overrides", nargs="*", help="key=value overrides")
     fa.add_argument("--run-dir", help="results directory on the SuperLink's machine (default: the config's)")
+    fa.add_argument("--on-error", choices=("stop", "drop"), default="stop",
+                    help="a client's error reply or missing reply: stop the run, or go on without the client "
+                    "for that round as a dropout (default: stop)")  # fmt: skip
+    fa.add_argument("--reply-timeout", type=float, default=600.0, help="seconds a round waits for its replies")
+    fa.add_argument("--node-wait", type=float, default=120.0, help="seconds to wait for the SuperNodes at start")
     fa.set_defaults(fn=_cmd_flower_app)
     return p
 
