@@ -2,9 +2,11 @@
 holds and replies with what the client sends in the paper (docs/deployment.md).
 
 Node config (``flower-supernode --node-config``): ``partition-id`` (the fedweave client index this node
-holds) and ``state-dir`` (where the node keeps its clients' own state; default ``$FLWR_HOME/fedweave-state``).
-The node rebuilds the dataset, partition and model from the run's fedweave config (the same root seed, so
-the same client data, batches and augmentation as in simulation) and trains on the ``loop`` backend.
+holds), ``data`` (optional: an ``.npz`` of the client's own samples, ``fedweave.deploy.node_data``) and
+``state-dir`` (where the node keeps its clients' own state; default ``$FLWR_HOME/fedweave-state``).
+Without ``data`` the node rebuilds the dataset and partition from the run's fedweave config (a trial: the
+same root seed gives the same client data as in simulation); with it the node reads only its file. Batches
+and augmentation come from the run's seed streams either way; training runs on the ``loop`` backend.
 """
 
 from __future__ import annotations
@@ -14,22 +16,26 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import torch
 from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 
 from fedweave.algorithms.base import RunContext
+from fedweave.byo import RunObjects
 from fedweave.config import ConfigError
 from fedweave.config import load as load_config
 from fedweave.data.augment import augment_for
+from fedweave.data.base import Dataset
 from fedweave.deploy.jobs import Job, MalformedJobError, UnknownRuleError, decode_job
+from fedweave.deploy.node_data import NodeDataError, load_node_data
 from fedweave.deploy.node_state import NodeState, StateMissingError
 from fedweave.deploy.wire import from_records, to_records
 from fedweave.execution import loop
 from fedweave.execution.local import LocalResult, LocalTrainer
 
 # Error codes of the replies (Flower reserves codes below 100 for itself)
-UNKNOWN_RULE, MALFORMED, WRONG_NODE, STATE_MISSING = 101, 102, 103, 104
+UNKNOWN_RULE, MALFORMED, WRONG_NODE, STATE_MISSING, STATE_UNWRITABLE, NODE_DATA = 101, 102, 103, 104, 105, 106
 
 app = ClientApp()
 
@@ -48,21 +54,43 @@ def state_dir(context: Context) -> Path:
     return Path(os.environ.get("FLWR_HOME", Path.home() / ".flwr")) / "fedweave-state"
 
 
+def node_data(context: Context) -> str | None:
+    value = context.node_config.get("data")
+    return str(value) if value else None
+
+
 @lru_cache(maxsize=2)
-def _trainer(config_json: str) -> LocalTrainer:
-    """The node's trainer over the run's data (built once per run config)."""
+def _trainer(config_json: str, data: str | None, client: int, num_classes: int | None) -> LocalTrainer:
+    """The node's trainer over its client's data (built once per run config and data)."""
     config = load_config(json.loads(config_json))
-    ctx = RunContext(config)
-    ds = ctx.dataset
+    if data is None:  # a trial: the configured dataset's partition, as in simulation
+        ctx = RunContext(config)
+        x, y, parts = ctx.dataset.train_x, ctx.dataset.train_y, ctx.partition
+    else:  # the node's own file is the client's data; only the model's outputs come from the server
+        x, y = load_node_data(data)
+        if num_classes is None:
+            raise MalformedJobError("the job does not name the model's num_classes, which a node with data needs")
+        ds = Dataset(f"node data {Path(data).name}", x, y, x[:0], y[:0], num_classes, tuple(x.shape[1:]))
+        ctx = RunContext(config, RunObjects(dataset=ds))
+        x, y = ctx.dataset.train_x, ctx.dataset.train_y  # in the run's precision
+        parts = [np.zeros(0, dtype=np.int64)] * client + [np.arange(len(x))]
     return LocalTrainer(
-        ctx.model, ds.train_x, ds.train_y, ctx.partition, config.local, ctx.seeds,
+        ctx.model, x, y, parts, config.local, ctx.seeds,
         backend="loop", augment=augment_for(config.local), rounds=config.rounds, loss_fn=ctx.task.loss,
     )  # fmt: skip
 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    return Message(to_records({"partition": partition_id(context)}, {}), reply_to=msg)
+    """Which client this node holds (and, with its own data, how many samples it has)."""
+    answer = {"partition": partition_id(context)}
+    data = node_data(context)
+    if data is not None:
+        try:
+            answer["samples"] = len(load_node_data(data)[1])
+        except NodeDataError as e:
+            return _error(msg, NODE_DATA, str(e))
+    return Message(to_records(answer, {}), reply_to=msg)
 
 
 def _error(msg: Message, code: int, reason: str) -> Message:
@@ -81,7 +109,15 @@ def train(msg: Message, context: Context) -> Message:
     mine = partition_id(context)
     if job.client != mine:
         return _error(msg, WRONG_NODE, f"job for client {job.client} sent to the node holding {mine}")
-    tr = _trainer(str(context.run_config["fedweave-config"]))
+    try:
+        tr = _trainer(str(context.run_config["fedweave-config"]), node_data(context), mine, job.num_classes)
+    except MalformedJobError as e:
+        return _error(msg, MALFORMED, str(e))
+    except (ValueError, ConfigError) as e:  # the node's data file, or data that do not fit the model
+        return _error(msg, NODE_DATA, str(e))
+    if tr.layout.numel != job.start.numel():
+        return _error(msg, NODE_DATA, f"the node's model has {tr.layout.numel} parameters, the job's start vector "
+                      f"{job.start.numel()}: does the node's data have the dataset's input shape?")  # fmt: skip
     tr.local = job.local
     if job.step is None:
         res = _run(tr, job, job.rule)
@@ -91,6 +127,8 @@ def train(msg: Message, context: Context) -> Message:
             out, sent = _run_step(tr, job, NodeState(state_dir(context), context.run_id))
         except StateMissingError as e:
             return _error(msg, STATE_MISSING, str(e))
+        except OSError as e:
+            return _error(msg, STATE_UNWRITABLE, f"cannot read or write the client state in {state_dir(context)}: {e}")
     header = {"steps": int(out.steps[0]), "loss": float(out.loss[0])}
     return Message(to_records(header, sent), reply_to=msg)
 

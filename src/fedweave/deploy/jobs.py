@@ -103,6 +103,7 @@ def encode_job(
     rule: LocalRule | None = None,
     step: ClientStep | None = None,
     state_round: int = -1,
+    num_classes: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Job ``k`` of a call of ``jobs`` jobs, with its ``rule`` or its client ``step``, as ``(header, tensors)``."""
     if callable(lr):
@@ -116,6 +117,7 @@ def encode_job(
         "steps": steps,
         "key": [int(x) for x in key],
         "local": dataclasses.asdict(local),
+        "num_classes": num_classes,  # the model's outputs, for a node that holds its own data
     }
     tensors = {"start": start.detach().reshape(1, -1).contiguous()}
     if rule is not None:
@@ -141,6 +143,7 @@ class Job:
     rule: LocalRule | None = None
     step: ClientStep | None = None
     state_round: int = -1  # the round of the client state version the server accepted (-1: initial)
+    num_classes: int | None = None
 
 
 def _rebuild(registry: dict[str, type], what: str, name: Any, scalars: dict, tensors: dict[str, torch.Tensor]):
@@ -176,6 +179,7 @@ def decode_job(header_json: str, tensors: dict[str, torch.Tensor]) -> Job:
             rule=rule,
             step=step,
             state_round=state_round,
+            num_classes=None if h.get("num_classes") is None else int(h["num_classes"]),
         )
     except UnknownRuleError:
         raise

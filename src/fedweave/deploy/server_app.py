@@ -70,6 +70,8 @@ class FlowerClients:
         self.node_of: dict[int, int] = {}  # client -> node id
         self.asked: dict[str, int] = {}  # start-up queries waiting for their reply: message id -> node id
         self.queried: set[int] = set()  # nodes asked once
+        self.query_errors: dict[int, str] = {}  # node id -> why it did not answer the query
+        self.samples: dict[int, int] = {}  # client -> sample count of a node that holds its own data
         self.accepted: dict[int, int] = {}  # client -> round of its state version the server used
         self.replies: dict[str, Message] = {}  # this round's good replies, by job digest
         self.replies_round = -1
@@ -84,18 +86,20 @@ class FlowerClients:
             self.asked[msg_id] = m.metadata.dst_node_id
         self.queried.update(new)
 
-    def _collect_answers(self, strict: bool) -> None:
+    def _collect_answers(self) -> None:
         if not self.asked:
             return
         for reply in self.pull(list(self.asked)):
             node = self.asked.pop(reply.metadata.reply_to_message_id)
-            if reply.has_error():
-                if strict:
-                    raise DeploymentError(f"node {node}: {reply.error.reason}")
+            if reply.has_error():  # e.g. a node without partition-id, or one that died before answering
+                self.query_errors[node] = reply.error.reason
                 log.warning("SuperNode %d did not say which client it holds: %s", node, reply.error.reason)
                 continue
             header, _ = from_records(reply.content)
-            client = int(json.loads(header)["partition"])
+            answer = json.loads(header)
+            client = int(answer["partition"])
+            if "samples" in answer:
+                self.samples[client] = int(answer["samples"])
             if client in self.node_of and self.node_of[client] != node:
                 log.info("client %d is now held by SuperNode %d (was %d)", client, node, self.node_of[client])
             self.node_of[client] = node
@@ -105,19 +109,22 @@ class FlowerClients:
         deadline = time.monotonic() + self.node_wait
         while True:
             self._ask_new_nodes()
-            self._collect_answers(strict=True)
+            self._collect_answers()
             missing = sorted(set(range(num_clients)) - set(self.node_of))
             if not missing:
                 return
             if time.monotonic() > deadline:
-                raise DeploymentError(f"no SuperNode holds clients {missing} after waiting {self.node_wait:.0f} s")
+                errors = "".join(f"; node {n}: {why}" for n, why in self.query_errors.items())
+                raise DeploymentError(
+                    f"no SuperNode holds clients {missing} after waiting {self.node_wait:.0f} s{errors}"
+                )
             time.sleep(POLL)
 
     def refresh(self) -> None:
         """Between calls: ask nodes that connected since (a restarted node rejoins under a new id) without
         waiting for them, and take the answers that came in."""
         self._ask_new_nodes()
-        self._collect_answers(strict=False)
+        self._collect_answers()
 
     # ---- messages --------------------------------------------------------------------------------
     def push(self, msgs: list[Message]) -> list[str]:
@@ -157,7 +164,9 @@ class FlowerClients:
             msgs.append(Message(to_records(header, tensors), dst_node_id=node, message_type="train"))
             sent[keys[k]] = c
         pending = dict(zip(self.push(msgs), sent, strict=True))  # message id -> job digest
+        node_was = {key: self.node_of[c] for key, c in sent.items()}
         deadline = time.monotonic() + self.reply_timeout
+        next_look = time.monotonic() + 1.0
         while pending and time.monotonic() < deadline:
             for reply in self.pull(list(pending)):
                 key = pending.pop(reply.metadata.reply_to_message_id, None)
@@ -167,6 +176,14 @@ class FlowerClients:
                     lost[sent[key]] = f"error {reply.error.code}: {reply.error.reason}"
                 else:
                     self.replies[key] = reply
+            if pending and time.monotonic() > next_look:
+                # a node that restarted joins under a new id: the job sent to its old self is lost
+                self.refresh()
+                next_look = time.monotonic() + 1.0
+                for msg_id, key in list(pending.items()):
+                    if self.node_of.get(sent[key]) != node_was[key]:
+                        lost[sent[key]] = "its SuperNode restarted (it joined again under a new id)"
+                        del pending[msg_id]
             if pending:
                 time.sleep(POLL)
         for key in pending.values():
@@ -185,11 +202,24 @@ class FlowerClients:
         remote = FlowerTrainer.__new__(FlowerTrainer)
         remote.__dict__.update(trainer.__dict__)
         remote.backend, remote.clients = "flower", self
+        remote.num_classes = algo.ctx.dataset.num_classes  # what a node with its own data builds its model for
         algo.trainer = remote
         if getattr(algo, "store", None) is not None:
             algo.store = None  # the clients' own state lives on their nodes, not in the server
         self._apply_policy(algo)
         self.discover(len(trainer.parts))
+        self.check_samples([len(p) for p in trainer.parts])
+
+    def check_samples(self, sizes: list[int]) -> None:
+        """The server weighs clients (and counts their local steps) by its partition: a node with its own
+        data must hold as many samples as the partition gives its client."""
+        for c, n in sorted(self.samples.items()):
+            if n != sizes[c]:
+                raise DeploymentError(
+                    f"the SuperNode of client {c} holds {n} samples in its data file, but the run's partition gives "
+                    f"client {c} {sizes[c]}; the server weighs clients by its partition, so they must agree "
+                    "(docs/deployment.md, 'Node data from a path')"
+                )
 
     def _apply_policy(self, algo: Algorithm) -> None:
         """``stop``: a lost client ends the run (``RunStopped``, one line). ``drop``: the round is computed
@@ -249,6 +279,7 @@ class FlowerTrainer(LocalTrainer):
     """A ``LocalTrainer`` whose jobs run on the SuperNodes; same arguments, same results."""
 
     clients: FlowerClients
+    num_classes: int
 
     def run_jobs(
         self,
@@ -303,6 +334,7 @@ class FlowerTrainer(LocalTrainer):
             header, tensors = encode_job(
                 start=starts[k], client=c, round=round, k=k, jobs=len(clients), lr=lr, steps=steps, key=key,
                 local=self.local, rule=rule, step=step, state_round=self.clients.accepted.get(c, INITIAL),
+                num_classes=self.num_classes,
             )  # fmt: skip
             jobs.append((c, header, tensors))
         return self.clients.run_jobs(round, jobs)
@@ -335,6 +367,9 @@ def main(grid: Grid, context: Context) -> None:
     try:
         result = runner.run(config, run_dir=run_dir, prepare=clients.attach, progress=False)
         out = Path(result.run_dir)
+    except DeploymentError as e:  # before the first round: nothing was written
+        log.error("fedweave run not started: %s", e)
+        return
     except RunStopped as e:
         log.error("fedweave run stopped: %s", e)
         if e.run_dir is None:
