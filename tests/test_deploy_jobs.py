@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tomllib
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,16 +105,16 @@ def test_flower_app_project_is_valid_and_carries_the_config(tmp_path, toy_config
     cfg = load(toy_config)
     from fedweave.cli import main
 
-    assert (
-        main(["flower-app", "--run-dir", str(tmp_path / "out"), _write(tmp_path, toy_config), str(tmp_path / "app")])
-        == 0
-    )
+    args = ["flower-app", "--run-dir", str(tmp_path / "out"), "--on-error", "drop", "--node-data", str(tmp_path / "d")]
+    assert main([*args, _write(tmp_path, toy_config), str(tmp_path / "app")]) == 0
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [f"client-{i}.npz" for i in sorted(range(12), key=str)]
     data = tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text())
     ok, errors, _ = flwr_config.validate_config(data, check_module=False)
     assert ok, errors
     app = data["tool"]["flwr"]["app"]
     assert load(json.loads(app["config"]["fedweave-config"])).to_dict() == cfg.to_dict()
     assert app["config"]["run-dir"] == str(tmp_path / "out")
+    assert app["config"]["on-error"] == "drop" and app["config"]["reply-timeout"] == 600.0
 
 
 def _write(tmp_path, config: dict) -> str:
@@ -206,3 +207,65 @@ def test_a_step_job_carries_the_servers_tensors_and_the_state_version_not_the_st
     header["step"] = "homemade"
     with pytest.raises(UnknownRuleError, match="unknown client step 'homemade'; this node knows: scaffold, feddyn"):
         decode_job(encode_header(header), tensors)
+
+
+def test_node_data_files_are_checked_and_export_gives_the_clients_samples(tmp_path, toy_config):
+    from fedweave.algorithms.base import RunContext
+    from fedweave.deploy.node_data import NodeDataError, export_clients, load_node_data
+
+    cfg = load(toy_config)
+    paths = export_clients(cfg, tmp_path / "data", [3, 5])
+    assert [p.name for p in paths] == ["client-3.npz", "client-5.npz"]
+    ctx = RunContext(cfg)
+    x, y = load_node_data(paths[0])
+    idx = torch.as_tensor(ctx.partition[3])
+    torch.testing.assert_close(x, ctx.dataset.train_x[idx])
+    assert torch.equal(y, ctx.dataset.train_y[idx]) and y.dtype == torch.int64
+    with pytest.raises(FileExistsError, match="client-3.npz exists"):
+        export_clients(cfg, tmp_path / "data", [3])
+    with pytest.raises(NodeDataError, match="is not a file"):
+        load_node_data(tmp_path / "nope.npz")
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, x=np.zeros((4, 2)), labels=np.zeros(4))
+    with pytest.raises(NodeDataError, match=r"lacks the arrays \['y'\]"):
+        load_node_data(bad)
+    np.savez(bad, x=np.zeros((4, 2)), y=np.zeros(3))
+    with pytest.raises(NodeDataError, match="x has 4 rows and y 3"):
+        load_node_data(bad)
+    bad.write_text("not a zip")
+    with pytest.raises(NodeDataError, match="not a readable .npz"):
+        load_node_data(bad)
+
+
+def test_a_node_whose_data_size_differs_from_the_servers_partition_is_refused():
+    pytest.importorskip("flwr")
+    from fedweave.deploy.server_app import DeploymentError, FlowerClients
+
+    clients = FlowerClients(None, reply_timeout=1.0, node_wait=1.0)
+    clients.samples = {1: 40}
+    clients.check_samples([30, 40, 50])
+    clients.samples = {2: 49}
+    with pytest.raises(DeploymentError, match="client 2 holds 49 samples in its data file, but the run's partition"):
+        clients.check_samples([30, 40, 50])
+
+
+def test_a_node_trains_on_its_own_data_file_as_the_simulation_does(tmp_path, toy_config):
+    """The node's trainer over an exported file gives the job the simulation gives the client."""
+    pytest.importorskip("flwr")
+    from fedweave.algorithms.base import RunContext
+    from fedweave.deploy.client_app import _trainer
+    from fedweave.deploy.node_data import export_clients
+    from fedweave.execution import loop
+    from fedweave.execution.local import LocalTrainer
+
+    cfg = load({**toy_config, "local": {"steps": 3, "batch_size": 8, "lr": 0.1}})
+    ctx = RunContext(cfg)
+    ds = ctx.dataset
+    sim = LocalTrainer(ctx.model, ds.train_x, ds.train_y, ctx.partition, cfg.local, ctx.seeds)
+    (path,) = export_clients(cfg, tmp_path, [4])
+    node = _trainer(json.dumps(cfg.to_dict()), str(path), 4, ds.num_classes)
+    x = sim.layout.flatten()
+    want = loop.run(sim, x[None], [4], 2, PLAIN, 0.1, None, (1,))
+    got = loop.run(node, x[None], [4], 2, PLAIN, 0.1, None, (1,))
+    torch.testing.assert_close(got.params, want.params)
+    assert got.loss.item() == pytest.approx(want.loss.item())

@@ -180,6 +180,12 @@ def _cmd_flower_app(args: argparse.Namespace) -> int:
         node_wait=args.node_wait,
     )  # fmt: skip
     print(f"{path} (run it with: flwr run {args.dir} SUPERLINK)")
+    if args.node_data:
+        from fedweave.deploy.node_data import export_clients
+
+        files = export_clients(cfg, args.node_data)
+        print(f"{len(files)} node data files in {args.node_data} (flower-supernode --node-config \"partition-id=N "
+              f"data='{args.node_data}/client-N.npz'\")")  # fmt: skip
     return 0
 
 
@@ -259,6 +265,9 @@ def parser() -> argparse.ArgumentParser:
                     "for that round as a dropout (default: stop)")  # fmt: skip
     fa.add_argument("--reply-timeout", type=float, default=600.0, help="seconds a round waits for its replies")
     fa.add_argument("--node-wait", type=float, default=120.0, help="seconds to wait for the SuperNodes at start")
+    fa.add_argument("--node-data", metavar="DIR",
+                    help="also write each client's training samples as DIR/client-N.npz, data files for the nodes "
+                    "(a trial of nodes that hold their own data)")  # fmt: skip
     fa.set_defaults(fn=_cmd_flower_app)
     return p
 
