@@ -1,7 +1,9 @@
 """fedweave on Flower's deployment engine: a real SuperLink and real SuperNode processes on 127.0.0.1.
 
 One federation serves the module: ``flower-superlink --insecure`` and one ``flower-supernode`` per client,
-each in its own process group and stopped by a finalizer even when a test fails. Each test writes the app
+each in its own process group and stopped by a finalizer even when a test fails. Clients 0 and 1 derive
+their partition of the configured dataset (``partition-id``); client 2's node reads only its own data file
+(``data``), so every comparison with the simulation covers both. Each test writes the app
 with ``fedweave flower-app``'s writer, runs it with ``flwr run --stream`` and compares the run's metrics with
 the simulation's ``loop`` backend. The fault tests kill, restart or break the node of client 2 and leave it
 healthy again for the tests after them.
@@ -24,11 +26,13 @@ import pytest
 pytest.importorskip("flwr")
 
 from fedweave.config import load  # noqa: E402
+from fedweave.deploy.node_data import export_clients  # noqa: E402
 from fedweave.deploy.project import write_app  # noqa: E402
 from fedweave.runner import run  # noqa: E402
 
 BIN = Path(sys.executable).parent
 CLIENTS = 3
+DATA_NODE = 2  # its node holds the client's samples in a file (node data) instead of deriving its partition
 pytestmark = pytest.mark.slow
 
 
@@ -38,15 +42,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def config(algorithm: dict, rounds: int = 3) -> dict:
+def config(algorithm: dict, rounds: int = 3, model: dict | None = None) -> dict:
+    """Every test's config: the same data, partition and seed (so client 2's one data file serves all)."""
     return {
         "name": f"flower-{algorithm['name']}",
         "seed": 5,
         "rounds": rounds,
         "backend": "loop",
-        "dataset": {"name": "digits"},
+        "dataset": {"name": "digits", "as_image": True},
         "partition": {"name": "dirichlet", "num_clients": CLIENTS, "alpha": 0.5},
-        "model": {"name": "logistic"},
+        "model": model or {"name": "logistic"},
         "algorithm": {**algorithm, "clients_per_round": CLIENTS},
         "local": {"steps": 4, "batch_size": 16, "lr": 0.05},
         "output": {"progress": False, "plots": False},
@@ -90,10 +95,14 @@ class Federation:
         raise TimeoutError(f"the SuperLink did not listen on port {self.port}:\n{self.logs()}")
 
     def supernode(self, client: int, state_dir: Path | None = None) -> subprocess.Popen:
+        """The node of ``client``; the last client's node reads its own data file (``data``)."""
         state_dir = state_dir or self.root / f"state-{client}"
+        node_config = f"partition-id={client} state-dir='{state_dir}'"
+        if client == DATA_NODE:
+            node_config += f" data='{self.root / 'data' / f'client-{client}.npz'}'"
         self.nodes[client] = self.start(
             f"supernode-{client}", "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-            "--port", str(free_port()), "--node-config", f"partition-id={client} state-dir='{state_dir}'",
+            "--port", str(free_port()), "--node-config", node_config,
         )  # fmt: skip
         return self.nodes[client]
 
@@ -127,6 +136,9 @@ class Federation:
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory):
     fed = Federation(tmp_path_factory.mktemp("federation"))
+    # client 2's samples in its own file, as fedweave flower-app --node-data writes them: every test's config
+    # shares the dataset, partition and seed, so the file is the simulation's client 2
+    export_clients(load(config({"name": "fedavg"})), fed.root / "data", [DATA_NODE])
     try:
         fed.superlink()
         fed.wait_listening()
@@ -176,10 +188,10 @@ def simulated(cfg: dict, tmp_path: Path, dropped: dict[str, list[int]] | None = 
     return run(load(cfg), run_dir=tmp_path / "sim", prepare=drop if gone else None).metrics
 
 
-def assert_same_metrics(rows: list[dict], sim: list[dict]) -> None:
+def assert_same_metrics(rows: list[dict], sim: list[dict], extra: tuple[str, ...] = ()) -> None:
     assert len(rows) == len(sim)
     for got, want in zip(rows, sim, strict=True):
-        for k in ("train_loss", "test_accuracy", "test_loss", "bytes_up", "bytes_down"):
+        for k in ("train_loss", "test_accuracy", "test_loss", "bytes_up", "bytes_down", *extra):
             assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), (k, got, want)
 
 
@@ -208,6 +220,24 @@ def test_deployed_run_equals_simulation(federation, tmp_path, algorithm):
     if algorithm["name"] == "scaffold":  # c_i is on the nodes, one version per accepted round kept
         kept = sorted(p.name for p in (federation.root / "state-2").glob("run-*/client-2/*.npz"))
         assert kept[-2:] == ["round-1.npz", "round-2.npz"]
+
+
+def test_deployed_cse_fsl_equals_simulation(federation, tmp_path):
+    """CSE-FSL: each client's epoch (local loss through its auxiliary net, a smashed batch every h = 2 batches)
+    runs on its node; the main server's steps on the smashed data and the fed server's averaging are the
+    ServerApp's. Every metric equals the simulation, and the messages carry the ledger's bytes: x_c and a_c
+    down; x_c, a_c, the smashed batches and their labels up."""
+    model = {"name": "split_small", "aux": "mlp", "width": 4, "hidden": 16}
+    cfg = config({"name": "cse_fsl", "h": 2}, model=model)
+    summary, rows, _ = deployed(federation, cfg, tmp_path)
+    assert len(rows) == 3
+    sim = simulated(cfg, tmp_path)
+    assert_same_metrics(rows, sim, extra=("server_loss", "aux_test_accuracy", "server_steps", "load_bytes"))
+    assert rows[-1]["server_steps"] == CLIENTS * 2  # 4 local batches, h = 2: two uploads per client
+    fl, ledger = summary["flower"], summary["communication"]
+    assert ledger["by_transfer"]["client->server:smashed"]["count"] == 3 * CLIENTS * 2
+    assert fl["payload_received"] == ledger["bytes_up"]
+    assert fl["payload_sent"] == ledger["bytes_down"]
 
 
 def test_a_killed_node_is_a_dropout_and_rejoins_with_its_state(federation, tmp_path):

@@ -269,3 +269,34 @@ def test_a_node_trains_on_its_own_data_file_as_the_simulation_does(tmp_path, toy
     got = loop.run(node, x[None], [4], 2, PLAIN, 0.1, None, (1,))
     torch.testing.assert_close(got.params, want.params)
     assert got.loss.item() == pytest.approx(want.loss.item())
+
+
+@pytest.mark.parametrize("own_data", [False, True], ids=["partition", "data-file"])
+def test_a_cse_fsl_epoch_on_the_node_equals_the_simulations(tmp_path, own_data):
+    """The node's side of a CSE-FSL job (the client's epoch from the fed server's models), over the wire
+    format, gives the simulation's client-side model, auxiliary net, smashed uploads and losses."""
+    pytest.importorskip("flwr")
+    from fedweave.algorithms.base import RunContext, build_algorithm
+    from fedweave.deploy import split
+    from fedweave.deploy.node_data import export_clients
+
+    cfg = load({
+        "name": "s", "seed": 2, "rounds": 2, "dataset": {"name": "digits", "as_image": True},
+        "partition": {"name": "iid", "num_clients": 4}, "model": {"name": "split_small", "width": 4, "hidden": 8},
+        "algorithm": {"name": "cse_fsl", "h": 2}, "local": {"steps": 5, "batch_size": 8, "lr": 0.05},
+    })  # fmt: skip
+    algo = build_algorithm(RunContext(cfg))
+    xc, xa = algo.xc + 0.01, algo.xa - 0.01
+    want = algo.client_epoch(1, 3, xc, xa, (0.05, 0.04), 0, 5, 0)
+    data = str(export_clients(cfg, tmp_path, [3])[0]) if own_data else None
+    header = {"kind": split.KIND, "client": 3, "round": 1, "lrs": [0.05, 0.04], "start": 0, "period": 5, "seg": 0,
+              "num_classes": 10}  # fmt: skip
+    h, t = split.run_epoch(header, {"xc": xc[None], "xa": xa[None]}, json.dumps(cfg.to_dict()), data, 3)
+    got = split.decode_epoch(json.loads(json.dumps(h)), t)
+    torch.testing.assert_close(got.xc, want.xc)
+    torch.testing.assert_close(got.xa, want.xa)
+    assert got.losses == pytest.approx(want.losses) and got.batches == want.batches == 5
+    assert [(w, m) for w, m, _, _ in got.uploads] == [(w, m) for w, m, _, _ in want.uploads] == [(0, 1), (1, 3)]
+    for (_, _, a, y), (_, _, a0, y0) in zip(got.uploads, want.uploads, strict=True):
+        torch.testing.assert_close(a, a0)
+        assert torch.equal(y, y0)

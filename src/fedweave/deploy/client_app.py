@@ -27,6 +27,7 @@ from fedweave.config import ConfigError
 from fedweave.config import load as load_config
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
+from fedweave.deploy import split
 from fedweave.deploy.jobs import Job, MalformedJobError, UnknownRuleError, decode_job
 from fedweave.deploy.node_data import NodeDataError, load_node_data
 from fedweave.deploy.node_state import NodeState, StateMissingError
@@ -101,6 +102,8 @@ def _error(msg: Message, code: int, reason: str) -> Message:
 def train(msg: Message, context: Context) -> Message:
     try:
         header, tensors = from_records(msg.content)
+        if json.loads(header).get("kind") == split.KIND:
+            return _split_epoch(msg, context, json.loads(header), tensors)
         job = decode_job(header, tensors)
     except UnknownRuleError as e:
         return _error(msg, UNKNOWN_RULE, str(e))
@@ -131,6 +134,21 @@ def train(msg: Message, context: Context) -> Message:
             return _error(msg, STATE_UNWRITABLE, f"cannot read or write the client state in {state_dir(context)}: {e}")
     header = {"steps": int(out.steps[0]), "loss": float(out.loss[0])}
     return Message(to_records(header, sent), reply_to=msg)
+
+
+def _split_epoch(msg: Message, context: Context, h: dict, tensors: dict[str, torch.Tensor]) -> Message:
+    """A CSE-FSL client's epoch (``fedweave.deploy.split``)."""
+    mine = partition_id(context)
+    if int(h["client"]) != mine:
+        return _error(msg, WRONG_NODE, f"job for client {h['client']} sent to the node holding {mine}")
+    config_json = str(context.run_config["fedweave-config"])
+    try:
+        header, out = split.run_epoch(h, tensors, config_json, node_data(context), mine)
+    except (KeyError, TypeError) as e:
+        return _error(msg, MALFORMED, f"malformed fedweave split job message: {type(e).__name__}: {e}")
+    except (ValueError, ConfigError) as e:  # the node's data, or a run that is not CSE-FSL
+        return _error(msg, NODE_DATA, str(e))
+    return Message(to_records(header, out), reply_to=msg)
 
 
 def _run(tr: LocalTrainer, job: Job, rule) -> LocalResult:
