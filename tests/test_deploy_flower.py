@@ -68,6 +68,7 @@ class Federation:
         # the SuperLink and SuperNodes start Flower's other executables (flower-superexec, ...) from PATH
         path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
         self.env = {**os.environ, "FLWR_HOME": str(root / "flwr-home"), "PATH": path}
+        self.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = "0.2"  # Flower's executors look for tasks every 1 s
         home = root / "flwr-home"
         home.mkdir()
         (home / "config.toml").write_text(
