@@ -102,12 +102,13 @@ def _error(msg: Message, code: int, reason: str) -> Message:
 def train(msg: Message, context: Context) -> Message:
     try:
         header, tensors = from_records(msg.content)
-        if json.loads(header).get("kind") == split.KIND:
-            return _split_epoch(msg, context, json.loads(header), tensors)
+        h = json.loads(header)
+        if isinstance(h, dict) and h.get("kind") == split.KIND:
+            return _split_epoch(msg, context, h, tensors)
         job = decode_job(header, tensors)
     except UnknownRuleError as e:
         return _error(msg, UNKNOWN_RULE, str(e))
-    except (MalformedJobError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:  # MalformedJobError, a header that is not JSON, ...
         return _error(msg, MALFORMED, f"malformed fedweave job message: {e}")
     mine = partition_id(context)
     if job.client != mine:

@@ -242,14 +242,15 @@ class FlowerClients:
         can_drop = "dropout" in algo.handles_faults
 
         def run_round_under_policy(r: int) -> dict[str, float]:
-            before = copy.deepcopy((algo.state_dict(), ledger.state_dict()))
+            dropping = self.on_error == "drop" and can_drop
+            before = copy.deepcopy((algo.state_dict(), ledger.state_dict())) if dropping else None
             while True:
                 try:
                     return run_round(r)
                 except ClientsLost as e:
                     if self.on_error == "stop":
                         raise RunStopped(f"{e} (deployment on-error: stop)") from None
-                    if not can_drop:
+                    if not dropping:
                         raise RunStopped(f"{e}; algorithm {algo.name!r} has no dropout semantics") from None
                     for c, why in sorted(e.reasons.items()):
                         log.warning("round %d: client %d: %s; the round goes on without it (on-error: drop)",
