@@ -222,6 +222,43 @@ def test_run_without_a_config_exits_2(capsys):
 
 
 # ---- other commands ----------------------------------------------------------------------------------
+OTHER_COMMANDS = [
+    (["run", "c.yaml", "--bogus"], "--bogus"),
+    (["run", "c.yaml", "--resume", "somewhere", "rounds=3"], "not both"),  # CONFIG and --resume, overrides after
+    (["run", "--resume", "nowhere"], "nowhere"),
+    (["run", "--resume", "nowhere", "--out", "x"], "--out"),
+    (["data"], "{fetch,verify}"),
+    (["data", "fetch"], "name"),
+    (["data", "verify", "NOSUCH"], "NOSUCH"),
+    (["plot"], "run_dirs"),
+    (["plot", "nowhere"], "nowhere"),
+    (["report", "nowhere"], "nowhere"),
+    (["sweep", "c.yaml", "--grid", "local.lr=0.1,fast", "--out", "sw"], "local.lr"),
+    (["sweep", "c.yaml", "--grid", "nokey", "--out", "sw"], "nokey"),
+    (["sweep", "c.yaml", "--workers"], "--workers"),
+    (["reproduce", "nosuch"], "unknown reproduction 'nosuch'"),
+    (["flower-app", "missing.yaml", "app"], "missing.yaml"),
+    (["nosuch"], "nosuch"),
+    ([], "command"),
+]
+
+
+@pytest.mark.parametrize("argv, expect", OTHER_COMMANDS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_other_commands_and_usage_errors_get_one_line(argv, expect, in_tmp, capsys):
+    try:
+        code = cli_main(argv)
+    except SystemExit as e:  # argparse's own usage errors exit (with our one-line message)
+        code = e.code
+    _one_line_error(capsys, code, expect)
+    assert _files(in_tmp) == {"c.yaml"}
+
+
+def test_overrides_after_the_options_are_overrides(in_tmp, capsys):
+    assert cli_main(["run", "c.yaml", "--out", "r", "--no-progress", "rounds=1", "local.lr=0.2"]) == 0
+    cfg = load(in_tmp / "r" / "config.yaml")
+    assert (cfg.rounds, cfg.local.lr) == (1, 0.2)
+
+
 def test_data_fetch_of_an_unknown_dataset(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("FEDWEAVE_DATA", str(tmp_path))
     _one_line_error(capsys, cli_main(["data", "fetch", "NOSUCH"]), "no download sources for dataset 'NOSUCH'")
@@ -524,6 +561,9 @@ def test_ctrl_c_and_sigterm_write_an_interrupted_summary_and_resume_identically(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # a shell's background job inherits SIGINT ignored, and Python then keeps ignoring it: give the child
+        # the default disposition, as a terminal would, so that this test also holds when run in the background
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.time() + 60
     while time.time() < deadline:

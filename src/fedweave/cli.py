@@ -180,10 +180,17 @@ def _cmd_flower_app(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line, like every other bad input (docs/reliability.md)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"fedweave: error: {' '.join(message.split())} (see '{self.prog} --help')\n")
+
+
 def parser() -> argparse.ArgumentParser:
     from fedweave import __version__
 
-    p = argparse.ArgumentParser(prog="fedweave", description="Federated learning simulator.")
+    p = _Parser(prog="fedweave", description="Federated learning simulator.")
     p.add_argument("--version", action="version", version=f"fedweave {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -203,11 +210,13 @@ def parser() -> argparse.ArgumentParser:
     )
     r.set_defaults(fn=_cmd_run)
 
-    ls = sub.add_parser("list", help="list algorithms, datasets, models, partitioners, reproductions")
+    ls = sub.add_parser(
+        "list", help="list algorithms, datasets, models, partitioners, losses, metrics, samplers, reproductions"
+    )
     ls.set_defaults(fn=_cmd_list)
 
     d = sub.add_parser("data", help="dataset files")
-    dsub = d.add_subparsers(dest="data_command", required=True)
+    dsub = d.add_subparsers(dest="data_command", required=True, metavar="{fetch,verify}")
     f = dsub.add_parser("fetch", help="fetch and verify a dataset into the cache")
     f.add_argument("name")
     f.add_argument("--root", help="a directory that already holds the files")
@@ -276,8 +285,8 @@ def _one_line(e: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args, extra = p.parse_known_args(argv)
-    if extra and args.command == "sweep" and not any(e.startswith("-") for e in extra):
-        args.overrides += extra  # key=value overrides after the options
+    if extra and hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
+        args.overrides += extra  # key=value overrides after the options (`run C --out D rounds=5`)
     elif extra:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "sweep":  # remember which were given, so they win over a YAML `sweep:` section
