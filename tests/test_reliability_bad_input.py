@@ -524,6 +524,15 @@ def test_an_exploding_loss_stops_the_run_and_says_what_is_kept(tmp_path):
     assert res.summary["status"] == "completed"
 
 
+def test_a_blow_up_within_round_1_is_caught_against_the_initial_model(tmp_path):
+    # a linear model with lr 1e9: its test loss is finite but enormous after one round, so the first reported
+    # value is no reference; eval.at_start measures the initial model's loss, and round 1 is compared with it
+    cfg = {**BASE, "local": {**BASE["local"], "lr": 1e9}}
+    assert fedweave.run(cfg, run_dir=tmp_path / "a").summary["status"] == "completed"
+    with pytest.raises(DivergenceError, match=r"round 1: test_loss = .* exploded .* its first value"):
+        fedweave.run({**cfg, "eval": {"at_start": True}}, run_dir=tmp_path / "b")
+
+
 def test_the_explosion_check_can_be_switched_off():
     from fedweave.runner import _check_explosion
 
