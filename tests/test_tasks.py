@@ -394,6 +394,28 @@ def test_model_init_from_a_state_dict_and_an_npz(tmp_path):
     torch.save({"linear.weight": torch.zeros(3)}, tmp_path / "bad.pt")
     with pytest.raises(ConfigError, match="model.init_from"):
         RunContext(load({**base, "model": {"name": "logistic", "init_from": str(tmp_path / "bad.pt")}})).build_model()
+    torch.save({k: 3 for k in state}, tmp_path / "ints.pt")  # loads under weights_only, but holds no tensors
+    with pytest.raises(ConfigError, match="not tensors"):
+        RunContext(load({**base, "model": {"name": "logistic", "init_from": str(tmp_path / "ints.pt")}})).build_model()
+
+
+class _RunsCode:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch ran-code",))
+
+
+def test_model_init_from_runs_no_code(tmp_path, monkeypatch):
+    from fedweave.algorithms.base import RunContext
+    from fedweave.config import load
+
+    monkeypatch.chdir(tmp_path)
+    torch.save({"linear.weight": _RunsCode()}, tmp_path / "evil.pt")
+    base = {"dataset": {"name": "digits"}, "partition": {"name": "iid", "num_clients": 2}}
+    with pytest.raises(ConfigError, match="not a readable state_dict"):
+        RunContext(load({**base, "model": {"name": "logistic", "init_from": "evil.pt"}})).build_model()
+    assert not (tmp_path / "ran-code").exists()
 
 
 def test_full_batch_steps_and_the_large_batch_warning(tmp_path, caplog):

@@ -64,6 +64,9 @@ def load_initial_weights(model: nn.Module, path: str) -> None:
         raise ConfigError(f"model.init_from: {path!r} is not a readable state_dict or .npz ({type(e).__name__})") from e
     if not isinstance(state, dict):
         raise ConfigError(f"model.init_from: {path!r} must hold a mapping of parameter names to tensors")
+    not_tensors = sorted(str(k) for k, v in state.items() if not isinstance(v, torch.Tensor))
+    if not_tensors:
+        raise ConfigError(f"model.init_from: {path!r} holds entries that are not tensors: {not_tensors[:5]}")
     own = model.state_dict()
     missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or extra:
