@@ -497,3 +497,38 @@ def test_split_learning_trains_a_regression_task(method, tmp_path):
     assert last["test_mse"] < first["test_mse"] and last["test_r2"] > 0.3
     if method == "cse_fsl":
         assert "aux_test_mse" in last
+
+
+# ---- plots and sweeps follow the task ----------------------------------------------------------------
+def test_column_directions():
+    from fedweave.tasks import column_direction
+
+    want = {
+        "test_accuracy": "max",
+        "test_accuracy_min": "max",
+        "val_auc": "max",
+        "test_f1_2": "max",
+        "test_r2": "max",
+        "test_mse": "min",
+        "test_mse_worst": "min",
+        "aux_test_rmse": "min",
+        "test_perplexity": "min",
+        "train_loss": "min",
+        "test_loss_global": "min",
+    }
+    assert {k: column_direction(k) for k in want} == want
+
+
+def test_plot_and_sweep_follow_a_regression_task(tmp_path, capsys):
+    cfg = {**REGRESSION, "rounds": 3, "partition": {"name": "iid", "num_clients": 4}}
+    res = fedweave.sweep(cfg, {"local.lr": [0.001, 0.05]}, out=tmp_path / "sw", target=0.9, progress=False)
+    by_lr = {r["point"]: r for r in res.summary}
+    slow, fast = by_lr["local.lr=0.001"], by_lr["local.lr=0.05"]
+    assert fast["test_mse_mean"] < 0.9 < slow["test_mse_mean"]  # lower is better: the fast one wins
+    assert fast["best"] and not slow["best"]
+    assert slow["rounds_to_target_mean"] is None and fast["rounds_to_target_mean"] is not None
+    for rec in res.records:
+        rows = [r["test_mse"] for r in fedweave.results.read_metrics(tmp_path / "sw" / rec["run_dir"])]
+        assert rec["best_test_mse"] == min(rows)
+    assert cli_main(["plot", str(tmp_path / "sw" / res.records[0]["run_dir"]), "--out", str(tmp_path / "p")]) == 0
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["test_mse_vs_bytes.png", "test_mse_vs_rounds.png"]

@@ -228,7 +228,7 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="plot one or more run directories")
     pl.add_argument("run_dirs", nargs="+")
     pl.add_argument("--out", help="where to write the PNGs (default: the first run directory)")
-    pl.add_argument("--metric", default="test_accuracy")
+    pl.add_argument("--metric", default=None, help="metrics column (default: the run's main metric)")
     pl.set_defaults(fn=_cmd_plot)
 
     sw = sub.add_parser("sweep", help="run a config over a grid of values and seeds; tabulate and plot")
@@ -239,7 +239,7 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--seeds", type=int, default=None, help="seeds per point (the config's seed, +1, ...)")
     sw.add_argument("--workers", type=int, default=None, help="runs at once, each with its share of cores")
     sw.add_argument("--out", default=None, help="sweep directory (default runs/sweep)")
-    sw.add_argument("--metric", default="test_accuracy")
+    sw.add_argument("--metric", default=None, help="metrics column to tabulate (default: the task's main metric)")
     sw.add_argument("--target", type=float, default=None, help="report rounds and bytes to reach this metric")
     sw.add_argument("--ray", metavar="ADDRESS", help="run the points as tasks on this existing Ray cluster")
     sw.add_argument("--no-progress", action="store_true")
