@@ -123,6 +123,8 @@ def test_least_squares_equals_the_closed_form(method, weighting, backend, tmp_pa
     described = json.loads((res.run_dir / "objects.json").read_text())
     assert described["dataset"]["train_x"] == [[sum(SIZES), D], "torch.float64"]
     assert described["model"]["factory"].endswith("_zero_linear")
+    assert described["model"]["class"] == "torch.nn.modules.linear.Linear" and described["model"]["parameters"] == D
+    assert len(described["dataset"]["sha256"]) == len(described["model"]["sha256"]) == 64
 
 
 # ---- regression on a real dataset through every partitioner that takes float targets -------------------
@@ -144,6 +146,8 @@ REGRESSION = {
         {"name": "iid", "num_clients": 8},
         {"name": "quantity_skew", "num_clients": 8},
         {"name": "dirichlet", "num_clients": 8, "alpha": 0.5, "bins": 5, "min_size": 5},
+        {"name": "dirichlet_balanced", "num_clients": 8, "alpha": 0.5, "bins": 5},
+        {"name": "pathological", "num_clients": 8, "bins": 5},
         {"name": "shards", "num_clients": 8, "bins": 4},
     ],
 )
@@ -157,12 +161,49 @@ def test_regression_on_diabetes(partition, tmp_path):
     assert last["test_mse"] < 1.0 and last["test_r2"] > 0.0  # better than predicting the mean (targets standardized)
     assert last["test_mse"] < first["test_mse"] and s["best_main"] == min(r["test_mse"] for r in res.metrics)
     assert "test_accuracy" not in last and s["final_test_accuracy"] is None
-    assert (res.run_dir / "partition.csv").is_file()  # the report shows target-quantile bins per client
+    # the partition report: each client's histogram over 10 quantile bins of the target
+    import csv
+
+    rows = list(csv.DictReader((res.run_dir / "partition.csv").open()))
+    bins = [f"target_bin_{k}" for k in range(10)]
+    assert list(rows[0]) == ["client", "n", *bins] and len(rows) == 8
+    assert all(sum(int(r[b]) for b in bins) == int(r["n"]) for r in rows)
+    totals = [sum(int(r[b]) for r in rows) for b in bins]
+    assert sum(totals) == sum(len(p) for p in res.algorithm.ctx.partition) and min(totals) > 0.05 * sum(totals)
 
 
-def test_label_partitioners_refuse_float_targets_without_bins(tmp_path):
+@pytest.mark.parametrize("name", ["dirichlet", "dirichlet_balanced", "pathological", "shards"])
+def test_label_partitioners_refuse_float_targets_without_bins(name, tmp_path):
     with pytest.raises(ConfigError, match="partition.bins"):
-        fedweave.run({**REGRESSION, "partition": {"name": "dirichlet", "num_clients": 4}}, run_dir=tmp_path / "r")
+        fedweave.run({**REGRESSION, "partition": {"name": name, "num_clients": 4}}, run_dir=tmp_path / "r")
+
+
+def _diabetes_arrays():
+    from fedweave.data.datasets.bundled import load_diabetes
+
+    ds = load_diabetes()
+    return ds.train_x, ds.train_y, ds.test_x, ds.test_y
+
+
+def test_regression_with_user_ids_from_python_and_a_partition_file(tmp_path):
+    """Float targets through the two partitioners that read users or a file: ``natural`` with per-sample user
+    ids passed with the arrays, and ``from_file`` with an .npz of per-client index lists."""
+    x, y, tx, ty = _diabetes_arrays()
+    users, test_users = np.arange(len(y)) % 5 * 10, np.arange(len(ty)) % 5 * 10  # 5 users, ids 0, 10, ..., 40
+    cfg = {**REGRESSION, "rounds": 3, "partition": {"name": "natural", "num_clients": 0}}
+    res = fedweave.run(cfg, dataset=(x, y, tx, ty, users, test_users), run_dir=tmp_path / "nat")
+    parts = res.algorithm.ctx.partition
+    assert [sorted(p.tolist()) for p in parts] == [np.flatnonzero(users == u).tolist() for u in range(0, 50, 10)]
+    assert res.summary["main_metric"] == "test_mse" and res.metrics[-1]["test_mse"] < res.metrics[0]["test_mse"]
+    described = json.loads((res.run_dir / "objects.json").read_text())
+    assert described["dataset"]["train_users"] == [[len(y)], str(users.dtype)]
+
+    chosen = [np.arange(0, 40), np.arange(40, 200), np.arange(200, len(y))]
+    np.savez(tmp_path / "parts.npz", **{f"client_{i}": p for i, p in enumerate(chosen)})
+    cfg = {**REGRESSION, "rounds": 2, "algorithm": {"name": "fedavg", "clients_per_round": 3}}
+    cfg["partition"] = {"name": "from_file", "num_clients": 0, "path": str(tmp_path / "parts.npz")}
+    res = fedweave.run(cfg, run_dir=tmp_path / "file")
+    assert [p.tolist() for p in res.algorithm.ctx.partition] == [p.tolist() for p in chosen]
 
 
 def test_a_class_loss_on_float_targets_and_mse_on_labels_are_refused(tmp_path):
@@ -291,6 +332,24 @@ def test_custom_loss_and_module_are_the_same_on_every_backend(backend, tmp_path)
     assert ref.metrics[-1]["test_accuracy"] > 0.5
     described = json.loads((res.run_dir / "objects.json").read_text())
     assert described["loss"]["callable"].endswith("smoothed_ce") and described["model"]["factory"].endswith("SmallNet")
+    assert described["model"]["class"].endswith("SmallNet") and described["model"]["parameters"] == 64 * 12 + 12 + 130
+    before = json.loads((ref.run_dir / "objects.json").read_text())
+    assert described == before  # same objects, same seed: the same record (hashes of data and initial weights)
+
+
+def test_objects_json_tells_other_weights_and_other_data_apart(tmp_path):
+    cfg = {"rounds": 1, "partition": {"name": "iid", "num_clients": 2}, "output": {"progress": False, "plots": False}}
+    cfg["algorithm"] = {"name": "fedavg", "clients_per_round": 2}
+    x, y, tx, ty = _digits_arrays()
+
+    def described(name, seed, data):
+        res = fedweave.run({**cfg, "seed": seed}, model=SmallNet, dataset=data, run_dir=tmp_path / name)
+        return json.loads((res.run_dir / "objects.json").read_text())
+
+    a, b = described("a", 0, (x, y, tx, ty)), described("b", 1, (x, y, tx, ty))
+    assert a["model"]["sha256"] != b["model"]["sha256"] and a["dataset"] == b["dataset"]
+    c = described("c", 0, (x, y, tx, ty.flip(0)))
+    assert c["dataset"]["sha256"] != a["dataset"]["sha256"] and c["model"] == a["model"]
 
 
 def test_a_torch_dataset_and_a_scalar_loss(tmp_path):
