@@ -591,3 +591,18 @@ def test_plot_and_sweep_follow_a_regression_task(tmp_path, capsys):
         assert rec["best_test_mse"] == min(rows)
     assert cli_main(["plot", str(tmp_path / "sw" / res.records[0]["run_dir"]), "--out", str(tmp_path / "p")]) == 0
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["test_mse_vs_bytes.png", "test_mse_vs_rounds.png"]
+
+
+def test_the_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
+    """docs/tasks.md's dozen-line regression with a custom model, executed verbatim."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "tasks.md").read_text()
+    code = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(code.strip().splitlines()) <= 20 and "fedweave.run(" in code
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "docs/tasks.md", "exec"), {"__name__": "walkthrough"})
+    key, value = capsys.readouterr().out.split()[-2:]
+    assert key == "test_mse" and float(value) < 0.7  # well below 1, the score of predicting the mean
+    (run,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
