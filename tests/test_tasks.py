@@ -276,6 +276,66 @@ def test_regression_metrics_match_their_definitions():
     assert float(build_task("mse", {"half": True}).loss(pred, y)) == pytest.approx(0.5 * got["mse"], rel=1e-6)
 
 
+def test_topk_and_perplexity_match_their_definitions():
+    g = torch.Generator().manual_seed(2)
+    out, y = torch.randn(60, 7, generator=g), torch.randint(0, 7, (60,), generator=g)
+    ms = {m: METRICS.get(m)() for m in ("accuracy", "top3", "top5", "perplexity")}
+    for m in ms.values():
+        m.update(out[:25], y[:25])
+        m.update(out[25:], y[25:])
+    rank = (out > out.gather(1, y[:, None])).sum(1)  # how many classes score above the true one
+    for name, k in (("accuracy", 1), ("top3", 3), ("top5", 5)):
+        assert ms[name].result()[name] == pytest.approx(float((rank < k).double().mean()))
+    ce = float(nn.functional.cross_entropy(out, y))
+    assert ms["perplexity"].result()["perplexity"] == pytest.approx(np.exp(ce))
+
+
+def test_a_next_token_model_reports_perplexity(tmp_path):
+    """Perplexity for next-token models: the char-LSTM on counting sequences, the main metric, minimised."""
+    g = torch.Generator().manual_seed(0)
+    V, T = 12, 8
+    x = (torch.randint(0, V, (1200, 1), generator=g) + torch.arange(T)) % V
+    y = (x[:, -1] + 1) % V  # the next token
+    cfg = {
+        "rounds": 3,
+        "partition": {"name": "iid", "num_clients": 4},
+        "model": {"name": "char_lstm", "hidden": 16, "num_layers": 1},
+        "algorithm": {"name": "fedavg", "clients_per_round": 2},
+        "task": {"metrics": ["accuracy", "top3", "perplexity"], "main": "perplexity"},
+        "local": {"batch_size": 32, "lr": 0.5},
+        "output": {"progress": False, "plots": False},
+    }
+    res = fedweave.run(cfg, dataset=(x[:1000], y[:1000], x[1000:], y[1000:]), run_dir=tmp_path / "r")
+    rows = res.metrics
+    assert res.summary["main_metric"] == "test_perplexity" and res.summary["direction"] == "min"
+    for r in rows:
+        assert r["test_perplexity"] == pytest.approx(np.exp(r["test_loss"]), rel=1e-6)
+        assert r["test_top3"] >= r["test_accuracy"]
+    assert rows[-1]["test_perplexity"] < rows[0]["test_perplexity"] < V  # learning, and better than uniform
+    assert res.summary["best_main"] == min(r["test_perplexity"] for r in rows)
+
+
+def test_nll_on_log_probabilities_equals_cross_entropy_on_logits(tmp_path):
+    cfg = {
+        "rounds": 2,
+        "backend": "loop",
+        "partition": {"name": "iid", "num_clients": 4},
+        "algorithm": {"name": "fedavg", "clients_per_round": 2},
+        "local": {"batch_size": 32, "lr": 0.1},
+        "output": {"progress": False, "plots": False},
+    }
+    data = _digits_arrays()
+
+    def log_probs():
+        return nn.Sequential(SmallNet(), nn.LogSoftmax(dim=1))
+
+    ce = fedweave.run(cfg, model=SmallNet, dataset=data, run_dir=tmp_path / "ce")
+    nll = fedweave.run({**cfg, "task": {"loss": "nll"}}, model=log_probs, dataset=data, run_dir=tmp_path / "nll")
+    torch.testing.assert_close(nll.algorithm.x, ce.algorithm.x, rtol=1e-5, atol=1e-6)
+    assert nll.metrics[-1]["test_loss"] == pytest.approx(ce.metrics[-1]["test_loss"], rel=1e-5)
+    assert nll.metrics[-1]["test_accuracy"] == ce.metrics[-1]["test_accuracy"] > 0.5
+
+
 # ---- a custom loss and the user's own nn.Module on every backend -------------------------------------
 class SmallNet(nn.Module):
     def __init__(self) -> None:
