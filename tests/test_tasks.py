@@ -246,6 +246,32 @@ def test_multilabel_with_bce(backend, tmp_path):
     assert last["test_auc"] > 0.9 and last["test_f1"] > 0.7
 
 
+@pytest.mark.parametrize("backend", ["vmap", "pool", pytest.param("ray", marks=pytest.mark.slow)])
+def test_regression_and_multilabel_are_the_same_on_every_backend(backend, tmp_path):
+    """A regression on real tabular data (diabetes) and a multi-label task (digits' properties) give the loop
+    backend's model on vmap, pool and ray, to float tolerance."""
+    if backend == "ray":
+        pytest.importorskip("ray")
+    common = {"threads": 2, "ray": {"num_workers": 2}, "output": {"progress": False, "plots": False}}
+    regression = {**REGRESSION, **common, "rounds": 3, "partition": {"name": "quantity_skew", "num_clients": 6}}
+    multilabel = {
+        **common,
+        "rounds": 3,
+        "partition": {"name": "iid", "num_clients": 6},
+        "model": {"name": "mlp", "hidden": [16]},
+        "algorithm": {"name": "fedavg", "clients_per_round": 3},
+        "task": {"loss": "bce_with_logits"},
+        "local": {"batch_size": 32, "lr": 0.2},
+    }
+    for name, cfg, data in (("reg", regression, None), ("ml", multilabel, _multilabel_digits())):
+        ref = fedweave.run({**cfg, "backend": "loop"}, dataset=data, run_dir=tmp_path / f"{name}-loop")
+        res = fedweave.run({**cfg, "backend": backend}, dataset=data, run_dir=tmp_path / f"{name}-{backend}")
+        torch.testing.assert_close(res.algorithm.x, ref.algorithm.x, rtol=1e-4, atol=1e-5)
+        main = ref.summary["main_metric"]
+        assert res.metrics[-1][main] == pytest.approx(ref.metrics[-1][main], rel=1e-3, abs=1e-3), name
+        assert res.summary["execution"]["backend"] == backend
+
+
 def test_bce_loss_and_auc_match_torch_and_sklearn():
     from sklearn.metrics import roc_auc_score
 
