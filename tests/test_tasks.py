@@ -497,6 +497,54 @@ def test_bad_sampler_settings_fail_before_training(sampler, match, tmp_path):
         _star(tmp_path, sampler)
 
 
+def _downloads_per_round(res) -> list[int]:
+    """How many clients the server sent the model to, per round, from the ledger."""
+    per: dict[int, int] = {}
+    for e in res.algorithm.ledger.entries():
+        if e.receiver == "client" and e.sender in ("server", "fed_server"):
+            per[e.round] = max(per.get(e.round, 0), e.count)  # each kind sent goes to every chosen client
+    return [per.get(r, 0) for r in range(res.summary["rounds"])]
+
+
+def test_the_hierarchical_and_split_servers_ask_the_sampler(tmp_path):
+    """The sampler decides who takes part in the hierarchical and split families too (the star's are above),
+    and the ledger shows only those clients: CSE-FSL's code parity with the authors' first five clients
+    (spec A13) is ``sampler: {name: fixed, clients: 5}``."""
+    from test_precision import family_config
+
+    plan = [[0, 4], [1, 2, 5]]
+    hier = {**family_config("hier_fedavg"), "rounds": 3, "sampler": {"name": "schedule", "clients": plan}}
+    res = fedweave.run(hier, run_dir=tmp_path / "h")
+    assert [res.algorithm.sample_clients(r).tolist() for r in range(3)] == [[0, 4], [1, 2, 5], [0, 4]]
+    assert _downloads_per_round(res) == [2, 3, 2]
+
+    split = {**family_config("cse_fsl"), "rounds": 3, "partition": {"name": "iid", "num_clients": 8}}
+    split["sampler"] = {"name": "fixed", "clients": 5}
+    res = fedweave.run(split, run_dir=tmp_path / "s")
+    assert [res.algorithm.sample_clients(r).tolist() for r in range(3)] == [[0, 1, 2, 3, 4]] * 3
+    assert _downloads_per_round(res) == [5, 5, 5]
+    default = fedweave.run({**split, "sampler": {"name": "uniform"}, "algorithm": {**split["algorithm"],
+                            "clients_per_round": 5}}, run_dir=tmp_path / "u")  # fmt: skip
+    assert len({tuple(default.algorithm.sample_clients(r).tolist()) for r in range(3)}) > 1  # the paper's draw
+
+
+def test_split_aggregation_weights_follow_weighting(tmp_path):
+    """Eq. (14) averages the client models with 1/n (``weighting: uniform``); the authors' code, and fedweave's
+    default, with |D_i| (spec A20). They differ under unequal clients."""
+    from fedweave.algorithms.base import RunContext, build_algorithm
+    from fedweave.config import load
+    from test_precision import family_config
+
+    cfg = {**family_config("cse_fsl"), "partition": {"name": "quantity_skew", "num_clients": 4}}
+    by_size = build_algorithm(RunContext(load(cfg)))
+    uniform = build_algorithm(RunContext(load({**cfg, "algorithm": {**cfg["algorithm"], "weighting": "uniform"}})))
+    clients = np.array([0, 1, 3])
+    sizes = torch.tensor([len(by_size.ctx.partition[i]) for i in clients], dtype=torch.float64)
+    assert len(set(sizes.tolist())) > 1
+    torch.testing.assert_close(by_size.weights(clients).double(), sizes / sizes.sum())
+    torch.testing.assert_close(uniform.weights(clients).double(), torch.full((3,), 1 / 3, dtype=torch.float64))
+
+
 def test_a_registered_sampler_is_used(tmp_path):
     if "_evens" not in SAMPLERS._items:
 
