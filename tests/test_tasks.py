@@ -659,6 +659,39 @@ def test_a_plugin_registers_a_loss_for_the_command_line(tmp_path, capsys):
     assert "plugin_l1" in LOSSES
 
 
+def test_a_runs_plugins_are_recorded_so_it_resumes_from_anywhere(tmp_path, monkeypatch, capsys):
+    """``--plugin`` and ``plugins:`` name files relative to the working directory; the run's config.yaml records
+    them by absolute path, so ``fedweave run --resume`` works from another directory with nothing more."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "plug.py").write_text(PLUGIN.replace("plugin_l1", "plugin_l1_resumed"))
+    monkeypatch.chdir(work)
+    args = ["run", "example:centralized/fedavg", "--plugin", "plug.py", "--out", "r", "--no-progress"]
+    args += ["dataset=diabetes", "model={name: mlp, hidden: [8]}", "partition={name: iid, num_clients: 4}"]
+    args += ["algorithm.clients_per_round=2", "rounds=2", "task={loss: plugin_l1_resumed, metrics: [mae]}"]
+    assert cli_main([*args, "output.checkpoint_every=1"]) == 0, capsys.readouterr().err
+    saved = yaml.safe_load((work / "r" / "config.yaml").read_text())
+    assert saved["plugins"] == [str(work / "plug.py")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedweave.cli", "run", "--resume", str(work / "r"), "rounds=3", "--no-progress"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "final test mae" in proc.stdout
+    # the YAML key: a relative path, recorded absolute
+    cfg = {**yaml.safe_load((work / "r" / "config.yaml").read_text()), "plugins": ["plug.py"]}
+    from fedweave.config import load
+
+    assert load(cfg).plugins == [str(work / "plug.py")]
+
+
 def test_list_shows_losses_metrics_and_samplers(capsys):
     assert cli_main(["list"]) == 0
     out = capsys.readouterr().out

@@ -12,7 +12,7 @@ from pathlib import Path
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from fedweave.config import ConfigError, load
-    from fedweave.plugins import load_plugins
+    from fedweave.plugins import load_plugins, recorded
     from fedweave.runner import resume, run
 
     load_plugins(args.plugin)  # before the config: it may name what a plug-in registers
@@ -32,6 +32,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not args.config:
             raise ConfigError("fedweave run needs a CONFIG file (or --resume RUN_DIR)")
         cfg = load(args.config, args.overrides)
+        # the run's config.yaml names the plug-ins of --plugin too, so that `--resume` needs nothing more
+        cfg.plugins += [p for p in map(recorded, args.plugin) if p not in cfg.plugins]
         res = run(cfg, run_dir=args.out, progress=False if args.no_progress else None, overwrite=args.overwrite)
     s = res.summary
     comm = s["communication"]

@@ -516,9 +516,10 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
     for k, s in sections.items():
         setattr(cfg, k, s)
     if cfg.plugins:  # before validation: a plug-in may register the loss or metric the config names
-        from fedweave.plugins import load_plugins
+        from fedweave.plugins import load_plugins, recorded
 
         load_plugins(cfg.plugins)
+        cfg.plugins = [recorded(p) for p in cfg.plugins]  # files by absolute path: resumable from anywhere
     cfg.validate()
     return cfg
 
