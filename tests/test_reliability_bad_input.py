@@ -315,6 +315,13 @@ def test_a_config_error_at_build_time_leaves_no_directory(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_outage_rounds_after_the_last_round_are_said_never_to_happen(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="fedweave"):
+        res = fedweave.run({**BASE, "faults": {"outage_rounds": [1, 5]}}, run_dir=tmp_path / "r")
+    assert "faults.outage_rounds [5] are after the last round (2) and never happen" in caplog.text
+    assert res.summary["status"] == "completed" and res.summary.get("skipped_rounds") == [1]
+
+
 def test_run_files_follow_the_umask(tmp_path):
     old = os.umask(0o022)
     try:
