@@ -486,8 +486,10 @@ def _numbers(rows):
     return [{k: v for k, v in r.items() if k != "wall_seconds"} for r in rows]
 
 
-def test_resume_extends_a_finished_run_to_the_numbers_of_a_longer_run(tmp_path, capsys):
-    cfg = {**BASE, "output": {**BASE["output"], "checkpoint_every": 1}}
+@pytest.mark.parametrize("local", [{}, {"lr_decay": 0.8}], ids=["constant-lr", "decaying-lr"])
+def test_resume_extends_a_finished_run_to_the_numbers_of_a_longer_run(tmp_path, capsys, local):
+    # an exponential decay per round does not depend on the total, so the extension is exact
+    cfg = {**BASE, "local": {**BASE["local"], **local}, "output": {**BASE["output"], "checkpoint_every": 1}}
     fedweave.run(cfg, run_dir=tmp_path / "short")
     assert cli_main(["run", "--resume", str(tmp_path / "short"), "rounds=5", "--no-progress"]) == 0
     long = fedweave.run({**cfg, "rounds": 5}, run_dir=tmp_path / "long")
