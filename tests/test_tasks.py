@@ -470,6 +470,9 @@ def _picked(res):
 def test_schedule_fixed_and_bernoulli_samplers(tmp_path):
     sched = _star(tmp_path, {"name": "schedule", "clients": [[1, 2], [9, 0, 4]]})
     assert _picked(sched) == [[1, 2], [0, 4, 9], [1, 2], [0, 4, 9], [1, 2]]
+    (tmp_path / "plan.json").write_text(json.dumps([[1, 2], [9, 0, 4], [3], [5, 6], [7, 8]]))
+    from_file = _star(tmp_path, {"name": "schedule", "file": str(tmp_path / "plan.json"), "cycle": False})
+    assert _picked(from_file) == [[1, 2], [0, 4, 9], [3], [5, 6], [7, 8]]
     sent = sched.summary["communication"]["by_transfer"]
     assert sum(v["count"] for k, v in sent.items() if k.startswith("server->client")) == 2 + 3 + 2 + 3 + 2
     assert _picked(_star(tmp_path, {"name": "fixed", "clients": 5})) == [[0, 1, 2, 3, 4]] * 5
