@@ -441,6 +441,8 @@ def _unknown(key: str, bad: Any, allowed: list[str]) -> ConfigError:
     hint = f" Did you mean {close[0]!r}?" if close else ""
     prefix = f"{key}." if key else ""
     shown = repr(f"{prefix}{bad}")  # repr: a key with control characters stays visible and on one line
+    if not allowed:
+        return ConfigError(f"unknown key {shown}: {key or 'the config'} takes no options")
     return ConfigError(f"unknown key {shown}.{hint} Allowed: {', '.join(sorted(map(str, allowed)))}")
 
 
