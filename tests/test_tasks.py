@@ -534,9 +534,10 @@ def test_the_hierarchical_and_split_servers_ask_the_sampler(tmp_path):
 def test_split_aggregation_weights_follow_weighting(tmp_path):
     """Eq. (14) averages the client models with 1/n (``weighting: uniform``); the authors' code, and fedweave's
     default, with |D_i| (spec A20). They differ under unequal clients."""
+    from test_precision import family_config
+
     from fedweave.algorithms.base import RunContext, build_algorithm
     from fedweave.config import load
-    from test_precision import family_config
 
     cfg = {**family_config("cse_fsl"), "partition": {"name": "quantity_skew", "num_clients": 4}}
     by_size = build_algorithm(RunContext(load(cfg)))
