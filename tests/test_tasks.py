@@ -526,8 +526,8 @@ def test_the_hierarchical_and_split_servers_ask_the_sampler(tmp_path):
     res = fedweave.run(split, run_dir=tmp_path / "s")
     assert [res.algorithm.sample_clients(r).tolist() for r in range(3)] == [[0, 1, 2, 3, 4]] * 3
     assert _downloads_per_round(res) == [5, 5, 5]
-    default = fedweave.run({**split, "sampler": {"name": "uniform"}, "algorithm": {**split["algorithm"],
-                            "clients_per_round": 5}}, run_dir=tmp_path / "u")  # fmt: skip
+    paper = {**split, "sampler": {"name": "uniform"}, "algorithm": {**split["algorithm"], "clients_per_round": 5}}
+    default = fedweave.run(paper, run_dir=tmp_path / "u")
     assert len({tuple(default.algorithm.sample_clients(r).tolist()) for r in range(3)}) > 1  # the paper's draw
 
 
