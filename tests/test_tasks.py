@@ -172,6 +172,29 @@ def test_regression_on_diabetes(partition, tmp_path):
     assert sum(totals) == sum(len(p) for p in res.algorithm.ctx.partition) and min(totals) > 0.05 * sum(totals)
 
 
+@pytest.mark.parametrize(
+    "algorithm, personal",
+    [
+        ({"name": "hier_fedavg", "tau": 2, "participation": 0.5}, False),
+        ({"name": "zo_hfl", "tau": 2, "participation": 0.5, "server_batch_size": 16}, False),
+        ({"name": "gossip"}, False),
+        ({"name": "fedavg", "clients_per_round": 3}, True),
+    ],
+    ids=["hier_fedavg", "zo_hfl", "gossip", "fedavg-personal"],
+)
+def test_hierarchical_decentralized_and_personal_evaluation_follow_the_task(algorithm, personal, tmp_path):
+    cfg = {**REGRESSION, "rounds": 2, "algorithm": algorithm, "partition": {"name": "iid", "num_clients": 6}}
+    if personal:
+        cfg["eval"] = {"personal_test": True}
+    res = fedweave.run(cfg, run_dir=tmp_path / "r")
+    last = res.metrics[-1]
+    assert res.summary["main_metric"] == "test_mse" and res.summary["direction"] == "min"
+    assert {"test_mse", "test_rmse", "test_mae", "test_r2", "test_loss"} <= set(last)
+    assert not any("accuracy" in k for k in last)
+    if algorithm["name"] in ("gossip", "fedavg"):  # per-client evaluation: the worst client is the largest MSE
+        assert last["test_mse_worst"] >= last["test_mse"]
+
+
 @pytest.mark.parametrize("name", ["dirichlet", "dirichlet_balanced", "pathological", "shards"])
 def test_label_partitioners_refuse_float_targets_without_bins(name, tmp_path):
     with pytest.raises(ConfigError, match="partition.bins"):
