@@ -686,6 +686,7 @@ def test_a_plugin_registers_a_loss_for_the_command_line(tmp_path, capsys):
     assert "plugin_l1" in LOSSES
 
 
+@pytest.mark.slow
 def test_a_runs_plugins_are_recorded_so_it_resumes_from_anywhere(tmp_path, monkeypatch, capsys):
     """``--plugin`` and ``plugins:`` name files relative to the working directory; the run's config.yaml records
     them by absolute path, so ``fedweave run --resume`` works from another directory with nothing more."""
