@@ -289,7 +289,7 @@ def test_a_cse_fsl_epoch_on_the_node_equals_the_simulations(tmp_path, own_data):
     xc, xa = algo.xc + 0.01, algo.xa - 0.01
     want = algo.client_epoch(1, 3, xc, xa, (0.05, 0.04), 0, 5, 0)
     data = str(export_clients(cfg, tmp_path, [3])[0]) if own_data else None
-    header = {"kind": split.KIND, "client": 3, "round": 1, "lrs": [0.05, 0.04], "start": 0, "period": 5, "seg": 0,
+    header = {"kind": split.EPOCH, "client": 3, "round": 1, "lrs": [0.05, 0.04], "start": 0, "period": 5, "seg": 0,
               "num_classes": 10}  # fmt: skip
     h, t = split.run_epoch(header, {"xc": xc[None], "xa": xa[None]}, json.dumps(cfg.to_dict()), data, 3)
     got = split.decode_epoch(json.loads(json.dumps(h)), t)
@@ -300,3 +300,81 @@ def test_a_cse_fsl_epoch_on_the_node_equals_the_simulations(tmp_path, own_data):
     for (_, _, a, y), (_, _, a0, y0) in zip(got.uploads, want.uploads, strict=True):
         torch.testing.assert_close(a, a0)
         assert torch.equal(y, y0)
+
+
+class InProcessNodes:
+    """``FlowerClients.run_jobs`` with every split job run by the node's own functions in this process, over
+    the wire format (JSON header, tensors as Flower records); it counts the array bytes each way."""
+
+    def __init__(self, config_json: str, state_dir) -> None:
+        from fedweave.deploy.node_state import NodeState
+
+        self.config_json, self.store = config_json, NodeState(state_dir, run_id=1)
+        self.sent = self.received = 0
+
+    def run_jobs(self, round: int, jobs):
+        from fedweave.deploy import split
+        from fedweave.deploy.wire import from_records, to_records
+
+        replies = []
+        for c, header, tensors in jobs:
+            self.sent += sum(t.numel() * t.element_size() for t in tensors.values())
+            h, t = from_records(to_records(header, tensors))
+            h = json.loads(h)
+            if h["kind"] == split.EPOCH:
+                out = split.run_epoch(h, t, self.config_json, None, c)
+            else:
+                out = split.run_turn(h, t, self.config_json, None, c, self.store)
+            self.received += sum(t.numel() * t.element_size() for t in out[1].values())
+            replies.append(type("Reply", (), {"content": to_records(*out)})())
+        return replies
+
+
+SPLIT_RUNS = {
+    "fsl_mc": {"name": "fsl_mc"},
+    "fsl_oc": {"name": "fsl_oc"},
+    "fsl_oc-interleaved": {"name": "fsl_oc", "schedule": "interleaved"},
+    "fsl_an": {"name": "fsl_an"},
+    "cse_fsl": {"name": "cse_fsl", "h": 2},
+}
+
+
+@pytest.mark.parametrize("model", ["split_small", "split_femnist"])
+@pytest.mark.parametrize("method", SPLIT_RUNS)
+def test_split_clients_on_their_nodes_equal_the_simulation(tmp_path, method, model):
+    """Two rounds of each split method with the clients' side run by the nodes' functions (the job and reply
+    through the wire format; FSL_MC/OC: a message per batch, the client kept in the node's files between
+    them, its forward pass computed again there) give the simulation's models and metrics bit for bit, and
+    the messages carry the ledger's bytes. split_femnist has dropout in both parts: each party's own stream."""
+    pytest.importorskip("flwr")
+    from fedweave.algorithms.base import RunContext, build_algorithm
+    from fedweave.deploy import split
+
+    opts = {"width": 4, "hidden": 16} if model == "split_small" else {}
+    cfg = load({
+        "name": "s", "seed": 4, "rounds": 2, "dataset": {"name": "digits", "as_image": True},
+        "partition": {"name": "dirichlet", "num_clients": 4, "alpha": 0.5}, "model": {"name": model, **opts},
+        "algorithm": {**SPLIT_RUNS[method], "clients_per_round": 3}, "local": {"steps": 3, "batch_size": 8, "lr": 0.05},
+    })  # fmt: skip
+    sim, deployed = build_algorithm(RunContext(cfg)), build_algorithm(RunContext(cfg))
+    nodes = InProcessNodes(json.dumps(cfg.to_dict()), tmp_path)
+    split.attach(nodes, deployed)
+    for r in range(2):
+        want, got = sim.run_round(r), deployed.run_round(r)
+        assert got == want
+        for part in ("xc", "xs", "xa"):
+            assert torch.equal(getattr(deployed, part), getattr(sim, part)), part
+    assert want["server_steps"] > 0 and want["train_loss"] > 0
+    assert sim.ledger.bytes() == deployed.ledger.bytes()
+    assert nodes.received == deployed.ledger.bytes(sender="client")
+    assert nodes.sent == deployed.ledger.bytes(receiver="client")
+
+
+def test_the_executor_refuses_a_flower_whose_runtime_api_it_does_not_speak(monkeypatch, capsys):
+    flwr = pytest.importorskip("flwr")
+    from fedweave.cli import main
+
+    monkeypatch.setattr(flwr, "__version__", "1.99.0")
+    assert main(["flower-executor", "--runtime-api-address", "127.0.0.1:1", "--insecure"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "speaks the Runtime API of Flower 1.42.x; this is Flower 1.99.0" in err

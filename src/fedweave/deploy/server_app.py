@@ -23,7 +23,6 @@ from flwr.app import Context, Message
 from flwr.serverapp import Grid, ServerApp
 
 from fedweave.algorithms.base import Algorithm
-from fedweave.algorithms.split.cse_fsl import CSEFSL
 from fedweave.config import ConfigError
 from fedweave.config import load as load_config
 from fedweave.deploy import split
@@ -198,18 +197,19 @@ class FlowerClients:
     def attach(self, algo: Algorithm) -> None:
         """Make ``algo``'s local trainer send its jobs to the nodes and apply the error policy to its rounds
         (runner ``prepare`` hook)."""
-        if isinstance(algo, CSEFSL):  # the split family: CSE-FSL's client epochs on the nodes
+        if algo.family == "split":  # the clients' side of each method on their nodes
             if self.on_error == "drop":
                 raise DeploymentError("on-error drop is not built for the split family yet; use on-error stop")
-            algo.client_epochs = split.remote_epochs(self, algo)
+            split.attach(self, algo)
             self._apply_policy(algo)
             self.discover(algo.ctx.num_clients)
+            self.check_samples([len(p) for p in algo.ctx.partition])
             return
         trainer = getattr(algo, "trainer", None)
         if trainer is None or algo.family != "centralized":
             raise DeploymentError(
-                f"algorithm {algo.name!r} ({algo.family}) cannot be deployed on Flower yet: the centralized family "
-                "and cse_fsl can (docs/deployment.md)"
+                f"algorithm {algo.name!r} ({algo.family}) cannot be deployed on Flower yet: the centralized and "
+                "split families can (docs/deployment.md)"
             )
         remote = FlowerTrainer.__new__(FlowerTrainer)
         remote.__dict__.update(trainer.__dict__)
