@@ -21,6 +21,7 @@ from fedweave.algorithms.centralized.scaffold import ScaffoldRule
 from fedweave.config import LocalConfig, load
 from fedweave.deploy.jobs import MalformedJobError, UnknownRuleError, decode_job, encode_header, encode_job
 from fedweave.execution.local import PLAIN, LocalRule, reindexed
+from fedweave.topology.hierarchy import BallProjection, BoxProjection, LowerLevelRule, decaying
 
 K, P = 3, 5
 g = torch.Generator().manual_seed(0)
@@ -33,6 +34,8 @@ RULES = {
     "fedsam": SAMRule(0.05),
     "fedcm": FedCMRule(0.1, VEC, weight_decay=1e-3, grad_clip=None, sam_rho=0.05),
     "fedmim": MIMRule(VEC, -VEC, 0.1, 0.05, weight_decay=1e-4, grad_clip=2.0),
+    "lower_level-ball": LowerLevelRule(0.3, TABLE, BallProjection(0.5)),
+    "lower_level-box": LowerLevelRule(0.3, VEC, BoxProjection(-0.2, float("inf"))),
 }
 
 
@@ -94,10 +97,33 @@ def test_malformed_jobs_are_refused():
         decode_job(json.dumps(bad), tensors)
 
 
-def test_a_learning_rate_schedule_cannot_travel():
-    with pytest.raises(ValueError, match="constant local learning rate"):
+def test_a_registered_schedule_travels_and_a_function_does_not():
+    header, tensors = encode_job(start=VEC, client=0, round=0, rule=PLAIN, k=0, jobs=1, lr=decaying(0.3, 2.0),
+                                 steps=4, key=(), local=LocalConfig(steps=4))  # fmt: skip
+    assert header["lr"] == {"schedule": "decaying", "scalars": {"c": 0.3, "offset": 2.0}}
+    lr = decode_job(encode_header(header), tensors).lr
+    assert [lr(t) for t in range(4)] == [0.3 / (t + 2.0) for t in range(4)]
+    with pytest.raises(ValueError, match="a constant local learning rate or a registered schedule .decaying."):
         encode_job(start=VEC, client=0, round=0, rule=PLAIN, k=0, jobs=1, lr=lambda t: 0.1, steps=1, key=(),
                    local=LocalConfig(steps=1))  # fmt: skip
+    header["lr"] = {"schedule": "cosine", "scalars": {}}
+    with pytest.raises(UnknownRuleError, match="unknown learning-rate schedule 'cosine'; this node knows: decaying"):
+        decode_job(encode_header(header), tensors)
+
+
+def test_a_projection_travels_as_data_and_a_tensor_equal_to_the_start_travels_once():
+    """The lower level's projection goes as its registered name and scalars (an unknown one is refused), and
+    the input point it is anchored at, which is the job's start (ZO-HFL), is not sent a second time."""
+    rule = LowerLevelRule(0.3, torch.stack([VEC, -VEC]), BoxProjection(-0.2, float("inf")))
+    header, tensors = encode_job(start=-VEC, client=0, round=0, rule=rule, k=1, jobs=2, lr=0.1, steps=1, key=(),
+                                 local=LocalConfig(steps=1))  # fmt: skip
+    assert sorted(tensors) == ["start"] and header["same_as_start"] == {"rule.anchors": [1, P]}
+    assert header["rule_scalars"]["projection"] == {"part": "box", "scalars": {"low": -0.2, "high": float("inf")}}
+    job = decode_job(encode_header(header), tensors)
+    assert torch.equal(job.rule.anchors, -VEC[None]) and isinstance(job.rule.projection, BoxProjection)
+    header["rule_scalars"]["projection"]["part"] = "sphere"
+    with pytest.raises(UnknownRuleError, match="unknown part 'sphere'; this node knows: projection, ball, box"):
+        decode_job(encode_header(header), tensors)
 
 
 def test_flower_app_project_is_valid_and_carries_the_config(tmp_path, toy_config):
@@ -131,7 +157,7 @@ def test_importing_fedweave_and_its_deploy_package_does_not_import_flwr():
     assert out.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize("name", ["scaffold", "feddyn"])
+@pytest.mark.parametrize("name", ["scaffold", "feddyn", "hier_scaffold"])
 def test_a_stateful_client_on_its_node_equals_the_simulation(tmp_path, toy_config, name):
     """Two rounds of a stateful algorithm's clients: the simulation's call over its StateStore, and each
     client as a node job (its state in the node's files, the step rebuilt from the message) agree, and the
@@ -140,6 +166,7 @@ def test_a_stateful_client_on_its_node_equals_the_simulation(tmp_path, toy_confi
     from fedweave.algorithms.base import RunContext
     from fedweave.algorithms.centralized.feddyn import FedDynStep
     from fedweave.algorithms.centralized.scaffold import ScaffoldStep
+    from fedweave.algorithms.hierarchical.baselines import HierScaffoldStep
     from fedweave.deploy.client_app import _run_step
     from fedweave.deploy.node_state import INITIAL, NodeState
     from fedweave.execution import StateStore
@@ -151,11 +178,18 @@ def test_a_stateful_client_on_its_node_equals_the_simulation(tmp_path, toy_confi
     x = tr.layout.flatten()
     P = x.numel()
     store = StateStore(ctx.num_clients)
-    store.create(ScaffoldStep.state[0] if name == "scaffold" else FedDynStep.state[0], P)
+    store.create("c" if "scaffold" in name else FedDynStep.state[0], P)
     node = NodeState(tmp_path, run_id=7)
     clients, accepted = [1, 4], dict.fromkeys([1, 4], INITIAL)
     for r in range(2):
-        step = ScaffoldStep(0.01 * torch.ones(P), 0.1) if name == "scaffold" else FedDynStep(0.05, x)
+        if name == "feddyn":
+            step = FedDynStep(0.05, x)
+        else:
+            step = (
+                ScaffoldStep(0.01 * torch.ones(P), 0.1)
+                if name == "scaffold"
+                else HierScaffoldStep(0.01 * torch.ones(P), 0.17)
+            )
         res, upload = tr.train_with_state(x, clients, r, step, store, lr=0.1)
         for k, c in enumerate(clients):
             header, tensors = encode_job(start=x, client=c, round=r, k=k, jobs=2, lr=0.1, steps=None, key=(),
@@ -163,7 +197,7 @@ def test_a_stateful_client_on_its_node_equals_the_simulation(tmp_path, toy_confi
             job = decode_job(encode_header(header), tensors)
             assert type(job.step) is type(step) and job.state_round == accepted[c]
             got, sent = _run_step(tr, job, node)
-            if name == "scaffold":  # the client sends Delta y_i and Delta c_i, not its model
+            if "scaffold" in name:  # the client sends Delta y_i and Delta c_i, not its model
                 assert sorted(sent) == ["dc", "dy"]
                 torch.testing.assert_close(sent["dc"][0], upload["dc"][k])
                 torch.testing.assert_close(sent["dy"][0], upload["dy"][k])
