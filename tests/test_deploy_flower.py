@@ -240,7 +240,8 @@ def test_deployed_run_equals_simulation(federation, tmp_path, algorithm):
     assert_same_metrics(rows, simulated(cfg, tmp_path))
     assert summary["execution"]["backend"] == "flower"
     assert_payload_is_the_ledger(summary)
-    assert summary["flower"]["messages"] == 2 * (2 * CLIENTS) + 2 * CLIENTS  # jobs and replies, the queries
+    assert summary["flower"]["jobs"] == 2 * CLIENTS
+    assert summary["flower"]["messages"] >= 2 * (2 * CLIENTS) + 2 * CLIENTS  # jobs, replies and the queries
     assert summary["flower"]["dropped"] == {}
 
 
@@ -277,9 +278,9 @@ def test_deployed_split_learning_equals_simulation(federation, tmp_path, algorit
     assert fl["payload_sent"] == ledger["bytes_down"]
     if algorithm["name"] in ("fsl_mc", "fsl_oc"):  # a gradient down after every batch: a message per batch
         assert ledger["by_transfer"]["server->client:gradient"]["count"] == 2 * per_round * steps
-        assert fl["messages"] == 2 * (2 * per_round * (steps + 1)) + 2 * CLIENTS  # + the start-up queries
+        assert fl["jobs"] == 2 * per_round * (steps + 1)
     else:
-        assert fl["messages"] == 2 * (2 * per_round) + 2 * CLIENTS
+        assert fl["jobs"] == 2 * per_round
 
 
 def test_a_killed_node_is_a_dropout_and_rejoins_with_its_state(federation, tmp_path):
@@ -355,8 +356,8 @@ def test_deployed_hierarchical_runs_equal_simulation(federation, tmp_path):
             assert len(rows) == 2 and summary["status"] == "completed"
             assert_same_metrics(rows, simulated(cfg, out))
             assert_payload_is_the_ledger(summary)
-            jobs = 2 * CLIENTS * (2 if algorithm["name"] == "zo_hfl" else 1)  # per round
-            assert summary["flower"]["messages"] == 2 * jobs + 2 * CLIENTS
+            per_client = 2 if algorithm["name"] == "zo_hfl" else 1  # ZO-HFL: the + and - solves
+            assert summary["flower"]["jobs"] == 2 * CLIENTS * per_client  # 2 rounds
     finally:
         federation.kill(DATA_NODE)
         federation.supernode(DATA_NODE)

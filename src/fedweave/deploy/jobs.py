@@ -3,7 +3,10 @@
 The server describes job ``k`` of a call (its start vector, round, steps, learning rate, local settings
 and either the ``LocalRule`` or, for an algorithm whose clients keep state, the ``ClientStep``) as named
 tensors plus a JSON header; the node rebuilds the rule or step from its *registered name* and those tensors
-(DESIGN: no pickled code travels). A name the node does not know is refused with :class:`UnknownRuleError`.
+(DESIGN: no pickled code travels). So do the objects a rule holds (the lower level's projection: ``PARTS``)
+and a learning rate that is a schedule of the local step (``SCHEDULES``): their name and scalars travel. A
+name the node does not know is refused with :class:`UnknownRuleError`. A rule tensor equal to the job's start
+vector travels once, as the start (FedProx's anchor; the lower level's input point).
 
 A step's per-client state (SCAFFOLD's ``c_i``, FedDyn's local gradient) does not travel: the node keeps it
 (``fedweave.deploy.node_state``) and the header names the round of the state version the server accepted

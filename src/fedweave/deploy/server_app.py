@@ -78,6 +78,7 @@ class FlowerClients:
         self.replies_round = -1
         self.dropped: dict[int, set[int]] = {}  # round -> clients the run went on without
         self.bytes_sent = self.bytes_received = self.payload_sent = self.payload_received = self.messages = 0
+        self.jobs = 0  # train messages sent (the start-up queries and the replies are in ``messages`` only)
 
     # ---- which node holds which client -----------------------------------------------------------
     def _ask_new_nodes(self) -> None:
@@ -134,6 +135,7 @@ class FlowerClients:
         self.bytes_sent += sum(wire_bytes(m) for m in msgs)
         self.payload_sent += sum(payload_bytes(m) for m in msgs)
         self.messages += len(msgs)
+        self.jobs += sum(m.metadata.message_type == "train" for m in msgs)
         return list(self.grid.push_messages(msgs))
 
     def pull(self, ids: list[str]) -> list[Message]:
@@ -282,6 +284,7 @@ class FlowerClients:
     def summary(self, ledger_total: int) -> dict:
         return {
             "messages": self.messages,
+            "jobs": self.jobs,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "payload_sent": self.payload_sent,
