@@ -61,7 +61,7 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
         local = dataclasses.replace(local, weight_decay=0.0, grad_clip=None)
     augment = augment_for(cfg.local)
     ds = ctx.dataset
-    backend = choose_backend(cfg.backend, ctx.model, jobs_per_call)
+    backend = choose_backend(cfg.backend, ctx.model, jobs_per_call, device=ctx.device)
     return LocalTrainer(
         ctx.model,
         ds.train_x,
@@ -74,6 +74,7 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
         rounds=cfg.rounds,
         ray=cfg.ray,
         loss_fn=ctx.task.loss,
+        placement=ctx.placement,
     )
 
 
