@@ -196,14 +196,14 @@ class LocalTrainer:
         out: list[torch.Tensor] = []
         if fixed is None:  # epochs: reshuffle every epoch, keep the last partial batch
             for _ in range(self.local.epochs):
-                perm = idx[torch.randperm(n, generator=g)]
+                perm = idx[torch.randperm(n, generator=g, device="cpu")]
                 out.extend(perm.split(bs))
             return out
         # a fixed number of full batches drawn from a stream of reshuffled epochs
         stream: list[torch.Tensor] = []
         have = 0
         while have < fixed * bs:
-            stream.append(idx[torch.randperm(n, generator=g)])
+            stream.append(idx[torch.randperm(n, generator=g, device="cpu")])
             have += n
         flat = torch.cat(stream)
         return list(flat[: fixed * bs].split(bs))

@@ -127,12 +127,16 @@ class StarAlgorithm(Algorithm):
         self.trainer = make_trainer(ctx, hp.clients_per_round, regularize_in_rule=self.regularize_in_rule)
         self.layout: ParamLayout = self.trainer.layout
         self.x = self.layout.flatten()  # the global model x_t
-        self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=self.x.dtype)
+        self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=self.x.dtype, device=self.x.device)
         # the run's sampler; `sampling: bernoulli` (fedmim spec A6) picks the bernoulli one
         bernoulli = getattr(hp, "sampling", "fixed") == "bernoulli"
         self.sampler = make_sampler(ctx, hp.clients_per_round, default="bernoulli" if bernoulli else "uniform")
         self._checkpoint = ("x",)
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
+
+    def client_store(self) -> StateStore:
+        """A per-client state store on the run's placement (device when it fits, else pinned host)."""
+        return StateStore(self.ctx.num_clients, dtype=self.ctx.dtype, placement=self.ctx.placement)
 
     def state_dict(self) -> dict:
         out = super().state_dict()
@@ -161,7 +165,12 @@ class StarAlgorithm(Algorithm):
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:
         """Aggregation weights of the round's clients, summing to one."""
-        w = self.sizes[clients] if self.hp.weighting == "samples" else torch.ones(len(clients), dtype=self.sizes.dtype)
+        sizes = self.sizes
+        w = (
+            sizes[clients]
+            if self.hp.weighting == "samples"
+            else torch.ones(len(clients), dtype=sizes.dtype, device=sizes.device)
+        )
         return w / w.sum()
 
     def send(self, r: int, clients: np.ndarray, kind: str, *per_client: torch.Tensor) -> None:

@@ -14,7 +14,6 @@ import torch
 
 from fedweave.algorithms.centralized.fedprox import ProxRule
 from fedweave.config import ConfigError
-from fedweave.execution import StateStore
 from fedweave.execution.local import GradFn
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
@@ -51,7 +50,7 @@ class FedDyn(StarAlgorithm):
     def __init__(self, ctx, hp: FedDynHparams) -> None:
         super().__init__(ctx, hp)
         self.h = torch.zeros_like(self.x)
-        self.store = StateStore(ctx.num_clients, dtype=ctx.dtype)
+        self.store = self.client_store()
         self.store.create("grad_L", self.num_params)
         self._checkpoint = ("x", "h")
         self.ledger.store("server", "h", nbytes(self.h))
@@ -64,11 +63,11 @@ class FedDyn(StarAlgorithm):
         clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
         if len(clients) == 0:
             return self.fault_metrics(clients)  # skipped round: all state stays as it was
-        lin = self.store["grad_L"][clients]
+        lin = self.store.rows("grad_L", clients)  # only the sampled rows move to the device
         local = self.trainer.train(self.x, clients, r, rule=FedDynRule(a, self.x, lin))
         self.receive(r, clients, "model", local.params)
         moved = local.params - self.x
-        self.store["grad_L"][clients] = lin - a * moved
+        self.store.set_rows("grad_L", clients, lin - a * moved)
         self.h = self.h - a * moved.sum(0) / self.ctx.num_clients
         p = self.weights(clients)
         self.x = p @ local.params - self.h / a

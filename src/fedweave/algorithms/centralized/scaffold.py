@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fedweave.execution import LocalRule, StateStore
+from fedweave.execution import LocalRule
 from fedweave.execution.local import GradFn
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
@@ -49,7 +49,7 @@ class Scaffold(StarAlgorithm):
     def __init__(self, ctx, hp) -> None:
         super().__init__(ctx, hp)
         self.c = torch.zeros_like(self.x)  # server control variate
-        self.store = StateStore(ctx.num_clients, dtype=ctx.dtype)
+        self.store = self.client_store()
         self.store.create("c", self.num_params)  # c_i, initialised to 0
         self._checkpoint = ("x", "c")
         self.ledger.store("server", "control_variate", nbytes(self.c))
@@ -61,13 +61,13 @@ class Scaffold(StarAlgorithm):
         clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
         if len(clients) == 0:
             return self.fault_metrics(clients)  # skipped round: all state stays as it was
-        c_i = self.store["c"][clients]
+        c_i = self.store.rows("c", clients)  # only the sampled rows move to the device
         lr = self.trainer.lr(r)
         local = self.trainer.train(self.x, clients, r, rule=ScaffoldRule(c_i, self.c), lr=lr)
         c_new = option_ii(c_i, self.c, self.x, local.params, local.steps, lr)
         dy, dc = local.params - self.x, c_new - c_i
         self.receive(r, clients, "update+control_delta", dy, dc)
-        self.store["c"][clients] = c_new
+        self.store.set_rows("c", clients, c_new)
         p = self.weights(clients)
         self.x = self.x + self.hp.server_lr * (p @ dy)
         self.c = self.c + dc.sum(0) / self.ctx.num_clients
