@@ -103,8 +103,7 @@ def run(
     """Train the jobs in order. ``offset``: the position of the first job in the whole ``train`` call when
     this runs one shard of it (the ray backend), so a rule's per-job tensors are indexed globally."""
     out = torch.empty_like(starts)
-    counts = []
-    losses = torch.zeros(len(clients), dtype=starts.dtype, device=starts.device)
+    counts, totals = [], []
     comp = compute(tr.layout)
     template = comp.value.clone()  # restored at the end: training leaves the template model unchanged
     train_job = _train_with_rule
@@ -117,9 +116,13 @@ def run(
         batches = tr.client_batches(c, round, key, steps)
         out[k], total = train_job(tr, comp, starts[k], batches, c, round, key, lr, rule, offset + k)
         counts.append(len(batches))
-        losses[k] = total / max(len(batches), 1)  # float64 sum / n, stored in the run's dtype
+        totals.append(total)
     comp.value.copy_(template)
-    return LocalResult(out, torch.tensor(counts, dtype=torch.long, device=starts.device), losses)
+    dev = starts.device
+    nsteps = torch.tensor(counts, dtype=torch.long, device=dev)
+    # each job's mean loss: its float64 sum over max(steps, 1), stored in the run's dtype
+    losses = (torch.stack(totals) / nsteps.clamp_min(1).to(totals[0].dtype)).to(starts.dtype)
+    return LocalResult(out, nsteps, losses)
 
 
 def _train_with_rule(tr, comp, start, batches, c, round, key, lr, rule, job) -> tuple[torch.Tensor, torch.Tensor]:

@@ -161,10 +161,8 @@ class ConfederatedAlgorithm(Algorithm):
         return int(self.user_on.sum())
 
     def mix(self, z: torch.Tensor) -> torch.Tensor:
-        """Sum_{i'} w_ii' z_i' with the round's W_r (W without faults)."""
-        if self.server_on is None:
-            return self.net.mix(z)
-        return self.W_r.to(z.dtype) @ z
+        """Sum_{i'} w_ii' z_i' with the round's W_r (W without faults; the same product as ``net.mix``)."""
+        return self.W_r.to(z.dtype) @ z  # W_r: W without faults, kept on the run's device
 
     def exchange(self, r: int, kind: str, message_bytes: int) -> None:
         """Each server -> each neighbour it can reach this round (2 messages per surviving link)."""
