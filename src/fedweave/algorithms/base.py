@@ -154,7 +154,16 @@ class RunContext:
 
     @cached_property
     def dataset(self) -> Dataset:
-        return self._checked(self._in_precision(self._loaded))
+        """The dataset in host memory (the placement moves what computes), in the run's precision."""
+        return self._checked(self._in_precision(self._on_host(self._loaded)))
+
+    @staticmethod
+    def _on_host(ds: Dataset) -> Dataset:
+        """Data passed from Python on a device come to the host: partitions and reports read them there."""
+        tensors = {k: getattr(ds, k) for k in ("train_x", "train_y", "test_x", "test_y")}
+        if all(t.device.type == "cpu" for t in tensors.values()):
+            return ds
+        return dataclasses.replace(ds, **{k: t.cpu() for k, t in tensors.items()})
 
     def _in_precision(self, ds: Dataset) -> Dataset:
         """Floating features and targets in the run's dtype (token ids and class labels stay integers):

@@ -134,10 +134,6 @@ class StarAlgorithm(Algorithm):
         self._checkpoint = ("x",)
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
 
-    def client_store(self) -> StateStore:
-        """A per-client state store on the run's placement (device when it fits, else pinned host)."""
-        return StateStore(self.ctx.num_clients, dtype=self.ctx.dtype, placement=self.ctx.placement)
-
     def state_dict(self) -> dict:
         out = super().state_dict()
         if self.store is not None:

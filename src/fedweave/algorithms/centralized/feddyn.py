@@ -14,6 +14,7 @@ import torch
 
 from fedweave.algorithms.centralized.fedprox import ProxRule
 from fedweave.config import ConfigError
+from fedweave.execution import StateStore
 from fedweave.execution.local import GradFn
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
@@ -50,7 +51,7 @@ class FedDyn(StarAlgorithm):
     def __init__(self, ctx, hp: FedDynHparams) -> None:
         super().__init__(ctx, hp)
         self.h = torch.zeros_like(self.x)
-        self.store = self.client_store()
+        self.store = StateStore(ctx.num_clients, dtype=ctx.dtype, placement=ctx.placement)
         self.store.create("grad_L", self.num_params)
         self._checkpoint = ("x", "h")
         self.ledger.store("server", "h", nbytes(self.h))

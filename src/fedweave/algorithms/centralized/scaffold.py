@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fedweave.execution import LocalRule
+from fedweave.execution import LocalRule, StateStore
 from fedweave.execution.local import GradFn
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
@@ -49,7 +49,7 @@ class Scaffold(StarAlgorithm):
     def __init__(self, ctx, hp) -> None:
         super().__init__(ctx, hp)
         self.c = torch.zeros_like(self.x)  # server control variate
-        self.store = self.client_store()
+        self.store = StateStore(ctx.num_clients, dtype=ctx.dtype, placement=ctx.placement)
         self.store.create("c", self.num_params)  # c_i, initialised to 0
         self._checkpoint = ("x", "c")
         self.ledger.store("server", "control_variate", nbytes(self.c))
