@@ -309,12 +309,13 @@ ALLOWED_FACTORIES = {
 LAYERS = ("execution", "algorithms", "topology")
 
 
-def _calls(path: Path):
+def _calls(path: Path, attrs: set[str] | tuple[str, ...]):
+    """(call, its parent node, its source text) of every call of an attribute named in ``attrs``."""
     text = path.read_text()
     tree = ast.parse(text)
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in attrs:
             yield node, parents.get(node), ast.get_source_segment(text, node)
 
 
@@ -326,7 +327,7 @@ def test_no_tensor_is_made_without_an_explicit_device():
     for layer in LAYERS:
         for path in sorted((SRC / layer).rglob("*.py")):
             rel = str(path.relative_to(SRC))
-            for node, parent, text in _calls(path):
+            for node, parent, text in _calls(path, FACTORIES):
                 f = node.func
                 if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "torch"):
                     continue
@@ -358,7 +359,7 @@ def test_no_host_round_trip_in_the_hot_path_of_local_training():
     device. Per-step losses stay on the device and are summed there (``summed_losses``)."""
     found, used = [], set()
     for rel in HOT_PATH:
-        for node, _, text in _calls(SRC / rel):
+        for node, _, text in _calls(SRC / rel, ("item", "numpy", "tolist")):
             if isinstance(node.func, ast.Attribute) and node.func.attr in ("item", "numpy", "tolist"):
                 if (rel, text) in ALLOWED_HOST_READS:
                     used.add((rel, text))
@@ -377,3 +378,22 @@ def test_only_the_placement_asks_torch_which_devices_exist():
         if any(a in p.read_text() for a in asks) and p.name != "placement.py"
     ]
     assert not where, where
+
+
+def test_move_tensors_copies_a_rule_with_its_tensors_moved_and_shares_the_rest():
+    """How a rule travels to a worker on another device: every tensor it holds (nested, shared ones once)
+    moved, the original untouched, modules, callables and plain values shared."""
+    from fedweave.algorithms.centralized.scaffold import ScaffoldRule
+    from fedweave.execution.local import Reindexed
+    from fedweave.execution.placement import move_tensors
+
+    c = torch.ones(3, 4, dtype=torch.float64)
+    inner = ScaffoldRule(c, c[0])
+    rule = Reindexed(inner, torch.arange(3))
+    rule.extra = {"pair": [c, (c,)], "n": 3, "fn": len, "model": torch.nn.Linear(2, 2)}
+    moved = move_tensors(rule, torch.device("meta"))  # a device nothing else uses: every tensor must move
+    assert type(moved) is Reindexed and type(moved.rule) is ScaffoldRule and moved is not rule
+    assert moved.positions.device.type == "meta" and moved.rule.c_local.device.type == "meta"
+    assert moved.extra["pair"][0] is moved.extra["pair"][1][0]  # a tensor held twice is moved once
+    assert moved.extra["n"] == 3 and moved.extra["fn"] is len and moved.extra["model"] is rule.extra["model"]
+    assert rule.rule.c_local.device.type == "cpu" and rule.positions.device.type == "cpu"  # the original stays

@@ -108,17 +108,9 @@ class Placement:
             raise ConfigError(f"device: mps has no float64, which {what} computes in; use device: cpu or cuda")
 
     # ---- making and moving tensors ------------------------------------------------------------------
-    def tensor(self, data: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``data`` (numbers, a list, a numpy array, a tensor) as a tensor on the device."""
-        return torch.as_tensor(data, dtype=dtype, device=self.device)
-
     def to(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on the device (a non-blocking copy from pinned memory; ``t`` itself when already there)."""
         return t.to(self.device, non_blocking=True)
-
-    def index(self, idx: Any) -> torch.Tensor:
-        """Indices (a numpy array, a list, a CPU tensor) as a long tensor on the device."""
-        return torch.as_tensor(idx, dtype=torch.long).to(self.device, non_blocking=True)
 
     @staticmethod
     def host(t: torch.Tensor) -> torch.Tensor:
@@ -262,7 +254,7 @@ def move_tensors(obj: Any, device: torch.device, _seen: dict[int, Any] | None = 
     elif isinstance(obj, dict):
         out = {k: move_tensors(v, device, seen) for k, v in obj.items()}
     elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)) and not callable(obj):
-        out = copy_object(obj)
+        out = obj.__class__.__new__(obj.__class__)  # the same class, its attributes set below
         seen[id(obj)] = out
         for k, v in vars(obj).items():
             setattr(out, k, move_tensors(v, device, seen))
@@ -271,8 +263,3 @@ def move_tensors(obj: Any, device: torch.device, _seen: dict[int, Any] | None = 
         out = obj
     seen[id(obj)] = out
     return out
-
-
-def copy_object(obj: Any) -> Any:
-    """A shallow copy of a plain object (its class, no attributes yet)."""
-    return obj.__class__.__new__(obj.__class__)
