@@ -39,7 +39,7 @@ class Compute:
         self.value, self.gradbuf = layout.bind()
         self.placement = layout.placement
         self.autocast = layout.placement.autocast  # bf16-mixed: the forward pass in bfloat16
-        mixed = layout.placement.autocast_dtype is not None
+        self.mixed = mixed = layout.placement.autocast_dtype is not None
         # SGD without autograd for MLPs (execution.fused), in the storage dtype only
         self.fused = None if mixed else fused_sgd(layout, self.value)
         model = layout.model
@@ -70,9 +70,12 @@ class Compute:
                     p.grad.zero_()
             if x.dim() == 4:
                 x = to_channels_last(x)
-        with self.autocast():
-            out = self.model(x)
-        loss = loss_fn(out.to(self.value.dtype), y)  # the loss in float32 (a no-op unless autocast)
+        if self.mixed:
+            with self.autocast():
+                out = self.model(x)
+            loss = loss_fn(out.to(self.value.dtype), y)  # the loss in float32
+        else:
+            loss = loss_fn(self.model(x), y)
         loss.backward()  # accumulates into `gradbuf` (zeroed) and the twin's convolution gradients
         for p, _, g in self.sync:
             g.copy_(p.grad)  # 0 + d == d: the same bits as accumulating into the zeroed flat buffer

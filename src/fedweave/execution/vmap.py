@@ -76,12 +76,16 @@ def _run_chunk(tr, starts, clients, round, rule, lr, steps, key, offset) -> Loca
     steps_dev = pl.to(plan.steps)
     jobs = torch.arange(offset, offset + len(clients), device=dev)
     dtype = starts.dtype
-    autocast = pl.autocast
 
-    def loss_one(v, x, y, m):
-        with autocast():
+    def loss_plain(v, x, y, m):
+        return tr.loss_fn(layout.functional(v, x), y, m)
+
+    def loss_mixed(v, x, y, m):  # bf16-mixed: the forward pass autocast, the loss in float32
+        with pl.autocast():
             out = layout.functional(v, x)
         return tr.loss_fn(out.to(dtype), y, m)
+
+    loss_one = loss_plain if pl.autocast_dtype is None else loss_mixed
 
     # MLPs with the default loss: closed-form backpropagation with bmm (fedweave.execution.batched)
     fast = batched_grad(layout) if tr.loss_fn is cross_entropy and pl.autocast_dtype is None else None
