@@ -264,7 +264,7 @@ def collect(point: Point, res: Result) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------- tables
-def _ms(vals: list[float], scale: float = 100.0) -> str:
+def _ms_cell(vals: list[float], scale: float = 100.0) -> str:
     """mean±std over the runs (population std, spec 9), and how many diverged (NaN) if any did."""
     if not vals:
         return "-"
@@ -282,7 +282,7 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
     titles = {s.key: s.title for s in p.settings}
 
     def cell(setting: str, label: str, key: str, scale: float = 100.0) -> str:
-        return _ms([r[key] for r in by[(setting, label)]], scale)
+        return _ms_cell([r[key] for r in by[(setting, label)]], scale)
 
     out: dict[str, tuple[list, list]] = {}
     if "table1" in rows:
@@ -412,7 +412,8 @@ def selection_simulation() -> tuple[list[str], list[list[str]]]:
 def plots(results: list[dict[str, Any]], p: Preset, out: Path) -> list[Path]:
     """Mean client test accuracy against rounds and against MiB sent on the primary setting, with seed bands."""
     labels = ["Local", "FedAvg", "Gossip", "PENS", "FedeRiCo", "+i (top-k)", "+i+ii (AFIND)", "AFIND+"]
-    curves = {lb: [r["_rows"] for r in results if r["setting"] == p.primary and r["label"] == lb] for lb in labels}
+    primary = [r for r in results if r["setting"] == p.primary and "_rows" in r]
+    curves = {lb: [r["_rows"] for r in primary if r["label"] == lb] for lb in labels}
     curves = {lb: runs for lb, runs in curves.items() if runs}
     if not curves:
         return []  # e.g. only Table 4 ran: keep the figures of an earlier invocation
@@ -422,6 +423,44 @@ def plots(results: list[dict[str, Any]], p: Preset, out: Path) -> list[Path]:
     by_bytes = plot_curves(curves, out / "accuracy_vs_bytes.png", x="bytes_total", xscale=2**-20,
                            xlabel="MiB sent (all peers)", **common)  # fmt: skip
     return [w for w in (by_round, by_bytes) if w is not None]
+
+
+def write_results(out: Path, results: list[dict[str, Any]], rows: dict[str, list], p: Preset, scale: str,
+                  n_runs: int, seeds: int, wall: float) -> None:  # fmt: skip
+    """The tables (CSV), results.md, results.json (the records without their rows: the tables are made of
+    them) and the plots; also what rebuilds the committed tables from a results.json."""
+    md = [f"# AFIND+ reproduction ({scale} scale, {p.settings[0].base['rounds']} rounds)\n",
+          f"{n_runs} runs, {seeds} seed(s), {wall:.0f} s wall. Accuracy: best-round and final-round mean of "
+          "per-client test accuracy (after 1 fine-tune epoch; FedAvg's global model without), "
+          "% mean±std over seeds (population std). The paper's "
+          "numbers are on CIFAR-10/100 with 100 clients and 500 rounds; they are shown for the pattern, not for a "
+          "like-for-like comparison.\n"]  # fmt: skip
+    if scale == "smoke":
+        md.append("**Smoke scale: generated (synthetic) data; these numbers mean nothing.**\n")
+    names = {
+        "table1": "Table 1: sampling methods",
+        "table2": "Table 2: ablation (primary setting)",
+        "table3": "Table 3: partial topology, each client linked to half of the others (primary setting)",
+        "tau": "Fig. 8: tau sweep (primary setting)",
+        "dp": "Table 4: DP noise sigma_2 (primary setting)",
+    }
+    for name, (header, body) in tables(results, rows, p).items():
+        md += [f"## {names[name]}\n", markdown_table(header, body)]
+        write_csv(out / f"{name}.csv", body, header)
+    header, body = selection_simulation() if scale != "smoke" else (["-"], [])
+    if body:
+        title = "## Selection rule alone (spec 2.7: 100 clients, 10 groups, no training)\n"
+        md += [title, markdown_table(header, body)]
+        write_csv(out / "selection_simulation.csv", body, header)
+    checks = claims(results, p)
+    if checks:
+        md.append("## Claims (spec 9.1 pass criteria, primary setting)\n")
+        verdicts = [[c, {True: "yes", False: "no", None: "-"}[ok], m] for c, ok, m in checks]
+        md.append(markdown_table(["claim", "held", "measured"], verdicts))
+    atomic_write(out / "results.md", "\n".join(md))
+    plain = [{k: v for k, v in r.items() if k != "_rows"} for r in results]
+    atomic_write(out / "results.json", json.dumps(plain, indent=1))
+    plots(results, p, out)
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -471,38 +510,6 @@ def main(argv: list[str]) -> int:
     runs = run_points(grid, out / "runs", workers=workers, overwrite=True)
     results = [collect(pt, runs[pt.slug]) for pt in grid]
     wall = time.perf_counter() - t0
-
-    md = [f"# AFIND+ reproduction ({args.scale} scale, {p.settings[0].base['rounds']} rounds)\n",
-          f"{len(grid)} runs, {seeds} seed(s), {wall:.0f} s wall. Accuracy: best-round and final-round mean of "
-          "per-client test accuracy (after 1 fine-tune epoch; FedAvg's global model without), "
-          "% mean±std over seeds (population std). The paper's "
-          "numbers are on CIFAR-10/100 with 100 clients and 500 rounds; they are shown for the pattern, not for a "
-          "like-for-like comparison.\n"]  # fmt: skip
-    if args.scale == "smoke":
-        md.append("**Smoke scale: generated (synthetic) data; these numbers mean nothing.**\n")
-    names = {
-        "table1": "Table 1: sampling methods",
-        "table2": "Table 2: ablation (primary setting)",
-        "table3": "Table 3: partial topology, each client linked to half of the others (primary setting)",
-        "tau": "Fig. 8: tau sweep (primary setting)",
-        "dp": "Table 4: DP noise sigma_2 (primary setting)",
-    }
-    for name, (header, body) in tables(results, rows, p).items():
-        md += [f"## {names[name]}\n", markdown_table(header, body)]
-        write_csv(out / f"{name}.csv", body, header)
-    header, body = selection_simulation() if args.scale != "smoke" else (["-"], [])
-    if body:
-        title = "## Selection rule alone (spec 2.7: 100 clients, 10 groups, no training)\n"
-        md += [title, markdown_table(header, body)]
-        write_csv(out / "selection_simulation.csv", body, header)
-    checks = claims(results, p)
-    if checks:
-        md.append("## Claims (spec 9.1 pass criteria, primary setting)\n")
-        verdicts = [[c, {True: "yes", False: "no", None: "-"}[ok], m] for c, ok, m in checks]
-        md.append(markdown_table(["claim", "held", "measured"], verdicts))
-    atomic_write(out / "results.md", "\n".join(md))
-    plain = [{k: v for k, v in r.items() if k != "_rows"} for r in results]
-    atomic_write(out / "results.json", json.dumps(plain, indent=1))
-    plots(results, p, out)
+    write_results(out, results, rows, p, args.scale, len(grid), seeds, wall)
     print(f"wrote {out / 'results.md'} ({wall:.0f} s)")
     return 0
