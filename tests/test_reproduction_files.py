@@ -71,3 +71,17 @@ def test_cfl_saga_claims_are_rebuilt_from_the_summary(tmp_path):
     assert (tmp_path / "claims.csv").read_text() == (PAGES / "cfl-saga" / "claims.csv").read_text(encoding="utf-8")
     for problem in {a["problem"] for a in aggs}:
         assert cfl_saga.table_md(aggs, problem) in summary, problem
+
+
+def test_cfl_saga_report_only_rebuilds_the_committed_paper_report_from_raw_json(tmp_path):
+    """``--report-only`` on a copy of the committed raw.json and meta.json (no curves.npz: no figures)."""
+    import shutil
+
+    from fedweave.reproduce import cfl_saga
+
+    committed = PAGES / "cfl-saga" / "paper"
+    for f in ("raw.json", "meta.json"):
+        shutil.copy(committed / f, tmp_path / f)
+    assert cfl_saga.main(["--scale", "paper", "--out", str(tmp_path), "--report-only"]) == 0
+    for f in ("claims.csv", "summary.csv", "summary.md"):
+        assert (tmp_path / f).read_text(encoding="utf-8") == (committed / f).read_text(encoding="utf-8"), f
