@@ -1,8 +1,9 @@
-"""Plots of run directories: accuracy against rounds and against bytes communicated."""
+"""Plots of run directories: a metric (the task's main one by default) against rounds and against bytes."""
 
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import matplotlib
@@ -22,9 +23,11 @@ def save_png(fig, path: str | Path, dpi: int = 120) -> Path:
     return Path(path)
 
 
-def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str = "test_accuracy") -> list[Path]:
-    """``metric`` vs rounds and vs total bytes (up + down + lateral) for one or more runs."""
+def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | None = None) -> list[Path]:
+    """``metric`` vs rounds and vs total bytes (up + down + lateral) for one or more runs; by default the
+    main metric of the first run's task (its ``summary.json``), else ``test_accuracy``."""
     out_dir = Path(out_dir)
+    metric = metric or _main_metric(run_dirs)
     series = []
     for d in run_dirs:
         rows = [r for r in read_metrics(d) if r.get(metric) is not None]
@@ -54,3 +57,14 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str = "te
         save_png(fig, out_dir / fname)
         written.append(out_dir / fname)
     return written
+
+
+def _main_metric(run_dirs: list[str | Path]) -> str:
+    for d in run_dirs:
+        try:
+            key = json.loads((Path(d) / "summary.json").read_text()).get("main_metric")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if key:
+            return key
+    return "test_accuracy"

@@ -355,8 +355,10 @@ def run(
 
         ds = ctx.dataset
         labels = ctx.label_view(ds.train_y.numpy())  # float targets: their quantile bins
-        classes = ds.num_classes if not ds.train_y.is_floating_point() else int(labels.max(initial=0)) + 1
-        write_partition_report(ctx.partition, labels, classes, out.path, plot=config.output.plots)
+        floats = ds.train_y.is_floating_point()
+        edges = ctx.target_bin_edges() if floats else None
+        classes = len(edges) + 1 if floats else ds.num_classes
+        write_partition_report(ctx.partition, labels, classes, out.path, plot=config.output.plots, bin_edges=edges)
 
     show = config.output.progress if progress is None else progress
     bar = _progress(show, config.rounds, start_round)

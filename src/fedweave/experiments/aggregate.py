@@ -30,10 +30,13 @@ def if_all(values: list[Any], stat: Callable[[list[Any]], Any]) -> Any:
     return stat(values) if values and all(v is not None for v in values) else None
 
 
-def to_target(rows: list[dict[str, Any]], metric: str, target: float, x: str = "round") -> float | None:
-    """The first ``x`` (round or bytes_total) at which ``metric`` reaches ``target``; None if it never does."""
+def to_target(
+    rows: list[dict[str, Any]], metric: str, target: float, x: str = "round", direction: str = "max"
+) -> float | None:
+    """The first ``x`` (round or bytes_total) at which ``metric`` reaches ``target`` (at least it, or at most
+    it where lower is better, ``direction="min"``); None if it never does."""
     for r in rows:
         v = r.get(metric)
-        if v is not None and v >= target:
+        if v is not None and (v >= target if direction == "max" else v <= target):
             return r[x]
     return None
