@@ -177,8 +177,17 @@ def _cmd_flower_app(args: argparse.Namespace) -> int:
     from fedweave.deploy.project import write_app
 
     cfg = load(args.config, args.overrides)
-    path = write_app(cfg, args.dir, run_dir=args.run_dir or "")
+    path = write_app(
+        cfg, args.dir, run_dir=args.run_dir or "", on_error=args.on_error, reply_timeout=args.reply_timeout,
+        node_wait=args.node_wait,
+    )  # fmt: skip
     print(f"{path} (run it with: flwr run {args.dir} SUPERLINK)")
+    if args.node_data:
+        from fedweave.deploy.node_data import export_clients
+
+        files = export_clients(cfg, args.node_data)
+        print(f"{len(files)} node data files in {args.node_data} (flower-supernode --node-config \"partition-id=N "
+              f"data='{args.node_data}/client-N.npz'\")")  # fmt: skip
     return 0
 
 
@@ -262,6 +271,14 @@ def parser() -> argparse.ArgumentParser:
     fa.add_argument("dir", help="directory for the app project")
     fa.add_argument("overrides", nargs="*", help="key=value overrides")
     fa.add_argument("--run-dir", help="results directory on the SuperLink's machine (default: the config's)")
+    fa.add_argument("--on-error", choices=("stop", "drop"), default="stop",
+                    help="a client's error reply or missing reply: stop the run, or go on without the client "
+                    "for that round as a dropout (default: stop)")  # fmt: skip
+    fa.add_argument("--reply-timeout", type=float, default=600.0, help="seconds a round waits for its replies")
+    fa.add_argument("--node-wait", type=float, default=120.0, help="seconds to wait for the SuperNodes at start")
+    fa.add_argument("--node-data", metavar="DIR",
+                    help="also write each client's training samples as DIR/client-N.npz, data files for the nodes "
+                    "(a trial of nodes that hold their own data)")  # fmt: skip
     fa.set_defaults(fn=_cmd_flower_app)
     return p
 

@@ -51,6 +51,14 @@ class RunInterrupted(KeyboardInterrupt):
         self.signal_name = signal_name
 
 
+class RunStopped(RuntimeError):
+    """The run's execution ended it early for a reason outside the algorithm (a deployed client failed under
+    the deployment's ``stop`` policy): the results so far are written with ``status: stopped`` into
+    ``run_dir`` (set when the runner re-raises it)."""
+
+    run_dir: Path | None = None
+
+
 class CheckpointError(ValueError):
     """A checkpoint that is damaged or not this run's; the message names the file and what is wrong."""
 
@@ -373,6 +381,7 @@ def run(
     ledger = ctx.ledger
     verified = False
     interrupted: BaseException | None = None
+    stopped: RunStopped | None = None
     last_checkpoint = start_round if resume else None
     if config.eval.at_start and start_round == 0:  # the initial model, as round 0 (peer frameworks report it)
         ev = algo.evaluate(-1)
@@ -434,6 +443,8 @@ def run(
                 bar.update(1)
     except DivergenceError as e:
         status, error = "diverged", f"{e} {_kept(out.path, last_checkpoint)}"
+    except RunStopped as e:
+        status, error, stopped = "stopped", str(e), e
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM turned into one by the command line
         interrupted = e
         status, error = (
@@ -462,6 +473,10 @@ def run(
         trackers.finish(summary, sorted(out.path.glob("*.png")))
     if interrupted is not None:
         raise RunInterrupted(error or "interrupted", getattr(interrupted, "signal_name", "SIGINT")) from None
+    if stopped is not None:
+        err = RunStopped(f"{error} Results so far are in {out.path}")
+        err.run_dir = out.path
+        raise err from None
     if error and on_divergence == "raise":
         raise DivergenceError(f"{error} Results so far are in {out.path}")
     return Result(out.path, out.rows, summary, algo)
