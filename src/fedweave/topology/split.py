@@ -334,7 +334,7 @@ class SplitAlgorithm(Algorithm):
         self, r: int, n: int, steps: int, losses: list[torch.Tensor], server_losses: list[torch.Tensor]
     ) -> dict:
         # the round's losses come to the host once (one float per step, as they were computed)
-        losses, server_losses = _floats(losses), _floats(server_losses)
+        losses, server_losses = host_floats(losses), host_floats(server_losses)
         led = self.ledger
         load = sum(led.bytes(kind=k, upto_round=r) for k in ("smashed", "gradient", "client_model", "aux_model"))
         per = self.lc.numel + (self.la.numel if self.uses_aux else 0)
@@ -364,6 +364,8 @@ class SplitAlgorithm(Algorithm):
         return out
 
 
-def _floats(values: list[torch.Tensor]) -> list[float]:
-    """0-d tensors (on any device) as Python floats, with one trip to the host."""
-    return torch.stack(values).tolist() if values else []
+def host_floats(values: list[torch.Tensor] | list[float]) -> list[float]:
+    """Losses as Python floats: 0-d tensors (on any device) with one trip to the host; floats as they are."""
+    if values and isinstance(values[0], torch.Tensor):
+        return torch.stack(values).tolist()
+    return list(values)
