@@ -75,26 +75,33 @@ def test_claims_and_ranks_follow_the_pass_criteria():
 
 @pytest.mark.parametrize("scale", sorted(repro.PRESETS))
 def test_every_preset_plans_valid_configs(scale, tmp_path):
-    from fedweave.config import build_dataclass, load
+    from fedweave.config import build_dataclass
     from fedweave.registry import ALGORITHMS
 
     p = repro.PRESETS[scale]
-    jobs = repro.plan(p, tmp_path, p.seeds, None, None, extend=True)
-    assert len(jobs) == len(p.seeds) * sum(len(g) for _, _, g in p.grid + p.extension)
-    assert [k for k, _ in jobs][0][2] == p.grid[0][2][0]  # priority order: the first cell comes first
-    for _, cfg in jobs:
-        c = load(cfg)
+    points = repro.plan(p, tmp_path, p.seeds, None, None, extend=True)
+    assert len(points) == len(p.seeds) * sum(len(g) for _, _, g in p.grid + p.extension)
+    assert dict(points[0].values)["method"] == p.grid[0][2][0]  # priority order: the first cell comes first
+    for pt in points:
+        c = pt.config
         c.validate()
+        assert c.output.dir == str(tmp_path / "runs" / pt.slug)  # the run directories users already have
         build_dataclass(ALGORITHMS.get(c.algorithm.name).Hparams, c.algorithm.options, "algorithm")
 
 
 def test_a_diverged_run_is_recorded_not_fatal(tmp_path):
+    from fedweave.experiments.grid import Point
+    from fedweave.experiments.jobs import run_points
+
     p = repro.PRESETS["smoke"]
     cfg = repro.run_config(p, "_toy_repro", "iid", "fedavg", 0, tmp_path / "run")
     cfg["local"] = {**cfg["local"], "lr": 1e12}
     cfg["dataset"] = {"name": "_toy_repro"}
-    rec = repro._record("_toy_repro", "iid", "fedavg", 0, repro._run_one(cfg))
+    pt = Point.of(cfg, "run", dataset="_toy_repro", split="iid", method="fedavg")
+    rec = repro.record(pt, run_points([pt], tmp_path, progress=False, overwrite=True)["run"])
     assert rec["status"] == "diverged" and rec["final_acc"] != rec["final_acc"]  # NaN
     table, _ = repro.summarize([rec, {**rec, "seed": 1, "final_acc": 50.0, "status": "completed"}])
     assert table[0]["diverged"] == 1 and table[0]["final_acc_mean"] == 50.0
-    assert repro._run_one(cfg)["summary"]["status"] == "diverged"  # reused from disk, not rerun
+    mtime = (tmp_path / "run" / "summary.json").stat().st_mtime_ns
+    assert run_points([pt], tmp_path, progress=False, overwrite=True)["run"].summary["status"] == "diverged"
+    assert (tmp_path / "run" / "summary.json").stat().st_mtime_ns == mtime  # reused from disk, not rerun

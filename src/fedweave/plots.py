@@ -14,11 +14,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 from fedweave.results import atomic_write, read_metrics  # noqa: E402
 
 
-def _save(fig, path: Path) -> None:
+def save_png(fig, path: str | Path, dpi: int = 120) -> Path:
+    """Write ``fig`` as a PNG, atomically, and close it."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
     plt.close(fig)
     atomic_write(path, buf.getvalue())
+    return Path(path)
 
 
 def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | None = None) -> list[Path]:
@@ -52,7 +54,7 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
         ax.grid(alpha=0.3)
         if len(series) > 1:
             ax.legend(fontsize=7)
-        _save(fig, out_dir / fname)
+        save_png(fig, out_dir / fname)
         written.append(out_dir / fname)
     return written
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedweave.experiments.aggregate import mean_std, to_target
+from fedweave.experiments.aggregate import if_all, mean_std, to_target
 from fedweave.experiments.grid import expand
 from fedweave.experiments.jobs import run_points
 from fedweave.experiments.tables import markdown, write_csv
@@ -56,11 +56,11 @@ def sweep(
     out.mkdir(parents=True, exist_ok=True)
     spec = {"grid": grid or {}, "zipped": zipped or {}, "seeds": seeds, "metric": metric, "target": target}
     atomic_write(out / "sweep.json", json.dumps(spec, indent=2, default=str))
-    summaries = run_points(points, out / "runs", workers=workers, progress=progress, ray_address=ray_address)
+    results = run_points(points, out / "runs", workers=workers, progress=progress, ray_address=ray_address)
 
     records, by_point, curves = [], {}, {}
     for p in points:
-        s = summaries[p.slug]
+        s = results[p.slug].summary
         rows = read_metrics(out / "runs" / p.slug) if (out / "runs" / p.slug / "metrics.jsonl").is_file() else []
         final = s.get("final") or {}
         rec = {
@@ -89,8 +89,7 @@ def sweep(
         row[f"{metric}_mean"], row[f"{metric}_std"] = m, sd
         if target is not None:
             for x in ("rounds_to_target", "bytes_to_target"):
-                hit = [r[x] for r in recs if r[x] is not None]
-                row[f"{x}_mean"] = mean_std(hit)[0] if len(hit) == len(recs) else None  # all seeds reached it
+                row[f"{x}_mean"] = if_all([r[x] for r in recs], lambda v: mean_std(v)[0])  # all seeds reached it
         summary.append(row)
     scored = [i for i, r in enumerate(summary) if not math.isnan(r[f"{metric}_mean"])]
     best = better(scored, key=lambda i: summary[i][f"{metric}_mean"]) if scored else None

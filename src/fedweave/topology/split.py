@@ -18,6 +18,11 @@ The CSE-FSL server queue is simulated on a clock (spec §1.6): client i takes τ
 ``event`` (FIFO by arrival time: the asynchronous event-triggered server) or ``sync`` (a barrier per window,
 then client order). Client updates do not depend on the server model, so training all clients first and
 then draining the queue in that order is the same computation as true interleaving.
+
+Placement: the three parts, their stacked rows and the smashed data live on the run's device; under
+``bf16-mixed`` every forward pass autocasts (smashed data travel in bfloat16) while the parts and their
+updates stay float32. Losses stay on the device until the round's metrics read them once. Dropout masks
+come from the device's generator seeded from the named stream: the same per device, not across devices.
 """
 
 from __future__ import annotations
@@ -214,19 +219,24 @@ class SplitAlgorithm(Algorithm):
                 self.parts = build_split_model(cfg.model.name, tuple(ds.input_shape), ds.num_classes, cfg.model.options)
             except ValueError as e:
                 raise ConfigError(str(e)) from e
+        pl = self.placement = ctx.placement
         for m in (self.parts.client, self.parts.server, self.parts.aux):
-            m.to(ctx.dtype)  # the run's precision (in place: the parts keep their modules)
+            m.to(device=ctx.device, dtype=ctx.dtype)  # the run's placement (in place: the parts keep their modules)
         self.client, self.server, self.aux = self.parts.client, self.parts.server, self.parts.aux
-        self.lc, self.ls, self.la = ParamLayout(self.client), ParamLayout(self.server), ParamLayout(self.aux)
-        self.full = ParamLayout(nn.Sequential(self.client, self.server))  # the inference model x_s ∘ x_c
-        self.local_model = ParamLayout(nn.Sequential(self.client, self.aux))  # a_c ∘ x_c (the local loss)
+        self.lc, self.ls, self.la = (
+            ParamLayout(self.client, pl),
+            ParamLayout(self.server, pl),
+            ParamLayout(self.aux, pl),
+        )
+        self.full = ParamLayout(nn.Sequential(self.client, self.server), pl)  # the inference model x_s ∘ x_c
+        self.local_model = ParamLayout(nn.Sequential(self.client, self.aux), pl)  # a_c ∘ x_c (the local loss)
         self.xc, self.xs, self.xa = self.lc.flatten(), self.ls.flatten(), self.la.flatten()
         augment = augment_for(cfg.local)
         # only the batch plan (named ``batches`` stream) and augmentation of the foundation trainer are used
         self.batcher = LocalTrainer(
-            self.client, ds.train_x, ds.train_y, ctx.partition, cfg.local, self.seeds, augment=augment
+            self.client, ds.train_x, ds.train_y, ctx.partition, cfg.local, self.seeds, augment=augment, placement=pl
         )
-        self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=ctx.dtype)
+        self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=ctx.dtype, device=ctx.device)
         self.smashed_bytes = self.parts.smashed_floats * ctx.float_bytes  # q_b per sample (4 bytes a float in float32)
         self.server_copies = 1
         self._checkpoint = ("xc", "xs", "xa")
@@ -256,7 +266,12 @@ class SplitAlgorithm(Algorithm):
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:
         """Aggregation weights p_i of eq. (14), summing to one."""
-        w = self.sizes[clients] if self.hp.weighting == "samples" else torch.ones(len(clients), dtype=self.sizes.dtype)
+        sizes = self.sizes
+        w = (
+            sizes[clients]
+            if self.hp.weighting == "samples"
+            else torch.ones(len(clients), dtype=sizes.dtype, device=sizes.device)
+        )
         return w / w.sum()
 
     def lrs(self, r: int) -> tuple[float, float, float]:
@@ -272,27 +287,43 @@ class SplitAlgorithm(Algorithm):
         idx = self.batcher.client_batches(client, r, (), None)
         return [self.batcher.batch_data(b, client, r, (), gens) for b in idx]
 
+    def _fork_rng(self):
+        """torch's global RNGs of the run's device, restored after the block."""
+        dev = self.placement.device
+        return torch.random.fork_rng(devices=[] if dev.type == "cpu" else [dev.index or 0], device_type=dev.type)
+
     @contextlib.contextmanager
     def stream(self, name: str, *keys: int) -> Iterator[None]:
-        """Seed torch's global RNG (dropout) from a named stream for the duration of the block."""
-        with torch.random.fork_rng(devices=[]):
+        """Seed torch's global RNGs (dropout, on the run's device) from a named stream for the block."""
+        with self._fork_rng():
             torch.manual_seed(self.seeds.int_seed(name, *keys))
             yield
 
+    def _rng_state(self) -> torch.Tensor:
+        dev = self.placement.device
+        return torch.get_rng_state() if dev.type == "cpu" else torch.get_device_module(dev.type).get_rng_state(dev)
+
+    def _set_rng_state(self, state: torch.Tensor) -> None:
+        dev = self.placement.device
+        if dev.type == "cpu":
+            torch.set_rng_state(state)
+        else:
+            torch.get_device_module(dev.type).set_rng_state(state, dev)
+
     def stream_state(self, name: str, *keys: int) -> torch.Tensor:
-        """The state of torch's RNG seeded from a named stream (to resume with :meth:`resumed`)."""
-        with torch.random.fork_rng(devices=[]):
+        """The state of the device's RNG seeded from a named stream (to resume with :meth:`resumed`)."""
+        with self._fork_rng():
             torch.manual_seed(self.seeds.int_seed(name, *keys))
-            return torch.get_rng_state()
+            return self._rng_state()
 
     @contextlib.contextmanager
     def resumed(self, states: dict, key: Any) -> Iterator[None]:
         """Draw from the stream whose state is ``states[key]`` for the block, and keep where it got to: a
         party's dropout stream goes on across its steps while other parties' steps come in between."""
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(states[key])
+        with self._fork_rng():
+            self._set_rng_state(states[key])
             yield
-            states[key] = torch.get_rng_state()
+            states[key] = self._rng_state()
 
     # ---- messages ------------------------------------------------------------------------------------
     def download(self, r: int, clients: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,31 +368,39 @@ class SplitAlgorithm(Algorithm):
                 p.add_(p.grad, alpha=-lr)
                 p.grad = None
 
-    def local_step(self, x: torch.Tensor, y: torch.Tensor, lr_c: float, lr_a: float) -> tuple[torch.Tensor, float]:
+    def local_step(
+        self, x: torch.Tensor, y: torch.Tensor, lr_c: float, lr_a: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. (8): one SGD step of the client-side model and auxiliary net on the local loss.
 
-        Returns the (pre-update) smashed data of this batch, detached, and the loss.
+        Returns the (pre-update) smashed data of this batch, detached, and the loss (a 0-d tensor on the
+        device: :meth:`round_metrics` reads the round's losses at once).
         """
-        a = self.client(x)
-        loss = self.loss(self.aux(a), y)  # the task's loss (cross-entropy in the paper)
+        with self.placement.autocast():
+            a = self.client(x)
+            out = self.aux(a)
+        loss = self.loss(out.to(self.ctx.dtype), y)  # the task's loss (cross-entropy in the paper)
         loss.backward()
         self._sgd(self.client, lr_c)
         self._sgd(self.aux, lr_a)
-        return a.detach(), float(loss.detach())
+        return a.detach(), loss.detach()
 
     def server_step(self, smashed: torch.Tensor, y: torch.Tensor, lr: float, *, want_grad: bool = False):
         """Eq. (11): one SGD step of the loaded server-side model on a received smashed batch.
 
-        Returns the loss and, with ``want_grad`` (FSL_MC/OC), the gradient with respect to the smashed data.
+        Returns the loss (a 0-d tensor on the device) and, with ``want_grad`` (FSL_MC/OC), the gradient with
+        respect to the smashed data.
         """
         a = smashed.detach().requires_grad_(want_grad)
-        loss = self.loss(self.server(a), y)
+        with self.placement.autocast():
+            out = self.server(a)
+        loss = self.loss(out.to(self.ctx.dtype), y)
         loss.backward()
         self._sgd(self.server, lr)
-        return float(loss.detach()), (a.grad if want_grad else None)
+        return loss.detach(), (a.grad if want_grad else None)
 
     def smashed(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), self.placement.autocast():
             return self.client(x)
 
     # ---- the clients' side ---------------------------------------------------------------------------
@@ -393,7 +432,8 @@ class SplitAlgorithm(Algorithm):
                     if self.recompute_smashed:
                         a = self.smashed(x)
                     uploads.append((window[m], m, a, y))
-        return ClientEpoch(self.lc.flatten(), self.la.flatten(), uploads, losses, len(batches))
+        # the epoch's losses come to the host once (a step keeps its loss on the device)
+        return ClientEpoch(self.lc.flatten(), self.la.flatten(), uploads, host_floats(losses), len(batches))
 
     def client_epochs(
         self, r: int, clients: np.ndarray, xc: torch.Tensor, xa: torch.Tensor, lrs: tuple[float, float], start: int,
@@ -405,7 +445,7 @@ class SplitAlgorithm(Algorithm):
 
     def backprop_client(self, r: int, client: int, xc: torch.Tensor) -> BackpropClient:
         """A client of FSL_MC/FSL_OC at the start of round ``r``, from the fed server's x_c (Alg. line 3)."""
-        return BackpropClient(client, r, xc.clone(), self.stream_state("dropout", r, client))
+        return BackpropClient(client, r, self.placement.to(xc).clone(), self.stream_state("dropout", r, client))
 
     def client_turn(
         self, c: BackpropClient, batches: list[tuple[torch.Tensor, torch.Tensor]], grad: torch.Tensor | None,
@@ -436,10 +476,10 @@ class SplitAlgorithm(Algorithm):
         if self._holder is not c:
             self.load_client(c.xc)
             self._holder = c
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(c.rng)
+        with self._fork_rng(), self.placement.autocast():
+            self._set_rng_state(c.rng)
             c.live = self.client(batches[c.batch][0])
-            c.rng_after = torch.get_rng_state()
+            c.rng_after = self._rng_state()
         c.sent = True
         return c.live
 
@@ -447,7 +487,7 @@ class SplitAlgorithm(Algorithm):
         """The clients' side of a round of FSL_MC/FSL_OC (a deployment runs it on the nodes)."""
         return BackpropSession(self, r, clients, xc_rows, lr)
 
-    def server_exchange(self, r: int, a: torch.Tensor, y: torch.Tensor, lr: float) -> tuple[float, torch.Tensor]:
+    def server_exchange(self, r: int, a: torch.Tensor, y: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The main server's side of one batch of traditional split learning (Fig. 1 step 3): the smashed
         data and labels arrive, the loaded server-side model steps (eq. 11), the gradient goes back."""
         self.send_smashed(r, y)
@@ -470,7 +510,11 @@ class SplitAlgorithm(Algorithm):
             self.xa = p @ xa_rows
 
     # ---- metrics -------------------------------------------------------------------------------------
-    def round_metrics(self, r: int, n: int, steps: int, losses: list[float], server_losses: list[float]) -> dict:
+    def round_metrics(
+        self, r: int, n: int, steps: int, losses: list[torch.Tensor], server_losses: list[torch.Tensor]
+    ) -> dict:
+        # the round's losses come to the host once (one float per step, as they were computed)
+        losses, server_losses = host_floats(losses), host_floats(server_losses)
         led = self.ledger
         load = sum(led.bytes(kind=k, upto_round=r) for k in ("smashed", "gradient", "client_model", "aux_model"))
         per = self.lc.numel + (self.la.numel if self.uses_aux else 0)
@@ -498,3 +542,10 @@ class SplitAlgorithm(Algorithm):
             aux = evaluate_task(self.local_model, w, ds.test_x, ds.test_y, task, ev.batch_size)
             out[f"aux_test_{task.main}"] = aux[task.main]
         return out
+
+
+def host_floats(values: list[torch.Tensor] | list[float]) -> list[float]:
+    """Losses as Python floats: 0-d tensors (on any device) with one trip to the host; floats as they are."""
+    if values and isinstance(values[0], torch.Tensor):
+        return torch.stack(values).tolist()
+    return list(values)

@@ -109,7 +109,7 @@ class _Baseline(HierarchicalAlgorithm):
         return {"local_steps": float(H), "client_sgd_steps": float(H * len(jobs))}
 
     def sample_weights(self, jobs: np.ndarray) -> torch.Tensor:
-        w = self.job_sizes[torch.as_tensor(jobs)].to(self.x.dtype)
+        w = self.job_sizes[torch.as_tensor(jobs, device=self.job_sizes.device)].to(self.x.dtype)
         return w / w.sum()
 
 
@@ -152,7 +152,8 @@ class HierScaffold(_Baseline):
     def __init__(self, ctx: RunContext, hp: BaselineHparams) -> None:
         super().__init__(ctx, hp)
         self.c = torch.zeros_like(self.x)  # server control variate c
-        self.store = StateStore(self.m + 1, dtype=ctx.dtype)  # c_i of every client (+ the server's job)
+        # c_i of every client (+ the server's job)
+        self.store = StateStore(self.m + 1, dtype=ctx.dtype, placement=ctx.placement)
         self.store.create("c", self.dim)
         self.ledger.store("server", "control_variate", nbytes(self.c))
         self.ledger.store("client", "control_variate", nbytes(self.c))

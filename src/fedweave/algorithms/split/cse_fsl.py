@@ -211,8 +211,10 @@ class CSEFSL(SplitAlgorithm):
         if self.in_flight:
             f = self.in_flight
             out["in_flight"] = {
-                "ints": torch.tensor([[x.due, x.client, x.upload.pos, x.upload.window, x.upload.batch] for x in f]),
-                "arrival": torch.tensor([x.upload.arrival for x in f], dtype=torch.float64),
+                "ints": torch.tensor(
+                    [[x.due, x.client, x.upload.pos, x.upload.window, x.upload.batch] for x in f], device="cpu"
+                ),
+                "arrival": torch.tensor([x.upload.arrival for x in f], dtype=torch.float64, device="cpu"),
                 "smashed": [x.upload.smashed for x in f],
                 "labels": [x.upload.labels for x in f],
             }
