@@ -2,7 +2,7 @@
 
 Flower runs every message a SuperNode receives in a fresh ``ClientApp`` process: with the default isolation
 (``subprocess``) the node's ``flower-superexec`` starts one ``flwr-clientapp`` per message, which imports
-Flower, torch and fedweave again (about 2 to 3 s of CPU each on a laptop core, before any training). Flower
+Flower, torch and fedweave again (about 2 s of CPU each, before any training; docs/deployment.md). Flower
 offers no long-lived ClientApp; its ``process`` isolation mode instead leaves starting the ClientApp
 processes to an executor outside the node. This is one: it imports Flower's ClientApp runtime, torch and
 fedweave's ClientApp once, then, for every task the node hands out, forks a child that runs Flower's own
