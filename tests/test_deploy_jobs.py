@@ -21,6 +21,7 @@ from fedweave.algorithms.centralized.scaffold import ScaffoldRule
 from fedweave.config import LocalConfig, load
 from fedweave.deploy.jobs import MalformedJobError, UnknownRuleError, decode_job, encode_header, encode_job
 from fedweave.execution.local import PLAIN, LocalRule, reindexed
+from fedweave.topology.hierarchy import BallProjection, BoxProjection, LowerLevelRule, decaying
 
 K, P = 3, 5
 g = torch.Generator().manual_seed(0)
@@ -33,6 +34,8 @@ RULES = {
     "fedsam": SAMRule(0.05),
     "fedcm": FedCMRule(0.1, VEC, weight_decay=1e-3, grad_clip=None, sam_rho=0.05),
     "fedmim": MIMRule(VEC, -VEC, 0.1, 0.05, weight_decay=1e-4, grad_clip=2.0),
+    "lower_level-ball": LowerLevelRule(0.3, TABLE, BallProjection(0.5)),
+    "lower_level-box": LowerLevelRule(0.3, VEC, BoxProjection(-0.2, float("inf"))),
 }
 
 
@@ -94,10 +97,33 @@ def test_malformed_jobs_are_refused():
         decode_job(json.dumps(bad), tensors)
 
 
-def test_a_learning_rate_schedule_cannot_travel():
-    with pytest.raises(ValueError, match="constant local learning rate"):
+def test_a_registered_schedule_travels_and_a_function_does_not():
+    header, tensors = encode_job(start=VEC, client=0, round=0, rule=PLAIN, k=0, jobs=1, lr=decaying(0.3, 2.0),
+                                 steps=4, key=(), local=LocalConfig(steps=4))  # fmt: skip
+    assert header["lr"] == {"schedule": "decaying", "scalars": {"c": 0.3, "offset": 2.0}}
+    lr = decode_job(encode_header(header), tensors).lr
+    assert [lr(t) for t in range(4)] == [0.3 / (t + 2.0) for t in range(4)]
+    with pytest.raises(ValueError, match="a constant local learning rate or a registered schedule .decaying."):
         encode_job(start=VEC, client=0, round=0, rule=PLAIN, k=0, jobs=1, lr=lambda t: 0.1, steps=1, key=(),
                    local=LocalConfig(steps=1))  # fmt: skip
+    header["lr"] = {"schedule": "cosine", "scalars": {}}
+    with pytest.raises(UnknownRuleError, match="unknown learning-rate schedule 'cosine'; this node knows: decaying"):
+        decode_job(encode_header(header), tensors)
+
+
+def test_a_projection_travels_as_data_and_a_tensor_equal_to_the_start_travels_once():
+    """The lower level's projection goes as its registered name and scalars (an unknown one is refused), and
+    the input point it is anchored at, which is the job's start (ZO-HFL), is not sent a second time."""
+    rule = LowerLevelRule(0.3, torch.stack([VEC, -VEC]), BoxProjection(-0.2, float("inf")))
+    header, tensors = encode_job(start=-VEC, client=0, round=0, rule=rule, k=1, jobs=2, lr=0.1, steps=1, key=(),
+                                 local=LocalConfig(steps=1))  # fmt: skip
+    assert sorted(tensors) == ["start"] and header["same_as_start"] == {"rule.anchors": [1, P]}
+    assert header["rule_scalars"]["projection"] == {"part": "box", "scalars": {"low": -0.2, "high": float("inf")}}
+    job = decode_job(encode_header(header), tensors)
+    assert torch.equal(job.rule.anchors, -VEC[None]) and isinstance(job.rule.projection, BoxProjection)
+    header["rule_scalars"]["projection"]["part"] = "sphere"
+    with pytest.raises(UnknownRuleError, match="unknown part 'sphere'; this node knows: projection, ball, box"):
+        decode_job(encode_header(header), tensors)
 
 
 def test_flower_app_project_is_valid_and_carries_the_config(tmp_path, toy_config):
@@ -131,7 +157,7 @@ def test_importing_fedweave_and_its_deploy_package_does_not_import_flwr():
     assert out.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize("name", ["scaffold", "feddyn"])
+@pytest.mark.parametrize("name", ["scaffold", "feddyn", "hier_scaffold"])
 def test_a_stateful_client_on_its_node_equals_the_simulation(tmp_path, toy_config, name):
     """Two rounds of a stateful algorithm's clients: the simulation's call over its StateStore, and each
     client as a node job (its state in the node's files, the step rebuilt from the message) agree, and the
@@ -140,6 +166,7 @@ def test_a_stateful_client_on_its_node_equals_the_simulation(tmp_path, toy_confi
     from fedweave.algorithms.base import RunContext
     from fedweave.algorithms.centralized.feddyn import FedDynStep
     from fedweave.algorithms.centralized.scaffold import ScaffoldStep
+    from fedweave.algorithms.hierarchical.baselines import HierScaffoldStep
     from fedweave.deploy.client_app import _run_step
     from fedweave.deploy.node_state import INITIAL, NodeState
     from fedweave.execution import StateStore
@@ -151,11 +178,18 @@ def test_a_stateful_client_on_its_node_equals_the_simulation(tmp_path, toy_confi
     x = tr.layout.flatten()
     P = x.numel()
     store = StateStore(ctx.num_clients)
-    store.create(ScaffoldStep.state[0] if name == "scaffold" else FedDynStep.state[0], P)
+    store.create("c" if "scaffold" in name else FedDynStep.state[0], P)
     node = NodeState(tmp_path, run_id=7)
     clients, accepted = [1, 4], dict.fromkeys([1, 4], INITIAL)
     for r in range(2):
-        step = ScaffoldStep(0.01 * torch.ones(P), 0.1) if name == "scaffold" else FedDynStep(0.05, x)
+        if name == "feddyn":
+            step = FedDynStep(0.05, x)
+        else:
+            step = (
+                ScaffoldStep(0.01 * torch.ones(P), 0.1)
+                if name == "scaffold"
+                else HierScaffoldStep(0.01 * torch.ones(P), 0.17)
+            )
         res, upload = tr.train_with_state(x, clients, r, step, store, lr=0.1)
         for k, c in enumerate(clients):
             header, tensors = encode_job(start=x, client=c, round=r, k=k, jobs=2, lr=0.1, steps=None, key=(),
@@ -163,7 +197,7 @@ def test_a_stateful_client_on_its_node_equals_the_simulation(tmp_path, toy_confi
             job = decode_job(encode_header(header), tensors)
             assert type(job.step) is type(step) and job.state_round == accepted[c]
             got, sent = _run_step(tr, job, node)
-            if name == "scaffold":  # the client sends Delta y_i and Delta c_i, not its model
+            if "scaffold" in name:  # the client sends Delta y_i and Delta c_i, not its model
                 assert sorted(sent) == ["dc", "dy"]
                 torch.testing.assert_close(sent["dc"][0], upload["dc"][k])
                 torch.testing.assert_close(sent["dy"][0], upload["dy"][k])
@@ -289,7 +323,7 @@ def test_a_cse_fsl_epoch_on_the_node_equals_the_simulations(tmp_path, own_data):
     xc, xa = algo.xc + 0.01, algo.xa - 0.01
     want = algo.client_epoch(1, 3, xc, xa, (0.05, 0.04), 0, 5, 0)
     data = str(export_clients(cfg, tmp_path, [3])[0]) if own_data else None
-    header = {"kind": split.KIND, "client": 3, "round": 1, "lrs": [0.05, 0.04], "start": 0, "period": 5, "seg": 0,
+    header = {"kind": split.EPOCH, "client": 3, "round": 1, "lrs": [0.05, 0.04], "start": 0, "period": 5, "seg": 0,
               "num_classes": 10}  # fmt: skip
     h, t = split.run_epoch(header, {"xc": xc[None], "xa": xa[None]}, json.dumps(cfg.to_dict()), data, 3)
     got = split.decode_epoch(json.loads(json.dumps(h)), t)
@@ -300,3 +334,81 @@ def test_a_cse_fsl_epoch_on_the_node_equals_the_simulations(tmp_path, own_data):
     for (_, _, a, y), (_, _, a0, y0) in zip(got.uploads, want.uploads, strict=True):
         torch.testing.assert_close(a, a0)
         assert torch.equal(y, y0)
+
+
+class InProcessNodes:
+    """``FlowerClients.run_jobs`` with every split job run by the node's own functions in this process, over
+    the wire format (JSON header, tensors as Flower records); it counts the array bytes each way."""
+
+    def __init__(self, config_json: str, state_dir) -> None:
+        from fedweave.deploy.node_state import NodeState
+
+        self.config_json, self.store = config_json, NodeState(state_dir, run_id=1)
+        self.sent = self.received = 0
+
+    def run_jobs(self, round: int, jobs):
+        from fedweave.deploy import split
+        from fedweave.deploy.wire import from_records, to_records
+
+        replies = []
+        for c, header, tensors in jobs:
+            self.sent += sum(t.numel() * t.element_size() for t in tensors.values())
+            h, t = from_records(to_records(header, tensors))
+            h = json.loads(h)
+            if h["kind"] == split.EPOCH:
+                out = split.run_epoch(h, t, self.config_json, None, c)
+            else:
+                out = split.run_turn(h, t, self.config_json, None, c, self.store)
+            self.received += sum(t.numel() * t.element_size() for t in out[1].values())
+            replies.append(type("Reply", (), {"content": to_records(*out)})())
+        return replies
+
+
+SPLIT_RUNS = {
+    "fsl_mc": {"name": "fsl_mc"},
+    "fsl_oc": {"name": "fsl_oc"},
+    "fsl_oc-interleaved": {"name": "fsl_oc", "schedule": "interleaved"},
+    "fsl_an": {"name": "fsl_an"},
+    "cse_fsl": {"name": "cse_fsl", "h": 2},
+}
+
+
+@pytest.mark.parametrize("model", ["split_small", "split_femnist"])
+@pytest.mark.parametrize("method", SPLIT_RUNS)
+def test_split_clients_on_their_nodes_equal_the_simulation(tmp_path, method, model):
+    """Two rounds of each split method with the clients' side run by the nodes' functions (the job and reply
+    through the wire format; FSL_MC/OC: a message per batch, the client kept in the node's files between
+    them, its forward pass computed again there) give the simulation's models and metrics bit for bit, and
+    the messages carry the ledger's bytes. split_femnist has dropout in both parts: each party's own stream."""
+    pytest.importorskip("flwr")
+    from fedweave.algorithms.base import RunContext, build_algorithm
+    from fedweave.deploy import split
+
+    opts = {"width": 4, "hidden": 16} if model == "split_small" else {}
+    cfg = load({
+        "name": "s", "seed": 4, "rounds": 2, "dataset": {"name": "digits", "as_image": True},
+        "partition": {"name": "dirichlet", "num_clients": 4, "alpha": 0.5}, "model": {"name": model, **opts},
+        "algorithm": {**SPLIT_RUNS[method], "clients_per_round": 3}, "local": {"steps": 3, "batch_size": 8, "lr": 0.05},
+    })  # fmt: skip
+    sim, deployed = build_algorithm(RunContext(cfg)), build_algorithm(RunContext(cfg))
+    nodes = InProcessNodes(json.dumps(cfg.to_dict()), tmp_path)
+    split.attach(nodes, deployed)
+    for r in range(2):
+        want, got = sim.run_round(r), deployed.run_round(r)
+        assert got == want
+        for part in ("xc", "xs", "xa"):
+            assert torch.equal(getattr(deployed, part), getattr(sim, part)), part
+    assert want["server_steps"] > 0 and want["train_loss"] > 0
+    assert sim.ledger.bytes() == deployed.ledger.bytes()
+    assert nodes.received == deployed.ledger.bytes(sender="client")
+    assert nodes.sent == deployed.ledger.bytes(receiver="client")
+
+
+def test_the_executor_refuses_a_flower_whose_runtime_api_it_does_not_speak(monkeypatch, capsys):
+    flwr = pytest.importorskip("flwr")
+    from fedweave.cli import main
+
+    monkeypatch.setattr(flwr, "__version__", "1.99.0")
+    assert main(["flower-executor", "--runtime-api-address", "127.0.0.1:1", "--insecure"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "speaks the Runtime API of Flower 1.42.x; this is Flower 1.99.0" in err

@@ -191,6 +191,17 @@ def _cmd_flower_app(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_flower_executor(args: argparse.Namespace) -> int:
+    from fedweave.deploy.executor import ExecutorError, serve
+
+    try:
+        serve(args.runtime_api_address, insecure=args.insecure, root_certificates=args.root_certificates)
+    except ExecutorError as e:
+        print(f"fedweave: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with its usage errors on one line, like every other bad input (docs/reliability.md)."""
 
@@ -280,6 +291,15 @@ def parser() -> argparse.ArgumentParser:
                     help="also write each client's training samples as DIR/client-N.npz, data files for the nodes "
                     "(a trial of nodes that hold their own data)")  # fmt: skip
     fa.set_defaults(fn=_cmd_flower_app)
+
+    fx = sub.add_parser("flower-executor",
+                        help="run the ClientApp tasks of a SuperNode started with --isolation process, one forked "
+                        "child per message from one warm process")  # fmt: skip
+    fx.add_argument("--runtime-api-address", required=True, metavar="HOST:PORT",
+                    help="the SuperNode's Runtime API (its --port)")  # fmt: skip
+    fx.add_argument("--insecure", action="store_true", help="talk to the SuperNode without TLS")
+    fx.add_argument("--root-certificates", metavar="FILE", help="CA certificate of the SuperNode's Runtime API")
+    fx.set_defaults(fn=_cmd_flower_executor)
     return p
 
 

@@ -4,9 +4,10 @@ holds and replies with what the client sends in the paper (docs/deployment.md).
 Node config (``flower-supernode --node-config``): ``partition-id`` (the fedweave client index this node
 holds), ``data`` (optional: an ``.npz`` of the client's own samples, ``fedweave.deploy.node_data``) and
 ``state-dir`` (where the node keeps its clients' own state; default ``$FLWR_HOME/fedweave-state``).
-Without ``data`` the node rebuilds the dataset and partition from the run's fedweave config (a trial: the
-same root seed gives the same client data as in simulation); with it the node reads only its file. Batches
-and augmentation come from the run's seed streams either way; training runs on the ``loop`` backend.
+Without ``data`` the node derives its client's samples from the run's fedweave config (a trial: the same root
+seed gives the same client data as in simulation), once per run, into a file in its state directory; with
+it the node reads only its file. Batches and augmentation come from the run's seed streams either way;
+training runs on the ``loop`` backend.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
 import torch
 from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
@@ -29,7 +29,7 @@ from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
 from fedweave.deploy import split
 from fedweave.deploy.jobs import Job, MalformedJobError, UnknownRuleError, decode_job
-from fedweave.deploy.node_data import NodeDataError, load_node_data
+from fedweave.deploy.node_data import NodeDataError, load_node_data, own_parts, trial_parts, write_samples
 from fedweave.deploy.node_state import NodeState, StateMissingError
 from fedweave.deploy.wire import from_records, to_records
 from fedweave.execution import loop
@@ -60,23 +60,36 @@ def node_data(context: Context) -> str | None:
     return str(value) if value else None
 
 
+def samples_file(context: Context, config_json: str, client: int) -> str:
+    """The file of the client's training samples: the node's own (``data``), or, in a trial, the client's
+    part of the configured dataset, derived on the run's first job into the state directory, so that the
+    run's later jobs (each a new ClientApp process) read that file instead of building the dataset again."""
+    own = node_data(context)
+    if own is not None:
+        return own
+    file = NodeState(state_dir(context), context.run_id).dir / f"client-{client}" / "samples.npz"
+    if not file.is_file():
+        train_x, train_y, parts = trial_parts(load_config(json.loads(config_json)))
+        if not 0 <= client < len(parts):
+            raise ConfigError(f"partition-id {client} is not a client of the run (0 .. {len(parts) - 1})")
+        idx = torch.as_tensor(parts[client], dtype=torch.long)
+        write_samples(file, train_x[idx], train_y[idx])
+    return str(file)
+
+
 @lru_cache(maxsize=2)
-def _trainer(config_json: str, data: str | None, client: int, num_classes: int | None) -> LocalTrainer:
-    """The node's trainer over its client's data (built once per run config and data)."""
+def _trainer(config_json: str, data: str, client: int, num_classes: int | None) -> LocalTrainer:
+    """The node's trainer over its client's samples (built once per run config and data file); only the
+    model's outputs come from the server."""
     config = load_config(json.loads(config_json))
-    if data is None:  # a trial: the configured dataset's partition, as in simulation
-        ctx = RunContext(config)
-        x, y, parts = ctx.dataset.train_x, ctx.dataset.train_y, ctx.partition
-    else:  # the node's own file is the client's data; only the model's outputs come from the server
-        x, y = load_node_data(data)
-        if num_classes is None:
-            raise MalformedJobError("the job does not name the model's num_classes, which a node with data needs")
-        ds = Dataset(f"node data {Path(data).name}", x, y, x[:0], y[:0], num_classes, tuple(x.shape[1:]))
-        ctx = RunContext(config, RunObjects(dataset=ds))
-        x, y = ctx.dataset.train_x, ctx.dataset.train_y  # in the run's precision
-        parts = [np.zeros(0, dtype=np.int64)] * client + [np.arange(len(x))]
+    x, y = load_node_data(data)
+    if num_classes is None:
+        raise MalformedJobError("the job does not name the model's num_classes, which the node builds its model for")
+    ds = Dataset(f"node data {Path(data).name}", x, y, x[:0], y[:0], num_classes, tuple(x.shape[1:]))
+    ctx = RunContext(config, RunObjects(dataset=ds))
+    x, y = ctx.dataset.train_x, ctx.dataset.train_y  # in the run's precision
     return LocalTrainer(
-        ctx.model, x, y, parts, config.local, ctx.seeds,
+        ctx.model, x, y, own_parts(client, len(x), config.num_clients), config.local, ctx.seeds,
         backend="loop", augment=augment_for(config.local), rounds=config.rounds, loss_fn=ctx.task.loss,
     )  # fmt: skip
 
@@ -103,8 +116,8 @@ def train(msg: Message, context: Context) -> Message:
     try:
         header, tensors = from_records(msg.content)
         h = json.loads(header)
-        if isinstance(h, dict) and h.get("kind") == split.KIND:
-            return _split_epoch(msg, context, h, tensors)
+        if isinstance(h, dict) and h.get("kind") in split.KINDS:
+            return _split_job(msg, context, h, tensors)
         job = decode_job(header, tensors)
     except UnknownRuleError as e:
         return _error(msg, UNKNOWN_RULE, str(e))
@@ -113,12 +126,15 @@ def train(msg: Message, context: Context) -> Message:
     mine = partition_id(context)
     if job.client != mine:
         return _error(msg, WRONG_NODE, f"job for client {job.client} sent to the node holding {mine}")
+    config_json = str(context.run_config["fedweave-config"])
     try:
-        tr = _trainer(str(context.run_config["fedweave-config"]), node_data(context), mine, job.num_classes)
+        tr = _trainer(config_json, samples_file(context, config_json, mine), mine, job.num_classes)
     except MalformedJobError as e:
         return _error(msg, MALFORMED, str(e))
     except (ValueError, ConfigError) as e:  # the node's data file, or data that do not fit the model
         return _error(msg, NODE_DATA, str(e))
+    except OSError as e:
+        return _error(msg, STATE_UNWRITABLE, f"cannot keep the client's samples in {state_dir(context)}: {e}")
     if tr.layout.numel != job.start.numel():
         return _error(msg, NODE_DATA, f"the node's model has {tr.layout.numel} parameters, the job's start vector "
                       f"{job.start.numel()}: does the node's data have the dataset's input shape?")  # fmt: skip
@@ -137,17 +153,28 @@ def train(msg: Message, context: Context) -> Message:
     return Message(to_records(header, sent), reply_to=msg)
 
 
-def _split_epoch(msg: Message, context: Context, h: dict, tensors: dict[str, torch.Tensor]) -> Message:
-    """A CSE-FSL client's epoch (``fedweave.deploy.split``)."""
+def _split_job(msg: Message, context: Context, h: dict, tensors: dict[str, torch.Tensor]) -> Message:
+    """A split-learning client's epoch (CSE-FSL, FSL_AN) or exchange (FSL_MC, FSL_OC): ``fedweave.deploy.split``."""
     mine = partition_id(context)
     if int(h["client"]) != mine:
         return _error(msg, WRONG_NODE, f"job for client {h['client']} sent to the node holding {mine}")
     config_json = str(context.run_config["fedweave-config"])
     try:
-        header, out = split.run_epoch(h, tensors, config_json, node_data(context), mine)
+        data = samples_file(context, config_json, mine)
+        if h["kind"] == split.EPOCH:
+            header, out = split.run_epoch(h, tensors, config_json, data, mine)
+        else:
+            store = NodeState(state_dir(context), context.run_id)
+            header, out = split.run_turn(h, tensors, config_json, data, mine, store)
+    except MalformedJobError as e:
+        return _error(msg, MALFORMED, f"malformed fedweave split job message: {e}")
     except (KeyError, TypeError) as e:
         return _error(msg, MALFORMED, f"malformed fedweave split job message: {type(e).__name__}: {e}")
-    except (ValueError, ConfigError) as e:  # the node's data, or a run that is not CSE-FSL
+    except StateMissingError as e:
+        return _error(msg, STATE_MISSING, str(e))
+    except OSError as e:
+        return _error(msg, STATE_UNWRITABLE, f"cannot read or write the client state in {state_dir(context)}: {e}")
+    except (ValueError, ConfigError) as e:  # the node's data, or a run that is not of the split family
         return _error(msg, NODE_DATA, str(e))
     return Message(to_records(header, out), reply_to=msg)
 

@@ -3,7 +3,10 @@
 The server describes job ``k`` of a call (its start vector, round, steps, learning rate, local settings
 and either the ``LocalRule`` or, for an algorithm whose clients keep state, the ``ClientStep``) as named
 tensors plus a JSON header; the node rebuilds the rule or step from its *registered name* and those tensors
-(DESIGN: no pickled code travels). A name the node does not know is refused with :class:`UnknownRuleError`.
+(DESIGN: no pickled code travels). So do the objects a rule holds (the lower level's projection: ``PARTS``)
+and a learning rate that is a schedule of the local step (``SCHEDULES``): their name and scalars travel. A
+name the node does not know is refused with :class:`UnknownRuleError`. A rule tensor equal to the job's start
+vector travels once, as the start (FedProx's anchor; the lower level's input point).
 
 A step's per-client state (SCAFFOLD's ``c_i``, FedDyn's local gradient) does not travel: the node keeps it
 (``fedweave.deploy.node_state``) and the header names the round of the state version the server accepted
@@ -24,8 +27,10 @@ from fedweave.algorithms.centralized.fedmim import MIMRule
 from fedweave.algorithms.centralized.fedprox import ProxRule
 from fedweave.algorithms.centralized.fedsam import SAMRule
 from fedweave.algorithms.centralized.scaffold import ScaffoldRule, ScaffoldStep
+from fedweave.algorithms.hierarchical.baselines import HierScaffoldStep
 from fedweave.config import LocalConfig
-from fedweave.execution.local import ClientStep, LocalRule, Reindexed
+from fedweave.execution.local import LR, ClientStep, LocalRule, Reindexed
+from fedweave.topology.hierarchy import BallProjection, BoxProjection, Decaying, LowerLevelRule, Projection
 
 # The rules and client steps a node can rebuild, by the name that travels. Their state is their attributes:
 # tensors (sent as arrays) and JSON scalars; one with any other attribute (a function) cannot be deployed.
@@ -37,10 +42,17 @@ RULES: dict[str, type[LocalRule]] = {
     "fedsam": SAMRule,
     "fedcm": FedCMRule,
     "fedmim": MIMRule,
+    "lower_level": LowerLevelRule,
 }
-STEPS: dict[str, type[ClientStep]] = {"scaffold": ScaffoldStep, "feddyn": FedDynStep}
+STEPS: dict[str, type[ClientStep]] = {"scaffold": ScaffoldStep, "feddyn": FedDynStep, "hier_scaffold": HierScaffoldStep}
+# Objects a rule holds (besides tensors and scalars) that travel as their registered name and scalars
+PARTS: dict[str, type] = {"projection": Projection, "ball": BallProjection, "box": BoxProjection}
+# Local learning-rate schedules (a function of the local step) that travel as their name and scalars
+SCHEDULES: dict[str, type] = {"decaying": Decaying}
 RULE_NAMES = {cls: name for name, cls in RULES.items()}
 STEP_NAMES = {cls: name for name, cls in STEPS.items()}
+PART_NAMES = {cls: name for name, cls in PARTS.items()}
+SCHEDULE_NAMES = {cls: name for name, cls in SCHEDULES.items()}
 SCALARS = (bool, int, float, str, type(None))
 
 
@@ -63,9 +75,51 @@ def _attributes(obj: object, name: str, k: int, jobs: int) -> tuple[dict[str, An
             tensors[attr] = v[k : k + 1].contiguous() if per_job else v.contiguous()
         elif isinstance(v, SCALARS):
             scalars[attr] = v
+        elif type(v) in PART_NAMES:
+            scalars[attr] = {"part": PART_NAMES[type(v)], "scalars": _scalars(v, f"{name!r}: attribute {attr!r}")}
         else:
             raise UnknownRuleError(f"{name!r}: attribute {attr!r} ({type(v).__name__}) cannot travel")
     return scalars, tensors
+
+
+def _scalars(obj: object, what: str) -> dict[str, Any]:
+    """The attributes of a part or schedule, all JSON scalars."""
+    out = vars(obj)
+    bad = [a for a, v in out.items() if not isinstance(v, SCALARS)]
+    if bad:
+        raise UnknownRuleError(f"{what} ({type(obj).__name__}): attributes {bad} are not scalars and cannot travel")
+    return dict(out)
+
+
+def _instance(registry: dict[str, type], what: str, name: Any, scalars: Any) -> Any:
+    """An object of a registered class from its scalar attributes (its code is the node's own)."""
+    cls = registry.get(name)
+    if cls is None:
+        raise UnknownRuleError(f"unknown {what} {name!r}; this node knows: {', '.join(registry)}")
+    if not isinstance(scalars, dict) or not all(isinstance(v, SCALARS) for v in scalars.values()):
+        raise MalformedJobError(f"the {what} {name!r} needs a mapping of scalars, got {scalars!r}")
+    obj = cls.__new__(cls)
+    obj.__dict__.update(scalars)
+    return obj
+
+
+def encode_lr(lr: LR) -> float | dict[str, Any]:
+    """A constant local learning rate, or a registered schedule as its name and scalars."""
+    if not callable(lr):
+        return float(lr)
+    name = SCHEDULE_NAMES.get(type(lr))
+    if name is None:
+        raise ValueError(
+            f"the flower deployment sends a constant local learning rate or a registered schedule "
+            f"({', '.join(SCHEDULES)}), not {type(lr).__name__}"
+        )
+    return {"schedule": name, "scalars": _scalars(lr, f"schedule {name!r}")}
+
+
+def decode_lr(value: Any) -> LR:
+    if isinstance(value, dict):
+        return _instance(SCHEDULES, "learning-rate schedule", value.get("schedule"), value.get("scalars"))
+    return float(value)
 
 
 def _job_rule(rule: LocalRule, k: int, jobs: int) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
@@ -96,7 +150,7 @@ def encode_job(
     round: int,
     k: int,
     jobs: int,
-    lr: float,
+    lr: LR,
     steps: int | None,
     key: tuple[int, ...],
     local: LocalConfig,
@@ -106,14 +160,12 @@ def encode_job(
     num_classes: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Job ``k`` of a call of ``jobs`` jobs, with its ``rule`` or its client ``step``, as ``(header, tensors)``."""
-    if callable(lr):
-        raise ValueError("the flower deployment sends a constant local learning rate per call, not a schedule")
     if (rule is None) == (step is None):
         raise ValueError("a job has either a local rule or a client step")
     header: dict[str, Any] = {
         "client": int(client),
         "round": int(round),
-        "lr": float(lr),
+        "lr": encode_lr(lr),
         "steps": steps,
         "key": [int(x) for x in key],
         "local": dataclasses.asdict(local),
@@ -128,14 +180,24 @@ def encode_job(
         name, scalars, extra = _job_step(step)
         header.update(step=name, step_scalars=scalars, state_round=int(state_round))
         tensors.update({f"step.{a}": t for a, t in extra.items()})
+    # a rule's tensor that is the job's start vector (FedProx's anchor, the lower level's input point)
+    # travels once, as the start
+    same = {n: list(t.shape) for n, t in tensors.items() if n != "start" and _is(t, tensors["start"])}
+    if same:
+        header["same_as_start"] = same
+        tensors = {n: t for n, t in tensors.items() if n not in same}
     return header, tensors
+
+
+def _is(t: torch.Tensor, start: torch.Tensor) -> bool:
+    return t.dtype == start.dtype and t.numel() == start.numel() and torch.equal(t.reshape(-1), start.reshape(-1))
 
 
 @dataclasses.dataclass
 class Job:
     client: int
     round: int
-    lr: float
+    lr: LR
     steps: int | None
     key: tuple[int, ...]
     local: LocalConfig
@@ -151,7 +213,9 @@ def _rebuild(registry: dict[str, type], what: str, name: Any, scalars: dict, ten
     if cls is None:
         raise UnknownRuleError(f"unknown {what} {name!r}; this node knows: {', '.join(registry)}")
     obj = cls.__new__(cls)  # state only: the class's code is the node's own
-    obj.__dict__.update(scalars)
+    parts = {a: _instance(PARTS, "part", v.get("part"), v.get("scalars")) for a, v in scalars.items()
+             if isinstance(v, dict)}  # fmt: skip
+    obj.__dict__.update({**scalars, **parts})
     prefix = f"{what.split()[-1]}."
     obj.__dict__.update({a[len(prefix) :]: t for a, t in tensors.items() if a.startswith(prefix)})
     return obj
@@ -161,6 +225,8 @@ def decode_job(header_json: str, tensors: dict[str, torch.Tensor]) -> Job:
     """Rebuild a job on the node; raises :class:`UnknownRuleError` or :class:`MalformedJobError`."""
     try:
         h = json.loads(header_json)
+        for name, shape in h.get("same_as_start", {}).items():
+            tensors = {**tensors, name: tensors["start"].reshape(shape).clone()}
         if "step" in h:
             step = _rebuild(STEPS, "client step", h["step"], h["step_scalars"], tensors)
             rule, state_round = None, int(h["state_round"])
@@ -171,7 +237,7 @@ def decode_job(header_json: str, tensors: dict[str, torch.Tensor]) -> Job:
         return Job(
             client=int(h["client"]),
             round=int(h["round"]),
-            lr=float(h["lr"]),
+            lr=decode_lr(h["lr"]),
             steps=None if steps is None else int(steps),
             key=tuple(int(x) for x in h["key"]),
             local=LocalConfig(**h["local"]),

@@ -4,11 +4,14 @@
 normalized; feature vectors as ``(n, d)``; token ids as int64) and ``y`` the targets (int64 class labels, or
 floats for regression and multi-label tasks). The file is read with ``allow_pickle=False``: no code runs.
 :func:`export_clients` writes the files of a configured dataset's partition (a trial whose nodes read their
-own files gives the simulation's numbers).
+own files gives the simulation's numbers). A trial node without a file derives its client's samples once
+per run and keeps them as such a file in its state directory (``fedweave.deploy.client_app``).
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -45,16 +48,51 @@ def load_node_data(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(y))
 
 
+def trial_parts(config: RunConfig, ctx=None) -> tuple[torch.Tensor, torch.Tensor, list[np.ndarray]]:
+    """``(train_x, train_y, parts)``: the training samples and each client's indices as the simulation of
+    ``config`` gives them (the hierarchical family: the clients' parts of its server/client split)."""
+    from fedweave.algorithms.base import RunContext
+    from fedweave.config import build_dataclass
+    from fedweave.registry import ALGORITHMS
+
+    ctx = ctx or RunContext(config)
+    cls = ALGORITHMS.get(config.algorithm.name)
+    if cls.family == "hierarchical":
+        from fedweave.topology.hierarchy import split_hierarchy
+
+        hp = build_dataclass(cls.Hparams, config.algorithm.options, "algorithm")
+        d = split_hierarchy(ctx, hp.server_share, hp.test_fraction, hp.validation)
+        return d.train_x, d.train_y, d.parts
+    return ctx.dataset.train_x, ctx.dataset.train_y, ctx.partition
+
+
+def own_parts(client: int, samples: int, num_clients: int) -> list[np.ndarray]:
+    """A partition in which ``client`` holds all ``samples`` (a node's own data) and the others none."""
+    empty = np.zeros(0, dtype=np.int64)
+    return [np.arange(samples) if i == client else empty for i in range(max(num_clients, client + 1))]
+
+
+def write_samples(path: str | Path, x: torch.Tensor, y: torch.Tensor) -> None:
+    """A node data file of ``x`` and ``y``, written atomically (a reader sees no half-written file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, x=x.numpy(), y=y.numpy())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def export_clients(config: RunConfig, directory: str | Path, clients: list[int] | None = None) -> list[Path]:
     """Write ``client-<i>.npz`` (x and y of client i's training samples, in partition order) for the
-    configured dataset and partition; returns the paths. Nothing is overwritten."""
-    from fedweave.algorithms.base import RunContext
-
-    ctx = RunContext(config)
-    ds, parts = ctx.dataset, ctx.partition
+    configured dataset and partition (the hierarchical family: its clients' parts); returns the paths.
+    Nothing is overwritten."""
+    train_x, train_y, parts = trial_parts(config)
     chosen = range(len(parts)) if clients is None else clients
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
     paths = []
     for c in chosen:
         if not 0 <= c < len(parts):
@@ -63,6 +101,6 @@ def export_clients(config: RunConfig, directory: str | Path, clients: list[int] 
         if path.exists():
             raise FileExistsError(f"{path} exists; remove it or choose another directory")
         idx = torch.as_tensor(parts[c], dtype=torch.long)
-        np.savez(path, x=ds.train_x[idx].numpy(), y=ds.train_y[idx].numpy())
+        write_samples(path, train_x[idx], train_y[idx])
         paths.append(path)
     return paths

@@ -6,6 +6,10 @@ server names in each job the version it accepted (the round of the last reply it
 and the node starts from that one and forgets the others. So a reply that never reached the server (the
 node died, the reply timed out, the round went on without the client) leaves no trace in the client's
 state: exactly what a dropout does in simulation.
+
+A client of FSL_MC or FSL_OC exchanges several messages with the server in one round (a smashed batch up,
+its gradient down); between two of them it keeps its client-side model, its dropout stream and its batch in
+``<dir>/run-<run id>/client-<c>/turn-round-<r>.npz``, written before each reply leaves.
 """
 
 from __future__ import annotations
@@ -51,17 +55,46 @@ class NodeState:
 
     def save(self, client: int, round: int, state: dict[str, torch.Tensor], accepted: int) -> None:
         """Write the version of ``round`` atomically; keep only it and the ``accepted`` one it came from."""
-        folder = self._file(client, round).parent
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **{n: t.detach().cpu().numpy() for n, t in state.items()})
-            os.replace(tmp, self._file(client, round))
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        keep = {self._file(client, round).name, self._file(client, accepted).name}
-        for old in folder.glob("round-*.npz"):
+        file = self._file(client, round)
+        _write(file, state)
+        keep = {file.name, self._file(client, accepted).name}
+        for old in file.parent.glob("round-*.npz"):
             if old.name not in keep:
                 old.unlink(missing_ok=True)
+
+    # ---- a split-learning client between two exchanges of a round (FSL_MC, FSL_OC) ----------------------
+    def _turn_file(self, client: int, round: int) -> Path:
+        return self.dir / f"client-{int(client)}" / f"turn-round-{int(round)}.npz"
+
+    def save_turn(self, client: int, round: int, state: dict[str, torch.Tensor]) -> None:
+        """Keep what ``client`` needs for its next exchange of ``round`` (its model, its dropout stream, its
+        batch); the files of earlier rounds go."""
+        file = self._turn_file(client, round)
+        _write(file, state)
+        for old in file.parent.glob("turn-round-*.npz"):
+            if old.name != file.name:
+                old.unlink(missing_ok=True)
+
+    def load_turn(self, client: int, round: int) -> dict[str, torch.Tensor]:
+        file = self._turn_file(client, round)
+        if not file.is_file():
+            raise StateMissingError(
+                f"client {client} has no exchange of round {round + 1} in progress in {file.parent} (the server's "
+                "gradient came to a node that did not send the smashed data, or that was restarted with another "
+                "state-dir)"
+            )
+        with np.load(file, allow_pickle=False) as z:
+            return {n: torch.from_numpy(z[n].copy()) for n in z.files}
+
+
+def _write(file: Path, state: dict[str, torch.Tensor]) -> None:
+    """``state`` as an ``.npz`` at ``file``, written atomically (a reader sees the old file or the new one)."""
+    file.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=file.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **{n: t.detach().cpu().numpy() for n, t in state.items()})
+        os.replace(tmp, file)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

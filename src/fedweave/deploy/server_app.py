@@ -23,14 +23,13 @@ from flwr.app import Context, Message
 from flwr.serverapp import Grid, ServerApp
 
 from fedweave.algorithms.base import Algorithm
-from fedweave.algorithms.split.cse_fsl import CSEFSL
 from fedweave.config import ConfigError
 from fedweave.config import load as load_config
 from fedweave.deploy import split
 from fedweave.deploy.jobs import encode_job
 from fedweave.deploy.node_state import INITIAL
 from fedweave.deploy.wire import from_records, payload_bytes, to_records, wire_bytes
-from fedweave.execution.local import LR, ClientStep, LocalResult, LocalRule, LocalTrainer
+from fedweave.execution.local import LR, ClientStep, LocalResult, LocalRule, LocalTrainer, reindexed
 from fedweave.execution.state import StateStore
 from fedweave.results import atomic_write
 from fedweave.runner import RunStopped
@@ -79,6 +78,7 @@ class FlowerClients:
         self.replies_round = -1
         self.dropped: dict[int, set[int]] = {}  # round -> clients the run went on without
         self.bytes_sent = self.bytes_received = self.payload_sent = self.payload_received = self.messages = 0
+        self.jobs = 0  # train messages sent (the start-up queries and the replies are in ``messages`` only)
 
     # ---- which node holds which client -----------------------------------------------------------
     def _ask_new_nodes(self) -> None:
@@ -135,6 +135,7 @@ class FlowerClients:
         self.bytes_sent += sum(wire_bytes(m) for m in msgs)
         self.payload_sent += sum(payload_bytes(m) for m in msgs)
         self.messages += len(msgs)
+        self.jobs += sum(m.metadata.message_type == "train" for m in msgs)
         return list(self.grid.push_messages(msgs))
 
     def pull(self, ids: list[str]) -> list[Message]:
@@ -198,29 +199,35 @@ class FlowerClients:
     def attach(self, algo: Algorithm) -> None:
         """Make ``algo``'s local trainer send its jobs to the nodes and apply the error policy to its rounds
         (runner ``prepare`` hook)."""
-        if isinstance(algo, CSEFSL):  # the split family: CSE-FSL's client epochs on the nodes
+        if algo.family == "split":  # the clients' side of each method on their nodes
             if self.on_error == "drop":
                 raise DeploymentError("on-error drop is not built for the split family yet; use on-error stop")
-            algo.client_epochs = split.remote_epochs(self, algo)
+            split.attach(self, algo)
             self._apply_policy(algo)
             self.discover(algo.ctx.num_clients)
+            self.check_samples([len(p) for p in algo.ctx.partition])
             return
         trainer = getattr(algo, "trainer", None)
-        if trainer is None or algo.family != "centralized":
+        if trainer is None or algo.family not in ("centralized", "hierarchical"):
             raise DeploymentError(
-                f"algorithm {algo.name!r} ({algo.family}) cannot be deployed on Flower yet: the centralized family "
-                "and cse_fsl can (docs/deployment.md)"
+                f"algorithm {algo.name!r} ({algo.family}) cannot be deployed on Flower yet: the centralized, "
+                "split and hierarchical families can (docs/deployment.md)"
             )
         remote = FlowerTrainer.__new__(FlowerTrainer)
         remote.__dict__.update(trainer.__dict__)
-        remote.backend, remote.clients = "flower", self
+        remote.backend, remote.clients, remote.here = "flower", self, trainer
         remote.num_classes = algo.ctx.dataset.num_classes  # what a node with its own data builds its model for
-        algo.trainer = remote
-        if getattr(algo, "store", None) is not None:
+        num_clients = len(trainer.parts)
+        remote.server_jobs = set()
+        if algo.family == "hierarchical":  # the server's own share trains here (its job m), not on a node
+            num_clients = algo.m
+            remote.server_jobs = {algo.server_job}
+        elif getattr(algo, "store", None) is not None:
             algo.store = None  # the clients' own state lives on their nodes, not in the server
+        algo.trainer = remote
         self._apply_policy(algo)
-        self.discover(len(trainer.parts))
-        self.check_samples([len(p) for p in trainer.parts])
+        self.discover(num_clients)
+        self.check_samples([len(p) for p in trainer.parts[:num_clients]])
 
     def check_samples(self, sizes: list[int]) -> None:
         """The server weighs clients (and counts their local steps) by its partition: a node with its own
@@ -277,6 +284,7 @@ class FlowerClients:
     def summary(self, ledger_total: int) -> dict:
         return {
             "messages": self.messages,
+            "jobs": self.jobs,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "payload_sent": self.payload_sent,
@@ -289,10 +297,19 @@ class FlowerClients:
 
 
 class FlowerTrainer(LocalTrainer):
-    """A ``LocalTrainer`` whose jobs run on the SuperNodes; same arguments, same results."""
+    """A ``LocalTrainer`` whose jobs run on the SuperNodes; same arguments, same results. Jobs of
+    ``server_jobs`` (the hierarchical family's job on the server's own data) run here, on ``here``, the
+    algorithm's own trainer."""
 
     clients: FlowerClients
     num_classes: int
+    here: LocalTrainer
+    server_jobs: set[int]
+
+    def _split(self, clients: list[int]) -> tuple[list[int], list[int]]:
+        """Positions of the jobs that go to the nodes and of those that run here."""
+        remote = [k for k, c in enumerate(clients) if c not in self.server_jobs]
+        return remote, [k for k, c in enumerate(clients) if c in self.server_jobs]
 
     def run_jobs(
         self,
@@ -305,10 +322,18 @@ class FlowerTrainer(LocalTrainer):
         key: tuple[int, ...],
     ) -> LocalResult:
         """The call's jobs as one Message each to the SuperNode holding that client's data."""
-        replies = self._send(starts, clients, round, lr, steps, key, rule=rule)
-        out = [from_records(r.content) for r in replies]
-        params = torch.stack([t["params"].reshape(-1) for _, t in out])
-        return _result(params, [json.loads(h) for h, _ in out])
+        remote, here = self._split(clients)
+        parts = []
+        if remote:
+            mine = rule if len(remote) == len(clients) else reindexed(rule, remote)
+            replies = self._send(starts[remote], [clients[k] for k in remote], round, lr, steps, key, rule=mine)
+            out = [from_records(r.content) for r in replies]
+            params = torch.stack([t["params"].reshape(-1) for _, t in out])
+            parts.append((remote, _result(params, [json.loads(h) for h, _ in out])))
+        if here:
+            own = [clients[k] for k in here]
+            parts.append((here, self.here.run_jobs(starts[here], own, round, reindexed(rule, here), lr, steps, key)))
+        return _merged(parts, len(clients))
 
     def train_with_state(
         self,
@@ -330,16 +355,28 @@ class FlowerTrainer(LocalTrainer):
         lr = self.lr(round) if lr is None else lr
         if not clients:
             return LocalResult(starts[:0].clone(), torch.zeros(0, dtype=torch.long), torch.zeros(0)), {}
-        replies = self._send(starts, clients, round, lr, steps, key, step=step)
-        out = [from_records(r.content) for r in replies]
-        names = sorted(out[0][1])
-        upload = {n: torch.stack([t[n].reshape(-1) for _, t in out]) for n in names if n != "params"}
-        params = torch.stack([t["params"].reshape(-1) for _, t in out]) if "params" in names else None
-        if params is None:
-            params = step.local_model(starts, upload)
-        for c in clients:
-            self.clients.accepted[c] = round
-        return _result(params, [json.loads(h) for h, _ in out]), upload
+        remote, here = self._split(clients)
+        parts, uploads = [], []
+        if remote:
+            replies = self._send(starts[remote], [clients[k] for k in remote], round, lr, steps, key, step=step)
+            out = [from_records(r.content) for r in replies]
+            names = sorted(out[0][1])
+            upload = {n: torch.stack([t[n].reshape(-1) for _, t in out]) for n in names if n != "params"}
+            params = torch.stack([t["params"].reshape(-1) for _, t in out]) if "params" in names else None
+            if params is None:
+                params = step.local_model(starts[remote], upload)
+            for k in remote:
+                self.clients.accepted[clients[k]] = round
+            parts.append((remote, _result(params, [json.loads(h) for h, _ in out])))
+            uploads.append((remote, upload))
+        if here:  # the server's own job, over the algorithm's store (which holds only its row)
+            res, upload = self.here.train_with_state(starts[here], [clients[k] for k in here], round, step, store,
+                                                     lr=lr, steps=steps, key=key)  # fmt: skip
+            parts.append((here, res))
+            uploads.append((here, upload))
+        names = set(uploads[0][1])
+        upload = {n: _rows([(pos, u[n]) for pos, u in uploads], len(clients)) for n in names}
+        return _merged(parts, len(clients)), upload
 
     def _send(self, starts, clients, round, lr, steps, key, *, rule=None, step=None) -> list[Message]:
         jobs = []
@@ -351,6 +388,22 @@ class FlowerTrainer(LocalTrainer):
             )  # fmt: skip
             jobs.append((c, header, tensors))
         return self.clients.run_jobs(round, jobs)
+
+
+def _rows(parts: list[tuple[list[int], torch.Tensor]], n: int) -> torch.Tensor:
+    """Rows given at positions, in job order."""
+    first = parts[0][1]
+    out = first.new_empty((n, *first.shape[1:]))
+    for pos, rows in parts:
+        out[pos] = rows
+    return out
+
+
+def _merged(parts: list[tuple[list[int], LocalResult]], n: int) -> LocalResult:
+    """The results of the jobs that ran on the nodes and here, in job order."""
+    if len(parts) == 1:
+        return parts[0][1]
+    return LocalResult(*(_rows([(pos, getattr(r, f)) for pos, r in parts], n) for f in ("params", "steps", "loss")))
 
 
 def _result(params: torch.Tensor, headers: list[dict]) -> LocalResult:

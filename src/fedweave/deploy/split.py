@@ -1,10 +1,15 @@
-"""CSE-FSL deployed: each client's local epoch runs on its node, one message per client and round segment.
+"""The split family deployed: the clients' side of each method runs on the client's node, the main and fed
+servers stay in the ServerApp, and the messages carry what the method sends (docs/deployment.md).
 
-A CSE-FSL client never waits for the server: it trains its client-side model and auxiliary net on its local
-loss and sends one smashed batch (and its labels) every h batches (Alg. 1). So the round's job carries the
-fed server's ``x_c`` and ``a_c`` down, and the reply carries the client's updated ``x_c`` and ``a_c`` and its
-smashed uploads up; the main server then drains its queue and the fed server aggregates, as in simulation
-(``CSEFSL.client_epoch`` is the one implementation of the client's side, run by the node).
+- **CSE-FSL, FSL_AN** (an auxiliary net, no gradients down): one message per client and round segment. The
+  job carries the fed server's ``x_c`` and ``a_c`` down; the reply carries the client's updated ``x_c`` and
+  ``a_c`` and its smashed uploads (every h-th batch; FSL_AN: every batch) and their labels up. The node runs
+  ``SplitAlgorithm.client_epoch``, the simulation's one implementation of the client's epoch.
+- **FSL_MC, FSL_OC** (the server's gradient back after every batch): one message per batch. The first
+  carries ``x_c`` down and its reply the first smashed batch and labels; each next one carries the server's
+  gradient of the last batch and its reply the next smashed batch, or, after the last batch, the client's
+  model. The node runs ``SplitAlgorithm.client_turn`` and keeps the client between messages in its state
+  directory (``NodeState.save_turn``).
 """
 
 from __future__ import annotations
@@ -16,22 +21,31 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from fedweave.algorithms.split.cse_fsl import CSEFSL, ClientEpoch
+from fedweave.deploy.jobs import MalformedJobError
 from fedweave.deploy.wire import from_records
+from fedweave.topology.split import BackpropClient, ClientEpoch, SplitAlgorithm
 
 if TYPE_CHECKING:
+    from fedweave.deploy.node_state import NodeState
     from fedweave.deploy.server_app import FlowerClients
 
-KIND = "cse_fsl_epoch"  # the ``kind`` of a split job's header
+EPOCH, TURN = "split_epoch", "split_turn"  # the ``kind`` of a split job's header
+KINDS = (EPOCH, TURN)
 
 
-def remote_epochs(clients: FlowerClients, algo: CSEFSL):
+def attach(clients: FlowerClients, algo: SplitAlgorithm) -> None:
+    """Run the clients' side of ``algo`` on their nodes."""
+    algo.client_epochs = remote_epochs(clients, algo)
+    algo.backprop_session = lambda r, chosen, xc_rows, lr: RemoteSession(clients, algo, r, chosen, xc_rows, lr)
+
+
+def remote_epochs(clients: FlowerClients, algo: SplitAlgorithm):
     """``algo.client_epochs`` with every client's epoch on its node."""
 
     def client_epochs(r, chosen, xc, xa, lrs, start, period, seg) -> list[ClientEpoch]:
         jobs = []
         for k, c in enumerate(map(int, chosen)):
-            header = {"kind": KIND, "client": c, "round": int(r), "lrs": [float(v) for v in lrs],
+            header = {"kind": EPOCH, "client": c, "round": int(r), "lrs": [float(v) for v in lrs],
                       "start": int(start), "period": int(period), "seg": int(seg),
                       "num_classes": algo.ctx.dataset.num_classes}  # fmt: skip
             jobs.append((c, header, {"xc": xc[k].reshape(1, -1), "xa": xa[k].reshape(1, -1)}))
@@ -42,6 +56,50 @@ def remote_epochs(clients: FlowerClients, algo: CSEFSL):
         return out
 
     return client_epochs
+
+
+class RemoteSession:
+    """``BackpropSession`` with every client on its node: each exchange is one message to it, the exchanges
+    with several clients go out at once. The first exchange of every client of the round (``x_c`` down, its
+    first smashed batch up) does not depend on the server model, so all of them go out with the first."""
+
+    parallel = True
+
+    def __init__(self, clients: FlowerClients, algo: SplitAlgorithm, r: int, chosen: np.ndarray,
+                 xc_rows: torch.Tensor, lr: float) -> None:  # fmt: skip
+        self.fl, self.algo, self.r, self.lr = clients, algo, int(r), float(lr)
+        self.chosen, self.xc_rows = [int(i) for i in chosen], xc_rows
+        self.batch = dict.fromkeys(range(len(self.chosen)), 0)  # the next batch each client sends
+        self.first: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.final: dict[int, torch.Tensor] = {}
+
+    def _exchange(self, grads: dict[int, torch.Tensor | None]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        jobs = []
+        for k, g in grads.items():
+            header = {"kind": TURN, "client": self.chosen[k], "round": self.r, "batch": self.batch[k], "lr": self.lr,
+                      "num_classes": self.algo.ctx.dataset.num_classes}  # fmt: skip
+            tensors = {"xc": self.xc_rows[k].reshape(1, -1)} if g is None else {"grad": g}
+            jobs.append((self.chosen[k], header, tensors))
+        out = {}
+        for k, reply in zip(grads, self.fl.run_jobs(self.r, jobs), strict=True):
+            _, t = from_records(reply.content)
+            if "xc" in t:  # its batches are done: its model
+                self.final[k] = t["xc"].reshape(-1)
+            else:
+                out[k] = (t["smashed"], t["labels"])
+                self.batch[k] += 1
+        return out
+
+    def start(self, ks: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        if self.first is None:
+            self.first = self._exchange(dict.fromkeys(range(len(self.chosen))))
+        return {k: self.first[k] for k in ks if k in self.first}
+
+    def turn(self, grads: dict[int, torch.Tensor | None]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        return self._exchange(grads)
+
+    def models(self) -> torch.Tensor:
+        return torch.stack([self.final.get(k, self.xc_rows[k]) for k in range(len(self.chosen))])
 
 
 def encode_epoch(ep: ClientEpoch) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -65,31 +123,55 @@ def decode_epoch(h: dict, t: dict[str, torch.Tensor]) -> ClientEpoch:
 
 
 @lru_cache(maxsize=2)
-def node_algorithm(config_json: str, data: str | None, client: int, num_classes: int) -> CSEFSL:
-    """The run's CSE-FSL on the node: its client-side model, auxiliary net and the client's batches."""
+def node_algorithm(config_json: str, data: str | None, client: int, num_classes: int) -> SplitAlgorithm:
+    """The run's split algorithm on the node: its client-side model, auxiliary net and the client's batches."""
     from fedweave.algorithms.base import RunContext, build_algorithm
     from fedweave.byo import RunObjects
     from fedweave.config import load as load_config
     from fedweave.data.base import Dataset
-    from fedweave.deploy.node_data import load_node_data
+    from fedweave.deploy.node_data import load_node_data, own_parts
+    from fedweave.registry import ALGORITHMS
 
     config = load_config(json.loads(config_json))
-    if config.algorithm.name != "cse_fsl":
-        raise ValueError(f"this node runs split epochs of cse_fsl only, not of {config.algorithm.name!r}")
-    if data is None:  # a trial: the configured dataset's partition
+    if ALGORITHMS.get(config.algorithm.name).family != "split":
+        raise ValueError(f"this node runs split-learning clients only, not {config.algorithm.name!r}")
+    if data is None:  # the configured dataset's partition, in memory
         return build_algorithm(RunContext(config))
     x, y = load_node_data(data)
     ds = Dataset(f"node data {data}", x, y, x[:0], y[:0], num_classes, tuple(x.shape[1:]))
     ctx = RunContext(config, RunObjects(dataset=ds))
     # the node's file is its client's data: the client's partition is all of it
-    ctx.partition = [np.zeros(0, dtype=np.int64)] * client + [np.arange(len(x))]
+    ctx.partition = own_parts(client, len(x), config.num_clients)
     return build_algorithm(ctx)
 
 
 def run_epoch(h: dict, t: dict[str, torch.Tensor], config_json: str, data: str | None, client: int):
-    """The node's side of a split job: the client's epoch from the fed server's models."""
+    """The node's side of a CSE-FSL or FSL_AN job: the client's epoch from the fed server's models."""
     algo = node_algorithm(config_json, data, client, int(h["num_classes"]))
     lrs = tuple(float(v) for v in h["lrs"])
     ep = algo.client_epoch(int(h["round"]), client, t["xc"].reshape(-1), t["xa"].reshape(-1), lrs,
                            int(h["start"]), int(h["period"]), int(h["seg"]))  # fmt: skip
     return encode_epoch(ep)
+
+
+def run_turn(h: dict, t: dict[str, torch.Tensor], config_json: str, data: str | None, client: int,
+             store: NodeState) -> tuple[dict, dict[str, torch.Tensor]]:  # fmt: skip
+    """The node's side of one FSL_MC or FSL_OC exchange: the client (from ``x_c``, or as it was after its last
+    exchange) takes the server's gradient and sends its next smashed batch, or its model when done."""
+    algo = node_algorithm(config_json, data, client, int(h["num_classes"]))
+    r, batch = int(h["round"]), int(h["batch"])
+    if "grad" in t:
+        kept = store.load_turn(client, r)
+        c = BackpropClient(client, r, kept["xc"], kept["rng"], int(kept["batch"]), sent=True)
+        if c.batch + 1 != batch:
+            raise MalformedJobError(
+                f"the server's gradient is of batch {batch - 1}, but client {client} sent batch {c.batch}"
+            )
+        grad = t["grad"]
+    else:
+        c, grad = algo.backprop_client(r, client, t["xc"].reshape(-1)), None
+    up = algo.client_turn(c, algo.local_batches(r, client), grad, float(h["lr"]))
+    store.save_turn(client, r, {"xc": c.xc, "rng": c.rng, "batch": torch.tensor(c.batch)})
+    if up is None:
+        return {"batch": c.batch, "done": True}, {"xc": c.xc.reshape(1, -1)}
+    return {"batch": c.batch, "done": False}, {"smashed": up[0], "labels": up[1]}

@@ -39,13 +39,22 @@ def local_steps(tau: float, r: int, power: float = 0.5) -> int:
     return max(1, int(np.floor(tau * (r + 1) ** power + 1e-9)))
 
 
+class Decaying:
+    """The step size schedule t -> c / (t + offset) (client: gamma~_{i,t} = gamma~_i / (t + Gamma), Prop. 1).
+
+    A schedule is data (its two numbers), not a closure, so that a deployment sends it to the node by name
+    (``fedweave.deploy.jobs.SCHEDULES``)."""
+
+    def __init__(self, c: float, offset: float = 1.0) -> None:
+        self.c, self.offset = c, offset
+
+    def __call__(self, t: int) -> float:
+        return self.c / (t + self.offset)
+
+
 def decaying(c: float, offset: float = 1.0) -> Callable[[int], float]:
-    """The step size schedule t -> c / (t + offset) (client: gamma~_{i,t} = gamma~_i / (t + Gamma), Prop. 1)."""
-
-    def lr(t: int) -> float:
-        return c / (t + offset)
-
-    return lr
+    """The schedule t -> c / (t + offset) (:class:`Decaying`)."""
+    return Decaying(c, offset)
 
 
 # ---- the lower-level problem (Algorithm 2) -------------------------------------------------------------

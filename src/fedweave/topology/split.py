@@ -30,13 +30,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 from torch import nn
 
 from fedweave.accounting import split as accounting
+from fedweave.accounting.split import upload_batches
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.config import ConfigError
 from fedweave.data.augment import augment_for
@@ -119,6 +120,74 @@ def simulate_server(items: list[Upload], order: list[int], step_time: float, bar
     # items that have arrived and not yet been taken up, seen at each dequeue
     waiting = (arrival[None, :] <= start[:, None]) & (start[None, :] >= start[:, None])
     return {"finish": float(t), "idle": float(idle), "queue_peak": int(waiting.sum(1).max())}
+
+
+@dataclass
+class ClientEpoch:
+    """What one client's local work of a round segment produces (Alg. 1 lines 5-13 of CSE-FSL; FSL_AN's
+    client uploads every batch)."""
+
+    xc: torch.Tensor  # its client-side model after the segment
+    xa: torch.Tensor  # its auxiliary net
+    uploads: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (window k, batch m, smashed, labels)
+    losses: list[float]  # the local loss of each step
+    batches: int  # the client's local batches in the round
+
+
+@dataclass
+class BackpropClient:
+    """A client of traditional split learning between two of its batches (FSL_MC, FSL_OC; Fig. 1 steps
+    2-4): its client-side model, the state of its own dropout stream, and where it is in its batches.
+
+    This is all a client keeps from one exchange with the server to the next, so a deployed client can
+    keep it in a file between messages; the forward graph of the batch at the server (``live``) is kept
+    only while the template still holds this client's model, and is otherwise computed again from ``xc``
+    and ``rng``, which gives the same bits."""
+
+    client: int
+    round: int
+    xc: torch.Tensor  # its client-side model now
+    rng: torch.Tensor  # its dropout stream's state before the forward pass of batch ``batch``
+    batch: int = 0  # the next batch to go up; while ``sent``, the batch whose smashed data is at the server
+    sent: bool = False
+    live: torch.Tensor | None = None  # the smashed data of ``batch`` with its graph
+    rng_after: torch.Tensor | None = None  # the stream after that forward pass
+
+
+class BackpropSession:
+    """The clients' side of a round of FSL_MC or FSL_OC, run in this process: ``start`` gives the first
+    smashed batch of the named clients, ``turn`` gives each client the server's gradient of its last batch
+    and returns its next smashed batch (a client whose batches are done is left out), ``models`` the
+    client-side models at the end. A deployment runs the same client methods on the nodes
+    (``fedweave.deploy.split``); ``parallel`` says whether exchanges with several clients at once are
+    cheaper than one client after another (the simulation: no; its template holds one client at a time)."""
+
+    parallel = False
+
+    def __init__(self, algo: SplitAlgorithm, r: int, clients: np.ndarray, xc_rows: torch.Tensor, lr: float) -> None:
+        self.algo, self.lr = algo, lr
+        self.states = [algo.backprop_client(r, int(i), xc_rows[k]) for k, i in enumerate(clients)]
+        self.batches: dict[int, list] = {}
+
+    def _batches(self, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if k not in self.batches:
+            c = self.states[k]
+            self.batches[k] = self.algo.local_batches(c.round, c.client)
+        return self.batches[k]
+
+    def start(self, ks: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        return self.turn(dict.fromkeys(ks))
+
+    def turn(self, grads: dict[int, torch.Tensor | None]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        out = {}
+        for k, g in grads.items():
+            up = self.algo.client_turn(self.states[k], self._batches(k), g, self.lr)
+            if up is not None:
+                out[k] = up
+        return out
+
+    def models(self) -> torch.Tensor:
+        return torch.stack([c.xc for c in self.states])
 
 
 class SplitAlgorithm(Algorithm):
@@ -218,13 +287,43 @@ class SplitAlgorithm(Algorithm):
         idx = self.batcher.client_batches(client, r, (), None)
         return [self.batcher.batch_data(b, client, r, (), gens) for b in idx]
 
+    def _fork_rng(self):
+        """torch's global RNGs of the run's device, restored after the block."""
+        dev = self.placement.device
+        return torch.random.fork_rng(devices=[] if dev.type == "cpu" else [dev.index or 0], device_type=dev.type)
+
     @contextlib.contextmanager
     def stream(self, name: str, *keys: int) -> Iterator[None]:
         """Seed torch's global RNGs (dropout, on the run's device) from a named stream for the block."""
-        dev = self.placement.device
-        with torch.random.fork_rng(devices=[] if dev.type == "cpu" else [dev.index or 0], device_type=dev.type):
+        with self._fork_rng():
             torch.manual_seed(self.seeds.int_seed(name, *keys))
             yield
+
+    def _rng_state(self) -> torch.Tensor:
+        dev = self.placement.device
+        return torch.get_rng_state() if dev.type == "cpu" else torch.get_device_module(dev.type).get_rng_state(dev)
+
+    def _set_rng_state(self, state: torch.Tensor) -> None:
+        dev = self.placement.device
+        if dev.type == "cpu":
+            torch.set_rng_state(state)
+        else:
+            torch.get_device_module(dev.type).set_rng_state(state, dev)
+
+    def stream_state(self, name: str, *keys: int) -> torch.Tensor:
+        """The state of the device's RNG seeded from a named stream (to resume with :meth:`resumed`)."""
+        with self._fork_rng():
+            torch.manual_seed(self.seeds.int_seed(name, *keys))
+            return self._rng_state()
+
+    @contextlib.contextmanager
+    def resumed(self, states: dict, key: Any) -> Iterator[None]:
+        """Draw from the stream whose state is ``states[key]`` for the block, and keep where it got to: a
+        party's dropout stream goes on across its steps while other parties' steps come in between."""
+        with self._fork_rng():
+            self._set_rng_state(states[key])
+            yield
+            states[key] = self._rng_state()
 
     # ---- messages ------------------------------------------------------------------------------------
     def download(self, r: int, clients: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,24 +399,105 @@ class SplitAlgorithm(Algorithm):
         self._sgd(self.server, lr)
         return loss.detach(), (a.grad if want_grad else None)
 
-    def backprop_step(self, x: torch.Tensor, y: torch.Tensor, r: int, lr_c: float, lr_s: float) -> torch.Tensor:
-        """One batch of traditional split learning (Fig. 1 steps 2-4): smashed up, server step, gradient down,
-        client backward and step. The loaded server-side model is the one this client talks to."""
-        with self.placement.autocast():
-            a = self.client(x)
-        self.send_smashed(r, y)
-        loss, g = self.server_step(a, y, lr_s, want_grad=True)
-        self.send_gradient(r, g)
-        a.backward(g)
-        self._sgd(self.client, lr_c)
-        return loss
-
     def smashed(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad(), self.placement.autocast():
             return self.client(x)
 
+    # ---- the clients' side ---------------------------------------------------------------------------
+    # Each party draws its dropout from its own stream: client i from ("dropout", r, i), the main server
+    # from ("server_dropout", r) (one model) or ("server_dropout", r, i) (copy i), as on separate machines.
+    upload_every: int = 1  # a client with an auxiliary net uploads the smashed data of every h-th batch
+    upload_at: str = "end"
+    recompute_smashed: bool = False
+
+    def client_epoch(
+        self, r: int, client: int, xc: torch.Tensor, xa: torch.Tensor, lrs: tuple[float, float], start: int,
+        period: int, seg: int,
+    ) -> ClientEpoch:  # fmt: skip
+        """One client's local work in segment ``seg`` of round ``r`` (CSE-FSL, FSL_AN): local steps of its
+        client-side model and auxiliary net (eq. 8) over its batches ``start .. start + period``, and the
+        smashed data of the last batch of each h-window (Alg. 1 lines 10-13; FSL_AN: of every batch).
+        Nothing here depends on the servers."""
+        lr_c, lr_a = lrs
+        self.load_client(xc, xa)
+        batches = self.local_batches(r, client)
+        window = {m: w for w, m in enumerate(upload_batches(len(batches), self.upload_every, self.upload_at))}
+        uploads, losses = [], []
+        with self.stream("dropout", r, client, *((seg,) if seg else ())):
+            for m in range(start, min(start + period, len(batches))):
+                x, y = batches[m]
+                a, loss = self.local_step(x, y, lr_c, lr_a)  # eq. (8)
+                losses.append(loss)
+                if m in window:
+                    if self.recompute_smashed:
+                        a = self.smashed(x)
+                    uploads.append((window[m], m, a, y))
+        # the epoch's losses come to the host once (a step keeps its loss on the device)
+        return ClientEpoch(self.lc.flatten(), self.la.flatten(), uploads, host_floats(losses), len(batches))
+
+    def client_epochs(
+        self, r: int, clients: np.ndarray, xc: torch.Tensor, xa: torch.Tensor, lrs: tuple[float, float], start: int,
+        period: int, seg: int,
+    ) -> list[ClientEpoch]:  # fmt: skip
+        """The local work of ``clients`` (from their rows of ``xc`` and ``xa``), one after another on the
+        templates; a deployment runs each on the client's node instead (``fedweave.deploy``)."""
+        return [self.client_epoch(r, int(i), xc[k], xa[k], lrs, start, period, seg) for k, i in enumerate(clients)]
+
+    def backprop_client(self, r: int, client: int, xc: torch.Tensor) -> BackpropClient:
+        """A client of FSL_MC/FSL_OC at the start of round ``r``, from the fed server's x_c (Alg. line 3)."""
+        return BackpropClient(client, r, self.placement.to(xc).clone(), self.stream_state("dropout", r, client))
+
+    def client_turn(
+        self, c: BackpropClient, batches: list[tuple[torch.Tensor, torch.Tensor]], grad: torch.Tensor | None,
+        lr: float,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """The client's side of one exchange with the server (Fig. 1): back-propagate ``grad``, the server's
+        gradient of the smashed batch it sent last, and step x_c (step 4); then the next batch's smashed
+        data and labels (step 2), or None when its batches are done (its model is ``c.xc``)."""
+        if grad is not None:
+            if not c.sent:
+                raise ValueError(f"client {c.client}: a gradient came back before any smashed data went up")
+            if c.live is None or self._holder is not c:  # the template holds another model: the same forward again
+                self._client_forward(c, batches)
+            c.live.backward(grad)
+            self._sgd(self.client, lr)
+            c.xc, c.rng, c.batch, c.sent = self.lc.flatten(), c.rng_after, c.batch + 1, False
+            c.live = c.rng_after = None
+        elif c.sent:
+            raise ValueError(f"client {c.client}: batch {c.batch}'s gradient is missing")
+        if c.batch >= len(batches):
+            return None
+        a = self._client_forward(c, batches)
+        return a.detach(), batches[c.batch][1]
+
+    _holder: BackpropClient | None = None  # the client whose model the client template holds
+
+    def _client_forward(self, c: BackpropClient, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        if self._holder is not c:
+            self.load_client(c.xc)
+            self._holder = c
+        with self._fork_rng(), self.placement.autocast():
+            self._set_rng_state(c.rng)
+            c.live = self.client(batches[c.batch][0])
+            c.rng_after = self._rng_state()
+        c.sent = True
+        return c.live
+
+    def backprop_session(self, r: int, clients: np.ndarray, xc_rows: torch.Tensor, lr: float) -> BackpropSession:
+        """The clients' side of a round of FSL_MC/FSL_OC (a deployment runs it on the nodes)."""
+        return BackpropSession(self, r, clients, xc_rows, lr)
+
+    def server_exchange(self, r: int, a: torch.Tensor, y: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The main server's side of one batch of traditional split learning (Fig. 1 step 3): the smashed
+        data and labels arrive, the loaded server-side model steps (eq. 11), the gradient goes back."""
+        self.send_smashed(r, y)
+        loss, g = self.server_step(a, y, lr, want_grad=True)
+        self.send_gradient(r, g)
+        return loss, g
+
     # ---- loading rows into the templates -------------------------------------------------------------
     def load_client(self, xc: torch.Tensor, xa: torch.Tensor | None = None) -> None:
+        self._holder = None
         self.lc.load_(xc)
         if xa is not None:
             self.la.load_(xa)

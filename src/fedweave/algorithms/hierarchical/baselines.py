@@ -29,10 +29,33 @@ from fedweave.algorithms.centralized.fedprox import ProxRule
 from fedweave.algorithms.centralized.scaffold import ScaffoldRule
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule, StateStore
-from fedweave.execution.local import PLAIN, LocalResult
+from fedweave.execution.local import PLAIN, ClientStep, LocalResult
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
 from fedweave.topology.hierarchy import HierarchicalAlgorithm, HierarchyHparams
+
+
+class HierScaffoldStep(ClientStep):
+    """SCAFFOLD's client in the hierarchical setting: local steps along grad - c_i + c with the family's step
+    schedule, then option II with the sum of the step sizes, c_i+ = c_i - c + (x - y_i) / sum_k eta_k (spec
+    §5); it uploads Delta y_i and Delta c_i and keeps c_i+ (in the StateStore in simulation, on its node when
+    deployed)."""
+
+    state = ("c",)
+
+    def __init__(self, c_global: torch.Tensor, step_sizes_sum: float) -> None:
+        self.c_global, self.step_sizes_sum = c_global, float(step_sizes_sum)
+
+    def rule(self, state: dict[str, torch.Tensor]) -> LocalRule:
+        return ScaffoldRule(state["c"], self.c_global)
+
+    def finish(self, state, start: torch.Tensor, result: LocalResult):
+        c_i, y = state["c"], result.params
+        c_new = c_i - self.c_global + (start - y) / self.step_sizes_sum
+        return {"dy": y - start, "dc": c_new - c_i}, {"c": c_new}
+
+    def local_model(self, start: torch.Tensor, upload: dict[str, torch.Tensor]) -> torch.Tensor:
+        return start + upload["dy"]
 
 
 @dataclass
@@ -142,13 +165,13 @@ class HierScaffold(_Baseline):
         jobs = self.jobs_of(clients)
         if len(jobs) == 0:
             return self.fault_metrics(clients)  # nobody reported: x and c stay, the runner logs the skip
-        c_i = self.store.rows("c", jobs)  # only the round's rows move to the device
-        local = self.local_train(r, jobs, ScaffoldRule(c_i, self.c))
-        # option II with a step schedule: (x - y_i) / sum_k eta_k (spec §5)
-        c_new = c_i - self.c + (self.x - local.params) / self.step_sizes_sum(r)
-        dy, dc = local.params - self.x, c_new - c_i
+        # the clients' side (HierScaffoldStep): option II with a step schedule, (x - y_i) / sum_k eta_k (spec §5)
+        step = HierScaffoldStep(self.c, self.step_sizes_sum(r))
+        local, up = self.trainer.train_with_state(
+            self.x, jobs, r, step, self.store, lr=self.local_lr(), steps=self.round_steps(r)
+        )
+        dy, dc = up["dy"], up["dc"]
         self.receive(r, clients, "update+control_delta", 2 * nbytes(self.x))
-        self.store.set_rows("c", jobs, c_new)
         self.x = self.x + dy.mean(0)  # eta_g = 1, uniform mean over the round's clients that reported
         self.c = self.c + dc.sum(0) / (self.m + (self.hp.server_data == "client"))
         return {"train_loss": float(local.loss.mean()), **self.counters(r, jobs), **self.fault_metrics(clients)}

@@ -30,15 +30,14 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from fedweave.accounting.split import upload_batches
 from fedweave.algorithms.base import RunContext
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.split import (
+from fedweave.topology.split import (  # noqa: F401  (ClientEpoch: the clients' work, re-exported)
+    ClientEpoch,
     SplitAlgorithm,
     SplitHparams,
     Upload,
-    host_floats,
     process_order,
     simulate_server,
 )
@@ -77,17 +76,6 @@ class InFlight:
     upload: Upload  # ``arrival`` is the time within round ``due``
 
 
-@dataclass
-class ClientEpoch:
-    """What one client's local work of a round segment produces (Alg. 1 lines 5-13)."""
-
-    xc: torch.Tensor  # its client-side model after the segment
-    xa: torch.Tensor  # its auxiliary net
-    uploads: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (window k, batch m, smashed, labels)
-    losses: list[float]  # the local loss of each step
-    batches: int  # the client's local batches in the round
-
-
 @ALGORITHMS.register("cse_fsl")
 class CSEFSL(SplitAlgorithm):
     name = "cse_fsl"
@@ -98,6 +86,8 @@ class CSEFSL(SplitAlgorithm):
 
     def __init__(self, ctx: RunContext, hp: CSEFSLHparams) -> None:
         super().__init__(ctx, hp)
+        # the client's side (``SplitAlgorithm.client_epoch``): one smashed batch every h (Alg. 1 lines 10-13)
+        self.upload_every, self.upload_at, self.recompute_smashed = hp.h, hp.upload_at, hp.recompute_smashed
         fc = ctx.config.faults
         self.timed = fc.deadline is not None  # the fault model's clock replaces the ``clock`` stream
         self.in_flight: list[InFlight] = []
@@ -214,39 +204,6 @@ class CSEFSL(SplitAlgorithm):
                 in_flight_uploads=len(self.in_flight),
             )
         return out
-
-    # ---- the clients' side ---------------------------------------------------------------------------
-    def client_epoch(
-        self, r: int, client: int, xc: torch.Tensor, xa: torch.Tensor, lrs: tuple[float, float], start: int,
-        period: int, seg: int,
-    ) -> ClientEpoch:  # fmt: skip
-        """One client's local work in segment ``seg`` of round ``r``: local steps of its client-side model and
-        auxiliary net (eq. 8) over its batches ``start .. start + period``, and the smashed data of the last
-        batch of each h-window (Alg. 1 lines 10-13). Nothing here depends on the servers."""
-        hp, (lr_c, lr_a) = self.hp, lrs
-        self.load_client(xc, xa)
-        batches = self.local_batches(r, client)
-        window = {m: w for w, m in enumerate(upload_batches(len(batches), hp.h, hp.upload_at))}
-        uploads, losses = [], []
-        with self.stream("dropout", r, client, *((seg,) if seg else ())):
-            for m in range(start, min(start + period, len(batches))):
-                x, y = batches[m]
-                a, loss = self.local_step(x, y, lr_c, lr_a)  # eq. (8)
-                losses.append(loss)
-                if m in window:
-                    if hp.recompute_smashed:
-                        a = self.smashed(x)
-                    uploads.append((window[m], m, a, y))
-        # the epoch's losses come to the host once (a step keeps its loss on the device)
-        return ClientEpoch(self.lc.flatten(), self.la.flatten(), uploads, host_floats(losses), len(batches))
-
-    def client_epochs(
-        self, r: int, clients: np.ndarray, xc: torch.Tensor, xa: torch.Tensor, lrs: tuple[float, float], start: int,
-        period: int, seg: int,
-    ) -> list[ClientEpoch]:  # fmt: skip
-        """The local work of ``clients`` (from their rows of ``xc`` and ``xa``), one after another on the
-        templates; a deployment runs each on the client's node instead (``fedweave.deploy``)."""
-        return [self.client_epoch(r, int(i), xc[k], xa[k], lrs, start, period, seg) for k, i in enumerate(clients)]
 
     # ---- checkpoints: the uploads still in flight ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 Per batch the client uploads smashed data and labels, its server-side copy takes an SGD step and sends
 back the gradient of the smashed data, and the client back-propagates it (cse-fsl spec §5). At the end of
 the round the fed server averages the client-side models and the main server averages its n copies (A18).
+The client's side is ``SplitAlgorithm.client_turn`` (deployed, it runs on the client's node); copy i draws
+its dropout from ("server_dropout", r, i), client i from ("dropout", r, i).
 Faults: synchronous; clients that drop out or miss the deadline deliver nothing (``SplitAlgorithm.reporting``).
 """
 
@@ -28,16 +30,32 @@ class FSLMC(SplitAlgorithm):
         xc_rows = xc_rows[: len(clients)]
         xs_rows = self.xs.expand(len(clients), -1).clone()  # n server-side copies, stacked
         self.hold_server_models(len(clients))
-        losses, steps = [], 0
-        for k, i in enumerate(clients):  # clients run in parallel; their copies are independent
-            self.load_client(xc_rows[k])
-            self.ls.load_(xs_rows[k])
-            with self.stream("dropout", r, int(i)):
-                for x, y in self.local_batches(r, int(i)):
-                    losses.append(self.backprop_step(x, y, r, lr_c, lr_s))
-                    steps += 1
-            xc_rows[k], xs_rows[k] = self.lc.flatten(), self.ls.flatten()
+        session = self.backprop_session(r, clients, xc_rows, lr_c)
+        rng = {k: self.stream_state("server_dropout", r, int(i)) for k, i in enumerate(clients)}
+        losses: dict[int, list[float]] = {k: [] for k in range(len(clients))}
+        # clients run in parallel, their copies are independent: all at once where that is cheaper (deployed)
+        ks = list(range(len(clients)))
+        loaded = None
+        for group in [ks] if session.parallel else [[k] for k in ks]:
+            pending = session.start(group)
+            while pending:
+                grads = {}
+                for k, (a, y) in pending.items():
+                    if loaded != k:  # swap copy k into the server template
+                        if loaded is not None:
+                            xs_rows[loaded] = self.ls.flatten()
+                        self.ls.load_(xs_rows[k])
+                        loaded = k
+                    with self.resumed(rng, k):
+                        loss, grads[k] = self.server_exchange(r, a, y, lr_s)  # copy k, eq. (11)
+                    losses[k].append(loss)
+                pending = session.turn(grads)
+        if loaded is not None:
+            xs_rows[loaded] = self.ls.flatten()
+        xc_rows = session.models()
         self.upload_models(r, clients)
         self.aggregate(clients, xc_rows, xc_rows)
         self.xs = self.weights(clients) @ xs_rows  # SFLV1: the main server averages its copies
-        return {**self.round_metrics(r, len(clients), steps, losses, losses), **self.fault_metrics(len(clients))}
+        flat = [v for k in ks for v in losses[k]]  # client by client, whatever the order of the exchanges
+        out = self.round_metrics(r, len(clients), len(flat), flat, flat)
+        return {**out, **self.fault_metrics(len(clients))}

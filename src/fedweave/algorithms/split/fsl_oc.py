@@ -5,7 +5,9 @@ in turn. The CSE-FSL authors add gradient clipping to stabilise it; the threshol
 so ``clip`` defaults to 1.0 on both parts. Schedule (A19): ``sequential`` serves whole client epochs one
 after another in a random order per round (the SFLV2 reference code); ``interleaved`` serves batch m of
 every client before batch m+1. Faults: synchronous; clients that drop out or miss the deadline are left out
-of the schedule and the aggregation (``SplitAlgorithm.reporting``).
+of the schedule and the aggregation (``SplitAlgorithm.reporting``). The client's side is
+``SplitAlgorithm.client_turn`` (deployed, it runs on the client's node); the server model draws its dropout
+from ("server_dropout", r), client i from ("dropout", r, i).
 """
 
 from __future__ import annotations
@@ -40,26 +42,27 @@ class FSLOC(SplitAlgorithm):
         xc_rows = xc_rows[: len(clients)]
         self.hold_server_models(1)
         self.ls.load_(self.xs)  # the one server-side model
-        batches = {k: self.local_batches(r, int(i)) for k, i in enumerate(clients)}
-        order = self.seeds.numpy("client_order", r).permutation(len(clients))
-        if self.hp.schedule == "sequential":
-            plan = [(k, m) for k in order for m in range(len(batches[k]))]
-        else:
-            longest = max(len(b) for b in batches.values())
-            plan = [(k, m) for m in range(longest) for k in order if m < len(batches[k])]
-        losses, loaded = [], None
-        with self.stream("dropout", r):
-            for k, m in plan:
-                if loaded != k:  # swap the client's row into the template
-                    if loaded is not None:
-                        xc_rows[loaded] = self.lc.flatten()
-                    self.load_client(xc_rows[k])
-                    loaded = k
-                x, y = batches[k][m]
-                losses.append(self.backprop_step(x, y, r, lr_c, lr_s))
-        if loaded is not None:
-            xc_rows[loaded] = self.lc.flatten()
+        order = self.seeds.numpy("client_order", r).permutation(len(clients)).tolist()
+        session = self.backprop_session(r, clients, xc_rows, lr_c)
+        # sequential: whole client epochs one after another; interleaved: batch m of every client, in the
+        # round's order, before batch m + 1 (the exchanges of one batch can then run at once)
+        groups = [order] if self.hp.schedule == "interleaved" else [[k] for k in order]
+        rng = {0: self.stream_state("server_dropout", r)}
+        losses = []
+        for group in groups:
+            pending = session.start(group)
+            while pending:
+                grads = {}
+                for k in group:
+                    if k in pending:
+                        a, y = pending[k]
+                        with self.resumed(rng, 0):
+                            loss, grads[k] = self.server_exchange(r, a, y, lr_s)  # eq. (11), then g down
+                        losses.append(loss)
+                pending = session.turn(grads)
         self.xs = self.ls.flatten()
+        xc_rows = session.models()
         self.upload_models(r, clients)
         self.aggregate(clients, xc_rows, xc_rows)
-        return {**self.round_metrics(r, len(clients), len(plan), losses, losses), **self.fault_metrics(len(clients))}
+        out = self.round_metrics(r, len(clients), len(losses), losses, losses)
+        return {**out, **self.fault_metrics(len(clients))}
