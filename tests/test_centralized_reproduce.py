@@ -6,6 +6,7 @@ import csv
 
 import pytest
 
+from fedweave.experiments.jobs import run_points
 from fedweave.registry import DATASETS
 from fedweave.reproduce import fedmim as repro
 from tests.conftest import make_toy
@@ -75,31 +76,38 @@ def test_claims_and_ranks_follow_the_pass_criteria():
 
 @pytest.mark.parametrize("scale", sorted(repro.PRESETS))
 def test_every_preset_plans_valid_configs(scale, tmp_path):
-    from fedweave.config import build_dataclass, load
+    from fedweave.config import build_dataclass
     from fedweave.registry import ALGORITHMS
 
     p = repro.PRESETS[scale]
-    jobs = repro.plan(p, tmp_path, p.seeds, None, None, extend=True)
+    points = repro.plan(p, tmp_path, p.seeds, None, None, extend=True)
     variants = max(1, len(p.variants))
-    assert len(jobs) == len(p.seeds) * sum(len(g) for _, _, g in p.grid + p.extension) * variants
-    assert len({str(cfg["output"]["dir"]) for _, cfg in jobs}) == len(jobs)  # one directory per run
-    assert [k for k, _ in jobs][0][2] == p.grid[0][2][0]  # priority order: the first cell comes first
-    for _, cfg in jobs:
-        c = load(cfg)
+    assert len(points) == len(p.seeds) * sum(len(g) for _, _, g in p.grid + p.extension) * variants
+    assert len({pt.slug for pt in points}) == len(points)  # one directory per run
+    assert dict(points[0].values)["method"] == p.grid[0][2][0]  # priority order: the first cell comes first
+    for pt in points:
+        c = pt.config
         c.validate()
+        assert c.output.dir == str(tmp_path / "runs" / pt.slug)  # the run directories users already have
         build_dataclass(ALGORITHMS.get(c.algorithm.name).Hparams, c.algorithm.options, "algorithm")
 
 
 def test_a_diverged_run_is_recorded_not_fatal(tmp_path):
+    from fedweave.experiments.grid import Point
+    from fedweave.experiments.jobs import run_points
+
     p = repro.PRESETS["smoke"]
     cfg = repro.run_config(p, "_toy_repro", "iid", "fedavg", 0, tmp_path / "run")
     cfg["local"] = {**cfg["local"], "lr": 1e12}
     cfg["dataset"] = {"name": "_toy_repro"}
-    rec = repro._record("_toy_repro", "iid", "fedavg", 0, repro._run_one(cfg))
+    pt = Point.of(cfg, "run", dataset="_toy_repro", split="iid", method="fedavg")
+    rec = repro.record(pt, run_points([pt], tmp_path, progress=False, overwrite=True)["run"])
     assert rec["status"] == "diverged" and rec["final_acc"] != rec["final_acc"]  # NaN
     table, _ = repro.summarize([rec, {**rec, "seed": 1, "final_acc": 50.0, "status": "completed"}])
     assert table[0]["diverged"] == 1 and table[0]["final_acc_mean"] == 50.0
-    assert repro._run_one(cfg)["summary"]["status"] == "diverged"  # reused from disk, not rerun
+    mtime = (tmp_path / "run" / "summary.json").stat().st_mtime_ns
+    assert run_points([pt], tmp_path, progress=False, overwrite=True)["run"].summary["status"] == "diverged"
+    assert (tmp_path / "run" / "summary.json").stat().st_mtime_ns == mtime  # reused from disk, not rerun
 
 
 # ---- Table II / III / Fig. 2a presets (variants of one cell) -------------------------------------------
@@ -112,17 +120,20 @@ def _tiny(name: str):
 
 def test_variant_preset_applies_its_overrides_and_writes_its_table(tmp_path):
     p = _tiny("participation")
-    jobs = repro.plan(p, tmp_path, (0,), ["_toy_repro"], ["fedavg", "fedmim"])
-    assert [k[4] for k, _ in jobs] == ["5%", "5%", "20%", "20%"]
-    assert [cfg["algorithm"]["clients_per_round"] for _, cfg in jobs] == [5, 5, 20, 20]
-    abl = _tiny("ablation")
-    cfgs = {k[4]: cfg for k, cfg in repro.plan(abl, tmp_path, (0,), ["_toy_repro"], None)}
-    assert cfgs["J=0 a=- b=-"]["algorithm"]["alpha"] == [] and len(cfgs) == 9
-    assert cfgs["J=1 a=0.9 b=-"]["algorithm"]["beta"] == [0.0]
-    ep = {k[4]: cfg["local"]["epochs"] for k, cfg in repro.plan(_tiny("epochs"), tmp_path, (0,), ["_toy_repro"], None)}
+    points = repro.plan(p, tmp_path, (0,), ["_toy_repro"], ["fedavg", "fedmim"])
+    assert [dict(pt.values)["variant"] for pt in points] == ["5%", "5%", "20%", "20%"]
+    assert [pt.config.algorithm.options["clients_per_round"] for pt in points] == [5, 5, 20, 20]
+    abl = {dict(pt.values)["variant"]: pt.config for pt in repro.plan(_tiny("ablation"), tmp_path, (0,), None, None)}
+    assert abl["J=0 a=- b=-"].algorithm.options["alpha"] == [] and len(abl) == 9
+    assert abl["J=1 a=0.9 b=-"].algorithm.options["beta"] == [0.0]
+    ep = {
+        dict(pt.values)["variant"]: pt.config.local.epochs
+        for pt in repro.plan(_tiny("epochs"), tmp_path, (0,), None, None)
+    }
     assert ep == {"E=1": 1, "E=5": 5, "E=10": 10}
 
-    records, _ = repro.run_grid(jobs, 1, None)
+    done = run_points(points, tmp_path / "runs", progress=False, overwrite=True)
+    records = [repro.record(pt, done[pt.slug]) for pt in points]
     assert repro.write_variant_outputs(records, [], "participation", p, tmp_path, 1.0) == 0
     md = (tmp_path / "participation.md").read_text()
     assert "| method | 5%: ours | mean acc. | cons. | 20%: ours |" in md
@@ -130,9 +141,9 @@ def test_variant_preset_applies_its_overrides_and_writes_its_table(tmp_path):
     rows = list(csv.DictReader((tmp_path / "results.csv").open()))
     assert [r["variant"] for r in rows] == ["5%", "5%", "20%", "20%"]
     # finished runs are recognised: nothing is rerun
-    before = (tmp_path / "runs" / "_toy_repro-dir0.1-fedavg-5-s0" / "summary.json").stat().st_mtime
-    repro.run_grid(jobs, 1, 0.0)
-    assert (tmp_path / "runs" / "_toy_repro-dir0.1-fedavg-5-s0" / "summary.json").stat().st_mtime == before
+    before = (tmp_path / "runs" / "_toy_repro-dir0.1-fedavg-5-s0" / "summary.json").stat().st_mtime_ns
+    assert len(run_points(points, tmp_path / "runs", progress=False, overwrite=True, budget_s=0.0)) == 4
+    assert (tmp_path / "runs" / "_toy_repro-dir0.1-fedavg-5-s0" / "summary.json").stat().st_mtime_ns == before
 
 
 def _vrow(variant: str, method: str, acc: float, auc: float | None = None) -> dict:

@@ -1,8 +1,12 @@
 """fedweave on Flower's deployment engine: a real SuperLink and real SuperNode processes on 127.0.0.1.
 
-Each test run starts ``flower-superlink --insecure`` and one ``flower-supernode`` per client (its own
-process group, stopped by a finalizer even when the test fails), writes the app with ``fedweave flower-app``,
-runs it with ``flwr run --stream`` and compares the run's metrics with the simulation's ``loop`` backend.
+One federation serves the module: ``flower-superlink --insecure`` and one ``flower-supernode`` per client,
+each in its own process group and stopped by a finalizer even when a test fails. Clients 0 and 1 derive
+their partition of the configured dataset (``partition-id``); client 2's node reads only its own data file
+(``data``), so every comparison with the simulation covers both. Each test writes the app
+with ``fedweave flower-app``'s writer, runs it with ``flwr run --stream`` and compares the run's metrics with
+the simulation's ``loop`` backend. The fault tests kill, restart or break the node of client 2 and leave it
+healthy again for the tests after them.
 """
 
 from __future__ import annotations
@@ -16,16 +20,19 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("flwr")
 
 from fedweave.config import load  # noqa: E402
+from fedweave.deploy.node_data import export_clients  # noqa: E402
 from fedweave.deploy.project import write_app  # noqa: E402
 from fedweave.runner import run  # noqa: E402
 
 BIN = Path(sys.executable).parent
 CLIENTS = 3
+DATA_NODE = 2  # its node holds the client's samples in a file (node data) instead of deriving its partition
 pytestmark = pytest.mark.slow
 
 
@@ -35,15 +42,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def config(algorithm: dict) -> dict:
+def config(algorithm: dict, rounds: int = 3, model: dict | None = None) -> dict:
+    """Every test's config: the same data, partition and seed (so client 2's one data file serves all)."""
     return {
         "name": f"flower-{algorithm['name']}",
         "seed": 5,
-        "rounds": 3,
+        "rounds": rounds,
         "backend": "loop",
-        "dataset": {"name": "digits"},
+        "dataset": {"name": "digits", "as_image": True},
         "partition": {"name": "dirichlet", "num_clients": CLIENTS, "alpha": 0.5},
-        "model": {"name": "logistic"},
+        "model": model or {"name": "logistic"},
         "algorithm": {**algorithm, "clients_per_round": CLIENTS},
         "local": {"steps": 4, "batch_size": 16, "lr": 0.05},
         "output": {"progress": False, "plots": False},
@@ -55,10 +63,12 @@ class Federation:
 
     def __init__(self, root: Path) -> None:
         self.root, self.procs = root, []
+        self.nodes: dict[int, subprocess.Popen] = {}
         self.port = free_port()
         # the SuperLink and SuperNodes start Flower's other executables (flower-superexec, ...) from PATH
         path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
         self.env = {**os.environ, "FLWR_HOME": str(root / "flwr-home"), "PATH": path}
+        self.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = "0.2"  # Flower's executors look for tasks every 1 s
         home = root / "flwr-home"
         home.mkdir()
         (home / "config.toml").write_text(
@@ -85,15 +95,29 @@ class Federation:
             time.sleep(0.2)
         raise TimeoutError(f"the SuperLink did not listen on port {self.port}:\n{self.logs()}")
 
-    def supernode(self, partition: int) -> subprocess.Popen:
-        return self.start(
-            f"supernode-{partition}", "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-            "--port", str(free_port()), "--node-config", f"partition-id={partition}",
+    def supernode(self, client: int, state_dir: Path | None = None) -> subprocess.Popen:
+        """The node of ``client``; the last client's node reads its own data file (``data``)."""
+        state_dir = state_dir or self.root / f"state-{client}"
+        node_config = f"partition-id={client} state-dir='{state_dir}'"
+        if client == DATA_NODE:
+            node_config += f" data='{self.root / 'data' / f'client-{client}.npz'}'"
+        self.nodes[client] = self.start(
+            f"supernode-{client}", "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
+            "--port", str(free_port()), "--node-config", node_config,
         )  # fmt: skip
+        return self.nodes[client]
 
-    def flwr_run(self, app: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-        return subprocess.run([str(BIN / "flwr"), "run", str(app), "local", "--stream"], env=self.env,
-                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    def kill(self, client: int) -> None:
+        """SIGKILL the node of ``client`` and everything it started (a crash, not a shutdown)."""
+        p = self.nodes.pop(client)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+    def flwr_run(self, app: Path, *, wait: bool = True, timeout: float = 300):
+        cmd = [str(BIN / "flwr"), "run", str(app), "local", "--stream"]
+        if wait:
+            return subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def stop(self) -> None:
         for p in self.procs:
@@ -113,6 +137,9 @@ class Federation:
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory):
     fed = Federation(tmp_path_factory.mktemp("federation"))
+    # client 2's samples in its own file, as fedweave flower-app --node-data writes them: every test's config
+    # shares the dataset, partition and seed, so the file is the simulation's client 2
+    export_clients(load(config({"name": "fedavg"})), fed.root / "data", [DATA_NODE])
     try:
         fed.superlink()
         fed.wait_listening()
@@ -123,15 +150,50 @@ def federation(tmp_path_factory):
         fed.stop()
 
 
-def deployed(fed: Federation, cfg: dict, tmp_path: Path) -> dict:
+def write(cfg: dict, tmp_path: Path, **app) -> tuple[Path, Path]:
     run_dir = tmp_path / "deployed"
-    write_app(load(cfg), tmp_path / "app", run_dir=str(run_dir), node_wait=60.0, reply_timeout=120.0)
-    done = fed.flwr_run(tmp_path / "app")
+    app = {"node_wait": 90.0, "reply_timeout": 150.0, **app}
+    write_app(load(cfg), tmp_path / "app", run_dir=str(run_dir), **app)
+    return tmp_path / "app", run_dir
+
+
+def results(run_dir: Path, output: str, fed: Federation) -> tuple[dict, list[dict]]:
     summary = run_dir / "summary.json"
-    assert summary.is_file(), f"flwr run: {done.stdout}\n{done.stderr}\n{fed.logs()}"
-    return json.loads(summary.read_text()), [
-        json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-    ]
+    assert summary.is_file(), f"flwr run: {output}\n{fed.logs()}"
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    return json.loads(summary.read_text()), rows
+
+
+def deployed(fed: Federation, cfg: dict, tmp_path: Path, **app) -> tuple[dict, list[dict], str]:
+    app_dir, run_dir = write(cfg, tmp_path, **app)
+    done = fed.flwr_run(app_dir)
+    output = done.stdout + done.stderr
+    return (*results(run_dir, output, fed), output)
+
+
+def simulated(cfg: dict, tmp_path: Path, dropped: dict[str, list[int]] | None = None) -> list[dict]:
+    """The ``loop`` simulation of ``cfg``; ``dropped[str(round)]``: clients that deliver nothing in that round
+    (1-based), as ``faults.dropout`` would decide."""
+    gone = {int(r) - 1: c for r, c in (dropped or {}).items()}
+
+    def drop(algo) -> None:
+        reporting = algo.reporting
+
+        def without(r, clients):
+            kept = reporting(r, clients)
+            return kept[~np.isin(kept, gone.get(r, []))]
+
+        algo.reporting = without
+
+    return run(load(cfg), run_dir=tmp_path / "sim", prepare=drop if gone else None).metrics
+
+
+def assert_same_metrics(rows: list[dict], sim: list[dict], extra: tuple[str, ...] = ()) -> None:
+    assert len(rows) == len(sim)
+    for got, want in zip(rows, sim, strict=True):
+        for k in ("train_loss", "test_accuracy", "test_loss", "bytes_up", "bytes_down", *extra):
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), (k, got, want)
 
 
 @pytest.mark.parametrize(
@@ -141,21 +203,85 @@ def deployed(fed: Federation, cfg: dict, tmp_path: Path) -> dict:
 )
 def test_deployed_run_equals_simulation(federation, tmp_path, algorithm):
     cfg = config(algorithm)
-    summary, rows = deployed(federation, cfg, tmp_path)
-    sim = run(load(cfg), run_dir=tmp_path / "sim")
-    assert len(rows) == len(sim.metrics) == 3
-    for got, want in zip(rows, sim.metrics, strict=True):
-        for k in ("train_loss", "test_accuracy", "test_loss", "bytes_up", "bytes_down"):
-            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), (k, got, want)
+    summary, rows, _ = deployed(federation, cfg, tmp_path)
+    assert len(rows) == 3
+    assert_same_metrics(rows, simulated(cfg, tmp_path))
     assert summary["execution"]["backend"] == "flower"
     # both byte counts: the ledger's payload and Flower's serialised messages (payload + framing)
     fl, ledger = summary["flower"], summary["communication"]
     assert fl["bytes_sent"] > ledger["bytes_down"]
-    if algorithm["name"] == "scaffold":
-        # c_i stays in the ServerApp's store (not yet on the node): a reply carries y_i only, while the
-        # ledger counts SCAFFOLD's protocol upload (Delta y_i and Delta c_i); docs/deployment.md
-        assert fl["bytes_received"] < ledger["bytes_up"]
-    else:
-        assert fl["bytes_received"] > ledger["bytes_up"]
+    assert fl["bytes_received"] > ledger["bytes_up"]
+    # the arrays the messages carry are the ledger's protocol: SCAFFOLD's nodes keep c_i, receive x and c
+    # and send up Delta y_i and Delta c_i
+    assert fl["payload_received"] == ledger["bytes_up"]
+    assert fl["payload_sent"] == ledger["bytes_down"]
     assert fl["overhead_bytes"] == fl["bytes_sent"] + fl["bytes_received"] - ledger["bytes_total"]
     assert fl["messages"] >= 2 * 3 * CLIENTS
+    assert fl["dropped"] == {}
+    if algorithm["name"] == "scaffold":  # c_i is on the nodes, one version per accepted round kept
+        kept = sorted(p.name for p in (federation.root / "state-2").glob("run-*/client-2/*.npz"))
+        assert kept[-2:] == ["round-1.npz", "round-2.npz"]
+
+
+def test_deployed_cse_fsl_equals_simulation(federation, tmp_path):
+    """CSE-FSL: each client's epoch (local loss through its auxiliary net, a smashed batch every h = 2 batches)
+    runs on its node; the main server's steps on the smashed data and the fed server's averaging are the
+    ServerApp's. Every metric equals the simulation, and the messages carry the ledger's bytes: x_c and a_c
+    down; x_c, a_c, the smashed batches and their labels up."""
+    model = {"name": "split_small", "aux": "mlp", "width": 4, "hidden": 16}
+    cfg = config({"name": "cse_fsl", "h": 2}, model=model)
+    summary, rows, _ = deployed(federation, cfg, tmp_path)
+    assert len(rows) == 3
+    sim = simulated(cfg, tmp_path)
+    assert_same_metrics(rows, sim, extra=("server_loss", "aux_test_accuracy", "server_steps", "load_bytes"))
+    assert rows[-1]["server_steps"] == CLIENTS * 2  # 4 local batches, h = 2: two uploads per client
+    fl, ledger = summary["flower"], summary["communication"]
+    assert ledger["by_transfer"]["client->server:smashed"]["count"] == 3 * CLIENTS * 2
+    assert fl["payload_received"] == ledger["bytes_up"]
+    assert fl["payload_sent"] == ledger["bytes_down"]
+
+
+def test_a_killed_node_is_a_dropout_and_rejoins_with_its_state(federation, tmp_path):
+    """SIGKILL the node of client 2 once round 1 is done; restart it with its state directory. Round 2
+    goes on without client 2 (SCAFFOLD's dropout semantics: it delivers nothing, c moves by the others'
+    Delta c_i only), and from the next round the restarted node trains again from its persisted c_2: the
+    whole run equals the simulation in which client 2 drops out of exactly the rounds it missed."""
+    cfg = config({"name": "scaffold"}, rounds=4)
+    app, run_dir = write(cfg, tmp_path, on_error="drop")
+    flwr = federation.flwr_run(app, wait=False)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "metrics.jsonl").is_file() and time.monotonic() < deadline and flwr.poll() is None:
+            time.sleep(0.2)
+        federation.kill(2)
+        federation.supernode(2)  # the same partition and state-dir: it rejoins under a new node id
+        output, _ = flwr.communicate(timeout=300)
+    finally:
+        if flwr.poll() is None:
+            flwr.kill()
+    summary, rows = results(run_dir, output, federation)
+    dropped = summary["flower"]["dropped"]
+    assert dropped.get("2") == [2], (dropped, output)
+    assert "1" not in dropped and "4" not in dropped, dropped  # it took part before, and again after
+    assert rows[1]["reported_clients"] == CLIENTS - 1 and rows[-1]["reported_clients"] == CLIENTS
+    assert_same_metrics(rows, simulated(cfg, tmp_path, dropped))
+    assert summary["status"] == "completed"
+
+
+def test_an_error_reply_stops_the_run_cleanly_under_policy_stop(federation, tmp_path):
+    """The node of client 2 cannot write its state (its state-dir is a file): it answers SCAFFOLD's job
+    with error 105; under ``on-error: stop`` the run ends with one line and ``status: stopped``."""
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    federation.kill(2)
+    federation.supernode(2, state_dir=blocked)
+    try:
+        summary, rows, output = deployed(federation, config({"name": "scaffold"}), tmp_path, on_error="stop")
+    finally:
+        federation.kill(2)
+        federation.supernode(2)
+    assert summary["status"] == "stopped" and rows == []
+    assert "round 1: client 2: error 105: cannot read or write the client state" in summary["error"]
+    lines = [line for line in output.splitlines() if "fedweave run stopped" in line]
+    assert len(lines) == 1 and "client 2: error 105" in lines[0], output
+    assert "Traceback" not in output

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tomllib
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,16 +105,16 @@ def test_flower_app_project_is_valid_and_carries_the_config(tmp_path, toy_config
     cfg = load(toy_config)
     from fedweave.cli import main
 
-    assert (
-        main(["flower-app", "--run-dir", str(tmp_path / "out"), _write(tmp_path, toy_config), str(tmp_path / "app")])
-        == 0
-    )
+    args = ["flower-app", "--run-dir", str(tmp_path / "out"), "--on-error", "drop", "--node-data", str(tmp_path / "d")]
+    assert main([*args, _write(tmp_path, toy_config), str(tmp_path / "app")]) == 0
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [f"client-{i}.npz" for i in sorted(range(12), key=str)]
     data = tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text())
     ok, errors, _ = flwr_config.validate_config(data, check_module=False)
     assert ok, errors
     app = data["tool"]["flwr"]["app"]
     assert load(json.loads(app["config"]["fedweave-config"])).to_dict() == cfg.to_dict()
     assert app["config"]["run-dir"] == str(tmp_path / "out")
+    assert app["config"]["on-error"] == "drop" and app["config"]["reply-timeout"] == 600.0
 
 
 def _write(tmp_path, config: dict) -> str:
@@ -128,3 +129,174 @@ def test_importing_fedweave_and_its_deploy_package_does_not_import_flwr():
     code = "import sys, fedweave, fedweave.deploy, fedweave.deploy.jobs, fedweave.cli; print('flwr' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", ["scaffold", "feddyn"])
+def test_a_stateful_client_on_its_node_equals_the_simulation(tmp_path, toy_config, name):
+    """Two rounds of a stateful algorithm's clients: the simulation's call over its StateStore, and each
+    client as a node job (its state in the node's files, the step rebuilt from the message) agree, and the
+    node keeps the state the simulation stores."""
+    pytest.importorskip("flwr")
+    from fedweave.algorithms.base import RunContext
+    from fedweave.algorithms.centralized.feddyn import FedDynStep
+    from fedweave.algorithms.centralized.scaffold import ScaffoldStep
+    from fedweave.deploy.client_app import _run_step
+    from fedweave.deploy.node_state import INITIAL, NodeState
+    from fedweave.execution import StateStore
+    from fedweave.execution.local import LocalTrainer
+
+    ctx = RunContext(load({**toy_config, "local": {"steps": 3, "batch_size": 8, "lr": 0.1}}))
+    ds = ctx.dataset
+    tr = LocalTrainer(ctx.model, ds.train_x, ds.train_y, ctx.partition, ctx.config.local, ctx.seeds)
+    x = tr.layout.flatten()
+    P = x.numel()
+    store = StateStore(ctx.num_clients)
+    store.create(ScaffoldStep.state[0] if name == "scaffold" else FedDynStep.state[0], P)
+    node = NodeState(tmp_path, run_id=7)
+    clients, accepted = [1, 4], dict.fromkeys([1, 4], INITIAL)
+    for r in range(2):
+        step = ScaffoldStep(0.01 * torch.ones(P), 0.1) if name == "scaffold" else FedDynStep(0.05, x)
+        res, upload = tr.train_with_state(x, clients, r, step, store, lr=0.1)
+        for k, c in enumerate(clients):
+            header, tensors = encode_job(start=x, client=c, round=r, k=k, jobs=2, lr=0.1, steps=None, key=(),
+                                         local=tr.local, step=step, state_round=accepted[c])  # fmt: skip
+            job = decode_job(encode_header(header), tensors)
+            assert type(job.step) is type(step) and job.state_round == accepted[c]
+            got, sent = _run_step(tr, job, node)
+            if name == "scaffold":  # the client sends Delta y_i and Delta c_i, not its model
+                assert sorted(sent) == ["dc", "dy"]
+                torch.testing.assert_close(sent["dc"][0], upload["dc"][k])
+                torch.testing.assert_close(sent["dy"][0], upload["dy"][k])
+            else:  # FedDyn's client sends its model
+                assert sorted(sent) == ["params"]
+            torch.testing.assert_close(got.params[0], res.params[k])
+            accepted[c] = r
+            kept = node.load(c, r, step.state, x)
+            torch.testing.assert_close(kept[step.state[0]][0], store[step.state[0]][c])
+        x = res.params.mean(0)
+    # the state moved away from zero: the comparison above was not of two zeros
+    assert float(store[step.state[0]][clients].abs().sum()) > 0
+
+
+def test_node_state_keeps_the_accepted_version_and_the_new_one(tmp_path):
+    from fedweave.deploy.node_state import INITIAL, NodeState, StateMissingError
+
+    node = NodeState(tmp_path, run_id=1)
+    like = torch.zeros(3)
+    assert node.load(2, INITIAL, ("c",), like)["c"].tolist() == [[0.0, 0.0, 0.0]]
+    node.save(2, 0, {"c": torch.ones(1, 3)}, accepted=INITIAL)
+    node.save(2, 1, {"c": 2 * torch.ones(1, 3)}, accepted=0)
+    files = lambda: sorted(p.name for p in (tmp_path / "run-1" / "client-2").iterdir())  # noqa: E731
+    assert files() == ["round-0.npz", "round-1.npz"]
+    # round 2's reply never reached the server: it still names round 0, so round 1 is forgotten
+    assert node.load(2, 0, ("c",), like)["c"].tolist() == [[1.0, 1.0, 1.0]]
+    node.save(2, 2, {"c": 3 * torch.ones(1, 3)}, accepted=0)
+    assert files() == ["round-0.npz", "round-2.npz"]
+    with pytest.raises(StateMissingError, match="state of client 2 from round 2 is not in"):
+        node.load(2, 1, ("c",), like)
+    assert not list((tmp_path / "run-1" / "client-2").glob("*.tmp"))
+
+
+def test_a_step_job_carries_the_servers_tensors_and_the_state_version_not_the_state():
+    from fedweave.algorithms.centralized.scaffold import ScaffoldStep
+
+    header, tensors = encode_job(start=VEC, client=3, round=5, k=0, jobs=1, lr=0.1, steps=2, key=(),
+                                 local=LocalConfig(steps=2), step=ScaffoldStep(-VEC, 0.1), state_round=3)  # fmt: skip
+    assert sorted(tensors) == ["start", "step.c_global"]
+    assert header["step"] == "scaffold" and header["state_round"] == 3 and header["step_scalars"] == {"lr": 0.1}
+    header["step"] = "homemade"
+    with pytest.raises(UnknownRuleError, match="unknown client step 'homemade'; this node knows: scaffold, feddyn"):
+        decode_job(encode_header(header), tensors)
+
+
+def test_node_data_files_are_checked_and_export_gives_the_clients_samples(tmp_path, toy_config):
+    from fedweave.algorithms.base import RunContext
+    from fedweave.deploy.node_data import NodeDataError, export_clients, load_node_data
+
+    cfg = load(toy_config)
+    paths = export_clients(cfg, tmp_path / "data", [3, 5])
+    assert [p.name for p in paths] == ["client-3.npz", "client-5.npz"]
+    ctx = RunContext(cfg)
+    x, y = load_node_data(paths[0])
+    idx = torch.as_tensor(ctx.partition[3])
+    torch.testing.assert_close(x, ctx.dataset.train_x[idx])
+    assert torch.equal(y, ctx.dataset.train_y[idx]) and y.dtype == torch.int64
+    with pytest.raises(FileExistsError, match="client-3.npz exists"):
+        export_clients(cfg, tmp_path / "data", [3])
+    with pytest.raises(NodeDataError, match="is not a file"):
+        load_node_data(tmp_path / "nope.npz")
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, x=np.zeros((4, 2)), labels=np.zeros(4))
+    with pytest.raises(NodeDataError, match=r"lacks the arrays \['y'\]"):
+        load_node_data(bad)
+    np.savez(bad, x=np.zeros((4, 2)), y=np.zeros(3))
+    with pytest.raises(NodeDataError, match="x has 4 rows and y 3"):
+        load_node_data(bad)
+    bad.write_text("not a zip")
+    with pytest.raises(NodeDataError, match="not a readable .npz"):
+        load_node_data(bad)
+
+
+def test_a_node_whose_data_size_differs_from_the_servers_partition_is_refused():
+    pytest.importorskip("flwr")
+    from fedweave.deploy.server_app import DeploymentError, FlowerClients
+
+    clients = FlowerClients(None, reply_timeout=1.0, node_wait=1.0)
+    clients.samples = {1: 40}
+    clients.check_samples([30, 40, 50])
+    clients.samples = {2: 49}
+    with pytest.raises(DeploymentError, match="client 2 holds 49 samples in its data file, but the run's partition"):
+        clients.check_samples([30, 40, 50])
+
+
+def test_a_node_trains_on_its_own_data_file_as_the_simulation_does(tmp_path, toy_config):
+    """The node's trainer over an exported file gives the job the simulation gives the client."""
+    pytest.importorskip("flwr")
+    from fedweave.algorithms.base import RunContext
+    from fedweave.deploy.client_app import _trainer
+    from fedweave.deploy.node_data import export_clients
+    from fedweave.execution import loop
+    from fedweave.execution.local import LocalTrainer
+
+    cfg = load({**toy_config, "local": {"steps": 3, "batch_size": 8, "lr": 0.1}})
+    ctx = RunContext(cfg)
+    ds = ctx.dataset
+    sim = LocalTrainer(ctx.model, ds.train_x, ds.train_y, ctx.partition, cfg.local, ctx.seeds)
+    (path,) = export_clients(cfg, tmp_path, [4])
+    node = _trainer(json.dumps(cfg.to_dict()), str(path), 4, ds.num_classes)
+    x = sim.layout.flatten()
+    want = loop.run(sim, x[None], [4], 2, PLAIN, 0.1, None, (1,))
+    got = loop.run(node, x[None], [4], 2, PLAIN, 0.1, None, (1,))
+    torch.testing.assert_close(got.params, want.params)
+    assert got.loss.item() == pytest.approx(want.loss.item())
+
+
+@pytest.mark.parametrize("own_data", [False, True], ids=["partition", "data-file"])
+def test_a_cse_fsl_epoch_on_the_node_equals_the_simulations(tmp_path, own_data):
+    """The node's side of a CSE-FSL job (the client's epoch from the fed server's models), over the wire
+    format, gives the simulation's client-side model, auxiliary net, smashed uploads and losses."""
+    pytest.importorskip("flwr")
+    from fedweave.algorithms.base import RunContext, build_algorithm
+    from fedweave.deploy import split
+    from fedweave.deploy.node_data import export_clients
+
+    cfg = load({
+        "name": "s", "seed": 2, "rounds": 2, "dataset": {"name": "digits", "as_image": True},
+        "partition": {"name": "iid", "num_clients": 4}, "model": {"name": "split_small", "width": 4, "hidden": 8},
+        "algorithm": {"name": "cse_fsl", "h": 2}, "local": {"steps": 5, "batch_size": 8, "lr": 0.05},
+    })  # fmt: skip
+    algo = build_algorithm(RunContext(cfg))
+    xc, xa = algo.xc + 0.01, algo.xa - 0.01
+    want = algo.client_epoch(1, 3, xc, xa, (0.05, 0.04), 0, 5, 0)
+    data = str(export_clients(cfg, tmp_path, [3])[0]) if own_data else None
+    header = {"kind": split.KIND, "client": 3, "round": 1, "lrs": [0.05, 0.04], "start": 0, "period": 5, "seg": 0,
+              "num_classes": 10}  # fmt: skip
+    h, t = split.run_epoch(header, {"xc": xc[None], "xa": xa[None]}, json.dumps(cfg.to_dict()), data, 3)
+    got = split.decode_epoch(json.loads(json.dumps(h)), t)
+    torch.testing.assert_close(got.xc, want.xc)
+    torch.testing.assert_close(got.xa, want.xa)
+    assert got.losses == pytest.approx(want.losses) and got.batches == want.batches == 5
+    assert [(w, m) for w, m, _, _ in got.uploads] == [(w, m) for w, m, _, _ in want.uploads] == [(0, 1), (1, 3)]
+    for (_, _, a, y), (_, _, a0, y0) in zip(got.uploads, want.uploads, strict=True):
+        torch.testing.assert_close(a, a0)
+        assert torch.equal(y, y0)

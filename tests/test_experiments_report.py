@@ -27,6 +27,7 @@ class _Dom(HTMLParser):
         super().__init__()
         self.tables: list[tuple[str, list[list[str]], list[int]]] = []
         self.images: list[str] = []
+        self.titles: list[str | None] = []  # the exact value of a shortened cell
         self._cell: list[str] | None = None
 
     def handle_starttag(self, tag, attrs):
@@ -39,6 +40,7 @@ class _Dom(HTMLParser):
             self.tables[-1][1].append([])
         elif tag in ("td", "th"):
             self._cell = []
+            self.titles.append(a.get("title"))
         elif tag == "img":
             self.images.append(a["src"])
 
@@ -71,7 +73,11 @@ def test_report_of_a_sweep_renders_in_chromium_with_its_tables_and_images(toy_co
     assert len(metrics) == 2
     for rec, (_, rows, _) in zip(res.records, metrics):
         with open(res.out_dir / rec["run_dir"] / "metrics.csv", newline="") as f:
-            assert rows == [list(r) for r in csv.reader(f)]  # every value as metrics.csv has it
+            written = [list(r) for r in csv.reader(f)]
+        assert rows[0] == written[0] and len(rows) == len(written)
+        for shown, value in zip((c for r in rows[1:] for c in r), (c for r in written[1:] for c in r)):
+            assert shown == value or float(shown) == float(f"{float(value):.6g}"), (shown, value)
+    assert any(t and "." in t and len(t) > 8 for t in dom.titles)  # long floats keep their exact value
     ((_, summary, best),) = [t for t in dom.tables if t[0] == "summary"]
     assert best == [1 + res.best] and summary[1 + res.best][0] == res.summary[res.best]["point"]
     (diff,) = [t for t in dom.tables if t[0] == "config-diff"]

@@ -120,6 +120,38 @@ def _cases() -> list[tuple[list[str], str]]:
         (["local..lr=3"], "local..lr"),
         (["local.lr=[1"], "local.lr"),
         (["rounds"], "rounds"),
+        # the task, sampler, precision and plug-in keys
+        (["task.loss=nosuch"], "task.loss"),
+        (["task.loss=mse"], "task.loss 'mse' needs float targets"),
+        (["task.loss=bce_with_logits"], "task.loss"),
+        (["task.metrics=[nosuch]"], "task.metrics[0]"),
+        (["task.metrics=accuracy"], "task.metrics"),
+        (["task.main=auc"], "task.main"),
+        (["task.loss_options.half=true"], "task.loss_options takes no options"),
+        (["task={loss: mse, loss_options: {full: true}}"], "task.loss_options.full"),
+        (["task.colour=red"], "task.colour"),
+        (["task=mse"], "task"),
+        (["precision=float16"], "precision"),
+        (["sampler.name=nosuch"], "nosuch"),
+        (["sampler={name: schedule, clients: [[0, 9]]}"], "sampler.clients[0]"),
+        (["sampler={name: schedule, clients: []}"], "sampler.clients"),
+        (["sampler={name: schedule, file: nofile.json}"], "sampler.file"),
+        (["sampler={name: schedule, clients: [[0]], cycle: false}"], "schedule has 1 rounds"),
+        (["sampler={name: fixed, clients: [0, 0]}"], "sampler.clients"),
+        (["sampler={name: fixed, clients: 9}"], "sampler.clients"),
+        (["sampler={name: uniform, k: 2}"], "sampler.k"),
+        (["plugins=[nofile.py]"], "nofile.py"),
+        (["plugins=[no_such_module_xyz]"], "no_such_module_xyz"),
+        (["plugins=3"], "plugins"),
+        (["eval.at_start=maybe"], "eval.at_start"),
+        (["eval.personal_test=2"], "eval.personal_test"),
+        (["model.init_from=nofile.pt"], "model.init_from"),
+        (["local.full_batch=3"], "local.full_batch"),
+        (["partition.bins=4"], "partition.bins"),
+        (["partition={name: from_file, path: nofile.json, num_clients: 0}"], "partition.path"),
+        (["algorithm={name: fedadam, v_init: -1}"], "algorithm.v_init"),
+        (["algorithm={name: fedadam, v_init: .nan}"], "algorithm.v_init"),
+        (["output.trackers=[nosuch]"], "output.trackers"),
     ]
     return cases
 
@@ -222,6 +254,43 @@ def test_run_without_a_config_exits_2(capsys):
 
 
 # ---- other commands ----------------------------------------------------------------------------------
+OTHER_COMMANDS = [
+    (["run", "c.yaml", "--bogus"], "--bogus"),
+    (["run", "c.yaml", "--resume", "somewhere", "rounds=3"], "not both"),  # CONFIG and --resume, overrides after
+    (["run", "--resume", "nowhere"], "nowhere"),
+    (["run", "--resume", "nowhere", "--out", "x"], "--out"),
+    (["data"], "{fetch,verify}"),
+    (["data", "fetch"], "name"),
+    (["data", "verify", "NOSUCH"], "NOSUCH"),
+    (["plot"], "run_dirs"),
+    (["plot", "nowhere"], "nowhere"),
+    (["report", "nowhere"], "nowhere"),
+    (["sweep", "c.yaml", "--grid", "local.lr=0.1,fast", "--out", "sw"], "local.lr"),
+    (["sweep", "c.yaml", "--grid", "nokey", "--out", "sw"], "nokey"),
+    (["sweep", "c.yaml", "--workers"], "--workers"),
+    (["reproduce", "nosuch"], "unknown reproduction 'nosuch'"),
+    (["flower-app", "missing.yaml", "app"], "missing.yaml"),
+    (["nosuch"], "nosuch"),
+    ([], "command"),
+]
+
+
+@pytest.mark.parametrize("argv, expect", OTHER_COMMANDS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_other_commands_and_usage_errors_get_one_line(argv, expect, in_tmp, capsys):
+    try:
+        code = cli_main(argv)
+    except SystemExit as e:  # argparse's own usage errors exit (with our one-line message)
+        code = e.code
+    _one_line_error(capsys, code, expect)
+    assert _files(in_tmp) == {"c.yaml"}
+
+
+def test_overrides_after_the_options_are_overrides(in_tmp, capsys):
+    assert cli_main(["run", "c.yaml", "--out", "r", "--no-progress", "rounds=1", "local.lr=0.2"]) == 0
+    cfg = load(in_tmp / "r" / "config.yaml")
+    assert (cfg.rounds, cfg.local.lr) == (1, 0.2)
+
+
 def test_data_fetch_of_an_unknown_dataset(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("FEDWEAVE_DATA", str(tmp_path))
     _one_line_error(capsys, cli_main(["data", "fetch", "NOSUCH"]), "no download sources for dataset 'NOSUCH'")
@@ -276,6 +345,13 @@ def test_a_config_error_at_build_time_leaves_no_directory(tmp_path):
     with pytest.raises(ConfigError, match="char_lstm"):
         fedweave.run({**BASE, "model": {"name": "char_lstm"}}, run_dir=tmp_path / "r")
     assert not (tmp_path / "r").exists()
+
+
+def test_outage_rounds_after_the_last_round_are_said_never_to_happen(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="fedweave"):
+        res = fedweave.run({**BASE, "faults": {"outage_rounds": [1, 5]}}, run_dir=tmp_path / "r")
+    assert "faults.outage_rounds [5] are after the last round (2) and never happen" in caplog.text
+    assert res.summary["status"] == "completed" and res.summary.get("skipped_rounds") == [1]
 
 
 def test_run_files_follow_the_umask(tmp_path):
@@ -442,8 +518,10 @@ def _numbers(rows):
     return [{k: v for k, v in r.items() if k != "wall_seconds"} for r in rows]
 
 
-def test_resume_extends_a_finished_run_to_the_numbers_of_a_longer_run(tmp_path, capsys):
-    cfg = {**BASE, "output": {**BASE["output"], "checkpoint_every": 1}}
+@pytest.mark.parametrize("local", [{}, {"lr_decay": 0.8}], ids=["constant-lr", "decaying-lr"])
+def test_resume_extends_a_finished_run_to_the_numbers_of_a_longer_run(tmp_path, capsys, local):
+    # an exponential decay per round does not depend on the total, so the extension is exact
+    cfg = {**BASE, "local": {**BASE["local"], **local}, "output": {**BASE["output"], "checkpoint_every": 1}}
     fedweave.run(cfg, run_dir=tmp_path / "short")
     assert cli_main(["run", "--resume", str(tmp_path / "short"), "rounds=5", "--no-progress"]) == 0
     long = fedweave.run({**cfg, "rounds": 5}, run_dir=tmp_path / "long")
@@ -487,6 +565,15 @@ def test_an_exploding_loss_stops_the_run_and_says_what_is_kept(tmp_path):
     assert res.summary["status"] == "completed"
 
 
+def test_a_blow_up_within_round_1_is_caught_against_the_initial_model(tmp_path):
+    # a linear model with lr 1e9: its test loss is finite but enormous after one round, so the first reported
+    # value is no reference; eval.at_start measures the initial model's loss, and round 1 is compared with it
+    cfg = {**BASE, "local": {**BASE["local"], "lr": 1e9}}
+    assert fedweave.run(cfg, run_dir=tmp_path / "a").summary["status"] == "completed"
+    with pytest.raises(DivergenceError, match=r"round 1: test_loss = .* exploded .* its first value"):
+        fedweave.run({**cfg, "eval": {"at_start": True}}, run_dir=tmp_path / "b")
+
+
 def test_the_explosion_check_can_be_switched_off():
     from fedweave.runner import _check_explosion
 
@@ -524,6 +611,9 @@ def test_ctrl_c_and_sigterm_write_an_interrupted_summary_and_resume_identically(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # a shell's background job inherits SIGINT ignored, and Python then keeps ignoring it: give the child
+        # the default disposition, as a terminal would, so that this test also holds when run in the background
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.time() + 60
     while time.time() < deadline:

@@ -52,7 +52,7 @@ def test_noniid_preset_deals_label_shards_and_checks_table_v_noniid_column(tmp_p
     p = preset("noniid", "fashion_mnist")
     small = preset("small", "fashion_mnist")
     assert (p.rounds, p.hs, p.seeds, p.batch_size) == (small.rounds, small.hs, small.seeds, small.batch_size)
-    parts = {j["config"]["partition"]["name"] for j in jobs(p, [0], tmp_path)}
+    parts = {pt.config.partition.name for pt in jobs(p, [0], tmp_path)}
     assert parts == {"shards"} and p.noniid and not small.noniid
 
     def table(cse5: float) -> list[dict]:
@@ -70,3 +70,5 @@ def test_noniid_preset_deals_label_shards_and_checks_table_v_noniid_column(tmp_p
         "FSL_MC 60.00 > CSE-FSL h=5 58.00 > FSL_AN 55.00 > FSL_OC 50.00",
     )
     assert "C8" not in {c[:2] for c, _, _ in claims(table(42.0), small)}  # IID: no non-IID claims
+    unreached = [{**t, "load_to_target_gib": None} for t in table(42.0)]
+    assert {c[:2]: ok for c, _, ok in claims(unreached, p)}["C3"] is None  # nothing reached the target

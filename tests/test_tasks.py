@@ -123,6 +123,8 @@ def test_least_squares_equals_the_closed_form(method, weighting, backend, tmp_pa
     described = json.loads((res.run_dir / "objects.json").read_text())
     assert described["dataset"]["train_x"] == [[sum(SIZES), D], "torch.float64"]
     assert described["model"]["factory"].endswith("_zero_linear")
+    assert described["model"]["class"] == "torch.nn.modules.linear.Linear" and described["model"]["parameters"] == D
+    assert len(described["dataset"]["sha256"]) == len(described["model"]["sha256"]) == 64
 
 
 # ---- regression on a real dataset through every partitioner that takes float targets -------------------
@@ -144,6 +146,8 @@ REGRESSION = {
         {"name": "iid", "num_clients": 8},
         {"name": "quantity_skew", "num_clients": 8},
         {"name": "dirichlet", "num_clients": 8, "alpha": 0.5, "bins": 5, "min_size": 5},
+        {"name": "dirichlet_balanced", "num_clients": 8, "alpha": 0.5, "bins": 5},
+        {"name": "pathological", "num_clients": 8, "bins": 5},
         {"name": "shards", "num_clients": 8, "bins": 4},
     ],
 )
@@ -157,12 +161,72 @@ def test_regression_on_diabetes(partition, tmp_path):
     assert last["test_mse"] < 1.0 and last["test_r2"] > 0.0  # better than predicting the mean (targets standardized)
     assert last["test_mse"] < first["test_mse"] and s["best_main"] == min(r["test_mse"] for r in res.metrics)
     assert "test_accuracy" not in last and s["final_test_accuracy"] is None
-    assert (res.run_dir / "partition.csv").is_file()  # the report shows target-quantile bins per client
+    # the partition report: each client's histogram over 10 quantile bins of the target
+    import csv
+
+    rows = list(csv.DictReader((res.run_dir / "partition.csv").open()))
+    bins = [f"target_bin_{k}" for k in range(10)]
+    assert list(rows[0]) == ["client", "n", *bins] and len(rows) == 8
+    assert all(sum(int(r[b]) for b in bins) == int(r["n"]) for r in rows)
+    totals = [sum(int(r[b]) for r in rows) for b in bins]
+    assert sum(totals) == sum(len(p) for p in res.algorithm.ctx.partition) and min(totals) > 0.05 * sum(totals)
 
 
-def test_label_partitioners_refuse_float_targets_without_bins(tmp_path):
+@pytest.mark.parametrize(
+    "algorithm, personal",
+    [
+        ({"name": "hier_fedavg", "tau": 2, "participation": 0.5}, False),
+        ({"name": "zo_hfl", "tau": 2, "participation": 0.5, "server_batch_size": 16}, False),
+        ({"name": "gossip"}, False),
+        ({"name": "fedavg", "clients_per_round": 3}, True),
+    ],
+    ids=["hier_fedavg", "zo_hfl", "gossip", "fedavg-personal"],
+)
+def test_hierarchical_decentralized_and_personal_evaluation_follow_the_task(algorithm, personal, tmp_path):
+    cfg = {**REGRESSION, "rounds": 2, "algorithm": algorithm, "partition": {"name": "iid", "num_clients": 6}}
+    if personal:
+        cfg["eval"] = {"personal_test": True}
+    res = fedweave.run(cfg, run_dir=tmp_path / "r")
+    last = res.metrics[-1]
+    assert res.summary["main_metric"] == "test_mse" and res.summary["direction"] == "min"
+    assert {"test_mse", "test_rmse", "test_mae", "test_r2", "test_loss"} <= set(last)
+    assert not any("accuracy" in k for k in last)
+    if algorithm["name"] in ("gossip", "fedavg"):  # per-client evaluation: the worst client is the largest MSE
+        assert last["test_mse_worst"] >= last["test_mse"]
+
+
+@pytest.mark.parametrize("name", ["dirichlet", "dirichlet_balanced", "pathological", "shards"])
+def test_label_partitioners_refuse_float_targets_without_bins(name, tmp_path):
     with pytest.raises(ConfigError, match="partition.bins"):
-        fedweave.run({**REGRESSION, "partition": {"name": "dirichlet", "num_clients": 4}}, run_dir=tmp_path / "r")
+        fedweave.run({**REGRESSION, "partition": {"name": name, "num_clients": 4}}, run_dir=tmp_path / "r")
+
+
+def _diabetes_arrays():
+    from fedweave.data.datasets.bundled import load_diabetes
+
+    ds = load_diabetes()
+    return ds.train_x, ds.train_y, ds.test_x, ds.test_y
+
+
+def test_regression_with_user_ids_from_python_and_a_partition_file(tmp_path):
+    """Float targets through the two partitioners that read users or a file: ``natural`` with per-sample user
+    ids passed with the arrays, and ``from_file`` with an .npz of per-client index lists."""
+    x, y, tx, ty = _diabetes_arrays()
+    users, test_users = np.arange(len(y)) % 5 * 10, np.arange(len(ty)) % 5 * 10  # 5 users, ids 0, 10, ..., 40
+    cfg = {**REGRESSION, "rounds": 3, "partition": {"name": "natural", "num_clients": 0}}
+    res = fedweave.run(cfg, dataset=(x, y, tx, ty, users, test_users), run_dir=tmp_path / "nat")
+    parts = res.algorithm.ctx.partition
+    assert [sorted(p.tolist()) for p in parts] == [np.flatnonzero(users == u).tolist() for u in range(0, 50, 10)]
+    assert res.summary["main_metric"] == "test_mse" and res.metrics[-1]["test_mse"] < res.metrics[0]["test_mse"]
+    described = json.loads((res.run_dir / "objects.json").read_text())
+    assert described["dataset"]["train_users"] == [[len(y)], str(users.dtype)]
+
+    chosen = [np.arange(0, 40), np.arange(40, 200), np.arange(200, len(y))]
+    np.savez(tmp_path / "parts.npz", **{f"client_{i}": p for i, p in enumerate(chosen)})
+    cfg = {**REGRESSION, "rounds": 2, "algorithm": {"name": "fedavg", "clients_per_round": 3}}
+    cfg["partition"] = {"name": "from_file", "num_clients": 0, "path": str(tmp_path / "parts.npz")}
+    res = fedweave.run(cfg, run_dir=tmp_path / "file")
+    assert [p.tolist() for p in res.algorithm.ctx.partition] == [p.tolist() for p in chosen]
 
 
 def test_a_class_loss_on_float_targets_and_mse_on_labels_are_refused(tmp_path):
@@ -205,6 +269,32 @@ def test_multilabel_with_bce(backend, tmp_path):
     assert last["test_auc"] > 0.9 and last["test_f1"] > 0.7
 
 
+@pytest.mark.parametrize("backend", ["vmap", "pool", pytest.param("ray", marks=pytest.mark.slow)])
+def test_regression_and_multilabel_are_the_same_on_every_backend(backend, tmp_path):
+    """A regression on real tabular data (diabetes) and a multi-label task (digits' properties) give the loop
+    backend's model on vmap, pool and ray, to float tolerance."""
+    if backend == "ray":
+        pytest.importorskip("ray")
+    common = {"threads": 2, "ray": {"num_workers": 2}, "output": {"progress": False, "plots": False}}
+    regression = {**REGRESSION, **common, "rounds": 3, "partition": {"name": "quantity_skew", "num_clients": 6}}
+    multilabel = {
+        **common,
+        "rounds": 3,
+        "partition": {"name": "iid", "num_clients": 6},
+        "model": {"name": "mlp", "hidden": [16]},
+        "algorithm": {"name": "fedavg", "clients_per_round": 3},
+        "task": {"loss": "bce_with_logits"},
+        "local": {"batch_size": 32, "lr": 0.2},
+    }
+    for name, cfg, data in (("reg", regression, None), ("ml", multilabel, _multilabel_digits())):
+        ref = fedweave.run({**cfg, "backend": "loop"}, dataset=data, run_dir=tmp_path / f"{name}-loop")
+        res = fedweave.run({**cfg, "backend": backend}, dataset=data, run_dir=tmp_path / f"{name}-{backend}")
+        torch.testing.assert_close(res.algorithm.x, ref.algorithm.x, rtol=1e-4, atol=1e-5)
+        main = ref.summary["main_metric"]
+        assert res.metrics[-1][main] == pytest.approx(ref.metrics[-1][main], rel=1e-3, abs=1e-3), name
+        assert res.summary["execution"]["backend"] == backend
+
+
 def test_bce_loss_and_auc_match_torch_and_sklearn():
     from sklearn.metrics import roc_auc_score
 
@@ -233,6 +323,66 @@ def test_regression_metrics_match_their_definitions():
     assert got["mae"] == pytest.approx(float(err.abs().mean()))
     assert got["r2"] == pytest.approx(1 - float(err.pow(2).sum() / (y.double() - y.double().mean()).pow(2).sum()))
     assert float(build_task("mse", {"half": True}).loss(pred, y)) == pytest.approx(0.5 * got["mse"], rel=1e-6)
+
+
+def test_topk_and_perplexity_match_their_definitions():
+    g = torch.Generator().manual_seed(2)
+    out, y = torch.randn(60, 7, generator=g), torch.randint(0, 7, (60,), generator=g)
+    ms = {m: METRICS.get(m)() for m in ("accuracy", "top3", "top5", "perplexity")}
+    for m in ms.values():
+        m.update(out[:25], y[:25])
+        m.update(out[25:], y[25:])
+    rank = (out > out.gather(1, y[:, None])).sum(1)  # how many classes score above the true one
+    for name, k in (("accuracy", 1), ("top3", 3), ("top5", 5)):
+        assert ms[name].result()[name] == pytest.approx(float((rank < k).double().mean()))
+    ce = float(nn.functional.cross_entropy(out, y))
+    assert ms["perplexity"].result()["perplexity"] == pytest.approx(np.exp(ce))
+
+
+def test_a_next_token_model_reports_perplexity(tmp_path):
+    """Perplexity for next-token models: the char-LSTM on counting sequences, the main metric, minimised."""
+    g = torch.Generator().manual_seed(0)
+    V, T = 12, 8
+    x = (torch.randint(0, V, (1200, 1), generator=g) + torch.arange(T)) % V
+    y = (x[:, -1] + 1) % V  # the next token
+    cfg = {
+        "rounds": 3,
+        "partition": {"name": "iid", "num_clients": 4},
+        "model": {"name": "char_lstm", "hidden": 16, "num_layers": 1},
+        "algorithm": {"name": "fedavg", "clients_per_round": 2},
+        "task": {"metrics": ["accuracy", "top3", "perplexity"], "main": "perplexity"},
+        "local": {"batch_size": 32, "lr": 0.5},
+        "output": {"progress": False, "plots": False},
+    }
+    res = fedweave.run(cfg, dataset=(x[:1000], y[:1000], x[1000:], y[1000:]), run_dir=tmp_path / "r")
+    rows = res.metrics
+    assert res.summary["main_metric"] == "test_perplexity" and res.summary["direction"] == "min"
+    for r in rows:
+        assert r["test_perplexity"] == pytest.approx(np.exp(r["test_loss"]), rel=1e-6)
+        assert r["test_top3"] >= r["test_accuracy"]
+    assert rows[-1]["test_perplexity"] < rows[0]["test_perplexity"] < V  # learning, and better than uniform
+    assert res.summary["best_main"] == min(r["test_perplexity"] for r in rows)
+
+
+def test_nll_on_log_probabilities_equals_cross_entropy_on_logits(tmp_path):
+    cfg = {
+        "rounds": 2,
+        "backend": "loop",
+        "partition": {"name": "iid", "num_clients": 4},
+        "algorithm": {"name": "fedavg", "clients_per_round": 2},
+        "local": {"batch_size": 32, "lr": 0.1},
+        "output": {"progress": False, "plots": False},
+    }
+    data = _digits_arrays()
+
+    def log_probs():
+        return nn.Sequential(SmallNet(), nn.LogSoftmax(dim=1))
+
+    ce = fedweave.run(cfg, model=SmallNet, dataset=data, run_dir=tmp_path / "ce")
+    nll = fedweave.run({**cfg, "task": {"loss": "nll"}}, model=log_probs, dataset=data, run_dir=tmp_path / "nll")
+    torch.testing.assert_close(nll.algorithm.x, ce.algorithm.x, rtol=1e-5, atol=1e-6)
+    assert nll.metrics[-1]["test_loss"] == pytest.approx(ce.metrics[-1]["test_loss"], rel=1e-5)
+    assert nll.metrics[-1]["test_accuracy"] == ce.metrics[-1]["test_accuracy"] > 0.5
 
 
 # ---- a custom loss and the user's own nn.Module on every backend -------------------------------------
@@ -291,6 +441,24 @@ def test_custom_loss_and_module_are_the_same_on_every_backend(backend, tmp_path)
     assert ref.metrics[-1]["test_accuracy"] > 0.5
     described = json.loads((res.run_dir / "objects.json").read_text())
     assert described["loss"]["callable"].endswith("smoothed_ce") and described["model"]["factory"].endswith("SmallNet")
+    assert described["model"]["class"].endswith("SmallNet") and described["model"]["parameters"] == 64 * 12 + 12 + 130
+    before = json.loads((ref.run_dir / "objects.json").read_text())
+    assert described == before  # same objects, same seed: the same record (hashes of data and initial weights)
+
+
+def test_objects_json_tells_other_weights_and_other_data_apart(tmp_path):
+    cfg = {"rounds": 1, "partition": {"name": "iid", "num_clients": 2}, "output": {"progress": False, "plots": False}}
+    cfg["algorithm"] = {"name": "fedavg", "clients_per_round": 2}
+    x, y, tx, ty = _digits_arrays()
+
+    def described(name, seed, data):
+        res = fedweave.run({**cfg, "seed": seed}, model=SmallNet, dataset=data, run_dir=tmp_path / name)
+        return json.loads((res.run_dir / "objects.json").read_text())
+
+    a, b = described("a", 0, (x, y, tx, ty)), described("b", 1, (x, y, tx, ty))
+    assert a["model"]["sha256"] != b["model"]["sha256"] and a["dataset"] == b["dataset"]
+    c = described("c", 0, (x, y, tx, ty.flip(0)))
+    assert c["dataset"]["sha256"] != a["dataset"]["sha256"] and c["model"] == a["model"]
 
 
 def test_a_torch_dataset_and_a_scalar_loss(tmp_path):
@@ -325,6 +493,9 @@ def _picked(res):
 def test_schedule_fixed_and_bernoulli_samplers(tmp_path):
     sched = _star(tmp_path, {"name": "schedule", "clients": [[1, 2], [9, 0, 4]]})
     assert _picked(sched) == [[1, 2], [0, 4, 9], [1, 2], [0, 4, 9], [1, 2]]
+    (tmp_path / "plan.json").write_text(json.dumps([[1, 2], [9, 0, 4], [3], [5, 6], [7, 8]]))
+    from_file = _star(tmp_path, {"name": "schedule", "file": str(tmp_path / "plan.json"), "cycle": False})
+    assert _picked(from_file) == [[1, 2], [0, 4, 9], [3], [5, 6], [7, 8]]
     sent = sched.summary["communication"]["by_transfer"]
     assert sum(v["count"] for k, v in sent.items() if k.startswith("server->client")) == 2 + 3 + 2 + 3 + 2
     assert _picked(_star(tmp_path, {"name": "fixed", "clients": 5})) == [[0, 1, 2, 3, 4]] * 5
@@ -350,6 +521,55 @@ def test_schedule_fixed_and_bernoulli_samplers(tmp_path):
 def test_bad_sampler_settings_fail_before_training(sampler, match, tmp_path):
     with pytest.raises((ConfigError, KeyError), match=match):
         _star(tmp_path, sampler)
+
+
+def _downloads_per_round(res) -> list[int]:
+    """How many clients the server sent the model to, per round, from the ledger."""
+    per: dict[int, int] = {}
+    for e in res.algorithm.ledger.entries():
+        if e.receiver == "client" and e.sender in ("server", "fed_server"):
+            per[e.round] = max(per.get(e.round, 0), e.count)  # each kind sent goes to every chosen client
+    return [per.get(r, 0) for r in range(res.summary["rounds"])]
+
+
+def test_the_hierarchical_and_split_servers_ask_the_sampler(tmp_path):
+    """The sampler decides who takes part in the hierarchical and split families too (the star's are above),
+    and the ledger shows only those clients: CSE-FSL's code parity with the authors' first five clients
+    (spec A13) is ``sampler: {name: fixed, clients: 5}``."""
+    from test_precision import family_config
+
+    plan = [[0, 4], [1, 2, 5]]
+    hier = {**family_config("hier_fedavg"), "rounds": 3, "sampler": {"name": "schedule", "clients": plan}}
+    res = fedweave.run(hier, run_dir=tmp_path / "h")
+    assert [res.algorithm.sample_clients(r).tolist() for r in range(3)] == [[0, 4], [1, 2, 5], [0, 4]]
+    assert _downloads_per_round(res) == [2, 3, 2]
+
+    split = {**family_config("cse_fsl"), "rounds": 3, "partition": {"name": "iid", "num_clients": 8}}
+    split["sampler"] = {"name": "fixed", "clients": 5}
+    res = fedweave.run(split, run_dir=tmp_path / "s")
+    assert [res.algorithm.sample_clients(r).tolist() for r in range(3)] == [[0, 1, 2, 3, 4]] * 3
+    assert _downloads_per_round(res) == [5, 5, 5]
+    paper = {**split, "sampler": {"name": "uniform"}, "algorithm": {**split["algorithm"], "clients_per_round": 5}}
+    default = fedweave.run(paper, run_dir=tmp_path / "u")
+    assert len({tuple(default.algorithm.sample_clients(r).tolist()) for r in range(3)}) > 1  # the paper's draw
+
+
+def test_split_aggregation_weights_follow_weighting(tmp_path):
+    """Eq. (14) averages the client models with 1/n (``weighting: uniform``); the authors' code, and fedweave's
+    default, with |D_i| (spec A20). They differ under unequal clients."""
+    from test_precision import family_config
+
+    from fedweave.algorithms.base import RunContext, build_algorithm
+    from fedweave.config import load
+
+    cfg = {**family_config("cse_fsl"), "partition": {"name": "quantity_skew", "num_clients": 4}}
+    by_size = build_algorithm(RunContext(load(cfg)))
+    uniform = build_algorithm(RunContext(load({**cfg, "algorithm": {**cfg["algorithm"], "weighting": "uniform"}})))
+    clients = np.array([0, 1, 3])
+    sizes = torch.tensor([len(by_size.ctx.partition[i]) for i in clients], dtype=torch.float64)
+    assert len(set(sizes.tolist())) > 1
+    torch.testing.assert_close(by_size.weights(clients).double(), sizes / sizes.sum())
+    torch.testing.assert_close(uniform.weights(clients).double(), torch.full((3,), 1 / 3, dtype=torch.float64))
 
 
 def test_a_registered_sampler_is_used(tmp_path):
@@ -394,6 +614,28 @@ def test_model_init_from_a_state_dict_and_an_npz(tmp_path):
     torch.save({"linear.weight": torch.zeros(3)}, tmp_path / "bad.pt")
     with pytest.raises(ConfigError, match="model.init_from"):
         RunContext(load({**base, "model": {"name": "logistic", "init_from": str(tmp_path / "bad.pt")}})).build_model()
+    torch.save({k: 3 for k in state}, tmp_path / "ints.pt")  # loads under weights_only, but holds no tensors
+    with pytest.raises(ConfigError, match="not tensors"):
+        RunContext(load({**base, "model": {"name": "logistic", "init_from": str(tmp_path / "ints.pt")}})).build_model()
+
+
+class _RunsCode:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch ran-code",))
+
+
+def test_model_init_from_runs_no_code(tmp_path, monkeypatch):
+    from fedweave.algorithms.base import RunContext
+    from fedweave.config import load
+
+    monkeypatch.chdir(tmp_path)
+    torch.save({"linear.weight": _RunsCode()}, tmp_path / "evil.pt")
+    base = {"dataset": {"name": "digits"}, "partition": {"name": "iid", "num_clients": 2}}
+    with pytest.raises(ConfigError, match="not a readable state_dict"):
+        RunContext(load({**base, "model": {"name": "logistic", "init_from": "evil.pt"}})).build_model()
+    assert not (tmp_path / "ran-code").exists()
 
 
 def test_full_batch_steps_and_the_large_batch_warning(tmp_path, caplog):
@@ -444,6 +686,40 @@ def test_a_plugin_registers_a_loss_for_the_command_line(tmp_path, capsys):
     assert "plugin_l1" in LOSSES
 
 
+@pytest.mark.slow
+def test_a_runs_plugins_are_recorded_so_it_resumes_from_anywhere(tmp_path, monkeypatch, capsys):
+    """``--plugin`` and ``plugins:`` name files relative to the working directory; the run's config.yaml records
+    them by absolute path, so ``fedweave run --resume`` works from another directory with nothing more."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "plug.py").write_text(PLUGIN.replace("plugin_l1", "plugin_l1_resumed"))
+    monkeypatch.chdir(work)
+    args = ["run", "example:centralized/fedavg", "--plugin", "plug.py", "--out", "r", "--no-progress"]
+    args += ["dataset=diabetes", "model={name: mlp, hidden: [8]}", "partition={name: iid, num_clients: 4}"]
+    args += ["algorithm.clients_per_round=2", "rounds=2", "task={loss: plugin_l1_resumed, metrics: [mae]}"]
+    assert cli_main([*args, "output.checkpoint_every=1"]) == 0, capsys.readouterr().err
+    saved = yaml.safe_load((work / "r" / "config.yaml").read_text())
+    assert saved["plugins"] == [str(work / "plug.py")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedweave.cli", "run", "--resume", str(work / "r"), "rounds=3", "--no-progress"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "final test mae" in proc.stdout
+    # the YAML key: a relative path, recorded absolute
+    cfg = {**yaml.safe_load((work / "r" / "config.yaml").read_text()), "plugins": ["plug.py"]}
+    from fedweave.config import load
+
+    assert load(cfg).plugins == [str(work / "plug.py")]
+
+
 def test_list_shows_losses_metrics_and_samplers(capsys):
     assert cli_main(["list"]) == 0
     out = capsys.readouterr().out
@@ -475,3 +751,53 @@ def test_split_learning_trains_a_regression_task(method, tmp_path):
     assert last["test_mse"] < first["test_mse"] and last["test_r2"] > 0.3
     if method == "cse_fsl":
         assert "aux_test_mse" in last
+
+
+# ---- plots and sweeps follow the task ----------------------------------------------------------------
+def test_column_directions():
+    from fedweave.tasks import column_direction
+
+    want = {
+        "test_accuracy": "max",
+        "test_accuracy_min": "max",
+        "val_auc": "max",
+        "test_f1_2": "max",
+        "test_r2": "max",
+        "test_mse": "min",
+        "test_mse_worst": "min",
+        "aux_test_rmse": "min",
+        "test_perplexity": "min",
+        "train_loss": "min",
+        "test_loss_global": "min",
+    }
+    assert {k: column_direction(k) for k in want} == want
+
+
+def test_plot_and_sweep_follow_a_regression_task(tmp_path, capsys):
+    cfg = {**REGRESSION, "rounds": 3, "partition": {"name": "iid", "num_clients": 4}}
+    res = fedweave.sweep(cfg, {"local.lr": [0.001, 0.05]}, out=tmp_path / "sw", target=0.9, progress=False)
+    by_lr = {r["point"]: r for r in res.summary}
+    slow, fast = by_lr["local.lr=0.001"], by_lr["local.lr=0.05"]
+    assert fast["test_mse_mean"] < 0.9 < slow["test_mse_mean"]  # lower is better: the fast one wins
+    assert fast["best"] and not slow["best"]
+    assert slow["rounds_to_target_mean"] is None and fast["rounds_to_target_mean"] is not None
+    for rec in res.records:
+        rows = [r["test_mse"] for r in fedweave.results.read_metrics(tmp_path / "sw" / rec["run_dir"])]
+        assert rec["best_test_mse"] == min(rows)
+    assert cli_main(["plot", str(tmp_path / "sw" / res.records[0]["run_dir"]), "--out", str(tmp_path / "p")]) == 0
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["test_mse_vs_bytes.png", "test_mse_vs_rounds.png"]
+
+
+def test_the_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
+    """docs/tasks.md's dozen-line regression with a custom model, executed verbatim."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "tasks.md").read_text()
+    code = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(code.strip().splitlines()) <= 20 and "fedweave.run(" in code
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "docs/tasks.md", "exec"), {"__name__": "walkthrough"})
+    key, value = capsys.readouterr().out.split()[-2:]
+    assert key == "test_mse" and float(value) < 0.7  # well below 1, the score of predicting the mean
+    (run,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"

@@ -4,8 +4,8 @@
 The data may be a fedweave :class:`~fedweave.data.base.Dataset`, a tuple ``(train_x, train_y, test_x,
 test_y)`` of arrays or tensors (optionally with ``train_users, test_users`` for a ``natural`` partition), or
 a pair of in-memory ``torch.utils.data.Dataset`` objects ``(train, test)`` whose items are ``(x, y)``. The
-run directory records what was passed in ``objects.json`` (class names, shapes, dtypes and a hash of the
-data), so a run can be told apart from another made with other objects.
+run directory records what was passed in ``objects.json`` (class names, shapes, dtypes, a hash of the data
+and of the model's initial weights), so a run can be told apart from another made with other objects.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ class RunObjects:
     model: Callable[[], nn.Module] | None = None
     dataset: Dataset | None = None
     loss: Callable | None = None
-    described: dict[str, Any] | None = None
+    built_model: dict[str, Any] | None = None  # what the factory returned (set when the run builds it)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if self.model is not None:
-            out["model"] = {"factory": _qualname(self.model)}
+            out["model"] = {"factory": _qualname(self.model), **(self.built_model or {})}
         if self.dataset is not None:
             out["dataset"] = describe_dataset(self.dataset)
         if self.loss is not None:
@@ -93,17 +93,29 @@ def as_dataset(data: Any, name: str = "python") -> Dataset:
     return Dataset(name, tx, ty, vx, vy, num_outputs, tuple(tx.shape[1:]), *users)
 
 
-def describe_dataset(ds: Dataset) -> dict[str, Any]:
+def describe_model(model: nn.Module) -> dict[str, Any]:
+    """The module a factory returned: its class, its number of parameters and a SHA-256 of its initial
+    state (names, shapes, dtypes and values), so two runs started from other weights can be told apart."""
     h = hashlib.sha256()
-    for t in (ds.train_x, ds.train_y, ds.test_x, ds.test_y):
-        h.update(str((tuple(t.shape), str(t.dtype))).encode())
-        h.update(np.ascontiguousarray(t.numpy()).tobytes())
+    for name, t in model.state_dict().items():
+        h.update(str((name, tuple(t.shape), str(t.dtype))).encode())
+        h.update(np.ascontiguousarray(t.detach().cpu().numpy()).tobytes())
     return {
-        "class": type(ds).__name__,
-        "train_x": [list(ds.train_x.shape), str(ds.train_x.dtype)],
-        "train_y": [list(ds.train_y.shape), str(ds.train_y.dtype)],
-        "test_x": [list(ds.test_x.shape), str(ds.test_x.dtype)],
-        "test_y": [list(ds.test_y.shape), str(ds.test_y.dtype)],
-        "outputs": ds.num_classes,
+        "class": _qualname(model),
+        "parameters": sum(p.numel() for p in model.parameters()),
         "sha256": h.hexdigest(),
     }
+
+
+def describe_dataset(ds: Dataset) -> dict[str, Any]:
+    arrays = {"train_x": ds.train_x, "train_y": ds.train_y, "test_x": ds.test_x, "test_y": ds.test_y}
+    if ds.train_users is not None:  # per-sample user ids: they decide a natural partition
+        arrays.update(train_users=np.asarray(ds.train_users), test_users=np.asarray(ds.test_users))
+    h = hashlib.sha256()
+    out: dict[str, Any] = {"class": type(ds).__name__}
+    for key, t in arrays.items():
+        a = t.numpy() if isinstance(t, torch.Tensor) else t
+        h.update(str((key, tuple(a.shape), str(t.dtype))).encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+        out[key] = [list(a.shape), str(t.dtype)]
+    return {**out, "outputs": ds.num_classes, "sha256": h.hexdigest()}

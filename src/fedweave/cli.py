@@ -12,7 +12,7 @@ from pathlib import Path
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from fedweave.config import ConfigError, load
-    from fedweave.plugins import load_plugins
+    from fedweave.plugins import load_plugins, recorded
     from fedweave.runner import resume, run
 
     load_plugins(args.plugin)  # before the config: it may name what a plug-in registers
@@ -32,6 +32,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not args.config:
             raise ConfigError("fedweave run needs a CONFIG file (or --resume RUN_DIR)")
         cfg = load(args.config, args.overrides)
+        # the run's config.yaml names the plug-ins of --plugin too, so that `--resume` needs nothing more
+        cfg.plugins += [p for p in map(recorded, args.plugin) if p not in cfg.plugins]
         res = run(cfg, run_dir=args.out, progress=False if args.no_progress else None, overwrite=args.overwrite)
     s = res.summary
     comm = s["communication"]
@@ -175,15 +177,31 @@ def _cmd_flower_app(args: argparse.Namespace) -> int:
     from fedweave.deploy.project import write_app
 
     cfg = load(args.config, args.overrides)
-    path = write_app(cfg, args.dir, run_dir=args.run_dir or "")
+    path = write_app(
+        cfg, args.dir, run_dir=args.run_dir or "", on_error=args.on_error, reply_timeout=args.reply_timeout,
+        node_wait=args.node_wait,
+    )  # fmt: skip
     print(f"{path} (run it with: flwr run {args.dir} SUPERLINK)")
+    if args.node_data:
+        from fedweave.deploy.node_data import export_clients
+
+        files = export_clients(cfg, args.node_data)
+        print(f"{len(files)} node data files in {args.node_data} (flower-supernode --node-config \"partition-id=N "
+              f"data='{args.node_data}/client-N.npz'\")")  # fmt: skip
     return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line, like every other bad input (docs/reliability.md)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"fedweave: error: {' '.join(message.split())} (see '{self.prog} --help')\n")
 
 
 def parser() -> argparse.ArgumentParser:
     from fedweave import __version__
 
-    p = argparse.ArgumentParser(prog="fedweave", description="Federated learning simulator.")
+    p = _Parser(prog="fedweave", description="Federated learning simulator.")
     p.add_argument("--version", action="version", version=f"fedweave {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -203,11 +221,13 @@ def parser() -> argparse.ArgumentParser:
     )
     r.set_defaults(fn=_cmd_run)
 
-    ls = sub.add_parser("list", help="list algorithms, datasets, models, partitioners, reproductions")
+    ls = sub.add_parser(
+        "list", help="list algorithms, datasets, models, partitioners, losses, metrics, samplers, reproductions"
+    )
     ls.set_defaults(fn=_cmd_list)
 
     d = sub.add_parser("data", help="dataset files")
-    dsub = d.add_subparsers(dest="data_command", required=True)
+    dsub = d.add_subparsers(dest="data_command", required=True, metavar="{fetch,verify}")
     f = dsub.add_parser("fetch", help="fetch and verify a dataset into the cache")
     f.add_argument("name")
     f.add_argument("--root", help="a directory that already holds the files")
@@ -219,7 +239,7 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="plot one or more run directories")
     pl.add_argument("run_dirs", nargs="+")
     pl.add_argument("--out", help="where to write the PNGs (default: the first run directory)")
-    pl.add_argument("--metric", default="test_accuracy")
+    pl.add_argument("--metric", default=None, help="metrics column (default: the run's main metric)")
     pl.set_defaults(fn=_cmd_plot)
 
     sw = sub.add_parser("sweep", help="run a config over a grid of values and seeds; tabulate and plot")
@@ -230,7 +250,7 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--seeds", type=int, default=None, help="seeds per point (the config's seed, +1, ...)")
     sw.add_argument("--workers", type=int, default=None, help="runs at once, each with its share of cores")
     sw.add_argument("--out", default=None, help="sweep directory (default runs/sweep)")
-    sw.add_argument("--metric", default="test_accuracy")
+    sw.add_argument("--metric", default=None, help="metrics column to tabulate (default: the task's main metric)")
     sw.add_argument("--target", type=float, default=None, help="report rounds and bytes to reach this metric")
     sw.add_argument("--ray", metavar="ADDRESS", help="run the points as tasks on this existing Ray cluster")
     sw.add_argument("--no-progress", action="store_true")
@@ -251,6 +271,14 @@ def parser() -> argparse.ArgumentParser:
     fa.add_argument("dir", help="directory for the app project")
     fa.add_argument("overrides", nargs="*", help="key=value overrides")
     fa.add_argument("--run-dir", help="results directory on the SuperLink's machine (default: the config's)")
+    fa.add_argument("--on-error", choices=("stop", "drop"), default="stop",
+                    help="a client's error reply or missing reply: stop the run, or go on without the client "
+                    "for that round as a dropout (default: stop)")  # fmt: skip
+    fa.add_argument("--reply-timeout", type=float, default=600.0, help="seconds a round waits for its replies")
+    fa.add_argument("--node-wait", type=float, default=120.0, help="seconds to wait for the SuperNodes at start")
+    fa.add_argument("--node-data", metavar="DIR",
+                    help="also write each client's training samples as DIR/client-N.npz, data files for the nodes "
+                    "(a trial of nodes that hold their own data)")  # fmt: skip
     fa.set_defaults(fn=_cmd_flower_app)
     return p
 
@@ -276,8 +304,8 @@ def _one_line(e: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args, extra = p.parse_known_args(argv)
-    if extra and args.command == "sweep" and not any(e.startswith("-") for e in extra):
-        args.overrides += extra  # key=value overrides after the options
+    if extra and hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
+        args.overrides += extra  # key=value overrides after the options (`run C --out D rounds=5`)
     elif extra:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "sweep":  # remember which were given, so they win over a YAML `sweep:` section

@@ -441,6 +441,8 @@ def _unknown(key: str, bad: Any, allowed: list[str]) -> ConfigError:
     hint = f" Did you mean {close[0]!r}?" if close else ""
     prefix = f"{key}." if key else ""
     shown = repr(f"{prefix}{bad}")  # repr: a key with control characters stays visible and on one line
+    if not allowed:
+        return ConfigError(f"unknown key {shown}: {key or 'the config'} takes no options")
     return ConfigError(f"unknown key {shown}.{hint} Allowed: {', '.join(sorted(map(str, allowed)))}")
 
 
@@ -516,9 +518,10 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
     for k, s in sections.items():
         setattr(cfg, k, s)
     if cfg.plugins:  # before validation: a plug-in may register the loss or metric the config names
-        from fedweave.plugins import load_plugins
+        from fedweave.plugins import load_plugins, recorded
 
         load_plugins(cfg.plugins)
+        cfg.plugins = [recorded(p) for p in cfg.plugins]  # files by absolute path: resumable from anywhere
     cfg.validate()
     return cfg
 

@@ -1,8 +1,9 @@
-"""Plots of run directories: accuracy against rounds and against bytes communicated."""
+"""Plots of run directories: a metric (the task's main one by default) against rounds and against bytes."""
 
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import matplotlib
@@ -13,16 +14,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 from fedweave.results import atomic_write, read_metrics  # noqa: E402
 
 
-def _save(fig, path: Path) -> None:
+def save_png(fig, path: str | Path, dpi: int = 120) -> Path:
+    """Write ``fig`` as a PNG, atomically, and close it."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
     plt.close(fig)
     atomic_write(path, buf.getvalue())
+    return Path(path)
 
 
-def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str = "test_accuracy") -> list[Path]:
-    """``metric`` vs rounds and vs total bytes (up + down + lateral) for one or more runs."""
+def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | None = None) -> list[Path]:
+    """``metric`` vs rounds and vs total bytes (up + down + lateral) for one or more runs; by default the
+    main metric of the first run's task (its ``summary.json``), else ``test_accuracy``."""
     out_dir = Path(out_dir)
+    metric = metric or _main_metric(run_dirs)
     series = []
     for d in run_dirs:
         rows = [r for r in read_metrics(d) if r.get(metric) is not None]
@@ -49,6 +54,17 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str = "te
         ax.grid(alpha=0.3)
         if len(series) > 1:
             ax.legend(fontsize=7)
-        _save(fig, out_dir / fname)
+        save_png(fig, out_dir / fname)
         written.append(out_dir / fname)
     return written
+
+
+def _main_metric(run_dirs: list[str | Path]) -> str:
+    for d in run_dirs:
+        try:
+            key = json.loads((Path(d) / "summary.json").read_text()).get("main_metric")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if key:
+            return key
+    return "test_accuracy"

@@ -47,3 +47,11 @@ def load_plugin(spec: str) -> str:
 def load_plugins(specs: list[str]) -> None:
     for spec in specs:
         load_plugin(spec)
+
+
+def recorded(spec: str) -> str:
+    """How a run's config records a plug-in: a ``.py`` file by its absolute path (a relative path means the
+    working directory of the command, which a resume from elsewhere would not share), a module by its name."""
+    if spec.endswith(".py") or "/" in spec:
+        return str(Path(spec).expanduser().resolve())
+    return spec

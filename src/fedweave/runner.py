@@ -50,6 +50,14 @@ class RunInterrupted(KeyboardInterrupt):
         self.signal_name = signal_name
 
 
+class RunStopped(RuntimeError):
+    """The run's execution ended it early for a reason outside the algorithm (a deployed client failed under
+    the deployment's ``stop`` policy): the results so far are written with ``status: stopped`` into
+    ``run_dir`` (set when the runner re-raises it)."""
+
+    run_dir: Path | None = None
+
+
 class CheckpointError(ValueError):
     """A checkpoint that is damaged or not this run's; the message names the file and what is wrong."""
 
@@ -355,8 +363,10 @@ def run(
 
         ds = ctx.dataset
         labels = ctx.label_view(ds.train_y.numpy())  # float targets: their quantile bins
-        classes = ds.num_classes if not ds.train_y.is_floating_point() else int(labels.max(initial=0)) + 1
-        write_partition_report(ctx.partition, labels, classes, out.path, plot=config.output.plots)
+        floats = ds.train_y.is_floating_point()
+        edges = ctx.target_bin_edges() if floats else None
+        classes = len(edges) + 1 if floats else ds.num_classes
+        write_partition_report(ctx.partition, labels, classes, out.path, plot=config.output.plots, bin_edges=edges)
 
     show = config.output.progress if progress is None else progress
     bar = _progress(show, config.rounds, start_round)
@@ -366,6 +376,7 @@ def run(
     ledger = ctx.ledger
     verified = False
     interrupted: BaseException | None = None
+    stopped: RunStopped | None = None
     last_checkpoint = start_round if resume else None
     if config.eval.at_start and start_round == 0:  # the initial model, as round 0 (peer frameworks report it)
         ev = algo.evaluate(-1)
@@ -427,6 +438,8 @@ def run(
                 bar.update(1)
     except DivergenceError as e:
         status, error = "diverged", f"{e} {_kept(out.path, last_checkpoint)}"
+    except RunStopped as e:
+        status, error, stopped = "stopped", str(e), e
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM turned into one by the command line
         interrupted = e
         status, error = (
@@ -454,6 +467,10 @@ def run(
         trackers.finish(summary, sorted(out.path.glob("*.png")))
     if interrupted is not None:
         raise RunInterrupted(error or "interrupted", getattr(interrupted, "signal_name", "SIGINT")) from None
+    if stopped is not None:
+        err = RunStopped(f"{error} Results so far are in {out.path}")
+        err.run_dir = out.path
+        raise err from None
     if error and on_divergence == "raise":
         raise DivergenceError(f"{error} Results so far are in {out.path}")
     return Result(out.path, out.rows, summary, algo)

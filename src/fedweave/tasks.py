@@ -332,6 +332,20 @@ class Task:
         return a > b if self.direction == "max" else a < b
 
 
+def column_direction(column: str) -> str:
+    """Whether higher (``max``) or lower (``min``) is better in a metrics column (``test_mse``,
+    ``val_auc``, ``test_accuracy_min``, ``train_loss``, ...), from the registered metric it names; losses are
+    ``min``, and a column that names no metric counts as ``max``."""
+    words = column.split("_")
+    if "loss" in words:
+        return "min"
+    for word in words:
+        for cls in METRICS._items.values():
+            if word in cls.keys:
+                return cls.keys[word]
+    return "max"
+
+
 def build_task(
     loss: str | Loss | Callable = "cross_entropy",
     options: dict[str, Any] | None = None,

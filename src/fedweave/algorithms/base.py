@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedweave.byo import RunObjects
+from fedweave.byo import RunObjects, describe_model
 from fedweave.config import ConfigError, RunConfig, build_dataclass, check_options
 from fedweave.data.base import Dataset
 from fedweave.faults import Faults
@@ -64,6 +64,9 @@ def load_initial_weights(model: nn.Module, path: str) -> None:
         raise ConfigError(f"model.init_from: {path!r} is not a readable state_dict or .npz ({type(e).__name__})") from e
     if not isinstance(state, dict):
         raise ConfigError(f"model.init_from: {path!r} must hold a mapping of parameter names to tensors")
+    not_tensors = sorted(str(k) for k, v in state.items() if not isinstance(v, torch.Tensor))
+    if not_tensors:
+        raise ConfigError(f"model.init_from: {path!r} holds entries that are not tensors: {not_tensors[:5]}")
     own = model.state_dict()
     missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or extra:
@@ -193,10 +196,13 @@ class RunContext:
         if np.issubdtype(y.dtype, np.integer):
             return y
         first = y.reshape(len(y), -1)[:, 0] if y.ndim > 1 else y
+        return np.searchsorted(self.target_bin_edges(bins), first, side="right").astype(np.int64)
+
+    def target_bin_edges(self, bins: int = TARGET_BINS) -> np.ndarray:
+        """The inner edges of ``bins`` quantile bins of the first training-target column (ties merged)."""
         train = self.dataset.train_y.numpy()
         ref = train.reshape(len(train), -1)[:, 0] if train.ndim > 1 else train
-        edges = np.unique(np.quantile(ref, np.linspace(0, 1, bins + 1)[1:-1]))
-        return np.searchsorted(edges, first, side="right").astype(np.int64)
+        return np.unique(np.quantile(ref, np.linspace(0, 1, bins + 1)[1:-1]))
 
     def partition_of(self, labels: np.ndarray, users: np.ndarray | None = None) -> list[np.ndarray]:
         """Split samples with these labels over the clients with the configured partitioner
@@ -274,6 +280,8 @@ class RunContext:
         if init_from is not None:
             load_initial_weights(model, init_from)
         check_model_fits(model, ds, self.config.model.name, self.config.dataset.name)
+        if self.objects.model is not None:  # objects.json: what the factory gave
+            self.objects.built_model = describe_model(model)
         return model
 
     @cached_property

@@ -1,29 +1,42 @@
-"""The Flower ``ClientApp``: runs fedweave's own local training for the jobs of the partition this
-SuperNode holds (node config ``partition-id``) and replies with the simulation's fields.
+"""The Flower ``ClientApp``: runs fedweave's own local training for the jobs of the client this SuperNode
+holds and replies with what the client sends in the paper (docs/deployment.md).
 
-The node rebuilds the dataset, partition and model from the run's fedweave config (the same root seed, so
-the same client data, batches and augmentation as in simulation) and trains on the ``loop`` backend.
+Node config (``flower-supernode --node-config``): ``partition-id`` (the fedweave client index this node
+holds), ``data`` (optional: an ``.npz`` of the client's own samples, ``fedweave.deploy.node_data``) and
+``state-dir`` (where the node keeps its clients' own state; default ``$FLWR_HOME/fedweave-state``).
+Without ``data`` the node rebuilds the dataset and partition from the run's fedweave config (a trial: the
+same root seed gives the same client data as in simulation); with it the node reads only its file. Batches
+and augmentation come from the run's seed streams either way; training runs on the ``loop`` backend.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from functools import lru_cache
+from pathlib import Path
 
+import numpy as np
+import torch
 from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 
 from fedweave.algorithms.base import RunContext
+from fedweave.byo import RunObjects
 from fedweave.config import ConfigError
 from fedweave.config import load as load_config
 from fedweave.data.augment import augment_for
-from fedweave.deploy.jobs import MalformedJobError, UnknownRuleError, decode_job
+from fedweave.data.base import Dataset
+from fedweave.deploy import split
+from fedweave.deploy.jobs import Job, MalformedJobError, UnknownRuleError, decode_job
+from fedweave.deploy.node_data import NodeDataError, load_node_data
+from fedweave.deploy.node_state import NodeState, StateMissingError
 from fedweave.deploy.wire import from_records, to_records
 from fedweave.execution import loop
-from fedweave.execution.local import LocalTrainer
+from fedweave.execution.local import LocalResult, LocalTrainer
 
 # Error codes of the replies (Flower reserves codes below 100 for itself)
-UNKNOWN_RULE, MALFORMED, WRONG_NODE = 101, 102, 103
+UNKNOWN_RULE, MALFORMED, WRONG_NODE, STATE_MISSING, STATE_UNWRITABLE, NODE_DATA = 101, 102, 103, 104, 105, 106
 
 app = ClientApp()
 
@@ -35,37 +48,121 @@ def partition_id(context: Context) -> int:
     return int(value)
 
 
+def state_dir(context: Context) -> Path:
+    value = context.node_config.get("state-dir")
+    if value:
+        return Path(str(value))
+    return Path(os.environ.get("FLWR_HOME", Path.home() / ".flwr")) / "fedweave-state"
+
+
+def node_data(context: Context) -> str | None:
+    value = context.node_config.get("data")
+    return str(value) if value else None
+
+
 @lru_cache(maxsize=2)
-def _trainer(config_json: str) -> LocalTrainer:
-    """The node's trainer over the run's data (built once per run config)."""
+def _trainer(config_json: str, data: str | None, client: int, num_classes: int | None) -> LocalTrainer:
+    """The node's trainer over its client's data (built once per run config and data)."""
     config = load_config(json.loads(config_json))
-    ctx = RunContext(config)
-    ds = ctx.dataset
+    if data is None:  # a trial: the configured dataset's partition, as in simulation
+        ctx = RunContext(config)
+        x, y, parts = ctx.dataset.train_x, ctx.dataset.train_y, ctx.partition
+    else:  # the node's own file is the client's data; only the model's outputs come from the server
+        x, y = load_node_data(data)
+        if num_classes is None:
+            raise MalformedJobError("the job does not name the model's num_classes, which a node with data needs")
+        ds = Dataset(f"node data {Path(data).name}", x, y, x[:0], y[:0], num_classes, tuple(x.shape[1:]))
+        ctx = RunContext(config, RunObjects(dataset=ds))
+        x, y = ctx.dataset.train_x, ctx.dataset.train_y  # in the run's precision
+        parts = [np.zeros(0, dtype=np.int64)] * client + [np.arange(len(x))]
     return LocalTrainer(
-        ctx.model, ds.train_x, ds.train_y, ctx.partition, config.local, ctx.seeds,
-        backend="loop", augment=augment_for(config.local), rounds=config.rounds,
+        ctx.model, x, y, parts, config.local, ctx.seeds,
+        backend="loop", augment=augment_for(config.local), rounds=config.rounds, loss_fn=ctx.task.loss,
     )  # fmt: skip
 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    return Message(to_records({"partition": partition_id(context)}, {}), reply_to=msg)
+    """Which client this node holds (and, with its own data, how many samples it has)."""
+    answer = {"partition": partition_id(context)}
+    data = node_data(context)
+    if data is not None:
+        try:
+            answer["samples"] = len(load_node_data(data)[1])
+        except NodeDataError as e:
+            return _error(msg, NODE_DATA, str(e))
+    return Message(to_records(answer, {}), reply_to=msg)
+
+
+def _error(msg: Message, code: int, reason: str) -> Message:
+    return Message(Error(code, reason), reply_to=msg)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     try:
         header, tensors = from_records(msg.content)
+        h = json.loads(header)
+        if isinstance(h, dict) and h.get("kind") == split.KIND:
+            return _split_epoch(msg, context, h, tensors)
         job = decode_job(header, tensors)
     except UnknownRuleError as e:
-        return Message(Error(UNKNOWN_RULE, str(e)), reply_to=msg)
-    except (MalformedJobError, KeyError, TypeError) as e:
-        return Message(Error(MALFORMED, f"malformed fedweave job message: {e}"), reply_to=msg)
+        return _error(msg, UNKNOWN_RULE, str(e))
+    except (ValueError, KeyError, TypeError) as e:  # MalformedJobError, a header that is not JSON, ...
+        return _error(msg, MALFORMED, f"malformed fedweave job message: {e}")
     mine = partition_id(context)
     if job.client != mine:
-        return Message(Error(WRONG_NODE, f"job for client {job.client} sent to the node holding {mine}"), reply_to=msg)
-    tr = _trainer(str(context.run_config["fedweave-config"]))
+        return _error(msg, WRONG_NODE, f"job for client {job.client} sent to the node holding {mine}")
+    try:
+        tr = _trainer(str(context.run_config["fedweave-config"]), node_data(context), mine, job.num_classes)
+    except MalformedJobError as e:
+        return _error(msg, MALFORMED, str(e))
+    except (ValueError, ConfigError) as e:  # the node's data file, or data that do not fit the model
+        return _error(msg, NODE_DATA, str(e))
+    if tr.layout.numel != job.start.numel():
+        return _error(msg, NODE_DATA, f"the node's model has {tr.layout.numel} parameters, the job's start vector "
+                      f"{job.start.numel()}: does the node's data have the dataset's input shape?")  # fmt: skip
     tr.local = job.local
-    res = loop.run(tr, job.start, [job.client], job.round, job.rule, job.lr, job.steps, job.key)
-    out = {"steps": int(res.steps[0]), "loss": float(res.loss[0])}
-    return Message(to_records(out, {"params": res.params[0]}), reply_to=msg)
+    if job.step is None:
+        res = _run(tr, job, job.rule)
+        out, sent = res, {"params": res.params}
+    else:
+        try:
+            out, sent = _run_step(tr, job, NodeState(state_dir(context), context.run_id))
+        except StateMissingError as e:
+            return _error(msg, STATE_MISSING, str(e))
+        except OSError as e:
+            return _error(msg, STATE_UNWRITABLE, f"cannot read or write the client state in {state_dir(context)}: {e}")
+    header = {"steps": int(out.steps[0]), "loss": float(out.loss[0])}
+    return Message(to_records(header, sent), reply_to=msg)
+
+
+def _split_epoch(msg: Message, context: Context, h: dict, tensors: dict[str, torch.Tensor]) -> Message:
+    """A CSE-FSL client's epoch (``fedweave.deploy.split``)."""
+    mine = partition_id(context)
+    if int(h["client"]) != mine:
+        return _error(msg, WRONG_NODE, f"job for client {h['client']} sent to the node holding {mine}")
+    config_json = str(context.run_config["fedweave-config"])
+    try:
+        header, out = split.run_epoch(h, tensors, config_json, node_data(context), mine)
+    except (KeyError, TypeError) as e:
+        return _error(msg, MALFORMED, f"malformed fedweave split job message: {type(e).__name__}: {e}")
+    except (ValueError, ConfigError) as e:  # the node's data, or a run that is not CSE-FSL
+        return _error(msg, NODE_DATA, str(e))
+    return Message(to_records(header, out), reply_to=msg)
+
+
+def _run(tr: LocalTrainer, job: Job, rule) -> LocalResult:
+    return loop.run(tr, job.start, [job.client], job.round, rule, job.lr, job.steps, job.key)
+
+
+def _run_step(tr: LocalTrainer, job: Job, store: NodeState) -> tuple[LocalResult, dict[str, torch.Tensor]]:
+    """A stateful client's job: its state from the node's files (the version the server accepted), its
+    local training, then what it uploads; its new state is written before the reply leaves."""
+    step = job.step
+    state = store.load(job.client, job.state_round, step.state, job.start)
+    state = {n: t.to(job.start.dtype) for n, t in state.items()}
+    res = _run(tr, job, step.rule(state))
+    upload, new = step.finish(state, job.start, res)
+    store.save(job.client, job.round, new, accepted=job.state_round)
+    return res, (upload or {"params": res.params})

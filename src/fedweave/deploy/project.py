@@ -33,8 +33,13 @@ def write_app(
     run_dir: str = "",
     reply_timeout: float = 600.0,
     node_wait: float = 120.0,
+    on_error: str = "stop",
 ) -> Path:
     """Write the Flower app project for ``config`` into ``directory``; returns its pyproject path."""
+    if on_error not in ("stop", "drop"):
+        raise ValueError(f"on_error must be 'stop' or 'drop', got {on_error!r}")
+    if not reply_timeout > 0 or not node_wait > 0:
+        raise ValueError(f"reply_timeout and node_wait must be > 0 seconds, got {reply_timeout} and {node_wait}")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{MODULE}.py").write_text(APP_MODULE)
@@ -64,6 +69,7 @@ fedweave-config = {_toml_str(json.dumps(config.to_dict()))}
 run-dir = {_toml_str(run_dir)}
 reply-timeout = {float(reply_timeout)}
 node-wait = {float(node_wait)}
+on-error = {_toml_str(on_error)}
 """
     path = out / "pyproject.toml"
     path.write_text(pyproject)

@@ -3,89 +3,296 @@
 
 Run config keys of the app (``[tool.flwr.app.config]``, written by ``fedweave flower-app``):
 ``fedweave-config`` (the run config as JSON), ``run-dir`` (the results directory; empty: the config's),
-``reply-timeout`` (seconds a round waits for its replies) and ``node-wait`` (seconds to wait for the
-SuperNodes holding the run's clients to connect).
+``reply-timeout`` (seconds a round waits for its replies), ``node-wait`` (seconds to wait for the
+SuperNodes holding the run's clients to connect) and ``on-error`` (``stop`` or ``drop``: what a client's
+error reply, or a reply that does not come, does to the run).
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from flwr.app import Context, Message
 from flwr.serverapp import Grid, ServerApp
 
 from fedweave.algorithms.base import Algorithm
+from fedweave.algorithms.split.cse_fsl import CSEFSL
+from fedweave.config import ConfigError
 from fedweave.config import load as load_config
+from fedweave.deploy import split
 from fedweave.deploy.jobs import encode_job
-from fedweave.deploy.wire import from_records, to_records, wire_bytes
-from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer
+from fedweave.deploy.node_state import INITIAL
+from fedweave.deploy.wire import from_records, payload_bytes, to_records, wire_bytes
+from fedweave.execution.local import LR, ClientStep, LocalResult, LocalRule, LocalTrainer
+from fedweave.execution.state import StateStore
 from fedweave.results import atomic_write
+from fedweave.runner import RunStopped
 
 log = logging.getLogger("fedweave")
+POLICIES = ("stop", "drop")
+POLL = 0.25  # seconds between two looks for replies
 
 
 class DeploymentError(RuntimeError):
-    """A node answered a job with an error, or did not answer in time."""
+    """The federation cannot run: no SuperNode holds a client, or a node answers the start-up query badly."""
+
+
+class ClientsLost(RuntimeError):
+    """Some jobs of a call got an error reply or no reply in time: ``reasons[client]`` says why."""
+
+    def __init__(self, round: int, reasons: dict[int, str]) -> None:
+        self.round, self.reasons = round, reasons
+        first = ", ".join(f"client {c}: {why}" for c, why in sorted(reasons.items()))
+        super().__init__(f"round {round + 1}: {first}")
+
+
+def _digest(header: dict, tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 class FlowerClients:
-    """The run's clients as SuperNodes: which node holds which client, and the bytes sent to them."""
+    """The run's clients as SuperNodes: which node holds which client, the replies of the round, the
+    version of each client's state the server accepted, and the bytes exchanged."""
 
-    def __init__(self, grid: Grid, *, reply_timeout: float, node_wait: float) -> None:
-        self.grid, self.reply_timeout, self.node_wait = grid, reply_timeout, node_wait
-        self.node_of: dict[int, int] = {}
-        self.bytes_sent = self.bytes_received = self.messages = 0
+    def __init__(self, grid: Grid, *, reply_timeout: float, node_wait: float, on_error: str = "stop") -> None:
+        if on_error not in POLICIES:
+            raise ConfigError(f"on-error must be one of {', '.join(POLICIES)}, got {on_error!r}")
+        self.grid, self.reply_timeout, self.node_wait, self.on_error = grid, reply_timeout, node_wait, on_error
+        self.node_of: dict[int, int] = {}  # client -> node id
+        self.asked: dict[str, int] = {}  # start-up queries waiting for their reply: message id -> node id
+        self.queried: set[int] = set()  # nodes asked once
+        self.query_errors: dict[int, str] = {}  # node id -> why it did not answer the query
+        self.samples: dict[int, int] = {}  # client -> sample count of a node that holds its own data
+        self.accepted: dict[int, int] = {}  # client -> round of its state version the server used
+        self.replies: dict[str, Message] = {}  # this round's good replies, by job digest
+        self.replies_round = -1
+        self.dropped: dict[int, set[int]] = {}  # round -> clients the run went on without
+        self.bytes_sent = self.bytes_received = self.payload_sent = self.payload_received = self.messages = 0
+
+    # ---- which node holds which client -----------------------------------------------------------
+    def _ask_new_nodes(self) -> None:
+        new = [n for n in self.grid.get_node_ids() if n not in self.queried]
+        msgs = [Message(to_records({}, {}), dst_node_id=n, message_type="query") for n in new]
+        for msg_id, m in zip(self.push(msgs), msgs, strict=True):
+            self.asked[msg_id] = m.metadata.dst_node_id
+        self.queried.update(new)
+
+    def _collect_answers(self) -> None:
+        if not self.asked:
+            return
+        for reply in self.pull(list(self.asked)):
+            node = self.asked.pop(reply.metadata.reply_to_message_id)
+            if reply.has_error():  # e.g. a node without partition-id, or one that died before answering
+                self.query_errors[node] = reply.error.reason
+                log.warning("SuperNode %d did not say which client it holds: %s", node, reply.error.reason)
+                continue
+            header, _ = from_records(reply.content)
+            answer = json.loads(header)
+            client = int(answer["partition"])
+            if "samples" in answer:
+                self.samples[client] = int(answer["samples"])
+            if client in self.node_of and self.node_of[client] != node:
+                log.info("client %d is now held by SuperNode %d (was %d)", client, node, self.node_of[client])
+            self.node_of[client] = node
 
     def discover(self, num_clients: int) -> None:
-        """Ask every connected node which partition it holds, until all ``num_clients`` are held."""
+        """Ask every connected node which client it holds, until all ``num_clients`` are held."""
         deadline = time.monotonic() + self.node_wait
         while True:
-            asked = [n for n in self.grid.get_node_ids() if n not in self.node_of.values()]
-            msgs = [Message(to_records({}, {}), dst_node_id=n, message_type="query") for n in asked]
-            for reply in self.exchange(msgs, timeout=30.0):
-                if reply.has_error():
-                    raise DeploymentError(f"node {reply.metadata.src_node_id}: {reply.error.reason}")
-                header, _ = from_records(reply.content)
-                self.node_of[int(json.loads(header)["partition"])] = reply.metadata.src_node_id
+            self._ask_new_nodes()
+            self._collect_answers()
             missing = sorted(set(range(num_clients)) - set(self.node_of))
             if not missing:
                 return
             if time.monotonic() > deadline:
-                raise DeploymentError(f"no SuperNode holds partitions {missing} after waiting {self.node_wait:.0f} s")
-            time.sleep(0.5)
+                errors = "".join(f"; node {n}: {why}" for n, why in self.query_errors.items())
+                raise DeploymentError(
+                    f"no SuperNode holds clients {missing} after waiting {self.node_wait:.0f} s{errors}"
+                )
+            time.sleep(POLL)
 
-    def exchange(self, msgs: list[Message], timeout: float) -> list[Message]:
+    def refresh(self) -> None:
+        """Between calls: ask nodes that connected since (a restarted node rejoins under a new id) without
+        waiting for them, and take the answers that came in."""
+        self._ask_new_nodes()
+        self._collect_answers()
+
+    # ---- messages --------------------------------------------------------------------------------
+    def push(self, msgs: list[Message]) -> list[str]:
         if not msgs:
             return []
         self.bytes_sent += sum(wire_bytes(m) for m in msgs)
-        replies = list(self.grid.send_and_receive(msgs, timeout=timeout))
+        self.payload_sent += sum(payload_bytes(m) for m in msgs)
+        self.messages += len(msgs)
+        return list(self.grid.push_messages(msgs))
+
+    def pull(self, ids: list[str]) -> list[Message]:
+        replies = list(self.grid.pull_messages(ids))
         self.bytes_received += sum(wire_bytes(m) for m in replies)
-        self.messages += len(msgs) + len(replies)
+        self.payload_received += sum(payload_bytes(m) for m in replies)
+        self.messages += len(replies)
         return replies
 
+    def run_jobs(self, round: int, jobs: list[tuple[int, dict, dict[str, torch.Tensor]]]) -> list[Message]:
+        """Each ``(client, header, tensors)`` job as one ``train`` message to its client's node; returns the
+        replies in job order, or raises :class:`ClientsLost` naming the jobs without a good reply. A job
+        already answered in this round (the round is computed again without a lost client) is not sent."""
+        if round != self.replies_round:
+            self.replies, self.replies_round = {}, round
+        self.refresh()
+        online = set(self.grid.get_node_ids())
+        keys = [_digest(h, t) for _, h, t in jobs]
+        lost: dict[int, str] = {}
+        sent: dict[str, int] = {}
+        msgs = []
+        for k, (c, header, tensors) in enumerate(jobs):
+            if keys[k] in self.replies:
+                continue
+            node = self.node_of.get(c)
+            if node is None or node not in online:
+                lost[c] = "no SuperNode holding it is connected"
+                continue
+            msgs.append(Message(to_records(header, tensors), dst_node_id=node, message_type="train"))
+            sent[keys[k]] = c
+        pending = dict(zip(self.push(msgs), sent, strict=True))  # message id -> job digest
+        node_was = {key: self.node_of[c] for key, c in sent.items()}
+        deadline = time.monotonic() + self.reply_timeout
+        next_look = time.monotonic() + 1.0
+        while pending and time.monotonic() < deadline:
+            for reply in self.pull(list(pending)):
+                key = pending.pop(reply.metadata.reply_to_message_id, None)
+                if key is None:
+                    continue
+                if reply.has_error():
+                    lost[sent[key]] = f"error {reply.error.code}: {reply.error.reason}"
+                else:
+                    self.replies[key] = reply
+            if pending and time.monotonic() > next_look:
+                # a node that restarted joins under a new id: the job sent to its old self is lost
+                self.refresh()
+                next_look = time.monotonic() + 1.0
+                for msg_id, key in list(pending.items()):
+                    if self.node_of.get(sent[key]) != node_was[key]:
+                        lost[sent[key]] = "its SuperNode restarted (it joined again under a new id)"
+                        del pending[msg_id]
+            if pending:
+                time.sleep(POLL)
+        for key in pending.values():
+            lost[sent[key]] = f"no reply in {self.reply_timeout:g} s"
+        if lost:
+            raise ClientsLost(round, lost)
+        return [self.replies[k] for k in keys]
+
+    # ---- the algorithm ---------------------------------------------------------------------------
     def attach(self, algo: Algorithm) -> None:
-        """Make ``algo``'s local trainer send its jobs to the nodes (runner ``prepare`` hook)."""
+        """Make ``algo``'s local trainer send its jobs to the nodes and apply the error policy to its rounds
+        (runner ``prepare`` hook)."""
+        if isinstance(algo, CSEFSL):  # the split family: CSE-FSL's client epochs on the nodes
+            if self.on_error == "drop":
+                raise DeploymentError("on-error drop is not built for the split family yet; use on-error stop")
+            algo.client_epochs = split.remote_epochs(self, algo)
+            self._apply_policy(algo)
+            self.discover(algo.ctx.num_clients)
+            return
         trainer = getattr(algo, "trainer", None)
-        if trainer is None:
-            raise DeploymentError(f"algorithm {algo.name!r} has no local trainer; it cannot be deployed on Flower yet")
+        if trainer is None or algo.family != "centralized":
+            raise DeploymentError(
+                f"algorithm {algo.name!r} ({algo.family}) cannot be deployed on Flower yet: the centralized family "
+                "and cse_fsl can (docs/deployment.md)"
+            )
         remote = FlowerTrainer.__new__(FlowerTrainer)
         remote.__dict__.update(trainer.__dict__)
         remote.backend, remote.clients = "flower", self
+        remote.num_classes = algo.ctx.dataset.num_classes  # what a node with its own data builds its model for
         algo.trainer = remote
+        if getattr(algo, "store", None) is not None:
+            algo.store = None  # the clients' own state lives on their nodes, not in the server
+        self._apply_policy(algo)
         self.discover(len(trainer.parts))
+        self.check_samples([len(p) for p in trainer.parts])
 
-    def summary(self) -> dict[str, int]:
-        return {"messages": self.messages, "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
+    def check_samples(self, sizes: list[int]) -> None:
+        """The server weighs clients (and counts their local steps) by its partition: a node with its own
+        data must hold as many samples as the partition gives its client."""
+        for c, n in sorted(self.samples.items()):
+            if n != sizes[c]:
+                raise DeploymentError(
+                    f"the SuperNode of client {c} holds {n} samples in its data file, but the run's partition gives "
+                    f"client {c} {sizes[c]}; the server weighs clients by its partition, so they must agree "
+                    "(docs/deployment.md, 'Node data from a path')"
+                )
+
+    def _apply_policy(self, algo: Algorithm) -> None:
+        """``stop``: a lost client ends the run (``RunStopped``, one line). ``drop``: the round is computed
+        again without the lost clients, exactly as a dropout of ``faults.dropout`` in simulation (they
+        deliver nothing; aggregation re-weights over those that reported); answered jobs are not sent again."""
+        run_round, reporting, fault_metrics = algo.run_round, algo.reporting, algo.fault_metrics
+        ledger = algo.ledger
+        can_drop = "dropout" in algo.handles_faults
+
+        def run_round_under_policy(r: int) -> dict[str, float]:
+            dropping = self.on_error == "drop" and can_drop
+            before = copy.deepcopy((algo.state_dict(), ledger.state_dict())) if dropping else None
+            while True:
+                try:
+                    return run_round(r)
+                except ClientsLost as e:
+                    if self.on_error == "stop":
+                        raise RunStopped(f"{e} (deployment on-error: stop)") from None
+                    if not dropping:
+                        raise RunStopped(f"{e}; algorithm {algo.name!r} has no dropout semantics") from None
+                    for c, why in sorted(e.reasons.items()):
+                        log.warning("round %d: client %d: %s; the round goes on without it (on-error: drop)",
+                                    r + 1, c, why)  # fmt: skip
+                    self.dropped.setdefault(r, set()).update(e.reasons)
+                    state, ledger_state = copy.deepcopy(before)
+                    algo.load_state_dict(state)
+                    ledger.load_state_dict(ledger_state)
+
+        def reporting_without_lost(r: int, clients: np.ndarray) -> np.ndarray:
+            kept = reporting(r, clients)
+            gone = self.dropped.get(r)
+            return kept[~np.isin(kept, sorted(gone))] if gone else kept
+
+        def fault_metrics_with_reports(reported: int | np.ndarray) -> dict[str, float]:
+            n = reported if isinstance(reported, int) else len(reported)
+            return {**fault_metrics(reported), "reported_clients": float(n)}
+
+        algo.run_round = run_round_under_policy
+        if self.on_error == "drop" and can_drop:
+            algo.reporting = reporting_without_lost
+            algo.fault_metrics = fault_metrics_with_reports
+
+    def summary(self, ledger_total: int) -> dict:
+        return {
+            "messages": self.messages,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "payload_sent": self.payload_sent,
+            "payload_received": self.payload_received,
+            # Flower's serialised messages minus the ledger's payload bytes: the framing, record names,
+            # the job header and the start-up queries (docs/deployment.md)
+            "overhead_bytes": self.bytes_sent + self.bytes_received - ledger_total,
+            "dropped": {str(r + 1): sorted(cs) for r, cs in sorted(self.dropped.items())},
+        }
 
 
 class FlowerTrainer(LocalTrainer):
     """A ``LocalTrainer`` whose jobs run on the SuperNodes; same arguments, same results."""
 
     clients: FlowerClients
+    num_classes: int
 
     def run_jobs(
         self,
@@ -98,35 +305,60 @@ class FlowerTrainer(LocalTrainer):
         key: tuple[int, ...],
     ) -> LocalResult:
         """The call's jobs as one Message each to the SuperNode holding that client's data."""
-        msgs = []
-        for k, c in enumerate(map(int, clients)):
+        replies = self._send(starts, clients, round, lr, steps, key, rule=rule)
+        out = [from_records(r.content) for r in replies]
+        params = torch.stack([t["params"].reshape(-1) for _, t in out])
+        return _result(params, [json.loads(h) for h, _ in out])
+
+    def train_with_state(
+        self,
+        starts: torch.Tensor,
+        clients,
+        round: int,
+        step: ClientStep,
+        store: StateStore | None,
+        *,
+        lr: LR | None = None,
+        steps: int | None = None,
+        key: tuple[int, ...] = (),
+    ) -> tuple[LocalResult, dict[str, torch.Tensor]]:
+        """A stateful algorithm's jobs: each node starts from its own copy of its client's state and
+        replies with what the client uploads in the paper; the server keeps only, per client, the round of
+        the state version it used (``store`` stays unused: there is none on the server)."""
+        clients = list(map(int, clients))
+        starts = self.checked_starts(starts, clients)
+        lr = self.lr(round) if lr is None else lr
+        if not clients:
+            return LocalResult(starts[:0].clone(), torch.zeros(0, dtype=torch.long), torch.zeros(0)), {}
+        replies = self._send(starts, clients, round, lr, steps, key, step=step)
+        out = [from_records(r.content) for r in replies]
+        names = sorted(out[0][1])
+        upload = {n: torch.stack([t[n].reshape(-1) for _, t in out]) for n in names if n != "params"}
+        params = torch.stack([t["params"].reshape(-1) for _, t in out]) if "params" in names else None
+        if params is None:
+            params = step.local_model(starts, upload)
+        for c in clients:
+            self.clients.accepted[c] = round
+        return _result(params, [json.loads(h) for h, _ in out]), upload
+
+    def _send(self, starts, clients, round, lr, steps, key, *, rule=None, step=None) -> list[Message]:
+        jobs = []
+        for k, c in enumerate(clients):
             header, tensors = encode_job(
-                start=starts[k], client=c, round=round, rule=rule, k=k, jobs=len(clients),
-                lr=lr, steps=steps, key=key, local=self.local,
+                start=starts[k], client=c, round=round, k=k, jobs=len(clients), lr=lr, steps=steps, key=key,
+                local=self.local, rule=rule, step=step, state_round=self.clients.accepted.get(c, INITIAL),
+                num_classes=self.num_classes,
             )  # fmt: skip
-            m = Message(to_records(header, tensors), dst_node_id=self.clients.node_of[c], message_type="train")
-            msgs.append(m)
-        replies = self.clients.exchange(msgs, timeout=self.clients.reply_timeout)
-        order = {m.metadata.message_id: k for k, m in enumerate(msgs)}  # set when the grid pushed them
-        out: list[tuple[torch.Tensor, int, float] | None] = [None] * len(msgs)
-        for reply in replies:
-            k = order.get(reply.metadata.reply_to_message_id)
-            if k is None:
-                continue
-            if reply.has_error():
-                raise DeploymentError(f"round {round + 1}: client {clients[k]}: {reply.error.reason}")
-            header, tensors = from_records(reply.content)
-            h = json.loads(header)
-            out[k] = (tensors["params"].reshape(-1), int(h["steps"]), float(h["loss"]))
-        lost = [int(clients[k]) for k, o in enumerate(out) if o is None]
-        if lost:
-            raise DeploymentError(f"round {round + 1}: no reply from clients {lost} in {self.clients.reply_timeout} s")
-        done = [o for o in out if o is not None]
-        return LocalResult(
-            torch.stack([o[0] for o in done]),
-            torch.tensor([o[1] for o in done], dtype=torch.long),
-            torch.tensor([o[2] for o in done]),
-        )
+            jobs.append((c, header, tensors))
+        return self.clients.run_jobs(round, jobs)
+
+
+def _result(params: torch.Tensor, headers: list[dict]) -> LocalResult:
+    return LocalResult(
+        params,
+        torch.tensor([int(h["steps"]) for h in headers], dtype=torch.long),
+        torch.tensor([float(h["loss"]) for h in headers]),
+    )
 
 
 app = ServerApp()
@@ -138,14 +370,25 @@ def main(grid: Grid, context: Context) -> None:
 
     rc = context.run_config
     config = load_config(json.loads(str(rc["fedweave-config"])))
-    clients = FlowerClients(grid, reply_timeout=float(rc["reply-timeout"]), node_wait=float(rc["node-wait"]))
+    clients = FlowerClients(
+        grid,
+        reply_timeout=float(rc["reply-timeout"]),
+        node_wait=float(rc["node-wait"]),
+        on_error=str(rc.get("on-error", "stop")),
+    )
     run_dir = str(rc.get("run-dir", "")) or None
-    result = runner.run(config, run_dir=run_dir, prepare=clients.attach, progress=False)
-    summary = dict(result.summary)
-    # Flower's serialised messages next to the ledger's payload bytes; the difference is the framing,
-    # record names, the job header and the discovery queries (docs/deployment.md)
-    flower = clients.summary()
-    flower["overhead_bytes"] = flower["bytes_sent"] + flower["bytes_received"] - summary["communication"]["bytes_total"]
-    summary["flower"] = flower
-    atomic_write(Path(result.run_dir) / "summary.json", json.dumps(summary, indent=2))
-    log.info("fedweave run finished in %s", result.run_dir)
+    try:
+        result = runner.run(config, run_dir=run_dir, prepare=clients.attach, progress=False)
+        out = Path(result.run_dir)
+    except DeploymentError as e:  # before the first round: nothing was written
+        log.error("fedweave run not started: %s", e)
+        return
+    except RunStopped as e:
+        log.error("fedweave run stopped: %s", e)
+        if e.run_dir is None:
+            return
+        out = Path(e.run_dir)
+    summary = json.loads((out / "summary.json").read_text())
+    summary["flower"] = clients.summary(summary["communication"]["bytes_total"])
+    atomic_write(out / "summary.json", json.dumps(summary, indent=2))
+    log.info("fedweave run in %s: %s", out, summary["status"])

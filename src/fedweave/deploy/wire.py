@@ -23,6 +23,16 @@ def from_records(content: RecordDict) -> tuple[str, dict[str, torch.Tensor]]:
     return header, {k: torch.from_numpy(np.array(a.numpy())) for k, a in arrays.items()}
 
 
+def payload_bytes(msg: Any) -> int:
+    """Bytes of the array values a message carries (what fedweave's ledger counts as payload)."""
+    if msg.has_error():
+        return 0
+    arrays = msg.content.array_records.get("tensors")
+    if arrays is None:
+        return 0
+    return sum(int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in arrays.values())
+
+
 def wire_bytes(obj: Any) -> int:
     """Bytes of ``obj`` as Flower serialises it for transport (the object and its children)."""
     children = getattr(obj, "children", None) or {}

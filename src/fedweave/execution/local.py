@@ -25,6 +25,7 @@ from torch import nn
 
 from fedweave.config import LocalConfig, RayConfig
 from fedweave.execution.params import ParamLayout
+from fedweave.execution.state import StateStore
 from fedweave.seeding import Seeds
 from fedweave.tasks import Loss, cross_entropy  # noqa: F401  (cross_entropy: the default loss, re-exported)
 
@@ -86,6 +87,36 @@ class LocalResult:
     params: torch.Tensor  # (K, P) final local parameters
     steps: torch.Tensor  # (K,) local steps taken
     loss: torch.Tensor  # (K,) mean training loss over the steps
+
+
+class ClientStep:
+    """The client's side of a round of an algorithm whose clients keep state of their own (SCAFFOLD's
+    ``c_i``, FedDyn's local gradient): from the client's state rows and what the server sent, the local
+    rule; after local training, what the client uploads and its new state.
+
+    Written once per algorithm with a leading job axis, it runs for a whole call at once over the run's
+    ``StateStore`` in simulation (:meth:`LocalTrainer.train_with_state`), and for one job on the node that
+    keeps the client's state in a deployment (``fedweave.deploy``), so the state never travels. Its
+    attributes are what the server sends (tensors shared by the call's jobs, and scalars).
+    """
+
+    state: tuple[str, ...] = ()  # the per-client state rows, each of the model's size, zero at the start
+
+    def rule(self, state: dict[str, torch.Tensor]) -> LocalRule:
+        """The local rule of jobs whose state rows are ``state[name]`` (shape ``(K, P)``)."""
+        raise NotImplementedError
+
+    def finish(
+        self, state: dict[str, torch.Tensor], start: torch.Tensor, result: LocalResult
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``(upload, new_state)`` of the jobs, each tensor ``(K, ...)``, from their state, start vector(s)
+        and local result. An empty ``upload`` means the client sends its local model."""
+        raise NotImplementedError
+
+    def local_model(self, start: torch.Tensor, upload: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The local models as the server can rebuild them from an upload that is not the model (for
+        metrics only)."""
+        raise NotImplementedError
 
 
 @dataclass
@@ -235,13 +266,43 @@ class LocalTrainer:
         ZO-HFL use the same key, hence the same batches). ``lr`` may be a function of the local step index
         ``t`` (restarting at 0 in every call), e.g. the decaying ``0.1 / (t + 1)`` of ZO-HFL's Algorithm 2.
         """
-        starts = starts if starts.dim() == 2 else starts.expand(len(clients), -1)
-        if len(clients) != starts.shape[0]:
-            raise ValueError(f"{len(clients)} clients but {starts.shape[0]} start vectors")
+        starts = self.checked_starts(starts, clients)
         if len(clients) == 0:  # e.g. every sampled client dropped out: no backend needs to start
             return LocalResult(starts[:0].clone(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
         lr = self.lr(round) if lr is None else lr
         return self.run_jobs(starts, list(map(int, clients)), round, rule, lr, steps, key)
+
+    @staticmethod
+    def checked_starts(starts: torch.Tensor, clients: Sequence[int]) -> torch.Tensor:
+        """One start vector per job, ``(K, P)`` (a shared ``(P,)`` start is expanded)."""
+        starts = starts if starts.dim() == 2 else starts.expand(len(clients), -1)
+        if len(clients) != starts.shape[0]:
+            raise ValueError(f"{len(clients)} clients but {starts.shape[0]} start vectors")
+        return starts
+
+    def train_with_state(
+        self,
+        starts: torch.Tensor,
+        clients: Sequence[int],
+        round: int,
+        step: ClientStep,
+        store: StateStore | None,
+        *,
+        lr: LR | None = None,
+        steps: int | None = None,
+        key: tuple[int, ...] = (),
+    ) -> tuple[LocalResult, dict[str, torch.Tensor]]:
+        """Train the jobs of a stateful algorithm's clients: each job's rule comes from its client's state
+        rows in ``store``, and after training ``step`` computes each client's upload and new state, which is
+        written back. Returns the local result and the uploads (rows in job order)."""
+        assert store is not None, "the simulation keeps the clients' state in the algorithm's StateStore"
+        idx = torch.as_tensor(np.asarray(clients), dtype=torch.long)
+        state = {name: store[name][idx] for name in step.state}
+        result = self.train(starts, clients, round, rule=step.rule(state), lr=lr, steps=steps, key=key)
+        upload, new = step.finish(state, starts, result)
+        for name, rows in new.items():
+            store[name][idx] = rows
+        return result, upload
 
     def run_jobs(
         self,

@@ -19,11 +19,20 @@ class GridError(ConfigError):
 
 @dataclass(frozen=True)
 class Point:
-    """One run of a sweep: the grid values it sets (without the seed), its seed and its resolved config."""
+    """One run of a sweep: the grid values it sets (without the seed), its seed and its resolved config.
+    ``name``, when given, is its run directory under the sweep's runs directory (a path that may hold
+    ``/``); a reproduction names its runs so, to keep the layout its users' finished runs already have."""
 
     values: tuple[tuple[str, Any], ...]
     seed: int
     config: RunConfig
+    name: str | None = None
+
+    @classmethod
+    def of(cls, config: dict[str, Any], name: str | None = None, **values: Any) -> Point:
+        """A point from a config written out in full (a reproduction's run), labelled by ``values``."""
+        cfg = load(config)
+        return cls(tuple(values.items()), cfg.seed, cfg, name)
 
     @property
     def label(self) -> str:
@@ -32,7 +41,10 @@ class Point:
 
     @property
     def slug(self) -> str:
-        """A directory name for this run: the label and the seed, made filesystem-safe."""
+        """This run's directory under the runs directory: its ``name``, else the label and the seed made
+        filesystem-safe."""
+        if self.name is not None:
+            return self.name
         return re.sub(r"[^A-Za-z0-9_.=,-]+", "_", f"{self.label},seed={self.seed}")
 
 

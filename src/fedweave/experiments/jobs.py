@@ -1,43 +1,119 @@
 """Run a sweep's points: in parallel processes with the cores divided, skipping finished runs, resuming
-killed ones from their checkpoints, and recording a diverged run as a result."""
+killed ones from their checkpoints, and recording a diverged run as a result. ``parallel_map`` runs jobs
+that are not runner runs (a reproduction's own solver loops) on workers of the same kind."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import sys
+import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
 from fedweave.experiments.grid import Point
+from fedweave.runner import Result, finished_run
 
 
-def _run_one(config: dict[str, Any], run_dir: str, threads: int) -> dict[str, Any]:
-    """Run (or resume, or recognise as finished) one point; returns its summary. Runs in a worker process."""
+def _run_one(config: dict[str, Any], run_dir: str, threads: int, overwrite: bool = False) -> Result:
+    """Run (or resume) one point; returns its Result without the algorithm object (results cross processes).
+    Runs in a worker process."""
     import torch
 
     from fedweave.config import ConfigError, load
-    from fedweave.runner import CHECKPOINT, finished_run, run
+    from fedweave.runner import CHECKPOINT, run
 
     cfg = load(config)
-    done = finished_run(run_dir, cfg)
-    if done is not None:
-        return done.summary
     if cfg.threads is None:
         torch.set_num_threads(threads)
-    resumable = (Path(run_dir) / CHECKPOINT).is_file()
-    if resumable:
+    if (Path(run_dir) / CHECKPOINT).is_file():
         try:
-            return run(cfg, run_dir=run_dir, progress=False, resume=True, on_divergence="return").summary
+            res = run(cfg, run_dir=run_dir, progress=False, resume=True, on_divergence="return")
+            return Result(res.run_dir, res.metrics, res.summary)
         except ConfigError:  # a checkpoint of another config: start this point again
             pass
-    return run(cfg, run_dir=run_dir, progress=False, on_divergence="return").summary
+    res = run(cfg, run_dir=run_dir, progress=False, on_divergence="return", overwrite=overwrite)
+    return Result(res.run_dir, res.metrics, res.summary)
 
 
 def threads_per_worker(workers: int) -> int:
     """The machine's cores divided among the workers (at least one thread each)."""
     return max(1, (os.cpu_count() or 1) // max(1, workers))
+
+
+def finished(points: Iterable[Point], runs_dir: str | Path) -> dict[str, Result]:
+    """The points whose run directory already holds their finished (completed or diverged) run."""
+    out = {}
+    for p in points:
+        done = finished_run(Path(runs_dir) / p.slug, p.config)
+        if done is not None:
+            out[p.slug] = done
+    return out
+
+
+def _worker_start(threads: int, initializer: Callable[[], None] | None) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    if initializer is not None:
+        initializer()
+
+
+def _schedule(
+    fn: Callable[..., Any],
+    calls: list[tuple],
+    workers: int,
+    *,
+    initializer: Callable[[], None] | None = None,
+    budget_s: float | None = None,
+    on_done: Callable[[int, Any], None] | None = None,
+) -> dict[int, Any]:
+    """``fn(*calls[i])`` for every i, at most ``workers`` at a time in forked processes, each with its share
+    of the cores (one worker: in this process, whose threads are left as they are). No call starts after
+    ``budget_s`` seconds; returns ``{i: result}`` of the calls that ran. ``initializer`` runs once in each
+    worker process (with one worker, in this process)."""
+    t0 = time.perf_counter()
+    over = lambda: budget_s is not None and time.perf_counter() - t0 > budget_s  # noqa: E731
+    out: dict[int, Any] = {}
+    if workers <= 1:
+        if initializer is not None and calls:
+            initializer()
+        for i, args in enumerate(calls):
+            if over():
+                break
+            out[i] = fn(*args)
+            if on_done is not None:
+                on_done(i, out[i])
+        return out
+    # fork: the workers see what this process registered (datasets, models, algorithms)
+    with ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=mp.get_context("fork"),
+        initializer=_worker_start,
+        initargs=(threads_per_worker(workers), initializer),
+    ) as pool:
+        queue = iter(enumerate(calls))
+        running: dict[Any, int] = {}
+        while True:
+            while len(running) < workers and not over() and (nxt := next(queue, None)) is not None:
+                running[pool.submit(fn, *nxt[1])] = nxt[0]
+            if not running:
+                break
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for f in done:
+                i = running.pop(f)
+                out[i] = f.result()
+                if on_done is not None:
+                    on_done(i, out[i])
+    return out
+
+
+def _bar(total: int, initial: int, desc: str) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, unit="run", dynamic_ncols=True, file=sys.stderr, desc=desc)
 
 
 def run_points(
@@ -47,45 +123,56 @@ def run_points(
     workers: int = 1,
     progress: bool = True,
     ray_address: str | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Run every point into ``runs_dir/<point.slug>``; returns ``{slug: summary}``. ``workers`` processes run
-    at once, each with its share of the cores; with ``ray_address`` the points are Ray tasks on that existing
-    cluster instead (one CPU each; ``runs_dir`` must be on storage its nodes share)."""
+    overwrite: bool = False,
+    budget_s: float | None = None,
+    initializer: Callable[[], None] | None = None,
+) -> dict[str, Result]:
+    """Run every point into ``runs_dir/<point.slug>``; returns ``{slug: Result}`` (metrics and summary; a
+    diverged run is a result too). A point whose directory holds its finished run is not run again, and a
+    killed one resumes from its checkpoint. ``workers`` processes run at once, each with its share of the
+    cores; with ``ray_address`` the points are Ray tasks on that existing cluster instead (one CPU each;
+    ``runs_dir`` must be on storage its nodes share).
+
+    ``overwrite``: a directory holding a run of another config is replaced (a reproduction's directories
+    belong to it) rather than refused. ``budget_s``: no run starts after this many seconds (finished runs
+    are used whatever the budget); the points not run are missing from the result. ``initializer`` runs
+    once in each worker process (one worker: in this process), e.g. to cache datasets its runs share."""
     runs_dir = Path(runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
+    out = finished(points, runs_dir)
+    todo = [p for p in points if p.slug not in out]
     threads = threads_per_worker(workers)
-    jobs = {p.slug: (p.config.to_dict(), str(runs_dir / p.slug), threads) for p in points}
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(jobs), unit="run", dynamic_ncols=True, file=sys.stderr, desc="sweep")
-    out: dict[str, dict[str, Any]] = {}
+    calls = [(p.config.to_dict(), str(runs_dir / p.slug), threads, overwrite) for p in todo]
+    bar = _bar(len(points), len(out), "sweep") if progress else None
+    done = (lambda i, res: bar.update(1)) if bar is not None else None
     try:
         if ray_address is not None:
-            _on_ray(jobs, out, ray_address, bar)
-        elif workers <= 1:
-            for slug, args in jobs.items():
-                out[slug] = _run_one(*args)
-                if bar is not None:
-                    bar.update(1)
+            results = _on_ray(calls, ray_address, done)
         else:
-            # fork: the workers see what this process registered (datasets, models, algorithms)
-            with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork")) as pool:
-                pending = {pool.submit(_run_one, *args): slug for slug, args in jobs.items()}
-                while pending:
-                    finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    for f in finished:
-                        out[pending.pop(f)] = f.result()
-                        if bar is not None:
-                            bar.update(1)
+            results = _schedule(_run_one, calls, workers, initializer=initializer, budget_s=budget_s, on_done=done)
     finally:
         if bar is not None:
             bar.close()
-    return {slug: out[slug] for slug in jobs}
+    out.update({todo[i].slug: res for i, res in results.items()})
+    return {p.slug: out[p.slug] for p in points if p.slug in out}
 
 
-def _on_ray(jobs: dict[str, tuple], out: dict[str, dict[str, Any]], address: str, bar: Any) -> None:
+def parallel_map(
+    fn: Callable[[Any], Any],
+    items: list[Any],
+    *,
+    workers: int = 1,
+    initializer: Callable[[], None] | None = None,
+    on_result: Callable[[int, Any], None] | None = None,
+) -> list[Any]:
+    """``[fn(item) for item in items]`` on ``workers`` forked processes with the cores divided among them,
+    for jobs that are not runner runs. ``on_result(i, result)`` is called as each finishes (in any order);
+    the list is in the order of ``items``. ``fn`` must be a module-level function."""
+    results = _schedule(fn, [(x,) for x in items], workers, initializer=initializer, on_done=on_result)
+    return [results[i] for i in range(len(items))]
+
+
+def _on_ray(calls: list[tuple], address: str, done: Callable[[int, Any], None] | None) -> dict[int, Result]:
     import ray
 
     from fedweave.execution.ray import LOCAL_RAY_ENV
@@ -95,10 +182,13 @@ def _on_ray(jobs: dict[str, tuple], out: dict[str, dict[str, Any]], address: str
             os.environ.setdefault(k, v)
         ray.init(address=address)
     task = ray.remote(num_cpus=1)(_run_one)
-    pending = {task.remote(cfg, run_dir, 1): slug for slug, (cfg, run_dir, _) in jobs.items()}
+    pending = {task.remote(cfg, run_dir, 1, overwrite): i for i, (cfg, run_dir, _, overwrite) in enumerate(calls)}
+    out: dict[int, Result] = {}
     while pending:
-        finished, _ = ray.wait(list(pending), num_returns=1)
-        for ref in finished:
-            out[pending.pop(ref)] = ray.get(ref)
-            if bar is not None:
-                bar.update(1)
+        finished_refs, _ = ray.wait(list(pending), num_returns=1)
+        for ref in finished_refs:
+            i = pending.pop(ref)
+            out[i] = ray.get(ref)
+            if done is not None:
+                done(i, out[i])
+    return out

@@ -1,4 +1,6 @@
-"""Sweep plots: a metric against rounds and against bytes, the mean over seeds with a +-1 std band per point."""
+"""Plots of experiments: a metric against rounds or bytes (or any per-round column), the mean over seeds with
+a +-1 std band, one line per grid point. A sweep draws two; the reproductions draw these curves into their
+own figures and panels."""
 
 from __future__ import annotations
 
@@ -7,37 +9,75 @@ from typing import Any
 
 import numpy as np
 
-from fedweave.plots import _save, plt
+from fedweave.plots import plt, save_png
+
+
+def band(
+    ax: Any,
+    runs: list[list[dict[str, Any]]],
+    x: str,
+    y: str,
+    *,
+    label: str,
+    xscale: float = 1.0,
+    yscale: float = 1.0,
+    **line: Any,
+) -> bool:
+    """Draw ``y`` against ``x`` for one grid point on ``ax``: the mean over its seeds' metric rows and a +-1
+    std band (sample std; none for one seed). Rows without ``y`` are left out and the seeds are cut to the
+    shortest; x is the seeds' mean (bytes differ between seeds). False when there is nothing to draw."""
+    runs = [[r for r in rows if r.get(y) is not None] for rows in runs]
+    n = min((len(r) for r in runs), default=0)
+    if n == 0:
+        return False
+    xs = np.array([[r[x] for r in rows[:n]] for rows in runs], dtype=float).mean(0) * xscale
+    ys = np.array([[r[y] for r in rows[:n]] for rows in runs], dtype=float) * yscale
+    m, sd = ys.mean(0), ys.std(0, ddof=1) if len(runs) > 1 else np.zeros(n)
+    (drawn,) = ax.plot(xs, m, label=label, **line)
+    if len(runs) > 1:
+        ax.fill_between(xs, m - sd, m + sd, alpha=0.2, color=drawn.get_color())
+    return True
+
+
+def plot_curves(
+    curves: dict[str, list[list[dict[str, Any]]]],
+    path: str | Path,
+    *,
+    x: str,
+    y: str,
+    xlabel: str,
+    ylabel: str | None = None,
+    xscale: float = 1.0,
+    yscale: float = 1.0,
+    logx: bool = False,
+    title: str | None = None,
+    styles: dict[str, dict[str, Any]] | None = None,
+    dpi: int = 120,
+) -> Path | None:
+    """One figure of ``y`` against ``x``, a :func:`band` per label of ``curves`` (label -> its seeds' metric
+    rows); ``styles`` gives a label its own line style. None (and no file) when nothing could be drawn."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    drawn = [band(ax, runs, x, y, label=lb, xscale=xscale, yscale=yscale, **(styles or {}).get(lb, {}))
+             for lb, runs in curves.items()]  # fmt: skip
+    if not any(drawn):
+        plt.close(fig)
+        return None
+    if logx:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel or y)
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return save_png(fig, path, dpi)
 
 
 def plot_sweep(curves: dict[str, list[list[dict[str, Any]]]], out_dir: str | Path, metric: str) -> list[Path]:
-    """``curves`` maps a point's label to its seeds' metric rows. Seeds are cut to the shortest run."""
+    """``metric`` against rounds and against bytes, ``curves`` mapping a point's label to its seeds' rows."""
     out_dir = Path(out_dir)
-    written = []
-    for xkey, xlabel, scale, fname in (
-        ("round", "communication round", 1.0, f"{metric}_vs_rounds.png"),
-        ("bytes_total", "bytes communicated (MiB)", 2.0**-20, f"{metric}_vs_bytes.png"),
-    ):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        drawn = False
-        for label, runs in curves.items():
-            runs = [[r for r in rows if r.get(metric) is not None] for rows in runs]
-            n = min((len(r) for r in runs), default=0)
-            if n == 0:
-                continue
-            xs = np.array([[r[xkey] for r in rows[:n]] for rows in runs], dtype=float).mean(0) * scale
-            ys = np.array([[r[metric] for r in rows[:n]] for rows in runs], dtype=float)
-            m, sd = ys.mean(0), ys.std(0, ddof=1) if len(runs) > 1 else np.zeros(n)
-            ax.plot(xs, m, label=label)
-            ax.fill_between(xs, m - sd, m + sd, alpha=0.2)
-            drawn = True
-        if not drawn:
-            plt.close(fig)
-            continue
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(metric)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        _save(fig, out_dir / fname)
-        written.append(out_dir / fname)
-    return written
+    rounds = plot_curves(curves, out_dir / f"{metric}_vs_rounds.png", x="round", y=metric, xlabel="communication round")
+    mib = 2.0**-20
+    by_bytes = plot_curves(curves, out_dir / f"{metric}_vs_bytes.png", x="bytes_total", y=metric, xscale=mib,
+                           xlabel="bytes communicated (MiB)")  # fmt: skip
+    return [p for p in (rounds, by_bytes) if p is not None]

@@ -1,8 +1,9 @@
 """``fedweave report``: one self-contained static HTML page (images inline, no network) for runs and sweeps.
 
-It shows, per run: the metric table (metrics.csv as written), the plots and the partition figure, and the
-communication broken down by transfer kind; across runs, the config keys that differ; per sweep, the summary
-table with the best point marked and the sweep's plots.
+It shows, per run: the metric table (metrics.csv; long floats to 6 significant digits, the exact value in
+the cell's title), the plots and the partition figure, and the communication broken down by transfer kind;
+across runs, the config keys that differ; per sweep, the summary table with the best point marked and the
+sweep's plots.
 """
 
 from __future__ import annotations
@@ -28,6 +29,20 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _cell(value: Any) -> str:
+    """A table cell: a float (as read from a CSV or not) shown to 6 significant digits, its exact value in the
+    cell's title; anything else as it is."""
+    text = str(value)
+    try:
+        x = float(text)
+    except ValueError:
+        return f"<td>{html.escape(text)}</td>"
+    short = f"{x:.6g}"
+    if short == text or "." not in text and "e" not in text.lower():  # integers and short values stay as written
+        return f"<td>{html.escape(text)}</td>"
+    return f'<td title="{html.escape(text)}">{html.escape(short)}</td>'
+
+
 def _table(rows: list[dict[str, Any]], cls: str, best: int | None = None) -> str:
     if not rows:
         return "<p>(no rows)</p>"
@@ -36,7 +51,7 @@ def _table(rows: list[dict[str, Any]], cls: str, best: int | None = None) -> str
     body = []
     for i, r in enumerate(rows):
         mark = ' class="best"' if i == best else ""
-        cells = "".join(f"<td>{html.escape(str(r.get(c, '')))}</td>" for c in cols)
+        cells = "".join(_cell(r.get(c, "")) for c in cols)
         body.append(f"<tr{mark}>{cells}</tr>")
     return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedweave.experiments.aggregate import mean_std, to_target
+from fedweave.experiments.aggregate import if_all, mean_std, to_target
 from fedweave.experiments.grid import expand
 from fedweave.experiments.jobs import run_points
 from fedweave.experiments.tables import markdown, write_csv
@@ -38,23 +38,29 @@ def sweep(
     workers: int = 1,
     out: str | Path = "runs/sweep",
     overrides: list[str] | None = None,
-    metric: str = "test_accuracy",
+    metric: str | None = None,
     target: float | None = None,
     progress: bool = True,
     ray_address: str | None = None,
 ) -> SweepResult:
     """Run ``config`` over the ``grid`` (product), ``zipped`` keys (together) and ``seeds`` seeds into ``out``.
-    Runs already finished there are reused and killed ones resume, so re-running a sweep continues it."""
+    Runs already finished there are reused and killed ones resume, so re-running a sweep continues it.
+    ``metric``: the column to tabulate (default: the task's main metric, ``test_accuracy`` for classification);
+    best values, the best point and ``target`` follow its direction (lower is better for a loss or an error)."""
+    from fedweave.tasks import column_direction
+
     points = expand(config, grid, zipped=zipped, seeds=seeds, overrides=overrides)
+    metric = metric or _main_column(points[0].config)
+    better = max if column_direction(metric) == "max" else min
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     spec = {"grid": grid or {}, "zipped": zipped or {}, "seeds": seeds, "metric": metric, "target": target}
     atomic_write(out / "sweep.json", json.dumps(spec, indent=2, default=str))
-    summaries = run_points(points, out / "runs", workers=workers, progress=progress, ray_address=ray_address)
+    results = run_points(points, out / "runs", workers=workers, progress=progress, ray_address=ray_address)
 
     records, by_point, curves = [], {}, {}
     for p in points:
-        s = summaries[p.slug]
+        s = results[p.slug].summary
         rows = read_metrics(out / "runs" / p.slug) if (out / "runs" / p.slug / "metrics.jsonl").is_file() else []
         final = s.get("final") or {}
         rec = {
@@ -64,14 +70,14 @@ def sweep(
             "status": s["status"],
             "rounds": s["rounds"],
             f"final_{metric}": final.get(metric),
-            f"best_{metric}": max((r[metric] for r in rows if r.get(metric) is not None), default=None),
+            f"best_{metric}": better((r[metric] for r in rows if r.get(metric) is not None), default=None),
             "bytes_total": s["communication"]["bytes_total"],
             "wall_seconds": s["wall_seconds"],
             "run_dir": f"runs/{p.slug}",
         }
         if target is not None:
-            rec["rounds_to_target"] = to_target(rows, metric, target, "round")
-            rec["bytes_to_target"] = to_target(rows, metric, target, "bytes_total")
+            rec["rounds_to_target"] = to_target(rows, metric, target, "round", column_direction(metric))
+            rec["bytes_to_target"] = to_target(rows, metric, target, "bytes_total", column_direction(metric))
         records.append(rec)
         by_point.setdefault(p.label, []).append(rec)
         curves.setdefault(p.label, []).append(rows)
@@ -83,11 +89,10 @@ def sweep(
         row[f"{metric}_mean"], row[f"{metric}_std"] = m, sd
         if target is not None:
             for x in ("rounds_to_target", "bytes_to_target"):
-                hit = [r[x] for r in recs if r[x] is not None]
-                row[f"{x}_mean"] = mean_std(hit)[0] if len(hit) == len(recs) else None  # all seeds reached it
+                row[f"{x}_mean"] = if_all([r[x] for r in recs], lambda v: mean_std(v)[0])  # all seeds reached it
         summary.append(row)
     scored = [i for i, r in enumerate(summary) if not math.isnan(r[f"{metric}_mean"])]
-    best = max(scored, key=lambda i: summary[i][f"{metric}_mean"]) if scored else None
+    best = better(scored, key=lambda i: summary[i][f"{metric}_mean"]) if scored else None
     for i, r in enumerate(summary):
         r["best"] = i == best
 
@@ -98,3 +103,11 @@ def sweep(
 
     plot_sweep(curves, out, metric)
     return SweepResult(out, records, summary, best)
+
+
+def _main_column(config) -> str:
+    """``test_<main>``: the column of the task's main metric (the config's ``task`` section)."""
+    from fedweave.tasks import build_task
+
+    t = config.task
+    return build_task(t.loss, t.loss_options, t.metrics, t.main).main_key

@@ -1,25 +1,46 @@
-"""A sweep's tables: one row per run (sweep.csv) and one per point over its seeds (summary.csv, summary.md)."""
+"""Tables of experiments, as CSV and markdown: a sweep's sweep.csv and summary.csv/.md, and every table of
+the paper reproductions."""
 
 from __future__ import annotations
 
 import csv
 import io
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fedweave.results import atomic_write
 
 
-def write_csv(path: str | Path, rows: list[dict[str, Any]]) -> None:
-    cols: list[str] = []
-    for r in rows:
-        cols += [k for k in r if k not in cols]
+def write_csv(
+    path: str | Path,
+    rows: Sequence[dict[str, Any]] | Sequence[Sequence[Any]],
+    columns: list[str] | None = None,
+    float_format: str | None = None,
+) -> None:
+    """Write ``rows`` atomically as CSV. Dict rows: under ``columns`` (other keys ignored), by default every
+    key in order of first appearance except private ``_keys``. List rows: under the header ``columns``.
+    ``float_format`` (e.g. ``".6g"``) formats the floats; by default they are written in full."""
+    if rows and not isinstance(rows[0], dict):
+        rows = [dict(zip(columns or [], r)) for r in rows]
+    if columns is None:
+        columns = []
+        for r in rows:
+            columns += [k for k in r if k not in columns and not k.startswith("_")]
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
+    w = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
-    w.writerows(rows)
+    for r in rows:
+        w.writerow({k: format(v, float_format) if float_format and isinstance(v, float) else v for k, v in r.items()})
     atomic_write(path, buf.getvalue())
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A markdown table of cells as given (already formatted), one line a row, ending in a newline."""
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
 
 
 def _fmt(v: Any) -> str:
@@ -29,14 +50,11 @@ def _fmt(v: Any) -> str:
 
 
 def markdown(rows: list[dict[str, Any]], best: int | None = None) -> str:
-    """A markdown table of ``rows``; the row at index ``best`` is marked in bold."""
+    """A markdown table of ``rows`` (floats to 4 decimals); the row at index ``best`` is marked in bold."""
     if not rows:
         return ""
     cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for i, r in enumerate(rows):
-        cells = [_fmt(r.get(c)) for c in cols]
-        if i == best:
-            cells = [f"**{c}**" for c in cells]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
+    if best is not None:
+        cells[best] = [f"**{c}**" for c in cells[best]]
+    return markdown_table(cols, cells)

@@ -19,5 +19,7 @@ def available() -> list[str]:
 
 def main(name: str, argv: list[str]) -> int:
     if name not in available():
-        raise SystemExit(f"unknown reproduction {name!r}; available: {', '.join(available()) or 'none'}")
+        from fedweave.config import ConfigError
+
+        raise ConfigError(f"unknown reproduction {name!r}; available: {', '.join(available()) or 'none'}")
     return int(importlib.import_module(PRESETS[name]).main(argv) or 0)

@@ -17,21 +17,24 @@ seeds (population std, as the spec fixes) beside the paper's numbers, which are 
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fedweave.experiments.aggregate import finite, mean_std
+from fedweave.experiments.grid import Point
+from fedweave.experiments.jobs import finished, run_points
+from fedweave.experiments.plots import plot_curves
+from fedweave.experiments.tables import markdown_table, write_csv
 from fedweave.results import atomic_write
+from fedweave.runner import Result
 
 # ------------------------------------------------------------------------------- the paper's numbers
 PAPER_T1_COLUMNS = ["C10 Dir0.1", "C10 Dir0.5", "C10 Path2", "C10 Path5", "C100 Dir0.1", "C100 Dir0.5", "C100 Path5",
@@ -260,41 +263,20 @@ def run_config(job: Job, base: dict[str, Any]) -> dict[str, Any]:
     return {**base, "name": f"afind-{job.label}", "seed": job.seed, "algorithm": algo}
 
 
-def _run_job(args: tuple[Job, dict[str, Any], str]) -> dict[str, Any]:
-    job, base, out = args
-    path = Path(out) / "runs" / job.slug
-    done = _finished(out, job, base)
-    if done is not None:  # an identical run finished earlier: reuse it
-        return _collect(job, path, done.summary)
-    import torch
-
-    from fedweave.config import load
-    from fedweave.runner import run
-
-    torch.set_num_threads(1)
-    cfg = load(run_config(job, base))
-    # a diverged run is a result; a run of another config in this directory is replaced
-    res = run(cfg, run_dir=path, progress=False, on_divergence="return", overwrite=True)
-    return _collect(job, path, res.summary)
+def points(jobs: list[Job], p: Preset) -> list[Point]:
+    """The jobs as sweep points, each in ``OUT/runs/<setting>/<label>/s<seed>``."""
+    bases = {s.key: s.base for s in p.settings}
+    return [Point.of(run_config(j, bases[j.setting]), j.slug, setting=j.setting, label=j.label) for j in jobs]
 
 
-def _finished(out: str | Path, job: Job, base: dict[str, Any]):
-    """The finished (completed or diverged) run of exactly this job's config in its run directory, else None."""
-    from fedweave.runner import finished_run
-
-    return finished_run(Path(out) / "runs" / job.slug, run_config(job, base))
-
-
-def _collect(job: Job, path: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    from fedweave.results import read_metrics
-
-    rows = read_metrics(path) if (path / "metrics.jsonl").is_file() else []  # none: diverged before evaluating
+def collect(point: Point, res: Result) -> dict[str, Any]:
+    """One run's record for the tables; its metric rows are kept under ``_rows`` for the plots."""
+    rows, summary = res.metrics, res.summary  # no rows: diverged before evaluating
     sel = [float(r["selected_mean"]) for r in rows if r.get("selected_mean") not in (None, "")]
     ov = [float(r["overlap_selected"]) for r in rows if r.get("overlap_selected") not in (None, "")]
     return {
-        "setting": job.setting,
-        "label": job.label,
-        "seed": job.seed,
+        **dict(point.values),
+        "seed": point.seed,
         "status": summary["status"],
         # a diverged run: the best accuracy it evaluated before the NaN (NaN if none); no final model
         "best": math.nan if summary["best_test_accuracy"] is None else summary["best_test_accuracy"],
@@ -303,53 +285,20 @@ def _collect(job: Job, path: Path, summary: dict[str, Any]) -> dict[str, Any]:
         "overlap_selected": float(np.mean(ov)) if ov else None,
         "bytes": summary["communication"]["bytes_total"],
         "wall": summary["wall_seconds"],
-        "curve": [(int(r["round"]), float(r["test_accuracy"]), float(r["bytes_total"])) for r in rows],
+        "_rows": rows,
     }
 
 
-def run_all(jobs: list[Job], p: Preset, out: Path, workers: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    bases = {s.key: s.base for s in p.settings}
-    args = [(j, bases[j.setting], str(out)) for j in jobs]
-    results = []
-    if workers <= 1:
-        for a in args:
-            results.append(_run_job(a))
-            log(f"  {a[0].slug}: best {results[-1]['best']:.4f} ({results[-1]['wall']:.0f}s)")
-        return results
-    import multiprocessing as mp
-
-    with mp.get_context("spawn").Pool(workers) as pool:
-        for res in pool.imap_unordered(_run_job, args):
-            results.append(res)
-            log(f"  {res['setting']}/{res['label']}/s{res['seed']}: best {res['best']:.4f} ({res['wall']:.0f}s)")
-    return results
-
-
 # ------------------------------------------------------------------------------------------- tables
-def _ms(vals: list[float], scale: float = 100.0) -> str:
-    """mean±std over the runs, and how many diverged (NaN) if any did."""
+def _ms_cell(vals: list[float], scale: float = 100.0) -> str:
+    """mean±std over the runs (population std, spec 9), and how many diverged (NaN) if any did."""
     if not vals:
         return "-"
-    a = np.asarray(vals, dtype=float) * scale
-    ok = a[np.isfinite(a)]
-    if len(ok) == 0:
-        return f"diverged ({len(a)}/{len(a)})"
-    text = f"{ok.mean():.2f}±{ok.std():.2f}"
-    return text if len(ok) == len(a) else f"{text} ({len(a) - len(ok)}/{len(a)} diverged)"
-
-
-def _md(header: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out) + "\n"
-
-
-def _csv(header: list[str], rows: list[list[str]]) -> str:
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(header)
-    w.writerows(rows)
-    return buf.getvalue()
+    ok, bad = finite([v * scale for v in vals])
+    if not ok:
+        return f"diverged ({bad}/{bad})"
+    m, sd = mean_std(ok, ddof=0)
+    return f"{m:.2f}±{sd:.2f}" if not bad else f"{m:.2f}±{sd:.2f} ({bad}/{len(vals)} diverged)"
 
 
 def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> dict[str, tuple[list, list]]:
@@ -359,7 +308,7 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
     titles = {s.key: s.title for s in p.settings}
 
     def cell(setting: str, label: str, key: str, scale: float = 100.0) -> str:
-        return _ms([r[key] for r in by[(setting, label)]], scale)
+        return _ms_cell([r[key] for r in by[(setting, label)]], scale)
 
     out: dict[str, tuple[list, list]] = {}
     if "table1" in rows:
@@ -409,9 +358,13 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
             row = [label]
             for key in ("best", "final"):
                 gain = _seed_gains(plain, plug, key)
-                row += [_ms([r[key] for r in plain]), _ms([r[key] for r in plug]), _ms(gain) if gain else "-"]
-            row += [_ms([r["selected"] for r in plug], 1.0)]
-            row += [f"{_ms([r['bytes'] for r in plain], 2**-20)} / {_ms([r['bytes'] for r in plug], 2**-20)}"]
+                row += [
+                    _ms_cell([r[key] for r in plain]),
+                    _ms_cell([r[key] for r in plug]),
+                    _ms_cell(gain) if gain else "-",
+                ]
+            row += [_ms_cell([r["selected"] for r in plug], 1.0)]
+            row += [f"{_ms_cell([r['bytes'] for r in plain], 2**-20)} / {_ms_cell([r['bytes'] for r in plug], 2**-20)}"]
             body.append(row + [f"{len(plain)} / {len(plug)}"])
         out["fig5"] = (header, body)
     if "dp" in rows:
@@ -524,41 +477,58 @@ def selection_simulation() -> tuple[list[str], list[list[str]]]:
 
 
 def plots(results: list[dict[str, Any]], p: Preset, out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
+    """Mean client test accuracy against rounds and against MiB sent on the primary setting, with seed bands."""
     labels = ["Local", "FedAvg", "Gossip", "PENS", "FedeRiCo", "+i (top-k)", "+i+ii (AFIND)", "AFIND+"]
-    if not any(r["setting"] == p.primary and r["label"] in labels for r in results):
-        return paths  # e.g. only Table 4 ran: keep the figures of an earlier invocation
-    for xkey, xlabel, fname in (
-        (0, "round", "accuracy_vs_round.png"),
-        (2, "MiB sent (all peers)", "accuracy_vs_bytes.png"),
-    ):
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for lb in labels:
-            runs = [r for r in results if r["setting"] == p.primary and r["label"] == lb]
-            if not runs:
-                continue
-            n = min(len(r["curve"]) for r in runs)
-            xs = np.array([c[xkey] for c in runs[0]["curve"][:n]], dtype=float)
-            if xkey == 2:
-                xs = np.mean([[c[2] for c in r["curve"][:n]] for r in runs], 0) / 2**20
-            ys = np.mean([[c[1] for c in r["curve"][:n]] for r in runs], 0)
-            ax.plot(xs, ys, label=lb)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("mean client test accuracy (after FT)")
-        ax.set_title(f"{p.primary}: mean over seeds")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        atomic_write(out / fname, buf.getvalue())
-        paths.append(out / fname)
-    return paths
+    primary = [r for r in results if r["setting"] == p.primary and "_rows" in r]
+    curves = {lb: [r["_rows"] for r in primary if r["label"] == lb] for lb in labels}
+    curves = {lb: runs for lb, runs in curves.items() if runs}
+    if not curves:
+        return []  # e.g. only Table 4 ran: keep the figures of an earlier invocation
+    common = {"y": "test_accuracy", "ylabel": "mean client test accuracy (after FT)", "dpi": 110,
+              "title": f"{p.primary}: mean over seeds"}  # fmt: skip
+    by_round = plot_curves(curves, out / "accuracy_vs_round.png", x="round", xlabel="round", **common)
+    by_bytes = plot_curves(curves, out / "accuracy_vs_bytes.png", x="bytes_total", xscale=2**-20,
+                           xlabel="MiB sent (all peers)", **common)  # fmt: skip
+    return [w for w in (by_round, by_bytes) if w is not None]
+
+
+def write_results(out: Path, results: list[dict[str, Any]], rows: dict[str, list], p: Preset, scale: str,
+                  n_runs: int, seeds: int, wall: float) -> None:  # fmt: skip
+    """The tables (CSV), results.md, results.json (the records without their rows: the tables are made of
+    them) and the plots; also what rebuilds the committed tables from a results.json."""
+    md = [f"# AFIND+ reproduction ({scale} scale, {p.settings[0].base['rounds']} rounds)\n",
+          f"{n_runs} runs, {seeds} seed(s), {wall:.0f} s wall. Accuracy: best-round and final-round mean of "
+          "per-client test accuracy (after 1 fine-tune epoch; FedAvg's global model without), "
+          "% mean±std over seeds (population std). The paper's "
+          "numbers are on CIFAR-10/100 with 100 clients and 500 rounds; they are shown for the pattern, not for a "
+          "like-for-like comparison.\n"]  # fmt: skip
+    if scale == "smoke":
+        md.append("**Smoke scale: generated (synthetic) data; these numbers mean nothing.**\n")
+    names = {
+        "table1": "Table 1: sampling methods",
+        "table2": "Table 2: ablation (primary setting)",
+        "table3": "Table 3: partial topology, each client linked to half of the others (primary setting)",
+        "tau": "Fig. 8: tau sweep (primary setting)",
+        "dp": "Table 4: DP noise sigma_2 (primary setting)",
+        "fig5": "Fig. 5: personalised methods without and with AFIND+'s neighbour selection (primary setting)",
+    }
+    for name, (header, body) in tables(results, rows, p).items():
+        md += [f"## {names[name]}\n", markdown_table(header, body)]
+        write_csv(out / f"{name}.csv", body, header)
+    header, body = selection_simulation() if scale != "smoke" else (["-"], [])
+    if body:
+        title = "## Selection rule alone (spec 2.7: 100 clients, 10 groups, no training)\n"
+        md += [title, markdown_table(header, body)]
+        write_csv(out / "selection_simulation.csv", body, header)
+    checks = claims(results, p)
+    if checks:
+        md.append("## Claims (spec 9.1 pass criteria, primary setting)\n")
+        verdicts = [[c, {True: "yes", False: "no", None: "-"}[ok], m] for c, ok, m in checks]
+        md.append(markdown_table(["claim", "held", "measured"], verdicts))
+    atomic_write(out / "results.md", "\n".join(md))
+    plain = [{k: v for k, v in r.items() if k != "_rows"} for r in results]
+    atomic_write(out / "results.json", json.dumps(plain, indent=1))
+    plots(results, p, out)
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -595,56 +565,22 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jobs, rows = plan(p, seeds, wanted)
-    bases = {s.key: s.base for s in p.settings}
+    grid = points(jobs, p)
+    done = finished(grid, out / "runs") if args.only or args.collect else {}
     if args.only:  # run only these rows' jobs (the tables still show every finished run)
         keep = {x.strip() for x in args.only.split(",")}
-        jobs = [j for j in jobs if j.label in keep or _finished(out, j, bases[j.setting])]
-        unknown = keep - {j.label for j in jobs}
+        grid = [pt for pt in grid if dict(pt.values)["label"] in keep or pt.slug in done]
+        unknown = keep - {dict(pt.values)["label"] for pt in grid}
         if unknown:
             raise SystemExit(f"--only: unknown method label(s) {sorted(unknown)}")
     if args.collect:
-        jobs = [j for j in jobs if _finished(out, j, bases[j.setting])]
-    print(f"afind reproduction, scale {args.scale}: {len(jobs)} runs, {args.workers} worker(s) -> {out}", flush=True)
+        grid = [pt for pt in grid if pt.slug in done]
+    print(f"afind reproduction, scale {args.scale}: {len(grid)} runs, {args.workers} worker(s) -> {out}", flush=True)
     t0 = time.perf_counter()
-    results = run_all(jobs, p, out, 1 if args.scale == "smoke" else args.workers, lambda s: print(s, flush=True))
+    workers = 1 if args.scale == "smoke" else args.workers
+    runs = run_points(grid, out / "runs", workers=workers, overwrite=True)
+    results = [collect(pt, runs[pt.slug]) for pt in grid]
     wall = time.perf_counter() - t0
-
-    md = [f"# AFIND+ reproduction ({args.scale} scale, {p.settings[0].base['rounds']} rounds)\n",
-          f"{len(jobs)} runs, {seeds} seed(s), {wall:.0f} s wall. Accuracy: best-round and final-round mean of "
-          "per-client test accuracy (after 1 fine-tune epoch; FedAvg's global model without), "
-          "% mean±std over seeds (population std). The paper's "
-          "numbers are on CIFAR-10/100 with 100 clients and 500 rounds; they are shown for the pattern, not for a "
-          "like-for-like comparison.\n"]  # fmt: skip
-    if args.scale == "smoke":
-        md.append("**Smoke scale: generated (synthetic) data; these numbers mean nothing.**\n")
-    names = {
-        "table1": "Table 1: sampling methods",
-        "table2": "Table 2: ablation (primary setting)",
-        "table3": "Table 3: partial topology, each client linked to half of the others (primary setting)",
-        "tau": "Fig. 8: tau sweep (primary setting)",
-        "dp": "Table 4: DP noise sigma_2 (primary setting)",
-        "fig5": "Fig. 5: personalised methods without and with AFIND+'s neighbour selection (primary setting)",
-    }
-    for name, (header, body) in tables(results, rows, p).items():
-        md += [f"## {names[name]}\n", _md(header, body)]
-        atomic_write(out / f"{name}.csv", _csv(header, body))
-    header, body = selection_simulation() if args.scale != "smoke" else (["-"], [])
-    if body:
-        md += ["## Selection rule alone (spec 2.7: 100 clients, 10 groups, no training)\n", _md(header, body)]
-        atomic_write(out / "selection_simulation.csv", _csv(header, body))
-    checks = claims(results, p)
-    if checks:
-        md.append("## Claims (spec 9.1 pass criteria, primary setting)\n")
-        md.append(
-            _md(
-                ["claim", "held", "measured"],
-                [[c, {True: "yes", False: "no", None: "-"}[ok], m] for c, ok, m in checks],
-            )
-        )
-    atomic_write(out / "results.md", "\n".join(md))
-    atomic_write(
-        out / "results.json", json.dumps([{k: v for k, v in r.items() if k != "curve"} for r in results], indent=1)
-    )
-    plots(results, p, out)
+    write_results(out, results, rows, p, args.scale, len(grid), seeds, wall)
     print(f"wrote {out / 'results.md'} ({wall:.0f} s)")
     return 0

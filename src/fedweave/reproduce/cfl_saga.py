@@ -17,20 +17,22 @@ pilot grid for full upload); it is not re-tuned per method.
 from __future__ import annotations
 
 import argparse
-import csv
 import io
 import json
 import math
 import os
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fedweave.experiments.aggregate import if_all
+from fedweave.experiments.jobs import parallel_map
+from fedweave.experiments.tables import markdown_table, write_csv
+from fedweave.plots import plt, save_png
 from fedweave.results import atomic_write
 
 TARGETS = (1e-4, 1e-6, 1e-8)
@@ -304,8 +306,7 @@ def alpha_jobs(seed: int) -> list[Job]:
 
 # ---- analysis ------------------------------------------------------------------------------------------
 def _median(rows: list[dict], key: str) -> float | None:
-    vals = [r[key] for r in rows if r.get(key) is not None]
-    return statistics.median(vals) if len(vals) == len(rows) and vals else None
+    return if_all([r.get(key) for r in rows], statistics.median)  # a target counts if every seed reached it
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
@@ -492,24 +493,11 @@ def _fmt(v: Any) -> str:
 
 
 # ---- output --------------------------------------------------------------------------------------------
-def _csv(rows: list[dict]) -> str:
-    cols: list[str] = []
-    for r in rows:
-        cols += [k for k in r if k not in cols and not k.startswith("_")]
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n", extrasaction="ignore")
-    w.writeheader()
-    w.writerows(rows)
-    return buf.getvalue()
-
-
 def table_md(aggs: list[dict], problem: str) -> str:
     rows = [a for a in aggs if a["problem"] == problem]
-    head = (
-        "| topology | method | it to 1e-4 | uploads to 1e-4 | it to 1e-6 | uploads to 1e-6 | it to 1e-8 "
-        "| uploads to 1e-8 (IQR) | reduction vs best GT-SAGA at 1e-8 | uploads/it | ms/it (CPU) |"
-    )
-    lines = [head, "|" + "---|" * 11]
+    head = ["topology", "method", "it to 1e-4", "uploads to 1e-4", "it to 1e-6", "uploads to 1e-6", "it to 1e-8",
+            "uploads to 1e-8 (IQR)", "reduction vs best GT-SAGA at 1e-8", "uploads/it", "ms/it (CPU)"]  # fmt: skip
+    body = []
     for topo in sorted({a["topology"] for a in rows}):
         sub = [a for a in rows if a["topology"] == topo]
         best_g = _best(sub, "GT-SAGA", "uploads_1e-08")
@@ -518,13 +506,10 @@ def table_md(aggs: list[dict], problem: str) -> str:
             if best_g and a.get("uploads_1e-08"):
                 red = f"{best_g['uploads_1e-08'] / a['uploads_1e-08']:.1f}x"
             iqr = f" ({a['uploads_1e-08_iqr']})" if a.get("uploads_1e-08_iqr") else ""
-            lines.append(
-                f"| {topo} | {a['method']} | {_fmt(a['iters_1e-04'])} | {_fmt(a['uploads_1e-04'])} | "
-                f"{_fmt(a['iters_1e-06'])} | {_fmt(a['uploads_1e-06'])} | {_fmt(a['iters_1e-08'])} | "
-                f"{_fmt(a['uploads_1e-08'])}{iqr} | {red} | {a['uploads_per_iteration']:.1f} | "
-                f"{a['ms_per_iteration_cpu']:.2f} |"
-            )
-    return "\n".join(lines)
+            body.append([topo, a["method"], *(_fmt(a[k]) for k in ("iters_1e-04", "uploads_1e-04", "iters_1e-06",
+                         "uploads_1e-06", "iters_1e-08")), f"{_fmt(a['uploads_1e-08'])}{iqr}", red,
+                         f"{a['uploads_per_iteration']:.1f}", f"{a['ms_per_iteration_cpu']:.2f}"])  # fmt: skip
+    return markdown_table(head, body).rstrip("\n")
 
 
 # CFL-SAGA settings drawn beside the baselines: the paper's rho = 10 and the calibrated 1e4 and 1e6
@@ -532,17 +517,8 @@ SHOWN = {"CFL-SAGA rho=10", "CFL-SAGA rho=10000", "CFL-SAGA rho=1e+06"}
 
 
 def plots(rows: list[dict], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     def save(fig, name: str) -> Path:
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        atomic_write(out / name, buf.getvalue())
-        return out / name
+        return save_png(fig, out / name, dpi=110)
 
     curves = [r for r in rows if "_curve" in r]
     written = []
@@ -601,7 +577,11 @@ def save_raw(rows: list[dict], out: Path) -> None:
 
 
 def load_raw(out: Path) -> list[dict]:
+    """The rows of raw.json, with their traces when curves.npz is there (the tables need only raw.json; the
+    figures need the traces)."""
     rows = json.loads((out / "raw.json").read_text())
+    if not (out / "curves.npz").is_file():
+        return rows
     with np.load(out / "curves.npz") as z:
         for i, r in enumerate(rows):
             if f"{i}_g" in z:
@@ -612,10 +592,10 @@ def load_raw(out: Path) -> list[dict]:
 def write_report(rows: list[dict], out: Path, meta: dict) -> None:
     scale, seeds = meta["scale"], meta["seeds"]
     aggs = aggregate(rows)
-    atomic_write(out / "runs.csv", _csv(rows))
-    atomic_write(out / "summary.csv", _csv(aggs))
+    write_csv(out / "runs.csv", rows)
+    write_csv(out / "summary.csv", aggs)
     cl = claims(aggs)
-    atomic_write(out / "claims.csv", _csv([dict(zip(("claim", "paper", "measured", "verdict"), c)) for c in cl]))
+    write_csv(out / "claims.csv", cl, ["claim", "paper", "measured", "verdict"])
     md = [
         f"# CFL-SAGA reproduction ({scale})",
         "",
@@ -630,7 +610,7 @@ def write_report(rows: list[dict], out: Path, meta: dict) -> None:
     ]
     if scale == "smoke":
         md.insert(1, "\n**Smoke scale: a tiny synthetic problem for testing; these numbers mean nothing.**\n")
-    for prob in sorted({a["problem"] for a in aggs}, key=lambda p: p != "synthetic"):
+    for prob in sorted({a["problem"] for a in aggs}, key=lambda p: (p != "synthetic", p)):  # not set order
         md += [f"## {prob}", "", table_md(aggs, prob), ""]
         acc = [r["test_accuracy_x_star"] for r in rows if r["problem"] == prob and "test_accuracy_x_star" in r]
         if acc:
@@ -660,7 +640,9 @@ def main(argv: list[str] | None = None) -> int:
         help="run only one part; the other parts' runs already in OUT are kept. 'alpha' (never part of 'all') "
         "runs the spec's step-size grid on the random graph",
     )
-    p.add_argument("--report-only", action="store_true", help="rebuild the report from OUT/raw.json and curves.npz")
+    p.add_argument(
+        "--report-only", action="store_true", help="rebuild the report from OUT/raw.json (its figures: curves.npz)"
+    )
     args = p.parse_args(argv)
     n_seeds = args.seeds or {"smoke": 1, "small": 3, "paper": 5}[args.scale]
     seeds = list(range(n_seeds))
@@ -688,18 +670,11 @@ def main(argv: list[str] | None = None) -> int:
         kept = [r for r in load_raw(out) if keep(r)]
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    rows: list[dict] = []
     # heaviest first; the problem of a seed is solved once per worker
     jobs.sort(key=lambda j: (j.tag != "synthetic", j.seed, -j.kmax))
-    if args.workers > 1:
-        with ProcessPoolExecutor(args.workers) as pool:
-            for i, row in enumerate(pool.map(run_job, jobs, chunksize=1)):
-                rows.append(row)
-                _progress(i, len(jobs), row, t0)
-    else:
-        for i, job in enumerate(jobs):
-            rows.append(run_job(job))
-            _progress(i, len(jobs), rows[-1], t0)
+    count = iter(range(1, len(jobs) + 1))  # finished jobs, in the order they finish
+    report = lambda _, row: _progress(next(count), len(jobs), row, t0)  # noqa: E731
+    rows = parallel_map(run_job, jobs, workers=args.workers, on_result=report)
     wall = time.perf_counter() - t0
     rows = kept + rows
     save_raw(rows, out)
@@ -712,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _progress(i: int, n: int, row: dict, t0: float) -> None:
     print(
-        f"[{i + 1}/{n} {time.perf_counter() - t0:6.0f}s] {row['problem']} {row['topology']} {row['method']} "
+        f"[{i}/{n} {time.perf_counter() - t0:6.0f}s] {row['problem']} {row['topology']} {row['method']} "
         f"seed {row['seed']}: {row['iterations']} it, {row['uploads']} uploads, opg {row['final_opt_gap']:.1e}",
         flush=True,
     )

@@ -23,20 +23,25 @@ std 0.5 per channel as the authors' code does (``stats: half``).
 from __future__ import annotations
 
 import argparse
-import csv
-import io
+import json
+import math
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedweave.accounting.split import GIB, PAPER_TABLE_V, SplitSizes, round_bytes, storage_params
+from fedweave.config import RunConfig
+from fedweave.experiments.aggregate import if_all, mean_std, to_target
+from fedweave.experiments.grid import Point
+from fedweave.experiments.jobs import run_points
+from fedweave.experiments.plots import plot_curves
+from fedweave.experiments.tables import markdown_table, write_csv
 from fedweave.results import atomic_write
+from fedweave.runner import Result
 
 LABELS = {"fsl_mc": "FSL_MC", "fsl_oc": "FSL_OC (+clip)", "fsl_an": "FSL_AN", "cse_fsl": "CSE-FSL"}
 NONIID_NOTE = ", its non-IID column: 2 label-sorted shards per client"
@@ -94,92 +99,71 @@ def preset(scale: str, dataset: str) -> Preset:
     return p
 
 
-def jobs(p: Preset, seeds: list[int], out: Path) -> list[dict[str, Any]]:
-    """One run config per (method variant, seed)."""
+def jobs(p: Preset, seeds: list[int], out: Path) -> list[Point]:
+    """One run per (method variant, seed), in ``OUT/runs/<variant>-s<seed>``."""
     variants: list[tuple[str, dict[str, Any]]] = [(m, {"name": m}) for m in ("fsl_mc", "fsl_oc", "fsl_an")]
     variants += [(f"cse_fsl h={h}", {"name": "cse_fsl", "h": h}) for h in p.hs]
     variants.append((f"cse_fsl h={p.random_h} random", {"name": "cse_fsl", "h": p.random_h, "server_order": "random"}))
-    out_jobs = []
+    points = []
     for key, algo in variants:
         for s in seeds:
             tag = key.replace(" ", "_").replace("=", "")
-            out_jobs.append(
-                {
-                    "key": key,
-                    "seed": s,
-                    "config": {
-                        "name": f"cse-fsl-{tag}",
-                        "seed": s,
-                        "rounds": p.rounds,
-                        "threads": 1,
-                        "dataset": p.dataset,
-                        "partition": {**p.partition, "num_clients": p.clients},
-                        "model": p.model,
-                        "algorithm": {**algo, **p.algorithm},
-                        "local": {"epochs": 1, "batch_size": p.batch_size, "lr": p.lr, **p.local},
-                        "eval": {"every": 1},
-                        "output": {"dir": str(out / "runs" / f"{tag}-s{s}"), "plots": False, "progress": False},
-                    },
-                }
-            )
-    return out_jobs
+            config = {
+                "name": f"cse-fsl-{tag}",
+                "seed": s,
+                "rounds": p.rounds,
+                "threads": 1,
+                "dataset": p.dataset,
+                "partition": {**p.partition, "num_clients": p.clients},
+                "model": p.model,
+                "algorithm": {**algo, **p.algorithm},
+                "local": {"epochs": 1, "batch_size": p.batch_size, "lr": p.lr, **p.local},
+                "eval": {"every": 1},
+                "output": {"dir": str(out / "runs" / f"{tag}-s{s}"), "plots": False, "progress": False},
+            }
+            points.append(Point.of(config, f"{tag}-s{s}", key=key))
+    return points
 
 
-def _run_one(job: dict[str, Any]) -> dict[str, Any]:
-    import torch
+def split_facts(config: RunConfig) -> tuple[SplitSizes, list[int]]:
+    """The parameter counts of the split model's parts and every client's samples, rebuilt from a run's
+    config (a run read back from disk has no algorithm object): what the closed forms need."""
+    from fedweave.algorithms.base import RunContext, build_algorithm
 
-    from fedweave.config import from_dict
-    from fedweave.runner import run
+    algo = build_algorithm(RunContext(config))
+    return algo.split_sizes, [len(part) for part in algo.ctx.partition]
 
-    torch.set_num_threads(1)
-    res = run(from_dict(job["config"]), progress=False, overwrite=True)  # its directory is the job's own
-    algo = res.algorithm
-    sizes = algo.split_sizes
-    samples = [len(part) for part in algo.ctx.partition]
+
+def collect(point: Point, res: Result, facts: tuple[SplitSizes, list[int]]) -> dict[str, Any]:
+    if not res.metrics:
+        raise SystemExit(f"{res.run_dir}: the run diverged before its first evaluation; nothing to tabulate")
+    algo = point.config.algorithm
     return {
-        "key": job["key"],
-        "seed": job["seed"],
-        "method": job["config"]["algorithm"]["name"],
-        "h": job["config"]["algorithm"].get("h", 1),
+        "key": dict(point.values)["key"],
+        "seed": point.seed,
+        "method": algo.name,
+        "h": algo.options.get("h", 1),
+        "status": res.summary["status"],
         "run_dir": str(res.run_dir),
         "rows": res.metrics,
-        "sizes": [sizes.client, sizes.server, sizes.aux, sizes.smashed],
-        "samples": samples,
+        "sizes": facts[0],
+        "samples": facts[1],
         "wall": res.summary["wall_seconds"],
     }
 
 
-def run_all(all_jobs: list[dict[str, Any]], workers: int) -> list[dict[str, Any]]:
-    if workers <= 1:
-        return [_run_one(j) for j in all_jobs]
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as ex:
-        return list(ex.map(_run_one, all_jobs))
-
-
 # ---- summaries ---------------------------------------------------------------------------------------------
-def _ms(xs: list[float]) -> tuple[float, float]:
-    a = np.asarray(xs, dtype=float)
-    return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
-
-
-def _load_to(rows: list[dict[str, Any]], target: float) -> float | None:
-    for r in rows:
-        if r["test_accuracy"] >= target:
-            return r["load_bytes"]
-    return None
-
-
 def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
     table = []
     for key in dict.fromkeys(r["key"] for r in results):
         rs = [r for r in results if r["key"] == key]
         method, h = rs[0]["method"], rs[0]["h"]
-        sizes = SplitSizes(*rs[0]["sizes"])
-        acc_m, acc_s = _ms([100 * r["rows"][-1]["test_accuracy"] for r in rs])
+        sizes = rs[0]["sizes"]
+        accs = [100 * r["rows"][-1]["test_accuracy"] if r["status"] == "completed" else math.nan for r in rs]
+        acc_m, acc_s = mean_std(accs)
         load = rs[0]["rows"][-1]["load_bytes"]
         formulas = [round_bytes(method, sizes, r["samples"], p.batch_size, h=h)["load"] * len(r["rows"]) for r in rs]
-        to_target = [_load_to(r["rows"], p.target) for r in rs]
-        reached = [x for x in to_target if x is not None]
+        reach = if_all([to_target(r["rows"], "test_accuracy", p.target, "load_bytes") for r in rs], np.mean)
         paper_key = key if key in PAPER_TABLE_V["cifar10"] else method if method != "cse_fsl" else None
         paper = PAPER_TABLE_V["cifar10"].get(paper_key) if paper_key else None
         table.append(
@@ -193,12 +177,12 @@ def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
                 "storage_m": rs[0]["rows"][-1]["storage_params"] / 1e6,
                 "storage_formula_m": storage_params(method, sizes, len(rs[0]["samples"])) / 1e6,
                 "server_copies": rs[0]["rows"][-1]["server_copies"],
-                "load_to_target_gib": (float(np.mean(reached)) / GIB) if len(reached) == len(rs) else None,
+                "load_to_target_gib": float(reach) / GIB if reach is not None else None,
                 "uploads_per_client": rs[0]["rows"][-1]["smashed_uploads_per_client"],
                 "paper_acc": (paper[1] if p.noniid else paper[0]) if paper else None,
                 "paper_load": paper[2] if paper else None,
                 "paper_storage": paper[3] if paper else None,
-                "accs": [100 * r["rows"][-1]["test_accuracy"] for r in rs],
+                "accs": accs,
             }
         )
     mc = next(t for t in table if t["method"] == "fsl_mc")
@@ -228,9 +212,11 @@ def claims(table: list[dict[str, Any]], p: Preset) -> list[tuple[str, str, bool 
         and all(reach[t["method"]] < reach["fsl_an"] for t in big)
         and (reach["fsl_mc"] is None or reach["fsl_an"] < reach["fsl_mc"])
     )
+    if reach["fsl_an"] is None and all(reach[t["method"]] is None for t in big):
+        c3 = None  # neither CSE-FSL (h > 1) nor FSL_AN reached the target: no load to compare
     out.append((f"C3 less load to reach {100 * p.target:.0f} % test accuracy: CSE (h>1) < FSL_AN < FSL_MC",
                 ", ".join(f"{k}: {'not reached' if v is None else f'{1024 * v:.1f} MiB'}" for k, v in reach.items()),
-                bool(c3)))  # fmt: skip
+                None if c3 is None else bool(c3)))  # fmt: skip
     c5 = all(t["server_copies"] == 1 for t in cse) and cse[0]["storage_m"] < 0.4 * an["storage_m"]
     out.append(("C5 CSE-FSL keeps one server-side model; storage < 0.4× FSL_AN",
                 f"CSE {cse[0]['storage_m']:.4f} M vs FSL_AN {an['storage_m']:.4f} M "
@@ -311,59 +297,34 @@ def markdown(table, verdicts, p: Preset, args, wall: float) -> str:
         f"The paper's columns are its CIFAR-10 Table V (5 clients, 200 epochs{NONIID_NOTE if p.noniid else ''}); "
         "accuracies are not comparable across datasets, the load *ratios* and the storage structure are.",
         "",
-        "| " + " | ".join(h for _, h in COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
     ]
-    if p.noniid:
-        lines[-2] = lines[-2].replace("paper acc IID (%)", "paper acc non-IID (%)")
-    for t in table:
-        nd = {"load_gib": 5, "storage_m": 4, "load_to_target_gib": 5, "load_ratio": 3, "paper_load_ratio": 3}
-        lines.append("| " + " | ".join(_fmt(t[k], nd.get(k, 2)) for k, _ in COLUMNS) + " |")
-    lines += ["", "## Claims (spec §9.3)", "", "| claim | measured | held |", "|---|---|---|"]
-    lines += [f"| {c} | {m} | {'untestable' if ok is None else _fmt(ok)} |" for c, m, ok in verdicts]
+    nd = {"load_gib": 5, "storage_m": 4, "load_to_target_gib": 5, "load_ratio": 3, "paper_load_ratio": 3}
+    body = [[_fmt(t[k], nd.get(k, 2)) for k, _ in COLUMNS] for t in table]
+    header = [h.replace("IID", "non-IID") if k == "paper_acc" and p.noniid else h for k, h in COLUMNS]
+    lines += [markdown_table(header, body), "## Claims (spec §9.3)", ""]
+    held = [[c, m, "untestable" if ok is None else _fmt(ok)] for c, m, ok in verdicts]
+    lines += [markdown_table(["claim", "measured", "held"], held).rstrip("\n")]
     lines += ["", "Per-seed final accuracies (%):", ""]
     lines += [f"- {t['method']}: {', '.join(f'{a:.2f}' for a in t['accs'])}" for t in table]
     return "\n".join(lines) + "\n"
 
 
-def write_csv(table, path: Path) -> None:
-    keys = [k for k, _ in COLUMNS] + ["load_formula_gib", "load_exact", "storage_formula_m", "uploads_per_client"]
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
-    w.writerows(table)
-    atomic_write(path, buf.getvalue())
+CSV_EXTRA = ["load_formula_gib", "load_exact", "storage_formula_m", "uploads_per_client"]
 
 
 def plots(results: list[dict[str, Any]], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = list(dict.fromkeys(r["key"] for r in results))
-    specs = [
-        ("load_bytes", "communication load (GiB, labels excluded)", "fig9_accuracy_vs_load.png", GIB, True),
-        ("round", "round (epoch)", "accuracy_vs_rounds.png", 1, False),
-        ("smashed_uploads_per_client", "smashed-data uploads per client", "accuracy_vs_uploads.png", 1, True),
-    ]
-    for xkey, xlabel, fname, scale, logx in specs:
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for key in keys:
-            rs = [r for r in results if r["key"] == key]
-            x = np.array([row[xkey] for row in rs[0]["rows"]], dtype=float) / scale
-            acc = np.mean([[100 * row["test_accuracy"] for row in r["rows"]] for r in rs], axis=0)
-            ax.plot(x, acc, label=key, ls="--" if "random" in key else "-")
-        if logx:
-            ax.set_xscale("log")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("test accuracy (%), mean over seeds")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-        plt.close(fig)
-        atomic_write(out / fname, buf.getvalue())
+    """Fig. 9a (accuracy against load), accuracy against rounds and against smashed uploads (Fig. 4), each the
+    mean over seeds with a band; the randomly ordered server dashed."""
+    curves: dict[str, list[list[dict[str, Any]]]] = {}
+    for r in results:
+        curves.setdefault(r["key"], []).append(r["rows"])
+    styles = {k: {"ls": "--"} for k in curves if "random" in k}
+    common = {"y": "test_accuracy", "yscale": 100, "ylabel": "test accuracy (%), mean over seeds", "styles": styles}
+    plot_curves(curves, out / "fig9_accuracy_vs_load.png", x="load_bytes", xscale=1 / GIB, logx=True,
+                xlabel="communication load (GiB, labels excluded)", **common)  # fmt: skip
+    plot_curves(curves, out / "accuracy_vs_rounds.png", x="round", xlabel="round (epoch)", **common)
+    plot_curves(curves, out / "accuracy_vs_uploads.png", x="smashed_uploads_per_client", logx=True,
+                xlabel="smashed-data uploads per client", **common)  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
@@ -385,12 +346,20 @@ def main(argv: list[str]) -> int:
     args.seeds = seeds
     out = Path(args.out)
     t0 = time.perf_counter()
-    results = run_all(jobs(p, seeds, out), args.workers)
+    points = jobs(p, seeds, out)
+    runs = run_points(points, out / "runs", workers=args.workers, overwrite=True)
+    facts: dict[str, tuple[SplitSizes, list[int]]] = {}  # per data, model and seed: the same for every method
+    results = []
+    for pt in points:
+        c = pt.config
+        key = json.dumps([c.dataset.to_dict(), c.partition.to_dict(), c.model.to_dict(), c.seed], sort_keys=True)
+        facts.setdefault(key, split_facts(c))
+        results.append(collect(pt, runs[pt.slug], facts[key]))
     wall = time.perf_counter() - t0
     table = summarize(results, p)
     verdicts = claims(table, p)
     atomic_write(out / "table.md", markdown(table, verdicts, p, args, wall))
-    write_csv(table, out / "table.csv")
+    write_csv(out / "table.csv", table, [k for k, _ in COLUMNS] + CSV_EXTRA)
     plots(results, out)
     print((out / "table.md").read_text())
     return 0 if all(t["load_exact"] for t in table) else 1

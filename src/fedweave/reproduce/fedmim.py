@@ -27,18 +27,23 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import io
 import json
 import math
 import os
 import re
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedweave.experiments.aggregate import mean_std
+from fedweave.experiments.grid import Point
+from fedweave.experiments.jobs import run_points
+from fedweave.experiments.plots import band
+from fedweave.experiments.tables import markdown_table, write_csv
+from fedweave.plots import plt, save_png
 from fedweave.results import atomic_write
+from fedweave.runner import Result
 
 # ---- the paper's numbers ------------------------------------------------------------------------------
 METHODS = ("fedavg", "fedadam", "scaffold", "fedcm", "feddyn", "fedsam", "fedmim")
@@ -261,7 +266,7 @@ PRESETS.update(
 )
 
 
-# ---- running ----------------------------------------------------------------------------------------
+# ---- the grid ----------------------------------------------------------------------------------------
 def run_config(
     p: Preset, dataset: str, split: str, method: str, seed: int, run_dir: Path, variant: str = ""
 ) -> dict[str, Any]:
@@ -289,62 +294,6 @@ def run_config(
     }
 
 
-def _finished(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """The results of a finished (completed or diverged) run of exactly ``cfg`` on disk, else None."""
-    from fedweave.runner import finished_run
-
-    done = finished_run(cfg["output"]["dir"], cfg)
-    return None if done is None else {"summary": done.summary, "rows": done.metrics}
-
-
-def _run_one(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Run one configuration unless its directory already holds that finished run; return its metrics.
-    A diverged run (NaN/Inf) is kept as such: it is a result, not a reason to stop the grid."""
-    import fedweave
-
-    done = _finished(cfg)
-    if done is not None:
-        return done
-    res = fedweave.run(cfg, on_divergence="return", overwrite=True)  # not the finished run above: replace it
-    return {"summary": res.summary, "rows": res.metrics}
-
-
-def _record_of(key: tuple, out: dict[str, Any]) -> dict[str, Any]:
-    """The record of a job whose key is (dataset, split, method, seed) or, in a variant preset, also its variant."""
-    rec = _record(*key[:4], out)
-    if len(key) > 4:
-        rec["variant"] = key[4]
-    return rec
-
-
-def _record(dataset: str, split: str, method: str, seed: int, out: dict[str, Any]) -> dict[str, Any]:
-    rows, summary = out["rows"], out["summary"]
-    if summary.get("status") == "diverged" or not rows:  # counted as chance-level failure, flagged
-        rows = rows or [{"round": 0, "test_accuracy": float("nan")}]
-    last = rows[-1]["round"]
-    tail = [r for r in rows if r["round"] > last - 20 and r.get("local_consistency") is not None]
-    accs = [100 * r["test_accuracy"] for r in rows]
-    if summary.get("status") == "diverged":  # no final model: the run is reported as diverged
-        accs = [*accs, float("nan")]
-    return {
-        "dataset": dataset,
-        "split": split,
-        "method": method,
-        "seed": seed,
-        "final_acc": accs[-1],
-        "best_acc": max((a for a in accs if a == a), default=float("nan")),
-        "last3_acc": sum(accs[-3:]) / len(accs[-3:]),
-        "consistency_last20": sum(r["local_consistency"] for r in tail) / len(tail) if tail else float("nan"),
-        "wall_seconds": summary.get("wall_seconds"),
-        "cpu_seconds": summary.get("cpu_seconds"),
-        "status": summary.get("status", "completed"),
-        "rounds_done": last,
-        "curve_rounds": [r["round"] for r in rows],
-        "curve_acc": accs,
-        "curve_consistency": [r.get("local_consistency") for r in rows],
-    }
-
-
 def plan(
     p: Preset,
     out: Path,
@@ -352,13 +301,14 @@ def plan(
     datasets: list[str] | None,
     methods: list[str] | None,
     extend: bool = False,
-) -> list[tuple[tuple[str, str, str, int], dict[str, Any]]]:
-    """The runs of a preset in priority order: grid entry, then seed, then method (in a variant preset:
-    seed, then grid entry, variant and method, so that a time budget leaves whole seeds)."""
+) -> list[Point]:
+    """The runs of a preset in priority order (grid entry, then seed, then method), each in
+    ``OUT/runs/<dataset>-<split>-<method>-s<seed>``; in a variant preset seed, then grid entry, variant and
+    method (a time budget leaves whole seeds), each in ``OUT/runs/<dataset>-<split>-<method>-<variant>-s<seed>``."""
     grid = p.grid + (p.extension if extend else [])
     names = list(dict.fromkeys(d for d, _, _ in grid))
     rename = dict(zip(names, datasets)) if datasets else {d: d for d in names}  # unmatched ones are dropped
-    jobs = []
+    points = []
     if p.variants:
         for seed in seeds:
             for preset_dataset, split, group in grid:
@@ -368,10 +318,10 @@ def plan(
                             continue
                         dataset = rename[preset_dataset]
                         slug = re.sub(r"[^A-Za-z0-9.]+", "_", variant).strip("_")
-                        run_dir = out / "runs" / f"{dataset}-{split}-{method}-{slug}-s{seed}"
-                        cfg = run_config(p, dataset, split, method, seed, run_dir, variant)
-                        jobs.append(((dataset, split, method, seed, variant), cfg))
-        return jobs
+                        name = f"{dataset}-{split}-{method}-{slug}-s{seed}"
+                        cfg = run_config(p, dataset, split, method, seed, out / "runs" / name, variant)
+                        points.append(Point.of(cfg, name, dataset=dataset, split=split, method=method, variant=variant))
+        return points
     for preset_dataset, split, group in grid:
         if preset_dataset not in rename:
             continue
@@ -380,57 +330,38 @@ def plan(
             for method in group:
                 if methods is not None and method not in methods:
                     continue
-                run_dir = out / "runs" / f"{dataset}-{split}-{method}-s{seed}"
-                jobs.append(((dataset, split, method, seed), run_config(p, dataset, split, method, seed, run_dir)))
-    return jobs
+                name = f"{dataset}-{split}-{method}-s{seed}"
+                cfg = run_config(p, dataset, split, method, seed, out / "runs" / name)
+                points.append(Point.of(cfg, name, dataset=dataset, split=split, method=method))
+    return points
 
 
-def run_grid(jobs: list, workers: int, budget_s: float | None) -> tuple[list[dict], list[tuple]]:
-    """Run ``jobs`` on ``workers`` processes; no new run starts after ``budget_s`` seconds.
-    Returns the records of the finished runs and the keys of the skipped ones."""
-    t0 = time.perf_counter()
-    done: dict[int, dict] = {}
-    skipped = []
-    for i, (key, cfg) in enumerate(jobs):  # finished runs are reused whatever the budget
-        prev = _finished(cfg)
-        if prev is not None:
-            done[i] = _record_of(key, prev)
-    jobs_left = [(i, job) for i, job in enumerate(jobs) if i not in done]
-    if workers == 1:
-        for i, (key, cfg) in jobs_left:
-            if budget_s is not None and time.perf_counter() - t0 > budget_s:
-                skipped.append(key)
-                continue
-            done[i] = _record_of(key, _run_one(cfg))
-    else:
-        import multiprocessing as mp
-
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-            running: dict[Any, int] = {}
-            queue = list(jobs_left)
-            while queue or running:
-                while queue and len(running) < workers:
-                    i, (key, cfg) = queue.pop(0)
-                    if budget_s is not None and time.perf_counter() - t0 > budget_s:
-                        skipped.append(key)
-                        continue
-                    running[ex.submit(_run_one, cfg)] = i
-                if not running:
-                    break
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                for f in finished:
-                    i = running.pop(f)
-                    done[i] = _record_of(jobs[i][0], f.result())
-    return [done[i] for i in sorted(done)], skipped
+def record(point: Point, res: Result) -> dict[str, Any]:
+    """One run's row of results.csv; a diverged run (NaN/Inf) is kept as such, with no final accuracy."""
+    rows, summary = res.metrics, res.summary
+    if summary.get("status") == "diverged" or not rows:  # counted as chance-level failure, flagged
+        rows = rows or [{"round": 0, "test_accuracy": float("nan")}]
+    last = rows[-1]["round"]
+    tail = [r for r in rows if r["round"] > last - 20 and r.get("local_consistency") is not None]
+    accs = [100 * r["test_accuracy"] for r in rows]
+    if summary.get("status") == "diverged":  # no final model: the run is reported as diverged
+        accs = [*accs, float("nan")]
+    return {
+        **dict(point.values),
+        "seed": point.seed,
+        "final_acc": accs[-1],
+        "best_acc": max((a for a in accs if a == a), default=float("nan")),
+        "last3_acc": sum(accs[-3:]) / len(accs[-3:]),
+        "consistency_last20": sum(r["local_consistency"] for r in tail) / len(tail) if tail else float("nan"),
+        "wall_seconds": summary.get("wall_seconds"),
+        "cpu_seconds": summary.get("cpu_seconds"),
+        "status": summary.get("status", "completed"),
+        "rounds_done": last,
+        "_rows": res.metrics,
+    }
 
 
 # ---- tables and plots -----------------------------------------------------------------------------
-def _mean_std(xs: list[float]) -> tuple[float, float]:
-    m = sum(xs) / len(xs)
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
-    return m, sd
-
-
 def _ranks(values: dict[str, float]) -> dict[str, int]:
     order = sorted(values, key=lambda k: -values[k])
     return {k: i + 1 for i, k in enumerate(order)}
@@ -444,9 +375,9 @@ def summarize(records: list[dict]) -> tuple[list[dict], dict]:
     table = []
     for (d, s, m), all_rs in cells.items():
         rs = [r for r in all_rs if math.isfinite(r["final_acc"])] or all_rs
-        acc_m, acc_sd = _mean_std([r["final_acc"] for r in rs])
-        best_m, _ = _mean_std([r["best_acc"] for r in rs])
-        cons_m, _ = _mean_std([r["consistency_last20"] for r in rs])
+        acc_m, acc_sd = mean_std([r["final_acc"] for r in rs])
+        best_m, _ = mean_std([r["best_acc"] for r in rs])
+        cons_m, _ = mean_std([r["consistency_last20"] for r in rs])
         table.append(
             {
                 "dataset": d,
@@ -522,15 +453,6 @@ def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
     return rows
 
 
-def _csv(rows: list[dict], keys: list[str]) -> str:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items() if k in keys})
-    return buf.getvalue()
-
-
 def markdown(
     table: list[dict], claims: dict, preset_name: str, p: Preset, wall: float, cpu: float | None = None
 ) -> str:
@@ -551,26 +473,22 @@ def markdown(
     ]
     for d in sorted({t["dataset"] for t in table}):
         splits = [s for s in ("iid", "dir0.3", "dir0.1") if any(t["dataset"] == d and t["split"] == s for t in table)]
-        head = "| method | " + " | ".join(f"{s}: ours | rank | cons. | paper C10 | paper rank" for s in splits) + " |"
-        lines += [f"## {d}", "", head, "|---|" + "---|---|---|---|---|" * len(splits)]
+        header = ["method"] + [h for s in splits for h in (f"{s}: ours", "rank", "cons.", "paper C10", "paper rank")]
+        body = []
         for m in METHODS:
-            cells = []
-            present = False
+            cells: list[str] = []
             for s in splits:
                 t = next((t for t in table if (t["dataset"], t["split"], t["method"]) == (d, s, m)), None)
                 if t is None:
-                    cells.append("– | – | – | – | –")
+                    cells += ["–"] * 5
                     continue
-                present = True
                 paper = f"{t['paper_cifar10']:.2f}" if t["paper_cifar10"] is not None else "–"
                 div = f" ({t['diverged']}/{t['seeds']} diverged)" if t["diverged"] else ""
-                cells.append(
-                    f"{t['final_acc_mean']:.2f} ± {t['final_acc_std']:.2f}{div} | {t['rank']} | "
-                    f"{t['consistency_last20']:.3g} | {paper} | {t['paper_rank'] or '–'}"
-                )
-            if present:
-                lines.append(f"| {LABELS[m]} | " + " | ".join(cells) + " |")
-        lines.append("")
+                cells += [f"{t['final_acc_mean']:.2f} ± {t['final_acc_std']:.2f}{div}", t["rank"],
+                          f"{t['consistency_last20']:.3g}", paper, t["paper_rank"] or "–"]  # fmt: skip
+            if any(c != "–" for c in cells):
+                body.append([LABELS[m], *cells])
+        lines += [f"## {d}", "", markdown_table(header, body).rstrip("\n"), ""]
         c = claims.get(d, {})
         if c:
             lines.append("Claims (spec §9.2):")
@@ -597,25 +515,19 @@ def markdown(
 
 
 def plot(records: list[dict], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """``OUT/curves-<dataset>.png``: test accuracy (top) and local consistency (bottom) against rounds per
+    split, the mean over seeds with a band."""
     paths = []
     for d in sorted({r["dataset"] for r in records}):
         splits = [s for s in ("iid", "dir0.3", "dir0.1") if any(r["dataset"] == d and r["split"] == s for r in records)]
         fig, axes = plt.subplots(2, len(splits), figsize=(5 * len(splits), 7), squeeze=False)
         for j, s in enumerate(splits):
             for m in METHODS:
-                rs = [r for r in records if (r["dataset"], r["split"], r["method"]) == (d, s, m)]
-                if not rs:
-                    continue
-                x = rs[0]["curve_rounds"]
-                acc = [sum(r["curve_acc"][i] for r in rs) / len(rs) for i in range(len(x))]
-                cons = [sum(r["curve_consistency"][i] or 0.0 for r in rs) / len(rs) for i in range(len(x))]
-                axes[0, j].plot(x, acc, label=LABELS[m], lw=2.2 if m == "fedmim" else 1.2)
-                axes[1, j].plot(x, cons, label=LABELS[m], lw=2.2 if m == "fedmim" else 1.2)
+                runs = [r["_rows"] for r in records if (r["dataset"], r["split"], r["method"]) == (d, s, m)]
+                if runs:
+                    lw = 2.2 if m == "fedmim" else 1.2
+                    band(axes[0, j], runs, "round", "test_accuracy", label=LABELS[m], yscale=100, lw=lw)
+                    band(axes[1, j], runs, "round", "local_consistency", label=LABELS[m], lw=lw)
             axes[0, j].set_title(f"{d}, {s} (mean over seeds)")
             axes[0, j].set_ylabel("test accuracy (%)")
             axes[1, j].set_ylabel("local consistency")
@@ -623,12 +535,7 @@ def plot(records: list[dict], out: Path) -> list[Path]:
             axes[1, j].set_xlabel("round")
             axes[0, j].legend(fontsize=8)
         fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110)
-        plt.close(fig)
-        path = out / f"curves-{d}.png"
-        atomic_write(path, buf.getvalue())
-        paths.append(path)
+        paths.append(save_png(fig, out / f"curves-{d}.png", dpi=110))
     return paths
 
 
@@ -649,14 +556,14 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> tuple[str, str]:
     md += ["Test accuracy (%) at each round, mean ± std over the seeds that reached it (sample std), "
            "and FedMIM − method, per seed.", ""]  # fmt: skip
     for dataset, split, methods in p.grid:
-        md += [f"## {dataset} {split}", "", "| round | " + " | ".join(LABELS[m] for m in methods)]
-        md[-1] += " | " + " | ".join(f"FedMIM − {LABELS[m]} (per seed)" for m in methods if m != "fedmim") + " |"
-        md.append("|---" * (1 + 2 * len(methods) - 1) + "|")
+        header = ["round", *(LABELS[m] for m in methods)]
+        header += [f"FedMIM − {LABELS[m]} (per seed)" for m in methods if m != "fedmim"]
+        body = []
         for t in p.report_rounds:
             cells, gap_cells = [], []
             for m in methods:
                 vals = [acc[(dataset, split, m, s)][t] for s in seeds if t in acc.get((dataset, split, m, s), {})]
-                mean, std = _mean_std(vals)
+                mean, std = mean_std(vals)
                 cells.append(f"{mean:.2f} ± {std:.2f} ({len(vals)})" if vals else "–")
             for m in methods:
                 if m == "fedmim":
@@ -672,8 +579,8 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> tuple[str, str]:
                 a = acc.get((dataset, split, "fedmim", s), {})
                 if t in a:
                     lines.append(f"{dataset},{split},fedmim,{s},{t},{a[t]:.2f},0.00")
-            md.append(f"| {t} | " + " | ".join(cells + gap_cells) + " |")
-        md.append("")
+            body.append([t, *cells, *gap_cells])
+        md += [f"## {dataset} {split}", "", markdown_table(header, body)]
     return "\n".join(lines) + "\n", "\n".join(md)
 
 
@@ -685,8 +592,6 @@ def variant_summary(records: list[dict], p: Preset) -> list[dict]:
     """Per (variant, method), in the preset's order: final accuracy mean ± std over seeds (diverged runs
     counted apart), the mean accuracy over the evaluated rounds (how fast it converges), the local
     consistency of the last 20 rounds, the per-seed finals, and the paper's number where it has one."""
-    from fedweave.experiments.aggregate import mean_std
-
     labels = [v for v, _ in p.variants]
     methods = list(dict.fromkeys(m for _, _, group in p.grid + p.extension for m in group))
     rows = []
@@ -697,7 +602,7 @@ def variant_summary(records: list[dict], p: Preset) -> list[dict]:
                 continue
             ok = [r for r in rs if math.isfinite(r["final_acc"])]
             acc, sd = mean_std([r["final_acc"] for r in ok])
-            auc, _ = mean_std([sum(a for a in r["curve_acc"] if a == a) / len(r["curve_acc"]) for r in ok])
+            auc, _ = mean_std([100 * sum(x["test_accuracy"] for x in r["_rows"]) / len(r["_rows"]) for r in ok])
             cons, _ = mean_std([r["consistency_last20"] for r in ok])
             paper = TABLE_II_C10[m][vi] if p.table == "epochs" else TABLE_III[vi][2] if p.table == "ablation" else None
             rows.append(
@@ -875,53 +780,41 @@ def variant_markdown(rows: list[dict], checks: list, name: str, p: Preset, wall:
 
 
 def variant_plot(records: list[dict], p: Preset, name: str, out: Path) -> Path:
-    """Test accuracy against rounds, mean over seeds: one panel per variant (Table III: one panel, a line per row)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """``OUT/curves-NAME.png``: test accuracy against rounds, the mean over seeds with a band; one panel per
+    variant, each method a line (Table III: one panel, each row a line)."""
     labels = [v for v, _ in p.variants]
     panels = [None] if p.table == "ablation" else labels
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         for v in labels if panel is None else [panel]:
             for m in dict.fromkeys(r["method"] for r in records):
-                rs = [r for r in records if (r["variant"], r["method"]) == (v, m)]
-                if not rs:
-                    continue
-                n = min(len(r["curve_acc"]) for r in rs)
-                y = [sum(r["curve_acc"][i] for r in rs) / len(rs) for i in range(n)]
-                ax.plot(rs[0]["curve_rounds"][:n], y, label=v if panel is None else LABELS[m],
-                        lw=2.2 if m == "fedmim" and panel is not None else 1.2)  # fmt: skip
+                runs = [r["_rows"] for r in records if (r["variant"], r["method"]) == (v, m)]
+                if runs:
+                    lw = 2.2 if m == "fedmim" and panel is not None else 1.2
+                    label = v if panel is None else LABELS[m]
+                    band(ax, runs, "round", "test_accuracy", label=label, yscale=100, lw=lw)
         ax.set_title(f"{name}: {panel or 'FedMIM rows'} (mean over seeds)")
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy (%)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    path = out / f"curves-{name}.png"
-    atomic_write(path, buf.getvalue())
-    return path
+    return save_png(fig, out / f"curves-{name}.png", dpi=100)
 
 
 def write_variant_outputs(records: list[dict], skipped: list, name: str, p: Preset, out: Path, wall: float) -> int:
     """A variant preset's files: results.csv (one row per run), NAME.csv and NAME.md (the table beside the
     paper's and the claim checks), claims.json and curves-NAME.png."""
-    from fedweave.experiments.tables import write_csv
-
     keys = ["dataset", "split", "method", "variant", "seed", "final_acc", "best_acc", "last3_acc"]
     keys += ["consistency_last20", "status", "rounds_done", "wall_seconds", "cpu_seconds"]
-    atomic_write(out / "results.csv", _csv(records, keys))
+    write_csv(out / "results.csv", records, keys, float_format=".6g")
     rows = variant_summary(records, p)
     checks = variant_claims(rows, p)
     write_csv(out / f"{name}.csv", rows)
     cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
     md = variant_markdown(rows, checks, name, p, wall, sum(cpus) if cpus and len(cpus) == len(records) else None)
     if skipped:
-        md += "\nNot run (time budget reached): " + ", ".join("-".join(map(str, k)) for k in skipped) + "\n"
+        names = ("-".join(map(str, [*dict(pt.values).values(), pt.seed])) for pt in skipped)
+        md += "\nNot run (time budget reached): " + ", ".join(names) + "\n"
     atomic_write(out / f"{name}.md", md)
     claims = [{"claim": c, "verdict": VERDICT[ok], "measured": m} for c, ok, m in checks]
     atomic_write(out / "claims.json", json.dumps(claims, indent=2, ensure_ascii=False))
@@ -947,22 +840,26 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    jobs = plan(p, out, seeds, args.datasets, args.methods, args.extend)
+    points = plan(p, out, seeds, args.datasets, args.methods, args.extend)
     budget = args.budget_minutes * 60 if args.budget_minutes is not None else None
-    records, skipped = run_grid(jobs, max(1, args.workers), budget)
+    done = run_points(points, out / "runs", workers=max(1, args.workers), overwrite=True, budget_s=budget)
+    records = [record(pt, done[pt.slug]) for pt in points if pt.slug in done]
+    skipped = [pt for pt in points if pt.slug not in done]
     wall = time.perf_counter() - t0
     if p.variants:
         return write_variant_outputs(records, skipped, args.scale, p, out, wall)
     table, claims = summarize(records)
     keys = ["dataset", "split", "method", "seed", "final_acc", "best_acc", "last3_acc", "consistency_last20"]
-    atomic_write(out / "results.csv", _csv(records, keys + ["status", "rounds_done", "wall_seconds", "cpu_seconds"]))
+    keys += ["status", "rounds_done", "wall_seconds", "cpu_seconds"]
+    write_csv(out / "results.csv", records, keys, float_format=".6g")
     tkeys = ["dataset", "split", "method", "seeds", "diverged", "final_acc_mean", "final_acc_std", "best_acc_mean"]
     tkeys += ["consistency_last20", "rank", "paper_cifar10", "paper_rank"]
-    atomic_write(out / "table.csv", _csv(table, tkeys))
+    write_csv(out / "table.csv", table, tkeys, float_format=".6g")
     cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
     md = markdown(table, claims, args.scale, p, wall, sum(cpus) if len(cpus) == len(records) else None)
     if skipped:
-        md += "\nNot run (time budget reached): " + ", ".join("-".join(map(str, k)) for k in skipped) + "\n"
+        names = ("-".join(map(str, [*dict(pt.values).values(), pt.seed])) for pt in skipped)
+        md += "\nNot run (time budget reached): " + ", ".join(names) + "\n"
     atomic_write(out / "table.md", md)
     atomic_write(out / "claims.json", json.dumps(claims, indent=2))
     plot(records, out)

@@ -21,22 +21,24 @@ logistic regression on UCI Adult (d = 242), the low-dimensional check of the zer
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import functools
-import io
 import json
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fedweave.experiments.aggregate import mean_std
+from fedweave.experiments.grid import Point
+from fedweave.experiments.jobs import finished, run_points
+from fedweave.experiments.plots import band
+from fedweave.experiments.tables import markdown_table, write_csv
 from fedweave.memory import cpu_seconds
+from fedweave.plots import plt, save_png
 from fedweave.results import atomic_write
 
 SETTINGS = [(1000.0, 0.9), (1.0, 0.5), (0.1, 0.1)]  # (Dirichlet alpha, participation beta), paper §IV
@@ -351,61 +353,34 @@ def run_config(
 # ---- running -------------------------------------------------------------------------------------------
 
 
-def _worker_init() -> None:
-    import torch
-
-    torch.set_num_threads(1)
+def _cache_datasets() -> None:
+    """Dozens of runs in one worker share a dataset: memoize the loaders (per process, per option set)."""
     from fedweave.registry import DATASETS
 
-    # Dozens of runs in one worker share a dataset: memoize the loaders (per process, per option set).
     for name in DATASETS.names():
         DATASETS._items[name] = functools.lru_cache(maxsize=2)(DATASETS._items[name])
 
 
-def _run_one(cfg: dict[str, Any]) -> dict[str, Any]:
-    from fedweave.config import load
-    from fedweave.runner import run
-
-    t0, c0 = time.perf_counter(), time.process_time()
-    path = Path(cfg["output"]["dir"])
-    done = _completed(path, cfg)
-    if done is not None:  # an identical run finished earlier (e.g. before the preset gained rows): reuse it
-        wall, cpu = _seconds(path)
-        return {"name": cfg["name"], "rows": done, "status": "completed", "seconds": wall, "cpu": cpu, "reused": True}
-    # a diverged run keeps its rows before the NaN; not the finished run above, so its directory is replaced
-    res = run(load(cfg), progress=False, on_divergence="return", overwrite=True)
-    rows, status = res.metrics, res.summary["status"]
-    if not rows:  # diverged before any evaluation; the table marks the run
-        rows = [{"round": 0, "test_accuracy": float("nan"), "global_loss": float("nan")}]
-    # CPU time of this process for the run, data split included (a loaded machine inflates it far less)
-    return {
-        "name": cfg["name"],
-        "rows": rows,
-        "status": status,
-        "seconds": time.perf_counter() - t0,
-        "cpu": time.process_time() - c0,
-    }
-
-
-def _completed(path: Path, cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
-    from fedweave.runner import finished_run
-
-    done = finished_run(path, cfg)
-    return done.metrics if done is not None and done.summary.get("status") == "completed" else None
-
-
-def _seconds(path: Path) -> tuple[float, float]:
-    summary = json.loads((path / "summary.json").read_text())
-    return float(summary.get("wall_seconds", 0.0)), float(summary.get("cpu_seconds") or 0.0)
-
-
-def run_all(configs: list[dict[str, Any]], workers: int) -> dict[str, dict[str, Any]]:
-    if workers <= 1:
-        _worker_init()
-        return {c["name"]: _run_one(c) for c in configs}
-    ctx = get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as ex:
-        return {r["name"]: r for r in ex.map(_run_one, configs)}
+def run_all(configs: list[dict[str, Any]], workers: int, out: Path) -> dict[str, dict[str, Any]]:
+    """Run every config in ``OUT/runs/<name>`` (finished runs are reused); per name its metric rows, status,
+    wall and CPU seconds, and whether an earlier invocation ran it."""
+    points = [Point.of(c, c["name"]) for c in configs]
+    earlier = finished(points, out / "runs")
+    done = run_points(points, out / "runs", workers=workers, overwrite=True, initializer=_cache_datasets)
+    results = {}
+    for pt in points:
+        res = done[pt.slug]
+        # a run that diverged before any evaluation keeps a NaN row; the table marks it
+        rows = res.metrics or [{"round": 0, "test_accuracy": float("nan"), "global_loss": float("nan")}]
+        results[pt.slug] = {
+            "name": pt.slug,
+            "rows": rows,
+            "status": res.summary["status"],
+            "seconds": float(res.summary["wall_seconds"]),
+            "cpu": float(res.summary.get("cpu_seconds") or 0.0),
+            "reused": pt.slug in earlier,
+        }
+    return results
 
 
 # ---- summarizing ---------------------------------------------------------------------------------------
@@ -420,10 +395,6 @@ def _last10(res: dict[str, Any], rounds: int) -> float:
     return float(np.mean(vals))
 
 
-def _ms(vals: list[float]) -> tuple[float, float]:
-    return float(np.mean(vals)), float(np.std(vals))
-
-
 def summarize(
     p: Preset, results: dict[str, dict[str, Any]], seeds: list[int], out: Path
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -435,8 +406,8 @@ def summarize(
                 R = p.rounds_of(m)
                 run_seeds = p.seeds_of(m, seeds)
                 res = [results[run_config(p, ds, s, m, seed, p.tau, R, out)["name"]] for seed in run_seeds]
-                mean, std = _ms([100 * _final(r) for r in res])
-                last_mean, _ = _ms([100 * _last10(r, R) for r in res])
+                mean, std = mean_std([100 * _final(r) for r in res], ddof=0)
+                last_mean, _ = mean_std([100 * _last10(r, R) for r in res], ddof=0)
                 acc[(ds, m, s)] = (mean, std)
                 paper = PAPER_TABLE.get(m, {}).get(ds)
                 rows.append(
@@ -585,20 +556,11 @@ def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
     return rows
 
 
-def claims_markdown(claims: dict[str, Any]) -> list[str]:
-    lines = ["| claim | verdict | measured |", "|---|---|---|"]
-    return lines + [f"| {c} | {v} | {m} |" for c, v, m in claim_rows(claims)]
-
-
 # ---- writing -------------------------------------------------------------------------------------------
 
 
 def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], out: Path, meta: dict) -> None:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(rows[0]))
-    w.writeheader()
-    w.writerows(rows)
-    atomic_write(out / "table.csv", buf.getvalue())
+    write_csv(out / "table.csv", rows)
 
     lines = [
         "# ZO-HFL Table I at our scale, beside the paper's",
@@ -610,17 +572,17 @@ def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], o
         "",
     ]
     for ds in p.datasets:
-        head = "| method | " + " | ".join(SETTING_NAMES[s] for s in SETTINGS) + " |"
-        lines += [f"## {DATASET_LABELS.get(ds, ds)}", "", head, "|---" * (len(SETTINGS) + 1) + "|"]
+        body = []
         for m in p.methods:
             cells = []
             for s in SETTINGS:
                 r = next(x for x in rows if x["dataset"] == ds and x["method"] == m and (x["alpha"], x["beta"]) == s)
                 paper = f"{r['paper_acc']:.2f}" if r["paper_acc"] != "" else "n/a"
                 cells.append(f"{r['acc_mean']:.2f} +- {r['acc_std']:.2f} [{r['acc_last10_mean']:.2f}] / {paper}")
-            lines.append(f"| {label(m, p)} | " + " | ".join(cells) + " |")
-        lines.append("")
-    lines += ["## Claims (spec §9.2)", "", *claims_markdown(claims), ""]
+            body.append([label(m, p), *cells])
+        head = ["method", *(SETTING_NAMES[s] for s in SETTINGS)]
+        lines += [f"## {DATASET_LABELS.get(ds, ds)}", "", markdown_table(head, body)]
+    lines += ["## Claims (spec §9.2)", "", markdown_table(["claim", "verdict", "measured"], claim_rows(claims))]
     lines += ["All values:", "", "```json", json.dumps(claims, indent=2), "```", ""]
     lines += [
         f"Wall time of this invocation: {meta['wall_seconds']:.0f} s with {meta['workers']} worker process(es); "
@@ -635,47 +597,34 @@ def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], o
     atomic_write(out / "claims.json", json.dumps({"claims": claims, "meta": meta}, indent=2))
 
 
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
-    return buf.getvalue()
-
-
 def write_plots(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    for ds in p.sweep_dataset:  # Fig. 2: global loss (top) and test cross-entropy (bottom) vs rounds per tau
+    """Fig. 2 (global loss and test cross-entropy against rounds per tau) and test accuracy against rounds per
+    method, one panel per setting; the mean over seeds with a band."""
+    for ds in p.sweep_dataset:
         fig, axes = plt.subplots(2, len(SETTINGS), figsize=(4.2 * len(SETTINGS), 6.4), squeeze=False)
         for row, (metric, ylabel) in enumerate((("global_loss", "global loss f1 + f2"), ("test_loss", "test loss"))):
             for ax, s in zip(axes[row], SETTINGS):
                 for tau in p.sweep_taus:
                     runs = [results[n]["rows"] for n in _sweep_names(p, ds, s, tau, out)]
-                    x = [r["round"] for r in runs[0]]
-                    y = np.mean([[r[metric] for r in rows] for rows in runs], axis=0)
-                    ax.plot(x, y, label=f"tau={tau:g}")
+                    band(ax, runs, "round", metric, label=f"tau={tau:g}")
                 ax.set_title(f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})")
                 ax.set_xlabel("round")
                 ax.set_ylabel(ylabel)
                 ax.legend()
-        atomic_write(out / f"fig2_{ds}.png", _png(fig))
-        plt.close(fig)
-    for ds in p.datasets:  # accuracy vs rounds per method
-        fig, axes = plt.subplots(1, len(SETTINGS), figsize=(4.2 * len(SETTINGS), 3.4), sharey=True)
-        for ax, s in zip(np.atleast_1d(axes), SETTINGS):
+        fig.tight_layout()
+        save_png(fig, out / f"fig2_{ds}.png", dpi=80)
+    for ds in p.datasets:
+        fig, axes = plt.subplots(1, len(SETTINGS), figsize=(4.2 * len(SETTINGS), 3.4), sharey=True, squeeze=False)
+        for ax, s in zip(axes[0], SETTINGS):
             for m in (m for m in p.methods if p.rounds_of(m) == p.rounds and m not in p.sensitivity):
                 runs = [results[run_config(p, ds, s, m, seed, p.tau, p.rounds, out)["name"]]["rows"] for seed in seeds]
-                x = [r["round"] for r in runs[0]]
-                ax.plot(x, np.mean([[r["test_accuracy"] for r in rows] for rows in runs], axis=0), label=label(m))
+                band(ax, runs, "round", "test_accuracy", label=label(m))
             ax.set_title(f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})")
             ax.set_xlabel("round")
-        np.atleast_1d(axes)[0].set_ylabel("test accuracy")
-        np.atleast_1d(axes)[0].legend(fontsize=7)
-        atomic_write(out / f"accuracy_{ds}.png", _png(fig))
-        plt.close(fig)
+        axes[0, 0].set_ylabel("test accuracy")
+        axes[0, 0].legend(fontsize=7)
+        fig.tight_layout()
+        save_png(fig, out / f"accuracy_{ds}.png", dpi=80)
 
 
 # ---- entry point ---------------------------------------------------------------------------------------
@@ -744,11 +693,7 @@ def tune_summary(configs: list[dict[str, Any]], results: dict[str, dict[str, Any
 
 
 def write_tune(rows: list[dict[str, Any]], out: Path, meta: dict) -> None:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(rows[0]))
-    w.writeheader()
-    w.writerows(rows)
-    atomic_write(out / "tune.csv", buf.getvalue())
+    write_csv(out / "tune.csv", rows)
     cols = list(rows[0])
     lines = [
         "# ZO-HFL: lambda and mu chosen on a validation split (spec A1)",
@@ -757,12 +702,7 @@ def write_tune(rows: list[dict[str, Any]], out: Path, meta: dict) -> None:
         f"{meta['rounds']} rounds, tau = {meta['tau']:g}, {meta['seeds']} seed(s); best first. "
         f"lambda = 0 is the server-only control (mu unused).",
         "",
-        "| " + " | ".join(cols) + " |",
-        "|---" * len(cols) + "|",
-    ]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    lines += [
-        "",
+        markdown_table(cols, [[r[c] for c in cols] for r in rows]),
         f"Wall time {meta['wall_seconds']:.0f} s with {meta['workers']} worker(s); CPU time of the invocation "
         f"(workers included) {meta['cpu_seconds']:.0f} s; load average at the end {meta['load']}.",
         "",
@@ -803,7 +743,7 @@ def main(argv: list[str]) -> int:
         configs = tune_configs(p, tune_seeds, out)
         print(f"zo-hfl tuning ({args.scale}): {len(configs)} runs on {args.workers} worker(s) -> {out}")
         t0 = time.perf_counter()
-        results = run_all(configs, args.workers)
+        results = run_all(configs, args.workers, out)
         meta = {
             "rounds": p.rounds,
             "tau": p.tau,
@@ -819,7 +759,7 @@ def main(argv: list[str]) -> int:
     configs = plan(p, seeds, out)
     print(f"zo-hfl reproduction ({args.scale}): {len(configs)} runs on {args.workers} worker(s) -> {out}")
     t0 = time.perf_counter()
-    results = run_all(configs, args.workers)
+    results = run_all(configs, args.workers, out)
     wall = time.perf_counter() - t0
     meta = {
         "scale": args.scale,

@@ -3,7 +3,8 @@
 Client i approximately minimizes ``f_i(theta) - <grad L_i, theta> + (alpha/2)||theta - x_t||^2`` with its
 K local SGD steps (Eq. 1 of FedDyn's Alg. 1), then ``grad L_i <- grad L_i - alpha (theta_i - x_t)``.
 Server: ``h <- h - alpha (1/N) sum_{i in S} (theta_i - x_t)`` and ``x_{t+1} = mean_S theta_i - h / alpha``.
-The ``grad L_i`` live in the client state store; messages are one model each way.
+The ``grad L_i`` are the client's own (:class:`FedDynStep`: in the client state store in simulation, on the
+client's node when deployed); messages are one model each way.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from fedweave.algorithms.centralized.fedprox import ProxRule
 from fedweave.config import ConfigError
 from fedweave.execution import StateStore
-from fedweave.execution.local import GradFn
+from fedweave.execution.local import ClientStep, GradFn, LocalResult, LocalRule
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
 from fedweave.topology.star import StarAlgorithm, StarHparams, per_job
@@ -30,6 +31,22 @@ class FedDynRule(ProxRule):
 
     def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
         return super().direction(w, grad, jobs) - per_job(self.lin, jobs)
+
+
+class FedDynStep(ClientStep):
+    """FedDyn's client: local steps on its dynamically regularized objective, then
+    ``grad L_i <- grad L_i - alpha (theta_i - x_t)``; it uploads its model ``theta_i``."""
+
+    state = ("grad_L",)
+
+    def __init__(self, alpha: float, anchor: torch.Tensor) -> None:
+        self.alpha, self.anchor = float(alpha), anchor
+
+    def rule(self, state: dict[str, torch.Tensor]) -> LocalRule:
+        return FedDynRule(self.alpha, self.anchor, state["grad_L"])
+
+    def finish(self, state, start: torch.Tensor, result: LocalResult):
+        return {}, {"grad_L": state["grad_L"] - self.alpha * (result.params - start)}
 
 
 @dataclass
@@ -64,11 +81,9 @@ class FedDyn(StarAlgorithm):
         clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
         if len(clients) == 0:
             return self.fault_metrics(clients)  # skipped round: all state stays as it was
-        lin = self.store["grad_L"][clients]
-        local = self.trainer.train(self.x, clients, r, rule=FedDynRule(a, self.x, lin))
+        local, _ = self.trainer.train_with_state(self.x, clients, r, FedDynStep(a, self.x), self.store)
         self.receive(r, clients, "model", local.params)
         moved = local.params - self.x
-        self.store["grad_L"][clients] = lin - a * moved
         self.h = self.h - a * moved.sum(0) / self.ctx.num_clients
         p = self.weights(clients)
         self.x = p @ local.params - self.h / a

@@ -3,7 +3,8 @@
 Client step ``y <- y - eta_l (g_i(y) - c_i + c)`` (Alg. 1 line 10); after K_i steps
 ``c_i+ = c_i - c + (x - y_i) / (K_i eta_l)`` (line 12, option II). The client sends ``Delta y_i`` and
 ``Delta c_i = c_i+ - c_i`` (twice FedAvg's uplink); the server updates ``x += eta_g mean(Delta y)`` and
-``c += (1/N) sum_{i in S} Delta c_i`` (lines 16-17). The c_i live in the client state store.
+``c += (1/N) sum_{i in S} Delta c_i`` (lines 16-17). The c_i are the client's own: :class:`ScaffoldStep`
+keeps them in the client state store in simulation, and on the client's node when deployed.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from fedweave.execution import LocalRule, StateStore
-from fedweave.execution.local import GradFn
+from fedweave.execution.local import ClientStep, GradFn, LocalResult
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
 from fedweave.topology.star import StarAlgorithm, per_job
@@ -41,6 +42,27 @@ def option_ii(
     return c_local - c_global + (x - y) / (k * lr)
 
 
+class ScaffoldStep(ClientStep):
+    """SCAFFOLD's client (Alg. 1 lines 8-13): local steps with its own ``c_i`` and the server's ``c``, then
+    ``c_i+`` by option II; it uploads ``Delta y_i`` and ``Delta c_i`` and keeps ``c_i+``."""
+
+    state = ("c",)
+
+    def __init__(self, c_global: torch.Tensor, lr: float) -> None:
+        self.c_global, self.lr = c_global, float(lr)
+
+    def rule(self, state: dict[str, torch.Tensor]) -> LocalRule:
+        return ScaffoldRule(state["c"], self.c_global)
+
+    def finish(self, state, start: torch.Tensor, result: LocalResult):
+        c_i, y = state["c"], result.params
+        c_new = option_ii(c_i, self.c_global, start, y, result.steps, self.lr)  # line 12
+        return {"dy": y - start, "dc": c_new - c_i}, {"c": c_new}  # line 13
+
+    def local_model(self, start: torch.Tensor, upload: dict[str, torch.Tensor]) -> torch.Tensor:
+        return start + upload["dy"]
+
+
 @ALGORITHMS.register("scaffold")
 class Scaffold(StarAlgorithm):
     name = "scaffold"
@@ -61,13 +83,11 @@ class Scaffold(StarAlgorithm):
         clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
         if len(clients) == 0:
             return self.fault_metrics(clients)  # skipped round: all state stays as it was
-        c_i = self.store["c"][clients]
         lr = self.trainer.lr(r)
-        local = self.trainer.train(self.x, clients, r, rule=ScaffoldRule(c_i, self.c), lr=lr)
-        c_new = option_ii(c_i, self.c, self.x, local.params, local.steps, lr)
-        dy, dc = local.params - self.x, c_new - c_i
+        step = ScaffoldStep(self.c, lr)
+        local, up = self.trainer.train_with_state(self.x, clients, r, step, self.store, lr=lr)
+        dy, dc = up["dy"], up["dc"]
         self.receive(r, clients, "update+control_delta", dy, dc)
-        self.store["c"][clients] = c_new
         p = self.weights(clients)
         self.x = self.x + self.hp.server_lr * (p @ dy)
         self.c = self.c + dc.sum(0) / self.ctx.num_clients

@@ -70,6 +70,17 @@ class InFlight:
     upload: Upload  # ``arrival`` is the time within round ``due``
 
 
+@dataclass
+class ClientEpoch:
+    """What one client's local work of a round segment produces (Alg. 1 lines 5-13)."""
+
+    xc: torch.Tensor  # its client-side model after the segment
+    xa: torch.Tensor  # its auxiliary net
+    uploads: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (window k, batch m, smashed, labels)
+    losses: list[float]  # the local loss of each step
+    batches: int  # the client's local batches in the round
+
+
 @ALGORITHMS.register("cse_fsl")
 class CSEFSL(SplitAlgorithm):
     name = "cse_fsl"
@@ -130,38 +141,32 @@ class CSEFSL(SplitAlgorithm):
             xc_rows = self.xc.expand(len(clients), -1).clone()
             xa_rows = self.xa.expand(len(clients), -1).clone()
             arrived = []  # positions whose model reaches the fed server
-            for k, i in enumerate(clients):  # in parallel: nothing here depends on the server
-                if dropped[k]:
-                    continue  # fails this round: trains nothing, sends nothing
-                self.load_client(xc_rows[k], xa_rows[k])
-                batches = self.local_batches(r, int(i))
-                window = {m: w for w, m in enumerate(upload_batches(len(batches), hp.h, hp.upload_at))}
-                times = dict(zip(window, self.upload_times(r, int(i), list(window))))
-                with self.stream("dropout", r, int(i), *((seg,) if seg else ())):
-                    for m in range(start, min(start + period, len(batches))):
-                        x, y = batches[m]
-                        a, loss = self.local_step(x, y, lr_c, lr_a)  # eq. (8)
-                        losses.append(loss)
-                        if m in window:  # Alg. 1 lines 10-13: one batch per h goes up
-                            if hp.recompute_smashed:
-                                a = self.smashed(x)
-                            up = Upload(k, window[m], m, a, y, arrival=float(times[m]))
-                            delay = 0 if deadline is None else max(math.ceil(up.arrival / deadline) - 1, 0)
-                            if delay == 0:
-                                self.send_smashed(r, y)
-                                queue.append(up)
-                                delivered.add(int(i))
-                            elif late_policy:  # arrives `delay` rounds later (docs/reliability.md)
-                                up.arrival -= delay * deadline
-                                up.pos = int(i)
-                                self.in_flight.append(InFlight(r + delay, int(i), up))
-                            # policy drop: past the deadline, discarded, never delivered
+            active = np.flatnonzero(~dropped)  # a client that fails this round trains nothing, sends nothing
+            rows = (xc_rows[active], xa_rows[active])
+            epochs = self.client_epochs(r, clients[active], *rows, (lr_c, lr_a), start, period, seg)
+            for k, ep in zip(active.tolist(), epochs, strict=True):  # in parallel: none depends on the server
+                i = int(clients[k])
+                sent = [m for _, m, _, _ in ep.uploads]
+                times = dict(zip(sent, self.upload_times(r, i, sent), strict=True))
+                losses.extend(ep.losses)
+                for w, m, a, y in ep.uploads:  # Alg. 1 lines 10-13: one batch per h went up
+                    up = Upload(k, w, m, a, y, arrival=float(times[m]))
+                    delay = 0 if deadline is None else max(math.ceil(up.arrival / deadline) - 1, 0)
+                    if delay == 0:
+                        self.send_smashed(r, y)
+                        queue.append(up)
+                        delivered.add(i)
+                    elif late_policy:  # arrives `delay` rounds later (docs/reliability.md)
+                        up.arrival -= delay * deadline
+                        up.pos = i
+                        self.in_flight.append(InFlight(r + delay, i, up))
+                    # policy drop: past the deadline, discarded, never delivered
                 if self.timed:
                     client_end = max(client_end, float(self.faults.arrival_times(r, [i], self.client_work([i]))[0]))
                 else:
-                    client_end = max(client_end, len(batches) * self.batch_time(int(i)))
-                xc_rows[k], xa_rows[k] = self.lc.flatten(), self.la.flatten()
-                if on_time is None or int(i) in on_time:
+                    client_end = max(client_end, ep.batches * self.batch_time(i))
+                xc_rows[k], xa_rows[k] = ep.xc, ep.xa
+                if on_time is None or i in on_time:
                     arrived.append(k)
             if arrived:
                 got = clients[arrived]
@@ -202,6 +207,38 @@ class CSEFSL(SplitAlgorithm):
                 in_flight_uploads=len(self.in_flight),
             )
         return out
+
+    # ---- the clients' side ---------------------------------------------------------------------------
+    def client_epoch(
+        self, r: int, client: int, xc: torch.Tensor, xa: torch.Tensor, lrs: tuple[float, float], start: int,
+        period: int, seg: int,
+    ) -> ClientEpoch:  # fmt: skip
+        """One client's local work in segment ``seg`` of round ``r``: local steps of its client-side model and
+        auxiliary net (eq. 8) over its batches ``start .. start + period``, and the smashed data of the last
+        batch of each h-window (Alg. 1 lines 10-13). Nothing here depends on the servers."""
+        hp, (lr_c, lr_a) = self.hp, lrs
+        self.load_client(xc, xa)
+        batches = self.local_batches(r, client)
+        window = {m: w for w, m in enumerate(upload_batches(len(batches), hp.h, hp.upload_at))}
+        uploads, losses = [], []
+        with self.stream("dropout", r, client, *((seg,) if seg else ())):
+            for m in range(start, min(start + period, len(batches))):
+                x, y = batches[m]
+                a, loss = self.local_step(x, y, lr_c, lr_a)  # eq. (8)
+                losses.append(loss)
+                if m in window:
+                    if hp.recompute_smashed:
+                        a = self.smashed(x)
+                    uploads.append((window[m], m, a, y))
+        return ClientEpoch(self.lc.flatten(), self.la.flatten(), uploads, losses, len(batches))
+
+    def client_epochs(
+        self, r: int, clients: np.ndarray, xc: torch.Tensor, xa: torch.Tensor, lrs: tuple[float, float], start: int,
+        period: int, seg: int,
+    ) -> list[ClientEpoch]:  # fmt: skip
+        """The local work of ``clients`` (from their rows of ``xc`` and ``xa``), one after another on the
+        templates; a deployment runs each on the client's node instead (``fedweave.deploy``)."""
+        return [self.client_epoch(r, int(i), xc[k], xa[k], lrs, start, period, seg) for k, i in enumerate(clients)]
 
     # ---- checkpoints: the uploads still in flight ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

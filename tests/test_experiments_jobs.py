@@ -1,0 +1,100 @@
+"""The experiments layer's pieces that the reproductions use: named run directories, replacing another
+config's run, a time budget, worker initialisers, a parallel map, mean/std and the table writers."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+from fedweave.experiments.aggregate import finite, if_all, mean_std, to_target
+from fedweave.experiments.grid import Point
+from fedweave.experiments.jobs import finished, parallel_map, run_points, threads_per_worker
+from fedweave.experiments.tables import markdown, markdown_table, write_csv
+
+
+def _points(toy_config, lrs=(0.05, 0.2)) -> list[Point]:
+    return [
+        Point.of({**toy_config, "rounds": 2, "local": {**toy_config["local"], "lr": lr}}, f"lr{lr}/s3", lr=lr)
+        for lr in lrs
+    ]
+
+
+def test_named_points_run_in_their_own_directories_and_are_reused(toy_config, tmp_path):
+    pts = _points(toy_config)
+    assert [p.slug for p in pts] == ["lr0.05/s3", "lr0.2/s3"] and pts[0].label == "lr=0.05"
+    res = run_points(pts, tmp_path, workers=2, progress=False)
+    assert list(res) == ["lr0.05/s3", "lr0.2/s3"]
+    assert all(r.summary["status"] == "completed" and len(r.metrics) == 2 for r in res.values())
+    assert set(finished(pts, tmp_path)) == set(res)
+    mtime = (tmp_path / "lr0.2/s3/summary.json").stat().st_mtime_ns
+    again = run_points(pts, tmp_path, workers=2, progress=False)
+    assert (tmp_path / "lr0.2/s3/summary.json").stat().st_mtime_ns == mtime  # recognised, not rerun
+    assert [r.metrics for r in again.values()] == [r.metrics for r in res.values()]
+
+
+def test_another_configs_run_is_refused_unless_overwrite(toy_config, tmp_path):
+    from fedweave.results import RunDirError
+
+    run_points(_points(toy_config, (0.05,)), tmp_path, progress=False)
+    other = [Point.of({**toy_config, "rounds": 3}, "lr0.05/s3")]
+    with pytest.raises(RunDirError, match="already holds a finished run"):
+        run_points(other, tmp_path, progress=False)
+    res = run_points(other, tmp_path, progress=False, overwrite=True)
+    assert res["lr0.05/s3"].summary["rounds"] == 3
+
+
+def test_no_run_starts_after_the_budget_but_finished_runs_count(toy_config, tmp_path):
+    pts = _points(toy_config)
+    run_points(pts[:1], tmp_path, progress=False)
+    res = run_points(pts, tmp_path, progress=False, budget_s=0.0)
+    assert list(res) == ["lr0.05/s3"] and not (tmp_path / "lr0.2").exists()
+
+
+def _mark() -> None:
+    os.environ["FEDWEAVE_TEST_INITIALISED"] = str(os.getpid())
+
+
+def _square(x: int) -> tuple[int, str | None, int]:
+    import torch
+
+    return x * x, os.environ.get("FEDWEAVE_TEST_INITIALISED"), torch.get_num_threads()
+
+
+def test_parallel_map_keeps_the_order_and_initialises_each_worker(monkeypatch):
+    monkeypatch.setenv("FEDWEAVE_TEST_INITIALISED", "no")  # restored after the test
+    seen = []
+    out = parallel_map(_square, list(range(7)), workers=2, initializer=_mark, on_result=lambda i, r: seen.append(i))
+    assert [r[0] for r in out] == [x * x for x in range(7)] and sorted(seen) == list(range(7))
+    assert all(r[1] not in ("no", str(os.getpid())) for r in out)  # set in the workers, not here
+    assert {r[2] for r in out} == {threads_per_worker(2)}
+    one = parallel_map(_square, [3], workers=1, initializer=_mark)
+    assert one[0][:2] == (9, str(os.getpid()))  # one worker: in this process
+
+
+def test_mean_std_and_seed_statistics():
+    xs = [71.3, 70.1, 72.9]
+    assert mean_std(xs) == (float(np.mean(xs)), float(np.std(xs, ddof=1)))
+    assert mean_std(xs, ddof=0) == (float(np.mean(xs)), float(np.std(xs)))
+    assert mean_std([5.0]) == (5.0, 0.0) and all(math.isnan(v) for v in mean_std([]))
+    assert mean_std([1.0, None, 3.0]) == (2.0, math.sqrt(2.0))
+    assert finite([1.0, math.nan, math.inf, 2.0]) == ([1.0, 2.0], 2)
+    assert if_all([3, 5], max) == 5 and if_all([3, None], max) is None and if_all([], max) is None
+    rows = [{"round": 1, "acc": 0.5, "bytes": 10}, {"round": 2, "acc": 0.8, "bytes": 20}]
+    assert to_target(rows, "acc", 0.7) == 2 and to_target(rows, "acc", 0.7, "bytes") == 20
+    assert to_target(rows, "acc", 0.9) is None
+
+
+def test_table_writers(tmp_path):
+    write_csv(tmp_path / "a.csv", [{"a": 1, "b": 0.123456789, "_curve": [1]}, {"a": 2, "c": "x"}])
+    assert (tmp_path / "a.csv").read_text() == "a,b,c\n1,0.123456789,\n2,,x\n"
+    write_csv(tmp_path / "b.csv", [{"a": 1, "b": 0.123456789}], columns=["b"], float_format=".3g")
+    assert (tmp_path / "b.csv").read_text() == "b\n0.123\n"
+    write_csv(tmp_path / "c.csv", [["x", "1.00±0.10"]], columns=["method", "acc"])
+    assert (tmp_path / "c.csv").read_text() == "method,acc\nx,1.00±0.10\n"
+    assert markdown_table(["m", "acc"], [["x", "1.00"]]) == "| m | acc |\n|---|---|\n| x | 1.00 |\n"
+    assert markdown([{"p": "a", "v": 0.5}, {"p": "b", "v": math.nan}], best=0) == (
+        "| p | v |\n|---|---|\n| **a** | **0.5000** |\n| b | - |\n"
+    )
