@@ -92,7 +92,9 @@ def _file_verdicts(md: str, verdict_col: int) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "page_table, result_file", [(0, "table-fashion_mnist.md"), (1, "table-digits.md")], ids=["fashion", "digits"]
+    "page_table, result_file",
+    [(0, "table-fashion_mnist.md"), (1, "table-fashion_mnist-noniid.md"), (2, "table-digits.md")],
+    ids=["fashion", "fashion-noniid", "digits"],
 )
 def test_cse_fsl_verdicts_are_the_files(page_table, result_file):
     page = claim_tables((PAGES / "cse-fsl.md").read_text(encoding="utf-8"))[page_table]
