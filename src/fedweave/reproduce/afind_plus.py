@@ -1,4 +1,4 @@
-"""``fedweave reproduce afind``: AFIND+ (Wang et al. 2024) Tables 1-3, the tau sweep and Table 4, at our scale.
+"""``fedweave reproduce afind``: AFIND+ (Wang et al. 2024) Tables 1-3, the tau sweep, Table 4 and Fig. 5 at our scale.
 
 Scales (afind-plus spec 9):
 * ``smoke``: seconds; generated data (the ``synthetic`` dataset, clearly not the paper's) and the
@@ -8,6 +8,9 @@ Scales (afind-plus spec 9):
   CNN, 20 rounds of 1 local epoch (spec 9.1 says 30; cut for CPU time), 3 seeds.
 * ``paper``: the paper's settings (spec 9.2: CIFAR-10/100, 100 clients, 500 rounds, 5 local epochs) for
   users who have the data; hundreds of GPU-hours.
+
+``--tables`` picks what runs: 1, 2, 3 (partial topology), tau, dp (Table 4) and fig5 (Ditto, FOMO and DisPFL
+each with its own neighbour choice and with AFIND+'s selection plugged in, Fig. 5).
 
 Each run is a normal fedweave run directory under ``OUT/runs``; a finished run is reused, so an
 interrupted reproduction continues where it stopped. Tables (Markdown + CSV) hold our mean +- std over

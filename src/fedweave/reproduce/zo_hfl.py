@@ -14,8 +14,10 @@ baselines FedAvg / FedProx / SCAFFOLD on the same server/client split, and the s
 ``--scale smoke`` is a seconds-long check of the pipeline on scikit-learn's bundled digits (real data, but not
 the paper's datasets; its numbers are not comparable to Table I). ``--scale adult`` repeats Table I with
 logistic regression on UCI Adult (d = 242), the low-dimensional check of the zeroth-order term (Lemma 4).
-``--scale paper`` is the full setting
-(R = 500, tau = 20 for Table I, batch 64, MNIST / Fashion-MNIST / CIFAR-10; about 10 CPU-hours per seed).
+``--scale long`` is Table I at the paper's tau = 20 and batch 64 on MNIST / Fashion-MNIST over 100 rounds (no
+tau sweep). ``--scale paper`` is the full setting (R = 500, tau = 20 for Table I, batch 64, MNIST /
+Fashion-MNIST / CIFAR-10; hours of CPU per seed). Both use the lambda and mu that ``--tune`` chose at the
+small scale.
 """
 
 from __future__ import annotations
