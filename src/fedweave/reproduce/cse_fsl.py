@@ -11,14 +11,14 @@ clients) for 3 seeds, and writes, atomically, into ``--out`` (default ``runs/rep
 - ``fig9_accuracy_vs_load.png`` (Fig. 9a), ``accuracy_vs_rounds.png``, ``accuracy_vs_uploads.png`` (Fig. 4);
 - ``runs/<method>-s<seed>/``: every run's directory.
 
-``--scale noniid`` is the small preset with two label-sorted shards per client (Table V's non-IID column, spec
-A11) and its claims C8-C9. ``--dataset digits`` is the fastest tier (scikit-learn's bundled digits, spec §9.3
-exactly: 5 × 280 samples, B = 10, 30 rounds, h ∈ {1, 2, 4, 7, 14}); ``--dataset mnist`` swaps in MNIST.
-``--scale smoke`` is a seconds-long pipeline check (2 rounds, 1 seed) whose accuracies mean nothing. ``--scale
-paper`` is the paper's CIFAR-10 setting (5 clients, B = 50, lr 0.15 ×0.99 per 10 rounds, 200 rounds, N(0,
-0.05²) init, h ∈ {5, 10, 25, 50}, 5 seeds; needs the CIFAR-10 files and days of CPU time). It trains on random
-24×24 crops and flips and tests on the centre crop, so q = 2,304 as in the paper, and normalises with mean 0.5
-/ std 0.5 per channel as the authors' code does (``stats: half``).
+``--scale noniid`` is the small preset with two label-sorted shards per client (Table V's non-IID column,
+spec A11) and its claims C8-C9. ``--dataset digits`` is the fastest tier (scikit-learn's bundled digits,
+spec §9.3 exactly: 5 × 280 samples, B = 10, 30 rounds, h ∈ {1, 2, 4, 7, 14}); ``--dataset mnist`` swaps in
+MNIST. ``--scale smoke`` is a seconds-long pipeline check (2 rounds, 1 seed) whose accuracies mean nothing.
+``--scale paper`` is the paper's CIFAR-10 setting (5 clients, B = 50, lr 0.15 ×0.99 per 10 rounds, 200
+rounds, N(0, 0.05²) init, h ∈ {5, 10, 25, 50}, 5 seeds; needs the CIFAR-10 files and days of CPU time). It
+trains on random 24×24 crops and flips and tests on the centre crop, so q = 2,304 as in the paper, and
+normalises with mean 0.5 / std 0.5 per channel as the authors' code does (``stats: half``).
 """
 
 from __future__ import annotations
