@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 PAGES = Path(__file__).parents[1] / "docs" / "reproductions"
-TABLE_FILES = {"table1.csv": "1", "table2.csv": "2", "table3.csv": "3", "tau.csv": "tau", "dp.csv": "dp"}
+TABLE_FILES = {
+    "table1.csv": "1",
+    "table2.csv": "2",
+    "table3.csv": "3",
+    "tau.csv": "tau",
+    "dp.csv": "dp",
+    "fig5.csv": "fig5",
+}
 
 
 def _typed(v: str):
@@ -30,7 +37,7 @@ def _rows(path: Path) -> list[dict]:
         return [{k: _typed(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
-@pytest.mark.parametrize("sub", ["afind", "afind/table3-dp"])
+@pytest.mark.parametrize("sub", ["afind", "afind/table3-dp", "afind/fig5"])
 def test_afind_results_are_rebuilt_from_results_json(sub, tmp_path):
     from fedweave.reproduce import afind_plus as af
 
