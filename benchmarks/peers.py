@@ -63,6 +63,8 @@ CONFIGS = {
     "fedweave-pool-2x1": {"framework": "fedweave", "backend": "pool", "threads": 2},
     "flower-2x1": {"framework": "flower", "actors": 2, "actor_cpus": 1},
     "flower-1x2": {"framework": "flower", "actors": 1, "actor_cpus": 2},
+    # benchmarks/gpu.py: four actors sharing one GPU, the client's training on it
+    "flower-gpu-4x0.25": {"framework": "flower", "actors": 4, "actor_cpus": 1, "actor_gpus": 0.25, "device": "cuda"},
 }
 DEFAULT_CONFIGS = {
     "cnn": ["fedweave-pool-2x1", "fedweave-1t", "flower-2x1"],
@@ -71,12 +73,15 @@ DEFAULT_CONFIGS = {
 }
 
 
-def fedweave_config(workload: str, rounds: int, backend: str = "auto", threads: int | None = None, workers=None):
+def fedweave_config(
+    workload: str, rounds: int, backend: str = "auto", threads: int | None = None, workers=None, device: str = "cpu"
+):
     w = WORKLOADS[workload]
     return {
         "name": f"peers-{workload}",
         "seed": SEED,
         "rounds": rounds,
+        "device": device,  # a CPU comparison (benchmarks/gpu.py is the GPU one)
         "backend": backend,
         "threads": threads,
         "dataset": {"name": "mnist"},
@@ -165,8 +170,18 @@ def _plan(setting: dict):
 def _model(setting: dict):
     if "model" not in _CACHE:
         ctx, _, _ = _plan(setting)
-        _CACHE["model"] = ctx.build_model()  # reused for every client this process serves
+        # reused for every client this process serves, on the client's device
+        _CACHE["model"] = ctx.build_model().to(setting.get("device", "cpu"))
     return _CACHE["model"]
+
+
+def _data(setting: dict):
+    """The training set on the client's device, moved once per process."""
+    if "data" not in _CACHE:
+        _, ds, _ = _plan(setting)
+        dev = setting.get("device", "cpu")
+        _CACHE["data"] = (ds.train_x.to(dev), ds.train_y.to(dev))
+    return _CACHE["data"]
 
 
 def evaluate_model(model, x, y) -> float:
@@ -187,17 +202,21 @@ def flower_train(msg, context, setting: dict):
     from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    _, ds, planner = _plan(setting)
+    _, _, planner = _plan(setting)
+    x, y = _data(setting)
+    dev = x.device
     cid, rnd = int(msg.content["config"]["cid"]), int(msg.content["config"]["round"])
     model = _model(setting)
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for b in planner.client_batches(cid, rnd, (), None):
+        b = b.to(dev)
         opt.zero_grad(set_to_none=False)
-        torch.nn.functional.cross_entropy(model(ds.train_x[b]), ds.train_y[b]).backward()
+        torch.nn.functional.cross_entropy(model(x[b]), y[b]).backward()
         opt.step()
     n = len(planner.parts[cid])
-    content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord({"num-examples": n})})
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}  # replies travel in host memory
+    content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord({"num-examples": n})})
     return Message(content=content, reply_to=msg)
 
 
@@ -212,7 +231,11 @@ def run_flower(workload: str, rounds: int, spec: dict, launched: float) -> dict:
 
     torch.set_num_threads(2)  # the server's evaluation, like fedweave's
     w = WORKLOADS[workload]
-    setting = {"config": fedweave_config(workload, rounds), "batch_size": w["batch_size"]}
+    setting = {
+        "config": fedweave_config(workload, rounds),
+        "batch_size": w["batch_size"],
+        "device": spec.get("device", "cpu"),
+    }
     ctx, ds, _ = _plan(setting)
     n, k = w["num_clients"], w["per_round"]
     sampled = [np.sort(ctx.seeds.numpy("client_sampling", r).choice(n, k, replace=False)) for r in range(rounds)]
@@ -245,7 +268,8 @@ def run_flower(workload: str, rounds: int, spec: dict, launched: float) -> dict:
             return None
         model = _model(setting)
         model.load_state_dict(arrays.to_torch_state_dict())
-        acc = evaluate_model(model, ds.test_x, ds.test_y)
+        dev = setting["device"]
+        acc = evaluate_model(model, ds.test_x.to(dev), ds.test_y.to(dev))
         marks["accuracy"].append(acc)
         marks["round_end"].append(time.time())
         if server_round == rounds:
@@ -270,7 +294,7 @@ def run_flower(workload: str, rounds: int, spec: dict, launched: float) -> dict:
         return module.flower_train(msg, context, setting)
 
     backend = {
-        "client_resources": {"num_cpus": spec["actor_cpus"], "num_gpus": 0.0},
+        "client_resources": {"num_cpus": spec["actor_cpus"], "num_gpus": spec.get("actor_gpus", 0.0)},
         "init_args": {"num_cpus": spec["actors"] * spec["actor_cpus"]},
     }
     run_simulation(server_app=server, client_app=client, num_supernodes=n, backend_config=backend)

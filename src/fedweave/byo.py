@@ -114,7 +114,7 @@ def describe_dataset(ds: Dataset) -> dict[str, Any]:
     h = hashlib.sha256()
     out: dict[str, Any] = {"class": type(ds).__name__}
     for key, t in arrays.items():
-        a = t.numpy() if isinstance(t, torch.Tensor) else t
+        a = t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t
         h.update(str((key, tuple(a.shape), str(t.dtype))).encode())
         h.update(np.ascontiguousarray(a).tobytes())
         out[key] = [list(a.shape), str(t.dtype)]

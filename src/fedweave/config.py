@@ -251,6 +251,8 @@ class RayConfig:
     address: str | None = None  # an existing cluster ("auto", "ray://host:10001", ...); null = start a local Ray
     num_workers: int | None = None  # actors, one CPU each; null = the cluster's CPUs
     object_store_memory_mb: int | None = None  # cap of a local Ray's object store; null = sized from the data
+    # GPUs per actor under a cuda device; a fraction (0.25) lets several actors share one GPU; 0 = CPU actors
+    num_gpus_per_worker: float = 0.0
 
     def validate(self) -> None:
         if self.address is not None and not self.address.strip():
@@ -260,9 +262,37 @@ class RayConfig:
         if self.object_store_memory_mb is not None and self.object_store_memory_mb < 80:
             got = self.object_store_memory_mb
             raise ConfigError(f"ray.object_store_memory_mb must be >= 80 (Ray's minimum) or null, got {got}")
+        if not 0 <= self.num_gpus_per_worker <= 64:
+            got = self.num_gpus_per_worker
+            raise ConfigError(f"ray.num_gpus_per_worker must be in [0, 64] (0.25: four actors share a GPU), got {got}")
+
+
+@dataclass
+class MemoryConfig:
+    """Where data, per-client state and batched jobs live on an accelerator (docs/performance.md, GPUs)."""
+
+    # the training and test tensors are moved to the device once when they fit in this fraction of its free
+    # memory; otherwise they stay in pinned host memory and each batch is copied (non-blocking)
+    data_fraction: float = 0.5
+    # per-client state (control variates, personal models, ...) on the device when it fits in this fraction of
+    # its free memory; otherwise in pinned host memory, and only the sampled clients' rows are moved
+    state_fraction: float = 0.25
+    # jobs per batched (vmap) computation; null: 64 on a CPU, on an accelerator as many as fit in half its
+    # free memory (measured on the first chunk)
+    vmap_chunk: int | None = None
+
+    def validate(self) -> None:
+        for key in ("data_fraction", "state_fraction"):
+            v = getattr(self, key)
+            if not 0 <= v <= 1:
+                raise ConfigError(f"memory.{key} must be a fraction in [0, 1], got {v}")
+        if self.vmap_chunk is not None and self.vmap_chunk < 1:
+            raise ConfigError(f"memory.vmap_chunk must be >= 1 or null, got {self.vmap_chunk}")
 
 
 BACKENDS = ("auto", "loop", "vmap", "ray", "pool")
+DEVICE = re.compile(r"auto|cpu|mps|cuda(:[0-9]+)?")
+PRECISIONS = ("float32", "float64", "bf16-mixed")
 # Upper bounds that catch a typo (1e12 rounds or epochs would run forever) long before they bind real work.
 MAX_ROUNDS = 10_000_000
 MAX_LOCAL_EPOCHS = 10_000
@@ -293,8 +323,12 @@ class RunConfig:
     rounds: int = 100
     backend: str = "auto"
     threads: int | None = None  # torch intra-op threads; null = torch's default
-    # the floating dtype of models, data, state, aggregation and checkpoints (bytes in the ledger follow it)
-    precision: Literal["float32", "float64"] = "float32"
+    # where the run computes: auto (cuda if available, else mps, else cpu), cpu, cuda, cuda:N or mps
+    device: str = "auto"
+    # the floating dtype of models, data, state, aggregation and checkpoints (bytes in the ledger follow it);
+    # bf16-mixed: float32 parameters, updates, aggregation and state, local training and evaluation
+    # autocast to bfloat16
+    precision: Literal["float32", "float64", "bf16-mixed"] = "float32"
     dataset: Section = field(default_factory=lambda: Section("mnist"))
     partition: Section = field(default_factory=lambda: Section("iid", {"num_clients": 10}))
     model: Section = field(default_factory=lambda: Section("logistic"))
@@ -306,6 +340,7 @@ class RunConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     # modules or .py files imported before the run is built: they register datasets, models, losses,
     # metrics or samplers that the config names
@@ -324,11 +359,14 @@ class RunConfig:
                 f"threads must be in [1, {max_threads()}] (this machine has {os.cpu_count()} CPUs) or null, "
                 f"got {self.threads}"
             )
+        if not isinstance(self.device, str) or not DEVICE.fullmatch(self.device):
+            raise ConfigError(f"device must be one of auto, cpu, cuda, cuda:N or mps; got {self.device!r}")
         self.local.validate()
         self.eval.validate()
         self.output.validate()
         self.faults.validate()
         self.ray.validate()
+        self.memory.validate()
         self.task.validate()
 
     @property

@@ -21,6 +21,7 @@ from fedweave.algorithms.base import Algorithm, RunContext, build_algorithm
 from fedweave.byo import RunObjects
 from fedweave.config import ConfigError, RunConfig
 from fedweave.config import load as load_config
+from fedweave.execution.placement import move_tensors
 from fedweave.faults import Faults
 from fedweave.memory import cpu_seconds
 from fedweave.registry import ALGORITHMS
@@ -115,8 +116,9 @@ def _check_explosion(values: dict[str, float], first: dict[str, float], r: int, 
 
 
 CHECKPOINT = "checkpoint.pt"
-# Config keys a resumed run may change: how long it runs, how it reports, which backend; not what it computes.
-RESUMABLE_CHANGES = ("rounds", "output", "threads", "eval", "backend")
+# Config keys a resumed run may change: how long it runs, how it reports, which backend and device (the
+# checkpoint is device-independent); not what it computes.
+RESUMABLE_CHANGES = ("rounds", "output", "threads", "eval", "backend", "device", "memory")
 # ...and these change what it computes from the resumed round on (a smaller lr after a divergence, say).
 RESUMABLE_LOCAL = ("lr", "grad_clip")
 
@@ -177,7 +179,7 @@ def save_checkpoint(
     state = {
         "next_round": next_round,
         "wall_seconds": wall,
-        "algorithm": algo_state,
+        "algorithm": move_tensors(algo_state, torch.device("cpu")),  # device-independent: host tensors only
         "ledger": algo.ledger.state_dict(),
         "rows": run.rows,
         **(extra or {}),
@@ -218,14 +220,17 @@ def _shapes(state: Any) -> dict[str, tuple[int, ...]]:
     return {p: tuple(t.shape) for p, t in _tensors(state)}
 
 
-def load_checkpoint(path: Path, algo: Algorithm, config: RunConfig) -> dict[str, Any]:
-    """Read and check ``path/checkpoint.pt`` against the freshly built ``algo``: every problem is one
-    :class:`CheckpointError` naming the file, never a traceback from deep inside torch."""
+def load_checkpoint(
+    path: Path, algo: Algorithm, config: RunConfig, device: torch.device | str = "cpu"
+) -> dict[str, Any]:
+    """Read and check ``path/checkpoint.pt`` against the freshly built ``algo``, its tensors mapped to
+    ``device`` (the run's, whichever device wrote it): every problem is one :class:`CheckpointError`
+    naming the file, never a traceback from deep inside torch."""
     file = path / CHECKPOINT
     if not file.is_file():
         raise CheckpointError(f"{file} not found: the run has no checkpoint to resume from")
     try:
-        ckpt = torch.load(file, weights_only=True, map_location="cpu")
+        ckpt = torch.load(file, weights_only=True, map_location=device)
     except Exception as e:  # truncated, empty, not a torch file, or objects the safe loader refuses
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "weights_only" in str(e) or "Unsupported global" in str(e):
@@ -320,7 +325,7 @@ def run(
     start_round, wall_before, cpu_before, skipped = 0, 0.0, 0.0, []
     ckpt = None
     if resume:
-        ckpt = load_checkpoint(path, algo, config)
+        ckpt = load_checkpoint(path, algo, config, ctx.device)
         if "config" in ckpt:
             # re-resolved, so keys added to the config schema since then (with their defaults) are no change
             saved = load_config(ckpt["config"])
@@ -456,6 +461,7 @@ def run(
         "backend": trainer.backend if trainer is not None else config.backend,
         "threads": torch.get_num_threads(),
     }
+    summary["placement"] = ctx.placement.summary()  # what `device: auto` resolved to, its name, the precision
     if skipped or config.faults != type(config.faults)():
         summary["skipped_rounds"] = skipped
     out.write_json("summary.json", summary)

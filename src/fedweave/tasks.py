@@ -248,8 +248,8 @@ class AUC(Metric):
         self.labels: list[np.ndarray] = []
 
     def update(self, out, y):
-        self.scores.append(out.detach().double().reshape(len(out), -1).numpy())
-        self.labels.append(_like(y, out).reshape(len(out), -1).numpy())
+        self.scores.append(out.detach().double().reshape(len(out), -1).cpu().numpy())
+        self.labels.append(_like(y, out).reshape(len(out), -1).cpu().numpy())
 
     def result(self):
         from sklearn.metrics import roc_auc_score
@@ -383,13 +383,21 @@ def build_task(
 
 
 def evaluate_batches(
-    forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor, task: Task, batch_size: int
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    task: Task,
+    batch_size: int,
+    move: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """Mean loss and the task's metrics of ``forward`` on ``(x, y)``, in batches."""
+    """Mean loss and the task's metrics of ``forward`` on ``(x, y)``, in batches (each moved by ``move``
+    to where ``forward`` computes, when given)."""
     metrics = task.new_metrics()
     total = 0.0
     for lo in range(0, len(y), batch_size):
         xb, yb = x[lo : lo + batch_size], y[lo : lo + batch_size]
+        if move is not None:
+            xb, yb = move(xb), move(yb)
         out = forward(xb)
         total += float(task.loss.per_sample(out, yb).sum())
         for m in metrics:

@@ -22,6 +22,7 @@ from torch import nn
 from fedweave.byo import RunObjects, describe_model
 from fedweave.config import ConfigError, RunConfig, build_dataclass, check_options
 from fedweave.data.base import Dataset
+from fedweave.execution.placement import Placement, resolve_placement
 from fedweave.faults import Faults
 from fedweave.ledger import Ledger
 from fedweave.registry import ALGORITHMS, DATASETS, MODELS, PARTITIONERS
@@ -79,15 +80,17 @@ def load_initial_weights(model: nn.Module, path: str) -> None:
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
 
 
-def check_model_fits(model: nn.Module, ds: Dataset, model_name: str, dataset_name: str) -> None:
-    """One forward pass on two training samples, so that a model that cannot read the dataset's input
-    (a character LSTM on images, say) is a configuration error now rather than a traceback in round 1.
-    Eval mode and no_grad: no batch-norm statistics move and no random numbers are drawn."""
+def check_model_fits(
+    model: nn.Module, ds: Dataset, model_name: str, dataset_name: str, device: torch.device | None = None
+) -> None:
+    """One forward pass on two training samples (on ``device``), so that a model that cannot read the
+    dataset's input (a character LSTM on images, say) is a configuration error now rather than a traceback
+    in round 1. Eval mode and no_grad: no batch-norm statistics move and no random numbers are drawn."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            model(ds.train_x[:2])
+            model(ds.train_x[:2].to(device) if device is not None else ds.train_x[:2])
     except (RuntimeError, ValueError, IndexError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
@@ -112,11 +115,18 @@ class RunContext:
         self.seeds = Seeds(config.seed)
         self.ledger = Ledger()
         self.objects = objects or RunObjects()  # a model factory, data or a loss passed from Python
+        # device, dtype and autocast, decided once (DESIGN principle 9); a device this machine lacks stops here
+        self.placement: Placement = resolve_placement(config.device, config.precision, config.memory)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the run computes (``device``)."""
+        return self.placement.device
 
     @property
     def dtype(self) -> torch.dtype:
-        """The floating dtype of the run's models, data and state (``precision``)."""
-        return torch.float64 if self.config.precision == "float64" else torch.float32
+        """The floating dtype of the run's models, data and state (``precision``; float32 under bf16-mixed)."""
+        return self.placement.dtype
 
     @property
     def float_bytes(self) -> int:
@@ -147,7 +157,16 @@ class RunContext:
 
     @cached_property
     def dataset(self) -> Dataset:
-        return self._checked(self._in_precision(self._loaded))
+        """The dataset in host memory (the placement moves what computes), in the run's precision."""
+        return self._checked(self._in_precision(self._on_host(self._loaded)))
+
+    @staticmethod
+    def _on_host(ds: Dataset) -> Dataset:
+        """Data passed from Python on a device come to the host: partitions and reports read them there."""
+        tensors = {k: getattr(ds, k) for k in ("train_x", "train_y", "test_x", "test_y")}
+        if all(t.device.type == "cpu" for t in tensors.values()):
+            return ds
+        return dataclasses.replace(ds, **{k: t.cpu() for k, t in tensors.items()})
 
     def _in_precision(self, ds: Dataset) -> Dataset:
         """Floating features and targets in the run's dtype (token ids and class labels stay integers):
@@ -261,8 +280,9 @@ class RunContext:
         return cache[per_client]
 
     def build_model(self) -> nn.Module:
-        """A fresh model, initialized from the ``model_init`` stream (same seed, same weights), in the run's
-        dtype; ``model.init_from`` (a state_dict or .npz file) then sets its weights."""
+        """A fresh model, initialized on the CPU from the ``model_init`` stream (same seed, same weights on
+        every device), then moved to the run's device and dtype; ``model.init_from`` (a state_dict or .npz
+        file) then sets its weights."""
         ds = self.dataset
         opts = dict(self.config.model.options)
         init_from = opts.pop("init_from", None)
@@ -276,10 +296,10 @@ class RunContext:
                 builder = MODELS.get(self.config.model.name)
                 opts = check_options(builder, opts, "model", skip=("input_shape", "num_classes"))
                 model = builder(tuple(ds.input_shape), ds.num_classes, **opts)
-        model = model.to(self.dtype)
+        model = model.to(device=self.device, dtype=self.dtype)
         if init_from is not None:
             load_initial_weights(model, init_from)
-        check_model_fits(model, ds, self.config.model.name, self.config.dataset.name)
+        check_model_fits(model, ds, self.config.model.name, self.config.dataset.name, self.device)
         if self.objects.model is not None:  # objects.json: what the factory gave
             self.objects.built_model = describe_model(model)
         return model
@@ -357,10 +377,14 @@ class Algorithm(ABC):
         return {k: getattr(self, k) for k in getattr(self, "_checkpoint", ())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the attributes of :meth:`state_dict`; a tensor goes where the fresh algorithm keeps it
+        (the run's device, or the host for host-side bookkeeping), whichever device saved it."""
         for k, v in state.items():
             cur = getattr(self, k, None)
             if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor) and cur.shape == v.shape:
                 cur.copy_(v)
+            elif isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor):
+                setattr(self, k, v.to(cur.device))
             else:
                 setattr(self, k, v)
 

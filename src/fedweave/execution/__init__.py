@@ -8,6 +8,7 @@ from torch import nn
 from fedweave.execution.evaluate import evaluate, evaluate_clients, evaluate_clients_task, evaluate_task
 from fedweave.execution.local import LocalResult, LocalRule, LocalTrainer
 from fedweave.execution.params import ParamLayout
+from fedweave.execution.placement import CPU, Placement, resolve_placement
 from fedweave.execution.state import StateStore
 
 __all__ = [
@@ -15,7 +16,10 @@ __all__ = [
     "LocalRule",
     "LocalTrainer",
     "ParamLayout",
+    "CPU",
+    "Placement",
     "StateStore",
+    "resolve_placement",
     "choose_backend",
     "evaluate",
     "evaluate_task",
@@ -24,9 +28,22 @@ __all__ = [
 ]
 
 
-def choose_backend(requested: str, model: nn.Module, jobs_per_call: int, threads: int | None = None) -> str:
+def choose_backend(
+    requested: str,
+    model: nn.Module,
+    jobs_per_call: int,
+    threads: int | None = None,
+    device: torch.device | str = "cpu",
+) -> str:
     """Resolve ``auto`` (DESIGN principle 4) for a process with ``threads`` torch threads (default: the
-    current count). Measured on 2 CPU cores, FedAvg on MNIST (docs/performance.md):
+    current count) computing on ``device``.
+
+    On an accelerator: ``vmap`` from 2 jobs per call for a model it can batch (no buffers, no recurrent
+    layers), else ``loop``; never ``pool`` (forked CPU workers). This rule is provisional: it follows the
+    design (many clients in one computation keep a GPU busy) and is what ``benchmarks/gpu.py`` measures;
+    GPU numbers are not yet recorded in docs/performance.md.
+
+    On a CPU, measured on 2 cores, FedAvg on MNIST (docs/performance.md):
 
     - ``vmap`` for a single linear layer (softmax regression) from 16 jobs per call with 2 or more threads:
       its batched matrix products use both threads (50 jobs: 2.5 vs 3.4-3.8 s wall for 20 rounds), while the
@@ -41,6 +58,9 @@ def choose_backend(requested: str, model: nn.Module, jobs_per_call: int, threads
     """
     if requested != "auto":
         return requested
+    if torch.device(device).type != "cpu":
+        batchable = not list(model.buffers()) and not any(isinstance(m, nn.RNNBase) for m in model.modules())
+        return "vmap" if batchable and jobs_per_call >= 2 else "loop"
     threads = torch.get_num_threads() if threads is None else threads
     layers = [m for m in model.modules() if list(m.parameters(recurse=False))]
     if len(layers) == 1 and isinstance(layers[0], nn.Linear):

@@ -58,34 +58,40 @@ class DPSGD(LocalRule):
         self.layout, self.loss_fn = layout, loss_fn  # plain attributes: the rule pickles (the ray backend)
 
     def sample_loss(self, v: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The loss of one sample (x, y) at parameters ``v``."""
-        return self.loss_fn(self.layout.functional(v, x.unsqueeze(0)), y.unsqueeze(0))
+        """The loss of one sample (x, y) at parameters ``v`` (the forward pass autocast under bf16-mixed)."""
+        with self.layout.placement.autocast():
+            out = self.layout.functional(v, x.unsqueeze(0))
+        return self.loss_fn(out.to(v.dtype), y.unsqueeze(0))
 
     def per_sample(self, v: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sample gradients and losses at ``v``: (B, P) and (B,); with a leading job axis if ``v`` has one."""
         one = vmap(grad_and_value(self.sample_loss), in_dims=(None, 0, 0))
         return one(v, x, y) if v.dim() == 1 else vmap(one)(v, x, y)
 
-    def noise(self, jobs: int | torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """N(0, I) of each job's next gradient call, from its own named stream: (P,) or (len(jobs), P)."""
+    def noise(
+        self, jobs: int | torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """N(0, I) of each job's next gradient call, from its own named stream: (P,) or (len(jobs), P).
+        Drawn on the CPU (the same noise on every device), then moved to ``device``."""
         out = []
+        # the job ids come to the host: each job's noise comes from its own CPU generator
         for j in [jobs] if isinstance(jobs, int) else jobs.tolist():
             n = self.calls.get(j, 0)
             self.calls[j] = n + 1
             g = self.seeds.torch("dp_sgd", self.round, self.clients[j], *self.key, n)
-            out.append(torch.randn(numel, generator=g, dtype=dtype))
-        return out[0] if isinstance(jobs, int) else torch.stack(out)
+            out.append(torch.randn(numel, generator=g, dtype=dtype, device="cpu"))
+        return (out[0] if isinstance(jobs, int) else torch.stack(out)).to(device, non_blocking=True)
 
     def private(self, v: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
         """The privatized mean gradient at ``v`` on the step's batch (``grad.batch`` from the backend)."""
         x, y, mask = grad.batch  # type: ignore[attr-defined]
         g, losses = self.per_sample(v, x, y)
-        valid = torch.ones(y.shape, dtype=g.dtype) if mask is None else mask.to(g.dtype)
+        valid = torch.ones(y.shape, dtype=g.dtype, device=g.device) if mask is None else mask.to(g.dtype)
         count = valid.sum(-1).clamp_min(1.0)  # B: the real samples of the batch (padding excluded)
         grad.report((losses * valid).sum(-1) / count)  # type: ignore[attr-defined]  # the batch's mean loss
         total = (clip_rows(g, self.clip) * valid.unsqueeze(-1)).sum(-2)
         if self.sigma:
-            total = total + self.sigma * self.clip * self.noise(jobs, v.shape[-1], g.dtype)
+            total = total + self.sigma * self.clip * self.noise(jobs, v.shape[-1], g.dtype, g.device)
         return total / count.unsqueeze(-1)
 
     def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,10 @@ the template: about 1.5-2x faster on CPU for the MNIST CNN (docs/performance.md)
 batches; when the layout's trainer runs on the ``pool`` backend, the pool's workers compute contiguous runs
 of the batches and the sums are added here in batch order, so the result is the same function of the
 per-batch values either way.
+
+Evaluation follows the layout's placement: the evaluated set is placed once (on the device when it fits,
+else in pinned host memory with each batch copied), the forward pass autocasts under ``bf16-mixed`` and
+the loss is taken in the storage dtype; the per-batch sums stay on the device and come to the host once.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def channels_last_ok(model: nn.Module) -> bool:
 def to_channels_last(x: torch.Tensor) -> torch.Tensor:
     """A channels-last copy of a 4-D batch. (``x.contiguous(memory_format=...)`` keeps a one-channel batch's
     NCHW strides, with which convolution and pooling still take their slower NCHW kernels.)"""
-    return torch.empty(x.shape, dtype=x.dtype, memory_format=torch.channels_last).copy_(x)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=torch.channels_last).copy_(x)
 
 
 def eval_model(layout: ParamLayout, w: torch.Tensor) -> tuple[nn.Module, bool]:
@@ -45,7 +49,7 @@ def eval_model(layout: ParamLayout, w: torch.Tensor) -> tuple[nn.Module, bool]:
     twin = _TWINS.get(layout)
     if twin is None:
         m = copy.deepcopy(layout.model).to(memory_format=torch.channels_last)
-        twin = _TWINS[layout] = (m, ParamLayout(m))
+        twin = _TWINS[layout] = (m, ParamLayout(m, layout.placement))
     model, lay = twin
     with torch.no_grad():
         for (_, b), (_, src) in zip(model.named_buffers(), layout.model.named_buffers(), strict=True):
@@ -58,20 +62,27 @@ def batch_sums(
     layout: ParamLayout, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, batch_size: int
 ) -> list[tuple[float, int]]:
     """(summed cross-entropy, number correct) of parameters ``w`` on each batch of ``(x, y)`` in order."""
+    pl = layout.placement
+    x, y = pl.data(x), pl.data(y)
     model, cl = eval_model(layout, w)
     model.eval()
-    out = []
+    losses, correct = [], []
     try:
         for lo in range(0, len(y), batch_size):
-            xb, yb = x[lo : lo + batch_size], y[lo : lo + batch_size]
+            xb, yb = pl.to(x[lo : lo + batch_size]), pl.to(y[lo : lo + batch_size])
             if cl and xb.dim() == 4:
                 xb = to_channels_last(xb)
-            logits = model(xb)
-            loss = float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
-            out.append((loss, int((logits.argmax(1) == yb).sum())))
+            with pl.autocast():
+                logits = model(xb)
+            logits = logits.to(w.dtype)  # the loss in the storage dtype (a no-op unless autocast)
+            losses.append(nn.functional.cross_entropy(logits, yb, reduction="sum"))
+            correct.append((logits.argmax(1) == yb).sum())
     finally:
         model.train()
-    return out
+    if not losses:
+        return []
+    # one trip to the host for all batches (float(...) and int(...) of each would be one per batch)
+    return list(zip(torch.stack(losses).tolist(), torch.stack(correct).tolist(), strict=True))
 
 
 def evaluate(
@@ -105,17 +116,19 @@ def evaluate_task(
     if task.is_default:
         acc, loss = evaluate(layout, w, x, y, batch_size)
         return {"accuracy": acc, "loss": loss}
+    pl = layout.placement
+    x, y = pl.data(x), pl.data(y)
     model, cl = eval_model(layout, w)
     model.eval()
+
+    def forward(xb: torch.Tensor) -> torch.Tensor:
+        with pl.autocast():
+            out = model(to_channels_last(xb) if cl and xb.dim() == 4 else xb)
+        return out.to(w.dtype) if out.is_floating_point() else out
+
     try:
         with torch.inference_mode():
-            return evaluate_batches(
-                lambda xb: model(to_channels_last(xb) if cl and xb.dim() == 4 else xb),
-                x,
-                y,
-                task,
-                min(batch_size, EVAL_ROWS),
-            )
+            return evaluate_batches(forward, x, y, task, min(batch_size, EVAL_ROWS), move=pl.to)
     finally:
         model.train()
 
@@ -133,9 +146,11 @@ def evaluate_clients_task(
     if task.is_default:
         accs, losses = evaluate_clients(layout, params, x, y, parts, batch_size)
         return {"accuracy": accs, "loss": losses}
+    pl = layout.placement
+    x, y = pl.data(x), pl.data(y)  # placed once; each client's rows are gathered where they live
     rows = []
     for k, idx in enumerate(parts):
-        t = torch.as_tensor(idx, dtype=torch.long)
+        t = torch.as_tensor(idx, dtype=torch.long, device=x.device)
         rows.append(evaluate_task(layout, params[k] if params.dim() == 2 else params, x[t], y[t], task, batch_size))
     return {key: np.array([r[key] for r in rows]) for key in rows[0]} if rows else {}
 
@@ -150,9 +165,11 @@ def evaluate_clients(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-client accuracy and loss: row ``k`` of ``params`` (or one shared vector) on ``parts[k]``."""
     accs, losses = np.zeros(len(parts)), np.zeros(len(parts))
+    pl = layout.placement
+    x, y = pl.data(x), pl.data(y)  # placed once; each client's rows are gathered where they live
     for k, idx in enumerate(parts):
         w = params[k] if params.dim() == 2 else params
-        t = torch.as_tensor(idx, dtype=torch.long)
+        t = torch.as_tensor(idx, dtype=torch.long, device=x.device)
         sums = batch_sums(layout, w, x[t], y[t], min(batch_size, EVAL_ROWS))  # small sets: here, not on a pool
         accs[k], losses[k] = _accuracy_and_loss(sums, len(t))
     return accs, losses

@@ -45,6 +45,8 @@ class FusedSGD:
         self.layers = [(w, w.t(), None if b is None else value[b[0] : b[1]]) for w, (*_, b) in zip(weights, spec)]
         self.classes = spec[-1][1]
         self.dtype = value.dtype  # the run's precision: every work tensor below is made in it
+        self.device = value.device  # ... on the parameters' device
+        self.gather = layout.placement.rows
         self._ones: dict[int, torch.Tensor] = {}
         self.momentum, self.weight_decay = 0.0, 0.0
         # heavy-ball buffers of (W, b) per layer, made on first use with momentum
@@ -53,7 +55,7 @@ class FusedSGD:
     def ones(self, n: int) -> torch.Tensor:
         o = self._ones.get(n)
         if o is None:
-            o = self._ones[n] = torch.ones(n, dtype=self.dtype)
+            o = self._ones[n] = torch.ones(n, dtype=self.dtype, device=self.device)
         return o
 
     def run(
@@ -64,11 +66,15 @@ class FusedSGD:
         lrs: Sequence[float],
         momentum: float = 0.0,
         weight_decay: float = 0.0,
-    ) -> float:
+    ) -> torch.Tensor:
         """SGD steps (momentum buffers starting at zero) on the rows ``batches[t]`` of the training set
-        ``(x, y)`` with step sizes ``lrs[t]``; returns the sum of the steps' mean batch losses."""
+        ``(x, y)`` with step sizes ``lrs[t]``; returns the sum of the steps' mean batch losses (a float64
+        0-d tensor on the device, read by the caller without a round trip to the host). Rows are gathered
+        where the training set lives and brought to the parameters' device (``Placement.rows``)."""
+        wide = torch.float32 if self.device.type == "mps" else torch.float64  # MPS has no float64
         if not batches:
-            return 0.0
+            return torch.zeros((), dtype=wide, device=self.device)
+        gather = self.gather
         self.momentum, self.weight_decay = momentum, weight_decay
         if momentum:
             if self.bufs is None:
@@ -78,18 +84,20 @@ class FusedSGD:
                 bw.zero_()
                 if bb is not None:
                     bb.zero_()
-        dots = torch.empty(len(batches), dtype=self.dtype)  # per step: sum_b <log softmax(z_b), onehot(y_b)>
-        sizes = torch.tensor([len(b) for b in batches], dtype=dots.dtype)
-        eye = torch.eye(self.classes, dtype=self.dtype)
+        dev = self.device
+        # per step: sum_b <log softmax(z_b), onehot(y_b)>
+        dots = torch.empty(len(batches), dtype=self.dtype, device=dev)
+        sizes = torch.tensor([len(b) for b in batches], dtype=dots.dtype, device=dev)
+        eye = torch.eye(self.classes, dtype=self.dtype, device=dev)
         for lo in range(0, len(batches), GATHER):
             chunk = batches[lo : lo + GATHER]
             idx = torch.cat(list(chunk))
             counts = [len(b) for b in chunk]
-            xs = x[idx].reshape(len(idx), -1).split(counts)
-            targets = eye[y[idx]].split(counts)
+            xs = gather(x, idx).reshape(len(idx), -1).split(counts)
+            targets = eye[gather(y, idx)].split(counts)
             for t, (xb, target) in enumerate(zip(xs, targets), start=lo):
                 self.step(xb, target, lrs[t], dots[t])
-        return -float((dots / sizes).sum())
+        return -(dots / sizes).sum().to(wide)
 
     def step(self, x: torch.Tensor, target: torch.Tensor, lr: float, dot: torch.Tensor) -> None:
         """One SGD step on rows ``x`` (n, in) with one-hot targets (n, C); writes the summed target

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedweave.config import LocalConfig, RayConfig
+from fedweave.config import ConfigError, LocalConfig, RayConfig
 from fedweave.execution.params import ParamLayout
+from fedweave.execution.placement import CPU, Placement
 from fedweave.execution.state import StateStore
 from fedweave.seeding import Seeds
 from fedweave.tasks import Loss, cross_entropy  # noqa: F401  (cross_entropy: the default loss, re-exported)
@@ -65,7 +66,14 @@ class Reindexed(LocalRule):
         self.rule, self.positions = rule, positions
 
     def _map(self, jobs: int | torch.Tensor) -> int | torch.Tensor:
-        return int(self.positions[jobs]) if isinstance(jobs, int) else self.positions[jobs]
+        if isinstance(jobs, int):
+            return int(self.positions[jobs])  # a host tensor: no device round trip
+        if self.positions.device != jobs.device:  # batched jobs index per-job tables where those live
+            self.device_positions = getattr(self, "device_positions", None)
+            if self.device_positions is None or self.device_positions.device != jobs.device:
+                self.device_positions = self.positions.to(jobs.device)
+            return self.device_positions[jobs]
+        return self.positions[jobs]
 
     def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
         return self.rule.direction(w, grad, self._map(jobs))
@@ -79,14 +87,25 @@ def reindexed(rule: LocalRule, positions: Sequence[int] | torch.Tensor) -> Local
     not depend on the job (so the plain-SGD fast path stays available)."""
     if plain_rule(rule):
         return rule
-    return Reindexed(rule, torch.as_tensor(np.asarray(positions), dtype=torch.long))
+    return Reindexed(rule, torch.as_tensor(np.asarray(positions), dtype=torch.long, device="cpu"))
 
 
 @dataclass
 class LocalResult:
+    """What a call returns, on the trainer's device."""
+
     params: torch.Tensor  # (K, P) final local parameters
     steps: torch.Tensor  # (K,) local steps taken
     loss: torch.Tensor  # (K,) mean training loss over the steps
+
+
+def summed_losses(losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of a job's per-step losses (0-d tensors) in float64, added one after another (a cumulative
+    sum: the same bits as adding them up as Python floats), without a round trip to the host."""
+    wide = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+    if not losses:
+        return torch.zeros((), dtype=wide, device=device)
+    return torch.stack(losses).to(wide).cumsum(0)[-1]
 
 
 class ClientStep:
@@ -121,7 +140,8 @@ class ClientStep:
 
 @dataclass
 class Batches:
-    """The batch plan of K jobs: per step, sample indices (into the training set) and a validity mask."""
+    """The batch plan of K jobs: per step, sample indices (into the training set) and a validity mask.
+    Drawn on the CPU from the named streams (the same plan on every device), moved where it is used."""
 
     index: torch.Tensor  # (T, K, B) int64
     mask: torch.Tensor  # (T, K, B) bool
@@ -129,7 +149,9 @@ class Batches:
 
 
 class LocalTrainer:
-    """Runs local SGD for batches of jobs on the ``loop``, ``vmap``, ``ray`` or ``pool`` backend."""
+    """Runs local SGD for batches of jobs on the ``loop``, ``vmap``, ``ray`` or ``pool`` backend, on the
+    device of its ``placement`` (the model must already be there): the training data are placed once
+    (:meth:`Placement.data`), batches are gathered by index where the data live."""
 
     def __init__(
         self,
@@ -142,21 +164,31 @@ class LocalTrainer:
         *,
         backend: str = "loop",
         augment: Augment | None = None,
-        vmap_chunk: int = 64,
+        vmap_chunk: int | None = None,
         rounds: int | None = None,
         ray: RayConfig | None = None,
         loss_fn: Loss = cross_entropy,
+        placement: Placement = CPU,
     ) -> None:
         if backend not in ("loop", "vmap", "ray", "pool"):
             raise ValueError(f"backend must be 'loop', 'vmap', 'ray' or 'pool' here, got {backend!r}")
-        self.layout = ParamLayout(model)
-        self.train_x, self.train_y = train_x, train_y
-        self.parts = [torch.as_tensor(np.asarray(p), dtype=torch.long) for p in parts]
+        if backend == "pool" and not placement.on_cpu:
+            raise ConfigError(
+                f"backend: pool forks CPU worker processes and cannot compute on device {placement.device}; "
+                "choose backend loop, vmap, ray or auto (or device: cpu)"
+            )
+        self.placement = placement
+        self.layout = ParamLayout(model, placement)
+        self.host_x, self.host_y = train_x, train_y  # as given (the ray backend's object store reads these)
+        self.train_x, self.train_y = placement.data(train_x), placement.data(train_y)
+        # sample indices stay on the CPU: the batch plans are drawn there (the same on every device)
+        self.parts = [torch.as_tensor(np.asarray(p), dtype=torch.long, device="cpu") for p in parts]
         self.local = local
         self.seeds = seeds
         self.backend = backend
         self.augment = augment
-        self.vmap_chunk = vmap_chunk
+        self.vmap_chunk = vmap_chunk if vmap_chunk is not None else placement.vmap_chunk()
+        self.vmap_chunk_fixed = vmap_chunk is not None or placement.memory.vmap_chunk is not None
         self.rounds = rounds
         self.loss_fn = loss_fn  # the task's loss (fedweave.tasks): mean over a batch's valid samples
         self.ray = ray or RayConfig()  # the ray backend's cluster and workers
@@ -195,14 +227,14 @@ class LocalTrainer:
         out: list[torch.Tensor] = []
         if fixed is None:  # epochs: reshuffle every epoch, keep the last partial batch
             for _ in range(self.local.epochs):
-                perm = idx[torch.randperm(n, generator=g)]
+                perm = idx[torch.randperm(n, generator=g, device="cpu")]
                 out.extend(perm.split(bs))
             return out
         # a fixed number of full batches drawn from a stream of reshuffled epochs
         stream: list[torch.Tensor] = []
         have = 0
         while have < fixed * bs:
-            stream.append(idx[torch.randperm(n, generator=g)])
+            stream.append(idx[torch.randperm(n, generator=g, device="cpu")])
             have += n
         flat = torch.cat(stream)
         return list(flat[: fixed * bs].split(bs))
@@ -213,18 +245,20 @@ class LocalTrainer:
         K, B = len(per_job), self.local.batch_size
         if self.local.full_batch:
             B = max((len(b[0]) for b in per_job if b), default=1)
-        index = torch.zeros((T, K, B), dtype=torch.long)
-        mask = torch.zeros((T, K, B), dtype=torch.bool)
+        index = torch.zeros((T, K, B), dtype=torch.long, device="cpu")
+        mask = torch.zeros((T, K, B), dtype=torch.bool, device="cpu")
         for k, batches in enumerate(per_job):
             for t, b in enumerate(batches):
                 index[t, k, : len(b)] = b
                 mask[t, k, : len(b)] = True
-        return Batches(index, mask, torch.tensor([len(b) for b in per_job], dtype=torch.long))
+        return Batches(index, mask, torch.tensor([len(b) for b in per_job], dtype=torch.long, device="cpu"))
 
     def batch_data(
         self, index: torch.Tensor, client: int, round: int, key: tuple[int, ...], gens: dict
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.train_x[index], self.train_y[index]
+        """The samples ``index``, on the device, augmented from the client's own stream (its random
+        choices are drawn on the CPU and applied where the batch is: the same on every device)."""
+        x, y = self.placement.rows(self.train_x, index), self.placement.rows(self.train_y, index)
         if self.augment is not None:
             g = gens.get(client)
             if g is None:
@@ -266,11 +300,23 @@ class LocalTrainer:
         ZO-HFL use the same key, hence the same batches). ``lr`` may be a function of the local step index
         ``t`` (restarting at 0 in every call), e.g. the decaying ``0.1 / (t + 1)`` of ZO-HFL's Algorithm 2.
         """
-        starts = self.checked_starts(starts, clients)
+        starts = self.checked_starts(self.placement.to(starts), clients)
+        dev = starts.device
         if len(clients) == 0:  # e.g. every sampled client dropped out: no backend needs to start
-            return LocalResult(starts[:0].clone(), torch.zeros(0, dtype=torch.long), torch.zeros(0))
+            empty = torch.zeros(0, dtype=torch.long, device=dev)
+            return LocalResult(starts[:0].clone(), empty, torch.zeros(0, dtype=starts.dtype, device=dev))
         lr = self.lr(round) if lr is None else lr
-        return self.run_jobs(starts, list(map(int, clients)), round, rule, lr, steps, key)
+        clients = list(map(int, clients))
+        if self.placement.on_cpu:
+            return self.run_jobs(starts, clients, round, rule, lr, steps, key)
+        chunk = f", up to {self.vmap_chunk} at once" if self.backend == "vmap" else ""
+        vmap = self.backend == "vmap"
+        knob = "lower memory.vmap_chunk" if vmap else "choose backend: vmap with a small memory.vmap_chunk"
+        with self.placement.out_of_memory(
+            f"training {len(clients)} clients (clients {clients[0]}..{clients[-1]}) on backend {self.backend}{chunk}",
+            f"{knob}, lower memory.data_fraction or memory.state_fraction, or local.batch_size",
+        ):
+            return self.run_jobs(starts, clients, round, rule, lr, steps, key)
 
     @staticmethod
     def checked_starts(starts: torch.Tensor, clients: Sequence[int]) -> torch.Tensor:
@@ -296,12 +342,11 @@ class LocalTrainer:
         rows in ``store``, and after training ``step`` computes each client's upload and new state, which is
         written back. Returns the local result and the uploads (rows in job order)."""
         assert store is not None, "the simulation keeps the clients' state in the algorithm's StateStore"
-        idx = torch.as_tensor(np.asarray(clients), dtype=torch.long)
-        state = {name: store[name][idx] for name in step.state}
+        state = {name: store.rows(name, clients) for name in step.state}  # only these rows move to the device
         result = self.train(starts, clients, round, rule=step.rule(state), lr=lr, steps=steps, key=key)
-        upload, new = step.finish(state, starts, result)
+        upload, new = step.finish(state, self.placement.to(starts), result)
         for name, rows in new.items():
-            store[name][idx] = rows
+            store.set_rows(name, clients, rows)
         return result, upload
 
     def run_jobs(

@@ -5,6 +5,10 @@ template: its linear parameters are views of the template's flat buffers, its co
 channels-last copies synchronised with them at every step. On CPU this avoids the slow NCHW max-pooling
 kernel (3.8 ms vs 0.4 ms for the MNIST CNN's first pool at batch 32) and cut a training step's CPU time by
 about 15% (docs/performance.md). Both paths below use the same compute module, so they give the same bits.
+
+Everything runs on the trainer's device; a job's per-step losses stay there and are summed once per job,
+so a step makes no round trip to the host. Under ``precision: bf16-mixed`` the forward pass autocasts and
+the MLP kernel of ``execution.fused`` (written for float32) steps aside.
 """
 
 from __future__ import annotations
@@ -16,7 +20,15 @@ import torch
 
 from fedweave.execution.evaluate import channels_last_ok, to_channels_last
 from fedweave.execution.fused import fused_sgd
-from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer, cross_entropy, plain_rule
+from fedweave.execution.local import (
+    LR,
+    LocalResult,
+    LocalRule,
+    LocalTrainer,
+    cross_entropy,
+    plain_rule,
+    summed_losses,
+)
 from fedweave.execution.params import ParamLayout
 
 
@@ -25,7 +37,11 @@ class Compute:
 
     def __init__(self, layout: ParamLayout) -> None:
         self.value, self.gradbuf = layout.bind()
-        self.fused = fused_sgd(layout, self.value)  # SGD without autograd for MLPs (execution.fused)
+        self.placement = layout.placement
+        self.autocast = layout.placement.autocast  # bf16-mixed: the forward pass in bfloat16
+        self.mixed = mixed = layout.placement.autocast_dtype is not None
+        # SGD without autograd for MLPs (execution.fused), in the storage dtype only
+        self.fused = None if mixed else fused_sgd(layout, self.value)
         model = layout.model
         self.sync: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (twin weight, value, grad)
         self.channels_last = channels_last_ok(model) and not list(model.buffers())
@@ -38,7 +54,7 @@ class Compute:
         for name, (v, g, shape) in zip(layout.names, views, strict=True):
             p = params[name]
             if len(shape) == 4:  # a convolution weight: its own channels-last tensor
-                p.data = torch.empty(shape, dtype=v.dtype, memory_format=torch.channels_last)
+                p.data = torch.empty(shape, dtype=v.dtype, device=v.device, memory_format=torch.channels_last)
                 p.grad = torch.zeros_like(p.data)
                 self.sync.append((p, v.view(shape), g.view(shape)))
             else:
@@ -54,7 +70,12 @@ class Compute:
                     p.grad.zero_()
             if x.dim() == 4:
                 x = to_channels_last(x)
-        loss = loss_fn(self.model(x), y)
+        if self.mixed:
+            with self.autocast():
+                out = self.model(x)
+            loss = loss_fn(out.to(self.value.dtype), y)  # the loss in float32
+        else:
+            loss = loss_fn(self.model(x), y)
         loss.backward()  # accumulates into `gradbuf` (zeroed) and the twin's convolution gradients
         for p, _, g in self.sync:
             g.copy_(p.grad)  # 0 + d == d: the same bits as accumulating into the zeroed flat buffer
@@ -85,8 +106,7 @@ def run(
     """Train the jobs in order. ``offset``: the position of the first job in the whole ``train`` call when
     this runs one shard of it (the ray backend), so a rule's per-job tensors are indexed globally."""
     out = torch.empty_like(starts)
-    nsteps = torch.zeros(len(clients), dtype=torch.long)
-    losses = torch.zeros(len(clients), dtype=starts.dtype)
+    counts, totals = [], []
     comp = compute(tr.layout)
     template = comp.value.clone()  # restored at the end: training leaves the template model unchanged
     train_job = _train_with_rule
@@ -98,18 +118,23 @@ def run(
     for k, c in enumerate(clients):
         batches = tr.client_batches(c, round, key, steps)
         out[k], total = train_job(tr, comp, starts[k], batches, c, round, key, lr, rule, offset + k)
-        nsteps[k] = len(batches)
-        losses[k] = total / max(len(batches), 1)
+        counts.append(len(batches))
+        totals.append(total)
     comp.value.copy_(template)
+    dev = starts.device
+    nsteps = torch.tensor(counts, dtype=torch.long, device=dev)
+    # each job's mean loss: its float64 sum over max(steps, 1), stored in the run's dtype
+    losses = (torch.stack(totals) / nsteps.clamp_min(1).to(totals[0].dtype)).to(starts.dtype)
     return LocalResult(out, nsteps, losses)
 
 
-def _train_with_rule(tr, comp, start, batches, c, round, key, lr, rule, job) -> tuple[torch.Tensor, float]:
+def _train_with_rule(tr, comp, start, batches, c, round, key, lr, rule, job) -> tuple[torch.Tensor, torch.Tensor]:
     """One job's local steps with the rule's direction and projection and the configured SGD; returns the
-    final parameters and the summed batch losses."""
+    final parameters and the summed batch losses (a float64 0-d tensor on the device)."""
     value, gradbuf = comp.value, comp.gradbuf
     gens: dict = {}
-    w, buf, total = start.clone(), None, 0.0
+    w, buf, step_losses = start.clone(), None, []
+    zero = None
     for t, b in enumerate(batches):
         x, y = tr.batch_data(b, c, round, key, gens)
         last = {}
@@ -128,28 +153,33 @@ def _train_with_rule(tr, comp, start, batches, c, round, key, lr, rule, job) -> 
         d = rule.direction(w, grad, job)
         w, buf = tr.sgd_update(w, d, buf, tr.step_lr(lr, t))
         w = rule.project(w, job)
-        total += float(last["loss"]) if last else 0.0
-    return w, total
+        if last:
+            step_losses.append(last["loss"])
+        else:  # a rule that never asked for a gradient: the step adds 0 to the loss
+            zero = torch.zeros((), dtype=w.dtype, device=w.device) if zero is None else zero
+            step_losses.append(zero)
+    return w, summed_losses(step_losses, w.device)
 
 
-def _train_plain(tr, comp, start, batches, c, round, key, lr, rule, job) -> tuple[torch.Tensor, float]:
+def _train_plain(tr, comp, start, batches, c, round, key, lr, rule, job) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain SGD (no momentum, weight decay or clipping) in place on the flat buffers: per step one forward,
     one backward into the flat gradient and ``w -= lr * g`` without allocating. ``gradbuf.mul_(lr)`` then
     ``value.sub_`` round exactly like the general path's ``w - lr * d``, so both give the same bits."""
     value, gradbuf = comp.value, comp.gradbuf
     value.copy_(start)
     gens: dict = {}
-    total = 0.0
+    step_losses = []
     for t, b in enumerate(batches):
         x, y = tr.batch_data(b, c, round, key, gens)
         gradbuf.zero_()
         loss = comp.loss_backward(tr.loss_fn, x, y)
         value.sub_(gradbuf.mul_(tr.step_lr(lr, t)))
-        total += loss.item()
-    return value, total  # the live buffer: the caller copies it into its output row
+        step_losses.append(loss.detach())
+    # the live buffer: the caller copies it into its output row
+    return value, summed_losses(step_losses, value.device)
 
 
-def _train_fused(tr, comp, start, batches, c, round, key, lr, rule, job) -> tuple[torch.Tensor, float]:
+def _train_fused(tr, comp, start, batches, c, round, key, lr, rule, job) -> tuple[torch.Tensor, torch.Tensor]:
     """SGD with the configured momentum and weight decay on an MLP or softmax regression, by the fused kernel
     of ``execution.fused`` (equal to the general path to float rounding)."""
     comp.value.copy_(start)

@@ -8,13 +8,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fedweave.execution.placement import CPU, Placement
+
 
 class ParamLayout:
     """Maps a model's trainable parameters to and from a flat vector of length ``numel`` (in the model's
-    dtype: float32, or float64 under ``precision: float64``)."""
+    dtype: float32, or float64 under ``precision: float64``), on the model's device. ``placement`` says
+    where and in which precision the model computes (evaluation reads it)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, placement: Placement = CPU) -> None:
         self.model = model
+        self.placement = placement
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.shapes = [tuple(p.shape) for _, p in named]

@@ -3,7 +3,13 @@
 The jobs of a call are split into contiguous shards that balance the work (local steps) of the jobs, one
 shard per actor. Each actor (one CPU) holds one reused template model and the training data (put once in
 the object store and read in place), and runs its shard on the ``loop`` or ``vmap`` backend (chosen as
-``auto`` would for the shard), with the same named seed streams as every other backend. The actors live as
+``auto`` would for the shard), with the same named seed streams as every other backend.
+
+On a run placed on a GPU with ``ray.num_gpus_per_worker`` > 0 each actor also holds that (fractional)
+share of a GPU: several actors share one GPU at 0.25 or 0.5. An actor places the data on its GPU once
+and trains there in the run's precision; starts, rules and results travel through host memory (the object
+store), so actors and driver never exchange device tensors. With ``num_gpus_per_worker: 0`` the actors
+train on their CPUs and the driver moves the results to its device. The actors live as
 long as the Ray session and serve every trainer of the process in turn (a sweep pays their start-up once);
 an actor drops a trainer's model and data when the trainer is garbage-collected. The rule object
 travels with the call and its per-job tensors are indexed by each job's position in the whole call, so
@@ -17,6 +23,7 @@ nodes must have fedweave installed.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import uuid
@@ -29,6 +36,7 @@ import torch
 
 from fedweave.config import ConfigError, LocalConfig, RayConfig
 from fedweave.execution.local import LR, PLAIN, LocalResult, LocalRule, LocalTrainer
+from fedweave.execution.placement import move_tensors, resolve_placement
 from fedweave.execution.shards import run_shard, split_call
 
 # Set for a Ray that fedweave starts itself (the user's environment wins).
@@ -69,9 +77,12 @@ class Worker:
             with warnings.catch_warnings():  # object-store arrays are read-only; training only reads them
                 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
                 tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+            # this actor's placement: its GPU share (Ray sets which GPU it sees) or its CPU, in the run's precision
+            placement = resolve_placement(s["device"], s["precision"], s["memory"])
             tr = LocalTrainer(
-                s["model"], tx, ty, parts, LocalConfig(epochs=1), s["seeds"],
+                s["model"].to(placement.device), tx, ty, parts, LocalConfig(epochs=1), s["seeds"],
                 augment=s["augment"], rounds=s["rounds"], vmap_chunk=s["vmap_chunk"], loss_fn=s["loss_fn"],
+                placement=placement,
             )  # fmt: skip
             while len(self.trainers) >= self.KEEP:
                 self.trainers.pop(next(iter(self.trainers)))
@@ -94,7 +105,11 @@ class Worker:
         offset: int,
     ) -> LocalResult:
         tr = self._trainer(setup_id, setup)
-        return run_shard(tr, local, starts, count, clients, round, rule, lr, steps, key, offset)
+        if not tr.placement.on_cpu:  # the rule's tensors travel on the host; they compute here
+            rule = move_tensors(rule, tr.placement.device)
+        res = run_shard(tr, local, starts, count, clients, round, rule, lr, steps, key, offset)
+        host = tr.placement.host  # results travel through the object store in host memory
+        return LocalResult(host(res.params), host(res.steps), host(res.loss))
 
     def forget(self, setup_id: str) -> None:
         self.trainers.pop(setup_id, None)
@@ -116,22 +131,29 @@ def _start_ray(ray: Any, cfg: RayConfig, data_bytes: int) -> None:
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, object_store_memory=store_mb * MB)
 
 
-_ACTORS: dict[tuple[str, str], list] = {}  # (job id, node id) -> the actors started in that session
+_ACTORS: dict[tuple[str, str, float], list] = {}  # (job id, node id, GPUs each) -> the actors of that session
 
 
-def actors(ray: Any, n: int) -> list:
-    """``n`` worker actors of the current Ray session, started on first need and then reused."""
+def actors(ray: Any, n: int, num_gpus: float = 0.0) -> list:
+    """``n`` worker actors of the current Ray session holding ``num_gpus`` GPUs each (a fraction lets
+    several share one), started on first need and then reused."""
     cpus = int(ray.cluster_resources().get("CPU", 0))
     if n > cpus:
         raise ConfigError(f"ray.num_workers ({n}) exceeds the CPUs of the Ray cluster ({cpus})")
+    gpus = float(ray.cluster_resources().get("GPU", 0))
+    if num_gpus and n * num_gpus > gpus + 1e-9:
+        raise ConfigError(
+            f"ray.num_workers ({n}) x ray.num_gpus_per_worker ({num_gpus:g}) exceeds the GPUs of the Ray cluster "
+            f"({gpus:g}); lower ray.num_gpus_per_worker (0.25: four actors share a GPU) or ray.num_workers"
+        )
     ctx = ray.get_runtime_context()
     # the job id alone repeats across sessions (a fresh local Ray numbers its first job 01000000 again);
     # with the driver's node id, the handles of a shut-down session are never reused
-    job = (ctx.get_job_id(), ctx.get_node_id())
-    for old in [k for k in _ACTORS if k != job]:  # handles of an earlier, shut-down session
+    session = (ctx.get_job_id(), ctx.get_node_id())
+    for old in [k for k in _ACTORS if k[:2] != session]:  # handles of an earlier, shut-down session
         del _ACTORS[old]
-    have = _ACTORS.setdefault(job, [])
-    remote = ray.remote(num_cpus=1)(Worker)
+    have = _ACTORS.setdefault((*session, float(num_gpus)), [])
+    remote = ray.remote(num_cpus=1, num_gpus=num_gpus)(Worker) if num_gpus else ray.remote(num_cpus=1)(Worker)
     have.extend(remote.remote() for _ in range(n - len(have)))
     return have[:n]
 
@@ -149,19 +171,27 @@ class RayPool:
 
     def __init__(self, tr: LocalTrainer) -> None:
         self.ray = ray = import_ray()
-        x = np.ascontiguousarray(tr.train_x.numpy())
-        y = np.ascontiguousarray(tr.train_y.numpy())
+        pl = self.placement = tr.placement
+        x = np.ascontiguousarray(pl.host(tr.host_x).numpy())
+        y = np.ascontiguousarray(pl.host(tr.host_y).numpy())
         _start_ray(ray, tr.ray, x.nbytes + y.nbytes)
-        self.actors = actors(ray, tr.ray.num_workers or int(ray.cluster_resources().get("CPU", 1)))
+        gpus = tr.ray.num_gpus_per_worker if pl.device.type == "cuda" else 0.0  # GPU actors for a GPU run only
+        self.actors = actors(ray, tr.ray.num_workers or int(ray.cluster_resources().get("CPU", 1)), gpus)
+        model = tr.layout.model
+        if not pl.on_cpu:  # the template travels on the host; each actor moves it where it computes
+            model = copy.deepcopy(model).to("cpu")
         setup = {
             "x": ray.put(x),  # once, read in place by every actor
             "y": ray.put(y),
             "parts": ray.put([p.numpy() for p in tr.parts]),
-            "model": tr.layout.model,
+            "model": model,
+            "device": "cuda" if gpus else "cpu",  # an actor sees its GPU as cuda (Ray sets which one)
+            "precision": pl.precision,
+            "memory": pl.memory,
             "seeds": tr.seeds,
             "augment": tr.augment,
             "rounds": tr.rounds,
-            "vmap_chunk": tr.vmap_chunk,
+            "vmap_chunk": tr.vmap_chunk if pl.on_cpu else None,  # a GPU actor sizes its own chunks
             "loss_fn": tr.loss_fn,
         }
         self.setup = [ray.put(setup)]  # in a list: actors fetch it only the first time they serve this trainer
@@ -173,15 +203,18 @@ class RayPool:
         return self.ray.get([a.pid.remote() for a in self.actors])
 
     def run(self, tr, starts, clients, round, rule, lr, steps, key) -> LocalResult:
-        ray = self.ray
+        ray, pl = self.ray, self.placement
+        if rule is not PLAIN and not pl.on_cpu:
+            rule = move_tensors(rule, torch.device("cpu"))  # device tensors travel through the host
         rule_ref = ray.put(rule) if rule is not PLAIN else rule  # serialized once for all shards
         futures = []
         for actor, (lo, hi, s) in zip(self.actors, split_call(tr, starts, clients, steps, len(self.actors))):
-            args = (tr.local, s.clone(), hi - lo, clients[lo:hi], round, rule_ref, lr, steps, key, lo)
+            args = (tr.local, pl.host(s).clone(), hi - lo, clients[lo:hi], round, rule_ref, lr, steps, key, lo)
             futures.append(actor.run.remote(self.setup_id, self.setup, *args))
         parts = ray.get(futures)
-        cat = torch.cat
-        return LocalResult(cat([p.params for p in parts]), cat([p.steps for p in parts]), cat([p.loss for p in parts]))
+        cat, to = torch.cat, pl.to
+        params, nsteps, loss = (cat([getattr(p, k) for p in parts]) for k in ("params", "steps", "loss"))
+        return LocalResult(to(params), to(nsteps), to(loss))
 
 
 def pool(tr: LocalTrainer) -> RayPool:

@@ -74,8 +74,9 @@ def run_shard(
     from fedweave.execution import choose_backend, loop, vmap
 
     tr.local = local
+    starts = tr.placement.to(starts)  # sent through the host: computed where this worker computes
     starts = starts.expand(count, -1) if starts.dim() == 1 else starts
-    if choose_backend("auto", tr.layout.model, count, threads=1) == "loop":
+    if choose_backend("auto", tr.layout.model, count, threads=1, device=tr.placement.device) == "loop":
         return loop.run(tr, starts, clients, round, rule, lr, steps, key, offset=offset)
     rule = reindexed(rule, range(offset, offset + count))  # job positions in the whole call
     return vmap.run(tr, starts, clients, round, rule, lr, steps, key)

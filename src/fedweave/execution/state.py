@@ -1,25 +1,35 @@
 """Per-client state in stacked tensors with a leading client axis (DESIGN principle 3).
 
 Control variates, personal models, momenta and similar per-client quantities are rows of one tensor per
-name, not attributes of per-client objects. Large tables can live in a memory-mapped file.
+name, not attributes of per-client objects. A table lives on the run's device when it fits in
+``memory.state_fraction`` of the free device memory; otherwise in host memory (pinned, or a memory-mapped
+file), and :meth:`StateStore.rows` / :meth:`StateStore.set_rows` move only the rows a round uses.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+
+from fedweave.execution.placement import CPU, Placement
 
 
 class StateStore:
     """Named tensors of shape ``(num_clients, *shape)``; rows are indexed by client id."""
 
     def __init__(
-        self, num_clients: int, mmap_dir: str | Path | None = None, dtype: torch.dtype = torch.float32
+        self,
+        num_clients: int,
+        mmap_dir: str | Path | None = None,
+        dtype: torch.dtype | None = None,
+        placement: Placement = CPU,
     ) -> None:
         self.num_clients = int(num_clients)
-        self.dtype = dtype  # the run's precision: the default dtype of every state created here
+        self.placement = placement
+        self.dtype = placement.dtype if dtype is None else dtype  # the default dtype of every state made here
         self.mmap_dir = Path(mmap_dir) if mmap_dir is not None else None
         self._tensors: dict[str, torch.Tensor] = {}
 
@@ -31,8 +41,10 @@ class StateStore:
         dtype: torch.dtype | None = None,
         fill: float | torch.Tensor = 0.0,
         mmap: bool = False,
+        on_device: bool = False,
     ) -> torch.Tensor:
-        """Create state ``name`` for every client, filled with ``fill`` (a scalar or a row to repeat)."""
+        """Create state ``name`` for every client, filled with ``fill`` (a scalar or a row to repeat). It is
+        placed on the device when it fits (``on_device``: always, for state every round reads whole)."""
         if name in self._tensors:
             raise ValueError(f"client state {name!r} already exists")
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -42,14 +54,18 @@ class StateStore:
             if self.mmap_dir is None:
                 raise ValueError(f"client state {name!r}: mmap=True needs a StateStore(mmap_dir=...)")
             self.mmap_dir.mkdir(parents=True, exist_ok=True)
-            np_dtype = torch.empty((), dtype=dtype).numpy().dtype
+            np_dtype = torch.empty((), dtype=dtype, device="cpu").numpy().dtype
             arr = np.lib.format.open_memmap(self.mmap_dir / f"{name}.npy", mode="w+", dtype=np_dtype, shape=full)
             t = torch.from_numpy(arr)
         else:
-            t = torch.empty(full, dtype=dtype)
+            nbytes = int(np.prod(full)) * torch.empty((), dtype=dtype, device="cpu").element_size()
+            device = self.placement.device if on_device else self.placement.state_device(nbytes)
+            t = torch.empty(full, dtype=dtype, device=device)
+            if t.device.type == "cpu":
+                t = self.placement.pinned(t)  # rows copy to the device without blocking
         # a new memory-mapped file already reads as zeros: writing them would page in the whole table
         if not (mmap and isinstance(fill, (int, float)) and fill == 0):
-            t[:] = fill
+            t[:] = fill.to(t.device) if isinstance(fill, torch.Tensor) else fill
         self._tensors[name] = t
         return t
 
@@ -61,6 +77,18 @@ class StateStore:
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
+
+    def rows(self, name: str, clients: Any) -> torch.Tensor:
+        """The rows of ``clients`` (ids: an array, a list or a tensor), on the run's device."""
+        t = self[name]
+        idx = torch.as_tensor(clients, dtype=torch.long, device=t.device)
+        return self.placement.to(t[idx])
+
+    def set_rows(self, name: str, clients: Any, value: torch.Tensor) -> None:
+        """Write ``value`` (one row per client of ``clients``) into state ``name``, wherever it lives."""
+        t = self[name]
+        idx = torch.as_tensor(clients, dtype=torch.long, device=t.device)
+        t[idx] = value.to(t.device)
 
     def nbytes(self, name: str | None = None) -> int:
         names = [name] if name else list(self._tensors)
@@ -74,4 +102,4 @@ class StateStore:
             if k in self._tensors:
                 self._tensors[k].copy_(v)
             else:
-                self._tensors[k] = v.clone()
+                self._tensors[k] = v.to(self.placement.device, copy=True)

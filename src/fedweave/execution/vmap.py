@@ -3,6 +3,12 @@
 Jobs with fewer steps (smaller clients) drop out of the batch once they are done, so no work is spent on
 finished jobs. A partial last batch is padded and its padding masked out of the loss, so each job computes
 exactly what the loop backend computes.
+
+On an accelerator the jobs of a call run in chunks that fit its memory: ``memory.vmap_chunk`` jobs, or
+as many as fit in half the free memory, measured on the first chunk (8 jobs). The batch plan is drawn on
+the CPU and moved to the device once per chunk; a step makes no round trip to the host. Under
+``precision: bf16-mixed`` the forward pass autocasts and the closed-form MLP gradients of
+``execution.batched`` (written for float32) step aside.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from torch.func import grad_and_value, vmap
 
 from fedweave.execution.batched import batched_grad
 from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer, cross_entropy
+
+PROBE_JOBS = 8  # jobs of the first chunk on an accelerator, whose peak memory sizes the later chunks
 
 
 def run(
@@ -25,44 +33,71 @@ def run(
     key: tuple[int, ...],
 ) -> LocalResult:
     outs = []
-    for lo in range(0, len(clients), tr.vmap_chunk):
-        hi = min(lo + tr.vmap_chunk, len(clients))
+    lo = 0
+    while lo < len(clients):
+        pl = tr.placement
+        measure = not pl.on_cpu and not tr.vmap_chunk_fixed and not getattr(tr, "vmap_chunk_measured", False)
+        chunk = min(tr.vmap_chunk, PROBE_JOBS) if measure else tr.vmap_chunk
+        hi = min(lo + chunk, len(clients))
+        if measure:
+            pl.synchronize()
+            pl.reset_peak()
+            before = pl.allocated_bytes()
         outs.append(_run_chunk(tr, starts[lo:hi], clients[lo:hi], round, rule, lr, steps, key, lo))
+        if measure:  # the memory one job takes, from the first chunk's peak: later chunks fill half the free
+            pl.synchronize()
+            per_job = max(1, (pl.peak_bytes() - before) // (hi - lo))
+            tr.vmap_chunk = pl.vmap_chunk(per_job)
+            tr.vmap_chunk_measured = True
+        lo = hi
     cat = torch.cat
     return LocalResult(cat([o.params for o in outs]), cat([o.steps for o in outs]), cat([o.loss for o in outs]))
 
 
 def _batch(tr: LocalTrainer, index, mask, clients, active, round, key, gens):
-    """Stacked inputs of the active jobs at one step: (A, B, ...) features, labels and validity mask."""
+    """Stacked inputs of the active jobs at one step: (A, B, ...) features, labels and validity mask.
+    ``index`` and ``mask`` are on the device; ``active`` (job positions) on the CPU."""
     if tr.augment is None:
-        return tr.train_x[index], tr.train_y[index], mask
+        return tr.placement.rows(tr.train_x, index), tr.placement.rows(tr.train_y, index), mask
     xs = []
     for row, k in enumerate(active.tolist()):  # augmentation draws from each client's own stream
         m = mask[row]
         x, _ = tr.batch_data(index[row][m], clients[k], round, key, gens)
         pad = index.shape[1] - x.shape[0]
         xs.append(torch.cat([x, x[:1].expand(pad, *x.shape[1:])]) if pad else x)
-    return torch.stack(xs), tr.train_y[index], mask
+    return torch.stack(xs), tr.placement.rows(tr.train_y, index), mask
 
 
 def _run_chunk(tr, starts, clients, round, rule, lr, steps, key, offset) -> LocalResult:
-    layout = tr.layout
-    plan = tr.plan(clients, round, key, steps)
-    jobs = torch.arange(offset, offset + len(clients))
+    layout, pl = tr.layout, tr.placement
+    dev = starts.device
+    plan = tr.plan(clients, round, key, steps)  # drawn on the CPU
+    index, mask = pl.to(plan.index), pl.to(plan.mask)  # (T, K, B), once per chunk
+    steps_dev = pl.to(plan.steps)
+    jobs = torch.arange(offset, offset + len(clients), device=dev)
+    dtype = starts.dtype
 
-    def loss_one(v, x, y, m):
+    def loss_plain(v, x, y, m):
         return tr.loss_fn(layout.functional(v, x), y, m)
 
+    def loss_mixed(v, x, y, m):  # bf16-mixed: the forward pass autocast, the loss in float32
+        with pl.autocast():
+            out = layout.functional(v, x)
+        return tr.loss_fn(out.to(dtype), y, m)
+
+    loss_one = loss_plain if pl.autocast_dtype is None else loss_mixed
+
     # MLPs with the default loss: closed-form backpropagation with bmm (fedweave.execution.batched)
-    fast = batched_grad(layout) if tr.loss_fn is cross_entropy else None
+    fast = batched_grad(layout) if tr.loss_fn is cross_entropy and pl.autocast_dtype is None else None
     batched = fast or vmap(grad_and_value(loss_one))
     gens: dict = {}
     w = starts.clone()
     buf = None
-    total = torch.zeros(len(clients), dtype=starts.dtype)
+    total = torch.zeros(len(clients), dtype=dtype, device=dev)
     for t in range(plan.index.shape[0]):
-        active = (plan.steps > t).nonzero().squeeze(1)
-        X, Y, M = _batch(tr, plan.index[t, active], plan.mask[t, active], clients, active, round, key, gens)
+        active_cpu = (plan.steps > t).nonzero().squeeze(1)  # on the CPU: no device synchronisation
+        active = active_cpu if pl.on_cpu else pl.to(active_cpu)
+        X, Y, M = _batch(tr, index[t, active], mask[t, active], clients, active_cpu, round, key, gens)
         seen: list[torch.Tensor] = []
 
         def grad(v, X=X, Y=Y, M=M, seen=seen):
@@ -82,4 +117,4 @@ def _run_chunk(tr, starts, clients, round, rule, lr, steps, key, offset) -> Loca
             buf[active] = buf_a
         if seen:
             total[active] += seen[0]
-    return LocalResult(w, plan.steps, total / plan.steps.clamp_min(1))
+    return LocalResult(w, steps_dev, total / steps_dev.clamp_min(1))

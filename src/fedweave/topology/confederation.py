@@ -165,7 +165,7 @@ class Confederation:
 
     def mix(self, z: torch.Tensor) -> torch.Tensor:
         """Sum_{i'} w_ii' z_i' for every server (rows of ``z`` are servers)."""
-        return self.W.to(z.dtype) @ z
+        return self.W.to(device=z.device, dtype=z.dtype) @ z
 
     # ---- ledger: who sends what to whom --------------------------------------------------------------
     def upload(self, r: int, kind: str, count: int, vector_bytes: int) -> None:

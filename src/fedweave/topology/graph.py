@@ -12,6 +12,9 @@
 * Personalized evaluation: each client's model, fine-tuned ``finetune_epochs`` local epochs (the
   FedAvg-FT backbone of afind-plus §4.5), on its own test set drawn with its train label distribution
   (``client_test_split``); ``test_accuracy`` is the unweighted mean over clients.
+* Placement: the models ``W`` and every per-client table a round reads whole live on the run's device;
+  the bookkeeping of neighbour selection (probabilities, thresholds, losses, weights, mixing matrices)
+  is float64 on the host, and :meth:`GraphAlgorithm.on_device` moves weights where they mix models.
 * Injected faults (docs/reliability.md): a client that drops out in a round neither sends, receives,
   trains nor changes any of its state; a lost link carries nothing. Every method filters the peers it
   contacts with :meth:`GraphAlgorithm.reachable`, so only delivered messages reach the ledger and the
@@ -157,7 +160,7 @@ def metropolis_weights(g: nx.Graph) -> torch.Tensor:
     w_ij = 1 / (1 + max(d_i, d_j)) on edges, w_ii = 1 - sum_j w_ij (Xiao & Boyd, 2004).
     """
     m = g.number_of_nodes()
-    M = torch.zeros(m, m, dtype=torch.float64)
+    M = torch.zeros(m, m, dtype=torch.float64, device="cpu")  # host bookkeeping (moved where it mixes)
     deg = dict(g.degree())
     for u, v in g.edges():
         M[u, v] = M[v, u] = 1.0 / (1 + max(deg[u], deg[v]))
@@ -167,7 +170,7 @@ def metropolis_weights(g: nx.Graph) -> torch.Tensor:
 
 def gossip(W: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
     """One synchronous gossip step x_i <- sum_j M_ij x_j, from the round-start rows only (a new tensor)."""
-    return (M.to(W.dtype) @ W).contiguous()
+    return (M.to(device=W.device, dtype=W.dtype) @ W).contiguous()
 
 
 # --------------------------------------------------------------------------------------------- hparams
@@ -241,8 +244,9 @@ class GraphAlgorithm(Algorithm):
         if hp.dp_sigma and hp.dp_mode == "sgd":  # the fine-tuning copy is never sent: it stays plain SGD
             self.trainer = PrivateTrainer.of(self.trainer, hp.dp_clip, hp.dp_sigma)
         self.layout: ParamLayout = self.trainer.layout
-        self.store = StateStore(n, dtype=ctx.dtype)
-        self.store.create("model", self.layout.numel, fill=self.layout.flatten())
+        self.store = StateStore(n, dtype=ctx.dtype, placement=ctx.placement)
+        # every client trains every round: its table lives where the computation is
+        self.store.create("model", self.layout.numel, fill=self.layout.flatten(), on_device=True)
         self.model_bytes = self.layout.numel * ctx.float_bytes  # one model row
         self._checkpoint: tuple[str, ...] = ()
         self._up: tuple[int, np.ndarray] | None = None
@@ -252,6 +256,11 @@ class GraphAlgorithm(Algorithm):
     def W(self) -> torch.Tensor:
         """Round-start personalized models, one row per client."""
         return self.store["model"]
+
+    @staticmethod
+    def on_device(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Host bookkeeping (weights, losses) where and in the dtype that ``like`` computes."""
+        return t.to(device=like.device, dtype=like.dtype)
 
     def commit(self, name: str, new: torch.Tensor) -> None:
         """End of round: replace state ``name`` by ``new`` (computed from round-start values only)."""
@@ -302,21 +311,22 @@ class GraphAlgorithm(Algorithm):
         up = self.clients_up(r)
         if len(up) == n:
             return trainer.train(starts, range(n), r, rule=rule, key=key)
-        res = trainer.train(starts[torch.as_tensor(up)], up, r, rule=reindexed(rule, up), key=key)
+        res = trainer.train(starts[torch.as_tensor(up, device=starts.device)], up, r, rule=reindexed(rule, up), key=key)
         return self.fill_dropped(r, res, starts)
 
     def fill_dropped(self, r: int, res: LocalResult, starts: torch.Tensor) -> LocalResult:
         """``res``, a result over :meth:`clients_up` in order, as rows over all clients: a dropped client's row
         keeps its start, with 0 steps and a NaN loss (which :meth:`mean_over_up` never reads)."""
         n = self.num_clients
-        up = torch.as_tensor(self.clients_up(r))
+        dev = res.params.device
+        up = torch.as_tensor(self.clients_up(r), device=dev)
         if len(up) == n:
             return res
         params = (starts if starts.dim() == 2 else starts.expand(n, -1)).clone()
         params[up] = res.params
-        steps = torch.zeros(n, dtype=res.steps.dtype)
+        steps = torch.zeros(n, dtype=res.steps.dtype, device=dev)
         steps[up] = res.steps
-        loss = torch.full((n,), float("nan"), dtype=res.loss.dtype)
+        loss = torch.full((n,), float("nan"), dtype=res.loss.dtype, device=dev)
         loss[up] = res.loss
         return LocalResult(params, steps, loss)
 
@@ -324,7 +334,7 @@ class GraphAlgorithm(Algorithm):
         """``new`` rows for the clients that took part, ``old`` rows for those that dropped out."""
         if not self.faulty:
             return new
-        return torch.where(torch.as_tensor(self.up(r))[:, None], new, old)
+        return torch.where(torch.as_tensor(self.up(r), device=new.device)[:, None], new, old)
 
     def all_down(self, r: int) -> bool:
         """Nobody takes part in round ``r``: the method skips it (state unchanged, ``reported_clients`` 0)."""
@@ -338,7 +348,7 @@ class GraphAlgorithm(Algorithm):
         """Mean of a per-client quantity over the clients that took part in round ``r``."""
         if not self.faulty:
             return float(values.mean())
-        return float(values[torch.as_tensor(self.up(r))].mean())
+        return float(values[torch.as_tensor(self.up(r), device=values.device)].mean())
 
     # ---- protocol --------------------------------------------------------------------------------
     def available(self, r: int, i: int, k: int | None = None) -> np.ndarray:
@@ -361,7 +371,8 @@ class GraphAlgorithm(Algorithm):
             return x
         g = self.seeds.torch("dp_noise", r, sender, receiver, what)
         std = self.hp.dp_sigma * self.hp.dp_clip / self.config.local.batch_size
-        return x + std * torch.randn(x.shape, generator=g, dtype=x.dtype)
+        noise = torch.randn(x.shape, generator=g, dtype=x.dtype, device="cpu")  # the same draws on every device
+        return x + std * noise.to(x.device)
 
     @property
     def label_overlap(self) -> torch.Tensor:
@@ -374,7 +385,7 @@ class GraphAlgorithm(Algorithm):
             y = self.ctx.label_view(ds.train_y.numpy())
             nc = int(y.max(initial=0)) + 1
             q = np.stack([np.bincount(y[p], minlength=nc) / max(len(p), 1) for p in self.ctx.partition])
-            q_t = torch.as_tensor(q)
+            q_t = torch.as_tensor(q, device="cpu")  # host bookkeeping (diagnostics)
             self._overlap = torch.minimum(q_t[:, None, :], q_t[None, :, :]).sum(-1)
         return self._overlap
 

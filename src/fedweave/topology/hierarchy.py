@@ -109,8 +109,11 @@ class LowerLevelRule(LocalRule):
         if self.anchors.dim() == 1:
             return self.anchors
         k = len(self.anchors)
-        if isinstance(jobs, torch.Tensor) and jobs.numel() == k and bool((jobs == torch.arange(k)).all()):
-            return self.anchors  # every job, in order: no gather of a (K, P) table per step
+        # every job, in order: no gather of a (K, P) table per step (checked on a CPU only: on a device the
+        # check would wait for it every step, and the gather gives the same numbers)
+        on_cpu = isinstance(jobs, torch.Tensor) and jobs.device.type == "cpu" and jobs.numel() == k
+        if on_cpu and bool((jobs == torch.arange(k, device="cpu")).all()):
+            return self.anchors
         return self.anchors[jobs]
 
     def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
@@ -124,14 +127,22 @@ class LowerLevelRule(LocalRule):
 # ---- randomized smoothing (Lemma 7) --------------------------------------------------------------------
 
 
-def unit_directions(seeds: Seeds, r: int, clients: int, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def unit_directions(
+    seeds: Seeds,
+    r: int,
+    clients: int,
+    dim: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """v_{i,r} ~ Unif(S^{d-1}) for every client i (Alg. 1 line 3; spec A28), as z/||z||, z ~ N(0, I_d),
-    each from its own stream ``("zo_direction", r, i)``, drawn in float64; shape ``(clients, dim)``, ``dtype``."""
-    out = torch.empty(clients, dim, dtype=dtype)
+    each from its own stream ``("zo_direction", r, i)``, drawn in float64 on the CPU (the same directions
+    on every device), then moved to ``device``; shape ``(clients, dim)``, ``dtype``."""
+    out = torch.empty(clients, dim, dtype=dtype, device="cpu")
     for i in range(clients):
-        z = torch.randn(dim, generator=seeds.torch("zo_direction", r, i), dtype=torch.float64)
+        z = torch.randn(dim, generator=seeds.torch("zo_direction", r, i), dtype=torch.float64, device="cpu")
         out[i] = (z / z.norm()).to(dtype)
-    return out
+    return out.to(device)
 
 
 def zo_gradient(f_plus: torch.Tensor, f_minus: torch.Tensor, v: torch.Tensor, eta: float) -> torch.Tensor:
@@ -177,7 +188,7 @@ def _pooled_split(ctx: RunContext, test_fraction: float) -> tuple[torch.Tensor, 
         _POOLED.move_to_end(key)
         return _POOLED[key]
     x, y = torch.cat([ds.train_x, ds.test_x]), torch.cat([ds.train_y, ds.test_y])
-    perm = torch.as_tensor(ctx.seeds.numpy("test_split").permutation(len(y)))
+    perm = torch.as_tensor(ctx.seeds.numpy("test_split").permutation(len(y)), device="cpu")  # host data
     n_test = int(round(test_fraction * len(y)))
     out = (x[perm[n_test:]], y[perm[n_test:]], x[perm[:n_test]], y[perm[:n_test]])
     _POOLED[key] = out
@@ -211,7 +222,7 @@ def split_hierarchy(
     if validation > 0:
         vperm = ctx.seeds.numpy("validation_split").permutation(len(held))
         n_val = int(round(validation * len(held)))
-        val, held = torch.as_tensor(np.sort(vperm[:n_val])), np.sort(vperm[n_val:])
+        val, held = torch.as_tensor(np.sort(vperm[:n_val]), device="cpu"), np.sort(vperm[n_val:])
     n = len(held)
     perm = held[ctx.seeds.numpy("server_split").permutation(n)]
     n_server = int(round(server_share * n))
@@ -220,11 +231,12 @@ def split_hierarchy(
     if ctx.config.num_clients < 1:
         raise ConfigError(f"partition.num_clients must be a positive integer, got {ctx.config.num_clients!r}")
     try:
-        local = ctx.partition_of(train_y[torch.as_tensor(pool)].numpy())
+        local = ctx.partition_of(train_y[torch.as_tensor(pool, device="cpu")].numpy())
     except ConfigError as e:
         raise ConfigError(f"partition (of the clients' {len(pool)} samples): {e}") from e
     parts = [pool[np.asarray(p, dtype=np.int64)] for p in local]
-    return HierarchyData(train_x, train_y, test_x, test_y, torch.as_tensor(server, dtype=torch.long), parts, val)
+    server_idx = torch.as_tensor(server, dtype=torch.long, device="cpu")  # indices of the host data
+    return HierarchyData(train_x, train_y, test_x, test_y, server_idx, parts, val)
 
 
 # ---- the family's base class ---------------------------------------------------------------------------
@@ -277,11 +289,12 @@ class HierarchicalAlgorithm(Algorithm):
 
     def __init__(self, ctx: RunContext, hp: HierarchyHparams) -> None:
         super().__init__(ctx, hp)
+        ctx.placement.check_float64("the hierarchical family (its weights and ZO-HFL's estimator)")
         self.data = split_hierarchy(ctx, hp.server_share, hp.test_fraction, hp.validation)
         self.m = len(self.data.parts)
         self.k = max(1, int(round(hp.participation * self.m)))  # spec A20
         cfg = ctx.config
-        backend = choose_backend(cfg.backend, ctx.model, self.jobs_per_client * self.k)
+        backend = choose_backend(cfg.backend, ctx.model, self.jobs_per_client * self.k, device=ctx.device)
         d = self.data
         # trainer data index m is the server's own share (a baseline control trains on it as a client)
         jobs = [*d.parts, d.server.numpy()]
@@ -289,14 +302,16 @@ class HierarchicalAlgorithm(Algorithm):
         self.sampler = make_sampler(ctx, self.k, self.m)
         self.trainer = LocalTrainer(
             ctx.model, d.train_x, d.train_y, jobs, cfg.local, ctx.seeds, backend=backend, ray=cfg.ray,
-            loss_fn=ctx.task.loss,
+            loss_fn=ctx.task.loss, placement=ctx.placement,
         )  # fmt: skip
         self.layout: ParamLayout = self.trainer.layout
         self.x = self.layout.flatten()  # the global model x^_r
-        self.job_sizes = torch.tensor([len(p) for p in jobs], dtype=torch.float64)
+        self.job_sizes = torch.tensor([len(p) for p in jobs], dtype=torch.float64, device=ctx.device)
         self.sizes = self.job_sizes[: self.m]
         self.rho = self.sizes / d.num_train  # rho_i = N_i / N_tr (paper §IV; sums to 1 - server_share)
-        self.server_x, self.server_y = d.train_x[d.server], d.train_y[d.server]
+        # the server's share, placed once (on the device when it fits)
+        pl = ctx.placement
+        self.server_x, self.server_y = pl.data(d.train_x[d.server]), pl.data(d.train_y[d.server])
         self.ledger.store("server", "server_data", nbytes(self.server_x, self.server_y))
         self._checkpoint = ("x",)
 
@@ -330,8 +345,11 @@ class HierarchicalAlgorithm(Algorithm):
     def server_batch(self, r: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """xi_r: a mini-batch of the server's data from the ``("server_batches", r)`` stream."""
         n = len(self.server_y)
-        idx = torch.as_tensor(self.seeds.numpy("server_batches", r).choice(n, min(size, n), replace=False))
-        return self.server_x[idx], self.server_y[idx]
+        idx = torch.as_tensor(
+            self.seeds.numpy("server_batches", r).choice(n, min(size, n), replace=False), device="cpu"
+        )
+        rows = self.ctx.placement.rows
+        return rows(self.server_x, idx), rows(self.server_y, idx)
 
     def server_gradient(self, r: int, size: int) -> tuple[torch.Tensor, float]:
         """grad f~1(x^_r, xi_r) and the batch loss (the server's "pre-training" loss, eq. (1)); zero without
@@ -340,7 +358,9 @@ class HierarchicalAlgorithm(Algorithm):
             return torch.zeros_like(self.x), 0.0
         xb, yb = self.server_batch(r, size)
         w = self.x.detach().clone().requires_grad_(True)
-        loss = self.trainer.loss_fn(self.layout.functional(w, xb), yb)
+        with self.ctx.placement.autocast():
+            out = self.layout.functional(w, xb)
+        loss = self.trainer.loss_fn(out.to(w.dtype), yb)
         (g,) = torch.autograd.grad(loss, w)
         return g, float(loss.detach())
 

@@ -18,6 +18,11 @@ The CSE-FSL server queue is simulated on a clock (spec §1.6): client i takes τ
 ``event`` (FIFO by arrival time: the asynchronous event-triggered server) or ``sync`` (a barrier per window,
 then client order). Client updates do not depend on the server model, so training all clients first and
 then draining the queue in that order is the same computation as true interleaving.
+
+Placement: the three parts, their stacked rows and the smashed data live on the run's device; under
+``bf16-mixed`` every forward pass autocasts (smashed data travel in bfloat16) while the parts and their
+updates stay float32. Losses stay on the device until the round's metrics read them once. Dropout masks
+come from the device's generator seeded from the named stream: the same per device, not across devices.
 """
 
 from __future__ import annotations
@@ -145,19 +150,24 @@ class SplitAlgorithm(Algorithm):
                 self.parts = build_split_model(cfg.model.name, tuple(ds.input_shape), ds.num_classes, cfg.model.options)
             except ValueError as e:
                 raise ConfigError(str(e)) from e
+        pl = self.placement = ctx.placement
         for m in (self.parts.client, self.parts.server, self.parts.aux):
-            m.to(ctx.dtype)  # the run's precision (in place: the parts keep their modules)
+            m.to(device=ctx.device, dtype=ctx.dtype)  # the run's placement (in place: the parts keep their modules)
         self.client, self.server, self.aux = self.parts.client, self.parts.server, self.parts.aux
-        self.lc, self.ls, self.la = ParamLayout(self.client), ParamLayout(self.server), ParamLayout(self.aux)
-        self.full = ParamLayout(nn.Sequential(self.client, self.server))  # the inference model x_s ∘ x_c
-        self.local_model = ParamLayout(nn.Sequential(self.client, self.aux))  # a_c ∘ x_c (the local loss)
+        self.lc, self.ls, self.la = (
+            ParamLayout(self.client, pl),
+            ParamLayout(self.server, pl),
+            ParamLayout(self.aux, pl),
+        )
+        self.full = ParamLayout(nn.Sequential(self.client, self.server), pl)  # the inference model x_s ∘ x_c
+        self.local_model = ParamLayout(nn.Sequential(self.client, self.aux), pl)  # a_c ∘ x_c (the local loss)
         self.xc, self.xs, self.xa = self.lc.flatten(), self.ls.flatten(), self.la.flatten()
         augment = augment_for(cfg.local)
         # only the batch plan (named ``batches`` stream) and augmentation of the foundation trainer are used
         self.batcher = LocalTrainer(
-            self.client, ds.train_x, ds.train_y, ctx.partition, cfg.local, self.seeds, augment=augment
+            self.client, ds.train_x, ds.train_y, ctx.partition, cfg.local, self.seeds, augment=augment, placement=pl
         )
-        self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=ctx.dtype)
+        self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=ctx.dtype, device=ctx.device)
         self.smashed_bytes = self.parts.smashed_floats * ctx.float_bytes  # q_b per sample (4 bytes a float in float32)
         self.server_copies = 1
         self._checkpoint = ("xc", "xs", "xa")
@@ -187,7 +197,12 @@ class SplitAlgorithm(Algorithm):
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:
         """Aggregation weights p_i of eq. (14), summing to one."""
-        w = self.sizes[clients] if self.hp.weighting == "samples" else torch.ones(len(clients), dtype=self.sizes.dtype)
+        sizes = self.sizes
+        w = (
+            sizes[clients]
+            if self.hp.weighting == "samples"
+            else torch.ones(len(clients), dtype=sizes.dtype, device=sizes.device)
+        )
         return w / w.sum()
 
     def lrs(self, r: int) -> tuple[float, float, float]:
@@ -205,8 +220,9 @@ class SplitAlgorithm(Algorithm):
 
     @contextlib.contextmanager
     def stream(self, name: str, *keys: int) -> Iterator[None]:
-        """Seed torch's global RNG (dropout) from a named stream for the duration of the block."""
-        with torch.random.fork_rng(devices=[]):
+        """Seed torch's global RNGs (dropout, on the run's device) from a named stream for the block."""
+        dev = self.placement.device
+        with torch.random.fork_rng(devices=[] if dev.type == "cpu" else [dev.index or 0], device_type=dev.type):
             torch.manual_seed(self.seeds.int_seed(name, *keys))
             yield
 
@@ -253,33 +269,42 @@ class SplitAlgorithm(Algorithm):
                 p.add_(p.grad, alpha=-lr)
                 p.grad = None
 
-    def local_step(self, x: torch.Tensor, y: torch.Tensor, lr_c: float, lr_a: float) -> tuple[torch.Tensor, float]:
+    def local_step(
+        self, x: torch.Tensor, y: torch.Tensor, lr_c: float, lr_a: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. (8): one SGD step of the client-side model and auxiliary net on the local loss.
 
-        Returns the (pre-update) smashed data of this batch, detached, and the loss.
+        Returns the (pre-update) smashed data of this batch, detached, and the loss (a 0-d tensor on the
+        device: :meth:`round_metrics` reads the round's losses at once).
         """
-        a = self.client(x)
-        loss = self.loss(self.aux(a), y)  # the task's loss (cross-entropy in the paper)
+        with self.placement.autocast():
+            a = self.client(x)
+            out = self.aux(a)
+        loss = self.loss(out.to(self.ctx.dtype), y)  # the task's loss (cross-entropy in the paper)
         loss.backward()
         self._sgd(self.client, lr_c)
         self._sgd(self.aux, lr_a)
-        return a.detach(), float(loss.detach())
+        return a.detach(), loss.detach()
 
     def server_step(self, smashed: torch.Tensor, y: torch.Tensor, lr: float, *, want_grad: bool = False):
         """Eq. (11): one SGD step of the loaded server-side model on a received smashed batch.
 
-        Returns the loss and, with ``want_grad`` (FSL_MC/OC), the gradient with respect to the smashed data.
+        Returns the loss (a 0-d tensor on the device) and, with ``want_grad`` (FSL_MC/OC), the gradient with
+        respect to the smashed data.
         """
         a = smashed.detach().requires_grad_(want_grad)
-        loss = self.loss(self.server(a), y)
+        with self.placement.autocast():
+            out = self.server(a)
+        loss = self.loss(out.to(self.ctx.dtype), y)
         loss.backward()
         self._sgd(self.server, lr)
-        return float(loss.detach()), (a.grad if want_grad else None)
+        return loss.detach(), (a.grad if want_grad else None)
 
-    def backprop_step(self, x: torch.Tensor, y: torch.Tensor, r: int, lr_c: float, lr_s: float) -> float:
+    def backprop_step(self, x: torch.Tensor, y: torch.Tensor, r: int, lr_c: float, lr_s: float) -> torch.Tensor:
         """One batch of traditional split learning (Fig. 1 steps 2-4): smashed up, server step, gradient down,
         client backward and step. The loaded server-side model is the one this client talks to."""
-        a = self.client(x)
+        with self.placement.autocast():
+            a = self.client(x)
         self.send_smashed(r, y)
         loss, g = self.server_step(a, y, lr_s, want_grad=True)
         self.send_gradient(r, g)
@@ -288,7 +313,7 @@ class SplitAlgorithm(Algorithm):
         return loss
 
     def smashed(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
+        with torch.no_grad(), self.placement.autocast():
             return self.client(x)
 
     # ---- loading rows into the templates -------------------------------------------------------------
@@ -305,7 +330,11 @@ class SplitAlgorithm(Algorithm):
             self.xa = p @ xa_rows
 
     # ---- metrics -------------------------------------------------------------------------------------
-    def round_metrics(self, r: int, n: int, steps: int, losses: list[float], server_losses: list[float]) -> dict:
+    def round_metrics(
+        self, r: int, n: int, steps: int, losses: list[torch.Tensor], server_losses: list[torch.Tensor]
+    ) -> dict:
+        # the round's losses come to the host once (one float per step, as they were computed)
+        losses, server_losses = host_floats(losses), host_floats(server_losses)
         led = self.ledger
         load = sum(led.bytes(kind=k, upto_round=r) for k in ("smashed", "gradient", "client_model", "aux_model"))
         per = self.lc.numel + (self.la.numel if self.uses_aux else 0)
@@ -333,3 +362,10 @@ class SplitAlgorithm(Algorithm):
             aux = evaluate_task(self.local_model, w, ds.test_x, ds.test_y, task, ev.batch_size)
             out[f"aux_test_{task.main}"] = aux[task.main]
         return out
+
+
+def host_floats(values: list[torch.Tensor] | list[float]) -> list[float]:
+    """Losses as Python floats: 0-d tensors (on any device) with one trip to the host; floats as they are."""
+    if values and isinstance(values[0], torch.Tensor):
+        return torch.stack(values).tolist()
+    return list(values)

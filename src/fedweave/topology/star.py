@@ -61,7 +61,7 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
         local = dataclasses.replace(local, weight_decay=0.0, grad_clip=None)
     augment = augment_for(cfg.local)
     ds = ctx.dataset
-    backend = choose_backend(cfg.backend, ctx.model, jobs_per_call)
+    backend = choose_backend(cfg.backend, ctx.model, jobs_per_call, device=ctx.device)
     return LocalTrainer(
         ctx.model,
         ds.train_x,
@@ -74,6 +74,7 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
         rounds=cfg.rounds,
         ray=cfg.ray,
         loss_fn=ctx.task.loss,
+        placement=ctx.placement,
     )
 
 
@@ -126,7 +127,7 @@ class StarAlgorithm(Algorithm):
         self.trainer = make_trainer(ctx, hp.clients_per_round, regularize_in_rule=self.regularize_in_rule)
         self.layout: ParamLayout = self.trainer.layout
         self.x = self.layout.flatten()  # the global model x_t
-        self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=self.x.dtype)
+        self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=self.x.dtype, device=self.x.device)
         # the run's sampler; `sampling: bernoulli` (fedmim spec A6) picks the bernoulli one
         bernoulli = getattr(hp, "sampling", "fixed") == "bernoulli"
         self.sampler = make_sampler(ctx, hp.clients_per_round, default="bernoulli" if bernoulli else "uniform")
@@ -160,7 +161,12 @@ class StarAlgorithm(Algorithm):
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:
         """Aggregation weights of the round's clients, summing to one."""
-        w = self.sizes[clients] if self.hp.weighting == "samples" else torch.ones(len(clients), dtype=self.sizes.dtype)
+        sizes = self.sizes
+        w = (
+            sizes[clients]
+            if self.hp.weighting == "samples"
+            else torch.ones(len(clients), dtype=sizes.dtype, device=sizes.device)
+        )
         return w / w.sum()
 
     def send(self, r: int, clients: np.ndarray, kind: str, *per_client: torch.Tensor) -> None:

@@ -120,8 +120,8 @@ class FedMIM(StarAlgorithm):
     def momenta(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``m_alpha = sum_j alpha_j delta_{t-j}``, ``m_beta = sum_j beta_j delta_{t-j}``."""
         d = self.deltas()
-        a = torch.tensor(self.hp.alpha, dtype=d.dtype)
-        b = torch.tensor(self.hp.beta, dtype=d.dtype)
+        a = torch.tensor(self.hp.alpha, dtype=d.dtype, device=d.device)
+        b = torch.tensor(self.hp.beta, dtype=d.dtype, device=d.device)
         return a @ d, b @ d
 
     def run_round(self, r: int) -> dict[str, float]:

@@ -71,7 +71,7 @@ class Scaffold(StarAlgorithm):
     def __init__(self, ctx, hp) -> None:
         super().__init__(ctx, hp)
         self.c = torch.zeros_like(self.x)  # server control variate
-        self.store = StateStore(ctx.num_clients, dtype=ctx.dtype)
+        self.store = StateStore(ctx.num_clients, dtype=ctx.dtype, placement=ctx.placement)
         self.store.create("c", self.num_params)  # c_i, initialised to 0
         self._checkpoint = ("x", "c")
         self.ledger.store("server", "control_variate", nbytes(self.c))

@@ -119,23 +119,27 @@ class ConfederatedAlgorithm(Algorithm):
     def __init__(self, ctx: RunContext, hp: ConfederatedHparams) -> None:
         super().__init__(ctx, hp)
         self.net = Confederation(hp, self.seeds.numpy("server_graph"), self.ledger)
-        self.problem, self.x_star, self.f_star, self.L_f = _problem(ctx, hp, self.seeds.numpy("partition"))
+        ctx.placement.check_float64("the confederated family (its problems are float64 by design)")
+        # built and solved on the CPU (cached per dataset and options), then moved where the run computes
+        pb_host, x_star, self.f_star, self.L_f = _problem(ctx, hp, self.seeds.numpy("partition"))
+        dev = self.device = ctx.device
+        self.problem, self.x_star = pb_host.to(dev), x_star.to(dev)
         self.alpha = hp.step_size if hp.step_size is not None else hp.step_scale / self.L_f
         pb = self.problem
         n, d = pb.N, pb.d
-        self.X = torch.zeros(n, d, dtype=torch.float64)  # server models x_i^k
-        self.Y = torch.zeros(n, d, dtype=torch.float64)  # trackers y_i^k
-        self.G = torch.zeros(n, d, dtype=torch.float64)  # estimates g_i^k
+        self.X = torch.zeros(n, d, dtype=torch.float64, device=dev)  # server models x_i^k
+        self.Y = torch.zeros(n, d, dtype=torch.float64, device=dev)  # trackers y_i^k
+        self.G = torch.zeros(n, d, dtype=torch.float64, device=dev)  # estimates g_i^k
         self.k = 0  # iterations done
         self.uploads = 0  # user -> server vectors so far (the paper's metric)
         self.vector_bytes = d * self.X.element_size()
-        self._all_users = torch.arange(pb.P).expand(n, pb.P)
+        self._all_users = torch.arange(pb.P, device=dev).expand(n, pb.P)
         self._checkpoint = ("X", "Y", "G", "k", "uploads", *self._state)
         self.ledger.store("edge", "x_y_g", 3 * self.vector_bytes)
         # this round's faults (set by ``apply_faults``); None without faults, so that path stays as it was
         self.server_on: torch.Tensor | None = None  # (N,) the servers that take part
         self.user_on: torch.Tensor | None = None  # (N, P) the users that take part (not dropped, server up)
-        self.W_r = self.net.W
+        self.W_r = self.net.W.to(dev)
         self.adj_r = self.net.adjacency
 
     # ---- faults -------------------------------------------------------------------------------------
@@ -146,10 +150,10 @@ class ConfederatedAlgorithm(Algorithm):
         up = f.servers_up(r, idx)
         links = f.links_up(r, idx[:, None], idx[None, :]) & up[:, None] & up[None, :]
         self.adj_r = self.net.adjacency & links
-        self.W_r = torch.from_numpy(mixing_without(self.net.W.numpy(), links))
+        self.W_r = torch.from_numpy(mixing_without(self.net.W.numpy(), links)).to(self.device)
         dropped = f.dropped(r, np.arange(pb.N * pb.P)).reshape(pb.N, pb.P)  # user (i, j) is client i P + j
-        self.server_on = torch.from_numpy(up)
-        self.user_on = torch.from_numpy(~dropped & up[:, None])
+        self.server_on = torch.from_numpy(up).to(self.device)
+        self.user_on = torch.from_numpy(~dropped & up[:, None]).to(self.device)
 
     def taking_part(self) -> int:
         """How many of this round's clients take part: users (servers, for a method without users)."""
@@ -157,10 +161,8 @@ class ConfederatedAlgorithm(Algorithm):
         return int(self.user_on.sum())
 
     def mix(self, z: torch.Tensor) -> torch.Tensor:
-        """Sum_{i'} w_ii' z_i' with the round's W_r (W without faults)."""
-        if self.server_on is None:
-            return self.net.mix(z)
-        return self.W_r.to(z.dtype) @ z
+        """Sum_{i'} w_ii' z_i' with the round's W_r (W without faults; the same product as ``net.mix``)."""
+        return self.W_r.to(z.dtype) @ z  # W_r: W without faults, kept on the run's device
 
     def exchange(self, r: int, kind: str, message_bytes: int) -> None:
         """Each server -> each neighbour it can reach this round (2 messages per surviving link)."""
@@ -182,7 +184,7 @@ class ConfederatedAlgorithm(Algorithm):
         """t_ij^{k+1} ~ Unif{1..S} for every user (N, P); drawn for all users so that user selection does
         not shift the mini-batch draws (spec §9.1 item 4)."""
         pb = self.problem
-        return torch.from_numpy(self.seeds.numpy("batches", k).integers(pb.S, size=(pb.N, pb.P)))
+        return torch.from_numpy(self.seeds.numpy("batches", k).integers(pb.S, size=(pb.N, pb.P))).to(self.device)
 
     def select_users(self, k: int, m: int) -> torch.Tensor:
         """m users per server, uniformly without replacement (spec A13), sorted: (N, m). A ``sampler``
@@ -193,7 +195,7 @@ class ConfederatedAlgorithm(Algorithm):
         if m == pb.P:
             return self._all_users
         keys = self.seeds.numpy("user_selection", k).random((pb.N, pb.P))
-        return torch.from_numpy(np.sort(np.argsort(keys, axis=1)[:, :m], axis=1))
+        return torch.from_numpy(np.sort(np.argsort(keys, axis=1)[:, :m], axis=1)).to(self.device)
 
     def _sampled_users(self, k: int, m: int) -> torch.Tensor:
         """Each edge server i asks the run's sampler for its users at iteration k, on its own
@@ -212,7 +214,7 @@ class ConfederatedAlgorithm(Algorithm):
                     f"confederated methods take exactly m = {m} per server (algorithm.sample_rate * users_per_server)"
                 )
             rows.append(row)
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        return torch.from_numpy(np.stack(rows).astype(np.int64)).to(self.device)
 
     def upload(self, r: int, kind: str, count: int) -> None:
         self.uploads += int(count)

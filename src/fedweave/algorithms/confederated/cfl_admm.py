@@ -65,16 +65,17 @@ class CFLADMM(ConfederatedAlgorithm):
         super().__init__(ctx, hp)
         pb = self.problem
         self.m = users_per_iteration(hp.sample_rate, pb.P)
-        z = torch.zeros(pb.N, pb.P, pb.d, dtype=torch.float64)
+        z = torch.zeros(pb.N, pb.P, pb.d, dtype=torch.float64, device=self.device)
         self.xu, self.lam, self.msg = z.clone(), z.clone(), z.clone()  # x_ij, lambda_ij, beta x_ij + lambda_ij
-        self.gamma = torch.zeros(pb.N, pb.d, dtype=torch.float64)  # server-server dual
-        adj = torch.from_numpy(self.net.adjacency.astype("float64"))
+        self.gamma = torch.zeros(pb.N, pb.d, dtype=torch.float64, device=self.device)  # server-server dual
+        adj = torch.from_numpy(self.net.adjacency.astype("float64")).to(self.device)
         self.adj, self.deg = adj, adj.sum(1, keepdim=True)
         self.beta = hp.beta if hp.beta is not None else hp.beta_scale * self.L_f
         self.c = hp.c if hp.c is not None else hp.c_scale * self.L_f
 
     def step(self, r: int) -> None:
-        pb, beta, c, rows = self.problem, self.beta, self.c, torch.arange(self.problem.N)[:, None]
+        pb, beta, c = self.problem, self.beta, self.c
+        rows = torch.arange(pb.N, device=self.device)[:, None]
         users = self.select_users(self.k, self.m)
         idx = pb.batch_index(users, self.draw_batches(self.k).gather(1, users))
         z = self.X
@@ -91,7 +92,7 @@ class CFLADMM(ConfederatedAlgorithm):
         else:  # only the users that take part update and upload
             on = self.user_on.gather(1, users)[..., None]
             x_new, lam_new = torch.where(on, x_new, x), torch.where(on, lam_new, lam)
-            adj = torch.from_numpy(self.adj_r.astype("float64"))
+            adj = torch.from_numpy(self.adj_r.astype("float64")).to(self.device)
             deg, sent = adj.sum(1, keepdim=True), int(on.sum())
         self.xu[rows, users], self.lam[rows, users] = x_new, lam_new
         self.msg[rows, users] = beta * x_new + lam_new

@@ -41,8 +41,10 @@ class CFLSAGA(ConfederatedAlgorithm):
     def __init__(self, ctx: RunContext, hp: CFLSAGAHparams) -> None:
         super().__init__(ctx, hp)
         pb = self.problem
-        z = torch.zeros(pb.N, pb.P, pb.d, dtype=torch.float64)
-        self.table = torch.zeros(pb.N * pb.P * pb.S, pb.d, dtype=torch.float64)  # grad f_ij,t(phi_ij,t); entries 0 (A4)
+        z = torch.zeros(pb.N, pb.P, pb.d, dtype=torch.float64, device=self.device)
+        self.table = torch.zeros(
+            pb.N * pb.P * pb.S, pb.d, dtype=torch.float64, device=self.device
+        )  # grad f_ij,t(phi_ij,t); entries 0 (A4)
         self.table_sum = z.clone()  # sum_t of the table
         self.held = z.clone()  # the server's copy of each user's estimate (g^_ij)
         self.ref = z.clone() if hp.trigger == "drift" else self.held  # what Delta is measured against

@@ -47,8 +47,9 @@ class GTSAGA(ConfederatedAlgorithm):
         super().__init__(ctx, hp)
         pb = self.problem
         self.m = users_per_iteration(hp.sample_rate, pb.P) if hp.mode == "cfl" else 1
-        self.table = torch.zeros(pb.N * pb.P * pb.S, pb.d, dtype=torch.float64)  # entries 0 (spec A4)
-        self.table_sum = torch.zeros(pb.N, pb.d, dtype=torch.float64)  # g_i,sum, held by the server
+        dev = self.device
+        self.table = torch.zeros(pb.N * pb.P * pb.S, pb.d, dtype=torch.float64, device=dev)  # entries 0 (spec A4)
+        self.table_sum = torch.zeros(pb.N, pb.d, dtype=torch.float64, device=dev)  # g_i,sum, held by the server
         self.ledger.store("user", "saga_table", pb.S * self.vector_bytes)
         if hp.mode == "decentralized" and "dropout" in self.faults.active():
             raise ConfigError(
@@ -68,7 +69,9 @@ class GTSAGA(ConfederatedAlgorithm):
             t = self.draw_batches(k).gather(1, users)
             self.broadcast(r, "model", self.m, self.vector_bytes)
         else:  # one of the server's S~_i = P S mini-batches, uniformly (Algorithm 1)
-            pick = torch.from_numpy(self.seeds.numpy("batches", k).integers(pb.P * pb.S, size=(pb.N, 1)))
+            pick = torch.from_numpy(self.seeds.numpy("batches", k).integers(pb.P * pb.S, size=(pb.N, 1))).to(
+                self.device
+            )
             users, t = pick // pb.S, pick % pb.S
         idx = pb.batch_index(users, t)
         grad = pb.batch_grad(x_new, idx)

@@ -56,10 +56,11 @@ class GTSVRG(ConfederatedAlgorithm):
         super().__init__(ctx, hp)
         pb = self.problem
         self.m = users_per_iteration(hp.sample_rate, pb.P)
-        self.anchor = torch.zeros(pb.N, pb.d, dtype=torch.float64)  # tau_i
-        self.mu = torch.zeros(pb.N, pb.d, dtype=torch.float64)  # sum_j grad f_ij(tau_i)
-        self.due = torch.zeros(pb.N, dtype=torch.bool)  # a snapshot not yet completed (faults only)
-        self.anchored = torch.zeros(pb.N, dtype=torch.bool)  # a snapshot has completed once (faults only)
+        dev = self.device
+        self.anchor = torch.zeros(pb.N, pb.d, dtype=torch.float64, device=dev)  # tau_i
+        self.mu = torch.zeros(pb.N, pb.d, dtype=torch.float64, device=dev)  # sum_j grad f_ij(tau_i)
+        self.due = torch.zeros(pb.N, dtype=torch.bool, device=dev)  # a snapshot not yet completed (faults only)
+        self.anchored = torch.zeros(pb.N, dtype=torch.bool, device=dev)  # a snapshot has completed once (faults only)
 
     def snapshot(self, r: int, x_new: torch.Tensor) -> torch.Tensor:
         """All users upload grad f_ij(x_i^{k+1}); returns g_i^{k+1} = sum_j grad f_ij(x_i^{k+1})."""

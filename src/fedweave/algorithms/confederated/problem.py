@@ -39,9 +39,16 @@ class LogRegProblem:
         self.n = self.N * self.P * self.S * self.B
         self.flat_x = self.omega.reshape(self.n, self.d)
         self.flat_b = self.b.reshape(self.n)
-        self._servers = torch.arange(self.N)[:, None]
+        self._servers = torch.arange(self.N, device=self.omega.device)[:, None]
         self._batches = self.omega.view(self.N * self.P * self.S, self.B * self.d)
         self._labels = self.b.view(self.N * self.P * self.S, self.B)
+
+    def to(self, device: torch.device) -> LogRegProblem:
+        """The problem with its tensors on ``device`` (itself when they are already there)."""
+        if self.omega.device == torch.device(device):
+            return self
+        move = {k: getattr(self, k).to(device) for k in ("omega", "b", "test_x", "test_y")}
+        return LogRegProblem(move["omega"], move["b"], self.kappa, move["test_x"], move["test_y"])
 
     # ---- gradients at the users (vectorized over servers x users) -------------------------------
     def batch_index(self, users: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -91,7 +98,7 @@ class LogRegProblem:
     def hessian(self, x: torch.Tensor) -> torch.Tensor:
         s = torch.sigmoid(self.flat_x @ x)
         h = (self.flat_x * (s * (1 - s))[:, None]).T @ self.flat_x
-        return (h + self.kappa * self.n * torch.eye(self.d, dtype=x.dtype)) / self.N
+        return (h + self.kappa * self.n * torch.eye(self.d, dtype=x.dtype, device=x.device)) / self.N
 
     def lipschitz(self) -> float:
         """L_f = lambda_max((1/N)(1/4 Omega^T Omega + n kappa I)), the global smoothness (spec §3, alpha)."""
@@ -100,7 +107,7 @@ class LogRegProblem:
 
     def solve(self, tol: float = 1e-12, max_iter: int = 100) -> torch.Tensor:
         """x* by damped Newton (backtracking on f), until ||grad f|| <= tol or no further progress."""
-        x = torch.zeros(self.d, dtype=torch.float64)
+        x = torch.zeros(self.d, dtype=torch.float64, device=self.omega.device)
         g = self.grad(x)
         for _ in range(max_iter):
             gn = float(g.norm())
@@ -170,8 +177,8 @@ def build_problem(
         raise ConfigError(f"dataset {ds.name!r}: labels must be 0 or 1")
     x, tx = _scale(x, tx, feature_scaling)
     if intercept:
-        x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
-        tx = torch.cat([tx, torch.ones(len(tx), 1, dtype=tx.dtype)], 1)
+        x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], 1)
+        tx = torch.cat([tx, torch.ones(len(tx), 1, dtype=tx.dtype, device=tx.device)], 1)
     n, d = x.shape
     per_batch = num_servers * users_per_server * batch_size
     s = n // per_batch
@@ -180,6 +187,6 @@ def build_problem(
             f"dataset {ds.name!r} has {n} training samples, fewer than num_servers x users_per_server x "
             f"batch_size = {per_batch}: lower algorithm.num_servers, users_per_server or batch_size"
         )
-    idx = torch.from_numpy(rng.permutation(n)[: per_batch * s])
+    idx = torch.as_tensor(rng.permutation(n)[: per_batch * s], device=x.device)
     shape = (num_servers, users_per_server, s, batch_size)
     return LogRegProblem(x[idx].reshape(*shape, d).contiguous(), y[idx].reshape(shape).contiguous(), kappa, tx, ty)

@@ -118,6 +118,7 @@ class AfindPlus(GraphAlgorithm):
 
     def __init__(self, ctx: RunContext, hp: AfindPlusHparams) -> None:
         super().__init__(ctx, hp)
+        ctx.placement.check_float64("AFIND+'s similarities")
         ds = ctx.dataset
         self.proxy = ProxyComputer(
             self.layout,
@@ -132,13 +133,17 @@ class AfindPlus(GraphAlgorithm):
         )
         self.state = AfindState(self.neighbours, hp.afind_options())
         n = self.num_clients
-        self.prev_loss = torch.full((n, n), float("nan"), dtype=torch.float64)  # ema_rounds smoothing
+        # ema_rounds smoothing (host bookkeeping)
+        self.prev_loss = torch.full((n, n), float("nan"), dtype=torch.float64, device="cpu")
         self.last_coreset: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * n
         self.head: torch.Tensor | None = None  # bool mask of the personal block beta over the flat parameters
         if hp.personal == "head":
             names = set(layer_parameter_names(ctx.model, "classifier"))
             self.head = torch.cat(
-                [torch.full((k,), nm in names) for nm, k in zip(self.layout.names, self.layout.numels, strict=True)]
+                [
+                    torch.full((k,), nm in names, device=ctx.device)
+                    for nm, k in zip(self.layout.names, self.layout.numels, strict=True)
+                ]
             )
             self.model_bytes = int((~self.head).sum()) * ctx.float_bytes  # only w is sent
             # beta never leaves the client: its epochs are plain SGD even under DP-SGD
@@ -150,13 +155,13 @@ class AfindPlus(GraphAlgorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = dict(state)
         self.state.load_state_dict(state.pop("afind"))
-        self.prev_loss = state.pop("prev_loss").clone()
+        self.prev_loss = state.pop("prev_loss").cpu().clone()  # host bookkeeping
         super().load_state_dict(state)
 
     def _smooth(self, i: int, j: int, after: float, before: float) -> float:
         g = self.hp.loss_gamma
         if self.hp.loss_smoothing == "eq15":  # Eq. (15): same-round before/after
-            return float(smoothed_loss(torch.tensor(after), torch.tensor(before), g))
+            return float(smoothed_loss(torch.tensor(after, device="cpu"), torch.tensor(before, device="cpu"), g))
         prev = float(self.prev_loss[i, j])  # A11 option: EMA over rounds
         val = after if np.isnan(prev) else (1 - g) * after + g * prev
         self.prev_loss[i, j] = val
@@ -187,7 +192,7 @@ class AfindPlus(GraphAlgorithm):
         hp, n = self.hp, self.num_clients
         W0 = self.W  # round-start models: read-only until commit
         up = self.clients_up(r)  # R7, lines 17-23 (a dropped client trains nothing)
-        own = self.fill_dropped(r, self.local_update(W0[torch.as_tensor(up)], up, r), W0)
+        own = self.fill_dropped(r, self.local_update(W0[torch.as_tensor(up, device=W0.device)], up, r), W0)
         new = torch.empty_like(W0)
         d_phi = self.proxy.size
         sizes, thetas, s_in, s_out, ov_in, ov_pool = [], [], [], [], [], []
@@ -205,7 +210,7 @@ class AfindPlus(GraphAlgorithm):
             self.peer(r, "model", self.model_bytes, len(pool))
             self.peer(r, "feature_proxy", d_phi * 4, len(pool))
             self.peer(r, "loss", 4, len(pool))
-            sims = cosine(phis[0], phis[1:])
+            sims = cosine(phis[0], phis[1:]).cpu()  # selection is host bookkeeping
             pos = self.state.choose(i, pool, sims, rng)  # R4-R5 (Eq. 8 or 9, threshold)
             self.state.set_threshold(i, sims[pos])  # R9 (Eqs. 10-13), used next round
             C = pool[pos]
@@ -252,10 +257,10 @@ class AfindPlus(GraphAlgorithm):
                 new[i] = own.params[i]
                 continue
             if hp.aggregation == "boltzmann":
-                wts = boltzmann(torch.tensor(cand_loss, dtype=torch.float64), hp.boltzmann_T)
+                wts = boltzmann(torch.tensor(cand_loss, dtype=torch.float64, device="cpu"), hp.boltzmann_T)
             else:
-                wts = torch.full((len(cand),), 1.0 / len(cand), dtype=torch.float64)
-            new[i] = (wts.to(W0.dtype)[:, None] * torch.stack(cand)).sum(0)
+                wts = torch.full((len(cand),), 1.0 / len(cand), dtype=torch.float64, device="cpu")
+            new[i] = (self.on_device(wts, W0)[:, None] * torch.stack(cand)).sum(0)
             if self.head is not None:  # only w is aggregated; beta_i^{t+1} is i's own (never sent)
                 new[i] = torch.where(self.head, own.params[i], new[i])
         self.state.end_round()

@@ -78,7 +78,7 @@ class DFedAvg(GraphAlgorithm):
                 n = self.num_clients
                 idx, up = np.arange(n), self.up(r)
                 ok = self.faults.links_up(r, idx[:, None], idx[None, :]) & up[:, None] & up[None, :]
-                M = torch.as_tensor(mixing_without(M.numpy(), ok))
+                M = torch.as_tensor(mixing_without(M.numpy(), ok), device="cpu")
                 messages = int(((self.mixing.numpy() > 0) & ok & ~np.eye(n, dtype=bool)).sum())
             self.peer(r, "model", self.model_bytes, messages)
             return gossip(sent, M), messages / max(1, int(self.up(r).sum()) if self.faulty else self.num_clients)
@@ -87,8 +87,8 @@ class DFedAvg(GraphAlgorithm):
         for i, (chosen, wts) in enumerate(picks):
             self.peer(r, "model", self.model_bytes, len(chosen))  # each j in R_i -> i (delivered only)
             rows = [sent[i], *(self.noisy(sent[j], r, int(j), i) for j in chosen)]
-            new[i] = (wts.to(sent.dtype)[:, None] * torch.stack(rows)).sum(0)
-        sizes = torch.tensor([float(len(c)) for c, _ in picks], dtype=torch.float64)
+            new[i] = (self.on_device(wts, sent)[:, None] * torch.stack(rows)).sum(0)
+        sizes = torch.tensor([float(len(c)) for c, _ in picks], dtype=torch.float64, device="cpu")
         return new, self.mean_over_up(r, sizes)
 
     def run_round(self, r: int) -> dict[str, float]:

@@ -88,14 +88,14 @@ class DisPFL(GraphAlgorithm):
         self.layers = [(int(offsets[k]), int(offsets[k + 1])) for k, s in enumerate(lay.shapes) if len(s) >= 2]
         dens = erk_densities([lay.shapes[k] for k, s in enumerate(lay.shapes) if len(s) >= 2], hp.density)
         n, P = self.num_clients, lay.numel
-        masks = self.store.create("mask", P, fill=1.0)
+        masks = self.store.create("mask", P, fill=1.0, on_device=True)
         for i in range(n):
             g = self.seeds.torch("dispfl_mask", i)
             for (lo, hi), d in zip(self.layers, dens, strict=True):
                 k = round(d * (hi - lo))
-                row = torch.zeros(hi - lo)
-                row[torch.randperm(hi - lo, generator=g)[:k]] = 1.0
-                masks[i, lo:hi] = row
+                row = torch.zeros(hi - lo, device="cpu")  # drawn on the CPU: the same masks on every device
+                row[torch.randperm(hi - lo, generator=g, device="cpu")[:k]] = 1.0
+                masks[i, lo:hi] = row.to(masks.device)
         self.W.mul_(masks)
         self.selector = NeighbourSelector(self, hp)
 
@@ -117,7 +117,11 @@ class DisPFL(GraphAlgorithm):
         """Dense gradient of F_i at w on one local batch (for regrowth)."""
         idx = self.trainer.client_batches(client, r, (2,), 1)[0]
         v = w.detach().clone().requires_grad_(True)
-        loss = self.trainer.loss_fn(self.layout.functional(v, self.trainer.train_x[idx]), self.trainer.train_y[idx])
+        tr = self.trainer
+        x, y = tr.placement.rows(tr.train_x, idx), tr.placement.rows(tr.train_y, idx)
+        with tr.placement.autocast():
+            out = self.layout.functional(v, x)
+        loss = tr.loss_fn(out.to(v.dtype), y)
         (g,) = torch.autograd.grad(loss, v)
         return g
 
@@ -134,7 +138,7 @@ class DisPFL(GraphAlgorithm):
             self.peer(r, "mask", mask_bytes, len(chosen))
             group = [i, *chosen.tolist()]
             rows = torch.stack([W0[i], *(self.noisy(W0[j], r, int(j), i) * M0[j] for j in chosen)])
-            a = wts.to(W0.dtype)[:, None] * M0[group]
+            a = self.on_device(wts, W0)[:, None] * M0[group]
             num, den = (a * rows).sum(0), a.sum(0)
             mixed[i] = torch.where(den > 0, num / den.clamp_min(1e-12), W0[i]) * M0[i]
         own = self.train_up(r, self.trainer, mixed, rule=MaskedRule(M0))
@@ -162,7 +166,7 @@ class DisPFL(GraphAlgorithm):
                 w[grow] = 0.0
         self.commit("model", new_w * new_m)
         self.commit("mask", new_m)
-        sizes = torch.tensor([float(len(c)) for c, _ in picks], dtype=torch.float64)
+        sizes = torch.tensor([float(len(c)) for c, _ in picks], dtype=torch.float64, device="cpu")
         return {
             "train_loss": self.mean_over_up(r, own.loss),
             "selected_mean": self.mean_over_up(r, sizes),

@@ -56,7 +56,7 @@ class Ditto(GraphAlgorithm):
 
     def __init__(self, ctx: RunContext, hp: DittoHparams) -> None:
         super().__init__(ctx, hp)
-        self.store.create("personal", self.layout.numel, fill=self.W[0])
+        self.store.create("personal", self.layout.numel, fill=self.W[0], on_device=True)
         # from the plain trainer: the personal model never leaves the client, so DP-SGD is not applied to it
         self.personal_trainer = with_local(self.ft_trainer, epochs=hp.personal_epochs, steps=None)
         self.selector = NeighbourSelector(self, hp)
@@ -81,13 +81,13 @@ class Ditto(GraphAlgorithm):
         for i, (chosen, wts) in enumerate(picks):
             self.peer(r, "model", self.model_bytes, len(chosen))
             rows = [W0[i], *(self.noisy(W0[j], r, int(j), i) for j in chosen)]
-            mixed[i] = (wts.to(W0.dtype)[:, None] * torch.stack(rows)).sum(0)
+            mixed[i] = (self.on_device(wts, W0)[:, None] * torch.stack(rows)).sum(0)
         shared = self.train_up(r, self.trainer, mixed)
         rule = ProximalRule(self.hp.lam, mixed)
         personal = self.train_up(r, self.personal_trainer, V0, rule=rule, key=(1,))
         self.commit("model", self.hold_dropped(r, shared.params, W0))
         self.commit("personal", personal.params)  # a dropped client's v_i: untrained, unchanged
-        sizes = torch.tensor([float(len(c)) for c, _ in picks], dtype=torch.float64)
+        sizes = torch.tensor([float(len(c)) for c, _ in picks], dtype=torch.float64, device="cpu")
         return {
             "train_loss": self.mean_over_up(r, personal.loss),
             "selected_mean": self.mean_over_up(r, sizes),

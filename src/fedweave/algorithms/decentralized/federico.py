@@ -47,11 +47,11 @@ class FedeRiCo(GraphAlgorithm):
             self.layout, ctx.model, ds.train_x, ds.train_y, ctx.partition, None, loss=ctx.task.loss
         )
         n = self.num_clients
-        adj = torch.eye(n, dtype=torch.bool)
+        adj = torch.eye(n, dtype=torch.bool, device="cpu")  # host bookkeeping
         for i, nb in enumerate(self.neighbours):
             adj[i, nb] = True
         self.pi = adj.double() / adj.sum(1, keepdim=True)  # uniform over S_i and i
-        self.tracked = torch.full((n, n), float("nan"), dtype=torch.float64)
+        self.tracked = torch.full((n, n), float("nan"), dtype=torch.float64, device="cpu")
         self._checkpoint = ("pi", "tracked")
 
     def run_round(self, r: int) -> dict[str, float]:
@@ -80,7 +80,7 @@ class FedeRiCo(GraphAlgorithm):
             post = self.pi[i, group] * torch.exp(-self.tracked[i, group])  # E-step
             self.pi[i, group] = post / post.sum() * self.pi[i, group].sum()
             self.pi[i] /= self.pi[i].sum()
-            wts = (self.pi[i, group] / self.pi[i, group].sum()).to(W0.dtype)
+            wts = self.on_device(self.pi[i, group] / self.pi[i, group].sum(), W0)
             mixed[i] = (wts[:, None] * torch.cat([W0[i : i + 1], received])).sum(0)
             sizes.append(len(chosen))
         own = self.train_up(r, self.trainer, mixed)

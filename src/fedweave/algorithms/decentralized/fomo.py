@@ -42,13 +42,14 @@ class Fomo(GraphAlgorithm):
 
     def __init__(self, ctx: RunContext, hp: FomoHparams) -> None:
         super().__init__(ctx, hp)
+        ctx.placement.check_float64("FOMO's affinities")
         ds = ctx.dataset
         self.losses = ProxyComputer(
             self.layout, ctx.model, ds.train_x, ds.train_y, ctx.partition, None, loss=ctx.task.loss
         )
         self.selector = NeighbourSelector(self, hp)
         n = self.num_clients
-        self.affinity = torch.zeros(n, n, dtype=torch.float64)
+        self.affinity = torch.zeros(n, n, dtype=torch.float64, device="cpu")  # host bookkeeping
         self._checkpoint = ("affinity",)
 
     def state_dict(self) -> dict[str, Any]:
@@ -86,17 +87,17 @@ class Fomo(GraphAlgorithm):
             self.peer(r, "model", self.model_bytes, len(chosen))
             models = torch.stack([sent[i], *(self.noisy(sent[j], r, int(j), i) for j in chosen)])
             base_loss = float(self.losses.losses(W0[i], [i])[0])
-            dist = (models - W0[i]).double().norm(dim=1).clamp_min(1e-12)
+            dist = (models - W0[i]).double().norm(dim=1).clamp_min(1e-12).cpu()  # to the host bookkeeping
             u = (base_loss - self.losses.model_losses(models, i)) / dist
             self.affinity[i, chosen] += u[1:]
             pos = u.clamp_min(0)
             if pos.sum() > 0:
-                wts = (pos / pos.sum()).to(W0.dtype)
+                wts = self.on_device(pos / pos.sum(), W0)
                 new[i] = W0[i] + (wts[:, None] * (models - W0[i])).sum(0)
             else:
                 new[i] = W0[i]
         self.commit("model", new)
-        sizes = torch.tensor([float(len(c)) for c in chosen_all], dtype=torch.float64)
+        sizes = torch.tensor([float(len(c)) for c in chosen_all], dtype=torch.float64, device="cpu")
         return {
             "train_loss": self.mean_over_up(r, own.loss),
             "selected_mean": self.mean_over_up(r, sizes),

@@ -46,8 +46,8 @@ class PENS(GraphAlgorithm):
             self.layout, ctx.model, ds.train_x, ds.train_y, ctx.partition, None, loss=ctx.task.loss
         )
         n = self.num_clients
-        self.counts = torch.zeros(n, n, dtype=torch.long)  # c_ij
-        self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=torch.float64)
+        self.counts = torch.zeros(n, n, dtype=torch.long, device="cpu")  # c_ij (host bookkeeping)
+        self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=torch.float64, device="cpu")
         self._checkpoint = ("counts",)
 
     def preferred(self, i: int) -> np.ndarray:
@@ -86,7 +86,7 @@ class PENS(GraphAlgorithm):
                 self.peer(r, "model", self.model_bytes, len(chosen))
                 models = torch.stack([self.noisy(W0[j], r, int(j), i) for j in chosen]) if len(chosen) else W0[:0]
             wts = self.sizes[[i, *chosen.tolist()]]
-            wts = (wts / wts.sum()).to(W0.dtype)  # re-normalized over the models that arrived
+            wts = self.on_device(wts / wts.sum(), W0)  # re-normalized over the models that arrived
             mixed[i] = (wts[:, None] * torch.cat([W0[i : i + 1], models])).sum(0)
             sizes.append(len(chosen))
         own = self.train_up(r, self.trainer, mixed)  # aggregate, then train

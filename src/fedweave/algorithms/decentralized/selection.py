@@ -53,7 +53,7 @@ def eq9_update(p_old: torch.Tensor, chosen: torch.Tensor, sims_chosen: torch.Ten
     p = p_old.clone().double()
     if len(chosen) == 0:
         return p
-    rest = torch.ones(len(p), dtype=torch.bool)
+    rest = torch.ones(len(p), dtype=torch.bool, device=p.device)
     rest[chosen] = False
     p[chosen] = torch.softmax(sims_chosen.double() / upsilon, 0) * (1.0 - p[rest].sum())
     return p
@@ -105,7 +105,8 @@ class ProxyComputer:
 
     The gradient of the mean loss (the task's; cross-entropy in the paper) of each client's proxy data (its
     full local training set by default, spec A13) at one parameter vector; all clients in one forward pass and
-    one batched backward.
+    one batched backward. The forward passes run on the layout's placement (the proxy data placed once);
+    the proxies phi stay there, the losses come back to the host (selection bookkeeping, float64).
     """
 
     def __init__(
@@ -121,40 +122,42 @@ class ProxyComputer:
         loss: Loss = cross_entropy,
     ) -> None:
         self.layout = layout
+        pl = self.placement = layout.placement
         self.loss = loss  # the task's loss (cross-entropy for the classification the papers use)
-        self.index = torch.zeros(0, dtype=torch.long)  # layer None: losses only (PENS, FedeRiCo)
+        self.index = torch.zeros(0, dtype=torch.long, device=pl.device)  # layer None: losses only (PENS, FedeRiCo)
         if layer is not None:
             names = set(layer_parameter_names(model, layer))
             idx, off = [], 0
             for n, k in zip(layout.names, layout.numels, strict=True):
                 if n in names:
-                    idx.append(torch.arange(off, off + k))
+                    idx.append(torch.arange(off, off + k, device=pl.device))
                 off += k
             if not idx:
                 raise ConfigError(f"algorithm.proxy_layer {layer!r}: the model has no parameters in that layer")
             self.index = torch.cat(idx)
-        self.train_x, self.train_y = train_x, train_y
+        self.train_x, self.train_y = pl.data(train_x), pl.data(train_y)
         rng = np.random.default_rng(seed)
         self.parts = []
         for p in parts:  # 'minibatch' proxy data: a fixed random subset per client
             p = np.asarray(p, dtype=np.int64)
             if max_samples is not None and len(p) > max_samples:
                 p = np.sort(rng.choice(p, size=max_samples, replace=False))
-            self.parts.append(torch.as_tensor(p))
+            self.parts.append(torch.as_tensor(p, device=self.train_x.device))
 
     @property
     def size(self) -> int:
         return len(self.index)
 
     def losses(self, w: torch.Tensor, clients: Sequence[int]) -> torch.Tensor:
-        """F_j(w) on each client's proxy data (float64)."""
+        """F_j(w) on each client's proxy data (float64, on the host)."""
         with torch.no_grad():
-            return self._forward(w, clients).double()
+            return self._forward(w, clients).cpu().double()
 
     def proxies(self, w: torch.Tensor, clients: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(phi_j, F_j(w)) for each j in ``clients``: shapes (len, d_phi) and (len,)."""
         if len(clients) == 0:
-            return torch.zeros(0, self.size), torch.zeros(0, dtype=torch.float64)
+            empty = torch.zeros(0, dtype=torch.float64, device="cpu")
+            return torch.zeros(0, self.size, dtype=w.dtype, device=w.device), empty
         phis, losses = [], []
         base = w.detach()
         for c in clients:  # one backward per client: a batched (vmapped) backward measured far slower on CPU
@@ -163,25 +166,31 @@ class ProxyComputer:
             loss = self._forward(base.index_put((self.index,), phi), [c])[0]
             (g,) = torch.autograd.grad(loss, phi)
             phis.append(g)
-            losses.append(float(loss.detach()))
-        return torch.stack(phis), torch.tensor(losses, dtype=torch.float64)
+            losses.append(loss.detach())
+        return torch.stack(phis), torch.stack(losses).cpu().double()  # one trip to the host
 
     def model_losses(self, Ws: torch.Tensor, client: int) -> torch.Tensor:
-        """F_i(w_k) of each row ``w_k`` of ``Ws`` on client ``client``'s proxy data (float64)."""
+        """F_i(w_k) of each row ``w_k`` of ``Ws`` on client ``client``'s proxy data (float64, on the host)."""
         idx = self.parts[int(client)]
         x, y = self.train_x[idx], self.train_y[idx]
         with torch.no_grad():
-            return torch.stack([self.loss(self.layout.functional(w, x), y) for w in Ws]).double()
+            return torch.stack([self.loss(self._logits(w, x), y) for w in Ws]).cpu().double()
+
+    def _logits(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        with self.placement.autocast():
+            out = self.layout.functional(w, x)
+        return out.to(w.dtype)
 
     def _forward(self, w: torch.Tensor, clients: Sequence[int]) -> torch.Tensor:
         idx = [self.parts[int(c)] for c in clients]
         sizes = [len(i) for i in idx]
         allidx = torch.cat(idx)
-        logits = self.layout.functional(w, self.train_x[allidx])
+        logits = self._logits(w, self.train_x[allidx])
         per = self.loss.per_sample(logits, self.train_y[allidx])
-        owner = torch.repeat_interleave(torch.arange(len(idx)), torch.tensor(sizes))
-        sums = torch.zeros(len(idx), dtype=per.dtype).index_add(0, owner, per)
-        return sums / torch.tensor(sizes, dtype=per.dtype).clamp_min(1)
+        dev = per.device
+        owner = torch.repeat_interleave(torch.arange(len(idx), device=dev), torch.tensor(sizes, device=dev))
+        sums = torch.zeros(len(idx), dtype=per.dtype, device=dev).index_add(0, owner, per)
+        return sums / torch.tensor(sizes, dtype=per.dtype, device=dev).clamp_min(1)
 
 
 # ---------------------------------------------------------------------------------------- the state
@@ -220,10 +229,12 @@ class AfindState:
         self.opts = opts
         self.neighbours = [np.asarray(nb, dtype=np.int64) for nb in neighbours]
         n = len(self.neighbours)
-        self.theta = torch.full((n,), float(opts.theta0), dtype=torch.float64)
+        self.theta = torch.full((n,), float(opts.theta0), dtype=torch.float64, device="cpu")  # host bookkeeping
         self._next_theta = self.theta.clone()
         # literal reading: p_i over S_i, initialised to 1/n_i (Alg. 1 Init)
-        self.p = [torch.full((len(nb),), 1.0 / max(len(nb), 1), dtype=torch.float64) for nb in self.neighbours]
+        self.p = [
+            torch.full((len(nb),), 1.0 / max(len(nb), 1), dtype=torch.float64, device="cpu") for nb in self.neighbours
+        ]
 
     def pool(self, i: int, available: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Resolved: B_i^t (fresh proxies from all of it). Literal: C_i^t from the stored p (lines 3-5)."""
@@ -238,7 +249,7 @@ class AfindState:
         o = self.opts
         if o.reading == "literal":  # the pool is the coreset; renew its p by Eq. (9)
             where = np.searchsorted(self.neighbours[i], pool)
-            self.p[i] = eq9_update(self.p[i], torch.as_tensor(where), sims, o.upsilon)
+            self.p[i] = eq9_update(self.p[i], torch.as_tensor(where, device="cpu"), sims, o.upsilon)
             return np.arange(len(pool))
         p = sampling_probs(sims, o.upsilon)  # Eq. (8) over B_i^t
         return self._fallback(pick(o.selection, p, float(self.theta[i]), o.topk, rng), p)
@@ -259,9 +270,9 @@ class AfindState:
         return {"theta": self.theta.clone(), "p": [p.clone() for p in self.p]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.theta = state["theta"].clone()
+        self.theta = state["theta"].cpu().clone()  # host bookkeeping, wherever the checkpoint was mapped
         self._next_theta = self.theta.clone()
-        self.p = [p.clone() for p in state["p"]]
+        self.p = [p.cpu().clone() for p in state["p"]]
 
 
 # ------------------------------------------------------------------------------- the plug-in strategy
@@ -303,6 +314,7 @@ class NeighbourSelector:
         self.state: AfindState | None = None
         self.proxy: ProxyComputer | None = None
         if hp.selection != "random":
+            algo.ctx.placement.check_float64("neighbour selection by proxy similarity")
             ds = algo.ctx.dataset
             self.proxy = ProxyComputer(
                 algo.layout, algo.ctx.model, ds.train_x, ds.train_y, algo.ctx.partition, hp.proxy_layer
@@ -328,14 +340,15 @@ class NeighbourSelector:
         out = []
         for i in range(algo.num_clients):
             if not algo.is_up(r, i):  # dropped out: no messages, no selection state change, keeps its model
-                out.append((np.zeros(0, dtype=np.int64), torch.ones(1, dtype=torch.float64)))
+                out.append((np.zeros(0, dtype=np.int64), torch.ones(1, dtype=torch.float64, device="cpu")))
                 continue
             avail = algo.available(r, i)  # only peers reachable this round
             rng = algo.seeds.numpy("neighbour_selection", r, i)
             if hp.selection == "random":
                 k = len(avail) if hp.select_k is None else min(hp.select_k, len(avail))
                 chosen = np.sort(rng.choice(avail, size=k, replace=False)) if k < len(avail) else avail
-                out.append((chosen, torch.full((len(chosen) + 1,), 1.0 / (len(chosen) + 1), dtype=torch.float64)))
+                uniform = torch.full((len(chosen) + 1,), 1.0 / (len(chosen) + 1), dtype=torch.float64, device="cpu")
+                out.append((chosen, uniform))
                 continue
             assert self.proxy is not None and self.state is not None
             w_i = W[i]
@@ -344,7 +357,7 @@ class NeighbourSelector:
             algo.peer(r, "model", algo.model_bytes, len(avail))  # w_i -> each j in B_i
             algo.peer(r, "feature_proxy", self.proxy.size * algo.ctx.float_bytes, len(avail))
             algo.peer(r, "loss", 4, len(avail))
-            sims = cosine(phis[0], phis[1:])
+            sims = cosine(phis[0], phis[1:]).cpu()  # selection is host bookkeeping
             pos = self.state.choose(i, avail, sims, rng)
             self.state.set_threshold(i, sims[pos])
             chosen = avail[pos]
@@ -352,7 +365,7 @@ class NeighbourSelector:
                 losses = self.proxy.model_losses(sent[[i, *chosen.tolist()]], i)
                 weights = boltzmann(losses, hp.boltzmann_T)  # Eq. (14), own-model reading
             else:
-                weights = torch.full((len(chosen) + 1,), 1.0 / (len(chosen) + 1), dtype=torch.float64)
+                weights = torch.full((len(chosen) + 1,), 1.0 / (len(chosen) + 1), dtype=torch.float64, device="cpu")
             out.append((chosen, weights))
         if self.state is not None:
             self.state.end_round()
@@ -402,7 +415,9 @@ def synthetic_selection(
             nb = neighbours[i]
             avail = nb if available is None or available >= len(nb) else np.sort(rng.choice(nb, available, False))
             pool = state.pool(i, avail, rng)
-            sims = torch.as_tensor(np.clip(base[i, pool] + rng.normal(0, measure_noise, len(pool)), -1, 1))
+            sims = torch.as_tensor(
+                np.clip(base[i, pool] + rng.normal(0, measure_noise, len(pool)), -1, 1), device="cpu"
+            )
             pos = state.choose(i, pool, sims, rng)
             state.set_threshold(i, sims[pos])
             n_sel += len(pos)

@@ -86,7 +86,7 @@ class _Baseline(HierarchicalAlgorithm):
         return {"local_steps": float(H), "client_sgd_steps": float(H * len(jobs))}
 
     def sample_weights(self, jobs: np.ndarray) -> torch.Tensor:
-        w = self.job_sizes[torch.as_tensor(jobs)].to(self.x.dtype)
+        w = self.job_sizes[torch.as_tensor(jobs, device=self.job_sizes.device)].to(self.x.dtype)
         return w / w.sum()
 
 
@@ -129,7 +129,8 @@ class HierScaffold(_Baseline):
     def __init__(self, ctx: RunContext, hp: BaselineHparams) -> None:
         super().__init__(ctx, hp)
         self.c = torch.zeros_like(self.x)  # server control variate c
-        self.store = StateStore(self.m + 1, dtype=ctx.dtype)  # c_i of every client (+ the server's job)
+        # c_i of every client (+ the server's job)
+        self.store = StateStore(self.m + 1, dtype=ctx.dtype, placement=ctx.placement)
         self.store.create("c", self.dim)
         self.ledger.store("server", "control_variate", nbytes(self.c))
         self.ledger.store("client", "control_variate", nbytes(self.c))
@@ -141,13 +142,13 @@ class HierScaffold(_Baseline):
         jobs = self.jobs_of(clients)
         if len(jobs) == 0:
             return self.fault_metrics(clients)  # nobody reported: x and c stay, the runner logs the skip
-        c_i = self.store["c"][torch.as_tensor(jobs)]
+        c_i = self.store.rows("c", jobs)  # only the round's rows move to the device
         local = self.local_train(r, jobs, ScaffoldRule(c_i, self.c))
         # option II with a step schedule: (x - y_i) / sum_k eta_k (spec §5)
         c_new = c_i - self.c + (self.x - local.params) / self.step_sizes_sum(r)
         dy, dc = local.params - self.x, c_new - c_i
         self.receive(r, clients, "update+control_delta", 2 * nbytes(self.x))
-        self.store["c"][torch.as_tensor(jobs)] = c_new
+        self.store.set_rows("c", jobs, c_new)
         self.x = self.x + dy.mean(0)  # eta_g = 1, uniform mean over the round's clients that reported
         self.c = self.c + dc.sum(0) / (self.m + (self.hp.server_data == "client"))
         return {"train_loss": float(local.loss.mean()), **self.counters(r, jobs), **self.fault_metrics(clients)}

@@ -82,7 +82,8 @@ class ZOHFL(HierarchicalAlgorithm):
 
     def __init__(self, ctx: RunContext, hp: ZOHFLHparams) -> None:
         super().__init__(ctx, hp)
-        w = self.rho if hp.weights == "data" else torch.full((self.m,), 1.0 / self.m, dtype=torch.float64)
+        uniform = torch.full((self.m,), 1.0 / self.m, dtype=torch.float64, device=ctx.device)
+        w = self.rho if hp.weights == "data" else uniform
         self.w = w
         self.projection = make_projection(hp.constraint, hp.radius, hp.box_low, hp.box_high)
 
@@ -118,7 +119,8 @@ class ZOHFL(HierarchicalAlgorithm):
             clients = self.reporting(r, sampled)  # dropouts and stragglers return nothing: g_i = 0 (A3)
             metrics.update(participants=float(len(sampled)), **self.fault_metrics(clients))
         if len(clients):
-            v = unit_directions(self.seeds, r, self.m, d, self.x.dtype)[clients]  # all i drawn (A28), S_r used
+            # all i drawn on the CPU (A28), S_r used on the device
+            v = unit_directions(self.seeds, r, self.m, d, self.x.dtype, self.x.device)[clients]
             x_plus, x_minus = self.x + hp.eta * v, self.x - hp.eta * v
             inputs = torch.stack([x_plus, x_minus], 1).reshape(-1, d)  # job order: (i1,+), (i1,-), (i2,+), ...
             y = self.solve(r, clients, inputs, H).reshape(len(clients), 2, d)

@@ -34,7 +34,14 @@ from fedweave.accounting.split import upload_batches
 from fedweave.algorithms.base import RunContext
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.split import SplitAlgorithm, SplitHparams, Upload, process_order, simulate_server
+from fedweave.topology.split import (
+    SplitAlgorithm,
+    SplitHparams,
+    Upload,
+    host_floats,
+    process_order,
+    simulate_server,
+)
 
 
 @dataclass
@@ -230,7 +237,8 @@ class CSEFSL(SplitAlgorithm):
                     if hp.recompute_smashed:
                         a = self.smashed(x)
                     uploads.append((window[m], m, a, y))
-        return ClientEpoch(self.lc.flatten(), self.la.flatten(), uploads, losses, len(batches))
+        # the epoch's losses come to the host once (a step keeps its loss on the device)
+        return ClientEpoch(self.lc.flatten(), self.la.flatten(), uploads, host_floats(losses), len(batches))
 
     def client_epochs(
         self, r: int, clients: np.ndarray, xc: torch.Tensor, xa: torch.Tensor, lrs: tuple[float, float], start: int,
@@ -246,8 +254,10 @@ class CSEFSL(SplitAlgorithm):
         if self.in_flight:
             f = self.in_flight
             out["in_flight"] = {
-                "ints": torch.tensor([[x.due, x.client, x.upload.pos, x.upload.window, x.upload.batch] for x in f]),
-                "arrival": torch.tensor([x.upload.arrival for x in f], dtype=torch.float64),
+                "ints": torch.tensor(
+                    [[x.due, x.client, x.upload.pos, x.upload.window, x.upload.batch] for x in f], device="cpu"
+                ),
+                "arrival": torch.tensor([x.upload.arrival for x in f], dtype=torch.float64, device="cpu"),
                 "smashed": [x.upload.smashed for x in f],
                 "labels": [x.upload.labels for x in f],
             }

@@ -1,0 +1,51 @@
+"""benchmarks/gpu.py: without a GPU it says so and exits 0; with ``--device cpu --quick`` it runs end to end."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedweave.execution.placement import available_devices
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.skipif(any(d.startswith("cuda") for d in available_devices()), reason="this machine has a CUDA GPU")
+def test_without_a_gpu_it_says_so_and_exits_0():
+    out = _run()
+    assert out.returncode == 0, out.stderr
+    assert "no CUDA GPU on this machine (available: cpu" in out.stdout
+    assert "nothing measured" in out.stdout
+
+
+@pytest.mark.slow
+def test_it_runs_end_to_end_on_the_cpu():
+    """The resnet workload (synthetic CIFAR-shaped data: no download) and the FedMIM projection, tiny."""
+    out = _run("--device", "cpu", "--quick", "--workload", "resnet", "--rounds", "2", "--fedmim-rounds", "1")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "SYNTHETIC, of CIFAR-10's shape (timing only" in text
+    for row in ("| fedweave loop |", "| fedweave vmap |", "| hand-written loop |"):
+        assert row in text
+    diff = float(re.search(r"after round 1: relative difference ([0-9.e+-]+)", text).group(1))
+    assert diff < 1e-4  # the hand-written loop computes what fedweave computes
+    assert re.search(r"FedMIM, CIFAR-10 setting .* s a round, .* 1000 rounds \+ 100 evaluations = [0-9.]+ h", text)
+
+
+def test_a_device_this_machine_lacks_is_one_line():
+    if "mps" in available_devices():
+        pytest.skip("this machine has MPS")
+    out = _run("--device", "mps", "--quick")
+    assert out.returncode == 2
+    assert out.stdout.strip().splitlines() == [
+        "benchmarks/gpu.py: device: 'mps' is not available on this machine (available: "
+        f"{', '.join(available_devices())}); set device: auto or one of those"
+    ]
