@@ -54,7 +54,7 @@ def test_afind_results_are_rebuilt_from_results_json(sub, tmp_path):
             assert (tmp_path / f).read_text(encoding="utf-8") == (d / f).read_text(encoding="utf-8"), f
 
 
-@pytest.mark.parametrize("sub, scale", [("zo-hfl", "small"), ("zo-hfl/adult", "adult")])
+@pytest.mark.parametrize("sub, scale", [("zo-hfl", "small"), ("zo-hfl/adult", "adult"), ("zo-hfl/long", "long")])
 def test_zo_hfl_table_is_rebuilt_from_its_rows_and_claims(sub, scale, tmp_path):
     from fedweave.reproduce import zo_hfl
 
