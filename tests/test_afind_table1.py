@@ -111,3 +111,40 @@ def test_a_diverged_run_is_a_table_entry_not_fatal(tmp_path, monkeypatch):
     mtime = (tmp_path / "runs/synthetic/AFIND__dp_5/s0/summary.json").stat().st_mtime
     assert afind_plus.main(argv) == 0
     assert (tmp_path / "runs/synthetic/AFIND__dp_5/s0/summary.json").stat().st_mtime == mtime  # reused
+
+
+def test_fig5_runs_each_personalised_method_with_and_without_afind_selection():
+    from fedweave.config import load
+    from fedweave.reproduce.afind_plus import PLUGINS, plan, preset, run_config
+
+    p = preset("small")
+    jobs, rows = plan(p, 1, {"fig5"})
+    assert [r for r, _, _ in rows["fig5"]] == [m + s for m in PLUGINS for s in ("", " + AFIND+")]
+    bases = {s.key: s.base for s in p.settings}
+    for j in jobs:
+        algo = load(run_config(j, bases[j.setting])).algorithm
+        assert algo.name == PLUGINS[j.label.split(" ")[0]] and j.setting == p.primary
+        if j.label.endswith("AFIND+"):  # AFIND+'s pool, threshold and Boltzmann weights
+            assert algo.options["selection"] == "afind" and algo.options["neighbours"] == p.pool
+        else:  # the method's own choice over the random-sampling budget
+            assert "selection" not in algo.options and algo.options["neighbours"] == p.budget
+
+
+def _plugin_result(label: str, seed: int, best: float) -> dict:
+    return {"setting": "s", "label": label, "seed": seed, "best": best, "final": best, "selected": 2.0,
+            "bytes": 1.0, "overlap_selected": None}  # fmt: skip
+
+
+def test_fig5_claims_compare_per_seed_gains_with_the_abstracts_three_points():
+    from fedweave.reproduce.afind_plus import claims, preset
+
+    p = preset("smoke")
+    p.primary = "s"
+    gains = {"Ditto": 0.03, "FOMO": 0.01, "DisPFL": -0.005}
+    results = [_plugin_result(m, s, 0.7) for m in gains for s in (0, 1)]
+    results += [_plugin_result(m + " + AFIND+", s, 0.7 + g + 0.01 * s) for m, g in gains.items() for s in (0, 1)]
+    checks = {c: (ok, m) for c, ok, m in claims(results, p)}
+    every = next(v for c, v in checks.items() if c.startswith("Fig. 5"))
+    assert every[0] is False and "DisPFL +0.00 (1/2 seeds ahead)" in every[1]  # DisPFL: -0.5 and +0.5
+    about = next(v for c, v in checks.items() if c.startswith("Abstract"))
+    assert about[0] is True and about[1] == "mean gain +1.67 points"  # (3.5 + 1.5 + 0) / 3

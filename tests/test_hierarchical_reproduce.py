@@ -21,6 +21,10 @@ def test_smoke_preset_writes_table_claims_and_plots(tmp_path):
     assert "ZO-HFL" in table and "server-only" in table and "Claims" in table
     claims = json.loads((tmp_path / "claims.json").read_text())["claims"]["digits"]
     assert "C1_robust_under_extreme_heterogeneity" in claims and "C3_final_global_loss_per_tau" in claims
+    rows = zo_hfl.claim_rows({"digits": claims})  # the claim table printed in table.md, one row per check
+    assert [r[0][:2] for r in rows] == ["C1", "C2", "C3", "C3", "C3", "C3", "C4"]
+    assert all(f"| {c} | {v} | {m} |" in table for c, v, m in rows)
+    assert rows[0][1] == ("held" if claims["C1_robust_under_extreme_heterogeneity"] else "did not hold")
     for png in ("fig2_digits.png", "accuracy_digits.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
@@ -50,3 +54,15 @@ def test_tuning_scores_the_grid_on_validation_without_the_test_set(tmp_path):
     rows = zo_hfl.tune_summary(configs, results)
     assert {(r["lam"], r["mu"]) for r in rows} == {(0.0, "-"), (1.0, 0.1)}
     assert rows[0]["mean"] >= rows[1]["mean"] and len(rows[0]) == 3 + len(zo_hfl.SETTINGS) + 1
+
+
+def test_long_and_paper_presets_use_the_validation_tuned_lambda_and_mu(tmp_path):
+    small, long, paper = (zo_hfl.PRESETS[k] for k in ("small", "long", "paper"))
+    assert (long.lam, long.mu) == (paper.lam, paper.mu) == (small.lam, small.mu) == (1.0, 0.01)
+    assert (long.tau, long.batch_size, long.server_batch_size) == (paper.tau, paper.batch_size, 64) == (20, 64, 64)
+    configs = zo_hfl.plan(long, [0, 1], tmp_path)
+    zo = [c for c in configs if c["name"].split("-")[3] == "zo_hfl"]
+    assert {(c["algorithm"]["lam"], c["algorithm"]["mu"], c["algorithm"]["tau"], c["rounds"]) for c in zo} == {
+        (1.0, 0.01, 20, long.rounds)
+    }
+    assert {c["algorithm"]["lam"] for c in configs if "zo_hfl_lam10" in c["name"]} == {10.0}  # the untuned row

@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 PAGES = Path(__file__).parents[1] / "docs" / "reproductions"
-TABLE_FILES = {"table1.csv": "1", "table2.csv": "2", "table3.csv": "3", "tau.csv": "tau", "dp.csv": "dp"}
+TABLE_FILES = {
+    "table1.csv": "1",
+    "table2.csv": "2",
+    "table3.csv": "3",
+    "tau.csv": "tau",
+    "dp.csv": "dp",
+    "fig5.csv": "fig5",
+}
 
 
 def _typed(v: str):
@@ -30,7 +37,7 @@ def _rows(path: Path) -> list[dict]:
         return [{k: _typed(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
-@pytest.mark.parametrize("sub", ["afind", "afind/table3-dp"])
+@pytest.mark.parametrize("sub", ["afind", "afind/table3-dp", "afind/fig5"])
 def test_afind_results_are_rebuilt_from_results_json(sub, tmp_path):
     from fedweave.reproduce import afind_plus as af
 
@@ -47,7 +54,7 @@ def test_afind_results_are_rebuilt_from_results_json(sub, tmp_path):
             assert (tmp_path / f).read_text(encoding="utf-8") == (d / f).read_text(encoding="utf-8"), f
 
 
-@pytest.mark.parametrize("sub, scale", [("zo-hfl", "small"), ("zo-hfl/adult", "adult")])
+@pytest.mark.parametrize("sub, scale", [("zo-hfl", "small"), ("zo-hfl/adult", "adult"), ("zo-hfl/long", "long")])
 def test_zo_hfl_table_is_rebuilt_from_its_rows_and_claims(sub, scale, tmp_path):
     from fedweave.reproduce import zo_hfl
 

@@ -39,6 +39,7 @@ def claim_tables(md: str) -> list[list[list[str]]]:
 
 
 def result_text(name: str, pattern: str = "*") -> str:
+    """The text of every result file beside the page, in its folder and the folders below it."""
     files = [f for f in sorted((PAGES / name).rglob(pattern)) if f.suffix in (".md", ".csv", ".json")]
     assert files, f"docs/reproductions/{name}/ has no result files"
     return _norm("\n".join(f.read_text(encoding="utf-8") for f in files))
@@ -71,7 +72,7 @@ def _claim_id(text: str) -> str:
 
 
 def test_pages_have_claim_tables_and_result_files():
-    for name in ("afind", "cfl-saga", "cse-fsl"):
+    for name in ("afind", "cfl-saga", "cse-fsl", "fedmim", "zo-hfl"):
         assert claim_tables((PAGES / f"{name}.md").read_text(encoding="utf-8")), name
         assert result_text(name)
 
@@ -91,7 +92,9 @@ def _file_verdicts(md: str, verdict_col: int) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "page_table, result_file", [(0, "table-fashion_mnist.md"), (1, "table-digits.md")], ids=["fashion", "digits"]
+    "page_table, result_file",
+    [(0, "table-fashion_mnist.md"), (1, "table-fashion_mnist-noniid.md"), (2, "table-digits.md")],
+    ids=["fashion", "fashion-noniid", "digits"],
 )
 def test_cse_fsl_verdicts_are_the_files(page_table, result_file):
     page = claim_tables((PAGES / "cse-fsl.md").read_text(encoding="utf-8"))[page_table]
@@ -179,3 +182,41 @@ def test_fedmim_gaps_reads_the_checkpoint_rounds_of_every_run(tmp_path):
     assert (
         "| 500 | 80.00 ± 0.00 (2) | 79.00 ± 0.00 (2) | 78.00 ± 0.00 (2) | 81.00 ± 0.00 (2) | -1.00 (-1.00, -1.00)" in md
     )
+
+
+def _generated_claims(name: str) -> dict[str, list[tuple[str, str, str]]]:
+    """Per committed ``claims.json`` beside the page (path relative to its folder): the (claim, verdict,
+    measured) rows its reproduce module generates from that file."""
+    import json
+
+    from fedweave.reproduce import fedmim, zo_hfl
+
+    out = {}
+    for f in sorted((PAGES / name).rglob("claims.json")):
+        data = json.loads(f.read_text(encoding="utf-8"))
+        if name == "zo-hfl":
+            rows = zo_hfl.claim_rows(data["claims"])
+        elif isinstance(data, list):  # a Table II / III / Fig. 2a preset: the rows themselves
+            rows = [(c["claim"], c["verdict"], c["measured"]) for c in data]
+        else:
+            rows = fedmim.claim_rows(data)
+        out[str(f.relative_to(PAGES / name))] = rows
+    return out
+
+
+@pytest.mark.parametrize("name", ["fedmim", "zo-hfl"])
+def test_claim_tables_are_the_rows_generated_from_the_committed_claims(name):
+    """Every row of the page's claim tables (claim | source | verdict | measured) is, word for word, a row
+    the module generates from the claims file it names, and every generated row is on the page."""
+    generated = _generated_claims(name)
+    page = [row for rows in claim_tables((PAGES / f"{name}.md").read_text(encoding="utf-8")) for row in rows]
+    seen = set()
+    for claim, source, verdict, measured in page:
+        source = source.strip("`")
+        assert source in generated, f"{name}.md names {source!r}, not a committed claims.json"
+        assert (_norm(claim), verdict, _norm(measured)) in [(_norm(c), v, _norm(m)) for c, v, m in generated[source]], (
+            f"{name}.md: {claim!r} is not the row generated from {source}"
+        )
+        seen.add((source, _norm(claim)))
+    missing = [(f, c) for f, rows in generated.items() for c, _, _ in rows if (f, _norm(c)) not in seen]
+    assert not missing, f"{name}.md leaves out claims of its files: {missing}"

@@ -44,3 +44,31 @@ def test_smoke_writes_table_and_plots(tmp_path):
     assert [rows[m]["server_copies"] for m in ("fsl_mc", "fsl_an", "fsl_oc", "cse_fsl h=4")] == ["5", "5", "1", "1"]
     assert float(rows["cse_fsl h=1"]["load_gib"]) == float(rows["fsl_an"]["load_gib"])
     assert "Claims" in (tmp_path / "table.md").read_text()
+
+
+def test_noniid_preset_deals_label_shards_and_checks_table_v_noniid_column(tmp_path):
+    from fedweave.reproduce.cse_fsl import claims, jobs
+
+    p = preset("noniid", "fashion_mnist")
+    small = preset("small", "fashion_mnist")
+    assert (p.rounds, p.hs, p.seeds, p.batch_size) == (small.rounds, small.hs, small.seeds, small.batch_size)
+    parts = {pt.config.partition.name for pt in jobs(p, [0], tmp_path)}
+    assert parts == {"shards"} and p.noniid and not small.noniid
+
+    def table(cse5: float) -> list[dict]:
+        base = {"load_exact": True, "load_to_target_gib": 1.0, "storage_m": 1.0, "server_copies": 1}
+        accs = {"fsl_mc": 60.0, "fsl_an": 55.0, "fsl_oc": 50.0, "cse_fsl h=1": 52.0, "cse_fsl h=5": cse5}
+        return [{**base, "method": m, "accuracy": a} for m, a in accs.items()] + [
+            {**base, "method": "cse_fsl h=5 random", "accuracy": cse5}
+        ]
+
+    got = {c[:2]: (ok, m) for c, m, ok in claims(table(42.0), p)}
+    assert got["C8"] == (True, "42.00 vs 60.00 % (-18.00 pp)") and got["C9"][0] is True
+    got = {c[:2]: (ok, m) for c, m, ok in claims(table(58.0), p)}
+    assert got["C8"][0] is False and got["C9"] == (
+        False,
+        "FSL_MC 60.00 > CSE-FSL h=5 58.00 > FSL_AN 55.00 > FSL_OC 50.00",
+    )
+    assert "C8" not in {c[:2] for c, _, _ in claims(table(42.0), small)}  # IID: no non-IID claims
+    unreached = [{**t, "load_to_target_gib": None} for t in table(42.0)]
+    assert {c[:2]: ok for c, _, ok in claims(unreached, p)}["C3"] is None  # nothing reached the target

@@ -1,4 +1,4 @@
-"""``fedweave reproduce afind``: AFIND+ (Wang et al. 2024) Tables 1-3, the tau sweep and Table 4, at our scale.
+"""``fedweave reproduce afind``: AFIND+ (Wang et al. 2024) Tables 1-3, the tau sweep, Table 4 and Fig. 5 at our scale.
 
 Scales (afind-plus spec 9):
 * ``smoke``: seconds; generated data (the ``synthetic`` dataset, clearly not the paper's) and the
@@ -8,6 +8,9 @@ Scales (afind-plus spec 9):
   CNN, 20 rounds of 1 local epoch (spec 9.1 says 30; cut for CPU time), 3 seeds.
 * ``paper``: the paper's settings (spec 9.2: CIFAR-10/100, 100 clients, 500 rounds, 5 local epochs) for
   users who have the data; hundreds of GPU-hours.
+
+``--tables`` picks what runs: 1, 2, 3 (partial topology), tau, dp (Table 4) and fig5 (Ditto, FOMO and DisPFL
+each with its own neighbour choice and with AFIND+'s selection plugged in, Fig. 5).
 
 Each run is a normal fedweave run directory under ``OUT/runs``; a finished run is reused, so an
 interrupted reproduction continues where it stopped. Tables (Markdown + CSV) hold our mean +- std over
@@ -63,6 +66,9 @@ PAPER_T3 = {
 PAPER_T4 = {0.0: [71.89, 80.36, 62.11, 71.07], 2.0: [70.61, 79.67, 61.07, 70.82], 5.0: [69.94, 78.85, 60.72, 68.23],
             10.0: [67.07, 76.11, 58.41, 66.05], 50.0: [64.24, 73.92, 55.86, 63.20]}  # fmt: skip
 
+
+PLUGINS = {"Ditto": "ditto", "FOMO": "fomo", "DisPFL": "dispfl"}  # Fig. 5's personalised methods (Fed-FT: Table 2)
+CLAIMED_PLUGIN_GAIN = 3.0  # the abstract: AFIND+ improves the personalised methods "by about 3%"
 
 # ------------------------------------------------------------------------------------------ presets
 CONFIG_KEY = "__config__"  # in a method's algorithm section: run-config sections merged into the base
@@ -162,6 +168,25 @@ def methods(p: Preset) -> dict[str, dict[str, Any]]:
         "+i (top-k)": {"name": "afind_plus", **afind, "selection": "topk", "topk": p.budget, "aggregation": "uniform"},
         "+i+ii (AFIND)": {"name": "afind", **afind},
         "AFIND+": {"name": "afind_plus", **afind},
+        # Fig. 5 (spec 5, A31): each personalised method with its own neighbour choice (the random-sampling
+        # budget) and with AFIND+'s selection and Boltzmann weights over the same available pool as AFIND+
+        **{
+            label + suffix: {"name": name, **opts}
+            for label, name in PLUGINS.items()
+            for suffix, opts in (
+                ("", {"neighbours": p.budget}),
+                (
+                    " + AFIND+",
+                    {
+                        "neighbours": p.pool,
+                        "selection": "afind",
+                        "tau": afind["tau"],
+                        "upsilon": afind["upsilon"],
+                        "boltzmann_T": afind["boltzmann_T"],
+                    },
+                ),
+            )
+        },
     }
 
 
@@ -211,6 +236,10 @@ def plan(p: Preset, seeds: int, tables: set[str]) -> tuple[list[Job], dict[str, 
             # spec A27 resolution: per-sample clipped DP-SGD (C = 1) on every local step that yields a shared model
             algo = {**meth["AFIND+"], "dp_sigma": sigma, "dp_clip": 1.0, "dp_mode": "sgd"} if sigma else meth["AFIND+"]
             add("dp", f"{sigma:g}", p.primary, label, algo)
+    if "fig5" in tables:
+        for label in PLUGINS:
+            for suffix in ("", " + AFIND+"):
+                add("fig5", label + suffix, p.primary, label + suffix, meth[label + suffix])
     jobs = {
         Job(setting, label, seed, json.dumps(algos[label], sort_keys=True))
         for table in rows.values()
@@ -323,6 +352,24 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
             for row, s, lb in rows["tau"]
         ]  # fmt: skip
         out["tau"] = (header, body)
+    if "fig5" in rows:
+        header = ["method", "best without", "best with AFIND+", "gain (best)", "final without", "final with AFIND+",
+                  "gain (final)", "mean selected with AFIND+", "MB sent without / with", "seeds"]  # fmt: skip
+        body = []
+        for label in PLUGINS:
+            plain, plug = by[(p.primary, label)], by[(p.primary, label + " + AFIND+")]
+            row = [label]
+            for key in ("best", "final"):
+                gain = _seed_gains(plain, plug, key)
+                row += [
+                    _ms_cell([r[key] for r in plain]),
+                    _ms_cell([r[key] for r in plug]),
+                    _ms_cell(gain) if gain else "-",
+                ]
+            row += [_ms_cell([r["selected"] for r in plug], 1.0)]
+            row += [f"{_ms_cell([r['bytes'] for r in plain], 2**-20)} / {_ms_cell([r['bytes'] for r in plug], 2**-20)}"]
+            body.append(row + [f"{len(plain)} / {len(plug)}"])
+        out["fig5"] = (header, body)
     if "dp" in rows:
         header = ["sigma_2", "best", "final"] + [f"paper {c}" for c in PAPER_T23_COLUMNS]
         body = [
@@ -331,6 +378,12 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
         ]
         out["dp"] = (header, body)
     return out
+
+
+def _seed_gains(plain: list[dict[str, Any]], plug: list[dict[str, Any]], key: str) -> list[float]:
+    """Per seed both ran: the plug-in's ``key`` accuracy minus the plain method's."""
+    a, b = {r["seed"]: r[key] for r in plain}, {r["seed"]: r[key] for r in plug}
+    return [b[s] - a[s] for s in sorted(set(a) & set(b))]
 
 
 def claims(results: list[dict[str, Any]], p: Preset) -> list[tuple[str, bool | None, str]]:
@@ -392,6 +445,23 @@ def claims(results: list[dict[str, Any]], p: Preset) -> list[tuple[str, bool | N
         out.append((f"Table 4: sigma_2 = {b:g} hurts more than sigma_2 <= 5", worse,
                     f"sigma {b:g}: {100 * dp[b][0]:+.2f} points vs sigma 0"
                     + (" (diverged)" if dp[b][0] == -math.inf else "")))  # fmt: skip
+    # Fig. 5 and the abstract: AFIND+'s selection plugged into Ditto, FOMO and DisPFL, best-round accuracy
+    gains = {}
+    for label in PLUGINS:
+        plain = [r for r in results if r["setting"] == p.primary and r["label"] == label]
+        plug = [r for r in results if r["setting"] == p.primary and r["label"] == label + " + AFIND+"]
+        if plain and plug:
+            gains[label] = _seed_gains(plain, plug, "best")
+    if len(gains) == len(PLUGINS) and all(gains.values()):
+        means = {k: float(np.mean(v)) for k, v in gains.items()}
+        per = "; ".join(f"{k} {100 * means[k]:+.2f} ({sum(x > 0 for x in v)}/{len(v)} seeds ahead)"
+                        for k, v in gains.items())  # fmt: skip
+        out.append(("Fig. 5: AFIND+ selection improves every plug-in method (mean best-round gain > 0)",
+                    all(m > 0 for m in means.values()), per))  # fmt: skip
+        overall = 100 * float(np.mean(list(means.values())))
+        lo, hi = CLAIMED_PLUGIN_GAIN / 2, 1.5 * CLAIMED_PLUGIN_GAIN
+        out.append((f"Abstract: the improvement is about +3 points (mean gain over the plug-ins in [{lo:g}, {hi:g}])",
+                    bool(lo <= overall <= hi), f"mean gain {overall:+.2f} points"))  # fmt: skip
     return out
 
 
@@ -443,6 +513,7 @@ def write_results(out: Path, results: list[dict[str, Any]], rows: dict[str, list
         "table3": "Table 3: partial topology, each client linked to half of the others (primary setting)",
         "tau": "Fig. 8: tau sweep (primary setting)",
         "dp": "Table 4: DP noise sigma_2 (primary setting)",
+        "fig5": "Fig. 5: personalised methods without and with AFIND+'s neighbour selection (primary setting)",
     }
     for name, (header, body) in tables(results, rows, p).items():
         md += [f"## {names[name]}\n", markdown_table(header, body)]
@@ -471,7 +542,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default="runs/reproduce-afind")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="parallel runs (1 thread each)")
     ap.add_argument(
-        "--tables", default="1,2,tau", help="comma list of 1,2,3,tau,dp (3 = partial topology, dp = Table 4)"
+        "--tables",
+        default="1,2,tau",
+        help="comma list of 1,2,3,tau,dp,fig5 (3 = partial topology, dp = Table 4, fig5 = the personalised "
+        "methods Ditto, FOMO, DisPFL with and without AFIND+'s selection)",
     )
     ap.add_argument("--rounds", type=int, default=None, help="override the preset's number of rounds")
     ap.add_argument("--primary-only", action="store_true", help="Table 1 on the primary setting only")
@@ -488,9 +562,9 @@ def main(argv: list[str]) -> int:
         p.settings = [s for s in p.settings if s.key == p.primary]
     seeds = args.seeds or p.seeds
     wanted = {t.strip() for t in args.tables.split(",") if t.strip()}
-    bad = wanted - {"1", "2", "3", "tau", "dp"}
+    bad = wanted - {"1", "2", "3", "tau", "dp", "fig5"}
     if bad:
-        raise SystemExit(f"--tables: unknown {sorted(bad)}; allowed 1, 2, 3, tau, dp")
+        raise SystemExit(f"--tables: unknown {sorted(bad)}; allowed 1, 2, 3, tau, dp, fig5")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jobs, rows = plan(p, seeds, wanted)

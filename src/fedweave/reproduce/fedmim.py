@@ -15,15 +15,22 @@ Presets (``--scale``):
   ``OUT/gaps.csv`` and ``OUT/gaps.md`` (accuracy and FedMIM's gaps at rounds 50, 150, 300 and 500).
 - ``paper``: Table I's settings (CIFAR-10/100 files needed locally, ResNet-18-GN, E = 5, B = 50,
   T = 1000, lr 0.1 x 0.998^t, weight decay 1e-3); days of CPU time.
+- ``epochs`` (Table II), ``ablation`` (Table III), ``participation`` (Fig. 2a): the small preset's Dir-0.1
+  Fashion-MNIST cell run under several settings (local epochs E = 1, 5, 10; the alpha/beta/J rows of
+  Table III; 5 % and 20 % of the clients per round), 3 seeds. They write ``OUT/<preset>.md``,
+  ``OUT/<preset>.csv``, ``OUT/claims.json``, ``OUT/results.csv`` and ``OUT/curves-<preset>.png`` instead of
+  Table I's files, with the paper's numbers and the checks of its readings of that table or figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +100,10 @@ class Preset:
     note: str = ""
     extension: list[tuple[str, str, tuple[str, ...]]] = field(default_factory=list)  # run with --extend
     report_rounds: tuple[int, ...] = ()  # also write OUT/gaps.{csv,md}: accuracy and gaps at these rounds
+    # Table II / III / Fig. 2a presets: every grid cell runs once per (label, overrides) variant; overrides
+    # may set "local" (merged into local), "clients_per_round", or "options" (FedMIM's alpha/beta)
+    variants: tuple[tuple[str, dict[str, Any]], ...] = ()
+    table: str = ""  # the variant table this preset writes: "epochs", "ablation" or "participation"
 
 
 ALL = METHODS
@@ -181,10 +192,88 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+# ---- Table II, Table III and Fig. 2a: the small preset's Dir-0.1 Fashion-MNIST cell under several settings
+# Table II (CIFAR-10 columns): test accuracy (%) at local epochs E = 1, 5, 10 (spec §6.2)
+TABLE_II_C10: dict[str, tuple[float, float, float]] = {
+    "fedavg": (82.76, 81.84, 81.06),
+    "fedadam": (83.56, 81.42, 80.21),
+    "scaffold": (85.03, 84.12, 83.54),
+    "fedcm": (86.33, 84.89, 82.83),
+    "feddyn": (85.45, 83.96, 78.12),
+    "fedsam": (84.48, 84.17, 82.97),
+    "fedmim": (86.68, 85.18, 84.13),
+}
+# Table III (spec §3.1): (alpha, beta) of FedMIM with J = len(alpha), "-" terms are 0, and the accuracy (%)
+TABLE_III: tuple[tuple[tuple[float, ...], tuple[float, ...], float], ...] = (
+    ((), (), 81.61),  # J = 0: FedAvg
+    ((0.9,), (0.0,), 84.14),  # J = 1, beta = 0: FedCM with alpha_FedCM = 0.1
+    ((0.5,), (0.0,), 83.53),
+    ((0.8, 0.1), (0.0, 0.0), 84.29),
+    ((0.6, 0.3), (0.0, 0.0), 84.67),
+    ((0.3, 0.6), (0.0, 0.0), 83.86),
+    ((0.6, 0.3), (0.9, 0.1), 84.98),  # the best row, FedMIM's default here (spec A9)
+    ((0.6, 0.3), (0.5, 0.5), 84.42),
+    ((0.6, 0.3), (0.1, 0.9), 84.04),
+)
+
+
+def ablation_label(alpha: tuple[float, ...], beta: tuple[float, ...]) -> str:
+    """A Table III row as ``J=2 a=0.6,0.3 b=0.9,0.1`` (``b=-`` when beta is all zero)."""
+    a = ",".join(f"{x:g}" for x in alpha) or "-"
+    b = ",".join(f"{x:g}" for x in beta) if any(beta) else "-"
+    return f"J={len(alpha)} a={a} b={b}"
+
+
+_SMALL = PRESETS["small"]
+_CELL = ("fashion_mnist", "dir0.1")
+PRESETS.update(
+    {
+        # Table II: E = 1 is the small preset's cell (K = 10 local steps); E = 5 and 10 give K = 50 and 100,
+        # the paper's K at E = 5 and 10 on CIFAR (10 batches of 50 per epoch). --extend adds FedCM, SCAFFOLD.
+        "epochs": dataclasses.replace(
+            _SMALL,
+            grid=[(*_CELL, MAIN)],
+            extension=[(*_CELL, SECOND)],
+            variants=tuple((f"E={e}", {"local": {"epochs": e}}) for e in (1, 5, 10)),
+            table="epochs",
+            note="epochs preset (Table II): the small preset's Dir-0.1 Fashion-MNIST cell at E = 1, 5 and 10 "
+            "local epochs of B = 20 (K = 10, 50, 100), T = 50",
+        ),
+        # Table III: every row is FedMIM with that (alpha, beta); J = 0 is FedAvg, J = 1 with beta = 0 FedCM
+        "ablation": dataclasses.replace(
+            _SMALL,
+            grid=[(*_CELL, ("fedmim",))],
+            extension=[],
+            variants=tuple(
+                (ablation_label(a, b), {"options": {"alpha": list(a), "beta": list(b)}}) for a, b, _ in TABLE_III
+            ),
+            table="ablation",
+            note="ablation preset (Table III): FedMIM's alpha/beta/J rows on the small preset's Dir-0.1 "
+            "Fashion-MNIST cell, E = 1 (K = 10), T = 50",
+        ),
+        # Fig. 2a: 5 % and 20 % of the 100 clients per round (the small preset's 10 % is its Table I cell);
+        # the methods its claims name, FedSAM with --extend
+        "participation": dataclasses.replace(
+            _SMALL,
+            grid=[(*_CELL, ("fedavg", "fedadam", "scaffold", "fedcm", "feddyn", "fedmim"))],
+            extension=[(*_CELL, ("fedsam",))],
+            variants=(("5%", {"clients_per_round": 5}), ("20%", {"clients_per_round": 20})),
+            table="participation",
+            note="participation preset (Fig. 2a): the small preset's Dir-0.1 Fashion-MNIST cell with 5 % and "
+            "20 % of the clients per round, E = 1 (K = 10), T = 50",
+        ),
+    }
+)
+
+
 # ---- the grid ----------------------------------------------------------------------------------------
-def run_config(p: Preset, dataset: str, split: str, method: str, seed: int, run_dir: Path) -> dict[str, Any]:
+def run_config(
+    p: Preset, dataset: str, split: str, method: str, seed: int, run_dir: Path, variant: str = ""
+) -> dict[str, Any]:
+    over = dict(p.variants).get(variant, {}) if variant else {}
+    options = over["options"] if "options" in over and method == "fedmim" else METHOD_OPTIONS[method]
     return {
-        "name": f"fedmim-{dataset}-{split}-{method}",
+        "name": f"fedmim-{dataset}-{split}-{method}" + (f"-{variant}" if variant else ""),
         "seed": seed,
         "rounds": p.rounds,
         "backend": "loop",
@@ -194,12 +283,12 @@ def run_config(p: Preset, dataset: str, split: str, method: str, seed: int, run_
         "model": {"name": p.model},
         "algorithm": {
             "name": method,
-            "clients_per_round": p.clients_per_round,
+            "clients_per_round": over.get("clients_per_round", p.clients_per_round),
             "weighting": "uniform",  # P-line 16, spec A22
             "consistency": True,
-            **METHOD_OPTIONS[method],
+            **options,
         },
-        "local": dict(p.local),
+        "local": {**p.local, **over.get("local", {})},
         "eval": {"every": p.eval_every},
         "output": {"dir": str(run_dir), "progress": False, "plots": False},
     }
@@ -214,11 +303,25 @@ def plan(
     extend: bool = False,
 ) -> list[Point]:
     """The runs of a preset in priority order (grid entry, then seed, then method), each in
-    ``OUT/runs/<dataset>-<split>-<method>-s<seed>``."""
+    ``OUT/runs/<dataset>-<split>-<method>-s<seed>``; in a variant preset seed, then grid entry, variant and
+    method (a time budget leaves whole seeds), each in ``OUT/runs/<dataset>-<split>-<method>-<variant>-s<seed>``."""
     grid = p.grid + (p.extension if extend else [])
     names = list(dict.fromkeys(d for d, _, _ in grid))
     rename = dict(zip(names, datasets)) if datasets else {d: d for d in names}  # unmatched ones are dropped
     points = []
+    if p.variants:
+        for seed in seeds:
+            for preset_dataset, split, group in grid:
+                for variant, _ in p.variants:
+                    for method in group:
+                        if preset_dataset not in rename or (methods is not None and method not in methods):
+                            continue
+                        dataset = rename[preset_dataset]
+                        slug = re.sub(r"[^A-Za-z0-9.]+", "_", variant).strip("_")
+                        name = f"{dataset}-{split}-{method}-{slug}-s{seed}"
+                        cfg = run_config(p, dataset, split, method, seed, out / "runs" / name, variant)
+                        points.append(Point.of(cfg, name, dataset=dataset, split=split, method=method, variant=variant))
+        return points
     for preset_dataset, split, group in grid:
         if preset_dataset not in rename:
             continue
@@ -329,6 +432,25 @@ def _claims(records: list[dict], dataset: str) -> dict[str, Any]:
         if "iid" in out:  # "the advantage shrinks without heterogeneity" needs an advantage: None = untestable
             out["claim_iid_smaller"] = out["iid"]["gap_mean"] < g["gap_mean"] if g["gap_mean"] > 0 else None
     return out
+
+
+def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The Table I checks of ``claims.json`` (spec §9.2) as (claim, verdict, measured) rows: a page's claim table."""
+    rows = []
+    for d, c in claims.items():
+        g = c.get("dir0.1")
+        if g is None:
+            continue
+        gap = f"FedMIM - FedAvg {g['gap_mean']:+.2f} points, ahead on {g['wins']}/{g['seeds']} seeds"
+        accuracy = f"{d}: Dir-0.1 FedMIM >= FedAvg + 1.0 point on average and ahead on >= 2 seeds"
+        rows.append((accuracy, VERDICT[c["claim_accuracy"]], gap))
+        dispersion = f"{d}: Dir-0.1 FedMIM's local dispersion < 0.5 x FedAvg's"
+        rows.append((dispersion, VERDICT[c["claim_consistency"]], f"FedMIM / FedAvg {g['consistency_ratio']:.3f}"))
+        if "claim_iid_smaller" in c:
+            shrink = f"{d}: the IID gap is smaller than the Dir-0.1 gap (untestable without a Dir-0.1 gain)"
+            gaps = f"FedMIM - FedAvg: IID {c['iid']['gap_mean']:+.2f}, Dir-0.1 {g['gap_mean']:+.2f} points"
+            rows.append((shrink, VERDICT[c["claim_iid_smaller"]], gaps))
+    return rows
 
 
 def markdown(
@@ -462,6 +584,245 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> tuple[str, str]:
     return "\n".join(lines) + "\n", "\n".join(md)
 
 
+# ---- the variant presets' tables: Table II, Table III, Fig. 2a ------------------------------------------
+VERDICT = {True: "held", False: "did not hold", None: "untestable"}
+
+
+def variant_summary(records: list[dict], p: Preset) -> list[dict]:
+    """Per (variant, method), in the preset's order: final accuracy mean ± std over seeds (diverged runs
+    counted apart), the mean accuracy over the evaluated rounds (how fast it converges), the local
+    consistency of the last 20 rounds, the per-seed finals, and the paper's number where it has one."""
+    labels = [v for v, _ in p.variants]
+    methods = list(dict.fromkeys(m for _, _, group in p.grid + p.extension for m in group))
+    rows = []
+    for vi, v in enumerate(labels):
+        for m in methods:
+            rs = sorted((r for r in records if (r["variant"], r["method"]) == (v, m)), key=lambda r: r["seed"])
+            if not rs:
+                continue
+            ok = [r for r in rs if math.isfinite(r["final_acc"])]
+            acc, sd = mean_std([r["final_acc"] for r in ok])
+            auc, _ = mean_std([100 * sum(x["test_accuracy"] for x in r["_rows"]) / len(r["_rows"]) for r in ok])
+            cons, _ = mean_std([r["consistency_last20"] for r in ok])
+            paper = TABLE_II_C10[m][vi] if p.table == "epochs" else TABLE_III[vi][2] if p.table == "ablation" else None
+            rows.append(
+                {
+                    "variant": v,
+                    "method": m,
+                    "seeds": len(rs),
+                    "diverged": len(rs) - len(ok),
+                    "final_acc_mean": round(acc, 2),
+                    "final_acc_std": round(sd, 2),
+                    "mean_acc_over_rounds": round(auc, 2),
+                    "consistency_last20": round(cons, 4),
+                    "final_acc_per_seed": " / ".join(f"{r['final_acc']:.2f}" for r in rs),
+                    "paper_c10": "" if paper is None else paper,
+                }
+            )
+    return rows
+
+
+def variant_claims(rows: list[dict], p: Preset) -> list[tuple[str, bool | None, str]]:
+    """The paper's readings of Table II, Table III or Fig. 2a, checked on the seed means of ``rows``:
+    (claim, True / False / None = untestable because a cell is missing, what was measured)."""
+    acc = {(r["variant"], r["method"]): r["final_acc_mean"] for r in rows if r["diverged"] < r["seeds"]}
+    labels = [v for v, _ in p.variants]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    if not all((v, m) in acc for v in labels for m in methods) or "fedmim" not in methods:
+        return [("every cell of the preset ran", None, "not every cell ran (see the table)")]
+    if p.table == "epochs":
+        return _epochs_claims(acc, labels, methods)
+    if p.table == "ablation":
+        return _ablation_claims({v: acc[(v, "fedmim")] for v in labels}, labels)
+    auc = {(r["variant"], r["method"]): r["mean_acc_over_rounds"] for r in rows}
+    return _participation_claims(acc, auc, labels, methods)
+
+
+def _epochs_claims(acc: dict, labels: list[str], methods: list[str]) -> list[tuple[str, bool | None, str]]:
+    best = {v: max(methods, key=lambda m: acc[(v, m)]) for v in labels}
+    where = [f"{v}: FedMIM {acc[(v, 'fedmim')]:.2f}, best {LABELS[best[v]]} {acc[(v, best[v])]:.2f}" for v in labels]
+    falls = {m: all(acc[(a, m)] > acc[(b, m)] for a, b in zip(labels, labels[1:])) for m in methods}
+    trend = [
+        f"{LABELS[m]} " + " / ".join(f"{acc[(v, m)]:.2f}" for v in labels) + ("" if falls[m] else " (not falling)")
+        for m in methods
+    ]
+    return [
+        (
+            "FedMIM is the most accurate of the methods run at every E (paper: best in all 9 columns)",
+            len(methods) > 1 and all(b == "fedmim" for b in best.values()),
+            "; ".join(where),
+        ),
+        ("accuracy falls as E grows, for every method run (paper: all but one)", all(falls.values()), "; ".join(trend)),
+    ]
+
+
+def _ablation_claims(a: dict[str, float], labels: list[str]) -> list[tuple[str, bool | None, str]]:
+    # rows in TABLE_III's order: 0 J = 0 (FedAvg); 1-2 J = 1; 3-5 J = 2 without beta; 6-8 J = 2 with beta
+    j1, j2 = max(labels[1:3], key=a.get), max(labels[3:], key=a.get)
+    top = max(labels, key=a.get)
+    rest = [a[v] for v in labels[1:]]
+    return [
+        (
+            "every inertial row (J >= 1) beats J = 0 (FedAvg)",
+            min(rest) > a[labels[0]],
+            f"J = 0: {a[labels[0]]:.2f}; J >= 1: {min(rest):.2f} to {max(rest):.2f}",
+        ),
+        (
+            "J = 2 is best: the best J = 2 row beats the best J = 1 row",
+            a[j2] > a[j1],
+            f"best J = 2 ({j2}) {a[j2]:.2f} vs best J = 1 ({j1}) {a[j1]:.2f}",
+        ),
+        (
+            f"the paper's best row ({labels[6]}) is the best row",
+            top == labels[6],
+            f"{a[labels[6]]:.2f}; best row {top} {a[top]:.2f}",
+        ),
+        (
+            "beta weighted to the adjacent step is best: beta (0.9, 0.1) > (0.5, 0.5) > (0.1, 0.9)",
+            a[labels[6]] > a[labels[7]] > a[labels[8]],
+            " / ".join(f"{a[v]:.2f}" for v in labels[6:9]),
+        ),
+        (
+            "a large alpha and a proper beta: adding beta (0.9, 0.1) to alpha (0.6, 0.3) helps",
+            a[labels[6]] > a[labels[4]],
+            f"{a[labels[6]]:.2f} with beta vs {a[labels[4]]:.2f} without",
+        ),
+    ]
+
+
+def _participation_claims(
+    acc: dict, auc: dict, labels: list[str], methods: list[str]
+) -> list[tuple[str, bool | None, str]]:
+    lo, hi = labels[0], labels[-1]
+    change = {m: abs(acc[(hi, m)] - acc[(lo, m)]) for m in methods}
+    slowest = {v: min(methods, key=lambda m: auc[(v, m)]) for v in labels}
+    named = [m for m in ("fedadam", "fedcm", "feddyn") if m in methods]
+    ranked = sorted(methods, key=lambda m: -acc[(hi, m)])
+    steady = sorted(methods, key=lambda m: change[m])
+
+    def changes(ms: list[str]) -> str:
+        return ", ".join(f"{LABELS[m]} {change[m]:.2f}" for m in ms) + " points"
+
+    return [
+        (
+            "FedAvg loses the most convergence speed: the lowest mean accuracy over the rounds at both ratios",
+            all(x == "fedavg" for x in slowest.values()) if "fedavg" in methods else None,
+            "; ".join(f"{v}: lowest {LABELS[slowest[v]]} {auc[(v, slowest[v])]:.2f}" for v in labels),
+        ),
+        (
+            f"FedAdam, FedCM and FedDyn are highly sensitive to the participation ratio: each changes more "
+            f"between {lo} and {hi} than FedMIM",
+            all(change[m] > change["fedmim"] for m in named) if named else None,
+            changes([*named, "fedmim"]),
+        ),
+        (
+            f"SCAFFOLD performs well at the higher participation: among the two most accurate at {hi}",
+            "scaffold" in ranked[:2] if "scaffold" in methods else None,
+            f"{hi}: " + " > ".join(f"{LABELS[m]} {acc[(hi, m)]:.2f}" for m in ranked),
+        ),
+        (
+            f"FedMIM is very stable: the smallest change between {lo} and {hi} of the methods run",
+            steady[0] == "fedmim",
+            changes(steady),
+        ),
+    ]
+
+
+def variant_markdown(rows: list[dict], checks: list, name: str, p: Preset, wall: float, cpu: float | None) -> str:
+    titles = {"epochs": "Table II (local epochs)", "ablation": "Table III (alpha, beta, J)"}
+    cpu_note = f"; CPU time of the runs {cpu / 60:.1f} min (one thread each)" if cpu else ""
+    paper_note = {
+        "epochs": "The paper's numbers are CIFAR-10 with ResNet-18-GN (Table II).",
+        "ablation": "The paper's numbers are its Table III (CIFAR-10 probably, E = 5, T = 500).",
+        "participation": "The paper shows Fig. 2a as curves only (CIFAR-10, Dir-0.1, E = 5).",
+    }[p.table]
+    lines = [
+        f"# FedMIM {titles.get(p.table, 'Fig. 2a (participation)')}, preset `{name}`",
+        "",
+        f"{p.note}. {p.num_clients} clients, {p.clients_per_round} per round unless the column says otherwise, "
+        f"model `{p.model}`, local {p.local}. Wall time {wall / 60:.1f} min{cpu_note}.",
+        "",
+        "Final test accuracy (%) of the global model, mean ± std over seeds (per seed in `results.csv` and "
+        f"`{name}.csv`); `mean acc.` is the mean test accuracy over the evaluated rounds (every {p.eval_every}; "
+        "it measures convergence speed); `cons.` is the local consistency averaged over the last 20 rounds. "
+        + paper_note,
+        "",
+    ]
+    labels = [v for v, _ in p.variants]
+    if p.table == "ablation":
+        lines += ["| row | ours | per seed | mean acc. | cons. | paper |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            ours = f"{r['final_acc_mean']:.2f} ± {r['final_acc_std']:.2f}"
+            lines.append(
+                f"| {r['variant']} | {ours} | {r['final_acc_per_seed']} | {r['mean_acc_over_rounds']:.2f} | "
+                f"{r['consistency_last20']:.3g} | {r['paper_c10']:.2f} |"
+            )
+    else:
+        paper = p.table == "epochs"
+        cols = "ours | mean acc. | cons." + (" | paper C10" if paper else "")
+        lines.append("| method | " + " | ".join(f"{v}: {cols}" for v in labels) + " |")
+        lines.append("|---|" + ("---|" * (4 if paper else 3)) * len(labels))
+        for m in dict.fromkeys(r["method"] for r in rows):
+            cells = []
+            for v in labels:
+                r = next((r for r in rows if (r["variant"], r["method"]) == (v, m)), None)
+                if r is None:
+                    cells.append(" | ".join(["–"] * (4 if paper else 3)))
+                    continue
+                div = f" ({r['diverged']}/{r['seeds']} diverged)" if r["diverged"] else ""
+                cell = f"{r['final_acc_mean']:.2f} ± {r['final_acc_std']:.2f}{div} | {r['mean_acc_over_rounds']:.2f}"
+                cell += f" | {r['consistency_last20']:.3g}" + (f" | {r['paper_c10']:.2f}" if paper else "")
+                cells.append(cell)
+            lines.append(f"| {LABELS[m]} | " + " | ".join(cells) + " |")
+    lines += ["", "## Claims", "", "| claim | verdict | measured |", "|---|---|---|"]
+    lines += [f"| {c} | {VERDICT[ok]} | {m} |" for c, ok, m in checks]
+    return "\n".join(lines) + "\n"
+
+
+def variant_plot(records: list[dict], p: Preset, name: str, out: Path) -> Path:
+    """``OUT/curves-NAME.png``: test accuracy against rounds, the mean over seeds with a band; one panel per
+    variant, each method a line (Table III: one panel, each row a line)."""
+    labels = [v for v, _ in p.variants]
+    panels = [None] if p.table == "ablation" else labels
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for v in labels if panel is None else [panel]:
+            for m in dict.fromkeys(r["method"] for r in records):
+                runs = [r["_rows"] for r in records if (r["variant"], r["method"]) == (v, m)]
+                if runs:
+                    lw = 2.2 if m == "fedmim" and panel is not None else 1.2
+                    label = v if panel is None else LABELS[m]
+                    band(ax, runs, "round", "test_accuracy", label=label, yscale=100, lw=lw)
+        ax.set_title(f"{name}: {panel or 'FedMIM rows'} (mean over seeds)")
+        ax.set_xlabel("round")
+        ax.set_ylabel("test accuracy (%)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save_png(fig, out / f"curves-{name}.png", dpi=100)
+
+
+def write_variant_outputs(records: list[dict], skipped: list, name: str, p: Preset, out: Path, wall: float) -> int:
+    """A variant preset's files: results.csv (one row per run), NAME.csv and NAME.md (the table beside the
+    paper's and the claim checks), claims.json and curves-NAME.png."""
+    keys = ["dataset", "split", "method", "variant", "seed", "final_acc", "best_acc", "last3_acc"]
+    keys += ["consistency_last20", "status", "rounds_done", "wall_seconds", "cpu_seconds"]
+    write_csv(out / "results.csv", records, keys, float_format=".6g")
+    rows = variant_summary(records, p)
+    checks = variant_claims(rows, p)
+    write_csv(out / f"{name}.csv", rows)
+    cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
+    md = variant_markdown(rows, checks, name, p, wall, sum(cpus) if cpus and len(cpus) == len(records) else None)
+    if skipped:
+        names = ("-".join(map(str, [*dict(pt.values).values(), pt.seed])) for pt in skipped)
+        md += "\nNot run (time budget reached): " + ", ".join(names) + "\n"
+    atomic_write(out / f"{name}.md", md)
+    claims = [{"claim": c, "verdict": VERDICT[ok], "measured": m} for c, ok, m in checks]
+    atomic_write(out / "claims.json", json.dumps(claims, indent=2, ensure_ascii=False))
+    variant_plot(records, p, name, out)
+    print(md)
+    return 0
+
+
 # ---- entry point ----------------------------------------------------------------------------------------
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="fedweave reproduce fedmim", description=__doc__.splitlines()[0])
@@ -485,6 +846,8 @@ def main(argv: list[str]) -> int:
     records = [record(pt, done[pt.slug]) for pt in points if pt.slug in done]
     skipped = [pt for pt in points if pt.slug not in done]
     wall = time.perf_counter() - t0
+    if p.variants:
+        return write_variant_outputs(records, skipped, args.scale, p, out, wall)
     table, claims = summarize(records)
     keys = ["dataset", "split", "method", "seed", "final_acc", "best_acc", "last3_acc", "consistency_last20"]
     keys += ["status", "rounds_done", "wall_seconds", "cpu_seconds"]
