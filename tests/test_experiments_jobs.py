@@ -63,6 +63,18 @@ def _square(x: int) -> tuple[int, str | None, int]:
     return x * x, os.environ.get("FEDWEAVE_TEST_INITIALISED"), torch.get_num_threads()
 
 
+@pytest.mark.parametrize("workers", [0, -1, 1.5, True, "2"])
+def test_a_worker_count_below_one_or_not_whole_is_refused_before_anything_runs(workers, tmp_path):
+    from fedweave.config import ConfigError
+
+    ran = []
+    with pytest.raises(ConfigError, match=r"workers must be a whole number >= 1"):
+        parallel_map(ran.append, [1, 2], workers=workers)
+    with pytest.raises(ConfigError, match=r"workers must be a whole number >= 1"):
+        run_points([], tmp_path / "runs", workers=workers)
+    assert ran == [] and not (tmp_path / "runs").exists()
+
+
 def test_parallel_map_keeps_the_order_and_initialises_each_worker(monkeypatch):
     monkeypatch.setenv("FEDWEAVE_TEST_INITIALISED", "no")  # restored after the test
     seen = []

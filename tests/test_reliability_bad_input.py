@@ -268,7 +268,18 @@ OTHER_COMMANDS = [
     (["sweep", "c.yaml", "--grid", "local.lr=0.1,fast", "--out", "sw"], "local.lr"),
     (["sweep", "c.yaml", "--grid", "nokey", "--out", "sw"], "nokey"),
     (["sweep", "c.yaml", "--workers"], "--workers"),
+    (["sweep", "c.yaml", "--seeds", "0", "--out", "sw"], "--seeds: '0' is not a whole number >= 1"),
+    (["sweep", "c.yaml", "--workers", "-1", "--out", "sw"], "--workers: '-1' is not a whole number >= 1"),
     (["reproduce", "nosuch"], "unknown reproduction 'nosuch'"),
+    (["reproduce", "fedmim", "--bogus"], "unrecognized arguments: --bogus"),
+    (["reproduce", "zo-hfl", "--scale", "nope"], "invalid choice: 'nope'"),
+    (["reproduce", "zo-hfl", "--seeds", "0"], "--seeds: '0' is not a whole number >= 1"),
+    (["reproduce", "afind", "--seeds", "0"], "--seeds: '0' is not a whole number >= 1"),
+    (["reproduce", "afind", "--rounds", "-3"], "--rounds: '-3' is not a whole number >= 1"),
+    (["reproduce", "cse-fsl", "--workers", "0"], "--workers: '0' is not a whole number >= 1"),
+    (["reproduce", "cfl-saga", "--seeds", "two"], "--seeds: 'two' is not a whole number >= 1"),
+    (["flower-app", "c.yaml", "app", "--reply-timeout", "-5"], "--reply-timeout: '-5' is not a number of seconds > 0"),
+    (["flower-app", "c.yaml", "app", "--node-wait", "nan"], "--node-wait: 'nan' is not a number of seconds > 0"),
     (["flower-app", "missing.yaml", "app"], "missing.yaml"),
     (["nosuch"], "nosuch"),
     ([], "command"),
@@ -283,6 +294,15 @@ def test_other_commands_and_usage_errors_get_one_line(argv, expect, in_tmp, caps
         code = e.code
     _one_line_error(capsys, code, expect)
     assert _files(in_tmp) == {"c.yaml"}
+
+
+@pytest.mark.parametrize("form, expect", [({"workers": 0}, "workers must be a whole number >= 1, got 0"),
+                                          ({"seeds": 0}, "seeds must be at least 1, got 0")])  # fmt: skip
+def test_a_sweep_section_with_a_bad_count_writes_nothing(form, expect, in_tmp, capsys):
+    sweep = {"grid": {"local.lr": [0.1]}, "out": "sw", **form}
+    (in_tmp / "s.yaml").write_text(yaml.safe_dump({**BASE, "sweep": sweep}))
+    _one_line_error(capsys, cli_main(["sweep", "s.yaml"]), expect)
+    assert _files(in_tmp) == {"c.yaml", "s.yaml"}
 
 
 def test_overrides_after_the_options_are_overrides(in_tmp, capsys):

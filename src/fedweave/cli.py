@@ -202,17 +202,39 @@ def _cmd_flower_executor(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse with its usage errors on one line, like every other bad input (docs/reliability.md)."""
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"fedweave: error: {' '.join(message.split())} (see '{self.prog} --help')\n")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (seeds, workers, rounds)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     from fedweave import __version__
 
-    p = _Parser(prog="fedweave", description="Federated learning simulator.")
+    p = Parser(prog="fedweave", description="Federated learning simulator.")
     p.add_argument("--version", action="version", version=f"fedweave {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -258,8 +280,8 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("overrides", nargs="*", help="key=value overrides applied to every point")
     sw.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="a grid axis (product)")
     sw.add_argument("--zip", action="append", default=[], metavar="KEY=V1,V2", help="keys varied together")
-    sw.add_argument("--seeds", type=int, default=None, help="seeds per point (the config's seed, +1, ...)")
-    sw.add_argument("--workers", type=int, default=None, help="runs at once, each with its share of cores")
+    sw.add_argument("--seeds", type=positive_int, default=None, help="seeds per point (the config's seed, +1, ...)")
+    sw.add_argument("--workers", type=positive_int, default=None, help="runs at once, each with its share of cores")
     sw.add_argument("--out", default=None, help="sweep directory (default runs/sweep)")
     sw.add_argument("--metric", default=None, help="metrics column to tabulate (default: the task's main metric)")
     sw.add_argument("--target", type=float, default=None, help="report rounds and bytes to reach this metric")
@@ -285,8 +307,10 @@ def parser() -> argparse.ArgumentParser:
     fa.add_argument("--on-error", choices=("stop", "drop"), default="stop",
                     help="a client's error reply or missing reply: stop the run, or go on without the client "
                     "for that round as a dropout (default: stop)")  # fmt: skip
-    fa.add_argument("--reply-timeout", type=float, default=600.0, help="seconds a round waits for its replies")
-    fa.add_argument("--node-wait", type=float, default=120.0, help="seconds to wait for the SuperNodes at start")
+    fa.add_argument("--reply-timeout", type=positive_seconds, default=600.0,
+                    help="seconds a round waits for its replies")  # fmt: skip
+    fa.add_argument("--node-wait", type=positive_seconds, default=120.0,
+                    help="seconds to wait for the SuperNodes at start")  # fmt: skip
     fa.add_argument("--node-data", metavar="DIR",
                     help="also write each client's training samples as DIR/client-N.npz, data files for the nodes "
                     "(a trial of nodes that hold their own data)")  # fmt: skip

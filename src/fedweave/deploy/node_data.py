@@ -79,7 +79,7 @@ def write_samples(path: str | Path, x: torch.Tensor, y: torch.Tensor) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, x=x.numpy(), y=y.numpy())
+            np.savez(f, x=x.cpu().numpy(), y=y.cpu().numpy())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

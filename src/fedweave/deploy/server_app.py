@@ -56,7 +56,7 @@ def _digest(header: dict, tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
     for name in sorted(tensors):
         h.update(name.encode())
-        h.update(tensors[name].contiguous().numpy().tobytes())
+        h.update(tensors[name].detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 

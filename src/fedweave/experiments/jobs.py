@@ -38,6 +38,14 @@ def _run_one(config: dict[str, Any], run_dir: str, threads: int, overwrite: bool
     return Result(res.run_dir, res.metrics, res.summary)
 
 
+def check_workers(workers: object) -> None:
+    """Refuse a worker count that is not a whole number >= 1, before anything runs or is written."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        from fedweave.config import ConfigError
+
+        raise ConfigError(f"workers must be a whole number >= 1, got {workers!r}")
+
+
 def threads_per_worker(workers: int) -> int:
     """The machine's cores divided among the workers (at least one thread each)."""
     return max(1, (os.cpu_count() or 1) // max(1, workers))
@@ -137,6 +145,7 @@ def run_points(
     belong to it) rather than refused. ``budget_s``: no run starts after this many seconds (finished runs
     are used whatever the budget); the points not run are missing from the result. ``initializer`` runs
     once in each worker process (one worker: in this process), e.g. to cache datasets its runs share."""
+    check_workers(workers)
     runs_dir = Path(runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     out = finished(points, runs_dir)
@@ -168,6 +177,7 @@ def parallel_map(
     """``[fn(item) for item in items]`` on ``workers`` forked processes with the cores divided among them,
     for jobs that are not runner runs. ``on_result(i, result)`` is called as each finishes (in any order);
     the list is in the order of ``items``. ``fn`` must be a module-level function."""
+    check_workers(workers)
     results = _schedule(fn, [(x,) for x in items], workers, initializer=initializer, on_done=on_result)
     return [results[i] for i in range(len(items))]
 

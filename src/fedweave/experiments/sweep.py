@@ -10,7 +10,7 @@ from typing import Any
 
 from fedweave.experiments.aggregate import if_all, mean_std, to_target
 from fedweave.experiments.grid import expand
-from fedweave.experiments.jobs import run_points
+from fedweave.experiments.jobs import check_workers, run_points
 from fedweave.experiments.tables import markdown, write_csv
 from fedweave.results import atomic_write, read_metrics
 
@@ -49,6 +49,7 @@ def sweep(
     best values, the best point and ``target`` follow its direction (lower is better for a loss or an error)."""
     from fedweave.tasks import column_direction
 
+    check_workers(workers)  # like the grid, before anything is written
     points = expand(config, grid, zipped=zipped, seeds=seeds, overrides=overrides)
     metric = metric or _main_column(points[0].config)
     better = max if column_direction(metric) == "max" else min

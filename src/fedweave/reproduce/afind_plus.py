@@ -19,7 +19,6 @@ seeds (population std, as the spec fixes) beside the paper's numbers, which are 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -31,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from fedweave.cli import Parser, positive_int
 from fedweave.experiments.aggregate import finite, mean_std
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished, run_points
@@ -536,18 +536,20 @@ def write_results(out: Path, results: list[dict[str, Any]], rows: dict[str, list
 
 # --------------------------------------------------------------------------------------------- main
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="fedweave reproduce afind", description=__doc__.split("\n")[0])
+    ap = Parser(prog="fedweave reproduce afind", description=__doc__.split("\n")[0])
     ap.add_argument("--scale", choices=("smoke", "small", "paper"), default="small")
-    ap.add_argument("--seeds", type=int, default=None, help="number of seeds (0..n-1); default: the preset's")
+    ap.add_argument("--seeds", type=positive_int, default=None, help="number of seeds (0..n-1); default: the preset's")
     ap.add_argument("--out", default="runs/reproduce-afind")
-    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="parallel runs (1 thread each)")
+    ap.add_argument(
+        "--workers", type=positive_int, default=min(2, os.cpu_count() or 1), help="parallel runs (1 thread each)"
+    )
     ap.add_argument(
         "--tables",
         default="1,2,tau",
         help="comma list of 1,2,3,tau,dp,fig5 (3 = partial topology, dp = Table 4, fig5 = the personalised "
         "methods Ditto, FOMO, DisPFL with and without AFIND+'s selection)",
     )
-    ap.add_argument("--rounds", type=int, default=None, help="override the preset's number of rounds")
+    ap.add_argument("--rounds", type=positive_int, default=None, help="override the preset's number of rounds")
     ap.add_argument("--primary-only", action="store_true", help="Table 1 on the primary setting only")
     ap.add_argument("--collect", action="store_true", help="run nothing: tables from the finished runs only")
     ap.add_argument("--only", default="", help="comma list of method labels to run (e.g. 'Local,Gossip,AFIND+')")

@@ -16,7 +16,6 @@ pilot grid for full upload); it is not re-tuned per method.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import math
@@ -29,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from fedweave.cli import Parser, positive_int
 from fedweave.experiments.aggregate import if_all
 from fedweave.experiments.jobs import parallel_map
 from fedweave.experiments.tables import markdown_table, write_csv
@@ -628,11 +628,11 @@ def write_report(rows: list[dict], out: Path, meta: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
-    p = argparse.ArgumentParser(prog="fedweave reproduce cfl-saga", description=__doc__.split("\n")[0])
+    p = Parser(prog="fedweave reproduce cfl-saga", description=__doc__.split("\n")[0])
     p.add_argument("--scale", choices=("smoke", "small", "paper"), default="small")
-    p.add_argument("--seeds", type=int, default=None, help="number of seeds (smoke 1, small 3, paper 5)")
+    p.add_argument("--seeds", type=positive_int, default=None, help="number of seeds (smoke 1, small 3, paper 5)")
     p.add_argument("--out", default="runs/reproduce-cfl-saga")
-    p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1))
     p.add_argument(
         "--part",
         choices=("all", "synthetic", "real", "alpha"),

@@ -23,7 +23,6 @@ normalises with mean 0.5 / std 0.5 per channel as the authors' code does (``stat
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -35,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from fedweave.accounting.split import GIB, PAPER_TABLE_V, SplitSizes, round_bytes, storage_params
+from fedweave.cli import Parser, positive_int
 from fedweave.config import RunConfig
 from fedweave.experiments.aggregate import if_all, mean_std, to_target
 from fedweave.experiments.grid import Point
@@ -329,7 +329,7 @@ def plots(results: list[dict[str, Any]], out: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="fedweave reproduce cse-fsl", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="fedweave reproduce cse-fsl", description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--scale",
         choices=("smoke", "small", "noniid", "paper"),
@@ -338,7 +338,7 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--dataset", default=None, help="fashion_mnist (small default), mnist, digits, or cifar10")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default: 0 1 2; paper: 0..4)")
-    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", default="runs/reproduce-cse-fsl")
     args = ap.parse_args(argv)
     dataset = args.dataset or ("cifar10" if args.scale == "paper" else "fashion_mnist")

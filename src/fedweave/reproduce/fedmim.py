@@ -24,7 +24,6 @@ Presets (``--scale``):
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import json
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedweave.cli import Parser, positive_int
 from fedweave.experiments.aggregate import mean_std
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import run_points
@@ -825,11 +825,11 @@ def write_variant_outputs(records: list[dict], skipped: list, name: str, p: Pres
 
 # ---- entry point ----------------------------------------------------------------------------------------
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="fedweave reproduce fedmim", description=__doc__.splitlines()[0])
+    ap = Parser(prog="fedweave reproduce fedmim", description=__doc__.splitlines()[0])
     ap.add_argument("--scale", choices=sorted(PRESETS), default="small")
     ap.add_argument("--seeds", type=int, nargs="+", help="seeds (default: the preset's)")
     ap.add_argument("--out", default="runs/reproduce-fedmim", help="output directory")
-    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="parallel runs")
+    ap.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1), help="parallel runs")
     ap.add_argument("--datasets", nargs="+", help="replace the preset's datasets, in order (e.g. a test fixture)")
     ap.add_argument("--methods", nargs="+", choices=METHODS, help="only these methods")
     ap.add_argument("--budget-minutes", type=float, help="start no new run after this many minutes")

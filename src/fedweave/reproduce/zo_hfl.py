@@ -22,7 +22,6 @@ small scale.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -34,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from fedweave.cli import Parser, positive_int
 from fedweave.experiments.aggregate import mean_std
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished, run_points
@@ -720,12 +720,12 @@ def _load() -> str:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="fedweave reproduce zo-hfl", description=__doc__.split("\n")[0])
+    ap = Parser(prog="fedweave reproduce zo-hfl", description=__doc__.split("\n")[0])
     ap.add_argument("--scale", choices=sorted(PRESETS), default="small")
-    ap.add_argument("--seeds", type=int, default=None, help="number of seeds (default: 3; smoke: 1)")
+    ap.add_argument("--seeds", type=positive_int, default=None, help="number of seeds (default: 3; smoke: 1)")
     ap.add_argument("--out", default="runs/reproduce-zo-hfl")
-    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="parallel processes")
-    ap.add_argument("--rounds", type=int, default=None, help="override the Table I rounds of the preset")
+    ap.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1), help="parallel processes")
+    ap.add_argument("--rounds", type=positive_int, default=None, help="override the Table I rounds of the preset")
     ap.add_argument(
         "--tune", action="store_true", help="only tune lambda and mu (and gamma_0) on a validation split (spec A1)"
     )
@@ -734,8 +734,6 @@ def main(argv: list[str]) -> int:
     if args.rounds is not None:
         p.rounds = args.rounds
     n_seeds = args.seeds if args.seeds is not None else (1 if args.scale == "smoke" else 3)
-    if n_seeds < 1:
-        ap.error("--seeds must be >= 1")
     seeds = list(range(n_seeds))
     p.sweep_seeds = min(p.sweep_seeds, n_seeds)
     out = Path(args.out)
