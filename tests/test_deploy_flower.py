@@ -230,18 +230,19 @@ def assert_payload_is_the_ledger(summary: dict) -> None:
     assert fl["overhead_bytes"] == fl["bytes_sent"] + fl["bytes_received"] - ledger["bytes_total"]
 
 
-@pytest.mark.parametrize("algorithm", [{"name": "fedavg"}, {"name": "fedmim"}], ids=lambda a: a["name"])
+@pytest.mark.parametrize("algorithm", [{"name": "fedavg"}, {"name": "scaffold"}, {"name": "fedmim"}],
+                         ids=lambda a: a["name"])  # fmt: skip
 def test_deployed_run_equals_simulation(federation, tmp_path, algorithm):
-    """FedAvg (the plain rule) and FedMIM (a rule with tensors: its two momentum combinations) on the nodes
-    equal the simulation; SCAFFOLD is the fault test's run."""
-    cfg = config(algorithm)
+    """FedAvg (the plain rule), SCAFFOLD (c_i kept on the nodes across rounds) and FedMIM (a rule with
+    tensors: its two momentum combinations) on the nodes, 3 rounds, equal the simulation."""
+    cfg = config(algorithm, rounds=3)
     summary, rows, _ = deployed(federation, cfg, tmp_path)
-    assert len(rows) == 2
+    assert len(rows) == 3
     assert_same_metrics(rows, simulated(cfg, tmp_path))
     assert summary["execution"]["backend"] == "flower"
     assert_payload_is_the_ledger(summary)
-    assert summary["flower"]["jobs"] == 2 * CLIENTS
-    assert summary["flower"]["messages"] >= 2 * (2 * CLIENTS) + 2 * CLIENTS  # jobs, replies and the queries
+    assert summary["flower"]["jobs"] == 3 * CLIENTS
+    assert summary["flower"]["messages"] >= 2 * (3 * CLIENTS) + 2 * CLIENTS  # jobs, replies and the queries
     assert summary["flower"]["dropped"] == {}
 
 

@@ -68,6 +68,22 @@ def deployed(cfg: dict, tmp_path) -> tuple[dict, list[dict]]:
     return json.loads((out / "summary.json").read_text()), rows
 
 
+def deployed_equals_simulation(cfg: dict, tmp_path) -> dict:
+    """Deploy ``cfg``, assert every round's metrics equal the simulation's and the message payloads are the
+    ledger's bytes; returns summary.json's flower section."""
+    summary, rows = deployed(cfg, tmp_path)
+    sim = run(load(cfg), run_dir=tmp_path / "sim").metrics
+    assert summary["status"] == "completed" and len(rows) == len(sim) == cfg["rounds"]
+    for got, want in zip(rows, sim, strict=True):
+        for k, v in want.items():
+            if "wall" not in k:
+                assert got[k] == pytest.approx(v, rel=1e-6, abs=1e-9), (k, got[k], v)
+    fl, ledger = summary["flower"], summary["communication"]
+    assert fl["payload_received"] == ledger["bytes_up"] > 0
+    assert fl["payload_sent"] == ledger["bytes_down"]
+    return fl
+
+
 HIERARCHICAL = {
     "zo_hfl-ball": {"name": "zo_hfl", "constraint": "ball", "radius": 0.5},
     "zo_hfl-box-no-crn": {"name": "zo_hfl", "constraint": "box", "box_low": -0.3, "crn": False},
@@ -90,16 +106,7 @@ def test_hierarchical_runs_deployed_in_process_equal_the_simulation(tmp_path, na
         "algorithm": {"tau": 2, "participation": 0.75, **HIERARCHICAL[name]},
         "local": {"batch_size": 16, "lr": 0.1}, "output": {"progress": False, "plots": False},
     }  # fmt: skip
-    summary, rows = deployed(cfg, tmp_path)
-    sim = run(load(cfg), run_dir=tmp_path / "sim").metrics
-    assert summary["status"] == "completed" and len(rows) == len(sim) == 3
-    for got, want in zip(rows, sim, strict=True):
-        for k, v in want.items():
-            if "wall" not in k:
-                assert got[k] == pytest.approx(v, rel=1e-6, abs=1e-9), (k, got[k], v)
-    fl, ledger = summary["flower"], summary["communication"]
-    assert fl["payload_received"] == ledger["bytes_up"] > 0
-    assert fl["payload_sent"] == ledger["bytes_down"]
+    fl = deployed_equals_simulation(cfg, tmp_path)
     per_client = 2 if name.startswith("zo_hfl") else 1  # ZO-HFL: the + and - solves
     assert fl["jobs"] == 3 * 3 * per_client  # 3 of 4 clients a round
     assert fl["messages"] == 2 * CLIENTS + 2 * fl["jobs"]  # the start-up queries, the jobs and their replies
@@ -119,13 +126,4 @@ def test_centralized_runs_deployed_in_process_equal_the_simulation(tmp_path, nam
         "algorithm": {"name": name, "clients_per_round": 3}, "local": {"steps": 3, "batch_size": 16, "lr": 0.1},
         "output": {"progress": False, "plots": False},
     }  # fmt: skip
-    summary, rows = deployed(cfg, tmp_path)
-    sim = run(load(cfg), run_dir=tmp_path / "sim").metrics
-    assert summary["status"] == "completed" and len(rows) == len(sim) == 2
-    for got, want in zip(rows, sim, strict=True):
-        for k, v in want.items():
-            if "wall" not in k:
-                assert got[k] == pytest.approx(v, rel=1e-6, abs=1e-9), (k, got[k], v)
-    fl, ledger = summary["flower"], summary["communication"]
-    assert fl["payload_received"] == ledger["bytes_up"] > 0
-    assert fl["payload_sent"] == ledger["bytes_down"]
+    deployed_equals_simulation(cfg, tmp_path)

@@ -23,7 +23,7 @@ from fedweave.config import ConfigError
 from fedweave.config import load as load_config
 from fedweave.execution.placement import available_devices, resolve_placement
 from fedweave.registry import ALGORITHMS
-from fedweave.runner import CHECKPOINT, load_checkpoint, resume
+from fedweave.runner import CHECKPOINT, floating_tensors, load_checkpoint, resume
 
 SRC = Path(fedweave.__file__).parent
 HAVE = available_devices()
@@ -36,18 +36,6 @@ def _device_param(kind: str):
 
 
 DEVICES = [_device_param("cpu"), _device_param("cuda"), _device_param("mps")]
-
-
-def _floats(state, path=""):
-    if isinstance(state, torch.Tensor):
-        if state.is_floating_point():
-            yield path, state
-    elif isinstance(state, dict):
-        for k, v in state.items():
-            yield from _floats(v, f"{path}.{k}")
-    elif isinstance(state, list | tuple):
-        for i, v in enumerate(state):
-            yield from _floats(v, f"{path}[{i}]")
 
 
 def _tensors(state):
@@ -83,7 +71,7 @@ def test_every_algorithm_runs_two_rounds_bf16_mixed(name, device, tmp_path):
         sizes, stored = {algo.lc.numel, algo.ls.numel, algo.la.numel}, torch.float32
     else:
         sizes, stored = {algo.layout.numel}, torch.float32
-    rows = {p: t for p, t in _floats(algo.state_dict()) if t.dim() and t.shape[-1] in sizes}
+    rows = {p: t for p, t in floating_tensors(algo.state_dict()) if t.dim() and t.shape[-1] in sizes}
     assert rows, "the algorithm keeps model-sized state"
     wrong = {p: t.dtype for p, t in rows.items() if t.dtype != stored}
     assert not wrong, wrong

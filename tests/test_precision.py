@@ -9,6 +9,7 @@ import torch
 import fedweave
 import fedweave.algorithms  # noqa: F401  (registers the algorithms)
 from fedweave.registry import ALGORITHMS
+from fedweave.runner import floating_tensors
 
 DIGITS = {"name": "digits"}
 
@@ -64,24 +65,12 @@ def family_config(name: str) -> dict:
     }
 
 
-def _floats(state, path=""):
-    if isinstance(state, torch.Tensor):
-        if state.is_floating_point():
-            yield path, state
-    elif isinstance(state, dict):
-        for k, v in state.items():
-            yield from _floats(v, f"{path}.{k}")
-    elif isinstance(state, list | tuple):
-        for i, v in enumerate(state):
-            yield from _floats(v, f"{path}[{i}]")
-
-
 @pytest.mark.parametrize("name", ALGORITHMS.names())
 def test_every_algorithm_runs_two_rounds_in_float64(name, tmp_path):
     cfg = {**family_config(name), "precision": "float64"}
     res = fedweave.run(cfg, run_dir=tmp_path / "r")
     assert res.summary["status"] == "completed" and res.summary["rounds"] == 2
-    floats = dict(_floats(res.algorithm.state_dict()))
+    floats = dict(floating_tensors(res.algorithm.state_dict()))
     assert floats, "the algorithm keeps floating state"
     wrong = {p: t.dtype for p, t in floats.items() if t.dtype != torch.float64}
     assert not wrong, wrong

@@ -9,7 +9,7 @@ import math
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -123,17 +123,17 @@ RESUMABLE_CHANGES = ("rounds", "output", "threads", "eval", "backend", "device",
 RESUMABLE_LOCAL = ("lr", "grad_clip")
 
 
-def _tensors(obj: Any, path: str = ""):
+def floating_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """(path, tensor) for every floating tensor nested in dicts and lists of ``obj``."""
     if isinstance(obj, torch.Tensor):
         if obj.is_floating_point():
             yield path or "state", obj
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _tensors(v, f"{path}.{k}" if path else str(k))
+            yield from floating_tensors(v, f"{path}.{k}" if path else str(k))
     elif isinstance(obj, (list, tuple)):
         for k, v in enumerate(obj):
-            yield from _tensors(v, f"{path}.{k}" if path else str(k))
+            yield from floating_tensors(v, f"{path}.{k}" if path else str(k))
 
 
 def finite_tensors(state: Any) -> set[str]:
@@ -142,11 +142,11 @@ def finite_tensors(state: Any) -> set[str]:
     Taken from the freshly built algorithm, it separates the tensors that must stay finite (models,
     momenta, control variates) from those that use NaN/Inf as a marker (e.g. 'no loss tracked yet').
     """
-    return {p for p, t in _tensors(state) if bool(torch.isfinite(t).all())}
+    return {p for p, t in floating_tensors(state) if bool(torch.isfinite(t).all())}
 
 
 def _diverged(state: Any, must_be_finite: set[str] | None) -> str | None:
-    for p, t in _tensors(state):
+    for p, t in floating_tensors(state):
         if (must_be_finite is None or p in must_be_finite) and not bool(torch.isfinite(t).all()):
             return p
     return None
@@ -217,7 +217,7 @@ def _check_resumable(saved: dict[str, Any], now: dict[str, Any], path: Path) -> 
 
 
 def _shapes(state: Any) -> dict[str, tuple[int, ...]]:
-    return {p: tuple(t.shape) for p, t in _tensors(state)}
+    return {p: tuple(t.shape) for p, t in floating_tensors(state)}
 
 
 def load_checkpoint(
