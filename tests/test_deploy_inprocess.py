@@ -127,3 +127,17 @@ def test_centralized_runs_deployed_in_process_equal_the_simulation(tmp_path, nam
         "output": {"progress": False, "plots": False},
     }  # fmt: skip
     deployed_equals_simulation(cfg, tmp_path)
+
+
+@pytest.mark.parametrize("precision", ["float64", "bf16-mixed"])
+def test_the_nodes_train_in_the_runs_precision(tmp_path, precision):
+    """A node trains with the run's placement: float64 parameters and data, or bf16 autocast in its forward
+    pass, exactly as the simulation does (the wire carries the run's dtype)."""
+    cfg = {
+        "name": "p", "seed": 2, "rounds": 2, "backend": "loop", "dataset": {"name": "digits"},
+        "precision": precision, "model": {"name": "mlp", "hidden": [16]},
+        "partition": {"name": "dirichlet", "num_clients": CLIENTS, "alpha": 0.5},
+        "algorithm": {"name": "scaffold", "clients_per_round": 3}, "local": {"steps": 3, "batch_size": 16, "lr": 0.1},
+        "output": {"progress": False, "plots": False},
+    }  # fmt: skip
+    deployed_equals_simulation(cfg, tmp_path)

@@ -380,6 +380,18 @@ def test_split_clients_on_their_nodes_equal_the_simulation(tmp_path, method, mod
     through the wire format; FSL_MC/OC: a message per batch, the client kept in the node's files between
     them, its forward pass computed again there) give the simulation's models and metrics bit for bit, and
     the messages carry the ledger's bytes. split_femnist has dropout in both parts: each party's own stream."""
+    split_equals_simulation(tmp_path, SPLIT_RUNS[method], model)
+
+
+@pytest.mark.parametrize("precision", ["float64", "bf16-mixed"])
+@pytest.mark.parametrize("method", ["cse_fsl", "fsl_mc"])
+def test_split_clients_on_their_nodes_compute_in_the_runs_precision(tmp_path, method, precision):
+    """The nodes' client parts (and CSE-FSL's auxiliary net) in float64, or with bf16 autocast, as in the
+    simulation, bit for bit."""
+    split_equals_simulation(tmp_path, SPLIT_RUNS[method], "split_small", precision)
+
+
+def split_equals_simulation(tmp_path, algorithm: dict, model: str, precision: str = "float32") -> None:
     pytest.importorskip("flwr")
     from fedweave.algorithms.base import RunContext, build_algorithm
     from fedweave.deploy import split
@@ -388,7 +400,8 @@ def test_split_clients_on_their_nodes_equal_the_simulation(tmp_path, method, mod
     cfg = load({
         "name": "s", "seed": 4, "rounds": 2, "dataset": {"name": "digits", "as_image": True},
         "partition": {"name": "dirichlet", "num_clients": 4, "alpha": 0.5}, "model": {"name": model, **opts},
-        "algorithm": {**SPLIT_RUNS[method], "clients_per_round": 3}, "local": {"steps": 3, "batch_size": 8, "lr": 0.05},
+        "algorithm": {**algorithm, "clients_per_round": 3}, "local": {"steps": 3, "batch_size": 8, "lr": 0.05},
+        "precision": precision,
     })  # fmt: skip
     sim, deployed = build_algorithm(RunContext(cfg)), build_algorithm(RunContext(cfg))
     nodes = InProcessNodes(json.dumps(cfg.to_dict()), tmp_path)

@@ -34,6 +34,7 @@ from fedweave.deploy.node_state import NodeState, StateMissingError
 from fedweave.deploy.wire import from_records, to_records
 from fedweave.execution import loop
 from fedweave.execution.local import LocalResult, LocalTrainer
+from fedweave.execution.placement import move_tensors
 
 # Error codes of the replies (Flower reserves codes below 100 for itself)
 UNKNOWN_RULE, MALFORMED, WRONG_NODE, STATE_MISSING, STATE_UNWRITABLE, NODE_DATA = 101, 102, 103, 104, 105, 106
@@ -91,6 +92,7 @@ def _trainer(config_json: str, data: str, client: int, num_classes: int | None) 
     return LocalTrainer(
         ctx.model, x, y, own_parts(client, len(x), config.num_clients), config.local, ctx.seeds,
         backend="loop", augment=augment_for(config.local), rounds=config.rounds, loss_fn=ctx.task.loss,
+        placement=ctx.placement,  # the run's device (this node's, under `auto`), dtype and autocast
     )  # fmt: skip
 
 
@@ -139,6 +141,8 @@ def train(msg: Message, context: Context) -> Message:
         return _error(msg, NODE_DATA, f"the node's model has {tr.layout.numel} parameters, the job's start vector "
                       f"{job.start.numel()}: does the node's data have the dataset's input shape?")  # fmt: skip
     tr.local = job.local
+    if tr.placement.device.type != "cpu":  # the wire carries host tensors; the node computes on its device
+        job = move_tensors(job, tr.placement.device)
     if job.step is None:
         res = _run(tr, job, job.rule)
         out, sent = res, {"params": res.params}
@@ -188,7 +192,7 @@ def _run_step(tr: LocalTrainer, job: Job, store: NodeState) -> tuple[LocalResult
     local training, then what it uploads; its new state is written before the reply leaves."""
     step = job.step
     state = store.load(job.client, job.state_round, step.state, job.start)
-    state = {n: t.to(job.start.dtype) for n, t in state.items()}
+    state = {n: t.to(job.start) for n, t in state.items()}  # the start's dtype and device
     res = _run(tr, job, step.rule(state))
     upload, new = step.finish(state, job.start, res)
     store.save(job.client, job.round, new, accepted=job.state_round)

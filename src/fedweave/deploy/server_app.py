@@ -328,7 +328,7 @@ class FlowerTrainer(LocalTrainer):
             mine = rule if len(remote) == len(clients) else reindexed(rule, remote)
             replies = self._send(starts[remote], [clients[k] for k in remote], round, lr, steps, key, rule=mine)
             out = [from_records(r.content) for r in replies]
-            params = torch.stack([t["params"].reshape(-1) for _, t in out])
+            params = torch.stack([t["params"].reshape(-1) for _, t in out]).to(starts)
             parts.append((remote, _result(params, [json.loads(h) for h, _ in out])))
         if here:
             own = [clients[k] for k in here]
@@ -361,8 +361,9 @@ class FlowerTrainer(LocalTrainer):
             replies = self._send(starts[remote], [clients[k] for k in remote], round, lr, steps, key, step=step)
             out = [from_records(r.content) for r in replies]
             names = sorted(out[0][1])
-            upload = {n: torch.stack([t[n].reshape(-1) for _, t in out]) for n in names if n != "params"}
-            params = torch.stack([t["params"].reshape(-1) for _, t in out]) if "params" in names else None
+            # the wire carries host tensors; the server computes on the run's device
+            upload = {n: torch.stack([t[n].reshape(-1) for _, t in out]).to(starts) for n in names if n != "params"}
+            params = torch.stack([t["params"].reshape(-1) for _, t in out]).to(starts) if "params" in names else None
             if params is None:
                 params = step.local_model(starts[remote], upload)
             for k in remote:
@@ -407,10 +408,12 @@ def _merged(parts: list[tuple[list[int], LocalResult]], n: int) -> LocalResult:
 
 
 def _result(params: torch.Tensor, headers: list[dict]) -> LocalResult:
+    """The nodes' replies as the simulation's result: steps and losses beside ``params``, the losses in the
+    run's dtype as the trainer stores them."""
     return LocalResult(
         params,
-        torch.tensor([int(h["steps"]) for h in headers], dtype=torch.long),
-        torch.tensor([float(h["loss"]) for h in headers]),
+        torch.tensor([int(h["steps"]) for h in headers], dtype=torch.long, device=params.device),
+        torch.tensor([float(h["loss"]) for h in headers], dtype=params.dtype, device=params.device),
     )
 
 

@@ -11,16 +11,24 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from fedweave.deploy.jobs import encode_header
 
 
+def _array(t: torch.Tensor) -> Array:
+    t = t.detach().cpu()
+    # numpy has no bfloat16 (the smashed data of a bf16-mixed split run): its bits travel as int16
+    return Array((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy())
+
+
 def to_records(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> RecordDict:
-    arrays = ArrayRecord(array_dict={k: Array(t.detach().cpu().numpy()) for k, t in tensors.items()})
-    return RecordDict({"tensors": arrays, "header": ConfigRecord({"json": encode_header(header)})})
+    arrays = ArrayRecord(array_dict={k: _array(t) for k, t in tensors.items()})
+    bf16 = sorted(k for k, t in tensors.items() if t.dtype == torch.bfloat16)
+    return RecordDict({"tensors": arrays, "header": ConfigRecord({"json": encode_header(header), "bfloat16": bf16})})
 
 
 def from_records(content: RecordDict) -> tuple[str, dict[str, torch.Tensor]]:
     """The JSON header and the tensors of a record dict (KeyError when either is missing)."""
     header = str(content["header"]["json"])
-    arrays = content["tensors"]
-    return header, {k: torch.from_numpy(np.array(a.numpy())) for k, a in arrays.items()}
+    bf16 = set(content["header"].get("bfloat16", []))
+    tensors = {k: torch.from_numpy(np.array(a.numpy())) for k, a in content["tensors"].items()}
+    return header, {k: t.view(torch.bfloat16) if k in bf16 else t for k, t in tensors.items()}
 
 
 def payload_bytes(msg: Any) -> int:

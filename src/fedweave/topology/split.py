@@ -42,6 +42,7 @@ from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.config import ConfigError
 from fedweave.data.augment import augment_for
 from fedweave.execution import LocalTrainer, ParamLayout, evaluate_task
+from fedweave.ledger import nbytes
 from fedweave.models.split import build_split_model
 from fedweave.topology.samplers import make_sampler
 
@@ -343,14 +344,15 @@ class SplitAlgorithm(Algorithm):
             self.ledger.record(r, "client", "fed_server", "aux_model", k * self.la.numel * self.ctx.float_bytes, k)
         self.ledger.store("fed_server", "client_models", k * per * self.ctx.float_bytes)
 
-    def send_smashed(self, r: int, labels: torch.Tensor) -> None:
-        """Client -> main server: one mini-batch of smashed data and its labels."""
-        self.ledger.record(r, "client", "server", "smashed", len(labels) * self.smashed_bytes)
-        self.ledger.record(r, "client", "server", "labels", labels.numel() * labels.element_size())
+    def send_smashed(self, r: int, smashed: torch.Tensor, labels: torch.Tensor) -> None:
+        """Client -> main server: one mini-batch of smashed data (in the dtype the client's forward gave them:
+        bfloat16 under bf16-mixed where its last layer autocasts) and its labels."""
+        self.ledger.record(r, "client", "server", "smashed", nbytes(smashed))
+        self.ledger.record(r, "client", "server", "labels", nbytes(labels))
 
     def send_gradient(self, r: int, grad: torch.Tensor) -> None:
         """Main server -> client: the gradient of the loss with respect to the smashed data."""
-        self.ledger.record(r, "server", "client", "gradient", grad.numel() * grad.element_size())
+        self.ledger.record(r, "server", "client", "gradient", nbytes(grad))
 
     def hold_server_models(self, copies: int) -> None:
         self.server_copies = copies
@@ -490,7 +492,7 @@ class SplitAlgorithm(Algorithm):
     def server_exchange(self, r: int, a: torch.Tensor, y: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The main server's side of one batch of traditional split learning (Fig. 1 step 3): the smashed
         data and labels arrive, the loaded server-side model steps (eq. 11), the gradient goes back."""
-        self.send_smashed(r, y)
+        self.send_smashed(r, a, y)
         loss, g = self.server_step(a, y, lr, want_grad=True)
         self.send_gradient(r, g)
         return loss, g

@@ -150,7 +150,7 @@ class CSEFSL(SplitAlgorithm):
                     up = Upload(k, w, m, a, y, arrival=float(times[m]))
                     delay = 0 if deadline is None else max(math.ceil(up.arrival / deadline) - 1, 0)
                     if delay == 0:
-                        self.send_smashed(r, y)
+                        self.send_smashed(r, a, y)
                         queue.append(up)
                         delivered.add(i)
                     elif late_policy:  # arrives `delay` rounds later (docs/reliability.md)
@@ -174,7 +174,7 @@ class CSEFSL(SplitAlgorithm):
         late_in = [f for f in self.in_flight if f.due == r]  # stragglers' uploads of earlier rounds arrive
         self.in_flight = [f for f in self.in_flight if f.due != r]
         for f in late_in:
-            self.send_smashed(r, f.upload.labels)
+            self.send_smashed(r, f.upload.smashed, f.upload.labels)
             queue.append(f.upload)
             delivered.add(f.client)
         if self.faulty and not delivered:

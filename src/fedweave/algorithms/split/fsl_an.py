@@ -41,7 +41,7 @@ class FSLAN(SplitAlgorithm):
             self.ls.load_(xs_rows[k])
             with self.stream("server_dropout", r, int(i)):
                 for _, _, a, y in ep.uploads:  # every batch's smashed data, in order
-                    self.send_smashed(r, y)
+                    self.send_smashed(r, a, y)
                     server_losses.append(self.server_step(a, y, lr_s)[0])  # copy i, eq. (11)
             losses.extend(ep.losses)
             xc_rows[k], xa_rows[k], xs_rows[k] = ep.xc, ep.xa, self.ls.flatten()
