@@ -54,9 +54,13 @@ class ScaffoldStep(ClientStep):
     def rule(self, state: dict[str, torch.Tensor]) -> LocalRule:
         return ScaffoldRule(state["c"], self.c_global)
 
+    def control(self, c_i: torch.Tensor, start: torch.Tensor, result: LocalResult) -> torch.Tensor:
+        """c_i+ (line 12, option II)."""
+        return option_ii(c_i, self.c_global, start, result.params, result.steps, self.lr)
+
     def finish(self, state, start: torch.Tensor, result: LocalResult):
         c_i, y = state["c"], result.params
-        c_new = option_ii(c_i, self.c_global, start, y, result.steps, self.lr)  # line 12
+        c_new = self.control(c_i, start, result)
         return {"dy": y - start, "dc": c_new - c_i}, {"c": c_new}  # line 13
 
     def local_model(self, start: torch.Tensor, upload: dict[str, torch.Tensor]) -> torch.Tensor:

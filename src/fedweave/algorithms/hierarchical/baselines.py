@@ -26,33 +26,26 @@ import torch
 
 from fedweave.algorithms.base import RunContext
 from fedweave.algorithms.centralized.fedprox import ProxRule
-from fedweave.algorithms.centralized.scaffold import ScaffoldRule
+from fedweave.algorithms.centralized.scaffold import ScaffoldStep
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule, StateStore
-from fedweave.execution.local import PLAIN, ClientStep, LocalResult
+from fedweave.execution.local import PLAIN, LocalResult
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
 from fedweave.topology.hierarchy import HierarchicalAlgorithm, HierarchyHparams
 
 
-class HierScaffoldStep(ClientStep):
+class HierScaffoldStep(ScaffoldStep):
     """SCAFFOLD's client in the hierarchical setting: local steps along grad - c_i + c with the family's step
     schedule, then option II with the sum of the step sizes, c_i+ = c_i - c + (x - y_i) / sum_k eta_k (spec
     §5); it uploads Delta y_i and Delta c_i and keeps c_i+ (in the StateStore in simulation, on its node when
     deployed)."""
 
-    state = ("c",)
-
     def __init__(self, c_global: torch.Tensor, step_sizes_sum: float) -> None:
         self.c_global, self.step_sizes_sum = c_global, float(step_sizes_sum)
 
-    def rule(self, state: dict[str, torch.Tensor]) -> LocalRule:
-        return ScaffoldRule(state["c"], self.c_global)
-
-    def finish(self, state, start: torch.Tensor, result: LocalResult):
-        c_i, y = state["c"], result.params
-        c_new = c_i - self.c_global + (start - y) / self.step_sizes_sum
-        return {"dy": y - start, "dc": c_new - c_i}, {"c": c_new}
+    def control(self, c_i: torch.Tensor, start: torch.Tensor, result: LocalResult) -> torch.Tensor:
+        return c_i - self.c_global + (start - result.params) / self.step_sizes_sum
 
     def local_model(self, start: torch.Tensor, upload: dict[str, torch.Tensor]) -> torch.Tensor:
         return start + upload["dy"]
