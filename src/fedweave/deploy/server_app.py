@@ -327,8 +327,8 @@ class FlowerTrainer(LocalTrainer):
         if remote:
             mine = rule if len(remote) == len(clients) else reindexed(rule, remote)
             replies = self._send(starts[remote], [clients[k] for k in remote], round, lr, steps, key, rule=mine)
-            out = [from_records(r.content) for r in replies]
-            params = torch.stack([t["params"].reshape(-1) for _, t in out]).to(starts)
+            out = [from_records(r.content, starts.device) for r in replies]
+            params = torch.stack([t["params"].reshape(-1) for _, t in out])
             parts.append((remote, _result(params, [json.loads(h) for h, _ in out])))
         if here:
             own = [clients[k] for k in here]
@@ -359,11 +359,10 @@ class FlowerTrainer(LocalTrainer):
         parts, uploads = [], []
         if remote:
             replies = self._send(starts[remote], [clients[k] for k in remote], round, lr, steps, key, step=step)
-            out = [from_records(r.content) for r in replies]
+            out = [from_records(r.content, starts.device) for r in replies]
             names = sorted(out[0][1])
-            # the wire carries host tensors; the server computes on the run's device
-            upload = {n: torch.stack([t[n].reshape(-1) for _, t in out]).to(starts) for n in names if n != "params"}
-            params = torch.stack([t["params"].reshape(-1) for _, t in out]).to(starts) if "params" in names else None
+            upload = {n: torch.stack([t[n].reshape(-1) for _, t in out]) for n in names if n != "params"}
+            params = torch.stack([t["params"].reshape(-1) for _, t in out]) if "params" in names else None
             if params is None:
                 params = step.local_model(starts[remote], upload)
             for k in remote:

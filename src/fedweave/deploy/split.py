@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from fedweave.deploy.jobs import MalformedJobError
-from fedweave.deploy.wire import from_records
+from fedweave.deploy.wire import from_records, on_device
 from fedweave.topology.split import BackpropClient, ClientEpoch, SplitAlgorithm
 
 if TYPE_CHECKING:
@@ -51,8 +51,7 @@ def remote_epochs(clients: FlowerClients, algo: SplitAlgorithm):
             jobs.append((c, header, {"xc": xc[k].reshape(1, -1), "xa": xa[k].reshape(1, -1)}))
         out = []
         for reply in clients.run_jobs(int(r), jobs):
-            header, tensors = from_records(reply.content)
-            tensors = {n: v.to(algo.ctx.device) for n, v in tensors.items()}  # to the servers' device
+            header, tensors = from_records(reply.content, algo.ctx.device)
             out.append(decode_epoch(json.loads(header), tensors))
         return out
 
@@ -83,8 +82,7 @@ class RemoteSession:
             jobs.append((self.chosen[k], header, tensors))
         out = {}
         for k, reply in zip(grads, self.fl.run_jobs(self.r, jobs), strict=True):
-            _, t = from_records(reply.content)
-            t = {n: v.to(self.algo.ctx.device) for n, v in t.items()}  # to the main server's device
+            _, t = from_records(reply.content, self.algo.ctx.device)
             if "xc" in t:  # its batches are done: its model
                 self.final[k] = t["xc"].reshape(-1)
             else:
@@ -150,7 +148,7 @@ def node_algorithm(config_json: str, data: str | None, client: int, num_classes:
 def run_epoch(h: dict, t: dict[str, torch.Tensor], config_json: str, data: str | None, client: int):
     """The node's side of a CSE-FSL or FSL_AN job: the client's epoch from the fed server's models."""
     algo = node_algorithm(config_json, data, client, int(h["num_classes"]))
-    t = {k: v.to(algo.ctx.device) for k, v in t.items()}  # host tensors off the wire, to the node's device
+    t = on_device(t, algo.ctx.device)
     lrs = tuple(float(v) for v in h["lrs"])
     ep = algo.client_epoch(int(h["round"]), client, t["xc"].reshape(-1), t["xa"].reshape(-1), lrs,
                            int(h["start"]), int(h["period"]), int(h["seg"]))  # fmt: skip
@@ -163,7 +161,7 @@ def run_turn(h: dict, t: dict[str, torch.Tensor], config_json: str, data: str | 
     exchange) takes the server's gradient and sends its next smashed batch, or its model when done."""
     algo = node_algorithm(config_json, data, client, int(h["num_classes"]))
     r, batch = int(h["round"]), int(h["batch"])
-    t = {k: v.to(algo.ctx.device) for k, v in t.items()}  # host tensors off the wire, to the node's device
+    t = on_device(t, algo.ctx.device)
     if "grad" in t:
         kept = store.load_turn(client, r)
         c = BackpropClient(client, r, kept["xc"].to(algo.ctx.device), kept["rng"], int(kept["batch"]), sent=True)

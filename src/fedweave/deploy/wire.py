@@ -23,12 +23,19 @@ def to_records(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Reco
     return RecordDict({"tensors": arrays, "header": ConfigRecord({"json": encode_header(header), "bfloat16": bf16})})
 
 
-def from_records(content: RecordDict) -> tuple[str, dict[str, torch.Tensor]]:
-    """The JSON header and the tensors of a record dict (KeyError when either is missing)."""
+def on_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Tensors off the wire (host memory) on the device that computes with them."""
+    return {k: t.to(device) for k, t in tensors.items()}
+
+
+def from_records(content: RecordDict, device: torch.device | None = None) -> tuple[str, dict[str, torch.Tensor]]:
+    """The JSON header and the tensors of a record dict (KeyError when either is missing), the tensors on
+    ``device`` when one is given (else in host memory)."""
     header = str(content["header"]["json"])
     bf16 = set(content["header"].get("bfloat16", []))
     tensors = {k: torch.from_numpy(np.array(a.numpy())) for k, a in content["tensors"].items()}
-    return header, {k: t.view(torch.bfloat16) if k in bf16 else t for k, t in tensors.items()}
+    tensors = {k: t.view(torch.bfloat16) if k in bf16 else t for k, t in tensors.items()}
+    return header, tensors if device is None else on_device(tensors, device)
 
 
 def payload_bytes(msg: Any) -> int:
