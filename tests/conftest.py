@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +12,30 @@ from torch import nn
 
 from fedweave.data.base import Dataset
 from fedweave.registry import DATASETS, MODELS
+
+# The optional extras some tests exercise: module -> the extra that installs it. `make test` installs them all
+# and names them in FEDWEAVE_TEST_EXTRAS, so that a missing one fails the run instead of skipping its tests.
+OPTIONAL_MODULES = {"ray": "ray", "flwr": "flower", "tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    wanted = set(filter(None, os.environ.get("FEDWEAVE_TEST_EXTRAS", "").split(",")))
+    missing = [f"{m} (fedweave[{x}])" for m, x in OPTIONAL_MODULES.items() if x in wanted and not importlib.util.find_spec(m)]
+    if missing:
+        raise pytest.UsageError(f"FEDWEAVE_TEST_EXTRAS asks for {', '.join(missing)}, not installed: run `make test`")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """A test that imports an optional extra which is not installed skips, naming the extra to install."""
+    try:
+        return (yield)
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top in OPTIONAL_MODULES:
+            pytest.skip(f"{top} is not installed (pip install 'fedweave[{OPTIONAL_MODULES[top]}]')")
+        raise
+
 
 # Test workloads are tiny: one intra-op thread is as fast and avoids thread oversubscription when several
 # processes share the cores.
