@@ -30,6 +30,7 @@ import pytest
 
 pytest.importorskip("flwr")
 
+from fedweave.callbacks import Callback  # noqa: E402
 from fedweave.config import load  # noqa: E402
 from fedweave.deploy.node_data import export_clients  # noqa: E402
 from fedweave.deploy.project import write_app  # noqa: E402
@@ -197,16 +198,18 @@ def simulated(cfg: dict, tmp_path: Path, dropped: dict[str, list[int]] | None = 
     (1-based), as ``faults.dropout`` would decide."""
     gone = {int(r) - 1: c for r, c in (dropped or {}).items()}
 
-    def drop(algo) -> None:
-        reporting = algo.reporting
+    class Drop(Callback):
+        def on_build(self, run_state) -> None:
+            algo = run_state.algo
+            reporting = algo.reporting
 
-        def without(r, clients):
-            kept = reporting(r, clients)
-            return kept[~np.isin(kept, gone.get(r, []))]
+            def without(r, clients):
+                kept = reporting(r, clients)
+                return kept[~np.isin(kept, gone.get(r, []))]
 
-        algo.reporting = without
+            algo.reporting = without
 
-    return run(load(cfg), run_dir=tmp_path / "sim", prepare=drop if gone else None).metrics
+    return run(load(cfg), run_dir=tmp_path / "sim", callbacks=[Drop()] if gone else ()).metrics
 
 
 def assert_same_metrics(rows: list[dict], sim: list[dict]) -> None:

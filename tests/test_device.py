@@ -18,12 +18,13 @@ from test_precision import family_config  # the tiny two-round config of every f
 import fedweave
 import fedweave.algorithms  # noqa: F401  (registers the algorithms)
 from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.checkpoints import CHECKPOINT, floating_tensors, load_checkpoint
 from fedweave.cli import main
 from fedweave.config import ConfigError
 from fedweave.config import load as load_config
 from fedweave.execution.placement import available_devices, resolve_placement
 from fedweave.registry import ALGORITHMS
-from fedweave.runner import CHECKPOINT, floating_tensors, load_checkpoint, resume
+from fedweave.runner import resume
 
 SRC = Path(fedweave.__file__).parent
 HAVE = available_devices()

@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 import fedweave
+from fedweave.checkpoints import CHECKPOINT
 from fedweave.cli import main as cli_main
 from fedweave.experiments import GridError, expand, parse_grid
 from fedweave.experiments.aggregate import mean_std
-from fedweave.runner import CHECKPOINT
 
 # scikit-learn's bundled digits need no network, so a sweep in a subprocess can load them
 DIGITS = {

@@ -8,8 +8,8 @@ import time
 import pytest
 
 import fedweave
+from fedweave.callbacks.trackers import Trackers
 from fedweave.config import ConfigError
-from fedweave.experiments.trackers import Trackers
 
 
 def _same(pairs, rows):

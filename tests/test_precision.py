@@ -8,8 +8,8 @@ import torch
 
 import fedweave
 import fedweave.algorithms  # noqa: F401  (registers the algorithms)
+from fedweave.checkpoints import floating_tensors
 from fedweave.registry import ALGORITHMS
-from fedweave.runner import floating_tensors
 
 DIGITS = {"name": "digits"}
 

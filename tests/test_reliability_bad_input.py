@@ -26,10 +26,11 @@ import yaml
 
 import fedweave
 import fedweave.algorithms  # noqa: F401  (registers the algorithms)
+from fedweave.checkpoints import CHECKPOINT
 from fedweave.cli import main as cli_main
 from fedweave.config import ConfigError, load
+from fedweave.errors import DivergenceError
 from fedweave.registry import ALGORITHMS
-from fedweave.runner import CHECKPOINT, DivergenceError
 
 BASE = {
     "name": "bad",
@@ -595,7 +596,7 @@ def test_a_blow_up_within_round_1_is_caught_against_the_initial_model(tmp_path):
 
 
 def test_the_explosion_check_can_be_switched_off():
-    from fedweave.runner import _check_explosion
+    from fedweave.callbacks.builtin import check_explosion as _check_explosion
 
     first: dict[str, float] = {}
     _check_explosion({"test_loss": 2.0}, first, 0, 10.0)

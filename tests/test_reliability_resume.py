@@ -16,11 +16,12 @@ import yaml
 
 import fedweave
 from fedweave.algorithms.centralized.fedavg import FedAvg
+from fedweave.checkpoints import CHECKPOINT, save_checkpoint
 from fedweave.cli import main as cli_main
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
 from fedweave.results import read_metrics
-from fedweave.runner import CHECKPOINT, DivergenceError, resume, save_checkpoint
+from fedweave.runner import DivergenceError, resume
 
 # A real dataset that needs no network (scikit-learn's bundled digits), so a subprocess can load it.
 DIGITS = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "run", "Result", "sweep", "SweepResult"]
+__all__ = ["__version__", "run", "Result", "sweep", "SweepResult", "Callback", "RunState"]
 
 
 def __getattr__(name: str):  # lazy: `import fedweave` stays cheap, torch loads on first use
@@ -12,4 +12,8 @@ def __getattr__(name: str):  # lazy: `import fedweave` stays cheap, torch loads 
         from fedweave import api
 
         return getattr(api, name)
+    if name in ("Callback", "RunState"):
+        from fedweave import callbacks
+
+        return getattr(callbacks, name)
     raise AttributeError(name)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from torch import nn
 
+from fedweave.callbacks import Callback
 from fedweave.config import RunConfig, Section
 from fedweave.config import load as load_config
 from fedweave.experiments import SweepResult, sweep
@@ -31,6 +32,7 @@ def run(
     progress: bool | None = None,
     on_divergence: Literal["raise", "return"] = "raise",
     overwrite: bool = False,
+    callbacks: Sequence[Callback] = (),
 ) -> Result:
     """Run one experiment. ``config`` is a YAML path (or ``"example:NAME"``), a dict, or a
     :class:`RunConfig`; ``overrides`` are ``key=value`` strings such as ``"local.lr=0.1"``.
@@ -43,7 +45,8 @@ def run(
 
     A run that meets NaN or Inf stops with ``status: diverged`` in its summary and raises ``DivergenceError``,
     or with ``on_divergence="return"`` returns its Result (for sweeps). A run directory that already holds a
-    run is refused unless ``overwrite=True``."""
+    run is refused unless ``overwrite=True``. ``callbacks``: your own :class:`fedweave.Callback` objects,
+    called after the run's own (progress, divergence guard, checkpoints, ...; see :mod:`fedweave.callbacks`)."""
     from fedweave.byo import RunObjects, as_dataset
 
     cfg = copy.deepcopy(config) if isinstance(config, RunConfig) else load_config(config, overrides)
@@ -57,5 +60,11 @@ def run(
         if loss is not None:
             cfg.task.loss = PYTHON
     return run_resolved(
-        cfg, run_dir=run_dir, progress=progress, on_divergence=on_divergence, overwrite=overwrite, objects=objects
+        cfg,
+        run_dir=run_dir,
+        progress=progress,
+        on_divergence=on_divergence,
+        overwrite=overwrite,
+        objects=objects,
+        callbacks=callbacks,
     )

@@ -202,7 +202,7 @@ class OutputConfig:
     checkpoint_every: int = 0  # rounds; 0 = never
     plots: bool = True
     progress: bool = True
-    trackers: list[str] = field(default_factory=list)  # tensorboard, mlflow, wandb (fedweave.experiments.trackers)
+    trackers: list[str] = field(default_factory=list)  # tensorboard, mlflow, wandb (fedweave.callbacks.trackers)
 
     def validate(self) -> None:
         if self.checkpoint_every < 0:

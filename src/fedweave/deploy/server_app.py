@@ -23,16 +23,17 @@ from flwr.app import Context, Message
 from flwr.serverapp import Grid, ServerApp
 
 from fedweave.algorithms.base import Algorithm
+from fedweave.callbacks import Callback, RunState
 from fedweave.config import ConfigError
 from fedweave.config import load as load_config
 from fedweave.deploy import split
 from fedweave.deploy.jobs import encode_job
 from fedweave.deploy.node_state import INITIAL
 from fedweave.deploy.wire import from_records, payload_bytes, to_records, wire_bytes
+from fedweave.errors import RunStopped
 from fedweave.execution.local import LR, ClientStep, LocalResult, LocalRule, LocalTrainer, reindexed
 from fedweave.execution.state import StateStore
 from fedweave.results import atomic_write
-from fedweave.runner import RunStopped
 
 log = logging.getLogger("fedweave")
 POLICIES = ("stop", "drop")
@@ -60,7 +61,7 @@ def _digest(header: dict, tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-class FlowerClients:
+class FlowerClients(Callback):
     """The run's clients as SuperNodes: which node holds which client, the replies of the round, the
     version of each client's state the server accepted, and the bytes exchanged."""
 
@@ -196,9 +197,12 @@ class FlowerClients:
         return [self.replies[k] for k in keys]
 
     # ---- the algorithm ---------------------------------------------------------------------------
+    def on_build(self, run: RunState) -> None:
+        """The run's callback: attach its algorithm before anything is written."""
+        self.attach(run.algo)
+
     def attach(self, algo: Algorithm) -> None:
-        """Make ``algo``'s local trainer send its jobs to the nodes and apply the error policy to its rounds
-        (runner ``prepare`` hook)."""
+        """Make ``algo``'s local trainer send its jobs to the nodes and apply the error policy to its rounds."""
         if algo.family == "split":  # the clients' side of each method on their nodes
             if self.on_error == "drop":
                 raise DeploymentError("on-error drop is not built for the split family yet; use on-error stop")
@@ -433,7 +437,7 @@ def main(grid: Grid, context: Context) -> None:
     )
     run_dir = str(rc.get("run-dir", "")) or None
     try:
-        result = runner.run(config, run_dir=run_dir, prepare=clients.attach, progress=False)
+        result = runner.run(config, run_dir=run_dir, callbacks=[clients], progress=False)
         out = Path(result.run_dir)
     except DeploymentError as e:  # before the first round: nothing was written
         log.error("fedweave run not started: %s", e)

@@ -1,7 +1,7 @@
-"""Experiment trackers (TensorBoard, MLflow, Weights & Biases) behind one small callback interface.
+"""Experiment trackers (TensorBoard, MLflow, Weights & Biases), called by the run's :class:`TrackerCallback`.
 
-The runner calls ``start`` once, ``log_metrics`` for every metric row and ``finish`` with the summary and the
-plots. Each tracker logs the resolved config, every row (stepped by round, and by total bytes), the ledger's
+Each tracker is started once, gets ``log_metrics`` for every metric row and ``finish`` with the summary and
+the plots. Each tracker logs the resolved config, every row (stepped by round, and by total bytes), the ledger's
 totals per transfer kind and the final summary. Everything stays local by default: MLflow writes a file store
 and W&B an offline run, both inside the run directory. A run inside a sweep directory is grouped by that sweep.
 """
@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fedweave.callbacks import Callback
 from fedweave.config import ConfigError
 
 _EXTRA = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
@@ -162,3 +163,22 @@ class Trackers:
     def finish(self, summary: dict[str, Any], artifacts: list[Path]) -> None:
         for t in self.items:
             t.finish(summary, artifacts)
+
+
+class TrackerCallback(Callback):
+    """The run's ``output.trackers``: started with the run, every recorded row logged, finished with the
+    summary and the plots."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.trackers: Trackers | None = None
+
+    def on_start(self, run):
+        self.trackers = Trackers(self.names, run.config.to_dict(), run.path)
+
+    def on_row(self, run, row):
+        self.trackers.log_metrics(row)
+
+    def on_end(self, run, summary):
+        if summary is not None and self.trackers is not None:
+            self.trackers.finish(summary, sorted(run.path.glob("*.png")))

@@ -1,0 +1,229 @@
+"""The built-in callbacks: the progress bar, the divergence guard, checkpoints, the partition report, plots,
+trackers, and stopping at a target or a budget."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import TYPE_CHECKING, Any
+
+from fedweave.callbacks import Callback
+from fedweave.errors import DivergenceError
+
+if TYPE_CHECKING:
+    from fedweave.config import RunConfig
+
+
+def check_finite(values: dict[str, Any], r: int, what: str) -> None:
+    """Raise :class:`DivergenceError` naming round ``r`` (0-based) when a float in ``values`` is NaN or Inf."""
+    bad = {k: v for k, v in values.items() if isinstance(v, float) and not math.isfinite(v)}
+    if bad:
+        raise DivergenceError(
+            f"round {r + 1}: {what} is not finite ({', '.join(f'{k}={v}' for k, v in bad.items())}); "
+            "the run stopped. Lower local.lr or enable local.grad_clip."
+        )
+
+
+def check_explosion(values: dict[str, Any], first: dict[str, float], r: int, factor: float | None) -> None:
+    """A loss far above its first value means the run has blown up, long before it overflows to Inf."""
+    if factor is None:
+        return
+    for key, v in values.items():
+        if not key.endswith("loss") or not isinstance(v, float):
+            continue
+        if v > 0:
+            first.setdefault(key, v)  # the first positive value (a round nobody reported may give 0)
+        base = first.get(key)
+        if base is not None and v > factor * base:
+            raise DivergenceError(
+                f"round {r + 1}: {key} = {v:.4g} exploded (over eval.explode_factor = {factor:g} times its first "
+                f"value {base:.4g}); the run stopped."
+            )
+
+
+class DivergenceGuard(Callback):
+    """NaN or Inf in a training or evaluation metric, or a loss above ``explode_factor`` times its first
+    positive value, ends the run as ``diverged`` before the bad row is recorded (docs/reliability.md)."""
+
+    def __init__(self, explode_factor: float | None) -> None:
+        self.factor = explode_factor
+        self.first: dict[str, float] = {}
+
+    def on_start(self, run):
+        self.first = {}
+        for row in run.rows:  # a resumed run's reference: the first losses it reported
+            self._remember(row)
+
+    def _remember(self, row: dict[str, Any]) -> None:
+        for k, v in row.items():
+            if k.endswith("loss") and isinstance(v, float) and v > 0:
+                self.first.setdefault(k, v)
+
+    def after_training(self, run, r, metrics):
+        check_finite(metrics, r, "a training metric")
+        check_explosion(metrics, self.first, r, self.factor)
+
+    def on_evaluation(self, run, r, values):
+        if r < 0:  # the initial model: its losses are the reference, not checked against one
+            check_finite(values, r, "an evaluation metric of the initial model")
+            return
+        check_finite(values, r, "an evaluation metric")
+        check_explosion(values, self.first, r, self.factor)
+
+    def on_row(self, run, row):
+        self._remember(row)  # the initial model's row (eval.at_start) sets the reference
+
+
+class ProgressBar(Callback):
+    """A tqdm bar on stderr: rounds, the main metric and the bytes sent."""
+
+    def __init__(self) -> None:
+        self.bar = None
+
+    def on_start(self, run):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=run.config.rounds, initial=run.start_round, unit="round", dynamic_ncols=True,
+                        file=sys.stderr)  # fmt: skip
+
+    def on_row(self, run, row):
+        if self.bar is None or row["round"] == 0:
+            return
+        main = run.ctx.task.main_key
+        post = {main.removeprefix("test_"): f"{row[main]:.4g}"} if main in row else {}
+        post["sent"] = f"{row['bytes_total'] / 2**20:.1f}MiB"
+        self.bar.set_postfix(post, refresh=False)
+
+    def on_round_end(self, run, r):
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def on_end(self, run, summary):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class Checkpointer(Callback):
+    """``checkpoint.pt`` after every ``every`` rounds and after the last (docs/reliability.md): only states
+    whose tensors that were finite when the algorithm was built are still finite are written."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.must_be_finite: set[str] = set()
+        self.verified = False
+
+    def on_build(self, run):
+        from fedweave.checkpoints import finite_tensors
+
+        self.must_be_finite = finite_tensors(run.algo.state_dict())  # before a checkpoint's state is loaded
+
+    def on_round_end(self, run, r):
+        if not ((r + 1) % self.every == 0 or run.is_last(r)):
+            return
+        from fedweave.checkpoints import save_checkpoint
+        from fedweave.memory import cpu_seconds
+
+        extra = {"config": run.config.to_dict(), "skipped_rounds": run.skipped}
+        extra["cpu_seconds"] = cpu_seconds() - run.cpu0
+        save_checkpoint(run.out, run.algo, r + 1, run.wall(), extra=extra, verify=not self.verified,
+                        must_be_finite=self.must_be_finite)  # fmt: skip
+        self.verified = True
+        run.last_checkpoint = r + 1
+        run.callbacks.on_checkpoint(run, r + 1)
+
+
+class PartitionReport(Callback):
+    """A new run that partitioned a dataset writes how the classes (or target bins) fell to the clients."""
+
+    def on_start(self, run):
+        ctx = run.ctx
+        if "partition" not in ctx.__dict__ or run.resumed:
+            return
+        from fedweave.data.report import write_partition_report
+
+        ds = ctx.dataset
+        labels = ctx.label_view(ds.train_y.numpy())  # float targets: their quantile bins
+        floats = ds.train_y.is_floating_point()
+        edges = ctx.target_bin_edges() if floats else None
+        classes = len(edges) + 1 if floats else ds.num_classes
+        write_partition_report(ctx.partition, labels, classes, run.path, plot=run.config.output.plots, bin_edges=edges)
+
+
+class Plots(Callback):
+    """The run's curves as PNG files once it ends (``output.plots``)."""
+
+    def on_end(self, run, summary):
+        if summary is not None and run.rows:
+            from fedweave.plots import plot_runs
+
+            plot_runs([run.path], run.path, metric=summary["main_metric"] or "test_loss")
+
+
+class StopAtTarget(Callback):
+    """End the run after the first evaluated round whose ``metric`` reaches ``target`` (at least it, or at
+    most it for a metric where lower is better: the task's direction for its main metric, else
+    ``direction``)."""
+
+    def __init__(self, metric: str, target: float, direction: str | None = None) -> None:
+        if direction not in (None, "max", "min"):
+            raise ValueError(f"StopAtTarget: direction must be 'max' or 'min', got {direction!r}")
+        self.metric, self.target, self.direction = metric, float(target), direction
+        self.reached: int | None = None
+
+    def on_start(self, run):
+        if self.direction is None:
+            main = run.ctx.task.main_key
+            if self.metric != main:
+                raise ValueError(
+                    f"StopAtTarget: give direction='max' or 'min' for {self.metric!r} (the task's main metric, "
+                    f"whose direction is known, is {main!r})"
+                )
+            self.direction = run.ctx.task.direction
+
+    def on_row(self, run, row):
+        v = row.get(self.metric)
+        if self.reached is not None or row["round"] == 0 or not isinstance(v, (int, float)):
+            return
+        if (v >= self.target) if self.direction == "max" else (v <= self.target):
+            self.reached = row["round"]
+
+    def after_round(self, run, r):
+        if self.reached is not None:
+            return f"{self.metric} reached {self.target:g} at round {self.reached}"
+        return None
+
+
+class Budget(Callback):
+    """End the run once it has used ``seconds`` of wall time (a resumed run's earlier time included) or run
+    ``rounds`` rounds in this process, whichever comes first."""
+
+    def __init__(self, seconds: float | None = None, rounds: int | None = None) -> None:
+        if seconds is None and rounds is None:
+            raise ValueError("Budget: give seconds, rounds or both")
+        self.seconds, self.rounds = seconds, rounds
+
+    def after_round(self, run, r):
+        if self.seconds is not None and run.wall() >= self.seconds:
+            return f"the time budget of {self.seconds:g} s is spent"
+        if self.rounds is not None and r + 1 - run.start_round >= self.rounds:
+            return f"the budget of {self.rounds} rounds is spent"
+        return None
+
+
+def default_callbacks(config: RunConfig, progress: bool | None = None) -> list[Callback]:
+    """The callbacks a config asks for, in the order they are called: the divergence guard first (a bad row
+    is never recorded), checkpoints before the progress bar moves, plots before the trackers upload them."""
+    out: list[Callback] = [DivergenceGuard(config.eval.explode_factor)]
+    if config.output.checkpoint_every:
+        out.append(Checkpointer(config.output.checkpoint_every))
+    if config.output.progress if progress is None else progress:
+        out.append(ProgressBar())
+    out.append(PartitionReport())
+    if config.output.plots:
+        out.append(Plots())
+    if config.output.trackers:
+        from fedweave.callbacks.trackers import TrackerCallback
+
+        out.append(TrackerCallback(config.output.trackers))
+    return out

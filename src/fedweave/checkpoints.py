@@ -1,0 +1,188 @@
+"""Checkpoints: the state after a round, written atomically and read back safely (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedweave.algorithms.base import Algorithm, RunContext
+from fedweave.config import ConfigError, RunConfig
+from fedweave.config import load as load_config
+from fedweave.errors import CheckpointError, DivergenceError
+from fedweave.execution.placement import move_tensors
+from fedweave.results import RunDir, atomic_write
+
+CHECKPOINT = "checkpoint.pt"
+# Config keys a resumed run may change: how long it runs, how it reports, which backend and device (the
+# checkpoint is device-independent); not what it computes.
+RESUMABLE_CHANGES = ("rounds", "output", "threads", "eval", "backend", "device", "memory")
+# ...and these change what it computes from the resumed round on (a smaller lr after a divergence, say).
+RESUMABLE_LOCAL = ("lr", "grad_clip")
+
+
+def floating_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every floating tensor nested in dicts and lists of ``obj``."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point():
+            yield path or "state", obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from floating_tensors(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for k, v in enumerate(obj):
+            yield from floating_tensors(v, f"{path}.{k}" if path else str(k))
+
+
+def finite_tensors(state: Any) -> set[str]:
+    """Paths of the floating tensors of ``state`` that hold no NaN or Inf.
+
+    Taken from the freshly built algorithm, it separates the tensors that must stay finite (models,
+    momenta, control variates) from those that use NaN/Inf as a marker (e.g. 'no loss tracked yet').
+    """
+    return {p for p, t in floating_tensors(state) if bool(torch.isfinite(t).all())}
+
+
+def _diverged(state: Any, must_be_finite: set[str] | None) -> str | None:
+    for p, t in floating_tensors(state):
+        if (must_be_finite is None or p in must_be_finite) and not bool(torch.isfinite(t).all()):
+            return p
+    return None
+
+
+def save_checkpoint(
+    run: RunDir,
+    algo: Algorithm,
+    next_round: int,
+    wall: float,
+    *,
+    extra: dict[str, Any] | None = None,
+    verify: bool = False,
+    must_be_finite: set[str] | None = None,
+) -> None:
+    """Write the state after round ``next_round - 1`` atomically (temp file + rename).
+
+    A state whose tensors ``must_be_finite`` (paths; default: all) hold NaN/Inf is never written (it
+    raises :class:`DivergenceError`), so the checkpoint on disk is always the last good one. With
+    ``verify`` the bytes are read back with ``weights_only=True`` first, so a state that could not be
+    resumed fails now rather than at resume time.
+    """
+    algo_state = algo.state_dict()
+    bad = _diverged(algo_state, must_be_finite)
+    if bad:
+        raise DivergenceError(
+            f"round {next_round}: the algorithm state '{bad}' is not finite; the run stopped before "
+            "checkpointing it. Lower local.lr or enable local.grad_clip."
+        )
+    state = {
+        "next_round": next_round,
+        "wall_seconds": wall,
+        "algorithm": move_tensors(algo_state, torch.device("cpu")),  # device-independent: host tensors only
+        "ledger": algo.ledger.state_dict(),
+        "rows": run.rows,
+        **(extra or {}),
+    }
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data = buf.getvalue()
+    if verify:
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as e:  # an object torch's safe loader refuses (e.g. a numpy array or a class)
+            raise TypeError(
+                f"algorithm '{algo.name}': its state_dict() holds an object torch.load(weights_only=True) "
+                f"refuses, so the run could not be resumed; keep tensors, numbers, strings, lists and dicts "
+                f"only ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            ) from e
+    atomic_write(run.path / CHECKPOINT, data)
+
+
+def _check_resumable(saved: dict[str, Any], now: dict[str, Any], path: Path) -> None:
+    def local(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in d.get("local", {}).items() if k not in RESUMABLE_LOCAL}
+
+    changed = sorted(
+        k
+        for k in set(saved) | set(now)
+        if k not in RESUMABLE_CHANGES and (local(saved) != local(now) if k == "local" else saved.get(k) != now.get(k))
+    )
+    if changed:
+        allowed = ", ".join([*RESUMABLE_CHANGES, *(f"local.{k}" for k in RESUMABLE_LOCAL)])
+        raise ConfigError(
+            f"{path / 'config.yaml'}: {', '.join(changed)} changed since the checkpoint was written; a resumed "
+            f"run may change only {allowed}. Start a new run instead"
+        )
+
+
+def _shapes(state: Any) -> dict[str, tuple[int, ...]]:
+    return {p: tuple(t.shape) for p, t in floating_tensors(state)}
+
+
+def load_checkpoint(
+    path: Path, algo: Algorithm, config: RunConfig, device: torch.device | str = "cpu"
+) -> dict[str, Any]:
+    """Read and check ``path/checkpoint.pt`` against the freshly built ``algo``, its tensors mapped to
+    ``device`` (the run's, whichever device wrote it): every problem is one :class:`CheckpointError`
+    naming the file, never a traceback from deep inside torch."""
+    file = path / CHECKPOINT
+    if not file.is_file():
+        raise CheckpointError(f"{file} not found: the run has no checkpoint to resume from")
+    try:
+        ckpt = torch.load(file, weights_only=True, map_location=device)
+    except Exception as e:  # truncated, empty, not a torch file, or objects the safe loader refuses
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            first = "it holds objects other than tensors and plain data"
+        raise CheckpointError(f"{file} is not a readable fedweave checkpoint and was not loaded ({first[:200]})") from e
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"{file} is not a fedweave checkpoint (it holds a {type(ckpt).__name__}, not a mapping)")
+    missing = [k for k in ("next_round", "wall_seconds", "algorithm", "ledger", "rows") if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{file} is not a complete fedweave checkpoint (missing {', '.join(missing)})")
+    nxt = ckpt["next_round"]
+    if not isinstance(nxt, int) or isinstance(nxt, bool) or not 0 <= nxt <= config.rounds:
+        raise CheckpointError(
+            f"{file}: next_round must be a round in [0, {config.rounds}] (the config's rounds), got {nxt!r}"
+        )
+    if not isinstance(ckpt["rows"], list) or not isinstance(ckpt["algorithm"], dict):
+        raise CheckpointError(f"{file} is damaged: 'rows' must be a list and 'algorithm' a mapping")
+    want, got = _shapes(algo.state_dict()), _shapes(ckpt["algorithm"])
+    for p, shape in want.items():
+        if p in got and got[p] != shape:
+            raise CheckpointError(
+                f"{file}: the algorithm state '{p}' has shape {list(got[p])} but this run's is {list(shape)}; "
+                "it was written by a different model or population"
+            )
+    absent = [k for k in algo.state_dict() if k not in ckpt["algorithm"]]
+    if absent:
+        raise CheckpointError(f"{file}: the algorithm state lacks {', '.join(map(repr, absent))}")
+    return ckpt
+
+
+def restore_checkpoint(path: Path, algo: Algorithm, ctx: RunContext) -> dict[str, Any]:
+    """Load ``path``'s checkpoint into the freshly built ``algo`` and the run's ledger, after checking that
+    it belongs to this run (:func:`load_checkpoint`) and that the config changed only where a resumed run may
+    change it; the checkpoint's contents are returned (rows, next round, bookkeeping)."""
+    config = ctx.config
+    ckpt = load_checkpoint(path, algo, config, ctx.device)
+    if "config" in ckpt:
+        # re-resolved, so keys added to the config schema since then (with their defaults) are no change
+        saved = load_config(ckpt["config"])
+        _check_resumable(saved.to_dict(), config.to_dict(), path)
+        if config.rounds != saved.rounds and (
+            config.local.lr_schedule == "cosine" or getattr(algo, "uses_total_rounds", False)
+        ):
+            why = "local.lr_schedule is cosine" if config.local.lr_schedule == "cosine" else algo.name
+            raise ConfigError(
+                f"rounds: cannot change from {saved.rounds} to {config.rounds} on resume because the "
+                f"schedule depends on the total ({why}); start a new run with rounds={config.rounds}"
+            )
+    try:
+        algo.load_state_dict(ckpt["algorithm"])
+        ctx.ledger.load_state_dict(ckpt["ledger"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path / CHECKPOINT} does not fit this run ({type(e).__name__}: {e})") from e
+    return ckpt

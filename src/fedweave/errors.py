@@ -1,0 +1,30 @@
+"""How a run can end other than by completing: the exceptions the runner, its callbacks and the command line
+share (the command line turns each into one line and an exit status)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class DivergenceError(RuntimeError):
+    """Training produced NaN or Inf, or its loss exploded; the run stopped and kept its last good results."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped the run; ``summary.json`` says ``status: interrupted``."""
+
+    def __init__(self, message: str, signal_name: str = "SIGINT") -> None:
+        super().__init__(message)
+        self.signal_name = signal_name
+
+
+class RunStopped(RuntimeError):
+    """The run's execution ended it early for a reason outside the algorithm (a deployed client failed under
+    the deployment's ``stop`` policy): the results so far are written with ``status: stopped`` into
+    ``run_dir`` (set when the runner re-raises it)."""
+
+    run_dir: Path | None = None
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is damaged or not this run's; the message names the file and what is wrong."""
