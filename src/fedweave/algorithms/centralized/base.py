@@ -1,4 +1,4 @@
-"""The star topology: one server, many clients, partial participation (the centralized family's base).
+"""The star protocol: one server, many clients, partial participation (the centralized family's base).
 
 The server samples ``clients_per_round`` clients uniformly without replacement from the
 ``("client_sampling", round)`` stream, sends them what the algorithm says, receives their uploads and
@@ -7,22 +7,18 @@ aggregates. Every transfer is recorded in the ledger with its exact size.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 
-from fedweave.algorithms.base import Algorithm, RunContext
+from fedweave.algorithms.base import Algorithm, RunContext, make_trainer
 from fedweave.config import ConfigError
-from fedweave.data.augment import augment_for
 from fedweave.execution import (
     LocalResult,
-    LocalTrainer,
     ParamLayout,
     StateStore,
-    choose_backend,
     evaluate,
     evaluate_clients,
     evaluate_clients_task,
@@ -47,35 +43,6 @@ class StarHparams:
             raise ConfigError(f"algorithm.clients_per_round must be >= 1, got {self.clients_per_round}")
         if self.server_lr <= 0:
             raise ConfigError(f"algorithm.server_lr must be > 0, got {self.server_lr}")
-
-
-def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: bool = False) -> LocalTrainer:
-    """The local trainer of a run: its data, partition, local config, augmentation and backend.
-
-    With ``regularize_in_rule`` the trainer applies neither weight decay nor clipping: the algorithm's
-    rule adds them to the loss gradient itself (see :func:`regularized`).
-    """
-    cfg = ctx.config
-    local = cfg.local
-    if regularize_in_rule:
-        local = dataclasses.replace(local, weight_decay=0.0, grad_clip=None)
-    augment = augment_for(cfg.local)
-    ds = ctx.dataset
-    backend = choose_backend(cfg.backend, ctx.model, jobs_per_call, device=ctx.device)
-    return LocalTrainer(
-        ctx.model,
-        ds.train_x,
-        ds.train_y,
-        ctx.partition,
-        local,
-        ctx.seeds,
-        backend=backend,
-        augment=augment,
-        rounds=cfg.rounds,
-        ray=cfg.ray,
-        loss_fn=ctx.task.loss,
-        placement=ctx.placement,
-    )
 
 
 def regularized(grad: GradFn, weight_decay: float, grad_clip: float | None) -> GradFn:
