@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import Algorithm, RunContext, make_trainer
-from fedweave.config import ConfigError
+from fedweave.config import ConfigError, Section
 from fedweave.execution import (
     LocalResult,
     ParamLayout,
@@ -34,8 +34,9 @@ class StarHparams:
     weighting: Literal["samples", "uniform"] = "samples"  # aggregation weights over the round's clients
     server_lr: float = 1.0
     consistency: bool = False  # log the local-consistency metric every round (FedMIM Fig. 2b)
-    # fixed: clients_per_round clients without replacement; bernoulli: each client independently with
-    # probability clients_per_round / N, redrawn if none is active (fedmim spec A6)
+    # fixed: the sampler section decides (uniform by default: clients_per_round clients without replacement);
+    # bernoulli: another name for `sampler: bernoulli` (each client independently with probability
+    # clients_per_round / N, redrawn if none is active; fedmim spec A6), refused beside another sampler
     sampling: Literal["fixed", "bernoulli"] = "fixed"
 
     def __post_init__(self) -> None:
@@ -43,6 +44,22 @@ class StarHparams:
             raise ConfigError(f"algorithm.clients_per_round must be >= 1, got {self.clients_per_round}")
         if self.server_lr <= 0:
             raise ConfigError(f"algorithm.server_lr must be > 0, got {self.server_lr}")
+
+
+def _aliased_sampler(ctx: RunContext, hp: StarHparams) -> str:
+    """The sampler that ``algorithm.sampling`` names: ``bernoulli`` (fedmim spec A6) is another name for
+    ``sampler: bernoulli``, and a sampler section that names another one is refused (one knob decides who
+    takes part); ``fixed``, the default, leaves the choice to the section. The default section (``uniform``,
+    no options) counts as none: it is what every run's resolved config records, so a run resumes."""
+    if getattr(hp, "sampling", "fixed") != "bernoulli":
+        return "uniform"
+    section = ctx.config.sampler
+    if section.name != "bernoulli" and section != Section("uniform"):
+        raise ConfigError(
+            f"algorithm.sampling: bernoulli and sampler: {section.name} both choose the round's clients; keep one "
+            "(algorithm.sampling: bernoulli is sampler: bernoulli)"
+        )
+    return "bernoulli"
 
 
 def regularized(grad: GradFn, weight_decay: float, grad_clip: float | None) -> GradFn:
@@ -95,9 +112,7 @@ class StarAlgorithm(Algorithm):
         self.layout: ParamLayout = self.trainer.layout
         self.x = self.layout.flatten()  # the global model x_t
         self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=self.x.dtype, device=self.x.device)
-        # the run's sampler; `sampling: bernoulli` (fedmim spec A6) picks the bernoulli one
-        bernoulli = getattr(hp, "sampling", "fixed") == "bernoulli"
-        self.sampler = make_sampler(ctx, hp.clients_per_round, default="bernoulli" if bernoulli else "uniform")
+        self.sampler = make_sampler(ctx, hp.clients_per_round, default=_aliased_sampler(ctx, hp))
         self._checkpoint = ("x",)
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
 
