@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
+from importlib.util import find_spec
 
 import numpy as np
 import pytest
@@ -20,7 +20,7 @@ OPTIONAL_MODULES = {"ray": "ray", "flwr": "flower", "tensorboard": "tensorboard"
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     wanted = set(filter(None, os.environ.get("FEDWEAVE_TEST_EXTRAS", "").split(",")))
-    missing = [f"{m} (fedweave[{x}])" for m, x in OPTIONAL_MODULES.items() if x in wanted and not importlib.util.find_spec(m)]
+    missing = [f"{m} (fedweave[{x}])" for m, x in OPTIONAL_MODULES.items() if x in wanted and not find_spec(m)]
     if missing:
         raise pytest.UsageError(f"FEDWEAVE_TEST_EXTRAS asks for {', '.join(missing)}, not installed: run `make test`")
 
