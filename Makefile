@@ -46,6 +46,7 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/lint-imports --no-cache
 
 # Refresh constraints.txt: resolve the declared ranges (with every extra CI installs) in a fresh
 # environment and freeze what was installed. Review the diff, run `make test`, commit.

@@ -12,6 +12,7 @@ from torch import nn
 import fedweave
 from fedweave.algorithms.base import RunContext, build_algorithm
 from fedweave.algorithms.centralized import fedmim as fedmim_mod
+from fedweave.algorithms.centralized.base import local_consistency, regularized
 from fedweave.algorithms.centralized.fedadam import FedOpt, FedOptHparams
 from fedweave.algorithms.centralized.fedmim import MIMRule
 from fedweave.algorithms.centralized.fedprox import ProxRule
@@ -20,7 +21,6 @@ from fedweave.config import ConfigError, load
 from fedweave.data.base import Dataset
 from fedweave.registry import DATASETS, MODELS, PARTITIONERS
 from fedweave.runner import run as run_config
-from fedweave.topology.star import local_consistency, regularized
 from tests.conftest import make_toy
 
 # ---- fixtures: a small classification toy and a federated least-squares problem (test data) ----------

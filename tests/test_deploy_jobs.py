@@ -18,10 +18,10 @@ from fedweave.algorithms.centralized.fedmim import MIMRule
 from fedweave.algorithms.centralized.fedprox import ProxRule
 from fedweave.algorithms.centralized.fedsam import SAMRule
 from fedweave.algorithms.centralized.scaffold import ScaffoldRule
+from fedweave.algorithms.hierarchical.base import BallProjection, BoxProjection, LowerLevelRule, decaying
 from fedweave.config import LocalConfig, load
 from fedweave.deploy.jobs import MalformedJobError, UnknownRuleError, decode_job, encode_header, encode_job
 from fedweave.execution.local import PLAIN, LocalRule, reindexed
-from fedweave.topology.hierarchy import BallProjection, BoxProjection, LowerLevelRule, decaying
 
 K, P = 3, 5
 g = torch.Generator().manual_seed(0)

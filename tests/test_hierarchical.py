@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-import fedweave.algorithms  # noqa: F401  (families first: topology modules import the algorithm base)
 from fedweave.algorithms.base import RunContext, build_algorithm
 from fedweave.config import ConfigError, load
 from fedweave.data.base import Dataset
@@ -117,7 +116,7 @@ def test_zo_step_matches_a_hand_computation():
     r, x0 = 0, a.x.clone()
     clients = a.sample_clients(r)
     g1, _ = a.server_gradient(r, 16)
-    from fedweave.topology.hierarchy import unit_directions
+    from fedweave.algorithms.hierarchical.base import unit_directions
 
     v = unit_directions(a.seeds, r, a.m, a.dim)[clients]
     inputs = torch.stack([x0 + 0.2 * v, x0 - 0.2 * v], 1).reshape(-1, a.dim)

@@ -14,10 +14,10 @@ from test_hierarchical import _config  # the tiny 3-class fixture (registers the
 
 import fedweave
 from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.algorithms.hierarchical.base import unit_directions
 from fedweave.config import ConfigError, FaultsConfig, load
 from fedweave.faults import Faults
 from fedweave.seeding import Seeds
-from fedweave.topology.hierarchy import unit_directions
 
 METHODS = ["zo_hfl", "hier_fedavg", "hier_fedprox", "hier_scaffold"]
 SEED = 2  # the fixture's root seed

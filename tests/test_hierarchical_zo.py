@@ -8,11 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-import fedweave.algorithms  # noqa: F401  (families first: topology modules import the algorithm base)
-from fedweave.config import LocalConfig
-from fedweave.execution import LocalTrainer
-from fedweave.seeding import Seeds
-from fedweave.topology.hierarchy import (
+from fedweave.algorithms.hierarchical.base import (
     BallProjection,
     BoxProjection,
     LowerLevelRule,
@@ -21,6 +17,9 @@ from fedweave.topology.hierarchy import (
     unit_directions,
     zo_gradient,
 )
+from fedweave.config import LocalConfig
+from fedweave.execution import LocalTrainer
+from fedweave.seeding import Seeds
 
 
 def _sphere(n: int, d: int, seed: int) -> torch.Tensor:

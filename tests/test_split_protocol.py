@@ -14,10 +14,10 @@ import torch
 
 from fedweave.accounting.split import round_bytes, server_copies, server_steps, storage_params
 from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.algorithms.split.base import Upload, process_order, simulate_server
 from fedweave.config import ConfigError, from_dict
 from fedweave.data.base import Dataset
 from fedweave.registry import DATASETS
-from fedweave.topology.split import Upload, process_order, simulate_server
 
 if "_toy_split" not in DATASETS._items:
 

@@ -14,6 +14,7 @@ import fedweave
 from fedweave.cli import main as cli_main
 from fedweave.config import ConfigError
 from fedweave.registry import SAMPLERS
+from fedweave.runner import resume
 from fedweave.tasks import LOSSES, METRICS, build_task
 
 # ---- a deterministic federated least-squares problem -------------------------------------------------
@@ -521,6 +522,50 @@ def test_schedule_fixed_and_bernoulli_samplers(tmp_path):
 def test_bad_sampler_settings_fail_before_training(sampler, match, tmp_path):
     with pytest.raises((ConfigError, KeyError), match=match):
         _star(tmp_path, sampler)
+
+
+def _numbers(res) -> list[dict]:
+    """A run's metric rows without its clock readings."""
+    return [{k: v for k, v in row.items() if "time" not in k and "seconds" not in k} for row in res.metrics]
+
+
+def test_the_stars_sampling_key_is_the_bernoulli_sampler(tmp_path):
+    """``algorithm.sampling: bernoulli`` is another name for ``sampler: bernoulli``: the same numbers, and a run
+    that used it resumes from its resolved config (which records the default sampler section)."""
+    old = _star(tmp_path, sampling="bernoulli")
+    assert _numbers(old) == _numbers(_star(tmp_path, {"name": "bernoulli"}))
+    assert _numbers(old) == _numbers(_star(tmp_path, {"name": "bernoulli"}, sampling="bernoulli"))
+    assert _picked(old) != _picked(_star(tmp_path))  # not the uniform default
+    cfg = {
+        "name": "smp",
+        "rounds": 3,
+        "dataset": {"name": "digits"},
+        "partition": {"name": "iid", "num_clients": 10},
+        "algorithm": {"name": "fedavg", "clients_per_round": 3, "sampling": "bernoulli"},
+        "output": {"progress": False, "plots": False, "checkpoint_every": 1},
+    }
+    fedweave.run(cfg, run_dir=tmp_path / "part")
+    resumed = resume(tmp_path / "part", ["rounds=5"])
+    assert _numbers(resumed) == _numbers(old)
+
+
+@pytest.mark.parametrize(
+    "sampler", [{"name": "schedule", "clients": [[0, 1]]}, {"name": "fixed"}, {"name": "uniform", "k": 3}]
+)
+def test_the_stars_sampling_key_refuses_another_sampler(sampler, tmp_path, capsys):
+    """A sampler section naming another sampler beside ``algorithm.sampling: bernoulli`` is refused in one line
+    naming both keys, before anything runs (it was silently ignored)."""
+    with pytest.raises(ConfigError, match="algorithm.sampling: bernoulli and sampler: ") as e:
+        _star(tmp_path, sampler, sampling="bernoulli")
+    assert "\n" not in str(e.value)
+    assert not list(tmp_path.iterdir())
+    (tmp_path / "c.yaml").write_text(
+        json.dumps({"algorithm": {"name": "fedavg", "sampling": "bernoulli"}, "sampler": sampler, "rounds": 1})
+    )
+    args = ["run", str(tmp_path / "c.yaml"), "dataset=digits", "--out", str(tmp_path / "r"), "--no-progress"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fedweave: error: algorithm.sampling: bernoulli and sampler: ") and "\n" not in err
 
 
 def _downloads_per_round(res) -> list[int]:

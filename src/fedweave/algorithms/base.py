@@ -21,7 +21,9 @@ from torch import nn
 
 from fedweave.byo import RunObjects, describe_model
 from fedweave.config import ConfigError, RunConfig, build_dataclass, check_options
+from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
+from fedweave.execution import LocalTrainer, choose_backend
 from fedweave.execution.placement import Placement, resolve_placement
 from fedweave.faults import Faults
 from fedweave.ledger import Ledger
@@ -387,6 +389,35 @@ class Algorithm(ABC):
                 setattr(self, k, v.to(cur.device))
             else:
                 setattr(self, k, v)
+
+
+def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: bool = False) -> LocalTrainer:
+    """The local trainer of a run: its data, partition, local config, augmentation and backend.
+
+    With ``regularize_in_rule`` the trainer applies neither weight decay nor clipping: the algorithm's
+    rule adds them to the loss gradient itself (see :func:`fedweave.algorithms.centralized.base.regularized`).
+    """
+    cfg = ctx.config
+    local = cfg.local
+    if regularize_in_rule:
+        local = dataclasses.replace(local, weight_decay=0.0, grad_clip=None)
+    augment = augment_for(cfg.local)
+    ds = ctx.dataset
+    backend = choose_backend(cfg.backend, ctx.model, jobs_per_call, device=ctx.device)
+    return LocalTrainer(
+        ctx.model,
+        ds.train_x,
+        ds.train_y,
+        ctx.partition,
+        local,
+        ctx.seeds,
+        backend=backend,
+        augment=augment,
+        rounds=cfg.rounds,
+        ray=cfg.ray,
+        loss_fn=ctx.task.loss,
+        placement=ctx.placement,
+    )
 
 
 def build_algorithm(ctx: RunContext) -> Algorithm:

@@ -27,10 +27,10 @@ from fedweave.algorithms.centralized.fedmim import MIMRule
 from fedweave.algorithms.centralized.fedprox import ProxRule
 from fedweave.algorithms.centralized.fedsam import SAMRule
 from fedweave.algorithms.centralized.scaffold import ScaffoldRule, ScaffoldStep
+from fedweave.algorithms.hierarchical.base import BallProjection, BoxProjection, Decaying, LowerLevelRule, Projection
 from fedweave.algorithms.hierarchical.baselines import HierScaffoldStep
 from fedweave.config import LocalConfig
 from fedweave.execution.local import LR, ClientStep, LocalRule, Reindexed
-from fedweave.topology.hierarchy import BallProjection, BoxProjection, Decaying, LowerLevelRule, Projection
 
 # The rules and client steps a node can rebuild, by the name that travels. Their state is their attributes:
 # tensors (sent as arrays) and JSON scalars; one with any other attribute (a function) cannot be deployed.

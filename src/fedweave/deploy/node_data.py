@@ -58,7 +58,7 @@ def trial_parts(config: RunConfig, ctx=None) -> tuple[torch.Tensor, torch.Tensor
     ctx = ctx or RunContext(config)
     cls = ALGORITHMS.get(config.algorithm.name)
     if cls.family == "hierarchical":
-        from fedweave.topology.hierarchy import split_hierarchy
+        from fedweave.algorithms.hierarchical.base import split_hierarchy
 
         hp = build_dataclass(cls.Hparams, config.algorithm.options, "algorithm")
         d = split_hierarchy(ctx, hp.server_share, hp.test_fraction, hp.validation)

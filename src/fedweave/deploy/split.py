@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from fedweave.algorithms.split.base import BackpropClient, ClientEpoch, SplitAlgorithm
 from fedweave.deploy.jobs import MalformedJobError
 from fedweave.deploy.wire import from_records, on_device
-from fedweave.topology.split import BackpropClient, ClientEpoch, SplitAlgorithm
 
 if TYPE_CHECKING:
     from fedweave.deploy.node_state import NodeState

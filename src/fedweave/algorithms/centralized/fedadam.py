@@ -22,10 +22,10 @@ from typing import Literal
 
 import torch
 
+from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams
 from fedweave.config import ConfigError
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.star import StarAlgorithm, StarHparams
 
 
 @dataclass

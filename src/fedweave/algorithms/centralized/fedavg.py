@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from fedweave.algorithms.centralized.base import StarAlgorithm
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.star import StarAlgorithm
 
 
 @ALGORITHMS.register("fedavg")

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams, regularized
 from fedweave.algorithms.centralized.fedsam import sam_gradient
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule
 from fedweave.execution.local import GradFn
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.star import StarAlgorithm, StarHparams, regularized
 
 
 class FedCMRule(LocalRule):

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams, per_job
 from fedweave.algorithms.centralized.fedprox import ProxRule
 from fedweave.config import ConfigError
 from fedweave.execution import StateStore
 from fedweave.execution.local import ClientStep, GradFn, LocalResult, LocalRule
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.star import StarAlgorithm, StarHparams, per_job
 
 
 class FedDynRule(ProxRule):

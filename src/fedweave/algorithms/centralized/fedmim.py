@@ -21,12 +21,12 @@ from typing import Literal
 import numpy as np
 import torch
 
+from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams, regularized
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule
 from fedweave.execution.local import GradFn
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.star import StarAlgorithm, StarHparams, regularized
 
 
 class MIMRule(LocalRule):

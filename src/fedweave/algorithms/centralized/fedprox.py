@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
+from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams, per_job
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule
 from fedweave.execution.local import GradFn
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.star import StarAlgorithm, StarHparams, per_job
 
 
 class ProxRule(LocalRule):

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule
 from fedweave.execution.local import GradFn
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.star import StarAlgorithm, StarHparams
 
 
 def sam_gradient(grad: GradFn, rho: float) -> GradFn:

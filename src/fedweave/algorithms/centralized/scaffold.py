@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from fedweave.algorithms.centralized.base import StarAlgorithm, per_job
 from fedweave.execution import LocalRule, StateStore
 from fedweave.execution.local import ClientStep, GradFn, LocalResult
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.star import StarAlgorithm, per_job
 
 
 class ScaffoldRule(LocalRule):

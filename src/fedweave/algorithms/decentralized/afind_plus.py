@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import RunContext
+from fedweave.algorithms.decentralized.base import COPY_KEY, GraphAlgorithm, GraphHparams, with_local
 from fedweave.algorithms.decentralized.selection import (
     AfindOptions,
     AfindState,
@@ -42,7 +43,6 @@ from fedweave.config import ConfigError
 from fedweave.execution import LocalResult, LocalRule
 from fedweave.models import layer_parameter_names
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.graph import COPY_KEY, GraphAlgorithm, GraphHparams, with_local
 
 HEAD_KEY = 1_000_081  # batch-stream key of the personal-head epochs (K_beta) of a local update
 

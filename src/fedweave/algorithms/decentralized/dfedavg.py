@@ -20,11 +20,12 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import RunContext
+from fedweave.algorithms.decentralized.base import GraphAlgorithm, GraphHparams, with_local
 from fedweave.algorithms.decentralized.selection import NeighbourSelector, SelectionHparams
 from fedweave.config import ConfigError
 from fedweave.faults import mixing_without
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.graph import GraphAlgorithm, GraphHparams, gossip, metropolis_weights, with_local
+from fedweave.topology.graph import gossip, metropolis_weights
 
 
 @dataclass

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import RunContext
+from fedweave.algorithms.decentralized.base import GraphAlgorithm, GraphHparams
 from fedweave.algorithms.decentralized.selection import NeighbourSelector, SelectionHparams
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.graph import GraphAlgorithm, GraphHparams
 
 
 def erk_densities(shapes: list[tuple[int, ...]], density: float) -> list[float]:

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from fedweave.algorithms.base import RunContext
+from fedweave.algorithms.decentralized.base import GraphAlgorithm, GraphHparams, with_local
 from fedweave.algorithms.decentralized.selection import NeighbourSelector, SelectionHparams
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.graph import GraphAlgorithm, GraphHparams, with_local
 
 
 class ProximalRule(LocalRule):

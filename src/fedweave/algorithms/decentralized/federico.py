@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import RunContext
+from fedweave.algorithms.decentralized.base import GraphAlgorithm, GraphHparams
 from fedweave.algorithms.decentralized.selection import ProxyComputer
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.graph import GraphAlgorithm, GraphHparams
 
 
 @dataclass

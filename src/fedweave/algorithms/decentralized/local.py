@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from fedweave.algorithms.decentralized.base import GraphAlgorithm
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.graph import GraphAlgorithm
 
 
 @ALGORITHMS.register("local")

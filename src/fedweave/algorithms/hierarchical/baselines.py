@@ -27,12 +27,12 @@ import torch
 from fedweave.algorithms.base import RunContext
 from fedweave.algorithms.centralized.fedprox import ProxRule
 from fedweave.algorithms.centralized.scaffold import ScaffoldStep
+from fedweave.algorithms.hierarchical.base import HierarchicalAlgorithm, HierarchyHparams
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule, StateStore
 from fedweave.execution.local import PLAIN, LocalResult
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.hierarchy import HierarchicalAlgorithm, HierarchyHparams
 
 
 class HierScaffoldStep(ScaffoldStep):

@@ -27,9 +27,7 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import RunContext
-from fedweave.config import ConfigError
-from fedweave.registry import ALGORITHMS
-from fedweave.topology.hierarchy import (
+from fedweave.algorithms.hierarchical.base import (
     HierarchicalAlgorithm,
     HierarchyHparams,
     LowerLevelRule,
@@ -37,6 +35,8 @@ from fedweave.topology.hierarchy import (
     unit_directions,
     zo_gradient,
 )
+from fedweave.config import ConfigError
+from fedweave.registry import ALGORITHMS
 
 
 @dataclass

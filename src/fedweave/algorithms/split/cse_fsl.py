@@ -31,9 +31,7 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import RunContext
-from fedweave.config import ConfigError
-from fedweave.registry import ALGORITHMS
-from fedweave.topology.split import (  # noqa: F401  (ClientEpoch: the clients' work, re-exported)
+from fedweave.algorithms.split.base import (  # noqa: F401  (ClientEpoch: the clients' work, re-exported)
     ClientEpoch,
     SplitAlgorithm,
     SplitHparams,
@@ -41,6 +39,8 @@ from fedweave.topology.split import (  # noqa: F401  (ClientEpoch: the clients' 
     process_order,
     simulate_server,
 )
+from fedweave.config import ConfigError
+from fedweave.registry import ALGORITHMS
 
 
 @dataclass

@@ -12,8 +12,8 @@ deliver nothing (``SplitAlgorithm.reporting``).
 
 from __future__ import annotations
 
+from fedweave.algorithms.split.base import SplitAlgorithm
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.split import SplitAlgorithm
 
 
 @ALGORITHMS.register("fsl_an")

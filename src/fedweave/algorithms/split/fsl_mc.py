@@ -10,8 +10,8 @@ Faults: synchronous; clients that drop out or miss the deadline deliver nothing 
 
 from __future__ import annotations
 
+from fedweave.algorithms.split.base import SplitAlgorithm
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.split import SplitAlgorithm
 
 
 @ALGORITHMS.register("fsl_mc")

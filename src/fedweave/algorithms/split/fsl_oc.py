@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from fedweave.algorithms.split.base import SplitAlgorithm, SplitHparams
 from fedweave.registry import ALGORITHMS
-from fedweave.topology.split import SplitAlgorithm, SplitHparams
 
 
 @dataclass

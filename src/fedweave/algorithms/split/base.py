@@ -1,4 +1,5 @@
-"""Federated split learning mechanics: clients, a main server, a fed server (cse-fsl spec §1).
+"""Federated split learning mechanics, the split family's base: clients, a main server, a fed server (cse-fsl
+spec §1).
 
 One template of each part (client-side model, auxiliary net, server-side model) is reused for every
 client: a client's parameters are rows of stacked flat tensors loaded into the template for its local

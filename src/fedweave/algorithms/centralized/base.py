@@ -1,4 +1,4 @@
-"""The star topology: one server, many clients, partial participation (the centralized family's base).
+"""The star protocol: one server, many clients, partial participation (the centralized family's base).
 
 The server samples ``clients_per_round`` clients uniformly without replacement from the
 ``("client_sampling", round)`` stream, sends them what the algorithm says, receives their uploads and
@@ -7,22 +7,18 @@ aggregates. Every transfer is recorded in the ledger with its exact size.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 
-from fedweave.algorithms.base import Algorithm, RunContext
-from fedweave.config import ConfigError
-from fedweave.data.augment import augment_for
+from fedweave.algorithms.base import Algorithm, RunContext, make_trainer
+from fedweave.config import ConfigError, Section
 from fedweave.execution import (
     LocalResult,
-    LocalTrainer,
     ParamLayout,
     StateStore,
-    choose_backend,
     evaluate,
     evaluate_clients,
     evaluate_clients_task,
@@ -38,8 +34,9 @@ class StarHparams:
     weighting: Literal["samples", "uniform"] = "samples"  # aggregation weights over the round's clients
     server_lr: float = 1.0
     consistency: bool = False  # log the local-consistency metric every round (FedMIM Fig. 2b)
-    # fixed: clients_per_round clients without replacement; bernoulli: each client independently with
-    # probability clients_per_round / N, redrawn if none is active (fedmim spec A6)
+    # fixed: the sampler section decides (uniform by default: clients_per_round clients without replacement);
+    # bernoulli: another name for `sampler: bernoulli` (each client independently with probability
+    # clients_per_round / N, redrawn if none is active; fedmim spec A6), refused beside another sampler
     sampling: Literal["fixed", "bernoulli"] = "fixed"
 
     def __post_init__(self) -> None:
@@ -49,33 +46,20 @@ class StarHparams:
             raise ConfigError(f"algorithm.server_lr must be > 0, got {self.server_lr}")
 
 
-def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: bool = False) -> LocalTrainer:
-    """The local trainer of a run: its data, partition, local config, augmentation and backend.
-
-    With ``regularize_in_rule`` the trainer applies neither weight decay nor clipping: the algorithm's
-    rule adds them to the loss gradient itself (see :func:`regularized`).
-    """
-    cfg = ctx.config
-    local = cfg.local
-    if regularize_in_rule:
-        local = dataclasses.replace(local, weight_decay=0.0, grad_clip=None)
-    augment = augment_for(cfg.local)
-    ds = ctx.dataset
-    backend = choose_backend(cfg.backend, ctx.model, jobs_per_call, device=ctx.device)
-    return LocalTrainer(
-        ctx.model,
-        ds.train_x,
-        ds.train_y,
-        ctx.partition,
-        local,
-        ctx.seeds,
-        backend=backend,
-        augment=augment,
-        rounds=cfg.rounds,
-        ray=cfg.ray,
-        loss_fn=ctx.task.loss,
-        placement=ctx.placement,
-    )
+def _aliased_sampler(ctx: RunContext, hp: StarHparams) -> str:
+    """The sampler that ``algorithm.sampling`` names: ``bernoulli`` (fedmim spec A6) is another name for
+    ``sampler: bernoulli``, and a sampler section that names another one is refused (one knob decides who
+    takes part); ``fixed``, the default, leaves the choice to the section. The default section (``uniform``,
+    no options) counts as none: it is what every run's resolved config records, so a run resumes."""
+    if getattr(hp, "sampling", "fixed") != "bernoulli":
+        return "uniform"
+    section = ctx.config.sampler
+    if section.name != "bernoulli" and section != Section("uniform"):
+        raise ConfigError(
+            f"algorithm.sampling: bernoulli and sampler: {section.name} both choose the round's clients; keep one "
+            "(algorithm.sampling: bernoulli is sampler: bernoulli)"
+        )
+    return "bernoulli"
 
 
 def regularized(grad: GradFn, weight_decay: float, grad_clip: float | None) -> GradFn:
@@ -128,9 +112,7 @@ class StarAlgorithm(Algorithm):
         self.layout: ParamLayout = self.trainer.layout
         self.x = self.layout.flatten()  # the global model x_t
         self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=self.x.dtype, device=self.x.device)
-        # the run's sampler; `sampling: bernoulli` (fedmim spec A6) picks the bernoulli one
-        bernoulli = getattr(hp, "sampling", "fixed") == "bernoulli"
-        self.sampler = make_sampler(ctx, hp.clients_per_round, default="bernoulli" if bernoulli else "uniform")
+        self.sampler = make_sampler(ctx, hp.clients_per_round, default=_aliased_sampler(ctx, hp))
         self._checkpoint = ("x",)
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
 

@@ -1,4 +1,5 @@
-"""The hierarchical topology: a server with its own data above personalized clients (ZO-HFL, spec zo-hfl).
+"""The hierarchical protocol: a server with its own data above personalized clients (the family's base; ZO-HFL,
+spec zo-hfl).
 
 The training set is split once, from named streams, into the server's share (30% in the paper, uniformly
 at random) and the clients' pool, which the configured partitioner (Dirichlet in the paper) spreads over
