@@ -15,8 +15,9 @@ fedweave.run("configs/demo.yaml", callbacks=[PrintBest(), fedweave.callbacks.Sto
 Hooks are called in list order, the built-in callbacks first. Within one round they come in this order:
 ``after_training`` (the round's training metrics), then, in a round that is evaluated, ``on_evaluation``
 (the metrics before they are recorded) and ``on_row`` (the recorded row), then ``after_round`` (which may
-ask to stop), then ``on_round_end`` (the round is over: checkpoints, the progress bar) and
-``on_checkpoint`` (a checkpoint was written).
+ask to stop), then ``on_round_end`` (the round is over: the built-in checkpointer writes ``checkpoint.pt``
+there first and announces it with ``on_checkpoint``, so your callbacks hear of the checkpoint before the
+round's end).
 """
 
 from __future__ import annotations

@@ -1,0 +1,149 @@
+"""The run's callbacks: the order of their hooks, stopping at a target or a budget, errors inside a hook,
+and the built-in callbacks being what a config asks for."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import fedweave
+from fedweave.callbacks import Budget, Callback, Checkpointer, DivergenceGuard, ProgressBar, StopAtTarget
+from fedweave.callbacks import default_callbacks as defaults
+from fedweave.config import load
+from fedweave.errors import DivergenceError
+from fedweave.runner import resume
+
+
+class Recorder(Callback):
+    """Writes down every hook it hears, with the round or row."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def on_build(self, run):
+        self.events.append(("build", run.out is None))
+
+    def on_start(self, run):
+        self.events.append(("start", run.start_round))
+
+    def after_training(self, run, r, metrics):
+        self.events.append(("trained", r))
+
+    def on_evaluation(self, run, r, values):
+        self.events.append(("evaluation", r))
+
+    def on_row(self, run, row):
+        self.events.append(("row", row["round"]))
+
+    def after_round(self, run, r):
+        self.events.append(("after", r))
+
+    def on_round_end(self, run, r):
+        self.events.append(("end of round", r, run.is_last(r)))
+
+    def on_checkpoint(self, run, next_round):
+        self.events.append(("checkpoint", next_round))
+
+    def on_end(self, run, summary):
+        self.events.append(("end", None if summary is None else summary["status"]))
+
+
+@pytest.fixture
+def cfg(toy_config):
+    return {**toy_config, "rounds": 4, "eval": {"every": 3, "at_start": True}, "output": {
+        **toy_config["output"], "checkpoint_every": 2}}  # fmt: skip
+
+
+def test_hooks_come_in_the_documented_order(cfg, tmp_path):
+    rec = Recorder()
+    fedweave.run(cfg, run_dir=tmp_path / "a", callbacks=[rec])
+    assert rec.events == [
+        ("build", True),
+        ("start", 0),
+        ("evaluation", -1), ("row", 0),
+        ("trained", 0), ("after", 0), ("end of round", 0, False),
+        ("trained", 1), ("after", 1), ("checkpoint", 2), ("end of round", 1, False),
+        ("trained", 2), ("evaluation", 2), ("row", 3), ("after", 2), ("end of round", 2, False),
+        ("trained", 3), ("evaluation", 3), ("row", 4), ("after", 3), ("checkpoint", 4), ("end of round", 3, True),
+        ("end", "completed"),
+    ]  # fmt: skip
+
+
+def test_a_users_callbacks_change_no_number(cfg, tmp_path):
+    plain = fedweave.run(cfg, run_dir=tmp_path / "plain")
+    watched = fedweave.run(cfg, run_dir=tmp_path / "watched", callbacks=[Recorder()])
+    strip = [{k: v for k, v in r.items() if k != "wall_seconds"} for r in plain.metrics]
+    assert [{k: v for k, v in r.items() if k != "wall_seconds"} for r in watched.metrics] == strip
+
+
+def test_stop_at_target_ends_after_the_round_that_reached_it_evaluated_and_checkpointed(cfg, tmp_path):
+    cfg = {**cfg, "rounds": 8, "eval": {"every": 1}, "output": {**cfg["output"], "checkpoint_every": 5}}
+    full = fedweave.run(cfg, run_dir=tmp_path / "full")
+    accs = [r["test_accuracy"] for r in full.metrics]
+    target = sorted(accs)[len(accs) // 2]  # reached part of the way, not in round 1 and not only at the end
+    first = next(i for i, a in enumerate(accs) if a >= target)
+    assert 0 < first < len(accs) - 1
+    res = fedweave.run(cfg, run_dir=tmp_path / "stop", callbacks=[StopAtTarget("test_accuracy", target)])
+    assert res.summary["status"] == "completed" and res.summary["rounds"] == first + 1
+    assert "test_accuracy reached" in res.summary["stopped_early"]
+    assert [r["test_accuracy"] for r in res.metrics] == accs[: first + 1]
+    ckpt = __import__("torch").load(res.run_dir / "checkpoint.pt", weights_only=True)
+    assert ckpt["next_round"] == first + 1  # the last round is saved, though 5 does not divide it
+
+
+def test_a_stopping_round_is_evaluated_and_the_run_resumes_to_the_full_one(cfg, tmp_path):
+    cfg = {**cfg, "rounds": 6, "eval": {"every": 3}, "output": {**cfg["output"], "checkpoint_every": 3}}
+    full = fedweave.run(cfg, run_dir=tmp_path / "full")
+    res = fedweave.run(cfg, run_dir=tmp_path / "b", callbacks=[Budget(rounds=2)])
+    assert [r["round"] for r in res.metrics] == [2]  # not an evaluation round: evaluated because it is the last
+    assert "budget of 2 rounds" in res.summary["stopped_early"]
+    done = resume(tmp_path / "b")
+    assert done.summary["status"] == "completed" and "stopped_early" not in done.summary
+    final = {k: v for k, v in done.metrics[-1].items() if k != "wall_seconds"}
+    assert final == {k: v for k, v in full.metrics[-1].items() if k != "wall_seconds"}
+
+
+def test_a_time_budget_stops_the_run(cfg, tmp_path):
+    res = fedweave.run({**cfg, "rounds": 50}, run_dir=tmp_path / "t", callbacks=[Budget(seconds=0.0)])
+    assert res.summary["rounds"] == 1 and "time budget" in res.summary["stopped_early"]
+
+
+def test_a_divergence_raised_by_a_callback_keeps_the_row_out(cfg, tmp_path):
+    class Refuse(Callback):
+        def on_evaluation(self, run, r, values):
+            if r == 3:
+                raise DivergenceError("round 4: refused by the test")
+
+    res = fedweave.run(cfg, run_dir=tmp_path / "d", callbacks=[Refuse()], on_divergence="return")
+    assert res.summary["status"] == "diverged" and "refused by the test" in res.summary["error"]
+    assert [r["round"] for r in res.metrics] == [0, 3]
+    rows = [json.loads(x) for x in (tmp_path / "d" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 3]
+
+
+def test_an_unexpected_error_in_a_hook_still_ends_every_callback(cfg, tmp_path):
+    class Broken(Callback):
+        def after_training(self, run, r, metrics):
+            if r == 1:
+                raise RuntimeError("broken callback")
+
+    rec = Recorder()
+    with pytest.raises(RuntimeError, match="broken callback"):
+        fedweave.run(cfg, run_dir=tmp_path / "e", callbacks=[rec, Broken()])
+    assert rec.events[-1] == ("end", None)
+    assert not (tmp_path / "e" / "summary.json").exists()
+
+
+def test_the_config_decides_the_built_in_callbacks(cfg):
+    kinds = [type(c) for c in defaults(load(cfg))]
+    assert kinds[0] is DivergenceGuard and Checkpointer in kinds and ProgressBar not in kinds
+    on = load({**cfg, "output": {**cfg["output"], "progress": True, "checkpoint_every": 0}})
+    assert ProgressBar in [type(c) for c in defaults(on)] and Checkpointer not in [type(c) for c in defaults(on)]
+
+
+def test_stop_at_target_needs_a_direction_for_a_metric_other_than_the_main_one(cfg, tmp_path):
+    with pytest.raises(ValueError, match="give direction='max' or 'min' for 'test_loss'"):
+        fedweave.run(cfg, run_dir=tmp_path / "x", callbacks=[StopAtTarget("test_loss", 0.1)])
+    res = fedweave.run(cfg, run_dir=tmp_path / "y", callbacks=[StopAtTarget("test_loss", 1e9, direction="min")])
+    assert res.summary["rounds"] == 3  # the first evaluated round (eval.every = 3) is at most 1e9

@@ -1,0 +1,22 @@
+"""docs/extending.md's Python examples run as written (each in a fresh namespace, inside a temporary
+directory, so that the run directories they name land there)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
+EXAMPLES = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S)
+
+
+def test_the_page_has_examples():
+    assert EXAMPLES
+
+
+@pytest.mark.parametrize("code", EXAMPLES, ids=[f"example-{i}" for i in range(len(EXAMPLES))])
+def test_an_example_runs_as_written(code, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, str(PAGE), "exec"), {"__name__": "extending_example"})
