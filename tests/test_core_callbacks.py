@@ -4,6 +4,7 @@ and the built-in callbacks being what a config asks for."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -147,3 +148,30 @@ def test_stop_at_target_needs_a_direction_for_a_metric_other_than_the_main_one(c
         fedweave.run(cfg, run_dir=tmp_path / "x", callbacks=[StopAtTarget("test_loss", 0.1)])
     res = fedweave.run(cfg, run_dir=tmp_path / "y", callbacks=[StopAtTarget("test_loss", 1e9, direction="min")])
     assert res.summary["rounds"] == 3  # the first evaluated round (eval.every = 3) is at most 1e9
+
+
+def test_a_config_names_its_callbacks_and_a_resume_may_change_them(cfg, tmp_path):
+    stop = {**cfg, "rounds": 6, "callbacks": [{"name": "budget", "rounds": 2}]}
+    res = fedweave.run(stop, run_dir=tmp_path / "c")
+    assert res.summary["rounds"] == 2 and "budget of 2 rounds" in res.summary["stopped_early"]
+    assert load(tmp_path / "c" / "config.yaml").callbacks[0].options == {"rounds": 2}
+    done = resume(tmp_path / "c", ["callbacks=[]"])
+    assert done.summary["rounds"] == 6 and "stopped_early" not in done.summary
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("nope", "unknown callback 'nope'"),
+        ({"name": "budget", "minutes": 3}, "unknown key 'callbacks[0].minutes'"),
+        ({"name": "budget", "rounds": "many"}, "callbacks[0].rounds"),
+        ({"name": "budget"}, "callbacks[0] (budget): Budget: give seconds, rounds or both"),
+    ],
+)
+def test_a_bad_callback_entry_is_one_line_before_anything_is_written(cfg, tmp_path, entry, message):
+    from fedweave.config import ConfigError
+    from fedweave.registry import UnknownNameError
+
+    with pytest.raises((ConfigError, UnknownNameError), match=re.escape(message)):
+        fedweave.run({**cfg, "callbacks": [entry]}, run_dir=tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()

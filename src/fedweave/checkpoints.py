@@ -18,8 +18,8 @@ from fedweave.results import RunDir, atomic_write
 
 CHECKPOINT = "checkpoint.pt"
 # Config keys a resumed run may change: how long it runs, how it reports, which backend and device (the
-# checkpoint is device-independent); not what it computes.
-RESUMABLE_CHANGES = ("rounds", "output", "threads", "eval", "backend", "device", "memory")
+# checkpoint is device-independent), when it stops; not what it computes.
+RESUMABLE_CHANGES = ("rounds", "output", "threads", "eval", "backend", "device", "memory", "callbacks")
 # ...and these change what it computes from the resumed round on (a smaller lr after a divergence, say).
 RESUMABLE_LOCAL = ("lr", "grad_clip")
 

@@ -53,8 +53,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
+    import fedweave.callbacks  # noqa: F401  (registers the built-in callbacks)
     from fedweave.config import examples
-    from fedweave.registry import ALGORITHMS, DATASETS, MODELS, PARTITIONERS, SAMPLERS
+    from fedweave.registry import ALGORITHMS, CALLBACKS, DATASETS, MODELS, PARTITIONERS, SAMPLERS
     from fedweave.reproduce import available
     from fedweave.tasks import LOSSES, METRICS
 
@@ -66,6 +67,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         ("losses", LOSSES),
         ("metrics", METRICS),
         ("samplers", SAMPLERS),
+        ("callbacks", CALLBACKS),
     ):
         print(f"{title}: {', '.join(reg.names())}")
     print(f"reproductions: {', '.join(available())}")

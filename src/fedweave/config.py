@@ -343,8 +343,11 @@ class RunConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     # modules or .py files imported before the run is built: they register datasets, models, losses,
-    # metrics or samplers that the config names
+    # metrics, samplers or callbacks that the config names
     plugins: list[str] = field(default_factory=list)
+    # registered run callbacks (fedweave.callbacks), each a name or {name: ..., options}: stop_at_target,
+    # budget, or a plug-in's; called after the built-in ones
+    callbacks: list[Section] = field(default_factory=list)
 
     def validate(self) -> None:
         check_run_name(self.name)
@@ -379,6 +382,8 @@ class RunConfig:
             v = getattr(self, f.name)
             if isinstance(v, Section):
                 out[f.name] = v.to_dict()
+            elif f.name == "callbacks":
+                out[f.name] = [c.to_dict() for c in v]
             elif dataclasses.is_dataclass(v):
                 out[f.name] = dataclasses.asdict(v)
             else:
@@ -552,9 +557,13 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
         raise ConfigError(f"a config must be a mapping of keys to values, got {type(data).__name__}")
     data = dict(data)
     sections = {k: _section(data.pop(k), k) for k in SECTION_KEYS if k in data}
+    callbacks = data.pop("callbacks", None) or []
+    if not isinstance(callbacks, list):
+        raise ConfigError(f"callbacks must be a list of callback names or {{name: ..., options}}, got {callbacks!r}")
     cfg = build_dataclass(RunConfig, data, "")
     for k, s in sections.items():
         setattr(cfg, k, s)
+    cfg.callbacks = [_section(c, f"callbacks[{i}]") for i, c in enumerate(callbacks)]
     if cfg.plugins:  # before validation: a plug-in may register the loss or metric the config names
         from fedweave.plugins import load_plugins, recorded
 

@@ -49,6 +49,8 @@ DATASETS = Registry("dataset")
 MODELS = Registry("model")
 PARTITIONERS = Registry("partitioner")
 SAMPLERS = Registry("sampler")
+# run callbacks a config names (fedweave.callbacks registers its own at their definition, as plug-ins do)
+CALLBACKS = Registry("callback")
 
 _pending: list[str] | None = None  # the built-in modules not imported yet
 

@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from fedweave.callbacks import Callback
 from fedweave.errors import DivergenceError
+from fedweave.registry import CALLBACKS
 
 if TYPE_CHECKING:
-    from fedweave.config import RunConfig
+    from fedweave.config import RunConfig, Section
 
 
 def check_finite(values: dict[str, Any], r: int, what: str) -> None:
@@ -160,6 +161,7 @@ class Plots(Callback):
             plot_runs([run.path], run.path, metric=summary["main_metric"] or "test_loss")
 
 
+@CALLBACKS.register("stop_at_target")
 class StopAtTarget(Callback):
     """End the run after the first evaluated round whose ``metric`` reaches ``target`` (at least it, or at
     most it for a metric where lower is better: the task's direction for its main metric, else
@@ -194,6 +196,7 @@ class StopAtTarget(Callback):
         return None
 
 
+@CALLBACKS.register("budget")
 class Budget(Callback):
     """End the run once it has used ``seconds`` of wall time (a resumed run's earlier time included) or run
     ``rounds`` rounds in this process, whichever comes first."""
@@ -226,4 +229,17 @@ def default_callbacks(config: RunConfig, progress: bool | None = None) -> list[C
         from fedweave.callbacks.trackers import TrackerCallback
 
         out.append(TrackerCallback(config.output.trackers))
-    return out
+    return out + [configured(section, f"callbacks[{i}]") for i, section in enumerate(config.callbacks)]
+
+
+def configured(section: Section, key: str) -> Callback:
+    """The registered callback a config's ``callbacks`` entry names, built with its options; a wrong name or
+    option is one :class:`ConfigError` naming ``key``."""
+    from fedweave.config import ConfigError, check_options
+
+    cls = CALLBACKS.get(section.name)
+    options = check_options(cls.__init__, section.options, key, skip=("self",))
+    try:
+        return cls(**options)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{key} ({section.name}): {e}") from e
