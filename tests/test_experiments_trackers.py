@@ -138,3 +138,22 @@ def test_a_sweep_groups_its_runs(toy_config, tmp_path, monkeypatch):
         client = mlflow.MlflowClient(tracking_uri=(res.out_dir / rec["run_dir"] / "mlruns").resolve().as_uri())
         (run,) = client.search_runs([client.get_experiment_by_name("lr-sweep").experiment_id])
         assert run.data.tags["sweep"] == "lr-sweep" and run.data.params["local.lr"] == str(rec["local.lr"])
+
+
+def test_mlflow_takes_the_transfer_names_of_scaffold(toy_config, tmp_path, monkeypatch):
+    # SCAFFOLD's transfers are named like "client->server:update+control_delta"; MLflow refuses '+' in a name
+    cfg = {**toy_config, "rounds": 2, "algorithm": {"name": "scaffold", "clients_per_round": 4}}
+    res = _run(cfg, tmp_path, ["mlflow"])
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow.MlflowClient(tracking_uri=(res.run_dir / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("toy").experiment_id])
+    by_transfer = res.summary["communication"]["by_transfer"]
+    assert any("+" in name for name in by_transfer)
+    for name, kind in by_transfer.items():
+        key = "communication.by_transfer." + name.replace("->", "_to_").replace(":", "_").replace("+", "_") + ".bytes"
+        assert run.data.metrics[key] == kind["bytes"]
+    hist = client.get_metric_history(run.info.run_id, "test_accuracy")
+    _same([(m.step, m.value) for m in hist], res.metrics)
+    assert run.info.status == "FINISHED"

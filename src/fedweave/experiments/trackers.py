@@ -9,6 +9,7 @@ and W&B an offline run, both inside the run directory. A run inside a sweep dire
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -88,13 +89,13 @@ class MLflowTracker(Tracker):
 
     def log_metrics(self, row):
         for k, v in _numbers(row).items():
-            self.client.log_metric(self.id, k, v, step=int(row["round"]))
+            self.client.log_metric(self.id, _mlflow_key(k), v, step=int(row["round"]))
             if k != "bytes_total":
-                self.client.log_metric(self.id, f"by_bytes.{k}", v, step=int(row["bytes_total"]))
+                self.client.log_metric(self.id, _mlflow_key(f"by_bytes.{k}"), v, step=int(row["bytes_total"]))
 
     def finish(self, summary, artifacts):
         for k, v in _numbers({"communication": summary["communication"]}).items():
-            self.client.log_metric(self.id, k.replace("/", ".").replace("->", "_to_"), v)
+            self.client.log_metric(self.id, _mlflow_key(k.replace("/", ".")), v)
         self.client.log_dict(self.id, summary, "summary.json")
         for p in artifacts:
             self.client.log_artifact(self.id, str(p))
@@ -122,6 +123,13 @@ class WandbTracker(Tracker):
         if images:
             self.run.log(images)
         self.run.finish()
+
+
+def _mlflow_key(name: str) -> str:
+    """``name`` as an MLflow metric name: MLflow takes only letters, digits, ``_ - . /`` and spaces (and ``:``
+    but not on Windows), so a transfer's ``->`` becomes ``_to_`` and any other character (the ``+`` of
+    ``model+control``) ``_``."""
+    return re.sub(r"[^\w./\- ]", "_", name.replace("->", "_to_"))
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
