@@ -34,8 +34,32 @@ def _run_one(config: dict[str, Any], run_dir: str, threads: int, overwrite: bool
             return Result(res.run_dir, res.metrics, res.summary)
         except ConfigError:  # a checkpoint of another config: start this point again
             pass
+    elif unfinished_run(run_dir, cfg):  # this point's run, killed before its first checkpoint: start it again
+        overwrite = True
     res = run(cfg, run_dir=run_dir, progress=False, on_divergence="return", overwrite=overwrite)
     return Result(res.run_dir, res.metrics, res.summary)
+
+
+def unfinished_run(run_dir: str | Path, config: Any) -> bool:
+    """Whether ``run_dir`` holds an unfinished run (killed, interrupted or stopped: no ``summary.json`` or one
+    whose status is neither completed nor diverged) of exactly ``config`` (a RunConfig): a sweep restarts it
+    from scratch when it has no checkpoint to resume from. A run of another config is never replaced here."""
+    import json
+
+    from fedweave.config import ConfigError, load
+
+    path = Path(run_dir)
+    if not (path / "config.yaml").is_file():
+        return False
+    try:
+        if load(path / "config.yaml").to_dict() != config.to_dict():
+            return False
+        status = (
+            json.loads((path / "summary.json").read_text()).get("status") if (path / "summary.json").is_file() else None
+        )
+    except (ConfigError, OSError, ValueError):  # unreadable: not recognisably this point's run
+        return False
+    return status not in ("completed", "diverged")
 
 
 def check_workers(workers: object) -> None:
