@@ -110,3 +110,72 @@ def test_table_writers(tmp_path):
     assert markdown([{"p": "a", "v": 0.5}, {"p": "b", "v": math.nan}], best=0) == (
         "| p | v |\n|---|---|\n| **a** | **0.5000** |\n| b | - |\n"
     )
+
+
+def _children(pid: int) -> list[int]:
+    from pathlib import Path
+
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    from pathlib import Path
+
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    from pathlib import Path
+
+    try:  # a zombie waiting to be reaped by init is dead
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads a process's children from /proc")
+def test_the_workers_die_with_a_sweep_killed_by_sigkill(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from tests.test_experiments_sweep import DIGITS
+
+    cfg = tmp_path / "digits.yaml"
+    cfg.write_text(yaml.safe_dump({**DIGITS, "rounds": 400, "output": {"progress": False, "plots": False}}))
+    cmd = [sys.executable, "-m", "fedweave.cli", "sweep", str(cfg), "--grid", "local.lr=0.02,0.05", "--workers", "2"]
+    proc = subprocess.Popen([*cmd, "--out", str(tmp_path / "s"), "--no-progress"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            running = len(list((tmp_path / "s").glob("runs/*/metrics.jsonl")))
+            own = _cmdline(proc.pid)  # the pool's workers are forks of the sweep's process
+            workers = [c for c in _children(proc.pid) if _cmdline(c) == own]
+            if running == 2 and len(workers) == 2:  # both workers are part-way through a run
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None and len(workers) == 2, "the sweep never had two runs going"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, workers)), f"workers {[w for w in workers if _alive(w)]} outlived the sweep"
+    finally:
+        for w in workers:
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()

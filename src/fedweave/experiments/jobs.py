@@ -85,9 +85,35 @@ def finished(points: Iterable[Point], runs_dir: str | Path) -> dict[str, Result]
     return out
 
 
-def _worker_start(threads: int, initializer: Callable[[], None] | None) -> None:
+def _die_with(parent: int) -> None:
+    """End this worker process when ``parent`` (the sweep's process) dies, however it dies (SIGKILL too):
+    on Linux the kernel sends SIGKILL (prctl PR_SET_PDEATHSIG); elsewhere a thread watches the parent pid.
+    Its run's files are written atomically, so the next sweep resumes or restarts that run."""
+    import ctypes
+    import signal
+    import threading
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        armed = sys.platform.startswith("linux") and libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        armed = False
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+    if not armed:
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="fedweave-parent-watch", daemon=True).start()
+
+
+def _worker_start(parent: int, threads: int, initializer: Callable[[], None] | None) -> None:
     import torch
 
+    _die_with(parent)
     torch.set_num_threads(threads)
     if initializer is not None:
         initializer()
@@ -124,7 +150,7 @@ def _schedule(
         max_workers=workers,
         mp_context=mp.get_context("fork"),
         initializer=_worker_start,
-        initargs=(threads_per_worker(workers), initializer),
+        initargs=(os.getpid(), threads_per_worker(workers), initializer),
     ) as pool:
         queue = iter(enumerate(calls))
         running: dict[Any, int] = {}
