@@ -9,10 +9,12 @@ import os
 import numpy as np
 import pytest
 
+from fedweave.algorithms.centralized.fedavg import FedAvg
 from fedweave.experiments.aggregate import finite, if_all, mean_std, to_target
 from fedweave.experiments.grid import Point
-from fedweave.experiments.jobs import finished, parallel_map, run_points, threads_per_worker
+from fedweave.experiments.jobs import RunFailed, _Progress, finished, parallel_map, run_points, threads_per_worker
 from fedweave.experiments.tables import markdown, markdown_table, write_csv
+from fedweave.registry import ALGORITHMS
 
 
 def _points(toy_config, lrs=(0.05, 0.2)) -> list[Point]:
@@ -40,8 +42,9 @@ def test_another_configs_run_is_refused_unless_overwrite(toy_config, tmp_path):
 
     run_points(_points(toy_config, (0.05,)), tmp_path, progress=False)
     other = [Point.of({**toy_config, "rounds": 3}, "lr0.05/s3")]
-    with pytest.raises(RunDirError, match="already holds a finished run"):
+    with pytest.raises(RunFailed, match="RunDirError: .* already holds a finished run") as e:
         run_points(other, tmp_path, progress=False)
+    assert isinstance(e.value.__cause__, RunDirError)
     res = run_points(other, tmp_path, progress=False, overwrite=True)
     assert res["lr0.05/s3"].summary["rounds"] == 3
 
@@ -179,3 +182,47 @@ def test_the_workers_die_with_a_sweep_killed_by_sigkill(tmp_path):
                 os.kill(w, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_progress_bar_counts_the_rounds_of_running_runs(toy_config, tmp_path, capsys):
+    import json
+
+    pts = _points(toy_config)  # 2 runs of 2 rounds
+    (tmp_path / "lr0.2/s3").mkdir(parents=True)
+    (tmp_path / "lr0.2/s3/metrics.jsonl").write_text(json.dumps({"round": 1, "test_accuracy": 0.5}) + "\n")
+    bar = _Progress(pts, tmp_path, {"lr0.05/s3"})
+    try:  # one run finished (2 rounds), one part-way (1 round)
+        assert (bar.bar.n, bar.bar.total) == (3, 4)
+    finally:
+        bar.close()
+    run_points(pts, tmp_path / "again", progress=True)
+    err = capsys.readouterr().err
+    assert "4/4" in err and "2/2 runs finished" in err
+
+
+class _FailsAtRound2(FedAvg):
+    """FedAvg that fails in round 2 when its lr is 0.2 (a bug in an algorithm, a lost device)."""
+
+    def run_round(self, r: int) -> dict[str, float]:
+        if r == 1 and self.ctx.config.local.lr == 0.2:
+            raise RuntimeError("the device\nfell over")
+        return super().run_round(r)
+
+
+if "_fedavg_fails" not in ALGORITHMS._items:
+    ALGORITHMS.register("_fedavg_fails")(_FailsAtRound2)
+
+
+def test_a_failing_worker_is_one_line_naming_its_run(toy_config, tmp_path, capsys):
+    import yaml
+
+    from fedweave.cli import main as cli_main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**toy_config, "rounds": 3, "algorithm": {"name": "_fedavg_fails"}}))
+    argv = ["sweep", str(cfg), "--grid", "local.lr=0.05,0.2", "--workers", "2", "--out", str(tmp_path / "s")]
+    assert cli_main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert str(tmp_path / "s" / "runs" / "local.lr=0.2,seed=3") in err and "point local.lr=0.2, seed 3" in err
+    assert "RuntimeError: the device fell over" in err

@@ -188,10 +188,12 @@ def test_runs_killed_before_their_first_checkpoint_start_again_and_finished_ones
 
 
 def test_an_unfinished_run_of_another_config_is_not_replaced(toy_config, tmp_path):
+    from fedweave.experiments.jobs import RunFailed
     from fedweave.results import RunDirError
 
     res = fedweave.sweep(toy_config, {"local.lr": [0.05]}, out=tmp_path / "s", progress=False)
     run_dir = tmp_path / "s" / res.records[0]["run_dir"]
     (run_dir / "summary.json").unlink()
-    with pytest.raises(RunDirError, match="already holds an unfinished run"):
+    with pytest.raises(RunFailed, match="RunDirError: .* already holds an unfinished run") as e:
         fedweave.sweep({**toy_config, "rounds": 3}, {"local.lr": [0.05]}, out=tmp_path / "s", progress=False)
+    assert isinstance(e.value.__cause__, RunDirError)

@@ -17,9 +17,22 @@ from fedweave.experiments.grid import Point
 from fedweave.runner import Result, finished_run
 
 
-def _run_one(config: dict[str, Any], run_dir: str, threads: int, overwrite: bool = False) -> Result:
+class RunFailed(RuntimeError):
+    """A run of a sweep failed; the message is one line naming its directory and point, and what went wrong
+    (the worker's own exception and traceback are its ``__cause__``)."""
+
+
+def _run_one(config: dict[str, Any], run_dir: str, threads: int, overwrite: bool = False, label: str = "") -> Result:
     """Run (or resume) one point; returns its Result without the algorithm object (results cross processes).
-    Runs in a worker process."""
+    Runs in a worker process. A failure is one :class:`RunFailed` line naming the run (``label``: its point)."""
+    try:
+        return _run_point(config, run_dir, threads, overwrite)
+    except Exception as e:
+        what = " ".join(str(e).split()) or "no message"
+        raise RunFailed(f"run {run_dir} ({label}) failed: {type(e).__name__}: {what}") from e
+
+
+def _run_point(config: dict[str, Any], run_dir: str, threads: int, overwrite: bool) -> Result:
     import torch
 
     from fedweave.config import ConfigError, load
@@ -168,10 +181,60 @@ def _schedule(
     return out
 
 
-def _bar(total: int, initial: int, desc: str) -> Any:
-    from tqdm.auto import tqdm
+def _last_round(run_dir: Path) -> int:
+    """The round of the last metric row in ``run_dir/metrics.jsonl`` (0 when none): a running run's progress,
+    read from the file it replaces atomically after each evaluation."""
+    import json
 
-    return tqdm(total=total, initial=initial, unit="run", dynamic_ncols=True, file=sys.stderr, desc=desc)
+    try:
+        with open(run_dir / "metrics.jsonl", "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            last = f.read().rstrip().rsplit(b"\n", 1)[-1]
+        return int(json.loads(last)["round"])
+    except (OSError, ValueError, KeyError, TypeError):  # not started, or a row too long for the tail read
+        return 0
+
+
+class _Progress:
+    """The sweep's bar in rounds: all rounds of the finished runs plus the rounds done so far by the running
+    ones (read from their metrics files once a second by a thread), the finished runs counted beside it."""
+
+    def __init__(self, points: list[Point], runs_dir: Path, finished: set[str]) -> None:
+        import threading
+
+        from tqdm.auto import tqdm
+
+        self.points, self.runs_dir, self.finished = points, runs_dir, set(finished)
+        total = sum(p.config.rounds for p in points)
+        self.bar = tqdm(total=total, unit="round", dynamic_ncols=True, file=sys.stderr, desc="sweep")
+        self.refresh()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, name="fedweave-sweep-progress", daemon=True)
+        self.thread.start()
+
+    def rounds_done(self) -> int:
+        return sum(
+            p.config.rounds if p.slug in self.finished else min(p.config.rounds, _last_round(self.runs_dir / p.slug))
+            for p in self.points
+        )
+
+    def refresh(self) -> None:
+        self.bar.update(self.rounds_done() - self.bar.n)
+        self.bar.set_postfix_str(f"{len(self.finished)}/{len(self.points)} runs finished")
+
+    def done(self, slug: str) -> None:
+        self.finished.add(slug)
+        self.refresh()
+
+    def _poll(self) -> None:
+        while not self.stop.wait(1.0):
+            self.refresh()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.refresh()
+        self.bar.close()
 
 
 def run_points(
@@ -201,9 +264,12 @@ def run_points(
     out = finished(points, runs_dir)
     todo = [p for p in points if p.slug not in out]
     threads = threads_per_worker(workers)
-    calls = [(p.config.to_dict(), str(runs_dir / p.slug), threads, overwrite) for p in todo]
-    bar = _bar(len(points), len(out), "sweep") if progress else None
-    done = (lambda i, res: bar.update(1)) if bar is not None else None
+    calls = [
+        (p.config.to_dict(), str(runs_dir / p.slug), threads, overwrite, f"point {p.label}, seed {p.seed}")
+        for p in todo
+    ]
+    bar = _Progress(points, runs_dir, set(out)) if progress else None
+    done = (lambda i, res: bar.done(todo[i].slug)) if bar is not None else None
     try:
         if ray_address is not None:
             results = _on_ray(calls, ray_address, done)
@@ -242,7 +308,7 @@ def _on_ray(calls: list[tuple], address: str, done: Callable[[int, Any], None] |
             os.environ.setdefault(k, v)
         ray.init(address=address)
     task = ray.remote(num_cpus=1)(_run_one)
-    pending = {task.remote(cfg, run_dir, 1, overwrite): i for i, (cfg, run_dir, _, overwrite) in enumerate(calls)}
+    pending = {task.remote(cfg, run_dir, 1, *rest): i for i, (cfg, run_dir, _, *rest) in enumerate(calls)}
     out: dict[int, Result] = {}
     while pending:
         finished_refs, _ = ray.wait(list(pending), num_returns=1)
