@@ -207,6 +207,7 @@ class _Progress:
         self.points, self.runs_dir, self.finished = points, runs_dir, set(finished)
         total = sum(p.config.rounds for p in points)
         self.bar = tqdm(total=total, unit="round", dynamic_ncols=True, file=sys.stderr, desc="sweep")
+        self.bar.set_postfix_str(f"{len(self.finished)}/{len(points)} runs finished", refresh=False)
         self.refresh()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._poll, name="fedweave-sweep-progress", daemon=True)
@@ -219,12 +220,14 @@ class _Progress:
         )
 
     def refresh(self) -> None:
-        self.bar.update(self.rounds_done() - self.bar.n)
-        self.bar.set_postfix_str(f"{len(self.finished)}/{len(self.points)} runs finished")
+        n = self.rounds_done()
+        if n != self.bar.n:  # redrawn on a change only: a log file gets no line a second
+            self.bar.update(n - self.bar.n)
 
     def done(self, slug: str) -> None:
         self.finished.add(slug)
         self.refresh()
+        self.bar.set_postfix_str(f"{len(self.finished)}/{len(self.points)} runs finished")
 
     def _poll(self) -> None:
         while not self.stop.wait(1.0):

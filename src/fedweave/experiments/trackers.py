@@ -219,24 +219,25 @@ class Trackers:
             t.start(config, Path(run_dir), sweep_group(Path(run_dir)), saved.get(name, {}).get("run_id"))
             self.items[name] = t
             # a tracker continuing its run holds its first rows already; one added on resume gets them all
-            self.sent[name] = min(saved.get(name, {}).get("rows", 0), len(self.rows))
-        self._send()
+            rows = saved.get(name, {}).get("rows", 0)
+            self.sent[name] = min(rows, len(self.rows)) if isinstance(rows, int) else 0
+        self._send(first=True)
 
     def _saved(self) -> dict[str, Any]:
         try:
             saved = json.loads(self.path.read_text())
         except (OSError, ValueError):  # none (trackers added on resume), or unreadable: new tracker runs
             return {}
-        return saved if isinstance(saved, dict) else {}
+        return {k: v for k, v in saved.items() if isinstance(v, dict)} if isinstance(saved, dict) else {}
 
-    def _send(self, upto: int | None = None) -> None:
-        """Send every tracker the rows it has not got, up to row ``upto`` (all by default), and record it."""
-        upto = len(self.rows) if upto is None else upto
+    def _send(self, first: bool = False) -> None:
+        """Send every tracker the rows it has not got, and record the ids and counts in ``trackers.json``."""
+        upto = len(self.rows)
         for name, t in self.items.items():
             for row in self.rows[self.sent[name] : upto]:
                 t.log_metrics(row)
             self.sent[name] = max(self.sent[name], upto)
-        if self.items:
+        if self.items and (self.held_back or first):  # without checkpoints the counts are never needed
             from fedweave.results import atomic_write
 
             ids = {name: {"run_id": t.run_id, "rows": self.sent[name]} for name, t in self.items.items()}
