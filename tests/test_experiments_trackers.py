@@ -213,13 +213,15 @@ def test_a_resumed_run_continues_each_tracker_run_which_holds_exactly_metrics_cs
         assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)] == pairs, k
     assert run.info.status == "FINISHED"
 
-    runs = sorted((res.run_dir / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and len({d.name.rsplit("-", 1)[1] for d in runs}) == 1  # two sessions of one run id
-    history = []
+    runs = sorted((res.run_dir / "wandb").glob("offline-run-*"))  # one per session, in time order
+    history, ids = [], set()
     for d in runs:
         (datafile,) = d.glob("*.wandb")
         for rec in _wandb_read(datafile):
             if rec.WhichOneof("record_type") == "history":
                 history.append({_key(i): json.loads(i.value_json) for i in rec.history.item})
+            elif rec.WhichOneof("record_type") == "run":
+                ids.add(rec.run.run_id)
+    assert len(runs) == 2 and len(ids) == 1  # two sessions of one W&B run
     for k, pairs in want.items():
         assert [(h["_step"], h[k]) for h in history if k in h] == pairs, k
