@@ -226,3 +226,43 @@ def test_a_failing_worker_is_one_line_naming_its_run(toy_config, tmp_path, capsy
     assert len(err.splitlines()) == 1, err
     assert str(tmp_path / "s" / "runs" / "local.lr=0.2,seed=3") in err and "point local.lr=0.2, seed 3" in err
     assert "RuntimeError: the device fell over" in err
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not os.path.exists("/proc"), reason="forks and reads /proc")
+def test_without_prctl_a_worker_watches_its_parent_and_dies_with_it():
+    import subprocess
+    import sys
+    import time
+
+    script = """
+import ctypes, os, signal, time
+from fedweave.experiments.jobs import _die_with
+parent = os.getpid()
+armed, tell = os.pipe()
+child = os.fork()
+if child == 0:
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)  # the test waits for the end of the parent's output, not the child's
+    os.dup2(null, 2)
+    def no_libc(*a, **k):
+        raise OSError("no prctl here")
+    ctypes.CDLL = no_libc  # as on a system without prctl: the parent-pid watch must do it
+    _die_with(parent)
+    os.write(tell, b"x")
+    time.sleep(60)
+    os._exit(0)
+os.close(tell)
+print(child, os.read(armed, 1) == b"x", flush=True)  # the child's watch is running
+os.kill(parent, signal.SIGKILL)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    child, armed = out.stdout.split()
+    child = int(child)
+    assert armed == "True", out.stderr
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _alive(child)
+    if alive:
+        os.kill(child, 9)
+    assert not alive, "the worker outlived its parent"
