@@ -362,7 +362,8 @@ def run(
     if config.output.trackers:  # TensorBoard / MLflow / W&B callbacks (fedweave.experiments.trackers)
         from fedweave.experiments.trackers import Trackers
 
-        trackers = Trackers(config.output.trackers, config.to_dict(), out.path)
+        # a resumed run continues its tracker runs, which are sent the checkpoint's rows they lack
+        trackers = Trackers(config.output.trackers, config.to_dict(), out.path, out.rows if resume else None)
     if "partition" in ctx.__dict__ and not resume:  # the family partitioned a dataset: report it
         from fedweave.data.report import write_partition_report
 
@@ -439,6 +440,8 @@ def run(
                 )
                 verified = True
                 last_checkpoint = r + 1
+                if trackers is not None:
+                    trackers.checkpointed()
             if bar is not None:
                 bar.update(1)
     except DivergenceError as e:
