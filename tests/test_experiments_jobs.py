@@ -9,10 +9,12 @@ import os
 import numpy as np
 import pytest
 
+from fedweave.algorithms.centralized.fedavg import FedAvg
 from fedweave.experiments.aggregate import finite, if_all, mean_std, to_target
 from fedweave.experiments.grid import Point
-from fedweave.experiments.jobs import finished, parallel_map, run_points, threads_per_worker
+from fedweave.experiments.jobs import RunFailed, _Progress, finished, parallel_map, run_points, threads_per_worker
 from fedweave.experiments.tables import markdown, markdown_table, write_csv
+from fedweave.registry import ALGORITHMS
 
 
 def _points(toy_config, lrs=(0.05, 0.2)) -> list[Point]:
@@ -40,8 +42,9 @@ def test_another_configs_run_is_refused_unless_overwrite(toy_config, tmp_path):
 
     run_points(_points(toy_config, (0.05,)), tmp_path, progress=False)
     other = [Point.of({**toy_config, "rounds": 3}, "lr0.05/s3")]
-    with pytest.raises(RunDirError, match="already holds a finished run"):
+    with pytest.raises(RunFailed, match="RunDirError: .* already holds a finished run") as e:
         run_points(other, tmp_path, progress=False)
+    assert isinstance(e.value.__cause__, RunDirError)
     res = run_points(other, tmp_path, progress=False, overwrite=True)
     assert res["lr0.05/s3"].summary["rounds"] == 3
 
@@ -110,3 +113,156 @@ def test_table_writers(tmp_path):
     assert markdown([{"p": "a", "v": 0.5}, {"p": "b", "v": math.nan}], best=0) == (
         "| p | v |\n|---|---|\n| **a** | **0.5000** |\n| b | - |\n"
     )
+
+
+def _children(pid: int) -> list[int]:
+    from pathlib import Path
+
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    from pathlib import Path
+
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    from pathlib import Path
+
+    try:  # a zombie waiting to be reaped by init is dead
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads a process's children from /proc")
+def test_the_workers_die_with_a_sweep_killed_by_sigkill(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from tests.test_experiments_sweep import DIGITS
+
+    cfg = tmp_path / "digits.yaml"
+    cfg.write_text(yaml.safe_dump({**DIGITS, "rounds": 400, "output": {"progress": False, "plots": False}}))
+    cmd = [sys.executable, "-m", "fedweave.cli", "sweep", str(cfg), "--grid", "local.lr=0.02,0.05", "--workers", "2"]
+    proc = subprocess.Popen([*cmd, "--out", str(tmp_path / "s"), "--no-progress"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            running = len(list((tmp_path / "s").glob("runs/*/metrics.jsonl")))
+            own = _cmdline(proc.pid)  # the pool's workers are forks of the sweep's process
+            workers = [c for c in _children(proc.pid) if _cmdline(c) == own]
+            if running == 2 and len(workers) == 2:  # both workers are part-way through a run
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None and len(workers) == 2, "the sweep never had two runs going"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, workers)), f"workers {[w for w in workers if _alive(w)]} outlived the sweep"
+    finally:
+        for w in workers:
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_the_progress_bar_counts_the_rounds_of_running_runs(toy_config, tmp_path, capsys):
+    import json
+
+    pts = _points(toy_config)  # 2 runs of 2 rounds
+    (tmp_path / "lr0.2/s3").mkdir(parents=True)
+    (tmp_path / "lr0.2/s3/metrics.jsonl").write_text(json.dumps({"round": 1, "test_accuracy": 0.5}) + "\n")
+    bar = _Progress(pts, tmp_path, {"lr0.05/s3"})
+    try:  # one run finished (2 rounds), one part-way (1 round)
+        assert (bar.bar.n, bar.bar.total) == (3, 4)
+    finally:
+        bar.close()
+    run_points(pts, tmp_path / "again", progress=True)
+    err = capsys.readouterr().err
+    assert "4/4" in err and "2/2 runs finished" in err
+
+
+class _FailsAtRound2(FedAvg):
+    """FedAvg that fails in round 2 when its lr is 0.2 (a bug in an algorithm, a lost device)."""
+
+    def run_round(self, r: int) -> dict[str, float]:
+        if r == 1 and self.ctx.config.local.lr == 0.2:
+            raise RuntimeError("the device\nfell over")
+        return super().run_round(r)
+
+
+if "_fedavg_fails" not in ALGORITHMS._items:
+    ALGORITHMS.register("_fedavg_fails")(_FailsAtRound2)
+
+
+def test_a_failing_worker_is_one_line_naming_its_run(toy_config, tmp_path, capsys):
+    import yaml
+
+    from fedweave.cli import main as cli_main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**toy_config, "rounds": 3, "algorithm": {"name": "_fedavg_fails"}}))
+    argv = ["sweep", str(cfg), "--grid", "local.lr=0.05,0.2", "--workers", "2", "--out", str(tmp_path / "s")]
+    assert cli_main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert str(tmp_path / "s" / "runs" / "local.lr=0.2,seed=3") in err and "point local.lr=0.2, seed 3" in err
+    assert "RuntimeError: the device fell over" in err
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not os.path.exists("/proc"), reason="forks and reads /proc")
+def test_without_prctl_a_worker_watches_its_parent_and_dies_with_it():
+    import subprocess
+    import sys
+    import time
+
+    script = """
+import ctypes, os, signal, time
+from fedweave.experiments.jobs import _die_with
+parent = os.getpid()
+armed, tell = os.pipe()
+child = os.fork()
+if child == 0:
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)  # the test waits for the end of the parent's output, not the child's
+    os.dup2(null, 2)
+    def no_libc(*a, **k):
+        raise OSError("no prctl here")
+    ctypes.CDLL = no_libc  # as on a system without prctl: the parent-pid watch must do it
+    _die_with(parent)
+    os.write(tell, b"x")
+    time.sleep(60)
+    os._exit(0)
+os.close(tell)
+print(child, os.read(armed, 1) == b"x", flush=True)  # the child's watch is running
+os.kill(parent, signal.SIGKILL)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    child, armed = out.stdout.split()
+    child = int(child)
+    assert armed == "True", out.stderr
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _alive(child)
+    if alive:
+        os.kill(child, 9)
+    assert not alive, "the worker outlived its parent"

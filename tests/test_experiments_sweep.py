@@ -159,3 +159,41 @@ def test_a_sweep_on_a_ray_cluster_equals_one_in_processes(tmp_path):
     local = fedweave.sweep(cfg, grid, workers=2, out=tmp_path / "pool", progress=False)
     assert _read(tmp_path / "ray" / "sweep.csv") == _read(tmp_path / "pool" / "sweep.csv")
     assert on_ray.summary == local.summary
+
+
+def test_runs_killed_before_their_first_checkpoint_start_again_and_finished_ones_are_reused(toy_config, tmp_path):
+    import json
+    import shutil
+
+    grid = {"local.lr": [0.05, 0.2, 0.4]}
+    full = fedweave.sweep(toy_config, grid, out=tmp_path / "full", progress=False)
+    killed = tmp_path / "killed"
+    shutil.copytree(tmp_path / "full", killed)
+    (killed / "sweep.csv").unlink()
+    a, b, c = (killed / r["run_dir"] for r in full.records)
+    # a: SIGKILLed part-way (no checkpoint: none is configured): config and the first rows, no summary
+    (a / "summary.json").unlink()
+    for name in ("metrics.jsonl", "metrics.csv"):
+        lines = (a / name).read_text().splitlines(keepends=True)
+        (a / name).write_text("".join(lines[:2]))
+    # b: stopped by SIGTERM: its summary says interrupted
+    summary = json.loads((b / "summary.json").read_text())
+    (b / "summary.json").write_text(json.dumps({**summary, "status": "interrupted"}))
+    reused = (c / "summary.json").stat().st_mtime_ns
+    again = fedweave.sweep(toy_config, grid, out=killed, progress=False)
+    assert [r["status"] for r in again.records] == ["completed"] * 3
+    assert (c / "summary.json").stat().st_mtime_ns == reused  # finished: not run again
+    assert _read(killed / "sweep.csv") == _read(tmp_path / "full" / "sweep.csv")
+    assert (a / "metrics.csv").read_text().count("\n") == toy_config["rounds"] + 1
+
+
+def test_an_unfinished_run_of_another_config_is_not_replaced(toy_config, tmp_path):
+    from fedweave.experiments.jobs import RunFailed
+    from fedweave.results import RunDirError
+
+    res = fedweave.sweep(toy_config, {"local.lr": [0.05]}, out=tmp_path / "s", progress=False)
+    run_dir = tmp_path / "s" / res.records[0]["run_dir"]
+    (run_dir / "summary.json").unlink()
+    with pytest.raises(RunFailed, match="RunDirError: .* already holds an unfinished run") as e:
+        fedweave.sweep({**toy_config, "rounds": 3}, {"local.lr": [0.05]}, out=tmp_path / "s", progress=False)
+    assert isinstance(e.value.__cause__, RunDirError)

@@ -78,11 +78,8 @@ def test_mlflow_file_store_holds_params_metrics_and_artifacts(toy_config, tmp_pa
     assert run.info.status == "FINISHED"
 
 
-def test_wandb_offline_run_directory_holds_the_history(toy_config, tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    res = _run(toy_config, tmp_path, ["wandb"])
-    (offline,) = (res.run_dir / "wandb").glob("offline-run-*")
-    (datafile,) = offline.glob("*.wandb")
+def _wandb_read(datafile):
+    """The records of an offline W&B run file, once it holds the run's exit record."""
     from wandb.proto import wandb_internal_pb2
 
     # the W&B service process may still be writing the file when finish() returns: read it once it holds the
@@ -95,8 +92,16 @@ def test_wandb_offline_run_directory_holds_the_history(toy_config, tmp_path, mon
             rec.ParseFromString(data)
             records.append(rec)
         if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
-            break
+            return records
         time.sleep(0.2)
+
+
+def test_wandb_offline_run_directory_holds_the_history(toy_config, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    res = _run(toy_config, tmp_path, ["wandb"])
+    (offline,) = (res.run_dir / "wandb").glob("offline-run-*")
+    (datafile,) = offline.glob("*.wandb")
+    records = _wandb_read(datafile)
     history, config = [], None
     for rec in records:
         if rec.WhichOneof("record_type") == "history":
@@ -138,3 +143,85 @@ def test_a_sweep_groups_its_runs(toy_config, tmp_path, monkeypatch):
         client = mlflow.MlflowClient(tracking_uri=(res.out_dir / rec["run_dir"] / "mlruns").resolve().as_uri())
         (run,) = client.search_runs([client.get_experiment_by_name("lr-sweep").experiment_id])
         assert run.data.tags["sweep"] == "lr-sweep" and run.data.params["local.lr"] == str(rec["local.lr"])
+
+
+def test_mlflow_takes_the_transfer_names_of_scaffold(toy_config, tmp_path, monkeypatch):
+    # SCAFFOLD's transfers are named like "client->server:update+control_delta"; MLflow refuses '+' in a name
+    cfg = {**toy_config, "rounds": 2, "algorithm": {"name": "scaffold", "clients_per_round": 4}}
+    res = _run(cfg, tmp_path, ["mlflow"])
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow.MlflowClient(tracking_uri=(res.run_dir / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("toy").experiment_id])
+    by_transfer = res.summary["communication"]["by_transfer"]
+    assert any("+" in name for name in by_transfer)
+    for name, kind in by_transfer.items():
+        key = "communication.by_transfer." + name.replace("->", "_to_").replace(":", "_").replace("+", "_") + ".bytes"
+        assert run.data.metrics[key] == kind["bytes"]
+    hist = client.get_metric_history(run.info.run_id, "test_accuracy")
+    _same([(m.step, m.value) for m in hist], res.metrics)
+    assert run.info.status == "FINISHED"
+
+
+def test_a_resumed_run_continues_each_tracker_run_which_holds_exactly_metrics_csv(toy_config, tmp_path, monkeypatch):
+    """Stopped after its round-3 checkpoint, when rows 4-5 had been written, then resumed: one tracker run each
+    (one W&B id, one MLflow run, one TensorBoard directory), holding every column of every row of
+    metrics.csv once, with the values of metrics.csv."""
+    import csv
+
+    import numpy as np
+
+    import fedweave.runner as runner
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    trackers = ["tensorboard", "mlflow", "wandb"]
+    cfg = {**toy_config, "rounds": 6, "output": {"progress": False, "plots": False, "trackers": trackers,
+                                                 "checkpoint_every": 3}}  # fmt: skip
+    save = runner.save_checkpoint
+
+    def stop_at_six(run, algo, next_round, *a, **k):
+        if next_round == 6:  # as Ctrl-C after round 6's row, before its checkpoint
+            raise KeyboardInterrupt
+        save(run, algo, next_round, *a, **k)
+
+    monkeypatch.setattr(runner, "save_checkpoint", stop_at_six)
+    with pytest.raises(runner.RunInterrupted):
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+    monkeypatch.setattr(runner, "save_checkpoint", save)
+    res = runner.resume(tmp_path / "r")
+    with open(res.run_dir / "metrics.csv") as f:
+        rows = [{k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4, 5, 6] and rows == [
+        {k: float(v) for k, v in r.items()} for r in res.metrics
+    ]
+    want = {k: [(int(r["round"]), r[k]) for r in rows if k in r] for k in rows[0]}
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = EventAccumulator(str(res.run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    ev.Reload()
+    for k, pairs in want.items():  # TensorBoard keeps float32
+        assert [(e.step, e.value) for e in ev.Scalars(k)] == [(s, float(np.float32(v))) for s, v in pairs], k
+
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=(res.run_dir / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("toy").experiment_id])
+    for k, pairs in want.items():
+        assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)] == pairs, k
+    assert run.info.status == "FINISHED"
+
+    runs = sorted((res.run_dir / "wandb").glob("offline-run-*"))  # one per session, in time order
+    history, ids = [], set()
+    for d in runs:
+        (datafile,) = d.glob("*.wandb")
+        for rec in _wandb_read(datafile):
+            if rec.WhichOneof("record_type") == "history":
+                history.append({_key(i): json.loads(i.value_json) for i in rec.history.item})
+            elif rec.WhichOneof("record_type") == "run":
+                ids.add(rec.run.run_id)
+    assert len(runs) == 2 and len(ids) == 1  # two sessions of one W&B run
+    for k, pairs in want.items():
+        assert [(h["_step"], h[k]) for h in history if k in h] == pairs, k

@@ -279,6 +279,8 @@ OTHER_COMMANDS = [
     (["reproduce", "afind", "--rounds", "-3"], "--rounds: '-3' is not a whole number >= 1"),
     (["reproduce", "cse-fsl", "--workers", "0"], "--workers: '0' is not a whole number >= 1"),
     (["reproduce", "cfl-saga", "--seeds", "two"], "--seeds: 'two' is not a whole number >= 1"),
+    (["reproduce", "fedmim", "--seeds", "0"], "--seeds: '0' is not a whole number >= 1"),  # a count everywhere
+    (["reproduce", "cse-fsl", "--seeds", "0", "1"], "--seeds: '0' is not a whole number >= 1"),
     (["flower-app", "c.yaml", "app", "--reply-timeout", "-5"], "--reply-timeout: '-5' is not a number of seconds > 0"),
     (["flower-app", "c.yaml", "app", "--node-wait", "nan"], "--node-wait: 'nan' is not a number of seconds > 0"),
     (["flower-app", "missing.yaml", "app"], "missing.yaml"),

@@ -361,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fedweave.config import ConfigError
     from fedweave.data.sources import DataSourceError
+    from fedweave.experiments.jobs import RunFailed
     from fedweave.registry import UnknownNameError
     from fedweave.results import RunDirError
     from fedweave.runner import CheckpointError, DivergenceError, RunInterrupted
@@ -378,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         FileNotFoundError,
         DataSourceError,
         pickle.UnpicklingError,
+        RunFailed,
     ) as e:
         print(f"fedweave: error: {_one_line(e)}", file=sys.stderr)
         return 2

@@ -4,11 +4,17 @@ Each tracker is started once, gets ``log_metrics`` for every metric row and ``fi
 the plots. Each tracker logs the resolved config, every row (stepped by round, and by total bytes), the ledger's
 totals per transfer kind and the final summary. Everything stays local by default: MLflow writes a file store
 and W&B an offline run, both inside the run directory. A run inside a sweep directory is grouped by that sweep.
+
+A resumed run continues the same tracker runs (their ids are kept in the run directory's ``trackers.json``)
+and the trackers end up holding exactly the rows of ``metrics.csv``: with checkpoints on, a row reaches the
+trackers once a checkpoint holds it (rows after the last checkpoint are recomputed on resume), and a run that
+ends otherwise than completed keeps its tracker runs open for the resume.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,19 +42,29 @@ def sweep_group(run_dir: Path) -> str | None:
 
 
 class Tracker:
-    def start(self, config: dict[str, Any], run_dir: Path, group: str | None) -> None: ...
+    """One tracker. ``start`` opens a new tracker run, or continues the one named ``run_id`` (a resumed run);
+    ``run_id`` afterwards names the run to continue. ``close`` ends a run that may be resumed later (without
+    the summary); ``finish`` ends a completed one."""
+
+    run_id: str | None = None
+
+    def start(self, config: dict[str, Any], run_dir: Path, group: str | None, run_id: str | None = None) -> None: ...
     def log_metrics(self, row: dict[str, Any]) -> None: ...
+    def close(self, status: str) -> None: ...
     def finish(self, summary: dict[str, Any], artifacts: list[Path]) -> None: ...
 
 
 class TensorBoardTracker(Tracker):
-    def start(self, config, run_dir, group):
+    def start(self, config, run_dir, group, run_id=None):
         from torch.utils.tensorboard import SummaryWriter
 
+        # a resumed run adds an event file to the same directory: TensorBoard reads them as one run
         self.w = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        self.w.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```")
-        if group:
-            self.w.add_text("sweep", group)
+        self.run_id = "tensorboard"
+        if run_id is None:
+            self.w.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```")
+            if group:
+                self.w.add_text("sweep", group)
 
     def log_metrics(self, row):
         for k, v in _numbers(row).items():
@@ -67,9 +83,12 @@ class TensorBoardTracker(Tracker):
             self.w.add_image(p.stem, np.asarray(Image.open(p).convert("RGB")), dataformats="HWC")
         self.w.close()
 
+    def close(self, status):
+        self.w.close()
+
 
 class MLflowTracker(Tracker):
-    def start(self, config, run_dir, group):
+    def start(self, config, run_dir, group, run_id=None):
         import os
 
         import mlflow
@@ -78,39 +97,57 @@ class MLflowTracker(Tracker):
         # only serves it after this opt-in
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = mlflow.MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
-        exp = group or config.get("name") or "fedweave"
-        found = self.client.get_experiment_by_name(exp)
-        exp_id = found.experiment_id if found else self.client.create_experiment(exp)
-        self.run = self.client.create_run(exp_id, run_name=run_dir.name, tags={"sweep": group or ""})
-        self.id = self.run.info.run_id
+        logged: dict[str, str] = {}
+        if run_id is not None:  # a resumed run: continue its MLflow run
+            from mlflow.exceptions import MlflowException
+
+            try:
+                self.run = self.client.get_run(run_id)
+                self.client.update_run(run_id, status="RUNNING")
+                logged = self.run.data.params
+            except MlflowException:  # the store was removed: start a new MLflow run
+                run_id = None
+        if run_id is None:
+            exp = group or config.get("name") or "fedweave"
+            found = self.client.get_experiment_by_name(exp)
+            exp_id = found.experiment_id if found else self.client.create_experiment(exp)
+            self.run = self.client.create_run(exp_id, run_name=run_dir.name, tags={"sweep": group or ""})
+        self.id = self.run_id = self.run.info.run_id
         self.client.log_dict(self.id, config, "config.json")
         for k, v in _flat(config).items():
-            self.client.log_param(self.id, k, v)
+            if k not in logged:  # MLflow refuses to change a param: a resumed run's new rounds stay in config.json
+                self.client.log_param(self.id, k, v)
 
     def log_metrics(self, row):
         for k, v in _numbers(row).items():
-            self.client.log_metric(self.id, k, v, step=int(row["round"]))
+            self.client.log_metric(self.id, _mlflow_key(k), v, step=int(row["round"]))
             if k != "bytes_total":
-                self.client.log_metric(self.id, f"by_bytes.{k}", v, step=int(row["bytes_total"]))
+                self.client.log_metric(self.id, _mlflow_key(f"by_bytes.{k}"), v, step=int(row["bytes_total"]))
 
     def finish(self, summary, artifacts):
         for k, v in _numbers({"communication": summary["communication"]}).items():
-            self.client.log_metric(self.id, k.replace("/", ".").replace("->", "_to_"), v)
+            self.client.log_metric(self.id, _mlflow_key(k.replace("/", ".")), v)
         self.client.log_dict(self.id, summary, "summary.json")
         for p in artifacts:
             self.client.log_artifact(self.id, str(p))
         self.client.set_terminated(self.id, "FINISHED" if summary["status"] == "completed" else "FAILED")
 
+    def close(self, status):
+        self.client.set_terminated(self.id, "KILLED" if status in ("interrupted", "stopped") else "FAILED")
+
 
 class WandbTracker(Tracker):
-    def start(self, config, run_dir, group):
+    def start(self, config, run_dir, group, run_id=None):
         import wandb
 
         self.wandb = wandb
+        # a resumed run continues the W&B run of the same id (an offline run writes a second directory for it,
+        # which `wandb sync --append` adds to the first)
         self.run = wandb.init(
             project="fedweave", dir=str(run_dir), mode="offline", config=config, group=group,
-            name=run_dir.name, reinit="create_new",
+            name=run_dir.name, reinit="create_new", id=run_id, resume="allow" if run_id else None,
         )  # fmt: skip
+        self.run_id = self.run.id
         self.run.define_metric("bytes_total")
 
     def log_metrics(self, row):
@@ -123,6 +160,16 @@ class WandbTracker(Tracker):
         if images:
             self.run.log(images)
         self.run.finish()
+
+    def close(self, status):
+        self.run.finish(exit_code=1)
+
+
+def _mlflow_key(name: str) -> str:
+    """``name`` as an MLflow metric name: MLflow takes only letters, digits, ``_ - . /`` and spaces (and ``:``
+    but not on Windows), so a transfer's ``->`` becomes ``_to_`` and any other character (the ``+`` of
+    ``model+control``) ``_``."""
+    return re.sub(r"[^\w./\- ]", "_", name.replace("->", "_to_"))
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -138,11 +185,28 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 _KINDS = {"tensorboard": TensorBoardTracker, "mlflow": MLflowTracker, "wandb": WandbTracker}
 
 
-class Trackers:
-    """The trackers a run's ``output.trackers`` names, called together."""
+IDS = "trackers.json"  # in the run directory: each tracker's run id and how many rows it holds
 
-    def __init__(self, names: list[str], config: dict[str, Any], run_dir: Path) -> None:
-        self.items: list[Tracker] = []
+
+class Trackers:
+    """The trackers a run's ``output.trackers`` names, called together. ``resumed_rows``: a resumed run's rows
+    from its checkpoint; each tracker then continues its run named in ``trackers.json`` and is sent the rows it
+    has not yet got. With ``output.checkpoint_every`` rows are held back until :meth:`checkpointed`, so that
+    no tracker holds a row that a resume recomputes."""
+
+    def __init__(
+        self,
+        names: list[str],
+        config: dict[str, Any],
+        run_dir: Path,
+        resumed_rows: list[dict[str, Any]] | None = None,
+    ) -> None:
+        self.items: dict[str, Tracker] = {}
+        self.path = Path(run_dir) / IDS
+        self.rows: list[dict[str, Any]] = list(resumed_rows or [])
+        self.held_back = bool((config.get("output") or {}).get("checkpoint_every"))
+        saved = self._saved() if resumed_rows is not None else {}
+        self.sent: dict[str, int] = {}
         for name in names:
             module = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}[name]
             try:
@@ -153,31 +217,73 @@ class Trackers:
                     f"pip install 'fedweave[{_EXTRA[name]}]'"
                 ) from e
             t = _KINDS[name]()
-            t.start(config, Path(run_dir), sweep_group(Path(run_dir)))
-            self.items.append(t)
+            t.start(config, Path(run_dir), sweep_group(Path(run_dir)), saved.get(name, {}).get("run_id"))
+            self.items[name] = t
+            # a tracker continuing its run holds its first rows already; one added on resume gets them all
+            rows = saved.get(name, {}).get("rows", 0)
+            self.sent[name] = min(rows, len(self.rows)) if isinstance(rows, int) else 0
+        self._send(first=True)
+
+    def _saved(self) -> dict[str, Any]:
+        try:
+            saved = json.loads(self.path.read_text())
+        except (OSError, ValueError):  # none (trackers added on resume), or unreadable: new tracker runs
+            return {}
+        return {k: v for k, v in saved.items() if isinstance(v, dict)} if isinstance(saved, dict) else {}
+
+    def _send(self, first: bool = False) -> None:
+        """Send every tracker the rows it has not got, and record the ids and counts in ``trackers.json``."""
+        upto = len(self.rows)
+        for name, t in self.items.items():
+            for row in self.rows[self.sent[name] : upto]:
+                t.log_metrics(row)
+            self.sent[name] = max(self.sent[name], upto)
+        if self.items and (self.held_back or first):  # without checkpoints the counts are never needed
+            from fedweave.results import atomic_write
+
+            ids = {name: {"run_id": t.run_id, "rows": self.sent[name]} for name, t in self.items.items()}
+            atomic_write(self.path, json.dumps(ids, indent=2) + "\n")
 
     def log_metrics(self, row: dict[str, Any]) -> None:
-        for t in self.items:
-            t.log_metrics(row)
+        """A new metric row: sent at once, or at the next checkpoint when checkpoints are on."""
+        self.rows.append(row)
+        if not self.held_back:
+            self._send()
+
+    def checkpointed(self) -> None:
+        """A checkpoint holding every row so far was written: send the rows held back."""
+        self._send()
 
     def finish(self, summary: dict[str, Any], artifacts: list[Path]) -> None:
-        for t in self.items:
-            t.finish(summary, artifacts)
+        """End the tracker runs: a completed run (or one that cannot be resumed) with every row and the
+        summary; otherwise with the rows its last checkpoint holds, open to a resume."""
+        if summary["status"] == "completed" or not self.held_back:
+            self._send()
+            for t in self.items.values():
+                t.finish(summary, artifacts)
+        else:
+            for t in self.items.values():
+                t.close(summary["status"])
 
 
 class TrackerCallback(Callback):
-    """The run's ``output.trackers``: started with the run, every recorded row logged, finished with the
-    summary and the plots."""
+    """The run's ``output.trackers``: started with the run (a resumed run continues its tracker runs with the
+    checkpoint's rows), every recorded row logged (held back to the next checkpoint when checkpoints are on),
+    finished with the summary and the plots."""
 
     def __init__(self, names: list[str]) -> None:
         self.names = names
         self.trackers: Trackers | None = None
 
     def on_start(self, run):
-        self.trackers = Trackers(self.names, run.config.to_dict(), run.path)
+        config = run.config.to_dict()
+        self.trackers = Trackers(self.names, config, run.path, run.rows if run.resumed else None)
 
     def on_row(self, run, row):
         self.trackers.log_metrics(row)
+
+    def on_checkpoint(self, run, next_round):
+        self.trackers.checkpointed()
 
     def on_end(self, run, summary):
         if summary is not None and self.trackers is not None:

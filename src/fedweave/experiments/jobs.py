@@ -17,9 +17,22 @@ from fedweave.experiments.grid import Point
 from fedweave.runner import Result, finished_run
 
 
-def _run_one(config: dict[str, Any], run_dir: str, threads: int, overwrite: bool = False) -> Result:
+class RunFailed(RuntimeError):
+    """A run of a sweep failed; the message is one line naming its directory and point, and what went wrong
+    (the worker's own exception and traceback are its ``__cause__``)."""
+
+
+def _run_one(config: dict[str, Any], run_dir: str, threads: int, overwrite: bool = False, label: str = "") -> Result:
     """Run (or resume) one point; returns its Result without the algorithm object (results cross processes).
-    Runs in a worker process."""
+    Runs in a worker process. A failure is one :class:`RunFailed` line naming the run (``label``: its point)."""
+    try:
+        return _run_point(config, run_dir, threads, overwrite)
+    except Exception as e:
+        what = " ".join(str(e).split()) or "no message"
+        raise RunFailed(f"run {run_dir} ({label}) failed: {type(e).__name__}: {what}") from e
+
+
+def _run_point(config: dict[str, Any], run_dir: str, threads: int, overwrite: bool) -> Result:
     import torch
 
     from fedweave.config import ConfigError, load
@@ -34,8 +47,32 @@ def _run_one(config: dict[str, Any], run_dir: str, threads: int, overwrite: bool
             return Result(res.run_dir, res.metrics, res.summary)
         except ConfigError:  # a checkpoint of another config: start this point again
             pass
+    elif unfinished_run(run_dir, cfg):  # this point's run, killed before its first checkpoint: start it again
+        overwrite = True
     res = run(cfg, run_dir=run_dir, progress=False, on_divergence="return", overwrite=overwrite)
     return Result(res.run_dir, res.metrics, res.summary)
+
+
+def unfinished_run(run_dir: str | Path, config: Any) -> bool:
+    """Whether ``run_dir`` holds an unfinished run (killed, interrupted or stopped: no ``summary.json`` or one
+    whose status is neither completed nor diverged) of exactly ``config`` (a RunConfig): a sweep restarts it
+    from scratch when it has no checkpoint to resume from. A run of another config is never replaced here."""
+    import json
+
+    from fedweave.config import ConfigError, load
+
+    path = Path(run_dir)
+    if not (path / "config.yaml").is_file():
+        return False
+    try:
+        if load(path / "config.yaml").to_dict() != config.to_dict():
+            return False
+        status = (
+            json.loads((path / "summary.json").read_text()).get("status") if (path / "summary.json").is_file() else None
+        )
+    except (ConfigError, OSError, ValueError):  # unreadable: not recognisably this point's run
+        return False
+    return status not in ("completed", "diverged")
 
 
 def check_workers(workers: object) -> None:
@@ -61,9 +98,35 @@ def finished(points: Iterable[Point], runs_dir: str | Path) -> dict[str, Result]
     return out
 
 
-def _worker_start(threads: int, initializer: Callable[[], None] | None) -> None:
+def _die_with(parent: int) -> None:
+    """End this worker process when ``parent`` (the sweep's process) dies, however it dies (SIGKILL too):
+    on Linux the kernel sends SIGKILL (prctl PR_SET_PDEATHSIG); elsewhere a thread watches the parent pid.
+    Its run's files are written atomically, so the next sweep resumes or restarts that run."""
+    import ctypes
+    import signal
+    import threading
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        armed = sys.platform.startswith("linux") and libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        armed = False
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+    if not armed:
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="fedweave-parent-watch", daemon=True).start()
+
+
+def _worker_start(parent: int, threads: int, initializer: Callable[[], None] | None) -> None:
     import torch
 
+    _die_with(parent)
     torch.set_num_threads(threads)
     if initializer is not None:
         initializer()
@@ -100,7 +163,7 @@ def _schedule(
         max_workers=workers,
         mp_context=mp.get_context("fork"),
         initializer=_worker_start,
-        initargs=(threads_per_worker(workers), initializer),
+        initargs=(os.getpid(), threads_per_worker(workers), initializer),
     ) as pool:
         queue = iter(enumerate(calls))
         running: dict[Any, int] = {}
@@ -118,10 +181,63 @@ def _schedule(
     return out
 
 
-def _bar(total: int, initial: int, desc: str) -> Any:
-    from tqdm.auto import tqdm
+def _last_round(run_dir: Path) -> int:
+    """The round of the last metric row in ``run_dir/metrics.jsonl`` (0 when none): a running run's progress,
+    read from the file it replaces atomically after each evaluation."""
+    import json
 
-    return tqdm(total=total, initial=initial, unit="run", dynamic_ncols=True, file=sys.stderr, desc=desc)
+    try:
+        with open(run_dir / "metrics.jsonl", "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            last = f.read().rstrip().rsplit(b"\n", 1)[-1]
+        return int(json.loads(last)["round"])
+    except (OSError, ValueError, KeyError, TypeError):  # not started, or a row too long for the tail read
+        return 0
+
+
+class _Progress:
+    """The sweep's bar in rounds: all rounds of the finished runs plus the rounds done so far by the running
+    ones (read from their metrics files once a second by a thread), the finished runs counted beside it."""
+
+    def __init__(self, points: list[Point], runs_dir: Path, finished: set[str]) -> None:
+        import threading
+
+        from tqdm.auto import tqdm
+
+        self.points, self.runs_dir, self.finished = points, runs_dir, set(finished)
+        total = sum(p.config.rounds for p in points)
+        self.bar = tqdm(total=total, unit="round", dynamic_ncols=True, file=sys.stderr, desc="sweep")
+        self.bar.set_postfix_str(f"{len(self.finished)}/{len(points)} runs finished", refresh=False)
+        self.refresh()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, name="fedweave-sweep-progress", daemon=True)
+        self.thread.start()
+
+    def rounds_done(self) -> int:
+        return sum(
+            p.config.rounds if p.slug in self.finished else min(p.config.rounds, _last_round(self.runs_dir / p.slug))
+            for p in self.points
+        )
+
+    def refresh(self) -> None:
+        n = self.rounds_done()
+        if n != self.bar.n:  # redrawn on a change only: a log file gets no line a second
+            self.bar.update(n - self.bar.n)
+
+    def done(self, slug: str) -> None:
+        self.finished.add(slug)
+        self.refresh()
+        self.bar.set_postfix_str(f"{len(self.finished)}/{len(self.points)} runs finished")
+
+    def _poll(self) -> None:
+        while not self.stop.wait(1.0):
+            self.refresh()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.refresh()
+        self.bar.close()
 
 
 def run_points(
@@ -151,9 +267,12 @@ def run_points(
     out = finished(points, runs_dir)
     todo = [p for p in points if p.slug not in out]
     threads = threads_per_worker(workers)
-    calls = [(p.config.to_dict(), str(runs_dir / p.slug), threads, overwrite) for p in todo]
-    bar = _bar(len(points), len(out), "sweep") if progress else None
-    done = (lambda i, res: bar.update(1)) if bar is not None else None
+    calls = [
+        (p.config.to_dict(), str(runs_dir / p.slug), threads, overwrite, f"point {p.label}, seed {p.seed}")
+        for p in todo
+    ]
+    bar = _Progress(points, runs_dir, set(out)) if progress else None
+    done = (lambda i, res: bar.done(todo[i].slug)) if bar is not None else None
     try:
         if ray_address is not None:
             results = _on_ray(calls, ray_address, done)
@@ -192,7 +311,7 @@ def _on_ray(calls: list[tuple], address: str, done: Callable[[int, Any], None] |
             os.environ.setdefault(k, v)
         ray.init(address=address)
     task = ray.remote(num_cpus=1)(_run_one)
-    pending = {task.remote(cfg, run_dir, 1, overwrite): i for i, (cfg, run_dir, _, overwrite) in enumerate(calls)}
+    pending = {task.remote(cfg, run_dir, 1, *rest): i for i, (cfg, run_dir, _, *rest) in enumerate(calls)}
     out: dict[int, Result] = {}
     while pending:
         finished_refs, _ = ray.wait(list(pending), num_returns=1)

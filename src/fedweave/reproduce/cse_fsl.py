@@ -337,13 +337,13 @@ def main(argv: list[str]) -> int:
         help="noniid: the small preset with 2 label-sorted shards per client (Table V's non-IID column)",
     )
     ap.add_argument("--dataset", default=None, help="fashion_mnist (small default), mnist, digits, or cifar10")
-    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default: 0 1 2; paper: 0..4)")
+    ap.add_argument("--seeds", type=positive_int, default=None, help="number of seeds, 0..N-1 (default 3; paper 5)")
     ap.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", default="runs/reproduce-cse-fsl")
     args = ap.parse_args(argv)
     dataset = args.dataset or ("cifar10" if args.scale == "paper" else "fashion_mnist")
     p = preset(args.scale, dataset)
-    seeds = args.seeds if args.seeds is not None else list(range(p.seeds))
+    seeds = list(range(args.seeds if args.seeds is not None else p.seeds))
     args.seeds = seeds
     out = Path(args.out)
     t0 = time.perf_counter()

@@ -827,7 +827,7 @@ def write_variant_outputs(records: list[dict], skipped: list, name: str, p: Pres
 def main(argv: list[str]) -> int:
     ap = Parser(prog="fedweave reproduce fedmim", description=__doc__.splitlines()[0])
     ap.add_argument("--scale", choices=sorted(PRESETS), default="small")
-    ap.add_argument("--seeds", type=int, nargs="+", help="seeds (default: the preset's)")
+    ap.add_argument("--seeds", type=positive_int, help="number of seeds, 0..N-1 (default: the preset's)")
     ap.add_argument("--out", default="runs/reproduce-fedmim", help="output directory")
     ap.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1), help="parallel runs")
     ap.add_argument("--datasets", nargs="+", help="replace the preset's datasets, in order (e.g. a test fixture)")
@@ -836,7 +836,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--extend", action="store_true", help="also run the preset's lower-priority cells")
     args = ap.parse_args(argv)
     p = PRESETS[args.scale]
-    seeds = tuple(args.seeds) if args.seeds else p.seeds
+    seeds = tuple(range(args.seeds)) if args.seeds else p.seeds
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
