@@ -223,7 +223,7 @@ def test_report_leaves_out_the_runs_of_an_earlier_grid_in_the_same_folder(toy_co
     assert list(_runs_by_name(page)) == current
     assert [r[0] for r in _dom(page).table("summary")[1:]] == ["local.lr=0.1", "local.lr=0.3"]
     (note,) = [n for n in _dom(page).notes if n.startswith("Left out")]
-    assert note.startswith("Left out: 3 run directories in runs/ not in this sweep's grid") and all(
+    assert note.startswith("Left out: 3 run directories in runs/ not in this sweep's grid (sweep.json)") and all(
         s in note for s in stale
     )
     # the same sweep started again (sweep.json rewritten, sweep.csv not yet): its points come from sweep.json

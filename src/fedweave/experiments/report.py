@@ -376,8 +376,8 @@ def _notes(src: _Source) -> list[str]:
     if src.stale:
         one = len(src.stale) == 1
         shown = ", ".join(src.stale[:3]) + (", ..." if len(src.stale) > 3 else "")
-        notes.append(f"Left out: {len(src.stale)} run director{'y' if one else 'ies'} in runs/ not in this sweep's "
-                     f"grid (sweep.json; an earlier grid's): {shown}")  # fmt: skip
+        dirs = f"{len(src.stale)} run director{'y' if one else 'ies'}"
+        notes.append(f"Left out: {dirs} in runs/ not in this sweep's grid (sweep.json), from an earlier grid: {shown}")
     return notes
 
 
