@@ -246,6 +246,15 @@ def test_report_of_a_folder_that_is_not_a_run_or_a_sweep_is_refused(tmp_path, ca
     assert not (tmp_path / "r.html").exists()
 
 
+@pytest.mark.parametrize("damaged", ["sweep.json", "runs/local.lr=0.1,seed=3/summary.json"])
+def test_report_of_a_damaged_file_names_it(toy_config, tmp_path, capsys, damaged):
+    res = _sweep({**toy_config, "rounds": 1}, {"local.lr": [0.1]}, tmp_path / "sweep")
+    (res.out_dir / damaged).write_text('{"status": ')  # cut short by hand
+    assert cli_main(["report", str(res.out_dir), "--out", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"fedweave: error: {res.out_dir / damaged} cannot be read")
+
+
 # ---- a report that reads well ------------------------------------------------------------------------------
 
 PM = re.compile(r"^(\d+\.\d+) ± (\d+\.\d+)$")

@@ -85,14 +85,27 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _load(path: Path, parse: Any, default: Any = None) -> Any:
+    """``parse(text)`` of a file (``default`` when it is absent); a file that does not parse is one line naming
+    it (a run's own files are written atomically, so this is a file edited or damaged by hand)."""
+    if not path.is_file():
+        return default
+    try:
+        return parse(path.read_text())
+    except (ValueError, yaml.YAMLError, UnicodeDecodeError) as e:
+        raise RunDirError(f"{path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})") from e
+
+
+def _jsonl(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def _read_run(path: Path, label: str | None = None) -> _Run:
     if not path.is_dir():
         return _Run(path, path.name, label or path.name, NOT_STARTED)
-    raw = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else {}
-    rows = []
-    if (path / "metrics.jsonl").is_file():
-        rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else None
+    raw = _load(path / "config.yaml", yaml.safe_load, {})
+    rows = _load(path / "metrics.jsonl", _jsonl, [])
+    summary = _load(path / "summary.json", json.loads)
     status = str(summary["status"]) if summary is not None else UNFINISHED
     return _Run(path, path.name, label or path.name, status, _flat(raw or {}), rows, summary)
 
@@ -144,7 +157,7 @@ def _read_source(d: Path) -> _Source:
         raise RunDirError(f"{d} {what}: give run directories (with {_or(RUN_FILES)}) or sweep directories (with "
                           "sweep.json)")  # fmt: skip
     if (d / "sweep.json").is_file():
-        spec = json.loads((d / "sweep.json").read_text())
+        spec = _load(d / "sweep.json", json.loads)
         points = _current_points(d, spec)
         runs = [_read_run(d / "runs" / name, label) for name, label in points]
         wanted = {name for name, _ in points}
