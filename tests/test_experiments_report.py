@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import csv
 import io
+import json
 import os
 import re
 import shutil
@@ -244,6 +245,27 @@ def test_report_of_a_folder_that_is_not_a_run_or_a_sweep_is_refused(tmp_path, ca
     assert len(err) == 1 and err[0].startswith(f"fedweave: error: {target} ")
     assert "sweep.json" in err[0] and "config.yaml" in err[0]  # what is allowed
     assert not (tmp_path / "r.html").exists()
+
+
+def test_report_counts_an_interrupted_run_as_not_finished(toy_config, tmp_path):
+    res = _sweep({**toy_config, "rounds": 2}, {"local.lr": [0.1, 0.2]}, tmp_path / "sweep")
+    run = res.out_dir / "runs" / "local.lr=0.2,seed=3"
+    # what Ctrl-C in round 2 leaves (docs/results.md): the rows so far, summary.json with status interrupted
+    summary = json.loads((run / "summary.json").read_text())
+    rows = fedweave.results.read_metrics(run)[:1]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary.update(status="interrupted", rounds=1, final=rows[-1], error="stopped by SIGINT.")
+    (run / "summary.json").write_text(json.dumps(summary))
+    os.utime(res.out_dir / "sweep.json")  # started again: sweep.csv is the earlier sweep's
+
+    dom = _dom(build_report([res.out_dir]))
+    runs = {r[0]: r for r in dom.table("runs")[1:]}
+    assert runs["local.lr=0.2,seed=3"][2:4] == ["interrupted", "1 of 2"]
+    assert "1 of 2 runs finished; 1 interrupted." in dom.notes
+    assert [r[:2] for r in dom.table("summary")[1:]] == [
+        ["local.lr=0.1", "1/1"],
+        ["local.lr=0.2", "0/1, 1 interrupted"],
+    ]
 
 
 @pytest.mark.parametrize("damaged", ["sweep.json", "runs/local.lr=0.1,seed=3/summary.json"])

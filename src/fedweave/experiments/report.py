@@ -34,6 +34,7 @@ from fedweave.results import RunDirError, atomic_write
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
 UNFINISHED = "unfinished"  # no summary.json: the run is still going, or its process was killed
 NOT_STARTED = "not started"  # a point of the sweep's grid without a run directory yet
+FINISHED = ("completed", "diverged")  # what a sweep does not run again (an interrupted run resumes)
 
 
 @dataclass
@@ -50,7 +51,7 @@ class _Run:
 
     @property
     def finished(self) -> bool:
-        return self.summary is not None
+        return self.status in FINISHED
 
     @property
     def planned(self) -> Any:
@@ -244,10 +245,22 @@ def _img(name: str, data: bytes) -> str:
 # ---- sections ----------------------------------------------------------------------------------------------
 
 
+_STATUS_WORDS = {UNFINISHED: "unfinished (running or killed)"}
+
+
+def _left(runs: list[_Run]) -> list[tuple[str, int]]:
+    """``(status, count)`` of the runs not finished, in the order their statuses first appear."""
+    counts: dict[str, int] = {}
+    for r in runs:
+        if not r.finished:
+            counts[r.status] = counts.get(r.status, 0) + 1
+    return list(counts.items())
+
+
 def _status_text(r: _Run) -> str:
     if r.status == UNFINISHED:
         resumable = " (resumes from checkpoint.pt)" if (r.path / "checkpoint.pt").is_file() else ""
-        return f"unfinished (running or killed){resumable}"
+        return _STATUS_WORDS[UNFINISHED] + resumable
     return r.status
 
 
@@ -276,8 +289,7 @@ def _point_summary(src: _Source) -> tuple[list[str], list[Any]]:
         m, sd = mean_std(finals)
         means.append(m)
         n = sum(f is not None for f in finals)
-        counts = {k: sum(r.status == k for r in runs) for k in (UNFINISHED, NOT_STARTED)}
-        state = f"{sum(r.finished for r in runs)}/{len(runs)}" + "".join(f", {c} {k}" for k, c in counts.items() if c)
+        state = f"{sum(r.finished for r in runs)}/{len(runs)}" + "".join(f", {c} {k}" for k, c in _left(runs))
         cells = _td(label) + _td(state) + _td(sum(r.status == "diverged" for r in runs))
         cells += _td(_pm(m, sd, n), f"mean {m!r}, std {sd!r} over {n} completed runs")
         if target is not None:
@@ -382,10 +394,8 @@ def _notes(src: _Source) -> list[str]:
     if not src.runs:
         notes.append("No run of this grid has started yet.")
     elif done < len(src.runs):
-        started = sum(r.status == UNFINISHED for r in src.runs)
-        not_started = len(src.runs) - done - started
-        notes.append(f"{done} of {len(src.runs)} runs finished; {started} unfinished (running or killed), "
-                     f"{not_started} not started.")  # fmt: skip
+        left = ", ".join(f"{c} {_STATUS_WORDS.get(k, k)}" for k, c in _left(src.runs))
+        notes.append(f"{done} of {len(src.runs)} runs finished; {left}.")
     if src.stale:
         one = len(src.stale) == 1
         shown = ", ".join(src.stale[:3]) + (", ..." if len(src.stale) > 3 else "")
