@@ -320,7 +320,8 @@ def _runs_table(src: _Source, differ: list[str]) -> str:
         best = better(vals, default=None)
         final = (s.get("final") or {}).get(metric) if s else (vals[-1] if vals else None)
         last = r.rows[-1] if r.rows else {}
-        cells = _td(r.name) + "".join(_td(_config_text(r.config.get(k))) for k in differ)
+        name = html.escape(r.name).replace(",", ",<wbr>")  # a long run name breaks after a comma
+        cells = f"<td>{name}</td>" + "".join(_td(_config_text(r.config.get(k))) for k in differ)
         cells += _td(_status_text(r)) + _td(_rounds_text(r))
         cells += _td(_num(final), repr(final)) + _td(_num(best), repr(best))
         cells += _td(_size(last.get("bytes_total"))) + _td(_num(s.get("wall_seconds", last.get("wall_seconds"))))
@@ -426,8 +427,9 @@ STYLE = (
     "body{font-family:system-ui,sans-serif;margin:1.5em 2em;color:#222;max-width:1300px}"
     "h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:1.5em}h3{margin:1em 0 .3em}"
     "table{border-collapse:collapse;margin:.4em 0}td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px;"
-    "text-align:left}th{background:#f2f2f2}td[title]{cursor:help}tr.best{font-weight:bold;background:#dfd}"
+    "text-align:left;white-space:nowrap}th{background:#f2f2f2}td[title]{cursor:help}tr.best{font-weight:bold;background:#dfd}"
     "tr.unfinished,tr.not-started,tr.interrupted,tr.stopped{background:#fff3cd}tr.diverged{background:#f8d7da}"
+    "table.runs td:first-child{white-space:normal;min-width:14em}"
     ".note{background:#fff3cd;padding:.3em .6em;border-left:4px solid #e0a800}"
     "img{max-width:540px}figure{display:inline-block;margin:.3em}figcaption{font-size:12px;color:#666}"
     "details{margin:.2em 0}summary{cursor:pointer}details.run>summary{font-size:13px}"
