@@ -209,7 +209,7 @@ def _sweep(cfg: dict, grid: dict, out, seeds: int = 1):
     return fedweave.sweep(cfg, grid, seeds=seeds, out=out, progress=False)
 
 
-def test_report_leaves_out_the_runs_of_an_earlier_grid_in_the_same_folder(toy_config, tmp_path):
+def test_report_leaves_out_the_runs_of_an_earlier_grid_in_the_same_folder(toy_config, tmp_path, caplog):
     cfg = {**toy_config, "rounds": 2}
     out = tmp_path / "sweep"
     _sweep(cfg, {"local.lr": [0.05, 0.1]}, out, seeds=2)
@@ -227,6 +227,7 @@ def test_report_leaves_out_the_runs_of_an_earlier_grid_in_the_same_folder(toy_co
     assert note.startswith("Left out: 3 run directories in runs/ not in this sweep's grid (sweep.json)") and all(
         s in note for s in stale
     )
+    assert f"{out}: {note}" in caplog.messages  # said on the command line too
     # the same sweep started again (sweep.json rewritten, sweep.csv not yet): its points come from sweep.json
     later = (out / "sweep.csv").stat().st_mtime + 60
     os.utime(out / "sweep.json", (later, later))

@@ -18,6 +18,7 @@ import csv
 import html
 import itertools
 import json
+import logging
 import math
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -29,6 +30,8 @@ import yaml
 from fedweave.experiments.aggregate import if_all, mean_std, to_target
 from fedweave.experiments.grid import Point
 from fedweave.results import RunDirError, atomic_write
+
+log = logging.getLogger("fedweave")
 
 # a run directory holds at least one of these from its start (config.yaml is written before round 1)
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
@@ -413,7 +416,9 @@ def _source_section(src: _Source, differ: list[str]) -> str:
         axes = {**(spec.get("grid") or {}), **(spec.get("zipped") or {})}
         desc = "; ".join(f"{k} = {', '.join(map(_config_text, v))}" for k, v in axes.items()) or "no grid"
         parts.append(f"<p>{html.escape(desc)}; {spec.get('seeds', 1)} seed(s); metric {html.escape(src.metric)}</p>")
-        parts += [f'<p class="note">{html.escape(n)}</p>' for n in _notes(src)]
+        for note in _notes(src):  # on the page, and said where the report is made (stderr, by default)
+            log.warning("%s: %s", src.path, note)
+            parts.append(f'<p class="note">{html.escape(note)}</p>')
         if src.runs:
             head, rows = _point_summary(src)
             parts.append("<h3>Summary over seeds</h3>" + _table(head, rows, "summary"))
