@@ -248,6 +248,22 @@ def test_report_of_a_folder_that_is_not_a_run_or_a_sweep_is_refused(tmp_path, ca
     assert not (tmp_path / "r.html").exists()
 
 
+def test_the_points_read_from_sweep_json_are_the_sweeps_own(toy_config, tmp_path):
+    """A running sweep's runs are expanded from sweep.json (grid, zipped keys, seeds); they must be the runs, in
+    the order, that the finished sweep lists in sweep.csv."""
+    from fedweave.experiments.report import _current_points
+
+    zipped = {"local.lr": [0.1, 0.2], "local.batch_size": [8, 16]}
+    res = fedweave.sweep({**toy_config, "rounds": 1}, {"algorithm.clients_per_round": [2, 3]}, zipped=zipped,
+                         seeds=2, out=tmp_path / "s", progress=False)  # fmt: skip
+    spec = json.loads((res.out_dir / "sweep.json").read_text())
+    finished = _current_points(res.out_dir, spec)
+    assert finished == [(r["run_dir"].split("/")[-1], r["point"]) for r in res.records] and len(finished) == 8
+    later = (res.out_dir / "sweep.csv").stat().st_mtime + 60
+    os.utime(res.out_dir / "sweep.json", (later, later))  # as when the sweep starts again
+    assert _current_points(res.out_dir, spec) == finished
+
+
 def test_report_counts_an_interrupted_run_as_not_finished(toy_config, tmp_path):
     res = _sweep({**toy_config, "rounds": 2}, {"local.lr": [0.1, 0.2]}, tmp_path / "sweep")
     run = res.out_dir / "runs" / "local.lr=0.2,seed=3"
@@ -257,7 +273,8 @@ def test_report_counts_an_interrupted_run_as_not_finished(toy_config, tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary.update(status="interrupted", rounds=1, final=rows[-1], error="stopped by SIGINT.")
     (run / "summary.json").write_text(json.dumps(summary))
-    os.utime(res.out_dir / "sweep.json")  # started again: sweep.csv is the earlier sweep's
+    later = (res.out_dir / "sweep.csv").stat().st_mtime + 60
+    os.utime(res.out_dir / "sweep.json", (later, later))  # started again: sweep.csv is the earlier sweep's
 
     dom = _dom(build_report([res.out_dir]))
     runs = {r[0]: r for r in dom.table("runs")[1:]}
