@@ -286,6 +286,16 @@ def test_report_counts_an_interrupted_run_as_not_finished(toy_config, tmp_path):
     ]
 
 
+def test_report_of_a_single_run_still_running(toy_config, tmp_path):
+    run = fedweave.run(fedweave.config.load({**toy_config, "rounds": 3}), run_dir=tmp_path / "r")
+    (run.run_dir / "summary.json").unlink()  # a running run has none yet
+    page = build_report([run.run_dir])
+    runs = _runs_by_name(page)
+    assert runs["r"]["status"] == "unfinished (running or killed)" and runs["r"]["rounds"] == "3"
+    assert runs["r"]["final test_accuracy"] == f"{run.metrics[-1]['test_accuracy']:.4g}"  # from the config's task
+    assert 'alt="test_accuracy_vs_rounds.png"' in page
+
+
 @pytest.mark.parametrize("damaged", ["sweep.json", "runs/local.lr=0.1,seed=3/summary.json"])
 def test_report_of_a_damaged_file_names_it(toy_config, tmp_path, capsys, damaged):
     res = _sweep({**toy_config, "rounds": 1}, {"local.lr": [0.1]}, tmp_path / "sweep")

@@ -122,11 +122,13 @@ def _main_metric(runs: list[_Run]) -> str:
         if r.summary is not None and r.summary.get("main_metric"):
             return r.summary["main_metric"]
     for r in runs:
-        if "task.loss" in r.config:
-            t = r.config
+        t = r.config
+        try:
             return build_task(
                 t["task.loss"], t.get("task.loss_options"), t.get("task.metrics"), t.get("task.main")
             ).main_key
+        except (KeyError, ValueError):  # no task section, or a loss of a plug-in not loaded here
+            continue
     return "test_accuracy"
 
 
@@ -140,7 +142,7 @@ def _current_points(d: Path, spec: dict[str, Any]) -> list[tuple[str, str]]:
     table, record = d / "sweep.csv", d / "sweep.json"
     if table.is_file() and table.stat().st_mtime_ns >= record.stat().st_mtime_ns:
         with open(table, newline="") as f:
-            return [(Path(r["run_dir"]).name, r["point"]) for r in csv.DictReader(f)]
+            return [(r["run_dir"].removeprefix("runs/"), r["point"]) for r in csv.DictReader(f)]
     grid, zipped = spec.get("grid") or {}, spec.get("zipped") or {}
     zip_rows = [tuple(zip(zipped, vs)) for vs in zip(*zipped.values())] or [()]
     values = [g + z for g in (tuple(zip(grid, vs)) for vs in itertools.product(*grid.values())) for z in zip_rows]
