@@ -289,7 +289,9 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--no-progress", action="store_true")
     sw.set_defaults(fn=_cmd_sweep)
 
-    rep = sub.add_parser("report", help="one self-contained HTML page for run and sweep directories")
+    rep = sub.add_parser(
+        "report", help="one self-contained HTML page for run and sweep directories (finished or not), curves overlaid"
+    )
     rep.add_argument("dirs", nargs="+", metavar="RUN_OR_SWEEP_DIR")
     rep.add_argument("--out", help="the HTML file (default: report.html in the first directory)")
     rep.set_defaults(fn=_cmd_report)
