@@ -346,7 +346,9 @@ def run(
     A run that meets NaN or Inf, or whose loss explodes, stops; its results so far are written with
     ``status: diverged``. Then ``on_divergence="raise"`` raises :class:`DivergenceError` (one experiment: an
     error), ``"return"`` returns that Result (a sweep, where a diverged run is a result to report).
-    A directory that already holds a run is refused unless ``overwrite`` (which removes the old run first).
+    A directory that already holds a run is refused unless ``overwrite`` (which removes the old run first, and
+    refuses a directory holding anything a run does not write); a directory another run is writing (it holds
+    the directory's lock, :func:`fedweave.results.locked_run_dir`) is refused.
     Ctrl-C or SIGTERM ends the run with ``status: interrupted`` and raises :class:`RunInterrupted`."""
     if on_divergence not in ("raise", "return"):
         raise ValueError(f"on_divergence must be 'raise' or 'return', got {on_divergence!r}")
