@@ -23,7 +23,7 @@ from fedweave.config import ConfigError
 from fedweave.config import load as load_config
 from fedweave.execution.placement import available_devices, resolve_placement
 from fedweave.registry import ALGORITHMS
-from fedweave.runner import CHECKPOINT, floating_tensors, load_checkpoint, resume
+from fedweave.runner import CHECKPOINT, floating_tensors, load_checkpoint, read_checkpoint, resume
 
 SRC = Path(fedweave.__file__).parent
 HAVE = available_devices()
@@ -231,7 +231,7 @@ def test_checkpoints_are_device_independent(name, device, tmp_path):
     cfg["output"] = {"progress": False, "plots": False, "checkpoint_every": 1}
     whole = fedweave.run(cfg, run_dir=tmp_path / "whole")
     part = fedweave.run({**cfg, "rounds": 2}, run_dir=tmp_path / "part")
-    saved = torch.load(part.run_dir / CHECKPOINT, weights_only=True)  # where the tensors were stored
+    saved = read_checkpoint(part.run_dir / CHECKPOINT)  # where the tensors were stored
     assert all(t.device.type == "cpu" for t in _tensors(saved))
     # loading maps them to the run's device
     ctx = RunContext(load_config({**cfg, "rounds": 4, "device": device}))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -20,7 +19,7 @@ from fedweave.cli import main as cli_main
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
 from fedweave.results import read_metrics
-from fedweave.runner import CHECKPOINT, DivergenceError, resume, save_checkpoint
+from fedweave.runner import CHECKPOINT, DivergenceError, read_checkpoint, resume, save_checkpoint
 
 # A real dataset that needs no network (scikit-learn's bundled digits), so a subprocess can load it.
 DIGITS = {
@@ -43,7 +42,7 @@ def _strip(rows: list[dict]) -> list[dict]:
 
 
 def _checkpoint(path) -> dict:
-    return torch.load(io.BytesIO((path / CHECKPOINT).read_bytes()), weights_only=True)
+    return read_checkpoint(path / CHECKPOINT)
 
 
 def test_sigkill_mid_run_then_resume_equals_an_uninterrupted_run(tmp_path):

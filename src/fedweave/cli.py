@@ -179,7 +179,7 @@ def _cmd_flower_app(args: argparse.Namespace) -> int:
     cfg = load(args.config, args.overrides)
     path = write_app(
         cfg, args.dir, run_dir=args.run_dir or "", on_error=args.on_error, reply_timeout=args.reply_timeout,
-        node_wait=args.node_wait,
+        node_wait=args.node_wait, overwrite=args.overwrite,
     )  # fmt: skip
     print(f"{path} (run it with: flwr run {args.dir} SUPERLINK)")
     if args.node_data:
@@ -313,6 +313,9 @@ def parser() -> argparse.ArgumentParser:
                     help="seconds a round waits for its replies")  # fmt: skip
     fa.add_argument("--node-wait", type=positive_seconds, default=120.0,
                     help="seconds to wait for the SuperNodes at start")  # fmt: skip
+    fa.add_argument("--overwrite", action="store_true",
+                    help="write into a directory that is not empty (its pyproject.toml and fedweave_app.py are "
+                    "replaced; its other files are left alone)")  # fmt: skip
     fa.add_argument("--node-data", metavar="DIR",
                     help="also write each client's training samples as DIR/client-N.npz, data files for the nodes "
                     "(a trial of nodes that hold their own data)")  # fmt: skip

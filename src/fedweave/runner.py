@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
 import json
 import logging
 import math
 import platform
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +35,7 @@ from fedweave.results import (
     check_run_dir,
     clear_run,
     default_run_dir,
+    locked_run_dir,
     read_metrics,
 )
 from fedweave.seeding import Seeds
@@ -184,12 +189,10 @@ def save_checkpoint(
         "rows": run.rows,
         **(extra or {}),
     }
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    data = buf.getvalue()
+    data = encode_checkpoint(state)
     if verify:
         try:
-            torch.load(io.BytesIO(data), weights_only=True)
+            read_checkpoint(io.BytesIO(data))
         except Exception as e:  # an object torch's safe loader refuses (e.g. a numpy array or a class)
             raise TypeError(
                 f"algorithm '{algo.name}': its state_dict() holds an object torch.load(weights_only=True) "
@@ -197,6 +200,38 @@ def save_checkpoint(
                 f"only ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             ) from e
     atomic_write(run.path / CHECKPOINT, data)
+
+
+# A checkpoint file is this line, then the torch.save bytes of the state; the digest is theirs.
+DIGEST_LINE = b"fedweave checkpoint sha256:"
+
+
+def encode_checkpoint(state: dict[str, Any]) -> bytes:
+    """The bytes of a checkpoint file holding ``state``: a line with the sha256 digest of the serialized state,
+    then the state as ``torch.save`` writes it. The digest is checked on load, so a flipped bit is refused."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getvalue()
+    return DIGEST_LINE + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+
+
+def read_checkpoint(file: Path | io.BytesIO, device: torch.device | str = "cpu") -> Any:
+    """What the checkpoint ``file`` holds (read with ``weights_only=True``, tensors mapped to ``device``), its
+    digest checked first: a damaged file is a :class:`CheckpointError`. A checkpoint written before
+    checkpoints carried a digest is loaded with a warning that its content cannot be checked."""
+    raw = file.getvalue() if isinstance(file, io.BytesIO) else file.read_bytes()
+    if raw.startswith(DIGEST_LINE):
+        head, _, payload = raw.partition(b"\n")
+        if hashlib.sha256(payload).hexdigest().encode() != head[len(DIGEST_LINE) :]:
+            raise CheckpointError(
+                f"{file} is damaged (its content does not match the sha256 digest written with it) and was not "
+                "loaded; resume from an intact copy or start the run again"
+            )
+    else:
+        payload = raw
+        if raw:
+            log.warning("%s carries no digest (an earlier fedweave wrote it): its content cannot be checked", file)
+    return torch.load(io.BytesIO(payload), weights_only=True, map_location=device)
 
 
 def _check_resumable(saved: dict[str, Any], now: dict[str, Any], path: Path) -> None:
@@ -230,7 +265,9 @@ def load_checkpoint(
     if not file.is_file():
         raise CheckpointError(f"{file} not found: the run has no checkpoint to resume from")
     try:
-        ckpt = torch.load(file, weights_only=True, map_location=device)
+        ckpt = read_checkpoint(file, device)
+    except CheckpointError:
+        raise
     except Exception as e:  # truncated, empty, not a torch file, or objects the safe loader refuses
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "weights_only" in str(e) or "Unsupported global" in str(e):
@@ -258,6 +295,14 @@ def load_checkpoint(
     absent = [k for k in algo.state_dict() if k not in ckpt["algorithm"]]
     if absent:
         raise CheckpointError(f"{file}: the algorithm state lacks {', '.join(map(repr, absent))}")
+    # a checkpoint is never written with NaN/Inf where the run needs finite tensors (save_checkpoint refuses):
+    # one that holds them is damaged, not a reason to lower the learning rate
+    bad = _diverged(ckpt["algorithm"], finite_tensors(algo.state_dict()))
+    if bad:
+        raise CheckpointError(
+            f"{file} is damaged: its algorithm state '{bad}' holds NaN or Inf, which no checkpoint is written "
+            "with; it was not loaded"
+        )
     return ckpt
 
 
@@ -301,7 +346,9 @@ def run(
     A run that meets NaN or Inf, or whose loss explodes, stops; its results so far are written with
     ``status: diverged``. Then ``on_divergence="raise"`` raises :class:`DivergenceError` (one experiment: an
     error), ``"return"`` returns that Result (a sweep, where a diverged run is a result to report).
-    A directory that already holds a run is refused unless ``overwrite`` (which removes the old run first).
+    A directory that already holds a run is refused unless ``overwrite`` (which removes the old run first, and
+    refuses a directory holding anything a run does not write); a directory another run is writing (it holds
+    the directory's lock, :func:`fedweave.results.locked_run_dir`) is refused.
     Ctrl-C or SIGTERM ends the run with ``status: interrupted`` and raises :class:`RunInterrupted`."""
     if on_divergence not in ("raise", "return"):
         raise ValueError(f"on_divergence must be 'raise' or 'return', got {on_divergence!r}")
@@ -321,6 +368,24 @@ def run(
     algo = build_algorithm(ctx)  # a config problem found while building ends here, before anything is written
     if prepare is not None:  # e.g. the Flower deployment points the algorithm's trainer at the SuperNodes
         prepare(algo)
+    with locked_run_dir(path):  # held until the run's last file is written (a second run here is refused)
+        # again, under the lock: a run into the same directory may have ended while this one was being built
+        check_run_dir(path, resume=resume, overwrite=overwrite)
+        return _run_locked(config, ctx, algo, path, resume, overwrite, objects, progress, on_divergence)
+
+
+def _run_locked(
+    config: RunConfig,
+    ctx: RunContext,
+    algo: Algorithm,
+    path: Path,
+    resume: bool,
+    overwrite: bool,
+    objects: RunObjects | None,
+    progress: bool | None,
+    on_divergence: str,
+) -> Result:
+    """The body of :func:`run`, in the locked run directory ``path``."""
     finite_at_start = finite_tensors(algo.state_dict()) if config.output.checkpoint_every else set()
     start_round, wall_before, cpu_before, skipped = 0, 0.0, 0.0, []
     ckpt = None
@@ -429,17 +494,20 @@ def run(
             if every and ((r + 1) % every == 0 or last):
                 extra = {"config": config.to_dict(), "skipped_rounds": skipped}
                 extra["cpu_seconds"] = cpu_seconds() - cpu0
-                save_checkpoint(
-                    out,
-                    algo,
-                    r + 1,
-                    time.perf_counter() - t0,
-                    extra=extra,
-                    verify=not verified,
-                    must_be_finite=finite_at_start,
-                )
+                # a signal between the checkpoint's rename and the line below would make summary.json name the
+                # previous round: held until both are done
+                with _signals_held():
+                    save_checkpoint(
+                        out,
+                        algo,
+                        r + 1,
+                        time.perf_counter() - t0,
+                        extra=extra,
+                        verify=not verified,
+                        must_be_finite=finite_at_start,
+                    )
+                    last_checkpoint = r + 1
                 verified = True
-                last_checkpoint = r + 1
                 if trackers is not None:
                     trackers.checkpointed()
             if bar is not None:
@@ -483,6 +551,26 @@ def run(
     if error and on_divergence == "raise":
         raise DivergenceError(f"{error} Results so far are in {out.path}")
     return Result(out.path, out.rows, summary, algo)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM until the block ends, then deliver the first one that came (to the handlers in
+    place before), so that a few steps that must happen together (a checkpoint and its record) do. Python
+    runs signal handlers in the main thread only: elsewhere there is nothing to hold."""
+    held = (signal.SIGINT, signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or None in map(signal.getsignal, held):
+        yield  # (a handler not set from Python cannot be put back)
+        return
+    came: list[int] = []
+    before = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        if came:
+            signal.raise_signal(came[0])
 
 
 def _first_losses(rows: list[dict[str, Any]]) -> dict[str, float]:
