@@ -18,7 +18,7 @@ from test_precision import family_config  # the tiny two-round config of every f
 import fedweave
 import fedweave.algorithms  # noqa: F401  (registers the algorithms)
 from fedweave.algorithms.base import RunContext, build_algorithm
-from fedweave.checkpoints import CHECKPOINT, floating_tensors, load_checkpoint
+from fedweave.checkpoints import CHECKPOINT, floating_tensors, load_checkpoint, read_checkpoint
 from fedweave.cli import main
 from fedweave.config import ConfigError
 from fedweave.config import load as load_config
@@ -232,7 +232,7 @@ def test_checkpoints_are_device_independent(name, device, tmp_path):
     cfg["output"] = {"progress": False, "plots": False, "checkpoint_every": 1}
     whole = fedweave.run(cfg, run_dir=tmp_path / "whole")
     part = fedweave.run({**cfg, "rounds": 2}, run_dir=tmp_path / "part")
-    saved = torch.load(part.run_dir / CHECKPOINT, weights_only=True)  # where the tensors were stored
+    saved = read_checkpoint(part.run_dir / CHECKPOINT)  # where the tensors were stored
     assert all(t.device.type == "cpu" for t in _tensors(saved))
     # loading maps them to the run's device
     ctx = RunContext(load_config({**cfg, "rounds": 4, "device": device}))

@@ -1,23 +1,33 @@
-"""`fedweave report`: a self-contained HTML page, rendered by real headless Chromium."""
+"""`fedweave report`: a self-contained HTML page (rendered by real headless Chromium where it is installed) for
+finished, running and killed sweeps and runs."""
 
 from __future__ import annotations
 
 import base64
 import csv
 import io
+import json
 import os
+import re
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from html.parser import HTMLParser
 
+import numpy as np
 import pytest
+import yaml
 from PIL import Image
 
 import fedweave
 from fedweave.cli import main as cli_main
+from fedweave.experiments.report import build_report
+from fedweave.runner import CHECKPOINT
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium (Debian package chromium) is absent")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium (Debian package chromium) is absent")
 
 
 class _Dom(HTMLParser):
@@ -28,11 +38,23 @@ class _Dom(HTMLParser):
         self.tables: list[tuple[str, list[list[str]], list[int]]] = []
         self.images: list[str] = []
         self.titles: list[str | None] = []  # the exact value of a shortened cell
+        self.folded: list[bool] = []  # per table: inside a closed <details> element
+        self.notes: list[str] = []
+        self.pres = 0
         self._cell: list[str] | None = None
+        self._details: list[bool] = []  # the open <details> elements around here: whether each is open
+        self._note: list[str] | None = None
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
+        if tag == "details":
+            self._details.append("open" in a)
+        elif tag == "pre":
+            self.pres += 1
+        elif tag == "p" and a.get("class") == "note":
+            self._note = []
         if tag == "table":
+            self.folded.append(any(not is_open for is_open in self._details))
             self.tables.append((a.get("class", ""), [], []))
         elif tag == "tr" and self.tables:
             if a.get("class") == "best":
@@ -47,11 +69,28 @@ class _Dom(HTMLParser):
     def handle_data(self, data):
         if self._cell is not None:
             self._cell.append(data)
+        if self._note is not None:
+            self._note.append(data)
 
     def handle_endtag(self, tag):
         if tag in ("td", "th") and self._cell is not None:
             self.tables[-1][1][-1].append("".join(self._cell))
             self._cell = None
+        elif tag == "details":
+            self._details.pop()
+        elif tag == "p" and self._note is not None:
+            self.notes.append("".join(self._note))
+            self._note = None
+
+    def table(self, cls: str) -> list[list[str]]:
+        (rows,) = [rows for c, rows, _ in self.tables if c == cls]
+        return rows
+
+
+def _dom(page: str) -> _Dom:
+    dom = _Dom()
+    dom.feed(page)
+    return dom
 
 
 def _chromium(tmp_path, *args: str) -> subprocess.CompletedProcess:
@@ -60,6 +99,7 @@ def _chromium(tmp_path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([CHROMIUM, *flags, *args], capture_output=True, timeout=120, check=True)
 
 
+@needs_chromium
 def test_report_of_a_sweep_renders_in_chromium_with_its_tables_and_images(toy_config, tmp_path):
     cfg = {**toy_config, "rounds": 3, "output": {"progress": False, "plots": True}}
     res = fedweave.sweep(cfg, {"local.lr": [0.05, 0.2]}, out=tmp_path / "sweep", progress=False)
@@ -80,11 +120,14 @@ def test_report_of_a_sweep_renders_in_chromium_with_its_tables_and_images(toy_co
     assert any(t and "." in t and len(t) > 8 for t in dom.titles)  # long floats keep their exact value
     ((_, summary, best),) = [t for t in dom.tables if t[0] == "summary"]
     assert best == [1 + res.best] and summary[1 + res.best][0] == res.summary[res.best]["point"]
-    (diff,) = [t for t in dom.tables if t[0] == "config-diff"]
-    assert diff[1] == [["run", "local.lr"], *[[r["run_dir"].split("/")[-1], str(r["local.lr"])] for r in res.records]]
+    runs = dom.table("runs")  # the config keys that differ are its columns
+    assert runs[0][:3] == ["run", "local.lr", "status"]
+    assert [r[:3] for r in runs[1:]] == [
+        [r["run_dir"].split("/")[-1], str(r["local.lr"]), "completed"] for r in res.records
+    ]
     assert [t for t in dom.tables if t[0] == "comm"]
     names = {"partition.png", "test_accuracy_vs_rounds.png", "test_accuracy_vs_bytes.png"}
-    assert len(dom.images) == 2 + 2 * len(names)  # the sweep's two plots, each run's three figures
+    assert len(dom.images) == 2 + 2 * len(names)  # the report's two plots, each run's three figures
     for src in dom.images:
         assert src.startswith("data:image/png;base64,")
         Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1]))).verify()
@@ -94,3 +137,232 @@ def test_report_of_a_sweep_renders_in_chromium_with_its_tables_and_images(toy_co
     with Image.open(shot) as im:
         lo, hi = im.convert("L").getextrema()
         assert im.size == (1200, 900) and hi - lo > 100  # something was drawn
+
+
+# ---- a sweep still running, killed, or re-run with another grid --------------------------------------------
+
+# scikit-learn's bundled digits need no network, so a sweep in a subprocess can load them
+DIGITS = {
+    "name": "digits",
+    "seed": 7,
+    "rounds": 2,
+    "backend": "loop",
+    "threads": 1,
+    "dataset": {"name": "digits"},
+    "partition": {"name": "iid", "num_clients": 4},
+    "model": {"name": "logistic"},
+    "algorithm": {"name": "fedavg", "clients_per_round": 2},
+    "local": {"steps": 1, "epochs": None, "batch_size": 8, "lr": 0.05},
+    "output": {"progress": False, "plots": False, "checkpoint_every": 1},
+}
+
+
+def _runs_by_name(page: str) -> dict[str, dict[str, str]]:
+    rows = _dom(page).table("runs")
+    return {r[0]: dict(zip(rows[0], r)) for r in rows[1:]}
+
+
+@pytest.mark.slow
+def test_report_of_a_running_then_killed_sweep_marks_each_unfinished_run(tmp_path):
+    cfg = tmp_path / "digits.yaml"
+    cfg.write_text(yaml.safe_dump(DIGITS))
+    out = tmp_path / "sweep"  # the long point runs second, the last one never starts
+    cmd = [sys.executable, "-m", "fedweave.cli", "sweep", str(cfg), "--grid", "rounds=2,3000,3", "--out", str(out)]
+    proc = subprocess.Popen([*cmd, "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    long_run = out / "runs" / "rounds=3000,seed=7"
+    pages = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None and not (long_run / CHECKPOINT).is_file():
+            time.sleep(0.01)
+        assert proc.poll() is None, f"the sweep ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+        pages.append(build_report([out]))  # while it runs
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        pages.append(build_report([out]))  # killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=60)
+    assert not (out / "summary.csv").exists()  # the sweep's own tables are written at its end
+
+    for page in pages:
+        runs = _runs_by_name(page)
+        unfinished = runs["rounds=3000,seed=7"]
+        assert list(runs) == ["rounds=2,seed=7", "rounds=3000,seed=7", "rounds=3,seed=7"]
+        assert runs["rounds=2,seed=7"]["status"] == "completed" and runs["rounds=2,seed=7"]["rounds"] == "2"
+        assert unfinished["status"] == "unfinished (running or killed) (resumes from checkpoint.pt)"
+        reached, planned = unfinished["rounds"].split(" of ")
+        assert 1 <= int(reached) < 3000 and planned == "3000"
+        assert runs["rounds=3,seed=7"]["status"] == "not started"
+        dom = _dom(page)
+        assert "1 of 3 runs finished; 1 unfinished (running or killed), 1 not started." in dom.notes
+        summary = {r[0]: r[1] for r in dom.table("summary")[1:]}
+        assert summary == {"rounds=2": "1/1", "rounds=3000": "0/1, 1 unfinished", "rounds=3": "0/1, 1 not started"}
+    # the unfinished run's rows reached the report as they were when it was read
+    final = _runs_by_name(pages[1])["rounds=3000,seed=7"]["final test_accuracy"]
+    rows = fedweave.results.read_metrics(long_run)
+    assert final == f"{rows[-1]['test_accuracy']:.4g}" and unfinished["rounds"] == f"{rows[-1]['round']} of 3000"
+
+
+def _sweep(cfg: dict, grid: dict, out, seeds: int = 1):
+    return fedweave.sweep(cfg, grid, seeds=seeds, out=out, progress=False)
+
+
+def test_report_leaves_out_the_runs_of_an_earlier_grid_in_the_same_folder(toy_config, tmp_path, caplog):
+    cfg = {**toy_config, "rounds": 2}
+    out = tmp_path / "sweep"
+    _sweep(cfg, {"local.lr": [0.05, 0.1]}, out, seeds=2)
+    res = _sweep(cfg, {"local.lr": [0.1, 0.3]}, out)  # the same folder, another grid and fewer seeds
+    current = [r["run_dir"].split("/")[-1] for r in res.records]
+    assert current == ["local.lr=0.1,seed=3", "local.lr=0.3,seed=3"]
+    stale = ["local.lr=0.05,seed=3", "local.lr=0.05,seed=4", "local.lr=0.1,seed=4"]
+    assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(current + stale)
+
+    page = build_report([out])
+    assert sum(cls == "metrics" for cls, _, _ in _dom(page).tables) == 2  # one per run of the current grid
+    assert list(_runs_by_name(page)) == current
+    assert [r[0] for r in _dom(page).table("summary")[1:]] == ["local.lr=0.1", "local.lr=0.3"]
+    (note,) = [n for n in _dom(page).notes if n.startswith("Left out")]
+    assert note.startswith("Left out: 3 run directories in runs/ not in this sweep's grid (sweep.json)") and all(
+        s in note for s in stale
+    )
+    assert f"{out}: {note}" in caplog.messages  # said on the command line too
+    # the same sweep started again (sweep.json rewritten, sweep.csv not yet): its points come from sweep.json
+    later = (out / "sweep.csv").stat().st_mtime + 60
+    os.utime(out / "sweep.json", (later, later))
+    assert list(_runs_by_name(build_report([out]))) == current
+
+
+@pytest.mark.parametrize("what", ["empty", "file", "missing"])
+def test_report_of_a_folder_that_is_not_a_run_or_a_sweep_is_refused(tmp_path, capsys, what):
+    target = tmp_path / "x"
+    if what == "empty":
+        target.mkdir()
+    elif what == "file":
+        target.write_text("not a run\n")
+    assert cli_main(["report", str(target), "--out", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"fedweave: error: {target} ")
+    assert "sweep.json" in err[0] and "config.yaml" in err[0]  # what is allowed
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_the_points_read_from_sweep_json_are_the_sweeps_own(toy_config, tmp_path):
+    """A running sweep's runs are expanded from sweep.json (grid, zipped keys, seeds); they must be the runs, in
+    the order, that the finished sweep lists in sweep.csv."""
+    from fedweave.experiments.report import _current_points
+
+    zipped = {"local.lr": [0.1, 0.2], "local.batch_size": [8, 16]}
+    res = fedweave.sweep({**toy_config, "rounds": 1}, {"algorithm.clients_per_round": [2, 3]}, zipped=zipped,
+                         seeds=2, out=tmp_path / "s", progress=False)  # fmt: skip
+    spec = json.loads((res.out_dir / "sweep.json").read_text())
+    finished = _current_points(res.out_dir, spec)
+    assert finished == [(r["run_dir"].split("/")[-1], r["point"]) for r in res.records] and len(finished) == 8
+    later = (res.out_dir / "sweep.csv").stat().st_mtime + 60
+    os.utime(res.out_dir / "sweep.json", (later, later))  # as when the sweep starts again
+    assert _current_points(res.out_dir, spec) == finished
+
+
+def test_report_counts_an_interrupted_run_as_not_finished(toy_config, tmp_path):
+    res = _sweep({**toy_config, "rounds": 2}, {"local.lr": [0.1, 0.2]}, tmp_path / "sweep")
+    run = res.out_dir / "runs" / "local.lr=0.2,seed=3"
+    # what Ctrl-C in round 2 leaves (docs/results.md): the rows so far, summary.json with status interrupted
+    summary = json.loads((run / "summary.json").read_text())
+    rows = fedweave.results.read_metrics(run)[:1]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary.update(status="interrupted", rounds=1, final=rows[-1], error="stopped by SIGINT.")
+    (run / "summary.json").write_text(json.dumps(summary))
+    later = (res.out_dir / "sweep.csv").stat().st_mtime + 60
+    os.utime(res.out_dir / "sweep.json", (later, later))  # started again: sweep.csv is the earlier sweep's
+
+    dom = _dom(build_report([res.out_dir]))
+    runs = {r[0]: r for r in dom.table("runs")[1:]}
+    assert runs["local.lr=0.2,seed=3"][2:4] == ["interrupted", "1 of 2"]
+    assert "1 of 2 runs finished; 1 interrupted." in dom.notes
+    assert [r[:2] for r in dom.table("summary")[1:]] == [
+        ["local.lr=0.1", "1/1"],
+        ["local.lr=0.2", "0/1, 1 interrupted"],
+    ]
+
+
+def test_report_of_a_single_run_still_running(toy_config, tmp_path):
+    run = fedweave.run(fedweave.config.load({**toy_config, "rounds": 3}), run_dir=tmp_path / "r")
+    (run.run_dir / "summary.json").unlink()  # a running run has none yet
+    page = build_report([run.run_dir])
+    runs = _runs_by_name(page)
+    assert runs["r"]["status"] == "unfinished (running or killed)" and runs["r"]["rounds"] == "3"
+    assert runs["r"]["final test_accuracy"] == f"{run.metrics[-1]['test_accuracy']:.4g}"  # from the config's task
+    assert 'alt="test_accuracy_vs_rounds.png"' in page
+
+
+@pytest.mark.parametrize("damaged", ["sweep.json", "runs/local.lr=0.1,seed=3/summary.json"])
+def test_report_of_a_damaged_file_names_it(toy_config, tmp_path, capsys, damaged):
+    res = _sweep({**toy_config, "rounds": 1}, {"local.lr": [0.1]}, tmp_path / "sweep")
+    (res.out_dir / damaged).write_text('{"status": ')  # cut short by hand
+    assert cli_main(["report", str(res.out_dir), "--out", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"fedweave: error: {res.out_dir / damaged} cannot be read")
+
+
+# ---- a report that reads well ------------------------------------------------------------------------------
+
+PM = re.compile(r"^(\d+\.\d+) ± (\d+\.\d+)$")
+
+
+@needs_chromium
+def test_a_12_run_sweep_reads_in_a_few_screens_with_means_and_stds(toy_config, tmp_path):
+    cfg = {**toy_config, "rounds": 3}  # no per-run figures: they are folded away like the tables
+    res = _sweep(cfg, {"local.lr": [0.05, 0.1, 0.2, 0.4]}, tmp_path / "sweep", seeds=3)
+    page = tmp_path / "report.html"
+    assert cli_main(["report", str(res.out_dir), "--out", str(page)]) == 0
+    dom = _dom(page.read_text())
+
+    # one summary table: mean ± std to the std's second significant digit, the exact values in the title
+    summary = dom.table("summary")
+    assert [r[0] for r in summary[1:]] == [s["point"] for s in res.summary]
+    column = summary[0].index("test_accuracy (mean ± std)")
+    for row, s in zip(summary[1:], res.summary):
+        mean, std = PM.match(row[column]).groups()
+        decimals = len(std.split(".")[1])
+        assert 10 <= round(float(std) * 10**decimals) <= 100  # two significant digits of the std: 0.013, not 0.0134
+        assert mean == f"{s['test_accuracy_mean']:.{decimals}f}" and std == f"{s['test_accuracy_std']:.{decimals}f}"
+        assert f"mean {s['test_accuracy_mean']!r}, std {s['test_accuracy_std']!r}" in "".join(filter(None, dom.titles))
+    # only the keys that differ; the shared config once; each run's detail folded away
+    assert dom.table("runs")[0][:4] == ["run", "local.lr", "seed", "status"] and len(dom.table("runs")) == 13
+    assert dom.pres == 1
+    per_run = [folded for (cls, _, _), folded in zip(dom.tables, dom.folded) if cls in ("metrics", "comm")]
+    assert len(per_run) == 24 and all(per_run)
+
+    shot = tmp_path / "report.png"
+    _chromium(tmp_path, f"--screenshot={shot}", "--window-size=1200,4000", "--hide-scrollbars", page.as_uri())
+    with Image.open(shot) as im:
+        ink = np.asarray(im.convert("L")) < 250
+    height = np.nonzero(ink.any(1))[0].max()
+    assert height < 3 * 900, f"the page is {height / 900:.1f} screens long"
+
+
+def _colours(png: bytes) -> dict[str, int]:
+    """How many pixels of a figure are drawn in each of matplotlib's first seven line colours."""
+    rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).reshape(-1, 3)
+    tab = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
+    return {c: int((rgb == [int(c[i : i + 2], 16) for i in (1, 3, 5)]).all(1).sum()) for c in tab}
+
+
+def test_report_overlays_the_sweeps_and_runs_given_on_one_plot(toy_config, tmp_path):
+    cfg = {**toy_config, "rounds": 3}
+    a = _sweep(cfg, {"local.lr": [0.05, 0.2]}, tmp_path / "a", seeds=2)
+    b = _sweep({**cfg, "algorithm": {"name": "fedprox", "clients_per_round": 4}}, {"local.lr": [0.1]}, tmp_path / "b")
+    run = fedweave.run(fedweave.config.load({**cfg, "local": {**cfg["local"], "lr": 0.4}}), run_dir=tmp_path / "c")
+    page = tmp_path / "r.html"
+    assert cli_main(["report", str(a.out_dir), str(b.out_dir), str(run.run_dir), "--out", str(page)]) == 0
+    text = page.read_text()
+    (overlay,) = re.findall(r'<section class="overlay">(.*?)</section>', text)
+    figures = dict(re.findall(r'alt="([^"]+)" src="data:image/png;base64,([^"]+)"', overlay))
+    assert sorted(figures) == ["test_accuracy_vs_bytes.png", "test_accuracy_vs_rounds.png"]
+    drawn = _colours(base64.b64decode(figures["test_accuracy_vs_rounds.png"]))
+    lines = [c for c, n in drawn.items() if n > 30]
+    assert len(lines) == 4, drawn  # a's two points, b's one, the run: each its own line on one figure
+    # the config keys that differ across all of them are the runs tables' columns
+    heads = [rows[0][:4] for cls, rows, _ in _dom(text).tables if cls == "runs"]
+    assert heads == [["run", "algorithm.name", "local.lr", "seed"]] * 3

@@ -26,7 +26,7 @@ import yaml
 
 import fedweave
 import fedweave.algorithms  # noqa: F401  (registers the algorithms)
-from fedweave.checkpoints import CHECKPOINT
+from fedweave.checkpoints import CHECKPOINT, read_checkpoint
 from fedweave.cli import main as cli_main
 from fedweave.config import ConfigError, load
 from fedweave.errors import DivergenceError
@@ -346,22 +346,26 @@ def test_a_finished_run_is_never_overwritten_without_overwrite(in_tmp, capsys):
     code = cli_main(["run", "c.yaml", "local.lr=0.2", "--out", "r", "--no-progress"])
     _one_line_error(capsys, code, "already holds a finished run")
     assert {p.name: p.read_bytes() for p in (in_tmp / "r").iterdir()} == before
+    # --overwrite never deletes a file no run wrote (docs/reliability.md): refused while mine.txt is there
+    code = cli_main(["run", "c.yaml", "local.lr=0.2", "--out", "r", "--overwrite", "--no-progress"])
+    _one_line_error(capsys, code, "not a fedweave run's (mine.txt)")
+    assert {p.name: p.read_bytes() for p in (in_tmp / "r").iterdir()} == before
+    (in_tmp / "r" / "mine.txt").unlink()
     assert cli_main(["run", "c.yaml", "local.lr=0.2", "--out", "r", "--overwrite", "--no-progress"]) == 0
-    assert not (in_tmp / "r" / "mine.txt").exists()  # the old run's files went with it, nothing mixed in
     assert load(in_tmp / "r" / "config.yaml").local.lr == 0.2
-    assert not list(in_tmp.glob(".r.overwritten-*"))
+    assert not list((in_tmp / "r").glob(".overwritten-*")) and not list(in_tmp.glob(".r.*"))
 
 
 def test_a_kill_during_overwrite_leaves_no_mix_and_is_cleaned(tmp_path):
-    from fedweave.results import clear_run
+    from fedweave.results import LOCK, clear_run
 
     run = tmp_path / "r"
     fedweave.run({**BASE, "rounds": 1}, run_dir=run)
-    aside = tmp_path / ".r.overwritten-999"  # what a kill between the rename and the removal leaves
+    aside = run / ".overwritten-abcd1234"  # what a kill between the moves and the removal leaves
     aside.mkdir()
     (aside / "summary.json").write_text("{}")
     clear_run(run)
-    assert not aside.exists() and run.is_dir() and not any(run.iterdir())
+    assert not aside.exists() and run.is_dir() and [p.name for p in run.iterdir()] == [LOCK]
 
 
 def test_a_config_error_at_build_time_leaves_no_directory(tmp_path):
@@ -492,7 +496,7 @@ def checkpointed(tmp_path):
 
 def _damage(kind: str, path: Path) -> None:
     ck = path / CHECKPOINT
-    good = torch.load(ck, weights_only=True)
+    good = read_checkpoint(ck)
     if kind == "truncated":
         ck.write_bytes(ck.read_bytes()[:100])
     elif kind == "empty":
@@ -516,7 +520,7 @@ def _damage(kind: str, path: Path) -> None:
 
 
 DAMAGE = {
-    "truncated": "not a readable fedweave checkpoint",
+    "truncated": "is damaged (its content does not match the sha256 digest",
     "empty": "not a readable fedweave checkpoint",
     "text": "not a readable fedweave checkpoint",
     "list": "not a fedweave checkpoint",
@@ -582,7 +586,7 @@ def test_an_exploding_loss_stops_the_run_and_says_what_is_kept(tmp_path):
     assert "The checkpoint of round 1 is kept" in msg and "local.lr=SMALLER" in msg
     summary = yaml.safe_load((tmp_path / "r" / "summary.json").read_text())
     assert summary["status"] == "diverged" and summary["rounds"] == 1
-    assert torch.load(tmp_path / "r" / CHECKPOINT, weights_only=True)["next_round"] == 1
+    assert read_checkpoint(tmp_path / "r" / CHECKPOINT)["next_round"] == 1
     # and it resumes with a smaller learning rate
     res = fedweave.runner.resume(tmp_path / "r", ["local.lr=0.01"], progress=False)
     assert res.summary["status"] == "completed"
@@ -651,7 +655,7 @@ def test_ctrl_c_and_sigterm_write_an_interrupted_summary_and_resume_identically(
     assert len(lines) == 1 and lines[0].startswith("fedweave: interrupted:") and "Traceback" not in err, err
     summary = yaml.safe_load((run / "summary.json").read_text())
     assert summary["status"] == "interrupted" and "--resume" in summary["error"]
-    done = torch.load(run / CHECKPOINT, weights_only=True)["next_round"]
+    done = read_checkpoint(run / CHECKPOINT)["next_round"]
     stop = done + 3
     assert cli_main(["run", "--resume", str(run), f"rounds={stop}", "--no-progress"]) == 0
     fresh = fedweave.run(load(tmp_path / "c.yaml", [f"rounds={stop}"]), run_dir=tmp_path / "fresh")

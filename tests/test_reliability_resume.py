@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -16,7 +15,7 @@ import yaml
 
 import fedweave
 from fedweave.algorithms.centralized.fedavg import FedAvg
-from fedweave.checkpoints import CHECKPOINT, save_checkpoint
+from fedweave.checkpoints import CHECKPOINT, read_checkpoint, save_checkpoint
 from fedweave.cli import main as cli_main
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
@@ -44,7 +43,7 @@ def _strip(rows: list[dict]) -> list[dict]:
 
 
 def _checkpoint(path) -> dict:
-    return torch.load(io.BytesIO((path / CHECKPOINT).read_bytes()), weights_only=True)
+    return read_checkpoint(path / CHECKPOINT)
 
 
 def test_sigkill_mid_run_then_resume_equals_an_uninterrupted_run(tmp_path):

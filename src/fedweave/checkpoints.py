@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
+import logging
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +20,8 @@ from fedweave.config import load as load_config
 from fedweave.errors import CheckpointError, DivergenceError
 from fedweave.execution.placement import move_tensors
 from fedweave.results import RunDir, atomic_write
+
+log = logging.getLogger("fedweave")
 
 CHECKPOINT = "checkpoint.pt"
 # Config keys a resumed run may change: how long it runs, how it reports, which backend and device (the
@@ -85,12 +92,10 @@ def save_checkpoint(
         "rows": run.rows,
         **(extra or {}),
     }
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    data = buf.getvalue()
+    data = encode_checkpoint(state)
     if verify:
         try:
-            torch.load(io.BytesIO(data), weights_only=True)
+            read_checkpoint(io.BytesIO(data))
         except Exception as e:  # an object torch's safe loader refuses (e.g. a numpy array or a class)
             raise TypeError(
                 f"algorithm '{algo.name}': its state_dict() holds an object torch.load(weights_only=True) "
@@ -98,6 +103,58 @@ def save_checkpoint(
                 f"only ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             ) from e
     atomic_write(run.path / CHECKPOINT, data)
+
+
+# A checkpoint file is this line, then the torch.save bytes of the state; the digest is theirs.
+DIGEST_LINE = b"fedweave checkpoint sha256:"
+
+
+def encode_checkpoint(state: dict[str, Any]) -> bytes:
+    """The bytes of a checkpoint file holding ``state``: a line with the sha256 digest of the serialized state,
+    then the state as ``torch.save`` writes it. The digest is checked on load, so a flipped bit is refused."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getvalue()
+    return DIGEST_LINE + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+
+
+def read_checkpoint(file: Path | io.BytesIO, device: torch.device | str = "cpu") -> Any:
+    """What the checkpoint ``file`` holds (read with ``weights_only=True``, tensors mapped to ``device``), its
+    digest checked first: a damaged file is a :class:`CheckpointError`. A checkpoint written before
+    checkpoints carried a digest is loaded with a warning that its content cannot be checked."""
+    raw = file.getvalue() if isinstance(file, io.BytesIO) else file.read_bytes()
+    if raw.startswith(DIGEST_LINE):
+        head, _, payload = raw.partition(b"\n")
+        if hashlib.sha256(payload).hexdigest().encode() != head[len(DIGEST_LINE) :]:
+            raise CheckpointError(
+                f"{file} is damaged (its content does not match the sha256 digest written with it) and was not "
+                "loaded; resume from an intact copy or start the run again"
+            )
+    else:
+        payload = raw
+        if raw:
+            log.warning("%s carries no digest (an earlier fedweave wrote it): its content cannot be checked", file)
+    return torch.load(io.BytesIO(payload), weights_only=True, map_location=device)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM until the block ends, then deliver the first one that came (to the handlers in
+    place before), so that a few steps that must happen together (a checkpoint and its record) do. Python
+    runs signal handlers in the main thread only: elsewhere there is nothing to hold."""
+    held = (signal.SIGINT, signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or None in map(signal.getsignal, held):
+        yield  # (a handler not set from Python cannot be put back)
+        return
+    came: list[int] = []
+    before = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        if came:
+            signal.raise_signal(came[0])
 
 
 def _check_resumable(saved: dict[str, Any], now: dict[str, Any], path: Path) -> None:
@@ -131,7 +188,9 @@ def load_checkpoint(
     if not file.is_file():
         raise CheckpointError(f"{file} not found: the run has no checkpoint to resume from")
     try:
-        ckpt = torch.load(file, weights_only=True, map_location=device)
+        ckpt = read_checkpoint(file, device)
+    except CheckpointError:
+        raise
     except Exception as e:  # truncated, empty, not a torch file, or objects the safe loader refuses
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "weights_only" in str(e) or "Unsupported global" in str(e):
@@ -159,6 +218,14 @@ def load_checkpoint(
     absent = [k for k in algo.state_dict() if k not in ckpt["algorithm"]]
     if absent:
         raise CheckpointError(f"{file}: the algorithm state lacks {', '.join(map(repr, absent))}")
+    # a checkpoint is never written with NaN/Inf where the run needs finite tensors (save_checkpoint refuses):
+    # one that holds them is damaged, not a reason to lower the learning rate
+    bad = _diverged(ckpt["algorithm"], finite_tensors(algo.state_dict()))
+    if bad:
+        raise CheckpointError(
+            f"{file} is damaged: its algorithm state '{bad}' holds NaN or Inf, which no checkpoint is written "
+            "with; it was not loaded"
+        )
     return ckpt
 
 

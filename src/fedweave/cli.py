@@ -181,7 +181,7 @@ def _cmd_flower_app(args: argparse.Namespace) -> int:
     cfg = load(args.config, args.overrides)
     path = write_app(
         cfg, args.dir, run_dir=args.run_dir or "", on_error=args.on_error, reply_timeout=args.reply_timeout,
-        node_wait=args.node_wait,
+        node_wait=args.node_wait, overwrite=args.overwrite,
     )  # fmt: skip
     print(f"{path} (run it with: flwr run {args.dir} SUPERLINK)")
     if args.node_data:
@@ -291,7 +291,9 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--no-progress", action="store_true")
     sw.set_defaults(fn=_cmd_sweep)
 
-    rep = sub.add_parser("report", help="one self-contained HTML page for run and sweep directories")
+    rep = sub.add_parser(
+        "report", help="one self-contained HTML page for run and sweep directories (finished or not), curves overlaid"
+    )
     rep.add_argument("dirs", nargs="+", metavar="RUN_OR_SWEEP_DIR")
     rep.add_argument("--out", help="the HTML file (default: report.html in the first directory)")
     rep.set_defaults(fn=_cmd_report)
@@ -313,6 +315,9 @@ def parser() -> argparse.ArgumentParser:
                     help="seconds a round waits for its replies")  # fmt: skip
     fa.add_argument("--node-wait", type=positive_seconds, default=120.0,
                     help="seconds to wait for the SuperNodes at start")  # fmt: skip
+    fa.add_argument("--overwrite", action="store_true",
+                    help="write into a directory that is not empty (its pyproject.toml and fedweave_app.py are "
+                    "replaced; its other files are left alone)")  # fmt: skip
     fa.add_argument("--node-data", metavar="DIR",
                     help="also write each client's training samples as DIR/client-N.npz, data files for the nodes "
                     "(a trial of nodes that hold their own data)")  # fmt: skip

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import fcntl
+import fnmatch
 import io
 import json
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +62,51 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
 
 
 RUN_FILES = ("config.yaml", "summary.json", "metrics.csv", "metrics.jsonl", "checkpoint.pt")
+LOCK = ".fedweave.lock"  # held (flock) by the run writing the directory; created before anything else
+# Everything a run writes into its directory (names and fnmatch patterns): all that --overwrite may remove.
+RUN_OUTPUTS = (
+    *RUN_FILES,
+    "objects.json",
+    "partition.csv",
+    "partition.png",
+    "*_vs_rounds.png",
+    "*_vs_bytes.png",
+    "trackers.json",  # the ids of the tracker runs (fedweave.callbacks.trackers)
+)
+RUN_OUTPUT_DIRS = ("tensorboard", "mlruns", "wandb")  # the trackers' stores
+# the temporary names atomic_write gives the run's own files, and the write probe's
+TEMP_FILES = (*(f".{name}.*.tmp" for name in RUN_OUTPUTS), ".write-probe-*.tmp")
+ASIDE = ".overwritten-"  # prefix of the folder an overwrite moves the old run into before removing it
+_OWNED = (*RUN_OUTPUTS, *RUN_OUTPUT_DIRS, *TEMP_FILES, LOCK, f"{ASIDE}*")
 
 
 def holds_run(path: Path) -> bool:
     return any((path / f).exists() for f in RUN_FILES)
+
+
+def foreign_entries(path: Path) -> list[str]:
+    """The names in ``path`` that no fedweave run writes (a user's files): --overwrite never removes them."""
+    return sorted(e.name for e in path.iterdir() if not any(fnmatch.fnmatchcase(e.name, p) for p in _OWNED))
+
+
+def _overwrite_refusal(path: Path) -> str | None:
+    """Why ``--overwrite`` may not replace ``path``, or None: only an empty directory or a run directory (one
+    that holds nothing but a fedweave run's files) may be replaced."""
+    names = sorted(e.name for e in path.iterdir())
+    if not names:
+        return None
+    foreign = foreign_entries(path)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        what = f"holds files that are not a fedweave run's ({shown})"
+    elif not any((path / f).exists() for f in (LOCK, "summary.json", "metrics.jsonl", "checkpoint.pt")):
+        what = f"is not a fedweave run directory (it holds {', '.join(names[:3])} but no run's results)"
+    else:
+        return None
+    return (
+        f"{str(path)!r} {what}; --overwrite replaces only a run directory (one that holds nothing but a fedweave "
+        "run's files) and deleted nothing: move those files out or give a new --out / output.dir"
+    )
 
 
 def check_run_dir(path: Path, *, resume: bool = False, overwrite: bool = False) -> None:
@@ -70,7 +115,12 @@ def check_run_dir(path: Path, *, resume: bool = False, overwrite: bool = False) 
         if parent.exists() and not parent.is_dir():
             what = "the run directory" if parent == path else f"a parent of the run directory {str(path)!r}"
             raise RunDirError(f"{str(parent)!r} is a file, not a directory; it cannot be {what}")
-    if resume or overwrite or not path.is_dir():
+    if resume or not path.is_dir():
+        return
+    if overwrite:
+        refusal = _overwrite_refusal(path)
+        if refusal:
+            raise RunDirError(refusal)
         return
     if holds_run(path):
         summary = path / "summary.json"
@@ -82,33 +132,84 @@ def check_run_dir(path: Path, *, resume: bool = False, overwrite: bool = False) 
 
 
 def clean_temp_files(path: Path) -> list[Path]:
-    """Remove the temporary files that a write killed half-way left behind (``.NAME.*.tmp``)."""
-    stale = [p for p in path.glob(".*.tmp") if p.is_file()]
+    """Remove the temporary files of the run's own files that a write killed half-way left behind
+    (``.config.yaml.*.tmp`` and the like; plain files only, never what a link points to)."""
+    stale = sorted({p for pattern in TEMP_FILES for p in path.glob(pattern) if p.is_file() and not p.is_symlink()})
     for p in stale:
         p.unlink(missing_ok=True)
     return stale
 
 
 def clear_run(path: Path) -> None:
-    """Remove a previous run's files from ``path`` (``--overwrite``): the directory is first renamed aside,
-    so a kill leaves either the old run or an empty directory for the new one, never a mix of the two."""
-    for old in path.parent.glob(f".{path.name}.overwritten-*"):  # left by a kill during an earlier overwrite
-        shutil.rmtree(old, ignore_errors=True)
+    """Remove a previous run's files from ``path`` (``--overwrite``), refusing a directory that holds anything
+    else. The files are first moved into a folder inside ``path`` (the checkpoint first, so a kill never
+    leaves a checkpoint beside a partial run) which is then removed; a folder left by a kill goes the same
+    way the next time. The lock file stays: the run that holds it is the one clearing."""
     if not path.is_dir():
         return
-    aside = path.with_name(f".{path.name}.overwritten-{os.getpid()}")
-    os.replace(path, aside)
-    path.mkdir()
+    refusal = _overwrite_refusal(path)
+    if refusal:
+        raise RunDirError(refusal)
+    old = sorted((e for e in path.iterdir() if e.name != LOCK), key=lambda e: e.name != "checkpoint.pt")
+    if not old:
+        return
+    aside = Path(tempfile.mkdtemp(dir=path, prefix=ASIDE))
+    for e in old:
+        os.replace(e, aside / e.name)
     shutil.rmtree(aside, ignore_errors=True)
+
+
+_HELD: set[int] = set()  # descriptors of the run locks this process holds
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child (a backend's worker, a sweep's worker): close the parent's lock descriptors, so that
+    a child outliving the run cannot keep the directory locked (flock locks are shared across fork)."""
+    for fd in _HELD:
+        os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
+@contextlib.contextmanager
+def locked_run_dir(path: Path) -> Iterator[None]:
+    """Hold ``path``'s run lock (an flock on ``path/.fedweave.lock``) for the life of a run: a second run into
+    the directory is refused with a :class:`RunDirError` naming it. The system drops the lock when its
+    process ends, however it ends, so a killed run leaves no stale lock."""
+    make_run_dir(path)
+    try:
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        raise RunDirError(f"cannot lock the run directory {str(path)!r}: {e.strerror or e}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        who = f" (process {holder})" if holder.isdigit() else ""
+        raise RunDirError(
+            f"{str(path)!r} is in use by another fedweave run{who}; wait for it to end or give another "
+            "--out / output.dir"
+        ) from None
+    _HELD.add(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # for the refusal above
+        yield
+    finally:
+        _HELD.discard(fd)
+        os.close(fd)
 
 
 def make_run_dir(path: Path) -> None:
     """Create the run directory, with a one-line error when the file system refuses."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-probe-{os.getpid()}.tmp"
-        probe.write_bytes(b"")
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-probe-", suffix=".tmp")  # O_EXCL: follows no link
+        os.close(fd)
+        os.unlink(probe)
     except PermissionError as e:
         raise RunDirError(f"cannot write the run directory {str(path)!r}: permission denied") from e
     except OSError as e:

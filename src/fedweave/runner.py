@@ -24,7 +24,7 @@ from fedweave.errors import CheckpointError, DivergenceError, RunInterrupted, Ru
 from fedweave.faults import Faults
 from fedweave.memory import cpu_seconds
 from fedweave.registry import ALGORITHMS
-from fedweave.results import RunDir, check_run_dir, clear_run, default_run_dir, read_metrics
+from fedweave.results import RunDir, check_run_dir, clear_run, default_run_dir, locked_run_dir, read_metrics
 from fedweave.seeding import Seeds
 from fedweave.tasks import Task
 
@@ -113,8 +113,20 @@ def run(
     state = RunState(config, ctx, build_algorithm(ctx), resumed=resume)
     state.callbacks = cbs = CallbackList([*default_callbacks(config, progress), *callbacks])
     cbs.on_build(state)
-    ckpt = restore_checkpoint(path, state.algo, ctx) if resume else None
-    if overwrite and not resume:
+    with locked_run_dir(path):  # held until the run's last file is written (a second run here is refused)
+        # again, under the lock: a run into the same directory may have ended while this one was being built
+        check_run_dir(path, resume=resume, overwrite=overwrite)
+        return _run_locked(state, path, overwrite=overwrite, objects=objects, on_divergence=on_divergence)
+
+
+def _run_locked(
+    state: RunState, path: Path, *, overwrite: bool, objects: RunObjects | None, on_divergence: str
+) -> Result:
+    """The rounds of :func:`run`, in the locked run directory ``path``: restore a resumed run, write the
+    config, then train, evaluate and record round after round, the callbacks around it."""
+    config, cbs = state.config, state.callbacks
+    ckpt = restore_checkpoint(path, state.algo, state.ctx) if state.resumed else None
+    if overwrite and not state.resumed:
         clear_run(path)
     state.out = out = RunDir(path)
     wall_before, cpu_before = _continue(state, ckpt)

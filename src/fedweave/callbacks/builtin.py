@@ -122,15 +122,18 @@ class Checkpointer(Callback):
     def on_round_end(self, run, r):
         if not ((r + 1) % self.every == 0 or run.is_last(r)):
             return
-        from fedweave.checkpoints import save_checkpoint
+        from fedweave.checkpoints import save_checkpoint, signals_held
         from fedweave.memory import cpu_seconds
 
         extra = {"config": run.config.to_dict(), "skipped_rounds": run.skipped}
         extra["cpu_seconds"] = cpu_seconds() - run.cpu0
-        save_checkpoint(run.out, run.algo, r + 1, run.wall(), extra=extra, verify=not self.verified,
-                        must_be_finite=self.must_be_finite)  # fmt: skip
+        # a signal between the checkpoint's rename and its record would make summary.json name the previous
+        # round: held until both are done
+        with signals_held():
+            save_checkpoint(run.out, run.algo, r + 1, run.wall(), extra=extra, verify=not self.verified,
+                            must_be_finite=self.must_be_finite)  # fmt: skip
+            run.last_checkpoint = r + 1
         self.verified = True
-        run.last_checkpoint = r + 1
         run.callbacks.on_checkpoint(run, r + 1)
 
 

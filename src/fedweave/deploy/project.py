@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import tomli_w
+
 from fedweave.config import RunConfig
+from fedweave.results import atomic_write
 
 MODULE = "fedweave_app"
 APP_MODULE = '''"""Flower components of this app: fedweave's own ServerApp and ClientApp."""
@@ -22,10 +25,6 @@ __all__ = ["clientapp", "serverapp"]
 '''
 
 
-def _toml_str(s: str) -> str:
-    return json.dumps(s)  # a JSON string is a valid TOML basic string
-
-
 def write_app(
     config: RunConfig,
     directory: str | Path,
@@ -34,43 +33,51 @@ def write_app(
     reply_timeout: float = 600.0,
     node_wait: float = 120.0,
     on_error: str = "stop",
+    overwrite: bool = False,
 ) -> Path:
-    """Write the Flower app project for ``config`` into ``directory``; returns its pyproject path."""
+    """Write the Flower app project for ``config`` into ``directory``; returns its pyproject path. A directory
+    that is not empty is refused (a ``FileExistsError`` naming it) unless ``overwrite``, which replaces the
+    project's two files and leaves everything else in it alone."""
     if on_error not in ("stop", "drop"):
         raise ValueError(f"on_error must be 'stop' or 'drop', got {on_error!r}")
     if not reply_timeout > 0 or not node_wait > 0:
         raise ValueError(f"reply_timeout and node_wait must be > 0 seconds, got {reply_timeout} and {node_wait}")
     out = Path(directory)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{str(out)!r} is a file; give a directory for the app project")
+    if not overwrite and out.is_dir() and any(out.iterdir()):
+        raise FileExistsError(
+            f"{str(out)!r} is not empty; give a new or empty directory for the app project, or --overwrite to "
+            f"replace its pyproject.toml and {MODULE}.py"
+        )
+    pyproject = {
+        "build-system": {"requires": ["hatchling"], "build-backend": "hatchling.build"},
+        "project": {
+            "name": "fedweave-app",
+            "version": "1.0.0",
+            "description": f"fedweave run {config.name} on Flower's deployment engine",
+            "license": "Apache-2.0",
+            "dependencies": ["fedweave[flower]"],  # already installed where the SuperLink and SuperNodes run
+        },
+        "tool": {
+            "hatch": {"build": {"targets": {"wheel": {"packages": ["."]}}}},
+            "flwr": {
+                "app": {
+                    "publisher": "fedweave",
+                    "components": {"serverapp": f"{MODULE}:serverapp", "clientapp": f"{MODULE}:clientapp"},
+                    "config": {
+                        "fedweave-config": json.dumps(config.to_dict()),
+                        "run-dir": run_dir,
+                        "reply-timeout": float(reply_timeout),
+                        "node-wait": float(node_wait),
+                        "on-error": on_error,
+                    },
+                }
+            },
+        },
+    }
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{MODULE}.py").write_text(APP_MODULE)
-    pyproject = f"""[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
-
-[project]
-name = "fedweave-app"
-version = "1.0.0"
-description = "fedweave run {config.name} on Flower's deployment engine"
-license = "Apache-2.0"
-dependencies = ["fedweave[flower]"]  # already installed where the SuperLink and SuperNodes run
-
-[tool.hatch.build.targets.wheel]
-packages = ["."]
-
-[tool.flwr.app]
-publisher = "fedweave"
-
-[tool.flwr.app.components]
-serverapp = "{MODULE}:serverapp"
-clientapp = "{MODULE}:clientapp"
-
-[tool.flwr.app.config]
-fedweave-config = {_toml_str(json.dumps(config.to_dict()))}
-run-dir = {_toml_str(run_dir)}
-reply-timeout = {float(reply_timeout)}
-node-wait = {float(node_wait)}
-on-error = {_toml_str(on_error)}
-"""
+    atomic_write(out / f"{MODULE}.py", APP_MODULE)
     path = out / "pyproject.toml"
-    path.write_text(pyproject)
+    atomic_write(path, tomli_w.dumps(pyproject))  # a TOML writer: any run name gives valid TOML
     return path

@@ -1,9 +1,14 @@
 """``fedweave report``: one self-contained static HTML page (images inline, no network) for runs and sweeps.
 
-It shows, per run: the metric table (metrics.csv; long floats to 6 significant digits, the exact value in
-the cell's title), the plots and the partition figure, and the communication broken down by transfer kind;
-across runs, the config keys that differ; per sweep, the summary table with the best point marked and the
-sweep's plots.
+The page reads what the directories hold, finished or not. At the top, the main metric of everything given
+against rounds and against bytes, one line (a band over seeds) per sweep point or run. Per sweep: its summary
+table (the final metric as mean ± std over seeds, the best point marked) and a table of its runs with their
+status (an unfinished run says so and the round it reached; a point of the grid without a run directory is
+"not started"). Only the runs of the sweep's current grid (``sweep.json``) are shown; run directories of an
+earlier grid in the same ``runs/`` are left out and named in one line. The config keys that differ between
+runs are columns of the runs tables, the shared config is shown once (collapsed), and each run's detail (its
+metric table, long floats to 6 significant digits with the exact value in the cell's title, its figures, the
+communication by transfer kind) is in a collapsed ``<details>`` element.
 """
 
 from __future__ import annotations
@@ -11,17 +16,72 @@ from __future__ import annotations
 import base64
 import csv
 import html
+import itertools
 import json
+import logging
+import math
+import tempfile
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from fedweave.results import atomic_write
+from fedweave.experiments.aggregate import if_all, mean_std, to_target
+from fedweave.experiments.grid import Point
+from fedweave.results import RunDirError, atomic_write
+
+log = logging.getLogger("fedweave")
+
+# a run directory holds at least one of these from its start (config.yaml is written before round 1)
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
+UNFINISHED = "unfinished"  # no summary.json: the run is still going, or its process was killed
+NOT_STARTED = "not started"  # a point of the sweep's grid without a run directory yet
+FINISHED = ("completed", "diverged")  # what a sweep does not run again (an interrupted run resumes)
+
+
+@dataclass
+class _Run:
+    """One run as its directory shows it now."""
+
+    path: Path
+    name: str
+    label: str  # its sweep point (what its seeds share), or its name
+    status: str  # summary.json's status, UNFINISHED or NOT_STARTED
+    config: dict[str, Any] = field(default_factory=dict)  # flattened: "local.lr" -> 0.1
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status in FINISHED
+
+    @property
+    def planned(self) -> Any:
+        return self.config.get("rounds")
+
+    @property
+    def reached(self) -> int:
+        return int(self.rows[-1]["round"]) if self.rows else 0
+
+
+@dataclass
+class _Source:
+    """A directory given to the report: a sweep (its current runs) or one run."""
+
+    path: Path
+    metric: str
+    runs: list[_Run]
+    spec: dict[str, Any] | None = None  # sweep.json, for a sweep
+    stale: list[str] = field(default_factory=list)  # run directories of an earlier grid, left out
+
+    @property
+    def name(self) -> str:
+        return self.path.resolve().name
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
+    if not isinstance(d, dict) or not d and prefix:  # a leaf, or an empty section kept as one
         return {prefix.rstrip("."): d}
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -29,97 +89,394 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _load(path: Path, parse: Any, default: Any = None) -> Any:
+    """``parse(text)`` of a file (``default`` when it is absent); a file that does not parse is one line naming
+    it (a run's own files are written atomically, so this is a file edited or damaged by hand)."""
+    if not path.is_file():
+        return default
+    try:
+        return parse(path.read_text())
+    except (ValueError, yaml.YAMLError, UnicodeDecodeError) as e:
+        raise RunDirError(f"{path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})") from e
+
+
+def _jsonl(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _read_run(path: Path, label: str | None = None) -> _Run:
+    if not path.is_dir():
+        return _Run(path, path.name, label or path.name, NOT_STARTED)
+    raw = _load(path / "config.yaml", yaml.safe_load, {})
+    rows = _load(path / "metrics.jsonl", _jsonl, [])
+    summary = _load(path / "summary.json", json.loads)
+    status = str(summary["status"]) if summary is not None else UNFINISHED
+    return _Run(path, path.name, label or path.name, status, _flat(raw or {}), rows, summary)
+
+
+def _main_metric(runs: list[_Run]) -> str:
+    """The task's main metric column: a finished run's summary names it, else the config's task section."""
+    from fedweave.tasks import build_task
+
+    for r in runs:
+        if r.summary is not None and r.summary.get("main_metric"):
+            return r.summary["main_metric"]
+    for r in runs:
+        t = r.config
+        try:
+            return build_task(
+                t["task.loss"], t.get("task.loss_options"), t.get("task.metrics"), t.get("task.main")
+            ).main_key
+        except (KeyError, ValueError):  # no task section, or a loss of a plug-in not loaded here
+            continue
+    return "test_accuracy"
+
+
+def _current_points(d: Path, spec: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(run directory name, point label)`` of every run of the sweep's current grid, in the sweep's order.
+
+    A finished sweep wrote sweep.csv after sweep.json: its ``run_dir`` column is the exact list. A running or
+    killed one has not (a sweep.csv there is an earlier sweep's): the points are expanded from sweep.json as
+    ``expand`` does, and the first seed is the lowest seed found among the run directories of those points
+    (sweep.json does not record the base config's seed)."""
+    table, record = d / "sweep.csv", d / "sweep.json"
+    if table.is_file() and table.stat().st_mtime_ns >= record.stat().st_mtime_ns:
+        with open(table, newline="") as f:
+            return [(r["run_dir"].removeprefix("runs/"), r["point"]) for r in csv.DictReader(f)]
+    grid, zipped = spec.get("grid") or {}, spec.get("zipped") or {}
+    zip_rows = [tuple(zip(zipped, vs)) for vs in zip(*zipped.values())] or [()]
+    values = [g + z for g in (tuple(zip(grid, vs)) for vs in itertools.product(*grid.values())) for z in zip_rows]
+    # a Point's label and directory name depend only on its values and seed, not on its config
+    points = [Point(v, 0, None) for v in values]  # type: ignore[arg-type]
+    prefixes = {p.slug.rsplit(",seed=", 1)[0] for p in points}
+    present = [p.name.rsplit(",seed=", 1) for p in (d / "runs").iterdir()] if (d / "runs").is_dir() else []
+    seeds = [int(rest[0]) for name, *rest in present if name in prefixes and rest and rest[0].lstrip("-").isdigit()]
+    if not seeds:
+        return []  # no run of this grid has started: its seeds are not known yet
+    first, n = min(seeds), int(spec.get("seeds") or 1)
+    return [(replace(p, seed=first + i).slug, p.label) for p in points for i in range(n)]
+
+
+def _read_source(d: Path) -> _Source:
+    if not d.is_dir():
+        what = "is a file" if d.exists() else "does not exist"
+        raise RunDirError(f"{d} {what}: give run directories (with {_or(RUN_FILES)}) or sweep directories (with "
+                          "sweep.json)")  # fmt: skip
+    if (d / "sweep.json").is_file():
+        spec = _load(d / "sweep.json", json.loads)
+        points = _current_points(d, spec)
+        runs = [_read_run(d / "runs" / name, label) for name, label in points]
+        wanted = {name for name, _ in points}
+        present = sorted(p.name for p in (d / "runs").iterdir() if p.is_dir()) if (d / "runs").is_dir() else []
+        stale = [n for n in present if n not in wanted]
+        return _Source(d, spec.get("metric") or _main_metric(runs), runs, spec, stale)
+    if not any((d / f).is_file() for f in RUN_FILES):
+        raise RunDirError(f"{d} is neither a run directory (with {_or(RUN_FILES)}) nor a sweep directory (with "
+                          "sweep.json)")  # fmt: skip
+    run = _read_run(d)
+    return _Source(d, _main_metric([run]), [run])
+
+
+def _or(names: tuple[str, ...]) -> str:
+    return ", ".join(names[:-1]) + f" or {names[-1]}"
+
+
+# ---- formatting --------------------------------------------------------------------------------------------
+
+
+def _td(text: Any, title: str | None = None) -> str:
+    """A table cell; ``title``: what a reader sees on hovering over it (the exact value of a rounded one)."""
+    attrs = f' title="{html.escape(title)}"' if title else ""
+    return f"<td{attrs}>{html.escape(str(text))}</td>"
+
+
 def _cell(value: Any) -> str:
-    """A table cell: a float (as read from a CSV or not) shown to 6 significant digits, its exact value in the
-    cell's title; anything else as it is."""
+    """A metrics table cell: a float (as read from a CSV or not) shown to 6 significant digits, its exact value
+    in the cell's title; anything else as it is."""
     text = str(value)
     try:
         x = float(text)
     except ValueError:
-        return f"<td>{html.escape(text)}</td>"
+        return _td(text)
     short = f"{x:.6g}"
     if short == text or "." not in text and "e" not in text.lower():  # integers and short values stay as written
-        return f"<td>{html.escape(text)}</td>"
-    return f'<td title="{html.escape(text)}">{html.escape(short)}</td>'
+        return _td(text)
+    return _td(short, text)
 
 
-def _table(rows: list[dict[str, Any]], cls: str, best: int | None = None) -> str:
-    if not rows:
-        return "<p>(no rows)</p>"
-    cols = list(rows[0])
-    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in cols)
-    body = []
-    for i, r in enumerate(rows):
-        mark = ' class="best"' if i == best else ""
-        cells = "".join(_cell(r.get(c, "")) for c in cols)
-        body.append(f"<tr{mark}>{cells}</tr>")
-    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+def _pm(mean: float, std: float, n: int) -> str:
+    """``mean ± std`` to the precision the std allows (two significant digits of the std), e.g. 0.807 ± 0.013;
+    one value: the mean to 4 significant digits; none: ``-``."""
+    if n == 0 or math.isnan(mean):
+        return "-"
+    if n == 1:
+        return f"{mean:.4g}"
+    if std == 0 or math.isnan(std):
+        return f"{mean:.4g} ± 0"
+    decimals = max(0, 1 - math.floor(math.log10(abs(std))))
+    return f"{mean:.{decimals}f} ± {std:.{decimals}f}"
 
 
-def _images(d: Path) -> str:
-    out = []
-    for p in sorted(d.glob("*.png")):
-        data = base64.b64encode(p.read_bytes()).decode()
-        out.append(f'<figure><img alt="{html.escape(p.name)}" src="data:image/png;base64,{data}">'
-                   f"<figcaption>{html.escape(p.name)}</figcaption></figure>")  # fmt: skip
-    return "".join(out)
+def _num(x: Any) -> str:
+    return "-" if x is None else f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
-def _csv(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+def _size(n: Any) -> str:
+    """Bytes as B / KiB / MiB / GiB to 3 significant digits."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    return "-"
 
 
-def _run_section(d: Path, title: str) -> str:
-    parts = [f'<section class="run"><h2>{html.escape(title)}</h2>']
-    if (d / "summary.json").is_file():
-        s = json.loads((d / "summary.json").read_text())
-        parts.append(f"<p>status: {html.escape(str(s['status']))}, rounds: {s['rounds']}, "
-                     f"wall {s['wall_seconds']} s</p>")  # fmt: skip
+def _table(head: list[str], rows: list[str], cls: str) -> str:
+    """A table of cells already rendered (``<td>``s, one string a row, optionally ``(row class, cells)``)."""
+    th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    body = "".join(f"<tr class={html.escape(r[0])!r}>{r[1]}</tr>" if isinstance(r, tuple) else f"<tr>{r}</tr>"
+                   for r in rows)  # fmt: skip
+    return f'<table class="{cls}"><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _img(name: str, data: bytes) -> str:
+    src = base64.b64encode(data).decode()
+    return (f'<figure><img alt="{html.escape(name)}" src="data:image/png;base64,{src}">'
+            f"<figcaption>{html.escape(name)}</figcaption></figure>")  # fmt: skip
+
+
+# ---- sections ----------------------------------------------------------------------------------------------
+
+
+_STATUS_WORDS = {UNFINISHED: "unfinished (running or killed)"}
+
+
+def _left(runs: list[_Run]) -> list[tuple[str, int]]:
+    """``(status, count)`` of the runs not finished, in the order their statuses first appear."""
+    counts: dict[str, int] = {}
+    for r in runs:
+        if not r.finished:
+            counts[r.status] = counts.get(r.status, 0) + 1
+    return list(counts.items())
+
+
+def _status_text(r: _Run) -> str:
+    if r.status == UNFINISHED:
+        resumable = " (resumes from checkpoint.pt)" if (r.path / "checkpoint.pt").is_file() else ""
+        return _STATUS_WORDS[UNFINISHED] + resumable
+    return r.status
+
+
+def _rounds_text(r: _Run) -> str:
+    if r.status == NOT_STARTED:
+        return "-"
+    return f"{r.reached} of {r.planned}" if r.planned is not None and r.reached != r.planned else str(r.reached)
+
+
+def _point_summary(src: _Source) -> tuple[list[str], list[Any]]:
+    """The sweep's summary over seeds, computed from its runs as ``fedweave sweep`` computes summary.csv (the
+    final metric of the completed runs), so a sweep still running has one too."""
+    from fedweave.tasks import column_direction
+
+    metric, target = src.metric, (src.spec or {}).get("target")
+    direction = column_direction(metric)
+    by_point: dict[str, list[_Run]] = {}
+    for r in src.runs:
+        by_point.setdefault(r.label, []).append(r)
+    head = ["point", "runs", "diverged", f"{metric} (mean ± std)"]
+    if target is not None:
+        head += [f"rounds to {target:g}", f"bytes to {target:g}"]
+    rows, means = [], []
+    for label, runs in by_point.items():
+        finals = [(r.summary.get("final") or {}).get(metric) for r in runs if r.status == "completed" and r.summary]
+        m, sd = mean_std(finals)
+        means.append(m)
+        n = sum(f is not None for f in finals)
+        state = f"{sum(r.finished for r in runs)}/{len(runs)}" + "".join(f", {c} {k}" for k, c in _left(runs))
+        cells = _td(label) + _td(state) + _td(sum(r.status == "diverged" for r in runs))
+        cells += _td(_pm(m, sd, n), f"mean {m!r}, std {sd!r} over {n} completed runs")
+        if target is not None:
+            for x, fmt in (("round", _num), ("bytes_total", _size)):
+                reach = [to_target(r.rows, metric, target, x, direction) for r in runs]
+                v = if_all(reach, lambda v: mean_std(v)[0])  # all seeds reached it
+                cells += _td(fmt(v), None if v is None else repr(v))
+        rows.append(cells)
+    scored = [i for i, m in enumerate(means) if not math.isnan(m)]
+    best = (max if direction == "max" else min)(scored, key=lambda i: means[i]) if scored else None
+    if best is not None:
+        rows[best] = ("best", rows[best])
+    return head, rows
+
+
+def _runs_table(src: _Source, differ: list[str]) -> str:
+    """One row per run: the config keys in ``differ``, its status and rounds, the final and best metric (as in
+    sweep.csv: the best over all its evaluated rows), the bytes sent and its wall time."""
+    from fedweave.tasks import column_direction
+
+    metric = src.metric
+    better = max if column_direction(metric) == "max" else min
+    head = ["run", *differ, "status", "rounds", f"final {metric}", f"best {metric}", "bytes total", "wall s"]
+    rows = []
+    for r in src.runs:
+        s = r.summary or {}
+        vals = [x[metric] for x in r.rows if x.get(metric) is not None]
+        best = better(vals, default=None)
+        final = (s.get("final") or {}).get(metric) if s else (vals[-1] if vals else None)
+        last = r.rows[-1] if r.rows else {}
+        name = html.escape(r.name).replace(",", ",<wbr>")  # a long run name breaks after a comma
+        cells = f"<td>{name}</td>" + "".join(_td(_config_text(r.config.get(k))) for k in differ)
+        cells += _td(_status_text(r)) + _td(_rounds_text(r))
+        cells += _td(_num(final), repr(final)) + _td(_num(best), repr(best))
+        cells += _td(_size(last.get("bytes_total"))) + _td(_num(s.get("wall_seconds", last.get("wall_seconds"))))
+        rows.append(cells if r.status == "completed" else (r.status.replace(" ", "-"), cells))  # others stand out
+    return _table(head, rows, "runs")
+
+
+def _config_text(v: Any) -> str:
+    return "-" if v is None else json.dumps(v) if isinstance(v, (list, dict, bool)) else str(v)
+
+
+def _run_detail(r: _Run) -> str:
+    """A run's detail, collapsed: its status, the communication by transfer kind, the metric table, figures."""
+    if r.status == NOT_STARTED:
+        return ""
+    head = f"{r.name}: {_status_text(r)}, round {_rounds_text(r)}"
+    parts = [f'<details class="run"><summary>{html.escape(head)}</summary>']
+    if r.summary is not None:
+        s = r.summary
+        parts.append(f"<p>status: {html.escape(str(s['status']))}, rounds: {s['rounds']}, wall {s['wall_seconds']} s"
+                     + (f"<br>{html.escape(str(s['error']))}" if s.get("error") else "") + "</p>")  # fmt: skip
         kinds = s["communication"].get("by_transfer", {})
-        rows = [{"transfer": k, "count": v["count"], "bytes": v["bytes"]} for k, v in kinds.items()]
-        parts.append("<h3>Communication by transfer kind</h3>" + _table(rows, "comm"))
-    if (d / "metrics.csv").is_file():
-        parts.append("<h3>Metrics</h3>" + _table(_csv(d / "metrics.csv"), "metrics"))
-    parts.append(_images(d) + "</section>")
-    return "".join(parts)
+        rows = [_td(k) + _td(v["count"]) + _td(v["bytes"], _size(v["bytes"])) for k, v in kinds.items()]
+        parts.append("<h4>Communication by transfer kind</h4>" + _table(["transfer", "count", "bytes"], rows, "comm"))
+    if (r.path / "metrics.csv").is_file():
+        with open(r.path / "metrics.csv", newline="") as f:
+            table = list(csv.reader(f))
+        if table:
+            body = ["".join(_cell(c) for c in row) for row in table[1:]]
+            parts.append("<h4>Metrics</h4>" + _table(table[0], body, "metrics"))
+    parts.append("".join(_img(p.name, p.read_bytes()) for p in sorted(r.path.glob("*.png"))))
+    return "".join(parts) + "</details>"
 
 
-def _runs_of(d: Path) -> list[Path]:
-    return sorted(p for p in (d / "runs").iterdir() if p.is_dir()) if (d / "sweep.json").is_file() else [d]
+def _overlay(sources: list[_Source]) -> str:
+    """The main metric against rounds and bytes: one line per sweep point (a band over its seeds) or run,
+    every directory given on one figure. A point's curve uses its finished runs (an unfinished seed would cut
+    the band short), or its unfinished ones while none has finished."""
+    from fedweave.experiments.plots import plot_curves
+
+    by_metric: dict[str, dict[str, list[list[dict[str, Any]]]]] = {}
+    for src in sources:
+        prefix = f"{src.name}: " if len(sources) > 1 and src.spec is not None else ""
+        points: dict[str, list[_Run]] = {}
+        for r in src.runs:
+            if r.rows:
+                points.setdefault(r.label, []).append(r)
+        curves = by_metric.setdefault(src.metric, {})
+        for label, runs in points.items():
+            done = [r for r in runs if r.finished]
+            name = prefix + label + ("" if done else " (unfinished)")
+            while name in curves:  # two runs of the same name, from different folders
+                name += "'"
+            curves[name] = [r.rows for r in done or runs]
+    figures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for metric, curves in by_metric.items():
+            for x, xlabel, xscale in (("round", "communication round", 1.0),
+                                      ("bytes_total", "bytes communicated (MiB)", 2.0**-20)):  # fmt: skip
+                name = f"{metric}_vs_{'rounds' if x == 'round' else 'bytes'}.png"
+                path = plot_curves(curves, Path(tmp) / name, x=x, y=metric, xlabel=xlabel, xscale=xscale)
+                if path is not None:
+                    figures.append(_img(name, path.read_bytes()))
+    return f'<section class="overlay">{"".join(figures)}</section>' if figures else ""
+
+
+def _notes(src: _Source) -> list[str]:
+    """One line each: how far a sweep is, and the run directories of an earlier grid that were left out."""
+    notes = []
+    done = sum(r.finished for r in src.runs)
+    if not src.runs:
+        notes.append("No run of this grid has started yet.")
+    elif done < len(src.runs):
+        left = ", ".join(f"{c} {_STATUS_WORDS.get(k, k)}" for k, c in _left(src.runs))
+        notes.append(f"{done} of {len(src.runs)} runs finished; {left}.")
+    if src.stale:
+        one = len(src.stale) == 1
+        shown = ", ".join(src.stale[:3]) + (", ..." if len(src.stale) > 3 else "")
+        dirs = f"{len(src.stale)} run director{'y' if one else 'ies'}"
+        notes.append(f"Left out: {dirs} in runs/ not in this sweep's grid (sweep.json), from an earlier grid: {shown}")
+    return notes
+
+
+def _source_section(src: _Source, differ: list[str]) -> str:
+    title = f"Sweep {src.name}" if src.spec is not None else f"Run {src.name}"
+    parts = [f'<section class="source"><h2>{html.escape(title)}</h2>']
+    if src.spec is not None:
+        spec = src.spec
+        axes = {**(spec.get("grid") or {}), **(spec.get("zipped") or {})}
+        desc = "; ".join(f"{k} = {', '.join(map(_config_text, v))}" for k, v in axes.items()) or "no grid"
+        parts.append(f"<p>{html.escape(desc)}; {spec.get('seeds', 1)} seed(s); metric {html.escape(src.metric)}</p>")
+        for note in _notes(src):  # on the page, and said where the report is made (stderr, by default)
+            log.warning("%s: %s", src.path, note)
+            parts.append(f'<p class="note">{html.escape(note)}</p>')
+        if src.runs:
+            head, rows = _point_summary(src)
+            parts.append("<h3>Summary over seeds</h3>" + _table(head, rows, "summary"))
+    if src.runs:
+        parts.append("<h3>Runs</h3>" + _runs_table(src, differ))
+        parts += [_run_detail(r) for r in src.runs]
+    return "".join(parts) + "</section>"
+
+
+STYLE = (
+    "body{font-family:system-ui,sans-serif;margin:1.5em 2em;color:#222;max-width:1300px}"
+    "h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:1.5em}h3{margin:1em 0 .3em}"
+    "table{border-collapse:collapse;margin:.4em 0}td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px;"
+    "text-align:left;white-space:nowrap}th{background:#f2f2f2}td[title]{cursor:help}tr.best{font-weight:bold;background:#dfd}"
+    "tr.unfinished,tr.not-started,tr.interrupted,tr.stopped{background:#fff3cd}tr.diverged{background:#f8d7da}"
+    "table.runs td:first-child{white-space:normal;min-width:14em}"
+    ".note{background:#fff3cd;padding:.3em .6em;border-left:4px solid #e0a800}"
+    "img{max-width:540px}figure{display:inline-block;margin:.3em}figcaption{font-size:12px;color:#666}"
+    "details{margin:.2em 0}summary{cursor:pointer}details.run>summary{font-size:13px}"
+    "details[open]{border-left:3px solid #ccc;padding-left:.6em}pre{font-size:12px}"
+)
 
 
 def build_report(dirs: list[str | Path]) -> str:
-    """The HTML page for run and sweep directories."""
-    sections, runs = [], []
-    for d in map(Path, dirs):
-        if not d.is_dir():
-            raise FileNotFoundError(f"{d} is not a run or sweep directory")
-        if (d / "sweep.json").is_file():
-            summary = _csv(d / "summary.csv")
-            best = next((i for i, r in enumerate(summary) if r.get("best") == "True"), None)
-            sections.append(f'<section class="sweep"><h2>Sweep {html.escape(d.name)}</h2>'
-                            + _table(summary, "summary", best) + _images(d) + "</section>")  # fmt: skip
-        runs += _runs_of(d)
-    configs = {p: _flat(yaml.safe_load((p / "config.yaml").read_text())) for p in runs if (p / "config.yaml").is_file()}
-    keys = sorted({k for c in configs.values() for k in c})
-    differ = [k for k in keys if len({json.dumps(c.get(k), default=str) for c in configs.values()}) > 1]
-    if len(configs) > 1:
-        rows = [{"run": p.name, **{k: c.get(k) for k in differ}} for p, c in configs.items()]
-        sections.append("<section><h2>Config differences</h2>" + _table(rows, "config-diff") + "</section>")
-    for p, c in configs.items():
-        common = {k: v for k, v in c.items() if k not in differ}
-        sections.append(f"<details><summary>config {html.escape(p.name)}</summary><pre>"
-                        f"{html.escape(yaml.safe_dump(common, sort_keys=True))}</pre></details>")  # fmt: skip
-    sections += [_run_section(p, p.name) for p in runs]
-    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:.5em 0}"
-             "td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px}tr.best{font-weight:bold;"
-             "background:#dfd}img{max-width:600px}figure{display:inline-block}")  # fmt: skip
-    head = f"<head><meta charset='utf-8'><title>fedweave report</title><style>{style}</style></head>"
-    return f"<!DOCTYPE html><html>{head}<body><h1>fedweave report</h1>{''.join(sections)}</body></html>"
+    """The HTML page for run and sweep directories (finished or not). Raises :class:`RunDirError` for a path
+    that is neither."""
+    sources = [_read_source(Path(d)) for d in dirs]
+    runs = [r for s in sources for r in s.runs if r.config]
+    keys = sorted({k for r in runs for k in r.config})
+    differ = [k for k in keys if len({json.dumps(r.config.get(k), default=str) for r in runs}) > 1]
+    shared = {k: v for k, v in (runs[0].config if runs else {}).items() if k not in differ}
+    shared_yaml = yaml.safe_dump(_nest(shared), sort_keys=False)
+    body = [_overlay(sources)]
+    if runs:
+        what = f"Config shared by all {len(runs)} runs ({len(shared)} keys; those that differ are columns below)"
+        body.append(f"<details><summary>{what}</summary><pre>{html.escape(shared_yaml)}</pre></details>")
+    body += [_source_section(s, differ) for s in sources]
+    given = ", ".join(html.escape(s.name) for s in sources)
+    head = f"<head><meta charset='utf-8'><title>fedweave report: {given}</title><style>{STYLE}</style></head>"
+    return f"<!DOCTYPE html><html>{head}<body><h1>fedweave report: {given}</h1>{''.join(body)}</body></html>"
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flattened config back into sections, for showing it as YAML."""
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        *parents, leaf = k.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = v
+    return out
 
 
 def write_report(dirs: list[str | Path], out: str | Path) -> Path:
+    """Write :func:`build_report`'s page to ``out`` (atomically) and return its path."""
     out = Path(out)
     atomic_write(out, build_report(dirs))
     return out

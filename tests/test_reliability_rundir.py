@@ -1,0 +1,285 @@
+"""The run directory and the checkpoint, attacked from outside through the released commands: --overwrite of a
+directory that is not a run, two runs into one directory, planted links and a user's temporary files, a
+signal just after a checkpoint, a damaged checkpoint, and the Flower app project's directory
+(docs/reliability.md, "What each bad input gets")."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import tomllib
+
+import pytest
+import torch
+import yaml
+
+import fedweave
+import fedweave.algorithms  # noqa: F401  (registers the algorithms)
+from fedweave.checkpoints import CHECKPOINT, encode_checkpoint, floating_tensors, read_checkpoint
+from fedweave.cli import main as cli_main
+from fedweave.config import load
+from fedweave.errors import RunInterrupted
+from fedweave.results import locked_run_dir
+
+BASE = {
+    "name": "rundir",
+    "seed": 1,
+    "rounds": 2,
+    "dataset": {"name": "_toy"},
+    "partition": {"name": "iid", "num_clients": 4},
+    "model": {"name": "logistic"},
+    "algorithm": {"name": "fedavg", "clients_per_round": 2},
+    "local": {"batch_size": 32, "lr": 0.1},
+    "output": {"progress": False, "plots": False},
+}
+CKPT = {**BASE, "output": {**BASE["output"], "checkpoint_every": 1}}
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    """A working directory holding only the config files c.yaml and ck.yaml (checkpoint every round)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    (work / "c.yaml").write_text(yaml.safe_dump(BASE))
+    (work / "ck.yaml").write_text(yaml.safe_dump(CKPT))
+    return work
+
+
+def _one_line_error(capsys, code: int, *needles: str) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("fedweave: error: "), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def _files(path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()}
+
+
+# ---- 1. --overwrite replaces a run directory only -----------------------------------------------------
+def test_overwrite_refuses_a_directory_of_user_files_with_a_config(in_tmp, capsys):
+    d = in_tmp / "project"
+    d.mkdir()
+    (d / "config.yaml").write_text("my: own config\n")  # a run's file name, but not a run
+    (d / "notes.txt").write_text("precious")
+    (d / ".bashrc").write_text("export X=1")
+    before = _files(d)
+    code = cli_main(["run", "c.yaml", "--out", "project", "--overwrite", "--no-progress"])
+    _one_line_error(capsys, code, "'project'", ".bashrc, notes.txt", "--overwrite replaces only a run directory")
+    assert _files(d) == before and sorted(p.name for p in d.iterdir()) == sorted(before)
+
+
+def test_overwrite_refuses_a_directory_holding_only_a_users_config(in_tmp, capsys):
+    d = in_tmp / "exp"
+    d.mkdir()
+    (d / "config.yaml").write_text(yaml.safe_dump(BASE))
+    code = cli_main(["run", "exp/config.yaml", "--out", "exp", "--overwrite", "--no-progress"])
+    _one_line_error(capsys, code, "'exp' is not a fedweave run directory")
+    assert (d / "config.yaml").read_text() == yaml.safe_dump(BASE) and len(list(d.iterdir())) == 1
+
+
+def test_overwrite_of_the_working_directory(in_tmp, capsys, monkeypatch):
+    # '.' holding the user's config: refused, one line, nothing deleted
+    code = cli_main(["run", "c.yaml", "--out", ".", "--overwrite", "--no-progress"])
+    _one_line_error(capsys, code, "'.' holds files that are not a fedweave run's (c.yaml, ck.yaml)")
+    assert sorted(p.name for p in in_tmp.iterdir()) == ["c.yaml", "ck.yaml"]
+    # '.' that is a run directory: replaced in place (it cannot be renamed aside: it is the working directory)
+    (in_tmp / "w").mkdir()
+    monkeypatch.chdir(in_tmp / "w")
+    assert cli_main(["run", "../c.yaml", "--out", ".", "--no-progress"]) == 0
+    assert cli_main(["run", "../c.yaml", "local.lr=0.2", "--out", ".", "--overwrite", "--no-progress"]) == 0
+    assert load(in_tmp / "w" / "config.yaml").local.lr == 0.2
+    assert (in_tmp / "w" / "summary.json").is_file() and not list(in_tmp.glob(".w*"))
+
+
+# ---- 2. one run at a time in a run directory ----------------------------------------------------------
+def test_a_second_run_into_a_directory_in_use_is_refused(in_tmp, capsys, monkeypatch):
+    from fedweave.results import RunDir
+
+    real, second = RunDir.write_config, []
+
+    def write_config(self, config):  # the first run holds the directory and has written nothing yet
+        if not second:
+            second.append(cli_main(["run", "c.yaml", "local.lr=0.3", "--out", "r", "--no-progress"]))
+            second.append(capsys.readouterr().err)
+        real(self, config)
+
+    monkeypatch.setattr(RunDir, "write_config", write_config)
+    assert cli_main(["run", "c.yaml", "--out", "r", "--no-progress"]) == 0
+    code, err = second
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"'r' is in use by another fedweave run (process {os.getpid()})" in err
+    assert load(in_tmp / "r" / "config.yaml").local.lr == 0.1  # the first run's, whole
+
+
+def test_a_run_that_ended_while_another_was_built_is_not_replaced(tmp_path):
+    # both checked the empty directory; the second to lock it finds the first one's finished run there
+    def meanwhile(algo):
+        fedweave.run({**BASE, "local": {**BASE["local"], "lr": 0.3}}, run_dir=tmp_path / "r")
+
+    with pytest.raises(fedweave.results.RunDirError, match="already holds a finished run"):
+        fedweave.runner.run(load(BASE), run_dir=tmp_path / "r", prepare=meanwhile)
+    assert load(tmp_path / "r" / "config.yaml").local.lr == 0.3
+
+
+def test_a_lock_held_by_another_process_refuses_and_a_killed_ones_does_not(in_tmp, capsys):
+    assert cli_main(["run", "ck.yaml", "rounds=1", "--out", "r", "--no-progress"]) == 0
+    capsys.readouterr()
+    holder = subprocess.Popen(  # another process in the directory: it holds the lock the way a run does
+        [sys.executable, "-c", "from pathlib import Path; import sys, time; from fedweave.results import "
+         "locked_run_dir\nwith locked_run_dir(Path('r')):\n    print('held', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for args in (["--resume", "r", "rounds=2"], ["ck.yaml", "--out", "r", "--overwrite"]):
+            code = cli_main(["run", *args, "--no-progress"])
+            _one_line_error(capsys, code, f"'r' is in use by another fedweave run (process {holder.pid})")
+        assert read_checkpoint(in_tmp / "r" / CHECKPOINT)["next_round"] == 1
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # the killed process's lock went with it: the run resumes
+    assert cli_main(["run", "--resume", "r", "rounds=2", "--no-progress"]) == 0
+    assert read_checkpoint(in_tmp / "r" / CHECKPOINT)["next_round"] == 2
+
+
+def test_a_forked_child_does_not_keep_the_lock(tmp_path):
+    # the pool backend and sweeps fork workers while a run holds its directory; they may outlive the run
+    child = None
+    with locked_run_dir(tmp_path / "r"):
+        child = mp.get_context("fork").Process(target=signal.pause, daemon=True)
+        child.start()
+    try:
+        assert child.is_alive()
+        with locked_run_dir(tmp_path / "r"):
+            pass
+    finally:
+        child.kill()
+        child.join()
+
+
+def test_a_run_on_the_pool_backend_then_an_overwrite_in_the_same_process(tmp_path):
+    cfg = {**BASE, "backend": "pool", "threads": 2}
+    first = fedweave.run(cfg, run_dir=tmp_path / "r")  # its pool's workers live while the result does
+    again = fedweave.run(cfg, run_dir=tmp_path / "r", overwrite=True)
+    assert again.summary["status"] == "completed"
+    assert [r["test_accuracy"] for r in again.metrics] == [r["test_accuracy"] for r in first.metrics]
+
+
+# ---- 3. probes and temporary files: created exclusively, only the run's own removed ----------------------
+def test_a_planted_probe_link_is_not_followed(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / f".write-probe-{os.getpid()}.tmp").symlink_to(victim)
+    fedweave.run(BASE, run_dir=run)
+    assert victim.read_text() == "precious"
+
+
+def test_a_users_temporary_files_in_the_run_directory_are_kept(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    mine = {".notes.tmp": b"draft", ".config.yaml.tmp": b"mine too", ".report.md.ab12cd34.tmp": b"and this"}
+    for name, data in mine.items():
+        (run / name).write_bytes(data)
+    stale = run / ".metrics.csv.ab12cd34.tmp"  # fedweave's own pattern: left by a kill during a write
+    stale.write_bytes(b"half")
+    fedweave.run(BASE, run_dir=run)
+    assert {name: (run / name).read_bytes() for name in mine} == mine
+    assert not stale.exists()
+
+
+# ---- 4. the round named after a signal is the checkpoint on disk -------------------------------------------
+def test_a_signal_just_after_a_checkpoint_names_that_checkpoint(tmp_path, monkeypatch):
+    import fedweave.runner as runner
+
+    real, written = runner.atomic_write, []
+
+    def atomic_write(path, data):
+        real(path, data)
+        if path.name == CHECKPOINT:
+            written.append(path)
+            if len(written) == 2:  # Ctrl-C right after the rename of round 2's checkpoint
+                os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(runner, "atomic_write", atomic_write)
+    with pytest.raises(RunInterrupted) as e:
+        fedweave.run({**CKPT, "rounds": 3}, run_dir=tmp_path / "r")
+    assert read_checkpoint(tmp_path / "r" / CHECKPOINT)["next_round"] == 2
+    summary = yaml.safe_load((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert "The checkpoint of round 2 is kept" in summary["error"] and "round 2 is kept" in str(e.value)
+
+
+# ---- 5. damaged checkpoints ---------------------------------------------------------------------------
+@pytest.fixture
+def checkpointed(in_tmp):
+    assert cli_main(["run", "ck.yaml", "rounds=1", "--out", "r", "--no-progress"]) == 0
+    return in_tmp / "r"
+
+
+def test_a_flipped_byte_in_a_checkpoint_is_refused(checkpointed, capsys):
+    ck = checkpointed / CHECKPOINT
+    data = bytearray(ck.read_bytes())
+    data[-len(data) // 3] ^= 0x01  # inside the tensors' bytes
+    ck.write_bytes(bytes(data))
+    capsys.readouterr()
+    code = cli_main(["run", "--resume", "r", "rounds=2", "--no-progress"])
+    _one_line_error(capsys, code, "checkpoint.pt is damaged", "sha256")
+    assert ck.read_bytes() == bytes(data) and yaml.safe_load((checkpointed / "summary.json").read_text())["rounds"] == 1
+
+
+def test_a_checkpoint_holding_nan_is_damaged_not_divergence(checkpointed, capsys):
+    ck = checkpointed / CHECKPOINT
+    state = read_checkpoint(ck)
+    key, weights = max(floating_tensors(state["algorithm"]), key=lambda kt: kt[1].numel())  # the model's
+    weights.fill_(float("nan"))
+    ck.write_bytes(encode_checkpoint(state))  # a valid digest: the content is what it claims, yet not finite
+    capsys.readouterr()
+    code = cli_main(["run", "--resume", "r", "rounds=2", "--no-progress"])
+    line = _one_line_error(capsys, code, "checkpoint.pt is damaged", f"'{key}' holds NaN or Inf")
+    assert "local.lr" not in line and "--resume" not in line
+
+
+def test_a_checkpoint_without_a_digest_is_loaded_with_a_warning(checkpointed, caplog):
+    ck = checkpointed / CHECKPOINT
+    torch.save(read_checkpoint(ck), ck)  # as fedweave wrote checkpoints before they carried a digest
+    with caplog.at_level("WARNING", logger="fedweave"):
+        res = fedweave.runner.resume(checkpointed, ["rounds=2"], progress=False)
+    assert res.summary["status"] == "completed" and "carries no digest" in caplog.text
+    assert read_checkpoint(ck)["next_round"] == 2  # and the new one carries one
+
+
+# ---- 6. fedweave flower-app ----------------------------------------------------------------------------
+def test_flower_app_refuses_a_directory_that_is_not_empty(in_tmp, capsys):
+    app = in_tmp / "app"
+    app.mkdir()
+    (app / "pyproject.toml").write_text("[project]\nname = 'mine'\n")
+    (app / "fedweave_app.py").write_text("# mine\n")
+    (app / "README.md").write_text("mine")
+    before = _files(app)
+    _one_line_error(capsys, cli_main(["flower-app", "c.yaml", "app"]), "'app' is not empty", "--overwrite")
+    assert _files(app) == before
+    assert cli_main(["flower-app", "c.yaml", "app", "--overwrite"]) == 0
+    assert (app / "README.md").read_text() == "mine"  # only the project's two files are replaced
+    assert tomllib.loads((app / "pyproject.toml").read_text())["project"]["name"] == "fedweave-app"
+
+
+def test_flower_app_writes_valid_toml_for_any_run_name(in_tmp):
+    name = "say \"hi\" and 'bye'"
+    assert cli_main(["flower-app", "c.yaml", "app", f"name={name}"]) == 0
+    data = tomllib.loads((in_tmp / "app" / "pyproject.toml").read_text())
+    assert data["project"]["description"] == f"fedweave run {name} on Flower's deployment engine"
+    app = data["tool"]["flwr"]["app"]
+    assert load(json.loads(app["config"]["fedweave-config"])).name == name
+    assert app["components"] == {"serverapp": "fedweave_app:serverapp", "clientapp": "fedweave_app:clientapp"}
