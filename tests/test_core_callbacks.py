@@ -11,6 +11,7 @@ import pytest
 import fedweave
 from fedweave.callbacks import Budget, Callback, Checkpointer, DivergenceGuard, ProgressBar, StopAtTarget
 from fedweave.callbacks import default_callbacks as defaults
+from fedweave.checkpoints import read_checkpoint
 from fedweave.config import load
 from fedweave.errors import DivergenceError
 from fedweave.runner import resume
@@ -89,7 +90,7 @@ def test_stop_at_target_ends_after_the_round_that_reached_it_evaluated_and_check
     assert res.summary["status"] == "completed" and res.summary["rounds"] == first + 1
     assert "test_accuracy reached" in res.summary["stopped_early"]
     assert [r["test_accuracy"] for r in res.metrics] == accs[: first + 1]
-    ckpt = __import__("torch").load(res.run_dir / "checkpoint.pt", weights_only=True)
+    ckpt = read_checkpoint(res.run_dir / "checkpoint.pt")
     assert ckpt["next_round"] == first + 1  # the last round is saved, though 5 does not divide it
 
 

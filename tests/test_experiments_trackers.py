@@ -172,25 +172,27 @@ def test_a_resumed_run_continues_each_tracker_run_which_holds_exactly_metrics_cs
 
     import numpy as np
 
-    import fedweave.runner as runner
+    import fedweave.checkpoints as checkpoints
+    from fedweave.errors import RunInterrupted
+    from fedweave.runner import resume
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     trackers = ["tensorboard", "mlflow", "wandb"]
     cfg = {**toy_config, "rounds": 6, "output": {"progress": False, "plots": False, "trackers": trackers,
                                                  "checkpoint_every": 3}}  # fmt: skip
-    save = runner.save_checkpoint
+    save = checkpoints.save_checkpoint
 
     def stop_at_six(run, algo, next_round, *a, **k):
         if next_round == 6:  # as Ctrl-C after round 6's row, before its checkpoint
             raise KeyboardInterrupt
         save(run, algo, next_round, *a, **k)
 
-    monkeypatch.setattr(runner, "save_checkpoint", stop_at_six)
-    with pytest.raises(runner.RunInterrupted):
+    monkeypatch.setattr(checkpoints, "save_checkpoint", stop_at_six)
+    with pytest.raises(RunInterrupted):
         fedweave.run(cfg, run_dir=tmp_path / "r")
-    monkeypatch.setattr(runner, "save_checkpoint", save)
-    res = runner.resume(tmp_path / "r")
+    monkeypatch.setattr(checkpoints, "save_checkpoint", save)
+    res = resume(tmp_path / "r")
     with open(res.run_dir / "metrics.csv") as f:
         rows = [{k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
     assert [r["round"] for r in rows] == [1, 2, 3, 4, 5, 6] and rows == [

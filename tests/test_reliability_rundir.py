@@ -122,11 +122,12 @@ def test_a_second_run_into_a_directory_in_use_is_refused(in_tmp, capsys, monkeyp
 
 def test_a_run_that_ended_while_another_was_built_is_not_replaced(tmp_path):
     # both checked the empty directory; the second to lock it finds the first one's finished run there
-    def meanwhile(algo):
-        fedweave.run({**BASE, "local": {**BASE["local"], "lr": 0.3}}, run_dir=tmp_path / "r")
+    class Meanwhile(fedweave.Callback):
+        def on_build(self, run):  # after the first check of the directory, before its lock
+            fedweave.run({**BASE, "local": {**BASE["local"], "lr": 0.3}}, run_dir=tmp_path / "r")
 
     with pytest.raises(fedweave.results.RunDirError, match="already holds a finished run"):
-        fedweave.runner.run(load(BASE), run_dir=tmp_path / "r", prepare=meanwhile)
+        fedweave.run(BASE, run_dir=tmp_path / "r", callbacks=[Meanwhile()])
     assert load(tmp_path / "r" / "config.yaml").local.lr == 0.3
 
 
@@ -201,9 +202,9 @@ def test_a_users_temporary_files_in_the_run_directory_are_kept(tmp_path):
 
 # ---- 4. the round named after a signal is the checkpoint on disk -------------------------------------------
 def test_a_signal_just_after_a_checkpoint_names_that_checkpoint(tmp_path, monkeypatch):
-    import fedweave.runner as runner
+    import fedweave.checkpoints as checkpoints
 
-    real, written = runner.atomic_write, []
+    real, written = checkpoints.atomic_write, []
 
     def atomic_write(path, data):
         real(path, data)
@@ -212,7 +213,7 @@ def test_a_signal_just_after_a_checkpoint_names_that_checkpoint(tmp_path, monkey
             if len(written) == 2:  # Ctrl-C right after the rename of round 2's checkpoint
                 os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(runner, "atomic_write", atomic_write)
+    monkeypatch.setattr(checkpoints, "atomic_write", atomic_write)
     with pytest.raises(RunInterrupted) as e:
         fedweave.run({**CKPT, "rounds": 3}, run_dir=tmp_path / "r")
     assert read_checkpoint(tmp_path / "r" / CHECKPOINT)["next_round"] == 2
