@@ -153,12 +153,19 @@ def test_a_lock_held_by_another_process_refuses_and_a_killed_ones_does_not(in_tm
     assert read_checkpoint(in_tmp / "r" / CHECKPOINT)["next_round"] == 2
 
 
+def _ready_then_pause(ready) -> None:
+    ready.set()  # the fork hooks (which drop the run locks) have run by the time the target starts
+    signal.pause()
+
+
 def test_a_forked_child_does_not_keep_the_lock(tmp_path):
     # the pool backend and sweeps fork workers while a run holds its directory; they may outlive the run
-    child = None
+    fork = mp.get_context("fork")
+    ready = fork.Event()
     with locked_run_dir(tmp_path / "r"):
-        child = mp.get_context("fork").Process(target=signal.pause, daemon=True)
+        child = fork.Process(target=_ready_then_pause, args=(ready,), daemon=True)
         child.start()
+        assert ready.wait(60)
     try:
         assert child.is_alive()
         with locked_run_dir(tmp_path / "r"):
