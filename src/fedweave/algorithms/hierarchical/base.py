@@ -356,6 +356,10 @@ class HierarchicalAlgorithm(Algorithm):
         self.send(r, sampled, kind, per_client_bytes)
         return sampled, self.reporting(r, sampled)
 
+    def call_metrics(self, sampled: np.ndarray, clients: np.ndarray) -> dict[str, float]:
+        """``participants`` (the sampled clients) and, under faults, ``reported_clients``."""
+        return {"participants": float(len(sampled)), **self.fault_metrics(clients)}
+
     def send(self, r: int, clients: np.ndarray, kind: str, per_client_bytes: int) -> None:
         """Server -> each client of ``clients``: one message of ``per_client_bytes``."""
         self.ledger.record(r, "server", "client", kind, len(clients) * per_client_bytes, len(clients))

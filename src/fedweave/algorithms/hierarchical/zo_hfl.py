@@ -117,7 +117,7 @@ class ZOHFL(HierarchicalAlgorithm):
             down = d * fp32 + (d * fp32 if hp.direction_message == "vector" else 8)  # x and v_i (or its seed)
             # dropouts and stragglers return nothing: g_i = 0 (A3)
             sampled, clients = self.call_clients(r, "model+direction", down)
-            metrics.update(participants=float(len(sampled)), **self.fault_metrics(clients))
+            metrics.update(self.call_metrics(sampled, clients))
         if len(clients):
             # all i drawn on the CPU (A28), S_r used on the device
             v = unit_directions(self.seeds, r, self.m, d, self.x.dtype, self.x.device)[clients]
