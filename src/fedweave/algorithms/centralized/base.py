@@ -1,12 +1,21 @@
 """The star protocol: one server, many clients, partial participation (the centralized family's base).
 
-The server samples ``clients_per_round`` clients uniformly without replacement from the
-``("client_sampling", round)`` stream, sends them what the algorithm says, receives their uploads and
-aggregates. Every transfer is recorded in the ledger with its exact size.
+:meth:`StarAlgorithm.run_round` is the round template every centralized method shares: the server samples
+``clients_per_round`` clients (the ``("client_sampling", round)`` stream, or the configured sampler), sends
+them what the method says, keeps the uploads that arrive (injected dropouts and stragglers deliver nothing),
+reduces the client updates to one aggregate and hands it to the method's server update. Every transfer is
+recorded in the ledger with its exact size. A method fills in only what its paper says:
+
+- ``client_rule(lr)``: its clients' local rule (a ``LocalRule``), or a ``ClientStep`` for clients that keep
+  state of their own; plain local SGD by default;
+- ``server_update(mean, got)``: its server step from the aggregate of the client updates;
+- where its paper differs from FedAvg's messages: ``downlink()`` (what the server sends), ``uplink`` (the
+  ledger kind of the upload), ``client_updates(got)`` (what each client's update is) and ``recipients``.
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -24,7 +33,7 @@ from fedweave.execution import (
     evaluate_clients_task,
     evaluate_task,
 )
-from fedweave.execution.local import GradFn
+from fedweave.execution.local import PLAIN, ClientStep, GradFn, LocalRule
 from fedweave.topology.samplers import make_sampler
 
 
@@ -90,16 +99,34 @@ def local_consistency(params: torch.Tensor) -> float:
     return float((params - params.mean(0)).pow(2).sum(1).mean())
 
 
+@dataclass
+class Collected:
+    """What the server holds once a round's uploads are in: who reported and what they sent."""
+
+    round: int
+    clients: np.ndarray  # the clients whose upload arrived, in job order
+    lr: float  # the round's local step size eta_l
+    local: LocalResult  # their local models (rebuilt from the upload where it is not the model), steps, losses
+    upload: dict[str, torch.Tensor]  # a ClientStep's upload, one row per client; empty: each sent its model
+    weights: torch.Tensor  # aggregation weights over ``clients``, summing to one
+
+
 class StarAlgorithm(Algorithm):
-    """Shared mechanics of server-client algorithms: sampling, messages, weights, global evaluation."""
+    """The star round template and its mechanics: sampling, messages, weights, global evaluation.
+
+    A method subclasses it and fills in :meth:`client_rule` and :meth:`server_update` (and, where its
+    messages differ from FedAvg's, :meth:`downlink`, ``uplink`` and :meth:`client_updates`); sampling, the
+    ledger, injected faults and the aggregation run here, the same for every method.
+    """
 
     family = "centralized"
     Hparams = StarHparams
     # True: the local rule applies weight decay and clipping to the loss gradient (see ``regularized``)
     regularize_in_rule: ClassVar[bool] = False
-    # Injected faults (fedweave.faults) this class's run_round handles; the runner refuses the others.
-    # Not inherited in spirit: a subclass declares them once its own run_round calls ``reporting``.
-    handles_faults: ClassVar[tuple[str, ...]] = ()
+    # Injected faults (fedweave.faults) the round template handles; the runner refuses the others. A
+    # subclass that writes its own run_round declares what that handles.
+    handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "deadline")
+    uplink: ClassVar[str] = "model"  # the ledger kind of each reporting client's upload
 
     def __init__(self, ctx: RunContext, hp: StarHparams) -> None:
         super().__init__(ctx, hp)
@@ -132,6 +159,69 @@ class StarAlgorithm(Algorithm):
     @property
     def num_params(self) -> int:
         return self.layout.numel
+
+    # ---- the round template ----------------------------------------------------------------------
+    def run_round(self, r: int) -> dict[str, float]:
+        """One star round: sample, send, keep what arrives, train, collect, aggregate, server update.
+
+        The order of the steps (and so of the seed streams, ledger records and float operations) is fixed
+        here for every method. Clients that drop out or miss the deadline (``reporting``: simulated arrival
+        times from ``client_work``) were sent the round's message but deliver nothing; the weights re-weight
+        over those that reported. A round nobody reports leaves every state as it was, and the runner logs
+        it as skipped (``reported_clients = 0``).
+        """
+        clients = self.sample_clients(r)
+        for kind, tensors in self.downlink().items():
+            self.send(r, self.recipients(clients), kind, *tensors)
+        clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
+        if len(clients) == 0:
+            return self.fault_metrics(clients)  # nobody reported: all state stays as it was
+        got = self.train_clients(r, clients)
+        self.receive(r, clients, self.uplink, *(tuple(got.upload.values()) or (got.local.params,)))
+        self.server_update(self.aggregate(self.client_updates(got), got.weights), got)
+        return {**self.local_metrics(got.local, got.weights), **self.fault_metrics(clients)}
+
+    def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        """What the server sends each recipient this round: ledger kind -> tensors (one message each, in
+        this order). FedAvg's: the global model."""
+        return {"model": (self.x,)}
+
+    def recipients(self, clients: np.ndarray) -> np.ndarray:
+        """Who receives the round's messages: the sampled clients."""
+        return clients
+
+    def client_rule(self, lr: float) -> LocalRule | ClientStep:
+        """The local rule of the round's clients (their paper's client step), or a ``ClientStep`` for clients
+        that keep state of their own (trained over ``self.store``). Plain local SGD by default (FedAvg)."""
+        return PLAIN
+
+    def train_clients(self, r: int, clients: np.ndarray) -> Collected:
+        """Local training of the clients that report, from the global model under :meth:`client_rule`."""
+        lr = self.trainer.lr(r)
+        rule = self.client_rule(lr)
+        if isinstance(rule, ClientStep):
+            local, upload = self.trainer.train_with_state(self.x, clients, r, rule, self.store, lr=lr)
+        else:
+            local, upload = self.trainer.train(self.x, clients, r, rule=rule, lr=lr), {}
+        return Collected(r, clients, lr, local, upload, self.weights(clients))
+
+    def client_updates(self, got: Collected) -> torch.Tensor:
+        """Each reporting client's update, one row per client: what the server pipeline reduces.
+        By default the local model's displacement ``y_i - x_t``."""
+        return got.local.params - self.x
+
+    def aggregate(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The server pipeline's reduction of the client updates to one: their weighted mean.
+
+        The one place where the collected updates become the aggregate, so that the stages between them
+        (DP clipping, robust aggregation, DP noise) plug in here, for every method at once.
+        """
+        return weights @ updates
+
+    @abstractmethod
+    def server_update(self, mean: torch.Tensor, got: Collected) -> None:
+        """The method's server step from ``mean``, the aggregate of the client updates (``got``: the
+        round's reporting clients and what they sent)."""
 
     def sample_clients(self, r: int) -> np.ndarray:
         return self.sampler(r)

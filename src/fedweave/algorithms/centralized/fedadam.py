@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams
+from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams
 from fedweave.config import ConfigError
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
@@ -52,7 +52,6 @@ class FedOptHparams(StarHparams):
 @ALGORITHMS.register("fedadam")
 class FedOpt(StarAlgorithm):
     name = "fedadam"
-    handles_faults = ("dropout", "deadline")
     Hparams = FedOptHparams
 
     def __init__(self, ctx, hp: FedOptHparams) -> None:
@@ -78,14 +77,5 @@ class FedOpt(StarAlgorithm):
             self.v = self.v + d2
         return hp.server_lr * self.m / (self.v.sqrt() + hp.tau)
 
-    def run_round(self, r: int) -> dict[str, float]:
-        clients = self.sample_clients(r)
-        self.send(r, clients, "model", self.x)
-        clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
-        if len(clients) == 0:
-            return self.fault_metrics(clients)  # skipped round: all state stays as it was
-        local = self.trainer.train(self.x, clients, r)
-        self.receive(r, clients, "model", local.params)
-        p = self.weights(clients)
-        self.x = self.x + self.server_step(p @ (local.params - self.x))
-        return {**self.local_metrics(local, p), **self.fault_metrics(clients)}
+    def server_update(self, mean: torch.Tensor, got: Collected) -> None:
+        self.x = self.x + self.server_step(mean)  # Delta = mean_S (y_i - x_t), the pseudo-gradient

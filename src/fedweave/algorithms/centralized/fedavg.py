@@ -1,25 +1,21 @@
-"""FedAvg (McMahan et al., 2017): local SGD on sampled clients, weighted averaging of their models."""
+"""FedAvg (McMahan et al., 2017, Alg. 1): local SGD on sampled clients, weighted averaging of their models.
+
+The client rule is plain local SGD (the template's default) and the clients send their models; the server
+moves by the weighted mean of the local updates, ``x_{t+1} = x_t + eta_g sum_i p_i (y_i - x_t)`` (with
+``eta_g = 1`` the weighted average of the local models, Alg. 1's ``w_{t+1} = sum_k n_k/n w^k_{t+1}``).
+"""
 
 from __future__ import annotations
 
-from fedweave.algorithms.centralized.base import StarAlgorithm
+import torch
+
+from fedweave.algorithms.centralized.base import Collected, StarAlgorithm
 from fedweave.registry import ALGORITHMS
 
 
 @ALGORITHMS.register("fedavg")
 class FedAvg(StarAlgorithm):
     name = "fedavg"
-    handles_faults = ("dropout", "deadline")
 
-    def run_round(self, r: int) -> dict[str, float]:
-        clients = self.sample_clients(r)
-        self.send(r, clients, "model", self.x)
-        clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
-        if len(clients) == 0:
-            return self.fault_metrics(clients)  # nobody reported: the model stays, the runner logs the skip
-        local = self.trainer.train(self.x, clients, r)
-        self.receive(r, clients, "model", local.params)
-        p = self.weights(clients)  # re-weighted over the clients that reported
-        delta = p @ (local.params - self.x)  # weighted mean of the local updates
-        self.x = self.x + self.hp.server_lr * delta
-        return {**self.local_metrics(local, p), **self.fault_metrics(clients)}
+    def server_update(self, mean: torch.Tensor, got: Collected) -> None:
+        self.x = self.x + self.hp.server_lr * mean

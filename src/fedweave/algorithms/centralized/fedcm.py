@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams, regularized
+from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams, regularized
 from fedweave.algorithms.centralized.fedsam import sam_gradient
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule
@@ -65,7 +65,6 @@ class FedCMHparams(StarHparams):
 @ALGORITHMS.register("fedcm")
 class FedCM(StarAlgorithm):
     name = "fedcm"
-    handles_faults = ("dropout", "deadline")
     Hparams = FedCMHparams
     regularize_in_rule = True
 
@@ -76,24 +75,18 @@ class FedCM(StarAlgorithm):
         self._checkpoint = ("x", "momentum")
         self.ledger.store("server", "momentum", nbytes(self.momentum))
 
-    def run_round(self, r: int) -> dict[str, float]:
-        hp, c = self.hp, self.config.local
-        clients = self.sample_clients(r)
-        self.send(r, clients, "model+momentum", self.x, self.momentum)
-        clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
-        if len(clients) == 0:
-            return self.fault_metrics(clients)  # skipped round: all state stays as it was
-        lr = self.trainer.lr(r)
-        rule = FedCMRule(
+    def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        return {"model+momentum": (self.x, self.momentum)}  # x_t and Delta_t
+
+    def client_rule(self, lr: float) -> FedCMRule:
+        hp, c = self.hp, self.config.local  # g carries weight decay and clipping (fedmim spec A7)
+        return FedCMRule(
             hp.alpha, self.momentum, weight_decay=c.weight_decay, grad_clip=c.grad_clip, sam_rho=hp.sam_rho
         )
-        local = self.trainer.train(self.x, clients, r, rule=rule, lr=lr)
-        self.receive(r, clients, "model", local.params)
-        p = self.weights(clients)
-        dbar = p @ (local.params - self.x)
-        self.momentum = -dbar / (lr * self.K)  # Delta_{t+1}
-        self.x = self.x + hp.server_lr * dbar  # = x_t - eta_g eta_l K Delta_{t+1}
-        return {**self.local_metrics(local, p), **self.fault_metrics(clients)}
+
+    def server_update(self, mean: torch.Tensor, got: Collected) -> None:
+        self.momentum = -mean / (got.lr * self.K)  # Delta_{t+1}
+        self.x = self.x + self.hp.server_lr * mean  # = x_t - eta_g eta_l K Delta_{t+1}
 
 
 @dataclass

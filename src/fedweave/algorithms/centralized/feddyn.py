@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams, per_job
+from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams, per_job
 from fedweave.algorithms.centralized.fedprox import ProxRule
 from fedweave.config import ConfigError
 from fedweave.execution import StateStore
@@ -62,7 +62,6 @@ class FedDynHparams(StarHparams):
 @ALGORITHMS.register("feddyn")
 class FedDyn(StarAlgorithm):
     name = "feddyn"
-    handles_faults = ("dropout", "deadline")
     Hparams = FedDynHparams
 
     def __init__(self, ctx, hp: FedDynHparams) -> None:
@@ -74,17 +73,14 @@ class FedDyn(StarAlgorithm):
         self.ledger.store("server", "h", nbytes(self.h))
         self.ledger.store("client", "grad_L", nbytes(self.h))  # per client
 
-    def run_round(self, r: int) -> dict[str, float]:
+    def client_rule(self, lr: float) -> FedDynStep:
+        return FedDynStep(self.hp.alpha, self.x)
+
+    def client_updates(self, got: Collected) -> torch.Tensor:
+        return got.local.params  # the server averages the models themselves
+
+    def server_update(self, mean: torch.Tensor, got: Collected) -> None:
         a = self.hp.alpha
-        clients = self.sample_clients(r)
-        self.send(r, clients, "model", self.x)
-        clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
-        if len(clients) == 0:
-            return self.fault_metrics(clients)  # skipped round: all state stays as it was
-        local, _ = self.trainer.train_with_state(self.x, clients, r, FedDynStep(a, self.x), self.store)
-        self.receive(r, clients, "model", local.params)
-        moved = local.params - self.x
-        self.h = self.h - a * moved.sum(0) / self.ctx.num_clients
-        p = self.weights(clients)
-        self.x = p @ local.params - self.h / a
-        return {**self.local_metrics(local, p), **self.fault_metrics(clients)}
+        moved = got.local.params - self.x
+        self.h = self.h - a * moved.sum(0) / self.ctx.num_clients  # h <- h - alpha (1/N) sum_S (theta_i - x_t)
+        self.x = mean - self.h / a  # x_{t+1} = mean_S theta_i - h / alpha

@@ -21,7 +21,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams, regularized
+from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams, regularized
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule
 from fedweave.execution.local import GradFn
@@ -100,7 +100,6 @@ class FedMIMHparams(StarHparams):
 @ALGORITHMS.register("fedmim")
 class FedMIM(StarAlgorithm):
     name = "fedmim"
-    handles_faults = ("dropout", "deadline")
     Hparams = FedMIMHparams
     regularize_in_rule = True
 
@@ -112,6 +111,8 @@ class FedMIM(StarAlgorithm):
         self._checkpoint = ("x", "history")
         self.ledger.store("server", "global_history", nbytes(self.history))
         self.used = [j for j in range(hp.J) if hp.alpha[j] or hp.beta[j]]  # the deltas a client needs
+        if hp.downlink == "broadcast":  # every client keeps J past global models (P-line 2)
+            self.ledger.store("client", "global_history", nbytes(self.history[1:]))
 
     def deltas(self) -> torch.Tensor:
         """``delta_{t-j} = (x_{t-j-1} - x_{t-j}) / K`` for j = 0..J-1, shape (J, P) (P-line 6)."""
@@ -124,29 +125,21 @@ class FedMIM(StarAlgorithm):
         b = torch.tensor(self.hp.beta, dtype=d.dtype, device=d.device)
         return a @ d, b @ d
 
-    def run_round(self, r: int) -> dict[str, float]:
-        hp, c = self.hp, self.config.local
-        clients = self.sample_clients(r)
-        self._send_history(r, clients)
-        clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
-        if len(clients) == 0:
-            return self.fault_metrics(clients)  # skipped round: all state stays as it was
-        lr = self.trainer.lr(r)
-        m_alpha, m_beta = self.momenta()
-        rule = MIMRule(m_alpha, m_beta, hp.A, lr, weight_decay=c.weight_decay, grad_clip=c.grad_clip, wd_at=hp.wd_at)
-        local = self.trainer.train(self.x, clients, r, rule=rule, lr=lr)
-        self.receive(r, clients, "model", local.params)  # P-line 14
-        p = self.weights(clients)
-        self.x = self.x + hp.server_lr * (p @ (local.params - self.x))  # P-line 16
-        self.history = torch.cat([self.x.unsqueeze(0), self.history[:-1]])
-        return {**self.local_metrics(local, p), **self.fault_metrics(clients)}
+    def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        if self.hp.downlink == "broadcast" or not self.used:  # x_t (broadcast: the clients keep the history)
+            return {"model": (self.x,)}
+        return {"model": (self.x,), "deltas": (self.deltas()[self.used].reshape(-1),)}  # x_t and the deltas used
 
-    def _send_history(self, r: int, clients: np.ndarray) -> None:
-        if self.hp.downlink == "broadcast":  # every client receives every x_t and keeps J of them (P-line 2)
-            everyone = np.arange(self.ctx.num_clients)
-            self.send(r, everyone, "model", self.x)
-            self.ledger.store("client", "global_history", nbytes(self.history[1:]))
-        else:  # the sampled clients receive x_t and the deltas they use
-            self.send(r, clients, "model", self.x)
-            if self.used:
-                self.send(r, clients, "deltas", self.deltas()[self.used].reshape(-1))
+    def recipients(self, clients: np.ndarray) -> np.ndarray:
+        if self.hp.downlink == "broadcast":  # every client receives every x_t (P-line 2)
+            return np.arange(self.ctx.num_clients)
+        return clients
+
+    def client_rule(self, lr: float) -> MIMRule:  # P-lines 8-12
+        hp, c = self.hp, self.config.local
+        m_alpha, m_beta = self.momenta()
+        return MIMRule(m_alpha, m_beta, hp.A, lr, weight_decay=c.weight_decay, grad_clip=c.grad_clip, wd_at=hp.wd_at)
+
+    def server_update(self, mean: torch.Tensor, got: Collected) -> None:
+        self.x = self.x + self.hp.server_lr * mean  # P-line 16 (the local models arrive on P-line 14)
+        self.history = torch.cat([self.x.unsqueeze(0), self.history[:-1]])

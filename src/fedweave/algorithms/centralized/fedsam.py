@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams
+from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule
 from fedweave.execution.local import GradFn
@@ -51,17 +51,10 @@ class FedSAMHparams(StarHparams):
 @ALGORITHMS.register("fedsam")
 class FedSAM(StarAlgorithm):
     name = "fedsam"
-    handles_faults = ("dropout", "deadline")
     Hparams = FedSAMHparams
 
-    def run_round(self, r: int) -> dict[str, float]:
-        clients = self.sample_clients(r)
-        self.send(r, clients, "model", self.x)
-        clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
-        if len(clients) == 0:
-            return self.fault_metrics(clients)  # skipped round: all state stays as it was
-        local = self.trainer.train(self.x, clients, r, rule=SAMRule(self.hp.rho))
-        self.receive(r, clients, "model", local.params)
-        p = self.weights(clients)
-        self.x = self.x + self.hp.server_lr * (p @ (local.params - self.x))
-        return {**self.local_metrics(local, p), **self.fault_metrics(clients)}
+    def client_rule(self, lr: float) -> LocalRule:
+        return SAMRule(self.hp.rho)
+
+    def server_update(self, mean: torch.Tensor, got: Collected) -> None:
+        self.x = self.x + self.hp.server_lr * mean  # FedAvg's aggregation

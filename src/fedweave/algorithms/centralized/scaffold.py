@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from fedweave.algorithms.centralized.base import StarAlgorithm, per_job
+from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, per_job
 from fedweave.execution import LocalRule, StateStore
 from fedweave.execution.local import ClientStep, GradFn, LocalResult
 from fedweave.ledger import nbytes
@@ -70,7 +70,7 @@ class ScaffoldStep(ClientStep):
 @ALGORITHMS.register("scaffold")
 class Scaffold(StarAlgorithm):
     name = "scaffold"
-    handles_faults = ("dropout", "deadline")
+    uplink = "update+control_delta"  # Delta y_i and Delta c_i (line 13)
 
     def __init__(self, ctx, hp) -> None:
         super().__init__(ctx, hp)
@@ -81,18 +81,15 @@ class Scaffold(StarAlgorithm):
         self.ledger.store("server", "control_variate", nbytes(self.c))
         self.ledger.store("client", "control_variate", nbytes(self.c))  # per client
 
-    def run_round(self, r: int) -> dict[str, float]:
-        clients = self.sample_clients(r)
-        self.send(r, clients, "model+control", self.x, self.c)
-        clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
-        if len(clients) == 0:
-            return self.fault_metrics(clients)  # skipped round: all state stays as it was
-        lr = self.trainer.lr(r)
-        step = ScaffoldStep(self.c, lr)
-        local, up = self.trainer.train_with_state(self.x, clients, r, step, self.store, lr=lr)
-        dy, dc = up["dy"], up["dc"]
-        self.receive(r, clients, "update+control_delta", dy, dc)
-        p = self.weights(clients)
-        self.x = self.x + self.hp.server_lr * (p @ dy)
-        self.c = self.c + dc.sum(0) / self.ctx.num_clients
-        return {**self.local_metrics(local, p), **self.fault_metrics(clients)}
+    def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        return {"model+control": (self.x, self.c)}  # (x, c), line 6
+
+    def client_rule(self, lr: float) -> ScaffoldStep:
+        return ScaffoldStep(self.c, lr)  # lines 8-13, with the client's own c_i
+
+    def client_updates(self, got: Collected) -> torch.Tensor:
+        return got.upload["dy"]
+
+    def server_update(self, mean: torch.Tensor, got: Collected) -> None:
+        self.x = self.x + self.hp.server_lr * mean  # line 16
+        self.c = self.c + got.upload["dc"].sum(0) / self.ctx.num_clients  # line 17

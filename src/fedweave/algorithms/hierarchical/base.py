@@ -10,7 +10,10 @@ ledger with its exact size.
 
 Also here: the mechanics the family shares -- the lower-level rule of Algorithm 2 (proximal term and
 projection onto Y_i(x)), the local-step and step-size schedules, unit directions on the sphere and the
-two-point randomized-smoothing estimator of Lemma 7(i).
+two-point randomized-smoothing estimator of Lemma 7(i) -- and the round skeleton: every method reaches its
+clients through :meth:`HierarchicalAlgorithm.call_clients` (sample, send, keep those whose upload arrives),
+and the model-averaging methods fill in :class:`AveragingAlgorithm`'s round template (their client rule and
+server update; the server step's aggregate is its one ``aggregate`` seam).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -27,7 +30,7 @@ import torch
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, choose_backend, evaluate_task
-from fedweave.execution.local import LR, GradFn
+from fedweave.execution.local import LR, PLAIN, ClientStep, GradFn, LocalResult
 from fedweave.ledger import nbytes
 from fedweave.seeding import Seeds
 from fedweave.topology.samplers import make_sampler
@@ -344,6 +347,19 @@ class HierarchicalAlgorithm(Algorithm):
         lr = self.config.local.lr
         return decaying(lr, self.hp.local_offset) if self.hp.local_schedule == "decaying" else lr
 
+    def call_clients(self, r: int, kind: str, per_client_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """The round's reach to its clients: sample S_r, send each sampled client one message of
+        ``per_client_bytes`` (``kind``), and return (S_r, the clients of S_r whose upload arrives). Injected
+        dropouts and stragglers past the deadline deliver nothing (``reporting``, with work 1: every client
+        of a round runs the same H_{i,r} local steps, so only its speed decides whether it is late)."""
+        sampled = self.sample_clients(r)
+        self.send(r, sampled, kind, per_client_bytes)
+        return sampled, self.reporting(r, sampled)
+
+    def call_metrics(self, sampled: np.ndarray, clients: np.ndarray) -> dict[str, float]:
+        """``participants`` (the sampled clients) and, under faults, ``reported_clients``."""
+        return {"participants": float(len(sampled)), **self.fault_metrics(clients)}
+
     def send(self, r: int, clients: np.ndarray, kind: str, per_client_bytes: int) -> None:
         """Server -> each client of ``clients``: one message of ``per_client_bytes``."""
         self.ledger.record(r, "server", "client", kind, len(clients) * per_client_bytes, len(clients))
@@ -391,3 +407,116 @@ class HierarchicalAlgorithm(Algorithm):
         if self.hp.eval_train_loss:
             out["train_loss_all"] = scores(d.train_x, d.train_y)["loss"]
         return out
+
+
+@dataclass
+class AveragingHparams(HierarchyHparams):
+    """The model-averaging round's options: what the server's share does, and the compute-matched variant."""
+
+    server_data: Literal["none", "client"] = "none"  # the server's share: unused, or an always-on client (A12)
+    steps_factor: int = 1  # local steps per round = steps_factor * H_{i,r} (2: compute-matched with ZO-HFL)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.steps_factor < 1:
+            raise ConfigError(f"algorithm.steps_factor must be >= 1, got {self.steps_factor}")
+
+
+@dataclass
+class Collected:
+    """What the server holds once a round's uploads are in."""
+
+    round: int
+    clients: np.ndarray  # the clients whose upload arrived
+    jobs: np.ndarray  # the round's training jobs: those clients, and the server's own job under server_data
+    local: LocalResult  # the jobs' local models, steps and losses
+    upload: dict[str, torch.Tensor]  # a ClientStep's upload, one row per job; empty: each sent its model
+    weights: torch.Tensor | None  # aggregation weights over ``jobs`` summing to one; None: the plain mean
+
+
+class AveragingAlgorithm(HierarchicalAlgorithm):
+    """The family's model-averaging round template (its server step), shared by the baselines:
+
+    call the clients (sample, send, keep those that report), train the round's jobs for
+    ``steps_factor * H_{i,r}`` steps under the family's local schedule and :meth:`client_rule`, receive the
+    uploads, reduce the client updates to one (:meth:`aggregate`, the server step's seam), and apply the
+    method's :meth:`server_update`. A round with no job leaves every state as it was (``reported_clients``
+    0, the runner logs the skip). The server's own job (``server_data: client``) trains without traffic and
+    never drops.
+    """
+
+    Hparams = AveragingHparams
+    handles_faults = ("dropout", "deadline")
+    downlink: ClassVar[tuple[str, int]] = ("model", 1)  # ledger kind, and models' worth of bytes per message
+    uplink: ClassVar[tuple[str, int]] = ("model", 1)
+
+    def run_round(self, r: int) -> dict[str, float]:
+        kind, size = self.downlink
+        sampled, clients = self.call_clients(r, kind, size * nbytes(self.x))
+        jobs = self.jobs_of(clients)
+        if len(jobs) == 0:
+            return self.fault_metrics(clients)  # nobody reported: all state stays, the runner logs the skip
+        got = self.train_jobs(r, clients, jobs)
+        kind, size = self.uplink
+        self.receive(r, clients, kind, size * nbytes(self.x))
+        self.server_update(self.aggregate(self.client_updates(got), got.weights), got)
+        p, loss = got.weights, got.local.loss
+        train_loss = float(p @ loss) if p is not None else float(loss.mean())
+        return {"train_loss": train_loss, **self.counters(r, jobs), **self.fault_metrics(clients)}
+
+    def participants(self, r: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the round's sampled clients, the training jobs: those clients plus the server's job if any)."""
+        clients = self.sample_clients(r)
+        return clients, self.jobs_of(clients)
+
+    def jobs_of(self, clients: np.ndarray) -> np.ndarray:
+        """The training jobs of a round: ``clients`` plus the server's own job under ``server_data: client``."""
+        return np.append(clients, self.server_job) if self.hp.server_data == "client" else clients
+
+    def round_steps(self, r: int) -> int:
+        return self.hp.steps_factor * self.steps(r)
+
+    def step_sizes_sum(self, r: int) -> float:
+        lr, H = self.local_lr(), self.round_steps(r)
+        return sum(self.trainer.step_lr(lr, t) for t in range(H))
+
+    def counters(self, r: int, jobs: np.ndarray) -> dict[str, float]:
+        H = self.round_steps(r)
+        return {"local_steps": float(H), "client_sgd_steps": float(H * len(jobs))}
+
+    def sample_weights(self, jobs: np.ndarray) -> torch.Tensor:
+        """N_i / sum_j N_j over the jobs."""
+        w = self.job_sizes[torch.as_tensor(jobs, device=self.job_sizes.device)].to(self.x.dtype)
+        return w / w.sum()
+
+    def client_rule(self, r: int) -> LocalRule | ClientStep:
+        """The jobs' local rule, or a ``ClientStep`` for clients with state of their own (over ``self.store``);
+        plain SGD by default."""
+        return PLAIN
+
+    def weights(self, jobs: np.ndarray) -> torch.Tensor | None:
+        """Aggregation weights over the jobs (by sample count, re-weighted over those that delivered);
+        None for the plain mean."""
+        return self.sample_weights(jobs)
+
+    def train_jobs(self, r: int, clients: np.ndarray, jobs: np.ndarray) -> Collected:
+        """Local training of the round's jobs from x under :meth:`client_rule`."""
+        rule, lr, steps = self.client_rule(r), self.local_lr(), self.round_steps(r)
+        if isinstance(rule, ClientStep):
+            local, upload = self.trainer.train_with_state(self.x, jobs, r, rule, self.store, lr=lr, steps=steps)
+        else:
+            local, upload = self.trainer.train(self.x, jobs, r, rule=rule, lr=lr, steps=steps), {}
+        return Collected(r, clients, jobs, local, upload, self.weights(jobs))
+
+    def client_updates(self, got: Collected) -> torch.Tensor:
+        """Each job's update, one row per job: by default its local model y_i (the server averages models)."""
+        return got.local.params
+
+    def aggregate(self, updates: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """The server step's reduction of the collected updates to one: the weighted mean, or the plain mean.
+        The one place where DP clipping, robust aggregation and DP noise plug in."""
+        return weights @ updates if weights is not None else updates.mean(0)
+
+    def server_update(self, mean: torch.Tensor, got: Collected) -> None:
+        """The method's server step from ``mean``, the aggregate of the updates."""
+        raise NotImplementedError

@@ -6,9 +6,11 @@ By default the server's share is unused, as the paper's baselines presumably did
 ``server_data: client`` adds the server as an extra client that trains on its share every round (the control
 of A12). ``steps_factor: 2`` gives the compute-matched variant (2 H_{i,r} steps, ZO-HFL's two solves; A11).
 
-Faults (docs/reliability.md): the server sends to every sampled client; a client that drops out or misses the
-deadline delivers nothing (no upload in the ledger) and keeps its state (SCAFFOLD's c_i); the average is
-re-weighted over the clients that reported. The server's own job (``server_data: client``) never drops.
+Each method fills in the family's model-averaging round template (``AveragingAlgorithm`` in base.py): its
+client rule and its server update. Faults (docs/reliability.md), handled there: the server sends to every
+sampled client; a client that drops out or misses the deadline delivers nothing (no upload in the ledger) and
+keeps its state (SCAFFOLD's c_i); the average is re-weighted over the clients that reported. The server's own
+job (``server_data: client``) never drops.
 
     FedAvg:   y_i = H steps of SGD from x;  x <- sum_i N_i y_i / sum_i N_i                  (McMahan et al.)
     FedProx:  the same on L_i(y) + (mu/2)||y - x||^2                                         (Li et al., eq. 2)
@@ -19,7 +21,6 @@ re-weighted over the clients that reported. The server's own job (``server_data:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
@@ -27,10 +28,10 @@ import torch
 from fedweave.algorithms.base import RunContext
 from fedweave.algorithms.centralized.fedprox import ProxRule
 from fedweave.algorithms.centralized.scaffold import ScaffoldStep
-from fedweave.algorithms.hierarchical.base import HierarchicalAlgorithm, HierarchyHparams
+from fedweave.algorithms.hierarchical.base import AveragingAlgorithm, AveragingHparams, Collected
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule, StateStore
-from fedweave.execution.local import PLAIN, LocalResult
+from fedweave.execution.local import LocalResult
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
 
@@ -51,15 +52,7 @@ class HierScaffoldStep(ScaffoldStep):
         return start + upload["dy"]
 
 
-@dataclass
-class BaselineHparams(HierarchyHparams):
-    server_data: Literal["none", "client"] = "none"  # the server's share: unused, or an always-on client (A12)
-    steps_factor: int = 1  # local steps per round = steps_factor * H_{i,r} (2: compute-matched with ZO-HFL)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.steps_factor < 1:
-            raise ConfigError(f"algorithm.steps_factor must be >= 1, got {self.steps_factor}")
+BaselineHparams = AveragingHparams  # the round template's options: server_data, steps_factor
 
 
 @dataclass
@@ -72,75 +65,31 @@ class ProxHparams(BaselineHparams):
             raise ConfigError(f"algorithm.mu must be >= 0, got {self.mu}")
 
 
-class _Baseline(HierarchicalAlgorithm):
-    """Model-averaging baselines on the hierarchical split."""
-
-    Hparams = BaselineHparams
-    handles_faults = ("dropout", "deadline")
-
-    def participants(self, r: int) -> tuple[np.ndarray, np.ndarray]:
-        """(the round's sampled clients, the training jobs: those clients plus the server's job if any)."""
-        clients = self.sample_clients(r)
-        return clients, self.jobs_of(clients)
-
-    def jobs_of(self, clients: np.ndarray) -> np.ndarray:
-        """The training jobs of a round: ``clients`` plus the server's own job under ``server_data: client``."""
-        return np.append(clients, self.server_job) if self.hp.server_data == "client" else clients
-
-    def local_train(self, r: int, jobs: np.ndarray, rule: LocalRule) -> LocalResult:
-        return self.trainer.train(self.x, jobs, r, rule=rule, lr=self.local_lr(), steps=self.round_steps(r))
-
-    def round_steps(self, r: int) -> int:
-        return self.hp.steps_factor * self.steps(r)
-
-    def step_sizes_sum(self, r: int) -> float:
-        lr, H = self.local_lr(), self.round_steps(r)
-        return sum(self.trainer.step_lr(lr, t) for t in range(H))
-
-    def counters(self, r: int, jobs: np.ndarray) -> dict[str, float]:
-        H = self.round_steps(r)
-        return {"local_steps": float(H), "client_sgd_steps": float(H * len(jobs))}
-
-    def sample_weights(self, jobs: np.ndarray) -> torch.Tensor:
-        w = self.job_sizes[torch.as_tensor(jobs, device=self.job_sizes.device)].to(self.x.dtype)
-        return w / w.sum()
-
-
-class _Averaging(_Baseline):
-    def rule(self) -> LocalRule:
-        return PLAIN
-
-    def run_round(self, r: int) -> dict[str, float]:
-        sampled = self.sample_clients(r)
-        self.send(r, sampled, "model", nbytes(self.x))
-        clients = self.reporting(r, sampled)  # dropouts and stragglers deliver nothing
-        jobs = self.jobs_of(clients)
-        if len(jobs) == 0:
-            return self.fault_metrics(clients)  # nobody reported: x stays, the runner logs the skip
-        local = self.local_train(r, jobs, self.rule())
-        self.receive(r, clients, "model", nbytes(self.x))
-        p = self.sample_weights(jobs)  # re-weighted over the jobs that delivered
-        self.x = p @ local.params  # x <- sum_i (N_i / sum_j N_j) y_i
-        return {"train_loss": float(p @ local.loss), **self.counters(r, jobs), **self.fault_metrics(clients)}
-
-
 @ALGORITHMS.register("hier_fedavg")
-class HierFedAvg(_Averaging):
+class HierFedAvg(AveragingAlgorithm):
     name = "hier_fedavg"
+
+    def server_update(self, mean: torch.Tensor, got: Collected) -> None:
+        self.x = mean  # x <- sum_i (N_i / sum_j N_j) y_i, over the jobs that delivered
 
 
 @ALGORITHMS.register("hier_fedprox")
-class HierFedProx(_Averaging):
+class HierFedProx(AveragingAlgorithm):
     name = "hier_fedprox"
     Hparams = ProxHparams
 
-    def rule(self) -> LocalRule:
-        return ProxRule(self.hp.mu, self.x)
+    def client_rule(self, r: int) -> LocalRule:
+        return ProxRule(self.hp.mu, self.x)  # L_i(y) + (mu/2)||y - x||^2 (Li et al., eq. 2)
+
+    def server_update(self, mean: torch.Tensor, got: Collected) -> None:
+        self.x = mean  # as FedAvg
 
 
 @ALGORITHMS.register("hier_scaffold")
-class HierScaffold(_Baseline):
+class HierScaffold(AveragingAlgorithm):
     name = "hier_scaffold"
+    downlink = ("model+control", 2)  # x and c
+    uplink = ("update+control_delta", 2)  # Delta y_i and Delta c_i
 
     def __init__(self, ctx: RunContext, hp: BaselineHparams) -> None:
         super().__init__(ctx, hp)
@@ -151,23 +100,19 @@ class HierScaffold(_Baseline):
         self.ledger.store("server", "control_variate", nbytes(self.c))
         self.ledger.store("client", "control_variate", nbytes(self.c))
 
-    def run_round(self, r: int) -> dict[str, float]:
-        sampled = self.sample_clients(r)
-        self.send(r, sampled, "model+control", 2 * nbytes(self.x))
-        clients = self.reporting(r, sampled)  # a client that drops keeps its c_i
-        jobs = self.jobs_of(clients)
-        if len(jobs) == 0:
-            return self.fault_metrics(clients)  # nobody reported: x and c stay, the runner logs the skip
-        # the clients' side (HierScaffoldStep): option II with a step schedule, (x - y_i) / sum_k eta_k (spec §5)
-        step = HierScaffoldStep(self.c, self.step_sizes_sum(r))
-        local, up = self.trainer.train_with_state(
-            self.x, jobs, r, step, self.store, lr=self.local_lr(), steps=self.round_steps(r)
-        )
-        dy, dc = up["dy"], up["dc"]
-        self.receive(r, clients, "update+control_delta", 2 * nbytes(self.x))
-        self.x = self.x + dy.mean(0)  # eta_g = 1, uniform mean over the round's clients that reported
-        self.c = self.c + dc.sum(0) / (self.m + (self.hp.server_data == "client"))
-        return {"train_loss": float(local.loss.mean()), **self.counters(r, jobs), **self.fault_metrics(clients)}
+    def client_rule(self, r: int) -> HierScaffoldStep:
+        # option II with a step schedule, (x - y_i) / sum_k eta_k (spec §5); a client that drops keeps its c_i
+        return HierScaffoldStep(self.c, self.step_sizes_sum(r))
+
+    def weights(self, jobs: np.ndarray) -> None:
+        return None  # eta_g = 1, uniform mean over the round's clients that reported
+
+    def client_updates(self, got: Collected) -> torch.Tensor:
+        return got.upload["dy"]
+
+    def server_update(self, mean: torch.Tensor, got: Collected) -> None:
+        self.x = self.x + mean  # x <- x + mean_i (y_i - x)
+        self.c = self.c + got.upload["dc"].sum(0) / (self.m + (self.hp.server_data == "client"))
 
     def state_dict(self) -> dict:
         return {"x": self.x, "c": self.c, "c_i": self.store["c"].clone()}

@@ -112,12 +112,12 @@ class ZOHFL(HierarchicalAlgorithm):
         g = g1.double()
         clients = np.empty(0, dtype=np.int64)  # the clients whose solutions arrive (none for lam = 0)
         if hp.lam > 0:
-            sampled = self.sample_clients(r)
             H = self.steps(r)
             fp32 = self.x.element_size()  # bytes per value (8 in float64)
-            self.send(r, sampled, "model+direction", d * fp32 + (d * fp32 if hp.direction_message == "vector" else 8))
-            clients = self.reporting(r, sampled)  # dropouts and stragglers return nothing: g_i = 0 (A3)
-            metrics.update(participants=float(len(sampled)), **self.fault_metrics(clients))
+            down = d * fp32 + (d * fp32 if hp.direction_message == "vector" else 8)  # x and v_i (or its seed)
+            # dropouts and stragglers return nothing: g_i = 0 (A3)
+            sampled, clients = self.call_clients(r, "model+direction", down)
+            metrics.update(self.call_metrics(sampled, clients))
         if len(clients):
             # all i drawn on the CPU (A28), S_r used on the device
             v = unit_directions(self.seeds, r, self.m, d, self.x.dtype, self.x.device)[clients]

@@ -12,13 +12,15 @@ Every message goes through the ledger with its exact size: ``smashed`` and ``lab
 is recorded the way the paper's Table V counts it (spec §7.3): ``server_models`` (copies × P_s) and
 ``client_models`` (the n received client-side models and auxiliary nets), plus the ``queue_peak``.
 
-The CSE-FSL server queue is simulated on a clock (spec §1.6): client i takes τ_i per local batch
-(τ_i ~ U[1, speed_spread] from the ``clock`` stream, fixed per client), an upload after batch m arrives at
-(m+1)·τ_i + latency, and a server step takes ``server_step_time``. The processing order is ``ordered``
-(window by window, clients by id: the authors' code), ``random`` (a random client order per window, Fig. 6),
-``event`` (FIFO by arrival time: the asynchronous event-triggered server) or ``sync`` (a barrier per window,
-then client order). Client updates do not depend on the server model, so training all clients first and
-then draining the queue in that order is the same computation as true interleaving.
+The CSE-FSL server queue is simulated on a clock (spec §1.6), written here with the faults on it
+(:class:`TimedSplit`): client i takes τ_i per local batch (τ_i ~ U[1, speed_spread] from the ``clock``
+stream, fixed per client), an upload after batch m arrives at (m+1)·τ_i + latency, and a server step takes
+``server_step_time``. The processing order is ``ordered`` (window by window, clients by id: the authors'
+code), ``random`` (a random client order per window, Fig. 6), ``event`` (FIFO by arrival time: the
+asynchronous event-triggered server) or ``sync`` (a barrier per window, then client order). Client updates
+do not depend on the server model, so training all clients first and then draining the queue in that order
+is the same computation as true interleaving. The synchronous methods (FSL_MC, FSL_OC, FSL_AN) fill in the
+round template :meth:`SplitAlgorithm.run_round` with their exchanges.
 
 Placement: the three parts, their stacked rows and the smashed data live on the run's device; under
 ``bf16-mixed`` every forward pass autocasts (smashed data travel in bfloat16) while the parts and their
@@ -29,6 +31,7 @@ come from the device's generator seeded from the named stream: the same per devi
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -83,6 +86,25 @@ class Upload:
     smashed: torch.Tensor
     labels: torch.Tensor
     arrival: float = 0.0
+
+
+@dataclass
+class InFlight:
+    """A smashed upload that arrives in a later round (straggler policy ``late``)."""
+
+    due: int  # the round whose queue it joins
+    client: int
+    upload: Upload  # ``arrival`` is the time within round ``due``
+
+
+@dataclass
+class Trained:
+    """What a synchronous split round's exchanges leave (``SplitAlgorithm.train_round``)."""
+
+    xc_rows: torch.Tensor  # the reporting clients' client-side models, stacked
+    xa_rows: torch.Tensor  # their auxiliary nets (unused without one)
+    losses: list  # the clients' losses, one per local step
+    server_losses: list  # the server's losses, one per server step
 
 
 def process_order(mode: str, items: list[Upload], rng: np.random.Generator) -> list[int]:
@@ -193,12 +215,16 @@ class BackpropSession:
 
 
 class SplitAlgorithm(Algorithm):
-    """Shared mechanics of the split family; subclasses write ``run_round`` as their paper's protocol."""
+    """Shared mechanics of the split family and the synchronous round template (:meth:`run_round`): a
+    synchronous method (FSL_MC, FSL_OC, FSL_AN) writes only its exchanges, :meth:`train_round`; CSE-FSL,
+    asynchronous, writes its own round on the simulated clock of :class:`TimedSplit`."""
 
     family = "split"
     Hparams = SplitHparams
     method: ClassVar[str] = ""  # the accounting name: fsl_mc, fsl_oc, fsl_an, cse_fsl
     uses_aux: ClassVar[bool] = False
+    # the synchronous template waits for its clients: a client past the deadline is dropped like a dropout
+    handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "deadline")
 
     def __init__(self, ctx: RunContext, hp: SplitHparams) -> None:
         super().__init__(ctx, hp)
@@ -255,10 +281,39 @@ class SplitAlgorithm(Algorithm):
     # smashed data, no model upload, and (FSL_MC, FSL_AN) no server-side copy is opened for it. Split
     # clients keep no state across rounds, so nothing else changes. The synchronous protocols (FSL_MC,
     # FSL_OC, FSL_AN wait for the round's clients) drop a client past the deadline like a dropout and refuse
-    # ``late``; CSE-FSL times each upload (see ``cse_fsl``). Aggregation re-weights over the reporters.
+    # ``late``; CSE-FSL times each upload on the simulated clock (``TimedSplit``). Aggregation re-weights over
+    # the reporters.
     def client_work(self, clients: np.ndarray) -> np.ndarray:
         """Each client's local batches relative to the mean: a client with twice the data is twice as slow."""
         return np.array([self.batcher.num_steps(int(c)) for c in clients], dtype=np.float64) / self.reference_batches
+
+    # ---- the synchronous round template --------------------------------------------------------------
+    def run_round(self, r: int) -> dict[str, float]:
+        """A synchronous split round: the fed server sends the round's clients its models (Alg. 1 line 3);
+        the clients that report (dropouts and stragglers deliver nothing: no smashed data, no model, no
+        server-side copy) run the method's exchanges with the main server (:meth:`train_round`); then they
+        upload their models and the fed server averages them (eq. 14, re-weighted over the reporters). A
+        round nobody reports leaves the models as they were (``reported_clients`` 0, a skipped round)."""
+        clients = self.sample_clients(r)
+        lrs = self.lrs(r)
+        xc_rows, xa_rows = self.download(r, clients)
+        clients = self.reporting(r, clients)
+        if len(clients) == 0:
+            return self.fault_metrics(0)  # nobody reported: the models stay, the runner logs the skip
+        k = len(clients)
+        done = self.train_round(r, clients, xc_rows[:k], xa_rows[:k], lrs)
+        self.upload_models(r, clients)  # Alg. 1 lines 16-17
+        self.aggregate(clients, done.xc_rows, done.xa_rows)  # eq. (14)
+        out = self.round_metrics(r, k, len(done.server_losses), done.losses, done.server_losses)
+        return {**out, **self.fault_metrics(k)}
+
+    def train_round(
+        self, r: int, clients: np.ndarray, xc_rows: torch.Tensor, xa_rows: torch.Tensor, lrs: tuple[float, ...]
+    ) -> Trained:
+        """The method's exchanges of round ``r`` between the reporting ``clients`` (starting from the models
+        they downloaded, ``xc_rows``/``xa_rows``) and the main server, which updates its own model(s) here;
+        ``lrs``: the (client, auxiliary, server) learning rates."""
+        raise NotImplementedError
 
     # ---- clients, weights, learning rates ------------------------------------------------------------
     def sample_clients(self, r: int) -> np.ndarray:
@@ -552,3 +607,131 @@ def host_floats(values: list[torch.Tensor] | list[float]) -> list[float]:
     if values and isinstance(values[0], torch.Tensor):
         return torch.stack(values).tolist()
     return list(values)
+
+
+class TimedSplit(SplitAlgorithm):
+    """The simulated clock of an asynchronous split round, and the injected faults on it (CSE-FSL).
+
+    Without ``faults.deadline`` client i takes τ_i ~ U[1, speed_spread] per local batch (the ``clock``
+    stream, fixed per client) and its upload after batch m arrives at (m+1)·τ_i + latency. With a deadline the
+    clock is the fault model's: the upload after batch m arrives at ``faults.arrival_times(r, i, (m + 1) /
+    reference_batches)`` (+ latency), the client's model at the end of its epoch, so the fed server aggregates
+    exactly the clients of ``faults.reporting``. A smashed upload past the deadline is discarded (policy
+    ``drop``) or, with policy ``late``, joins the server's queue ``ceil(t / deadline) - 1`` rounds later at
+    time ``t - delay * deadline`` of that round (rounds last one deadline); uploads in transit are kept in
+    the checkpoint. A client that drops out trains nothing and sends nothing in the round. The subclass's
+    Hparams carry ``speed_spread`` and ``latency``.
+    """
+
+    handles_faults = ("dropout", "deadline", "late")
+
+    def __init__(self, ctx: RunContext, hp: SplitHparams) -> None:
+        super().__init__(ctx, hp)
+        self.timed = ctx.config.faults.deadline is not None  # the fault model's clock replaces the ``clock`` stream
+        self.in_flight: list[InFlight] = []
+        if self.timed and hp.speed_spread != 1:
+            raise ConfigError(
+                f"algorithm.speed_spread ({hp.speed_spread}) cannot be combined with faults.deadline: the client "
+                "speeds then come from faults.speed_sigma / faults.speed_jitter; leave speed_spread at 1"
+            )
+
+    @property
+    def late_policy(self) -> bool:
+        """True under straggler policy ``late``: a late smashed upload joins a later round's queue."""
+        return "late" in self.faults.active()
+
+    def batch_time(self, client: int) -> float:
+        """τ_i: the simulated time client i needs per local batch (a fixed device speed)."""
+        return float(self.seeds.numpy("clock", client).uniform(1.0, self.hp.speed_spread))
+
+    def upload_times(self, r: int, client: int, batches: list[int]) -> np.ndarray:
+        """Arrival times of client ``client``'s smashed uploads after the given local batches (0-based)."""
+        if self.timed:
+            work = (np.asarray(batches, dtype=np.float64) + 1) / self.reference_batches
+            return self.faults.arrival_times(r, np.full(len(batches), client), work) + self.hp.latency
+        return (np.asarray(batches, dtype=np.float64) + 1) * self.batch_time(client) + self.hp.latency
+
+    def finish_time(self, r: int, client: int, batches: int) -> float:
+        """When client ``client`` finishes its ``batches`` local batches of round ``r``."""
+        if self.timed:
+            return float(self.faults.arrival_times(r, [client], self.client_work([client]))[0])
+        return batches * self.batch_time(client)
+
+    def dropped(self, r: int, clients: np.ndarray) -> np.ndarray:
+        """Boolean mask over ``clients``: True for those that drop out of round ``r`` (train and send nothing)."""
+        return self.faults.dropped(r, clients) if self.faulty else np.zeros(len(clients), dtype=bool)
+
+    def models_on_time(self, r: int, clients: np.ndarray) -> set[int] | None:
+        """The clients whose model reaches the fed server by the deadline (None: no deadline, every one)."""
+        return set(self.reporting(r, clients).tolist()) if self.timed else None
+
+    def deliver(self, r: int, pos: int, client: int, uploads: list) -> list[Upload]:
+        """The smashed uploads ``(window, batch, smashed, labels)`` of client ``client`` (at position ``pos``
+        of the round) that reach the server's queue in round ``r``, in order, each through the ledger; the
+        late ones are held in flight (policy ``late``) or discarded (``drop``)."""
+        deadline, late_policy = self.config.faults.deadline, self.late_policy
+        sent = [m for _, m, _, _ in uploads]
+        times = dict(zip(sent, self.upload_times(r, client, sent), strict=True))
+        arrived = []
+        for w, m, a, y in uploads:
+            up = Upload(pos, w, m, a, y, arrival=float(times[m]))
+            delay = 0 if deadline is None else max(math.ceil(up.arrival / deadline) - 1, 0)
+            if delay == 0:
+                self.send_smashed(r, a, y)
+                arrived.append(up)
+            elif late_policy:  # arrives `delay` rounds later (docs/reliability.md)
+                up.arrival -= delay * deadline
+                up.pos = client
+                self.in_flight.append(InFlight(r + delay, client, up))
+            # policy drop: past the deadline, discarded, never delivered
+        return arrived
+
+    def late_arrivals(self, r: int) -> list[InFlight]:
+        """The stragglers' uploads of earlier rounds that reach the server's queue in round ``r`` (through
+        the ledger now)."""
+        due = [f for f in self.in_flight if f.due == r]
+        self.in_flight = [f for f in self.in_flight if f.due != r]
+        for f in due:
+            self.send_smashed(r, f.upload.smashed, f.upload.labels)
+        return due
+
+    def nothing_delivered(self, delivered: set[int]) -> bool:
+        """True when, under faults, nothing of any client reached a server this round."""
+        return self.faulty and not delivered
+
+    def skipped_round(self) -> dict[str, float]:
+        """The metrics of a round in which nothing reached a server (the runner logs it as skipped)."""
+        return self.fault_metrics(0)
+
+    def timed_fault_metrics(self, delivered: int, late: int) -> dict[str, float]:
+        """``reported_clients`` (clients of which something reached a server), the late uploads processed
+        in this round and those still in transit, when faults are injected."""
+        if not self.faulty:
+            return {}
+        return {**self.fault_metrics(delivered), "late_uploads": late, "in_flight_uploads": len(self.in_flight)}
+
+    # ---- checkpoints: the uploads still in flight ------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        if self.in_flight:
+            f = self.in_flight
+            out["in_flight"] = {
+                "ints": torch.tensor(
+                    [[x.due, x.client, x.upload.pos, x.upload.window, x.upload.batch] for x in f], device="cpu"
+                ),
+                "arrival": torch.tensor([x.upload.arrival for x in f], dtype=torch.float64, device="cpu"),
+                "smashed": [x.upload.smashed for x in f],
+                "labels": [x.upload.labels for x in f],
+            }
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        f = state.pop("in_flight", None)
+        super().load_state_dict(state)
+        self.in_flight = []
+        if f is not None:
+            for (due, client, pos, window, batch), t, a, y in zip(
+                f["ints"].tolist(), f["arrival"].tolist(), f["smashed"], f["labels"]
+            ):
+                self.in_flight.append(InFlight(due, client, Upload(pos, window, batch, a, y, arrival=t)))

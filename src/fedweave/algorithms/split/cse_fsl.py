@@ -11,7 +11,8 @@ activations (A4, code parity; ``upload_at='start'`` is Alg. 1 as written, ``reco
 updated client model); trailing batches are trained but not uploaded (A27); ``server_order`` picks the
 dataQueue discipline and the simulated clock (``ordered``, ``random``, ``event``, ``sync``; §1.6).
 
-Faults (docs/reliability.md). A client that drops out trains nothing and sends nothing in the round. With
+Faults (docs/reliability.md), on the family's simulated clock (``TimedSplit`` in base.py, which also times
+the uploads without faults). A client that drops out trains nothing and sends nothing in the round. With
 ``faults.deadline`` set, the clock is the fault model's: client i's upload after local batch m arrives at
 ``faults.arrival_times(r, i, (m + 1) / reference_batches)`` (+ ``latency``), and its model upload at the end
 of its epoch, so the fed server aggregates exactly the clients of ``faults.reporting``; a late model misses
@@ -23,18 +24,17 @@ round (rounds last one deadline), where it is processed in arrival order like an
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
-import torch
 
 from fedweave.algorithms.base import RunContext
-from fedweave.algorithms.split.base import (  # noqa: F401  (ClientEpoch: the clients' work, re-exported)
+from fedweave.algorithms.split.base import (  # noqa: F401  (ClientEpoch, InFlight: re-exported)
     ClientEpoch,
-    SplitAlgorithm,
+    InFlight,
     SplitHparams,
+    TimedSplit,
     Upload,
     process_order,
     simulate_server,
@@ -67,55 +67,26 @@ class CSEFSLHparams(SplitHparams):
                 raise ConfigError(f"algorithm.{key} must be >= 0, got {getattr(self, key)}")
 
 
-@dataclass
-class InFlight:
-    """A smashed upload that arrives in a later round (straggler policy ``late``)."""
-
-    due: int  # the round whose queue it joins
-    client: int
-    upload: Upload  # ``arrival`` is the time within round ``due``
-
-
 @ALGORITHMS.register("cse_fsl")
-class CSEFSL(SplitAlgorithm):
+class CSEFSL(TimedSplit):
     name = "cse_fsl"
     method = "cse_fsl"
     uses_aux = True
     Hparams = CSEFSLHparams
-    handles_faults = ("dropout", "deadline", "late")
 
     def __init__(self, ctx: RunContext, hp: CSEFSLHparams) -> None:
         super().__init__(ctx, hp)
         # the client's side (``SplitAlgorithm.client_epoch``): one smashed batch every h (Alg. 1 lines 10-13)
         self.upload_every, self.upload_at, self.recompute_smashed = hp.h, hp.upload_at, hp.recompute_smashed
-        fc = ctx.config.faults
-        self.timed = fc.deadline is not None  # the fault model's clock replaces the ``clock`` stream
-        self.in_flight: list[InFlight] = []
-        if self.timed and hp.speed_spread != 1:
-            raise ConfigError(
-                f"algorithm.speed_spread ({hp.speed_spread}) cannot be combined with faults.deadline: the client "
-                "speeds then come from faults.speed_sigma / faults.speed_jitter; leave speed_spread at 1"
-            )
         if self.timed and hp.agg_every is not None:
             raise ConfigError(
                 "faults.deadline: cse_fsl times one aggregation per round; set algorithm.agg_every to null"
             )
-        if "late" in self.faults.active() and hp.server_order != "event":
+        if self.late_policy and hp.server_order != "event":
             raise ConfigError(
                 f"faults.straggler_policy 'late' needs the asynchronous server, algorithm.server_order 'event' "
                 f"(got {hp.server_order!r}, which processes the queue in a fixed order); use policy 'drop'"
             )
-
-    def batch_time(self, client: int) -> float:
-        """τ_i: the simulated time client i needs per local batch (a fixed device speed)."""
-        return float(self.seeds.numpy("clock", client).uniform(1.0, self.hp.speed_spread))
-
-    def upload_times(self, r: int, client: int, batches: list[int]) -> np.ndarray:
-        """Arrival times of client ``client``'s smashed uploads after the given local batches (0-based)."""
-        if self.timed:
-            work = (np.asarray(batches, dtype=np.float64) + 1) / self.reference_batches
-            return self.faults.arrival_times(r, np.full(len(batches), client), work) + self.hp.latency
-        return (np.asarray(batches, dtype=np.float64) + 1) * self.batch_time(client) + self.hp.latency
 
     def run_round(self, r: int) -> dict[str, float]:
         hp = self.hp
@@ -124,10 +95,8 @@ class CSEFSL(SplitAlgorithm):
         self.hold_server_models(1)
         queue: list[Upload] = []
         losses, client_end = [], 0.0
-        deadline = self.config.faults.deadline
-        late_policy = "late" in self.faults.active()
-        dropped = self.faults.dropped(r, clients) if self.faulty else np.zeros(len(clients), dtype=bool)
-        on_time = set(self.reporting(r, clients).tolist()) if self.timed else None  # whose model arrives
+        dropped = self.dropped(r, clients)  # a client that drops out trains nothing, sends nothing
+        on_time = self.models_on_time(r, clients)  # whose model reaches the fed server (None: everyone's)
         delivered: set[int] = set()  # clients of which something reaches a server this round
         models_in = 0
         plan = [len(self.batcher.client_batches(int(i), r, (), None)) for i in clients]
@@ -138,30 +107,17 @@ class CSEFSL(SplitAlgorithm):
             xc_rows = self.xc.expand(len(clients), -1).clone()
             xa_rows = self.xa.expand(len(clients), -1).clone()
             arrived = []  # positions whose model reaches the fed server
-            active = np.flatnonzero(~dropped)  # a client that fails this round trains nothing, sends nothing
+            active = np.flatnonzero(~dropped)
             rows = (xc_rows[active], xa_rows[active])
             epochs = self.client_epochs(r, clients[active], *rows, (lr_c, lr_a), start, period, seg)
             for k, ep in zip(active.tolist(), epochs, strict=True):  # in parallel: none depends on the server
                 i = int(clients[k])
-                sent = [m for _, m, _, _ in ep.uploads]
-                times = dict(zip(sent, self.upload_times(r, i, sent), strict=True))
                 losses.extend(ep.losses)
-                for w, m, a, y in ep.uploads:  # Alg. 1 lines 10-13: one batch per h went up
-                    up = Upload(k, w, m, a, y, arrival=float(times[m]))
-                    delay = 0 if deadline is None else max(math.ceil(up.arrival / deadline) - 1, 0)
-                    if delay == 0:
-                        self.send_smashed(r, a, y)
-                        queue.append(up)
-                        delivered.add(i)
-                    elif late_policy:  # arrives `delay` rounds later (docs/reliability.md)
-                        up.arrival -= delay * deadline
-                        up.pos = i
-                        self.in_flight.append(InFlight(r + delay, i, up))
-                    # policy drop: past the deadline, discarded, never delivered
-                if self.timed:
-                    client_end = max(client_end, float(self.faults.arrival_times(r, [i], self.client_work([i]))[0]))
-                else:
-                    client_end = max(client_end, ep.batches * self.batch_time(i))
+                up = self.deliver(r, k, i, ep.uploads)  # Alg. 1 lines 10-13: one batch per h went up
+                queue.extend(up)
+                if up:
+                    delivered.add(i)
+                client_end = max(client_end, self.finish_time(r, i, ep.batches))
                 xc_rows[k], xa_rows[k] = ep.xc, ep.xa
                 if on_time is None or i in on_time:
                     arrived.append(k)
@@ -171,14 +127,12 @@ class CSEFSL(SplitAlgorithm):
                 self.aggregate(got, xc_rows[arrived], xa_rows[arrived])  # eq. (14), re-weighted over arrivals
                 delivered.update(got.tolist())
                 models_in = max(models_in, len(arrived))
-        late_in = [f for f in self.in_flight if f.due == r]  # stragglers' uploads of earlier rounds arrive
-        self.in_flight = [f for f in self.in_flight if f.due != r]
+        late_in = self.late_arrivals(r)  # stragglers' uploads of earlier rounds
         for f in late_in:
-            self.send_smashed(r, f.upload.smashed, f.upload.labels)
             queue.append(f.upload)
             delivered.add(f.client)
-        if self.faulty and not delivered:
-            return self.fault_metrics(0)  # nothing reached a server: both models stay, the runner logs the skip
+        if self.nothing_delivered(delivered):
+            return self.skipped_round()  # both models stay, the runner logs the skip
         # Alg. 2 lines 3-10: the server drains its dataQueue, one SGD step per item on its one model
         order = process_order(hp.server_order, queue, self.seeds.numpy("server_order", r))
         clock = simulate_server(queue, order, hp.server_step_time, barrier=hp.server_order == "sync")
@@ -197,36 +151,4 @@ class CSEFSL(SplitAlgorithm):
             server_idle_time=clock["idle"],
             queue_peak=clock["queue_peak"],
         )
-        if self.faulty:
-            out.update(
-                self.fault_metrics(len(delivered)),
-                late_uploads=len(late_in),  # smashed batches of earlier rounds processed in this one
-                in_flight_uploads=len(self.in_flight),
-            )
-        return out
-
-    # ---- checkpoints: the uploads still in flight ------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        out = super().state_dict()
-        if self.in_flight:
-            f = self.in_flight
-            out["in_flight"] = {
-                "ints": torch.tensor(
-                    [[x.due, x.client, x.upload.pos, x.upload.window, x.upload.batch] for x in f], device="cpu"
-                ),
-                "arrival": torch.tensor([x.upload.arrival for x in f], dtype=torch.float64, device="cpu"),
-                "smashed": [x.upload.smashed for x in f],
-                "labels": [x.upload.labels for x in f],
-            }
-        return out
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        f = state.pop("in_flight", None)
-        super().load_state_dict(state)
-        self.in_flight = []
-        if f is not None:
-            for (due, client, pos, window, batch), t, a, y in zip(
-                f["ints"].tolist(), f["arrival"].tolist(), f["smashed"], f["labels"]
-            ):
-                self.in_flight.append(InFlight(due, client, Upload(pos, window, batch, a, y, arrival=t)))
+        return {**out, **self.timed_fault_metrics(len(delivered), len(late_in))}

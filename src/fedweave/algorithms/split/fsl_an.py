@@ -6,31 +6,29 @@ uploads (cse-fsl spec §5). No gradients go back. The fed server averages client
 nets; the main server averages its copies at the end of the round (A18). The client's side is
 ``SplitAlgorithm.client_epoch``, CSE-FSL's with an upload every batch (deployed, it runs on the client's
 node); copy i draws its dropout from ("server_dropout", r, i), client i from ("dropout", r, i).
-Faults: synchronous (the copies are averaged at the round's end); clients that drop out or miss the deadline
-deliver nothing (``SplitAlgorithm.reporting``).
+The round is the family's synchronous template (``SplitAlgorithm.run_round``; the copies are averaged at
+the round's end); clients that drop out or miss the deadline send no smashed data.
 """
 
 from __future__ import annotations
 
-from fedweave.algorithms.split.base import SplitAlgorithm
+import numpy as np
+import torch
+
+from fedweave.algorithms.split.base import SplitAlgorithm, Trained
 from fedweave.registry import ALGORITHMS
 
 
 @ALGORITHMS.register("fsl_an")
 class FSLAN(SplitAlgorithm):
-    handles_faults = ("dropout", "deadline")
     name = "fsl_an"
     method = "fsl_an"
     uses_aux = True
 
-    def run_round(self, r: int) -> dict[str, float]:
-        clients = self.sample_clients(r)
-        lr_c, lr_a, lr_s = self.lrs(r)
-        xc_rows, xa_rows = self.download(r, clients)
-        clients = self.reporting(r, clients)  # dropouts and stragglers send no smashed data
-        if len(clients) == 0:
-            return self.fault_metrics(0)
-        xc_rows, xa_rows = xc_rows[: len(clients)], xa_rows[: len(clients)]
+    def train_round(
+        self, r: int, clients: np.ndarray, xc_rows: torch.Tensor, xa_rows: torch.Tensor, lrs: tuple[float, ...]
+    ) -> Trained:
+        lr_c, lr_a, lr_s = lrs
         xs_rows = self.xs.expand(len(clients), -1).clone()  # n server-side copies, stacked
         self.hold_server_models(len(clients))
         longest = max(self.batcher.num_steps(int(i)) for i in clients)
@@ -45,8 +43,5 @@ class FSLAN(SplitAlgorithm):
                     server_losses.append(self.server_step(a, y, lr_s)[0])  # copy i, eq. (11)
             losses.extend(ep.losses)
             xc_rows[k], xa_rows[k], xs_rows[k] = ep.xc, ep.xa, self.ls.flatten()
-        self.upload_models(r, clients)
-        self.aggregate(clients, xc_rows, xa_rows)  # eq. (14)
-        self.xs = self.weights(clients) @ xs_rows
-        out = self.round_metrics(r, len(clients), len(server_losses), losses, server_losses)
-        return {**out, **self.fault_metrics(len(clients))}
+        self.xs = self.weights(clients) @ xs_rows  # the main server averages its copies
+        return Trained(xc_rows, xa_rows, losses, server_losses)

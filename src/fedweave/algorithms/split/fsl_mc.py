@@ -5,29 +5,28 @@ back the gradient of the smashed data, and the client back-propagates it (cse-fs
 the round the fed server averages the client-side models and the main server averages its n copies (A18).
 The client's side is ``SplitAlgorithm.client_turn`` (deployed, it runs on the client's node); copy i draws
 its dropout from ("server_dropout", r, i), client i from ("dropout", r, i).
-Faults: synchronous; clients that drop out or miss the deadline deliver nothing (``SplitAlgorithm.reporting``).
+The round is the family's synchronous template (``SplitAlgorithm.run_round``: download, the clients that
+report, upload, eq. (14)); dropouts and stragglers open no server-side copy.
 """
 
 from __future__ import annotations
 
-from fedweave.algorithms.split.base import SplitAlgorithm
+import numpy as np
+import torch
+
+from fedweave.algorithms.split.base import SplitAlgorithm, Trained
 from fedweave.registry import ALGORITHMS
 
 
 @ALGORITHMS.register("fsl_mc")
 class FSLMC(SplitAlgorithm):
-    handles_faults = ("dropout", "deadline")
     name = "fsl_mc"
     method = "fsl_mc"
 
-    def run_round(self, r: int) -> dict[str, float]:
-        clients = self.sample_clients(r)
-        lr_c, _, lr_s = self.lrs(r)
-        xc_rows, _ = self.download(r, clients)
-        clients = self.reporting(r, clients)  # dropouts and stragglers open no server-side copy
-        if len(clients) == 0:
-            return self.fault_metrics(0)  # nobody reported: the models stay, the runner logs the skip
-        xc_rows = xc_rows[: len(clients)]
+    def train_round(
+        self, r: int, clients: np.ndarray, xc_rows: torch.Tensor, xa_rows: torch.Tensor, lrs: tuple[float, ...]
+    ) -> Trained:
+        lr_c, _, lr_s = lrs
         xs_rows = self.xs.expand(len(clients), -1).clone()  # n server-side copies, stacked
         self.hold_server_models(len(clients))
         session = self.backprop_session(r, clients, xc_rows, lr_c)
@@ -53,9 +52,6 @@ class FSLMC(SplitAlgorithm):
         if loaded is not None:
             xs_rows[loaded] = self.ls.flatten()
         xc_rows = session.models()
-        self.upload_models(r, clients)
-        self.aggregate(clients, xc_rows, xc_rows)
         self.xs = self.weights(clients) @ xs_rows  # SFLV1: the main server averages its copies
         flat = [v for k in ks for v in losses[k]]  # client by client, whatever the order of the exchanges
-        out = self.round_metrics(r, len(clients), len(flat), flat, flat)
-        return {**out, **self.fault_metrics(len(clients))}
+        return Trained(xc_rows, xc_rows, flat, flat)

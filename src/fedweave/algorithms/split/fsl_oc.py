@@ -4,8 +4,8 @@ Same per-batch exchange as FSL_MC, but one shared server-side model is updated o
 in turn. The CSE-FSL authors add gradient clipping to stabilise it; the threshold is not given (spec A17),
 so ``clip`` defaults to 1.0 on both parts. Schedule (A19): ``sequential`` serves whole client epochs one
 after another in a random order per round (the SFLV2 reference code); ``interleaved`` serves batch m of
-every client before batch m+1. Faults: synchronous; clients that drop out or miss the deadline are left out
-of the schedule and the aggregation (``SplitAlgorithm.reporting``). The client's side is
+every client before batch m+1. The round is the family's synchronous template (``SplitAlgorithm.run_round``);
+clients that drop out or miss the deadline are left out of the schedule and the aggregation. The client's side is
 ``SplitAlgorithm.client_turn`` (deployed, it runs on the client's node); the server model draws its dropout
 from ("server_dropout", r), client i from ("dropout", r, i).
 """
@@ -15,7 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from fedweave.algorithms.split.base import SplitAlgorithm, SplitHparams
+import numpy as np
+import torch
+
+from fedweave.algorithms.split.base import SplitAlgorithm, SplitHparams, Trained
 from fedweave.registry import ALGORITHMS
 
 
@@ -27,19 +30,14 @@ class FSLOCHparams(SplitHparams):
 
 @ALGORITHMS.register("fsl_oc")
 class FSLOC(SplitAlgorithm):
-    handles_faults = ("dropout", "deadline")
     name = "fsl_oc"
     method = "fsl_oc"
     Hparams = FSLOCHparams
 
-    def run_round(self, r: int) -> dict[str, float]:
-        clients = self.sample_clients(r)
-        lr_c, _, lr_s = self.lrs(r)
-        xc_rows, _ = self.download(r, clients)
-        clients = self.reporting(r, clients)  # dropouts and stragglers take no turn on the shared model
-        if len(clients) == 0:
-            return self.fault_metrics(0)
-        xc_rows = xc_rows[: len(clients)]
+    def train_round(
+        self, r: int, clients: np.ndarray, xc_rows: torch.Tensor, xa_rows: torch.Tensor, lrs: tuple[float, ...]
+    ) -> Trained:
+        lr_c, _, lr_s = lrs  # only the clients that report take a turn on the shared model
         self.hold_server_models(1)
         self.ls.load_(self.xs)  # the one server-side model
         order = self.seeds.numpy("client_order", r).permutation(len(clients)).tolist()
@@ -62,7 +60,4 @@ class FSLOC(SplitAlgorithm):
                 pending = session.turn(grads)
         self.xs = self.ls.flatten()
         xc_rows = session.models()
-        self.upload_models(r, clients)
-        self.aggregate(clients, xc_rows, xc_rows)
-        out = self.round_metrics(r, len(clients), len(losses), losses, losses)
-        return {**out, **self.fault_metrics(len(clients))}
+        return Trained(xc_rows, xc_rows, losses, losses)
