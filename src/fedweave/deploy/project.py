@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from fedweave.config import RunConfig
+from fedweave.deploy.support import check_deployable
 
 MODULE = "fedweave_app"
 APP_MODULE = '''"""Flower components of this app: fedweave's own ServerApp and ClientApp."""
@@ -40,6 +41,7 @@ def write_app(
         raise ValueError(f"on_error must be 'stop' or 'drop', got {on_error!r}")
     if not reply_timeout > 0 or not node_wait > 0:
         raise ValueError(f"reply_timeout and node_wait must be > 0 seconds, got {reply_timeout} and {node_wait}")
+    check_deployable(config, on_error)  # a setup the ServerApp would refuse at start is refused here
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{MODULE}.py").write_text(APP_MODULE)
