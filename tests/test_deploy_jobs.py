@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -424,4 +425,21 @@ def test_the_executor_refuses_a_flower_whose_runtime_api_it_does_not_speak(monke
     monkeypatch.setattr(flwr, "__version__", "1.99.0")
     assert main(["flower-executor", "--runtime-api-address", "127.0.0.1:1", "--insecure"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "speaks the Runtime API of Flower 1.42.x; this is Flower 1.99.0" in err
+    assert err.count("\n") == 0 and "speaks the Runtime API of Flower 1.42.x (pip install 'flwr>=1.42,<1.43'" in err
+    assert "this is Flower 1.99.0" in err
+    monkeypatch.setattr(flwr, "__version__", "1.4.2")  # not 1.42: the version's numbers, not its text
+    assert main(["flower-executor", "--runtime-api-address", "127.0.0.1:1", "--insecure"]) == 2
+    assert "this is Flower 1.4.2" in capsys.readouterr().err
+
+
+def test_the_flower_extra_pins_the_release_the_executor_speaks():
+    """One truth for the Flower release: pyproject's ``flower`` extra, the executor's check and the
+    constraints' pin name the same one."""
+    from fedweave.deploy.executor import FLOWER
+
+    root = Path(__file__).parent.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    major, minor = FLOWER
+    assert extras["flower"] == [f"flwr[simulation]>={major}.{minor},<{major}.{minor + 1}"]
+    pins = [line for line in (root / "constraints.txt").read_text().splitlines() if line.startswith("flwr==")]
+    assert len(pins) == 1 and pins[0].startswith(f"flwr=={major}.{minor}."), pins
