@@ -10,6 +10,7 @@ import logging
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("flwr")
 
@@ -242,3 +243,48 @@ def test_a_client_whose_node_is_offline_is_a_dropout_that_received_nothing(tmp_p
                 assert got[k] == pytest.approx(v, rel=1e-6, abs=1e-9), (k, got[k], v)
     download = ledger["bytes_down"] // fl["jobs"]  # the simulation's dropout did receive its download
     assert sim[-1]["bytes_down"] - rows[-1]["bytes_down"] == 2 * download
+
+
+def test_a_node_refuses_a_job_whose_settings_or_tensors_are_not_the_runs(tmp_path):
+    """The node checks what it receives before training: the job's settings (kinds and ranges, as the config
+    checks them) and every tensor (the model's vector in the run's dtype). A job that fails gets one error
+    reply, 102, naming what is wrong; a good job of the same run trains."""
+    from fedweave.config import LocalConfig
+    from fedweave.deploy.jobs import encode_job
+    from fedweave.deploy.wire import to_records
+    from fedweave.execution.local import PLAIN
+
+    config_json = json.dumps(load(small("fedavg")).to_dict())
+    node = Context(
+        7, 1, {"partition-id": 0, "state-dir": str(tmp_path)}, RecordDict(), {"fedweave-config": config_json}
+    )
+    start = torch.zeros(650)  # the logistic model on digits: 64 * 10 + 10 float32 parameters
+
+    def reply(header: dict, tensors: dict) -> Message:
+        msg = Message(to_records(header, tensors), dst_node_id=1, message_type="train")
+        msg.metadata.__dict__["_message_id"] = msg.object_id
+        return client_app.app(msg, node)
+
+    def job(**change) -> tuple[dict, dict]:
+        local = LocalConfig(steps=2, batch_size=16, lr=0.1)
+        header, tensors = encode_job(start=start, client=0, round=0, k=0, jobs=1, lr=0.1, steps=2, key=(1,),
+                                     local=local, rule=PLAIN, num_classes=10)  # fmt: skip
+        return {**header, **change}, tensors
+
+    assert not reply(*job()).has_error()
+    header, tensors = job()
+    cases = [
+        (job(steps="2"), "the job's steps must be an integer, got '2'"),
+        (job(round=-1), "the job's round must be >= 0, got -1"),
+        (job(lr=float("nan")), "the job's lr must be a finite number >= 0, got nan"),
+        (job(local={**header["local"], "batch_size": 0}), "the job's local.batch_size must be >= 1, got 0"),
+        (job(client=True), "the job's client must be an integer, got True"),
+        ((header, {"start": tensors["start"].double()}), "'start' is torch.float64; the run's parameters are"),
+        ((header, {"start": start.reshape(2, 325)}), "job tensor 'start' has shape (2, 325); the run's model has 650"),
+    ]  # fmt: skip
+    for (h, t), why in cases:
+        got = reply(h, t)
+        assert got.has_error() and got.error.code == client_app.MALFORMED, why
+        assert got.error.reason.startswith("malformed fedweave job message: "), got.error.reason
+        assert why in got.error.reason, got.error.reason
+        assert got.error.reason.count("malformed fedweave job message") == 1
