@@ -125,7 +125,7 @@ def decode_lr(value: Any) -> LR:
     return lr
 
 
-def _whole(h: dict[str, Any], key: str, least: int, *, optional: bool = False) -> int | None:
+def whole(h: dict[str, Any], key: str, least: int, *, optional: bool = False) -> int | None:
     """Header field ``key`` as a whole number >= ``least`` (or None where ``optional``)."""
     if optional and h.get(key) is None:
         return None
@@ -256,24 +256,24 @@ def decode_job(header_json: str, tensors: dict[str, torch.Tensor]) -> Job:
             tensors = {**tensors, name: tensors["start"].reshape(shape).clone()}
         if "step" in h:
             step = _rebuild(STEPS, "client step", h["step"], h["step_scalars"], tensors)
-            rule, state_round = None, _whole(h, "state_round", -1)  # -1: the client's initial state
+            rule, state_round = None, whole(h, "state_round", -1)  # -1: the client's initial state
         else:
             rule = _rebuild(RULES, "local rule", h["rule"], h["rule_scalars"], tensors)
             step, state_round = None, -1
         local = build_dataclass(LocalConfig, h["local"], "local")
         local.validate()
         return Job(
-            client=_whole(h, "client", 0),
-            round=_whole(h, "round", 0),
+            client=whole(h, "client", 0),
+            round=whole(h, "round", 0),
             lr=decode_lr(h["lr"]),
-            steps=_whole(h, "steps", 0, optional=True),
+            steps=whole(h, "steps", 0, optional=True),
             key=tuple(coerce(h["key"], tuple[int, ...], "key")),
             local=local,
             start=tensors["start"],
             rule=rule,
             step=step,
             state_round=state_round,
-            num_classes=_whole(h, "num_classes", 1, optional=True),
+            num_classes=whole(h, "num_classes", 1, optional=True),
         )
     except UnknownRuleError:
         raise
