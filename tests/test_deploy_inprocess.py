@@ -228,7 +228,7 @@ def test_a_client_whose_node_is_offline_is_a_dropout_that_received_nothing(tmp_p
     grid.offline, grid.offline_after = {CLIENTS}, CLIENTS  # client 3's node, once round 1's jobs went out
     summary, rows = deployed(cfg, tmp_path, grid, **{"on-error": "drop"})
     fl, ledger = summary["flower"], summary["communication"]
-    assert fl["dropped"] == {"2": [3], "3": [3]} and fl["jobs"] == CLIENTS + 2 * (CLIENTS - 1)
+    assert fl["dropped"] == fl["unsent"] == {"2": [3], "3": [3]} and fl["jobs"] == CLIENTS + 2 * (CLIENTS - 1)
     assert fl["payload_sent"] == ledger["bytes_down"] and fl["payload_received"] == ledger["bytes_up"]
     assert ledger["by_transfer"]["server->client:model+control"]["count"] == fl["jobs"]
 

@@ -327,6 +327,8 @@ class FlowerClients:
             # less what the messages carry in fewer bytes than the ledger counts (FedMIM with J > 2); may be < 0
             "overhead_bytes": self.bytes_sent + self.bytes_received - ledger_total,
             "dropped": {str(r + 1): sorted(cs) for r, cs in sorted(self.dropped.items())},
+            # those of them whose job never left (their node was not connected): no download in the ledger
+            "unsent": {str(r + 1): sorted(cs) for r, cs in sorted(self.unsent.items()) if cs},
         }
 
 
