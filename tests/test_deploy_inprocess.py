@@ -288,3 +288,6 @@ def test_a_node_refuses_a_job_whose_settings_or_tensors_are_not_the_runs(tmp_pat
         assert got.error.reason.startswith("malformed fedweave job message: "), got.error.reason
         assert why in got.error.reason, got.error.reason
         assert got.error.reason.count("malformed fedweave job message") == 1
+    got = reply({"kind": "split_epoch", "client": "0"}, {})  # a split job: its client is checked first
+    assert got.has_error() and got.error.code == client_app.MALFORMED
+    assert got.error.reason == "malformed fedweave split job message: the job's client must be an integer, got '0'"

@@ -28,7 +28,7 @@ from fedweave.config import load as load_config
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
 from fedweave.deploy import split
-from fedweave.deploy.jobs import Job, MalformedJobError, UnknownRuleError, check_tensors, decode_job
+from fedweave.deploy.jobs import Job, MalformedJobError, UnknownRuleError, check_tensors, decode_job, whole
 from fedweave.deploy.node_data import NodeDataError, load_node_data, own_parts, trial_parts, write_samples
 from fedweave.deploy.node_state import NodeState, StateMissingError
 from fedweave.deploy.wire import from_records, to_records
@@ -166,8 +166,14 @@ def train(msg: Message, context: Context) -> Message:
 def _split_job(msg: Message, context: Context, h: dict, tensors: dict[str, torch.Tensor]) -> Message:
     """A split-learning client's epoch (CSE-FSL, FSL_AN) or exchange (FSL_MC, FSL_OC): ``fedweave.deploy.split``."""
     mine = partition_id(context)
-    if int(h["client"]) != mine:
-        return _error(msg, WRONG_NODE, f"job for client {h['client']} sent to the node holding {mine}")
+    try:
+        client = whole(h, "client", 0)
+    except KeyError:
+        return _error(msg, MALFORMED, "malformed fedweave split job message: it names no 'client'")
+    except ConfigError as e:
+        return _error(msg, MALFORMED, f"malformed fedweave split job message: the job's {e}")
+    if client != mine:
+        return _error(msg, WRONG_NODE, f"job for client {client} sent to the node holding {mine}")
     config_json = str(context.run_config["fedweave-config"])
     try:
         data = samples_file(context, config_json, mine)
