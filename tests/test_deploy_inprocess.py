@@ -6,15 +6,19 @@ for every method of a family; ``test_deploy_flower`` runs them across real proce
 from __future__ import annotations
 
 import json
+import logging
 
+import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("flwr")
 
-from flwr.app import Context, Message, RecordDict  # noqa: E402
+from flwr.app import Array, Context, Message, RecordDict  # noqa: E402
 
 from fedweave.config import load  # noqa: E402
 from fedweave.deploy import client_app, server_app  # noqa: E402
+from fedweave.deploy.wire import tree_bytes  # noqa: E402
 from fedweave.runner import run  # noqa: E402
 
 CLIENTS = 4
@@ -30,24 +34,29 @@ def _task_identity(monkeypatch):
 
 
 class InProcessGrid:
-    """The Grid calls ``FlowerClients`` makes, answered at once by the nodes' ClientApp in this process."""
+    """The Grid calls ``FlowerClients`` makes, answered at once by the nodes' ClientApp in this process.
+    ``clients``: the clients that have a node; ``errors``: let a node's error reply through (else it fails the
+    test); ``offline``: nodes that leave once ``offline_after`` train messages were sent."""
 
-    def __init__(self, config_json: str, state_dir) -> None:
+    def __init__(self, config_json: str, state_dir, clients=range(CLIENTS), errors: bool = False) -> None:
         node_config = lambda c: {"partition-id": c, "state-dir": str(state_dir / f"node-{c}")}  # noqa: E731
         run_config = {"fedweave-config": config_json}
-        self.contexts = {c + 1: Context(7, c + 1, node_config(c), RecordDict(), run_config) for c in range(CLIENTS)}
+        self.contexts = {c + 1: Context(7, c + 1, node_config(c), RecordDict(), run_config) for c in clients}
         self.replies: dict[str, Message] = {}
-        self.messages = 0
+        self.messages = self.jobs = 0
+        self.errors, self.offline, self.offline_after = errors, set(), 0
 
     def get_node_ids(self) -> list[int]:
-        return list(self.contexts)
+        gone = self.offline if self.jobs >= self.offline_after else set()
+        return [n for n in self.contexts if n not in gone]
 
     def push_messages(self, msgs: list[Message]) -> list[str]:
         ids = []
         for msg in msgs:
             msg.metadata.__dict__["_message_id"] = msg.object_id  # as the SuperLink does
+            self.jobs += msg.metadata.message_type == "train"
             reply = client_app.app(msg, self.contexts[msg.metadata.dst_node_id])
-            assert not reply.has_error(), reply.error.reason
+            assert self.errors or not reply.has_error(), reply.error.reason
             self.replies[msg.metadata.message_id] = reply
             ids.append(msg.metadata.message_id)
         self.messages += len(msgs)
@@ -57,11 +66,11 @@ class InProcessGrid:
         return [self.replies.pop(i) for i in ids if i in self.replies]
 
 
-def deployed(cfg: dict, tmp_path) -> tuple[dict, list[dict]]:
+def deployed(cfg: dict, tmp_path, grid: InProcessGrid | None = None, **app) -> tuple[dict, list[dict]]:
     config_json = json.dumps(load(cfg).to_dict())
-    grid = InProcessGrid(config_json, tmp_path)
+    grid = grid or InProcessGrid(config_json, tmp_path)
     run_config = {"fedweave-config": config_json, "run-dir": str(tmp_path / "deployed"), "reply-timeout": 60.0,
-                  "node-wait": 5.0, "on-error": "stop"}  # fmt: skip
+                  "node-wait": 5.0, "on-error": "stop", **app}  # fmt: skip
     server_app.main(grid, Context(7, 0, {}, RecordDict(), run_config))
     out = tmp_path / "deployed"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -81,7 +90,17 @@ def deployed_equals_simulation(cfg: dict, tmp_path) -> dict:
     fl, ledger = summary["flower"], summary["communication"]
     assert fl["payload_received"] == ledger["bytes_up"] > 0
     assert fl["payload_sent"] == ledger["bytes_down"]
+    assert_flower_bytes(fl)
     return fl
+
+
+def assert_flower_bytes(fl: dict) -> None:
+    """Flower's bytes are the payload plus its framing less what it saves by sending identical arrays once;
+    the ServerApp's push sends a round's start vector once for all its jobs."""
+    for way in ("sent", "received"):
+        assert fl[f"framing_{way}"] > 0 and fl[f"deduplicated_{way}"] >= 0
+        assert fl[f"bytes_{way}"] == fl[f"payload_{way}"] + fl[f"framing_{way}"] - fl[f"deduplicated_{way}"]
+    assert fl["bytes_pushed"] < fl["bytes_sent"]
 
 
 HIERARCHICAL = {
@@ -126,7 +145,13 @@ def test_centralized_runs_deployed_in_process_equal_the_simulation(tmp_path, nam
         "algorithm": {"name": name, "clients_per_round": 3}, "local": {"steps": 3, "batch_size": 16, "lr": 0.1},
         "output": {"progress": False, "plots": False},
     }  # fmt: skip
-    deployed_equals_simulation(cfg, tmp_path)
+    fl = deployed_equals_simulation(cfg, tmp_path)
+    # FedMIM's first round: its two momentum combinations are both zero (no history yet), one array (650
+    # float32 parameters and its header) in the wire for each of the 3 jobs; every other message has distinct
+    # arrays
+    zeros = tree_bytes(Array(np.zeros(650, np.float32)))
+    assert fl["deduplicated_sent"] == (3 * zeros if name == "fedmim" else 0)
+    assert fl["deduplicated_received"] == 0
 
 
 @pytest.mark.parametrize("precision", ["float64", "bf16-mixed"])
@@ -141,3 +166,128 @@ def test_the_nodes_train_in_the_runs_precision(tmp_path, precision):
         "output": {"progress": False, "plots": False},
     }  # fmt: skip
     deployed_equals_simulation(cfg, tmp_path)
+
+
+def small(name: str, rounds: int = 2, per_round: int = CLIENTS) -> dict:
+    return {
+        "name": "f", "seed": 2, "rounds": rounds, "backend": "loop", "dataset": {"name": "digits"},
+        "partition": {"name": "dirichlet", "num_clients": CLIENTS, "alpha": 0.5}, "model": {"name": "logistic"},
+        "algorithm": {"name": name, "clients_per_round": per_round},
+        "local": {"steps": 2, "batch_size": 16, "lr": 0.1}, "output": {"progress": False, "plots": False},
+    }  # fmt: skip
+
+
+def test_a_refused_or_stopped_run_raises_so_that_flower_records_it_as_failed(tmp_path):
+    """Flower marks a run failed (``flwr list``: ``finished:failed``, the message as its details) only when
+    the ServerApp's main raises. A run refused at start (no node holds client 3) raises before writing
+    anything; a run stopped under ``on-error: stop`` (client 2's node cannot write its state: error 105)
+    raises once its results so far, with the flower section, are written."""
+    cfg = small("scaffold")
+    config_json = json.dumps(load(cfg).to_dict())
+    grid = InProcessGrid(config_json, tmp_path, clients=range(CLIENTS - 1))
+    with pytest.raises(server_app.RunFailed, match=r"^fedweave run not started: no SuperNode holds clients \[3\]"):
+        deployed(cfg, tmp_path / "refused", grid, **{"node-wait": 0.1})
+    assert not (tmp_path / "refused").exists()
+
+    (tmp_path / "node-2").write_text("")  # a file where the node's state directory should be
+    grid = InProcessGrid(config_json, tmp_path, errors=True)
+    with pytest.raises(server_app.RunFailed, match=r"^fedweave run stopped: round 1: client 2: error 105: cannot"):
+        deployed(cfg, tmp_path, grid)
+    summary = json.loads((tmp_path / "deployed" / "summary.json").read_text())
+    assert summary["status"] == "stopped" and "client 2: error 105" in summary["error"]
+    assert summary["flower"]["jobs"] == CLIENTS
+
+
+def test_the_servers_progress_and_completion_lines_go_through_flowers_logger(tmp_path):
+    """Flower forwards what its logger prints in the ServerApp's process to ``flwr run --stream``: fedweave's
+    lines (a line per round trained and evaluated, the completion line) go there, once each."""
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    flower = logging.getLogger("flwr")
+    flower.addHandler(handler)
+    try:
+        deployed(small("fedavg"), tmp_path)
+    finally:
+        flower.removeHandler(handler)
+    lines = [r.getMessage() for r in seen if r.getMessage().startswith("fedweave")]
+    assert [line.split(":")[0] for line in lines] == [
+        "fedweave round 1/2 trained", "fedweave round 1/2 evaluated",
+        "fedweave round 2/2 trained", "fedweave round 2/2 evaluated", f"fedweave run in {tmp_path / 'deployed'}",
+    ]  # fmt: skip
+    assert "test_accuracy" in lines[1] and lines[-1].endswith(": completed")
+    assert logging.getLogger("fedweave").handlers == []  # given back after the run
+
+
+def test_a_client_whose_node_is_offline_is_a_dropout_that_received_nothing(tmp_path):
+    """``on-error: drop``: client 3's node leaves after round 1, so its jobs of rounds 2 and 3 are never sent.
+    It is a dropout of those rounds (every metric but the downloads equals the simulation in which it drops
+    out), and the ledger counts only the downloads that left: equal to Flower's payload."""
+    cfg = small("scaffold", rounds=3)
+    grid = InProcessGrid(json.dumps(load(cfg).to_dict()), tmp_path)
+    grid.offline, grid.offline_after = {CLIENTS}, CLIENTS  # client 3's node, once round 1's jobs went out
+    summary, rows = deployed(cfg, tmp_path, grid, **{"on-error": "drop"})
+    fl, ledger = summary["flower"], summary["communication"]
+    assert fl["dropped"] == fl["unsent"] == {"2": [3], "3": [3]} and fl["jobs"] == CLIENTS + 2 * (CLIENTS - 1)
+    assert fl["payload_sent"] == ledger["bytes_down"] and fl["payload_received"] == ledger["bytes_up"]
+    assert ledger["by_transfer"]["server->client:model+control"]["count"] == fl["jobs"]
+
+    def drop(algo) -> None:  # the simulation: client 3 delivers nothing in rounds 2 and 3
+        reporting = algo.reporting
+        algo.reporting = lambda r, c: (lambda kept: kept[~np.isin(kept, [3] if r > 0 else [])])(reporting(r, c))
+
+    sim = run(load(cfg), run_dir=tmp_path / "sim", prepare=drop).metrics
+    for got, want in zip(rows, sim, strict=True):
+        for k, v in want.items():
+            if "wall" not in k and k not in ("bytes_down", "bytes_total"):
+                assert got[k] == pytest.approx(v, rel=1e-6, abs=1e-9), (k, got[k], v)
+    download = ledger["bytes_down"] // fl["jobs"]  # the simulation's dropout did receive its download
+    assert sim[-1]["bytes_down"] - rows[-1]["bytes_down"] == 2 * download
+
+
+def test_a_node_refuses_a_job_whose_settings_or_tensors_are_not_the_runs(tmp_path):
+    """The node checks what it receives before training: the job's settings (kinds and ranges, as the config
+    checks them) and every tensor (the model's vector in the run's dtype). A job that fails gets one error
+    reply, 102, naming what is wrong; a good job of the same run trains."""
+    from fedweave.config import LocalConfig
+    from fedweave.deploy.jobs import encode_job
+    from fedweave.deploy.wire import to_records
+    from fedweave.execution.local import PLAIN
+
+    config_json = json.dumps(load(small("fedavg")).to_dict())
+    node = Context(
+        7, 1, {"partition-id": 0, "state-dir": str(tmp_path)}, RecordDict(), {"fedweave-config": config_json}
+    )
+    start = torch.zeros(650)  # the logistic model on digits: 64 * 10 + 10 float32 parameters
+
+    def reply(header: dict, tensors: dict) -> Message:
+        msg = Message(to_records(header, tensors), dst_node_id=1, message_type="train")
+        msg.metadata.__dict__["_message_id"] = msg.object_id
+        return client_app.app(msg, node)
+
+    def job(**change) -> tuple[dict, dict]:
+        local = LocalConfig(steps=2, batch_size=16, lr=0.1)
+        header, tensors = encode_job(start=start, client=0, round=0, k=0, jobs=1, lr=0.1, steps=2, key=(1,),
+                                     local=local, rule=PLAIN, num_classes=10)  # fmt: skip
+        return {**header, **change}, tensors
+
+    assert not reply(*job()).has_error()
+    header, tensors = job()
+    cases = [
+        (job(steps="2"), "the job's steps must be an integer, got '2'"),
+        (job(round=-1), "the job's round must be >= 0, got -1"),
+        (job(lr=float("nan")), "the job's lr must be a finite number >= 0, got nan"),
+        (job(local={**header["local"], "batch_size": 0}), "the job's local.batch_size must be >= 1, got 0"),
+        (job(client=True), "the job's client must be an integer, got True"),
+        ((header, {"start": tensors["start"].double()}), "'start' is torch.float64; the run's parameters are"),
+        ((header, {"start": start.reshape(2, 325)}), "job tensor 'start' has shape (2, 325); the run's model has 650"),
+    ]  # fmt: skip
+    for (h, t), why in cases:
+        got = reply(h, t)
+        assert got.has_error() and got.error.code == client_app.MALFORMED, why
+        assert got.error.reason.startswith("malformed fedweave job message: "), got.error.reason
+        assert why in got.error.reason, got.error.reason
+        assert got.error.reason.count("malformed fedweave job message") == 1
+    got = reply({"kind": "split_epoch", "client": "0"}, {})  # a split job: its client is checked first
+    assert got.has_error() and got.error.code == client_app.MALFORMED
+    assert got.error.reason == "malformed fedweave split job message: the job's client must be an integer, got '0'"

@@ -4,9 +4,11 @@ malformed jobs are refused, the app project is valid for Flower, and a plain imp
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -336,6 +338,34 @@ def test_a_cse_fsl_epoch_on_the_node_equals_the_simulations(tmp_path, own_data):
         assert torch.equal(y, y0)
 
 
+def test_a_split_node_refuses_a_job_whose_settings_or_models_are_not_the_runs():
+    """A split node checks the job's numbers and the models it receives (x_c, a_c: the run's client-side
+    model and auxiliary net, in the run's dtype) before its epoch; one line names what is wrong."""
+    pytest.importorskip("flwr")
+    from fedweave.algorithms.base import RunContext, build_algorithm
+    from fedweave.deploy import split
+
+    cfg = load({
+        "name": "s", "seed": 2, "rounds": 2, "dataset": {"name": "digits", "as_image": True},
+        "partition": {"name": "iid", "num_clients": 4}, "model": {"name": "split_small", "width": 4, "hidden": 8},
+        "algorithm": {"name": "cse_fsl", "h": 2}, "local": {"steps": 5, "batch_size": 8, "lr": 0.05},
+    })  # fmt: skip
+    algo = build_algorithm(RunContext(cfg))
+    good = {"xc": algo.xc[None], "xa": algo.xa[None]}
+    header = {"kind": split.EPOCH, "client": 3, "round": 1, "lrs": [0.05, 0.04], "start": 0, "period": 5, "seg": 0,
+              "num_classes": 10}  # fmt: skip
+    cases = [
+        ({**header, "round": "1"}, good, "the job's round must be an integer, got '1'"),
+        ({**header, "period": 0}, good, "the job's period must be >= 1, got 0"),
+        ({**header, "lrs": [0.05, -1.0]}, good, "the job's lr must be a finite number >= 0, got -1.0"),
+        (header, {**good, "xc": algo.xc[None, :-1]}, f"job tensor 'xc' has shape (1, {algo.xc.numel() - 1})"),
+        (header, {**good, "xa": algo.xa[None].double()}, "job tensor 'xa' is torch.float64"),
+    ]
+    for h, t, why in cases:
+        with pytest.raises(MalformedJobError, match=re.escape(why)):
+            split.run_epoch(h, t, json.dumps(cfg.to_dict()), None, 3)
+
+
 class InProcessNodes:
     """``FlowerClients.run_jobs`` with every split job run by the node's own functions in this process, over
     the wire format (JSON header, tensors as Flower records); it counts the array bytes each way."""
@@ -424,4 +454,21 @@ def test_the_executor_refuses_a_flower_whose_runtime_api_it_does_not_speak(monke
     monkeypatch.setattr(flwr, "__version__", "1.99.0")
     assert main(["flower-executor", "--runtime-api-address", "127.0.0.1:1", "--insecure"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "speaks the Runtime API of Flower 1.42.x; this is Flower 1.99.0" in err
+    assert err.count("\n") == 0 and "speaks the Runtime API of Flower 1.42.x (pip install 'flwr>=1.42,<1.43'" in err
+    assert "this is Flower 1.99.0" in err
+    monkeypatch.setattr(flwr, "__version__", "1.4.2")  # not 1.42: the version's numbers, not its text
+    assert main(["flower-executor", "--runtime-api-address", "127.0.0.1:1", "--insecure"]) == 2
+    assert "this is Flower 1.4.2" in capsys.readouterr().err
+
+
+def test_the_flower_extra_pins_the_release_the_executor_speaks():
+    """One truth for the Flower release: pyproject's ``flower`` extra, the executor's check and the
+    constraints' pin name the same one."""
+    from fedweave.deploy.executor import FLOWER
+
+    root = Path(__file__).parent.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    major, minor = FLOWER
+    assert extras["flower"] == [f"flwr[simulation]>={major}.{minor},<{major}.{minor + 1}"]
+    pins = [line for line in (root / "constraints.txt").read_text().splitlines() if line.startswith("flwr==")]
+    assert len(pins) == 1 and pins[0].startswith(f"flwr=={major}.{minor}."), pins

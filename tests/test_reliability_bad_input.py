@@ -284,6 +284,15 @@ OTHER_COMMANDS = [
     (["flower-app", "c.yaml", "app", "--reply-timeout", "-5"], "--reply-timeout: '-5' is not a number of seconds > 0"),
     (["flower-app", "c.yaml", "app", "--node-wait", "nan"], "--node-wait: 'nan' is not a number of seconds > 0"),
     (["flower-app", "missing.yaml", "app"], "missing.yaml"),
+    # setups the ServerApp cannot run are refused before anything is written
+    (
+        ["flower-app", "c.yaml", "app", "algorithm.name=dfedavg"],
+        "algorithm 'dfedavg' (decentralized) cannot be deployed on Flower yet",
+    ),
+    (
+        ["flower-app", "c.yaml", "app", "algorithm.name=cse_fsl", "model.name=split_small", "--on-error", "drop"],
+        "on-error drop is not built for the split family yet (algorithm 'cse_fsl'); use on-error stop",
+    ),
     (["nosuch"], "nosuch"),
     ([], "command"),
 ]

@@ -28,7 +28,7 @@ from fedweave.config import load as load_config
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
 from fedweave.deploy import split
-from fedweave.deploy.jobs import Job, MalformedJobError, UnknownRuleError, decode_job
+from fedweave.deploy.jobs import Job, MalformedJobError, UnknownRuleError, check_tensors, decode_job, whole
 from fedweave.deploy.node_data import NodeDataError, load_node_data, own_parts, trial_parts, write_samples
 from fedweave.deploy.node_state import NodeState, StateMissingError
 from fedweave.deploy.wire import from_records, to_records
@@ -123,8 +123,10 @@ def train(msg: Message, context: Context) -> Message:
         job = decode_job(header, tensors)
     except UnknownRuleError as e:
         return _error(msg, UNKNOWN_RULE, str(e))
-    except (ValueError, KeyError, TypeError) as e:  # MalformedJobError, a header that is not JSON, ...
-        return _error(msg, MALFORMED, f"malformed fedweave job message: {e}")
+    except MalformedJobError as e:  # its message says so already
+        return _error(msg, MALFORMED, str(e))
+    except (ValueError, KeyError, TypeError) as e:  # a header that is not JSON, records that are not a job, ...
+        return _error(msg, MALFORMED, f"malformed fedweave job message: {type(e).__name__}: {e}")
     mine = partition_id(context)
     if job.client != mine:
         return _error(msg, WRONG_NODE, f"job for client {job.client} sent to the node holding {mine}")
@@ -140,6 +142,10 @@ def train(msg: Message, context: Context) -> Message:
     if tr.layout.numel != job.start.numel():
         return _error(msg, NODE_DATA, f"the node's model has {tr.layout.numel} parameters, the job's start vector "
                       f"{job.start.numel()}: does the node's data have the dataset's input shape?")  # fmt: skip
+    try:  # what arrived is what the run computes with: the model's vectors in the run's dtype
+        check_tensors(tensors, tr.layout.numel, tr.placement.dtype)
+    except MalformedJobError as e:
+        return _error(msg, MALFORMED, f"malformed fedweave job message: {e}")
     tr.local = job.local
     if tr.placement.device.type != "cpu":  # the wire carries host tensors; the node computes on its device
         job = move_tensors(job, tr.placement.device)
@@ -160,8 +166,14 @@ def train(msg: Message, context: Context) -> Message:
 def _split_job(msg: Message, context: Context, h: dict, tensors: dict[str, torch.Tensor]) -> Message:
     """A split-learning client's epoch (CSE-FSL, FSL_AN) or exchange (FSL_MC, FSL_OC): ``fedweave.deploy.split``."""
     mine = partition_id(context)
-    if int(h["client"]) != mine:
-        return _error(msg, WRONG_NODE, f"job for client {h['client']} sent to the node holding {mine}")
+    try:
+        client = whole(h, "client", 0)
+    except KeyError:
+        return _error(msg, MALFORMED, "malformed fedweave split job message: it names no 'client'")
+    except ConfigError as e:
+        return _error(msg, MALFORMED, f"malformed fedweave split job message: the job's {e}")
+    if client != mine:
+        return _error(msg, WRONG_NODE, f"job for client {client} sent to the node holding {mine}")
     config_json = str(context.run_config["fedweave-config"])
     try:
         data = samples_file(context, config_json, mine)

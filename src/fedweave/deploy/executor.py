@@ -11,7 +11,9 @@ exits. Each message still runs in its own process, so nothing leaks from one job
 imports are shared.
 
 It speaks Flower's Runtime API as ``flower-superexec`` does (the same requests, from the same modules), which
-is internal to Flower: the executor checks the installed Flower version and refuses others.
+is internal to Flower and changes between its releases: the ``flower`` extra of fedweave's ``pyproject.toml``
+pins the Flower release this speaks (``FLOWER``; a test keeps the two equal), and the executor refuses any
+other installed Flower with one line.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import os
 import time
 
 log = logging.getLogger("fedweave")
-FLOWER_VERSIONS = ("1.42.",)  # the Flower releases whose Runtime API this executor speaks
+FLOWER = (1, 42)  # the Flower release (major, minor) whose Runtime API this speaks: pyproject pins flwr to it
 POLL = 0.2  # seconds between two asks for a task
 
 
@@ -33,11 +35,13 @@ def _flower():
     """Flower's pieces the executor uses (imported here: ``fedweave`` itself never imports flwr)."""
     import flwr
 
-    version = getattr(flwr, "__version__", "")
-    if not version.startswith(FLOWER_VERSIONS):
+    version = str(getattr(flwr, "__version__", ""))
+    if tuple(version.split(".")[:2]) != tuple(map(str, FLOWER)):
+        major, minor = FLOWER
         raise ExecutorError(
-            f"fedweave flower-executor speaks the Runtime API of Flower {', '.join(v + 'x' for v in FLOWER_VERSIONS)}; "
-            f"this is Flower {version}: start the SuperNode with its default --isolation subprocess instead"
+            f"fedweave flower-executor speaks the Runtime API of Flower {major}.{minor}.x (pip install "
+            f"'flwr>={major}.{minor},<{major}.{minor + 1}', as fedweave[flower] pins it); this is Flower {version}: "
+            "install that release, or start the SuperNode with its default --isolation subprocess instead"
         )
     from flwr.proto.runtime_pb2 import AcquireTaskRequest  # noqa: PLC0415
     from flwr.supercore.constant import TaskType

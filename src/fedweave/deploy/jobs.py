@@ -29,7 +29,7 @@ from fedweave.algorithms.centralized.fedsam import SAMRule
 from fedweave.algorithms.centralized.scaffold import ScaffoldRule, ScaffoldStep
 from fedweave.algorithms.hierarchical.base import BallProjection, BoxProjection, Decaying, LowerLevelRule, Projection
 from fedweave.algorithms.hierarchical.baselines import HierScaffoldStep
-from fedweave.config import LocalConfig
+from fedweave.config import ConfigError, LocalConfig, build_dataclass, coerce
 from fedweave.execution.local import LR, ClientStep, LocalRule, Reindexed
 
 # The rules and client steps a node can rebuild, by the name that travels. Their state is their attributes:
@@ -119,7 +119,34 @@ def encode_lr(lr: LR) -> float | dict[str, Any]:
 def decode_lr(value: Any) -> LR:
     if isinstance(value, dict):
         return _instance(SCHEDULES, "learning-rate schedule", value.get("schedule"), value.get("scalars"))
-    return float(value)
+    lr = coerce(value, float, "lr")
+    if not 0 <= lr < float("inf"):  # 0: the last round of a cosine schedule down to lr_min 0
+        raise ConfigError(f"lr must be a finite number >= 0, got {lr}")
+    return lr
+
+
+def whole(h: dict[str, Any], key: str, least: int, *, optional: bool = False) -> int | None:
+    """Header field ``key`` as a whole number >= ``least`` (or None where ``optional``)."""
+    if optional and h.get(key) is None:
+        return None
+    value = coerce(h[key], int, key)
+    if value < least:
+        raise ConfigError(f"{key} must be >= {least}, got {value}")
+    return value
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], numel: int, dtype: torch.dtype) -> None:
+    """Every tensor of a job is one vector of the model's ``numel`` parameters (shape ``(numel,)`` or
+    ``(1, numel)``: the start, a rule's vector, a table's row) in the run's ``dtype``; raises
+    :class:`MalformedJobError` naming the first one that is not."""
+    for name, t in sorted(tensors.items()):
+        if t.dtype != dtype:
+            raise MalformedJobError(f"job tensor {name!r} is {t.dtype}; the run's parameters are {dtype}")
+        if t.shape not in ((numel,), (1, numel)):
+            raise MalformedJobError(
+                f"job tensor {name!r} has shape {tuple(t.shape)}; the run's model has {numel} parameters, so a "
+                f"job's tensors are ({numel},) or (1, {numel})"
+            )
 
 
 def _job_rule(rule: LocalRule, k: int, jobs: int) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
@@ -229,26 +256,29 @@ def decode_job(header_json: str, tensors: dict[str, torch.Tensor]) -> Job:
             tensors = {**tensors, name: tensors["start"].reshape(shape).clone()}
         if "step" in h:
             step = _rebuild(STEPS, "client step", h["step"], h["step_scalars"], tensors)
-            rule, state_round = None, int(h["state_round"])
+            rule, state_round = None, whole(h, "state_round", -1)  # -1: the client's initial state
         else:
             rule = _rebuild(RULES, "local rule", h["rule"], h["rule_scalars"], tensors)
             step, state_round = None, -1
-        steps = h["steps"]
+        local = build_dataclass(LocalConfig, h["local"], "local")
+        local.validate()
         return Job(
-            client=int(h["client"]),
-            round=int(h["round"]),
+            client=whole(h, "client", 0),
+            round=whole(h, "round", 0),
             lr=decode_lr(h["lr"]),
-            steps=None if steps is None else int(steps),
-            key=tuple(int(x) for x in h["key"]),
-            local=LocalConfig(**h["local"]),
+            steps=whole(h, "steps", 0, optional=True),
+            key=tuple(coerce(h["key"], tuple[int, ...], "key")),
+            local=local,
             start=tensors["start"],
             rule=rule,
             step=step,
             state_round=state_round,
-            num_classes=None if h.get("num_classes") is None else int(h["num_classes"]),
+            num_classes=whole(h, "num_classes", 1, optional=True),
         )
     except UnknownRuleError:
         raise
+    except ConfigError as e:  # a setting of the wrong kind or out of its range
+        raise MalformedJobError(f"malformed fedweave job message: the job's {e}") from e
     except (KeyError, TypeError, ValueError, AttributeError, json.JSONDecodeError) as e:
         raise MalformedJobError(f"malformed fedweave job message: {type(e).__name__}: {e}") from e
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import tomli_w
 
 from fedweave.config import RunConfig
+from fedweave.deploy.support import check_deployable
 from fedweave.results import atomic_write
 
 MODULE = "fedweave_app"
@@ -42,6 +43,7 @@ def write_app(
         raise ValueError(f"on_error must be 'stop' or 'drop', got {on_error!r}")
     if not reply_timeout > 0 or not node_wait > 0:
         raise ValueError(f"reply_timeout and node_wait must be > 0 seconds, got {reply_timeout} and {node_wait}")
+    check_deployable(config, on_error)  # a setup the ServerApp would refuse at start is refused here
     out = Path(directory)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{str(out)!r} is a file; give a directory for the app project")

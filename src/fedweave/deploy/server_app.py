@@ -15,28 +15,30 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 from flwr.app import Context, Message
+from flwr.common import log as flwr_log
 from flwr.serverapp import Grid, ServerApp
 
 from fedweave.algorithms.base import Algorithm
 from fedweave.callbacks import Callback, RunState
 from fedweave.config import ConfigError
 from fedweave.config import load as load_config
-from fedweave.deploy import split
+from fedweave.deploy import split, support
 from fedweave.deploy.jobs import encode_job
 from fedweave.deploy.node_state import INITIAL
-from fedweave.deploy.wire import from_records, payload_bytes, to_records, wire_bytes
+from fedweave.deploy.wire import from_records, payload_bytes, pushed_bytes, to_records, tree_bytes, wire_bytes
 from fedweave.errors import RunStopped
 from fedweave.execution.local import LR, ClientStep, LocalResult, LocalRule, LocalTrainer, reindexed
 from fedweave.execution.state import StateStore
 from fedweave.results import atomic_write
 
 log = logging.getLogger("fedweave")
-POLICIES = ("stop", "drop")
 POLL = 0.25  # seconds between two looks for replies
 
 
@@ -44,11 +46,17 @@ class DeploymentError(RuntimeError):
     """The federation cannot run: no SuperNode holds a client, or a node answers the start-up query badly."""
 
 
-class ClientsLost(RuntimeError):
-    """Some jobs of a call got an error reply or no reply in time: ``reasons[client]`` says why."""
+class RunFailed(RuntimeError):
+    """What the ServerApp raises when fedweave stopped or refused the run: Flower then records the run as
+    failed (``flwr list``: ``finished:failed``, this message as its status details) and logs it."""
 
-    def __init__(self, round: int, reasons: dict[int, str]) -> None:
-        self.round, self.reasons = round, reasons
+
+class ClientsLost(RuntimeError):
+    """Some jobs of a call got an error reply or no reply in time: ``reasons[client]`` says why; ``unsent``:
+    the clients whose job was never sent (no node holding them was connected)."""
+
+    def __init__(self, round: int, reasons: dict[int, str], unsent: set[int] = frozenset()) -> None:
+        self.round, self.reasons, self.unsent = round, reasons, set(unsent)
         first = ", ".join(f"client {c}: {why}" for c, why in sorted(reasons.items()))
         super().__init__(f"round {round + 1}: {first}")
 
@@ -66,8 +74,8 @@ class FlowerClients(Callback):
     version of each client's state the server accepted, and the bytes exchanged."""
 
     def __init__(self, grid: Grid, *, reply_timeout: float, node_wait: float, on_error: str = "stop") -> None:
-        if on_error not in POLICIES:
-            raise ConfigError(f"on-error must be one of {', '.join(POLICIES)}, got {on_error!r}")
+        if on_error not in support.POLICIES:
+            raise ConfigError(f"on-error must be one of {', '.join(support.POLICIES)}, got {on_error!r}")
         self.grid, self.reply_timeout, self.node_wait, self.on_error = grid, reply_timeout, node_wait, on_error
         self.node_of: dict[int, int] = {}  # client -> node id
         self.asked: dict[str, int] = {}  # start-up queries waiting for their reply: message id -> node id
@@ -78,7 +86,9 @@ class FlowerClients(Callback):
         self.replies: dict[str, Message] = {}  # this round's good replies, by job digest
         self.replies_round = -1
         self.dropped: dict[int, set[int]] = {}  # round -> clients the run went on without
+        self.unsent: dict[int, set[int]] = {}  # round -> dropped clients whose job was never sent
         self.bytes_sent = self.bytes_received = self.payload_sent = self.payload_received = self.messages = 0
+        self.tree_sent = self.tree_received = self.bytes_pushed = 0  # tree_bytes: before Flower's deduplication
         self.jobs = 0  # train messages sent (the start-up queries and the replies are in ``messages`` only)
 
     # ---- which node holds which client -----------------------------------------------------------
@@ -134,6 +144,8 @@ class FlowerClients(Callback):
         if not msgs:
             return []
         self.bytes_sent += sum(wire_bytes(m) for m in msgs)
+        self.tree_sent += sum(tree_bytes(m) for m in msgs)
+        self.bytes_pushed += pushed_bytes(msgs)
         self.payload_sent += sum(payload_bytes(m) for m in msgs)
         self.messages += len(msgs)
         self.jobs += sum(m.metadata.message_type == "train" for m in msgs)
@@ -142,6 +154,7 @@ class FlowerClients(Callback):
     def pull(self, ids: list[str]) -> list[Message]:
         replies = list(self.grid.pull_messages(ids))
         self.bytes_received += sum(wire_bytes(m) for m in replies)
+        self.tree_received += sum(tree_bytes(m) for m in replies)
         self.payload_received += sum(payload_bytes(m) for m in replies)
         self.messages += len(replies)
         return replies
@@ -156,6 +169,7 @@ class FlowerClients(Callback):
         online = set(self.grid.get_node_ids())
         keys = [_digest(h, t) for _, h, t in jobs]
         lost: dict[int, str] = {}
+        unsent: set[int] = set()
         sent: dict[str, int] = {}
         msgs = []
         for k, (c, header, tensors) in enumerate(jobs):
@@ -164,6 +178,7 @@ class FlowerClients(Callback):
             node = self.node_of.get(c)
             if node is None or node not in online:
                 lost[c] = "no SuperNode holding it is connected"
+                unsent.add(c)
                 continue
             msgs.append(Message(to_records(header, tensors), dst_node_id=node, message_type="train"))
             sent[keys[k]] = c
@@ -193,7 +208,7 @@ class FlowerClients(Callback):
         for key in pending.values():
             lost[sent[key]] = f"no reply in {self.reply_timeout:g} s"
         if lost:
-            raise ClientsLost(round, lost)
+            raise ClientsLost(round, lost, unsent)
         return [self.replies[k] for k in keys]
 
     # ---- the algorithm ---------------------------------------------------------------------------
@@ -203,20 +218,19 @@ class FlowerClients(Callback):
 
     def attach(self, algo: Algorithm) -> None:
         """Make ``algo``'s local trainer send its jobs to the nodes and apply the error policy to its rounds."""
+        why = support.unsupported(algo.name, algo.family, self.on_error)
+        if why is not None:  # fedweave flower-app refuses these already; --run-config may change on-error
+            raise DeploymentError(why)
+        _log_progress(algo)
         if algo.family == "split":  # the clients' side of each method on their nodes
-            if self.on_error == "drop":
-                raise DeploymentError("on-error drop is not built for the split family yet; use on-error stop")
             split.attach(self, algo)
             self._apply_policy(algo)
             self.discover(algo.ctx.num_clients)
             self.check_samples([len(p) for p in algo.ctx.partition])
             return
         trainer = getattr(algo, "trainer", None)
-        if trainer is None or algo.family not in ("centralized", "hierarchical"):
-            raise DeploymentError(
-                f"algorithm {algo.name!r} ({algo.family}) cannot be deployed on Flower yet: the centralized, "
-                "split and hierarchical families can (docs/deployment.md)"
-            )
+        if trainer is None:
+            raise DeploymentError(f"algorithm {algo.name!r} ({algo.family}) has no local trainer to deploy")
         remote = FlowerTrainer.__new__(FlowerTrainer)
         remote.__dict__.update(trainer.__dict__)
         remote.backend, remote.clients, remote.here = "flower", self, trainer
@@ -249,6 +263,7 @@ class FlowerClients(Callback):
         again without the lost clients, exactly as a dropout of ``faults.dropout`` in simulation (they
         deliver nothing; aggregation re-weights over those that reported); answered jobs are not sent again."""
         run_round, reporting, fault_metrics = algo.run_round, algo.reporting, algo.fault_metrics
+        send = getattr(algo, "send", None)  # the centralized and hierarchical families' downloads
         ledger = algo.ledger
         can_drop = "dropout" in algo.handles_faults
 
@@ -267,6 +282,7 @@ class FlowerClients(Callback):
                         log.warning("round %d: client %d: %s; the round goes on without it (on-error: drop)",
                                     r + 1, c, why)  # fmt: skip
                     self.dropped.setdefault(r, set()).update(e.reasons)
+                    self.unsent.setdefault(r, set()).update(e.unsent)
                     state, ledger_state = copy.deepcopy(before)
                     algo.load_state_dict(state)
                     ledger.load_state_dict(ledger_state)
@@ -280,12 +296,22 @@ class FlowerClients(Callback):
             n = reported if isinstance(reported, int) else len(reported)
             return {**fault_metrics(reported), "reported_clients": float(n)}
 
+        def send_to_reached(r: int, clients, *args, **kwargs) -> None:
+            # the ledger counts a download only where one left: a job whose node was not connected was never
+            # sent (a dropout in simulation did receive its download)
+            gone = self.unsent.get(r)
+            clients = np.asarray(clients)
+            return send(r, clients[~np.isin(clients, sorted(gone))] if gone else clients, *args, **kwargs)
+
         algo.run_round = run_round_under_policy
         if self.on_error == "drop" and can_drop:
             algo.reporting = reporting_without_lost
             algo.fault_metrics = fault_metrics_with_reports
+            algo.send = send_to_reached
 
     def summary(self, ledger_total: int) -> dict:
+        """summary.json's ``flower`` section: Flower's bytes beside the ledger's (docs/deployment.md, 'Byte
+        counts'). ``bytes_* = payload_* + framing_* - deduplicated_*`` in each direction."""
         return {
             "messages": self.messages,
             "jobs": self.jobs,
@@ -293,11 +319,68 @@ class FlowerClients(Callback):
             "bytes_received": self.bytes_received,
             "payload_sent": self.payload_sent,
             "payload_received": self.payload_received,
-            # Flower's serialised messages minus the ledger's payload bytes: the framing, record names,
-            # the job header and the start-up queries (docs/deployment.md)
+            # what Flower adds: message and record metadata, array headers, the JSON job header, the queries
+            "framing_sent": self.tree_sent - self.payload_sent,
+            "framing_received": self.tree_received - self.payload_received,
+            # what Flower saves: an array (or 5 MB chunk) identical to another of the same record travels once
+            "deduplicated_sent": self.tree_sent - self.bytes_sent,
+            "deduplicated_received": self.tree_received - self.bytes_received,
+            # the ServerApp's uploads to the SuperLink: an object shared by the messages of one push goes once
+            "bytes_pushed": self.bytes_pushed,
+            # Flower's serialised messages minus the ledger's bytes: framing, less what deduplication saves,
+            # less what the messages carry in fewer bytes than the ledger counts (FedMIM with J > 2); may be < 0
             "overhead_bytes": self.bytes_sent + self.bytes_received - ledger_total,
             "dropped": {str(r + 1): sorted(cs) for r, cs in sorted(self.dropped.items())},
+            # those of them whose job never left (their node was not connected): no download in the ledger
+            "unsent": {str(r + 1): sorted(cs) for r, cs in sorted(self.unsent.items()) if cs},
         }
+
+
+def _numbers(metrics: dict) -> str:
+    return ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float)))
+
+
+def _log_progress(algo: Algorithm) -> None:
+    """A line per round trained and per evaluation (the simulation's progress bar; ``flwr run --stream``
+    shows them)."""
+    run_round, evaluate, rounds = algo.run_round, algo.evaluate, algo.ctx.config.rounds
+
+    def run_round_logged(r: int) -> dict[str, float]:
+        metrics = run_round(r)
+        log.info("fedweave round %d/%d trained: %s", r + 1, rounds, _numbers(metrics))
+        return metrics
+
+    def evaluate_logged(r: int) -> dict[str, float]:
+        metrics = evaluate(r)
+        log.info("fedweave round %d/%d evaluated: %s (ledger %.3f MiB so far)", r + 1, rounds, _numbers(metrics),
+                 algo.ledger.bytes(upto_round=r) / 2**20)  # fmt: skip
+        return metrics
+
+    algo.run_round, algo.evaluate = run_round_logged, evaluate_logged
+
+
+class _ToFlower(logging.Handler):
+    """fedweave's log records into Flower's logger, whose output the ServerApp's process forwards to the
+    SuperLink (``flwr run --stream``, ``flwr log``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        flwr_log(record.levelno, "%s", record.getMessage())
+
+
+@contextmanager
+def _logs_to_flower() -> Iterator[None]:
+    """While the ServerApp runs: fedweave's INFO lines (progress, completion) and warnings through Flower."""
+    logger, handler = logging.getLogger("fedweave"), _ToFlower()
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # once, through Flower's logger (which propagates as Flower configures it)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 class FlowerTrainer(LocalTrainer):
@@ -425,6 +508,13 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    """Run the app's fedweave config on the SuperNodes. A run that fedweave refuses or stops raises
+    :class:`RunFailed` once its results are written, so that Flower records it as failed."""
+    with _logs_to_flower():
+        _main(grid, context)
+
+
+def _main(grid: Grid, context: Context) -> None:
     from fedweave import runner
 
     rc = context.run_config
@@ -436,18 +526,20 @@ def main(grid: Grid, context: Context) -> None:
         on_error=str(rc.get("on-error", "stop")),
     )
     run_dir = str(rc.get("run-dir", "")) or None
+    failed = None
     try:
         result = runner.run(config, run_dir=run_dir, callbacks=[clients], progress=False)
         out = Path(result.run_dir)
     except DeploymentError as e:  # before the first round: nothing was written
-        log.error("fedweave run not started: %s", e)
-        return
+        raise RunFailed(f"fedweave run not started: {e}") from None
     except RunStopped as e:
-        log.error("fedweave run stopped: %s", e)
+        failed = RunFailed(f"fedweave run stopped: {e}")
         if e.run_dir is None:
-            return
+            raise failed from None
         out = Path(e.run_dir)
     summary = json.loads((out / "summary.json").read_text())
     summary["flower"] = clients.summary(summary["communication"]["bytes_total"])
     atomic_write(out / "summary.json", json.dumps(summary, indent=2))
+    if failed is not None:
+        raise failed from None
     log.info("fedweave run in %s: %s", out, summary["status"])

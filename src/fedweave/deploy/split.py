@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.split.base import BackpropClient, ClientEpoch, SplitAlgorithm
-from fedweave.deploy.jobs import MalformedJobError
+from fedweave.config import ConfigError
+from fedweave.deploy.jobs import MalformedJobError, check_tensors, decode_lr, whole
 from fedweave.deploy.wire import from_records, on_device
 
 if TYPE_CHECKING:
@@ -145,9 +146,27 @@ def node_algorithm(config_json: str, data: str | None, client: int, num_classes:
     return build_algorithm(ctx)
 
 
+def _checked(h: dict, t: dict[str, torch.Tensor], algo: SplitAlgorithm, counts: dict[str, int]) -> None:
+    """A split job's settings (``counts``: whole numbers and their least values; its learning rates) and its
+    models (``x_c``, ``a_c``: the run's client-side model and auxiliary net, in the run's dtype)."""
+    try:
+        for key, least in counts.items():
+            whole(h, key, least)
+        for lr in h["lrs"] if "lrs" in h else [h["lr"]]:
+            decode_lr(lr)
+    except ConfigError as e:
+        raise MalformedJobError(f"the job's {e}") from e
+    for name, model in (("xc", algo.xc), ("xa", algo.xa)):
+        if name in t:
+            check_tensors({name: t[name]}, model.numel(), model.dtype)
+    if "grad" in t and t["grad"].dtype not in (algo.xc.dtype, torch.bfloat16):  # bf16: a bf16-mixed run
+        raise MalformedJobError(f"job tensor 'grad' is {t['grad'].dtype}; the run's parameters are {algo.xc.dtype}")
+
+
 def run_epoch(h: dict, t: dict[str, torch.Tensor], config_json: str, data: str | None, client: int):
     """The node's side of a CSE-FSL or FSL_AN job: the client's epoch from the fed server's models."""
     algo = node_algorithm(config_json, data, client, int(h["num_classes"]))
+    _checked(h, t, algo, {"round": 0, "start": 0, "period": 1, "seg": 0})
     t = on_device(t, algo.ctx.device)
     lrs = tuple(float(v) for v in h["lrs"])
     ep = algo.client_epoch(int(h["round"]), client, t["xc"].reshape(-1), t["xa"].reshape(-1), lrs,
@@ -160,6 +179,7 @@ def run_turn(h: dict, t: dict[str, torch.Tensor], config_json: str, data: str | 
     """The node's side of one FSL_MC or FSL_OC exchange: the client (from ``x_c``, or as it was after its last
     exchange) takes the server's gradient and sends its next smashed batch, or its model when done."""
     algo = node_algorithm(config_json, data, client, int(h["num_classes"]))
+    _checked(h, t, algo, {"round": 0, "batch": 0})
     r, batch = int(h["round"]), int(h["batch"])
     t = on_device(t, algo.ctx.device)
     if "grad" in t:

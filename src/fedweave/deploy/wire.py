@@ -49,6 +49,34 @@ def payload_bytes(msg: Any) -> int:
 
 
 def wire_bytes(obj: Any) -> int:
-    """Bytes of ``obj`` as Flower serialises it for transport (the object and its children)."""
+    """Bytes of ``obj`` as Flower serialises it for transport and a receiver pulls it: the object and its
+    children; a parent's children are keyed by content, so identical arrays of one record (or identical 5 MB
+    chunks of one array) travel once."""
     children = getattr(obj, "children", None) or {}
     return len(obj.deflate()) + sum(wire_bytes(c) for c in children.values())
+
+
+def tree_bytes(obj: Any) -> int:
+    """Bytes of ``obj`` and its children counted as often as the message names them (every array of a record,
+    every chunk of an array): ``wire_bytes`` plus what Flower saves by sending identical children once."""
+    if isinstance(obj, ArrayRecord):
+        return len(obj.deflate()) + sum(tree_bytes(a) for a in obj.values())
+    if isinstance(obj, Array):  # its children are its distinct chunks; ``slice_array`` names every one
+        return len(obj.deflate()) + sum(len(chunk.deflate()) for _, chunk in obj.slice_array())
+    children = getattr(obj, "children", None) or {}
+    return len(obj.deflate()) + sum(tree_bytes(c) for c in children.values())
+
+
+def pushed_bytes(msgs: list[Any]) -> int:
+    """Bytes of the distinct objects of the messages pushed in one call: the ServerApp uploads an object that
+    several messages of one push share (every job's start vector ``x`` of a round) to the SuperLink once."""
+    out: dict[str, int] = {}
+
+    def collect(obj: Any) -> None:
+        out[obj.object_id] = len(obj.deflate())
+        for child in (getattr(obj, "children", None) or {}).values():
+            collect(child)
+
+    for m in msgs:
+        collect(m)
+    return sum(out.values())

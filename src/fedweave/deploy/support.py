@@ -1,0 +1,34 @@
+"""Which runs the Flower deployment carries, checked where ``fedweave flower-app`` validates an app's settings
+(before it writes anything) and again when the ServerApp starts a run (``flwr run --run-config`` may change
+``on-error``). Importing this module does not import ``flwr``."""
+
+from __future__ import annotations
+
+from fedweave.config import ConfigError, RunConfig
+from fedweave.registry import ALGORITHMS
+
+POLICIES = ("stop", "drop")  # the app config's on-error
+FAMILIES = ("centralized", "split", "hierarchical")  # the families a deployment can run
+DROP_FAMILIES = ("centralized", "hierarchical")  # ... and those that can go on without a lost client
+
+
+def unsupported(algorithm: str, family: str, on_error: str) -> str | None:
+    """Why a run of ``algorithm`` (of ``family``) under ``on-error: on_error`` cannot be deployed, or None."""
+    if on_error not in POLICIES:
+        return f"on-error must be one of {', '.join(POLICIES)}, got {on_error!r}"
+    if family not in FAMILIES:
+        return (
+            f"algorithm {algorithm!r} ({family}) cannot be deployed on Flower yet: the "
+            f"{', '.join(FAMILIES)} families can (docs/deployment.md, 'What remains')"
+        )
+    if on_error == "drop" and family not in DROP_FAMILIES:
+        return f"on-error drop is not built for the {family} family yet (algorithm {algorithm!r}); use on-error stop"
+    return None
+
+
+def check_deployable(config: RunConfig, on_error: str) -> None:
+    """Raise :class:`ConfigError` (one line) when the run of ``config`` cannot be deployed under ``on_error``."""
+    name = config.algorithm.name
+    why = unsupported(name, ALGORITHMS.get(name).family, on_error)
+    if why is not None:
+        raise ConfigError(why)
