@@ -16,6 +16,7 @@ pytest.importorskip("flwr")
 
 from flwr.app import Array, Context, Message, RecordDict  # noqa: E402
 
+from fedweave.callbacks import Callback  # noqa: E402
 from fedweave.config import load  # noqa: E402
 from fedweave.deploy import client_app, server_app  # noqa: E402
 from fedweave.deploy.wire import tree_bytes  # noqa: E402
@@ -232,11 +233,12 @@ def test_a_client_whose_node_is_offline_is_a_dropout_that_received_nothing(tmp_p
     assert fl["payload_sent"] == ledger["bytes_down"] and fl["payload_received"] == ledger["bytes_up"]
     assert ledger["by_transfer"]["server->client:model+control"]["count"] == fl["jobs"]
 
-    def drop(algo) -> None:  # the simulation: client 3 delivers nothing in rounds 2 and 3
-        reporting = algo.reporting
-        algo.reporting = lambda r, c: (lambda kept: kept[~np.isin(kept, [3] if r > 0 else [])])(reporting(r, c))
+    class Drop(Callback):  # the simulation: client 3 delivers nothing in rounds 2 and 3
+        def on_build(self, state) -> None:
+            algo, reporting = state.algo, state.algo.reporting
+            algo.reporting = lambda r, c: (lambda kept: kept[~np.isin(kept, [3] if r > 0 else [])])(reporting(r, c))
 
-    sim = run(load(cfg), run_dir=tmp_path / "sim", prepare=drop).metrics
+    sim = run(load(cfg), run_dir=tmp_path / "sim", callbacks=[Drop()]).metrics
     for got, want in zip(rows, sim, strict=True):
         for k, v in want.items():
             if "wall" not in k and k not in ("bytes_down", "bytes_total"):
