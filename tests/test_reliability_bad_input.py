@@ -297,7 +297,7 @@ def test_other_commands_and_usage_errors_get_one_line(argv, expect, in_tmp, caps
 
 
 @pytest.mark.parametrize("form, expect", [({"workers": 0}, "workers must be a whole number >= 1, got 0"),
-                                          ({"seeds": 0}, "seeds must be at least 1, got 0")])  # fmt: skip
+                                          ({"seeds": 0}, "sweep.seeds must be a whole number >= 1, got 0")])  # fmt: skip
 def test_a_sweep_section_with_a_bad_count_writes_nothing(form, expect, in_tmp, capsys):
     sweep = {"grid": {"local.lr": [0.1]}, "out": "sw", **form}
     (in_tmp / "s.yaml").write_text(yaml.safe_dump({**BASE, "sweep": sweep}))

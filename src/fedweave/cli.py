@@ -118,28 +118,54 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_sweep(args: argparse.Namespace) -> int:
-    import yaml
+SWEEP_KEYS = ("grid", "zip", "seeds", "workers", "out")
 
+
+def _sweep_section(form: object, config: str) -> dict:
+    """A config file's ``sweep:`` section, checked before anything runs: each problem is one ConfigError
+    naming the file and the key."""
+    from fedweave.config import ConfigError
+
+    where = f"config file {config!r}: sweep"
+    if form is None:
+        return {}
+    if not isinstance(form, dict):
+        raise ConfigError(f"{where} must be a mapping of {', '.join(SWEEP_KEYS)}, got {type(form).__name__}")
+    unknown = sorted(map(str, set(form) - set(SWEEP_KEYS)))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(SWEEP_KEYS)})")
+    for key in ("grid", "zip"):
+        axes = form.get(key) or {}
+        pairs = axes.items() if isinstance(axes, dict) else [(None, None)]
+        if not all(isinstance(k, str) and isinstance(v, list) and v for k, v in pairs):
+            raise ConfigError(
+                f"{where}.{key} must be a mapping of keys to non-empty lists of values "
+                f"(e.g. local.lr: [0.01, 0.1]), got {repr(axes)[:80]}"
+            )
+    for key in ("seeds", "workers"):
+        v = form.get(key, 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{where}.{key} must be a whole number >= 1, got {v!r}")
+    if not isinstance(form.get("out", "-"), str) or not form.get("out", "-"):
+        raise ConfigError(f"{where}.out must be a directory path, got {form['out']!r}")
+    return form
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from fedweave.config import read_yaml_file
     from fedweave.experiments import parse_grid, sweep
 
     config, grid, zipped = args.config, parse_grid(args.grid), parse_grid(args.zip, "--zip")
     seeds, workers, out = args.seeds, args.workers, args.out
-    spec = yaml.safe_load(Path(config).read_text()) if Path(config).is_file() else None
+    spec = read_yaml_file(config)  # the config loader's checks: duplicate keys, nesting, aliases
     if isinstance(spec, dict) and "sweep" in spec:  # the YAML form: a base config plus a `sweep:` section
-        form = dict(spec.pop("sweep") or {})
-        unknown = set(form) - {"grid", "zip", "seeds", "workers", "out"}
-        if unknown:
-            raise SystemExit(
-                f"fedweave sweep: {config}: unknown sweep key {sorted(unknown)[0]!r} "
-                "(allowed: grid, zip, seeds, workers, out)"
-            )
+        form = _sweep_section(spec.pop("sweep"), config)
         grid = {**(form.get("grid") or {}), **grid}
         zipped = {**(form.get("zip") or {}), **zipped}
         seeds = args.seeds_given or form.get("seeds", seeds)
         workers = args.workers_given or form.get("workers", workers)
         out = args.out_given or form.get("out", out)
-        config = spec
+    config = {} if spec is None else spec
     res = sweep(
         config,
         grid,
