@@ -31,20 +31,31 @@ def load_plugin(spec: str) -> str:
         sys.modules[name] = module
         try:
             module_spec.loader.exec_module(module)
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # a plug-in's sys.exit() must not end the run without a word
             del sys.modules[name]
-            raise ConfigError(f"plugins: importing {spec!r} failed ({type(e).__name__}: {e})") from e
+            raise ConfigError(f"plugins: importing {spec!r} failed ({_one_line(e)})") from e
     else:
         name = spec
         try:
             importlib.import_module(spec)
-        except ImportError as e:
+        except ModuleNotFoundError as e:
+            if e.name is None or not spec.startswith(e.name):  # a module the plug-in itself imports is missing
+                raise ConfigError(f"plugins: importing {spec!r} failed ({_one_line(e)})") from e
             raise ConfigError(f"plugins: no module {spec!r} ({e}); give a .py file or an importable module") from e
+        except (Exception, SystemExit) as e:
+            raise ConfigError(f"plugins: importing {spec!r} failed ({_one_line(e)})") from e
     _LOADED[spec] = name
     return name
 
 
+def _one_line(e: BaseException) -> str:
+    """What a plug-in raised while importing, on one line (``SystemExit: 3``)."""
+    text = " ".join(str(e).split())[:300]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def load_plugins(specs: list[str]) -> None:
+    """Import each plug-in (see :func:`load_plugin`); a failing one is a ConfigError naming it."""
     for spec in specs:
         load_plugin(spec)
 
