@@ -120,6 +120,11 @@ class ConfederatedAlgorithm(Algorithm):
         super().__init__(ctx, hp)
         self.net = Confederation(hp, self.seeds.numpy("server_graph"), self.ledger)
         ctx.placement.check_float64("the confederated family (its problems are float64 by design)")
+        if ctx.placement.precision == "bf16-mixed":  # its gradients are closed-form float64: nothing autocasts
+            raise ConfigError(
+                f"precision: bf16-mixed does not apply to {self.name}: the confederated family computes in float64 "
+                "by design; use precision: float64 (or the default float32, which it also computes in float64)"
+            )
         # built and solved on the CPU (cached per dataset and options), then moved where the run computes
         pb_host, x_star, self.f_star, self.L_f = _problem(ctx, hp, self.seeds.numpy("partition"))
         dev = self.device = ctx.device
