@@ -621,12 +621,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, raw = text.split("=", 1)
     if not key or any(not p for p in key.split(".")):
         raise ConfigError(f"override {text!r} has an empty key")
+    shown = repr(text) if len(text) <= 80 else repr(text[:60]) + f"... ({len(text):,} characters)"
     try:
         value = yaml_load(raw) if raw != "" else None
     except ConfigError as e:
-        raise ConfigError(f"override {text!r}: {e}") from e
+        raise ConfigError(f"override {shown}: the value of {key}: {e}") from e
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: the value of {key} is not valid YAML ({_yaml_problem(e)})") from e
+        raise ConfigError(f"override {shown}: the value of {key} is not valid YAML ({_yaml_problem(e)})") from e
     return key.split("."), value
 
 
