@@ -32,7 +32,7 @@ BASE = {
     "local": {"batch_size": 32, "lr": 0.1},
     "output": {"progress": False, "plots": False},
 }
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = os.environ.get("TEST_SRC") or str(Path(__file__).resolve().parents[1] / "src")
 
 
 @pytest.fixture
@@ -190,6 +190,23 @@ def test_nan_weights_in_an_init_from_file_are_refused_naming_the_file(in_tmp, ca
     line = _one_line_error(capsys, cli_main(["run", "c.yaml", "model.init_from=w.pt", "--out", "r"]), "'w.pt'")
     assert "NaN or infinite values in 'fc.weight'" in line and "local.lr" not in line
     assert _files(in_tmp) == {"c.yaml", "w.pt"}
+
+
+# ---- samplers -----------------------------------------------------------------------------------------
+def test_a_bad_schedule_entry_of_a_later_round_is_refused_when_a_confederated_run_is_built():
+    """The edge servers ask the sampler per iteration; every entry is checked when the algorithm is built
+    (the star family's case is in test_reliability_bad_input.py)."""
+    from fedweave.algorithms.base import RunContext, build_algorithm
+    from fedweave.config import ConfigError
+
+    cfg = {
+        "rounds": 1,
+        "dataset": {"name": "cfl_logreg", "num_samples": 300, "dim": 20, "seed": 1},
+        "algorithm": {"name": "gt_saga", "num_servers": 6, "users_per_server": 5, "batch_size": 2, "sample_rate": 0.4},
+        "sampler": {"name": "schedule", "clients": [[0, 4], [1, 2], [3, 9]]},
+    }
+    with pytest.raises(ConfigError, match=r"sampler.clients\[2\] must hold distinct client ids in \[0, 4\]"):
+        build_algorithm(RunContext(load(cfg)))
 
 
 # ---- plug-ins -----------------------------------------------------------------------------------------

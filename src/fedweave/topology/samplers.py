@@ -137,7 +137,13 @@ def make_sampler(
     def sample(r: int) -> np.ndarray:
         return np.asarray(fn(n, per_round, r, ctx.seeds.numpy("client_sampling", r), rounds=rounds, **opts))
 
-    if fn is schedule:  # every round's entry, not only round 0's
-        _checked_plan(n, rounds, **opts)
+    check_every_round(fn, opts, n, rounds)
     sample(0)
     return sample
+
+
+def check_every_round(fn: Callable, opts: dict, num_clients: int, rounds: int) -> None:
+    """What sampler ``fn`` will be asked for in any round, checked now, when the run is built: every entry of
+    a ``schedule`` (a bad entry for round 900 is a configuration error before round 1, not in round 900)."""
+    if fn is schedule:
+        _checked_plan(num_clients, rounds, **opts)

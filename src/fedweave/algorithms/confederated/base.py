@@ -31,6 +31,7 @@ from fedweave.config import ConfigError, check_options
 from fedweave.faults import mixing_without
 from fedweave.registry import SAMPLERS
 from fedweave.topology.confederation import Confederation, ConfederationHparams
+from fedweave.topology.samplers import check_every_round
 
 
 @dataclass
@@ -132,6 +133,12 @@ class ConfederatedAlgorithm(Algorithm):
         self.alpha = hp.step_size if hp.step_size is not None else hp.step_scale / self.L_f
         pb = self.problem
         n, d = pb.N, pb.d
+        if self.config.sampler.name != "uniform" or self.config.sampler.options:  # every iteration's, now
+            fn = SAMPLERS.get(self.config.sampler.name)
+            opts = check_options(
+                fn, self.config.sampler.options, "sampler", skip=("num_clients", "per_round", "r", "rng", "rounds")
+            )
+            check_every_round(fn, opts, pb.P, self.config.rounds)
         self.X = torch.zeros(n, d, dtype=torch.float64, device=dev)  # server models x_i^k
         self.Y = torch.zeros(n, d, dtype=torch.float64, device=dev)  # trackers y_i^k
         self.G = torch.zeros(n, d, dtype=torch.float64, device=dev)  # estimates g_i^k
