@@ -386,9 +386,8 @@ def _exit_at_once(signum, frame) -> None:  # noqa: ARG001
 
 def _end() -> None:
     """The program's last exit handler, run once every other one has (pool workers joined, trackers closed):
-    exit now with the command's status. What the interpreter would do next only frees memory, seconds after a
-    large run, with Python's signal handlers gone, so that a Ctrl-C then ended the process as -2 without a
-    word."""
+    exit now with the command's status. What the interpreter does after it only frees memory (seconds after a
+    large run) and runs no Python signal handler: a Ctrl-C there ended the process as -2, without a word."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
