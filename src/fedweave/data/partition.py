@@ -492,7 +492,7 @@ def from_file(
     """Per-client training-set indices read from ``path``: a JSON list of index lists (or an object of them
     keyed "0", "1", ...), or an ``.npz`` with arrays ``client_0``, ``client_1``, ... To match another
     framework's partition exactly. ``num_clients`` 0 (or the file's count) takes every client of the file.
-    Indices must be distinct and inside the training set; samples of no client are left out."""
+    Indices must be distinct whole numbers inside the training set; samples of no client are left out."""
     import json
     from pathlib import Path
 
