@@ -219,10 +219,17 @@ def test_a_bad_schedule_entry_of_a_later_round_is_refused_when_a_confederated_ru
     ],
 )
 def test_a_plug_in_that_exits_or_raises_while_loading_is_one_line_naming_it(code, expect, in_tmp, capsys):
-    (in_tmp / "plug.py").write_text(code)
-    _one_line_error(capsys, cli_main(["run", "c.yaml", "plugins=[plug.py]", "--out", "r"]), "'plug.py'", expect)
-    _one_line_error(capsys, cli_main(["run", "c.yaml", "--plugin", "plug.py", "--out", "r"]), "'plug.py'", expect)
-    assert _files(in_tmp) == {"c.yaml", "plug.py"}
+    (in_tmp / "failing_plugin.py").write_text(code)
+    _one_line_error(
+        capsys, cli_main(["run", "c.yaml", "plugins=[failing_plugin.py]", "--out", "r"]), "'failing_plugin.py'", expect
+    )
+    _one_line_error(
+        capsys,
+        cli_main(["run", "c.yaml", "--plugin", "failing_plugin.py", "--out", "r"]),
+        "'failing_plugin.py'",
+        expect,
+    )
+    assert _files(in_tmp) == {"c.yaml", "failing_plugin.py"}
 
 
 def test_a_plug_in_module_that_exits_is_one_line_naming_it(in_tmp, capsys, monkeypatch):
