@@ -239,6 +239,21 @@ def test_a_plug_in_module_that_exits_is_one_line_naming_it(in_tmp, capsys, monke
     _one_line_error(capsys, cli_main(args), "'exiting_plugin_mod'", "SystemExit: 3")
 
 
+def test_a_plug_in_file_of_the_same_name_in_another_directory_is_imported(tmp_path, monkeypatch):
+    """Plug-ins are imported once per process; a file is known by its absolute path, not by the name it was
+    given (before: the second directory's ``same_name_plugin.py`` was silently taken as already imported)."""
+    from fedweave.plugins import load_plugin
+
+    for d in ("one", "two"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "same_name_plugin.py").write_text(f"import os\nos.environ['FEDWEAVE_TEST_PLUGIN'] = '{d}'\n")
+    monkeypatch.setenv("FEDWEAVE_TEST_PLUGIN", "")
+    for d in ("one", "two"):
+        monkeypatch.chdir(tmp_path / d)
+        load_plugin("same_name_plugin.py")
+        assert os.environ["FEDWEAVE_TEST_PLUGIN"] == d
+
+
 # ---- precision ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["cfl_admm", "cfl_saga", "gt_saga"])
 def test_the_confederated_family_refuses_bf16_mixed(name, in_tmp, capsys):

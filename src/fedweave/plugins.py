@@ -10,17 +10,20 @@ import importlib.util
 import sys
 from pathlib import Path
 
-_LOADED: dict[str, str] = {}  # what was asked for -> the module name it was imported as
+_LOADED: dict[str, str] = {}  # a file's absolute path, or a module name -> the module name it was imported as
 
 
 def load_plugin(spec: str) -> str:
     """Import ``spec``: a path to a ``.py`` file, or a module name on the path. Imported once per process."""
     from fedweave.config import ConfigError
 
-    if spec in _LOADED:
-        return _LOADED[spec]
-    if spec.endswith(".py") or "/" in spec:
-        path = Path(spec).expanduser().resolve()
+    is_file = spec.endswith(".py") or "/" in spec
+    # a file is known by its absolute path: `plug.py` in another working directory is another plug-in
+    key = str(Path(spec).expanduser().resolve()) if is_file else spec
+    if key in _LOADED:
+        return _LOADED[key]
+    if is_file:
+        path = Path(key)
         if not path.is_file():
             raise ConfigError(f"plugins: {spec!r} is not a file (give a .py file or an importable module name)")
         name = f"fedweave_plugin_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
@@ -44,7 +47,7 @@ def load_plugin(spec: str) -> str:
             raise ConfigError(f"plugins: no module {spec!r} ({e}); give a .py file or an importable module") from e
         except (Exception, SystemExit) as e:
             raise ConfigError(f"plugins: importing {spec!r} failed ({_one_line(e)})") from e
-    _LOADED[spec] = name
+    _LOADED[key] = name
     return name
 
 
