@@ -276,6 +276,7 @@ OTHER_COMMANDS = [
     (["report", "nowhere"], "nowhere"),
     (["sweep", "c.yaml", "--grid", "local.lr=0.1,fast", "--out", "sw"], "local.lr"),
     (["sweep", "c.yaml", "--grid", "nokey", "--out", "sw"], "nokey"),
+    (["sweep", "c.yaml", "--grid", "local.lr=" + "[" * 20_000, "--out", "sw"], "--grid local.lr"),
     (["sweep", "c.yaml", "--workers"], "--workers"),
     (["sweep", "c.yaml", "--seeds", "0", "--out", "sw"], "--seeds: '0' is not a whole number >= 1"),
     (["sweep", "c.yaml", "--workers", "-1", "--out", "sw"], "--workers: '-1' is not a whole number >= 1"),
@@ -295,7 +296,7 @@ OTHER_COMMANDS = [
 ]
 
 
-@pytest.mark.parametrize("argv, expect", OTHER_COMMANDS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+@pytest.mark.parametrize("argv, expect", OTHER_COMMANDS, ids=lambda v: " ".join(v)[:80] if type(v) is list else None)
 def test_other_commands_and_usage_errors_get_one_line(argv, expect, in_tmp, capsys):
     try:
         code = cli_main(argv)

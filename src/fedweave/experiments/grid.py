@@ -63,7 +63,7 @@ def parse_grid(items: list[str], flag: str = "--grid") -> dict[str, list[Any]]:
             raise GridError(f"{flag} key {key!r} is given twice")
         try:
             values = [yaml.safe_load(v) for v in raw.split(",")]
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, RecursionError) as e:  # RecursionError: thousands of nested brackets
             raise GridError(f"{flag} {key}: a value is not valid YAML ({e})") from e
         if not values or raw == "":
             raise GridError(f"{flag} {key!r} has no values")
