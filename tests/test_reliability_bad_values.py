@@ -32,7 +32,7 @@ BASE = {
     "local": {"batch_size": 32, "lr": 0.1},
     "output": {"progress": False, "plots": False},
 }
-SRC = os.environ.get("TEST_SRC") or str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's source, first on the children's path
 
 
 @pytest.fixture
