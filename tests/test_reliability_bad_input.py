@@ -153,6 +153,15 @@ def _cases() -> list[tuple[list[str], str]]:
         (["algorithm={name: fedadam, v_init: -1}"], "algorithm.v_init"),
         (["algorithm={name: fedadam, v_init: .nan}"], "algorithm.v_init"),
         (["output.trackers=[nosuch]"], "output.trackers"),
+        # values beyond what the computation can hold (before: a traceback from torch, at build or in round 1)
+        (["local.batch_size=9223372036854775808"], "local.batch_size must be <= 2,147,483,647"),
+        (["local.lr=1e41"], "local.lr must be a finite number in (0, 3.40282e+38]"),
+        (["local.grad_clip=1e41"], "local.grad_clip"),
+        (["model={name: mlp, hidden: [1000000000000]}"], "does not fit in memory"),
+        (["model.init_from=5"], "model.init_from must be the path"),
+        (["local.lr=" + "[" * 20_000], "YAML nested deeper than 100 levels"),
+        # every round's schedule entry is checked when the run is built (before: only when its round came)
+        (["sampler={name: schedule, clients: [[0, 1], [2, 3], [0, 9]]}"], "sampler.clients[2]"),
     ]
     return cases
 
@@ -268,6 +277,7 @@ OTHER_COMMANDS = [
     (["report", "nowhere"], "nowhere"),
     (["sweep", "c.yaml", "--grid", "local.lr=0.1,fast", "--out", "sw"], "local.lr"),
     (["sweep", "c.yaml", "--grid", "nokey", "--out", "sw"], "nokey"),
+    (["sweep", "c.yaml", "--grid", "local.lr=" + "[" * 20_000, "--out", "sw"], "--grid local.lr"),
     (["sweep", "c.yaml", "--workers"], "--workers"),
     (["sweep", "c.yaml", "--seeds", "0", "--out", "sw"], "--seeds: '0' is not a whole number >= 1"),
     (["sweep", "c.yaml", "--workers", "-1", "--out", "sw"], "--workers: '-1' is not a whole number >= 1"),
@@ -298,7 +308,7 @@ OTHER_COMMANDS = [
 ]
 
 
-@pytest.mark.parametrize("argv, expect", OTHER_COMMANDS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+@pytest.mark.parametrize("argv, expect", OTHER_COMMANDS, ids=lambda v: " ".join(v)[:80] if type(v) is list else None)
 def test_other_commands_and_usage_errors_get_one_line(argv, expect, in_tmp, capsys):
     try:
         code = cli_main(argv)
@@ -309,7 +319,7 @@ def test_other_commands_and_usage_errors_get_one_line(argv, expect, in_tmp, caps
 
 
 @pytest.mark.parametrize("form, expect", [({"workers": 0}, "workers must be a whole number >= 1, got 0"),
-                                          ({"seeds": 0}, "seeds must be at least 1, got 0")])  # fmt: skip
+                                          ({"seeds": 0}, "sweep.seeds must be a whole number >= 1")])  # fmt: skip
 def test_a_sweep_section_with_a_bad_count_writes_nothing(form, expect, in_tmp, capsys):
     sweep = {"grid": {"local.lr": [0.1]}, "out": "sw", **form}
     (in_tmp / "s.yaml").write_text(yaml.safe_dump({**BASE, "sweep": sweep}))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import errno
+import os
 import signal
 import sys
 import threading
@@ -120,28 +123,54 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_sweep(args: argparse.Namespace) -> int:
-    import yaml
+SWEEP_KEYS = ("grid", "zip", "seeds", "workers", "out")
 
+
+def _sweep_section(form: object, config: str) -> dict:
+    """A config file's ``sweep:`` section, checked before anything runs: each problem is one ConfigError
+    naming the file and the key."""
+    from fedweave.config import ConfigError
+
+    where = f"config file {config!r}: sweep"
+    if form is None:
+        return {}
+    if not isinstance(form, dict):
+        raise ConfigError(f"{where} must be a mapping of {', '.join(SWEEP_KEYS)}, got {type(form).__name__}")
+    unknown = sorted(map(str, set(form) - set(SWEEP_KEYS)))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(SWEEP_KEYS)})")
+    for key in ("grid", "zip"):
+        axes = form.get(key) or {}
+        pairs = axes.items() if isinstance(axes, dict) else [(None, None)]
+        if not all(isinstance(k, str) and isinstance(v, list) and v for k, v in pairs):
+            raise ConfigError(
+                f"{where}.{key} must be a mapping of keys to non-empty lists of values "
+                f"(e.g. local.lr: [0.01, 0.1]), got {repr(axes)[:80]}"
+            )
+    for key in ("seeds", "workers"):
+        v = form.get(key, 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{where}.{key} must be a whole number >= 1, got {v!r}")
+    if not isinstance(form.get("out", "-"), str) or not form.get("out", "-"):
+        raise ConfigError(f"{where}.out must be a directory path, got {form['out']!r}")
+    return form
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from fedweave.config import read_yaml_file
     from fedweave.experiments import parse_grid, sweep
 
     config, grid, zipped = args.config, parse_grid(args.grid), parse_grid(args.zip, "--zip")
     seeds, workers, out = args.seeds, args.workers, args.out
-    spec = yaml.safe_load(Path(config).read_text()) if Path(config).is_file() else None
+    spec = read_yaml_file(config)  # the config loader's checks: duplicate keys, nesting, aliases
     if isinstance(spec, dict) and "sweep" in spec:  # the YAML form: a base config plus a `sweep:` section
-        form = dict(spec.pop("sweep") or {})
-        unknown = set(form) - {"grid", "zip", "seeds", "workers", "out"}
-        if unknown:
-            raise SystemExit(
-                f"fedweave sweep: {config}: unknown sweep key {sorted(unknown)[0]!r} "
-                "(allowed: grid, zip, seeds, workers, out)"
-            )
+        form = _sweep_section(spec.pop("sweep"), config)
         grid = {**(form.get("grid") or {}), **grid}
         zipped = {**(form.get("zip") or {}), **zipped}
         seeds = args.seeds_given or form.get("seeds", seeds)
         workers = args.workers_given or form.get("workers", workers)
         out = args.out_given or form.get("out", out)
-        config = spec
+    config = {} if spec is None else spec
     res = sweep(
         config,
         grid,
@@ -342,10 +371,38 @@ def _os_error(e: OSError) -> str:
     return f"{where}{e.strerror or _one_line(e)}"
 
 
-def _sigterm(signum, frame) -> None:  # noqa: ARG001
-    from fedweave.runner import RunInterrupted
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt (a run stops the same way and says which signal)."""
 
-    raise RunInterrupted("terminated", "SIGTERM")
+    signal_name = "SIGTERM"
+
+
+def _sigterm(signum, frame) -> None:  # noqa: ARG001
+    raise Terminated("terminated")
+
+
+def _exit_at_once(signum, frame) -> None:  # noqa: ARG001
+    """A signal once the command is over (the interpreter joining pool workers, flushing trackers): exit now
+    with the signal's status, saying so unless an interruption was already reported."""
+    if not _reported:
+        os.write(2, b"fedweave: interrupted\n")
+    with contextlib.suppress(OSError, ValueError, RuntimeError):  # a closed pipe, or a flush this signal cut
+        sys.stdout.flush()
+    os._exit(128 + signum)
+
+
+def _end() -> None:
+    """The program's last exit handler, run once every other one has (pool workers joined, trackers closed):
+    exit now with the command's status. What the interpreter does after it only frees memory (seconds after a
+    large run) and runs no Python signal handler: a Ctrl-C there ended the process as -2, without a word."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(_status)
+
+
+_status = 1  # the program's exit status for _end (1 if main ends in an exception it does not handle)
+_reported = False  # an interruption has been reported: a later signal adds no second line
 
 
 def _one_line(e: BaseException) -> str:
@@ -353,6 +410,60 @@ def _one_line(e: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (``argv``: its arguments; None: this process's own, as the program). Bad input ends
+    in one line and status 2; Ctrl-C or SIGTERM, at any moment from the first import on, in one line and
+    status 130 or 143."""
+    global _status
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    if on_main_thread:
+        previous = signal.getsignal(signal.SIGINT), signal.signal(signal.SIGTERM, _sigterm)
+        if argv is None:  # registered first, so that it runs after every exit handler of what is imported later
+            atexit.register(_end)
+    code = 1  # the status of an exception not handled here
+    try:
+        code = _main(argv)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: while importing, building, running or stopping a run
+        code = _interrupted(e, on_main_thread)
+    except Exception as e:
+        # an interrupt that Python wrapped on its way (a class being created during an import wraps whatever
+        # it raises in a RuntimeError) is still an interrupt
+        cause = e.__cause__ or e.__context__
+        while cause is not None and not isinstance(cause, KeyboardInterrupt):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        code = _interrupted(cause, on_main_thread)
+    except SystemExit as e:  # argparse's --help, --version and usage errors
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        raise
+    finally:
+        _status = code
+        if on_main_thread:
+            if argv is None:  # the program: only the interpreter's shutdown is left, and a signal ends it at once
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    if signal.getsignal(sig) is not signal.SIG_IGN:
+                        signal.signal(sig, _exit_at_once)
+            else:  # called in-process: leave the caller's handlers as they were
+                for sig, handler in zip((signal.SIGINT, signal.SIGTERM), previous):
+                    if handler is not None:  # None: a handler not set from Python, which cannot be put back
+                        signal.signal(sig, handler)
+    return code
+
+
+def _interrupted(e: KeyboardInterrupt, on_main_thread: bool) -> int:
+    """Report an interrupt in one line; its exit status (130, or 143 for SIGTERM)."""
+    global _reported
+    if on_main_thread:  # a second signal while this is reported must not end in a traceback
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, _exit_at_once)
+    detail = _one_line(e) if str(e) else ""
+    print(f"fedweave: interrupted{': ' + detail if detail else ''}", file=sys.stderr, flush=True)
+    _reported = True
+    return 143 if getattr(e, "signal_name", "SIGINT") == "SIGTERM" else 130
+
+
+def _main(argv: list[str] | None) -> int:
     p = parser()
     args, extra = p.parse_known_args(argv)
     if extra and hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
@@ -369,10 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     from fedweave.experiments.jobs import RunFailed
     from fedweave.registry import UnknownNameError
     from fedweave.results import RunDirError
-    from fedweave.runner import CheckpointError, DivergenceError, RunInterrupted
+    from fedweave.runner import CheckpointError, DivergenceError
 
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _sigterm)
     try:
         return args.fn(args)
     except (
@@ -388,18 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     ) as e:
         print(f"fedweave: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except RunInterrupted as e:
-        print(f"fedweave: interrupted: {_one_line(e)}", file=sys.stderr)
-        return 143 if e.signal_name == "SIGTERM" else 130
-    except KeyboardInterrupt:  # outside a run (while loading data, say)
-        print("fedweave: interrupted", file=sys.stderr)
-        return 130
     except OSError as e:
         print(f"fedweave: error: {_os_error(e)}", file=sys.stderr)
         return 2
-    finally:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,58 @@ from fedweave.registry import UnknownNameError
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2's float rule and refusal of duplicate keys.
+    """PyYAML's safe loader with YAML 1.2's float rule, refusal of duplicate keys, and bounds on nesting and
+    on what aliases expand to.
 
     YAML 1.1 (PyYAML's default) reads ``1e-3`` as a string because its float rule wants a dot and a signed
     exponent; every spelling Python's ``float()`` accepts for a decimal number is a float here. A key given
-    twice in one mapping is an error instead of the last one silently winning.
+    twice in one mapping is an error instead of the last one silently winning. Merge keys (``<<: *defaults``)
+    work as in YAML 1.1: the mapping's own keys win over merged ones.
+
+    The composer counts, for every collection, how many values it holds once its aliases are expanded: an
+    alias "bomb" (each level aliasing the one before nine times) is a few hundred bytes of text that expands
+    to billions of values in every later copy of the config, so the values added by aliases are bounded, as
+    is the nesting depth (20,000 ``[`` would otherwise end in a RecursionError).
     """
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._sizes: dict[int, int] = {}  # id(collection node) -> its values once its aliases are expanded
+        self._aliased = 0  # values that aliases to collections have added so far
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            line = self.peek_event().start_mark.line + 1
+            node = super().compose_node(parent, index)
+            if isinstance(node, yaml.CollectionNode):
+                size = self._sizes.get(id(node))
+                if size is None:  # the anchored collection is still open: it would contain itself
+                    raise ConfigError(f"the alias at line {line} refers to a collection that contains it")
+                self._aliased += size
+                if self._aliased > MAX_YAML_ALIASED:
+                    raise ConfigError(
+                        f"YAML aliases expand to more than {MAX_YAML_ALIASED:,} values (line {line}); "
+                        "write the values out or alias less"
+                    )
+            return node
+        if self._depth >= MAX_YAML_DEPTH:
+            line = self.peek_event().start_mark.line + 1
+            raise ConfigError(f"YAML nested deeper than {MAX_YAML_DEPTH} levels (line {line})")
+        self._depth += 1
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if isinstance(node, yaml.CollectionNode):
+            items = node.value if isinstance(node, yaml.SequenceNode) else [n for kv in node.value for n in kv]
+            self._sizes[id(node)] = 1 + sum(self._sizes.get(id(n), 1) for n in items)
+        return node
+
+
+MAX_YAML_DEPTH = 100  # levels of nesting in a config file or override (a real config has fewer than 10)
+MAX_YAML_ALIASED = 100_000  # values that aliases may add to a config (a bomb adds billions)
+_MERGE = "tag:yaml.org,2002:merge"
 
 
 _FLOAT = re.compile(
@@ -52,12 +98,13 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456
 def _mapping_without_duplicates(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any]:
     seen: dict[Any, Any] = {}
     for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
+        # a merge key (``<<``) is no value of its own; given twice, it is a duplicate like any other key
+        key = "<<" if key_node.tag == _MERGE else loader.construct_object(key_node, deep=True)
         if key in seen:
             line = key_node.start_mark.line + 1
             raise ConfigError(f"duplicate key {key!r} at line {line}: give each key once")
         seen[key] = True
-    return loader.construct_mapping(node, deep=True)
+    return loader.construct_mapping(node, deep=True)  # SafeLoader's: merges the ``<<`` mappings first
 
 
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
@@ -122,12 +169,14 @@ class LocalConfig:
             v = getattr(self, key)
             if v is not None and v < 1:
                 raise ConfigError(f"local.{key} must be >= 1, got {v}")
+        if self.batch_size > MAX_BATCH_SIZE:
+            raise ConfigError(f"local.batch_size must be <= {MAX_BATCH_SIZE:,}, got {self.batch_size:,}")
         for key, most in (("epochs", MAX_LOCAL_EPOCHS), ("steps", MAX_LOCAL_STEPS)):
             v = getattr(self, key)
             if v is not None and v > most:
                 raise ConfigError(f"local.{key} must be <= {most:,} (a larger value runs for days), got {v:,}")
-        if not 0 < self.lr < math.inf:
-            raise ConfigError(f"local.lr must be a finite number > 0, got {self.lr}")
+        if not 0 < self.lr <= MAX_LR:  # the step is taken in float32 too, whose largest number this is
+            raise ConfigError(f"local.lr must be a finite number in (0, {MAX_LR:.6g}], got {self.lr}")
         if not 0 < self.lr_decay <= 1:
             raise ConfigError(f"local.lr_decay must be in (0, 1], got {self.lr_decay}")
         if self.lr_step < 1:
@@ -138,8 +187,8 @@ class LocalConfig:
             raise ConfigError(f"local.momentum must be in [0, 1), got {self.momentum}")
         if not 0 <= self.weight_decay < math.inf:
             raise ConfigError(f"local.weight_decay must be a finite number >= 0, got {self.weight_decay}")
-        if self.grad_clip is not None and not 0 < self.grad_clip < math.inf:
-            raise ConfigError(f"local.grad_clip must be a finite number > 0 or null, got {self.grad_clip}")
+        if self.grad_clip is not None and not 0 < self.grad_clip <= MAX_LR:
+            raise ConfigError(f"local.grad_clip must be a number in (0, {MAX_LR:.6g}] or null, got {self.grad_clip}")
         if self.crop_size is not None and self.crop_size < 1:
             raise ConfigError(f"local.crop_size must be >= 1 or null, got {self.crop_size}")
         if self.crop_padding < 0:
@@ -192,8 +241,8 @@ class EvalConfig:
             raise ConfigError(f"eval.every must be >= 1, got {self.every}")
         if self.explode_factor is not None and not 1 < self.explode_factor < math.inf:
             raise ConfigError(f"eval.explode_factor must be a finite number > 1 or null, got {self.explode_factor}")
-        if self.batch_size < 1:
-            raise ConfigError(f"eval.batch_size must be >= 1, got {self.batch_size}")
+        if not 1 <= self.batch_size <= MAX_BATCH_SIZE:
+            raise ConfigError(f"eval.batch_size must be in [1, {MAX_BATCH_SIZE:,}], got {self.batch_size:,}")
 
 
 @dataclass
@@ -297,6 +346,8 @@ PRECISIONS = ("float32", "float64", "bf16-mixed")
 MAX_ROUNDS = 10_000_000
 MAX_LOCAL_EPOCHS = 10_000
 MAX_LOCAL_STEPS = 10_000_000
+MAX_BATCH_SIZE = 2**31 - 1  # torch sizes and splits are 64-bit; far beyond any dataset
+MAX_LR = 3.4028234663852886e38  # float32's largest finite number: a larger lr or clip overflows a float32 step
 
 
 def max_threads() -> int:
@@ -579,12 +630,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, raw = text.split("=", 1)
     if not key or any(not p for p in key.split(".")):
         raise ConfigError(f"override {text!r} has an empty key")
+    shown = repr(text) if len(text) <= 80 else repr(text[:60]) + f"... ({len(text):,} characters)"
     try:
         value = yaml_load(raw) if raw != "" else None
     except ConfigError as e:
-        raise ConfigError(f"override {text!r}: {e}") from e
+        raise ConfigError(f"override {shown}: the value of {key}: {e}") from e
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: the value of {key} is not valid YAML ({_yaml_problem(e)})") from e
+        raise ConfigError(f"override {shown}: the value of {key} is not valid YAML ({_yaml_problem(e)})") from e
     return key.split("."), value
 
 
@@ -641,30 +693,36 @@ def example_path(name: str) -> Path:
     return path
 
 
+def read_yaml_file(source: str | Path) -> Any:
+    """The data of a YAML config file or a bundled example (``"example:demo"``), read with the config loader
+    (duplicate keys, deep nesting and alias bombs refused); every problem is one ConfigError naming the file."""
+    if isinstance(source, str) and source.startswith(EXAMPLE_PREFIX):
+        source = example_path(source[len(EXAMPLE_PREFIX) :])
+    path = Path(source)
+    if not path.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory; give a YAML file")
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} is not a regular file (a device or pipe); give a YAML file")
+    try:
+        return yaml_load(path.read_text(encoding="utf-8"))
+    except PermissionError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from e
+    except ConfigError as e:
+        raise ConfigError(f"config file {str(path)!r}: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_yaml_problem(e)}") from e
+
+
 def load(source: str | Path | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
     """Load a config from a YAML file, a bundled example (``"example:demo"``) or plain data, apply
     overrides, validate."""
     if isinstance(source, dict):
         data = source
     else:
-        if isinstance(source, str) and source.startswith(EXAMPLE_PREFIX):
-            source = example_path(source[len(EXAMPLE_PREFIX) :])
-        path = Path(source)
-        if not path.exists():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        if path.is_dir():
-            raise ConfigError(f"config file {str(path)!r} is a directory; give a YAML file")
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} is not a regular file (a device or pipe); give a YAML file")
-        try:
-            data = yaml_load(path.read_text(encoding="utf-8"))
-        except PermissionError as e:
-            raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from e
-        except ConfigError as e:
-            raise ConfigError(f"config file {str(path)!r}: {e}") from e
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from e
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_yaml_problem(e)}") from e
+        data = read_yaml_file(source)
         data = {} if data is None else data
     return from_dict(apply_overrides(data, overrides or []))

@@ -10,17 +10,20 @@ import importlib.util
 import sys
 from pathlib import Path
 
-_LOADED: dict[str, str] = {}  # what was asked for -> the module name it was imported as
+_LOADED: dict[str, str] = {}  # a file's absolute path, or a module name -> the module name it was imported as
 
 
 def load_plugin(spec: str) -> str:
     """Import ``spec``: a path to a ``.py`` file, or a module name on the path. Imported once per process."""
     from fedweave.config import ConfigError
 
-    if spec in _LOADED:
-        return _LOADED[spec]
-    if spec.endswith(".py") or "/" in spec:
-        path = Path(spec).expanduser().resolve()
+    is_file = spec.endswith(".py") or "/" in spec
+    # a file is known by its absolute path: `plug.py` in another working directory is another plug-in
+    key = str(Path(spec).expanduser().resolve()) if is_file else spec
+    if key in _LOADED:
+        return _LOADED[key]
+    if is_file:
+        path = Path(key)
         if not path.is_file():
             raise ConfigError(f"plugins: {spec!r} is not a file (give a .py file or an importable module name)")
         name = f"fedweave_plugin_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
@@ -31,20 +34,31 @@ def load_plugin(spec: str) -> str:
         sys.modules[name] = module
         try:
             module_spec.loader.exec_module(module)
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # a plug-in's sys.exit() must not end the run without a word
             del sys.modules[name]
-            raise ConfigError(f"plugins: importing {spec!r} failed ({type(e).__name__}: {e})") from e
+            raise ConfigError(f"plugins: importing {spec!r} failed ({_one_line(e)})") from e
     else:
         name = spec
         try:
             importlib.import_module(spec)
-        except ImportError as e:
+        except ModuleNotFoundError as e:
+            if e.name is None or not spec.startswith(e.name):  # a module the plug-in itself imports is missing
+                raise ConfigError(f"plugins: importing {spec!r} failed ({_one_line(e)})") from e
             raise ConfigError(f"plugins: no module {spec!r} ({e}); give a .py file or an importable module") from e
-    _LOADED[spec] = name
+        except (Exception, SystemExit) as e:
+            raise ConfigError(f"plugins: importing {spec!r} failed ({_one_line(e)})") from e
+    _LOADED[key] = name
     return name
 
 
+def _one_line(e: BaseException) -> str:
+    """What a plug-in raised while importing, on one line (``SystemExit: 3``)."""
+    text = " ".join(str(e).split())[:300]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def load_plugins(specs: list[str]) -> None:
+    """Import each plug-in (see :func:`load_plugin`); a failing one is a ConfigError naming it."""
     for spec in specs:
         load_plugin(spec)
 

@@ -9,6 +9,7 @@ everything a resumed run needs beyond the context (the context's ledger is saved
 from __future__ import annotations
 
 import dataclasses
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,11 +50,30 @@ def _as_config_error(section: str) -> Iterator[None]:
         raise ConfigError(msg if f"{section}." in msg else f"{section}: {msg}") from e
 
 
+@contextmanager
+def _model_memory(name: str, options: dict) -> Iterator[None]:
+    """A model too large to allocate (``model.hidden: [1000000000]``) is a configuration error naming its
+    options, not an allocator traceback."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "allocate" not in str(e):
+            raise
+        shown = ", ".join(f"model.{k}={v!r}" for k, v in options.items()) or "its default options"
+        wanted = re.search(r"allocate (\d+) bytes", str(e))  # the CPU allocator says how much it was asked for
+        what = f"{int(wanted[1]):,} bytes for one tensor" if wanted else type(e).__name__
+        raise ConfigError(f"model {name!r} with {shown} does not fit in memory ({what}); choose smaller sizes") from e
+
+
 def load_initial_weights(model: nn.Module, path: str) -> None:
     """``model.init_from``: initial weights from a ``state_dict`` saved by ``torch.save`` (read with
     ``weights_only=True``: no code runs) or an ``.npz`` of arrays named as the model's state_dict keys."""
-    from pathlib import Path
+    from pathlib import Path, PurePath
 
+    if isinstance(path, PurePath):
+        path = str(path)
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"model.init_from must be the path of a state_dict (.pt) or .npz file, got {path!r}")
     file = Path(path).expanduser()
     if not file.is_file():
         raise ConfigError(f"model.init_from: {path!r} is not a file")
@@ -79,6 +99,9 @@ def load_initial_weights(model: nn.Module, path: str) -> None:
             raise ConfigError(
                 f"model.init_from: {k!r} has shape {list(v.shape)} in {path!r}, the model's is {list(own[k].shape)}"
             )
+    for k, v in state.items():  # NaN weights would surface rounds later as a "diverged, lower the lr" run
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise ConfigError(f"model.init_from: {path!r} holds NaN or infinite values in {k!r}")
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
 
 
@@ -297,8 +320,10 @@ class RunContext:
             else:
                 builder = MODELS.get(self.config.model.name)
                 opts = check_options(builder, opts, "model", skip=("input_shape", "num_classes"))
-                model = builder(tuple(ds.input_shape), ds.num_classes, **opts)
-        model = model.to(device=self.device, dtype=self.dtype)
+                with _model_memory(self.config.model.name, opts):
+                    model = builder(tuple(ds.input_shape), ds.num_classes, **opts)
+        with _model_memory(self.config.model.name, opts):
+            model = model.to(device=self.device, dtype=self.dtype)
         if init_from is not None:
             load_initial_weights(model, init_from)
         check_model_fits(model, ds, self.config.model.name, self.config.dataset.name, self.device)

@@ -492,7 +492,7 @@ def from_file(
     """Per-client training-set indices read from ``path``: a JSON list of index lists (or an object of them
     keyed "0", "1", ...), or an ``.npz`` with arrays ``client_0``, ``client_1``, ... To match another
     framework's partition exactly. ``num_clients`` 0 (or the file's count) takes every client of the file.
-    Indices must be distinct and inside the training set; samples of no client are left out."""
+    Indices must be distinct whole numbers inside the training set; samples of no client are left out."""
     import json
     from pathlib import Path
 
@@ -509,15 +509,32 @@ def from_file(
             lists = [data[k] for k in sorted(data, key=int)] if isinstance(data, dict) else data
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"partition.path {path!r} is not a readable list of index lists ({e})") from e
-    parts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in lists]
+    n = len(labels)
+    parts = [_index_list(p, i, n, path) for i, p in enumerate(lists)]
     if not parts:
         raise ValueError(f"partition.path {path!r} holds no clients")
     if num_clients not in (None, 0, len(parts)):
         raise ValueError(f"partition.num_clients is {num_clients} but {path!r} holds {len(parts)} clients (or use 0)")
     flat = np.concatenate(parts)
-    n = len(labels)
-    if len(flat) and (flat.min() < 0 or flat.max() >= n):
-        raise ValueError(f"partition.path {path!r}: indices must be in [0, {n - 1}] (the training set)")
     if len(np.unique(flat)) != len(flat):
         raise ValueError(f"partition.path {path!r}: a sample is given to more than one client (or twice)")
     return [np.sort(p) for p in parts]
+
+
+def _index_list(entry: object, client: int, n: int, path: str) -> np.ndarray:
+    """Client ``client``'s entry of a ``from_file`` partition as int64 indices: a list (or integer array) of
+    whole numbers in [0, n). A fractional index (3.7) is refused rather than truncated to another sample, and
+    one beyond int64 (2**70) rather than overflowing."""
+    where = f"partition.path {path!r}: client {client}"
+    if isinstance(entry, np.ndarray):
+        if entry.size and entry.dtype.kind not in "iu":
+            raise ValueError(f"{where} holds {entry.dtype} indices; indices must be whole numbers in [0, {n - 1}]")
+        items = entry.reshape(-1).tolist()
+    elif isinstance(entry, list):
+        items = entry
+    else:
+        raise ValueError(f"{where} must be a list of sample indices, got {type(entry).__name__}")
+    for i in items:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+            raise ValueError(f"{where}: index {i!r} is not a whole number in [0, {n - 1}] (the training set)")
+    return np.asarray(items, dtype=np.int64)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import signal
 import traceback
 import weakref
 from typing import Any
@@ -51,6 +52,10 @@ def _dumps(obj: Any) -> bytes:
 
 def _serve(conn: Any, tr: LocalTrainer) -> None:
     """A worker's loop: answer ``train`` and ``evaluate`` requests until the driver hangs up."""
+    # Ctrl-C reaches the terminal's whole process group: the driver alone handles it (and SIGTERM), stops
+    # the run and closes the pipes, which ends this loop; a worker that raised too would print a traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(1)
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     from fedweave.execution.evaluate import batch_sums
@@ -96,7 +101,7 @@ def _close(conns: list, procs: list) -> None:
     for p in procs:
         p.join(timeout=5)
         if p.is_alive():
-            p.terminate()
+            p.kill()  # SIGKILL: the workers ignore SIGTERM
 
 
 class WorkerPool:

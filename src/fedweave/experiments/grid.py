@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from fedweave.config import ConfigError, RunConfig, apply_overrides, load
+from fedweave.config import ConfigError, RunConfig, apply_overrides, load, read_yaml_file
 
 
 class GridError(ConfigError):
@@ -63,7 +63,7 @@ def parse_grid(items: list[str], flag: str = "--grid") -> dict[str, list[Any]]:
             raise GridError(f"{flag} key {key!r} is given twice")
         try:
             values = [yaml.safe_load(v) for v in raw.split(",")]
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, RecursionError) as e:  # RecursionError: thousands of nested brackets
             raise GridError(f"{flag} {key}: a value is not valid YAML ({e})") from e
         if not values or raw == "":
             raise GridError(f"{flag} {key!r} has no values")
@@ -93,7 +93,7 @@ def expand(
     lengths = {k: len(v) for k, v in zipped.items()}
     if len(set(lengths.values())) > 1:
         raise GridError(f"zipped keys must have equally many values, got {lengths}")
-    data = yaml.safe_load(Path(base).read_text()) if not isinstance(base, dict) else base
+    data = read_yaml_file(base) if not isinstance(base, dict) else base  # duplicate keys refused, as in a run
     data = apply_overrides(data, overrides or [])
     base_seed = load(data).seed
     zip_rows = [tuple(zip(zipped, vs)) for vs in zip(*zipped.values())] or [()]

@@ -72,10 +72,28 @@ def schedule(
     """An explicit list of client lists, one per round (inline ``clients`` or a JSON ``file`` holding such a
     list), for matching another framework's participation exactly. ``cycle``: round r takes entry
     ``r % len``; otherwise the list must cover every round."""
+    plan = _checked_plan(num_clients, rounds, clients, file, cycle, every=False)
+    return _checked(plan[r % len(plan)], num_clients, f"sampler.clients[{r % len(plan)}]")
+
+
+def _checked_plan(
+    num_clients: int,
+    rounds: int,
+    clients: list[list[int]] | None = None,
+    file: str | None = None,
+    cycle: bool = True,
+    every: bool = True,
+) -> list[list[int]]:
+    """The schedule's plan, its length checked against the run and, with ``every``, the client ids of every
+    entry: ``make_sampler`` checks them all when the run is built, so that a bad entry for round 900 is not
+    found in round 900 (each round then checks its own entry only)."""
     plan = _plan(clients, file)
     if not cycle and len(plan) < rounds:
         raise ConfigError(f"sampler: the schedule has {len(plan)} rounds but the run has {rounds} (or set cycle: true)")
-    return _checked(plan[r % len(plan)], num_clients, f"sampler.clients[{r % len(plan)}]")
+    if every:
+        for i, ids in enumerate(plan):
+            _checked(ids, num_clients, f"sampler.clients[{i}]")
+    return plan
 
 
 def _plan(clients: list[list[int]] | None, file: str | None) -> list[list[int]]:
@@ -105,8 +123,8 @@ def make_sampler(
     ctx, per_round: int, num_clients: int | None = None, *, default: str = "uniform"
 ) -> Callable[[int], np.ndarray]:
     """Round -> client ids, from the run's ``sampler`` section (``default`` when it names the uniform default;
-    options checked now, and round 0 drawn once, so a bad schedule or client id is a configuration error
-    before anything runs)."""
+    options checked now, every entry of a ``schedule`` checked, and round 0 drawn once, so a bad schedule or
+    client id is a configuration error before anything runs)."""
     section = ctx.config.sampler
     name = default if section.name == "uniform" and not section.options else section.name
     fn = SAMPLERS.get(name)
@@ -119,5 +137,13 @@ def make_sampler(
     def sample(r: int) -> np.ndarray:
         return np.asarray(fn(n, per_round, r, ctx.seeds.numpy("client_sampling", r), rounds=rounds, **opts))
 
+    check_every_round(fn, opts, n, rounds)
     sample(0)
     return sample
+
+
+def check_every_round(fn: Callable, opts: dict, num_clients: int, rounds: int) -> None:
+    """What sampler ``fn`` will be asked for in any round, checked now, when the run is built: every entry of
+    a ``schedule`` (a bad entry for round 900 is a configuration error before round 1, not in round 900)."""
+    if fn is schedule:
+        _checked_plan(num_clients, rounds, **opts)

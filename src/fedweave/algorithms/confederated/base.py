@@ -31,6 +31,7 @@ from fedweave.config import ConfigError, check_options
 from fedweave.faults import mixing_without
 from fedweave.registry import SAMPLERS
 from fedweave.topology.confederation import Confederation, ConfederationHparams
+from fedweave.topology.samplers import check_every_round
 
 
 @dataclass
@@ -120,6 +121,11 @@ class ConfederatedAlgorithm(Algorithm):
         super().__init__(ctx, hp)
         self.net = Confederation(hp, self.seeds.numpy("server_graph"), self.ledger)
         ctx.placement.check_float64("the confederated family (its problems are float64 by design)")
+        if ctx.placement.precision == "bf16-mixed":  # its gradients are closed-form float64: nothing autocasts
+            raise ConfigError(
+                f"precision: bf16-mixed does not apply to {self.name}: the confederated family computes in float64 "
+                "by design; use precision: float64 (or the default float32, which it also computes in float64)"
+            )
         # built and solved on the CPU (cached per dataset and options), then moved where the run computes
         pb_host, x_star, self.f_star, self.L_f = _problem(ctx, hp, self.seeds.numpy("partition"))
         dev = self.device = ctx.device
@@ -127,6 +133,12 @@ class ConfederatedAlgorithm(Algorithm):
         self.alpha = hp.step_size if hp.step_size is not None else hp.step_scale / self.L_f
         pb = self.problem
         n, d = pb.N, pb.d
+        if self.config.sampler.name != "uniform" or self.config.sampler.options:  # every iteration's, now
+            fn = SAMPLERS.get(self.config.sampler.name)
+            opts = check_options(
+                fn, self.config.sampler.options, "sampler", skip=("num_clients", "per_round", "r", "rng", "rounds")
+            )
+            check_every_round(fn, opts, pb.P, self.config.rounds)
         self.X = torch.zeros(n, d, dtype=torch.float64, device=dev)  # server models x_i^k
         self.Y = torch.zeros(n, d, dtype=torch.float64, device=dev)  # trackers y_i^k
         self.G = torch.zeros(n, d, dtype=torch.float64, device=dev)  # estimates g_i^k
