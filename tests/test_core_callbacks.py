@@ -176,3 +176,13 @@ def test_a_bad_callback_entry_is_one_line_before_anything_is_written(cfg, tmp_pa
     with pytest.raises((ConfigError, UnknownNameError), match=re.escape(message)):
         fedweave.run({**cfg, "callbacks": [entry]}, run_dir=tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_family_with_its_own_metrics_is_plotted_by_them(tmp_path):
+    # the confederated family records no test_loss (its rows hold opt_gap ...): its plots were a traceback
+    from fedweave.cli import main as cli_main
+
+    code = cli_main(["run", "example:confederated/gt_saga", "rounds=2", "dataset.num_samples=2000", "dataset.dim=20",
+                     "output.plots=true", "--out", str(tmp_path / "c"), "--no-progress"])  # fmt: skip
+    assert code == 0
+    assert (tmp_path / "c" / "opt_gap_vs_rounds.png").is_file()

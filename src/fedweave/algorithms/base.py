@@ -346,6 +346,8 @@ class Algorithm(ABC):
     handles_faults: ClassVar[tuple[str, ...]] = ()
     # Why the family trains only its own task (None: it trains any task of fedweave.tasks)
     fixed_task: ClassVar[str | None] = None
+    # The column a run's plots show when the task's main metric is not among its rows (a fixed task's own)
+    plot_metric: ClassVar[str] = "test_loss"
 
     def __init__(self, ctx: RunContext, hp: Any) -> None:
         self.ctx = ctx

@@ -161,7 +161,7 @@ class Plots(Callback):
         if summary is not None and run.rows:
             from fedweave.plots import plot_runs
 
-            plot_runs([run.path], run.path, metric=summary["main_metric"] or "test_loss")
+            plot_runs([run.path], run.path, metric=summary["main_metric"] or run.algo.plot_metric)
 
 
 @CALLBACKS.register("stop_at_target")

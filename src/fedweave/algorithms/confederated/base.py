@@ -113,6 +113,7 @@ def _problem(ctx: RunContext, hp: ConfederatedHparams, rng: np.random.Generator)
 class ConfederatedAlgorithm(Algorithm):
     family = "confederated"
     fixed_task = "solves its paper's regularized logistic regression, eq. (48) (docs/algorithms/confederated.md)"
+    plot_metric = "opt_gap"  # the paper's figures: the optimality gap against iterations and uploads
     Hparams = ConfederatedHparams
     handles_faults = ("dropout", "server_miss", "link_loss")
     _state: tuple[str, ...] = ()  # subclass tensors/ints to checkpoint besides the skeleton's
