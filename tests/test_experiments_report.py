@@ -22,9 +22,9 @@ import yaml
 from PIL import Image
 
 import fedweave
+from fedweave.checkpoints import CHECKPOINT
 from fedweave.cli import main as cli_main
 from fedweave.experiments.report import build_report
-from fedweave.runner import CHECKPOINT
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium (Debian package chromium) is absent")
@@ -366,3 +366,18 @@ def test_report_overlays_the_sweeps_and_runs_given_on_one_plot(toy_config, tmp_p
     # the config keys that differ across all of them are the runs tables' columns
     heads = [rows[0][:4] for cls, rows, _ in _dom(text).tables if cls == "runs"]
     assert heads == [["run", "algorithm.name", "local.lr", "seed"]] * 3
+
+
+def test_report_replaces_an_earlier_report_but_no_other_file(tmp_path, capsys):
+    cfg = {"name": "r", "rounds": 1, "dataset": {"name": "digits"}, "partition": {"name": "iid", "num_clients": 4},
+           "model": {"name": "logistic"}, "algorithm": {"name": "fedavg", "clients_per_round": 2},
+           "output": {"progress": False, "plots": False}}  # fmt: skip
+    fedweave.run(cfg, run_dir=tmp_path / "run")
+    mine = tmp_path / "notes.html"
+    mine.write_text("<html>my notes</html>")
+    assert cli_main(["report", str(tmp_path / "run"), "--out", str(mine)]) == 2
+    assert "exists and is not a fedweave report" in capsys.readouterr().err
+    assert mine.read_text() == "<html>my notes</html>"
+    out = tmp_path / "report.html"
+    assert cli_main(["report", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert cli_main(["report", str(tmp_path / "run"), "--out", str(out)]) == 0  # its own earlier report: replaced

@@ -459,7 +459,9 @@ def build_report(dirs: list[str | Path]) -> str:
         body.append(f"<details><summary>{what}</summary><pre>{html.escape(shared_yaml)}</pre></details>")
     body += [_source_section(s, differ) for s in sources]
     given = ", ".join(html.escape(s.name) for s in sources)
-    head = f"<head><meta charset='utf-8'><title>fedweave report: {given}</title><style>{STYLE}</style></head>"
+    head = (
+        f"<head><meta charset='utf-8'>{GENERATOR}<title>fedweave report: {given}</title><style>{STYLE}</style></head>"
+    )
     return f"<!DOCTYPE html><html>{head}<body><h1>fedweave report: {given}</h1>{''.join(body)}</body></html>"
 
 
@@ -475,8 +477,25 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+GENERATOR = "<meta name='generator' content='fedweave report'>"  # marks a page this module wrote
+
+
 def write_report(dirs: list[str | Path], out: str | Path) -> Path:
-    """Write :func:`build_report`'s page to ``out`` (atomically) and return its path."""
+    """Write :func:`build_report`'s page to ``out`` (atomically) and return its path. An existing ``out``
+    is replaced only when it is a report written here (a :class:`RunDirError` otherwise: nothing of the
+    user's is overwritten)."""
     out = Path(out)
+    if out.exists() and not _is_report(out):
+        raise RunDirError(
+            f"{str(out)!r} exists and is not a fedweave report; give another --out (an earlier report is replaced)"
+        )
     atomic_write(out, build_report(dirs))
     return out
+
+
+def _is_report(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return GENERATOR.encode() in f.read(4096)
+    except OSError:  # a directory, or unreadable: not a report
+        return False
