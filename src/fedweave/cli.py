@@ -167,9 +167,17 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
-    from fedweave.reproduce import main as reproduce_main
+    """The one front end of every reproduction: the study's options on the CLI's parser, then its pipeline."""
+    from fedweave.reproduce import study
 
-    return reproduce_main(args.name, args.args)
+    s = study(args.name)
+    if s is None:  # a reproduction not yet on the Study pipeline parses its own options
+        from fedweave.reproduce import main as reproduce_main
+
+        return reproduce_main(args.name, args.args)
+    rp = Parser(prog=f"fedweave reproduce {args.name}", description=s.description)
+    s.add_arguments(rp, positive_int)
+    return s.execute(rp.parse_args(args.args))
 
 
 def _cmd_flower_app(args: argparse.Namespace) -> int:

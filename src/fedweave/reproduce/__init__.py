@@ -1,4 +1,5 @@
-"""Reproductions of the five papers: ``fedweave reproduce NAME`` runs ``fedweave.reproduce.<module>.main``."""
+"""Reproductions of the five papers: ``fedweave reproduce NAME`` runs the study ``fedweave.reproduce.<module>.STUDY``
+(``fedweave.experiments.study``) with the CLI's front end."""
 
 from __future__ import annotations
 
@@ -17,9 +18,18 @@ def available() -> list[str]:
     return [name for name, mod in PRESETS.items() if importlib.util.find_spec(mod) is not None]
 
 
-def main(name: str, argv: list[str]) -> int:
+def _module(name: str):
     if name not in available():
         from fedweave.config import ConfigError
 
         raise ConfigError(f"unknown reproduction {name!r}; available: {', '.join(available()) or 'none'}")
-    return int(importlib.import_module(PRESETS[name]).main(argv) or 0)
+    return importlib.import_module(PRESETS[name])
+
+
+def study(name: str):
+    """The reproduction's ``Study`` (None for one not yet on the pipeline); an unknown name is a ConfigError."""
+    return getattr(_module(name), "STUDY", None)
+
+
+def main(name: str, argv: list[str]) -> int:
+    return int(_module(name).main(argv) or 0)

@@ -1,0 +1,163 @@
+"""One pipeline for every paper reproduction (a study).
+
+A study declares what is its paper's: its presets (``plan``: the grid of points of a scale, with seeds and
+variants), how a finished run becomes a record (``record``), and how the records become the paper's tables,
+figures and claims (``report``). The pipeline does the rest alike for every paper: it runs the points through
+the sweep runner (``run_points``: a finished run of the same config is reused, a killed one resumes, at most
+``--workers`` at a time, no run starts after ``--budget-minutes``), turns every finished run into its record
+and hands the records to the report. ``fedweave reproduce NAME`` is its one front end (``fedweave.cli``); the
+common options are ``--scale --seeds --workers --out --budget-minutes``, a study adds its own as ``Option``.
+
+A claim is a ``Claim``: its text and a rule that computes its verdict from the study's table, so the verdicts
+of a page are computed, never written by hand (``judge``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedweave.config import ConfigError
+from fedweave.experiments.grid import Point
+from fedweave.experiments.jobs import run_points
+from fedweave.runner import Result
+
+
+@dataclass(frozen=True)
+class Option:
+    """A command-line option of one study, beside the common ones: argparse's flags and keywords; ``count``
+    makes its type a whole number >= 1 (the front end's own type)."""
+
+    flags: tuple[str, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    count: bool = False
+
+
+def option(*flags: str, count: bool = False, **kwargs: Any) -> Option:
+    """``Option(flags, kwargs, count)`` written as ``add_argument`` is called."""
+    return Option(flags, kwargs, count)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A claim's verdict: the claim, what was measured, and whether it held (None: untestable)."""
+
+    claim: str
+    measured: str
+    held: bool | None
+
+    def __iter__(self):  # a verdict unpacks as (claim, measured, held)
+        return iter((self.claim, self.measured, self.held))
+
+    def __getitem__(self, i: int) -> Any:
+        return (self.claim, self.measured, self.held)[i]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A paper's claim and its verdict rule. ``rule(table, ctx)`` returns ``(measured, held)`` with ``held``
+    True, False or None (untestable), or None when the records cannot test the claim at all (the claim is
+    left out, e.g. a variant the preset does not run); ``text`` is the claim, or a function of ``ctx`` that
+    writes it (a claim that names the preset's target)."""
+
+    text: str | Callable[[Any], str]
+    rule: Callable[[Any, Any], tuple[str, bool | None] | None]
+
+    def verdict(self, table: Any, ctx: Any = None) -> Verdict | None:
+        got = self.rule(table, ctx)
+        if got is None:
+            return None
+        text = self.text(ctx) if callable(self.text) else self.text
+        measured, held = got
+        return Verdict(text, measured, None if held is None else bool(held))
+
+
+def judge(claims: Sequence[Claim], table: Any, ctx: Any = None) -> list[Verdict]:
+    """The verdicts of ``claims`` on ``table``, in their order, without the claims the table cannot test."""
+    return [v for c in claims if (v := c.verdict(table, ctx)) is not None]
+
+
+@dataclass
+class Plan:
+    """What a study runs for one invocation: its points, what its records and report need of the preset
+    (``context``), and an ``initializer`` run once per worker (e.g. a dataset cache)."""
+
+    points: list[Point]
+    context: Any = None
+    initializer: Callable[[], None] | None = None
+
+
+def _count(text: str) -> int:
+    """A whole number >= 1, for Python callers of ``Study.main`` (the CLI uses its own type, same message)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse for Python callers of ``Study.main``: a usage error is a ``ConfigError`` (one line)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ConfigError(f"{self.prog}: {' '.join(message.split())}")
+
+
+@dataclass
+class Study:
+    """One paper's reproduction: its name (``fedweave reproduce NAME``), scales and options, and the three
+    functions that are its paper's own. ``plan(opts) -> Plan``; ``record(point, result, plan) -> record``
+    (a finished run as a row); ``report(records, plan, opts, wall) -> exit status`` (writes the tables,
+    figures, claims and the page's generated sections into ``opts.out``). ``run`` replaces a study's whole
+    front end when its runs are not runner runs (none today)."""
+
+    name: str
+    description: str
+    scales: tuple[str, ...]
+    plan: Callable[[argparse.Namespace], Plan]
+    record: Callable[[Point, Result, Plan], Any]
+    report: Callable[[list[Any], Plan, argparse.Namespace, float], int]
+    default_scale: str = "small"
+    scale_help: str | None = None
+    seeds_help: str = "number of seeds, 0..N-1 (default: the preset's)"
+    options: tuple[Option, ...] = ()
+
+    def add_arguments(self, parser: argparse.ArgumentParser, count: Callable[[str], int]) -> None:
+        """The front end's options on ``parser``: the common ones, then the study's; ``count`` is the type of
+        a whole number >= 1."""
+        parser.add_argument("--scale", choices=self.scales, default=self.default_scale, help=self.scale_help)
+        parser.add_argument("--seeds", type=count, default=None, help=self.seeds_help)
+        parser.add_argument("--workers", type=count, default=min(2, os.cpu_count() or 1), help="parallel runs")
+        parser.add_argument("--out", default=f"runs/reproduce-{self.name}", help="output directory")
+        parser.add_argument(
+            "--budget-minutes", type=float, default=None, help="start no new run after this many minutes"
+        )
+        for o in self.options:
+            parser.add_argument(*o.flags, **({"type": count} if o.count else {}), **o.kwargs)
+
+    def main(self, argv: list[str]) -> int:
+        """Parse ``argv`` (the study's options) and run the study: for Python callers; ``fedweave reproduce``
+        parses with the CLI's parser and calls ``execute``."""
+        parser = _Parser(prog=f"fedweave reproduce {self.name}", description=self.description)
+        self.add_arguments(parser, _count)
+        return self.execute(parser.parse_args(argv))
+
+    def execute(self, opts: argparse.Namespace) -> int:
+        """Plan, run the points (resumable, parallel, within the budget), record every finished run, report."""
+        t0 = time.perf_counter()
+        plan = self.plan(opts)
+        out = Path(opts.out)
+        budget = None if opts.budget_minutes is None else 60 * opts.budget_minutes
+        runs = run_points(
+            plan.points, out / "runs", workers=opts.workers, overwrite=True, budget_s=budget,
+            initializer=plan.initializer,
+        )  # fmt: skip
+        records = [self.record(pt, runs[pt.slug], plan) for pt in plan.points if pt.slug in runs]
+        return int(self.report(records, plan, opts, time.perf_counter() - t0) or 0)
