@@ -85,11 +85,13 @@ def judge(claims: Sequence[Claim], table: Any, ctx: Any = None) -> list[Verdict]
 @dataclass
 class Plan:
     """What a study runs for one invocation: its points, what its records and report need of the preset
-    (``context``), and an ``initializer`` run once per worker (e.g. a dataset cache)."""
+    (``context``), an ``initializer`` run once per worker (e.g. a dataset cache), and ``workers`` when the
+    preset fixes them (e.g. 1 at a smoke scale, where forking costs more than it saves)."""
 
     points: list[Point]
     context: Any = None
     initializer: Callable[[], None] | None = None
+    workers: int | None = None
 
 
 def _count(text: str) -> int:
@@ -154,10 +156,13 @@ class Study:
         t0 = time.perf_counter()
         plan = self.plan(opts)
         out = Path(opts.out)
+        out.mkdir(parents=True, exist_ok=True)
+        workers = plan.workers or opts.workers
         budget = None if opts.budget_minutes is None else 60 * opts.budget_minutes
+        print(f"{self.name} reproduction, scale {opts.scale}: {len(plan.points)} runs, {workers} worker(s) -> {out}",
+              flush=True)  # fmt: skip
         runs = run_points(
-            plan.points, out / "runs", workers=opts.workers, overwrite=True, budget_s=budget,
-            initializer=plan.initializer,
-        )  # fmt: skip
+            plan.points, out / "runs", workers=workers, overwrite=True, budget_s=budget, initializer=plan.initializer
+        )
         records = [self.record(pt, runs[pt.slug], plan) for pt in plan.points if pt.slug in runs]
         return int(self.report(records, plan, opts, time.perf_counter() - t0) or 0)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedweave.experiments.aggregate import finite, mean_std
 from fedweave.results import atomic_write
 
 
@@ -58,3 +59,19 @@ def markdown(rows: list[dict[str, Any]], best: int | None = None) -> str:
     if best is not None:
         cells[best] = [f"**{c}**" for c in cells[best]]
     return markdown_table(cols, cells)
+
+
+def mean_std_cell(
+    values: Sequence[float], scale: float = 1.0, ddof: int = 1, sep: str = " ± ", nd: int = 2, empty: str = "-"
+) -> str:
+    """``mean<sep>std`` of ``values`` times ``scale`` at ``nd`` decimals, over the finite ones; the runs that
+    diverged (a NaN or infinite value) are counted, ``(k/n diverged)``, and none finite is ``diverged (n/n)``;
+    no values at all is ``empty``."""
+    if not values:
+        return empty
+    ok, bad = finite([v * scale for v in values])
+    if not ok:
+        return f"diverged ({bad}/{bad})"
+    m, sd = mean_std(ok, ddof=ddof)
+    cell = f"{m:.{nd}f}{sep}{sd:.{nd}f}"
+    return cell if not bad else f"{cell} ({bad}/{len(values)} diverged)"

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,12 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from fedweave.cli import Parser, positive_int
-from fedweave.experiments.aggregate import finite, mean_std
+from fedweave.config import ConfigError
 from fedweave.experiments.grid import Point
-from fedweave.experiments.jobs import finished, run_points
+from fedweave.experiments.jobs import finished
 from fedweave.experiments.plots import plot_curves
-from fedweave.experiments.tables import markdown_table, write_csv
+from fedweave.experiments.study import Plan, Study, option
+from fedweave.experiments.tables import markdown_table, mean_std_cell, write_csv
 from fedweave.results import atomic_write
 from fedweave.runner import Result
 
@@ -295,13 +293,7 @@ def collect(point: Point, res: Result) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- tables
 def _ms_cell(vals: list[float], scale: float = 100.0) -> str:
     """mean±std over the runs (population std, spec 9), and how many diverged (NaN) if any did."""
-    if not vals:
-        return "-"
-    ok, bad = finite([v * scale for v in vals])
-    if not ok:
-        return f"diverged ({bad}/{bad})"
-    m, sd = mean_std(ok, ddof=0)
-    return f"{m:.2f}±{sd:.2f}" if not bad else f"{m:.2f}±{sd:.2f} ({bad}/{len(vals)} diverged)"
+    return mean_std_cell(vals, scale, ddof=0, sep="±")
 
 
 def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> dict[str, tuple[list, list]]:
@@ -534,58 +526,62 @@ def write_results(out: Path, results: list[dict[str, Any]], rows: dict[str, list
     plots(results, p, out)
 
 
-# --------------------------------------------------------------------------------------------- main
-def main(argv: list[str]) -> int:
-    ap = Parser(prog="fedweave reproduce afind", description=__doc__.split("\n")[0])
-    ap.add_argument("--scale", choices=("smoke", "small", "paper"), default="small")
-    ap.add_argument("--seeds", type=positive_int, default=None, help="number of seeds (0..n-1); default: the preset's")
-    ap.add_argument("--out", default="runs/reproduce-afind")
-    ap.add_argument(
-        "--workers", type=positive_int, default=min(2, os.cpu_count() or 1), help="parallel runs (1 thread each)"
-    )
-    ap.add_argument(
-        "--tables",
-        default="1,2,tau",
-        help="comma list of 1,2,3,tau,dp,fig5 (3 = partial topology, dp = Table 4, fig5 = the personalised "
-        "methods Ditto, FOMO, DisPFL with and without AFIND+'s selection)",
-    )
-    ap.add_argument("--rounds", type=positive_int, default=None, help="override the preset's number of rounds")
-    ap.add_argument("--primary-only", action="store_true", help="Table 1 on the primary setting only")
-    ap.add_argument("--collect", action="store_true", help="run nothing: tables from the finished runs only")
-    ap.add_argument("--only", default="", help="comma list of method labels to run (e.g. 'Local,Gossip,AFIND+')")
-    args = ap.parse_args(argv)
-    p = preset(args.scale)
-    if args.rounds is not None:
-        if args.rounds < 1:
-            raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+# ------------------------------------------------------------------------------------------ the study
+TABLES = ("1", "2", "3", "tau", "dp", "fig5")
+
+
+def study_plan(opts) -> Plan:
+    """The points of ``--tables`` at ``--scale``; with ``--only`` / ``--collect`` only those rows' points and
+    the finished runs (the tables still show every finished run)."""
+    p = preset(opts.scale)
+    if opts.rounds is not None:
         for s in p.settings:
-            s.base["rounds"] = args.rounds
-    if args.primary_only:
+            s.base["rounds"] = opts.rounds
+    if opts.primary_only:
         p.settings = [s for s in p.settings if s.key == p.primary]
-    seeds = args.seeds or p.seeds
-    wanted = {t.strip() for t in args.tables.split(",") if t.strip()}
-    bad = wanted - {"1", "2", "3", "tau", "dp", "fig5"}
-    if bad:
-        raise SystemExit(f"--tables: unknown {sorted(bad)}; allowed 1, 2, 3, tau, dp, fig5")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    seeds = opts.seeds or p.seeds
+    wanted = {t.strip() for t in opts.tables.split(",") if t.strip()}
+    if bad := wanted - set(TABLES):
+        raise ConfigError(f"--tables: unknown {sorted(bad)}; allowed {', '.join(TABLES)}")
     jobs, rows = plan(p, seeds, wanted)
     grid = points(jobs, p)
-    done = finished(grid, out / "runs") if args.only or args.collect else {}
-    if args.only:  # run only these rows' jobs (the tables still show every finished run)
-        keep = {x.strip() for x in args.only.split(",")}
+    done = finished(grid, Path(opts.out) / "runs") if opts.only or opts.collect else {}
+    if opts.only:
+        keep = {x.strip() for x in opts.only.split(",")}
         grid = [pt for pt in grid if dict(pt.values)["label"] in keep or pt.slug in done]
-        unknown = keep - {dict(pt.values)["label"] for pt in grid}
-        if unknown:
-            raise SystemExit(f"--only: unknown method label(s) {sorted(unknown)}")
-    if args.collect:
+        if unknown := keep - {dict(pt.values)["label"] for pt in grid}:
+            raise ConfigError(f"--only: unknown method label(s) {sorted(unknown)}")
+    if opts.collect:
         grid = [pt for pt in grid if pt.slug in done]
-    print(f"afind reproduction, scale {args.scale}: {len(grid)} runs, {args.workers} worker(s) -> {out}", flush=True)
-    t0 = time.perf_counter()
-    workers = 1 if args.scale == "smoke" else args.workers
-    runs = run_points(grid, out / "runs", workers=workers, overwrite=True)
-    results = [collect(pt, runs[pt.slug]) for pt in grid]
-    wall = time.perf_counter() - t0
-    write_results(out, results, rows, p, args.scale, len(grid), seeds, wall)
-    print(f"wrote {out / 'results.md'} ({wall:.0f} s)")
+    return Plan(grid, (p, rows, seeds), workers=1 if opts.scale == "smoke" else None)
+
+
+def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> int:
+    p, rows, seeds = plan.context
+    write_results(Path(opts.out), results, rows, p, opts.scale, len(plan.points), seeds, wall)
+    print(f"wrote {Path(opts.out) / 'results.md'} ({wall:.0f} s)")
     return 0
+
+
+STUDY = Study(
+    name="afind",
+    description=__doc__.split("\n")[0],
+    scales=("smoke", "small", "paper"),
+    seeds_help="number of seeds (0..n-1); default: the preset's",
+    options=(
+        option(
+            "--tables",
+            default="1,2,tau",
+            help="comma list of 1,2,3,tau,dp,fig5 (3 = partial topology, dp = "
+            "Table 4, fig5 = the personalised methods Ditto, FOMO, DisPFL with and without AFIND+'s selection)",
+        ),
+        option("--rounds", count=True, default=None, help="override the preset's number of rounds"),
+        option("--primary-only", action="store_true", help="Table 1 on the primary setting only"),
+        option("--collect", action="store_true", help="run nothing: tables from the finished runs only"),
+        option("--only", default="", help="comma list of method labels to run (e.g. 'Local,Gossip,AFIND+')"),
+    ),  # fmt: skip
+    plan=study_plan,
+    record=lambda point, res, plan: collect(point, res),
+    report=report,
+)
+main = STUDY.main
