@@ -24,7 +24,7 @@ from typing import Any
 
 from fedweave.config import ConfigError
 from fedweave.experiments.grid import Point
-from fedweave.experiments.jobs import run_points
+from fedweave.experiments.jobs import finished, run_points
 from fedweave.runner import Result
 
 
@@ -92,6 +92,7 @@ class Plan:
     context: Any = None
     initializer: Callable[[], None] | None = None
     workers: int | None = None
+    reused: set[str] = field(default_factory=set)  # the points an earlier invocation ran (set by the pipeline)
 
 
 def _count(text: str) -> int:
@@ -155,14 +156,23 @@ class Study:
         """Plan, run the points (resumable, parallel, within the budget), record every finished run, report."""
         t0 = time.perf_counter()
         plan = self.plan(opts)
-        out = Path(opts.out)
-        out.mkdir(parents=True, exist_ok=True)
-        workers = plan.workers or opts.workers
         budget = None if opts.budget_minutes is None else 60 * opts.budget_minutes
-        print(f"{self.name} reproduction, scale {opts.scale}: {len(plan.points)} runs, {workers} worker(s) -> {out}",
-              flush=True)  # fmt: skip
-        runs = run_points(
-            plan.points, out / "runs", workers=workers, overwrite=True, budget_s=budget, initializer=plan.initializer
-        )
-        records = [self.record(pt, runs[pt.slug], plan) for pt in plan.points if pt.slug in runs]
+        records = self.records(plan, opts.out, workers=opts.workers, budget_s=budget, scale=opts.scale)
         return int(self.report(records, plan, opts, time.perf_counter() - t0) or 0)
+
+    def records(
+        self, plan: Plan, out: str | Path, workers: int = 1, budget_s: float | None = None, scale: str = ""
+    ) -> list[Any]:
+        """Run the plan's points into ``out/runs`` (``run_points``: a finished run of the same config is reused
+        and marked in ``plan.reused``, a killed one resumes; no run starts after ``budget_s``) and return the
+        record of every finished run, in the plan's order."""
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        workers = plan.workers or workers
+        print(f"{self.name} reproduction, scale {scale}: {len(plan.points)} runs, {workers} worker(s) -> {out}",
+              flush=True)  # fmt: skip
+        plan.reused = set(finished(plan.points, out / "runs"))
+        runs = run_points(
+            plan.points, out / "runs", workers=workers, overwrite=True, budget_s=budget_s, initializer=plan.initializer
+        )
+        return [self.record(pt, runs[pt.slug], plan) for pt in plan.points if pt.slug in runs]

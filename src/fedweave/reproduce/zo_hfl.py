@@ -25,23 +25,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedweave.cli import Parser, positive_int
 from fedweave.experiments.aggregate import mean_std
 from fedweave.experiments.grid import Point
-from fedweave.experiments.jobs import finished, run_points
 from fedweave.experiments.plots import band
+from fedweave.experiments.study import Plan, Study, option
 from fedweave.experiments.tables import markdown_table, write_csv
 from fedweave.memory import cpu_seconds
 from fedweave.plots import plt, save_png
 from fedweave.results import atomic_write
+from fedweave.runner import Result
 
 SETTINGS = [(1000.0, 0.9), (1.0, 0.5), (0.1, 0.1)]  # (Dirichlet alpha, participation beta), paper §IV
 SETTING_NAMES = {s: f"a={s[0]:g}, b={round(100 * s[1])}%" for s in SETTINGS}
@@ -363,26 +361,18 @@ def _cache_datasets() -> None:
         DATASETS._items[name] = functools.lru_cache(maxsize=2)(DATASETS._items[name])
 
 
-def run_all(configs: list[dict[str, Any]], workers: int, out: Path) -> dict[str, dict[str, Any]]:
-    """Run every config in ``OUT/runs/<name>`` (finished runs are reused); per name its metric rows, status,
-    wall and CPU seconds, and whether an earlier invocation ran it."""
-    points = [Point.of(c, c["name"]) for c in configs]
-    earlier = finished(points, out / "runs")
-    done = run_points(points, out / "runs", workers=workers, overwrite=True, initializer=_cache_datasets)
-    results = {}
-    for pt in points:
-        res = done[pt.slug]
-        # a run that diverged before any evaluation keeps a NaN row; the table marks it
-        rows = res.metrics or [{"round": 0, "test_accuracy": float("nan"), "global_loss": float("nan")}]
-        results[pt.slug] = {
-            "name": pt.slug,
-            "rows": rows,
-            "status": res.summary["status"],
-            "seconds": float(res.summary["wall_seconds"]),
-            "cpu": float(res.summary.get("cpu_seconds") or 0.0),
-            "reused": pt.slug in earlier,
-        }
-    return results
+def record(pt: Point, res: Result, plan: Plan) -> dict[str, Any]:
+    """A run's metric rows, status, wall and CPU seconds, and whether an earlier invocation ran it."""
+    # a run that diverged before any evaluation keeps a NaN row; the table marks it
+    rows = res.metrics or [{"round": 0, "test_accuracy": float("nan"), "global_loss": float("nan")}]
+    return {
+        "name": pt.slug,
+        "rows": rows,
+        "status": res.summary["status"],
+        "seconds": float(res.summary["wall_seconds"]),
+        "cpu": float(res.summary.get("cpu_seconds") or 0.0),
+        "reused": pt.slug in plan.reused,
+    }
 
 
 # ---- summarizing ---------------------------------------------------------------------------------------
@@ -719,53 +709,46 @@ def _load() -> str:
         return "n/a"
 
 
-def main(argv: list[str]) -> int:
-    ap = Parser(prog="fedweave reproduce zo-hfl", description=__doc__.split("\n")[0])
-    ap.add_argument("--scale", choices=sorted(PRESETS), default="small")
-    ap.add_argument("--seeds", type=positive_int, default=None, help="number of seeds (default: 3; smoke: 1)")
-    ap.add_argument("--out", default="runs/reproduce-zo-hfl")
-    ap.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1), help="parallel processes")
-    ap.add_argument("--rounds", type=positive_int, default=None, help="override the Table I rounds of the preset")
-    ap.add_argument(
-        "--tune", action="store_true", help="only tune lambda and mu (and gamma_0) on a validation split (spec A1)"
-    )
-    args = ap.parse_args(argv)
-    p = dataclasses.replace(PRESETS[args.scale])  # a copy: the presets stay as defined
-    if args.rounds is not None:
-        p.rounds = args.rounds
-    n_seeds = args.seeds if args.seeds is not None else (1 if args.scale == "smoke" else 3)
+def study_plan(opts) -> Plan:
+    """Table I and the tau sweep of ``--scale`` (or, with ``--tune``, the lambda/mu grid)."""
+    p = dataclasses.replace(PRESETS[opts.scale])  # a copy: the presets stay as defined
+    if opts.rounds is not None:
+        p.rounds = opts.rounds
+    n_seeds = opts.seeds if opts.seeds is not None else (1 if opts.scale == "smoke" else 3)
     seeds = list(range(n_seeds))
     p.sweep_seeds = min(p.sweep_seeds, n_seeds)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.tune:
-        tune_seeds = seeds if args.seeds is not None else [0]
-        configs = tune_configs(p, tune_seeds, out)
-        print(f"zo-hfl tuning ({args.scale}): {len(configs)} runs on {args.workers} worker(s) -> {out}")
-        t0 = time.perf_counter()
-        results = run_all(configs, args.workers, out)
+    out = Path(opts.out)
+    if opts.tune:
+        seeds = seeds if opts.seeds is not None else [0]
+        configs = tune_configs(p, seeds, out)
+    else:
+        configs = plan(p, seeds, out)
+    return Plan([Point.of(c, c["name"]) for c in configs], (p, seeds, configs), initializer=_cache_datasets)
+
+
+def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> int:
+    """Table I, the claims and the figures (or the tuning table)."""
+    p, seeds, configs = plan_.context
+    out = Path(opts.out)
+    results = {r["name"]: r for r in records}
+    if opts.tune:
         meta = {
             "rounds": p.rounds,
             "tau": p.tau,
-            "seeds": len(tune_seeds),
-            "workers": args.workers,
-            "wall_seconds": time.perf_counter() - t0,
+            "seeds": len(seeds),
+            "workers": opts.workers,
+            "wall_seconds": wall,
             "cpu_seconds": cpu_seconds(),
             "load": _load(),
         }
         write_tune(tune_summary(configs, results), out, meta)
         print((out / "tune.md").read_text())
         return 0
-    configs = plan(p, seeds, out)
-    print(f"zo-hfl reproduction ({args.scale}): {len(configs)} runs on {args.workers} worker(s) -> {out}")
-    t0 = time.perf_counter()
-    results = run_all(configs, args.workers, out)
-    wall = time.perf_counter() - t0
     meta = {
-        "scale": args.scale,
+        "scale": opts.scale,
         "rounds": p.rounds,
-        "seeds": n_seeds,
-        "workers": args.workers,
+        "seeds": len(seeds),
+        "workers": opts.workers,
         "wall_seconds": round(wall, 1),
         "runs": len(configs),
         "run_seconds": {k: round(v["seconds"], 1) for k, v in results.items()},
@@ -781,7 +764,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":  # pragma: no cover
-    import sys
-
-    raise SystemExit(main(sys.argv[1:]))
+STUDY = Study(
+    name="zo-hfl",
+    description=__doc__.split("\n")[0],
+    scales=tuple(sorted(PRESETS)),
+    seeds_help="number of seeds (default: 3; smoke: 1)",
+    options=(
+        option("--rounds", count=True, default=None, help="override the Table I rounds of the preset"),
+        option("--tune", action="store_true", help="only tune lambda and mu (and gamma_0) on a validation split (A1)"),
+    ),
+    plan=study_plan,
+    record=record,
+    report=report,
+)
+main = STUDY.main
