@@ -93,6 +93,7 @@ class Plan:
     initializer: Callable[[], None] | None = None
     workers: int | None = None
     reused: set[str] = field(default_factory=set)  # the points an earlier invocation ran (set by the pipeline)
+    skipped: list[Point] = field(default_factory=list)  # the points not run: the time budget ran out (idem)
 
 
 def _count(text: str) -> int:
@@ -175,4 +176,5 @@ class Study:
         runs = run_points(
             plan.points, out / "runs", workers=workers, overwrite=True, budget_s=budget_s, initializer=plan.initializer
         )
+        plan.skipped = [pt for pt in plan.points if pt.slug not in runs]
         return [self.record(pt, runs[pt.slug], plan) for pt in plan.points if pt.slug in runs]

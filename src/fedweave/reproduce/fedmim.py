@@ -28,18 +28,15 @@ import csv
 import dataclasses
 import json
 import math
-import os
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedweave.cli import Parser, positive_int
 from fedweave.experiments.aggregate import mean_std
 from fedweave.experiments.grid import Point
-from fedweave.experiments.jobs import run_points
 from fedweave.experiments.plots import band
+from fedweave.experiments.study import Plan, Study, option
 from fedweave.experiments.tables import markdown_table, write_csv
 from fedweave.plots import plt, save_png
 from fedweave.results import atomic_write
@@ -336,7 +333,7 @@ def plan(
     return points
 
 
-def record(point: Point, res: Result) -> dict[str, Any]:
+def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any]:
     """One run's row of results.csv; a diverged run (NaN/Inf) is kept as such, with no final accuracy."""
     rows, summary = res.metrics, res.summary
     if summary.get("status") == "diverged" or not rows:  # counted as chance-level failure, flagged
@@ -823,31 +820,19 @@ def write_variant_outputs(records: list[dict], skipped: list, name: str, p: Pres
     return 0
 
 
-# ---- entry point ----------------------------------------------------------------------------------------
-def main(argv: list[str]) -> int:
-    ap = Parser(prog="fedweave reproduce fedmim", description=__doc__.splitlines()[0])
-    ap.add_argument("--scale", choices=sorted(PRESETS), default="small")
-    ap.add_argument("--seeds", type=positive_int, help="number of seeds, 0..N-1 (default: the preset's)")
-    ap.add_argument("--out", default="runs/reproduce-fedmim", help="output directory")
-    ap.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1), help="parallel runs")
-    ap.add_argument("--datasets", nargs="+", help="replace the preset's datasets, in order (e.g. a test fixture)")
-    ap.add_argument("--methods", nargs="+", choices=METHODS, help="only these methods")
-    ap.add_argument("--budget-minutes", type=float, help="start no new run after this many minutes")
-    ap.add_argument("--extend", action="store_true", help="also run the preset's lower-priority cells")
-    args = ap.parse_args(argv)
-    p = PRESETS[args.scale]
-    seeds = tuple(range(args.seeds)) if args.seeds else p.seeds
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    points = plan(p, out, seeds, args.datasets, args.methods, args.extend)
-    budget = args.budget_minutes * 60 if args.budget_minutes is not None else None
-    done = run_points(points, out / "runs", workers=max(1, args.workers), overwrite=True, budget_s=budget)
-    records = [record(pt, done[pt.slug]) for pt in points if pt.slug in done]
-    skipped = [pt for pt in points if pt.slug not in done]
-    wall = time.perf_counter() - t0
+# ---- the study ------------------------------------------------------------------------------------------
+def study_plan(opts) -> Plan:
+    p = PRESETS[opts.scale]
+    seeds = tuple(range(opts.seeds)) if opts.seeds else p.seeds
+    return Plan(plan(p, Path(opts.out), seeds, opts.datasets, opts.methods, opts.extend), (p, seeds))
+
+
+def report(records: list[dict], plan_: Plan, opts, wall: float) -> int:
+    """Table I (or a variant preset's table), results.csv, the claims, the curves and the gaps."""
+    p, seeds = plan_.context
+    out, skipped = Path(opts.out), plan_.skipped
     if p.variants:
-        return write_variant_outputs(records, skipped, args.scale, p, out, wall)
+        return write_variant_outputs(records, skipped, opts.scale, p, out, wall)
     table, claims = summarize(records)
     keys = ["dataset", "split", "method", "seed", "final_acc", "best_acc", "last3_acc", "consistency_last20"]
     keys += ["status", "rounds_done", "wall_seconds", "cpu_seconds"]
@@ -856,7 +841,7 @@ def main(argv: list[str]) -> int:
     tkeys += ["consistency_last20", "rank", "paper_cifar10", "paper_rank"]
     write_csv(out / "table.csv", table, tkeys, float_format=".6g")
     cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
-    md = markdown(table, claims, args.scale, p, wall, sum(cpus) if len(cpus) == len(records) else None)
+    md = markdown(table, claims, opts.scale, p, wall, sum(cpus) if len(cpus) == len(records) else None)
     if skipped:
         names = ("-".join(map(str, [*dict(pt.values).values(), pt.seed])) for pt in skipped)
         md += "\nNot run (time budget reached): " + ", ".join(names) + "\n"
@@ -869,3 +854,19 @@ def main(argv: list[str]) -> int:
         atomic_write(out / "gaps.md", gap_md)
     print(md)
     return 0
+
+
+STUDY = Study(
+    name="fedmim",
+    description=__doc__.splitlines()[0],
+    scales=tuple(sorted(PRESETS)),
+    options=(
+        option("--datasets", nargs="+", help="replace the preset's datasets, in order (e.g. a test fixture)"),
+        option("--methods", nargs="+", choices=METHODS, help="only these methods"),
+        option("--extend", action="store_true", help="also run the preset's lower-priority cells"),
+    ),
+    plan=study_plan,
+    record=record,
+    report=report,
+)
+main = STUDY.main
