@@ -177,7 +177,7 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
         return reproduce_main(args.name, args.args)
     rp = Parser(prog=f"fedweave reproduce {args.name}", description=s.description)
     s.add_arguments(rp, positive_int)
-    return s.execute(rp.parse_args(args.args))
+    return s.execute(rp.parse_args(args.args), args.args)
 
 
 def _cmd_flower_app(args: argparse.Namespace) -> int:

@@ -15,6 +15,9 @@ of a page are computed, never written by hand (``judge``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import io
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -22,9 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from fedweave.config import ConfigError
 from fedweave.experiments.grid import Point
-from fedweave.experiments.jobs import finished, run_points
+from fedweave.experiments.jobs import finished, parallel_map, run_points
+from fedweave.results import atomic_write
 from fedweave.runner import Result
 
 
@@ -92,6 +98,10 @@ class Plan:
     context: Any = None
     initializer: Callable[[], None] | None = None
     workers: int | None = None
+    # a study whose runs are not runner runs (a solver loop to a target): ``solve(point) -> record`` runs one
+    # point, which has a ``slug`` and is a dataclass (its fields are the run's identity); see ``Study.records``
+    solve: Callable[[Any], dict[str, Any]] | None = None
+    progress: Callable[[dict[str, Any]], str] | None = None  # a finished solve's line of progress
     reused: set[str] = field(default_factory=set)  # the points an earlier invocation ran (set by the pipeline)
     skipped: list[Point] = field(default_factory=list)  # the points not run: the time budget ran out (idem)
 
@@ -146,15 +156,18 @@ class Study:
         for o in self.options:
             parser.add_argument(*o.flags, **({"type": count} if o.count else {}), **o.kwargs)
 
-    def main(self, argv: list[str]) -> int:
+    def main(self, argv: list[str] | None = None) -> int:
         """Parse ``argv`` (the study's options) and run the study: for Python callers; ``fedweave reproduce``
         parses with the CLI's parser and calls ``execute``."""
         parser = _Parser(prog=f"fedweave reproduce {self.name}", description=self.description)
         self.add_arguments(parser, _count)
-        return self.execute(parser.parse_args(argv))
+        argv = list(argv or [])
+        return self.execute(parser.parse_args(argv), argv)
 
-    def execute(self, opts: argparse.Namespace) -> int:
-        """Plan, run the points (resumable, parallel, within the budget), record every finished run, report."""
+    def execute(self, opts: argparse.Namespace, argv: list[str] | None = None) -> int:
+        """Plan, run the points (resumable, parallel, within the budget), record every finished run, report.
+        ``argv``, the command line's options, is kept as ``opts.argv`` (a report may name its command)."""
+        opts.argv = list(argv or [])
         t0 = time.perf_counter()
         plan = self.plan(opts)
         budget = None if opts.budget_minutes is None else 60 * opts.budget_minutes
@@ -172,9 +185,68 @@ class Study:
         workers = plan.workers or workers
         print(f"{self.name} reproduction, scale {scale}: {len(plan.points)} runs, {workers} worker(s) -> {out}",
               flush=True)  # fmt: skip
+        if plan.solve is not None:
+            return [self.record(pt, r, plan) for pt, r in zip(plan.points, _solved(plan, out / "runs", workers))]
         plan.reused = set(finished(plan.points, out / "runs"))
         runs = run_points(
             plan.points, out / "runs", workers=workers, overwrite=True, budget_s=budget_s, initializer=plan.initializer
         )
         plan.skipped = [pt for pt in plan.points if pt.slug not in runs]
         return [self.record(pt, runs[pt.slug], plan) for pt in plan.points if pt.slug in runs]
+
+
+# ---- runs that are not runner runs: solved records, kept per point ----------------------------------------
+def _spec(point: Any) -> dict[str, Any]:
+    """A point's identity as JSON would give it back (what a kept record is compared with)."""
+    return json.loads(json.dumps(dataclasses.asdict(point)))
+
+
+def _save_solved(run_dir: Path, point: Any, record: dict[str, Any]) -> None:
+    """``record.json`` (the point and its record; arrays left out) and ``arrays.npz`` (a record's values that
+    are arrays, or tuples of arrays, as ``<key>.<i>``), each written atomically, ``record.json`` last."""
+    arrays = {k: v for k, v in record.items() if isinstance(v, np.ndarray | tuple)}
+    flat = {f"{k}.{i}": a for k, v in arrays.items() for i, a in enumerate(v if isinstance(v, tuple) else (v,))}
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **flat)
+    atomic_write(run_dir / "arrays.npz", buf.getvalue())
+    plain = {k: v for k, v in record.items() if k not in arrays}
+    kinds = {k: "tuple" if isinstance(v, tuple) else "array" for k, v in arrays.items()}
+    atomic_write(run_dir / "record.json", json.dumps({"point": _spec(point), "record": plain, "arrays": kinds}) + "\n")
+
+
+def _load_solved(run_dir: Path, point: Any) -> dict[str, Any] | None:
+    """The kept record of ``point`` in ``run_dir``, or None when there is none or it is another point's."""
+    try:
+        kept = json.loads((run_dir / "record.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if kept.get("point") != _spec(point):
+        return None
+    record = kept["record"]
+    with np.load(run_dir / "arrays.npz") as z:
+        for key, kind in kept["arrays"].items():
+            parts = [z[n] for n in sorted((n for n in z.files if n.rsplit(".", 1)[0] == key), key=_index)]
+            record[key] = tuple(parts) if kind == "tuple" else parts[0]
+    return record
+
+
+def _index(name: str) -> int:
+    return int(name.rsplit(".", 1)[1])
+
+
+def _solved(plan: Plan, runs_dir: Path, workers: int) -> list[dict[str, Any]]:
+    """Every point's record: kept from an earlier call when its directory holds the same point's record,
+    else solved on ``workers`` forked processes (``parallel_map``) and kept in ``runs_dir/<slug>``."""
+    kept = {p.slug: r for p in plan.points if (r := _load_solved(runs_dir / p.slug, p)) is not None}
+    plan.reused = set(kept)
+    todo = [p for p in plan.points if p.slug not in kept]
+    t0, done = time.perf_counter(), iter(range(1, len(todo) + 1))
+
+    def finished_one(i: int, record: dict[str, Any]) -> None:
+        _save_solved(runs_dir / todo[i].slug, todo[i], record)
+        line = plan.progress(record) if plan.progress else todo[i].slug
+        print(f"[{next(done)}/{len(todo)} {time.perf_counter() - t0:6.0f}s] {line}", flush=True)
+
+    new = parallel_map(plan.solve, todo, workers=workers, on_result=finished_one)
+    kept.update(zip((p.slug for p in todo), new))
+    return [kept[p.slug] for p in plan.points]
