@@ -17,7 +17,7 @@ def test_claims_are_rules_computing_their_verdicts_from_the_table():
     table = {"a": 3.0, "b": 1.0}
     claims = [
         Claim("C1 a beats b", lambda t, ctx: (f"{t['a']:.1f} vs {t['b']:.1f}", t["a"] > t["b"])),
-        Claim(lambda ctx: f"C2 a reaches {ctx}", lambda t, ctx: (f"{t['a']:.1f}", None)),  # untestable
+        Claim(lambda t, ctx: f"C2 a reaches {ctx}", lambda t, ctx: (f"{t['a']:.1f}", None)),  # untestable
         Claim("C3 needs c", lambda t, ctx: None if "c" not in t else ("", True)),  # not testable at all: left out
     ]
     verdicts = judge(claims, table, 5)

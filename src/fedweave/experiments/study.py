@@ -68,17 +68,17 @@ class Verdict:
 class Claim:
     """A paper's claim and its verdict rule. ``rule(table, ctx)`` returns ``(measured, held)`` with ``held``
     True, False or None (untestable), or None when the records cannot test the claim at all (the claim is
-    left out, e.g. a variant the preset does not run); ``text`` is the claim, or a function of ``ctx`` that
-    writes it (a claim that names the preset's target)."""
+    left out, e.g. a variant the preset does not run); ``text`` is the claim, or a function of
+    ``(table, ctx)`` that writes it (a claim that names the preset's target or the largest noise run)."""
 
-    text: str | Callable[[Any], str]
+    text: str | Callable[[Any, Any], str]
     rule: Callable[[Any, Any], tuple[str, bool | None] | None]
 
     def verdict(self, table: Any, ctx: Any = None) -> Verdict | None:
         got = self.rule(table, ctx)
         if got is None:
             return None
-        text = self.text(ctx) if callable(self.text) else self.text
+        text = self.text(table, ctx) if callable(self.text) else self.text
         measured, held = got
         return Verdict(text, measured, None if held is None else bool(held))
 

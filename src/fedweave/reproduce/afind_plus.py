@@ -32,7 +32,7 @@ from fedweave.config import ConfigError
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished
 from fedweave.experiments.plots import plot_curves
-from fedweave.experiments.study import Plan, Study, option
+from fedweave.experiments.study import Claim, Plan, Study, judge, option
 from fedweave.experiments.tables import markdown_table, mean_std_cell, write_csv
 from fedweave.results import atomic_write
 from fedweave.runner import Result
@@ -378,83 +378,138 @@ def _seed_gains(plain: list[dict[str, Any]], plug: list[dict[str, Any]], key: st
     return [b[s] - a[s] for s in sorted(set(a) & set(b))]
 
 
-def claims(results: list[dict[str, Any]], p: Preset) -> list[tuple[str, bool | None, str]]:
-    """Spec 9.1 pass criteria, evaluated on the primary setting."""
-    by = defaultdict(dict)
+def _by_seed(results: list[dict[str, Any]], p: Preset) -> dict[str, dict[int, dict[str, Any]]]:
+    """The primary setting's records, per label and seed."""
+    by: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
     for r in results:
         if r["setting"] == p.primary:
             by[r["label"]][r["seed"]] = r
-    out = []
+    return by
 
-    def best(label: str) -> dict[int, float]:
-        return {s: r["best"] for s, r in by.get(label, {}).items()}
 
-    a, g, loc, af = best("AFIND+"), best("Gossip"), best("Local"), best("+i+ii (AFIND)")
-    if a and g:
-        seeds = sorted(set(a) & set(g))
-        gap = [a[s] - g[s] for s in seeds]
-        ok = np.mean(gap) >= 0.02 and all(x > 0 for x in gap)
-        out.append(("AFIND+ > Gossip by >= 2 points (mean) and in every seed", ok,
-                    f"gap {100 * np.mean(gap):+.2f} points; per seed {[round(100 * x, 2) for x in gap]}"))  # fmt: skip
-    if a and loc:
-        d = np.mean([a[s] - loc[s] for s in set(a) & set(loc)])
-        out.append(("AFIND+ >= Local", bool(d >= 0), f"difference {100 * d:+.2f} points"))
-    if a and af:
-        d = np.mean([a[s] - af[s] for s in set(a) & set(af)])
-        out.append(("AFIND+ > AFIND (Boltzmann beats uniform aggregation)", bool(d > 0), f"difference {100 * d:+.2f}"))
-    taus = sorted({*p.taus, 0.5})
-    sel = []
-    for t in taus:
-        lb = "AFIND+" if t == 0.5 else f"AFIND+ tau={t:g}"
-        if lb in by:
-            sel.append(np.mean([r["selected"] for r in by[lb].values()]))
-    if len(sel) == len(taus) and len(sel) > 1:
-        ok = all(x > y for x, y in zip(sel, sel[1:]))
-        out.append(
-            (
-                "mean coreset size strictly decreasing in tau",
-                ok,
-                ", ".join(f"tau {t:g}: {s:.2f}" for t, s in zip(taus, sel)),
-            )
-        )
-    # Table 4: the change of best-round accuracy against sigma_2 = 0, over the seeds both have
-    base, dp = best("AFIND+"), {}
+def _best(results: list[dict[str, Any]], p: Preset, label: str) -> dict[int, float]:
+    """Per seed, the best-round accuracy of ``label`` on the primary setting."""
+    return {s: r["best"] for s, r in _by_seed(results, p).get(label, {}).items()}
+
+
+def _mean_gap(results, p, a: str, b: str) -> float | None:
+    x, y = _best(results, p, a), _best(results, p, b)
+    return np.mean([x[s] - y[s] for s in set(x) & set(y)]) if x and y else None
+
+
+def _c_gossip(results, p):
+    a, g = _best(results, p, "AFIND+"), _best(results, p, "Gossip")
+    if not (a and g):
+        return None
+    gap = [a[s] - g[s] for s in sorted(set(a) & set(g))]
+    return (f"gap {100 * np.mean(gap):+.2f} points; per seed {[round(100 * x, 2) for x in gap]}",
+            np.mean(gap) >= 0.02 and all(x > 0 for x in gap))  # fmt: skip
+
+
+def _c_local(results, p):
+    d = _mean_gap(results, p, "AFIND+", "Local")
+    return None if d is None else (f"difference {100 * d:+.2f} points", d >= 0)
+
+
+def _c_afind(results, p):
+    d = _mean_gap(results, p, "AFIND+", "+i+ii (AFIND)")
+    return None if d is None else (f"difference {100 * d:+.2f}", d > 0)
+
+
+def _c_tau(results, p):
+    by, taus = _by_seed(results, p), sorted({*p.taus, 0.5})
+    labels = ["AFIND+" if t == 0.5 else f"AFIND+ tau={t:g}" for t in taus]
+    sel = [np.mean([r["selected"] for r in by[lb].values()]) for lb in labels if lb in by]
+    if not (len(sel) == len(taus) and len(sel) > 1):
+        return None
+    return ", ".join(f"tau {t:g}: {s:.2f}" for t, s in zip(taus, sel)), all(x > y for x, y in zip(sel, sel[1:]))
+
+
+def _dp(results, p) -> dict[float, tuple[float, int]]:
+    """Table 4: the change of best-round accuracy against sigma_2 = 0, over the seeds both have (a run that
+    diverged before evaluating counts as the worst possible change), and the number of those seeds."""
+    base, dp = _best(results, p, "AFIND+"), {}
     for sigma in p.dp_sigmas:
-        got = best(f"AFIND+ dp={sigma:g}")
-        common = sorted(set(got) & set(base))
-        if common:  # a run that diverged before evaluating counts as the worst possible change
+        got = _best(results, p, f"AFIND+ dp={sigma:g}")
+        if common := sorted(set(got) & set(base)):
             diffs = [got[s] - base[s] for s in common]
             dp[sigma] = (float(np.mean(diffs)) if np.isfinite(diffs).all() else -math.inf, len(common))
-    small = [s for s in dp if s <= 5]
-    if small:
-        out.append(("Table 4: DP noise sigma_2 <= 5 costs at most 3 points (paper: <= 2.84)",
-                    bool(max(-dp[s][0] for s in small) <= 0.03),
-                    ", ".join(f"sigma {s:g}: {100 * dp[s][0]:+.2f} ({dp[s][1]} seed(s))" for s in small)))  # fmt: skip
-    big = [s for s in dp if s > 5]
-    if big and small:
-        b = max(big)
-        worse = bool(dp[b][0] < min(dp[s][0] for s in small))
-        out.append((f"Table 4: sigma_2 = {b:g} hurts more than sigma_2 <= 5", worse,
-                    f"sigma {b:g}: {100 * dp[b][0]:+.2f} points vs sigma 0"
-                    + (" (diverged)" if dp[b][0] == -math.inf else "")))  # fmt: skip
-    # Fig. 5 and the abstract: AFIND+'s selection plugged into Ditto, FOMO and DisPFL, best-round accuracy
+    return dp
+
+
+def _c_dp_small(results, p):
+    dp = _dp(results, p)
+    if not (small := [s for s in dp if s <= 5]):
+        return None
+    return (", ".join(f"sigma {s:g}: {100 * dp[s][0]:+.2f} ({dp[s][1]} seed(s))" for s in small),
+            max(-dp[s][0] for s in small) <= 0.03)  # fmt: skip
+
+
+def _c_dp_big(results, p):
+    dp = _dp(results, p)
+    small, big = [s for s in dp if s <= 5], [s for s in dp if s > 5]
+    if not (big and small):
+        return None
+    b = max(big)
+    measured = f"sigma {b:g}: {100 * dp[b][0]:+.2f} points vs sigma 0" + (
+        " (diverged)" if dp[b][0] == -math.inf else ""
+    )
+    return measured, dp[b][0] < min(dp[s][0] for s in small)
+
+
+def _plugin_gains(results, p) -> dict[str, float] | None:
+    """Fig. 5 and the abstract: per plug-in method, the per-seed gains of best-round accuracy with AFIND+'s
+    selection (None unless every plug-in ran both ways)."""
     gains = {}
     for label in PLUGINS:
         plain = [r for r in results if r["setting"] == p.primary and r["label"] == label]
         plug = [r for r in results if r["setting"] == p.primary and r["label"] == label + " + AFIND+"]
         if plain and plug:
             gains[label] = _seed_gains(plain, plug, "best")
-    if len(gains) == len(PLUGINS) and all(gains.values()):
-        means = {k: float(np.mean(v)) for k, v in gains.items()}
-        per = "; ".join(f"{k} {100 * means[k]:+.2f} ({sum(x > 0 for x in v)}/{len(v)} seeds ahead)"
-                        for k, v in gains.items())  # fmt: skip
-        out.append(("Fig. 5: AFIND+ selection improves every plug-in method (mean best-round gain > 0)",
-                    all(m > 0 for m in means.values()), per))  # fmt: skip
-        overall = 100 * float(np.mean(list(means.values())))
-        lo, hi = CLAIMED_PLUGIN_GAIN / 2, 1.5 * CLAIMED_PLUGIN_GAIN
-        out.append((f"Abstract: the improvement is about +3 points (mean gain over the plug-ins in [{lo:g}, {hi:g}])",
-                    bool(lo <= overall <= hi), f"mean gain {overall:+.2f} points"))  # fmt: skip
-    return out
+    return gains if len(gains) == len(PLUGINS) and all(gains.values()) else None
+
+
+def _c_fig5(results, p):
+    if not (gains := _plugin_gains(results, p)):
+        return None
+    means = {k: float(np.mean(v)) for k, v in gains.items()}
+    per = "; ".join(
+        f"{k} {100 * means[k]:+.2f} ({sum(x > 0 for x in v)}/{len(v)} seeds ahead)" for k, v in gains.items()
+    )
+    return per, all(m > 0 for m in means.values())
+
+
+def _c_abstract(results, p):
+    if not (gains := _plugin_gains(results, p)):
+        return None
+    overall = 100 * float(np.mean([float(np.mean(v)) for v in gains.values()]))
+    lo, hi = CLAIMED_PLUGIN_GAIN / 2, 1.5 * CLAIMED_PLUGIN_GAIN
+    return f"mean gain {overall:+.2f} points", lo <= overall <= hi
+
+
+def _dp_big_text(results, p) -> str:
+    return f"Table 4: sigma_2 = {max(s for s in _dp(results, p) if s > 5):g} hurts more than sigma_2 <= 5"
+
+
+CLAIMS = [
+    Claim("AFIND+ > Gossip by >= 2 points (mean) and in every seed", _c_gossip),
+    Claim("AFIND+ >= Local", _c_local),
+    Claim("AFIND+ > AFIND (Boltzmann beats uniform aggregation)", _c_afind),
+    Claim("mean coreset size strictly decreasing in tau", _c_tau),
+    Claim("Table 4: DP noise sigma_2 <= 5 costs at most 3 points (paper: <= 2.84)", _c_dp_small),
+    Claim(_dp_big_text, _c_dp_big),
+    Claim("Fig. 5: AFIND+ selection improves every plug-in method (mean best-round gain > 0)", _c_fig5),
+    Claim(
+        f"Abstract: the improvement is about +3 points (mean gain over the plug-ins in "
+        f"[{CLAIMED_PLUGIN_GAIN / 2:g}, {1.5 * CLAIMED_PLUGIN_GAIN:g}])",
+        _c_abstract,
+    ),  # fmt: skip
+]
+
+
+def claims(results: list[dict[str, Any]], p: Preset) -> list[tuple[str, bool | None, str]]:
+    """Spec 9.1 pass criteria, evaluated on the primary setting: (claim, held, measured)."""
+    return [(v.claim, v.held, v.measured) for v in judge(CLAIMS, results, p)]
 
 
 def selection_simulation() -> tuple[list[str], list[list[str]]]:

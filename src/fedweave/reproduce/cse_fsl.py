@@ -290,18 +290,18 @@ def _c9(table, p):
 CLAIMS = [
     Claim("C1 measured bytes equal the closed forms (every method, every round)", _c1),
     Claim("C2 CSE-FSL with small h within 3 pp of FSL_AN at equal rounds", _c2),
-    Claim(lambda p: f"C3 less load to reach {100 * p.target:.0f} % test accuracy: CSE (h>1) < FSL_AN < FSL_MC", _c3),
+    Claim(lambda t, p: f"C3 less load to reach {100 * p.target:.0f} % test accuracy: CSE (h>1) < FSL_AN < FSL_MC", _c3),
     Claim("C5 CSE-FSL keeps one server-side model; storage < 0.4× FSL_AN", _c5),
     Claim("C6 ordered vs randomly ordered server within 1.5 pp (Fig. 6)", _c6),
     Claim("C7 CSE-FSL h=1 >= FSL_OC (+clip) - 1 pp (testable only if FSL_OC is > 1 pp below FSL_MC/AN)", _c7),
     Claim(
-        lambda p: (
+        lambda t, p: (
             f"C8 non-IID: CSE-FSL h={p.random_h} more than {NONIID_GAP:g} pp below FSL_MC "
             "(paper, h=5: 42.33 vs 61.17 %)"
         ),
         _c8,
     ),  # fmt: skip
-    Claim(lambda p: f"C9 non-IID ordering of Table V: FSL_MC > FSL_AN > FSL_OC > CSE-FSL h={p.random_h}", _c9),
+    Claim(lambda t, p: f"C9 non-IID ordering of Table V: FSL_MC > FSL_AN > FSL_OC > CSE-FSL h={p.random_h}", _c9),
 ]
 
 
