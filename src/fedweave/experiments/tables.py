@@ -61,6 +61,11 @@ def markdown(rows: list[dict[str, Any]], best: int | None = None) -> str:
     return markdown_table(cols, cells)
 
 
+def pm(mean: float, std: float, sep: str = " ± ", nd: int = 2) -> str:
+    """A mean and its standard deviation as one cell, ``mean<sep>std`` at ``nd`` decimals."""
+    return f"{mean:.{nd}f}{sep}{std:.{nd}f}"
+
+
 def mean_std_cell(
     values: Sequence[float], scale: float = 1.0, ddof: int = 1, sep: str = " ± ", nd: int = 2, empty: str = "-"
 ) -> str:
@@ -73,5 +78,5 @@ def mean_std_cell(
     if not ok:
         return f"diverged ({bad}/{bad})"
     m, sd = mean_std(ok, ddof=ddof)
-    cell = f"{m:.{nd}f}{sep}{sd:.{nd}f}"
+    cell = pm(m, sd, sep, nd)
     return cell if not bad else f"{cell} ({bad}/{len(values)} diverged)"

@@ -594,13 +594,16 @@ def load_raw(out: Path) -> list[dict]:
     return rows
 
 
+CLAIM_COLUMNS = ["claim", "paper", "measured", "verdict"]
+
+
 def write_report(rows: list[dict], out: Path, meta: dict) -> None:
     scale, seeds = meta["scale"], meta["seeds"]
     aggs = aggregate(rows)
     write_csv(out / "runs.csv", rows)
     write_csv(out / "summary.csv", aggs)
     cl = claims(aggs)
-    write_csv(out / "claims.csv", cl, ["claim", "paper", "measured", "verdict"])
+    write_csv(out / "claims.csv", cl, CLAIM_COLUMNS)
     md = [
         f"# CFL-SAGA reproduction ({scale})",
         "",
@@ -620,13 +623,7 @@ def write_report(rows: list[dict], out: Path, meta: dict) -> None:
         acc = [r["test_accuracy_x_star"] for r in rows if r["problem"] == prob and "test_accuracy_x_star" in r]
         if acc:
             md += [f"Test accuracy of x* (the optimum every method approaches): {acc[0]:.4f}.", ""]
-    md += [
-        "## The paper's claims (synthetic problem)",
-        "",
-        "| claim | paper | measured | verdict |",
-        "|---|---|---|---|",
-    ]
-    md += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in cl]
+    md += ["## The paper's claims (synthetic problem)", "", markdown_table(CLAIM_COLUMNS, cl).rstrip("\n")]
     atomic_write(out / "summary.md", "\n".join(md) + "\n")
     plots(rows, out)
 

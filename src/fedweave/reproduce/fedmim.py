@@ -37,7 +37,7 @@ from fedweave.experiments.aggregate import mean_std
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import band
 from fedweave.experiments.study import Plan, Study, option
-from fedweave.experiments.tables import markdown_table, write_csv
+from fedweave.experiments.tables import markdown_table, pm, write_csv
 from fedweave.plots import plt, save_png
 from fedweave.results import atomic_write
 from fedweave.runner import Result
@@ -481,7 +481,7 @@ def markdown(
                     continue
                 paper = f"{t['paper_cifar10']:.2f}" if t["paper_cifar10"] is not None else "–"
                 div = f" ({t['diverged']}/{t['seeds']} diverged)" if t["diverged"] else ""
-                cells += [f"{t['final_acc_mean']:.2f} ± {t['final_acc_std']:.2f}{div}", t["rank"],
+                cells += [pm(t["final_acc_mean"], t["final_acc_std"]) + div, t["rank"],
                           f"{t['consistency_last20']:.3g}", paper, t["paper_rank"] or "–"]  # fmt: skip
             if any(c != "–" for c in cells):
                 body.append([LABELS[m], *cells])
@@ -560,8 +560,7 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> tuple[str, str]:
             cells, gap_cells = [], []
             for m in methods:
                 vals = [acc[(dataset, split, m, s)][t] for s in seeds if t in acc.get((dataset, split, m, s), {})]
-                mean, std = mean_std(vals)
-                cells.append(f"{mean:.2f} ± {std:.2f} ({len(vals)})" if vals else "–")
+                cells.append(pm(*mean_std(vals)) + f" ({len(vals)})" if vals else "–")
             for m in methods:
                 if m == "fedmim":
                     continue
@@ -747,32 +746,30 @@ def variant_markdown(rows: list[dict], checks: list, name: str, p: Preset, wall:
     ]
     labels = [v for v, _ in p.variants]
     if p.table == "ablation":
-        lines += ["| row | ours | per seed | mean acc. | cons. | paper |", "|---|---|---|---|---|---|"]
-        for r in rows:
-            ours = f"{r['final_acc_mean']:.2f} ± {r['final_acc_std']:.2f}"
-            lines.append(
-                f"| {r['variant']} | {ours} | {r['final_acc_per_seed']} | {r['mean_acc_over_rounds']:.2f} | "
-                f"{r['consistency_last20']:.3g} | {r['paper_c10']:.2f} |"
-            )
+        header = ["row", "ours", "per seed", "mean acc.", "cons.", "paper"]
+        body = [[r["variant"], pm(r["final_acc_mean"], r["final_acc_std"]), r["final_acc_per_seed"],
+                 f"{r['mean_acc_over_rounds']:.2f}", f"{r['consistency_last20']:.3g}", f"{r['paper_c10']:.2f}"]
+                for r in rows]  # fmt: skip
     else:
         paper = p.table == "epochs"
-        cols = "ours | mean acc. | cons." + (" | paper C10" if paper else "")
-        lines.append("| method | " + " | ".join(f"{v}: {cols}" for v in labels) + " |")
-        lines.append("|---|" + ("---|" * (4 if paper else 3)) * len(labels))
+        cols = ["ours", "mean acc.", "cons."] + (["paper C10"] if paper else [])
+        header = ["method", *(f"{v}: {c}" if i == 0 else c for v in labels for i, c in enumerate(cols))]
+        body = []
         for m in dict.fromkeys(r["method"] for r in rows):
             cells = []
             for v in labels:
                 r = next((r for r in rows if (r["variant"], r["method"]) == (v, m)), None)
                 if r is None:
-                    cells.append(" | ".join(["–"] * (4 if paper else 3)))
+                    cells += ["–"] * len(cols)
                     continue
                 div = f" ({r['diverged']}/{r['seeds']} diverged)" if r["diverged"] else ""
-                cell = f"{r['final_acc_mean']:.2f} ± {r['final_acc_std']:.2f}{div} | {r['mean_acc_over_rounds']:.2f}"
-                cell += f" | {r['consistency_last20']:.3g}" + (f" | {r['paper_c10']:.2f}" if paper else "")
-                cells.append(cell)
-            lines.append(f"| {LABELS[m]} | " + " | ".join(cells) + " |")
-    lines += ["", "## Claims", "", "| claim | verdict | measured |", "|---|---|---|"]
-    lines += [f"| {c} | {VERDICT[ok]} | {m} |" for c, ok, m in checks]
+                cells += [pm(r["final_acc_mean"], r["final_acc_std"]) + div, f"{r['mean_acc_over_rounds']:.2f}",
+                          f"{r['consistency_last20']:.3g}"] + ([f"{r['paper_c10']:.2f}"] if paper else [])  # fmt: skip
+            body.append([LABELS[m], *cells])
+    lines += [markdown_table(header, body).rstrip("\n"), "", "## Claims", ""]
+    lines += [
+        markdown_table(["claim", "verdict", "measured"], [[c, VERDICT[ok], m] for c, ok, m in checks]).rstrip("\n")
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -35,7 +35,7 @@ from fedweave.experiments.aggregate import mean_std
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import band
 from fedweave.experiments.study import Plan, Study, option
-from fedweave.experiments.tables import markdown_table, write_csv
+from fedweave.experiments.tables import markdown_table, pm, write_csv
 from fedweave.memory import cpu_seconds
 from fedweave.plots import plt, save_png
 from fedweave.results import atomic_write
@@ -570,7 +570,7 @@ def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], o
             for s in SETTINGS:
                 r = next(x for x in rows if x["dataset"] == ds and x["method"] == m and (x["alpha"], x["beta"]) == s)
                 paper = f"{r['paper_acc']:.2f}" if r["paper_acc"] != "" else "n/a"
-                cells.append(f"{r['acc_mean']:.2f} +- {r['acc_std']:.2f} [{r['acc_last10_mean']:.2f}] / {paper}")
+                cells.append(f"{pm(r['acc_mean'], r['acc_std'], sep=' +- ')} [{r['acc_last10_mean']:.2f}] / {paper}")
             body.append([label(m, p), *cells])
         head = ["method", *(SETTING_NAMES[s] for s in SETTINGS)]
         lines += [f"## {DATASET_LABELS.get(ds, ds)}", "", markdown_table(head, body)]
