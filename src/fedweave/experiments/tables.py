@@ -20,9 +20,18 @@ def write_csv(
     columns: list[str] | None = None,
     float_format: str | None = None,
 ) -> None:
-    """Write ``rows`` atomically as CSV. Dict rows: under ``columns`` (other keys ignored), by default every
-    key in order of first appearance except private ``_keys``. List rows: under the header ``columns``.
-    ``float_format`` (e.g. ``".6g"``) formats the floats; by default they are written in full."""
+    """Write ``rows`` atomically as CSV (:func:`csv_text`)."""
+    atomic_write(path, csv_text(rows, columns, float_format))
+
+
+def csv_text(
+    rows: Sequence[dict[str, Any]] | Sequence[Sequence[Any]],
+    columns: list[str] | None = None,
+    float_format: str | None = None,
+) -> str:
+    """``rows`` as CSV text with ``\\n`` line ends. Dict rows: under ``columns`` (other keys ignored), by
+    default every key in order of first appearance except private ``_keys``. List rows: under the header
+    ``columns``. ``float_format`` (e.g. ``".6g"``) formats the floats; by default they are written in full."""
     if rows and not isinstance(rows[0], dict):
         rows = [dict(zip(columns or [], r)) for r in rows]
     if columns is None:
@@ -34,7 +43,7 @@ def write_csv(
     w.writeheader()
     for r in rows:
         w.writerow({k: format(v, float_format) if float_format and isinstance(v, float) else v for k, v in r.items()})
-    atomic_write(path, buf.getvalue())
+    return buf.getvalue()
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -164,91 +164,27 @@ def synthetic_jobs(scale: str, seeds: list[int]) -> list[Job]:
             rhos = (0.0, 1.0, 5.0, 10.0, 20.0, 50.0, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7)
             rates, inner, stop = (0.05, 0.15, 0.25, 0.35, 0.45), (20, 50, 100, 200), 1e-10
         kmax = {"cfl_saga": 8000, "gt_saga": 10_000, "gt_svrg": 5000, "gt_sarah": 5000, "cfl_admm": 3000}
+
+    def job(seed: int, topo: str, method: str, algo: str, options: dict[str, Any], k: int) -> Job:
+        return Job("synthetic", topo, method, algo, options, seed, k, stop, data, system, seed == seeds[0])
+
     jobs = []
     for seed in seeds:
-        curve = seed == seeds[0]
         for topo in topologies:
-            for rho in rhos:
-                jobs.append(
-                    Job(
-                        "synthetic",
-                        topo,
-                        f"CFL-SAGA rho={rho:g}",
-                        "cfl_saga",
-                        {"rho": rho},
-                        seed,
-                        kmax["cfl_saga"],
-                        stop,
-                        data,
-                        system,
-                        curve,
-                    )
-                )
-            for sr in rates:
-                k = kmax["gt_saga"] * (3 if sr <= 0.05 else 1)  # SR 0.05 needs ~4.5k iterations to 1e-8
-                jobs.append(
-                    Job(
-                        "synthetic",
-                        topo,
-                        f"GT-SAGA SR={sr:g}",
-                        "gt_saga",
-                        {"sample_rate": sr},
-                        seed,
-                        k,
-                        stop,
-                        data,
-                        system,
-                        curve,
-                    )
-                )
-        topo = "random"
+            jobs += [
+                job(seed, topo, f"CFL-SAGA rho={rho:g}", "cfl_saga", {"rho": rho}, kmax["cfl_saga"]) for rho in rhos
+            ]
+            # SR 0.05 needs ~4.5k iterations to 1e-8
+            jobs += [job(seed, topo, f"GT-SAGA SR={sr:g}", "gt_saga", {"sample_rate": sr},
+                         kmax["gt_saga"] * (3 if sr <= 0.05 else 1)) for sr in rates]  # fmt: skip
         for t in inner:
             for name, algo in (("GT-SVRG", "gt_svrg"), ("GT-SARAH", "gt_sarah")):
-                jobs.append(
-                    Job(
-                        "synthetic",
-                        topo,
-                        f"{name} SR=0.15 T={t}",
-                        algo,
-                        {"sample_rate": 0.15, "inner_loop": t},
-                        seed,
-                        kmax[algo],
-                        stop,
-                        data,
-                        system,
-                        curve,
-                    )
-                )
-        jobs.append(
-            Job(
-                "synthetic",
-                topo,
-                "CFL-ADMM (reconstructed) SR=0.3",
-                "cfl_admm",
-                {"sample_rate": 0.3},
-                seed,
-                kmax["cfl_admm"],
-                stop,
-                data,
-                system,
-                curve,
-            )
-        )
-        jobs.append(
-            Job(
-                "synthetic",
-                topo,
-                "CFL-ADMM (reconstructed, exact local gradients) SR=0.3",
-                "cfl_admm",
-                {"sample_rate": 0.3, "local_gradient": "full", "beta_scale": 2.0},
-                seed,
-                kmax["cfl_admm"],
-                stop,
-                data,
-                system,
-                curve,
-            )
-        )
+                jobs.append(job(seed, "random", f"{name} SR=0.15 T={t}", algo, {"sample_rate": 0.15, "inner_loop": t},
+                                kmax[algo]))  # fmt: skip
+        admm = "CFL-ADMM (reconstructed{}) SR=0.3"
+        jobs.append(job(seed, "random", admm.format(""), "cfl_admm", {"sample_rate": 0.3}, kmax["cfl_admm"]))
+        exact = {"sample_rate": 0.3, "local_gradient": "full", "beta_scale": 2.0}
+        jobs.append(job(seed, "random", admm.format(", exact local gradients"), "cfl_admm", exact, kmax["cfl_admm"]))
     return jobs
 
 

@@ -37,7 +37,7 @@ from fedweave.experiments.aggregate import mean_std
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import band
 from fedweave.experiments.study import Plan, Study, option
-from fedweave.experiments.tables import markdown_table, pm, write_csv
+from fedweave.experiments.tables import csv_text, markdown_table, pm, write_csv
 from fedweave.plots import plt, save_png
 from fedweave.results import atomic_write
 from fedweave.runner import Result
@@ -548,7 +548,7 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> tuple[str, str]:
                     with path.open() as f:
                         rows = {int(r["round"]): 100 * float(r["test_accuracy"]) for r in csv.DictReader(f)}
                     acc[(dataset, split, m, seed)] = {t: rows[t] for t in p.report_rounds if t in rows}
-    lines = ["dataset,split,method,seed,round,accuracy,fedmim_minus_method"]
+    lines: list[list[Any]] = []  # per (method, seed, round): accuracy and FedMIM's gap
     md = [f"# FedMIM's gap over a longer horizon (preset rounds {p.rounds})", ""]
     md += ["Test accuracy (%) at each round, mean ± std over the seeds that reached it (sample std), "
            "and FedMIM − method, per seed.", ""]  # fmt: skip
@@ -569,15 +569,16 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> tuple[str, str]:
                     a, b = acc.get((dataset, split, "fedmim", s), {}), acc.get((dataset, split, m, s), {})
                     if t in a and t in b:
                         g.append(a[t] - b[t])
-                        lines.append(f"{dataset},{split},{m},{s},{t},{b[t]:.2f},{a[t] - b[t]:.2f}")
+                        lines.append([dataset, split, m, s, t, f"{b[t]:.2f}", f"{a[t] - b[t]:.2f}"])
                 gap_cells.append(f"{sum(g) / len(g):+.2f} ({', '.join(f'{x:+.2f}' for x in g)})" if g else "–")
             for s in seeds:
                 a = acc.get((dataset, split, "fedmim", s), {})
                 if t in a:
-                    lines.append(f"{dataset},{split},fedmim,{s},{t},{a[t]:.2f},0.00")
+                    lines.append([dataset, split, "fedmim", s, t, f"{a[t]:.2f}", "0.00"])
             body.append([t, *cells, *gap_cells])
         md += [f"## {dataset} {split}", "", markdown_table(header, body)]
-    return "\n".join(lines) + "\n", "\n".join(md)
+    header = ["dataset", "split", "method", "seed", "round", "accuracy", "fedmim_minus_method"]
+    return csv_text(lines, header), "\n".join(md)
 
 
 # ---- the variant presets' tables: Table II, Table III, Fig. 2a ------------------------------------------
