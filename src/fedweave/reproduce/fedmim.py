@@ -36,7 +36,7 @@ from typing import Any
 from fedweave.experiments.aggregate import mean_std
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import band
-from fedweave.experiments.study import Plan, Study, option
+from fedweave.experiments.study import Claim, Plan, Study, judge, option
 from fedweave.experiments.tables import csv_text, markdown_table, pm, write_csv
 from fedweave.plots import plt, save_png
 from fedweave.results import atomic_write
@@ -627,102 +627,140 @@ def variant_claims(rows: list[dict], p: Preset) -> list[tuple[str, bool | None, 
     methods = list(dict.fromkeys(r["method"] for r in rows))
     if not all((v, m) in acc for v in labels for m in methods) or "fedmim" not in methods:
         return [("every cell of the preset ran", None, "not every cell ran (see the table)")]
-    if p.table == "epochs":
-        return _epochs_claims(acc, labels, methods)
-    if p.table == "ablation":
-        return _ablation_claims({v: acc[(v, "fedmim")] for v in labels}, labels)
     auc = {(r["variant"], r["method"]): r["mean_acc_over_rounds"] for r in rows}
-    return _participation_claims(acc, auc, labels, methods)
+    cells = Cells(acc, auc, labels, methods)
+    return [(v.claim, v.held, v.measured) for v in judge(VARIANT_CLAIMS[p.table], cells)]
 
 
-def _epochs_claims(acc: dict, labels: list[str], methods: list[str]) -> list[tuple[str, bool | None, str]]:
-    best = {v: max(methods, key=lambda m: acc[(v, m)]) for v in labels}
-    where = [f"{v}: FedMIM {acc[(v, 'fedmim')]:.2f}, best {LABELS[best[v]]} {acc[(v, best[v])]:.2f}" for v in labels]
-    falls = {m: all(acc[(a, m)] > acc[(b, m)] for a, b in zip(labels, labels[1:])) for m in methods}
+@dataclass
+class Cells:
+    """A variant preset's seed means: final accuracy and mean accuracy over the rounds per (variant, method)."""
+
+    acc: dict[tuple[str, str], float]
+    auc: dict[tuple[str, str], float]
+    labels: list[str]  # the variants, in the preset's order
+    methods: list[str]
+
+    def fedmim(self) -> dict[str, float]:
+        return {v: self.acc[(v, "fedmim")] for v in self.labels}
+
+    def change(self, m: str) -> float:
+        """How much ``m``'s accuracy changes between the first and the last variant."""
+        return abs(self.acc[(self.labels[-1], m)] - self.acc[(self.labels[0], m)])
+
+
+def _e_best(c: Cells, _):
+    best = {v: max(c.methods, key=lambda m: c.acc[(v, m)]) for v in c.labels}
+    where = [
+        f"{v}: FedMIM {c.acc[(v, 'fedmim')]:.2f}, best {LABELS[best[v]]} {c.acc[(v, best[v])]:.2f}" for v in c.labels
+    ]
+    return "; ".join(where), len(c.methods) > 1 and all(b == "fedmim" for b in best.values())
+
+
+def _e_falls(c: Cells, _):
+    falls = {m: all(c.acc[(a, m)] > c.acc[(b, m)] for a, b in zip(c.labels, c.labels[1:])) for m in c.methods}
     trend = [
-        f"{LABELS[m]} " + " / ".join(f"{acc[(v, m)]:.2f}" for v in labels) + ("" if falls[m] else " (not falling)")
-        for m in methods
+        f"{LABELS[m]} " + " / ".join(f"{c.acc[(v, m)]:.2f}" for v in c.labels) + ("" if falls[m] else " (not falling)")
+        for m in c.methods
     ]
-    return [
-        (
-            "FedMIM is the most accurate of the methods run at every E (paper: best in all 9 columns)",
-            len(methods) > 1 and all(b == "fedmim" for b in best.values()),
-            "; ".join(where),
-        ),
-        ("accuracy falls as E grows, for every method run (paper: all but one)", all(falls.values()), "; ".join(trend)),
-    ]
+    return "; ".join(trend), all(falls.values())
 
 
-def _ablation_claims(a: dict[str, float], labels: list[str]) -> list[tuple[str, bool | None, str]]:
-    # rows in TABLE_III's order: 0 J = 0 (FedAvg); 1-2 J = 1; 3-5 J = 2 without beta; 6-8 J = 2 with beta
-    j1, j2 = max(labels[1:3], key=a.get), max(labels[3:], key=a.get)
-    top = max(labels, key=a.get)
-    rest = [a[v] for v in labels[1:]]
-    return [
-        (
-            "every inertial row (J >= 1) beats J = 0 (FedAvg)",
-            min(rest) > a[labels[0]],
-            f"J = 0: {a[labels[0]]:.2f}; J >= 1: {min(rest):.2f} to {max(rest):.2f}",
-        ),
-        (
-            "J = 2 is best: the best J = 2 row beats the best J = 1 row",
-            a[j2] > a[j1],
-            f"best J = 2 ({j2}) {a[j2]:.2f} vs best J = 1 ({j1}) {a[j1]:.2f}",
-        ),
-        (
-            f"the paper's best row ({labels[6]}) is the best row",
-            top == labels[6],
-            f"{a[labels[6]]:.2f}; best row {top} {a[top]:.2f}",
-        ),
-        (
-            "beta weighted to the adjacent step is best: beta (0.9, 0.1) > (0.5, 0.5) > (0.1, 0.9)",
-            a[labels[6]] > a[labels[7]] > a[labels[8]],
-            " / ".join(f"{a[v]:.2f}" for v in labels[6:9]),
-        ),
-        (
-            "a large alpha and a proper beta: adding beta (0.9, 0.1) to alpha (0.6, 0.3) helps",
-            a[labels[6]] > a[labels[4]],
-            f"{a[labels[6]]:.2f} with beta vs {a[labels[4]]:.2f} without",
-        ),
-    ]
+# Table III's rows in TABLE_III's order: 0 J = 0 (FedAvg); 1-2 J = 1; 3-5 J = 2 without beta; 6-8 J = 2 with beta
+def _a_inertial(c: Cells, _):
+    a, lb = c.fedmim(), c.labels
+    rest = [a[v] for v in lb[1:]]
+    return f"J = 0: {a[lb[0]]:.2f}; J >= 1: {min(rest):.2f} to {max(rest):.2f}", min(rest) > a[lb[0]]
 
 
-def _participation_claims(
-    acc: dict, auc: dict, labels: list[str], methods: list[str]
-) -> list[tuple[str, bool | None, str]]:
-    lo, hi = labels[0], labels[-1]
-    change = {m: abs(acc[(hi, m)] - acc[(lo, m)]) for m in methods}
-    slowest = {v: min(methods, key=lambda m: auc[(v, m)]) for v in labels}
-    named = [m for m in ("fedadam", "fedcm", "feddyn") if m in methods]
-    ranked = sorted(methods, key=lambda m: -acc[(hi, m)])
-    steady = sorted(methods, key=lambda m: change[m])
+def _a_j2(c: Cells, _):
+    a = c.fedmim()
+    j1, j2 = max(c.labels[1:3], key=a.get), max(c.labels[3:], key=a.get)
+    return f"best J = 2 ({j2}) {a[j2]:.2f} vs best J = 1 ({j1}) {a[j1]:.2f}", a[j2] > a[j1]
 
-    def changes(ms: list[str]) -> str:
-        return ", ".join(f"{LABELS[m]} {change[m]:.2f}" for m in ms) + " points"
 
-    return [
-        (
+def _a_top(c: Cells, _):
+    a = c.fedmim()
+    top = max(c.labels, key=a.get)
+    return f"{a[c.labels[6]]:.2f}; best row {top} {a[top]:.2f}", top == c.labels[6]
+
+
+def _a_beta(c: Cells, _):
+    a, lb = c.fedmim(), c.labels
+    return " / ".join(f"{a[v]:.2f}" for v in lb[6:9]), a[lb[6]] > a[lb[7]] > a[lb[8]]
+
+
+def _a_alpha_beta(c: Cells, _):
+    a, lb = c.fedmim(), c.labels
+    return f"{a[lb[6]]:.2f} with beta vs {a[lb[4]]:.2f} without", a[lb[6]] > a[lb[4]]
+
+
+def _changes(c: Cells, ms: list[str]) -> str:
+    return ", ".join(f"{LABELS[m]} {c.change(m):.2f}" for m in ms) + " points"
+
+
+def _p_fedavg_slowest(c: Cells, _):
+    slowest = {v: min(c.methods, key=lambda m: c.auc[(v, m)]) for v in c.labels}
+    measured = "; ".join(f"{v}: lowest {LABELS[slowest[v]]} {c.auc[(v, slowest[v])]:.2f}" for v in c.labels)
+    return measured, all(x == "fedavg" for x in slowest.values()) if "fedavg" in c.methods else None
+
+
+def _p_sensitive(c: Cells, _):
+    named = [m for m in ("fedadam", "fedcm", "feddyn") if m in c.methods]
+    return _changes(c, [*named, "fedmim"]), all(c.change(m) > c.change("fedmim") for m in named) if named else None
+
+
+def _p_scaffold(c: Cells, _):
+    hi = c.labels[-1]
+    ranked = sorted(c.methods, key=lambda m: -c.acc[(hi, m)])
+    measured = f"{hi}: " + " > ".join(f"{LABELS[m]} {c.acc[(hi, m)]:.2f}" for m in ranked)
+    return measured, "scaffold" in ranked[:2] if "scaffold" in c.methods else None
+
+
+def _p_stable(c: Cells, _):
+    steady = sorted(c.methods, key=c.change)
+    return _changes(c, steady), steady[0] == "fedmim"
+
+
+VARIANT_CLAIMS = {
+    "epochs": [
+        Claim("FedMIM is the most accurate of the methods run at every E (paper: best in all 9 columns)", _e_best),
+        Claim("accuracy falls as E grows, for every method run (paper: all but one)", _e_falls),
+    ],
+    "ablation": [
+        Claim("every inertial row (J >= 1) beats J = 0 (FedAvg)", _a_inertial),
+        Claim("J = 2 is best: the best J = 2 row beats the best J = 1 row", _a_j2),
+        Claim(lambda c, _: f"the paper's best row ({c.labels[6]}) is the best row", _a_top),
+        Claim("beta weighted to the adjacent step is best: beta (0.9, 0.1) > (0.5, 0.5) > (0.1, 0.9)", _a_beta),
+        Claim("a large alpha and a proper beta: adding beta (0.9, 0.1) to alpha (0.6, 0.3) helps", _a_alpha_beta),
+    ],
+    "participation": [
+        Claim(
             "FedAvg loses the most convergence speed: the lowest mean accuracy over the rounds at both ratios",
-            all(x == "fedavg" for x in slowest.values()) if "fedavg" in methods else None,
-            "; ".join(f"{v}: lowest {LABELS[slowest[v]]} {auc[(v, slowest[v])]:.2f}" for v in labels),
-        ),
-        (
-            f"FedAdam, FedCM and FedDyn are highly sensitive to the participation ratio: each changes more "
-            f"between {lo} and {hi} than FedMIM",
-            all(change[m] > change["fedmim"] for m in named) if named else None,
-            changes([*named, "fedmim"]),
-        ),
-        (
-            f"SCAFFOLD performs well at the higher participation: among the two most accurate at {hi}",
-            "scaffold" in ranked[:2] if "scaffold" in methods else None,
-            f"{hi}: " + " > ".join(f"{LABELS[m]} {acc[(hi, m)]:.2f}" for m in ranked),
-        ),
-        (
-            f"FedMIM is very stable: the smallest change between {lo} and {hi} of the methods run",
-            steady[0] == "fedmim",
-            changes(steady),
-        ),
-    ]
+            _p_fedavg_slowest,
+        ),  # fmt: skip
+        Claim(
+            lambda c, _: (
+                "FedAdam, FedCM and FedDyn are highly sensitive to the participation ratio: each "
+                f"changes more between {c.labels[0]} and {c.labels[-1]} than FedMIM"
+            ),
+            _p_sensitive,
+        ),  # fmt: skip
+        Claim(
+            lambda c, _: (
+                f"SCAFFOLD performs well at the higher participation: among the two most accurate at {c.labels[-1]}"
+            ),
+            _p_scaffold,
+        ),  # fmt: skip
+        Claim(
+            lambda c, _: (
+                f"FedMIM is very stable: the smallest change between {c.labels[0]} and {c.labels[-1]} "
+                "of the methods run"
+            ),
+            _p_stable,
+        ),  # fmt: skip
+    ],
+}
 
 
 def variant_markdown(rows: list[dict], checks: list, name: str, p: Preset, wall: float, cpu: float | None) -> str:
