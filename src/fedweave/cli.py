@@ -171,10 +171,6 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     from fedweave.reproduce import study
 
     s = study(args.name)
-    if s is None:  # a reproduction not yet on the Study pipeline parses its own options
-        from fedweave.reproduce import main as reproduce_main
-
-        return reproduce_main(args.name, args.args)
     rp = Parser(prog=f"fedweave reproduce {args.name}", description=s.description)
     s.add_arguments(rp, positive_int)
     return s.execute(rp.parse_args(args.args), args.args)

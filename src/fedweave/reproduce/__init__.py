@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fedweave.experiments.study import Study
 
 PRESETS = {
     "fedmim": "fedweave.reproduce.fedmim",
@@ -18,18 +22,10 @@ def available() -> list[str]:
     return [name for name, mod in PRESETS.items() if importlib.util.find_spec(mod) is not None]
 
 
-def _module(name: str):
+def study(name: str) -> Study:
+    """The reproduction's ``Study``; an unknown name is a ConfigError that lists the known ones."""
     if name not in available():
         from fedweave.config import ConfigError
 
         raise ConfigError(f"unknown reproduction {name!r}; available: {', '.join(available()) or 'none'}")
-    return importlib.import_module(PRESETS[name])
-
-
-def study(name: str):
-    """The reproduction's ``Study`` (None for one not yet on the pipeline); an unknown name is a ConfigError."""
-    return getattr(_module(name), "STUDY", None)
-
-
-def main(name: str, argv: list[str]) -> int:
-    return int(_module(name).main(argv) or 0)
+    return importlib.import_module(PRESETS[name]).STUDY
