@@ -112,3 +112,13 @@ def test_execute_keeps_the_command_line_for_the_report(tmp_path):
     opts = argparse.Namespace(scale="smoke", seeds=None, workers=1, out=str(tmp_path), budget_minutes=None, xs="1")
     s.report = lambda records, plan, o, wall: seen.append(o.argv) or 0
     assert s.execute(opts, ["--xs", "1"]) == 0 and seen == [["--xs", "1"]]
+
+
+def test_solver_runs_keep_to_the_time_budget(tmp_path):
+    seen: list = []
+    s = _study(seen)
+    s.main(["--xs", "2", "--out", str(tmp_path), "--workers", "1"])
+    assert s.main(["--xs", "2,3", "--out", str(tmp_path), "--workers", "1", "--budget-minutes", "0"]) == 0
+    records, reused = seen[-1]
+    assert [r["y"] for r in records] == [4.0] and reused == {"x2/s0"}  # the kept run counts, the new one waits
+    assert not (tmp_path / "runs" / "x3").exists()

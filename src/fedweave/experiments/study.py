@@ -172,6 +172,8 @@ class Study:
         plan = self.plan(opts)
         budget = None if opts.budget_minutes is None else 60 * opts.budget_minutes
         records = self.records(plan, opts.out, workers=opts.workers, budget_s=budget, scale=opts.scale)
+        if plan.skipped:
+            print(f"{len(plan.skipped)} of {len(plan.points)} runs not started: the time budget ran out", flush=True)
         return int(self.report(records, plan, opts, time.perf_counter() - t0) or 0)
 
     def records(
@@ -186,7 +188,8 @@ class Study:
         print(f"{self.name} reproduction, scale {scale}: {len(plan.points)} runs, {workers} worker(s) -> {out}",
               flush=True)  # fmt: skip
         if plan.solve is not None:
-            return [self.record(pt, r, plan) for pt, r in zip(plan.points, _solved(plan, out / "runs", workers))]
+            solved = _solved(plan, out / "runs", workers, budget_s)
+            return [self.record(pt, solved[pt.slug], plan) for pt in plan.points if pt.slug in solved]
         plan.reused = set(finished(plan.points, out / "runs"))
         runs = run_points(
             plan.points, out / "runs", workers=workers, overwrite=True, budget_s=budget_s, initializer=plan.initializer
@@ -234,9 +237,10 @@ def _index(name: str) -> int:
     return int(name.rsplit(".", 1)[1])
 
 
-def _solved(plan: Plan, runs_dir: Path, workers: int) -> list[dict[str, Any]]:
-    """Every point's record: kept from an earlier call when its directory holds the same point's record,
-    else solved on ``workers`` forked processes (``parallel_map``) and kept in ``runs_dir/<slug>``."""
+def _solved(plan: Plan, runs_dir: Path, workers: int, budget_s: float | None = None) -> dict[str, dict[str, Any]]:
+    """Per point's slug, its record: kept from an earlier call when its directory holds the same point's
+    record, else solved on ``workers`` forked processes (``parallel_map``) and kept in ``runs_dir/<slug>``.
+    No point starts after ``budget_s``; those are in ``plan.skipped`` and have no record."""
     kept = {p.slug: r for p in plan.points if (r := _load_solved(runs_dir / p.slug, p)) is not None}
     plan.reused = set(kept)
     todo = [p for p in plan.points if p.slug not in kept]
@@ -247,6 +251,7 @@ def _solved(plan: Plan, runs_dir: Path, workers: int) -> list[dict[str, Any]]:
         line = plan.progress(record) if plan.progress else todo[i].slug
         print(f"[{next(done)}/{len(todo)} {time.perf_counter() - t0:6.0f}s] {line}", flush=True)
 
-    new = parallel_map(plan.solve, todo, workers=workers, on_result=finished_one)
-    kept.update(zip((p.slug for p in todo), new))
-    return [kept[p.slug] for p in plan.points]
+    new = parallel_map(plan.solve, todo, workers=workers, on_result=finished_one, budget_s=budget_s)
+    kept.update((p.slug, r) for p, r in zip(todo, new) if r is not None)
+    plan.skipped = [p for p in plan.points if p.slug not in kept]
+    return kept
