@@ -35,10 +35,9 @@ from typing import Any
 
 from fedweave.experiments.aggregate import mean_std
 from fedweave.experiments.grid import Point
-from fedweave.experiments.plots import band
+from fedweave.experiments.plots import Panel, plot_panels
 from fedweave.experiments.study import Claim, Plan, Study, judge, option
 from fedweave.experiments.tables import csv_text, markdown_table, pm, write_csv
-from fedweave.plots import plt, save_png
 from fedweave.results import atomic_write
 from fedweave.runner import Result
 
@@ -517,22 +516,16 @@ def plot(records: list[dict], out: Path) -> list[Path]:
     paths = []
     for d in sorted({r["dataset"] for r in records}):
         splits = [s for s in ("iid", "dir0.3", "dir0.1") if any(r["dataset"] == d and r["split"] == s for r in records)]
-        fig, axes = plt.subplots(2, len(splits), figsize=(5 * len(splits), 7), squeeze=False)
-        for j, s in enumerate(splits):
-            for m in METHODS:
-                runs = [r["_rows"] for r in records if (r["dataset"], r["split"], r["method"]) == (d, s, m)]
-                if runs:
-                    lw = 2.2 if m == "fedmim" else 1.2
-                    band(axes[0, j], runs, "round", "test_accuracy", label=LABELS[m], yscale=100, lw=lw)
-                    band(axes[1, j], runs, "round", "local_consistency", label=LABELS[m], lw=lw)
-            axes[0, j].set_title(f"{d}, {s} (mean over seeds)")
-            axes[0, j].set_ylabel("test accuracy (%)")
-            axes[1, j].set_ylabel("local consistency")
-            axes[1, j].set_yscale("log")
-            axes[1, j].set_xlabel("round")
-            axes[0, j].legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(save_png(fig, out / f"curves-{d}.png", dpi=110))
+        lines = {
+            s: [(LABELS[m], runs, {"lw": 2.2 if m == "fedmim" else 1.2}) for m in METHODS
+                if (runs := [r["_rows"] for r in records if (r["dataset"], r["split"], r["method"]) == (d, s, m)])]
+            for s in splits
+        }  # fmt: skip
+        acc = [Panel(lines[s], "test_accuracy", yscale=100, title=f"{d}, {s} (mean over seeds)",
+                     ylabel="test accuracy (%)", legend={"fontsize": 8}) for s in splits]  # fmt: skip
+        cons = [Panel(lines[s], "local_consistency", xlabel="round", ylabel="local consistency", logy=True,
+                      legend=None) for s in splits]  # fmt: skip
+        paths.append(plot_panels([acc, cons], out / f"curves-{d}.png", panel_size=(5, 3.5), dpi=110))
     return paths
 
 
@@ -816,22 +809,19 @@ def variant_plot(records: list[dict], p: Preset, name: str, out: Path) -> Path:
     """``OUT/curves-NAME.png``: test accuracy against rounds, the mean over seeds with a band; one panel per
     variant, each method a line (Table III: one panel, each row a line)."""
     labels = [v for v, _ in p.variants]
-    panels = [None] if p.table == "ablation" else labels
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    grid = []
+    for panel in [None] if p.table == "ablation" else labels:
+        lines = []
         for v in labels if panel is None else [panel]:
-            for m in dict.fromkeys(r["method"] for r in records):
-                runs = [r["_rows"] for r in records if (r["variant"], r["method"]) == (v, m)]
-                if runs:
-                    lw = 2.2 if m == "fedmim" and panel is not None else 1.2
-                    label = v if panel is None else LABELS[m]
-                    band(ax, runs, "round", "test_accuracy", label=label, yscale=100, lw=lw)
-        ax.set_title(f"{name}: {panel or 'FedMIM rows'} (mean over seeds)")
-        ax.set_xlabel("round")
-        ax.set_ylabel("test accuracy (%)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    return save_png(fig, out / f"curves-{name}.png", dpi=100)
+            for m in methods:
+                if runs := [r["_rows"] for r in records if (r["variant"], r["method"]) == (v, m)]:
+                    style = {"lw": 2.2 if m == "fedmim" and panel is not None else 1.2}
+                    lines.append((v if panel is None else LABELS[m], runs, style))
+        title = f"{name}: {panel or 'FedMIM rows'} (mean over seeds)"
+        grid.append(Panel(lines, "test_accuracy", yscale=100, title=title, xlabel="round", ylabel="test accuracy (%)",
+                          legend={"fontsize": 7}))  # fmt: skip
+    return plot_panels([grid], out / f"curves-{name}.png", panel_size=(5, 4), dpi=100)
 
 
 def write_variant_outputs(records: list[dict], skipped: list, name: str, p: Preset, out: Path, wall: float) -> int:

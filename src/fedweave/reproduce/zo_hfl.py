@@ -33,11 +33,10 @@ import numpy as np
 
 from fedweave.experiments.aggregate import mean_std
 from fedweave.experiments.grid import Point
-from fedweave.experiments.plots import band
+from fedweave.experiments.plots import Panel, plot_panels
 from fedweave.experiments.study import Plan, Study, option
 from fedweave.experiments.tables import markdown_table, pm, write_csv
 from fedweave.memory import cpu_seconds
-from fedweave.plots import plt, save_png
 from fedweave.results import atomic_write
 from fedweave.runner import Result
 
@@ -593,30 +592,33 @@ def write_plots(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int],
     """Fig. 2 (global loss and test cross-entropy against rounds per tau) and test accuracy against rounds per
     method, one panel per setting; the mean over seeds with a band."""
     for ds in p.sweep_dataset:
-        fig, axes = plt.subplots(2, len(SETTINGS), figsize=(4.2 * len(SETTINGS), 6.4), squeeze=False)
-        for row, (metric, ylabel) in enumerate((("global_loss", "global loss f1 + f2"), ("test_loss", "test loss"))):
-            for ax, s in zip(axes[row], SETTINGS):
-                for tau in p.sweep_taus:
-                    runs = [results[n]["rows"] for n in _sweep_names(p, ds, s, tau, out)]
-                    band(ax, runs, "round", metric, label=f"tau={tau:g}")
-                ax.set_title(f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})")
-                ax.set_xlabel("round")
-                ax.set_ylabel(ylabel)
-                ax.legend()
-        fig.tight_layout()
-        save_png(fig, out / f"fig2_{ds}.png", dpi=80)
+        fig2 = [
+            [
+                Panel(
+                    [
+                        (f"tau={tau:g}", [results[n]["rows"] for n in _sweep_names(p, ds, s, tau, out)], {})
+                        for tau in p.sweep_taus
+                    ],
+                    metric,
+                    title=f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})",
+                    xlabel="round",
+                    ylabel=ylabel,
+                )  # fmt: skip
+                for s in SETTINGS
+            ]
+            for metric, ylabel in (("global_loss", "global loss f1 + f2"), ("test_loss", "test loss"))
+        ]
+        plot_panels(fig2, out / f"fig2_{ds}.png", panel_size=(4.2, 3.2), dpi=80)
+    methods = [m for m in p.methods if p.rounds_of(m) == p.rounds and m not in p.sensitivity]
     for ds in p.datasets:
-        fig, axes = plt.subplots(1, len(SETTINGS), figsize=(4.2 * len(SETTINGS), 3.4), sharey=True, squeeze=False)
-        for ax, s in zip(axes[0], SETTINGS):
-            for m in (m for m in p.methods if p.rounds_of(m) == p.rounds and m not in p.sensitivity):
-                runs = [results[run_config(p, ds, s, m, seed, p.tau, p.rounds, out)["name"]]["rows"] for seed in seeds]
-                band(ax, runs, "round", "test_accuracy", label=label(m))
-            ax.set_title(f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})")
-            ax.set_xlabel("round")
-        axes[0, 0].set_ylabel("test accuracy")
-        axes[0, 0].legend(fontsize=7)
-        fig.tight_layout()
-        save_png(fig, out / f"accuracy_{ds}.png", dpi=80)
+        panels = [
+            Panel([(label(m), [results[run_config(p, ds, s, m, seed, p.tau, p.rounds, out)["name"]]["rows"]
+                               for seed in seeds], {}) for m in methods], "test_accuracy",
+                  title=f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})", xlabel="round",
+                  ylabel="test accuracy" if j == 0 else None, legend={"fontsize": 7} if j == 0 else None)
+            for j, s in enumerate(SETTINGS)
+        ]  # fmt: skip
+        plot_panels([panels], out / f"accuracy_{ds}.png", panel_size=(4.2, 3.4), sharey=True, dpi=80)
 
 
 # ---- entry point ---------------------------------------------------------------------------------------
