@@ -9,6 +9,9 @@
   GT-SAGA on the real data sets Adult (a9a), Mushroom and breast cancer.
 - ``paper`` (spec Tier C): the full rho grid, SR 0.05 ... 0.45, T in {20, 50, 100, 200}, 5 seeds, target 1e-10.
 
+Every run is kept in ``OUT/runs/<problem>/<graph>/<method>/s<seed>`` and read back by a later call with the same
+settings (the Study pipeline, ``fedweave.experiments.study``); ``--budget-minutes`` starts no run after it.
+
 The paper reports only plots and qualitative statements, so the comparison table lists its claims and whether
 they held here. The step size is alpha = 0.05 / L_f for every gradient-tracking method (the best of the spec's
 pilot grid for full upload); it is not re-tuned per method.
