@@ -128,9 +128,8 @@ class _Parser(argparse.ArgumentParser):
 class Study:
     """One paper's reproduction: its name (``fedweave reproduce NAME``), scales and options, and the three
     functions that are its paper's own. ``plan(opts) -> Plan``; ``record(point, result, plan) -> record``
-    (a finished run as a row); ``report(records, plan, opts, wall) -> exit status`` (writes the tables,
-    figures, claims and the page's generated sections into ``opts.out``). ``run`` replaces a study's whole
-    front end when its runs are not runner runs (none today)."""
+    (a finished run as a row); ``report(records, plan, opts, wall) -> exit status`` (writes the records,
+    tables, figures and claims into ``opts.out``)."""
 
     name: str
     description: str
