@@ -122,3 +122,11 @@ def test_solver_runs_keep_to_the_time_budget(tmp_path):
     records, reused = seen[-1]
     assert [r["y"] for r in records] == [4.0] and reused == {"x2/s0"}  # the kept run counts, the new one waits
     assert not (tmp_path / "runs" / "x3").exists()
+
+
+def test_a_report_only_call_makes_no_runs_directory(tmp_path):
+    seen: list = []
+    s = _study(seen)
+    s.plan = lambda opts: Plan([])  # no points, as cfl-saga --report-only
+    assert s.main(["--out", str(tmp_path), "--workers", "1"]) == 0
+    assert seen == [([], set())] and not (tmp_path / "runs").exists()

@@ -186,6 +186,8 @@ class Study:
         workers = plan.workers or workers
         print(f"{self.name} reproduction, scale {scale}: {len(plan.points)} runs, {workers} worker(s) -> {out}",
               flush=True)  # fmt: skip
+        if not plan.points:  # e.g. a report rebuilt from its records: nothing to run, no runs/ made
+            return []
         if plan.solve is not None:
             solved = _solved(plan, out / "runs", workers, budget_s)
             return [self.record(pt, solved[pt.slug], plan) for pt in plan.points if pt.slug in solved]
