@@ -30,6 +30,7 @@ import numpy as np
 from fedweave.config import ConfigError
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished, parallel_map, run_points
+from fedweave.experiments.tables import markdown_table
 from fedweave.results import atomic_write
 from fedweave.runner import Result
 
@@ -86,6 +87,20 @@ class Claim:
 def judge(claims: Sequence[Claim], table: Any, ctx: Any = None) -> list[Verdict]:
     """The verdicts of ``claims`` on ``table``, in their order, without the claims the table cannot test."""
     return [v for c in claims if (v := c.verdict(table, ctx)) is not None]
+
+
+HELD = {True: "held", False: "did not hold", None: "untestable"}  # a verdict's word on a page
+YES_NO = {True: "yes", False: "no", None: "untestable"}
+
+
+def verdict_table(
+    verdicts: Sequence[Verdict], header: Sequence[str] = ("claim", "measured", "held"), words: dict = YES_NO
+) -> str:
+    """The verdicts as a markdown table: the claim first, then what was measured and the verdict's word
+    (``words[held]``) in the order of ``header``, whose column named ``measured`` holds the measurement."""
+    measured_first = list(header).index("measured") == 1
+    rows = [[c, m, words[h]] if measured_first else [c, words[h], m] for c, m, h in verdicts]
+    return markdown_table(header, rows)
 
 
 @dataclass

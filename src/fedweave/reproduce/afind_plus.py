@@ -1,20 +1,8 @@
 """``fedweave reproduce afind``: AFIND+ (Wang et al. 2024) Tables 1-3, the tau sweep, Table 4 and Fig. 5 at our scale.
 
-Scales (afind-plus spec 9):
-* ``smoke``: seconds; generated data (the ``synthetic`` dataset, clearly not the paper's) and the
-  data-free selection simulation of spec 2.7. Only checks that the pipeline runs.
-* ``small``: the scaled-down CPU plan of spec 9.1 on real Fashion-MNIST and MNIST: 20 clients with 100
-  training images each, per-client Dirichlet (alpha = 0.3) and pathological (c = 2) splits, the small
-  CNN, 20 rounds of 1 local epoch (spec 9.1 says 30; cut for CPU time), 3 seeds.
-* ``paper``: the paper's settings (spec 9.2: CIFAR-10/100, 100 clients, 500 rounds, 5 local epochs) for
-  users who have the data; hundreds of GPU-hours.
-
-``--tables`` picks what runs: 1, 2, 3 (partial topology), tau, dp (Table 4) and fig5 (Ditto, FOMO and DisPFL
-each with its own neighbour choice and with AFIND+'s selection plugged in, Fig. 5).
-
-Each run is a normal fedweave run directory under ``OUT/runs``; a finished run is reused, so an
-interrupted reproduction continues where it stopped. Tables (Markdown + CSV) hold our mean +- std over
-seeds (population std, as the spec fixes) beside the paper's numbers, which are on CIFAR.
+The presets (afind-plus spec 9: ``smoke``, ``small``, ``paper``), the paper's numbers, the table layouts and the
+claims (spec 9.1 pass criteria); the scales, ``--tables`` and the outputs are described on the page,
+docs/reproductions/afind.md. Cells are mean +- std over seeds with the population std, as the spec fixes.
 """
 
 from __future__ import annotations
@@ -29,10 +17,11 @@ from typing import Any
 import numpy as np
 
 from fedweave.config import ConfigError
+from fedweave.experiments.aggregate import group, seed_gaps
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished
 from fedweave.experiments.plots import plot_curves
-from fedweave.experiments.study import Claim, Plan, Study, judge, option
+from fedweave.experiments.study import Claim, Plan, Study, judge, option, verdict_table
 from fedweave.experiments.tables import markdown_table, mean_std_cell, write_csv
 from fedweave.results import atomic_write
 from fedweave.runner import Result
@@ -297,9 +286,7 @@ def _ms_cell(vals: list[float], scale: float = 100.0) -> str:
 
 
 def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> dict[str, tuple[list, list]]:
-    by = defaultdict(list)
-    for r in results:
-        by[(r["setting"], r["label"])].append(r)
+    by = defaultdict(list, group(results, lambda r: (r["setting"], r["label"])))
     titles = {s.key: s.title for s in p.settings}
 
     def cell(setting: str, label: str, key: str, scale: float = 100.0) -> str:
@@ -352,7 +339,7 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
             plain, plug = by[(p.primary, label)], by[(p.primary, label + " + AFIND+")]
             row = [label]
             for key in ("best", "final"):
-                gain = _seed_gains(plain, plug, key)
+                gain = seed_gaps(plain, plug, key)
                 row += [
                     _ms_cell([r[key] for r in plain]),
                     _ms_cell([r[key] for r in plug]),
@@ -370,12 +357,6 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
         ]
         out["dp"] = (header, body)
     return out
-
-
-def _seed_gains(plain: list[dict[str, Any]], plug: list[dict[str, Any]], key: str) -> list[float]:
-    """Per seed both ran: the plug-in's ``key`` accuracy minus the plain method's."""
-    a, b = {r["seed"]: r[key] for r in plain}, {r["seed"]: r[key] for r in plug}
-    return [b[s] - a[s] for s in sorted(set(a) & set(b))]
 
 
 def _by_seed(results: list[dict[str, Any]], p: Preset) -> dict[str, dict[int, dict[str, Any]]]:
@@ -465,7 +446,7 @@ def _plugin_gains(results, p) -> dict[str, float] | None:
         plain = [r for r in results if r["setting"] == p.primary and r["label"] == label]
         plug = [r for r in results if r["setting"] == p.primary and r["label"] == label + " + AFIND+"]
         if plain and plug:
-            gains[label] = _seed_gains(plain, plug, "best")
+            gains[label] = seed_gaps(plain, plug, "best")
     return gains if len(gains) == len(PLUGINS) and all(gains.values()) else None
 
 
@@ -570,11 +551,9 @@ def write_results(out: Path, results: list[dict[str, Any]], rows: dict[str, list
         title = "## Selection rule alone (spec 2.7: 100 clients, 10 groups, no training)\n"
         md += [title, markdown_table(header, body)]
         write_csv(out / "selection_simulation.csv", body, header)
-    checks = claims(results, p)
-    if checks:
+    if verdicts := judge(CLAIMS, results, p):
         md.append("## Claims (spec 9.1 pass criteria, primary setting)\n")
-        verdicts = [[c, {True: "yes", False: "no", None: "-"}[ok], m] for c, ok, m in checks]
-        md.append(markdown_table(["claim", "held", "measured"], verdicts))
+        md.append(verdict_table(verdicts, ["claim", "held", "measured"], {True: "yes", False: "no", None: "-"}))
     atomic_write(out / "results.md", "\n".join(md))
     plain = [{k: v for k, v in r.items() if k != "_rows"} for r in results]
     atomic_write(out / "results.json", json.dumps(plain, indent=1))
