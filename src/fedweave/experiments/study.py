@@ -214,6 +214,14 @@ class Study:
         return [self.record(pt, runs[pt.slug], plan) for pt in plan.points if pt.slug in runs]
 
 
+def not_run(skipped: Sequence[Point]) -> str:
+    """A report's line naming the points the time budget left unrun (each by its values and seed), or ""."""
+    if not skipped:
+        return ""
+    names = ("-".join(map(str, [*dict(pt.values).values(), pt.seed])) for pt in skipped)
+    return "\nNot run (time budget reached): " + ", ".join(names) + "\n"
+
+
 # ---- runs that are not runner runs: solved records, kept per point ----------------------------------------
 def _spec(point: Any) -> dict[str, Any]:
     """A point's identity as JSON would give it back (what a kept record is compared with)."""

@@ -1,25 +1,8 @@
 """``fedweave reproduce fedmim``: FedMIM against its baselines (FedMIM paper, Table I; spec §9).
 
-Runs every (dataset, split, method, seed) of a preset, each an ordinary fedweave run in
-``OUT/runs/<dataset>-<split>-<method>-s<seed>`` (finished runs are reused, so an interrupted grid
-continues), then writes ``OUT/results.csv`` (one row per run), ``OUT/table.csv`` and ``OUT/table.md``
-(final test accuracy mean +- std over seeds beside the paper's Table I and ranking, and the checks of the
-paper's claims), and ``OUT/curves-<dataset>.png`` (accuracy and local consistency per split).
-
-Presets (``--scale``):
-- ``smoke``: seconds; a handful of rounds on a tiny slice, for tests (``--datasets`` may name a fixture).
-- ``small``: the scaled-down CPU grid of spec §9 on real Fashion-MNIST and MNIST (100 clients, 10 % per
-  round, Dirichlet-0.1 and IID, ``cnn_small``, 3 seeds), in the spec's priority order (see GRIDS).
-- ``long``: the small preset's Dir-0.1 Fashion-MNIST cell with FedMIM, FedAvg, FedCM and SCAFFOLD at
-  T = 500 (3 seeds): tests whether FedMIM's gap closes or reverses over a longer horizon; also writes
-  ``OUT/gaps.csv`` and ``OUT/gaps.md`` (accuracy and FedMIM's gaps at rounds 50, 150, 300 and 500).
-- ``paper``: Table I's settings (CIFAR-10/100 files needed locally, ResNet-18-GN, E = 5, B = 50,
-  T = 1000, lr 0.1 x 0.998^t, weight decay 1e-3); days of CPU time.
-- ``epochs`` (Table II), ``ablation`` (Table III), ``participation`` (Fig. 2a): the small preset's Dir-0.1
-  Fashion-MNIST cell run under several settings (local epochs E = 1, 5, 10; the alpha/beta/J rows of
-  Table III; 5 % and 20 % of the clients per round), 3 seeds. They write ``OUT/<preset>.md``,
-  ``OUT/<preset>.csv``, ``OUT/claims.json``, ``OUT/results.csv`` and ``OUT/curves-<preset>.png`` instead of
-  Table I's files, with the paper's numbers and the checks of its readings of that table or figure.
+The presets (Table I's grid; ``long``; the variant presets ``epochs`` (Table II), ``ablation`` (Table III) and
+``participation`` (Fig. 2a)), the paper's numbers, the table layouts and the claims of spec §9.2; what each
+preset runs and which files it writes is on the page, docs/reproductions/fedmim.md.
 """
 
 from __future__ import annotations
@@ -33,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedweave.experiments.aggregate import mean_std
+from fedweave.experiments.aggregate import group, mean_std
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Panel, plot_panels
-from fedweave.experiments.study import Claim, Plan, Study, judge, option
+from fedweave.experiments.study import HELD, Claim, Plan, Study, judge, not_run, option
 from fedweave.experiments.tables import csv_text, markdown_table, pm, write_csv
 from fedweave.results import atomic_write
 from fedweave.runner import Result
@@ -107,17 +90,14 @@ MAIN = ("fedavg", "fedmim")  # the main claim, spec §9.1
 SECOND = ("fedcm", "scaffold")  # FedMIM's J = 1 special case; the paper's strongest baseline at DIR.1
 CORE = MAIN + SECOND
 REST = ("fedadam", "feddyn", "fedsam")
+SMALL_LOCAL = {"epochs": 1, "batch_size": 20, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3, "grad_clip": 10.0}
+# fmt: off
 PRESETS: dict[str, Preset] = {
     "smoke": Preset(
-        grid=[("mnist", "dir0.1", ("fedavg", "fedmim")), ("mnist", "iid", ("fedavg", "fedmim"))],
-        seeds=(0,),
-        rounds=3,
-        num_clients=10,
-        clients_per_round=3,
-        model="logistic",
+        grid=[("mnist", "dir0.1", ("fedavg", "fedmim")), ("mnist", "iid", ("fedavg", "fedmim"))], seeds=(0,), rounds=3,
+        num_clients=10, clients_per_round=3, model="logistic",
         local={"steps": 2, "batch_size": 16, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3},
-        dataset_options={"max_train": 600, "max_test": 200},
-        eval_every=1,
+        dataset_options={"max_train": 600, "max_test": 200}, eval_every=1,
         note="smoke preset: a few rounds on a tiny slice; checks the pipeline, not the paper",
     ),
     # Spec §9 priority: (1) FedMIM vs FedAvg at Dir-0.1 and the IID control, (2) FedCM (FedMIM's J = 1
@@ -125,28 +105,12 @@ PRESETS: dict[str, Preset] = {
     # claim again on MNIST: 36 runs, about 12 min on 2 idle cores (measured 40 CPU-s per run).
     # --extend adds the other baselines on Fashion-MNIST and FedCM/SCAFFOLD on MNIST (30 more runs).
     "small": Preset(
-        grid=[
-            ("fashion_mnist", "dir0.1", MAIN),
-            ("fashion_mnist", "iid", MAIN),
-            ("fashion_mnist", "dir0.1", SECOND),
-            ("fashion_mnist", "iid", SECOND),
-            ("mnist", "dir0.1", MAIN),
-            ("mnist", "iid", MAIN),
-        ],
-        extension=[
-            ("fashion_mnist", "dir0.1", REST),
-            ("fashion_mnist", "iid", REST),
-            ("mnist", "dir0.1", SECOND),
-            ("mnist", "iid", SECOND),
-        ],
-        seeds=(0, 1, 2),
-        rounds=50,
-        num_clients=100,
-        clients_per_round=10,
-        model="cnn_small",
-        local={"epochs": 1, "batch_size": 20, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3, "grad_clip": 10.0},
-        dataset_options={"max_train": 20000},
-        eval_every=5,
+        grid=[("fashion_mnist", "dir0.1", MAIN), ("fashion_mnist", "iid", MAIN), ("fashion_mnist", "dir0.1", SECOND),
+              ("fashion_mnist", "iid", SECOND), ("mnist", "dir0.1", MAIN), ("mnist", "iid", MAIN)],
+        extension=[("fashion_mnist", "dir0.1", REST), ("fashion_mnist", "iid", REST), ("mnist", "dir0.1", SECOND),
+                   ("mnist", "iid", SECOND)],
+        seeds=(0, 1, 2), rounds=50, num_clients=100, clients_per_round=10, model="cnn_small", local=SMALL_LOCAL,
+        dataset_options={"max_train": 20000}, eval_every=5,
         note="small preset: Fashion-MNIST/MNIST, 20k training images (200 per client), E = 1 epoch of B = 20 "
         "(K = 10), T = 50",
     ),
@@ -154,38 +118,20 @@ PRESETS: dict[str, Preset] = {
     # preset's Dir-0.1 Fashion-MNIST cell with the four core methods, run ten times longer (T = 500);
     # evaluated every 10 rounds so the gap can be read at rounds 50, 150, 300 and 500.
     "long": Preset(
-        grid=[("fashion_mnist", "dir0.1", CORE)],
-        seeds=(0, 1, 2),
-        rounds=500,
-        num_clients=100,
-        clients_per_round=10,
-        model="cnn_small",
-        local={"epochs": 1, "batch_size": 20, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3, "grad_clip": 10.0},
-        dataset_options={"max_train": 20000},
-        eval_every=10,
+        grid=[("fashion_mnist", "dir0.1", CORE)], seeds=(0, 1, 2), rounds=500, num_clients=100, clients_per_round=10,
+        model="cnn_small", local=SMALL_LOCAL, dataset_options={"max_train": 20000}, eval_every=10,
         note="long preset: the small preset's Dir-0.1 Fashion-MNIST cell (FedMIM, FedAvg, FedCM, SCAFFOLD) at T = 500",
         report_rounds=(50, 150, 300, 500),
     ),
     "paper": Preset(
-        grid=[(d, s, ALL) for d in ("cifar10", "cifar100") for s in ("iid", "dir0.3", "dir0.1")],
-        seeds=(0,),
-        rounds=1000,
-        num_clients=100,
-        clients_per_round=10,
-        model="resnet18_gn",
-        local={
-            "epochs": 5,
-            "batch_size": 50,
-            "lr": 0.1,
-            "lr_decay": 0.998,
-            "weight_decay": 1e-3,
-            "grad_clip": 10.0,
-            "augment": ["crop", "flip"],
-        },
-        eval_every=10,
-        note="paper preset: Table I settings (spec §9.4); needs the CIFAR files and a fast machine",
+        grid=[(d, s, ALL) for d in ("cifar10", "cifar100") for s in ("iid", "dir0.3", "dir0.1")], seeds=(0,),
+        rounds=1000, num_clients=100, clients_per_round=10, model="resnet18_gn",
+        local={"epochs": 5, "batch_size": 50, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3, "grad_clip": 10.0,
+               "augment": ["crop", "flip"]},
+        eval_every=10, note="paper preset: Table I settings (spec §9.4); needs the CIFAR files and a fast machine",
     ),
 }
+# fmt: on
 
 
 # ---- Table II, Table III and Fig. 2a: the small preset's Dir-0.1 Fashion-MNIST cell under several settings
@@ -365,9 +311,7 @@ def _ranks(values: dict[str, float]) -> dict[str, int]:
 
 def summarize(records: list[dict]) -> tuple[list[dict], dict]:
     """Per (dataset, split, method): mean/std of final accuracy and consistency; plus the claim checks."""
-    cells: dict[tuple[str, str, str], list[dict]] = {}
-    for r in records:
-        cells.setdefault((r["dataset"], r["split"], r["method"]), []).append(r)
+    cells = group(records, lambda r: (r["dataset"], r["split"], r["method"]))
     table = []
     for (d, s, m), all_rs in cells.items():
         rs = [r for r in all_rs if math.isfinite(r["final_acc"])] or all_rs
@@ -464,7 +408,7 @@ TABLE_I_CLAIMS = {
 
 def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
     """The Table I checks of ``claims.json`` (spec §9.2) as (claim, verdict, measured) rows: a page's claim table."""
-    return [(v.claim, VERDICT[v.held], v.measured) for d, c in claims.items()
+    return [(v.claim, HELD[v.held], v.measured) for d, c in claims.items()
             for v in judge(list(TABLE_I_CLAIMS.values()), c, d)]  # fmt: skip
 
 
@@ -594,9 +538,6 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> tuple[str, str]:
 
 
 # ---- the variant presets' tables: Table II, Table III, Fig. 2a ------------------------------------------
-VERDICT = {True: "held", False: "did not hold", None: "untestable"}
-
-
 def variant_summary(records: list[dict], p: Preset) -> list[dict]:
     """Per (variant, method), in the preset's order: final accuracy mean ± std over seeds (diverged runs
     counted apart), the mean accuracy over the evaluated rounds (how fast it converges), the local
@@ -818,9 +759,7 @@ def variant_markdown(rows: list[dict], checks: list, name: str, p: Preset, wall:
                           f"{r['consistency_last20']:.3g}"] + ([f"{r['paper_c10']:.2f}"] if paper else [])  # fmt: skip
             body.append([LABELS[m], *cells])
     lines += [markdown_table(header, body).rstrip("\n"), "", "## Claims", ""]
-    lines += [
-        markdown_table(["claim", "verdict", "measured"], [[c, VERDICT[ok], m] for c, ok, m in checks]).rstrip("\n")
-    ]
+    lines += [markdown_table(["claim", "verdict", "measured"], [[c, HELD[ok], m] for c, ok, m in checks]).rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -854,11 +793,9 @@ def write_variant_outputs(records: list[dict], skipped: list, name: str, p: Pres
     write_csv(out / f"{name}.csv", rows)
     cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
     md = variant_markdown(rows, checks, name, p, wall, sum(cpus) if cpus and len(cpus) == len(records) else None)
-    if skipped:
-        names = ("-".join(map(str, [*dict(pt.values).values(), pt.seed])) for pt in skipped)
-        md += "\nNot run (time budget reached): " + ", ".join(names) + "\n"
+    md += not_run(skipped)
     atomic_write(out / f"{name}.md", md)
-    claims = [{"claim": c, "verdict": VERDICT[ok], "measured": m} for c, ok, m in checks]
+    claims = [{"claim": c, "verdict": HELD[ok], "measured": m} for c, ok, m in checks]
     atomic_write(out / "claims.json", json.dumps(claims, indent=2, ensure_ascii=False))
     variant_plot(records, p, name, out)
     print(md)
@@ -887,9 +824,7 @@ def report(records: list[dict], plan_: Plan, opts, wall: float) -> int:
     write_csv(out / "table.csv", table, tkeys, float_format=".6g")
     cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
     md = markdown(table, claims, opts.scale, p, wall, sum(cpus) if len(cpus) == len(records) else None)
-    if skipped:
-        names = ("-".join(map(str, [*dict(pt.values).values(), pt.seed])) for pt in skipped)
-        md += "\nNot run (time budget reached): " + ", ".join(names) + "\n"
+    md += not_run(skipped)
     atomic_write(out / "table.md", md)
     atomic_write(out / "claims.json", json.dumps(claims, indent=2))
     plot(records, out)
