@@ -49,7 +49,8 @@ def test_tuning_scores_the_grid_on_validation_without_the_test_set(tmp_path):
     configs = zo_hfl.tune_configs(p, [0], tmp_path)
     assert len(configs) == 2 * len(zo_hfl.SETTINGS)  # lambda = 0 ignores mu: one run per setting
     assert all(c["algorithm"]["validation"] == 0.1 for c in configs)
-    results = zo_hfl.run_all(configs, 1, tmp_path)
+    plan = zo_hfl.Plan([zo_hfl.Point.of(c, c["name"]) for c in configs], initializer=zo_hfl._cache_datasets)
+    results = {r["name"]: r for r in zo_hfl.STUDY.records(plan, tmp_path)}
     assert all("test_accuracy" not in r["rows"][-1] for r in results.values())  # only val_* is evaluated
     rows = zo_hfl.tune_summary(configs, results)
     assert {(r["lam"], r["mu"]) for r in rows} == {(0.0, "-"), (1.0, 0.1)}

@@ -198,9 +198,13 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
-    from fedweave.reproduce import main as reproduce_main
+    """The one front end of every reproduction: the study's options on the CLI's parser, then its pipeline."""
+    from fedweave.reproduce import study
 
-    return reproduce_main(args.name, args.args)
+    s = study(args.name)
+    rp = Parser(prog=f"fedweave reproduce {args.name}", description=s.description)
+    s.add_arguments(rp, positive_int)
+    return s.execute(rp.parse_args(args.args), args.args)
 
 
 def _cmd_flower_app(args: argparse.Namespace) -> int:

@@ -19,6 +19,20 @@ def mean_std(values: list[float], ddof: int = 1) -> tuple[float, float]:
     return float(xs.mean()), float(xs.std(ddof=ddof)) if len(xs) > 1 else 0.0
 
 
+def group(records: list[Any], key: Callable[[Any], Any]) -> dict[Any, list[Any]]:
+    """The records per ``key(record)`` (e.g. a grid point's seeds), keys in order of first appearance."""
+    groups: dict[Any, list[Any]] = {}
+    for r in records:
+        groups.setdefault(key(r), []).append(r)
+    return groups
+
+
+def seed_gaps(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> list[float]:
+    """Per seed both ran (in seed order): ``b``'s ``key`` minus ``a``'s."""
+    x, y = {r["seed"]: r[key] for r in a}, {r["seed"]: r[key] for r in b}
+    return [y[s] - x[s] for s in sorted(set(x) & set(y))]
+
+
 def finite(values: list[float]) -> tuple[list[float], int]:
     """The finite values (the runs that did not diverge), and how many others there were."""
     ok = [v for v in values if math.isfinite(v)]

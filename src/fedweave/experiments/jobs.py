@@ -292,13 +292,16 @@ def parallel_map(
     workers: int = 1,
     initializer: Callable[[], None] | None = None,
     on_result: Callable[[int, Any], None] | None = None,
+    budget_s: float | None = None,
 ) -> list[Any]:
     """``[fn(item) for item in items]`` on ``workers`` forked processes with the cores divided among them,
     for jobs that are not runner runs. ``on_result(i, result)`` is called as each finishes (in any order);
-    the list is in the order of ``items``. ``fn`` must be a module-level function."""
+    the list is in the order of ``items``. ``fn`` must be a module-level function. ``budget_s``: no item
+    starts after this many seconds; an item not run is None in the list."""
     check_workers(workers)
-    results = _schedule(fn, [(x,) for x in items], workers, initializer=initializer, on_done=on_result)
-    return [results[i] for i in range(len(items))]
+    calls = [(x,) for x in items]
+    results = _schedule(fn, calls, workers, initializer=initializer, budget_s=budget_s, on_done=on_result)
+    return [results.get(i) for i in range(len(items))]
 
 
 def _on_ray(calls: list[tuple], address: str, done: Callable[[int, Any], None] | None) -> dict[int, Result]:

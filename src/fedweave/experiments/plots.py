@@ -4,6 +4,7 @@ own figures and panels."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,3 +82,46 @@ def plot_sweep(curves: dict[str, list[list[dict[str, Any]]]], out_dir: str | Pat
     by_bytes = plot_curves(curves, out_dir / f"{metric}_vs_bytes.png", x="bytes_total", y=metric, xscale=mib,
                            xlabel="bytes communicated (MiB)")  # fmt: skip
     return [p for p in (rounds, by_bytes) if p is not None]
+
+
+@dataclass
+class Panel:
+    """One panel of a figure: its lines, each ``(label, its seeds' metric rows, line style)`` drawn as a
+    :func:`band` of ``y`` (times ``yscale``) against ``x``; its title, axis labels, a log y axis, and the
+    legend's keywords (None: no legend)."""
+
+    lines: list[tuple[str, list[list[dict[str, Any]]], dict[str, Any]]]
+    y: str
+    x: str = "round"
+    yscale: float = 1.0
+    title: str | None = None
+    xlabel: str | None = None
+    ylabel: str | None = None
+    logy: bool = False
+    legend: dict[str, Any] | None = field(default_factory=dict)
+
+
+def plot_panels(
+    grid: list[list[Panel]], path: str | Path, *, panel_size: tuple[float, float], sharey: bool = False, dpi: int = 120
+) -> Path:
+    """One figure of panels, ``grid[row][column]``, each ``panel_size`` inches; written as ``path``."""
+    rows, cols = len(grid), len(grid[0])
+    size = (panel_size[0] * cols, panel_size[1] * rows)
+    fig, axes = plt.subplots(rows, cols, figsize=size, sharey=sharey, squeeze=False)
+    for i, row in enumerate(grid):
+        for j, panel in enumerate(row):
+            ax = axes[i, j]
+            for label, runs, style in panel.lines:
+                band(ax, runs, panel.x, panel.y, label=label, yscale=panel.yscale, **style)
+            if panel.title:
+                ax.set_title(panel.title)
+            if panel.xlabel:
+                ax.set_xlabel(panel.xlabel)
+            if panel.ylabel:
+                ax.set_ylabel(panel.ylabel)
+            if panel.logy:
+                ax.set_yscale("log")
+            if panel.legend is not None:
+                ax.legend(**panel.legend)
+    fig.tight_layout()
+    return save_png(fig, path, dpi=dpi)

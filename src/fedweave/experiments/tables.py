@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedweave.experiments.aggregate import finite, mean_std
 from fedweave.results import atomic_write
 
 
@@ -19,9 +20,18 @@ def write_csv(
     columns: list[str] | None = None,
     float_format: str | None = None,
 ) -> None:
-    """Write ``rows`` atomically as CSV. Dict rows: under ``columns`` (other keys ignored), by default every
-    key in order of first appearance except private ``_keys``. List rows: under the header ``columns``.
-    ``float_format`` (e.g. ``".6g"``) formats the floats; by default they are written in full."""
+    """Write ``rows`` atomically as CSV (:func:`csv_text`)."""
+    atomic_write(path, csv_text(rows, columns, float_format))
+
+
+def csv_text(
+    rows: Sequence[dict[str, Any]] | Sequence[Sequence[Any]],
+    columns: list[str] | None = None,
+    float_format: str | None = None,
+) -> str:
+    """``rows`` as CSV text with ``\\n`` line ends. Dict rows: under ``columns`` (other keys ignored), by
+    default every key in order of first appearance except private ``_keys``. List rows: under the header
+    ``columns``. ``float_format`` (e.g. ``".6g"``) formats the floats; by default they are written in full."""
     if rows and not isinstance(rows[0], dict):
         rows = [dict(zip(columns or [], r)) for r in rows]
     if columns is None:
@@ -33,7 +43,7 @@ def write_csv(
     w.writeheader()
     for r in rows:
         w.writerow({k: format(v, float_format) if float_format and isinstance(v, float) else v for k, v in r.items()})
-    atomic_write(path, buf.getvalue())
+    return buf.getvalue()
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -58,3 +68,24 @@ def markdown(rows: list[dict[str, Any]], best: int | None = None) -> str:
     if best is not None:
         cells[best] = [f"**{c}**" for c in cells[best]]
     return markdown_table(cols, cells)
+
+
+def pm(mean: float, std: float, sep: str = " ± ", nd: int = 2) -> str:
+    """A mean and its standard deviation as one cell, ``mean<sep>std`` at ``nd`` decimals."""
+    return f"{mean:.{nd}f}{sep}{std:.{nd}f}"
+
+
+def mean_std_cell(
+    values: Sequence[float], scale: float = 1.0, ddof: int = 1, sep: str = " ± ", nd: int = 2, empty: str = "-"
+) -> str:
+    """``mean<sep>std`` of ``values`` times ``scale`` at ``nd`` decimals, over the finite ones; the runs that
+    diverged (a NaN or infinite value) are counted, ``(k/n diverged)``, and none finite is ``diverged (n/n)``;
+    no values at all is ``empty``."""
+    if not values:
+        return empty
+    ok, bad = finite([v * scale for v in values])
+    if not ok:
+        return f"diverged ({bad}/{bad})"
+    m, sd = mean_std(ok, ddof=ddof)
+    cell = pm(m, sd, sep, nd)
+    return cell if not bad else f"{cell} ({bad}/{len(values)} diverged)"

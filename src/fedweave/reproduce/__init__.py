@@ -1,8 +1,13 @@
-"""Reproductions of the five papers: ``fedweave reproduce NAME`` runs ``fedweave.reproduce.<module>.main``."""
+"""Reproductions of the five papers: ``fedweave reproduce NAME`` runs the study ``fedweave.reproduce.<module>.STUDY``
+(``fedweave.experiments.study``) with the CLI's front end."""
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fedweave.experiments.study import Study
 
 PRESETS = {
     "fedmim": "fedweave.reproduce.fedmim",
@@ -17,9 +22,10 @@ def available() -> list[str]:
     return [name for name, mod in PRESETS.items() if importlib.util.find_spec(mod) is not None]
 
 
-def main(name: str, argv: list[str]) -> int:
+def study(name: str) -> Study:
+    """The reproduction's ``Study``; an unknown name is a ConfigError that lists the known ones."""
     if name not in available():
         from fedweave.config import ConfigError
 
         raise ConfigError(f"unknown reproduction {name!r}; available: {', '.join(available()) or 'none'}")
-    return int(importlib.import_module(PRESETS[name]).main(argv) or 0)
+    return importlib.import_module(PRESETS[name]).STUDY

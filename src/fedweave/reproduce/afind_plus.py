@@ -1,28 +1,14 @@
 """``fedweave reproduce afind``: AFIND+ (Wang et al. 2024) Tables 1-3, the tau sweep, Table 4 and Fig. 5 at our scale.
 
-Scales (afind-plus spec 9):
-* ``smoke``: seconds; generated data (the ``synthetic`` dataset, clearly not the paper's) and the
-  data-free selection simulation of spec 2.7. Only checks that the pipeline runs.
-* ``small``: the scaled-down CPU plan of spec 9.1 on real Fashion-MNIST and MNIST: 20 clients with 100
-  training images each, per-client Dirichlet (alpha = 0.3) and pathological (c = 2) splits, the small
-  CNN, 20 rounds of 1 local epoch (spec 9.1 says 30; cut for CPU time), 3 seeds.
-* ``paper``: the paper's settings (spec 9.2: CIFAR-10/100, 100 clients, 500 rounds, 5 local epochs) for
-  users who have the data; hundreds of GPU-hours.
-
-``--tables`` picks what runs: 1, 2, 3 (partial topology), tau, dp (Table 4) and fig5 (Ditto, FOMO and DisPFL
-each with its own neighbour choice and with AFIND+'s selection plugged in, Fig. 5).
-
-Each run is a normal fedweave run directory under ``OUT/runs``; a finished run is reused, so an
-interrupted reproduction continues where it stopped. Tables (Markdown + CSV) hold our mean +- std over
-seeds (population std, as the spec fixes) beside the paper's numbers, which are on CIFAR.
+The presets (afind-plus spec 9: ``smoke``, ``small``, ``paper``), the paper's numbers, the table layouts and the
+claims (spec 9.1 pass criteria); the scales, ``--tables`` and the outputs are described on the page,
+docs/reproductions/afind.md. Cells are mean +- std over seeds with the population std, as the spec fixes.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,12 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from fedweave.cli import Parser, positive_int
-from fedweave.experiments.aggregate import finite, mean_std
+from fedweave.config import ConfigError
+from fedweave.experiments.aggregate import group, seed_gaps
 from fedweave.experiments.grid import Point
-from fedweave.experiments.jobs import finished, run_points
+from fedweave.experiments.jobs import finished
 from fedweave.experiments.plots import plot_curves
-from fedweave.experiments.tables import markdown_table, write_csv
+from fedweave.experiments.study import Claim, Plan, Study, judge, option, verdict_table
+from fedweave.experiments.tables import markdown_table, mean_std_cell, write_csv
 from fedweave.results import atomic_write
 from fedweave.runner import Result
 
@@ -295,19 +282,11 @@ def collect(point: Point, res: Result) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- tables
 def _ms_cell(vals: list[float], scale: float = 100.0) -> str:
     """mean±std over the runs (population std, spec 9), and how many diverged (NaN) if any did."""
-    if not vals:
-        return "-"
-    ok, bad = finite([v * scale for v in vals])
-    if not ok:
-        return f"diverged ({bad}/{bad})"
-    m, sd = mean_std(ok, ddof=0)
-    return f"{m:.2f}±{sd:.2f}" if not bad else f"{m:.2f}±{sd:.2f} ({bad}/{len(vals)} diverged)"
+    return mean_std_cell(vals, scale, ddof=0, sep="±")
 
 
 def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> dict[str, tuple[list, list]]:
-    by = defaultdict(list)
-    for r in results:
-        by[(r["setting"], r["label"])].append(r)
+    by = defaultdict(list, group(results, lambda r: (r["setting"], r["label"])))
     titles = {s.key: s.title for s in p.settings}
 
     def cell(setting: str, label: str, key: str, scale: float = 100.0) -> str:
@@ -360,7 +339,7 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
             plain, plug = by[(p.primary, label)], by[(p.primary, label + " + AFIND+")]
             row = [label]
             for key in ("best", "final"):
-                gain = _seed_gains(plain, plug, key)
+                gain = seed_gaps(plain, plug, key)
                 row += [
                     _ms_cell([r[key] for r in plain]),
                     _ms_cell([r[key] for r in plug]),
@@ -380,89 +359,138 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
     return out
 
 
-def _seed_gains(plain: list[dict[str, Any]], plug: list[dict[str, Any]], key: str) -> list[float]:
-    """Per seed both ran: the plug-in's ``key`` accuracy minus the plain method's."""
-    a, b = {r["seed"]: r[key] for r in plain}, {r["seed"]: r[key] for r in plug}
-    return [b[s] - a[s] for s in sorted(set(a) & set(b))]
-
-
-def claims(results: list[dict[str, Any]], p: Preset) -> list[tuple[str, bool | None, str]]:
-    """Spec 9.1 pass criteria, evaluated on the primary setting."""
-    by = defaultdict(dict)
+def _by_seed(results: list[dict[str, Any]], p: Preset) -> dict[str, dict[int, dict[str, Any]]]:
+    """The primary setting's records, per label and seed."""
+    by: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
     for r in results:
         if r["setting"] == p.primary:
             by[r["label"]][r["seed"]] = r
-    out = []
+    return by
 
-    def best(label: str) -> dict[int, float]:
-        return {s: r["best"] for s, r in by.get(label, {}).items()}
 
-    a, g, loc, af = best("AFIND+"), best("Gossip"), best("Local"), best("+i+ii (AFIND)")
-    if a and g:
-        seeds = sorted(set(a) & set(g))
-        gap = [a[s] - g[s] for s in seeds]
-        ok = np.mean(gap) >= 0.02 and all(x > 0 for x in gap)
-        out.append(("AFIND+ > Gossip by >= 2 points (mean) and in every seed", ok,
-                    f"gap {100 * np.mean(gap):+.2f} points; per seed {[round(100 * x, 2) for x in gap]}"))  # fmt: skip
-    if a and loc:
-        d = np.mean([a[s] - loc[s] for s in set(a) & set(loc)])
-        out.append(("AFIND+ >= Local", bool(d >= 0), f"difference {100 * d:+.2f} points"))
-    if a and af:
-        d = np.mean([a[s] - af[s] for s in set(a) & set(af)])
-        out.append(("AFIND+ > AFIND (Boltzmann beats uniform aggregation)", bool(d > 0), f"difference {100 * d:+.2f}"))
-    taus = sorted({*p.taus, 0.5})
-    sel = []
-    for t in taus:
-        lb = "AFIND+" if t == 0.5 else f"AFIND+ tau={t:g}"
-        if lb in by:
-            sel.append(np.mean([r["selected"] for r in by[lb].values()]))
-    if len(sel) == len(taus) and len(sel) > 1:
-        ok = all(x > y for x, y in zip(sel, sel[1:]))
-        out.append(
-            (
-                "mean coreset size strictly decreasing in tau",
-                ok,
-                ", ".join(f"tau {t:g}: {s:.2f}" for t, s in zip(taus, sel)),
-            )
-        )
-    # Table 4: the change of best-round accuracy against sigma_2 = 0, over the seeds both have
-    base, dp = best("AFIND+"), {}
+def _best(results: list[dict[str, Any]], p: Preset, label: str) -> dict[int, float]:
+    """Per seed, the best-round accuracy of ``label`` on the primary setting."""
+    return {s: r["best"] for s, r in _by_seed(results, p).get(label, {}).items()}
+
+
+def _mean_gap(results, p, a: str, b: str) -> float | None:
+    x, y = _best(results, p, a), _best(results, p, b)
+    return np.mean([x[s] - y[s] for s in set(x) & set(y)]) if x and y else None
+
+
+def _c_gossip(results, p):
+    a, g = _best(results, p, "AFIND+"), _best(results, p, "Gossip")
+    if not (a and g):
+        return None
+    gap = [a[s] - g[s] for s in sorted(set(a) & set(g))]
+    return (f"gap {100 * np.mean(gap):+.2f} points; per seed {[round(100 * x, 2) for x in gap]}",
+            np.mean(gap) >= 0.02 and all(x > 0 for x in gap))  # fmt: skip
+
+
+def _c_local(results, p):
+    d = _mean_gap(results, p, "AFIND+", "Local")
+    return None if d is None else (f"difference {100 * d:+.2f} points", d >= 0)
+
+
+def _c_afind(results, p):
+    d = _mean_gap(results, p, "AFIND+", "+i+ii (AFIND)")
+    return None if d is None else (f"difference {100 * d:+.2f}", d > 0)
+
+
+def _c_tau(results, p):
+    by, taus = _by_seed(results, p), sorted({*p.taus, 0.5})
+    labels = ["AFIND+" if t == 0.5 else f"AFIND+ tau={t:g}" for t in taus]
+    sel = [np.mean([r["selected"] for r in by[lb].values()]) for lb in labels if lb in by]
+    if not (len(sel) == len(taus) and len(sel) > 1):
+        return None
+    return ", ".join(f"tau {t:g}: {s:.2f}" for t, s in zip(taus, sel)), all(x > y for x, y in zip(sel, sel[1:]))
+
+
+def _dp(results, p) -> dict[float, tuple[float, int]]:
+    """Table 4: the change of best-round accuracy against sigma_2 = 0, over the seeds both have (a run that
+    diverged before evaluating counts as the worst possible change), and the number of those seeds."""
+    base, dp = _best(results, p, "AFIND+"), {}
     for sigma in p.dp_sigmas:
-        got = best(f"AFIND+ dp={sigma:g}")
-        common = sorted(set(got) & set(base))
-        if common:  # a run that diverged before evaluating counts as the worst possible change
+        got = _best(results, p, f"AFIND+ dp={sigma:g}")
+        if common := sorted(set(got) & set(base)):
             diffs = [got[s] - base[s] for s in common]
             dp[sigma] = (float(np.mean(diffs)) if np.isfinite(diffs).all() else -math.inf, len(common))
-    small = [s for s in dp if s <= 5]
-    if small:
-        out.append(("Table 4: DP noise sigma_2 <= 5 costs at most 3 points (paper: <= 2.84)",
-                    bool(max(-dp[s][0] for s in small) <= 0.03),
-                    ", ".join(f"sigma {s:g}: {100 * dp[s][0]:+.2f} ({dp[s][1]} seed(s))" for s in small)))  # fmt: skip
-    big = [s for s in dp if s > 5]
-    if big and small:
-        b = max(big)
-        worse = bool(dp[b][0] < min(dp[s][0] for s in small))
-        out.append((f"Table 4: sigma_2 = {b:g} hurts more than sigma_2 <= 5", worse,
-                    f"sigma {b:g}: {100 * dp[b][0]:+.2f} points vs sigma 0"
-                    + (" (diverged)" if dp[b][0] == -math.inf else "")))  # fmt: skip
-    # Fig. 5 and the abstract: AFIND+'s selection plugged into Ditto, FOMO and DisPFL, best-round accuracy
+    return dp
+
+
+def _c_dp_small(results, p):
+    dp = _dp(results, p)
+    if not (small := [s for s in dp if s <= 5]):
+        return None
+    return (", ".join(f"sigma {s:g}: {100 * dp[s][0]:+.2f} ({dp[s][1]} seed(s))" for s in small),
+            max(-dp[s][0] for s in small) <= 0.03)  # fmt: skip
+
+
+def _c_dp_big(results, p):
+    dp = _dp(results, p)
+    small, big = [s for s in dp if s <= 5], [s for s in dp if s > 5]
+    if not (big and small):
+        return None
+    b = max(big)
+    measured = f"sigma {b:g}: {100 * dp[b][0]:+.2f} points vs sigma 0" + (
+        " (diverged)" if dp[b][0] == -math.inf else ""
+    )
+    return measured, dp[b][0] < min(dp[s][0] for s in small)
+
+
+def _plugin_gains(results, p) -> dict[str, float] | None:
+    """Fig. 5 and the abstract: per plug-in method, the per-seed gains of best-round accuracy with AFIND+'s
+    selection (None unless every plug-in ran both ways)."""
     gains = {}
     for label in PLUGINS:
         plain = [r for r in results if r["setting"] == p.primary and r["label"] == label]
         plug = [r for r in results if r["setting"] == p.primary and r["label"] == label + " + AFIND+"]
         if plain and plug:
-            gains[label] = _seed_gains(plain, plug, "best")
-    if len(gains) == len(PLUGINS) and all(gains.values()):
-        means = {k: float(np.mean(v)) for k, v in gains.items()}
-        per = "; ".join(f"{k} {100 * means[k]:+.2f} ({sum(x > 0 for x in v)}/{len(v)} seeds ahead)"
-                        for k, v in gains.items())  # fmt: skip
-        out.append(("Fig. 5: AFIND+ selection improves every plug-in method (mean best-round gain > 0)",
-                    all(m > 0 for m in means.values()), per))  # fmt: skip
-        overall = 100 * float(np.mean(list(means.values())))
-        lo, hi = CLAIMED_PLUGIN_GAIN / 2, 1.5 * CLAIMED_PLUGIN_GAIN
-        out.append((f"Abstract: the improvement is about +3 points (mean gain over the plug-ins in [{lo:g}, {hi:g}])",
-                    bool(lo <= overall <= hi), f"mean gain {overall:+.2f} points"))  # fmt: skip
-    return out
+            gains[label] = seed_gaps(plain, plug, "best")
+    return gains if len(gains) == len(PLUGINS) and all(gains.values()) else None
+
+
+def _c_fig5(results, p):
+    if not (gains := _plugin_gains(results, p)):
+        return None
+    means = {k: float(np.mean(v)) for k, v in gains.items()}
+    per = "; ".join(
+        f"{k} {100 * means[k]:+.2f} ({sum(x > 0 for x in v)}/{len(v)} seeds ahead)" for k, v in gains.items()
+    )
+    return per, all(m > 0 for m in means.values())
+
+
+def _c_abstract(results, p):
+    if not (gains := _plugin_gains(results, p)):
+        return None
+    overall = 100 * float(np.mean([float(np.mean(v)) for v in gains.values()]))
+    lo, hi = CLAIMED_PLUGIN_GAIN / 2, 1.5 * CLAIMED_PLUGIN_GAIN
+    return f"mean gain {overall:+.2f} points", lo <= overall <= hi
+
+
+def _dp_big_text(results, p) -> str:
+    return f"Table 4: sigma_2 = {max(s for s in _dp(results, p) if s > 5):g} hurts more than sigma_2 <= 5"
+
+
+CLAIMS = [
+    Claim("AFIND+ > Gossip by >= 2 points (mean) and in every seed", _c_gossip),
+    Claim("AFIND+ >= Local", _c_local),
+    Claim("AFIND+ > AFIND (Boltzmann beats uniform aggregation)", _c_afind),
+    Claim("mean coreset size strictly decreasing in tau", _c_tau),
+    Claim("Table 4: DP noise sigma_2 <= 5 costs at most 3 points (paper: <= 2.84)", _c_dp_small),
+    Claim(_dp_big_text, _c_dp_big),
+    Claim("Fig. 5: AFIND+ selection improves every plug-in method (mean best-round gain > 0)", _c_fig5),
+    Claim(
+        f"Abstract: the improvement is about +3 points (mean gain over the plug-ins in "
+        f"[{CLAIMED_PLUGIN_GAIN / 2:g}, {1.5 * CLAIMED_PLUGIN_GAIN:g}])",
+        _c_abstract,
+    ),  # fmt: skip
+]
+
+
+def claims(results: list[dict[str, Any]], p: Preset) -> list[tuple[str, bool | None, str]]:
+    """Spec 9.1 pass criteria, evaluated on the primary setting: (claim, held, measured)."""
+    return [(v.claim, v.held, v.measured) for v in judge(CLAIMS, results, p)]
 
 
 def selection_simulation() -> tuple[list[str], list[list[str]]]:
@@ -523,69 +551,71 @@ def write_results(out: Path, results: list[dict[str, Any]], rows: dict[str, list
         title = "## Selection rule alone (spec 2.7: 100 clients, 10 groups, no training)\n"
         md += [title, markdown_table(header, body)]
         write_csv(out / "selection_simulation.csv", body, header)
-    checks = claims(results, p)
-    if checks:
+    if verdicts := judge(CLAIMS, results, p):
         md.append("## Claims (spec 9.1 pass criteria, primary setting)\n")
-        verdicts = [[c, {True: "yes", False: "no", None: "-"}[ok], m] for c, ok, m in checks]
-        md.append(markdown_table(["claim", "held", "measured"], verdicts))
+        md.append(verdict_table(verdicts, ["claim", "held", "measured"], {True: "yes", False: "no", None: "-"}))
     atomic_write(out / "results.md", "\n".join(md))
     plain = [{k: v for k, v in r.items() if k != "_rows"} for r in results]
     atomic_write(out / "results.json", json.dumps(plain, indent=1))
     plots(results, p, out)
 
 
-# --------------------------------------------------------------------------------------------- main
-def main(argv: list[str]) -> int:
-    ap = Parser(prog="fedweave reproduce afind", description=__doc__.split("\n")[0])
-    ap.add_argument("--scale", choices=("smoke", "small", "paper"), default="small")
-    ap.add_argument("--seeds", type=positive_int, default=None, help="number of seeds (0..n-1); default: the preset's")
-    ap.add_argument("--out", default="runs/reproduce-afind")
-    ap.add_argument(
-        "--workers", type=positive_int, default=min(2, os.cpu_count() or 1), help="parallel runs (1 thread each)"
-    )
-    ap.add_argument(
-        "--tables",
-        default="1,2,tau",
-        help="comma list of 1,2,3,tau,dp,fig5 (3 = partial topology, dp = Table 4, fig5 = the personalised "
-        "methods Ditto, FOMO, DisPFL with and without AFIND+'s selection)",
-    )
-    ap.add_argument("--rounds", type=positive_int, default=None, help="override the preset's number of rounds")
-    ap.add_argument("--primary-only", action="store_true", help="Table 1 on the primary setting only")
-    ap.add_argument("--collect", action="store_true", help="run nothing: tables from the finished runs only")
-    ap.add_argument("--only", default="", help="comma list of method labels to run (e.g. 'Local,Gossip,AFIND+')")
-    args = ap.parse_args(argv)
-    p = preset(args.scale)
-    if args.rounds is not None:
-        if args.rounds < 1:
-            raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+# ------------------------------------------------------------------------------------------ the study
+TABLES = ("1", "2", "3", "tau", "dp", "fig5")
+
+
+def study_plan(opts) -> Plan:
+    """The points of ``--tables`` at ``--scale``; with ``--only`` / ``--collect`` only those rows' points and
+    the finished runs (the tables still show every finished run)."""
+    p = preset(opts.scale)
+    if opts.rounds is not None:
         for s in p.settings:
-            s.base["rounds"] = args.rounds
-    if args.primary_only:
+            s.base["rounds"] = opts.rounds
+    if opts.primary_only:
         p.settings = [s for s in p.settings if s.key == p.primary]
-    seeds = args.seeds or p.seeds
-    wanted = {t.strip() for t in args.tables.split(",") if t.strip()}
-    bad = wanted - {"1", "2", "3", "tau", "dp", "fig5"}
-    if bad:
-        raise SystemExit(f"--tables: unknown {sorted(bad)}; allowed 1, 2, 3, tau, dp, fig5")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    seeds = opts.seeds or p.seeds
+    wanted = {t.strip() for t in opts.tables.split(",") if t.strip()}
+    if bad := wanted - set(TABLES):
+        raise ConfigError(f"--tables: unknown {sorted(bad)}; allowed {', '.join(TABLES)}")
     jobs, rows = plan(p, seeds, wanted)
     grid = points(jobs, p)
-    done = finished(grid, out / "runs") if args.only or args.collect else {}
-    if args.only:  # run only these rows' jobs (the tables still show every finished run)
-        keep = {x.strip() for x in args.only.split(",")}
+    done = finished(grid, Path(opts.out) / "runs") if opts.only or opts.collect else {}
+    if opts.only:
+        keep = {x.strip() for x in opts.only.split(",")}
         grid = [pt for pt in grid if dict(pt.values)["label"] in keep or pt.slug in done]
-        unknown = keep - {dict(pt.values)["label"] for pt in grid}
-        if unknown:
-            raise SystemExit(f"--only: unknown method label(s) {sorted(unknown)}")
-    if args.collect:
+        if unknown := keep - {dict(pt.values)["label"] for pt in grid}:
+            raise ConfigError(f"--only: unknown method label(s) {sorted(unknown)}")
+    if opts.collect:
         grid = [pt for pt in grid if pt.slug in done]
-    print(f"afind reproduction, scale {args.scale}: {len(grid)} runs, {args.workers} worker(s) -> {out}", flush=True)
-    t0 = time.perf_counter()
-    workers = 1 if args.scale == "smoke" else args.workers
-    runs = run_points(grid, out / "runs", workers=workers, overwrite=True)
-    results = [collect(pt, runs[pt.slug]) for pt in grid]
-    wall = time.perf_counter() - t0
-    write_results(out, results, rows, p, args.scale, len(grid), seeds, wall)
-    print(f"wrote {out / 'results.md'} ({wall:.0f} s)")
+    return Plan(grid, (p, rows, seeds), workers=1 if opts.scale == "smoke" else None)
+
+
+def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> int:
+    p, rows, seeds = plan.context
+    write_results(Path(opts.out), results, rows, p, opts.scale, len(plan.points), seeds, wall)
+    print(f"wrote {Path(opts.out) / 'results.md'} ({wall:.0f} s)")
     return 0
+
+
+STUDY = Study(
+    name="afind",
+    description=__doc__.split("\n")[0],
+    scales=("smoke", "small", "paper"),
+    seeds_help="number of seeds (0..n-1); default: the preset's",
+    options=(
+        option(
+            "--tables",
+            default="1,2,tau",
+            help="comma list of 1,2,3,tau,dp,fig5 (3 = partial topology, dp = "
+            "Table 4, fig5 = the personalised methods Ditto, FOMO, DisPFL with and without AFIND+'s selection)",
+        ),
+        option("--rounds", count=True, default=None, help="override the preset's number of rounds"),
+        option("--primary-only", action="store_true", help="Table 1 on the primary setting only"),
+        option("--collect", action="store_true", help="run nothing: tables from the finished runs only"),
+        option("--only", default="", help="comma list of method labels to run (e.g. 'Local,Gossip,AFIND+')"),
+    ),  # fmt: skip
+    plan=study_plan,
+    record=lambda point, res, plan: collect(point, res),
+    report=report,
+)
+main = STUDY.main

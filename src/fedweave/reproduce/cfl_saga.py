@@ -9,6 +9,9 @@
   GT-SAGA on the real data sets Adult (a9a), Mushroom and breast cancer.
 - ``paper`` (spec Tier C): the full rho grid, SR 0.05 ... 0.45, T in {20, 50, 100, 200}, 5 seeds, target 1e-10.
 
+Every run is kept in ``OUT/runs/<problem>/<graph>/<method>/s<seed>`` and read back by a later call with the same
+settings (the Study pipeline, ``fedweave.experiments.study``); ``--budget-minutes`` starts no run after it.
+
 The paper reports only plots and qualitative statements, so the comparison table lists its claims and whether
 they held here. The step size is alpha = 0.05 / L_f for every gradient-tracking method (the best of the spec's
 pilot grid for full upload); it is not re-tuned per method.
@@ -19,7 +22,7 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -28,9 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from fedweave.cli import Parser, positive_int
 from fedweave.experiments.aggregate import if_all
-from fedweave.experiments.jobs import parallel_map
+from fedweave.experiments.study import Plan, Study, option
 from fedweave.experiments.tables import markdown_table, write_csv
 from fedweave.plots import plt, save_png
 from fedweave.results import atomic_write
@@ -55,6 +57,12 @@ class Job:
     data: dict[str, Any] = field(default_factory=dict)
     system: dict[str, Any] = field(default_factory=dict)
     curve: bool = False  # keep the per-iteration trace (for the plots)
+
+    @property
+    def slug(self) -> str:
+        """The run's directory under ``OUT/runs``: problem, graph, method and seed."""
+        safe = [re.sub(r"[^A-Za-z0-9.=+-]+", "_", t) for t in (self.tag, self.topology, self.method)]
+        return "/".join([*safe, f"s{self.seed}"])
 
 
 def run_job(job: Job) -> dict[str, Any]:
@@ -159,91 +167,27 @@ def synthetic_jobs(scale: str, seeds: list[int]) -> list[Job]:
             rhos = (0.0, 1.0, 5.0, 10.0, 20.0, 50.0, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7)
             rates, inner, stop = (0.05, 0.15, 0.25, 0.35, 0.45), (20, 50, 100, 200), 1e-10
         kmax = {"cfl_saga": 8000, "gt_saga": 10_000, "gt_svrg": 5000, "gt_sarah": 5000, "cfl_admm": 3000}
+
+    def job(seed: int, topo: str, method: str, algo: str, options: dict[str, Any], k: int) -> Job:
+        return Job("synthetic", topo, method, algo, options, seed, k, stop, data, system, seed == seeds[0])
+
     jobs = []
     for seed in seeds:
-        curve = seed == seeds[0]
         for topo in topologies:
-            for rho in rhos:
-                jobs.append(
-                    Job(
-                        "synthetic",
-                        topo,
-                        f"CFL-SAGA rho={rho:g}",
-                        "cfl_saga",
-                        {"rho": rho},
-                        seed,
-                        kmax["cfl_saga"],
-                        stop,
-                        data,
-                        system,
-                        curve,
-                    )
-                )
-            for sr in rates:
-                k = kmax["gt_saga"] * (3 if sr <= 0.05 else 1)  # SR 0.05 needs ~4.5k iterations to 1e-8
-                jobs.append(
-                    Job(
-                        "synthetic",
-                        topo,
-                        f"GT-SAGA SR={sr:g}",
-                        "gt_saga",
-                        {"sample_rate": sr},
-                        seed,
-                        k,
-                        stop,
-                        data,
-                        system,
-                        curve,
-                    )
-                )
-        topo = "random"
+            jobs += [
+                job(seed, topo, f"CFL-SAGA rho={rho:g}", "cfl_saga", {"rho": rho}, kmax["cfl_saga"]) for rho in rhos
+            ]
+            # SR 0.05 needs ~4.5k iterations to 1e-8
+            jobs += [job(seed, topo, f"GT-SAGA SR={sr:g}", "gt_saga", {"sample_rate": sr},
+                         kmax["gt_saga"] * (3 if sr <= 0.05 else 1)) for sr in rates]  # fmt: skip
         for t in inner:
             for name, algo in (("GT-SVRG", "gt_svrg"), ("GT-SARAH", "gt_sarah")):
-                jobs.append(
-                    Job(
-                        "synthetic",
-                        topo,
-                        f"{name} SR=0.15 T={t}",
-                        algo,
-                        {"sample_rate": 0.15, "inner_loop": t},
-                        seed,
-                        kmax[algo],
-                        stop,
-                        data,
-                        system,
-                        curve,
-                    )
-                )
-        jobs.append(
-            Job(
-                "synthetic",
-                topo,
-                "CFL-ADMM (reconstructed) SR=0.3",
-                "cfl_admm",
-                {"sample_rate": 0.3},
-                seed,
-                kmax["cfl_admm"],
-                stop,
-                data,
-                system,
-                curve,
-            )
-        )
-        jobs.append(
-            Job(
-                "synthetic",
-                topo,
-                "CFL-ADMM (reconstructed, exact local gradients) SR=0.3",
-                "cfl_admm",
-                {"sample_rate": 0.3, "local_gradient": "full", "beta_scale": 2.0},
-                seed,
-                kmax["cfl_admm"],
-                stop,
-                data,
-                system,
-                curve,
-            )
-        )
+                jobs.append(job(seed, "random", f"{name} SR=0.15 T={t}", algo, {"sample_rate": 0.15, "inner_loop": t},
+                                kmax[algo]))  # fmt: skip
+        admm = "CFL-ADMM (reconstructed{}) SR=0.3"
+        jobs.append(job(seed, "random", admm.format(""), "cfl_admm", {"sample_rate": 0.3}, kmax["cfl_admm"]))
+        exact = {"sample_rate": 0.3, "local_gradient": "full", "beta_scale": 2.0}
+        jobs.append(job(seed, "random", admm.format(", exact local gradients"), "cfl_admm", exact, kmax["cfl_admm"]))
     return jobs
 
 
@@ -589,13 +533,16 @@ def load_raw(out: Path) -> list[dict]:
     return rows
 
 
+CLAIM_COLUMNS = ["claim", "paper", "measured", "verdict"]
+
+
 def write_report(rows: list[dict], out: Path, meta: dict) -> None:
     scale, seeds = meta["scale"], meta["seeds"]
     aggs = aggregate(rows)
     write_csv(out / "runs.csv", rows)
     write_csv(out / "summary.csv", aggs)
     cl = claims(aggs)
-    write_csv(out / "claims.csv", cl, ["claim", "paper", "measured", "verdict"])
+    write_csv(out / "claims.csv", cl, CLAIM_COLUMNS)
     md = [
         f"# CFL-SAGA reproduction ({scale})",
         "",
@@ -615,79 +562,76 @@ def write_report(rows: list[dict], out: Path, meta: dict) -> None:
         acc = [r["test_accuracy_x_star"] for r in rows if r["problem"] == prob and "test_accuracy_x_star" in r]
         if acc:
             md += [f"Test accuracy of x* (the optimum every method approaches): {acc[0]:.4f}.", ""]
-    md += [
-        "## The paper's claims (synthetic problem)",
-        "",
-        "| claim | paper | measured | verdict |",
-        "|---|---|---|---|",
-    ]
-    md += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in cl]
+    md += ["## The paper's claims (synthetic problem)", "", markdown_table(CLAIM_COLUMNS, cl).rstrip("\n")]
     atomic_write(out / "summary.md", "\n".join(md) + "\n")
     plots(rows, out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(argv or [])
-    p = Parser(prog="fedweave reproduce cfl-saga", description=__doc__.split("\n")[0])
-    p.add_argument("--scale", choices=("smoke", "small", "paper"), default="small")
-    p.add_argument("--seeds", type=positive_int, default=None, help="number of seeds (smoke 1, small 3, paper 5)")
-    p.add_argument("--out", default="runs/reproduce-cfl-saga")
-    p.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1))
-    p.add_argument(
-        "--part",
-        choices=("all", "synthetic", "real", "alpha"),
-        default="all",
-        help="run only one part; the other parts' runs already in OUT are kept. 'alpha' (never part of 'all') "
-        "runs the spec's step-size grid on the random graph",
-    )
-    p.add_argument(
-        "--report-only", action="store_true", help="rebuild the report from OUT/raw.json (its figures: curves.npz)"
-    )
-    args = p.parse_args(argv)
-    n_seeds = args.seeds or {"smoke": 1, "small": 3, "paper": 5}[args.scale]
+def study_plan(opts) -> Plan:
+    """The jobs of ``--part`` (none with ``--report-only``), heaviest first; with ``--part`` other than all, the
+    rows of the other parts are kept from ``OUT/raw.json``."""
+    n_seeds = opts.seeds or {"smoke": 1, "small": 3, "paper": 5}[opts.scale]
     seeds = list(range(n_seeds))
-    out = Path(args.out)
-    if args.report_only:
-        rows = load_raw(out)
-        write_report(rows, out, json.loads((out / "meta.json").read_text()))
-        print(f"wrote {out / 'summary.md'}")
-        return 0
-    jobs = synthetic_jobs(args.scale, seeds) if args.part in ("all", "synthetic") else []
-    if args.scale != "smoke" and args.part in ("all", "real"):
+    out = Path(opts.out)
+    meta: dict[str, Any] = {"scale": opts.scale, "seeds": seeds, "runs": []}
+    if opts.report_only:
+        return Plan([], ([], json.loads((out / "meta.json").read_text())))
+    jobs = synthetic_jobs(opts.scale, seeds) if opts.part in ("all", "synthetic") else []
+    if opts.scale != "smoke" and opts.part in ("all", "real"):
         jobs += real_jobs(seeds[0])
-    if args.part == "alpha":
+    if opts.part == "alpha":
         jobs = alpha_jobs(seeds[0])
     kept: list[dict] = []
-    meta = {"scale": args.scale, "seeds": seeds, "runs": []}
-    if args.part != "all" and (out / "raw.json").is_file():
+    if opts.part != "all" and (out / "raw.json").is_file():
         meta = json.loads((out / "meta.json").read_text())
-        meta["runs"] = [r for r in meta["runs"] if r["part"] != args.part]
+        meta["runs"] = [r for r in meta["runs"] if r["part"] != opts.part]
         part_of = {"synthetic": "synthetic", "synthetic, alpha grid": "alpha"}
-
-        def keep(r: dict) -> bool:
-            return part_of.get(r["problem"], "real") != args.part
-
-        kept = [r for r in load_raw(out) if keep(r)]
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
+        kept = [r for r in load_raw(out) if part_of.get(r["problem"], "real") != opts.part]
     # heaviest first; the problem of a seed is solved once per worker
     jobs.sort(key=lambda j: (j.tag != "synthetic", j.seed, -j.kmax))
-    count = iter(range(1, len(jobs) + 1))  # finished jobs, in the order they finish
-    report = lambda _, row: _progress(next(count), len(jobs), row, t0)  # noqa: E731
-    rows = parallel_map(run_job, jobs, workers=args.workers, on_result=report)
-    wall = time.perf_counter() - t0
-    rows = kept + rows
-    save_raw(rows, out)
-    meta["runs"].append({"part": args.part, "argv": argv, "wall_seconds": wall, "workers": args.workers})
-    atomic_write(out / "meta.json", json.dumps(meta) + "\n")
-    write_report(rows, out, meta)
+    return Plan(jobs, (kept, meta), solve=run_job, progress=_progress)
+
+
+def report(rows: list[dict], plan: Plan, opts, wall: float) -> int:
+    """raw.json, meta.json and the report (tables, claims, figures); ``--report-only``: the report from them."""
+    out = Path(opts.out)
+    kept, meta = plan.context
+    if opts.report_only:
+        write_report(load_raw(out), out, meta)
+    else:
+        rows = kept + rows
+        save_raw(rows, out)
+        meta["runs"].append({"part": opts.part, "argv": opts.argv, "wall_seconds": wall, "workers": opts.workers})
+        atomic_write(out / "meta.json", json.dumps(meta) + "\n")
+        write_report(rows, out, meta)
     print(f"wrote {out / 'summary.md'}")
     return 0
 
 
-def _progress(i: int, n: int, row: dict, t0: float) -> None:
-    print(
-        f"[{i}/{n} {time.perf_counter() - t0:6.0f}s] {row['problem']} {row['topology']} {row['method']} "
-        f"seed {row['seed']}: {row['iterations']} it, {row['uploads']} uploads, opg {row['final_opt_gap']:.1e}",
-        flush=True,
-    )
+def _progress(row: dict) -> str:
+    return (f"{row['problem']} {row['topology']} {row['method']} seed {row['seed']}: {row['iterations']} it, "
+            f"{row['uploads']} uploads, opg {row['final_opt_gap']:.1e}")  # fmt: skip
+
+
+STUDY = Study(
+    name="cfl-saga",
+    description=__doc__.split("\n")[0],
+    scales=("smoke", "small", "paper"),
+    seeds_help="number of seeds (smoke 1, small 3, paper 5)",
+    options=(
+        option(
+            "--part",
+            choices=("all", "synthetic", "real", "alpha"),
+            default="all",
+            help="run only one part; the other parts' runs already in OUT are kept. 'alpha' (never part of "
+            "'all') runs the spec's step-size grid on the random graph",
+        ),
+        option(
+            "--report-only", action="store_true", help="rebuild the report from OUT/raw.json (its figures: curves.npz)"
+        ),
+    ),  # fmt: skip
+    plan=study_plan,
+    record=lambda job, row, plan: row,
+    report=report,
+)
+main = STUDY.main

@@ -1,32 +1,14 @@
 """Reproduce CSE-FSL's Table V and Fig. 9 (Mu and Shen) at a chosen scale (cse-fsl spec §9).
 
-``fedweave reproduce cse-fsl --scale small`` trains FSL_MC, FSL_OC (+clip), FSL_AN and CSE-FSL at several h
-(plus CSE-FSL with a randomly ordered server, Fig. 6) on real Fashion-MNIST (a 3,000-image IID subset over 5
-clients) for 3 seeds, and writes, atomically, into ``--out`` (default ``runs/reproduce-cse-fsl``):
-
-- ``table.md`` / ``table.csv``: a Table V-like table (final accuracy mean ± std, measured load in GiB with
-  labels excluded, server storage in M parameters, server-side model copies) beside the paper's CIFAR-10
-  Table V, the measured load and storage checked against the closed forms of ``fedweave.accounting.split``,
-  and the verdicts on the spec's claims C1–C6 (§9.3);
-- ``fig9_accuracy_vs_load.png`` (Fig. 9a), ``accuracy_vs_rounds.png``, ``accuracy_vs_uploads.png`` (Fig. 4);
-- ``runs/<method>-s<seed>/``: every run's directory.
-
-``--scale noniid`` is the small preset with two label-sorted shards per client (Table V's non-IID column,
-spec A11) and its claims C8-C9. ``--dataset digits`` is the fastest tier (scikit-learn's bundled digits,
-spec §9.3 exactly: 5 × 280 samples, B = 10, 30 rounds, h ∈ {1, 2, 4, 7, 14}); ``--dataset mnist`` swaps in
-MNIST. ``--scale smoke`` is a seconds-long pipeline check (2 rounds, 1 seed) whose accuracies mean nothing.
-``--scale paper`` is the paper's CIFAR-10 setting (5 clients, B = 50, lr 0.15 ×0.99 per 10 rounds, 200
-rounds, N(0, 0.05²) init, h ∈ {5, 10, 25, 50}, 5 seeds; needs the CIFAR-10 files and days of CPU time). It
-trains on random 24×24 crops and flips and tests on the centre crop, so q = 2,304 as in the paper, and
-normalises with mean 0.5 / std 0.5 per channel as the authors' code does (``stats: half``).
+The presets, Table V's layout and the claims C1-C9 (spec §9.3); what each scale runs and what the outputs hold
+is on the page, docs/reproductions/cse-fsl.md. Measured load and storage are checked against the closed forms
+of ``fedweave.accounting.split``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,12 +16,11 @@ from typing import Any
 import numpy as np
 
 from fedweave.accounting.split import GIB, PAPER_TABLE_V, SplitSizes, round_bytes, storage_params
-from fedweave.cli import Parser, positive_int
 from fedweave.config import RunConfig
-from fedweave.experiments.aggregate import if_all, mean_std, to_target
+from fedweave.experiments.aggregate import group, if_all, mean_std, to_target
 from fedweave.experiments.grid import Point
-from fedweave.experiments.jobs import run_points
 from fedweave.experiments.plots import plot_curves
+from fedweave.experiments.study import Claim, Plan, Study, Verdict, judge, option, verdict_table
 from fedweave.experiments.tables import markdown_table, write_csv
 from fedweave.results import atomic_write
 from fedweave.runner import Result
@@ -156,8 +137,7 @@ def collect(point: Point, res: Result, facts: tuple[SplitSizes, list[int]]) -> d
 # ---- summaries ---------------------------------------------------------------------------------------------
 def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
     table = []
-    for key in dict.fromkeys(r["key"] for r in results):
-        rs = [r for r in results if r["key"] == key]
+    for key, rs in group(results, lambda r: r["key"]).items():
         method, h = rs[0]["method"], rs[0]["h"]
         sizes = rs[0]["sizes"]
         accs = [100 * r["rows"][-1]["test_accuracy"] if r["status"] == "completed" else math.nan for r in rs]
@@ -193,20 +173,35 @@ def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
     return table
 
 
-def claims(table: list[dict[str, Any]], p: Preset) -> list[tuple[str, str, bool | None]]:
-    by = {t["method"]: t for t in table}
-    an, mc, oc = by["fsl_an"], by["fsl_mc"], by["fsl_oc"]
-    cse = [t for t in table if t["method"].startswith("cse_fsl") and "random" not in t["method"]]
-    out: list[tuple[str, str, bool | None]] = []
-    out.append(("C1 measured bytes equal the closed forms (every method, every round)",
-                ", ".join(f"{t['method']}: {'exact' if t['load_exact'] else 'MISMATCH'}" for t in table),
-                all(t["load_exact"] for t in table)))  # fmt: skip
-    mid = [t for t in cse if 1 < int(t["method"].split("h=")[1]) <= 5] or cse
-    ok = all(an["accuracy"] - t["accuracy"] <= 3.0 for t in mid)
-    out.append(("C2 CSE-FSL with small h within 3 pp of FSL_AN at equal rounds",
-                ", ".join(f"{t['method']}: {t['accuracy'] - an['accuracy']:+.2f} pp" for t in cse), ok))  # fmt: skip
+def _by(table: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {t["method"]: t for t in table}
+
+
+def _cse(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The CSE-FSL rows with the ordered server, by h."""
+    return [t for t in table if t["method"].startswith("cse_fsl") and "random" not in t["method"]]
+
+
+def _h(t: dict[str, Any]) -> int:
+    return int(t["method"].split("h=")[1])
+
+
+def _c1(table, p):
+    return ", ".join(f"{t['method']}: {'exact' if t['load_exact'] else 'MISMATCH'}" for t in table), all(
+        t["load_exact"] for t in table
+    )
+
+
+def _c2(table, p):
+    an, cse = _by(table)["fsl_an"], _cse(table)
+    mid = [t for t in cse if 1 < _h(t) <= 5] or cse
+    measured = ", ".join(f"{t['method']}: {t['accuracy'] - an['accuracy']:+.2f} pp" for t in cse)
+    return measured, all(an["accuracy"] - t["accuracy"] <= 3.0 for t in mid)
+
+
+def _c3(table, p):
     reach = {t["method"]: t["load_to_target_gib"] for t in table}
-    big = [t for t in cse if int(t["method"].split("h=")[1]) > 1]
+    big = [t for t in _cse(table) if _h(t) > 1]
     c3 = (
         all(reach[t["method"]] is not None for t in big)
         and reach["fsl_an"] is not None
@@ -215,52 +210,87 @@ def claims(table: list[dict[str, Any]], p: Preset) -> list[tuple[str, str, bool 
     )
     if reach["fsl_an"] is None and all(reach[t["method"]] is None for t in big):
         c3 = None  # neither CSE-FSL (h > 1) nor FSL_AN reached the target: no load to compare
-    out.append((f"C3 less load to reach {100 * p.target:.0f} % test accuracy: CSE (h>1) < FSL_AN < FSL_MC",
-                ", ".join(f"{k}: {'not reached' if v is None else f'{1024 * v:.1f} MiB'}" for k, v in reach.items()),
-                None if c3 is None else bool(c3)))  # fmt: skip
+    measured = ", ".join(f"{k}: {'not reached' if v is None else f'{1024 * v:.1f} MiB'}" for k, v in reach.items())
+    return measured, c3
+
+
+def _c5(table, p):
+    by, cse = _by(table), _cse(table)
+    an, mc, oc = by["fsl_an"], by["fsl_mc"], by["fsl_oc"]
     c5 = all(t["server_copies"] == 1 for t in cse) and cse[0]["storage_m"] < 0.4 * an["storage_m"]
-    out.append(("C5 CSE-FSL keeps one server-side model; storage < 0.4× FSL_AN",
-                f"CSE {cse[0]['storage_m']:.4f} M vs FSL_AN {an['storage_m']:.4f} M "
-                f"({cse[0]['storage_m'] / an['storage_m']:.2f}×), copies MC {mc['server_copies']}, "
-                f"AN {an['server_copies']}, OC {oc['server_copies']}, CSE 1", bool(c5)))  # fmt: skip
+    return (f"CSE {cse[0]['storage_m']:.4f} M vs FSL_AN {an['storage_m']:.4f} M "
+            f"({cse[0]['storage_m'] / an['storage_m']:.2f}×), copies MC {mc['server_copies']}, "
+            f"AN {an['server_copies']}, OC {oc['server_copies']}, CSE 1"), c5  # fmt: skip
+
+
+def _c6(table, p):
     rnd = next(t for t in table if "random" in t["method"])
-    ordered = by.get(rnd["method"].replace(" random", ""))
-    if ordered:
-        diff = abs(rnd["accuracy"] - ordered["accuracy"])
-        out.append(("C6 ordered vs randomly ordered server within 1.5 pp (Fig. 6)",
-                    f"{ordered['accuracy']:.2f} vs {rnd['accuracy']:.2f} %", diff <= 1.5))  # fmt: skip
-    h1 = by.get("cse_fsl h=1")
-    if h1:
-        # "the auxiliary net fixes the single-server-model problem" needs that problem: FSL_OC more than 1 pp
-        # below the better of FSL_MC / FSL_AN (the paper: 73.74 vs 80.55 on CIFAR); otherwise untestable
-        struggled = oc["accuracy"] < max(mc["accuracy"], an["accuracy"]) - 1
-        ok7 = h1["accuracy"] >= oc["accuracy"] - 1 if struggled else None
-        out.append(("C7 CSE-FSL h=1 >= FSL_OC (+clip) - 1 pp (testable only if FSL_OC is > 1 pp below FSL_MC/AN)",
-                    f"{h1['accuracy']:.2f} vs {oc['accuracy']:.2f} %; FSL_OC vs best of FSL_MC/AN "
-                    f"{oc['accuracy']:.2f} vs {max(mc['accuracy'], an['accuracy']):.2f} %", ok7))  # fmt: skip
-    if p.noniid:  # Table V's non-IID column: CSE-FSL h=5 42.33 vs FSL_MC 61.17, FSL_AN 54.67, FSL_OC 50.14
-        cse = by.get(f"cse_fsl h={p.random_h}")  # h = 5 on Fashion-MNIST/MNIST, as Table V's first CSE row
-        if cse:
-            label = f"CSE-FSL h={p.random_h}"
-            gap = cse["accuracy"] - mc["accuracy"]
-            out.append(
-                (
-                    f"C8 non-IID: {label} more than {NONIID_GAP:g} pp below FSL_MC (paper, h=5: 42.33 vs 61.17 %)",
-                    f"{cse['accuracy']:.2f} vs {mc['accuracy']:.2f} % ({gap:+.2f} pp)",
-                    gap < -NONIID_GAP,
-                )
-            )
-            order = [mc, an, oc, cse]
-            name = {id(mc): "FSL_MC", id(an): "FSL_AN", id(oc): "FSL_OC", id(cse): label}
-            ranked = sorted(order, key=lambda t: -t["accuracy"])
-            out.append(
-                (
-                    f"C9 non-IID ordering of Table V: FSL_MC > FSL_AN > FSL_OC > {label}",
-                    " > ".join(f"{name[id(t)]} {t['accuracy']:.2f}" for t in ranked),
-                    all(a["accuracy"] > b["accuracy"] for a, b in zip(order, order[1:])),
-                )
-            )
-    return out
+    ordered = _by(table).get(rnd["method"].replace(" random", ""))
+    if not ordered:
+        return None
+    return f"{ordered['accuracy']:.2f} vs {rnd['accuracy']:.2f} %", abs(rnd["accuracy"] - ordered["accuracy"]) <= 1.5
+
+
+def _c7(table, p):
+    by = _by(table)
+    h1, an, mc, oc = by.get("cse_fsl h=1"), by["fsl_an"], by["fsl_mc"], by["fsl_oc"]
+    if not h1:
+        return None
+    # "the auxiliary net fixes the single-server-model problem" needs that problem: FSL_OC more than 1 pp
+    # below the better of FSL_MC / FSL_AN (the paper: 73.74 vs 80.55 on CIFAR); otherwise untestable
+    struggled = oc["accuracy"] < max(mc["accuracy"], an["accuracy"]) - 1
+    return (f"{h1['accuracy']:.2f} vs {oc['accuracy']:.2f} %; FSL_OC vs best of FSL_MC/AN "
+            f"{oc['accuracy']:.2f} vs {max(mc['accuracy'], an['accuracy']):.2f} %",
+            h1["accuracy"] >= oc["accuracy"] - 1 if struggled else None)  # fmt: skip
+
+
+def _noniid_cse(table, p):
+    """Table V's non-IID column (CSE-FSL h=5 42.33 vs FSL_MC 61.17, FSL_AN 54.67, FSL_OC 50.14): the CSE-FSL
+    row at the random run's h (h = 5 on Fashion-MNIST/MNIST, as Table V's first CSE row)."""
+    return _by(table).get(f"cse_fsl h={p.random_h}") if p.noniid else None
+
+
+def _c8(table, p):
+    if not (cse := _noniid_cse(table, p)):
+        return None
+    mc = _by(table)["fsl_mc"]
+    gap = cse["accuracy"] - mc["accuracy"]
+    return f"{cse['accuracy']:.2f} vs {mc['accuracy']:.2f} % ({gap:+.2f} pp)", gap < -NONIID_GAP
+
+
+def _c9(table, p):
+    if not (cse := _noniid_cse(table, p)):
+        return None
+    by = _by(table)
+    order = [by["fsl_mc"], by["fsl_an"], by["fsl_oc"], cse]
+    name = dict(zip(map(id, order), ["FSL_MC", "FSL_AN", "FSL_OC", f"CSE-FSL h={p.random_h}"], strict=True))
+    ranked = sorted(order, key=lambda t: -t["accuracy"])
+    return " > ".join(f"{name[id(t)]} {t['accuracy']:.2f}" for t in ranked), all(
+        a["accuracy"] > b["accuracy"] for a, b in zip(order, order[1:])
+    )
+
+
+CLAIMS = [
+    Claim("C1 measured bytes equal the closed forms (every method, every round)", _c1),
+    Claim("C2 CSE-FSL with small h within 3 pp of FSL_AN at equal rounds", _c2),
+    Claim(lambda t, p: f"C3 less load to reach {100 * p.target:.0f} % test accuracy: CSE (h>1) < FSL_AN < FSL_MC", _c3),
+    Claim("C5 CSE-FSL keeps one server-side model; storage < 0.4× FSL_AN", _c5),
+    Claim("C6 ordered vs randomly ordered server within 1.5 pp (Fig. 6)", _c6),
+    Claim("C7 CSE-FSL h=1 >= FSL_OC (+clip) - 1 pp (testable only if FSL_OC is > 1 pp below FSL_MC/AN)", _c7),
+    Claim(
+        lambda t, p: (
+            f"C8 non-IID: CSE-FSL h={p.random_h} more than {NONIID_GAP:g} pp below FSL_MC "
+            "(paper, h=5: 42.33 vs 61.17 %)"
+        ),
+        _c8,
+    ),  # fmt: skip
+    Claim(lambda t, p: f"C9 non-IID ordering of Table V: FSL_MC > FSL_AN > FSL_OC > CSE-FSL h={p.random_h}", _c9),
+]
+
+
+def claims(table: list[dict[str, Any]], p: Preset) -> list[Verdict]:
+    """The verdicts of the spec's claims (§9.3) on the summary table."""
+    return judge(CLAIMS, table, p)
 
 
 def _fmt(v: Any, nd: int = 2) -> str:
@@ -289,12 +319,12 @@ COLUMNS = [
 ]
 
 
-def markdown(table, verdicts, p: Preset, args, wall: float) -> str:
+def markdown(table, verdicts, p: Preset, scale: str, seeds: list[int], wall: float) -> str:
     lines = [
         "# CSE-FSL reproduction (Table V / Fig. 9 style)",
         "",
-        f"Scale `{args.scale}`, dataset `{p.dataset['name']}` ({p.split_text}, B = {p.batch_size}, "
-        f"lr {p.lr}, {p.rounds} rounds, model `{p.model['name']}`), seeds {args.seeds}, wall {wall:.0f} s.",
+        f"Scale `{scale}`, dataset `{p.dataset['name']}` ({p.split_text}, B = {p.batch_size}, "
+        f"lr {p.lr}, {p.rounds} rounds, model `{p.model['name']}`), seeds {seeds}, wall {wall:.0f} s.",
         f"The paper's columns are its CIFAR-10 Table V (5 clients, 200 epochs{NONIID_NOTE if p.noniid else ''}); "
         "accuracies are not comparable across datasets, the load *ratios* and the storage structure are.",
         "",
@@ -303,8 +333,7 @@ def markdown(table, verdicts, p: Preset, args, wall: float) -> str:
     body = [[_fmt(t[k], nd.get(k, 2)) for k, _ in COLUMNS] for t in table]
     header = [h.replace("IID", "non-IID") if k == "paper_acc" and p.noniid else h for k, h in COLUMNS]
     lines += [markdown_table(header, body), "## Claims (spec §9.3)", ""]
-    held = [[c, m, "untestable" if ok is None else _fmt(ok)] for c, m, ok in verdicts]
-    lines += [markdown_table(["claim", "measured", "held"], held).rstrip("\n")]
+    lines += [verdict_table(verdicts).rstrip("\n")]
     lines += ["", "Per-seed final accuracies (%):", ""]
     lines += [f"- {t['method']}: {', '.join(f'{a:.2f}' for a in t['accs'])}" for t in table]
     return "\n".join(lines) + "\n"
@@ -316,9 +345,7 @@ CSV_EXTRA = ["load_formula_gib", "load_exact", "storage_formula_m", "uploads_per
 def plots(results: list[dict[str, Any]], out: Path) -> None:
     """Fig. 9a (accuracy against load), accuracy against rounds and against smashed uploads (Fig. 4), each the
     mean over seeds with a band; the randomly ordered server dashed."""
-    curves: dict[str, list[list[dict[str, Any]]]] = {}
-    for r in results:
-        curves.setdefault(r["key"], []).append(r["rows"])
+    curves = {k: [r["rows"] for r in rs] for k, rs in group(results, lambda r: r["key"]).items()}
     styles = {k: {"ls": "--"} for k in curves if "random" in k}
     common = {"y": "test_accuracy", "yscale": 100, "ylabel": "test accuracy (%), mean over seeds", "styles": styles}
     plot_curves(curves, out / "fig9_accuracy_vs_load.png", x="load_bytes", xscale=1 / GIB, logx=True,
@@ -328,39 +355,44 @@ def plots(results: list[dict[str, Any]], out: Path) -> None:
                 xlabel="smashed-data uploads per client", **common)  # fmt: skip
 
 
-def main(argv: list[str]) -> int:
-    ap = Parser(prog="fedweave reproduce cse-fsl", description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--scale",
-        choices=("smoke", "small", "noniid", "paper"),
-        default="small",
-        help="noniid: the small preset with 2 label-sorted shards per client (Table V's non-IID column)",
-    )
-    ap.add_argument("--dataset", default=None, help="fashion_mnist (small default), mnist, digits, or cifar10")
-    ap.add_argument("--seeds", type=positive_int, default=None, help="number of seeds, 0..N-1 (default 3; paper 5)")
-    ap.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1))
-    ap.add_argument("--out", default="runs/reproduce-cse-fsl")
-    args = ap.parse_args(argv)
-    dataset = args.dataset or ("cifar10" if args.scale == "paper" else "fashion_mnist")
-    p = preset(args.scale, dataset)
-    seeds = list(range(args.seeds if args.seeds is not None else p.seeds))
-    args.seeds = seeds
-    out = Path(args.out)
-    t0 = time.perf_counter()
-    points = jobs(p, seeds, out)
-    runs = run_points(points, out / "runs", workers=args.workers, overwrite=True)
-    facts: dict[str, tuple[SplitSizes, list[int]]] = {}  # per data, model and seed: the same for every method
-    results = []
-    for pt in points:
-        c = pt.config
-        key = json.dumps([c.dataset.to_dict(), c.partition.to_dict(), c.model.to_dict(), c.seed], sort_keys=True)
-        facts.setdefault(key, split_facts(c))
-        results.append(collect(pt, runs[pt.slug], facts[key]))
-    wall = time.perf_counter() - t0
+def plan(opts) -> Plan:
+    """The preset of ``--scale`` / ``--dataset`` and its points; the context is the preset and the seeds."""
+    dataset = opts.dataset or ("cifar10" if opts.scale == "paper" else "fashion_mnist")
+    p = preset(opts.scale, dataset)
+    seeds = list(range(opts.seeds if opts.seeds is not None else p.seeds))
+    return Plan(jobs(p, seeds, Path(opts.out)), (p, seeds, {}))
+
+
+def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
+    """A run as a record: its rows with the split model's sizes and the clients' samples (the same for every
+    method at one data, model and seed: built once per those)."""
+    c, facts = point.config, plan.context[2]
+    key = json.dumps([c.dataset.to_dict(), c.partition.to_dict(), c.model.to_dict(), c.seed], sort_keys=True)
+    facts.setdefault(key, split_facts(c))
+    return collect(point, res, facts[key])
+
+
+def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> int:
+    """Table V (markdown and CSV), the claims and the figures; exit 1 when a measured load is not its formula."""
+    p, seeds, _ = plan.context
+    out = Path(opts.out)
     table = summarize(results, p)
-    verdicts = claims(table, p)
-    atomic_write(out / "table.md", markdown(table, verdicts, p, args, wall))
+    atomic_write(out / "table.md", markdown(table, claims(table, p), p, opts.scale, seeds, wall))
     write_csv(out / "table.csv", table, [k for k, _ in COLUMNS] + CSV_EXTRA)
     plots(results, out)
     print((out / "table.md").read_text())
     return 0 if all(t["load_exact"] for t in table) else 1
+
+
+STUDY = Study(
+    name="cse-fsl",
+    description=__doc__.split("\n\n")[0],
+    scales=("smoke", "small", "noniid", "paper"),
+    scale_help="noniid: the small preset with 2 label-sorted shards per client (Table V's non-IID column)",
+    seeds_help="number of seeds, 0..N-1 (default 3; paper 5)",
+    options=(option("--dataset", default=None, help="fashion_mnist (small default), mnist, digits, or cifar10"),),
+    plan=plan,
+    record=record,
+    report=report,
+)
+main = STUDY.main

@@ -1,25 +1,8 @@
 """``fedweave reproduce fedmim``: FedMIM against its baselines (FedMIM paper, Table I; spec §9).
 
-Runs every (dataset, split, method, seed) of a preset, each an ordinary fedweave run in
-``OUT/runs/<dataset>-<split>-<method>-s<seed>`` (finished runs are reused, so an interrupted grid
-continues), then writes ``OUT/results.csv`` (one row per run), ``OUT/table.csv`` and ``OUT/table.md``
-(final test accuracy mean +- std over seeds beside the paper's Table I and ranking, and the checks of the
-paper's claims), and ``OUT/curves-<dataset>.png`` (accuracy and local consistency per split).
-
-Presets (``--scale``):
-- ``smoke``: seconds; a handful of rounds on a tiny slice, for tests (``--datasets`` may name a fixture).
-- ``small``: the scaled-down CPU grid of spec §9 on real Fashion-MNIST and MNIST (100 clients, 10 % per
-  round, Dirichlet-0.1 and IID, ``cnn_small``, 3 seeds), in the spec's priority order (see GRIDS).
-- ``long``: the small preset's Dir-0.1 Fashion-MNIST cell with FedMIM, FedAvg, FedCM and SCAFFOLD at
-  T = 500 (3 seeds): tests whether FedMIM's gap closes or reverses over a longer horizon; also writes
-  ``OUT/gaps.csv`` and ``OUT/gaps.md`` (accuracy and FedMIM's gaps at rounds 50, 150, 300 and 500).
-- ``paper``: Table I's settings (CIFAR-10/100 files needed locally, ResNet-18-GN, E = 5, B = 50,
-  T = 1000, lr 0.1 x 0.998^t, weight decay 1e-3); days of CPU time.
-- ``epochs`` (Table II), ``ablation`` (Table III), ``participation`` (Fig. 2a): the small preset's Dir-0.1
-  Fashion-MNIST cell run under several settings (local epochs E = 1, 5, 10; the alpha/beta/J rows of
-  Table III; 5 % and 20 % of the clients per round), 3 seeds. They write ``OUT/<preset>.md``,
-  ``OUT/<preset>.csv``, ``OUT/claims.json``, ``OUT/results.csv`` and ``OUT/curves-<preset>.png`` instead of
-  Table I's files, with the paper's numbers and the checks of its readings of that table or figure.
+The presets (Table I's grid; ``long``; the variant presets ``epochs`` (Table II), ``ablation`` (Table III) and
+``participation`` (Fig. 2a)), the paper's numbers, the table layouts and the claims of spec §9.2; what each
+preset runs and which files it writes is on the page, docs/reproductions/fedmim.md.
 """
 
 from __future__ import annotations
@@ -28,20 +11,16 @@ import csv
 import dataclasses
 import json
 import math
-import os
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedweave.cli import Parser, positive_int
-from fedweave.experiments.aggregate import mean_std
+from fedweave.experiments.aggregate import group, mean_std
 from fedweave.experiments.grid import Point
-from fedweave.experiments.jobs import run_points
-from fedweave.experiments.plots import band
-from fedweave.experiments.tables import markdown_table, write_csv
-from fedweave.plots import plt, save_png
+from fedweave.experiments.plots import Panel, plot_panels
+from fedweave.experiments.study import HELD, Claim, Plan, Study, judge, not_run, option
+from fedweave.experiments.tables import csv_text, markdown_table, pm, write_csv
 from fedweave.results import atomic_write
 from fedweave.runner import Result
 
@@ -111,17 +90,14 @@ MAIN = ("fedavg", "fedmim")  # the main claim, spec §9.1
 SECOND = ("fedcm", "scaffold")  # FedMIM's J = 1 special case; the paper's strongest baseline at DIR.1
 CORE = MAIN + SECOND
 REST = ("fedadam", "feddyn", "fedsam")
+SMALL_LOCAL = {"epochs": 1, "batch_size": 20, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3, "grad_clip": 10.0}
+# fmt: off
 PRESETS: dict[str, Preset] = {
     "smoke": Preset(
-        grid=[("mnist", "dir0.1", ("fedavg", "fedmim")), ("mnist", "iid", ("fedavg", "fedmim"))],
-        seeds=(0,),
-        rounds=3,
-        num_clients=10,
-        clients_per_round=3,
-        model="logistic",
+        grid=[("mnist", "dir0.1", ("fedavg", "fedmim")), ("mnist", "iid", ("fedavg", "fedmim"))], seeds=(0,), rounds=3,
+        num_clients=10, clients_per_round=3, model="logistic",
         local={"steps": 2, "batch_size": 16, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3},
-        dataset_options={"max_train": 600, "max_test": 200},
-        eval_every=1,
+        dataset_options={"max_train": 600, "max_test": 200}, eval_every=1,
         note="smoke preset: a few rounds on a tiny slice; checks the pipeline, not the paper",
     ),
     # Spec §9 priority: (1) FedMIM vs FedAvg at Dir-0.1 and the IID control, (2) FedCM (FedMIM's J = 1
@@ -129,28 +105,12 @@ PRESETS: dict[str, Preset] = {
     # claim again on MNIST: 36 runs, about 12 min on 2 idle cores (measured 40 CPU-s per run).
     # --extend adds the other baselines on Fashion-MNIST and FedCM/SCAFFOLD on MNIST (30 more runs).
     "small": Preset(
-        grid=[
-            ("fashion_mnist", "dir0.1", MAIN),
-            ("fashion_mnist", "iid", MAIN),
-            ("fashion_mnist", "dir0.1", SECOND),
-            ("fashion_mnist", "iid", SECOND),
-            ("mnist", "dir0.1", MAIN),
-            ("mnist", "iid", MAIN),
-        ],
-        extension=[
-            ("fashion_mnist", "dir0.1", REST),
-            ("fashion_mnist", "iid", REST),
-            ("mnist", "dir0.1", SECOND),
-            ("mnist", "iid", SECOND),
-        ],
-        seeds=(0, 1, 2),
-        rounds=50,
-        num_clients=100,
-        clients_per_round=10,
-        model="cnn_small",
-        local={"epochs": 1, "batch_size": 20, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3, "grad_clip": 10.0},
-        dataset_options={"max_train": 20000},
-        eval_every=5,
+        grid=[("fashion_mnist", "dir0.1", MAIN), ("fashion_mnist", "iid", MAIN), ("fashion_mnist", "dir0.1", SECOND),
+              ("fashion_mnist", "iid", SECOND), ("mnist", "dir0.1", MAIN), ("mnist", "iid", MAIN)],
+        extension=[("fashion_mnist", "dir0.1", REST), ("fashion_mnist", "iid", REST), ("mnist", "dir0.1", SECOND),
+                   ("mnist", "iid", SECOND)],
+        seeds=(0, 1, 2), rounds=50, num_clients=100, clients_per_round=10, model="cnn_small", local=SMALL_LOCAL,
+        dataset_options={"max_train": 20000}, eval_every=5,
         note="small preset: Fashion-MNIST/MNIST, 20k training images (200 per client), E = 1 epoch of B = 20 "
         "(K = 10), T = 50",
     ),
@@ -158,38 +118,20 @@ PRESETS: dict[str, Preset] = {
     # preset's Dir-0.1 Fashion-MNIST cell with the four core methods, run ten times longer (T = 500);
     # evaluated every 10 rounds so the gap can be read at rounds 50, 150, 300 and 500.
     "long": Preset(
-        grid=[("fashion_mnist", "dir0.1", CORE)],
-        seeds=(0, 1, 2),
-        rounds=500,
-        num_clients=100,
-        clients_per_round=10,
-        model="cnn_small",
-        local={"epochs": 1, "batch_size": 20, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3, "grad_clip": 10.0},
-        dataset_options={"max_train": 20000},
-        eval_every=10,
+        grid=[("fashion_mnist", "dir0.1", CORE)], seeds=(0, 1, 2), rounds=500, num_clients=100, clients_per_round=10,
+        model="cnn_small", local=SMALL_LOCAL, dataset_options={"max_train": 20000}, eval_every=10,
         note="long preset: the small preset's Dir-0.1 Fashion-MNIST cell (FedMIM, FedAvg, FedCM, SCAFFOLD) at T = 500",
         report_rounds=(50, 150, 300, 500),
     ),
     "paper": Preset(
-        grid=[(d, s, ALL) for d in ("cifar10", "cifar100") for s in ("iid", "dir0.3", "dir0.1")],
-        seeds=(0,),
-        rounds=1000,
-        num_clients=100,
-        clients_per_round=10,
-        model="resnet18_gn",
-        local={
-            "epochs": 5,
-            "batch_size": 50,
-            "lr": 0.1,
-            "lr_decay": 0.998,
-            "weight_decay": 1e-3,
-            "grad_clip": 10.0,
-            "augment": ["crop", "flip"],
-        },
-        eval_every=10,
-        note="paper preset: Table I settings (spec §9.4); needs the CIFAR files and a fast machine",
+        grid=[(d, s, ALL) for d in ("cifar10", "cifar100") for s in ("iid", "dir0.3", "dir0.1")], seeds=(0,),
+        rounds=1000, num_clients=100, clients_per_round=10, model="resnet18_gn",
+        local={"epochs": 5, "batch_size": 50, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3, "grad_clip": 10.0,
+               "augment": ["crop", "flip"]},
+        eval_every=10, note="paper preset: Table I settings (spec §9.4); needs the CIFAR files and a fast machine",
     ),
 }
+# fmt: on
 
 
 # ---- Table II, Table III and Fig. 2a: the small preset's Dir-0.1 Fashion-MNIST cell under several settings
@@ -336,7 +278,7 @@ def plan(
     return points
 
 
-def record(point: Point, res: Result) -> dict[str, Any]:
+def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any]:
     """One run's row of results.csv; a diverged run (NaN/Inf) is kept as such, with no final accuracy."""
     rows, summary = res.metrics, res.summary
     if summary.get("status") == "diverged" or not rows:  # counted as chance-level failure, flagged
@@ -369,9 +311,7 @@ def _ranks(values: dict[str, float]) -> dict[str, int]:
 
 def summarize(records: list[dict]) -> tuple[list[dict], dict]:
     """Per (dataset, split, method): mean/std of final accuracy and consistency; plus the claim checks."""
-    cells: dict[tuple[str, str, str], list[dict]] = {}
-    for r in records:
-        cells.setdefault((r["dataset"], r["split"], r["method"]), []).append(r)
+    cells = group(records, lambda r: (r["dataset"], r["split"], r["method"]))
     table = []
     for (d, s, m), all_rs in cells.items():
         rs = [r for r in all_rs if math.isfinite(r["final_acc"])] or all_rs
@@ -425,32 +365,51 @@ def _claims(records: list[dict], dataset: str) -> dict[str, Any]:
             "seeds": len(seeds),
             "consistency_ratio": sum(cons) / len(cons),
         }
-    if "dir0.1" in out:
-        g = out["dir0.1"]
-        out["claim_accuracy"] = g["gap_mean"] >= 1.0 and g["wins"] >= min(2, g["seeds"])
-        out["claim_consistency"] = g["consistency_ratio"] < 0.5
-        if "iid" in out:  # "the advantage shrinks without heterogeneity" needs an advantage: None = untestable
-            out["claim_iid_smaller"] = out["iid"]["gap_mean"] < g["gap_mean"] if g["gap_mean"] > 0 else None
+    for key, claim in TABLE_I_CLAIMS.items():
+        if (v := claim.verdict(out, dataset)) is not None:
+            out[key] = v.held
     return out
+
+
+def _accuracy(c: dict[str, Any], _):
+    if (g := c.get("dir0.1")) is None:
+        return None
+    return (f"FedMIM - FedAvg {g['gap_mean']:+.2f} points, ahead on {g['wins']}/{g['seeds']} seeds",
+            g["gap_mean"] >= 1.0 and g["wins"] >= min(2, g["seeds"]))  # fmt: skip
+
+
+def _dispersion(c: dict[str, Any], _):
+    if (g := c.get("dir0.1")) is None:
+        return None
+    return f"FedMIM / FedAvg {g['consistency_ratio']:.3f}", g["consistency_ratio"] < 0.5
+
+
+def _iid_smaller(c: dict[str, Any], _):
+    g, iid = c.get("dir0.1"), c.get("iid")
+    if g is None or iid is None:
+        return None
+    # "the advantage shrinks without heterogeneity" needs an advantage: None = untestable
+    return (f"FedMIM - FedAvg: IID {iid['gap_mean']:+.2f}, Dir-0.1 {g['gap_mean']:+.2f} points",
+            iid["gap_mean"] < g["gap_mean"] if g["gap_mean"] > 0 else None)  # fmt: skip
+
+
+# spec §9.2 on one dataset, judged on its seed gaps (the ``dir0.1`` / ``iid`` entries of claims.json), by key
+TABLE_I_CLAIMS = {
+    "claim_accuracy": Claim(
+        lambda c, d: f"{d}: Dir-0.1 FedMIM >= FedAvg + 1.0 point on average and ahead on >= 2 seeds", _accuracy
+    ),
+    "claim_consistency": Claim(lambda c, d: f"{d}: Dir-0.1 FedMIM's local dispersion < 0.5 x FedAvg's", _dispersion),
+    "claim_iid_smaller": Claim(
+        lambda c, d: f"{d}: the IID gap is smaller than the Dir-0.1 gap (untestable without a Dir-0.1 gain)",
+        _iid_smaller,
+    ),
+}
 
 
 def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
     """The Table I checks of ``claims.json`` (spec §9.2) as (claim, verdict, measured) rows: a page's claim table."""
-    rows = []
-    for d, c in claims.items():
-        g = c.get("dir0.1")
-        if g is None:
-            continue
-        gap = f"FedMIM - FedAvg {g['gap_mean']:+.2f} points, ahead on {g['wins']}/{g['seeds']} seeds"
-        accuracy = f"{d}: Dir-0.1 FedMIM >= FedAvg + 1.0 point on average and ahead on >= 2 seeds"
-        rows.append((accuracy, VERDICT[c["claim_accuracy"]], gap))
-        dispersion = f"{d}: Dir-0.1 FedMIM's local dispersion < 0.5 x FedAvg's"
-        rows.append((dispersion, VERDICT[c["claim_consistency"]], f"FedMIM / FedAvg {g['consistency_ratio']:.3f}"))
-        if "claim_iid_smaller" in c:
-            shrink = f"{d}: the IID gap is smaller than the Dir-0.1 gap (untestable without a Dir-0.1 gain)"
-            gaps = f"FedMIM - FedAvg: IID {c['iid']['gap_mean']:+.2f}, Dir-0.1 {g['gap_mean']:+.2f} points"
-            rows.append((shrink, VERDICT[c["claim_iid_smaller"]], gaps))
-    return rows
+    return [(v.claim, HELD[v.held], v.measured) for d, c in claims.items()
+            for v in judge(list(TABLE_I_CLAIMS.values()), c, d)]  # fmt: skip
 
 
 def markdown(
@@ -484,7 +443,7 @@ def markdown(
                     continue
                 paper = f"{t['paper_cifar10']:.2f}" if t["paper_cifar10"] is not None else "–"
                 div = f" ({t['diverged']}/{t['seeds']} diverged)" if t["diverged"] else ""
-                cells += [f"{t['final_acc_mean']:.2f} ± {t['final_acc_std']:.2f}{div}", t["rank"],
+                cells += [pm(t["final_acc_mean"], t["final_acc_std"]) + div, t["rank"],
                           f"{t['consistency_last20']:.3g}", paper, t["paper_rank"] or "–"]  # fmt: skip
             if any(c != "–" for c in cells):
                 body.append([LABELS[m], *cells])
@@ -520,22 +479,16 @@ def plot(records: list[dict], out: Path) -> list[Path]:
     paths = []
     for d in sorted({r["dataset"] for r in records}):
         splits = [s for s in ("iid", "dir0.3", "dir0.1") if any(r["dataset"] == d and r["split"] == s for r in records)]
-        fig, axes = plt.subplots(2, len(splits), figsize=(5 * len(splits), 7), squeeze=False)
-        for j, s in enumerate(splits):
-            for m in METHODS:
-                runs = [r["_rows"] for r in records if (r["dataset"], r["split"], r["method"]) == (d, s, m)]
-                if runs:
-                    lw = 2.2 if m == "fedmim" else 1.2
-                    band(axes[0, j], runs, "round", "test_accuracy", label=LABELS[m], yscale=100, lw=lw)
-                    band(axes[1, j], runs, "round", "local_consistency", label=LABELS[m], lw=lw)
-            axes[0, j].set_title(f"{d}, {s} (mean over seeds)")
-            axes[0, j].set_ylabel("test accuracy (%)")
-            axes[1, j].set_ylabel("local consistency")
-            axes[1, j].set_yscale("log")
-            axes[1, j].set_xlabel("round")
-            axes[0, j].legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(save_png(fig, out / f"curves-{d}.png", dpi=110))
+        lines = {
+            s: [(LABELS[m], runs, {"lw": 2.2 if m == "fedmim" else 1.2}) for m in METHODS
+                if (runs := [r["_rows"] for r in records if (r["dataset"], r["split"], r["method"]) == (d, s, m)])]
+            for s in splits
+        }  # fmt: skip
+        acc = [Panel(lines[s], "test_accuracy", yscale=100, title=f"{d}, {s} (mean over seeds)",
+                     ylabel="test accuracy (%)", legend={"fontsize": 8}) for s in splits]  # fmt: skip
+        cons = [Panel(lines[s], "local_consistency", xlabel="round", ylabel="local consistency", logy=True,
+                      legend=None) for s in splits]  # fmt: skip
+        paths.append(plot_panels([acc, cons], out / f"curves-{d}.png", panel_size=(5, 3.5), dpi=110))
     return paths
 
 
@@ -551,7 +504,7 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> tuple[str, str]:
                     with path.open() as f:
                         rows = {int(r["round"]): 100 * float(r["test_accuracy"]) for r in csv.DictReader(f)}
                     acc[(dataset, split, m, seed)] = {t: rows[t] for t in p.report_rounds if t in rows}
-    lines = ["dataset,split,method,seed,round,accuracy,fedmim_minus_method"]
+    lines: list[list[Any]] = []  # per (method, seed, round): accuracy and FedMIM's gap
     md = [f"# FedMIM's gap over a longer horizon (preset rounds {p.rounds})", ""]
     md += ["Test accuracy (%) at each round, mean ± std over the seeds that reached it (sample std), "
            "and FedMIM − method, per seed.", ""]  # fmt: skip
@@ -563,8 +516,7 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> tuple[str, str]:
             cells, gap_cells = [], []
             for m in methods:
                 vals = [acc[(dataset, split, m, s)][t] for s in seeds if t in acc.get((dataset, split, m, s), {})]
-                mean, std = mean_std(vals)
-                cells.append(f"{mean:.2f} ± {std:.2f} ({len(vals)})" if vals else "–")
+                cells.append(pm(*mean_std(vals)) + f" ({len(vals)})" if vals else "–")
             for m in methods:
                 if m == "fedmim":
                     continue
@@ -573,21 +525,19 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> tuple[str, str]:
                     a, b = acc.get((dataset, split, "fedmim", s), {}), acc.get((dataset, split, m, s), {})
                     if t in a and t in b:
                         g.append(a[t] - b[t])
-                        lines.append(f"{dataset},{split},{m},{s},{t},{b[t]:.2f},{a[t] - b[t]:.2f}")
+                        lines.append([dataset, split, m, s, t, f"{b[t]:.2f}", f"{a[t] - b[t]:.2f}"])
                 gap_cells.append(f"{sum(g) / len(g):+.2f} ({', '.join(f'{x:+.2f}' for x in g)})" if g else "–")
             for s in seeds:
                 a = acc.get((dataset, split, "fedmim", s), {})
                 if t in a:
-                    lines.append(f"{dataset},{split},fedmim,{s},{t},{a[t]:.2f},0.00")
+                    lines.append([dataset, split, "fedmim", s, t, f"{a[t]:.2f}", "0.00"])
             body.append([t, *cells, *gap_cells])
         md += [f"## {dataset} {split}", "", markdown_table(header, body)]
-    return "\n".join(lines) + "\n", "\n".join(md)
+    header = ["dataset", "split", "method", "seed", "round", "accuracy", "fedmim_minus_method"]
+    return csv_text(lines, header), "\n".join(md)
 
 
 # ---- the variant presets' tables: Table II, Table III, Fig. 2a ------------------------------------------
-VERDICT = {True: "held", False: "did not hold", None: "untestable"}
-
-
 def variant_summary(records: list[dict], p: Preset) -> list[dict]:
     """Per (variant, method), in the preset's order: final accuracy mean ± std over seeds (diverged runs
     counted apart), the mean accuracy over the evaluated rounds (how fast it converges), the local
@@ -630,102 +580,140 @@ def variant_claims(rows: list[dict], p: Preset) -> list[tuple[str, bool | None, 
     methods = list(dict.fromkeys(r["method"] for r in rows))
     if not all((v, m) in acc for v in labels for m in methods) or "fedmim" not in methods:
         return [("every cell of the preset ran", None, "not every cell ran (see the table)")]
-    if p.table == "epochs":
-        return _epochs_claims(acc, labels, methods)
-    if p.table == "ablation":
-        return _ablation_claims({v: acc[(v, "fedmim")] for v in labels}, labels)
     auc = {(r["variant"], r["method"]): r["mean_acc_over_rounds"] for r in rows}
-    return _participation_claims(acc, auc, labels, methods)
+    cells = Cells(acc, auc, labels, methods)
+    return [(v.claim, v.held, v.measured) for v in judge(VARIANT_CLAIMS[p.table], cells)]
 
 
-def _epochs_claims(acc: dict, labels: list[str], methods: list[str]) -> list[tuple[str, bool | None, str]]:
-    best = {v: max(methods, key=lambda m: acc[(v, m)]) for v in labels}
-    where = [f"{v}: FedMIM {acc[(v, 'fedmim')]:.2f}, best {LABELS[best[v]]} {acc[(v, best[v])]:.2f}" for v in labels]
-    falls = {m: all(acc[(a, m)] > acc[(b, m)] for a, b in zip(labels, labels[1:])) for m in methods}
+@dataclass
+class Cells:
+    """A variant preset's seed means: final accuracy and mean accuracy over the rounds per (variant, method)."""
+
+    acc: dict[tuple[str, str], float]
+    auc: dict[tuple[str, str], float]
+    labels: list[str]  # the variants, in the preset's order
+    methods: list[str]
+
+    def fedmim(self) -> dict[str, float]:
+        return {v: self.acc[(v, "fedmim")] for v in self.labels}
+
+    def change(self, m: str) -> float:
+        """How much ``m``'s accuracy changes between the first and the last variant."""
+        return abs(self.acc[(self.labels[-1], m)] - self.acc[(self.labels[0], m)])
+
+
+def _e_best(c: Cells, _):
+    best = {v: max(c.methods, key=lambda m: c.acc[(v, m)]) for v in c.labels}
+    where = [
+        f"{v}: FedMIM {c.acc[(v, 'fedmim')]:.2f}, best {LABELS[best[v]]} {c.acc[(v, best[v])]:.2f}" for v in c.labels
+    ]
+    return "; ".join(where), len(c.methods) > 1 and all(b == "fedmim" for b in best.values())
+
+
+def _e_falls(c: Cells, _):
+    falls = {m: all(c.acc[(a, m)] > c.acc[(b, m)] for a, b in zip(c.labels, c.labels[1:])) for m in c.methods}
     trend = [
-        f"{LABELS[m]} " + " / ".join(f"{acc[(v, m)]:.2f}" for v in labels) + ("" if falls[m] else " (not falling)")
-        for m in methods
+        f"{LABELS[m]} " + " / ".join(f"{c.acc[(v, m)]:.2f}" for v in c.labels) + ("" if falls[m] else " (not falling)")
+        for m in c.methods
     ]
-    return [
-        (
-            "FedMIM is the most accurate of the methods run at every E (paper: best in all 9 columns)",
-            len(methods) > 1 and all(b == "fedmim" for b in best.values()),
-            "; ".join(where),
-        ),
-        ("accuracy falls as E grows, for every method run (paper: all but one)", all(falls.values()), "; ".join(trend)),
-    ]
+    return "; ".join(trend), all(falls.values())
 
 
-def _ablation_claims(a: dict[str, float], labels: list[str]) -> list[tuple[str, bool | None, str]]:
-    # rows in TABLE_III's order: 0 J = 0 (FedAvg); 1-2 J = 1; 3-5 J = 2 without beta; 6-8 J = 2 with beta
-    j1, j2 = max(labels[1:3], key=a.get), max(labels[3:], key=a.get)
-    top = max(labels, key=a.get)
-    rest = [a[v] for v in labels[1:]]
-    return [
-        (
-            "every inertial row (J >= 1) beats J = 0 (FedAvg)",
-            min(rest) > a[labels[0]],
-            f"J = 0: {a[labels[0]]:.2f}; J >= 1: {min(rest):.2f} to {max(rest):.2f}",
-        ),
-        (
-            "J = 2 is best: the best J = 2 row beats the best J = 1 row",
-            a[j2] > a[j1],
-            f"best J = 2 ({j2}) {a[j2]:.2f} vs best J = 1 ({j1}) {a[j1]:.2f}",
-        ),
-        (
-            f"the paper's best row ({labels[6]}) is the best row",
-            top == labels[6],
-            f"{a[labels[6]]:.2f}; best row {top} {a[top]:.2f}",
-        ),
-        (
-            "beta weighted to the adjacent step is best: beta (0.9, 0.1) > (0.5, 0.5) > (0.1, 0.9)",
-            a[labels[6]] > a[labels[7]] > a[labels[8]],
-            " / ".join(f"{a[v]:.2f}" for v in labels[6:9]),
-        ),
-        (
-            "a large alpha and a proper beta: adding beta (0.9, 0.1) to alpha (0.6, 0.3) helps",
-            a[labels[6]] > a[labels[4]],
-            f"{a[labels[6]]:.2f} with beta vs {a[labels[4]]:.2f} without",
-        ),
-    ]
+# Table III's rows in TABLE_III's order: 0 J = 0 (FedAvg); 1-2 J = 1; 3-5 J = 2 without beta; 6-8 J = 2 with beta
+def _a_inertial(c: Cells, _):
+    a, lb = c.fedmim(), c.labels
+    rest = [a[v] for v in lb[1:]]
+    return f"J = 0: {a[lb[0]]:.2f}; J >= 1: {min(rest):.2f} to {max(rest):.2f}", min(rest) > a[lb[0]]
 
 
-def _participation_claims(
-    acc: dict, auc: dict, labels: list[str], methods: list[str]
-) -> list[tuple[str, bool | None, str]]:
-    lo, hi = labels[0], labels[-1]
-    change = {m: abs(acc[(hi, m)] - acc[(lo, m)]) for m in methods}
-    slowest = {v: min(methods, key=lambda m: auc[(v, m)]) for v in labels}
-    named = [m for m in ("fedadam", "fedcm", "feddyn") if m in methods]
-    ranked = sorted(methods, key=lambda m: -acc[(hi, m)])
-    steady = sorted(methods, key=lambda m: change[m])
+def _a_j2(c: Cells, _):
+    a = c.fedmim()
+    j1, j2 = max(c.labels[1:3], key=a.get), max(c.labels[3:], key=a.get)
+    return f"best J = 2 ({j2}) {a[j2]:.2f} vs best J = 1 ({j1}) {a[j1]:.2f}", a[j2] > a[j1]
 
-    def changes(ms: list[str]) -> str:
-        return ", ".join(f"{LABELS[m]} {change[m]:.2f}" for m in ms) + " points"
 
-    return [
-        (
+def _a_top(c: Cells, _):
+    a = c.fedmim()
+    top = max(c.labels, key=a.get)
+    return f"{a[c.labels[6]]:.2f}; best row {top} {a[top]:.2f}", top == c.labels[6]
+
+
+def _a_beta(c: Cells, _):
+    a, lb = c.fedmim(), c.labels
+    return " / ".join(f"{a[v]:.2f}" for v in lb[6:9]), a[lb[6]] > a[lb[7]] > a[lb[8]]
+
+
+def _a_alpha_beta(c: Cells, _):
+    a, lb = c.fedmim(), c.labels
+    return f"{a[lb[6]]:.2f} with beta vs {a[lb[4]]:.2f} without", a[lb[6]] > a[lb[4]]
+
+
+def _changes(c: Cells, ms: list[str]) -> str:
+    return ", ".join(f"{LABELS[m]} {c.change(m):.2f}" for m in ms) + " points"
+
+
+def _p_fedavg_slowest(c: Cells, _):
+    slowest = {v: min(c.methods, key=lambda m: c.auc[(v, m)]) for v in c.labels}
+    measured = "; ".join(f"{v}: lowest {LABELS[slowest[v]]} {c.auc[(v, slowest[v])]:.2f}" for v in c.labels)
+    return measured, all(x == "fedavg" for x in slowest.values()) if "fedavg" in c.methods else None
+
+
+def _p_sensitive(c: Cells, _):
+    named = [m for m in ("fedadam", "fedcm", "feddyn") if m in c.methods]
+    return _changes(c, [*named, "fedmim"]), all(c.change(m) > c.change("fedmim") for m in named) if named else None
+
+
+def _p_scaffold(c: Cells, _):
+    hi = c.labels[-1]
+    ranked = sorted(c.methods, key=lambda m: -c.acc[(hi, m)])
+    measured = f"{hi}: " + " > ".join(f"{LABELS[m]} {c.acc[(hi, m)]:.2f}" for m in ranked)
+    return measured, "scaffold" in ranked[:2] if "scaffold" in c.methods else None
+
+
+def _p_stable(c: Cells, _):
+    steady = sorted(c.methods, key=c.change)
+    return _changes(c, steady), steady[0] == "fedmim"
+
+
+VARIANT_CLAIMS = {
+    "epochs": [
+        Claim("FedMIM is the most accurate of the methods run at every E (paper: best in all 9 columns)", _e_best),
+        Claim("accuracy falls as E grows, for every method run (paper: all but one)", _e_falls),
+    ],
+    "ablation": [
+        Claim("every inertial row (J >= 1) beats J = 0 (FedAvg)", _a_inertial),
+        Claim("J = 2 is best: the best J = 2 row beats the best J = 1 row", _a_j2),
+        Claim(lambda c, _: f"the paper's best row ({c.labels[6]}) is the best row", _a_top),
+        Claim("beta weighted to the adjacent step is best: beta (0.9, 0.1) > (0.5, 0.5) > (0.1, 0.9)", _a_beta),
+        Claim("a large alpha and a proper beta: adding beta (0.9, 0.1) to alpha (0.6, 0.3) helps", _a_alpha_beta),
+    ],
+    "participation": [
+        Claim(
             "FedAvg loses the most convergence speed: the lowest mean accuracy over the rounds at both ratios",
-            all(x == "fedavg" for x in slowest.values()) if "fedavg" in methods else None,
-            "; ".join(f"{v}: lowest {LABELS[slowest[v]]} {auc[(v, slowest[v])]:.2f}" for v in labels),
-        ),
-        (
-            f"FedAdam, FedCM and FedDyn are highly sensitive to the participation ratio: each changes more "
-            f"between {lo} and {hi} than FedMIM",
-            all(change[m] > change["fedmim"] for m in named) if named else None,
-            changes([*named, "fedmim"]),
-        ),
-        (
-            f"SCAFFOLD performs well at the higher participation: among the two most accurate at {hi}",
-            "scaffold" in ranked[:2] if "scaffold" in methods else None,
-            f"{hi}: " + " > ".join(f"{LABELS[m]} {acc[(hi, m)]:.2f}" for m in ranked),
-        ),
-        (
-            f"FedMIM is very stable: the smallest change between {lo} and {hi} of the methods run",
-            steady[0] == "fedmim",
-            changes(steady),
-        ),
-    ]
+            _p_fedavg_slowest,
+        ),  # fmt: skip
+        Claim(
+            lambda c, _: (
+                "FedAdam, FedCM and FedDyn are highly sensitive to the participation ratio: each "
+                f"changes more between {c.labels[0]} and {c.labels[-1]} than FedMIM"
+            ),
+            _p_sensitive,
+        ),  # fmt: skip
+        Claim(
+            lambda c, _: (
+                f"SCAFFOLD performs well at the higher participation: among the two most accurate at {c.labels[-1]}"
+            ),
+            _p_scaffold,
+        ),  # fmt: skip
+        Claim(
+            lambda c, _: (
+                f"FedMIM is very stable: the smallest change between {c.labels[0]} and {c.labels[-1]} "
+                "of the methods run"
+            ),
+            _p_stable,
+        ),  # fmt: skip
+    ],
+}
 
 
 def variant_markdown(rows: list[dict], checks: list, name: str, p: Preset, wall: float, cpu: float | None) -> str:
@@ -750,32 +738,28 @@ def variant_markdown(rows: list[dict], checks: list, name: str, p: Preset, wall:
     ]
     labels = [v for v, _ in p.variants]
     if p.table == "ablation":
-        lines += ["| row | ours | per seed | mean acc. | cons. | paper |", "|---|---|---|---|---|---|"]
-        for r in rows:
-            ours = f"{r['final_acc_mean']:.2f} ± {r['final_acc_std']:.2f}"
-            lines.append(
-                f"| {r['variant']} | {ours} | {r['final_acc_per_seed']} | {r['mean_acc_over_rounds']:.2f} | "
-                f"{r['consistency_last20']:.3g} | {r['paper_c10']:.2f} |"
-            )
+        header = ["row", "ours", "per seed", "mean acc.", "cons.", "paper"]
+        body = [[r["variant"], pm(r["final_acc_mean"], r["final_acc_std"]), r["final_acc_per_seed"],
+                 f"{r['mean_acc_over_rounds']:.2f}", f"{r['consistency_last20']:.3g}", f"{r['paper_c10']:.2f}"]
+                for r in rows]  # fmt: skip
     else:
         paper = p.table == "epochs"
-        cols = "ours | mean acc. | cons." + (" | paper C10" if paper else "")
-        lines.append("| method | " + " | ".join(f"{v}: {cols}" for v in labels) + " |")
-        lines.append("|---|" + ("---|" * (4 if paper else 3)) * len(labels))
+        cols = ["ours", "mean acc.", "cons."] + (["paper C10"] if paper else [])
+        header = ["method", *(f"{v}: {c}" if i == 0 else c for v in labels for i, c in enumerate(cols))]
+        body = []
         for m in dict.fromkeys(r["method"] for r in rows):
             cells = []
             for v in labels:
                 r = next((r for r in rows if (r["variant"], r["method"]) == (v, m)), None)
                 if r is None:
-                    cells.append(" | ".join(["–"] * (4 if paper else 3)))
+                    cells += ["–"] * len(cols)
                     continue
                 div = f" ({r['diverged']}/{r['seeds']} diverged)" if r["diverged"] else ""
-                cell = f"{r['final_acc_mean']:.2f} ± {r['final_acc_std']:.2f}{div} | {r['mean_acc_over_rounds']:.2f}"
-                cell += f" | {r['consistency_last20']:.3g}" + (f" | {r['paper_c10']:.2f}" if paper else "")
-                cells.append(cell)
-            lines.append(f"| {LABELS[m]} | " + " | ".join(cells) + " |")
-    lines += ["", "## Claims", "", "| claim | verdict | measured |", "|---|---|---|"]
-    lines += [f"| {c} | {VERDICT[ok]} | {m} |" for c, ok, m in checks]
+                cells += [pm(r["final_acc_mean"], r["final_acc_std"]) + div, f"{r['mean_acc_over_rounds']:.2f}",
+                          f"{r['consistency_last20']:.3g}"] + ([f"{r['paper_c10']:.2f}"] if paper else [])  # fmt: skip
+            body.append([LABELS[m], *cells])
+    lines += [markdown_table(header, body).rstrip("\n"), "", "## Claims", ""]
+    lines += [markdown_table(["claim", "verdict", "measured"], [[c, HELD[ok], m] for c, ok, m in checks]).rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -783,22 +767,19 @@ def variant_plot(records: list[dict], p: Preset, name: str, out: Path) -> Path:
     """``OUT/curves-NAME.png``: test accuracy against rounds, the mean over seeds with a band; one panel per
     variant, each method a line (Table III: one panel, each row a line)."""
     labels = [v for v, _ in p.variants]
-    panels = [None] if p.table == "ablation" else labels
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    grid = []
+    for panel in [None] if p.table == "ablation" else labels:
+        lines = []
         for v in labels if panel is None else [panel]:
-            for m in dict.fromkeys(r["method"] for r in records):
-                runs = [r["_rows"] for r in records if (r["variant"], r["method"]) == (v, m)]
-                if runs:
-                    lw = 2.2 if m == "fedmim" and panel is not None else 1.2
-                    label = v if panel is None else LABELS[m]
-                    band(ax, runs, "round", "test_accuracy", label=label, yscale=100, lw=lw)
-        ax.set_title(f"{name}: {panel or 'FedMIM rows'} (mean over seeds)")
-        ax.set_xlabel("round")
-        ax.set_ylabel("test accuracy (%)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    return save_png(fig, out / f"curves-{name}.png", dpi=100)
+            for m in methods:
+                if runs := [r["_rows"] for r in records if (r["variant"], r["method"]) == (v, m)]:
+                    style = {"lw": 2.2 if m == "fedmim" and panel is not None else 1.2}
+                    lines.append((v if panel is None else LABELS[m], runs, style))
+        title = f"{name}: {panel or 'FedMIM rows'} (mean over seeds)"
+        grid.append(Panel(lines, "test_accuracy", yscale=100, title=title, xlabel="round", ylabel="test accuracy (%)",
+                          legend={"fontsize": 7}))  # fmt: skip
+    return plot_panels([grid], out / f"curves-{name}.png", panel_size=(5, 4), dpi=100)
 
 
 def write_variant_outputs(records: list[dict], skipped: list, name: str, p: Preset, out: Path, wall: float) -> int:
@@ -812,42 +793,28 @@ def write_variant_outputs(records: list[dict], skipped: list, name: str, p: Pres
     write_csv(out / f"{name}.csv", rows)
     cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
     md = variant_markdown(rows, checks, name, p, wall, sum(cpus) if cpus and len(cpus) == len(records) else None)
-    if skipped:
-        names = ("-".join(map(str, [*dict(pt.values).values(), pt.seed])) for pt in skipped)
-        md += "\nNot run (time budget reached): " + ", ".join(names) + "\n"
+    md += not_run(skipped)
     atomic_write(out / f"{name}.md", md)
-    claims = [{"claim": c, "verdict": VERDICT[ok], "measured": m} for c, ok, m in checks]
+    claims = [{"claim": c, "verdict": HELD[ok], "measured": m} for c, ok, m in checks]
     atomic_write(out / "claims.json", json.dumps(claims, indent=2, ensure_ascii=False))
     variant_plot(records, p, name, out)
     print(md)
     return 0
 
 
-# ---- entry point ----------------------------------------------------------------------------------------
-def main(argv: list[str]) -> int:
-    ap = Parser(prog="fedweave reproduce fedmim", description=__doc__.splitlines()[0])
-    ap.add_argument("--scale", choices=sorted(PRESETS), default="small")
-    ap.add_argument("--seeds", type=positive_int, help="number of seeds, 0..N-1 (default: the preset's)")
-    ap.add_argument("--out", default="runs/reproduce-fedmim", help="output directory")
-    ap.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1), help="parallel runs")
-    ap.add_argument("--datasets", nargs="+", help="replace the preset's datasets, in order (e.g. a test fixture)")
-    ap.add_argument("--methods", nargs="+", choices=METHODS, help="only these methods")
-    ap.add_argument("--budget-minutes", type=float, help="start no new run after this many minutes")
-    ap.add_argument("--extend", action="store_true", help="also run the preset's lower-priority cells")
-    args = ap.parse_args(argv)
-    p = PRESETS[args.scale]
-    seeds = tuple(range(args.seeds)) if args.seeds else p.seeds
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    points = plan(p, out, seeds, args.datasets, args.methods, args.extend)
-    budget = args.budget_minutes * 60 if args.budget_minutes is not None else None
-    done = run_points(points, out / "runs", workers=max(1, args.workers), overwrite=True, budget_s=budget)
-    records = [record(pt, done[pt.slug]) for pt in points if pt.slug in done]
-    skipped = [pt for pt in points if pt.slug not in done]
-    wall = time.perf_counter() - t0
+# ---- the study ------------------------------------------------------------------------------------------
+def study_plan(opts) -> Plan:
+    p = PRESETS[opts.scale]
+    seeds = tuple(range(opts.seeds)) if opts.seeds else p.seeds
+    return Plan(plan(p, Path(opts.out), seeds, opts.datasets, opts.methods, opts.extend), (p, seeds))
+
+
+def report(records: list[dict], plan_: Plan, opts, wall: float) -> int:
+    """Table I (or a variant preset's table), results.csv, the claims, the curves and the gaps."""
+    p, seeds = plan_.context
+    out, skipped = Path(opts.out), plan_.skipped
     if p.variants:
-        return write_variant_outputs(records, skipped, args.scale, p, out, wall)
+        return write_variant_outputs(records, skipped, opts.scale, p, out, wall)
     table, claims = summarize(records)
     keys = ["dataset", "split", "method", "seed", "final_acc", "best_acc", "last3_acc", "consistency_last20"]
     keys += ["status", "rounds_done", "wall_seconds", "cpu_seconds"]
@@ -856,10 +823,8 @@ def main(argv: list[str]) -> int:
     tkeys += ["consistency_last20", "rank", "paper_cifar10", "paper_rank"]
     write_csv(out / "table.csv", table, tkeys, float_format=".6g")
     cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
-    md = markdown(table, claims, args.scale, p, wall, sum(cpus) if len(cpus) == len(records) else None)
-    if skipped:
-        names = ("-".join(map(str, [*dict(pt.values).values(), pt.seed])) for pt in skipped)
-        md += "\nNot run (time budget reached): " + ", ".join(names) + "\n"
+    md = markdown(table, claims, opts.scale, p, wall, sum(cpus) if len(cpus) == len(records) else None)
+    md += not_run(skipped)
     atomic_write(out / "table.md", md)
     atomic_write(out / "claims.json", json.dumps(claims, indent=2))
     plot(records, out)
@@ -869,3 +834,19 @@ def main(argv: list[str]) -> int:
         atomic_write(out / "gaps.md", gap_md)
     print(md)
     return 0
+
+
+STUDY = Study(
+    name="fedmim",
+    description=__doc__.splitlines()[0],
+    scales=tuple(sorted(PRESETS)),
+    options=(
+        option("--datasets", nargs="+", help="replace the preset's datasets, in order (e.g. a test fixture)"),
+        option("--methods", nargs="+", choices=METHODS, help="only these methods"),
+        option("--extend", action="store_true", help="also run the preset's lower-priority cells"),
+    ),
+    plan=study_plan,
+    record=record,
+    report=report,
+)
+main = STUDY.main

@@ -1,23 +1,8 @@
 """Reproduce ZO-HFL's Table I and Fig. 2 (Qiu, Kim, Yousefian, 2025) at a chosen scale (spec zo-hfl §9).
 
-``fedweave reproduce zo-hfl --scale small`` runs softmax regression on the real MNIST and Fashion-MNIST with
-10 clients, the paper's three heterogeneity settings (Dirichlet alpha, participation beta), ZO-HFL, its
-baselines FedAvg / FedProx / SCAFFOLD on the same server/client split, and the server-only control
-(lambda = 0), then a tau sweep of ZO-HFL (Fig. 2). It writes, atomically, into ``--out``:
-
-- ``table.md`` / ``table.csv``: final test accuracy of the global model (mean +- std over seeds, and the mean
-  over the last 10 rounds) beside the paper's Table I, and the verdicts on claims C1-C4 of spec §9.2;
-- ``fig2_<dataset>.png``: global loss (f1 + the f2 estimate, spec A13) against rounds per tau, one panel per
-  setting; ``accuracy_<dataset>.png``: test accuracy against rounds per method and setting;
-- ``runs/<name>/``: every run's directory (config, metrics, summary).
-
-``--scale smoke`` is a seconds-long check of the pipeline on scikit-learn's bundled digits (real data, but not
-the paper's datasets; its numbers are not comparable to Table I). ``--scale adult`` repeats Table I with
-logistic regression on UCI Adult (d = 242), the low-dimensional check of the zeroth-order term (Lemma 4).
-``--scale long`` is Table I at the paper's tau = 20 and batch 64 on MNIST / Fashion-MNIST over 100 rounds (no
-tau sweep). ``--scale paper`` is the full setting (R = 500, tau = 20 for Table I, batch 64, MNIST /
-Fashion-MNIST / CIFAR-10; hours of CPU per seed). Both use the lambda and mu that ``--tune`` chose at the
-small scale.
+The presets (``smoke``, ``small``, ``adult``, ``long``, ``paper``; ``--tune`` searches lambda and mu on a
+validation split, spec A1), the paper's Table I, the table layout and the claims C1-C4 of spec §9.2; what each
+scale runs and what the outputs hold is on the page, docs/reproductions/zo-hfl.md.
 """
 
 from __future__ import annotations
@@ -25,23 +10,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedweave.cli import Parser, positive_int
 from fedweave.experiments.aggregate import mean_std
 from fedweave.experiments.grid import Point
-from fedweave.experiments.jobs import finished, run_points
-from fedweave.experiments.plots import band
-from fedweave.experiments.tables import markdown_table, write_csv
+from fedweave.experiments.plots import Panel, plot_panels
+from fedweave.experiments.study import HELD, Plan, Study, option
+from fedweave.experiments.tables import markdown_table, pm, write_csv
 from fedweave.memory import cpu_seconds
-from fedweave.plots import plt, save_png
 from fedweave.results import atomic_write
+from fedweave.runner import Result
 
 SETTINGS = [(1000.0, 0.9), (1.0, 0.5), (0.1, 0.1)]  # (Dirichlet alpha, participation beta), paper §IV
 SETTING_NAMES = {s: f"a={s[0]:g}, b={round(100 * s[1])}%" for s in SETTINGS}
@@ -179,72 +161,32 @@ def run_setting(m: str, setting: tuple[float, float]) -> tuple[float, float]:
     return SETTINGS[0] if m.startswith("server_only") else setting
 
 
+NORMALIZE_OFF = {"normalize": False}
+# fmt: off
 PRESETS = {
-    "smoke": Preset(
-        datasets=["digits"],
-        rounds=2,
-        tau=1,
-        sweep_dataset=["digits"],
-        sweep_taus=[1, 2],
-        sweep_rounds=2,
-        sweep_seeds=1,
-        batch_size=16,
-        server_batch_size=16,
-        eval_every=1,
-        min_size=5,
-    ),
+    "smoke": Preset(datasets=["digits"], rounds=2, tau=1, sweep_dataset=["digits"], sweep_taus=[1, 2], sweep_rounds=2,
+                    sweep_seeds=1, batch_size=16, server_batch_size=16, eval_every=1, min_size=5),
     "small": Preset(
-        datasets=["mnist", "fashion_mnist"],
-        rounds=40,
-        tau=5,
-        sweep_dataset=["fashion_mnist"],
-        sweep_taus=[5, 20, 50],
-        sweep_rounds=20,
-        sweep_seeds=3,
-        batch_size=32,
-        server_batch_size=32,
-        eval_every=2,
-        dataset_options={"mnist": {"normalize": False}, "fashion_mnist": {"normalize": False}},
+        datasets=["mnist", "fashion_mnist"], rounds=40, tau=5, sweep_dataset=["fashion_mnist"], sweep_taus=[5, 20, 50],
+        sweep_rounds=20, sweep_seeds=3, batch_size=32, server_batch_size=32, eval_every=2,
+        dataset_options={"mnist": NORMALIZE_OFF, "fashion_mnist": NORMALIZE_OFF},
         lam=1.0,  # chosen by --tune on a validation split (docs/reproductions/zo-hfl/tune.md; spec A1)
         mu=0.01,
         extra_lams=[10.0, 30.0],  # the spec's untuned scaled-run value; 30: its lambda sensitivity row (§9.2)
-        long_server_only=500,
-        server_as_client=True,
-        table_eval_every=4,
-        sensitivity=[
-            "fedavg_const",
-            "fedprox_const",
-            "scaffold_const",
-            "fedavg_2h",
-            "fedprox_2h",
-            "scaffold_2h",
-            "zo_hfl_nocrn",
-            "zo_hfl_fast",
-            "server_only_fast",
-        ],
+        long_server_only=500, server_as_client=True, table_eval_every=4,
+        sensitivity=["fedavg_const", "fedprox_const", "scaffold_const", "fedavg_2h", "fedprox_2h", "scaffold_2h",
+                     "zo_hfl_nocrn", "zo_hfl_fast", "server_only_fast"],
         sensitivity_seeds=3,
     ),
     # The smallest setting where Lemma 4 says the zeroth-order term should pay: its estimator's variance
     # grows with d, so the check uses logistic regression on UCI Adult (121 binary features, 2 classes:
     # d = 242 instead of MNIST's 7,840), the paper's three heterogeneity settings and server share.
     "adult": Preset(
-        datasets=["adult"],
-        rounds=100,
-        tau=5,
-        sweep_dataset=[],
-        sweep_taus=[],
-        sweep_rounds=0,
-        sweep_seeds=0,
-        batch_size=32,
-        server_batch_size=32,
-        eval_every=2,
-        table_eval_every=4,
+        datasets=["adult"], rounds=100, tau=5, sweep_dataset=[], sweep_taus=[], sweep_rounds=0, sweep_seeds=0,
+        batch_size=32, server_batch_size=32, eval_every=2, table_eval_every=4,
         # chosen by --tune on a validation split (docs/reproductions/zo-hfl/adult/tune.md): at the paper's
         # gamma_0 = 0.01 no setting leaves the majority class (76.55 %) in 100 rounds, so gamma_0 is tuned too
-        lam=1.0,
-        mu=0.01,
-        server_lr=1.0,
-        tune_server_lrs=[0.01, 0.1, 1.0],
+        lam=1.0, mu=0.01, server_lr=1.0, tune_server_lrs=[0.01, 0.1, 1.0],
     ),
     # Table I with the paper's tau = 20 and batch 64 on MNIST / Fashion-MNIST, over the longest horizon that
     # fits the CPU this machine could give it (measured: 30 rounds of this grid cost about 6 CPU-minutes,
@@ -252,44 +194,21 @@ PRESETS = {
     # machine shared at load 8-13). lambda and mu are the small preset's validation-tuned values, fixed
     # before these runs; the lambda = 10 row is the spec's untuned value, for comparison.
     "long": Preset(
-        datasets=["mnist", "fashion_mnist"],
-        rounds=100,
-        tau=20,
-        sweep_dataset=[],
-        sweep_taus=[],
-        sweep_rounds=0,
-        sweep_seeds=0,
-        batch_size=64,
-        server_batch_size=64,
-        eval_every=5,
-        dataset_options={"mnist": {"normalize": False}, "fashion_mnist": {"normalize": False}},
-        lam=1.0,
-        mu=0.01,
-        extra_lams=[10.0],
+        datasets=["mnist", "fashion_mnist"], rounds=100, tau=20, sweep_dataset=[], sweep_taus=[], sweep_rounds=0,
+        sweep_seeds=0, batch_size=64, server_batch_size=64, eval_every=5,
+        dataset_options={"mnist": NORMALIZE_OFF, "fashion_mnist": NORMALIZE_OFF}, lam=1.0, mu=0.01, extra_lams=[10.0],
     ),
     # lambda and mu: the validation-tuned values of the small preset (docs/reproductions/zo-hfl/tune.md).
     # `--scale paper --tune` repeats the search at this scale (the same grid on a validation split), but
     # costs about twice the table itself (117 ZO-HFL runs of 500 rounds), so the preset does not depend on it.
     "paper": Preset(
-        datasets=["mnist", "fashion_mnist", "cifar10"],
-        rounds=500,
-        tau=20,
-        sweep_dataset=["fashion_mnist", "cifar10"],
-        sweep_taus=[5, 20, 50],
-        sweep_rounds=500,
-        sweep_seeds=3,
-        batch_size=64,
-        server_batch_size=64,
-        eval_every=5,
-        dataset_options={
-            "mnist": {"normalize": False},
-            "fashion_mnist": {"normalize": False},
-            "cifar10": {"normalize": False},
-        },
-        lam=1.0,
-        mu=0.01,
+        datasets=["mnist", "fashion_mnist", "cifar10"], rounds=500, tau=20, sweep_dataset=["fashion_mnist", "cifar10"],
+        sweep_taus=[5, 20, 50], sweep_rounds=500, sweep_seeds=3, batch_size=64, server_batch_size=64, eval_every=5,
+        dataset_options={"mnist": NORMALIZE_OFF, "fashion_mnist": NORMALIZE_OFF, "cifar10": NORMALIZE_OFF},
+        lam=1.0, mu=0.01,
     ),
 }
+# fmt: on
 
 
 def run_config(
@@ -363,26 +282,18 @@ def _cache_datasets() -> None:
         DATASETS._items[name] = functools.lru_cache(maxsize=2)(DATASETS._items[name])
 
 
-def run_all(configs: list[dict[str, Any]], workers: int, out: Path) -> dict[str, dict[str, Any]]:
-    """Run every config in ``OUT/runs/<name>`` (finished runs are reused); per name its metric rows, status,
-    wall and CPU seconds, and whether an earlier invocation ran it."""
-    points = [Point.of(c, c["name"]) for c in configs]
-    earlier = finished(points, out / "runs")
-    done = run_points(points, out / "runs", workers=workers, overwrite=True, initializer=_cache_datasets)
-    results = {}
-    for pt in points:
-        res = done[pt.slug]
-        # a run that diverged before any evaluation keeps a NaN row; the table marks it
-        rows = res.metrics or [{"round": 0, "test_accuracy": float("nan"), "global_loss": float("nan")}]
-        results[pt.slug] = {
-            "name": pt.slug,
-            "rows": rows,
-            "status": res.summary["status"],
-            "seconds": float(res.summary["wall_seconds"]),
-            "cpu": float(res.summary.get("cpu_seconds") or 0.0),
-            "reused": pt.slug in earlier,
-        }
-    return results
+def record(pt: Point, res: Result, plan: Plan) -> dict[str, Any]:
+    """A run's metric rows, status, wall and CPU seconds, and whether an earlier invocation ran it."""
+    # a run that diverged before any evaluation keeps a NaN row; the table marks it
+    rows = res.metrics or [{"round": 0, "test_accuracy": float("nan"), "global_loss": float("nan")}]
+    return {
+        "name": pt.slug,
+        "rows": rows,
+        "status": res.summary["status"],
+        "seconds": float(res.summary["wall_seconds"]),
+        "cpu": float(res.summary.get("cpu_seconds") or 0.0),
+        "reused": pt.slug in plan.reused,
+    }
 
 
 # ---- summarizing ---------------------------------------------------------------------------------------
@@ -497,10 +408,6 @@ def _sweep_names(p: Preset, ds: str, s, tau: float, out: Path) -> list[str]:
     return [run_config(p, ds, s, "zo_hfl", seed, tau, p.sweep_rounds, out)["name"] for seed in range(p.sweep_seeds)]
 
 
-def _verdict(ok: bool) -> str:
-    return "held" if ok else "did not hold"
-
-
 def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
     """The claims of ``claims.json`` (spec §9.2) as (claim, verdict, measured) rows: a page's claim table."""
     rows = []
@@ -512,7 +419,7 @@ def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
                 (
                     f"C1 {name}: robust under extreme heterogeneity (at (0.1, 10%) at least FedAvg's and FedProx's "
                     "accuracy, and at most half of FedAvg's drop from (1000, 90%))",
-                    _verdict(c["C1_robust_under_extreme_heterogeneity"]),
+                    HELD[bool(c["C1_robust_under_extreme_heterogeneity"])],
                     "drop: "
                     + ", ".join(f"{label(m)} {d[m]:.2f}" for m in ("zo_hfl", "fedavg", "fedprox", "scaffold"))
                     + " points",
@@ -522,7 +429,7 @@ def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
             rows.append(
                 (
                     f"C2 {name}: competitive when homogeneous (within 5 points of the best baseline at (1000, 90%))",
-                    _verdict(c["C2_competitive_when_homogeneous"]),
+                    HELD[bool(c["C2_competitive_when_homogeneous"])],
                     f"ZO-HFL - best baseline {c['ZO-HFL_minus_best_baseline_homogeneous']:+.2f} points",
                 )
             )
@@ -535,14 +442,14 @@ def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
             rows.append(
                 (
                     f"C3 {name}: a larger tau lowers the final {what} at (1000, 90%) and (1, 50%)",
-                    _verdict(c[f"C3_{key}_larger_tau_helps_in_homogeneous_and_moderate"]),
+                    HELD[bool(c[f"C3_{key}_larger_tau_helps_in_homogeneous_and_moderate"])],
                     f"tau {taus}: " + "; ".join(values[:2]),
                 )
             )
             rows.append(
                 (
                     f"C3 {name}: no monotone gain from a larger tau at (0.1, 10%) ({what})",
-                    _verdict(c[f"C3_{key}_no_monotone_gain_in_extreme"]),
+                    HELD[bool(c[f"C3_{key}_no_monotone_gain_in_extreme"])],
                     f"tau {taus}: {values[-1]}",
                 )
             )
@@ -551,7 +458,7 @@ def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
             rows.append(
                 (
                     f"C4 {name}: ZO-HFL within one std of the server-only control (lambda = 0) in every setting",
-                    _verdict(all(within.values())),
+                    HELD[all(within.values())],
                     f"within one std in {sum(within.values())}/{len(within)} settings",
                 )
             )
@@ -580,7 +487,7 @@ def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], o
             for s in SETTINGS:
                 r = next(x for x in rows if x["dataset"] == ds and x["method"] == m and (x["alpha"], x["beta"]) == s)
                 paper = f"{r['paper_acc']:.2f}" if r["paper_acc"] != "" else "n/a"
-                cells.append(f"{r['acc_mean']:.2f} +- {r['acc_std']:.2f} [{r['acc_last10_mean']:.2f}] / {paper}")
+                cells.append(f"{pm(r['acc_mean'], r['acc_std'], sep=' +- ')} [{r['acc_last10_mean']:.2f}] / {paper}")
             body.append([label(m, p), *cells])
         head = ["method", *(SETTING_NAMES[s] for s in SETTINGS)]
         lines += [f"## {DATASET_LABELS.get(ds, ds)}", "", markdown_table(head, body)]
@@ -603,30 +510,33 @@ def write_plots(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int],
     """Fig. 2 (global loss and test cross-entropy against rounds per tau) and test accuracy against rounds per
     method, one panel per setting; the mean over seeds with a band."""
     for ds in p.sweep_dataset:
-        fig, axes = plt.subplots(2, len(SETTINGS), figsize=(4.2 * len(SETTINGS), 6.4), squeeze=False)
-        for row, (metric, ylabel) in enumerate((("global_loss", "global loss f1 + f2"), ("test_loss", "test loss"))):
-            for ax, s in zip(axes[row], SETTINGS):
-                for tau in p.sweep_taus:
-                    runs = [results[n]["rows"] for n in _sweep_names(p, ds, s, tau, out)]
-                    band(ax, runs, "round", metric, label=f"tau={tau:g}")
-                ax.set_title(f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})")
-                ax.set_xlabel("round")
-                ax.set_ylabel(ylabel)
-                ax.legend()
-        fig.tight_layout()
-        save_png(fig, out / f"fig2_{ds}.png", dpi=80)
+        fig2 = [
+            [
+                Panel(
+                    [
+                        (f"tau={tau:g}", [results[n]["rows"] for n in _sweep_names(p, ds, s, tau, out)], {})
+                        for tau in p.sweep_taus
+                    ],
+                    metric,
+                    title=f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})",
+                    xlabel="round",
+                    ylabel=ylabel,
+                )  # fmt: skip
+                for s in SETTINGS
+            ]
+            for metric, ylabel in (("global_loss", "global loss f1 + f2"), ("test_loss", "test loss"))
+        ]
+        plot_panels(fig2, out / f"fig2_{ds}.png", panel_size=(4.2, 3.2), dpi=80)
+    methods = [m for m in p.methods if p.rounds_of(m) == p.rounds and m not in p.sensitivity]
     for ds in p.datasets:
-        fig, axes = plt.subplots(1, len(SETTINGS), figsize=(4.2 * len(SETTINGS), 3.4), sharey=True, squeeze=False)
-        for ax, s in zip(axes[0], SETTINGS):
-            for m in (m for m in p.methods if p.rounds_of(m) == p.rounds and m not in p.sensitivity):
-                runs = [results[run_config(p, ds, s, m, seed, p.tau, p.rounds, out)["name"]]["rows"] for seed in seeds]
-                band(ax, runs, "round", "test_accuracy", label=label(m))
-            ax.set_title(f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})")
-            ax.set_xlabel("round")
-        axes[0, 0].set_ylabel("test accuracy")
-        axes[0, 0].legend(fontsize=7)
-        fig.tight_layout()
-        save_png(fig, out / f"accuracy_{ds}.png", dpi=80)
+        panels = [
+            Panel([(label(m), [results[run_config(p, ds, s, m, seed, p.tau, p.rounds, out)["name"]]["rows"]
+                               for seed in seeds], {}) for m in methods], "test_accuracy",
+                  title=f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})", xlabel="round",
+                  ylabel="test accuracy" if j == 0 else None, legend={"fontsize": 7} if j == 0 else None)
+            for j, s in enumerate(SETTINGS)
+        ]  # fmt: skip
+        plot_panels([panels], out / f"accuracy_{ds}.png", panel_size=(4.2, 3.4), sharey=True, dpi=80)
 
 
 # ---- entry point ---------------------------------------------------------------------------------------
@@ -719,53 +629,46 @@ def _load() -> str:
         return "n/a"
 
 
-def main(argv: list[str]) -> int:
-    ap = Parser(prog="fedweave reproduce zo-hfl", description=__doc__.split("\n")[0])
-    ap.add_argument("--scale", choices=sorted(PRESETS), default="small")
-    ap.add_argument("--seeds", type=positive_int, default=None, help="number of seeds (default: 3; smoke: 1)")
-    ap.add_argument("--out", default="runs/reproduce-zo-hfl")
-    ap.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1), help="parallel processes")
-    ap.add_argument("--rounds", type=positive_int, default=None, help="override the Table I rounds of the preset")
-    ap.add_argument(
-        "--tune", action="store_true", help="only tune lambda and mu (and gamma_0) on a validation split (spec A1)"
-    )
-    args = ap.parse_args(argv)
-    p = dataclasses.replace(PRESETS[args.scale])  # a copy: the presets stay as defined
-    if args.rounds is not None:
-        p.rounds = args.rounds
-    n_seeds = args.seeds if args.seeds is not None else (1 if args.scale == "smoke" else 3)
+def study_plan(opts) -> Plan:
+    """Table I and the tau sweep of ``--scale`` (or, with ``--tune``, the lambda/mu grid)."""
+    p = dataclasses.replace(PRESETS[opts.scale])  # a copy: the presets stay as defined
+    if opts.rounds is not None:
+        p.rounds = opts.rounds
+    n_seeds = opts.seeds if opts.seeds is not None else (1 if opts.scale == "smoke" else 3)
     seeds = list(range(n_seeds))
     p.sweep_seeds = min(p.sweep_seeds, n_seeds)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.tune:
-        tune_seeds = seeds if args.seeds is not None else [0]
-        configs = tune_configs(p, tune_seeds, out)
-        print(f"zo-hfl tuning ({args.scale}): {len(configs)} runs on {args.workers} worker(s) -> {out}")
-        t0 = time.perf_counter()
-        results = run_all(configs, args.workers, out)
+    out = Path(opts.out)
+    if opts.tune:
+        seeds = seeds if opts.seeds is not None else [0]
+        configs = tune_configs(p, seeds, out)
+    else:
+        configs = plan(p, seeds, out)
+    return Plan([Point.of(c, c["name"]) for c in configs], (p, seeds, configs), initializer=_cache_datasets)
+
+
+def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> int:
+    """Table I, the claims and the figures (or the tuning table)."""
+    p, seeds, configs = plan_.context
+    out = Path(opts.out)
+    results = {r["name"]: r for r in records}
+    if opts.tune:
         meta = {
             "rounds": p.rounds,
             "tau": p.tau,
-            "seeds": len(tune_seeds),
-            "workers": args.workers,
-            "wall_seconds": time.perf_counter() - t0,
+            "seeds": len(seeds),
+            "workers": opts.workers,
+            "wall_seconds": wall,
             "cpu_seconds": cpu_seconds(),
             "load": _load(),
         }
         write_tune(tune_summary(configs, results), out, meta)
         print((out / "tune.md").read_text())
         return 0
-    configs = plan(p, seeds, out)
-    print(f"zo-hfl reproduction ({args.scale}): {len(configs)} runs on {args.workers} worker(s) -> {out}")
-    t0 = time.perf_counter()
-    results = run_all(configs, args.workers, out)
-    wall = time.perf_counter() - t0
     meta = {
-        "scale": args.scale,
+        "scale": opts.scale,
         "rounds": p.rounds,
-        "seeds": n_seeds,
-        "workers": args.workers,
+        "seeds": len(seeds),
+        "workers": opts.workers,
         "wall_seconds": round(wall, 1),
         "runs": len(configs),
         "run_seconds": {k: round(v["seconds"], 1) for k, v in results.items()},
@@ -781,7 +684,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":  # pragma: no cover
-    import sys
-
-    raise SystemExit(main(sys.argv[1:]))
+STUDY = Study(
+    name="zo-hfl",
+    description=__doc__.split("\n")[0],
+    scales=tuple(sorted(PRESETS)),
+    seeds_help="number of seeds (default: 3; smoke: 1)",
+    options=(
+        option("--rounds", count=True, default=None, help="override the Table I rounds of the preset"),
+        option("--tune", action="store_true", help="only tune lambda and mu (and gamma_0) on a validation split (A1)"),
+    ),
+    plan=study_plan,
+    record=record,
+    report=report,
+)
+main = STUDY.main

@@ -1,0 +1,281 @@
+"""One pipeline for every paper reproduction (a study).
+
+A study declares what is its paper's: its presets (``plan``: the grid of points of a scale, with seeds and
+variants), how a finished run becomes a record (``record``), and how the records become the paper's tables,
+figures and claims (``report``). The pipeline does the rest alike for every paper: it runs the points through
+the sweep runner (``run_points``: a finished run of the same config is reused, a killed one resumes, at most
+``--workers`` at a time, no run starts after ``--budget-minutes``), turns every finished run into its record
+and hands the records to the report. ``fedweave reproduce NAME`` is its one front end (``fedweave.cli``); the
+common options are ``--scale --seeds --workers --out --budget-minutes``, a study adds its own as ``Option``.
+
+A claim is a ``Claim``: its text and a rule that computes its verdict from the study's table, so the verdicts
+of a page are computed, never written by hand (``judge``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedweave.config import ConfigError
+from fedweave.experiments.grid import Point
+from fedweave.experiments.jobs import finished, parallel_map, run_points
+from fedweave.experiments.tables import markdown_table
+from fedweave.results import atomic_write
+from fedweave.runner import Result
+
+
+@dataclass(frozen=True)
+class Option:
+    """A command-line option of one study, beside the common ones: argparse's flags and keywords; ``count``
+    makes its type a whole number >= 1 (the front end's own type)."""
+
+    flags: tuple[str, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    count: bool = False
+
+
+def option(*flags: str, count: bool = False, **kwargs: Any) -> Option:
+    """``Option(flags, kwargs, count)`` written as ``add_argument`` is called."""
+    return Option(flags, kwargs, count)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A claim's verdict: the claim, what was measured, and whether it held (None: untestable)."""
+
+    claim: str
+    measured: str
+    held: bool | None
+
+    def __iter__(self):  # a verdict unpacks as (claim, measured, held)
+        return iter((self.claim, self.measured, self.held))
+
+    def __getitem__(self, i: int) -> Any:
+        return (self.claim, self.measured, self.held)[i]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A paper's claim and its verdict rule. ``rule(table, ctx)`` returns ``(measured, held)`` with ``held``
+    True, False or None (untestable), or None when the records cannot test the claim at all (the claim is
+    left out, e.g. a variant the preset does not run); ``text`` is the claim, or a function of
+    ``(table, ctx)`` that writes it (a claim that names the preset's target or the largest noise run)."""
+
+    text: str | Callable[[Any, Any], str]
+    rule: Callable[[Any, Any], tuple[str, bool | None] | None]
+
+    def verdict(self, table: Any, ctx: Any = None) -> Verdict | None:
+        got = self.rule(table, ctx)
+        if got is None:
+            return None
+        text = self.text(table, ctx) if callable(self.text) else self.text
+        measured, held = got
+        return Verdict(text, measured, None if held is None else bool(held))
+
+
+def judge(claims: Sequence[Claim], table: Any, ctx: Any = None) -> list[Verdict]:
+    """The verdicts of ``claims`` on ``table``, in their order, without the claims the table cannot test."""
+    return [v for c in claims if (v := c.verdict(table, ctx)) is not None]
+
+
+HELD = {True: "held", False: "did not hold", None: "untestable"}  # a verdict's word on a page
+YES_NO = {True: "yes", False: "no", None: "untestable"}
+
+
+def verdict_table(
+    verdicts: Sequence[Verdict], header: Sequence[str] = ("claim", "measured", "held"), words: dict = YES_NO
+) -> str:
+    """The verdicts as a markdown table: the claim first, then what was measured and the verdict's word
+    (``words[held]``) in the order of ``header``, whose column named ``measured`` holds the measurement."""
+    measured_first = list(header).index("measured") == 1
+    rows = [[c, m, words[h]] if measured_first else [c, words[h], m] for c, m, h in verdicts]
+    return markdown_table(header, rows)
+
+
+@dataclass
+class Plan:
+    """What a study runs for one invocation: its points, what its records and report need of the preset
+    (``context``), an ``initializer`` run once per worker (e.g. a dataset cache), and ``workers`` when the
+    preset fixes them (e.g. 1 at a smoke scale, where forking costs more than it saves)."""
+
+    points: list[Point]
+    context: Any = None
+    initializer: Callable[[], None] | None = None
+    workers: int | None = None
+    # a study whose runs are not runner runs (a solver loop to a target): ``solve(point) -> record`` runs one
+    # point, which has a ``slug`` and is a dataclass (its fields are the run's identity); see ``Study.records``
+    solve: Callable[[Any], dict[str, Any]] | None = None
+    progress: Callable[[dict[str, Any]], str] | None = None  # a finished solve's line of progress
+    reused: set[str] = field(default_factory=set)  # the points an earlier invocation ran (set by the pipeline)
+    skipped: list[Point] = field(default_factory=list)  # the points not run: the time budget ran out (idem)
+
+
+def _count(text: str) -> int:
+    """A whole number >= 1, for Python callers of ``Study.main`` (the CLI uses its own type, same message)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse for Python callers of ``Study.main``: a usage error is a ``ConfigError`` (one line)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ConfigError(f"{self.prog}: {' '.join(message.split())}")
+
+
+@dataclass
+class Study:
+    """One paper's reproduction: its name (``fedweave reproduce NAME``), scales and options, and the three
+    functions that are its paper's own. ``plan(opts) -> Plan``; ``record(point, result, plan) -> record``
+    (a finished run as a row); ``report(records, plan, opts, wall) -> exit status`` (writes the records,
+    tables, figures and claims into ``opts.out``)."""
+
+    name: str
+    description: str
+    scales: tuple[str, ...]
+    plan: Callable[[argparse.Namespace], Plan]
+    record: Callable[[Point, Result, Plan], Any]
+    report: Callable[[list[Any], Plan, argparse.Namespace, float], int]
+    default_scale: str = "small"
+    scale_help: str | None = None
+    seeds_help: str = "number of seeds, 0..N-1 (default: the preset's)"
+    options: tuple[Option, ...] = ()
+
+    def add_arguments(self, parser: argparse.ArgumentParser, count: Callable[[str], int]) -> None:
+        """The front end's options on ``parser``: the common ones, then the study's; ``count`` is the type of
+        a whole number >= 1."""
+        parser.add_argument("--scale", choices=self.scales, default=self.default_scale, help=self.scale_help)
+        parser.add_argument("--seeds", type=count, default=None, help=self.seeds_help)
+        parser.add_argument("--workers", type=count, default=min(2, os.cpu_count() or 1), help="parallel runs")
+        parser.add_argument("--out", default=f"runs/reproduce-{self.name}", help="output directory")
+        parser.add_argument(
+            "--budget-minutes", type=float, default=None, help="start no new run after this many minutes"
+        )
+        for o in self.options:
+            parser.add_argument(*o.flags, **({"type": count} if o.count else {}), **o.kwargs)
+
+    def main(self, argv: list[str] | None = None) -> int:
+        """Parse ``argv`` (the study's options) and run the study: for Python callers; ``fedweave reproduce``
+        parses with the CLI's parser and calls ``execute``."""
+        parser = _Parser(prog=f"fedweave reproduce {self.name}", description=self.description)
+        self.add_arguments(parser, _count)
+        argv = list(argv or [])
+        return self.execute(parser.parse_args(argv), argv)
+
+    def execute(self, opts: argparse.Namespace, argv: list[str] | None = None) -> int:
+        """Plan, run the points (resumable, parallel, within the budget), record every finished run, report.
+        ``argv``, the command line's options, is kept as ``opts.argv`` (a report may name its command)."""
+        opts.argv = list(argv or [])
+        t0 = time.perf_counter()
+        plan = self.plan(opts)
+        budget = None if opts.budget_minutes is None else 60 * opts.budget_minutes
+        records = self.records(plan, opts.out, workers=opts.workers, budget_s=budget, scale=opts.scale)
+        if plan.skipped:
+            print(f"{len(plan.skipped)} of {len(plan.points)} runs not started: the time budget ran out", flush=True)
+        return int(self.report(records, plan, opts, time.perf_counter() - t0) or 0)
+
+    def records(
+        self, plan: Plan, out: str | Path, workers: int = 1, budget_s: float | None = None, scale: str = ""
+    ) -> list[Any]:
+        """Run the plan's points into ``out/runs`` (``run_points``: a finished run of the same config is reused
+        and marked in ``plan.reused``, a killed one resumes; no run starts after ``budget_s``) and return the
+        record of every finished run, in the plan's order."""
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        workers = plan.workers or workers
+        print(f"{self.name} reproduction, scale {scale}: {len(plan.points)} runs, {workers} worker(s) -> {out}",
+              flush=True)  # fmt: skip
+        if not plan.points:  # e.g. a report rebuilt from its records: nothing to run, no runs/ made
+            return []
+        if plan.solve is not None:
+            solved = _solved(plan, out / "runs", workers, budget_s)
+            return [self.record(pt, solved[pt.slug], plan) for pt in plan.points if pt.slug in solved]
+        plan.reused = set(finished(plan.points, out / "runs"))
+        runs = run_points(
+            plan.points, out / "runs", workers=workers, overwrite=True, budget_s=budget_s, initializer=plan.initializer
+        )
+        plan.skipped = [pt for pt in plan.points if pt.slug not in runs]
+        return [self.record(pt, runs[pt.slug], plan) for pt in plan.points if pt.slug in runs]
+
+
+def not_run(skipped: Sequence[Point]) -> str:
+    """A report's line naming the points the time budget left unrun (each by its values and seed), or ""."""
+    if not skipped:
+        return ""
+    names = ("-".join(map(str, [*dict(pt.values).values(), pt.seed])) for pt in skipped)
+    return "\nNot run (time budget reached): " + ", ".join(names) + "\n"
+
+
+# ---- runs that are not runner runs: solved records, kept per point ----------------------------------------
+def _spec(point: Any) -> dict[str, Any]:
+    """A point's identity as JSON would give it back (what a kept record is compared with)."""
+    return json.loads(json.dumps(dataclasses.asdict(point)))
+
+
+def _save_solved(run_dir: Path, point: Any, record: dict[str, Any]) -> None:
+    """``record.json`` (the point and its record; arrays left out) and ``arrays.npz`` (a record's values that
+    are arrays, or tuples of arrays, as ``<key>.<i>``), each written atomically, ``record.json`` last."""
+    arrays = {k: v for k, v in record.items() if isinstance(v, np.ndarray | tuple)}
+    flat = {f"{k}.{i}": a for k, v in arrays.items() for i, a in enumerate(v if isinstance(v, tuple) else (v,))}
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **flat)
+    atomic_write(run_dir / "arrays.npz", buf.getvalue())
+    plain = {k: v for k, v in record.items() if k not in arrays}
+    kinds = {k: "tuple" if isinstance(v, tuple) else "array" for k, v in arrays.items()}
+    atomic_write(run_dir / "record.json", json.dumps({"point": _spec(point), "record": plain, "arrays": kinds}) + "\n")
+
+
+def _load_solved(run_dir: Path, point: Any) -> dict[str, Any] | None:
+    """The kept record of ``point`` in ``run_dir``, or None when there is none or it is another point's."""
+    try:
+        kept = json.loads((run_dir / "record.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if kept.get("point") != _spec(point):
+        return None
+    record = kept["record"]
+    with np.load(run_dir / "arrays.npz") as z:
+        for key, kind in kept["arrays"].items():
+            parts = [z[n] for n in sorted((n for n in z.files if n.rsplit(".", 1)[0] == key), key=_index)]
+            record[key] = tuple(parts) if kind == "tuple" else parts[0]
+    return record
+
+
+def _index(name: str) -> int:
+    return int(name.rsplit(".", 1)[1])
+
+
+def _solved(plan: Plan, runs_dir: Path, workers: int, budget_s: float | None = None) -> dict[str, dict[str, Any]]:
+    """Per point's slug, its record: kept from an earlier call when its directory holds the same point's
+    record, else solved on ``workers`` forked processes (``parallel_map``) and kept in ``runs_dir/<slug>``.
+    No point starts after ``budget_s``; those are in ``plan.skipped`` and have no record."""
+    kept = {p.slug: r for p in plan.points if (r := _load_solved(runs_dir / p.slug, p)) is not None}
+    plan.reused = set(kept)
+    todo = [p for p in plan.points if p.slug not in kept]
+    t0, done = time.perf_counter(), iter(range(1, len(todo) + 1))
+
+    def finished_one(i: int, record: dict[str, Any]) -> None:
+        _save_solved(runs_dir / todo[i].slug, todo[i], record)
+        line = plan.progress(record) if plan.progress else todo[i].slug
+        print(f"[{next(done)}/{len(todo)} {time.perf_counter() - t0:6.0f}s] {line}", flush=True)
+
+    new = parallel_map(plan.solve, todo, workers=workers, on_result=finished_one, budget_s=budget_s)
+    kept.update((p.slug, r) for p, r in zip(todo, new) if r is not None)
+    plan.skipped = [p for p in plan.points if p.slug not in kept]
+    return kept

@@ -1,0 +1,132 @@
+"""The Study pipeline of fedweave.experiments.study: declarative claims, one front end for every reproduction,
+and solver runs (not runner runs) kept per point and reused on a second call."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from fedweave.config import ConfigError
+from fedweave.experiments.study import Claim, Plan, Study, Verdict, judge
+
+
+def test_claims_are_rules_computing_their_verdicts_from_the_table():
+    table = {"a": 3.0, "b": 1.0}
+    claims = [
+        Claim("C1 a beats b", lambda t, ctx: (f"{t['a']:.1f} vs {t['b']:.1f}", t["a"] > t["b"])),
+        Claim(lambda t, ctx: f"C2 a reaches {ctx}", lambda t, ctx: (f"{t['a']:.1f}", None)),  # untestable
+        Claim("C3 needs c", lambda t, ctx: None if "c" not in t else ("", True)),  # not testable at all: left out
+    ]
+    verdicts = judge(claims, table, 5)
+    assert verdicts == [Verdict("C1 a beats b", "3.0 vs 1.0", True), Verdict("C2 a reaches 5", "3.0", None)]
+    assert [tuple(v) for v in verdicts][0] == ("C1 a beats b", "3.0 vs 1.0", True)
+    assert judge(claims, {**table, "a": 0.5}, 5)[0].held is False
+
+
+@pytest.mark.parametrize("name", ["fedmim", "zo-hfl", "afind", "cse-fsl", "cfl-saga"])
+def test_every_reproduction_has_the_common_front_end(name):
+    from fedweave.cli import Parser, positive_int
+    from fedweave.reproduce import study
+
+    parser = Parser(prog=f"fedweave reproduce {name}")
+    study(name).add_arguments(parser, positive_int)
+    opts = parser.parse_args(["--seeds", "2", "--workers", "3", "--out", "o", "--budget-minutes", "1.5"])
+    assert (opts.seeds, opts.workers, opts.out, opts.budget_minutes) == (2, 3, "o", 1.5)
+    assert opts.scale in study(name).scales
+
+
+def test_a_bad_afind_table_list_is_one_line_and_status_2(capsys):
+    from fedweave.cli import main
+
+    assert main(["reproduce", "afind", "--tables", "1,9", "--out", "unused"]) == 2
+    assert "--tables: unknown ['9']; allowed 1, 2, 3, tau, dp, fig5" in capsys.readouterr().err
+
+
+def test_a_python_caller_gets_a_usage_error_as_one_config_error():
+    from fedweave.reproduce.cse_fsl import main
+
+    with pytest.raises(ConfigError, match="--workers: '0' is not a whole number >= 1"):
+        main(["--workers", "0"])
+
+
+# ---- solver runs: kept per point, reused on a second call -------------------------------------------------
+@dataclass
+class Square:
+    x: float
+    seed: int
+
+    @property
+    def slug(self) -> str:
+        return f"x{self.x:g}/s{self.seed}"
+
+
+def _solve(point: Square) -> dict:
+    return {"x": point.x, "y": point.x**2, "_curve": (np.arange(3.0) * point.x, np.ones(2))}
+
+
+def _study(seen: list) -> Study:
+    def report(records, plan, opts, wall):
+        seen.append((records, set(plan.reused)))
+        return 0
+
+    def plan(opts):
+        return Plan([Square(float(x), 0) for x in opts.xs.split(",")], solve=_solve)
+
+    from fedweave.experiments.study import option
+
+    return Study("squares", "test", ("smoke",), plan, lambda p, r, plan: r, report, "smoke", options=(option("--xs"),))
+
+
+def test_solver_runs_are_kept_and_reused_on_a_second_call(tmp_path):
+    seen: list = []
+    s = _study(seen)
+    assert s.main(["--xs", "2,3", "--out", str(tmp_path), "--workers", "1"]) == 0
+    first, reused = seen[-1]
+    assert [r["y"] for r in first] == [4.0, 9.0] and reused == set()
+    kept = tmp_path / "runs" / "x2" / "s0" / "record.json"
+    mtime = kept.stat().st_mtime_ns
+    assert s.main(["--xs", "2,5", "--out", str(tmp_path), "--workers", "1"]) == 0
+    second, reused = seen[-1]
+    assert reused == {"x2/s0"} and kept.stat().st_mtime_ns == mtime  # read back, not solved again
+    assert [r["y"] for r in second] == [4.0, 25.0]
+    np.testing.assert_array_equal(second[0]["_curve"][0], first[0]["_curve"][0])
+    assert isinstance(second[0]["_curve"], tuple) and len(second[0]["_curve"]) == 2
+
+
+def test_a_kept_record_of_another_point_is_solved_again(tmp_path):
+    seen: list = []
+    s = _study(seen)
+    s.main(["--xs", "2", "--out", str(tmp_path), "--workers", "1"])
+    record = tmp_path / "runs" / "x2" / "s0" / "record.json"
+    record.write_text(record.read_text().replace('"x": 2.0, "seed"', '"x": 7.0, "seed"'))
+    s.main(["--xs", "2", "--out", str(tmp_path), "--workers", "1"])
+    assert seen[-1][1] == set() and seen[-1][0][0]["y"] == 4.0
+
+
+def test_execute_keeps_the_command_line_for_the_report(tmp_path):
+    seen: list = []
+    s = _study(seen)
+    opts = argparse.Namespace(scale="smoke", seeds=None, workers=1, out=str(tmp_path), budget_minutes=None, xs="1")
+    s.report = lambda records, plan, o, wall: seen.append(o.argv) or 0
+    assert s.execute(opts, ["--xs", "1"]) == 0 and seen == [["--xs", "1"]]
+
+
+def test_solver_runs_keep_to_the_time_budget(tmp_path):
+    seen: list = []
+    s = _study(seen)
+    s.main(["--xs", "2", "--out", str(tmp_path), "--workers", "1"])
+    assert s.main(["--xs", "2,3", "--out", str(tmp_path), "--workers", "1", "--budget-minutes", "0"]) == 0
+    records, reused = seen[-1]
+    assert [r["y"] for r in records] == [4.0] and reused == {"x2/s0"}  # the kept run counts, the new one waits
+    assert not (tmp_path / "runs" / "x3").exists()
+
+
+def test_a_report_only_call_makes_no_runs_directory(tmp_path):
+    seen: list = []
+    s = _study(seen)
+    s.plan = lambda opts: Plan([])  # no points, as cfl-saga --report-only
+    assert s.main(["--out", str(tmp_path), "--workers", "1"]) == 0
+    assert seen == [([], set())] and not (tmp_path / "runs").exists()
