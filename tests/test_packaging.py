@@ -95,6 +95,21 @@ def _versions(python: Path, names: list[str]) -> dict[str, str]:
 THEIRS = {"numpy": "2.2.6", "scikit-learn": "1.6.1"}
 
 
+def _share_torch(python: Path, folder: Path) -> None:
+    """Give the environment of ``python`` this environment's torch, as a folder on its path that holds links to
+    torch's package and metadata only: pip sees torch installed (and installs what torch needs itself), and the
+    test does not unpack 750 MB of torch again. The rest of the environment is its own."""
+    import torch
+
+    folder.mkdir()
+    site = Path(torch.__file__).parent.parent
+    for entry in [site / "torch", site / "torchgen", *site.glob("torch-*.dist-info")]:
+        if entry.exists():
+            (folder / entry.name).symlink_to(entry)
+    purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip()
+    (Path(purelib) / "shared_torch.pth").write_text(f"{folder}\n")
+
+
 @pytest.mark.slow
 def test_the_wheel_installs_beside_other_versions_and_runs_outside_the_source_tree(tmp_path):
     dist = tmp_path / "dist"
@@ -113,6 +128,7 @@ def test_the_wheel_installs_beside_other_versions_and_runs_outside_the_source_tr
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)])
     py = venv / "bin" / "python"
+    _share_torch(py, tmp_path / "shared-torch")
     pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     _run([*pip, "torch==2.13.0", *(f"{n}=={v}" for n, v in THEIRS.items())])
     _run([*pip, str(wheel)])
