@@ -54,10 +54,14 @@ class Result:
 
     @property
     def final_accuracy(self) -> float | None:
+        """The test accuracy of the last evaluation that reported one (``final_test_accuracy``), or None
+        when none did."""
         return self.summary.get("final_test_accuracy")
 
     @property
     def best_accuracy(self) -> float | None:
+        """The best test accuracy over the evaluated rounds (``best_test_accuracy``), or None when no evaluation
+        reported one."""
         return self.summary.get("best_test_accuracy")
 
 

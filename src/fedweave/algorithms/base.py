@@ -258,6 +258,7 @@ class RunContext:
 
     @property
     def num_clients(self) -> int:
+        """The number of clients: the parts of :attr:`partition`."""
         return len(self.partition)
 
     def personal_test_parts(self, per_client: int | None = None) -> list[np.ndarray]:
@@ -308,6 +309,7 @@ class RunContext:
 
     @cached_property
     def model(self) -> nn.Module:
+        """The run's model, built once by :meth:`build_model` on first use and then shared."""
         return self.build_model()
 
 
@@ -328,14 +330,17 @@ class Algorithm(ABC):
 
     @property
     def config(self) -> RunConfig:
+        """The run's validated config (``ctx.config``)."""
         return self.ctx.config
 
     @property
     def seeds(self) -> Seeds:
+        """The run's named random streams (``ctx.seeds``): every draw of the algorithm comes from one of them."""
         return self.ctx.seeds
 
     @property
     def ledger(self) -> Ledger:
+        """The run's communication and storage ledger (``ctx.ledger``), where every transfer is recorded."""
         return self.ctx.ledger
 
     # ---- injected faults (docs/reliability.md): the server side of the star, hierarchical and split

@@ -2,15 +2,13 @@
 
 The runner is a short loop: train a round, evaluate it when due, record the row. Everything else (the
 progress bar, the divergence guard, checkpoints, the partition report, plots, trackers, stopping at a target
-or a budget, the deployment's preparation) is a :class:`Callback`, and your own callbacks use the same hooks:
+or a budget, the deployment's preparation) is a :class:`Callback`, and your own callbacks use the same hooks::
 
-```python
-class PrintBest(fedweave.Callback):
-    def on_row(self, run, row):
-        print(row["round"], row.get("test_accuracy"))
+    class PrintBest(fedweave.Callback):
+        def on_row(self, run, row):
+            print(row["round"], row.get("test_accuracy"))
 
-fedweave.run("configs/demo.yaml", callbacks=[PrintBest(), fedweave.callbacks.StopAtTarget("test_accuracy", 0.9)])
-```
+    fedweave.run("configs/demo.yaml", callbacks=[PrintBest(), fedweave.callbacks.StopAtTarget("test_accuracy", 0.9)])
 
 Hooks are called in list order, the built-in callbacks first. Within one round they come in this order:
 ``after_training`` (the round's training metrics), then, in a round that is evaluated, ``on_evaluation``
@@ -54,6 +52,7 @@ class RunState:
 
     @property
     def path(self) -> Path:
+        """The run directory (from :meth:`Callback.on_start` on)."""
         assert self.out is not None, "the run directory exists from on_start on"
         return self.out.path
 

@@ -40,6 +40,12 @@ class LocalRule:
     """The plain local SGD rule: the direction is the stochastic gradient. Subclass to change it."""
 
     def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
+        """The step direction at parameters ``w``: ``grad(w)``, the stochastic gradient of the step's batch.
+
+        ``jobs``: the position in the call of the job ``w`` belongs to (an int on the loop backend), or of each
+        row of ``w`` (a tensor, when jobs are batched), so that a subclass can index per-job tensors (SCAFFOLD's
+        control variates). The trainer's optimizer step (:meth:`LocalTrainer.sgd_update`) follows it, then
+        :meth:`project`."""
         return grad(w)
 
     def project(self, w: torch.Tensor, jobs: int | torch.Tensor) -> torch.Tensor:
@@ -205,6 +211,9 @@ class LocalTrainer:
 
     # ---- batch plan ------------------------------------------------------------------------------
     def num_steps(self, client: int, steps: int | None = None) -> int:
+        """The local steps ``client`` takes in a round: ``steps`` when given, else ``local.steps``, else
+        ``local.epochs`` passes over its data in batches of ``local.batch_size`` (one step per epoch with
+        ``local.full_batch``)."""
         if steps is not None:
             return steps
         if self.local.steps is not None:
@@ -240,6 +249,9 @@ class LocalTrainer:
         return list(flat[: fixed * bs].split(bs))
 
     def plan(self, clients: Sequence[int], round: int, key: tuple[int, ...], steps: int | None) -> Batches:
+        """The batch plan of one call: the local batches of each of ``clients`` in ``round`` (drawn from the
+        ``batches`` stream of the round, client and ``key``), padded to the longest job, as index and mask
+        tensors of shape ``(T, K, B)``."""
         per_job = [self.client_batches(int(c), round, key, steps) for c in clients]
         T = max((len(b) for b in per_job), default=0)
         K, B = len(per_job), self.local.batch_size

@@ -159,6 +159,7 @@ class GraphAlgorithm(Algorithm):
         return self._up[1]
 
     def is_up(self, r: int, i: int) -> bool:
+        """Whether client ``i`` takes part in round ``r``: always without faults, else as :meth:`up` says."""
         return not self.faulty or bool(self.up(r)[i])
 
     def reachable(self, r: int, i: int, peers: np.ndarray) -> np.ndarray:

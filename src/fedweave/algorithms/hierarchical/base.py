@@ -330,10 +330,12 @@ class HierarchicalAlgorithm(Algorithm):
 
     @property
     def dim(self) -> int:
+        """The number of model parameters (the length of the flat vector ``x``)."""
         return self.layout.numel
 
     @property
     def backend(self) -> str:
+        """The execution backend the clients' local steps run on (``loop``, ``vmap``, ``pool`` or ``ray``)."""
         return self.trainer.backend
 
     def sample_clients(self, r: int) -> np.ndarray:
@@ -341,9 +343,12 @@ class HierarchicalAlgorithm(Algorithm):
         return self.sampler(r)
 
     def steps(self, r: int) -> int:
+        """The local steps of round ``r``: H_r = floor(tau (r+1)^q), at least 1 (:func:`local_steps`)."""
         return local_steps(self.hp.tau, r, self.hp.steps_power)
 
     def local_lr(self) -> LR:
+        """The clients' step size: ``local.lr``, or the schedule ``local.lr / (t + local_offset)`` when the
+        algorithm's ``local_schedule`` is ``decaying``."""
         lr = self.config.local.lr
         return decaying(lr, self.hp.local_offset) if self.hp.local_schedule == "decaying" else lr
 
