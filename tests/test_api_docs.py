@@ -47,3 +47,29 @@ def test_api_reference_builds_without_warnings(tmp_path: Path) -> None:
         html = (out / page).read_text()
         missing = [o for o in objects if f'id="{o}"' not in html]
         assert not missing, f"{page} does not describe {missing}"
+
+
+def test_a_public_member_without_a_docstring_is_a_warning(monkeypatch) -> None:
+    import runpy
+
+    import sphinx.util.logging
+
+    warnings: list[str] = []
+
+    class Logger:
+        def warning(self, msg: str, *args: object) -> None:
+            warnings.append(msg % args)
+
+    monkeypatch.setattr(sphinx.util.logging, "getLogger", lambda name: Logger())
+    check = runpy.run_path(str(ROOT / "docs/api/conf.py"))["_require_docstring"]
+
+    def undocumented() -> None:
+        pass
+
+    name = f"{undocumented.__module__}.undocumented"
+    check(None, "function", name, undocumented, {}, [])
+    assert warnings == [f"function {name} has no docstring"]
+    check(None, "function", name, undocumented, {}, ["Does something."])  # documented
+    check(None, "class", f"{undocumented.__module__}.Path", Path, {}, [])  # imported: not on the page
+    check(None, "attribute", f"{undocumented.__module__}.ROOT", ROOT, {}, [])  # data: a comment may say it
+    assert len(warnings) == 1

@@ -17,6 +17,7 @@ extensions = ["sphinx.ext.autodoc"]
 default_role = "literal"
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
+autodoc_preserve_defaults = True  # a default as written (``CPU``), not its repr
 # Every public member is listed, documented or not: _require_docstring below makes a missing docstring a
 # warning, an error in ``make docs`` and the test.
 autodoc_default_options = {"members": True, "undoc-members": True, "show-inheritance": True}

@@ -110,7 +110,12 @@ TARGET_BINS = 10  # quantile bins that stand for classes where float targets nee
 
 
 class RunContext:
-    """The pieces of a run, built lazily from the config so that a family uses only what it needs."""
+    """The pieces of a run, built lazily from the config so that a family uses only what it needs.
+
+    ``config`` is the validated :class:`~fedweave.config.RunConfig`; ``objects`` a model factory, dataset or
+    loss passed to :func:`fedweave.run` from Python (none by default). The seeds, the ledger and the
+    placement (device, dtype, autocast) are made at once; the dataset, partition, task and model on first use.
+    """
 
     def __init__(self, config: RunConfig, objects: RunObjects | None = None) -> None:
         self.config = config
@@ -314,14 +319,23 @@ class RunContext:
 
 
 class Algorithm(ABC):
-    """Base class of every registered algorithm."""
+    """Base class of every registered algorithm.
 
+    ``ctx`` is the run's :class:`RunContext` (config, seeds, ledger, data, model, placement), ``hp`` the
+    algorithm's hyper-parameters: an instance of :attr:`Hparams` built from the config's ``algorithm``
+    options. A subclass implements :meth:`run_round` and :meth:`evaluate`, and registers itself with
+    ``@ALGORITHMS.register(name)`` (:data:`fedweave.registry.ALGORITHMS`).
+    """
+
+    #: The registered name (``algorithm.name``).
     name: ClassVar[str] = ""
+    #: The topology family: ``centralized``, ``decentralized``, ``split``, ``hierarchical`` or ``confederated``.
     family: ClassVar[str] = ""
+    #: The dataclass of the hyper-parameters, filled from the ``algorithm`` section's options.
     Hparams: ClassVar[type] = NoHparams
-    # Injected faults (fedweave.faults) this class's run_round handles; the runner refuses the others.
+    #: Injected faults (fedweave.faults) this class's run_round handles; the runner refuses the others.
     handles_faults: ClassVar[tuple[str, ...]] = ()
-    # Why the family trains only its own task (None: it trains any task of fedweave.tasks)
+    #: Why the family trains only its own task (None: it trains any task of fedweave.tasks).
     fixed_task: ClassVar[str | None] = None
 
     def __init__(self, ctx: RunContext, hp: Any) -> None:

@@ -157,7 +157,16 @@ class Batches:
 class LocalTrainer:
     """Runs local SGD for batches of jobs on the ``loop``, ``vmap``, ``ray`` or ``pool`` backend, on the
     device of its ``placement`` (the model must already be there): the training data are placed once
-    (:meth:`Placement.data`), batches are gathered by index where the data live."""
+    (:meth:`Placement.data`), batches are gathered by index where the data live.
+
+    ``model`` is the template the flat parameter vectors are loaded into; ``train_x``/``train_y`` the
+    training set and ``parts`` each client's indices into it; ``local`` the ``local`` config section (steps,
+    batch size, learning rate and its schedule, momentum, weight decay, clipping) and ``seeds`` the run's
+    streams (batches and augmentation are drawn from them). ``augment`` transforms a batch, ``vmap_chunk``
+    caps the jobs the vmap backend batches at once (default: what the placement's memory allows),
+    ``rounds`` is the run's length (the cosine schedule), ``ray`` the Ray backend's cluster, ``loss_fn`` the
+    task's loss. :func:`fedweave.algorithms.base.make_trainer` builds a run's trainer from its context.
+    """
 
     def __init__(
         self,
