@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+DOCS_STAMP := $(VENV)/.installed-docs
 # The extras whose tests must run rather than skip: the Ray backend, Flower deployment, the three trackers,
 # Sphinx for the API reference.
 TEST_EXTRAS := dev,ray,flower,tensorboard,mlflow,wandb,docs
@@ -28,6 +29,11 @@ $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[$(TEST_EXTRAS)]"
 	touch $(TEST_STAMP)
 
+# Sphinx for `make docs` alone (`make test` installs it with the other test extras).
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[docs]"
+	touch $(DOCS_STAMP)
+
 venv: $(STAMP)
 
 test-venv: $(TEST_STAMP)
@@ -45,7 +51,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/population.py
 
 # The API reference, generated from the docstrings (docs/api), with warnings as errors as the test suite builds it.
-docs: $(TEST_STAMP)
+docs: $(DOCS_STAMP)
 	$(BIN)/python -m sphinx -W --keep-going -b html docs/api build/api
 	@echo "open build/api/index.html"
 
