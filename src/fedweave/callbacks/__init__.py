@@ -41,14 +41,14 @@ class RunState:
     algo: Algorithm
     resumed: bool = False
     out: RunDir | None = None
-    start_round: int = 0  # the first round this process runs (0, or the checkpoint's next round)
-    t0: float = 0.0  # time.perf_counter() at round 0: the wall clock continues across a resume
-    cpu0: float = 0.0  # fedweave.memory.cpu_seconds() at round 0, likewise
-    skipped: list[int] = field(default_factory=list)  # rounds in which no client reported (1-based)
-    last_checkpoint: int | None = None  # the round the checkpoint on disk holds
-    final_round: int | None = None  # set when the run ends early: the last round it ran (0-based)
+    start_round: int = 0  #: the first round this process runs (0, or the checkpoint's next round)
+    t0: float = 0.0  #: time.perf_counter() at round 0: the wall clock continues across a resume
+    cpu0: float = 0.0  #: fedweave.memory.cpu_seconds() at round 0, likewise
+    skipped: list[int] = field(default_factory=list)  #: rounds in which no client reported (1-based)
+    last_checkpoint: int | None = None  #: the round the checkpoint on disk holds
+    final_round: int | None = None  #: set when the run ends early: the last round it ran (0-based)
     stop_reason: str | None = None
-    callbacks: CallbackList | None = None  # every callback of the run, to announce events (on_checkpoint)
+    callbacks: CallbackList | None = None  #: every callback of the run, to announce events (on_checkpoint)
 
     @property
     def path(self) -> Path:
