@@ -479,13 +479,17 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
         return np.append(clients, self.server_job) if self.hp.server_data == "client" else clients
 
     def round_steps(self, r: int) -> int:
+        """The local steps of each job in round ``r``: ``steps_factor`` times H_r (:meth:`steps`)."""
         return self.hp.steps_factor * self.steps(r)
 
     def step_sizes_sum(self, r: int) -> float:
+        """The sum of the local step sizes over round ``r``'s local steps (under :meth:`local_lr`)."""
         lr, H = self.local_lr(), self.round_steps(r)
         return sum(self.trainer.step_lr(lr, t) for t in range(H))
 
     def counters(self, r: int, jobs: np.ndarray) -> dict[str, float]:
+        """The round's step counters: ``local_steps`` (per job) and ``client_sgd_steps`` (over the round's
+        ``jobs``)."""
         H = self.round_steps(r)
         return {"local_steps": float(H), "client_sgd_steps": float(H * len(jobs))}
 
