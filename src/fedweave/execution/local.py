@@ -100,9 +100,9 @@ def reindexed(rule: LocalRule, positions: Sequence[int] | torch.Tensor) -> Local
 class LocalResult:
     """What a call returns, on the trainer's device."""
 
-    params: torch.Tensor  # (K, P) final local parameters
-    steps: torch.Tensor  # (K,) local steps taken
-    loss: torch.Tensor  # (K,) mean training loss over the steps
+    params: torch.Tensor  #: (K, P) final local parameters
+    steps: torch.Tensor  #: (K,) local steps taken
+    loss: torch.Tensor  #: (K,) mean training loss over the steps
 
 
 def summed_losses(losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -125,7 +125,7 @@ class ClientStep:
     attributes are what the server sends (tensors shared by the call's jobs, and scalars).
     """
 
-    state: tuple[str, ...] = ()  # the per-client state rows, each of the model's size, zero at the start
+    state: tuple[str, ...] = ()  #: the per-client state rows, each of the model's size, zero at the start
 
     def rule(self, state: dict[str, torch.Tensor]) -> LocalRule:
         """The local rule of jobs whose state rows are ``state[name]`` (shape ``(K, P)``)."""

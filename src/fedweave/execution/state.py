@@ -18,7 +18,12 @@ from fedweave.execution.placement import CPU, Placement
 
 
 class StateStore:
-    """Named tensors of shape ``(num_clients, *shape)``; rows are indexed by client id."""
+    """Named tensors of shape ``(num_clients, *shape)``; rows are indexed by client id.
+
+    ``dtype`` is the default dtype of the states made here (the placement's: the run's precision);
+    ``placement`` says which device a state goes to when it fits; ``mmap_dir`` is where a state created
+    with ``mmap=True`` is kept as a memory-mapped ``.npy`` file.
+    """
 
     def __init__(
         self,
