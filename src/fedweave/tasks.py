@@ -25,7 +25,9 @@ from torch import nn
 
 from fedweave.registry import Registry
 
+#: The losses a config's ``task.loss`` names (each a :class:`Loss` subclass).
 LOSSES = Registry("loss")
+#: The metrics of ``task.metrics`` (each a :class:`Metric` subclass).
 METRICS = Registry("metric")
 
 
