@@ -259,7 +259,7 @@ class RunDir:
         self.flush_metrics()
 
     def flush_metrics(self) -> None:
-        """Rewrite ``metrics.csv`` and ``metrics.jsonl`` from :attr:`rows` (each atomically)."""
+        """Rewrite ``metrics.csv`` and ``metrics.jsonl`` from ``rows`` (each atomically)."""
         atomic_write(self.path / "metrics.csv", metrics_csv(self.rows))
         atomic_write(self.path / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.rows))
 

@@ -40,7 +40,7 @@ class Loss:
 
     def per_sample(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The loss of each row of a batch, shape ``(B,)``, from the model's output ``out`` and the targets
-        ``y`` (class indices or values shaped like ``out``, as :attr:`targets` says)."""
+        ``y`` (class indices or values shaped like ``out``, as :attr:`Loss.targets` says)."""
         raise NotImplementedError
 
     def __call__(self, out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

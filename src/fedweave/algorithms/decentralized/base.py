@@ -98,8 +98,9 @@ class GraphAlgorithm(Algorithm):
 
     Built from the run's context and the family's :class:`GraphHparams`: the peer graph (``topology``), a
     local trainer for every client at once, and the clients' model table in a :class:`StateStore`. A method
-    writes :meth:`run_round` with the helpers here: the clients that are up and the peers they reach under
-    injected faults, peer messages in the ledger, and the evaluation of every client's own model.
+    writes :meth:`~fedweave.algorithms.base.Algorithm.run_round` with the helpers here: the clients that are
+    up and the peers they reach under injected faults, peer messages in the ledger, and the evaluation of
+    every client's own model.
     """
 
     family = "decentralized"

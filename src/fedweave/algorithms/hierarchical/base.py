@@ -343,7 +343,7 @@ class HierarchicalAlgorithm(Algorithm):
         return self.sampler(r)
 
     def steps(self, r: int) -> int:
-        """The local steps of round ``r``: H_r = floor(tau (r+1)^q), at least 1 (:func:`local_steps`)."""
+        """The local steps of round ``r``: H_r = floor(tau (r+1)^q), at least 1 (``local_steps``)."""
         return local_steps(self.hp.tau, r, self.hp.steps_power)
 
     def local_lr(self) -> LR:
@@ -479,11 +479,13 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
         return np.append(clients, self.server_job) if self.hp.server_data == "client" else clients
 
     def round_steps(self, r: int) -> int:
-        """The local steps of each job in round ``r``: ``steps_factor`` times H_r (:meth:`steps`)."""
+        """The local steps of each job in round ``r``: ``steps_factor`` times H_r
+        (:meth:`~HierarchicalAlgorithm.steps`)."""
         return self.hp.steps_factor * self.steps(r)
 
     def step_sizes_sum(self, r: int) -> float:
-        """The sum of the local step sizes over round ``r``'s local steps (under :meth:`local_lr`)."""
+        """The sum of the local step sizes over round ``r``'s local steps (under
+        :meth:`~HierarchicalAlgorithm.local_lr`)."""
         lr, H = self.local_lr(), self.round_steps(r)
         return sum(self.trainer.step_lr(lr, t) for t in range(H))
 
