@@ -111,7 +111,10 @@ def _overwrite_refusal(path: Path) -> str | None:
 
 
 def check_run_dir(path: Path, *, resume: bool = False, overwrite: bool = False) -> None:
-    """Refuse, before anything is written, a run directory that cannot take this run."""
+    """Refuse, before anything is written, a run directory that cannot take this run: raise a
+    :class:`RunDirError` naming the path when it (or a parent) is a file, or when it already holds a run
+    (unless ``resume``, which continues that run), or, with ``overwrite``, when it holds anything but a
+    run's files (a user's files are never replaced)."""
     for parent in [path, *path.parents]:
         if parent.exists() and not parent.is_dir():
             what = "the run directory" if parent == path else f"a parent of the run directory {str(path)!r}"
