@@ -535,7 +535,9 @@ def build_dataclass(cls: type, data: dict[str, Any] | None, key: str) -> Any:
 
 
 def check_options(fn: Any, options: dict[str, Any], key: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Check ``options`` against the keyword parameters of callable ``fn`` (names and annotated types)."""
+    """Check ``options`` against the keyword parameters of callable ``fn`` (names and annotated types), leaving
+    out the parameters in ``skip`` (those the caller passes itself); returns the options with their values
+    coerced. A bad one raises a :class:`ConfigError` naming ``key.option`` and what is allowed."""
     sig = inspect.signature(fn)
     params = {
         n: p for n, p in sig.parameters.items() if n not in skip and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
@@ -669,7 +671,11 @@ def example_path(name: str) -> Path:
 
 def load(source: str | Path | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
     """Load a config from a YAML file, a bundled example (``"example:demo"``) or plain data, apply
-    overrides, validate."""
+    overrides, validate.
+
+    ``overrides`` are ``key=value`` strings (``"local.lr=0.1"``, :func:`parse_override`) applied on top of
+    the source. Returns the validated :class:`RunConfig`; a missing or unreadable file, bad YAML, an unknown
+    key or a bad value raises one :class:`ConfigError` whose one-line message names the file or key."""
     if isinstance(source, dict):
         data = source
     else:
