@@ -47,10 +47,10 @@ log = logging.getLogger("fedweave")
 class Result:
     """What ``fedweave.run`` returns: the run directory, its metric rows and its summary."""
 
-    run_dir: Path
-    metrics: list[dict[str, Any]]
-    summary: dict[str, Any]
-    algorithm: Algorithm | None = field(default=None, repr=False)
+    run_dir: Path  #: the run directory
+    metrics: list[dict[str, Any]]  #: the rows of ``metrics.jsonl``, one per evaluated round
+    summary: dict[str, Any]  #: the content of ``summary.json`` (status, final and best values, bytes, times)
+    algorithm: Algorithm | None = field(default=None, repr=False)  #: the trained algorithm (None: read from disk)
 
     @property
     def final_accuracy(self) -> float | None:
@@ -100,6 +100,10 @@ def run(
     """Run an experiment described by ``config``; write and return its results. ``objects``: a model
     factory, data or a loss passed from Python in place of the registered ones (see :mod:`fedweave.byo`);
     ``callbacks`` are called after the config's own (:mod:`fedweave.callbacks`).
+
+    ``run_dir`` is where the run writes (default: ``output.dir``, else :func:`~fedweave.results.default_run_dir`);
+    ``progress`` shows or hides the progress bar (None: ``output.progress``); ``resume`` continues the run
+    in ``run_dir`` from its checkpoint (:func:`resume` is the way to ask for it).
 
     A run that meets NaN or Inf, or whose loss explodes, stops with ``status: diverged`` and its results so
     far; then ``on_divergence="raise"`` raises :class:`DivergenceError`, ``"return"`` returns the Result (a
