@@ -50,7 +50,8 @@ class Result:
     run_dir: Path  #: the run directory
     metrics: list[dict[str, Any]]  #: the rows of ``metrics.jsonl``, one per evaluated round
     summary: dict[str, Any]  #: the content of ``summary.json`` (status, final and best values, bytes, times)
-    algorithm: Algorithm | None = field(default=None, repr=False)  #: the trained algorithm (None: read from disk)
+    #: the trained algorithm (None for a run read back from disk or run in another process)
+    algorithm: Algorithm | None = field(default=None, repr=False)
 
     @property
     def final_accuracy(self) -> float | None:
