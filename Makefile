@@ -4,13 +4,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
-# The extras whose tests must run rather than skip: the Ray backend, Flower deployment, the three trackers.
-TEST_EXTRAS := dev,ray,flower,tensorboard,mlflow,wandb
+DOCS_STAMP := $(VENV)/.installed-docs
+# The extras whose tests must run rather than skip: the Ray backend, Flower deployment, the three trackers,
+# Sphinx for the API reference.
+TEST_EXTRAS := dev,ray,flower,tensorboard,mlflow,wandb,docs
 # Exact versions of every dependency for our own runs (the package itself declares ranges).
 CONSTRAINTS := constraints.txt
 TEST_WORKERS ?= 2
 
-.PHONY: demo test bench lint venv test-venv lock clean
+.PHONY: demo test bench lint docs venv test-venv lock clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@command -v $(PY) >/dev/null 2>&1 || { echo "python3.11 not found; set PY=/path/to/python3.11"; exit 1; }
@@ -27,6 +29,11 @@ $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[$(TEST_EXTRAS)]"
 	touch $(TEST_STAMP)
 
+# Sphinx for `make docs` alone (`make test` installs it with the other test extras).
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[docs]"
+	touch $(DOCS_STAMP)
+
 venv: $(STAMP)
 
 test-venv: $(TEST_STAMP)
@@ -42,6 +49,11 @@ test: $(TEST_STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py
 	$(BIN)/python benchmarks/population.py
+
+# The API reference, generated from the docstrings (docs/api), with warnings as errors as the test suite builds it.
+docs: $(DOCS_STAMP)
+	$(BIN)/python -m sphinx -W --keep-going -b html docs/api build/api
+	@echo "open build/api/index.html"
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

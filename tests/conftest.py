@@ -15,7 +15,14 @@ from fedweave.registry import DATASETS, MODELS
 
 # The optional extras some tests exercise: module -> the extra that installs it. `make test` installs them all
 # and names them in FEDWEAVE_TEST_EXTRAS, so that a missing one fails the run instead of skipping its tests.
-OPTIONAL_MODULES = {"ray": "ray", "flwr": "flower", "tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+OPTIONAL_MODULES = {
+    "ray": "ray",
+    "flwr": "flower",
+    "tensorboard": "tensorboard",
+    "mlflow": "mlflow",
+    "wandb": "wandb",
+    "sphinx": "docs",
+}
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -133,6 +133,7 @@ class Section:
     options: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
+        """The section as written in a config: ``{"name": name, **options}``."""
         return {"name": self.name, **self.options}
 
 
@@ -161,6 +162,8 @@ class LocalConfig:
     crop_padding: int = 4
 
     def validate(self) -> None:
+        """Check the ``local`` section (and set ``epochs`` to 1 when neither ``epochs`` nor ``steps`` is set);
+        raise a :class:`ConfigError` naming the first bad key and what it allows."""
         if self.epochs is not None and self.steps is not None:
             raise ConfigError("set only one of local.epochs and local.steps (the other must be null)")
         if self.epochs is None and self.steps is None:
@@ -215,6 +218,8 @@ class TaskConfig:
     main: str | None = None  # the metric of final/best in summary.json; null: the first metric's
 
     def validate(self) -> None:
+        """Check that the loss, its options and the metrics exist and fit together; raise a
+        :class:`ConfigError` naming the first bad key and what it allows."""
         from fedweave.tasks import build_task  # lazy: keeps torch out of config loading
 
         try:
@@ -225,6 +230,8 @@ class TaskConfig:
 
 @dataclass
 class EvalConfig:
+    """When and how a run is evaluated, and when a growing loss stops it (the ``eval`` section)."""
+
     every: int = 1
     batch_size: int = 2048
     per_client: bool = False  # evaluate each client's model on its own test set (personalized methods)
@@ -237,6 +244,7 @@ class EvalConfig:
     explode_factor: float | None = 1.0e4
 
     def validate(self) -> None:
+        """Check the ``eval`` section; raise a :class:`ConfigError` naming the first bad key and what it allows."""
         if self.every < 1:
             raise ConfigError(f"eval.every must be >= 1, got {self.every}")
         if self.explode_factor is not None and not 1 < self.explode_factor < math.inf:
@@ -247,6 +255,8 @@ class EvalConfig:
 
 @dataclass
 class OutputConfig:
+    """What a run writes besides its metrics and summary, and where (the ``output`` section)."""
+
     dir: str | None = None  # default: runs/<name>-<seed>-<timestamp>
     checkpoint_every: int = 0  # rounds; 0 = never
     plots: bool = True
@@ -254,6 +264,7 @@ class OutputConfig:
     trackers: list[str] = field(default_factory=list)  # tensorboard, mlflow, wandb (fedweave.callbacks.trackers)
 
     def validate(self) -> None:
+        """Check the ``output`` section; raise a :class:`ConfigError` naming the first bad key and what it allows."""
         if self.checkpoint_every < 0:
             raise ConfigError(f"output.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         bad = [t for t in self.trackers if t not in ("tensorboard", "mlflow", "wandb")]
@@ -278,6 +289,7 @@ class FaultsConfig:
     server_miss: float = 0.0  # P(an edge server misses a round), per server and round (confederated)
 
     def validate(self) -> None:
+        """Check the ``faults`` section; raise a :class:`ConfigError` naming the first bad key and what it allows."""
         for key in ("dropout", "link_loss", "server_miss"):
             v = getattr(self, key)
             if not 0.0 <= v <= 1.0:
@@ -304,6 +316,7 @@ class RayConfig:
     num_gpus_per_worker: float = 0.0
 
     def validate(self) -> None:
+        """Check the ``ray`` section; raise a :class:`ConfigError` naming the first bad key and what it allows."""
         if self.address is not None and not self.address.strip():
             raise ConfigError("ray.address must be a non-empty string (e.g. 'auto' or 'ray://host:10001') or null")
         if self.num_workers is not None and self.num_workers < 1:
@@ -331,6 +344,7 @@ class MemoryConfig:
     vmap_chunk: int | None = None
 
     def validate(self) -> None:
+        """Check the ``memory`` section; raise a :class:`ConfigError` naming the first bad key and what it allows."""
         for key in ("data_fraction", "state_fraction"):
             v = getattr(self, key)
             if not 0 <= v <= 1:
@@ -369,6 +383,11 @@ def check_run_name(name: str) -> None:
 
 @dataclass
 class RunConfig:
+    """One run's whole config: the top-level keys and one field per section, each with its default.
+
+    :func:`load` builds and validates it from a YAML file, a dict or an example's name; :meth:`to_dict`
+    gives it back as the plain dict written to the run directory's ``config.yaml``."""
+
     name: str = "run"
     seed: int = 0
     rounds: int = 100
@@ -401,6 +420,8 @@ class RunConfig:
     callbacks: list[Section] = field(default_factory=list)
 
     def validate(self) -> None:
+        """Check every top-level key and section (each section's own ``validate``); raise a
+        :class:`ConfigError` naming the first bad key and what it allows."""
         check_run_name(self.name)
         if self.seed < 0:
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed}")
@@ -425,9 +446,11 @@ class RunConfig:
 
     @property
     def num_clients(self) -> int:
+        """The ``num_clients`` option of the partition (0 when it is not set)."""
         return int(self.partition.options.get("num_clients", 0))
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as a plain dict of plain values (what ``config.yaml`` holds and :func:`load` reads back)."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
@@ -563,7 +586,9 @@ def build_dataclass(cls: type, data: dict[str, Any] | None, key: str) -> Any:
 
 
 def check_options(fn: Any, options: dict[str, Any], key: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Check ``options`` against the keyword parameters of callable ``fn`` (names and annotated types)."""
+    """Check ``options`` against the keyword parameters of callable ``fn`` (names and annotated types), leaving
+    out the parameters in ``skip`` (those the caller passes itself); returns the options with their values
+    coerced. A bad one raises a :class:`ConfigError` naming ``key.option`` and what is allowed."""
     sig = inspect.signature(fn)
     params = {
         n: p for n, p in sig.parameters.items() if n not in skip and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
@@ -625,6 +650,9 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split one ``key=value`` override (``"local.lr=0.1"``) into its dotted key path and its value, read
+    as YAML (``1e-3`` a number, ``[1, 2]`` a list, an empty value None). A malformed one raises a
+    :class:`ConfigError` that quotes it."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like key=value (e.g. local.lr=0.1)")
     key, raw = text.split("=", 1)
@@ -719,7 +747,11 @@ def read_yaml_file(source: str | Path) -> Any:
 
 def load(source: str | Path | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
     """Load a config from a YAML file, a bundled example (``"example:demo"``) or plain data, apply
-    overrides, validate."""
+    overrides, validate.
+
+    ``overrides`` are ``key=value`` strings (``"local.lr=0.1"``, :func:`parse_override`) applied on top of
+    the source. Returns the validated :class:`RunConfig`; a missing or unreadable file, bad YAML, an unknown
+    key or a bad value raises one :class:`ConfigError` whose one-line message names the file or key."""
     if isinstance(source, dict):
         data = source
     else:

@@ -9,16 +9,27 @@ from typing import Any
 
 
 class UnknownNameError(KeyError):
+    """A name that no object is registered under; its message names the closest registered name and
+    lists the allowed ones."""
+
     def __str__(self) -> str:  # KeyError quotes its message; show it plainly
         return str(self.args[0])
 
 
 class Registry:
+    """Registered objects of one kind (``algorithm``, ``dataset``, ``model``, ...) by name.
+
+    The built-in ones register when their modules are imported, which a look-up does on demand; a plug-in
+    registers its own with :meth:`register`. ``kind`` names the registry in error messages."""
+
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._items: dict[str, Any] = {}
 
     def register(self, name: str) -> Callable[[Any], Any]:
+        """A decorator that registers the decorated object under ``name`` and returns it unchanged.
+        Registering another object under a taken name raises ValueError."""
+
         def deco(obj: Any) -> Any:
             if name in self._items and self._items[name] is not obj:
                 raise ValueError(f"{self.kind} {name!r} is registered twice")
@@ -28,6 +39,8 @@ class Registry:
         return deco
 
     def get(self, name: str) -> Any:
+        """The object registered under ``name``, importing the built-in modules until it is found; an unknown
+        name raises :class:`UnknownNameError`."""
         _load_builtins(until=lambda: name in self._items)
         if name not in self._items:
             close = difflib.get_close_matches(str(name), self._items, n=1)
@@ -36,6 +49,7 @@ class Registry:
         return self._items[name]
 
     def names(self) -> list[str]:
+        """Every registered name, sorted (all built-in modules imported first)."""
         _load_builtins()
         return sorted(self._items)
 
@@ -44,12 +58,18 @@ class Registry:
         return name in self._items
 
 
+#: The algorithms a config's ``algorithm.name`` selects (each an :class:`~fedweave.algorithms.base.Algorithm`).
 ALGORITHMS = Registry("algorithm")
+#: The datasets of ``dataset.name`` (docs/data.md).
 DATASETS = Registry("dataset")
+#: The model builders of ``model.name`` (docs/models.md).
 MODELS = Registry("model")
+#: The partitioners of ``partition.name`` (docs/partitioning.md).
 PARTITIONERS = Registry("partitioner")
+#: The client samplers of ``sampler.name`` (:mod:`fedweave.topology.samplers`).
 SAMPLERS = Registry("sampler")
-# run callbacks a config names (fedweave.callbacks registers its own at their definition, as plug-ins do)
+#: The run callbacks a config's ``callbacks`` list names (:mod:`fedweave.callbacks` registers its own at their
+#: definition, as plug-ins do).
 CALLBACKS = Registry("callback")
 
 _pending: list[str] | None = None  # the built-in modules not imported yet

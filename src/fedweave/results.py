@@ -81,6 +81,7 @@ _OWNED = (*RUN_OUTPUTS, *RUN_OUTPUT_DIRS, *TEMP_FILES, LOCK, f"{ASIDE}*")
 
 
 def holds_run(path: Path) -> bool:
+    """Whether directory ``path`` holds any of a run's files (config, summary, metrics or checkpoint)."""
     return any((path / f).exists() for f in RUN_FILES)
 
 
@@ -110,7 +111,10 @@ def _overwrite_refusal(path: Path) -> str | None:
 
 
 def check_run_dir(path: Path, *, resume: bool = False, overwrite: bool = False) -> None:
-    """Refuse, before anything is written, a run directory that cannot take this run."""
+    """Refuse, before anything is written, a run directory that cannot take this run: raise a
+    :class:`RunDirError` naming the path when it (or a parent) is a file, or when it already holds a run
+    (unless ``resume``, which continues that run), or, with ``overwrite``, when it holds anything but a
+    run's files (a user's files are never replaced)."""
     for parent in [path, *path.parents]:
         if parent.exists() and not parent.is_dir():
             what = "the run directory" if parent == path else f"a parent of the run directory {str(path)!r}"
@@ -217,6 +221,8 @@ def make_run_dir(path: Path) -> None:
 
 
 def default_run_dir(name: str, seed: int) -> Path:
+    """The run directory of a config without ``output.dir``: ``runs/<name>-s<seed>-<timestamp>``, with
+    ``-1``, ``-2``, ... appended when that exists already (nothing is created)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = Path("runs") / f"{name}-s{seed}-{stamp}"
     path, i = base, 1
@@ -247,17 +253,22 @@ class RunDir:
         self.rows: list[dict[str, Any]] = []
 
     def write_config(self, config: dict[str, Any]) -> None:
+        """Write ``config.yaml`` from the plain config dict (:meth:`fedweave.config.RunConfig.to_dict`)."""
         atomic_write(self.path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
 
     def add_metrics(self, row: dict[str, Any]) -> None:
+        """Append one metrics row and rewrite ``metrics.csv`` and ``metrics.jsonl`` with it."""
         self.rows.append(row)
         self.flush_metrics()
 
     def flush_metrics(self) -> None:
+        """Rewrite ``metrics.csv`` and ``metrics.jsonl`` from ``rows`` (each atomically)."""
         atomic_write(self.path / "metrics.csv", metrics_csv(self.rows))
         atomic_write(self.path / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.rows))
 
     def write_json(self, name: str, data: Any) -> None:
+        """Write ``data`` as indented JSON to the file ``name`` of the run directory (numpy and torch values
+        become plain numbers and lists)."""
         atomic_write(self.path / name, json.dumps(data, indent=2, default=_jsonable) + "\n")
 
 

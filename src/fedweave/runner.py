@@ -47,17 +47,22 @@ log = logging.getLogger("fedweave")
 class Result:
     """What ``fedweave.run`` returns: the run directory, its metric rows and its summary."""
 
-    run_dir: Path
-    metrics: list[dict[str, Any]]
-    summary: dict[str, Any]
+    run_dir: Path  #: the run directory
+    metrics: list[dict[str, Any]]  #: the rows of ``metrics.jsonl``, one per evaluated round
+    summary: dict[str, Any]  #: the content of ``summary.json`` (status, final and best values, bytes, times)
+    #: the trained algorithm (None for a run read back from disk or run in another process)
     algorithm: Algorithm | None = field(default=None, repr=False)
 
     @property
     def final_accuracy(self) -> float | None:
+        """The test accuracy of the last evaluation that reported one (``final_test_accuracy``), or None
+        when none did."""
         return self.summary.get("final_test_accuracy")
 
     @property
     def best_accuracy(self) -> float | None:
+        """The best test accuracy over the evaluated rounds (``best_test_accuracy``), or None when no evaluation
+        reported one."""
         return self.summary.get("best_test_accuracy")
 
 
@@ -96,6 +101,10 @@ def run(
     """Run an experiment described by ``config``; write and return its results. ``objects``: a model
     factory, data or a loss passed from Python in place of the registered ones (see :mod:`fedweave.byo`);
     ``callbacks`` are called after the config's own (:mod:`fedweave.callbacks`).
+
+    ``run_dir`` is where the run writes (default: ``output.dir``, else :func:`~fedweave.results.default_run_dir`);
+    ``progress`` shows or hides the progress bar (None: ``output.progress``); ``resume`` continues the run
+    in ``run_dir`` from its checkpoint (:func:`resume` is the way to ask for it).
 
     A run that meets NaN or Inf, or whose loss explodes, stops with ``status: diverged`` and its results so
     far; then ``on_divergence="raise"`` raises :class:`DivergenceError`, ``"return"`` returns the Result (a

@@ -25,7 +25,9 @@ from torch import nn
 
 from fedweave.registry import Registry
 
+#: The losses a config's ``task.loss`` names (each a :class:`Loss` subclass).
 LOSSES = Registry("loss")
+#: The metrics of ``task.metrics`` (each a :class:`Metric` subclass).
 METRICS = Registry("metric")
 
 
@@ -37,6 +39,8 @@ class Loss:
     targets = "float"  # "class" (int64 class indices) or "float" (same shape as the model's output)
 
     def per_sample(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of each row of a batch, shape ``(B,)``, from the model's output ``out`` and the targets
+        ``y`` (class indices or values shaped like ``out``, as :attr:`Loss.targets` says)."""
         raise NotImplementedError
 
     def __call__(self, out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,9 +153,11 @@ class Metric:
     keys: dict[str, str] = {}
 
     def update(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        """Add one batch: the model's output ``out`` and its targets ``y``."""
         raise NotImplementedError
 
     def result(self) -> dict[str, float]:
+        """The metric's values over the batches added so far, by name (at least those of :attr:`keys`)."""
         raise NotImplementedError
 
 
@@ -178,11 +184,15 @@ class Accuracy(Metric):
 
 @METRICS.register("top3")
 class Top3(Accuracy):
+    """Share of rows whose true class is among the 3 largest outputs (``top3``)."""
+
     k, keys = 3, {"top3": "max"}
 
 
 @METRICS.register("top5")
 class Top5(Accuracy):
+    """Share of rows whose true class is among the 5 largest outputs (``top5``)."""
+
     k, keys = 5, {"top5": "max"}
 
 
@@ -216,16 +226,22 @@ class _Errors(Metric):
 
 @METRICS.register("mse")
 class MeanSquaredError(_Errors):
+    """Mean squared error over every output value (``mse``)."""
+
     keys = {"mse": "min"}
 
 
 @METRICS.register("rmse")
 class RootMeanSquaredError(_Errors):
+    """Square root of the mean squared error (``rmse``)."""
+
     keys = {"rmse": "min"}
 
 
 @METRICS.register("mae")
 class MeanAbsoluteError(_Errors):
+    """Mean absolute error over every output value (``mae``)."""
+
     keys = {"mae": "min"}
 
 
@@ -326,9 +342,12 @@ class Task:
         return f"test_{self.main}"
 
     def new_metrics(self) -> list[Metric]:
+        """Fresh metric objects, one per name of :attr:`metrics`, for one evaluation."""
         return [METRICS.get(m)() for m in self.metrics]
 
     def better(self, a: float, b: float) -> bool:
+        """Whether main-metric value ``a`` is strictly better than ``b`` (higher or lower, as
+        :attr:`direction` says)."""
         return a > b if self.direction == "max" else a < b
 
 

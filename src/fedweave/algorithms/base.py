@@ -133,7 +133,12 @@ TARGET_BINS = 10  # quantile bins that stand for classes where float targets nee
 
 
 class RunContext:
-    """The pieces of a run, built lazily from the config so that a family uses only what it needs."""
+    """The pieces of a run, built lazily from the config so that a family uses only what it needs.
+
+    ``config`` is the validated :class:`~fedweave.config.RunConfig`; ``objects`` a model factory, dataset or
+    loss passed to :func:`fedweave.run` from Python (none by default). The seeds, the ledger and the
+    placement (device, dtype, autocast) are made at once; the dataset, partition, task and model on first use.
+    """
 
     def __init__(self, config: RunConfig, objects: RunObjects | None = None) -> None:
         self.config = config
@@ -281,6 +286,7 @@ class RunContext:
 
     @property
     def num_clients(self) -> int:
+        """The number of clients: the parts of :attr:`partition`."""
         return len(self.partition)
 
     def personal_test_parts(self, per_client: int | None = None) -> list[np.ndarray]:
@@ -333,18 +339,28 @@ class RunContext:
 
     @cached_property
     def model(self) -> nn.Module:
+        """The run's model, built once by :meth:`build_model` on first use and then shared."""
         return self.build_model()
 
 
 class Algorithm(ABC):
-    """Base class of every registered algorithm."""
+    """Base class of every registered algorithm.
 
+    ``ctx`` is the run's :class:`RunContext` (config, seeds, ledger, data, model, placement), ``hp`` the
+    algorithm's hyper-parameters: an instance of :attr:`Hparams` built from the config's ``algorithm``
+    options. A subclass implements :meth:`run_round` and :meth:`evaluate`, and registers itself with
+    ``@ALGORITHMS.register(name)`` (:data:`fedweave.registry.ALGORITHMS`).
+    """
+
+    #: The registered name (``algorithm.name``).
     name: ClassVar[str] = ""
+    #: The topology family: ``centralized``, ``decentralized``, ``split``, ``hierarchical`` or ``confederated``.
     family: ClassVar[str] = ""
+    #: The dataclass of the hyper-parameters, filled from the ``algorithm`` section's options.
     Hparams: ClassVar[type] = NoHparams
-    # Injected faults (fedweave.faults) this class's run_round handles; the runner refuses the others.
+    #: Injected faults (fedweave.faults) this class's run_round handles; the runner refuses the others.
     handles_faults: ClassVar[tuple[str, ...]] = ()
-    # Why the family trains only its own task (None: it trains any task of fedweave.tasks)
+    #: Why the family trains only its own task (None: it trains any task of fedweave.tasks).
     fixed_task: ClassVar[str | None] = None
     # The column a run's plots show when the task's main metric is not among its rows (a fixed task's own)
     plot_metric: ClassVar[str] = "test_loss"
@@ -355,14 +371,17 @@ class Algorithm(ABC):
 
     @property
     def config(self) -> RunConfig:
+        """The run's validated config (``ctx.config``)."""
         return self.ctx.config
 
     @property
     def seeds(self) -> Seeds:
+        """The run's named random streams (``ctx.seeds``): every draw of the algorithm comes from one of them."""
         return self.ctx.seeds
 
     @property
     def ledger(self) -> Ledger:
+        """The run's communication and storage ledger (``ctx.ledger``), where every transfer is recorded."""
         return self.ctx.ledger
 
     # ---- injected faults (docs/reliability.md): the server side of the star, hierarchical and split

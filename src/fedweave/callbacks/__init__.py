@@ -2,15 +2,13 @@
 
 The runner is a short loop: train a round, evaluate it when due, record the row. Everything else (the
 progress bar, the divergence guard, checkpoints, the partition report, plots, trackers, stopping at a target
-or a budget, the deployment's preparation) is a :class:`Callback`, and your own callbacks use the same hooks:
+or a budget, the deployment's preparation) is a :class:`Callback`, and your own callbacks use the same hooks::
 
-```python
-class PrintBest(fedweave.Callback):
-    def on_row(self, run, row):
-        print(row["round"], row.get("test_accuracy"))
+    class PrintBest(fedweave.Callback):
+        def on_row(self, run, row):
+            print(row["round"], row.get("test_accuracy"))
 
-fedweave.run("configs/demo.yaml", callbacks=[PrintBest(), fedweave.callbacks.StopAtTarget("test_accuracy", 0.9)])
-```
+    fedweave.run("configs/demo.yaml", callbacks=[PrintBest(), fedweave.callbacks.StopAtTarget("test_accuracy", 0.9)])
 
 Hooks are called in list order, the built-in callbacks first. Within one round they come in this order:
 ``after_training`` (the round's training metrics), then, in a round that is evaluated, ``on_evaluation``
@@ -43,17 +41,18 @@ class RunState:
     algo: Algorithm
     resumed: bool = False
     out: RunDir | None = None
-    start_round: int = 0  # the first round this process runs (0, or the checkpoint's next round)
-    t0: float = 0.0  # time.perf_counter() at round 0: the wall clock continues across a resume
-    cpu0: float = 0.0  # fedweave.memory.cpu_seconds() at round 0, likewise
-    skipped: list[int] = field(default_factory=list)  # rounds in which no client reported (1-based)
-    last_checkpoint: int | None = None  # the round the checkpoint on disk holds
-    final_round: int | None = None  # set when the run ends early: the last round it ran (0-based)
+    start_round: int = 0  #: the first round this process runs (0, or the checkpoint's next round)
+    t0: float = 0.0  #: time.perf_counter() at round 0: the wall clock continues across a resume
+    cpu0: float = 0.0  #: fedweave.memory.cpu_seconds() at round 0, likewise
+    skipped: list[int] = field(default_factory=list)  #: rounds in which no client reported (1-based)
+    last_checkpoint: int | None = None  #: the round the checkpoint on disk holds
+    final_round: int | None = None  #: set when the run ends early: the last round it ran (0-based)
     stop_reason: str | None = None
-    callbacks: CallbackList | None = None  # every callback of the run, to announce events (on_checkpoint)
+    callbacks: CallbackList | None = None  #: every callback of the run, to announce events (on_checkpoint)
 
     @property
     def path(self) -> Path:
+        """The run directory (from :meth:`Callback.on_start` on)."""
         assert self.out is not None, "the run directory exists from on_start on"
         return self.out.path
 

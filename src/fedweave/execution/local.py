@@ -40,6 +40,12 @@ class LocalRule:
     """The plain local SGD rule: the direction is the stochastic gradient. Subclass to change it."""
 
     def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
+        """The step direction at parameters ``w``: ``grad(w)``, the stochastic gradient of the step's batch.
+
+        ``jobs``: the position in the call of the job ``w`` belongs to (an int on the loop backend), or of each
+        row of ``w`` (a tensor, when jobs are batched), so that a subclass can index per-job tensors (SCAFFOLD's
+        control variates). The trainer's optimizer step (:meth:`LocalTrainer.sgd_update`) follows it, then
+        :meth:`project`."""
         return grad(w)
 
     def project(self, w: torch.Tensor, jobs: int | torch.Tensor) -> torch.Tensor:
@@ -94,9 +100,9 @@ def reindexed(rule: LocalRule, positions: Sequence[int] | torch.Tensor) -> Local
 class LocalResult:
     """What a call returns, on the trainer's device."""
 
-    params: torch.Tensor  # (K, P) final local parameters
-    steps: torch.Tensor  # (K,) local steps taken
-    loss: torch.Tensor  # (K,) mean training loss over the steps
+    params: torch.Tensor  #: (K, P) final local parameters
+    steps: torch.Tensor  #: (K,) local steps taken
+    loss: torch.Tensor  #: (K,) mean training loss over the steps
 
 
 def summed_losses(losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -119,7 +125,7 @@ class ClientStep:
     attributes are what the server sends (tensors shared by the call's jobs, and scalars).
     """
 
-    state: tuple[str, ...] = ()  # the per-client state rows, each of the model's size, zero at the start
+    state: tuple[str, ...] = ()  #: the per-client state rows, each of the model's size, zero at the start
 
     def rule(self, state: dict[str, torch.Tensor]) -> LocalRule:
         """The local rule of jobs whose state rows are ``state[name]`` (shape ``(K, P)``)."""
@@ -151,7 +157,16 @@ class Batches:
 class LocalTrainer:
     """Runs local SGD for batches of jobs on the ``loop``, ``vmap``, ``ray`` or ``pool`` backend, on the
     device of its ``placement`` (the model must already be there): the training data are placed once
-    (:meth:`Placement.data`), batches are gathered by index where the data live."""
+    (:meth:`Placement.data`), batches are gathered by index where the data live.
+
+    ``model`` is the template the flat parameter vectors are loaded into; ``train_x``/``train_y`` the
+    training set and ``parts`` each client's indices into it; ``local`` the ``local`` config section (steps,
+    batch size, learning rate and its schedule, momentum, weight decay, clipping) and ``seeds`` the run's
+    streams (batches and augmentation are drawn from them). ``augment`` transforms a batch, ``vmap_chunk``
+    caps the jobs the vmap backend batches at once (default: what the placement's memory allows),
+    ``rounds`` is the run's length (the cosine schedule), ``ray`` the Ray backend's cluster, ``loss_fn`` the
+    task's loss. :func:`fedweave.algorithms.base.make_trainer` builds a run's trainer from its context.
+    """
 
     def __init__(
         self,
@@ -205,6 +220,9 @@ class LocalTrainer:
 
     # ---- batch plan ------------------------------------------------------------------------------
     def num_steps(self, client: int, steps: int | None = None) -> int:
+        """The local steps ``client`` takes in a round: ``steps`` when given, else ``local.steps``, else
+        ``local.epochs`` passes over its data in batches of ``local.batch_size`` (one step per epoch with
+        ``local.full_batch``)."""
         if steps is not None:
             return steps
         if self.local.steps is not None:
@@ -240,6 +258,9 @@ class LocalTrainer:
         return list(flat[: fixed * bs].split(bs))
 
     def plan(self, clients: Sequence[int], round: int, key: tuple[int, ...], steps: int | None) -> Batches:
+        """The batch plan of one call: the local batches of each of ``clients`` in ``round`` (drawn from the
+        ``batches`` stream of the round, client and ``key``), padded to the longest job, as index and mask
+        tensors of shape ``(T, K, B)``."""
         per_job = [self.client_batches(int(c), round, key, steps) for c in clients]
         T = max((len(b) for b in per_job), default=0)
         K, B = len(per_job), self.local.batch_size

@@ -18,7 +18,12 @@ from fedweave.execution.placement import CPU, Placement
 
 
 class StateStore:
-    """Named tensors of shape ``(num_clients, *shape)``; rows are indexed by client id."""
+    """Named tensors of shape ``(num_clients, *shape)``; rows are indexed by client id.
+
+    ``dtype`` is the default dtype of the states made here (the placement's: the run's precision);
+    ``placement`` says which device a state goes to when it fits; ``mmap_dir`` is where a state created
+    with ``mmap=True`` is kept as a memory-mapped ``.npy`` file.
+    """
 
     def __init__(
         self,
@@ -91,13 +96,17 @@ class StateStore:
         t[idx] = value.to(t.device)
 
     def nbytes(self, name: str | None = None) -> int:
+        """The bytes held by state ``name``, or by every state when ``name`` is None."""
         names = [name] if name else list(self._tensors)
         return sum(self._tensors[n].numel() * self._tensors[n].element_size() for n in names)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """A copy of every state tensor by name (for a checkpoint)."""
         return {k: v.clone() for k, v in self._tensors.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore the states of :meth:`state_dict`: copied into the existing tensors, a state not created yet
+        is placed on the store's device."""
         for k, v in state.items():
             if k in self._tensors:
                 self._tensors[k].copy_(v)

@@ -19,10 +19,10 @@ from fedweave.results import atomic_write, read_metrics
 class SweepResult:
     """What ``fedweave.sweep`` returns: one record per run, one per point (over seeds), the best point."""
 
-    out_dir: Path
-    records: list[dict[str, Any]]
-    summary: list[dict[str, Any]]
-    best: int | None
+    out_dir: Path  #: the sweep's directory (``out``)
+    records: list[dict[str, Any]]  #: one per run: its point, values, seed, status, final and best metric, bytes
+    summary: list[dict[str, Any]]  #: one per point: the metric's mean and std over the seeds, ``best`` marked
+    best: int | None  #: the index in ``summary`` of the best point (None when no point completed)
 
     def table(self) -> str:
         """The summary as a markdown table, the best point in bold."""
@@ -46,7 +46,14 @@ def sweep(
     """Run ``config`` over the ``grid`` (product), ``zipped`` keys (together) and ``seeds`` seeds into ``out``.
     Runs already finished there are reused and killed ones resume, so re-running a sweep continues it.
     ``metric``: the column to tabulate (default: the task's main metric, ``test_accuracy`` for classification);
-    best values, the best point and ``target`` follow its direction (lower is better for a loss or an error)."""
+    best values, the best point and ``target`` follow its direction (lower is better for a loss or an error).
+
+    ``overrides`` (``key=value`` strings) apply to every point's config; ``workers`` processes run at once,
+    or with ``ray_address`` the runs are Ray tasks on that cluster (:func:`~fedweave.experiments.jobs.run_points`);
+    ``progress`` shows a bar. ``target`` adds the rounds and bytes each run took to reach it. Writes
+    ``sweep.json`` (the spec), ``runs/<point>``, ``sweep.csv`` (a row per run), ``summary.csv`` and
+    ``summary.md`` (a row per point: mean and std over seeds) and the plots into ``out``, and returns them as
+    a :class:`SweepResult`."""
     from fedweave.tasks import column_direction
 
     check_workers(workers)  # like the grid, before anything is written

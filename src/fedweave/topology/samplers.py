@@ -1,7 +1,7 @@
 """Who takes part in a round (DESIGN principle 11): registered, pluggable client samplers.
 
 Every server-based topology (star, hierarchical, split) asks the run's sampler for round ``r``'s clients;
-algorithms never draw clients themselves. A sampler is a function
+algorithms never draw clients themselves. A sampler is a function::
 
     sampler(num_clients, per_round, r, rng, *, rounds, **options) -> sorted client ids
 

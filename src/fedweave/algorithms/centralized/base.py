@@ -158,6 +158,7 @@ class StarAlgorithm(Algorithm):
 
     @property
     def num_params(self) -> int:
+        """The number of the global model's parameters (the length of its flat vector)."""
         return self.layout.numel
 
     # ---- the round template ----------------------------------------------------------------------
@@ -224,6 +225,7 @@ class StarAlgorithm(Algorithm):
         round's reporting clients and what they sent)."""
 
     def sample_clients(self, r: int) -> np.ndarray:
+        """The sorted ids of round ``r``'s clients, from the run's sampler (the ``sampler`` section)."""
         return self.sampler(r)
 
     def client_work(self, clients: np.ndarray) -> np.ndarray:

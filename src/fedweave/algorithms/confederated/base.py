@@ -111,6 +111,15 @@ def _problem(ctx: RunContext, hp: ConfederatedHparams, rng: np.random.Generator)
 
 
 class ConfederatedAlgorithm(Algorithm):
+    """Base of the confederated family: edge servers on a graph, each with its own users, solving the
+    paper's regularized logistic regression (eq. 48) together.
+
+    The skeleton holds the server models ``X``, the trackers ``Y`` and the gradient estimates ``G`` (each
+    (N, d), float64), the mixing matrix and the problem with its solution ``x_star``; it decides each round's
+    faults, mixes, records every exchange, broadcast and upload in the ledger, and checkpoints ``X``, ``Y``,
+    ``G``, the iteration count and the uploads (plus a subclass's ``_state``). A method implements
+    :meth:`estimate`."""
+
     family = "confederated"
     fixed_task = "solves its paper's regularized logistic regression, eq. (48) (docs/algorithms/confederated.md)"
     plot_metric = "opt_gap"  # the paper's figures: the optimality gap against iterations and uploads
@@ -230,6 +239,8 @@ class ConfederatedAlgorithm(Algorithm):
         return torch.from_numpy(np.stack(rows).astype(np.int64)).to(self.device)
 
     def upload(self, r: int, kind: str, count: int) -> None:
+        """``count`` users each upload one d-vector to their server in round ``r`` (counted in ``uploads``,
+        the paper's metric, and recorded in the ledger as ``kind``)."""
         self.uploads += int(count)
         self.net.upload(r, kind, int(count), self.vector_bytes)
 

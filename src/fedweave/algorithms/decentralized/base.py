@@ -94,7 +94,14 @@ def with_local(trainer: LocalTrainer, **changes: Any) -> LocalTrainer:
 
 # ------------------------------------------------------------------------------------------ algorithm
 class GraphAlgorithm(Algorithm):
-    """Base of DFL methods: graph, per-client models ``W`` (N, P), neighbour sampling, ledger, evaluation."""
+    """Base of DFL methods: graph, per-client models ``W`` (N, P), neighbour sampling, ledger, evaluation.
+
+    Built from the run's context and the family's :class:`GraphHparams`: the peer graph (``topology``), a
+    local trainer for every client at once, and the clients' model table in a :class:`StateStore`. A method
+    writes :meth:`~fedweave.algorithms.base.Algorithm.run_round` with the helpers here: the clients that are
+    up and the peers they reach under injected faults, peer messages in the ledger, and the evaluation of
+    every client's own model.
+    """
 
     family = "decentralized"
     Hparams = GraphHparams
@@ -159,6 +166,7 @@ class GraphAlgorithm(Algorithm):
         return self._up[1]
 
     def is_up(self, r: int, i: int) -> bool:
+        """Whether client ``i`` takes part in round ``r``: always without faults, else as :meth:`up` says."""
         return not self.faulty or bool(self.up(r)[i])
 
     def reachable(self, r: int, i: int, peers: np.ndarray) -> np.ndarray:

@@ -330,10 +330,12 @@ class HierarchicalAlgorithm(Algorithm):
 
     @property
     def dim(self) -> int:
+        """The number of model parameters (the length of the flat vector ``x``)."""
         return self.layout.numel
 
     @property
     def backend(self) -> str:
+        """The execution backend the clients' local steps run on (``loop``, ``vmap``, ``pool`` or ``ray``)."""
         return self.trainer.backend
 
     def sample_clients(self, r: int) -> np.ndarray:
@@ -341,9 +343,12 @@ class HierarchicalAlgorithm(Algorithm):
         return self.sampler(r)
 
     def steps(self, r: int) -> int:
+        """The local steps of round ``r``: H_r = floor(tau (r+1)^q), at least 1 (``local_steps``)."""
         return local_steps(self.hp.tau, r, self.hp.steps_power)
 
     def local_lr(self) -> LR:
+        """The clients' step size: ``local.lr``, or the schedule ``local.lr / (t + local_offset)`` when the
+        algorithm's ``local_schedule`` is ``decaying``."""
         lr = self.config.local.lr
         return decaying(lr, self.hp.local_offset) if self.hp.local_schedule == "decaying" else lr
 
@@ -474,13 +479,19 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
         return np.append(clients, self.server_job) if self.hp.server_data == "client" else clients
 
     def round_steps(self, r: int) -> int:
+        """The local steps of each job in round ``r``: ``steps_factor`` times H_r
+        (:meth:`~HierarchicalAlgorithm.steps`)."""
         return self.hp.steps_factor * self.steps(r)
 
     def step_sizes_sum(self, r: int) -> float:
+        """The sum of the local step sizes over round ``r``'s local steps (under
+        :meth:`~HierarchicalAlgorithm.local_lr`)."""
         lr, H = self.local_lr(), self.round_steps(r)
         return sum(self.trainer.step_lr(lr, t) for t in range(H))
 
     def counters(self, r: int, jobs: np.ndarray) -> dict[str, float]:
+        """The round's step counters: ``local_steps`` (per job) and ``client_sgd_steps`` (over the round's
+        ``jobs``)."""
         H = self.round_steps(r)
         return {"local_steps": float(H), "client_sgd_steps": float(H * len(jobs))}
 

@@ -274,6 +274,8 @@ class SplitAlgorithm(Algorithm):
     # ---- sizes ---------------------------------------------------------------------------------------
     @property
     def split_sizes(self) -> accounting.SplitSizes:
+        """The parameter counts of the client-side, server-side and auxiliary parts and the smashed floats per
+        sample (:class:`fedweave.accounting.split.SplitSizes`)."""
         return accounting.SplitSizes(self.lc.numel, self.ls.numel, self.la.numel, self.parts.smashed_floats)
 
     # ---- injected faults (docs/reliability.md) ------------------------------------------------------
@@ -411,6 +413,8 @@ class SplitAlgorithm(Algorithm):
         self.ledger.record(r, "server", "client", "gradient", nbytes(grad))
 
     def hold_server_models(self, copies: int) -> None:
+        """The main server keeps ``copies`` server-side models (one, or one per client): recorded as its
+        storage in the ledger and as ``server_copies`` in the round's metrics."""
         self.server_copies = copies
         self.ledger.store("server", "server_models", copies * self.ls.numel * self.ctx.float_bytes)
 
@@ -458,6 +462,8 @@ class SplitAlgorithm(Algorithm):
         return loss.detach(), (a.grad if want_grad else None)
 
     def smashed(self, x: torch.Tensor) -> torch.Tensor:
+        """The smashed data of batch ``x``: the loaded client-side model's output, without gradients (in the
+        run's autocast)."""
         with torch.no_grad(), self.placement.autocast():
             return self.client(x)
 
@@ -555,6 +561,8 @@ class SplitAlgorithm(Algorithm):
 
     # ---- loading rows into the templates -------------------------------------------------------------
     def load_client(self, xc: torch.Tensor, xa: torch.Tensor | None = None) -> None:
+        """Load the flat client-side weights ``xc`` (and the auxiliary net's ``xa``, if given) into the
+        templates that :meth:`local_step` and :meth:`smashed` run."""
         self._holder = None
         self.lc.load_(xc)
         if xa is not None:
@@ -571,6 +579,10 @@ class SplitAlgorithm(Algorithm):
     def round_metrics(
         self, r: int, n: int, steps: int, losses: list[torch.Tensor], server_losses: list[torch.Tensor]
     ) -> dict:
+        """The metrics of a round that ran ``steps`` server steps for ``n`` clients: the mean of its local
+        ``losses`` (``train_loss``) and ``server_losses`` (``server_loss``), the server copies, the smashed uploads
+        per client, and Table V's load in bytes and storage in parameters (all, and with a running-sum
+        aggregation)."""
         # the round's losses come to the host once (one float per step, as they were computed)
         losses, server_losses = host_floats(losses), host_floats(server_losses)
         led = self.ledger
