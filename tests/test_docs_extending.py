@@ -4,6 +4,8 @@ directory, so that the run directories they name land there)."""
 from __future__ import annotations
 
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -22,5 +24,8 @@ def test_the_page_has_examples():
 
 @pytest.mark.parametrize("code", EXAMPLES, ids=[f"example-{i}" for i in range(len(EXAMPLES))])
 def test_an_example_runs_as_written(code, tmp_path, monkeypatch):
+    """Run as a module of its own (dataclasses look their module up), without this file's __future__ flags."""
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, str(PAGE), "exec"), {"__name__": "extending_example"})
+    module = types.ModuleType(f"extending_example_{EXAMPLES.index(code)}")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(compile(code, str(PAGE), "exec", dont_inherit=True), module.__dict__)
