@@ -23,7 +23,7 @@ from fedweave.algorithms.centralized.scaffold import ScaffoldRule
 from fedweave.algorithms.hierarchical.base import BallProjection, BoxProjection, LowerLevelRule, decaying
 from fedweave.config import LocalConfig, load
 from fedweave.deploy.jobs import MalformedJobError, UnknownRuleError, decode_job, encode_header, encode_job
-from fedweave.execution.local import PLAIN, LocalRule, reindexed
+from fedweave.execution.local import PLAIN, LocalCall, LocalRule, reindexed
 
 K, P = 3, 5
 g = torch.Generator().manual_seed(0)
@@ -83,7 +83,11 @@ def test_unknown_rule_is_refused_with_the_known_names():
     header, tensors = encode_job(start=VEC, client=0, round=0, rule=PLAIN, k=0, jobs=1, lr=0.1, steps=1, key=(),
                                  local=LocalConfig(steps=1))  # fmt: skip
     header["rule"] = "os.system"
-    with pytest.raises(UnknownRuleError, match="unknown local rule 'os.system'; this node knows: plain, scaffold"):
+    with pytest.raises(
+        UnknownRuleError,
+        match="unknown local rule 'os.system'; this node knows: fedcm, feddyn, fedmim, fedprox, fedsam, lower_level, "
+        "plain, scaffold",
+    ):
         decode_job(encode_header(header), tensors)
 
 
@@ -124,7 +128,7 @@ def test_a_projection_travels_as_data_and_a_tensor_equal_to_the_start_travels_on
     job = decode_job(encode_header(header), tensors)
     assert torch.equal(job.rule.anchors, -VEC[None]) and isinstance(job.rule.projection, BoxProjection)
     header["rule_scalars"]["projection"]["part"] = "sphere"
-    with pytest.raises(UnknownRuleError, match="unknown part 'sphere'; this node knows: projection, ball, box"):
+    with pytest.raises(UnknownRuleError, match="unknown part 'sphere'; this node knows: ball, box, projection"):
         decode_job(encode_header(header), tensors)
 
 
@@ -241,7 +245,9 @@ def test_a_step_job_carries_the_servers_tensors_and_the_state_version_not_the_st
     assert sorted(tensors) == ["start", "step.c_global"]
     assert header["step"] == "scaffold" and header["state_round"] == 3 and header["step_scalars"] == {"lr": 0.1}
     header["step"] = "homemade"
-    with pytest.raises(UnknownRuleError, match="unknown client step 'homemade'; this node knows: scaffold, feddyn"):
+    with pytest.raises(
+        UnknownRuleError, match="unknown client step 'homemade'; this node knows: feddyn, hier_scaffold, scaffold"
+    ):
         decode_job(encode_header(header), tensors)
 
 
@@ -301,8 +307,8 @@ def test_a_node_trains_on_its_own_data_file_as_the_simulation_does(tmp_path, toy
     (path,) = export_clients(cfg, tmp_path, [4])
     node = _trainer(json.dumps(cfg.to_dict()), str(path), 4, ds.num_classes)
     x = sim.layout.flatten()
-    want = loop.run(sim, x[None], [4], 2, PLAIN, 0.1, None, (1,))
-    got = loop.run(node, x[None], [4], 2, PLAIN, 0.1, None, (1,))
+    call = LocalCall(x[None], [4], 2, PLAIN, 0.1, None, (1,))
+    want, got = loop.run(sim, call), loop.run(node, call)
     torch.testing.assert_close(got.params, want.params)
     assert got.loss.item() == pytest.approx(want.loss.item())
 

@@ -32,8 +32,8 @@ from fedweave.deploy.jobs import Job, MalformedJobError, UnknownRuleError, check
 from fedweave.deploy.node_data import NodeDataError, load_node_data, own_parts, trial_parts, write_samples
 from fedweave.deploy.node_state import NodeState, StateMissingError
 from fedweave.deploy.wire import from_records, to_records
-from fedweave.execution import loop
-from fedweave.execution.local import LocalResult, LocalTrainer
+from fedweave.execution.job import LocalResult, backend_run
+from fedweave.execution.local import LocalTrainer
 from fedweave.execution.placement import move_tensors
 
 # Error codes of the replies (Flower reserves codes below 100 for itself)
@@ -196,7 +196,7 @@ def _split_job(msg: Message, context: Context, h: dict, tensors: dict[str, torch
 
 
 def _run(tr: LocalTrainer, job: Job, rule) -> LocalResult:
-    return loop.run(tr, job.start, [job.client], job.round, rule, job.lr, job.steps, job.key)
+    return backend_run("loop")(tr, job.call(rule))
 
 
 def _run_step(tr: LocalTrainer, job: Job, store: NodeState) -> tuple[LocalResult, dict[str, torch.Tensor]]:

@@ -34,7 +34,8 @@ from fedweave.deploy.jobs import encode_job
 from fedweave.deploy.node_state import INITIAL
 from fedweave.deploy.wire import from_records, payload_bytes, pushed_bytes, to_records, tree_bytes, wire_bytes
 from fedweave.errors import RunStopped
-from fedweave.execution.local import LR, ClientStep, LocalResult, LocalRule, LocalTrainer, reindexed
+from fedweave.execution.job import LR, ClientStep, LocalCall, LocalResult, reindexed
+from fedweave.execution.local import LocalTrainer
 from fedweave.execution.state import StateStore
 from fedweave.results import atomic_write
 
@@ -398,17 +399,11 @@ class FlowerTrainer(LocalTrainer):
         remote = [k for k, c in enumerate(clients) if c not in self.server_jobs]
         return remote, [k for k, c in enumerate(clients) if c in self.server_jobs]
 
-    def run_jobs(
-        self,
-        starts: torch.Tensor,
-        clients: list[int],
-        round: int,
-        rule: LocalRule,
-        lr: LR,
-        steps: int | None,
-        key: tuple[int, ...],
-    ) -> LocalResult:
+    def run_jobs(self, call: LocalCall) -> LocalResult:
         """The call's jobs as one Message each to the SuperNode holding that client's data."""
+        starts, clients, round, rule, lr, steps, key = (
+            call.starts, call.clients, call.round, call.rule, call.lr, call.steps, call.key
+        )  # fmt: skip
         remote, here = self._split(clients)
         parts = []
         if remote:
@@ -419,7 +414,8 @@ class FlowerTrainer(LocalTrainer):
             parts.append((remote, _result(params, [json.loads(h) for h, _ in out])))
         if here:
             own = [clients[k] for k in here]
-            parts.append((here, self.here.run_jobs(starts[here], own, round, reindexed(rule, here), lr, steps, key)))
+            own_call = LocalCall(starts[here], own, round, reindexed(rule, here), lr, steps, key)
+            parts.append((here, self.here.run_jobs(own_call)))
         return _merged(parts, len(clients))
 
     def train_with_state(
