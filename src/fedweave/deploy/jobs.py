@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fedweave.config import ConfigError, LocalConfig, build_dataclass, coerce
-from fedweave.execution.job import LR, ClientStep, LocalCall, LocalRule, Reindexed
+from fedweave.execution.job import LR, PLAIN, ClientStep, LocalCall, LocalRule, Reindexed
 from fedweave.registry import CLIENT_STEPS, LR_SCHEDULES, RULE_PARTS, RULES, Registry
 
 # The rules, client steps, the objects a rule holds (a projection) and local learning-rate schedules a node
@@ -155,24 +155,19 @@ def _job_step(step: ClientStep) -> tuple[str, dict[str, Any], dict[str, torch.Te
 
 
 def encode_job(
-    *,
-    start: torch.Tensor,
-    client: int,
-    round: int,
+    call: LocalCall,
     k: int,
-    jobs: int,
-    lr: LR,
-    steps: int | None,
-    key: tuple[int, ...],
+    *,
     local: LocalConfig,
-    rule: LocalRule | None = None,
     step: ClientStep | None = None,
     state_round: int = -1,
     num_classes: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Job ``k`` of a call of ``jobs`` jobs, with its ``rule`` or its client ``step``, as ``(header, tensors)``."""
-    if (rule is None) == (step is None):
-        raise ValueError("a job has either a local rule or a client step")
+    """Job ``k`` of ``call`` as ``(header, tensors)``: its start row, client, batch plan and learning rate,
+    and the call's rule (its per-job tensors as row ``k``) or, for a stateful algorithm, the client ``step``
+    in its place (the call's rule is then unused)."""
+    start, client, round, lr, steps, key = call.starts[k], call.clients[k], call.round, call.lr, call.steps, call.key
+    rule = call.rule if step is None else None
     header: dict[str, Any] = {
         "client": int(client),
         "round": int(round),
@@ -184,7 +179,7 @@ def encode_job(
     }
     tensors = {"start": start.detach().reshape(1, -1).contiguous()}
     if rule is not None:
-        name, scalars, extra = _job_rule(rule, k, jobs)
+        name, scalars, extra = _job_rule(rule, k, len(call))
         header.update(rule=name, rule_scalars=scalars)
         tensors.update({f"rule.{a}": t for a, t in extra.items()})
     else:
@@ -206,24 +201,24 @@ def _is(t: torch.Tensor, start: torch.Tensor) -> bool:
 
 @dataclasses.dataclass
 class Job:
-    """A job as the node rebuilds it: one client's local-training call and, for a stateful algorithm, its
-    client step and the state version to start from."""
+    """A job as the node rebuilds it: one client's local-training call (one job, from its start row) with
+    the settings it runs under and, for a stateful algorithm, its client step and the state version to start
+    from (the call's rule is then the plain one, replaced by the step's rule over the client's state)."""
 
-    client: int
-    round: int
-    lr: LR
-    steps: int | None
-    key: tuple[int, ...]
+    call: LocalCall
     local: LocalConfig
-    start: torch.Tensor  # (1, P)
-    rule: LocalRule | None = None
     step: ClientStep | None = None
     state_round: int = -1  # the round of the client state version the server accepted (-1: initial)
     num_classes: int | None = None
 
-    def call(self, rule: LocalRule) -> LocalCall:
-        """The one-job :class:`LocalCall` this job runs with ``rule`` (its own, or its step's)."""
-        return LocalCall(self.start, [self.client], self.round, rule, self.lr, self.steps, self.key)
+    @property
+    def client(self) -> int:
+        return self.call.clients[0]
+
+    @property
+    def start(self) -> torch.Tensor:
+        """The start row, ``(1, P)``."""
+        return self.call.starts
 
 
 def _rebuild(registry: Registry, what: str, name: Any, scalars: dict, tensors: dict[str, torch.Tensor]):
@@ -245,21 +240,24 @@ def decode_job(header_json: str, tensors: dict[str, torch.Tensor]) -> Job:
             tensors = {**tensors, name: tensors["start"].reshape(shape).clone()}
         if "step" in h:
             step = _rebuild(CLIENT_STEPS, "client step", h["step"], h["step_scalars"], tensors)
-            rule, state_round = None, whole(h, "state_round", -1)  # -1: the client's initial state
+            rule, state_round = PLAIN, whole(h, "state_round", -1)  # -1: the client's initial state
         else:
             rule = _rebuild(RULES, "local rule", h["rule"], h["rule_scalars"], tensors)
             step, state_round = None, -1
         local = build_dataclass(LocalConfig, h["local"], "local")
         local.validate()
-        return Job(
-            client=whole(h, "client", 0),
+        call = LocalCall(
+            starts=tensors["start"],
+            clients=[whole(h, "client", 0)],
             round=whole(h, "round", 0),
+            rule=rule,
             lr=decode_lr(h["lr"]),
             steps=whole(h, "steps", 0, optional=True),
             key=tuple(coerce(h["key"], tuple[int, ...], "key")),
+        )
+        return Job(
+            call=call,
             local=local,
-            start=tensors["start"],
-            rule=rule,
             step=step,
             state_round=state_round,
             num_classes=whole(h, "num_classes", 1, optional=True),
