@@ -24,6 +24,7 @@ from fedweave.algorithms.hierarchical.base import BallProjection, BoxProjection,
 from fedweave.config import LocalConfig, load
 from fedweave.deploy.jobs import MalformedJobError, UnknownRuleError, decode_job, encode_header, encode_job
 from fedweave.execution.local import PLAIN, LocalCall, LocalRule, reindexed
+from fedweave.registry import RULES as RULES_REGISTRY
 
 K, P = 3, 5
 g = torch.Generator().manual_seed(0)
@@ -64,6 +65,27 @@ def test_rule_rebuilt_on_the_node_gives_the_same_direction_for_its_job(name):
     assert (job.client, job.call.round, job.call.steps, job.call.key, job.call.lr) == (7, 2, 3, (1,), 0.05)
 
 
+@RULES_REGISTRY.register("_test_scaled")
+class Scaled(LocalRule):
+    """A rule registered at its definition, as a plug-in's would be: nothing in fedweave.deploy names it."""
+
+    def __init__(self, scale: float, shift: torch.Tensor) -> None:
+        self.scale, self.shift = scale, shift
+
+    def direction(self, w, grad, jobs):
+        return self.scale * grad(w) + self.shift[jobs]
+
+
+def test_a_rule_registered_at_its_definition_travels_by_its_name():
+    rule = Scaled(0.5, TABLE)
+    w = torch.randn(P, generator=g)
+    header, _ = encode_job(LocalCall(VEC.expand(K, -1), [7] * K, 2, rule, 0.05, 3, (1,)), 1, local=LocalConfig())
+    assert header["rule"] == "_test_scaled" and header["rule_scalars"] == {"scale": 0.5}
+    job = trip(rule, 1)
+    assert type(job.call.rule) is Scaled
+    torch.testing.assert_close(job.call.rule.direction(w, quadratic_grad, 0), rule.direction(w, quadratic_grad, 1))
+
+
 def test_a_reindexed_rule_sends_the_row_of_the_original_job():
     rule = reindexed(RULES["scaffold"], [2, 0])
     w = torch.randn(P, generator=g)
@@ -84,8 +106,8 @@ def test_unknown_rule_is_refused_with_the_known_names():
     header["rule"] = "os.system"
     with pytest.raises(
         UnknownRuleError,
-        match="unknown local rule 'os.system'; this node knows: fedcm, feddyn, fedmim, fedprox, fedsam, lower_level, "
-        "plain, scaffold",
+        match="unknown local rule 'os.system'; this node knows: (_test_scaled, )?fedcm, feddyn, fedmim, fedprox, "
+        "fedsam, lower_level, plain, scaffold",
     ):
         decode_job(encode_header(header), tensors)
 
