@@ -24,6 +24,7 @@ from torch import nn
 
 from fedweave.config import ConfigError, LocalConfig, RayConfig
 from fedweave.execution.job import (  # noqa: F401  (re-exported: the rule interface algorithms import from here)
+    BACKENDS,
     LR,
     PLAIN,
     ClientStep,
@@ -80,7 +81,7 @@ class LocalTrainer:
         loss_fn: Loss = cross_entropy,
         placement: Placement = CPU,
     ) -> None:
-        if backend not in ("loop", "vmap", "ray", "pool"):
+        if backend not in BACKENDS:
             raise ValueError(f"backend must be 'loop', 'vmap', 'ray' or 'pool' here, got {backend!r}")
         if backend == "pool" and not placement.on_cpu:
             raise ConfigError(
