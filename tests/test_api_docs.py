@@ -16,8 +16,8 @@ EXPECTED = {
     "config.html": ["fedweave.config.RunConfig", "fedweave.config.ConfigError", "fedweave.config.load"],
     "execution.html": [
         "fedweave.execution.local.LocalTrainer",
-        "fedweave.execution.local.LocalRule",
-        "fedweave.execution.local.ClientStep",
+        "fedweave.execution.job.LocalRule",
+        "fedweave.execution.job.ClientStep",
         "fedweave.execution.state.StateStore",
     ],
     "algorithms.html": [

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
 
 from fedweave.config import LocalConfig
 from fedweave.execution import LocalRule, LocalTrainer, choose_backend
+from fedweave.execution.job import LocalCall, backend_run, reindexed
 from fedweave.seeding import Seeds
 from tests.conftest import make_toy
 
@@ -87,6 +90,29 @@ def test_one_full_batch_step_is_plain_gradient_descent():
     grads = torch.autograd.grad(loss, list(model.parameters()))
     expected = w0 - 0.3 * torch.cat([g.reshape(-1) for g in grads])
     torch.testing.assert_close(tr.train(w0, [0], round=0).params[0], expected)
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+def test_a_shard_of_a_call_computes_the_whole_calls_rows(backend, uneven_parts):
+    """Every backend runs one ``LocalCall`` record; a shard of it (``LocalCall.shard``: its offset places the
+    rule's per-job rows) gives the bits of the same jobs in the whole call, on the loop backend as the pool
+    and Ray workers run it, and on vmap with the rule reindexed as ``execution.shards`` does."""
+    tr = _trainer(next(_models()), uneven_parts, backend, epochs=1, batch_size=16, lr=0.2)
+    clients = [1, 3, 4, 0, 2]
+    anchors = torch.randn(len(clients), tr.layout.numel, generator=torch.Generator().manual_seed(2)) * 0.1
+    w0 = tr.layout.flatten()
+    starts = w0 + 0.01 * torch.arange(len(clients), dtype=torch.float32)[:, None]
+    call = LocalCall(starts, clients, 3, ProxLookAhead(anchors), 0.2, None, (1,))
+    run = backend_run(backend)
+    whole = run(tr, call)
+    shard = call.shard(2, 5)
+    assert shard.offset == 2 and shard.clients == [4, 0, 2] and torch.equal(shard.starts, starts[2:5])
+    if backend == "vmap":
+        shard = replace(shard, rule=reindexed(shard.rule, range(2, 5)), offset=0)
+    part = run(tr, shard)
+    assert torch.equal(part.params, whole.params[2:5]) and torch.equal(part.loss, whole.loss[2:5])
+    shared = replace(call, starts=w0.expand(len(clients), -1)).shard(1, 3)
+    assert shared.starts.shape == (tr.layout.numel,)  # a shared start travels as its one row
 
 
 def test_same_stream_same_batches_and_key_changes_them(uneven_parts):

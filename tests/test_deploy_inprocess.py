@@ -254,7 +254,7 @@ def test_a_node_refuses_a_job_whose_settings_or_tensors_are_not_the_runs(tmp_pat
     from fedweave.config import LocalConfig
     from fedweave.deploy.jobs import encode_job
     from fedweave.deploy.wire import to_records
-    from fedweave.execution.local import PLAIN
+    from fedweave.execution.local import PLAIN, LocalCall
 
     config_json = json.dumps(load(small("fedavg")).to_dict())
     node = Context(
@@ -269,8 +269,8 @@ def test_a_node_refuses_a_job_whose_settings_or_tensors_are_not_the_runs(tmp_pat
 
     def job(**change) -> tuple[dict, dict]:
         local = LocalConfig(steps=2, batch_size=16, lr=0.1)
-        header, tensors = encode_job(start=start, client=0, round=0, k=0, jobs=1, lr=0.1, steps=2, key=(1,),
-                                     local=local, rule=PLAIN, num_classes=10)  # fmt: skip
+        call = LocalCall(start[None], [0], 0, PLAIN, 0.1, 2, (1,))
+        header, tensors = encode_job(call, 0, local=local, num_classes=10)
         return {**header, **change}, tensors
 
     assert not reply(*job()).has_error()

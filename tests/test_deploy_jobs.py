@@ -23,7 +23,8 @@ from fedweave.algorithms.centralized.scaffold import ScaffoldRule
 from fedweave.algorithms.hierarchical.base import BallProjection, BoxProjection, LowerLevelRule, decaying
 from fedweave.config import LocalConfig, load
 from fedweave.deploy.jobs import MalformedJobError, UnknownRuleError, decode_job, encode_header, encode_job
-from fedweave.execution.local import PLAIN, LocalRule, reindexed
+from fedweave.execution.local import PLAIN, LocalCall, LocalRule, reindexed
+from fedweave.registry import RULES as RULES_REGISTRY
 
 K, P = 3, 5
 g = torch.Generator().manual_seed(0)
@@ -42,8 +43,8 @@ RULES = {
 
 
 def trip(rule: LocalRule, k: int, jobs: int = K):
-    header, tensors = encode_job(start=VEC, client=7, round=2, rule=rule, k=k, jobs=jobs, lr=0.05, steps=3,
-                                 key=(1,), local=LocalConfig(steps=3))  # fmt: skip
+    call = LocalCall(VEC.expand(jobs, -1), [7] * jobs, 2, rule, 0.05, 3, (1,))
+    header, tensors = encode_job(call, k, local=LocalConfig(steps=3))
     return decode_job(encode_header(header), tensors)
 
 
@@ -57,11 +58,32 @@ def test_rule_rebuilt_on_the_node_gives_the_same_direction_for_its_job(name):
     w = torch.randn(P, generator=g)
     for k in range(K):
         job = trip(rule, k)
-        assert type(job.rule) is type(rule)
+        assert type(job.call.rule) is type(rule)
         # the node runs its one job as job 0 of its call
-        torch.testing.assert_close(job.rule.direction(w, quadratic_grad, 0), rule.direction(w, quadratic_grad, k))
-        torch.testing.assert_close(job.rule.project(w, 0), rule.project(w, k))
-    assert (job.client, job.round, job.steps, job.key, job.lr) == (7, 2, 3, (1,), 0.05)
+        torch.testing.assert_close(job.call.rule.direction(w, quadratic_grad, 0), rule.direction(w, quadratic_grad, k))
+        torch.testing.assert_close(job.call.rule.project(w, 0), rule.project(w, k))
+    assert (job.client, job.call.round, job.call.steps, job.call.key, job.call.lr) == (7, 2, 3, (1,), 0.05)
+
+
+@RULES_REGISTRY.register("_test_scaled")
+class Scaled(LocalRule):
+    """A rule registered at its definition, as a plug-in's would be: nothing in fedweave.deploy names it."""
+
+    def __init__(self, scale: float, shift: torch.Tensor) -> None:
+        self.scale, self.shift = scale, shift
+
+    def direction(self, w, grad, jobs):
+        return self.scale * grad(w) + self.shift[jobs]
+
+
+def test_a_rule_registered_at_its_definition_travels_by_its_name():
+    rule = Scaled(0.5, TABLE)
+    w = torch.randn(P, generator=g)
+    header, _ = encode_job(LocalCall(VEC.expand(K, -1), [7] * K, 2, rule, 0.05, 3, (1,)), 1, local=LocalConfig())
+    assert header["rule"] == "_test_scaled" and header["rule_scalars"] == {"scale": 0.5}
+    job = trip(rule, 1)
+    assert type(job.call.rule) is Scaled
+    torch.testing.assert_close(job.call.rule.direction(w, quadratic_grad, 0), rule.direction(w, quadratic_grad, 1))
 
 
 def test_a_reindexed_rule_sends_the_row_of_the_original_job():
@@ -69,7 +91,7 @@ def test_a_reindexed_rule_sends_the_row_of_the_original_job():
     w = torch.randn(P, generator=g)
     job = trip(rule, 0, jobs=2)
     torch.testing.assert_close(
-        job.rule.direction(w, quadratic_grad, 0), RULES["scaffold"].direction(w, quadratic_grad, 2)
+        job.call.rule.direction(w, quadratic_grad, 0), RULES["scaffold"].direction(w, quadratic_grad, 2)
     )
 
 
@@ -80,16 +102,18 @@ def test_unknown_rule_is_refused_with_the_known_names():
 
     with pytest.raises(UnknownRuleError, match="Homemade is not registered"):
         trip(Homemade(), 0)
-    header, tensors = encode_job(start=VEC, client=0, round=0, rule=PLAIN, k=0, jobs=1, lr=0.1, steps=1, key=(),
-                                 local=LocalConfig(steps=1))  # fmt: skip
+    header, tensors = encode_job(LocalCall(VEC[None], [0], 0, PLAIN, 0.1, 1, ()), 0, local=LocalConfig(steps=1))
     header["rule"] = "os.system"
-    with pytest.raises(UnknownRuleError, match="unknown local rule 'os.system'; this node knows: plain, scaffold"):
+    with pytest.raises(
+        UnknownRuleError,
+        match="unknown local rule 'os.system'; this node knows: (_test_scaled, )?fedcm, feddyn, fedmim, fedprox, "
+        "fedsam, lower_level, plain, scaffold",
+    ):
         decode_job(encode_header(header), tensors)
 
 
 def test_malformed_jobs_are_refused():
-    header, tensors = encode_job(start=VEC, client=0, round=0, rule=PLAIN, k=0, jobs=1, lr=0.1, steps=1, key=(),
-                                 local=LocalConfig(steps=1))  # fmt: skip
+    header, tensors = encode_job(LocalCall(VEC[None], [0], 0, PLAIN, 0.1, 1, ()), 0, local=LocalConfig(steps=1))
     with pytest.raises(MalformedJobError, match="JSONDecodeError"):
         decode_job("{not json", tensors)
     with pytest.raises(MalformedJobError, match="KeyError: 'start'"):
@@ -100,14 +124,13 @@ def test_malformed_jobs_are_refused():
 
 
 def test_a_registered_schedule_travels_and_a_function_does_not():
-    header, tensors = encode_job(start=VEC, client=0, round=0, rule=PLAIN, k=0, jobs=1, lr=decaying(0.3, 2.0),
-                                 steps=4, key=(), local=LocalConfig(steps=4))  # fmt: skip
+    call = LocalCall(VEC[None], [0], 0, PLAIN, decaying(0.3, 2.0), 4, ())
+    header, tensors = encode_job(call, 0, local=LocalConfig(steps=4))
     assert header["lr"] == {"schedule": "decaying", "scalars": {"c": 0.3, "offset": 2.0}}
-    lr = decode_job(encode_header(header), tensors).lr
+    lr = decode_job(encode_header(header), tensors).call.lr
     assert [lr(t) for t in range(4)] == [0.3 / (t + 2.0) for t in range(4)]
     with pytest.raises(ValueError, match="a constant local learning rate or a registered schedule .decaying."):
-        encode_job(start=VEC, client=0, round=0, rule=PLAIN, k=0, jobs=1, lr=lambda t: 0.1, steps=1, key=(),
-                   local=LocalConfig(steps=1))  # fmt: skip
+        encode_job(LocalCall(VEC[None], [0], 0, PLAIN, lambda t: 0.1, 1, ()), 0, local=LocalConfig(steps=1))
     header["lr"] = {"schedule": "cosine", "scalars": {}}
     with pytest.raises(UnknownRuleError, match="unknown learning-rate schedule 'cosine'; this node knows: decaying"):
         decode_job(encode_header(header), tensors)
@@ -117,14 +140,14 @@ def test_a_projection_travels_as_data_and_a_tensor_equal_to_the_start_travels_on
     """The lower level's projection goes as its registered name and scalars (an unknown one is refused), and
     the input point it is anchored at, which is the job's start (ZO-HFL), is not sent a second time."""
     rule = LowerLevelRule(0.3, torch.stack([VEC, -VEC]), BoxProjection(-0.2, float("inf")))
-    header, tensors = encode_job(start=-VEC, client=0, round=0, rule=rule, k=1, jobs=2, lr=0.1, steps=1, key=(),
-                                 local=LocalConfig(steps=1))  # fmt: skip
+    call = LocalCall(torch.stack([VEC, -VEC]), [1, 0], 0, rule, 0.1, 1, ())
+    header, tensors = encode_job(call, 1, local=LocalConfig(steps=1))
     assert sorted(tensors) == ["start"] and header["same_as_start"] == {"rule.anchors": [1, P]}
     assert header["rule_scalars"]["projection"] == {"part": "box", "scalars": {"low": -0.2, "high": float("inf")}}
     job = decode_job(encode_header(header), tensors)
-    assert torch.equal(job.rule.anchors, -VEC[None]) and isinstance(job.rule.projection, BoxProjection)
+    assert torch.equal(job.call.rule.anchors, -VEC[None]) and isinstance(job.call.rule.projection, BoxProjection)
     header["rule_scalars"]["projection"]["part"] = "sphere"
-    with pytest.raises(UnknownRuleError, match="unknown part 'sphere'; this node knows: projection, ball, box"):
+    with pytest.raises(UnknownRuleError, match="unknown part 'sphere'; this node knows: ball, box, projection"):
         decode_job(encode_header(header), tensors)
 
 
@@ -194,8 +217,8 @@ def test_a_stateful_client_on_its_node_equals_the_simulation(tmp_path, toy_confi
             )
         res, upload = tr.train_with_state(x, clients, r, step, store, lr=0.1)
         for k, c in enumerate(clients):
-            header, tensors = encode_job(start=x, client=c, round=r, k=k, jobs=2, lr=0.1, steps=None, key=(),
-                                         local=tr.local, step=step, state_round=accepted[c])  # fmt: skip
+            call = LocalCall(x.expand(2, -1), clients, r, PLAIN, 0.1, None, ())
+            header, tensors = encode_job(call, k, local=tr.local, step=step, state_round=accepted[c])
             job = decode_job(encode_header(header), tensors)
             assert type(job.step) is type(step) and job.state_round == accepted[c]
             got, sent = _run_step(tr, job, node)
@@ -236,12 +259,14 @@ def test_node_state_keeps_the_accepted_version_and_the_new_one(tmp_path):
 def test_a_step_job_carries_the_servers_tensors_and_the_state_version_not_the_state():
     from fedweave.algorithms.centralized.scaffold import ScaffoldStep
 
-    header, tensors = encode_job(start=VEC, client=3, round=5, k=0, jobs=1, lr=0.1, steps=2, key=(),
-                                 local=LocalConfig(steps=2), step=ScaffoldStep(-VEC, 0.1), state_round=3)  # fmt: skip
+    call = LocalCall(VEC[None], [3], 5, PLAIN, 0.1, 2, ())
+    header, tensors = encode_job(call, 0, local=LocalConfig(steps=2), step=ScaffoldStep(-VEC, 0.1), state_round=3)
     assert sorted(tensors) == ["start", "step.c_global"]
     assert header["step"] == "scaffold" and header["state_round"] == 3 and header["step_scalars"] == {"lr": 0.1}
     header["step"] = "homemade"
-    with pytest.raises(UnknownRuleError, match="unknown client step 'homemade'; this node knows: scaffold, feddyn"):
+    with pytest.raises(
+        UnknownRuleError, match="unknown client step 'homemade'; this node knows: feddyn, hier_scaffold, scaffold"
+    ):
         decode_job(encode_header(header), tensors)
 
 
@@ -301,8 +326,8 @@ def test_a_node_trains_on_its_own_data_file_as_the_simulation_does(tmp_path, toy
     (path,) = export_clients(cfg, tmp_path, [4])
     node = _trainer(json.dumps(cfg.to_dict()), str(path), 4, ds.num_classes)
     x = sim.layout.flatten()
-    want = loop.run(sim, x[None], [4], 2, PLAIN, 0.1, None, (1,))
-    got = loop.run(node, x[None], [4], 2, PLAIN, 0.1, None, (1,))
+    call = LocalCall(x[None], [4], 2, PLAIN, 0.1, None, (1,))
+    want, got = loop.run(sim, call), loop.run(node, call)
     torch.testing.assert_close(got.params, want.params)
     assert got.loss.item() == pytest.approx(want.loss.item())
 

@@ -289,7 +289,7 @@ FACTORIES = {
 }  # fmt: skip
 # (file, the call's source text) -> why it may make a tensor without naming a device
 ALLOWED_FACTORIES = {
-    ("execution/pool.py", "torch.from_numpy(starts)"): "pool workers are forked CPU processes (refused off-CPU)",
+    ("execution/pool.py", "torch.from_numpy(call.starts)"): "pool workers are forked CPU processes (refused off-CPU)",
     ("execution/pool.py", "torch.from_numpy(w)"): "pool workers are forked CPU processes (refused off-CPU)",
     ("execution/pool.py", "torch.from_numpy(p[i])"): "pool results arrive on the CPU driver (refused off-CPU)",
     ("execution/ray.py", "torch.from_numpy(x)"): "the object store's arrays; the trainer places them on its device",

@@ -53,6 +53,11 @@ class Registry:
         _load_builtins()
         return sorted(self._items)
 
+    def name_of(self, obj: Any) -> str | None:
+        """The name ``obj`` is registered under (None if it is not): an object being used has been imported,
+        so its registration has run."""
+        return next((name for name, item in self._items.items() if item is obj), None)
+
     def __contains__(self, name: str) -> bool:
         _load_builtins(until=lambda: name in self._items)
         return name in self._items
@@ -71,6 +76,12 @@ SAMPLERS = Registry("sampler")
 #: The run callbacks a config's ``callbacks`` list names (:mod:`fedweave.callbacks` registers its own at their
 #: definition, as plug-ins do).
 CALLBACKS = Registry("callback")
+# What a local-training job carries by name (fedweave.execution.job), registered at their definition: the
+# deployment rebuilds each from its name and the tensors and scalars that travel (no code travels).
+RULES = Registry("local rule")  # LocalRule classes
+CLIENT_STEPS = Registry("client step")  # ClientStep classes (clients with state of their own)
+RULE_PARTS = Registry("rule part")  # objects a rule holds besides tensors and scalars (a projection)
+LR_SCHEDULES = Registry("learning-rate schedule")  # a local learning rate that is a function of the step
 
 _pending: list[str] | None = None  # the built-in modules not imported yet
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -32,8 +33,8 @@ from fedweave.deploy.jobs import Job, MalformedJobError, UnknownRuleError, check
 from fedweave.deploy.node_data import NodeDataError, load_node_data, own_parts, trial_parts, write_samples
 from fedweave.deploy.node_state import NodeState, StateMissingError
 from fedweave.deploy.wire import from_records, to_records
-from fedweave.execution import loop
-from fedweave.execution.local import LocalResult, LocalTrainer
+from fedweave.execution.job import LocalCall, LocalResult, backend_run
+from fedweave.execution.local import LocalTrainer
 from fedweave.execution.placement import move_tensors
 
 # Error codes of the replies (Flower reserves codes below 100 for itself)
@@ -150,7 +151,7 @@ def train(msg: Message, context: Context) -> Message:
     if tr.placement.device.type != "cpu":  # the wire carries host tensors; the node computes on its device
         job = move_tensors(job, tr.placement.device)
     if job.step is None:
-        res = _run(tr, job, job.rule)
+        res = _run(tr, job.call)
         out, sent = res, {"params": res.params}
     else:
         try:
@@ -195,8 +196,9 @@ def _split_job(msg: Message, context: Context, h: dict, tensors: dict[str, torch
     return Message(to_records(header, out), reply_to=msg)
 
 
-def _run(tr: LocalTrainer, job: Job, rule) -> LocalResult:
-    return loop.run(tr, job.start, [job.client], job.round, rule, job.lr, job.steps, job.key)
+def _run(tr: LocalTrainer, call: LocalCall) -> LocalResult:
+    """A job's one-job call, on the node's loop backend."""
+    return backend_run("loop")(tr, call)
 
 
 def _run_step(tr: LocalTrainer, job: Job, store: NodeState) -> tuple[LocalResult, dict[str, torch.Tensor]]:
@@ -205,7 +207,7 @@ def _run_step(tr: LocalTrainer, job: Job, store: NodeState) -> tuple[LocalResult
     step = job.step
     state = store.load(job.client, job.state_round, step.state, job.start)
     state = {n: t.to(job.start) for n, t in state.items()}  # the start's dtype and device
-    res = _run(tr, job, step.rule(state))
+    res = _run(tr, replace(job.call, rule=step.rule(state)))
     upload, new = step.finish(state, job.start, res)
-    store.save(job.client, job.round, new, accepted=job.state_round)
+    store.save(job.client, job.call.round, new, accepted=job.state_round)
     return res, (upload or {"params": res.params})

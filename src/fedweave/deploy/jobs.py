@@ -2,9 +2,10 @@
 
 The server describes job ``k`` of a call (its start vector, round, steps, learning rate, local settings
 and either the ``LocalRule`` or, for an algorithm whose clients keep state, the ``ClientStep``) as named
-tensors plus a JSON header; the node rebuilds the rule or step from its *registered name* and those tensors
-(DESIGN: no pickled code travels). So do the objects a rule holds (the lower level's projection: ``PARTS``)
-and a learning rate that is a schedule of the local step (``SCHEDULES``): their name and scalars travel. A
+tensors plus a JSON header; the node rebuilds the rule or step from its *registered name*
+(``fedweave.registry.RULES`` and ``CLIENT_STEPS``) and those tensors (DESIGN: no pickled code travels). So do
+the objects a rule holds (the lower level's projection: ``RULE_PARTS``) and a learning rate that is a schedule
+of the local step (``LR_SCHEDULES``): their name and scalars travel. A
 name the node does not know is refused with :class:`UnknownRuleError`. A rule tensor equal to the job's start
 vector travels once, as the start (FedProx's anchor; the lower level's input point).
 
@@ -21,43 +22,19 @@ from typing import Any
 
 import torch
 
-from fedweave.algorithms.centralized.fedcm import FedCMRule
-from fedweave.algorithms.centralized.feddyn import FedDynRule, FedDynStep
-from fedweave.algorithms.centralized.fedmim import MIMRule
-from fedweave.algorithms.centralized.fedprox import ProxRule
-from fedweave.algorithms.centralized.fedsam import SAMRule
-from fedweave.algorithms.centralized.scaffold import ScaffoldRule, ScaffoldStep
-from fedweave.algorithms.hierarchical.base import BallProjection, BoxProjection, Decaying, LowerLevelRule, Projection
-from fedweave.algorithms.hierarchical.baselines import HierScaffoldStep
 from fedweave.config import ConfigError, LocalConfig, build_dataclass, coerce
-from fedweave.execution.local import LR, ClientStep, LocalRule, Reindexed
+from fedweave.execution.job import LR, PLAIN, ClientStep, LocalCall, LocalRule, Reindexed
+from fedweave.registry import CLIENT_STEPS, LR_SCHEDULES, RULE_PARTS, RULES, Registry
 
-# The rules and client steps a node can rebuild, by the name that travels. Their state is their attributes:
-# tensors (sent as arrays) and JSON scalars; one with any other attribute (a function) cannot be deployed.
-RULES: dict[str, type[LocalRule]] = {
-    "plain": LocalRule,
-    "scaffold": ScaffoldRule,
-    "fedprox": ProxRule,
-    "feddyn": FedDynRule,
-    "fedsam": SAMRule,
-    "fedcm": FedCMRule,
-    "fedmim": MIMRule,
-    "lower_level": LowerLevelRule,
-}
-STEPS: dict[str, type[ClientStep]] = {"scaffold": ScaffoldStep, "feddyn": FedDynStep, "hier_scaffold": HierScaffoldStep}
-# Objects a rule holds (besides tensors and scalars) that travel as their registered name and scalars
-PARTS: dict[str, type] = {"projection": Projection, "ball": BallProjection, "box": BoxProjection}
-# Local learning-rate schedules (a function of the local step) that travel as their name and scalars
-SCHEDULES: dict[str, type] = {"decaying": Decaying}
-RULE_NAMES = {cls: name for name, cls in RULES.items()}
-STEP_NAMES = {cls: name for name, cls in STEPS.items()}
-PART_NAMES = {cls: name for name, cls in PARTS.items()}
-SCHEDULE_NAMES = {cls: name for name, cls in SCHEDULES.items()}
+# The rules, client steps, the objects a rule holds (a projection) and local learning-rate schedules a node
+# can rebuild are those registered by name at their definition (fedweave.registry). Their state is their
+# attributes: tensors (sent as arrays) and JSON scalars; one with any other attribute (a function) cannot be
+# deployed.
 SCALARS = (bool, int, float, str, type(None))
 
 
 class UnknownRuleError(ValueError):
-    """A job names a rule or step this node cannot rebuild (not registered in ``fedweave.deploy.jobs``)."""
+    """A job names a rule or step this node cannot rebuild (not registered in ``fedweave.registry``)."""
 
 
 class MalformedJobError(ValueError):
@@ -75,8 +52,9 @@ def _attributes(obj: object, name: str, k: int, jobs: int) -> tuple[dict[str, An
             tensors[attr] = v[k : k + 1].contiguous() if per_job else v.contiguous()
         elif isinstance(v, SCALARS):
             scalars[attr] = v
-        elif type(v) in PART_NAMES:
-            scalars[attr] = {"part": PART_NAMES[type(v)], "scalars": _scalars(v, f"{name!r}: attribute {attr!r}")}
+        elif RULE_PARTS.name_of(type(v)) is not None:
+            part = RULE_PARTS.name_of(type(v))
+            scalars[attr] = {"part": part, "scalars": _scalars(v, f"{name!r}: attribute {attr!r}")}
         else:
             raise UnknownRuleError(f"{name!r}: attribute {attr!r} ({type(v).__name__}) cannot travel")
     return scalars, tensors
@@ -91,11 +69,16 @@ def _scalars(obj: object, what: str) -> dict[str, Any]:
     return dict(out)
 
 
-def _instance(registry: dict[str, type], what: str, name: Any, scalars: Any) -> Any:
+def _registered(registry: Registry, what: str, name: Any) -> type:
+    """The class registered as ``name``, or :class:`UnknownRuleError` naming those this node knows."""
+    if not isinstance(name, str) or name not in registry:
+        raise UnknownRuleError(f"unknown {what} {name!r}; this node knows: {', '.join(registry.names())}")
+    return registry.get(name)
+
+
+def _instance(registry: Registry, what: str, name: Any, scalars: Any) -> Any:
     """An object of a registered class from its scalar attributes (its code is the node's own)."""
-    cls = registry.get(name)
-    if cls is None:
-        raise UnknownRuleError(f"unknown {what} {name!r}; this node knows: {', '.join(registry)}")
+    cls = _registered(registry, what, name)
     if not isinstance(scalars, dict) or not all(isinstance(v, SCALARS) for v in scalars.values()):
         raise MalformedJobError(f"the {what} {name!r} needs a mapping of scalars, got {scalars!r}")
     obj = cls.__new__(cls)
@@ -107,18 +90,18 @@ def encode_lr(lr: LR) -> float | dict[str, Any]:
     """A constant local learning rate, or a registered schedule as its name and scalars."""
     if not callable(lr):
         return float(lr)
-    name = SCHEDULE_NAMES.get(type(lr))
+    name = LR_SCHEDULES.name_of(type(lr))
     if name is None:
         raise ValueError(
             f"the flower deployment sends a constant local learning rate or a registered schedule "
-            f"({', '.join(SCHEDULES)}), not {type(lr).__name__}"
+            f"({', '.join(LR_SCHEDULES.names())}), not {type(lr).__name__}"
         )
     return {"schedule": name, "scalars": _scalars(lr, f"schedule {name!r}")}
 
 
 def decode_lr(value: Any) -> LR:
     if isinstance(value, dict):
-        return _instance(SCHEDULES, "learning-rate schedule", value.get("schedule"), value.get("scalars"))
+        return _instance(LR_SCHEDULES, "learning-rate schedule", value.get("schedule"), value.get("scalars"))
     lr = coerce(value, float, "lr")
     if not 0 <= lr < float("inf"):  # 0: the last round of a cosine schedule down to lr_min 0
         raise ConfigError(f"lr must be a finite number >= 0, got {lr}")
@@ -152,43 +135,39 @@ def check_tensors(tensors: dict[str, torch.Tensor], numel: int, dtype: torch.dty
 def _job_rule(rule: LocalRule, k: int, jobs: int) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
     if isinstance(rule, Reindexed):  # a call of some jobs of another call: the table row is positions[k]
         return _job_rule(rule.rule, int(rule.positions[k]), -1)  # -1: every (K, P) table is per job
-    name = RULE_NAMES.get(type(rule))
+    name = RULES.name_of(type(rule))
     if name is None:
         raise UnknownRuleError(
-            f"local rule {type(rule).__name__} is not registered for deployment; registered: {', '.join(RULES)}"
+            f"local rule {type(rule).__name__} is not registered for deployment; registered: {', '.join(RULES.names())}"
         )
     return (name, *_attributes(rule, f"local rule {name}", k, jobs))
 
 
 def _job_step(step: ClientStep) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
-    name = STEP_NAMES.get(type(step))
+    name = CLIENT_STEPS.name_of(type(step))
     if name is None:
         raise UnknownRuleError(
-            f"client step {type(step).__name__} is not registered for deployment; registered: {', '.join(STEPS)}"
+            f"client step {type(step).__name__} is not registered for deployment; "
+            f"registered: {', '.join(CLIENT_STEPS.names())}"
         )
     scalars, tensors = _attributes(step, f"client step {name}", 0, 0)  # a step's tensors are the server's
     return name, scalars, tensors
 
 
 def encode_job(
-    *,
-    start: torch.Tensor,
-    client: int,
-    round: int,
+    call: LocalCall,
     k: int,
-    jobs: int,
-    lr: LR,
-    steps: int | None,
-    key: tuple[int, ...],
+    *,
     local: LocalConfig,
-    rule: LocalRule | None = None,
     step: ClientStep | None = None,
     state_round: int = -1,
     num_classes: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Job ``k`` of a call of ``jobs`` jobs, with its ``rule`` or its client ``step``, as ``(header, tensors)``."""
-    if (rule is None) == (step is None):
-        raise ValueError("a job has either a local rule or a client step")
+    """Job ``k`` of ``call`` as ``(header, tensors)``: its start row, client, batch plan and learning rate,
+    and the call's rule (its per-job tensors as row ``k``) or, for a stateful algorithm, the client ``step``
+    in its place (the call's rule is then unused)."""
+    start, client, round, lr, steps, key = call.starts[k], call.clients[k], call.round, call.lr, call.steps, call.key
+    rule = call.rule if step is None else None
     header: dict[str, Any] = {
         "client": int(client),
         "round": int(round),
@@ -200,7 +179,7 @@ def encode_job(
     }
     tensors = {"start": start.detach().reshape(1, -1).contiguous()}
     if rule is not None:
-        name, scalars, extra = _job_rule(rule, k, jobs)
+        name, scalars, extra = _job_rule(rule, k, len(call))
         header.update(rule=name, rule_scalars=scalars)
         tensors.update({f"rule.{a}": t for a, t in extra.items()})
     else:
@@ -222,25 +201,30 @@ def _is(t: torch.Tensor, start: torch.Tensor) -> bool:
 
 @dataclasses.dataclass
 class Job:
-    client: int
-    round: int
-    lr: LR
-    steps: int | None
-    key: tuple[int, ...]
+    """A job as the node rebuilds it: one client's local-training call (one job, from its start row) with
+    the settings it runs under and, for a stateful algorithm, its client step and the state version to start
+    from (the call's rule is then the plain one, replaced by the step's rule over the client's state)."""
+
+    call: LocalCall
     local: LocalConfig
-    start: torch.Tensor  # (1, P)
-    rule: LocalRule | None = None
     step: ClientStep | None = None
     state_round: int = -1  # the round of the client state version the server accepted (-1: initial)
     num_classes: int | None = None
 
+    @property
+    def client(self) -> int:
+        return self.call.clients[0]
 
-def _rebuild(registry: dict[str, type], what: str, name: Any, scalars: dict, tensors: dict[str, torch.Tensor]):
-    cls = registry.get(name)
-    if cls is None:
-        raise UnknownRuleError(f"unknown {what} {name!r}; this node knows: {', '.join(registry)}")
+    @property
+    def start(self) -> torch.Tensor:
+        """The start row, ``(1, P)``."""
+        return self.call.starts
+
+
+def _rebuild(registry: Registry, what: str, name: Any, scalars: dict, tensors: dict[str, torch.Tensor]):
+    cls = _registered(registry, what, name)
     obj = cls.__new__(cls)  # state only: the class's code is the node's own
-    parts = {a: _instance(PARTS, "part", v.get("part"), v.get("scalars")) for a, v in scalars.items()
+    parts = {a: _instance(RULE_PARTS, "part", v.get("part"), v.get("scalars")) for a, v in scalars.items()
              if isinstance(v, dict)}  # fmt: skip
     obj.__dict__.update({**scalars, **parts})
     prefix = f"{what.split()[-1]}."
@@ -255,22 +239,25 @@ def decode_job(header_json: str, tensors: dict[str, torch.Tensor]) -> Job:
         for name, shape in h.get("same_as_start", {}).items():
             tensors = {**tensors, name: tensors["start"].reshape(shape).clone()}
         if "step" in h:
-            step = _rebuild(STEPS, "client step", h["step"], h["step_scalars"], tensors)
-            rule, state_round = None, whole(h, "state_round", -1)  # -1: the client's initial state
+            step = _rebuild(CLIENT_STEPS, "client step", h["step"], h["step_scalars"], tensors)
+            rule, state_round = PLAIN, whole(h, "state_round", -1)  # -1: the client's initial state
         else:
             rule = _rebuild(RULES, "local rule", h["rule"], h["rule_scalars"], tensors)
             step, state_round = None, -1
         local = build_dataclass(LocalConfig, h["local"], "local")
         local.validate()
-        return Job(
-            client=whole(h, "client", 0),
+        call = LocalCall(
+            starts=tensors["start"],
+            clients=[whole(h, "client", 0)],
             round=whole(h, "round", 0),
+            rule=rule,
             lr=decode_lr(h["lr"]),
             steps=whole(h, "steps", 0, optional=True),
             key=tuple(coerce(h["key"], tuple[int, ...], "key")),
+        )
+        return Job(
+            call=call,
             local=local,
-            start=tensors["start"],
-            rule=rule,
             step=step,
             state_round=state_round,
             num_classes=whole(h, "num_classes", 1, optional=True),

@@ -34,7 +34,8 @@ from fedweave.deploy.jobs import encode_job
 from fedweave.deploy.node_state import INITIAL
 from fedweave.deploy.wire import from_records, payload_bytes, pushed_bytes, to_records, tree_bytes, wire_bytes
 from fedweave.errors import RunStopped
-from fedweave.execution.local import LR, ClientStep, LocalResult, LocalRule, LocalTrainer, reindexed
+from fedweave.execution.job import LR, PLAIN, ClientStep, LocalCall, LocalResult, reindexed
+from fedweave.execution.local import LocalTrainer
 from fedweave.execution.state import StateStore
 from fedweave.results import atomic_write
 
@@ -398,28 +399,23 @@ class FlowerTrainer(LocalTrainer):
         remote = [k for k, c in enumerate(clients) if c not in self.server_jobs]
         return remote, [k for k, c in enumerate(clients) if c in self.server_jobs]
 
-    def run_jobs(
-        self,
-        starts: torch.Tensor,
-        clients: list[int],
-        round: int,
-        rule: LocalRule,
-        lr: LR,
-        steps: int | None,
-        key: tuple[int, ...],
-    ) -> LocalResult:
+    def run_jobs(self, call: LocalCall) -> LocalResult:
         """The call's jobs as one Message each to the SuperNode holding that client's data."""
+        starts, clients, round, rule, lr, steps, key = (
+            call.starts, call.clients, call.round, call.rule, call.lr, call.steps, call.key
+        )  # fmt: skip
         remote, here = self._split(clients)
         parts = []
         if remote:
             mine = rule if len(remote) == len(clients) else reindexed(rule, remote)
-            replies = self._send(starts[remote], [clients[k] for k in remote], round, lr, steps, key, rule=mine)
+            replies = self._send(LocalCall(starts[remote], [clients[k] for k in remote], round, mine, lr, steps, key))
             out = [from_records(r.content, starts.device) for r in replies]
             params = torch.stack([t["params"].reshape(-1) for _, t in out])
             parts.append((remote, _result(params, [json.loads(h) for h, _ in out])))
         if here:
             own = [clients[k] for k in here]
-            parts.append((here, self.here.run_jobs(starts[here], own, round, reindexed(rule, here), lr, steps, key)))
+            own_call = LocalCall(starts[here], own, round, reindexed(rule, here), lr, steps, key)
+            parts.append((here, self.here.run_jobs(own_call)))
         return _merged(parts, len(clients))
 
     def train_with_state(
@@ -445,7 +441,8 @@ class FlowerTrainer(LocalTrainer):
         remote, here = self._split(clients)
         parts, uploads = [], []
         if remote:
-            replies = self._send(starts[remote], [clients[k] for k in remote], round, lr, steps, key, step=step)
+            call = LocalCall(starts[remote], [clients[k] for k in remote], round, PLAIN, lr, steps, key)
+            replies = self._send(call, step=step)
             out = [from_records(r.content, starts.device) for r in replies]
             names = sorted(out[0][1])
             upload = {n: torch.stack([t[n].reshape(-1) for _, t in out]) for n in names if n != "params"}
@@ -465,16 +462,16 @@ class FlowerTrainer(LocalTrainer):
         upload = {n: _rows([(pos, u[n]) for pos, u in uploads], len(clients)) for n in names}
         return _merged(parts, len(clients)), upload
 
-    def _send(self, starts, clients, round, lr, steps, key, *, rule=None, step=None) -> list[Message]:
+    def _send(self, call: LocalCall, *, step: ClientStep | None = None) -> list[Message]:
+        """Each job of ``call`` as one Message to its client's node (with ``step``: a stateful algorithm's)."""
         jobs = []
-        for k, c in enumerate(clients):
+        for k, c in enumerate(call.clients):
             header, tensors = encode_job(
-                start=starts[k], client=c, round=round, k=k, jobs=len(clients), lr=lr, steps=steps, key=key,
-                local=self.local, rule=rule, step=step, state_round=self.clients.accepted.get(c, INITIAL),
+                call, k, local=self.local, step=step, state_round=self.clients.accepted.get(c, INITIAL),
                 num_classes=self.num_classes,
             )  # fmt: skip
             jobs.append((c, header, tensors))
-        return self.clients.run_jobs(round, jobs)
+        return self.clients.run_jobs(call.round, jobs)
 
 
 def _rows(parts: list[tuple[list[int], torch.Tensor]], n: int) -> torch.Tensor:

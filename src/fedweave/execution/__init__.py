@@ -6,12 +6,15 @@ import torch
 from torch import nn
 
 from fedweave.execution.evaluate import evaluate, evaluate_clients, evaluate_clients_task, evaluate_task
+from fedweave.execution.job import LocalCall, StepGradient
 from fedweave.execution.local import LocalResult, LocalRule, LocalTrainer
 from fedweave.execution.params import ParamLayout
 from fedweave.execution.placement import CPU, Placement, resolve_placement
 from fedweave.execution.state import StateStore
 
 __all__ = [
+    "LocalCall",
+    "StepGradient",
     "LocalResult",
     "LocalRule",
     "LocalTrainer",

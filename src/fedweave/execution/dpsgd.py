@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.func import grad_and_value, vmap
 
+from fedweave.execution.job import StepGradient
 from fedweave.execution.local import LR, PLAIN, GradFn, LocalResult, LocalRule, LocalTrainer, cross_entropy
 from fedweave.execution.params import ParamLayout
 from fedweave.seeding import Seeds
@@ -82,13 +83,13 @@ class DPSGD(LocalRule):
             out.append(torch.randn(numel, generator=g, dtype=dtype, device="cpu"))
         return (out[0] if isinstance(jobs, int) else torch.stack(out)).to(device, non_blocking=True)
 
-    def private(self, v: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
+    def private(self, v: torch.Tensor, grad: StepGradient, jobs: int | torch.Tensor) -> torch.Tensor:
         """The privatized mean gradient at ``v`` on the step's batch (``grad.batch`` from the backend)."""
-        x, y, mask = grad.batch  # type: ignore[attr-defined]
+        x, y, mask = grad.batch
         g, losses = self.per_sample(v, x, y)
         valid = torch.ones(y.shape, dtype=g.dtype, device=g.device) if mask is None else mask.to(g.dtype)
         count = valid.sum(-1).clamp_min(1.0)  # B: the real samples of the batch (padding excluded)
-        grad.report((losses * valid).sum(-1) / count)  # type: ignore[attr-defined]  # the batch's mean loss
+        grad.report((losses * valid).sum(-1) / count)  # the batch's mean loss
         total = (clip_rows(g, self.clip) * valid.unsqueeze(-1)).sum(-2)
         if self.sigma:
             total = total + self.sigma * self.clip * self.noise(jobs, v.shape[-1], g.dtype, g.device)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +27,9 @@ from fedweave.tasks import Task, evaluate_batches
 # Rows per forward pass at most: beyond this the activations of a CNN fall out of the CPU caches (MNIST CNN,
 # one thread: 256 rows ran 1.7x faster than 2048; docs/performance.md). ``batch_size`` only lowers it.
 EVAL_ROWS = 256
+# layout -> the worker pool whose workers hold that layout's model (``execution.pool`` adds itself), so
+# that evaluation runs on the pool's workers; an object with ``batch_sums(w, x, y, batch_size)``
+evaluators: weakref.WeakKeyDictionary[ParamLayout, Any] = weakref.WeakKeyDictionary()
 # layout -> (channels-last copy of its model, that copy's layout), made on first use
 _TWINS: weakref.WeakKeyDictionary[ParamLayout, tuple[nn.Module, ParamLayout]] = weakref.WeakKeyDictionary()
 
@@ -90,10 +94,8 @@ def evaluate(
 ) -> tuple[float, float]:
     """Accuracy and mean cross-entropy of parameters ``w`` on ``(x, y)``, in batches of at most
     ``min(batch_size, EVAL_ROWS)`` rows."""
-    from fedweave.execution.pool import pool_for
-
     batch_size = min(batch_size, EVAL_ROWS)
-    pool = pool_for(layout)
+    pool = evaluators.get(layout)
     sums = pool.batch_sums(w, x, y, batch_size) if pool is not None else batch_sums(layout, w, x, y, batch_size)
     return _accuracy_and_loss(sums, len(y))
 

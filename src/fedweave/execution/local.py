@@ -5,11 +5,10 @@ The batch sequence of a job comes from the named stream ``("batches", round, cli
 augmentation from ``("augment", round, client, *key)``, so the ``loop`` and ``vmap`` backends see exactly
 the same samples in the same order.
 
-Algorithms change the local update through a :class:`LocalRule`: it maps the current iterate and a gradient
-oracle to the direction the optimizer applies (FedProx adds a proximal term, SCAFFOLD a control variate,
-FedSAM evaluates the gradient at a perturbed point, ...). A rule is written once with broadcasting: it is
-called with ``w`` of shape ``(P,)`` and ``jobs`` an int on the loop backend, and with ``w`` of shape
-``(K, P)`` and ``jobs`` a ``LongTensor`` of job positions on the vmap backend.
+Algorithms change the local update through a :class:`LocalRule` (``fedweave.execution.job``): it maps the
+current iterate and a gradient oracle to the direction the optimizer applies (FedProx adds a proximal term,
+SCAFFOLD a control variate, FedSAM evaluates the gradient at a perturbed point, ...). A call of
+:meth:`LocalTrainer.train` becomes one :class:`LocalCall` record, which the trainer's backend runs.
 """
 
 from __future__ import annotations
@@ -24,6 +23,22 @@ import torch
 from torch import nn
 
 from fedweave.config import ConfigError, LocalConfig, RayConfig
+from fedweave.execution.job import (  # noqa: F401  (re-exported: the rule interface algorithms import from here)
+    BACKENDS,
+    LR,
+    PLAIN,
+    ClientStep,
+    GradFn,
+    LocalCall,
+    LocalResult,
+    LocalRule,
+    Reindexed,
+    StepGradient,
+    backend_run,
+    plain_rule,
+    reindexed,
+    summed_losses,
+)
 from fedweave.execution.params import ParamLayout
 from fedweave.execution.placement import CPU, Placement
 from fedweave.execution.state import StateStore
@@ -31,117 +46,7 @@ from fedweave.seeding import Seeds
 from fedweave.tasks import Loss, cross_entropy  # noqa: F401  (cross_entropy: the default loss, re-exported)
 
 log = logging.getLogger("fedweave")
-GradFn = Callable[[torch.Tensor], torch.Tensor]
-LR = float | Callable[[int], float]  # a constant, or the step size of local step t (t = 0, 1, ... per call)
 Augment = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
-
-
-class LocalRule:
-    """The plain local SGD rule: the direction is the stochastic gradient. Subclass to change it."""
-
-    def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
-        """The step direction at parameters ``w``: ``grad(w)``, the stochastic gradient of the step's batch.
-
-        ``jobs``: the position in the call of the job ``w`` belongs to (an int on the loop backend), or of each
-        row of ``w`` (a tensor, when jobs are batched), so that a subclass can index per-job tensors (SCAFFOLD's
-        control variates). The trainer's optimizer step (:meth:`LocalTrainer.sgd_update`) follows it, then
-        :meth:`project`."""
-        return grad(w)
-
-    def project(self, w: torch.Tensor, jobs: int | torch.Tensor) -> torch.Tensor:
-        """Projection onto a constraint set after each step (identity by default)."""
-        return w
-
-
-PLAIN = LocalRule()
-
-
-def plain_rule(rule: LocalRule) -> bool:
-    """True when ``rule`` changes neither the direction nor the projection (FedAvg's local step): it does
-    not depend on the job, and the loop backend may take its fast paths."""
-    cls = type(rule)
-    return cls.direction is LocalRule.direction and cls.project is LocalRule.project
-
-
-class Reindexed(LocalRule):
-    """``rule`` seen from a call that runs some of its jobs: job k of this call is job ``positions[k]`` of
-    the call the rule's per-job tensors were made for (a shard of a pool or Ray call; the clients of a round
-    that did not drop out)."""
-
-    def __init__(self, rule: LocalRule, positions: torch.Tensor) -> None:
-        self.rule, self.positions = rule, positions
-
-    def _map(self, jobs: int | torch.Tensor) -> int | torch.Tensor:
-        if isinstance(jobs, int):
-            return int(self.positions[jobs])  # a host tensor: no device round trip
-        if self.positions.device != jobs.device:  # batched jobs index per-job tables where those live
-            self.device_positions = getattr(self, "device_positions", None)
-            if self.device_positions is None or self.device_positions.device != jobs.device:
-                self.device_positions = self.positions.to(jobs.device)
-            return self.device_positions[jobs]
-        return self.positions[jobs]
-
-    def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
-        return self.rule.direction(w, grad, self._map(jobs))
-
-    def project(self, w: torch.Tensor, jobs: int | torch.Tensor) -> torch.Tensor:
-        return self.rule.project(w, self._map(jobs))
-
-
-def reindexed(rule: LocalRule, positions: Sequence[int] | torch.Tensor) -> LocalRule:
-    """``rule`` for a call of the jobs at ``positions`` of the original call; the rule itself when it does
-    not depend on the job (so the plain-SGD fast path stays available)."""
-    if plain_rule(rule):
-        return rule
-    return Reindexed(rule, torch.as_tensor(np.asarray(positions), dtype=torch.long, device="cpu"))
-
-
-@dataclass
-class LocalResult:
-    """What a call returns, on the trainer's device."""
-
-    params: torch.Tensor  #: (K, P) final local parameters
-    steps: torch.Tensor  #: (K,) local steps taken
-    loss: torch.Tensor  #: (K,) mean training loss over the steps
-
-
-def summed_losses(losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The sum of a job's per-step losses (0-d tensors) in float64, added one after another (a cumulative
-    sum: the same bits as adding them up as Python floats), without a round trip to the host."""
-    wide = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-    if not losses:
-        return torch.zeros((), dtype=wide, device=device)
-    return torch.stack(losses).to(wide).cumsum(0)[-1]
-
-
-class ClientStep:
-    """The client's side of a round of an algorithm whose clients keep state of their own (SCAFFOLD's
-    ``c_i``, FedDyn's local gradient): from the client's state rows and what the server sent, the local
-    rule; after local training, what the client uploads and its new state.
-
-    Written once per algorithm with a leading job axis, it runs for a whole call at once over the run's
-    ``StateStore`` in simulation (:meth:`LocalTrainer.train_with_state`), and for one job on the node that
-    keeps the client's state in a deployment (``fedweave.deploy``), so the state never travels. Its
-    attributes are what the server sends (tensors shared by the call's jobs, and scalars).
-    """
-
-    state: tuple[str, ...] = ()  #: the per-client state rows, each of the model's size, zero at the start
-
-    def rule(self, state: dict[str, torch.Tensor]) -> LocalRule:
-        """The local rule of jobs whose state rows are ``state[name]`` (shape ``(K, P)``)."""
-        raise NotImplementedError
-
-    def finish(
-        self, state: dict[str, torch.Tensor], start: torch.Tensor, result: LocalResult
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """``(upload, new_state)`` of the jobs, each tensor ``(K, ...)``, from their state, start vector(s)
-        and local result. An empty ``upload`` means the client sends its local model."""
-        raise NotImplementedError
-
-    def local_model(self, start: torch.Tensor, upload: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The local models as the server can rebuild them from an upload that is not the model (for
-        metrics only)."""
-        raise NotImplementedError
 
 
 @dataclass
@@ -185,7 +90,7 @@ class LocalTrainer:
         loss_fn: Loss = cross_entropy,
         placement: Placement = CPU,
     ) -> None:
-        if backend not in ("loop", "vmap", "ray", "pool"):
+        if backend not in BACKENDS:
             raise ValueError(f"backend must be 'loop', 'vmap', 'ray' or 'pool' here, got {backend!r}")
         if backend == "pool" and not placement.on_cpu:
             raise ConfigError(
@@ -328,8 +233,9 @@ class LocalTrainer:
             return LocalResult(starts[:0].clone(), empty, torch.zeros(0, dtype=starts.dtype, device=dev))
         lr = self.lr(round) if lr is None else lr
         clients = list(map(int, clients))
+        call = LocalCall(starts, clients, round, rule, lr, steps, key)
         if self.placement.on_cpu:
-            return self.run_jobs(starts, clients, round, rule, lr, steps, key)
+            return self.run_jobs(call)
         chunk = f", up to {self.vmap_chunk} at once" if self.backend == "vmap" else ""
         vmap = self.backend == "vmap"
         knob = "lower memory.vmap_chunk" if vmap else "choose backend: vmap with a small memory.vmap_chunk"
@@ -337,7 +243,7 @@ class LocalTrainer:
             f"training {len(clients)} clients (clients {clients[0]}..{clients[-1]}) on backend {self.backend}{chunk}",
             f"{knob}, lower memory.data_fraction or memory.state_fraction, or local.batch_size",
         ):
-            return self.run_jobs(starts, clients, round, rule, lr, steps, key)
+            return self.run_jobs(call)
 
     @staticmethod
     def checked_starts(starts: torch.Tensor, clients: Sequence[int]) -> torch.Tensor:
@@ -370,22 +276,10 @@ class LocalTrainer:
             store.set_rows(name, clients, rows)
         return result, upload
 
-    def run_jobs(
-        self,
-        starts: torch.Tensor,
-        clients: list[int],
-        round: int,
-        rule: LocalRule,
-        lr: LR,
-        steps: int | None,
-        key: tuple[int, ...],
-    ) -> LocalResult:
+    def run_jobs(self, call: LocalCall) -> LocalResult:
         """Run a checked, non-empty call on this trainer's backend (a deployment overrides this: its jobs
         run elsewhere)."""
-        from fedweave.execution import loop, pool, ray, vmap  # the backends share this plan
-
-        run = {"loop": loop.run, "vmap": vmap.run, "ray": ray.run, "pool": pool.run}[self.backend]
-        return run(self, starts, clients, round, rule, lr, steps, key)
+        return backend_run(self.backend)(self, call)
 
     def sgd_update(
         self,

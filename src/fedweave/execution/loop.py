@@ -15,21 +15,18 @@ from __future__ import annotations
 
 import copy
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
 from fedweave.execution.evaluate import channels_last_ok, to_channels_last
 from fedweave.execution.fused import fused_sgd
-from fedweave.execution.local import (
-    LR,
-    LocalResult,
-    LocalRule,
-    LocalTrainer,
-    cross_entropy,
-    plain_rule,
-    summed_losses,
-)
+from fedweave.execution.job import LocalCall, LocalResult, StepGradient, backend, plain_rule, summed_losses
 from fedweave.execution.params import ParamLayout
+from fedweave.tasks import cross_entropy
+
+if TYPE_CHECKING:
+    from fedweave.execution.local import LocalTrainer
 
 
 class Compute:
@@ -92,19 +89,11 @@ def compute(layout: ParamLayout) -> Compute:
     return c
 
 
-def run(
-    tr: LocalTrainer,
-    starts: torch.Tensor,
-    clients: list[int],
-    round: int,
-    rule: LocalRule,
-    lr: LR,
-    steps: int | None,
-    key: tuple[int, ...],
-    offset: int = 0,
-) -> LocalResult:
-    """Train the jobs in order. ``offset``: the position of the first job in the whole ``train`` call when
-    this runs one shard of it (the ray backend), so a rule's per-job tensors are indexed globally."""
+@backend("loop")
+def run(tr: LocalTrainer, call: LocalCall) -> LocalResult:
+    """Train the jobs in order. A job's per-job rule tensors are indexed by its position in the whole call
+    (``call.offset + k``: the call may be one shard of a pool or Ray call)."""
+    starts, rule, lr, round, key, steps = call.starts, call.rule, call.lr, call.round, call.key, call.steps
     out = torch.empty_like(starts)
     counts, totals = [], []
     comp = compute(tr.layout)
@@ -115,9 +104,9 @@ def run(
             train_job = _train_fused  # MLPs: backpropagation written out (execution.fused)
         elif not tr.local.momentum and not tr.local.weight_decay:
             train_job = _train_plain
-    for k, c in enumerate(clients):
+    for k, c in enumerate(call.clients):
         batches = tr.client_batches(c, round, key, steps)
-        out[k], total = train_job(tr, comp, starts[k], batches, c, round, key, lr, rule, offset + k)
+        out[k], total = train_job(tr, comp, starts[k], batches, c, round, key, lr, rule, call.offset + k)
         counts.append(len(batches))
         totals.append(total)
     comp.value.copy_(template)
@@ -139,17 +128,14 @@ def _train_with_rule(tr, comp, start, batches, c, round, key, lr, rule, job) -> 
         x, y = tr.batch_data(b, c, round, key, gens)
         last = {}
 
-        def grad(v: torch.Tensor, x=x, y=y, last=last) -> torch.Tensor:
+        def grad_at(v: torch.Tensor, x=x, y=y, last=last) -> torch.Tensor:
             value.copy_(v)  # the compute model's parameters are views of `value`
             gradbuf.zero_()
             loss = comp.loss_backward(tr.loss_fn, x, y)
             last.setdefault("loss", loss.detach())
             return gradbuf.clone()
 
-        # for rules that need the samples themselves (per-sample gradients, DP-SGD): the batch and a way to
-        # report the loss they computed in place of ``grad``
-        grad.batch = (x, y, None)  # type: ignore[attr-defined]
-        grad.report = lambda loss, last=last: last.setdefault("loss", loss)  # type: ignore[attr-defined]
+        grad = StepGradient(grad_at, (x, y, None), lambda loss, last=last: last.setdefault("loss", loss))
         d = rule.direction(w, grad, job)
         w, buf = tr.sgd_update(w, d, buf, tr.step_lr(lr, t))
         w = rule.project(w, job)

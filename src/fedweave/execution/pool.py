@@ -22,16 +22,17 @@ import pickle
 import signal
 import traceback
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer
+from fedweave.execution.evaluate import batch_sums, evaluators
+from fedweave.execution.job import LocalCall, LocalResult, backend
+from fedweave.execution.local import LocalTrainer
 from fedweave.execution.params import ParamLayout
 from fedweave.execution.shards import run_shard, split_call
 
-# layout -> the pool that serves it, so that evaluation with that layout runs on the pool's workers too
-_POOLS: weakref.WeakKeyDictionary[ParamLayout, WorkerPool] = weakref.WeakKeyDictionary()
 _CACHE_KEEP = 4  # evaluation sets a worker keeps (test set, server set, ...)
 
 
@@ -58,8 +59,6 @@ def _serve(conn: Any, tr: LocalTrainer) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(1)
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    from fedweave.execution.evaluate import batch_sums
-
     while True:
         try:
             op, args = pickle.loads(conn.recv_bytes())
@@ -69,8 +68,8 @@ def _serve(conn: Any, tr: LocalTrainer) -> None:
             return
         try:
             if op == "train":
-                local, starts, *call = args
-                res = run_shard(tr, local, torch.from_numpy(starts), *call)
+                local, call = args
+                res = run_shard(tr, local, replace(call, starts=torch.from_numpy(call.starts)))
                 out: Any = (res.params.numpy(), res.steps.numpy(), res.loss.numpy())
             elif op == "data":  # an evaluation set's rows for this worker, kept for later calls
                 token, x, y = args
@@ -149,12 +148,13 @@ class WorkerPool:
         return out
 
     # ---- training --------------------------------------------------------------------------------
-    def train(self, tr, starts, clients, round, rule, lr, steps, key) -> LocalResult:
+    def train(self, tr: LocalTrainer, call: LocalCall) -> LocalResult:
         calls = []
-        for i, (lo, hi, s) in enumerate(split_call(tr, starts, clients, steps, self.size)):
-            # numpy arrays pickle as one buffer copy (a torch tensor pickles through torch.save, much slower)
-            s = s.detach().numpy().copy()
-            calls.append((i, "train", (tr.local, s, hi - lo, clients[lo:hi], round, rule, lr, steps, key, lo)))
+        for i, shard in enumerate(split_call(tr, call, self.size)):
+            # the starts travel as a numpy array, which pickles as one buffer copy (a torch tensor pickles
+            # through torch.save, much slower); the worker turns them back into a tensor
+            shard = replace(shard, starts=shard.starts.detach().numpy().copy())
+            calls.append((i, "train", (tr.local, shard)))
         parts = self.request(calls)
         cat = torch.cat
         params, nsteps, loss = ([torch.from_numpy(p[i]) for p in parts] for i in range(3))
@@ -194,23 +194,15 @@ def pool(tr: LocalTrainer, workers: int | None = None) -> WorkerPool:
     p = tr.shared.get("pool")
     if p is None:
         p = tr.shared["pool"] = WorkerPool(tr, workers or max(torch.get_num_threads(), 1))
-        _POOLS[tr.layout] = p
+        evaluators[tr.layout] = p  # evaluation with this layout runs on the pool's workers too
     return p
 
 
 def pool_for(layout: ParamLayout) -> WorkerPool | None:
     """The live pool whose workers hold ``layout``'s model, if any (used by evaluation)."""
-    return _POOLS.get(layout)
+    return evaluators.get(layout)
 
 
-def run(
-    tr: LocalTrainer,
-    starts: torch.Tensor,
-    clients: list[int],
-    round: int,
-    rule: LocalRule,
-    lr: LR,
-    steps: int | None,
-    key: tuple[int, ...],
-) -> LocalResult:
-    return pool(tr).train(tr, starts, clients, round, rule, lr, steps, key)
+@backend("pool")
+def run(tr: LocalTrainer, call: LocalCall) -> LocalResult:
+    return pool(tr).train(tr, call)

@@ -29,13 +29,15 @@ import os
 import uuid
 import warnings
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from fedweave.config import ConfigError, LocalConfig, RayConfig
-from fedweave.execution.local import LR, PLAIN, LocalResult, LocalRule, LocalTrainer
+from fedweave.execution.job import PLAIN, LocalCall, LocalResult, LocalRule, backend
+from fedweave.execution.local import LocalTrainer
 from fedweave.execution.placement import move_tensors, resolve_placement
 from fedweave.execution.shards import run_shard, split_call
 
@@ -89,25 +91,13 @@ class Worker:
         self.trainers[setup_id] = tr  # most recently used last
         return tr
 
-    def run(
-        self,
-        setup_id: str,
-        setup: list,
-        local: LocalConfig,
-        starts: torch.Tensor,
-        count: int,
-        clients: list[int],
-        round: int,
-        rule: LocalRule,
-        lr: LR,
-        steps: int | None,
-        key: tuple[int, ...],
-        offset: int,
-    ) -> LocalResult:
+    def run(self, setup_id: str, setup: list, local: LocalConfig, call: LocalCall, rule: LocalRule) -> LocalResult:
+        """Train a shard of a call; ``rule`` is the call's (an object-store reference resolved by Ray,
+        fetched once for all shards), in place of the shard's own."""
         tr = self._trainer(setup_id, setup)
         if not tr.placement.on_cpu:  # the rule's tensors travel on the host; they compute here
             rule = move_tensors(rule, tr.placement.device)
-        res = run_shard(tr, local, starts, count, clients, round, rule, lr, steps, key, offset)
+        res = run_shard(tr, local, replace(call, rule=rule))
         host = tr.placement.host  # results travel through the object store in host memory
         return LocalResult(host(res.params), host(res.steps), host(res.loss))
 
@@ -202,15 +192,18 @@ class RayPool:
         """Process ids of the actors (for memory measurements)."""
         return self.ray.get([a.pid.remote() for a in self.actors])
 
-    def run(self, tr, starts, clients, round, rule, lr, steps, key) -> LocalResult:
+    def run(self, tr: LocalTrainer, call: LocalCall) -> LocalResult:
         ray, pl = self.ray, self.placement
+        rule = call.rule
         if rule is not PLAIN and not pl.on_cpu:
             rule = move_tensors(rule, torch.device("cpu"))  # device tensors travel through the host
-        rule_ref = ray.put(rule) if rule is not PLAIN else rule  # serialized once for all shards
+        # serialized once for all shards, and passed beside each shard (Ray resolves a top-level reference
+        # only): the shard itself travels with the plain rule in its place
+        rule_ref = ray.put(rule) if rule is not PLAIN else rule
         futures = []
-        for actor, (lo, hi, s) in zip(self.actors, split_call(tr, starts, clients, steps, len(self.actors))):
-            args = (tr.local, pl.host(s).clone(), hi - lo, clients[lo:hi], round, rule_ref, lr, steps, key, lo)
-            futures.append(actor.run.remote(self.setup_id, self.setup, *args))
+        for actor, shard in zip(self.actors, split_call(tr, call, len(self.actors))):
+            shard = replace(shard, starts=pl.host(shard.starts).clone(), rule=PLAIN)
+            futures.append(actor.run.remote(self.setup_id, self.setup, tr.local, shard, rule_ref))
         parts = ray.get(futures)
         cat, to = torch.cat, pl.to
         params, nsteps, loss = (cat([getattr(p, k) for p in parts]) for k in ("params", "steps", "loss"))
@@ -225,14 +218,6 @@ def pool(tr: LocalTrainer) -> RayPool:
     return p
 
 
-def run(
-    tr: LocalTrainer,
-    starts: torch.Tensor,
-    clients: list[int],
-    round: int,
-    rule: LocalRule,
-    lr: LR,
-    steps: int | None,
-    key: tuple[int, ...],
-) -> LocalResult:
-    return pool(tr).run(tr, starts, clients, round, rule, lr, steps, key)
+@backend("ray")
+def run(tr: LocalTrainer, call: LocalCall) -> LocalResult:
+    return pool(tr).run(tr, call)

@@ -13,25 +13,27 @@ the CPU and moved to the device once per chunk; a step makes no round trip to th
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
 import torch
 from torch.func import grad_and_value, vmap
 
 from fedweave.execution.batched import batched_grad
-from fedweave.execution.local import LR, LocalResult, LocalRule, LocalTrainer, cross_entropy
+from fedweave.execution.job import LocalCall, LocalResult, StepGradient, backend
+from fedweave.tasks import cross_entropy
+
+if TYPE_CHECKING:
+    from fedweave.execution.local import LocalTrainer
 
 PROBE_JOBS = 8  # jobs of the first chunk on an accelerator, whose peak memory sizes the later chunks
 
 
-def run(
-    tr: LocalTrainer,
-    starts: torch.Tensor,
-    clients: list[int],
-    round: int,
-    rule: LocalRule,
-    lr: LR,
-    steps: int | None,
-    key: tuple[int, ...],
-) -> LocalResult:
+@backend("vmap")
+def run(tr: LocalTrainer, call: LocalCall) -> LocalResult:
+    """Train the jobs in chunks, each in one batched computation; the rule sees each job's position
+    ``call.offset + k``."""
+    clients = call.clients
     outs = []
     lo = 0
     while lo < len(clients):
@@ -43,7 +45,8 @@ def run(
             pl.synchronize()
             pl.reset_peak()
             before = pl.allocated_bytes()
-        outs.append(_run_chunk(tr, starts[lo:hi], clients[lo:hi], round, rule, lr, steps, key, lo))
+        chunk_call = replace(call, starts=call.starts[lo:hi], clients=clients[lo:hi], offset=call.offset + lo)
+        outs.append(_run_chunk(tr, chunk_call))
         if measure:  # the memory one job takes, from the first chunk's peak: later chunks fill half the free
             pl.synchronize()
             per_job = max(1, (pl.peak_bytes() - before) // (hi - lo))
@@ -68,7 +71,12 @@ def _batch(tr: LocalTrainer, index, mask, clients, active, round, key, gens):
     return torch.stack(xs), tr.placement.rows(tr.train_y, index), mask
 
 
-def _run_chunk(tr, starts, clients, round, rule, lr, steps, key, offset) -> LocalResult:
+def _run_chunk(tr: LocalTrainer, call: LocalCall) -> LocalResult:
+    """Jobs ``call.offset ..`` of the call, all at once."""
+    starts, clients, round, rule, lr, steps, key = (
+        call.starts, call.clients, call.round, call.rule, call.lr, call.steps, call.key
+    )  # fmt: skip
+    offset = call.offset
     layout, pl = tr.layout, tr.placement
     dev = starts.device
     plan = tr.plan(clients, round, key, steps)  # drawn on the CPU
@@ -100,13 +108,12 @@ def _run_chunk(tr, starts, clients, round, rule, lr, steps, key, offset) -> Loca
         X, Y, M = _batch(tr, index[t, active], mask[t, active], clients, active_cpu, round, key, gens)
         seen: list[torch.Tensor] = []
 
-        def grad(v, X=X, Y=Y, M=M, seen=seen):
+        def grad_at(v, X=X, Y=Y, M=M, seen=seen):
             g, loss = batched(v, X, Y, M)
             seen.append(loss)
             return g
 
-        grad.batch = (X, Y, M)  # type: ignore[attr-defined]  # per-sample rules (see loop.py)
-        grad.report = seen.append  # type: ignore[attr-defined]
+        grad = StepGradient(grad_at, (X, Y, M), seen.append)
         wa = w[active]
         d = rule.direction(wa, grad, jobs[active])
         new, buf_a = tr.sgd_update(wa, d, None if buf is None else buf[active], tr.step_lr(lr, t))

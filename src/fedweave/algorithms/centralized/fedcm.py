@@ -19,9 +19,10 @@ from fedweave.config import ConfigError
 from fedweave.execution import LocalRule
 from fedweave.execution.local import GradFn
 from fedweave.ledger import nbytes
-from fedweave.registry import ALGORITHMS
+from fedweave.registry import ALGORITHMS, RULES
 
 
+@RULES.register("fedcm")
 class FedCMRule(LocalRule):
     """Direction ``alpha g(w) + (1 - alpha) Delta``, g the regularized (optionally SAM) gradient of f_i.
 

@@ -19,9 +19,10 @@ from fedweave.config import ConfigError
 from fedweave.execution import StateStore
 from fedweave.execution.local import ClientStep, GradFn, LocalResult, LocalRule
 from fedweave.ledger import nbytes
-from fedweave.registry import ALGORITHMS
+from fedweave.registry import ALGORITHMS, CLIENT_STEPS, RULES
 
 
+@RULES.register("feddyn")
 class FedDynRule(ProxRule):
     """Direction ``grad f_i(w) - grad L_i + alpha (w - x_t)``: FedProx's rule plus the linear term."""
 
@@ -33,6 +34,7 @@ class FedDynRule(ProxRule):
         return super().direction(w, grad, jobs) - per_job(self.lin, jobs)
 
 
+@CLIENT_STEPS.register("feddyn")
 class FedDynStep(ClientStep):
     """FedDyn's client: local steps on its dynamically regularized objective, then
     ``grad L_i <- grad L_i - alpha (theta_i - x_t)``; it uploads its model ``theta_i``."""

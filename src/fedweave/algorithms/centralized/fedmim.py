@@ -26,9 +26,10 @@ from fedweave.config import ConfigError
 from fedweave.execution import LocalRule
 from fedweave.execution.local import GradFn
 from fedweave.ledger import nbytes
-from fedweave.registry import ALGORITHMS
+from fedweave.registry import ALGORITHMS, RULES
 
 
+@RULES.register("fedmim")
 class MIMRule(LocalRule):
     """FedMIM's local step (P-line 12) as ``x_{k+1} = x_k - eta_l d`` with
     ``d = m_alpha / eta_l + A * g(x_k - m_beta)``.

@@ -13,9 +13,10 @@ from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarH
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule
 from fedweave.execution.local import GradFn
-from fedweave.registry import ALGORITHMS
+from fedweave.registry import ALGORITHMS, RULES
 
 
+@RULES.register("fedprox")
 class ProxRule(LocalRule):
     """Direction ``grad f_k(w) + mu (w - anchor)`` (FedProx Eq. 2's objective, its gradient).
 

@@ -14,7 +14,7 @@ from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarH
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule
 from fedweave.execution.local import GradFn
-from fedweave.registry import ALGORITHMS
+from fedweave.registry import ALGORITHMS, RULES
 
 
 def sam_gradient(grad: GradFn, rho: float) -> GradFn:
@@ -28,6 +28,7 @@ def sam_gradient(grad: GradFn, rho: float) -> GradFn:
     return g
 
 
+@RULES.register("fedsam")
 class SAMRule(LocalRule):
     """Direction: the SAM gradient with radius ``rho`` (> 0)."""
 

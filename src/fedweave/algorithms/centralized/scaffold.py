@@ -15,9 +15,10 @@ from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, per_j
 from fedweave.execution import LocalRule, StateStore
 from fedweave.execution.local import ClientStep, GradFn, LocalResult
 from fedweave.ledger import nbytes
-from fedweave.registry import ALGORITHMS
+from fedweave.registry import ALGORITHMS, CLIENT_STEPS, RULES
 
 
+@RULES.register("scaffold")
 class ScaffoldRule(LocalRule):
     """Direction ``grad f_i(w) - c_i + c`` (SCAFFOLD Alg. 1 line 10).
 
@@ -42,6 +43,7 @@ def option_ii(
     return c_local - c_global + (x - y) / (k * lr)
 
 
+@CLIENT_STEPS.register("scaffold")
 class ScaffoldStep(ClientStep):
     """SCAFFOLD's client (Alg. 1 lines 8-13): local steps with its own ``c_i`` and the server's ``c``, then
     ``c_i+`` by option II; it uploads ``Delta y_i`` and ``Delta c_i`` and keeps ``c_i+``."""

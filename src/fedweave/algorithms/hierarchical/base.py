@@ -32,6 +32,7 @@ from fedweave.config import ConfigError
 from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, choose_backend, evaluate_task
 from fedweave.execution.local import LR, PLAIN, ClientStep, GradFn, LocalResult
 from fedweave.ledger import nbytes
+from fedweave.registry import LR_SCHEDULES, RULE_PARTS, RULES
 from fedweave.seeding import Seeds
 from fedweave.topology.samplers import make_sampler
 
@@ -43,11 +44,12 @@ def local_steps(tau: float, r: int, power: float = 0.5) -> int:
     return max(1, int(np.floor(tau * (r + 1) ** power + 1e-9)))
 
 
+@LR_SCHEDULES.register("decaying")
 class Decaying:
     """The step size schedule t -> c / (t + offset) (client: gamma~_{i,t} = gamma~_i / (t + Gamma), Prop. 1).
 
     A schedule is data (its two numbers), not a closure, so that a deployment sends it to the node by name
-    (``fedweave.deploy.jobs.SCHEDULES``)."""
+    (``fedweave.registry.LR_SCHEDULES``)."""
 
     def __init__(self, c: float, offset: float = 1.0) -> None:
         self.c, self.offset = c, offset
@@ -64,6 +66,7 @@ def decaying(c: float, offset: float = 1.0) -> Callable[[int], float]:
 # ---- the lower-level problem (Algorithm 2) -------------------------------------------------------------
 
 
+@RULE_PARTS.register("projection")
 class Projection:
     """Euclidean projection onto Y_i(x); ``centre`` is the lower level's input point x (spec A17)."""
 
@@ -71,6 +74,7 @@ class Projection:
         return w
 
 
+@RULE_PARTS.register("ball")
 class BallProjection(Projection):
     """Y_i(x) = {y : ||y - x|| <= radius}: Pi(z) = x + (z - x) min(1, radius / ||z - x||) (spec §2.3)."""
 
@@ -83,6 +87,7 @@ class BallProjection(Projection):
         return centre + z * (self.radius / norm.clamp_min(self.radius))
 
 
+@RULE_PARTS.register("box")
 class BoxProjection(Projection):
     """Y = [low, high]^n (coordinate-wise clipping); ``low=0, high=inf`` is the orthant of example (3)."""
 
@@ -105,6 +110,7 @@ def make_projection(kind: str, radius: float = 1.0, low: float = 0.0, high: floa
     raise ConfigError(f"algorithm.constraint must be one of none, ball, box; got {kind!r}")
 
 
+@RULES.register("lower_level")
 class LowerLevelRule(LocalRule):
     """Algorithm 2, line 4: y <- Pi_{Y_i(x)}[y - gamma~_t (grad L~_i(y, zeta) + mu (y - x))].
 

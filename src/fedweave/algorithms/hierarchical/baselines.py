@@ -33,9 +33,10 @@ from fedweave.config import ConfigError
 from fedweave.execution import LocalRule, StateStore
 from fedweave.execution.local import LocalResult
 from fedweave.ledger import nbytes
-from fedweave.registry import ALGORITHMS
+from fedweave.registry import ALGORITHMS, CLIENT_STEPS
 
 
+@CLIENT_STEPS.register("hier_scaffold")
 class HierScaffoldStep(ScaffoldStep):
     """SCAFFOLD's client in the hierarchical setting: local steps along grad - c_i + c with the family's step
     schedule, then option II with the sum of the step sizes, c_i+ = c_i - c + (x - y_i) / sum_k eta_k (spec

@@ -1,0 +1,216 @@
+"""One local-training call as a typed record, the rules that change its update, and the backends that run
+it (DESIGN principle 19: client code sees a job, not a closure).
+
+A :class:`LocalCall` is what every backend's ``run(trainer, call)`` takes and what the ``pool`` and ``ray``
+backends and the deployment send: the jobs' start rows and clients, the batch plan's coordinates (round,
+steps, key: the named seed streams ``("batches", round, client, *key)`` give each job's batches), the local
+rule with its per-job state, and the learning rate. A :class:`LocalRule` sees one local step through a
+:class:`StepGradient`, whose batch is declared, not attached to a closure.
+
+This module imports no backend: each backend registers its ``run`` here with :func:`backend`, and
+:func:`backend_run` imports a backend's module by name on first use, so the backends, the trainer
+(``execution.local``) and the shards of a call form no import cycle.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedweave.registry import RULES
+
+GradFn = Callable[[torch.Tensor], torch.Tensor]
+LR = float | Callable[[int], float]  # a constant, or the step size of local step t (t = 0, 1, ... per call)
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # features, labels, validity mask (None: all)
+
+
+class StepGradient:
+    """The gradient oracle of one local step, as a rule's :meth:`LocalRule.direction` receives it: call it
+    with parameters ``w`` for the gradient of the step's batch loss at ``w``. Rules that need the samples
+    themselves (per-sample gradients, DP-SGD) read :attr:`batch` (features, labels and, on the vmap
+    backend, the validity mask of padded rows) and pass the mean loss they computed to :meth:`report`, in
+    place of calling the oracle."""
+
+    __slots__ = ("fn", "batch", "report")
+
+    def __init__(self, fn: GradFn, batch: Batch, report: Callable[[torch.Tensor], Any]) -> None:
+        self.fn, self.batch, self.report = fn, batch, report
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        return self.fn(w)
+
+
+@RULES.register("plain")
+class LocalRule:
+    """The plain local SGD rule: the direction is the stochastic gradient. Subclass to change it.
+
+    A rule is written once with broadcasting: it is called with ``w`` of shape ``(P,)`` and ``jobs`` an int
+    on the loop backend, and with ``w`` of shape ``(K, P)`` and ``jobs`` a ``LongTensor`` of job positions
+    on the vmap backend. A rule that a deployment sends is registered by name at its definition
+    (``@fedweave.registry.RULES.register(name)``); its state is its attributes (tensors and scalars)."""
+
+    def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
+        """The step direction at parameters ``w``: ``grad(w)``, the stochastic gradient of the step's batch.
+
+        ``jobs``: the position in the call of the job ``w`` belongs to (an int on the loop backend), or of each
+        row of ``w`` (a tensor, when jobs are batched), so that a subclass can index per-job tensors (SCAFFOLD's
+        control variates). The trainer's optimizer step (:meth:`LocalTrainer.sgd_update`) follows it, then
+        :meth:`project`."""
+        return grad(w)
+
+    def project(self, w: torch.Tensor, jobs: int | torch.Tensor) -> torch.Tensor:
+        """Projection onto a constraint set after each step (identity by default)."""
+        return w
+
+
+PLAIN = LocalRule()
+
+
+def plain_rule(rule: LocalRule) -> bool:
+    """True when ``rule`` changes neither the direction nor the projection (FedAvg's local step): it does
+    not depend on the job, and the loop backend may take its fast paths."""
+    cls = type(rule)
+    return cls.direction is LocalRule.direction and cls.project is LocalRule.project
+
+
+class Reindexed(LocalRule):
+    """``rule`` seen from a call that runs some of its jobs: job k of this call is job ``positions[k]`` of
+    the call the rule's per-job tensors were made for (a shard of a pool or Ray call; the clients of a round
+    that did not drop out)."""
+
+    def __init__(self, rule: LocalRule, positions: torch.Tensor) -> None:
+        self.rule, self.positions = rule, positions
+
+    def _map(self, jobs: int | torch.Tensor) -> int | torch.Tensor:
+        if isinstance(jobs, int):
+            return int(self.positions[jobs])  # a host tensor: no device round trip
+        if self.positions.device != jobs.device:  # batched jobs index per-job tables where those live
+            self.device_positions = getattr(self, "device_positions", None)
+            if self.device_positions is None or self.device_positions.device != jobs.device:
+                self.device_positions = self.positions.to(jobs.device)
+            return self.device_positions[jobs]
+        return self.positions[jobs]
+
+    def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
+        return self.rule.direction(w, grad, self._map(jobs))
+
+    def project(self, w: torch.Tensor, jobs: int | torch.Tensor) -> torch.Tensor:
+        return self.rule.project(w, self._map(jobs))
+
+
+def reindexed(rule: LocalRule, positions: Sequence[int] | torch.Tensor) -> LocalRule:
+    """``rule`` for a call of the jobs at ``positions`` of the original call; the rule itself when it does
+    not depend on the job (so the plain-SGD fast path stays available)."""
+    if plain_rule(rule):
+        return rule
+    return Reindexed(rule, torch.as_tensor(np.asarray(positions), dtype=torch.long, device="cpu"))
+
+
+@dataclass
+class LocalCall:
+    """One local-training call: job ``k`` trains client ``clients[k]`` from ``starts[k]`` with ``rule``.
+
+    ``starts`` is ``(K, P)``, or one ``(P,)`` row shared by every job of a shard sent to a worker. The
+    batch plan of a job is drawn from the named streams of ``(round, client, *key)`` with ``steps`` local
+    steps (``None``: the configured epochs or steps), so any process that holds the training data draws the
+    same batches. ``offset`` is the position of job 0 in the call the rule's per-job tensors were made for
+    (non-zero for a shard of a pool or Ray call)."""
+
+    starts: torch.Tensor
+    clients: list[int]
+    round: int
+    rule: LocalRule
+    lr: LR
+    steps: int | None
+    key: tuple[int, ...]
+    offset: int = 0
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    def shard(self, lo: int, hi: int) -> LocalCall:
+        """Jobs ``lo .. hi - 1`` of this call; a shared start (an expanded tensor) stays one row, so a
+        worker is sent only that row."""
+        shared = self.starts.dim() == 2 and self.starts.stride(0) == 0
+        starts = self.starts[lo] if shared else self.starts[lo:hi]
+        return replace(self, starts=starts, clients=self.clients[lo:hi], offset=self.offset + lo)
+
+
+@dataclass
+class LocalResult:
+    """What a call returns, on the trainer's device."""
+
+    params: torch.Tensor  #: (K, P) final local parameters
+    steps: torch.Tensor  #: (K,) local steps taken
+    loss: torch.Tensor  #: (K,) mean training loss over the steps
+
+
+def summed_losses(losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of a job's per-step losses (0-d tensors) in float64, added one after another (a cumulative
+    sum: the same bits as adding them up as Python floats), without a round trip to the host."""
+    wide = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+    if not losses:
+        return torch.zeros((), dtype=wide, device=device)
+    return torch.stack(losses).to(wide).cumsum(0)[-1]
+
+
+class ClientStep:
+    """The client's side of a round of an algorithm whose clients keep state of their own (SCAFFOLD's
+    ``c_i``, FedDyn's local gradient): from the client's state rows and what the server sent, the local
+    rule; after local training, what the client uploads and its new state.
+
+    Written once per algorithm with a leading job axis, it runs for a whole call at once over the run's
+    ``StateStore`` in simulation (``LocalTrainer.train_with_state``), and for one job on the node that
+    keeps the client's state in a deployment (``fedweave.deploy``), so the state never travels. Its
+    attributes are what the server sends (tensors shared by the call's jobs, and scalars); a step that a
+    deployment sends is registered by name (``@fedweave.registry.CLIENT_STEPS.register(name)``).
+    """
+
+    state: tuple[str, ...] = ()  #: the per-client state rows, each of the model's size, zero at the start
+
+    def rule(self, state: dict[str, torch.Tensor]) -> LocalRule:
+        """The local rule of jobs whose state rows are ``state[name]`` (shape ``(K, P)``)."""
+        raise NotImplementedError
+
+    def finish(
+        self, state: dict[str, torch.Tensor], start: torch.Tensor, result: LocalResult
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``(upload, new_state)`` of the jobs, each tensor ``(K, ...)``, from their state, start vector(s)
+        and local result. An empty ``upload`` means the client sends its local model."""
+        raise NotImplementedError
+
+    def local_model(self, start: torch.Tensor, upload: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The local models as the server can rebuild them from an upload that is not the model (for
+        metrics only)."""
+        raise NotImplementedError
+
+
+# ---- backends ------------------------------------------------------------------------------------------
+Run = Callable[[Any, LocalCall], LocalResult]  # (LocalTrainer, call) -> result
+BACKENDS = ("loop", "vmap", "ray", "pool")  # each is the module fedweave.execution.<name>
+_RUNS: dict[str, Run] = {}
+
+
+def backend(name: str) -> Callable[[Run], Run]:
+    """Register a backend's ``run(trainer, call)`` under ``name`` (at its definition)."""
+
+    def deco(run: Run) -> Run:
+        _RUNS[name] = run
+        return run
+
+    return deco
+
+
+def backend_run(name: str) -> Run:
+    """The registered ``run`` of backend ``name``, importing its module on first use (by name, so this
+    module and the trainer import no backend)."""
+    if name not in _RUNS:
+        if name not in BACKENDS:
+            raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(BACKENDS)}")
+        importlib.import_module(f"fedweave.execution.{name}")
+    return _RUNS[name]
