@@ -127,6 +127,7 @@ class StarAlgorithm(Algorithm):
     # subclass that writes its own run_round declares what that handles.
     handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "deadline")
     uplink: ClassVar[str] = "model"  # the ledger kind of each reporting client's upload
+    state_fields = ("x",)  # the global model; a method adds its server state
 
     def __init__(self, ctx: RunContext, hp: StarHparams) -> None:
         super().__init__(ctx, hp)
@@ -140,7 +141,6 @@ class StarAlgorithm(Algorithm):
         self.x = self.layout.flatten()  # the global model x_t
         self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=self.x.dtype, device=self.x.device)
         self.sampler = make_sampler(ctx, hp.clients_per_round, default=_aliased_sampler(ctx, hp))
-        self._checkpoint = ("x",)
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
 
     def state_dict(self) -> dict:

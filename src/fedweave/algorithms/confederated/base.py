@@ -114,7 +114,7 @@ class ConfederatedAlgorithm(Algorithm):
     fixed_task = "solves its paper's regularized logistic regression, eq. (48) (docs/algorithms/confederated.md)"
     Hparams = ConfederatedHparams
     handles_faults = ("dropout", "server_miss", "link_loss")
-    _state: tuple[str, ...] = ()  # subclass tensors/ints to checkpoint besides the skeleton's
+    state_fields = ("X", "Y", "G", "k", "uploads")  # the skeleton's; a method adds its own
 
     def __init__(self, ctx: RunContext, hp: ConfederatedHparams) -> None:
         super().__init__(ctx, hp)
@@ -134,7 +134,6 @@ class ConfederatedAlgorithm(Algorithm):
         self.uploads = 0  # user -> server vectors so far (the paper's metric)
         self.vector_bytes = d * self.X.element_size()
         self._all_users = torch.arange(pb.P, device=dev).expand(n, pb.P)
-        self._checkpoint = ("X", "Y", "G", "k", "uploads", *self._state)
         self.ledger.store("edge", "x_y_g", 3 * self.vector_bytes)
         # this round's faults (set by ``apply_faults``); None without faults, so that path stays as it was
         self.server_on: torch.Tensor | None = None  # (N,) the servers that take part

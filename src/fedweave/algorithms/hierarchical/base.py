@@ -299,6 +299,7 @@ class HierarchicalAlgorithm(Algorithm):
     family = "hierarchical"
     Hparams = HierarchyHparams
     jobs_per_client = 1
+    state_fields = ("x",)  # the global model x^_r
 
     def __init__(self, ctx: RunContext, hp: HierarchyHparams) -> None:
         super().__init__(ctx, hp)
@@ -326,7 +327,6 @@ class HierarchicalAlgorithm(Algorithm):
         pl = ctx.placement
         self.server_x, self.server_y = pl.data(d.train_x[d.server]), pl.data(d.train_y[d.server])
         self.ledger.store("server", "server_data", nbytes(self.server_x, self.server_y))
-        self._checkpoint = ("x",)
 
     @property
     def dim(self) -> int:
