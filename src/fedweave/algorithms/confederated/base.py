@@ -31,6 +31,7 @@ from fedweave.config import ConfigError, check_options
 from fedweave.faults import mixing_without
 from fedweave.registry import SAMPLERS
 from fedweave.topology.confederation import Confederation, ConfederationHparams
+from fedweave.topology.samplers import SAMPLER_ARGS, refuse_context
 
 
 @dataclass
@@ -201,7 +202,8 @@ class ConfederatedAlgorithm(Algorithm):
         ``("user_selection", k, i)`` stream; the methods' estimators (e.g. eq. (11)'s P S / m) need m each."""
         pb, section = self.problem, self.config.sampler
         fn = SAMPLERS.get(section.name)
-        opts = check_options(fn, section.options, "sampler", skip=("num_clients", "per_round", "r", "rng", "rounds"))
+        refuse_context(section.name, fn, self.family)
+        opts = check_options(fn, section.options, "sampler", skip=SAMPLER_ARGS)
         rows = []
         for i in range(pb.N):
             row = np.asarray(

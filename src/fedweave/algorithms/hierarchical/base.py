@@ -313,7 +313,7 @@ class HierarchicalAlgorithm(Algorithm):
         # trainer data index m is the server's own share (a baseline control trains on it as a client)
         jobs = [*d.parts, d.server.numpy()]
         self.server_job = self.m
-        self.sampler = make_sampler(ctx, self.k, self.m)
+        self.sampler = make_sampler(ctx, self.k, self.m, family=self.family)
         self.trainer = LocalTrainer(
             ctx.model, d.train_x, d.train_y, jobs, cfg.local, ctx.seeds, backend=backend, ray=cfg.ray,
             loss_fn=ctx.task.loss, placement=ctx.placement,

@@ -238,7 +238,7 @@ class SplitAlgorithm(Algorithm):
         ds = ctx.dataset
         n = ctx.num_clients
         self.per_round = hp.clients_per_round or n
-        self.sampler = make_sampler(ctx, self.per_round)
+        self.sampler = make_sampler(ctx, self.per_round, family=self.family)
         self.loss = ctx.task.loss  # the local (auxiliary) and server losses: cross-entropy in the paper
         if self.per_round > n:
             raise ConfigError(f"algorithm.clients_per_round ({self.per_round}) exceeds partition.num_clients ({n})")
