@@ -190,10 +190,10 @@ class Sampler:
     options: dict[str, Any]
     seeds: Any  # the run's Seeds: round r draws from its own ("client_sampling", r) stream
     context: SamplerContext | None = None
+    reads_context: bool = field(init=False)  # the function declares a ``context`` keyword
 
-    @property
-    def reads_context(self) -> bool:
-        return reads_context(self.fn)
+    def __post_init__(self) -> None:
+        self.reads_context = reads_context(self.fn)
 
     def __call__(self, r: int) -> np.ndarray:
         extra = {"context": self.context} if self.reads_context else {}

@@ -212,7 +212,8 @@ class StarAlgorithm(Algorithm):
             local, upload = self.trainer.train_with_state(self.x, clients, r, rule, self.store, lr=lr)
         else:
             local, upload = self.trainer.train(self.x, clients, r, rule=rule, lr=lr), {}
-        self.client_history.record(r, clients, local.loss)  # for the sampler's context (a copy: no number changes)
+        if self.sampler.reads_context:  # a copy of the losses to the host: no number changes
+            self.client_history.record(r, clients, local.loss)
         return Collected(r, clients, lr, local, upload, self.weights(clients))
 
     def client_updates(self, got: Collected) -> torch.Tensor:
