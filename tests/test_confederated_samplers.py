@@ -53,3 +53,12 @@ def test_a_sampler_must_pick_m_users_per_server():
     with pytest.raises(ConfigError, match=r"picked \d users of edge server \d at iteration \d+"):
         for k in range(50):
             algo.select_users(k, 2)
+
+
+def test_a_sampler_that_reads_the_clients_context_is_refused_in_one_line():
+    from test_tasks import _register_context_samplers
+
+    _register_context_samplers()
+    with pytest.raises(ConfigError, match="which the confederated family does not give") as e:
+        _make(sampler={"name": "_power_of_choice"}).select_users(0, 2)
+    assert "\n" not in str(e.value)

@@ -1,10 +1,13 @@
-"""Seeding streams, the ledger and the state store."""
+"""Seeding streams, the ledger, the state store and the registration of the built-in algorithms."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +16,8 @@ import torch
 from fedweave.execution import StateStore
 from fedweave.ledger import Ledger, direction, nbytes
 from fedweave.seeding import Seeds
+
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def test_streams_depend_only_on_identity_not_on_draw_order():
@@ -84,6 +89,61 @@ def test_looking_up_an_algorithm_imports_only_the_families_up_to_its_own():
     assert out[0] == "['fedweave.algorithms.base', 'fedweave.algorithms.centralized'] False"
     n, networkx = out[1].split()
     assert int(n) > 30 and networkx == "True"  # names() imports every family
+
+
+# Run in a fresh interpreter on the package under sys.argv[1]: look every algorithm up as the runner does
+# (ALGORITHMS.names(), which imports the families the registry knows), then walk every module file under
+# fedweave/algorithms/ and report each Algorithm subclass with a name of its own that the look-up did not
+# register, each module file it did not import, and the family subpackages the registry does not know.
+REGISTRATION_CHECK = """
+import importlib, inspect, json, pkgutil, sys
+sys.path.insert(0, sys.argv[1])
+from fedweave.registry import ALGORITHM_FAMILIES, ALGORITHMS
+registered = {name: ALGORITHMS.get(name) for name in ALGORITHMS.names()}
+loaded = set(sys.modules)
+import fedweave.algorithms as pkg
+from fedweave.algorithms.base import Algorithm
+problems = []
+families = sorted(i.name for i in pkgutil.iter_modules(pkg.__path__) if i.ispkg)
+if families != sorted(ALGORITHM_FAMILIES):
+    problems.append(f"families on disk {families}, in fedweave.registry {sorted(ALGORITHM_FAMILIES)}")
+for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+    if info.name not in loaded:
+        problems.append(f"{info.name} is not imported by its family")
+    for cls in vars(importlib.import_module(info.name)).values():
+        own = inspect.isclass(cls) and issubclass(cls, Algorithm) and cls.__module__ == info.name
+        if own and vars(cls).get("name") and registered.get(cls.name) is not cls:
+            problems.append(f"{info.name}.{cls.__name__} ({cls.name!r}) is not registered")
+print(json.dumps(problems))
+"""
+
+
+def registration_problems(src: Path) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", REGISTRATION_CHECK, str(src)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_every_algorithm_module_is_imported_by_its_family_and_registered():
+    assert registration_problems(SRC) == []
+
+
+def test_a_method_file_nobody_imports_fails_the_registration_check(tmp_path):
+    shutil.copytree(SRC / "fedweave", tmp_path / "fedweave", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "fedweave" / "algorithms" / "centralized" / "fednew.py").write_text(
+        "from fedweave.algorithms.centralized.base import StarAlgorithm\n"
+        "from fedweave.registry import ALGORITHMS\n\n\n"
+        "@ALGORITHMS.register('fednew')\nclass FedNew(StarAlgorithm):\n    name = 'fednew'\n"
+    )
+    (tmp_path / "fedweave" / "algorithms" / "newfamily").mkdir()
+    (tmp_path / "fedweave" / "algorithms" / "newfamily" / "__init__.py").write_text("")
+    assert registration_problems(tmp_path) == [
+        "families on disk ['centralized', 'confederated', 'decentralized', 'hierarchical', 'newfamily', 'split'], "
+        "in fedweave.registry ['centralized', 'confederated', 'decentralized', 'hierarchical', 'split']",
+        "fedweave.algorithms.centralized.fednew is not imported by its family",
+        "fedweave.algorithms.centralized.fednew.FedNew ('fednew') is not registered",
+        "fedweave.algorithms.newfamily is not imported by its family",
+    ]
 
 
 def test_cpu_seconds_counts_live_worker_processes():

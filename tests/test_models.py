@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from fedweave.models import build_model, count_parameters, layer_parameter_names
+from fedweave.models import HasHead, build_model, count_parameters, has_head, layer_parameter_names
 from fedweave.registry import MODELS, UnknownNameError
 
 IMAGE_MODELS = [
@@ -124,6 +124,33 @@ def test_featurizer_and_classifier_layers() -> None:
     # afind-plus §9.1: MLP ϕ = the hidden layer (784×64 + 64); §4.3: FMNIST CNN featurizer = conv2.
     assert size(_build("mlp", MNIST), "featurizer") == 784 * 64 + 64
     assert layer_parameter_names(_build("cnn_fmnist", MNIST), "featurizer") == ["conv2.weight", "conv2.bias"]
+
+
+# The CIFAR-stem ResNet keeps full-resolution maps in its first stage: a small input keeps these fast.
+HEAD_CASES = [(n, (3, 8, 8) if n.startswith("resnet") else s, c) for n, s, c in _cases() if s != MNIST]
+
+
+def test_every_registered_model_follows_the_features_and_head_convention() -> None:
+    """Every model of the zoo (fedweave's own registrations) has a head, or says why it has none."""
+    zoo = [n for n in MODELS.names() if MODELS.get(n).__module__.startswith("fedweave.")]
+    assert set(zoo) == set(IMAGE_MODELS) | {"char_lstm"}  # a new model is added to the cases above
+    for name in zoo:
+        model = _build(name, *next((s, c) for n, s, c in HEAD_CASES if n == name))
+        assert has_head(model) or (not isinstance(model, HasHead) and model.no_head), name
+
+
+@pytest.mark.parametrize(("name", "shape", "classes"), HEAD_CASES)
+def test_features_and_head_compose_to_the_model_bit_for_bit(name: str, shape: tuple[int, ...], classes: int):
+    model = _build(name, shape, classes)
+    x = _input(name, shape, 3)
+    z = model.features(x)
+    assert z.ndim == 2 and z.shape[0] == 3
+    assert torch.equal(model.head(z), model(x))
+    # head_names() are exactly the parameters the head uses: a loss on head(z) reaches those and no others
+    z = z.detach().requires_grad_()
+    model.head(z).square().sum().backward()
+    touched = [n for n, p in model.named_parameters() if p.grad is not None]
+    assert touched == model.head_names() and touched == layer_parameter_names(model, "classifier")
 
 
 def _perturbed(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:

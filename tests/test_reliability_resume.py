@@ -14,10 +14,12 @@ import torch
 import yaml
 
 import fedweave
+from fedweave.algorithms.base import Algorithm, RunContext, build_algorithm
+from fedweave.algorithms.centralized.base import StarAlgorithm
 from fedweave.algorithms.centralized.fedavg import FedAvg
 from fedweave.checkpoints import CHECKPOINT, read_checkpoint, save_checkpoint
 from fedweave.cli import main as cli_main
-from fedweave.config import ConfigError
+from fedweave.config import ConfigError, from_dict
 from fedweave.registry import ALGORITHMS
 from fedweave.results import read_metrics
 from fedweave.runner import DivergenceError, resume
@@ -133,7 +135,7 @@ def test_a_state_torch_cannot_load_safely_fails_at_the_first_checkpoint(toy_conf
 
     algo = fedweave.run(toy_config, run_dir=tmp_path / "r").algorithm
     algo.bad = np.zeros(3)  # a numpy array: refused by weights_only=True
-    algo._checkpoint = ("x", "bad")
+    algo.state_fields = ("x", "bad")  # its state record, on this instance only
     from fedweave.results import RunDir
 
     with pytest.raises(TypeError, match="weights_only=True"):
@@ -189,10 +191,11 @@ def test_divergence_keeps_the_last_good_checkpoint_and_metrics(toy_config, tmp_p
 class _WithMarker(FedAvg):
     """FedAvg holding a tensor that uses NaN as 'not seen yet' (as peer-loss trackers do)."""
 
+    state_fields = (*StarAlgorithm.state_fields, "seen")
+
     def __init__(self, ctx, hp):
         super().__init__(ctx, hp)
         self.seen = torch.full((ctx.num_clients,), float("nan"))
-        self._checkpoint = ("x", "seen")
 
     def run_round(self, r: int) -> dict[str, float]:
         out = super().run_round(r)
@@ -211,3 +214,54 @@ def test_nan_used_as_a_marker_from_the_start_is_not_divergence(toy_config, tmp_p
     assert res.summary["status"] == "completed"
     seen = _checkpoint(tmp_path / "r")["algorithm"]["seen"]
     assert bool(seen.isnan().any()) and not bool(seen.isnan().all())
+
+
+# The state record of every built-in algorithm: the default ``state_dict()`` saves these attributes under their
+# names (a family or method adds its client state, selector or uploads in flight), so they are keys of every
+# checkpoint written so far, which a resumed run reads back: a change here makes old checkpoints unreadable.
+STATE_RECORDS = {
+    **dict.fromkeys(["fedavg", "fedprox", "fedsam"], ("x",)),
+    **dict.fromkeys(["fedadam", "fedopt"], ("x", "m", "v")),
+    "fedcm": ("x", "momentum"),
+    "mofedsam": ("x", "momentum"),
+    "feddyn": ("x", "h"),
+    "fedmim": ("x", "history"),
+    "scaffold": ("x", "c"),
+    **dict.fromkeys(["hier_fedavg", "hier_fedprox", "hier_scaffold", "zo_hfl"], ("x",)),
+    **dict.fromkeys(["cse_fsl", "fsl_an", "fsl_mc", "fsl_oc"], ("xc", "xs", "xa")),
+    **dict.fromkeys(["afind", "afind_plus", "dfedavg", "dfedavgm", "dispfl", "ditto"], ()),
+    **dict.fromkeys(["fedavg_ft", "gossip", "local"], ()),
+    "federico": ("pi", "tracked"),
+    "fomo": ("affinity",),
+    "pens": ("counts",),
+    "cfl_admm": ("X", "Y", "G", "k", "uploads", "xu", "lam", "msg", "gamma"),
+    "cfl_saga": ("X", "Y", "G", "k", "uploads", "table", "table_sum", "held", "ref"),
+    "gt_saga": ("X", "Y", "G", "k", "uploads", "table", "table_sum"),
+    "gt_sarah": ("X", "Y", "G", "k", "uploads", "due", "anchored"),
+    "gt_svrg": ("X", "Y", "G", "k", "uploads", "anchor", "mu", "due", "anchored"),
+}
+
+
+def test_every_built_in_algorithm_keeps_its_state_record():
+    builtin = {n: ALGORITHMS.get(n) for n in ALGORITHMS.names() if ALGORITHMS.get(n).__module__.startswith("fedweave.")}
+    assert {n: cls.state_fields for n, cls in builtin.items()} == STATE_RECORDS
+
+
+def test_a_state_field_the_algorithm_does_not_set_fails_when_it_is_built(toy_config):
+    class Misspelt(FedAvg):
+        state_fields = (*StarAlgorithm.state_fields, "momentun")
+
+        def __init__(self, ctx, hp):
+            super().__init__(ctx, hp)
+            self.momentum = torch.zeros_like(self.x)
+
+    ctx = RunContext(from_dict(toy_config))
+    with pytest.raises(TypeError, match=r"Misspelt.state_fields names \['momentun'\], which Misspelt does not set"):
+        Misspelt(ctx, build_algorithm(ctx).hp)
+
+
+@pytest.mark.parametrize("fields", ["x", ("x", "x"), ("x", "not a name")])
+def test_a_state_record_must_be_a_tuple_of_distinct_attribute_names(fields):
+    with pytest.raises(TypeError, match="state_fields"):
+        type("Bad", (FedAvg,), {"state_fields": fields})
+    assert Algorithm.state_fields == ()

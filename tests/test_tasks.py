@@ -13,7 +13,7 @@ from torch import nn
 import fedweave
 from fedweave.cli import main as cli_main
 from fedweave.config import ConfigError
-from fedweave.registry import SAMPLERS
+from fedweave.registry import ALGORITHMS, SAMPLERS
 from fedweave.runner import resume
 from fedweave.tasks import LOSSES, METRICS, build_task
 
@@ -625,6 +625,92 @@ def test_a_registered_sampler_is_used(tmp_path):
             return np.arange(0, num_clients, 2)
 
     assert _picked(_star(tmp_path, {"name": "_evens"})) == [[0, 2, 4, 6, 8]] * 5
+
+
+def _register_context_samplers() -> None:
+    """Two samplers that read the clients' context: a power-of-choice-like one (Cho et al., 2022: d candidates
+    drawn in proportion to the clients' sizes, the per_round of them with the highest last loss, a client
+    never heard from first) and a uniform one that reads the context but ignores it. Each keeps what it saw."""
+    if "_power_of_choice" in SAMPLERS._items:
+        return
+
+    @SAMPLERS.register("_power_of_choice")
+    def power_of_choice(num_clients, per_round, r, rng, *, rounds, context, d: int = 6):
+        p = context.sizes / context.sizes.sum()
+        candidates = rng.choice(num_clients, min(d, num_clients), replace=False, p=p)
+        loss = np.where(np.isnan(context.last_loss[candidates]), np.inf, context.last_loss[candidates])
+        picked = np.sort(candidates[np.argsort(-loss, kind="stable")[:per_round]])
+        seen.append((r, context.sizes.copy(), context.last_loss.copy(), context.last_round.copy(), picked))
+        return picked
+
+    @SAMPLERS.register("_uniform_reading_context")
+    def uniform_reading_context(num_clients, per_round, r, rng, *, rounds, context=None):
+        assert context is not None
+        return np.sort(rng.choice(num_clients, per_round, replace=False))
+
+    @SAMPLERS.register("_writes_context")
+    def writes_context(num_clients, per_round, r, rng, *, rounds, context):
+        context.last_loss[0] = 0.0  # read-only: raises
+        return np.arange(per_round)
+
+
+seen: list[tuple] = []
+
+
+def test_a_sampler_reading_the_context_sees_sizes_last_losses_and_rounds(tmp_path):
+    _register_context_samplers()
+    seen.clear()
+    res = _star(tmp_path, {"name": "_power_of_choice"}, weighting="samples")
+    sizes = np.array([len(p) for p in res.algorithm.ctx.partition])
+    assert [r for r, *_ in seen] == [0, 0, 1, 2, 3, 4]  # round 0 is drawn once more when the run is built
+    draws = seen[1:]
+    for r, got_sizes, last_loss, last_round, _ in draws:
+        assert np.array_equal(got_sizes, sizes)
+        # at round r the context knows rounds < r: the round each client last took part, with its loss
+        expected = np.full(len(sizes), -1)
+        for q in range(r):
+            expected[draws[q][4]] = q
+        assert np.array_equal(last_round, expected)
+        assert np.isnan(last_loss[expected < 0]).all() and not np.isnan(last_loss[expected >= 0]).any()
+    # the weighted train loss of round r is the mean of the losses the context holds at round r + 1
+    for r in range(4):
+        picked = draws[r][4]
+        w = sizes[picked] / sizes[picked].sum()
+        assert np.isclose(w @ draws[r + 1][2][picked], res.metrics[r]["train_loss"], rtol=1e-6, atol=0)
+    # a client never heard from comes first: the first rounds take new clients only
+    assert not set(draws[0][4]) & set(draws[1][4])
+
+
+def test_reading_the_context_changes_no_number_and_resumes_exactly(tmp_path):
+    _register_context_samplers()
+    assert _numbers(_star(tmp_path, {"name": "_uniform_reading_context"})) == _numbers(_star(tmp_path))
+    whole = _star(tmp_path, {"name": "_power_of_choice"})
+    cfg = {
+        "name": "smp",
+        "rounds": 3,
+        "dataset": {"name": "digits"},
+        "partition": {"name": "iid", "num_clients": 10},
+        "algorithm": {"name": "fedavg", "clients_per_round": 3},
+        "sampler": {"name": "_power_of_choice"},
+        "output": {"progress": False, "plots": False, "checkpoint_every": 1},
+    }
+    fedweave.run(cfg, run_dir=tmp_path / "part")
+    resumed = resume(tmp_path / "part", ["rounds=5"])
+    assert _numbers(resumed) == _numbers(whole)
+    assert _picked(resumed) == _picked(whole)
+
+
+def test_the_context_is_read_only_and_only_the_star_gives_one(tmp_path):
+    from test_precision import family_config
+
+    _register_context_samplers()
+    with pytest.raises(ValueError, match="read-only"):
+        _star(tmp_path, {"name": "_writes_context"})
+    for name in ("hier_fedavg", "cse_fsl"):
+        cfg = {**family_config(name), "sampler": {"name": "_power_of_choice"}}
+        with pytest.raises(ConfigError, match=r"sampler '_power_of_choice' reads the clients' context") as e:
+            fedweave.run(cfg, run_dir=tmp_path / name)
+        assert f"which the {ALGORITHMS.get(name).family} family does not give" in str(e.value)
 
 
 # ---- eval.at_start, model.init_from, full_batch ---------------------------------------------------------

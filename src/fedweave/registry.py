@@ -83,6 +83,19 @@ CLIENT_STEPS = Registry("client step")  # ClientStep classes (clients with state
 RULE_PARTS = Registry("rule part")  # objects a rule holds besides tensors and scalars (a projection)
 LR_SCHEDULES = Registry("learning-rate schedule")  # a local learning rate that is a function of the step
 
+# The algorithm families, each a subpackage of fedweave.algorithms whose ``__init__`` imports every method
+# module of its family (which registers itself at its definition): the registry knows the families, the
+# families know their methods. Named, not imported, so that this foundation module never imports the layer
+# above it; tests/test_core_basics.py checks the list against the subpackages and every method file against
+# the registry.
+ALGORITHM_FAMILIES = ("centralized", "confederated", "decentralized", "hierarchical", "split")
+# the built-in modules whose decorators fill the registries, in the order they are imported
+BUILTIN_MODULES = (
+    "fedweave.data",
+    "fedweave.models",
+    "fedweave.topology.samplers",
+    *(f"fedweave.algorithms.{family}" for family in ALGORITHM_FAMILIES),
+)
 _pending: list[str] | None = None  # the built-in modules not imported yet
 
 
@@ -92,8 +105,6 @@ def _load_builtins(until: Callable[[], bool] | None = None) -> None:
     families that need networkx (0.3 s of start-up). Without ``until`` everything is imported."""
     global _pending
     if _pending is None:
-        from fedweave.algorithms import family_modules
-
-        _pending = ["fedweave.data", "fedweave.models", "fedweave.topology.samplers", *family_modules()]
+        _pending = list(BUILTIN_MODULES)
     while _pending and not (until is not None and until()):
         importlib.import_module(_pending.pop(0))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from abc import ABC, abstractmethod
+from abc import ABCMeta, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cached_property
@@ -343,7 +343,30 @@ class RunContext:
         return self.build_model()
 
 
-class Algorithm(ABC):
+class _AlgorithmMeta(ABCMeta):
+    """Checks an algorithm's state record: its names when the class is defined, and once an instance is
+    built (every ``__init__`` of its bases has run), that each names an attribute the instance set."""
+
+    def __init__(cls, name: str, bases: tuple[type, ...], ns: dict[str, Any], **kw: Any) -> None:
+        super().__init__(name, bases, ns, **kw)
+        fields = cls.state_fields
+        if not isinstance(fields, tuple) or not all(isinstance(f, str) and f.isidentifier() for f in fields):
+            raise TypeError(f"{name}.state_fields must be a tuple of attribute names, got {fields!r}")
+        if len(set(fields)) != len(fields):
+            raise TypeError(f"{name}.state_fields names an attribute twice: {fields!r}")
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        algo = super().__call__(*args, **kwargs)
+        missing = [f for f in cls.state_fields if not hasattr(algo, f)]
+        if missing:
+            raise TypeError(
+                f"{cls.__name__}.state_fields names {missing}, which {cls.__name__} does not set when it is built "
+                f"(its state record: {list(cls.state_fields)})"
+            )
+        return algo
+
+
+class Algorithm(metaclass=_AlgorithmMeta):
     """Base class of every registered algorithm.
 
     ``ctx`` is the run's :class:`RunContext` (config, seeds, ledger, data, model, placement), ``hp`` the
@@ -362,8 +385,14 @@ class Algorithm(ABC):
     handles_faults: ClassVar[tuple[str, ...]] = ()
     #: Why the family trains only its own task (None: it trains any task of fedweave.tasks).
     fixed_task: ClassVar[str | None] = None
-    # The column a run's plots show when the task's main metric is not among its rows (a fixed task's own)
+    #: The column a run's plots show when the task's main metric is not among its rows (a fixed task's own).
     plot_metric: ClassVar[str] = "test_loss"
+    #: The state record: the attributes that a resumed run needs beyond the context, which the default
+    #: ``state_dict`` saves under their own names (the checkpoint's keys). A family base declares its
+    #: skeleton's (the star's global model ``("x",)``) and a method adds its server state
+    #: (``state_fields = (*StarAlgorithm.state_fields, "m", "v")``); a name the built instance does not set is
+    #: an error when the algorithm is built, not a silent miss at the first checkpoint.
+    state_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: RunContext, hp: Any) -> None:
         self.ctx = ctx
@@ -421,8 +450,9 @@ class Algorithm(ABC):
         """Evaluate after round ``r``; must include ``test_accuracy`` and ``test_loss`` where meaningful."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume; default: tensors and arrays listed in ``_checkpoint``."""
-        return {k: getattr(self, k) for k in getattr(self, "_checkpoint", ())}
+        """Everything needed to resume; default: the state record, each attribute of ``state_fields`` under its
+        name. A family or method with more (a client state store, uploads in flight) adds its entries."""
+        return {k: getattr(self, k) for k in self.state_fields}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the attributes of :meth:`state_dict`; a tensor goes where the fresh algorithm keeps it

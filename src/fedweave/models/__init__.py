@@ -6,5 +6,6 @@ Importing this package runs the registrations. Use ``build_model(name, input_sha
 
 from fedweave.models import char_lstm, cnn, linear, resnet  # noqa: F401  (registrations)
 from fedweave.models.build import build_model, count_parameters, layer_parameter_names
+from fedweave.models.head import HasHead, HeadedModel, has_head
 
-__all__ = ["build_model", "count_parameters", "layer_parameter_names"]
+__all__ = ["HasHead", "HeadedModel", "build_model", "count_parameters", "has_head", "layer_parameter_names"]

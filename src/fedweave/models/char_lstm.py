@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedweave.models.head import HeadedModel
 from fedweave.models.options import (
     Opt,
     check_classes,
@@ -61,7 +62,7 @@ class LSTMLayer(nn.Module):
         return torch.stack(outs, dim=1) if keep_sequence else h
 
 
-class CharLSTM(nn.Module):
+class CharLSTM(HeadedModel):
     """int64 characters (B, T) → logits for the next character (B, vocab), from the last step."""
 
     classifier = ("fc",)
@@ -76,12 +77,15 @@ class CharLSTM(nn.Module):
         self.fc = nn.Linear(hidden, num_classes)
         self.featurizer = (f"lstm.{num_layers - 1}",)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def features(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embedding(x)
         last = len(self.lstm) - 1
         for k, layer in enumerate(self.lstm):
             h = layer(h, keep_sequence=k < last)
-        return self.fc(h)
+        return h  # the last step's hidden state
+
+    def head(self, z: torch.Tensor) -> torch.Tensor:
+        return self.fc(z)
 
 
 _OPTS = {

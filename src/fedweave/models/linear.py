@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedweave.models.head import HeadedModel
 from fedweave.models.options import (
     Opt,
     boolean,
@@ -22,7 +23,7 @@ from fedweave.models.options import (
 from fedweave.registry import MODELS
 
 
-class Logistic(nn.Module):
+class Logistic(HeadedModel):
     """Flatten, then one Linear layer to the logits.
 
     ZO-HFL's x ∈ R^{n×C} (spec zo-hfl §4.3) is ``fc.weight`` transposed; with ``bias=False`` the model
@@ -36,11 +37,14 @@ class Logistic(nn.Module):
         super().__init__()
         self.fc = nn.Linear(in_features, num_classes, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x.reshape(x.shape[0], -1))
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], -1)  # no hidden layer: the representation is the flattened input
+
+    def head(self, z: torch.Tensor) -> torch.Tensor:
+        return self.fc(z)
 
 
-class MLP(nn.Module):
+class MLP(HeadedModel):
     """Flatten, then Linear + ReLU for each hidden size, then Linear to the logits."""
 
     classifier = ("out",)
@@ -53,11 +57,14 @@ class MLP(nn.Module):
         # AFIND+ §9.1: the proxy layer ϕ is the (last) hidden layer.
         self.featurizer = (f"hidden.{len(hidden) - 1}",) if hidden else ("out",)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def features(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(x.shape[0], -1)
         for layer in self.hidden:
             h = F.relu(layer(h))
-        return self.out(h)
+        return h
+
+    def head(self, z: torch.Tensor) -> torch.Tensor:
+        return self.out(z)
 
 
 def _normal_fan_in_(layer: nn.Linear, gain: float) -> None:

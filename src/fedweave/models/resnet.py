@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedweave.models.head import HeadedModel
 from fedweave.models.options import Opt, check_classes, check_shape, choice, finalize, parse_options
 from fedweave.registry import MODELS
 
@@ -54,7 +55,7 @@ class BasicBlock(nn.Module):
         return F.relu(out + identity)  # out-of-place: no in-place ops under vmap
 
 
-class ResNet18GN(nn.Module):
+class ResNet18GN(HeadedModel):
     classifier = ("fc",)
     # afind-plus §4.3: ϕ = layer4[-1] (its conv2 + GroupNorm affine).
     featurizer = ("layer4.1.conv2", "layer4.1.norm2")
@@ -82,12 +83,15 @@ class ResNet18GN(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def features(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.norm1(self.conv1(x)))
         if self.stem_kind == "imagenet":  # fixed at build time, not data-dependent
             x = F.max_pool2d(x, 3, stride=2, padding=1)
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(x.mean(dim=(-2, -1)))  # global average pooling
+        return x.mean(dim=(-2, -1))  # global average pooling
+
+    def head(self, z: torch.Tensor) -> torch.Tensor:
+        return self.fc(z)
 
 
 def _register(name: str, default_stem: str, doc: str) -> None:

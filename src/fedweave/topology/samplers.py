@@ -10,6 +10,11 @@ backend and after a resume) and ``per_round`` the algorithm's ``clients_per_roun
 ``sampler`` section of a config (``sampler: {name: schedule, clients: [[0, 1], [2, 3]]}``); register your
 own with ``@SAMPLERS.register("name")`` (in a plug-in, for YAML configs).
 
+A sampler that selects by what it knows of the clients (power-of-choice, Oort-like utility) declares a
+``context`` keyword and gets a read-only :class:`SamplerContext`: each client's number of training samples,
+its last reported training loss and the round it last reported, as of the start of round ``r``. The
+centralized family gives one (``StarAlgorithm.client_history``); the others refuse such a sampler with one line.
+
 The confederated family keeps its own vectorised uniform draw of ``m = sample_rate * P`` users per edge
 server (spec A13) under the default; any other sampler is asked by each edge server for exactly m of its
 users, on the ``("user_selection", k, server)`` stream (``ConfederatedAlgorithm._sampled_users``).
@@ -17,11 +22,15 @@ users, on the ``("user_selection", k, server)`` stream (``ConfederatedAlgorithm.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 
 from fedweave.config import ConfigError, check_options
 from fedweave.registry import SAMPLERS
@@ -119,25 +128,123 @@ def _checked(ids: list[int], num_clients: int, key: str) -> np.ndarray:
     return np.sort(a).astype(np.int64)
 
 
+# the arguments fedweave gives a sampler; the other keywords are its options (the ``sampler`` section)
+SAMPLER_ARGS = ("num_clients", "per_round", "r", "rng", "rounds", "context")
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
+@dataclass(frozen=True)
+class SamplerContext:
+    """What a sampler may read about the clients at the start of a round (read-only views, kept current by
+    the family that owns the :class:`ClientHistory`)."""
+
+    sizes: np.ndarray  # (n,) int64: each client's number of training samples
+    last_loss: np.ndarray  # (n,) float64: each client's last reported mean training loss; NaN if it never reported
+    last_round: np.ndarray  # (n,) int64: the last round in which each client reported; -1 if it never did
+
+
+@dataclass
+class ClientHistory:
+    """The family's record behind a :class:`SamplerContext`: it writes, the sampler reads (``context``)."""
+
+    sizes: np.ndarray
+    last_loss: np.ndarray = field(init=False)
+    last_round: np.ndarray = field(init=False)
+    context: SamplerContext = field(init=False)  # read-only views of the three
+
+    def __post_init__(self) -> None:
+        self.sizes = np.asarray(self.sizes, dtype=np.int64)
+        self.last_loss = np.full(len(self.sizes), np.nan)
+        self.last_round = np.full(len(self.sizes), -1, dtype=np.int64)
+        self.context = SamplerContext(_read_only(self.sizes), _read_only(self.last_loss), _read_only(self.last_round))
+
+    def record(self, r: int, clients: np.ndarray, losses: Any) -> None:
+        """The clients that reported in round ``r`` and their mean training losses (a tensor or an array)."""
+        if isinstance(losses, torch.Tensor):  # wherever it was computed: a copy, the computation is untouched
+            losses = losses.detach().to("cpu", torch.float64).numpy()
+        self.last_loss[clients] = losses
+        self.last_round[clients] = r
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors (a checkpoint is read with ``weights_only=True``): the losses and rounds recorded so far."""
+        return {
+            "last_loss": torch.from_numpy(self.last_loss.copy()),
+            "last_round": torch.from_numpy(self.last_round.copy()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_loss[:] = state["last_loss"].cpu().numpy()  # in place: the context's views stay valid
+        self.last_round[:] = state["last_round"].cpu().numpy()
+
+
+def reads_context(fn: Callable[..., Any]) -> bool:
+    """True when sampler ``fn`` declares a ``context`` keyword (it selects by what it knows of the clients)."""
+    return "context" in inspect.signature(fn).parameters
+
+
+def refuse_context(name: str, fn: Callable[..., Any], family: str) -> None:
+    """One line for a sampler that reads a context the ``family`` does not give."""
+    if reads_context(fn):
+        raise ConfigError(
+            f"sampler {name!r} reads the clients' context (sizes, last losses, last rounds), which the {family} "
+            "family does not give; use it with a centralized algorithm, or a sampler without a context argument"
+        )
+
+
+@dataclass
+class Sampler:
+    """Round -> client ids: the registered function with the run's arguments and options."""
+
+    name: str
+    fn: Callable[..., np.ndarray]
+    num_clients: int
+    per_round: int
+    rounds: int
+    options: dict[str, Any]
+    seeds: Any  # the run's Seeds: round r draws from its own ("client_sampling", r) stream
+    context: SamplerContext | None = None
+    reads_context: bool = field(init=False)  # the function declares a ``context`` keyword
+
+    def __post_init__(self) -> None:
+        self.reads_context = reads_context(self.fn)
+
+    def __call__(self, r: int) -> np.ndarray:
+        extra = {"context": self.context} if self.reads_context else {}
+        rng = self.seeds.numpy("client_sampling", r)
+        return np.asarray(
+            self.fn(self.num_clients, self.per_round, r, rng, rounds=self.rounds, **extra, **self.options)
+        )
+
+
 def make_sampler(
-    ctx, per_round: int, num_clients: int | None = None, *, default: str = "uniform"
-) -> Callable[[int], np.ndarray]:
+    ctx,
+    per_round: int,
+    num_clients: int | None = None,
+    *,
+    default: str = "uniform",
+    context: SamplerContext | None = None,
+    family: str = "",
+) -> Sampler:
     """Round -> client ids, from the run's ``sampler`` section (``default`` when it names the uniform default;
     options checked now, every entry of a ``schedule`` checked, and round 0 drawn once, so a bad schedule or
-    client id is a configuration error before anything runs)."""
+    client id is a configuration error before anything runs). ``context``: what the family gives a sampler
+    that reads one; without it such a sampler is refused (``family`` names the family in that line)."""
     section = ctx.config.sampler
     name = default if section.name == "uniform" and not section.options else section.name
     fn = SAMPLERS.get(name)
-    opts = check_options(fn, section.options, "sampler", skip=("num_clients", "per_round", "r", "rng", "rounds"))
+    opts = check_options(fn, section.options, "sampler", skip=SAMPLER_ARGS)
+    if context is None:
+        refuse_context(name, fn, family or "this")
     n = ctx.num_clients if num_clients is None else num_clients
-    rounds = ctx.config.rounds
     if not 1 <= per_round <= n:
         raise ConfigError(f"algorithm.clients_per_round ({per_round}) must be in [1, {n}] (the number of clients)")
-
-    def sample(r: int) -> np.ndarray:
-        return np.asarray(fn(n, per_round, r, ctx.seeds.numpy("client_sampling", r), rounds=rounds, **opts))
-
-    check_every_round(fn, opts, n, rounds)
+    check_every_round(fn, opts, n, ctx.config.rounds)
+    sample = Sampler(name, fn, n, per_round, ctx.config.rounds, opts, ctx.seeds, context)
     sample(0)
     return sample
 

@@ -34,7 +34,7 @@ from fedweave.execution import (
     evaluate_task,
 )
 from fedweave.execution.local import PLAIN, ClientStep, GradFn, LocalRule
-from fedweave.topology.samplers import make_sampler
+from fedweave.topology.samplers import ClientHistory, make_sampler
 
 
 @dataclass
@@ -127,6 +127,7 @@ class StarAlgorithm(Algorithm):
     # subclass that writes its own run_round declares what that handles.
     handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "deadline")
     uplink: ClassVar[str] = "model"  # the ledger kind of each reporting client's upload
+    state_fields = ("x",)  # the global model; a method adds its server state
 
     def __init__(self, ctx: RunContext, hp: StarHparams) -> None:
         super().__init__(ctx, hp)
@@ -139,20 +140,28 @@ class StarAlgorithm(Algorithm):
         self.layout: ParamLayout = self.trainer.layout
         self.x = self.layout.flatten()  # the global model x_t
         self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=self.x.dtype, device=self.x.device)
-        self.sampler = make_sampler(ctx, hp.clients_per_round, default=_aliased_sampler(ctx, hp))
-        self._checkpoint = ("x",)
+        # what a sampler that reads the clients' context sees: sizes, last reported losses and rounds
+        self.client_history = ClientHistory([len(p) for p in ctx.partition])
+        self.sampler = make_sampler(
+            ctx, hp.clients_per_round, default=_aliased_sampler(ctx, hp), context=self.client_history.context
+        )
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
 
     def state_dict(self) -> dict:
         out = super().state_dict()
         if self.store is not None:
             out["client_state"] = self.store.state_dict()
+        if self.sampler.reads_context:  # only then: the other runs' checkpoints keep their keys
+            out["sampler_context"] = self.client_history.state_dict()
         return out
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
         clients = state.pop("client_state", None)
+        history = state.pop("sampler_context", None)
         super().load_state_dict(state)
+        if history is not None:
+            self.client_history.load_state_dict(history)
         if clients is not None and self.store is not None:
             self.store.load_state_dict(clients)
 
@@ -204,6 +213,8 @@ class StarAlgorithm(Algorithm):
             local, upload = self.trainer.train_with_state(self.x, clients, r, rule, self.store, lr=lr)
         else:
             local, upload = self.trainer.train(self.x, clients, r, rule=rule, lr=lr), {}
+        if self.sampler.reads_context:  # a copy of the losses to the host: no number changes
+            self.client_history.record(r, clients, local.loss)
         return Collected(r, clients, lr, local, upload, self.weights(clients))
 
     def client_updates(self, got: Collected) -> torch.Tensor:

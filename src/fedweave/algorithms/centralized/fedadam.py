@@ -53,12 +53,12 @@ class FedOptHparams(StarHparams):
 class FedOpt(StarAlgorithm):
     name = "fedadam"
     Hparams = FedOptHparams
+    state_fields = (*StarAlgorithm.state_fields, "m", "v")
 
     def __init__(self, ctx, hp: FedOptHparams) -> None:
         super().__init__(ctx, hp)
         self.m = torch.zeros_like(self.x)
         self.v = torch.full_like(self.x, hp.v_init)  # v_{-1} (Reddi et al. Alg. 2)
-        self._checkpoint = ("x", "m", "v")
         self.ledger.store("server", "optimizer_state", nbytes(self.m, self.v))
 
     def server_step(self, delta: torch.Tensor) -> torch.Tensor:

@@ -67,13 +67,13 @@ class FedCMHparams(StarHparams):
 class FedCM(StarAlgorithm):
     name = "fedcm"
     Hparams = FedCMHparams
+    state_fields = (*StarAlgorithm.state_fields, "momentum")
     regularize_in_rule = True
 
     def __init__(self, ctx, hp: FedCMHparams) -> None:
         super().__init__(ctx, hp)
         self.momentum = torch.zeros_like(self.x)  # Delta_t
         self.K = hp.K_ref or self.reference_steps()
-        self._checkpoint = ("x", "momentum")
         self.ledger.store("server", "momentum", nbytes(self.momentum))
 
     def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:

@@ -65,13 +65,13 @@ class FedDynHparams(StarHparams):
 class FedDyn(StarAlgorithm):
     name = "feddyn"
     Hparams = FedDynHparams
+    state_fields = (*StarAlgorithm.state_fields, "h")
 
     def __init__(self, ctx, hp: FedDynHparams) -> None:
         super().__init__(ctx, hp)
         self.h = torch.zeros_like(self.x)
         self.store = StateStore(ctx.num_clients, dtype=ctx.dtype, placement=ctx.placement)
         self.store.create("grad_L", self.num_params)
-        self._checkpoint = ("x", "h")
         self.ledger.store("server", "h", nbytes(self.h))
         self.ledger.store("client", "grad_L", nbytes(self.h))  # per client
 

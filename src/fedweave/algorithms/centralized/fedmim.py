@@ -102,6 +102,7 @@ class FedMIMHparams(StarHparams):
 class FedMIM(StarAlgorithm):
     name = "fedmim"
     Hparams = FedMIMHparams
+    state_fields = (*StarAlgorithm.state_fields, "history")
     regularize_in_rule = True
 
     def __init__(self, ctx, hp: FedMIMHparams) -> None:
@@ -109,7 +110,6 @@ class FedMIM(StarAlgorithm):
         # history[j] = x_{t-j}, j = 0..J; x_{-j} = x_0 so that delta_0 = ... = 0 (spec A2)
         self.history = self.x.expand(hp.J + 1, -1).clone()
         self.K = hp.K_ref or self.reference_steps()
-        self._checkpoint = ("x", "history")
         self.ledger.store("server", "global_history", nbytes(self.history))
         self.used = [j for j in range(hp.J) if hp.alpha[j] or hp.beta[j]]  # the deltas a client needs
         if hp.downlink == "broadcast":  # every client keeps J past global models (P-line 2)

@@ -73,13 +73,13 @@ class ScaffoldStep(ClientStep):
 class Scaffold(StarAlgorithm):
     name = "scaffold"
     uplink = "update+control_delta"  # Delta y_i and Delta c_i (line 13)
+    state_fields = (*StarAlgorithm.state_fields, "c")
 
     def __init__(self, ctx, hp) -> None:
         super().__init__(ctx, hp)
         self.c = torch.zeros_like(self.x)  # server control variate
         self.store = StateStore(ctx.num_clients, dtype=ctx.dtype, placement=ctx.placement)
         self.store.create("c", self.num_params)  # c_i, initialised to 0
-        self._checkpoint = ("x", "c")
         self.ledger.store("server", "control_variate", nbytes(self.c))
         self.ledger.store("client", "control_variate", nbytes(self.c))  # per client
 

@@ -31,7 +31,7 @@ from fedweave.config import ConfigError, check_options
 from fedweave.faults import mixing_without
 from fedweave.registry import SAMPLERS
 from fedweave.topology.confederation import Confederation, ConfederationHparams
-from fedweave.topology.samplers import check_every_round
+from fedweave.topology.samplers import SAMPLER_ARGS, check_every_round, refuse_context
 
 
 @dataclass
@@ -125,7 +125,7 @@ class ConfederatedAlgorithm(Algorithm):
     plot_metric = "opt_gap"  # the paper's figures: the optimality gap against iterations and uploads
     Hparams = ConfederatedHparams
     handles_faults = ("dropout", "server_miss", "link_loss")
-    _state: tuple[str, ...] = ()  # subclass tensors/ints to checkpoint besides the skeleton's
+    state_fields = ("X", "Y", "G", "k", "uploads")  # the skeleton's; a method adds its own
 
     def __init__(self, ctx: RunContext, hp: ConfederatedHparams) -> None:
         super().__init__(ctx, hp)
@@ -145,9 +145,8 @@ class ConfederatedAlgorithm(Algorithm):
         n, d = pb.N, pb.d
         if self.config.sampler.name != "uniform" or self.config.sampler.options:  # every iteration's, now
             fn = SAMPLERS.get(self.config.sampler.name)
-            opts = check_options(
-                fn, self.config.sampler.options, "sampler", skip=("num_clients", "per_round", "r", "rng", "rounds")
-            )
+            refuse_context(self.config.sampler.name, fn, self.family)
+            opts = check_options(fn, self.config.sampler.options, "sampler", skip=SAMPLER_ARGS)
             check_every_round(fn, opts, pb.P, self.config.rounds)
         self.X = torch.zeros(n, d, dtype=torch.float64, device=dev)  # server models x_i^k
         self.Y = torch.zeros(n, d, dtype=torch.float64, device=dev)  # trackers y_i^k
@@ -156,7 +155,6 @@ class ConfederatedAlgorithm(Algorithm):
         self.uploads = 0  # user -> server vectors so far (the paper's metric)
         self.vector_bytes = d * self.X.element_size()
         self._all_users = torch.arange(pb.P, device=dev).expand(n, pb.P)
-        self._checkpoint = ("X", "Y", "G", "k", "uploads", *self._state)
         self.ledger.store("edge", "x_y_g", 3 * self.vector_bytes)
         # this round's faults (set by ``apply_faults``); None without faults, so that path stays as it was
         self.server_on: torch.Tensor | None = None  # (N,) the servers that take part
@@ -224,7 +222,8 @@ class ConfederatedAlgorithm(Algorithm):
         ``("user_selection", k, i)`` stream; the methods' estimators (e.g. eq. (11)'s P S / m) need m each."""
         pb, section = self.problem, self.config.sampler
         fn = SAMPLERS.get(section.name)
-        opts = check_options(fn, section.options, "sampler", skip=("num_clients", "per_round", "r", "rng", "rounds"))
+        refuse_context(section.name, fn, self.family)
+        opts = check_options(fn, section.options, "sampler", skip=SAMPLER_ARGS)
         rows = []
         for i in range(pb.N):
             row = np.asarray(

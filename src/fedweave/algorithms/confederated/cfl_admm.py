@@ -59,7 +59,7 @@ class CFLADMMHparams(ConfederatedHparams):
 class CFLADMM(ConfederatedAlgorithm):
     name = "cfl_admm"
     Hparams = CFLADMMHparams
-    _state = ("xu", "lam", "msg", "gamma")
+    state_fields = (*ConfederatedAlgorithm.state_fields, "xu", "lam", "msg", "gamma")
 
     def __init__(self, ctx: RunContext, hp: CFLADMMHparams) -> None:
         super().__init__(ctx, hp)

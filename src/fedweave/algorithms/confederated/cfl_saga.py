@@ -36,7 +36,7 @@ class CFLSAGAHparams(ConfederatedHparams):
 class CFLSAGA(ConfederatedAlgorithm):
     name = "cfl_saga"
     Hparams = CFLSAGAHparams
-    _state = ("table", "table_sum", "held", "ref")
+    state_fields = (*ConfederatedAlgorithm.state_fields, "table", "table_sum", "held", "ref")
 
     def __init__(self, ctx: RunContext, hp: CFLSAGAHparams) -> None:
         super().__init__(ctx, hp)

@@ -41,7 +41,7 @@ class GTSAGAHparams(ConfederatedHparams):
 class GTSAGA(ConfederatedAlgorithm):
     name = "gt_saga"
     Hparams = GTSAGAHparams
-    _state = ("table", "table_sum")
+    state_fields = (*ConfederatedAlgorithm.state_fields, "table", "table_sum")
 
     def __init__(self, ctx: RunContext, hp: GTSAGAHparams) -> None:
         super().__init__(ctx, hp)

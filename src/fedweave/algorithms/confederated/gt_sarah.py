@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from fedweave.algorithms.confederated.base import ConfederatedAlgorithm
 from fedweave.algorithms.confederated.gt_svrg import GTSVRG, GTSVRGHparams
 from fedweave.registry import ALGORITHMS
 
@@ -17,7 +18,8 @@ from fedweave.registry import ALGORITHMS
 class GTSARAH(GTSVRG):
     name = "gt_sarah"
     Hparams = GTSVRGHparams
-    _state = ("due", "anchored")  # the recursion needs only g^k and x^k of the skeleton (and, under faults, ``due``)
+    # the recursion needs only g^k and x^k of the skeleton (and, under faults, ``due``)
+    state_fields = (*ConfederatedAlgorithm.state_fields, "due", "anchored")
     recursive = True
 
     def estimate(self, r: int, k: int, x_new: torch.Tensor, x_old: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ class GTSVRGHparams(ConfederatedHparams):
 class GTSVRG(ConfederatedAlgorithm):
     name = "gt_svrg"
     Hparams = GTSVRGHparams
-    _state = ("anchor", "mu", "due", "anchored")
+    state_fields = (*ConfederatedAlgorithm.state_fields, "anchor", "mu", "due", "anchored")
     recursive = False  # GT-SARAH: the inner estimate is anchored at x^k and g^k instead of tau_i and mu_i
 
     def __init__(self, ctx: RunContext, hp: GTSVRGHparams) -> None:

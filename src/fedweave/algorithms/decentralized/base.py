@@ -132,7 +132,6 @@ class GraphAlgorithm(Algorithm):
         # every client trains every round: its table lives where the computation is
         self.store.create("model", self.layout.numel, fill=self.layout.flatten(), on_device=True)
         self.model_bytes = self.layout.numel * ctx.float_bytes  # one model row
-        self._checkpoint: tuple[str, ...] = ()
         self._up: tuple[int, np.ndarray] | None = None
 
     # ---- state -----------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ class FedeRiCoHparams(GraphHparams):
 class FedeRiCo(GraphAlgorithm):
     name = "federico"
     Hparams = FedeRiCoHparams
+    state_fields = ("pi", "tracked")
 
     def __init__(self, ctx: RunContext, hp: FedeRiCoHparams) -> None:
         super().__init__(ctx, hp)
@@ -52,7 +53,6 @@ class FedeRiCo(GraphAlgorithm):
             adj[i, nb] = True
         self.pi = adj.double() / adj.sum(1, keepdim=True)  # uniform over S_i and i
         self.tracked = torch.full((n, n), float("nan"), dtype=torch.float64, device="cpu")
-        self._checkpoint = ("pi", "tracked")
 
     def run_round(self, r: int) -> dict[str, float]:
         if self.all_down(r):

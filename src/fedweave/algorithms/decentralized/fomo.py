@@ -39,6 +39,7 @@ class FomoHparams(SelectionHparams, GraphHparams):
 class Fomo(GraphAlgorithm):
     name = "fomo"
     Hparams = FomoHparams
+    state_fields = ("affinity",)
 
     def __init__(self, ctx: RunContext, hp: FomoHparams) -> None:
         super().__init__(ctx, hp)
@@ -50,7 +51,6 @@ class Fomo(GraphAlgorithm):
         self.selector = NeighbourSelector(self, hp)
         n = self.num_clients
         self.affinity = torch.zeros(n, n, dtype=torch.float64, device="cpu")  # host bookkeeping
-        self._checkpoint = ("affinity",)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "selector": self.selector.state_dict()}

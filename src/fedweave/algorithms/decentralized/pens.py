@@ -38,6 +38,7 @@ class PENSHparams(GraphHparams):
 class PENS(GraphAlgorithm):
     name = "pens"
     Hparams = PENSHparams
+    state_fields = ("counts",)
 
     def __init__(self, ctx: RunContext, hp: PENSHparams) -> None:
         super().__init__(ctx, hp)
@@ -48,7 +49,6 @@ class PENS(GraphAlgorithm):
         n = self.num_clients
         self.counts = torch.zeros(n, n, dtype=torch.long, device="cpu")  # c_ij (host bookkeeping)
         self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=torch.float64, device="cpu")
-        self._checkpoint = ("counts",)
 
     def preferred(self, i: int) -> np.ndarray:
         """N_i: neighbours chosen more often than expected under random selection."""

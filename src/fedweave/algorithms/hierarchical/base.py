@@ -305,6 +305,7 @@ class HierarchicalAlgorithm(Algorithm):
     family = "hierarchical"
     Hparams = HierarchyHparams
     jobs_per_client = 1
+    state_fields = ("x",)  # the global model x^_r
 
     def __init__(self, ctx: RunContext, hp: HierarchyHparams) -> None:
         super().__init__(ctx, hp)
@@ -318,7 +319,7 @@ class HierarchicalAlgorithm(Algorithm):
         # trainer data index m is the server's own share (a baseline control trains on it as a client)
         jobs = [*d.parts, d.server.numpy()]
         self.server_job = self.m
-        self.sampler = make_sampler(ctx, self.k, self.m)
+        self.sampler = make_sampler(ctx, self.k, self.m, family=self.family)
         self.trainer = LocalTrainer(
             ctx.model, d.train_x, d.train_y, jobs, cfg.local, ctx.seeds, backend=backend, ray=cfg.ray,
             loss_fn=ctx.task.loss, placement=ctx.placement,
@@ -332,7 +333,6 @@ class HierarchicalAlgorithm(Algorithm):
         pl = ctx.placement
         self.server_x, self.server_y = pl.data(d.train_x[d.server]), pl.data(d.train_y[d.server])
         self.ledger.store("server", "server_data", nbytes(self.server_x, self.server_y))
-        self._checkpoint = ("x",)
 
     @property
     def dim(self) -> int:

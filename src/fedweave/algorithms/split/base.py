@@ -225,6 +225,7 @@ class SplitAlgorithm(Algorithm):
     uses_aux: ClassVar[bool] = False
     # the synchronous template waits for its clients: a client past the deadline is dropped like a dropout
     handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "deadline")
+    state_fields = ("xc", "xs", "xa")  # the client, server and auxiliary models
 
     def __init__(self, ctx: RunContext, hp: SplitHparams) -> None:
         super().__init__(ctx, hp)
@@ -237,7 +238,7 @@ class SplitAlgorithm(Algorithm):
         ds = ctx.dataset
         n = ctx.num_clients
         self.per_round = hp.clients_per_round or n
-        self.sampler = make_sampler(ctx, self.per_round)
+        self.sampler = make_sampler(ctx, self.per_round, family=self.family)
         self.loss = ctx.task.loss  # the local (auxiliary) and server losses: cross-entropy in the paper
         if self.per_round > n:
             raise ConfigError(f"algorithm.clients_per_round ({self.per_round}) exceeds partition.num_clients ({n})")
@@ -267,7 +268,6 @@ class SplitAlgorithm(Algorithm):
         self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=ctx.dtype, device=ctx.device)
         self.smashed_bytes = self.parts.smashed_floats * ctx.float_bytes  # q_b per sample (4 bytes a float in float32)
         self.server_copies = 1
-        self._checkpoint = ("xc", "xs", "xa")
         n = ctx.num_clients  # the mean local batches per client: the unit of a client's work under faults
         self.reference_batches = max(1, round(sum(self.batcher.num_steps(c) for c in range(n)) / n))
 
