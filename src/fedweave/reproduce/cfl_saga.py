@@ -1,25 +1,13 @@
 """Reproduce CFL-SAGA (Wang, Fang, Li, Eldar, 2024): Figs. 3-7 and the claims of §VIII (spec §9.2-9.3).
 
-``fedweave reproduce cfl-saga --scale {smoke,small,paper} [--seeds N] [--out DIR] [--workers W]``
-
-- ``smoke``: a tiny synthetic problem (seconds), for tests only: its numbers mean nothing.
-- ``small`` (spec Tier B): the paper's full synthetic problem (20 servers x 20 users, d = 200), random / ring /
-  full graphs, rho in {0, 10, 50} (the paper's) and {1e3 ... 1e6} (the spec's log grid), GT-SAGA at SR 0.05,
-  0.25, 0.45, GT-SVRG, GT-SARAH and CFL-ADMM (reconstructed) on the random graph; plus one seed of CFL-SAGA vs
-  GT-SAGA on the real data sets Adult (a9a), Mushroom and breast cancer.
-- ``paper`` (spec Tier C): the full rho grid, SR 0.05 ... 0.45, T in {20, 50, 100, 200}, 5 seeds, target 1e-10.
-
-Every run is kept in ``OUT/runs/<problem>/<graph>/<method>/s<seed>`` and read back by a later call with the same
-settings (the Study pipeline, ``fedweave.experiments.study``); ``--budget-minutes`` starts no run after it.
-
-The paper reports only plots and qualitative statements, so the comparison table lists its claims and whether
-they held here. The step size is alpha = 0.05 / L_f for every gradient-tracking method (the best of the spec's
-pilot grid for full upload); it is not re-tuned per method.
+The grids of ``smoke``, ``small`` (spec Tier B) and ``paper`` (Tier C), the solver loop of one run (to a target
+optimality gap), the tables and the claims; what each scale runs, where the runs are kept and what the report
+holds is on the page, docs/reproductions/cfl-saga.md. The paper reports only plots and qualitative statements,
+so the comparison table lists its claims and whether they held here.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import re
@@ -31,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from fedweave.experiments.aggregate import if_all
-from fedweave.experiments.study import Plan, Study, option
+from fedweave.experiments.aggregate import group, if_all
+from fedweave.experiments.study import Plan, Study, load_records, option, save_records
 from fedweave.experiments.tables import markdown_table, write_csv
 from fedweave.plots import plt, save_png
 from fedweave.results import atomic_write
@@ -253,23 +241,16 @@ def _median(rows: list[dict], key: str) -> float | None:
     return if_all([r.get(key) for r in rows], statistics.median)  # a target counts if every seed reached it
 
 
+MEDIANS = ("iterations", "uploads_per_iteration", "upload_fraction", "ms_per_iteration_wall", "ms_per_iteration_cpu",
+           "final_opt_gap", "tail_r2")  # fmt: skip
+
+
 def aggregate(rows: list[dict]) -> list[dict]:
     """Median over seeds per (problem, topology, method); a target counts only if every seed reached it."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["problem"], r["topology"], r["method"]), []).append(r)
     out = []
-    for (prob, topo, method), rs in groups.items():
+    for (prob, topo, method), rs in group(rows, lambda r: (r["problem"], r["topology"], r["method"])).items():
         agg = {"problem": prob, "topology": topo, "method": method, "seeds": len(rs)}
-        for key in (
-            "iterations",
-            "uploads_per_iteration",
-            "upload_fraction",
-            "ms_per_iteration_wall",
-            "ms_per_iteration_cpu",
-            "final_opt_gap",
-            "tail_r2",
-        ):
+        for key in MEDIANS:
             agg[key] = _median(rs, key)
         for t in TARGETS:
             agg[f"iters_{t:.0e}"] = _median(rs, f"iters_{t:.0e}")
@@ -512,25 +493,12 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
 
 def save_raw(rows: list[dict], out: Path) -> None:
     """Every run's row (raw.json) and traces (curves.npz), so that the report can be rebuilt (--report-only)."""
-    plain = [{k: v for k, v in r.items() if k != "_curve"} for r in rows]
-    atomic_write(out / "raw.json", json.dumps(plain, indent=1) + "\n")
-    arrays = {f"{i}_{n}": a for i, r in enumerate(rows) if "_curve" in r for n, a in zip("gus", r["_curve"])}
-    buf = io.BytesIO()
-    np.savez_compressed(buf, **arrays)
-    atomic_write(out / "curves.npz", buf.getvalue())
+    save_records(out / "raw.json", out / "curves.npz", rows, "_curve", "gus")
 
 
 def load_raw(out: Path) -> list[dict]:
-    """The rows of raw.json, with their traces when curves.npz is there (the tables need only raw.json; the
-    figures need the traces)."""
-    rows = json.loads((out / "raw.json").read_text())
-    if not (out / "curves.npz").is_file():
-        return rows
-    with np.load(out / "curves.npz") as z:
-        for i, r in enumerate(rows):
-            if f"{i}_g" in z:
-                r["_curve"] = (z[f"{i}_g"], z[f"{i}_u"], z[f"{i}_s"])
-    return rows
+    """The rows of raw.json, with their traces when curves.npz is there (the figures need them)."""
+    return load_records(out / "raw.json", out / "curves.npz", "_curve", "gus")
 
 
 CLAIM_COLUMNS = ["claim", "paper", "measured", "verdict"]

@@ -8,7 +8,6 @@ scale runs and what the outputs hold is on the page, docs/reproductions/zo-hfl.m
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,8 @@ import numpy as np
 
 from fedweave.experiments.aggregate import mean_std
 from fedweave.experiments.grid import Point
+from fedweave.experiments.jobs import cache_datasets as _cache_datasets
+from fedweave.experiments.jobs import load_average
 from fedweave.experiments.plots import Panel, plot_panels
 from fedweave.experiments.study import HELD, Plan, Study, option
 from fedweave.experiments.tables import markdown_table, pm, write_csv
@@ -272,14 +273,6 @@ def run_config(
 
 
 # ---- running -------------------------------------------------------------------------------------------
-
-
-def _cache_datasets() -> None:
-    """Dozens of runs in one worker share a dataset: memoize the loaders (per process, per option set)."""
-    from fedweave.registry import DATASETS
-
-    for name in DATASETS.names():
-        DATASETS._items[name] = functools.lru_cache(maxsize=2)(DATASETS._items[name])
 
 
 def record(pt: Point, res: Result, plan: Plan) -> dict[str, Any]:
@@ -622,13 +615,6 @@ def write_tune(rows: list[dict[str, Any]], out: Path, meta: dict) -> None:
     atomic_write(out / "tune.md", "\n".join(lines))
 
 
-def _load() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "n/a"
-
-
 def study_plan(opts) -> Plan:
     """Table I and the tau sweep of ``--scale`` (or, with ``--tune``, the lambda/mu grid)."""
     p = dataclasses.replace(PRESETS[opts.scale])  # a copy: the presets stay as defined
@@ -659,7 +645,7 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> int
             "workers": opts.workers,
             "wall_seconds": wall,
             "cpu_seconds": cpu_seconds(),
-            "load": _load(),
+            "load": load_average(),
         }
         write_tune(tune_summary(configs, results), out, meta)
         print((out / "tune.md").read_text())
@@ -674,7 +660,7 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> int
         "run_seconds": {k: round(v["seconds"], 1) for k, v in results.items()},
         "run_cpu_seconds": {k: round(v.get("cpu", 0.0), 2) for k, v in results.items()},
         "cpu_seconds": round(cpu_seconds(), 1),  # this invocation, workers included
-        "load_at_end": _load(),
+        "load_at_end": load_average(),
         "reused": sum(bool(v.get("reused")) for v in results.values()),
     }
     rows, claims = summarize(p, results, seeds, out)
