@@ -20,7 +20,7 @@ from fedweave.experiments.aggregate import group, mean_std
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Panel, plot_panels
 from fedweave.experiments.study import HELD, Claim, Plan, Study, judge, not_run, option
-from fedweave.experiments.tables import csv_text, markdown_table, pm, write_csv
+from fedweave.experiments.tables import csv_text, grouped_table, markdown_table, pm, write_csv
 from fedweave.results import atomic_write
 from fedweave.runner import Result
 
@@ -432,21 +432,18 @@ def markdown(
     ]
     for d in sorted({t["dataset"] for t in table}):
         splits = [s for s in ("iid", "dir0.3", "dir0.1") if any(t["dataset"] == d and t["split"] == s for t in table)]
-        header = ["method"] + [h for s in splits for h in (f"{s}: ours", "rank", "cons.", "paper C10", "paper rank")]
-        body = []
-        for m in METHODS:
-            cells: list[str] = []
-            for s in splits:
-                t = next((t for t in table if (t["dataset"], t["split"], t["method"]) == (d, s, m)), None)
-                if t is None:
-                    cells += ["–"] * 5
-                    continue
-                paper = f"{t['paper_cifar10']:.2f}" if t["paper_cifar10"] is not None else "–"
-                div = f" ({t['diverged']}/{t['seeds']} diverged)" if t["diverged"] else ""
-                cells += [pm(t["final_acc_mean"], t["final_acc_std"]) + div, t["rank"],
-                          f"{t['consistency_last20']:.3g}", paper, t["paper_rank"] or "–"]  # fmt: skip
-            if any(c != "–" for c in cells):
-                body.append([LABELS[m], *cells])
+        by = {(t["split"], t["method"]): t for t in table if t["dataset"] == d}
+
+        def cells(m: str, s: str, by=by) -> list | None:
+            if (t := by.get((s, m))) is None:
+                return None
+            paper = f"{t['paper_cifar10']:.2f}" if t["paper_cifar10"] is not None else "–"
+            div = f" ({t['diverged']}/{t['seeds']} diverged)" if t["diverged"] else ""
+            return [pm(t["final_acc_mean"], t["final_acc_std"]) + div, t["rank"], f"{t['consistency_last20']:.3g}",
+                    paper, t["paper_rank"] or "–"]  # fmt: skip
+
+        columns = ["ours", "rank", "cons.", "paper C10", "paper rank"]
+        header, body = grouped_table("method", METHODS, splits, columns, cells, LABELS.get, drop_empty=True)
         lines += [f"## {d}", "", markdown_table(header, body).rstrip("\n"), ""]
         c = claims.get(d, {})
         if c:
@@ -744,20 +741,18 @@ def variant_markdown(rows: list[dict], checks: list, name: str, p: Preset, wall:
                 for r in rows]  # fmt: skip
     else:
         paper = p.table == "epochs"
+        by = {(r["method"], r["variant"]): r for r in rows}
+
+        def cells(m: str, v: str) -> list | None:
+            if (r := by.get((m, v))) is None:
+                return None
+            div = f" ({r['diverged']}/{r['seeds']} diverged)" if r["diverged"] else ""
+            return [pm(r["final_acc_mean"], r["final_acc_std"]) + div, f"{r['mean_acc_over_rounds']:.2f}",
+                    f"{r['consistency_last20']:.3g}"] + ([f"{r['paper_c10']:.2f}"] if paper else [])  # fmt: skip
+
         cols = ["ours", "mean acc.", "cons."] + (["paper C10"] if paper else [])
-        header = ["method", *(f"{v}: {c}" if i == 0 else c for v in labels for i, c in enumerate(cols))]
-        body = []
-        for m in dict.fromkeys(r["method"] for r in rows):
-            cells = []
-            for v in labels:
-                r = next((r for r in rows if (r["variant"], r["method"]) == (v, m)), None)
-                if r is None:
-                    cells += ["–"] * len(cols)
-                    continue
-                div = f" ({r['diverged']}/{r['seeds']} diverged)" if r["diverged"] else ""
-                cells += [pm(r["final_acc_mean"], r["final_acc_std"]) + div, f"{r['mean_acc_over_rounds']:.2f}",
-                          f"{r['consistency_last20']:.3g}"] + ([f"{r['paper_c10']:.2f}"] if paper else [])  # fmt: skip
-            body.append([LABELS[m], *cells])
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        header, body = grouped_table("method", methods, labels, cols, cells, LABELS.get)
     lines += [markdown_table(header, body).rstrip("\n"), "", "## Claims", ""]
     lines += [markdown_table(["claim", "verdict", "measured"], [[c, HELD[ok], m] for c, ok, m in checks]).rstrip("\n")]
     return "\n".join(lines) + "\n"

@@ -21,7 +21,7 @@ from fedweave.experiments.jobs import cache_datasets as _cache_datasets
 from fedweave.experiments.jobs import load_average
 from fedweave.experiments.plots import Panel, plot_panels
 from fedweave.experiments.study import HELD, Plan, Study, option
-from fedweave.experiments.tables import markdown_table, pm, write_csv
+from fedweave.experiments.tables import grouped_table, markdown_table, pm, write_csv
 from fedweave.memory import cpu_seconds
 from fedweave.results import atomic_write
 from fedweave.runner import Result
@@ -473,17 +473,19 @@ def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], o
         "over seeds [mean over the last 10 rounds] / paper.",
         "",
     ]
+    by = {(r["dataset"], r["method"], (r["alpha"], r["beta"])): r for r in rows}
+
+    def cell(ds: str, m: str, s: tuple[float, float]) -> list[str]:
+        r = by[(ds, m, s)]
+        paper = f"{r['paper_acc']:.2f}" if r["paper_acc"] != "" else "n/a"
+        return [f"{pm(r['acc_mean'], r['acc_std'], sep=' +- ')} [{r['acc_last10_mean']:.2f}] / {paper}"]
+
     for ds in p.datasets:
-        body = []
-        for m in p.methods:
-            cells = []
-            for s in SETTINGS:
-                r = next(x for x in rows if x["dataset"] == ds and x["method"] == m and (x["alpha"], x["beta"]) == s)
-                paper = f"{r['paper_acc']:.2f}" if r["paper_acc"] != "" else "n/a"
-                cells.append(f"{pm(r['acc_mean'], r['acc_std'], sep=' +- ')} [{r['acc_last10_mean']:.2f}] / {paper}")
-            body.append([label(m, p), *cells])
-        head = ["method", *(SETTING_NAMES[s] for s in SETTINGS)]
-        lines += [f"## {DATASET_LABELS.get(ds, ds)}", "", markdown_table(head, body)]
+        cells = lambda m, s, ds=ds: cell(ds, m, s)  # noqa: E731
+        header, body = grouped_table(
+            "method", p.methods, SETTINGS, [""], cells, lambda m: label(m, p), SETTING_NAMES.get
+        )
+        lines += [f"## {DATASET_LABELS.get(ds, ds)}", "", markdown_table(header, body)]
     lines += ["## Claims (spec §9.2)", "", markdown_table(["claim", "verdict", "measured"], claim_rows(claims))]
     lines += ["All values:", "", "```json", json.dumps(claims, indent=2), "```", ""]
     lines += [
