@@ -401,6 +401,7 @@ def _sweep_names(p: Preset, ds: str, s, tau: float, out: Path) -> list[str]:
     return [run_config(p, ds, s, "zo_hfl", seed, tau, p.sweep_rounds, out)["name"] for seed in range(p.sweep_seeds)]
 
 
+# fmt: off
 def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
     """The claims of ``claims.json`` (spec §9.2) as (claim, verdict, measured) rows: a page's claim table."""
     rows = []
@@ -408,54 +409,32 @@ def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
         name = DATASET_LABELS.get(ds, ds)
         if "C1_robust_under_extreme_heterogeneity" in c:
             d = c["drops_homogeneous_to_extreme"]
-            rows.append(
-                (
-                    f"C1 {name}: robust under extreme heterogeneity (at (0.1, 10%) at least FedAvg's and FedProx's "
-                    "accuracy, and at most half of FedAvg's drop from (1000, 90%))",
-                    HELD[bool(c["C1_robust_under_extreme_heterogeneity"])],
-                    "drop: "
-                    + ", ".join(f"{label(m)} {d[m]:.2f}" for m in ("zo_hfl", "fedavg", "fedprox", "scaffold"))
-                    + " points",
-                )
-            )
+            rows.append((f"C1 {name}: robust under extreme heterogeneity (at (0.1, 10%) at least FedAvg's and "
+                         "FedProx's accuracy, and at most half of FedAvg's drop from (1000, 90%))",
+                         HELD[bool(c["C1_robust_under_extreme_heterogeneity"])],
+                         "drop: " + ", ".join(f"{label(m)} {d[m]:.2f}" for m in ("zo_hfl", "fedavg", "fedprox",
+                                                                                  "scaffold")) + " points"))
         if "C2_competitive_when_homogeneous" in c:
-            rows.append(
-                (
-                    f"C2 {name}: competitive when homogeneous (within 5 points of the best baseline at (1000, 90%))",
-                    HELD[bool(c["C2_competitive_when_homogeneous"])],
-                    f"ZO-HFL - best baseline {c['ZO-HFL_minus_best_baseline_homogeneous']:+.2f} points",
-                )
-            )
+            rows.append((f"C2 {name}: competitive when homogeneous (within 5 points of the best baseline at "
+                         "(1000, 90%))", HELD[bool(c["C2_competitive_when_homogeneous"])],
+                         f"ZO-HFL - best baseline {c['ZO-HFL_minus_best_baseline_homogeneous']:+.2f} points"))
         for key, what in (("test_loss", "test loss"), ("global_loss", "global loss")):
-            per_tau = c.get(f"C3_final_{key}_per_tau")
-            if per_tau is None:
+            if (per_tau := c.get(f"C3_final_{key}_per_tau")) is None:
                 continue
             values = [f"{s}: " + " / ".join(f"{v:.5f}" for v in t.values()) for s, t in per_tau.items()]
             taus = "/".join(next(iter(per_tau.values())))
-            rows.append(
-                (
-                    f"C3 {name}: a larger tau lowers the final {what} at (1000, 90%) and (1, 50%)",
-                    HELD[bool(c[f"C3_{key}_larger_tau_helps_in_homogeneous_and_moderate"])],
-                    f"tau {taus}: " + "; ".join(values[:2]),
-                )
-            )
-            rows.append(
-                (
-                    f"C3 {name}: no monotone gain from a larger tau at (0.1, 10%) ({what})",
-                    HELD[bool(c[f"C3_{key}_no_monotone_gain_in_extreme"])],
-                    f"tau {taus}: {values[-1]}",
-                )
-            )
+            rows.append((f"C3 {name}: a larger tau lowers the final {what} at (1000, 90%) and (1, 50%)",
+                         HELD[bool(c[f"C3_{key}_larger_tau_helps_in_homogeneous_and_moderate"])],
+                         f"tau {taus}: " + "; ".join(values[:2])))
+            rows.append((f"C3 {name}: no monotone gain from a larger tau at (0.1, 10%) ({what})",
+                         HELD[bool(c[f"C3_{key}_no_monotone_gain_in_extreme"])], f"tau {taus}: {values[-1]}"))
         if "C4_zo_hfl_within_1std_of_server_only" in c:
             within = c["C4_zo_hfl_within_1std_of_server_only"]
-            rows.append(
-                (
-                    f"C4 {name}: ZO-HFL within one std of the server-only control (lambda = 0) in every setting",
-                    HELD[all(within.values())],
-                    f"within one std in {sum(within.values())}/{len(within)} settings",
-                )
-            )
+            rows.append((f"C4 {name}: ZO-HFL within one std of the server-only control (lambda = 0) in every setting",
+                         HELD[all(within.values())],
+                         f"within one std in {sum(within.values())}/{len(within)} settings"))
     return rows
+# fmt: on
 
 
 # ---- writing -------------------------------------------------------------------------------------------
