@@ -268,6 +268,7 @@ def _best(aggs: list[dict], prefix: str, key: str) -> dict | None:
     return min(cands, key=lambda a: a[key]) if cands else None
 
 
+# fmt: off
 def claims(aggs: list[dict], deep: str = "uploads_1e-08") -> list[tuple[str, str, str, str]]:
     """(claim, paper statement, measured here, held?) for the synthetic problem (spec §9.2)."""
     syn = [a for a in aggs if a["problem"] == "synthetic"]
@@ -283,15 +284,11 @@ def claims(aggs: list[dict], deep: str = "uploads_1e-08") -> list[tuple[str, str
     reached = [a for a in cfl if a.get(it_key) is not None]
     ok = [a for a in reached if (a.get("tail_r2") or 0) > 0.98]
     low = "; ".join(f"{a['topology']} {a['method']}: R^2 {a['tail_r2']:.3f}" for a in reached if a not in ok)
-    out.append(
-        (
-            "C1 linear convergence (Thm. 1)",
-            "CFL-SAGA converges linearly",
-            f"{len(reached)}/{len(cfl)} CFL-SAGA settings reach {deep[8:]} on every seed; median tail R^2 of "
-            f"log opg vs k > 0.98 for {len(ok)}" + (f" (below: {low})" if low else ""),
-            _yn(len(reached) == len(cfl) and len(ok) >= len(cfl) - 2, "all reach the target", len(reached) == len(cfl)),
-        )
-    )
+    out.append(("C1 linear convergence (Thm. 1)", "CFL-SAGA converges linearly",
+                f"{len(reached)}/{len(cfl)} CFL-SAGA settings reach {deep[8:]} on every seed; median tail R^2 of "
+                f"log opg vs k > 0.98 for {len(ok)}" + (f" (below: {low})" if low else ""),
+                _yn(len(reached) == len(cfl) and len(ok) >= len(cfl) - 2, "all reach the target",
+                    len(reached) == len(cfl))))
     for topo in topologies:
         rows = sorted((a for a in by(topo) if a["method"].startswith("CFL-SAGA")), key=lambda a: _rho(a["method"]))
         ups = [a.get(deep) for a in rows]
@@ -300,61 +297,34 @@ def claims(aggs: list[dict], deep: str = "uploads_1e-08") -> list[tuple[str, str
         slower = all(i is not None for i in its) and its[-1] >= its[0]
         txt = ", ".join(f"{_rho(a['method']):g}: {_fmt(a.get(it_key))} it / {_fmt(a.get(deep))} up" for a in rows)
         note = f"uploads fall with rho: {_yes(mono)}; iterations rise: {_yes(slower)}"
-        out.append(
-            (
-                f"C2 rho trade-off, {topo} (Fig. 3)",
-                "larger rho: fewer uploads, more iterations",
-                txt,
-                _yn(mono and slower, note, mono),
-            )
-        )
+        out.append((f"C2 rho trade-off, {topo} (Fig. 3)", "larger rho: fewer uploads, more iterations",
+                    txt, _yn(mono and slower, note, mono)))
         best_c, best_g = _best(by(topo), "CFL-SAGA", deep), _best(by(topo), "GT-SAGA", deep)
         full = next((a for a in by(topo) if a["method"] == "CFL-SAGA rho=0"), None)
         if best_c and best_g:
             f = best_g[deep] / best_c[deep]
             vs_full = full[deep] / best_c[deep] if full and full.get(deep) else float("nan")
-            out.append(
-                (
-                    f"C3 uploads vs GT-SAGA, {topo} (Fig. 4 d-f)",
-                    "orders of magnitude fewer uploads",
-                    f"best {best_c['method']} {best_c[deep]:.0f} vs best {best_g['method']} {best_g[deep]:.0f}: "
-                    f"{f:.1f}x fewer; {vs_full:.1f}x fewer than full upload",
-                    _yn(f >= 10, ">= 10x", f >= 5),
-                )
-            )
+            out.append((f"C3 uploads vs GT-SAGA, {topo} (Fig. 4 d-f)", "orders of magnitude fewer uploads",
+                        f"best {best_c['method']} {best_c[deep]:.0f} vs best {best_g['method']} {best_g[deep]:.0f}: "
+                        f"{f:.1f}x fewer; {vs_full:.1f}x fewer than full upload",
+                        _yn(f >= 10, ">= 10x", f >= 5)))
             per_it = best_c["uploads_per_iteration"]
-            out.append(
-                (
-                    f"C4 uploads per iteration, {topo} (§VIII-B)",
-                    "fewer than GT-SAGA at SR 0.05 (20/iteration)",
-                    f"{best_c['method']}: {per_it:.1f} per iteration",
-                    _yn(per_it < 20),
-                )
-            )
+            out.append((f"C4 uploads per iteration, {topo} (§VIII-B)", "fewer than GT-SAGA at SR 0.05 (20/iteration)",
+                        f"{best_c['method']}: {per_it:.1f} per iteration", _yn(per_it < 20)))
         c10 = next((a for a in by(topo) if a["method"] == "CFL-SAGA rho=10"), None)
         g45 = next((a for a in by(topo) if a["method"] == "GT-SAGA SR=0.45"), None)
         mid = next((a for a in by(topo) if a["method"] == "CFL-SAGA rho=10000"), None)
         if c10 and g45 and topo in ("random", "full"):
             cand = [a for a in (c10, mid) if a and a.get(it_key) is not None]
             fastest = min(cand, key=lambda a: a[it_key]) if cand else None
-            out.append(
-                (
-                    f"C5 iterations vs GT-SAGA SR 0.45, {topo} (Fig. 4 a,c)",
-                    "CFL-SAGA (rho=10) faster",
-                    f"rho=10: {_fmt(c10.get(it_key))}, rho=1e4: {_fmt(mid.get(it_key) if mid else None)}, "
-                    f"GT-SAGA 0.45: {_fmt(g45.get(it_key))}",
-                    _yn(fastest is not None and g45.get(it_key) is not None and fastest[it_key] <= g45[it_key]),
-                )
-            )
+            out.append((f"C5 iterations vs GT-SAGA SR 0.45, {topo} (Fig. 4 a,c)", "CFL-SAGA (rho=10) faster",
+                        f"rho=10: {_fmt(c10.get(it_key))}, rho=1e4: {_fmt(mid.get(it_key) if mid else None)}, "
+                        f"GT-SAGA 0.45: {_fmt(g45.get(it_key))}",
+                        _yn(fastest is not None and g45.get(it_key) is not None and fastest[it_key] <= g45[it_key])))
         if c10 and c10.get("upload_fraction") is not None:
-            out.append(
-                (
-                    f"C8 paper-nominal rho=10, {topo}",
-                    "rho=10 gives high communication efficiency",
-                    f"uploads {100 * c10['upload_fraction']:.0f}% of users per iteration (full upload: 100%)",
-                    _yn(c10["upload_fraction"] < 0.2, "< 20% of users"),
-                )
-            )
+            out.append((f"C8 paper-nominal rho=10, {topo}", "rho=10 gives high communication efficiency",
+                        f"uploads {100 * c10['upload_fraction']:.0f}% of users per iteration (full upload: 100%)",
+                        _yn(c10["upload_fraction"] < 0.2, "< 20% of users")))
     rnd = by("random")
     best_c = _best(rnd, "CFL-SAGA", deep)
     for prefix in ("GT-SVRG", "GT-SARAH", "CFL-ADMM"):
@@ -364,40 +334,25 @@ def claims(aggs: list[dict], deep: str = "uploads_1e-08") -> list[tuple[str, str
         if base is None:
             anyb = [a for a in rnd if a["method"].startswith(prefix)]
             txt = "; ".join(f"{a['method']}: opg {a['final_opt_gap']:.1e} after {a['iterations']:.0f} it" for a in anyb)
-            out.append(
-                (
-                    f"C6 vs {prefix}, random (Figs. 6-7)",
-                    "similar iterations, many more uploads",
-                    f"did not reach {deep[8:]}: {txt}",
-                    "CFL-SAGA better (baseline did not reach the target)",
-                )
-            )
+            out.append((f"C6 vs {prefix}, random (Figs. 6-7)", "similar iterations, many more uploads",
+                        f"did not reach {deep[8:]}: {txt}", "CFL-SAGA better (baseline did not reach the target)"))
             continue
         f = base[deep] / best_c[deep]
         missed = [a["method"] for a in rnd if a["method"].startswith(prefix) and a.get(deep) is None]
-        out.append(
-            (
-                f"C6 vs {prefix}, random (Figs. 6-7)",
-                "similar iterations, many more uploads",
-                f"{base['method']}: {base[it_key]:.0f} it / {base[deep]:.0f} up; best CFL-SAGA "
-                f"{best_c[it_key]:.0f} it / {best_c[deep]:.0f} up ({f:.1f}x fewer)"
-                + (f"; did not reach {deep[8:]}: {', '.join(missed)}" if missed else ""),
-                _yn(f >= 2.5, ">= 2.5x"),
-            )
-        )
+        out.append((f"C6 vs {prefix}, random (Figs. 6-7)", "similar iterations, many more uploads",
+                    f"{base['method']}: {base[it_key]:.0f} it / {base[deep]:.0f} up; best CFL-SAGA "
+                    f"{best_c[it_key]:.0f} it / {best_c[deep]:.0f} up ({f:.1f}x fewer)"
+                    + (f"; did not reach {deep[8:]}: {', '.join(missed)}" if missed else ""),
+                    _yn(f >= 2.5, ">= 2.5x")))
     cfl_ms = [a["ms_per_iteration_cpu"] for a in rnd if a["method"].startswith("CFL-SAGA")]
     for a in rnd:
         if a["method"].startswith("GT-SAGA") and float(a["method"].split("=")[1]) <= 0.25 and cfl_ms:
             ms = statistics.median(cfl_ms)
-            out.append(
-                (
-                    f"C7 runtime, {a['method']} (Fig. 5)",
-                    "GT-SAGA cheaper per iteration than CFL-SAGA",
-                    f"{a['ms_per_iteration_cpu']:.2f} vs {ms:.2f} ms CPU per iteration",
-                    _yn(a["ms_per_iteration_cpu"] < ms),
-                )
-            )
+            out.append((f"C7 runtime, {a['method']} (Fig. 5)", "GT-SAGA cheaper per iteration than CFL-SAGA",
+                        f"{a['ms_per_iteration_cpu']:.2f} vs {ms:.2f} ms CPU per iteration",
+                        _yn(a["ms_per_iteration_cpu"] < ms)))
     return out
+# fmt: on
 
 
 def _yn(ok: bool, note: str = "", partial: bool = False) -> str:
