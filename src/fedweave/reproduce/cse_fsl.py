@@ -303,20 +303,11 @@ def _fmt(v: Any, nd: int = 2) -> str:
     return str(v)
 
 
-COLUMNS = [
-    ("method", "method"),
-    ("accuracy", "acc (%)"),
-    ("accuracy_std", "± std"),
-    ("load_gib", "load (GiB)"),
-    ("load_ratio", "load / FSL_MC"),
-    ("storage_m", "storage (M)"),
-    ("server_copies", "server copies"),
-    ("load_to_target_gib", "load to target (GiB)"),
-    ("paper_acc", "paper acc IID (%)"),
-    ("paper_load", "paper load (GiB)"),
-    ("paper_load_ratio", "paper load / FSL_MC"),
-    ("paper_storage", "paper storage (M)"),
-]
+COLUMNS = [("method", "method"), ("accuracy", "acc (%)"), ("accuracy_std", "± std"), ("load_gib", "load (GiB)"),
+           ("load_ratio", "load / FSL_MC"), ("storage_m", "storage (M)"), ("server_copies", "server copies"),
+           ("load_to_target_gib", "load to target (GiB)"), ("paper_acc", "paper acc IID (%)"),
+           ("paper_load", "paper load (GiB)"), ("paper_load_ratio", "paper load / FSL_MC"),
+           ("paper_storage", "paper storage (M)")]  # fmt: skip
 
 
 def markdown(table, verdicts, p: Preset, scale: str, seeds: list[int], wall: float) -> str:

@@ -26,15 +26,8 @@ from fedweave.runner import Result
 
 # ---- the paper's numbers ------------------------------------------------------------------------------
 METHODS = ("fedavg", "fedadam", "scaffold", "fedcm", "feddyn", "fedsam", "fedmim")
-LABELS = {
-    "fedavg": "FedAvg",
-    "fedadam": "FedAdam",
-    "scaffold": "SCAFFOLD",
-    "fedcm": "FedCM",
-    "feddyn": "FedDyn",
-    "fedsam": "FedSAM",
-    "fedmim": "FedMIM",
-}
+LABELS = {"fedavg": "FedAvg", "fedadam": "FedAdam", "scaffold": "SCAFFOLD", "fedcm": "FedCM", "feddyn": "FedDyn",
+          "fedsam": "FedSAM", "fedmim": "FedMIM"}  # fmt: skip
 # Table I: test accuracy (%) after 1000 rounds; columns (dataset, split)
 TABLE_I: dict[str, dict[tuple[str, str], float]] = {
     m: dict(zip([(d, s) for d in ("cifar10", "cifar100", "tiny") for s in ("iid", "dir0.3", "dir0.1")], row))
@@ -55,14 +48,10 @@ SPLITS = {
 }
 # paper defaults (spec §3): FedCM / FedDyn alpha 0.1, FedAdam eta_g 0.1, FedSAM rho 0.1, FedMIM Table III best
 METHOD_OPTIONS: dict[str, dict[str, Any]] = {
-    "fedavg": {},
-    "fedadam": {"server_lr": 0.1, "beta1": 0.9, "beta2": 0.99, "tau": 1e-2},
-    "scaffold": {},
-    "fedcm": {"alpha": 0.1},
-    "feddyn": {"alpha": 0.1},
-    "fedsam": {"rho": 0.1},
+    "fedavg": {}, "fedadam": {"server_lr": 0.1, "beta1": 0.9, "beta2": 0.99, "tau": 1e-2}, "scaffold": {},
+    "fedcm": {"alpha": 0.1}, "feddyn": {"alpha": 0.1}, "fedsam": {"rho": 0.1},
     "fedmim": {"alpha": [0.6, 0.3], "beta": [0.9, 0.1]},
-}
+}  # fmt: skip
 
 
 @dataclass

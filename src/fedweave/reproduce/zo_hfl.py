@@ -41,49 +41,24 @@ LABELS = {
     "server_only_fast": "server-only, gamma_0 = {g:g} (not the paper's)",
 }
 FAST_SERVER_LR = 0.1  # sensitivity: a 10x larger server step than the paper's gamma_0 = 0.01
-ALGO = {
-    "fedavg": "hier_fedavg",
-    "fedprox": "hier_fedprox",
-    "scaffold": "hier_scaffold",
-    "zo_hfl": "zo_hfl",
-    "server_only": "zo_hfl",
-    "server_only_long": "zo_hfl",
-    "fedavg_server": "hier_fedavg",
-}
+ALGO = {"fedavg": "hier_fedavg", "fedprox": "hier_fedprox", "scaffold": "hier_scaffold", "zo_hfl": "zo_hfl",
+        "server_only": "zo_hfl", "server_only_long": "zo_hfl", "fedavg_server": "hier_fedavg"}  # fmt: skip
 # Sensitivity variants of the baselines (spec §9.2, A11): a constant local step (more client drift) and
 # the compute-matched 2 H_{i,r} local steps (ZO-HFL's two solves per round).
 VARIANTS = {"const": "constant local lr {lr:g}", "2h": "2H local steps"}
 CONSTANT_LR = 0.05  # spec §9.2 sensitivity run
-DATASET_LABELS = {
-    "mnist": "MNIST",
-    "fashion_mnist": "Fa.-MNIST",
-    "cifar10": "CIFAR-10",
-    "digits": "digits",
-    "adult": "Adult",
-}
+DATASET_LABELS = {"mnist": "MNIST", "fashion_mnist": "Fa.-MNIST", "cifar10": "CIFAR-10", "digits": "digits",
+                  "adult": "Adult"}  # fmt: skip
 
 # Table I of the paper, test accuracy (%) of the global model (spec §6.1, verbatim).
 PAPER_TABLE = {
-    "fedavg": {
-        "mnist": (87.17, 77.33, 39.19),
-        "fashion_mnist": (77.52, 59.64, 45.50),
-        "cifar10": (68.36, 37.20, 27.43),
-    },
-    "fedprox": {
-        "mnist": (86.90, 75.61, 45.15),
-        "fashion_mnist": (77.34, 60.28, 49.44),
-        "cifar10": (67.52, 38.55, 29.03),
-    },
-    "scaffold": {
-        "mnist": (91.54, 91.25, 87.36),
-        "fashion_mnist": (82.25, 83.48, 74.91),
-        "cifar10": (72.36, 50.41, 44.65),
-    },
-    "zo_hfl": {
-        "mnist": (90.82, 88.44, 87.70),
-        "fashion_mnist": (78.51, 85.51, 76.86),
-        "cifar10": (68.12, 58.06, 52.51),
-    },
+    m: dict(zip(("mnist", "fashion_mnist", "cifar10"), cols))
+    for m, cols in {  # per dataset: the three settings of SETTINGS
+        "fedavg": ((87.17, 77.33, 39.19), (77.52, 59.64, 45.50), (68.36, 37.20, 27.43)),
+        "fedprox": ((86.90, 75.61, 45.15), (77.34, 60.28, 49.44), (67.52, 38.55, 29.03)),
+        "scaffold": ((91.54, 91.25, 87.36), (82.25, 83.48, 74.91), (72.36, 50.41, 44.65)),
+        "zo_hfl": ((90.82, 88.44, 87.70), (78.51, 85.51, 76.86), (68.12, 58.06, 52.51)),
+    }.items()
 }
 
 
