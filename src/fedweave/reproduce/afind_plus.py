@@ -140,6 +140,7 @@ def methods(p: Preset) -> dict[str, dict[str, Any]]:
     """Row label -> algorithm section (spec 9.1 methods and 2.6 variants)."""
     afind = {"neighbours": p.pool, "tau": 0.5, "upsilon": 0.1, "loss_gamma": 0.9, "boltzmann_T": 1.0, **p.extra}
     clients = p.settings[0].base["partition"]["num_clients"]
+    plug = {k: afind[k] for k in ("tau", "upsilon", "boltzmann_T")}
     return {
         "Local": {"name": "local"},
         # centralized FedAvg: 10% of the clients per round (C.3); its global model is evaluated on every
@@ -157,24 +158,10 @@ def methods(p: Preset) -> dict[str, dict[str, Any]]:
         "AFIND+": {"name": "afind_plus", **afind},
         # Fig. 5 (spec 5, A31): each personalised method with its own neighbour choice (the random-sampling
         # budget) and with AFIND+'s selection and Boltzmann weights over the same available pool as AFIND+
-        **{
-            label + suffix: {"name": name, **opts}
-            for label, name in PLUGINS.items()
-            for suffix, opts in (
-                ("", {"neighbours": p.budget}),
-                (
-                    " + AFIND+",
-                    {
-                        "neighbours": p.pool,
-                        "selection": "afind",
-                        "tau": afind["tau"],
-                        "upsilon": afind["upsilon"],
-                        "boltzmann_T": afind["boltzmann_T"],
-                    },
-                ),
-            )
-        },
-    }
+        **{label + suffix: {"name": name, **opts} for label, name in PLUGINS.items()
+           for suffix, opts in (("", {"neighbours": p.budget}),
+                                (" + AFIND+", {"neighbours": p.pool, "selection": "afind", **plug}))},
+    }  # fmt: skip
 
 
 @dataclass(frozen=True)

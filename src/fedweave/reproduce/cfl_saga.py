@@ -70,20 +70,8 @@ def _run_job(job: Job) -> dict[str, Any]:
     from fedweave.config import load
 
     data = {**job.data, "seed": job.seed} if job.data.get("name") == "cfl_logreg" else dict(job.data)
-    cfg = load(
-        {
-            "seed": job.seed,
-            "threads": 1,
-            "dataset": data,
-            "algorithm": {
-                "name": job.algorithm,
-                "graph": job.topology,
-                "graph_seed": GRAPH_SEED,
-                **job.system,
-                **job.options,
-            },
-        }
-    )
+    algorithm = {"name": job.algorithm, "graph": job.topology, "graph_seed": GRAPH_SEED, **job.system, **job.options}
+    cfg = load({"seed": job.seed, "threads": 1, "dataset": data, "algorithm": algorithm})
     algo = build_algorithm(RunContext(cfg))
     gaps, ups, secs = [algo.opt_gap()], [0], [0.0]
     wall0, cpu0 = time.perf_counter(), time.process_time()
