@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from fedweave.experiments.aggregate import group, if_all
+from fedweave.experiments.plots import Lines, plot_lines
 from fedweave.experiments.study import Plan, Study, load_records, option, save_records
 from fedweave.experiments.tables import markdown_table, write_csv
-from fedweave.plots import plt, save_png
 from fedweave.results import atomic_write
 
 TARGETS = (1e-4, 1e-6, 1e-8)
@@ -385,52 +385,33 @@ SHOWN = {"CFL-SAGA rho=10", "CFL-SAGA rho=10000", "CFL-SAGA rho=1e+06"}
 
 
 def plots(rows: list[dict], out: Path) -> list[Path]:
-    def save(fig, name: str) -> Path:
-        return save_png(fig, out / name, dpi=110)
-
+    """Per problem and graph: Figs. 3, 4 and 6-7 (optimality gap against iterations and against uploads) and,
+    on the random graph, Fig. 5 (wall-clock seconds against iterations); the first seed's traces."""
     curves = [r for r in rows if "_curve" in r]
     written = []
     for prob in sorted({r["problem"] for r in curves}):
         for topo in sorted({r["topology"] for r in curves if r["problem"] == prob}):
             sub = [r for r in curves if r["problem"] == prob and r["topology"] == topo]
+            shown = [r for r in sub if r["method"].startswith("GT-SAGA") or r["method"] in SHOWN]
             groups = {
                 "fig3_rho": [r for r in sub if r["method"].startswith("CFL-SAGA")],
-                "fig4_vs_gtsaga": [r for r in sub if r["method"].startswith("GT-SAGA") or r["method"] in SHOWN],
-                "fig67_baselines": [
-                    r
-                    for r in sub
-                    if r["method"].startswith(("GT-SVRG", "GT-SARAH", "CFL-ADMM")) or r["method"] in SHOWN
-                ],
-            }
+                "fig4_vs_gtsaga": shown,
+                "fig67_baselines": [r for r in sub if r["method"].startswith(("GT-SVRG", "GT-SARAH", "CFL-ADMM"))
+                                    or r["method"] in SHOWN],
+            }  # fmt: skip
             for name, grp in groups.items():
-                if name == "fig67_baselines" and len(grp) < 2:
+                if not grp or (name == "fig67_baselines" and len(grp) < 2):
                     continue
-                if not grp:
-                    continue
-                fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-                for r in grp:
-                    gaps, ups, _ = r["_curve"]
-                    axes[0].semilogy(np.arange(len(gaps)), gaps, label=r["method"], lw=1)
-                    axes[1].loglog(np.maximum(ups, 1), gaps, label=r["method"], lw=1)
-                axes[0].set_xlabel("iteration")
-                axes[1].set_xlabel("cumulative uploads (vectors)")
-                for ax in axes:
-                    ax.set_ylabel("optimality gap")
-                    ax.grid(alpha=0.3)
-                axes[1].legend(fontsize=6)
-                fig.suptitle(f"{prob}, {topo} graph (seed {sub[0]['seed']})")
-                written.append(save(fig, f"{prob}_{topo}_{name}.png"))
+                by_it = [(np.arange(len(r["_curve"][0])), r["_curve"][0], r["method"]) for r in grp]
+                by_up = [(np.maximum(r["_curve"][1], 1), r["_curve"][0], r["method"]) for r in grp]
+                panels = [Lines(by_it, "semilogy", "iteration", "optimality gap"),
+                          Lines(by_up, "loglog", "cumulative uploads (vectors)", "optimality gap", 6)]  # fmt: skip
+                title = f"{prob}, {topo} graph (seed {sub[0]['seed']})"
+                written.append(plot_lines(panels, out / f"{prob}_{topo}_{name}.png", (11, 4), title))
             if topo == "random":  # Fig. 5: runtime vs iterations
-                fig, ax = plt.subplots(figsize=(6, 4))
-                for r in sub:
-                    if r["method"].startswith("GT-SAGA") or r["method"] in SHOWN:
-                        _, _, secs = r["_curve"]
-                        ax.plot(np.arange(len(secs)), secs, label=r["method"], lw=1)
-                ax.set_xlabel("iteration")
-                ax.set_ylabel("wall-clock seconds")
-                ax.grid(alpha=0.3)
-                ax.legend(fontsize=7)
-                written.append(save(fig, f"{prob}_{topo}_fig5_runtime.png"))
+                secs = [(np.arange(len(r["_curve"][2])), r["_curve"][2], r["method"]) for r in shown]
+                panel = Lines(secs, "plot", "iteration", "wall-clock seconds", legend=7)
+                written.append(plot_lines([panel], out / f"{prob}_{topo}_fig5_runtime.png", (6, 4)))
     return written
 
 
