@@ -198,9 +198,8 @@ PRESETS.update(
 
 
 # ---- the grid ----------------------------------------------------------------------------------------
-def run_config(
-    p: Preset, dataset: str, split: str, method: str, seed: int, run_dir: Path, variant: str = ""
-) -> dict[str, Any]:
+def run_config(p: Preset, dataset: str, split: str, method: str, seed: int, run_dir: Path,
+               variant: str = "") -> dict[str, Any]:  # fmt: skip
     over = dict(p.variants).get(variant, {}) if variant else {}
     options = over["options"] if "options" in over and method == "fedmim" else METHOD_OPTIONS[method]
     return {
@@ -225,14 +224,8 @@ def run_config(
     }
 
 
-def plan(
-    p: Preset,
-    out: Path,
-    seeds: tuple[int, ...],
-    datasets: list[str] | None,
-    methods: list[str] | None,
-    extend: bool = False,
-) -> list[Point]:
+def plan(p: Preset, out: Path, seeds: tuple[int, ...], datasets: list[str] | None, methods: list[str] | None,
+         extend: bool = False) -> list[Point]:  # fmt: skip
     """The runs of a preset in priority order (grid entry, then seed, then method), each in
     ``OUT/runs/<dataset>-<split>-<method>-s<seed>``; in a variant preset seed, then grid entry, variant and
     method (a time budget leaves whole seeds), each in ``OUT/runs/<dataset>-<split>-<method>-<variant>-s<seed>``."""
@@ -401,9 +394,8 @@ def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
             for v in judge(list(TABLE_I_CLAIMS.values()), c, d)]  # fmt: skip
 
 
-def markdown(
-    table: list[dict], claims: dict, preset_name: str, p: Preset, wall: float, cpu: float | None = None
-) -> str:
+def markdown(table: list[dict], claims: dict, preset_name: str, p: Preset, wall: float,
+             cpu: float | None = None) -> str:  # fmt: skip
     # runs share the machine: the summed CPU time of the runs says what the preset costs on idle cores
     cpu_note = f"; CPU time of the runs {cpu / 60:.1f} min (one thread each)" if cpu else ""
     lines = [

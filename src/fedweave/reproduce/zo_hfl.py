@@ -187,19 +187,8 @@ PRESETS = {
 # fmt: on
 
 
-def run_config(
-    p: Preset,
-    dataset: str,
-    setting: tuple[float, float],
-    method: str,
-    seed: int,
-    tau: float,
-    rounds: int,
-    out: Path,
-    *,
-    overrides: dict[str, Any] | None = None,
-    tag: str = "",
-) -> dict[str, Any]:
+def run_config(p: Preset, dataset: str, setting: tuple[float, float], method: str, seed: int, tau: float, rounds: int,
+               out: Path, *, overrides: dict[str, Any] | None = None, tag: str = "") -> dict[str, Any]:  # fmt: skip
     """The config of one run (spec §9.2/§9.3: pooled 90/10 split, 30% server share, Dir(alpha) clients)."""
     setting = run_setting(method, setting)
     alpha, beta = setting
@@ -276,9 +265,8 @@ def _last10(res: dict[str, Any], rounds: int) -> float:
     return float(np.mean(vals))
 
 
-def summarize(
-    p: Preset, results: dict[str, dict[str, Any]], seeds: list[int], out: Path
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def summarize(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int],
+              out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
     rows = []
     acc: dict[tuple[str, str, tuple[float, float]], tuple[float, float]] = {}
     for ds in p.datasets:
