@@ -147,25 +147,18 @@ def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
         reach = if_all([to_target(r["rows"], "test_accuracy", p.target, "load_bytes") for r in rs], np.mean)
         paper_key = key if key in PAPER_TABLE_V["cifar10"] else method if method != "cse_fsl" else None
         paper = PAPER_TABLE_V["cifar10"].get(paper_key) if paper_key else None
-        table.append(
-            {
-                "method": key,
-                "accuracy": acc_m,
-                "accuracy_std": acc_s,
-                "load_gib": load / GIB,
-                "load_formula_gib": formulas[0] / GIB,
-                "load_exact": all(r["rows"][-1]["load_bytes"] == f for r, f in zip(rs, formulas, strict=True)),
-                "storage_m": rs[0]["rows"][-1]["storage_params"] / 1e6,
-                "storage_formula_m": storage_params(method, sizes, len(rs[0]["samples"])) / 1e6,
-                "server_copies": rs[0]["rows"][-1]["server_copies"],
-                "load_to_target_gib": float(reach) / GIB if reach is not None else None,
-                "uploads_per_client": rs[0]["rows"][-1]["smashed_uploads_per_client"],
-                "paper_acc": (paper[1] if p.noniid else paper[0]) if paper else None,
-                "paper_load": paper[2] if paper else None,
-                "paper_storage": paper[3] if paper else None,
-                "accs": accs,
-            }
-        )
+        last = rs[0]["rows"][-1]
+        table.append({"method": key, "accuracy": acc_m, "accuracy_std": acc_s, "load_gib": load / GIB,
+                      "load_formula_gib": formulas[0] / GIB,
+                      "load_exact": all(r["rows"][-1]["load_bytes"] == f for r, f in zip(rs, formulas, strict=True)),
+                      "storage_m": last["storage_params"] / 1e6,
+                      "storage_formula_m": storage_params(method, sizes, len(rs[0]["samples"])) / 1e6,
+                      "server_copies": last["server_copies"],
+                      "load_to_target_gib": float(reach) / GIB if reach is not None else None,
+                      "uploads_per_client": last["smashed_uploads_per_client"],
+                      "paper_acc": (paper[1] if p.noniid else paper[0]) if paper else None,
+                      "paper_load": paper[2] if paper else None, "paper_storage": paper[3] if paper else None,
+                      "accs": accs})  # fmt: skip
     mc = next(t for t in table if t["method"] == "fsl_mc")
     for t in table:
         t["load_ratio"] = t["load_gib"] / mc["load_gib"]

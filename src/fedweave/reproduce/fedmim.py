@@ -300,20 +300,10 @@ def summarize(records: list[dict]) -> tuple[list[dict], dict]:
         acc_m, acc_sd = mean_std([r["final_acc"] for r in rs])
         best_m, _ = mean_std([r["best_acc"] for r in rs])
         cons_m, _ = mean_std([r["consistency_last20"] for r in rs])
-        table.append(
-            {
-                "dataset": d,
-                "split": s,
-                "method": m,
-                "seeds": len(all_rs),
-                "diverged": sum(not math.isfinite(r["final_acc"]) for r in all_rs),
-                "final_acc_mean": acc_m,
-                "final_acc_std": acc_sd,
-                "best_acc_mean": best_m,
-                "consistency_last20": cons_m,
-                "paper_cifar10": TABLE_I[m].get(("cifar10", s)),
-            }
-        )
+        table.append({"dataset": d, "split": s, "method": m, "seeds": len(all_rs),
+                      "diverged": sum(not math.isfinite(r["final_acc"]) for r in all_rs), "final_acc_mean": acc_m,
+                      "final_acc_std": acc_sd, "best_acc_mean": best_m, "consistency_last20": cons_m,
+                      "paper_cifar10": TABLE_I[m].get(("cifar10", s))})  # fmt: skip
     for d, s in {(t["dataset"], t["split"]) for t in table}:
         col = [t for t in table if (t["dataset"], t["split"]) == (d, s)]
         ours = _ranks({t["method"]: t["final_acc_mean"] for t in col})
@@ -533,20 +523,11 @@ def variant_summary(records: list[dict], p: Preset) -> list[dict]:
             auc, _ = mean_std([100 * sum(x["test_accuracy"] for x in r["_rows"]) / len(r["_rows"]) for r in ok])
             cons, _ = mean_std([r["consistency_last20"] for r in ok])
             paper = TABLE_II_C10[m][vi] if p.table == "epochs" else TABLE_III[vi][2] if p.table == "ablation" else None
-            rows.append(
-                {
-                    "variant": v,
-                    "method": m,
-                    "seeds": len(rs),
-                    "diverged": len(rs) - len(ok),
-                    "final_acc_mean": round(acc, 2),
-                    "final_acc_std": round(sd, 2),
-                    "mean_acc_over_rounds": round(auc, 2),
-                    "consistency_last20": round(cons, 4),
-                    "final_acc_per_seed": " / ".join(f"{r['final_acc']:.2f}" for r in rs),
-                    "paper_c10": "" if paper is None else paper,
-                }
-            )
+            rows.append({"variant": v, "method": m, "seeds": len(rs), "diverged": len(rs) - len(ok),
+                         "final_acc_mean": round(acc, 2), "final_acc_std": round(sd, 2),
+                         "mean_acc_over_rounds": round(auc, 2), "consistency_last20": round(cons, 4),
+                         "final_acc_per_seed": " / ".join(f"{r['final_acc']:.2f}" for r in rs),
+                         "paper_c10": "" if paper is None else paper})  # fmt: skip
     return rows
 
 

@@ -279,22 +279,12 @@ def summarize(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int],
                 last_mean, _ = mean_std([100 * _last10(r, R) for r in res], ddof=0)
                 acc[(ds, m, s)] = (mean, std)
                 paper = PAPER_TABLE.get(m, {}).get(ds)
-                rows.append(
-                    {
-                        "dataset": ds,
-                        "alpha": s[0],
-                        "beta": s[1],
-                        "method": m,
-                        "acc_mean": round(mean, 2),
-                        "acc_std": round(std, 2),
-                        "acc_last10_mean": round(last_mean, 2),
-                        "paper_acc": paper[si] if paper else "",
-                        "seeds": len(run_seeds),
-                        "seconds_mean": round(float(np.mean([r["seconds"] for r in res])), 1),
-                        "cpu_seconds_mean": round(float(np.mean([r.get("cpu", 0.0) for r in res])), 2),
-                        "diverged": sum(r["status"] == "diverged" for r in res),
-                    }
-                )
+                rows.append({"dataset": ds, "alpha": s[0], "beta": s[1], "method": m, "acc_mean": round(mean, 2),
+                             "acc_std": round(std, 2), "acc_last10_mean": round(last_mean, 2),
+                             "paper_acc": paper[si] if paper else "", "seeds": len(run_seeds),
+                             "seconds_mean": round(float(np.mean([r["seconds"] for r in res])), 1),
+                             "cpu_seconds_mean": round(float(np.mean([r.get("cpu", 0.0) for r in res])), 2),
+                             "diverged": sum(r["status"] == "diverged" for r in res)})  # fmt: skip
     claims = check_claims(p, acc, results, out)
     return rows, claims
 
@@ -582,31 +572,17 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> int
     out = Path(opts.out)
     results = {r["name"]: r for r in records}
     if opts.tune:
-        meta = {
-            "rounds": p.rounds,
-            "tau": p.tau,
-            "seeds": len(seeds),
-            "workers": opts.workers,
-            "wall_seconds": wall,
-            "cpu_seconds": cpu_seconds(),
-            "load": load_average(),
-        }
+        meta = {"rounds": p.rounds, "tau": p.tau, "seeds": len(seeds), "workers": opts.workers, "wall_seconds": wall,
+                "cpu_seconds": cpu_seconds(), "load": load_average()}  # fmt: skip
         write_tune(tune_summary(configs, results), out, meta)
         print((out / "tune.md").read_text())
         return 0
-    meta = {
-        "scale": opts.scale,
-        "rounds": p.rounds,
-        "seeds": len(seeds),
-        "workers": opts.workers,
-        "wall_seconds": round(wall, 1),
-        "runs": len(configs),
-        "run_seconds": {k: round(v["seconds"], 1) for k, v in results.items()},
-        "run_cpu_seconds": {k: round(v.get("cpu", 0.0), 2) for k, v in results.items()},
-        "cpu_seconds": round(cpu_seconds(), 1),  # this invocation, workers included
-        "load_at_end": load_average(),
-        "reused": sum(bool(v.get("reused")) for v in results.values()),
-    }
+    meta = {"scale": opts.scale, "rounds": p.rounds, "seeds": len(seeds), "workers": opts.workers,
+            "wall_seconds": round(wall, 1), "runs": len(configs),
+            "run_seconds": {k: round(v["seconds"], 1) for k, v in results.items()},
+            "run_cpu_seconds": {k: round(v.get("cpu", 0.0), 2) for k, v in results.items()},
+            "cpu_seconds": round(cpu_seconds(), 1),  # this invocation, workers included
+            "load_at_end": load_average(), "reused": sum(bool(v.get("reused")) for v in results.values())}  # fmt: skip
     rows, claims = summarize(p, results, seeds, out)
     write_table(p, rows, claims, out, meta)
     write_plots(p, results, seeds, out)
