@@ -81,16 +81,8 @@ class Preset:
 
 
 def _base(dataset: dict, partition: dict, model: dict, rounds: int, local: dict, every: int) -> dict[str, Any]:
-    return {
-        "rounds": rounds,
-        "threads": 1,
-        "dataset": dataset,
-        "partition": partition,
-        "model": model,
-        "local": local,
-        "eval": {"every": every},
-        "output": {"progress": False, "plots": False},
-    }
+    return {"rounds": rounds, "threads": 1, "dataset": dataset, "partition": partition, "model": model, "local": local,
+            "eval": {"every": every}, "output": {"progress": False, "plots": False}}  # fmt: skip
 
 
 def preset(scale: str) -> Preset:

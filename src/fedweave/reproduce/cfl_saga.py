@@ -89,21 +89,13 @@ def _run_job(job: Job) -> dict[str, Any]:
             break
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     iters = len(gaps) - 1
-    row: dict[str, Any] = {
-        "problem": job.tag,
-        "topology": job.topology,
-        "method": job.method,
-        "seed": job.seed,
-        "iterations": iters,
-        "final_opt_gap": gaps[-1],
-        "uploads": ups[-1],
-        "uploads_per_iteration": ups[-1] / max(iters, 1),
-        "upload_fraction": ups[-1] / max(iters, 1) / algo.net.num_users,
-        "ms_per_iteration_wall": 1e3 * wall / max(iters, 1),
-        "ms_per_iteration_cpu": 1e3 * cpu / max(iters, 1),
-        "sigma": algo.net.sigma,
-        "alpha": algo.alpha,
-    }
+    row: dict[str, Any] = {"problem": job.tag, "topology": job.topology, "method": job.method, "seed": job.seed,
+                           "iterations": iters, "final_opt_gap": gaps[-1], "uploads": ups[-1],
+                           "uploads_per_iteration": ups[-1] / max(iters, 1),
+                           "upload_fraction": ups[-1] / max(iters, 1) / algo.net.num_users,
+                           "ms_per_iteration_wall": 1e3 * wall / max(iters, 1),
+                           "ms_per_iteration_cpu": 1e3 * cpu / max(iters, 1), "sigma": algo.net.sigma,
+                           "alpha": algo.alpha}  # fmt: skip
     for t in TARGETS:
         row[f"iters_{t:.0e}"] = hit[t][0] if hit[t] else None
         row[f"uploads_{t:.0e}"] = hit[t][1] if hit[t] else None

@@ -120,18 +120,9 @@ def collect(point: Point, res: Result, facts: tuple[SplitSizes, list[int]]) -> d
     if not res.metrics:
         raise SystemExit(f"{res.run_dir}: the run diverged before its first evaluation; nothing to tabulate")
     algo = point.config.algorithm
-    return {
-        "key": dict(point.values)["key"],
-        "seed": point.seed,
-        "method": algo.name,
-        "h": algo.options.get("h", 1),
-        "status": res.summary["status"],
-        "run_dir": str(res.run_dir),
-        "rows": res.metrics,
-        "sizes": facts[0],
-        "samples": facts[1],
-        "wall": res.summary["wall_seconds"],
-    }
+    return {"key": dict(point.values)["key"], "seed": point.seed, "method": algo.name, "h": algo.options.get("h", 1),
+            "status": res.summary["status"], "run_dir": str(res.run_dir), "rows": res.metrics, "sizes": facts[0],
+            "samples": facts[1], "wall": res.summary["wall_seconds"]}  # fmt: skip
 
 
 # ---- summaries ---------------------------------------------------------------------------------------------

@@ -270,19 +270,12 @@ def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any
     accs = [100 * r["test_accuracy"] for r in rows]
     if summary.get("status") == "diverged":  # no final model: the run is reported as diverged
         accs = [*accs, float("nan")]
-    return {
-        **dict(point.values),
-        "seed": point.seed,
-        "final_acc": accs[-1],
-        "best_acc": max((a for a in accs if a == a), default=float("nan")),
-        "last3_acc": sum(accs[-3:]) / len(accs[-3:]),
-        "consistency_last20": sum(r["local_consistency"] for r in tail) / len(tail) if tail else float("nan"),
-        "wall_seconds": summary.get("wall_seconds"),
-        "cpu_seconds": summary.get("cpu_seconds"),
-        "status": summary.get("status", "completed"),
-        "rounds_done": last,
-        "_rows": res.metrics,
-    }
+    return {**dict(point.values), "seed": point.seed, "final_acc": accs[-1],
+            "best_acc": max((a for a in accs if a == a), default=float("nan")),
+            "last3_acc": sum(accs[-3:]) / len(accs[-3:]),
+            "consistency_last20": sum(r["local_consistency"] for r in tail) / len(tail) if tail else float("nan"),
+            "wall_seconds": summary.get("wall_seconds"), "cpu_seconds": summary.get("cpu_seconds"),
+            "status": summary.get("status", "completed"), "rounds_done": last, "_rows": res.metrics}  # fmt: skip
 
 
 # ---- tables and plots -----------------------------------------------------------------------------

@@ -243,14 +243,9 @@ def record(pt: Point, res: Result, plan: Plan) -> dict[str, Any]:
     """A run's metric rows, status, wall and CPU seconds, and whether an earlier invocation ran it."""
     # a run that diverged before any evaluation keeps a NaN row; the table marks it
     rows = res.metrics or [{"round": 0, "test_accuracy": float("nan"), "global_loss": float("nan")}]
-    return {
-        "name": pt.slug,
-        "rows": rows,
-        "status": res.summary["status"],
-        "seconds": float(res.summary["wall_seconds"]),
-        "cpu": float(res.summary.get("cpu_seconds") or 0.0),
-        "reused": pt.slug in plan.reused,
-    }
+    return {"name": pt.slug, "rows": rows, "status": res.summary["status"],
+            "seconds": float(res.summary["wall_seconds"]), "cpu": float(res.summary.get("cpu_seconds") or 0.0),
+            "reused": pt.slug in plan.reused}  # fmt: skip
 
 
 # ---- summarizing ---------------------------------------------------------------------------------------
