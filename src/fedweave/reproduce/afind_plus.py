@@ -243,19 +243,13 @@ def collect(point: Point, res: Result) -> dict[str, Any]:
     rows, summary = res.metrics, res.summary  # no rows: diverged before evaluating
     sel = [float(r["selected_mean"]) for r in rows if r.get("selected_mean") not in (None, "")]
     ov = [float(r["overlap_selected"]) for r in rows if r.get("overlap_selected") not in (None, "")]
-    return {
-        **dict(point.values),
-        "seed": point.seed,
-        "status": summary["status"],
-        # a diverged run: the best accuracy it evaluated before the NaN (NaN if none); no final model
-        "best": math.nan if summary["best_test_accuracy"] is None else summary["best_test_accuracy"],
-        "final": math.nan if summary["status"] == "diverged" else summary["final_test_accuracy"],
-        "selected": float(np.mean(sel)) if sel else 0.0,
-        "overlap_selected": float(np.mean(ov)) if ov else None,
-        "bytes": summary["communication"]["bytes_total"],
-        "wall": summary["wall_seconds"],
-        "_rows": rows,
-    }
+    return {**dict(point.values), "seed": point.seed, "status": summary["status"],
+            # a diverged run: the best accuracy it evaluated before the NaN (NaN if none); no final model
+            "best": math.nan if summary["best_test_accuracy"] is None else summary["best_test_accuracy"],
+            "final": math.nan if summary["status"] == "diverged" else summary["final_test_accuracy"],
+            "selected": float(np.mean(sel)) if sel else 0.0, "overlap_selected": float(np.mean(ov)) if ov else None,
+            "bytes": summary["communication"]["bytes_total"], "wall": summary["wall_seconds"],
+            "_rows": rows}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- tables

@@ -90,19 +90,12 @@ def jobs(p: Preset, seeds: list[int], out: Path) -> list[Point]:
     for key, algo in variants:
         for s in seeds:
             tag = key.replace(" ", "_").replace("=", "")
-            config = {
-                "name": f"cse-fsl-{tag}",
-                "seed": s,
-                "rounds": p.rounds,
-                "threads": 1,
-                "dataset": p.dataset,
-                "partition": {**p.partition, "num_clients": p.clients},
-                "model": p.model,
-                "algorithm": {**algo, **p.algorithm},
-                "local": {"epochs": 1, "batch_size": p.batch_size, "lr": p.lr, **p.local},
-                "eval": {"every": 1},
-                "output": {"dir": str(out / "runs" / f"{tag}-s{s}"), "plots": False, "progress": False},
-            }
+            config = {"name": f"cse-fsl-{tag}", "seed": s, "rounds": p.rounds, "threads": 1, "dataset": p.dataset,
+                      "partition": {**p.partition, "num_clients": p.clients}, "model": p.model,
+                      "algorithm": {**algo, **p.algorithm},
+                      "local": {"epochs": 1, "batch_size": p.batch_size, "lr": p.lr, **p.local}, "eval": {"every": 1},
+                      "output": {"dir": str(out / "runs" / f"{tag}-s{s}"), "plots": False,
+                                 "progress": False}}  # fmt: skip
             points.append(Point.of(config, f"{tag}-s{s}", key=key))
     return points
 

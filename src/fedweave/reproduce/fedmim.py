@@ -202,26 +202,14 @@ def run_config(p: Preset, dataset: str, split: str, method: str, seed: int, run_
                variant: str = "") -> dict[str, Any]:  # fmt: skip
     over = dict(p.variants).get(variant, {}) if variant else {}
     options = over["options"] if "options" in over and method == "fedmim" else METHOD_OPTIONS[method]
-    return {
-        "name": f"fedmim-{dataset}-{split}-{method}" + (f"-{variant}" if variant else ""),
-        "seed": seed,
-        "rounds": p.rounds,
-        "backend": "loop",
-        "threads": 1,
-        "dataset": {"name": dataset, **p.dataset_options},
-        "partition": {**SPLITS[split], "num_clients": p.num_clients},
-        "model": {"name": p.model},
-        "algorithm": {
-            "name": method,
-            "clients_per_round": over.get("clients_per_round", p.clients_per_round),
-            "weighting": "uniform",  # P-line 16, spec A22
-            "consistency": True,
-            **options,
-        },
-        "local": {**p.local, **over.get("local", {})},
-        "eval": {"every": p.eval_every},
-        "output": {"dir": str(run_dir), "progress": False, "plots": False},
-    }
+    # weighting: P-line 16, spec A22
+    algorithm = {"name": method, "clients_per_round": over.get("clients_per_round", p.clients_per_round),
+                 "weighting": "uniform", "consistency": True, **options}  # fmt: skip
+    return {"name": f"fedmim-{dataset}-{split}-{method}" + (f"-{variant}" if variant else ""), "seed": seed,
+            "rounds": p.rounds, "backend": "loop", "threads": 1, "dataset": {"name": dataset, **p.dataset_options},
+            "partition": {**SPLITS[split], "num_clients": p.num_clients}, "model": {"name": p.model},
+            "algorithm": algorithm, "local": {**p.local, **over.get("local", {})}, "eval": {"every": p.eval_every},
+            "output": {"dir": str(run_dir), "progress": False, "plots": False}}  # fmt: skip
 
 
 def plan(p: Preset, out: Path, seeds: tuple[int, ...], datasets: list[str] | None, methods: list[str] | None,

@@ -220,20 +220,14 @@ def run_config(p: Preset, dataset: str, setting: tuple[float, float], method: st
     name = f"{dataset}-a{alpha:g}-b{beta:g}-{method}-tau{tau:g}-R{rounds}-s{seed}{tag}"
     table_run = rounds == p.rounds and tau == p.tau
     every = (p.table_eval_every or p.eval_every) if table_run else p.eval_every
-    return {
-        "name": name,
-        "seed": seed,
-        "rounds": rounds,
-        "backend": "vmap",  # closed-form batched gradients: faster than the loop, or within 10% for 1 job
-        "threads": 1,
-        "dataset": {"name": dataset, **p.dataset_options.get(dataset, {})},
-        "partition": {"name": "dirichlet", "num_clients": 10, "alpha": alpha, "min_size": p.min_size},
-        "model": {"name": "logistic", "bias": False, "init": "zeros"},  # x^_0 = 0, x in R^{n x C} (A8, A16)
-        "algorithm": algo,
-        "local": local,
-        "eval": {"every": max(every, rounds // 50), "batch_size": p.eval_batch_size},
-        "output": {"dir": str(out / "runs" / name), "plots": False, "progress": False},
-    }
+    return {"name": name, "seed": seed, "rounds": rounds,
+            "backend": "vmap",  # closed-form batched gradients: faster than the loop, or within 10% for 1 job
+            "threads": 1, "dataset": {"name": dataset, **p.dataset_options.get(dataset, {})},
+            "partition": {"name": "dirichlet", "num_clients": 10, "alpha": alpha, "min_size": p.min_size},
+            "model": {"name": "logistic", "bias": False, "init": "zeros"},  # x^_0 = 0, x in R^{n x C} (A8, A16)
+            "algorithm": algo, "local": local,
+            "eval": {"every": max(every, rounds // 50), "batch_size": p.eval_batch_size},
+            "output": {"dir": str(out / "runs" / name), "plots": False, "progress": False}}  # fmt: skip
 
 
 # ---- running -------------------------------------------------------------------------------------------
