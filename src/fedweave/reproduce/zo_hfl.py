@@ -29,17 +29,11 @@ from fedweave.runner import Result
 SETTINGS = [(1000.0, 0.9), (1.0, 0.5), (0.1, 0.1)]  # (Dirichlet alpha, participation beta), paper §IV
 SETTING_NAMES = {s: f"a={s[0]:g}, b={round(100 * s[1])}%" for s in SETTINGS}
 METHODS = ["fedavg", "fedprox", "scaffold", "zo_hfl", "server_only"]
-LABELS = {
-    "fedavg": "FedAvg",
-    "fedprox": "FedProx",
-    "scaffold": "SCAFFOLD",
-    "zo_hfl": "ZO-HFL",
-    "server_only": "server-only (lambda=0)",
-    "fedavg_server": "FedAvg + server as client",
-    "zo_hfl_nocrn": "ZO-HFL, independent +/- batches (crn: false)",
-    "zo_hfl_fast": "ZO-HFL, gamma_0 = {g:g} (not the paper's)",
-    "server_only_fast": "server-only, gamma_0 = {g:g} (not the paper's)",
-}
+LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD", "zo_hfl": "ZO-HFL",
+          "server_only": "server-only (lambda=0)", "fedavg_server": "FedAvg + server as client",
+          "zo_hfl_nocrn": "ZO-HFL, independent +/- batches (crn: false)",
+          "zo_hfl_fast": "ZO-HFL, gamma_0 = {g:g} (not the paper's)",
+          "server_only_fast": "server-only, gamma_0 = {g:g} (not the paper's)"}  # fmt: skip
 FAST_SERVER_LR = 0.1  # sensitivity: a 10x larger server step than the paper's gamma_0 = 0.01
 ALGO = {"fedavg": "hier_fedavg", "fedprox": "hier_fedprox", "scaffold": "hier_scaffold", "zo_hfl": "zo_hfl",
         "server_only": "zo_hfl", "server_only_long": "zo_hfl", "fedavg_server": "hier_fedavg"}  # fmt: skip
