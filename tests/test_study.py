@@ -130,3 +130,41 @@ def test_a_report_only_call_makes_no_runs_directory(tmp_path):
     s.plan = lambda opts: Plan([])  # no points, as cfl-saga --report-only
     assert s.main(["--out", str(tmp_path), "--workers", "1"]) == 0
     assert seen == [([], set())] and not (tmp_path / "runs").exists()
+
+
+def test_verdict_table_and_the_records_grouped_over_seeds():
+    from fedweave.experiments.aggregate import group, seed_gaps
+    from fedweave.experiments.study import HELD, verdict_table
+
+    verdicts = [Verdict("C1", "3 vs 1", True), Verdict("C2", "-", None)]
+    assert verdict_table(verdicts).splitlines()[2:] == ["| C1 | 3 vs 1 | yes |", "| C2 | - | untestable |"]
+    table = verdict_table(verdicts, ["claim", "verdict", "measured"], HELD)
+    assert table.splitlines()[0] == "| claim | verdict | measured |" and "| C2 | untestable | - |" in table
+    records = [{"m": "b", "seed": 1, "acc": 2.0}, {"m": "a", "seed": 0, "acc": 1.0}, {"m": "b", "seed": 0, "acc": 4.0}]
+    assert list(group(records, lambda r: r["m"])) == ["b", "a"]  # in order of first appearance
+    assert seed_gaps([records[1]], [records[2], records[0]], "acc") == [3.0]  # only the seeds both ran
+
+
+def test_grouped_table_lays_out_column_groups_and_marks_the_missing_cells():
+    from fedweave.experiments.tables import grouped_table
+
+    cells = {("x", "iid"): [1, 2], ("y", "dir"): [3, 4]}
+    header, body = grouped_table("method", ["x", "y", "z"], ["iid", "dir"], ["ours", "rank"],
+                                 lambda k, g: cells.get((k, g)), str.upper, drop_empty=True)  # fmt: skip
+    assert header == ["method", "iid: ours", "rank", "dir: ours", "rank"]
+    assert body == [["X", 1, 2, "–", "–"], ["Y", "–", "–", 3, 4]]  # z ran nowhere: left out
+    header, _ = grouped_table("method", ["x"], ["iid"], [""], lambda k, g: ["c"], group_label=str.title)
+    assert header == ["method", "Iid"]  # a single unnamed column is headed by its group
+
+
+def test_records_are_kept_with_their_arrays_and_read_back(tmp_path):
+    from fedweave.experiments.study import load_records, not_run, save_records
+
+    rows = [{"a": 1, "_c": (np.arange(3), np.ones(2))}, {"a": 2}]
+    save_records(tmp_path / "raw.json", tmp_path / "c.npz", rows, "_c", "xy")
+    assert (tmp_path / "raw.json").read_text() == '[\n {\n  "a": 1\n },\n {\n  "a": 2\n }\n]\n'
+    back = load_records(tmp_path / "raw.json", tmp_path / "c.npz", "_c", "xy")
+    assert back[1] == {"a": 2} and [list(a) for a in back[0]["_c"]] == [[0, 1, 2], [1.0, 1.0]]
+    (tmp_path / "c.npz").unlink()
+    assert load_records(tmp_path / "raw.json", tmp_path / "c.npz", "_c", "xy") == [{"a": 1}, {"a": 2}]
+    assert not_run([]) == ""

@@ -324,3 +324,22 @@ def _on_ray(calls: list[tuple], address: str, done: Callable[[int, Any], None] |
             if done is not None:
                 done(i, out[i])
     return out
+
+
+def cache_datasets() -> None:
+    """A worker initializer: memoize the dataset loaders (per process, per option set), so that the dozens of
+    runs a worker takes share their data."""
+    import functools
+
+    from fedweave.registry import DATASETS
+
+    for name in DATASETS.names():
+        DATASETS._items[name] = functools.lru_cache(maxsize=2)(DATASETS._items[name])
+
+
+def load_average() -> str:
+    """The machine's 1, 5 and 15 minute load averages as a report prints them ("n/a" where unknown)."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"

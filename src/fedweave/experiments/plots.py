@@ -125,3 +125,32 @@ def plot_panels(
                 ax.legend(**panel.legend)
     fig.tight_layout()
     return save_png(fig, path, dpi=dpi)
+
+
+@dataclass
+class Lines:
+    """One panel of plain lines (a run's trace, no seeds to band): ``lines`` as (x, y, label); ``draw`` the
+    axes' method (``plot``, ``semilogy``, ``loglog``); a legend at ``legend`` font size when set."""
+
+    lines: list[tuple[Any, Any, str]]
+    draw: str = "plot"
+    xlabel: str = ""
+    ylabel: str = ""
+    legend: float | None = None
+
+
+def plot_lines(panels: list[Lines], path: str | Path, figsize: tuple[float, float], title: str | None = None,
+               dpi: int = 110) -> Path:  # fmt: skip
+    """The panels side by side in one figure (a light grid on each), written as a PNG."""
+    fig, axes = plt.subplots(1, len(panels), figsize=figsize)
+    for ax, panel in zip(np.atleast_1d(axes), panels):
+        for x, y, label in panel.lines:
+            getattr(ax, panel.draw)(x, y, label=label, lw=1)
+        ax.set_xlabel(panel.xlabel)
+        ax.set_ylabel(panel.ylabel)
+        ax.grid(alpha=0.3)
+        if panel.legend is not None:
+            ax.legend(fontsize=panel.legend)
+    if title is not None:
+        fig.suptitle(title)
+    return save_png(fig, path, dpi=dpi)

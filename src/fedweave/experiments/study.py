@@ -222,6 +222,30 @@ def not_run(skipped: Sequence[Point]) -> str:
     return "\nNot run (time budget reached): " + ", ".join(names) + "\n"
 
 
+def save_records(path: Path, arrays_path: Path, records: list[dict[str, Any]], key: str, parts: str) -> None:
+    """A report's records, so that it can be rebuilt without running: ``path`` holds them as JSON without their
+    ``key`` (a tuple of arrays, e.g. a run's traces), ``arrays_path`` those arrays as ``<record>_<part>``, one
+    letter of ``parts`` per array; both written atomically."""
+    plain = [{k: v for k, v in r.items() if k != key} for r in records]
+    atomic_write(path, json.dumps(plain, indent=1) + "\n")
+    arrays = {f"{i}_{n}": a for i, r in enumerate(records) if key in r for n, a in zip(parts, r[key])}
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    atomic_write(arrays_path, buf.getvalue())
+
+
+def load_records(path: Path, arrays_path: Path, key: str, parts: str) -> list[dict[str, Any]]:
+    """The records ``save_records`` wrote, with their arrays under ``key`` when ``arrays_path`` is there."""
+    records = json.loads(path.read_text())
+    if not arrays_path.is_file():
+        return records
+    with np.load(arrays_path) as z:
+        for i, r in enumerate(records):
+            if f"{i}_{parts[0]}" in z:
+                r[key] = tuple(z[f"{i}_{n}"] for n in parts)
+    return records
+
+
 # ---- runs that are not runner runs: solved records, kept per point ----------------------------------------
 def _spec(point: Any) -> dict[str, Any]:
     """A point's identity as JSON would give it back (what a kept record is compared with)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,37 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def grouped_table(
+    first: str,
+    keys: Sequence[Any],
+    groups: Sequence[Any],
+    columns: Sequence[str],
+    cells: Callable[[Any, Any], Sequence[Any] | None],
+    label: Callable[[Any], str] = str,
+    group_label: Callable[[Any], str] = str,
+    missing: str = "–",
+    drop_empty: bool = False,
+) -> tuple[list[str], list[list[Any]]]:
+    """A paper's table layout: one row per key (its first cell ``label(key)``), and per group (a split, a
+    setting, a variant) the ``columns``, headed ``<group>: <first column>, <other columns>...`` (a single
+    unnamed column is headed by the group alone). ``cells(key, group)`` gives a group's cells, or None where
+    that cell did not run (``missing`` in each column); ``drop_empty`` leaves out a row with no cell at all.
+    Returns ``(header, body)`` for :func:`markdown_table`."""
+    header = [first]
+    for g in groups:
+        name = group_label(g)
+        header += [(f"{name}: {c}" if c else name) if i == 0 else c for i, c in enumerate(columns)]
+    body = []
+    for k in keys:
+        row: list[Any] = []
+        for g in groups:
+            got = cells(k, g)
+            row += [missing] * len(columns) if got is None else list(got)
+        if not drop_empty or any(c != missing for c in row):
+            body.append([label(k), *row])
+    return header, body
 
 
 def _fmt(v: Any) -> str:

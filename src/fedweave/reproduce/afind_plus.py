@@ -81,16 +81,8 @@ class Preset:
 
 
 def _base(dataset: dict, partition: dict, model: dict, rounds: int, local: dict, every: int) -> dict[str, Any]:
-    return {
-        "rounds": rounds,
-        "threads": 1,
-        "dataset": dataset,
-        "partition": partition,
-        "model": model,
-        "local": local,
-        "eval": {"every": every},
-        "output": {"progress": False, "plots": False},
-    }
+    return {"rounds": rounds, "threads": 1, "dataset": dataset, "partition": partition, "model": model, "local": local,
+            "eval": {"every": every}, "output": {"progress": False, "plots": False}}  # fmt: skip
 
 
 def preset(scale: str) -> Preset:
@@ -140,6 +132,7 @@ def methods(p: Preset) -> dict[str, dict[str, Any]]:
     """Row label -> algorithm section (spec 9.1 methods and 2.6 variants)."""
     afind = {"neighbours": p.pool, "tau": 0.5, "upsilon": 0.1, "loss_gamma": 0.9, "boltzmann_T": 1.0, **p.extra}
     clients = p.settings[0].base["partition"]["num_clients"]
+    plug = {k: afind[k] for k in ("tau", "upsilon", "boltzmann_T")}
     return {
         "Local": {"name": "local"},
         # centralized FedAvg: 10% of the clients per round (C.3); its global model is evaluated on every
@@ -157,24 +150,10 @@ def methods(p: Preset) -> dict[str, dict[str, Any]]:
         "AFIND+": {"name": "afind_plus", **afind},
         # Fig. 5 (spec 5, A31): each personalised method with its own neighbour choice (the random-sampling
         # budget) and with AFIND+'s selection and Boltzmann weights over the same available pool as AFIND+
-        **{
-            label + suffix: {"name": name, **opts}
-            for label, name in PLUGINS.items()
-            for suffix, opts in (
-                ("", {"neighbours": p.budget}),
-                (
-                    " + AFIND+",
-                    {
-                        "neighbours": p.pool,
-                        "selection": "afind",
-                        "tau": afind["tau"],
-                        "upsilon": afind["upsilon"],
-                        "boltzmann_T": afind["boltzmann_T"],
-                    },
-                ),
-            )
-        },
-    }
+        **{label + suffix: {"name": name, **opts} for label, name in PLUGINS.items()
+           for suffix, opts in (("", {"neighbours": p.budget}),
+                                (" + AFIND+", {"neighbours": p.pool, "selection": "afind", **plug}))},
+    }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -264,19 +243,13 @@ def collect(point: Point, res: Result) -> dict[str, Any]:
     rows, summary = res.metrics, res.summary  # no rows: diverged before evaluating
     sel = [float(r["selected_mean"]) for r in rows if r.get("selected_mean") not in (None, "")]
     ov = [float(r["overlap_selected"]) for r in rows if r.get("overlap_selected") not in (None, "")]
-    return {
-        **dict(point.values),
-        "seed": point.seed,
-        "status": summary["status"],
-        # a diverged run: the best accuracy it evaluated before the NaN (NaN if none); no final model
-        "best": math.nan if summary["best_test_accuracy"] is None else summary["best_test_accuracy"],
-        "final": math.nan if summary["status"] == "diverged" else summary["final_test_accuracy"],
-        "selected": float(np.mean(sel)) if sel else 0.0,
-        "overlap_selected": float(np.mean(ov)) if ov else None,
-        "bytes": summary["communication"]["bytes_total"],
-        "wall": summary["wall_seconds"],
-        "_rows": rows,
-    }
+    return {**dict(point.values), "seed": point.seed, "status": summary["status"],
+            # a diverged run: the best accuracy it evaluated before the NaN (NaN if none); no final model
+            "best": math.nan if summary["best_test_accuracy"] is None else summary["best_test_accuracy"],
+            "final": math.nan if summary["status"] == "diverged" else summary["final_test_accuracy"],
+            "selected": float(np.mean(sel)) if sel else 0.0, "overlap_selected": float(np.mean(ov)) if ov else None,
+            "bytes": summary["communication"]["bytes_total"], "wall": summary["wall_seconds"],
+            "_rows": rows}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- tables
@@ -285,12 +258,18 @@ def _ms_cell(vals: list[float], scale: float = 100.0) -> str:
     return mean_std_cell(vals, scale, ddof=0, sep="±")
 
 
+SCALES = {"selected": 1.0, "overlap_selected": 1.0, "bytes": 2**-20}  # a table's cell unit: else accuracy in %
+
+
 def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> dict[str, tuple[list, list]]:
     by = defaultdict(list, group(results, lambda r: (r["setting"], r["label"])))
     titles = {s.key: s.title for s in p.settings}
 
     def cell(setting: str, label: str, key: str, scale: float = 100.0) -> str:
         return _ms_cell([r[key] for r in by[(setting, label)]], scale)
+
+    def cells(setting: str, label: str, *keys: str) -> list[str]:  # accuracies in %, bytes in MB
+        return [cell(setting, label, k, SCALES.get(k, 100.0)) for k in keys]
 
     out: dict[str, tuple[list, list]] = {}
     if "table1" in rows:
@@ -301,14 +280,10 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
         body = []
         for lb in labels:
             paper = PAPER_T1.get(lb, [None] * 8)
-            body.append(
-                [lb]
-                + [cell(s, lb, "best") for s in settings]
-                + [cell(s, lb, "final") for s in settings]
-                + [cell(settings[0], lb, "selected", 1.0), cell(settings[0], lb, "bytes", 2**-20)]
-                + ["/".join(str(len(by[(s, lb)])) for s in settings)]
-                + [f"{v:.2f}" if v is not None else "-" for v in paper]
-            )
+            body.append([lb, *(cell(s, lb, "best") for s in settings), *(cell(s, lb, "final") for s in settings),
+                         *cells(settings[0], lb, "selected", "bytes"),
+                         "/".join(str(len(by[(s, lb)])) for s in settings),
+                         *(f"{v:.2f}" if v is not None else "-" for v in paper)])  # fmt: skip
         out["table1"] = (header, body)
     for name, paper in (("table2", PAPER_T2), ("table3", PAPER_T3)):
         if name in rows:
@@ -316,16 +291,14 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
             header += [f"paper {c}" for c in PAPER_T23_COLUMNS]
             body = []
             for row, s, lb in rows[name]:
-                body.append(
-                    [row, cell(s, lb, "best"), cell(s, lb, "final"), cell(s, lb, "selected", 1.0)]
-                    + [cell(s, lb, "bytes", 2**-20), str(len(by[(s, lb)]))]
-                    + [f"{v:.2f}" for v in paper[row if name == "table2" else lb.replace(" [half]", "")]]
-                )
+                theirs = paper[row if name == "table2" else lb.replace(" [half]", "")]
+                body.append([row, *cells(s, lb, "best", "final", "selected", "bytes"), str(len(by[(s, lb)])),
+                             *(f"{v:.2f}" for v in theirs)])  # fmt: skip
             out[name] = (header, body)
     if "tau" in rows:
         header = ["tau", "mean selected", "best", "final", "label overlap of selected", "MB sent", "seeds"]
         body = [
-            [row, cell(s, lb, "selected", 1.0), cell(s, lb, "best"), cell(s, lb, "final"),
+            [row, *cells(s, lb, "selected", "best", "final"),
              cell(s, lb, "overlap_selected", 1.0) if all(r["overlap_selected"] is not None for r in by[(s, lb)])
              else "-", cell(s, lb, "bytes", 2**-20), str(len(by[(s, lb)]))]
             for row, s, lb in rows["tau"]
@@ -340,21 +313,16 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
             row = [label]
             for key in ("best", "final"):
                 gain = seed_gaps(plain, plug, key)
-                row += [
-                    _ms_cell([r[key] for r in plain]),
-                    _ms_cell([r[key] for r in plug]),
-                    _ms_cell(gain) if gain else "-",
-                ]
+                row += [_ms_cell([r[key] for r in plain]), _ms_cell([r[key] for r in plug]),
+                        _ms_cell(gain) if gain else "-"]  # fmt: skip
             row += [_ms_cell([r["selected"] for r in plug], 1.0)]
             row += [f"{_ms_cell([r['bytes'] for r in plain], 2**-20)} / {_ms_cell([r['bytes'] for r in plug], 2**-20)}"]
             body.append(row + [f"{len(plain)} / {len(plug)}"])
         out["fig5"] = (header, body)
     if "dp" in rows:
         header = ["sigma_2", "best", "final"] + [f"paper {c}" for c in PAPER_T23_COLUMNS]
-        body = [
-            [row, cell(s, lb, "best"), cell(s, lb, "final")] + [f"{v:.2f}" for v in PAPER_T4.get(float(row), [])]
-            for row, s, lb in rows["dp"]
-        ]
+        body = [[row, *cells(s, lb, "best", "final"), *(f"{v:.2f}" for v in PAPER_T4.get(float(row), []))]
+                for row, s, lb in rows["dp"]]  # fmt: skip
         out["dp"] = (header, body)
     return out
 

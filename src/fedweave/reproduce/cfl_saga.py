@@ -1,25 +1,13 @@
 """Reproduce CFL-SAGA (Wang, Fang, Li, Eldar, 2024): Figs. 3-7 and the claims of §VIII (spec §9.2-9.3).
 
-``fedweave reproduce cfl-saga --scale {smoke,small,paper} [--seeds N] [--out DIR] [--workers W]``
-
-- ``smoke``: a tiny synthetic problem (seconds), for tests only: its numbers mean nothing.
-- ``small`` (spec Tier B): the paper's full synthetic problem (20 servers x 20 users, d = 200), random / ring /
-  full graphs, rho in {0, 10, 50} (the paper's) and {1e3 ... 1e6} (the spec's log grid), GT-SAGA at SR 0.05,
-  0.25, 0.45, GT-SVRG, GT-SARAH and CFL-ADMM (reconstructed) on the random graph; plus one seed of CFL-SAGA vs
-  GT-SAGA on the real data sets Adult (a9a), Mushroom and breast cancer.
-- ``paper`` (spec Tier C): the full rho grid, SR 0.05 ... 0.45, T in {20, 50, 100, 200}, 5 seeds, target 1e-10.
-
-Every run is kept in ``OUT/runs/<problem>/<graph>/<method>/s<seed>`` and read back by a later call with the same
-settings (the Study pipeline, ``fedweave.experiments.study``); ``--budget-minutes`` starts no run after it.
-
-The paper reports only plots and qualitative statements, so the comparison table lists its claims and whether
-they held here. The step size is alpha = 0.05 / L_f for every gradient-tracking method (the best of the spec's
-pilot grid for full upload); it is not re-tuned per method.
+The grids of ``smoke``, ``small`` (spec Tier B) and ``paper`` (Tier C), the solver loop of one run (to a target
+optimality gap), the tables and the claims; what each scale runs, where the runs are kept and what the report
+holds is on the page, docs/reproductions/cfl-saga.md. The paper reports only plots and qualitative statements,
+so the comparison table lists its claims and whether they held here.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import re
@@ -31,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from fedweave.experiments.aggregate import if_all
-from fedweave.experiments.study import Plan, Study, option
+from fedweave.experiments.aggregate import group, if_all
+from fedweave.experiments.plots import Lines, plot_lines
+from fedweave.experiments.study import Plan, Study, load_records, option, save_records
 from fedweave.experiments.tables import markdown_table, write_csv
-from fedweave.plots import plt, save_png
 from fedweave.results import atomic_write
 
 TARGETS = (1e-4, 1e-6, 1e-8)
@@ -82,20 +70,8 @@ def _run_job(job: Job) -> dict[str, Any]:
     from fedweave.config import load
 
     data = {**job.data, "seed": job.seed} if job.data.get("name") == "cfl_logreg" else dict(job.data)
-    cfg = load(
-        {
-            "seed": job.seed,
-            "threads": 1,
-            "dataset": data,
-            "algorithm": {
-                "name": job.algorithm,
-                "graph": job.topology,
-                "graph_seed": GRAPH_SEED,
-                **job.system,
-                **job.options,
-            },
-        }
-    )
+    algorithm = {"name": job.algorithm, "graph": job.topology, "graph_seed": GRAPH_SEED, **job.system, **job.options}
+    cfg = load({"seed": job.seed, "threads": 1, "dataset": data, "algorithm": algorithm})
     algo = build_algorithm(RunContext(cfg))
     gaps, ups, secs = [algo.opt_gap()], [0], [0.0]
     wall0, cpu0 = time.perf_counter(), time.process_time()
@@ -113,21 +89,13 @@ def _run_job(job: Job) -> dict[str, Any]:
             break
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     iters = len(gaps) - 1
-    row: dict[str, Any] = {
-        "problem": job.tag,
-        "topology": job.topology,
-        "method": job.method,
-        "seed": job.seed,
-        "iterations": iters,
-        "final_opt_gap": gaps[-1],
-        "uploads": ups[-1],
-        "uploads_per_iteration": ups[-1] / max(iters, 1),
-        "upload_fraction": ups[-1] / max(iters, 1) / algo.net.num_users,
-        "ms_per_iteration_wall": 1e3 * wall / max(iters, 1),
-        "ms_per_iteration_cpu": 1e3 * cpu / max(iters, 1),
-        "sigma": algo.net.sigma,
-        "alpha": algo.alpha,
-    }
+    row: dict[str, Any] = {"problem": job.tag, "topology": job.topology, "method": job.method, "seed": job.seed,
+                           "iterations": iters, "final_opt_gap": gaps[-1], "uploads": ups[-1],
+                           "uploads_per_iteration": ups[-1] / max(iters, 1),
+                           "upload_fraction": ups[-1] / max(iters, 1) / algo.net.num_users,
+                           "ms_per_iteration_wall": 1e3 * wall / max(iters, 1),
+                           "ms_per_iteration_cpu": 1e3 * cpu / max(iters, 1), "sigma": algo.net.sigma,
+                           "alpha": algo.alpha}  # fmt: skip
     for t in TARGETS:
         row[f"iters_{t:.0e}"] = hit[t][0] if hit[t] else None
         row[f"uploads_{t:.0e}"] = hit[t][1] if hit[t] else None
@@ -253,23 +221,16 @@ def _median(rows: list[dict], key: str) -> float | None:
     return if_all([r.get(key) for r in rows], statistics.median)  # a target counts if every seed reached it
 
 
+MEDIANS = ("iterations", "uploads_per_iteration", "upload_fraction", "ms_per_iteration_wall", "ms_per_iteration_cpu",
+           "final_opt_gap", "tail_r2")  # fmt: skip
+
+
 def aggregate(rows: list[dict]) -> list[dict]:
     """Median over seeds per (problem, topology, method); a target counts only if every seed reached it."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["problem"], r["topology"], r["method"]), []).append(r)
     out = []
-    for (prob, topo, method), rs in groups.items():
+    for (prob, topo, method), rs in group(rows, lambda r: (r["problem"], r["topology"], r["method"])).items():
         agg = {"problem": prob, "topology": topo, "method": method, "seeds": len(rs)}
-        for key in (
-            "iterations",
-            "uploads_per_iteration",
-            "upload_fraction",
-            "ms_per_iteration_wall",
-            "ms_per_iteration_cpu",
-            "final_opt_gap",
-            "tail_r2",
-        ):
+        for key in MEDIANS:
             agg[key] = _median(rs, key)
         for t in TARGETS:
             agg[f"iters_{t:.0e}"] = _median(rs, f"iters_{t:.0e}")
@@ -287,6 +248,7 @@ def _best(aggs: list[dict], prefix: str, key: str) -> dict | None:
     return min(cands, key=lambda a: a[key]) if cands else None
 
 
+# fmt: off
 def claims(aggs: list[dict], deep: str = "uploads_1e-08") -> list[tuple[str, str, str, str]]:
     """(claim, paper statement, measured here, held?) for the synthetic problem (spec §9.2)."""
     syn = [a for a in aggs if a["problem"] == "synthetic"]
@@ -302,15 +264,11 @@ def claims(aggs: list[dict], deep: str = "uploads_1e-08") -> list[tuple[str, str
     reached = [a for a in cfl if a.get(it_key) is not None]
     ok = [a for a in reached if (a.get("tail_r2") or 0) > 0.98]
     low = "; ".join(f"{a['topology']} {a['method']}: R^2 {a['tail_r2']:.3f}" for a in reached if a not in ok)
-    out.append(
-        (
-            "C1 linear convergence (Thm. 1)",
-            "CFL-SAGA converges linearly",
-            f"{len(reached)}/{len(cfl)} CFL-SAGA settings reach {deep[8:]} on every seed; median tail R^2 of "
-            f"log opg vs k > 0.98 for {len(ok)}" + (f" (below: {low})" if low else ""),
-            _yn(len(reached) == len(cfl) and len(ok) >= len(cfl) - 2, "all reach the target", len(reached) == len(cfl)),
-        )
-    )
+    out.append(("C1 linear convergence (Thm. 1)", "CFL-SAGA converges linearly",
+                f"{len(reached)}/{len(cfl)} CFL-SAGA settings reach {deep[8:]} on every seed; median tail R^2 of "
+                f"log opg vs k > 0.98 for {len(ok)}" + (f" (below: {low})" if low else ""),
+                _yn(len(reached) == len(cfl) and len(ok) >= len(cfl) - 2, "all reach the target",
+                    len(reached) == len(cfl))))
     for topo in topologies:
         rows = sorted((a for a in by(topo) if a["method"].startswith("CFL-SAGA")), key=lambda a: _rho(a["method"]))
         ups = [a.get(deep) for a in rows]
@@ -319,61 +277,34 @@ def claims(aggs: list[dict], deep: str = "uploads_1e-08") -> list[tuple[str, str
         slower = all(i is not None for i in its) and its[-1] >= its[0]
         txt = ", ".join(f"{_rho(a['method']):g}: {_fmt(a.get(it_key))} it / {_fmt(a.get(deep))} up" for a in rows)
         note = f"uploads fall with rho: {_yes(mono)}; iterations rise: {_yes(slower)}"
-        out.append(
-            (
-                f"C2 rho trade-off, {topo} (Fig. 3)",
-                "larger rho: fewer uploads, more iterations",
-                txt,
-                _yn(mono and slower, note, mono),
-            )
-        )
+        out.append((f"C2 rho trade-off, {topo} (Fig. 3)", "larger rho: fewer uploads, more iterations",
+                    txt, _yn(mono and slower, note, mono)))
         best_c, best_g = _best(by(topo), "CFL-SAGA", deep), _best(by(topo), "GT-SAGA", deep)
         full = next((a for a in by(topo) if a["method"] == "CFL-SAGA rho=0"), None)
         if best_c and best_g:
             f = best_g[deep] / best_c[deep]
             vs_full = full[deep] / best_c[deep] if full and full.get(deep) else float("nan")
-            out.append(
-                (
-                    f"C3 uploads vs GT-SAGA, {topo} (Fig. 4 d-f)",
-                    "orders of magnitude fewer uploads",
-                    f"best {best_c['method']} {best_c[deep]:.0f} vs best {best_g['method']} {best_g[deep]:.0f}: "
-                    f"{f:.1f}x fewer; {vs_full:.1f}x fewer than full upload",
-                    _yn(f >= 10, ">= 10x", f >= 5),
-                )
-            )
+            out.append((f"C3 uploads vs GT-SAGA, {topo} (Fig. 4 d-f)", "orders of magnitude fewer uploads",
+                        f"best {best_c['method']} {best_c[deep]:.0f} vs best {best_g['method']} {best_g[deep]:.0f}: "
+                        f"{f:.1f}x fewer; {vs_full:.1f}x fewer than full upload",
+                        _yn(f >= 10, ">= 10x", f >= 5)))
             per_it = best_c["uploads_per_iteration"]
-            out.append(
-                (
-                    f"C4 uploads per iteration, {topo} (§VIII-B)",
-                    "fewer than GT-SAGA at SR 0.05 (20/iteration)",
-                    f"{best_c['method']}: {per_it:.1f} per iteration",
-                    _yn(per_it < 20),
-                )
-            )
+            out.append((f"C4 uploads per iteration, {topo} (§VIII-B)", "fewer than GT-SAGA at SR 0.05 (20/iteration)",
+                        f"{best_c['method']}: {per_it:.1f} per iteration", _yn(per_it < 20)))
         c10 = next((a for a in by(topo) if a["method"] == "CFL-SAGA rho=10"), None)
         g45 = next((a for a in by(topo) if a["method"] == "GT-SAGA SR=0.45"), None)
         mid = next((a for a in by(topo) if a["method"] == "CFL-SAGA rho=10000"), None)
         if c10 and g45 and topo in ("random", "full"):
             cand = [a for a in (c10, mid) if a and a.get(it_key) is not None]
             fastest = min(cand, key=lambda a: a[it_key]) if cand else None
-            out.append(
-                (
-                    f"C5 iterations vs GT-SAGA SR 0.45, {topo} (Fig. 4 a,c)",
-                    "CFL-SAGA (rho=10) faster",
-                    f"rho=10: {_fmt(c10.get(it_key))}, rho=1e4: {_fmt(mid.get(it_key) if mid else None)}, "
-                    f"GT-SAGA 0.45: {_fmt(g45.get(it_key))}",
-                    _yn(fastest is not None and g45.get(it_key) is not None and fastest[it_key] <= g45[it_key]),
-                )
-            )
+            out.append((f"C5 iterations vs GT-SAGA SR 0.45, {topo} (Fig. 4 a,c)", "CFL-SAGA (rho=10) faster",
+                        f"rho=10: {_fmt(c10.get(it_key))}, rho=1e4: {_fmt(mid.get(it_key) if mid else None)}, "
+                        f"GT-SAGA 0.45: {_fmt(g45.get(it_key))}",
+                        _yn(fastest is not None and g45.get(it_key) is not None and fastest[it_key] <= g45[it_key])))
         if c10 and c10.get("upload_fraction") is not None:
-            out.append(
-                (
-                    f"C8 paper-nominal rho=10, {topo}",
-                    "rho=10 gives high communication efficiency",
-                    f"uploads {100 * c10['upload_fraction']:.0f}% of users per iteration (full upload: 100%)",
-                    _yn(c10["upload_fraction"] < 0.2, "< 20% of users"),
-                )
-            )
+            out.append((f"C8 paper-nominal rho=10, {topo}", "rho=10 gives high communication efficiency",
+                        f"uploads {100 * c10['upload_fraction']:.0f}% of users per iteration (full upload: 100%)",
+                        _yn(c10["upload_fraction"] < 0.2, "< 20% of users")))
     rnd = by("random")
     best_c = _best(rnd, "CFL-SAGA", deep)
     for prefix in ("GT-SVRG", "GT-SARAH", "CFL-ADMM"):
@@ -383,40 +314,25 @@ def claims(aggs: list[dict], deep: str = "uploads_1e-08") -> list[tuple[str, str
         if base is None:
             anyb = [a for a in rnd if a["method"].startswith(prefix)]
             txt = "; ".join(f"{a['method']}: opg {a['final_opt_gap']:.1e} after {a['iterations']:.0f} it" for a in anyb)
-            out.append(
-                (
-                    f"C6 vs {prefix}, random (Figs. 6-7)",
-                    "similar iterations, many more uploads",
-                    f"did not reach {deep[8:]}: {txt}",
-                    "CFL-SAGA better (baseline did not reach the target)",
-                )
-            )
+            out.append((f"C6 vs {prefix}, random (Figs. 6-7)", "similar iterations, many more uploads",
+                        f"did not reach {deep[8:]}: {txt}", "CFL-SAGA better (baseline did not reach the target)"))
             continue
         f = base[deep] / best_c[deep]
         missed = [a["method"] for a in rnd if a["method"].startswith(prefix) and a.get(deep) is None]
-        out.append(
-            (
-                f"C6 vs {prefix}, random (Figs. 6-7)",
-                "similar iterations, many more uploads",
-                f"{base['method']}: {base[it_key]:.0f} it / {base[deep]:.0f} up; best CFL-SAGA "
-                f"{best_c[it_key]:.0f} it / {best_c[deep]:.0f} up ({f:.1f}x fewer)"
-                + (f"; did not reach {deep[8:]}: {', '.join(missed)}" if missed else ""),
-                _yn(f >= 2.5, ">= 2.5x"),
-            )
-        )
+        out.append((f"C6 vs {prefix}, random (Figs. 6-7)", "similar iterations, many more uploads",
+                    f"{base['method']}: {base[it_key]:.0f} it / {base[deep]:.0f} up; best CFL-SAGA "
+                    f"{best_c[it_key]:.0f} it / {best_c[deep]:.0f} up ({f:.1f}x fewer)"
+                    + (f"; did not reach {deep[8:]}: {', '.join(missed)}" if missed else ""),
+                    _yn(f >= 2.5, ">= 2.5x")))
     cfl_ms = [a["ms_per_iteration_cpu"] for a in rnd if a["method"].startswith("CFL-SAGA")]
     for a in rnd:
         if a["method"].startswith("GT-SAGA") and float(a["method"].split("=")[1]) <= 0.25 and cfl_ms:
             ms = statistics.median(cfl_ms)
-            out.append(
-                (
-                    f"C7 runtime, {a['method']} (Fig. 5)",
-                    "GT-SAGA cheaper per iteration than CFL-SAGA",
-                    f"{a['ms_per_iteration_cpu']:.2f} vs {ms:.2f} ms CPU per iteration",
-                    _yn(a["ms_per_iteration_cpu"] < ms),
-                )
-            )
+            out.append((f"C7 runtime, {a['method']} (Fig. 5)", "GT-SAGA cheaper per iteration than CFL-SAGA",
+                        f"{a['ms_per_iteration_cpu']:.2f} vs {ms:.2f} ms CPU per iteration",
+                        _yn(a["ms_per_iteration_cpu"] < ms)))
     return out
+# fmt: on
 
 
 def _yn(ok: bool, note: str = "", partial: bool = False) -> str:
@@ -461,76 +377,44 @@ SHOWN = {"CFL-SAGA rho=10", "CFL-SAGA rho=10000", "CFL-SAGA rho=1e+06"}
 
 
 def plots(rows: list[dict], out: Path) -> list[Path]:
-    def save(fig, name: str) -> Path:
-        return save_png(fig, out / name, dpi=110)
-
+    """Per problem and graph: Figs. 3, 4 and 6-7 (optimality gap against iterations and against uploads) and,
+    on the random graph, Fig. 5 (wall-clock seconds against iterations); the first seed's traces."""
     curves = [r for r in rows if "_curve" in r]
     written = []
     for prob in sorted({r["problem"] for r in curves}):
         for topo in sorted({r["topology"] for r in curves if r["problem"] == prob}):
             sub = [r for r in curves if r["problem"] == prob and r["topology"] == topo]
+            shown = [r for r in sub if r["method"].startswith("GT-SAGA") or r["method"] in SHOWN]
             groups = {
                 "fig3_rho": [r for r in sub if r["method"].startswith("CFL-SAGA")],
-                "fig4_vs_gtsaga": [r for r in sub if r["method"].startswith("GT-SAGA") or r["method"] in SHOWN],
-                "fig67_baselines": [
-                    r
-                    for r in sub
-                    if r["method"].startswith(("GT-SVRG", "GT-SARAH", "CFL-ADMM")) or r["method"] in SHOWN
-                ],
-            }
+                "fig4_vs_gtsaga": shown,
+                "fig67_baselines": [r for r in sub if r["method"].startswith(("GT-SVRG", "GT-SARAH", "CFL-ADMM"))
+                                    or r["method"] in SHOWN],
+            }  # fmt: skip
             for name, grp in groups.items():
-                if name == "fig67_baselines" and len(grp) < 2:
+                if not grp or (name == "fig67_baselines" and len(grp) < 2):
                     continue
-                if not grp:
-                    continue
-                fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-                for r in grp:
-                    gaps, ups, _ = r["_curve"]
-                    axes[0].semilogy(np.arange(len(gaps)), gaps, label=r["method"], lw=1)
-                    axes[1].loglog(np.maximum(ups, 1), gaps, label=r["method"], lw=1)
-                axes[0].set_xlabel("iteration")
-                axes[1].set_xlabel("cumulative uploads (vectors)")
-                for ax in axes:
-                    ax.set_ylabel("optimality gap")
-                    ax.grid(alpha=0.3)
-                axes[1].legend(fontsize=6)
-                fig.suptitle(f"{prob}, {topo} graph (seed {sub[0]['seed']})")
-                written.append(save(fig, f"{prob}_{topo}_{name}.png"))
+                by_it = [(np.arange(len(r["_curve"][0])), r["_curve"][0], r["method"]) for r in grp]
+                by_up = [(np.maximum(r["_curve"][1], 1), r["_curve"][0], r["method"]) for r in grp]
+                panels = [Lines(by_it, "semilogy", "iteration", "optimality gap"),
+                          Lines(by_up, "loglog", "cumulative uploads (vectors)", "optimality gap", 6)]  # fmt: skip
+                title = f"{prob}, {topo} graph (seed {sub[0]['seed']})"
+                written.append(plot_lines(panels, out / f"{prob}_{topo}_{name}.png", (11, 4), title))
             if topo == "random":  # Fig. 5: runtime vs iterations
-                fig, ax = plt.subplots(figsize=(6, 4))
-                for r in sub:
-                    if r["method"].startswith("GT-SAGA") or r["method"] in SHOWN:
-                        _, _, secs = r["_curve"]
-                        ax.plot(np.arange(len(secs)), secs, label=r["method"], lw=1)
-                ax.set_xlabel("iteration")
-                ax.set_ylabel("wall-clock seconds")
-                ax.grid(alpha=0.3)
-                ax.legend(fontsize=7)
-                written.append(save(fig, f"{prob}_{topo}_fig5_runtime.png"))
+                secs = [(np.arange(len(r["_curve"][2])), r["_curve"][2], r["method"]) for r in shown]
+                panel = Lines(secs, "plot", "iteration", "wall-clock seconds", legend=7)
+                written.append(plot_lines([panel], out / f"{prob}_{topo}_fig5_runtime.png", (6, 4)))
     return written
 
 
 def save_raw(rows: list[dict], out: Path) -> None:
     """Every run's row (raw.json) and traces (curves.npz), so that the report can be rebuilt (--report-only)."""
-    plain = [{k: v for k, v in r.items() if k != "_curve"} for r in rows]
-    atomic_write(out / "raw.json", json.dumps(plain, indent=1) + "\n")
-    arrays = {f"{i}_{n}": a for i, r in enumerate(rows) if "_curve" in r for n, a in zip("gus", r["_curve"])}
-    buf = io.BytesIO()
-    np.savez_compressed(buf, **arrays)
-    atomic_write(out / "curves.npz", buf.getvalue())
+    save_records(out / "raw.json", out / "curves.npz", rows, "_curve", "gus")
 
 
 def load_raw(out: Path) -> list[dict]:
-    """The rows of raw.json, with their traces when curves.npz is there (the tables need only raw.json; the
-    figures need the traces)."""
-    rows = json.loads((out / "raw.json").read_text())
-    if not (out / "curves.npz").is_file():
-        return rows
-    with np.load(out / "curves.npz") as z:
-        for i, r in enumerate(rows):
-            if f"{i}_g" in z:
-                r["_curve"] = (z[f"{i}_g"], z[f"{i}_u"], z[f"{i}_s"])
-    return rows
+    """The rows of raw.json, with their traces when curves.npz is there (the figures need them)."""
+    return load_records(out / "raw.json", out / "curves.npz", "_curve", "gus")
 
 
 CLAIM_COLUMNS = ["claim", "paper", "measured", "verdict"]

@@ -20,21 +20,14 @@ from fedweave.experiments.aggregate import group, mean_std
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Panel, plot_panels
 from fedweave.experiments.study import HELD, Claim, Plan, Study, judge, not_run, option
-from fedweave.experiments.tables import csv_text, markdown_table, pm, write_csv
+from fedweave.experiments.tables import csv_text, grouped_table, markdown_table, pm, write_csv
 from fedweave.results import atomic_write
 from fedweave.runner import Result
 
 # ---- the paper's numbers ------------------------------------------------------------------------------
 METHODS = ("fedavg", "fedadam", "scaffold", "fedcm", "feddyn", "fedsam", "fedmim")
-LABELS = {
-    "fedavg": "FedAvg",
-    "fedadam": "FedAdam",
-    "scaffold": "SCAFFOLD",
-    "fedcm": "FedCM",
-    "feddyn": "FedDyn",
-    "fedsam": "FedSAM",
-    "fedmim": "FedMIM",
-}
+LABELS = {"fedavg": "FedAvg", "fedadam": "FedAdam", "scaffold": "SCAFFOLD", "fedcm": "FedCM", "feddyn": "FedDyn",
+          "fedsam": "FedSAM", "fedmim": "FedMIM"}  # fmt: skip
 # Table I: test accuracy (%) after 1000 rounds; columns (dataset, split)
 TABLE_I: dict[str, dict[tuple[str, str], float]] = {
     m: dict(zip([(d, s) for d in ("cifar10", "cifar100", "tiny") for s in ("iid", "dir0.3", "dir0.1")], row))
@@ -55,14 +48,10 @@ SPLITS = {
 }
 # paper defaults (spec §3): FedCM / FedDyn alpha 0.1, FedAdam eta_g 0.1, FedSAM rho 0.1, FedMIM Table III best
 METHOD_OPTIONS: dict[str, dict[str, Any]] = {
-    "fedavg": {},
-    "fedadam": {"server_lr": 0.1, "beta1": 0.9, "beta2": 0.99, "tau": 1e-2},
-    "scaffold": {},
-    "fedcm": {"alpha": 0.1},
-    "feddyn": {"alpha": 0.1},
-    "fedsam": {"rho": 0.1},
+    "fedavg": {}, "fedadam": {"server_lr": 0.1, "beta1": 0.9, "beta2": 0.99, "tau": 1e-2}, "scaffold": {},
+    "fedcm": {"alpha": 0.1}, "feddyn": {"alpha": 0.1}, "fedsam": {"rho": 0.1},
     "fedmim": {"alpha": [0.6, 0.3], "beta": [0.9, 0.1]},
-}
+}  # fmt: skip
 
 
 @dataclass
@@ -209,41 +198,22 @@ PRESETS.update(
 
 
 # ---- the grid ----------------------------------------------------------------------------------------
-def run_config(
-    p: Preset, dataset: str, split: str, method: str, seed: int, run_dir: Path, variant: str = ""
-) -> dict[str, Any]:
+def run_config(p: Preset, dataset: str, split: str, method: str, seed: int, run_dir: Path,
+               variant: str = "") -> dict[str, Any]:  # fmt: skip
     over = dict(p.variants).get(variant, {}) if variant else {}
     options = over["options"] if "options" in over and method == "fedmim" else METHOD_OPTIONS[method]
-    return {
-        "name": f"fedmim-{dataset}-{split}-{method}" + (f"-{variant}" if variant else ""),
-        "seed": seed,
-        "rounds": p.rounds,
-        "backend": "loop",
-        "threads": 1,
-        "dataset": {"name": dataset, **p.dataset_options},
-        "partition": {**SPLITS[split], "num_clients": p.num_clients},
-        "model": {"name": p.model},
-        "algorithm": {
-            "name": method,
-            "clients_per_round": over.get("clients_per_round", p.clients_per_round),
-            "weighting": "uniform",  # P-line 16, spec A22
-            "consistency": True,
-            **options,
-        },
-        "local": {**p.local, **over.get("local", {})},
-        "eval": {"every": p.eval_every},
-        "output": {"dir": str(run_dir), "progress": False, "plots": False},
-    }
+    # weighting: P-line 16, spec A22
+    algorithm = {"name": method, "clients_per_round": over.get("clients_per_round", p.clients_per_round),
+                 "weighting": "uniform", "consistency": True, **options}  # fmt: skip
+    return {"name": f"fedmim-{dataset}-{split}-{method}" + (f"-{variant}" if variant else ""), "seed": seed,
+            "rounds": p.rounds, "backend": "loop", "threads": 1, "dataset": {"name": dataset, **p.dataset_options},
+            "partition": {**SPLITS[split], "num_clients": p.num_clients}, "model": {"name": p.model},
+            "algorithm": algorithm, "local": {**p.local, **over.get("local", {})}, "eval": {"every": p.eval_every},
+            "output": {"dir": str(run_dir), "progress": False, "plots": False}}  # fmt: skip
 
 
-def plan(
-    p: Preset,
-    out: Path,
-    seeds: tuple[int, ...],
-    datasets: list[str] | None,
-    methods: list[str] | None,
-    extend: bool = False,
-) -> list[Point]:
+def plan(p: Preset, out: Path, seeds: tuple[int, ...], datasets: list[str] | None, methods: list[str] | None,
+         extend: bool = False) -> list[Point]:  # fmt: skip
     """The runs of a preset in priority order (grid entry, then seed, then method), each in
     ``OUT/runs/<dataset>-<split>-<method>-s<seed>``; in a variant preset seed, then grid entry, variant and
     method (a time budget leaves whole seeds), each in ``OUT/runs/<dataset>-<split>-<method>-<variant>-s<seed>``."""
@@ -288,19 +258,12 @@ def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any
     accs = [100 * r["test_accuracy"] for r in rows]
     if summary.get("status") == "diverged":  # no final model: the run is reported as diverged
         accs = [*accs, float("nan")]
-    return {
-        **dict(point.values),
-        "seed": point.seed,
-        "final_acc": accs[-1],
-        "best_acc": max((a for a in accs if a == a), default=float("nan")),
-        "last3_acc": sum(accs[-3:]) / len(accs[-3:]),
-        "consistency_last20": sum(r["local_consistency"] for r in tail) / len(tail) if tail else float("nan"),
-        "wall_seconds": summary.get("wall_seconds"),
-        "cpu_seconds": summary.get("cpu_seconds"),
-        "status": summary.get("status", "completed"),
-        "rounds_done": last,
-        "_rows": res.metrics,
-    }
+    return {**dict(point.values), "seed": point.seed, "final_acc": accs[-1],
+            "best_acc": max((a for a in accs if a == a), default=float("nan")),
+            "last3_acc": sum(accs[-3:]) / len(accs[-3:]),
+            "consistency_last20": sum(r["local_consistency"] for r in tail) / len(tail) if tail else float("nan"),
+            "wall_seconds": summary.get("wall_seconds"), "cpu_seconds": summary.get("cpu_seconds"),
+            "status": summary.get("status", "completed"), "rounds_done": last, "_rows": res.metrics}  # fmt: skip
 
 
 # ---- tables and plots -----------------------------------------------------------------------------
@@ -318,20 +281,10 @@ def summarize(records: list[dict]) -> tuple[list[dict], dict]:
         acc_m, acc_sd = mean_std([r["final_acc"] for r in rs])
         best_m, _ = mean_std([r["best_acc"] for r in rs])
         cons_m, _ = mean_std([r["consistency_last20"] for r in rs])
-        table.append(
-            {
-                "dataset": d,
-                "split": s,
-                "method": m,
-                "seeds": len(all_rs),
-                "diverged": sum(not math.isfinite(r["final_acc"]) for r in all_rs),
-                "final_acc_mean": acc_m,
-                "final_acc_std": acc_sd,
-                "best_acc_mean": best_m,
-                "consistency_last20": cons_m,
-                "paper_cifar10": TABLE_I[m].get(("cifar10", s)),
-            }
-        )
+        table.append({"dataset": d, "split": s, "method": m, "seeds": len(all_rs),
+                      "diverged": sum(not math.isfinite(r["final_acc"]) for r in all_rs), "final_acc_mean": acc_m,
+                      "final_acc_std": acc_sd, "best_acc_mean": best_m, "consistency_last20": cons_m,
+                      "paper_cifar10": TABLE_I[m].get(("cifar10", s))})  # fmt: skip
     for d, s in {(t["dataset"], t["split"]) for t in table}:
         col = [t for t in table if (t["dataset"], t["split"]) == (d, s)]
         ours = _ranks({t["method"]: t["final_acc_mean"] for t in col})
@@ -412,9 +365,8 @@ def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
             for v in judge(list(TABLE_I_CLAIMS.values()), c, d)]  # fmt: skip
 
 
-def markdown(
-    table: list[dict], claims: dict, preset_name: str, p: Preset, wall: float, cpu: float | None = None
-) -> str:
+def markdown(table: list[dict], claims: dict, preset_name: str, p: Preset, wall: float,
+             cpu: float | None = None) -> str:  # fmt: skip
     # runs share the machine: the summed CPU time of the runs says what the preset costs on idle cores
     cpu_note = f"; CPU time of the runs {cpu / 60:.1f} min (one thread each)" if cpu else ""
     lines = [
@@ -432,21 +384,18 @@ def markdown(
     ]
     for d in sorted({t["dataset"] for t in table}):
         splits = [s for s in ("iid", "dir0.3", "dir0.1") if any(t["dataset"] == d and t["split"] == s for t in table)]
-        header = ["method"] + [h for s in splits for h in (f"{s}: ours", "rank", "cons.", "paper C10", "paper rank")]
-        body = []
-        for m in METHODS:
-            cells: list[str] = []
-            for s in splits:
-                t = next((t for t in table if (t["dataset"], t["split"], t["method"]) == (d, s, m)), None)
-                if t is None:
-                    cells += ["–"] * 5
-                    continue
-                paper = f"{t['paper_cifar10']:.2f}" if t["paper_cifar10"] is not None else "–"
-                div = f" ({t['diverged']}/{t['seeds']} diverged)" if t["diverged"] else ""
-                cells += [pm(t["final_acc_mean"], t["final_acc_std"]) + div, t["rank"],
-                          f"{t['consistency_last20']:.3g}", paper, t["paper_rank"] or "–"]  # fmt: skip
-            if any(c != "–" for c in cells):
-                body.append([LABELS[m], *cells])
+        by = {(t["split"], t["method"]): t for t in table if t["dataset"] == d}
+
+        def cells(m: str, s: str, by=by) -> list | None:
+            if (t := by.get((s, m))) is None:
+                return None
+            paper = f"{t['paper_cifar10']:.2f}" if t["paper_cifar10"] is not None else "–"
+            div = f" ({t['diverged']}/{t['seeds']} diverged)" if t["diverged"] else ""
+            return [pm(t["final_acc_mean"], t["final_acc_std"]) + div, t["rank"], f"{t['consistency_last20']:.3g}",
+                    paper, t["paper_rank"] or "–"]  # fmt: skip
+
+        columns = ["ours", "rank", "cons.", "paper C10", "paper rank"]
+        header, body = grouped_table("method", METHODS, splits, columns, cells, LABELS.get, drop_empty=True)
         lines += [f"## {d}", "", markdown_table(header, body).rstrip("\n"), ""]
         c = claims.get(d, {})
         if c:
@@ -555,20 +504,11 @@ def variant_summary(records: list[dict], p: Preset) -> list[dict]:
             auc, _ = mean_std([100 * sum(x["test_accuracy"] for x in r["_rows"]) / len(r["_rows"]) for r in ok])
             cons, _ = mean_std([r["consistency_last20"] for r in ok])
             paper = TABLE_II_C10[m][vi] if p.table == "epochs" else TABLE_III[vi][2] if p.table == "ablation" else None
-            rows.append(
-                {
-                    "variant": v,
-                    "method": m,
-                    "seeds": len(rs),
-                    "diverged": len(rs) - len(ok),
-                    "final_acc_mean": round(acc, 2),
-                    "final_acc_std": round(sd, 2),
-                    "mean_acc_over_rounds": round(auc, 2),
-                    "consistency_last20": round(cons, 4),
-                    "final_acc_per_seed": " / ".join(f"{r['final_acc']:.2f}" for r in rs),
-                    "paper_c10": "" if paper is None else paper,
-                }
-            )
+            rows.append({"variant": v, "method": m, "seeds": len(rs), "diverged": len(rs) - len(ok),
+                         "final_acc_mean": round(acc, 2), "final_acc_std": round(sd, 2),
+                         "mean_acc_over_rounds": round(auc, 2), "consistency_last20": round(cons, 4),
+                         "final_acc_per_seed": " / ".join(f"{r['final_acc']:.2f}" for r in rs),
+                         "paper_c10": "" if paper is None else paper})  # fmt: skip
     return rows
 
 
@@ -744,20 +684,18 @@ def variant_markdown(rows: list[dict], checks: list, name: str, p: Preset, wall:
                 for r in rows]  # fmt: skip
     else:
         paper = p.table == "epochs"
+        by = {(r["method"], r["variant"]): r for r in rows}
+
+        def cells(m: str, v: str) -> list | None:
+            if (r := by.get((m, v))) is None:
+                return None
+            div = f" ({r['diverged']}/{r['seeds']} diverged)" if r["diverged"] else ""
+            return [pm(r["final_acc_mean"], r["final_acc_std"]) + div, f"{r['mean_acc_over_rounds']:.2f}",
+                    f"{r['consistency_last20']:.3g}"] + ([f"{r['paper_c10']:.2f}"] if paper else [])  # fmt: skip
+
         cols = ["ours", "mean acc.", "cons."] + (["paper C10"] if paper else [])
-        header = ["method", *(f"{v}: {c}" if i == 0 else c for v in labels for i, c in enumerate(cols))]
-        body = []
-        for m in dict.fromkeys(r["method"] for r in rows):
-            cells = []
-            for v in labels:
-                r = next((r for r in rows if (r["variant"], r["method"]) == (v, m)), None)
-                if r is None:
-                    cells += ["–"] * len(cols)
-                    continue
-                div = f" ({r['diverged']}/{r['seeds']} diverged)" if r["diverged"] else ""
-                cells += [pm(r["final_acc_mean"], r["final_acc_std"]) + div, f"{r['mean_acc_over_rounds']:.2f}",
-                          f"{r['consistency_last20']:.3g}"] + ([f"{r['paper_c10']:.2f}"] if paper else [])  # fmt: skip
-            body.append([LABELS[m], *cells])
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        header, body = grouped_table("method", methods, labels, cols, cells, LABELS.get)
     lines += [markdown_table(header, body).rstrip("\n"), "", "## Claims", ""]
     lines += [markdown_table(["claim", "verdict", "measured"], [[c, HELD[ok], m] for c, ok, m in checks]).rstrip("\n")]
     return "\n".join(lines) + "\n"

@@ -8,7 +8,6 @@ scale runs and what the outputs hold is on the page, docs/reproductions/zo-hfl.m
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +17,11 @@ import numpy as np
 
 from fedweave.experiments.aggregate import mean_std
 from fedweave.experiments.grid import Point
+from fedweave.experiments.jobs import cache_datasets as _cache_datasets
+from fedweave.experiments.jobs import load_average
 from fedweave.experiments.plots import Panel, plot_panels
 from fedweave.experiments.study import HELD, Plan, Study, option
-from fedweave.experiments.tables import markdown_table, pm, write_csv
+from fedweave.experiments.tables import grouped_table, markdown_table, pm, write_csv
 from fedweave.memory import cpu_seconds
 from fedweave.results import atomic_write
 from fedweave.runner import Result
@@ -28,61 +29,30 @@ from fedweave.runner import Result
 SETTINGS = [(1000.0, 0.9), (1.0, 0.5), (0.1, 0.1)]  # (Dirichlet alpha, participation beta), paper §IV
 SETTING_NAMES = {s: f"a={s[0]:g}, b={round(100 * s[1])}%" for s in SETTINGS}
 METHODS = ["fedavg", "fedprox", "scaffold", "zo_hfl", "server_only"]
-LABELS = {
-    "fedavg": "FedAvg",
-    "fedprox": "FedProx",
-    "scaffold": "SCAFFOLD",
-    "zo_hfl": "ZO-HFL",
-    "server_only": "server-only (lambda=0)",
-    "fedavg_server": "FedAvg + server as client",
-    "zo_hfl_nocrn": "ZO-HFL, independent +/- batches (crn: false)",
-    "zo_hfl_fast": "ZO-HFL, gamma_0 = {g:g} (not the paper's)",
-    "server_only_fast": "server-only, gamma_0 = {g:g} (not the paper's)",
-}
+LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD", "zo_hfl": "ZO-HFL",
+          "server_only": "server-only (lambda=0)", "fedavg_server": "FedAvg + server as client",
+          "zo_hfl_nocrn": "ZO-HFL, independent +/- batches (crn: false)",
+          "zo_hfl_fast": "ZO-HFL, gamma_0 = {g:g} (not the paper's)",
+          "server_only_fast": "server-only, gamma_0 = {g:g} (not the paper's)"}  # fmt: skip
 FAST_SERVER_LR = 0.1  # sensitivity: a 10x larger server step than the paper's gamma_0 = 0.01
-ALGO = {
-    "fedavg": "hier_fedavg",
-    "fedprox": "hier_fedprox",
-    "scaffold": "hier_scaffold",
-    "zo_hfl": "zo_hfl",
-    "server_only": "zo_hfl",
-    "server_only_long": "zo_hfl",
-    "fedavg_server": "hier_fedavg",
-}
+ALGO = {"fedavg": "hier_fedavg", "fedprox": "hier_fedprox", "scaffold": "hier_scaffold", "zo_hfl": "zo_hfl",
+        "server_only": "zo_hfl", "server_only_long": "zo_hfl", "fedavg_server": "hier_fedavg"}  # fmt: skip
 # Sensitivity variants of the baselines (spec §9.2, A11): a constant local step (more client drift) and
 # the compute-matched 2 H_{i,r} local steps (ZO-HFL's two solves per round).
 VARIANTS = {"const": "constant local lr {lr:g}", "2h": "2H local steps"}
 CONSTANT_LR = 0.05  # spec §9.2 sensitivity run
-DATASET_LABELS = {
-    "mnist": "MNIST",
-    "fashion_mnist": "Fa.-MNIST",
-    "cifar10": "CIFAR-10",
-    "digits": "digits",
-    "adult": "Adult",
-}
+DATASET_LABELS = {"mnist": "MNIST", "fashion_mnist": "Fa.-MNIST", "cifar10": "CIFAR-10", "digits": "digits",
+                  "adult": "Adult"}  # fmt: skip
 
 # Table I of the paper, test accuracy (%) of the global model (spec §6.1, verbatim).
 PAPER_TABLE = {
-    "fedavg": {
-        "mnist": (87.17, 77.33, 39.19),
-        "fashion_mnist": (77.52, 59.64, 45.50),
-        "cifar10": (68.36, 37.20, 27.43),
-    },
-    "fedprox": {
-        "mnist": (86.90, 75.61, 45.15),
-        "fashion_mnist": (77.34, 60.28, 49.44),
-        "cifar10": (67.52, 38.55, 29.03),
-    },
-    "scaffold": {
-        "mnist": (91.54, 91.25, 87.36),
-        "fashion_mnist": (82.25, 83.48, 74.91),
-        "cifar10": (72.36, 50.41, 44.65),
-    },
-    "zo_hfl": {
-        "mnist": (90.82, 88.44, 87.70),
-        "fashion_mnist": (78.51, 85.51, 76.86),
-        "cifar10": (68.12, 58.06, 52.51),
-    },
+    m: dict(zip(("mnist", "fashion_mnist", "cifar10"), cols))
+    for m, cols in {  # per dataset: the three settings of SETTINGS
+        "fedavg": ((87.17, 77.33, 39.19), (77.52, 59.64, 45.50), (68.36, 37.20, 27.43)),
+        "fedprox": ((86.90, 75.61, 45.15), (77.34, 60.28, 49.44), (67.52, 38.55, 29.03)),
+        "scaffold": ((91.54, 91.25, 87.36), (82.25, 83.48, 74.91), (72.36, 50.41, 44.65)),
+        "zo_hfl": ((90.82, 88.44, 87.70), (78.51, 85.51, 76.86), (68.12, 58.06, 52.51)),
+    }.items()
 }
 
 
@@ -211,19 +181,8 @@ PRESETS = {
 # fmt: on
 
 
-def run_config(
-    p: Preset,
-    dataset: str,
-    setting: tuple[float, float],
-    method: str,
-    seed: int,
-    tau: float,
-    rounds: int,
-    out: Path,
-    *,
-    overrides: dict[str, Any] | None = None,
-    tag: str = "",
-) -> dict[str, Any]:
+def run_config(p: Preset, dataset: str, setting: tuple[float, float], method: str, seed: int, tau: float, rounds: int,
+               out: Path, *, overrides: dict[str, Any] | None = None, tag: str = "") -> dict[str, Any]:  # fmt: skip
     """The config of one run (spec §9.2/§9.3: pooled 90/10 split, 30% server share, Dir(alpha) clients)."""
     setting = run_setting(method, setting)
     alpha, beta = setting
@@ -255,45 +214,26 @@ def run_config(
     name = f"{dataset}-a{alpha:g}-b{beta:g}-{method}-tau{tau:g}-R{rounds}-s{seed}{tag}"
     table_run = rounds == p.rounds and tau == p.tau
     every = (p.table_eval_every or p.eval_every) if table_run else p.eval_every
-    return {
-        "name": name,
-        "seed": seed,
-        "rounds": rounds,
-        "backend": "vmap",  # closed-form batched gradients: faster than the loop, or within 10% for 1 job
-        "threads": 1,
-        "dataset": {"name": dataset, **p.dataset_options.get(dataset, {})},
-        "partition": {"name": "dirichlet", "num_clients": 10, "alpha": alpha, "min_size": p.min_size},
-        "model": {"name": "logistic", "bias": False, "init": "zeros"},  # x^_0 = 0, x in R^{n x C} (A8, A16)
-        "algorithm": algo,
-        "local": local,
-        "eval": {"every": max(every, rounds // 50), "batch_size": p.eval_batch_size},
-        "output": {"dir": str(out / "runs" / name), "plots": False, "progress": False},
-    }
+    return {"name": name, "seed": seed, "rounds": rounds,
+            "backend": "vmap",  # closed-form batched gradients: faster than the loop, or within 10% for 1 job
+            "threads": 1, "dataset": {"name": dataset, **p.dataset_options.get(dataset, {})},
+            "partition": {"name": "dirichlet", "num_clients": 10, "alpha": alpha, "min_size": p.min_size},
+            "model": {"name": "logistic", "bias": False, "init": "zeros"},  # x^_0 = 0, x in R^{n x C} (A8, A16)
+            "algorithm": algo, "local": local,
+            "eval": {"every": max(every, rounds // 50), "batch_size": p.eval_batch_size},
+            "output": {"dir": str(out / "runs" / name), "plots": False, "progress": False}}  # fmt: skip
 
 
 # ---- running -------------------------------------------------------------------------------------------
-
-
-def _cache_datasets() -> None:
-    """Dozens of runs in one worker share a dataset: memoize the loaders (per process, per option set)."""
-    from fedweave.registry import DATASETS
-
-    for name in DATASETS.names():
-        DATASETS._items[name] = functools.lru_cache(maxsize=2)(DATASETS._items[name])
 
 
 def record(pt: Point, res: Result, plan: Plan) -> dict[str, Any]:
     """A run's metric rows, status, wall and CPU seconds, and whether an earlier invocation ran it."""
     # a run that diverged before any evaluation keeps a NaN row; the table marks it
     rows = res.metrics or [{"round": 0, "test_accuracy": float("nan"), "global_loss": float("nan")}]
-    return {
-        "name": pt.slug,
-        "rows": rows,
-        "status": res.summary["status"],
-        "seconds": float(res.summary["wall_seconds"]),
-        "cpu": float(res.summary.get("cpu_seconds") or 0.0),
-        "reused": pt.slug in plan.reused,
-    }
+    return {"name": pt.slug, "rows": rows, "status": res.summary["status"],
+            "seconds": float(res.summary["wall_seconds"]), "cpu": float(res.summary.get("cpu_seconds") or 0.0),
+            "reused": pt.slug in plan.reused}  # fmt: skip
 
 
 # ---- summarizing ---------------------------------------------------------------------------------------
@@ -308,9 +248,8 @@ def _last10(res: dict[str, Any], rounds: int) -> float:
     return float(np.mean(vals))
 
 
-def summarize(
-    p: Preset, results: dict[str, dict[str, Any]], seeds: list[int], out: Path
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def summarize(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int],
+              out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
     rows = []
     acc: dict[tuple[str, str, tuple[float, float]], tuple[float, float]] = {}
     for ds in p.datasets:
@@ -323,22 +262,12 @@ def summarize(
                 last_mean, _ = mean_std([100 * _last10(r, R) for r in res], ddof=0)
                 acc[(ds, m, s)] = (mean, std)
                 paper = PAPER_TABLE.get(m, {}).get(ds)
-                rows.append(
-                    {
-                        "dataset": ds,
-                        "alpha": s[0],
-                        "beta": s[1],
-                        "method": m,
-                        "acc_mean": round(mean, 2),
-                        "acc_std": round(std, 2),
-                        "acc_last10_mean": round(last_mean, 2),
-                        "paper_acc": paper[si] if paper else "",
-                        "seeds": len(run_seeds),
-                        "seconds_mean": round(float(np.mean([r["seconds"] for r in res])), 1),
-                        "cpu_seconds_mean": round(float(np.mean([r.get("cpu", 0.0) for r in res])), 2),
-                        "diverged": sum(r["status"] == "diverged" for r in res),
-                    }
-                )
+                rows.append({"dataset": ds, "alpha": s[0], "beta": s[1], "method": m, "acc_mean": round(mean, 2),
+                             "acc_std": round(std, 2), "acc_last10_mean": round(last_mean, 2),
+                             "paper_acc": paper[si] if paper else "", "seeds": len(run_seeds),
+                             "seconds_mean": round(float(np.mean([r["seconds"] for r in res])), 1),
+                             "cpu_seconds_mean": round(float(np.mean([r.get("cpu", 0.0) for r in res])), 2),
+                             "diverged": sum(r["status"] == "diverged" for r in res)})  # fmt: skip
     claims = check_claims(p, acc, results, out)
     return rows, claims
 
@@ -350,9 +279,8 @@ def check_claims(p: Preset, acc, results, out: Path) -> dict[str, Any]:
     for ds in p.datasets:
         a = {(m, s): acc[(ds, m, s)][0] for m in p.methods for s in SETTINGS}
         drop = {m: a[(m, homo)] - a[(m, extreme)] for m in p.methods}
-        c1 = a[("zo_hfl", extreme)] >= max(a[("fedavg", extreme)], a[("fedprox", extreme)]) and drop[
-            "zo_hfl"
-        ] <= 0.5 * max(drop["fedavg"], 0.0)
+        at_least = a[("zo_hfl", extreme)] >= max(a[("fedavg", extreme)], a[("fedprox", extreme)])
+        c1 = at_least and drop["zo_hfl"] <= 0.5 * max(drop["fedavg"], 0.0)
         best = max(a[(m, homo)] for m in ("fedavg", "fedprox", "scaffold"))
         c4 = {
             SETTING_NAMES[s]: abs(acc[(ds, "zo_hfl", s)][0] - acc[(ds, "server_only", s)][0])
@@ -408,6 +336,7 @@ def _sweep_names(p: Preset, ds: str, s, tau: float, out: Path) -> list[str]:
     return [run_config(p, ds, s, "zo_hfl", seed, tau, p.sweep_rounds, out)["name"] for seed in range(p.sweep_seeds)]
 
 
+# fmt: off
 def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
     """The claims of ``claims.json`` (spec §9.2) as (claim, verdict, measured) rows: a page's claim table."""
     rows = []
@@ -415,54 +344,32 @@ def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
         name = DATASET_LABELS.get(ds, ds)
         if "C1_robust_under_extreme_heterogeneity" in c:
             d = c["drops_homogeneous_to_extreme"]
-            rows.append(
-                (
-                    f"C1 {name}: robust under extreme heterogeneity (at (0.1, 10%) at least FedAvg's and FedProx's "
-                    "accuracy, and at most half of FedAvg's drop from (1000, 90%))",
-                    HELD[bool(c["C1_robust_under_extreme_heterogeneity"])],
-                    "drop: "
-                    + ", ".join(f"{label(m)} {d[m]:.2f}" for m in ("zo_hfl", "fedavg", "fedprox", "scaffold"))
-                    + " points",
-                )
-            )
+            rows.append((f"C1 {name}: robust under extreme heterogeneity (at (0.1, 10%) at least FedAvg's and "
+                         "FedProx's accuracy, and at most half of FedAvg's drop from (1000, 90%))",
+                         HELD[bool(c["C1_robust_under_extreme_heterogeneity"])],
+                         "drop: " + ", ".join(f"{label(m)} {d[m]:.2f}" for m in ("zo_hfl", "fedavg", "fedprox",
+                                                                                  "scaffold")) + " points"))
         if "C2_competitive_when_homogeneous" in c:
-            rows.append(
-                (
-                    f"C2 {name}: competitive when homogeneous (within 5 points of the best baseline at (1000, 90%))",
-                    HELD[bool(c["C2_competitive_when_homogeneous"])],
-                    f"ZO-HFL - best baseline {c['ZO-HFL_minus_best_baseline_homogeneous']:+.2f} points",
-                )
-            )
+            rows.append((f"C2 {name}: competitive when homogeneous (within 5 points of the best baseline at "
+                         "(1000, 90%))", HELD[bool(c["C2_competitive_when_homogeneous"])],
+                         f"ZO-HFL - best baseline {c['ZO-HFL_minus_best_baseline_homogeneous']:+.2f} points"))
         for key, what in (("test_loss", "test loss"), ("global_loss", "global loss")):
-            per_tau = c.get(f"C3_final_{key}_per_tau")
-            if per_tau is None:
+            if (per_tau := c.get(f"C3_final_{key}_per_tau")) is None:
                 continue
             values = [f"{s}: " + " / ".join(f"{v:.5f}" for v in t.values()) for s, t in per_tau.items()]
             taus = "/".join(next(iter(per_tau.values())))
-            rows.append(
-                (
-                    f"C3 {name}: a larger tau lowers the final {what} at (1000, 90%) and (1, 50%)",
-                    HELD[bool(c[f"C3_{key}_larger_tau_helps_in_homogeneous_and_moderate"])],
-                    f"tau {taus}: " + "; ".join(values[:2]),
-                )
-            )
-            rows.append(
-                (
-                    f"C3 {name}: no monotone gain from a larger tau at (0.1, 10%) ({what})",
-                    HELD[bool(c[f"C3_{key}_no_monotone_gain_in_extreme"])],
-                    f"tau {taus}: {values[-1]}",
-                )
-            )
+            rows.append((f"C3 {name}: a larger tau lowers the final {what} at (1000, 90%) and (1, 50%)",
+                         HELD[bool(c[f"C3_{key}_larger_tau_helps_in_homogeneous_and_moderate"])],
+                         f"tau {taus}: " + "; ".join(values[:2])))
+            rows.append((f"C3 {name}: no monotone gain from a larger tau at (0.1, 10%) ({what})",
+                         HELD[bool(c[f"C3_{key}_no_monotone_gain_in_extreme"])], f"tau {taus}: {values[-1]}"))
         if "C4_zo_hfl_within_1std_of_server_only" in c:
             within = c["C4_zo_hfl_within_1std_of_server_only"]
-            rows.append(
-                (
-                    f"C4 {name}: ZO-HFL within one std of the server-only control (lambda = 0) in every setting",
-                    HELD[all(within.values())],
-                    f"within one std in {sum(within.values())}/{len(within)} settings",
-                )
-            )
+            rows.append((f"C4 {name}: ZO-HFL within one std of the server-only control (lambda = 0) in every setting",
+                         HELD[all(within.values())],
+                         f"within one std in {sum(within.values())}/{len(within)} settings"))
     return rows
+# fmt: on
 
 
 # ---- writing -------------------------------------------------------------------------------------------
@@ -480,17 +387,19 @@ def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], o
         "over seeds [mean over the last 10 rounds] / paper.",
         "",
     ]
+    by = {(r["dataset"], r["method"], (r["alpha"], r["beta"])): r for r in rows}
+
+    def cell(ds: str, m: str, s: tuple[float, float]) -> list[str]:
+        r = by[(ds, m, s)]
+        paper = f"{r['paper_acc']:.2f}" if r["paper_acc"] != "" else "n/a"
+        return [f"{pm(r['acc_mean'], r['acc_std'], sep=' +- ')} [{r['acc_last10_mean']:.2f}] / {paper}"]
+
     for ds in p.datasets:
-        body = []
-        for m in p.methods:
-            cells = []
-            for s in SETTINGS:
-                r = next(x for x in rows if x["dataset"] == ds and x["method"] == m and (x["alpha"], x["beta"]) == s)
-                paper = f"{r['paper_acc']:.2f}" if r["paper_acc"] != "" else "n/a"
-                cells.append(f"{pm(r['acc_mean'], r['acc_std'], sep=' +- ')} [{r['acc_last10_mean']:.2f}] / {paper}")
-            body.append([label(m, p), *cells])
-        head = ["method", *(SETTING_NAMES[s] for s in SETTINGS)]
-        lines += [f"## {DATASET_LABELS.get(ds, ds)}", "", markdown_table(head, body)]
+        cells = lambda m, s, ds=ds: cell(ds, m, s)  # noqa: E731
+        header, body = grouped_table(
+            "method", p.methods, SETTINGS, [""], cells, lambda m: label(m, p), SETTING_NAMES.get
+        )
+        lines += [f"## {DATASET_LABELS.get(ds, ds)}", "", markdown_table(header, body)]
     lines += ["## Claims (spec §9.2)", "", markdown_table(["claim", "verdict", "measured"], claim_rows(claims))]
     lines += ["All values:", "", "```json", json.dumps(claims, indent=2), "```", ""]
     lines += [
@@ -622,13 +531,6 @@ def write_tune(rows: list[dict[str, Any]], out: Path, meta: dict) -> None:
     atomic_write(out / "tune.md", "\n".join(lines))
 
 
-def _load() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "n/a"
-
-
 def study_plan(opts) -> Plan:
     """Table I and the tau sweep of ``--scale`` (or, with ``--tune``, the lambda/mu grid)."""
     p = dataclasses.replace(PRESETS[opts.scale])  # a copy: the presets stay as defined
@@ -652,31 +554,17 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> int
     out = Path(opts.out)
     results = {r["name"]: r for r in records}
     if opts.tune:
-        meta = {
-            "rounds": p.rounds,
-            "tau": p.tau,
-            "seeds": len(seeds),
-            "workers": opts.workers,
-            "wall_seconds": wall,
-            "cpu_seconds": cpu_seconds(),
-            "load": _load(),
-        }
+        meta = {"rounds": p.rounds, "tau": p.tau, "seeds": len(seeds), "workers": opts.workers, "wall_seconds": wall,
+                "cpu_seconds": cpu_seconds(), "load": load_average()}  # fmt: skip
         write_tune(tune_summary(configs, results), out, meta)
         print((out / "tune.md").read_text())
         return 0
-    meta = {
-        "scale": opts.scale,
-        "rounds": p.rounds,
-        "seeds": len(seeds),
-        "workers": opts.workers,
-        "wall_seconds": round(wall, 1),
-        "runs": len(configs),
-        "run_seconds": {k: round(v["seconds"], 1) for k, v in results.items()},
-        "run_cpu_seconds": {k: round(v.get("cpu", 0.0), 2) for k, v in results.items()},
-        "cpu_seconds": round(cpu_seconds(), 1),  # this invocation, workers included
-        "load_at_end": _load(),
-        "reused": sum(bool(v.get("reused")) for v in results.values()),
-    }
+    meta = {"scale": opts.scale, "rounds": p.rounds, "seeds": len(seeds), "workers": opts.workers,
+            "wall_seconds": round(wall, 1), "runs": len(configs),
+            "run_seconds": {k: round(v["seconds"], 1) for k, v in results.items()},
+            "run_cpu_seconds": {k: round(v.get("cpu", 0.0), 2) for k, v in results.items()},
+            "cpu_seconds": round(cpu_seconds(), 1),  # this invocation, workers included
+            "load_at_end": load_average(), "reused": sum(bool(v.get("reused")) for v in results.values())}  # fmt: skip
     rows, claims = summarize(p, results, seeds, out)
     write_table(p, rows, claims, out, meta)
     write_plots(p, results, seeds, out)

@@ -178,6 +178,7 @@ class ClientHistory:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the losses and rounds recorded before a checkpoint (:meth:`state_dict`'s tensors)."""
         self.last_loss[:] = state["last_loss"].cpu().numpy()  # in place: the context's views stay valid
         self.last_round[:] = state["last_round"].cpu().numpy()
 
