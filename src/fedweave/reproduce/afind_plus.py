@@ -81,8 +81,16 @@ class Preset:
 
 
 def _base(dataset: dict, partition: dict, model: dict, rounds: int, local: dict, every: int) -> dict[str, Any]:
-    return {"rounds": rounds, "threads": 1, "dataset": dataset, "partition": partition, "model": model, "local": local,
-            "eval": {"every": every}, "output": {"progress": False, "plots": False}}  # fmt: skip
+    return {
+        "rounds": rounds,
+        "threads": 1,
+        "dataset": dataset,
+        "partition": partition,
+        "model": model,
+        "local": local,
+        "eval": {"every": every},
+        "output": {"progress": False, "plots": False},
+    }
 
 
 def preset(scale: str) -> Preset:
@@ -150,10 +158,15 @@ def methods(p: Preset) -> dict[str, dict[str, Any]]:
         "AFIND+": {"name": "afind_plus", **afind},
         # Fig. 5 (spec 5, A31): each personalised method with its own neighbour choice (the random-sampling
         # budget) and with AFIND+'s selection and Boltzmann weights over the same available pool as AFIND+
-        **{label + suffix: {"name": name, **opts} for label, name in PLUGINS.items()
-           for suffix, opts in (("", {"neighbours": p.budget}),
-                                (" + AFIND+", {"neighbours": p.pool, "selection": "afind", **plug}))},
-    }  # fmt: skip
+        **{
+            label + suffix: {"name": name, **opts}
+            for label, name in PLUGINS.items()
+            for suffix, opts in (
+                ("", {"neighbours": p.budget}),
+                (" + AFIND+", {"neighbours": p.pool, "selection": "afind", **plug}),
+            )
+        },
+    }
 
 
 @dataclass(frozen=True)
@@ -243,13 +256,19 @@ def collect(point: Point, res: Result) -> dict[str, Any]:
     rows, summary = res.metrics, res.summary  # no rows: diverged before evaluating
     sel = [float(r["selected_mean"]) for r in rows if r.get("selected_mean") not in (None, "")]
     ov = [float(r["overlap_selected"]) for r in rows if r.get("overlap_selected") not in (None, "")]
-    return {**dict(point.values), "seed": point.seed, "status": summary["status"],
-            # a diverged run: the best accuracy it evaluated before the NaN (NaN if none); no final model
-            "best": math.nan if summary["best_test_accuracy"] is None else summary["best_test_accuracy"],
-            "final": math.nan if summary["status"] == "diverged" else summary["final_test_accuracy"],
-            "selected": float(np.mean(sel)) if sel else 0.0, "overlap_selected": float(np.mean(ov)) if ov else None,
-            "bytes": summary["communication"]["bytes_total"], "wall": summary["wall_seconds"],
-            "_rows": rows}  # fmt: skip
+    return {
+        **dict(point.values),
+        "seed": point.seed,
+        "status": summary["status"],
+        # a diverged run: the best accuracy it evaluated before the NaN (NaN if none); no final model
+        "best": math.nan if summary["best_test_accuracy"] is None else summary["best_test_accuracy"],
+        "final": math.nan if summary["status"] == "diverged" else summary["final_test_accuracy"],
+        "selected": float(np.mean(sel)) if sel else 0.0,
+        "overlap_selected": float(np.mean(ov)) if ov else None,
+        "bytes": summary["communication"]["bytes_total"],
+        "wall": summary["wall_seconds"],
+        "_rows": rows,
+    }
 
 
 # ------------------------------------------------------------------------------------------- tables
@@ -280,10 +299,16 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
         body = []
         for lb in labels:
             paper = PAPER_T1.get(lb, [None] * 8)
-            body.append([lb, *(cell(s, lb, "best") for s in settings), *(cell(s, lb, "final") for s in settings),
-                         *cells(settings[0], lb, "selected", "bytes"),
-                         "/".join(str(len(by[(s, lb)])) for s in settings),
-                         *(f"{v:.2f}" if v is not None else "-" for v in paper)])  # fmt: skip
+            body.append(
+                [
+                    lb,
+                    *(cell(s, lb, "best") for s in settings),
+                    *(cell(s, lb, "final") for s in settings),
+                    *cells(settings[0], lb, "selected", "bytes"),
+                    "/".join(str(len(by[(s, lb)])) for s in settings),
+                    *(f"{v:.2f}" if v is not None else "-" for v in paper),
+                ]
+            )
         out["table1"] = (header, body)
     for name, paper in (("table2", PAPER_T2), ("table3", PAPER_T3)):
         if name in rows:
@@ -292,8 +317,14 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
             body = []
             for row, s, lb in rows[name]:
                 theirs = paper[row if name == "table2" else lb.replace(" [half]", "")]
-                body.append([row, *cells(s, lb, "best", "final", "selected", "bytes"), str(len(by[(s, lb)])),
-                             *(f"{v:.2f}" for v in theirs)])  # fmt: skip
+                body.append(
+                    [
+                        row,
+                        *cells(s, lb, "best", "final", "selected", "bytes"),
+                        str(len(by[(s, lb)])),
+                        *(f"{v:.2f}" for v in theirs),
+                    ]
+                )
             out[name] = (header, body)
     if "tau" in rows:
         header = ["tau", "mean selected", "best", "final", "label overlap of selected", "MB sent", "seeds"]
@@ -313,16 +344,21 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
             row = [label]
             for key in ("best", "final"):
                 gain = seed_gaps(plain, plug, key)
-                row += [_ms_cell([r[key] for r in plain]), _ms_cell([r[key] for r in plug]),
-                        _ms_cell(gain) if gain else "-"]  # fmt: skip
+                row += [
+                    _ms_cell([r[key] for r in plain]),
+                    _ms_cell([r[key] for r in plug]),
+                    _ms_cell(gain) if gain else "-",
+                ]
             row += [_ms_cell([r["selected"] for r in plug], 1.0)]
             row += [f"{_ms_cell([r['bytes'] for r in plain], 2**-20)} / {_ms_cell([r['bytes'] for r in plug], 2**-20)}"]
             body.append(row + [f"{len(plain)} / {len(plug)}"])
         out["fig5"] = (header, body)
     if "dp" in rows:
         header = ["sigma_2", "best", "final"] + [f"paper {c}" for c in PAPER_T23_COLUMNS]
-        body = [[row, *cells(s, lb, "best", "final"), *(f"{v:.2f}" for v in PAPER_T4.get(float(row), []))]
-                for row, s, lb in rows["dp"]]  # fmt: skip
+        body = [
+            [row, *cells(s, lb, "best", "final"), *(f"{v:.2f}" for v in PAPER_T4.get(float(row), []))]
+            for row, s, lb in rows["dp"]
+        ]
         out["dp"] = (header, body)
     return out
 

@@ -89,13 +89,21 @@ def _run_job(job: Job) -> dict[str, Any]:
             break
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     iters = len(gaps) - 1
-    row: dict[str, Any] = {"problem": job.tag, "topology": job.topology, "method": job.method, "seed": job.seed,
-                           "iterations": iters, "final_opt_gap": gaps[-1], "uploads": ups[-1],
-                           "uploads_per_iteration": ups[-1] / max(iters, 1),
-                           "upload_fraction": ups[-1] / max(iters, 1) / algo.net.num_users,
-                           "ms_per_iteration_wall": 1e3 * wall / max(iters, 1),
-                           "ms_per_iteration_cpu": 1e3 * cpu / max(iters, 1), "sigma": algo.net.sigma,
-                           "alpha": algo.alpha}  # fmt: skip
+    row: dict[str, Any] = {
+        "problem": job.tag,
+        "topology": job.topology,
+        "method": job.method,
+        "seed": job.seed,
+        "iterations": iters,
+        "final_opt_gap": gaps[-1],
+        "uploads": ups[-1],
+        "uploads_per_iteration": ups[-1] / max(iters, 1),
+        "upload_fraction": ups[-1] / max(iters, 1) / algo.net.num_users,
+        "ms_per_iteration_wall": 1e3 * wall / max(iters, 1),
+        "ms_per_iteration_cpu": 1e3 * cpu / max(iters, 1),
+        "sigma": algo.net.sigma,
+        "alpha": algo.alpha,
+    }
     for t in TARGETS:
         row[f"iters_{t:.0e}"] = hit[t][0] if hit[t] else None
         row[f"uploads_{t:.0e}"] = hit[t][1] if hit[t] else None
@@ -221,8 +229,15 @@ def _median(rows: list[dict], key: str) -> float | None:
     return if_all([r.get(key) for r in rows], statistics.median)  # a target counts if every seed reached it
 
 
-MEDIANS = ("iterations", "uploads_per_iteration", "upload_fraction", "ms_per_iteration_wall", "ms_per_iteration_cpu",
-           "final_opt_gap", "tail_r2")  # fmt: skip
+MEDIANS = (
+    "iterations",
+    "uploads_per_iteration",
+    "upload_fraction",
+    "ms_per_iteration_wall",
+    "ms_per_iteration_cpu",
+    "final_opt_gap",
+    "tail_r2",
+)
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
@@ -248,7 +263,6 @@ def _best(aggs: list[dict], prefix: str, key: str) -> dict | None:
     return min(cands, key=lambda a: a[key]) if cands else None
 
 
-# fmt: off
 def claims(aggs: list[dict], deep: str = "uploads_1e-08") -> list[tuple[str, str, str, str]]:
     """(claim, paper statement, measured here, held?) for the synthetic problem (spec §9.2)."""
     syn = [a for a in aggs if a["problem"] == "synthetic"]
@@ -264,11 +278,15 @@ def claims(aggs: list[dict], deep: str = "uploads_1e-08") -> list[tuple[str, str
     reached = [a for a in cfl if a.get(it_key) is not None]
     ok = [a for a in reached if (a.get("tail_r2") or 0) > 0.98]
     low = "; ".join(f"{a['topology']} {a['method']}: R^2 {a['tail_r2']:.3f}" for a in reached if a not in ok)
-    out.append(("C1 linear convergence (Thm. 1)", "CFL-SAGA converges linearly",
-                f"{len(reached)}/{len(cfl)} CFL-SAGA settings reach {deep[8:]} on every seed; median tail R^2 of "
-                f"log opg vs k > 0.98 for {len(ok)}" + (f" (below: {low})" if low else ""),
-                _yn(len(reached) == len(cfl) and len(ok) >= len(cfl) - 2, "all reach the target",
-                    len(reached) == len(cfl))))
+    out.append(
+        (
+            "C1 linear convergence (Thm. 1)",
+            "CFL-SAGA converges linearly",
+            f"{len(reached)}/{len(cfl)} CFL-SAGA settings reach {deep[8:]} on every seed; median tail R^2 of "
+            f"log opg vs k > 0.98 for {len(ok)}" + (f" (below: {low})" if low else ""),
+            _yn(len(reached) == len(cfl) and len(ok) >= len(cfl) - 2, "all reach the target", len(reached) == len(cfl)),
+        )
+    )
     for topo in topologies:
         rows = sorted((a for a in by(topo) if a["method"].startswith("CFL-SAGA")), key=lambda a: _rho(a["method"]))
         ups = [a.get(deep) for a in rows]
@@ -277,34 +295,61 @@ def claims(aggs: list[dict], deep: str = "uploads_1e-08") -> list[tuple[str, str
         slower = all(i is not None for i in its) and its[-1] >= its[0]
         txt = ", ".join(f"{_rho(a['method']):g}: {_fmt(a.get(it_key))} it / {_fmt(a.get(deep))} up" for a in rows)
         note = f"uploads fall with rho: {_yes(mono)}; iterations rise: {_yes(slower)}"
-        out.append((f"C2 rho trade-off, {topo} (Fig. 3)", "larger rho: fewer uploads, more iterations",
-                    txt, _yn(mono and slower, note, mono)))
+        out.append(
+            (
+                f"C2 rho trade-off, {topo} (Fig. 3)",
+                "larger rho: fewer uploads, more iterations",
+                txt,
+                _yn(mono and slower, note, mono),
+            )
+        )
         best_c, best_g = _best(by(topo), "CFL-SAGA", deep), _best(by(topo), "GT-SAGA", deep)
         full = next((a for a in by(topo) if a["method"] == "CFL-SAGA rho=0"), None)
         if best_c and best_g:
             f = best_g[deep] / best_c[deep]
             vs_full = full[deep] / best_c[deep] if full and full.get(deep) else float("nan")
-            out.append((f"C3 uploads vs GT-SAGA, {topo} (Fig. 4 d-f)", "orders of magnitude fewer uploads",
-                        f"best {best_c['method']} {best_c[deep]:.0f} vs best {best_g['method']} {best_g[deep]:.0f}: "
-                        f"{f:.1f}x fewer; {vs_full:.1f}x fewer than full upload",
-                        _yn(f >= 10, ">= 10x", f >= 5)))
+            out.append(
+                (
+                    f"C3 uploads vs GT-SAGA, {topo} (Fig. 4 d-f)",
+                    "orders of magnitude fewer uploads",
+                    f"best {best_c['method']} {best_c[deep]:.0f} vs best {best_g['method']} {best_g[deep]:.0f}: "
+                    f"{f:.1f}x fewer; {vs_full:.1f}x fewer than full upload",
+                    _yn(f >= 10, ">= 10x", f >= 5),
+                )
+            )
             per_it = best_c["uploads_per_iteration"]
-            out.append((f"C4 uploads per iteration, {topo} (§VIII-B)", "fewer than GT-SAGA at SR 0.05 (20/iteration)",
-                        f"{best_c['method']}: {per_it:.1f} per iteration", _yn(per_it < 20)))
+            out.append(
+                (
+                    f"C4 uploads per iteration, {topo} (§VIII-B)",
+                    "fewer than GT-SAGA at SR 0.05 (20/iteration)",
+                    f"{best_c['method']}: {per_it:.1f} per iteration",
+                    _yn(per_it < 20),
+                )
+            )
         c10 = next((a for a in by(topo) if a["method"] == "CFL-SAGA rho=10"), None)
         g45 = next((a for a in by(topo) if a["method"] == "GT-SAGA SR=0.45"), None)
         mid = next((a for a in by(topo) if a["method"] == "CFL-SAGA rho=10000"), None)
         if c10 and g45 and topo in ("random", "full"):
             cand = [a for a in (c10, mid) if a and a.get(it_key) is not None]
             fastest = min(cand, key=lambda a: a[it_key]) if cand else None
-            out.append((f"C5 iterations vs GT-SAGA SR 0.45, {topo} (Fig. 4 a,c)", "CFL-SAGA (rho=10) faster",
-                        f"rho=10: {_fmt(c10.get(it_key))}, rho=1e4: {_fmt(mid.get(it_key) if mid else None)}, "
-                        f"GT-SAGA 0.45: {_fmt(g45.get(it_key))}",
-                        _yn(fastest is not None and g45.get(it_key) is not None and fastest[it_key] <= g45[it_key])))
+            out.append(
+                (
+                    f"C5 iterations vs GT-SAGA SR 0.45, {topo} (Fig. 4 a,c)",
+                    "CFL-SAGA (rho=10) faster",
+                    f"rho=10: {_fmt(c10.get(it_key))}, rho=1e4: {_fmt(mid.get(it_key) if mid else None)}, "
+                    f"GT-SAGA 0.45: {_fmt(g45.get(it_key))}",
+                    _yn(fastest is not None and g45.get(it_key) is not None and fastest[it_key] <= g45[it_key]),
+                )
+            )
         if c10 and c10.get("upload_fraction") is not None:
-            out.append((f"C8 paper-nominal rho=10, {topo}", "rho=10 gives high communication efficiency",
-                        f"uploads {100 * c10['upload_fraction']:.0f}% of users per iteration (full upload: 100%)",
-                        _yn(c10["upload_fraction"] < 0.2, "< 20% of users")))
+            out.append(
+                (
+                    f"C8 paper-nominal rho=10, {topo}",
+                    "rho=10 gives high communication efficiency",
+                    f"uploads {100 * c10['upload_fraction']:.0f}% of users per iteration (full upload: 100%)",
+                    _yn(c10["upload_fraction"] < 0.2, "< 20% of users"),
+                )
+            )
     rnd = by("random")
     best_c = _best(rnd, "CFL-SAGA", deep)
     for prefix in ("GT-SVRG", "GT-SARAH", "CFL-ADMM"):
@@ -314,25 +359,40 @@ def claims(aggs: list[dict], deep: str = "uploads_1e-08") -> list[tuple[str, str
         if base is None:
             anyb = [a for a in rnd if a["method"].startswith(prefix)]
             txt = "; ".join(f"{a['method']}: opg {a['final_opt_gap']:.1e} after {a['iterations']:.0f} it" for a in anyb)
-            out.append((f"C6 vs {prefix}, random (Figs. 6-7)", "similar iterations, many more uploads",
-                        f"did not reach {deep[8:]}: {txt}", "CFL-SAGA better (baseline did not reach the target)"))
+            out.append(
+                (
+                    f"C6 vs {prefix}, random (Figs. 6-7)",
+                    "similar iterations, many more uploads",
+                    f"did not reach {deep[8:]}: {txt}",
+                    "CFL-SAGA better (baseline did not reach the target)",
+                )
+            )
             continue
         f = base[deep] / best_c[deep]
         missed = [a["method"] for a in rnd if a["method"].startswith(prefix) and a.get(deep) is None]
-        out.append((f"C6 vs {prefix}, random (Figs. 6-7)", "similar iterations, many more uploads",
-                    f"{base['method']}: {base[it_key]:.0f} it / {base[deep]:.0f} up; best CFL-SAGA "
-                    f"{best_c[it_key]:.0f} it / {best_c[deep]:.0f} up ({f:.1f}x fewer)"
-                    + (f"; did not reach {deep[8:]}: {', '.join(missed)}" if missed else ""),
-                    _yn(f >= 2.5, ">= 2.5x")))
+        out.append(
+            (
+                f"C6 vs {prefix}, random (Figs. 6-7)",
+                "similar iterations, many more uploads",
+                f"{base['method']}: {base[it_key]:.0f} it / {base[deep]:.0f} up; best CFL-SAGA "
+                f"{best_c[it_key]:.0f} it / {best_c[deep]:.0f} up ({f:.1f}x fewer)"
+                + (f"; did not reach {deep[8:]}: {', '.join(missed)}" if missed else ""),
+                _yn(f >= 2.5, ">= 2.5x"),
+            )
+        )
     cfl_ms = [a["ms_per_iteration_cpu"] for a in rnd if a["method"].startswith("CFL-SAGA")]
     for a in rnd:
         if a["method"].startswith("GT-SAGA") and float(a["method"].split("=")[1]) <= 0.25 and cfl_ms:
             ms = statistics.median(cfl_ms)
-            out.append((f"C7 runtime, {a['method']} (Fig. 5)", "GT-SAGA cheaper per iteration than CFL-SAGA",
-                        f"{a['ms_per_iteration_cpu']:.2f} vs {ms:.2f} ms CPU per iteration",
-                        _yn(a["ms_per_iteration_cpu"] < ms)))
+            out.append(
+                (
+                    f"C7 runtime, {a['method']} (Fig. 5)",
+                    "GT-SAGA cheaper per iteration than CFL-SAGA",
+                    f"{a['ms_per_iteration_cpu']:.2f} vs {ms:.2f} ms CPU per iteration",
+                    _yn(a["ms_per_iteration_cpu"] < ms),
+                )
+            )
     return out
-# fmt: on
 
 
 def _yn(ok: bool, note: str = "", partial: bool = False) -> str:
@@ -388,16 +448,21 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
             groups = {
                 "fig3_rho": [r for r in sub if r["method"].startswith("CFL-SAGA")],
                 "fig4_vs_gtsaga": shown,
-                "fig67_baselines": [r for r in sub if r["method"].startswith(("GT-SVRG", "GT-SARAH", "CFL-ADMM"))
-                                    or r["method"] in SHOWN],
-            }  # fmt: skip
+                "fig67_baselines": [
+                    r
+                    for r in sub
+                    if r["method"].startswith(("GT-SVRG", "GT-SARAH", "CFL-ADMM")) or r["method"] in SHOWN
+                ],
+            }
             for name, grp in groups.items():
                 if not grp or (name == "fig67_baselines" and len(grp) < 2):
                     continue
                 by_it = [(np.arange(len(r["_curve"][0])), r["_curve"][0], r["method"]) for r in grp]
                 by_up = [(np.maximum(r["_curve"][1], 1), r["_curve"][0], r["method"]) for r in grp]
-                panels = [Lines(by_it, "semilogy", "iteration", "optimality gap"),
-                          Lines(by_up, "loglog", "cumulative uploads (vectors)", "optimality gap", 6)]  # fmt: skip
+                panels = [
+                    Lines(by_it, "semilogy", "iteration", "optimality gap"),
+                    Lines(by_up, "loglog", "cumulative uploads (vectors)", "optimality gap", 6),
+                ]
                 title = f"{prob}, {topo} graph (seed {sub[0]['seed']})"
                 written.append(plot_lines(panels, out / f"{prob}_{topo}_{name}.png", (11, 4), title))
             if topo == "random":  # Fig. 5: runtime vs iterations

@@ -90,12 +90,19 @@ def jobs(p: Preset, seeds: list[int], out: Path) -> list[Point]:
     for key, algo in variants:
         for s in seeds:
             tag = key.replace(" ", "_").replace("=", "")
-            config = {"name": f"cse-fsl-{tag}", "seed": s, "rounds": p.rounds, "threads": 1, "dataset": p.dataset,
-                      "partition": {**p.partition, "num_clients": p.clients}, "model": p.model,
-                      "algorithm": {**algo, **p.algorithm},
-                      "local": {"epochs": 1, "batch_size": p.batch_size, "lr": p.lr, **p.local}, "eval": {"every": 1},
-                      "output": {"dir": str(out / "runs" / f"{tag}-s{s}"), "plots": False,
-                                 "progress": False}}  # fmt: skip
+            config = {
+                "name": f"cse-fsl-{tag}",
+                "seed": s,
+                "rounds": p.rounds,
+                "threads": 1,
+                "dataset": p.dataset,
+                "partition": {**p.partition, "num_clients": p.clients},
+                "model": p.model,
+                "algorithm": {**algo, **p.algorithm},
+                "local": {"epochs": 1, "batch_size": p.batch_size, "lr": p.lr, **p.local},
+                "eval": {"every": 1},
+                "output": {"dir": str(out / "runs" / f"{tag}-s{s}"), "plots": False, "progress": False},
+            }
             points.append(Point.of(config, f"{tag}-s{s}", key=key))
     return points
 
@@ -113,9 +120,18 @@ def collect(point: Point, res: Result, facts: tuple[SplitSizes, list[int]]) -> d
     if not res.metrics:
         raise SystemExit(f"{res.run_dir}: the run diverged before its first evaluation; nothing to tabulate")
     algo = point.config.algorithm
-    return {"key": dict(point.values)["key"], "seed": point.seed, "method": algo.name, "h": algo.options.get("h", 1),
-            "status": res.summary["status"], "run_dir": str(res.run_dir), "rows": res.metrics, "sizes": facts[0],
-            "samples": facts[1], "wall": res.summary["wall_seconds"]}  # fmt: skip
+    return {
+        "key": dict(point.values)["key"],
+        "seed": point.seed,
+        "method": algo.name,
+        "h": algo.options.get("h", 1),
+        "status": res.summary["status"],
+        "run_dir": str(res.run_dir),
+        "rows": res.metrics,
+        "sizes": facts[0],
+        "samples": facts[1],
+        "wall": res.summary["wall_seconds"],
+    }
 
 
 # ---- summaries ---------------------------------------------------------------------------------------------
@@ -132,17 +148,25 @@ def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
         paper_key = key if key in PAPER_TABLE_V["cifar10"] else method if method != "cse_fsl" else None
         paper = PAPER_TABLE_V["cifar10"].get(paper_key) if paper_key else None
         last = rs[0]["rows"][-1]
-        table.append({"method": key, "accuracy": acc_m, "accuracy_std": acc_s, "load_gib": load / GIB,
-                      "load_formula_gib": formulas[0] / GIB,
-                      "load_exact": all(r["rows"][-1]["load_bytes"] == f for r, f in zip(rs, formulas, strict=True)),
-                      "storage_m": last["storage_params"] / 1e6,
-                      "storage_formula_m": storage_params(method, sizes, len(rs[0]["samples"])) / 1e6,
-                      "server_copies": last["server_copies"],
-                      "load_to_target_gib": float(reach) / GIB if reach is not None else None,
-                      "uploads_per_client": last["smashed_uploads_per_client"],
-                      "paper_acc": (paper[1] if p.noniid else paper[0]) if paper else None,
-                      "paper_load": paper[2] if paper else None, "paper_storage": paper[3] if paper else None,
-                      "accs": accs})  # fmt: skip
+        table.append(
+            {
+                "method": key,
+                "accuracy": acc_m,
+                "accuracy_std": acc_s,
+                "load_gib": load / GIB,
+                "load_formula_gib": formulas[0] / GIB,
+                "load_exact": all(r["rows"][-1]["load_bytes"] == f for r, f in zip(rs, formulas, strict=True)),
+                "storage_m": last["storage_params"] / 1e6,
+                "storage_formula_m": storage_params(method, sizes, len(rs[0]["samples"])) / 1e6,
+                "server_copies": last["server_copies"],
+                "load_to_target_gib": float(reach) / GIB if reach is not None else None,
+                "uploads_per_client": last["smashed_uploads_per_client"],
+                "paper_acc": (paper[1] if p.noniid else paper[0]) if paper else None,
+                "paper_load": paper[2] if paper else None,
+                "paper_storage": paper[3] if paper else None,
+                "accs": accs,
+            }
+        )
     mc = next(t for t in table if t["method"] == "fsl_mc")
     for t in table:
         t["load_ratio"] = t["load_gib"] / mc["load_gib"]
@@ -280,11 +304,20 @@ def _fmt(v: Any, nd: int = 2) -> str:
     return str(v)
 
 
-COLUMNS = [("method", "method"), ("accuracy", "acc (%)"), ("accuracy_std", "± std"), ("load_gib", "load (GiB)"),
-           ("load_ratio", "load / FSL_MC"), ("storage_m", "storage (M)"), ("server_copies", "server copies"),
-           ("load_to_target_gib", "load to target (GiB)"), ("paper_acc", "paper acc IID (%)"),
-           ("paper_load", "paper load (GiB)"), ("paper_load_ratio", "paper load / FSL_MC"),
-           ("paper_storage", "paper storage (M)")]  # fmt: skip
+COLUMNS = [
+    ("method", "method"),
+    ("accuracy", "acc (%)"),
+    ("accuracy_std", "± std"),
+    ("load_gib", "load (GiB)"),
+    ("load_ratio", "load / FSL_MC"),
+    ("storage_m", "storage (M)"),
+    ("server_copies", "server copies"),
+    ("load_to_target_gib", "load to target (GiB)"),
+    ("paper_acc", "paper acc IID (%)"),
+    ("paper_load", "paper load (GiB)"),
+    ("paper_load_ratio", "paper load / FSL_MC"),
+    ("paper_storage", "paper storage (M)"),
+]
 
 
 def markdown(table, verdicts, p: Preset, scale: str, seeds: list[int], wall: float) -> str:

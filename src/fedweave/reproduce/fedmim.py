@@ -26,8 +26,15 @@ from fedweave.runner import Result
 
 # ---- the paper's numbers ------------------------------------------------------------------------------
 METHODS = ("fedavg", "fedadam", "scaffold", "fedcm", "feddyn", "fedsam", "fedmim")
-LABELS = {"fedavg": "FedAvg", "fedadam": "FedAdam", "scaffold": "SCAFFOLD", "fedcm": "FedCM", "feddyn": "FedDyn",
-          "fedsam": "FedSAM", "fedmim": "FedMIM"}  # fmt: skip
+LABELS = {
+    "fedavg": "FedAvg",
+    "fedadam": "FedAdam",
+    "scaffold": "SCAFFOLD",
+    "fedcm": "FedCM",
+    "feddyn": "FedDyn",
+    "fedsam": "FedSAM",
+    "fedmim": "FedMIM",
+}
 # Table I: test accuracy (%) after 1000 rounds; columns (dataset, split)
 TABLE_I: dict[str, dict[tuple[str, str], float]] = {
     m: dict(zip([(d, s) for d in ("cifar10", "cifar100", "tiny") for s in ("iid", "dir0.3", "dir0.1")], row))
@@ -80,13 +87,17 @@ SECOND = ("fedcm", "scaffold")  # FedMIM's J = 1 special case; the paper's stron
 CORE = MAIN + SECOND
 REST = ("fedadam", "feddyn", "fedsam")
 SMALL_LOCAL = {"epochs": 1, "batch_size": 20, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3, "grad_clip": 10.0}
-# fmt: off
 PRESETS: dict[str, Preset] = {
     "smoke": Preset(
-        grid=[("mnist", "dir0.1", ("fedavg", "fedmim")), ("mnist", "iid", ("fedavg", "fedmim"))], seeds=(0,), rounds=3,
-        num_clients=10, clients_per_round=3, model="logistic",
+        grid=[("mnist", "dir0.1", ("fedavg", "fedmim")), ("mnist", "iid", ("fedavg", "fedmim"))],
+        seeds=(0,),
+        rounds=3,
+        num_clients=10,
+        clients_per_round=3,
+        model="logistic",
         local={"steps": 2, "batch_size": 16, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3},
-        dataset_options={"max_train": 600, "max_test": 200}, eval_every=1,
+        dataset_options={"max_train": 600, "max_test": 200},
+        eval_every=1,
         note="smoke preset: a few rounds on a tiny slice; checks the pipeline, not the paper",
     ),
     # Spec §9 priority: (1) FedMIM vs FedAvg at Dir-0.1 and the IID control, (2) FedCM (FedMIM's J = 1
@@ -94,12 +105,28 @@ PRESETS: dict[str, Preset] = {
     # claim again on MNIST: 36 runs, about 12 min on 2 idle cores (measured 40 CPU-s per run).
     # --extend adds the other baselines on Fashion-MNIST and FedCM/SCAFFOLD on MNIST (30 more runs).
     "small": Preset(
-        grid=[("fashion_mnist", "dir0.1", MAIN), ("fashion_mnist", "iid", MAIN), ("fashion_mnist", "dir0.1", SECOND),
-              ("fashion_mnist", "iid", SECOND), ("mnist", "dir0.1", MAIN), ("mnist", "iid", MAIN)],
-        extension=[("fashion_mnist", "dir0.1", REST), ("fashion_mnist", "iid", REST), ("mnist", "dir0.1", SECOND),
-                   ("mnist", "iid", SECOND)],
-        seeds=(0, 1, 2), rounds=50, num_clients=100, clients_per_round=10, model="cnn_small", local=SMALL_LOCAL,
-        dataset_options={"max_train": 20000}, eval_every=5,
+        grid=[
+            ("fashion_mnist", "dir0.1", MAIN),
+            ("fashion_mnist", "iid", MAIN),
+            ("fashion_mnist", "dir0.1", SECOND),
+            ("fashion_mnist", "iid", SECOND),
+            ("mnist", "dir0.1", MAIN),
+            ("mnist", "iid", MAIN),
+        ],
+        extension=[
+            ("fashion_mnist", "dir0.1", REST),
+            ("fashion_mnist", "iid", REST),
+            ("mnist", "dir0.1", SECOND),
+            ("mnist", "iid", SECOND),
+        ],
+        seeds=(0, 1, 2),
+        rounds=50,
+        num_clients=100,
+        clients_per_round=10,
+        model="cnn_small",
+        local=SMALL_LOCAL,
+        dataset_options={"max_train": 20000},
+        eval_every=5,
         note="small preset: Fashion-MNIST/MNIST, 20k training images (200 per client), E = 1 epoch of B = 20 "
         "(K = 10), T = 50",
     ),
@@ -107,20 +134,38 @@ PRESETS: dict[str, Preset] = {
     # preset's Dir-0.1 Fashion-MNIST cell with the four core methods, run ten times longer (T = 500);
     # evaluated every 10 rounds so the gap can be read at rounds 50, 150, 300 and 500.
     "long": Preset(
-        grid=[("fashion_mnist", "dir0.1", CORE)], seeds=(0, 1, 2), rounds=500, num_clients=100, clients_per_round=10,
-        model="cnn_small", local=SMALL_LOCAL, dataset_options={"max_train": 20000}, eval_every=10,
+        grid=[("fashion_mnist", "dir0.1", CORE)],
+        seeds=(0, 1, 2),
+        rounds=500,
+        num_clients=100,
+        clients_per_round=10,
+        model="cnn_small",
+        local=SMALL_LOCAL,
+        dataset_options={"max_train": 20000},
+        eval_every=10,
         note="long preset: the small preset's Dir-0.1 Fashion-MNIST cell (FedMIM, FedAvg, FedCM, SCAFFOLD) at T = 500",
         report_rounds=(50, 150, 300, 500),
     ),
     "paper": Preset(
-        grid=[(d, s, ALL) for d in ("cifar10", "cifar100") for s in ("iid", "dir0.3", "dir0.1")], seeds=(0,),
-        rounds=1000, num_clients=100, clients_per_round=10, model="resnet18_gn",
-        local={"epochs": 5, "batch_size": 50, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3, "grad_clip": 10.0,
-               "augment": ["crop", "flip"]},
-        eval_every=10, note="paper preset: Table I settings (spec §9.4); needs the CIFAR files and a fast machine",
+        grid=[(d, s, ALL) for d in ("cifar10", "cifar100") for s in ("iid", "dir0.3", "dir0.1")],
+        seeds=(0,),
+        rounds=1000,
+        num_clients=100,
+        clients_per_round=10,
+        model="resnet18_gn",
+        local={
+            "epochs": 5,
+            "batch_size": 50,
+            "lr": 0.1,
+            "lr_decay": 0.998,
+            "weight_decay": 1e-3,
+            "grad_clip": 10.0,
+            "augment": ["crop", "flip"],
+        },
+        eval_every=10,
+        note="paper preset: Table I settings (spec §9.4); needs the CIFAR files and a fast machine",
     ),
 }
-# fmt: on
 
 
 # ---- Table II, Table III and Fig. 2a: the small preset's Dir-0.1 Fashion-MNIST cell under several settings
@@ -198,22 +243,43 @@ PRESETS.update(
 
 
 # ---- the grid ----------------------------------------------------------------------------------------
-def run_config(p: Preset, dataset: str, split: str, method: str, seed: int, run_dir: Path,
-               variant: str = "") -> dict[str, Any]:  # fmt: skip
+def run_config(
+    p: Preset, dataset: str, split: str, method: str, seed: int, run_dir: Path, variant: str = ""
+) -> dict[str, Any]:
     over = dict(p.variants).get(variant, {}) if variant else {}
     options = over["options"] if "options" in over and method == "fedmim" else METHOD_OPTIONS[method]
     # weighting: P-line 16, spec A22
-    algorithm = {"name": method, "clients_per_round": over.get("clients_per_round", p.clients_per_round),
-                 "weighting": "uniform", "consistency": True, **options}  # fmt: skip
-    return {"name": f"fedmim-{dataset}-{split}-{method}" + (f"-{variant}" if variant else ""), "seed": seed,
-            "rounds": p.rounds, "backend": "loop", "threads": 1, "dataset": {"name": dataset, **p.dataset_options},
-            "partition": {**SPLITS[split], "num_clients": p.num_clients}, "model": {"name": p.model},
-            "algorithm": algorithm, "local": {**p.local, **over.get("local", {})}, "eval": {"every": p.eval_every},
-            "output": {"dir": str(run_dir), "progress": False, "plots": False}}  # fmt: skip
+    algorithm = {
+        "name": method,
+        "clients_per_round": over.get("clients_per_round", p.clients_per_round),
+        "weighting": "uniform",
+        "consistency": True,
+        **options,
+    }
+    return {
+        "name": f"fedmim-{dataset}-{split}-{method}" + (f"-{variant}" if variant else ""),
+        "seed": seed,
+        "rounds": p.rounds,
+        "backend": "loop",
+        "threads": 1,
+        "dataset": {"name": dataset, **p.dataset_options},
+        "partition": {**SPLITS[split], "num_clients": p.num_clients},
+        "model": {"name": p.model},
+        "algorithm": algorithm,
+        "local": {**p.local, **over.get("local", {})},
+        "eval": {"every": p.eval_every},
+        "output": {"dir": str(run_dir), "progress": False, "plots": False},
+    }
 
 
-def plan(p: Preset, out: Path, seeds: tuple[int, ...], datasets: list[str] | None, methods: list[str] | None,
-         extend: bool = False) -> list[Point]:  # fmt: skip
+def plan(
+    p: Preset,
+    out: Path,
+    seeds: tuple[int, ...],
+    datasets: list[str] | None,
+    methods: list[str] | None,
+    extend: bool = False,
+) -> list[Point]:
     """The runs of a preset in priority order (grid entry, then seed, then method), each in
     ``OUT/runs/<dataset>-<split>-<method>-s<seed>``; in a variant preset seed, then grid entry, variant and
     method (a time budget leaves whole seeds), each in ``OUT/runs/<dataset>-<split>-<method>-<variant>-s<seed>``."""
@@ -258,12 +324,19 @@ def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any
     accs = [100 * r["test_accuracy"] for r in rows]
     if summary.get("status") == "diverged":  # no final model: the run is reported as diverged
         accs = [*accs, float("nan")]
-    return {**dict(point.values), "seed": point.seed, "final_acc": accs[-1],
-            "best_acc": max((a for a in accs if a == a), default=float("nan")),
-            "last3_acc": sum(accs[-3:]) / len(accs[-3:]),
-            "consistency_last20": sum(r["local_consistency"] for r in tail) / len(tail) if tail else float("nan"),
-            "wall_seconds": summary.get("wall_seconds"), "cpu_seconds": summary.get("cpu_seconds"),
-            "status": summary.get("status", "completed"), "rounds_done": last, "_rows": res.metrics}  # fmt: skip
+    return {
+        **dict(point.values),
+        "seed": point.seed,
+        "final_acc": accs[-1],
+        "best_acc": max((a for a in accs if a == a), default=float("nan")),
+        "last3_acc": sum(accs[-3:]) / len(accs[-3:]),
+        "consistency_last20": sum(r["local_consistency"] for r in tail) / len(tail) if tail else float("nan"),
+        "wall_seconds": summary.get("wall_seconds"),
+        "cpu_seconds": summary.get("cpu_seconds"),
+        "status": summary.get("status", "completed"),
+        "rounds_done": last,
+        "_rows": res.metrics,
+    }
 
 
 # ---- tables and plots -----------------------------------------------------------------------------
@@ -281,10 +354,20 @@ def summarize(records: list[dict]) -> tuple[list[dict], dict]:
         acc_m, acc_sd = mean_std([r["final_acc"] for r in rs])
         best_m, _ = mean_std([r["best_acc"] for r in rs])
         cons_m, _ = mean_std([r["consistency_last20"] for r in rs])
-        table.append({"dataset": d, "split": s, "method": m, "seeds": len(all_rs),
-                      "diverged": sum(not math.isfinite(r["final_acc"]) for r in all_rs), "final_acc_mean": acc_m,
-                      "final_acc_std": acc_sd, "best_acc_mean": best_m, "consistency_last20": cons_m,
-                      "paper_cifar10": TABLE_I[m].get(("cifar10", s))})  # fmt: skip
+        table.append(
+            {
+                "dataset": d,
+                "split": s,
+                "method": m,
+                "seeds": len(all_rs),
+                "diverged": sum(not math.isfinite(r["final_acc"]) for r in all_rs),
+                "final_acc_mean": acc_m,
+                "final_acc_std": acc_sd,
+                "best_acc_mean": best_m,
+                "consistency_last20": cons_m,
+                "paper_cifar10": TABLE_I[m].get(("cifar10", s)),
+            }
+        )
     for d, s in {(t["dataset"], t["split"]) for t in table}:
         col = [t for t in table if (t["dataset"], t["split"]) == (d, s)]
         ours = _ranks({t["method"]: t["final_acc_mean"] for t in col})
@@ -365,8 +448,9 @@ def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
             for v in judge(list(TABLE_I_CLAIMS.values()), c, d)]  # fmt: skip
 
 
-def markdown(table: list[dict], claims: dict, preset_name: str, p: Preset, wall: float,
-             cpu: float | None = None) -> str:  # fmt: skip
+def markdown(
+    table: list[dict], claims: dict, preset_name: str, p: Preset, wall: float, cpu: float | None = None
+) -> str:
     # runs share the machine: the summed CPU time of the runs says what the preset costs on idle cores
     cpu_note = f"; CPU time of the runs {cpu / 60:.1f} min (one thread each)" if cpu else ""
     lines = [
@@ -391,8 +475,13 @@ def markdown(table: list[dict], claims: dict, preset_name: str, p: Preset, wall:
                 return None
             paper = f"{t['paper_cifar10']:.2f}" if t["paper_cifar10"] is not None else "–"
             div = f" ({t['diverged']}/{t['seeds']} diverged)" if t["diverged"] else ""
-            return [pm(t["final_acc_mean"], t["final_acc_std"]) + div, t["rank"], f"{t['consistency_last20']:.3g}",
-                    paper, t["paper_rank"] or "–"]  # fmt: skip
+            return [
+                pm(t["final_acc_mean"], t["final_acc_std"]) + div,
+                t["rank"],
+                f"{t['consistency_last20']:.3g}",
+                paper,
+                t["paper_rank"] or "–",
+            ]
 
         columns = ["ours", "rank", "cons.", "paper C10", "paper rank"]
         header, body = grouped_table("method", METHODS, splits, columns, cells, LABELS.get, drop_empty=True)
@@ -504,11 +593,20 @@ def variant_summary(records: list[dict], p: Preset) -> list[dict]:
             auc, _ = mean_std([100 * sum(x["test_accuracy"] for x in r["_rows"]) / len(r["_rows"]) for r in ok])
             cons, _ = mean_std([r["consistency_last20"] for r in ok])
             paper = TABLE_II_C10[m][vi] if p.table == "epochs" else TABLE_III[vi][2] if p.table == "ablation" else None
-            rows.append({"variant": v, "method": m, "seeds": len(rs), "diverged": len(rs) - len(ok),
-                         "final_acc_mean": round(acc, 2), "final_acc_std": round(sd, 2),
-                         "mean_acc_over_rounds": round(auc, 2), "consistency_last20": round(cons, 4),
-                         "final_acc_per_seed": " / ".join(f"{r['final_acc']:.2f}" for r in rs),
-                         "paper_c10": "" if paper is None else paper})  # fmt: skip
+            rows.append(
+                {
+                    "variant": v,
+                    "method": m,
+                    "seeds": len(rs),
+                    "diverged": len(rs) - len(ok),
+                    "final_acc_mean": round(acc, 2),
+                    "final_acc_std": round(sd, 2),
+                    "mean_acc_over_rounds": round(auc, 2),
+                    "consistency_last20": round(cons, 4),
+                    "final_acc_per_seed": " / ".join(f"{r['final_acc']:.2f}" for r in rs),
+                    "paper_c10": "" if paper is None else paper,
+                }
+            )
     return rows
 
 

@@ -29,20 +29,38 @@ from fedweave.runner import Result
 SETTINGS = [(1000.0, 0.9), (1.0, 0.5), (0.1, 0.1)]  # (Dirichlet alpha, participation beta), paper §IV
 SETTING_NAMES = {s: f"a={s[0]:g}, b={round(100 * s[1])}%" for s in SETTINGS}
 METHODS = ["fedavg", "fedprox", "scaffold", "zo_hfl", "server_only"]
-LABELS = {"fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD", "zo_hfl": "ZO-HFL",
-          "server_only": "server-only (lambda=0)", "fedavg_server": "FedAvg + server as client",
-          "zo_hfl_nocrn": "ZO-HFL, independent +/- batches (crn: false)",
-          "zo_hfl_fast": "ZO-HFL, gamma_0 = {g:g} (not the paper's)",
-          "server_only_fast": "server-only, gamma_0 = {g:g} (not the paper's)"}  # fmt: skip
+LABELS = {
+    "fedavg": "FedAvg",
+    "fedprox": "FedProx",
+    "scaffold": "SCAFFOLD",
+    "zo_hfl": "ZO-HFL",
+    "server_only": "server-only (lambda=0)",
+    "fedavg_server": "FedAvg + server as client",
+    "zo_hfl_nocrn": "ZO-HFL, independent +/- batches (crn: false)",
+    "zo_hfl_fast": "ZO-HFL, gamma_0 = {g:g} (not the paper's)",
+    "server_only_fast": "server-only, gamma_0 = {g:g} (not the paper's)",
+}
 FAST_SERVER_LR = 0.1  # sensitivity: a 10x larger server step than the paper's gamma_0 = 0.01
-ALGO = {"fedavg": "hier_fedavg", "fedprox": "hier_fedprox", "scaffold": "hier_scaffold", "zo_hfl": "zo_hfl",
-        "server_only": "zo_hfl", "server_only_long": "zo_hfl", "fedavg_server": "hier_fedavg"}  # fmt: skip
+ALGO = {
+    "fedavg": "hier_fedavg",
+    "fedprox": "hier_fedprox",
+    "scaffold": "hier_scaffold",
+    "zo_hfl": "zo_hfl",
+    "server_only": "zo_hfl",
+    "server_only_long": "zo_hfl",
+    "fedavg_server": "hier_fedavg",
+}
 # Sensitivity variants of the baselines (spec §9.2, A11): a constant local step (more client drift) and
 # the compute-matched 2 H_{i,r} local steps (ZO-HFL's two solves per round).
 VARIANTS = {"const": "constant local lr {lr:g}", "2h": "2H local steps"}
 CONSTANT_LR = 0.05  # spec §9.2 sensitivity run
-DATASET_LABELS = {"mnist": "MNIST", "fashion_mnist": "Fa.-MNIST", "cifar10": "CIFAR-10", "digits": "digits",
-                  "adult": "Adult"}  # fmt: skip
+DATASET_LABELS = {
+    "mnist": "MNIST",
+    "fashion_mnist": "Fa.-MNIST",
+    "cifar10": "CIFAR-10",
+    "digits": "digits",
+    "adult": "Adult",
+}
 
 # Table I of the paper, test accuracy (%) of the global model (spec §6.1, verbatim).
 PAPER_TABLE = {
@@ -132,31 +150,72 @@ def run_setting(m: str, setting: tuple[float, float]) -> tuple[float, float]:
 
 
 NORMALIZE_OFF = {"normalize": False}
-# fmt: off
 PRESETS = {
-    "smoke": Preset(datasets=["digits"], rounds=2, tau=1, sweep_dataset=["digits"], sweep_taus=[1, 2], sweep_rounds=2,
-                    sweep_seeds=1, batch_size=16, server_batch_size=16, eval_every=1, min_size=5),
+    "smoke": Preset(
+        datasets=["digits"],
+        rounds=2,
+        tau=1,
+        sweep_dataset=["digits"],
+        sweep_taus=[1, 2],
+        sweep_rounds=2,
+        sweep_seeds=1,
+        batch_size=16,
+        server_batch_size=16,
+        eval_every=1,
+        min_size=5,
+    ),
     "small": Preset(
-        datasets=["mnist", "fashion_mnist"], rounds=40, tau=5, sweep_dataset=["fashion_mnist"], sweep_taus=[5, 20, 50],
-        sweep_rounds=20, sweep_seeds=3, batch_size=32, server_batch_size=32, eval_every=2,
+        datasets=["mnist", "fashion_mnist"],
+        rounds=40,
+        tau=5,
+        sweep_dataset=["fashion_mnist"],
+        sweep_taus=[5, 20, 50],
+        sweep_rounds=20,
+        sweep_seeds=3,
+        batch_size=32,
+        server_batch_size=32,
+        eval_every=2,
         dataset_options={"mnist": NORMALIZE_OFF, "fashion_mnist": NORMALIZE_OFF},
         lam=1.0,  # chosen by --tune on a validation split (docs/reproductions/zo-hfl/tune.md; spec A1)
         mu=0.01,
         extra_lams=[10.0, 30.0],  # the spec's untuned scaled-run value; 30: its lambda sensitivity row (§9.2)
-        long_server_only=500, server_as_client=True, table_eval_every=4,
-        sensitivity=["fedavg_const", "fedprox_const", "scaffold_const", "fedavg_2h", "fedprox_2h", "scaffold_2h",
-                     "zo_hfl_nocrn", "zo_hfl_fast", "server_only_fast"],
+        long_server_only=500,
+        server_as_client=True,
+        table_eval_every=4,
+        sensitivity=[
+            "fedavg_const",
+            "fedprox_const",
+            "scaffold_const",
+            "fedavg_2h",
+            "fedprox_2h",
+            "scaffold_2h",
+            "zo_hfl_nocrn",
+            "zo_hfl_fast",
+            "server_only_fast",
+        ],
         sensitivity_seeds=3,
     ),
     # The smallest setting where Lemma 4 says the zeroth-order term should pay: its estimator's variance
     # grows with d, so the check uses logistic regression on UCI Adult (121 binary features, 2 classes:
     # d = 242 instead of MNIST's 7,840), the paper's three heterogeneity settings and server share.
     "adult": Preset(
-        datasets=["adult"], rounds=100, tau=5, sweep_dataset=[], sweep_taus=[], sweep_rounds=0, sweep_seeds=0,
-        batch_size=32, server_batch_size=32, eval_every=2, table_eval_every=4,
+        datasets=["adult"],
+        rounds=100,
+        tau=5,
+        sweep_dataset=[],
+        sweep_taus=[],
+        sweep_rounds=0,
+        sweep_seeds=0,
+        batch_size=32,
+        server_batch_size=32,
+        eval_every=2,
+        table_eval_every=4,
         # chosen by --tune on a validation split (docs/reproductions/zo-hfl/adult/tune.md): at the paper's
         # gamma_0 = 0.01 no setting leaves the majority class (76.55 %) in 100 rounds, so gamma_0 is tuned too
-        lam=1.0, mu=0.01, server_lr=1.0, tune_server_lrs=[0.01, 0.1, 1.0],
+        lam=1.0,
+        mu=0.01,
+        server_lr=1.0,
+        tune_server_lrs=[0.01, 0.1, 1.0],
     ),
     # Table I with the paper's tau = 20 and batch 64 on MNIST / Fashion-MNIST, over the longest horizon that
     # fits the CPU this machine could give it (measured: 30 rounds of this grid cost about 6 CPU-minutes,
@@ -164,25 +223,55 @@ PRESETS = {
     # machine shared at load 8-13). lambda and mu are the small preset's validation-tuned values, fixed
     # before these runs; the lambda = 10 row is the spec's untuned value, for comparison.
     "long": Preset(
-        datasets=["mnist", "fashion_mnist"], rounds=100, tau=20, sweep_dataset=[], sweep_taus=[], sweep_rounds=0,
-        sweep_seeds=0, batch_size=64, server_batch_size=64, eval_every=5,
-        dataset_options={"mnist": NORMALIZE_OFF, "fashion_mnist": NORMALIZE_OFF}, lam=1.0, mu=0.01, extra_lams=[10.0],
+        datasets=["mnist", "fashion_mnist"],
+        rounds=100,
+        tau=20,
+        sweep_dataset=[],
+        sweep_taus=[],
+        sweep_rounds=0,
+        sweep_seeds=0,
+        batch_size=64,
+        server_batch_size=64,
+        eval_every=5,
+        dataset_options={"mnist": NORMALIZE_OFF, "fashion_mnist": NORMALIZE_OFF},
+        lam=1.0,
+        mu=0.01,
+        extra_lams=[10.0],
     ),
     # lambda and mu: the validation-tuned values of the small preset (docs/reproductions/zo-hfl/tune.md).
     # `--scale paper --tune` repeats the search at this scale (the same grid on a validation split), but
     # costs about twice the table itself (117 ZO-HFL runs of 500 rounds), so the preset does not depend on it.
     "paper": Preset(
-        datasets=["mnist", "fashion_mnist", "cifar10"], rounds=500, tau=20, sweep_dataset=["fashion_mnist", "cifar10"],
-        sweep_taus=[5, 20, 50], sweep_rounds=500, sweep_seeds=3, batch_size=64, server_batch_size=64, eval_every=5,
+        datasets=["mnist", "fashion_mnist", "cifar10"],
+        rounds=500,
+        tau=20,
+        sweep_dataset=["fashion_mnist", "cifar10"],
+        sweep_taus=[5, 20, 50],
+        sweep_rounds=500,
+        sweep_seeds=3,
+        batch_size=64,
+        server_batch_size=64,
+        eval_every=5,
         dataset_options={"mnist": NORMALIZE_OFF, "fashion_mnist": NORMALIZE_OFF, "cifar10": NORMALIZE_OFF},
-        lam=1.0, mu=0.01,
+        lam=1.0,
+        mu=0.01,
     ),
 }
-# fmt: on
 
 
-def run_config(p: Preset, dataset: str, setting: tuple[float, float], method: str, seed: int, tau: float, rounds: int,
-               out: Path, *, overrides: dict[str, Any] | None = None, tag: str = "") -> dict[str, Any]:  # fmt: skip
+def run_config(
+    p: Preset,
+    dataset: str,
+    setting: tuple[float, float],
+    method: str,
+    seed: int,
+    tau: float,
+    rounds: int,
+    out: Path,
+    *,
+    overrides: dict[str, Any] | None = None,
+    tag: str = "",
+) -> dict[str, Any]:
     """The config of one run (spec §9.2/§9.3: pooled 90/10 split, 30% server share, Dir(alpha) clients)."""
     setting = run_setting(method, setting)
     alpha, beta = setting
@@ -214,14 +303,20 @@ def run_config(p: Preset, dataset: str, setting: tuple[float, float], method: st
     name = f"{dataset}-a{alpha:g}-b{beta:g}-{method}-tau{tau:g}-R{rounds}-s{seed}{tag}"
     table_run = rounds == p.rounds and tau == p.tau
     every = (p.table_eval_every or p.eval_every) if table_run else p.eval_every
-    return {"name": name, "seed": seed, "rounds": rounds,
-            "backend": "vmap",  # closed-form batched gradients: faster than the loop, or within 10% for 1 job
-            "threads": 1, "dataset": {"name": dataset, **p.dataset_options.get(dataset, {})},
-            "partition": {"name": "dirichlet", "num_clients": 10, "alpha": alpha, "min_size": p.min_size},
-            "model": {"name": "logistic", "bias": False, "init": "zeros"},  # x^_0 = 0, x in R^{n x C} (A8, A16)
-            "algorithm": algo, "local": local,
-            "eval": {"every": max(every, rounds // 50), "batch_size": p.eval_batch_size},
-            "output": {"dir": str(out / "runs" / name), "plots": False, "progress": False}}  # fmt: skip
+    return {
+        "name": name,
+        "seed": seed,
+        "rounds": rounds,
+        "backend": "vmap",  # closed-form batched gradients: faster than the loop, or within 10% for 1 job
+        "threads": 1,
+        "dataset": {"name": dataset, **p.dataset_options.get(dataset, {})},
+        "partition": {"name": "dirichlet", "num_clients": 10, "alpha": alpha, "min_size": p.min_size},
+        "model": {"name": "logistic", "bias": False, "init": "zeros"},  # x^_0 = 0, x in R^{n x C} (A8, A16)
+        "algorithm": algo,
+        "local": local,
+        "eval": {"every": max(every, rounds // 50), "batch_size": p.eval_batch_size},
+        "output": {"dir": str(out / "runs" / name), "plots": False, "progress": False},
+    }
 
 
 # ---- running -------------------------------------------------------------------------------------------
@@ -231,9 +326,14 @@ def record(pt: Point, res: Result, plan: Plan) -> dict[str, Any]:
     """A run's metric rows, status, wall and CPU seconds, and whether an earlier invocation ran it."""
     # a run that diverged before any evaluation keeps a NaN row; the table marks it
     rows = res.metrics or [{"round": 0, "test_accuracy": float("nan"), "global_loss": float("nan")}]
-    return {"name": pt.slug, "rows": rows, "status": res.summary["status"],
-            "seconds": float(res.summary["wall_seconds"]), "cpu": float(res.summary.get("cpu_seconds") or 0.0),
-            "reused": pt.slug in plan.reused}  # fmt: skip
+    return {
+        "name": pt.slug,
+        "rows": rows,
+        "status": res.summary["status"],
+        "seconds": float(res.summary["wall_seconds"]),
+        "cpu": float(res.summary.get("cpu_seconds") or 0.0),
+        "reused": pt.slug in plan.reused,
+    }
 
 
 # ---- summarizing ---------------------------------------------------------------------------------------
@@ -248,8 +348,9 @@ def _last10(res: dict[str, Any], rounds: int) -> float:
     return float(np.mean(vals))
 
 
-def summarize(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int],
-              out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+def summarize(
+    p: Preset, results: dict[str, dict[str, Any]], seeds: list[int], out: Path
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     rows = []
     acc: dict[tuple[str, str, tuple[float, float]], tuple[float, float]] = {}
     for ds in p.datasets:
@@ -262,12 +363,22 @@ def summarize(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int],
                 last_mean, _ = mean_std([100 * _last10(r, R) for r in res], ddof=0)
                 acc[(ds, m, s)] = (mean, std)
                 paper = PAPER_TABLE.get(m, {}).get(ds)
-                rows.append({"dataset": ds, "alpha": s[0], "beta": s[1], "method": m, "acc_mean": round(mean, 2),
-                             "acc_std": round(std, 2), "acc_last10_mean": round(last_mean, 2),
-                             "paper_acc": paper[si] if paper else "", "seeds": len(run_seeds),
-                             "seconds_mean": round(float(np.mean([r["seconds"] for r in res])), 1),
-                             "cpu_seconds_mean": round(float(np.mean([r.get("cpu", 0.0) for r in res])), 2),
-                             "diverged": sum(r["status"] == "diverged" for r in res)})  # fmt: skip
+                rows.append(
+                    {
+                        "dataset": ds,
+                        "alpha": s[0],
+                        "beta": s[1],
+                        "method": m,
+                        "acc_mean": round(mean, 2),
+                        "acc_std": round(std, 2),
+                        "acc_last10_mean": round(last_mean, 2),
+                        "paper_acc": paper[si] if paper else "",
+                        "seeds": len(run_seeds),
+                        "seconds_mean": round(float(np.mean([r["seconds"] for r in res])), 1),
+                        "cpu_seconds_mean": round(float(np.mean([r.get("cpu", 0.0) for r in res])), 2),
+                        "diverged": sum(r["status"] == "diverged" for r in res),
+                    }
+                )
     claims = check_claims(p, acc, results, out)
     return rows, claims
 
@@ -336,7 +447,6 @@ def _sweep_names(p: Preset, ds: str, s, tau: float, out: Path) -> list[str]:
     return [run_config(p, ds, s, "zo_hfl", seed, tau, p.sweep_rounds, out)["name"] for seed in range(p.sweep_seeds)]
 
 
-# fmt: off
 def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
     """The claims of ``claims.json`` (spec §9.2) as (claim, verdict, measured) rows: a page's claim table."""
     rows = []
@@ -344,32 +454,53 @@ def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
         name = DATASET_LABELS.get(ds, ds)
         if "C1_robust_under_extreme_heterogeneity" in c:
             d = c["drops_homogeneous_to_extreme"]
-            rows.append((f"C1 {name}: robust under extreme heterogeneity (at (0.1, 10%) at least FedAvg's and "
-                         "FedProx's accuracy, and at most half of FedAvg's drop from (1000, 90%))",
-                         HELD[bool(c["C1_robust_under_extreme_heterogeneity"])],
-                         "drop: " + ", ".join(f"{label(m)} {d[m]:.2f}" for m in ("zo_hfl", "fedavg", "fedprox",
-                                                                                  "scaffold")) + " points"))
+            rows.append(
+                (
+                    f"C1 {name}: robust under extreme heterogeneity (at (0.1, 10%) at least FedAvg's and "
+                    "FedProx's accuracy, and at most half of FedAvg's drop from (1000, 90%))",
+                    HELD[bool(c["C1_robust_under_extreme_heterogeneity"])],
+                    "drop: "
+                    + ", ".join(f"{label(m)} {d[m]:.2f}" for m in ("zo_hfl", "fedavg", "fedprox", "scaffold"))
+                    + " points",
+                )
+            )
         if "C2_competitive_when_homogeneous" in c:
-            rows.append((f"C2 {name}: competitive when homogeneous (within 5 points of the best baseline at "
-                         "(1000, 90%))", HELD[bool(c["C2_competitive_when_homogeneous"])],
-                         f"ZO-HFL - best baseline {c['ZO-HFL_minus_best_baseline_homogeneous']:+.2f} points"))
+            rows.append(
+                (
+                    f"C2 {name}: competitive when homogeneous (within 5 points of the best baseline at (1000, 90%))",
+                    HELD[bool(c["C2_competitive_when_homogeneous"])],
+                    f"ZO-HFL - best baseline {c['ZO-HFL_minus_best_baseline_homogeneous']:+.2f} points",
+                )
+            )
         for key, what in (("test_loss", "test loss"), ("global_loss", "global loss")):
             if (per_tau := c.get(f"C3_final_{key}_per_tau")) is None:
                 continue
             values = [f"{s}: " + " / ".join(f"{v:.5f}" for v in t.values()) for s, t in per_tau.items()]
             taus = "/".join(next(iter(per_tau.values())))
-            rows.append((f"C3 {name}: a larger tau lowers the final {what} at (1000, 90%) and (1, 50%)",
-                         HELD[bool(c[f"C3_{key}_larger_tau_helps_in_homogeneous_and_moderate"])],
-                         f"tau {taus}: " + "; ".join(values[:2])))
-            rows.append((f"C3 {name}: no monotone gain from a larger tau at (0.1, 10%) ({what})",
-                         HELD[bool(c[f"C3_{key}_no_monotone_gain_in_extreme"])], f"tau {taus}: {values[-1]}"))
+            rows.append(
+                (
+                    f"C3 {name}: a larger tau lowers the final {what} at (1000, 90%) and (1, 50%)",
+                    HELD[bool(c[f"C3_{key}_larger_tau_helps_in_homogeneous_and_moderate"])],
+                    f"tau {taus}: " + "; ".join(values[:2]),
+                )
+            )
+            rows.append(
+                (
+                    f"C3 {name}: no monotone gain from a larger tau at (0.1, 10%) ({what})",
+                    HELD[bool(c[f"C3_{key}_no_monotone_gain_in_extreme"])],
+                    f"tau {taus}: {values[-1]}",
+                )
+            )
         if "C4_zo_hfl_within_1std_of_server_only" in c:
             within = c["C4_zo_hfl_within_1std_of_server_only"]
-            rows.append((f"C4 {name}: ZO-HFL within one std of the server-only control (lambda = 0) in every setting",
-                         HELD[all(within.values())],
-                         f"within one std in {sum(within.values())}/{len(within)} settings"))
+            rows.append(
+                (
+                    f"C4 {name}: ZO-HFL within one std of the server-only control (lambda = 0) in every setting",
+                    HELD[all(within.values())],
+                    f"within one std in {sum(within.values())}/{len(within)} settings",
+                )
+            )
     return rows
-# fmt: on
 
 
 # ---- writing -------------------------------------------------------------------------------------------
@@ -554,17 +685,31 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> int
     out = Path(opts.out)
     results = {r["name"]: r for r in records}
     if opts.tune:
-        meta = {"rounds": p.rounds, "tau": p.tau, "seeds": len(seeds), "workers": opts.workers, "wall_seconds": wall,
-                "cpu_seconds": cpu_seconds(), "load": load_average()}  # fmt: skip
+        meta = {
+            "rounds": p.rounds,
+            "tau": p.tau,
+            "seeds": len(seeds),
+            "workers": opts.workers,
+            "wall_seconds": wall,
+            "cpu_seconds": cpu_seconds(),
+            "load": load_average(),
+        }
         write_tune(tune_summary(configs, results), out, meta)
         print((out / "tune.md").read_text())
         return 0
-    meta = {"scale": opts.scale, "rounds": p.rounds, "seeds": len(seeds), "workers": opts.workers,
-            "wall_seconds": round(wall, 1), "runs": len(configs),
-            "run_seconds": {k: round(v["seconds"], 1) for k, v in results.items()},
-            "run_cpu_seconds": {k: round(v.get("cpu", 0.0), 2) for k, v in results.items()},
-            "cpu_seconds": round(cpu_seconds(), 1),  # this invocation, workers included
-            "load_at_end": load_average(), "reused": sum(bool(v.get("reused")) for v in results.values())}  # fmt: skip
+    meta = {
+        "scale": opts.scale,
+        "rounds": p.rounds,
+        "seeds": len(seeds),
+        "workers": opts.workers,
+        "wall_seconds": round(wall, 1),
+        "runs": len(configs),
+        "run_seconds": {k: round(v["seconds"], 1) for k, v in results.items()},
+        "run_cpu_seconds": {k: round(v.get("cpu", 0.0), 2) for k, v in results.items()},
+        "cpu_seconds": round(cpu_seconds(), 1),  # this invocation, workers included
+        "load_at_end": load_average(),
+        "reused": sum(bool(v.get("reused")) for v in results.values()),
+    }
     rows, claims = summarize(p, results, seeds, out)
     write_table(p, rows, claims, out, meta)
     write_plots(p, results, seeds, out)
