@@ -15,7 +15,7 @@ CONTRACTS = (
     "Layers: a lower layer never imports a higher one",
     "Topology is passive: no module in fedweave.topology imports fedweave.algorithms",
     "The runner imports nothing above it",
-    "No import cycle among the modules of fedweave.execution",
+    "No import cycle among the modules of any package of fedweave",
 )
 
 
@@ -36,8 +36,9 @@ def test_the_source_tree_keeps_every_contract():
 
 
 def test_an_import_from_below_breaks_the_contracts(tmp_path):
-    """A topology module importing an algorithm lazily, the runner importing the experiments, and the job
-    record importing a backend (the backends import the record: a cycle), each fail."""
+    """A topology module importing an algorithm lazily, the runner importing the experiments, the job record
+    importing a backend (the backends import the record: a cycle) and the LEAF loader importing the Shakespeare
+    loader lazily (which imports LEAF's: a cycle inside one layer), each fail."""
     src = tmp_path / "src"
     shutil.copytree(ROOT / "src" / "fedweave", src / "fedweave", ignore=shutil.ignore_patterns("__pycache__"))
     graph = src / "fedweave" / "topology" / "graph.py"
@@ -57,9 +58,16 @@ def test_an_import_from_below_breaks_the_contracts(tmp_path):
     runner.write_text(runner.read_text() + "\nfrom fedweave.experiments import sweep  # noqa: E402\n")
     job = src / "fedweave" / "execution" / "job.py"
     job.write_text(job.read_text() + "\n\ndef _loop():\n    from fedweave.execution import loop\n\n    return loop\n")
+    leaf = src / "fedweave" / "data" / "datasets" / "leaf.py"
+    leaf.write_text(
+        leaf.read_text()
+        + "\n\ndef _plays():\n    from fedweave.data.datasets import shakespeare\n\n    return shakespeare\n"
+    )
     out = lint_imports(src, ROOT / "pyproject.toml")
     assert out.returncode == 1, out.stdout + out.stderr
     for name in CONTRACTS:
         assert f"{name} BROKEN" in out.stdout, out.stdout
     assert "fedweave.topology.graph -> fedweave.algorithms.centralized.base" in out.stdout
     assert "fedweave.runner -> fedweave.experiments.sweep" in out.stdout
+    assert "No cycles are allowed in fedweave.execution." in out.stdout
+    assert "No cycles are allowed in fedweave.data.datasets." in out.stdout

@@ -242,7 +242,7 @@ def test_a_plug_in_module_that_exits_is_one_line_naming_it(in_tmp, capsys, monke
 def test_a_plug_in_file_of_the_same_name_in_another_directory_is_imported(tmp_path, monkeypatch):
     """Plug-ins are imported once per process; a file is known by its absolute path, not by the name it was
     given (before: the second directory's ``same_name_plugin.py`` was silently taken as already imported)."""
-    from fedweave.plugins import load_plugin
+    from fedweave.config import load_plugin
 
     for d in ("one", "two"):
         (tmp_path / d).mkdir()

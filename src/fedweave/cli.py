@@ -14,8 +14,7 @@ from pathlib import Path
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from fedweave.config import ConfigError, load
-    from fedweave.plugins import load_plugins, recorded
+    from fedweave.config import ConfigError, load, load_plugins, recorded
     from fedweave.runner import resume, run
 
     load_plugins(args.plugin)  # before the config: it may name what a plug-in registers

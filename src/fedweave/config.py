@@ -3,16 +3,22 @@
 Fixed sections (``local``, ``eval``, ``output``) are dataclasses. The sections that pick an object by name
 (``dataset``, ``partition``, ``model``, ``algorithm``) hold ``name`` plus that object's own options, which
 are checked against the object itself: an algorithm's ``Hparams`` dataclass, or a loader's keyword arguments.
+The names it checks (losses, metrics, augmentations) are looked up in :mod:`fedweave.registry`, once the
+plug-ins the config names (``plugins:``) are imported (:func:`load_plugins`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
+import importlib
+import importlib.util
 import inspect
 import math
 import os
 import re
+import sys
 import types
 import typing
 import unicodedata
@@ -22,7 +28,7 @@ from typing import Any, Literal
 
 import yaml
 
-from fedweave.registry import UnknownNameError
+from fedweave.registry import AUGMENTATIONS, LOSSES, METRICS, UnknownNameError
 
 
 class _Loader(yaml.SafeLoader):
@@ -200,12 +206,9 @@ class LocalConfig:
             raise ConfigError(
                 "local.crop_size and local.crop_padding apply to the 'crop' augmentation: add it to local.augment"
             )
-        if self.augment:
-            from fedweave.data.augment import AUGMENTATIONS  # lazy: keeps torch out of config loading
-
-            for i, name in enumerate(self.augment):
-                if name not in AUGMENTATIONS:
-                    raise ConfigError(f"local.augment[{i}] must be one of {', '.join(AUGMENTATIONS)}, got {name!r}")
+        for i, name in enumerate(self.augment):
+            if name not in AUGMENTATIONS:
+                raise ConfigError(f"local.augment[{i}] must be one of {', '.join(AUGMENTATIONS.names())}, got {name!r}")
 
 
 @dataclass
@@ -220,12 +223,38 @@ class TaskConfig:
     def validate(self) -> None:
         """Check that the loss, its options and the metrics exist and fit together; raise a
         :class:`ConfigError` naming the first bad key and what it allows."""
-        from fedweave.tasks import build_task  # lazy: keeps torch out of config loading
-
         try:
-            build_task(self.loss, self.loss_options, self.metrics, self.main)
+            cls = LOSSES.get(self.loss)
         except UnknownNameError as e:
             raise ConfigError(f"task.loss: {e}") from e
+        # built as fedweave.tasks.build_task builds it for the run: a loss its options do not fit fails here
+        check_task(cls(**check_options(cls, self.loss_options or {}, "task.loss_options")), self.metrics, self.main)
+
+
+#: The metrics of a task whose ``task.metrics`` is null, by its loss's targets (``bce_with_logits``: auc and f1).
+DEFAULT_METRICS = {"class": ["accuracy"], "float": ["mse", "rmse", "mae", "r2"]}
+
+
+def check_task(loss: Any, metrics: list[str] | None, main: str | None) -> tuple[list[str], str, str]:
+    """The metrics of a task whose loss is ``loss`` (a :class:`~fedweave.tasks.Loss`; its defaults when
+    ``metrics`` is None), its main metric (the first metric's when ``main`` is None) and whether higher
+    (``max``) or lower (``min``) is better in it, the metrics looked up in the registry. An unknown metric or
+    main metric raises a :class:`ConfigError` naming ``task.metrics`` or ``task.main``."""
+    if metrics is None:
+        metrics = ["auc", "f1"] if loss.name == "bce_with_logits" else DEFAULT_METRICS[loss.targets]
+    for i, m in enumerate(metrics):
+        if m not in METRICS:
+            raise ConfigError(f"task.metrics[{i}] must be one of {', '.join(METRICS.names())}, got {m!r}")
+    directions = {"loss": "min"}
+    for m in metrics:
+        directions.update(METRICS.get(m).keys)
+    if main is None:
+        main = next(iter(METRICS.get(metrics[0]).keys)) if metrics else "loss"
+    if main not in directions:
+        raise ConfigError(
+            f"task.main must be one of {', '.join(sorted(directions))} (the task's metrics), got {main!r}"
+        )
+    return list(metrics), main, directions[main]
 
 
 @dataclass
@@ -641,12 +670,71 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
         setattr(cfg, k, s)
     cfg.callbacks = [_section(c, f"callbacks[{i}]") for i, c in enumerate(callbacks)]
     if cfg.plugins:  # before validation: a plug-in may register the loss or metric the config names
-        from fedweave.plugins import load_plugins, recorded
-
         load_plugins(cfg.plugins)
         cfg.plugins = [recorded(p) for p in cfg.plugins]  # files by absolute path: resumable from anywhere
     cfg.validate()
     return cfg
+
+
+# ---- plug-ins: modules or .py files that register datasets, models, losses, metrics, samplers or callbacks,
+# so that a config (``plugins:``) and the command line (``fedweave run --plugin``) can name them ------------
+_LOADED: dict[str, str] = {}  # a file's absolute path, or a module name -> the module name it was imported as
+
+
+def load_plugin(spec: str) -> str:
+    """Import ``spec``: a path to a ``.py`` file, or a module name on the path. Imported once per process."""
+    is_file = spec.endswith(".py") or "/" in spec
+    # a file is known by its absolute path: `plug.py` in another working directory is another plug-in
+    key = str(Path(spec).expanduser().resolve()) if is_file else spec
+    if key in _LOADED:
+        return _LOADED[key]
+    if is_file:
+        path = Path(key)
+        if not path.is_file():
+            raise ConfigError(f"plugins: {spec!r} is not a file (give a .py file or an importable module name)")
+        name = f"fedweave_plugin_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ConfigError(f"plugins: {spec!r} cannot be imported as Python")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except (Exception, SystemExit) as e:  # a plug-in's sys.exit() must not end the run without a word
+            del sys.modules[name]
+            raise ConfigError(f"plugins: importing {spec!r} failed ({_one_line(e)})") from e
+    else:
+        name = spec
+        try:
+            importlib.import_module(spec)
+        except ModuleNotFoundError as e:
+            if e.name is None or not spec.startswith(e.name):  # a module the plug-in itself imports is missing
+                raise ConfigError(f"plugins: importing {spec!r} failed ({_one_line(e)})") from e
+            raise ConfigError(f"plugins: no module {spec!r} ({e}); give a .py file or an importable module") from e
+        except (Exception, SystemExit) as e:
+            raise ConfigError(f"plugins: importing {spec!r} failed ({_one_line(e)})") from e
+    _LOADED[key] = name
+    return name
+
+
+def _one_line(e: BaseException) -> str:
+    """What a plug-in raised while importing, on one line (``SystemExit: 3``)."""
+    text = " ".join(str(e).split())[:300]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def load_plugins(specs: list[str]) -> None:
+    """Import each plug-in (see :func:`load_plugin`); a failing one is a ConfigError naming it."""
+    for spec in specs:
+        load_plugin(spec)
+
+
+def recorded(spec: str) -> str:
+    """How a run's config records a plug-in: a ``.py`` file by its absolute path (a relative path means the
+    working directory of the command, which a resume from elsewhere would not share), a module by its name."""
+    if spec.endswith(".py") or "/" in spec:
+        return str(Path(spec).expanduser().resolve())
+    return spec
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -1,4 +1,5 @@
-"""Name -> object registries for algorithms, datasets, models and partitioners (DESIGN principle 8)."""
+"""Name -> object registries for algorithms, datasets, models, partitioners, samplers, losses, metrics,
+augmentations and what a local-training job carries (DESIGN principle 8)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,14 @@ SAMPLERS = Registry("sampler")
 #: The run callbacks a config's ``callbacks`` list names (:mod:`fedweave.callbacks` registers its own at their
 #: definition, as plug-ins do).
 CALLBACKS = Registry("callback")
+#: The losses a config's ``task.loss`` names (each a :class:`~fedweave.tasks.Loss` subclass, registered at its
+#: definition in :mod:`fedweave.tasks` or by a plug-in).
+LOSSES = Registry("loss")
+#: The metrics of ``task.metrics`` (each a :class:`~fedweave.tasks.Metric` subclass).
+METRICS = Registry("metric")
+#: The augmentations of ``local.augment`` (:mod:`fedweave.data.augment`): each builds one step ``(x, g) -> x`` of
+#: a training batch's augmentation from the keyword options of :func:`~fedweave.data.augment.build_augment`.
+AUGMENTATIONS = Registry("augmentation")
 # What a local-training job carries by name (fedweave.execution.job), registered at their definition: the
 # deployment rebuilds each from its name and the tensors and scalars that travel (no code travels).
 RULES = Registry("local rule")  # LocalRule classes
@@ -91,7 +100,9 @@ LR_SCHEDULES = Registry("learning-rate schedule")  # a local learning rate that 
 ALGORITHM_FAMILIES = ("centralized", "confederated", "decentralized", "hierarchical", "split")
 # the built-in modules whose decorators fill the registries, in the order they are imported
 BUILTIN_MODULES = (
+    "fedweave.tasks",
     "fedweave.data",
+    "fedweave.data.augment",
     "fedweave.models",
     "fedweave.topology.samplers",
     *(f"fedweave.algorithms.{family}" for family in ALGORITHM_FAMILIES),
@@ -101,7 +112,7 @@ _pending: list[str] | None = None  # the built-in modules not imported yet
 
 def _load_builtins(until: Callable[[], bool] | None = None) -> None:
     """Import the modules whose decorators fill the registries, in order, stopping once ``until()`` holds:
-    looking up ``fedavg`` imports the data layer, the models and the centralized family only, not the
+    looking up ``fedavg`` imports the tasks, the data layer, the models and the centralized family only, not the
     families that need networkx (0.3 s of start-up). Without ``until`` everything is imported."""
     global _pending
     if _pending is None:

@@ -23,12 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedweave.registry import Registry
-
-#: The losses a config's ``task.loss`` names (each a :class:`Loss` subclass).
-LOSSES = Registry("loss")
-#: The metrics of ``task.metrics`` (each a :class:`Metric` subclass).
-METRICS = Registry("metric")
+from fedweave.config import ConfigError, check_options, check_task
+from fedweave.registry import LOSSES, METRICS  # the registries this module fills (also found here, as before)
 
 
 # ---- losses ----------------------------------------------------------------------------------------
@@ -319,9 +315,6 @@ class Perplexity(Metric):
 
 
 # ---- the task ----------------------------------------------------------------------------------------
-DEFAULT_METRICS = {"class": ["accuracy"], "float": ["mse", "rmse", "mae", "r2"]}
-
-
 @dataclass
 class Task:
     """A run's loss, its evaluation metrics and the main one (with its direction)."""
@@ -372,8 +365,6 @@ def build_task(
     main: str | None = None,
 ) -> Task:
     """A :class:`Task` from a registered loss name (with options) or a Loss/callable, checked."""
-    from fedweave.config import ConfigError, check_options
-
     if isinstance(loss, str):
         cls = LOSSES.get(loss)
         opts = check_options(cls, options or {}, "task.loss_options")
@@ -384,21 +375,8 @@ def build_task(
         loss_obj = CallableLoss(loss)
     else:
         raise ConfigError(f"task.loss must be a registered loss name or a callable, got {loss!r}")
-    if metrics is None:
-        metrics = ["auc", "f1"] if loss_obj.name == "bce_with_logits" else DEFAULT_METRICS[loss_obj.targets]
-    for i, m in enumerate(metrics):
-        if m not in METRICS:
-            raise ConfigError(f"task.metrics[{i}] must be one of {', '.join(METRICS.names())}, got {m!r}")
-    directions = {"loss": "min"}
-    for m in metrics:
-        directions.update(METRICS.get(m).keys)
-    if main is None:
-        main = next(iter(METRICS.get(metrics[0]).keys)) if metrics else "loss"
-    if main not in directions:
-        raise ConfigError(
-            f"task.main must be one of {', '.join(sorted(directions))} (the task's metrics), got {main!r}"
-        )
-    return Task(loss_obj, list(metrics), main, directions[main])
+    metrics, main, direction = check_task(loss_obj, metrics, main)
+    return Task(loss_obj, metrics, main, direction)
 
 
 def evaluate_batches(

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from fedweave.registry import AUGMENTATIONS
+
 if TYPE_CHECKING:
     from fedweave.config import LocalConfig
 
@@ -152,7 +154,22 @@ def client_color_perturbation(
     return img if mean is None else normalize(img, mean, std)
 
 
-AUGMENTATIONS = ("crop", "flip", "normalize")
+# The steps of ``local.augment``, registered by name: each builds its step from build_augment's options.
+@AUGMENTATIONS.register("crop")
+def _crop(*, padding, crop_size, crop_p, fill, **_) -> Callable[[Tensor, torch.Generator], Tensor]:
+    return lambda x, g: random_crop(x, padding, g, size=crop_size, p=crop_p, fill=fill)
+
+
+@AUGMENTATIONS.register("flip")
+def _flip(*, flip_p, **_) -> Callable[[Tensor, torch.Generator], Tensor]:
+    return lambda x, g: horizontal_flip(x, g, p=flip_p)
+
+
+@AUGMENTATIONS.register("normalize")
+def _normalize(*, mean, std, **_) -> Callable[[Tensor, torch.Generator], Tensor]:
+    if mean is None or std is None:
+        raise ValueError("augmentation 'normalize' needs mean and std")
+    return lambda x, g: normalize(x, mean, std)
 
 
 def build_augment(
@@ -176,17 +193,10 @@ def build_augment(
         names = [names]
     unknown = [n for n in names if n not in AUGMENTATIONS]
     if unknown:
-        raise ValueError(f"unknown augmentation {unknown[0]!r}; allowed: {', '.join(AUGMENTATIONS)}")
-    if "normalize" in names and (mean is None or std is None):
-        raise ValueError("augmentation 'normalize' needs mean and std")
-    steps: list[Callable[[Tensor, torch.Generator], Tensor]] = []
-    for n in names:
-        if n == "crop":
-            steps.append(lambda x, g: random_crop(x, padding, g, size=crop_size, p=crop_p, fill=fill))
-        elif n == "flip":
-            steps.append(lambda x, g: horizontal_flip(x, g, p=flip_p))
-        else:
-            steps.append(lambda x, g: normalize(x, mean, std))
+        raise ValueError(f"unknown augmentation {unknown[0]!r}; allowed: {', '.join(AUGMENTATIONS.names())}")
+    options = {"padding": padding, "crop_size": crop_size, "crop_p": crop_p, "fill": fill, "flip_p": flip_p,
+               "mean": mean, "std": std}  # fmt: skip
+    steps = [AUGMENTATIONS.get(n)(**options) for n in names]
 
     def augment(x: Tensor, g: torch.Generator) -> Tensor:
         for step in steps:

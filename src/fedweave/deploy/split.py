@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -27,20 +27,31 @@ from fedweave.deploy.jobs import MalformedJobError, check_tensors, decode_lr, wh
 from fedweave.deploy.wire import from_records, on_device
 
 if TYPE_CHECKING:
+    from flwr.app import Message
+
     from fedweave.deploy.node_state import NodeState
-    from fedweave.deploy.server_app import FlowerClients
 
 EPOCH, TURN = "split_epoch", "split_turn"  # the ``kind`` of a split job's header
 KINDS = (EPOCH, TURN)
 
 
-def attach(clients: FlowerClients, algo: SplitAlgorithm) -> None:
+class RemoteClients(Protocol):
+    """What the split family needs of the server's clients: ``fedweave.deploy.server_app.FlowerClients``, which
+    attaches this module to a split algorithm (a protocol, so that the import goes one way)."""
+
+    def run_jobs(self, round: int, jobs: list[tuple[int, dict, dict[str, torch.Tensor]]]) -> list[Message]:
+        """Each ``(client, header, tensors)`` job as one message to its client's node; the replies in job
+        order."""
+        ...
+
+
+def attach(clients: RemoteClients, algo: SplitAlgorithm) -> None:
     """Run the clients' side of ``algo`` on their nodes."""
     algo.client_epochs = remote_epochs(clients, algo)
     algo.backprop_session = lambda r, chosen, xc_rows, lr: RemoteSession(clients, algo, r, chosen, xc_rows, lr)
 
 
-def remote_epochs(clients: FlowerClients, algo: SplitAlgorithm):
+def remote_epochs(clients: RemoteClients, algo: SplitAlgorithm):
     """``algo.client_epochs`` with every client's epoch on its node."""
 
     def client_epochs(r, chosen, xc, xa, lrs, start, period, seg) -> list[ClientEpoch]:
@@ -66,7 +77,7 @@ class RemoteSession:
 
     parallel = True
 
-    def __init__(self, clients: FlowerClients, algo: SplitAlgorithm, r: int, chosen: np.ndarray,
+    def __init__(self, clients: RemoteClients, algo: SplitAlgorithm, r: int, chosen: np.ndarray,
                  xc_rows: torch.Tensor, lr: float) -> None:  # fmt: skip
         self.fl, self.algo, self.r, self.lr = clients, algo, int(r), float(lr)
         self.chosen, self.xc_rows = [int(i) for i in chosen], xc_rows

@@ -25,6 +25,26 @@ class LEAFFormatError(ValueError):
     """A LEAF JSON file does not have the expected layout."""
 
 
+# LEAF's character set (``models/utils/language_utils.py``: ALL_LETTERS), 80 symbols: the text samples of LEAF's
+# JSON and the Shakespeare loader's plays (shakespeare.py imports it from here) are encoded with it.
+VOCAB = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
+_INDEX = np.full(256, -1, dtype=np.int16)  # code point (< 256) -> id
+for _i, _c in enumerate(VOCAB):
+    _INDEX[ord(_c)] = _i
+
+
+def encode(text: str, unknown: int | None = None) -> np.ndarray:
+    """Character ids (uint8). Characters outside :data:`VOCAB` raise, or map to ``unknown`` if given."""
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+    ids = np.where(codes < 256, _INDEX[np.minimum(codes, 255)], -1)
+    if (ids < 0).any():
+        if unknown is None:
+            bad = sorted({text[i] for i in np.flatnonzero(ids < 0)[:20]})
+            raise ValueError(f"characters outside the 80-symbol vocabulary: {bad}")
+        ids = np.where(ids < 0, unknown, ids)
+    return ids.astype(np.uint8)
+
+
 def read_split(directory: Path) -> dict[str, dict[str, list]]:
     """Merge ``user_data`` of every ``*.json`` in ``directory`` (sorted), users in first-seen order."""
     files = sorted(directory.glob("*.json"))
@@ -52,8 +72,6 @@ def _kind_of(sample: Any) -> str:
 
 def _encode_x(xs: list, kind: str, source: str) -> torch.Tensor:
     if kind == "text":
-        from fedweave.data.datasets.shakespeare import VOCAB, encode
-
         lengths = {len(s) for s in xs}
         if len(lengths) > 1:
             raise LEAFFormatError(f"{source}: text samples have different lengths {sorted(lengths)[:5]}")
@@ -70,8 +88,6 @@ def _encode_x(xs: list, kind: str, source: str) -> torch.Tensor:
 
 def _encode_y(ys: list, kind: str) -> np.ndarray:
     if kind == "text":
-        from fedweave.data.datasets.shakespeare import VOCAB, encode
-
         if any(not isinstance(c, str) or len(c) != 1 for c in ys):
             raise LEAFFormatError("text labels must be single characters")
         return encode("".join(ys), unknown=VOCAB.index(" ")).astype(np.int64)
@@ -122,8 +138,6 @@ def load_leaf_dir(
         parts[split] = (_encode_x(xs, kind, str(root / split)), _encode_y(ys, kind), np.concatenate(us))
     ymax = max(int(parts[s][1].max()) for s in parts)
     if num_classes is None:
-        from fedweave.data.datasets.shakespeare import VOCAB
-
         num_classes = len(VOCAB) if kind == "text" else 62 if kind == "image" and ymax < 62 else ymax + 1
     if ymax >= num_classes or min(int(parts[s][1].min()) for s in parts) < 0:
         raise LEAFFormatError(f"dataset {name!r}: labels outside 0..{num_classes - 1}")

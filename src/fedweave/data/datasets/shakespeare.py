@@ -23,14 +23,9 @@ import torch
 from fedweave.data import sources
 from fedweave.data.base import Dataset
 from fedweave.data.datasets._common import opt_choice, opt_float, opt_int, reject_unknown
+from fedweave.data.datasets.leaf import VOCAB, encode, load_leaf_dir
 from fedweave.registry import DATASETS
 from fedweave.seeding import Seeds
-
-# LEAF's character set (``models/utils/language_utils.py``: ALL_LETTERS), 80 symbols.
-VOCAB = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
-_INDEX = np.full(256, -1, dtype=np.int16)  # code point (< 256) -> id
-for _i, _c in enumerate(VOCAB):
-    _INDEX[ord(_c)] = _i
 
 _SPEAKER = re.compile(r"\*\*(.+?)\*\*")
 _SPACES = re.compile(r"\s+")
@@ -74,18 +69,6 @@ def clean(lines: Iterable[str]) -> str:
         text = text.replace(a, b)
     text = _OUTSIDE.sub("", text)
     return _SPACES.sub(" ", text).strip()
-
-
-def encode(text: str, unknown: int | None = None) -> np.ndarray:
-    """Character ids (uint8). Characters outside :data:`VOCAB` raise, or map to ``unknown`` if given."""
-    codes = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
-    ids = np.where(codes < 256, _INDEX[np.minimum(codes, 255)], -1)
-    if (ids < 0).any():
-        if unknown is None:
-            bad = sorted({text[i] for i in np.flatnonzero(ids < 0)[:20]})
-            raise ValueError(f"characters outside the 80-symbol vocabulary: {bad}")
-        ids = np.where(ids < 0, unknown, ids)
-    return ids.astype(np.uint8)
 
 
 def read_plays(files: dict[str, Path]) -> list[tuple[str, str, str]]:
@@ -180,8 +163,6 @@ def load_shakespeare(
     seed = opt_int(name, "seed", seed, minimum=0)
 
     if source == "leaf" or (source == "auto" and _is_leaf(root)):
-        from fedweave.data.datasets.leaf import load_leaf_dir
-
         if root is None:
             raise ValueError("dataset 'shakespeare': source='leaf' needs root=DIR holding train/*.json, test/*.json")
         return load_leaf_dir(Path(root), name=name, kind="text", max_users=max_users, seed=seed)
