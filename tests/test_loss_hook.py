@@ -1,0 +1,104 @@
+"""LocalRule.extra_loss: a term of the loss built from the representations of several models, on the loop
+and vmap backends (batched over the jobs), and the default hook that changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedweave.algorithms.centralized.base import per_job
+from fedweave.config import LocalConfig
+from fedweave.execution import LocalRule, LocalTrainer
+from fedweave.execution.dpsgd import DPSGD
+from fedweave.execution.job import PLAIN, plain_rule, reindexed, uses_loss
+from fedweave.models.linear import MLP
+from fedweave.seeding import Seeds
+from tests.conftest import make_toy
+
+
+class Contrast(LocalRule):
+    """A model-contrastive term: the representation under ``w`` pulled to the shared ``glob`` model's and
+    pushed from the job's row of ``prev``."""
+
+    def __init__(self, mu: float, glob: torch.Tensor, prev: torch.Tensor, tau: float = 0.5) -> None:
+        self.mu, self.glob, self.prev, self.tau = mu, glob, prev, tau
+
+    def extra_loss(self, w, x, y, jobs, model):
+        z = model.features(w, x)
+        with torch.no_grad():
+            z_glob = model.features(per_job(self.glob, jobs), x)
+            z_prev = model.features(per_job(self.prev, jobs), x)
+        sims = torch.stack([F.cosine_similarity(z, z_glob, dim=-1), F.cosine_similarity(z, z_prev, dim=-1)], -1)
+        return self.mu * (torch.logsumexp(sims / self.tau, -1) - sims[..., 0] / self.tau)
+
+
+class Identity(LocalRule):
+    """The plain direction, but not the plain rule: the loop backend's general path."""
+
+    def direction(self, w, grad, jobs):
+        return grad(w)
+
+
+CLIENTS = [0, 1, 2, 3, 5]  # sizes 7, 33, 1, 159, 320: partial batches and masked steps on the vmap backend
+
+
+def _trainer(parts, backend, **local):
+    ds = make_toy()
+    torch.manual_seed(0)
+    model = MLP(36, (8,), 4, True)
+    cfg = LocalConfig(**({"epochs": 1, "batch_size": 16, "lr": 0.1} | local))
+    cfg.validate()
+    return LocalTrainer(model, ds.train_x, ds.train_y, parts, cfg, Seeds(3), backend=backend)
+
+
+def _rule(tr, mu):
+    w0 = tr.layout.flatten()
+    prev = w0 + 0.05 * torch.randn(len(CLIENTS), w0.numel(), generator=torch.Generator().manual_seed(2))
+    return Contrast(mu, w0, prev)
+
+
+@pytest.mark.parametrize("local", [{}, {"momentum": 0.9, "weight_decay": 1e-3}], ids=["sgd", "momentum-wd"])
+def test_loop_and_vmap_agree_on_a_term_from_several_models(uneven_parts, local):
+    out = {}
+    for backend in ("loop", "vmap"):
+        tr = _trainer(uneven_parts, backend, **local)
+        out[backend] = tr.train(tr.layout.flatten(), CLIENTS, 1, rule=_rule(tr, 1.0))
+        plain = tr.train(tr.layout.flatten(), CLIENTS, 1)
+        assert (out[backend].params - plain.params).abs().max() > 1e-3  # the term moved the models
+        assert (out[backend].loss > plain.loss).all()  # ... and is part of the reported loss
+    torch.testing.assert_close(out["loop"].params, out["vmap"].params, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["loop"].loss, out["vmap"].loss, rtol=1e-5, atol=1e-6)
+
+
+def test_a_zero_term_changes_no_bit(uneven_parts):
+    """mu = 0 adds exact zeros: vmap equals plain SGD (its closed-form MLP gradients stay), and the loop
+    equals its general path (the fused kernel steps aside for a rule that uses the hook)."""
+    tr = _trainer(uneven_parts, "vmap")
+    w0 = tr.layout.flatten()
+    assert torch.equal(tr.train(w0, CLIENTS, 1, rule=_rule(tr, 0.0)).params, tr.train(w0, CLIENTS, 1).params)
+    tr = _trainer(uneven_parts, "loop")
+    hooked, general = tr.train(w0, CLIENTS, 1, rule=_rule(tr, 0.0)), tr.train(w0, CLIENTS, 1, rule=Identity())
+    assert torch.equal(hooked.params, general.params) and torch.equal(hooked.loss, general.loss)
+
+
+def test_the_default_hook_is_no_term():
+    assert PLAIN.extra_loss(torch.zeros(3), torch.zeros(2, 3), torch.zeros(2), 0, None) is None
+    assert plain_rule(PLAIN) and not uses_loss(PLAIN) and not uses_loss(Identity())
+    rule = Contrast(1.0, torch.zeros(3), torch.zeros(2, 3))
+    assert uses_loss(rule) and not plain_rule(rule) and uses_loss(reindexed(rule, [1]))
+
+
+def test_a_shard_of_a_call_indexes_the_rows_of_the_whole_call(uneven_parts):
+    tr = _trainer(uneven_parts, "vmap")
+    w0 = tr.layout.flatten()
+    rule = _rule(tr, 1.0)
+    whole = tr.train(w0, CLIENTS, 1, rule=rule).params
+    shard = tr.train(w0, CLIENTS[2:4], 1, rule=reindexed(rule, [2, 3])).params
+    torch.testing.assert_close(shard, whole[2:4], rtol=0, atol=1e-7)
+
+
+def test_dp_sgd_refuses_a_rule_with_a_loss_term(uneven_parts):
+    tr = _trainer(uneven_parts, "loop")
+    with pytest.raises(ValueError, match="adds a term to the loss"):
+        DPSGD(tr.layout, 1.0, 0.0, Seeds(0), 0, CLIENTS, base=_rule(tr, 1.0))
