@@ -9,14 +9,18 @@ import torch.nn.functional as F
 
 from fedweave.algorithms.centralized.base import per_job
 from fedweave.config import LocalConfig
+from fedweave.deploy.jobs import decode_job, encode_header, encode_job
 from fedweave.execution import LocalRule, LocalTrainer
 from fedweave.execution.dpsgd import DPSGD
-from fedweave.execution.job import PLAIN, plain_rule, reindexed, uses_loss
+from fedweave.execution.job import PLAIN, LocalCall, plain_rule, reindexed, uses_loss
+from fedweave.execution.pool import pool
 from fedweave.models.linear import MLP
+from fedweave.registry import RULES
 from fedweave.seeding import Seeds
 from tests.conftest import make_toy
 
 
+@RULES.register("_test_contrast")
 class Contrast(LocalRule):
     """A model-contrastive term: the representation under ``w`` pulled to the shared ``glob`` model's and
     pushed from the job's row of ``prev``."""
@@ -102,3 +106,25 @@ def test_dp_sgd_refuses_a_rule_with_a_loss_term(uneven_parts):
     tr = _trainer(uneven_parts, "loop")
     with pytest.raises(ValueError, match="adds a term to the loss"):
         DPSGD(tr.layout, 1.0, 0.0, Seeds(0), 0, CLIENTS, base=_rule(tr, 1.0))
+
+
+def test_the_pool_backend_equals_the_loop(uneven_parts):
+    loop = _trainer(uneven_parts, "loop")
+    pooled = _trainer(uneven_parts, "pool")
+    pool(pooled, workers=2)  # shards: each worker's rule reads the rows of the whole call
+    w0 = loop.layout.flatten()
+    a, b = (tr.train(w0, CLIENTS, 1, rule=_rule(tr, 1.0)) for tr in (loop, pooled))
+    assert torch.equal(a.params, b.params) and torch.equal(a.loss, b.loss)
+
+
+def test_a_deployed_job_computes_what_the_simulation_computes(uneven_parts):
+    """The rule travels by name with its job's row of ``prev``; the node computes the features itself."""
+    tr = _trainer(uneven_parts, "loop")
+    w0, rule = tr.layout.flatten(), _rule(tr, 1.0)
+    whole = tr.train(w0, CLIENTS, 1, rule=rule, lr=0.1)
+    call = LocalCall(w0.expand(len(CLIENTS), -1), CLIENTS, 1, rule, 0.1, None, ())
+    header, tensors = encode_job(call, 3, local=tr.local)
+    job = decode_job(encode_header(header), tensors).call
+    assert type(job.rule) is Contrast and job.rule.prev.shape == (1, w0.numel())
+    one = tr.train(job.starts, job.clients, job.round, rule=job.rule, lr=job.lr, steps=job.steps, key=job.key)
+    assert torch.equal(one.params[0], whole.params[3])
