@@ -14,6 +14,7 @@ from fedweave.execution import LocalRule, LocalTrainer
 from fedweave.execution.dpsgd import DPSGD
 from fedweave.execution.job import PLAIN, LocalCall, plain_rule, reindexed, uses_loss
 from fedweave.execution.pool import pool
+from fedweave.models.head import HeadedModel
 from fedweave.models.linear import MLP
 from fedweave.registry import RULES
 from fedweave.seeding import Seeds
@@ -44,13 +45,29 @@ class Identity(LocalRule):
         return grad(w)
 
 
+class SmallCNN(HeadedModel):
+    """A convolution body (the loop backend computes the task's loss on its channels-last twin) and a head."""
+
+    classifier = ("out",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.out = torch.nn.Conv2d(1, 3, 3), torch.nn.Linear(48, 4)
+
+    def features(self, x):
+        return torch.relu(self.conv(x)).flatten(1)
+
+    def head(self, z):
+        return self.out(z)
+
+
 CLIENTS = [0, 1, 2, 3, 5]  # sizes 7, 33, 1, 159, 320: partial batches and masked steps on the vmap backend
 
 
-def _trainer(parts, backend, **local):
+def _trainer(parts, backend, cnn=False, **local):
     ds = make_toy()
     torch.manual_seed(0)
-    model = MLP(36, (8,), 4, True)
+    model = SmallCNN() if cnn else MLP(36, (8,), 4, True)
     cfg = LocalConfig(**({"epochs": 1, "batch_size": 16, "lr": 0.1} | local))
     cfg.validate()
     return LocalTrainer(model, ds.train_x, ds.train_y, parts, cfg, Seeds(3), backend=backend)
@@ -62,11 +79,15 @@ def _rule(tr, mu):
     return Contrast(mu, w0, prev)
 
 
-@pytest.mark.parametrize("local", [{}, {"momentum": 0.9, "weight_decay": 1e-3}], ids=["sgd", "momentum-wd"])
-def test_loop_and_vmap_agree_on_a_term_from_several_models(uneven_parts, local):
+@pytest.mark.parametrize(
+    "cnn, local",
+    [(False, {}), (False, {"momentum": 0.9, "weight_decay": 1e-3}), (True, {"grad_clip": 1.0})],
+    ids=["mlp-sgd", "mlp-momentum-wd", "cnn-clip"],
+)
+def test_loop_and_vmap_agree_on_a_term_from_several_models(uneven_parts, cnn, local):
     out = {}
     for backend in ("loop", "vmap"):
-        tr = _trainer(uneven_parts, backend, **local)
+        tr = _trainer(uneven_parts, backend, cnn, **local)
         out[backend] = tr.train(tr.layout.flatten(), CLIENTS, 1, rule=_rule(tr, 1.0))
         plain = tr.train(tr.layout.flatten(), CLIENTS, 1)
         assert (out[backend].params - plain.params).abs().max() > 1e-3  # the term moved the models
