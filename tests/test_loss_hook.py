@@ -149,3 +149,15 @@ def test_a_deployed_job_computes_what_the_simulation_computes(uneven_parts):
     assert type(job.rule) is Contrast and job.rule.prev.shape == (1, w0.numel())
     one = tr.train(job.starts, job.clients, job.round, rule=job.rule, lr=job.lr, steps=job.steps, key=job.key)
     assert torch.equal(one.params[0], whole.params[3])
+
+
+def test_the_layout_computes_features_and_head_under_any_vector():
+    tr = _trainer([], "loop", cnn=True)
+    layout, x = tr.layout, make_toy().train_x[:5]
+    w = layout.flatten() * 0.5
+    model = layout.load_(w)
+    z = layout.features(w, x)
+    assert torch.equal(z, model.features(x)) and torch.equal(layout.head(w, z), model(x))
+    plain = LocalTrainer(torch.nn.Linear(36, 4), x.flatten(1), torch.zeros(5, dtype=torch.long), [], tr.local, Seeds(0))
+    with pytest.raises(TypeError, match="has no features"):
+        plain.layout.features(plain.layout.flatten(), x.flatten(1))
