@@ -82,8 +82,9 @@ class LocalRule:
         the run's model as functions of a flat vector: ``model.features(v, x)``, ``model.head(v, z)``,
         ``model.functional(v, x)``, for ``w`` and for any other vector the rule holds (the global model, the
         client's previous one). The trainer adds the gradient of the term's mean over the batch's real rows
-        to the task gradient that :meth:`direction`'s oracle returns (and its mean to the reported loss); a
-        rule that does not override this method keeps every backend's usual path, fast kernels included."""
+        to the task gradient that :meth:`direction`'s oracle returns (and its mean to the reported loss), the
+        term computed in the parameters' dtype (not autocast under ``precision: bf16-mixed``); a rule that
+        does not override this method keeps every backend's usual path, fast kernels included."""
         return None
 
 
