@@ -17,12 +17,15 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from fedweave.registry import RULES
+
+if TYPE_CHECKING:
+    from fedweave.execution.params import ParamLayout
 
 GradFn = Callable[[torch.Tensor], torch.Tensor]
 LR = float | Callable[[int], float]  # a constant, or the step size of local step t (t = 0, 1, ... per call)
@@ -67,15 +70,77 @@ class LocalRule:
         """Projection onto a constraint set after each step (identity by default)."""
         return w
 
+    def extra_loss(
+        self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, jobs: int | torch.Tensor, model: ParamLayout
+    ) -> torch.Tensor | None:
+        """A term added to each sample's task loss, ``(B,)``, at the parameters ``w`` ``(P,)`` of one job on
+        its step's batch ``x`` ``(B, ...)``, ``y`` ``(B,)``; None (the default): the loss is the task's alone.
+
+        Unlike :meth:`direction`, it is written for one job: the loop backend calls it per job (``jobs`` an
+        int), the vmap backend under ``torch.func.vmap`` over the jobs (``jobs`` a 0-d tensor), so
+        ``per_job(table, jobs)`` gives the job's row of a ``(K, P)`` table either way. ``model`` computes
+        the run's model as functions of a flat vector: ``model.features(v, x)``, ``model.head(v, z)``,
+        ``model.functional(v, x)``, for ``w`` and for any other vector the rule holds (the global model, the
+        client's previous one). The trainer adds the gradient of the term's mean over the batch's real rows
+        to the task gradient that :meth:`direction`'s oracle returns (and its mean to the reported loss), the
+        term computed in the parameters' dtype (not autocast under ``precision: bf16-mixed``); a rule that
+        does not override this method keeps every backend's usual path, fast kernels included."""
+        return None
+
 
 PLAIN = LocalRule()
 
 
 def plain_rule(rule: LocalRule) -> bool:
-    """True when ``rule`` changes neither the direction nor the projection (FedAvg's local step): it does
-    not depend on the job, and the loop backend may take its fast paths."""
+    """True when ``rule`` changes neither the direction, the projection nor the loss (FedAvg's local step):
+    it does not depend on the job, and the loop backend may take its fast paths."""
     cls = type(rule)
-    return cls.direction is LocalRule.direction and cls.project is LocalRule.project
+    return (
+        cls.direction is LocalRule.direction
+        and cls.project is LocalRule.project
+        and cls.extra_loss is LocalRule.extra_loss
+    )
+
+
+def uses_loss(rule: LocalRule) -> bool:
+    """True when ``rule`` (or the rule a :class:`Reindexed` wraps) adds a term to the loss
+    (:meth:`LocalRule.extra_loss`): the backends then add its gradient to the task gradient."""
+    while isinstance(rule, Reindexed):
+        rule = rule.rule
+    return type(rule).extra_loss is not LocalRule.extra_loss
+
+
+def _valid_mean(losses: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean over the real rows, as ``fedweave.tasks.Loss`` reduces the task loss."""
+    if mask is None:
+        return losses.mean()
+    m = mask.to(losses.dtype)
+    return (losses * m).sum() / m.sum().clamp_min(1.0)
+
+
+def extra_loss_grad(
+    rule: LocalRule,
+    model: ParamLayout,
+    w: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    mask: torch.Tensor | None,
+    jobs: int | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradient and value of the mean of ``rule``'s :meth:`~LocalRule.extra_loss` over a step's real rows:
+    for one job (``w`` ``(P,)``, ``jobs`` an int, ``mask`` None) or, batched with ``torch.func.vmap``, for
+    the jobs of rows ``w`` ``(K, P)`` with batches ``x`` ``(K, B, ...)``, masks ``(K, B)`` and positions
+    ``jobs`` ``(K,)``."""
+    while isinstance(rule, Reindexed):  # map the positions here, outside the vmap
+        jobs, rule = rule._map(jobs), rule.rule
+
+    def mean_term(v, xb, yb, mb, job):
+        return _valid_mean(rule.extra_loss(v, xb, yb, job, model), mb)
+
+    one = torch.func.grad_and_value(mean_term)
+    if w.dim() == 1:
+        return one(w, x, y, mask, jobs)
+    return torch.func.vmap(one)(w, x, y, mask, jobs)
 
 
 class Reindexed(LocalRule):
@@ -101,6 +166,9 @@ class Reindexed(LocalRule):
 
     def project(self, w: torch.Tensor, jobs: int | torch.Tensor) -> torch.Tensor:
         return self.rule.project(w, self._map(jobs))
+
+    def extra_loss(self, w, x, y, jobs, model):
+        return self.rule.extra_loss(w, x, y, self._map(jobs), model)
 
 
 def reindexed(rule: LocalRule, positions: Sequence[int] | torch.Tensor) -> LocalRule:

@@ -21,7 +21,16 @@ import torch
 
 from fedweave.execution.evaluate import channels_last_ok, to_channels_last
 from fedweave.execution.fused import fused_sgd
-from fedweave.execution.job import LocalCall, LocalResult, StepGradient, backend, plain_rule, summed_losses
+from fedweave.execution.job import (
+    LocalCall,
+    LocalResult,
+    StepGradient,
+    backend,
+    extra_loss_grad,
+    plain_rule,
+    summed_losses,
+    uses_loss,
+)
 from fedweave.execution.params import ParamLayout
 from fedweave.tasks import cross_entropy
 
@@ -124,6 +133,7 @@ def _train_with_rule(tr, comp, start, batches, c, round, key, lr, rule, job) -> 
     gens: dict = {}
     w, buf, step_losses = start.clone(), None, []
     zero = None
+    extra = uses_loss(rule)
     for t, b in enumerate(batches):
         x, y = tr.batch_data(b, c, round, key, gens)
         last = {}
@@ -131,9 +141,13 @@ def _train_with_rule(tr, comp, start, batches, c, round, key, lr, rule, job) -> 
         def grad_at(v: torch.Tensor, x=x, y=y, last=last) -> torch.Tensor:
             value.copy_(v)  # the compute model's parameters are views of `value`
             gradbuf.zero_()
-            loss = comp.loss_backward(tr.loss_fn, x, y)
-            last.setdefault("loss", loss.detach())
-            return gradbuf.clone()
+            loss = comp.loss_backward(tr.loss_fn, x, y).detach()
+            g = gradbuf.clone()
+            if extra:  # the rule's own term of the loss (LocalRule.extra_loss), added to the task's
+                g_extra, term = extra_loss_grad(rule, tr.layout, v, x, y, None, job)
+                g, loss = g + g_extra, loss + term
+            last.setdefault("loss", loss)
+            return g
 
         grad = StepGradient(grad_at, (x, y, None), lambda loss, last=last: last.setdefault("loss", loss))
         d = rule.direction(w, grad, job)

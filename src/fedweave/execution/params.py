@@ -60,7 +60,44 @@ class ParamLayout:
 
     def functional(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Forward pass of the template model with parameters ``w`` (works under ``torch.func.vmap``)."""
+        return self._call(self.model, w, x)
+
+    def features(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The representation ``model.features(x)`` under parameters ``w``, differentiable in ``w`` and under
+        ``torch.func.vmap`` (the model follows ``fedweave.models.head``'s convention)."""
+        return self._call(self._part("features"), w, x)
+
+    def head(self, w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The logits ``model.head(z)`` of representations ``z`` under parameters ``w`` (as :meth:`features`)."""
+        return self._call(self._part("head"), w, z)
+
+    def _part(self, method: str) -> nn.Module:
+        """A module whose forward is ``model.<method>``: ``functional_call`` calls a module's forward."""
+        parts = self.__dict__.setdefault("_parts", {})
+        if method not in parts:
+            if not callable(getattr(self.model, method, None)):
+                raise TypeError(
+                    f"{type(self.model).__name__} has no {method}(); a rule that reads representations needs a "
+                    "model with features() and head() (docs/models.md)"
+                )
+            parts[method] = _Method(self.model, method)
+        return parts[method]
+
+    def _call(self, module: nn.Module, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         params = self.unflatten(w)
         if self.buffers:
             params = {**params, **self.buffers}
-        return torch.func.functional_call(self.model, params, (x,))
+        if module is not self.model:  # a _Method holds the model as its submodule "model"
+            params = {f"model.{n}": t for n, t in params.items()}
+        return torch.func.functional_call(module, params, (x,))
+
+
+class _Method(nn.Module):
+    """``model.<method>`` as a module's forward (for ``torch.func.functional_call``)."""
+
+    def __init__(self, model: nn.Module, method: str) -> None:
+        super().__init__()
+        self.model, self.method = model, method
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self.model, self.method)(x)

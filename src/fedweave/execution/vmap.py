@@ -20,7 +20,7 @@ import torch
 from torch.func import grad_and_value, vmap
 
 from fedweave.execution.batched import batched_grad
-from fedweave.execution.job import LocalCall, LocalResult, StepGradient, backend
+from fedweave.execution.job import LocalCall, LocalResult, StepGradient, backend, extra_loss_grad, uses_loss
 from fedweave.tasks import cross_entropy
 
 if TYPE_CHECKING:
@@ -98,6 +98,7 @@ def _run_chunk(tr: LocalTrainer, call: LocalCall) -> LocalResult:
     # MLPs with the default loss: closed-form backpropagation with bmm (fedweave.execution.batched)
     fast = batched_grad(layout) if tr.loss_fn is cross_entropy and pl.autocast_dtype is None else None
     batched = fast or vmap(grad_and_value(loss_one))
+    extra = uses_loss(rule)  # the rule adds a term to the loss: its gradient, batched, joins the task's
     gens: dict = {}
     w = starts.clone()
     buf = None
@@ -108,8 +109,11 @@ def _run_chunk(tr: LocalTrainer, call: LocalCall) -> LocalResult:
         X, Y, M = _batch(tr, index[t, active], mask[t, active], clients, active_cpu, round, key, gens)
         seen: list[torch.Tensor] = []
 
-        def grad_at(v, X=X, Y=Y, M=M, seen=seen):
+        def grad_at(v, X=X, Y=Y, M=M, seen=seen, J=jobs[active] if extra else None):
             g, loss = batched(v, X, Y, M)
+            if extra:
+                g_extra, term = extra_loss_grad(rule, layout, v, X, Y, M, J)
+                g, loss = g + g_extra, loss + term
             seen.append(loss)
             return g
 

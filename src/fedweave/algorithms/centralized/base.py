@@ -90,8 +90,14 @@ def regularized(grad: GradFn, weight_decay: float, grad_clip: float | None) -> G
 
 
 def per_job(t: torch.Tensor, jobs: int | torch.Tensor) -> torch.Tensor:
-    """Inside a ``LocalRule``: a tensor shared by all jobs ``(P,)`` as is, a per-job table ``(K, P)`` at ``jobs``."""
-    return t if t.dim() == 1 else t[jobs]
+    """Inside a ``LocalRule``: a tensor shared by all jobs ``(P,)`` as is, a per-job table ``(K, P)`` at ``jobs``
+    (an int, a tensor of positions, or one job's 0-d position under ``torch.func.vmap``, as
+    ``LocalRule.extra_loss`` gets it)."""
+    if t.dim() == 1:
+        return t
+    if isinstance(jobs, torch.Tensor) and jobs.dim() == 0:  # under vmap `t[jobs]` would read the value
+        return t.index_select(0, jobs.reshape(1)).squeeze(0)
+    return t[jobs]
 
 
 def local_consistency(params: torch.Tensor) -> float:
