@@ -173,8 +173,8 @@ class ClientHistory:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors (a checkpoint is read with ``weights_only=True``): the losses and rounds recorded so far."""
         return {
-            "last_loss": torch.from_numpy(self.last_loss.copy()),
-            "last_round": torch.from_numpy(self.last_round.copy()),
+            "last_loss": torch.tensor(self.last_loss, device="cpu"),  # host bookkeeping; checkpoints hold CPU tensors
+            "last_round": torch.tensor(self.last_round, device="cpu"),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
