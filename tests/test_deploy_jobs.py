@@ -104,12 +104,11 @@ def test_unknown_rule_is_refused_with_the_known_names():
         trip(Homemade(), 0)
     header, tensors = encode_job(LocalCall(VEC[None], [0], 0, PLAIN, 0.1, 1, ()), 0, local=LocalConfig(steps=1))
     header["rule"] = "os.system"
-    with pytest.raises(
-        UnknownRuleError,
-        match="unknown local rule 'os.system'; this node knows: (_test_scaled, )?fedcm, feddyn, fedmim, fedprox, "
-        "fedsam, lower_level, plain, scaffold",
-    ):
+    with pytest.raises(UnknownRuleError, match="unknown local rule 'os.system'; this node knows: ") as e:
         decode_job(encode_header(header), tensors)
+    known = str(e.value).split("this node knows: ")[1].split(", ")
+    builtin = ["fedcm", "feddyn", "fedmim", "fedprox", "fedsam", "lower_level", "plain", "scaffold"]
+    assert [n for n in known if not n.startswith("_")] == builtin  # the tests' own rules start with _
 
 
 def test_malformed_jobs_are_refused():
