@@ -10,7 +10,7 @@ DOCS_STAMP := $(VENV)/.installed-docs
 TEST_EXTRAS := dev,ray,flower,tensorboard,mlflow,wandb,docs
 # Exact versions of every dependency for our own runs (the package itself declares ranges).
 CONSTRAINTS := constraints.txt
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 
 .PHONY: demo test bench lint docs venv test-venv lock clean
 
@@ -42,7 +42,7 @@ demo: $(STAMP)
 	$(BIN)/fedweave data fetch mnist
 	$(BIN)/fedweave run configs/demo.yaml --overwrite
 
-# Two pytest workers (pytest-xdist); FEDWEAVE_TEST_EXTRAS makes a missing optional package a failure, not a skip.
+# Three pytest workers (pytest-xdist: the real-process Flower tests mostly wait, so a third keeps both cores busy); FEDWEAVE_TEST_EXTRAS makes a missing optional package a failure, not a skip.
 test: $(TEST_STAMP)
 	FEDWEAVE_TEST_EXTRAS=$(TEST_EXTRAS) $(BIN)/python -m pytest -n $(TEST_WORKERS)
 
