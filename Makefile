@@ -11,6 +11,9 @@ TEST_EXTRAS := dev,ray,flower,tensorboard,mlflow,wandb,docs
 # Exact versions of every dependency for our own runs (the package itself declares ranges).
 CONSTRAINTS := constraints.txt
 TEST_WORKERS ?= 3
+# The tests marked slow (real Flower processes, a wheel installed into a fresh environment, killed sweeps, ...)
+# run under CI (CI=true) or with `make test SLOW=1`; a plain `make test` leaves them out.
+SLOW_TESTS := $(if $(CI)$(SLOW),,-m "not slow")
 
 .PHONY: demo test bench lint docs venv test-venv lock clean
 
@@ -44,7 +47,7 @@ demo: $(STAMP)
 
 # Three pytest workers (pytest-xdist: the real-process Flower tests mostly wait, so a third keeps both cores busy); FEDWEAVE_TEST_EXTRAS makes a missing optional package a failure, not a skip.
 test: $(TEST_STAMP)
-	FEDWEAVE_TEST_EXTRAS=$(TEST_EXTRAS) $(BIN)/python -m pytest -n $(TEST_WORKERS)
+	FEDWEAVE_TEST_EXTRAS=$(TEST_EXTRAS) $(BIN)/python -m pytest -n $(TEST_WORKERS) $(SLOW_TESTS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py
