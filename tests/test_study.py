@@ -28,7 +28,8 @@ def test_claims_are_rules_computing_their_verdicts_from_the_table():
 
 @pytest.mark.parametrize("name", ["fedmim", "zo-hfl", "afind", "cse-fsl", "cfl-saga"])
 def test_every_reproduction_has_the_common_front_end(name):
-    from fedweave.cli import Parser, positive_int
+    from fedweave.cli import Parser
+    from fedweave.config import positive_int
     from fedweave.reproduce import study
 
     parser = Parser(prog=f"fedweave reproduce {name}")

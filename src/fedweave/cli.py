@@ -198,6 +198,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
     """The one front end of every reproduction: the study's options on the CLI's parser, then its pipeline."""
+    from fedweave.config import positive_int
     from fedweave.reproduce import study
 
     s = study(args.name)
@@ -243,17 +244,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"fedweave: error: {' '.join(message.split())} (see '{self.prog} --help')\n")
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number >= 1 (seeds, workers, rounds)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
-    return value
-
-
 def positive_seconds(text: str) -> float:
     """An argparse type: a number of seconds > 0."""
     try:
@@ -267,6 +257,7 @@ def positive_seconds(text: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     from fedweave import __version__
+    from fedweave.config import positive_int
 
     p = Parser(prog="fedweave", description="Federated learning simulator.")
     p.add_argument("--version", action="version", version=f"fedweave {__version__}")

@@ -737,6 +737,19 @@ def recorded(spec: str) -> str:
     return spec
 
 
+def positive_int(text: str) -> int:
+    """An argparse type for a count given on a command line (seeds, workers, rounds): a whole number >= 1."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split one ``key=value`` override (``"local.lr=0.1"``) into its dotted key path and its value, read
     as YAML (``1e-3`` a number, ``[1, 2]`` a list, an empty value None). A malformed one raises a

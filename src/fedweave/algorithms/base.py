@@ -343,6 +343,13 @@ class RunContext:
         return self.build_model()
 
 
+def aggregation_weights(sizes: torch.Tensor, clients: np.ndarray, weighting: str) -> torch.Tensor:
+    """The round's aggregation weights over ``clients``, summing to one: proportional to their numbers of
+    samples (``weighting: samples``) or equal (``uniform``)."""
+    w = sizes[clients] if weighting == "samples" else torch.ones(len(clients), dtype=sizes.dtype, device=sizes.device)
+    return w / w.sum()
+
+
 class _AlgorithmMeta(ABCMeta):
     """Checks an algorithm's state record: its names when the class is defined, and once an instance is
     built (every ``__init__`` of its bases has run), that each names an attribute the instance set."""

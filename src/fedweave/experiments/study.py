@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from fedweave.config import ConfigError
+from fedweave.config import ConfigError, positive_int
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished, parallel_map, run_points
 from fedweave.experiments.tables import markdown_table
@@ -121,17 +121,6 @@ class Plan:
     skipped: list[Point] = field(default_factory=list)  # the points not run: the time budget ran out (idem)
 
 
-def _count(text: str) -> int:
-    """A whole number >= 1, for Python callers of ``Study.main`` (the CLI uses its own type, same message)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
-    return value
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse for Python callers of ``Study.main``: a usage error is a ``ConfigError`` (one line)."""
 
@@ -174,7 +163,7 @@ class Study:
         """Parse ``argv`` (the study's options) and run the study: for Python callers; ``fedweave reproduce``
         parses with the CLI's parser and calls ``execute``."""
         parser = _Parser(prog=f"fedweave reproduce {self.name}", description=self.description)
-        self.add_arguments(parser, _count)
+        self.add_arguments(parser, positive_int)
         argv = list(argv or [])
         return self.execute(parser.parse_args(argv), argv)
 

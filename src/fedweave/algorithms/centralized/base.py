@@ -22,7 +22,7 @@ from typing import ClassVar, Literal
 import numpy as np
 import torch
 
-from fedweave.algorithms.base import Algorithm, RunContext, make_trainer
+from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights, make_trainer
 from fedweave.config import ConfigError, Section
 from fedweave.execution import (
     LocalResult,
@@ -252,13 +252,7 @@ class StarAlgorithm(Algorithm):
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:
         """Aggregation weights of the round's clients, summing to one."""
-        sizes = self.sizes
-        w = (
-            sizes[clients]
-            if self.hp.weighting == "samples"
-            else torch.ones(len(clients), dtype=sizes.dtype, device=sizes.device)
-        )
-        return w / w.sum()
+        return aggregation_weights(self.sizes, clients, self.hp.weighting)
 
     def send(self, r: int, clients: np.ndarray, kind: str, *per_client: torch.Tensor) -> None:
         """Server -> each client of ``clients``: the given tensors (their size is per client)."""

@@ -42,7 +42,7 @@ from torch import nn
 
 from fedweave.accounting import split as accounting
 from fedweave.accounting.split import upload_batches
-from fedweave.algorithms.base import Algorithm, RunContext
+from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights
 from fedweave.config import ConfigError
 from fedweave.data.augment import augment_for
 from fedweave.execution import LocalTrainer, ParamLayout, evaluate_task
@@ -325,13 +325,7 @@ class SplitAlgorithm(Algorithm):
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:
         """Aggregation weights p_i of eq. (14), summing to one."""
-        sizes = self.sizes
-        w = (
-            sizes[clients]
-            if self.hp.weighting == "samples"
-            else torch.ones(len(clients), dtype=sizes.dtype, device=sizes.device)
-        )
-        return w / w.sum()
+        return aggregation_weights(self.sizes, clients, self.hp.weighting)
 
     def lrs(self, r: int) -> tuple[float, float, float]:
         """(client, auxiliary, server) learning rates η_t of round r."""
