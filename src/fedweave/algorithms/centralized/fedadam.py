@@ -12,7 +12,9 @@ The second moment starts at ``v_init`` (default 0). Reddi et al. Alg. 2 initiali
 FedYogi / FedAdagrad strategies (``flwr.server.strategy``: ``v_t`` starts as zeros) and of FedMIM's
 baselines; with v = 0 the first step is ``eta_g (1-b1) Delta / (sqrt(1-b2) |Delta| + tau)``, larger than
 under the paper's rule when |Delta| is small.
-Registered as ``fedadam`` (server_opt adam) and ``fedopt`` (the same class).
+Registered as ``fedadam`` (server_opt adam) and ``fedopt`` (the same class), and each server rule under its
+own paper's name with that rule fixed: ``fedyogi`` and ``fedadagrad`` (Reddi et al. 2021) and ``fedavgm``
+(Hsu, Qi, Brown 2019: server momentum 0.9 and server step 1, so that ``beta1: 0`` is FedAvg).
 """
 
 from __future__ import annotations
@@ -79,3 +81,38 @@ class FedOpt(StarAlgorithm):
 
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
         self.x = self.x + self.server_step(mean)  # Delta = mean_S (y_i - x_t), the pseudo-gradient
+
+
+@dataclass
+class FedYogiHparams(FedOptHparams):
+    server_opt: Literal["yogi"] = "yogi"
+
+
+@dataclass
+class FedAdagradHparams(FedOptHparams):
+    server_opt: Literal["adagrad"] = "adagrad"
+
+
+@dataclass
+class FedAvgMHparams(FedOptHparams):
+    server_lr: float = 1.0  # Hsu et al.: the server applies the averaged update with step 1 ...
+    server_opt: Literal["momentum"] = "momentum"
+    beta1: float = 0.9  # ... and momentum 0.9 (beta1 = 0: FedAvg)
+
+
+@ALGORITHMS.register("fedyogi")
+class FedYogi(FedOpt):
+    name = "fedyogi"
+    Hparams = FedYogiHparams
+
+
+@ALGORITHMS.register("fedadagrad")
+class FedAdagrad(FedOpt):
+    name = "fedadagrad"
+    Hparams = FedAdagradHparams
+
+
+@ALGORITHMS.register("fedavgm")
+class FedAvgM(FedOpt):
+    name = "fedavgm"
+    Hparams = FedAvgMHparams
