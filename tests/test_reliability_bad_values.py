@@ -17,21 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from test_reliability_bad_input import BASE as SHARED_BASE
 
 from fedweave.cli import main as cli_main
 from fedweave.config import load
 
-BASE = {
-    "name": "bad",
-    "seed": 1,
-    "rounds": 2,
-    "dataset": {"name": "_toy"},
-    "partition": {"name": "iid", "num_clients": 4},
-    "model": {"name": "logistic"},
-    "algorithm": {"name": "fedavg", "clients_per_round": 2},
-    "local": {"batch_size": 32, "lr": 0.1},
-    "output": {"progress": False, "plots": False},
-}
+BASE = SHARED_BASE  # the reliability tests' tiny FedAvg run
 SRC = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's source, first on the children's path
 
 

@@ -16,6 +16,7 @@ import tomllib
 import pytest
 import torch
 import yaml
+from test_reliability_bad_input import BASE as SHARED_BASE
 
 import fedweave
 import fedweave.algorithms  # noqa: F401  (registers the algorithms)
@@ -25,17 +26,7 @@ from fedweave.config import load
 from fedweave.errors import RunInterrupted
 from fedweave.results import locked_run_dir
 
-BASE = {
-    "name": "rundir",
-    "seed": 1,
-    "rounds": 2,
-    "dataset": {"name": "_toy"},
-    "partition": {"name": "iid", "num_clients": 4},
-    "model": {"name": "logistic"},
-    "algorithm": {"name": "fedavg", "clients_per_round": 2},
-    "local": {"batch_size": 32, "lr": 0.1},
-    "output": {"progress": False, "plots": False},
-}
+BASE = {**SHARED_BASE, "name": "rundir"}  # the reliability tests' tiny FedAvg run
 CKPT = {**BASE, "output": {**BASE["output"], "checkpoint_every": 1}}
 
 
