@@ -169,3 +169,14 @@ def test_records_are_kept_with_their_arrays_and_read_back(tmp_path):
     (tmp_path / "c.npz").unlink()
     assert load_records(tmp_path / "raw.json", tmp_path / "c.npz", "_c", "xy") == [{"a": 1}, {"a": 2}]
     assert not_run([]) == ""
+
+
+@pytest.mark.parametrize("bad", ["-3", "nan", "inf", "soon"])
+def test_a_negative_or_non_finite_time_budget_is_one_line_and_status_2(bad, capsys):
+    from fedweave.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["reproduce", "fedmim", "--budget-minutes", bad, "--out", "unused"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--budget-minutes" in err[0] and "minutes >= 0" in err[0]

@@ -750,6 +750,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_minutes(text: str) -> float:
+    """An argparse type for a time budget in minutes: a finite number >= 0 (0: start no run)."""
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of minutes >= 0")
+    return value
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split one ``key=value`` override (``"local.lr=0.1"``) into its dotted key path and its value, read
     as YAML (``1e-3`` a number, ``[1, 2]`` a list, an empty value None). A malformed one raises a

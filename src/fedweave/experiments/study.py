@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from fedweave.config import ConfigError, positive_int
+from fedweave.config import ConfigError, positive_int, positive_minutes
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished, parallel_map, run_points
 from fedweave.experiments.tables import markdown_table
@@ -154,7 +154,7 @@ class Study:
         parser.add_argument("--workers", type=count, default=min(2, os.cpu_count() or 1), help="parallel runs")
         parser.add_argument("--out", default=f"runs/reproduce-{self.name}", help="output directory")
         parser.add_argument(
-            "--budget-minutes", type=float, default=None, help="start no new run after this many minutes"
+            "--budget-minutes", type=positive_minutes, default=None, help="start no new run after this many minutes"
         )
         for o in self.options:
             parser.add_argument(*o.flags, **({"type": count} if o.count else {}), **o.kwargs)
