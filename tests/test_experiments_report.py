@@ -262,6 +262,10 @@ def test_the_points_read_from_sweep_json_are_the_sweeps_own(toy_config, tmp_path
     later = (res.out_dir / "sweep.csv").stat().st_mtime + 60
     os.utime(res.out_dir / "sweep.json", (later, later))  # as when the sweep starts again
     assert _current_points(res.out_dir, spec) == finished
+    assert spec["base_seed"] == toy_config.get("seed", 0)  # sweep.json records the seed the runs start from
+    # a sweep.json written before it listed its runs: the points are expanded from the grid, as the runs
+    old = {k: v for k, v in spec.items() if k not in ("runs", "base_seed")}
+    assert _current_points(res.out_dir, old) == finished
 
 
 def test_report_counts_an_interrupted_run_as_not_finished(toy_config, tmp_path):

@@ -136,13 +136,15 @@ def _current_points(d: Path, spec: dict[str, Any]) -> list[tuple[str, str]]:
     """``(run directory name, point label)`` of every run of the sweep's current grid, in the sweep's order.
 
     A finished sweep wrote sweep.csv after sweep.json: its ``run_dir`` column is the exact list. A running or
-    killed one has not (a sweep.csv there is an earlier sweep's): the points are expanded from sweep.json as
-    ``expand`` does, and the first seed is the lowest seed found among the run directories of those points
-    (sweep.json does not record the base config's seed)."""
+    killed one has not (a sweep.csv there is an earlier sweep's): its sweep.json lists the runs (``runs``).
+    A sweep.json written before it did is expanded as ``expand`` does, and the first seed is the lowest seed
+    found among the run directories of those points (such a sweep.json holds no base seed)."""
     table, record = d / "sweep.csv", d / "sweep.json"
     if table.is_file() and table.stat().st_mtime_ns >= record.stat().st_mtime_ns:
         with open(table, newline="") as f:
             return [(r["run_dir"].removeprefix("runs/"), r["point"]) for r in csv.DictReader(f)]
+    if isinstance(spec.get("runs"), list):  # written by this release: the runs themselves
+        return [(str(r["run_dir"]).removeprefix("runs/"), str(r["point"])) for r in spec["runs"]]
     grid, zipped = spec.get("grid") or {}, spec.get("zipped") or {}
     zip_rows = [tuple(zip(zipped, vs)) for vs in zip(*zipped.values())] or [()]
     values = [g + z for g in (tuple(zip(grid, vs)) for vs in itertools.product(*grid.values())) for z in zip_rows]

@@ -63,6 +63,10 @@ def sweep(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     spec = {"grid": grid or {}, "zipped": zipped or {}, "seeds": seeds, "metric": metric, "target": target}
+    # the base config's seed and every run's directory and point, so that a report of a running or killed
+    # sweep reads its runs from here rather than expanding the grid again
+    spec["base_seed"] = points[0].seed
+    spec["runs"] = [{"run_dir": f"runs/{p.slug}", "point": p.label} for p in points]
     atomic_write(out / "sweep.json", json.dumps(spec, indent=2, default=str))
     results = run_points(points, out / "runs", workers=workers, progress=progress, ray_address=ray_address)
 
