@@ -25,6 +25,7 @@ from fedweave.cli import main as cli_main
 from fedweave.config import load
 from fedweave.errors import RunInterrupted
 from fedweave.results import locked_run_dir
+from fedweave.runner import resume
 
 BASE = {**SHARED_BASE, "name": "rundir"}  # the reliability tests' tiny FedAvg run
 CKPT = {**BASE, "output": {**BASE["output"], "checkpoint_every": 1}}
@@ -186,16 +187,36 @@ def test_a_planted_probe_link_is_not_followed(tmp_path):
 
 
 def test_a_users_temporary_files_in_the_run_directory_are_kept(tmp_path):
+    # a run stopped by Ctrl-C after round 1; the user then leaves files of theirs in its directory and resumes
+    class CtrlC(fedweave.callbacks.Callback):
+        def on_round_end(self, run, r):
+            if r == 1 and not run.resumed:
+                os.kill(os.getpid(), signal.SIGINT)
+
     run = tmp_path / "r"
-    run.mkdir()
+    with pytest.raises(RunInterrupted):
+        fedweave.run(load(CKPT), run_dir=run, callbacks=[CtrlC()])
     mine = {".notes.tmp": b"draft", ".config.yaml.tmp": b"mine too", ".report.md.ab12cd34.tmp": b"and this"}
     for name, data in mine.items():
         (run / name).write_bytes(data)
     stale = run / ".metrics.csv.ab12cd34.tmp"  # fedweave's own pattern: left by a kill during a write
     stale.write_bytes(b"half")
-    fedweave.run(BASE, run_dir=run)
+    assert resume(run).summary["status"] == "completed"
     assert {name: (run / name).read_bytes() for name in mine} == mine
     assert not stale.exists()
+
+
+def test_a_plain_run_into_a_users_folder_is_refused_and_writes_nothing(tmp_path, capsys):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    (folder / "partition.png").write_bytes(b"my own figure")  # a name a run writes: it would be replaced
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(BASE))
+    assert cli_main(["run", str(tmp_path / "c.yaml"), "--out", str(folder), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(folder) in err[0] and "notes.txt" in err[0] and "not a fedweave run's" in err[0]
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt", "partition.png"]
+    assert (folder / "partition.png").read_bytes() == b"my own figure"
 
 
 # ---- 4. the round named after a signal is the checkpoint on disk -------------------------------------------

@@ -112,9 +112,9 @@ def _overwrite_refusal(path: Path) -> str | None:
 
 def check_run_dir(path: Path, *, resume: bool = False, overwrite: bool = False) -> None:
     """Refuse, before anything is written, a run directory that cannot take this run: raise a
-    :class:`RunDirError` naming the path when it (or a parent) is a file, or when it already holds a run
-    (unless ``resume``, which continues that run), or, with ``overwrite``, when it holds anything but a
-    run's files (a user's files are never replaced)."""
+    :class:`RunDirError` naming the path when it (or a parent) is a file, when it holds anything but a run's
+    files (a user's files are never written among or replaced), or when it already holds a run (unless
+    ``resume``, which continues that run, or ``overwrite``, which replaces it)."""
     for parent in [path, *path.parents]:
         if parent.exists() and not parent.is_dir():
             what = "the run directory" if parent == path else f"a parent of the run directory {str(path)!r}"
@@ -132,6 +132,13 @@ def check_run_dir(path: Path, *, resume: bool = False, overwrite: bool = False) 
         raise RunDirError(
             f"{str(path)!r} already holds {what}; give another --out / output.dir, resume it with "
             f"'fedweave run --resume {path}', or replace it with --overwrite"
+        )
+    foreign = foreign_entries(path)
+    if foreign:  # a user's folder: the run's files would land among (and over same-named) files of theirs
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise RunDirError(
+            f"{str(path)!r} holds files that are not a fedweave run's ({shown}); a run writes into a new or empty "
+            "directory or its own run directory: give another --out / output.dir"
         )
 
 
