@@ -294,6 +294,9 @@ def test_fedweave_run_and_resume(tmp_path):
     row = full.metrics[-1]
     assert row["iterations"] == 30 and row["uploads"] == full.algorithm.uploads and "opt_gap" in row
     assert row["bytes_up"] == row["uploads"] * 20 * 8
+    # the default precision is float32, but the family computes in float64: summary.json says both
+    assert full.summary["placement"]["precision"] == "float32"
+    assert full.summary["placement"]["computes_in"] == "float64"
     part = fedweave.run(load({**base, "rounds": 3}), run_dir=tmp_path / "b")  # checkpoint after round 3
     (tmp_path / "b" / "config.yaml").write_text(yaml.safe_dump(load(base).to_dict()))  # continue to 6 rounds
     resumed = resume(tmp_path / "b")

@@ -79,6 +79,9 @@ class Placement:
     precision: str = "float32"  # as configured: float32, float64 or bf16-mixed
     name: str = "cpu"
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    # set by a family that computes in another dtype than the configured one (the confederated family's
+    # float64 problems), so that summary.json says what the run computed in
+    computes_in: str | None = None
     # tensors already placed: id -> (weak reference to the source, its placed copy)
     _placed: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict, repr=False)
 
@@ -100,7 +103,12 @@ class Placement:
         return _NULL if dt is None else torch.autocast(self.device.type, dtype=dt)
 
     def summary(self) -> dict[str, str]:
-        return {"device": str(self.device), "device_name": self.name, "precision": self.precision}
+        """The placement for summary.json: device, its name, the configured precision and, where a family
+        computes in another dtype, ``computes_in``."""
+        out = {"device": str(self.device), "device_name": self.name, "precision": self.precision}
+        if self.computes_in is not None and self.computes_in != self.precision:
+            out["computes_in"] = self.computes_in
+        return out
 
     def check_float64(self, what: str) -> None:
         """``what`` computes in float64, which MPS lacks: a configuration error there."""

@@ -131,6 +131,7 @@ class ConfederatedAlgorithm(Algorithm):
         super().__init__(ctx, hp)
         self.net = Confederation(hp, self.seeds.numpy("server_graph"), self.ledger)
         ctx.placement.check_float64("the confederated family (its problems are float64 by design)")
+        ctx.placement.computes_in = "float64"  # whatever the precision: summary.json says so
         if ctx.placement.precision == "bf16-mixed":  # its gradients are closed-form float64: nothing autocasts
             raise ConfigError(
                 f"precision: bf16-mixed does not apply to {self.name}: the confederated family computes in float64 "
