@@ -233,9 +233,29 @@ class RunContext:
 
     @cached_property
     def partition(self) -> list[np.ndarray]:
-        """Training-set indices of each client."""
+        """Training-set indices of each client (without its held-out samples under ``eval.holdout``)."""
+        return self._split[0]
+
+    @cached_property
+    def _split(self) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+        """The clients' training indices and, under ``eval.holdout``, their held-out test indices (into the
+        training set; the ``holdout`` stream, drawn after the partition)."""
         ds = self.dataset
-        return self.partition_of(ds.train_y.numpy(), users=ds.train_users)
+        parts = self.partition_of(ds.train_y.numpy(), users=ds.train_users)
+        if not self.config.eval.holdout:
+            return parts, None
+        from fedweave.data.partition import holdout_split
+
+        return holdout_split(parts, self.config.eval.holdout, self.seeds.numpy("holdout"))
+
+    def personal_test_set(self, per_client: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list[np.ndarray]]:
+        """Each client's own test set as ``(x, y, parts)``: under ``eval.holdout`` its held-out samples (rows
+        of the training set), else :meth:`personal_test_parts` (rows of the test split)."""
+        ds = self.dataset
+        held = self._split[1]
+        if held is not None:
+            return ds.train_x, ds.train_y, held
+        return ds.test_x, ds.test_y, self.personal_test_parts(per_client)
 
     def label_view(self, y: np.ndarray, bins: int = TARGET_BINS) -> np.ndarray:
         """Integer labels of targets: class labels as they are; float targets as the index of their first

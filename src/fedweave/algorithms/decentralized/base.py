@@ -289,13 +289,14 @@ class GraphAlgorithm(Algorithm):
         models = self.eval_models(r)
         if self.hp.finetune_epochs:
             models = self.ft_trainer.train(models, range(self.num_clients), r, key=(FINETUNE_KEY,)).params
-        ds, ev, task = self.ctx.dataset, self.config.eval, self.ctx.task
+        ev, task = self.config.eval, self.ctx.task
+        tx, ty, parts = self.ctx.personal_test_set(self.hp.test_per_client)  # eval.holdout: the clients' own
         if not task.is_default:  # any task: each value's mean over clients, and the worst client's main metric
-            per = evaluate_clients_task(self.layout, models, ds.test_x, ds.test_y, self.test_parts, task, ev.batch_size)
+            per = evaluate_clients_task(self.layout, models, tx, ty, parts, task, ev.batch_size)
             out = {f"test_{k}": float(v.mean()) for k, v in per.items()}
             worst = per[task.main].min() if task.direction == "max" else per[task.main].max()
             return {**out, f"test_{task.main}_worst": float(worst)}
-        accs, losses = evaluate_clients(self.layout, models, ds.test_x, ds.test_y, self.test_parts, ev.batch_size)
+        accs, losses = evaluate_clients(self.layout, models, tx, ty, parts, ev.batch_size)
         return {
             "test_accuracy": float(accs.mean()),
             "test_loss": float(losses.mean()),
