@@ -4,7 +4,10 @@ each client keeping a personal model that is evaluated on its own test set (``pe
 from fedweave.algorithms.centralized.personal import (  # noqa: F401
     apfl,
     ditto,
+    fedbn,
     fedper,
     fedrep,
     lg_fedavg,
+    perfedavg,
+    pfedme,
 )

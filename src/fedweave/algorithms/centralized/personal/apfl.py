@@ -92,6 +92,6 @@ class APFL(PersonalStar):
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
         self.x = self.x + self.hp.server_lr * mean  # line 9
 
-    def personal_models(self) -> torch.Tensor:
+    def personal_models(self, r: int) -> torch.Tensor:
         a = self.store["alpha"].to(self.x.device)
         return a * self.store["personal"].to(self.x.device) + (1 - a) * self.x  # vbar_i with the global model

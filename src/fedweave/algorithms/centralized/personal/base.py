@@ -38,21 +38,25 @@ class PersonalStar(StarAlgorithm):
     # personal models in the server's store, so they are refused for deployment (fedweave.deploy.support)
     undeployable: ClassVar[str] = "its clients' personal models are kept by the simulation's state store"
 
+    keeps_personal: ClassVar[bool] = True  # False: the personal models are derived, not kept (Per-FedAvg)
+
     def __init__(self, ctx, hp) -> None:
         super().__init__(ctx, hp)
+        if not self.keeps_personal:
+            return
         self.store = StateStore(ctx.num_clients, dtype=ctx.dtype, placement=ctx.placement)
         self.store.create("personal", self.num_params, fill=self.x)  # v_i = x_0
         self.ledger.store("client", "personal_model", self.num_params * ctx.float_bytes)  # per client
 
-    def personal_models(self) -> torch.Tensor:
-        """The model each client would use, ``(N, P)``: its personal model by default."""
+    def personal_models(self, r: int) -> torch.Tensor:
+        """The model each client uses after round ``r``, ``(N, P)``: its personal model by default."""
         return self.store["personal"]
 
     def evaluate(self, r: int) -> dict[str, float]:
         out = super().evaluate(r)  # the global model on the global test split (and eval.personal_test's)
         ev, task = self.config.eval, self.ctx.task
         x, y, parts = self.ctx.personal_test_set()
-        models = self.personal_models()
+        models = self.personal_models(r)
         if task.is_default:
             accs, losses = evaluate_clients(self.layout, models, x, y, parts, ev.batch_size)
             out.update(
@@ -148,5 +152,5 @@ class PartialSharing(PersonalStar):
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
         self.x = self.x + self.hp.server_lr * mean  # FedAvg on the shared coordinates; the rest get 0
 
-    def personal_models(self) -> torch.Tensor:
-        return torch.where(self.mask, self.store["personal"], self.x)
+    def personal_models(self, r: int) -> torch.Tensor:
+        return torch.where(self.mask, self.store["personal"].to(self.x.device), self.x)
