@@ -44,10 +44,11 @@ class APFLRule(LocalRule):
     def direction(self, v: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
         a, w = per_job(self.alpha, jobs), per_job(self.w, jobs)
         g = grad(a * v + (1 - a) * w)  # grad f_i(vbar)
+        d = a * g  # before alpha's step: `a` may be a view of the row it writes
         if self.alpha_lr is not None:  # Eq. 10: d vbar / d alpha = v - w
             step = ((v - w) * g).sum(-1, keepdim=True)
             self.alpha[jobs] = (a - self.alpha_lr * step).clamp(0.0, 1.0)
-        return a * g
+        return d
 
 
 @dataclass
