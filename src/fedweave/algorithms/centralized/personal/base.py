@@ -27,7 +27,6 @@ from fedweave.config import ConfigError
 from fedweave.execution import LocalResult, StateStore, evaluate_clients, evaluate_clients_task
 from fedweave.execution.local import LocalRule
 from fedweave.execution.params import ParamLayout
-from fedweave.registry import RULES
 
 
 class PersonalStar(StarAlgorithm):
@@ -93,7 +92,6 @@ def head_names(model: torch.nn.Module, algorithm: str) -> list[str]:
     return list(names())
 
 
-@RULES.register("freeze")
 class FreezeRule(LocalRule):
     """Local SGD that leaves the coordinates ``frozen`` at ``anchor`` (FedRep's alternating phases): after
     each step they are put back, so weight decay and momentum do not move them either.

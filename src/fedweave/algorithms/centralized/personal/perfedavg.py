@@ -23,7 +23,7 @@ from fedweave.algorithms.centralized.personal.base import PersonalStar
 from fedweave.algorithms.decentralized.base import with_local
 from fedweave.config import ConfigError
 from fedweave.execution.local import GradFn, LocalRule
-from fedweave.registry import ALGORITHMS, RULES
+from fedweave.registry import ALGORITHMS
 
 ADAPT_KEY = 1  # the evaluation's adaptation step draws its batch from ("batches", round, client, 1)
 
@@ -33,7 +33,6 @@ def hessian_vector(grad: GradFn, w: torch.Tensor, v: torch.Tensor, delta: float)
     return (grad(w + delta * v) - grad(w - delta * v)) / (2 * delta)
 
 
-@RULES.register("perfedavg")
 class PerFedAvgRule(LocalRule):
     """The MAML step's direction (lines 6-8): ``grad f(w - alpha grad f(w))``, times ``(I - alpha H(w))``
     for the Hessian-free variant."""
