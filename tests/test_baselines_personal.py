@@ -316,3 +316,14 @@ def test_eval_holdout_trains_without_and_evaluates_on_the_clients_own_samples(tm
 def test_a_bad_holdout_names_the_key(bad):
     with pytest.raises(ConfigError, match=r"^eval.holdout must be in \[0, 1\)"):
         load({**_pcfg("fedper"), "eval": {"holdout": bad}})
+
+
+def test_vmap_refuses_batch_norm_with_padded_batches_and_agrees_with_loop_on_full_ones():
+    cfg = {**_pcfg("fedbn", {"name": "cnn_fmnist", "norm": "batch"}), "dataset": {"name": "digits", "as_image": True}}
+    ragged = {**cfg, "backend": "vmap", "local": {"epochs": 1, "batch_size": 16, "lr": 0.1}}
+    with pytest.raises(ConfigError, match="^backend: vmap pads short local batches .* set local.steps"):
+        _algo(ragged)
+    algos = [_algo({**cfg, "backend": b}) for b in ("loop", "vmap")]  # local.steps: every batch full
+    xs = [_rounds(a, 2) for a in algos]
+    torch.testing.assert_close(xs[0], xs[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(algos[0].personal_models(2), algos[1].personal_models(2), rtol=1e-5, atol=1e-6)

@@ -24,7 +24,7 @@ from fedweave.byo import RunObjects, describe_model
 from fedweave.config import ConfigError, RunConfig, build_dataclass, check_options
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
-from fedweave.execution import LocalTrainer, choose_backend
+from fedweave.execution import LocalTrainer, batch_statistics, choose_backend
 from fedweave.execution.placement import Placement, resolve_placement
 from fedweave.faults import Faults
 from fedweave.ledger import Ledger
@@ -507,6 +507,11 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
     augment = augment_for(cfg.local)
     ds = ctx.dataset
     backend = choose_backend(cfg.backend, ctx.model, jobs_per_call, device=ctx.device)
+    if backend == "vmap" and batch_statistics(ctx.model) and (local.steps is None or local.full_batch):
+        raise ConfigError(
+            "backend: vmap pads short local batches with rows the loss leaves out, but the model's batch norm "
+            "would count them in its statistics; set local.steps (every batch full) or choose backend loop"
+        )
     return LocalTrainer(
         ctx.model,
         ds.train_x,
