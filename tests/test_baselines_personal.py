@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import fedweave
+from fedweave.algorithms.base import ProximalRule
 from fedweave.algorithms.centralized.personal.apfl import APFLRule
 from fedweave.algorithms.centralized.personal.base import PartialSharing, PersonalStar
 from fedweave.algorithms.centralized.personal.perfedavg import PerFedAvgRule, hessian_vector
-from fedweave.algorithms.decentralized.ditto import ProximalRule
 from fedweave.config import ConfigError, load
 from fedweave.data.partition import holdout_split
 from fedweave.deploy.support import unsupported

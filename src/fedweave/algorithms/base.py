@@ -8,6 +8,7 @@ everything a resumed run needs beyond the context (the context's ledger is saved
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from abc import ABCMeta, abstractmethod
@@ -25,6 +26,7 @@ from fedweave.config import ConfigError, RunConfig, build_dataclass, check_optio
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
 from fedweave.execution import LocalTrainer, batch_statistics, choose_backend
+from fedweave.execution.local import LocalRule
 from fedweave.execution.placement import Placement, resolve_placement
 from fedweave.faults import Faults
 from fedweave.ledger import Ledger
@@ -526,6 +528,24 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
         loss_fn=ctx.task.loss,
         placement=ctx.placement,
     )
+
+
+def with_local(trainer: LocalTrainer, **changes: Any) -> LocalTrainer:
+    """A trainer sharing data, model and backend with ``trainer`` but with other ``local`` settings."""
+    other = copy.copy(trainer)
+    other.local = dataclasses.replace(trainer.local, **changes)
+    return other
+
+
+class ProximalRule(LocalRule):
+    """grad F_i(v) + lambda (v - anchor_i): the gradient of Ditto's personal objective (Li et al. 2021,
+    Eq. 2), with which both families' Ditto train the personal models; ``anchor`` has one row per job."""
+
+    def __init__(self, lam: float, anchor: torch.Tensor) -> None:
+        self.lam, self.anchor = lam, anchor
+
+    def direction(self, w, grad, jobs):
+        return grad(w) + self.lam * (w - self.anchor[jobs])
 
 
 def build_algorithm(ctx: RunContext) -> Algorithm:

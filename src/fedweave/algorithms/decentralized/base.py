@@ -21,15 +21,13 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
-from fedweave.algorithms.base import Algorithm, RunContext, make_trainer
+from fedweave.algorithms.base import Algorithm, RunContext, make_trainer, with_local  # noqa: F401 (re-exported)
 from fedweave.config import ConfigError
 from fedweave.execution import (
     LocalResult,
@@ -83,13 +81,6 @@ class GraphHparams:
             raise ConfigError(f"algorithm.dp_clip must be > 0, got {self.dp_clip}")
         if self.test_per_client is not None and self.test_per_client < 1:
             raise ConfigError(f"algorithm.test_per_client must be >= 1 or null, got {self.test_per_client}")
-
-
-def with_local(trainer: LocalTrainer, **changes: Any) -> LocalTrainer:
-    """A trainer sharing data, model and backend with ``trainer`` but with other ``local`` settings."""
-    other = copy.copy(trainer)
-    other.local = dataclasses.replace(trainer.local, **changes)
-    return other
 
 
 # ------------------------------------------------------------------------------------------ algorithm

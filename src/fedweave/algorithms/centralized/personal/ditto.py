@@ -5,7 +5,8 @@ Client k, sampled in round t and given the global model w^t (Alg. 1):
   w_k   <- local SGD on F_k from w^t                                (lines 4-5, the global objective's solver)
   v_k   <- ``personal_epochs`` of SGD on F_k(v) + (lambda/2)||v - w^t||^2 from v_k           (lines 6-7, Eq. 2)
 and sends w_k; the server averages, w^{t+1} = w^t + sum_k p_k (w_k - w^t) (line 9). The personal step is
-the decentralized family's Ditto rule (``ProximalRule``), anchored here at the global model of the round.
+the decentralized family's Ditto rule (``ProximalRule``, kept in ``fedweave.algorithms.base`` for both
+families), anchored here at the global model of the round.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from fedweave.algorithms.base import ProximalRule, with_local
 from fedweave.algorithms.centralized.base import Collected, StarHparams
 from fedweave.algorithms.centralized.personal.base import PersonalStar
-from fedweave.algorithms.decentralized.base import with_local
-from fedweave.algorithms.decentralized.ditto import ProximalRule
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
 

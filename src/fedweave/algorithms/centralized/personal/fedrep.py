@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedweave.algorithms.base import with_local
 from fedweave.algorithms.centralized.base import StarHparams
 from fedweave.algorithms.centralized.personal.base import FreezeRule, PartialSharing, head_names, name_mask
-from fedweave.algorithms.decentralized.base import with_local
 from fedweave.config import ConfigError
 from fedweave.execution import LocalResult
 from fedweave.registry import ALGORITHMS

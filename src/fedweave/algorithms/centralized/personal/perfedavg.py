@@ -18,9 +18,9 @@ from typing import Literal
 
 import torch
 
+from fedweave.algorithms.base import with_local
 from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams
 from fedweave.algorithms.centralized.personal.base import PersonalStar
-from fedweave.algorithms.decentralized.base import with_local
 from fedweave.config import ConfigError
 from fedweave.execution.local import GradFn, LocalRule
 from fedweave.registry import ALGORITHMS
