@@ -327,3 +327,9 @@ def test_vmap_refuses_batch_norm_with_padded_batches_and_agrees_with_loop_on_ful
     xs = [_rounds(a, 2) for a in algos]
     torch.testing.assert_close(xs[0], xs[1], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(algos[0].personal_models(2), algos[1].personal_models(2), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("alg", ["fedper", "fedrep", "lg_fedavg"])
+def test_a_model_without_a_head_is_refused_with_one_line(alg):
+    with pytest.raises(ConfigError, match=f"^algorithm {alg} splits the model into a body and a head, but Sequential"):
+        _algo(_pcfg(alg, {"name": "_bn_running"}))

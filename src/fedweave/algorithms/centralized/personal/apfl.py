@@ -53,7 +53,7 @@ class APFLRule(LocalRule):
 
 @dataclass
 class APFLHparams(StarHparams):
-    alpha: float = 0.25  # the initial mixing weight (the paper's experiments start at 0.25)
+    alpha: float = 0.25  # the initial mixing weight alpha_i (0.25: one of the values the paper tries)
     adaptive: bool = True  # update alpha_i by Eq. 10
     alpha_lr: float | None = None  # eta_alpha; null: the local learning rate of the round
 
