@@ -333,3 +333,24 @@ def test_vmap_refuses_batch_norm_with_padded_batches_and_agrees_with_loop_on_ful
 def test_a_model_without_a_head_is_refused_with_one_line(alg):
     with pytest.raises(ConfigError, match=f"^algorithm {alg} splits the model into a body and a head, but Sequential"):
         _algo(_pcfg(alg, {"name": "_bn_running"}))
+
+
+def test_eval_holdout_applies_to_the_decentralized_family_too(tmp_path, monkeypatch):
+    import fedweave.algorithms.decentralized.base as graph
+
+    seen = []
+    real = graph.evaluate_clients
+
+    def spy(layout, models, x, y, parts, batch_size):
+        seen.append((x, parts))
+        return real(layout, models, x, y, parts, batch_size)
+
+    monkeypatch.setattr(graph, "evaluate_clients", spy)
+    cfg = {**_pcfg("local"), "rounds": 1, "eval": {"holdout": 0.25}}
+    cfg["algorithm"] = {"name": "local"}
+    algo = fedweave.run(cfg, run_dir=tmp_path / "r").algorithm
+    held = algo.ctx.personal_test_set()[2]
+    assert [len(p) for p in algo.trainer.parts] == [len(p) for p in algo.ctx.partition]
+    assert all(not set(a.tolist()) & set(b) for a, b in zip(algo.trainer.parts, held))
+    (x, parts), *_ = seen
+    assert x is algo.ctx.dataset.train_x and parts is held  # the clients' own held-out samples
