@@ -354,3 +354,17 @@ def test_eval_holdout_applies_to_the_decentralized_family_too(tmp_path, monkeypa
     assert all(not set(a.tolist()) & set(b) for a, b in zip(algo.trainer.parts, held))
     (x, parts), *_ = seen
     assert x is algo.ctx.dataset.train_x and parts is held  # the clients' own held-out samples
+
+
+@pytest.mark.parametrize("alg", [a for a in PERSONAL if a != "perfedavg"])
+def test_under_dropout_only_the_reporting_clients_personal_models_change(alg):
+    cfg = {**_pcfg(alg), "faults": {"dropout": 0.5}}
+    algo = _algo(cfg)
+    before = algo.store.state_dict()
+    sampled = algo.sample_clients(0)
+    reported = algo.reporting(0, sampled)
+    assert 0 < len(reported) < len(sampled)  # this seed drops some but not all
+    metrics = algo.run_round(0)
+    assert metrics["reported_clients"] == len(reported)
+    changed = {int(c) for c in np.flatnonzero((algo.store["personal"] != before["personal"]).any(1).numpy())}
+    assert changed and changed <= set(reported.tolist())
