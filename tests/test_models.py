@@ -280,7 +280,7 @@ def test_init_options() -> None:
         ("logistic", MNIST, {"bias": "no"}, r"model\.bias = 'no'.*true or false"),
         ("logistic", MNIST, {"init": "xavier"}, r"model\.init.*'torch'.*'zeros'"),
         ("cnn_mnist", MNIST, {"padding": 1}, r"model\.padding = 1.*0 .* or 2"),
-        ("cnn_small", MNIST, {"padding": 2}, r"unknown option model\.padding.*allowed options: none"),
+        ("cnn_small", MNIST, {"padding": 2}, r"unknown option model\.padding.*allowed options: model\.norm$"),
         ("resnet18_gn", CIFAR, {"groups": 3}, r"model\.groups = 3.*\[1, 2, 4, 8, 16, 32, 64\]"),
         ("resnet18_gn", CIFAR, {"stem": "tiny"}, r"model\.stem = 'tiny'.*'imagenet'.*'cifar'"),
         ("char_lstm", (80,), {"hidden": 0}, r"model\.hidden = 0"),

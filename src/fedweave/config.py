@@ -268,6 +268,10 @@ class EvalConfig:
     # star family: test_accuracy = mean over clients of the global model's accuracy on each client's own
     # test set (drawn with its train label distribution, as the decentralized family; afind-plus A29)
     personal_test: bool = False
+    # the fraction of each client's own samples held out as its test set (PFLlib's per-client 75/25 split:
+    # 0.25), taken from its training data before training; 0: the per-client test sets are drawn from the
+    # test split instead. Personal models, and the global model under personal_test, are evaluated on them
+    holdout: float = 0.0
     # a run stops as diverged when a loss it reports exceeds this multiple of its first value (null: only
     # NaN/Inf stop it): a loss of 1e27 is finite but the model is already useless
     explode_factor: float | None = 1.0e4
@@ -278,6 +282,10 @@ class EvalConfig:
             raise ConfigError(f"eval.every must be >= 1, got {self.every}")
         if self.explode_factor is not None and not 1 < self.explode_factor < math.inf:
             raise ConfigError(f"eval.explode_factor must be a finite number > 1 or null, got {self.explode_factor}")
+        if not 0 <= self.holdout < 1:
+            raise ConfigError(
+                f"eval.holdout must be in [0, 1) (the held-out fraction of each client's samples), got {self.holdout}"
+            )
         if not 1 <= self.batch_size <= MAX_BATCH_SIZE:
             raise ConfigError(f"eval.batch_size must be in [1, {MAX_BATCH_SIZE:,}], got {self.batch_size:,}")
 

@@ -8,6 +8,7 @@ everything a resumed run needs beyond the context (the context's ledger is saved
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from abc import ABCMeta, abstractmethod
@@ -24,7 +25,8 @@ from fedweave.byo import RunObjects, describe_model
 from fedweave.config import ConfigError, RunConfig, build_dataclass, check_options
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
-from fedweave.execution import LocalTrainer, choose_backend
+from fedweave.execution import LocalTrainer, batch_statistics, choose_backend
+from fedweave.execution.local import LocalRule
 from fedweave.execution.placement import Placement, resolve_placement
 from fedweave.faults import Faults
 from fedweave.ledger import Ledger
@@ -233,9 +235,29 @@ class RunContext:
 
     @cached_property
     def partition(self) -> list[np.ndarray]:
-        """Training-set indices of each client."""
+        """Training-set indices of each client (without its held-out samples under ``eval.holdout``)."""
+        return self._split[0]
+
+    @cached_property
+    def _split(self) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+        """The clients' training indices and, under ``eval.holdout``, their held-out test indices (into the
+        training set; the ``holdout`` stream, drawn after the partition)."""
         ds = self.dataset
-        return self.partition_of(ds.train_y.numpy(), users=ds.train_users)
+        parts = self.partition_of(ds.train_y.numpy(), users=ds.train_users)
+        if not self.config.eval.holdout:
+            return parts, None
+        from fedweave.data.partition import holdout_split
+
+        return holdout_split(parts, self.config.eval.holdout, self.seeds.numpy("holdout"))
+
+    def personal_test_set(self, per_client: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list[np.ndarray]]:
+        """Each client's own test set as ``(x, y, parts)``: under ``eval.holdout`` its held-out samples (rows
+        of the training set), else :meth:`personal_test_parts` (rows of the test split)."""
+        ds = self.dataset
+        held = self._split[1]
+        if held is not None:
+            return ds.train_x, ds.train_y, held
+        return ds.test_x, ds.test_y, self.personal_test_parts(per_client)
 
     def label_view(self, y: np.ndarray, bins: int = TARGET_BINS) -> np.ndarray:
         """Integer labels of targets: class labels as they are; float targets as the index of their first
@@ -487,6 +509,11 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
     augment = augment_for(cfg.local)
     ds = ctx.dataset
     backend = choose_backend(cfg.backend, ctx.model, jobs_per_call, device=ctx.device)
+    if backend == "vmap" and batch_statistics(ctx.model) and (local.steps is None or local.full_batch):
+        raise ConfigError(
+            "backend: vmap pads short local batches with rows the loss leaves out, but the model's batch norm "
+            "would count them in its statistics; set local.steps (every batch full) or choose backend loop"
+        )
     return LocalTrainer(
         ctx.model,
         ds.train_x,
@@ -501,6 +528,24 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
         loss_fn=ctx.task.loss,
         placement=ctx.placement,
     )
+
+
+def with_local(trainer: LocalTrainer, **changes: Any) -> LocalTrainer:
+    """A trainer sharing data, model and backend with ``trainer`` but with other ``local`` settings."""
+    other = copy.copy(trainer)
+    other.local = dataclasses.replace(trainer.local, **changes)
+    return other
+
+
+class ProximalRule(LocalRule):
+    """grad F_i(v) + lambda (v - anchor_i): the gradient of Ditto's personal objective (Li et al. 2021,
+    Eq. 2), with which both families' Ditto train the personal models; ``anchor`` has one row per job."""
+
+    def __init__(self, lam: float, anchor: torch.Tensor) -> None:
+        self.lam, self.anchor = lam, anchor
+
+    def direction(self, w, grad, jobs):
+        return grad(w) + self.lam * (w - self.anchor[jobs])
 
 
 def build_algorithm(ctx: RunContext) -> Algorithm:

@@ -446,6 +446,24 @@ def client_test_split(
     return out
 
 
+def holdout_split(
+    parts: Sequence[np.ndarray], fraction: float, rng: np.random.Generator
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each client's own train/test split (PFLlib's per-client ``train_test_split(train_size=0.75)``): of a
+    client's n samples, a uniformly drawn ``n - floor((1 - fraction) n)`` become its test set and the rest
+    stay its training data. Returns ``(train_parts, test_parts)``, sorted int64 indices into the same set."""
+    if not 0 <= fraction < 1:
+        raise ValueError(f"holdout fraction must be in [0, 1), got {fraction}")
+    train, test = [], []
+    for part in parts:
+        part = np.asarray(part, dtype=np.int64)
+        keep = int(np.floor((1 - fraction) * part.size))
+        perm = rng.permutation(part)
+        train.append(np.sort(perm[:keep]))
+        test.append(np.sort(perm[keep:]))
+    return train, test
+
+
 def user_test_split(
     train_parts: Sequence[np.ndarray], train_users: np.ndarray, test_users: np.ndarray
 ) -> list[np.ndarray]:

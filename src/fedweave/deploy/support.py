@@ -21,6 +21,9 @@ def unsupported(algorithm: str, family: str, on_error: str) -> str | None:
             f"algorithm {algorithm!r} ({family}) cannot be deployed on Flower yet: the "
             f"{', '.join(FAMILIES)} families can (docs/deployment.md, 'What remains')"
         )
+    why = getattr(ALGORITHMS.get(algorithm), "undeployable", None) if algorithm in ALGORITHMS.names() else None
+    if why:  # a method whose clients keep state the deployment does not carry yet
+        return f"algorithm {algorithm!r} ({family}) cannot be deployed on Flower yet: {why}"
     if on_error == "drop" and family not in DROP_FAMILIES:
         return f"on-error drop is not built for the {family} family yet (algorithm {algorithm!r}); use on-error stop"
     return None

@@ -63,6 +63,7 @@ def choose_backend(
         return requested
     if torch.device(device).type != "cpu":
         batchable = not list(model.buffers()) and not any(isinstance(m, nn.RNNBase) for m in model.modules())
+        batchable = batchable and not batch_statistics(model)  # vmap's padded rows would enter its statistics
         return "vmap" if batchable and jobs_per_call >= 2 else "loop"
     threads = torch.get_num_threads() if threads is None else threads
     layers = [m for m in model.modules() if list(m.parameters(recurse=False))]
@@ -70,3 +71,9 @@ def choose_backend(
         return "vmap" if threads >= 2 and jobs_per_call >= 16 else "loop"
     conv = any(isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) for m in layers)
     return "pool" if conv and jobs_per_call >= 2 and threads >= 2 else "loop"
+
+
+def batch_statistics(model: nn.Module) -> bool:
+    """True when ``model`` normalizes with its batch's statistics (batch norm): every row of a batch then
+    changes every other row's output, the padding rows of the vmap backend's short batches included."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())

@@ -11,7 +11,11 @@ All share one class; the registered builders fix the widths from the papers and 
 | cnn_femnist   | C→32, 32→64        | 2       | flat→2048→K            | afind-plus §4.3 LEAF FEMNIST CNN         |
 
 "flat" is computed from the input shape at build time, so any channel count and spatial size that
-survives the two conv+pool stages works.
+survives the two conv+pool stages works. Option ``norm: batch`` puts a BatchNorm2d after each convolution
+(FedBN's models) that normalizes with the batch's statistics in training and evaluation alike
+(``track_running_stats=False``: the zoo's models keep no buffers, so the flat parameter vector stays the
+whole model state); the default ``norm: none`` builds the same layers, and draws the same weights, as
+before the option existed.
 """
 
 from __future__ import annotations
@@ -49,11 +53,17 @@ class TwoConvCNN(HeadedModel):
         padding: int,
         hidden: tuple[int, ...],
         num_classes: int,
+        norm: str = "none",
     ) -> None:
         super().__init__()
         c, h, w = input_shape
         self.conv1 = nn.Conv2d(c, channels[0], KERNEL, padding=padding)
         self.conv2 = nn.Conv2d(channels[0], channels[1], KERNEL, padding=padding)
+        if norm == "batch":  # made after the convolutions: their initial weights are drawn as without norm
+            self.bn1 = nn.BatchNorm2d(channels[0], track_running_stats=False)
+            self.bn2 = nn.BatchNorm2d(channels[1], track_running_stats=False)
+        else:
+            self.bn1 = self.bn2 = nn.Identity()
         for _ in range(2):  # conv (stride 1) then maxpool 2×2 stride 2, floor mode
             h = conv_out(model, conv_out(model, h, KERNEL, 1, padding), 2, 2)
             w = conv_out(model, conv_out(model, w, KERNEL, 1, padding), 2, 2)
@@ -68,8 +78,8 @@ class TwoConvCNN(HeadedModel):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         # ReLU after the pool: relu(maxpool(z)) == maxpool(relu(z)) exactly, values and gradients (ReLU is
         # monotone), on a quarter of the elements. MNIST CNN evaluation: 29 vs 50-66 ms per 256 images.
-        x = F.relu(F.max_pool2d(self.conv1(x), 2))
-        x = F.relu(F.max_pool2d(self.conv2(x), 2))
+        x = F.relu(F.max_pool2d(self.bn1(self.conv1(x)), 2))
+        x = F.relu(F.max_pool2d(self.bn2(self.conv2(x)), 2))
         x = x.reshape(x.shape[0], -1)
         for fc in self.fcs[:-1]:
             x = F.relu(fc(x))
@@ -80,7 +90,9 @@ class TwoConvCNN(HeadedModel):
 
 
 def _builder(name: str, channels: tuple[int, int], padding: int, hidden: tuple[int, ...], doc: str) -> None:
-    opts_spec = {}
+    opts_spec = {
+        "norm": Opt("none", choice("none", "batch"), "none, or batch: BatchNorm2d after each conv (batch statistics)")
+    }
     if name == "cnn_mnist":
         opts_spec["padding"] = Opt(
             padding,
@@ -93,7 +105,8 @@ def _builder(name: str, channels: tuple[int, int], padding: int, hidden: tuple[i
         k = check_classes(name, num_classes)
         opts = parse_options(name, options, opts_spec)
         pad = opts.get("padding", padding)
-        return finalize(TwoConvCNN(name, shape, channels, pad, hidden, k))  # type: ignore[arg-type]
+        cnn = TwoConvCNN(name, shape, channels, pad, hidden, k, norm=opts.get("norm", "none"))  # type: ignore[arg-type]
+        return finalize(cnn)
 
     build.__name__ = f"build_{name}"
     build.__doc__ = doc

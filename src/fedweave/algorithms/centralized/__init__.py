@@ -1,5 +1,5 @@
 """Centralized (star) FL: FedMIM and its baselines FedAvg, FedAdam/FedOpt, SCAFFOLD, FedDyn, FedCM
-(+ MoFedSAM), FedSAM, and FedProx."""
+(+ MoFedSAM), FedSAM, and FedProx; the personalized methods in ``personal``."""
 
 from fedweave.algorithms.centralized import (  # noqa: F401
     fedadam,
@@ -9,5 +9,6 @@ from fedweave.algorithms.centralized import (  # noqa: F401
     fedmim,
     fedprox,
     fedsam,
+    personal,
     scaffold,
 )

@@ -282,8 +282,8 @@ class StarAlgorithm(Algorithm):
         acc, loss = evaluate(self.layout, self.x, ds.test_x, ds.test_y, ev.batch_size)
         out = {"test_accuracy": acc, "test_loss": loss}
         if ev.personal_test:  # the global model on each client's own test set, averaged over clients
-            parts = self.ctx.personal_test_parts()
-            accs, losses = evaluate_clients(self.layout, self.x, ds.test_x, ds.test_y, parts, ev.batch_size)
+            tx, ty, parts = self.ctx.personal_test_set()
+            accs, losses = evaluate_clients(self.layout, self.x, tx, ty, parts, ev.batch_size)
             out = {
                 "test_accuracy": float(accs.mean()),
                 "test_loss": float(losses.mean()),
@@ -304,8 +304,8 @@ class StarAlgorithm(Algorithm):
         glob = evaluate_task(self.layout, self.x, ds.test_x, ds.test_y, task, ev.batch_size)
         out = {f"test_{k}": v for k, v in glob.items()}
         if ev.personal_test:
-            parts = self.ctx.personal_test_parts()
-            per = evaluate_clients_task(self.layout, self.x, ds.test_x, ds.test_y, parts, task, ev.batch_size)
+            tx, ty, parts = self.ctx.personal_test_set()
+            per = evaluate_clients_task(self.layout, self.x, tx, ty, parts, task, ev.batch_size)
             out = {f"test_{k}": float(v.mean()) for k, v in per.items()}
             worst = per[task.main].min() if task.direction == "max" else per[task.main].max()
             out[f"test_{task.main}_worst"] = float(worst)

@@ -21,15 +21,13 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
-from fedweave.algorithms.base import Algorithm, RunContext, make_trainer
+from fedweave.algorithms.base import Algorithm, RunContext, make_trainer, with_local  # noqa: F401 (re-exported)
 from fedweave.config import ConfigError
 from fedweave.execution import (
     LocalResult,
@@ -83,13 +81,6 @@ class GraphHparams:
             raise ConfigError(f"algorithm.dp_clip must be > 0, got {self.dp_clip}")
         if self.test_per_client is not None and self.test_per_client < 1:
             raise ConfigError(f"algorithm.test_per_client must be >= 1 or null, got {self.test_per_client}")
-
-
-def with_local(trainer: LocalTrainer, **changes: Any) -> LocalTrainer:
-    """A trainer sharing data, model and backend with ``trainer`` but with other ``local`` settings."""
-    other = copy.copy(trainer)
-    other.local = dataclasses.replace(trainer.local, **changes)
-    return other
 
 
 # ------------------------------------------------------------------------------------------ algorithm
@@ -289,13 +280,14 @@ class GraphAlgorithm(Algorithm):
         models = self.eval_models(r)
         if self.hp.finetune_epochs:
             models = self.ft_trainer.train(models, range(self.num_clients), r, key=(FINETUNE_KEY,)).params
-        ds, ev, task = self.ctx.dataset, self.config.eval, self.ctx.task
+        ev, task = self.config.eval, self.ctx.task
+        tx, ty, parts = self.ctx.personal_test_set(self.hp.test_per_client)  # eval.holdout: the clients' own
         if not task.is_default:  # any task: each value's mean over clients, and the worst client's main metric
-            per = evaluate_clients_task(self.layout, models, ds.test_x, ds.test_y, self.test_parts, task, ev.batch_size)
+            per = evaluate_clients_task(self.layout, models, tx, ty, parts, task, ev.batch_size)
             out = {f"test_{k}": float(v.mean()) for k, v in per.items()}
             worst = per[task.main].min() if task.direction == "max" else per[task.main].max()
             return {**out, f"test_{task.main}_worst": float(worst)}
-        accs, losses = evaluate_clients(self.layout, models, ds.test_x, ds.test_y, self.test_parts, ev.batch_size)
+        accs, losses = evaluate_clients(self.layout, models, tx, ty, parts, ev.batch_size)
         return {
             "test_accuracy": float(accs.mean()),
             "test_loss": float(losses.mean()),

@@ -16,22 +16,11 @@ from typing import Any
 
 import torch
 
-from fedweave.algorithms.base import RunContext
+from fedweave.algorithms.base import ProximalRule, RunContext
 from fedweave.algorithms.decentralized.base import GraphAlgorithm, GraphHparams, with_local
 from fedweave.algorithms.decentralized.selection import NeighbourSelector, SelectionHparams
 from fedweave.config import ConfigError
-from fedweave.execution import LocalRule
 from fedweave.registry import ALGORITHMS
-
-
-class ProximalRule(LocalRule):
-    """grad F_i(v) + lambda (v - anchor_i): the gradient of Ditto's personal objective."""
-
-    def __init__(self, lam: float, anchor: torch.Tensor) -> None:
-        self.lam, self.anchor = lam, anchor
-
-    def direction(self, w, grad, jobs):
-        return grad(w) + self.lam * (w - self.anchor[jobs])
 
 
 @dataclass

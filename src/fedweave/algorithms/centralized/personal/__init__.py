@@ -1,0 +1,13 @@
+"""The star's personalized methods: FedPer, FedRep, LG-FedAvg, FedBN, APFL, Ditto, pFedMe and Per-FedAvg,
+each client keeping a personal model that is evaluated on its own test set (``personal.base``)."""
+
+from fedweave.algorithms.centralized.personal import (  # noqa: F401
+    apfl,
+    ditto,
+    fedbn,
+    fedper,
+    fedrep,
+    lg_fedavg,
+    perfedavg,
+    pfedme,
+)

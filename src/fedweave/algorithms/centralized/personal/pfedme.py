@@ -1,0 +1,93 @@
+"""pFedMe (T. Dinh, Tran, Nguyen, NeurIPS 2020): personalized models as Moreau envelopes of the clients'
+losses.
+
+Client i minimises F_i(w) = min_theta f_i(theta) + (lambda/2)||theta - w||^2 (Eq. 2-3). Given the global
+model w^t, each of its R local steps, on the step's batch D:
+  theta~ <- K steps of theta <- theta - personal_lr (grad f_i(theta; D) + lambda (theta - w))
+            from theta = w: an approximate solution of Eq. 7's inner problem                  (Alg. 1 line 7)
+  w      <- w - eta lambda (w - theta~)       (line 8: the gradient of the envelope, Eq. 8)
+it sends w_{i,R}; the server mixes, w^{t+1} = (1 - beta) w^t + beta sum_i p_i w_{i,R} (line 12; times
+algorithm.server_lr). A client's personal model is its theta~ of its last local step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fedweave.algorithms.centralized.base import Collected, StarHparams
+from fedweave.algorithms.centralized.personal.base import PersonalStar
+from fedweave.config import ConfigError
+from fedweave.execution.local import GradFn, LocalRule
+from fedweave.registry import ALGORITHMS
+
+
+class PFedMeRule(LocalRule):
+    """Direction ``lambda (w - theta~(w))`` with theta~ from ``inner_steps`` gradient steps on the step's
+    batch (Alg. 1 lines 7-8); each job's last theta~ is written into ``theta`` (``(K, P)``) in place, so the
+    rule runs only on the in-process backends.
+
+    Args:
+        lam: lambda of Eq. 2, > 0.
+        inner_steps: K, the inner solver's steps.
+        personal_lr: the inner solver's step size.
+        theta: ``(K, P)``, the jobs' personalized models, written at every step.
+    """
+
+    def __init__(self, lam: float, inner_steps: int, personal_lr: float, theta: torch.Tensor) -> None:
+        self.lam, self.inner_steps, self.personal_lr, self.theta = float(lam), int(inner_steps), personal_lr, theta
+
+    def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
+        theta = w
+        for _ in range(self.inner_steps):  # line 7: min_theta f_i(theta; D) + (lambda/2)||theta - w||^2
+            theta = theta - self.personal_lr * (grad(theta) + self.lam * (theta - w))
+        self.theta[jobs] = theta
+        return self.lam * (w - theta)  # line 8 (the trainer takes w - eta * this)
+
+
+@dataclass
+class PFedMeHparams(StarHparams):
+    lam: float = 15.0  # lambda (the paper's MNIST setting)
+    inner_steps: int = 5  # K
+    personal_lr: float = 0.01  # the inner solver's step size
+    beta: float = 1.0  # the server's mixing; 1 is FedAvg's average
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.lam <= 0:
+            raise ConfigError(f"algorithm.lam must be > 0, got {self.lam}")
+        if self.inner_steps < 1:
+            raise ConfigError(f"algorithm.inner_steps must be >= 1, got {self.inner_steps}")
+        if self.personal_lr <= 0:
+            raise ConfigError(f"algorithm.personal_lr must be > 0, got {self.personal_lr}")
+        if self.beta <= 0:
+            raise ConfigError(f"algorithm.beta must be > 0, got {self.beta}")
+
+
+@ALGORITHMS.register("pfedme")
+class PFedMe(PersonalStar):
+    name = "pfedme"
+    Hparams = PFedMeHparams
+
+    def __init__(self, ctx, hp: PFedMeHparams) -> None:
+        super().__init__(ctx, hp)
+        if self.trainer.backend in ("pool", "ray"):
+            raise ConfigError(
+                f"algorithm pfedme keeps each client's personalized model from inside the local steps, which "
+                f"backend {self.trainer.backend} runs in other processes; choose backend loop or vmap"
+            )
+
+    def train_clients(self, r: int, clients) -> Collected:
+        lr = self.trainer.lr(r)
+        hp = self.hp
+        theta = self.store.rows("personal", clients)
+        rule = PFedMeRule(hp.lam, hp.inner_steps, hp.personal_lr, theta)
+        local = self.trainer.train(self.x, clients, r, rule=rule, lr=lr)  # lines 5-9
+        self.store.set_rows("personal", clients, rule.theta)
+        if self.sampler.reads_context:
+            self.client_history.record(r, clients, local.loss)
+        return Collected(r, clients, lr, local, {}, self.weights(clients))
+
+    def server_update(self, mean: torch.Tensor, got: Collected) -> None:
+        self.x = self.x + (self.hp.server_lr * self.hp.beta) * mean  # line 12: (1 - beta) w + beta mean(w_i)

@@ -1,0 +1,370 @@
+"""The star's personalized methods: their special cases against FedAvg, closed forms of their steps, backends,
+checkpoints, deployment, and each client's own test set (``eval.holdout``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fedweave
+from fedweave.algorithms.base import ProximalRule
+from fedweave.algorithms.centralized.personal.apfl import APFLRule
+from fedweave.algorithms.centralized.personal.base import PartialSharing, PersonalStar
+from fedweave.algorithms.centralized.personal.perfedavg import PerFedAvgRule, hessian_vector
+from fedweave.config import ConfigError, load
+from fedweave.data.partition import holdout_split
+from fedweave.deploy.support import unsupported
+from fedweave.models import HeadedModel
+from fedweave.registry import MODELS
+from fedweave.runner import run as run_config
+from tests.test_centralized import D_Q, M_Q, N_Q, _algo, _cfg, _quad_cfg, _quad_data, _rounds, _squared
+
+PERSONAL = ["fedper", "fedrep", "lg_fedavg", "fedbn", "apfl", "ditto_star", "pfedme", "perfedavg"]
+
+
+class _Headless(HeadedModel):
+    """An MLP that names no head: FedPer's and FedRep's personal part is empty."""
+
+    def __init__(self, d: int, k: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 8), nn.Linear(8, k)
+
+    def features(self, x):
+        return torch.relu(self.fc1(x.flatten(1)))
+
+    def head(self, z):
+        return self.fc2(z)
+
+    def head_names(self) -> list[str]:
+        return []
+
+
+if "_headless" not in MODELS._items:
+    MODELS.register("_headless")(lambda input_shape, num_classes: _Headless(int(np.prod(input_shape)), num_classes))
+if "_bn_running" not in MODELS._items:
+    MODELS.register("_bn_running")(
+        lambda input_shape, num_classes: nn.Sequential(
+            nn.Flatten(), nn.Linear(int(np.prod(input_shape)), 8), nn.BatchNorm1d(8), nn.Linear(8, num_classes)
+        )
+    )
+
+MLP = {"name": "mlp", "hidden": [8]}
+
+
+def _pcfg(alg: str, model: dict | None = None, **opts) -> dict:
+    cfg = _cfg(alg, **opts)
+    cfg["model"] = model or MLP
+    return cfg
+
+
+def _fedavg_x(model: dict, rounds: int = 3) -> torch.Tensor:
+    return _rounds(_algo(_pcfg("fedavg", model)), rounds)
+
+
+# ---- special cases: FedAvg bit for bit --------------------------------------------------------------
+@pytest.mark.parametrize("alg", ["fedper", "fedrep"])
+def test_an_empty_head_is_fedavg_bit_for_bit(alg):
+    algo = _algo(_pcfg(alg, {"name": "_headless"}))
+    assert not algo.partial
+    assert torch.equal(_rounds(algo, 3), _fedavg_x({"name": "_headless"}))
+    assert torch.equal(algo.personal_models(3), algo.x.expand(8, -1))  # nobody keeps anything
+
+
+def test_fedbn_without_batch_norm_is_fedavg_bit_for_bit():
+    assert torch.equal(_rounds(_algo(_pcfg("fedbn")), 3), _fedavg_x(MLP))
+
+
+@pytest.mark.parametrize("alg", ["apfl", "ditto_star"])
+def test_the_global_model_of_apfl_and_ditto_is_fedavgs_bit_for_bit(alg):
+    """APFL with alpha = 0 (fixed) and Ditto train their global model exactly as FedAvg does."""
+    opts = {"alpha": 0.0, "adaptive": False} if alg == "apfl" else {}
+    assert torch.equal(_rounds(_algo(_pcfg(alg, **opts)), 3), _fedavg_x(MLP))
+
+
+def test_apfl_with_alpha_zero_personalizes_nothing(tmp_path):
+    cfg = {**_pcfg("apfl", alpha=0.0, adaptive=False), "rounds": 2, "eval": {"personal_test": True}}
+    res = fedweave.run(cfg, run_dir=tmp_path / "r")
+    final = res.summary["final"]  # the personal model is the global one, on the same per-client sets
+    assert final["test_accuracy_personal"] == final["test_accuracy"]
+    assert final["test_loss_personal"] == final["test_loss"]
+    ref = fedweave.run({**cfg, "algorithm": {"name": "fedavg", "clients_per_round": 3}}, run_dir=tmp_path / "f")
+    assert ref.summary["final"]["test_accuracy"] == final["test_accuracy"]
+
+
+# ---- what stays personal ------------------------------------------------------------------------------
+@pytest.mark.parametrize("alg, personal", [("fedper", "head"), ("fedrep", "head"), ("lg_fedavg", "body")])
+def test_the_personal_part_never_moves_in_the_global_model_and_is_not_sent(alg, personal):
+    algo = _algo(_pcfg(alg))
+    head = torch.zeros(algo.num_params, dtype=torch.bool)
+    head[-(8 * 4 + 4) :] = True  # the mlp's last layer: 8 -> 4 classes
+    assert torch.equal(algo.mask, head if personal == "head" else ~head)
+    x0 = algo.x.clone()
+    _rounds(algo, 2)
+    assert torch.equal(algo.x[algo.mask], x0[algo.mask]) and not torch.equal(algo.x[~algo.mask], x0[~algo.mask])
+    shared = int((~algo.mask).sum())
+    assert algo.ledger.bytes("down", round=0) == 3 * shared * 4  # the shared part, to 3 clients, float32
+    assert algo.ledger.bytes("up", round=0) == 3 * shared * 4
+    kept = algo.store["personal"][:, algo.mask]  # the clients sampled so far hold personal parts of their own
+    assert (kept != x0[algo.mask]).any(dim=1).sum() >= 3
+
+
+def test_fedrep_trains_the_head_then_the_body_with_the_other_frozen(monkeypatch):
+    algo = _algo(_pcfg("fedrep", head_epochs=2))
+    calls = []
+    for name in ("trainer", "head_trainer"):
+        tr = getattr(algo, name)
+        orig = tr.train
+
+        def spy(starts, clients, r, *, rule, orig=orig, name=name, **kw):
+            calls.append((name, rule.frozen.clone(), kw.get("key", ())))
+            out = orig(starts, clients, r, rule=rule, **kw)
+            moved = (out.params != starts).any(0)
+            assert not moved[rule.frozen].any()  # the frozen part did not move, weight decay included
+            return out
+
+        monkeypatch.setattr(tr, "train", spy)
+    algo.run_round(0)
+    assert [c[0] for c in calls] == ["head_trainer", "trainer"]
+    assert torch.equal(calls[0][1], ~algo.mask) and torch.equal(calls[1][1], algo.mask)
+    assert calls[0][2] == (1,) and calls[1][2] == ()
+
+
+def test_fedbn_keeps_the_batch_norm_parameters_local(tmp_path):
+    cfg = {**_pcfg("fedbn", {"name": "cnn_fmnist", "norm": "batch"}), "dataset": {"name": "digits", "as_image": True}}
+    algo = _algo(cfg)
+    names = [n for n, k in zip(algo.layout.names, algo.layout.numels) for _ in range(k)]
+    assert {n for n, m in zip(names, algo.mask.tolist()) if m} == {"bn1.weight", "bn1.bias", "bn2.weight", "bn2.bias"}
+    x0 = algo.x.clone()
+    _rounds(algo, 1)
+    assert torch.equal(algo.x[algo.mask], x0[algo.mask])
+
+
+def test_fedbn_refuses_running_statistics_with_one_line():
+    with pytest.raises(ConfigError, match=r"^algorithm fedbn: the model keeps buffers \(2.running_mean") as e:
+        _algo(_pcfg("fedbn", {"name": "_bn_running"}))
+    assert "\n" not in str(e.value)
+
+
+def test_cnn_norm_none_is_the_model_it_was():
+    a = fedweave.models.build_model("cnn_mnist", (1, 28, 28), 10)
+    torch.manual_seed(0)
+    b = fedweave.models.build_model("cnn_mnist", (1, 28, 28), 10, norm="none")
+    torch.manual_seed(0)
+    c = fedweave.models.build_model("cnn_mnist", (1, 28, 28), 10)
+    assert sum(p.numel() for p in a.parameters()) == 582_026 and not list(a.buffers())
+    assert all(torch.equal(p, q) for p, q in zip(b.parameters(), c.parameters(), strict=True))
+    bn = fedweave.models.build_model("cnn_mnist", (1, 28, 28), 10, norm="batch")
+    assert sum(p.numel() for p in bn.parameters()) == 582_026 + 2 * (32 + 64) and not list(bn.buffers())
+    with pytest.raises(ValueError, match="model.norm = 'layer' is not valid for model 'cnn_mnist'; allowed: none, or"):
+        fedweave.models.build_model("cnn_mnist", (1, 28, 28), 10, norm="layer")
+
+
+# ---- closed forms ---------------------------------------------------------------------------------------
+def test_pfedme_one_step_is_the_closed_form_on_least_squares():
+    lam, K, plr, beta, lr = 2.0, 3, 0.05, 0.7, 0.1
+    cfg = {**_quad_cfg("pfedme", lam=lam, inner_steps=K, personal_lr=plr, beta=beta), "precision": "float64"}
+    cfg["local"] = {"steps": 1, "batch_size": M_Q, "lr": lr}  # one full-batch step
+    algo = _algo(cfg)
+    algo.trainer.loss_fn = _squared
+    x0 = algo.x.clone()
+    algo.run_round(0)
+    ds = _quad_data()
+    ws, thetas = [], []
+    for i in range(N_Q):
+        a, y = ds.train_x[i * M_Q : (i + 1) * M_Q].double(), ds.train_y[i * M_Q : (i + 1) * M_Q].double()
+        theta = x0.clone()
+        for _ in range(K):  # Alg. 1 line 7 on f_i(theta) = (1/2m)||A theta - y||^2
+            theta = theta - plr * (a.T @ (a @ theta - y) / M_Q + lam * (theta - x0))
+        thetas.append(theta)
+        ws.append(x0 - lr * lam * (x0 - theta))  # line 8
+    expect = x0 + beta * (torch.stack(ws) - x0).mean(0)  # line 12, uniform weights
+    assert algo.x.dtype == torch.float64 and algo.x.shape == (D_Q,)
+    torch.testing.assert_close(algo.x, expect, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(algo.store["personal"], torch.stack(thetas), rtol=1e-12, atol=1e-12)
+
+
+def _quadratic():
+    g = torch.Generator().manual_seed(3)
+    m = torch.randn(5, 5, generator=g, dtype=torch.float64)
+    a = m @ m.T + torch.eye(5, dtype=torch.float64)  # f(w) = w'Aw/2 + b'w: grad Aw + b, Hessian A
+    b = torch.randn(5, generator=g, dtype=torch.float64)
+    w = torch.randn(5, generator=g, dtype=torch.float64)
+    return a, b, w, (lambda v: a @ v + b if v.dim() == 1 else v @ a + b)
+
+
+def test_perfedavg_first_order_step_is_the_closed_form_on_a_quadratic():
+    a, b, w, grad = _quadratic()
+    alpha = 0.05
+    d = PerFedAvgRule(alpha, "fo").direction(w, grad, 0)
+    torch.testing.assert_close(d, a @ (w - alpha * (a @ w + b)) + b, rtol=1e-14, atol=1e-14)
+
+
+def test_perfedavg_hessian_free_product_is_exact_on_a_quadratic():
+    a, b, w, grad = _quadratic()
+    v = torch.linspace(-1, 1, 5, dtype=torch.float64)
+    torch.testing.assert_close(hessian_vector(grad, w, v, 1e-3), a @ v, rtol=1e-9, atol=1e-9)
+    alpha = 0.05
+    fo = a @ (w - alpha * (a @ w + b)) + b
+    hf = PerFedAvgRule(alpha, "hf", 1e-3).direction(w, grad, 0)
+    torch.testing.assert_close(hf, fo - alpha * a @ fo, rtol=1e-9, atol=1e-9)
+
+
+def test_apfl_rule_steps_v_and_alpha_as_the_paper():
+    a, b, _, grad = _quadratic()
+    v, w = torch.ones(2, 5, dtype=torch.float64), torch.zeros(2, 5, dtype=torch.float64)
+    w[1] = 0.5
+    alpha = torch.tensor([[0.25], [0.5]], dtype=torch.float64)
+    rule = APFLRule(alpha.clone(), w, alpha_lr=0.01)
+    d = rule.direction(v, grad, torch.tensor([0, 1]))
+    mix = alpha * v + (1 - alpha) * w
+    g = mix @ a + b
+    torch.testing.assert_close(d, alpha * g)  # line 6: grad_v f(vbar) = alpha grad f(vbar)
+    expect = (alpha - 0.01 * ((v - w) * g).sum(1, keepdim=True)).clamp(0, 1)  # Eq. 10
+    torch.testing.assert_close(rule.alpha, expect)
+
+
+def test_ditto_on_the_star_uses_the_decentralized_rule(monkeypatch):
+    algo = _algo(_pcfg("ditto_star", lam=0.3, personal_epochs=1))
+    seen = []
+    orig = algo.personal_trainer.train
+
+    def spy(starts, clients, r, *, rule, **kw):
+        seen.append(rule)
+        return orig(starts, clients, r, rule=rule, **kw)
+
+    monkeypatch.setattr(algo.personal_trainer, "train", spy)
+    x0 = algo.x.clone()
+    algo.run_round(0)
+    (rule,) = seen
+    assert type(rule) is ProximalRule and rule.lam == 0.3
+    assert torch.equal(rule.anchor, x0.expand(3, -1))  # anchored at the round's global model w^t
+
+
+# ---- backends, checkpoints, deployment, precision -------------------------------------------------------
+@pytest.mark.parametrize("alg", PERSONAL)
+def test_loop_and_vmap_agree(alg):
+    algos = [_algo({**_pcfg(alg), "backend": b}) for b in ("loop", "vmap")]
+    xs = [_rounds(a, 2) for a in algos]
+    torch.testing.assert_close(xs[0], xs[1], rtol=1e-5, atol=1e-6)
+    ps = [a.personal_models(2) for a in algos]
+    torch.testing.assert_close(ps[0], ps[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("alg", PERSONAL)
+def test_resume_continues_identically(alg, tmp_path):
+    cfg = {**_pcfg(alg), "rounds": 4}
+    full = fedweave.run(cfg, run_dir=tmp_path / "full")
+    cfg2 = {**cfg, "output": {**cfg["output"], "checkpoint_every": 2}}
+    fedweave.run({**cfg2, "rounds": 2}, run_dir=tmp_path / "part")
+    resumed = run_config(load(cfg2), run_dir=tmp_path / "part", resume=True)
+    assert torch.equal(resumed.algorithm.x, full.algorithm.x)
+    assert torch.equal(resumed.algorithm.personal_models(4), full.algorithm.personal_models(4))
+    assert resumed.summary["final"]["test_accuracy_personal"] == full.summary["final"]["test_accuracy_personal"]
+
+
+@pytest.mark.parametrize("alg", PERSONAL)
+def test_personalized_methods_are_refused_for_deployment_with_one_line(alg):
+    why = unsupported(alg, "centralized", "stop")
+    assert why is not None and why.startswith(f"algorithm {alg!r} (centralized) cannot be deployed on Flower yet: ")
+    assert "\n" not in why
+    assert unsupported("fedavg", "centralized", "stop") is None
+
+
+@pytest.mark.parametrize("alg", ["apfl", "pfedme"])
+def test_rules_that_keep_client_state_refuse_the_out_of_process_backends(alg):
+    with pytest.raises(ConfigError, match=f"algorithm {alg} .* backend pool .* choose backend loop or vmap"):
+        _algo({**_pcfg(alg), "backend": "pool"})
+
+
+def test_every_personalized_method_is_a_registered_personal_star():
+    from fedweave.registry import ALGORITHMS
+
+    for alg in PERSONAL:
+        cls = ALGORITHMS.get(alg)
+        assert issubclass(cls, PersonalStar) and cls.family == "centralized"
+    assert issubclass(ALGORITHMS.get("fedbn"), PartialSharing)
+
+
+# ---- each client's own test set ----------------------------------------------------------------------
+def test_holdout_split_is_a_per_client_75_25_split():
+    parts = [np.arange(0, 10), np.arange(10, 13), np.arange(13, 13)]
+    train, test = holdout_split(parts, 0.25, np.random.default_rng(0))
+    assert [len(t) for t in train] == [7, 2, 0] and [len(t) for t in test] == [3, 1, 0]
+    for p, a, b in zip(parts, train, test):
+        assert not set(a) & set(b) and sorted([*a, *b]) == list(p)
+
+
+def test_eval_holdout_trains_without_and_evaluates_on_the_clients_own_samples(tmp_path):
+    base = _pcfg("fedper")
+    plain = _algo(base).ctx
+    held = _algo({**base, "eval": {"holdout": 0.25}}).ctx
+    x, y, parts = held.personal_test_set()
+    assert x is held.dataset.train_x and y is held.dataset.train_y
+    for whole, train, test in zip(plain.partition, held.partition, parts):
+        assert len(test) == len(whole) - int(0.75 * len(whole))
+        assert sorted([*train, *test]) == sorted(whole) and not set(train) & set(test)
+    # without it the per-client test sets come from the test split, as eval.personal_test's always did
+    x, _, parts = plain.personal_test_set()
+    assert x is plain.dataset.test_x and all(np.array_equal(a, b) for a, b in zip(parts, plain.personal_test_parts()))
+    res = fedweave.run({**base, "rounds": 1, "eval": {"holdout": 0.25}}, run_dir=tmp_path / "r")
+    assert {"test_accuracy", "test_accuracy_personal", "test_accuracy_personal_min"} <= set(res.summary["final"])
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1])
+def test_a_bad_holdout_names_the_key(bad):
+    with pytest.raises(ConfigError, match=r"^eval.holdout must be in \[0, 1\)"):
+        load({**_pcfg("fedper"), "eval": {"holdout": bad}})
+
+
+def test_vmap_refuses_batch_norm_with_padded_batches_and_agrees_with_loop_on_full_ones():
+    cfg = {**_pcfg("fedbn", {"name": "cnn_fmnist", "norm": "batch"}), "dataset": {"name": "digits", "as_image": True}}
+    ragged = {**cfg, "backend": "vmap", "local": {"epochs": 1, "batch_size": 16, "lr": 0.1}}
+    with pytest.raises(ConfigError, match="^backend: vmap pads short local batches .* set local.steps"):
+        _algo(ragged)
+    algos = [_algo({**cfg, "backend": b}) for b in ("loop", "vmap")]  # local.steps: every batch full
+    xs = [_rounds(a, 2) for a in algos]
+    torch.testing.assert_close(xs[0], xs[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(algos[0].personal_models(2), algos[1].personal_models(2), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("alg", ["fedper", "fedrep", "lg_fedavg"])
+def test_a_model_without_a_head_is_refused_with_one_line(alg):
+    with pytest.raises(ConfigError, match=f"^algorithm {alg} splits the model into a body and a head, but Sequential"):
+        _algo(_pcfg(alg, {"name": "_bn_running"}))
+
+
+def test_eval_holdout_applies_to_the_decentralized_family_too(tmp_path, monkeypatch):
+    import fedweave.algorithms.decentralized.base as graph
+
+    seen = []
+    real = graph.evaluate_clients
+
+    def spy(layout, models, x, y, parts, batch_size):
+        seen.append((x, parts))
+        return real(layout, models, x, y, parts, batch_size)
+
+    monkeypatch.setattr(graph, "evaluate_clients", spy)
+    cfg = {**_pcfg("local"), "rounds": 1, "eval": {"holdout": 0.25}}
+    cfg["algorithm"] = {"name": "local"}
+    algo = fedweave.run(cfg, run_dir=tmp_path / "r").algorithm
+    held = algo.ctx.personal_test_set()[2]
+    assert [len(p) for p in algo.trainer.parts] == [len(p) for p in algo.ctx.partition]
+    assert all(not set(a.tolist()) & set(b) for a, b in zip(algo.trainer.parts, held))
+    (x, parts), *_ = seen
+    assert x is algo.ctx.dataset.train_x and parts is held  # the clients' own held-out samples
+
+
+@pytest.mark.parametrize("alg", [a for a in PERSONAL if a != "perfedavg"])
+def test_under_dropout_only_the_reporting_clients_personal_models_change(alg):
+    cfg = {**_pcfg(alg), "faults": {"dropout": 0.5}}
+    algo = _algo(cfg)
+    before = algo.store.state_dict()
+    sampled = algo.sample_clients(0)
+    reported = algo.reporting(0, sampled)
+    assert 0 < len(reported) < len(sampled)  # this seed drops some but not all
+    metrics = algo.run_round(0)
+    assert metrics["reported_clients"] == len(reported)
+    changed = {int(c) for c in np.flatnonzero((algo.store["personal"] != before["personal"]).any(1).numpy())}
+    assert changed and changed <= set(reported.tolist())
