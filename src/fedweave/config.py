@@ -318,7 +318,7 @@ class FaultsConfig:
     server_miss: float = 0.0  # P(an edge server misses a round), per server and round (confederated)
     # Byzantine clients (fedweave.robust, docs/robustness.md): {fraction: 0.2 | clients: [ids], attack: NAME,
     # ...the attack's options}; null = none
-    byzantine: dict[str, Any] | None = None
+    byzantine: dict | None = None
 
     def validate(self) -> None:
         """Check the ``faults`` section; raise a :class:`ConfigError` naming the first bad key and what it allows."""
