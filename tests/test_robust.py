@@ -328,3 +328,24 @@ def test_list_shows_aggregators_and_attacks(capsys):
     out = capsys.readouterr().out
     assert "aggregators: bulyan, centered_clipping, geometric_median, krum, mean, median" in out
     assert "attacks: alie, gaussian, ipm, label_flip, min_max, scaled, sign_flip" in out
+
+
+# ---- docs/robustness.md ------------------------------------------------------------------------------------
+
+
+def test_the_committed_table_rebuilds_from_the_committed_records_byte_for_byte(tmp_path):
+    from pathlib import Path
+
+    from fedweave.robust.report import main, read_records, table
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    rows = read_records(docs / "robustness" / "records.csv")
+    committed = (docs / "robustness" / "table.md").read_text()
+    assert table(rows) == committed
+    assert main(["--records", str(docs / "robustness" / "records.csv"), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "table.md").read_text() == committed and (tmp_path / "accuracy.png").stat().st_size > 0
+    assert committed in (docs / "robustness.md").read_text()  # the page shows the table it was built from
+    # every aggregator and attack of the registries is in the records, 3 seeds each
+    assert {r["aggregator"] for r in rows} == set(AGGREGATORS.names()) - {"multi_krum"}
+    assert {r["attack"] for r in rows} - {"none"} == set(ATTACKS.names())
+    assert {r["seed"] for r in rows} == {"0", "1", "2"}
