@@ -213,6 +213,18 @@ def test_attackers_come_from_the_seed_and_label_flip_poisons_only_their_samples(
     assert torch.equal(y, torch.tensor([0, 1, 2, 3, 4, 5]))  # the dataset is untouched
 
 
+def test_label_flip_attackers_train_on_flipped_labels_in_a_run(toy_config):
+    from fedweave.algorithms.base import RunContext, build_algorithm
+
+    cfg = load(_cfg(toy_config, faults={"byzantine": {"clients": [0, 3], "attack": "label_flip"}}))
+    ctx = RunContext(cfg)
+    algo = build_algorithm(ctx)
+    y, got = ctx.dataset.train_y, algo.trainer.train_y.cpu()
+    bad = np.concatenate([ctx.partition[0], ctx.partition[3]])
+    good = np.setdiff1d(np.arange(len(y)), bad)
+    assert torch.equal(got[bad], 3 - y[bad]) and torch.equal(got[good], y[good])  # 4 classes: c -> 3 - c
+
+
 def test_stage_replaces_only_the_attackers_rows():
     cfg = load({"faults": {"byzantine": {"clients": [2, 5], "attack": "sign_flip"}}})
     stage = RobustStage(cfg, Seeds(0), 8)
