@@ -88,6 +88,14 @@ def test_krum_picks_an_honest_update_within_n_gt_2f_plus_2(n, f):
     torch.testing.assert_close(AGGREGATORS.get("multi_krum")()(u, _uniform(n), f), want, rtol=1e-14, atol=1e-14)
 
 
+def test_multi_krum_takes_n_minus_f_of_each_rounds_updates():
+    agg = AGGREGATORS.get("multi_krum")()
+    u, honest = _honest_and_byzantine(12, 2)
+    torch.testing.assert_close(agg(u, _uniform(12), 2), u[sorted(honest)].mean(0), rtol=1e-14, atol=1e-14)
+    small, honest = _honest_and_byzantine(8, 2, seed=1)  # a smaller round after a larger one is no refusal
+    torch.testing.assert_close(agg(small, _uniform(8), 2), small[sorted(honest)].mean(0), rtol=1e-14, atol=1e-14)
+
+
 def test_krum_scores_by_hand():
     u = torch.tensor([[0.0], [1.0], [3.0], [10.0]], dtype=F64)
     # n = 4, f = 0: n - f - 2 = 2 nearest: 0 -> 1 + 9, 1 -> 1 + 4, 3 -> 4 + 9, 10 -> 49 + 81
@@ -234,6 +242,7 @@ def test_stage_replaces_only_the_attackers_rows():
     x = _rows(1, 3, seed=9)[0]  # rows that are models: the attack acts on y_i - x
     out = stage.attack(0, np.array([1, 2, 4, 5]), u, x)
     torch.testing.assert_close(out[1], x - (u[1] - x))
+    assert torch.equal(out[[0, 2]], u[[0, 2]])  # honest models untouched, bit for bit
     assert stage.metrics() == {"byzantine_clients": 2.0}
 
 

@@ -150,11 +150,15 @@ class Krum(Aggregator):
         return max(2 * f + 3, self.m)
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        return self.best(updates, f, self.m)
+
+    @staticmethod
+    def best(updates: torch.Tensor, f: int, m: int) -> torch.Tensor:
+        """Krum's choice (``m`` 1), or the mean of the ``m`` best-scored updates (ties: the earlier row)."""
         scores = krum_scores(updates, f)
-        if self.m == 1:
+        if m == 1:
             return updates[int(scores.argmin())]
-        best = scores.argsort(stable=True)[: self.m]
-        return updates[best].mean(0)
+        return updates[scores.argsort(stable=True)[:m]].mean(0)
 
 
 @AGGREGATORS.register("multi_krum")
@@ -168,8 +172,7 @@ class MultiKrum(Krum):
         self.m_given = m
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
-        self.m = self.m_given if self.m_given is not None else len(updates) - f
-        return super().reduce(updates, weights, f)
+        return self.best(updates, f, self.m_given if self.m_given is not None else len(updates) - f)
 
 
 @AGGREGATORS.register("bulyan")

@@ -136,9 +136,9 @@ class RobustStage:
         rows = updates - center if center is not None else updates
         info = AttackInfo(r, np.asarray(clients)[bad], len(clients), self.seeds)
         sent = self.attack_fn(rows[idx], rows[good], info).to(rows.dtype)
-        out = rows.clone()
-        out[idx] = sent
-        return out + center if center is not None else out
+        out = updates.clone()  # the honest rows exactly as they were
+        out[idx] = sent + center if center is not None else sent
+        return out
 
     def check_round(self, n: int) -> None:
         """Refuse, before the first round, a round of ``n`` updates that the aggregator's bound rules out."""
