@@ -370,3 +370,22 @@ def test_the_committed_table_rebuilds_from_the_committed_records_byte_for_byte(t
     assert {r["aggregator"] for r in rows} == set(AGGREGATORS.names()) - {"multi_krum"}
     assert {r["attack"] for r in rows} - {"none"} == set(ATTACKS.names())
     assert {r["seed"] for r in rows} == {"0", "1", "2"}
+
+
+def test_bad_robustness_input_on_the_command_line_is_one_error_line(toy_config, tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(_cfg(toy_config, aggregator={"name": "krum", "f": 4})))
+    assert cli_main(["run", str(path), "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "fedweave: error: aggregator 'krum' needs at least 11 client updates per round against f = 4 Byzantine ones "
+        "(got 8); lower aggregator.f, raise algorithm.clients_per_round or choose another aggregator"
+    ]
+
+
+def test_a_round_that_dropouts_leave_below_the_bound_stops_the_run_with_one_line(toy_config, tmp_path):
+    cfg = _cfg(toy_config, aggregator={"name": "krum", "f": 2}, faults={"dropout": 0.5})  # n >= 7 of 8 needed
+    with pytest.raises(ConfigError, match=r"^aggregator 'krum' needs at least 7 client updates .* \(got [0-6]\)"):
+        fedweave.run(cfg, run_dir=tmp_path / "r")
