@@ -50,13 +50,15 @@ class Aggregator:
         return self.reduce(updates, weights, f)
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """The reduction of ``updates`` (``(n, d)``, weights summing to one, ``f`` Byzantine) to one ``(d,)``."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint carries of a stateful aggregator (nothing for a stateless one)."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        """Restore what :meth:`state_dict` gave."""
 
 
 @AGGREGATORS.register("mean")
@@ -66,6 +68,7 @@ class Mean(Aggregator):
     name = "mean"
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """``weights @ updates``."""
         return weights @ updates
 
 
@@ -85,6 +88,7 @@ class Median(Aggregator):
     name = "median"
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """The coordinate-wise median of the rows."""
         return _median(updates.sort(0).values)
 
 
@@ -102,12 +106,14 @@ class TrimmedMean(Aggregator):
         self.beta = beta
 
     def trimmed(self, n: int, f: int) -> int:
+        """k, the values cut from each end of ``n``: ``floor(beta n)``, or ``f`` when ``beta`` is null."""
         return int(self.beta * n) if self.beta is not None else f
 
     def min_updates(self, f: int) -> int:
         return 2 * f + 1 if self.beta is None else 1
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """The coordinate-wise mean of the rows without the k largest and k smallest values."""
         n = len(updates)
         k = self.trimmed(n, f)
         if k == 0:  # nothing trimmed: the plain mean, in the same arithmetic as updates.mean(0)
@@ -150,6 +156,7 @@ class Krum(Aggregator):
         return max(2 * f + 3, self.m)
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """Krum's choice, or Multi-Krum's mean of the ``m`` best."""
         return self.best(updates, f, self.m)
 
     @staticmethod
@@ -172,6 +179,7 @@ class MultiKrum(Krum):
         self.m_given = m
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """The mean of the ``m`` best-scored rows (``n - f`` when ``m`` is null)."""
         return self.best(updates, f, self.m_given if self.m_given is not None else len(updates) - f)
 
 
@@ -187,6 +195,7 @@ class Bulyan(Aggregator):
         return 4 * f + 3
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """Krum selection of ``n - 2f`` rows, then the coordinate-wise mean of the ``n - 4f`` closest to the median."""
         n = len(updates)
         theta = n - 2 * f
         left = torch.arange(n, device=updates.device)
@@ -220,6 +229,7 @@ class GeometricMedian(Aggregator):
         self.iters, self.nu, self.tol = iters, nu, tol
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """The smoothed Weiszfeld iterations from the weighted mean."""
         origin = updates[0]
         z = updates - origin
         w = weights.to(z.dtype)
@@ -258,6 +268,7 @@ class CenteredClipping(Aggregator):
         self.center: torch.Tensor | None = None
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """``iters`` clipping steps from the last round's aggregate; the result is the next round's center."""
         v = self.center if self.center is not None else torch.zeros_like(updates[0])
         w = weights.to(updates.dtype)
         for _ in range(self.iters):
@@ -268,9 +279,11 @@ class CenteredClipping(Aggregator):
         return v
 
     def state_dict(self) -> dict[str, Any]:
+        """The center (the last aggregate), None before the first round."""
         return {"center": self.center}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the center."""
         self.center = state.get("center")
 
 

@@ -191,6 +191,7 @@ class MinMax(Attack):
         self.perturbation, self.gamma_init, self.tol = perturbation, gamma_init, tol
 
     def direction(self, known: torch.Tensor) -> torch.Tensor:
+        """The perturbation ``p`` of the configured kind, from the known (honest) updates."""
         mu = known.mean(0)
         if self.perturbation == "unit_vec":
             return mu / mu.norm()

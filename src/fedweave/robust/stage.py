@@ -120,6 +120,7 @@ class RobustStage:
 
     @property
     def stateful(self) -> bool:
+        """Whether the aggregator keeps state between rounds (then the checkpoint carries it)."""
         return self.aggregator.stateful
 
     def attack(self, r: int, clients: np.ndarray, updates: torch.Tensor, center: torch.Tensor | None) -> torch.Tensor:
@@ -167,9 +168,11 @@ class RobustStage:
         return {"byzantine_clients": float(self.last_byzantine)} if self.attack_fn is not None else {}
 
     def state_dict(self) -> dict[str, Any]:
+        """The aggregator's state (a checkpoint's ``robust`` entry)."""
         return self.aggregator.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the aggregator's state."""
         self.aggregator.load_state_dict(state)
 
 
