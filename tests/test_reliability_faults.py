@@ -117,7 +117,7 @@ def test_a_fault_the_algorithm_does_not_handle_is_refused(toy_config, tmp_path):
     with pytest.raises(ConfigError, match=r"faults\.dropout.*'_fedavg_no_faults' does not handle"):
         fedweave.run(cfg, run_dir=tmp_path / "r")
     cfg = _cfg(toy_config, "fedavg", {"link_loss": 0.2})
-    with pytest.raises(ConfigError, match=r"faults\.link_loss.*handles: deadline, dropout"):
+    with pytest.raises(ConfigError, match=r"faults\.link_loss.*handles: byzantine, deadline, dropout"):
         fedweave.run(cfg, run_dir=tmp_path / "r")
 
 

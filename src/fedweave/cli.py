@@ -57,7 +57,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_list(args: argparse.Namespace) -> int:
     import fedweave.callbacks  # noqa: F401  (registers the built-in callbacks)
     from fedweave.config import examples
-    from fedweave.registry import ALGORITHMS, CALLBACKS, DATASETS, MODELS, PARTITIONERS, SAMPLERS
+    from fedweave.registry import AGGREGATORS, ALGORITHMS, ATTACKS, CALLBACKS, DATASETS, MODELS, PARTITIONERS, SAMPLERS
     from fedweave.reproduce import available
     from fedweave.tasks import LOSSES, METRICS
 
@@ -70,6 +70,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
         ("metrics", METRICS),
         ("samplers", SAMPLERS),
         ("callbacks", CALLBACKS),
+        ("aggregators", AGGREGATORS),  # robustness: the aggregator section
+        ("attacks", ATTACKS),  # robustness: faults.byzantine.attack
     ):
         print(f"{title}: {', '.join(reg.names())}")
     print(f"reproductions: {', '.join(available())}")
@@ -280,7 +282,9 @@ def parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=_cmd_run)
 
     ls = sub.add_parser(
-        "list", help="list algorithms, datasets, models, partitioners, losses, metrics, samplers, reproductions"
+        "list",
+        help="list algorithms, datasets, models, partitioners, losses, metrics, samplers, aggregators, attacks, "
+        "reproductions",
     )
     ls.set_defaults(fn=_cmd_list)
 

@@ -324,6 +324,9 @@ class FaultsConfig:
     straggler_policy: Literal["drop", "late"] = "drop"  # late clients are dropped, or arrive in a later round
     link_loss: float = 0.0  # P(a peer link is down), per link and round (decentralized)
     server_miss: float = 0.0  # P(an edge server misses a round), per server and round (confederated)
+    # Byzantine clients (fedweave.robust, docs/robustness.md): {fraction: 0.2 | clients: [ids], attack: NAME,
+    # ...the attack's options}; null = none
+    byzantine: dict | None = None
 
     def validate(self) -> None:
         """Check the ``faults`` section; raise a :class:`ConfigError` naming the first bad key and what it allows."""
@@ -340,6 +343,30 @@ class FaultsConfig:
             v = getattr(self, key)
             if not 0.0 <= v < math.inf:
                 raise ConfigError(f"faults.{key} must be a finite number >= 0, got {v}")
+        if self.byzantine is not None:
+            _check_byzantine(self.byzantine)
+
+
+def _check_byzantine(spec: dict[str, Any]) -> None:
+    """``faults.byzantine``: exactly one of ``fraction`` (in [0, 1)) and ``clients`` (ids >= 0), and an
+    ``attack`` name (checked with its options against the ATTACKS registry when the run is built)."""
+    where = "faults.byzantine"
+    for k in spec:
+        if not isinstance(k, str):
+            raise ConfigError(f"{where}: option names must be strings, got {k!r}")
+    has_fraction, has_clients = spec.get("fraction") is not None, spec.get("clients") is not None
+    if has_fraction == has_clients:
+        raise ConfigError(f"{where}: give exactly one of fraction (a share of the clients) and clients (a list of ids)")
+    if has_fraction:
+        v = spec["fraction"]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
+            raise ConfigError(f"{where}.fraction must be a number in [0, 1), got {v!r}")
+    else:
+        ids = spec["clients"]
+        if not isinstance(ids, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in ids):
+            raise ConfigError(f"{where}.clients must be a list of client ids (integers >= 0), got {ids!r}")
+    if not isinstance(spec.get("attack"), str):
+        raise ConfigError(f"{where}.attack must be an attack's name (fedweave list), got {spec.get('attack')!r}")
 
 
 @dataclass
@@ -442,6 +469,9 @@ class RunConfig:
     algorithm: Section = field(default_factory=lambda: Section("fedavg"))
     # who takes part in each round (fedweave.topology.samplers): uniform, bernoulli, fixed, schedule, ...
     sampler: Section = field(default_factory=lambda: Section("uniform"))
+    # the server's reduction of the round's client updates (fedweave.robust): mean (the weighted mean), median,
+    # trimmed_mean, krum, bulyan, geometric_median, centered_clipping, ...
+    aggregator: Section = field(default_factory=lambda: Section("mean"))
     local: LocalConfig = field(default_factory=LocalConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
@@ -661,7 +691,7 @@ def _section(data: Any, key: str) -> Section:
     return Section(name, opts)
 
 
-SECTION_KEYS = ("dataset", "partition", "model", "algorithm", "sampler")
+SECTION_KEYS = ("dataset", "partition", "model", "algorithm", "sampler", "aggregator")
 
 
 def from_dict(data: dict[str, Any]) -> RunConfig:

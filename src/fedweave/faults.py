@@ -29,7 +29,7 @@ from fedweave.config import ConfigError, FaultsConfig
 from fedweave.seeding import Seeds
 
 # The kinds a family can declare it handles (``handles_faults`` on the algorithm class).
-KINDS = ("dropout", "deadline", "late", "link_loss", "server_miss")
+KINDS = ("dropout", "deadline", "late", "link_loss", "server_miss", "byzantine")
 # The config keys that switch each kind on (named in errors).
 KEYS = {
     "dropout": "faults.dropout / faults.outage_rounds",
@@ -37,6 +37,7 @@ KEYS = {
     "late": "faults.deadline (straggler_policy: late)",
     "link_loss": "faults.link_loss",
     "server_miss": "faults.server_miss",
+    "byzantine": "faults.byzantine",  # attackers and their attack: fedweave.robust
 }
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -71,6 +72,8 @@ class Faults:
             out.add("link_loss")
         if c.server_miss > 0:
             out.add("server_miss")
+        if c.byzantine:
+            out.add("byzantine")
         return out
 
     def require_handled(self, algorithm: str, handles: Iterable[str]) -> None:

@@ -91,6 +91,12 @@ RULES = Registry("local rule")  # LocalRule classes
 CLIENT_STEPS = Registry("client step")  # ClientStep classes (clients with state of their own)
 RULE_PARTS = Registry("rule part")  # objects a rule holds besides tensors and scalars (a projection)
 LR_SCHEDULES = Registry("learning-rate schedule")  # a local learning rate that is a function of the step
+# ---- robustness (fedweave.robust, docs/robustness.md) ----
+#: The server reductions of the ``aggregator`` section (each a :class:`~fedweave.robust.aggregators.Aggregator`).
+AGGREGATORS = Registry("aggregator")
+#: The Byzantine attacks of ``faults.byzantine.attack`` (each a :class:`~fedweave.robust.attacks.Attack`).
+ATTACKS = Registry("attack")
+# ---- end robustness ----
 
 # The algorithm families, each a subpackage of fedweave.algorithms whose ``__init__`` imports every method
 # module of its family (which registers itself at its definition): the registry knows the families, the
@@ -105,6 +111,7 @@ BUILTIN_MODULES = (
     "fedweave.data.augment",
     "fedweave.models",
     "fedweave.topology.samplers",
+    "fedweave.robust",
     *(f"fedweave.algorithms.{family}" for family in ALGORITHM_FAMILIES),
 )
 _pending: list[str] | None = None  # the built-in modules not imported yet

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import torch
 
-from fedweave import __version__
+from fedweave import __version__, robust
 from fedweave.algorithms.base import Algorithm, RunContext, build_algorithm
 from fedweave.byo import RunObjects
 from fedweave.callbacks import Callback, CallbackList, RunState, default_callbacks
@@ -187,6 +187,7 @@ def _check_faults(config: RunConfig) -> None:
     Faults(config.faults, Seeds(config.seed)).require_handled(
         config.algorithm.name, getattr(ALGORITHMS.get(config.algorithm.name), "handles_faults", ())
     )
+    robust.check(config, ALGORITHMS.get(config.algorithm.name))  # the attack and the aggregator (robustness)
     late = [r for r in config.faults.outage_rounds if r > config.rounds]
     if late:  # allowed (a fault switched on that hits nobody), but rarely meant
         log.warning("faults.outage_rounds %s are after the last round (%d) and never happen", late, config.rounds)

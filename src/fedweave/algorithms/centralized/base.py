@@ -22,6 +22,7 @@ from typing import ClassVar, Literal
 import numpy as np
 import torch
 
+from fedweave import robust
 from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights, make_trainer
 from fedweave.config import ConfigError, Section
 from fedweave.execution import (
@@ -131,7 +132,10 @@ class StarAlgorithm(Algorithm):
     regularize_in_rule: ClassVar[bool] = False
     # Injected faults (fedweave.faults) the round template handles; the runner refuses the others. A
     # subclass that writes its own run_round declares what that handles.
-    handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "deadline")
+    handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "deadline", "byzantine")
+    robust_aggregation: ClassVar[bool] = True  # the aggregator section applies (fedweave.robust)
+    # True where client_updates are the local models, not their displacement (an attack acts on y_i - x_t)
+    updates_are_models: ClassVar[bool] = False
     uplink: ClassVar[str] = "model"  # the ledger kind of each reporting client's upload
     state_fields = ("x",)  # the global model; a method adds its server state
 
@@ -152,6 +156,8 @@ class StarAlgorithm(Algorithm):
             ctx, hp.clients_per_round, default=_aliased_sampler(ctx, hp), context=self.client_history.context
         )
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
+        # robustness: Byzantine attack and robust aggregator (None without either: the plain template)
+        self.robust = robust.build(ctx.config, ctx.seeds, n, hp.clients_per_round)
 
     def state_dict(self) -> dict:
         out = super().state_dict()
@@ -159,13 +165,18 @@ class StarAlgorithm(Algorithm):
             out["client_state"] = self.store.state_dict()
         if self.sampler.reads_context:  # only then: the other runs' checkpoints keep their keys
             out["sampler_context"] = self.client_history.state_dict()
+        if self.robust is not None and self.robust.stateful:  # a stateful aggregator's state (robustness)
+            out["robust"] = self.robust.state_dict()
         return out
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
         clients = state.pop("client_state", None)
         history = state.pop("sampler_context", None)
+        robust_state = state.pop("robust", None)
         super().load_state_dict(state)
+        if robust_state is not None and self.robust is not None:
+            self.robust.load_state_dict(robust_state)
         if history is not None:
             self.client_history.load_state_dict(history)
         if clients is not None and self.store is not None:
@@ -194,8 +205,12 @@ class StarAlgorithm(Algorithm):
             return self.fault_metrics(clients)  # nobody reported: all state stays as it was
         got = self.train_clients(r, clients)
         self.receive(r, clients, self.uplink, *(tuple(got.upload.values()) or (got.local.params,)))
-        self.server_update(self.aggregate(self.client_updates(got), got.weights), got)
-        return {**self.local_metrics(got.local, got.weights), **self.fault_metrics(clients)}
+        updates = self.client_updates(got)
+        if self.robust is not None:  # 1. attack: Byzantine clients replace their updates (robustness)
+            updates = self.robust.attack(r, got.clients, updates, self.x if self.updates_are_models else None)
+        self.server_update(self.aggregate(updates, got.weights), got)
+        out = {**self.local_metrics(got.local, got.weights), **self.fault_metrics(clients)}
+        return {**out, **self.robust.metrics()} if self.robust is not None else out
 
     def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:
         """What the server sends each recipient this round: ledger kind -> tensors (one message each, in
@@ -234,6 +249,8 @@ class StarAlgorithm(Algorithm):
         The one place where the collected updates become the aggregate, so that the stages between them
         (DP clipping, robust aggregation, DP noise) plug in here, for every method at once.
         """
+        if self.robust is not None:  # 4. reduction: the robust aggregator (robustness)
+            return self.robust.aggregate(updates, weights)
         return weights @ updates
 
     @abstractmethod

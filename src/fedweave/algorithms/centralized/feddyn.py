@@ -66,6 +66,7 @@ class FedDyn(StarAlgorithm):
     name = "feddyn"
     Hparams = FedDynHparams
     state_fields = (*StarAlgorithm.state_fields, "h")
+    updates_are_models = True  # the server averages the local models (an attack acts on theta_i - x_t)
 
     def __init__(self, ctx, hp: FedDynHparams) -> None:
         super().__init__(ctx, hp)

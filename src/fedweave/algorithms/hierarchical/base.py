@@ -27,6 +27,7 @@ from typing import ClassVar, Literal
 import numpy as np
 import torch
 
+from fedweave import robust
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, choose_backend, evaluate_task
@@ -458,8 +459,27 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
 
     Hparams = AveragingHparams
     handles_faults = ("dropout", "deadline")
+    robust_aggregation: ClassVar[bool] = True  # the aggregator section applies to the server step (robustness)
     downlink: ClassVar[tuple[str, int]] = ("model", 1)  # ledger kind, and models' worth of bytes per message
     uplink: ClassVar[tuple[str, int]] = ("model", 1)
+
+    def __init__(self, ctx: RunContext, hp: AveragingHparams) -> None:
+        super().__init__(ctx, hp)
+        # a robust aggregator; None: the mean
+        self.robust = robust.build(ctx.config, ctx.seeds, self.m, len(self.jobs_of(np.arange(self.k))))
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        if self.robust is not None and self.robust.stateful:  # a stateful aggregator's state (robustness)
+            out["robust"] = self.robust.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        robust_state = state.pop("robust", None)
+        super().load_state_dict(state)
+        if robust_state is not None and self.robust is not None:
+            self.robust.load_state_dict(robust_state)
 
     def run_round(self, r: int) -> dict[str, float]:
         kind, size = self.downlink
@@ -470,7 +490,10 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
         got = self.train_jobs(r, clients, jobs)
         kind, size = self.uplink
         self.receive(r, clients, kind, size * nbytes(self.x))
-        self.server_update(self.aggregate(self.client_updates(got), got.weights), got)
+        updates = self.client_updates(got)
+        if self.robust is not None:  # robustness: records the round (no attack: faults.byzantine is refused here)
+            updates = self.robust.attack(r, got.jobs, updates, None)
+        self.server_update(self.aggregate(updates, got.weights), got)
         p, loss = got.weights, got.local.loss
         train_loss = float(p @ loss) if p is not None else float(loss.mean())
         return {"train_loss": train_loss, **self.counters(r, jobs), **self.fault_metrics(clients)}
@@ -532,6 +555,9 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
     def aggregate(self, updates: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         """The server step's reduction of the collected updates to one: the weighted mean, or the plain mean.
         The one place where DP clipping, robust aggregation and DP noise plug in."""
+        if self.robust is not None:  # the robust aggregator (robustness); None weights: the plain mean
+            w = weights if weights is not None else torch.full((len(updates),), 1 / len(updates), dtype=updates.dtype)
+            return self.robust.aggregate(updates, w.to(updates.device))
         return weights @ updates if weights is not None else updates.mean(0)
 
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:

@@ -116,8 +116,10 @@ class HierScaffold(AveragingAlgorithm):
         self.c = self.c + got.upload["dc"].sum(0) / (self.m + (self.hp.server_data == "client"))
 
     def state_dict(self) -> dict:
-        return {"x": self.x, "c": self.c, "c_i": self.store["c"].clone()}
+        return {**super().state_dict(), "c": self.c, "c_i": self.store["c"].clone()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.x, self.c = state["x"].clone(), state["c"].clone()
-        self.store["c"].copy_(state["c_i"])
+        state = dict(state)
+        self.c, c_i = state.pop("c").clone(), state.pop("c_i")
+        self.store["c"].copy_(c_i)
+        super().load_state_dict({**state, "x": state["x"].clone()})

@@ -1,0 +1,301 @@
+"""Robust aggregators: the server's reduction of a round's client updates to one (``aggregator:`` section).
+
+Each is registered in :data:`fedweave.registry.AGGREGATORS` and called as ``agg(updates, weights, f)`` with
+``updates`` the ``(n, d)`` rows of the round's reporting clients, ``weights`` their aggregation weights
+(summing to one) and ``f`` the number of Byzantine updates the server guards against. The options of the
+section are the keyword arguments of the class. ``mean`` (the weighted mean) is the default and is exactly the
+star template's own reduction.
+
+Weights: the weighted mean, the geometric median and centered clipping use the aggregation weights (their
+papers state them weighted); the order statistics (median, trimmed mean, Krum, Bulyan) treat every update
+alike, as their papers do.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from fedweave.config import ConfigError
+from fedweave.registry import AGGREGATORS
+
+
+class Aggregator:
+    """A reduction of ``(n, d)`` client updates to one ``(d,)`` update.
+
+    ``stateful`` aggregators (centered clipping) keep state between rounds; :meth:`state_dict` is then what a
+    checkpoint carries."""
+
+    name: ClassVar[str] = ""
+    stateful: ClassVar[bool] = False
+
+    def min_updates(self, f: int) -> int:
+        """The fewest updates with which the aggregator is defined against ``f`` Byzantine ones."""
+        return 1
+
+    def check(self, n: int, f: int) -> None:
+        """Refuse ``n`` updates with ``f`` Byzantine among them where the aggregator's bound fails (one line)."""
+        need = self.min_updates(f)
+        if n < need:
+            raise ConfigError(
+                f"aggregator {self.name!r} needs at least {need} client updates per round against f = {f} "
+                f"Byzantine ones (got {n}); lower aggregator.f, raise algorithm.clients_per_round or choose "
+                "another aggregator"
+            )
+
+    def __call__(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        self.check(len(updates), f)
+        return self.reduce(updates, weights, f)
+
+    def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """The reduction of ``updates`` (``(n, d)``, weights summing to one, ``f`` Byzantine) to one ``(d,)``."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint carries of a stateful aggregator (nothing for a stateless one)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` gave."""
+
+
+@AGGREGATORS.register("mean")
+class Mean(Aggregator):
+    """The weighted mean ``sum_i w_i u_i``: the star template's reduction, bit for bit (the default)."""
+
+    name = "mean"
+
+    def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """``weights @ updates``."""
+        return weights @ updates
+
+
+def _median(sorted_rows: torch.Tensor) -> torch.Tensor:
+    """The coordinate-wise median of rows sorted along dim 0: the middle value, or the mean of the two
+    middle ones for an even count (numpy's definition; torch.median would return the lower one)."""
+    n = len(sorted_rows)
+    if n % 2:
+        return sorted_rows[n // 2]
+    return (sorted_rows[n // 2 - 1] + sorted_rows[n // 2]) / 2
+
+
+@AGGREGATORS.register("median")
+class Median(Aggregator):
+    """Coordinate-wise median (Yin et al., ICML 2018)."""
+
+    name = "median"
+
+    def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """The coordinate-wise median of the rows."""
+        return _median(updates.sort(0).values)
+
+
+@AGGREGATORS.register("trimmed_mean")
+class TrimmedMean(Aggregator):
+    """Coordinate-wise trimmed mean (Yin et al., ICML 2018): per coordinate, drop the ``k`` largest and ``k``
+    smallest values and average the rest. ``beta``: the fraction cut from each end, ``k = floor(beta n)``
+    (scipy.stats.trim_mean's rule); null: ``k = f``."""
+
+    name = "trimmed_mean"
+
+    def __init__(self, beta: float | None = None) -> None:
+        if beta is not None and not 0.0 <= beta < 0.5:
+            raise ConfigError(f"aggregator.beta must be in [0, 0.5) (the fraction cut from each end), got {beta}")
+        self.beta = beta
+
+    def trimmed(self, n: int, f: int) -> int:
+        """k, the values cut from each end of ``n``: ``floor(beta n)``, or ``f`` when ``beta`` is null."""
+        return int(self.beta * n) if self.beta is not None else f
+
+    def min_updates(self, f: int) -> int:
+        return 2 * f + 1 if self.beta is None else 1
+
+    def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """The coordinate-wise mean of the rows without the k largest and k smallest values."""
+        n = len(updates)
+        k = self.trimmed(n, f)
+        if k == 0:  # nothing trimmed: the plain mean, in the same arithmetic as updates.mean(0)
+            return updates.mean(0)
+        return updates.sort(0).values[k : n - k].mean(0)
+
+
+def _sq_dists(updates: torch.Tensor) -> torch.Tensor:
+    """Pairwise squared Euclidean distances, computed from the differences (no ||a||^2 + ||b||^2 - 2ab
+    cancellation)."""
+    return torch.cdist(updates, updates, compute_mode="donot_use_mm_for_euclid_dist").pow(2)
+
+
+def krum_scores(updates: torch.Tensor, f: int) -> torch.Tensor:
+    """Krum's score of each update: the sum of squared distances to its ``n - f - 2`` nearest others
+    (Blanchard et al. 2017, Sec. 4); at least one neighbour while there are two updates."""
+    n = len(updates)
+    if n == 1:
+        return torch.zeros(1, dtype=updates.dtype, device=updates.device)
+    k = min(max(n - f - 2, 1), n - 1)
+    d = _sq_dists(updates)
+    d.fill_diagonal_(math.inf)  # not one's own neighbour
+    return d.topk(k, dim=1, largest=False).values.sum(1)
+
+
+@AGGREGATORS.register("krum")
+class Krum(Aggregator):
+    """Krum and Multi-Krum (Blanchard et al., NeurIPS 2017): the update with the smallest sum of squared
+    distances to its ``n - f - 2`` nearest neighbours; with ``m > 1`` (Multi-Krum) the mean of the ``m``
+    best-scored ones. Defined for ``n > 2f + 2``."""
+
+    name = "krum"
+
+    def __init__(self, m: int = 1) -> None:
+        if m < 1:
+            raise ConfigError(f"aggregator.m must be >= 1 (the updates Multi-Krum averages), got {m}")
+        self.m = m
+
+    def min_updates(self, f: int) -> int:
+        return max(2 * f + 3, self.m)
+
+    def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """Krum's choice, or Multi-Krum's mean of the ``m`` best."""
+        return self.best(updates, f, self.m)
+
+    @staticmethod
+    def best(updates: torch.Tensor, f: int, m: int) -> torch.Tensor:
+        """Krum's choice (``m`` 1), or the mean of the ``m`` best-scored updates (ties: the earlier row)."""
+        scores = krum_scores(updates, f)
+        if m == 1:
+            return updates[int(scores.argmin())]
+        return updates[scores.argsort(stable=True)[:m]].mean(0)
+
+
+@AGGREGATORS.register("multi_krum")
+class MultiKrum(Krum):
+    """Multi-Krum (Blanchard et al. 2017): the mean of the ``m`` best-scored updates; ``m`` null: ``n - f``."""
+
+    name = "multi_krum"
+
+    def __init__(self, m: int | None = None) -> None:
+        super().__init__(1 if m is None else m)
+        self.m_given = m
+
+    def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """The mean of the ``m`` best-scored rows (``n - f`` when ``m`` is null)."""
+        return self.best(updates, f, self.m_given if self.m_given is not None else len(updates) - f)
+
+
+@AGGREGATORS.register("bulyan")
+class Bulyan(Aggregator):
+    """Bulyan (El Mhamdi et al., ICML 2018): select ``theta = n - 2f`` updates by Krum applied again and again
+    to the remaining ones, then per coordinate average the ``beta = theta - 2f`` selected values closest to
+    their median. Defined for ``n >= 4f + 3``."""
+
+    name = "bulyan"
+
+    def min_updates(self, f: int) -> int:
+        return 4 * f + 3
+
+    def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """Krum selection of ``n - 2f`` rows, then the coordinate-wise mean of the ``n - 4f`` closest to the median."""
+        n = len(updates)
+        theta = n - 2 * f
+        left = torch.arange(n, device=updates.device)
+        chosen = []
+        for _ in range(theta):
+            best = int(krum_scores(updates[left], f).argmin())
+            chosen.append(left[best])
+            left = torch.cat([left[:best], left[best + 1 :]])
+        sel = updates[torch.stack(chosen)]
+        beta = theta - 2 * f
+        med = _median(sel.sort(0).values)
+        closest = (sel - med).abs().argsort(dim=0, stable=True)[:beta]
+        return sel.gather(0, closest).mean(0)
+
+
+@AGGREGATORS.register("geometric_median")
+class GeometricMedian(Aggregator):
+    """The weighted geometric median ``argmin_v sum_i w_i ||v - u_i||`` by the smoothed Weiszfeld algorithm of
+    RFA (Pillutla, Kakade & Harchaoui, IEEE TSP 2022, Alg. 3): ``v <- sum_i b_i u_i / sum_i b_i`` with
+    ``b_i = w_i / max(nu, ||v - u_i||)``, from the weighted mean, for at most ``iters`` iterations or until the
+    objective improves by less than ``tol`` (relative). Computed relative to the first update, so identical
+    updates give that update exactly."""
+
+    name = "geometric_median"
+
+    def __init__(self, iters: int = 100, nu: float = 1e-6, tol: float = 1e-7) -> None:
+        if iters < 1:
+            raise ConfigError(f"aggregator.iters must be >= 1, got {iters}")
+        if nu <= 0 or tol < 0:
+            raise ConfigError(f"aggregator.nu must be > 0 and aggregator.tol >= 0, got nu={nu}, tol={tol}")
+        self.iters, self.nu, self.tol = iters, nu, tol
+
+    def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """The smoothed Weiszfeld iterations from the weighted mean."""
+        origin = updates[0]
+        z = updates - origin
+        w = weights.to(z.dtype)
+        v = w @ z
+
+        def objective(v: torch.Tensor) -> float:
+            return float(w @ (z - v).norm(dim=1))
+
+        obj = objective(v)
+        for _ in range(self.iters):
+            b = w / (z - v).norm(dim=1).clamp_min(self.nu)
+            v = (b / b.sum()) @ z
+            new = objective(v)
+            done = abs(obj - new) <= self.tol * max(new, 1e-300)
+            obj = new
+            if done:
+                break
+        return origin + v
+
+
+@AGGREGATORS.register("centered_clipping")
+class CenteredClipping(Aggregator):
+    """Centered clipping (Karimireddy, He & Jaggi, ICML 2021, eq. 2): from the center ``v`` (the previous
+    round's aggregate, zero at first), ``iters`` times ``v <- v + sum_i w_i (u_i - v) min(1, tau/||u_i - v||)``.
+    The paper's clients send momentum; here the rows are whatever the method's clients send."""
+
+    name = "centered_clipping"
+    stateful = True
+
+    def __init__(self, tau: float = 1.0, iters: int = 1) -> None:
+        if not tau > 0:
+            raise ConfigError(f"aggregator.tau must be > 0 (the clipping radius), got {tau}")
+        if iters < 1:
+            raise ConfigError(f"aggregator.iters must be >= 1, got {iters}")
+        self.tau, self.iters = tau, iters
+        self.center: torch.Tensor | None = None
+
+    def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """``iters`` clipping steps from the last round's aggregate; the result is the next round's center."""
+        v = self.center if self.center is not None else torch.zeros_like(updates[0])
+        w = weights.to(updates.dtype)
+        for _ in range(self.iters):
+            diff = updates - v
+            scale = (self.tau / diff.norm(dim=1).clamp_min(torch.finfo(diff.dtype).tiny)).clamp(max=1.0)
+            v = v + (w * scale) @ diff
+        self.center = v.clone()
+        return v
+
+    def state_dict(self) -> dict[str, Any]:
+        """The center (the last aggregate), None before the first round."""
+        return {"center": self.center}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the center."""
+        self.center = state.get("center")
+
+
+def bucketed(updates: torch.Tensor, weights: torch.Tensor, size: int, perm: torch.Tensor):
+    """Bucketing (Karimireddy, He & Jaggi, ICLR 2022, Alg. 1): the updates in the random order ``perm``, split
+    into buckets of ``size`` consecutive ones (the last may be smaller); each bucket's weighted mean, and each
+    bucket's weight (the sum of its members', so the weights still sum to one)."""
+    u, w = updates[perm], weights[perm]
+    means, ws = [], []
+    for s in range(0, len(u), size):
+        ub, wb = u[s : s + size], w[s : s + size]
+        total = wb.sum()
+        means.append((wb / total) @ ub if float(total) > 0 else ub.mean(0))
+        ws.append(total)
+    return torch.stack(means), torch.stack(ws)

@@ -1,0 +1,219 @@
+"""Byzantine attacks (``faults.byzantine.attack``), registered in :data:`fedweave.registry.ATTACKS`.
+
+An attack is called once per round on the updates of the round's reporting attackers and returns what they
+send instead: ``attack(own, honest, info)`` with ``own`` the ``(a, d)`` updates the attackers computed
+honestly, ``honest`` the ``(h, d)`` updates of the round's honest clients and ``info`` the round, the
+attackers' ids, the round's number of updates and the run's seeds. The omniscient attacks (ALIE, IPM,
+Min-Max) read ``honest`` as their papers assume; in a round without an honest client they use the attackers'
+own updates (what they would compute on their own data). A data-poisoning attack (``label_flip``) trains on
+poisoned data and sends its update as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import ClassVar, Literal
+
+import numpy as np
+import torch
+
+from fedweave.config import ConfigError
+from fedweave.registry import ATTACKS
+from fedweave.seeding import Seeds
+
+
+@dataclass
+class AttackInfo:
+    """What an attack knows of its round besides the updates."""
+
+    round: int
+    attackers: np.ndarray  # the ids of the round's reporting attackers, in row order
+    n: int  # the round's reporting clients (attackers included)
+    seeds: Seeds
+
+
+class Attack:
+    """Base class: ``omniscient`` attacks read the honest updates; ``poisons_data`` ones change the labels the
+    attackers train on (:meth:`poison`) and send their update unchanged."""
+
+    name: ClassVar[str] = ""
+    omniscient: ClassVar[bool] = False
+    poisons_data: ClassVar[bool] = False
+
+    def __call__(self, own: torch.Tensor, honest: torch.Tensor, info: AttackInfo) -> torch.Tensor:
+        raise NotImplementedError
+
+    def poison(self, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+        """The labels an attacker trains on (a data-poisoning attack only)."""
+        return labels
+
+
+def _same_for_all(update: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """One malicious update sent by every attacker of the round (the omniscient attacks collude)."""
+    return update.expand_as(own).clone()
+
+
+def _known(own: torch.Tensor, honest: torch.Tensor) -> torch.Tensor:
+    """The updates an omniscient attacker reads: the honest ones, else (no honest client reported) its own."""
+    return honest if len(honest) else own
+
+
+@ATTACKS.register("sign_flip")
+class SignFlip(Attack):
+    """Sign flipping: send ``-scale * u`` for the honestly computed update ``u`` (Damaskinos et al. 2018;
+    Allen-Zhu et al. 2021; the "sign flipping" of Karimireddy et al. 2021)."""
+
+    name = "sign_flip"
+
+    def __init__(self, scale: float = 1.0) -> None:
+        if not scale > 0:
+            raise ConfigError(f"faults.byzantine.scale must be > 0, got {scale}")
+        self.scale = scale
+
+    def __call__(self, own: torch.Tensor, honest: torch.Tensor, info: AttackInfo) -> torch.Tensor:
+        return -self.scale * own
+
+
+@ATTACKS.register("gaussian")
+class Gaussian(Attack):
+    """Gaussian noise: send ``N(mean, std^2 I)`` in place of the update (the Gaussian Byzantine workers of
+    Blanchard et al. 2017, Sec. 5); the ``("byzantine_noise", round, client)`` seed stream."""
+
+    name = "gaussian"
+
+    def __init__(self, std: float = 1.0, mean: float = 0.0) -> None:
+        if not std > 0:
+            raise ConfigError(f"faults.byzantine.std must be > 0, got {std}")
+        self.std, self.mean = std, mean
+
+    def __call__(self, own: torch.Tensor, honest: torch.Tensor, info: AttackInfo) -> torch.Tensor:
+        rows = [
+            torch.randn(
+                own.shape[1], generator=info.seeds.torch("byzantine_noise", info.round, int(c)), dtype=own.dtype
+            )
+            for c in info.attackers
+        ]
+        return (self.mean + self.std * torch.stack(rows)).to(own.device)
+
+
+@ATTACKS.register("label_flip")
+class LabelFlip(Attack):
+    """Label flipping, a data-poisoning attack: the attackers train on labels ``c -> C - 1 - c`` (Fang et al.,
+    USENIX Security 2020; Tolpegin et al., ESORICS 2020) and send the update that training gives."""
+
+    name = "label_flip"
+    poisons_data = True
+
+    def __call__(self, own: torch.Tensor, honest: torch.Tensor, info: AttackInfo) -> torch.Tensor:
+        return own
+
+    def poison(self, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+        return num_classes - 1 - labels
+
+
+@ATTACKS.register("scaled")
+class Scaled(Attack):
+    """Boosted updates, the model replacement of Bagdasaryan et al. (AISTATS 2020, eq. 3): send ``gamma * u``
+    with ``gamma = boost``, null: the round's number of updates ``n`` (``n / eta`` with the server step 1), so
+    that the weighted mean is replaced by the attacker's model."""
+
+    name = "scaled"
+
+    def __init__(self, boost: float | None = None) -> None:
+        if boost is not None and not boost > 0:
+            raise ConfigError(f"faults.byzantine.boost must be > 0 or null (the round's clients), got {boost}")
+        self.boost = boost
+
+    def __call__(self, own: torch.Tensor, honest: torch.Tensor, info: AttackInfo) -> torch.Tensor:
+        return (self.boost if self.boost is not None else float(info.n)) * own
+
+
+def alie_z(n: int, f: int) -> float:
+    """ALIE's ``z_max`` (Baruch et al. 2019, Alg. 3): ``s = floor(n/2 + 1) - f`` supporters are needed, and
+    ``z = Phi^{-1}((n - s) / n)``."""
+    s = n // 2 + 1 - f
+    return NormalDist().inv_cdf((n - s) / n) if 0 < (n - s) / n < 1 else 0.0
+
+
+@ATTACKS.register("alie")
+class ALIE(Attack):
+    """A Little Is Enough (Baruch, Baruch & Goldberg, NeurIPS 2019): every attacker sends ``mu - z sigma``, the
+    coordinate-wise mean and standard deviation of the honest updates, with ``z`` from :func:`alie_z` (or
+    ``z`` given)."""
+
+    name = "alie"
+    omniscient = True
+
+    def __init__(self, z: float | None = None) -> None:
+        self.z = z
+
+    def __call__(self, own: torch.Tensor, honest: torch.Tensor, info: AttackInfo) -> torch.Tensor:
+        known = _known(own, honest)
+        z = self.z if self.z is not None else alie_z(info.n, len(own))
+        std = known.std(0, correction=1 if len(known) > 1 else 0)
+        return _same_for_all(known.mean(0) - z * std, own)
+
+
+@ATTACKS.register("ipm")
+class IPM(Attack):
+    """Inner-product manipulation (Xie, Koyejo & Gupta, UAI 2020): every attacker sends ``-eps`` times the
+    mean of the honest updates."""
+
+    name = "ipm"
+    omniscient = True
+
+    def __init__(self, eps: float = 0.1) -> None:
+        if not eps > 0:
+            raise ConfigError(f"faults.byzantine.eps must be > 0, got {eps}")
+        self.eps = eps
+
+    def __call__(self, own: torch.Tensor, honest: torch.Tensor, info: AttackInfo) -> torch.Tensor:
+        return _same_for_all(-self.eps * _known(own, honest).mean(0), own)
+
+
+@ATTACKS.register("min_max")
+class MinMax(Attack):
+    """Min-Max (Shejwalkar & Houmansadr, NDSS 2021, eq. 6): ``mu - gamma p``, with ``mu`` the honest mean,
+    ``p`` the perturbation (``unit_vec``: ``mu / ||mu||``; ``std``: the coordinate-wise standard deviation;
+    ``sign``: ``sign(mu)``) and the largest ``gamma`` found by the paper's halving search (from
+    ``gamma_init``, to ``tol``) for which the malicious update is no farther from any honest update than the
+    two farthest honest updates are from each other."""
+
+    name = "min_max"
+    omniscient = True
+
+    def __init__(
+        self, perturbation: Literal["unit_vec", "std", "sign"] = "unit_vec", gamma_init: float = 10.0, tol: float = 1e-5
+    ) -> None:
+        if not gamma_init > 0 or not tol > 0:
+            raise ConfigError(f"faults.byzantine.gamma_init and tol must be > 0, got {gamma_init}, {tol}")
+        self.perturbation, self.gamma_init, self.tol = perturbation, gamma_init, tol
+
+    def direction(self, known: torch.Tensor) -> torch.Tensor:
+        """The perturbation ``p`` of the configured kind, from the known (honest) updates."""
+        mu = known.mean(0)
+        if self.perturbation == "unit_vec":
+            return mu / mu.norm()
+        if self.perturbation == "std":
+            return known.std(0, correction=1 if len(known) > 1 else 0)
+        return mu.sign()
+
+    def gamma(self, known: torch.Tensor, p: torch.Tensor) -> float:
+        """The paper's search: step up by half the last step while the bound holds, down while it fails."""
+        mu = known.mean(0)
+        bound = torch.cdist(known, known).max()
+        gamma, step, good = self.gamma_init, self.gamma_init, 0.0
+        while abs(good - gamma) > self.tol:
+            if (known - (mu - gamma * p)).norm(dim=1).max() <= bound:
+                good = gamma
+                gamma = gamma + step / 2
+            else:
+                gamma = gamma - step / 2
+            step = step / 2
+        return good
+
+    def __call__(self, own: torch.Tensor, honest: torch.Tensor, info: AttackInfo) -> torch.Tensor:
+        known = _known(own, honest)
+        p = self.direction(known)
+        return _same_for_all(known.mean(0) - self.gamma(known, p) * p, own)

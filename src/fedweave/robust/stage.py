@@ -1,0 +1,208 @@
+"""The robustness stages of a server round: the Byzantine attack (stage 1) and the robust reduction (stage 4).
+
+A family whose server reduces client updates builds one :class:`RobustStage` (:func:`build`; None when the
+config has neither ``faults.byzantine`` nor a non-default ``aggregator``, so that run's arithmetic is
+untouched) and calls :meth:`RobustStage.attack` on the round's updates, then :meth:`RobustStage.aggregate` in
+its ``aggregate`` seam. The attackers are fixed for the run, drawn from the ``byzantine`` seed stream.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedweave.config import ConfigError, RunConfig, Section, check_options
+from fedweave.registry import AGGREGATORS, ATTACKS, Registry, UnknownNameError
+from fedweave.robust.aggregators import Aggregator, bucketed
+from fedweave.robust.attacks import Attack, AttackInfo
+from fedweave.seeding import Seeds
+
+DEFAULT = Section("mean")  # the weighted mean: the template's own reduction
+BYZANTINE_KEYS = ("fraction", "clients", "attack")  # the section's own keys; the others are the attack's options
+STAGE_KEYS = ("bucketing", "f")  # the aggregator section's keys that are the stage's, not the aggregator's
+
+
+def is_default(section: Section) -> bool:
+    """True for the weighted mean without bucketing (the template's reduction, no robust stage needed)."""
+    return section == DEFAULT
+
+
+def byzantine_parts(spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``faults.byzantine``'s attack name and options (the keys besides fraction, clients and attack)."""
+    if "attack" not in spec:
+        raise ConfigError(f"faults.byzantine.attack is required; one of: {', '.join(ATTACKS.names())}")
+    return spec["attack"], {k: v for k, v in spec.items() if k not in BYZANTINE_KEYS}
+
+
+def _lookup(registry: Registry, name: str, key: str) -> Any:
+    """A registered class by name; an unknown name is a ConfigError naming the key (and the closest name)."""
+    try:
+        return registry.get(name)
+    except UnknownNameError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+def build_attack(spec: dict[str, Any]) -> Attack:
+    """The attack ``faults.byzantine`` names, with its options checked against the attack's own."""
+    name, opts = byzantine_parts(spec)
+    cls = _lookup(ATTACKS, name, "faults.byzantine.attack")
+    return cls(**check_options(cls, opts, "faults.byzantine"))
+
+
+def build_aggregator(section: Section) -> Aggregator:
+    """The aggregator ``aggregator.name`` names, with its options (less ``bucketing`` and ``f``) checked."""
+    cls = _lookup(AGGREGATORS, section.name, "aggregator.name")
+    opts = {k: v for k, v in section.options.items() if k not in STAGE_KEYS}
+    return cls(**check_options(cls, opts, "aggregator"))
+
+
+def _count(section: Section, key: str) -> int | None:
+    v = section.options.get(key)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "bucketing" else 0)):
+        low = 1 if key == "bucketing" else 0
+        raise ConfigError(f"aggregator.{key} must be a whole number >= {low} or null, got {v!r}")
+    return v
+
+
+def attackers(spec: dict[str, Any] | None, num_clients: int, seeds: Seeds) -> np.ndarray:
+    """The run's Byzantine clients, sorted: ``clients`` as given, or ``round(fraction * N)`` of the N clients
+    drawn without replacement from the ``byzantine`` seed stream (so the same for every seed-equal run)."""
+    if not spec:
+        return np.zeros(0, dtype=np.int64)
+    if spec.get("clients") is not None:
+        ids = np.asarray(sorted(set(spec["clients"])), dtype=np.int64)
+        if len(ids) and ids[-1] >= num_clients:
+            raise ConfigError(
+                f"faults.byzantine.clients names client {int(ids[-1])}, but the run has {num_clients} clients "
+                f"(ids 0..{num_clients - 1})"
+            )
+        return ids
+    f = round(float(spec.get("fraction") or 0.0) * num_clients)
+    return np.sort(seeds.numpy("byzantine").choice(num_clients, f, replace=False)).astype(np.int64)
+
+
+def check(config: RunConfig, algorithm: type) -> None:
+    """Before anything is built: the attack and aggregator exist and take their options, and a non-default
+    aggregator is refused for an algorithm whose server does not reduce client updates (one line naming it)."""
+    if config.faults.byzantine:
+        build_attack(config.faults.byzantine)
+    section = config.aggregator
+    for key in STAGE_KEYS:
+        _count(section, key)
+    build_aggregator(section)
+    if not is_default(section) and not getattr(algorithm, "robust_aggregation", False):
+        name, family = config.algorithm.name, getattr(algorithm, "family", "?")
+        raise ConfigError(
+            f"aggregator: {section.name}: algorithm '{name}' ({family} family) does not reduce client updates "
+            "to one at a server; leave the aggregator section out (robust aggregation applies to the centralized "
+            "methods and the hierarchical model-averaging ones)"
+        )
+
+
+class RobustStage:
+    """One run's attack and reduction. ``num_clients``: the run's clients (attackers are drawn among them)."""
+
+    def __init__(self, config: RunConfig, seeds: Seeds, num_clients: int) -> None:
+        spec = config.faults.byzantine or None
+        self.seeds = seeds
+        self.attack_fn = build_attack(spec) if spec else None
+        self.attackers = attackers(spec, num_clients, seeds)
+        self.fraction = len(self.attackers) / num_clients if num_clients else 0.0
+        section = config.aggregator
+        self.aggregator = build_aggregator(section)
+        self.bucketing = _count(section, "bucketing") or 1
+        self.f = _count(section, "f")
+        self.round = 0
+        self.last_byzantine = 0  # the reporting attackers of the last round (a metric)
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the aggregator keeps state between rounds (then the checkpoint carries it)."""
+        return self.aggregator.stateful
+
+    def attack(self, r: int, clients: np.ndarray, updates: torch.Tensor, center: torch.Tensor | None) -> torch.Tensor:
+        """Stage 1: the rows of the round's reporting attackers replaced by what their attack sends.
+        ``center``: where the rows are models (the method averages models), the global model they moved from,
+        so that the attack acts on the displacement ``y_i - x``. Also records the round (bucketing's stream)."""
+        self.round = r
+        bad = np.isin(np.asarray(clients), self.attackers)
+        self.last_byzantine = int(bad.sum())
+        if self.attack_fn is None or not bad.any():
+            return updates
+        idx = torch.as_tensor(np.flatnonzero(bad), device=updates.device)
+        good = torch.as_tensor(np.flatnonzero(~bad), device=updates.device)
+        rows = updates - center if center is not None else updates
+        info = AttackInfo(r, np.asarray(clients)[bad], len(clients), self.seeds)
+        sent = self.attack_fn(rows[idx], rows[good], info).to(rows.dtype)
+        out = updates.clone()  # the honest rows exactly as they were
+        out[idx] = sent + center if center is not None else sent
+        return out
+
+    def check_round(self, n: int) -> None:
+        """Refuse, before the first round, a round of ``n`` updates that the aggregator's bound rules out."""
+        buckets = math.ceil(n / self.bucketing)
+        self.aggregator.check(buckets, min(self.byzantine_f(n), buckets))
+
+    def byzantine_f(self, n: int) -> int:
+        """The Byzantine updates the server guards against among ``n``: ``aggregator.f``, else the run's share
+        of attackers times ``n``, rounded up."""
+        if self.f is not None:
+            return self.f
+        return math.ceil(self.fraction * n - 1e-9)
+
+    def aggregate(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Stage 4: the robust reduction, after bucketing when ``aggregator.bucketing`` > 1 (the permutation from
+        the ``("bucketing", round)`` stream)."""
+        f = self.byzantine_f(len(updates))
+        if self.bucketing > 1:
+            perm = torch.from_numpy(self.seeds.numpy("bucketing", self.round).permutation(len(updates)))
+            updates, weights = bucketed(updates, weights, self.bucketing, perm.to(updates.device))
+            f = min(f, len(updates))
+        return self.aggregator(updates, weights, f)
+
+    def metrics(self) -> dict[str, float]:
+        """``byzantine_clients``: the attackers among the round's reporting clients (with an attack only)."""
+        return {"byzantine_clients": float(self.last_byzantine)} if self.attack_fn is not None else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The aggregator's state (a checkpoint's ``robust`` entry)."""
+        return self.aggregator.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the aggregator's state."""
+        self.aggregator.load_state_dict(state)
+
+
+def build(config: RunConfig, seeds: Seeds, num_clients: int, per_round: int) -> RobustStage | None:
+    """The run's robust stage, or None without ``faults.byzantine`` and with the default aggregator (then the
+    family's own reduction runs, unchanged). ``per_round``: the updates of a full round, checked against the
+    aggregator's bound now rather than in round 1."""
+    if not config.faults.byzantine and is_default(config.aggregator):
+        return None
+    stage = RobustStage(config, seeds, num_clients)
+    stage.check_round(per_round)
+    return stage
+
+
+def poisoned_labels(config: RunConfig, seeds: Seeds, labels: torch.Tensor, partition: list[np.ndarray],
+                    num_classes: int) -> torch.Tensor:  # fmt: skip
+    """The training labels the clients train on: for a data-poisoning attack, the attackers' samples get the
+    attack's labels (a copy; the dataset is untouched); otherwise ``labels`` itself."""
+    spec = config.faults.byzantine
+    if not spec:
+        return labels
+    attack = build_attack(spec)
+    if not attack.poisons_data:
+        return labels
+    if labels.is_floating_point():
+        raise ConfigError(f"faults.byzantine.attack {attack.name!r} flips class labels; this dataset has float targets")
+    bad = attackers(spec, len(partition), seeds)
+    if len(bad) == 0:
+        return labels
+    idx = torch.as_tensor(np.concatenate([partition[int(c)] for c in bad]), dtype=torch.long)
+    out = labels.clone()
+    out[idx] = attack.poison(labels[idx], num_classes)
+    return out

@@ -1,0 +1,391 @@
+"""Byzantine clients and robust aggregation (fedweave.robust, docs/robustness.md): each aggregator against its
+definition or a numpy/scipy reference, each attack against its paper's update, and the runs they join."""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import numpy as np
+import pytest
+import scipy.optimize
+import scipy.stats
+import torch
+
+import fedweave
+from fedweave.checkpoints import CHECKPOINT, read_checkpoint
+from fedweave.cli import main as cli_main
+from fedweave.config import ConfigError, load
+from fedweave.registry import AGGREGATORS, ATTACKS
+from fedweave.robust.aggregators import Bulyan, CenteredClipping, GeometricMedian, Krum, Median, TrimmedMean, bucketed
+from fedweave.robust.attacks import AttackInfo, alie_z
+from fedweave.robust.stage import RobustStage, attackers, poisoned_labels
+from fedweave.runner import resume
+from fedweave.seeding import Seeds
+
+F64 = torch.float64
+
+
+def _rows(n: int = 9, d: int = 5, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def _uniform(n: int) -> torch.Tensor:
+    return torch.full((n,), 1.0 / n, dtype=F64)
+
+
+# ---- aggregators ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("agg", [Median(), TrimmedMean(beta=0.2), TrimmedMean(), GeometricMedian()])
+def test_identical_updates_come_back(agg):
+    u = torch.tensor([0.1, -3.7, 2.0e-5, 1e3], dtype=F64).expand(7, 4).clone()
+    out = agg(u, _uniform(7), 2)
+    if isinstance(agg, TrimmedMean):  # a mean of equal values: exact up to the rounding of the sum
+        torch.testing.assert_close(out, u[0], rtol=1e-15, atol=0)
+    else:
+        assert torch.equal(out, u[0])
+
+
+def test_median_is_numpys_median():
+    for n in (6, 7):
+        u = _rows(n, 11, seed=n)
+        np.testing.assert_array_equal(Median()(u, _uniform(n), 0).numpy(), np.median(u.numpy(), axis=0))
+
+
+def test_trimmed_mean_without_trimming_is_the_mean_bit_for_bit():
+    u = _rows(10, 6)
+    assert torch.equal(TrimmedMean(beta=0.0)(u, _uniform(10), 3), u.mean(0))
+    assert torch.equal(TrimmedMean()(u, _uniform(10), 0), u.mean(0))  # f = 0: nothing trimmed
+
+
+@pytest.mark.parametrize("beta", [0.1, 0.2, 0.3, 0.45])
+def test_trimmed_mean_equals_scipy_trim_mean(beta):
+    u = _rows(13, 8, seed=1)
+    ref = scipy.stats.trim_mean(u.numpy(), beta, axis=0)
+    np.testing.assert_allclose(TrimmedMean(beta=beta)(u, _uniform(13), 0).numpy(), ref, rtol=1e-13, atol=1e-15)
+    k = int(beta * 13)  # f = k: the same cut
+    np.testing.assert_allclose(TrimmedMean()(u, _uniform(13), k).numpy(), ref, rtol=1e-13, atol=1e-15)
+
+
+def _honest_and_byzantine(n: int, f: int, seed: int = 0) -> tuple[torch.Tensor, set[int]]:
+    """``n - f`` honest updates around (1, 1, ...) and ``f`` colluding ones far away, mixed in order."""
+    g = torch.Generator().manual_seed(seed)
+    honest = 1.0 + 0.1 * torch.randn(n - f, 4, generator=g, dtype=F64)
+    bad = torch.full((f, 4), -20.0, dtype=F64) + 0.01 * torch.randn(f, 4, generator=g, dtype=F64)
+    order = torch.randperm(n, generator=g)
+    u = torch.cat([honest, bad])[order]
+    return u, {i for i in range(n) if int(order[i]) < n - f}
+
+
+@pytest.mark.parametrize(("n", "f"), [(7, 2), (9, 3), (12, 4)])
+def test_krum_picks_an_honest_update_within_n_gt_2f_plus_2(n, f):
+    u, honest = _honest_and_byzantine(n, f)
+    out = Krum()(u, _uniform(n), f)
+    assert any(torch.equal(out, u[i]) for i in honest)
+    # Multi-Krum with m = n - f averages exactly the honest ones
+    want = u[sorted(honest)].mean(0)
+    torch.testing.assert_close(AGGREGATORS.get("multi_krum")()(u, _uniform(n), f), want, rtol=1e-14, atol=1e-14)
+
+
+def test_multi_krum_takes_n_minus_f_of_each_rounds_updates():
+    agg = AGGREGATORS.get("multi_krum")()
+    u, honest = _honest_and_byzantine(12, 2)
+    torch.testing.assert_close(agg(u, _uniform(12), 2), u[sorted(honest)].mean(0), rtol=1e-14, atol=1e-14)
+    small, honest = _honest_and_byzantine(8, 2, seed=1)  # a smaller round after a larger one is no refusal
+    torch.testing.assert_close(agg(small, _uniform(8), 2), small[sorted(honest)].mean(0), rtol=1e-14, atol=1e-14)
+
+
+def test_krum_scores_by_hand():
+    u = torch.tensor([[0.0], [1.0], [3.0], [10.0]], dtype=F64)
+    # n = 4, f = 0: n - f - 2 = 2 nearest: 0 -> 1 + 9, 1 -> 1 + 4, 3 -> 4 + 9, 10 -> 49 + 81
+    assert torch.equal(Krum()(u, _uniform(4), 0), u[1])
+
+
+def test_krum_and_bulyan_refuse_too_few_updates_in_one_line():
+    u = _rows(6, 3)
+    with pytest.raises(ConfigError, match=r"^aggregator 'krum' needs at least 7 client updates .* f = 2") as e:
+        Krum()(u, _uniform(6), 2)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^aggregator 'bulyan' needs at least 11 client updates .* f = 2"):
+        Bulyan()(_rows(10, 3), _uniform(10), 2)
+
+
+def test_bulyan_on_its_bound_keeps_to_the_honest_updates():
+    n, f = 11, 2  # n = 4f + 3
+    u, honest = _honest_and_byzantine(n, f, seed=3)
+    out = Bulyan()(u, _uniform(n), f)
+    h = u[sorted(honest)]
+    assert bool(((out >= h.min(0).values) & (out <= h.max(0).values)).all())
+
+
+def test_bulyan_by_hand_with_f_0_is_the_mean():
+    u = _rows(5, 3)
+    torch.testing.assert_close(Bulyan()(u, _uniform(5), 0), u.mean(0), rtol=1e-14, atol=1e-14)
+
+
+def test_geometric_median_minimizes_the_weighted_sum_of_distances():
+    u = _rows(9, 5, seed=2)
+    w = torch.arange(1, 10, dtype=F64)
+    w = w / w.sum()
+
+    def cost(v: np.ndarray) -> float:
+        return float(w.numpy() @ np.linalg.norm(u.numpy() - v, axis=1))
+
+    opts = {"xatol": 1e-10, "fatol": 1e-12, "maxiter": 20000, "maxfev": 40000}
+    ref = scipy.optimize.minimize(cost, (w @ u).numpy(), method="Nelder-Mead", options=opts)
+    out = GeometricMedian(iters=1000, nu=1e-12, tol=1e-15)(u, w, 0).numpy()
+    assert cost(out) <= ref.fun + 1e-10
+    np.testing.assert_allclose(out, ref.x, atol=1e-5)
+
+
+def test_centered_clipping_one_iteration_closed_form_and_its_center_carries_over():
+    u, w = _rows(6, 4, seed=4), _uniform(6)
+    cc = CenteredClipping(tau=1.5, iters=1)
+    # first round: the center is 0, v = sum_i w_i u_i min(1, tau / ||u_i||)
+    want = sum(w[i] * u[i] * min(1.0, 1.5 / float(u[i].norm())) for i in range(6))
+    torch.testing.assert_close(cc(u, w, 0), want, rtol=1e-14, atol=1e-14)
+    u2 = _rows(6, 4, seed=5)
+    want2 = want + sum(w[i] * (u2[i] - want) * min(1.0, 1.5 / float((u2[i] - want).norm())) for i in range(6))
+    torch.testing.assert_close(cc(u2, w, 0), want2, rtol=1e-14, atol=1e-14)
+    # a radius above every distance: the weighted mean
+    torch.testing.assert_close(CenteredClipping(tau=1e9)(u, w, 0), w @ u, rtol=1e-14, atol=1e-14)
+
+
+def test_bucketing_averages_consecutive_buckets_of_the_permutation():
+    u, w = _rows(5, 3), torch.tensor([0.1, 0.2, 0.3, 0.25, 0.15], dtype=F64)
+    perm = torch.tensor([3, 0, 4, 1, 2])
+    means, ws = bucketed(u, w, 2, perm)
+    torch.testing.assert_close(means[0], (0.25 * u[3] + 0.1 * u[0]) / 0.35)
+    torch.testing.assert_close(means[1], (0.15 * u[4] + 0.2 * u[1]) / 0.35)
+    torch.testing.assert_close(means[2], u[2])
+    torch.testing.assert_close(ws, torch.tensor([0.35, 0.35, 0.3], dtype=F64))
+
+
+# ---- attacks -------------------------------------------------------------------------------------------------
+
+
+def _attack(name: str, **options):
+    return ATTACKS.get(name)(**options)
+
+
+def test_attacks_send_what_their_papers_define():
+    own, honest = _rows(2, 6, seed=7), _rows(8, 6, seed=8)
+    info = AttackInfo(round=3, attackers=np.array([4, 9]), n=10, seeds=Seeds(5))
+    assert torch.equal(_attack("sign_flip")(own, honest, info), -own)
+    assert torch.equal(_attack("scaled")(own, honest, info), 10.0 * own)  # gamma = n (server step 1)
+    assert torch.equal(_attack("scaled", boost=3.0)(own, honest, info), 3.0 * own)
+    noise = torch.stack([torch.randn(6, generator=Seeds(5).torch("byzantine_noise", 3, c), dtype=F64) for c in (4, 9)])
+    assert torch.equal(_attack("gaussian", std=2.0)(own, honest, info), 2.0 * noise)
+    mu, sd = honest.mean(0), honest.std(0)
+    # ALIE: n = 10, f = 2: s = floor(10/2 + 1) - 2 = 4, z = Phi^-1((10 - 4)/10)
+    z = NormalDist().inv_cdf(0.6)
+    assert alie_z(10, 2) == z
+    assert torch.equal(_attack("alie")(own, honest, info), (mu - z * sd).expand(2, 6))
+    assert torch.equal(_attack("ipm", eps=0.5)(own, honest, info), (-0.5 * mu).expand(2, 6))
+    assert torch.equal(_attack("label_flip")(own, honest, info), own)
+    assert torch.equal(_attack("label_flip").poison(torch.tensor([0, 3, 9]), 10), torch.tensor([9, 6, 0]))
+
+
+@pytest.mark.parametrize("perturbation", ["unit_vec", "std", "sign"])
+def test_min_max_takes_the_largest_gamma_within_the_honest_diameter(perturbation):
+    own, honest = _rows(2, 6, seed=7), _rows(8, 6, seed=8)
+    attack = _attack("min_max", perturbation=perturbation)
+    sent = attack(own, honest, AttackInfo(0, np.array([0, 1]), 10, Seeds(0)))
+    mu = honest.mean(0)
+    p = {"unit_vec": mu / mu.norm(), "std": honest.std(0), "sign": mu.sign()}[perturbation]
+    gamma = attack.gamma(honest, p)
+    assert torch.equal(sent, (mu - gamma * p).expand(2, 6))
+    diameter = torch.cdist(honest, honest).max()
+    assert (honest - sent[0]).norm(dim=1).max() <= diameter  # the constraint of eq. (6) holds
+    assert (honest - (mu - (gamma + 1e-4) * p)).norm(dim=1).max() > diameter  # and gamma is (nearly) the largest
+    assert gamma > 0
+
+
+def test_omniscient_attacks_read_their_own_updates_when_no_honest_client_reports():
+    own = _rows(3, 4)
+    out = _attack("ipm", eps=1.0)(own, own[:0], AttackInfo(0, np.array([0, 1, 2]), 3, Seeds(0)))
+    assert torch.equal(out, (-own.mean(0)).expand(3, 4))
+
+
+def test_attackers_come_from_the_seed_and_label_flip_poisons_only_their_samples():
+    spec = {"fraction": 0.25, "attack": "label_flip"}
+    a = attackers(spec, 20, Seeds(1))
+    assert len(a) == 5 and np.array_equal(a, attackers(spec, 20, Seeds(1)))
+    assert not np.array_equal(a, attackers(spec, 20, Seeds(2)))
+    assert np.array_equal(attackers({"clients": [7, 2], "attack": "ipm"}, 20, Seeds(1)), [2, 7])
+    cfg = load({"faults": {"byzantine": {"clients": [1], "attack": "label_flip"}}})
+    parts = [np.array([0, 1]), np.array([2, 3, 4]), np.array([5])]
+    y = torch.tensor([0, 1, 2, 3, 4, 5])
+    assert torch.equal(poisoned_labels(cfg, Seeds(0), y, parts, 6), torch.tensor([0, 1, 3, 2, 1, 5]))
+    assert torch.equal(y, torch.tensor([0, 1, 2, 3, 4, 5]))  # the dataset is untouched
+
+
+def test_label_flip_attackers_train_on_flipped_labels_in_a_run(toy_config):
+    from fedweave.algorithms.base import RunContext, build_algorithm
+
+    cfg = load(_cfg(toy_config, faults={"byzantine": {"clients": [0, 3], "attack": "label_flip"}}))
+    ctx = RunContext(cfg)
+    algo = build_algorithm(ctx)
+    y, got = ctx.dataset.train_y, algo.trainer.train_y.cpu()
+    bad = np.concatenate([ctx.partition[0], ctx.partition[3]])
+    good = np.setdiff1d(np.arange(len(y)), bad)
+    assert torch.equal(got[bad], 3 - y[bad]) and torch.equal(got[good], y[good])  # 4 classes: c -> 3 - c
+
+
+def test_stage_replaces_only_the_attackers_rows():
+    cfg = load({"faults": {"byzantine": {"clients": [2, 5], "attack": "sign_flip"}}})
+    stage = RobustStage(cfg, Seeds(0), 8)
+    u = _rows(4, 3)
+    out = stage.attack(0, np.array([1, 2, 4, 5]), u, None)
+    assert torch.equal(out[[0, 2]], u[[0, 2]]) and torch.equal(out[[1, 3]], -u[[1, 3]])
+    x = _rows(1, 3, seed=9)[0]  # rows that are models: the attack acts on y_i - x
+    out = stage.attack(0, np.array([1, 2, 4, 5]), u, x)
+    torch.testing.assert_close(out[1], x - (u[1] - x))
+    assert torch.equal(out[[0, 2]], u[[0, 2]])  # honest models untouched, bit for bit
+    assert stage.metrics() == {"byzantine_clients": 2.0}
+
+
+# ---- runs ----------------------------------------------------------------------------------------------------
+
+
+def _cfg(toy_config: dict, **extra) -> dict:
+    cfg = {**toy_config, "algorithm": {"name": "fedavg", "clients_per_round": 8}}
+    cfg.update(extra)
+    return cfg
+
+
+def _numbers(metrics: list[dict]) -> list[tuple]:
+    return [(m["test_accuracy"], m["test_loss"], m["train_loss"]) for m in metrics]
+
+
+def test_no_attackers_and_the_mean_give_the_clean_run_bit_for_bit(toy_config, tmp_path):
+    clean = fedweave.run(_cfg(toy_config), run_dir=tmp_path / "clean")
+    zero = fedweave.run(
+        _cfg(toy_config, faults={"byzantine": {"fraction": 0.0, "attack": "sign_flip"}}, aggregator="mean"),
+        run_dir=tmp_path / "zero",
+    )
+    assert _numbers(zero.metrics) == _numbers(clean.metrics)
+    assert [m["byzantine_clients"] for m in zero.metrics] == [0.0] * 4
+    named = fedweave.run(_cfg(toy_config, aggregator={"name": "mean"}), run_dir=tmp_path / "named")
+    assert _numbers(named.metrics) == _numbers(clean.metrics)
+
+
+@pytest.mark.parametrize("method", ["fedadam", "fedmim", "feddyn"])
+def test_any_star_method_steps_from_the_robust_aggregate(toy_config, tmp_path, method):
+    base = {**_cfg(toy_config), "algorithm": {"name": method, "clients_per_round": 8}, "rounds": 2}
+    mean = fedweave.run(base, run_dir=tmp_path / "mean")
+    med = fedweave.run({**base, "aggregator": "median"}, run_dir=tmp_path / "median")
+    assert _numbers(med.metrics) != _numbers(mean.metrics)
+    assert all(math.isfinite(m["test_loss"]) for m in med.metrics)
+
+
+def test_attack_and_robust_aggregator_runs_are_deterministic_and_resume_identically(toy_config, tmp_path):
+    cfg = _cfg(
+        toy_config,
+        aggregator={"name": "centered_clipping", "tau": 0.5, "bucketing": 2},
+        faults={"byzantine": {"fraction": 0.25, "attack": "gaussian", "std": 0.5}},
+        output={"progress": False, "plots": False, "checkpoint_every": 1},
+    )
+    full = fedweave.run(cfg, run_dir=tmp_path / "full")
+    again = fedweave.run(cfg, run_dir=tmp_path / "again")
+    assert _numbers(again.metrics) == _numbers(full.metrics)
+    other = fedweave.run({**cfg, "seed": cfg["seed"] + 1}, run_dir=tmp_path / "other")
+    assert _numbers(other.metrics) != _numbers(full.metrics)
+    fedweave.run({**cfg, "rounds": 2}, run_dir=tmp_path / "part")
+    resumed = resume(tmp_path / "part", ["rounds=4"], progress=False)
+    assert _numbers(resumed.metrics) == _numbers(full.metrics)
+    ckpt = read_checkpoint(tmp_path / "part" / CHECKPOINT)
+    assert "robust" in ckpt["algorithm"]  # the clipping center travels with the checkpoint
+
+
+def test_hierarchical_averaging_uses_the_aggregator_and_zo_hfl_refuses_it(tmp_path):
+    cfg = {
+        "name": "h",
+        "seed": 0,
+        "rounds": 2,
+        "precision": "float64",
+        "dataset": {"name": "_toy"},
+        "partition": {"name": "iid", "num_clients": 8},
+        "model": {"name": "logistic"},
+        "algorithm": {"name": "hier_fedavg", "participation": 1.0},
+        "output": {"progress": False, "plots": False},
+    }
+    mean = fedweave.run(cfg, run_dir=tmp_path / "mean")
+    named = fedweave.run({**cfg, "aggregator": "mean"}, run_dir=tmp_path / "named")
+    med = fedweave.run({**cfg, "aggregator": "median"}, run_dir=tmp_path / "median")
+    assert _numbers(named.metrics) == _numbers(mean.metrics) != _numbers(med.metrics)
+    with pytest.raises(ConfigError, match=r"aggregator: krum: algorithm 'zo_hfl' \(hierarchical family\)"):
+        fedweave.run({**cfg, "algorithm": {"name": "zo_hfl"}, "aggregator": "krum"}, run_dir=tmp_path / "zo")
+    with pytest.raises(ConfigError, match=r"faults.byzantine: algorithm 'hier_fedavg' does not handle"):
+        fedweave.run({**cfg, "faults": {"byzantine": {"fraction": 0.2, "attack": "ipm"}}}, run_dir=tmp_path / "b")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"algorithm": {"name": "dfedavg"}, "aggregator": "median"}, r"aggregator: median: algorithm 'dfedavg'"),
+        ({"aggregator": "krum_x"}, r"unknown aggregator 'krum_x'\. Did you mean 'krum'\?"),
+        ({"aggregator": {"name": "trimmed_mean", "beta": 0.7}}, r"aggregator.beta must be in \[0, 0.5\)"),
+        ({"aggregator": {"name": "median", "bucketing": 0}}, r"aggregator.bucketing must be a whole number >= 1"),
+        ({"aggregator": {"name": "krum", "q": 1}}, r"unknown key 'aggregator.q'"),
+        ({"faults": {"byzantine": {"fraction": 1.2, "attack": "ipm"}}}, r"faults.byzantine.fraction must be"),
+        ({"faults": {"byzantine": {"fraction": 0.1, "clients": [1], "attack": "ipm"}}}, r"exactly one of fraction"),
+        ({"faults": {"byzantine": {"fraction": 0.1}}}, r"faults.byzantine.attack must be an attack's name"),
+        ({"faults": {"byzantine": {"fraction": 0.1, "attack": "alie", "zz": 1}}}, r"unknown key 'faults.byzantine.zz'"),
+        ({"faults": {"byzantine": {"clients": [99], "attack": "ipm"}}}, r"faults.byzantine.clients names client 99"),
+        ({"aggregator": "bulyan", "faults": {"byzantine": {"fraction": 0.25, "attack": "ipm"}}}, r"'bulyan' needs at"),
+    ],
+)
+def test_bad_robustness_input_is_one_line(toy_config, tmp_path, change, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        fedweave.run(_cfg(toy_config, **change), run_dir=tmp_path / "r")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "r" / "metrics.csv").exists()
+
+
+def test_list_shows_aggregators_and_attacks(capsys):
+    assert cli_main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "aggregators: bulyan, centered_clipping, geometric_median, krum, mean, median" in out
+    assert "attacks: alie, gaussian, ipm, label_flip, min_max, scaled, sign_flip" in out
+
+
+# ---- docs/robustness.md ------------------------------------------------------------------------------------
+
+
+def test_the_committed_table_rebuilds_from_the_committed_records_byte_for_byte(tmp_path):
+    from pathlib import Path
+
+    from fedweave.robust.report import main, read_records, table
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    rows = read_records(docs / "robustness" / "records.csv")
+    committed = (docs / "robustness" / "table.md").read_text()
+    assert table(rows) == committed
+    assert main(["--records", str(docs / "robustness" / "records.csv"), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "table.md").read_text() == committed and (tmp_path / "accuracy.png").stat().st_size > 0
+    assert committed in (docs / "robustness.md").read_text()  # the page shows the table it was built from
+    # every aggregator and attack of the registries is in the records, 3 seeds each
+    assert {r["aggregator"] for r in rows} == set(AGGREGATORS.names()) - {"multi_krum"}
+    assert {r["attack"] for r in rows} - {"none"} == set(ATTACKS.names())
+    assert {r["seed"] for r in rows} == {"0", "1", "2"}
+
+
+def test_bad_robustness_input_on_the_command_line_is_one_error_line(toy_config, tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(_cfg(toy_config, aggregator={"name": "krum", "f": 4})))
+    assert cli_main(["run", str(path), "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "fedweave: error: aggregator 'krum' needs at least 11 client updates per round against f = 4 Byzantine ones "
+        "(got 8); lower aggregator.f, raise algorithm.clients_per_round or choose another aggregator"
+    ]
+
+
+def test_a_round_that_dropouts_leave_below_the_bound_stops_the_run_with_one_line(toy_config, tmp_path):
+    cfg = _cfg(toy_config, aggregator={"name": "krum", "f": 2}, faults={"dropout": 0.5})  # n >= 7 of 8 needed
+    with pytest.raises(ConfigError, match=r"^aggregator 'krum' needs at least 7 client updates .* \(got [0-6]\)"):
+        fedweave.run(cfg, run_dir=tmp_path / "r")
