@@ -202,3 +202,16 @@ def test_a_claim_without_a_declared_rule_is_as_before():
     v = claim.verdict({})
     assert v == Verdict("C1", "3 vs 1", True) and (v.outcome, v.interval) == (None, None)
     assert verdict_table([v]).splitlines()[2] == "| C1 | 3 vs 1 | yes |"
+
+
+def test_the_example_row_of_docs_results_md_is_what_the_rule_makes_of_the_committed_records():
+    import csv
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    with open(root / "docs/reproductions/fedmim/results.csv", encoding="utf-8") as f:
+        rows = [r for r in csv.DictReader(f) if (r["dataset"], r["split"]) == ("fashion_mnist", "dir0.1")]
+    records = [{**r, "seed": int(r["seed"]), "final_acc": float(r["final_acc"])} for r in rows]
+    beats = Paired("final_acc", {"method": "fedmim"}, {"method": "fedavg"})
+    row = verdict_table(judge([Claim("FedMIM beats FedAvg (Table I)", None, declared=beats)], records))
+    assert row.splitlines()[2] in (root / "docs/results.md").read_text(encoding="utf-8").splitlines()

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 from fedweave.config import ConfigError
 
@@ -155,6 +154,8 @@ class Paired:
     def interval(self, d: np.ndarray) -> tuple[float, float]:
         """The ``level`` interval of the mean of the paired differences ``d`` by the rule's test."""
         if self.test == "t":
+            from scipy import stats  # here: importing scipy.stats costs every command that imports the Study
+
             # mean +- t_{(1+level)/2, n-1} * s / sqrt(n), s the sample standard deviation
             half = float(stats.t.ppf((1 + self.level) / 2, len(d) - 1) * stats.sem(d))
             return float(d.mean()) - half, float(d.mean()) + half
