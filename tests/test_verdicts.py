@@ -146,7 +146,9 @@ def test_a_threshold_is_held_or_not_on_one_value():
         (lambda: Paired("acc", {}, {}, resamples=0), "resamples 0 is not a whole number >= 1"),
         (lambda: Paired("acc", {}, {}).decide({0: 1.0}, {0: 0.0}), "a paired t test needs at least 2 pairs"),
         (lambda: Paired("acc", {}, {}, test="bootstrap").decide({0: 1.0, 1: 2.0}, {1: 0.0}), "got 1"),
-        (lambda: Paired("acc", {}, {}).decide({0: 1.0, 1: math.nan}, {0: 0.0, 1: 0.0}), "A at 1 is nan"),
+        (lambda: Paired("acc", {}, {}).decide({0: 1.0, 1: math.nan}, {0: 0.0, 1: 0.0}), "A's acc at seed 1 is nan"),
+        (lambda: Paired("acc", {}, {}).decide({0: 1.0, 1: None}, {0: 0.0, 1: 0.0}), "A's acc at seed 1 is None"),
+        (lambda: Paired("acc", {}, {}).judge([{"acc": 1}]), "A ({}) has a record without 'seed'"),
         (
             lambda: Paired("acc", {"m": "x"}, {"m": "y"}).judge([{"m": "x", "seed": 0, "acc": 1}] * 2),
             "A ({'m': 'x'}) has two records with seed 0",

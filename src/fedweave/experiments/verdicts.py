@@ -128,12 +128,14 @@ class Paired:
     def _values(self, records: Sequence[Mapping[str, Any]], where: Mapping[str, Any], side: str) -> dict:
         values: dict[Any, Any] = {}
         for r in _where(records, where):
-            if r[self.pair] in values:
+            key = r.get(self.pair)
+            if key is None or key in values:
                 raise ConfigError(
-                    f"verdict rule {self.name or self.metric}: {side} ({where}) has two records with "
-                    f"{self.pair} {r[self.pair]!r}; a pairing needs one per {self.pair}"
+                    f"verdict rule {self.name or self.metric}: {side} ({where}) has "
+                    + (f"a record without {self.pair!r}" if key is None else f"two records with {self.pair} {key!r}")
+                    + f"; a pairing needs one record per {self.pair}"
                 )
-            values[r[self.pair]] = r[self.metric]
+            values[key] = r.get(self.metric)  # a missing metric is None: not finite, one line in decide
         return values
 
     def decide(self, a: Mapping[Any, Any], b: Mapping[Any, Any]) -> Decision:
@@ -146,7 +148,10 @@ class Paired:
                 f"verdict rule {who}: a {TESTS[self.test]} test needs at least 2 pairs ({self.pair}s both ran); "
                 f"got {len(keys)}"
             )
-        d = np.array([self.scale * (_finite(who, f"A at {k}", a[k]) - _finite(who, f"B at {k}", b[k])) for k in keys])
+        at = f"{self.metric} at {self.pair}"
+        d = np.array(
+            [self.scale * (_finite(who, f"A's {at} {k}", a[k]) - _finite(who, f"B's {at} {k}", b[k])) for k in keys]
+        )
         low, high = self.interval(d)
         detail = f"per {self.pair}: " + ", ".join(f"{k} {x:+.{self.digits}f}" for k, x in zip(keys, d))
         return self._decision(float(d.mean()), low, high, len(d), detail)
@@ -213,7 +218,7 @@ class Threshold:
                 f"verdict rule {self.name or self.metric}: {self.where} selects {len(chosen)} records; "
                 "a threshold rule reads one run"
             )
-        return self.decide(chosen[0][self.metric]) if chosen else None
+        return self.decide(chosen[0].get(self.metric)) if chosen else None
 
     def decide(self, value: Any) -> Decision:
         """The decision on one value (before ``scale``)."""
