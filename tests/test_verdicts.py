@@ -93,6 +93,14 @@ def test_the_bootstrap_is_the_percentile_interval_and_the_same_for_a_seed():
     assert (first.low, first.high) == tuple(np.percentile(means, [2.5, 97.5]))
 
 
+def test_with_3_pairs_the_bootstrap_interval_is_the_range_of_the_differences():
+    # each extreme resample (the same pair 3 times) has chance 1/27 > 2.5 %: the percentiles are min and max
+    a, b = {0: 3.50, 1: 6.35, 2: 3.85}, {0: 0.0, 1: 0.0, 2: 0.0}  # AFIND+ - Gossip per seed, fmnist-dir0.3
+    boot = Paired("best", {}, {}, test="bootstrap", min_effect=2).decide(a, b)
+    assert (boot.low, boot.high, boot.outcome) == (3.50, pytest.approx(6.35, abs=1e-12), "held")
+    assert Paired("best", {}, {}, min_effect=2).decide(a, b).outcome == "inconclusive"  # t: [0.71, 8.43]
+
+
 def test_the_bootstrap_is_close_to_the_t_interval_for_normal_data():
     rng = np.random.default_rng(0)
     a, b = _seeds(rng.normal(0.5, 1.0, 40)), _seeds(np.zeros(40))

@@ -17,6 +17,10 @@ Directions: ``"greater"`` (A - B > min_effect), ``"less"`` (A - B < -min_effect)
 (-min_effect, min_effect), did not hold when it lies wholly outside). An interval that touches the bound counts
 as including it.
 
+The percentile bootstrap is too narrow with few pairs: with 3 pairs its 95 % interval is exactly the range of
+the 3 differences (each extreme resample, all pairs the same, has chance 1/27 > 2.5 %), so 3 seeds that agree in
+sign "hold" by it whatever their spread. Declare ``"t"`` for 3 to 5 seeds; the bootstrap is for 10 or more.
+
 A claim about one deterministic quantity (bytes against a closed form, one run's accuracy against a bound)
 declares a ``Threshold`` rule instead: held or did not hold, no interval. So every claim can declare a rule.
 
