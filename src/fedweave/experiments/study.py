@@ -10,6 +10,13 @@ common options are ``--scale --seeds --workers --out --budget-minutes``, a study
 
 A claim is a ``Claim``: its text and a rule that computes its verdict from the study's table, so the verdicts
 of a page are computed, never written by hand (``judge``).
+
+A claim may also declare its statistical verdict rule (``Claim.declared``, a ``verdicts.Paired`` or
+``verdicts.Threshold``: the statistic, the pairing by seed, the test, its level and the minimum effect). Its
+verdict is then the rule's: held, did not hold or inconclusive (``Verdict.outcome``; ``held`` is None when
+inconclusive), and ``Verdict.interval`` is the rule's one line (``+0.42 points [0.11, 0.73], 95 % paired t,
+n=5: held``), which ``verdict_table`` shows in the verdict's column. A claim without a declared rule gives the
+verdict and the table it always gave.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from fedweave.config import ConfigError, positive_int, positive_minutes
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished, parallel_map, run_points
 from fedweave.experiments.tables import markdown_table
+from fedweave.experiments.verdicts import Rule
 from fedweave.results import atomic_write
 from fedweave.runner import Result
 
@@ -57,6 +65,9 @@ class Verdict:
     claim: str
     measured: str
     held: bool | None
+    # ---- set only by a claim's declared rule (``Claim.declared``) ----
+    outcome: str | None = None  # held, did not hold or inconclusive
+    interval: str | None = None  # the rule's one line: estimate, interval, test, n, outcome
 
     def __iter__(self):  # a verdict unpacks as (claim, measured, held)
         return iter((self.claim, self.measured, self.held))
@@ -73,15 +84,29 @@ class Claim:
     ``(table, ctx)`` that writes it (a claim that names the preset's target or the largest noise run)."""
 
     text: str | Callable[[Any, Any], str]
-    rule: Callable[[Any, Any], tuple[str, bool | None] | None]
+    rule: Callable[[Any, Any], tuple[str, bool | None] | None] | None
+    # ---- a declared verdict rule (module docstring): it decides the verdict; ``rule``, when given, still says
+    # what was measured (or leaves the claim out). ``records(table, ctx)`` gives the records the declared rule
+    # reads (by default the table itself, a list of records).
+    declared: Rule | None = None
+    records: Callable[[Any, Any], Sequence[Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rule is None and self.declared is None:
+            raise ConfigError(f"claim {self.text!r}: no rule; give a rule, a declared rule or both")
 
     def verdict(self, table: Any, ctx: Any = None) -> Verdict | None:
-        got = self.rule(table, ctx)
+        got = self.rule(table, ctx) if self.rule is not None else ("", None)
         if got is None:
             return None
         text = self.text(table, ctx) if callable(self.text) else self.text
         measured, held = got
-        return Verdict(text, measured, None if held is None else bool(held))
+        if self.declared is None:
+            return Verdict(text, measured, None if held is None else bool(held))
+        decision = self.declared.judge(self.records(table, ctx) if self.records else table)
+        if decision is None:  # the records hold no A or no B: the claim is left out, as a rule's None
+            return None
+        return Verdict(text, measured or decision.detail, decision.held, decision.outcome, decision.text)
 
 
 def judge(claims: Sequence[Claim], table: Any, ctx: Any = None) -> list[Verdict]:
@@ -99,7 +124,12 @@ def verdict_table(
     """The verdicts as a markdown table: the claim first, then what was measured and the verdict's word
     (``words[held]``) in the order of ``header``, whose column named ``measured`` holds the measurement."""
     measured_first = list(header).index("measured") == 1
-    rows = [[c, m, words[h]] if measured_first else [c, words[h], m] for c, m, h in verdicts]
+    # a declared rule's verdict shows its one line (interval, test, n, outcome) in the verdict's column
+    rows = []
+    for v in verdicts:
+        c, m, h = v
+        w = getattr(v, "interval", None) or words[h]
+        rows.append([c, m, w] if measured_first else [c, w, m])
     return markdown_table(header, rows)
 
 

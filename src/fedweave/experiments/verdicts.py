@@ -1,0 +1,236 @@
+"""Declared verdict rules for a reproduction's claims: held, did not hold, or inconclusive, by a stated test.
+
+A claim that compares two methods (or two variants of one) over seeds declares a ``Paired`` rule: the
+statistic (the difference of one metric, A minus B, times ``scale``), the pairing (records with the same
+``pair`` value, the seed: the same seed gives the same partition and initialisation, so the seeds' differences
+are paired), the test (``"t"``: the paired t interval; ``"bootstrap"``: the percentile interval of the mean
+difference over ``resamples`` resamples of the pairs, drawn from the generator seeded with ``seed``, so the
+verdict is the same on every call), the confidence ``level``, the claimed ``direction`` and the
+``min_effect``. Its verdict (a ``Decision``) is
+
+- **held** when the whole interval is beyond the minimum effect in the claimed direction,
+- **did not hold** when the whole interval is on the other side of it,
+- **inconclusive** when the interval includes it (the seeds cannot decide).
+
+Directions: ``"greater"`` (A - B > min_effect), ``"less"`` (A - B < -min_effect) and ``"within"``
+(|A - B| < min_effect, a claim of similar accuracy; held when the whole interval lies inside
+(-min_effect, min_effect), did not hold when it lies wholly outside). An interval that touches the bound counts
+as including it.
+
+The percentile bootstrap is too narrow with few pairs: with 3 pairs its 95 % interval is exactly the range of
+the 3 differences (each extreme resample, all pairs the same, has chance 1/27 > 2.5 %), so 3 seeds that agree in
+sign "hold" by it whatever their spread. Declare ``"t"`` for 3 to 5 seeds; the bootstrap is for 10 or more.
+
+A claim about one deterministic quantity (bytes against a closed form, one run's accuracy against a bound)
+declares a ``Threshold`` rule instead: held or did not hold, no interval. So every claim can declare a rule.
+
+A bad declaration (an unknown test or direction, a level outside (0, 1), a negative minimum effect, fewer than
+2 pairs for a paired test, a value that is not finite) is a ``ConfigError`` of one line naming the rule.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fedweave.config import ConfigError
+
+HELD, NOT_HELD, INCONCLUSIVE = "held", "did not hold", "inconclusive"
+TESTS = {"t": "paired t", "bootstrap": "paired bootstrap"}  # a test's name -> its name in a verdict's line
+DIRECTIONS = ("greater", "less", "within")
+OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A rule's verdict: ``outcome`` (held, did not hold, inconclusive), the point ``estimate``, the interval
+    (``low``, ``high``; None for a threshold), ``n`` (pairs, or 1 for a single run), ``text``, its one
+    line, e.g. ``+0.42 points [0.11, 0.73], 95 % paired t, n=5: held``, and ``detail``, what it was computed
+    from (the difference per seed, or the one value)."""
+
+    outcome: str
+    estimate: float
+    low: float | None
+    high: float | None
+    n: int
+    text: str
+    detail: str = ""
+
+    @property
+    def held(self) -> bool | None:
+        """True (held), False (did not hold) or None (inconclusive): what ``study.Verdict.held`` holds."""
+        return {HELD: True, NOT_HELD: False}.get(self.outcome)
+
+
+def _where(records: Sequence[Mapping[str, Any]], where: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The records whose fields have the values of ``where``."""
+    return [r for r in records if all(r.get(k) == v for k, v in where.items())]
+
+
+def _finite(name: str, what: str, value: Any) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = math.nan
+    if not math.isfinite(v):
+        raise ConfigError(f"verdict rule {name}: {what} is {value!r}; a verdict needs finite values")
+    return v
+
+
+@dataclass(frozen=True)
+class Paired:
+    """A paired comparison of ``metric`` between the records of A (``a``: the fields and values that select
+    them, e.g. ``{"method": "fedmim"}``) and of B, paired by ``pair`` (module docstring). ``scale`` turns the
+    difference into ``unit`` (100: fractions into points); ``name`` names the rule in an error line."""
+
+    metric: str
+    a: Mapping[str, Any]
+    b: Mapping[str, Any]
+    direction: str = "greater"
+    min_effect: float = 0.0
+    test: str = "t"
+    level: float = 0.95
+    pair: str = "seed"
+    scale: float = 1.0
+    unit: str = "points"
+    resamples: int = 10_000
+    seed: int = 0
+    digits: int = 2
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        who = self.name or self.metric
+        if self.test not in TESTS:
+            raise ConfigError(f"verdict rule {who}: test {self.test!r} unknown; allowed {', '.join(TESTS)}")
+        if self.direction not in DIRECTIONS:
+            raise ConfigError(
+                f"verdict rule {who}: direction {self.direction!r} unknown; allowed {', '.join(DIRECTIONS)}"
+            )
+        if not (isinstance(self.level, int | float) and 0 < self.level < 1):
+            raise ConfigError(f"verdict rule {who}: level {self.level!r} is not in (0, 1), e.g. 0.95")
+        effect = _finite(who, "min_effect", self.min_effect)
+        if effect < 0 or (self.direction == "within" and effect == 0):
+            raise ConfigError(
+                f"verdict rule {who}: min_effect {self.min_effect!r} must be >= 0 (> 0 for direction 'within')"
+            )
+        if not (isinstance(self.resamples, int) and self.resamples >= 1):
+            raise ConfigError(f"verdict rule {who}: resamples {self.resamples!r} is not a whole number >= 1")
+        if _finite(who, "scale", self.scale) == 0:
+            raise ConfigError(f"verdict rule {who}: scale 0 makes every difference 0")
+
+    def judge(self, records: Sequence[Mapping[str, Any]]) -> Decision | None:
+        """The decision on ``records`` (A's and B's paired by ``pair``), or None when A or B has no record
+        (the records cannot test the claim, e.g. a variant the preset does not run)."""
+        a, b = self._values(records, self.a, "A"), self._values(records, self.b, "B")
+        return self.decide(a, b) if a and b else None
+
+    def _values(self, records: Sequence[Mapping[str, Any]], where: Mapping[str, Any], side: str) -> dict:
+        values: dict[Any, Any] = {}
+        for r in _where(records, where):
+            key = r.get(self.pair)
+            if key is None or key in values:
+                raise ConfigError(
+                    f"verdict rule {self.name or self.metric}: {side} ({where}) has "
+                    + (f"a record without {self.pair!r}" if key is None else f"two records with {self.pair} {key!r}")
+                    + f"; a pairing needs one record per {self.pair}"
+                )
+            values[key] = r.get(self.metric)  # a missing metric is None: not finite, one line in decide
+        return values
+
+    def decide(self, a: Mapping[Any, Any], b: Mapping[Any, Any]) -> Decision:
+        """The decision on A's and B's values, each a mapping from the pairing value (the seed) to the metric;
+        the pairs are the keys both have."""
+        who = self.name or self.metric
+        keys = sorted(set(a) & set(b))
+        if len(keys) < 2:
+            raise ConfigError(
+                f"verdict rule {who}: a {TESTS[self.test]} test needs at least 2 pairs ({self.pair}s both ran); "
+                f"got {len(keys)}"
+            )
+        at = f"{self.metric} at {self.pair}"
+        d = np.array(
+            [self.scale * (_finite(who, f"A's {at} {k}", a[k]) - _finite(who, f"B's {at} {k}", b[k])) for k in keys]
+        )
+        low, high = self.interval(d)
+        detail = f"per {self.pair}: " + ", ".join(f"{k} {x:+.{self.digits}f}" for k, x in zip(keys, d))
+        return self._decision(float(d.mean()), low, high, len(d), detail)
+
+    def interval(self, d: np.ndarray) -> tuple[float, float]:
+        """The ``level`` interval of the mean of the paired differences ``d`` by the rule's test."""
+        if self.test == "t":
+            from scipy import stats  # here: importing scipy.stats costs every command that imports the Study
+
+            # mean +- t_{(1+level)/2, n-1} * s / sqrt(n), s the sample standard deviation
+            half = float(stats.t.ppf((1 + self.level) / 2, len(d) - 1) * stats.sem(d))
+            return float(d.mean()) - half, float(d.mean()) + half
+        rng = np.random.default_rng(self.seed)
+        means = d[rng.integers(0, len(d), size=(self.resamples, len(d)))].mean(axis=1)
+        low, high = np.percentile(means, [50 * (1 - self.level), 50 * (1 + self.level)])
+        return float(low), float(high)
+
+    def _decision(self, estimate: float, low: float, high: float, n: int, detail: str) -> Decision:
+        m = float(self.min_effect)
+        if self.direction == "greater":
+            outcome = HELD if low > m else NOT_HELD if high < m else INCONCLUSIVE
+        elif self.direction == "less":
+            outcome = HELD if high < -m else NOT_HELD if low > -m else INCONCLUSIVE
+        else:  # within
+            outcome = HELD if -m < low and high < m else NOT_HELD if low > m or high < -m else INCONCLUSIVE
+        nd = self.digits
+        bound = {"greater": f"min effect {m:+.{nd}f}", "less": f"min effect {-m:+.{nd}f}"}.get(
+            self.direction, f"within ±{m:.{nd}f}"
+        )
+        test = f"{100 * self.level:g} % {TESTS[self.test]}"
+        rule = test if self.direction != "within" and m == 0 else f"{test}, {bound}"
+        unit = f" {self.unit}" if self.unit else ""
+        text = f"{estimate:+.{nd}f}{unit} [{low:.{nd}f}, {high:.{nd}f}], {rule}, n={n}: {outcome}"
+        return Decision(outcome, estimate, low, high, n, text, detail)
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """A single deterministic quantity against a bound: ``metric`` (times ``scale``) of the one record that
+    ``where`` selects, held when ``value op bound`` and did not hold otherwise; for claims that are not
+    statistical (one run, a count, bytes against a closed form)."""
+
+    metric: str
+    op: str
+    bound: float
+    where: Mapping[str, Any] = field(default_factory=dict)
+    scale: float = 1.0
+    unit: str = ""
+    digits: int = 2
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        who = self.name or self.metric
+        if self.op not in OPS:
+            raise ConfigError(f"verdict rule {who}: op {self.op!r} unknown; allowed {', '.join(OPS)}")
+        _finite(who, "bound", self.bound)
+        _finite(who, "scale", self.scale)
+
+    def judge(self, records: Sequence[Mapping[str, Any]]) -> Decision | None:
+        """The decision on the one record ``where`` selects, or None when it selects none."""
+        chosen = _where(records, self.where)
+        if len(chosen) > 1:
+            raise ConfigError(
+                f"verdict rule {self.name or self.metric}: {self.where} selects {len(chosen)} records; "
+                "a threshold rule reads one run"
+            )
+        return self.decide(chosen[0].get(self.metric)) if chosen else None
+
+    def decide(self, value: Any) -> Decision:
+        """The decision on one value (before ``scale``)."""
+        v = self.scale * _finite(self.name or self.metric, "the value", value)
+        outcome = HELD if OPS[self.op](v, float(self.bound)) else NOT_HELD
+        nd, unit = self.digits, f" {self.unit}" if self.unit else ""
+        text = f"{v:.{nd}f}{unit} {self.op} {float(self.bound):.{nd}f}, single run: {outcome}"
+        return Decision(outcome, v, None, None, 1, text, f"{v:.{nd}f}{unit}")
+
+
+Rule = Paired | Threshold

@@ -1,0 +1,227 @@
+"""Declared verdict rules (fedweave.experiments.verdicts): the paired t and paired bootstrap intervals against
+values computed here independently, the three outcomes and the minimum effect, the one-line errors of a bad
+declaration, and a claim that declares its rule in the Study pipeline."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from fedweave.config import ConfigError
+from fedweave.experiments.study import HELD, Claim, Verdict, judge, verdict_table
+from fedweave.experiments.verdicts import Paired, Threshold
+
+A = {0: 3.0, 1: 5.0, 2: 4.0, 3: 6.0}
+B = {0: 1.0, 1: 2.0, 2: 2.0, 3: 3.0}  # A - B per seed: 2, 3, 2, 3 (mean 2.5, s = sqrt(1/3))
+
+
+def _seeds(values):
+    return dict(enumerate(values))
+
+
+def test_the_paired_t_interval_is_the_textbook_one():
+    q = stats.t.ppf(0.975, df=3)
+    assert q == pytest.approx(3.182446, abs=1e-6)  # the t table's t_{0.975, 3}
+    half = q * math.sqrt(1 / 3) / math.sqrt(4)  # t * s / sqrt(n), s computed by hand
+    got = Paired("acc", {}, {}).decide(A, B)
+    assert (got.estimate, got.n) == (2.5, 4)
+    assert got.low == pytest.approx(2.5 - half, rel=1e-12) and got.high == pytest.approx(2.5 + half, rel=1e-12)
+    assert (round(got.low, 4), round(got.high, 4)) == (1.5813, 3.4187)
+    assert got.text == "+2.50 points [1.58, 3.42], 95 % paired t, n=4: held"
+    assert got.detail == "per seed: 0 +2.00, 1 +3.00, 2 +2.00, 3 +3.00"
+    # 90 %: the t quantile at 0.95
+    narrow = Paired("acc", {}, {}, level=0.9).decide(A, B)
+    assert narrow.high - 2.5 == pytest.approx(stats.t.ppf(0.95, 3) * math.sqrt(1 / 3) / 2)
+
+
+def test_a_clearly_positive_effect_held_a_clearly_negative_one_did_not():
+    assert Paired("acc", {}, {}).decide(A, B).outcome == "held"
+    lost = Paired("acc", {}, {}).decide(B, A)
+    assert (lost.outcome, lost.held) == ("did not hold", False)
+    assert lost.text == "-2.50 points [-3.42, -1.58], 95 % paired t, n=4: did not hold"
+    # claimed the other way round ("less"), the same data decide the other way
+    assert Paired("acc", {}, {}, direction="less").decide(B, A).outcome == "held"
+    assert Paired("acc", {}, {}, direction="less").decide(A, B).outcome == "did not hold"
+
+
+def test_an_interval_that_straddles_the_bound_is_inconclusive():
+    got = Paired("acc", {}, {}).decide(_seeds([1.0, -1.0, 2.0, -2.0]), _seeds([0.0] * 4))
+    assert (got.outcome, got.held, got.estimate) == ("inconclusive", None, 0.0)
+    assert got.low < 0 < got.high and got.text.endswith("n=4: inconclusive")
+    # the bootstrap agrees: the resampled means run from -2 to 2
+    straddles = _seeds([1.0, -1.0, 2.0, -2.0]), _seeds([0.0] * 4)
+    assert Paired("acc", {}, {}, test="bootstrap").decide(*straddles).held is None
+
+
+def test_the_minimum_effect_is_respected():
+    # interval [1.58, 3.42]: beyond 1, around 2, short of 4
+    outcomes = [Paired("acc", {}, {}, min_effect=m).decide(A, B).outcome for m in (1.0, 2.0, 4.0)]
+    assert outcomes == ["held", "inconclusive", "did not hold"]
+    assert Paired("acc", {}, {}, min_effect=1).decide(A, B).text == (
+        "+2.50 points [1.58, 3.42], 95 % paired t, min effect +1.00, n=4: held"
+    )
+    less = [Paired("acc", {}, {}, direction="less", min_effect=m).decide(B, A).outcome for m in (1.0, 2.0, 4.0)]
+    assert less == outcomes
+
+
+def test_a_within_claim_holds_inside_the_bound_and_fails_wholly_outside():
+    rule = Paired("acc", {}, {}, direction="within", min_effect=1.0, unit="pp")
+    small = rule.decide(_seeds([0.1, -0.1, 0.2, 0.0]), _seeds([0.0] * 4))
+    assert small.outcome == "held" and small.low > -1 and small.high < 1
+    assert small.text == "+0.05 pp [-0.16, 0.26], 95 % paired t, within ±1.00, n=4: held"  # 0.05 -+ 0.2054
+    assert rule.decide(A, B).outcome == "did not hold"  # [1.58, 3.42] wholly above 1
+    assert rule.decide(B, A).outcome == "did not hold"  # and wholly below -1
+    assert rule.decide(_seeds([0.0, 2.0, 0.0, 2.0]), _seeds([0.0] * 4)).outcome == "inconclusive"
+
+
+def test_the_bootstrap_is_the_percentile_interval_and_the_same_for_a_seed():
+    # two pairs, differences 0 and 2: the resampled means are 0, 1, 2 with chances 1/4, 1/2, 1/4
+    got = Paired("acc", {}, {}, test="bootstrap").decide({0: 0.0, 1: 2.0}, {0: 0.0, 1: 0.0})
+    assert (got.low, got.high, got.estimate) == (0.0, 2.0, 1.0)
+    assert got.text == "+1.00 points [0.00, 2.00], 95 % paired bootstrap, n=2: inconclusive"
+    rng = np.random.default_rng(7)
+    a, b = _seeds(rng.normal(1.0, 1.0, 12)), _seeds(np.zeros(12))
+    first = Paired("acc", {}, {}, test="bootstrap", seed=3).decide(a, b)
+    assert Paired("acc", {}, {}, test="bootstrap", seed=3).decide(a, b) == first  # reproducible
+    assert Paired("acc", {}, {}, test="bootstrap", seed=4).decide(a, b).low != first.low  # it is resampled
+    # by hand: the same generator, the same draws
+    d = np.array([a[k] for k in sorted(a)])
+    means = d[np.random.default_rng(3).integers(0, 12, size=(10_000, 12))].mean(axis=1)
+    assert (first.low, first.high) == tuple(np.percentile(means, [2.5, 97.5]))
+
+
+def test_with_3_pairs_the_bootstrap_interval_is_the_range_of_the_differences():
+    # each extreme resample (the same pair 3 times) has chance 1/27 > 2.5 %: the percentiles are min and max
+    a, b = {0: 3.50, 1: 6.35, 2: 3.85}, {0: 0.0, 1: 0.0, 2: 0.0}  # AFIND+ - Gossip per seed, fmnist-dir0.3
+    boot = Paired("best", {}, {}, test="bootstrap", min_effect=2).decide(a, b)
+    assert (boot.low, boot.high, boot.outcome) == (3.50, pytest.approx(6.35, abs=1e-12), "held")
+    assert Paired("best", {}, {}, min_effect=2).decide(a, b).outcome == "inconclusive"  # t: [0.71, 8.43]
+
+
+def test_the_bootstrap_is_close_to_the_t_interval_for_normal_data():
+    rng = np.random.default_rng(0)
+    a, b = _seeds(rng.normal(0.5, 1.0, 40)), _seeds(np.zeros(40))
+    t = Paired("acc", {}, {}).decide(a, b)
+    boot = Paired("acc", {}, {}, test="bootstrap", resamples=20_000).decide(a, b)
+    half = (t.high - t.low) / 2
+    assert boot.estimate == t.estimate
+    # the percentile interval is a little narrower (z against t, n against n-1): within 10 % of the half width
+    assert abs(boot.low - t.low) < 0.1 * half and abs(boot.high - t.high) < 0.1 * half
+
+
+def test_records_are_paired_by_seed_and_a_missing_side_leaves_the_claim_untested():
+    records = [
+        {"method": "fedmim", "seed": 0, "acc": 77.0},
+        {"method": "fedavg", "seed": 0, "acc": 75.0},
+        {"method": "fedmim", "seed": 1, "acc": 76.0},
+        {"method": "fedavg", "seed": 1, "acc": 75.5},
+        {"method": "fedmim", "seed": 2, "acc": 77.5},  # fedavg seed 2 missing: not a pair
+        {"method": "fedavg", "seed": 3, "acc": 70.0},
+        {"method": "fedmim", "seed": 4, "acc": 78.0},
+        {"method": "fedavg", "seed": 4, "acc": 76.0},
+    ]
+    rule = Paired("acc", {"method": "fedmim"}, {"method": "fedavg"})
+    got = rule.judge(records)
+    assert got.n == 3 and got.estimate == pytest.approx((2.0 + 0.5 + 2.0) / 3)
+    assert got.detail == "per seed: 0 +2.00, 1 +0.50, 4 +2.00"
+    assert Paired("acc", {"method": "scaffold"}, {"method": "fedavg"}).judge(records) is None
+    scaled = Paired("acc", {"method": "fedmim"}, {"method": "fedavg"}, scale=0.01, unit="", digits=3).judge(records)
+    assert scaled.estimate == pytest.approx(got.estimate / 100) and scaled.text.startswith("+0.015 [")
+
+
+def test_a_threshold_is_held_or_not_on_one_value():
+    rule = Threshold("acc", ">=", 97.0, where={"method": "fsl_mc", "seed": 0}, scale=100, unit="%")
+    records = [{"method": "fsl_mc", "seed": 0, "acc": 0.9748}, {"method": "fsl_mc", "seed": 1, "acc": 0.95}]
+    got = rule.judge(records)
+    assert (got.outcome, got.estimate, got.n, got.low) == ("held", pytest.approx(97.48), 1, None)
+    assert got.text == "97.48 % >= 97.00, single run: held"
+    assert Threshold("bytes", "==", 1024).decide(1000).text == "1000.00 == 1024.00, single run: did not hold"
+    assert Threshold("acc", ">=", 0.5, where={"method": "fsl_oc"}).judge(records) is None
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Paired("acc", {}, {}, test="z"), "verdict rule acc: test 'z' unknown; allowed t, bootstrap"),
+        (lambda: Paired("acc", {}, {}, level=1.5), "verdict rule acc: level 1.5 is not in (0, 1), e.g. 0.95"),
+        (lambda: Paired("acc", {}, {}, level=0, name="C2"), "verdict rule C2: level 0 is not in (0, 1)"),
+        (lambda: Paired("acc", {}, {}, direction="up"), "direction 'up' unknown; allowed greater, less, within"),
+        (lambda: Paired("acc", {}, {}, min_effect=-1), "min_effect -1 must be >= 0"),
+        (lambda: Paired("acc", {}, {}, direction="within"), "min_effect 0.0 must be >= 0 (> 0 for direction"),
+        (lambda: Paired("acc", {}, {}, resamples=0), "resamples 0 is not a whole number >= 1"),
+        (lambda: Paired("acc", {}, {}).decide({0: 1.0}, {0: 0.0}), "a paired t test needs at least 2 pairs"),
+        (lambda: Paired("acc", {}, {}, test="bootstrap").decide({0: 1.0, 1: 2.0}, {1: 0.0}), "got 1"),
+        (lambda: Paired("acc", {}, {}).decide({0: 1.0, 1: math.nan}, {0: 0.0, 1: 0.0}), "A's acc at seed 1 is nan"),
+        (lambda: Paired("acc", {}, {}).decide({0: 1.0, 1: None}, {0: 0.0, 1: 0.0}), "A's acc at seed 1 is None"),
+        (lambda: Paired("acc", {}, {}).judge([{"acc": 1}]), "A ({}) has a record without 'seed'"),
+        (
+            lambda: Paired("acc", {"m": "x"}, {"m": "y"}).judge([{"m": "x", "seed": 0, "acc": 1}] * 2),
+            "A ({'m': 'x'}) has two records with seed 0",
+        ),
+        (lambda: Threshold("acc", "=>", 1.0), "verdict rule acc: op '=>' unknown; allowed >, >=, <, <=, =="),
+        (lambda: Threshold("acc", ">", 1.0).judge([{"acc": 1}, {"acc": 2}]), "{} selects 2 records"),
+        (lambda: Threshold("acc", ">", 1.0).decide(None), "verdict rule acc: the value is None"),
+        (lambda: Claim("C0", None), "claim 'C0': no rule"),
+    ],
+)
+def test_a_bad_declaration_is_one_line(make, message):
+    with pytest.raises(ConfigError) as e:
+        make()
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- in the Study pipeline --------------------------------------------------------------------------------
+RECORDS = [{"method": m, "seed": s, "acc": v} for s, (x, y) in enumerate([(77, 75), (77, 75.5), (78, 76)])
+           for m, v in (("fedmim", x), ("fedavg", y))]  # fmt: skip
+
+
+def test_a_claim_with_a_declared_rule_takes_its_verdict_and_interval():
+    beats = Paired("acc", {"method": "fedmim"}, {"method": "fedavg"})
+    claims = [
+        Claim("FedMIM > FedAvg", None, declared=beats),
+        Claim(
+            "FedMIM > FedAvg by >= 2",
+            lambda t, ctx: ("1.83 mean gap", True),
+            declared=Paired("acc", {"method": "fedmim"}, {"method": "fedavg"}, min_effect=2),
+        ),
+        Claim("FedAvg > FedMIM", None, declared=Paired("acc", {"method": "fedavg"}, {"method": "fedmim"})),
+        Claim("SCAFFOLD > FedAvg", None, declared=Paired("acc", {"method": "scaffold"}, {"method": "fedavg"})),
+        Claim("left out by its rule", lambda t, ctx: None, declared=beats),
+        Claim("records from the context", None, declared=beats, records=lambda t, ctx: ctx),
+    ]
+    verdicts = judge(claims, RECORDS, RECORDS[:4])
+    first = beats.judge(RECORDS)
+    assert verdicts[0] == Verdict("FedMIM > FedAvg", first.detail, True, "held", first.text)
+    assert first.text == "+1.83 points [1.12, 2.55], 95 % paired t, n=3: held"  # 1.833 -+ 4.303 * 0.1667
+    # the declared rule decides (the rule's own True is overruled), the rule still says what was measured
+    assert (verdicts[1].measured, verdicts[1].held, verdicts[1].outcome) == ("1.83 mean gap", None, "inconclusive")
+    assert (verdicts[2].held, verdicts[2].outcome) == (False, "did not hold")
+    assert [v.claim for v in verdicts] == ["FedMIM > FedAvg", "FedMIM > FedAvg by >= 2", "FedAvg > FedMIM",
+                                           "records from the context"]  # fmt: skip
+    assert verdicts[3].interval.endswith("n=2: inconclusive")
+    lines = verdict_table(verdicts, ["claim", "verdict", "measured"], HELD).splitlines()
+    assert lines[2] == f"| FedMIM > FedAvg | {first.text} | {first.detail} |"
+    assert tuple(verdicts[0]) == ("FedMIM > FedAvg", first.detail, True)  # unpacks as before
+
+
+def test_a_claim_without_a_declared_rule_is_as_before():
+    claim = Claim("C1", lambda t, ctx: ("3 vs 1", True))
+    v = claim.verdict({})
+    assert v == Verdict("C1", "3 vs 1", True) and (v.outcome, v.interval) == (None, None)
+    assert verdict_table([v]).splitlines()[2] == "| C1 | 3 vs 1 | yes |"
+
+
+def test_the_example_row_of_docs_results_md_is_what_the_rule_makes_of_the_committed_records():
+    import csv
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    with open(root / "docs/reproductions/fedmim/results.csv", encoding="utf-8") as f:
+        rows = [r for r in csv.DictReader(f) if (r["dataset"], r["split"]) == ("fashion_mnist", "dir0.1")]
+    records = [{**r, "seed": int(r["seed"]), "final_acc": float(r["final_acc"])} for r in rows]
+    beats = Paired("final_acc", {"method": "fedmim"}, {"method": "fedavg"})
+    row = verdict_table(judge([Claim("FedMIM beats FedAvg (Table I)", None, declared=beats)], records))
+    assert row.splitlines()[2] in (root / "docs/results.md").read_text(encoding="utf-8").splitlines()
