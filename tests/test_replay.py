@@ -1,10 +1,11 @@
 """Replays: one cheap committed cell of each reproduction page (one seed, the preset's rounds) run again with
 today's code through the study's own pipeline (``Study.records``: the run or the solver, then the study's record
 function) and compared with its committed per-seed record, so that a change of numbers is seen the day it
-happens. A record that no longer replays is an ``xfail(strict=True, raises=NotReplayed)`` naming both numbers:
-the record is not changed here; the test fails the day the code gives the committed number again, and also the
-day it gives a third one (only ``NotReplayed``, raised while the code gives the number measured when the case was
-marked, is the expected failure).
+happens. A record that no longer replays is an ``xfail(raises=NotReplayed)`` naming both numbers: the record is
+not changed here; the test fails the day the code gives a third number (only ``NotReplayed``, raised while the
+code gives the number measured when the case was marked, is the expected failure). It is not strict: the code
+that wrote those records gives today's number on this machine type, so the difference is the machine's or a
+library's, and on the machine that wrote them the committed number comes back (reported as XPASS).
 
 The pages' other committed records are not replayed: ZO-HFL commits no per-seed rows (its tables hold means
 over seeds), and the Fashion-MNIST cells need a data set that a test does not download (a cell whose data are
@@ -115,7 +116,7 @@ AFIND_KEYS = ("best", "final", "selected", "overlap_selected", "bytes")  # all b
             0,
             {"final": 0.14207920792079207},
             marks=pytest.mark.xfail(
-                strict=True,
+                strict=False,  # see the module docstring
                 raises=NotReplayed,
                 reason="no longer replays here: FedAvg, MNIST Path2, seed 0 gives final 0.14207920792079207 where "
                 "results.json has 0.14306930693069306 (0.10 points lower; best 0.2124 the same); the code "
@@ -154,7 +155,7 @@ def _csv_row(record: dict[str, Any], keys: list[str], path: Path) -> dict[str, s
 
 @pytest.mark.slow  # about 85 s: 50 rounds of 10 clients
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,  # see the module docstring
     raises=NotReplayed,
     reason="no longer replays here: FedAvg, MNIST Dir-0.1, seed 0 gives final 96.81 % (best 96.81, last-3 96.6767, "
     "consistency 0.159887) where results.csv has 96.79 % (96.79, 96.6733, 0.160211); the code of the commit that "
@@ -210,7 +211,7 @@ def test_cse_fsl_digits_fsl_mc_seed_0_replays(tmp_path):
 
 @pytest.mark.slow  # about 15 s: 30 rounds of 5 clients
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,  # see the module docstring
     raises=NotReplayed,
     reason="no longer replays here: CSE-FSL h=1, digits, seed 0 gives 97.48 % where table-digits.md has 97.73 % "
     "(one test image of 397); the code of the commit that wrote the record (7670060) gives the same 97.48 % on "
