@@ -8,11 +8,11 @@ so the comparison table lists its claims and whether they held here.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import re
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,10 +20,12 @@ from typing import Any
 import numpy as np
 
 from fedweave.experiments.aggregate import group, if_all
+from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Lines, plot_lines
 from fedweave.experiments.study import Plan, Study, load_records, option, save_records
 from fedweave.experiments.tables import markdown_table, write_csv
 from fedweave.results import atomic_write
+from fedweave.runner import Result
 
 TARGETS = (1e-4, 1e-6, 1e-8)
 PAPER_DATA = {"name": "cfl_logreg", "num_samples": 20_000, "dim": 200}
@@ -52,68 +54,61 @@ class Job:
         safe = [re.sub(r"[^A-Za-z0-9.=+-]+", "_", t) for t in (self.tag, self.topology, self.method)]
         return "/".join([*safe, f"s{self.seed}"])
 
+    def point(self) -> Point:
+        """The run: up to ``kmax`` iterations (rounds), stopped once opg <= ``stop``; opg and the uploads of
+        every iteration are traced (``round_trace``), the model evaluated at the start and the end only."""
+        data = {**self.data, "seed": self.seed} if self.data.get("name") == "cfl_logreg" else dict(self.data)
+        algorithm = {"name": self.algorithm, "graph": self.topology, "graph_seed": GRAPH_SEED, **self.system}
+        stop = {"name": "stop_at_target", "metric": "opt_gap", "target": self.stop, "direction": "min"}
+        cfg = {
+            "name": f"cfl-saga-{self.algorithm}",
+            "seed": self.seed,
+            "threads": 1,  # small tensor ops: one thread is fastest (see docs/algorithms/confederated.md)
+            "rounds": self.kmax,
+            "dataset": data,
+            "algorithm": {**algorithm, **self.options},
+            "eval": {"every": self.kmax, "at_start": True, "explode_factor": None},
+            "callbacks": [{**stop, "each_round": True}, {"name": "round_trace", "keys": ["opt_gap", "uploads"]}],
+            "output": {"progress": False, "plots": False},
+        }
+        values = {"problem": self.tag, "topology": self.topology, "method": self.method, "curve": self.curve}
+        return Point.of(cfg, self.slug, **values)
 
-def run_job(job: Job) -> dict[str, Any]:
-    """Run one method until opg <= stop or kmax iterations; iterations and uploads at each target."""
-    import torch
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # small tensor ops: one thread is fastest (see docs/algorithms/confederated.md)
-    try:
-        return _run_job(job)
-    finally:
-        torch.set_num_threads(before)
-
-
-def _run_job(job: Job) -> dict[str, Any]:
-    from fedweave.algorithms.base import RunContext, build_algorithm
-    from fedweave.config import load
-
-    data = {**job.data, "seed": job.seed} if job.data.get("name") == "cfl_logreg" else dict(job.data)
-    algorithm = {"name": job.algorithm, "graph": job.topology, "graph_seed": GRAPH_SEED, **job.system, **job.options}
-    cfg = load({"seed": job.seed, "threads": 1, "dataset": data, "algorithm": algorithm})
-    algo = build_algorithm(RunContext(cfg))
-    gaps, ups, secs = [algo.opt_gap()], [0], [0.0]
-    wall0, cpu0 = time.perf_counter(), time.process_time()
-    hit = {t: None for t in TARGETS}
-    for k in range(job.kmax):
-        algo.run_round(k)
-        g = algo.opt_gap()
-        gaps.append(g)
-        ups.append(algo.uploads)
-        secs.append(time.perf_counter() - wall0)
-        for t in TARGETS:
-            if hit[t] is None and g <= t:
-                hit[t] = (k + 1, algo.uploads)
-        if g <= job.stop or not math.isfinite(g):
-            break
-    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any]:
+    """A run's row: iterations and uploads at each target, the tail fit, the costs per iteration, and its
+    per-iteration trace (``_curve``: opg, uploads, wall seconds) where the plots need it."""
+    with open(Path(res.run_dir) / "trace.csv", encoding="utf-8") as f:
+        trace = list(csv.DictReader(f))
+    gaps = [float(t["opt_gap"]) for t in trace]
+    ups = [int(t["uploads"] or 0) for t in trace]  # the initial model: no upload yet
+    v, first, last = dict(point.values), res.metrics[0], res.metrics[-1]
     iters = len(gaps) - 1
     row: dict[str, Any] = {
-        "problem": job.tag,
-        "topology": job.topology,
-        "method": job.method,
-        "seed": job.seed,
+        "problem": v["problem"],
+        "topology": v["topology"],
+        "method": v["method"],
+        "seed": point.seed,
         "iterations": iters,
-        "final_opt_gap": gaps[-1],
+        "final_opt_gap": math.nan if res.summary["status"] == "diverged" else gaps[-1],
         "uploads": ups[-1],
         "uploads_per_iteration": ups[-1] / max(iters, 1),
-        "upload_fraction": ups[-1] / max(iters, 1) / algo.net.num_users,
-        "ms_per_iteration_wall": 1e3 * wall / max(iters, 1),
-        "ms_per_iteration_cpu": 1e3 * cpu / max(iters, 1),
-        "sigma": algo.net.sigma,
-        "alpha": algo.alpha,
+        "upload_fraction": ups[-1] / max(iters, 1) / first["num_users"],
+        "ms_per_iteration_wall": 1e3 * res.summary["wall_seconds"] / max(iters, 1),
+        "ms_per_iteration_cpu": 1e3 * res.summary["cpu_seconds"] / max(iters, 1),
+        "sigma": first["sigma"],
+        "alpha": first["step_size"],
     }
     for t in TARGETS:
-        row[f"iters_{t:.0e}"] = hit[t][0] if hit[t] else None
-        row[f"uploads_{t:.0e}"] = hit[t][1] if hit[t] else None
-    slope, r2 = tail_fit(gaps)
-    row["tail_slope"], row["tail_r2"] = slope, r2
-    if algo.problem.has_test:  # sanity of the real problems: accuracy of the servers' average model
-        row["test_accuracy"] = algo.problem.test_metrics(algo.X.mean(0))["test_accuracy"]
-        row["test_accuracy_x_star"] = algo.problem.test_metrics(algo.x_star)["test_accuracy"]
-    if job.curve:
-        row["_curve"] = (np.array(gaps), np.array(ups), np.array(secs))
+        hit = next(((k, u) for k, (g, u) in enumerate(zip(gaps, ups)) if k > 0 and g <= t), None)
+        row[f"iters_{t:.0e}"] = hit[0] if hit else None
+        row[f"uploads_{t:.0e}"] = hit[1] if hit else None
+    row["tail_slope"], row["tail_r2"] = tail_fit(gaps)
+    if "x_star_test_accuracy" in first:  # sanity of the real problems: accuracy of the servers' average model
+        row["test_accuracy"] = last["test_accuracy"]
+        row["test_accuracy_x_star"] = first["x_star_test_accuracy"]
+    if v["curve"]:
+        row["_curve"] = (np.array(gaps), np.array(ups), np.array([float(t["wall_seconds"]) for t in trace]))
     return row
 
 
@@ -538,7 +533,7 @@ def study_plan(opts) -> Plan:
         kept = [r for r in load_raw(out) if part_of.get(r["problem"], "real") != opts.part]
     # heaviest first; the problem of a seed is solved once per worker
     jobs.sort(key=lambda j: (j.tag != "synthetic", j.seed, -j.kmax))
-    return Plan(jobs, (kept, meta), solve=run_job, progress=_progress)
+    return Plan([j.point() for j in jobs], (kept, meta))
 
 
 def report(rows: list[dict], plan: Plan, opts, wall: float) -> int:
@@ -555,11 +550,6 @@ def report(rows: list[dict], plan: Plan, opts, wall: float) -> int:
         write_report(rows, out, meta)
     print(f"wrote {out / 'summary.md'}")
     return 0
-
-
-def _progress(row: dict) -> str:
-    return (f"{row['problem']} {row['topology']} {row['method']} seed {row['seed']}: {row['iterations']} it, "
-            f"{row['uploads']} uploads, opg {row['final_opt_gap']:.1e}")  # fmt: skip
 
 
 STUDY = Study(
@@ -580,7 +570,7 @@ STUDY = Study(
         ),
     ),  # fmt: skip
     plan=study_plan,
-    record=lambda job, row, plan: row,
+    record=record,
     report=report,
 )
 main = STUDY.main
