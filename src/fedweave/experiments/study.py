@@ -57,6 +57,7 @@ class Verdict:
     claim: str
     measured: str
     held: bool | None
+    word: str | None = None  # the verdict's own words where a paper's page says more than held / did not hold
 
     def __iter__(self):  # a verdict unpacks as (claim, measured, held)
         return iter((self.claim, self.measured, self.held))
@@ -70,7 +71,8 @@ class Claim:
     """A paper's claim and its verdict rule. ``rule(table, ctx)`` returns ``(measured, held)`` with ``held``
     True, False or None (untestable), or None when the records cannot test the claim at all (the claim is
     left out, e.g. a variant the preset does not run); ``text`` is the claim, or a function of
-    ``(table, ctx)`` that writes it (a claim that names the preset's target or the largest noise run)."""
+    ``(table, ctx)`` that writes it (a claim that names the preset's target or the largest noise run). A rule
+    may add a third item, the verdict's own words (``Verdict.word``, e.g. "partly (uploads fall with rho)")."""
 
     text: str | Callable[[Any, Any], str]
     rule: Callable[[Any, Any], tuple[str, bool | None] | None]
@@ -80,8 +82,8 @@ class Claim:
         if got is None:
             return None
         text = self.text(table, ctx) if callable(self.text) else self.text
-        measured, held = got
-        return Verdict(text, measured, None if held is None else bool(held))
+        measured, held, *word = got
+        return Verdict(text, measured, None if held is None else bool(held), *word)
 
 
 def judge(claims: Sequence[Claim], table: Any, ctx: Any = None) -> list[Verdict]:

@@ -22,7 +22,7 @@ import numpy as np
 from fedweave.experiments.aggregate import group, if_all
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Lines, plot_lines
-from fedweave.experiments.study import Plan, Study, load_records, option, save_records
+from fedweave.experiments.study import Claim, Plan, Study, load_records, option, save_records
 from fedweave.experiments.tables import markdown_table, write_csv
 from fedweave.results import atomic_write
 from fedweave.runner import Result
@@ -258,141 +258,173 @@ def _best(aggs: list[dict], prefix: str, key: str) -> dict | None:
     return min(cands, key=lambda a: a[key]) if cands else None
 
 
-def claims(aggs: list[dict], deep: str = "uploads_1e-08") -> list[tuple[str, str, str, str]]:
-    """(claim, paper statement, measured here, held?) for the synthetic problem (spec §9.2)."""
-    syn = [a for a in aggs if a["problem"] == "synthetic"]
-    it_key = deep.replace("uploads", "iters")
-    out = []
+DEEP = "uploads_1e-08"  # the claims are judged at the deepest target
+IT = DEEP.replace("uploads", "iters")
 
-    def by(topo: str) -> list[dict]:
-        return [a for a in syn if a["topology"] == topo]
 
-    topologies = sorted({a["topology"] for a in syn})
-    # C1 linear convergence
-    cfl = [a for a in syn if a["method"].startswith("CFL-SAGA")]
-    reached = [a for a in cfl if a.get(it_key) is not None]
+@dataclass(frozen=True)
+class PaperClaim(Claim):
+    """A claim of §VIII with the paper's statement of it (the page's "paper" column)."""
+
+    paper: str = ""
+
+
+def _verdict(ok: bool, note: str = "", partial: bool = False) -> tuple[bool, str]:
+    """``held`` and the page's words for it: held, partly (``partial``) or did not hold, with a note."""
+    s = "held" if ok else ("partly" if partial else "did not hold")
+    return ok, f"{s} ({note})" if note else s
+
+
+def _on(topo: str, aggs: list[dict]) -> list[dict]:
+    return [a for a in aggs if a["problem"] == "synthetic" and a["topology"] == topo]
+
+
+def _method(rows: list[dict], name: str) -> dict | None:
+    return next((a for a in rows if a["method"] == name), None)
+
+
+def _c1(aggs, _):
+    cfl = [a for a in aggs if a["problem"] == "synthetic" and a["method"].startswith("CFL-SAGA")]
+    reached = [a for a in cfl if a.get(IT) is not None]
     ok = [a for a in reached if (a.get("tail_r2") or 0) > 0.98]
     low = "; ".join(f"{a['topology']} {a['method']}: R^2 {a['tail_r2']:.3f}" for a in reached if a not in ok)
-    out.append(
-        (
-            "C1 linear convergence (Thm. 1)",
-            "CFL-SAGA converges linearly",
-            f"{len(reached)}/{len(cfl)} CFL-SAGA settings reach {deep[8:]} on every seed; median tail R^2 of "
-            f"log opg vs k > 0.98 for {len(ok)}" + (f" (below: {low})" if low else ""),
-            _yn(len(reached) == len(cfl) and len(ok) >= len(cfl) - 2, "all reach the target", len(reached) == len(cfl)),
-        )
+    measured = (
+        f"{len(reached)}/{len(cfl)} CFL-SAGA settings reach {DEEP[8:]} on every seed; median tail R^2 of "
+        f"log opg vs k > 0.98 for {len(ok)}" + (f" (below: {low})" if low else "")
     )
-    for topo in topologies:
-        rows = sorted((a for a in by(topo) if a["method"].startswith("CFL-SAGA")), key=lambda a: _rho(a["method"]))
-        ups = [a.get(deep) for a in rows]
-        its = [a.get(it_key) for a in rows]
+    all_reach = len(reached) == len(cfl)
+    return measured, *_verdict(all_reach and len(ok) >= len(cfl) - 2, "all reach the target", all_reach)
+
+
+def _c2(topo):
+    def rule(aggs, _):
+        if not (on := _on(topo, aggs)):
+            return None
+        rows = sorted((a for a in on if a["method"].startswith("CFL-SAGA")), key=lambda a: _rho(a["method"]))
+        ups, its = [a.get(DEEP) for a in rows], [a.get(IT) for a in rows]
         mono = all(u is not None for u in ups) and all(b <= a * 1.05 for a, b in zip(ups, ups[1:]))
         slower = all(i is not None for i in its) and its[-1] >= its[0]
-        txt = ", ".join(f"{_rho(a['method']):g}: {_fmt(a.get(it_key))} it / {_fmt(a.get(deep))} up" for a in rows)
+        txt = ", ".join(f"{_rho(a['method']):g}: {_fmt(a.get(IT))} it / {_fmt(a.get(DEEP))} up" for a in rows)
         note = f"uploads fall with rho: {_yes(mono)}; iterations rise: {_yes(slower)}"
-        out.append(
-            (
-                f"C2 rho trade-off, {topo} (Fig. 3)",
-                "larger rho: fewer uploads, more iterations",
-                txt,
-                _yn(mono and slower, note, mono),
-            )
+        return txt, *_verdict(mono and slower, note, mono)
+
+    return PaperClaim(f"C2 rho trade-off, {topo} (Fig. 3)", rule, "larger rho: fewer uploads, more iterations")
+
+
+def _best_pair(topo, aggs):
+    on = _on(topo, aggs)
+    return _best(on, "CFL-SAGA", DEEP), _best(on, "GT-SAGA", DEEP)
+
+
+def _c3(topo):
+    def rule(aggs, _):
+        best_c, best_g = _best_pair(topo, aggs)
+        if not (best_c and best_g):
+            return None
+        full = _method(_on(topo, aggs), "CFL-SAGA rho=0")
+        f = best_g[DEEP] / best_c[DEEP]
+        vs_full = full[DEEP] / best_c[DEEP] if full and full.get(DEEP) else float("nan")
+        return (
+            f"best {best_c['method']} {best_c[DEEP]:.0f} vs best {best_g['method']} {best_g[DEEP]:.0f}: "
+            f"{f:.1f}x fewer; {vs_full:.1f}x fewer than full upload",
+            *_verdict(f >= 10, ">= 10x", f >= 5),
         )
-        best_c, best_g = _best(by(topo), "CFL-SAGA", deep), _best(by(topo), "GT-SAGA", deep)
-        full = next((a for a in by(topo) if a["method"] == "CFL-SAGA rho=0"), None)
-        if best_c and best_g:
-            f = best_g[deep] / best_c[deep]
-            vs_full = full[deep] / best_c[deep] if full and full.get(deep) else float("nan")
-            out.append(
-                (
-                    f"C3 uploads vs GT-SAGA, {topo} (Fig. 4 d-f)",
-                    "orders of magnitude fewer uploads",
-                    f"best {best_c['method']} {best_c[deep]:.0f} vs best {best_g['method']} {best_g[deep]:.0f}: "
-                    f"{f:.1f}x fewer; {vs_full:.1f}x fewer than full upload",
-                    _yn(f >= 10, ">= 10x", f >= 5),
-                )
-            )
-            per_it = best_c["uploads_per_iteration"]
-            out.append(
-                (
-                    f"C4 uploads per iteration, {topo} (§VIII-B)",
-                    "fewer than GT-SAGA at SR 0.05 (20/iteration)",
-                    f"{best_c['method']}: {per_it:.1f} per iteration",
-                    _yn(per_it < 20),
-                )
-            )
-        c10 = next((a for a in by(topo) if a["method"] == "CFL-SAGA rho=10"), None)
-        g45 = next((a for a in by(topo) if a["method"] == "GT-SAGA SR=0.45"), None)
-        mid = next((a for a in by(topo) if a["method"] == "CFL-SAGA rho=10000"), None)
-        if c10 and g45 and topo in ("random", "full"):
-            cand = [a for a in (c10, mid) if a and a.get(it_key) is not None]
-            fastest = min(cand, key=lambda a: a[it_key]) if cand else None
-            out.append(
-                (
-                    f"C5 iterations vs GT-SAGA SR 0.45, {topo} (Fig. 4 a,c)",
-                    "CFL-SAGA (rho=10) faster",
-                    f"rho=10: {_fmt(c10.get(it_key))}, rho=1e4: {_fmt(mid.get(it_key) if mid else None)}, "
-                    f"GT-SAGA 0.45: {_fmt(g45.get(it_key))}",
-                    _yn(fastest is not None and g45.get(it_key) is not None and fastest[it_key] <= g45[it_key]),
-                )
-            )
-        if c10 and c10.get("upload_fraction") is not None:
-            out.append(
-                (
-                    f"C8 paper-nominal rho=10, {topo}",
-                    "rho=10 gives high communication efficiency",
-                    f"uploads {100 * c10['upload_fraction']:.0f}% of users per iteration (full upload: 100%)",
-                    _yn(c10["upload_fraction"] < 0.2, "< 20% of users"),
-                )
-            )
-    rnd = by("random")
-    best_c = _best(rnd, "CFL-SAGA", deep)
-    for prefix in ("GT-SVRG", "GT-SARAH", "CFL-ADMM"):
-        base = _best(rnd, prefix, deep)
+
+    return PaperClaim(f"C3 uploads vs GT-SAGA, {topo} (Fig. 4 d-f)", rule, "orders of magnitude fewer uploads")
+
+
+def _c4(topo):
+    def rule(aggs, _):
+        best_c, best_g = _best_pair(topo, aggs)
+        if not (best_c and best_g):
+            return None
+        per_it = best_c["uploads_per_iteration"]
+        return f"{best_c['method']}: {per_it:.1f} per iteration", *_verdict(per_it < 20)
+
+    paper = "fewer than GT-SAGA at SR 0.05 (20/iteration)"
+    return PaperClaim(f"C4 uploads per iteration, {topo} (§VIII-B)", rule, paper)
+
+
+def _c5(topo):
+    def rule(aggs, _):
+        on = _on(topo, aggs)
+        c10, g45, mid = (_method(on, m) for m in ("CFL-SAGA rho=10", "GT-SAGA SR=0.45", "CFL-SAGA rho=10000"))
+        if not (c10 and g45 and topo in ("random", "full")):
+            return None
+        cand = [a for a in (c10, mid) if a and a.get(IT) is not None]
+        fastest = min(cand, key=lambda a: a[IT]) if cand else None
+        return (
+            f"rho=10: {_fmt(c10.get(IT))}, rho=1e4: {_fmt(mid.get(IT) if mid else None)}, "
+            f"GT-SAGA 0.45: {_fmt(g45.get(IT))}",
+            *_verdict(fastest is not None and g45.get(IT) is not None and fastest[IT] <= g45[IT]),
+        )
+
+    return PaperClaim(f"C5 iterations vs GT-SAGA SR 0.45, {topo} (Fig. 4 a,c)", rule, "CFL-SAGA (rho=10) faster")
+
+
+def _c8(topo):
+    def rule(aggs, _):
+        c10 = _method(_on(topo, aggs), "CFL-SAGA rho=10")
+        if not (c10 and c10.get("upload_fraction") is not None):
+            return None
+        measured = f"uploads {100 * c10['upload_fraction']:.0f}% of users per iteration (full upload: 100%)"
+        return measured, *_verdict(c10["upload_fraction"] < 0.2, "< 20% of users")
+
+    paper = "rho=10 gives high communication efficiency"
+    return PaperClaim(f"C8 paper-nominal rho=10, {topo}", rule, paper)
+
+
+def _c6(prefix):
+    def rule(aggs, _):
+        rnd = _on("random", aggs)
+        best_c, base = _best(rnd, "CFL-SAGA", DEEP), _best(rnd, prefix, DEEP)
         if best_c is None:
-            continue
+            return None
         if base is None:
-            anyb = [a for a in rnd if a["method"].startswith(prefix)]
-            txt = "; ".join(f"{a['method']}: opg {a['final_opt_gap']:.1e} after {a['iterations']:.0f} it" for a in anyb)
-            out.append(
-                (
-                    f"C6 vs {prefix}, random (Figs. 6-7)",
-                    "similar iterations, many more uploads",
-                    f"did not reach {deep[8:]}: {txt}",
-                    "CFL-SAGA better (baseline did not reach the target)",
-                )
-            )
-            continue
-        f = base[deep] / best_c[deep]
-        missed = [a["method"] for a in rnd if a["method"].startswith(prefix) and a.get(deep) is None]
-        out.append(
-            (
-                f"C6 vs {prefix}, random (Figs. 6-7)",
-                "similar iterations, many more uploads",
-                f"{base['method']}: {base[it_key]:.0f} it / {base[deep]:.0f} up; best CFL-SAGA "
-                f"{best_c[it_key]:.0f} it / {best_c[deep]:.0f} up ({f:.1f}x fewer)"
-                + (f"; did not reach {deep[8:]}: {', '.join(missed)}" if missed else ""),
-                _yn(f >= 2.5, ">= 2.5x"),
-            )
+            runs = [a for a in rnd if a["method"].startswith(prefix)]
+            txt = "; ".join(f"{a['method']}: opg {a['final_opt_gap']:.1e} after {a['iterations']:.0f} it" for a in runs)
+            return f"did not reach {DEEP[8:]}: {txt}", True, "CFL-SAGA better (baseline did not reach the target)"
+        f = base[DEEP] / best_c[DEEP]
+        missed = [a["method"] for a in rnd if a["method"].startswith(prefix) and a.get(DEEP) is None]
+        return (
+            f"{base['method']}: {base[IT]:.0f} it / {base[DEEP]:.0f} up; best CFL-SAGA "
+            f"{best_c[IT]:.0f} it / {best_c[DEEP]:.0f} up ({f:.1f}x fewer)"
+            + (f"; did not reach {DEEP[8:]}: {', '.join(missed)}" if missed else ""),
+            *_verdict(f >= 2.5, ">= 2.5x"),
         )
-    cfl_ms = [a["ms_per_iteration_cpu"] for a in rnd if a["method"].startswith("CFL-SAGA")]
-    for a in rnd:
-        if a["method"].startswith("GT-SAGA") and float(a["method"].split("=")[1]) <= 0.25 and cfl_ms:
-            ms = statistics.median(cfl_ms)
-            out.append(
-                (
-                    f"C7 runtime, {a['method']} (Fig. 5)",
-                    "GT-SAGA cheaper per iteration than CFL-SAGA",
-                    f"{a['ms_per_iteration_cpu']:.2f} vs {ms:.2f} ms CPU per iteration",
-                    _yn(a["ms_per_iteration_cpu"] < ms),
-                )
-            )
-    return out
+
+    return PaperClaim(f"C6 vs {prefix}, random (Figs. 6-7)", rule, "similar iterations, many more uploads")
 
 
-def _yn(ok: bool, note: str = "", partial: bool = False) -> str:
-    s = "held" if ok else ("partly" if partial else "did not hold")
-    return f"{s} ({note})" if note else s
+def _c7(method):
+    def rule(aggs, _):
+        rnd = _on("random", aggs)
+        cfl_ms = [a["ms_per_iteration_cpu"] for a in rnd if a["method"].startswith("CFL-SAGA")]
+        if not ((a := _method(rnd, method)) and cfl_ms):
+            return None
+        ms = statistics.median(cfl_ms)
+        measured = f"{a['ms_per_iteration_cpu']:.2f} vs {ms:.2f} ms CPU per iteration"
+        return measured, *_verdict(a["ms_per_iteration_cpu"] < ms)
+
+    return PaperClaim(f"C7 runtime, {method} (Fig. 5)", rule, "GT-SAGA cheaper per iteration than CFL-SAGA")
+
+
+def claim_list(aggs: list[dict]) -> list[PaperClaim]:
+    """The claims of §VIII (spec §9.2) on the synthetic problem, in the page's order: per graph run, then
+    against the other baselines and, per GT-SAGA sampling rate <= 0.25 run, the runtime."""
+    topologies = sorted({a["topology"] for a in aggs if a["problem"] == "synthetic"})
+    cheap = [a["method"] for a in _on("random", aggs) if a["method"].startswith("GT-SAGA")]
+    return [
+        PaperClaim("C1 linear convergence (Thm. 1)", _c1, "CFL-SAGA converges linearly"),
+        *(claim(topo) for topo in topologies for claim in (_c2, _c3, _c4, _c5, _c8)),
+        *(_c6(prefix) for prefix in ("GT-SVRG", "GT-SARAH", "CFL-ADMM")),
+        *(_c7(m) for m in cheap if float(m.split("=")[1]) <= 0.25),
+    ]
+
+
+def claims(aggs: list[dict]) -> list[tuple[str, str, str, str]]:
+    """(claim, paper statement, measured here, verdict) of every claim the aggregates can test."""
+    return [(v.claim, c.paper, v.measured, v.word) for c in claim_list(aggs) if (v := c.verdict(aggs))]
 
 
 def _yes(ok: bool) -> str:
