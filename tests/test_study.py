@@ -169,3 +169,22 @@ def test_records_are_kept_with_their_arrays_and_read_back(tmp_path):
     (tmp_path / "c.npz").unlink()
     assert load_records(tmp_path / "raw.json", tmp_path / "c.npz", "_c", "xy") == [{"a": 1}, {"a": 2}]
     assert not_run([]) == ""
+
+
+def test_the_pipeline_writes_the_pages_generated_sections(tmp_path):
+    from fedweave.experiments.pages import fill
+
+    seen: list = []
+    s = _study(seen)
+    s.sections = lambda folder: {"claims": f"| claim |\n|---|\n| {(folder / 'x.txt').read_text()} |\n"}
+    (tmp_path / "page").mkdir()
+    (tmp_path / "page" / "x.txt").write_text("C1 held")
+    page = tmp_path / "page.md"
+    page.write_text("# Page\n\n<!-- generated: claims -->\nold\n<!-- end generated -->\n\nprose\n")
+    assert s.main(["--xs", "1", "--out", str(tmp_path / "out"), "--workers", "1", "--page", str(page)]) == 0
+    table = "| claim |\n|---|\n| C1 held |\n"
+    assert page.read_text() == f"# Page\n\n<!-- generated: claims -->\n{table}<!-- end generated -->\n\nprose\n"
+    with pytest.raises(ConfigError, match="no section renders the generated block 'other'"):
+        fill("<!-- generated: other -->\n<!-- end generated -->\n", {})
+    with pytest.raises(ConfigError, match="has no block '<!-- generated: claims -->'"):
+        fill("no blocks\n", {"claims": ""})

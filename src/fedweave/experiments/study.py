@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from fedweave.config import ConfigError, positive_int
+from fedweave.experiments import pages
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished, parallel_map, run_points
 from fedweave.experiments.tables import markdown_table
@@ -147,6 +148,9 @@ class Study:
     scale_help: str | None = None
     seeds_help: str = "number of seeds, 0..N-1 (default: the preset's)"
     options: tuple[Option, ...] = ()
+    # the page's generated sections (fedweave.experiments.pages), by block name, rendered from the records
+    # folder beside the page (docs/reproductions/<paper>/ for docs/reproductions/<paper>.md)
+    sections: Callable[[Path], dict[str, str]] | None = None
 
     def add_arguments(self, parser: argparse.ArgumentParser, count: Callable[[str], int]) -> None:
         """The front end's options on ``parser``: the common ones, then the study's; ``count`` is the type of
@@ -160,6 +164,9 @@ class Study:
         )
         for o in self.options:
             parser.add_argument(*o.flags, **({"type": count} if o.count else {}), **o.kwargs)
+        if self.sections is not None:
+            what = "after the report, rewrite this page's generated sections from the records beside it"
+            parser.add_argument("--page", default=None, help=what + " (in the folder PAGE without .md)")
 
     def main(self, argv: list[str] | None = None) -> int:
         """Parse ``argv`` (the study's options) and run the study: for Python callers; ``fedweave reproduce``
@@ -179,7 +186,12 @@ class Study:
         records = self.records(plan, opts.out, workers=opts.workers, budget_s=budget, scale=opts.scale)
         if plan.skipped:
             print(f"{len(plan.skipped)} of {len(plan.points)} runs not started: the time budget ran out", flush=True)
-        return int(self.report(records, plan, opts, time.perf_counter() - t0) or 0)
+        status = int(self.report(records, plan, opts, time.perf_counter() - t0) or 0)
+        if getattr(opts, "page", None):
+            page = Path(opts.page)
+            if pages.update(page, self.sections(page.with_suffix(""))):
+                print(f"rewrote the generated sections of {page}")
+        return status
 
     def records(
         self, plan: Plan, out: str | Path, workers: int = 1, budget_s: float | None = None, scale: str = ""

@@ -492,6 +492,9 @@ CLAIMS = [
 ]
 
 
+VERDICT_WORDS = {True: "yes", False: "no", None: "-"}
+
+
 def claims(results: list[dict[str, Any]], p: Preset) -> list[tuple[str, bool | None, str]]:
     """Spec 9.1 pass criteria, evaluated on the primary setting: (claim, held, measured)."""
     return [(v.claim, v.held, v.measured) for v in judge(CLAIMS, results, p)]
@@ -557,7 +560,7 @@ def write_results(out: Path, results: list[dict[str, Any]], rows: dict[str, list
         write_csv(out / "selection_simulation.csv", body, header)
     if verdicts := judge(CLAIMS, results, p):
         md.append("## Claims (spec 9.1 pass criteria, primary setting)\n")
-        md.append(verdict_table(verdicts, ["claim", "held", "measured"], {True: "yes", False: "no", None: "-"}))
+        md.append(verdict_table(verdicts, ["claim", "held", "measured"], VERDICT_WORDS))
     atomic_write(out / "results.md", "\n".join(md))
     plain = [{k: v for k, v in r.items() if k != "_rows"} for r in results]
     atomic_write(out / "results.json", json.dumps(plain, indent=1))
@@ -601,6 +604,20 @@ def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> int:
     return 0
 
 
+PAGE_CLAIMS = ("", "table3-dp", "fig5")  # the folders of the page's claim table, in its order
+
+
+def sections(folder: Path) -> dict[str, str]:
+    """docs/reproductions/afind.md's generated claim table: the claims judged again from the committed
+    records (``results.json``) of each folder, at the scale its ``results.md`` names."""
+    verdicts = []
+    for sub in PAGE_CLAIMS:
+        d = folder / sub
+        scale = d.joinpath("results.md").read_text(encoding="utf-8").split("(", 1)[1].split(" ", 1)[0]
+        verdicts += judge(CLAIMS, json.loads((d / "results.json").read_text(encoding="utf-8")), preset(scale))
+    return {"claims": verdict_table(verdicts, ["claim", "held", "measured"], VERDICT_WORDS)}
+
+
 STUDY = Study(
     name="afind",
     description=__doc__.split("\n")[0],
@@ -621,5 +638,6 @@ STUDY = Study(
     plan=study_plan,
     record=lambda point, res, plan: collect(point, res),
     report=report,
+    sections=sections,
 )
 main = STUDY.main

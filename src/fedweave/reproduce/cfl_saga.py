@@ -23,7 +23,7 @@ from fedweave.experiments.aggregate import group, if_all
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Lines, plot_lines
 from fedweave.experiments.study import Claim, Plan, Study, load_records, option, save_records
-from fedweave.experiments.tables import markdown_table, write_csv
+from fedweave.experiments.tables import markdown_table, read_csv, write_csv
 from fedweave.results import atomic_write
 from fedweave.runner import Result
 
@@ -584,6 +584,13 @@ def report(rows: list[dict], plan: Plan, opts, wall: float) -> int:
     return 0
 
 
+def sections(folder: Path) -> dict[str, str]:
+    """docs/reproductions/cfl-saga.md's generated claim tables: the claims judged again on the committed
+    summaries (``summary.csv``) of the small and the paper scale."""
+    tables = {"claims": folder / "summary.csv", "claims-paper": folder / "paper" / "summary.csv"}
+    return {b: markdown_table(CLAIM_COLUMNS, claims(read_csv(f))) for b, f in tables.items()}
+
+
 STUDY = Study(
     name="cfl-saga",
     description=__doc__.split("\n")[0],
@@ -604,5 +611,6 @@ STUDY = Study(
     plan=study_plan,
     record=record,
     report=report,
+    sections=sections,
 )
 main = STUDY.main

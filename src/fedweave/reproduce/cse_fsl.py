@@ -21,7 +21,7 @@ from fedweave.experiments.aggregate import group, if_all, mean_std, to_target
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import plot_curves
 from fedweave.experiments.study import Claim, Plan, Study, Verdict, judge, option, verdict_table
-from fedweave.experiments.tables import markdown_table, write_csv
+from fedweave.experiments.tables import markdown_table, read_csv, write_csv
 from fedweave.results import atomic_write
 from fedweave.runner import Result
 
@@ -385,6 +385,20 @@ def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> int:
     return 0 if all(t["load_exact"] for t in table) else 1
 
 
+# the page's generated claim tables: (block, the committed Table V beside the page, its scale and dataset)
+PAGE_TABLES = (
+    ("claims-fashion_mnist", "table-fashion_mnist.csv", "small", "fashion_mnist"),
+    ("claims-fashion_mnist-noniid", "table-fashion_mnist-noniid.csv", "noniid", "fashion_mnist"),
+    ("claims-digits", "table-digits.csv", "small", "digits"),
+)
+
+
+def sections(folder: Path) -> dict[str, str]:
+    """docs/reproductions/cse-fsl.md's generated claim tables: the claims judged again on each committed
+    Table V (``table-*.csv``) with its preset."""
+    return {b: verdict_table(claims(read_csv(folder / f), preset(s, d))) for b, f, s, d in PAGE_TABLES}
+
+
 STUDY = Study(
     name="cse-fsl",
     description=__doc__.split("\n\n")[0],
@@ -395,5 +409,6 @@ STUDY = Study(
     plan=plan,
     record=record,
     report=report,
+    sections=sections,
 )
 main = STUDY.main

@@ -741,6 +741,19 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> int
     return 0
 
 
+PAGE_CLAIMS = ("adult/claims.json", "claims.json", "long/claims.json")  # the page's claim table, in its order
+
+
+def sections(folder: Path) -> dict[str, str]:
+    """docs/reproductions/zo-hfl.md's generated claim table: the claims of the committed claims files in
+    ``folder``, judged again from their values."""
+    rows = []
+    for name in PAGE_CLAIMS:
+        got = claim_rows(json.loads((folder / name).read_text(encoding="utf-8"))["claims"])
+        rows += [[claim, f"`{name}`", verdict, measured] for claim, verdict, measured in got]
+    return {"claims": markdown_table(["claim", "source", "verdict", "measured"], rows)}
+
+
 STUDY = Study(
     name="zo-hfl",
     description=__doc__.split("\n")[0],
@@ -753,5 +766,6 @@ STUDY = Study(
     plan=study_plan,
     record=record,
     report=report,
+    sections=sections,
 )
 main = STUDY.main
