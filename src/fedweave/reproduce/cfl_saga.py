@@ -133,7 +133,7 @@ def synthetic_jobs(scale: str, seeds: list[int]) -> list[Job]:
         data, system = PAPER_DATA, {}
         topologies = ("random", "ring", "full")
         if scale == "small":
-            rhos, rates, inner, stop = (0.0, 10.0, 50.0, 1e3, 1e4, 1e5, 1e6), (0.05, 0.25, 0.45), (100,), 1e-8
+            rhos, rates, inner, stop = (0.0, 10.0, 50.0, 1e3, 1e4, 1e5, 1e6), RATES, (100,), 1e-8
         else:
             rhos = (0.0, 1.0, 5.0, 10.0, 20.0, 50.0, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7)
             rates, inner, stop = (0.05, 0.15, 0.25, 0.35, 0.45), (20, 50, 100, 200), 1e-10
@@ -145,16 +145,14 @@ def synthetic_jobs(scale: str, seeds: list[int]) -> list[Job]:
     jobs = []
     for seed in seeds:
         for topo in topologies:
-            jobs += [
-                job(seed, topo, f"CFL-SAGA rho={rho:g}", "cfl_saga", {"rho": rho}, kmax["cfl_saga"]) for rho in rhos
-            ]
-            # SR 0.05 needs ~4.5k iterations to 1e-8
-            jobs += [job(seed, topo, f"GT-SAGA SR={sr:g}", "gt_saga", {"sample_rate": sr},
-                         kmax["gt_saga"] * (3 if sr <= 0.05 else 1)) for sr in rates]  # fmt: skip
+            jobs += [job(seed, topo, f"CFL-SAGA rho={r:g}", "cfl_saga", {"rho": r}, kmax["cfl_saga"]) for r in rhos]
+            for sr in rates:  # SR 0.05 needs ~4.5k iterations to 1e-8
+                k = kmax["gt_saga"] * (3 if sr <= 0.05 else 1)
+                jobs.append(job(seed, topo, f"GT-SAGA SR={sr:g}", "gt_saga", {"sample_rate": sr}, k))
         for t in inner:
             for name, algo in (("GT-SVRG", "gt_svrg"), ("GT-SARAH", "gt_sarah")):
-                jobs.append(job(seed, "random", f"{name} SR=0.15 T={t}", algo, {"sample_rate": 0.15, "inner_loop": t},
-                                kmax[algo]))  # fmt: skip
+                opts = {"sample_rate": 0.15, "inner_loop": t}
+                jobs.append(job(seed, "random", f"{name} SR=0.15 T={t}", algo, opts, kmax[algo]))
         admm = "CFL-ADMM (reconstructed{}) SR=0.3"
         jobs.append(job(seed, "random", admm.format(""), "cfl_admm", {"sample_rate": 0.3}, kmax["cfl_admm"]))
         exact = {"sample_rate": 0.3, "local_gradient": "full", "beta_scale": 2.0}
@@ -175,23 +173,17 @@ REAL = {
 # is ~1e1-1e6 there, hence the rho grid up to 1e8.
 REAL_STEP_SCALE = 0.5
 REAL_RHOS = (0.0, 1e2, 1e4, 1e6, 1e8)
+RATES = (0.05, 0.25, 0.45)  # GT-SAGA's sampling rates (the small scale's and the real problems')
 
 
 def real_jobs(seed: int) -> list[Job]:
     jobs = []
-    common = {"step_scale": REAL_STEP_SCALE}
     for tag, (data, system) in REAL.items():
-        for rho in REAL_RHOS:
-            jobs.append(
-                Job(tag, "random", f"CFL-SAGA rho={rho:g}", "cfl_saga", {"rho": rho, **common}, seed, 4000, 1e-8,
-                    data, system, True)
-            )  # fmt: skip
-        for sr in (0.05, 0.25, 0.45):
-            k = 12_000 if sr <= 0.05 else 4000
-            jobs.append(
-                Job(tag, "random", f"GT-SAGA SR={sr:g}", "gt_saga", {"sample_rate": sr, **common}, seed, k, 1e-8,
-                    data, system, True)
-            )  # fmt: skip
+        runs = [(f"CFL-SAGA rho={rho:g}", "cfl_saga", {"rho": rho}, 4000) for rho in REAL_RHOS]
+        runs += [(f"GT-SAGA SR={r:g}", "gt_saga", {"sample_rate": r}, 12_000 if r <= 0.05 else 4000) for r in RATES]
+        for method, algo, opts, k in runs:
+            opts = {**opts, "step_scale": REAL_STEP_SCALE}
+            jobs.append(Job(tag, "random", method, algo, opts, seed, k, 1e-8, data, system, True))
     return jobs
 
 
@@ -212,10 +204,8 @@ def alpha_jobs(seed: int) -> list[Job]:
     for scale in ALPHA_GRID:
         for name, algo, opts in methods:
             k = 30_000 if algo == "gt_saga" and opts["sample_rate"] <= 0.05 else 10_000
-            jobs.append(
-                Job("synthetic, alpha grid", "random", f"{name} alpha={scale:g}/L_f", algo,
-                    {**opts, "step_scale": scale}, seed, k, 1e-8, PAPER_DATA)
-            )  # fmt: skip
+            method, opts = f"{name} alpha={scale:g}/L_f", {**opts, "step_scale": scale}
+            jobs.append(Job("synthetic, alpha grid", "random", method, algo, opts, seed, k, 1e-8, PAPER_DATA))
     return jobs
 
 
@@ -442,8 +432,8 @@ def _fmt(v: Any) -> str:
 # ---- output --------------------------------------------------------------------------------------------
 def table_md(aggs: list[dict], problem: str) -> str:
     rows = [a for a in aggs if a["problem"] == problem]
-    head = ["topology", "method", "it to 1e-4", "uploads to 1e-4", "it to 1e-6", "uploads to 1e-6", "it to 1e-8",
-            "uploads to 1e-8 (IQR)", "reduction vs best GT-SAGA at 1e-8", "uploads/it", "ms/it (CPU)"]  # fmt: skip
+    head = ["topology", "method", *(f"{w} to {t}" for t in ("1e-4", "1e-6") for w in ("it", "uploads"))]
+    head += ["it to 1e-8", "uploads to 1e-8 (IQR)", "reduction vs best GT-SAGA at 1e-8", "uploads/it", "ms/it (CPU)"]
     body = []
     for topo in sorted({a["topology"] for a in rows}):
         sub = [a for a in rows if a["topology"] == topo]
@@ -453,9 +443,9 @@ def table_md(aggs: list[dict], problem: str) -> str:
             if best_g and a.get("uploads_1e-08"):
                 red = f"{best_g['uploads_1e-08'] / a['uploads_1e-08']:.1f}x"
             iqr = f" ({a['uploads_1e-08_iqr']})" if a.get("uploads_1e-08_iqr") else ""
-            body.append([topo, a["method"], *(_fmt(a[k]) for k in ("iters_1e-04", "uploads_1e-04", "iters_1e-06",
-                         "uploads_1e-06", "iters_1e-08")), f"{_fmt(a['uploads_1e-08'])}{iqr}", red,
-                         f"{a['uploads_per_iteration']:.1f}", f"{a['ms_per_iteration_cpu']:.2f}"])  # fmt: skip
+            counts = [_fmt(a[f"{w}_{t:.0e}"]) for t in TARGETS for w in ("iters", "uploads")][:-1]
+            per_it = [f"{a['uploads_per_iteration']:.1f}", f"{a['ms_per_iteration_cpu']:.2f}"]
+            body.append([topo, a["method"], *counts, f"{_fmt(a['uploads_1e-08'])}{iqr}", red, *per_it])
     return markdown_table(head, body).rstrip("\n")
 
 
@@ -607,7 +597,7 @@ STUDY = Study(
         option(
             "--report-only", action="store_true", help="rebuild the report from OUT/raw.json (its figures: curves.npz)"
         ),
-    ),  # fmt: skip
+    ),
     plan=study_plan,
     record=record,
     report=report,

@@ -585,7 +585,7 @@ def write_plots(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int],
                     title=f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})",
                     xlabel="round",
                     ylabel=ylabel,
-                )  # fmt: skip
+                )
                 for s in SETTINGS
             ]
             for metric, ylabel in (("global_loss", "global loss f1 + f2"), ("test_loss", "test loss"))
@@ -594,12 +594,26 @@ def write_plots(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int],
     methods = [m for m in p.methods if p.rounds_of(m) == p.rounds and m not in p.sensitivity]
     for ds in p.datasets:
         panels = [
-            Panel([(label(m), [results[run_config(p, ds, s, m, seed, p.tau, p.rounds, out)["name"]]["rows"]
-                               for seed in seeds], {}) for m in methods], "test_accuracy",
-                  title=f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})", xlabel="round",
-                  ylabel="test accuracy" if j == 0 else None, legend={"fontsize": 7} if j == 0 else None)
+            Panel(
+                [
+                    (
+                        label(m),
+                        [
+                            results[run_config(p, ds, s, m, seed, p.tau, p.rounds, out)["name"]]["rows"]
+                            for seed in seeds
+                        ],
+                        {},
+                    )
+                    for m in methods
+                ],
+                "test_accuracy",
+                title=f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})",
+                xlabel="round",
+                ylabel="test accuracy" if j == 0 else None,
+                legend={"fontsize": 7} if j == 0 else None,
+            )
             for j, s in enumerate(SETTINGS)
-        ]  # fmt: skip
+        ]
         plot_panels([panels], out / f"accuracy_{ds}.png", panel_size=(4.2, 3.4), sharey=True, dpi=80)
 
 
