@@ -188,3 +188,10 @@ def test_the_pipeline_writes_the_pages_generated_sections(tmp_path):
         fill("<!-- generated: other -->\n<!-- end generated -->\n", {})
     with pytest.raises(ConfigError, match="has no block '<!-- generated: claims -->'"):
         fill("no blocks\n", {"claims": ""})
+
+
+def test_a_page_that_is_not_a_file_is_one_line_before_anything_runs(tmp_path, capsys):
+    from fedweave.cli import main
+
+    assert main(["reproduce", "zo-hfl", "--page", str(tmp_path / "nope.md"), "--out", str(tmp_path / "o")]) == 2
+    assert "--page: " in capsys.readouterr().err and not (tmp_path / "o").exists()

@@ -180,6 +180,9 @@ class Study:
         """Plan, run the points (resumable, parallel, within the budget), record every finished run, report.
         ``argv``, the command line's options, is kept as ``opts.argv`` (a report may name its command)."""
         opts.argv = list(argv or [])
+        page = Path(opts.page) if getattr(opts, "page", None) else None
+        if page is not None and not page.is_file():
+            raise ConfigError(f"--page: {page} is not a file (a reproduction page, docs/reproductions/<paper>.md)")
         t0 = time.perf_counter()
         plan = self.plan(opts)
         budget = None if opts.budget_minutes is None else 60 * opts.budget_minutes
@@ -187,10 +190,9 @@ class Study:
         if plan.skipped:
             print(f"{len(plan.skipped)} of {len(plan.points)} runs not started: the time budget ran out", flush=True)
         status = int(self.report(records, plan, opts, time.perf_counter() - t0) or 0)
-        if getattr(opts, "page", None):
-            page = Path(opts.page)
-            if pages.update(page, self.sections(page.with_suffix(""))):
-                print(f"rewrote the generated sections of {page}")
+        # a block the study does not render, or the reverse, is one ConfigError line
+        if page is not None and pages.update(page, self.sections(page.with_suffix(""))):
+            print(f"rewrote the generated sections of {page}")
         return status
 
     def records(
