@@ -1,9 +1,9 @@
 """Reproduce CFL-SAGA (Wang, Fang, Li, Eldar, 2024): Figs. 3-7 and the claims of §VIII (spec §9.2-9.3).
 
-The grids of ``smoke``, ``small`` (spec Tier B) and ``paper`` (Tier C), one run's config (a runner run stopped at
-a target optimality gap) and its record, the tables and the claims; what each scale runs, where the runs are kept and what the report
-holds is on the page, docs/reproductions/cfl-saga.md. The paper reports only plots and qualitative statements,
-so the comparison table lists its claims and whether they held here.
+The grids of ``smoke``, ``small`` (spec Tier B) and ``paper`` (Tier C), one run's config (a runner run stopped
+at a target optimality gap) and its record, the tables and the claims; what each scale runs, where the runs
+are kept and what the report holds is on the page, docs/reproductions/cfl-saga.md. The paper reports only plots
+and qualitative statements, so the comparison table lists its claims and whether they held here.
 """
 
 from __future__ import annotations
