@@ -83,14 +83,14 @@ def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any
     gaps = [float(t["opt_gap"]) for t in trace]
     ups = [int(t["uploads"] or 0) for t in trace]  # the initial model: no upload yet
     v, first, last = dict(point.values), res.metrics[0], res.metrics[-1]
-    iters = len(gaps) - 1
+    iters, diverged = len(gaps) - 1, res.summary["status"] == "diverged"  # a diverged run has no final model
     row: dict[str, Any] = {
         "problem": v["problem"],
         "topology": v["topology"],
         "method": v["method"],
         "seed": point.seed,
         "iterations": iters,
-        "final_opt_gap": math.nan if res.summary["status"] == "diverged" else gaps[-1],
+        "final_opt_gap": math.nan if diverged else gaps[-1],
         "uploads": ups[-1],
         "uploads_per_iteration": ups[-1] / max(iters, 1),
         "upload_fraction": ups[-1] / max(iters, 1) / first["num_users"],
@@ -105,7 +105,7 @@ def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any
         row[f"uploads_{t:.0e}"] = hit[1] if hit else None
     row["tail_slope"], row["tail_r2"] = tail_fit(gaps)
     if "x_star_test_accuracy" in first:  # sanity of the real problems: accuracy of the servers' average model
-        row["test_accuracy"] = last["test_accuracy"]
+        row["test_accuracy"] = math.nan if diverged else last["test_accuracy"]
         row["test_accuracy_x_star"] = first["x_star_test_accuracy"]
     if v["curve"]:
         row["_curve"] = (np.array(gaps), np.array(ups), np.array([float(t["wall_seconds"]) for t in trace]))
