@@ -7,7 +7,6 @@ preset runs and which files it writes is on the page, docs/reproductions/fedmim.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
@@ -20,7 +19,7 @@ from fedweave.experiments.aggregate import group, mean_std
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Panel, plot_panels
 from fedweave.experiments.study import HELD, Claim, Plan, Study, judge, not_run, option
-from fedweave.experiments.tables import csv_text, grouped_table, markdown_table, pm, write_csv
+from fedweave.experiments.tables import csv_text, grouped_table, markdown_table, pm, read_csv, write_csv
 from fedweave.results import atomic_write
 from fedweave.runner import Result
 
@@ -564,8 +563,7 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> tuple[str, str]:
             for seed in seeds:
                 path = out / "runs" / f"{dataset}-{split}-{m}-s{seed}" / "metrics.csv"
                 if path.is_file():
-                    with path.open() as f:
-                        rows = {int(r["round"]): 100 * float(r["test_accuracy"]) for r in csv.DictReader(f)}
+                    rows = {int(r["round"]): 100 * float(r["test_accuracy"]) for r in read_csv(path)}
                     acc[(dataset, split, m, seed)] = {t: rows[t] for t in p.report_rounds if t in rows}
     lines: list[list[Any]] = []  # per (method, seed, round): accuracy and FedMIM's gap
     md = [f"# FedMIM's gap over a longer horizon (preset rounds {p.rounds})", ""]
@@ -866,17 +864,27 @@ def variant_plot(records: list[dict], p: Preset, name: str, out: Path) -> Path:
     return plot_panels([grid], out / f"curves-{name}.png", panel_size=(5, 4), dpi=100)
 
 
+RESULT_KEYS = ["dataset", "split", "method", "variant", "seed", "final_acc", "best_acc", "last3_acc"]
+RESULT_KEYS += ["consistency_last20", "status", "rounds_done", "wall_seconds", "cpu_seconds"]
+
+
+def write_results(records: list[dict], out: Path, variant: bool = False) -> float | None:
+    """``OUT/results.csv``, one row per run (a variant preset's with its variant); returns the runs' summed
+    CPU seconds when every run has them (the machine is shared: CPU time says what a preset costs)."""
+    keys = [k for k in RESULT_KEYS if variant or k != "variant"]
+    write_csv(out / "results.csv", records, keys, float_format=".6g")
+    cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
+    return sum(cpus) if cpus and len(cpus) == len(records) else None
+
+
 def write_variant_outputs(records: list[dict], skipped: list, name: str, p: Preset, out: Path, wall: float) -> int:
     """A variant preset's files: results.csv (one row per run), NAME.csv and NAME.md (the table beside the
     paper's and the claim checks), claims.json and curves-NAME.png."""
-    keys = ["dataset", "split", "method", "variant", "seed", "final_acc", "best_acc", "last3_acc"]
-    keys += ["consistency_last20", "status", "rounds_done", "wall_seconds", "cpu_seconds"]
-    write_csv(out / "results.csv", records, keys, float_format=".6g")
+    cpu = write_results(records, out, variant=True)
     rows = variant_summary(records, p)
     checks = variant_claims(rows, p)
     write_csv(out / f"{name}.csv", rows)
-    cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
-    md = variant_markdown(rows, checks, name, p, wall, sum(cpus) if cpus and len(cpus) == len(records) else None)
+    md = variant_markdown(rows, checks, name, p, wall, cpu)
     md += not_run(skipped)
     atomic_write(out / f"{name}.md", md)
     claims = [{"claim": c, "verdict": HELD[ok], "measured": m} for c, ok, m in checks]
@@ -916,14 +924,11 @@ def report(records: list[dict], plan_: Plan, opts, wall: float) -> int:
     if p.variants:
         return write_variant_outputs(records, skipped, opts.scale, p, out, wall)
     table, claims = summarize(records)
-    keys = ["dataset", "split", "method", "seed", "final_acc", "best_acc", "last3_acc", "consistency_last20"]
-    keys += ["status", "rounds_done", "wall_seconds", "cpu_seconds"]
-    write_csv(out / "results.csv", records, keys, float_format=".6g")
+    cpu = write_results(records, out)
     tkeys = ["dataset", "split", "method", "seeds", "diverged", "final_acc_mean", "final_acc_std", "best_acc_mean"]
     tkeys += ["consistency_last20", "rank", "paper_cifar10", "paper_rank"]
     write_csv(out / "table.csv", table, tkeys, float_format=".6g")
-    cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
-    md = markdown(table, claims, opts.scale, p, wall, sum(cpus) if len(cpus) == len(records) else None)
+    md = markdown(table, claims, opts.scale, p, wall, cpu)
     md += not_run(skipped)
     atomic_write(out / "table.md", md)
     atomic_write(out / "claims.json", json.dumps(claims, indent=2))
