@@ -29,6 +29,11 @@ def test_smoke_reproduction_writes_tables_and_plots(tmp_path):
     (tmp_path / "summary.md").unlink()
     assert cfl_saga.main(["--scale", "smoke", "--out", str(tmp_path), "--report-only"]) == 0
     assert (tmp_path / "summary.md").read_text() == summary and meta["scale"] == "smoke"
+    # the runs are runner runs of the Study pipeline: a second call reuses them instead of running them again
+    trace = tmp_path / "runs" / "synthetic" / "random" / "CFL-SAGA_rho=0" / "s0" / "trace.csv"
+    mtime, runs = trace.stat().st_mtime_ns, (tmp_path / "runs.csv").read_text()
+    assert cfl_saga.main(["--scale", "smoke", "--out", str(tmp_path), "--workers", "1"]) == 0
+    assert trace.stat().st_mtime_ns == mtime and (tmp_path / "runs.csv").read_text() == runs
 
 
 def test_tail_fit_recovers_a_linear_rate():

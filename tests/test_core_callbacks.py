@@ -9,7 +9,7 @@ import re
 import pytest
 
 import fedweave
-from fedweave.callbacks import Budget, Callback, Checkpointer, DivergenceGuard, ProgressBar, StopAtTarget
+from fedweave.callbacks import Budget, Callback, Checkpointer, DivergenceGuard, ProgressBar, RoundTrace, StopAtTarget
 from fedweave.callbacks import default_callbacks as defaults
 from fedweave.checkpoints import read_checkpoint
 from fedweave.config import load
@@ -186,3 +186,22 @@ def test_a_family_with_its_own_metrics_is_plotted_by_them(tmp_path):
                      "output.plots=true", "--out", str(tmp_path / "c"), "--no-progress"])  # fmt: skip
     assert code == 0
     assert (tmp_path / "c" / "opt_gap_vs_rounds.png").is_file()
+
+
+def test_a_solver_run_stops_on_a_metric_of_every_round_and_keeps_its_trace(tmp_path):
+    # the confederated methods report opt_gap every round: StopAtTarget(each_round) stops on it without an
+    # evaluation each round, and round_trace keeps the per-round curve (CFL-SAGA's reproduction needs both)
+    cfg = load("example:confederated/gt_saga", ["dataset.num_samples=2000", "dataset.dim=20", "rounds=400"])
+    base = fedweave.run(cfg, run_dir=tmp_path / "full", progress=False)
+    gaps = [r["opt_gap"] for r in base.metrics]
+    cfg = load(
+        "example:confederated/gt_saga",
+        ["dataset.num_samples=2000", "dataset.dim=20", "rounds=400", "eval.every=400", "eval.at_start=true"],
+    )
+    stop = StopAtTarget("opt_gap", gaps[59], direction="min", each_round=True)
+    res = fedweave.run(cfg, run_dir=tmp_path / "stop", progress=False, callbacks=[stop, RoundTrace(["opt_gap"])])
+    first = next(i for i, g in enumerate(gaps) if g <= gaps[59]) + 1
+    assert res.summary["rounds"] == first and [r["round"] for r in res.metrics] == [0, first]
+    trace = (tmp_path / "stop" / "trace.csv").read_text().splitlines()
+    assert trace[0] == "round,opt_gap,wall_seconds" and len(trace) == first + 2  # rounds 0..first
+    assert [float(line.split(",")[1]) for line in trace[2:]] == gaps[:first]  # the same numbers as evaluated

@@ -220,3 +220,27 @@ def test_claim_tables_are_the_rows_generated_from_the_committed_claims(name):
         seen.add((source, _norm(claim)))
     missing = [(f, c) for f, rows in generated.items() for c, _, _ in rows if (f, _norm(c)) not in seen]
     assert not missing, f"{name}.md leaves out claims of its files: {missing}"
+
+
+@pytest.mark.parametrize("name", ["afind", "cfl-saga", "cse-fsl", "fedmim", "zo-hfl"])
+def test_generated_sections_are_what_the_committed_records_render(name):
+    """Every page's claim tables are generated blocks, and each block is, byte for byte, what its study renders
+    from the committed records beside the page (a hand edit of a number or verdict in a block fails here)."""
+    from fedweave.experiments.pages import blocks, fill
+    from fedweave.reproduce import study
+
+    page = (PAGES / f"{name}.md").read_text(encoding="utf-8")
+    assert any(b == "claims" or b.startswith("claims-") for b in blocks(page)), f"{name}.md has no generated claims"
+    assert fill(page, study(name).sections(PAGES / name)) == page
+
+
+def test_an_edited_generated_number_is_found_and_rewritten(tmp_path):
+    from fedweave.experiments.pages import update
+    from fedweave.reproduce import study
+
+    page = tmp_path / "zo-hfl.md"
+    committed = (PAGES / "zo-hfl.md").read_text(encoding="utf-8")
+    page.write_text(committed.replace("within one std in 3/3 settings", "within one std in 2/3 settings", 1))
+    sections = study("zo-hfl").sections(PAGES / "zo-hfl")
+    assert update(page, sections) and page.read_text(encoding="utf-8") == committed
+    assert not update(page, sections)  # nothing to change: the file is left as it is

@@ -180,3 +180,29 @@ def test_a_negative_or_non_finite_time_budget_is_one_line_and_status_2(bad, caps
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--budget-minutes" in err[0] and "minutes >= 0" in err[0]
+
+
+def test_the_pipeline_writes_the_pages_generated_sections(tmp_path):
+    from fedweave.experiments.pages import fill
+
+    seen: list = []
+    s = _study(seen)
+    s.sections = lambda folder: {"claims": f"| claim |\n|---|\n| {(folder / 'x.txt').read_text()} |\n"}
+    (tmp_path / "page").mkdir()
+    (tmp_path / "page" / "x.txt").write_text("C1 held")
+    page = tmp_path / "page.md"
+    page.write_text("# Page\n\n<!-- generated: claims -->\nold\n<!-- end generated -->\n\nprose\n")
+    assert s.main(["--xs", "1", "--out", str(tmp_path / "out"), "--workers", "1", "--page", str(page)]) == 0
+    table = "| claim |\n|---|\n| C1 held |\n"
+    assert page.read_text() == f"# Page\n\n<!-- generated: claims -->\n{table}<!-- end generated -->\n\nprose\n"
+    with pytest.raises(ConfigError, match="no section renders the generated block 'other'"):
+        fill("<!-- generated: other -->\n<!-- end generated -->\n", {})
+    with pytest.raises(ConfigError, match="has no block '<!-- generated: claims -->'"):
+        fill("no blocks\n", {"claims": ""})
+
+
+def test_a_page_that_is_not_a_file_is_one_line_before_anything_runs(tmp_path, capsys):
+    from fedweave.cli import main
+
+    assert main(["reproduce", "zo-hfl", "--page", str(tmp_path / "nope.md"), "--out", str(tmp_path / "o")]) == 2
+    assert "--page: " in capsys.readouterr().err and not (tmp_path / "o").exists()

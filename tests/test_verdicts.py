@@ -194,7 +194,7 @@ def test_a_claim_with_a_declared_rule_takes_its_verdict_and_interval():
     ]
     verdicts = judge(claims, RECORDS, RECORDS[:4])
     first = beats.judge(RECORDS)
-    assert verdicts[0] == Verdict("FedMIM > FedAvg", first.detail, True, "held", first.text)
+    assert verdicts[0] == Verdict("FedMIM > FedAvg", first.detail, True, outcome="held", interval=first.text)
     assert first.text == "+1.83 points [1.12, 2.55], 95 % paired t, n=3: held"  # 1.833 -+ 4.303 * 0.1667
     # the declared rule decides (the rule's own True is overruled), the rule still says what was measured
     assert (verdicts[1].measured, verdicts[1].held, verdicts[1].outcome) == ("1.83 mean gap", None, "inconclusive")

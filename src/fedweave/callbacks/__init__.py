@@ -167,6 +167,7 @@ from fedweave.callbacks.builtin import (  # noqa: E402
     PartitionReport,
     Plots,
     ProgressBar,
+    RoundTrace,
     StopAtTarget,
     default_callbacks,
 )
@@ -180,6 +181,7 @@ __all__ = [
     "PartitionReport",
     "Plots",
     "ProgressBar",
+    "RoundTrace",
     "RunState",
     "StopAtTarget",
     "default_callbacks",

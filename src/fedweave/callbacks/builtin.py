@@ -3,6 +3,8 @@ trackers, and stopping at a target or a budget."""
 
 from __future__ import annotations
 
+import csv
+import io
 import math
 import sys
 from typing import TYPE_CHECKING, Any
@@ -170,10 +172,11 @@ class StopAtTarget(Callback):
     most it for a metric where lower is better: the task's direction for its main metric, else
     ``direction``)."""
 
-    def __init__(self, metric: str, target: float, direction: str | None = None) -> None:
+    def __init__(self, metric: str, target: float, direction: str | None = None, each_round: bool = False) -> None:
         if direction not in (None, "max", "min"):
             raise ValueError(f"StopAtTarget: direction must be 'max' or 'min', got {direction!r}")
         self.metric, self.target, self.direction = metric, float(target), direction
+        self.each_round = each_round  # also watch the round's training metrics (a metric reported every round)
         self.reached: int | None = None
 
     def on_start(self, run):
@@ -187,16 +190,57 @@ class StopAtTarget(Callback):
             self.direction = run.ctx.task.direction
 
     def on_row(self, run, row):
-        v = row.get(self.metric)
-        if self.reached is not None or row["round"] == 0 or not isinstance(v, (int, float)):
+        self._check(row["round"], row.get(self.metric))
+
+    def after_training(self, run, r, metrics):
+        if self.each_round:
+            self._check(r + 1, metrics.get(self.metric))
+
+    def _check(self, round_: int, v: Any) -> None:
+        if self.reached is not None or round_ == 0 or not isinstance(v, (int, float)):
             return
         if (v >= self.target) if self.direction == "max" else (v <= self.target):
-            self.reached = row["round"]
+            self.reached = round_
 
     def after_round(self, run, r):
         if self.reached is not None:
             return f"{self.metric} reached {self.target:g} at round {self.reached}"
         return None
+
+
+@CALLBACKS.register("round_trace")
+class RoundTrace(Callback):
+    """Keep the training metrics ``keys`` of every round (what an algorithm reports each round, e.g. the
+    confederated methods' ``opt_gap`` and ``uploads``; the initial evaluation's values as round 0) with the
+    run's wall seconds, and write them to the run directory's ``trace.csv`` at the end: a per-round curve
+    without evaluating every round."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = list(keys)
+        self.rows: list[dict[str, Any]] = []
+
+    def on_start(self, run):
+        self.rows = []
+
+    def _add(self, run, round_: int, values: dict[str, Any]) -> None:
+        self.rows.append({"round": round_, **{k: values.get(k) for k in self.keys}, "wall_seconds": run.wall()})
+
+    def on_row(self, run, row):
+        if row["round"] == 0:
+            self._add(run, 0, row)
+
+    def after_training(self, run, r, metrics):
+        self._add(run, r + 1, metrics)
+
+    def on_end(self, run, summary):
+        if summary is not None:
+            from fedweave.results import atomic_write
+
+            buf = io.StringIO()
+            w = csv.DictWriter(buf, ["round", *self.keys, "wall_seconds"], lineterminator="\n")
+            w.writeheader()
+            w.writerows(self.rows)
+            atomic_write(run.path / "trace.csv", buf.getvalue())
 
 
 @CALLBACKS.register("budget")

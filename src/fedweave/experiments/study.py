@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from fedweave.config import ConfigError, positive_int, positive_minutes
+from fedweave.experiments import pages
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished, parallel_map, run_points
 from fedweave.experiments.tables import markdown_table
@@ -65,6 +66,7 @@ class Verdict:
     claim: str
     measured: str
     held: bool | None
+    word: str | None = None  # the verdict's own words where a paper's page says more than held / did not hold
     # ---- set only by a claim's declared rule (``Claim.declared``) ----
     outcome: str | None = None  # held, did not hold or inconclusive
     interval: str | None = None  # the rule's one line: estimate, interval, test, n, outcome
@@ -81,15 +83,16 @@ class Claim:
     """A paper's claim and its verdict rule. ``rule(table, ctx)`` returns ``(measured, held)`` with ``held``
     True, False or None (untestable), or None when the records cannot test the claim at all (the claim is
     left out, e.g. a variant the preset does not run); ``text`` is the claim, or a function of
-    ``(table, ctx)`` that writes it (a claim that names the preset's target or the largest noise run)."""
+    ``(table, ctx)`` that writes it (a claim that names the preset's target or the largest noise run). A rule
+    may add a third item, the verdict's own words (``Verdict.word``, e.g. "partly (uploads fall with rho)")."""
 
     text: str | Callable[[Any, Any], str]
     rule: Callable[[Any, Any], tuple[str, bool | None] | None] | None
     # ---- a declared verdict rule (module docstring): it decides the verdict; ``rule``, when given, still says
     # what was measured (or leaves the claim out). ``records(table, ctx)`` gives the records the declared rule
     # reads (by default the table itself, a list of records).
-    declared: Rule | None = None
-    records: Callable[[Any, Any], Sequence[Any]] | None = None
+    declared: Rule | None = field(default=None, kw_only=True)
+    records: Callable[[Any, Any], Sequence[Any]] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if self.rule is None and self.declared is None:
@@ -100,13 +103,15 @@ class Claim:
         if got is None:
             return None
         text = self.text(table, ctx) if callable(self.text) else self.text
-        measured, held = got
+        measured, held, *word = got
         if self.declared is None:
-            return Verdict(text, measured, None if held is None else bool(held))
+            return Verdict(text, measured, None if held is None else bool(held), *word)
         decision = self.declared.judge(self.records(table, ctx) if self.records else table)
         if decision is None:  # the records hold no A or no B: the claim is left out, as a rule's None
             return None
-        return Verdict(text, measured or decision.detail, decision.held, decision.outcome, decision.text)
+        return Verdict(
+            text, measured or decision.detail, decision.held, outcome=decision.outcome, interval=decision.text
+        )
 
 
 def judge(claims: Sequence[Claim], table: Any, ctx: Any = None) -> list[Verdict]:
@@ -175,6 +180,9 @@ class Study:
     scale_help: str | None = None
     seeds_help: str = "number of seeds, 0..N-1 (default: the preset's)"
     options: tuple[Option, ...] = ()
+    # the page's generated sections (fedweave.experiments.pages), by block name, rendered from the records
+    # folder beside the page (docs/reproductions/<paper>/ for docs/reproductions/<paper>.md)
+    sections: Callable[[Path], dict[str, str]] | None = None
 
     def add_arguments(self, parser: argparse.ArgumentParser, count: Callable[[str], int]) -> None:
         """The front end's options on ``parser``: the common ones, then the study's; ``count`` is the type of
@@ -188,6 +196,9 @@ class Study:
         )
         for o in self.options:
             parser.add_argument(*o.flags, **({"type": count} if o.count else {}), **o.kwargs)
+        if self.sections is not None:
+            what = "after the report, rewrite this page's generated sections from the records beside it"
+            parser.add_argument("--page", default=None, help=what + " (in the folder PAGE without .md)")
 
     def main(self, argv: list[str] | None = None) -> int:
         """Parse ``argv`` (the study's options) and run the study: for Python callers; ``fedweave reproduce``
@@ -201,13 +212,20 @@ class Study:
         """Plan, run the points (resumable, parallel, within the budget), record every finished run, report.
         ``argv``, the command line's options, is kept as ``opts.argv`` (a report may name its command)."""
         opts.argv = list(argv or [])
+        page = Path(opts.page) if getattr(opts, "page", None) else None
+        if page is not None and not page.is_file():
+            raise ConfigError(f"--page: {page} is not a file (a reproduction page, docs/reproductions/<paper>.md)")
         t0 = time.perf_counter()
         plan = self.plan(opts)
         budget = None if opts.budget_minutes is None else 60 * opts.budget_minutes
         records = self.records(plan, opts.out, workers=opts.workers, budget_s=budget, scale=opts.scale)
         if plan.skipped:
             print(f"{len(plan.skipped)} of {len(plan.points)} runs not started: the time budget ran out", flush=True)
-        return int(self.report(records, plan, opts, time.perf_counter() - t0) or 0)
+        status = int(self.report(records, plan, opts, time.perf_counter() - t0) or 0)
+        # a block the study does not render, or the reverse, is one ConfigError line
+        if page is not None and pages.update(page, self.sections(page.with_suffix(""))):
+            print(f"rewrote the generated sections of {page}")
+        return status
 
     def records(
         self, plan: Plan, out: str | Path, workers: int = 1, budget_s: float | None = None, scale: str = ""

@@ -46,6 +46,24 @@ def csv_text(
     return buf.getvalue()
 
 
+def read_csv(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a CSV file :func:`write_csv` wrote, typed back: an empty cell is None, ``True``/``False``
+    a bool, a number an int or float (as written), anything else text."""
+    with open(path, encoding="utf-8", newline="") as f:
+        return [{k: _typed(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def _typed(v: str) -> Any:
+    if v in ("", "True", "False"):
+        return None if v == "" else v == "True"
+    for t in (int, float):
+        try:
+            return t(v)
+        except ValueError:
+            pass
+    return v
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A markdown table of cells as given (already formatted), one line a row, ending in a newline."""
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]

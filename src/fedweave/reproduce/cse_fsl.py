@@ -21,7 +21,7 @@ from fedweave.experiments.aggregate import group, if_all, mean_std, to_target
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import plot_curves
 from fedweave.experiments.study import Claim, Plan, Study, Verdict, judge, option, verdict_table
-from fedweave.experiments.tables import markdown_table, write_csv
+from fedweave.experiments.tables import markdown_table, read_csv, write_csv
 from fedweave.results import atomic_write
 from fedweave.runner import Result
 
@@ -61,17 +61,47 @@ def preset(scale: str, dataset: str) -> Preset:
     if scale == "paper":
         # spec §3: random 24×24 crops and flips to train, the centre crop to test (q = 2304)
         cifar = {"name": "cifar10", "stats": "half"}  # the authors' Normalize(0.5, 0.5) (docs/algorithms/split.md)
-        return Preset(cifar, {"name": "split_cifar", "aux": "mlp", "init": "normal", "crop": 24}, 5,
-                      50, 0.15, 200, [5, 10, 25, 50], 5, 0.70, 5,
-                      {"lr_decay": 0.99, "augment": ["crop", "flip"], "crop_size": 24, "crop_padding": 0},
-                      {"lr_decay_every": 10})  # fmt: skip
+        return Preset(
+            cifar,
+            {"name": "split_cifar", "aux": "mlp", "init": "normal", "crop": 24},
+            5,
+            50,
+            0.15,
+            200,
+            [5, 10, 25, 50],
+            5,
+            0.70,
+            5,
+            {"lr_decay": 0.99, "augment": ["crop", "flip"], "crop_size": 24, "crop_padding": 0},
+            {"lr_decay_every": 10},
+        )
     if dataset == "digits":  # spec §9.3: 1,400 train / 397 test, 5 × 280, B = 10 → M_i = 28
-        p = Preset({"name": "digits", "as_image": True, "test_fraction": 0.2213}, {"name": "split_small"}, 5, 10,
-                   0.05, 30, [1, 2, 4, 7, 14], 4, 0.90, 3)  # fmt: skip
+        p = Preset(
+            {"name": "digits", "as_image": True, "test_fraction": 0.2213},
+            {"name": "split_small"},
+            5,
+            10,
+            0.05,
+            30,
+            [1, 2, 4, 7, 14],
+            4,
+            0.90,
+            3,
+        )
     elif dataset in ("fashion_mnist", "mnist"):  # 5 × 600, B = 20 → M_i = 30
         target = 0.75 if dataset == "fashion_mnist" else 0.90
-        p = Preset({"name": dataset, "max_train": 3000, "max_test": 2000}, {"name": "split_small", "width": 16},
-                   5, 20, 0.1, 15, [1, 5, 15], 5, target, 3)  # fmt: skip
+        p = Preset(
+            {"name": dataset, "max_train": 3000, "max_test": 2000},
+            {"name": "split_small", "width": 16},
+            5,
+            20,
+            0.1,
+            15,
+            [1, 5, 15],
+            5,
+            target,
+            3,
+        )
     else:  # any registered image dataset (tests use a synthetic one); smoke-sized
         p = Preset({"name": dataset}, {"name": "split_small"}, 5, 10, 0.05, 2, [1, 4], 4, 0.5, 1)
     if scale == "smoke":
@@ -219,9 +249,11 @@ def _c5(table, p):
     by, cse = _by(table), _cse(table)
     an, mc, oc = by["fsl_an"], by["fsl_mc"], by["fsl_oc"]
     c5 = all(t["server_copies"] == 1 for t in cse) and cse[0]["storage_m"] < 0.4 * an["storage_m"]
-    return (f"CSE {cse[0]['storage_m']:.4f} M vs FSL_AN {an['storage_m']:.4f} M "
-            f"({cse[0]['storage_m'] / an['storage_m']:.2f}×), copies MC {mc['server_copies']}, "
-            f"AN {an['server_copies']}, OC {oc['server_copies']}, CSE 1"), c5  # fmt: skip
+    return (
+        f"CSE {cse[0]['storage_m']:.4f} M vs FSL_AN {an['storage_m']:.4f} M "
+        f"({cse[0]['storage_m'] / an['storage_m']:.2f}×), copies MC {mc['server_copies']}, "
+        f"AN {an['server_copies']}, OC {oc['server_copies']}, CSE 1"
+    ), c5
 
 
 def _c6(table, p):
@@ -240,9 +272,11 @@ def _c7(table, p):
     # "the auxiliary net fixes the single-server-model problem" needs that problem: FSL_OC more than 1 pp
     # below the better of FSL_MC / FSL_AN (the paper: 73.74 vs 80.55 on CIFAR); otherwise untestable
     struggled = oc["accuracy"] < max(mc["accuracy"], an["accuracy"]) - 1
-    return (f"{h1['accuracy']:.2f} vs {oc['accuracy']:.2f} %; FSL_OC vs best of FSL_MC/AN "
-            f"{oc['accuracy']:.2f} vs {max(mc['accuracy'], an['accuracy']):.2f} %",
-            h1["accuracy"] >= oc["accuracy"] - 1 if struggled else None)  # fmt: skip
+    return (
+        f"{h1['accuracy']:.2f} vs {oc['accuracy']:.2f} %; FSL_OC vs best of FSL_MC/AN "
+        f"{oc['accuracy']:.2f} vs {max(mc['accuracy'], an['accuracy']):.2f} %",
+        h1["accuracy"] >= oc["accuracy"] - 1 if struggled else None,
+    )
 
 
 def _noniid_cse(table, p):
@@ -284,7 +318,7 @@ CLAIMS = [
             "(paper, h=5: 42.33 vs 61.17 %)"
         ),
         _c8,
-    ),  # fmt: skip
+    ),
     Claim(lambda t, p: f"C9 non-IID ordering of Table V: FSL_MC > FSL_AN > FSL_OC > CSE-FSL h={p.random_h}", _c9),
 ]
 
@@ -349,11 +383,24 @@ def plots(results: list[dict[str, Any]], out: Path) -> None:
     curves = {k: [r["rows"] for r in rs] for k, rs in group(results, lambda r: r["key"]).items()}
     styles = {k: {"ls": "--"} for k in curves if "random" in k}
     common = {"y": "test_accuracy", "yscale": 100, "ylabel": "test accuracy (%), mean over seeds", "styles": styles}
-    plot_curves(curves, out / "fig9_accuracy_vs_load.png", x="load_bytes", xscale=1 / GIB, logx=True,
-                xlabel="communication load (GiB, labels excluded)", **common)  # fmt: skip
+    plot_curves(
+        curves,
+        out / "fig9_accuracy_vs_load.png",
+        x="load_bytes",
+        xscale=1 / GIB,
+        logx=True,
+        xlabel="communication load (GiB, labels excluded)",
+        **common,
+    )
     plot_curves(curves, out / "accuracy_vs_rounds.png", x="round", xlabel="round (epoch)", **common)
-    plot_curves(curves, out / "accuracy_vs_uploads.png", x="smashed_uploads_per_client", logx=True,
-                xlabel="smashed-data uploads per client", **common)  # fmt: skip
+    plot_curves(
+        curves,
+        out / "accuracy_vs_uploads.png",
+        x="smashed_uploads_per_client",
+        logx=True,
+        xlabel="smashed-data uploads per client",
+        **common,
+    )
 
 
 def plan(opts) -> Plan:
@@ -385,6 +432,20 @@ def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> int:
     return 0 if all(t["load_exact"] for t in table) else 1
 
 
+# the page's generated claim tables: (block, the committed Table V beside the page, its scale and dataset)
+PAGE_TABLES = (
+    ("claims-fashion_mnist", "table-fashion_mnist.csv", "small", "fashion_mnist"),
+    ("claims-fashion_mnist-noniid", "table-fashion_mnist-noniid.csv", "noniid", "fashion_mnist"),
+    ("claims-digits", "table-digits.csv", "small", "digits"),
+)
+
+
+def sections(folder: Path) -> dict[str, str]:
+    """docs/reproductions/cse-fsl.md's generated claim tables: the claims judged again on each committed
+    Table V (``table-*.csv``) with its preset."""
+    return {b: verdict_table(claims(read_csv(folder / f), preset(s, d))) for b, f, s, d in PAGE_TABLES}
+
+
 STUDY = Study(
     name="cse-fsl",
     description=__doc__.split("\n\n")[0],
@@ -395,5 +456,6 @@ STUDY = Study(
     plan=plan,
     record=record,
     report=report,
+    sections=sections,
 )
 main = STUDY.main

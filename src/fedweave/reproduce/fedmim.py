@@ -7,7 +7,6 @@ preset runs and which files it writes is on the page, docs/reproductions/fedmim.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
@@ -20,7 +19,7 @@ from fedweave.experiments.aggregate import group, mean_std
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Panel, plot_panels
 from fedweave.experiments.study import HELD, Claim, Plan, Study, judge, not_run, option
-from fedweave.experiments.tables import csv_text, grouped_table, markdown_table, pm, write_csv
+from fedweave.experiments.tables import csv_text, grouped_table, markdown_table, pm, read_csv, write_csv
 from fedweave.results import atomic_write
 from fedweave.runner import Result
 
@@ -55,10 +54,14 @@ SPLITS = {
 }
 # paper defaults (spec §3): FedCM / FedDyn alpha 0.1, FedAdam eta_g 0.1, FedSAM rho 0.1, FedMIM Table III best
 METHOD_OPTIONS: dict[str, dict[str, Any]] = {
-    "fedavg": {}, "fedadam": {"server_lr": 0.1, "beta1": 0.9, "beta2": 0.99, "tau": 1e-2}, "scaffold": {},
-    "fedcm": {"alpha": 0.1}, "feddyn": {"alpha": 0.1}, "fedsam": {"rho": 0.1},
+    "fedavg": {},
+    "fedadam": {"server_lr": 0.1, "beta1": 0.9, "beta2": 0.99, "tau": 1e-2},
+    "scaffold": {},
+    "fedcm": {"alpha": 0.1},
+    "feddyn": {"alpha": 0.1},
+    "fedsam": {"rho": 0.1},
     "fedmim": {"alpha": [0.6, 0.3], "beta": [0.9, 0.1]},
-}  # fmt: skip
+}
 
 
 @dataclass
@@ -410,8 +413,10 @@ def _claims(records: list[dict], dataset: str) -> dict[str, Any]:
 def _accuracy(c: dict[str, Any], _):
     if (g := c.get("dir0.1")) is None:
         return None
-    return (f"FedMIM - FedAvg {g['gap_mean']:+.2f} points, ahead on {g['wins']}/{g['seeds']} seeds",
-            g["gap_mean"] >= 1.0 and g["wins"] >= min(2, g["seeds"]))  # fmt: skip
+    return (
+        f"FedMIM - FedAvg {g['gap_mean']:+.2f} points, ahead on {g['wins']}/{g['seeds']} seeds",
+        g["gap_mean"] >= 1.0 and g["wins"] >= min(2, g["seeds"]),
+    )
 
 
 def _dispersion(c: dict[str, Any], _):
@@ -425,8 +430,10 @@ def _iid_smaller(c: dict[str, Any], _):
     if g is None or iid is None:
         return None
     # "the advantage shrinks without heterogeneity" needs an advantage: None = untestable
-    return (f"FedMIM - FedAvg: IID {iid['gap_mean']:+.2f}, Dir-0.1 {g['gap_mean']:+.2f} points",
-            iid["gap_mean"] < g["gap_mean"] if g["gap_mean"] > 0 else None)  # fmt: skip
+    return (
+        f"FedMIM - FedAvg: IID {iid['gap_mean']:+.2f}, Dir-0.1 {g['gap_mean']:+.2f} points",
+        iid["gap_mean"] < g["gap_mean"] if g["gap_mean"] > 0 else None,
+    )
 
 
 # spec §9.2 on one dataset, judged on its seed gaps (the ``dir0.1`` / ``iid`` entries of claims.json), by key
@@ -444,8 +451,11 @@ TABLE_I_CLAIMS = {
 
 def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
     """The Table I checks of ``claims.json`` (spec §9.2) as (claim, verdict, measured) rows: a page's claim table."""
-    return [(v.claim, HELD[v.held], v.measured) for d, c in claims.items()
-            for v in judge(list(TABLE_I_CLAIMS.values()), c, d)]  # fmt: skip
+    return [
+        (v.claim, HELD[v.held], v.measured)
+        for d, c in claims.items()
+        for v in judge(list(TABLE_I_CLAIMS.values()), c, d)
+    ]
 
 
 def markdown(
@@ -518,14 +528,28 @@ def plot(records: list[dict], out: Path) -> list[Path]:
     for d in sorted({r["dataset"] for r in records}):
         splits = [s for s in ("iid", "dir0.3", "dir0.1") if any(r["dataset"] == d and r["split"] == s for r in records)]
         lines = {
-            s: [(LABELS[m], runs, {"lw": 2.2 if m == "fedmim" else 1.2}) for m in METHODS
-                if (runs := [r["_rows"] for r in records if (r["dataset"], r["split"], r["method"]) == (d, s, m)])]
+            s: [
+                (LABELS[m], runs, {"lw": 2.2 if m == "fedmim" else 1.2})
+                for m in METHODS
+                if (runs := [r["_rows"] for r in records if (r["dataset"], r["split"], r["method"]) == (d, s, m)])
+            ]
             for s in splits
-        }  # fmt: skip
-        acc = [Panel(lines[s], "test_accuracy", yscale=100, title=f"{d}, {s} (mean over seeds)",
-                     ylabel="test accuracy (%)", legend={"fontsize": 8}) for s in splits]  # fmt: skip
-        cons = [Panel(lines[s], "local_consistency", xlabel="round", ylabel="local consistency", logy=True,
-                      legend=None) for s in splits]  # fmt: skip
+        }
+        acc = [
+            Panel(
+                lines[s],
+                "test_accuracy",
+                yscale=100,
+                title=f"{d}, {s} (mean over seeds)",
+                ylabel="test accuracy (%)",
+                legend={"fontsize": 8},
+            )
+            for s in splits
+        ]
+        cons = [
+            Panel(lines[s], "local_consistency", xlabel="round", ylabel="local consistency", logy=True, legend=None)
+            for s in splits
+        ]
         paths.append(plot_panels([acc, cons], out / f"curves-{d}.png", panel_size=(5, 3.5), dpi=110))
     return paths
 
@@ -539,13 +563,15 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> tuple[str, str]:
             for seed in seeds:
                 path = out / "runs" / f"{dataset}-{split}-{m}-s{seed}" / "metrics.csv"
                 if path.is_file():
-                    with path.open() as f:
-                        rows = {int(r["round"]): 100 * float(r["test_accuracy"]) for r in csv.DictReader(f)}
+                    rows = {int(r["round"]): 100 * float(r["test_accuracy"]) for r in read_csv(path)}
                     acc[(dataset, split, m, seed)] = {t: rows[t] for t in p.report_rounds if t in rows}
     lines: list[list[Any]] = []  # per (method, seed, round): accuracy and FedMIM's gap
     md = [f"# FedMIM's gap over a longer horizon (preset rounds {p.rounds})", ""]
-    md += ["Test accuracy (%) at each round, mean ± std over the seeds that reached it (sample std), "
-           "and FedMIM − method, per seed.", ""]  # fmt: skip
+    md += [
+        "Test accuracy (%) at each round, mean ± std over the seeds that reached it (sample std), "
+        "and FedMIM − method, per seed.",
+        "",
+    ]
     for dataset, split, methods in p.grid:
         header = ["round", *(LABELS[m] for m in methods)]
         header += [f"FedMIM − {LABELS[m]} (per seed)" for m in methods if m != "fedmim"]
@@ -729,27 +755,27 @@ VARIANT_CLAIMS = {
         Claim(
             "FedAvg loses the most convergence speed: the lowest mean accuracy over the rounds at both ratios",
             _p_fedavg_slowest,
-        ),  # fmt: skip
+        ),
         Claim(
             lambda c, _: (
                 "FedAdam, FedCM and FedDyn are highly sensitive to the participation ratio: each "
                 f"changes more between {c.labels[0]} and {c.labels[-1]} than FedMIM"
             ),
             _p_sensitive,
-        ),  # fmt: skip
+        ),
         Claim(
             lambda c, _: (
                 f"SCAFFOLD performs well at the higher participation: among the two most accurate at {c.labels[-1]}"
             ),
             _p_scaffold,
-        ),  # fmt: skip
+        ),
         Claim(
             lambda c, _: (
                 f"FedMIM is very stable: the smallest change between {c.labels[0]} and {c.labels[-1]} "
                 "of the methods run"
             ),
             _p_stable,
-        ),  # fmt: skip
+        ),
     ],
 }
 
@@ -777,9 +803,17 @@ def variant_markdown(rows: list[dict], checks: list, name: str, p: Preset, wall:
     labels = [v for v, _ in p.variants]
     if p.table == "ablation":
         header = ["row", "ours", "per seed", "mean acc.", "cons.", "paper"]
-        body = [[r["variant"], pm(r["final_acc_mean"], r["final_acc_std"]), r["final_acc_per_seed"],
-                 f"{r['mean_acc_over_rounds']:.2f}", f"{r['consistency_last20']:.3g}", f"{r['paper_c10']:.2f}"]
-                for r in rows]  # fmt: skip
+        body = [
+            [
+                r["variant"],
+                pm(r["final_acc_mean"], r["final_acc_std"]),
+                r["final_acc_per_seed"],
+                f"{r['mean_acc_over_rounds']:.2f}",
+                f"{r['consistency_last20']:.3g}",
+                f"{r['paper_c10']:.2f}",
+            ]
+            for r in rows
+        ]
     else:
         paper = p.table == "epochs"
         by = {(r["method"], r["variant"]): r for r in rows}
@@ -788,8 +822,11 @@ def variant_markdown(rows: list[dict], checks: list, name: str, p: Preset, wall:
             if (r := by.get((m, v))) is None:
                 return None
             div = f" ({r['diverged']}/{r['seeds']} diverged)" if r["diverged"] else ""
-            return [pm(r["final_acc_mean"], r["final_acc_std"]) + div, f"{r['mean_acc_over_rounds']:.2f}",
-                    f"{r['consistency_last20']:.3g}"] + ([f"{r['paper_c10']:.2f}"] if paper else [])  # fmt: skip
+            return [
+                pm(r["final_acc_mean"], r["final_acc_std"]) + div,
+                f"{r['mean_acc_over_rounds']:.2f}",
+                f"{r['consistency_last20']:.3g}",
+            ] + ([f"{r['paper_c10']:.2f}"] if paper else [])
 
         cols = ["ours", "mean acc.", "cons."] + (["paper C10"] if paper else [])
         methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -813,22 +850,41 @@ def variant_plot(records: list[dict], p: Preset, name: str, out: Path) -> Path:
                     style = {"lw": 2.2 if m == "fedmim" and panel is not None else 1.2}
                     lines.append((v if panel is None else LABELS[m], runs, style))
         title = f"{name}: {panel or 'FedMIM rows'} (mean over seeds)"
-        grid.append(Panel(lines, "test_accuracy", yscale=100, title=title, xlabel="round", ylabel="test accuracy (%)",
-                          legend={"fontsize": 7}))  # fmt: skip
+        grid.append(
+            Panel(
+                lines,
+                "test_accuracy",
+                yscale=100,
+                title=title,
+                xlabel="round",
+                ylabel="test accuracy (%)",
+                legend={"fontsize": 7},
+            )
+        )
     return plot_panels([grid], out / f"curves-{name}.png", panel_size=(5, 4), dpi=100)
+
+
+RESULT_KEYS = ["dataset", "split", "method", "variant", "seed", "final_acc", "best_acc", "last3_acc"]
+RESULT_KEYS += ["consistency_last20", "status", "rounds_done", "wall_seconds", "cpu_seconds"]
+
+
+def write_results(records: list[dict], out: Path, variant: bool = False) -> float | None:
+    """``OUT/results.csv``, one row per run (a variant preset's with its variant); returns the runs' summed
+    CPU seconds when every run has them (the machine is shared: CPU time says what a preset costs)."""
+    keys = [k for k in RESULT_KEYS if variant or k != "variant"]
+    write_csv(out / "results.csv", records, keys, float_format=".6g")
+    cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
+    return sum(cpus) if cpus and len(cpus) == len(records) else None
 
 
 def write_variant_outputs(records: list[dict], skipped: list, name: str, p: Preset, out: Path, wall: float) -> int:
     """A variant preset's files: results.csv (one row per run), NAME.csv and NAME.md (the table beside the
     paper's and the claim checks), claims.json and curves-NAME.png."""
-    keys = ["dataset", "split", "method", "variant", "seed", "final_acc", "best_acc", "last3_acc"]
-    keys += ["consistency_last20", "status", "rounds_done", "wall_seconds", "cpu_seconds"]
-    write_csv(out / "results.csv", records, keys, float_format=".6g")
+    cpu = write_results(records, out, variant=True)
     rows = variant_summary(records, p)
     checks = variant_claims(rows, p)
     write_csv(out / f"{name}.csv", rows)
-    cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
-    md = variant_markdown(rows, checks, name, p, wall, sum(cpus) if cpus and len(cpus) == len(records) else None)
+    md = variant_markdown(rows, checks, name, p, wall, cpu)
     md += not_run(skipped)
     atomic_write(out / f"{name}.md", md)
     claims = [{"claim": c, "verdict": HELD[ok], "measured": m} for c, ok, m in checks]
@@ -839,6 +895,22 @@ def write_variant_outputs(records: list[dict], skipped: list, name: str, p: Pres
 
 
 # ---- the study ------------------------------------------------------------------------------------------
+# the page's claim table: the claims of these committed files beside it, in this order
+PAGE_CLAIMS = ("claims.json", "long/claims.json", "ablation/claims.json", "epochs/claims.json")
+PAGE_CLAIMS += ("participation/claims.json",)
+
+
+def sections(folder: Path) -> dict[str, str]:
+    """docs/reproductions/fedmim.md's generated claim table, from the claims files in ``folder``: Table I's
+    checks judged again from their seed gaps, the variant presets' rows as their presets wrote them."""
+    rows = []
+    for name in PAGE_CLAIMS:
+        data = json.loads((folder / name).read_text(encoding="utf-8"))
+        got = [(c["claim"], c["verdict"], c["measured"]) for c in data] if isinstance(data, list) else claim_rows(data)
+        rows += [[claim, f"`{name}`", verdict, measured] for claim, verdict, measured in got]
+    return {"claims": markdown_table(["claim", "source", "verdict", "measured"], rows)}
+
+
 def study_plan(opts) -> Plan:
     p = PRESETS[opts.scale]
     seeds = tuple(range(opts.seeds)) if opts.seeds else p.seeds
@@ -852,14 +924,11 @@ def report(records: list[dict], plan_: Plan, opts, wall: float) -> int:
     if p.variants:
         return write_variant_outputs(records, skipped, opts.scale, p, out, wall)
     table, claims = summarize(records)
-    keys = ["dataset", "split", "method", "seed", "final_acc", "best_acc", "last3_acc", "consistency_last20"]
-    keys += ["status", "rounds_done", "wall_seconds", "cpu_seconds"]
-    write_csv(out / "results.csv", records, keys, float_format=".6g")
+    cpu = write_results(records, out)
     tkeys = ["dataset", "split", "method", "seeds", "diverged", "final_acc_mean", "final_acc_std", "best_acc_mean"]
     tkeys += ["consistency_last20", "rank", "paper_cifar10", "paper_rank"]
     write_csv(out / "table.csv", table, tkeys, float_format=".6g")
-    cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
-    md = markdown(table, claims, opts.scale, p, wall, sum(cpus) if len(cpus) == len(records) else None)
+    md = markdown(table, claims, opts.scale, p, wall, cpu)
     md += not_run(skipped)
     atomic_write(out / "table.md", md)
     atomic_write(out / "claims.json", json.dumps(claims, indent=2))
@@ -884,5 +953,6 @@ STUDY = Study(
     plan=study_plan,
     record=record,
     report=report,
+    sections=sections,
 )
 main = STUDY.main

@@ -279,7 +279,9 @@ class ConfederatedAlgorithm(Algorithm):
                 self.step(r)
         n = self.hp.iterations_per_round
         out = {"iterations": self.k, "uploads": self.uploads, "uploads_per_iteration": (self.uploads - before) / n}
-        return {**out, **extra}
+        # the paper's curve is opg per iteration: reported every round, so that it can be traced (RoundTrace)
+        # and stopped on (StopAtTarget with each_round) without evaluating every round
+        return {**out, "opt_gap": self.opt_gap(), **extra}
 
     # ---- metrics --------------------------------------------------------------------------------------
     def opt_gap(self) -> float:
@@ -295,4 +297,8 @@ class ConfederatedAlgorithm(Algorithm):
         }
         if self.problem.has_test:
             out.update(self.problem.test_metrics(xbar))
+        if r < 0:  # the initial model's row also holds the run's constants: sigma of W, the step size alpha, the users
+            out.update(sigma=self.net.sigma, step_size=self.alpha, num_users=self.net.num_users)
+            if self.problem.has_test:  # and what the optimum every method approaches scores on the test set
+                out["x_star_test_accuracy"] = self.problem.test_metrics(self.x_star)["test_accuracy"]
         return out
