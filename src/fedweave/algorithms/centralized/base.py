@@ -245,6 +245,15 @@ class StarAlgorithm(Algorithm):
         """The sorted ids of round ``r``'s clients, from the run's sampler (the ``sampler`` section)."""
         return self.sampler(r)
 
+    def losses_at(self, params: torch.Tensor, clients: np.ndarray) -> torch.Tensor:
+        """The task's loss of ``params`` on each of ``clients``' whole training data, ``(len(clients),)`` in the
+        run's dtype (q-FFL's F_k(w^t), AFL's L_k(w)): computed in simulation where each client would compute
+        it on its own data."""
+        ds, ev = self.ctx.dataset, self.config.eval
+        parts = [self.ctx.partition[int(c)] for c in clients]
+        per = evaluate_clients_task(self.layout, params, ds.train_x, ds.train_y, parts, self.ctx.task, ev.batch_size)
+        return torch.as_tensor(per["loss"], dtype=self.x.dtype, device=self.x.device)
+
     def client_work(self, clients: np.ndarray) -> np.ndarray:
         """A client's local steps relative to the mean: clients with more data are slower."""
         work = np.array([self.trainer.num_steps(int(c)) for c in clients], dtype=np.float64)
