@@ -86,7 +86,7 @@ class FedLC(StarAlgorithm):
         c = ctx.dataset.num_classes
         counts = np.stack([np.bincount(ys[np.asarray(p, dtype=np.int64)], minlength=c) for p in ctx.partition])
         # n_{i,y}, the client's own label counts (each client knows its own; nothing is sent)
-        margins = calibration(torch.from_numpy(counts), hp.tau, hp.absent_count).to(ctx.dtype)
+        margins = calibration(torch.as_tensor(counts, device="cpu"), hp.tau, hp.absent_count).to(ctx.dtype)
         self.margins = ctx.placement.to(margins)  # (N, C): tau n_{i,y}^{-1/4} of every client
         self.round_clients = np.zeros(0, dtype=np.int64)
 
