@@ -4,6 +4,7 @@ step against its paper's closed form, loop and vmap agreeing, and its rules surv
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -21,8 +22,11 @@ from fedweave.algorithms.centralized.moon import ModelContrastive, MoonStep
 from fedweave.algorithms.centralized.qffl import qffl_client, qffl_step
 from fedweave.config import ConfigError, LocalConfig, load
 from fedweave.deploy.jobs import decode_job, encode_header, encode_job
+from fedweave.execution import client_spread, evaluate_clients
 from fedweave.execution.local import LocalCall
+from fedweave.experiments.report import build_report
 from fedweave.registry import PARTITIONERS
+from fedweave.runner import resume
 from fedweave.runner import run as run_config
 from tests.test_centralized import M_Q, N_Q, _quad_cfg, _quad_data, _squared
 
@@ -349,3 +353,98 @@ def test_moon_and_fedlc_rules_and_moons_step_travel_by_name():
     job = _trip(rules[0], 0, step=step)
     assert type(job.step) is MoonStep and (job.step.mu, job.step.tau) == (1.0, 0.5)
     assert torch.equal(job.step.glob, step.glob)
+
+
+# ---- per-client metric distributions (eval.distribution) ----------------------------------------------
+def test_client_spread_by_hand():
+    v = [0.9, 0.1, 0.5, 0.3, 0.7, 0.2, 0.8, 0.6, 0.4, 1.0, 0.05]  # 11 clients: the worst 10 % is 2 of them
+    mean = sum(v) / 11
+    std = math.sqrt(sum((x - mean) ** 2 for x in v) / 11)
+    got = client_spread(np.array(v))
+    assert got == pytest.approx({"mean": mean, "worst10": (0.05 + 0.1) / 2, "std": std}, rel=1e-12)
+    assert client_spread(np.array(v), "min")["worst10"] == pytest.approx((1.0 + 0.9) / 2)  # a loss: the highest
+    assert client_spread(np.array([0.3, 0.7]))["worst10"] == 0.3  # at least one client
+
+
+DIST = {**CFG, "backend": "loop", "rounds": 3, "algorithm": {"name": "fedavg", "clients_per_round": 4}}
+
+
+def _dist_cfg(**eval_opts) -> dict:
+    return {**DIST, "eval": {"distribution": True, **eval_opts}, "output": {**DIST["output"], "checkpoint_every": 1}}
+
+
+def _records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "clients.jsonl").read_text().splitlines()]
+
+
+def test_distribution_records_each_clients_test_accuracy_and_its_spread(tmp_path):
+    res = fedweave.run(_dist_cfg(), run_dir=tmp_path / "d")
+    records = _records(tmp_path / "d")
+    assert [e["round"] for e in records] == [1, 2, 3] and records[-1]["metric"] == "accuracy"
+    # the last record is the global model on each client's own test set, by hand
+    algo, ds = res.algorithm, res.algorithm.ctx.dataset
+    accs, losses = evaluate_clients(algo.layout, algo.x, ds.test_x, ds.test_y, algo.ctx.personal_test_parts())
+    assert records[-1]["accuracy"] == accs.tolist() and records[-1]["loss"] == losses.tolist()
+    assert records[-1]["clients"] == list(range(12))
+    for e, row in zip(records, res.metrics):
+        spread = client_spread(np.array(e["accuracy"]))
+        assert {k: row[f"client_test_accuracy_{k}"] for k in spread} == spread
+    assert 0 < row["client_test_accuracy_worst10"] < row["client_test_accuracy_mean"]
+    # with personal_test the same per-client evaluation gives test_accuracy (their mean): computed once
+    both = fedweave.run(_dist_cfg(personal_test=True), run_dir=tmp_path / "p")
+    assert [r["test_accuracy"] for r in both.metrics] == [r["client_test_accuracy_mean"] for r in both.metrics]
+
+
+def test_distribution_changes_no_other_number(tmp_path):
+    off = fedweave.run({**DIST, "output": {**DIST["output"], "checkpoint_every": 1}}, run_dir=tmp_path / "off")
+    on = fedweave.run(_dist_cfg(), run_dir=tmp_path / "on")
+    assert not (tmp_path / "off" / "clients.jsonl").exists()
+    for a, b in zip(off.metrics, on.metrics):
+        assert {k: v for k, v in b.items() if not k.startswith("client_test") and "seconds" not in k} == {
+            k: v for k, v in a.items() if "seconds" not in k
+        }
+    assert torch.equal(off.algorithm.x, on.algorithm.x)
+
+
+def test_a_resumed_run_keeps_the_records_up_to_its_checkpoint(tmp_path):
+    fedweave.run(_dist_cfg(), run_dir=tmp_path / "whole")
+    fedweave.run({**_dist_cfg(), "rounds": 2}, run_dir=tmp_path / "part")
+    # a record past the checkpoint (a round that ran but was not checkpointed) and a line cut short
+    with open(tmp_path / "part" / "clients.jsonl", "a") as f:
+        f.write('{"round": 9, "metric": "accuracy", "accuracy": [0.5]}\n{"round": 3, "met')
+    resume(tmp_path / "part", ["rounds=3"], progress=False)
+    assert _records(tmp_path / "part") == _records(tmp_path / "whole")
+
+
+def test_distribution_under_a_regression_task_takes_the_highest_errors_as_the_worst(tmp_path):
+    cfg = {
+        **_dist_cfg(),
+        "dataset": {"name": "diabetes"},
+        "partition": {"name": "iid", "num_clients": 6},
+        "model": {"name": "mlp", "hidden": 8},
+        "task": {"loss": "mse"},
+        "algorithm": {"name": "fedavg", "clients_per_round": 3},
+    }
+    res = fedweave.run(cfg, run_dir=tmp_path / "r")
+    last = _records(tmp_path / "r")[-1]
+    main = last["metric"]
+    assert last["direction"] == "min"
+    assert res.metrics[-1][f"client_test_{main}_worst10"] == max(last[main])  # 6 clients: the worst one
+
+
+def test_distribution_is_refused_outside_the_centralized_family(tmp_path):
+    from tests.test_precision import family_config
+
+    cfg = {**family_config("gossip"), "eval": {"distribution": True}}
+    with pytest.raises(ConfigError, match="eval.distribution records .* which the decentralized family does not"):
+        fedweave.run(cfg, run_dir=tmp_path / "g")
+    assert not (tmp_path / "g").exists()
+
+
+def test_the_report_shows_the_per_client_spread(tmp_path):
+    fedweave.run(_dist_cfg(), run_dir=tmp_path / "d")
+    page = build_report([tmp_path / "d"])
+    assert "Per-client test accuracy" in page and "worst 10 %" in page
+    assert "Each client's test accuracy at round 3" in page
+    fedweave.run(DIST, run_dir=tmp_path / "plain")
+    assert "Per-client" not in build_report([tmp_path / "plain"])  # only a run that recorded them

@@ -268,6 +268,10 @@ class EvalConfig:
     # star family: test_accuracy = mean over clients of the global model's accuracy on each client's own
     # test set (drawn with its train label distribution, as the decentralized family; afind-plus A29)
     personal_test: bool = False
+    # star family: the global model on each client's own test set (the personal_test sets), summarized as
+    # client_test_<main>_mean / _worst10 (the mean of the worst 10 % of clients) / _std, and every client's
+    # values of each evaluation in clients.jsonl in the run directory
+    distribution: bool = False
     # a run stops as diverged when a loss it reports exceeds this multiple of its first value (null: only
     # NaN/Inf stop it): a loss of 1e27 is finite but the model is already useless
     explode_factor: float | None = 1.0e4
