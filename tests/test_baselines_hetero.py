@@ -448,3 +448,14 @@ def test_the_report_shows_the_per_client_spread(tmp_path):
     assert "Each client's test accuracy at round 3" in page
     fedweave.run(DIST, run_dir=tmp_path / "plain")
     assert "Per-client" not in build_report([tmp_path / "plain"])  # only a run that recorded them
+
+
+def test_fedweave_list_names_the_methods_and_samplers(capsys):
+    from fedweave.cli import main as cli_main
+
+    assert cli_main(["list"]) == 0
+    out = capsys.readouterr().out
+    algorithms = next(line for line in out.splitlines() if line.startswith("algorithms:"))
+    samplers = next(line for line in out.splitlines() if line.startswith("samplers:"))
+    assert all(name in algorithms.split(": ")[1].split(", ") for name in (*NEW, "qffl"))
+    assert {"power_of_choice", "oort"} <= set(samplers.split(": ")[1].split(", "))

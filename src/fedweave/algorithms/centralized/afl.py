@@ -1,11 +1,11 @@
 """Agnostic Federated Learning (Mohri, Sivek and Suresh, ICML 2019): a good model for every mixture.
 
-AFL minimizes the loss of the worst mixture of the clients' distributions (Sec. 2, the agnostic loss),
+AFL minimizes the loss of the worst mixture of the clients' distributions (the agnostic loss),
 
     min_w max_{lambda in Delta_N} L(w, lambda) = sum_k lambda_k L_k(w)
 
 with ``L_k`` client k's loss and ``Delta_N`` the probability simplex, by stochastic gradient descent on w
-and projected gradient ascent on lambda (Sec. 5, Stochastic-AFL):
+and projected gradient ascent on lambda (the paper's Stochastic-AFL):
 
     w_{t+1}      = w_t - gamma_w grad_w L(w_t, lambda_t)
     lambda_{t+1} = Proj_Delta(lambda_t + gamma_lambda grad_lambda L(w_t, lambda_t)),  grad_lambda L = (L_k(w_t))_k
@@ -82,10 +82,9 @@ class AFL(StarAlgorithm):
         self.x = self.x + self.hp.server_lr * mean  # w's step: sum_k lambda_k Delta_k over the round
         self.lam = lambda_step(self.lam, got.clients, got.upload["loss"].squeeze(1), self.hp.lambda_lr)
 
-    def run_round(self, r: int) -> dict[str, float]:
-        out = super().run_round(r)
-        out["lambda_max"] = float(self.lam.max())  # how far the mixture has moved from the start
-        return out
+    def local_metrics(self, local, p) -> dict[str, float]:
+        # the round's metrics (after its server step): how far the mixture has moved from the start
+        return {**super().local_metrics(local, p), "lambda_max": float(self.lam.max())}
 
 
 def lambda_step(lam: torch.Tensor, clients: np.ndarray, loss: torch.Tensor, lr: float) -> torch.Tensor:

@@ -3,7 +3,7 @@
 The server step size adapts to the round's updates like a projection onto convex sets is extrapolated
 (POCS): with ``Delta_i = y_i - x_t`` the M reporting clients' updates and ``Delta = mean_i Delta_i``,
 
-    eta_g = max(1, sum_i ||Delta_i||^2 / (2 M (||Delta||^2 + eps)))        (the FedExP step size, Sec. 4)
+    eta_g = max(1, sum_i ||Delta_i||^2 / (2 M (||Delta||^2 + eps)))        (FedExP's step size)
     x_{t+1} = x_t + eta_g Delta
 
 ``eta_g`` is large when the clients' updates disagree (their mean is short beside them) and 1 (FedAvg) when
@@ -41,7 +41,7 @@ class FedExPHparams(StarHparams):
 
 def fedexp_step_size(updates: torch.Tensor, mean: torch.Tensor, eps: float) -> float:
     """``max(1, sum_i ||Delta_i||^2 / (2 M (||Delta||^2 + eps)))`` for the M rows of ``updates`` and their
-    aggregate ``mean`` (FedExP Sec. 4)."""
+    aggregate ``mean`` (FedExP's server step size)."""
     m = updates.shape[0]
     return max(1.0, float(updates.pow(2).sum() / (2 * m * (mean.pow(2).sum() + eps))))
 
@@ -50,14 +50,13 @@ def fedexp_step_size(updates: torch.Tensor, mean: torch.Tensor, eps: float) -> f
 class FedExP(StarAlgorithm):
     name = "fedexp"
     Hparams = FedExPHparams
+    last_step_size = 1.0  # eta_g of the round's server step (logged as server_step_size)
 
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
         eta = fedexp_step_size(self.client_updates(got), mean, self.hp.eps) if self.hp.extrapolate else 1.0
         self.last_step_size = eta
         self.x = self.x + self.hp.server_lr * eta * mean  # x_{t+1} = x_t + eta_g Delta (server_lr 1: the paper's)
 
-    def run_round(self, r: int) -> dict[str, float]:
-        out = super().run_round(r)
-        if out.get("reported_clients", 1):  # a round nobody reported in takes no step
-            out["server_step_size"] = self.last_step_size
-        return out
+    def local_metrics(self, local, p) -> dict[str, float]:
+        # the round's metrics (after its server step): the step size it took
+        return {**super().local_metrics(local, p), "server_step_size": self.last_step_size}

@@ -2,7 +2,7 @@
 
 Under label skew a client's local training pushes down the logits of the classes it rarely sees. FedLC
 subtracts from each logit a class-wise margin that grows as the client's count of that class shrinks, and
-trains on the cross-entropy of the calibrated logits (Sec. 4, the calibrated loss):
+trains on the cross-entropy of the calibrated logits (the paper's calibrated loss):
 
     f_y^cal(x) = f_y(x) - tau n_{i,y}^{-1/4}                                 (the calibrated logit)
     L_cal      = -log( exp(f_y^cal(x)) / sum_{y'} exp(f_{y'}^cal(x)) )        (the calibrated cross-entropy)

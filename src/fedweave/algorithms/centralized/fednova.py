@@ -2,7 +2,7 @@
 
 When client i takes tau_i local SGD steps, FedAvg's ``sum_i p_i Delta_i`` weights each client by how far it
 walked as well as by p_i, so it minimizes the surrogate ``sum_i (p_i tau_i / sum_j p_j tau_j) F_i``, not
-``sum_i p_i F_i`` (the paper's objective inconsistency, Theorem 1). FedNova normalizes each update by the
+``sum_i p_i F_i`` (the objective inconsistency the paper analyses). FedNova normalizes each update by the
 client's work before averaging and rescales by the effective number of steps (Sec. 4, the generalized update
 rule, and Sec. 5, FedNova; plain local SGD, so the paper's ``a_i`` is the all-ones vector and
 ``||a_i||_1 = tau_i``):
@@ -13,7 +13,8 @@ rule, and Sec. 5, FedNova; plain local SGD, so the paper's ``a_i`` is the all-on
 
 ``tau_i`` is the number of local steps the trainer reports for each client (``LocalResult.steps``): with
 ``local.epochs`` it is ``E ceil(n_i / B)``, so clients with more data take more steps. The client sends its
-model as in FedAvg (the server knows tau_i from it; a deployment sends it with the update). Local momentum
+model as in FedAvg, and its step count with it, as every client's reply does (``LocalResult.steps``,
+in simulation and from a deployment's nodes). Local momentum
 changes ``a_i`` (the paper's Sec. 5 gives its norm); this file implements the plain-SGD version and refuses
 ``local.momentum``.
 """

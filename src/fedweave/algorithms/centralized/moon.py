@@ -1,6 +1,6 @@
 """MOON (Li, He and Song, CVPR 2021): model-contrastive federated learning.
 
-FedAvg's server; each client adds to its task loss the model-contrastive term (Sec. 3.3)
+FedAvg's server; each client adds to its task loss the model-contrastive term
 
     l_con = -log( exp(sim(z, z_glob)/tau) / (exp(sim(z, z_glob)/tau) + exp(sim(z, z_prev)/tau)) )   (Eq. 3)
     l     = l_sup + mu l_con                                                                        (Eq. 4)

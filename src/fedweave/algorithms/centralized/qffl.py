@@ -1,14 +1,14 @@
 """q-FFL / q-FedAvg (Li, Sanjabi, Beirami and Smith, ICLR 2020): fair resource allocation.
 
 q-FFL minimizes ``f_q(w) = sum_k p_k F_k^{q+1}(w) / (q + 1)`` (Eq. 2): q > 0 weights the clients with a
-high loss more, and q = 0 is FedAvg's objective. q-FedAvg (Algorithm 3) solves it with FedAvg's local
-SGD and a server step that estimates the Lipschitz constant of the gradient of F_k^q by ``L = 1/eta`` (the
-local step size) and ``q F_k^{q-1}(w) ||grad F_k(w)||^2 + L F_k^q(w)`` (Lemma 3):
+high loss more, and q = 0 is FedAvg's objective. q-FedAvg solves it with FedAvg's local SGD and a server step
+that takes ``L = 1/eta`` (the local step size) as the Lipschitz constant of the clients' gradients and
+``h_k`` below as the resulting bound on the Lipschitz constant of the gradient of ``F_k^{q+1} / (q + 1)``:
 
     Delta w_k = L (w^t - wbar_k^{t+1})                                  wbar: client k's local model
     Delta_k   = F_k^q(w^t) Delta w_k
     h_k       = q F_k^{q-1}(w^t) ||Delta w_k||^2 + L F_k^q(w^t)
-    w^{t+1}   = w^t - sum_k Delta_k / sum_k h_k                          (Algorithm 3, the server)
+    w^{t+1}   = w^t - sum_k Delta_k / sum_k h_k                          (the server)
 
 ``F_k(w^t)`` is client k's loss of the global model on its training data, computed before it trains; it
 sends Delta_k and h_k (a model's size and one number). The paper samples clients proportionally to their
@@ -50,7 +50,7 @@ class QFFLHparams(StarHparams):
 def qffl_client(
     x: torch.Tensor, local: torch.Tensor, loss: torch.Tensor, q: float, lipschitz: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each client's ``(Delta_k, h_k)`` (Algorithm 3) from the global model ``x`` ``(P,)``, the local models
+    """Each client's ``(Delta_k, h_k)`` (q-FedAvg) from the global model ``x`` ``(P,)``, the local models
     ``local`` ``(m, P)`` and the clients' losses ``loss`` ``(m,)`` of ``x`` before training."""
     dw = lipschitz * (x - local)  # Delta w_k = L (w^t - wbar_k)
     fq = loss.pow(q)
@@ -59,7 +59,7 @@ def qffl_client(
 
 
 def qffl_step(x: torch.Tensor, delta: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """The server's ``w^{t+1} = w^t - sum_k Delta_k / sum_k h_k`` (Algorithm 3)."""
+    """The server's ``w^{t+1} = w^t - sum_k Delta_k / sum_k h_k`` (q-FedAvg)."""
     return x - delta.sum(0) / h.sum()
 
 
