@@ -459,3 +459,38 @@ def test_fedweave_list_names_the_methods_and_samplers(capsys):
     samplers = next(line for line in out.splitlines() if line.startswith("samplers:"))
     assert all(name in algorithms.split(": ")[1].split(", ") for name in (*NEW, "qffl"))
     assert {"power_of_choice", "oort"} <= set(samplers.split(": ")[1].split(", "))
+
+
+def test_moon_clients_on_their_nodes_equal_the_simulation(tmp_path):
+    """Two rounds of MOON's clients: the simulation's call over its state store, and each client as a node job
+    (its previous model in the node's files, the step rebuilt from the message), agree; the node keeps the
+    model the simulation stores."""
+    pytest.importorskip("flwr")
+    from fedweave.deploy.client_app import _run_step
+    from fedweave.deploy.node_state import INITIAL, NodeState
+    from fedweave.execution import StateStore
+    from fedweave.execution.local import LocalTrainer
+
+    ctx = RunContext(load({**CFG, "local": {"steps": 3, "batch_size": 8, "lr": 0.1}}))
+    ds = ctx.dataset
+    tr = LocalTrainer(ctx.model, ds.train_x, ds.train_y, ctx.partition, ctx.config.local, ctx.seeds)
+    x = tr.layout.flatten()
+    store = StateStore(ctx.num_clients)
+    store.create("prev", x.numel())
+    node = NodeState(tmp_path, run_id=3)
+    clients, accepted = [1, 4], dict.fromkeys([1, 4], INITIAL)
+    for r in range(2):
+        step = MoonStep(1.0, 0.5, x)
+        res, upload = tr.train_with_state(x, clients, r, step, store, lr=0.1)
+        assert upload == {}  # MOON's client sends its model
+        for k, c in enumerate(clients):
+            call = LocalCall(x.expand(2, -1), clients, r, ModelContrastive(1.0, 0.5, x, x), 0.1, None, ())
+            header, tensors = encode_job(call, k, local=tr.local, step=step, state_round=accepted[c])
+            job = decode_job(encode_header(header), tensors)
+            got, sent = _run_step(tr, job, node)
+            assert sorted(sent) == ["params"]
+            torch.testing.assert_close(got.params[0], res.params[k])
+            accepted[c] = r
+            torch.testing.assert_close(node.load(c, r, step.state, x)["prev"][0], store["prev"][c])
+        x = res.params.mean(0)
+    assert float(store["prev"][clients].abs().sum()) > 0  # the comparison above was not of two zeros
