@@ -107,7 +107,7 @@ def test_unknown_rule_is_refused_with_the_known_names():
     with pytest.raises(UnknownRuleError, match="unknown local rule 'os.system'; this node knows: ") as e:
         decode_job(encode_header(header), tensors)
     known = str(e.value).split("this node knows: ")[1].split(", ")
-    builtin = ["fedcm", "feddyn", "fedmim", "fedprox", "fedsam", "lower_level", "plain", "scaffold"]
+    builtin = ["fedcm", "feddyn", "fedlc", "fedmim", "fedprox", "fedsam", "lower_level", "moon", "plain", "scaffold"]
     assert [n for n in known if not n.startswith("_")] == builtin  # the tests' own rules start with _
 
 
@@ -264,7 +264,7 @@ def test_a_step_job_carries_the_servers_tensors_and_the_state_version_not_the_st
     assert header["step"] == "scaffold" and header["state_round"] == 3 and header["step_scalars"] == {"lr": 0.1}
     header["step"] = "homemade"
     with pytest.raises(
-        UnknownRuleError, match="unknown client step 'homemade'; this node knows: feddyn, hier_scaffold, scaffold"
+        UnknownRuleError, match="unknown client step 'homemade'; this node knows: feddyn, hier_scaffold, moon, scaffold"
     ):
         decode_job(encode_header(header), tensors)
 

@@ -220,7 +220,8 @@ def test_nan_used_as_a_marker_from_the_start_is_not_divergence(toy_config, tmp_p
 # names (a family or method adds its client state, selector or uploads in flight), so they are keys of every
 # checkpoint written so far, which a resumed run reads back: a change here makes old checkpoints unreadable.
 STATE_RECORDS = {
-    **dict.fromkeys(["fedavg", "fedprox", "fedsam"], ("x",)),
+    **dict.fromkeys(["fedavg", "fedprox", "fedsam", "fednova", "fedexp", "moon", "fedlc", "qfedavg", "qffl"], ("x",)),
+    "afl": ("x", "lam"),
     # the star's personalized methods: their personal models (and APFL's alpha) are the store's client state
     **dict.fromkeys(["fedper", "fedrep", "lg_fedavg", "fedbn", "apfl", "ditto_star", "pfedme", "perfedavg"], ("x",)),
     **dict.fromkeys(["fedadam", "fedopt", "fedyogi", "fedadagrad", "fedavgm"], ("x", "m", "v")),

@@ -272,6 +272,10 @@ class EvalConfig:
     # 0.25), taken from its training data before training; 0: the per-client test sets are drawn from the
     # test split instead. Personal models, and the global model under personal_test, are evaluated on them
     holdout: float = 0.0
+    # star family: the global model on each client's own test set (the personal_test sets), summarized as
+    # client_test_<main>_mean / _worst10 (the mean of the worst 10 % of clients) / _std, and every client's
+    # values of each evaluation in clients.jsonl in the run directory
+    distribution: bool = False
     # a run stops as diverged when a loss it reports exceeds this multiple of its first value (null: only
     # NaN/Inf stop it): a loss of 1e27 is finite but the model is already useless
     explode_factor: float | None = 1.0e4

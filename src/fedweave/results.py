@@ -72,6 +72,8 @@ RUN_OUTPUTS = (
     "*_vs_rounds.png",
     "*_vs_bytes.png",
     "trackers.json",  # the ids of the tracker runs (fedweave.callbacks.trackers)
+    "clients.jsonl",  # eval.distribution: each evaluation's per-client values (fedweave.callbacks.ClientRecord)
+    "trace.csv",  # the round_trace callback's per-round curve (fedweave.callbacks.RoundTrace)
 )
 RUN_OUTPUT_DIRS = ("tensorboard", "mlruns", "wandb")  # the trackers' stores
 # the temporary names atomic_write gives the run's own files, and the write probe's

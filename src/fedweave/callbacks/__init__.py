@@ -163,6 +163,7 @@ class CallbackList(Callback):
 from fedweave.callbacks.builtin import (  # noqa: E402
     Budget,
     Checkpointer,
+    ClientRecord,
     DivergenceGuard,
     PartitionReport,
     Plots,
@@ -177,6 +178,7 @@ __all__ = [
     "Callback",
     "CallbackList",
     "Checkpointer",
+    "ClientRecord",
     "DivergenceGuard",
     "PartitionReport",
     "Plots",

@@ -1,10 +1,11 @@
-"""The built-in callbacks: the progress bar, the divergence guard, checkpoints, the partition report, plots,
-trackers, and stopping at a target or a budget."""
+"""The built-in callbacks: the progress bar, the divergence guard, checkpoints, the partition report, the
+per-client record, plots, trackers, and stopping at a target or a budget."""
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 import sys
 from typing import TYPE_CHECKING, Any
@@ -156,6 +157,44 @@ class PartitionReport(Callback):
         write_partition_report(ctx.partition, labels, classes, run.path, plot=run.config.output.plots, bin_edges=edges)
 
 
+class ClientRecord(Callback):
+    """``eval.distribution``: each evaluation's per-client values (the star's ``client_values``: client ids and
+    each of the task's values on the client's own test set) as one line of ``clients.jsonl`` in the run
+    directory. A resumed run keeps the lines up to its checkpoint, as it keeps the metrics rows."""
+
+    FILE = "clients.jsonl"
+
+    def on_build(self, run):
+        from fedweave.config import ConfigError
+
+        if run.algo.family != "centralized":
+            raise ConfigError(
+                f"eval.distribution records the global model on each client's own test set, which the "
+                f"{run.algo.family} family does not evaluate; use it with a centralized algorithm"
+            )
+
+    def on_start(self, run):
+        from fedweave.results import atomic_write
+
+        self.path = run.path / self.FILE
+        kept = []
+        if run.resumed and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except ValueError:  # a line cut short when the run stopped
+                    continue
+                if isinstance(entry, dict) and entry.get("round", math.inf) <= run.start_round:
+                    kept.append(line + "\n")
+        atomic_write(self.path, "".join(kept))
+
+    def on_row(self, run, row):
+        values = run.algo.client_values
+        if values is not None and values["round"] == row["round"]:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(values) + "\n")
+
+
 class Plots(Callback):
     """The run's curves as PNG files once it ends (``output.plots``)."""
 
@@ -270,6 +309,8 @@ def default_callbacks(config: RunConfig, progress: bool | None = None) -> list[C
     if config.output.progress if progress is None else progress:
         out.append(ProgressBar())
     out.append(PartitionReport())
+    if config.eval.distribution:
+        out.append(ClientRecord())
     if config.output.plots:
         out.append(Plots())
     if config.output.trackers:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedweave.execution.evaluate import evaluate, evaluate_clients, evaluate_clients_task, evaluate_task
+from fedweave.execution.evaluate import (
+    client_spread,
+    evaluate,
+    evaluate_clients,
+    evaluate_clients_task,
+    evaluate_task,
+)
 from fedweave.execution.job import LocalCall, StepGradient
 from fedweave.execution.local import LocalResult, LocalRule, LocalTrainer
 from fedweave.execution.params import ParamLayout
@@ -27,6 +33,7 @@ __all__ = [
     "evaluate",
     "evaluate_task",
     "evaluate_clients_task",
+    "client_spread",
     "evaluate_clients",
 ]
 

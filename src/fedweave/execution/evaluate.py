@@ -175,3 +175,14 @@ def evaluate_clients(
         sums = batch_sums(layout, w, x[t], y[t], min(batch_size, EVAL_ROWS))  # small sets: here, not on a pool
         accs[k], losses[k] = _accuracy_and_loss(sums, len(t))
     return accs, losses
+
+
+def client_spread(values: np.ndarray, direction: str = "max", worst: float = 0.1) -> dict[str, float]:
+    """How a metric is spread over clients: its ``mean``, ``worst10`` (the mean over the worst ``worst``
+    fraction of the clients, at least one: the lowest values when higher is better, ``direction`` "max", the
+    highest otherwise, as q-FFL reports its "worst 10 %") and ``std`` (over the clients, ddof 0)."""
+    v = np.asarray(values, dtype=np.float64)  # in client order: the mean is that of personal_test's mean
+    k = max(1, int(np.ceil(worst * len(v))))
+    ordered = np.sort(v)
+    tail = ordered[:k] if direction == "max" else ordered[-k:]
+    return {"mean": float(v.mean()), "worst10": float(tail.mean()), "std": float(v.std())}

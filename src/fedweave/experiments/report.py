@@ -359,8 +359,55 @@ def _run_detail(r: _Run) -> str:
         if table:
             body = ["".join(_cell(c) for c in row) for row in table[1:]]
             parts.append("<h4>Metrics</h4>" + _table(table[0], body, "metrics"))
+    parts.append(_clients_section(r.path / "clients.jsonl"))
     parts.append("".join(_img(p.name, p.read_bytes()) for p in sorted(r.path.glob("*.png"))))
     return "".join(parts) + "</details>"
+
+
+CLIENT_ROUNDS = 20  # the per-client table shows the last this many evaluations
+
+
+def _clients_section(path: Path) -> str:
+    """``eval.distribution``'s record (``clients.jsonl``): the main metric's spread over the clients at each
+    evaluation (mean, worst 10 %, std, min, max; the last CLIENT_ROUNDS evaluations), and every client's value
+    at the last one. A line cut short when the run stopped is left out."""
+    from fedweave.execution import client_spread
+
+    if not path.is_file():
+        return ""
+    entries = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(e, dict) and isinstance(e.get(e.get("metric")), list) and e[e["metric"]]:
+            entries.append(e)
+    if not entries:
+        return ""
+    metric = entries[-1]["metric"]
+    rows = []
+    for e in entries[-CLIENT_ROUNDS:]:
+        v = e[e["metric"]]
+        sp = client_spread(v, e.get("direction", "max"))
+        cells = [e["round"], len(v), sp["mean"], sp["worst10"], sp["std"], min(v), max(v)]
+        rows.append("".join(_cell(c) for c in cells))
+    head = ["round", "clients", "mean", "worst 10 %", "std", "min", "max"]
+    shown = f" (the last {CLIENT_ROUNDS} of {len(entries)} evaluations)" if len(entries) > CLIENT_ROUNDS else ""
+    last = entries[-1]
+    return (
+        f"<h4>Per-client test {html.escape(metric)} (each client's own test set){html.escape(shown)}</h4>"
+        + _table(head, rows, "clients")
+        + f"<details><summary>Each client's test {html.escape(metric)} at round {last['round']}</summary>"
+        + _table(["client", metric], _pairs(last, metric), "per-client")
+        + "</details>"
+    )
+
+
+def _pairs(entry: dict[str, Any], metric: str) -> list[str]:
+    """One row per client: its id and its value."""
+    ids = entry.get("clients") or list(range(len(entry[metric])))
+    return [_td(c) + _cell(x) for c, x in zip(ids, entry[metric])]
 
 
 def _overlay(sources: list[_Source]) -> str:

@@ -10,8 +10,8 @@ backend and after a resume) and ``per_round`` the algorithm's ``clients_per_roun
 ``sampler`` section of a config (``sampler: {name: schedule, clients: [[0, 1], [2, 3]]}``); register your
 own with ``@SAMPLERS.register("name")`` (in a plug-in, for YAML configs).
 
-A sampler that selects by what it knows of the clients (power-of-choice, Oort-like utility) declares a
-``context`` keyword and gets a read-only :class:`SamplerContext`: each client's number of training samples,
+A sampler that selects by what it knows of the clients (the built-in ``power_of_choice`` and ``oort``) declares
+a ``context`` keyword and gets a read-only :class:`SamplerContext`: each client's number of training samples,
 its last reported training loss and the round it last reported, as of the start of round ``r``. The
 centralized family gives one (``StarAlgorithm.client_history``); the others refuse such a sampler with one line.
 
@@ -126,6 +126,83 @@ def _checked(ids: list[int], num_clients: int, key: str) -> np.ndarray:
     if len(np.unique(a)) != len(a) or a.min() < 0 or a.max() >= num_clients:
         raise ConfigError(f"{key} must hold distinct client ids in [0, {num_clients - 1}], got {ids!r}")
     return np.sort(a).astype(np.int64)
+
+
+@SAMPLERS.register("power_of_choice")
+def power_of_choice(
+    num_clients: int,
+    per_round: int,
+    r: int,
+    rng: np.random.Generator,
+    *,
+    rounds: int,
+    context: SamplerContext,
+    d: int | None = None,
+) -> np.ndarray:
+    """Power-of-choice (Cho, Wang and Joshi, AISTATS 2022, pi_pow-d): ``d`` candidates drawn without replacement
+    with probability proportional to their sizes, then the ``per_round`` of them with the highest loss.
+
+    The paper's candidates compute their loss of the current global model; here each candidate's loss is the
+    last mean training loss it reported (the context's ``last_loss``), so no extra computation is needed, and a
+    candidate never heard from counts as the highest. Ties keep the candidates' random order. ``d`` (default
+    ``2 * per_round``, at most the number of clients with data) must be at least ``per_round``;
+    ``d = per_round`` is a size-proportional draw, larger ``d`` selects more by loss."""
+    sizes = context.sizes.astype(np.float64)
+    holders = int((sizes > 0).sum())
+    d = min(2 * per_round, holders) if d is None else d
+    if not isinstance(d, int) or not per_round <= d <= holders:
+        raise ConfigError(
+            f"sampler.d must be an integer in [{per_round}, {holders}] (clients_per_round .. the clients with "
+            f"data), got {d!r}"
+        )
+    candidates = rng.choice(num_clients, d, replace=False, p=sizes / sizes.sum())
+    loss = np.nan_to_num(context.last_loss[candidates], nan=np.inf)  # never reported: first
+    return np.sort(candidates[np.argsort(-loss, kind="stable")[:per_round]])
+
+
+@SAMPLERS.register("oort")
+def oort(
+    num_clients: int,
+    per_round: int,
+    r: int,
+    rng: np.random.Generator,
+    *,
+    rounds: int,
+    context: SamplerContext,
+    explore: float = 0.9,
+    explore_decay: float = 0.98,
+    explore_min: float = 0.3,
+    staleness: float = 0.1,
+) -> np.ndarray:
+    """A loss-based utility sampler in the spirit of Oort (Lai, Zhu, Madhyastha and Chowdhury, OSDI 2021),
+    statistical utility only (no system speed).
+
+    A fraction ``eps_r = max(explore_min, explore * explore_decay^r)`` of the round's slots goes to clients
+    never heard from (uniformly at random among them, while there are any); the other slots go to the
+    explored clients of highest utility
+
+        U_i = n_i l_i + sqrt(staleness * log(R) / L_i)
+
+    with ``n_i`` the client's size, ``l_i`` its last reported mean training loss, ``R = r + 1`` the round and
+    ``L_i`` the round it last reported in (both counted from 1): Oort's ``|B_i| sqrt(mean of squared losses)``
+    with the mean loss standing in for the root mean square (the context keeps the mean), and its staleness
+    bonus, which grows for clients not heard from in a long time. Ties keep a random order."""
+    for key, v, lo, hi in (("explore", explore, 0, 1), ("explore_decay", explore_decay, 0, 1)):
+        if not lo <= v <= hi:
+            raise ConfigError(f"sampler.{key} must be in [{lo}, {hi}], got {v}")
+    if not 0 <= explore_min <= explore:
+        raise ConfigError(f"sampler.explore_min must be in [0, explore = {explore}], got {explore_min}")
+    if not staleness >= 0:
+        raise ConfigError(f"sampler.staleness must be >= 0, got {staleness}")
+    order = rng.permutation(num_clients)  # a random order breaks ties
+    seen = context.last_round[order] >= 0
+    fresh, known = order[~seen], order[seen]
+    eps = max(explore_min, explore * explore_decay**r)
+    n_fresh = min(len(fresh), max(round(eps * per_round), per_round - len(known)))
+    last = context.last_round[known].astype(np.float64) + 1
+    utility = context.sizes[known] * context.last_loss[known] + np.sqrt(staleness * np.log(r + 1) / last)
+    best = known[np.argsort(-utility, kind="stable")[: per_round - n_fresh]]
+    return np.sort(np.concatenate([fresh[:n_fresh], best]))
 
 
 # the arguments fedweave gives a sampler; the other keywords are its options (the ``sampler`` section)

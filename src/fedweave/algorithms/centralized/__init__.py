@@ -1,14 +1,21 @@
 """Centralized (star) FL: FedMIM and its baselines FedAvg, FedAdam/FedOpt, SCAFFOLD, FedDyn, FedCM
-(+ MoFedSAM), FedSAM, and FedProx; the personalized methods in ``personal``."""
+(+ MoFedSAM), FedSAM, and FedProx; the heterogeneity and fairness baselines FedNova, FedExP, MOON, FedLC,
+q-FFL and AFL; the personalized methods in ``personal``."""
 
 from fedweave.algorithms.centralized import (  # noqa: F401
+    afl,
     fedadam,
     fedavg,
     fedcm,
     feddyn,
+    fedexp,
+    fedlc,
     fedmim,
+    fednova,
     fedprox,
     fedsam,
+    moon,
     personal,
+    qffl,
     scaffold,
 )

@@ -29,6 +29,7 @@ from fedweave.execution import (
     LocalResult,
     ParamLayout,
     StateStore,
+    client_spread,
     evaluate,
     evaluate_clients,
     evaluate_clients_task,
@@ -158,6 +159,7 @@ class StarAlgorithm(Algorithm):
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
         # robustness: Byzantine attack and robust aggregator (None without either: the plain template)
         self.robust = robust.build(ctx.config, ctx.seeds, n, hp.clients_per_round)
+        self.client_values: dict | None = None  # eval.distribution: the last evaluation's per-client values
 
     def state_dict(self) -> dict:
         out = super().state_dict()
@@ -262,6 +264,15 @@ class StarAlgorithm(Algorithm):
         """The sorted ids of round ``r``'s clients, from the run's sampler (the ``sampler`` section)."""
         return self.sampler(r)
 
+    def losses_at(self, params: torch.Tensor, clients: np.ndarray) -> torch.Tensor:
+        """The task's loss of ``params`` on each of ``clients``' whole training data, ``(len(clients),)`` in the
+        run's dtype (q-FFL's F_k(w^t), AFL's L_k(w)): computed in simulation where each client would compute
+        it on its own data."""
+        ds, ev = self.ctx.dataset, self.config.eval
+        parts = [self.ctx.partition[int(c)] for c in clients]
+        per = evaluate_clients_task(self.layout, params, ds.train_x, ds.train_y, parts, self.ctx.task, ev.batch_size)
+        return torch.as_tensor(per["loss"], dtype=self.x.dtype, device=self.x.device)
+
     def client_work(self, clients: np.ndarray) -> np.ndarray:
         """A client's local steps relative to the mean: clients with more data are slower."""
         work = np.array([self.trainer.num_steps(int(c)) for c in clients], dtype=np.float64)
@@ -298,16 +309,19 @@ class StarAlgorithm(Algorithm):
             return self.evaluate_task(r)
         acc, loss = evaluate(self.layout, self.x, ds.test_x, ds.test_y, ev.batch_size)
         out = {"test_accuracy": acc, "test_loss": loss}
-        if ev.personal_test:  # the global model on each client's own test set, averaged over clients
+        if ev.personal_test or ev.distribution:  # the global model on each client's own test set
             tx, ty, parts = self.ctx.personal_test_set()
             accs, losses = evaluate_clients(self.layout, self.x, tx, ty, parts, ev.batch_size)
-            out = {
-                "test_accuracy": float(accs.mean()),
-                "test_loss": float(losses.mean()),
-                "test_accuracy_min": float(accs.min()),
-                "test_accuracy_global": acc,
-                "test_loss_global": loss,
-            }
+            if ev.personal_test:  # averaged over clients
+                out = {
+                    "test_accuracy": float(accs.mean()),
+                    "test_loss": float(losses.mean()),
+                    "test_accuracy_min": float(accs.min()),
+                    "test_accuracy_global": acc,
+                    "test_loss_global": loss,
+                }
+            if ev.distribution:
+                out.update(self.client_distribution(r, {"accuracy": accs, "loss": losses}))
         if ev.per_client:
             accs, _ = evaluate_clients(self.layout, self.x, ds.train_x, ds.train_y, self.ctx.partition, ev.batch_size)
             out["client_train_accuracy_mean"] = float(accs.mean())
@@ -316,23 +330,42 @@ class StarAlgorithm(Algorithm):
     def evaluate_task(self, r: int) -> dict[str, float]:
         """Evaluation under any task: ``test_<metric>`` for each of the task's values, the loss included;
         with ``eval.personal_test`` their means over the clients' own test sets (and the worst client's
-        main metric), with ``eval.per_client`` the mean of each client's main metric on its training data."""
+        main metric), with ``eval.per_client`` the mean of each client's main metric on its training data,
+        with ``eval.distribution`` the spread of the main metric over the clients' own test sets."""
         ds, ev, task = self.ctx.dataset, self.config.eval, self.ctx.task
         glob = evaluate_task(self.layout, self.x, ds.test_x, ds.test_y, task, ev.batch_size)
         out = {f"test_{k}": v for k, v in glob.items()}
-        if ev.personal_test:
+        if ev.personal_test or ev.distribution:
             tx, ty, parts = self.ctx.personal_test_set()
             per = evaluate_clients_task(self.layout, self.x, tx, ty, parts, task, ev.batch_size)
-            out = {f"test_{k}": float(v.mean()) for k, v in per.items()}
-            worst = per[task.main].min() if task.direction == "max" else per[task.main].max()
-            out[f"test_{task.main}_worst"] = float(worst)
-            out.update({f"test_{k}_global": v for k, v in glob.items()})
+            if ev.personal_test:
+                out = {f"test_{k}": float(v.mean()) for k, v in per.items()}
+                worst = per[task.main].min() if task.direction == "max" else per[task.main].max()
+                out[f"test_{task.main}_worst"] = float(worst)
+                out.update({f"test_{k}_global": v for k, v in glob.items()})
+            if ev.distribution:
+                out.update(self.client_distribution(r, per))
         if ev.per_client:
             per = evaluate_clients_task(
                 self.layout, self.x, ds.train_x, ds.train_y, self.ctx.partition, task, ev.batch_size
             )
             out[f"client_train_{task.main}_mean"] = float(per[task.main].mean())
         return out
+
+    def client_distribution(self, r: int, per: dict[str, np.ndarray]) -> dict[str, float]:
+        """``eval.distribution``: the spread over the clients of the task's main metric on their own test
+        sets (``client_test_<main>_mean``, ``_worst10``, ``_std``); every client's values are kept in
+        :attr:`client_values` for the run directory's ``clients.jsonl``."""
+        task = self.ctx.task
+        self.client_values = {
+            "round": r + 1,
+            "metric": task.main,
+            "direction": task.direction,
+            "clients": list(range(len(per[task.main]))),
+            **{k: [float(x) for x in v] for k, v in per.items()},
+        }
+        spread = client_spread(per[task.main], task.direction)
+        return {f"client_test_{task.main}_{k}": v for k, v in spread.items()}
 
 
 def _size(tensors: tuple[torch.Tensor, ...]) -> int:

@@ -1,0 +1,102 @@
+"""FedLC (Zhang, Li, Tao, Yang and Yang, ICML 2022): logit calibration for label distribution skew.
+
+Under label skew a client's local training pushes down the logits of the classes it rarely sees. FedLC
+subtracts from each logit a class-wise margin that grows as the client's count of that class shrinks, and
+trains on the cross-entropy of the calibrated logits (the paper's calibrated loss):
+
+    f_y^cal(x) = f_y(x) - tau n_{i,y}^{-1/4}                                 (the calibrated logit)
+    L_cal      = -log( exp(f_y^cal(x)) / sum_{y'} exp(f_{y'}^cal(x)) )        (the calibrated cross-entropy)
+
+with ``n_{i,y}`` client i's number of training samples of class y (counted from the partition when the run
+is built) and ``tau`` the calibration strength. A class the client does not hold counts ``absent_count``
+(default 1e-8: its logit is lowered by ``100 tau`` and drops out of the client's softmax). The server is
+FedAvg's. ``tau: 0`` is FedAvg. Classification with cross-entropy only (the calibration is of logits).
+
+The rule adds ``L_cal - CE`` per sample to the task's cross-entropy through the loss hook
+(``LocalRule.extra_loss``), so the local gradient is that of ``L_cal`` on every backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams, per_job
+from fedweave.config import ConfigError
+from fedweave.execution import LocalRule
+from fedweave.registry import ALGORITHMS, RULES
+
+
+def calibration(counts: torch.Tensor, tau: float, absent_count: float) -> torch.Tensor:
+    """The margins ``tau n_{i,y}^{-1/4}`` of each row of class counts (absent classes count ``absent_count``)."""
+    n = counts.to(torch.float64).clamp_min(absent_count)
+    return tau * n.pow(-0.25)
+
+
+def calibrated_loss(logits: torch.Tensor, y: torch.Tensor, margins: torch.Tensor) -> torch.Tensor:
+    """Each sample's ``L_cal``: the cross-entropy of the logits less the client's margins."""
+    return F.cross_entropy(logits - margins.to(logits.dtype), y, reduction="none")
+
+
+@RULES.register("fedlc")
+class LogitCalibration(LocalRule):
+    """Adds ``L_cal - CE`` to each sample's cross-entropy, so the local loss is FedLC's ``L_cal``.
+
+    Args:
+        margins: ``(K, C)``, each job's class margins ``tau n_{i,y}^{-1/4}``.
+    """
+
+    def __init__(self, margins: torch.Tensor) -> None:
+        self.margins = margins
+
+    def extra_loss(self, w, x, y, jobs, model):
+        logits = model.functional(w, x)
+        return calibrated_loss(logits, y, per_job(self.margins, jobs)) - F.cross_entropy(logits, y, reduction="none")
+
+
+@dataclass
+class FedLCHparams(StarHparams):
+    tau: float = 1.0  # the calibration strength; the paper tunes it per dataset
+    absent_count: float = 1e-8  # the count of a class the client does not hold
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.tau >= 0:
+            raise ConfigError(f"algorithm.tau must be >= 0, got {self.tau}")
+        if not self.absent_count > 0:
+            raise ConfigError(f"algorithm.absent_count must be > 0, got {self.absent_count}")
+
+
+@ALGORITHMS.register("fedlc")
+class FedLC(StarAlgorithm):
+    name = "fedlc"
+    Hparams = FedLCHparams
+
+    def __init__(self, ctx, hp: FedLCHparams) -> None:
+        if not ctx.task.is_default:
+            raise ConfigError(
+                f"algorithm fedlc calibrates the logits of a classifier; it needs the classification task with "
+                f"cross-entropy, got task.loss {ctx.config.task.loss!r}"
+            )
+        super().__init__(ctx, hp)
+        ys = ctx.dataset.train_y.cpu().numpy()
+        c = ctx.dataset.num_classes
+        counts = np.stack([np.bincount(ys[np.asarray(p, dtype=np.int64)], minlength=c) for p in ctx.partition])
+        # n_{i,y}, the client's own label counts (each client knows its own; nothing is sent)
+        margins = calibration(torch.as_tensor(counts, device="cpu"), hp.tau, hp.absent_count).to(ctx.dtype)
+        self.margins = ctx.placement.to(margins)  # (N, C): tau n_{i,y}^{-1/4} of every client
+        self.round_clients = np.zeros(0, dtype=np.int64)
+
+    def train_clients(self, r: int, clients: np.ndarray) -> Collected:
+        self.round_clients = clients  # the rule's rows are the reporting clients', in job order
+        return super().train_clients(r, clients)
+
+    def client_rule(self, lr: float) -> LocalRule:
+        rows = torch.as_tensor(self.round_clients, dtype=torch.long, device=self.margins.device)
+        return LogitCalibration(self.margins.index_select(0, rows))
+
+    def server_update(self, mean: torch.Tensor, got: Collected) -> None:
+        self.x = self.x + self.hp.server_lr * mean  # FedAvg's

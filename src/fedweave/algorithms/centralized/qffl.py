@@ -1,0 +1,88 @@
+"""q-FFL / q-FedAvg (Li, Sanjabi, Beirami and Smith, ICLR 2020): fair resource allocation.
+
+q-FFL minimizes ``f_q(w) = sum_k p_k F_k^{q+1}(w) / (q + 1)`` (Eq. 2): q > 0 weights the clients with a
+high loss more, and q = 0 is FedAvg's objective. q-FedAvg solves it with FedAvg's local SGD and a server step
+that takes ``L = 1/eta`` (the local step size) as the Lipschitz constant of the clients' gradients and
+``h_k`` below as the resulting bound on the Lipschitz constant of the gradient of ``F_k^{q+1} / (q + 1)``:
+
+    Delta w_k = L (w^t - wbar_k^{t+1})                                  wbar: client k's local model
+    Delta_k   = F_k^q(w^t) Delta w_k
+    h_k       = q F_k^{q-1}(w^t) ||Delta w_k||^2 + L F_k^q(w^t)
+    w^{t+1}   = w^t - sum_k Delta_k / sum_k h_k                          (the server)
+
+``F_k(w^t)`` is client k's loss of the global model on its training data, computed before it trains; it
+sends Delta_k and h_k (a model's size and one number). The paper samples clients proportionally to their
+sizes and sums uniformly over the sample; the sampler here is the run's (uniform by default). The update
+sums over the round's clients, so ``weighting`` does not enter it. With ``q = 0`` the step is
+``w^t - sum_k L (w^t - wbar_k) / (m L)``, the plain mean of the local models: FedAvg with ``weighting:
+uniform``, equal up to the rounding of the products with L and 1/L.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams
+from fedweave.config import ConfigError
+from fedweave.registry import ALGORITHMS
+
+
+@dataclass
+class QFFLHparams(StarHparams):
+    q: float = 1.0  # the fairness exponent; the paper's q in {0.001, 0.01, 0.1, 1, 2, 5, 10, 15}
+    lipschitz: float | None = None  # L; null: 1 / the round's local step size (the paper's estimate)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.q >= 0:
+            raise ConfigError(f"algorithm.q must be >= 0, got {self.q}")
+        if self.server_lr != 1.0:
+            raise ConfigError(
+                f"algorithm.server_lr: q-FedAvg's server step is sum Delta_k / sum h_k and takes no step size, "
+                f"got {self.server_lr}"
+            )
+        if self.lipschitz is not None and not self.lipschitz > 0:
+            raise ConfigError(f"algorithm.lipschitz must be > 0 (or null: 1 / local.lr), got {self.lipschitz}")
+
+
+def qffl_client(
+    x: torch.Tensor, local: torch.Tensor, loss: torch.Tensor, q: float, lipschitz: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each client's ``(Delta_k, h_k)`` (q-FedAvg) from the global model ``x`` ``(P,)``, the local models
+    ``local`` ``(m, P)`` and the clients' losses ``loss`` ``(m,)`` of ``x`` before training."""
+    dw = lipschitz * (x - local)  # Delta w_k = L (w^t - wbar_k)
+    fq = loss.pow(q)
+    slope = q * loss.pow(q - 1) * dw.pow(2).sum(1) if q else torch.zeros_like(loss)  # q F^{q-1} ||Delta w_k||^2
+    return fq.unsqueeze(1) * dw, slope + lipschitz * fq  # Delta_k = F^q Delta w_k;  h_k = slope + L F^q
+
+
+def qffl_step(x: torch.Tensor, delta: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """The server's ``w^{t+1} = w^t - sum_k Delta_k / sum_k h_k`` (q-FedAvg)."""
+    return x - delta.sum(0) / h.sum()
+
+
+@ALGORITHMS.register("qffl")
+@ALGORITHMS.register("qfedavg")
+class QFedAvg(StarAlgorithm):
+    name = "qfedavg"
+    Hparams = QFFLHparams
+    uplink = "update+h"  # Delta_k and h_k
+
+    def lipschitz(self, lr: float) -> float:
+        """L: ``algorithm.lipschitz``, else 1 / the round's local step size (the paper's estimate)."""
+        return self.hp.lipschitz if self.hp.lipschitz is not None else 1.0 / lr
+
+    def train_clients(self, r: int, clients) -> Collected:
+        loss = self.losses_at(self.x, clients)  # F_k(w^t), each client on its own data before training
+        got = super().train_clients(r, clients)
+        delta, h = qffl_client(self.x, got.local.params, loss, self.hp.q, self.lipschitz(got.lr))
+        got.upload = {"delta": delta, "h": h.unsqueeze(1)}  # what each client sends
+        return got
+
+    def client_updates(self, got: Collected) -> torch.Tensor:
+        return got.upload["delta"]
+
+    def server_update(self, mean: torch.Tensor, got: Collected) -> None:
+        self.x = qffl_step(self.x, got.upload["delta"], got.upload["h"].squeeze(1))

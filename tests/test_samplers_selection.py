@@ -1,0 +1,133 @@
+"""The samplers that select by what they know of the clients: power-of-choice (Cho et al. 2022) and an
+Oort-like loss utility (Lai et al. 2021). Each on a constructed context whose answer is known, seeded by the
+round's own stream, and resumed from a checkpoint as if never interrupted."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import fedweave
+from fedweave.config import ConfigError
+from fedweave.runner import resume
+from fedweave.topology.samplers import ClientHistory, oort, power_of_choice
+
+
+def _context(sizes, losses=None, rounds=None):
+    """A context whose clients reported ``losses`` (NaN: never) in ``rounds``."""
+    h = ClientHistory(sizes)
+    for c, (loss, r) in enumerate(zip(losses or [], rounds or [])):
+        if not math.isnan(loss):
+            h.record(r, np.array([c]), np.array([loss]))
+    return h.context
+
+
+def _rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+# ---- power-of-choice ---------------------------------------------------------------------------------
+def test_power_of_choice_with_every_client_a_candidate_picks_the_highest_losses():
+    ctx = _context([10, 20, 30, 40, 50], [0.1, 0.9, 0.5, 0.7, 0.3], [0, 0, 1, 1, 1])
+    for seed in range(5):  # d = n: the candidates are everyone, whatever the draw
+        assert power_of_choice(5, 2, 2, _rng(seed), rounds=3, context=ctx, d=5).tolist() == [1, 3]
+
+
+def test_power_of_choice_draws_candidates_by_size_and_puts_the_unheard_first():
+    # only clients 1, 3, 4 hold data: with d = 3 they are the candidates; 4 never reported, 3 has the higher loss
+    ctx = _context([0, 5, 0, 5, 5, 0], [0.2, 0.1, 0.9, 0.6, float("nan"), 0.8], [0, 0, 0, 0, 0, 0])
+    assert power_of_choice(6, 2, 1, _rng(), rounds=2, context=ctx, d=3).tolist() == [3, 4]
+
+
+def test_power_of_choice_with_d_equal_to_the_round_is_a_size_proportional_draw():
+    ctx = _context([1, 1, 98], [5.0, 5.0, 0.0], [0, 0, 0])
+    picks = [power_of_choice(3, 1, 0, _rng(s), rounds=1, context=ctx, d=1).item() for s in range(200)]
+    assert picks.count(2) > 180  # its size, not its (lowest) loss, decides
+
+
+@pytest.mark.parametrize("d", [1, 7, 2.5])
+def test_power_of_choice_refuses_a_d_outside_the_round_and_the_clients(d):
+    with pytest.raises(ConfigError, match=r"sampler.d must be an integer in \[2, 6\]"):
+        power_of_choice(6, 2, 0, _rng(), rounds=1, context=_context([3] * 6), d=d)
+
+
+# ---- Oort-like utility -------------------------------------------------------------------------------
+def test_oort_without_exploration_takes_the_highest_utility():
+    # U_i = n_i l_i + sqrt(0.1 log(R) / L_i) at round r = 3 (R = 4), L_i = last round + 1
+    sizes, losses, last = [10, 10, 40, 20, 10], [1.0, 2.0, 0.2, 0.5, 1.9], [2, 2, 2, 2, 0]
+    ctx = _context(sizes, losses, last)
+    util = [n * loss + math.sqrt(0.1 * math.log(4) / (r + 1)) for n, loss, r in zip(sizes, losses, last)]
+    want = sorted(np.argsort(util)[::-1][:2].tolist())  # 20 + bonus, 19 + the larger bonus of a stale client
+    assert want == [1, 4]
+    got = oort(5, 2, 3, _rng(), rounds=5, context=ctx, explore=0.0, explore_min=0.0)
+    assert got.tolist() == want
+
+
+def test_oort_staleness_decides_between_equal_losses():
+    ctx = _context([10, 10, 10], [1.0, 1.0, 1.0], [5, 1, 5])  # client 1 was last heard from long ago
+    assert oort(3, 1, 6, _rng(), rounds=9, context=ctx, explore=0.0, explore_min=0.0).tolist() == [1]
+
+
+def test_oort_explores_the_unheard_first_and_then_exploits():
+    ctx = _context([10] * 6, [1.0, 3.0, 2.0, float("nan"), float("nan"), float("nan")], [0, 0, 0, 0, 0, 0])
+    # eps = 0.5 of 4 slots: 2 of the 3 unheard (random), then the 2 highest utilities (1 and 2)
+    got = oort(6, 4, 1, _rng(3), rounds=5, context=ctx, explore=0.5, explore_decay=1.0, explore_min=0.5)
+    assert {1, 2} <= set(got.tolist()) and len(set(got.tolist()) & {3, 4, 5}) == 2
+    # before anyone reported, everything is exploration: a uniform draw
+    assert len(oort(6, 4, 0, _rng(), rounds=5, context=_context([10] * 6))) == 4
+
+
+@pytest.mark.parametrize(
+    "opts,key",
+    [({"explore": 1.5}, "explore"), ({"explore_min": 0.95}, "explore_min"), ({"staleness": -1}, "staleness")],
+)
+def test_oort_refuses_bad_options(opts, key):
+    with pytest.raises(ConfigError, match=f"sampler.{key} must be"):
+        oort(6, 2, 0, _rng(), rounds=1, context=_context([3] * 6), **opts)
+
+
+# ---- in a run: seeded, and resumed exactly -------------------------------------------------------------
+def _cfg(sampler: dict, seed: int = 0, rounds: int = 5) -> dict:
+    return {
+        "name": "sel",
+        "seed": seed,
+        "rounds": rounds,
+        "dataset": {"name": "digits"},
+        "partition": {"name": "dirichlet", "num_clients": 12, "alpha": 0.5},
+        "model": {"name": "logistic"},
+        "algorithm": {"name": "fedavg", "clients_per_round": 3},
+        "local": {"steps": 2, "batch_size": 16, "lr": 0.05},
+        "sampler": sampler,
+        "output": {"progress": False, "plots": False, "checkpoint_every": 1},
+    }
+
+
+def _who(res) -> tuple[list, list]:
+    """The last round each client reported in and its loss then: which clients took part, round by round."""
+    h = res.algorithm.client_history
+    return h.last_round.tolist(), np.nan_to_num(h.last_loss, nan=-1.0).tolist()
+
+
+def _losses(res) -> list[float]:
+    return [r["test_loss"] for r in res.metrics]
+
+
+@pytest.mark.parametrize("sampler", [{"name": "power_of_choice", "d": 6}, {"name": "oort"}])
+def test_same_seed_same_clients_and_a_resume_equals_the_uninterrupted_run(sampler, tmp_path):
+    whole = fedweave.run(_cfg(sampler), run_dir=tmp_path / "whole")
+    again = fedweave.run(_cfg(sampler), run_dir=tmp_path / "again")
+    assert _who(again) == _who(whole) and _losses(again) == _losses(whole)
+    other = fedweave.run(_cfg(sampler, seed=1), run_dir=tmp_path / "other")
+    assert _who(other) != _who(whole)
+    fedweave.run(_cfg(sampler, rounds=2), run_dir=tmp_path / "part")
+    resumed = resume(tmp_path / "part", ["rounds=5"], progress=False)
+    assert _who(resumed) == _who(whole) and _losses(resumed) == _losses(whole)
+
+
+def test_the_samplers_select_differently_from_uniform(tmp_path):
+    uniform = fedweave.run(_cfg({"name": "uniform"}), run_dir=tmp_path / "u")
+    poc = fedweave.run(_cfg({"name": "power_of_choice", "d": 6}), run_dir=tmp_path / "p")
+    utility = fedweave.run(_cfg({"name": "oort"}), run_dir=tmp_path / "o")
+    assert _losses(poc) != _losses(uniform) and _losses(utility) != _losses(uniform)
