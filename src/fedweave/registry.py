@@ -92,6 +92,11 @@ CLIENT_STEPS = Registry("client step")  # ClientStep classes (clients with state
 RULE_PARTS = Registry("rule part")  # objects a rule holds besides tensors and scalars (a projection)
 LR_SCHEDULES = Registry("learning-rate schedule")  # a local learning rate that is a function of the step
 
+# ---- compression (fedweave.compression) ----
+#: The upload compressors of ``compression.upload.name`` (docs/compression.md): each a
+#: :class:`~fedweave.compression.Compressor` dataclass of its options.
+COMPRESSORS = Registry("compressor")
+
 # The algorithm families, each a subpackage of fedweave.algorithms whose ``__init__`` imports every method
 # module of its family (which registers itself at its definition): the registry knows the families, the
 # families know their methods. Named, not imported, so that this foundation module never imports the layer
@@ -105,6 +110,7 @@ BUILTIN_MODULES = (
     "fedweave.data.augment",
     "fedweave.models",
     "fedweave.topology.samplers",
+    "fedweave.compression",
     *(f"fedweave.algorithms.{family}" for family in ALGORITHM_FAMILIES),
 )
 _pending: list[str] | None = None  # the built-in modules not imported yet

@@ -400,6 +400,8 @@ class Algorithm(metaclass=_AlgorithmMeta):
     #: (``state_fields = (*StarAlgorithm.state_fields, "m", "v")``); a name the built instance does not set is
     #: an error when the algorithm is built, not a silent miss at the first checkpoint.
     state_fields: ClassVar[tuple[str, ...]] = ()
+    #: Whether the class runs the compression stage on its uploads (``compression.upload``); the others refuse it.
+    compresses_uploads: ClassVar[bool] = False
 
     def __init__(self, ctx: RunContext, hp: Any) -> None:
         self.ctx = ctx
@@ -508,6 +510,11 @@ def build_algorithm(ctx: RunContext) -> Algorithm:
     section = ctx.config.algorithm
     cls = ALGORITHMS.get(section.name)
     hp = build_dataclass(cls.Hparams, section.options, "algorithm")
+    if ctx.config.compression.upload is not None and not cls.compresses_uploads:
+        raise ConfigError(
+            f"compression.upload: algorithm {section.name!r} ({cls.family}) does not compress its uploads yet; the "
+            "server-based methods of the centralized family do (docs/compression.md); remove the compression section"
+        )
     if cls.fixed_task and (ctx.config.task != type(ctx.config.task)() or ctx.objects.loss is not None):
         raise ConfigError(f"task: the {cls.family} family {cls.fixed_task}; leave the task section out")
     return cls(ctx, hp)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights, make_trainer
+from fedweave.compression import upload_compression
 from fedweave.config import ConfigError, Section
 from fedweave.execution import (
     LocalResult,
@@ -115,6 +116,8 @@ class Collected:
     local: LocalResult  # their local models (rebuilt from the upload where it is not the model), steps, losses
     upload: dict[str, torch.Tensor]  # a ClientStep's upload, one row per client; empty: each sent its model
     weights: torch.Tensor  # aggregation weights over ``clients``, summing to one
+    # the decoded displacements y_i - x_t of a compressed model upload (fedweave.compression); None: not one
+    sent: torch.Tensor | None = None
 
 
 class StarAlgorithm(Algorithm):
@@ -133,6 +136,7 @@ class StarAlgorithm(Algorithm):
     # subclass that writes its own run_round declares what that handles.
     handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "deadline")
     uplink: ClassVar[str] = "model"  # the ledger kind of each reporting client's upload
+    compresses_uploads: ClassVar[bool] = True  # the template runs the compression stage (fedweave.compression)
     state_fields = ("x",)  # the global model; a method adds its server state
 
     def __init__(self, ctx: RunContext, hp: StarHparams) -> None:
@@ -152,6 +156,7 @@ class StarAlgorithm(Algorithm):
             ctx, hp.clients_per_round, default=_aliased_sampler(ctx, hp), context=self.client_history.context
         )
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
+        self.compression = upload_compression(ctx, self.num_params)  # None unless compression.upload is set
 
     def state_dict(self) -> dict:
         out = super().state_dict()
@@ -159,13 +164,18 @@ class StarAlgorithm(Algorithm):
             out["client_state"] = self.store.state_dict()
         if self.sampler.reads_context:  # only then: the other runs' checkpoints keep their keys
             out["sampler_context"] = self.client_history.state_dict()
+        if self.compression is not None:  # the clients' error-feedback residuals
+            out["compression"] = self.compression.state_dict()
         return out
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
         clients = state.pop("client_state", None)
         history = state.pop("sampler_context", None)
+        residuals = state.pop("compression", None)
         super().load_state_dict(state)
+        if residuals is not None and self.compression is not None:
+            self.compression.load_state_dict(residuals)
         if history is not None:
             self.client_history.load_state_dict(history)
         if clients is not None and self.store is not None:
@@ -193,9 +203,19 @@ class StarAlgorithm(Algorithm):
         if len(clients) == 0:
             return self.fault_metrics(clients)  # nobody reported: all state stays as it was
         got = self.train_clients(r, clients)
-        self.receive(r, clients, self.uplink, *(tuple(got.upload.values()) or (got.local.params,)))
+        got = self.transmit_uploads(r, got)
         self.server_update(self.aggregate(self.client_updates(got), got.weights), got)
         return {**self.local_metrics(got.local, got.weights), **self.fault_metrics(clients)}
+
+    def transmit_uploads(self, r: int, got: Collected) -> Collected:
+        """The reporting clients' uploads reach the server, recorded in the ledger: dense, or (stage 2 of the
+        server pipeline, fedweave.compression) encoded, billed at their encoded size and decoded."""
+        if self.compression is None:
+            self.receive(r, got.clients, self.uplink, *(tuple(got.upload.values()) or (got.local.params,)))
+            return got
+        got, nbytes = self.compression.upload(r, got.clients, self.x, got)
+        self.ledger.record(r, "client", "server", self.uplink, nbytes, len(got.clients))
+        return got
 
     def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:
         """What the server sends each recipient this round: ledger kind -> tensors (one message each, in
@@ -225,8 +245,8 @@ class StarAlgorithm(Algorithm):
 
     def client_updates(self, got: Collected) -> torch.Tensor:
         """Each reporting client's update, one row per client: what the server pipeline reduces.
-        By default the local model's displacement ``y_i - x_t``."""
-        return got.local.params - self.x
+        By default the local model's displacement ``y_i - x_t`` (as decoded, when the upload was compressed)."""
+        return got.local.params - self.x if got.sent is None else got.sent
 
     def aggregate(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The server pipeline's reduction of the client updates to one: their weighted mean.
