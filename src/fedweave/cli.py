@@ -57,7 +57,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_list(args: argparse.Namespace) -> int:
     import fedweave.callbacks  # noqa: F401  (registers the built-in callbacks)
     from fedweave.config import examples
-    from fedweave.registry import ALGORITHMS, CALLBACKS, DATASETS, MODELS, PARTITIONERS, SAMPLERS
+    from fedweave.registry import ALGORITHMS, CALLBACKS, COMPRESSORS, DATASETS, MODELS, PARTITIONERS, SAMPLERS
     from fedweave.reproduce import available
     from fedweave.tasks import LOSSES, METRICS
 
@@ -70,6 +70,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         ("metrics", METRICS),
         ("samplers", SAMPLERS),
         ("callbacks", CALLBACKS),
+        ("compressors", COMPRESSORS),  # compression.upload (docs/compression.md)
     ):
         print(f"{title}: {', '.join(reg.names())}")
     print(f"reproductions: {', '.join(available())}")
