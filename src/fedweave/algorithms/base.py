@@ -458,6 +458,11 @@ class Algorithm(metaclass=_AlgorithmMeta):
     def evaluate(self, r: int) -> dict[str, float]:
         """Evaluate after round ``r``; must include ``test_accuracy`` and ``test_loss`` where meaningful."""
 
+    def run_files(self) -> dict[str, str]:
+        """Files of the algorithm's own that the run writes into its directory when it ends (name -> text),
+        e.g. the event order of an asynchronous method; none by default."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume; default: the state record, each attribute of ``state_fields`` under its
         name. A family or method with more (a client state store, uploads in flight) adds its entries."""

@@ -27,7 +27,12 @@ def unsupported(algorithm: str, family: str, on_error: str) -> str | None:
 
 
 def undeployable_parts(config: RunConfig) -> str | None:
-    """Why a part of ``config`` beside the algorithm cannot be deployed yet, or None."""
+    """Why a part of ``config`` beside the algorithm's family cannot be deployed yet, or None."""
+    if getattr(ALGORITHMS.get(config.algorithm.name), "asynchronous", False):
+        return (
+            f"algorithm {config.algorithm.name!r} runs its asynchrony on the simulated clock and cannot be deployed "
+            "on Flower yet; deploy a synchronous method (fedavg, fedadam, ...)"
+        )
     if config.compression.upload is not None:  # the uploads travel dense on Flower: never bill what is not sent
         return (
             "compression.upload: compressed uploads cannot be deployed on Flower yet (its messages carry dense "
