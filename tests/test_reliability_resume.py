@@ -221,6 +221,7 @@ def test_nan_used_as_a_marker_from_the_start_is_not_divergence(toy_config, tmp_p
 # checkpoint written so far, which a resumed run reads back: a change here makes old checkpoints unreadable.
 STATE_RECORDS = {
     **dict.fromkeys(["fedavg", "fedprox", "fedsam"], ("x",)),
+    **dict.fromkeys(["fedasync", "fedbuff"], ("x", "now", "dispatches", "jobs", "events", "in_flight", "starts", "ys")),
     **dict.fromkeys(["fedadam", "fedopt", "fedyogi", "fedadagrad", "fedavgm"], ("x", "m", "v")),
     "fedcm": ("x", "momentum"),
     "mofedsam": ("x", "momentum"),
