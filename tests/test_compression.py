@@ -13,7 +13,7 @@ import fedweave
 from fedweave.cli import main as cli_main
 from fedweave.compression import QSGD, EFSign, Encoded, Int8, RandK, TopK, build_compressor, wire_bits
 from fedweave.config import ConfigError, Section, load
-from fedweave.registry import COMPRESSORS
+from fedweave.registry import ALGORITHMS, COMPRESSORS
 from fedweave.runner import run as run_config
 from fedweave.seeding import Seeds
 from tests.test_centralized import D_TOY, _algo, _cfg, _quad_cfg, _quad_optimum, _rounds, _squared
@@ -197,3 +197,24 @@ def test_list_shows_the_compressors(capsys):
     line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("compressors:"))
     assert line == "compressors: " + ", ".join(sorted(ALL))
     assert np.all([COMPRESSORS.get(n) for n in ALL])
+
+
+# the synchronous star methods (the asynchronous ones send one upload per arrival: tests/test_async.py)
+STAR = [
+    n
+    for n in ALGORITHMS.names()
+    if not n.startswith("_")
+    and ALGORITHMS.get(n).compresses_uploads
+    and not getattr(ALGORITHMS.get(n), "asynchronous", 0)
+]
+
+
+@pytest.mark.parametrize("alg", STAR)
+def test_every_star_method_composes_with_compression(alg):
+    """Each method trains on what the server decodes and pays the encoded bytes of each of its messages."""
+    dense, packed = _algo(_cfg(alg)), _algo(_with(_cfg(alg), "efsign"))
+    for a in (dense, packed):
+        _rounds(a, 2)
+    messages = dense.ledger.bytes("up", round=1) // (3 * D_TOY * 4)  # 3 clients, float32
+    assert packed.ledger.bytes("up", round=1) == 3 * messages * math.ceil((32 + D_TOY) / 8)
+    assert bool(torch.isfinite(packed.x).all()) and not torch.equal(packed.x, dense.x)
