@@ -35,11 +35,9 @@ def build_compressor(section: Section) -> Compressor:
 class UploadCompression:
     """Compresses the uploads of a run's clients (one instance per run, built by the star template).
 
-    Args:
-        compressor: the encoder/decoder of each message.
-        size: the length of every message (the model's parameter count).
-        ctx: the run's context: seeds (the ``("compression", round, client, message)`` streams), ledger
-            (the residuals' storage) and placement (where the residual tables live).
+    ``compressor`` encodes and decodes each message; ``size`` is the length of every message (the model's
+    parameter count); ``ctx`` is the run's context: its seeds (the ``("compression", round, client,
+    message)`` streams), ledger (the residuals' storage) and placement (where the residual tables live).
     """
 
     def __init__(self, compressor: Compressor, size: int, ctx: Any) -> None:
@@ -89,6 +87,7 @@ class UploadCompression:
         return self.store.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore the residuals of :meth:`state_dict` (a resumed run)."""
         self.store.load_state_dict(state)
 
 
