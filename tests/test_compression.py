@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import math
+import runpy
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -218,3 +221,28 @@ def test_every_star_method_composes_with_compression(alg):
     messages = dense.ledger.bytes("up", round=1) // (3 * D_TOY * 4)  # 3 clients, float32
     assert packed.ledger.bytes("up", round=1) == 3 * messages * math.ceil((32 + D_TOY) / 8)
     assert bool(torch.isfinite(packed.x).all()) and not torch.equal(packed.x, dense.x)
+
+
+def test_the_accuracy_vs_bytes_figure_is_rebuilt_from_its_records(tmp_path):
+    """docs/compression/: the table and the figure come from the committed records alone, and the records'
+    bytes are the formulas' (5 clients a round, 650 float32 parameters, no faults)."""
+    root = Path(__file__).resolve().parents[1]
+    # by its path: the name `benchmarks` may belong to an installed distribution
+    bench = runpy.run_path(str(root / "benchmarks" / "compression_digits.py"))
+    ROUNDS, SETTINGS, render = bench["ROUNDS"], bench["SETTINGS"], bench["render"]  # noqa: N806
+    docs = root / "docs" / "compression"
+    png, md = render(docs / "records.csv", tmp_path)
+    assert md.read_text() == (docs / "table.md").read_text()
+    assert png.stat().st_size > 10_000
+    last = {}
+    with open(docs / "records.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            if int(row["round"]) == ROUNDS:
+                last[row["setting"]] = int(row["bytes_up"])
+    for label, upload in SETTINGS.items():
+        if upload is None:
+            per_message = 650 * 4
+        else:
+            c = build_compressor(Section(upload["name"], {k: v for k, v in upload.items() if k != "name"}))
+            per_message = math.ceil(wire_bits(c, 650, torch.float32) / 8)
+        assert last[label] == ROUNDS * 5 * per_message, label
