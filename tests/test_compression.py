@@ -205,10 +205,8 @@ def test_list_shows_the_compressors(capsys):
 # the synchronous star methods (the asynchronous ones send one upload per arrival: tests/test_async.py)
 STAR = [
     n
-    for n in ALGORITHMS.names()
-    if not n.startswith("_")
-    and ALGORITHMS.get(n).compresses_uploads
-    and not getattr(ALGORITHMS.get(n), "asynchronous", 0)
+    for n, cls in ((n, ALGORITHMS.get(n)) for n in ALGORITHMS.names() if not n.startswith("_"))
+    if cls.family == "centralized" and cls.compresses_uploads and not getattr(cls, "asynchronous", False)
 ]
 
 
@@ -246,3 +244,42 @@ def test_the_accuracy_vs_bytes_figure_is_rebuilt_from_its_records(tmp_path):
             c = build_compressor(Section(upload["name"], {k: v for k, v in upload.items() if k != "name"}))
             per_message = math.ceil(wire_bits(c, 650, torch.float32) / 8)
         assert last[label] == ROUNDS * 5 * per_message, label
+
+
+# ---- the hierarchical edge step -----------------------------------------------------------------------
+def _hier(name: str, upload: dict | None, **algo) -> dict:
+    from tests.test_hierarchical import _config
+
+    cfg = _config(**algo)
+    cfg["algorithm"]["name"] = name
+    cfg["algorithm"].pop("server_batch_size")
+    return {**cfg, "compression": {"upload": upload}}
+
+
+@pytest.mark.parametrize("name, messages", [("hier_fedavg", 1), ("hier_fedprox", 1), ("hier_scaffold", 2)])
+def test_the_hierarchical_averaging_step_composes(name, messages, tmp_path):
+    """The model-averaging baselines bill each client's encoded messages (the server's own job sends
+    nothing), top-k with k = d changes their models only by the rounding of x + (y - x) (SCAFFOLD's
+    messages are its updates: not at all), and a resumed run continues identically."""
+    plain = _rounds(_algo(_hier(name, None, server_data="client")), 3)
+    full = _algo(_hier(name, {"name": "topk", "ratio": 1.0}, server_data="client"))
+    _rounds(full, 3)
+    if name == "hier_scaffold":
+        assert torch.equal(full.x, plain)
+    torch.testing.assert_close(full.x, plain, rtol=1e-6, atol=1e-9)
+    packed = _algo(_hier(name, {"name": "efsign"}))
+    packed.run_round(0)
+    f = torch.finfo(packed.x.dtype).bits
+    assert packed.ledger.bytes("up", round=0) == packed.k * messages * math.ceil((f + packed.dim) / 8)
+    cfg = {**_hier(name, {"name": "qsgd", "levels": 2, "error_feedback": True}), "rounds": 4}
+    whole = fedweave.run(cfg, run_dir=tmp_path / "full")
+    cfg2 = {**cfg, "output": {**cfg["output"], "checkpoint_every": 2}}
+    fedweave.run({**cfg2, "rounds": 2}, run_dir=tmp_path / "part")
+    resumed = run_config(load(cfg2), run_dir=tmp_path / "part", resume=True)
+    assert torch.equal(resumed.algorithm.x, whole.algorithm.x)
+
+
+def test_zo_hfl_refuses_compression_in_one_line():
+    cfg = {**_hier("hier_fedavg", {"name": "efsign"}), "algorithm": {"name": "zo_hfl", "tau": 2}}
+    with pytest.raises(ConfigError, match=r"compression.upload: algorithm 'zo_hfl' \(hierarchical\) does not"):
+        _algo(cfg)

@@ -518,7 +518,7 @@ def build_algorithm(ctx: RunContext) -> Algorithm:
     if ctx.config.compression.upload is not None and not cls.compresses_uploads:
         raise ConfigError(
             f"compression.upload: algorithm {section.name!r} ({cls.family}) does not compress its uploads yet; the "
-            "server-based methods of the centralized family do (docs/compression.md); remove the compression section"
+            "star methods and the hierarchical model-averaging baselines do (docs/compression.md); remove the section"
         )
     if cls.fixed_task and (ctx.config.task != type(ctx.config.task)() or ctx.objects.loss is not None):
         raise ConfigError(f"task: the {cls.family} family {cls.fixed_task}; leave the task section out")

@@ -36,14 +36,15 @@ class UploadCompression:
     """Compresses the uploads of a run's clients (one instance per run, built by the star template).
 
     ``compressor`` encodes and decodes each message; ``size`` is the length of every message (the model's
-    parameter count); ``ctx`` is the run's context: its seeds (the ``("compression", round, client,
-    message)`` streams), ledger (the residuals' storage) and placement (where the residual tables live).
+    parameter count); ``num_clients`` the clients that may send (ids 0 .. num_clients - 1); ``ctx`` is the
+    run's context: its seeds (the ``("compression", round, client, message)`` streams), ledger (the
+    residuals' storage) and placement (where the residual tables live).
     """
 
-    def __init__(self, compressor: Compressor, size: int, ctx: Any) -> None:
+    def __init__(self, compressor: Compressor, size: int, num_clients: int, ctx: Any) -> None:
         compressor.check(size)
         self.compressor, self.size, self.ctx = compressor, size, ctx
-        self.store = StateStore(ctx.num_clients, dtype=ctx.dtype, placement=ctx.placement)
+        self.store = StateStore(num_clients, dtype=ctx.dtype, placement=ctx.placement)
 
     def transmit(
         self, key: int, clients: np.ndarray, index: int, name: str, rows: torch.Tensor
@@ -66,21 +67,29 @@ class UploadCompression:
         return out, total
 
     def upload(self, key: int, clients: np.ndarray, x: torch.Tensor, got: Any) -> tuple[Any, int]:
-        """The round's collected uploads (a ``Collected``) as the server decodes them, and the bytes sent.
+        """The round's collected uploads (a ``Collected`` whose first rows are those of ``clients``) as the
+        server decodes them, and the bytes sent. Rows after the clients' (a hierarchical server's own job)
+        travel nowhere and stay as they are.
 
         A model upload travels as ``y_i - x`` and the server rebuilds ``y_i`` as ``x + decoded``; it keeps
         the decoded displacements in ``got.sent`` (what the default client update reads, so that a lossless
         compressor leaves every number as it was). A stateful client's upload is decoded message by message.
         """
+        n = len(clients)
+
+        def joined(rows: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+            return rows if len(kept) == n else torch.cat([rows, kept[n:]])
+
         if got.upload:
             decoded, total = {}, 0
             for index, (name, rows) in enumerate(got.upload.items()):
-                decoded[name], nbytes = self.transmit(key, clients, index, name, rows)
-                total += nbytes
+                sent, nbytes = self.transmit(key, clients, index, name, rows[:n])
+                decoded[name], total = joined(sent, rows), total + nbytes
             return dataclasses.replace(got, upload=decoded), total
-        delta, total = self.transmit(key, clients, 0, UPDATE, got.local.params - x)
-        local = dataclasses.replace(got.local, params=x + delta)
-        return dataclasses.replace(got, local=local, sent=delta), total
+        moved = got.local.params - x
+        delta, total = self.transmit(key, clients, 0, UPDATE, moved[:n])
+        local = dataclasses.replace(got.local, params=joined(x + delta, got.local.params))
+        return dataclasses.replace(got, local=local, sent=joined(delta, moved)), total
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The clients' residuals, by message name (for the algorithm's checkpoint)."""
@@ -91,9 +100,10 @@ class UploadCompression:
         self.store.load_state_dict(state)
 
 
-def upload_compression(ctx: Any, size: int) -> UploadCompression | None:
-    """The run's upload compression (``compression.upload``), or None when the run sends its uploads dense."""
+def upload_compression(ctx: Any, size: int, num_clients: int) -> UploadCompression | None:
+    """The run's upload compression (``compression.upload``) of messages of ``size`` values from
+    ``num_clients`` clients, or None when the run sends its uploads dense."""
     section = ctx.config.compression.upload_section
     if section is None:
         return None
-    return UploadCompression(build_compressor(section), size, ctx)
+    return UploadCompression(build_compressor(section), size, num_clients, ctx)

@@ -156,7 +156,7 @@ class StarAlgorithm(Algorithm):
             ctx, hp.clients_per_round, default=_aliased_sampler(ctx, hp), context=self.client_history.context
         )
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
-        self.compression = upload_compression(ctx, self.num_params)  # None unless compression.upload is set
+        self.compression = upload_compression(ctx, self.num_params, n)  # None unless compression.upload is set
 
     def state_dict(self) -> dict:
         out = super().state_dict()

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import Algorithm, RunContext
+from fedweave.compression import upload_compression
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, choose_backend, evaluate_task
 from fedweave.execution.local import LR, PLAIN, ClientStep, GradFn, LocalResult
@@ -443,6 +444,7 @@ class Collected:
     local: LocalResult  # the jobs' local models, steps and losses
     upload: dict[str, torch.Tensor]  # a ClientStep's upload, one row per job; empty: each sent its model
     weights: torch.Tensor | None  # aggregation weights over ``jobs`` summing to one; None: the plain mean
+    sent: torch.Tensor | None = None  # the decoded y_i - x of a compressed model upload (fedweave.compression)
 
 
 class AveragingAlgorithm(HierarchicalAlgorithm):
@@ -460,6 +462,24 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
     handles_faults = ("dropout", "deadline")
     downlink: ClassVar[tuple[str, int]] = ("model", 1)  # ledger kind, and models' worth of bytes per message
     uplink: ClassVar[tuple[str, int]] = ("model", 1)
+    compresses_uploads: ClassVar[bool] = True  # the clients' uploads pass the compression stage
+
+    def __init__(self, ctx: RunContext, hp: AveragingHparams) -> None:
+        super().__init__(ctx, hp)
+        self.compression = upload_compression(ctx, self.dim, self.m)  # None unless compression.upload is set
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        if self.compression is not None:  # the clients' error-feedback residuals
+            out["compression"] = self.compression.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        residuals = state.pop("compression", None)
+        super().load_state_dict(state)
+        if residuals is not None and self.compression is not None:
+            self.compression.load_state_dict(residuals)
 
     def run_round(self, r: int) -> dict[str, float]:
         kind, size = self.downlink
@@ -469,7 +489,11 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
             return self.fault_metrics(clients)  # nobody reported: all state stays, the runner logs the skip
         got = self.train_jobs(r, clients, jobs)
         kind, size = self.uplink
-        self.receive(r, clients, kind, size * nbytes(self.x))
+        if self.compression is None:
+            self.receive(r, clients, kind, size * nbytes(self.x))
+        else:  # stage 2 of the server step (fedweave.compression): the ledger bills the encoded uploads
+            got, sent = self.compression.upload(r, clients, self.x, got)
+            self.ledger.record(r, "client", "server", kind, sent, len(clients))
         self.server_update(self.aggregate(self.client_updates(got), got.weights), got)
         p, loss = got.weights, got.local.loss
         train_loss = float(p @ loss) if p is not None else float(loss.mean())

@@ -116,8 +116,10 @@ class HierScaffold(AveragingAlgorithm):
         self.c = self.c + got.upload["dc"].sum(0) / (self.m + (self.hp.server_data == "client"))
 
     def state_dict(self) -> dict:
-        return {"x": self.x, "c": self.c, "c_i": self.store["c"].clone()}
+        return {**super().state_dict(), "c": self.c, "c_i": self.store["c"].clone()}  # x (and residuals)
 
     def load_state_dict(self, state: dict) -> None:
         self.x, self.c = state["x"].clone(), state["c"].clone()
         self.store["c"].copy_(state["c_i"])
+        if "compression" in state and self.compression is not None:
+            self.compression.load_state_dict(state["compression"])
