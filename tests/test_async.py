@@ -11,7 +11,7 @@ import torch
 import yaml
 
 import fedweave
-from fedweave.algorithms.centralized.asynchronous import staleness_weight
+from fedweave.algorithms.centralized.async_base import staleness_weight
 from fedweave.cli import main as cli_main
 from fedweave.config import ConfigError, load
 from fedweave.registry import PARTITIONERS

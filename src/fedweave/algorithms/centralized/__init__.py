@@ -2,9 +2,10 @@
 (+ MoFedSAM), FedSAM, and FedProx; the asynchronous FedAsync and FedBuff on the simulated clock."""
 
 from fedweave.algorithms.centralized import (  # noqa: F401
-    asynchronous,
     fedadam,
+    fedasync,
     fedavg,
+    fedbuff,
     fedcm,
     feddyn,
     fedmim,

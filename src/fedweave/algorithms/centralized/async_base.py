@@ -1,4 +1,5 @@
-"""Asynchronous FL on the simulated clock: FedAsync (Xie et al. 2019) and FedBuff (Nguyen et al. 2022).
+"""The asynchronous star protocol: an event-driven server on the simulated clock, the base of FedAsync
+(``fedasync.py``, Xie et al. 2019) and FedBuff (``fedbuff.py``, Nguyen et al. 2022).
 
 The server keeps ``concurrency`` clients training at once. A client dispatched at simulated time ``s`` with
 the server's model ``x_tau`` (server step ``tau``) reports at ``s + d``, where ``d`` is the latency model of
@@ -34,7 +35,6 @@ import torch
 
 from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams
 from fedweave.config import ConfigError, Section
-from fedweave.registry import ALGORITHMS
 
 EVENTS_FILE = "events.csv"
 EVENT_COLUMNS = ("time", "event", "client", "job", "version", "server_step")
@@ -67,26 +67,6 @@ class AsyncHparams(StarHparams):
             raise ConfigError(f"algorithm.staleness_a must be >= 0, got {self.staleness_a}")
         if self.staleness_b < 0:
             raise ConfigError(f"algorithm.staleness_b must be >= 0, got {self.staleness_b}")
-
-
-@dataclass
-class FedBuffHparams(AsyncHparams):
-    buffer_size: int = 10  # K: the updates that make one server step (the paper's K = 10)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.buffer_size < 1:
-            raise ConfigError(f"algorithm.buffer_size must be >= 1, got {self.buffer_size}")
-
-
-@dataclass
-class FedAsyncHparams(AsyncHparams):
-    alpha: float = 0.6  # the mixing weight alpha (Xie et al. 2019)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 < self.alpha <= 1.0:
-            raise ConfigError(f"algorithm.alpha must be in (0, 1], got {self.alpha}")
 
 
 class AsyncStar(StarAlgorithm):
@@ -202,27 +182,3 @@ class AsyncStar(StarAlgorithm):
         lines = [",".join(EVENT_COLUMNS)]
         lines += [f"{t!r},{e},{c},{j},{v},{s}" for t, e, c, j, v, s in self.events]
         return {EVENTS_FILE: "\n".join(lines) + "\n"}
-
-
-@ALGORITHMS.register("fedbuff")
-class FedBuff(AsyncStar):
-    name = "fedbuff"
-    Hparams = FedBuffHparams
-    uplink = "update"  # Delta_i = y_i - x_tau
-
-    def __init__(self, ctx, hp: FedBuffHparams) -> None:
-        super().__init__(ctx, hp)
-        self.buffer_size = hp.buffer_size
-
-    def apply(self, deltas: torch.Tensor, models: torch.Tensor, weights: torch.Tensor, s: torch.Tensor) -> None:
-        self.x = self.x + self.hp.server_lr * self.aggregate(deltas, weights * s)  # Alg. 1, server lines
-
-
-@ALGORITHMS.register("fedasync")
-class FedAsync(AsyncStar):
-    name = "fedasync"
-    Hparams = FedAsyncHparams
-
-    def apply(self, deltas: torch.Tensor, models: torch.Tensor, weights: torch.Tensor, s: torch.Tensor) -> None:
-        alpha = self.hp.alpha * float(s[0])  # alpha_t = alpha s(t - tau)
-        self.x = (1 - alpha) * self.x + alpha * models[0]  # Alg. 1, Updater
