@@ -134,11 +134,15 @@ def test_compression_composes_with_fedbuff():
         ({"max_staleness": -1}, "algorithm.max_staleness must be >= 0 or null"),
         ({"staleness": "linear"}, "algorithm.staleness must be one of"),
         ({"sampling": "bernoulli"}, "sampler: fedbuff dispatches each free slot"),
+        ({"consistency": True}, "algorithm.consistency: fedbuff has no round of local models"),
+        ({"name": "fedasync", "server_lr": 0.5}, "algorithm.server_lr: fedasync's server step is its mixing weight"),
+        ({"name": "fedasync", "alpha": 0.0}, "algorithm.alpha must be in (0, 1]"),
     ],
 )
 def test_bad_async_config_is_one_line(opts, expect):
+    opts = dict(opts)
     with pytest.raises(ConfigError) as e:
-        _algo(_async("fedbuff", **opts))
+        _algo(_async(opts.pop("name", "fedbuff"), **opts))
     assert expect in str(e.value)
 
 

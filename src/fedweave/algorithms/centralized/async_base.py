@@ -85,6 +85,10 @@ class AsyncStar(StarAlgorithm):
                 f"sampler: {self.name} dispatches each free slot to a client drawn uniformly from the idle ones; "
                 "leave the sampler section and algorithm.sampling out"
             )
+        if hp.consistency:
+            raise ConfigError(
+                f"algorithm.consistency: {self.name} has no round of local models to compare; leave it out"
+            )
         self.concurrency = hp.concurrency or hp.clients_per_round
         if self.concurrency > ctx.num_clients:
             raise ConfigError(

@@ -24,6 +24,8 @@ class FedAsyncHparams(AsyncHparams):
         super().__post_init__()
         if not 0.0 < self.alpha <= 1.0:
             raise ConfigError(f"algorithm.alpha must be in (0, 1], got {self.alpha}")
+        if self.server_lr != 1.0:
+            raise ConfigError("algorithm.server_lr: fedasync's server step is its mixing weight alpha; set alpha")
 
 
 @ALGORITHMS.register("fedasync")
