@@ -112,6 +112,7 @@ def test_resume_continues_identically_and_writes_the_event_order(alg, tmp_path):
     assert [r["sim_time"] for r in resumed.metrics] == [r["sim_time"] for r in full.metrics]
     text = (tmp_path / "full" / "events.csv").read_text()
     assert (tmp_path / "part" / "events.csv").read_text() == text
+    assert not (tmp_path / "full" / "test_accuracy_vs_sim_time.png").exists()  # plots off
     rows = list(csv.DictReader(text.splitlines()))
     assert sum(r["event"] == "update" for r in rows) == 6
     times = [float(r["time"]) for r in rows]
@@ -158,3 +159,11 @@ def test_faults_and_flower_are_refused_and_list_shows_them(tmp_path, monkeypatch
     assert cli_main(["list"]) == 0
     algorithms = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("algorithms:"))
     assert "fedasync" in algorithms.split(": ")[1].split(", ") and "fedbuff" in algorithms
+
+
+def test_plots_against_simulated_time(tmp_path):
+    cfg = _async("fedbuff", rounds=3, sigma=0.5, concurrency=4, buffer_size=2)
+    fedweave.run({**cfg, "output": {"progress": False, "plots": True}}, run_dir=tmp_path / "r")
+    assert (tmp_path / "r" / "test_accuracy_vs_sim_time.png").stat().st_size > 1000
+    fedweave.run({**_cfg("fedavg", rounds=2), "output": {"progress": False, "plots": True}}, run_dir=tmp_path / "s")
+    assert not (tmp_path / "s" / "test_accuracy_vs_sim_time.png").exists()  # no clock, no such plot
