@@ -133,7 +133,7 @@ def test_error_feedback_converges_to_the_uncompressed_optimum():
     def distance(name: str | None = None, **opts) -> float:
         algo = _algo(_with(_quad_cfg("scaffold"), name, **opts))
         algo.trainer.loss_fn = _squared
-        return float((_rounds(algo, 200) - opt).norm() / opt.norm())
+        return float((_rounds(algo, 100) - opt).norm() / opt.norm())
 
     opt = _quad_optimum()
     assert distance() < 1e-5
