@@ -224,6 +224,7 @@ STATE_RECORDS = {
     "afl": ("x", "lam"),
     # the star's personalized methods: their personal models (and APFL's alpha) are the store's client state
     **dict.fromkeys(["fedper", "fedrep", "lg_fedavg", "fedbn", "apfl", "ditto_star", "pfedme", "perfedavg"], ("x",)),
+    **dict.fromkeys(["fedasync", "fedbuff"], ("x", "now", "dispatches", "jobs", "events", "in_flight", "starts", "ys")),
     **dict.fromkeys(["fedadam", "fedopt", "fedyogi", "fedadagrad", "fedavgm"], ("x", "m", "v")),
     "fedcm": ("x", "momentum"),
     "mofedsam": ("x", "momentum"),

@@ -33,7 +33,10 @@ OWN_ROUND = {"zo_hfl.py": {"self.receive("}}
 
 
 def _method_files(family: str) -> list[Path]:
-    return sorted(p for p in (ALGORITHMS / family).glob("*.py") if p.name not in ("base.py", "__init__.py"))
+    # a protocol base (base.py; the asynchronous star's async_base.py) owns a round skeleton by design
+    return sorted(
+        p for p in (ALGORITHMS / family).glob("*.py") if not p.name.endswith("base.py") and p.name != "__init__.py"
+    )
 
 
 @pytest.mark.parametrize("family", sorted(SKELETON))

@@ -57,7 +57,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_list(args: argparse.Namespace) -> int:
     import fedweave.callbacks  # noqa: F401  (registers the built-in callbacks)
     from fedweave.config import examples
-    from fedweave.registry import AGGREGATORS, ALGORITHMS, ATTACKS, CALLBACKS, DATASETS, MODELS, PARTITIONERS, SAMPLERS
+    from fedweave.registry import (
+        AGGREGATORS,
+        ALGORITHMS,
+        ATTACKS,
+        CALLBACKS,
+        COMPRESSORS,
+        DATASETS,
+        MODELS,
+        PARTITIONERS,
+        SAMPLERS,
+    )
     from fedweave.reproduce import available
     from fedweave.tasks import LOSSES, METRICS
 
@@ -72,6 +82,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         ("callbacks", CALLBACKS),
         ("aggregators", AGGREGATORS),  # robustness: the aggregator section
         ("attacks", ATTACKS),  # robustness: faults.byzantine.attack
+        ("compressors", COMPRESSORS),  # compression.upload (docs/compression.md)
     ):
         print(f"{title}: {', '.join(reg.names())}")
     print(f"reproductions: {', '.join(available())}")

@@ -374,6 +374,25 @@ def _check_byzantine(spec: dict[str, Any]) -> None:
 
 
 @dataclass
+class CompressionConfig:
+    """Update compression (docs/compression.md); the default compresses nothing.
+
+    ``upload`` names a registered compressor (:data:`fedweave.registry.COMPRESSORS`) as a name or a mapping
+    ``{name: ..., options}``, applied to every reporting client's upload."""
+
+    upload: str | dict[str, Any] | None = None
+
+    @property
+    def upload_section(self) -> Section | None:
+        """``upload`` as a :class:`Section` (None: uploads are sent dense)."""
+        return None if self.upload is None else _section(self.upload, "compression.upload")
+
+    def validate(self) -> None:
+        """Check the section's shape (the compressor's name and options are checked when the run is built)."""
+        _ = self.upload_section
+
+
+@dataclass
 class RayConfig:
     """The ``ray`` backend: where its workers run (see docs/performance.md)."""
 
@@ -483,6 +502,7 @@ class RunConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)  # fedweave.compression
     # modules or .py files imported before the run is built: they register datasets, models, losses,
     # metrics, samplers or callbacks that the config names
     plugins: list[str] = field(default_factory=list)
@@ -514,6 +534,7 @@ class RunConfig:
         self.ray.validate()
         self.memory.validate()
         self.task.validate()
+        self.compression.validate()
 
     @property
     def num_clients(self) -> int:

@@ -39,10 +39,13 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
             f"--metric {metric!r} is not a metric of {', '.join(map(str, run_dirs))}; choose one of {', '.join(known)}"
         )
     written = []
-    for xkey, xlabel, fname in (
+    axes = [
         ("round", "communication round", f"{metric}_vs_rounds.png"),
         ("bytes_total", "bytes communicated (MiB)", f"{metric}_vs_bytes.png"),
-    ):
+    ]
+    if all(r.get("sim_time") is not None for _, rows in series for r in rows):  # an asynchronous method's clock
+        axes.append(("sim_time", "simulated time", f"{metric}_vs_sim_time.png"))
+    for xkey, xlabel, fname in axes:
         fig, ax = plt.subplots(figsize=(6, 4))
         for label, rows in series:
             xs = [r.get(xkey, r.get("bytes_up", 0) + r.get("bytes_down", 0)) for r in rows]

@@ -98,6 +98,11 @@ AGGREGATORS = Registry("aggregator")
 ATTACKS = Registry("attack")
 # ---- end robustness ----
 
+# ---- compression (fedweave.compression) ----
+#: The upload compressors of ``compression.upload.name`` (docs/compression.md): each a
+#: :class:`~fedweave.compression.Compressor` dataclass of its options.
+COMPRESSORS = Registry("compressor")
+
 # The algorithm families, each a subpackage of fedweave.algorithms whose ``__init__`` imports every method
 # module of its family (which registers itself at its definition): the registry knows the families, the
 # families know their methods. Named, not imported, so that this foundation module never imports the layer
@@ -111,6 +116,7 @@ BUILTIN_MODULES = (
     "fedweave.data.augment",
     "fedweave.models",
     "fedweave.topology.samplers",
+    "fedweave.compression",
     "fedweave.robust",
     *(f"fedweave.algorithms.{family}" for family in ALGORITHM_FAMILIES),
 )

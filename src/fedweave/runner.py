@@ -24,7 +24,15 @@ from fedweave.errors import CheckpointError, DivergenceError, RunInterrupted, Ru
 from fedweave.faults import Faults
 from fedweave.memory import cpu_seconds
 from fedweave.registry import ALGORITHMS
-from fedweave.results import RunDir, check_run_dir, clear_run, default_run_dir, locked_run_dir, read_metrics
+from fedweave.results import (
+    RunDir,
+    atomic_write,
+    check_run_dir,
+    clear_run,
+    default_run_dir,
+    locked_run_dir,
+    read_metrics,
+)
 from fedweave.seeding import Seeds
 from fedweave.tasks import Task
 
@@ -177,6 +185,8 @@ def _run_locked(
         cbs.on_end(state, None)
         raise
     summary = _summary(state, status, error)
+    for name, text in state.algo.run_files().items():  # e.g. an asynchronous method's events.csv
+        atomic_write(path / name, text)
     out.write_json("summary.json", summary)
     cbs.on_end(state, summary)
     return _outcome(state, summary, raised, on_divergence)

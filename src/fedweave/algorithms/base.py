@@ -423,6 +423,8 @@ class Algorithm(metaclass=_AlgorithmMeta):
     #: (``state_fields = (*StarAlgorithm.state_fields, "m", "v")``); a name the built instance does not set is
     #: an error when the algorithm is built, not a silent miss at the first checkpoint.
     state_fields: ClassVar[tuple[str, ...]] = ()
+    #: Whether the class runs the compression stage on its uploads (``compression.upload``); the others refuse it.
+    compresses_uploads: ClassVar[bool] = False
 
     def __init__(self, ctx: RunContext, hp: Any) -> None:
         self.ctx = ctx
@@ -478,6 +480,11 @@ class Algorithm(metaclass=_AlgorithmMeta):
     @abstractmethod
     def evaluate(self, r: int) -> dict[str, float]:
         """Evaluate after round ``r``; must include ``test_accuracy`` and ``test_loss`` where meaningful."""
+
+    def run_files(self) -> dict[str, str]:
+        """Files of the algorithm's own that the run writes into its directory when it ends (name -> text),
+        e.g. the event order of an asynchronous method; none by default."""
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume; default: the state record, each attribute of ``state_fields`` under its
@@ -556,6 +563,11 @@ def build_algorithm(ctx: RunContext) -> Algorithm:
     section = ctx.config.algorithm
     cls = ALGORITHMS.get(section.name)
     hp = build_dataclass(cls.Hparams, section.options, "algorithm")
+    if ctx.config.compression.upload is not None and not cls.compresses_uploads:
+        raise ConfigError(
+            f"compression.upload: algorithm {section.name!r} ({cls.family}) does not compress its uploads yet; the "
+            "star methods and the hierarchical model-averaging baselines do (docs/compression.md); remove the section"
+        )
     if cls.fixed_task and (ctx.config.task != type(ctx.config.task)() or ctx.objects.loss is not None):
         raise ConfigError(f"task: the {cls.family} family {cls.fixed_task}; leave the task section out")
     return cls(ctx, hp)

@@ -219,7 +219,7 @@ class FlowerClients(Callback):
 
     def attach(self, algo: Algorithm) -> None:
         """Make ``algo``'s local trainer send its jobs to the nodes and apply the error policy to its rounds."""
-        why = support.unsupported(algo.name, algo.family, self.on_error)
+        why = support.unsupported(algo.name, algo.family, self.on_error) or support.undeployable_parts(algo.config)
         if why is not None:  # fedweave flower-app refuses these already; --run-config may change on-error
             raise DeploymentError(why)
         _log_progress(algo)

@@ -29,9 +29,24 @@ def unsupported(algorithm: str, family: str, on_error: str) -> str | None:
     return None
 
 
+def undeployable_parts(config: RunConfig) -> str | None:
+    """Why a part of ``config`` beside the algorithm's family cannot be deployed yet, or None."""
+    if getattr(ALGORITHMS.get(config.algorithm.name), "asynchronous", False):
+        return (
+            f"algorithm {config.algorithm.name!r} runs its asynchrony on the simulated clock and cannot be deployed "
+            "on Flower yet; deploy a synchronous method (fedavg, fedadam, ...)"
+        )
+    if config.compression.upload is not None:  # the uploads travel dense on Flower: never bill what is not sent
+        return (
+            "compression.upload: compressed uploads cannot be deployed on Flower yet (its messages carry dense "
+            "tensors; docs/compression.md); remove the compression section to deploy this run"
+        )
+    return None
+
+
 def check_deployable(config: RunConfig, on_error: str) -> None:
     """Raise :class:`ConfigError` (one line) when the run of ``config`` cannot be deployed under ``on_error``."""
     name = config.algorithm.name
-    why = unsupported(name, ALGORITHMS.get(name).family, on_error)
+    why = unsupported(name, ALGORITHMS.get(name).family, on_error) or undeployable_parts(config)
     if why is not None:
         raise ConfigError(why)

@@ -1,11 +1,14 @@
 """Centralized (star) FL: FedMIM and its baselines FedAvg, FedAdam/FedOpt, SCAFFOLD, FedDyn, FedCM
 (+ MoFedSAM), FedSAM, and FedProx; the heterogeneity and fairness baselines FedNova, FedExP, MOON, FedLC,
-q-FFL and AFL; the personalized methods in ``personal``."""
+q-FFL and AFL; the asynchronous FedAsync and FedBuff on the simulated clock; the personalized methods in
+``personal``."""
 
 from fedweave.algorithms.centralized import (  # noqa: F401
     afl,
     fedadam,
+    fedasync,
     fedavg,
+    fedbuff,
     fedcm,
     feddyn,
     fedexp,

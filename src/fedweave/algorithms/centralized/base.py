@@ -24,6 +24,7 @@ import torch
 
 from fedweave import robust
 from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights, make_trainer
+from fedweave.compression import upload_compression
 from fedweave.config import ConfigError, Section
 from fedweave.execution import (
     LocalResult,
@@ -117,6 +118,8 @@ class Collected:
     local: LocalResult  # their local models (rebuilt from the upload where it is not the model), steps, losses
     upload: dict[str, torch.Tensor]  # a ClientStep's upload, one row per client; empty: each sent its model
     weights: torch.Tensor  # aggregation weights over ``clients``, summing to one
+    # the decoded displacements y_i - x_t of a compressed model upload (fedweave.compression); None: not one
+    sent: torch.Tensor | None = None
 
 
 class StarAlgorithm(Algorithm):
@@ -138,6 +141,7 @@ class StarAlgorithm(Algorithm):
     # True where client_updates are the local models, not their displacement (an attack acts on y_i - x_t)
     updates_are_models: ClassVar[bool] = False
     uplink: ClassVar[str] = "model"  # the ledger kind of each reporting client's upload
+    compresses_uploads: ClassVar[bool] = True  # the template runs the compression stage (fedweave.compression)
     state_fields = ("x",)  # the global model; a method adds its server state
 
     def __init__(self, ctx: RunContext, hp: StarHparams) -> None:
@@ -160,6 +164,7 @@ class StarAlgorithm(Algorithm):
         # robustness: Byzantine attack and robust aggregator (None without either: the plain template)
         self.robust = robust.build(ctx.config, ctx.seeds, n, hp.clients_per_round)
         self.client_values: dict | None = None  # eval.distribution: the last evaluation's per-client values
+        self.compression = upload_compression(ctx, self.num_params, n)  # None unless compression.upload is set
 
     def state_dict(self) -> dict:
         out = super().state_dict()
@@ -167,6 +172,8 @@ class StarAlgorithm(Algorithm):
             out["client_state"] = self.store.state_dict()
         if self.sampler.reads_context:  # only then: the other runs' checkpoints keep their keys
             out["sampler_context"] = self.client_history.state_dict()
+        if self.compression is not None:  # the clients' error-feedback residuals
+            out["compression"] = self.compression.state_dict()
         if self.robust is not None and self.robust.stateful:  # a stateful aggregator's state (robustness)
             out["robust"] = self.robust.state_dict()
         return out
@@ -175,10 +182,12 @@ class StarAlgorithm(Algorithm):
         state = dict(state)
         clients = state.pop("client_state", None)
         history = state.pop("sampler_context", None)
-        robust_state = state.pop("robust", None)
+        robust_state, residuals = state.pop("robust", None), state.pop("compression", None)
         super().load_state_dict(state)
         if robust_state is not None and self.robust is not None:
             self.robust.load_state_dict(robust_state)
+        if residuals is not None and self.compression is not None:
+            self.compression.load_state_dict(residuals)
         if history is not None:
             self.client_history.load_state_dict(history)
         if clients is not None and self.store is not None:
@@ -206,13 +215,23 @@ class StarAlgorithm(Algorithm):
         if len(clients) == 0:
             return self.fault_metrics(clients)  # nobody reported: all state stays as it was
         got = self.train_clients(r, clients)
-        self.receive(r, clients, self.uplink, *(tuple(got.upload.values()) or (got.local.params,)))
+        got = self.transmit_uploads(r, got)  # 2. compression: what the clients send, billed encoded
         updates = self.client_updates(got)
-        if self.robust is not None:  # 1. attack: Byzantine clients replace their updates (robustness)
+        if self.robust is not None:  # 1. attack: Byzantine clients replace their (decoded) updates (robustness)
             updates = self.robust.attack(r, got.clients, updates, self.x if self.updates_are_models else None)
         self.server_update(self.aggregate(updates, got.weights), got)
         out = {**self.local_metrics(got.local, got.weights), **self.fault_metrics(clients)}
         return {**out, **self.robust.metrics()} if self.robust is not None else out
+
+    def transmit_uploads(self, r: int, got: Collected) -> Collected:
+        """The reporting clients' uploads reach the server, recorded in the ledger: dense, or (stage 2 of the
+        server pipeline, fedweave.compression) encoded, billed at their encoded size and decoded."""
+        if self.compression is None:
+            self.receive(r, got.clients, self.uplink, *(tuple(got.upload.values()) or (got.local.params,)))
+            return got
+        got, nbytes = self.compression.upload(r, got.clients, self.x, got)
+        self.ledger.record(r, "client", "server", self.uplink, nbytes, len(got.clients))
+        return got
 
     def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:
         """What the server sends each recipient this round: ledger kind -> tensors (one message each, in
@@ -242,8 +261,8 @@ class StarAlgorithm(Algorithm):
 
     def client_updates(self, got: Collected) -> torch.Tensor:
         """Each reporting client's update, one row per client: what the server pipeline reduces.
-        By default the local model's displacement ``y_i - x_t``."""
-        return got.local.params - self.x
+        By default the local model's displacement ``y_i - x_t`` (as decoded, when the upload was compressed)."""
+        return got.local.params - self.x if got.sent is None else got.sent
 
     def aggregate(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The server pipeline's reduction of the client updates to one: their weighted mean.

@@ -29,6 +29,7 @@ import torch
 
 from fedweave import robust
 from fedweave.algorithms.base import Algorithm, RunContext
+from fedweave.compression import upload_compression
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, choose_backend, evaluate_task
 from fedweave.execution.local import LR, PLAIN, ClientStep, GradFn, LocalResult
@@ -444,6 +445,7 @@ class Collected:
     local: LocalResult  # the jobs' local models, steps and losses
     upload: dict[str, torch.Tensor]  # a ClientStep's upload, one row per job; empty: each sent its model
     weights: torch.Tensor | None  # aggregation weights over ``jobs`` summing to one; None: the plain mean
+    sent: torch.Tensor | None = None  # the decoded y_i - x of a compressed model upload (fedweave.compression)
 
 
 class AveragingAlgorithm(HierarchicalAlgorithm):
@@ -462,22 +464,28 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
     robust_aggregation: ClassVar[bool] = True  # the aggregator section applies to the server step (robustness)
     downlink: ClassVar[tuple[str, int]] = ("model", 1)  # ledger kind, and models' worth of bytes per message
     uplink: ClassVar[tuple[str, int]] = ("model", 1)
+    compresses_uploads: ClassVar[bool] = True  # the clients' uploads pass the compression stage
 
     def __init__(self, ctx: RunContext, hp: AveragingHparams) -> None:
         super().__init__(ctx, hp)
+        self.compression = upload_compression(ctx, self.dim, self.m)  # None unless compression.upload is set
         # a robust aggregator; None: the mean
         self.robust = robust.build(ctx.config, ctx.seeds, self.m, len(self.jobs_of(np.arange(self.k))))
 
     def state_dict(self) -> dict:
         out = super().state_dict()
+        if self.compression is not None:  # the clients' error-feedback residuals
+            out["compression"] = self.compression.state_dict()
         if self.robust is not None and self.robust.stateful:  # a stateful aggregator's state (robustness)
             out["robust"] = self.robust.state_dict()
         return out
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
-        robust_state = state.pop("robust", None)
+        residuals, robust_state = state.pop("compression", None), state.pop("robust", None)
         super().load_state_dict(state)
+        if residuals is not None and self.compression is not None:
+            self.compression.load_state_dict(residuals)
         if robust_state is not None and self.robust is not None:
             self.robust.load_state_dict(robust_state)
 
@@ -489,7 +497,11 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
             return self.fault_metrics(clients)  # nobody reported: all state stays, the runner logs the skip
         got = self.train_jobs(r, clients, jobs)
         kind, size = self.uplink
-        self.receive(r, clients, kind, size * nbytes(self.x))
+        if self.compression is None:
+            self.receive(r, clients, kind, size * nbytes(self.x))
+        else:  # stage 2 of the server step (fedweave.compression): the ledger bills the encoded uploads
+            got, sent = self.compression.upload(r, clients, self.x, got)
+            self.ledger.record(r, "client", "server", kind, sent, len(clients))
         updates = self.client_updates(got)
         if self.robust is not None:  # robustness: records the round (no attack: faults.byzantine is refused here)
             updates = self.robust.attack(r, got.jobs, updates, None)

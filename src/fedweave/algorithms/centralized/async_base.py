@@ -1,0 +1,188 @@
+"""The asynchronous star protocol: an event-driven server on the simulated clock, the base of FedAsync
+(``fedasync.py``, Xie et al. 2019) and FedBuff (``fedbuff.py``, Nguyen et al. 2022).
+
+The server keeps ``concurrency`` clients training at once. A client dispatched at simulated time ``s`` with
+the server's model ``x_tau`` (server step ``tau``) reports at ``s + d``, where ``d`` is the latency model of
+injected faults (:meth:`fedweave.faults.Faults.arrival_times`: its local work relative to the mean, times
+``exp(speed_sigma z_i + speed_jitter z_{i,b})``). Events are processed in the order (time, dispatch order):
+at each instant the arrivals come first, each one updating the server as its method says; once the instant's
+arrivals are in, the free slots are filled with clients drawn uniformly from the idle ones (the
+``("client_sampling", b)`` stream of the ``b``-th dispatch), which train from the current model. One call of
+``run_round`` is one server step; its metrics carry ``sim_time`` (the simulated time of the step) and the
+staleness ``t - tau`` of the updates it used. Updates staler than ``max_staleness`` are discarded.
+
+Staleness weighting ``s(t - tau)`` (FedAsync Sec. 5.2): ``constant`` 1; ``polynomial`` ``(1 + t - tau)^-a``;
+``hinge`` 1 if ``t - tau <= b`` else ``1 / (a (t - tau - b) + 1)``.
+
+- FedAsync (Alg. 1, "Updater"): every arrival is a server step ``x <- (1 - alpha_t) x + alpha_t y_i`` with
+  ``alpha_t = alpha s(t - tau)``.
+- FedBuff (Alg. 1): arrivals ``Delta_i = y_i - x_tau`` fill a buffer of ``buffer_size``; when it is full,
+  ``x <- x + eta_g sum_i p_i s(t - tau_i) Delta_i`` with ``p_i`` the aggregation weights over the buffer
+  (``weighting``: samples or uniform, the paper's 1/K). With buffer = concurrency = clients_per_round, equal
+  latencies and constant weighting this is synchronous FedAvg, draw for draw.
+
+The order of events is recorded and written to ``events.csv`` in the run directory.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import numpy as np
+import torch
+
+from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams
+from fedweave.config import ConfigError, Section
+
+EVENTS_FILE = "events.csv"
+EVENT_COLUMNS = ("time", "event", "client", "job", "version", "server_step")
+
+
+def staleness_weight(kind: str, tau: int, a: float, b: int) -> float:
+    """``s(tau)`` of FedAsync Sec. 5.2: constant, polynomial ``(1 + tau)^-a`` or hinge (1 up to ``b``)."""
+    if kind == "constant":
+        return 1.0
+    if kind == "polynomial":
+        return float((1.0 + tau) ** -a)
+    return 1.0 if tau <= b else 1.0 / (a * (tau - b) + 1.0)
+
+
+@dataclass
+class AsyncHparams(StarHparams):
+    concurrency: int | None = None  # clients training at once; null: clients_per_round
+    max_staleness: int | None = None  # updates staler than this many server steps are discarded; null: none
+    staleness: Literal["constant", "polynomial", "hinge"] = "polynomial"
+    staleness_a: float = 0.5  # the exponent a (polynomial) or slope a (hinge)
+    staleness_b: int = 4  # the hinge's b: no discount up to b steps
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ConfigError(f"algorithm.concurrency must be >= 1 or null, got {self.concurrency}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ConfigError(f"algorithm.max_staleness must be >= 0 or null, got {self.max_staleness}")
+        if self.staleness_a < 0:
+            raise ConfigError(f"algorithm.staleness_a must be >= 0, got {self.staleness_a}")
+        if self.staleness_b < 0:
+            raise ConfigError(f"algorithm.staleness_b must be >= 0, got {self.staleness_b}")
+
+
+class AsyncStar(StarAlgorithm):
+    """The event-driven server of the asynchronous methods; a method fills in :meth:`apply`."""
+
+    Hparams = AsyncHparams
+    handles_faults: ClassVar[tuple[str, ...]] = ()  # its clients' latencies are the simulation itself
+    asynchronous: ClassVar[bool] = True  # the deployment refuses it (fedweave.deploy.support)
+    buffer_size: int = 1
+    state_fields = (*StarAlgorithm.state_fields, "now", "dispatches", "jobs", "events", "in_flight", "starts", "ys")
+
+    def __init__(self, ctx, hp: AsyncHparams) -> None:
+        super().__init__(ctx, hp)
+        if ctx.config.sampler != Section("uniform") or hp.sampling != "fixed":
+            raise ConfigError(
+                f"sampler: {self.name} dispatches each free slot to a client drawn uniformly from the idle ones; "
+                "leave the sampler section and algorithm.sampling out"
+            )
+        if hp.consistency:
+            raise ConfigError(
+                f"algorithm.consistency: {self.name} has no round of local models to compare; leave it out"
+            )
+        self.concurrency = hp.concurrency or hp.clients_per_round
+        if self.concurrency > ctx.num_clients:
+            raise ConfigError(
+                f"algorithm.concurrency ({self.concurrency}) exceeds partition.num_clients ({ctx.num_clients})"
+            )
+        self.now = 0.0  # the simulated clock
+        self.dispatches = 0  # dispatch instants so far (the key of their streams and batches)
+        self.jobs = 0  # clients dispatched so far (a job's id)
+        self.events: list[list] = []  # the event log, rows of EVENT_COLUMNS
+        # the jobs in flight, [arrival, job, client, version]: a heap, so the next arrival is first
+        self.in_flight: list[list] = []
+        # each job's start model x_tau and local result y_i (and its loss), by job id
+        self.starts: dict[int, torch.Tensor] = {}
+        self.ys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ---- the simulated clock ---------------------------------------------------------------------
+    def dispatch(self, r: int) -> None:
+        """Fill the free slots at the current time: clients drawn uniformly from the idle ones train from the
+        current model (one training call for the instant), their arrival times from the latency model."""
+        busy = {job[2] for job in self.in_flight}
+        free = self.concurrency - len(busy)
+        if free <= 0:
+            return
+        idle = np.array([c for c in range(self.ctx.num_clients) if c not in busy])
+        b = self.dispatches
+        clients = np.sort(self.seeds.numpy("client_sampling", b).choice(idle, free, replace=False))
+        self.dispatches += 1
+        self.send(r, clients, "model", self.x)
+        local = self.trainer.train(self.x, clients, b, lr=self.trainer.lr(r))
+        durations = self.faults.arrival_times(b, clients, self.client_work(clients))
+        for j, c in enumerate(clients.tolist()):
+            job = self.jobs
+            self.jobs += 1
+            self.starts[job] = self.x
+            self.ys[job] = (local.params[j], local.loss[j])
+            heapq.heappush(self.in_flight, [self.now + float(durations[j]), job, c, r])
+            self.events.append([self.now, "dispatch", c, job, r, r])
+
+    def next_arrival(self, r: int) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The next upload to arrive (dispatching first when the current instant's arrivals are all in): its
+        client, staleness, displacement ``y_i - x_tau`` and model ``y_i`` as the server decodes them, and the
+        local loss."""
+        while True:
+            if not self.in_flight or self.in_flight[0][0] > self.now:
+                self.dispatch(r)
+            arrival, job, client, version = heapq.heappop(self.in_flight)
+            self.now = arrival
+            tau = r - version
+            start, (y, loss) = self.starts.pop(job), self.ys.pop(job)
+            if self.hp.max_staleness is not None and tau > self.hp.max_staleness:
+                self.events.append([self.now, "discard", client, job, version, r])
+                continue
+            self.events.append([self.now, "arrive", client, job, version, r])
+            delta = y - start  # the client's displacement from the model it started from
+            if self.compression is None:
+                self.receive(r, np.array([client]), self.uplink, y)
+            else:  # stage 2 of the server pipeline: the displacement travels; the job id keys its draws
+                sent, nbytes = self.compression.transmit(job, np.array([client]), 0, "update", delta.unsqueeze(0))
+                self.ledger.record(r, "client", "server", self.uplink, nbytes, 1)
+                delta, y = sent[0], start + sent[0]
+            return client, tau, delta, y, loss
+
+    def run_round(self, r: int) -> dict[str, float]:
+        """One server step: the next ``buffer_size`` fresh-enough uploads, in the order they arrive."""
+        got = [self.next_arrival(r) for _ in range(self.buffer_size)]
+        clients = np.array([g[0] for g in got])
+        taus = [g[1] for g in got]
+        hp = self.hp
+        s = torch.tensor(
+            [staleness_weight(hp.staleness, t, hp.staleness_a, hp.staleness_b) for t in taus],
+            dtype=self.x.dtype,
+            device=self.x.device,
+        )
+        weights = self.weights(clients)
+        losses = torch.stack([g[4] for g in got])
+        self.apply(torch.stack([g[2] for g in got]), torch.stack([g[3] for g in got]), weights, s)
+        self.events.append([self.now, "update", -1, -1, r + 1, r])  # version: the model the step makes
+        return {
+            "train_loss": float(weights @ losses.to(weights.dtype)),
+            "sim_time": self.now,
+            "staleness_mean": float(np.mean(taus)),
+            "staleness_max": float(max(taus)),
+        }
+
+    def apply(self, deltas: torch.Tensor, models: torch.Tensor, weights: torch.Tensor, s: torch.Tensor) -> None:
+        """The method's server step from the uploads (rows: ``y_i - x_tau`` and ``y_i``), their aggregation
+        weights and staleness weights."""
+        raise NotImplementedError
+
+    def server_update(self, mean, got) -> None:  # the step is :meth:`apply`, per buffer of arrivals
+        raise NotImplementedError
+
+    def run_files(self) -> dict[str, str]:
+        """``events.csv``: every dispatch, arrival, discard and server update, in the order they happened."""
+        lines = [",".join(EVENT_COLUMNS)]
+        lines += [f"{t!r},{e},{c},{j},{v},{s}" for t, e, c, j, v, s in self.events]
+        return {EVENTS_FILE: "\n".join(lines) + "\n"}

@@ -1,0 +1,169 @@
+"""Asynchronous FL on the simulated clock (FedAsync, FedBuff): the synchronous special case, hand-computed
+event times, staleness, backends and resume."""
+
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+import fedweave
+from fedweave.algorithms.centralized.async_base import staleness_weight
+from fedweave.cli import main as cli_main
+from fedweave.config import ConfigError, load
+from fedweave.registry import PARTITIONERS
+from fedweave.runner import run as run_config
+from tests.test_centralized import _algo, _cfg, _rounds
+
+if "_thirds" not in PARTITIONERS._items:
+
+    @PARTITIONERS.register("_thirds")
+    def _thirds(labels, num_clients, rng, *, users=None):
+        """Three clients with 1/6, 2/6 and 3/6 of the samples: 1, 2 and 3 local steps of one epoch."""
+        n = len(labels) // 6
+        return [np.arange(0, n), np.arange(n, 3 * n), np.arange(3 * n, 6 * n)]
+
+
+def _async(alg: str, rounds: int = 4, backend: str = "loop", sigma: float = 0.0, **opts) -> dict:
+    cfg = _cfg(alg, rounds=rounds, backend=backend, **opts)
+    return {**cfg, "faults": {"speed_sigma": sigma}}
+
+
+def _three(alg: str = "fedasync", **opts) -> dict:
+    """Client work 0.5, 1 and 1.5 (steps 1, 2, 3 over the mean 2), equal speeds: hand-computable times."""
+    cfg = _async(alg, rounds=7, concurrency=3, clients_per_round=3, **opts)
+    cfg["partition"] = {"name": "_thirds", "num_clients": 3}
+    cfg["local"] = {"epochs": 1, "batch_size": 80, "lr": 0.1}
+    return cfg
+
+
+@pytest.mark.parametrize("weighting", ["samples", "uniform"])
+def test_fedbuff_with_full_buffer_and_equal_latencies_is_fedavg_exactly(weighting):
+    sync = _algo(_async("fedavg", weighting=weighting))
+    buff = _algo(_async("fedbuff", weighting=weighting, buffer_size=3, concurrency=3, staleness="constant"))
+    for r in range(4):
+        m_sync, m_buff = sync.run_round(r), buff.run_round(r)
+        assert m_buff["train_loss"] == m_sync["train_loss"]
+        assert m_buff["sim_time"] == r + 1 and m_buff["staleness_max"] == 0
+    assert torch.equal(sync.x, buff.x)
+
+
+def test_the_clock_matches_hand_computed_event_times():
+    """Works 0.5, 1, 1.5 and concurrency 3 of 3 clients. t=0: all start (x_0). 0.5: client 0 arrives (step 0,
+    staleness 0) and restarts from x_1. 1.0: client 1 (from x_0, step 1, staleness 1), then client 0 (from x_1,
+    step 2, staleness 1); clients 0 and 1 restart from x_3 (due at 1.5 and 2.0). 1.5: client 2 (from x_0, step 3,
+    staleness 3), then client 0 (from x_3, step 4, staleness 1); 0 and 2 restart from x_5. 2.0: client 1 (from
+    x_3, step 5, staleness 2), then client 0 (from x_5, step 6, staleness 1)."""
+    algo = _algo(_three())
+    rows = [algo.run_round(r) for r in range(7)]
+    assert [m["sim_time"] for m in rows] == [0.5, 1.0, 1.0, 1.5, 1.5, 2.0, 2.0]
+    assert [m["staleness_max"] for m in rows] == [0, 1, 1, 3, 1, 2, 1]
+    arrivals = [(t, c, v, s) for t, e, c, _, v, s in algo.events if e == "arrive"]
+    assert arrivals == [(0.5, 0, 0, 0), (1.0, 1, 0, 1), (1.0, 0, 1, 2), (1.5, 2, 0, 3), (1.5, 0, 3, 4),
+                        (2.0, 1, 3, 5), (2.0, 0, 5, 6)]  # fmt: skip
+    dispatches = [(t, c) for t, e, c, *_ in algo.events if e == "dispatch"]
+    assert dispatches == [(0.0, 0), (0.0, 1), (0.0, 2), (0.5, 0), (1.0, 0), (1.0, 1), (1.5, 0), (1.5, 2)]
+
+
+def test_max_staleness_discards_and_the_next_arrival_counts():
+    algo = _algo(_three(max_staleness=2))
+    rows = [algo.run_round(r) for r in range(4)]
+    assert [m["staleness_max"] for m in rows] == [0, 1, 1, 0]  # client 2's staleness-3 update is discarded
+    assert [(t, c) for t, e, c, *_ in algo.events if e == "discard"] == [(1.5, 2)]
+
+
+def test_fedasync_mixes_with_the_staleness_weighted_alpha():
+    algo = _algo(_three(alpha=0.5, staleness="hinge", staleness_a=1.0, staleness_b=0))
+    algo.run_round(0)
+    x1 = algo.x.clone()
+    y = algo.ys[1][0]  # client 1's model, trained from x_0: it arrives next, with staleness 1
+    algo.run_round(1)
+    alpha = 0.5 * (1 / (1.0 * (1 - 0) + 1))  # hinge, b = 0: 1 / (a (tau - b) + 1)
+    torch.testing.assert_close(algo.x, (1 - alpha) * x1 + alpha * y, rtol=0, atol=0)
+
+
+def test_staleness_functions():
+    assert staleness_weight("constant", 7, 0.5, 4) == 1.0
+    assert staleness_weight("polynomial", 3, 0.5, 4) == pytest.approx(0.5)  # (1 + 3)^-1/2
+    assert staleness_weight("hinge", 4, 2.0, 4) == 1.0
+    assert staleness_weight("hinge", 6, 2.0, 4) == pytest.approx(1 / 5)  # 1 / (a (tau - b) + 1)
+
+
+@pytest.mark.parametrize("alg", ["fedbuff", "fedasync"])
+def test_loop_and_vmap_agree(alg):
+    opts = {"buffer_size": 2} if alg == "fedbuff" else {}
+    algos = [_algo(_async(alg, backend=b, sigma=0.5, concurrency=5, **opts)) for b in ("loop", "vmap")]
+    xs = [_rounds(a, 6) for a in algos]
+    torch.testing.assert_close(xs[0], xs[1], rtol=1e-5, atol=1e-6)
+    assert algos[0].events == algos[1].events  # the same schedule: it never reads the trained numbers
+
+
+@pytest.mark.parametrize("alg", ["fedbuff", "fedasync"])
+def test_resume_continues_identically_and_writes_the_event_order(alg, tmp_path):
+    cfg = _async(alg, rounds=6, sigma=0.5, concurrency=5, **({"buffer_size": 2} if alg == "fedbuff" else {}))
+    full = fedweave.run(cfg, run_dir=tmp_path / "full")
+    cfg2 = {**cfg, "output": {**cfg["output"], "checkpoint_every": 3}}
+    fedweave.run({**cfg2, "rounds": 3}, run_dir=tmp_path / "part")
+    resumed = run_config(load({**cfg2, "rounds": 6}), run_dir=tmp_path / "part", resume=True)
+    assert torch.equal(resumed.algorithm.x, full.algorithm.x)
+    assert [r["sim_time"] for r in resumed.metrics] == [r["sim_time"] for r in full.metrics]
+    text = (tmp_path / "full" / "events.csv").read_text()
+    assert (tmp_path / "part" / "events.csv").read_text() == text
+    assert not (tmp_path / "full" / "test_accuracy_vs_sim_time.png").exists()  # plots off
+    rows = list(csv.DictReader(text.splitlines()))
+    assert sum(r["event"] == "update" for r in rows) == 6
+    times = [float(r["time"]) for r in rows]
+    assert times == sorted(times)  # in the order they happened on the clock
+
+
+def test_compression_composes_with_fedbuff():
+    cfg = {**_async("fedbuff", buffer_size=2, concurrency=4), "compression": {"upload": {"name": "topk", "k": 1}}}
+    algo = _algo(cfg)
+    algo.run_round(0)
+    d = algo.num_params
+    assert algo.ledger.bytes("up", round=0) == 2 * -(-(((d - 1).bit_length()) + 32) // 8)  # two top-1 messages
+
+
+@pytest.mark.parametrize(
+    "opts, expect",
+    [
+        ({"concurrency": 9}, "algorithm.concurrency (9) exceeds partition.num_clients (8)"),
+        ({"buffer_size": 0}, "algorithm.buffer_size must be >= 1"),
+        ({"max_staleness": -1}, "algorithm.max_staleness must be >= 0 or null"),
+        ({"staleness": "linear"}, "algorithm.staleness must be one of"),
+        ({"sampling": "bernoulli"}, "sampler: fedbuff dispatches each free slot"),
+        ({"consistency": True}, "algorithm.consistency: fedbuff has no round of local models"),
+        ({"name": "fedasync", "server_lr": 0.5}, "algorithm.server_lr: fedasync's server step is its mixing weight"),
+        ({"name": "fedasync", "alpha": 0.0}, "algorithm.alpha must be in (0, 1]"),
+    ],
+)
+def test_bad_async_config_is_one_line(opts, expect):
+    opts = dict(opts)
+    with pytest.raises(ConfigError) as e:
+        _algo(_async(opts.pop("name", "fedbuff"), **opts))
+    assert expect in str(e.value)
+
+
+def test_faults_and_flower_are_refused_and_list_shows_them(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    cfg = {**_cfg("fedbuff"), "dataset": {"name": "_toy"}, "partition": {"name": "iid", "num_clients": 4}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli_main(["flower-app", "c.yaml", "app"]) == 2
+    assert "algorithm 'fedbuff' runs its asynchrony on the simulated clock" in capsys.readouterr().err
+    assert cli_main(["run", "c.yaml", "faults.dropout=0.1"]) == 2
+    assert "algorithm 'fedbuff' does not handle this fault" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+    assert cli_main(["list"]) == 0
+    algorithms = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("algorithms:"))
+    assert "fedasync" in algorithms.split(": ")[1].split(", ") and "fedbuff" in algorithms
+
+
+def test_plots_against_simulated_time(tmp_path):
+    cfg = _async("fedbuff", rounds=3, sigma=0.5, concurrency=4, buffer_size=2)
+    fedweave.run({**cfg, "output": {"progress": False, "plots": True}}, run_dir=tmp_path / "r")
+    assert (tmp_path / "r" / "test_accuracy_vs_sim_time.png").stat().st_size > 1000
+    fedweave.run({**_cfg("fedavg", rounds=2), "output": {"progress": False, "plots": True}}, run_dir=tmp_path / "s")
+    assert not (tmp_path / "s" / "test_accuracy_vs_sim_time.png").exists()  # no clock, no such plot
