@@ -74,6 +74,8 @@ RUN_OUTPUTS = (
     "trackers.json",  # the ids of the tracker runs (fedweave.callbacks.trackers)
     "clients.jsonl",  # eval.distribution: each evaluation's per-client values (fedweave.callbacks.ClientRecord)
     "trace.csv",  # the round_trace callback's per-round curve (fedweave.callbacks.RoundTrace)
+    "events.csv",  # an asynchronous method's events in the order they happened (Algorithm.run_files)
+    "*_vs_sim_time.png",
 )
 RUN_OUTPUT_DIRS = ("tensorboard", "mlruns", "wandb")  # the trackers' stores
 # the temporary names atomic_write gives the run's own files, and the write probe's

@@ -57,6 +57,7 @@ class AFL(StarAlgorithm):
     name = "afl"
     Hparams = AFLHparams
     uplink = "model+loss"  # the local model and L_k(w_t)
+    compresses_uploads = False  # the compressor would also quantize L_k, which lambda's step reads
     state_fields = (*StarAlgorithm.state_fields, "lam")
 
     def __init__(self, ctx, hp: AFLHparams) -> None:

@@ -32,6 +32,7 @@ class FedAsyncHparams(AsyncHparams):
 class FedAsync(AsyncStar):
     name = "fedasync"
     Hparams = FedAsyncHparams
+    robust_aggregation = False  # one arrival per server step: nothing to reduce, so no aggregator applies
 
     def apply(self, deltas: torch.Tensor, models: torch.Tensor, weights: torch.Tensor, s: torch.Tensor) -> None:
         alpha = self.hp.alpha * float(s[0])  # alpha_t = alpha s(t - tau)

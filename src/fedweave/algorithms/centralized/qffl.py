@@ -69,6 +69,11 @@ class QFedAvg(StarAlgorithm):
     name = "qfedavg"
     Hparams = QFFLHparams
     uplink = "update+h"  # Delta_k and h_k
+    # its server step is sum Delta_k / sum h_k, not a reduction of the updates to one: an aggregator, a
+    # Byzantine attack on the updates or a compressor of the (Delta_k, h_k) pair would be silently bypassed
+    robust_aggregation = False
+    handles_faults = ("dropout", "deadline")
+    compresses_uploads = False
 
     def lipschitz(self, lr: float) -> float:
         """L: ``algorithm.lipschitz``, else 1 / the round's local step size (the paper's estimate)."""

@@ -111,6 +111,8 @@ class FreezeRule(LocalRule):
 class PartialSharing(PersonalStar):
     """Template of the methods that share the coordinates outside ``self.mask`` and keep those inside."""
 
+    compresses_uploads = False  # the compression stage encodes whole models, not the shared part
+
     def __init__(self, ctx, hp) -> None:
         super().__init__(ctx, hp)
         self.mask = self.personal_mask()  # True: personal, never sent

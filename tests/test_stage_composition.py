@@ -1,0 +1,32 @@
+"""Where a server-pipeline stage (an attack, a robust aggregator, a compressor) would be bypassed by a method's
+own server step or messages, the method refuses the stage with one line instead of running without it."""
+
+from __future__ import annotations
+
+import pytest
+
+import fedweave
+from fedweave.config import ConfigError
+
+ATTACK = {"faults": {"byzantine": {"fraction": 0.25, "attack": "sign_flip"}}}
+MEDIAN = {"aggregator": "median"}
+TOPK = {"compression": {"upload": {"name": "topk", "ratio": 0.5}}}
+
+
+@pytest.mark.parametrize(
+    "algorithm, stage, says",
+    [
+        ("qfedavg", MEDIAN, "aggregator: median: algorithm 'qfedavg'"),  # sum Delta / sum h: no reduction
+        ("qfedavg", ATTACK, "faults.byzantine"),  # the attack would act on rows its server step does not read
+        ("qfedavg", TOPK, "compression.upload: algorithm 'qfedavg'"),  # (Delta_k, h_k) pairs
+        ("afl", TOPK, "compression.upload: algorithm 'afl'"),  # would quantize the losses lambda's step reads
+        ("fedper", TOPK, "compression.upload: algorithm 'fedper'"),  # sends the shared part only
+        ("fedasync", MEDIAN, "aggregator: median: algorithm 'fedasync'"),  # one arrival per step
+    ],
+)
+def test_a_stage_the_method_would_bypass_is_refused_with_one_line(toy_config, tmp_path, algorithm, stage, says):
+    cfg = {**toy_config, "algorithm": {"name": algorithm, "clients_per_round": 4}, **stage}
+    with pytest.raises(ConfigError) as e:
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+    assert says in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "r").exists()
