@@ -72,6 +72,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
         ("callbacks", CALLBACKS),
     ):
         print(f"{title}: {', '.join(reg.names())}")
+    from fedweave.registry import ACCOUNTANTS, PRIVACY_MECHANISMS  # privacy (the privacy section)
+
+    print(f"privacy mechanisms: {', '.join(PRIVACY_MECHANISMS.names())}")
+    print(f"privacy accountants: {', '.join(ACCOUNTANTS.names())}")
     print(f"reproductions: {', '.join(available())}")
     print(f"example configs (fedweave run example:NAME): {', '.join(examples())}")
     return 0

@@ -91,6 +91,10 @@ RULES = Registry("local rule")  # LocalRule classes
 CLIENT_STEPS = Registry("client step")  # ClientStep classes (clients with state of their own)
 RULE_PARTS = Registry("rule part")  # objects a rule holds besides tensors and scalars (a projection)
 LR_SCHEDULES = Registry("learning-rate schedule")  # a local learning rate that is a function of the step
+# Differential privacy (fedweave.privacy): the accountants of ``privacy.accountant`` (each builds an Opacus
+# accountant) and the mechanisms a ``privacy`` section can select (listed by ``fedweave list``).
+ACCOUNTANTS = Registry("accountant")
+PRIVACY_MECHANISMS = Registry("privacy mechanism")
 
 # The algorithm families, each a subpackage of fedweave.algorithms whose ``__init__`` imports every method
 # module of its family (which registers itself at its definition): the registry knows the families, the
@@ -105,6 +109,7 @@ BUILTIN_MODULES = (
     "fedweave.data.augment",
     "fedweave.models",
     "fedweave.topology.samplers",
+    "fedweave.privacy",
     *(f"fedweave.algorithms.{family}" for family in ALGORITHM_FAMILIES),
 )
 _pending: list[str] | None = None  # the built-in modules not imported yet

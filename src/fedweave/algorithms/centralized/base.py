@@ -34,6 +34,7 @@ from fedweave.execution import (
     evaluate_task,
 )
 from fedweave.execution.local import PLAIN, ClientStep, GradFn, LocalRule
+from fedweave.privacy import make_privacy
 from fedweave.topology.samplers import ClientHistory, make_sampler
 
 
@@ -134,6 +135,9 @@ class StarAlgorithm(Algorithm):
     handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "deadline")
     uplink: ClassVar[str] = "model"  # the ledger kind of each reporting client's upload
     state_fields = ("x",)  # the global model; a method adds its server state
+    # privacy: why the ``privacy`` section refuses this method (None: its messages are one model update per
+    # client and its server state a function of the noised mean only, so DP-FedAvg's proof covers it)
+    dp_refusal: ClassVar[str | None] = "its messages and server state have not been checked against DP-FedAvg's proof"
 
     def __init__(self, ctx: RunContext, hp: StarHparams) -> None:
         super().__init__(ctx, hp)
@@ -152,6 +156,7 @@ class StarAlgorithm(Algorithm):
             ctx, hp.clients_per_round, default=_aliased_sampler(ctx, hp), context=self.client_history.context
         )
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
+        self.privacy = make_privacy(self)  # privacy: the DP stages of the round (None without a privacy section)
 
     def state_dict(self) -> dict:
         out = super().state_dict()
@@ -159,12 +164,17 @@ class StarAlgorithm(Algorithm):
             out["client_state"] = self.store.state_dict()
         if self.sampler.reads_context:  # only then: the other runs' checkpoints keep their keys
             out["sampler_context"] = self.client_history.state_dict()
+        if self.privacy is not None:  # privacy: the accountant's releases and the (adaptive) clip
+            out["privacy"] = self.privacy.state_dict()
         return out
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
         clients = state.pop("client_state", None)
         history = state.pop("sampler_context", None)
+        private = state.pop("privacy", None)
+        if private is not None and self.privacy is not None:  # privacy
+            self.privacy.load_state_dict(private)
         super().load_state_dict(state)
         if history is not None:
             self.client_history.load_state_dict(history)
@@ -234,7 +244,12 @@ class StarAlgorithm(Algorithm):
         The one place where the collected updates become the aggregate, so that the stages between them
         (DP clipping, robust aggregation, DP noise) plug in here, for every method at once.
         """
-        return weights @ updates
+        if self.privacy is not None:  # privacy, stage 3: each client's update clipped; weights 1/E (DP-FedAvg)
+            updates, weights = self.privacy.clip(updates, weights)
+        mean = weights @ updates
+        if self.privacy is not None:  # privacy, stage 5: Gaussian noise on the sum, over E; one accounted release
+            mean = self.privacy.noise(mean)
+        return mean
 
     @abstractmethod
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:

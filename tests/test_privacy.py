@@ -1,0 +1,216 @@
+"""Differential privacy (fedweave.privacy; docs/privacy.md): DP-FedAvg's clipping and noise, the accountants,
+sampling that matches the proof, adaptive clipping, local DP, sample-level DP-SGD, and the refusals."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.config import ConfigError, load
+from fedweave.runner import run
+from fedweave.seeding import Seeds
+
+
+def _cfg(toy_config: dict, privacy: dict | None = None, **top) -> dict:
+    cfg = {**toy_config, "rounds": 3, **top}
+    if privacy is not None:
+        cfg["privacy"] = privacy
+    return cfg
+
+
+def _built(cfg: dict):
+    return build_algorithm(RunContext(load(cfg)))
+
+
+def _rounds(algo, n: int) -> torch.Tensor:
+    for r in range(n):
+        algo.run_round(r)
+    return algo.x
+
+
+def _opacus_epsilon(accountant: str, sigma: float, q: float, steps: int, delta: float) -> float:
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    acc = RDPAccountant() if accountant == "rdp" else PRVAccountant()
+    acc.history = [(sigma, q, steps)]
+    return acc.get_epsilon(delta=delta)
+
+
+def _user_dp(z: float = 1.0, clip: float = 1.0, expected: int = 5, **kw):
+    from fedweave.privacy import Accountant, UserDP
+
+    return UserDP(mechanism=kw.pop("mechanism", "central"), clip=clip, z=z, expected=expected, sample_rate=0.1,
+                  seeds=Seeds(0), accountant=Accountant("rdp", 1e-5), **kw)  # fmt: skip
+
+
+# ---- 1. DP-FedAvg -------------------------------------------------------------------------------
+def test_without_privacy_the_config_records_no_privacy_key(toy_config):
+    assert "privacy" not in load(toy_config).to_dict()
+    assert _built(toy_config).privacy is None
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedadam", "fedavgm"])
+def test_no_noise_and_a_huge_clip_is_the_method_bit_for_bit(toy_config, name):
+    algorithm = {"name": name, "clients_per_round": 4, "weighting": "uniform"}
+    plain = _rounds(_built(_cfg(toy_config, algorithm=algorithm)), 3)
+    private = _built(_cfg(toy_config, {"noise_multiplier": 0.0, "clip": 1e30, "amplification": "none"},
+                          algorithm=algorithm))  # fmt: skip
+    assert private.privacy is not None
+    assert torch.equal(_rounds(private, 3), plain)
+
+
+def test_noise_moves_the_model(toy_config):
+    algorithm = {"name": "fedavg", "clients_per_round": 4, "weighting": "uniform"}
+    plain = _rounds(_built(_cfg(toy_config, algorithm=algorithm)), 2)
+    noisy = _rounds(
+        _built(_cfg(toy_config, {"noise_multiplier": 1.0, "amplification": "none"}, algorithm=algorithm)), 2
+    )
+    assert not torch.allclose(noisy, plain)
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_clipped_norms_never_exceed_the_clip(per_layer):
+    g = torch.Generator().manual_seed(0)
+    scale = torch.logspace(-3, 3, 40).unsqueeze(1)
+    updates = torch.randn(40, 30, generator=g, dtype=torch.float64) * scale
+    numels = [10, 5, 15]
+    dp = _user_dp(clip=0.7, numels=numels if per_layer else None)
+    out, weights = dp.clip(updates, torch.full((40,), 1 / 40, dtype=torch.float64))
+    assert (out.norm(dim=1) <= 0.7 * (1 + 1e-12)).all()
+    small = updates.norm(dim=1) <= (0.7 / math.sqrt(3) if per_layer else 0.7) * 0.999
+    assert small.any() and torch.equal(out[small], updates[small])  # within the bound: untouched
+    if per_layer:
+        for part in out.split(numels, dim=1):
+            assert (part.norm(dim=1) <= 0.7 / math.sqrt(3) * (1 + 1e-12)).all()
+    assert torch.equal(weights, torch.full((40,), 1 / 5, dtype=torch.float64))  # 1/E, not 1/reporting
+
+
+def test_the_noise_std_is_sigma_clip_over_the_expected_clients():
+    dp = _user_dp(z=1.3, clip=0.5, expected=8)
+    zero = torch.zeros(500, dtype=torch.float64)
+    draws = torch.stack([dp.noise(zero) for _ in range(400)])
+    want = 1.3 * 0.5 / 8
+    assert abs(draws.std().item() / want - 1) < 0.01  # 200,000 draws: the std's relative error is ~0.16 %
+    assert abs(draws.mean().item()) < 4 * want / math.sqrt(draws.numel())
+    assert dp.releases == 400
+
+
+def test_local_dp_noises_each_client_and_not_the_sum():
+    dp = _user_dp(z=2.0, clip=1.0, expected=4, mechanism="local")
+    updates = torch.zeros(4000, 50, dtype=torch.float64)
+    out, _ = dp.clip(updates, torch.full((4000,), 1 / 4000, dtype=torch.float64))
+    assert abs(out.std().item() / 2.0 - 1) < 0.01  # sigma * C at each client
+    mean = torch.zeros(50, dtype=torch.float64)
+    assert torch.equal(dp.noise(mean), mean)
+
+
+# ---- 2. accounting ------------------------------------------------------------------------------
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+def test_epsilon_of_a_poisson_sampled_run_is_opacus_called_directly(toy_config, tmp_path, accountant):
+    privacy = {"noise_multiplier": 1.1, "accountant": accountant, "delta": 1e-4}
+    res = run(load(_cfg(toy_config, privacy, sampler="bernoulli")), run_dir=tmp_path / "r")
+    want = [_opacus_epsilon(accountant, 1.1, 4 / 12, t, 1e-4) for t in (1, 2, 3)]
+    assert [row["epsilon"] for row in res.metrics] == want
+    s = res.summary["privacy"]
+    assert s["epsilon"] == want[-1] and s["sample_rate"] == 4 / 12 and s["releases"] == 3 and s["delta"] == 1e-4
+    assert res.summary["final"]["epsilon"] == want[-1]
+    assert "epsilon" in (tmp_path / "r" / "metrics.csv").read_text().splitlines()[0]
+
+
+def test_a_fixed_size_sample_is_accounted_without_amplification_when_asked(toy_config, tmp_path):
+    res = run(load(_cfg(toy_config, {"noise_multiplier": 2.0, "amplification": "none"})), run_dir=tmp_path / "r")
+    assert res.summary["privacy"]["epsilon"] == _opacus_epsilon("rdp", 2.0, 1.0, 3, 1e-5)
+
+
+def test_fixed_clients_get_no_amplification(toy_config):
+    algo = _built(_cfg(toy_config, {"noise_multiplier": 2.0}, sampler={"name": "fixed", "clients": [1, 2, 5]}))
+    assert algo.privacy.sample_rate == 1.0 and algo.privacy.expected == 3
+
+
+def test_the_target_epsilon_stops_the_run_before_it_is_exceeded(toy_config, tmp_path):
+    privacy = {"noise_multiplier": 1.0, "target_epsilon": 5.0}
+    res = run(load(_cfg(toy_config, privacy, sampler="bernoulli", rounds=10)), run_dir=tmp_path / "r")
+    eps = [row["epsilon"] for row in res.metrics]
+    assert res.summary["rounds"] < 10 and eps[-1] <= 5.0
+    assert _opacus_epsilon("rdp", 1.0, 4 / 12, res.summary["rounds"] + 1, 1e-5) > 5.0
+    assert res.summary["stopped_early"].startswith("privacy budget: one more round would spend epsilon")
+
+
+def test_noise_multiplier_auto_spends_the_target_in_the_planned_rounds(toy_config):
+    algo = _built(_cfg(toy_config, {"noise_multiplier": "auto", "target_epsilon": 2.0}, sampler="bernoulli", rounds=20))
+    eps = _opacus_epsilon("rdp", algo.privacy.z, 4 / 12, 20, 1e-5)
+    assert 1.95 <= eps <= 2.0
+
+
+def test_the_accountant_resumes_from_its_state(toy_config):
+    a = _built(_cfg(toy_config, {"noise_multiplier": 1.0, "adaptive": True, "count_noise": 2.0}, sampler="bernoulli"))
+    _rounds(a, 2)
+    b = _built(_cfg(toy_config, {"noise_multiplier": 1.0, "adaptive": True, "count_noise": 2.0}, sampler="bernoulli"))
+    b.load_state_dict(a.state_dict())
+    assert b.privacy.releases == 2 and b.privacy.clip_norm == a.privacy.clip_norm != 1.0
+    assert b.privacy.epsilon() == a.privacy.epsilon() > 0
+
+
+# ---- 3. refusals: one line naming privacy -------------------------------------------------------
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({}, "sampler 'uniform' draws a fixed-size sample"),
+        ({"algorithm": {"name": "scaffold", "clients_per_round": 4}, "sampler": "bernoulli"}, "algorithm 'scaffold'"),
+        ({"algorithm": {"name": "feddyn", "clients_per_round": 4}, "sampler": "bernoulli"}, "algorithm 'feddyn'"),
+        (
+            {"algorithm": {"name": "fedavg", "clients_per_round": 4, "weighting": "samples"}, "sampler": "bernoulli"},
+            "algorithm.weighting: samples",
+        ),
+        (
+            {"sampler": "bernoulli", "privacy": {"noise_multiplier": 0.1, "target_epsilon": 1.0}},
+            "exceeded by the first round alone",
+        ),
+        ({"sampler": "bernoulli", "privacy": {"adaptive": True, "count_noise": 0.4}}, "privacy.count_noise (0.4)"),
+        ({"sampler": {"name": "power_of_choice"}}, "chooses clients by their losses"),
+    ],
+)
+def test_what_the_proof_does_not_cover_is_refused_with_one_line(toy_config, change, words):
+    from fedweave.registry import SAMPLERS
+
+    if change.get("sampler") == {"name": "power_of_choice"} and "power_of_choice" not in SAMPLERS:
+
+        @SAMPLERS.register("power_of_choice")
+        def power_of_choice(num_clients, per_round, r, rng, *, rounds, context):  # a sampler that reads losses
+            return np.sort(rng.choice(num_clients, per_round, replace=False))
+
+    cfg = _cfg(toy_config, {"noise_multiplier": 1.0})
+    cfg.update({k: v for k, v in change.items()})
+    with pytest.raises(ConfigError) as e:
+        _built(cfg)
+    msg = str(e.value)
+    assert "privacy" in msg and words in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    ("privacy", "words"),
+    [
+        ({"noise_multiplier": "auto"}, "privacy.noise_multiplier: auto"),
+        ({"accountant": "gdp"}, "privacy.accountant must be one of prv, rdp"),
+        ({"delta": 1.5}, "privacy.delta"),
+        ({"level": "sample", "adaptive": True}, "privacy.adaptive applies to privacy.level: user"),
+        ({"clip": 0}, "privacy.clip"),
+    ],
+)
+def test_bad_privacy_values_are_one_line(toy_config, privacy, words):
+    with pytest.raises(ConfigError, match=None) as e:
+        load(_cfg(toy_config, privacy))
+    assert words in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "family"), [("gossip", "decentralized"), ("hier_fedavg", "hierarchical"), ("cse_fsl", "split")]
+)
+def test_another_family_is_refused_with_one_line(toy_config, name, family):
+    cfg = _cfg(toy_config, {"noise_multiplier": 1.0}, algorithm={"name": name})
+    with pytest.raises(ConfigError, match=rf"^privacy: the {family} family is not supported yet"):
+        _built(cfg)
