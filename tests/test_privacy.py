@@ -214,3 +214,115 @@ def test_another_family_is_refused_with_one_line(toy_config, name, family):
     cfg = _cfg(toy_config, {"noise_multiplier": 1.0}, algorithm={"name": name})
     with pytest.raises(ConfigError, match=rf"^privacy: the {family} family is not supported yet"):
         _built(cfg)
+
+
+# ---- 4. adaptive clipping -----------------------------------------------------------------------
+@pytest.mark.parametrize("gamma", [0.3, 0.5, 0.8])
+def test_adaptive_clipping_tracks_the_target_quantile_of_the_norms(gamma):
+    from statistics import NormalDist
+
+    mu, s = 0.5, 0.6  # update norms ~ lognormal(mu, s): the gamma-quantile is exp(mu + s Phi^-1(gamma))
+    want = math.exp(mu + s * NormalDist().inv_cdf(gamma))
+    dp = _user_dp(z=0.0, clip=0.1, expected=100, adaptive=True, target_quantile=gamma, clip_lr=0.2, count_noise=1.0)
+    g = torch.Generator().manual_seed(1)
+    clips = []
+    for _ in range(400):
+        direction = torch.nn.functional.normalize(torch.randn(100, 8, generator=g, dtype=torch.float64), dim=1)
+        norms = torch.exp(mu + s * torch.randn(100, 1, generator=g, dtype=torch.float64))
+        updates, weights = dp.clip(direction * norms, torch.full((100,), 0.01, dtype=torch.float64))
+        dp.noise(weights @ updates)
+        clips.append(dp.clip_norm)
+    assert abs(np.mean(clips[-200:]) / want - 1) < 0.05  # from C = 0.1, far below: it climbs and stays
+
+
+def test_adaptive_clipping_accounts_the_count_noise_by_theorem_1():
+    dp = _user_dp(z=1.0, adaptive=True, count_noise=5.0)
+    # z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2 (Andrew et al. 2021, Sec. 3); the pair is accounted as z
+    assert dp.z_update == pytest.approx((1.0 - 1 / 100) ** -0.5, rel=1e-15)
+    updates, weights = dp.clip(torch.ones(2, 3, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+    dp.noise(weights @ updates)
+    assert dp.accountant.history == [(1.0, 0.1, 1)]
+
+
+def test_a_private_run_with_adaptive_clipping_records_its_clip(toy_config, tmp_path):
+    privacy = {"noise_multiplier": 1.0, "adaptive": True, "count_noise": 2.0}
+    res = run(load(_cfg(toy_config, privacy, sampler="bernoulli")), run_dir=tmp_path / "r")
+    clips = [row["dp_clip"] for row in res.metrics]
+    assert len(set(clips)) == 3 and res.summary["privacy"]["clip"] == clips[-1]
+
+
+# ---- 5. local DP --------------------------------------------------------------------------------
+def test_local_dp_is_accounted_per_client_with_sensitivity_2c(toy_config, tmp_path):
+    privacy = {"mechanism": "local", "noise_multiplier": 4.0}
+    res = run(load(_cfg(toy_config, privacy, sampler="bernoulli")), run_dir=tmp_path / "r")
+    # a client in every round, its message the Gaussian mechanism with sensitivity 2C: z / 2, no amplification
+    assert res.summary["privacy"]["epsilon"] == _opacus_epsilon("rdp", 2.0, 1.0, 3, 1e-5)
+
+
+# ---- 6. sample-level DP-SGD ---------------------------------------------------------------------
+def test_dpsgd_per_sample_gradients_equal_a_loop_over_single_samples():
+    from fedweave.execution.dpsgd import DPSGD
+    from fedweave.execution.params import ParamLayout
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    layout = ParamLayout(model.double())
+    dp = DPSGD(layout, 1.0, 0.0, Seeds(0), 0, [0])
+    v = layout.flatten()
+    x, y = torch.randn(7, 1, 3, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+    grads, losses = dp.per_sample(v, x, y)
+    for b in range(7):
+        w = v.clone().requires_grad_(True)
+        loss = torch.nn.functional.cross_entropy(layout.functional(w, x[b : b + 1]), y[b : b + 1])
+        (g,) = torch.autograd.grad(loss, w)
+        torch.testing.assert_close(grads[b], g, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(losses[b], loss.detach(), rtol=1e-12, atol=1e-14)
+
+
+def _sample_level(toy_config, backend: str) -> dict:
+    privacy = {"level": "sample", "noise_multiplier": 1.5, "clip": 0.5}
+    return _cfg(toy_config, privacy, sampler="bernoulli", backend=backend, precision="float64")
+
+
+def test_sample_level_dpsgd_loop_and_vmap_agree(toy_config):
+    a, b = _built(_sample_level(toy_config, "loop")), _built(_sample_level(toy_config, "vmap"))
+    torch.testing.assert_close(_rounds(a, 2), _rounds(b, 2), rtol=1e-10, atol=1e-12)
+    assert (a.privacy.trainer.steps_done == b.privacy.trainer.steps_done).all()
+
+
+def test_sample_level_epsilon_is_opacus_per_client_at_rate_batch_over_size(toy_config, tmp_path):
+    res = run(load(_sample_level(toy_config, "loop")), run_dir=tmp_path / "r")
+    algo = res.algorithm
+    sizes = np.array([len(p) for p in algo.ctx.partition])
+    steps = algo.privacy.trainer.steps_done
+    want = max(_opacus_epsilon("rdp", 1.5, min(1.0, 16 / n), int(s), 1e-5) for n, s in zip(sizes, steps) if s)
+    assert res.summary["privacy"]["epsilon"] == want and res.summary["privacy"]["level"] == "sample"
+    plain = _built(_cfg(toy_config, sampler="bernoulli"))
+    _rounds(plain, 3)
+    # the steps the accountant is told are the local steps the clients did: ceil(n_i / B) per epoch and round
+    took = np.zeros(len(sizes), dtype=np.int64)
+    for r in range(3):
+        for c in plain.sampler(r):
+            took[c] += plain.trainer.num_steps(int(c))
+    assert (steps == took).all()
+
+
+def test_the_sam_methods_are_refused_at_sample_level(toy_config):
+    cfg = _cfg(
+        toy_config, {"level": "sample"}, sampler="bernoulli", algorithm={"name": "fedsam", "clients_per_round": 4}
+    )
+    with pytest.raises(ConfigError, match=r"^privacy.level: sample with algorithm 'fedsam'"):
+        _built(cfg)
+
+
+# ---- outputs ------------------------------------------------------------------------------------
+def test_the_report_and_the_list_show_privacy(toy_config, tmp_path, capsys):
+    from fedweave.cli import main
+    from fedweave.experiments.report import build_report
+
+    run(load(_cfg(toy_config, {"noise_multiplier": 1.0}, sampler="bernoulli")), run_dir=tmp_path / "r")
+    page = build_report([tmp_path / "r"])
+    assert "<th>epsilon</th>" in page and "<th>delta</th>" in page
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "privacy mechanisms: adaptive, central, dpsgd, local" in out and "privacy accountants: prv, rdp" in out

@@ -286,6 +286,9 @@ def _point_summary(src: _Source) -> tuple[list[str], list[Any]]:
     for r in src.runs:
         by_point.setdefault(r.label, []).append(r)
     head = ["point", "runs", "diverged", f"{metric} (mean ± std)"]
+    private = _private(src.runs)
+    if private:  # privacy: the epsilon spent, beside the metric it bought
+        head.append("epsilon (mean ± std)")
     if target is not None:
         head += [f"rounds to {target:g}", f"bytes to {target:g}"]
     rows, means = [], []
@@ -297,6 +300,10 @@ def _point_summary(src: _Source) -> tuple[list[str], list[Any]]:
         state = f"{sum(r.finished for r in runs)}/{len(runs)}" + "".join(f", {c} {k}" for k, c in _left(runs))
         cells = _td(label) + _td(state) + _td(sum(r.status == "diverged" for r in runs))
         cells += _td(_pm(m, sd, n), f"mean {m!r}, std {sd!r} over {n} completed runs")
+        if private:
+            eps = [_epsilon(r) for r in runs if r.status == "completed" and r.summary]
+            em, esd = mean_std(eps)
+            cells += _td(_pm(em, esd, sum(e is not None for e in eps)), f"mean {em!r}, std {esd!r}")
         if target is not None:
             for x, fmt in (("round", _num), ("bytes_total", _size)):
                 reach = [to_target(r.rows, metric, target, x, direction) for r in runs]
@@ -310,6 +317,18 @@ def _point_summary(src: _Source) -> tuple[list[str], list[Any]]:
     return head, rows
 
 
+def _private(runs: list[_Run]) -> bool:
+    """Whether any of the runs has a ``privacy`` section (then the tables show epsilon)."""
+    return any("privacy.level" in r.config for r in runs)
+
+
+def _epsilon(r: _Run) -> float | None:
+    """The epsilon a run spent: its summary's, else its last row's (a run still going)."""
+    if r.summary and r.summary.get("privacy"):
+        return r.summary["privacy"].get("epsilon")
+    return next((x["epsilon"] for x in reversed(r.rows) if x.get("epsilon") is not None), None)
+
+
 def _runs_table(src: _Source, differ: list[str]) -> str:
     """One row per run: the config keys in ``differ``, its status and rounds, the final and best metric (as in
     sweep.csv: the best over all its evaluated rows), the bytes sent and its wall time."""
@@ -318,6 +337,9 @@ def _runs_table(src: _Source, differ: list[str]) -> str:
     metric = src.metric
     better = max if column_direction(metric) == "max" else min
     head = ["run", *differ, "status", "rounds", f"final {metric}", f"best {metric}", "bytes total", "wall s"]
+    private = _private(src.runs)
+    if private:  # privacy: the epsilon spent at the run's delta
+        head += ["epsilon", "delta"]
     rows = []
     for r in src.runs:
         s = r.summary or {}
@@ -330,6 +352,9 @@ def _runs_table(src: _Source, differ: list[str]) -> str:
         cells += _td(_status_text(r)) + _td(_rounds_text(r))
         cells += _td(_num(final), repr(final)) + _td(_num(best), repr(best))
         cells += _td(_size(last.get("bytes_total"))) + _td(_num(s.get("wall_seconds", last.get("wall_seconds"))))
+        if private:
+            eps = _epsilon(r)
+            cells += _td(_num(eps), repr(eps)) + _td(_num((s.get("privacy") or {}).get("delta")))
         rows.append(cells if r.status == "completed" else (r.status.replace(" ", "-"), cells))  # others stand out
     return _table(head, rows, "runs")
 
