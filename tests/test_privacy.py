@@ -29,7 +29,7 @@ def _built(cfg: dict):
 def _rounds(algo, n: int) -> torch.Tensor:
     for r in range(n):
         algo.run_round(r)
-    return algo.x
+    return getattr(algo, "x", None)
 
 
 def _opacus_epsilon(accountant: str, sigma: float, q: float, steps: int, delta: float) -> float:
@@ -208,7 +208,7 @@ def test_bad_privacy_values_are_one_line(toy_config, privacy, words):
 
 
 @pytest.mark.parametrize(
-    ("name", "family"), [("gossip", "decentralized"), ("hier_fedavg", "hierarchical"), ("cse_fsl", "split")]
+    ("name", "family"), [("hier_fedavg", "hierarchical"), ("cse_fsl", "split"), ("cfl_admm", "confederated")]
 )
 def test_another_family_is_refused_with_one_line(toy_config, name, family):
     cfg = _cfg(toy_config, {"noise_multiplier": 1.0}, algorithm={"name": name})
@@ -326,3 +326,37 @@ def test_the_report_and_the_list_show_privacy(toy_config, tmp_path, capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "privacy mechanisms: adaptive, central, dpsgd, local" in out and "privacy accountants: prv, rdp" in out
+
+
+def _dfl(toy_config, algorithm: dict, privacy: dict | None) -> dict:
+    algo = {"name": "dfedavg", "topology": "random_regular", "degree": 3, "neighbours": 3, **algorithm}
+    return _cfg(toy_config, privacy, algorithm=algo, rounds=2, precision="float64")
+
+
+def test_the_decentralized_dpsgd_rule_reports_its_epsilon_and_trains_as_before(toy_config, tmp_path):
+    dp = {"dp_sigma": 1.2, "dp_clip": 0.8}
+    before = _built(_dfl(toy_config, dp, None))
+    _rounds(before, 2)
+    assert before.privacy is None
+    res = run(load(_dfl(toy_config, dp, {"level": "sample", "noise_multiplier": 1.2, "clip": 0.8})),
+              run_dir=tmp_path / "r")  # fmt: skip
+    assert torch.equal(res.algorithm.W, before.W)  # the same DP-SGD, now accounted
+    sizes = np.array([len(p) for p in res.algorithm.ctx.partition])
+    steps = res.algorithm.privacy.trainer.steps_done
+    assert (steps > 0).all()
+    want = max(_opacus_epsilon("rdp", 1.2, min(1.0, 16 / n), int(s), 1e-5) for n, s in zip(sizes, steps))
+    assert res.summary["privacy"]["epsilon"] == want == res.metrics[-1]["epsilon"]
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "privacy", "words"),
+    [
+        ({}, {"noise_multiplier": 1.0}, "use privacy.level: sample"),
+        ({"dp_sigma": 1.0}, {"level": "sample", "noise_multiplier": 2.0}, "set the noise once"),
+        ({"dp_sigma": 1.0, "dp_mode": "exchange", "mixing": "sampled"}, {"level": "sample"}, "dp_mode: exchange"),
+    ],
+)
+def test_the_decentralized_family_refuses_what_it_cannot_account(toy_config, algorithm, privacy, words):
+    with pytest.raises(ConfigError) as e:
+        _built(_dfl(toy_config, algorithm, privacy))
+    assert str(e.value).startswith("privacy: ") and words in str(e.value)

@@ -510,9 +510,9 @@ def build_algorithm(ctx: RunContext) -> Algorithm:
     hp = build_dataclass(cls.Hparams, section.options, "algorithm")
     if cls.fixed_task and (ctx.config.task != type(ctx.config.task)() or ctx.objects.loss is not None):
         raise ConfigError(f"task: the {cls.family} family {cls.fixed_task}; leave the task section out")
-    if ctx.config.privacy is not None and cls.family != "centralized":  # privacy: the star round only, so far
+    if ctx.config.privacy is not None and cls.family not in ("centralized", "decentralized"):  # privacy
         raise ConfigError(
             f"privacy: the {cls.family} family is not supported yet (differential privacy runs on the centralized "
-            "family's round); leave the privacy section out"
+            "family's round and, at sample level, in the decentralized family); leave the privacy section out"
         )
     return cls(ctx, hp)

@@ -10,7 +10,7 @@
 from fedweave.privacy.accountant import Accountant, calibrate
 from fedweave.privacy.mechanism import UserDP, clip_per_layer, update_noise_multiplier
 from fedweave.privacy.sample import AccountedTrainer, SampleDP
-from fedweave.privacy.star import make_privacy, sampling
+from fedweave.privacy.star import graph_privacy, make_privacy, sampling
 
 __all__ = [
     "AccountedTrainer",
@@ -19,6 +19,7 @@ __all__ = [
     "UserDP",
     "calibrate",
     "clip_per_layer",
+    "graph_privacy",
     "make_privacy",
     "sampling",
     "update_noise_multiplier",

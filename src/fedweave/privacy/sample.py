@@ -29,7 +29,7 @@ class AccountedTrainer(PrivateTrainer):
     """A :class:`PrivateTrainer` that counts each client's DP-SGD steps for the accountant."""
 
     steps_done: np.ndarray  # per client: the local DP-SGD steps done so far
-    steps_per_round: int = 0  # the most steps one client has done in one call (the budget's look-ahead)
+    steps_per_round: int  # the most steps one client does in one round (the budget's look-ahead)
 
     def train(
         self,
@@ -54,6 +54,7 @@ class SampleDP:
 
     def __init__(self, trainer: AccountedTrainer, z: float, rates: np.ndarray, accountant: Accountant) -> None:
         self.trainer, self.z, self.rates, self.accountant = trainer, float(z), rates, accountant
+        self._seen: np.ndarray | None = None  # steps_done at the last look-ahead (the budget's, once a round)
 
     def clip(self, updates: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage 3: nothing to do at the server (the clients privatized every step)."""
@@ -64,10 +65,15 @@ class SampleDP:
         return mean
 
     def epsilon_after_next(self) -> float:
-        """Epsilon if every client that trained did its largest round's steps once more (for the budget)."""
-        per_round = int(self.trainer.steps_per_round) if self.trainer.steps_per_round else 0
+        """Epsilon if each client that trained did the most steps of any client's round once more (an upper
+        bound, for the budget)."""
+        done = self.trainer.steps_done
+        seen = self._seen if self._seen is not None else np.zeros_like(done)
+        # one round's steps: the most of one call, or what one client did since the last look (several calls)
+        more = max(self.trainer.steps_per_round, int((done - seen).max(initial=0)))
+        self._seen = done.copy()
         pairs = self._pairs() or [(float(self.rates.max()), 0)]
-        return max(self.accountant.epsilon([(self.z, q, s + per_round)]) for q, s in pairs)
+        return max(self.accountant.epsilon([(self.z, q, s + more)]) for q, s in pairs)
 
     def _pairs(self) -> list[tuple[float, int]]:
         """The (q_i, steps_i) of the clients that trained, reduced to those no other client dominates (epsilon

@@ -96,6 +96,33 @@ def make_privacy(algo: Any) -> UserDP | SampleDP | None:
     return dp
 
 
+def graph_privacy(algo: Any) -> SampleDP | None:
+    """The ``privacy`` section in the decentralized family, which has no server to clip or noise at: sample-level
+    DP-SGD at every client (AFIND+'s DP rule, ``dp_mode: sgd``), accounted per client. The algorithm's own
+    ``dp_sigma``/``dp_clip``, when set, must be the section's: one noise, accounted once."""
+    cfg: PrivacyConfig | None = algo.config.privacy
+    if cfg is None:
+        return None
+    hp = algo.hp
+    if cfg.level != "sample":
+        raise ConfigError(
+            "privacy: the decentralized family has no server to clip and noise the clients' updates; use "
+            "privacy.level: sample (DP-SGD at every client)"
+        )
+    if hp.dp_sigma and hp.dp_mode != "sgd":
+        raise ConfigError(
+            f"privacy: algorithm.dp_mode: {hp.dp_mode} noises the exchanged models, which no accountant here covers; "
+            "use dp_mode: sgd"
+        )
+    if hp.dp_sigma and (cfg.noise_multiplier, cfg.clip) != (hp.dp_sigma, hp.dp_clip):
+        raise ConfigError(
+            f"privacy: algorithm.dp_sigma/dp_clip ({hp.dp_sigma:g}/{hp.dp_clip:g}) differ from "
+            f"privacy.noise_multiplier/"
+            f"clip ({cfg.noise_multiplier}/{cfg.clip:g}); set the noise once (privacy.*, which is accounted)"
+        )
+    return _sample_level(algo, cfg, Accountant(cfg.accountant, cfg.delta))
+
+
 def _sample_level(algo: Any, cfg: PrivacyConfig, accountant: Accountant) -> SampleDP:
     """DP-SGD at every client: the algorithm's trainer becomes a private one that counts steps."""
     if getattr(algo.hp, "sam_rho", 0) or algo.config.algorithm.name == "fedsam":
@@ -107,17 +134,19 @@ def _sample_level(algo: Any, cfg: PrivacyConfig, accountant: Accountant) -> Samp
     sizes = [len(p) for p in algo.ctx.partition]
     rates = sample_rates(sizes, local.batch_size, local.full_batch)
     z = cfg.noise_multiplier
-    if z == "auto":  # the client with the most steps at the largest rate sets the noise
+    if z == "auto":  # as if one client had the most steps and the largest rate (an upper bound for each)
         steps = max(algo.trainer.num_steps(c) for c in range(algo.ctx.num_clients)) * algo.config.rounds
         z = calibrate(cfg.accountant, cfg.target_epsilon, cfg.delta, float(rates.max()), steps)
     trainer = AccountedTrainer.of(algo.trainer, cfg.clip, z)
     trainer.steps_done = np.zeros(algo.ctx.num_clients, dtype=np.int64)
+    trainer.steps_per_round = max(trainer.num_steps(c) for c in range(algo.ctx.num_clients))
     algo.trainer = trainer
     dp = SampleDP(trainer, z, rates, accountant)
+    _check_first_release(cfg, dp)
     return dp
 
 
-def _check_first_release(cfg: PrivacyConfig, dp: UserDP) -> None:
+def _check_first_release(cfg: PrivacyConfig, dp: UserDP | SampleDP) -> None:
     """A target epsilon that the first round alone exceeds is a configuration error, not a run of no rounds."""
     if cfg.target_epsilon is None:
         return
