@@ -732,7 +732,10 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
     callbacks = data.pop("callbacks", None) or []
     if not isinstance(callbacks, list):
         raise ConfigError(f"callbacks must be a list of callback names or {{name: ..., options}}, got {callbacks!r}")
+    privacy = data.pop("privacy", None)
     cfg = build_dataclass(RunConfig, data, "")
+    if privacy is not None:  # privacy: built on its own, so that an error names its key (privacy.clip)
+        cfg.privacy = coerce(privacy, PrivacyConfig, "privacy")
     for k, s in sections.items():
         setattr(cfg, k, s)
     cfg.callbacks = [_section(c, f"callbacks[{i}]") for i, c in enumerate(callbacks)]
