@@ -176,7 +176,7 @@ def _cases() -> list[tuple[list[str], str]]:
             ["privacy.clip=1", "sampler=bernoulli", "algorithm.name=scaffold"],
             "privacy: algorithm 'scaffold' is refused",
         ),
-        (["privacy.clip=1", "algorithm={name: hier_fedavg}"], "privacy: the hierarchical family is not supported"),
+        (["privacy.clip=1", "algorithm={name: cse_fsl}"], "privacy: the split family is not supported"),
         (["privacy.target_epsilon=0.01", "sampler=bernoulli"], "privacy.target_epsilon (0.01) is exceeded"),
     ]
     return cases

@@ -48,9 +48,11 @@ def sampling(cfg: PrivacyConfig, sampler: Any, per_round: int, num_clients: int)
     )
 
 
-def make_privacy(algo: Any) -> UserDP | SampleDP | None:
-    """The DP stages of a star algorithm from the run's ``privacy`` section (None without one); a method,
-    sampler or setting the proof does not cover is one ConfigError naming ``privacy``."""
+def make_privacy(algo: Any, per_round: int | None = None, num_clients: int | None = None) -> UserDP | SampleDP | None:
+    """The DP stages of a server-based algorithm from the run's ``privacy`` section (None without one); a
+    method, sampler or setting the proof does not cover is one ConfigError naming ``privacy``. ``per_round``
+    and ``num_clients``: the clients a round samples and the population (default: the star's
+    ``clients_per_round`` and the partition's clients)."""
     cfg: PrivacyConfig | None = algo.config.privacy
     if cfg is None:
         return None
@@ -62,10 +64,20 @@ def make_privacy(algo: Any) -> UserDP | SampleDP | None:
             "privacy: algorithm.weighting: samples would weigh a client by its data size, which DP-FedAvg's bound "
             "does not cover; leave it out (each client counts 1/E, E the expected clients per round)"
         )
-    ctx, per_round = algo.ctx, algo.hp.clients_per_round
-    q, expected = sampling(cfg, algo.sampler, per_round, ctx.num_clients)
+    if getattr(algo.hp, "server_data", "none") == "client":
+        raise ConfigError(
+            "privacy: algorithm.server_data: client trains the server's share as one more client, outside the "
+            "per-user bound; leave it at none"
+        )
+    ctx = algo.ctx
+    per_round = algo.hp.clients_per_round if per_round is None else per_round
+    q, expected = sampling(cfg, algo.sampler, per_round, ctx.num_clients if num_clients is None else num_clients)
     accountant = Accountant(cfg.accountant, cfg.delta)
     if cfg.level == "sample":
+        if algo.family != "centralized":
+            raise ConfigError(
+                f"privacy.level: sample is not supported in the {algo.family} family yet; use level: user"
+            )
         return _sample_level(algo, cfg, accountant)
     count_noise = cfg.count_noise if cfg.count_noise is not None else expected / 20  # Andrew et al.: m / 20
     z = cfg.noise_multiplier
