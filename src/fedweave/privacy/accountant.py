@@ -13,23 +13,32 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from fedweave.config import ConfigError
 from fedweave.registry import ACCOUNTANTS
+
+
+def _opacus_accountants() -> Any:
+    """Opacus's ``accountants`` module, or one ConfigError that says how to install it."""
+    try:
+        from opacus import accountants
+    except ImportError as e:
+        raise ConfigError(
+            "privacy: the accountants need Opacus, an optional dependency; install it with "
+            "pip install 'fedweave[privacy]'"
+        ) from e
+    return accountants
 
 
 @ACCOUNTANTS.register("rdp")
 def rdp() -> Any:
     """Opacus's RDP accountant (Renyi DP of the subsampled Gaussian; a valid upper bound on epsilon)."""
-    from opacus.accountants import RDPAccountant
-
-    return RDPAccountant()
+    return _opacus_accountants().RDPAccountant()
 
 
 @ACCOUNTANTS.register("prv")
 def prv() -> Any:
     """Opacus's PRV accountant (numerical composition of privacy random variables; a tighter upper bound)."""
-    from opacus.accountants import PRVAccountant
-
-    return PRVAccountant()
+    return _opacus_accountants().PRVAccountant()
 
 
 class Accountant:
@@ -90,6 +99,7 @@ class Accountant:
 def calibrate(name: str, target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
     """The noise multiplier that spends ``target_epsilon`` at ``delta`` in ``steps`` releases sampled at
     ``sample_rate`` (Opacus's ``get_noise_multiplier``, to within its tolerance of 0.01 in epsilon)."""
+    _opacus_accountants()  # one line when Opacus is missing
     from opacus.accountants.utils import get_noise_multiplier
 
     return float(
