@@ -24,9 +24,12 @@ from fedweave.privacy.sample import AccountedTrainer, SampleDP, sample_rates
 NO_AMPLIFICATION = ("fixed", "schedule")  # the samplers whose clients are known in advance: q = 1
 
 
-def sampling(cfg: PrivacyConfig, sampler: Any, per_round: int, num_clients: int) -> tuple[float, int]:
+def sampling(
+    cfg: PrivacyConfig, sampler: Any, per_round: int, num_clients: int, amplify: bool = True
+) -> tuple[float, int]:
     """The sampling rate q the accountant is told and E, the expected number of clients of a round; a sampler
-    that does not match the accountant's proof is one ConfigError."""
+    that does not match the accountant's proof is one ConfigError. ``amplify`` False (local DP, whose messages
+    the server sees with their senders): q = 1 whatever the sampler."""
     name = sampler.name
     if sampler.reads_context:
         raise ConfigError(
@@ -37,7 +40,7 @@ def sampling(cfg: PrivacyConfig, sampler: Any, per_round: int, num_clients: int)
     if name == "fixed":
         chosen = sampler.options.get("clients", 0)
         expected = len(chosen) if isinstance(chosen, list) else (chosen or per_round)
-    if cfg.amplification == "none" or name in NO_AMPLIFICATION:
+    if not amplify or cfg.amplification == "none" or name in NO_AMPLIFICATION:
         return 1.0, expected
     if name == "bernoulli":
         return per_round / num_clients, expected
@@ -71,7 +74,8 @@ def make_privacy(algo: Any, per_round: int | None = None, num_clients: int | Non
         )
     ctx = algo.ctx
     per_round = algo.hp.clients_per_round if per_round is None else per_round
-    q, expected = sampling(cfg, algo.sampler, per_round, ctx.num_clients if num_clients is None else num_clients)
+    population = ctx.num_clients if num_clients is None else num_clients
+    q, expected = sampling(cfg, algo.sampler, per_round, population, amplify=cfg.mechanism != "local")
     accountant = Accountant(cfg.accountant, cfg.delta)
     if cfg.level == "sample":
         if algo.family != "centralized":
