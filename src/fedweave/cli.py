@@ -51,6 +51,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         f"communication: {comm['bytes_up'] / 2**20:.1f} MiB up, {comm['bytes_down'] / 2**20:.1f} MiB down, "
         f"{comm['bytes_lateral'] / 2**20:.1f} MiB lateral; wall {s['wall_seconds']:.1f} s"
     )
+    if s.get("privacy"):  # privacy: what the run spent
+        dp, eps = s["privacy"], s["privacy"]["epsilon"]
+        spent = "no guarantee (no noise)" if eps is None else f"epsilon {eps:.4g} at delta {dp['delta']:g}"
+        print(f"privacy: {spent} ({dp['accountant']} accountant)")
+    if s.get("stopped_early"):
+        print(f"stopped early: {s['stopped_early']}")
     return 0
 
 
