@@ -4,7 +4,7 @@ The base config is ``benchmarks/privacy/dp_fedavg_mnist.yaml``: 1,000 clients (D
 of 100 expected clients per round (q = 0.1), a logistic model, 4 local steps of batch 16, 40 rounds, delta = 1e-5,
 Opacus's RDP accountant.
 The points: no privacy (the same run without the ``privacy`` section), DP-FedAvg with clip 0.5 and noise
-multipliers 0.8 and 1.2, and adaptive clipping (Andrew et al. 2021: from C = 0.1 towards the median norm,
+multipliers 0.8, 1.2 and 2.0, and adaptive clipping (Andrew et al. 2021: from C = 0.1 towards the median norm,
 eta_C = 0.2, sigma_b = 100 / 20) at the same noise multipliers; 3 seeds each.
 
     python benchmarks/privacy.py run [--workers 2]   # runs the grid, writes benchmarks/privacy/records.json
@@ -26,7 +26,7 @@ RECORDS = ROOT / "benchmarks" / "privacy" / "records.json"
 DOCS = ROOT / "docs" / "privacy.md"
 BEGIN, END = "<!-- privacy-table:begin -->", "<!-- privacy-table:end -->"
 SEEDS = (0, 1, 2)
-SIGMAS = (0.8, 1.2)
+SIGMAS = (0.8, 1.2, 2.0)
 # point label -> overrides of the base config (None: the privacy section removed)
 POINTS: dict[str, list[str] | None] = {"no privacy": None}
 for z in SIGMAS:
