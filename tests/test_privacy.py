@@ -457,3 +457,24 @@ def test_the_command_line_says_what_a_private_run_spent_and_why_it_stopped(toy_c
     eps = json.loads((tmp_path / "r" / "summary.json").read_text())["privacy"]["epsilon"]
     assert f"privacy: epsilon {eps:.4g} at delta 1e-05 (rdp accountant)" in lines
     assert any(line.startswith("stopped early: privacy budget: one more round") for line in lines)
+
+
+def test_per_layer_clipping_runs_and_bounds_each_layer(toy_config):
+    algo = _built(_cfg(toy_config, {"noise_multiplier": 0.0, "clip": 0.05, "per_layer": True}, sampler="bernoulli"))
+    assert algo.privacy.numels == list(algo.layout.numels) and len(algo.layout.numels) == 2  # weight, bias
+    x = algo.x.clone()
+    algo.run_round(0)
+    share = 0.05 / math.sqrt(2)
+    moved = (algo.x - x) * algo.privacy.expected  # the sum of the clipped updates (no noise)
+    reported = len(algo.privacy.last_norms)
+    for part in moved.split(algo.layout.numels):
+        assert part.norm() <= reported * share * (1 + 1e-5)
+    assert (algo.privacy.last_norms > 0.05).all()  # every update was clipped
+
+
+def test_sample_level_auto_calibrates_for_the_client_with_the_most_steps(toy_config):
+    privacy = {"level": "sample", "noise_multiplier": "auto", "target_epsilon": 3.0}
+    algo = _built(_cfg(toy_config, privacy, sampler="bernoulli"))
+    steps = max(algo.trainer.num_steps(c) for c in range(12)) * 3
+    eps = _opacus_epsilon("rdp", algo.privacy.z, float(algo.privacy.rates.max()), steps, 1e-5)
+    assert 2.95 <= eps <= 3.0 and algo.privacy.trainer.dp_sigma == algo.privacy.z
