@@ -327,6 +327,7 @@ def test_the_report_and_the_list_show_privacy(toy_config, tmp_path, capsys):
     run(load(_cfg(toy_config, {"noise_multiplier": 1.0}, sampler="bernoulli")), run_dir=tmp_path / "r")
     page = build_report([tmp_path / "r"])
     assert "<th>epsilon</th>" in page and "<th>delta</th>" in page
+    assert "test_accuracy_vs_epsilon.png" in page and "epsilon_vs_rounds.png" in page
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "privacy mechanisms: adaptive, central, dpsgd, local" in out and "privacy accountants: prv, rdp" in out

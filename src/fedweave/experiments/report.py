@@ -387,7 +387,8 @@ def _run_detail(r: _Run) -> str:
 
 
 def _overlay(sources: list[_Source]) -> str:
-    """The main metric against rounds and bytes: one line per sweep point (a band over its seeds) or run,
+    """The main metric against rounds and bytes (and, for private runs, against epsilon, and epsilon against
+    rounds): one line per sweep point (a band over its seeds) or run,
     every directory given on one figure. A point's curve uses its finished runs (an unfinished seed would cut
     the band short), or its unfinished ones while none has finished."""
     from fedweave.experiments.plots import plot_curves
@@ -413,6 +414,17 @@ def _overlay(sources: list[_Source]) -> str:
                                       ("bytes_total", "bytes communicated (MiB)", 2.0**-20)):  # fmt: skip
                 name = f"{metric}_vs_{'rounds' if x == 'round' else 'bytes'}.png"
                 path = plot_curves(curves, Path(tmp) / name, x=x, y=metric, xlabel=xlabel, xscale=xscale)
+                if path is not None:
+                    figures.append(_img(name, path.read_bytes()))
+            # privacy: the metric against the epsilon spent, and epsilon against rounds (the private runs' rows)
+            private = {
+                k: [[r for r in rows if r.get("epsilon") is not None] for rows in runs] for k, runs in curves.items()
+            }
+            private = {k: runs for k, runs in private.items() if all(runs)}
+            for x, y, xlabel in (("epsilon", metric, "epsilon spent (at the run's delta)"),
+                                 ("round", "epsilon", "communication round")):  # fmt: skip
+                name = f"{metric}_vs_epsilon.png" if x == "epsilon" else "epsilon_vs_rounds.png"
+                path = plot_curves(private, Path(tmp) / name, x=x, y=y, xlabel=xlabel) if private else None
                 if path is not None:
                     figures.append(_img(name, path.read_bytes()))
     return f'<section class="overlay">{"".join(figures)}</section>' if figures else ""
