@@ -479,3 +479,9 @@ def test_sample_level_auto_calibrates_for_the_client_with_the_most_steps(toy_con
     steps = max(algo.trainer.num_steps(c) for c in range(12)) * 3
     eps = _opacus_epsilon("rdp", algo.privacy.z, float(algo.privacy.rates.max()), steps, 1e-5)
     assert 2.95 <= eps <= 3.0 and algo.privacy.trainer.dp_sigma == algo.privacy.z
+
+
+def test_algorithm_sampling_bernoulli_is_poisson_sampling_too(toy_config):
+    algorithm = {"name": "fedavg", "clients_per_round": 4, "sampling": "bernoulli"}
+    algo = _built(_cfg(toy_config, {"noise_multiplier": 1.0}, algorithm=algorithm))
+    assert algo.privacy.sample_rate == 4 / 12 and algo.privacy.expected == 4
