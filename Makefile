@@ -6,8 +6,8 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 DOCS_STAMP := $(VENV)/.installed-docs
 # The extras whose tests must run rather than skip: the Ray backend, Flower deployment, the three trackers,
-# Sphinx for the API reference.
-TEST_EXTRAS := dev,ray,flower,tensorboard,mlflow,wandb,docs
+# Sphinx for the API reference, Opacus for the privacy accountants.
+TEST_EXTRAS := dev,ray,flower,tensorboard,mlflow,wandb,docs,privacy
 # Exact versions of every dependency for our own runs (the package itself declares ranges).
 CONSTRAINTS := constraints.txt
 TEST_WORKERS ?= 3

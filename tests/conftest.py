@@ -22,6 +22,7 @@ OPTIONAL_MODULES = {
     "mlflow": "mlflow",
     "wandb": "wandb",
     "sphinx": "docs",
+    "opacus": "privacy",
 }
 
 

@@ -17,7 +17,7 @@ import fedweave
 from fedweave.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONAL = ["ray", "flwr", "matplotlib", "tensorboard", "mlflow", "wandb"]
+OPTIONAL = ["ray", "flwr", "matplotlib", "tensorboard", "mlflow", "wandb", "opacus"]
 
 LOADED = """
 import json, sys

@@ -167,6 +167,22 @@ def _cases() -> list[tuple[list[str], str]]:
         # every round's schedule entry is checked when the run is built (before: only when its round came)
         (["sampler={name: schedule, clients: [[0, 1], [2, 3], [0, 9]]}"], "sampler.clients[2]"),
     ]
+    # privacy (docs/privacy.md): every float key refuses NaN, and what no proof covers is refused, naming privacy
+    for key in ("clip", "noise_multiplier", "delta", "target_epsilon", "target_quantile", "clip_lr", "count_noise"):
+        cases.append(([f"privacy.{key}=.nan"], f"privacy.{key}"))
+    cases += [
+        (["privacy.colour=red"], "privacy.colour"),
+        (["privacy.accountant=gdp"], "privacy.accountant must be one of prv, rdp"),
+        (["privacy.noise_multiplier=auto"], "privacy.noise_multiplier: auto calibrates sigma"),
+        (["privacy.level=sample", "privacy.per_layer=true"], "privacy.per_layer applies to privacy.level: user"),
+        (["privacy.noise_multiplier=1"], "privacy: sampler 'uniform' draws a fixed-size sample"),
+        (
+            ["privacy.clip=1", "sampler=bernoulli", "algorithm.name=scaffold"],
+            "privacy: algorithm 'scaffold' is refused",
+        ),
+        (["privacy.clip=1", "algorithm={name: cse_fsl}"], "privacy: the split family is not supported"),
+        (["privacy.target_epsilon=0.01", "sampler=bernoulli"], "privacy.target_epsilon (0.01) is exceeded"),
+    ]
     return cases
 
 

@@ -30,3 +30,18 @@ def test_a_stage_the_method_would_bypass_is_refused_with_one_line(toy_config, tm
         fedweave.run(cfg, run_dir=tmp_path / "r")
     assert says in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "r").exists()
+
+
+def test_privacy_and_a_robust_aggregator_together_are_refused_with_one_line(toy_config, tmp_path):
+    pytest.importorskip("opacus")
+    cfg = {
+        **toy_config,
+        "algorithm": {"name": "fedavg", "clients_per_round": 4},
+        "sampler": "bernoulli",
+        "privacy": {"clip": 1.0, "noise_multiplier": 1.0},
+        **MEDIAN,
+    }
+    with pytest.raises(ConfigError) as e:
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+    assert "aggregator: median and privacy" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "r").exists()

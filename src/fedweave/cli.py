@@ -51,6 +51,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         f"communication: {comm['bytes_up'] / 2**20:.1f} MiB up, {comm['bytes_down'] / 2**20:.1f} MiB down, "
         f"{comm['bytes_lateral'] / 2**20:.1f} MiB lateral; wall {s['wall_seconds']:.1f} s"
     )
+    if s.get("privacy"):  # privacy: what the run spent
+        dp, eps = s["privacy"], s["privacy"]["epsilon"]
+        spent = "no guarantee (no noise)" if eps is None else f"epsilon {eps:.4g} at delta {dp['delta']:g}"
+        print(f"privacy: {spent} ({dp['accountant']} accountant)")
+    if s.get("stopped_early"):
+        print(f"stopped early: {s['stopped_early']}")
     return 0
 
 
@@ -85,6 +91,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
         ("compressors", COMPRESSORS),  # compression.upload (docs/compression.md)
     ):
         print(f"{title}: {', '.join(reg.names())}")
+    from fedweave.registry import ACCOUNTANTS, PRIVACY_MECHANISMS  # privacy (the privacy section)
+
+    print(f"privacy mechanisms: {', '.join(PRIVACY_MECHANISMS.names())}")
+    print(f"privacy accountants: {', '.join(ACCOUNTANTS.names())}")
     print(f"reproductions: {', '.join(available())}")
     print(f"example configs (fedweave run example:NAME): {', '.join(examples())}")
     return 0

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import yaml
 
-from fedweave.registry import AUGMENTATIONS, LOSSES, METRICS, UnknownNameError
+from fedweave.registry import ACCOUNTANTS, AUGMENTATIONS, LOSSES, METRICS, UnknownNameError
 
 
 class _Loader(yaml.SafeLoader):
@@ -440,6 +440,67 @@ class MemoryConfig:
             raise ConfigError(f"memory.vmap_chunk must be >= 1 or null, got {self.vmap_chunk}")
 
 
+# ---- privacy: differential privacy of the clients' updates (fedweave.privacy, docs/privacy.md) ----------------
+@dataclass
+class PrivacyConfig:
+    """The ``privacy`` section: differential privacy with an accountant (docs/privacy.md). Absent: no DP."""
+
+    # user: each client's whole update is what is protected (DP-FedAvg); sample: each training sample (DP-SGD
+    # at every client, per-sample clipping and noise)
+    level: Literal["user", "sample"] = "user"
+    # user level: central (the server adds the noise to the sum) or local (each client noises its own update)
+    mechanism: Literal["central", "local"] = "central"
+    clip: float = 1.0  # C: the L2 bound of each client's update (level sample: of each sample's gradient)
+    per_layer: bool = False  # clip each layer's part of the update to C / sqrt(layers) (still norm <= C)
+    noise_multiplier: float | Literal["auto"] = 1.0  # sigma: noise std sigma * C; auto: from target_epsilon
+    delta: float = 1.0e-5  # the delta at which epsilon is reported
+    accountant: str = "rdp"  # rdp or prv (Opacus's accountants)
+    target_epsilon: float | None = None  # stop before it is exceeded, or (noise_multiplier: auto) calibrate sigma
+    # auto: Poisson sampling (sampler: bernoulli) is amplified with q = clients_per_round / N, fixed clients
+    # or a schedule get q = 1, a fixed-size uniform sample is refused; none: q = 1 whatever the sampler
+    amplification: Literal["auto", "none"] = "auto"
+    adaptive: bool = False  # adaptive clipping (Andrew et al. 2021): C follows target_quantile of the norms
+    target_quantile: float = 0.5  # gamma: the fraction of updates left unclipped
+    clip_lr: float = 0.2  # eta_C of the geometric update C <- C exp(-eta_C (b - gamma))
+    count_noise: float | None = None  # sigma_b: noise std of the clipped count; null: clients_per_round / 20
+
+    def validate(self) -> None:
+        """Check the ``privacy`` section; raise a :class:`ConfigError` naming the first bad key and what it allows."""
+        if not 0 < self.clip <= MAX_LR:
+            raise ConfigError(f"privacy.clip must be a number in (0, {MAX_LR:.6g}], got {self.clip}")
+        if self.noise_multiplier != "auto" and not 0 <= self.noise_multiplier < math.inf:
+            raise ConfigError(
+                f"privacy.noise_multiplier must be a finite number >= 0 or auto, got {self.noise_multiplier}"
+            )
+        if not 0 < self.delta < 1:
+            raise ConfigError(f"privacy.delta must be in (0, 1), got {self.delta}")
+        if self.accountant not in ACCOUNTANTS:
+            raise ConfigError(
+                f"privacy.accountant must be one of {', '.join(ACCOUNTANTS.names())}, got {self.accountant!r}"
+            )
+        if self.target_epsilon is not None and not 0 < self.target_epsilon < math.inf:
+            raise ConfigError(f"privacy.target_epsilon must be a finite number > 0 or null, got {self.target_epsilon}")
+        if self.noise_multiplier == "auto" and self.target_epsilon is None:
+            raise ConfigError("privacy.noise_multiplier: auto calibrates sigma to privacy.target_epsilon: set it")
+        if not 0 < self.target_quantile < 1:
+            raise ConfigError(f"privacy.target_quantile must be in (0, 1), got {self.target_quantile}")
+        if not 0 < self.clip_lr < math.inf:
+            raise ConfigError(f"privacy.clip_lr must be a finite number > 0, got {self.clip_lr}")
+        if self.count_noise is not None and not 0 < self.count_noise < math.inf:
+            raise ConfigError(f"privacy.count_noise must be a finite number > 0 or null, got {self.count_noise}")
+        if self.level == "sample":
+            for key, default in (("mechanism", "central"), ("per_layer", False), ("adaptive", False)):
+                if getattr(self, key) != default:
+                    raise ConfigError(
+                        f"privacy.{key} applies to privacy.level: user; DP-SGD (level: sample) clips "
+                        "each sample's gradient to privacy.clip and noises it at the client"
+                    )
+        if self.adaptive and self.mechanism == "local":
+            raise ConfigError(
+                "privacy.adaptive needs privacy.mechanism: central (the clipped count is noised at the server)"
+            )
+
+
 BACKENDS = ("auto", "loop", "vmap", "ray", "pool")
 DEVICE = re.compile(r"auto|cpu|mps|cuda(:[0-9]+)?")
 PRECISIONS = ("float32", "float64", "bf16-mixed")
@@ -506,6 +567,8 @@ class RunConfig:
     # modules or .py files imported before the run is built: they register datasets, models, losses,
     # metrics, samplers or callbacks that the config names
     plugins: list[str] = field(default_factory=list)
+    # differential privacy (fedweave.privacy, docs/privacy.md); null: none (and config.yaml leaves the key out)
+    privacy: PrivacyConfig | None = None
     # registered run callbacks (fedweave.callbacks), each a name or {name: ..., options}: stop_at_target,
     # budget, or a plug-in's; called after the built-in ones
     callbacks: list[Section] = field(default_factory=list)
@@ -535,6 +598,13 @@ class RunConfig:
         self.memory.validate()
         self.task.validate()
         self.compression.validate()
+        if self.privacy is not None:
+            self.privacy.validate()
+            if self.aggregator != Section("mean"):  # DP's sensitivity is that of the clipped sum, not of a median
+                raise ConfigError(
+                    f"aggregator: {self.aggregator.name} and privacy both decide how the server reduces the clients' "
+                    "updates: DP-FedAvg's guarantee holds for the noised sum of clipped updates; leave one out"
+                )
 
     @property
     def num_clients(self) -> int:
@@ -550,6 +620,8 @@ class RunConfig:
                 out[f.name] = v.to_dict()
             elif f.name == "callbacks":
                 out[f.name] = [c.to_dict() for c in v]
+            elif f.name == "privacy" and v is None:
+                continue  # a run without privacy records the config it always has
             elif dataclasses.is_dataclass(v):
                 out[f.name] = dataclasses.asdict(v)
             else:
@@ -728,7 +800,10 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
     callbacks = data.pop("callbacks", None) or []
     if not isinstance(callbacks, list):
         raise ConfigError(f"callbacks must be a list of callback names or {{name: ..., options}}, got {callbacks!r}")
+    privacy = data.pop("privacy", None)
     cfg = build_dataclass(RunConfig, data, "")
+    if privacy is not None:  # privacy: built on its own, so that an error names its key (privacy.clip)
+        cfg.privacy = coerce(privacy, PrivacyConfig, "privacy")
     for k, s in sections.items():
         setattr(cfg, k, s)
     cfg.callbacks = [_section(c, f"callbacks[{i}]") for i, c in enumerate(callbacks)]

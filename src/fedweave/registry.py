@@ -103,6 +103,11 @@ ATTACKS = Registry("attack")
 #: :class:`~fedweave.compression.Compressor` dataclass of its options.
 COMPRESSORS = Registry("compressor")
 
+# Differential privacy (fedweave.privacy): the accountants of ``privacy.accountant`` (each builds an Opacus
+# accountant) and the mechanisms a ``privacy`` section can select (listed by ``fedweave list``).
+ACCOUNTANTS = Registry("accountant")
+PRIVACY_MECHANISMS = Registry("privacy mechanism")
+
 # The algorithm families, each a subpackage of fedweave.algorithms whose ``__init__`` imports every method
 # module of its family (which registers itself at its definition): the registry knows the families, the
 # families know their methods. Named, not imported, so that this foundation module never imports the layer
@@ -118,6 +123,7 @@ BUILTIN_MODULES = (
     "fedweave.topology.samplers",
     "fedweave.compression",
     "fedweave.robust",
+    "fedweave.privacy",
     *(f"fedweave.algorithms.{family}" for family in ALGORITHM_FAMILIES),
 )
 _pending: list[str] | None = None  # the built-in modules not imported yet

@@ -313,6 +313,8 @@ def _summary(state: RunState, status: str, error: str | None) -> dict[str, Any]:
         summary["skipped_rounds"] = state.skipped
     if state.stop_reason:
         summary["stopped_early"] = state.stop_reason  # a callback ended the run before config.rounds
+    if getattr(state.algo, "privacy", None) is not None:  # privacy: epsilon, delta, accountant, sigma, q, releases
+        summary["privacy"] = state.algo.privacy.summary()
     return summary
 
 

@@ -570,4 +570,10 @@ def build_algorithm(ctx: RunContext) -> Algorithm:
         )
     if cls.fixed_task and (ctx.config.task != type(ctx.config.task)() or ctx.objects.loss is not None):
         raise ConfigError(f"task: the {cls.family} family {cls.fixed_task}; leave the task section out")
+    if ctx.config.privacy is not None and cls.family not in ("centralized", "decentralized", "hierarchical"):  # privacy
+        raise ConfigError(
+            f"privacy: the {cls.family} family is not supported yet (differential privacy runs on the centralized and "
+            "hierarchical families' rounds and, at sample level, in the decentralized family); leave the privacy "
+            "section out"
+        )
     return cls(ctx, hp)

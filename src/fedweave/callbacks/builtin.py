@@ -95,6 +95,8 @@ class ProgressBar(Callback):
             return
         main = run.ctx.task.main_key
         post = {main.removeprefix("test_"): f"{row[main]:.4g}"} if main in row else {}
+        if "epsilon" in row:  # privacy: the epsilon spent so far
+            post["eps"] = f"{row['epsilon']:.3g}"
         post["sent"] = f"{row['bytes_total'] / 2**20:.1f}MiB"
         self.bar.set_postfix(post, refresh=False)
 
@@ -300,6 +302,28 @@ class Budget(Callback):
         return None
 
 
+class PrivacyBudget(Callback):
+    """Privacy (the ``privacy`` section): epsilon at the configured delta in every metrics row, and with
+    ``privacy.target_epsilon`` the run stops after the last round whose release keeps epsilon within it."""
+
+    def on_evaluation(self, run, r, values):
+        dp = getattr(run.algo, "privacy", None)
+        if dp is not None and r >= 0:
+            values.update(dp.metrics())
+
+    def after_round(self, run, r):
+        dp, target = getattr(run.algo, "privacy", None), run.config.privacy.target_epsilon
+        if dp is None or target is None or run.is_last(r):
+            return None
+        after = dp.epsilon_after_next()
+        if after > target:
+            return (
+                f"privacy budget: one more round would spend epsilon {after:.4g} > privacy.target_epsilon "
+                f"{target:g} (spent {dp.epsilon():.4g} at delta {run.config.privacy.delta:g})"
+            )
+        return None
+
+
 def default_callbacks(config: RunConfig, progress: bool | None = None) -> list[Callback]:
     """The callbacks a config asks for, in the order they are called: the divergence guard first (a bad row
     is never recorded), checkpoints before the progress bar moves, plots before the trackers upload them."""
@@ -311,6 +335,8 @@ def default_callbacks(config: RunConfig, progress: bool | None = None) -> list[C
     out.append(PartitionReport())
     if config.eval.distribution:
         out.append(ClientRecord())
+    if config.privacy is not None:  # privacy: epsilon in the rows, the budget's stop
+        out.append(PrivacyBudget())
     if config.output.plots:
         out.append(Plots())
     if config.output.trackers:

@@ -288,6 +288,9 @@ def _point_summary(src: _Source) -> tuple[list[str], list[Any]]:
     for r in src.runs:
         by_point.setdefault(r.label, []).append(r)
     head = ["point", "runs", "diverged", f"{metric} (mean ± std)"]
+    private = _private(src.runs)
+    if private:  # privacy: the epsilon spent, beside the metric it bought
+        head.append("epsilon (mean ± std)")
     if target is not None:
         head += [f"rounds to {target:g}", f"bytes to {target:g}"]
     rows, means = [], []
@@ -299,6 +302,10 @@ def _point_summary(src: _Source) -> tuple[list[str], list[Any]]:
         state = f"{sum(r.finished for r in runs)}/{len(runs)}" + "".join(f", {c} {k}" for k, c in _left(runs))
         cells = _td(label) + _td(state) + _td(sum(r.status == "diverged" for r in runs))
         cells += _td(_pm(m, sd, n), f"mean {m!r}, std {sd!r} over {n} completed runs")
+        if private:
+            eps = [_epsilon(r) for r in runs if r.status == "completed" and r.summary]
+            em, esd = mean_std(eps)
+            cells += _td(_pm(em, esd, sum(e is not None for e in eps)), f"mean {em!r}, std {esd!r}")
         if target is not None:
             for x, fmt in (("round", _num), ("bytes_total", _size)):
                 reach = [to_target(r.rows, metric, target, x, direction) for r in runs]
@@ -312,6 +319,18 @@ def _point_summary(src: _Source) -> tuple[list[str], list[Any]]:
     return head, rows
 
 
+def _private(runs: list[_Run]) -> bool:
+    """Whether any of the runs has a ``privacy`` section (then the tables show epsilon)."""
+    return any("privacy.level" in r.config for r in runs)
+
+
+def _epsilon(r: _Run) -> float | None:
+    """The epsilon a run spent: its summary's, else its last row's (a run still going)."""
+    if r.summary and r.summary.get("privacy"):
+        return r.summary["privacy"].get("epsilon")
+    return next((x["epsilon"] for x in reversed(r.rows) if x.get("epsilon") is not None), None)
+
+
 def _runs_table(src: _Source, differ: list[str]) -> str:
     """One row per run: the config keys in ``differ``, its status and rounds, the final and best metric (as in
     sweep.csv: the best over all its evaluated rows), the bytes sent and its wall time."""
@@ -320,6 +339,9 @@ def _runs_table(src: _Source, differ: list[str]) -> str:
     metric = src.metric
     better = max if column_direction(metric) == "max" else min
     head = ["run", *differ, "status", "rounds", f"final {metric}", f"best {metric}", "bytes total", "wall s"]
+    private = _private(src.runs)
+    if private:  # privacy: the epsilon spent at the run's delta
+        head += ["epsilon", "delta"]
     rows = []
     for r in src.runs:
         s = r.summary or {}
@@ -332,6 +354,9 @@ def _runs_table(src: _Source, differ: list[str]) -> str:
         cells += _td(_status_text(r)) + _td(_rounds_text(r))
         cells += _td(_num(final), repr(final)) + _td(_num(best), repr(best))
         cells += _td(_size(last.get("bytes_total"))) + _td(_num(s.get("wall_seconds", last.get("wall_seconds"))))
+        if private:
+            eps = _epsilon(r)
+            cells += _td(_num(eps), repr(eps)) + _td(_num((s.get("privacy") or {}).get("delta")))
         rows.append(cells if r.status == "completed" else (r.status.replace(" ", "-"), cells))  # others stand out
     return _table(head, rows, "runs")
 
@@ -411,7 +436,8 @@ def _pairs(entry: dict[str, Any], metric: str) -> list[str]:
 
 
 def _overlay(sources: list[_Source]) -> str:
-    """The main metric against rounds and bytes: one line per sweep point (a band over its seeds) or run,
+    """The main metric against rounds and bytes (and, for private runs, against epsilon, and epsilon against
+    rounds): one line per sweep point (a band over its seeds) or run,
     every directory given on one figure. A point's curve uses its finished runs (an unfinished seed would cut
     the band short), or its unfinished ones while none has finished."""
     from fedweave.experiments.plots import plot_curves
@@ -437,6 +463,17 @@ def _overlay(sources: list[_Source]) -> str:
                                       ("bytes_total", "bytes communicated (MiB)", 2.0**-20)):  # fmt: skip
                 name = f"{metric}_vs_{'rounds' if x == 'round' else 'bytes'}.png"
                 path = plot_curves(curves, Path(tmp) / name, x=x, y=metric, xlabel=xlabel, xscale=xscale)
+                if path is not None:
+                    figures.append(_img(name, path.read_bytes()))
+            # privacy: the metric against the epsilon spent, and epsilon against rounds (the private runs' rows)
+            private = {
+                k: [[r for r in rows if r.get("epsilon") is not None] for rows in runs] for k, runs in curves.items()
+            }
+            private = {k: runs for k, runs in private.items() if all(runs)}
+            for x, y, xlabel in (("epsilon", metric, "epsilon spent (at the run's delta)"),
+                                 ("round", "epsilon", "communication round")):  # fmt: skip
+                name = f"{metric}_vs_epsilon.png" if x == "epsilon" else "epsilon_vs_rounds.png"
+                path = plot_curves(private, Path(tmp) / name, x=x, y=y, xlabel=xlabel) if private else None
                 if path is not None:
                     figures.append(_img(name, path.read_bytes()))
     return f'<section class="overlay">{"".join(figures)}</section>' if figures else ""

@@ -37,6 +37,7 @@ from fedweave.execution import (
     evaluate_task,
 )
 from fedweave.execution.local import PLAIN, ClientStep, GradFn, LocalRule
+from fedweave.privacy import make_privacy
 from fedweave.topology.samplers import ClientHistory, make_sampler
 
 
@@ -143,6 +144,9 @@ class StarAlgorithm(Algorithm):
     uplink: ClassVar[str] = "model"  # the ledger kind of each reporting client's upload
     compresses_uploads: ClassVar[bool] = True  # the template runs the compression stage (fedweave.compression)
     state_fields = ("x",)  # the global model; a method adds its server state
+    # privacy: why the ``privacy`` section refuses this method (None: its messages are one model update per
+    # client and its server state a function of the noised mean only, so DP-FedAvg's proof covers it)
+    dp_refusal: ClassVar[str | None] = "its messages and server state have not been checked against DP-FedAvg's proof"
 
     def __init__(self, ctx: RunContext, hp: StarHparams) -> None:
         super().__init__(ctx, hp)
@@ -165,6 +169,7 @@ class StarAlgorithm(Algorithm):
         self.robust = robust.build(ctx.config, ctx.seeds, n, hp.clients_per_round)
         self.client_values: dict | None = None  # eval.distribution: the last evaluation's per-client values
         self.compression = upload_compression(ctx, self.num_params, n)  # None unless compression.upload is set
+        self.privacy = make_privacy(self)  # privacy: the DP stages of the round (None without a privacy section)
 
     def state_dict(self) -> dict:
         out = super().state_dict()
@@ -176,6 +181,8 @@ class StarAlgorithm(Algorithm):
             out["compression"] = self.compression.state_dict()
         if self.robust is not None and self.robust.stateful:  # a stateful aggregator's state (robustness)
             out["robust"] = self.robust.state_dict()
+        if self.privacy is not None:  # privacy: the accountant's releases and the (adaptive) clip
+            out["privacy"] = self.privacy.state_dict()
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -183,6 +190,9 @@ class StarAlgorithm(Algorithm):
         clients = state.pop("client_state", None)
         history = state.pop("sampler_context", None)
         robust_state, residuals = state.pop("robust", None), state.pop("compression", None)
+        private = state.pop("privacy", None)
+        if private is not None and self.privacy is not None:  # privacy
+            self.privacy.load_state_dict(private)
         super().load_state_dict(state)
         if robust_state is not None and self.robust is not None:
             self.robust.load_state_dict(robust_state)
@@ -270,6 +280,10 @@ class StarAlgorithm(Algorithm):
         The one place where the collected updates become the aggregate, so that the stages between them
         (DP clipping, robust aggregation, DP noise) plug in here, for every method at once.
         """
+        if self.privacy is not None:  # privacy, stage 3: each client's update clipped; weights 1/E (DP-FedAvg)
+            updates, weights = self.privacy.clip(updates, weights)
+            # privacy, stage 5: Gaussian noise on the sum, over E; one accounted release
+            return self.privacy.noise(weights @ updates)
         if self.robust is not None:  # 4. reduction: the robust aggregator (robustness)
             return self.robust.aggregate(updates, weights)
         return weights @ updates

@@ -64,6 +64,8 @@ class FedDynHparams(StarHparams):
 @ALGORITHMS.register("feddyn")
 class FedDyn(StarAlgorithm):
     name = "feddyn"
+    # privacy: h sums the clients' raw displacements, and the clients send their models (not updates)
+    dp_refusal = "its server state h sums the clients' unclipped model displacements, outside the noised mean"
     Hparams = FedDynHparams
     state_fields = (*StarAlgorithm.state_fields, "h")
     updates_are_models = True  # the server averages the local models (an attack acts on theta_i - x_t)

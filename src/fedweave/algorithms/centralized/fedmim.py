@@ -101,6 +101,7 @@ class FedMIMHparams(StarHparams):
 @ALGORITHMS.register("fedmim")
 class FedMIM(StarAlgorithm):
     name = "fedmim"
+    dp_refusal = None  # privacy: the history and its deltas are past global models (post-processing)
     Hparams = FedMIMHparams
     state_fields = (*StarAlgorithm.state_fields, "history")
     regularize_in_rule = True

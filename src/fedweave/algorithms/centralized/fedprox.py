@@ -48,6 +48,7 @@ class FedProxHparams(StarHparams):
 @ALGORITHMS.register("fedprox")
 class FedProx(StarAlgorithm):
     name = "fedprox"
+    dp_refusal = None  # privacy: one model update per client; server state from the noised mean only
     Hparams = FedProxHparams
 
     def client_rule(self, lr: float) -> LocalRule:

@@ -52,6 +52,7 @@ class FedSAMHparams(StarHparams):
 @ALGORITHMS.register("fedsam")
 class FedSAM(StarAlgorithm):
     name = "fedsam"
+    dp_refusal = None  # privacy: one model update per client; server state from the noised mean only
     Hparams = FedSAMHparams
 
     def client_rule(self, lr: float) -> LocalRule:

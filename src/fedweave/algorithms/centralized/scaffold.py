@@ -72,6 +72,8 @@ class ScaffoldStep(ClientStep):
 @ALGORITHMS.register("scaffold")
 class Scaffold(StarAlgorithm):
     name = "scaffold"
+    # privacy: the control-variate deltas Delta c_i are a second, unclipped upload summed into c
+    dp_refusal = "its clients also upload control-variate deltas, which the server sums into c unclipped and unnoised"
     uplink = "update+control_delta"  # Delta y_i and Delta c_i (line 13)
     state_fields = (*StarAlgorithm.state_fields, "c")
 

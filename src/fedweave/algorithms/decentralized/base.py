@@ -40,6 +40,7 @@ from fedweave.execution import (
 )
 from fedweave.execution.dpsgd import PrivateTrainer
 from fedweave.execution.local import PLAIN, reindexed
+from fedweave.privacy import graph_privacy
 from fedweave.topology.graph import TOPOLOGIES, Topology, build_graph, neighbour_lists
 
 # batch-stream keys (``("batches", round, client, *key)``) of the jobs a DFL round may run besides the
@@ -118,6 +119,7 @@ class GraphAlgorithm(Algorithm):
         self.ft_trainer = with_local(self.trainer, epochs=hp.finetune_epochs or 1, steps=None)
         if hp.dp_sigma and hp.dp_mode == "sgd":  # the fine-tuning copy is never sent: it stays plain SGD
             self.trainer = PrivateTrainer.of(self.trainer, hp.dp_clip, hp.dp_sigma)
+        self.privacy = graph_privacy(self)  # privacy: DP-SGD accounted per client (privacy.level: sample)
         self.layout: ParamLayout = self.trainer.layout
         self.store = StateStore(n, dtype=ctx.dtype, placement=ctx.placement)
         # every client trains every round: its table lives where the computation is
@@ -141,11 +143,17 @@ class GraphAlgorithm(Algorithm):
         self.store[name].copy_(new)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"store": self.store.state_dict(), **super().state_dict()}
+        out = {"store": self.store.state_dict(), **super().state_dict()}
+        if self.privacy is not None:  # privacy: each client's DP-SGD steps so far
+            out["privacy"] = self.privacy.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = dict(state)
         self.store.load_state_dict(state.pop("store"))
+        private = state.pop("privacy", None)
+        if private is not None and self.privacy is not None:  # privacy
+            self.privacy.load_state_dict(private)
         super().load_state_dict(state)
 
     # ---- faults ----------------------------------------------------------------------------------

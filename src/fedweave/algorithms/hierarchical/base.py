@@ -34,6 +34,7 @@ from fedweave.config import ConfigError
 from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, choose_backend, evaluate_task
 from fedweave.execution.local import LR, PLAIN, ClientStep, GradFn, LocalResult
 from fedweave.ledger import nbytes
+from fedweave.privacy import make_privacy
 from fedweave.registry import LR_SCHEDULES, RULE_PARTS, RULES
 from fedweave.seeding import Seeds
 from fedweave.topology.samplers import make_sampler
@@ -308,6 +309,8 @@ class HierarchicalAlgorithm(Algorithm):
     Hparams = HierarchyHparams
     jobs_per_client = 1
     state_fields = ("x",)  # the global model x^_r
+    # privacy: why the ``privacy`` section refuses this method (None: DP-FedAvg's proof covers its round)
+    dp_refusal: ClassVar[str | None] = "its messages and server state have not been checked against DP-FedAvg's proof"
 
     def __init__(self, ctx: RunContext, hp: HierarchyHparams) -> None:
         super().__init__(ctx, hp)
@@ -335,6 +338,21 @@ class HierarchicalAlgorithm(Algorithm):
         pl = ctx.placement
         self.server_x, self.server_y = pl.data(d.train_x[d.server]), pl.data(d.train_y[d.server])
         self.ledger.store("server", "server_data", nbytes(self.server_x, self.server_y))
+        # privacy: DP-FedAvg on the clients' displacements (None without a privacy section)
+        self.privacy = make_privacy(self, self.k, self.m)
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        if self.privacy is not None:  # privacy: the accountant's releases and the (adaptive) clip
+            out["privacy"] = self.privacy.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        private = state.pop("privacy", None)
+        if private is not None and self.privacy is not None:  # privacy
+            self.privacy.load_state_dict(private)
+        super().load_state_dict(state)
 
     @property
     def dim(self) -> int:
@@ -567,6 +585,9 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
     def aggregate(self, updates: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         """The server step's reduction of the collected updates to one: the weighted mean, or the plain mean.
         The one place where DP clipping, robust aggregation and DP noise plug in."""
+        if self.privacy is not None:  # privacy: DP-FedAvg on the displacements y_i - x, weights 1/E, noise on the sum
+            moved, w = self.privacy.clip(updates - self.x, weights)
+            return self.x + self.privacy.noise(w @ moved)
         if self.robust is not None:  # the robust aggregator (robustness); None weights: the plain mean
             w = weights if weights is not None else torch.full((len(updates),), 1 / len(updates), dtype=updates.dtype)
             return self.robust.aggregate(updates, w.to(updates.device))

@@ -68,6 +68,7 @@ class ProxHparams(BaselineHparams):
 
 @ALGORITHMS.register("hier_fedavg")
 class HierFedAvg(AveragingAlgorithm):
+    dp_refusal = None  # privacy: one model per client, x from the (noised) mean only
     name = "hier_fedavg"
 
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
@@ -76,6 +77,7 @@ class HierFedAvg(AveragingAlgorithm):
 
 @ALGORITHMS.register("hier_fedprox")
 class HierFedProx(AveragingAlgorithm):
+    dp_refusal = None  # privacy: one model per client, x from the (noised) mean only
     name = "hier_fedprox"
     Hparams = ProxHparams
 
@@ -88,6 +90,7 @@ class HierFedProx(AveragingAlgorithm):
 
 @ALGORITHMS.register("hier_scaffold")
 class HierScaffold(AveragingAlgorithm):
+    dp_refusal = "its clients also upload control-variate deltas, which the server sums into c unclipped"
     name = "hier_scaffold"
     downlink = ("model+control", 2)  # x and c
     uplink = ("update+control_delta", 2)  # Delta y_i and Delta c_i

@@ -76,6 +76,8 @@ class ZOHFLHparams(HierarchyHparams):
 @ALGORITHMS.register("zo_hfl")
 class ZOHFL(HierarchicalAlgorithm):
     name = "zo_hfl"
+    # privacy: the clients send function values of perturbed models, not one model update each
+    dp_refusal = "its clients send zeroth-order function values, not one clippable model update each"
     Hparams = ZOHFLHparams
     jobs_per_client = 2  # the +/- solves
     handles_faults = ("dropout", "deadline")

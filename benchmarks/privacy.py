@@ -1,0 +1,128 @@
+"""Accuracy vs epsilon: DP-FedAvg with a fixed clip and with adaptive clipping on MNIST (docs/privacy.md).
+
+The base config is ``benchmarks/privacy/dp_fedavg_mnist.yaml``: 1,000 clients (Dirichlet 0.5), Poisson sampling
+of 100 expected clients per round (q = 0.1), a logistic model, 4 local steps of batch 16, 40 rounds, delta = 1e-5,
+Opacus's RDP accountant.
+The points: no privacy (the same run without the ``privacy`` section), DP-FedAvg with clip 0.5 and noise
+multipliers 0.8, 1.2 and 2.0, and adaptive clipping (Andrew et al. 2021: from C = 0.1 towards the median norm,
+eta_C = 0.2, sigma_b = 100 / 20) at the same noise multipliers; 3 seeds each.
+
+    python benchmarks/privacy.py run [--workers 2]   # runs the grid, writes benchmarks/privacy/records.json
+    python benchmarks/privacy.py table [--docs]       # the table from the records (--docs: into docs/privacy.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ROOT / "benchmarks" / "privacy" / "dp_fedavg_mnist.yaml"
+RECORDS = ROOT / "benchmarks" / "privacy" / "records.json"
+DOCS = ROOT / "docs" / "privacy.md"
+BEGIN, END = "<!-- privacy-table:begin -->", "<!-- privacy-table:end -->"
+SEEDS = (0, 1, 2)
+SIGMAS = (0.8, 1.2, 2.0)
+# point label -> overrides of the base config (None: the privacy section removed)
+POINTS: dict[str, list[str] | None] = {"no privacy": None}
+for z in SIGMAS:
+    POINTS[f"DP-FedAvg, C = 0.5, sigma = {z:g}"] = [f"privacy.noise_multiplier={z}"]
+for z in SIGMAS:
+    POINTS[f"adaptive clipping, gamma = 0.5, sigma = {z:g}"] = [
+        f"privacy.noise_multiplier={z}",
+        "privacy.adaptive=true",
+        "privacy.clip=0.1",
+        "privacy.target_quantile=0.5",
+        "privacy.clip_lr=0.2",
+    ]
+
+
+def one(label: str, seed: int, out: str) -> dict:
+    """Run one point and seed; its record."""
+    from fedweave.config import apply_overrides, from_dict, read_yaml_file
+    from fedweave.runner import run
+
+    data = read_yaml_file(BASE)
+    overrides = POINTS[label]
+    if overrides is None:
+        data.pop("privacy")
+        overrides = []
+    cfg = from_dict(apply_overrides(data, [*overrides, f"seed={seed}"]))
+    res = run(cfg, run_dir=Path(out) / f"{label.replace(' ', '').replace(',', '_')}-{seed}", overwrite=True)
+    dp = res.summary.get("privacy") or {}
+    return {
+        "point": label,
+        "seed": seed,
+        "final_test_accuracy": res.summary["final_test_accuracy"],
+        "epsilon": dp.get("epsilon"),
+        "delta": dp.get("delta"),
+        "noise_multiplier": dp.get("noise_multiplier"),
+        "final_clip": dp.get("clip"),
+        "sample_rate": dp.get("sample_rate"),
+        "rounds": res.summary["rounds"],
+        "wall_seconds": res.summary["wall_seconds"],
+    }
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    jobs = [(label, seed) for label in POINTS for seed in SEEDS]
+    with ProcessPoolExecutor(args.workers) as pool:
+        records = list(pool.map(one, *zip(*jobs), [args.out] * len(jobs)))
+    RECORDS.write_text(json.dumps(records, indent=1) + "\n")
+    print(table(records))
+
+
+def table(records: list[dict]) -> str:
+    """The accuracy-vs-epsilon table: per point, the final test accuracy (mean ± std over seeds), epsilon at
+    delta (the same for every seed: it depends on sigma, q and the rounds only) and the final clip."""
+    lines = [
+        "| point | test accuracy (mean ± std, 3 seeds) | epsilon at delta = 1e-5 | final clip C (mean) |",
+        "|---|---|---|---|",
+    ]
+    points = list(dict.fromkeys(r["point"] for r in records))
+    for p in points:
+        rs = [r for r in records if r["point"] == p]
+        accs = [100 * r["final_test_accuracy"] for r in rs]
+        eps = {round(r["epsilon"], 6) for r in rs if r["epsilon"] is not None}
+        clips = [r["final_clip"] for r in rs if r["final_clip"] is not None]
+        eps_text = ", ".join(f"{e:.2f}" for e in sorted(eps)) or "∞ (no privacy)"
+        clip_text = f"{statistics.mean(clips):.3f}" if clips else "–"
+        lines.append(f"| {p} | {statistics.mean(accs):.2f} ± {statistics.stdev(accs):.2f} | {eps_text} | {clip_text} |")
+    return "\n".join(lines)
+
+
+def docs_with_table(text: str, records: list[dict]) -> str:
+    """docs/privacy.md's text with the table between its markers generated from ``records``."""
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{table(records)}\n{END}{tail}"
+
+
+def cmd_table(args: argparse.Namespace) -> None:
+    records = json.loads(RECORDS.read_text())
+    if args.docs:
+        DOCS.write_text(docs_with_table(DOCS.read_text(), records))
+    print(table(records))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--workers", type=int, default=1)
+    r.add_argument("--out", default=str(ROOT / "runs" / "privacy-bench"))
+    r.set_defaults(fn=cmd_run)
+    t = sub.add_parser("table")
+    t.add_argument("--docs", action="store_true", help="write the table into docs/privacy.md")
+    t.set_defaults(fn=cmd_table)
+    args = parser.parse_args(argv)
+    args.fn(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

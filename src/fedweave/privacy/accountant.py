@@ -1,0 +1,109 @@
+"""Privacy accounting with Opacus's accountants (``pip install 'fedweave[privacy]'``): no hand-written formulas.
+
+An :class:`Accountant` records every release of the run as Opacus does, one ``(noise_multiplier,
+sample_rate)`` step each, and asks Opacus for epsilon at the run's delta. ``rdp`` is Opacus's
+``RDPAccountant`` (Renyi DP of the Poisson-subsampled Gaussian mechanism, Mironov et al. 2019), ``prv`` its
+``PRVAccountant`` (privacy random variables, Gopi et al. 2021). Both assume Poisson subsampling with rate
+``sample_rate`` and add/remove-one neighbouring datasets; ``sample_rate = 1`` is the plain Gaussian mechanism
+(no subsampling, no amplification).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fedweave.config import ConfigError
+from fedweave.registry import ACCOUNTANTS
+
+
+def _opacus_accountants() -> Any:
+    """Opacus's ``accountants`` module, or one ConfigError that says how to install it."""
+    try:
+        from opacus import accountants
+    except ImportError as e:
+        raise ConfigError(
+            "privacy: the accountants need Opacus, an optional dependency; install it with "
+            "pip install 'fedweave[privacy]'"
+        ) from e
+    return accountants
+
+
+@ACCOUNTANTS.register("rdp")
+def rdp() -> Any:
+    """Opacus's RDP accountant (Renyi DP of the subsampled Gaussian; a valid upper bound on epsilon)."""
+    return _opacus_accountants().RDPAccountant()
+
+
+@ACCOUNTANTS.register("prv")
+def prv() -> Any:
+    """Opacus's PRV accountant (numerical composition of privacy random variables; a tighter upper bound)."""
+    return _opacus_accountants().PRVAccountant()
+
+
+class Accountant:
+    """The releases of a run and their epsilon at ``delta``, by the registered accountant ``name``."""
+
+    def __init__(self, name: str, delta: float) -> None:
+        self.name, self.delta = name, float(delta)
+        self.impl = ACCOUNTANTS.get(name)()
+        self._cache: tuple[tuple, float] | None = None  # (history, epsilon): epsilon is asked for every row
+
+    @property
+    def history(self) -> list[tuple[float, float, int]]:
+        """Opacus's record: ``(noise_multiplier, sample_rate, steps)`` runs of equal steps."""
+        return self.impl.history
+
+    @property
+    def steps(self) -> int:
+        """The releases accounted so far."""
+        return sum(s for _, _, s in self.history)
+
+    def step(self, noise_multiplier: float, sample_rate: float) -> None:
+        """One more release of the Gaussian mechanism with this noise multiplier, sampled at this rate."""
+        self.impl.step(noise_multiplier=float(noise_multiplier), sample_rate=float(sample_rate))
+
+    def epsilon(self, history: list[tuple[float, float, int]] | None = None) -> float:
+        """Epsilon at ``delta`` after the releases so far (or after ``history``); 0 before any, inf when a
+        release had no noise."""
+        hist = list(self.history if history is None else history)
+        if not hist:
+            return 0.0
+        if any(z == 0 for z, _, _ in hist):
+            return math.inf
+        key = tuple(hist)
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1]
+        probe = ACCOUNTANTS.get(self.name)()
+        probe.history = [tuple(h) for h in hist]
+        eps = float(probe.get_epsilon(delta=self.delta))
+        self._cache = (key, eps)
+        return eps
+
+    def epsilon_after_next(self, noise_multiplier: float, sample_rate: float) -> float:
+        """Epsilon if one more such release were made (for stopping before a budget is exceeded)."""
+        hist = [tuple(h) for h in self.history]
+        if hist and hist[-1][0] == noise_multiplier and hist[-1][1] == sample_rate:
+            hist[-1] = (hist[-1][0], hist[-1][1], hist[-1][2] + 1)
+        else:
+            hist.append((float(noise_multiplier), float(sample_rate), 1))
+        return self.epsilon(hist)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": [list(h) for h in self.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.impl.history = [(float(z), float(q), int(s)) for z, q, s in state["history"]]
+
+
+def calibrate(name: str, target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
+    """The noise multiplier that spends ``target_epsilon`` at ``delta`` in ``steps`` releases sampled at
+    ``sample_rate`` (Opacus's ``get_noise_multiplier``, to within its tolerance of 0.01 in epsilon)."""
+    _opacus_accountants()  # one line when Opacus is missing
+    from opacus.accountants.utils import get_noise_multiplier
+
+    return float(
+        get_noise_multiplier(
+            target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps, accountant=name
+        )
+    )

@@ -1,0 +1,124 @@
+"""Sample-level DP: DP-SGD at every client (``privacy.level: sample``), accounted per client.
+
+Each local step of client i is DP-SGD (:class:`fedweave.execution.dpsgd.DPSGD`: per-sample clipping to C,
+``N(0, sigma^2 C^2 I)`` on the batch's sum) on a batch of B of its n_i samples. Client i's data are protected
+by the composition of its steps, each a Gaussian mechanism sampled at rate ``q_i = B / n_i`` (1 under
+full-batch training or when n_i <= B). The accountant is told ``(sigma, q_i, steps_i)`` with ``steps_i`` the
+local steps client i has done so far, and the run reports the largest epsilon over the clients.
+
+Opacus's accountants assume Poisson sampling of each batch; fedweave's local batches are a shuffled pass
+(fixed size, without replacement within an epoch), as in most DP-SGD code. The reported epsilon is the number
+those implementations report, not a proof for shuffled batches (docs/privacy.md says so).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedweave.execution.dpsgd import PrivateTrainer
+from fedweave.execution.local import LR, PLAIN, LocalResult, LocalRule
+from fedweave.privacy.accountant import Accountant
+
+
+class AccountedTrainer(PrivateTrainer):
+    """A :class:`PrivateTrainer` that counts each client's DP-SGD steps for the accountant."""
+
+    steps_done: np.ndarray  # per client: the local DP-SGD steps done so far
+    steps_per_round: int  # the most steps one client does in one round (the budget's look-ahead)
+
+    def train(
+        self,
+        starts: torch.Tensor,
+        clients: Sequence[int],
+        round: int,
+        *,
+        rule: LocalRule = PLAIN,
+        lr: LR | None = None,
+        steps: int | None = None,
+        key: tuple[int, ...] = (),
+    ) -> LocalResult:
+        out = super().train(starts, clients, round, rule=rule, lr=lr, steps=steps, key=key)
+        if len(out.steps):
+            self.steps_per_round = max(self.steps_per_round, int(out.steps.max()))
+        np.add.at(self.steps_done, np.asarray(clients, dtype=np.int64), out.steps.cpu().numpy().astype(np.int64))
+        return out
+
+
+class SampleDP:
+    """The accounting of DP-SGD at every client: epsilon of the client that has spent the most."""
+
+    def __init__(self, trainer: AccountedTrainer, z: float, rates: np.ndarray, accountant: Accountant) -> None:
+        self.trainer, self.z, self.rates, self.accountant = trainer, float(z), rates, accountant
+        self._seen: np.ndarray | None = None  # steps_done at the last look-ahead (the budget's, once a round)
+
+    def clip(self, updates: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 3: nothing to do at the server (the clients privatized every step)."""
+        return updates, weights
+
+    def noise(self, mean: torch.Tensor) -> torch.Tensor:
+        """Stage 5: nothing to do at the server."""
+        return mean
+
+    def epsilon_after_next(self) -> float:
+        """Epsilon if each client that trained did the most steps of any client's round once more (an upper
+        bound, for the budget)."""
+        done = self.trainer.steps_done
+        seen = self._seen if self._seen is not None else np.zeros_like(done)
+        # one round's steps: the most of one call, or what one client did since the last look (several calls)
+        more = max(self.trainer.steps_per_round, int((done - seen).max(initial=0)))
+        self._seen = done.copy()
+        pairs = self._pairs() or [(float(self.rates.max()), 0)]
+        return max(self.accountant.epsilon([(self.z, q, s + more)]) for q, s in pairs)
+
+    def _pairs(self) -> list[tuple[float, int]]:
+        """The (q_i, steps_i) of the clients that trained, reduced to those no other client dominates (epsilon
+        grows with both, so the largest epsilon is among them)."""
+        steps = self.trainer.steps_done
+        pairs = sorted({(float(q), int(s)) for q, s in zip(self.rates, steps) if s > 0}, reverse=True)
+        front, most = [], -1
+        for q, s in pairs:  # by q descending: keep a pair only if it has more steps than every larger q
+            if s > most:
+                front.append((q, s))
+                most = s
+        return front
+
+    def epsilon(self) -> float:
+        """The largest epsilon of any client at the run's delta (0 before any step; inf without noise)."""
+        pairs = self._pairs()
+        if not pairs:
+            return 0.0
+        return max(self.accountant.epsilon([(self.z, q, s)]) for q, s in pairs)
+
+    def metrics(self) -> dict[str, float]:
+        eps = self.epsilon()
+        return {"epsilon": eps} if math.isfinite(eps) else {}
+
+    def summary(self) -> dict[str, Any]:
+        eps = self.epsilon()
+        return {
+            "level": "sample",
+            "mechanism": "dpsgd",
+            "epsilon": eps if math.isfinite(eps) else None,
+            "delta": self.accountant.delta,
+            "accountant": self.accountant.name,
+            "noise_multiplier": self.z,
+            "clip": self.trainer.dp_clip,
+            "max_local_steps": int(self.trainer.steps_done.max()),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps_done": self.trainer.steps_done.tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.steps_done = np.asarray(state["steps_done"], dtype=np.int64)
+
+
+def sample_rates(sizes: Sequence[int], batch_size: int, full_batch: bool) -> np.ndarray:
+    """Each client's per-step sampling rate ``q_i = min(1, B / n_i)`` (1 under full-batch training)."""
+    n = np.asarray(sizes, dtype=np.float64)
+    return np.ones_like(n) if full_batch else np.minimum(1.0, batch_size / np.maximum(n, 1.0))

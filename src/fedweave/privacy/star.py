@@ -1,0 +1,175 @@
+"""The ``privacy`` section on the star template: which methods and samplers it allows, and with what
+sampling rate the accountant is told each round was drawn.
+
+Sampling must match the proof (docs/privacy.md). Opacus's accountants bound the Poisson-subsampled Gaussian
+mechanism: ``sampler: bernoulli`` (each client independently with probability q = clients_per_round / N) is
+accounted with that q. Neither accountant bounds a fixed-size uniform sample without replacement, so
+``sampler: uniform`` (the default) is refused unless ``privacy.amplification: none``, which accounts every
+round with q = 1 (no amplification: always valid, more epsilon). A fixed set of clients or a fixed schedule
+gets q = 1. A sampler that chooses by the clients' losses would leak them through who takes part: refused.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from fedweave.config import ConfigError, PrivacyConfig
+from fedweave.privacy.accountant import Accountant, calibrate
+from fedweave.privacy.mechanism import UserDP
+from fedweave.privacy.sample import AccountedTrainer, SampleDP, sample_rates
+
+NO_AMPLIFICATION = ("fixed", "schedule")  # the samplers whose clients are known in advance: q = 1
+
+
+def sampling(
+    cfg: PrivacyConfig, sampler: Any, per_round: int, num_clients: int, amplify: bool = True
+) -> tuple[float, int]:
+    """The sampling rate q the accountant is told and E, the expected number of clients of a round; a sampler
+    that does not match the accountant's proof is one ConfigError. ``amplify`` False (local DP, whose messages
+    the server sees with their senders): q = 1 whatever the sampler."""
+    name = sampler.name
+    if sampler.reads_context:
+        raise ConfigError(
+            f"privacy: sampler {name!r} chooses clients by their losses, which would leak through who takes part; "
+            "use sampler: bernoulli"
+        )
+    expected = per_round
+    if name == "fixed":
+        chosen = sampler.options.get("clients", 0)
+        expected = len(chosen) if isinstance(chosen, list) else (chosen or per_round)
+    if not amplify or cfg.amplification == "none" or name in NO_AMPLIFICATION:
+        return 1.0, expected
+    if name == "bernoulli":
+        return per_round / num_clients, expected
+    raise ConfigError(
+        f"privacy: sampler {name!r} draws a fixed-size sample, for which Opacus's accountants (Poisson "
+        "subsampling) give no bound; use sampler: bernoulli (accounted with q = clients_per_round / N) or "
+        "privacy.amplification: none (accounted with q = 1)"
+    )
+
+
+def make_privacy(algo: Any, per_round: int | None = None, num_clients: int | None = None) -> UserDP | SampleDP | None:
+    """The DP stages of a server-based algorithm from the run's ``privacy`` section (None without one); a
+    method, sampler or setting the proof does not cover is one ConfigError naming ``privacy``. ``per_round``
+    and ``num_clients``: the clients a round samples and the population (default: the star's
+    ``clients_per_round`` and the partition's clients)."""
+    cfg: PrivacyConfig | None = algo.config.privacy
+    if cfg is None:
+        return None
+    name = algo.config.algorithm.name
+    if algo.dp_refusal:
+        raise ConfigError(f"privacy: algorithm {name!r} is refused: {algo.dp_refusal}")
+    if cfg.level == "user" and algo.config.algorithm.options.get("weighting") == "samples":
+        raise ConfigError(
+            "privacy: algorithm.weighting: samples would weigh a client by its data size, which DP-FedAvg's bound "
+            "does not cover; leave it out (each client counts 1/E, E the expected clients per round)"
+        )
+    if getattr(algo.hp, "server_data", "none") == "client":
+        raise ConfigError(
+            "privacy: algorithm.server_data: client trains the server's share as one more client, outside the "
+            "per-user bound; leave it at none"
+        )
+    ctx = algo.ctx
+    per_round = algo.hp.clients_per_round if per_round is None else per_round
+    population = ctx.num_clients if num_clients is None else num_clients
+    q, expected = sampling(cfg, algo.sampler, per_round, population, amplify=cfg.mechanism != "local")
+    accountant = Accountant(cfg.accountant, cfg.delta)
+    if cfg.level == "sample":
+        if algo.family != "centralized":
+            raise ConfigError(
+                f"privacy.level: sample is not supported in the {algo.family} family yet; use level: user"
+            )
+        return _sample_level(algo, cfg, accountant)
+    count_noise = cfg.count_noise if cfg.count_noise is not None else expected / 20  # Andrew et al.: m / 20
+    z = cfg.noise_multiplier
+    if z == "auto":  # the accounted multiplier that spends target_epsilon in the planned rounds
+        local = cfg.mechanism == "local"
+        z = calibrate(cfg.accountant, cfg.target_epsilon, cfg.delta, 1.0 if local else q, algo.config.rounds)
+        z = 2 * z if local else z  # local DP is accounted with z / 2 (sensitivity 2C)
+    if cfg.adaptive and z and not 2 * count_noise > z:
+        raise ConfigError(
+            f"privacy.count_noise ({count_noise:g}) must exceed noise_multiplier / 2 ({z / 2:g}): adaptive clipping "
+            "spends part of the noise on the count (Andrew et al. 2021, Theorem 1)"
+        )
+    dp = UserDP(
+        mechanism=cfg.mechanism,
+        clip=cfg.clip,
+        z=z,
+        expected=expected,
+        sample_rate=q,
+        seeds=ctx.seeds,
+        accountant=accountant,
+        numels=list(algo.layout.numels) if cfg.per_layer else None,
+        adaptive=cfg.adaptive,
+        target_quantile=cfg.target_quantile,
+        clip_lr=cfg.clip_lr,
+        count_noise=count_noise,
+    )
+    _check_first_release(cfg, dp)
+    return dp
+
+
+def graph_privacy(algo: Any) -> SampleDP | None:
+    """The ``privacy`` section in the decentralized family, which has no server to clip or noise at: sample-level
+    DP-SGD at every client (AFIND+'s DP rule, ``dp_mode: sgd``), accounted per client. The algorithm's own
+    ``dp_sigma``/``dp_clip``, when set, must be the section's: one noise, accounted once."""
+    cfg: PrivacyConfig | None = algo.config.privacy
+    if cfg is None:
+        return None
+    hp = algo.hp
+    if cfg.level != "sample":
+        raise ConfigError(
+            "privacy: the decentralized family has no server to clip and noise the clients' updates; use "
+            "privacy.level: sample (DP-SGD at every client)"
+        )
+    if hp.dp_sigma and hp.dp_mode != "sgd":
+        raise ConfigError(
+            f"privacy: algorithm.dp_mode: {hp.dp_mode} noises the exchanged models, which no accountant here covers; "
+            "use dp_mode: sgd"
+        )
+    if hp.dp_sigma and (cfg.noise_multiplier, cfg.clip) != (hp.dp_sigma, hp.dp_clip):
+        raise ConfigError(
+            f"privacy: algorithm.dp_sigma/dp_clip ({hp.dp_sigma:g}/{hp.dp_clip:g}) differ from "
+            f"privacy.noise_multiplier/"
+            f"clip ({cfg.noise_multiplier}/{cfg.clip:g}); set the noise once (privacy.*, which is accounted)"
+        )
+    return _sample_level(algo, cfg, Accountant(cfg.accountant, cfg.delta))
+
+
+def _sample_level(algo: Any, cfg: PrivacyConfig, accountant: Accountant) -> SampleDP:
+    """DP-SGD at every client: the algorithm's trainer becomes a private one that counts steps."""
+    if getattr(algo.hp, "sam_rho", 0) or algo.config.algorithm.name == "fedsam":
+        raise ConfigError(
+            f"privacy.level: sample with algorithm {algo.config.algorithm.name!r}: its SAM step takes two gradients "
+            "per local step, which the accountant (one noisy gradient per step) does not count"
+        )
+    local = algo.config.local
+    sizes = [len(p) for p in algo.ctx.partition]
+    rates = sample_rates(sizes, local.batch_size, local.full_batch)
+    z = cfg.noise_multiplier
+    if z == "auto":  # as if one client had the most steps and the largest rate (an upper bound for each)
+        steps = max(algo.trainer.num_steps(c) for c in range(algo.ctx.num_clients)) * algo.config.rounds
+        z = calibrate(cfg.accountant, cfg.target_epsilon, cfg.delta, float(rates.max()), steps)
+    trainer = AccountedTrainer.of(algo.trainer, cfg.clip, z)
+    trainer.steps_done = np.zeros(algo.ctx.num_clients, dtype=np.int64)
+    trainer.steps_per_round = max(trainer.num_steps(c) for c in range(algo.ctx.num_clients))
+    algo.trainer = trainer
+    dp = SampleDP(trainer, z, rates, accountant)
+    _check_first_release(cfg, dp)
+    return dp
+
+
+def _check_first_release(cfg: PrivacyConfig, dp: UserDP | SampleDP) -> None:
+    """A target epsilon that the first round alone exceeds is a configuration error, not a run of no rounds."""
+    if cfg.target_epsilon is None:
+        return
+    first = dp.epsilon_after_next()
+    if first > cfg.target_epsilon:
+        shown = "inf (no noise)" if math.isinf(first) else f"{first:.4g}"
+        raise ConfigError(
+            f"privacy.target_epsilon ({cfg.target_epsilon:g}) is exceeded by the first round alone (epsilon {shown}); "
+            "raise privacy.noise_multiplier or use noise_multiplier: auto"
+        )

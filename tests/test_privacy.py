@@ -1,0 +1,487 @@
+"""Differential privacy (fedweave.privacy; docs/privacy.md): DP-FedAvg's clipping and noise, the accountants,
+sampling that matches the proof, adaptive clipping, local DP, sample-level DP-SGD, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.config import ConfigError, load
+from fedweave.runner import run
+from fedweave.seeding import Seeds
+
+# the accountants are Opacus's (fedweave[privacy]); `make test` installs it and fails at start without it
+pytest.importorskip("opacus", reason="opacus is not installed (pip install 'fedweave[privacy]')")
+
+
+def _cfg(toy_config: dict, privacy: dict | None = None, **top) -> dict:
+    cfg = {**toy_config, "rounds": 3, **top}
+    if privacy is not None:
+        cfg["privacy"] = privacy
+    return cfg
+
+
+def _built(cfg: dict):
+    return build_algorithm(RunContext(load(cfg)))
+
+
+def _rounds(algo, n: int) -> torch.Tensor:
+    for r in range(n):
+        algo.run_round(r)
+    return getattr(algo, "x", None)
+
+
+def _opacus_epsilon(accountant: str, sigma: float, q: float, steps: int, delta: float) -> float:
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    acc = RDPAccountant() if accountant == "rdp" else PRVAccountant()
+    acc.history = [(sigma, q, steps)]
+    return acc.get_epsilon(delta=delta)
+
+
+def _user_dp(z: float = 1.0, clip: float = 1.0, expected: int = 5, **kw):
+    from fedweave.privacy import Accountant, UserDP
+
+    return UserDP(mechanism=kw.pop("mechanism", "central"), clip=clip, z=z, expected=expected, sample_rate=0.1,
+                  seeds=Seeds(0), accountant=Accountant("rdp", 1e-5), **kw)  # fmt: skip
+
+
+# ---- 1. DP-FedAvg -------------------------------------------------------------------------------
+def test_without_privacy_the_config_records_no_privacy_key(toy_config):
+    assert "privacy" not in load(toy_config).to_dict()
+    assert _built(toy_config).privacy is None
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedadam", "fedavgm"])
+def test_no_noise_and_a_huge_clip_is_the_method_bit_for_bit(toy_config, name):
+    algorithm = {"name": name, "clients_per_round": 4, "weighting": "uniform"}
+    plain = _rounds(_built(_cfg(toy_config, algorithm=algorithm)), 3)
+    private = _built(_cfg(toy_config, {"noise_multiplier": 0.0, "clip": 1e30, "amplification": "none"},
+                          algorithm=algorithm))  # fmt: skip
+    assert private.privacy is not None
+    assert torch.equal(_rounds(private, 3), plain)
+
+
+def test_noise_moves_the_model(toy_config):
+    algorithm = {"name": "fedavg", "clients_per_round": 4, "weighting": "uniform"}
+    plain = _rounds(_built(_cfg(toy_config, algorithm=algorithm)), 2)
+    noisy = _rounds(
+        _built(_cfg(toy_config, {"noise_multiplier": 1.0, "amplification": "none"}, algorithm=algorithm)), 2
+    )
+    assert not torch.allclose(noisy, plain)
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_clipped_norms_never_exceed_the_clip(per_layer):
+    g = torch.Generator().manual_seed(0)
+    scale = torch.logspace(-3, 3, 40).unsqueeze(1)
+    updates = torch.randn(40, 30, generator=g, dtype=torch.float64) * scale
+    numels = [10, 5, 15]
+    dp = _user_dp(clip=0.7, numels=numels if per_layer else None)
+    out, weights = dp.clip(updates, torch.full((40,), 1 / 40, dtype=torch.float64))
+    assert (out.norm(dim=1) <= 0.7 * (1 + 1e-12)).all()
+    small = updates.norm(dim=1) <= (0.7 / math.sqrt(3) if per_layer else 0.7) * 0.999
+    assert small.any() and torch.equal(out[small], updates[small])  # within the bound: untouched
+    if per_layer:
+        for part in out.split(numels, dim=1):
+            assert (part.norm(dim=1) <= 0.7 / math.sqrt(3) * (1 + 1e-12)).all()
+    assert torch.equal(weights, torch.full((40,), 1 / 5, dtype=torch.float64))  # 1/E, not 1/reporting
+
+
+def test_the_noise_std_is_sigma_clip_over_the_expected_clients():
+    dp = _user_dp(z=1.3, clip=0.5, expected=8)
+    zero = torch.zeros(500, dtype=torch.float64)
+    draws = torch.stack([dp.noise(zero) for _ in range(400)])
+    want = 1.3 * 0.5 / 8
+    assert abs(draws.std().item() / want - 1) < 0.01  # 200,000 draws: the std's relative error is ~0.16 %
+    assert abs(draws.mean().item()) < 4 * want / math.sqrt(draws.numel())
+    assert dp.releases == 400
+
+
+def test_local_dp_noises_each_client_and_not_the_sum():
+    dp = _user_dp(z=2.0, clip=1.0, expected=4, mechanism="local")
+    updates = torch.zeros(4000, 50, dtype=torch.float64)
+    out, _ = dp.clip(updates, torch.full((4000,), 1 / 4000, dtype=torch.float64))
+    assert abs(out.std().item() / 2.0 - 1) < 0.01  # sigma * C at each client
+    mean = torch.zeros(50, dtype=torch.float64)
+    assert torch.equal(dp.noise(mean), mean)
+
+
+# ---- 2. accounting ------------------------------------------------------------------------------
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+def test_epsilon_of_a_poisson_sampled_run_is_opacus_called_directly(toy_config, tmp_path, accountant):
+    privacy = {"noise_multiplier": 1.1, "accountant": accountant, "delta": 1e-4}
+    res = run(load(_cfg(toy_config, privacy, sampler="bernoulli")), run_dir=tmp_path / "r")
+    want = [_opacus_epsilon(accountant, 1.1, 4 / 12, t, 1e-4) for t in (1, 2, 3)]
+    assert [row["epsilon"] for row in res.metrics] == want
+    s = res.summary["privacy"]
+    assert s["epsilon"] == want[-1] and s["sample_rate"] == 4 / 12 and s["releases"] == 3 and s["delta"] == 1e-4
+    assert res.summary["final"]["epsilon"] == want[-1]
+    assert "epsilon" in (tmp_path / "r" / "metrics.csv").read_text().splitlines()[0]
+
+
+def test_a_fixed_size_sample_is_accounted_without_amplification_when_asked(toy_config, tmp_path):
+    res = run(load(_cfg(toy_config, {"noise_multiplier": 2.0, "amplification": "none"})), run_dir=tmp_path / "r")
+    assert res.summary["privacy"]["epsilon"] == _opacus_epsilon("rdp", 2.0, 1.0, 3, 1e-5)
+
+
+def test_fixed_clients_get_no_amplification(toy_config):
+    algo = _built(_cfg(toy_config, {"noise_multiplier": 2.0}, sampler={"name": "fixed", "clients": [1, 2, 5]}))
+    assert algo.privacy.sample_rate == 1.0 and algo.privacy.expected == 3
+
+
+def test_the_target_epsilon_stops_the_run_before_it_is_exceeded(toy_config, tmp_path):
+    privacy = {"noise_multiplier": 1.0, "target_epsilon": 5.0}
+    res = run(load(_cfg(toy_config, privacy, sampler="bernoulli", rounds=10)), run_dir=tmp_path / "r")
+    eps = [row["epsilon"] for row in res.metrics]
+    assert res.summary["rounds"] < 10 and eps[-1] <= 5.0
+    assert _opacus_epsilon("rdp", 1.0, 4 / 12, res.summary["rounds"] + 1, 1e-5) > 5.0
+    assert res.summary["stopped_early"].startswith("privacy budget: one more round would spend epsilon")
+
+
+def test_noise_multiplier_auto_spends_the_target_in_the_planned_rounds(toy_config):
+    algo = _built(_cfg(toy_config, {"noise_multiplier": "auto", "target_epsilon": 2.0}, sampler="bernoulli", rounds=20))
+    eps = _opacus_epsilon("rdp", algo.privacy.z, 4 / 12, 20, 1e-5)
+    assert 1.95 <= eps <= 2.0
+
+
+def test_the_accountant_resumes_from_its_state(toy_config):
+    a = _built(_cfg(toy_config, {"noise_multiplier": 1.0, "adaptive": True, "count_noise": 2.0}, sampler="bernoulli"))
+    _rounds(a, 2)
+    b = _built(_cfg(toy_config, {"noise_multiplier": 1.0, "adaptive": True, "count_noise": 2.0}, sampler="bernoulli"))
+    b.load_state_dict(a.state_dict())
+    assert b.privacy.releases == 2 and b.privacy.clip_norm == a.privacy.clip_norm != 1.0
+    assert b.privacy.epsilon() == a.privacy.epsilon() > 0
+
+
+# ---- 3. refusals: one line naming privacy -------------------------------------------------------
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({}, "sampler 'uniform' draws a fixed-size sample"),
+        ({"algorithm": {"name": "scaffold", "clients_per_round": 4}, "sampler": "bernoulli"}, "algorithm 'scaffold'"),
+        ({"algorithm": {"name": "feddyn", "clients_per_round": 4}, "sampler": "bernoulli"}, "algorithm 'feddyn'"),
+        (
+            {"algorithm": {"name": "fedavg", "clients_per_round": 4, "weighting": "samples"}, "sampler": "bernoulli"},
+            "algorithm.weighting: samples",
+        ),
+        (
+            {"sampler": "bernoulli", "privacy": {"noise_multiplier": 0.1, "target_epsilon": 1.0}},
+            "exceeded by the first round alone",
+        ),
+        ({"sampler": "bernoulli", "privacy": {"adaptive": True, "count_noise": 0.4}}, "privacy.count_noise (0.4)"),
+        ({"sampler": {"name": "power_of_choice"}}, "chooses clients by their losses"),
+    ],
+)
+def test_what_the_proof_does_not_cover_is_refused_with_one_line(toy_config, change, words):
+    from fedweave.registry import SAMPLERS
+
+    if change.get("sampler") == {"name": "power_of_choice"} and "power_of_choice" not in SAMPLERS:
+
+        @SAMPLERS.register("power_of_choice")
+        def power_of_choice(num_clients, per_round, r, rng, *, rounds, context):  # a sampler that reads losses
+            return np.sort(rng.choice(num_clients, per_round, replace=False))
+
+    cfg = _cfg(toy_config, {"noise_multiplier": 1.0})
+    cfg.update({k: v for k, v in change.items()})
+    with pytest.raises(ConfigError) as e:
+        _built(cfg)
+    msg = str(e.value)
+    assert "privacy" in msg and words in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    ("privacy", "words"),
+    [
+        ({"noise_multiplier": "auto"}, "privacy.noise_multiplier: auto"),
+        ({"accountant": "gdp"}, "privacy.accountant must be one of prv, rdp"),
+        ({"delta": 1.5}, "privacy.delta"),
+        ({"level": "sample", "adaptive": True}, "privacy.adaptive applies to privacy.level: user"),
+        ({"clip": 0}, "privacy.clip"),
+    ],
+)
+def test_bad_privacy_values_are_one_line(toy_config, privacy, words):
+    with pytest.raises(ConfigError, match=None) as e:
+        load(_cfg(toy_config, privacy))
+    assert words in str(e.value)
+
+
+@pytest.mark.parametrize(("name", "family"), [("cse_fsl", "split"), ("cfl_admm", "confederated")])
+def test_another_family_is_refused_with_one_line(toy_config, name, family):
+    cfg = _cfg(toy_config, {"noise_multiplier": 1.0}, algorithm={"name": name})
+    with pytest.raises(ConfigError, match=rf"^privacy: the {family} family is not supported yet"):
+        _built(cfg)
+
+
+# ---- 4. adaptive clipping -----------------------------------------------------------------------
+@pytest.mark.parametrize("gamma", [0.3, 0.5, 0.8])
+def test_adaptive_clipping_tracks_the_target_quantile_of_the_norms(gamma):
+    from statistics import NormalDist
+
+    mu, s = 0.5, 0.6  # update norms ~ lognormal(mu, s): the gamma-quantile is exp(mu + s Phi^-1(gamma))
+    want = math.exp(mu + s * NormalDist().inv_cdf(gamma))
+    dp = _user_dp(z=0.0, clip=0.1, expected=100, adaptive=True, target_quantile=gamma, clip_lr=0.2, count_noise=1.0)
+    g = torch.Generator().manual_seed(1)
+    clips = []
+    for _ in range(400):
+        direction = torch.nn.functional.normalize(torch.randn(100, 8, generator=g, dtype=torch.float64), dim=1)
+        norms = torch.exp(mu + s * torch.randn(100, 1, generator=g, dtype=torch.float64))
+        updates, weights = dp.clip(direction * norms, torch.full((100,), 0.01, dtype=torch.float64))
+        dp.noise(weights @ updates)
+        clips.append(dp.clip_norm)
+    assert abs(np.mean(clips[-200:]) / want - 1) < 0.05  # from C = 0.1, far below: it climbs and stays
+
+
+def test_adaptive_clipping_accounts_the_count_noise_by_theorem_1():
+    dp = _user_dp(z=1.0, adaptive=True, count_noise=5.0)
+    # z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2 (Andrew et al. 2021, Sec. 3); the pair is accounted as z
+    assert dp.z_update == pytest.approx((1.0 - 1 / 100) ** -0.5, rel=1e-15)
+    updates, weights = dp.clip(torch.ones(2, 3, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+    dp.noise(weights @ updates)
+    assert dp.accountant.history == [(1.0, 0.1, 1)]
+
+
+def test_a_private_run_with_adaptive_clipping_records_its_clip(toy_config, tmp_path):
+    privacy = {"noise_multiplier": 1.0, "adaptive": True, "count_noise": 2.0}
+    res = run(load(_cfg(toy_config, privacy, sampler="bernoulli")), run_dir=tmp_path / "r")
+    clips = [row["dp_clip"] for row in res.metrics]
+    assert len(set(clips)) == 3 and res.summary["privacy"]["clip"] == clips[-1]
+
+
+# ---- 5. local DP --------------------------------------------------------------------------------
+def test_local_dp_is_accounted_per_client_with_sensitivity_2c(toy_config, tmp_path):
+    privacy = {"mechanism": "local", "noise_multiplier": 4.0}
+    res = run(load(_cfg(toy_config, privacy, sampler="bernoulli")), run_dir=tmp_path / "r")
+    # a client in every round, its message the Gaussian mechanism with sensitivity 2C: z / 2, no amplification
+    assert res.summary["privacy"]["epsilon"] == _opacus_epsilon("rdp", 2.0, 1.0, 3, 1e-5)
+    # no amplification, so the fixed-size default sampler is as good as any
+    assert _built(_cfg(toy_config, privacy)).privacy.sample_rate == 1.0
+
+
+# ---- 6. sample-level DP-SGD ---------------------------------------------------------------------
+def test_dpsgd_per_sample_gradients_equal_a_loop_over_single_samples():
+    from fedweave.execution.dpsgd import DPSGD
+    from fedweave.execution.params import ParamLayout
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    layout = ParamLayout(model.double())
+    dp = DPSGD(layout, 1.0, 0.0, Seeds(0), 0, [0])
+    v = layout.flatten()
+    x, y = torch.randn(7, 1, 3, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+    grads, losses = dp.per_sample(v, x, y)
+    for b in range(7):
+        w = v.clone().requires_grad_(True)
+        loss = torch.nn.functional.cross_entropy(layout.functional(w, x[b : b + 1]), y[b : b + 1])
+        (g,) = torch.autograd.grad(loss, w)
+        torch.testing.assert_close(grads[b], g, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(losses[b], loss.detach(), rtol=1e-12, atol=1e-14)
+
+
+def _sample_level(toy_config, backend: str) -> dict:
+    privacy = {"level": "sample", "noise_multiplier": 1.5, "clip": 0.5}
+    return _cfg(toy_config, privacy, sampler="bernoulli", backend=backend, precision="float64")
+
+
+def test_sample_level_dpsgd_loop_and_vmap_agree(toy_config):
+    a, b = _built(_sample_level(toy_config, "loop")), _built(_sample_level(toy_config, "vmap"))
+    torch.testing.assert_close(_rounds(a, 2), _rounds(b, 2), rtol=1e-10, atol=1e-12)
+    assert (a.privacy.trainer.steps_done == b.privacy.trainer.steps_done).all()
+
+
+def test_sample_level_epsilon_is_opacus_per_client_at_rate_batch_over_size(toy_config, tmp_path):
+    res = run(load(_sample_level(toy_config, "loop")), run_dir=tmp_path / "r")
+    algo = res.algorithm
+    sizes = np.array([len(p) for p in algo.ctx.partition])
+    steps = algo.privacy.trainer.steps_done
+    want = max(_opacus_epsilon("rdp", 1.5, min(1.0, 16 / n), int(s), 1e-5) for n, s in zip(sizes, steps) if s)
+    assert res.summary["privacy"]["epsilon"] == want and res.summary["privacy"]["level"] == "sample"
+    plain = _built(_cfg(toy_config, sampler="bernoulli"))
+    _rounds(plain, 3)
+    # the steps the accountant is told are the local steps the clients did: ceil(n_i / B) per epoch and round
+    took = np.zeros(len(sizes), dtype=np.int64)
+    for r in range(3):
+        for c in plain.sampler(r):
+            took[c] += plain.trainer.num_steps(int(c))
+    assert (steps == took).all()
+
+
+def test_the_sam_methods_are_refused_at_sample_level(toy_config):
+    cfg = _cfg(
+        toy_config, {"level": "sample"}, sampler="bernoulli", algorithm={"name": "fedsam", "clients_per_round": 4}
+    )
+    with pytest.raises(ConfigError, match=r"^privacy.level: sample with algorithm 'fedsam'"):
+        _built(cfg)
+
+
+# ---- outputs ------------------------------------------------------------------------------------
+def test_the_report_and_the_list_show_privacy(toy_config, tmp_path, capsys):
+    from fedweave.cli import main
+    from fedweave.experiments.report import build_report
+
+    run(load(_cfg(toy_config, {"noise_multiplier": 1.0}, sampler="bernoulli")), run_dir=tmp_path / "r")
+    page = build_report([tmp_path / "r"])
+    assert "<th>epsilon</th>" in page and "<th>delta</th>" in page
+    assert "test_accuracy_vs_epsilon.png" in page and "epsilon_vs_rounds.png" in page
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "privacy mechanisms: adaptive, central, dpsgd, local" in out and "privacy accountants: prv, rdp" in out
+
+
+def _dfl(toy_config, algorithm: dict, privacy: dict | None) -> dict:
+    algo = {"name": "dfedavg", "topology": "random_regular", "degree": 3, "neighbours": 3, **algorithm}
+    return _cfg(toy_config, privacy, algorithm=algo, rounds=2, precision="float64")
+
+
+def test_the_decentralized_dpsgd_rule_reports_its_epsilon_and_trains_as_before(toy_config, tmp_path):
+    dp = {"dp_sigma": 1.2, "dp_clip": 0.8}
+    before = _built(_dfl(toy_config, dp, None))
+    _rounds(before, 2)
+    assert before.privacy is None
+    res = run(load(_dfl(toy_config, dp, {"level": "sample", "noise_multiplier": 1.2, "clip": 0.8})),
+              run_dir=tmp_path / "r")  # fmt: skip
+    assert torch.equal(res.algorithm.W, before.W)  # the same DP-SGD, now accounted
+    sizes = np.array([len(p) for p in res.algorithm.ctx.partition])
+    steps = res.algorithm.privacy.trainer.steps_done
+    assert (steps > 0).all()
+    want = max(_opacus_epsilon("rdp", 1.2, min(1.0, 16 / n), int(s), 1e-5) for n, s in zip(sizes, steps))
+    assert res.summary["privacy"]["epsilon"] == want == res.metrics[-1]["epsilon"]
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "privacy", "words"),
+    [
+        ({}, {"noise_multiplier": 1.0}, "use privacy.level: sample"),
+        ({"dp_sigma": 1.0}, {"level": "sample", "noise_multiplier": 2.0}, "set the noise once"),
+        ({"dp_sigma": 1.0, "dp_mode": "exchange", "mixing": "sampled"}, {"level": "sample"}, "dp_mode: exchange"),
+    ],
+)
+def test_the_decentralized_family_refuses_what_it_cannot_account(toy_config, algorithm, privacy, words):
+    with pytest.raises(ConfigError) as e:
+        _built(_dfl(toy_config, algorithm, privacy))
+    assert str(e.value).startswith("privacy: ") and words in str(e.value)
+
+
+def test_the_docs_table_is_generated_from_the_committed_records():
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("privacy_bench", root / "benchmarks" / "privacy.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    records = json.loads(bench.RECORDS.read_text())
+    assert len(records) == len(bench.POINTS) * len(bench.SEEDS)
+    text = bench.DOCS.read_text()
+    assert bench.docs_with_table(text, records) == text  # the page holds exactly the table of the records
+    assert bench.table(records) in text
+
+
+def test_a_resumed_private_run_continues_the_accountant_and_the_adaptive_clip(toy_config, tmp_path):
+    from fedweave.runner import resume
+
+    privacy = {"noise_multiplier": 1.0, "adaptive": True, "count_noise": 2.0}
+    whole = run(load(_cfg(toy_config, privacy, sampler="bernoulli", rounds=4)), run_dir=tmp_path / "whole")
+    cfg = _cfg(toy_config, privacy, sampler="bernoulli", rounds=2)
+    cfg["output"] = {**cfg["output"], "checkpoint_every": 1}
+    run(load(cfg), run_dir=tmp_path / "part")
+    res = resume(tmp_path / "part", ["rounds=4"])
+    assert [r["epsilon"] for r in res.metrics] == [r["epsilon"] for r in whole.metrics]
+    assert [r["dp_clip"] for r in res.metrics] == [r["dp_clip"] for r in whole.metrics]
+    assert torch.equal(res.algorithm.x, whole.algorithm.x)
+
+
+# ---- the hierarchical family's client step ------------------------------------------------------
+def _hier(toy_config, privacy: dict | None, **algo) -> dict:
+    cfg = _cfg(toy_config, privacy, precision="float64", sampler="bernoulli")
+    cfg["partition"] = {"name": "iid", "num_clients": 12}
+    cfg["algorithm"] = {"name": "hier_fedavg", "tau": 2, "participation": 0.5, **algo}
+    return cfg
+
+
+def test_hierarchical_dp_fedavg_without_noise_is_the_plain_mean_of_the_clients_models(toy_config):
+    a = _built(_hier(toy_config, {"noise_multiplier": 0.0, "clip": 1e30}))
+    b = _built(_hier(toy_config, None))
+    assert a.privacy.sample_rate == 0.5 and a.privacy.expected == 6
+    for r in range(2):
+        clients = a.sample_clients(r)
+        x = a.x.clone()
+        a.run_round(r)
+        b.run_round(r)
+        models = b.trainer.train(x, clients, r, lr=b.local_lr(), steps=b.round_steps(r)).params
+        torch.testing.assert_close(a.x, x + (models - x).sum(0) / 6, rtol=1e-12, atol=1e-14)
+
+
+def test_hierarchical_dp_fedavg_is_accounted_and_clipped(toy_config, tmp_path):
+    res = run(load(_hier(toy_config, {"noise_multiplier": 1.3, "clip": 0.2})), run_dir=tmp_path / "r")
+    assert res.summary["privacy"]["epsilon"] == _opacus_epsilon("rdp", 1.3, 0.5, 3, 1e-5)
+    assert (res.algorithm.privacy.last_norms > 0.2).any()  # the clip bound the updates
+
+
+@pytest.mark.parametrize(
+    ("algo", "words"),
+    [
+        ({"name": "hier_scaffold"}, "algorithm 'hier_scaffold' is refused"),
+        ({"name": "zo_hfl", "server_batch_size": 16}, "algorithm 'zo_hfl' is refused"),
+        ({"server_data": "client"}, "algorithm.server_data: client"),
+    ],
+)
+def test_the_hierarchical_family_refuses_what_the_proof_does_not_cover(toy_config, algo, words):
+    with pytest.raises(ConfigError) as e:
+        _built(_hier(toy_config, {"noise_multiplier": 1.0}, **algo))
+    assert str(e.value).startswith("privacy") and words in str(e.value)
+
+
+def test_without_opacus_a_private_run_is_one_line_naming_the_extra(toy_config, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "opacus", None)  # import opacus now raises ImportError
+    with pytest.raises(ConfigError, match=r"^privacy: the accountants need Opacus.*pip install 'fedweave\[privacy\]'"):
+        _built(_cfg(toy_config, {"noise_multiplier": 1.0}, sampler="bernoulli"))
+
+
+def test_the_command_line_says_what_a_private_run_spent_and_why_it_stopped(toy_config, tmp_path, capsys):
+    import yaml
+
+    from fedweave.cli import main
+
+    cfg = _cfg(toy_config, {"noise_multiplier": 1.0, "target_epsilon": 5.0}, sampler="bernoulli", rounds=10)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "r")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    eps = json.loads((tmp_path / "r" / "summary.json").read_text())["privacy"]["epsilon"]
+    assert f"privacy: epsilon {eps:.4g} at delta 1e-05 (rdp accountant)" in lines
+    assert any(line.startswith("stopped early: privacy budget: one more round") for line in lines)
+
+
+def test_per_layer_clipping_runs_and_bounds_each_layer(toy_config):
+    algo = _built(_cfg(toy_config, {"noise_multiplier": 0.0, "clip": 0.05, "per_layer": True}, sampler="bernoulli"))
+    assert algo.privacy.numels == list(algo.layout.numels) and len(algo.layout.numels) == 2  # weight, bias
+    x = algo.x.clone()
+    algo.run_round(0)
+    share = 0.05 / math.sqrt(2)
+    moved = (algo.x - x) * algo.privacy.expected  # the sum of the clipped updates (no noise)
+    reported = len(algo.privacy.last_norms)
+    for part in moved.split(algo.layout.numels):
+        assert part.norm() <= reported * share * (1 + 1e-5)
+    assert (algo.privacy.last_norms > 0.05).all()  # every update was clipped
+
+
+def test_sample_level_auto_calibrates_for_the_client_with_the_most_steps(toy_config):
+    privacy = {"level": "sample", "noise_multiplier": "auto", "target_epsilon": 3.0}
+    algo = _built(_cfg(toy_config, privacy, sampler="bernoulli"))
+    steps = max(algo.trainer.num_steps(c) for c in range(12)) * 3
+    eps = _opacus_epsilon("rdp", algo.privacy.z, float(algo.privacy.rates.max()), steps, 1e-5)
+    assert 2.95 <= eps <= 3.0 and algo.privacy.trainer.dp_sigma == algo.privacy.z
+
+
+def test_algorithm_sampling_bernoulli_is_poisson_sampling_too(toy_config):
+    algorithm = {"name": "fedavg", "clients_per_round": 4, "sampling": "bernoulli"}
+    algo = _built(_cfg(toy_config, {"noise_multiplier": 1.0}, algorithm=algorithm))
+    assert algo.privacy.sample_rate == 4 / 12 and algo.privacy.expected == 4
