@@ -91,7 +91,12 @@ CFL_TIMING = {"ms_per_iteration_wall", "ms_per_iteration_cpu"}
 
 def test_cfl_saga_synthetic_random_graph_cfl_saga_rho_100_seed_0_replays(tmp_path):
     cell = ("synthetic", "random", "CFL-SAGA rho=100", 0)
-    got = replay("cfl-saga", ["--scale", "paper"], lambda j: (j.tag, j.topology, j.method, j.seed) == cell, tmp_path)
+    got = replay(
+        "cfl-saga",
+        ["--scale", "paper"],
+        lambda p: (*(dict(p.values)[k] for k in ("problem", "topology", "method")), p.seed) == cell,
+        tmp_path,
+    )
     raw = json.loads((PAGES / "cfl-saga" / "paper" / "raw.json").read_text(encoding="utf-8"))
     [committed] = [r for r in raw if (r["problem"], r["topology"], r["method"], r["seed"]) == cell]
     for key, want in committed.items():

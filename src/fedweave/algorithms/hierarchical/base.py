@@ -589,8 +589,9 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
             moved, w = self.privacy.clip(updates - self.x, weights)
             return self.x + self.privacy.noise(w @ moved)
         if self.robust is not None:  # the robust aggregator (robustness); None weights: the plain mean
-            w = weights if weights is not None else torch.full((len(updates),), 1 / len(updates), dtype=updates.dtype)
-            return self.robust.aggregate(updates, w.to(updates.device))
+            n = len(updates)
+            w = weights if weights is not None else torch.full((n,), 1 / n, dtype=updates.dtype, device=updates.device)
+            return self.robust.aggregate(updates, w)
         return weights @ updates if weights is not None else updates.mean(0)
 
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:

@@ -77,8 +77,11 @@ def name_mask(layout: ParamLayout, names: set[str] | list[str]) -> torch.Tensor:
     unknown = names - set(layout.names)
     if unknown:
         raise ValueError(f"not parameters of the model: {sorted(unknown)}")
-    parts = [torch.full((n,), name in names, dtype=torch.bool) for name, n in zip(layout.names, layout.numels)]
-    return torch.cat(parts).to(layout.placement.device)
+    dev = layout.placement.device
+    parts = [
+        torch.full((n,), name in names, dtype=torch.bool, device=dev) for name, n in zip(layout.names, layout.numels)
+    ]
+    return torch.cat(parts)
 
 
 def head_names(model: torch.nn.Module, algorithm: str) -> list[str]:
