@@ -24,6 +24,7 @@ from fedweave.byo import RunObjects, describe_model
 from fedweave.config import ConfigError, RunConfig, build_dataclass, check_options
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
+from fedweave.data.partition import Partition
 from fedweave.execution import LocalTrainer, choose_backend
 from fedweave.execution.placement import Placement, resolve_placement
 from fedweave.faults import Faults
@@ -232,8 +233,8 @@ class RunContext:
         return ds
 
     @cached_property
-    def partition(self) -> list[np.ndarray]:
-        """Training-set indices of each client."""
+    def partition(self) -> Partition:
+        """Training-set indices of each client (one index array and offsets: ``len``, ``[i]``, iteration)."""
         ds = self.dataset
         return self.partition_of(ds.train_y.numpy(), users=ds.train_users)
 
@@ -253,7 +254,7 @@ class RunContext:
         ref = train.reshape(len(train), -1)[:, 0] if train.ndim > 1 else train
         return np.unique(np.quantile(ref, np.linspace(0, 1, bins + 1)[1:-1]))
 
-    def partition_of(self, labels: np.ndarray, users: np.ndarray | None = None) -> list[np.ndarray]:
+    def partition_of(self, labels: np.ndarray, users: np.ndarray | None = None) -> Partition:
         """Split samples with these labels over the clients with the configured partitioner
         (indices into ``labels``); the ``partition`` stream makes it deterministic."""
         part = self.config.partition
@@ -282,7 +283,7 @@ class RunContext:
             )
         opts = check_options(fn, opts, "partition", skip=("labels", "num_clients", "rng", "users"))
         with _as_config_error("partition"):
-            return fn(labels, num_clients, self.seeds.numpy("partition"), users=users, **opts)
+            return Partition.of(fn(labels, num_clients, self.seeds.numpy("partition"), users=users, **opts))
 
     @property
     def num_clients(self) -> int:

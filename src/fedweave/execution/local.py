@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fedweave.config import ConfigError, LocalConfig, RayConfig
+from fedweave.data.partition import Partition
 from fedweave.execution.job import (  # noqa: F401  (re-exported: the rule interface algorithms import from here)
     BACKENDS,
     LR,
@@ -101,8 +102,9 @@ class LocalTrainer:
         self.layout = ParamLayout(model, placement)
         self.host_x, self.host_y = train_x, train_y  # as given (the ray backend's object store reads these)
         self.train_x, self.train_y = placement.data(train_x), placement.data(train_y)
-        # sample indices stay on the CPU: the batch plans are drawn there (the same on every device)
-        self.parts = [torch.as_tensor(np.asarray(p), dtype=torch.long, device="cpu") for p in parts]
+        # sample indices stay on the CPU: the batch plans are drawn there (the same on every device); one index
+        # tensor and offsets (a Partition), not a tensor per client: 16 bytes a client at any population
+        self.parts = Partition.of(parts).as_torch()
         self.local = local
         self.seeds = seeds
         self.backend = backend
@@ -112,12 +114,13 @@ class LocalTrainer:
         self.rounds = rounds
         self.loss_fn = loss_fn  # the task's loss (fedweave.tasks): mean over a batch's valid samples
         self.ray = ray or RayConfig()  # the ray backend's cluster and workers
-        small = [i for i, p in enumerate(self.parts) if 0 < len(p) < local.batch_size]
-        if local.steps is not None and not local.full_batch and small:
+        sizes = self.parts.sizes
+        small = np.flatnonzero((sizes > 0) & (sizes < local.batch_size))
+        if local.steps is not None and not local.full_batch and len(small):
             log.warning(
                 "local.batch_size %d exceeds the data of %d client(s) (client %d has %d samples): their batches are "
                 "cut from reshuffled epochs, so rows repeat unevenly; set local.full_batch: true for full-batch steps",
-                local.batch_size, len(small), small[0], len(self.parts[small[0]]),
+                local.batch_size, len(small), small[0], sizes[small[0]],
             )  # fmt: skip
         # Resources shared by shallow copies of this trainer (the ray backend's actors): a copy that only
         # changes ``local`` (e.g. a fine-tuning trainer) reuses them.
@@ -165,19 +168,55 @@ class LocalTrainer:
     def plan(self, clients: Sequence[int], round: int, key: tuple[int, ...], steps: int | None) -> Batches:
         """The batch plan of one call: the local batches of each of ``clients`` in ``round`` (drawn from the
         ``batches`` stream of the round, client and ``key``), padded to the longest job, as index and mask
-        tensors of shape ``(T, K, B)``."""
-        per_job = [self.client_batches(int(c), round, key, steps) for c in clients]
-        T = max((len(b) for b in per_job), default=0)
-        K, B = len(per_job), self.local.batch_size
-        if self.local.full_batch:
-            B = max((len(b[0]) for b in per_job if b), default=1)
-        index = torch.zeros((T, K, B), dtype=torch.long, device="cpu")
-        mask = torch.zeros((T, K, B), dtype=torch.bool, device="cpu")
-        for k, batches in enumerate(per_job):
-            for t, b in enumerate(batches):
-                index[t, k, : len(b)] = b
-                mask[t, k, : len(b)] = True
-        return Batches(index, mask, torch.tensor([len(b) for b in per_job], dtype=torch.long, device="cpu"))
+        tensors of shape ``(T, K, B)``.
+
+        The same batches as :meth:`client_batches` gives job by job, built for the whole call at once: each
+        client's stream draws its permutations (one ``randperm`` per epoch, in the same order as there), and
+        the cutting into batches, the padding and the gather of the sample indices are index arithmetic on
+        ``(T, K, B)`` tensors, with no Python loop over jobs or steps."""
+        K, bs, c = len(clients), self.local.batch_size, np.asarray(clients, dtype=np.int64).reshape(-1)
+        if K == 0:
+            B = 1 if self.local.full_batch else bs
+            empty = torch.zeros(0, dtype=torch.long)
+            return Batches(torch.zeros((0, 0, B), dtype=torch.long), torch.zeros((0, 0, B), dtype=torch.bool), empty)
+        lo = torch.from_numpy(self.parts.offsets[c])  # where each client's indices start in parts.indices
+        n = torch.from_numpy(self.parts.offsets[c + 1]) - lo  # (K,) samples of each job's client
+        fixed = steps if steps is not None else self.local.steps
+        if self.local.full_batch:  # every step sees the client's whole data, in order (no randomness)
+            count = torch.where(n > 0, fixed if fixed is not None else self.local.epochs, 0)
+            B = int(n[count > 0].max()) if bool((count > 0).any()) else 1
+            t, b = torch.arange(int(count.max()))[:, None, None], torch.arange(B)
+            valid = (t < count[:, None]) & (b < n[:, None])
+            source = lo[:, None] + b  # (K, B) positions in parts.indices
+        else:
+            draws, lengths = [], torch.zeros(K, dtype=torch.long)
+            for k in np.flatnonzero(n.numpy() > 0):  # the random draws: one stream per client, as before
+                nk = int(n[k])
+                perms = self.local.epochs if fixed is None else -(-fixed * bs // nk)  # epochs, or enough for fixed
+                g = self.seeds.torch("batches", round, int(c[k]), *key)
+                draws.extend(torch.randperm(nk, generator=g, device="cpu") for _ in range(perms))
+                lengths[k] = perms * nk
+            stream = torch.cat(draws) if draws else torch.zeros(0, dtype=torch.long)  # each job's permutations
+            start = torch.cumsum(lengths, 0) - lengths  # of job k in ``stream``
+            if fixed is None:  # epochs: an epoch is ceil(n / bs) batches, the last one partial
+                per_epoch = -(-n // bs)
+                count = self.local.epochs * per_epoch
+            else:  # fixed full batches cut from the stream of reshuffled epochs
+                per_epoch, count = None, torch.where(n > 0, fixed, 0)
+            T = int(count.max())
+            t, b = torch.arange(T)[:, None, None], torch.arange(bs)
+            if per_epoch is None:
+                at = t * bs + b  # (T, 1, B) position in the job's stream
+                valid = (t < count[:, None]).expand(T, K, bs)
+            else:
+                e, j = t // per_epoch.clamp_min(1)[:, None], t % per_epoch.clamp_min(1)[:, None]
+                pos = j * bs + b  # (T, K, B) position in epoch e's permutation
+                valid = (t < count[:, None]) & (pos < n[:, None])
+                at = e * n[:, None] + pos
+            at = torch.where(valid, start[:, None] + at, 0)
+            source = lo[:, None] + (stream[at] if len(stream) else torch.zeros_like(at))
+        index = torch.where(valid, self.parts.indices[torch.where(valid, source, 0)], 0)
+        return Batches(index.contiguous(), valid.contiguous(), count.to(torch.long))
 
     def batch_data(
         self, index: torch.Tensor, client: int, round: int, key: tuple[int, ...], gens: dict
