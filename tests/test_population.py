@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 import tracemalloc
 from pathlib import Path
 from unittest import mock
@@ -177,3 +178,14 @@ def test_a_large_partition_costs_8_bytes_a_client_and_8_a_sample_in_the_partitio
     trainer = LocalTrainer(torch.nn.Linear(2, 2), x, y, parts, LocalConfig(steps=1, batch_size=2), Seeds(0))
     assert isinstance(trainer.parts.indices, torch.Tensor)
     assert trainer.parts.indices.data_ptr() == parts.indices.ctypes.data  # the trainer shares the partition's
+
+
+def test_peak_memory_sees_a_transient_allocation_of_the_process_tree():
+    from fedweave.memory import PeakMemory
+
+    with PeakMemory(interval=0.01) as mem:
+        base = mem.peak["rss"]
+        block = torch.ones(96 * 2**20 // 4)  # 96 MB, written (so resident), then freed before the peak is read
+        time.sleep(0.1)
+        del block
+    assert mem.peak["rss"] - base >= 80 * 2**20 and mem.peak["pss"] >= mem.peak["anon"] > 0 and mem.processes >= 1
