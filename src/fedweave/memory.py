@@ -88,6 +88,7 @@ class PeakMemory:
         self.processes = max(self.processes, len(pids))
 
     def start(self) -> PeakMemory:
+        """Start sampling (returns self)."""
         self._thread.start()
         return self
 

@@ -170,10 +170,10 @@ class LocalTrainer:
         ``batches`` stream of the round, client and ``key``), padded to the longest job, as index and mask
         tensors of shape ``(T, K, B)``.
 
-        The same batches as :meth:`client_batches` gives job by job, built for the whole call at once: each
-        client's stream draws its permutations (one ``randperm`` per epoch, in the same order as there), and
-        the cutting into batches, the padding and the gather of the sample indices are index arithmetic on
-        ``(T, K, B)`` tensors, with no Python loop over jobs or steps."""
+        The same batches as :meth:`client_batches` gives job by job, built for the whole call at once: the
+        only loop over the jobs draws each client's permutations from its own stream (one ``randperm`` per
+        epoch, as there: every stream is a generator of its own); cutting them into batches, padding and
+        gathering the sample indices are index arithmetic on ``(T, K, B)`` tensors, with no loop over steps."""
         K, bs, c = len(clients), self.local.batch_size, np.asarray(clients, dtype=np.int64).reshape(-1)
         if K == 0:
             B = 1 if self.local.full_batch else bs
