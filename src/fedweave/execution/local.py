@@ -179,44 +179,47 @@ class LocalTrainer:
             B = 1 if self.local.full_batch else bs
             empty = torch.zeros(0, dtype=torch.long)
             return Batches(torch.zeros((0, 0, B), dtype=torch.long), torch.zeros((0, 0, B), dtype=torch.bool), empty)
-        lo = torch.from_numpy(self.parts.offsets[c])  # where each client's indices start in parts.indices
-        n = torch.from_numpy(self.parts.offsets[c + 1]) - lo  # (K,) samples of each job's client
+        # index arithmetic in numpy: these arrays are small, where a numpy operation costs a fraction of a torch one
+        lo = self.parts.offsets[c]  # where each client's indices start in parts.indices
+        n = self.parts.offsets[c + 1] - lo  # (K,) samples of each job's client
         fixed = steps if steps is not None else self.local.steps
         if self.local.full_batch:  # every step sees the client's whole data, in order (no randomness)
-            count = torch.where(n > 0, fixed if fixed is not None else self.local.epochs, 0)
-            B = int(n[count > 0].max()) if bool((count > 0).any()) else 1
-            t, b = torch.arange(int(count.max()))[:, None, None], torch.arange(B)
+            count = np.where(n > 0, fixed if fixed is not None else self.local.epochs, 0).astype(np.int64)
+            B = int(n[count > 0].max()) if (count > 0).any() else 1
+            t, b = np.arange(int(count.max()))[:, None, None], np.arange(B)
             valid = (t < count[:, None]) & (b < n[:, None])
             source = lo[:, None] + b  # (K, B) positions in parts.indices
         else:
-            draws, lengths = [], torch.zeros(K, dtype=torch.long)
-            for k in np.flatnonzero(n.numpy() > 0):  # the random draws: one stream per client, as before
+            draws, lengths = [], np.zeros(K, dtype=np.int64)
+            for k in np.flatnonzero(n > 0):  # the random draws: one stream per client, as before
                 nk = int(n[k])
                 perms = self.local.epochs if fixed is None else -(-fixed * bs // nk)  # epochs, or enough for fixed
                 g = self.seeds.torch("batches", round, int(c[k]), *key)
                 draws.extend(torch.randperm(nk, generator=g, device="cpu") for _ in range(perms))
                 lengths[k] = perms * nk
-            stream = torch.cat(draws) if draws else torch.zeros(0, dtype=torch.long)  # each job's permutations
-            start = torch.cumsum(lengths, 0) - lengths  # of job k in ``stream``
+            stream = torch.cat(draws).numpy() if draws else np.zeros(0, dtype=np.int64)  # each job's permutations
+            start = np.cumsum(lengths) - lengths  # of job k in ``stream``
             if fixed is None:  # epochs: an epoch is ceil(n / bs) batches, the last one partial
                 per_epoch = -(-n // bs)
                 count = self.local.epochs * per_epoch
             else:  # fixed full batches cut from the stream of reshuffled epochs
-                per_epoch, count = None, torch.where(n > 0, fixed, 0)
+                per_epoch, count = None, np.where(n > 0, fixed, 0).astype(np.int64)
             T = int(count.max())
-            t, b = torch.arange(T)[:, None, None], torch.arange(bs)
+            t, b = np.arange(T)[:, None, None], np.arange(bs)
             if per_epoch is None:
                 at = t * bs + b  # (T, 1, B) position in the job's stream
-                valid = (t < count[:, None]).expand(T, K, bs)
+                valid = np.broadcast_to(t < count[:, None], (T, K, bs))
             else:
-                e, j = t // per_epoch.clamp_min(1)[:, None], t % per_epoch.clamp_min(1)[:, None]
+                e, j = np.divmod(t, np.maximum(per_epoch, 1)[:, None])
                 pos = j * bs + b  # (T, K, B) position in epoch e's permutation
                 valid = (t < count[:, None]) & (pos < n[:, None])
                 at = e * n[:, None] + pos
-            at = torch.where(valid, start[:, None] + at, 0)
-            source = lo[:, None] + (stream[at] if len(stream) else torch.zeros_like(at))
-        index = torch.where(valid, self.parts.indices[torch.where(valid, source, 0)], 0)
-        return Batches(index.contiguous(), valid.contiguous(), count.to(torch.long))
+            at = np.where(valid, start[:, None] + at, 0)
+            source = lo[:, None] + (stream[at] if len(stream) else np.zeros_like(at))
+        valid = np.broadcast_to(valid, np.broadcast_shapes(valid.shape, np.shape(source))).copy()  # writable
+        index = self.parts.indices[torch.from_numpy(np.where(valid, source, 0))]
+        index[~torch.from_numpy(valid)] = 0
+        return Batches(index, torch.from_numpy(valid), torch.from_numpy(count.astype(np.int64)))
 
     def batch_data(
         self, index: torch.Tensor, client: int, round: int, key: tuple[int, ...], gens: dict
