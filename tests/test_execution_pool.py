@@ -131,6 +131,7 @@ def test_the_drivers_ends_of_the_pipes_live_in_the_driver_only(uneven_parts):
     (two such orphans were found holding 0.6 GB each)."""
     tr = _trainer(next(_models()), uneven_parts, "pool", epochs=1, batch_size=16, lr=0.1)
     p = pool(tr, workers=3)
+    tr.train(tr.layout.flatten(), [0, 1, 2, 3], 0)  # every worker has answered: it runs its loop
     for i, conn in enumerate(p.conns):
         inode = os.fstat(conn.fileno()).st_ino
         for pid in p.pids():
