@@ -8,6 +8,11 @@ Workloads (issue targets in brackets):
 For both: [auto within 10% of the best backend]. With 2 or more threads the pool backend (one-thread worker
 processes) runs too; auto picks it for the CNN then.
 
+Memory: the peak of the whole process tree (this process and the pool's workers, sampled every 0.1 s while the
+workload runs: PSS divides the pages the forked workers share with the driver among them, RSS counts them
+once per process), printed per workload, so that a regression shows in the same output as the times. The
+workloads run one after another in this process, so a later one's peak includes what the earlier left.
+
 The hand-written loop is what one would write without a framework: one reused model, torch.optim.SGD,
 the same batch indices, the same start weights; every variant's local updates are first checked against
 it. Every variant runs the same rounds side by side in this process, so the ratios compare like with like.
@@ -28,6 +33,7 @@ import torch
 from fedweave.config import LocalConfig
 from fedweave.data.partition import dirichlet
 from fedweave.execution import LocalTrainer, choose_backend
+from fedweave.memory import PeakMemory
 from fedweave.models import build_model
 from fedweave.registry import DATASETS
 from fedweave.seeding import Seeds
@@ -118,7 +124,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.rounds} rounds")
     for w in args.workload:
-        r = bench(w, args.rounds)
+        with PeakMemory() as mem:
+            r = bench(w, args.rounds)
         hw = r["hand-written"]
         print(f"\n[{w}] seconds per round (local training of the round's clients)")
         for name in ("hand-written", "loop", "vmap", "pool", "auto"):
@@ -129,6 +136,11 @@ def main() -> None:
         print(f"  loop / hand-written = {r['loop'] / hw:.2f}  (target <= 1.15)")
         print(f"  loop / vmap         = {r['loop'] / r['vmap']:.2f}  (logistic target >= 4)")
         print(f"  auto / best backend = {r['auto'] / r['best']:.2f}  (target <= 1.10)")
+        gib = {k: v / 2**30 for k, v in mem.peak.items()}
+        print(
+            f"  peak memory of the process tree ({mem.processes} processes): PSS {gib['pss']:.3f} GB "
+            f"(anonymous {gib['anon']:.3f}), summed RSS {gib['rss']:.3f} GB"
+        )
 
 
 if __name__ == "__main__":

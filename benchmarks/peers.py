@@ -41,6 +41,16 @@ from pathlib import Path
 from fedweave.memory import cpu_seconds, memory, process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a measured child process: this checkout's ``src`` (then the checkout, for
+    ``benchmarks``) ahead of the caller's path, so the child measures this source tree and not whatever
+    ``fedweave`` the environment has installed."""
+    path = [str(ROOT / "src"), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -407,7 +417,7 @@ def launch(name: str, workload: str, rounds: int) -> dict:
     cmd = [sys.executable, __file__, "--child", name, "--workload", workload, "--rounds", str(rounds)]
     launched = time.time()
     cmd += ["--out", str(out), "--launched", repr(launched)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env())
     peak = {"rss": 0, "pss": 0, "anon": 0, "shmem": 0}
     nprocs = 0
     while proc.poll() is None:

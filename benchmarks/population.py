@@ -8,10 +8,18 @@
     (``local.steps`` fixed), median wall time of a round (training and aggregation, no evaluation): the cost
     should follow the clients per round, not the population.
 
+(c) ``--curve``: FedAvg on a population of 1,000 to 10,000,000 clients, each in a fresh process: per population,
+    the process's peak resident memory (VmHWM) and its proportional set size (PSS) after the rounds, the memory
+    the partition and the algorithm add per client, the start-up (partition + building the algorithm) and the
+    median round. Generated in-memory data (not a stand-in for a dataset: only its size matters here): 2 samples
+    of 4 features per client, 10 classes, an IID split, softmax regression, 10 clients per round, 5 local steps
+    of batch 2; 8 bytes a sample of features, 8 of label.
+
 MNIST, IID split (10,000 clients hold 6 images each). Each measurement runs in a fresh process so peaks are
 its own.
 
 Usage: python benchmarks/population.py [--rounds 20] [--clients 10000] [--small 1000] [--threads 1]
+       python benchmarks/population.py --curve 1000 10000 100000 1000000 10000000 [--rounds 20]
 """
 
 from __future__ import annotations
@@ -28,6 +36,14 @@ from pathlib import Path
 from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a measured child process: this checkout's ``src`` (then the checkout, for
+    ``benchmarks``) ahead of the caller's path, so the child measures this source tree and not whatever
+    ``fedweave`` the environment has installed."""
+    path = [str(ROOT / "src"), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def config(algorithm: str, clients: int, rounds: int, threads: int) -> dict:
@@ -117,11 +133,61 @@ def child(kind: str, clients: int, rounds: int, threads: int) -> dict:
     }
 
 
+def pss() -> int:
+    """This process's proportional set size from /proc/self/smaps_rollup, bytes."""
+    line = next(x for x in Path("/proc/self/smaps_rollup").read_text().splitlines() if x.startswith("Pss:"))
+    return int(line.split()[1]) * 1024
+
+
+def child_curve(clients: int, rounds: int, threads: int) -> dict:
+    import numpy as np
+    import torch
+
+    from fedweave.algorithms.base import RunContext, build_algorithm
+    from fedweave.byo import RunObjects, as_dataset
+    from fedweave.config import load
+
+    torch.set_num_threads(threads)
+    g = np.random.default_rng(0)
+    n = 2 * clients
+    x, vx = g.standard_normal((n, 4), dtype=np.float32), g.standard_normal((1000, 4), dtype=np.float32)
+    data = as_dataset((x, g.integers(0, 10, n), vx, g.integers(0, 10, 1000)))
+    del x
+    cfg = config("fedavg", clients, rounds, threads)
+    cfg.update(dataset={"name": "python"}, model={"name": "logistic"}, local={"steps": 5, "batch_size": 2, "lr": 0.05})
+    cfg = load(cfg)
+    data_loaded = proc_status()
+    t0 = time.perf_counter()
+    ctx = RunContext(cfg, RunObjects(dataset=data))
+    _ = ctx.partition
+    t1 = time.perf_counter()
+    partitioned = proc_status()
+    algo = build_algorithm(ctx)
+    t2 = time.perf_counter()
+    built = proc_status()
+    times = []
+    for r in range(rounds):
+        t = time.perf_counter()
+        algo.run_round(r)
+        times.append(time.perf_counter() - t)
+    return {
+        "clients": clients,
+        "data": data_loaded,
+        "partitioned": partitioned,
+        "built": built,
+        "after": proc_status(),
+        "pss": pss(),
+        "partition_s": t1 - t0,
+        "build_s": t2 - t1,
+        "round_times": times,
+    }
+
+
 def launch(kind: str, clients: int, rounds: int, threads: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, __file__, "--child", kind, "--clients", str(clients), "--rounds", str(rounds)]
         cmd += ["--threads", str(threads), "--out", f.name]
-        subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        subprocess.run(cmd, check=True, cwd=ROOT, env=child_env())
         return json.loads(Path(f.name).read_text())
 
 
@@ -135,11 +201,17 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=10000, help="the large population")
     ap.add_argument("--small", type=int, default=1000, help="the small population of (b)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (one is fastest for this small model)")
+    ap.add_argument("--curve", type=int, nargs="+", help="(c) only: these populations (e.g. 1000 ... 10000000)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        Path(args.out).write_text(json.dumps(child(args.child, args.clients, args.rounds, args.threads)))
+        run = child_curve(args.clients, args.rounds, args.threads) if args.child == "curve" else None
+        run = run or child(args.child, args.clients, args.rounds, args.threads)
+        Path(args.out).write_text(json.dumps(run))
+        return
+    if args.curve:
+        curve(args.curve, args.rounds, args.threads)
         return
 
     print(f"load average {os.getloadavg()[0]:.2f}, {args.threads} threads, {args.rounds} rounds")
@@ -164,6 +236,28 @@ def main() -> None:
         med[n] = statistics.median(b["round_times"][1:])
         print(f"  {n:6d} clients: {med[n]:.4f} s per round  (peak RSS {gb(b['after']['VmHWM'])})")
     print(f"  ratio {args.clients} / {args.small} clients: {med[args.clients] / med[args.small]:.3f}")
+
+
+def curve(populations: list[int], rounds: int, threads: int) -> None:
+    print(f"(c) FedAvg, 10 clients per round, {rounds} rounds (median of rounds 2..R, no evaluation), {threads} thread")
+    print(f"    load average {os.getloadavg()[0]:.2f}; generated data: 2 samples of 4 features a client")
+    print(
+        f"  {'clients':>10s}  {'peak RSS':>9s}  {'PSS end':>9s}  {'data':>9s}  {'partition':>9s}  {'B/client':>8s}  "
+        f"{'algorithm':>9s}  {'B/client':>8s}  {'start-up':>8s}  {'per round':>9s}"
+    )
+    for n in populations:
+        try:
+            c = launch("curve", n, rounds, threads)
+        except subprocess.CalledProcessError as e:  # e.g. killed for memory: say so and stop
+            print(f"  {n:10d}  failed ({e}); larger populations not measured")
+            break
+        part = c["partitioned"]["VmRSS"] - c["data"]["VmRSS"]
+        build = c["built"]["VmRSS"] - c["partitioned"]["VmRSS"]
+        print(
+            f"  {n:10d}  {gb(c['after']['VmHWM']):>9s}  {gb(c['pss']):>9s}  {gb(c['data']['VmRSS']):>9s}  "
+            f"{gb(part):>9s}  {part / n:8.1f}  {gb(build):>9s}  {build / n:8.1f}  "
+            f"{c['partition_s'] + c['build_s']:7.2f}s  {statistics.median(c['round_times'][1:]):8.4f}s"
+        )
 
 
 if __name__ == "__main__":

@@ -125,6 +125,21 @@ def test_workers_exit_when_the_trainer_is_collected(uneven_parts):
     assert not any(_alive(p) for p in pids)
 
 
+def test_the_drivers_ends_of_the_pipes_live_in_the_driver_only(uneven_parts):
+    """A worker that kept the copies its fork made of the driver's ends (its own and the earlier workers')
+    held those pipes open after the driver was killed, and a worker blocked sending a reply never exited
+    (two such orphans were found holding 0.6 GB each)."""
+    tr = _trainer(next(_models()), uneven_parts, "pool", epochs=1, batch_size=16, lr=0.1)
+    p = pool(tr, workers=3)
+    tr.train(tr.layout.flatten(), [0, 1, 2, 3], 0)  # every worker has answered: it runs its loop
+    for i, conn in enumerate(p.conns):
+        inode = os.fstat(conn.fileno()).st_ino
+        for pid in p.pids():
+            fds = os.listdir(f"/proc/{pid}/fd")
+            held = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in fds if os.path.exists(f"/proc/{pid}/fd/{fd}")]
+            assert f"socket:[{inode}]" not in held, f"worker pid {pid} holds the driver's end of worker {i}'s pipe"
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -1,17 +1,27 @@
-"""Large populations: memory-mapped client state is lazy, sparse and computes what RAM-held state computes."""
+"""Large populations: memory-mapped client state is lazy, sparse and computes what RAM-held state computes; a
+partition is one index array and offsets, with the index sets the per-client lists had."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import time
+import tracemalloc
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
+import pytest
 import torch
 
 from benchmarks.population import memory_mapped
 from fedweave.algorithms.base import RunContext, build_algorithm
 from fedweave.algorithms.centralized import scaffold
-from fedweave.config import load
-from fedweave.execution import StateStore
+from fedweave.config import LocalConfig, load
+from fedweave.data.partition import Partition, iid, shards
+from fedweave.execution import LocalTrainer, StateStore
+from fedweave.registry import PARTITIONERS
+from fedweave.seeding import Seeds
 
 
 def _allocated(path: Path) -> int:
@@ -65,3 +75,117 @@ def test_scaffold_with_memory_mapped_control_variates_equals_scaffold_in_ram(toy
     torch.testing.assert_close(mapped.x, ram.x, rtol=0, atol=0)
     written = set((mapped.store["c"] != 0).any(1).nonzero().squeeze(1).tolist())
     assert written == sampled  # a round touches the state of its clients only
+
+
+# ---- compact partitions: one index array and offsets, the same index sets as the per-client lists before ----
+
+NUM_CLASSES = 10
+LABELS = np.random.default_rng(123).permutation(np.repeat(np.arange(NUM_CLASSES), 200 + 10 * np.arange(10)))
+USERS = np.random.default_rng(7).integers(0, 60, len(LABELS))
+DIGEST_CASES = {
+    "iid": {},
+    "dirichlet": {"alpha": 0.3},
+    "dirichlet_balanced": {"alpha": 0.3},
+    "pathological": {"classes_per_client": 3},
+    "shards": {"shards_per_client": 2},
+    "quantity_skew": {"alpha": 0.5},
+    "quantity_skew_sigma": {"sigma": 1.0},
+    "natural": {"select": "random"},
+    "dirichlet_repair": {"alpha": 0.05, "min_size": 40, "max_attempts": 2},
+}
+
+
+def _digest(parts) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        p = np.asarray(p)
+        assert p.dtype == np.int64
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p.tobytes())
+    return h.hexdigest()
+
+
+def test_every_partitioner_gives_the_index_sets_of_the_per_client_lists_before():
+    """tests/data/partition_digests.json holds, per partitioner, seed and number of clients, a digest of the
+    per-client index arrays computed by the list-returning partitioners (commit b3c5d48, before Partition)."""
+    expected = json.loads((Path(__file__).parent / "data" / "partition_digests.json").read_text())
+    got = {}
+    for case, opts in DIGEST_CASES.items():
+        name = case.split("_sigma")[0].split("_repair")[0]
+        for seed in (0, 1, 2):
+            for m in (7, 20, 50):
+                parts = PARTITIONERS.get(name)(LABELS, m, np.random.default_rng(seed), users=USERS, **opts)
+                assert isinstance(parts, Partition)
+                got[f"{case} seed={seed} m={m}"] = _digest(parts)
+    assert got == expected
+
+
+# The list-building code these partitioners had before (kept here to compare against, on many seeds).
+def _old_iid(labels, m, rng):
+    return [np.sort(p).astype(np.int64) for p in np.array_split(rng.permutation(len(labels)), m)]
+
+
+def _old_shards(labels, m, rng, s):
+    perm = rng.permutation(len(labels))
+    order = perm[np.argsort(labels[perm], kind="stable")]
+    pieces = np.array_split(order, m * s)
+    deal = rng.permutation(m * s).reshape(m, s)
+    return [np.sort(np.concatenate([pieces[k] for k in row])).astype(np.int64) for row in deal]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_iid_and_shards_equal_the_old_per_client_lists(seed):
+    g = np.random.default_rng(seed)
+    n = int(g.integers(50, 3000))
+    labels = g.integers(0, int(g.integers(1, 12)), n)
+    m = int(g.integers(1, n // 4 + 1))
+    for new, old in (
+        (iid(labels, m, np.random.default_rng(seed)), _old_iid(labels, m, np.random.default_rng(seed))),
+        (shards(labels, m, np.random.default_rng(seed)), _old_shards(labels, m, np.random.default_rng(seed), 2)),
+    ):
+        assert len(new) == len(old)
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(new, old, strict=True))
+
+
+def test_a_partition_behaves_like_the_list_of_index_arrays():
+    arrays = [np.array([4, 9]), np.array([], dtype=np.int64), np.array([0, 1, 7]), np.array([3])]
+    p = Partition.of(arrays)
+    assert len(p) == 4 and p.sizes.tolist() == [2, 0, 3, 1]
+    assert all(np.array_equal(a, b) for a, b in zip(p, arrays, strict=True))
+    assert np.array_equal(p[-1], [3]) and np.array_equal(p[2], [0, 1, 7]) and p[1].dtype == np.int64
+    with pytest.raises(IndexError):
+        p[4]
+    assert [x.tolist() for x in p[1:3]] == [[], [0, 1, 7]] and len(p[3:1]) == 0
+    assert [x.tolist() for x in p[::2]] == [[4, 9], [0, 1, 7]]
+    assert len(p + [np.array([5])]) == 5 and Partition.of(p) is p
+    t = p.as_torch()
+    assert isinstance(t[2], torch.Tensor) and t[2].tolist() == [0, 1, 7]
+    assert t.indices.data_ptr() == p.indices.ctypes.data  # no copy
+    assert np.array_equal(t.as_numpy()[0], [4, 9])
+
+
+def test_a_large_partition_costs_8_bytes_a_client_and_8_a_sample_in_the_partitioner_and_the_trainer():
+    n, m = 400_000, 200_000
+    labels = np.zeros(n, dtype=np.int64)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    parts = iid(labels, m, np.random.default_rng(0))
+    kept = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert kept <= 8 * (n + m + 1) + 4096, f"{kept / m:.0f} bytes a client"  # the lists took ~140 a client
+    assert sorted(parts[m - 1].tolist()) == parts[m - 1].tolist() and len(np.concatenate(list(parts[:10]))) == 20
+    x, y = torch.zeros(n, 2), torch.zeros(n, dtype=torch.long)
+    trainer = LocalTrainer(torch.nn.Linear(2, 2), x, y, parts, LocalConfig(steps=1, batch_size=2), Seeds(0))
+    assert isinstance(trainer.parts.indices, torch.Tensor)
+    assert trainer.parts.indices.data_ptr() == parts.indices.ctypes.data  # the trainer shares the partition's
+
+
+def test_peak_memory_sees_a_transient_allocation_of_the_process_tree():
+    from fedweave.memory import PeakMemory
+
+    with PeakMemory(interval=0.01) as mem:
+        base = mem.peak["rss"]
+        block = torch.ones(96 * 2**20 // 4)  # 96 MB, written (so resident), then freed before the peak is read
+        time.sleep(0.1)
+        del block
+    assert mem.peak["rss"] - base >= 80 * 2**20 and mem.peak["pss"] >= mem.peak["anon"] > 0 and mem.processes >= 1

@@ -58,3 +58,49 @@ def cpu_seconds() -> float:
             continue
         total += (int(f[11]) + int(f[12])) / tick
     return total
+
+
+class PeakMemory:
+    """The peak memory (``memory()``'s RSS, PSS, anonymous and shared-memory parts, each its own maximum) of
+    the process tree under ``root`` (default: this process, with its pool workers or Ray processes), sampled
+    every ``interval`` seconds by a daemon thread between ``start()`` and ``stop()`` (or a ``with`` block)."""
+
+    def __init__(self, root: int | None = None, interval: float = 0.1) -> None:
+        import threading
+
+        self.root, self.interval = root or os.getpid(), interval
+        self.peak = {"rss": 0, "pss": 0, "anon": 0, "shmem": 0}
+        self.processes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.interval):
+                return
+
+    def sample(self) -> None:
+        """Take one sample now."""
+        pids = process_tree(self.root)
+        for k, v in memory(pids).items():
+            self.peak[k] = max(self.peak[k], v)
+        self.processes = max(self.processes, len(pids))
+
+    def start(self) -> PeakMemory:
+        """Start sampling (returns self)."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, int]:
+        """Stop sampling (after a last sample); the peaks, bytes."""
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        return self.peak
+
+    def __enter__(self) -> PeakMemory:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

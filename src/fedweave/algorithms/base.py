@@ -25,6 +25,7 @@ from fedweave.byo import RunObjects, describe_model
 from fedweave.config import ConfigError, RunConfig, build_dataclass, check_options
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
+from fedweave.data.partition import Partition
 from fedweave.execution import LocalTrainer, batch_statistics, choose_backend
 from fedweave.execution.local import LocalRule
 from fedweave.execution.placement import Placement, resolve_placement
@@ -235,12 +236,13 @@ class RunContext:
         return ds
 
     @cached_property
-    def partition(self) -> list[np.ndarray]:
-        """Training-set indices of each client (without its held-out samples under ``eval.holdout``)."""
+    def partition(self) -> Partition:
+        """Training-set indices of each client (one index array and offsets: ``len``, ``[i]``, iteration),
+        without its held-out samples under ``eval.holdout``."""
         return self._split[0]
 
     @cached_property
-    def _split(self) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    def _split(self) -> tuple[Partition, list[np.ndarray] | None]:
         """The clients' training indices and, under ``eval.holdout``, their held-out test indices (into the
         training set; the ``holdout`` stream, drawn after the partition)."""
         ds = self.dataset
@@ -249,7 +251,8 @@ class RunContext:
             return parts, None
         from fedweave.data.partition import holdout_split
 
-        return holdout_split(parts, self.config.eval.holdout, self.seeds.numpy("holdout"))
+        train, test = holdout_split(parts, self.config.eval.holdout, self.seeds.numpy("holdout"))
+        return Partition.of(train), test
 
     def personal_test_set(self, per_client: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list[np.ndarray]]:
         """Each client's own test set as ``(x, y, parts)``: under ``eval.holdout`` its held-out samples (rows
@@ -276,7 +279,7 @@ class RunContext:
         ref = train.reshape(len(train), -1)[:, 0] if train.ndim > 1 else train
         return np.unique(np.quantile(ref, np.linspace(0, 1, bins + 1)[1:-1]))
 
-    def partition_of(self, labels: np.ndarray, users: np.ndarray | None = None) -> list[np.ndarray]:
+    def partition_of(self, labels: np.ndarray, users: np.ndarray | None = None) -> Partition:
         """Split samples with these labels over the clients with the configured partitioner
         (indices into ``labels``); the ``partition`` stream makes it deterministic."""
         part = self.config.partition
@@ -305,7 +308,7 @@ class RunContext:
             )
         opts = check_options(fn, opts, "partition", skip=("labels", "num_clients", "rng", "users"))
         with _as_config_error("partition"):
-            return fn(labels, num_clients, self.seeds.numpy("partition"), users=users, **opts)
+            return Partition.of(fn(labels, num_clients, self.seeds.numpy("partition"), users=users, **opts))
 
     @property
     def num_clients(self) -> int:

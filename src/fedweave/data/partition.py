@@ -1,8 +1,8 @@
 """Partitioners: split a training set over clients, and matching per-client test sets.
 
 Every partitioner has the signature
-``fn(labels, num_clients, rng, *, users=None, **params) -> list[np.ndarray]`` and returns, per client, a
-sorted int64 array of indices into the training set. Parts never overlap; samples left out by a scheme are
+``fn(labels, num_clients, rng, *, users=None, **params) -> Partition`` (or a list of arrays) and gives, per
+client, a sorted int64 array of indices into the training set. Parts never overlap; samples left out by a scheme are
 listed in its docstring and in ``docs/partitioning.md``. All randomness comes from ``rng``, so the same seed
 gives the same partition. Errors name the config key as written (``partition.alpha``).
 """
@@ -10,11 +10,105 @@ gives the same partition. Errors name the config key as written (``partition.alp
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from fedweave.registry import PARTITIONERS
+
+# ------------------------------------------------------------------------------------------- partition
+
+
+class Partition(Sequence):
+    """Per-client index arrays held compactly: client ``i`` holds ``indices[offsets[i]:offsets[i + 1]]``.
+
+    It behaves like the list of per-client index arrays it replaces (``len(p)``, ``p[i]``, iteration, ``p[a:b]``),
+    but stores one index array and ``m + 1`` offsets instead of a Python list of ``m`` arrays: 8 bytes a client
+    and 8 a sample, against some 200 bytes a client for a list of small numpy arrays (and 400 more for torch
+    tensors). ``p[i]`` is a view into ``indices``. ``indices`` is a numpy array or a torch tensor (the local
+    trainer's copy, :meth:`as_torch`, shares the memory of the numpy one).
+    """
+
+    def __init__(self, indices: Any, offsets: np.ndarray) -> None:
+        self.indices = indices
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        if self.offsets.ndim != 1 or len(self.offsets) < 1:
+            raise ValueError("Partition offsets must be a 1-D array of m + 1 positions")
+
+    @classmethod
+    def from_sizes(cls, indices: Any, sizes: Sequence[int] | np.ndarray) -> Partition:
+        """Client ``i`` holds the next ``sizes[i]`` entries of ``indices``."""
+        offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        return cls(indices, offsets)
+
+    @classmethod
+    def of(cls, parts: Sequence[Any]) -> Partition:
+        """``parts`` as a Partition: itself if it is one, else its arrays (int64) concatenated in client order."""
+        if isinstance(parts, Partition):
+            return parts
+        arrays = [np.asarray(p.cpu() if hasattr(p, "cpu") else p, dtype=np.int64).reshape(-1) for p in parts]
+        flat = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+        return cls.from_sizes(flat, [len(a) for a in arrays])
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Samples per client, ``(m,)`` int64."""
+        return np.diff(self.offsets)
+
+    def as_torch(self) -> Partition:
+        """The same partition with a torch ``indices`` tensor (sharing memory with a numpy one)."""
+        if isinstance(self.indices, np.ndarray):
+            import torch
+
+            return Partition(torch.from_numpy(np.ascontiguousarray(self.indices, dtype=np.int64)), self.offsets)
+        return self
+
+    def as_numpy(self) -> Partition:
+        """The same partition with a numpy ``indices`` array (sharing memory with a CPU torch tensor)."""
+        if isinstance(self.indices, np.ndarray):
+            return self
+        return Partition(self.indices.cpu().numpy(), self.offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            lo, hi, step = i.indices(len(self))
+            if step == 1:
+                return Partition(self.indices, self.offsets[lo : max(lo, hi) + 1])
+            return [self[j] for j in range(lo, hi, step)]
+        i = operator.index(i)
+        m = len(self.offsets) - 1
+        if i < 0:
+            i += m
+        if not 0 <= i < m:
+            raise IndexError(f"client {i} is not in the partition (0 .. {m - 1})")
+        return self.indices[int(self.offsets[i]) : int(self.offsets[i + 1])]
+
+    def __iter__(self) -> Iterator[Any]:
+        idx, off = self.indices, self.offsets.tolist()
+        return (idx[a:b] for a, b in zip(off, off[1:]))
+
+    def __add__(self, other: Sequence[Any]) -> list[Any]:  # as a list of arrays: p + [extra] is a list
+        return [*self, *other]
+
+    def __radd__(self, other: Sequence[Any]) -> list[Any]:
+        return [*other, *self]
+
+    def __repr__(self) -> str:
+        return f"Partition({len(self)} clients, {int(self.offsets[-1] - self.offsets[0])} samples)"
+
+
+def client_sizes(parts: Sequence[Any]) -> np.ndarray:
+    """Samples per client of a partition (a :class:`Partition` or a list of index arrays), ``(m,)`` int64."""
+    if isinstance(parts, Partition):
+        return parts.sizes
+    return np.array([len(p) for p in parts], dtype=np.int64)
+
 
 # --------------------------------------------------------------------------------------------- helpers
 
@@ -63,12 +157,26 @@ def _check_min_size(min_size: int, num_clients: int, n: int) -> int:
     return min_size
 
 
-def _groups(owner: np.ndarray, num_clients: int) -> list[np.ndarray]:
+def _groups(owner: np.ndarray, num_clients: int) -> Partition:
     """Per-client sorted index arrays from ``owner[i]`` = client of sample i (-1: left out)."""
     kept = np.flatnonzero(owner >= 0)
-    order = kept[np.argsort(owner[kept], kind="stable")]  # stable: indices stay ascending per client
+    n = len(owner)
+    if n < 2**31:  # sort the unique keys (client, index): 5x faster than a stable argsort at 20M samples
+        key = owner[kept] * n + kept
+        key.sort()
+        order = key % n
+    else:
+        order = kept[np.argsort(owner[kept], kind="stable")]  # stable: indices stay ascending per client
     counts = np.bincount(owner[kept], minlength=num_clients)
-    return [p.astype(np.int64) for p in np.split(order, np.cumsum(counts)[:-1])]
+    return Partition.from_sizes(order.astype(np.int64, copy=False), counts)
+
+
+def _split_sorted(perm: np.ndarray, sizes: np.ndarray) -> Partition:
+    """Client ``i`` takes the next ``sizes[i]`` entries of ``perm`` (a permutation of ``range(n)``), sorted:
+    ``[np.sort(p) for p in np.split(perm, np.cumsum(sizes)[:-1])]`` without a Python loop over the clients."""
+    owner = np.empty(len(perm), dtype=np.int64)
+    owner[perm] = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    return _groups(owner, len(sizes))
 
 
 def _apportion(p: np.ndarray, total: int) -> np.ndarray:
@@ -94,11 +202,14 @@ def _shuffled_by_class(labels: np.ndarray, rng: np.random.Generator) -> tuple[np
 @PARTITIONERS.register("iid")
 def iid(
     labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, users: np.ndarray | None = None
-) -> list[np.ndarray]:
+) -> Partition:
     """Uniformly random split into equal parts (sizes differ by at most 1). Uses every sample."""
     labels = _check_labels(labels)
-    m = _check_clients(num_clients, len(labels))
-    return [np.sort(p).astype(np.int64) for p in np.array_split(rng.permutation(len(labels)), m)]
+    n = len(labels)
+    m = _check_clients(num_clients, n)
+    sizes = np.full(m, n // m, dtype=np.int64)
+    sizes[: n % m] += 1  # np.array_split's sizes
+    return _split_sorted(rng.permutation(n), sizes)
 
 
 def _dirichlet_attempt(class_sizes: np.ndarray, m: int, alpha: float, rng: np.random.Generator) -> np.ndarray:
@@ -150,7 +261,7 @@ def dirichlet(
     alpha: float = 0.5,
     min_size: int = 10,
     max_attempts: int = 100,
-) -> list[np.ndarray]:
+) -> Partition:
     """Label skew, per class: the share of class k on each client is p_k ~ Dir(alpha * 1_m).
 
     The scheme of Li et al. (NIID-Bench), used by ZO-HFL [11]: a client that already holds >= N/m samples
@@ -190,7 +301,7 @@ def dirichlet_balanced(
     *,
     users: np.ndarray | None = None,
     alpha: float = 0.5,
-) -> list[np.ndarray]:
+) -> Partition:
     """Label skew, per client, equal sizes (Hsu et al.; DisPFL's code for AFIND+, FedMIM's Sec. V-A).
 
     Each client i draws a class prior q_i ~ Dir(alpha * 1_C) and has capacity floor(N/m). Until all are
@@ -239,7 +350,7 @@ def pathological(
     *,
     users: np.ndarray | None = None,
     classes_per_client: int = 2,
-) -> list[np.ndarray]:
+) -> Partition:
     """Each client gets exactly ``classes_per_client`` (c) distinct classes.
 
     The m*c class slots are spread as evenly as possible over the C classes present (s_k = floor(mc/C) or
@@ -290,7 +401,7 @@ def shards(
     *,
     users: np.ndarray | None = None,
     shards_per_client: int = 2,
-) -> list[np.ndarray]:
+) -> Partition:
     """McMahan et al.: sort by label, cut into m * shards_per_client shards, deal them out at random.
 
     Shards are contiguous runs of the label-sorted data (random order within a label), of sizes differing
@@ -306,9 +417,14 @@ def shards(
             f"training samples; lower one of them"
         )
     order, _ = _shuffled_by_class(labels, rng)
-    pieces = np.array_split(order, m * s)
-    deal = rng.permutation(m * s).reshape(m, s)
-    return [np.sort(np.concatenate([pieces[k] for k in row])).astype(np.int64) for row in deal]
+    piece_sizes = np.full(m * s, n // (m * s), dtype=np.int64)
+    piece_sizes[: n % (m * s)] += 1  # np.array_split's pieces of ``order``
+    deal = rng.permutation(m * s).reshape(m, s)  # client i gets pieces deal[i]
+    piece_owner = np.empty(m * s, dtype=np.int64)
+    piece_owner[deal.ravel()] = np.repeat(np.arange(m, dtype=np.int64), s)
+    owner = np.empty(n, dtype=np.int64)
+    owner[order] = np.repeat(piece_owner, piece_sizes)
+    return _groups(owner, m)
 
 
 @PARTITIONERS.register("quantity_skew")
@@ -321,7 +437,7 @@ def quantity_skew(
     alpha: float | None = None,
     sigma: float | None = None,
     min_size: int = 10,
-) -> list[np.ndarray]:
+) -> Partition:
     """Unequal sizes, IID labels. Size shares p ~ Dir(alpha * 1_m) (default, alpha = 0.5), or
     p proportional to lognormal(0, sigma) weights when ``sigma`` is given.
 
@@ -341,8 +457,7 @@ def quantity_skew(
     if not weights.sum() > 0:  # Dir with tiny alpha can underflow to all zeros: one client takes the rest
         weights = np.eye(m)[rng.integers(m)]
     sizes = min_size + _apportion(weights, n - m * min_size)
-    perm = rng.permutation(n)
-    return [np.sort(p).astype(np.int64) for p in np.split(perm, np.cumsum(sizes)[:-1])]
+    return _split_sorted(rng.permutation(n), sizes)
 
 
 @PARTITIONERS.register("natural")
@@ -353,7 +468,7 @@ def natural(
     *,
     users: np.ndarray | None = None,
     select: str = "largest",
-) -> list[np.ndarray]:
+) -> Partition:
     """One client per natural user (Shakespeare role, LEAF writer).
 
     ``num_clients`` 0 or None: every user. Otherwise that many users, chosen by ``select``: ``largest``
@@ -482,9 +597,12 @@ def user_test_split(
 def partition_stats(parts: Sequence[np.ndarray], labels: np.ndarray, num_classes: int) -> dict[str, object]:
     """Samples per client and the client x class label histogram, plus a few summaries."""
     labels = _check_labels(labels)
-    hist = np.zeros((len(parts), num_classes), dtype=np.int64)
-    for i, part in enumerate(parts):
-        hist[i] = np.bincount(labels[np.asarray(part, dtype=np.int64)], minlength=num_classes)[:num_classes]
+    p = Partition.of(parts)
+    m = len(p)
+    lab = labels[p.indices[p.offsets[0] : p.offsets[-1]]]
+    keep = lab < num_classes  # (as before: labels beyond num_classes are not counted)
+    client = np.repeat(np.arange(m, dtype=np.int64), p.sizes)  # one bincount for all clients
+    hist = np.bincount(client[keep] * num_classes + lab[keep], minlength=m * num_classes).reshape(m, num_classes)
     sizes = hist.sum(axis=1)
     return {
         "num_clients": len(parts),
@@ -506,7 +624,7 @@ def from_file(
     *,
     users: np.ndarray | None = None,
     path: str = "",
-) -> list[np.ndarray]:
+) -> Partition:
     """Per-client training-set indices read from ``path``: a JSON list of index lists (or an object of them
     keyed "0", "1", ...), or an ``.npz`` with arrays ``client_0``, ``client_1``, ... To match another
     framework's partition exactly. ``num_clients`` 0 (or the file's count) takes every client of the file.
@@ -536,7 +654,7 @@ def from_file(
     flat = np.concatenate(parts)
     if len(np.unique(flat)) != len(flat):
         raise ValueError(f"partition.path {path!r}: a sample is given to more than one client (or twice)")
-    return [np.sort(p) for p in parts]
+    return Partition.of([np.sort(p) for p in parts])
 
 
 def _index_list(entry: object, client: int, n: int, path: str) -> np.ndarray:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fedweave.config import ConfigError, LocalConfig, RayConfig
+from fedweave.data.partition import Partition
 from fedweave.execution.job import (  # noqa: F401  (re-exported: the rule interface algorithms import from here)
     BACKENDS,
     LR,
@@ -101,8 +102,9 @@ class LocalTrainer:
         self.layout = ParamLayout(model, placement)
         self.host_x, self.host_y = train_x, train_y  # as given (the ray backend's object store reads these)
         self.train_x, self.train_y = placement.data(train_x), placement.data(train_y)
-        # sample indices stay on the CPU: the batch plans are drawn there (the same on every device)
-        self.parts = [torch.as_tensor(np.asarray(p), dtype=torch.long, device="cpu") for p in parts]
+        # sample indices stay on the CPU: the batch plans are drawn there (the same on every device); one index
+        # tensor and offsets (a Partition), not a tensor per client: 16 bytes a client at any population
+        self.parts = Partition.of(parts).as_torch()
         self.local = local
         self.seeds = seeds
         self.backend = backend
@@ -112,12 +114,13 @@ class LocalTrainer:
         self.rounds = rounds
         self.loss_fn = loss_fn  # the task's loss (fedweave.tasks): mean over a batch's valid samples
         self.ray = ray or RayConfig()  # the ray backend's cluster and workers
-        small = [i for i, p in enumerate(self.parts) if 0 < len(p) < local.batch_size]
-        if local.steps is not None and not local.full_batch and small:
+        sizes = self.parts.sizes
+        small = np.flatnonzero((sizes > 0) & (sizes < local.batch_size))
+        if local.steps is not None and not local.full_batch and len(small):
             log.warning(
                 "local.batch_size %d exceeds the data of %d client(s) (client %d has %d samples): their batches are "
                 "cut from reshuffled epochs, so rows repeat unevenly; set local.full_batch: true for full-batch steps",
-                local.batch_size, len(small), small[0], len(self.parts[small[0]]),
+                local.batch_size, len(small), small[0], sizes[small[0]],
             )  # fmt: skip
         # Resources shared by shallow copies of this trainer (the ray backend's actors): a copy that only
         # changes ``local`` (e.g. a fine-tuning trainer) reuses them.
@@ -165,19 +168,58 @@ class LocalTrainer:
     def plan(self, clients: Sequence[int], round: int, key: tuple[int, ...], steps: int | None) -> Batches:
         """The batch plan of one call: the local batches of each of ``clients`` in ``round`` (drawn from the
         ``batches`` stream of the round, client and ``key``), padded to the longest job, as index and mask
-        tensors of shape ``(T, K, B)``."""
-        per_job = [self.client_batches(int(c), round, key, steps) for c in clients]
-        T = max((len(b) for b in per_job), default=0)
-        K, B = len(per_job), self.local.batch_size
-        if self.local.full_batch:
-            B = max((len(b[0]) for b in per_job if b), default=1)
-        index = torch.zeros((T, K, B), dtype=torch.long, device="cpu")
-        mask = torch.zeros((T, K, B), dtype=torch.bool, device="cpu")
-        for k, batches in enumerate(per_job):
-            for t, b in enumerate(batches):
-                index[t, k, : len(b)] = b
-                mask[t, k, : len(b)] = True
-        return Batches(index, mask, torch.tensor([len(b) for b in per_job], dtype=torch.long, device="cpu"))
+        tensors of shape ``(T, K, B)``.
+
+        The same batches as :meth:`client_batches` gives job by job, built for the whole call at once: the
+        only loop over the jobs draws each client's permutations from its own stream (one ``randperm`` per
+        epoch, as there: every stream is a generator of its own); cutting them into batches, padding and
+        gathering the sample indices are index arithmetic on ``(T, K, B)`` tensors, with no loop over steps."""
+        K, bs, c = len(clients), self.local.batch_size, np.asarray(clients, dtype=np.int64).reshape(-1)
+        if K == 0:
+            B = 1 if self.local.full_batch else bs
+            empty = torch.zeros(0, dtype=torch.long)
+            return Batches(torch.zeros((0, 0, B), dtype=torch.long), torch.zeros((0, 0, B), dtype=torch.bool), empty)
+        # index arithmetic in numpy: these arrays are small, where a numpy operation costs a fraction of a torch one
+        lo = self.parts.offsets[c]  # where each client's indices start in parts.indices
+        n = self.parts.offsets[c + 1] - lo  # (K,) samples of each job's client
+        fixed = steps if steps is not None else self.local.steps
+        if self.local.full_batch:  # every step sees the client's whole data, in order (no randomness)
+            count = np.where(n > 0, fixed if fixed is not None else self.local.epochs, 0).astype(np.int64)
+            B = int(n[count > 0].max()) if (count > 0).any() else 1
+            t, b = np.arange(int(count.max()))[:, None, None], np.arange(B)
+            valid = (t < count[:, None]) & (b < n[:, None])
+            source = lo[:, None] + b  # (K, B) positions in parts.indices
+        else:
+            draws, lengths = [], np.zeros(K, dtype=np.int64)
+            for k in np.flatnonzero(n > 0):  # the random draws: one stream per client, as before
+                nk = int(n[k])
+                perms = self.local.epochs if fixed is None else -(-fixed * bs // nk)  # epochs, or enough for fixed
+                g = self.seeds.torch("batches", round, int(c[k]), *key)
+                draws.extend(torch.randperm(nk, generator=g, device="cpu") for _ in range(perms))
+                lengths[k] = perms * nk
+            stream = torch.cat(draws).numpy() if draws else np.zeros(0, dtype=np.int64)  # each job's permutations
+            start = np.cumsum(lengths) - lengths  # of job k in ``stream``
+            if fixed is None:  # epochs: an epoch is ceil(n / bs) batches, the last one partial
+                per_epoch = -(-n // bs)
+                count = self.local.epochs * per_epoch
+            else:  # fixed full batches cut from the stream of reshuffled epochs
+                per_epoch, count = None, np.where(n > 0, fixed, 0).astype(np.int64)
+            T = int(count.max())
+            t, b = np.arange(T)[:, None, None], np.arange(bs)
+            if per_epoch is None:
+                at = t * bs + b  # (T, 1, B) position in the job's stream
+                valid = np.broadcast_to(t < count[:, None], (T, K, bs))
+            else:
+                e, j = np.divmod(t, np.maximum(per_epoch, 1)[:, None])
+                pos = j * bs + b  # (T, K, B) position in epoch e's permutation
+                valid = (t < count[:, None]) & (pos < n[:, None])
+                at = e * n[:, None] + pos
+            at = np.where(valid, start[:, None] + at, 0)
+            source = lo[:, None] + (stream[at] if len(stream) else np.zeros_like(at))
+        valid = np.broadcast_to(valid, np.broadcast_shapes(valid.shape, np.shape(source))).copy()  # writable
+        index = self.parts.indices[torch.from_numpy(np.where(valid, source, 0))]
+        index[~torch.from_numpy(valid)] = 0
+        return Batches(index, torch.from_numpy(valid), torch.from_numpy(count.astype(np.int64)))
 
     def batch_data(
         self, index: torch.Tensor, client: int, round: int, key: tuple[int, ...], gens: dict

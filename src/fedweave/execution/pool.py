@@ -51,8 +51,15 @@ def _dumps(obj: Any) -> bytes:
         return cloudpickle.dumps(obj)
 
 
-def _serve(conn: Any, tr: LocalTrainer) -> None:
-    """A worker's loop: answer ``train`` and ``evaluate`` requests until the driver hangs up."""
+def _serve(conn: Any, tr: LocalTrainer, driver_ends: list | None = None) -> None:
+    """A worker's loop: answer ``train`` and ``evaluate`` requests until the driver hangs up. ``driver_ends``:
+    the driver's ends of this worker's pipe and of the pool's workers forked before it, which the fork copied
+    here and which are closed at once, so that the driver's death closes every pipe: a worker holding them
+    kept its own and the other workers' pipes open after a killed driver, and a worker blocked sending a
+    reply (or waiting for a request) then never exited. (A later pool's workers may hold this pool's driver
+    ends; they exit when the driver dies, since their own pipes are clean, and release them.)"""
+    for c in driver_ends or ():
+        c.close()
     # Ctrl-C reaches the terminal's whole process group: the driver alone handles it (and SIGTERM), stops
     # the run and closes the pipes, which ends this loop; a worker that raised too would print a traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -113,7 +120,7 @@ class WorkerPool:
         self.conns, self.procs = [], []
         for _ in range(workers):
             here, there = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(there, tr), daemon=True)
+            p = ctx.Process(target=_serve, args=(there, tr, [here, *self.conns]), daemon=True)
             p.start()
             there.close()
             self.conns.append(here)

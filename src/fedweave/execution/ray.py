@@ -173,7 +173,7 @@ class RayPool:
         setup = {
             "x": ray.put(x),  # once, read in place by every actor
             "y": ray.put(y),
-            "parts": ray.put([p.numpy() for p in tr.parts]),
+            "parts": ray.put(tr.parts.as_numpy()),
             "model": model,
             "device": "cuda" if gpus else "cpu",  # an actor sees its GPU as cuda (Ray sets which one)
             "precision": pl.precision,

@@ -26,6 +26,7 @@ from fedweave import robust
 from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights, make_trainer
 from fedweave.compression import upload_compression
 from fedweave.config import ConfigError, Section
+from fedweave.data.partition import client_sizes
 from fedweave.execution import (
     LocalResult,
     ParamLayout,
@@ -158,9 +159,10 @@ class StarAlgorithm(Algorithm):
         self.trainer = make_trainer(ctx, hp.clients_per_round, regularize_in_rule=self.regularize_in_rule)
         self.layout: ParamLayout = self.trainer.layout
         self.x = self.layout.flatten()  # the global model x_t
-        self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=self.x.dtype, device=self.x.device)
+        sizes = client_sizes(ctx.partition)
+        self.sizes = torch.from_numpy(sizes).to(dtype=self.x.dtype, device=self.x.device)
         # what a sampler that reads the clients' context sees: sizes, last reported losses and rounds
-        self.client_history = ClientHistory([len(p) for p in ctx.partition])
+        self.client_history = ClientHistory(sizes)
         self.sampler = make_sampler(
             ctx, hp.clients_per_round, default=_aliased_sampler(ctx, hp), context=self.client_history.context
         )
