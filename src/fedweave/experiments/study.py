@@ -90,8 +90,9 @@ class Claim:
     rule: Callable[[Any, Any], tuple[str, bool | None] | None] | None
     # ---- a declared verdict rule (module docstring): it decides the verdict; ``rule``, when given, still says
     # what was measured (or leaves the claim out). ``records(table, ctx)`` gives the records the declared rule
-    # reads (by default the table itself, a list of records).
-    declared: Rule | None = field(default=None, kw_only=True)
+    # reads (by default the table itself, a list of records). A declared rule may be a function of
+    # ``(table, ctx)`` that returns the rule: one whose sides are chosen from the table (the best row by mean).
+    declared: Rule | Callable[[Any, Any], Rule] | None = field(default=None, kw_only=True)
     records: Callable[[Any, Any], Sequence[Any]] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -106,7 +107,8 @@ class Claim:
         measured, held, *word = got
         if self.declared is None:
             return Verdict(text, measured, None if held is None else bool(held), *word)
-        decision = self.declared.judge(self.records(table, ctx) if self.records else table)
+        declared = self.declared if hasattr(self.declared, "judge") else self.declared(table, ctx)
+        decision = declared.judge(self.records(table, ctx) if self.records else table)
         if decision is None:  # the records hold no A or no B: the claim is left out, as a rule's None
             return None
         return Verdict(
