@@ -256,7 +256,8 @@ class All:
             f"{label} {d.estimate:+.{nd}f} [{d.low:.{nd}f}, {d.high:.{nd}f}] {d.outcome}" for label, d in got
         )
         n = min(d.n for _, d in got)
-        text = f"all of {len(got)} ({first.unit}): {each}; {first.describe()}, n={n}: {outcome}"
+        unit = f" ({first.unit})" if first.unit else ""
+        text = f"all of {len(got)}{unit}: {each}; {first.describe()}, n={n}: {outcome}"
         return Decision(outcome, min(d.estimate for _, d in got), None, None, n, text, "")
 
 
