@@ -269,3 +269,24 @@ def test_a_declared_rule_may_be_chosen_from_the_table():
 
 def _mean(recs: list[dict], m: str) -> float:
     return float(np.mean([r["acc"] for r in recs if r["method"] == m]))
+
+
+def test_a_claims_criterion_is_its_own_rule_on_the_means_whatever_it_declares():
+    recs = _recs({"a": [5, 9, 1], "b": [1, 2, 3]})  # mean gap +3, one seed behind
+    claim = Claim(
+        "a beats b", lambda t, c: ("means +3.00", True), declared=Paired("acc", {"method": "a"}, {"method": "b"})
+    )
+    assert claim.criterion(recs) == Verdict("a beats b", "means +3.00", True)
+    (v,) = judge([claim], recs)
+    assert (v.outcome, v.measured) == ("inconclusive", "means +3.00")
+    assert Claim("only declared", None, declared=claim.declared).criterion(recs) is None
+
+
+def test_the_cse_fsl_page_reads_the_per_seed_accuracies_its_table_files_list():
+    from pathlib import Path
+
+    from fedweave.reproduce.cse_fsl import seed_records
+
+    md = (Path(__file__).parents[1] / "docs/reproductions/cse-fsl/table-fashion_mnist-noniid.md").read_text()
+    got = {(r["method"], r["seed"]): r["accuracy"] for r in seed_records(md)}
+    assert got[("fsl_oc", 2)] == 59.40 and got[("cse_fsl h=5 random", 0)] == 56.30 and len(got) == 21

@@ -595,13 +595,7 @@ VERDICT_WORDS = {True: "yes", False: "no", None: "-"}
 def claims(results: list[dict[str, Any]], p: Preset) -> list[tuple[str, bool | None, str]]:
     """Spec 9.1 pass criteria on the means of the primary setting, as ``results.md`` states them: (claim,
     held, measured). The page judges the same claims by their declared rules (``sections``)."""
-    out = []
-    for c in CLAIMS:
-        if (got := c.rule(results, p)) is not None:
-            out.append(
-                (c.text(results, p) if callable(c.text) else c.text, None if got[1] is None else bool(got[1]), got[0])
-            )
-    return out
+    return [(v.claim, v.held, v.measured) for c in CLAIMS if (v := c.criterion(results, p)) is not None]
 
 
 def selection_simulation() -> tuple[list[str], list[list[str]]]:

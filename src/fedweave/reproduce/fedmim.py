@@ -392,8 +392,8 @@ def _claims(records: list[dict], dataset: str) -> dict[str, Any]:
     the seed means (its ``rule``). A page judges the same claims by their declared rules (``claim_verdicts``)."""
     c = _gap_summary(records, dataset)
     for key, claim in TABLE_I_CLAIMS.items():
-        if (got := claim.rule(c, dataset)) is not None:
-            c[key] = got[1]
+        if (v := claim.criterion(c, dataset)) is not None:
+            c[key] = v.held
     return c
 
 
@@ -687,11 +687,7 @@ def variant_claims(rows: list[dict], p: Preset) -> list[tuple[str, bool | None, 
     is missing, what was measured). A page judges them by their declared rules (``variant_verdicts``)."""
     if (cells := _cells(rows, p)) is None:
         return [("every cell of the preset ran", None, "not every cell ran (see the table)")]
-    out = []
-    for c in VARIANT_CLAIMS[p.table]:
-        if (got := c.rule(cells, None)) is not None:
-            out.append((c.text(cells, None) if callable(c.text) else c.text, got[1], got[0]))
-    return out
+    return [(v.claim, v.held, v.measured) for c in VARIANT_CLAIMS[p.table] if (v := c.criterion(cells))]
 
 
 def variant_verdicts(rows: list[dict], p: Preset, records: list[dict]) -> list[Verdict]:
