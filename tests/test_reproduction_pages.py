@@ -190,8 +190,8 @@ def test_fedmim_gaps_reads_the_checkpoint_rounds_of_every_run(tmp_path):
 
 def _generated_claims(name: str) -> dict[str, list[tuple[str, str, str]]]:
     """Per committed records file beside the page (path relative to its folder): the (claim, verdict,
-    measured) rows its reproduce module generates from it (FedMIM: every claim's declared rule on the per-seed
-    ``results.csv``; ZO-HFL: the rows of its ``claims.json``)."""
+    measured) rows its reproduce module generates from it for the page (FedMIM: every claim's declared rule on the
+    per-seed ``results.csv``; ZO-HFL: the claims of its ``claims.json``, each with its declared rule)."""
     import json
 
     from fedweave.reproduce import fedmim, zo_hfl
@@ -204,7 +204,7 @@ def _generated_claims(name: str) -> dict[str, list[tuple[str, str, str]]]:
     for f in sorted((PAGES / name).rglob("claims.json")):
         data = json.loads(f.read_text(encoding="utf-8"))
         if name == "zo-hfl":
-            rows = zo_hfl.claim_rows(data["claims"])
+            rows = zo_hfl.page_rows(data["claims"])
         elif isinstance(data, list):  # a Table II / III / Fig. 2a preset: the rows themselves
             rows = [(c["claim"], c["verdict"], c["measured"]) for c in data]
         else:
