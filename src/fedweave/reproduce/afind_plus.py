@@ -20,6 +20,7 @@ from fedweave.config import ConfigError
 from fedweave.experiments.aggregate import group, seed_gaps
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished
+from fedweave.experiments.pages import table_after
 from fedweave.experiments.plots import plot_curves
 from fedweave.experiments.study import Claim, Plan, Study, judge, option
 from fedweave.experiments.tables import markdown_table, mean_std_cell, write_csv
@@ -731,7 +732,22 @@ def sections(folder: Path) -> dict[str, str]:
         results, p = json.loads((d / "results.json").read_text(encoding="utf-8")), preset(scale)
         declared = {v.claim: v.interval for v in judge(CLAIMS, results, p)}
         rows += [[c, VERDICT_WORDS[ok], m, declared.get(c, "-")] for c, ok, m in claims(results, p)]
-    return {"claims": markdown_table(["claim", "held", "measured", "verdict (declared rule)"], rows)}
+    out = {"claims": markdown_table(["claim", "held", "measured", "verdict (declared rule)"], rows)}
+    # the page's copies of the tables of the committed reports (rebuilt from results.json by the suite)
+    for block, (sub, heading) in PAGE_TABLES.items():
+        out[block] = table_after(
+            (folder / sub / "results.md").read_text(encoding="utf-8"), heading, f"{sub}/results.md"
+        )
+    return out
+
+
+PAGE_TABLES = {  # block -> (folder, the heading of its table in the folder's results.md)
+    "table1": ("", "## Table 1"),
+    "table2": ("", "## Table 2"),
+    "tau": ("", "## Fig. 8"),
+    "table3": ("table3-dp", "## Table 3"),
+    "selection": ("", "## Selection rule alone"),
+}
 
 
 STUDY = Study(
