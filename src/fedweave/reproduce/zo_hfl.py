@@ -792,7 +792,37 @@ def sections(folder: Path) -> dict[str, str]:
         "claims": markdown_table(["claim", "source", "verdict", "measured"], rows),
         "cost": cost_section(folder),
         "adult-tune": adult_tune_section(folder / "adult" / "tune.csv"),
+        **{f"table1-{ds}": table1_section(read_csv(folder / "table.csv"), ds) for ds in ("mnist", "fashion_mnist")},
     }
+
+
+PAGE_TABLE1 = {  # the page's Table I rows: method -> its label there
+    "fedavg": "FedAvg",
+    "fedprox": "FedProx",
+    "scaffold": "SCAFFOLD",
+    "zo_hfl": "ZO-HFL (lambda = 1, mu = 0.01)",
+    "server_only": "server-only (lambda = 0)",
+    "zo_hfl_lam10": "ZO-HFL (lambda = 10)",
+    "zo_hfl_lam30": "ZO-HFL (lambda = 30)",
+    "fedavg_server": "FedAvg + server as client",
+    "server_only_long": "server-only, 500 rounds",
+}
+
+
+def table1_section(rows: list[dict], dataset: str) -> str:
+    """The page's Table I of one dataset from the small preset's ``table.csv``: per method and setting, mean ±
+    std [mean of the last 10 rounds] / the paper's number (the 500-round control: mean ± std only)."""
+    by = {(r["method"], r["alpha"], r["beta"]): r for r in rows if r["dataset"] == dataset}
+    settings = list(dict.fromkeys((r["alpha"], r["beta"]) for r in rows if r["dataset"] == dataset))
+
+    def cell(r: dict) -> str:
+        last = "" if r["method"] == "server_only_long" else f" [{r['acc_last10_mean']:.2f}]"
+        paper = "" if r["paper_acc"] is None else f" / {r['paper_acc']:.2f}"
+        return f"{r['acc_mean']:.2f} ± {r['acc_std']:.2f}{last}{paper}"
+
+    header = ["method", *(f"alpha={a:g}, beta={100 * b:.0f}%" for a, b in settings)]
+    body = [[label, *(cell(by[(m, *ab)]) for ab in settings)] for m, label in PAGE_TABLE1.items()]
+    return markdown_table(header, body)
 
 
 def _invocation(md: str) -> dict[str, str]:
