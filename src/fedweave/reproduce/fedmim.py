@@ -1092,7 +1092,86 @@ def sections(folder: Path) -> dict[str, str]:
         "claims": markdown_table(["claim", "source", "verdict", "measured"], rows),
         "small-cost": _small_cost(folder),
         "round50": _round50(folder),
+        "table1": _page_table1(read_csv(folder / "table.csv")),
+        "ablation": _page_ablation(read_csv(folder / "ablation" / "ablation.csv")),
+        "epochs": _page_epochs(read_csv(folder / "epochs" / "epochs.csv")),
+        "participation": _page_participation(read_csv(folder / "participation" / "participation.csv")),
     }
+
+
+def _bold_best(cells: list[str], values: list[float]) -> list[str]:
+    """``cells`` with the one of the largest value in bold."""
+    top = max(range(len(values)), key=values.__getitem__)
+    return [f"**{c}**" if i == top else c for i, c in enumerate(cells)]
+
+
+def _page_table1(rows: list[dict]) -> str:
+    """The page's Table I: the four core methods on Fashion-MNIST (``table.csv``), ranks among them, the best
+    of each split in bold, the paper's CIFAR-10 number and its rank among the same four."""
+    core = ["fedavg", "scaffold", "fedcm", "fedmim"]
+    cols = []
+    for split in ("iid", "dir0.1"):
+        by = {r["method"]: r for r in rows if (r["dataset"], r["split"]) == ("fashion_mnist", split)}
+        acc = [by[m]["final_acc_mean"] for m in core]
+        ours, paper = _ranks(dict(zip(core, acc))), _ranks({m: by[m]["paper_cifar10"] for m in core})
+        cells = _bold_best([pm(by[m]["final_acc_mean"], by[m]["final_acc_std"]) for m in core], acc)
+        cols.append([[c, ours[m], f"{by[m]['consistency_last20']:#.3g}", f"{by[m]['paper_cifar10']:.2f}", paper[m]]
+                     for m, c in zip(core, cells)])  # fmt: skip
+    header = ["method", "IID: ours", "rank", "cons.", "paper C10 IID", "paper rank"]
+    header += ["Dir-0.1: ours", "rank", "cons.", "paper C10 DIR.1", "paper rank"]
+    return markdown_table(header, [[LABELS[m], *cols[0][i], *cols[1][i]] for i, m in enumerate(core)])
+
+
+ABLATION_ROWS = (  # Table III's rows on the page, in TABLE_III's order
+    "J = 0 (= FedAvg)",
+    "J = 1, alpha 0.9 (= FedCM)",
+    "J = 1, alpha 0.5",
+    "J = 2, alpha (0.8, 0.1)",
+    "J = 2, alpha (0.6, 0.3)",
+    "J = 2, alpha (0.3, 0.6)",
+    "J = 2, alpha (0.6, 0.3), beta (0.9, 0.1) (default)",
+    "J = 2, alpha (0.6, 0.3), beta (0.5, 0.5)",
+    "J = 2, alpha (0.6, 0.3), beta (0.1, 0.9)",
+)
+
+
+def _page_ablation(rows: list[dict]) -> str:
+    """The page's Table III (``ablation/ablation.csv``): ours, per seed and the paper's, the best of each in bold."""
+    ours = _bold_best([pm(r["final_acc_mean"], r["final_acc_std"]) for r in rows], [r["final_acc_mean"] for r in rows])
+    paper = _bold_best([f"{r['paper_c10']:.2f}" for r in rows], [r["paper_c10"] for r in rows])
+    body = [[label, o, r["final_acc_per_seed"], p] for label, o, r, p in zip(ABLATION_ROWS, ours, rows, paper)]
+    return markdown_table(["row (alpha on δ_t, δ_t−1; beta)", "ours", "per seed", "paper"], body)
+
+
+def _page_epochs(rows: list[dict]) -> str:
+    """The page's Table II (``epochs/epochs.csv``): per method, ours at each E and the paper's three numbers."""
+    labels = list(dict.fromkeys(r["variant"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    by = {(r["method"], r["variant"]): r for r in rows}
+    body = [[LABELS[m], *(pm(by[(m, v)]["final_acc_mean"], by[(m, v)]["final_acc_std"]) for v in labels),
+             " / ".join(f"{by[(m, v)]['paper_c10']:.2f}" for v in labels)] for m in methods]  # fmt: skip
+    heads = [v.replace("=", " = ") for v in labels]
+    return markdown_table(["method", *heads, "paper C10 E = " + " / ".join(h.split(" = ")[1] for h in heads)], body)
+
+
+def _page_participation(rows: list[dict]) -> str:
+    """The page's Fig. 2a table (``participation/participation.csv``): per method and ratio, the final accuracy
+    (best in bold) and the mean accuracy over the rounds, and the change of the final accuracy between them."""
+    lo, hi = list(dict.fromkeys(r["variant"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    by = {(r["method"], r["variant"]): r for r in rows}
+    cols = {v: _bold_best([pm(by[(m, v)]["final_acc_mean"], by[(m, v)]["final_acc_std"]) for m in methods],
+                          [by[(m, v)]["final_acc_mean"] for m in methods]) for v in (lo, hi)}  # fmt: skip
+    body = [
+        [LABELS[m], cols[lo][i], f"{by[(m, lo)]['mean_acc_over_rounds']:.2f}", cols[hi][i],
+         f"{by[(m, hi)]['mean_acc_over_rounds']:.2f}",
+         f"{abs(by[(m, hi)]['final_acc_mean'] - by[(m, lo)]['final_acc_mean']):.2f}"]
+        for i, m in enumerate(methods)
+    ]  # fmt: skip
+    h = [v.replace("%", " %") for v in (lo, hi)]
+    return markdown_table(
+        ["method", h[0], "mean over rounds", h[1], "mean over rounds", f"change {h[0]} → {h[1]}"], body
+    )
 
 
 def _small_cost(folder: Path) -> str:
