@@ -516,7 +516,45 @@ def sections(folder: Path) -> dict[str, str]:
         declared = {v.claim: v.interval for v in judge(CLAIMS, table, p)}
         rows = [[v.claim, v.measured, declared.get(v.claim, "-"), YES_NO[v.held]] for v in claims(table, p)]
         out[block] = markdown_table(["claim", "measured", "verdict (declared rule)", "held"], rows)
+        out[block.replace("claims", "table")] = page_table(table, p, block.endswith("noniid"))
     return out
+
+
+def _label(method: str) -> str:
+    """A method as the page names it: FSL_MC, FSL_OC (+clip), CSE-FSL h=5, CSE-FSL h=5, random order."""
+    name = method.replace("cse_fsl", "CSE-FSL").replace(" random", ", random order")
+    return {"fsl_oc": "FSL_OC (+clip)"}.get(method, name.upper() if method.startswith("fsl") else name)
+
+
+def page_table(table: list[dict[str, Any]], p: Preset, noniid: bool) -> str:
+    """The page's Table V of one committed ``table-*.csv``: accuracy (mean, std), load and storage with the
+    paper's CIFAR-10 numbers (the non-IID column: accuracy per seed and the paper's non-IID accuracy)."""
+    per = {}
+    for r in p.records:
+        per.setdefault(r["method"], []).append(f"{r['accuracy']:.2f}")
+
+    def opt(v, fmt: str) -> str:
+        return "—" if v is None else format(v, fmt)
+
+    reach = f"load to reach {100 * p.target:.0f} % (MiB)"
+    if noniid:
+        header = ["method", "acc (%)", "± std", "per seed", "load / FSL_MC", "paper non-IID acc (%)"]
+        body = [[_label(t["method"]), f"{t['accuracy']:.2f}", f"{t['accuracy_std']:.2f}", ", ".join(per[t["method"]]),
+                 f"{t['load_ratio']:.3f}", opt(t["paper_acc"], ".2f")] for t in table]  # fmt: skip
+        return markdown_table(header, body)
+    body = [[_label(t["method"]), f"{t['accuracy']:.2f}", f"{t['accuracy_std']:.2f}", f"{t['load_gib']:.4f}",
+             f"{t['load_ratio']:.3f}", f"{t['storage_m']:.4f}", t["server_copies"],
+             opt(None if t["load_to_target_gib"] is None else 1024 * t["load_to_target_gib"], ".1f")]
+            for t in table]  # fmt: skip
+    if p.dataset["name"] == "digits":
+        header = ["method", "acc (%)", "± std", "load (GiB)", "load / FSL_MC", "storage (M)", "copies", reach]
+        return markdown_table(header, body)
+    header = ["method", "acc (%)", "± std", "load (GiB)", "load / FSL_MC", "storage (M params)", "server copies", reach]
+    header += ["paper CIFAR acc", "paper load / FSL_MC", "paper storage (M)"]
+    paper = [
+        [opt(t["paper_acc"], ".2f"), opt(t["paper_load_ratio"], ".3f"), opt(t["paper_storage"], ".2f")] for t in table
+    ]
+    return markdown_table(header, [b + q for b, q in zip(body, paper)])
 
 
 STUDY = Study(
