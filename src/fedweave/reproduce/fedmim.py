@@ -1093,10 +1093,32 @@ def sections(folder: Path) -> dict[str, str]:
         "small-cost": _small_cost(folder),
         "round50": _round50(folder),
         "table1": _page_table1(read_csv(folder / "table.csv")),
+        "long": _page_long(read_csv(folder / "long" / "gaps.csv")),
         "ablation": _page_ablation(read_csv(folder / "ablation" / "ablation.csv")),
         "epochs": _page_epochs(read_csv(folder / "epochs" / "epochs.csv")),
         "participation": _page_participation(read_csv(folder / "participation" / "participation.csv")),
     }
+
+
+def _page_long(rows: list[dict]) -> str:
+    """The page's ``long`` table (``long/gaps.csv``): per checkpoint round, each method's accuracy (mean ± std
+    over seeds) and FedMIM minus each other method, the mean and per seed."""
+    methods = ["fedavg", "fedmim", "fedcm", "scaffold"]
+    acc = {(r["round"], r["method"], r["seed"]): r["accuracy"] for r in rows}
+    seeds = sorted({r["seed"] for r in rows})
+
+    def signed(x: float) -> str:
+        return f"{x:+.2f}".replace("-", "−")
+
+    body = []
+    for t in sorted({r["round"] for r in rows}):
+        cells = [pm(*mean_std([acc[(t, m, s)] for s in seeds])) for m in methods]
+        for m in methods[:1] + methods[2:]:
+            d = [acc[(t, "fedmim", s)] - acc[(t, m, s)] for s in seeds]
+            cells.append(f"{signed(sum(d) / len(d))} ({', '.join(signed(x) for x in d)})")
+        body.append([t, *cells])
+    header = ["round", *(LABELS[m] for m in methods), *(f"FedMIM − {LABELS[m]}" for m in methods[:1] + methods[2:])]
+    return markdown_table(header, body)
 
 
 def _bold_best(cells: list[str], values: list[float]) -> list[str]:
