@@ -793,6 +793,12 @@ def sections(folder: Path) -> dict[str, str]:
         "cost": cost_section(folder),
         "adult-tune": adult_tune_section(folder / "adult" / "tune.csv"),
         **{f"table1-{ds}": table1_section(read_csv(folder / "table.csv"), ds) for ds in ("mnist", "fashion_mnist")},
+        **{
+            f"long-{ds}": table1_section(read_csv(folder / "long" / "table.csv"), ds)
+            for ds in ("mnist", "fashion_mnist")
+        },
+        "adult": table1_section(read_csv(folder / "adult" / "table.csv"), "adult", ADULT_LABELS, detail=False),
+        "sensitivity": sensitivity_section(read_csv(folder / "table.csv")),
     }
 
 
@@ -809,19 +815,56 @@ PAGE_TABLE1 = {  # the page's Table I rows: method -> its label there
 }
 
 
-def table1_section(rows: list[dict], dataset: str) -> str:
-    """The page's Table I of one dataset from the small preset's ``table.csv``: per method and setting, mean ±
-    std [mean of the last 10 rounds] / the paper's number (the 500-round control: mean ± std only)."""
+ADULT_LABELS = {
+    "fedavg": "FedAvg",
+    "fedprox": "FedProx",
+    "scaffold": "SCAFFOLD",
+    "zo_hfl": "ZO-HFL (lambda = 1)",
+    "server_only": "server-only (lambda = 0)",
+}
+
+
+def table1_section(rows: list[dict], dataset: str, labels: dict = PAGE_TABLE1, detail: bool = True) -> str:
+    """The page's Table I of one dataset from a preset's ``table.csv``: per method it ran (of ``labels``) and
+    setting, mean ± std and, with ``detail``, [the mean of the last 10 rounds] / the paper's number (the
+    500-round control: mean ± std only)."""
     by = {(r["method"], r["alpha"], r["beta"]): r for r in rows if r["dataset"] == dataset}
     settings = list(dict.fromkeys((r["alpha"], r["beta"]) for r in rows if r["dataset"] == dataset))
 
     def cell(r: dict) -> str:
-        last = "" if r["method"] == "server_only_long" else f" [{r['acc_last10_mean']:.2f}]"
-        paper = "" if r["paper_acc"] is None else f" / {r['paper_acc']:.2f}"
+        last = "" if r["method"] == "server_only_long" or not detail else f" [{r['acc_last10_mean']:.2f}]"
+        paper = "" if r["paper_acc"] is None or not detail else f" / {r['paper_acc']:.2f}"
         return f"{r['acc_mean']:.2f} ± {r['acc_std']:.2f}{last}{paper}"
 
-    header = ["method", *(f"alpha={a:g}, beta={100 * b:.0f}%" for a, b in settings)]
-    body = [[label, *(cell(by[(m, *ab)]) for ab in settings)] for m, label in PAGE_TABLE1.items()]
+    ab = "alpha={:g}, beta={:.0f}%" if detail else "a={:g}, b={:.0f}%"
+    header = ["method", *(ab.format(a, 100 * b) for a, b in settings)]
+    ran = {m for m, *_ in by}
+    body = [[label, *(cell(by[(m, *s)]) for s in settings)] for m, label in labels.items() if m in ran]
+    return markdown_table(header, body)
+
+
+SENSITIVITY_LABELS = {  # the page's sensitivity rows (spec §9.2, A5, A11)
+    "fedavg_const": "FedAvg, constant local lr 0.05",
+    "fedprox_const": "FedProx, constant local lr 0.05",
+    "scaffold_const": "SCAFFOLD, constant local lr 0.05",
+    "fedavg_2h": "FedAvg, 2H local steps",
+    "fedprox_2h": "FedProx, 2H local steps",
+    "scaffold_2h": "SCAFFOLD, 2H local steps",
+    "zo_hfl_nocrn": "ZO-HFL, `crn: false`",
+    "zo_hfl_fast": "ZO-HFL, gamma_0 = 0.1 (not the paper's)",
+    "server_only_fast": "server-only, gamma_0 = 0.1 (not the paper's)",
+}
+
+
+def sensitivity_section(rows: list[dict]) -> str:
+    """The page's sensitivity table from the small preset's ``table.csv``: mean ± std per dataset and setting."""
+    by = {(r["method"], r["dataset"], r["alpha"], r["beta"]): r for r in rows}
+    cols = [(ds, a, b) for ds in ("mnist", "fashion_mnist")
+            for a, b in dict.fromkeys((r["alpha"], r["beta"]) for r in rows if r["dataset"] == ds)]  # fmt: skip
+    name = {"mnist": "MNIST", "fashion_mnist": "FMNIST"}
+    header = ["method", *(f"{name[ds]} {a:g}/{100 * b:.0f}%" for ds, a, b in cols)]
+    body = [[label, *(pm(by[(m, *c)]["acc_mean"], by[(m, *c)]["acc_std"]) for c in cols)]
+            for m, label in SENSITIVITY_LABELS.items()]  # fmt: skip
     return markdown_table(header, body)
 
 
