@@ -715,7 +715,45 @@ def sections(folder: Path) -> dict[str, str]:
         rows = [[*row, declared.get(row[0], none)] for row in claims(aggs)]
         out[block] = markdown_table([*CLAIM_COLUMNS, "verdict (declared rule)"], rows)
     out["pilot"] = pilot_section(read_csv(folder / "summary.csv"))
+    out["synthetic"] = synthetic_section(read_csv(folder / "summary.csv"))
     return out
+
+
+def _short(method: str) -> str:
+    """A method as the page's synthetic table names it: ``CFL-SAGA ρ=1e4``, ``GT-SAGA SR 0.05``."""
+    names = {"CFL-ADMM (reconstructed, exact local gradients) SR=0.3": "CFL-ADMM (reconstr., exact local grads)"}
+    if method in names:
+        return names[method]
+    if method.startswith("CFL-SAGA rho="):
+        rho = float(method.split("=")[1])
+        return "CFL-SAGA ρ=" + (f"{rho:g}" if rho < 1000 else f"1e{round(math.log10(rho))}")
+    return method.replace("=", " ", 1) if method.startswith(("GT-", "CFL-ADMM")) else method
+
+
+def synthetic_section(aggs: list[dict]) -> str:
+    """The page's synthetic-problem table (``summary.csv``): per graph, GT-SAGA, then CFL-SAGA by rho, then the
+    other baselines; iterations and uploads to each target, the reduction against the best GT-SAGA at 1e-8
+    (the best CFL-SAGA in bold), uploads and CPU milliseconds per iteration."""
+    body, first_full = [], True
+    for topo in ("random", "ring", "full"):
+        rows = [a for a in aggs if a["problem"] == "synthetic" and a["topology"] == topo]
+        gt = [a for a in rows if a["method"].startswith("GT-SAGA")]
+        cfl = sorted((a for a in rows if a["method"].startswith("CFL-SAGA")), key=lambda a: _rho(a["method"]))
+        best_g, best_c = _best(gt, "GT-SAGA", DEEP), _best(cfl, "CFL-SAGA", DEEP)
+        for a in gt + cfl + [a for a in rows if a not in gt and a not in cfl]:
+            label = _short(a["method"])
+            if label == "CFL-SAGA ρ=0" and first_full:
+                label, first_full = label + " (full upload)", False
+            counts = ["–" if a[f"{w}_{t:.0e}"] is None else f"{a[f'{w}_{t:.0e}']:{',' if w == 'uploads' else ''}.0f}"
+                      for t in TARGETS for w in ("iters", "uploads")]  # fmt: skip
+            red = f"{best_g[DEEP] / a[DEEP]:.1f}×" if a.get(DEEP) else ""
+            if a is best_c:
+                counts[-1], red = f"**{counts[-1]}**", f"**{red}**"
+            up = a["uploads_per_iteration"]
+            up = f"{up:.0f}" if up == int(up) and up >= 100 else f"{up:.1f}"
+            body.append([topo, label, *counts, red, up, f"{a['ms_per_iteration_cpu']:.2f}"])
+    header = ["topology", "method", *(f"{w} → {t}" for t in ("1e-4", "1e-6", "1e-8") for w in ("it", "uploads"))]
+    return markdown_table([*header, "reduction", "uploads/it", "ms/it"], body)
 
 
 STUDY = Study(
