@@ -738,7 +738,46 @@ def sections(folder: Path) -> dict[str, str]:
         out[block] = table_after(
             (folder / sub / "results.md").read_text(encoding="utf-8"), heading, f"{sub}/results.md"
         )
+    out["dp"] = _merged_dp(*(folder / sub / "results.md" for sub in ("", "table3-dp")))
+    out["fig5"] = _page_fig5(folder / "fig5")
     return out
+
+
+def _page_fig5(folder: Path) -> str:
+    """Fig. 5 as the page shows it: ``fig5/results.md``'s table with the best-round gain per seed (from
+    ``fig5/results.json``) and the means of the selected neighbours and of the megabytes sent."""
+    report = table_after((folder / "results.md").read_text(encoding="utf-8"), "## Fig. 5").splitlines()[2:]
+    results = json.loads((folder / "results.json").read_text(encoding="utf-8"))
+    body = []
+    for line in report:
+        m, best0, best1, gain, fin0, fin1, _, sel, mb, _ = (c.strip() for c in line.strip("|").split("|"))
+        plain = [r for r in results if r["label"] == m]
+        per = ", ".join(
+            f"{100 * g:.2f}" for g in seed_gaps(plain, [r for r in results if r["label"] == m + " + AFIND+"], "best")
+        )
+        sent = " / ".join(f"{float(x.split('±')[0]):.0f}" for x in mb.split(" / "))
+        body.append(
+            [
+                m,
+                best0,
+                best1,
+                f"{'' if gain.startswith('-') else '+'}{gain} ({per})",
+                fin0,
+                fin1,
+                sel.split("±")[0],
+                sent,
+            ]
+        )
+    header = ["method", "best without", "best with AFIND+", "gain (best), per seed", "final without"]
+    return markdown_table([*header, "final with AFIND+", "mean selected", "MB sent without / with"], body)
+
+
+def _merged_dp(*reports: Path) -> str:
+    """Table 4 as the page shows it: each sigma_2 row from the report that ran it (its best is not '-'); the
+    small run ran sigma_2 <= 5, the table3-dp run 10 and 50."""
+    tables = [table_after(f.read_text(encoding="utf-8"), "## Table 4", str(f)).splitlines() for f in reports]
+    rows = [next((r for r in rows if r.split(" | ")[1] != "-"), rows[0]) for rows in zip(*(t[2:] for t in tables))]
+    return "\n".join(tables[0][:2] + rows) + "\n"
 
 
 PAGE_TABLES = {  # block -> (folder, the heading of its table in the folder's results.md)
