@@ -716,7 +716,31 @@ def sections(folder: Path) -> dict[str, str]:
         out[block] = markdown_table([*CLAIM_COLUMNS, "verdict (declared rule)"], rows)
     out["pilot"] = pilot_section(read_csv(folder / "summary.csv"))
     out["synthetic"] = synthetic_section(read_csv(folder / "summary.csv"))
+    out["alpha"] = alpha_section(read_csv(folder / "summary.csv"))
     return out
+
+
+def alpha_section(aggs: list[dict]) -> str:
+    """The page's step-size grid (``summary.csv``'s ``synthetic, alpha grid`` rows): per method and alpha,
+    iterations / uploads to 1e-8, each method's fewest uploads in bold; CFL-SAGA first."""
+    rows = [a for a in aggs if a["problem"] == "synthetic, alpha grid"]
+    grid = {}
+    for a in rows:
+        method, alpha = a["method"].rsplit(" alpha=", 1)
+        grid.setdefault(method, {})[alpha] = a
+    alphas = list(dict.fromkeys(a["method"].rsplit(" alpha=", 1)[1] for a in rows))
+    body = []
+    for method in sorted(grid, key=lambda m: (not m.startswith("CFL-SAGA"), list(grid).index(m))):
+        cells = grid[method]
+        best = min((c for c in cells.values() if c.get(DEEP)), key=lambda c: c[DEEP])
+
+        def cell(c: dict) -> str:
+            if not c.get(DEEP):
+                return "–"
+            return f"{c[IT]:.0f} / " + (f"**{c[DEEP]:,.0f}**" if c is best else f"{c[DEEP]:,.0f}")
+
+        body.append([_short(method), *(cell(cells[al]) for al in alphas)])
+    return markdown_table(["method", *alphas], body)
 
 
 def _short(method: str) -> str:
