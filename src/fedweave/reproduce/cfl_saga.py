@@ -734,7 +734,7 @@ def alpha_section(aggs: list[dict]) -> str:
         cells = grid[method]
         best = min((c for c in cells.values() if c.get(DEEP)), key=lambda c: c[DEEP])
 
-        def cell(c: dict) -> str:
+        def cell(c: dict, best: dict = best) -> str:
             if not c.get(DEEP):
                 return "–"
             return f"{c[IT]:.0f} / " + (f"**{c[DEEP]:,.0f}**" if c is best else f"{c[DEEP]:,.0f}")
