@@ -799,7 +799,20 @@ def sections(folder: Path) -> dict[str, str]:
         },
         "adult": table1_section(read_csv(folder / "adult" / "table.csv"), "adult", ADULT_LABELS, detail=False),
         "sensitivity": sensitivity_section(read_csv(folder / "table.csv")),
+        "fig2": fig2_section(json.loads((folder / "claims.json").read_text(encoding="utf-8"))["claims"]),
     }
+
+
+def fig2_section(claims: dict[str, Any], dataset: str = "fashion_mnist") -> str:
+    """The page's Fig. 2 table: the final global and test loss per setting and tau, means over the sweep's
+    seeds (``claims.json``'s C3 values)."""
+    c = claims[dataset]
+    glob, test = c["C3_final_global_loss_per_tau"], c["C3_final_test_loss_per_tau"]
+    taus = " / ".join(next(iter(test.values())))
+    body = [[setting.replace("a=", "alpha=").replace("b=", "beta="),
+             " / ".join(f"{v:.4f}" for v in glob[setting].values()),
+             " / ".join(f"{v:.5f}" for v in test[setting].values())] for setting in test]  # fmt: skip
+    return markdown_table(["setting", f"global loss, tau = {taus}", f"test loss, tau = {taus}"], body)
 
 
 PAGE_TABLE1 = {  # the page's Table I rows: method -> its label there
