@@ -276,3 +276,14 @@ def test_an_edited_number_or_verdict_in_any_generated_block_is_found(name):
             assert fill(bad, sections) == page != bad, (m["name"], pattern)
             edits += 1
     assert edits, f"{name}.md: no generated number or verdict"
+
+
+def test_a_copied_table_is_the_reports_and_a_missing_one_is_one_line():
+    from fedweave.config import ConfigError
+    from fedweave.experiments.pages import table_after
+
+    report = "# r\n\n## Table 1: x\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n## Table 2\n\n| c |\n|---|\n| 3 |\n"
+    assert table_after(report, "## Table 1") == "| a | b |\n|---|---|\n| 1 | 2 |\n"
+    assert table_after(report, "## Table 2") == "| c |\n|---|\n| 3 |\n"
+    with pytest.raises(ConfigError, match=r"^r.md has no line starting with '## Table 4'$"):
+        table_after(report, "## Table 4", "r.md")
