@@ -146,5 +146,5 @@ def test_fig5_claims_compare_per_seed_gains_with_the_abstracts_three_points():
     checks = {c: (ok, m) for c, ok, m in claims(results, p)}
     every = next(v for c, v in checks.items() if c.startswith("Fig. 5"))
     assert every[0] is False and "DisPFL +0.00 (1/2 seeds ahead)" in every[1]  # DisPFL: -0.5 and +0.5
-    about = next(v for c, v in checks.items() if c.startswith("Abstract"))
+    about = next(v for c, v in checks.items() if c.startswith("Section 5"))
     assert about[0] is True and about[1] == "mean gain +1.67 points"  # (3.5 + 1.5 + 0) / 3

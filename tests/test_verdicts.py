@@ -225,3 +225,68 @@ def test_the_example_row_of_docs_results_md_is_what_the_rule_makes_of_the_commit
     beats = Paired("final_acc", {"method": "fedmim"}, {"method": "fedavg"})
     row = verdict_table(judge([Claim("FedMIM beats FedAvg (Table I)", None, declared=beats)], records))
     assert row.splitlines()[2] in (root / "docs/results.md").read_text(encoding="utf-8").splitlines()
+
+
+def _recs(values: dict[str, list[float]]) -> list[dict]:
+    return [{"method": m, "seed": s, "acc": v} for m, vs in values.items() for s, v in enumerate(vs)]
+
+
+def test_a_conjunction_holds_only_when_every_part_holds_and_fails_when_one_fails():
+    from fedweave.experiments.verdicts import All
+
+    def rule(*others: str) -> All:
+        return All(tuple((f"a > {o}", Paired("acc", {"method": "a"}, {"method": o})) for o in others))
+
+    recs = _recs({"a": [5, 6, 7], "b": [1, 2, 3], "c": [4.9, 6.2, 6.8], "d": [9, 10, 11]})
+    assert rule("b").judge(recs).outcome == "held"
+    assert rule("b", "c").judge(recs).outcome == "inconclusive"  # a vs c straddles 0
+    assert rule("b", "c", "d").judge(recs).outcome == "did not hold"  # one part wholly on the wrong side
+    got = rule("b", "d").judge(recs)
+    assert got.text.startswith("all of 2 (points): a > b +4.00 [4.00, 4.00] held; a > d -4.00 [-4.00, -4.00]")
+    assert got.text.endswith("95 % paired t, n=3: did not hold") and got.held is False
+    assert rule("b", "missing").judge(recs) is None  # a part without records: the claim is left out
+
+
+def test_an_untestable_claim_says_why_and_is_neither_held_nor_failed():
+    from fedweave.experiments.verdicts import Untestable
+
+    claim = Claim("FedAvg is slowest", lambda t, c: ("means only", None), declared=Untestable("no per-seed rows"))
+    (v,) = judge([claim], [])
+    assert (v.held, v.outcome) == (None, "untestable")
+    assert v.interval == "untestable by a declared rule: no per-seed rows"
+
+
+def test_a_declared_rule_may_be_chosen_from_the_table():
+    recs = _recs({"a": [5, 6, 7], "b": [1, 2, 3], "c": [0, 1, 2]})
+    best_other = Claim(  # a beats the best of the others, chosen by mean
+        "a beats the rest",
+        None,
+        declared=lambda t, _: Paired("acc", {"method": "a"}, {"method": max("bc", key=lambda m: _mean(t, m))}),
+    )
+    (v,) = judge([best_other], recs)
+    assert v.interval.startswith("+4.00 points [4.00, 4.00]") and v.held is True
+
+
+def _mean(recs: list[dict], m: str) -> float:
+    return float(np.mean([r["acc"] for r in recs if r["method"] == m]))
+
+
+def test_a_claims_criterion_is_its_own_rule_on_the_means_whatever_it_declares():
+    recs = _recs({"a": [5, 9, 1], "b": [1, 2, 3]})  # mean gap +3, one seed behind
+    claim = Claim(
+        "a beats b", lambda t, c: ("means +3.00", True), declared=Paired("acc", {"method": "a"}, {"method": "b"})
+    )
+    assert claim.criterion(recs) == Verdict("a beats b", "means +3.00", True)
+    (v,) = judge([claim], recs)
+    assert (v.outcome, v.measured) == ("inconclusive", "means +3.00")
+    assert Claim("only declared", None, declared=claim.declared).criterion(recs) is None
+
+
+def test_the_cse_fsl_page_reads_the_per_seed_accuracies_its_table_files_list():
+    from pathlib import Path
+
+    from fedweave.reproduce.cse_fsl import seed_records
+
+    md = (Path(__file__).parents[1] / "docs/reproductions/cse-fsl/table-fashion_mnist-noniid.md").read_text()
+    got = {(r["method"], r["seed"]): r["accuracy"] for r in seed_records(md)}
+    assert got[("fsl_oc", 2)] == 59.40 and got[("cse_fsl h=5 random", 0)] == 56.30 and len(got) == 21

@@ -47,3 +47,15 @@ def update(path: str | Path, sections: dict[str, str]) -> bool:
     if new != page:
         atomic_write(path, new)
     return new != page
+
+
+def table_after(text: str, heading: str, where: str = "the file") -> str:
+    """The first markdown table after the line that starts with ``heading`` in ``text`` (a committed report),
+    with its newline: a page's copy of a report's table is a generated block, so an edit of it is found."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(heading)), None)
+    if start is None:
+        raise ConfigError(f"{where} has no line starting with {heading!r}")
+    first = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("|"))
+    last = next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(lines[first:last]) + "\n"

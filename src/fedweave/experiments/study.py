@@ -90,8 +90,9 @@ class Claim:
     rule: Callable[[Any, Any], tuple[str, bool | None] | None] | None
     # ---- a declared verdict rule (module docstring): it decides the verdict; ``rule``, when given, still says
     # what was measured (or leaves the claim out). ``records(table, ctx)`` gives the records the declared rule
-    # reads (by default the table itself, a list of records).
-    declared: Rule | None = field(default=None, kw_only=True)
+    # reads (by default the table itself, a list of records). A declared rule may be a function of
+    # ``(table, ctx)`` that returns the rule: one whose sides are chosen from the table (the best row by mean).
+    declared: Rule | Callable[[Any, Any], Rule] | None = field(default=None, kw_only=True)
     records: Callable[[Any, Any], Sequence[Any]] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -106,12 +107,23 @@ class Claim:
         measured, held, *word = got
         if self.declared is None:
             return Verdict(text, measured, None if held is None else bool(held), *word)
-        decision = self.declared.judge(self.records(table, ctx) if self.records else table)
+        declared = self.declared if hasattr(self.declared, "judge") else self.declared(table, ctx)
+        decision = declared.judge(self.records(table, ctx) if self.records else table)
         if decision is None:  # the records hold no A or no B: the claim is left out, as a rule's None
             return None
         return Verdict(
             text, measured or decision.detail, decision.held, outcome=decision.outcome, interval=decision.text
         )
+
+    def criterion(self, table: Any, ctx: Any = None) -> Verdict | None:
+        """The verdict of the claim's own ``rule`` alone (a criterion on the means, as a preset's files state
+        it), whatever rule it declares; None when the rule cannot test it or there is no rule."""
+        got = self.rule(table, ctx) if self.rule is not None else None
+        if got is None:
+            return None
+        measured, held, *word = got
+        text = self.text(table, ctx) if callable(self.text) else self.text
+        return Verdict(text, measured, None if held is None else bool(held), *word)
 
 
 def judge(claims: Sequence[Claim], table: Any, ctx: Any = None) -> list[Verdict]:

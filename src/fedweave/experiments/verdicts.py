@@ -40,7 +40,7 @@ import numpy as np
 
 from fedweave.config import ConfigError
 
-HELD, NOT_HELD, INCONCLUSIVE = "held", "did not hold", "inconclusive"
+HELD, NOT_HELD, INCONCLUSIVE, UNTESTABLE = "held", "did not hold", "inconclusive", "untestable"
 TESTS = {"t": "paired t", "bootstrap": "paired bootstrap"}  # a test's name -> its name in a verdict's line
 DIRECTIONS = ("greater", "less", "within")
 OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq}
@@ -181,15 +181,18 @@ class Paired:
             outcome = HELD if high < -m else NOT_HELD if low > -m else INCONCLUSIVE
         else:  # within
             outcome = HELD if -m < low and high < m else NOT_HELD if low > m or high < -m else INCONCLUSIVE
-        nd = self.digits
+        nd, unit = self.digits, f" {self.unit}" if self.unit else ""
+        text = f"{estimate:+.{nd}f}{unit} [{low:.{nd}f}, {high:.{nd}f}], {self.describe()}, n={n}: {outcome}"
+        return Decision(outcome, estimate, low, high, n, text, detail)
+
+    def describe(self) -> str:
+        """The test and the bound as a verdict's line names them: ``95 % paired t, min effect +1.00``."""
+        m, nd = float(self.min_effect), self.digits
         bound = {"greater": f"min effect {m:+.{nd}f}", "less": f"min effect {-m:+.{nd}f}"}.get(
             self.direction, f"within ±{m:.{nd}f}"
         )
         test = f"{100 * self.level:g} % {TESTS[self.test]}"
-        rule = test if self.direction != "within" and m == 0 else f"{test}, {bound}"
-        unit = f" {self.unit}" if self.unit else ""
-        text = f"{estimate:+.{nd}f}{unit} [{low:.{nd}f}, {high:.{nd}f}], {rule}, n={n}: {outcome}"
-        return Decision(outcome, estimate, low, high, n, text, detail)
+        return test if self.direction != "within" and m == 0 else f"{test}, {bound}"
 
 
 @dataclass(frozen=True)
@@ -233,4 +236,41 @@ class Threshold:
         return Decision(outcome, v, None, None, 1, text, f"{v:.{nd}f}{unit}")
 
 
-Rule = Paired | Threshold
+@dataclass(frozen=True)
+class All:
+    """A claim that is a conjunction of paired comparisons (an ordering, "best of the methods run"): ``parts``,
+    (label, ``Paired``) pairs, all with the same test. **held** when every part held, **did not hold** when one
+    did not hold, **inconclusive** otherwise; its line gives each part's estimate, interval and outcome."""
+
+    parts: tuple[tuple[str, Paired], ...]
+
+    def judge(self, records: Sequence[Mapping[str, Any]]) -> Decision | None:
+        """The decision on ``records``, or None when a part finds no record of A or of B."""
+        got = [(label, rule.judge(records)) for label, rule in self.parts]
+        if not got or any(d is None for _, d in got):
+            return None
+        outcomes = {d.outcome for _, d in got}
+        outcome = NOT_HELD if NOT_HELD in outcomes else HELD if outcomes == {HELD} else INCONCLUSIVE
+        first, nd = self.parts[0][1], self.parts[0][1].digits
+        each = "; ".join(
+            f"{label} {d.estimate:+.{nd}f} [{d.low:.{nd}f}, {d.high:.{nd}f}] {d.outcome}" for label, d in got
+        )
+        n = min(d.n for _, d in got)
+        unit = f" ({first.unit})" if first.unit else ""
+        text = f"all of {len(got)}{unit}: {each}; {first.describe()}, n={n}: {outcome}"
+        return Decision(outcome, min(d.estimate for _, d in got), None, None, n, text, "")
+
+
+@dataclass(frozen=True)
+class Untestable:
+    """A claim the committed records cannot test by a declared rule (no per-seed values of its statistic):
+    its verdict says so and why (``reason``), instead of a verdict read from means."""
+
+    reason: str
+
+    def judge(self, records: Sequence[Mapping[str, Any]]) -> Decision:
+        """Always the same decision: untestable, with the reason."""
+        return Decision(UNTESTABLE, math.nan, None, None, 0, f"untestable by a declared rule: {self.reason}")
+
+
+Rule = Paired | Threshold | All | Untestable
