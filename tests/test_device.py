@@ -297,6 +297,10 @@ ALLOWED_FACTORIES = {
     ("execution/state.py", "torch.from_numpy(arr)"): "a memory-mapped table lives in host memory by design",
     ("algorithms/base.py", "torch.from_numpy(z[k])"): "initial weights read from a file, copied into the model",
     ("topology/confederation.py", "torch.from_numpy(w)"): "the host mixing matrix; mix() moves it to z's device",
+    # the batch plan is index arithmetic on the host (numpy); the trainer moves each step's batch to its device
+    ("execution/local.py", "torch.from_numpy(np.where(valid, source, 0))"): "the host batch plan's indices",
+    ("execution/local.py", "torch.from_numpy(valid)"): "the host batch plan's mask",
+    ("execution/local.py", "torch.from_numpy(count.astype(np.int64))"): "the host batch plan's step counts",
 }
 LAYERS = ("execution", "algorithms", "topology")
 
@@ -343,6 +347,8 @@ ALLOWED_HOST_READS = {
     "noise on every device), so the step's job ids come to the host",
     ("execution/vmap.py", "active.tolist()"): "a CPU tensor (the active jobs are found from the CPU batch plan): "
     "no device synchronisation",
+    ("execution/local.py", "torch.cat(draws).numpy()"): "the batch plan's permutations, drawn on the CPU "
+    "(device='cpu'): no device synchronisation",
 }
 
 

@@ -177,8 +177,12 @@ class LocalTrainer:
         K, bs, c = len(clients), self.local.batch_size, np.asarray(clients, dtype=np.int64).reshape(-1)
         if K == 0:
             B = 1 if self.local.full_batch else bs
-            empty = torch.zeros(0, dtype=torch.long)
-            return Batches(torch.zeros((0, 0, B), dtype=torch.long), torch.zeros((0, 0, B), dtype=torch.bool), empty)
+            empty = torch.zeros(0, dtype=torch.long, device="cpu")  # a batch plan lives on the host
+            none = (
+                torch.zeros((0, 0, B), dtype=torch.long, device="cpu"),
+                torch.zeros((0, 0, B), dtype=torch.bool, device="cpu"),
+            )
+            return Batches(*none, empty)
         # index arithmetic in numpy: these arrays are small, where a numpy operation costs a fraction of a torch one
         lo = self.parts.offsets[c]  # where each client's indices start in parts.indices
         n = self.parts.offsets[c + 1] - lo  # (K,) samples of each job's client
