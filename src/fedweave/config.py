@@ -448,8 +448,9 @@ class PrivacyConfig:
     # user: each client's whole update is what is protected (DP-FedAvg); sample: each training sample (DP-SGD
     # at every client, per-sample clipping and noise)
     level: Literal["user", "sample"] = "user"
-    # user level: central (the server adds the noise to the sum) or local (each client noises its own update)
-    mechanism: Literal["central", "local"] = "central"
+    # user level: central (the server adds the noise to the sum), local (each client noises its own update) or
+    # ftrl (DP-FTRL: the sums released as noised prefix sums by tree aggregation, no sampling amplification)
+    mechanism: Literal["central", "local", "ftrl"] = "central"
     clip: float = 1.0  # C: the L2 bound of each client's update (level sample: of each sample's gradient)
     per_layer: bool = False  # clip each layer's part of the update to C / sqrt(layers) (still norm <= C)
     noise_multiplier: float | Literal["auto"] = 1.0  # sigma: noise std sigma * C; auto: from target_epsilon
@@ -463,6 +464,8 @@ class PrivacyConfig:
     target_quantile: float = 0.5  # gamma: the fraction of updates left unclipped
     clip_lr: float = 0.2  # eta_C of the geometric update C <- C exp(-eta_C (b - gamma))
     count_noise: float | None = None  # sigma_b: noise std of the clipped count; null: clients_per_round / 20
+    restart_every: int | None = None  # ftrl: a new tree every this many releases (the paper's restart per epoch)
+    momentum: float = 0.0  # ftrl: DP-FTRLM's server momentum gamma on the noised increments, reset with the tree
 
     def validate(self) -> None:
         """Check the ``privacy`` section; raise a :class:`ConfigError` naming the first bad key and what it allows."""
@@ -495,6 +498,22 @@ class PrivacyConfig:
                         f"privacy.{key} applies to privacy.level: user; DP-SGD (level: sample) clips "
                         "each sample's gradient to privacy.clip and noises it at the client"
                     )
+        if self.mechanism != "ftrl":
+            for key, default in (("restart_every", None), ("momentum", 0.0)):
+                if getattr(self, key) != default:
+                    raise ConfigError(
+                        f"privacy.{key} applies to privacy.mechanism: ftrl (DP-FTRL's tree), not to "
+                        f"mechanism: {self.mechanism}"
+                    )
+        if self.restart_every is not None and not (isinstance(self.restart_every, int) and self.restart_every >= 1):
+            raise ConfigError(f"privacy.restart_every must be an integer >= 1 or null, got {self.restart_every}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"privacy.momentum must be in [0, 1), got {self.momentum}")
+        if self.adaptive and self.mechanism == "ftrl":
+            raise ConfigError(
+                "privacy.adaptive needs privacy.mechanism: central (DP-FTRL's tree would have to release the clipped "
+                "count too)"
+            )
         if self.adaptive and self.mechanism == "local":
             raise ConfigError(
                 "privacy.adaptive needs privacy.mechanism: central (the clipped count is noised at the server)"

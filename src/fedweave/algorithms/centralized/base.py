@@ -229,7 +229,7 @@ class StarAlgorithm(Algorithm):
         updates = self.client_updates(got)
         if self.robust is not None:  # 1. attack: Byzantine clients replace their (decoded) updates (robustness)
             updates = self.robust.attack(r, got.clients, updates, self.x if self.updates_are_models else None)
-        self.server_update(self.aggregate(updates, got.weights), got)
+        self.server_update(self.aggregate(updates, got.weights, got.clients), got)
         out = {**self.local_metrics(got.local, got.weights), **self.fault_metrics(clients)}
         return {**out, **self.robust.metrics()} if self.robust is not None else out
 
@@ -274,15 +274,18 @@ class StarAlgorithm(Algorithm):
         By default the local model's displacement ``y_i - x_t`` (as decoded, when the upload was compressed)."""
         return got.local.params - self.x if got.sent is None else got.sent
 
-    def aggregate(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def aggregate(
+        self, updates: torch.Tensor, weights: torch.Tensor, clients: np.ndarray | None = None
+    ) -> torch.Tensor:
         """The server pipeline's reduction of the client updates to one: their weighted mean.
 
         The one place where the collected updates become the aggregate, so that the stages between them
-        (DP clipping, robust aggregation, DP noise) plug in here, for every method at once.
+        (DP clipping, robust aggregation, DP noise) plug in here, for every method at once. ``clients``: the ids
+        of the updates' clients (DP-FTRL's accounting counts who took part in each leaf of its tree).
         """
         if self.privacy is not None:  # privacy, stage 3: each client's update clipped; weights 1/E (DP-FedAvg)
-            updates, weights = self.privacy.clip(updates, weights)
-            # privacy, stage 5: Gaussian noise on the sum, over E; one accounted release
+            updates, weights = self.privacy.clip(updates, weights, clients)
+            # privacy, stage 5: Gaussian noise on the sum, over E (DP-FTRL: the tree's increment); one release
             return self.privacy.noise(weights @ updates)
         if self.robust is not None:  # 4. reduction: the robust aggregator (robustness)
             return self.robust.aggregate(updates, weights)
