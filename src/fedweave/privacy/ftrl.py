@@ -186,9 +186,8 @@ class FTRLDP(UserDP):
 
     def epsilon_after_next(self) -> float:
         """Epsilon after one more leaf in which every client of the current tree, and a new one, took part (an
-        upper bound whoever reports next)."""
-        if self.restart_every is not None and len(self.leaves) == self.restart_every:
-            return self.accountant.epsilon(self.history([np.zeros(1, dtype=np.int64)]))
+        upper bound whoever reports next; a full tree is closed by :meth:`noise`, so the next leaf is in this one
+        or, when it is empty, the first of a new tree)."""
         seen = np.unique(np.concatenate([np.zeros(0, dtype=np.int64), *self.leaves]))
         fresh = int(seen.max()) + 1 if len(seen) else 0
         return self.accountant.epsilon(self.history([*self.leaves, np.append(seen, fresh)]))
