@@ -659,11 +659,24 @@ def test_dp_ftrl_auto_calibrates_for_the_planned_trees(toy_config):
     assert algo.privacy.accountant.epsilon(history) == pytest.approx(eps, rel=1e-9)
 
 
-def test_dp_ftrl_stops_at_the_budget_with_an_upper_bound_for_the_next_leaf(toy_config, tmp_path):
+def test_dp_ftrl_stops_at_the_budget_before_the_next_rounds_clients_would_exceed_it(toy_config, tmp_path):
+    from fedweave.privacy import tree_sensitivity
+
     privacy = {"noise_multiplier": 3.0, "target_epsilon": 6.0}
     res = run(load(_ftrl(toy_config, privacy, sampler=ONCE_PER_PERIOD, rounds=30)), run_dir=tmp_path / "r")
-    assert res.summary["rounds"] < 30 and res.metrics[-1]["epsilon"] <= 6.0
+    n = res.summary["rounds"]
+    assert n < 30 and res.metrics[-1]["epsilon"] <= 6.0
+    # one tree: round n + 1 would add the schedule's next clients as leaf n + 1
+    leaves = [np.array(ONCE_PER_PERIOD["clients"][i % 3]) for i in range(n + 1)]
+    assert _opacus_epsilon("rdp", 3.0 / math.sqrt(tree_sensitivity(leaves)), 1.0, 1, 1e-5) > 6.0
     assert res.summary["stopped_early"].startswith("privacy budget: one more round would spend epsilon")
+
+
+def test_dp_ftrl_auto_spends_its_budget_in_all_the_planned_rounds(toy_config, tmp_path):
+    privacy = {"noise_multiplier": "auto", "target_epsilon": 3.0, "restart_every": 3}
+    res = run(load(_ftrl(toy_config, privacy, sampler=ONCE_PER_PERIOD, rounds=9)), run_dir=tmp_path / "r")
+    assert res.summary["rounds"] == 9 and "stopped_early" not in res.summary
+    assert 2.95 <= res.summary["privacy"]["epsilon"] <= 3.0 and res.summary["privacy"]["tree_sensitivities"] == [2] * 3
 
 
 @pytest.mark.parametrize(

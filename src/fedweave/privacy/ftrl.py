@@ -126,6 +126,7 @@ class FTRLDP(UserDP):
         self.buffer: torch.Tensor | None = None  # DP-FTRLM's increment d_t (None: zero, a fresh tree)
         self._noise: TreeNoise | None = None
         self._clients: np.ndarray | None = None
+        self.upcoming: Any = None  # round -> the clients the sampler draws (the budget's look-ahead)
 
     @property
     def tree(self) -> int:
@@ -184,10 +185,13 @@ class FTRLDP(UserDP):
         """Epsilon at the run's delta after the trees so far (of the client with the largest sensitivity)."""
         return self.accountant.epsilon(self.history())
 
-    def epsilon_after_next(self) -> float:
-        """Epsilon after one more leaf in which every client of the current tree, and a new one, took part (an
-        upper bound whoever reports next; a full tree is closed by :meth:`noise`, so the next leaf is in this one
-        or, when it is empty, the first of a new tree)."""
+    def epsilon_after_next(self, next_round: int | None = None) -> float:
+        """Epsilon after one more leaf: the clients the sampler draws for ``next_round`` (who reports is among
+        them: an upper bound; the draw depends on the seed only, never on the data), or, without a round or a
+        sampler, every client of the current tree and a new one. A full tree is closed by :meth:`noise`, so the
+        next leaf is in this tree or, when it is empty, the first of a new one."""
+        if next_round is not None and self.upcoming is not None:
+            return self.accountant.epsilon(self.history([*self.leaves, np.asarray(self.upcoming(next_round))]))
         seen = np.unique(np.concatenate([np.zeros(0, dtype=np.int64), *self.leaves]))
         fresh = int(seen.max()) + 1 if len(seen) else 0
         return self.accountant.epsilon(self.history([*self.leaves, np.append(seen, fresh)]))

@@ -141,8 +141,8 @@ class UserDP:
         every one of them, an upper bound for every client)."""
         return self.accountant.epsilon()
 
-    def epsilon_after_next(self) -> float:
-        """Epsilon after one more release."""
+    def epsilon_after_next(self, next_round: int | None = None) -> float:
+        """Epsilon after one more release (whoever takes part in ``next_round``)."""
         return self.accountant.epsilon_after_next(
             self.z_accounted, 1.0 if self.mechanism == "local" else self.sample_rate
         )

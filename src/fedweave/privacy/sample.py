@@ -66,7 +66,7 @@ class SampleDP:
         """Stage 5: nothing to do at the server."""
         return mean
 
-    def epsilon_after_next(self) -> float:
+    def epsilon_after_next(self, next_round: int | None = None) -> float:
         """Epsilon if each client that trained did the most steps of any client's round once more (an upper
         bound, for the budget)."""
         done = self.trainer.steps_done

@@ -123,6 +123,8 @@ def make_privacy(algo: Any, per_round: int | None = None, num_clients: int | Non
         clip_lr=cfg.clip_lr,
         count_noise=count_noise,
     )
+    if isinstance(dp, FTRLDP):  # the budget's look-ahead asks who the next round samples
+        dp.upcoming = algo.sample_clients
     _check_first_release(cfg, dp)
     return dp
 
