@@ -1,13 +1,17 @@
-"""Accuracy vs epsilon: DP-FedAvg with a fixed clip and with adaptive clipping on MNIST (docs/privacy.md).
+"""Accuracy vs epsilon: DP-FedAvg with a fixed clip and with adaptive clipping, and DP-FTRL at DP-FedAvg's epsilons,
+on MNIST (docs/privacy.md).
 
 The base config is ``benchmarks/privacy/dp_fedavg_mnist.yaml``: 1,000 clients (Dirichlet 0.5), Poisson sampling
 of 100 expected clients per round (q = 0.1), a logistic model, 4 local steps of batch 16, 40 rounds, delta = 1e-5,
 Opacus's RDP accountant.
 The points: no privacy (the same run without the ``privacy`` section), DP-FedAvg with clip 0.5 and noise
 multipliers 0.8, 1.2 and 2.0, and adaptive clipping (Andrew et al. 2021: from C = 0.1 towards the median norm,
-eta_C = 0.2, sigma_b = 100 / 20) at the same noise multipliers; 3 seeds each.
+eta_C = 0.2, sigma_b = 100 / 20) at the same noise multipliers; DP-FTRL (no amplification: each client once per
+epoch of 10 rounds in a shuffled order, a tree per epoch) and DP-FedAvg accounted without amplification (q = 1),
+each with sigma calibrated to each DP-FedAvg point's epsilon; 3 seeds each.
 
     python benchmarks/privacy.py run [--workers 2]   # runs the grid, writes benchmarks/privacy/records.json
+    python benchmarks/privacy.py run --only DP-FTRL  # runs the points so named, replacing their records
     python benchmarks/privacy.py table [--docs]       # the table from the records (--docs: into docs/privacy.md)
 """
 
@@ -39,6 +43,39 @@ for z in SIGMAS:
         "privacy.target_quantile=0.5",
         "privacy.clip_lr=0.2",
     ]
+EPOCH = 10  # rounds per epoch: 1,000 clients, 100 per round
+for z in SIGMAS:
+    POINTS[f"DP-FTRL, C = 0.5, epsilon of sigma = {z:g}"] = [
+        "privacy.mechanism=ftrl",
+        "privacy.noise_multiplier=auto",
+        f"privacy.restart_every={EPOCH}",
+    ]
+for z in SIGMAS:  # the paper's other baseline: DP-FedAvg accounted without amplification, at the same epsilons
+    POINTS[f"DP-FedAvg without amplification (q = 1), epsilon of sigma = {z:g}"] = [
+        "privacy.amplification=none",
+        "privacy.noise_multiplier=auto",
+    ]
+
+
+def dp_fedavg_epsilon(z: float, data: dict) -> float:
+    """Epsilon of the DP-FedAvg point with noise multiplier ``z`` (Opacus's RDP accountant, q = 0.1)."""
+    from opacus.accountants import RDPAccountant
+
+    acc = RDPAccountant()
+    acc.history = [(z, data["algorithm"]["clients_per_round"] / data["partition"]["num_clients"], data["rounds"])]
+    return float(acc.get_epsilon(delta=data["privacy"]["delta"]))
+
+
+def epochs(seed: int, num_clients: int, per_round: int, rounds: int) -> list[list[int]]:
+    """Each client once per epoch: a shuffled order of all clients per epoch, cut into rounds (DP-FTRL's pattern)."""
+    import numpy as np
+
+    rng = np.random.default_rng([seed, 28])
+    plan: list[list[int]] = []
+    while len(plan) < rounds:
+        order = rng.permutation(num_clients)
+        plan += [sorted(order[i : i + per_round].tolist()) for i in range(0, num_clients, per_round)]
+    return plan[:rounds]
 
 
 def one(label: str, seed: int, out: str) -> dict:
@@ -51,6 +88,12 @@ def one(label: str, seed: int, out: str) -> dict:
     if overrides is None:
         data.pop("privacy")
         overrides = []
+    if "epsilon of sigma" in label:  # calibrated to the epsilon of the DP-FedAvg point with that sigma
+        z = float(label.rsplit("= ", 1)[1])
+        overrides = [*overrides, f"privacy.target_epsilon={dp_fedavg_epsilon(z, data)!r}"]
+    if label.startswith("DP-FTRL"):  # each client once per epoch, a tree per epoch
+        n, k = data["partition"]["num_clients"], data["algorithm"]["clients_per_round"]
+        data["sampler"] = {"name": "schedule", "clients": epochs(seed, n, k, data["rounds"])}
     cfg = from_dict(apply_overrides(data, [*overrides, f"seed={seed}"]))
     res = run(cfg, run_dir=Path(out) / f"{label.replace(' ', '').replace(',', '_')}-{seed}", overwrite=True)
     dp = res.summary.get("privacy") or {}
@@ -69,9 +112,14 @@ def one(label: str, seed: int, out: str) -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> None:
-    jobs = [(label, seed) for label in POINTS for seed in SEEDS]
+    chosen = [label for label in POINTS if label.startswith(args.only or "")]
+    jobs = [(label, seed) for label in chosen for seed in SEEDS]
     with ProcessPoolExecutor(args.workers) as pool:
-        records = list(pool.map(one, *zip(*jobs), [args.out] * len(jobs)))
+        fresh = list(pool.map(one, *zip(*jobs), [args.out] * len(jobs)))
+    kept = json.loads(RECORDS.read_text()) if args.only and RECORDS.exists() else []
+    kept = [r for r in kept if r["point"] not in chosen]
+    order = list(POINTS)
+    records = sorted(kept + fresh, key=lambda r: (order.index(r["point"]), r["seed"]))
     RECORDS.write_text(json.dumps(records, indent=1) + "\n")
     print(table(records))
 
@@ -115,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run")
     r.add_argument("--workers", type=int, default=1)
     r.add_argument("--out", default=str(ROOT / "runs" / "privacy-bench"))
+    r.add_argument("--only", help="run only the points whose label starts with this; the others' records are kept")
     r.set_defaults(fn=cmd_run)
     t = sub.add_parser("table")
     t.add_argument("--docs", action="store_true", help="write the table into docs/privacy.md")

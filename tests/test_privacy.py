@@ -330,7 +330,7 @@ def test_the_report_and_the_list_show_privacy(toy_config, tmp_path, capsys):
     assert "test_accuracy_vs_epsilon.png" in page and "epsilon_vs_rounds.png" in page
     assert main(["list"]) == 0
     out = capsys.readouterr().out
-    assert "privacy mechanisms: adaptive, central, dpsgd, local" in out and "privacy accountants: prv, rdp" in out
+    assert "privacy mechanisms: adaptive, central, dpsgd, ftrl, local" in out and "privacy accountants: prv, rdp" in out
 
 
 def _dfl(toy_config, algorithm: dict, privacy: dict | None) -> dict:
@@ -485,3 +485,231 @@ def test_algorithm_sampling_bernoulli_is_poisson_sampling_too(toy_config):
     algorithm = {"name": "fedavg", "clients_per_round": 4, "sampling": "bernoulli"}
     algo = _built(_cfg(toy_config, {"noise_multiplier": 1.0}, algorithm=algorithm))
     assert algo.privacy.sample_rate == 4 / 12 and algo.privacy.expected == 4
+
+
+# ---- DP-FTRL (Kairouz et al. 2021): tree aggregation, no amplification ------------------------------
+def _ftrl(toy_config, privacy: dict | None = None, **top) -> dict:
+    algorithm = top.pop("algorithm", {"name": "fedavg", "clients_per_round": 4, "weighting": "uniform"})
+    return _cfg(toy_config, {"mechanism": "ftrl", **(privacy or {})}, algorithm=algorithm, **top)
+
+
+# each of the 12 clients once in every period of 3 rounds: the paper's participation pattern
+ONCE_PER_PERIOD = {"name": "schedule", "clients": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]}
+
+
+def _ftrl_dp(z: float = 1.0, clip: float = 1.0, expected: int = 4, **kw):
+    from fedweave.privacy import FTRLDP, Accountant
+
+    return FTRLDP(clip=clip, z=z, expected=expected, sample_rate=1.0, seeds=Seeds(0),
+                  accountant=Accountant("rdp", 1e-5), restart_every=kw.pop("restart_every", None),
+                  momentum=kw.pop("momentum", 0.0), **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("restart_every", [None, 2])
+def test_dp_ftrl_without_noise_and_clip_is_fedavg_bit_for_bit(toy_config, restart_every):
+    plain = _rounds(_built(_cfg(toy_config, algorithm={"name": "fedavg", "clients_per_round": 4,
+                                                       "weighting": "uniform", "server_lr": 0.7})), 4)  # fmt: skip
+    private = _built(_ftrl(toy_config, {"noise_multiplier": 0.0, "clip": 1e30, "restart_every": restart_every},
+                           algorithm={"name": "fedavg", "clients_per_round": 4, "weighting": "uniform",
+                                      "server_lr": 0.7}))  # fmt: skip
+    assert private.privacy.mechanism == "ftrl" and private.privacy.sample_rate == 1.0
+    assert torch.equal(_rounds(private, 4), plain)
+
+
+def test_dp_ftrlm_without_noise_is_fedavgm_bit_for_bit(toy_config):
+    fedavgm = {"name": "fedavgm", "clients_per_round": 4, "weighting": "uniform", "beta1": 0.6, "server_lr": 0.5}
+    plain = _rounds(_built(_cfg(toy_config, algorithm=fedavgm)), 4)
+    fedavg = {"name": "fedavg", "clients_per_round": 4, "weighting": "uniform", "server_lr": 0.5}
+    private = _built(_ftrl(toy_config, {"noise_multiplier": 0.0, "clip": 1e30, "momentum": 0.6}, algorithm=fedavg))
+    assert torch.equal(_rounds(private, 4), plain)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.7])
+def test_dp_ftrl_model_is_x0_plus_eta_times_the_noised_prefix_sum(momentum):
+    # FedAvg's step on the mechanism's outputs is the paper's x_t = x_0 + eta m_t, m_t = gamma m_{t-1} + S~_t, with
+    # S~_t = (sum_{s<=t} g_s + sigma C N_t) / E and N_t the tree's prefix noise; a restart starts from x_t afresh
+    from fedweave.privacy import TreeNoise
+
+    dp = _ftrl_dp(z=1.3, clip=0.5, expected=4, restart_every=5, momentum=momentum)
+    noise = TreeNoise(Seeds(0), 30, torch.float64)
+    g = torch.Generator().manual_seed(2)
+    eta, x = 0.8, torch.zeros(30, dtype=torch.float64)
+    x0, prefix, m = x.clone(), torch.zeros(30, dtype=torch.float64), torch.zeros(30, dtype=torch.float64)
+    for r in range(8):
+        tree, t = divmod(r, 5)
+        if t == 0:
+            x0, prefix, m = x.clone(), torch.zeros_like(prefix), torch.zeros_like(m)
+        updates, weights = dp.clip(torch.randn(4, 30, generator=g, dtype=torch.float64) * 0.3,
+                                   torch.full((4,), 0.25, dtype=torch.float64), np.arange(4) + r)  # fmt: skip
+        total = weights @ updates
+        x = x + eta * dp.noise(total)
+        prefix = prefix + total
+        m = momentum * m + prefix + 1.3 * 0.5 / 4 * noise.prefix(tree, t + 1)
+        torch.testing.assert_close(x, x0 + eta * m, rtol=1e-12, atol=1e-12)
+    assert dp.tree == 1 and len(dp.leaves) == 3
+
+
+def test_the_tree_prefix_noise_is_the_sum_of_the_nodes_of_the_binary_decomposition():
+    from fedweave.privacy import TreeNoise, decomposition
+
+    noise = TreeNoise(Seeds(5), 16, torch.float64)
+    running = torch.zeros(16, dtype=torch.float64)
+    for t in range(1, 40):
+        nodes = decomposition(t)
+        assert len(nodes) == bin(t).count("1") and max(h for h, _ in nodes) == t.bit_length() - 1
+        spans = sorted((range(k * 2**h + 1, (k + 1) * 2**h + 1) for h, k in nodes), key=lambda s: s.start)
+        assert [leaf for span in spans for leaf in span] == list(range(1, t + 1))  # a partition of [1, t]
+        want = sum((noise.node(0, h, k) for h, k in nodes), torch.zeros(16, dtype=torch.float64))
+        assert torch.equal(noise.prefix(0, t), want)
+        running = running + noise.increment(0, t)
+        torch.testing.assert_close(running, want, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(noise.node(0, 0, 0), noise.node(1, 0, 0))  # each tree its own nodes
+
+
+def test_the_prefix_noise_variance_is_the_number_of_nodes_times_sigma_c_squared():
+    dp = _ftrl_dp(z=1.5, clip=0.4, expected=1)
+    zero = torch.zeros(40_000, dtype=torch.float64)
+    s, prefixes = torch.zeros_like(zero), []
+    for _ in range(8):
+        dp.clip(zero.unsqueeze(0), torch.ones(1, dtype=torch.float64), np.array([0]))
+        s = s + dp.noise(zero)
+        prefixes.append(s)
+    unit = (1.5 * 0.4) ** 2
+    for t, p in enumerate(prefixes, start=1):  # 40,000 draws: the variance's relative error is ~0.7 %
+        assert abs(p.var().item() / (bin(t).count("1") * unit) - 1) < 0.035
+    # prefixes 6 = [1,4]+[5,6] and 7 = [1,4]+[5,6]+[7] share two nodes: their covariance is 2 sigma^2 C^2
+    assert abs((prefixes[5] * prefixes[6]).mean().item() / (2 * unit) - 1) < 0.035
+    assert abs((prefixes[3] * prefixes[4]).mean().item() / unit - 1) < 0.035  # 4 and 5 share [1,4]
+
+
+def test_the_tree_sensitivity_counts_every_released_node_of_a_client():
+    from fedweave.privacy import tree_sensitivity
+
+    once = [np.array([0]), np.array([1]), np.array([2]), np.array([3]), np.array([4])]
+    assert tree_sensitivity(once) == 3 == (5).bit_length()  # leaf 1 in [1], [1,2], [1,4]; [1,8] is not released
+    assert tree_sensitivity(once[:4]) == 3 and tree_sensitivity(once[:1]) == 1
+    every = [np.array([7])] * 4  # one client in all 4 leaves: 4 leaves x 1 + 2 pairs x 2^2 + the root 4^2
+    assert tree_sensitivity(every) == 4 + 8 + 16
+    assert tree_sensitivity([np.array([0, 1]), np.array([1])]) == 1 + 1 + 4  # client 1 in [1], [2] and twice in [1,2]
+
+
+def test_dp_ftrl_epsilon_is_opacus_with_sigma_over_sqrt_depth_per_period(toy_config, tmp_path):
+    privacy = {"noise_multiplier": 1.1, "restart_every": 3}
+    res = run(load(_ftrl(toy_config, privacy, sampler=ONCE_PER_PERIOD, rounds=6)), run_dir=tmp_path / "r")
+    from opacus.accountants import RDPAccountant
+
+    def opacus(history):
+        acc = RDPAccountant()
+        acc.history = history
+        return acc.get_epsilon(delta=1e-5)
+
+    z2 = 1.1 / math.sqrt(2)  # a full tree of 3 leaves: depth floor(log2 3) + 1 = 2
+    want = [opacus([(1.1, 1.0, 1)]), opacus([(z2, 1.0, 1)]), opacus([(z2, 1.0, 1)]),
+            opacus([(z2, 1.0, 1), (1.1, 1.0, 1)]), opacus([(z2, 1.0, 2)]), opacus([(z2, 1.0, 2)])]  # fmt: skip
+    assert [row["epsilon"] for row in res.metrics] == want
+    assert want[-1] == _opacus_epsilon("rdp", 1.1 / math.sqrt(2), 1.0, 2, 1e-5)  # 2 periods, q = 1
+    s = res.summary["privacy"]
+    assert s["mechanism"] == "ftrl" and s["sample_rate"] == 1.0 and s["tree_sensitivities"] == [2, 2]
+
+
+def test_dp_ftrl_accounts_a_client_in_every_leaf_by_its_node_counts(toy_config, tmp_path):
+    privacy = {"noise_multiplier": 2.0}
+    res = run(load(_ftrl(toy_config, privacy, sampler={"name": "fixed"}, rounds=4)), run_dir=tmp_path / "r")
+    assert res.summary["privacy"]["tree_sensitivities"] == [28]
+    assert res.summary["privacy"]["epsilon"] == _opacus_epsilon("rdp", 2.0 / math.sqrt(28), 1.0, 1, 1e-5)
+
+
+def test_a_restart_starts_a_new_tree_and_zeroes_the_momentum():
+    from fedweave.privacy import TreeNoise
+
+    dp = _ftrl_dp(z=1.0, clip=1.0, expected=1, restart_every=2, momentum=0.5)
+    zero = torch.zeros(10, dtype=torch.float64)
+    outs = []
+    for r in range(3):
+        dp.clip(zero.unsqueeze(0), torch.ones(1, dtype=torch.float64), np.array([r]))
+        outs.append(dp.noise(zero))
+        assert dp.buffer is (None if r == 1 else dp.buffer)
+    assert dp.closed == [2] and dp.tree == 1 and [c.tolist() for c in dp.leaves] == [[2]]
+    noise = TreeNoise(Seeds(0), 10, torch.float64)
+    torch.testing.assert_close(outs[2], noise.node(1, 0, 0), rtol=0, atol=0)  # tree 1's first leaf, no momentum
+    torch.testing.assert_close(outs[1], 0.5 * outs[0] + noise.increment(0, 2), rtol=1e-15, atol=1e-15)
+
+
+def test_a_resumed_dp_ftrl_run_continues_the_tree_identically(toy_config, tmp_path):
+    from fedweave.runner import resume
+
+    privacy = {"noise_multiplier": 1.0, "restart_every": 3, "momentum": 0.5}
+    whole = run(load(_ftrl(toy_config, privacy, rounds=5)), run_dir=tmp_path / "whole")
+    cfg = _ftrl(toy_config, privacy, rounds=2)
+    cfg["output"] = {**cfg["output"], "checkpoint_every": 1}
+    run(load(cfg), run_dir=tmp_path / "part")
+    res = resume(tmp_path / "part", ["rounds=5"])
+    assert [r["epsilon"] for r in res.metrics] == [r["epsilon"] for r in whole.metrics]
+    assert torch.equal(res.algorithm.x, whole.algorithm.x)
+    assert res.summary["privacy"]["tree_sensitivities"] == whole.summary["privacy"]["tree_sensitivities"]
+
+
+def test_dp_ftrl_auto_calibrates_for_the_planned_trees(toy_config):
+    privacy = {"noise_multiplier": "auto", "target_epsilon": 4.0, "restart_every": 4}
+    algo = _built(_ftrl(toy_config, privacy, rounds=10))
+    # trees of 4, 4 and 2 leaves, each client once per tree: squared sensitivity 3 + 3 + 2
+    eps = _opacus_epsilon("rdp", algo.privacy.z / math.sqrt(8), 1.0, 1, 1e-5)
+    assert 3.95 <= eps <= 4.0
+    history = [(algo.privacy.z / math.sqrt(3), 1.0, 2), (algo.privacy.z / math.sqrt(2), 1.0, 1)]
+    assert algo.privacy.accountant.epsilon(history) == pytest.approx(eps, rel=1e-9)
+
+
+def test_dp_ftrl_stops_at_the_budget_before_the_next_rounds_clients_would_exceed_it(toy_config, tmp_path):
+    from fedweave.privacy import tree_sensitivity
+
+    privacy = {"noise_multiplier": 3.0, "target_epsilon": 6.0}
+    res = run(load(_ftrl(toy_config, privacy, sampler=ONCE_PER_PERIOD, rounds=30)), run_dir=tmp_path / "r")
+    n = res.summary["rounds"]
+    assert n < 30 and res.metrics[-1]["epsilon"] <= 6.0
+    # one tree: round n + 1 would add the schedule's next clients as leaf n + 1
+    leaves = [np.array(ONCE_PER_PERIOD["clients"][i % 3]) for i in range(n + 1)]
+    assert _opacus_epsilon("rdp", 3.0 / math.sqrt(tree_sensitivity(leaves)), 1.0, 1, 1e-5) > 6.0
+    assert res.summary["stopped_early"].startswith("privacy budget: one more round would spend epsilon")
+
+
+def test_dp_ftrl_auto_spends_its_budget_in_all_the_planned_rounds(toy_config, tmp_path):
+    privacy = {"noise_multiplier": "auto", "target_epsilon": 3.0, "restart_every": 3}
+    res = run(load(_ftrl(toy_config, privacy, sampler=ONCE_PER_PERIOD, rounds=9)), run_dir=tmp_path / "r")
+    assert res.summary["rounds"] == 9 and "stopped_early" not in res.summary
+    assert 2.95 <= res.summary["privacy"]["epsilon"] <= 3.0 and res.summary["privacy"]["tree_sensitivities"] == [2] * 3
+
+
+@pytest.mark.parametrize(
+    ("privacy", "change", "words"),
+    [
+        ({"adaptive": True}, {}, "privacy.adaptive needs privacy.mechanism: central"),
+        ({"mechanism": "central", "restart_every": 4}, {}, "privacy.restart_every applies to privacy.mechanism: ftrl"),
+        ({"momentum": 1.0}, {}, "privacy.momentum must be in [0, 1)"),
+        ({"restart_every": 0}, {}, "privacy.restart_every must be an integer >= 1"),
+        ({}, {"sampler": {"name": "power_of_choice"}}, "chooses clients by their losses"),
+    ],
+)
+def test_dp_ftrl_refusals_are_one_line(toy_config, privacy, change, words):
+    from fedweave.registry import SAMPLERS
+
+    if "power_of_choice" not in SAMPLERS:
+
+        @SAMPLERS.register("power_of_choice")
+        def power_of_choice(num_clients, per_round, r, rng, *, rounds, context):
+            return np.sort(rng.choice(num_clients, per_round, replace=False))
+
+    cfg = _ftrl(toy_config, privacy, **change)
+    with pytest.raises(ConfigError) as e:
+        _built(cfg)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_dp_ftrl_in_the_hierarchical_family_is_refused_with_one_line(toy_config):
+    with pytest.raises(ConfigError, match=r"^privacy.mechanism: ftrl is supported in the centralized family"):
+        _built(_hier(toy_config, {"mechanism": "ftrl", "noise_multiplier": 1.0}))
+
+
+def test_dp_ftrl_needs_no_amplification_so_any_loss_blind_sampler_works(toy_config):
+    for sampler in ("uniform", "bernoulli", {"name": "fixed"}):
+        algo = _built(_ftrl(toy_config, {"noise_multiplier": 1.0}, sampler=sampler))
+        assert algo.privacy.sample_rate == 1.0

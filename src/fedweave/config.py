@@ -448,8 +448,9 @@ class PrivacyConfig:
     # user: each client's whole update is what is protected (DP-FedAvg); sample: each training sample (DP-SGD
     # at every client, per-sample clipping and noise)
     level: Literal["user", "sample"] = "user"
-    # user level: central (the server adds the noise to the sum) or local (each client noises its own update)
-    mechanism: Literal["central", "local"] = "central"
+    # user level: central (the server adds the noise to the sum), local (each client noises its own update) or
+    # ftrl (DP-FTRL: the sums released as noised prefix sums by tree aggregation, no sampling amplification)
+    mechanism: Literal["central", "local", "ftrl"] = "central"
     clip: float = 1.0  # C: the L2 bound of each client's update (level sample: of each sample's gradient)
     per_layer: bool = False  # clip each layer's part of the update to C / sqrt(layers) (still norm <= C)
     noise_multiplier: float | Literal["auto"] = 1.0  # sigma: noise std sigma * C; auto: from target_epsilon
@@ -463,6 +464,8 @@ class PrivacyConfig:
     target_quantile: float = 0.5  # gamma: the fraction of updates left unclipped
     clip_lr: float = 0.2  # eta_C of the geometric update C <- C exp(-eta_C (b - gamma))
     count_noise: float | None = None  # sigma_b: noise std of the clipped count; null: clients_per_round / 20
+    restart_every: int | None = None  # ftrl: a new tree every this many releases (the paper's restart per epoch)
+    momentum: float = 0.0  # ftrl: DP-FTRLM's server momentum gamma on the noised increments, reset with the tree
 
     def validate(self) -> None:
         """Check the ``privacy`` section; raise a :class:`ConfigError` naming the first bad key and what it allows."""
@@ -495,10 +498,79 @@ class PrivacyConfig:
                         f"privacy.{key} applies to privacy.level: user; DP-SGD (level: sample) clips "
                         "each sample's gradient to privacy.clip and noises it at the client"
                     )
+        if self.mechanism != "ftrl":
+            for key, default in (("restart_every", None), ("momentum", 0.0)):
+                if getattr(self, key) != default:
+                    raise ConfigError(
+                        f"privacy.{key} applies to privacy.mechanism: ftrl (DP-FTRL's tree), not to "
+                        f"mechanism: {self.mechanism}"
+                    )
+        if self.restart_every is not None and not (isinstance(self.restart_every, int) and self.restart_every >= 1):
+            raise ConfigError(f"privacy.restart_every must be an integer >= 1 or null, got {self.restart_every}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"privacy.momentum must be in [0, 1), got {self.momentum}")
+        if self.adaptive and self.mechanism == "ftrl":
+            raise ConfigError(
+                "privacy.adaptive needs privacy.mechanism: central (DP-FTRL's tree would have to release the clipped "
+                "count too)"
+            )
         if self.adaptive and self.mechanism == "local":
             raise ConfigError(
                 "privacy.adaptive needs privacy.mechanism: central (the clipped count is noised at the server)"
             )
+
+
+# ---- secure aggregation: the cost of SecAgg+ in simulation (fedweave.privacy.secagg, docs/privacy.md) ----------
+@dataclass
+class SecureAggregationConfig:
+    """The ``secure_aggregation`` section: the ledger bills the SecAgg+ protocol's messages (Bell et al., CCS 2020,
+    as Flower's ``SecAggPlusWorkflow`` runs it) around every round's uploads. Absent: none. The values the model
+    sees are not changed (no quantization is simulated)."""
+
+    protocol: Literal["secagg_plus"] = "secagg_plus"
+    # Flower's meaning: an int > 2 is the number of shares of each client's secrets (its neighbours, itself
+    # included); a float in (0, 1] the fraction of the round's sampled clients
+    num_shares: int | float = 1.0
+    # an int: the shares needed to reconstruct a secret; a float in (0, 1]: that fraction of num_shares
+    reconstruction_threshold: int | float = 0.5
+    modulus_range: int = 2**32  # the masked input's field Z_R: each element costs log2(R) bits
+    quantization_range: int = 2**22  # Flower's quantization range (< modulus_range)
+    clipping_range: float = 8.0  # Flower's clipping range before quantization (recorded; not simulated)
+    max_weight: float = 1000.0  # Flower's bound on a client's weight (recorded; not simulated)
+
+    def validate(self) -> None:
+        """Check the section as Flower's ``SecAggPlusWorkflow`` checks its arguments; one line naming the key."""
+        ns, t = self.num_shares, self.reconstruction_threshold
+        if isinstance(ns, bool) or not isinstance(ns, (int, float)):
+            raise ConfigError(f"secure_aggregation.num_shares must be an int > 2 or a fraction in (0, 1], got {ns!r}")
+        if isinstance(ns, int) and ns != 1 and ns <= 2:
+            raise ConfigError(f"secure_aggregation.num_shares as an integer must be greater than 2, got {ns}")
+        if isinstance(ns, float) and not 0 < ns <= 1:
+            raise ConfigError(f"secure_aggregation.num_shares as a fraction must be in (0, 1], got {ns}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)):
+            raise ConfigError(
+                f"secure_aggregation.reconstruction_threshold must be an int or a fraction in (0, 1], got {t!r}"
+            )
+        if isinstance(t, float) and not 0 < t <= 1:
+            raise ConfigError(f"secure_aggregation.reconstruction_threshold as a fraction must be in (0, 1], got {t}")
+        if isinstance(t, int) and t != 1 and isinstance(ns, int) and ns != 1 and t >= ns:
+            raise ConfigError(f"secure_aggregation.reconstruction_threshold ({t}) must be less than num_shares ({ns})")
+        if isinstance(t, int) and t < 1:
+            raise ConfigError(f"secure_aggregation.reconstruction_threshold must be >= 1, got {t}")
+        q, m = self.quantization_range, self.modulus_range
+        if not isinstance(q, int) or q <= 0:
+            raise ConfigError(f"secure_aggregation.quantization_range must be an integer > 0, got {q!r}")
+        if not isinstance(m, int) or m <= q or m > 2**32 or bin(m).count("1") != 1:
+            raise ConfigError(
+                f"secure_aggregation.modulus_range must be a power of 2 greater than quantization_range ({q}) and "
+                f"at most 2**32, got {m!r}"
+            )
+        if not 0 < self.clipping_range < math.inf:
+            raise ConfigError(
+                f"secure_aggregation.clipping_range must be a finite number > 0, got {self.clipping_range}"
+            )
+        if not 0 < self.max_weight < math.inf:
+            raise ConfigError(f"secure_aggregation.max_weight must be a finite number > 0, got {self.max_weight}")
 
 
 BACKENDS = ("auto", "loop", "vmap", "ray", "pool")
@@ -569,6 +641,8 @@ class RunConfig:
     plugins: list[str] = field(default_factory=list)
     # differential privacy (fedweave.privacy, docs/privacy.md); null: none (and config.yaml leaves the key out)
     privacy: PrivacyConfig | None = None
+    # secure aggregation's messages in the ledger (fedweave.privacy.secagg); null: none (config.yaml leaves it out)
+    secure_aggregation: SecureAggregationConfig | None = None
     # registered run callbacks (fedweave.callbacks), each a name or {name: ..., options}: stop_at_target,
     # budget, or a plug-in's; called after the built-in ones
     callbacks: list[Section] = field(default_factory=list)
@@ -598,6 +672,8 @@ class RunConfig:
         self.memory.validate()
         self.task.validate()
         self.compression.validate()
+        if self.secure_aggregation is not None:
+            self.secure_aggregation.validate()
         if self.privacy is not None:
             self.privacy.validate()
             if self.aggregator != Section("mean"):  # DP's sensitivity is that of the clipped sum, not of a median
@@ -620,7 +696,7 @@ class RunConfig:
                 out[f.name] = v.to_dict()
             elif f.name == "callbacks":
                 out[f.name] = [c.to_dict() for c in v]
-            elif f.name == "privacy" and v is None:
+            elif f.name in ("privacy", "secure_aggregation") and v is None:
                 continue  # a run without privacy records the config it always has
             elif dataclasses.is_dataclass(v):
                 out[f.name] = dataclasses.asdict(v)
@@ -801,7 +877,10 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
     if not isinstance(callbacks, list):
         raise ConfigError(f"callbacks must be a list of callback names or {{name: ..., options}}, got {callbacks!r}")
     privacy = data.pop("privacy", None)
+    secure = data.pop("secure_aggregation", None)
     cfg = build_dataclass(RunConfig, data, "")
+    if secure is not None:  # built on its own, so that an error names its key (secure_aggregation.num_shares)
+        cfg.secure_aggregation = coerce(secure, SecureAggregationConfig, "secure_aggregation")
     if privacy is not None:  # privacy: built on its own, so that an error names its key (privacy.clip)
         cfg.privacy = coerce(privacy, PrivacyConfig, "privacy")
     for k, s in sections.items():

@@ -579,4 +579,13 @@ def build_algorithm(ctx: RunContext) -> Algorithm:
             "hierarchical families' rounds and, at sample level, in the decentralized family); leave the privacy "
             "section out"
         )
-    return cls(ctx, hp)
+    secure = ctx.config.secure_aggregation is not None
+    if secure and cls.family != "centralized":  # secure aggregation: its cost is billed on the star round only
+        raise ConfigError(
+            f"secure_aggregation: the {cls.family} family is not supported yet (the star methods whose server needs "
+            "only the sum of the updates); leave the section out"
+        )
+    algo = cls(ctx, hp)
+    if secure and getattr(algo, "secagg", None) is None:  # a star method with a round of its own
+        raise ConfigError(f"secure_aggregation: algorithm {section.name!r} runs a round of its own, not billed yet")
+    return algo

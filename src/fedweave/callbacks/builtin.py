@@ -315,7 +315,7 @@ class PrivacyBudget(Callback):
         dp, target = getattr(run.algo, "privacy", None), run.config.privacy.target_epsilon
         if dp is None or target is None or run.is_last(r):
             return None
-        after = dp.epsilon_after_next()
+        after = dp.epsilon_after_next(r + 1)  # DP-FTRL asks the sampler who round r + 1 draws
         if after > target:
             return (
                 f"privacy budget: one more round would spend epsilon {after:.4g} > privacy.target_epsilon "

@@ -36,6 +36,11 @@ def undeployable_parts(config: RunConfig) -> str | None:
             f"algorithm {config.algorithm.name!r} runs its asynchrony on the simulated clock and cannot be deployed "
             "on Flower yet; deploy a synchronous method (fedavg, fedadam, ...)"
         )
+    if config.secure_aggregation is not None:  # simulation only: Flower's SecAgg+ is not wired into the app yet
+        return (
+            "secure_aggregation: only its cost is simulated (the ledger); fedweave flower-app does not run Flower's "
+            "SecAgg+ yet, so the deployed run would not be what the config says; remove the section to deploy"
+        )
     if config.compression.upload is not None:  # the uploads travel dense on Flower: never bill what is not sent
         return (
             "compression.upload: compressed uploads cannot be deployed on Flower yet (its messages carry dense "

@@ -97,8 +97,11 @@ class UserDP:
         self.last_norms: torch.Tensor | None = None
 
     # ---- the round's stages ----------------------------------------------------------------------
-    def clip(self, updates: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stage 3: the clipped (under local DP also noised) updates and the weights 1/E of each."""
+    def clip(
+        self, updates: torch.Tensor, weights: torch.Tensor, clients: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 3: the clipped (under local DP also noised) updates and the weights 1/E of each (``clients``, the
+        reporting clients' ids, is what DP-FTRL's accounting needs; unused here)."""
         norms = updates.norm(dim=-1)
         self.last_norms = norms
         if self.adaptive:
@@ -138,8 +141,8 @@ class UserDP:
         every one of them, an upper bound for every client)."""
         return self.accountant.epsilon()
 
-    def epsilon_after_next(self) -> float:
-        """Epsilon after one more release."""
+    def epsilon_after_next(self, next_round: int | None = None) -> float:
+        """Epsilon after one more release (whoever takes part in ``next_round``)."""
         return self.accountant.epsilon_after_next(
             self.z_accounted, 1.0 if self.mechanism == "local" else self.sample_rate
         )

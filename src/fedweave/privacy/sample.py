@@ -56,7 +56,9 @@ class SampleDP:
         self.trainer, self.z, self.rates, self.accountant = trainer, float(z), rates, accountant
         self._seen: np.ndarray | None = None  # steps_done at the last look-ahead (the budget's, once a round)
 
-    def clip(self, updates: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def clip(
+        self, updates: torch.Tensor, weights: torch.Tensor, clients: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage 3: nothing to do at the server (the clients privatized every step)."""
         return updates, weights
 
@@ -64,7 +66,7 @@ class SampleDP:
         """Stage 5: nothing to do at the server."""
         return mean
 
-    def epsilon_after_next(self) -> float:
+    def epsilon_after_next(self, next_round: int | None = None) -> float:
         """Epsilon if each client that trained did the most steps of any client's round once more (an upper
         bound, for the budget)."""
         done = self.trainer.steps_done

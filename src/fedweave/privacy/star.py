@@ -18,6 +18,7 @@ import numpy as np
 
 from fedweave.config import ConfigError, PrivacyConfig
 from fedweave.privacy.accountant import Accountant, calibrate
+from fedweave.privacy.ftrl import FTRLDP, planned_sensitivity
 from fedweave.privacy.mechanism import UserDP
 from fedweave.privacy.sample import AccountedTrainer, SampleDP, sample_rates
 
@@ -75,7 +76,13 @@ def make_privacy(algo: Any, per_round: int | None = None, num_clients: int | Non
     ctx = algo.ctx
     per_round = algo.hp.clients_per_round if per_round is None else per_round
     population = ctx.num_clients if num_clients is None else num_clients
-    q, expected = sampling(cfg, algo.sampler, per_round, population, amplify=cfg.mechanism != "local")
+    if cfg.mechanism == "ftrl" and algo.family != "centralized":
+        raise ConfigError(
+            f"privacy.mechanism: ftrl is supported in the centralized family, not in the {algo.family} family yet; "
+            "use mechanism: central"
+        )
+    # local DP and DP-FTRL get no amplification: q = 1 whatever the (loss-blind) sampler
+    q, expected = sampling(cfg, algo.sampler, per_round, population, amplify=cfg.mechanism == "central")
     accountant = Accountant(cfg.accountant, cfg.delta)
     if cfg.level == "sample":
         if algo.family != "centralized":
@@ -87,15 +94,23 @@ def make_privacy(algo: Any, per_round: int | None = None, num_clients: int | Non
     z = cfg.noise_multiplier
     if z == "auto":  # the accounted multiplier that spends target_epsilon in the planned rounds
         local = cfg.mechanism == "local"
-        z = calibrate(cfg.accountant, cfg.target_epsilon, cfg.delta, 1.0 if local else q, algo.config.rounds)
-        z = 2 * z if local else z  # local DP is accounted with z / 2 (sensitivity 2C)
+        if cfg.mechanism == "ftrl":  # the trees compose to one Gaussian of squared sensitivity sum_trees depth
+            z = calibrate(cfg.accountant, cfg.target_epsilon, cfg.delta, 1.0, 1)
+            z *= math.sqrt(planned_sensitivity(algo.config.rounds, cfg.restart_every))
+        else:
+            z = calibrate(cfg.accountant, cfg.target_epsilon, cfg.delta, 1.0 if local else q, algo.config.rounds)
+            z = 2 * z if local else z  # local DP is accounted with z / 2 (sensitivity 2C)
     if cfg.adaptive and z and not 2 * count_noise > z:
         raise ConfigError(
             f"privacy.count_noise ({count_noise:g}) must exceed noise_multiplier / 2 ({z / 2:g}): adaptive clipping "
             "spends part of the noise on the count (Andrew et al. 2021, Theorem 1)"
         )
-    dp = UserDP(
-        mechanism=cfg.mechanism,
+    kind: Any = UserDP
+    extra: dict[str, Any] = {"mechanism": cfg.mechanism}
+    if cfg.mechanism == "ftrl":  # DP-FTRL: the tree's prefix sums (fedweave.privacy.ftrl)
+        kind, extra = FTRLDP, {"restart_every": cfg.restart_every, "momentum": cfg.momentum}
+    dp = kind(
+        **extra,
         clip=cfg.clip,
         z=z,
         expected=expected,
@@ -108,6 +123,8 @@ def make_privacy(algo: Any, per_round: int | None = None, num_clients: int | Non
         clip_lr=cfg.clip_lr,
         count_noise=count_noise,
     )
+    if isinstance(dp, FTRLDP):  # the budget's look-ahead asks who the next round samples
+        dp.upcoming = algo.sample_clients
     _check_first_release(cfg, dp)
     return dp
 

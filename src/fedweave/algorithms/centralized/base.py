@@ -39,6 +39,7 @@ from fedweave.execution import (
 )
 from fedweave.execution.local import PLAIN, ClientStep, GradFn, LocalRule
 from fedweave.privacy import make_privacy
+from fedweave.privacy.secagg import make_secagg
 from fedweave.topology.samplers import ClientHistory, make_sampler
 
 
@@ -172,6 +173,7 @@ class StarAlgorithm(Algorithm):
         self.client_values: dict | None = None  # eval.distribution: the last evaluation's per-client values
         self.compression = upload_compression(ctx, self.num_params, n)  # None unless compression.upload is set
         self.privacy = make_privacy(self)  # privacy: the DP stages of the round (None without a privacy section)
+        self.secagg = make_secagg(self)  # secure aggregation: SecAgg+'s messages in the ledger (None: not billed)
 
     def state_dict(self) -> dict:
         out = super().state_dict()
@@ -223,21 +225,27 @@ class StarAlgorithm(Algorithm):
         clients = self.sample_clients(r)
         for kind, tensors in self.downlink().items():
             self.send(r, self.recipients(clients), kind, *tensors)
-        clients = self.reporting(r, clients)  # dropouts and stragglers deliver nothing
+        sampled, clients = clients, self.reporting(r, clients)  # dropouts and stragglers deliver nothing
         if len(clients) == 0:
+            if self.secagg is not None:  # secure aggregation: its first stages ran before anybody dropped
+                self.secagg.record(r, self.ledger, sampled, clients, 0)
             return self.fault_metrics(clients)  # nobody reported: all state stays as it was
         got = self.train_clients(r, clients)
         got = self.transmit_uploads(r, got)  # 2. compression: what the clients send, billed encoded
+        if self.secagg is not None:  # secure aggregation: SecAgg+'s messages, the masked inputs among them
+            self.secagg.record(r, self.ledger, sampled, got.clients, _elements(got))
         updates = self.client_updates(got)
         if self.robust is not None:  # 1. attack: Byzantine clients replace their (decoded) updates (robustness)
             updates = self.robust.attack(r, got.clients, updates, self.x if self.updates_are_models else None)
-        self.server_update(self.aggregate(updates, got.weights), got)
+        self.server_update(self.aggregate(updates, got.weights, got.clients), got)
         out = {**self.local_metrics(got.local, got.weights), **self.fault_metrics(clients)}
         return {**out, **self.robust.metrics()} if self.robust is not None else out
 
     def transmit_uploads(self, r: int, got: Collected) -> Collected:
         """The reporting clients' uploads reach the server, recorded in the ledger: dense, or (stage 2 of the
         server pipeline, fedweave.compression) encoded, billed at their encoded size and decoded."""
+        if self.secagg is not None:  # the masked inputs replace the dense uploads (billed by the SecAgg+ stage)
+            return got
         if self.compression is None:
             self.receive(r, got.clients, self.uplink, *(tuple(got.upload.values()) or (got.local.params,)))
             return got
@@ -276,15 +284,18 @@ class StarAlgorithm(Algorithm):
         By default the local model's displacement ``y_i - x_t`` (as decoded, when the upload was compressed)."""
         return got.local.params - self.x if got.sent is None else got.sent
 
-    def aggregate(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def aggregate(
+        self, updates: torch.Tensor, weights: torch.Tensor, clients: np.ndarray | None = None
+    ) -> torch.Tensor:
         """The server pipeline's reduction of the client updates to one: their weighted mean.
 
         The one place where the collected updates become the aggregate, so that the stages between them
-        (DP clipping, robust aggregation, DP noise) plug in here, for every method at once.
+        (DP clipping, robust aggregation, DP noise) plug in here, for every method at once. ``clients``: the ids
+        of the updates' clients (DP-FTRL's accounting counts who took part in each leaf of its tree).
         """
         if self.privacy is not None:  # privacy, stage 3: each client's update clipped; weights 1/E (DP-FedAvg)
-            updates, weights = self.privacy.clip(updates, weights)
-            # privacy, stage 5: Gaussian noise on the sum, over E; one accounted release
+            updates, weights = self.privacy.clip(updates, weights, clients)
+            # privacy, stage 5: Gaussian noise on the sum, over E (DP-FTRL: the tree's increment); one release
             return self.privacy.noise(weights @ updates)
         if self.robust is not None:  # 4. reduction: the robust aggregator (robustness)
             return self.robust.aggregate(updates, weights)
@@ -401,6 +412,11 @@ class StarAlgorithm(Algorithm):
         }
         spread = client_spread(per[task.main], task.direction)
         return {f"client_test_{task.main}_{k}": v for k, v in spread.items()}
+
+
+def _elements(got: Collected) -> int:
+    # the values of one client's upload (what SecAgg+ masks): its upload's rows, else its model
+    return sum(t[0].numel() if t.dim() == 2 else t.numel() for t in (tuple(got.upload.values()) or (got.local.params,)))
 
 
 def _size(tensors: tuple[torch.Tensor, ...]) -> int:

@@ -1,0 +1,224 @@
+"""DP-FTRL (Kairouz, McMahan, Song, Thakkar, Thakurta, Xu, ICML 2021): the clipped sums released as noised prefix
+sums by the binary tree aggregation mechanism, so that no sampling amplification is needed.
+
+Round t of a tree (a leaf, t = 1, 2, ...) adds g_t = sum_i clip(Delta_i) / E. Every node of the binary tree over the
+leaves holds the sum of its leaves plus its own noise N(0, sigma^2 C^2 I) / E; the prefix sum S~_t = sum_{s<=t} g_s +
+N_t adds the noises N_t of the popcount(t) nodes of t's binary decomposition (one node per 1-bit of t, the node of bit
+h covering the 2^h leaves ending at the bit's place). FTRL's model is ``x_t = x_0 + eta S~_t`` (Alg. 1 with the
+regularizer ||x - x_0||^2 / (2 eta)); the server step of the method runs on the increment ``S~_t - S~_{t-1}``, a
+function of the released prefix sums (post-processing), and FedAvg's ``x + eta (S~_t - S~_{t-1})`` telescopes to
+FTRL's ``x_0 + eta S~_t``. DP-FTRLM (the paper's momentum variant, as in its reference implementation: a buffer
+``m_t = gamma m_{t-1} + S~_t`` and ``x_t = x_0 + eta m_t``) is the same increment form: its increment
+``d_t = m_t - m_{t-1} = gamma d_{t-1} + (S~_t - S~_{t-1})`` is heavy-ball momentum on the noised increments, reset
+with the tree. A restart (every ``restart_every`` leaves, the paper's restart per epoch) starts a new tree from the
+current model: new node noises, an empty prefix sum and a zero momentum buffer.
+
+The node noises are never stored: node (tree, level h, index k) is drawn from its own named seed stream, so a resumed
+run regenerates the very same tree.
+
+Accounting (Theorem 3.1 of the paper and its Appendix D, the reduction of the tree to one Gaussian mechanism): the
+released node values are one Gaussian mechanism whose sensitivity is that of the vector of node sums. A client whose
+clipped update sits in one leaf of a tree of n leaves changes every released node that contains that leaf, at most
+``depth(n) = floor(log2 n) + 1 = ceil(log2(n + 1))`` nodes (the leaf's ancestors whose span ends at or before n),
+each by at most C, so the sensitivity is ``sqrt(depth) C`` and the tree is the Gaussian mechanism with noise
+multiplier ``sigma / sqrt(depth)``; the trees are composed by Opacus's RDP (or PRV) accountant with sample rate 1.
+A client that takes part in several leaves of one tree adds up inside the nodes they share: the exact worst case is
+``sum over released nodes of c_v^2`` (c_v: its leaves in node v, all of its updates aligned), which this module
+computes from who actually reported (the participation is data-independent: samplers that read losses are refused),
+and the largest over the clients is the tree's squared sensitivity. With each client at most once per tree it is
+``depth(n)``, the paper's number.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedweave.privacy.mechanism import UserDP
+from fedweave.registry import PRIVACY_MECHANISMS
+
+PRIVACY_MECHANISMS.register("ftrl")("DP-FTRL (Kairouz et al. 2021): tree-aggregated prefix sums, no amplification")
+
+
+def depth(n: int) -> int:
+    """The most released nodes of a tree of ``n`` leaves that contain one leaf: ``floor(log2 n) + 1`` (0 for 0)."""
+    return int(n).bit_length()
+
+
+def decomposition(t: int) -> list[tuple[int, int]]:
+    """The nodes ``(level h, index k)`` whose sum is the prefix [1, t] (t >= 1): one per 1-bit h of t, covering
+    leaves ``k 2^h + 1 .. (k + 1) 2^h`` with ``k = (t >> h) - 1``; popcount(t) nodes, highest level first."""
+    return [(h, (t >> h) - 1) for h in reversed(range(t.bit_length())) if t >> h & 1]
+
+
+def tree_sensitivity(leaves: list[np.ndarray]) -> int:
+    """The squared L2 sensitivity, in units of C^2, of the released nodes of a tree whose leaf j (0-based) had the
+    clients ``leaves[j]``: the largest over the clients of ``sum over released nodes v of c_v^2``, c_v the client's
+    leaves inside v (its updates all pointing the same way: the worst case). A node is released once its span has
+    ended (it ends at or before leaf n = len(leaves))."""
+    n = len(leaves)
+    if n == 0:
+        return 0
+    ids = np.concatenate([np.asarray(c, dtype=np.int64) for c in leaves])
+    if len(ids) == 0:
+        return 0
+    pos = np.repeat(np.arange(n, dtype=np.int64), [len(c) for c in leaves])
+    total: dict[int, int] = {}
+    for h in range(depth(n)):
+        node = pos >> h
+        released = ((node + 1) << h) <= n
+        pairs, counts = np.unique(np.stack([ids[released], node[released]], axis=1), axis=0, return_counts=True)
+        for client, c in zip(pairs[:, 0].tolist(), counts.tolist()):
+            total[client] = total.get(client, 0) + c * c
+    return max(total.values())
+
+
+class TreeNoise:
+    """Unit Gaussian node noises of the binary trees of a run, each node from its own seed stream
+    ``("dp_tree", tree, level, index)``, drawn on the CPU in ``dtype`` (the same on every device)."""
+
+    def __init__(self, seeds: Any, numel: int, dtype: torch.dtype) -> None:
+        self.seeds, self.numel, self.dtype = seeds, int(numel), dtype
+
+    def node(self, tree: int, level: int, index: int) -> torch.Tensor:
+        """The N(0, I) noise of one node."""
+        g = self.seeds.torch("dp_tree", tree, level, index)
+        return torch.randn(self.numel, generator=g, dtype=self.dtype)
+
+    def prefix(self, tree: int, t: int) -> torch.Tensor:
+        """The noise of the prefix sum [1, t]: the sum of the nodes of t's binary decomposition (zero for t = 0)."""
+        out = torch.zeros(self.numel, dtype=self.dtype)
+        for h, k in decomposition(t):
+            out = out + self.node(tree, h, k)
+        return out
+
+    def increment(self, tree: int, t: int) -> torch.Tensor:
+        """``prefix(t) - prefix(t - 1)`` from the nodes that differ only (the nodes the two share cancel)."""
+        now, before = set(decomposition(t)), set(decomposition(t - 1)) if t > 1 else set()
+        out = torch.zeros(self.numel, dtype=self.dtype)
+        for h, k in sorted(now - before, reverse=True):
+            out = out + self.node(tree, h, k)
+        for h, k in sorted(before - now, reverse=True):
+            out = out - self.node(tree, h, k)
+        return out
+
+
+def planned_sensitivity(rounds: int, restart_every: int | None) -> int:
+    """The sum of the trees' squared sensitivities over ``rounds`` releases with each client at most once per tree
+    (what ``noise_multiplier: auto`` calibrates for)."""
+    period = restart_every or rounds
+    full, rest = divmod(rounds, period)
+    return full * depth(period) + depth(rest)
+
+
+class FTRLDP(UserDP):
+    """DP-FTRL's stages on the star round: stage 3 clips as DP-FedAvg does (weights 1/E) and notes who reported;
+    stage 5 adds the tree's noise increment (and DP-FTRLM's momentum) and accounts the trees."""
+
+    def __init__(self, *, restart_every: int | None, momentum: float, **kw: Any) -> None:
+        super().__init__(mechanism="ftrl", **kw)
+        self.restart_every, self.momentum = restart_every, float(momentum)
+        self.leaves: list[np.ndarray] = []  # the reporting clients of each leaf of the current tree
+        self.closed: list[int] = []  # the squared sensitivities (units of C^2) of the finished trees
+        self.buffer: torch.Tensor | None = None  # DP-FTRLM's increment d_t (None: zero, a fresh tree)
+        self._noise: TreeNoise | None = None
+        self._clients: np.ndarray | None = None
+        self.upcoming: Any = None  # round -> the clients the sampler draws (the budget's look-ahead)
+
+    @property
+    def tree(self) -> int:
+        """The index of the current tree (the seed streams' key)."""
+        return len(self.closed)
+
+    def clip(
+        self, updates: torch.Tensor, weights: torch.Tensor, clients: np.ndarray | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 3: DP-FedAvg's clipping and weights 1/E; who reported is kept for the tree's sensitivity."""
+        if clients is None:
+            raise ValueError("DP-FTRL's clipping stage needs the ids of the reporting clients")
+        self._clients = np.asarray(clients, dtype=np.int64)
+        return super().clip(updates, weights)
+
+    def noise(self, mean: torch.Tensor) -> torch.Tensor:
+        """Stage 5: ``g_t`` plus the tree's noise increment ``sigma C (N_t - N_{t-1}) / E``, through DP-FTRLM's
+        momentum when set; the leaf is recorded and the tree restarts after ``restart_every`` leaves."""
+        assert self._clients is not None, "clip() comes before noise()"
+        t = len(self.leaves) + 1
+        out = mean
+        if self.z:
+            if self._noise is None:
+                self._noise = TreeNoise(self.seeds, mean.numel(), mean.dtype)
+            inc = self._noise.increment(self.tree, t).reshape(mean.shape)
+            out = mean + (self.z * self.clip_norm / self.expected) * inc.to(mean.device, non_blocking=True)
+        if self.momentum:
+            out = out if self.buffer is None else self.momentum * self.buffer + out
+            self.buffer = out
+        self.leaves.append(self._clients)
+        self._clients = None
+        self.releases += 1
+        if self.restart_every is not None and len(self.leaves) == self.restart_every:
+            self.closed.append(tree_sensitivity(self.leaves))
+            self.leaves, self.buffer = [], None
+        self.accountant.impl.history = self.history()  # what Opacus is told, for whoever reads the accountant
+        return out
+
+    # ---- accounting -------------------------------------------------------------------------------
+    def history(self, current: list[np.ndarray] | None = None) -> list[tuple[float, float, int]]:
+        """Opacus's history of the run: each tree one Gaussian release at noise multiplier
+        ``sigma / sqrt(sensitivity^2)`` and sample rate 1 (equal neighbours merged)."""
+        sens = [*self.closed, tree_sensitivity(self.leaves if current is None else current)]
+        out: list[tuple[float, float, int]] = []
+        for s in sens:
+            if s == 0:
+                continue
+            z = self.z / math.sqrt(s) if self.z else 0.0
+            if out and out[-1][0] == z:
+                out[-1] = (z, 1.0, out[-1][2] + 1)
+            else:
+                out.append((z, 1.0, 1))
+        return out
+
+    def epsilon(self) -> float:
+        """Epsilon at the run's delta after the trees so far (of the client with the largest sensitivity)."""
+        return self.accountant.epsilon(self.history())
+
+    def epsilon_after_next(self, next_round: int | None = None) -> float:
+        """Epsilon after one more leaf: the clients the sampler draws for ``next_round`` (who reports is among
+        them: an upper bound; the draw depends on the seed only, never on the data), or, without a round or a
+        sampler, every client of the current tree and a new one. A full tree is closed by :meth:`noise`, so the
+        next leaf is in this tree or, when it is empty, the first of a new one."""
+        if next_round is not None and self.upcoming is not None:
+            return self.accountant.epsilon(self.history([*self.leaves, np.asarray(self.upcoming(next_round))]))
+        seen = np.unique(np.concatenate([np.zeros(0, dtype=np.int64), *self.leaves]))
+        fresh = int(seen.max()) + 1 if len(seen) else 0
+        return self.accountant.epsilon(self.history([*self.leaves, np.append(seen, fresh)]))
+
+    def summary(self) -> dict[str, Any]:
+        out = super().summary()
+        out.update(
+            sample_rate=1.0,
+            restart_every=self.restart_every,
+            momentum=self.momentum,
+            trees=len(self.closed) + (1 if self.leaves else 0),
+            tree_sensitivities=[*self.closed, *([tree_sensitivity(self.leaves)] if self.leaves else [])],
+        )
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        out.update(
+            leaves=[c.tolist() for c in self.leaves],
+            closed=list(self.closed),
+            buffer=None if self.buffer is None else self.buffer.clone(),
+        )
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.leaves = [np.asarray(c, dtype=np.int64) for c in state["leaves"]]
+        self.closed = [int(s) for s in state["closed"]]
+        self.buffer = state["buffer"]
+        self.accountant.impl.history = self.history()
