@@ -16,6 +16,7 @@ PRESETS = {
     "afind": "fedweave.reproduce.afind_plus",
     "cse-fsl": "fedweave.reproduce.cse_fsl",
     "cfl-saga": "fedweave.reproduce.cfl_saga",
+    "baselines": "fedweave.reproduce.baselines",
 }
 
 

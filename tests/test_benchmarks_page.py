@@ -1,0 +1,112 @@
+"""The comparison page (docs/benchmarks.md): its generated section is rebuilt from the committed records byte for
+byte, and the study that writes it runs end to end at a smoke scale on synthetic data."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedweave.config import ConfigError
+from fedweave.data.base import Dataset
+from fedweave.registry import DATASETS
+from fedweave.reproduce.baselines import BEGIN, END, METHODS, main, read_records, replace_section
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "benchmarks.md"
+RECORDS = ROOT / "docs" / "benchmarks" / "baselines-small.csv"
+# the committed grid, as the page's command runs it
+COMMITTED = ["--scale", "small"]
+
+if "_toy_bench" not in DATASETS._items:
+
+    @DATASETS.register("_toy_bench")
+    def _toy_bench() -> Dataset:
+        """Synthetic 1×16×16 class-mean images, 400 train / 100 test."""
+        g = torch.Generator().manual_seed(3)
+        mu = torch.randn(10, 1, 16, 16, generator=g)
+        y = torch.arange(500) % 10
+        x = mu[y] + 0.5 * torch.randn(500, 1, 16, 16, generator=g)
+        return Dataset("_toy_bench", x[:400], y[:400], x[400:], y[400:], 10, (1, 16, 16))
+
+
+def _rebuild(tmp_path: Path, records: Path, text: str | None = None) -> str:
+    """The page (or ``text`` as the page) after ``--from-records RECORDS --page`` on a copy of it."""
+    page = tmp_path / "benchmarks.md"
+    page.write_text(PAGE.read_text(encoding="utf-8") if text is None else text, encoding="utf-8")
+    assert main([*COMMITTED, "--from-records", str(records), "--out", str(tmp_path / "out"), "--page", str(page)]) == 0
+    return page.read_text(encoding="utf-8")
+
+
+def test_the_page_is_rebuilt_from_its_committed_records_byte_for_byte(tmp_path):
+    committed = PAGE.read_text(encoding="utf-8")
+    assert committed.count(BEGIN) == 1 and committed.count(END) == 1
+    assert _rebuild(tmp_path, RECORDS) == committed
+    records = read_records(RECORDS)
+    assert {r["method"] for r in records} <= {m.key for m in METHODS}
+
+
+def test_an_edited_number_fails_the_rebuild(tmp_path):
+    committed = PAGE.read_text(encoding="utf-8")
+    rows = list(csv.DictReader(RECORDS.open(encoding="utf-8")))
+    rows[0]["client_acc"] = str(float(rows[0]["client_acc"]) + 1.0)  # one seed's accuracy, one point higher
+    edited = tmp_path / "edited.csv"
+    with edited.open("w", encoding="utf-8", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+    assert _rebuild(tmp_path, edited) != committed
+    # and a number edited on the page instead of in the records
+    line = next(t for t in committed.splitlines() if t.startswith("| fedavg | global |"))
+    cell = line.split(" | ")[3]  # FedAvg's global accuracy, "mean ± std"
+    mean, rest = cell.split(" ", 1)
+    page_edited = committed.replace(line, line.replace(cell, f"{float(mean) + 0.01:.2f} {rest}"), 1)
+    assert page_edited != committed and _rebuild(tmp_path, RECORDS, page_edited) != page_edited
+
+
+def test_smoke_runs_the_study_writes_records_tables_and_the_page(tmp_path):
+    torch.set_num_threads(1)
+    page = tmp_path / "page.md"
+    page.write_text(f"# prose above\n\n{BEGIN}\nold\n{END}\nprose below\n", encoding="utf-8")
+    out = tmp_path / "out"
+    argv = ["--scale", "smoke", "--datasets", "_toy_bench", "--methods", "fedavg,fedper,fedbn", "--workers", "1"]
+    assert main([*argv, "--out", str(out), "--page", str(page)]) == 0
+    records = read_records(out / "records.csv")
+    assert len(records) == 2 * 3  # 2 splits x 3 methods x 1 seed
+    assert all(r["status"] == "completed" and r["rounds"] == 2 for r in records)
+    for r in records:
+        assert 0 <= r["worst_client_acc"] <= r["client_acc"] <= 100
+        assert r["spread"] == pytest.approx(r["client_acc"] - r["worst_client_acc"])
+        assert r["mib_total"] > 0
+    text = page.read_text(encoding="utf-8")
+    assert text.startswith("# prose above\n\n") and text.endswith(f"{END}\nprose below\n") and "old" not in text
+    assert "### _toy_bench, Dirichlet α = 0.1" in text and "| fedbn | personal | 1 |" in text
+    assert "Not run" not in text
+    # rebuilt from its records without running: the same section
+    again = tmp_path / "again.md"
+    again.write_text(text, encoding="utf-8")
+    assert main([*argv, "--out", str(tmp_path / "o2"), "--from-records", str(out / "records.csv"),
+                 "--page", str(again)]) == 0  # fmt: skip
+    assert again.read_text(encoding="utf-8") == text
+    # a grid with a record missing names the missing run on the page
+    assert main([*argv, "--seeds", "2", "--out", str(tmp_path / "o3"), "--from-records", str(out / "records.csv"),
+                 "--page", str(again)]) == 0  # fmt: skip
+    assert "Not run (the time budget ran out): _toy_bench/dir0.1/fedavg/1," in again.read_text(encoding="utf-8")
+
+
+def test_bad_options_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"--methods: unknown \['fedfoo'\]; allowed fedavg, fedprox"):
+        main(["--methods", "fedavg,fedfoo", "--out", "unused"])
+    with pytest.raises(ConfigError, match=r"--datasets: unknown \['cifar10'\]; allowed mnist, fashion_mnist"):
+        main(["--datasets", "cifar10", "--out", "unused"])
+    page = tmp_path / "page.md"
+    page.write_text("no markers here\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="--page: needs exactly one generated section"):  # before anything runs
+        main(["--page", str(page), "--out", str(tmp_path / "out")])
+    assert page.read_text(encoding="utf-8") == "no markers here\n" and not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match="--page: needs exactly one generated section"):
+        replace_section(f"{END}\n{BEGIN}\n", "x")
+    with pytest.raises(ConfigError, match="--from-records: .*nothing.csv is not a file"):
+        main(["--from-records", str(tmp_path / "nothing.csv"), "--out", str(tmp_path / "out")])
