@@ -235,7 +235,8 @@ class Study:
             print(f"{len(plan.skipped)} of {len(plan.points)} runs not started: the time budget ran out", flush=True)
         status = int(self.report(records, plan, opts, time.perf_counter() - t0) or 0)
         # a block the study does not render, or the reverse, is one ConfigError line
-        if page is not None and pages.update(page, self.sections(page.with_suffix(""))):
+        # (a study without ``sections`` that takes --page writes its page itself, in its report)
+        if page is not None and self.sections is not None and pages.update(page, self.sections(page.with_suffix(""))):
             print(f"rewrote the generated sections of {page}")
         return status
 
