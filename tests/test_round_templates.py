@@ -74,9 +74,10 @@ def test_every_star_method_reduces_its_client_updates_in_aggregate(name):
     calls = []
     mean = type(algo).aggregate
 
-    def recorded(updates, weights):
+    def recorded(updates, weights, clients=None):
         calls.append((updates.shape, float(weights.sum())))
-        return mean(algo, updates, weights)
+        assert clients is not None and len(clients) == len(updates)  # the template names the updates' clients
+        return mean(algo, updates, weights, clients)
 
     algo.aggregate = recorded
     reported = [algo.run_round(r)["reported_clients"] for r in range(3)]
@@ -89,7 +90,7 @@ def test_every_star_method_reduces_its_client_updates_in_aggregate(name):
 def test_a_replaced_aggregate_decides_the_server_step(name):
     """The seam is where the update is decided: an aggregate of zero leaves the model where it was."""
     algo = _star(name)
-    algo.aggregate = lambda updates, weights: torch.zeros_like(updates[0])
+    algo.aggregate = lambda updates, weights, clients=None: torch.zeros_like(updates[0])
     x0 = algo.x.clone()
     algo.run_round(0)
     assert torch.equal(algo.x, x0)
