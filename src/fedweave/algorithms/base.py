@@ -550,6 +550,14 @@ def with_local(trainer: LocalTrainer, **changes: Any) -> LocalTrainer:
     return other
 
 
+def check_ditto(lam: float, personal_epochs: int) -> None:
+    """Ditto's two options, the same in every family that runs it: lambda >= 0, personal epochs >= 1."""
+    if lam < 0:
+        raise ConfigError(f"algorithm.lam must be >= 0, got {lam}")
+    if personal_epochs < 1:
+        raise ConfigError(f"algorithm.personal_epochs must be >= 1, got {personal_epochs}")
+
+
 class ProximalRule(LocalRule):
     """grad F_i(v) + lambda (v - anchor_i): the gradient of Ditto's personal objective (Li et al. 2021,
     Eq. 2), with which both families' Ditto train the personal models; ``anchor`` has one row per job."""

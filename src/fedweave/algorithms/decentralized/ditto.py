@@ -16,10 +16,9 @@ from typing import Any
 
 import torch
 
-from fedweave.algorithms.base import ProximalRule, RunContext
+from fedweave.algorithms.base import ProximalRule, RunContext, check_ditto
 from fedweave.algorithms.decentralized.base import GraphAlgorithm, GraphHparams, with_local
 from fedweave.algorithms.decentralized.selection import NeighbourSelector, SelectionHparams
-from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
 
 
@@ -32,10 +31,7 @@ class DittoHparams(SelectionHparams, GraphHparams):
     def __post_init__(self) -> None:
         GraphHparams.__post_init__(self)
         SelectionHparams.__post_init__(self)
-        if self.lam < 0:
-            raise ConfigError(f"algorithm.lam must be >= 0, got {self.lam}")
-        if self.personal_epochs < 1:
-            raise ConfigError(f"algorithm.personal_epochs must be >= 1, got {self.personal_epochs}")
+        check_ditto(self.lam, self.personal_epochs)
 
 
 @ALGORITHMS.register("ditto")

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fedweave.algorithms.base import ProximalRule, with_local
+from fedweave.algorithms.base import ProximalRule, check_ditto, with_local
 from fedweave.algorithms.centralized.base import Collected, StarHparams
 from fedweave.algorithms.centralized.personal.base import PersonalStar
-from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
 
 PERSONAL_KEY = 1  # the personal solve draws its batches from ("batches", round, client, 1)
@@ -31,10 +30,7 @@ class StarDittoHparams(StarHparams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.lam < 0:
-            raise ConfigError(f"algorithm.lam must be >= 0, got {self.lam}")
-        if self.personal_epochs < 1:
-            raise ConfigError(f"algorithm.personal_epochs must be >= 1, got {self.personal_epochs}")
+        check_ditto(self.lam, self.personal_epochs)
 
 
 @ALGORITHMS.register("ditto_star")
