@@ -211,7 +211,7 @@ def test_bad_privacy_values_are_one_line(toy_config, privacy, words):
     assert words in str(e.value)
 
 
-@pytest.mark.parametrize(("name", "family"), [("cse_fsl", "split"), ("cfl_admm", "confederated")])
+@pytest.mark.parametrize(("name", "family"), [("cfl_admm", "confederated")])
 def test_another_family_is_refused_with_one_line(toy_config, name, family):
     cfg = _cfg(toy_config, {"noise_multiplier": 1.0}, algorithm={"name": name})
     with pytest.raises(ConfigError, match=rf"^privacy: the {family} family is not supported yet"):

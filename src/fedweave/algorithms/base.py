@@ -581,11 +581,12 @@ def build_algorithm(ctx: RunContext) -> Algorithm:
         )
     if cls.fixed_task and (ctx.config.task != type(ctx.config.task)() or ctx.objects.loss is not None):
         raise ConfigError(f"task: the {cls.family} family {cls.fixed_task}; leave the task section out")
-    if ctx.config.privacy is not None and cls.family not in ("centralized", "decentralized", "hierarchical"):  # privacy
+    private = ("centralized", "decentralized", "hierarchical", "split")  # privacy: the families it runs in
+    if ctx.config.privacy is not None and cls.family not in private:
         raise ConfigError(
-            f"privacy: the {cls.family} family is not supported yet (differential privacy runs on the centralized and "
-            "hierarchical families' rounds and, at sample level, in the decentralized family); leave the privacy "
-            "section out"
+            f"privacy: the {cls.family} family is not supported yet (differential privacy runs on the centralized, "
+            "hierarchical and split families' rounds and, at sample level, in the decentralized family); leave the "
+            "privacy section out"
         )
     secure = ctx.config.secure_aggregation is not None
     if secure and cls.family != "centralized":  # secure aggregation: its cost is billed on the star round only

@@ -5,7 +5,8 @@
 - :mod:`~fedweave.privacy.ftrl`: DP-FTRL (tree-aggregated prefix sums of the clipped updates, no amplification);
 - :mod:`~fedweave.privacy.sample`: sample-level DP-SGD at every client, accounted per client;
 - :mod:`~fedweave.privacy.accountant`: epsilon from Opacus's RDP and PRV accountants (``fedweave[privacy]``);
-- :mod:`~fedweave.privacy.star`: which methods and samplers the proofs cover on the star template.
+- :mod:`~fedweave.privacy.star`: which methods and samplers the proofs cover on the star template;
+- :mod:`~fedweave.privacy.split`: DP-FedAvg on the split family's client-side models (not its smashed data).
 """
 
 from fedweave.privacy.accountant import Accountant, calibrate

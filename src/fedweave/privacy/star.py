@@ -41,8 +41,8 @@ def sampling(
     if name == "fixed":
         chosen = sampler.options.get("clients", 0)
         expected = len(chosen) if isinstance(chosen, list) else (chosen or per_round)
-    if not amplify or cfg.amplification == "none" or name in NO_AMPLIFICATION:
-        return 1.0, expected
+    if not amplify or cfg.amplification == "none" or name in NO_AMPLIFICATION or per_round >= num_clients:
+        return 1.0, expected  # (every client every round: nothing to amplify, whatever the sampler)
     if name == "bernoulli":
         return per_round / num_clients, expected
     raise ConfigError(
@@ -52,11 +52,14 @@ def sampling(
     )
 
 
-def make_privacy(algo: Any, per_round: int | None = None, num_clients: int | None = None) -> UserDP | SampleDP | None:
+def make_privacy(
+    algo: Any, per_round: int | None = None, num_clients: int | None = None, numels: list[int] | None = None
+) -> UserDP | SampleDP | None:
     """The DP stages of a server-based algorithm from the run's ``privacy`` section (None without one); a
     method, sampler or setting the proof does not cover is one ConfigError naming ``privacy``. ``per_round``
     and ``num_clients``: the clients a round samples and the population (default: the star's
-    ``clients_per_round`` and the partition's clients)."""
+    ``clients_per_round`` and the partition's clients); ``numels``: the layers' sizes of a clipped update, for
+    ``per_layer`` (default: the algorithm's layout)."""
     cfg: PrivacyConfig | None = algo.config.privacy
     if cfg is None:
         return None
@@ -117,7 +120,7 @@ def make_privacy(algo: Any, per_round: int | None = None, num_clients: int | Non
         sample_rate=q,
         seeds=ctx.seeds,
         accountant=accountant,
-        numels=list(algo.layout.numels) if cfg.per_layer else None,
+        numels=(numels or list(algo.layout.numels)) if cfg.per_layer else None,
         adaptive=cfg.adaptive,
         target_quantile=cfg.target_quantile,
         clip_lr=cfg.clip_lr,

@@ -48,6 +48,7 @@ from fedweave.data.augment import augment_for
 from fedweave.execution import LocalTrainer, ParamLayout, evaluate_task
 from fedweave.ledger import nbytes
 from fedweave.models.split import build_split_model
+from fedweave.privacy.split import private_average, split_privacy
 from fedweave.topology.samplers import make_sampler
 
 ORDERS = ("ordered", "random", "event", "sync")
@@ -226,6 +227,9 @@ class SplitAlgorithm(Algorithm):
     # the synchronous template waits for its clients: a client past the deadline is dropped like a dropout
     handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "deadline")
     state_fields = ("xc", "xs", "xa")  # the client, server and auxiliary models
+    # privacy: why the ``privacy`` section refuses this method (None: the fed server's average of the client-side
+    # models is DP-FedAvg's release; fedweave.privacy.split)
+    dp_refusal: ClassVar[str | None] = None
 
     def __init__(self, ctx: RunContext, hp: SplitHparams) -> None:
         super().__init__(ctx, hp)
@@ -270,6 +274,20 @@ class SplitAlgorithm(Algorithm):
         self.server_copies = 1
         n = ctx.num_clients  # the mean local batches per client: the unit of a client's work under faults
         self.reference_batches = max(1, round(sum(self.batcher.num_steps(c) for c in range(n)) / n))
+        self.privacy = split_privacy(self)  # privacy: DP-FedAvg on the client-side models (None without a section)
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        if self.privacy is not None:  # privacy: the accountant's releases and the (adaptive) clip
+            out["privacy"] = self.privacy.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        private = state.pop("privacy", None)
+        super().load_state_dict(state)
+        if private is not None and self.privacy is not None:  # privacy
+            self.privacy.load_state_dict(private)
 
     # ---- sizes ---------------------------------------------------------------------------------------
     @property
@@ -564,6 +582,14 @@ class SplitAlgorithm(Algorithm):
 
     def aggregate(self, clients: np.ndarray, xc_rows: torch.Tensor, xa_rows: torch.Tensor) -> None:
         """Eq. (14): the fed server averages the client-side models and auxiliary nets."""
+        if self.privacy is not None:  # privacy: DP-FedAvg on each client's (x_c, a_c) update, one release
+            nc = self.lc.numel
+            if self.uses_aux:
+                both = private_average(self.privacy, torch.cat([self.xc, self.xa]), torch.cat([xc_rows, xa_rows], 1))
+                self.xc, self.xa = both[:nc], both[nc:]
+            else:
+                self.xc = private_average(self.privacy, self.xc, xc_rows)
+            return
         p = self.weights(clients)
         self.xc = p @ xc_rows
         if self.uses_aux:
