@@ -96,6 +96,15 @@ class UserDP:
         self.unclipped: torch.Tensor | None = None  # sum_i b_i of the round being reduced (adaptive)
         self.last_norms: torch.Tensor | None = None
 
+    @property
+    def releases_empty_rounds(self) -> bool:
+        """Whether a round in which no client's update arrived is still a release (the noise on an empty sum,
+        accounted). Amplification by Poisson sampling is proved for the mechanism that noises the sum of
+        whoever was drawn, nobody included: a round skipped when nobody took part would tell who took part.
+        Without amplification (q = 1) the bound holds for any set of clients, and a skipped round releases
+        nothing."""
+        return self.mechanism == "central" and self.sample_rate < 1
+
     # ---- the round's stages ----------------------------------------------------------------------
     def clip(
         self, updates: torch.Tensor, weights: torch.Tensor, clients: Any = None

@@ -128,6 +128,9 @@ def make_privacy(
     )
     if isinstance(dp, FTRLDP):  # the budget's look-ahead asks who the next round samples
         dp.upcoming = algo.sample_clients
+    if dp.releases_empty_rounds and algo.sampler.name == "bernoulli":
+        # Poisson sampling as the proof has it: an empty draw is kept (not drawn again) and released as noise
+        algo.sampler.options = {**algo.sampler.options, "redraw": False}
     _check_first_release(cfg, dp)
     return dp
 

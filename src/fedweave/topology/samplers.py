@@ -43,12 +43,16 @@ def uniform(num_clients: int, per_round: int, r: int, rng: np.random.Generator, 
 
 
 @SAMPLERS.register("bernoulli")
-def bernoulli(num_clients: int, per_round: int, r: int, rng: np.random.Generator, *, rounds: int) -> np.ndarray:
+def bernoulli(
+    num_clients: int, per_round: int, r: int, rng: np.random.Generator, *, rounds: int, redraw: bool = True
+) -> np.ndarray:
     """Each client independently with probability ``per_round / num_clients``; drawn again when nobody is
-    active (fedmim spec A6), so the expected number per round is ``per_round`` (slightly more)."""
+    active (fedmim spec A6), so the expected number per round is ``per_round`` (slightly more). ``redraw``
+    false: an empty draw is returned as it is (pure Poisson sampling, what a private run's accountant assumes;
+    the ``privacy`` section sets it, docs/privacy.md)."""
     while True:
         active = np.flatnonzero(rng.random(num_clients) < per_round / num_clients)
-        if len(active):
+        if len(active) or not redraw:
             return active
 
 

@@ -229,7 +229,11 @@ class StarAlgorithm(Algorithm):
         if len(clients) == 0:
             if self.secagg is not None:  # secure aggregation: its first stages ran before anybody dropped
                 self.secagg.record(r, self.ledger, sampled, clients, 0)
-            return self.fault_metrics(clients)  # nobody reported: all state stays as it was
+            if self.privacy is not None and self.privacy.releases_empty_rounds:  # privacy: the noise alone, released
+                none, lr = self.x.new_zeros(0, len(self.x)), self.trainer.lr(r)
+                nobody = Collected(r, clients, lr, LocalResult(none, none[:, 0], none[:, 0]), {}, none[:, 0])
+                self.server_update(self.aggregate(none, nobody.weights, clients), nobody)
+            return self.fault_metrics(clients)  # nobody reported: all state stays as it was (privacy: see above)
         got = self.train_clients(r, clients)
         got = self.transmit_uploads(r, got)  # 2. compression: what the clients send, billed encoded
         if self.secagg is not None:  # secure aggregation: SecAgg+'s messages, the masked inputs among them

@@ -512,6 +512,10 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
         sampled, clients = self.call_clients(r, kind, size * nbytes(self.x))
         jobs = self.jobs_of(clients)
         if len(jobs) == 0:
+            if self.privacy is not None and self.privacy.releases_empty_rounds:  # privacy: the noise alone, released
+                none = self.x.new_zeros(0, len(self.x))
+                nobody = Collected(r, clients, jobs, LocalResult(none, none[:, 0], none[:, 0]), {}, none[:, 0])
+                self.server_update(self.aggregate(none, nobody.weights), nobody)
             return self.fault_metrics(clients)  # nobody reported: all state stays, the runner logs the skip
         got = self.train_jobs(r, clients, jobs)
         kind, size = self.uplink

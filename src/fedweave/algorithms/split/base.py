@@ -319,6 +319,7 @@ class SplitAlgorithm(Algorithm):
         xc_rows, xa_rows = self.download(r, clients)
         clients = self.reporting(r, clients)
         if len(clients) == 0:
+            self.release_nobody(clients)  # privacy: under amplification the noise alone is released
             return self.fault_metrics(0)  # nobody reported: the models stay, the runner logs the skip
         k = len(clients)
         done = self.train_round(r, clients, xc_rows[:k], xa_rows[:k], lrs)
@@ -594,6 +595,12 @@ class SplitAlgorithm(Algorithm):
         self.xc = p @ xc_rows
         if self.uses_aux:
             self.xa = p @ xa_rows
+
+    def release_nobody(self, clients: np.ndarray) -> None:
+        """Privacy: a round no client's model reached the fed server is, under amplification by Poisson sampling,
+        still DP-FedAvg's release (the noise on the empty sum, accounted); otherwise nothing happens."""
+        if self.privacy is not None and self.privacy.releases_empty_rounds:
+            self.aggregate(clients, self.xc.new_zeros(0, len(self.xc)), self.xa.new_zeros(0, len(self.xa)))
 
     # ---- metrics -------------------------------------------------------------------------------------
     def round_metrics(

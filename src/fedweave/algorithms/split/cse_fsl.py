@@ -127,6 +127,8 @@ class CSEFSL(TimedSplit):
                 self.aggregate(got, xc_rows[arrived], xa_rows[arrived])  # eq. (14), re-weighted over arrivals
                 delivered.update(got.tolist())
                 models_in = max(models_in, len(arrived))
+            else:
+                self.release_nobody(clients[arrived])  # privacy: under amplification, the noise alone
         late_in = self.late_arrivals(r)  # stragglers' uploads of earlier rounds
         for f in late_in:
             queue.append(f.upload)
