@@ -533,10 +533,10 @@ class SecureAggregationConfig:
     num_shares: int | float = 1.0
     # an int: the shares needed to reconstruct a secret; a float in (0, 1]: that fraction of num_shares
     reconstruction_threshold: int | float = 0.5
-    modulus_range: int = 2**32  # the masked input's field Z_R: each element costs log2(R) bits
+    modulus_range: int = 2**32  # the masked input's field Z_R (each element billed 8 bytes, as Flower sends it)
     quantization_range: int = 2**22  # Flower's quantization range (< modulus_range)
-    clipping_range: float = 8.0  # Flower's clipping range before quantization (recorded; not simulated)
-    max_weight: float = 1000.0  # Flower's bound on a client's weight (recorded; not simulated)
+    clipping_range: float = 8.0  # Flower's clipping range before quantization (deployed; not simulated)
+    max_weight: float = 1000.0  # Flower's bound on a client's weight (deployed; not simulated)
 
     def validate(self) -> None:
         """Check the section as Flower's ``SecAggPlusWorkflow`` checks its arguments; one line naming the key."""

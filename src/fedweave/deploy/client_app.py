@@ -28,7 +28,7 @@ from fedweave.config import ConfigError
 from fedweave.config import load as load_config
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
-from fedweave.deploy import split
+from fedweave.deploy import secure, split
 from fedweave.deploy.jobs import Job, MalformedJobError, UnknownRuleError, check_tensors, decode_job, whole
 from fedweave.deploy.node_data import NodeDataError, load_node_data, own_parts, trial_parts, write_samples
 from fedweave.deploy.node_state import NodeState, StateMissingError
@@ -114,7 +114,7 @@ def _error(msg: Message, code: int, reason: str) -> Message:
     return Message(Error(code, reason), reply_to=msg)
 
 
-@app.train()
+@app.train(mods=[secure.mod])  # secure aggregation: Flower's SecAgg+ mod on a SecAgg+ round's messages
 def train(msg: Message, context: Context) -> Message:
     try:
         header, tensors = from_records(msg.content)
@@ -161,6 +161,8 @@ def train(msg: Message, context: Context) -> Message:
         except OSError as e:
             return _error(msg, STATE_UNWRITABLE, f"cannot read or write the client state in {state_dir(context)}: {e}")
     header = {"steps": int(out.steps[0]), "loss": float(out.loss[0])}
+    if secure.is_secure(msg):  # secure aggregation: the update, for Flower's SecAgg+ mod to mask (deploy/secure.py)
+        return secure.masked_reply(msg, header, sent["params"], job.call.starts)
     return Message(to_records(header, sent), reply_to=msg)
 
 

@@ -29,7 +29,7 @@ from fedweave.algorithms.base import Algorithm
 from fedweave.callbacks import Callback, RunState
 from fedweave.config import ConfigError
 from fedweave.config import load as load_config
-from fedweave.deploy import split, support
+from fedweave.deploy import secure, split, support
 from fedweave.deploy.jobs import encode_job
 from fedweave.deploy.node_state import INITIAL
 from fedweave.deploy.wire import from_records, payload_bytes, pushed_bytes, to_records, tree_bytes, wire_bytes
@@ -219,7 +219,9 @@ class FlowerClients(Callback):
 
     def attach(self, algo: Algorithm) -> None:
         """Make ``algo``'s local trainer send its jobs to the nodes and apply the error policy to its rounds."""
-        why = support.unsupported(algo.name, algo.family, self.on_error) or support.undeployable_parts(algo.config)
+        why = support.unsupported(algo.name, algo.family, self.on_error) or support.undeployable_parts(
+            algo.config, self.on_error
+        )
         if why is not None:  # fedweave flower-app refuses these already; --run-config may change on-error
             raise DeploymentError(why)
         _log_progress(algo)
@@ -235,6 +237,7 @@ class FlowerClients(Callback):
         remote = FlowerTrainer.__new__(FlowerTrainer)
         remote.__dict__.update(trainer.__dict__)
         remote.backend, remote.clients, remote.here = "flower", self, trainer
+        remote.secure = secure.SecureAggregation.of(algo, self)  # Flower's SecAgg+ (None without the section)
         remote.num_classes = algo.ctx.dataset.num_classes  # what a node with its own data builds its model for
         num_clients = len(trainer.parts)
         remote.server_jobs = set()
@@ -393,6 +396,7 @@ class FlowerTrainer(LocalTrainer):
     num_classes: int
     here: LocalTrainer
     server_jobs: set[int]
+    secure: secure.SecureAggregation | None = None
 
     def _split(self, clients: list[int]) -> tuple[list[int], list[int]]:
         """Positions of the jobs that go to the nodes and of those that run here."""
@@ -401,6 +405,8 @@ class FlowerTrainer(LocalTrainer):
 
     def run_jobs(self, call: LocalCall) -> LocalResult:
         """The call's jobs as one Message each to the SuperNode holding that client's data."""
+        if self.secure is not None:  # secure aggregation: one SecAgg+ round, only the weighted mean comes back
+            return self.secure.run_jobs(self, call)
         starts, clients, round, rule, lr, steps, key = (
             call.starts, call.clients, call.round, call.rule, call.lr, call.steps, call.key
         )  # fmt: skip

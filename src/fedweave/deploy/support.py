@@ -29,18 +29,17 @@ def unsupported(algorithm: str, family: str, on_error: str) -> str | None:
     return None
 
 
-def undeployable_parts(config: RunConfig) -> str | None:
-    """Why a part of ``config`` beside the algorithm's family cannot be deployed yet, or None."""
+def undeployable_parts(config: RunConfig, on_error: str = "stop") -> str | None:
+    """Why a part of ``config`` beside the algorithm's family cannot be deployed yet (under ``on_error``), or None."""
     if getattr(ALGORITHMS.get(config.algorithm.name), "asynchronous", False):
         return (
             f"algorithm {config.algorithm.name!r} runs its asynchrony on the simulated clock and cannot be deployed "
             "on Flower yet; deploy a synchronous method (fedavg, fedadam, ...)"
         )
-    if config.secure_aggregation is not None:  # simulation only: Flower's SecAgg+ is not wired into the app yet
-        return (
-            "secure_aggregation: only its cost is simulated (the ledger); fedweave flower-app does not run Flower's "
-            "SecAgg+ yet, so the deployed run would not be what the config says; remove the section to deploy"
-        )
+    if config.secure_aggregation is not None:  # Flower's SecAgg+ (deploy/secure.py): the server sees only the mean
+        why = secure_refusal(config, on_error)
+        if why is not None:
+            return why
     if config.compression.upload is not None:  # the uploads travel dense on Flower: never bill what is not sent
         return (
             "compression.upload: compressed uploads cannot be deployed on Flower yet (its messages carry dense "
@@ -52,6 +51,22 @@ def undeployable_parts(config: RunConfig) -> str | None:
 def check_deployable(config: RunConfig, on_error: str) -> None:
     """Raise :class:`ConfigError` (one line) when the run of ``config`` cannot be deployed under ``on_error``."""
     name = config.algorithm.name
-    why = unsupported(name, ALGORITHMS.get(name).family, on_error) or undeployable_parts(config)
+    why = unsupported(name, ALGORITHMS.get(name).family, on_error) or undeployable_parts(config, on_error)
     if why is not None:
         raise ConfigError(why)
+
+
+def secure_refusal(config: RunConfig, on_error: str) -> str | None:
+    """Why a run with ``secure_aggregation`` cannot run Flower's SecAgg+ deployed, or None (the simulation's own
+    refusals, the methods whose server needs more than the weighted mean, come when the algorithm is built)."""
+    if config.privacy is not None:
+        return (
+            "secure_aggregation with privacy cannot be deployed yet: DP-FedAvg's server clips each client's update, "
+            "which SecAgg+ hides from it; remove one of the two sections to deploy"
+        )
+    if on_error != "stop":
+        return (
+            "secure_aggregation: on-error drop would compute a round again without a lost client, but a SecAgg+ round "
+            "cannot be repeated with the same masks; use on-error stop"
+        )
+    return None

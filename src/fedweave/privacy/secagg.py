@@ -15,7 +15,7 @@ stage       direction              each message
 1 keys      server -> n clients    its k neighbours' ids and public key pairs: ``k * (8 + 2 * 215)``
 1           n clients -> server    one encrypted share pair per other neighbour: ``(k - 1) * (8 + 612)``
 2 masked    server -> n clients    the shares addressed to it, with their sources: ``(k - 1) * (612 + 8)``
-2           A -> server            the masked input in Z_R: ``ceil((d + 1) log2(R) / 8)`` (the weight + d values)
+2           A -> server            the masked input in Z_R: ``8 (d + 1)`` (the weight + d values, int64 each)
 3 unmask    server -> A            its neighbours split into delivered and dropped: ``k * 8``
 3           A -> server            one share per neighbour, with its id: ``k * 8`` plus 52 per delivered
                                    neighbour (its mask seed's share) and 324 per dropped one (its key's share)
@@ -27,8 +27,9 @@ share is a 4-byte index and 16 bytes per 16-byte block of the padded secret (the
 = 396 bytes, whose Fernet token is 612 bytes (1 + 8 + 16 + 400 + 32 = 457 bytes in base64). Node ids count 8
 bytes, as in Flower's share plaintexts. Message framing (protobuf, record keys) is not counted, as for every
 other kind in the ledger. The masked input replaces the dense upload: its d + 1 elements (Flower prepends the
-quantized weight) cost ``log2(R)`` bits each, as in Bell et al.'s analysis, where Flower ships them in numpy
-integer arrays.
+quantized weight) cost 8 bytes each, as Flower's ``secaggplus_mod`` ships them (numpy int64 arrays, whatever R;
+Bell et al.'s analysis counts ``log2(R)`` bits), so that a deployed run (``fedweave.deploy.secure``) sends what its
+ledger bills (``tests/test_deploy_secagg.py``).
 
 The neighbourhoods are Flower's: the sampled clients in a random order (the ``("secagg_ring", round)`` stream),
 each with the ``num_shares >> 1`` clients either side of it; ``num_shares`` and the threshold resolve as
@@ -39,7 +40,6 @@ for too few delivering neighbours is not aborted.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,7 @@ KEY_SHARE_BYTES = 324  # a Shamir share of the 306-byte PEM PKCS8 private key: i
 CIPHERTEXT_BYTES = 612  # the Fernet token of a share pair's 396-byte plaintext
 ID_BYTES = 8  # a node id, as Flower packs it into the share plaintexts
 SETUP_BYTES = 7 * 8  # the setup stage's 7 numbers
+MASKED_VALUE_BYTES = 8  # a masked value in Z_R, as Flower's mod ships it (numpy int64)
 
 
 def resolve(cfg: SecureAggregationConfig, n: int) -> tuple[int, int, int]:
@@ -80,11 +81,10 @@ class SecAggPlus:
 
     def __init__(self, cfg: SecureAggregationConfig, seeds: Seeds) -> None:
         self.cfg, self.seeds = cfg, seeds
-        self.bits = int(cfg.modulus_range).bit_length() - 1  # log2(R): R is a power of two
 
     def masked_input_bytes(self, elements: int) -> int:
-        """One client's masked input: the weight and ``elements`` values in Z_R, ``log2(R)`` bits each."""
-        return math.ceil((elements + 1) * self.bits / 8)
+        """One client's masked input: the weight and ``elements`` values in Z_R, 8 bytes each (Flower's int64)."""
+        return MASKED_VALUE_BYTES * (elements + 1)
 
     def neighbourhoods(self, r: int, sampled: np.ndarray) -> dict[int, set[int]]:
         """Each sampled client's neighbours (itself included): Flower's ring of the sampled clients in a random

@@ -1,0 +1,259 @@
+"""Flower's SecAgg+ in deployment (fedweave.deploy.secure; docs/deployment.md, docs/privacy.md): in one process
+(the stand-in Grid of test_deploy_inprocess delivering Flower messages to the nodes' ClientApp with Flower's
+secaggplus_mod), the deployed run equals the simulation within SecAgg+'s quantization bound, the server never
+holds an individual update, and what cannot be deployed is refused with one line. The run across real
+SuperLink/SuperNode processes is in test_deploy_flower."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict  # noqa: E402
+
+from fedweave.config import ConfigError, load  # noqa: E402
+from fedweave.deploy import client_app, secure, server_app  # noqa: E402
+from fedweave.runner import run  # noqa: E402
+from tests.test_deploy_inprocess import CLIENTS, InProcessGrid, _task_identity  # noqa: E402, F401
+
+SECURE = {"num_shares": 1.0, "reconstruction_threshold": 0.5, "max_weight": 1.0, "clipping_range": 1.0}
+
+
+def _cfg(name: str = "fedavg", secure_section: dict | None = SECURE, **algo) -> dict:
+    cfg = {
+        "name": "s", "seed": 2, "rounds": 2, "backend": "loop", "dataset": {"name": "digits"},
+        "partition": {"name": "dirichlet", "num_clients": CLIENTS, "alpha": 0.5}, "model": {"name": "logistic"},
+        "algorithm": {"name": name, "clients_per_round": 3, "weighting": "uniform", **algo},
+        "local": {"steps": 3, "batch_size": 16, "lr": 0.1}, "output": {"progress": False, "plots": False},
+    }  # fmt: skip
+    if secure_section is not None:
+        cfg["secure_aggregation"] = secure_section
+    return cfg
+
+
+def _own_copy(msg):
+    """A message as its node receives it: records of its own (the metadata and what it carries, copied)."""
+    content = RecordDict()
+    for name, rec in msg.content.config_records.items():
+        content.config_records[name] = ConfigRecord(dict(rec))
+    for name, rec in msg.content.array_records.items():
+        content.array_records[name] = rec
+    for name, rec in msg.content.metric_records.items():
+        content.metric_records[name] = rec
+    md = msg.metadata
+    return Message(content, dst_node_id=md.dst_node_id, message_type=md.message_type, group_id=md.group_id)
+
+
+class Watching(InProcessGrid):
+    """The stand-in Grid that also keeps every reply a node sends the server, and gives each node its own copy of
+    a message (as the transport does: SecAgg+'s setup sends one record to every node, and each node's mod
+    takes its stage out of it)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.seen: list = []
+        self.pushed: list = []
+
+    def push_messages(self, msgs):
+        self.pushed.extend(msgs)
+        ids = []
+        for msg in map(_own_copy, msgs):
+            msg.metadata.__dict__["_message_id"] = msg.object_id  # as the SuperLink does
+            self.jobs += msg.metadata.message_type == "train"
+            try:
+                reply = client_app.app(msg, self.contexts[msg.metadata.dst_node_id])
+            except Exception as ex:  # as Flower's ClientApp runtime answers an exception: an error reply
+                reply = Message(Error(code=2, reason=str(type(ex)) + ":<'" + str(ex) + "'>"), reply_to=msg)
+            self.replies[msg.metadata.message_id] = reply
+            ids.append(msg.metadata.message_id)
+        self.messages += len(msgs)
+        return ids
+
+    def pull_messages(self, ids):
+        out = super().pull_messages(ids)
+        self.seen.extend(out)
+        return out
+
+
+def _deploy(cfg: dict, tmp_path, **app):
+    config_json = json.dumps(load(cfg).to_dict())
+    grid = Watching(config_json, tmp_path)
+    run_config = {"fedweave-config": config_json, "run-dir": str(tmp_path / "deployed"), "reply-timeout": 60.0,
+                  "node-wait": 5.0, "on-error": "stop", **app}  # fmt: skip
+    server_app.main(grid, Context(7, 0, {}, RecordDict(), run_config))
+    out = tmp_path / "deployed"
+    return json.loads((out / "summary.json").read_text()), grid
+
+
+class Recorder:
+    """What each side computed: every node's update (float64, before Flower's mod masks it), and the server's
+    securely aggregated mean of every round with the algorithm it serves."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.updates: dict[int, list[np.ndarray]] = {}
+        self.means: list[np.ndarray] = []
+        self.algo = None
+        reply, aggregate, run_jobs = (
+            secure.masked_reply,
+            secure.SecureAggregation.aggregate,
+            secure.SecureAggregation.run_jobs,
+        )
+
+        def masked_reply(msg, header, params, start):
+            r = json.loads(str(msg.content["header"]["json"]))["round"]
+            self.updates.setdefault(r, []).append((params.reshape(-1).double() - start.reshape(-1).double()).numpy())
+            return reply(msg, header, params, start)
+
+        def aggregate_(this, round, jobs):
+            mean, results = aggregate(this, round, jobs)
+            self.means.append(mean)
+            return mean, results
+
+        def run_jobs_(this, trainer, call):
+            self.algo = this.algo
+            return run_jobs(this, trainer, call)
+
+        monkeypatch.setattr(secure, "masked_reply", masked_reply)
+        monkeypatch.setattr(secure.SecureAggregation, "aggregate", aggregate_)
+        monkeypatch.setattr(secure.SecureAggregation, "run_jobs", run_jobs_)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedadam"])
+def test_each_secure_mean_is_the_mean_of_the_updates_within_the_quantization_bound(tmp_path, name, monkeypatch):
+    seen = Recorder(monkeypatch)
+    summary, _ = _deploy(_cfg(name), tmp_path)
+    assert summary["status"] == "completed" and len(seen.means) == 2
+    # 3 clients of equal weight, max_weight 1: the bound is n (2c / R) / (n dq) = 2c / R
+    bound = secure.error_bound(load(_cfg(name)).secure_aggregation, np.ones(3))
+    assert bound == 2 * 1.0 / 2**22
+    for r, mean in enumerate(seen.means):
+        exact = np.mean(seen.updates[r], axis=0)
+        err = np.abs(mean - exact).max()
+        assert 0 < err <= bound  # quantized: not the exact mean, and never further than the bound
+        assert np.abs(exact).max() > 1000 * bound  # the bound is small beside what the round moves
+
+
+def test_the_deployed_round_is_the_simulated_round_within_the_bound(tmp_path, monkeypatch):
+    seen = Recorder(monkeypatch)
+    cfg = {**_cfg("fedavg"), "rounds": 1}
+    _deploy(cfg, tmp_path)
+    sim = run(load(cfg), run_dir=tmp_path / "sim").algorithm
+    diff = (seen.algo.x.double() - sim.x.double()).abs().max().item()
+    bound = secure.error_bound(load(cfg).secure_aggregation, np.ones(3))
+    assert diff <= bound + 1e-6  # + float32 rounding of the mean and the model (|x| < 10)
+    assert not torch.equal(seen.algo.x, sim.x)  # quantized: SecAgg+ does not give the same bits
+
+
+def test_the_server_never_holds_an_individual_update(tmp_path, monkeypatch):
+    from flwr.common import bytes_to_ndarray
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+    seen = Recorder(monkeypatch)
+    summary, grid = _deploy(_cfg("fedavg"), tmp_path)
+    trained = [m for m in grid.seen if m.content.config_records.get(RECORD_KEY_CONFIGS, {}).get(Key.MASKED_PARAMETERS)]
+    assert len(trained) == 2 * 3  # a masked vector from each client of each round
+    for m in grid.seen:  # no reply carries a float array: the models and updates never leave a node in the clear
+        for record in m.content.array_records.values():
+            assert all(a.numpy().size == 0 or a.numpy().dtype.kind in "iu" for a in record.values())
+    levels = 2**22
+    for m in trained:
+        masked = np.concatenate([bytes_to_ndarray(b).reshape(-1) for b in
+                                 m.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]])  # fmt: skip
+        # unmasked, the quantized update would sit near levels / 2 (updates << clipping_range); masked, it is
+        # spread over Z_M (M = 2^32): the server cannot read it
+        assert masked.max() > 2**30 and np.abs(masked[1:] - levels // 2).min() > 0
+        assert np.mean(np.abs(masked[1:].astype(np.float64) - levels / 2) < levels) < 0.01
+    assert summary["flower"]["messages"] > 0 and seen.means
+
+
+@pytest.mark.parametrize(
+    ("change", "app", "words"),
+    [
+        ({"privacy": {"noise_multiplier": 1.0, "amplification": "none"}}, "stop", "secure_aggregation with privacy"),
+        ({}, "drop", "secure_aggregation: on-error drop"),
+    ],
+)
+def test_what_secure_aggregation_cannot_deploy_is_refused_with_one_line(change, app, words):
+    from fedweave.deploy.support import check_deployable
+
+    with pytest.raises(ConfigError) as e:
+        check_deployable(load({**_cfg(), **change}), app)
+    assert str(e.value).startswith(words) and "\n" not in str(e.value)
+
+
+def test_an_update_that_quantization_would_clip_is_refused_on_its_node(tmp_path):
+    cfg = _cfg("fedavg", {**SECURE, "clipping_range": 1e-6})
+    with pytest.raises(server_app.RunFailed, match="secure_aggregation.clipping_range"):
+        _deploy(cfg, tmp_path)
+
+
+def _protocol_bytes(grid: Watching) -> dict[str, int]:
+    """The bytes of SecAgg+'s records in the messages of a deployed run, by the ledger kind that bills them: byte
+    strings by their length, ids and numbers 8 bytes, the masked arrays by their int64 values (the stage's name
+    and the arrays' .npy headers are framing, not counted, as for every kind)."""
+    from flwr.common import bytes_to_ndarray
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+
+    def size(v) -> int:
+        if isinstance(v, bytes):
+            return len(v)
+        if isinstance(v, list):
+            return sum(size(x) for x in v)
+        return 0 if isinstance(v, str) else 8
+
+    out: dict[str, int] = {}
+    for m in grid.pushed + grid.seen:
+        rec = m.content.config_records.get(RECORD_KEY_CONFIGS)
+        if rec is None or m.has_error():
+            continue
+        down = m in grid.pushed
+        stage = rec.get(Key.STAGE)
+        if down and stage == Stage.SETUP:
+            kind, n = "server->client:secagg_setup", sum(size(v) for v in rec.values())
+        elif down and stage == Stage.SHARE_KEYS:  # each neighbour: its id (the record's key) and its key pair
+            kind, n = "server->client:secagg_key_broadcast", sum(8 + size(v) for k, v in rec.items() if k != Key.STAGE)
+        elif down and stage == Stage.COLLECT_MASKED_VECTORS:
+            kind, n = (
+                "server->client:secagg_forwarded_shares",
+                size(rec[Key.CIPHERTEXT_LIST]) + size(rec[Key.SOURCE_LIST]),
+            )
+        elif down:
+            kind, n = (
+                "server->client:secagg_unmask_request",
+                size(rec[Key.ACTIVE_NODE_ID_LIST]) + size(rec[Key.DEAD_NODE_ID_LIST]),
+            )
+        elif Key.PUBLIC_KEY_1 in rec:
+            kind, n = "client->server:secagg_public_keys", size(rec[Key.PUBLIC_KEY_1]) + size(rec[Key.PUBLIC_KEY_2])
+        elif Key.CIPHERTEXT_LIST in rec:
+            kind, n = (
+                "client->server:secagg_encrypted_shares",
+                size(rec[Key.DESTINATION_LIST]) + size(rec[Key.CIPHERTEXT_LIST]),
+            )
+        elif Key.MASKED_PARAMETERS in rec:
+            arrays = [bytes_to_ndarray(b) for b in rec[Key.MASKED_PARAMETERS]]
+            assert all(a.dtype == np.int64 for a in arrays)
+            kind, n = "client->server:secagg_masked_input", sum(a.nbytes for a in arrays)
+        else:
+            kind, n = "client->server:secagg_unmask_shares", size(rec[Key.NODE_ID_LIST]) + size(rec[Key.SHARE_LIST])
+        out[kind] = out.get(kind, 0) + n
+    return out
+
+
+def test_the_ledger_bills_what_the_deployed_protocol_sends(tmp_path):
+    """The simulation's SecAgg+ cost (fedweave.privacy.secagg), which the deployed run's ledger records too, is
+    what the deployed messages carry, stage by stage; the uploads are masked, never dense, and the downloads
+    (the jobs' start vectors) are the ledger's model bytes."""
+    summary, grid = _deploy(_cfg("fedavg"), tmp_path)
+    ledger = summary["communication"]["by_transfer"]
+    sent = _protocol_bytes(grid)
+    assert len(sent) == 8
+    for kind, n in sent.items():
+        assert ledger[kind]["bytes"] == n, kind
+    assert "client->server:model" not in ledger
+    assert summary["flower"]["payload_sent"] == ledger["server->client:model"]["bytes"]
+    assert summary["flower"]["payload_received"] == 0  # no reply carries fedweave's tensors: only masked values
