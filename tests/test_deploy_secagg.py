@@ -95,7 +95,7 @@ class Recorder:
     securely aggregated mean of every round with the algorithm it serves."""
 
     def __init__(self, monkeypatch) -> None:
-        self.updates: dict[int, list[np.ndarray]] = {}
+        self.updates: dict[int, dict[int, np.ndarray]] = {}  # round -> client -> its update
         self.means: list[np.ndarray] = []
         self.algo = None
         reply, aggregate, run_jobs = (
@@ -106,7 +106,8 @@ class Recorder:
 
         def masked_reply(msg, header, params, start):
             r = json.loads(str(msg.content["header"]["json"]))["round"]
-            self.updates.setdefault(r, []).append((params.reshape(-1).double() - start.reshape(-1).double()).numpy())
+            c = int(msg.content.config_records[secure.WEIGHT]["client"])
+            self.updates.setdefault(r, {})[c] = (params.reshape(-1).double() - start.reshape(-1).double()).numpy()
             return reply(msg, header, params, start)
 
         def aggregate_(this, round, jobs):
@@ -132,10 +133,28 @@ def test_each_secure_mean_is_the_mean_of_the_updates_within_the_quantization_bou
     bound = secure.error_bound(load(_cfg(name)).secure_aggregation, np.ones(3))
     assert bound == 2 * 1.0 / 2**22
     for r, mean in enumerate(seen.means):
-        exact = np.mean(seen.updates[r], axis=0)
+        exact = np.mean(list(seen.updates[r].values()), axis=0)
         err = np.abs(mean - exact).max()
         assert 0 < err <= bound  # quantized: not the exact mean, and never further than the bound
         assert np.abs(exact).max() > 1000 * bound  # the bound is small beside what the round moves
+
+
+def test_weighting_by_samples_is_the_weighted_mean_within_the_bound(tmp_path, monkeypatch):
+    from fedweave.algorithms.base import RunContext
+
+    sizes = np.array([len(p) for p in RunContext(load(_cfg())).partition])
+    section = {**SECURE, "max_weight": float(sizes.max())}
+    seen = Recorder(monkeypatch)
+    summary, _ = _deploy(_cfg("fedavg", section, weighting="samples"), tmp_path)
+    assert summary["status"] == "completed"
+    cfg = load(_cfg("fedavg", section)).secure_aggregation
+    for r, mean in enumerate(seen.means):
+        clients = seen.algo.sample_clients(r)
+        w = sizes[clients]
+        updates = np.stack([seen.updates[r][int(c)] for c in clients])
+        exact = (w[:, None] * updates).sum(0) / w.sum()
+        largest = np.abs(updates).max()
+        assert np.abs(mean - exact).max() <= secure.error_bound(cfg, w) + secure.weighted_error(cfg, w, largest)
 
 
 def test_the_deployed_round_is_the_simulated_round_within_the_bound(tmp_path, monkeypatch):

@@ -232,7 +232,10 @@ class SecureAggregation:
         if not ok or not keeper.results:
             # a node's error reply says why (Flower's runtime puts the exception's line in its reason)
             why = "; ".join(str(getattr(f.args[0], "reason", f)) for f in wf.failures if f.args)
-            why = why or "too few nodes answered to reach the threshold"
+            why = why or (
+                f"{len(jobs)} clients took part; SecAgg+ needs at least 2, each with reconstruction_threshold "
+                "neighbours that answer"
+            )
             raise RunStopped(f"round {round + 1}: secure aggregation (SecAgg+) halted: {why}")
         params = keeper.results[0][1].parameters
         return np.concatenate([a.reshape(-1) for a in parameters_to_ndarrays(params)]), keeper.results
