@@ -60,7 +60,7 @@ def error_bound(cfg: SecureAggregationConfig, weights: np.ndarray) -> float:
     ``dq_i = round(w_i / max_weight * R) / R``, each element stochastically rounded to a step ``2 c / R``
     (less than one step off), and the server divides the sum by ``sum_i dq_i``. Equal weights give equal
     ``dq_i``, so only the rounding counts: ``n (2 c / R) / sum_i dq_i``; unequal weights add the relative error of
-    the ``dq_i`` (at most ``0.5 / R`` each, over ``min dq_i``) times twice the largest update element, which
+    the ``dq_i`` (at most ``0.5 / R`` over ``dq_i`` each) times about twice the largest update element, which
     :func:`weighted_error` adds where it is known."""
     q = np.round(np.asarray(weights, dtype=np.float64) / cfg.max_weight * cfg.quantization_range)
     dq = q / cfg.quantization_range
@@ -69,13 +69,15 @@ def error_bound(cfg: SecureAggregationConfig, weights: np.ndarray) -> float:
 
 def weighted_error(cfg: SecureAggregationConfig, weights: np.ndarray, largest: float) -> float:
     """What quantizing unequal weights adds to :func:`error_bound` when the updates' elements are at most
-    ``largest`` in absolute value: ``2 largest max_i |dq_i / (w_i / max_weight) - 1|`` (0 for equal weights)."""
+    ``largest`` in absolute value: with ``e = max_i |dq_i / (w_i / max_weight) - 1|`` the weights of the mean move
+    by at most ``2 e / (1 - e)`` in sum, so the mean by ``largest`` times that (0 for equal weights)."""
     w = np.asarray(weights, dtype=np.float64)
     if np.all(w == w[0]):
         return 0.0
     ratio = w / cfg.max_weight
     dq = np.round(ratio * cfg.quantization_range) / cfg.quantization_range
-    return 2 * largest * float(np.max(np.abs(dq / ratio - 1)))
+    e = float(np.max(np.abs(dq / ratio - 1)))
+    return largest * 2 * e / (1 - e)
 
 
 # ---- the node ------------------------------------------------------------------------------------------------
