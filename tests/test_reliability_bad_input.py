@@ -180,7 +180,11 @@ def _cases() -> list[tuple[list[str], str]]:
             ["privacy.clip=1", "sampler=bernoulli", "algorithm.name=scaffold"],
             "privacy: algorithm 'scaffold' is refused",
         ),
-        (["privacy.clip=1", "algorithm={name: cse_fsl}"], "privacy: the split family is not supported"),
+        (
+            ["privacy.clip=1", "algorithm={name: cse_fsl, agg_every: 2}", "model.name=split_small"],
+            "privacy: algorithm.agg_every (2) averages the same sampled clients' models several times a round",
+        ),
+        (["privacy.clip=1", "algorithm={name: cfl_admm}"], "privacy: the confederated family is not supported"),
         (["privacy.target_epsilon=0.01", "sampler=bernoulli"], "privacy.target_epsilon (0.01) is exceeded"),
     ]
     return cases
