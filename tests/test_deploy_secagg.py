@@ -195,6 +195,12 @@ def test_the_server_never_holds_an_individual_update(tmp_path, monkeypatch):
     [
         ({"privacy": {"noise_multiplier": 1.0, "amplification": "none"}}, "stop", "secure_aggregation with privacy"),
         ({}, "drop", "secure_aggregation: on-error drop"),
+        (
+            {"algorithm": {"name": "scaffold", "clients_per_round": 3}},
+            "stop",
+            "secure_aggregation: algorithm 'scaffold'",
+        ),
+        ({"algorithm": {"name": "hier_fedavg", "tau": 2}}, "stop", "secure_aggregation: algorithm 'hier_fedavg'"),
     ],
 )
 def test_what_secure_aggregation_cannot_deploy_is_refused_with_one_line(change, app, words):

@@ -57,8 +57,15 @@ def check_deployable(config: RunConfig, on_error: str) -> None:
 
 
 def secure_refusal(config: RunConfig, on_error: str) -> str | None:
-    """Why a run with ``secure_aggregation`` cannot run Flower's SecAgg+ deployed, or None (the simulation's own
-    refusals, the methods whose server needs more than the weighted mean, come when the algorithm is built)."""
+    """Why a run with ``secure_aggregation`` cannot run Flower's SecAgg+ deployed, or None (the rest of the
+    simulation's own refusals come when the algorithm is built)."""
+    cls = ALGORITHMS.get(config.algorithm.name)
+    if cls.family != "centralized" or getattr(cls, "dp_refusal", None):  # make_secagg's criterion, before any app
+        why = cls.dp_refusal if cls.family == "centralized" else f"the {cls.family} family is not supported yet"
+        return (
+            f"secure_aggregation: algorithm {config.algorithm.name!r} cannot run Flower's SecAgg+, whose server learns "
+            f"only the weighted mean of the updates ({why})"
+        )
     if config.privacy is not None:
         return (
             "secure_aggregation with privacy cannot be deployed yet: DP-FedAvg's server clips each client's update, "
