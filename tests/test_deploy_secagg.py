@@ -195,6 +195,7 @@ def test_the_server_never_holds_an_individual_update(tmp_path, monkeypatch):
     [
         ({"privacy": {"noise_multiplier": 1.0, "amplification": "none"}}, "stop", "secure_aggregation with privacy"),
         ({}, "drop", "secure_aggregation: on-error drop"),
+        ({"faults": {"dropout": 0.2}}, "stop", "secure_aggregation with faults"),
         (
             {"algorithm": {"name": "scaffold", "clients_per_round": 3}},
             "stop",

@@ -71,6 +71,11 @@ def secure_refusal(config: RunConfig, on_error: str) -> str | None:
             "secure_aggregation with privacy cannot be deployed yet: DP-FedAvg's server clips each client's update, "
             "which SecAgg+ hides from it; remove one of the two sections to deploy"
         )
+    if config.faults != type(config.faults)():  # the ledger bills SecAgg+'s first stages to an injected dropout
+        return (
+            "secure_aggregation with faults cannot be deployed yet: the ledger bills SecAgg+'s first stages to the "
+            "clients an injected fault drops, which a deployed round never contacts; remove the faults section"
+        )
     if on_error != "stop":
         return (
             "secure_aggregation: on-error drop would compute a round again without a lost client, but a SecAgg+ round "
