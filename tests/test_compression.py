@@ -185,14 +185,13 @@ def test_bad_compression_config_is_one_line(upload, alg, expect):
     assert expect in str(e.value) and "\n" not in str(e.value)
 
 
-def test_flower_app_refuses_a_compressed_run(tmp_path, monkeypatch, capsys):
+def test_flower_app_carries_a_compressed_upload(tmp_path, monkeypatch):
+    """The deployment sends the encoded uploads (tests/test_deploy_inprocess.py, tests/test_deploy_flower.py)."""
     monkeypatch.chdir(tmp_path)
     cfg = {**_cfg("fedavg"), "dataset": {"name": "_toy"}, "partition": {"name": "iid", "num_clients": 4}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    assert cli_main(["flower-app", "c.yaml", "app", "compression.upload={name: qsgd}"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "compression.upload: compressed uploads cannot be deployed on Flower" in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+    assert cli_main(["flower-app", "c.yaml", "app", "compression.upload={name: qsgd}"]) == 0
+    assert (tmp_path / "app" / "pyproject.toml").is_file()
 
 
 def test_list_shows_the_compressors(capsys):

@@ -41,11 +41,6 @@ def undeployable_parts(config: RunConfig) -> str | None:
             "secure_aggregation: only its cost is simulated (the ledger); fedweave flower-app does not run Flower's "
             "SecAgg+ yet, so the deployed run would not be what the config says; remove the section to deploy"
         )
-    if config.compression.upload is not None:  # the uploads travel dense on Flower: never bill what is not sent
-        return (
-            "compression.upload: compressed uploads cannot be deployed on Flower yet (its messages carry dense "
-            "tensors; docs/compression.md); remove the compression section to deploy this run"
-        )
     return None
 
 
