@@ -41,6 +41,11 @@ def undeployable_parts(config: RunConfig) -> str | None:
             "secure_aggregation: only its cost is simulated (the ledger); fedweave flower-app does not run Flower's "
             "SecAgg+ yet, so the deployed run would not be what the config says; remove the section to deploy"
         )
+    if config.compression.download is not None:  # the nodes would need the model replica the server keeps for them
+        return (
+            "compression.download: compressed downloads cannot be deployed on Flower yet (the jobs carry the dense "
+            "model); remove compression.download to deploy this run (compressed uploads deploy)"
+        )
     return None
 
 
