@@ -368,3 +368,28 @@ def test_a_compressed_reply_the_server_did_not_use_leaves_the_nodes_residual_as_
     assert [(m["train_loss"], m["test_loss"]) for m in rows] == [(m["train_loss"], m["test_loss"]) for m in sim]
     ledger = summary["communication"]
     assert summary["flower"]["payload_received"] == ledger["bytes_up"]  # the lost reply carried no upload
+
+
+@pytest.mark.parametrize(
+    "method, attack",
+    [("fedavg", "label_flip"), ("hier_fedavg", "label_flip"), ("hier_scaffold", "alie"), ("fedavg", "sign_flip")],
+)
+def test_byzantine_clients_deployed_equal_the_simulation(tmp_path, method, attack):
+    """``faults.byzantine`` deployed: an attack on the updates runs in the ServerApp (the star's and the
+    hierarchical edge step's stage 1), and a label-flipping client's node derives its part of the data with the
+    attack's labels, as the simulation's trainer has them (a trial: a node with its own data file trains on
+    what the file holds)."""
+    hierarchical = method.startswith("hier")
+    per_round = {"tau": 2, "participation": 1.0} if hierarchical else {"clients_per_round": 4}
+    cfg = {
+        "name": "b", "seed": 2, "rounds": 2, "backend": "loop", "dataset": {"name": "digits"},
+        "partition": {"name": "dirichlet", "num_clients": CLIENTS, "alpha": 0.5}, "model": {"name": "logistic"},
+        "algorithm": {"name": method, **per_round},
+        "local": {"batch_size": 16, "lr": 0.1, **({} if hierarchical else {"steps": 3})},
+        "faults": {"byzantine": {"clients": [1, 2], "attack": attack}}, "output": {"progress": False, "plots": False},
+    }  # fmt: skip
+    deployed_equals_simulation(cfg, tmp_path)
+    clean = run(load({**cfg, "faults": {}}), run_dir=tmp_path / "clean").metrics
+    attacked = [json.loads(line) for line in (tmp_path / "deployed" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["test_loss"] for m in attacked] != [m["test_loss"] for m in clean]
+    assert [m["byzantine_clients"] for m in attacked] == [2.0, 2.0]
