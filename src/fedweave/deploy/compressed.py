@@ -133,10 +133,12 @@ class RemoteCompression(UploadCompression):
         """Nothing to restore on the server (the nodes keep the residuals)."""
 
 
-def attach(clients: Any, algo: Any) -> None:
+def attach(clients: Any, algo: Any, lost_error: type[Exception]) -> None:
     """Make a deployed ``algo`` whose uploads are compressed read them encoded: each job names the residual
     version its client's node starts from, each reply is decoded as it arrives, and the round's compression
-    stage takes the decoded rows. No-op for a run without ``compression.upload``."""
+    stage takes the decoded rows; a reply that is not the encoded upload raises ``lost_error(round, reasons)``
+    (the ServerApp's ``ClientsLost``: the error policy decides). No-op for a run without
+    ``compression.upload``."""
     stage = getattr(algo, "compression", None)
     if stage is None:
         return
@@ -154,9 +156,7 @@ def attach(clients: Any, algo: Any) -> None:
             except (KeyError, ValueError, TypeError) as e:
                 lost[c] = f"its reply is not the run's encoded upload ({type(e).__name__}: {e})"
         if lost:
-            from fedweave.deploy.server_app import ClientsLost
-
-            raise ClientsLost(round, lost)
+            raise lost_error(round, lost)
         for c, _, _ in jobs:
             clients.accepted[c] = round  # the residual version each node wrote for this round is the one used
         return out

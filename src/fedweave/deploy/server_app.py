@@ -244,7 +244,7 @@ class FlowerClients(Callback):
         elif getattr(algo, "store", None) is not None:
             algo.store = None  # the clients' own state lives on their nodes, not in the server
         algo.trainer = remote
-        compressed.attach(self, algo)  # compression.upload: the nodes encode, the server decodes
+        compressed.attach(self, algo, ClientsLost)  # compression.upload: the nodes encode, the server decodes
         self._apply_policy(algo)
         self.discover(num_clients)
         self.check_samples([len(p) for p in trainer.parts[:num_clients]])
