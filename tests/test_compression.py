@@ -406,3 +406,21 @@ def test_the_hierarchical_family_and_flower_refuse_compressed_downloads(tmp_path
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "compression.download: compressed downloads cannot be deployed on Flower" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
+def test_compressed_downloads_compose_with_the_other_server_stages(tmp_path):
+    """Downloads and uploads compressed, a quarter of the clients flipping their updates, the median at the
+    server: every stage runs (the attack on the updates measured from what the clients held), the run stays
+    finite and each direction is billed below its dense bytes."""
+    stages = {
+        "compression": {"download": {"name": "topk", "ratio": 0.2}, "upload": {"name": "qsgd", "levels": 8}},
+        "faults": {"byzantine": {"clients": [1, 5], "attack": "sign_flip"}},
+        "aggregator": "median",
+    }
+    dense = fedweave.run({**_cfg("fedadam", rounds=3), **{k: v for k, v in stages.items() if k != "compression"}},
+                         run_dir=tmp_path / "dense").metrics  # fmt: skip
+    got = fedweave.run({**_cfg("fedadam", rounds=3), **stages}, run_dir=tmp_path / "all").metrics
+    assert all(math.isfinite(m["test_loss"]) for m in got)
+    assert sum(m["byzantine_clients"] for m in got) == sum(m["byzantine_clients"] for m in dense) > 0
+    for way in ("bytes_down", "bytes_up"):
+        assert 0 < got[-1][way] < dense[-1][way] / 2, way
