@@ -582,8 +582,8 @@ def build_algorithm(ctx: RunContext) -> Algorithm:
     if ctx.config.compression.download is not None and not getattr(cls, "compresses_downloads", False):
         raise ConfigError(
             f"compression.download: algorithm {section.name!r} ({cls.family}) does not compress its downloads yet (its "
-            "clients receive more than the model, or their rule reads the server's model); fedavg, the fedopt family "
-            "and fedsam do (docs/compression.md); remove compression.download"
+            "clients' rule or update reads the server's model, not only where they start); fedavg, the fedopt family, "
+            "fedsam, scaffold, fedcm and mofedsam do (docs/compression.md); remove compression.download"
         )
     if cls.fixed_task and (ctx.config.task != type(ctx.config.task)() or ctx.objects.loss is not None):
         raise ConfigError(f"task: the {cls.family} family {cls.fixed_task}; leave the task section out")

@@ -148,8 +148,8 @@ class StarAlgorithm(Algorithm):
     updates_are_models: ClassVar[bool] = False
     uplink: ClassVar[str] = "model"  # the ledger kind of each reporting client's upload
     compresses_uploads: ClassVar[bool] = True  # the template runs the compression stage (fedweave.compression)
-    # compression.download applies: the clients receive only the model and their rule and update read only
-    # their start (fedweave.compression.download)
+    # compression.download applies: the first tensor of the first downlink message is the model x_t, and the
+    # clients' rule and update read the model only as where they start (fedweave.compression.download)
     compresses_downloads: ClassVar[bool] = False
     state_fields = ("x",)  # the global model; a method adds its server state
     # privacy: why the ``privacy`` section refuses this method (None: its messages are one model update per
@@ -238,10 +238,14 @@ class StarAlgorithm(Algorithm):
         if self.download is None:
             for kind, tensors in self.downlink().items():
                 self.send(r, self.recipients(clients), kind, *tensors)
-        else:  # compressed downloads: the model, billed at its encoded size (compression)
+        else:  # compressed downloads: the model billed at its encoded size, the rest of its message dense
             recipients = self.recipients(clients)
-            self.ledger.record(r, "server", "client", "model", self.download.broadcast(r, recipients, self.x),
-                               len(recipients))  # fmt: skip
+            for i, (kind, tensors) in enumerate(self.downlink().items()):
+                dense = tensors[1:] if i == 0 else tensors  # the first message's first tensor is x_t
+                nbytes = len(recipients) * _size(dense) + (
+                    self.download.broadcast(r, recipients, self.x) if i == 0 else 0
+                )
+                self.ledger.record(r, "server", "client", kind, nbytes, len(recipients))
         sampled, clients = clients, self.reporting(r, clients)  # dropouts and stragglers deliver nothing
         if len(clients) == 0:
             if self.secagg is not None:  # secure aggregation: its first stages ran before anybody dropped
