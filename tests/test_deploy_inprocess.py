@@ -314,7 +314,7 @@ def test_compressed_uploads_travel_encoded_and_equal_the_simulation(tmp_path, na
     the arrays of the replies are exactly the bytes the ledger bills for the uploads."""
     method, upload = COMPRESSED[name]
     hierarchical = method.startswith("hier")
-    per_round = {"tau": 2, "participation": 0.75} if hierarchical else {"clients_per_round": 3}
+    per_round = {"tau": 2, "participation": 0.75, "server_data": "client"} if hierarchical else {"clients_per_round": 3}
     cfg = {
         "name": "z", "seed": 2, "rounds": 3, "backend": "loop", "dataset": {"name": "digits"},
         "partition": {"name": "dirichlet", "num_clients": CLIENTS, "alpha": 0.5}, "model": {"name": "logistic"},
