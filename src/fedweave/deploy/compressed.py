@@ -93,7 +93,7 @@ class RemoteCompression(UploadCompression):
     """The compression stage of a deployed run: the nodes encoded the uploads and keep the residuals; the server
     takes the rows it decoded from the replies (:meth:`open`) and bills their encoded bytes."""
 
-    def __init__(self, stage: UploadCompression) -> None:  # noqa: D107 (no residual table on the server)
+    def __init__(self, stage: UploadCompression) -> None:  # the simulated stage's settings; no residual table here
         self.compressor, self.size, self.ctx = stage.compressor, stage.size, stage.ctx
         self.arrived: dict[tuple[int, int, str], tuple[torch.Tensor, int]] = {}
 
