@@ -15,6 +15,7 @@ import yaml
 import fedweave
 from fedweave.cli import main as cli_main
 from fedweave.compression import QSGD, EFSign, Encoded, Int8, RandK, TopK, build_compressor, wire_bits
+from fedweave.compression.download import REPLICA
 from fedweave.config import ConfigError, Section, load
 from fedweave.registry import ALGORITHMS, COMPRESSORS
 from fedweave.runner import run as run_config
@@ -185,14 +186,13 @@ def test_bad_compression_config_is_one_line(upload, alg, expect):
     assert expect in str(e.value) and "\n" not in str(e.value)
 
 
-def test_flower_app_refuses_a_compressed_run(tmp_path, monkeypatch, capsys):
+def test_flower_app_carries_a_compressed_upload(tmp_path, monkeypatch):
+    """The deployment sends the encoded uploads (tests/test_deploy_inprocess.py, tests/test_deploy_flower.py)."""
     monkeypatch.chdir(tmp_path)
     cfg = {**_cfg("fedavg"), "dataset": {"name": "_toy"}, "partition": {"name": "iid", "num_clients": 4}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    assert cli_main(["flower-app", "c.yaml", "app", "compression.upload={name: qsgd}"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "compression.upload: compressed uploads cannot be deployed on Flower" in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+    assert cli_main(["flower-app", "c.yaml", "app", "compression.upload={name: qsgd}"]) == 0
+    assert (tmp_path / "app" / "pyproject.toml").is_file()
 
 
 def test_list_shows_the_compressors(capsys):
@@ -283,3 +283,165 @@ def test_zo_hfl_refuses_compression_in_one_line():
     cfg = {**_hier("hier_fedavg", {"name": "efsign"}), "algorithm": {"name": "zo_hfl", "tau": 2}}
     with pytest.raises(ConfigError, match=r"compression.upload: algorithm 'zo_hfl' \(hierarchical\) does not"):
         _algo(cfg)
+
+
+# ---- compressed downloads (compression.download) -------------------------------------------------------------
+def _down(cfg: dict, name: str | None, **opts) -> dict:
+    return {**cfg, "compression": {"download": None if name is None else {"name": name, **opts}}}
+
+
+@pytest.mark.parametrize(
+    "name, opts, variance",
+    [
+        ("qsgd", {"levels": 2}, lambda v: torch.full_like(v, float(v.norm() ** 2) / (4 * 2**2))),
+        ("randk", {"k": 5}, lambda v: v**2 * (len(v) / 5 - 1)),
+    ],
+)
+def test_a_compressed_download_is_unbiased(name, opts, variance):
+    """One broadcast of x to a client that holds x_0: over the ``("compression_download", round, client)``
+    draws the mean of the model it then holds is within 5 standard errors of x in every coordinate (the
+    replica moves by an unbiased estimate of the difference x - x_0)."""
+    algo = _algo(_down(_cfg("fedavg"), name, **opts))
+    x0 = algo.x.clone()
+    x = x0 + torch.randn(len(x0), generator=torch.Generator().manual_seed(3), dtype=x0.dtype)
+    n, held = 3000, []
+    for r in range(n):
+        algo.download.store[REPLICA][0] = x0
+        algo.download.broadcast(r, np.array([0]), x)
+        held.append(algo.download.held(np.array([0]))[0].double())
+    mean = torch.stack(held).mean(0)
+    tol = 5 * (variance((x - x0).double()) / n).sqrt() + 1e-6
+    assert bool(((mean - x.double()).abs() <= tol).all()), ((mean - x.double()).abs() / tol).max()
+    assert not torch.equal(held[0], x.double())  # the draws do compress
+
+
+@pytest.mark.parametrize("steps", [1, 5])
+def test_compressed_downloads_converge_where_the_dense_run_does(steps):
+    """FedAvg on the federated least-squares problem (full participation, local GD): with one local step it is
+    gradient descent and reaches the pooled optimum, with five it settles at its own fixed point. With the
+    download compressed to the difference from what each client holds (top-1 of the 3 coordinates, the scaled
+    sign, unscaled random-1, QSGD) it reaches the same point: what compression drops is sent later."""
+
+    def final(name: str | None = None, **opts) -> torch.Tensor:
+        cfg = _down(_quad_cfg("fedavg"), name, **opts)
+        cfg["local"] = {**cfg["local"], "steps": steps}
+        algo = _algo(cfg)
+        algo.trainer.loss_fn = _squared
+        return _rounds(algo, 100)
+
+    dense, opt = final(), _quad_optimum()
+    if steps == 1:
+        assert float((dense - opt).norm() / opt.norm()) < 1e-5
+    else:
+        assert float((dense - opt).norm() / opt.norm()) > 0.1  # FedAvg's own fixed point
+    for name, opts in (("topk", {"k": 1}), ("efsign", {}), ("randk", {"k": 1, "error_feedback": True}), ("qsgd", {})):
+        assert float((final(name, **opts) - dense).norm() / dense.norm()) < 1e-5, name
+
+
+def test_scaffold_with_compressed_downloads_and_uploads_reaches_the_optimum():
+    """SCAFFOLD on the federated least-squares problem (5 local GD steps, where FedAvg stops short) reaches the
+    pooled optimum with its model compressed on the way down (top-1 of 3, the scaled sign; its c travels
+    dense), and with both directions compressed."""
+
+    def distance(compression: dict) -> float:
+        algo = _algo({**_quad_cfg("scaffold"), "compression": compression})
+        algo.trainer.loss_fn = _squared
+        return float((_rounds(algo, 100) - opt).norm() / opt.norm())
+
+    opt = _quad_optimum()
+    for name, opts in (("topk", {"k": 1}), ("efsign", {})):
+        assert distance({"download": {"name": name, **opts}}) < 1e-5, name
+        assert distance({"download": {"name": name, **opts}, "upload": {"name": name, **opts}}) < 1e-5, name
+
+
+def test_the_ledger_bills_the_encoded_download_and_clients_train_from_what_they_hold():
+    """Each sampled client's download costs the encoded bytes of the formula (top-k: k indices and k values);
+    the clients start from their replicas, and their updates are measured from there."""
+    algo = _algo(_down(_cfg("fedavg"), "topk", ratio=0.1))
+    seen = {}
+    train = algo.trainer.train
+
+    def spy(start, clients, *args, **kwargs):
+        seen["start"] = start.clone()
+        return train(start, clients, *args, **kwargs)
+
+    algo.trainer.train = spy
+    for r in range(2):
+        algo.run_round(r)
+        clients = algo.sample_clients(r)
+        assert algo.ledger.bytes("down", round=r) == len(clients) * -(
+            -wire_bits(TopK(ratio=0.1), D_TOY, torch.float32) // 8
+        )
+        assert torch.equal(seen["start"], algo.download.held(clients))
+    assert not torch.equal(seen["start"][0], algo.x)  # what a client holds lags the server's model
+    assert algo.ledger.bytes("up", round=0) == 3 * D_TOY * 4  # uploads stay dense
+    scaffold = _algo(_down(_cfg("scaffold"), "efsign"))  # x_t encoded, c dense, in one message
+    scaffold.run_round(0)
+    model = -(-wire_bits(EFSign(), D_TOY, torch.float32) // 8)
+    assert scaffold.ledger.bytes("down", round=0) == 3 * (model + D_TOY * 4)
+
+
+def test_absent_download_compression_changes_nothing():
+    for alg in ("fedavg", "fedadam"):
+        plain, none = _algo(_cfg(alg)), _algo(_down(_cfg(alg), None))
+        assert torch.equal(_rounds(plain, 2), _rounds(none, 2))
+        assert plain.ledger.summary() == none.ledger.summary()
+        assert "download" not in plain.state_dict()
+
+
+def test_download_and_upload_compression_resume_identically(tmp_path):
+    cfg = {**_cfg("fedadam", rounds=4), "compression": {"download": {"name": "topk", "ratio": 0.2}, "upload": "efsign"}}
+    full = fedweave.run(cfg, run_dir=tmp_path / "full")
+    cfg2 = {**cfg, "output": {**cfg["output"], "checkpoint_every": 2}}
+    fedweave.run({**cfg2, "rounds": 2}, run_dir=tmp_path / "part")
+    resumed = run_config(load({**cfg2, "rounds": 4}), run_dir=tmp_path / "part", resume=True)
+    assert torch.equal(resumed.algorithm.x, full.algorithm.x)
+    assert torch.equal(resumed.algorithm.download.store[REPLICA], full.algorithm.download.store[REPLICA])
+    assert [r["bytes_down"] for r in resumed.metrics] == [r["bytes_down"] for r in full.metrics]
+
+
+@pytest.mark.parametrize(
+    "download, alg, expect",
+    [
+        ({"name": "topk"}, "fedavg", "compression.download: give exactly one of k (values kept) and ratio"),
+        ({"name": "nosuch"}, "fedavg", "compression.download.name: unknown compressor 'nosuch'"),
+        ({"name": "topk", "k": 10_000}, "fedavg", "compression.download.k (10000) exceeds the 148 values"),
+        ("efsign", "fedmim", "compression.download: algorithm 'fedmim' (centralized) does not compress its down"),
+        ("efsign", "feddyn", "compression.download: algorithm 'feddyn' (centralized) does not compress its down"),
+        ("efsign", "fedprox", "compression.download: algorithm 'fedprox' (centralized) does not compress its down"),
+    ],
+)
+def test_bad_download_compression_config_is_one_line(download, alg, expect):
+    with pytest.raises(ConfigError) as e:
+        _algo({**_cfg(alg), "compression": {"download": download}})
+    assert expect in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_hierarchical_family_and_flower_refuse_compressed_downloads(tmp_path, monkeypatch, capsys):
+    with pytest.raises(ConfigError, match=r"compression.download: algorithm 'hier_fedavg' \(hierarchical\) does not"):
+        _algo({**_hier("hier_fedavg", None), "compression": {"download": "efsign"}})
+    monkeypatch.chdir(tmp_path)
+    cfg = {**_cfg("fedavg"), "dataset": {"name": "_toy"}, "partition": {"name": "iid", "num_clients": 4}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli_main(["flower-app", "c.yaml", "app", "compression.download=efsign"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "compression.download: compressed downloads cannot be deployed on Flower" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
+def test_compressed_downloads_compose_with_the_other_server_stages(tmp_path):
+    """Downloads and uploads compressed, a quarter of the clients flipping their updates, the median at the
+    server: every stage runs (the attack on the updates measured from what the clients held), the run stays
+    finite and each direction is billed below its dense bytes."""
+    stages = {
+        "compression": {"download": {"name": "topk", "ratio": 0.2}, "upload": {"name": "qsgd", "levels": 8}},
+        "faults": {"byzantine": {"clients": [1, 5], "attack": "sign_flip"}},
+        "aggregator": "median",
+    }
+    dense = fedweave.run({**_cfg("fedadam", rounds=3), **{k: v for k, v in stages.items() if k != "compression"}},
+                         run_dir=tmp_path / "dense").metrics  # fmt: skip
+    got = fedweave.run({**_cfg("fedadam", rounds=3), **stages}, run_dir=tmp_path / "all").metrics
+    assert all(math.isfinite(m["test_loss"]) for m in got)
+    assert sum(m["byzantine_clients"] for m in got) == sum(m["byzantine_clients"] for m in dense) > 0
+    for way in ("bytes_down", "bytes_up"):
+        assert 0 < got[-1][way] < dense[-1][way] / 2, way

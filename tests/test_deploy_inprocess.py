@@ -293,3 +293,103 @@ def test_a_node_refuses_a_job_whose_settings_or_tensors_are_not_the_runs(tmp_pat
     got = reply({"kind": "split_epoch", "client": "0"}, {})  # a split job: its client is checked first
     assert got.has_error() and got.error.code == client_app.MALFORMED
     assert got.error.reason == "malformed fedweave split job message: the job's client must be an integer, got '0'"
+
+
+COMPRESSED = {  # method, compression.upload
+    "fedavg-topk-ef": ("fedavg", {"name": "topk", "ratio": 0.1}),
+    "fedadam-qsgd": ("fedadam", {"name": "qsgd", "levels": 4}),
+    "fedprox-randk-ef": ("fedprox", {"name": "randk", "k": 60, "error_feedback": True}),
+    "scaffold-efsign": ("scaffold", "efsign"),
+    "feddyn-int8-ef": ("feddyn", {"name": "int8", "error_feedback": True}),
+    "hier_scaffold-randk": ("hier_scaffold", {"name": "randk", "ratio": 0.2}),
+    "hier_fedavg-topk-ef": ("hier_fedavg", {"name": "topk", "k": 40}),
+}
+
+
+@pytest.mark.parametrize("name", COMPRESSED)
+def test_compressed_uploads_travel_encoded_and_equal_the_simulation(tmp_path, name):
+    """compression.upload deployed: each node encodes its upload (a stateful client message by message), keeps
+    its error-feedback residuals in its state directory and replies with the encoded bytes only; the server
+    decodes them (random-k's coordinates from the client's stream). Every metric equals the simulation's, and
+    the arrays of the replies are exactly the bytes the ledger bills for the uploads."""
+    method, upload = COMPRESSED[name]
+    hierarchical = method.startswith("hier")
+    per_round = {"tau": 2, "participation": 0.75, "server_data": "client"} if hierarchical else {"clients_per_round": 3}
+    cfg = {
+        "name": "z", "seed": 2, "rounds": 3, "backend": "loop", "dataset": {"name": "digits"},
+        "partition": {"name": "dirichlet", "num_clients": CLIENTS, "alpha": 0.5}, "model": {"name": "logistic"},
+        "algorithm": {"name": method, **per_round},
+        "local": {"steps": 3, "batch_size": 16, "lr": 0.1}, "compression": {"upload": upload},
+        "output": {"progress": False, "plots": False},
+    }  # fmt: skip
+    if hierarchical:
+        del cfg["local"]["steps"]
+    fl = deployed_equals_simulation(cfg, tmp_path)  # the reply arrays are the ledger's bytes_up
+    assert 3 * fl["payload_received"] < fl["payload_sent"]  # no dense model came back (one went out per job)
+    rows = [(tmp_path / d / "metrics.jsonl").read_text().splitlines() for d in ("deployed", "sim")]
+    numbers = [[(m["train_loss"], m["test_loss"], m["test_accuracy"]) for m in map(json.loads, r)] for r in rows]
+    assert numbers[0] == numbers[1]  # bit for bit
+    residuals = list((tmp_path / "node-0" / "residuals").rglob("round-*.npz"))
+    ef = name.endswith("-ef") or upload == "efsign"
+    assert bool(residuals) == ef  # error feedback: the node keeps its residuals
+
+
+def test_a_compressed_reply_the_server_did_not_use_leaves_the_nodes_residual_as_it_was(tmp_path):
+    """Error feedback on the nodes under ``on-error: drop``: client 3's node trains in round 2 and writes its new
+    residual, but its reply is lost; the server names round 1's residual version in client 3's round-3 job, so
+    the run equals the simulation in which client 3 drops out of round 2 (its residual unchanged), bit for bit."""
+    from flwr.app import Error
+
+    cfg = {**small("fedavg", rounds=3), "compression": {"upload": {"name": "topk", "ratio": 0.05}}}
+
+    class LosesOneReply(InProcessGrid):
+        sent_to_3 = 0
+
+        def push_messages(self, msgs):
+            ids = super().push_messages(msgs)
+            for msg, i in zip(msgs, ids, strict=True):
+                if msg.metadata.dst_node_id == CLIENTS and msg.metadata.message_type == "train":
+                    self.sent_to_3 += 1
+                    if self.sent_to_3 == 2:  # round 2's reply of client 3: trained, then lost
+                        self.replies[i] = Message(Error(999, "the reply was lost"), reply_to=msg)
+            return ids
+
+    grid = LosesOneReply(json.dumps(load(cfg).to_dict()), tmp_path, errors=True)
+    summary, rows = deployed(cfg, tmp_path, grid, **{"on-error": "drop"})
+    assert summary["flower"]["dropped"] == {"2": [3]}
+    assert len(list((tmp_path / "node-3" / "residuals").rglob("round-*.npz"))) == 2  # round 3's and round 1's
+
+    class Drop(Callback):  # the simulation: client 3 delivers nothing in round 2
+        def on_build(self, state) -> None:
+            algo, reporting = state.algo, state.algo.reporting
+            algo.reporting = lambda r, c: (lambda kept: kept[~np.isin(kept, [3] if r == 1 else [])])(reporting(r, c))
+
+    sim = run(load(cfg), run_dir=tmp_path / "sim", callbacks=[Drop()]).metrics
+    assert [(m["train_loss"], m["test_loss"]) for m in rows] == [(m["train_loss"], m["test_loss"]) for m in sim]
+    ledger = summary["communication"]
+    assert summary["flower"]["payload_received"] == ledger["bytes_up"]  # the lost reply carried no upload
+
+
+@pytest.mark.parametrize(
+    "method, attack",
+    [("fedavg", "label_flip"), ("hier_fedavg", "label_flip"), ("hier_scaffold", "alie"), ("fedavg", "sign_flip")],
+)
+def test_byzantine_clients_deployed_equal_the_simulation(tmp_path, method, attack):
+    """``faults.byzantine`` deployed: an attack on the updates runs in the ServerApp (the star's and the
+    hierarchical edge step's stage 1), and a label-flipping client's node derives its part of the data with the
+    attack's labels, as the simulation's trainer has them (a trial: a node with its own data file trains on
+    what the file holds)."""
+    hierarchical = method.startswith("hier")
+    per_round = {"tau": 2, "participation": 1.0} if hierarchical else {"clients_per_round": 4}
+    cfg = {
+        "name": "b", "seed": 2, "rounds": 2, "backend": "loop", "dataset": {"name": "digits"},
+        "partition": {"name": "dirichlet", "num_clients": CLIENTS, "alpha": 0.5}, "model": {"name": "logistic"},
+        "algorithm": {"name": method, **per_round},
+        "local": {"batch_size": 16, "lr": 0.1, **({} if hierarchical else {"steps": 3})},
+        "faults": {"byzantine": {"clients": [1, 2], "attack": attack}}, "output": {"progress": False, "plots": False},
+    }  # fmt: skip
+    deployed_equals_simulation(cfg, tmp_path)
+    clean = run(load({**cfg, "faults": {}}), run_dir=tmp_path / "clean").metrics
+    attacked = [json.loads(line) for line in (tmp_path / "deployed" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["test_loss"] for m in attacked] != [m["test_loss"] for m in clean]
+    assert [m["byzantine_clients"] for m in attacked] == [2.0, 2.0]

@@ -317,8 +317,108 @@ def test_hierarchical_averaging_uses_the_aggregator_and_zo_hfl_refuses_it(tmp_pa
     assert _numbers(named.metrics) == _numbers(mean.metrics) != _numbers(med.metrics)
     with pytest.raises(ConfigError, match=r"aggregator: krum: algorithm 'zo_hfl' \(hierarchical family\)"):
         fedweave.run({**cfg, "algorithm": {"name": "zo_hfl"}, "aggregator": "krum"}, run_dir=tmp_path / "zo")
-    with pytest.raises(ConfigError, match=r"faults.byzantine: algorithm 'hier_fedavg' does not handle"):
-        fedweave.run({**cfg, "faults": {"byzantine": {"fraction": 0.2, "attack": "ipm"}}}, run_dir=tmp_path / "b")
+    with pytest.raises(ConfigError, match=r"faults.byzantine: algorithm 'zo_hfl' does not handle"):
+        bad = {"algorithm": {"name": "zo_hfl"}, "faults": {"byzantine": {"fraction": 0.2, "attack": "ipm"}}}
+        fedweave.run({**cfg, **bad}, run_dir=tmp_path / "b")
+
+
+# ---- attacks at the hierarchical edge step ---------------------------------------------------------------------
+
+
+def _hier(**extra) -> dict:
+    cfg = {
+        "name": "h", "seed": 0, "rounds": 3, "precision": "float64", "dataset": {"name": "_toy"},
+        "partition": {"name": "iid", "num_clients": 8}, "model": {"name": "logistic"},
+        "algorithm": {"name": "hier_fedavg", "participation": 1.0}, "local": {"batch_size": 16, "lr": 0.1},
+        "output": {"progress": False, "plots": False},
+    }  # fmt: skip
+    cfg.update(extra)
+    return cfg
+
+
+@pytest.mark.parametrize("name", ["hier_fedavg", "hier_scaffold"])
+def test_no_attackers_at_the_edge_give_the_clean_hierarchical_run_bit_for_bit(tmp_path, name):
+    algorithm = {"name": name, "participation": 0.75, "server_data": "client"}
+    clean = fedweave.run(_hier(algorithm=algorithm), run_dir=tmp_path / "clean")
+    zero = fedweave.run(
+        _hier(algorithm=algorithm, faults={"byzantine": {"fraction": 0.0, "attack": "sign_flip"}}),
+        run_dir=tmp_path / "zero",
+    )
+    assert _numbers(zero.metrics) == _numbers(clean.metrics)
+    assert [m["byzantine_clients"] for m in zero.metrics] == [0.0] * 3
+
+
+def _edge_updates(cfg: dict) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, dict]:
+    """The first round's edge step of ``cfg``: x before it, the rows it reduced, their jobs, and what its
+    reduction got and gave (``weights``, ``mean``)."""
+    from fedweave.algorithms.base import RunContext, build_algorithm
+
+    algo = build_algorithm(RunContext(load(cfg)))
+    seen = {}
+    reduce, attack = algo.aggregate, algo.robust.attack if algo.robust is not None else None
+
+    def aggregate(updates, weights):
+        seen["updates"], seen["weights"], seen["mean"] = updates, weights, reduce(updates, weights)
+        return seen["mean"]
+
+    def attack_seeing_jobs(r, jobs, updates, center):
+        seen["jobs"] = np.asarray(jobs)
+        return attack(r, jobs, updates, center)
+
+    algo.aggregate = aggregate
+    if attack is not None:
+        algo.robust.attack = attack_seeing_jobs
+    x = algo.x.clone()
+    algo.run_round(0)
+    return x, seen["updates"], seen.get("jobs"), seen
+
+
+@pytest.mark.parametrize("name", ["hier_fedavg", "hier_scaffold"])
+def test_an_attack_at_the_edge_replaces_the_attackers_updates_as_defined(name):
+    """Sign flip at the edge: an attacker's row is the model ``x - (y_i - x)`` where the method averages models
+    (hier_fedavg), its flipped displacement ``-dy_i`` where it averages displacements (hier_scaffold); the
+    honest rows and the server's own job are untouched, bit for bit; ALIE sees the edge's honest updates."""
+    algorithm = {"name": name, "participation": 1.0, "server_data": "client"}
+    x, clean, _, _ = _edge_updates(_hier(algorithm=algorithm))
+    byz = {"clients": [1, 6], "attack": "sign_flip"}
+    _, got, jobs, seen = _edge_updates(_hier(algorithm=algorithm, faults={"byzantine": byz}))
+    assert list(jobs) == [*range(8), 8]  # the 8 clients and the server's own job
+    bad, good = [1, 6], [0, 2, 3, 4, 5, 7, 8]
+    assert torch.equal(got[good], clean[good])
+    if name == "hier_fedavg":  # the edge averages models by sample count
+        torch.testing.assert_close(got[bad], x - (clean[bad] - x))
+        torch.testing.assert_close(seen["mean"], seen["weights"] @ got)
+    else:  # the edge averages the displacements, uniformly
+        assert torch.equal(got[bad], -clean[bad])
+        torch.testing.assert_close(seen["mean"], got.mean(0))
+    assert not torch.allclose(seen["mean"], _edge_updates(_hier(algorithm=algorithm))[3]["mean"])
+    alie = {"clients": [1, 6], "attack": "alie", "z": 1.5}
+    _, got, _, _ = _edge_updates(_hier(algorithm=algorithm, faults={"byzantine": alie}))
+    honest = clean[good] - x if name == "hier_fedavg" else clean[good]
+    want = honest.mean(0) - 1.5 * honest.std(0)  # mu - z sigma over the edge's honest rows
+    torch.testing.assert_close(got[1] - x if name == "hier_fedavg" else got[1], want)
+
+
+def test_a_robust_aggregator_at_the_edge_resists_sign_flip(tmp_path):
+    """A quarter of the clients send their update flipped and boosted (sign flip, scale 4): the mean at the edge
+    is thrown off, the coordinate-wise median stays near the clean run."""
+    byz = {"faults": {"byzantine": {"clients": [0, 5], "attack": "sign_flip", "scale": 4.0}}}
+    clean = fedweave.run(_hier(rounds=5), run_dir=tmp_path / "clean").metrics[-1]
+    mean = fedweave.run(_hier(rounds=5, **byz), run_dir=tmp_path / "mean").metrics[-1]
+    med = fedweave.run(_hier(rounds=5, aggregator="median", **byz), run_dir=tmp_path / "med").metrics[-1]
+    assert med["test_loss"] < mean["test_loss"]
+    assert abs(med["test_loss"] - clean["test_loss"]) < abs(mean["test_loss"] - clean["test_loss"]) / 4
+    assert mean["byzantine_clients"] == med["byzantine_clients"] == 2.0
+
+
+def test_label_flip_attackers_at_the_edge_train_on_flipped_labels():
+    from fedweave.algorithms.base import RunContext, build_algorithm
+
+    algo = build_algorithm(RunContext(load(_hier(faults={"byzantine": {"clients": [2], "attack": "label_flip"}}))))
+    y, got = algo.data.train_y, algo.trainer.train_y.cpu()
+    bad = algo.data.parts[2]
+    good = np.setdiff1d(np.arange(len(y)), bad)
+    assert torch.equal(got[bad], 3 - y[bad]) and torch.equal(got[good], y[good])  # 4 classes: c -> 3 - c
 
 
 @pytest.mark.parametrize(

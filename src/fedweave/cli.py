@@ -88,7 +88,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         ("callbacks", CALLBACKS),
         ("aggregators", AGGREGATORS),  # robustness: the aggregator section
         ("attacks", ATTACKS),  # robustness: faults.byzantine.attack
-        ("compressors", COMPRESSORS),  # compression.upload (docs/compression.md)
+        ("compressors", COMPRESSORS),  # compression.upload and .download (docs/compression.md)
     ):
         print(f"{title}: {', '.join(reg.names())}")
     from fedweave.registry import ACCOUNTANTS, PRIVACY_MECHANISMS  # privacy (the privacy section)

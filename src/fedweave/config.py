@@ -378,18 +378,25 @@ class CompressionConfig:
     """Update compression (docs/compression.md); the default compresses nothing.
 
     ``upload`` names a registered compressor (:data:`fedweave.registry.COMPRESSORS`) as a name or a mapping
-    ``{name: ..., options}``, applied to every reporting client's upload."""
+    ``{name: ..., options}``, applied to every reporting client's upload; ``download`` likewise, applied to
+    what the server broadcasts (the difference of the model from what each client holds)."""
 
     upload: str | dict[str, Any] | None = None
+    download: str | dict[str, Any] | None = None
 
     @property
     def upload_section(self) -> Section | None:
         """``upload`` as a :class:`Section` (None: uploads are sent dense)."""
         return None if self.upload is None else _section(self.upload, "compression.upload")
 
+    @property
+    def download_section(self) -> Section | None:
+        """``download`` as a :class:`Section` (None: the server broadcasts dense)."""
+        return None if self.download is None else _section(self.download, "compression.download")
+
     def validate(self) -> None:
         """Check the section's shape (the compressor's name and options are checked when the run is built)."""
-        _ = self.upload_section
+        _ = self.upload_section, self.download_section
 
 
 @dataclass

@@ -579,6 +579,12 @@ def build_algorithm(ctx: RunContext) -> Algorithm:
             f"compression.upload: algorithm {section.name!r} ({cls.family}) does not compress its uploads yet; the "
             "star methods and the hierarchical model-averaging baselines do (docs/compression.md); remove the section"
         )
+    if ctx.config.compression.download is not None and not getattr(cls, "compresses_downloads", False):
+        raise ConfigError(
+            f"compression.download: algorithm {section.name!r} ({cls.family}) does not compress its downloads yet (its "
+            "clients' rule or update reads the server's model, not only where they start); fedavg, the fedopt family, "
+            "fedsam, scaffold, fedcm and mofedsam do (docs/compression.md); remove compression.download"
+        )
     if cls.fixed_task and (ctx.config.task != type(ctx.config.task)() or ctx.objects.loss is not None):
         raise ConfigError(f"task: the {cls.family} family {cls.fixed_task}; leave the task section out")
     private = ("centralized", "decentralized", "hierarchical", "split")  # privacy: the families it runs in

@@ -2,7 +2,7 @@
 their bit-exact encoded messages, and the star round's compression stage with error feedback."""
 
 from fedweave.compression.codec import Encoded, Field
-from fedweave.compression.compressors import QSGD, Compressor, EFSign, Int8, RandK, TopK, wire_bits
+from fedweave.compression.compressors import QSGD, Compressor, EFSign, Int8, RandK, TopK, received, wire_bits
 from fedweave.compression.stage import UploadCompression, build_compressor, upload_compression
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "TopK",
     "UploadCompression",
     "build_compressor",
+    "received",
     "upload_compression",
     "wire_bits",
 ]

@@ -195,6 +195,17 @@ class Int8(Compressor):
         return lo + code * ((hi - lo) / self.LEVELS)
 
 
+def received(
+    compressor: Compressor, data: bytes, size: int, dtype: torch.dtype, rng: torch.Generator | None
+) -> Encoded:
+    """The message a receiver reads from ``data`` (:meth:`Encoded.to_bytes` of a vector of ``size`` values of
+    ``dtype``), with what both ends regenerate (random-k's coordinates) drawn from ``rng``, the sender's stream.
+    Its layout and shared part come from encoding a zero vector of that size: no compressor's layout depends on
+    the values, only on the size and the options."""
+    template = compressor.encode(torch.zeros(size, dtype=dtype), rng)
+    return Encoded.from_bytes(data, template.layout, size, dtype, template.shared)
+
+
 def wire_bits(compressor: Compressor, size: int, dtype: torch.dtype) -> int:
     """The bits of one encoded vector of ``size`` values of ``dtype`` (the formulas of docs/compression.md)."""
     f = float_bits(dtype)

@@ -23,13 +23,17 @@ from fedweave.registry import COMPRESSORS, UnknownNameError
 UPDATE = "update"  # the message name of a model upload's displacement y_i - x_t
 
 
-def build_compressor(section: Section) -> Compressor:
-    """The registered compressor a ``compression.upload`` section names, with its options checked."""
+def build_compressor(section: Section, key: str = KEY) -> Compressor:
+    """The registered compressor a ``compression.upload`` (or ``key``: ``compression.download``) section names,
+    with its options checked."""
     try:
         cls = COMPRESSORS.get(section.name)
     except UnknownNameError as e:
-        raise ConfigError(f"{KEY}.name: {e}") from None
-    return build_dataclass(cls, section.options, KEY)
+        raise ConfigError(f"{key}.name: {e}") from None
+    try:
+        return build_dataclass(cls, section.options, key)
+    except ConfigError as e:  # the compressors' own checks name the upload key: name the section given
+        raise ConfigError(str(e).replace(KEY, key)) from None
 
 
 class UploadCompression:

@@ -28,7 +28,7 @@ from fedweave.config import ConfigError
 from fedweave.config import load as load_config
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
-from fedweave.deploy import secure, split
+from fedweave.deploy import compressed, secure, split
 from fedweave.deploy.jobs import Job, MalformedJobError, UnknownRuleError, check_tensors, decode_job, whole
 from fedweave.deploy.node_data import NodeDataError, load_node_data, own_parts, trial_parts, write_samples
 from fedweave.deploy.node_state import NodeState, StateMissingError
@@ -163,6 +163,19 @@ def train(msg: Message, context: Context) -> Message:
     header = {"steps": int(out.steps[0]), "loss": float(out.loss[0])}
     if secure.is_secure(msg):  # secure aggregation: the update, for Flower's SecAgg+ mod to mask (deploy/secure.py)
         return secure.masked_reply(msg, header, sent["params"], job.call.starts)
+    compressor = compressed.run_compressor(config_json)
+    if compressor is not None:  # compression.upload: the encoded messages travel, not the dense ones
+        root = state_dir(context)
+        try:
+            header[compressed.ORDER], sent = compressed.encode_reply(
+                compressor, h, job.start, sent, tr.seeds, root, context.run_id
+            )
+        except (KeyError, ConfigError) as e:
+            return _error(msg, MALFORMED, f"malformed fedweave job message: {type(e).__name__}: {e}")
+        except StateMissingError as e:
+            return _error(msg, STATE_MISSING, str(e))
+        except OSError as e:
+            return _error(msg, STATE_UNWRITABLE, f"cannot read or write the client's residuals in {root}: {e}")
     return Message(to_records(header, sent), reply_to=msg)
 
 

@@ -50,10 +50,12 @@ def load_node_data(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def trial_parts(config: RunConfig, ctx=None) -> tuple[torch.Tensor, torch.Tensor, list[np.ndarray]]:
     """``(train_x, train_y, parts)``: the training samples and each client's indices as the simulation of
-    ``config`` gives them (the hierarchical family: the clients' parts of its server/client split)."""
+    ``config`` gives them (the hierarchical family: the clients' parts of its server/client split), with the
+    labels its trainer has (a label-flipping attacker's samples relabelled, ``faults.byzantine``)."""
     from fedweave.algorithms.base import RunContext
     from fedweave.config import build_dataclass
     from fedweave.registry import ALGORITHMS
+    from fedweave.robust import poisoned_labels
 
     ctx = ctx or RunContext(config)
     cls = ALGORITHMS.get(config.algorithm.name)
@@ -62,8 +64,10 @@ def trial_parts(config: RunConfig, ctx=None) -> tuple[torch.Tensor, torch.Tensor
 
         hp = build_dataclass(cls.Hparams, config.algorithm.options, "algorithm")
         d = split_hierarchy(ctx, hp.server_share, hp.test_fraction, hp.validation)
-        return d.train_x, d.train_y, d.parts
-    return ctx.dataset.train_x, ctx.dataset.train_y, ctx.partition
+        x, y, parts = d.train_x, d.train_y, d.parts
+    else:
+        x, y, parts = ctx.dataset.train_x, ctx.dataset.train_y, ctx.partition
+    return x, poisoned_labels(config, ctx.seeds, y, parts, ctx.dataset.num_classes), parts
 
 
 def own_parts(client: int, samples: int, num_clients: int) -> list[np.ndarray]:

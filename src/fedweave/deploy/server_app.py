@@ -29,7 +29,7 @@ from fedweave.algorithms.base import Algorithm
 from fedweave.callbacks import Callback, RunState
 from fedweave.config import ConfigError
 from fedweave.config import load as load_config
-from fedweave.deploy import secure, split, support
+from fedweave.deploy import compressed, secure, split, support
 from fedweave.deploy.jobs import encode_job
 from fedweave.deploy.node_state import INITIAL
 from fedweave.deploy.wire import from_records, payload_bytes, pushed_bytes, to_records, tree_bytes, wire_bytes
@@ -247,6 +247,7 @@ class FlowerClients(Callback):
         elif getattr(algo, "store", None) is not None:
             algo.store = None  # the clients' own state lives on their nodes, not in the server
         algo.trainer = remote
+        compressed.attach(self, algo, ClientsLost)  # compression.upload: the nodes encode, the server decodes
         self._apply_policy(algo)
         self.discover(num_clients)
         self.check_samples([len(p) for p in trainer.parts[:num_clients]])

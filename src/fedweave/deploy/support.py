@@ -40,10 +40,10 @@ def undeployable_parts(config: RunConfig, on_error: str = "stop") -> str | None:
         why = secure_refusal(config, on_error)
         if why is not None:
             return why
-    if config.compression.upload is not None:  # the uploads travel dense on Flower: never bill what is not sent
+    if config.compression.download is not None:  # the nodes would need the model replica the server keeps for them
         return (
-            "compression.upload: compressed uploads cannot be deployed on Flower yet (its messages carry dense "
-            "tensors; docs/compression.md); remove the compression section to deploy this run"
+            "compression.download: compressed downloads cannot be deployed on Flower yet (the jobs carry the dense "
+            "model); remove compression.download to deploy this run (compressed uploads deploy)"
         )
     return None
 

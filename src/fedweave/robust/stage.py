@@ -113,6 +113,7 @@ class RobustStage:
         self.fraction = len(self.attackers) / num_clients if num_clients else 0.0
         section = config.aggregator
         self.aggregator = build_aggregator(section)
+        self.plain = is_default(section)  # the weighted mean without bucketing: the family's own reduction applies
         self.bucketing = _count(section, "bucketing") or 1
         self.f = _count(section, "f")
         self.round = 0

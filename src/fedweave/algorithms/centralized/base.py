@@ -25,6 +25,7 @@ import torch
 from fedweave import robust
 from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights, make_trainer
 from fedweave.compression import upload_compression
+from fedweave.compression.download import download_compression
 from fedweave.config import ConfigError, Section
 from fedweave.data.partition import client_sizes
 from fedweave.execution import (
@@ -123,6 +124,8 @@ class Collected:
     weights: torch.Tensor  # aggregation weights over ``clients``, summing to one
     # the decoded displacements y_i - x_t of a compressed model upload (fedweave.compression); None: not one
     sent: torch.Tensor | None = None
+    # compressed downloads (fedweave.compression): the models the clients started from; None: x_t itself
+    start: torch.Tensor | None = None
 
 
 class StarAlgorithm(Algorithm):
@@ -145,6 +148,9 @@ class StarAlgorithm(Algorithm):
     updates_are_models: ClassVar[bool] = False
     uplink: ClassVar[str] = "model"  # the ledger kind of each reporting client's upload
     compresses_uploads: ClassVar[bool] = True  # the template runs the compression stage (fedweave.compression)
+    # compression.download applies: the first tensor of the first downlink message is the model x_t, and the
+    # clients' rule and update read the model only as where they start (fedweave.compression.download)
+    compresses_downloads: ClassVar[bool] = False
     state_fields = ("x",)  # the global model; a method adds its server state
     # privacy: why the ``privacy`` section refuses this method (None: its messages are one model update per
     # client and its server state a function of the noised mean only, so DP-FedAvg's proof covers it)
@@ -172,6 +178,7 @@ class StarAlgorithm(Algorithm):
         self.robust = robust.build(ctx.config, ctx.seeds, n, hp.clients_per_round)
         self.client_values: dict | None = None  # eval.distribution: the last evaluation's per-client values
         self.compression = upload_compression(ctx, self.num_params, n)  # None unless compression.upload is set
+        self.download = download_compression(self)  # None unless compression.download is set (compression)
         self.privacy = make_privacy(self)  # privacy: the DP stages of the round (None without a privacy section)
         self.secagg = make_secagg(self)  # secure aggregation: SecAgg+'s messages in the ledger (None: not billed)
 
@@ -183,6 +190,8 @@ class StarAlgorithm(Algorithm):
             out["sampler_context"] = self.client_history.state_dict()
         if self.compression is not None:  # the clients' error-feedback residuals
             out["compression"] = self.compression.state_dict()
+        if self.download is not None:  # the models the clients hold (compressed downloads)
+            out["download"] = self.download.state_dict()
         if self.robust is not None and self.robust.stateful:  # a stateful aggregator's state (robustness)
             out["robust"] = self.robust.state_dict()
         if self.privacy is not None:  # privacy: the accountant's releases and the (adaptive) clip
@@ -194,6 +203,9 @@ class StarAlgorithm(Algorithm):
         clients = state.pop("client_state", None)
         history = state.pop("sampler_context", None)
         robust_state, residuals = state.pop("robust", None), state.pop("compression", None)
+        replicas = state.pop("download", None)
+        if replicas is not None and self.download is not None:
+            self.download.load_state_dict(replicas)
         private = state.pop("privacy", None)
         if private is not None and self.privacy is not None:  # privacy
             self.privacy.load_state_dict(private)
@@ -223,8 +235,17 @@ class StarAlgorithm(Algorithm):
         it as skipped (``reported_clients = 0``).
         """
         clients = self.sample_clients(r)
-        for kind, tensors in self.downlink().items():
-            self.send(r, self.recipients(clients), kind, *tensors)
+        if self.download is None:
+            for kind, tensors in self.downlink().items():
+                self.send(r, self.recipients(clients), kind, *tensors)
+        else:  # compressed downloads: the model billed at its encoded size, the rest of its message dense
+            recipients = self.recipients(clients)
+            for i, (kind, tensors) in enumerate(self.downlink().items()):
+                dense = tensors[1:] if i == 0 else tensors  # the first message's first tensor is x_t
+                nbytes = len(recipients) * _size(dense) + (
+                    self.download.broadcast(r, recipients, self.x) if i == 0 else 0
+                )
+                self.ledger.record(r, "server", "client", kind, nbytes, len(recipients))
         sampled, clients = clients, self.reporting(r, clients)  # dropouts and stragglers deliver nothing
         if len(clients) == 0:
             if self.secagg is not None:  # secure aggregation: its first stages ran before anybody dropped
@@ -253,7 +274,7 @@ class StarAlgorithm(Algorithm):
         if self.compression is None:
             self.receive(r, got.clients, self.uplink, *(tuple(got.upload.values()) or (got.local.params,)))
             return got
-        got, nbytes = self.compression.upload(r, got.clients, self.x, got)
+        got, nbytes = self.compression.upload(r, got.clients, self.x if got.start is None else got.start, got)
         self.ledger.record(r, "client", "server", self.uplink, nbytes, len(got.clients))
         return got
 
@@ -275,18 +296,24 @@ class StarAlgorithm(Algorithm):
         """Local training of the clients that report, from the global model under :meth:`client_rule`."""
         lr = self.trainer.lr(r)
         rule = self.client_rule(lr)
+        # compressed downloads: each client trains from the model it holds (compression)
+        start = self.x if self.download is None else self.download.held(clients)
         if isinstance(rule, ClientStep):
-            local, upload = self.trainer.train_with_state(self.x, clients, r, rule, self.store, lr=lr)
+            local, upload = self.trainer.train_with_state(start, clients, r, rule, self.store, lr=lr)
         else:
-            local, upload = self.trainer.train(self.x, clients, r, rule=rule, lr=lr), {}
+            local, upload = self.trainer.train(start, clients, r, rule=rule, lr=lr), {}
         if self.sampler.reads_context:  # a copy of the losses to the host: no number changes
             self.client_history.record(r, clients, local.loss)
-        return Collected(r, clients, lr, local, upload, self.weights(clients))
+        held = None if self.download is None else start
+        return Collected(r, clients, lr, local, upload, self.weights(clients), start=held)
 
     def client_updates(self, got: Collected) -> torch.Tensor:
         """Each reporting client's update, one row per client: what the server pipeline reduces.
-        By default the local model's displacement ``y_i - x_t`` (as decoded, when the upload was compressed)."""
-        return got.local.params - self.x if got.sent is None else got.sent
+        By default the local model's displacement ``y_i - x_t`` (as decoded, when the upload was compressed;
+        from the model the client held, when the download was)."""
+        if got.sent is not None:
+            return got.sent
+        return got.local.params - (self.x if got.start is None else got.start)
 
     def aggregate(
         self, updates: torch.Tensor, weights: torch.Tensor, clients: np.ndarray | None = None

@@ -54,6 +54,7 @@ class FedOptHparams(StarHparams):
 @ALGORITHMS.register("fedadam")
 class FedOpt(StarAlgorithm):
     name = "fedadam"
+    compresses_downloads = True  # compression.download: its clients read the model only as their start
     dp_refusal = None  # privacy: m and v are functions of the noised means only (post-processing)
     Hparams = FedOptHparams
     state_fields = (*StarAlgorithm.state_fields, "m", "v")

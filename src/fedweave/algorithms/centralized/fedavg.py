@@ -16,6 +16,7 @@ from fedweave.registry import ALGORITHMS
 @ALGORITHMS.register("fedavg")
 class FedAvg(StarAlgorithm):
     name = "fedavg"
+    compresses_downloads = True  # compression.download: its clients read the model only as their start
     dp_refusal = None  # privacy: one model update per client; server state from the noised mean only
 
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:

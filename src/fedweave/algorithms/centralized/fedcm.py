@@ -66,6 +66,7 @@ class FedCMHparams(StarHparams):
 @ALGORITHMS.register("fedcm")
 class FedCM(StarAlgorithm):
     name = "fedcm"
+    compresses_downloads = True  # compression.download: x_t compressed, the rest of its message dense
     dp_refusal = None  # privacy: the momentum sent is -mean / (eta_l K) of the noised mean (post-processing)
     Hparams = FedCMHparams
     state_fields = (*StarAlgorithm.state_fields, "momentum")

@@ -52,6 +52,7 @@ class FedSAMHparams(StarHparams):
 @ALGORITHMS.register("fedsam")
 class FedSAM(StarAlgorithm):
     name = "fedsam"
+    compresses_downloads = True  # compression.download: its clients read the model only as their start
     dp_refusal = None  # privacy: one model update per client; server state from the noised mean only
     Hparams = FedSAMHparams
 

@@ -72,6 +72,7 @@ class ScaffoldStep(ClientStep):
 @ALGORITHMS.register("scaffold")
 class Scaffold(StarAlgorithm):
     name = "scaffold"
+    compresses_downloads = True  # compression.download: x_t compressed, the rest of its message dense
     # privacy: the control-variate deltas Delta c_i are a second, unclipped upload summed into c
     dp_refusal = "its clients also upload control-variate deltas, which the server sums into c unclipped and unnoised"
     uplink = "update+control_delta"  # Delta y_i and Delta c_i (line 13)

@@ -325,8 +325,10 @@ class HierarchicalAlgorithm(Algorithm):
         jobs = [*d.parts, d.server.numpy()]
         self.server_job = self.m
         self.sampler = make_sampler(ctx, self.k, self.m, family=self.family)
+        # a data-poisoning attack's clients train on its labels (robustness); otherwise d.train_y itself
+        train_y = robust.poisoned_labels(cfg, ctx.seeds, d.train_y, d.parts, ctx.dataset.num_classes)
         self.trainer = LocalTrainer(
-            ctx.model, d.train_x, d.train_y, jobs, cfg.local, ctx.seeds, backend=backend, ray=cfg.ray,
+            ctx.model, d.train_x, train_y, jobs, cfg.local, ctx.seeds, backend=backend, ray=cfg.ray,
             loss_fn=ctx.task.loss, placement=ctx.placement,
         )  # fmt: skip
         self.layout: ParamLayout = self.trainer.layout
@@ -478,7 +480,9 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
     """
 
     Hparams = AveragingHparams
-    handles_faults = ("dropout", "deadline")
+    handles_faults = ("dropout", "deadline", "byzantine")  # byzantine: the attack stage at the edge (robustness)
+    # True where client_updates are the local models (an attack acts on their displacement y_i - x)
+    updates_are_models: ClassVar[bool] = True
     robust_aggregation: ClassVar[bool] = True  # the aggregator section applies to the server step (robustness)
     downlink: ClassVar[tuple[str, int]] = ("model", 1)  # ledger kind, and models' worth of bytes per message
     uplink: ClassVar[tuple[str, int]] = ("model", 1)
@@ -525,12 +529,13 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
             got, sent = self.compression.upload(r, clients, self.x, got)
             self.ledger.record(r, "client", "server", kind, sent, len(clients))
         updates = self.client_updates(got)
-        if self.robust is not None:  # robustness: records the round (no attack: faults.byzantine is refused here)
-            updates = self.robust.attack(r, got.jobs, updates, None)
+        if self.robust is not None:  # robustness: Byzantine clients replace their (decoded) updates
+            updates = self.robust.attack(r, got.jobs, updates, self.x if self.updates_are_models else None)
         self.server_update(self.aggregate(updates, got.weights), got)
         p, loss = got.weights, got.local.loss
         train_loss = float(p @ loss) if p is not None else float(loss.mean())
-        return {"train_loss": train_loss, **self.counters(r, jobs), **self.fault_metrics(clients)}
+        out = {"train_loss": train_loss, **self.counters(r, jobs), **self.fault_metrics(clients)}
+        return {**out, **self.robust.metrics()} if self.robust is not None else out
 
     def participants(self, r: int) -> tuple[np.ndarray, np.ndarray]:
         """(the round's sampled clients, the training jobs: those clients plus the server's job if any)."""
@@ -592,7 +597,8 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
         if self.privacy is not None:  # privacy: DP-FedAvg on the displacements y_i - x, weights 1/E, noise on the sum
             moved, w = self.privacy.clip(updates - self.x, weights)
             return self.x + self.privacy.noise(w @ moved)
-        if self.robust is not None:  # the robust aggregator (robustness); None weights: the plain mean
+        # the robust aggregator (robustness); with the default one (an attack only), the family's own reduction
+        if self.robust is not None and not self.robust.plain:
             n = len(updates)
             w = weights if weights is not None else torch.full((n,), 1 / n, dtype=updates.dtype, device=updates.device)
             return self.robust.aggregate(updates, w)

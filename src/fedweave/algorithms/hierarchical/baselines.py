@@ -94,6 +94,7 @@ class HierScaffold(AveragingAlgorithm):
     name = "hier_scaffold"
     downlink = ("model+control", 2)  # x and c
     uplink = ("update+control_delta", 2)  # Delta y_i and Delta c_i
+    updates_are_models = False  # its updates are the displacements Delta y_i
 
     def __init__(self, ctx: RunContext, hp: BaselineHparams) -> None:
         super().__init__(ctx, hp)
