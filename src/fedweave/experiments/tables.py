@@ -138,3 +138,20 @@ def mean_std_cell(
     m, sd = mean_std(ok, ddof=ddof)
     cell = pm(m, sd, sep, nd)
     return cell if not bad else f"{cell} ({bad}/{len(values)} diverged)"
+
+
+def bold_best(cells: Sequence[str], values: Sequence[float], best: Callable = max) -> list[str]:
+    """``cells`` with the one of the best value (``best``: the largest by default, the first of equal ones)
+    in bold."""
+    top = best(range(len(values)), key=values.__getitem__)
+    return [f"**{c}**" if i == top else c for i, c in enumerate(cells)]
+
+
+def signed(x: float, nd: int = 2) -> str:
+    """A signed number at ``nd`` decimals with a typographic minus: ``+1.20``, ``−0.35``."""
+    return f"{x:+.{nd}f}".replace("-", "−")
+
+
+def indent(table: str, prefix: str = "  ") -> str:
+    """A markdown table set inside a list item: every line after ``prefix``, and ``prefix`` after the last."""
+    return "".join(f"{prefix}{line}\n" for line in table.splitlines()) + prefix

@@ -15,11 +15,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedweave.experiments.aggregate import group, mean_std
+from fedweave.experiments.aggregate import diverged, group, mean_of, mean_std, per_cell, per_seed, ranks, std_of
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Panel, plot_panels
 from fedweave.experiments.study import HELD, Claim, Plan, Study, Verdict, judge, not_run, option
-from fedweave.experiments.tables import csv_text, grouped_table, markdown_table, pm, read_csv, write_csv
+from fedweave.experiments.tables import (
+    bold_best,
+    csv_text,
+    grouped_table,
+    indent,
+    markdown_table,
+    pm,
+    read_csv,
+    signed,
+    write_csv,
+)
 from fedweave.experiments.verdicts import All, Paired, Untestable
 from fedweave.results import atomic_write
 from fedweave.runner import Result
@@ -344,46 +354,35 @@ def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any
 
 
 # ---- tables and plots -----------------------------------------------------------------------------
-def _ranks(values: dict[str, float]) -> dict[str, int]:
-    order = sorted(values, key=lambda k: -values[k])
-    return {k: i + 1 for i, k in enumerate(order)}
+def _finished(rs: list[dict]) -> list[dict]:
+    """A cell's runs that did not diverge (all of them when none finished: the cell then reads NaN)."""
+    return [r for r in rs if math.isfinite(r["final_acc"])] or rs
+
+
+TABLE_STATS = {
+    "seeds": len,
+    "diverged": diverged("final_acc"),
+    "final_acc_mean": mean_of("final_acc", _finished),
+    "final_acc_std": std_of("final_acc", _finished),
+    "best_acc_mean": mean_of("best_acc", _finished),
+    "consistency_last20": mean_of("consistency_last20", _finished),
+}
 
 
 def summarize(records: list[dict]) -> tuple[list[dict], dict]:
-    """Per (dataset, split, method): mean/std of final accuracy and consistency; plus the claim checks."""
-    cells = group(records, lambda r: (r["dataset"], r["split"], r["method"]))
-    table = []
-    for (d, s, m), all_rs in cells.items():
-        rs = [r for r in all_rs if math.isfinite(r["final_acc"])] or all_rs
-        acc_m, acc_sd = mean_std([r["final_acc"] for r in rs])
-        best_m, _ = mean_std([r["best_acc"] for r in rs])
-        cons_m, _ = mean_std([r["consistency_last20"] for r in rs])
-        table.append(
-            {
-                "dataset": d,
-                "split": s,
-                "method": m,
-                "seeds": len(all_rs),
-                "diverged": sum(not math.isfinite(r["final_acc"]) for r in all_rs),
-                "final_acc_mean": acc_m,
-                "final_acc_std": acc_sd,
-                "best_acc_mean": best_m,
-                "consistency_last20": cons_m,
-                "paper_cifar10": TABLE_I[m].get(("cifar10", s)),
-            }
-        )
-    for d, s in {(t["dataset"], t["split"]) for t in table}:
-        col = [t for t in table if (t["dataset"], t["split"]) == (d, s)]
-        ours = _ranks({t["method"]: t["final_acc_mean"] for t in col})
-        paper = _ranks(
-            {t["method"]: TABLE_I[t["method"]][("cifar10", s)] for t in col if ("cifar10", s) in TABLE_I[t["method"]]}
-        )
+    """Per (dataset, split, method): mean/std of final accuracy and consistency, the ranks in the column and
+    the paper's CIFAR-10 number and rank beside them; plus the claim checks."""
+    table = per_cell(records, ("dataset", "split", "method"), TABLE_STATS)
+    for (_, s), col in group(table, lambda t: (t["dataset"], t["split"])).items():
+        paper = {
+            t["method"]: TABLE_I[t["method"]][("cifar10", s)] for t in col if ("cifar10", s) in TABLE_I[t["method"]]
+        }
+        ours, paper_ranks = ranks({t["method"]: t["final_acc_mean"] for t in col}), ranks(paper)
         for t in col:
-            t["rank"], t["paper_rank"] = ours[t["method"]], paper.get(t["method"])
-    claims = {}
-    for d in sorted({t["dataset"] for t in table}):
-        claims[d] = _claims(records, d)
-    return table, claims
+            t.update(
+                paper_cifar10=paper.get(t["method"]), rank=ours[t["method"]], paper_rank=paper_ranks.get(t["method"])
+            )
+    return table, {d: _claims(records, d) for d in sorted({t["dataset"] for t in table})}
 
 
 def _claims(records: list[dict], dataset: str) -> dict[str, Any]:
@@ -647,38 +646,36 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> tuple[str, str]:
 
 
 # ---- the variant presets' tables: Table II, Table III, Fig. 2a ------------------------------------------
+def _ok(rs: list[dict]) -> list[dict]:
+    """A cell's runs that did not diverge, in seed order."""
+    return sorted((r for r in rs if math.isfinite(r["final_acc"])), key=lambda r: r["seed"])
+
+
+def _auc(rs: list[dict]) -> float:
+    """The mean over the finished runs of their mean test accuracy (%) over the evaluated rounds."""
+    return mean_std([100 * sum(x["test_accuracy"] for x in r["_rows"]) / len(r["_rows"]) for r in _ok(rs)])[0]
+
+
+VARIANT_STATS = {
+    "seeds": len,
+    "diverged": diverged("final_acc"),
+    "final_acc_mean": lambda rs: round(mean_of("final_acc", _ok)(rs), 2),
+    "final_acc_std": lambda rs: round(std_of("final_acc", _ok)(rs), 2),
+    "mean_acc_over_rounds": lambda rs: round(_auc(rs), 2),
+    "consistency_last20": lambda rs: round(mean_of("consistency_last20", _ok)(rs), 4),
+    "final_acc_per_seed": per_seed("final_acc"),
+}
+
+
 def variant_summary(records: list[dict], p: Preset) -> list[dict]:
     """Per (variant, method), in the preset's order: final accuracy mean ± std over seeds (diverged runs
     counted apart), the mean accuracy over the evaluated rounds (how fast it converges), the local
     consistency of the last 20 rounds, the per-seed finals, and the paper's number where it has one."""
-    labels = [v for v, _ in p.variants]
     methods = list(dict.fromkeys(m for _, _, group in p.grid + p.extension for m in group))
-    rows = []
-    for vi, v in enumerate(labels):
-        for m in methods:
-            rs = sorted((r for r in records if (r["variant"], r["method"]) == (v, m)), key=lambda r: r["seed"])
-            if not rs:
-                continue
-            ok = [r for r in rs if math.isfinite(r["final_acc"])]
-            acc, sd = mean_std([r["final_acc"] for r in ok])
-            auc, _ = mean_std([100 * sum(x["test_accuracy"] for x in r["_rows"]) / len(r["_rows"]) for r in ok])
-            cons, _ = mean_std([r["consistency_last20"] for r in ok])
-            paper = TABLE_II_C10[m][vi] if p.table == "epochs" else TABLE_III[vi][2] if p.table == "ablation" else None
-            rows.append(
-                {
-                    "variant": v,
-                    "method": m,
-                    "seeds": len(rs),
-                    "diverged": len(rs) - len(ok),
-                    "final_acc_mean": round(acc, 2),
-                    "final_acc_std": round(sd, 2),
-                    "mean_acc_over_rounds": round(auc, 2),
-                    "consistency_last20": round(cons, 4),
-                    "final_acc_per_seed": " / ".join(f"{r['final_acc']:.2f}" for r in rs),
-                    "paper_c10": "" if paper is None else paper,
-                }
-            )
-    return rows
+    cells = {(c["variant"], c["method"]): c for c in per_cell(records, ("variant", "method"), VARIANT_STATS)}
+    paper = {"epochs": lambda i, m: TABLE_II_C10[m][i], "ablation": lambda i, m: TABLE_III[i][2]}.get(p.table)
+    rows = [(i, v, m) for i, (v, _) in enumerate(p.variants) for m in methods if (v, m) in cells]
+    return [cells[(v, m)] | {"paper_c10": paper(i, m) if paper else ""} for i, v, m in rows]
 
 
 def variant_claims(rows: list[dict], p: Preset) -> list[tuple[str, bool | None, str]]:
@@ -1123,12 +1120,12 @@ def _page_mnist(rows: list[dict]) -> str:
     cols = []
     for split in ("iid", "dir0.1"):
         by = {r["method"]: r for r in rows if (r["dataset"], r["split"]) == ("mnist", split)}
-        cells = _bold_best([pm(by[m]["final_acc_mean"], by[m]["final_acc_std"]) for m in core],
+        cells = bold_best([pm(by[m]["final_acc_mean"], by[m]["final_acc_std"]) for m in core],
                            [by[m]["final_acc_mean"] for m in core])  # fmt: skip
         cols.append([[c, f"{by[m]['consistency_last20']:#.3g}"] for m, c in zip(core, cells)])
     body = [[LABELS[m], *cols[0][i], *cols[1][i]] for i, m in enumerate(core)]
     table = markdown_table(["method", "IID", "cons.", "Dir-0.1", "cons."], body)
-    return "".join(f"  {line}\n" for line in table.splitlines()) + "  "
+    return indent(table)
 
 
 def _page_long(rows: list[dict]) -> str:
@@ -1137,9 +1134,6 @@ def _page_long(rows: list[dict]) -> str:
     methods = ["fedavg", "fedmim", "fedcm", "scaffold"]
     acc = {(r["round"], r["method"], r["seed"]): r["accuracy"] for r in rows}
     seeds = sorted({r["seed"] for r in rows})
-
-    def signed(x: float) -> str:
-        return f"{x:+.2f}".replace("-", "−")
 
     body = []
     for t in sorted({r["round"] for r in rows}):
@@ -1152,12 +1146,6 @@ def _page_long(rows: list[dict]) -> str:
     return markdown_table(header, body)
 
 
-def _bold_best(cells: list[str], values: list[float]) -> list[str]:
-    """``cells`` with the one of the largest value in bold."""
-    top = max(range(len(values)), key=values.__getitem__)
-    return [f"**{c}**" if i == top else c for i, c in enumerate(cells)]
-
-
 def _page_table1(rows: list[dict]) -> str:
     """The page's Table I: the four core methods on Fashion-MNIST (``table.csv``), ranks among them, the best
     of each split in bold, the paper's CIFAR-10 number and its rank among the same four."""
@@ -1166,8 +1154,8 @@ def _page_table1(rows: list[dict]) -> str:
     for split in ("iid", "dir0.1"):
         by = {r["method"]: r for r in rows if (r["dataset"], r["split"]) == ("fashion_mnist", split)}
         acc = [by[m]["final_acc_mean"] for m in core]
-        ours, paper = _ranks(dict(zip(core, acc))), _ranks({m: by[m]["paper_cifar10"] for m in core})
-        cells = _bold_best([pm(by[m]["final_acc_mean"], by[m]["final_acc_std"]) for m in core], acc)
+        ours, paper = ranks(dict(zip(core, acc))), ranks({m: by[m]["paper_cifar10"] for m in core})
+        cells = bold_best([pm(by[m]["final_acc_mean"], by[m]["final_acc_std"]) for m in core], acc)
         cols.append([[c, ours[m], f"{by[m]['consistency_last20']:#.3g}", f"{by[m]['paper_cifar10']:.2f}", paper[m]]
                      for m, c in zip(core, cells)])  # fmt: skip
     header = ["method", "IID: ours", "rank", "cons.", "paper C10 IID", "paper rank"]
@@ -1190,8 +1178,8 @@ ABLATION_ROWS = (  # Table III's rows on the page, in TABLE_III's order
 
 def _page_ablation(rows: list[dict]) -> str:
     """The page's Table III (``ablation/ablation.csv``): ours, per seed and the paper's, the best of each in bold."""
-    ours = _bold_best([pm(r["final_acc_mean"], r["final_acc_std"]) for r in rows], [r["final_acc_mean"] for r in rows])
-    paper = _bold_best([f"{r['paper_c10']:.2f}" for r in rows], [r["paper_c10"] for r in rows])
+    ours = bold_best([pm(r["final_acc_mean"], r["final_acc_std"]) for r in rows], [r["final_acc_mean"] for r in rows])
+    paper = bold_best([f"{r['paper_c10']:.2f}" for r in rows], [r["paper_c10"] for r in rows])
     body = [[label, o, r["final_acc_per_seed"], p] for label, o, r, p in zip(ABLATION_ROWS, ours, rows, paper)]
     return markdown_table(["row (alpha on δ_t, δ_t−1; beta)", "ours", "per seed", "paper"], body)
 
@@ -1213,7 +1201,7 @@ def _page_participation(rows: list[dict]) -> str:
     lo, hi = list(dict.fromkeys(r["variant"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     by = {(r["method"], r["variant"]): r for r in rows}
-    cols = {v: _bold_best([pm(by[(m, v)]["final_acc_mean"], by[(m, v)]["final_acc_std"]) for m in methods],
+    cols = {v: bold_best([pm(by[(m, v)]["final_acc_mean"], by[(m, v)]["final_acc_std"]) for m in methods],
                           [by[(m, v)]["final_acc_mean"] for m in methods]) for v in (lo, hi)}  # fmt: skip
     body = [
         [LABELS[m], cols[lo][i], f"{by[(m, lo)]['mean_acc_over_rounds']:.2f}", cols[hi][i],
