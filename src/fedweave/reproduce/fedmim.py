@@ -8,7 +8,6 @@ preset runs and which files it writes is on the page, docs/reproductions/fedmim.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from typing import Any
 from fedweave.experiments.aggregate import diverged, group, mean_of, mean_std, per_cell, per_seed, ranks, std_of
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Panel, plot_panels
-from fedweave.experiments.study import HELD, Claim, Plan, Study, Verdict, judge, not_run, option
+from fedweave.experiments.study import HELD, Claim, Json, Plan, Report, Rows, Study, Verdict, judge, not_run, option
 from fedweave.experiments.tables import (
     bold_best,
     csv_text,
@@ -28,10 +27,8 @@ from fedweave.experiments.tables import (
     pm,
     read_csv,
     signed,
-    write_csv,
 )
 from fedweave.experiments.verdicts import All, Paired, Untestable
-from fedweave.results import atomic_write
 from fedweave.runner import Result
 
 # ---- the paper's numbers ------------------------------------------------------------------------------
@@ -1029,11 +1026,9 @@ RESULT_KEYS = ["dataset", "split", "method", "variant", "seed", "final_acc", "be
 RESULT_KEYS += ["consistency_last20", "status", "rounds_done", "wall_seconds", "cpu_seconds"]
 
 
-def write_results(records: list[dict], out: Path, variant: bool = False) -> float | None:
-    """``OUT/results.csv``, one row per run (a variant preset's with its variant); returns the runs' summed
-    CPU seconds when every run has them (the machine is shared: CPU time says what a preset costs)."""
-    keys = [k for k in RESULT_KEYS if variant or k != "variant"]
-    write_csv(out / "results.csv", records, keys, float_format=".6g")
+def _cpu(records: list[dict]) -> float | None:
+    """The runs' summed CPU seconds when every run has them (the machine is shared: CPU time says what a
+    preset costs)."""
     cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
     return sum(cpus) if cpus and len(cpus) == len(records) else None
 
@@ -1041,18 +1036,13 @@ def write_results(records: list[dict], out: Path, variant: bool = False) -> floa
 def write_variant_outputs(records: list[dict], skipped: list, name: str, p: Preset, out: Path, wall: float) -> int:
     """A variant preset's files: results.csv (one row per run), NAME.csv and NAME.md (the table beside the
     paper's and the claim checks), claims.json and curves-NAME.png."""
-    cpu = write_results(records, out, variant=True)
     rows = variant_summary(records, p)
     checks = variant_claims(rows, p)
-    write_csv(out / f"{name}.csv", rows)
-    md = variant_markdown(rows, checks, name, p, wall, cpu)
-    md += not_run(skipped)
-    atomic_write(out / f"{name}.md", md)
+    md = variant_markdown(rows, checks, name, p, wall, _cpu(records)) + not_run(skipped)
     claims = [{"claim": c, "verdict": HELD[ok], "measured": m} for c, ok, m in checks]
-    atomic_write(out / "claims.json", json.dumps(claims, indent=2, ensure_ascii=False))
     variant_plot(records, p, name, out)
-    print(md)
-    return 0
+    files = {"results.csv": Rows(records, RESULT_KEYS, ".6g"), f"{name}.csv": Rows(rows), f"{name}.md": md}
+    return Report({**files, "claims.json": Json(claims, ensure_ascii=False)}, show=f"{name}.md").write(out)
 
 
 # ---- the study ------------------------------------------------------------------------------------------
@@ -1255,28 +1245,24 @@ def study_plan(opts) -> Plan:
     return Plan(plan(p, Path(opts.out), seeds, opts.datasets, opts.methods, opts.extend), (p, seeds))
 
 
-def report(records: list[dict], plan_: Plan, opts, wall: float) -> int:
+TABLE_KEYS = ["dataset", "split", "method", "seeds", "diverged", "final_acc_mean", "final_acc_std", "best_acc_mean"]
+TABLE_KEYS += ["consistency_last20", "rank", "paper_cifar10", "paper_rank"]
+
+
+def report(records: list[dict], plan_: Plan, opts, wall: float) -> int | Report:
     """Table I (or a variant preset's table), results.csv, the claims, the curves and the gaps."""
     p, seeds = plan_.context
-    out, skipped = Path(opts.out), plan_.skipped
+    out = Path(opts.out)
     if p.variants:
-        return write_variant_outputs(records, skipped, opts.scale, p, out, wall)
+        return write_variant_outputs(records, plan_.skipped, opts.scale, p, out, wall)
     table, claims = summarize(records)
-    cpu = write_results(records, out)
-    tkeys = ["dataset", "split", "method", "seeds", "diverged", "final_acc_mean", "final_acc_std", "best_acc_mean"]
-    tkeys += ["consistency_last20", "rank", "paper_cifar10", "paper_rank"]
-    write_csv(out / "table.csv", table, tkeys, float_format=".6g")
-    md = markdown(table, claims, opts.scale, p, wall, cpu)
-    md += not_run(skipped)
-    atomic_write(out / "table.md", md)
-    atomic_write(out / "claims.json", json.dumps(claims, indent=2))
+    md = markdown(table, claims, opts.scale, p, wall, _cpu(records)) + not_run(plan_.skipped)
+    files = {"results.csv": Rows(records, [k for k in RESULT_KEYS if k != "variant"], ".6g")}
+    files |= {"table.csv": Rows(table, TABLE_KEYS, ".6g"), "table.md": md, "claims.json": Json(claims)}
     plot(records, out)
     if p.report_rounds:
-        gap_csv, gap_md = gaps(out, p, seeds)
-        atomic_write(out / "gaps.csv", gap_csv)
-        atomic_write(out / "gaps.md", gap_md)
-    print(md)
-    return 0
+        files["gaps.csv"], files["gaps.md"] = gaps(out, p, seeds)
+    return Report(files, show="table.md")
 
 
 STUDY = Study(
