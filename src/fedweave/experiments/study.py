@@ -300,9 +300,11 @@ class Report:
     files: dict[str, str | Rows | Json]
     show: str | None = None
     status: int = 0
+    say: str | None = None  # a line printed after the files are written (e.g. where the report is)
 
-    def write(self, out: str | Path) -> int:
-        """Write every file into ``out``, each atomically; print the one named ``show``; the exit status."""
+    def write(self, out: str | Path, show: bool = True) -> int:
+        """Write every file into ``out``, each atomically; print the one named ``show`` and ``say`` (unless
+        ``show`` is False); the exit status."""
         for name, content in self.files.items():
             if isinstance(content, Rows):
                 content = csv_text(content.rows, list(content.columns or []) or None, content.float_format)
@@ -311,8 +313,10 @@ class Report:
                     json.dumps(content.data, indent=content.indent, ensure_ascii=content.ensure_ascii) + content.end
                 )
             atomic_write(Path(out) / name, content)
-        if self.show is not None:
+        if show and self.show is not None:
             print(self.files[self.show])
+        if show and self.say is not None:
+            print(self.say)
         return self.status
 
 

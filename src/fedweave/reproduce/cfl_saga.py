@@ -8,7 +8,6 @@ and qualitative statements, so the comparison table lists its claims and whether
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import re
@@ -22,10 +21,9 @@ import numpy as np
 from fedweave.experiments.aggregate import group, if_all
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Lines, plot_lines
-from fedweave.experiments.study import Claim, Plan, Study, judge, load_records, option, save_records
-from fedweave.experiments.tables import markdown_table, read_csv, write_csv
+from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, judge, load_records, option, save_records
+from fedweave.experiments.tables import markdown_table, read_csv
 from fedweave.experiments.verdicts import All, Paired, Threshold, Untestable
-from fedweave.results import atomic_write
 from fedweave.runner import Result
 
 TARGETS = (1e-4, 1e-6, 1e-8)
@@ -79,8 +77,7 @@ class Job:
 def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any]:
     """A run's row: iterations and uploads at each target, the tail fit, the costs per iteration, and its
     per-iteration trace (``_curve``: opg, uploads, wall seconds) where the plots need it."""
-    with open(Path(res.run_dir) / "trace.csv", encoding="utf-8") as f:
-        trace = list(csv.DictReader(f))
+    trace = read_csv(Path(res.run_dir) / "trace.csv")
     gaps = [float(t["opt_gap"]) for t in trace]
     ups = [int(t["uploads"] or 0) for t in trace]  # the initial model: no upload yet
     v, first, last = dict(point.values), res.metrics[0], res.metrics[-1]
@@ -601,13 +598,12 @@ def load_raw(out: Path) -> list[dict]:
 CLAIM_COLUMNS = ["claim", "paper", "measured", "verdict"]
 
 
-def write_report(rows: list[dict], out: Path, meta: dict) -> None:
+def summary_files(rows: list[dict], out: Path, meta: dict) -> dict[str, Any]:
+    """The report of every run in ``rows``: runs.csv, summary.csv (medians over seeds), claims.csv and
+    summary.md; the figures are drawn into ``out``."""
     scale, seeds = meta["scale"], meta["seeds"]
     aggs = aggregate(rows)
-    write_csv(out / "runs.csv", rows)
-    write_csv(out / "summary.csv", aggs)
     cl = claims(aggs)
-    write_csv(out / "claims.csv", cl, CLAIM_COLUMNS)
     md = [
         f"# CFL-SAGA reproduction ({scale})",
         "",
@@ -628,8 +624,9 @@ def write_report(rows: list[dict], out: Path, meta: dict) -> None:
         if acc:
             md += [f"Test accuracy of x* (the optimum every method approaches): {acc[0]:.4f}.", ""]
     md += ["## The paper's claims (synthetic problem)", "", markdown_table(CLAIM_COLUMNS, cl).rstrip("\n")]
-    atomic_write(out / "summary.md", "\n".join(md) + "\n")
     plots(rows, out)
+    files = {"runs.csv": Rows(rows), "summary.csv": Rows(aggs), "claims.csv": Rows(cl, CLAIM_COLUMNS)}
+    return {**files, "summary.md": "\n".join(md) + "\n"}
 
 
 def study_plan(opts) -> Plan:
@@ -657,20 +654,17 @@ def study_plan(opts) -> Plan:
     return Plan([j.point() for j in jobs], (kept, meta))
 
 
-def report(rows: list[dict], plan: Plan, opts, wall: float) -> int:
+def report(rows: list[dict], plan: Plan, opts, wall: float) -> Report:
     """raw.json, meta.json and the report (tables, claims, figures); ``--report-only``: the report from them."""
     out = Path(opts.out)
     kept, meta = plan.context
     if opts.report_only:
-        write_report(load_raw(out), out, meta)
-    else:
-        rows = kept + rows
-        save_raw(rows, out)
-        meta["runs"].append({"part": opts.part, "argv": opts.argv, "wall_seconds": wall, "workers": opts.workers})
-        atomic_write(out / "meta.json", json.dumps(meta) + "\n")
-        write_report(rows, out, meta)
-    print(f"wrote {out / 'summary.md'}")
-    return 0
+        return Report(summary_files(load_raw(out), out, meta), say=f"wrote {out / 'summary.md'}")
+    rows = kept + rows
+    save_raw(rows, out)
+    meta["runs"].append({"part": opts.part, "argv": opts.argv, "wall_seconds": wall, "workers": opts.workers})
+    files = {"meta.json": Json(meta, indent=None, end="\n"), **summary_files(rows, out, meta)}
+    return Report(files, say=f"wrote {out / 'summary.md'}")
 
 
 # spec's independent numpy pilot (its §9 table): (topology, method, the page's label) -> (iterations, uploads)

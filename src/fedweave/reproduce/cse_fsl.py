@@ -21,10 +21,9 @@ from fedweave.config import RunConfig
 from fedweave.experiments.aggregate import group, if_all, mean_std, to_target
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import plot_curves
-from fedweave.experiments.study import YES_NO, Claim, Plan, Study, Verdict, judge, option, verdict_table
-from fedweave.experiments.tables import markdown_table, read_csv, write_csv
+from fedweave.experiments.study import YES_NO, Claim, Plan, Report, Rows, Study, Verdict, judge, option, verdict_table
+from fedweave.experiments.tables import markdown_table, read_csv
 from fedweave.experiments.verdicts import All, Paired, Threshold, Untestable
-from fedweave.results import atomic_write
 from fedweave.runner import Result
 
 LABELS = {"fsl_mc": "FSL_MC", "fsl_oc": "FSL_OC (+clip)", "fsl_an": "FSL_AN", "cse_fsl": "CSE-FSL"}
@@ -486,16 +485,14 @@ def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
     return collect(point, res, facts[key])
 
 
-def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> int:
+def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Report:
     """Table V (markdown and CSV), the claims and the figures; exit 1 when a measured load is not its formula."""
     p, seeds, _ = plan.context
-    out = Path(opts.out)
     table = summarize(results, p)
-    atomic_write(out / "table.md", markdown(table, claims(table, p), p, opts.scale, seeds, wall))
-    write_csv(out / "table.csv", table, [k for k, _ in COLUMNS] + CSV_EXTRA)
-    plots(results, out)
-    print((out / "table.md").read_text())
-    return 0 if all(t["load_exact"] for t in table) else 1
+    plots(results, Path(opts.out))
+    md = markdown(table, claims(table, p), p, opts.scale, seeds, wall)
+    status = 0 if all(t["load_exact"] for t in table) else 1
+    return Report({"table.md": md, "table.csv": Rows(table, [k for k, _ in COLUMNS] + CSV_EXTRA)}, "table.md", status)
 
 
 # the page's generated claim tables: (block, the committed Table V beside the page, its scale and dataset)

@@ -21,11 +21,10 @@ from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import cache_datasets as _cache_datasets
 from fedweave.experiments.jobs import load_average
 from fedweave.experiments.plots import Panel, plot_panels
-from fedweave.experiments.study import HELD, Claim, Plan, Study, option
-from fedweave.experiments.tables import grouped_table, markdown_table, pm, read_csv, write_csv
+from fedweave.experiments.study import HELD, Claim, Json, Plan, Report, Rows, Study, option
+from fedweave.experiments.tables import grouped_table, markdown_table, pm, read_csv
 from fedweave.experiments.verdicts import Untestable
 from fedweave.memory import cpu_seconds
-from fedweave.results import atomic_write
 from fedweave.runner import Result
 
 SETTINGS = [(1000.0, 0.9), (1.0, 0.5), (0.1, 0.1)]  # (Dirichlet alpha, participation beta), paper §IV
@@ -553,9 +552,19 @@ def page_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
 # ---- writing -------------------------------------------------------------------------------------------
 
 
-def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], out: Path, meta: dict) -> None:
-    write_csv(out / "table.csv", rows)
+def table_report(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], meta: dict) -> Report:
+    """Table I's files: ``table.csv`` (``rows``), ``table.md`` and ``claims.json`` (the claims' values, the meta)."""
+    files = {"table.csv": Rows(rows), "table.md": table_md(p, rows, claims, meta)}
+    return Report({**files, "claims.json": Json({"claims": claims, "meta": meta})}, show="table.md")
 
+
+def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], out: Path, meta: dict) -> None:
+    """Write Table I's files (``table_report``) into ``out``: rebuilds a committed table from its files."""
+    table_report(p, rows, claims, meta).write(out, show=False)
+
+
+def table_md(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], meta: dict) -> str:
+    """``table.md``: Table I per dataset beside the paper's, the claims, their values and the invocation's cost."""
     lines = [
         "# ZO-HFL Table I at our scale, beside the paper's",
         "",
@@ -589,8 +598,7 @@ def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], o
         f"load average at the end {meta['load_at_end']}.",
         "",
     ]
-    atomic_write(out / "table.md", "\n".join(lines))
-    atomic_write(out / "claims.json", json.dumps({"claims": claims, "meta": meta}, indent=2))
+    return "\n".join(lines)
 
 
 def write_plots(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int], out: Path) -> None:
@@ -705,8 +713,8 @@ def tune_summary(configs: list[dict[str, Any]], results: dict[str, dict[str, Any
     return sorted(rows, key=lambda r: -r["mean"])
 
 
-def write_tune(rows: list[dict[str, Any]], out: Path, meta: dict) -> None:
-    write_csv(out / "tune.csv", rows)
+def tune_md(rows: list[dict[str, Any]], meta: dict) -> str:
+    """``tune.md``: the validation accuracy of every (lambda, mu, gamma_0), best first."""
     cols = list(rows[0])
     lines = [
         "# ZO-HFL: lambda and mu chosen on a validation split (spec A1)",
@@ -720,7 +728,7 @@ def write_tune(rows: list[dict[str, Any]], out: Path, meta: dict) -> None:
         f"(workers included) {meta['cpu_seconds']:.0f} s; load average at the end {meta['load']}.",
         "",
     ]
-    atomic_write(out / "tune.md", "\n".join(lines))
+    return "\n".join(lines)
 
 
 def study_plan(opts) -> Plan:
@@ -740,7 +748,7 @@ def study_plan(opts) -> Plan:
     return Plan([Point.of(c, c["name"]) for c in configs], (p, seeds, configs), initializer=_cache_datasets)
 
 
-def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> int:
+def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> Report:
     """Table I, the claims and the figures (or the tuning table)."""
     p, seeds, configs = plan_.context
     out = Path(opts.out)
@@ -755,9 +763,8 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> int
             "cpu_seconds": cpu_seconds(),
             "load": load_average(),
         }
-        write_tune(tune_summary(configs, results), out, meta)
-        print((out / "tune.md").read_text())
-        return 0
+        rows = tune_summary(configs, results)
+        return Report({"tune.csv": Rows(rows), "tune.md": tune_md(rows, meta)}, show="tune.md")
     meta = {
         "scale": opts.scale,
         "rounds": p.rounds,
@@ -772,10 +779,8 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> int
         "reused": sum(bool(v.get("reused")) for v in results.values()),
     }
     rows, claims = summarize(p, results, seeds, out)
-    write_table(p, rows, claims, out, meta)
     write_plots(p, results, seeds, out)
-    print((out / "table.md").read_text())
-    return 0
+    return table_report(p, rows, claims, meta)
 
 
 PAGE_CLAIMS = ("adult/claims.json", "claims.json", "long/claims.json")  # the page's claim table, in its order
