@@ -295,12 +295,14 @@ class Json:
 @dataclass
 class Report:
     """What a study's report writes into ``--out``, declared: ``files`` by name, in order (text as it is, a
-    ``Rows`` as CSV, a ``Json`` as JSON), the file printed after (``show``), and the exit status."""
+    ``Rows`` as CSV, a ``Json`` as JSON), the figures drawn after them (``figures(out)``: a failing plot
+    loses no record), the file printed after (``show``), and the exit status."""
 
     files: dict[str, str | Rows | Json]
     show: str | None = None
     status: int = 0
     say: str | None = None  # a line printed after the files are written (e.g. where the report is)
+    figures: Callable[[Path], Any] | None = None
 
     def write(self, out: str | Path, show: bool = True) -> int:
         """Write every file into ``out``, each atomically; print the one named ``show`` and ``say`` (unless
@@ -313,6 +315,8 @@ class Report:
                     json.dumps(content.data, indent=content.indent, ensure_ascii=content.ensure_ascii) + content.end
                 )
             atomic_write(Path(out) / name, content)
+        if self.figures is not None:
+            self.figures(Path(out))
         if show and self.show is not None:
             print(self.files[self.show])
         if show and self.say is not None:

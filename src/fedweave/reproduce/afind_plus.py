@@ -22,10 +22,9 @@ from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished
 from fedweave.experiments.pages import table_after
 from fedweave.experiments.plots import plot_curves
-from fedweave.experiments.study import Claim, Plan, Study, judge, option
-from fedweave.experiments.tables import markdown_table, mean_std_cell, write_csv
+from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, judge, option
+from fedweave.experiments.tables import markdown_table, mean_std_cell
 from fedweave.experiments.verdicts import All, Paired
-from fedweave.results import atomic_write
 from fedweave.runner import Result
 
 # ------------------------------------------------------------------------------- the paper's numbers
@@ -635,7 +634,7 @@ def plots(results: list[dict[str, Any]], p: Preset, out: Path) -> list[Path]:
     return [w for w in (by_round, by_bytes) if w is not None]
 
 
-def write_results(
+def results_report(
     out: Path,
     results: list[dict[str, Any]],
     rows: dict[str, list],
@@ -644,9 +643,10 @@ def write_results(
     n_runs: int,
     seeds: int,
     wall: float,
-) -> None:
+) -> Report:
     """The tables (CSV), results.md, results.json (the records without their rows: the tables are made of
-    them) and the plots; also what rebuilds the committed tables from a results.json."""
+    them) and the plots (drawn into ``out``)."""
+    files: dict[str, Any] = {}
     md = [
         f"# AFIND+ reproduction ({scale} scale, {p.settings[0].base['rounds']} rounds)\n",
         f"{n_runs} runs, {seeds} seed(s), {wall:.0f} s wall. Accuracy: best-round and final-round mean of "
@@ -667,19 +667,24 @@ def write_results(
     }
     for name, (header, body) in tables(results, rows, p).items():
         md += [f"## {names[name]}\n", markdown_table(header, body)]
-        write_csv(out / f"{name}.csv", body, header)
+        files[f"{name}.csv"] = Rows(body, header)
     header, body = selection_simulation() if scale != "smoke" else (["-"], [])
     if body:
         title = "## Selection rule alone (spec 2.7: 100 clients, 10 groups, no training)\n"
         md += [title, markdown_table(header, body)]
-        write_csv(out / "selection_simulation.csv", body, header)
+        files["selection_simulation.csv"] = Rows(body, header)
     if checks := claims(results, p):
         md.append("## Claims (spec 9.1 pass criteria, primary setting)\n")
         md.append(markdown_table(["claim", "held", "measured"], [[c, VERDICT_WORDS[ok], m] for c, ok, m in checks]))
-    atomic_write(out / "results.md", "\n".join(md))
     plain = [{k: v for k, v in r.items() if k != "_rows"} for r in results]
-    atomic_write(out / "results.json", json.dumps(plain, indent=1))
-    plots(results, p, out)
+    files |= {"results.md": "\n".join(md), "results.json": Json(plain, indent=1)}
+    return Report(files, say=f"wrote {out / 'results.md'} ({wall:.0f} s)", figures=lambda out: plots(results, p, out))
+
+
+def write_results(out: Path, results: list[dict[str, Any]], rows: dict[str, list], p: Preset, *args: Any) -> None:
+    """Write ``results_report`` into ``out`` (``args``: scale, runs, seeds, wall): rebuilds the committed
+    tables from a results.json."""
+    results_report(out, results, rows, p, *args).write(out, show=False)
 
 
 # ------------------------------------------------------------------------------------------ the study
@@ -712,11 +717,9 @@ def study_plan(opts) -> Plan:
     return Plan(grid, (p, rows, seeds), workers=1 if opts.scale == "smoke" else None)
 
 
-def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> int:
+def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Report:
     p, rows, seeds = plan.context
-    write_results(Path(opts.out), results, rows, p, opts.scale, len(plan.points), seeds, wall)
-    print(f"wrote {Path(opts.out) / 'results.md'} ({wall:.0f} s)")
-    return 0
+    return results_report(Path(opts.out), results, rows, p, opts.scale, len(plan.points), seeds, wall)
 
 
 PAGE_CLAIMS = ("", "table3-dp", "fig5")  # the folders of the page's claim table, in its order

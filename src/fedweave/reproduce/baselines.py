@@ -26,8 +26,8 @@ from typing import Any
 from fedweave.config import ConfigError
 from fedweave.experiments.aggregate import group, to_target
 from fedweave.experiments.grid import Point
-from fedweave.experiments.study import Plan, Study, option
-from fedweave.experiments.tables import markdown_table, mean_std_cell, write_csv
+from fedweave.experiments.study import Plan, Report, Rows, Study, option
+from fedweave.experiments.tables import markdown_table, mean_std_cell
 from fedweave.results import atomic_write
 from fedweave.runner import Result
 
@@ -300,21 +300,15 @@ def plan(opts) -> Plan:
     return Plan(jobs(p, context["datasets"], methods, seeds, Path(opts.out)), context)
 
 
-def report(records: list[dict[str, Any]], plan: Plan, opts, wall: float) -> int:
+def report(records: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Report:
     """``records.csv`` and ``tables.md`` in ``--out``; the page's generated section with ``--page``."""
-    out = Path(opts.out)
-    if opts.from_records:
-        records = read_records(opts.from_records)
-    else:
-        write_csv(out / "records.csv", records, COLUMNS)
-    text = section(records, plan.context)
-    atomic_write(out / "tables.md", text)
+    records = read_records(opts.from_records) if opts.from_records else records
+    files: dict[str, Any] = {} if opts.from_records else {"records.csv": Rows(records, COLUMNS)}
+    files["tables.md"] = text = section(records, plan.context)
     if opts.page:
         page = Path(opts.page)
         atomic_write(page, replace_section(page.read_text(encoding="utf-8"), text))
-    print(text)
-    print(f"{len(records)} records, wall {wall:.0f} s")
-    return 0
+    return Report(files, show="tables.md", say=f"{len(records)} records, wall {wall:.0f} s")
 
 
 STUDY = Study(

@@ -598,9 +598,9 @@ def load_raw(out: Path) -> list[dict]:
 CLAIM_COLUMNS = ["claim", "paper", "measured", "verdict"]
 
 
-def summary_files(rows: list[dict], out: Path, meta: dict) -> dict[str, Any]:
-    """The report of every run in ``rows``: runs.csv, summary.csv (medians over seeds), claims.csv and
-    summary.md; the figures are drawn into ``out``."""
+def summary_files(rows: list[dict], meta: dict) -> dict[str, Any]:
+    """The report's files of every run in ``rows``: runs.csv, summary.csv (medians over seeds), claims.csv and
+    summary.md."""
     scale, seeds = meta["scale"], meta["seeds"]
     aggs = aggregate(rows)
     cl = claims(aggs)
@@ -624,7 +624,6 @@ def summary_files(rows: list[dict], out: Path, meta: dict) -> dict[str, Any]:
         if acc:
             md += [f"Test accuracy of x* (the optimum every method approaches): {acc[0]:.4f}.", ""]
     md += ["## The paper's claims (synthetic problem)", "", markdown_table(CLAIM_COLUMNS, cl).rstrip("\n")]
-    plots(rows, out)
     files = {"runs.csv": Rows(rows), "summary.csv": Rows(aggs), "claims.csv": Rows(cl, CLAIM_COLUMNS)}
     return {**files, "summary.md": "\n".join(md) + "\n"}
 
@@ -659,12 +658,13 @@ def report(rows: list[dict], plan: Plan, opts, wall: float) -> Report:
     out = Path(opts.out)
     kept, meta = plan.context
     if opts.report_only:
-        return Report(summary_files(load_raw(out), out, meta), say=f"wrote {out / 'summary.md'}")
+        rows = load_raw(out)
+        return Report(summary_files(rows, meta), say=f"wrote {out / 'summary.md'}", figures=lambda o: plots(rows, o))
     rows = kept + rows
     save_raw(rows, out)
     meta["runs"].append({"part": opts.part, "argv": opts.argv, "wall_seconds": wall, "workers": opts.workers})
-    files = {"meta.json": Json(meta, indent=None, end="\n"), **summary_files(rows, out, meta)}
-    return Report(files, say=f"wrote {out / 'summary.md'}")
+    files = {"meta.json": Json(meta, indent=None, end="\n"), **summary_files(rows, meta)}
+    return Report(files, say=f"wrote {out / 'summary.md'}", figures=lambda o: plots(rows, o))
 
 
 # spec's independent numpy pilot (its §9 table): (topology, method, the page's label) -> (iterations, uploads)

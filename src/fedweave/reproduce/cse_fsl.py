@@ -489,10 +489,10 @@ def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Repo
     """Table V (markdown and CSV), the claims and the figures; exit 1 when a measured load is not its formula."""
     p, seeds, _ = plan.context
     table = summarize(results, p)
-    plots(results, Path(opts.out))
     md = markdown(table, claims(table, p), p, opts.scale, seeds, wall)
     status = 0 if all(t["load_exact"] for t in table) else 1
-    return Report({"table.md": md, "table.csv": Rows(table, [k for k, _ in COLUMNS] + CSV_EXTRA)}, "table.md", status)
+    files = {"table.md": md, "table.csv": Rows(table, [k for k, _ in COLUMNS] + CSV_EXTRA)}
+    return Report(files, "table.md", status, figures=lambda out: plots(results, out))
 
 
 # the page's generated claim tables: (block, the committed Table V beside the page, its scale and dataset)

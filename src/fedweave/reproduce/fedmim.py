@@ -1040,9 +1040,9 @@ def write_variant_outputs(records: list[dict], skipped: list, name: str, p: Pres
     checks = variant_claims(rows, p)
     md = variant_markdown(rows, checks, name, p, wall, _cpu(records)) + not_run(skipped)
     claims = [{"claim": c, "verdict": HELD[ok], "measured": m} for c, ok, m in checks]
-    variant_plot(records, p, name, out)
     files = {"results.csv": Rows(records, RESULT_KEYS, ".6g"), f"{name}.csv": Rows(rows), f"{name}.md": md}
-    return Report({**files, "claims.json": Json(claims, ensure_ascii=False)}, show=f"{name}.md").write(out)
+    files["claims.json"] = Json(claims, ensure_ascii=False)
+    return Report(files, show=f"{name}.md", figures=lambda out: variant_plot(records, p, name, out)).write(out)
 
 
 # ---- the study ------------------------------------------------------------------------------------------
@@ -1259,10 +1259,9 @@ def report(records: list[dict], plan_: Plan, opts, wall: float) -> int | Report:
     md = markdown(table, claims, opts.scale, p, wall, _cpu(records)) + not_run(plan_.skipped)
     files = {"results.csv": Rows(records, [k for k in RESULT_KEYS if k != "variant"], ".6g")}
     files |= {"table.csv": Rows(table, TABLE_KEYS, ".6g"), "table.md": md, "claims.json": Json(claims)}
-    plot(records, out)
     if p.report_rounds:
         files["gaps.csv"], files["gaps.md"] = gaps(out, p, seeds)
-    return Report(files, show="table.md")
+    return Report(files, show="table.md", figures=lambda out: plot(records, out))
 
 
 STUDY = Study(

@@ -80,13 +80,13 @@ class Preset:
     datasets: list[str]
     rounds: int  # Table I runs
     tau: float  # Table I tau
-    sweep_dataset: list[str]
-    sweep_taus: list[float]
-    sweep_rounds: int
-    sweep_seeds: int  # how many of the seeds the tau sweep uses
-    batch_size: int
-    server_batch_size: int
+    batch_size: int  # the clients' and the server's
     eval_every: int
+    # the tau sweep (Fig. 2): its datasets (none: no sweep), taus, rounds and how many of the seeds it uses
+    sweep_dataset: list[str] = field(default_factory=list)
+    sweep_taus: list[float] = field(default_factory=list)
+    sweep_rounds: int = 0
+    sweep_seeds: int = 0
     dataset_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     lam: float = 10.0  # spec A1 (not given in the paper)
     mu: float = 0.1
@@ -161,7 +161,6 @@ PRESETS = {
         sweep_rounds=2,
         sweep_seeds=1,
         batch_size=16,
-        server_batch_size=16,
         eval_every=1,
         min_size=5,
     ),
@@ -174,7 +173,6 @@ PRESETS = {
         sweep_rounds=20,
         sweep_seeds=3,
         batch_size=32,
-        server_batch_size=32,
         eval_every=2,
         dataset_options={"mnist": NORMALIZE_OFF, "fashion_mnist": NORMALIZE_OFF},
         lam=1.0,  # chosen by --tune on a validation split (docs/reproductions/zo-hfl/tune.md; spec A1)
@@ -203,12 +201,7 @@ PRESETS = {
         datasets=["adult"],
         rounds=100,
         tau=5,
-        sweep_dataset=[],
-        sweep_taus=[],
-        sweep_rounds=0,
-        sweep_seeds=0,
         batch_size=32,
-        server_batch_size=32,
         eval_every=2,
         table_eval_every=4,
         # chosen by --tune on a validation split (docs/reproductions/zo-hfl/adult/tune.md): at the paper's
@@ -227,12 +220,7 @@ PRESETS = {
         datasets=["mnist", "fashion_mnist"],
         rounds=100,
         tau=20,
-        sweep_dataset=[],
-        sweep_taus=[],
-        sweep_rounds=0,
-        sweep_seeds=0,
         batch_size=64,
-        server_batch_size=64,
         eval_every=5,
         dataset_options={"mnist": NORMALIZE_OFF, "fashion_mnist": NORMALIZE_OFF},
         lam=1.0,
@@ -251,7 +239,6 @@ PRESETS = {
         sweep_rounds=500,
         sweep_seeds=3,
         batch_size=64,
-        server_batch_size=64,
         eval_every=5,
         dataset_options={"mnist": NORMALIZE_OFF, "fashion_mnist": NORMALIZE_OFF, "cifar10": NORMALIZE_OFF},
         lam=1.0,
@@ -286,7 +273,7 @@ def run_config(
     }
     local = {"batch_size": p.batch_size, "lr": 0.1}  # gamma~_{i,t} = 0.1 / (t + 1) (paper §IV)
     if algo_name == "zo_hfl":
-        algo.update(lam=method_lam(p, method), mu=p.mu, server_batch_size=p.server_batch_size, server_lr=p.server_lr)
+        algo.update(lam=method_lam(p, method), mu=p.mu, server_batch_size=p.batch_size, server_lr=p.server_lr)
     if method == "zo_hfl_nocrn":
         algo["crn"] = False  # spec A5 literal reading
     if method.endswith("_fast"):
@@ -779,8 +766,9 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> Rep
         "reused": sum(bool(v.get("reused")) for v in results.values()),
     }
     rows, claims = summarize(p, results, seeds, out)
-    write_plots(p, results, seeds, out)
-    return table_report(p, rows, claims, meta)
+    report = table_report(p, rows, claims, meta)
+    report.figures = lambda out: write_plots(p, results, seeds, out)
+    return report
 
 
 PAGE_CLAIMS = ("adult/claims.json", "claims.json", "long/claims.json")  # the page's claim table, in its order
