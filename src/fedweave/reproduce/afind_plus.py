@@ -303,15 +303,32 @@ def _ms_cell(vals: list[float], scale: float = 100.0) -> str:
 SCALES = {"selected": 1.0, "overlap_selected": 1.0, "bytes": 2**-20}  # a table's cell unit: else accuracy in %
 
 
+COLUMNS = {"best": "best", "final": "final", "mean selected": "selected", "MB sent": "bytes"}
+COLUMNS["label overlap of selected"] = "overlap_selected"
+
+
+def column(runs: list[dict[str, Any]], header: str) -> str:
+    """A cell of a declared column: mean±std of its record key over the runs ("-" where a run has none), or
+    how many runs there are (``seeds``)."""
+    if header == "seeds":
+        return str(len(runs))
+    vals = [r[COLUMNS[header]] for r in runs]
+    return "-" if any(v is None for v in vals) else _ms_cell(vals, SCALES.get(COLUMNS[header], 100.0))
+
+
+MEASURED = ["best", "final", "mean selected", "MB sent", "seeds"]
+# Tables 2 to 4 and the tau sweep, declared: (first column, columns, the paper's numbers of a row and label)
+LAYOUTS = {
+    "table2": ("method", MEASURED, lambda row, lb: PAPER_T2[row]),
+    "table3": ("method", MEASURED, lambda row, lb: PAPER_T3[lb.replace(" [half]", "")]),
+    "tau": ("tau", ["mean selected", "best", "final", "label overlap of selected", "MB sent", "seeds"], None),
+    "dp": ("sigma_2", ["best", "final"], lambda row, lb: PAPER_T4.get(float(row), [])),
+}
+
+
 def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> dict[str, tuple[list, list]]:
     by = defaultdict(list, group(results, lambda r: (r["setting"], r["label"])))
     titles = {s.key: s.title for s in p.settings}
-
-    def cell(setting: str, label: str, key: str, scale: float = 100.0) -> str:
-        return _ms_cell([r[key] for r in by[(setting, label)]], scale)
-
-    def cells(setting: str, label: str, *keys: str) -> list[str]:  # accuracies in %, bytes in MB
-        return [cell(setting, label, k, SCALES.get(k, 100.0)) for k in keys]
 
     out: dict[str, tuple[list, list]] = {}
     if "table1" in rows:
@@ -319,64 +336,26 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
         labels = list(dict.fromkeys(lb for _, _, lb in rows["table1"]))
         header = ["method"] + [f"{titles[s]} best" for s in settings] + [f"{titles[s]} final" for s in settings]
         header += ["mean selected", "MB sent (primary)", "seeds"] + [f"paper {c}" for c in PAPER_T1_COLUMNS]
-        body = []
-        for lb in labels:
-            paper = PAPER_T1.get(lb, [None] * 8)
-            body.append(
-                [
-                    lb,
-                    *(cell(s, lb, "best") for s in settings),
-                    *(cell(s, lb, "final") for s in settings),
-                    *cells(settings[0], lb, "selected", "bytes"),
-                    "/".join(str(len(by[(s, lb)])) for s in settings),
-                    *(f"{v:.2f}" if v is not None else "-" for v in paper),
-                ]
-            )
-        out["table1"] = (header, body)
-    for name, paper in (("table2", PAPER_T2), ("table3", PAPER_T3)):
-        if name in rows:
-            header = ["method", "best", "final", "mean selected", "MB sent", "seeds"]
-            header += [f"paper {c}" for c in PAPER_T23_COLUMNS]
-            body = []
-            for row, s, lb in rows[name]:
-                theirs = paper[row if name == "table2" else lb.replace(" [half]", "")]
-                body.append(
-                    [
-                        row,
-                        *cells(s, lb, "best", "final", "selected", "bytes"),
-                        str(len(by[(s, lb)])),
-                        *(f"{v:.2f}" for v in theirs),
-                    ]
-                )
-            out[name] = (header, body)
-    if "tau" in rows:
-        header = ["tau", "mean selected", "best", "final", "label overlap of selected", "MB sent", "seeds"]
         body = [
-            [
-                row,
-                *cells(s, lb, "selected", "best", "final"),
-                cell(s, lb, "overlap_selected", 1.0)
-                if all(r["overlap_selected"] is not None for r in by[(s, lb)])
-                else "-",
-                cell(s, lb, "bytes", 2**-20),
-                str(len(by[(s, lb)])),
+            [lb, *(column(by[(s, lb)], c) for c in ("best", "final") for s in settings)]
+            + [column(by[(settings[0], lb)], c) for c in ("mean selected", "MB sent")]
+            + ["/".join(str(len(by[(s, lb)])) for s in settings)]
+            + [f"{v:.2f}" if v is not None else "-" for v in PAPER_T1.get(lb, [None] * 8)]
+            for lb in labels
+        ]
+        out["table1"] = (header, body)
+    for name, (first, cols, paper) in LAYOUTS.items():
+        if name in rows:
+            header = [first, *cols, *(f"paper {c}" for c in PAPER_T23_COLUMNS if paper)]
+            theirs = paper or (lambda row, lb: [])
+            body = [
+                [row, *(column(by[(s, lb)], c) for c in cols), *(f"{v:.2f}" for v in theirs(row, lb))]
+                for row, s, lb in rows[name]
             ]
-            for row, s, lb in rows["tau"]
-        ]
-        out["tau"] = (header, body)
+            out[name] = (header, body)
     if "fig5" in rows:
-        header = [
-            "method",
-            "best without",
-            "best with AFIND+",
-            "gain (best)",
-            "final without",
-            "final with AFIND+",
-            "gain (final)",
-            "mean selected with AFIND+",
-            "MB sent without / with",
-            "seeds",
-        ]
+        header = ["method", "best without", "best with AFIND+", "gain (best)", "final without", "final with AFIND+"]
+        header += ["gain (final)", "mean selected with AFIND+", "MB sent without / with", "seeds"]
         body = []
         for label in PLUGINS:
             plain, plug = by[(p.primary, label)], by[(p.primary, label + " + AFIND+")]
@@ -392,14 +371,7 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
             row += [f"{_ms_cell([r['bytes'] for r in plain], 2**-20)} / {_ms_cell([r['bytes'] for r in plug], 2**-20)}"]
             body.append(row + [f"{len(plain)} / {len(plug)}"])
         out["fig5"] = (header, body)
-    if "dp" in rows:
-        header = ["sigma_2", "best", "final"] + [f"paper {c}" for c in PAPER_T23_COLUMNS]
-        body = [
-            [row, *cells(s, lb, "best", "final"), *(f"{v:.2f}" for v in PAPER_T4.get(float(row), []))]
-            for row, s, lb in rows["dp"]
-        ]
-        out["dp"] = (header, body)
-    return out
+    return {k: out[k] for k in ("table1", "table2", "table3", "tau", "fig5", "dp") if k in out}
 
 
 def _by_seed(results: list[dict[str, Any]], p: Preset) -> dict[str, dict[int, dict[str, Any]]]:
