@@ -297,32 +297,21 @@ def plan(
     grid = p.grid + (p.extension if extend else [])
     names = list(dict.fromkeys(d for d, _, _ in grid))
     rename = dict(zip(names, datasets)) if datasets else {d: d for d in names}  # unmatched ones are dropped
-    points = []
+    variants = [v for v, _ in p.variants] or [""]
     if p.variants:
-        for seed in seeds:
-            for preset_dataset, split, group in grid:
-                for variant, _ in p.variants:
-                    for method in group:
-                        if preset_dataset not in rename or (methods is not None and method not in methods):
-                            continue
-                        dataset = rename[preset_dataset]
-                        slug = re.sub(r"[^A-Za-z0-9.]+", "_", variant).strip("_")
-                        name = f"{dataset}-{split}-{method}-{slug}-s{seed}"
-                        cfg = run_config(p, dataset, split, method, seed, out / "runs" / name, variant)
-                        points.append(Point.of(cfg, name, dataset=dataset, split=split, method=method, variant=variant))
-        return points
-    for preset_dataset, split, group in grid:
-        if preset_dataset not in rename:
-            continue
-        dataset = rename[preset_dataset]
-        for seed in seeds:
-            for method in group:
-                if methods is not None and method not in methods:
-                    continue
-                name = f"{dataset}-{split}-{method}-s{seed}"
-                cfg = run_config(p, dataset, split, method, seed, out / "runs" / name)
-                points.append(Point.of(cfg, name, dataset=dataset, split=split, method=method))
-    return points
+        runs = [(seed, entry, v, m) for seed in seeds for entry in grid for v in variants for m in entry[2]]
+    else:
+        runs = [(seed, entry, v, m) for entry in grid for seed in seeds for v in variants for m in entry[2]]
+    runs = [(seed, d, split, v, m) for seed, (d, split, _), v, m in runs if methods is None or m in methods]
+    return [_point(p, out, rename[d], split, m, seed, v) for seed, d, split, v, m in runs if d in rename]
+
+
+def _point(p: Preset, out: Path, dataset: str, split: str, method: str, seed: int, variant: str) -> Point:
+    """One run of the grid, in ``OUT/runs/<name>``: named by its cell, variant (made filesystem-safe) and seed."""
+    slug = re.sub(r"[^A-Za-z0-9.]+", "_", variant).strip("_")
+    name = "-".join(x for x in (dataset, split, method, slug, f"s{seed}") if x)
+    cfg = run_config(p, dataset, split, method, seed, out / "runs" / name, variant)
+    return Point.of(cfg, name, dataset=dataset, split=split, method=method, **({"variant": variant} if variant else {}))
 
 
 def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any]:

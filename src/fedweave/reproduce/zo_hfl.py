@@ -11,6 +11,7 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -639,20 +640,14 @@ def write_plots(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int],
 
 
 def plan(p: Preset, seeds: list[int], out: Path) -> list[dict[str, Any]]:
-    configs = {}
-    for ds in p.datasets:
-        for s in SETTINGS:
-            for m in p.methods:
-                for seed in p.seeds_of(m, seeds):
-                    c = run_config(p, ds, s, m, seed, p.tau, p.rounds_of(m), out)
-                    configs[c["name"]] = c
-    for ds in p.sweep_dataset:
-        for s in SETTINGS:
-            for seed in range(p.sweep_seeds):
-                for tau in p.sweep_taus:
-                    c = run_config(p, ds, s, "zo_hfl", seed, tau, p.sweep_rounds, out)
-                    configs.setdefault(c["name"], c)
-    return order(list(configs.values()))
+    """Table I's runs (dataset, setting, method, seed), then the tau sweep's (a run both need runs once)."""
+    table = product(p.datasets, SETTINGS, p.methods)
+    configs = [
+        run_config(p, ds, s, m, k, p.tau, p.rounds_of(m), out) for ds, s, m in table for k in p.seeds_of(m, seeds)
+    ]
+    sweep = product(p.sweep_dataset, SETTINGS, range(p.sweep_seeds), p.sweep_taus)
+    configs += [run_config(p, ds, s, "zo_hfl", seed, tau, p.sweep_rounds, out) for ds, s, seed, tau in sweep]
+    return order(list({c["name"]: c for c in configs}.values()))
 
 
 def order(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -669,16 +664,14 @@ def tune_configs(p: Preset, seeds: list[int], out: Path) -> list[dict[str, Any]]
     """ZO-HFL over the (lambda, mu, gamma_0) grid on every dataset and setting; scored on a validation set
     held out of the training set, so the test set is not looked at. lambda = 0 ignores mu (one run)."""
     configs = {}
-    for ds in p.datasets:
-        for s in SETTINGS:
-            for seed in seeds:
-                for lam in p.tune_lams:
-                    for mu in p.tune_mus if lam > 0 else p.tune_mus[:1]:
-                        for g in p.tune_server_lrs:
-                            over = {"lam": lam, "mu": mu, "server_lr": g, "validation": p.validation}
-                            tag = f"-lam{lam:g}-mu{mu:g}-g{g:g}-val"
-                            c = run_config(p, ds, s, "zo_hfl", seed, p.tau, p.rounds, out, overrides=over, tag=tag)
-                            configs[c["name"]] = c
+    for ds, s, seed, lam in product(p.datasets, SETTINGS, seeds, p.tune_lams):
+        for mu, g in product(p.tune_mus if lam > 0 else p.tune_mus[:1], p.tune_server_lrs):
+            over, tag = (
+                {"lam": lam, "mu": mu, "server_lr": g, "validation": p.validation},
+                f"-lam{lam:g}-mu{mu:g}-g{g:g}",
+            )
+            c = run_config(p, ds, s, "zo_hfl", seed, p.tau, p.rounds, out, overrides=over, tag=tag + "-val")
+            configs[c["name"]] = c
     return order(list(configs.values()))
 
 
