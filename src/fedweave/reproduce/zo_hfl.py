@@ -666,11 +666,8 @@ def tune_configs(p: Preset, seeds: list[int], out: Path) -> list[dict[str, Any]]
     configs = {}
     for ds, s, seed, lam in product(p.datasets, SETTINGS, seeds, p.tune_lams):
         for mu, g in product(p.tune_mus if lam > 0 else p.tune_mus[:1], p.tune_server_lrs):
-            over, tag = (
-                {"lam": lam, "mu": mu, "server_lr": g, "validation": p.validation},
-                f"-lam{lam:g}-mu{mu:g}-g{g:g}",
-            )
-            c = run_config(p, ds, s, "zo_hfl", seed, p.tau, p.rounds, out, overrides=over, tag=tag + "-val")
+            over, tag = {"lam": lam, "mu": mu, "server_lr": g, "validation": p.validation}, f"-lam{lam:g}-mu{mu:g}"
+            c = run_config(p, ds, s, "zo_hfl", seed, p.tau, p.rounds, out, overrides=over, tag=f"{tag}-g{g:g}-val")
             configs[c["name"]] = c
     return order(list(configs.values()))
 
