@@ -603,29 +603,19 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> tuple[str, str]:
         "",
     ]
     for dataset, split, methods in p.grid:
-        header = ["round", *(LABELS[m] for m in methods)]
-        header += [f"FedMIM − {LABELS[m]} (per seed)" for m in methods if m != "fedmim"]
+        others = [m for m in methods if m != "fedmim"]
+        header = ["round", *(LABELS[m] for m in methods), *(f"FedMIM − {LABELS[m]} (per seed)" for m in others)]
         body = []
         for t in p.report_rounds:
-            cells, gap_cells = [], []
-            for m in methods:
-                vals = [acc[(dataset, split, m, s)][t] for s in seeds if t in acc.get((dataset, split, m, s), {})]
-                cells.append(pm(*mean_std(vals)) + f" ({len(vals)})" if vals else "–")
-            for m in methods:
-                if m == "fedmim":
-                    continue
-                g = []
-                for s in seeds:
-                    a, b = acc.get((dataset, split, "fedmim", s), {}), acc.get((dataset, split, m, s), {})
-                    if t in a and t in b:
-                        g.append(a[t] - b[t])
-                        lines.append([dataset, split, m, s, t, f"{b[t]:.2f}", f"{a[t] - b[t]:.2f}"])
-                gap_cells.append(f"{sum(g) / len(g):+.2f} ({', '.join(f'{x:+.2f}' for x in g)})" if g else "–")
-            for s in seeds:
-                a = acc.get((dataset, split, "fedmim", s), {})
-                if t in a:
-                    lines.append([dataset, split, "fedmim", s, t, f"{a[t]:.2f}", "0.00"])
-            body.append([t, *cells, *gap_cells])
+            at = {m: {s: a[t] for s in seeds if t in (a := acc.get((dataset, split, m, s), {}))} for m in methods}
+            cells = [pm(*mean_std(list(at[m].values()))) + f" ({len(at[m])})" if at[m] else "–" for m in methods]
+            for m in others:
+                g = {s: at["fedmim"][s] - b for s, b in at[m].items() if s in at["fedmim"]}
+                lines += [[dataset, split, m, s, t, f"{at[m][s]:.2f}", f"{x:.2f}"] for s, x in g.items()]
+                per = ", ".join(f"{x:+.2f}" for x in g.values())
+                cells.append(f"{sum(g.values()) / len(g):+.2f} ({per})" if g else "–")
+            lines += [[dataset, split, "fedmim", s, t, f"{a:.2f}", "0.00"] for s, a in at["fedmim"].items()]
+            body.append([t, *cells])
         md += [f"## {dataset} {split}", "", markdown_table(header, body)]
     header = ["dataset", "split", "method", "seed", "round", "accuracy", "fedmim_minus_method"]
     return csv_text(lines, header), "\n".join(md)
@@ -1095,16 +1085,26 @@ def _page_per_seed(rows: list[dict]) -> str:
 
 def _page_mnist(rows: list[dict]) -> str:
     """The page's MNIST table (``table.csv``, inside a list item: indented), the best of each split in bold."""
-    core = ["fedavg", "scaffold", "fedcm", "fedmim"]
-    cols = []
+    return indent(markdown_table(["method", "IID", "cons.", "Dir-0.1", "cons."], _core_rows(rows, "mnist", False)))
+
+
+PAGE_CORE = ["fedavg", "scaffold", "fedcm", "fedmim"]  # the rows of the page's Table I and MNIST table
+
+
+def _core_rows(rows: list[dict], dataset: str, paper: bool) -> list[list]:
+    """Per method of ``PAGE_CORE``, at IID and at Dir-0.1 (``table.csv``): the final accuracy (each split's best
+    in bold) and the consistency; with ``paper``, also our rank, the paper's CIFAR-10 number and its rank."""
+    body = [[LABELS[m]] for m in PAGE_CORE]
     for split in ("iid", "dir0.1"):
-        by = {r["method"]: r for r in rows if (r["dataset"], r["split"]) == ("mnist", split)}
-        cells = bold_best([pm(by[m]["final_acc_mean"], by[m]["final_acc_std"]) for m in core],
-                           [by[m]["final_acc_mean"] for m in core])  # fmt: skip
-        cols.append([[c, f"{by[m]['consistency_last20']:#.3g}"] for m, c in zip(core, cells)])
-    body = [[LABELS[m], *cols[0][i], *cols[1][i]] for i, m in enumerate(core)]
-    table = markdown_table(["method", "IID", "cons.", "Dir-0.1", "cons."], body)
-    return indent(table)
+        by = {r["method"]: r for r in rows if (r["dataset"], r["split"]) == (dataset, split)}
+        acc = [by[m]["final_acc_mean"] for m in PAGE_CORE]
+        cells = bold_best([pm(by[m]["final_acc_mean"], by[m]["final_acc_std"]) for m in PAGE_CORE], acc)
+        ours = ranks(dict(zip(PAGE_CORE, acc)))
+        theirs = ranks({m: by[m]["paper_cifar10"] for m in PAGE_CORE}) if paper else {}
+        for row, m, cell in zip(body, PAGE_CORE, cells):
+            cons = f"{by[m]['consistency_last20']:#.3g}"
+            row += [cell, ours[m], cons, f"{by[m]['paper_cifar10']:.2f}", theirs[m]] if paper else [cell, cons]
+    return body
 
 
 def _page_long(rows: list[dict]) -> str:
@@ -1128,18 +1128,9 @@ def _page_long(rows: list[dict]) -> str:
 def _page_table1(rows: list[dict]) -> str:
     """The page's Table I: the four core methods on Fashion-MNIST (``table.csv``), ranks among them, the best
     of each split in bold, the paper's CIFAR-10 number and its rank among the same four."""
-    core = ["fedavg", "scaffold", "fedcm", "fedmim"]
-    cols = []
-    for split in ("iid", "dir0.1"):
-        by = {r["method"]: r for r in rows if (r["dataset"], r["split"]) == ("fashion_mnist", split)}
-        acc = [by[m]["final_acc_mean"] for m in core]
-        ours, paper = ranks(dict(zip(core, acc))), ranks({m: by[m]["paper_cifar10"] for m in core})
-        cells = bold_best([pm(by[m]["final_acc_mean"], by[m]["final_acc_std"]) for m in core], acc)
-        cols.append([[c, ours[m], f"{by[m]['consistency_last20']:#.3g}", f"{by[m]['paper_cifar10']:.2f}", paper[m]]
-                     for m, c in zip(core, cells)])  # fmt: skip
     header = ["method", "IID: ours", "rank", "cons.", "paper C10 IID", "paper rank"]
     header += ["Dir-0.1: ours", "rank", "cons.", "paper C10 DIR.1", "paper rank"]
-    return markdown_table(header, [[LABELS[m], *cols[0][i], *cols[1][i]] for i, m in enumerate(core)])
+    return markdown_table(header, _core_rows(rows, "fashion_mnist", True))
 
 
 ABLATION_ROWS = (  # Table III's rows on the page, in TABLE_III's order
