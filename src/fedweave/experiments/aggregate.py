@@ -4,6 +4,7 @@ statistic that needs every seed, and rounds/bytes to reach a target."""
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +81,11 @@ def std_of(key: str, where: Callable[[list[Any]], list[Any]] = list, ddof: int =
 def per_seed(key: str, fmt: str = ".2f", sep: str = " / ") -> Stat:
     """A cell's values of ``key`` in seed order, each formatted, joined by ``sep``."""
     return lambda rs: sep.join(format(r[key], fmt) for r in sorted(rs, key=lambda r: r["seed"]))
+
+
+def median_of(key: str) -> Stat:
+    """The median of ``key`` over a cell's records when every one has a value (e.g. reached a target), else None."""
+    return lambda rs: if_all([r.get(key) for r in rs], statistics.median)
 
 
 def diverged(key: str) -> Stat:

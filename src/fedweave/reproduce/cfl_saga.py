@@ -12,13 +12,14 @@ import json
 import math
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedweave.experiments.aggregate import group, if_all
+from fedweave.experiments.aggregate import group, median_of, per_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Lines, plot_lines
 from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, judge, load_records, option, save_records
@@ -208,37 +209,28 @@ def alpha_jobs(seed: int) -> list[Job]:
 
 
 # ---- analysis ------------------------------------------------------------------------------------------
-def _median(rows: list[dict], key: str) -> float | None:
-    return if_all([r.get(key) for r in rows], statistics.median)  # a target counts if every seed reached it
+def _iqr(key: str) -> Callable[[list[dict]], str]:
+    """A cell's interquartile range of ``key`` (``q25-q75``) when every seed has a value and there are 2 or more."""
+
+    def stat(rs: list[dict]) -> str:
+        got = [r[key] for r in rs if r[key] is not None]
+        return f"{np.percentile(got, 25):.0f}-{np.percentile(got, 75):.0f}" if len(got) == len(rs) > 1 else ""
+
+    return stat
 
 
-MEDIANS = (
-    "iterations",
-    "uploads_per_iteration",
-    "upload_fraction",
-    "ms_per_iteration_wall",
-    "ms_per_iteration_cpu",
-    "final_opt_gap",
-    "tail_r2",
-)
+MEDIANS = ("iterations", "uploads_per_iteration", "upload_fraction", "ms_per_iteration_wall", "ms_per_iteration_cpu")
+MEDIANS += ("final_opt_gap", "tail_r2")
+# per (problem, topology, method), medians over the seeds; a target counts only if every seed reached it
+CELL: dict[str, Callable[[list[dict]], Any]] = {"seeds": len, **{k: median_of(k) for k in MEDIANS}}
+for _t in (f"{t:.0e}" for t in TARGETS):
+    CELL |= {f"iters_{_t}": median_of(f"iters_{_t}"), f"uploads_{_t}": median_of(f"uploads_{_t}")}
+    CELL[f"uploads_{_t}_iqr"] = _iqr(f"uploads_{_t}")
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
-    """Median over seeds per (problem, topology, method); a target counts only if every seed reached it."""
-    out = []
-    for (prob, topo, method), rs in group(rows, lambda r: (r["problem"], r["topology"], r["method"])).items():
-        agg = {"problem": prob, "topology": topo, "method": method, "seeds": len(rs)}
-        for key in MEDIANS:
-            agg[key] = _median(rs, key)
-        for t in TARGETS:
-            agg[f"iters_{t:.0e}"] = _median(rs, f"iters_{t:.0e}")
-            agg[f"uploads_{t:.0e}"] = _median(rs, f"uploads_{t:.0e}")
-            ups = [r[f"uploads_{t:.0e}"] for r in rs if r[f"uploads_{t:.0e}"] is not None]
-            agg[f"uploads_{t:.0e}_iqr"] = (
-                f"{np.percentile(ups, 25):.0f}-{np.percentile(ups, 75):.0f}" if len(ups) == len(rs) > 1 else ""
-            )
-        out.append(agg)
-    return out
+    """Median over seeds per (problem, topology, method) (``CELL``), and the IQR of the uploads to each target."""
+    return per_cell(rows, ("problem", "topology", "method"), CELL)
 
 
 def _best(aggs: list[dict], prefix: str, key: str) -> dict | None:
