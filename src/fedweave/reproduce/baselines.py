@@ -16,10 +16,9 @@ and with ``--from-records FILE`` it rebuilds the tables from committed records w
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 from dataclasses import dataclass, field
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from fedweave.config import ConfigError
 from fedweave.experiments.aggregate import group, to_target
 from fedweave.experiments.grid import Point
 from fedweave.experiments.study import Plan, Report, Rows, Study, option
-from fedweave.experiments.tables import markdown_table, mean_std_cell
+from fedweave.experiments.tables import markdown_table, mean_std_cell, read_csv
 from fedweave.results import atomic_write
 from fedweave.runner import Result
 
@@ -134,25 +133,22 @@ def jobs(p: Preset, datasets: list[str], methods: list[Method], seeds: list[int]
     """One run per (dataset, split, method, seed), in ``OUT/runs/<dataset>/<split>/<method>-s<seed>``; the
     datasets first, so that a budget that runs out leaves whole datasets done."""
     points = []
-    for ds in datasets:
-        for split, partition in SPLITS.items():
-            for m in methods:
-                for s in seeds:
-                    name = f"{ds}/{split}/{m.key}-s{s}"
-                    config = {
-                        "name": f"baselines-{ds}-{split}-{m.key}",
-                        "seed": s,
-                        "rounds": p.rounds,
-                        "threads": 1,
-                        "dataset": {"name": ds, **p.dataset_options},
-                        "partition": {**partition, "num_clients": p.clients},
-                        "model": {"name": p.models.get(ds, "cnn_small"), **m.model},
-                        "algorithm": {**m.algorithm, "clients_per_round": p.per_round},
-                        "local": dict(p.local),
-                        "eval": {"every": p.eval_every, "holdout": 0.25, "personal_test": True},
-                        "output": {"dir": str(out / "runs" / name), "plots": False, "progress": False},
-                    }
-                    points.append(Point.of(config, name, dataset=ds, split=split, method=m.key))
+    for ds, (split, partition), m, s in product(datasets, SPLITS.items(), methods, seeds):
+        name = f"{ds}/{split}/{m.key}-s{s}"
+        config = {
+            "name": f"baselines-{ds}-{split}-{m.key}",
+            "seed": s,
+            "rounds": p.rounds,
+            "threads": 1,
+            "dataset": {"name": ds, **p.dataset_options},
+            "partition": {**partition, "num_clients": p.clients},
+            "model": {"name": p.models.get(ds, "cnn_small"), **m.model},
+            "algorithm": {**m.algorithm, "clients_per_round": p.per_round},
+            "local": dict(p.local),
+            "eval": {"every": p.eval_every, "holdout": 0.25, "personal_test": True},
+            "output": {"dir": str(out / "runs" / name), "plots": False, "progress": False},
+        }
+        points.append(Point.of(config, name, dataset=ds, split=split, method=m.key))
     return points
 
 
@@ -199,16 +195,11 @@ def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
 
 COLUMNS = ["dataset", "split", "method", "seed", "status", "rounds", "global_acc", "client_acc",
            "worst_client_acc", "spread", "mib_to_target", "mib_total"]  # fmt: skip
-NUMBERS = ["seed", "rounds", "global_acc", "client_acc", "worst_client_acc", "spread", "mib_to_target", "mib_total"]
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
     """The per-seed records a report wrote (``records.csv``), numbers as numbers ("" stays: not reached)."""
-    rows = list(csv.DictReader(io.StringIO(Path(path).read_text(encoding="utf-8"))))
-    for r in rows:
-        for k in NUMBERS:
-            r[k] = r[k] if r[k] == "" else int(r[k]) if k in ("seed", "rounds") else float(r[k])
-    return rows
+    return [{**r, "mib_to_target": "" if r["mib_to_target"] is None else r["mib_to_target"]} for r in read_csv(path)]
 
 
 # ---- the page's tables -------------------------------------------------------------------------------------
