@@ -11,6 +11,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -120,23 +121,22 @@ def jobs(p: Preset, seeds: list[int], out: Path) -> list[Point]:
     variants += [(f"cse_fsl h={h}", {"name": "cse_fsl", "h": h}) for h in p.hs]
     variants.append((f"cse_fsl h={p.random_h} random", {"name": "cse_fsl", "h": p.random_h, "server_order": "random"}))
     points = []
-    for key, algo in variants:
-        for s in seeds:
-            tag = key.replace(" ", "_").replace("=", "")
-            config = {
-                "name": f"cse-fsl-{tag}",
-                "seed": s,
-                "rounds": p.rounds,
-                "threads": 1,
-                "dataset": p.dataset,
-                "partition": {**p.partition, "num_clients": p.clients},
-                "model": p.model,
-                "algorithm": {**algo, **p.algorithm},
-                "local": {"epochs": 1, "batch_size": p.batch_size, "lr": p.lr, **p.local},
-                "eval": {"every": 1},
-                "output": {"dir": str(out / "runs" / f"{tag}-s{s}"), "plots": False, "progress": False},
-            }
-            points.append(Point.of(config, f"{tag}-s{s}", key=key))
+    for (key, algo), s in product(variants, seeds):
+        tag = key.replace(" ", "_").replace("=", "")
+        config = {
+            "name": f"cse-fsl-{tag}",
+            "seed": s,
+            "rounds": p.rounds,
+            "threads": 1,
+            "dataset": p.dataset,
+            "partition": {**p.partition, "num_clients": p.clients},
+            "model": p.model,
+            "algorithm": {**algo, **p.algorithm},
+            "local": {"epochs": 1, "batch_size": p.batch_size, "lr": p.lr, **p.local},
+            "eval": {"every": 1},
+            "output": {"dir": str(out / "runs" / f"{tag}-s{s}"), "plots": False, "progress": False},
+        }
+        points.append(Point.of(config, f"{tag}-s{s}", key=key))
     return points
 
 
