@@ -7,6 +7,7 @@ import csv
 import io
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +156,23 @@ def signed(x: float, nd: int = 2) -> str:
 def indent(table: str, prefix: str = "  ") -> str:
     """A markdown table set inside a list item: every line after ``prefix``, and ``prefix`` after the last."""
     return "".join(f"{prefix}{line}\n" for line in table.splitlines()) + prefix
+
+
+@dataclass(frozen=True)
+class Col:
+    """A column of a table declared as data: its header and, per row, its value (a key of the row or a
+    function of it) formatted by ``fmt`` (a format spec); a value None is ``none``."""
+
+    header: str
+    value: str | Callable[[Any], Any]
+    fmt: str = ""
+    none: str = "—"
+
+    def cell(self, row: Any) -> str:
+        v = row[self.value] if isinstance(self.value, str) else self.value(row)
+        return self.none if v is None else format(v, self.fmt)
+
+
+def layout(cols: Sequence[Col], rows: Sequence[Any]) -> str:
+    """The markdown table of ``rows`` under the declared ``cols``."""
+    return markdown_table([c.header for c in cols], [[c.cell(r) for c in cols] for r in rows])

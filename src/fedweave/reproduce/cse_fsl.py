@@ -23,7 +23,7 @@ from fedweave.experiments.aggregate import group, if_all, mean_std, to_target
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import plot_curves
 from fedweave.experiments.study import YES_NO, Claim, Plan, Report, Rows, Study, Verdict, judge, option, verdict_table
-from fedweave.experiments.tables import markdown_table, read_csv
+from fedweave.experiments.tables import Col, layout, markdown_table, read_csv
 from fedweave.experiments.verdicts import All, Paired, Threshold, Untestable
 from fedweave.runner import Result
 
@@ -523,35 +523,39 @@ def _label(method: str) -> str:
     return {"fsl_oc": "FSL_OC (+clip)"}.get(method, name.upper() if method.startswith("fsl") else name)
 
 
+def _mib(t: dict[str, Any]) -> float | None:
+    return None if t["load_to_target_gib"] is None else 1024 * t["load_to_target_gib"]
+
+
+# the page's Table V, declared: the columns of every table of it, then the load's
+V5 = [
+    Col("method", lambda t: _label(t["method"])),
+    Col("acc (%)", "accuracy", ".2f"),
+    Col("± std", "accuracy_std", ".2f"),
+]
+LOAD = Col("load / FSL_MC", "load_ratio", ".3f")
+
+
 def page_table(table: list[dict[str, Any]], p: Preset, noniid: bool) -> str:
     """The page's Table V of one committed ``table-*.csv``: accuracy (mean, std), load and storage with the
     paper's CIFAR-10 numbers (the non-IID column: accuracy per seed and the paper's non-IID accuracy)."""
-    per = {}
-    for r in p.records:
-        per.setdefault(r["method"], []).append(f"{r['accuracy']:.2f}")
-
-    def opt(v, fmt: str) -> str:
-        return "—" if v is None else format(v, fmt)
-
-    reach = f"load to reach {100 * p.target:.0f} % (MiB)"
+    per = group(p.records, lambda r: r["method"])
     if noniid:
-        header = ["method", "acc (%)", "± std", "per seed", "load / FSL_MC", "paper non-IID acc (%)"]
-        body = [[_label(t["method"]), f"{t['accuracy']:.2f}", f"{t['accuracy_std']:.2f}", ", ".join(per[t["method"]]),
-                 f"{t['load_ratio']:.3f}", opt(t["paper_acc"], ".2f")] for t in table]  # fmt: skip
-        return markdown_table(header, body)
-    body = [[_label(t["method"]), f"{t['accuracy']:.2f}", f"{t['accuracy_std']:.2f}", f"{t['load_gib']:.4f}",
-             f"{t['load_ratio']:.3f}", f"{t['storage_m']:.4f}", t["server_copies"],
-             opt(None if t["load_to_target_gib"] is None else 1024 * t["load_to_target_gib"], ".1f")]
-            for t in table]  # fmt: skip
-    if p.dataset["name"] == "digits":
-        header = ["method", "acc (%)", "± std", "load (GiB)", "load / FSL_MC", "storage (M)", "copies", reach]
-        return markdown_table(header, body)
-    header = ["method", "acc (%)", "± std", "load (GiB)", "load / FSL_MC", "storage (M params)", "server copies", reach]
-    header += ["paper CIFAR acc", "paper load / FSL_MC", "paper storage (M)"]
-    paper = [
-        [opt(t["paper_acc"], ".2f"), opt(t["paper_load_ratio"], ".3f"), opt(t["paper_storage"], ".2f")] for t in table
+        seeds = Col("per seed", lambda t: ", ".join(f"{r['accuracy']:.2f}" for r in per[t["method"]]))
+        return layout([*V5, seeds, LOAD, Col("paper non-IID acc (%)", "paper_acc", ".2f")], table)
+    digits = p.dataset["name"] == "digits"
+    cols = [
+        *V5,
+        Col("load (GiB)", "load_gib", ".4f"),
+        LOAD,
+        Col("storage (M)" if digits else "storage (M params)", "storage_m", ".4f"),
     ]
-    return markdown_table(header, [b + q for b, q in zip(body, paper)])
+    cols.append(Col("copies" if digits else "server copies", "server_copies"))
+    cols.append(Col(f"load to reach {100 * p.target:.0f} % (MiB)", _mib, ".1f"))
+    if not digits:
+        cols += [Col("paper CIFAR acc", "paper_acc", ".2f"), Col("paper load / FSL_MC", "paper_load_ratio", ".3f")]
+        cols.append(Col("paper storage (M)", "paper_storage", ".2f"))
+    return layout(cols, table)
 
 
 STUDY = Study(
