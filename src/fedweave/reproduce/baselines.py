@@ -107,12 +107,12 @@ def preset(scale: str) -> Preset:
     local = {"epochs": 1, "batch_size": 32, "lr": 0.05}
     targets = {"mnist": 0.80, "fashion_mnist": 0.70}
     if scale == "paper":
-        return Preset({"mnist": "cnn_mnist", "fashion_mnist": "cnn_fmnist"}, 200, 100, 10, 3,
-                      {"mnist": 0.95, "fashion_mnist": 0.80}, local, 5)  # fmt: skip
+        models = {"mnist": "cnn_mnist", "fashion_mnist": "cnn_fmnist"}
+        return Preset(models, 200, 100, 10, 3, {"mnist": 0.95, "fashion_mnist": 0.80}, local, 5)
     if scale == "small":
         # 20,000 training images (15,000 after the hold-out) keep a run near 20 s on a loaded 2-core machine
-        return Preset({"mnist": "cnn_small", "fashion_mnist": "cnn_small"}, 20, 100, 10, 3, targets, local, 5,
-                      {"max_train": 20000})  # fmt: skip
+        models = {"mnist": "cnn_small", "fashion_mnist": "cnn_small"}
+        return Preset(models, 20, 100, 10, 3, targets, local, 5, {"max_train": 20000})
     if scale == "smoke":
         return Preset({}, 2, 10, 5, 1, {}, {"epochs": 1, "batch_size": 16, "lr": 0.05}, 1)
     raise ConfigError(f"--scale: unknown {scale!r}; allowed paper, small, smoke")
@@ -174,9 +174,8 @@ def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
     out = {"dataset": v["dataset"], "split": v["split"], "method": m.key, "seed": point.seed}
     out["status"] = res.summary["status"]
     if not rows or out["status"] != "completed":  # diverged: its numbers are NaN, counted as such in the cells
-        nan = math.nan
-        return {**out, "rounds": rows[-1]["round"] if rows else 0, "global_acc": nan, "client_acc": nan,
-                "worst_client_acc": nan, "spread": nan, "mib_to_target": "", "mib_total": nan}  # fmt: skip
+        nans = dict.fromkeys(["global_acc", "client_acc", "worst_client_acc", "spread"], math.nan)
+        return {**out, "rounds": rows[-1]["round"] if rows else 0, **nans, "mib_to_target": "", "mib_total": math.nan}
     last = rows[-1]
     mean, worst = fairness(last, m.personal)
     target = p.targets.get(v["dataset"])
@@ -193,8 +192,8 @@ def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
     }
 
 
-COLUMNS = ["dataset", "split", "method", "seed", "status", "rounds", "global_acc", "client_acc",
-           "worst_client_acc", "spread", "mib_to_target", "mib_total"]  # fmt: skip
+COLUMNS = ["dataset", "split", "method", "seed", "status", "rounds", "global_acc", "client_acc", "worst_client_acc"]
+COLUMNS += ["spread", "mib_to_target", "mib_total"]
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
@@ -226,20 +225,22 @@ def tables(records: list[dict[str, Any]], targets: dict[str, float]) -> str:
     for (ds, split), rs in group(records, lambda r: (r["dataset"], r["split"])).items():
         target = targets.get(ds)
         to = f"MiB to {100 * target:.0f} %" if target is not None else "MiB to target"
-        header = ["method", "kind", "seeds", "global acc (%)", "client acc (%)", "worst client (%)",
-                  "spread (pp)", to, "published"]  # fmt: skip
+        header = ["method", "kind", "seeds", "global acc (%)", "client acc (%)", "worst client (%)", "spread (pp)"]
+        header += [to, "published"]
         body = []
         for key, ms in group(rs, lambda r: r["method"]).items():
             m = BY_KEY.get(key)
             pub = PUBLISHED.get((ds, split, key))
-            body.append([
-                key,
-                "personal" if m and m.personal else "global",
-                len(ms),
-                *(mean_std_cell([r[c] for r in ms]) for c in ACCURACIES),
-                _reach_cell([r["mib_to_target"] for r in ms]),
-                f"{pub[0]} ({pub[1]})" if pub else "no matching published setting",
-            ])  # fmt: skip
+            body.append(
+                [
+                    key,
+                    "personal" if m and m.personal else "global",
+                    len(ms),
+                    *(mean_std_cell([r[c] for r in ms]) for c in ACCURACIES),
+                    _reach_cell([r["mib_to_target"] for r in ms]),
+                    f"{pub[0]} ({pub[1]})" if pub else "no matching published setting",
+                ]
+            )
         parts.append(f"### {ds}, {SPLIT_TEXT.get(split, split)}\n\n" + markdown_table(header, body))
     return "\n".join(parts)
 
@@ -247,8 +248,8 @@ def tables(records: list[dict[str, Any]], targets: dict[str, float]) -> str:
 def missing(records: list[dict[str, Any]], context: dict[str, Any]) -> str:
     """The page's line naming the runs of the grid that have no record (the time budget ran out), or ""."""
     have = {(r["dataset"], r["split"], r["method"], int(r["seed"])) for r in records}
-    want = [(d, s, m.key, i) for d in context["datasets"] for s in SPLITS for m in context["methods"]
-            for i in context["seeds"]]  # fmt: skip
+    grid = product(context["datasets"], SPLITS, context["methods"], context["seeds"])
+    want = [(d, s, m.key, i) for d, s, m, i in grid]
     gone = ["/".join(map(str, w)) for w in want if w not in have]
     return f"\nNot run (the time budget ran out): {', '.join(gone)}.\n" if gone else ""
 
