@@ -500,8 +500,15 @@ def _primary(results, p) -> list[dict[str, Any]]:
 def _vs(a: str, b: str, direction: str = "greater", min_effect: float = 0.0, metric: str = "best") -> Paired:
     """``a`` against ``b`` on ``metric`` (best-round accuracy in points), paired by seed, 95 % paired t: 3 seeds,
     too few for a percentile bootstrap."""
-    return Paired(metric, {"label": a}, {"label": b}, direction, min_effect, scale=1 if metric == "selected" else 100,
-                  unit="" if metric == "selected" else "points")  # fmt: skip
+    return Paired(
+        metric,
+        {"label": a},
+        {"label": b},
+        direction,
+        min_effect,
+        scale=1 if metric == "selected" else 100,
+        unit="" if metric == "selected" else "points",
+    )
 
 
 def _dp_records(results, p) -> list[dict[str, Any]]:
@@ -526,8 +533,9 @@ def _plugin_mean_gain(results, p) -> list[dict[str, Any]]:
 def _dp_big_rule(results, p) -> All:
     dp = _dp(results, p)
     big = max(s for s in dp if s > 5)
-    return All(tuple((f"sigma {big:g} vs {s:g}", _vs(f"AFIND+ dp={big:g}", f"AFIND+ dp={s:g}", "less")) for s in dp
-                     if s <= 5))  # fmt: skip
+    return All(
+        tuple((f"sigma {big:g} vs {s:g}", _vs(f"AFIND+ dp={big:g}", f"AFIND+ dp={s:g}", "less")) for s in dp if s <= 5)
+    )
 
 
 # Each claim's verdict by its declared rule on the per-seed records (best-round accuracy, paired by seed, 95 %
@@ -535,30 +543,56 @@ def _dp_big_rule(results, p) -> All:
 # where spec 9.1 states it, 3 points for Table 4's "at most 3", 1.5 points either side of the claimed +3 (the
 # spec's [1.5, 4.5]), 0 for the paper's orderings (they state no size).
 CLAIMS = [
-    Claim("AFIND+ > Gossip by >= 2 points (mean) and in every seed", _c_gossip,
-          declared=_vs("AFIND+", "Gossip", min_effect=2.0), records=_primary),
+    Claim(
+        "AFIND+ > Gossip by >= 2 points (mean) and in every seed",
+        _c_gossip,
+        declared=_vs("AFIND+", "Gossip", min_effect=2.0),
+        records=_primary,
+    ),
     # ">=" is tested as "above": an interval wholly below 0 fails it, one that includes 0 decides nothing
     Claim("AFIND+ >= Local", _c_local, declared=_vs("AFIND+", "Local"), records=_primary),
-    Claim("AFIND+ > AFIND (Boltzmann beats uniform aggregation)", _c_afind,
-          declared=_vs("AFIND+", "+i+ii (AFIND)"), records=_primary),
-    Claim("mean coreset size strictly decreasing in tau", _c_tau, records=_primary,
-          declared=All((("tau 0.1 > 0.5", _vs("AFIND+ tau=0.1", "AFIND+", metric="selected")),
-                        ("tau 0.5 > 1.5", _vs("AFIND+", "AFIND+ tau=1.5", metric="selected"))))),
-    Claim("Table 4: DP noise sigma_2 <= 5 costs at most 3 points (paper: <= 2.84)", _c_dp_small, records=_dp_records,
-          declared=lambda t, p: All(tuple((f"sigma {s:g}", _vs(f"AFIND+ dp={s:g}", "AFIND+ - 3 points"))
-                                          for s in p.dp_sigmas if s <= 5))),
+    Claim(
+        "AFIND+ > AFIND (Boltzmann beats uniform aggregation)",
+        _c_afind,
+        declared=_vs("AFIND+", "+i+ii (AFIND)"),
+        records=_primary,
+    ),
+    Claim(
+        "mean coreset size strictly decreasing in tau",
+        _c_tau,
+        records=_primary,
+        declared=All(
+            (
+                ("tau 0.1 > 0.5", _vs("AFIND+ tau=0.1", "AFIND+", metric="selected")),
+                ("tau 0.5 > 1.5", _vs("AFIND+", "AFIND+ tau=1.5", metric="selected")),
+            )
+        ),
+    ),
+    Claim(
+        "Table 4: DP noise sigma_2 <= 5 costs at most 3 points (paper: <= 2.84)",
+        _c_dp_small,
+        records=_dp_records,
+        declared=lambda t, p: All(
+            tuple((f"sigma {s:g}", _vs(f"AFIND+ dp={s:g}", "AFIND+ - 3 points")) for s in p.dp_sigmas if s <= 5)
+        ),
+    ),
     Claim(_dp_big_text, _c_dp_big, declared=_dp_big_rule, records=_primary),
-    Claim("Fig. 5: AFIND+ selection improves every plug-in method (mean best-round gain > 0)", _c_fig5,
-          declared=All(tuple((k, _vs(k + " + AFIND+", k)) for k in PLUGINS)), records=_primary),
+    Claim(
+        "Fig. 5: AFIND+ selection improves every plug-in method (mean best-round gain > 0)",
+        _c_fig5,
+        declared=All(tuple((k, _vs(k + " + AFIND+", k)) for k in PLUGINS)),
+        records=_primary,
+    ),
     Claim(
         f"Section 5: the improvement is about +3 points (mean gain over the plug-ins in "
         f"[{CLAIMED_PLUGIN_GAIN / 2:g}, {1.5 * CLAIMED_PLUGIN_GAIN:g}])",
         _c_section5,
-        declared=Paired("x", {"side": "gain"}, {"side": "zero"}, "within", CLAIMED_PLUGIN_GAIN / 2, scale=100,
-                        unit="points from +3"),
+        declared=Paired(
+            "x", {"side": "gain"}, {"side": "zero"}, "within", CLAIMED_PLUGIN_GAIN / 2, scale=100, unit="points from +3"
+        ),
         records=_plugin_mean_gain,
     ),
-]  # fmt: skip
+]
 
 
 VERDICT_WORDS = {True: "yes", False: "no", None: "-"}

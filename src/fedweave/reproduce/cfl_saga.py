@@ -288,8 +288,13 @@ def _c2(topo):
         note = f"uploads fall with rho: {_yes(mono)}; iterations rise: {_yes(slower)}"
         return txt, *_verdict(mono and slower, note, mono)
 
-    return PaperClaim(f"C2 rho trade-off, {topo} (Fig. 3)", rule, "larger rho: fewer uploads, more iterations",
-                      declared=_d2(topo), records=lambda aggs, raw: _runs(raw, topo, IT))  # fmt: skip
+    return PaperClaim(
+        f"C2 rho trade-off, {topo} (Fig. 3)",
+        rule,
+        "larger rho: fewer uploads, more iterations",
+        declared=_d2(topo),
+        records=lambda aggs, raw: _runs(raw, topo, IT),
+    )
 
 
 def _best_pair(topo, aggs):
@@ -311,8 +316,13 @@ def _c3(topo):
             *_verdict(f >= 10, ">= 10x", f >= 5),
         )
 
-    return PaperClaim(f"C3 uploads vs GT-SAGA, {topo} (Fig. 4 d-f)", rule, "orders of magnitude fewer uploads",
-                      declared=_d3(topo), records=lambda aggs, raw: _runs(raw, topo, DEEP))  # fmt: skip
+    return PaperClaim(
+        f"C3 uploads vs GT-SAGA, {topo} (Fig. 4 d-f)",
+        rule,
+        "orders of magnitude fewer uploads",
+        declared=_d3(topo),
+        records=lambda aggs, raw: _runs(raw, topo, DEEP),
+    )
 
 
 def _c4(topo):
@@ -342,8 +352,13 @@ def _c5(topo):
             *_verdict(fastest is not None and g45.get(IT) is not None and fastest[IT] <= g45[IT]),
         )
 
-    return PaperClaim(f"C5 iterations vs GT-SAGA SR 0.45, {topo} (Fig. 4 a,c)", rule, "CFL-SAGA (rho=10) faster",
-                      declared=_d5(topo), records=lambda aggs, raw: _runs(raw, topo, IT))  # fmt: skip
+    return PaperClaim(
+        f"C5 iterations vs GT-SAGA SR 0.45, {topo} (Fig. 4 a,c)",
+        rule,
+        "CFL-SAGA (rho=10) faster",
+        declared=_d5(topo),
+        records=lambda aggs, raw: _runs(raw, topo, IT),
+    )
 
 
 def _c8(topo):
@@ -379,8 +394,13 @@ def _c6(prefix):
             *_verdict(f >= 2.5, ">= 2.5x"),
         )
 
-    return PaperClaim(f"C6 vs {prefix}, random (Figs. 6-7)", rule, "similar iterations, many more uploads",
-                      declared=_d6(prefix), records=lambda aggs, raw: _runs(raw, "random", DEEP))  # fmt: skip
+    return PaperClaim(
+        f"C6 vs {prefix}, random (Figs. 6-7)",
+        rule,
+        "similar iterations, many more uploads",
+        declared=_d6(prefix),
+        records=lambda aggs, raw: _runs(raw, "random", DEEP),
+    )
 
 
 def _c7(method):
@@ -393,9 +413,13 @@ def _c7(method):
         measured = f"{a['ms_per_iteration_cpu']:.2f} vs {ms:.2f} ms CPU per iteration"
         return measured, *_verdict(a["ms_per_iteration_cpu"] < ms)
 
-    return PaperClaim(f"C7 runtime, {method} (Fig. 5)", rule, "GT-SAGA cheaper per iteration than CFL-SAGA",
-                      declared=_pair("ms_per_iteration_cpu", method, "CFL-SAGA median", "less", unit="ms"),
-                      records=lambda aggs, raw: _cpu(raw))  # fmt: skip
+    return PaperClaim(
+        f"C7 runtime, {method} (Fig. 5)",
+        rule,
+        "GT-SAGA cheaper per iteration than CFL-SAGA",
+        declared=_pair("ms_per_iteration_cpu", method, "CFL-SAGA median", "less", unit="ms"),
+        records=lambda aggs, raw: _cpu(raw),
+    )
 
 
 # ---- the declared rules: each claim on the per-seed records (``raw.json``, the synthetic problem), paired by seed
@@ -425,8 +449,12 @@ def _d2(topo):
     def rule(aggs, raw):
         rhos = sorted((a["method"] for a in _on(topo, aggs) if a["method"].startswith("CFL-SAGA")), key=_rho)
         lo, hi = rhos[0], rhos[-1]  # the trade-off between its ends: uploads fall, iterations rise
-        return All(((f"uploads {_rho(hi):g} < {_rho(lo):g}", _pair(DEEP, hi, lo, "less")),
-                    (f"iterations {_rho(hi):g} > {_rho(lo):g}", _pair(IT, hi, lo))))  # fmt: skip
+        return All(
+            (
+                (f"uploads {_rho(hi):g} < {_rho(lo):g}", _pair(DEEP, hi, lo, "less")),
+                (f"iterations {_rho(hi):g} > {_rho(lo):g}", _pair(IT, hi, lo)),
+            )
+        )
 
     return rule
 
@@ -469,8 +497,14 @@ def _cpu(raw: list[dict]) -> list[dict]:
     ``CFL-SAGA median``)."""
     rnd = _runs(raw, "random", "ms_per_iteration_cpu")
     cfl = group([r for r in rnd if r["method"].startswith("CFL-SAGA")], lambda r: r["seed"])
-    med = [{"method": "CFL-SAGA median", "seed": s, "ms_per_iteration_cpu": statistics.median(
-        r["ms_per_iteration_cpu"] for r in rs)} for s, rs in cfl.items()]  # fmt: skip
+    med = [
+        {
+            "method": "CFL-SAGA median",
+            "seed": s,
+            "ms_per_iteration_cpu": statistics.median(r["ms_per_iteration_cpu"] for r in rs),
+        }
+        for s, rs in cfl.items()
+    ]
     return [r for r in rnd if r["method"].startswith("GT-SAGA")] + med
 
 
@@ -754,8 +788,11 @@ def synthetic_section(aggs: list[dict]) -> str:
             label = _short(a["method"])
             if label == "CFL-SAGA ρ=0" and first_full:
                 label, first_full = label + " (full upload)", False
-            counts = ["–" if a[f"{w}_{t:.0e}"] is None else f"{a[f'{w}_{t:.0e}']:{',' if w == 'uploads' else ''}.0f}"
-                      for t in TARGETS for w in ("iters", "uploads")]  # fmt: skip
+            counts = [
+                "–" if a[f"{w}_{t:.0e}"] is None else f"{a[f'{w}_{t:.0e}']:{',' if w == 'uploads' else ''}.0f}"
+                for t in TARGETS
+                for w in ("iters", "uploads")
+            ]
             red = f"{best_g[DEEP] / a[DEEP]:.1f}×" if a.get(DEEP) else ""
             if a is best_c:
                 counts[-1], red = f"**{counts[-1]}**", f"**{red}**"

@@ -355,22 +355,45 @@ NO_SEEDS = "the load to reach the target has no per-seed record (the table: its 
 # tables' "held"). Minimum effects: the spec's 3 pp of "similar accuracy" (C2, one-sided: a CSE row above FSL_AN
 # is no failure), 1.5 pp of Fig. 6's order invariance (C6), the 1 pp of C7, NONIID_GAP (C8), 0 for C9's order.
 CLAIMS = [
-    Claim("C1 measured bytes equal the closed forms (every method, every round)", _c1, declared=_closed_forms,
-          records=lambda t, p: [{"mismatches": sum(not r["load_exact"] for r in t)}]),
-    Claim("C2 CSE-FSL with small h within 3 pp of FSL_AN at equal rounds", _c2,
-          declared=lambda t, p: All(tuple((f"{m} vs FSL_AN - 3 pp", _acc(m, "fsl_an - 3 pp"))
-                                          for m in (x["method"] for x in _mid(t)))),
-          records=lambda t, p: _less(p.records, "fsl_an", 3.0)),
-    Claim(lambda t, p: f"C3 less load to reach {100 * p.target:.0f} % test accuracy: CSE (h>1) < FSL_AN < FSL_MC", _c3,
-          declared=Untestable(NO_SEEDS)),
-    Claim("C5 CSE-FSL keeps one server-side model; storage < 0.4× FSL_AN", _c5,
-          declared=Threshold("ratio", "<", 0.4, unit="× FSL_AN's storage"),
-          records=lambda t, p: [{"ratio": _cse(t)[0]["storage_m"] / _by(t)["fsl_an"]["storage_m"]}]),
-    Claim("C6 ordered vs randomly ordered server within 1.5 pp (Fig. 6)", _c6, records=lambda t, p: p.records,
-          declared=lambda t, p: (lambda r: _acc(r.replace(" random", ""), r, "within", 1.5))(
-              next(x["method"] for x in t if "random" in x["method"]))),
-    Claim("C7 CSE-FSL h=1 >= FSL_OC (+clip) - 1 pp (testable only if FSL_OC is > 1 pp below FSL_MC/AN)", _c7,
-          declared=_c7_rule, records=lambda t, p: _less(p.records, "fsl_oc", 1.0)),
+    Claim(
+        "C1 measured bytes equal the closed forms (every method, every round)",
+        _c1,
+        declared=_closed_forms,
+        records=lambda t, p: [{"mismatches": sum(not r["load_exact"] for r in t)}],
+    ),
+    Claim(
+        "C2 CSE-FSL with small h within 3 pp of FSL_AN at equal rounds",
+        _c2,
+        declared=lambda t, p: All(
+            tuple((f"{m} vs FSL_AN - 3 pp", _acc(m, "fsl_an - 3 pp")) for m in (x["method"] for x in _mid(t)))
+        ),
+        records=lambda t, p: _less(p.records, "fsl_an", 3.0),
+    ),
+    Claim(
+        lambda t, p: f"C3 less load to reach {100 * p.target:.0f} % test accuracy: CSE (h>1) < FSL_AN < FSL_MC",
+        _c3,
+        declared=Untestable(NO_SEEDS),
+    ),
+    Claim(
+        "C5 CSE-FSL keeps one server-side model; storage < 0.4× FSL_AN",
+        _c5,
+        declared=Threshold("ratio", "<", 0.4, unit="× FSL_AN's storage"),
+        records=lambda t, p: [{"ratio": _cse(t)[0]["storage_m"] / _by(t)["fsl_an"]["storage_m"]}],
+    ),
+    Claim(
+        "C6 ordered vs randomly ordered server within 1.5 pp (Fig. 6)",
+        _c6,
+        records=lambda t, p: p.records,
+        declared=lambda t, p: (lambda r: _acc(r.replace(" random", ""), r, "within", 1.5))(
+            next(x["method"] for x in t if "random" in x["method"])
+        ),
+    ),
+    Claim(
+        "C7 CSE-FSL h=1 >= FSL_OC (+clip) - 1 pp (testable only if FSL_OC is > 1 pp below FSL_MC/AN)",
+        _c7,
+        declared=_c7_rule,
+        records=lambda t, p: _less(p.records, "fsl_oc", 1.0),
+    ),
     Claim(
         lambda t, p: (
             f"C8 non-IID: CSE-FSL h={p.random_h} more than {NONIID_GAP:g} pp below FSL_MC "
@@ -380,11 +403,19 @@ CLAIMS = [
         declared=lambda t, p: _acc(f"cse_fsl h={p.random_h}", "fsl_mc", "less", NONIID_GAP),
         records=lambda t, p: p.records,
     ),
-    Claim(lambda t, p: f"C9 non-IID ordering of Table V: FSL_MC > FSL_AN > FSL_OC > CSE-FSL h={p.random_h}", _c9,
-          declared=lambda t, p: All((("MC > AN", _acc("fsl_mc", "fsl_an")), ("AN > OC", _acc("fsl_an", "fsl_oc")),
-                                     ("OC > CSE", _acc("fsl_oc", f"cse_fsl h={p.random_h}")))),
-          records=lambda t, p: p.records),
-]  # fmt: skip
+    Claim(
+        lambda t, p: f"C9 non-IID ordering of Table V: FSL_MC > FSL_AN > FSL_OC > CSE-FSL h={p.random_h}",
+        _c9,
+        declared=lambda t, p: All(
+            (
+                ("MC > AN", _acc("fsl_mc", "fsl_an")),
+                ("AN > OC", _acc("fsl_an", "fsl_oc")),
+                ("OC > CSE", _acc("fsl_oc", f"cse_fsl h={p.random_h}")),
+            )
+        ),
+        records=lambda t, p: p.records,
+    ),
+]
 
 
 def claims(table: list[dict[str, Any]], p: Preset) -> list[Verdict]:

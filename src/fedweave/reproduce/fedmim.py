@@ -420,8 +420,11 @@ def _of(c: dict[str, Any], dataset: str) -> list[dict]:
 def _seed_gaps(c: dict[str, Any], dataset: str) -> list[dict]:
     """Per split and seed, FedMIM's final accuracy minus FedAvg's (the same seed: the same partition)."""
     by = {(r["split"], r["method"], r["seed"]): r["final_acc"] for r in _of(c, dataset)}
-    return [{"split": s, "seed": k, "gap": a - by[(s, "fedavg", k)]} for (s, m, k), a in by.items()
-            if m == "fedmim" and (s, "fedavg", k) in by]  # fmt: skip
+    return [
+        {"split": s, "seed": k, "gap": a - by[(s, "fedavg", k)]}
+        for (s, m, k), a in by.items()
+        if m == "fedmim" and (s, "fedavg", k) in by
+    ]
 
 
 def _accuracy(c: dict[str, Any], _):
@@ -704,8 +707,13 @@ class Cells:
         """Per method and seed, how much its final accuracy changes between the first and the last variant."""
         by = {(r["variant"], r["method"], r["seed"]): r["final_acc"] for r in self.records}
         lo, hi = self.labels[0], self.labels[-1]
-        return _seeded([{"method": m, "seed": k, "change": abs(by[(hi, m, k)] - a)} for (v, m, k), a in by.items()
-                         if v == lo and (hi, m, k) in by])  # fmt: skip
+        return _seeded(
+            [
+                {"method": m, "seed": k, "change": abs(by[(hi, m, k)] - a)}
+                for (v, m, k), a in by.items()
+                if v == lo and (hi, m, k) in by
+            ]
+        )
 
 
 def _cell(v: str, m: str = "fedmim") -> dict[str, str]:
@@ -1159,8 +1167,14 @@ def _page_epochs(rows: list[dict]) -> str:
     labels = list(dict.fromkeys(r["variant"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     by = {(r["method"], r["variant"]): r for r in rows}
-    body = [[LABELS[m], *(pm(by[(m, v)]["final_acc_mean"], by[(m, v)]["final_acc_std"]) for v in labels),
-             " / ".join(f"{by[(m, v)]['paper_c10']:.2f}" for v in labels)] for m in methods]  # fmt: skip
+    body = [
+        [
+            LABELS[m],
+            *(pm(by[(m, v)]["final_acc_mean"], by[(m, v)]["final_acc_std"]) for v in labels),
+            " / ".join(f"{by[(m, v)]['paper_c10']:.2f}" for v in labels),
+        ]
+        for m in methods
+    ]
     heads = [v.replace("=", " = ") for v in labels]
     return markdown_table(["method", *heads, "paper C10 E = " + " / ".join(h.split(" = ")[1] for h in heads)], body)
 
@@ -1171,14 +1185,24 @@ def _page_participation(rows: list[dict]) -> str:
     lo, hi = list(dict.fromkeys(r["variant"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     by = {(r["method"], r["variant"]): r for r in rows}
-    cols = {v: bold_best([pm(by[(m, v)]["final_acc_mean"], by[(m, v)]["final_acc_std"]) for m in methods],
-                          [by[(m, v)]["final_acc_mean"] for m in methods]) for v in (lo, hi)}  # fmt: skip
+    cols = {
+        v: bold_best(
+            [pm(by[(m, v)]["final_acc_mean"], by[(m, v)]["final_acc_std"]) for m in methods],
+            [by[(m, v)]["final_acc_mean"] for m in methods],
+        )
+        for v in (lo, hi)
+    }
     body = [
-        [LABELS[m], cols[lo][i], f"{by[(m, lo)]['mean_acc_over_rounds']:.2f}", cols[hi][i],
-         f"{by[(m, hi)]['mean_acc_over_rounds']:.2f}",
-         f"{abs(by[(m, hi)]['final_acc_mean'] - by[(m, lo)]['final_acc_mean']):.2f}"]
+        [
+            LABELS[m],
+            cols[lo][i],
+            f"{by[(m, lo)]['mean_acc_over_rounds']:.2f}",
+            cols[hi][i],
+            f"{by[(m, hi)]['mean_acc_over_rounds']:.2f}",
+            f"{abs(by[(m, hi)]['final_acc_mean'] - by[(m, lo)]['final_acc_mean']):.2f}",
+        ]
         for i, m in enumerate(methods)
-    ]  # fmt: skip
+    ]
     h = [v.replace("%", " %") for v in (lo, hi)]
     return markdown_table(
         ["method", h[0], "mean over rounds", h[1], "mean over rounds", f"change {h[0]} → {h[1]}"], body
@@ -1203,8 +1227,11 @@ def _small_cost(folder: Path) -> str:
 def _round50(folder: Path) -> str:
     """How far the ``long`` preset's round-50 accuracies (``long/gaps.csv``) are from the ``small`` preset's
     T = 50 finals (``results.csv``), run by run."""
-    small = {(r["method"], r["seed"]): r["final_acc"] for r in read_csv(folder / "results.csv")
-             if (r["dataset"], r["split"]) == ("fashion_mnist", "dir0.1")}  # fmt: skip
+    small = {
+        (r["method"], r["seed"]): r["final_acc"]
+        for r in read_csv(folder / "results.csv")
+        if (r["dataset"], r["split"]) == ("fashion_mnist", "dir0.1")
+    }
     diffs = sorted(
         (abs(r["accuracy"] - small[k]), k, r["accuracy"], small[k])
         for r in read_csv(folder / "long" / "gaps.csv")

@@ -792,9 +792,14 @@ def fig2_section(claims: dict[str, Any], dataset: str = "fashion_mnist") -> str:
     c = claims[dataset]
     glob, test = c["C3_final_global_loss_per_tau"], c["C3_final_test_loss_per_tau"]
     taus = " / ".join(next(iter(test.values())))
-    body = [[setting.replace("a=", "alpha=").replace("b=", "beta="),
-             " / ".join(f"{v:.4f}" for v in glob[setting].values()),
-             " / ".join(f"{v:.5f}" for v in test[setting].values())] for setting in test]  # fmt: skip
+    body = [
+        [
+            setting.replace("a=", "alpha=").replace("b=", "beta="),
+            " / ".join(f"{v:.4f}" for v in glob[setting].values()),
+            " / ".join(f"{v:.5f}" for v in test[setting].values()),
+        ]
+        for setting in test
+    ]
     return markdown_table(["setting", f"global loss, tau = {taus}", f"test loss, tau = {taus}"], body)
 
 
@@ -855,12 +860,17 @@ SENSITIVITY_LABELS = {  # the page's sensitivity rows (spec §9.2, A5, A11)
 def sensitivity_section(rows: list[dict]) -> str:
     """The page's sensitivity table from the small preset's ``table.csv``: mean ± std per dataset and setting."""
     by = {(r["method"], r["dataset"], r["alpha"], r["beta"]): r for r in rows}
-    cols = [(ds, a, b) for ds in ("mnist", "fashion_mnist")
-            for a, b in dict.fromkeys((r["alpha"], r["beta"]) for r in rows if r["dataset"] == ds)]  # fmt: skip
+    cols = [
+        (ds, a, b)
+        for ds in ("mnist", "fashion_mnist")
+        for a, b in dict.fromkeys((r["alpha"], r["beta"]) for r in rows if r["dataset"] == ds)
+    ]
     name = {"mnist": "MNIST", "fashion_mnist": "FMNIST"}
     header = ["method", *(f"{name[ds]} {a:g}/{100 * b:.0f}%" for ds, a, b in cols)]
-    body = [[label, *(pm(by[(m, *c)]["acc_mean"], by[(m, *c)]["acc_std"]) for c in cols)]
-            for m, label in SENSITIVITY_LABELS.items()]  # fmt: skip
+    body = [
+        [label, *(pm(by[(m, *c)]["acc_mean"], by[(m, *c)]["acc_std"]) for c in cols)]
+        for m, label in SENSITIVITY_LABELS.items()
+    ]
     return markdown_table(header, body)
 
 
@@ -884,12 +894,15 @@ def cost_section(folder: Path) -> str:
     body = [
         ["`--tune`", tune_runs, f"{t['wall']} s", f"{t['cpu']} s", t["load"]],
         ["`--scale small` (the last invocation)", runs, f"{s['wall']} s", f"{s['cpu']} s", s["load"]],
-    ]  # fmt: skip
+    ]
     sens = PRESETS["small"].sensitivity
-    groups = {"Table I core rows (FedAvg, FedProx, SCAFFOLD, ZO-HFL, server-only)": lambda m: m in METHODS,
-              "the sensitivity rows of spec §9.2": lambda m: m in sens,
-              "the extra rows (ZO-HFL at other lambdas, FedAvg with the server's share, server-only long)":
-                  lambda m: m not in METHODS and m not in sens}  # fmt: skip
+    groups = {
+        "Table I core rows (FedAvg, FedProx, SCAFFOLD, ZO-HFL, server-only)": lambda m: m in METHODS,
+        "the sensitivity rows of spec §9.2": lambda m: m in sens,
+        "the extra rows (ZO-HFL at other lambdas, FedAvg with the server's share, server-only long)": lambda m: (
+            m not in METHODS and m not in sens
+        ),
+    }
     rows = read_csv(folder / "table.csv")
     cpu = {g: sum(r["cpu_seconds_mean"] * r["seeds"] for r in rows if f(r["method"])) for g, f in groups.items()}
     split = "; ".join(f"{g} {v:.0f} s" for g, v in cpu.items())
@@ -903,7 +916,7 @@ def cost_section(folder: Path) -> str:
                 "load average at the end (1, 5, 15 min)",
             ],
             body,
-        )  # fmt: skip
+        )
         + f"\nThe {runs} runs of the small preset used {int(total)} CPU-s of their own (data loading not included),\n"
         f"so the preset needs about {int(total) / 2 / 60:.0f} minutes of 2 idle cores (CPU time measured under load"
         " is itself\ninflated, so this is an upper estimate). From `table.csv` (mean CPU time per run times its seeds):"
