@@ -5,8 +5,10 @@ variants), how a finished run becomes a record (``record``), and how the records
 figures and claims (``report``). The pipeline does the rest alike for every paper: it runs the points through
 the sweep runner (``run_points``: a finished run of the same config is reused, a killed one resumes, at most
 ``--workers`` at a time, no run starts after ``--budget-minutes``), turns every finished run into its record
-and hands the records to the report. ``fedweave reproduce NAME`` is its one front end (``fedweave.cli``); the
-common options are ``--scale --seeds --workers --out --budget-minutes``, a study adds its own as ``Option``.
+and hands the records to the report, whose files (``Report``: CSV ``Rows``, ``Json``, text, then its figures)
+it writes; a study summarizes its seeds with ``aggregate.per_cell`` and lays its tables out with ``tables``.
+``fedweave reproduce NAME`` is its one front end (``fedweave.cli``); the common options are ``--scale --seeds
+--workers --out --budget-minutes``, a study adds its own as ``Option``.
 
 A claim is a ``Claim``: its text and a rule that computes its verdict from the study's table, so the verdicts
 of a page are computed, never written by hand (``judge``).
