@@ -81,7 +81,8 @@ class Preset:
     datasets: list[str]
     rounds: int  # Table I runs
     tau: float  # Table I tau
-    batch_size: int  # the clients' and the server's
+    batch_size: int
+    server_batch_size: int
     eval_every: int
     # the tau sweep (Fig. 2): its datasets (none: no sweep), taus, rounds and how many of the seeds it uses
     sweep_dataset: list[str] = field(default_factory=list)
@@ -162,6 +163,7 @@ PRESETS = {
         sweep_rounds=2,
         sweep_seeds=1,
         batch_size=16,
+        server_batch_size=16,
         eval_every=1,
         min_size=5,
     ),
@@ -174,6 +176,7 @@ PRESETS = {
         sweep_rounds=20,
         sweep_seeds=3,
         batch_size=32,
+        server_batch_size=32,
         eval_every=2,
         dataset_options={"mnist": NORMALIZE_OFF, "fashion_mnist": NORMALIZE_OFF},
         lam=1.0,  # chosen by --tune on a validation split (docs/reproductions/zo-hfl/tune.md; spec A1)
@@ -203,6 +206,7 @@ PRESETS = {
         rounds=100,
         tau=5,
         batch_size=32,
+        server_batch_size=32,
         eval_every=2,
         table_eval_every=4,
         # chosen by --tune on a validation split (docs/reproductions/zo-hfl/adult/tune.md): at the paper's
@@ -222,6 +226,7 @@ PRESETS = {
         rounds=100,
         tau=20,
         batch_size=64,
+        server_batch_size=64,
         eval_every=5,
         dataset_options={"mnist": NORMALIZE_OFF, "fashion_mnist": NORMALIZE_OFF},
         lam=1.0,
@@ -240,6 +245,7 @@ PRESETS = {
         sweep_rounds=500,
         sweep_seeds=3,
         batch_size=64,
+        server_batch_size=64,
         eval_every=5,
         dataset_options={"mnist": NORMALIZE_OFF, "fashion_mnist": NORMALIZE_OFF, "cifar10": NORMALIZE_OFF},
         lam=1.0,
@@ -274,7 +280,7 @@ def run_config(
     }
     local = {"batch_size": p.batch_size, "lr": 0.1}  # gamma~_{i,t} = 0.1 / (t + 1) (paper §IV)
     if algo_name == "zo_hfl":
-        algo.update(lam=method_lam(p, method), mu=p.mu, server_batch_size=p.batch_size, server_lr=p.server_lr)
+        algo.update(lam=method_lam(p, method), mu=p.mu, server_batch_size=p.server_batch_size, server_lr=p.server_lr)
     if method == "zo_hfl_nocrn":
         algo["crn"] = False  # spec A5 literal reading
     if method.endswith("_fast"):
