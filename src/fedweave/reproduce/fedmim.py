@@ -16,7 +16,7 @@ from typing import Any
 
 from fedweave.experiments.aggregate import diverged, group, mean_of, mean_std, per_cell, per_seed, ranks, std_of
 from fedweave.experiments.grid import Point
-from fedweave.experiments.plots import Panel, plot_panels
+from fedweave.experiments.plots import Panel, plot_panels, seed_lines
 from fedweave.experiments.study import HELD, Claim, Json, Plan, Report, Rows, Study, Verdict, judge, not_run, option
 from fedweave.experiments.tables import (
     bold_best,
@@ -554,20 +554,19 @@ def markdown(
     return "\n".join(lines)
 
 
+def _width(method: str) -> dict[str, float]:
+    """FedMIM's line drawn wider than the others."""
+    return {"lw": 2.2 if method == "fedmim" else 1.2}
+
+
 def plot(records: list[dict], out: Path) -> list[Path]:
     """``OUT/curves-<dataset>.png``: test accuracy (top) and local consistency (bottom) against rounds per
     split, the mean over seeds with a band."""
     paths = []
     for d in sorted({r["dataset"] for r in records}):
         splits = [s for s in ("iid", "dir0.3", "dir0.1") if any(r["dataset"] == d and r["split"] == s for r in records)]
-        lines = {
-            s: [
-                (LABELS[m], runs, {"lw": 2.2 if m == "fedmim" else 1.2})
-                for m in METHODS
-                if (runs := [r["_rows"] for r in records if (r["dataset"], r["split"], r["method"]) == (d, s, m)])
-            ]
-            for s in splits
-        }
+        cells = {s: [r for r in records if (r["dataset"], r["split"]) == (d, s)] for s in splits}
+        lines = {s: seed_lines(cells[s], "method", METHODS, LABELS.get, _width) for s in splits}
         acc = [
             Panel(
                 lines[s],
@@ -988,12 +987,10 @@ def variant_plot(records: list[dict], p: Preset, name: str, out: Path) -> Path:
     methods = list(dict.fromkeys(r["method"] for r in records))
     grid = []
     for panel in [None] if p.table == "ablation" else labels:
-        lines = []
-        for v in labels if panel is None else [panel]:
-            for m in methods:
-                if runs := [r["_rows"] for r in records if (r["variant"], r["method"]) == (v, m)]:
-                    style = {"lw": 2.2 if m == "fedmim" and panel is not None else 1.2}
-                    lines.append((v if panel is None else LABELS[m], runs, style))
+        if panel is None:  # Table III: FedMIM alone, each row a line
+            lines = seed_lines(records, "variant", labels, style=lambda v: {"lw": 1.2})
+        else:
+            lines = seed_lines([r for r in records if r["variant"] == panel], "method", methods, LABELS.get, _width)
         title = f"{name}: {panel or 'FedMIM rows'} (mean over seeds)"
         grid.append(
             Panel(
