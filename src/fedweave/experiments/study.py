@@ -189,7 +189,7 @@ class Study:
     scales: tuple[str, ...]
     plan: Callable[[argparse.Namespace], Plan]
     record: Callable[[Point, Result, Plan], Any]
-    report: Callable[[list[Any], Plan, argparse.Namespace, float], int]
+    report: Callable[[list[Any], Plan, argparse.Namespace, float], int | Report]
     default_scale: str = "small"
     scale_help: str | None = None
     seeds_help: str = "number of seeds, 0..N-1 (default: the preset's)"
