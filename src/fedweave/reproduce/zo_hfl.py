@@ -598,44 +598,33 @@ def table_md(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], meta
 def write_plots(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int], out: Path) -> None:
     """Fig. 2 (global loss and test cross-entropy against rounds per tau) and test accuracy against rounds per
     method, one panel per setting; the mean over seeds with a band."""
+
+    def title(ds: str, s: tuple[float, float]) -> str:
+        return f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})"
+
+    def runs(ds: str, s: tuple[float, float], m: str) -> list[list[dict[str, Any]]]:
+        return [results[run_config(p, ds, s, m, seed, p.tau, p.rounds, out)["name"]]["rows"] for seed in seeds]
+
     for ds in p.sweep_dataset:
+        taus = {
+            s: [(f"tau={t:g}", [results[n]["rows"] for n in _sweep_names(p, ds, s, t, out)], {}) for t in p.sweep_taus]
+            for s in SETTINGS
+        }
         fig2 = [
-            [
-                Panel(
-                    [
-                        (f"tau={tau:g}", [results[n]["rows"] for n in _sweep_names(p, ds, s, tau, out)], {})
-                        for tau in p.sweep_taus
-                    ],
-                    metric,
-                    title=f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})",
-                    xlabel="round",
-                    ylabel=ylabel,
-                )
-                for s in SETTINGS
-            ]
+            [Panel(taus[s], metric, title=title(ds, s), xlabel="round", ylabel=ylabel) for s in SETTINGS]
             for metric, ylabel in (("global_loss", "global loss f1 + f2"), ("test_loss", "test loss"))
         ]
         plot_panels(fig2, out / f"fig2_{ds}.png", panel_size=(4.2, 3.2), dpi=80)
     methods = [m for m in p.methods if p.rounds_of(m) == p.rounds and m not in p.sensitivity]
     for ds in p.datasets:
+        first = {"ylabel": "test accuracy", "legend": {"fontsize": 7}}
         panels = [
             Panel(
-                [
-                    (
-                        label(m),
-                        [
-                            results[run_config(p, ds, s, m, seed, p.tau, p.rounds, out)["name"]]["rows"]
-                            for seed in seeds
-                        ],
-                        {},
-                    )
-                    for m in methods
-                ],
+                [(label(m), runs(ds, s, m), {}) for m in methods],
                 "test_accuracy",
-                title=f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})",
+                title=title(ds, s),
                 xlabel="round",
-                ylabel="test accuracy" if j == 0 else None,
-                legend={"fontsize": 7} if j == 0 else None,
+                **(first if j == 0 else {"ylabel": None, "legend": None}),
             )
             for j, s in enumerate(SETTINGS)
         ]
