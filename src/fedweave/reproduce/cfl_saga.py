@@ -575,39 +575,36 @@ def table_md(aggs: list[dict], problem: str) -> str:
 SHOWN = {"CFL-SAGA rho=10", "CFL-SAGA rho=10000", "CFL-SAGA rho=1e+06"}
 
 
+FIGURES = {  # Figs. 3, 4 and 6-7 per problem and graph: the methods each draws
+    "fig3_rho": lambda m: m.startswith("CFL-SAGA"),
+    "fig4_vs_gtsaga": lambda m: m.startswith("GT-SAGA") or m in SHOWN,
+    "fig67_baselines": lambda m: m.startswith(("GT-SVRG", "GT-SARAH", "CFL-ADMM")) or m in SHOWN,
+}
+
+
 def plots(rows: list[dict], out: Path) -> list[Path]:
     """Per problem and graph: Figs. 3, 4 and 6-7 (optimality gap against iterations and against uploads) and,
     on the random graph, Fig. 5 (wall-clock seconds against iterations); the first seed's traces."""
     curves = [r for r in rows if "_curve" in r]
     written = []
-    for prob in sorted({r["problem"] for r in curves}):
-        for topo in sorted({r["topology"] for r in curves if r["problem"] == prob}):
-            sub = [r for r in curves if r["problem"] == prob and r["topology"] == topo]
-            shown = [r for r in sub if r["method"].startswith("GT-SAGA") or r["method"] in SHOWN]
-            groups = {
-                "fig3_rho": [r for r in sub if r["method"].startswith("CFL-SAGA")],
-                "fig4_vs_gtsaga": shown,
-                "fig67_baselines": [
-                    r
-                    for r in sub
-                    if r["method"].startswith(("GT-SVRG", "GT-SARAH", "CFL-ADMM")) or r["method"] in SHOWN
-                ],
-            }
-            for name, grp in groups.items():
-                if not grp or (name == "fig67_baselines" and len(grp) < 2):
-                    continue
-                by_it = [(np.arange(len(r["_curve"][0])), r["_curve"][0], r["method"]) for r in grp]
-                by_up = [(np.maximum(r["_curve"][1], 1), r["_curve"][0], r["method"]) for r in grp]
-                panels = [
-                    Lines(by_it, "semilogy", "iteration", "optimality gap"),
-                    Lines(by_up, "loglog", "cumulative uploads (vectors)", "optimality gap", 6),
-                ]
-                title = f"{prob}, {topo} graph (seed {sub[0]['seed']})"
-                written.append(plot_lines(panels, out / f"{prob}_{topo}_{name}.png", (11, 4), title))
-            if topo == "random":  # Fig. 5: runtime vs iterations
-                secs = [(np.arange(len(r["_curve"][2])), r["_curve"][2], r["method"]) for r in shown]
-                panel = Lines(secs, "plot", "iteration", "wall-clock seconds", legend=7)
-                written.append(plot_lines([panel], out / f"{prob}_{topo}_fig5_runtime.png", (6, 4)))
+    for (prob, topo), sub in sorted(group(curves, lambda r: (r["problem"], r["topology"])).items()):
+        for name, drawn in FIGURES.items():
+            grp = [r for r in sub if drawn(r["method"])]
+            if len(grp) < (2 if name == "fig67_baselines" else 1):  # baselines alone: nothing to compare
+                continue
+            by_it = [(np.arange(len(r["_curve"][0])), r["_curve"][0], r["method"]) for r in grp]
+            by_up = [(np.maximum(r["_curve"][1], 1), r["_curve"][0], r["method"]) for r in grp]
+            panels = [
+                Lines(by_it, "semilogy", "iteration", "optimality gap"),
+                Lines(by_up, "loglog", "cumulative uploads (vectors)", "optimality gap", 6),
+            ]
+            title = f"{prob}, {topo} graph (seed {sub[0]['seed']})"
+            written.append(plot_lines(panels, out / f"{prob}_{topo}_{name}.png", (11, 4), title))
+        if topo == "random":  # Fig. 5: runtime vs iterations
+            shown = [r for r in sub if FIGURES["fig4_vs_gtsaga"](r["method"])]
+            secs = [(np.arange(len(r["_curve"][2])), r["_curve"][2], r["method"]) for r in shown]
+            panel = Lines(secs, "plot", "iteration", "wall-clock seconds", legend=7)
+            written.append(plot_lines([panel], out / f"{prob}_{topo}_fig5_runtime.png", (6, 4)))
     return written
 
 
