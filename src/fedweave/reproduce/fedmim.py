@@ -519,7 +519,7 @@ def markdown(
             paper = f"{t['paper_cifar10']:.2f}" if t["paper_cifar10"] is not None else "–"
             div = f" ({t['diverged']}/{t['seeds']} diverged)" if t["diverged"] else ""
             return [
-                pm(t["final_acc_mean"], t["final_acc_std"]) + div,
+                _acc(t) + div,
                 t["rank"],
                 f"{t['consistency_last20']:.3g}",
                 paper,
@@ -950,7 +950,7 @@ def variant_markdown(rows: list[dict], checks: list, name: str, p: Preset, wall:
         body = [
             [
                 r["variant"],
-                pm(r["final_acc_mean"], r["final_acc_std"]),
+                _acc(r),
                 r["final_acc_per_seed"],
                 f"{r['mean_acc_over_rounds']:.2f}",
                 f"{r['consistency_last20']:.3g}",
@@ -967,7 +967,7 @@ def variant_markdown(rows: list[dict], checks: list, name: str, p: Preset, wall:
                 return None
             div = f" ({r['diverged']}/{r['seeds']} diverged)" if r["diverged"] else ""
             return [
-                pm(r["final_acc_mean"], r["final_acc_std"]) + div,
+                _acc(r) + div,
                 f"{r['mean_acc_over_rounds']:.2f}",
                 f"{r['consistency_last20']:.3g}",
             ] + ([f"{r['paper_c10']:.2f}"] if paper else [])
@@ -1073,6 +1073,16 @@ def sections(folder: Path) -> dict[str, str]:
     }
 
 
+def _acc(row: dict) -> str:
+    """A row's final accuracy, mean ± std over its seeds."""
+    return pm(row["final_acc_mean"], row["final_acc_std"])
+
+
+def _bold_acc(rows: list[dict]) -> list[str]:
+    """The rows' final accuracies, the most accurate in bold."""
+    return bold_best([_acc(r) for r in rows], [r["final_acc_mean"] for r in rows])
+
+
 def _page_per_seed(rows: list[dict]) -> str:
     """The small preset's Dir-0.1 Fashion-MNIST finals and best accuracies per seed, FedAvg against FedMIM."""
     by = {(r["method"], r["seed"]): r for r in rows if (r["dataset"], r["split"]) == ("fashion_mnist", "dir0.1")}
@@ -1102,9 +1112,8 @@ def _core_rows(rows: list[dict], dataset: str, paper: bool) -> list[list]:
     body = [[LABELS[m]] for m in PAGE_CORE]
     for split in ("iid", "dir0.1"):
         by = {r["method"]: r for r in rows if (r["dataset"], r["split"]) == (dataset, split)}
-        acc = [by[m]["final_acc_mean"] for m in PAGE_CORE]
-        cells = bold_best([pm(by[m]["final_acc_mean"], by[m]["final_acc_std"]) for m in PAGE_CORE], acc)
-        ours = ranks(dict(zip(PAGE_CORE, acc)))
+        cells = _bold_acc([by[m] for m in PAGE_CORE])
+        ours = ranks({m: by[m]["final_acc_mean"] for m in PAGE_CORE})
         theirs = ranks({m: by[m]["paper_cifar10"] for m in PAGE_CORE}) if paper else {}
         for row, m, cell in zip(body, PAGE_CORE, cells):
             cons = f"{by[m]['consistency_last20']:#.3g}"
@@ -1153,7 +1162,7 @@ ABLATION_ROWS = (  # Table III's rows on the page, in TABLE_III's order
 
 def _page_ablation(rows: list[dict]) -> str:
     """The page's Table III (``ablation/ablation.csv``): ours, per seed and the paper's, the best of each in bold."""
-    ours = bold_best([pm(r["final_acc_mean"], r["final_acc_std"]) for r in rows], [r["final_acc_mean"] for r in rows])
+    ours = _bold_acc(rows)
     paper = bold_best([f"{r['paper_c10']:.2f}" for r in rows], [r["paper_c10"] for r in rows])
     body = [[label, o, r["final_acc_per_seed"], p] for label, o, r, p in zip(ABLATION_ROWS, ours, rows, paper)]
     return markdown_table(["row (alpha on δ_t, δ_t−1; beta)", "ours", "per seed", "paper"], body)
@@ -1167,7 +1176,7 @@ def _page_epochs(rows: list[dict]) -> str:
     body = [
         [
             LABELS[m],
-            *(pm(by[(m, v)]["final_acc_mean"], by[(m, v)]["final_acc_std"]) for v in labels),
+            *(_acc(by[(m, v)]) for v in labels),
             " / ".join(f"{by[(m, v)]['paper_c10']:.2f}" for v in labels),
         ]
         for m in methods
@@ -1182,13 +1191,7 @@ def _page_participation(rows: list[dict]) -> str:
     lo, hi = list(dict.fromkeys(r["variant"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     by = {(r["method"], r["variant"]): r for r in rows}
-    cols = {
-        v: bold_best(
-            [pm(by[(m, v)]["final_acc_mean"], by[(m, v)]["final_acc_std"]) for m in methods],
-            [by[(m, v)]["final_acc_mean"] for m in methods],
-        )
-        for v in (lo, hi)
-    }
+    cols = {v: _bold_acc([by[(m, v)] for m in methods]) for v in (lo, hi)}
     body = [
         [
             LABELS[m],
