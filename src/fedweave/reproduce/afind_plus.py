@@ -195,47 +195,43 @@ class Job:
         return f"{self.setting}/{safe}/s{self.seed}"
 
 
+def table_rows(p: Preset, meth: dict[str, dict[str, Any]]) -> dict[str, list[tuple[str, str, str, dict]]]:
+    """Per table of ``--tables``, its rows: (row label, setting, run label, algorithm section)."""
+    plus, first = meth["AFIND+"], p.primary
+    # spec A27 resolution: per-sample clipped DP-SGD (C = 1) on every local step that yields a shared model
+    dp = [(s, {**plus, "dp_sigma": s, "dp_clip": 1.0, "dp_mode": "sgd"} if s else plus) for s in [0.0, *p.dp_sigmas]]
+    ablation = [("FedAvg-FT", "Gossip"), ("+i (top-k)", "+i (top-k)"), ("+i+ii (AFIND)", "+i+ii (AFIND)")]
+    return {
+        "1": [
+            (lb, s.key, lb, meth[lb])
+            for s in p.settings
+            for lb in ("Local", "FedAvg", "Gossip", "PENS", "FedeRiCo", "AFIND+")
+        ],
+        "2": [(row, first, lb, meth[lb]) for row, lb in [*ablation, ("+i+ii+iii (AFIND+)", "AFIND+")]],
+        "3": [
+            (lb, first, f"{lb} [half]", {**meth[lb], "topology": "half"})
+            for lb in ("Gossip", "PENS", "FedeRiCo", "AFIND+")
+        ],
+        "tau": [
+            (f"{t:g}", first, "AFIND+" if t == 0.5 else f"AFIND+ tau={t:g}", {**plus, "tau": t})
+            for t in sorted({*p.taus, 0.5})
+        ],
+        "dp": [(f"{s:g}", first, "AFIND+" if s == 0 else f"AFIND+ dp={s:g}", algo) for s, algo in dp],
+        "fig5": [(lb, first, lb, meth[lb]) for lb in (k + x for k in PLUGINS for x in ("", " + AFIND+"))],
+    }
+
+
 def plan(p: Preset, seeds: int, tables: set[str]) -> tuple[list[Job], dict[str, list[tuple[str, str, str]]]]:
     """All runs, deduplicated, and per table its rows as (row label, setting, job label)."""
     meth = methods(p)
-    pens_t1 = max(1, round(0.1 * p.settings[0].base["rounds"]))  # T_1 = 10% of the rounds (spec 5)
-    meth["PENS"]["phase1_rounds"] = pens_t1
-    rows: dict[str, list[tuple[str, str, str]]] = defaultdict(list)
+    # PENS's first phase: T_1 = 10% of the rounds (spec 5)
+    meth["PENS"]["phase1_rounds"] = max(1, round(0.1 * p.settings[0].base["rounds"]))
+    rows: dict[str, list[tuple[str, str, str]]] = {}
     algos: dict[str, dict[str, Any]] = {}
-
-    def add(table: str, row: str, setting: str, label: str, algo: dict[str, Any]) -> None:
-        algos[label] = algo
-        rows[table].append((row, setting, label))
-
-    if "1" in tables:
-        for s in p.settings:
-            for label in ("Local", "FedAvg", "Gossip", "PENS", "FedeRiCo", "AFIND+"):
-                add("table1", label, s.key, label, meth[label])
-    if "2" in tables:
-        for row, label in (
-            ("FedAvg-FT", "Gossip"),
-            ("+i (top-k)", "+i (top-k)"),
-            ("+i+ii (AFIND)", "+i+ii (AFIND)"),
-            ("+i+ii+iii (AFIND+)", "AFIND+"),
-        ):
-            add("table2", row, p.primary, label, meth[label])
-    if "3" in tables:
-        for label in ("Gossip", "PENS", "FedeRiCo", "AFIND+"):
-            add("table3", label, p.primary, f"{label} [half]", {**meth[label], "topology": "half"})
-    if "tau" in tables:
-        for tau in sorted({*p.taus, 0.5}):
-            label = "AFIND+" if tau == 0.5 else f"AFIND+ tau={tau:g}"
-            add("tau", f"{tau:g}", p.primary, label, {**meth["AFIND+"], "tau": tau})
-    if "dp" in tables:
-        for sigma in [0.0, *p.dp_sigmas]:
-            label = "AFIND+" if sigma == 0 else f"AFIND+ dp={sigma:g}"
-            # spec A27 resolution: per-sample clipped DP-SGD (C = 1) on every local step that yields a shared model
-            algo = {**meth["AFIND+"], "dp_sigma": sigma, "dp_clip": 1.0, "dp_mode": "sgd"} if sigma else meth["AFIND+"]
-            add("dp", f"{sigma:g}", p.primary, label, algo)
-    if "fig5" in tables:
-        for label in PLUGINS:
-            for suffix in ("", " + AFIND+"):
-                add("fig5", label + suffix, p.primary, label + suffix, meth[label + suffix])
+    for key, entries in table_rows(p, meth).items():
+        if key in tables:
+            rows[f"table{key}" if key.isdigit() else key] = [(row, s, lb) for row, s, lb, _ in entries]
+            algos |= {lb: algo for _, _, lb, algo in entries}
     jobs = {
         Job(setting, label, seed, json.dumps(algos[label], sort_keys=True))
         for table in rows.values()
