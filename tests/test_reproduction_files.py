@@ -68,12 +68,13 @@ def test_zo_hfl_table_is_rebuilt_from_its_rows_and_claims(sub, scale, tmp_path):
 
 
 def test_cfl_saga_claims_are_rebuilt_from_the_summary(tmp_path):
+    from fedweave.experiments.tables import write_csv
     from fedweave.reproduce import cfl_saga
 
     aggs = _rows(PAGES / "cfl-saga" / "summary.csv")
     for a in aggs:  # an IQR cell is text even where it looks like a number
         a.update({k: "" if v is None else str(v) for k, v in a.items() if k.endswith("_iqr")})
-    cfl_saga.write_csv(tmp_path / "claims.csv", cfl_saga.claims(aggs), ["claim", "paper", "measured", "verdict"])
+    write_csv(tmp_path / "claims.csv", cfl_saga.claims(aggs), ["claim", "paper", "measured", "verdict"])
     summary = (PAGES / "cfl-saga" / "summary.md").read_text(encoding="utf-8")
     assert (tmp_path / "claims.csv").read_text() == (PAGES / "cfl-saga" / "claims.csv").read_text(encoding="utf-8")
     for problem in {a["problem"] for a in aggs}:

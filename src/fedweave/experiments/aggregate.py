@@ -4,6 +4,7 @@ statistic that needs every seed, and rounds/bytes to reach a target."""
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -54,3 +55,44 @@ def to_target(
         if v is not None and (v >= target if direction == "max" else v <= target):
             return r[x]
     return None
+
+
+# ---- per-cell summaries over seeds, declared by keys --------------------------------------------------------
+Stat = Callable[[list[Any]], Any]  # a cell's statistic: its records -> a value
+
+
+def per_cell(records: list[Any], by: tuple[str, ...], stats: dict[str, Stat]) -> list[dict[str, Any]]:
+    """One row per cell (the records that share their values of ``by``, e.g. a grid point's seeds), cells in
+    order of first appearance: the cell's values of ``by``, then each named statistic of its records."""
+    cells = group(records, lambda r: tuple(r[k] for k in by))
+    return [{**dict(zip(by, key)), **{name: stat(rs) for name, stat in stats.items()}} for key, rs in cells.items()]
+
+
+def mean_of(key: str, where: Callable[[list[Any]], list[Any]] = list, ddof: int = 1) -> Stat:
+    """The mean of ``key`` over a cell's records (those ``where`` keeps)."""
+    return lambda rs: mean_std([r[key] for r in where(rs)], ddof)[0]
+
+
+def std_of(key: str, where: Callable[[list[Any]], list[Any]] = list, ddof: int = 1) -> Stat:
+    """The standard deviation of ``key`` over a cell's records (those ``where`` keeps)."""
+    return lambda rs: mean_std([r[key] for r in where(rs)], ddof)[1]
+
+
+def per_seed(key: str, fmt: str = ".2f", sep: str = " / ") -> Stat:
+    """A cell's values of ``key`` in seed order, each formatted, joined by ``sep``."""
+    return lambda rs: sep.join(format(r[key], fmt) for r in sorted(rs, key=lambda r: r["seed"]))
+
+
+def median_of(key: str) -> Stat:
+    """The median of ``key`` over a cell's records when every one has a value (e.g. reached a target), else None."""
+    return lambda rs: if_all([r.get(key) for r in rs], statistics.median)
+
+
+def diverged(key: str) -> Stat:
+    """How many of a cell's records have no finite ``key`` (runs that diverged)."""
+    return lambda rs: sum(not math.isfinite(r[key]) for r in rs)
+
+
+def ranks(values: dict[Any, float]) -> dict[Any, int]:
+    """The rank of each key by its value: 1 the largest; equal values keep the order given."""
+    return {k: i + 1 for i, k in enumerate(sorted(values, key=lambda k: -values[k]))}

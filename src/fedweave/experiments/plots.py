@@ -4,12 +4,14 @@ own figures and panels."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fedweave.experiments.aggregate import group
 from fedweave.plots import plt, save_png
 
 
@@ -154,3 +156,19 @@ def plot_lines(panels: list[Lines], path: str | Path, figsize: tuple[float, floa
     if title is not None:
         fig.suptitle(title)
     return save_png(fig, path, dpi=dpi)
+
+
+def seed_lines(
+    records: list[dict[str, Any]],
+    key: str,
+    order: Sequence[Any] | None = None,
+    label: Callable[[Any], str] = str,
+    style: Callable[[Any], dict[str, Any]] | None = None,
+    rows: str = "_rows",
+) -> list[tuple[str, list[list[dict[str, Any]]], dict[str, Any]]]:
+    """A ``Panel``'s lines declared by a key of the records: one line per value of ``key`` (those of ``order``
+    that ran, else in order of first appearance), the metric ``rows`` of its records (its seeds: the band),
+    labelled ``label(value)`` and styled ``style(value)``."""
+    by = group(records, lambda r: r[key])
+    keys = [k for k in order if k in by] if order is not None else list(by)
+    return [(label(k), [r[rows] for r in by[k]], style(k) if style else {}) for k in keys]

@@ -5,8 +5,10 @@ variants), how a finished run becomes a record (``record``), and how the records
 figures and claims (``report``). The pipeline does the rest alike for every paper: it runs the points through
 the sweep runner (``run_points``: a finished run of the same config is reused, a killed one resumes, at most
 ``--workers`` at a time, no run starts after ``--budget-minutes``), turns every finished run into its record
-and hands the records to the report. ``fedweave reproduce NAME`` is its one front end (``fedweave.cli``); the
-common options are ``--scale --seeds --workers --out --budget-minutes``, a study adds its own as ``Option``.
+and hands the records to the report, whose files (``Report``: CSV ``Rows``, ``Json``, text, then its figures)
+it writes; a study summarizes its seeds with ``aggregate.per_cell`` and lays its tables out with ``tables``.
+``fedweave reproduce NAME`` is its one front end (``fedweave.cli``); the common options are ``--scale --seeds
+--workers --out --budget-minutes``, a study adds its own as ``Option``.
 
 A claim is a ``Claim``: its text and a rule that computes its verdict from the study's table, so the verdicts
 of a page are computed, never written by hand (``judge``).
@@ -38,7 +40,7 @@ from fedweave.config import ConfigError, positive_int, positive_minutes
 from fedweave.experiments import pages
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished, parallel_map, run_points
-from fedweave.experiments.tables import markdown_table
+from fedweave.experiments.tables import csv_text, markdown_table
 from fedweave.experiments.verdicts import Rule
 from fedweave.results import atomic_write
 from fedweave.runner import Result
@@ -179,15 +181,15 @@ class _Parser(argparse.ArgumentParser):
 class Study:
     """One paper's reproduction: its name (``fedweave reproduce NAME``), scales and options, and the three
     functions that are its paper's own. ``plan(opts) -> Plan``; ``record(point, result, plan) -> record``
-    (a finished run as a row); ``report(records, plan, opts, wall) -> exit status`` (writes the records,
-    tables, figures and claims into ``opts.out``)."""
+    (a finished run as a row); ``report(records, plan, opts, wall)`` -> a ``Report`` (the records, tables and
+    claims as files the pipeline writes into ``opts.out``) or an exit status (a report that writes its files)."""
 
     name: str
     description: str
     scales: tuple[str, ...]
     plan: Callable[[argparse.Namespace], Plan]
     record: Callable[[Point, Result, Plan], Any]
-    report: Callable[[list[Any], Plan, argparse.Namespace, float], int]
+    report: Callable[[list[Any], Plan, argparse.Namespace, float], int | Report]
     default_scale: str = "small"
     scale_help: str | None = None
     seeds_help: str = "number of seeds, 0..N-1 (default: the preset's)"
@@ -233,7 +235,8 @@ class Study:
         records = self.records(plan, opts.out, workers=opts.workers, budget_s=budget, scale=opts.scale)
         if plan.skipped:
             print(f"{len(plan.skipped)} of {len(plan.points)} runs not started: the time budget ran out", flush=True)
-        status = int(self.report(records, plan, opts, time.perf_counter() - t0) or 0)
+        got = self.report(records, plan, opts, time.perf_counter() - t0)
+        status = got.write(opts.out) if isinstance(got, Report) else int(got or 0)
         # a block the study does not render, or the reverse, is one ConfigError line
         # (a study without ``sections`` that takes --page writes its page itself, in its report)
         if page is not None and self.sections is not None and pages.update(page, self.sections(page.with_suffix(""))):
@@ -270,6 +273,57 @@ def not_run(skipped: Sequence[Point]) -> str:
         return ""
     names = ("-".join(map(str, [*dict(pt.values).values(), pt.seed])) for pt in skipped)
     return "\nNot run (time budget reached): " + ", ".join(names) + "\n"
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A CSV file of a report: ``rows`` under ``columns`` (``tables.csv_text``: by default every key)."""
+
+    rows: Sequence[Any]
+    columns: Sequence[str] | None = None
+    float_format: str | None = None
+
+
+@dataclass(frozen=True)
+class Json:
+    """A JSON file of a report: ``json.dumps(data, indent=indent, ensure_ascii=ensure_ascii) + end``."""
+
+    data: Any
+    indent: int | None = 2
+    ensure_ascii: bool = True
+    end: str = ""
+
+
+@dataclass
+class Report:
+    """What a study's report writes into ``--out``, declared: ``files`` by name, in order (text as it is, a
+    ``Rows`` as CSV, a ``Json`` as JSON), the figures drawn after them (``figures(out)``: a failing plot
+    loses no record), the file printed after (``show``), and the exit status."""
+
+    files: dict[str, str | Rows | Json]
+    show: str | None = None
+    status: int = 0
+    say: str | None = None  # a line printed after the files are written (e.g. where the report is)
+    figures: Callable[[Path], Any] | None = None
+
+    def write(self, out: str | Path, show: bool = True) -> int:
+        """Write every file into ``out``, each atomically; print the one named ``show`` and ``say`` (unless
+        ``show`` is False); the exit status."""
+        for name, content in self.files.items():
+            if isinstance(content, Rows):
+                content = csv_text(content.rows, list(content.columns or []) or None, content.float_format)
+            elif isinstance(content, Json):
+                content = (
+                    json.dumps(content.data, indent=content.indent, ensure_ascii=content.ensure_ascii) + content.end
+                )
+            atomic_write(Path(out) / name, content)
+        if self.figures is not None:
+            self.figures(Path(out))
+        if show and self.show is not None:
+            print(self.files[self.show])
+        if show and self.say is not None:
+            print(self.say)
+        return self.status
 
 
 def save_records(path: Path, arrays_path: Path, records: list[dict[str, Any]], key: str, parts: str) -> None:

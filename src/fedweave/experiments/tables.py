@@ -7,6 +7,7 @@ import csv
 import io
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +139,40 @@ def mean_std_cell(
     m, sd = mean_std(ok, ddof=ddof)
     cell = pm(m, sd, sep, nd)
     return cell if not bad else f"{cell} ({bad}/{len(values)} diverged)"
+
+
+def bold_best(cells: Sequence[str], values: Sequence[float], best: Callable = max) -> list[str]:
+    """``cells`` with the one of the best value (``best``: the largest by default, the first of equal ones)
+    in bold."""
+    top = best(range(len(values)), key=values.__getitem__)
+    return [f"**{c}**" if i == top else c for i, c in enumerate(cells)]
+
+
+def signed(x: float, nd: int = 2) -> str:
+    """A signed number at ``nd`` decimals with a typographic minus: ``+1.20``, ``−0.35``."""
+    return f"{x:+.{nd}f}".replace("-", "−")
+
+
+def indent(table: str, prefix: str = "  ") -> str:
+    """A markdown table set inside a list item: every line after ``prefix``, and ``prefix`` after the last."""
+    return "".join(f"{prefix}{line}\n" for line in table.splitlines()) + prefix
+
+
+@dataclass(frozen=True)
+class Col:
+    """A column of a table declared as data: its header and, per row, its value (a key of the row or a
+    function of it) formatted by ``fmt`` (a format spec); a value None is ``none``."""
+
+    header: str
+    value: str | Callable[[Any], Any]
+    fmt: str = ""
+    none: str = "—"
+
+    def cell(self, row: Any) -> str:
+        v = row[self.value] if isinstance(self.value, str) else self.value(row)
+        return self.none if v is None else format(v, self.fmt)
+
+
+def layout(cols: Sequence[Col], rows: Sequence[Any]) -> str:
+    """The markdown table of ``rows`` under the declared ``cols``."""
+    return markdown_table([c.header for c in cols], [[c.cell(r) for c in cols] for r in rows])

@@ -22,10 +22,9 @@ from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished
 from fedweave.experiments.pages import table_after
 from fedweave.experiments.plots import plot_curves
-from fedweave.experiments.study import Claim, Plan, Study, judge, option
-from fedweave.experiments.tables import markdown_table, mean_std_cell, write_csv
+from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, judge, option
+from fedweave.experiments.tables import markdown_table, mean_std_cell
 from fedweave.experiments.verdicts import All, Paired
-from fedweave.results import atomic_write
 from fedweave.runner import Result
 
 # ------------------------------------------------------------------------------- the paper's numbers
@@ -196,47 +195,43 @@ class Job:
         return f"{self.setting}/{safe}/s{self.seed}"
 
 
+def table_rows(p: Preset, meth: dict[str, dict[str, Any]]) -> dict[str, list[tuple[str, str, str, dict]]]:
+    """Per table of ``--tables``, its rows: (row label, setting, run label, algorithm section)."""
+    plus, first = meth["AFIND+"], p.primary
+    # spec A27 resolution: per-sample clipped DP-SGD (C = 1) on every local step that yields a shared model
+    dp = [(s, {**plus, "dp_sigma": s, "dp_clip": 1.0, "dp_mode": "sgd"} if s else plus) for s in [0.0, *p.dp_sigmas]]
+    ablation = [("FedAvg-FT", "Gossip"), ("+i (top-k)", "+i (top-k)"), ("+i+ii (AFIND)", "+i+ii (AFIND)")]
+    return {
+        "1": [
+            (lb, s.key, lb, meth[lb])
+            for s in p.settings
+            for lb in ("Local", "FedAvg", "Gossip", "PENS", "FedeRiCo", "AFIND+")
+        ],
+        "2": [(row, first, lb, meth[lb]) for row, lb in [*ablation, ("+i+ii+iii (AFIND+)", "AFIND+")]],
+        "3": [
+            (lb, first, f"{lb} [half]", {**meth[lb], "topology": "half"})
+            for lb in ("Gossip", "PENS", "FedeRiCo", "AFIND+")
+        ],
+        "tau": [
+            (f"{t:g}", first, "AFIND+" if t == 0.5 else f"AFIND+ tau={t:g}", {**plus, "tau": t})
+            for t in sorted({*p.taus, 0.5})
+        ],
+        "dp": [(f"{s:g}", first, "AFIND+" if s == 0 else f"AFIND+ dp={s:g}", algo) for s, algo in dp],
+        "fig5": [(lb, first, lb, meth[lb]) for lb in (k + x for k in PLUGINS for x in ("", " + AFIND+"))],
+    }
+
+
 def plan(p: Preset, seeds: int, tables: set[str]) -> tuple[list[Job], dict[str, list[tuple[str, str, str]]]]:
     """All runs, deduplicated, and per table its rows as (row label, setting, job label)."""
     meth = methods(p)
-    pens_t1 = max(1, round(0.1 * p.settings[0].base["rounds"]))  # T_1 = 10% of the rounds (spec 5)
-    meth["PENS"]["phase1_rounds"] = pens_t1
-    rows: dict[str, list[tuple[str, str, str]]] = defaultdict(list)
+    # PENS's first phase: T_1 = 10% of the rounds (spec 5)
+    meth["PENS"]["phase1_rounds"] = max(1, round(0.1 * p.settings[0].base["rounds"]))
+    rows: dict[str, list[tuple[str, str, str]]] = {}
     algos: dict[str, dict[str, Any]] = {}
-
-    def add(table: str, row: str, setting: str, label: str, algo: dict[str, Any]) -> None:
-        algos[label] = algo
-        rows[table].append((row, setting, label))
-
-    if "1" in tables:
-        for s in p.settings:
-            for label in ("Local", "FedAvg", "Gossip", "PENS", "FedeRiCo", "AFIND+"):
-                add("table1", label, s.key, label, meth[label])
-    if "2" in tables:
-        for row, label in (
-            ("FedAvg-FT", "Gossip"),
-            ("+i (top-k)", "+i (top-k)"),
-            ("+i+ii (AFIND)", "+i+ii (AFIND)"),
-            ("+i+ii+iii (AFIND+)", "AFIND+"),
-        ):
-            add("table2", row, p.primary, label, meth[label])
-    if "3" in tables:
-        for label in ("Gossip", "PENS", "FedeRiCo", "AFIND+"):
-            add("table3", label, p.primary, f"{label} [half]", {**meth[label], "topology": "half"})
-    if "tau" in tables:
-        for tau in sorted({*p.taus, 0.5}):
-            label = "AFIND+" if tau == 0.5 else f"AFIND+ tau={tau:g}"
-            add("tau", f"{tau:g}", p.primary, label, {**meth["AFIND+"], "tau": tau})
-    if "dp" in tables:
-        for sigma in [0.0, *p.dp_sigmas]:
-            label = "AFIND+" if sigma == 0 else f"AFIND+ dp={sigma:g}"
-            # spec A27 resolution: per-sample clipped DP-SGD (C = 1) on every local step that yields a shared model
-            algo = {**meth["AFIND+"], "dp_sigma": sigma, "dp_clip": 1.0, "dp_mode": "sgd"} if sigma else meth["AFIND+"]
-            add("dp", f"{sigma:g}", p.primary, label, algo)
-    if "fig5" in tables:
-        for label in PLUGINS:
-            for suffix in ("", " + AFIND+"):
-                add("fig5", label + suffix, p.primary, label + suffix, meth[label + suffix])
+    for key, entries in table_rows(p, meth).items():
+        if key in tables:
+            rows[f"table{key}" if key.isdigit() else key] = [(row, s, lb) for row, s, lb, _ in entries]
+            algos |= {lb: algo for _, _, lb, algo in entries}
     jobs = {
         Job(setting, label, seed, json.dumps(algos[label], sort_keys=True))
         for table in rows.values()
@@ -304,15 +299,32 @@ def _ms_cell(vals: list[float], scale: float = 100.0) -> str:
 SCALES = {"selected": 1.0, "overlap_selected": 1.0, "bytes": 2**-20}  # a table's cell unit: else accuracy in %
 
 
+COLUMNS = {"best": "best", "final": "final", "mean selected": "selected", "MB sent": "bytes"}
+COLUMNS["label overlap of selected"] = "overlap_selected"
+
+
+def column(runs: list[dict[str, Any]], header: str) -> str:
+    """A cell of a declared column: mean±std of its record key over the runs ("-" where a run has none), or
+    how many runs there are (``seeds``)."""
+    if header == "seeds":
+        return str(len(runs))
+    vals = [r[COLUMNS[header]] for r in runs]
+    return "-" if any(v is None for v in vals) else _ms_cell(vals, SCALES.get(COLUMNS[header], 100.0))
+
+
+MEASURED = ["best", "final", "mean selected", "MB sent", "seeds"]
+# Tables 2 to 4 and the tau sweep, declared: (first column, columns, the paper's numbers of a row and label)
+LAYOUTS = {
+    "table2": ("method", MEASURED, lambda row, lb: PAPER_T2[row]),
+    "table3": ("method", MEASURED, lambda row, lb: PAPER_T3[lb.replace(" [half]", "")]),
+    "tau": ("tau", ["mean selected", "best", "final", "label overlap of selected", "MB sent", "seeds"], None),
+    "dp": ("sigma_2", ["best", "final"], lambda row, lb: PAPER_T4.get(float(row), [])),
+}
+
+
 def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> dict[str, tuple[list, list]]:
     by = defaultdict(list, group(results, lambda r: (r["setting"], r["label"])))
     titles = {s.key: s.title for s in p.settings}
-
-    def cell(setting: str, label: str, key: str, scale: float = 100.0) -> str:
-        return _ms_cell([r[key] for r in by[(setting, label)]], scale)
-
-    def cells(setting: str, label: str, *keys: str) -> list[str]:  # accuracies in %, bytes in MB
-        return [cell(setting, label, k, SCALES.get(k, 100.0)) for k in keys]
 
     out: dict[str, tuple[list, list]] = {}
     if "table1" in rows:
@@ -320,64 +332,26 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
         labels = list(dict.fromkeys(lb for _, _, lb in rows["table1"]))
         header = ["method"] + [f"{titles[s]} best" for s in settings] + [f"{titles[s]} final" for s in settings]
         header += ["mean selected", "MB sent (primary)", "seeds"] + [f"paper {c}" for c in PAPER_T1_COLUMNS]
-        body = []
-        for lb in labels:
-            paper = PAPER_T1.get(lb, [None] * 8)
-            body.append(
-                [
-                    lb,
-                    *(cell(s, lb, "best") for s in settings),
-                    *(cell(s, lb, "final") for s in settings),
-                    *cells(settings[0], lb, "selected", "bytes"),
-                    "/".join(str(len(by[(s, lb)])) for s in settings),
-                    *(f"{v:.2f}" if v is not None else "-" for v in paper),
-                ]
-            )
-        out["table1"] = (header, body)
-    for name, paper in (("table2", PAPER_T2), ("table3", PAPER_T3)):
-        if name in rows:
-            header = ["method", "best", "final", "mean selected", "MB sent", "seeds"]
-            header += [f"paper {c}" for c in PAPER_T23_COLUMNS]
-            body = []
-            for row, s, lb in rows[name]:
-                theirs = paper[row if name == "table2" else lb.replace(" [half]", "")]
-                body.append(
-                    [
-                        row,
-                        *cells(s, lb, "best", "final", "selected", "bytes"),
-                        str(len(by[(s, lb)])),
-                        *(f"{v:.2f}" for v in theirs),
-                    ]
-                )
-            out[name] = (header, body)
-    if "tau" in rows:
-        header = ["tau", "mean selected", "best", "final", "label overlap of selected", "MB sent", "seeds"]
         body = [
-            [
-                row,
-                *cells(s, lb, "selected", "best", "final"),
-                cell(s, lb, "overlap_selected", 1.0)
-                if all(r["overlap_selected"] is not None for r in by[(s, lb)])
-                else "-",
-                cell(s, lb, "bytes", 2**-20),
-                str(len(by[(s, lb)])),
+            [lb, *(column(by[(s, lb)], c) for c in ("best", "final") for s in settings)]
+            + [column(by[(settings[0], lb)], c) for c in ("mean selected", "MB sent")]
+            + ["/".join(str(len(by[(s, lb)])) for s in settings)]
+            + [f"{v:.2f}" if v is not None else "-" for v in PAPER_T1.get(lb, [None] * 8)]
+            for lb in labels
+        ]
+        out["table1"] = (header, body)
+    for name, (first, cols, paper) in LAYOUTS.items():
+        if name in rows:
+            header = [first, *cols, *(f"paper {c}" for c in PAPER_T23_COLUMNS if paper)]
+            theirs = paper or (lambda row, lb: [])
+            body = [
+                [row, *(column(by[(s, lb)], c) for c in cols), *(f"{v:.2f}" for v in theirs(row, lb))]
+                for row, s, lb in rows[name]
             ]
-            for row, s, lb in rows["tau"]
-        ]
-        out["tau"] = (header, body)
+            out[name] = (header, body)
     if "fig5" in rows:
-        header = [
-            "method",
-            "best without",
-            "best with AFIND+",
-            "gain (best)",
-            "final without",
-            "final with AFIND+",
-            "gain (final)",
-            "mean selected with AFIND+",
-            "MB sent without / with",
-            "seeds",
-        ]
+        header = ["method", "best without", "best with AFIND+", "gain (best)", "final without", "final with AFIND+"]
+        header += ["gain (final)", "mean selected with AFIND+", "MB sent without / with", "seeds"]
         body = []
         for label in PLUGINS:
             plain, plug = by[(p.primary, label)], by[(p.primary, label + " + AFIND+")]
@@ -393,14 +367,7 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
             row += [f"{_ms_cell([r['bytes'] for r in plain], 2**-20)} / {_ms_cell([r['bytes'] for r in plug], 2**-20)}"]
             body.append(row + [f"{len(plain)} / {len(plug)}"])
         out["fig5"] = (header, body)
-    if "dp" in rows:
-        header = ["sigma_2", "best", "final"] + [f"paper {c}" for c in PAPER_T23_COLUMNS]
-        body = [
-            [row, *cells(s, lb, "best", "final"), *(f"{v:.2f}" for v in PAPER_T4.get(float(row), []))]
-            for row, s, lb in rows["dp"]
-        ]
-        out["dp"] = (header, body)
-    return out
+    return {k: out[k] for k in ("table1", "table2", "table3", "tau", "fig5", "dp") if k in out}
 
 
 def _by_seed(results: list[dict[str, Any]], p: Preset) -> dict[str, dict[int, dict[str, Any]]]:
@@ -529,8 +496,15 @@ def _primary(results, p) -> list[dict[str, Any]]:
 def _vs(a: str, b: str, direction: str = "greater", min_effect: float = 0.0, metric: str = "best") -> Paired:
     """``a`` against ``b`` on ``metric`` (best-round accuracy in points), paired by seed, 95 % paired t: 3 seeds,
     too few for a percentile bootstrap."""
-    return Paired(metric, {"label": a}, {"label": b}, direction, min_effect, scale=1 if metric == "selected" else 100,
-                  unit="" if metric == "selected" else "points")  # fmt: skip
+    return Paired(
+        metric,
+        {"label": a},
+        {"label": b},
+        direction,
+        min_effect,
+        scale=1 if metric == "selected" else 100,
+        unit="" if metric == "selected" else "points",
+    )
 
 
 def _dp_records(results, p) -> list[dict[str, Any]]:
@@ -555,8 +529,9 @@ def _plugin_mean_gain(results, p) -> list[dict[str, Any]]:
 def _dp_big_rule(results, p) -> All:
     dp = _dp(results, p)
     big = max(s for s in dp if s > 5)
-    return All(tuple((f"sigma {big:g} vs {s:g}", _vs(f"AFIND+ dp={big:g}", f"AFIND+ dp={s:g}", "less")) for s in dp
-                     if s <= 5))  # fmt: skip
+    return All(
+        tuple((f"sigma {big:g} vs {s:g}", _vs(f"AFIND+ dp={big:g}", f"AFIND+ dp={s:g}", "less")) for s in dp if s <= 5)
+    )
 
 
 # Each claim's verdict by its declared rule on the per-seed records (best-round accuracy, paired by seed, 95 %
@@ -564,30 +539,56 @@ def _dp_big_rule(results, p) -> All:
 # where spec 9.1 states it, 3 points for Table 4's "at most 3", 1.5 points either side of the claimed +3 (the
 # spec's [1.5, 4.5]), 0 for the paper's orderings (they state no size).
 CLAIMS = [
-    Claim("AFIND+ > Gossip by >= 2 points (mean) and in every seed", _c_gossip,
-          declared=_vs("AFIND+", "Gossip", min_effect=2.0), records=_primary),
+    Claim(
+        "AFIND+ > Gossip by >= 2 points (mean) and in every seed",
+        _c_gossip,
+        declared=_vs("AFIND+", "Gossip", min_effect=2.0),
+        records=_primary,
+    ),
     # ">=" is tested as "above": an interval wholly below 0 fails it, one that includes 0 decides nothing
     Claim("AFIND+ >= Local", _c_local, declared=_vs("AFIND+", "Local"), records=_primary),
-    Claim("AFIND+ > AFIND (Boltzmann beats uniform aggregation)", _c_afind,
-          declared=_vs("AFIND+", "+i+ii (AFIND)"), records=_primary),
-    Claim("mean coreset size strictly decreasing in tau", _c_tau, records=_primary,
-          declared=All((("tau 0.1 > 0.5", _vs("AFIND+ tau=0.1", "AFIND+", metric="selected")),
-                        ("tau 0.5 > 1.5", _vs("AFIND+", "AFIND+ tau=1.5", metric="selected"))))),
-    Claim("Table 4: DP noise sigma_2 <= 5 costs at most 3 points (paper: <= 2.84)", _c_dp_small, records=_dp_records,
-          declared=lambda t, p: All(tuple((f"sigma {s:g}", _vs(f"AFIND+ dp={s:g}", "AFIND+ - 3 points"))
-                                          for s in p.dp_sigmas if s <= 5))),
+    Claim(
+        "AFIND+ > AFIND (Boltzmann beats uniform aggregation)",
+        _c_afind,
+        declared=_vs("AFIND+", "+i+ii (AFIND)"),
+        records=_primary,
+    ),
+    Claim(
+        "mean coreset size strictly decreasing in tau",
+        _c_tau,
+        records=_primary,
+        declared=All(
+            (
+                ("tau 0.1 > 0.5", _vs("AFIND+ tau=0.1", "AFIND+", metric="selected")),
+                ("tau 0.5 > 1.5", _vs("AFIND+", "AFIND+ tau=1.5", metric="selected")),
+            )
+        ),
+    ),
+    Claim(
+        "Table 4: DP noise sigma_2 <= 5 costs at most 3 points (paper: <= 2.84)",
+        _c_dp_small,
+        records=_dp_records,
+        declared=lambda t, p: All(
+            tuple((f"sigma {s:g}", _vs(f"AFIND+ dp={s:g}", "AFIND+ - 3 points")) for s in p.dp_sigmas if s <= 5)
+        ),
+    ),
     Claim(_dp_big_text, _c_dp_big, declared=_dp_big_rule, records=_primary),
-    Claim("Fig. 5: AFIND+ selection improves every plug-in method (mean best-round gain > 0)", _c_fig5,
-          declared=All(tuple((k, _vs(k + " + AFIND+", k)) for k in PLUGINS)), records=_primary),
+    Claim(
+        "Fig. 5: AFIND+ selection improves every plug-in method (mean best-round gain > 0)",
+        _c_fig5,
+        declared=All(tuple((k, _vs(k + " + AFIND+", k)) for k in PLUGINS)),
+        records=_primary,
+    ),
     Claim(
         f"Section 5: the improvement is about +3 points (mean gain over the plug-ins in "
         f"[{CLAIMED_PLUGIN_GAIN / 2:g}, {1.5 * CLAIMED_PLUGIN_GAIN:g}])",
         _c_section5,
-        declared=Paired("x", {"side": "gain"}, {"side": "zero"}, "within", CLAIMED_PLUGIN_GAIN / 2, scale=100,
-                        unit="points from +3"),
+        declared=Paired(
+            "x", {"side": "gain"}, {"side": "zero"}, "within", CLAIMED_PLUGIN_GAIN / 2, scale=100, unit="points from +3"
+        ),
         records=_plugin_mean_gain,
     ),
-]  # fmt: skip
+]
 
 
 VERDICT_WORDS = {True: "yes", False: "no", None: "-"}
@@ -635,7 +636,7 @@ def plots(results: list[dict[str, Any]], p: Preset, out: Path) -> list[Path]:
     return [w for w in (by_round, by_bytes) if w is not None]
 
 
-def write_results(
+def results_report(
     out: Path,
     results: list[dict[str, Any]],
     rows: dict[str, list],
@@ -644,9 +645,10 @@ def write_results(
     n_runs: int,
     seeds: int,
     wall: float,
-) -> None:
+) -> Report:
     """The tables (CSV), results.md, results.json (the records without their rows: the tables are made of
-    them) and the plots; also what rebuilds the committed tables from a results.json."""
+    them) and the plots (drawn into ``out``)."""
+    files: dict[str, Any] = {}
     md = [
         f"# AFIND+ reproduction ({scale} scale, {p.settings[0].base['rounds']} rounds)\n",
         f"{n_runs} runs, {seeds} seed(s), {wall:.0f} s wall. Accuracy: best-round and final-round mean of "
@@ -667,19 +669,24 @@ def write_results(
     }
     for name, (header, body) in tables(results, rows, p).items():
         md += [f"## {names[name]}\n", markdown_table(header, body)]
-        write_csv(out / f"{name}.csv", body, header)
+        files[f"{name}.csv"] = Rows(body, header)
     header, body = selection_simulation() if scale != "smoke" else (["-"], [])
     if body:
         title = "## Selection rule alone (spec 2.7: 100 clients, 10 groups, no training)\n"
         md += [title, markdown_table(header, body)]
-        write_csv(out / "selection_simulation.csv", body, header)
+        files["selection_simulation.csv"] = Rows(body, header)
     if checks := claims(results, p):
         md.append("## Claims (spec 9.1 pass criteria, primary setting)\n")
         md.append(markdown_table(["claim", "held", "measured"], [[c, VERDICT_WORDS[ok], m] for c, ok, m in checks]))
-    atomic_write(out / "results.md", "\n".join(md))
     plain = [{k: v for k, v in r.items() if k != "_rows"} for r in results]
-    atomic_write(out / "results.json", json.dumps(plain, indent=1))
-    plots(results, p, out)
+    files |= {"results.md": "\n".join(md), "results.json": Json(plain, indent=1)}
+    return Report(files, say=f"wrote {out / 'results.md'} ({wall:.0f} s)", figures=lambda out: plots(results, p, out))
+
+
+def write_results(out: Path, results: list[dict[str, Any]], rows: dict[str, list], p: Preset, *args: Any) -> None:
+    """Write ``results_report`` into ``out`` (``args``: scale, runs, seeds, wall): rebuilds the committed
+    tables from a results.json."""
+    results_report(out, results, rows, p, *args).write(out, show=False)
 
 
 # ------------------------------------------------------------------------------------------ the study
@@ -712,11 +719,9 @@ def study_plan(opts) -> Plan:
     return Plan(grid, (p, rows, seeds), workers=1 if opts.scale == "smoke" else None)
 
 
-def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> int:
+def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Report:
     p, rows, seeds = plan.context
-    write_results(Path(opts.out), results, rows, p, opts.scale, len(plan.points), seeds, wall)
-    print(f"wrote {Path(opts.out) / 'results.md'} ({wall:.0f} s)")
-    return 0
+    return results_report(Path(opts.out), results, rows, p, opts.scale, len(plan.points), seeds, wall)
 
 
 PAGE_CLAIMS = ("", "table3-dp", "fig5")  # the folders of the page's claim table, in its order

@@ -16,18 +16,17 @@ and with ``--from-records FILE`` it rebuilds the tables from committed records w
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 from dataclasses import dataclass, field
+from itertools import product
 from pathlib import Path
 from typing import Any
 
 from fedweave.config import ConfigError
 from fedweave.experiments.aggregate import group, to_target
 from fedweave.experiments.grid import Point
-from fedweave.experiments.study import Plan, Study, option
-from fedweave.experiments.tables import markdown_table, mean_std_cell, write_csv
+from fedweave.experiments.study import Plan, Report, Rows, Study, option
+from fedweave.experiments.tables import markdown_table, mean_std_cell, read_csv
 from fedweave.results import atomic_write
 from fedweave.runner import Result
 
@@ -108,12 +107,12 @@ def preset(scale: str) -> Preset:
     local = {"epochs": 1, "batch_size": 32, "lr": 0.05}
     targets = {"mnist": 0.80, "fashion_mnist": 0.70}
     if scale == "paper":
-        return Preset({"mnist": "cnn_mnist", "fashion_mnist": "cnn_fmnist"}, 200, 100, 10, 3,
-                      {"mnist": 0.95, "fashion_mnist": 0.80}, local, 5)  # fmt: skip
+        models = {"mnist": "cnn_mnist", "fashion_mnist": "cnn_fmnist"}
+        return Preset(models, 200, 100, 10, 3, {"mnist": 0.95, "fashion_mnist": 0.80}, local, 5)
     if scale == "small":
         # 20,000 training images (15,000 after the hold-out) keep a run near 20 s on a loaded 2-core machine
-        return Preset({"mnist": "cnn_small", "fashion_mnist": "cnn_small"}, 20, 100, 10, 3, targets, local, 5,
-                      {"max_train": 20000})  # fmt: skip
+        models = {"mnist": "cnn_small", "fashion_mnist": "cnn_small"}
+        return Preset(models, 20, 100, 10, 3, targets, local, 5, {"max_train": 20000})
     if scale == "smoke":
         return Preset({}, 2, 10, 5, 1, {}, {"epochs": 1, "batch_size": 16, "lr": 0.05}, 1)
     raise ConfigError(f"--scale: unknown {scale!r}; allowed paper, small, smoke")
@@ -134,25 +133,22 @@ def jobs(p: Preset, datasets: list[str], methods: list[Method], seeds: list[int]
     """One run per (dataset, split, method, seed), in ``OUT/runs/<dataset>/<split>/<method>-s<seed>``; the
     datasets first, so that a budget that runs out leaves whole datasets done."""
     points = []
-    for ds in datasets:
-        for split, partition in SPLITS.items():
-            for m in methods:
-                for s in seeds:
-                    name = f"{ds}/{split}/{m.key}-s{s}"
-                    config = {
-                        "name": f"baselines-{ds}-{split}-{m.key}",
-                        "seed": s,
-                        "rounds": p.rounds,
-                        "threads": 1,
-                        "dataset": {"name": ds, **p.dataset_options},
-                        "partition": {**partition, "num_clients": p.clients},
-                        "model": {"name": p.models.get(ds, "cnn_small"), **m.model},
-                        "algorithm": {**m.algorithm, "clients_per_round": p.per_round},
-                        "local": dict(p.local),
-                        "eval": {"every": p.eval_every, "holdout": 0.25, "personal_test": True},
-                        "output": {"dir": str(out / "runs" / name), "plots": False, "progress": False},
-                    }
-                    points.append(Point.of(config, name, dataset=ds, split=split, method=m.key))
+    for ds, (split, partition), m, s in product(datasets, SPLITS.items(), methods, seeds):
+        name = f"{ds}/{split}/{m.key}-s{s}"
+        config = {
+            "name": f"baselines-{ds}-{split}-{m.key}",
+            "seed": s,
+            "rounds": p.rounds,
+            "threads": 1,
+            "dataset": {"name": ds, **p.dataset_options},
+            "partition": {**partition, "num_clients": p.clients},
+            "model": {"name": p.models.get(ds, "cnn_small"), **m.model},
+            "algorithm": {**m.algorithm, "clients_per_round": p.per_round},
+            "local": dict(p.local),
+            "eval": {"every": p.eval_every, "holdout": 0.25, "personal_test": True},
+            "output": {"dir": str(out / "runs" / name), "plots": False, "progress": False},
+        }
+        points.append(Point.of(config, name, dataset=ds, split=split, method=m.key))
     return points
 
 
@@ -178,9 +174,8 @@ def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
     out = {"dataset": v["dataset"], "split": v["split"], "method": m.key, "seed": point.seed}
     out["status"] = res.summary["status"]
     if not rows or out["status"] != "completed":  # diverged: its numbers are NaN, counted as such in the cells
-        nan = math.nan
-        return {**out, "rounds": rows[-1]["round"] if rows else 0, "global_acc": nan, "client_acc": nan,
-                "worst_client_acc": nan, "spread": nan, "mib_to_target": "", "mib_total": nan}  # fmt: skip
+        nans = dict.fromkeys(["global_acc", "client_acc", "worst_client_acc", "spread"], math.nan)
+        return {**out, "rounds": rows[-1]["round"] if rows else 0, **nans, "mib_to_target": "", "mib_total": math.nan}
     last = rows[-1]
     mean, worst = fairness(last, m.personal)
     target = p.targets.get(v["dataset"])
@@ -197,18 +192,13 @@ def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
     }
 
 
-COLUMNS = ["dataset", "split", "method", "seed", "status", "rounds", "global_acc", "client_acc",
-           "worst_client_acc", "spread", "mib_to_target", "mib_total"]  # fmt: skip
-NUMBERS = ["seed", "rounds", "global_acc", "client_acc", "worst_client_acc", "spread", "mib_to_target", "mib_total"]
+COLUMNS = ["dataset", "split", "method", "seed", "status", "rounds", "global_acc", "client_acc", "worst_client_acc"]
+COLUMNS += ["spread", "mib_to_target", "mib_total"]
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
     """The per-seed records a report wrote (``records.csv``), numbers as numbers ("" stays: not reached)."""
-    rows = list(csv.DictReader(io.StringIO(Path(path).read_text(encoding="utf-8"))))
-    for r in rows:
-        for k in NUMBERS:
-            r[k] = r[k] if r[k] == "" else int(r[k]) if k in ("seed", "rounds") else float(r[k])
-    return rows
+    return [{**r, "mib_to_target": "" if r["mib_to_target"] is None else r["mib_to_target"]} for r in read_csv(path)]
 
 
 # ---- the page's tables -------------------------------------------------------------------------------------
@@ -235,20 +225,22 @@ def tables(records: list[dict[str, Any]], targets: dict[str, float]) -> str:
     for (ds, split), rs in group(records, lambda r: (r["dataset"], r["split"])).items():
         target = targets.get(ds)
         to = f"MiB to {100 * target:.0f} %" if target is not None else "MiB to target"
-        header = ["method", "kind", "seeds", "global acc (%)", "client acc (%)", "worst client (%)",
-                  "spread (pp)", to, "published"]  # fmt: skip
+        header = ["method", "kind", "seeds", "global acc (%)", "client acc (%)", "worst client (%)", "spread (pp)"]
+        header += [to, "published"]
         body = []
         for key, ms in group(rs, lambda r: r["method"]).items():
             m = BY_KEY.get(key)
             pub = PUBLISHED.get((ds, split, key))
-            body.append([
-                key,
-                "personal" if m and m.personal else "global",
-                len(ms),
-                *(mean_std_cell([r[c] for r in ms]) for c in ACCURACIES),
-                _reach_cell([r["mib_to_target"] for r in ms]),
-                f"{pub[0]} ({pub[1]})" if pub else "no matching published setting",
-            ])  # fmt: skip
+            body.append(
+                [
+                    key,
+                    "personal" if m and m.personal else "global",
+                    len(ms),
+                    *(mean_std_cell([r[c] for r in ms]) for c in ACCURACIES),
+                    _reach_cell([r["mib_to_target"] for r in ms]),
+                    f"{pub[0]} ({pub[1]})" if pub else "no matching published setting",
+                ]
+            )
         parts.append(f"### {ds}, {SPLIT_TEXT.get(split, split)}\n\n" + markdown_table(header, body))
     return "\n".join(parts)
 
@@ -256,8 +248,8 @@ def tables(records: list[dict[str, Any]], targets: dict[str, float]) -> str:
 def missing(records: list[dict[str, Any]], context: dict[str, Any]) -> str:
     """The page's line naming the runs of the grid that have no record (the time budget ran out), or ""."""
     have = {(r["dataset"], r["split"], r["method"], int(r["seed"])) for r in records}
-    want = [(d, s, m.key, i) for d in context["datasets"] for s in SPLITS for m in context["methods"]
-            for i in context["seeds"]]  # fmt: skip
+    grid = product(context["datasets"], SPLITS, context["methods"], context["seeds"])
+    want = [(d, s, m.key, i) for d, s, m, i in grid]
     gone = ["/".join(map(str, w)) for w in want if w not in have]
     return f"\nNot run (the time budget ran out): {', '.join(gone)}.\n" if gone else ""
 
@@ -300,21 +292,15 @@ def plan(opts) -> Plan:
     return Plan(jobs(p, context["datasets"], methods, seeds, Path(opts.out)), context)
 
 
-def report(records: list[dict[str, Any]], plan: Plan, opts, wall: float) -> int:
+def report(records: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Report:
     """``records.csv`` and ``tables.md`` in ``--out``; the page's generated section with ``--page``."""
-    out = Path(opts.out)
-    if opts.from_records:
-        records = read_records(opts.from_records)
-    else:
-        write_csv(out / "records.csv", records, COLUMNS)
-    text = section(records, plan.context)
-    atomic_write(out / "tables.md", text)
+    records = read_records(opts.from_records) if opts.from_records else records
+    files: dict[str, Any] = {} if opts.from_records else {"records.csv": Rows(records, COLUMNS)}
+    files["tables.md"] = text = section(records, plan.context)
     if opts.page:
         page = Path(opts.page)
         atomic_write(page, replace_section(page.read_text(encoding="utf-8"), text))
-    print(text)
-    print(f"{len(records)} records, wall {wall:.0f} s")
-    return 0
+    return Report(files, show="tables.md", say=f"{len(records)} records, wall {wall:.0f} s")
 
 
 STUDY = Study(

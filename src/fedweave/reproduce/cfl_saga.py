@@ -8,24 +8,23 @@ and qualitative statements, so the comparison table lists its claims and whether
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedweave.experiments.aggregate import group, if_all
+from fedweave.experiments.aggregate import group, median_of, per_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Lines, plot_lines
-from fedweave.experiments.study import Claim, Plan, Study, judge, load_records, option, save_records
-from fedweave.experiments.tables import markdown_table, read_csv, write_csv
+from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, judge, load_records, option, save_records
+from fedweave.experiments.tables import markdown_table, read_csv
 from fedweave.experiments.verdicts import All, Paired, Threshold, Untestable
-from fedweave.results import atomic_write
 from fedweave.runner import Result
 
 TARGETS = (1e-4, 1e-6, 1e-8)
@@ -79,8 +78,7 @@ class Job:
 def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any]:
     """A run's row: iterations and uploads at each target, the tail fit, the costs per iteration, and its
     per-iteration trace (``_curve``: opg, uploads, wall seconds) where the plots need it."""
-    with open(Path(res.run_dir) / "trace.csv", encoding="utf-8") as f:
-        trace = list(csv.DictReader(f))
+    trace = read_csv(Path(res.run_dir) / "trace.csv")
     gaps = [float(t["opt_gap"]) for t in trace]
     ups = [int(t["uploads"] or 0) for t in trace]  # the initial model: no upload yet
     v, first, last = dict(point.values), res.metrics[0], res.metrics[-1]
@@ -211,37 +209,28 @@ def alpha_jobs(seed: int) -> list[Job]:
 
 
 # ---- analysis ------------------------------------------------------------------------------------------
-def _median(rows: list[dict], key: str) -> float | None:
-    return if_all([r.get(key) for r in rows], statistics.median)  # a target counts if every seed reached it
+def _iqr(key: str) -> Callable[[list[dict]], str]:
+    """A cell's interquartile range of ``key`` (``q25-q75``) when every seed has a value and there are 2 or more."""
+
+    def stat(rs: list[dict]) -> str:
+        got = [r[key] for r in rs if r[key] is not None]
+        return f"{np.percentile(got, 25):.0f}-{np.percentile(got, 75):.0f}" if len(got) == len(rs) > 1 else ""
+
+    return stat
 
 
-MEDIANS = (
-    "iterations",
-    "uploads_per_iteration",
-    "upload_fraction",
-    "ms_per_iteration_wall",
-    "ms_per_iteration_cpu",
-    "final_opt_gap",
-    "tail_r2",
-)
+MEDIANS = ("iterations", "uploads_per_iteration", "upload_fraction", "ms_per_iteration_wall", "ms_per_iteration_cpu")
+MEDIANS += ("final_opt_gap", "tail_r2")
+# per (problem, topology, method), medians over the seeds; a target counts only if every seed reached it
+CELL: dict[str, Callable[[list[dict]], Any]] = {"seeds": len, **{k: median_of(k) for k in MEDIANS}}
+for _t in (f"{t:.0e}" for t in TARGETS):
+    CELL |= {f"iters_{_t}": median_of(f"iters_{_t}"), f"uploads_{_t}": median_of(f"uploads_{_t}")}
+    CELL[f"uploads_{_t}_iqr"] = _iqr(f"uploads_{_t}")
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
-    """Median over seeds per (problem, topology, method); a target counts only if every seed reached it."""
-    out = []
-    for (prob, topo, method), rs in group(rows, lambda r: (r["problem"], r["topology"], r["method"])).items():
-        agg = {"problem": prob, "topology": topo, "method": method, "seeds": len(rs)}
-        for key in MEDIANS:
-            agg[key] = _median(rs, key)
-        for t in TARGETS:
-            agg[f"iters_{t:.0e}"] = _median(rs, f"iters_{t:.0e}")
-            agg[f"uploads_{t:.0e}"] = _median(rs, f"uploads_{t:.0e}")
-            ups = [r[f"uploads_{t:.0e}"] for r in rs if r[f"uploads_{t:.0e}"] is not None]
-            agg[f"uploads_{t:.0e}_iqr"] = (
-                f"{np.percentile(ups, 25):.0f}-{np.percentile(ups, 75):.0f}" if len(ups) == len(rs) > 1 else ""
-            )
-        out.append(agg)
-    return out
+    """Median over seeds per (problem, topology, method) (``CELL``), and the IQR of the uploads to each target."""
+    return per_cell(rows, ("problem", "topology", "method"), CELL)
 
 
 def _best(aggs: list[dict], prefix: str, key: str) -> dict | None:
@@ -299,8 +288,13 @@ def _c2(topo):
         note = f"uploads fall with rho: {_yes(mono)}; iterations rise: {_yes(slower)}"
         return txt, *_verdict(mono and slower, note, mono)
 
-    return PaperClaim(f"C2 rho trade-off, {topo} (Fig. 3)", rule, "larger rho: fewer uploads, more iterations",
-                      declared=_d2(topo), records=lambda aggs, raw: _runs(raw, topo, IT))  # fmt: skip
+    return PaperClaim(
+        f"C2 rho trade-off, {topo} (Fig. 3)",
+        rule,
+        "larger rho: fewer uploads, more iterations",
+        declared=_d2(topo),
+        records=lambda aggs, raw: _runs(raw, topo, IT),
+    )
 
 
 def _best_pair(topo, aggs):
@@ -322,8 +316,13 @@ def _c3(topo):
             *_verdict(f >= 10, ">= 10x", f >= 5),
         )
 
-    return PaperClaim(f"C3 uploads vs GT-SAGA, {topo} (Fig. 4 d-f)", rule, "orders of magnitude fewer uploads",
-                      declared=_d3(topo), records=lambda aggs, raw: _runs(raw, topo, DEEP))  # fmt: skip
+    return PaperClaim(
+        f"C3 uploads vs GT-SAGA, {topo} (Fig. 4 d-f)",
+        rule,
+        "orders of magnitude fewer uploads",
+        declared=_d3(topo),
+        records=lambda aggs, raw: _runs(raw, topo, DEEP),
+    )
 
 
 def _c4(topo):
@@ -353,8 +352,13 @@ def _c5(topo):
             *_verdict(fastest is not None and g45.get(IT) is not None and fastest[IT] <= g45[IT]),
         )
 
-    return PaperClaim(f"C5 iterations vs GT-SAGA SR 0.45, {topo} (Fig. 4 a,c)", rule, "CFL-SAGA (rho=10) faster",
-                      declared=_d5(topo), records=lambda aggs, raw: _runs(raw, topo, IT))  # fmt: skip
+    return PaperClaim(
+        f"C5 iterations vs GT-SAGA SR 0.45, {topo} (Fig. 4 a,c)",
+        rule,
+        "CFL-SAGA (rho=10) faster",
+        declared=_d5(topo),
+        records=lambda aggs, raw: _runs(raw, topo, IT),
+    )
 
 
 def _c8(topo):
@@ -390,8 +394,13 @@ def _c6(prefix):
             *_verdict(f >= 2.5, ">= 2.5x"),
         )
 
-    return PaperClaim(f"C6 vs {prefix}, random (Figs. 6-7)", rule, "similar iterations, many more uploads",
-                      declared=_d6(prefix), records=lambda aggs, raw: _runs(raw, "random", DEEP))  # fmt: skip
+    return PaperClaim(
+        f"C6 vs {prefix}, random (Figs. 6-7)",
+        rule,
+        "similar iterations, many more uploads",
+        declared=_d6(prefix),
+        records=lambda aggs, raw: _runs(raw, "random", DEEP),
+    )
 
 
 def _c7(method):
@@ -404,9 +413,13 @@ def _c7(method):
         measured = f"{a['ms_per_iteration_cpu']:.2f} vs {ms:.2f} ms CPU per iteration"
         return measured, *_verdict(a["ms_per_iteration_cpu"] < ms)
 
-    return PaperClaim(f"C7 runtime, {method} (Fig. 5)", rule, "GT-SAGA cheaper per iteration than CFL-SAGA",
-                      declared=_pair("ms_per_iteration_cpu", method, "CFL-SAGA median", "less", unit="ms"),
-                      records=lambda aggs, raw: _cpu(raw))  # fmt: skip
+    return PaperClaim(
+        f"C7 runtime, {method} (Fig. 5)",
+        rule,
+        "GT-SAGA cheaper per iteration than CFL-SAGA",
+        declared=_pair("ms_per_iteration_cpu", method, "CFL-SAGA median", "less", unit="ms"),
+        records=lambda aggs, raw: _cpu(raw),
+    )
 
 
 # ---- the declared rules: each claim on the per-seed records (``raw.json``, the synthetic problem), paired by seed
@@ -436,8 +449,12 @@ def _d2(topo):
     def rule(aggs, raw):
         rhos = sorted((a["method"] for a in _on(topo, aggs) if a["method"].startswith("CFL-SAGA")), key=_rho)
         lo, hi = rhos[0], rhos[-1]  # the trade-off between its ends: uploads fall, iterations rise
-        return All(((f"uploads {_rho(hi):g} < {_rho(lo):g}", _pair(DEEP, hi, lo, "less")),
-                    (f"iterations {_rho(hi):g} > {_rho(lo):g}", _pair(IT, hi, lo))))  # fmt: skip
+        return All(
+            (
+                (f"uploads {_rho(hi):g} < {_rho(lo):g}", _pair(DEEP, hi, lo, "less")),
+                (f"iterations {_rho(hi):g} > {_rho(lo):g}", _pair(IT, hi, lo)),
+            )
+        )
 
     return rule
 
@@ -480,8 +497,14 @@ def _cpu(raw: list[dict]) -> list[dict]:
     ``CFL-SAGA median``)."""
     rnd = _runs(raw, "random", "ms_per_iteration_cpu")
     cfl = group([r for r in rnd if r["method"].startswith("CFL-SAGA")], lambda r: r["seed"])
-    med = [{"method": "CFL-SAGA median", "seed": s, "ms_per_iteration_cpu": statistics.median(
-        r["ms_per_iteration_cpu"] for r in rs)} for s, rs in cfl.items()]  # fmt: skip
+    med = [
+        {
+            "method": "CFL-SAGA median",
+            "seed": s,
+            "ms_per_iteration_cpu": statistics.median(r["ms_per_iteration_cpu"] for r in rs),
+        }
+        for s, rs in cfl.items()
+    ]
     return [r for r in rnd if r["method"].startswith("GT-SAGA")] + med
 
 
@@ -552,39 +575,36 @@ def table_md(aggs: list[dict], problem: str) -> str:
 SHOWN = {"CFL-SAGA rho=10", "CFL-SAGA rho=10000", "CFL-SAGA rho=1e+06"}
 
 
+FIGURES = {  # Figs. 3, 4 and 6-7 per problem and graph: the methods each draws
+    "fig3_rho": lambda m: m.startswith("CFL-SAGA"),
+    "fig4_vs_gtsaga": lambda m: m.startswith("GT-SAGA") or m in SHOWN,
+    "fig67_baselines": lambda m: m.startswith(("GT-SVRG", "GT-SARAH", "CFL-ADMM")) or m in SHOWN,
+}
+
+
 def plots(rows: list[dict], out: Path) -> list[Path]:
     """Per problem and graph: Figs. 3, 4 and 6-7 (optimality gap against iterations and against uploads) and,
     on the random graph, Fig. 5 (wall-clock seconds against iterations); the first seed's traces."""
     curves = [r for r in rows if "_curve" in r]
     written = []
-    for prob in sorted({r["problem"] for r in curves}):
-        for topo in sorted({r["topology"] for r in curves if r["problem"] == prob}):
-            sub = [r for r in curves if r["problem"] == prob and r["topology"] == topo]
-            shown = [r for r in sub if r["method"].startswith("GT-SAGA") or r["method"] in SHOWN]
-            groups = {
-                "fig3_rho": [r for r in sub if r["method"].startswith("CFL-SAGA")],
-                "fig4_vs_gtsaga": shown,
-                "fig67_baselines": [
-                    r
-                    for r in sub
-                    if r["method"].startswith(("GT-SVRG", "GT-SARAH", "CFL-ADMM")) or r["method"] in SHOWN
-                ],
-            }
-            for name, grp in groups.items():
-                if not grp or (name == "fig67_baselines" and len(grp) < 2):
-                    continue
-                by_it = [(np.arange(len(r["_curve"][0])), r["_curve"][0], r["method"]) for r in grp]
-                by_up = [(np.maximum(r["_curve"][1], 1), r["_curve"][0], r["method"]) for r in grp]
-                panels = [
-                    Lines(by_it, "semilogy", "iteration", "optimality gap"),
-                    Lines(by_up, "loglog", "cumulative uploads (vectors)", "optimality gap", 6),
-                ]
-                title = f"{prob}, {topo} graph (seed {sub[0]['seed']})"
-                written.append(plot_lines(panels, out / f"{prob}_{topo}_{name}.png", (11, 4), title))
-            if topo == "random":  # Fig. 5: runtime vs iterations
-                secs = [(np.arange(len(r["_curve"][2])), r["_curve"][2], r["method"]) for r in shown]
-                panel = Lines(secs, "plot", "iteration", "wall-clock seconds", legend=7)
-                written.append(plot_lines([panel], out / f"{prob}_{topo}_fig5_runtime.png", (6, 4)))
+    for (prob, topo), sub in sorted(group(curves, lambda r: (r["problem"], r["topology"])).items()):
+        for name, drawn in FIGURES.items():
+            grp = [r for r in sub if drawn(r["method"])]
+            if len(grp) < (2 if name == "fig67_baselines" else 1):  # baselines alone: nothing to compare
+                continue
+            by_it = [(np.arange(len(r["_curve"][0])), r["_curve"][0], r["method"]) for r in grp]
+            by_up = [(np.maximum(r["_curve"][1], 1), r["_curve"][0], r["method"]) for r in grp]
+            panels = [
+                Lines(by_it, "semilogy", "iteration", "optimality gap"),
+                Lines(by_up, "loglog", "cumulative uploads (vectors)", "optimality gap", 6),
+            ]
+            title = f"{prob}, {topo} graph (seed {sub[0]['seed']})"
+            written.append(plot_lines(panels, out / f"{prob}_{topo}_{name}.png", (11, 4), title))
+        if topo == "random":  # Fig. 5: runtime vs iterations
+            shown = [r for r in sub if FIGURES["fig4_vs_gtsaga"](r["method"])]
+            secs = [(np.arange(len(r["_curve"][2])), r["_curve"][2], r["method"]) for r in shown]
+            panel = Lines(secs, "plot", "iteration", "wall-clock seconds", legend=7)
+            written.append(plot_lines([panel], out / f"{prob}_{topo}_fig5_runtime.png", (6, 4)))
     return written
 
 
@@ -601,13 +621,12 @@ def load_raw(out: Path) -> list[dict]:
 CLAIM_COLUMNS = ["claim", "paper", "measured", "verdict"]
 
 
-def write_report(rows: list[dict], out: Path, meta: dict) -> None:
+def summary_files(rows: list[dict], meta: dict) -> dict[str, Any]:
+    """The report's files of every run in ``rows``: runs.csv, summary.csv (medians over seeds), claims.csv and
+    summary.md."""
     scale, seeds = meta["scale"], meta["seeds"]
     aggs = aggregate(rows)
-    write_csv(out / "runs.csv", rows)
-    write_csv(out / "summary.csv", aggs)
     cl = claims(aggs)
-    write_csv(out / "claims.csv", cl, CLAIM_COLUMNS)
     md = [
         f"# CFL-SAGA reproduction ({scale})",
         "",
@@ -628,8 +647,8 @@ def write_report(rows: list[dict], out: Path, meta: dict) -> None:
         if acc:
             md += [f"Test accuracy of x* (the optimum every method approaches): {acc[0]:.4f}.", ""]
     md += ["## The paper's claims (synthetic problem)", "", markdown_table(CLAIM_COLUMNS, cl).rstrip("\n")]
-    atomic_write(out / "summary.md", "\n".join(md) + "\n")
-    plots(rows, out)
+    files = {"runs.csv": Rows(rows), "summary.csv": Rows(aggs), "claims.csv": Rows(cl, CLAIM_COLUMNS)}
+    return {**files, "summary.md": "\n".join(md) + "\n"}
 
 
 def study_plan(opts) -> Plan:
@@ -657,20 +676,18 @@ def study_plan(opts) -> Plan:
     return Plan([j.point() for j in jobs], (kept, meta))
 
 
-def report(rows: list[dict], plan: Plan, opts, wall: float) -> int:
+def report(rows: list[dict], plan: Plan, opts, wall: float) -> Report:
     """raw.json, meta.json and the report (tables, claims, figures); ``--report-only``: the report from them."""
     out = Path(opts.out)
     kept, meta = plan.context
     if opts.report_only:
-        write_report(load_raw(out), out, meta)
-    else:
-        rows = kept + rows
-        save_raw(rows, out)
-        meta["runs"].append({"part": opts.part, "argv": opts.argv, "wall_seconds": wall, "workers": opts.workers})
-        atomic_write(out / "meta.json", json.dumps(meta) + "\n")
-        write_report(rows, out, meta)
-    print(f"wrote {out / 'summary.md'}")
-    return 0
+        rows = load_raw(out)
+        return Report(summary_files(rows, meta), say=f"wrote {out / 'summary.md'}", figures=lambda o: plots(rows, o))
+    rows = kept + rows
+    save_raw(rows, out)
+    meta["runs"].append({"part": opts.part, "argv": opts.argv, "wall_seconds": wall, "workers": opts.workers})
+    files = {"meta.json": Json(meta, indent=None, end="\n"), **summary_files(rows, meta)}
+    return Report(files, say=f"wrote {out / 'summary.md'}", figures=lambda o: plots(rows, o))
 
 
 # spec's independent numpy pilot (its §9 table): (topology, method, the page's label) -> (iterations, uploads)
@@ -768,8 +785,11 @@ def synthetic_section(aggs: list[dict]) -> str:
             label = _short(a["method"])
             if label == "CFL-SAGA ρ=0" and first_full:
                 label, first_full = label + " (full upload)", False
-            counts = ["–" if a[f"{w}_{t:.0e}"] is None else f"{a[f'{w}_{t:.0e}']:{',' if w == 'uploads' else ''}.0f}"
-                      for t in TARGETS for w in ("iters", "uploads")]  # fmt: skip
+            counts = [
+                "–" if a[f"{w}_{t:.0e}"] is None else f"{a[f'{w}_{t:.0e}']:{',' if w == 'uploads' else ''}.0f}"
+                for t in TARGETS
+                for w in ("iters", "uploads")
+            ]
             red = f"{best_g[DEEP] / a[DEEP]:.1f}×" if a.get(DEEP) else ""
             if a is best_c:
                 counts[-1], red = f"**{counts[-1]}**", f"**{red}**"

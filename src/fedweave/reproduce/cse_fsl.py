@@ -11,6 +11,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,9 @@ from fedweave.config import RunConfig
 from fedweave.experiments.aggregate import group, if_all, mean_std, to_target
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import plot_curves
-from fedweave.experiments.study import YES_NO, Claim, Plan, Study, Verdict, judge, option, verdict_table
-from fedweave.experiments.tables import markdown_table, read_csv, write_csv
+from fedweave.experiments.study import YES_NO, Claim, Plan, Report, Rows, Study, Verdict, judge, option, verdict_table
+from fedweave.experiments.tables import Col, layout, markdown_table, read_csv
 from fedweave.experiments.verdicts import All, Paired, Threshold, Untestable
-from fedweave.results import atomic_write
 from fedweave.runner import Result
 
 LABELS = {"fsl_mc": "FSL_MC", "fsl_oc": "FSL_OC (+clip)", "fsl_an": "FSL_AN", "cse_fsl": "CSE-FSL"}
@@ -121,23 +121,22 @@ def jobs(p: Preset, seeds: list[int], out: Path) -> list[Point]:
     variants += [(f"cse_fsl h={h}", {"name": "cse_fsl", "h": h}) for h in p.hs]
     variants.append((f"cse_fsl h={p.random_h} random", {"name": "cse_fsl", "h": p.random_h, "server_order": "random"}))
     points = []
-    for key, algo in variants:
-        for s in seeds:
-            tag = key.replace(" ", "_").replace("=", "")
-            config = {
-                "name": f"cse-fsl-{tag}",
-                "seed": s,
-                "rounds": p.rounds,
-                "threads": 1,
-                "dataset": p.dataset,
-                "partition": {**p.partition, "num_clients": p.clients},
-                "model": p.model,
-                "algorithm": {**algo, **p.algorithm},
-                "local": {"epochs": 1, "batch_size": p.batch_size, "lr": p.lr, **p.local},
-                "eval": {"every": 1},
-                "output": {"dir": str(out / "runs" / f"{tag}-s{s}"), "plots": False, "progress": False},
-            }
-            points.append(Point.of(config, f"{tag}-s{s}", key=key))
+    for (key, algo), s in product(variants, seeds):
+        tag = key.replace(" ", "_").replace("=", "")
+        config = {
+            "name": f"cse-fsl-{tag}",
+            "seed": s,
+            "rounds": p.rounds,
+            "threads": 1,
+            "dataset": p.dataset,
+            "partition": {**p.partition, "num_clients": p.clients},
+            "model": p.model,
+            "algorithm": {**algo, **p.algorithm},
+            "local": {"epochs": 1, "batch_size": p.batch_size, "lr": p.lr, **p.local},
+            "eval": {"every": 1},
+            "output": {"dir": str(out / "runs" / f"{tag}-s{s}"), "plots": False, "progress": False},
+        }
+        points.append(Point.of(config, f"{tag}-s{s}", key=key))
     return points
 
 
@@ -356,22 +355,45 @@ NO_SEEDS = "the load to reach the target has no per-seed record (the table: its 
 # tables' "held"). Minimum effects: the spec's 3 pp of "similar accuracy" (C2, one-sided: a CSE row above FSL_AN
 # is no failure), 1.5 pp of Fig. 6's order invariance (C6), the 1 pp of C7, NONIID_GAP (C8), 0 for C9's order.
 CLAIMS = [
-    Claim("C1 measured bytes equal the closed forms (every method, every round)", _c1, declared=_closed_forms,
-          records=lambda t, p: [{"mismatches": sum(not r["load_exact"] for r in t)}]),
-    Claim("C2 CSE-FSL with small h within 3 pp of FSL_AN at equal rounds", _c2,
-          declared=lambda t, p: All(tuple((f"{m} vs FSL_AN - 3 pp", _acc(m, "fsl_an - 3 pp"))
-                                          for m in (x["method"] for x in _mid(t)))),
-          records=lambda t, p: _less(p.records, "fsl_an", 3.0)),
-    Claim(lambda t, p: f"C3 less load to reach {100 * p.target:.0f} % test accuracy: CSE (h>1) < FSL_AN < FSL_MC", _c3,
-          declared=Untestable(NO_SEEDS)),
-    Claim("C5 CSE-FSL keeps one server-side model; storage < 0.4× FSL_AN", _c5,
-          declared=Threshold("ratio", "<", 0.4, unit="× FSL_AN's storage"),
-          records=lambda t, p: [{"ratio": _cse(t)[0]["storage_m"] / _by(t)["fsl_an"]["storage_m"]}]),
-    Claim("C6 ordered vs randomly ordered server within 1.5 pp (Fig. 6)", _c6, records=lambda t, p: p.records,
-          declared=lambda t, p: (lambda r: _acc(r.replace(" random", ""), r, "within", 1.5))(
-              next(x["method"] for x in t if "random" in x["method"]))),
-    Claim("C7 CSE-FSL h=1 >= FSL_OC (+clip) - 1 pp (testable only if FSL_OC is > 1 pp below FSL_MC/AN)", _c7,
-          declared=_c7_rule, records=lambda t, p: _less(p.records, "fsl_oc", 1.0)),
+    Claim(
+        "C1 measured bytes equal the closed forms (every method, every round)",
+        _c1,
+        declared=_closed_forms,
+        records=lambda t, p: [{"mismatches": sum(not r["load_exact"] for r in t)}],
+    ),
+    Claim(
+        "C2 CSE-FSL with small h within 3 pp of FSL_AN at equal rounds",
+        _c2,
+        declared=lambda t, p: All(
+            tuple((f"{m} vs FSL_AN - 3 pp", _acc(m, "fsl_an - 3 pp")) for m in (x["method"] for x in _mid(t)))
+        ),
+        records=lambda t, p: _less(p.records, "fsl_an", 3.0),
+    ),
+    Claim(
+        lambda t, p: f"C3 less load to reach {100 * p.target:.0f} % test accuracy: CSE (h>1) < FSL_AN < FSL_MC",
+        _c3,
+        declared=Untestable(NO_SEEDS),
+    ),
+    Claim(
+        "C5 CSE-FSL keeps one server-side model; storage < 0.4× FSL_AN",
+        _c5,
+        declared=Threshold("ratio", "<", 0.4, unit="× FSL_AN's storage"),
+        records=lambda t, p: [{"ratio": _cse(t)[0]["storage_m"] / _by(t)["fsl_an"]["storage_m"]}],
+    ),
+    Claim(
+        "C6 ordered vs randomly ordered server within 1.5 pp (Fig. 6)",
+        _c6,
+        records=lambda t, p: p.records,
+        declared=lambda t, p: (lambda r: _acc(r.replace(" random", ""), r, "within", 1.5))(
+            next(x["method"] for x in t if "random" in x["method"])
+        ),
+    ),
+    Claim(
+        "C7 CSE-FSL h=1 >= FSL_OC (+clip) - 1 pp (testable only if FSL_OC is > 1 pp below FSL_MC/AN)",
+        _c7,
+        declared=_c7_rule,
+        records=lambda t, p: _less(p.records, "fsl_oc", 1.0),
+    ),
     Claim(
         lambda t, p: (
             f"C8 non-IID: CSE-FSL h={p.random_h} more than {NONIID_GAP:g} pp below FSL_MC "
@@ -381,11 +403,19 @@ CLAIMS = [
         declared=lambda t, p: _acc(f"cse_fsl h={p.random_h}", "fsl_mc", "less", NONIID_GAP),
         records=lambda t, p: p.records,
     ),
-    Claim(lambda t, p: f"C9 non-IID ordering of Table V: FSL_MC > FSL_AN > FSL_OC > CSE-FSL h={p.random_h}", _c9,
-          declared=lambda t, p: All((("MC > AN", _acc("fsl_mc", "fsl_an")), ("AN > OC", _acc("fsl_an", "fsl_oc")),
-                                     ("OC > CSE", _acc("fsl_oc", f"cse_fsl h={p.random_h}")))),
-          records=lambda t, p: p.records),
-]  # fmt: skip
+    Claim(
+        lambda t, p: f"C9 non-IID ordering of Table V: FSL_MC > FSL_AN > FSL_OC > CSE-FSL h={p.random_h}",
+        _c9,
+        declared=lambda t, p: All(
+            (
+                ("MC > AN", _acc("fsl_mc", "fsl_an")),
+                ("AN > OC", _acc("fsl_an", "fsl_oc")),
+                ("OC > CSE", _acc("fsl_oc", f"cse_fsl h={p.random_h}")),
+            )
+        ),
+        records=lambda t, p: p.records,
+    ),
+]
 
 
 def claims(table: list[dict[str, Any]], p: Preset) -> list[Verdict]:
@@ -486,16 +516,14 @@ def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
     return collect(point, res, facts[key])
 
 
-def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> int:
+def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Report:
     """Table V (markdown and CSV), the claims and the figures; exit 1 when a measured load is not its formula."""
     p, seeds, _ = plan.context
-    out = Path(opts.out)
     table = summarize(results, p)
-    atomic_write(out / "table.md", markdown(table, claims(table, p), p, opts.scale, seeds, wall))
-    write_csv(out / "table.csv", table, [k for k, _ in COLUMNS] + CSV_EXTRA)
-    plots(results, out)
-    print((out / "table.md").read_text())
-    return 0 if all(t["load_exact"] for t in table) else 1
+    md = markdown(table, claims(table, p), p, opts.scale, seeds, wall)
+    status = 0 if all(t["load_exact"] for t in table) else 1
+    files = {"table.md": md, "table.csv": Rows(table, [k for k, _ in COLUMNS] + CSV_EXTRA)}
+    return Report(files, "table.md", status, figures=lambda out: plots(results, out))
 
 
 # the page's generated claim tables: (block, the committed Table V beside the page, its scale and dataset)
@@ -526,35 +554,39 @@ def _label(method: str) -> str:
     return {"fsl_oc": "FSL_OC (+clip)"}.get(method, name.upper() if method.startswith("fsl") else name)
 
 
+def _mib(t: dict[str, Any]) -> float | None:
+    return None if t["load_to_target_gib"] is None else 1024 * t["load_to_target_gib"]
+
+
+# the page's Table V, declared: the columns of every table of it, then the load's
+V5 = [
+    Col("method", lambda t: _label(t["method"])),
+    Col("acc (%)", "accuracy", ".2f"),
+    Col("± std", "accuracy_std", ".2f"),
+]
+LOAD = Col("load / FSL_MC", "load_ratio", ".3f")
+
+
 def page_table(table: list[dict[str, Any]], p: Preset, noniid: bool) -> str:
     """The page's Table V of one committed ``table-*.csv``: accuracy (mean, std), load and storage with the
     paper's CIFAR-10 numbers (the non-IID column: accuracy per seed and the paper's non-IID accuracy)."""
-    per = {}
-    for r in p.records:
-        per.setdefault(r["method"], []).append(f"{r['accuracy']:.2f}")
-
-    def opt(v, fmt: str) -> str:
-        return "—" if v is None else format(v, fmt)
-
-    reach = f"load to reach {100 * p.target:.0f} % (MiB)"
+    per = group(p.records, lambda r: r["method"])
     if noniid:
-        header = ["method", "acc (%)", "± std", "per seed", "load / FSL_MC", "paper non-IID acc (%)"]
-        body = [[_label(t["method"]), f"{t['accuracy']:.2f}", f"{t['accuracy_std']:.2f}", ", ".join(per[t["method"]]),
-                 f"{t['load_ratio']:.3f}", opt(t["paper_acc"], ".2f")] for t in table]  # fmt: skip
-        return markdown_table(header, body)
-    body = [[_label(t["method"]), f"{t['accuracy']:.2f}", f"{t['accuracy_std']:.2f}", f"{t['load_gib']:.4f}",
-             f"{t['load_ratio']:.3f}", f"{t['storage_m']:.4f}", t["server_copies"],
-             opt(None if t["load_to_target_gib"] is None else 1024 * t["load_to_target_gib"], ".1f")]
-            for t in table]  # fmt: skip
-    if p.dataset["name"] == "digits":
-        header = ["method", "acc (%)", "± std", "load (GiB)", "load / FSL_MC", "storage (M)", "copies", reach]
-        return markdown_table(header, body)
-    header = ["method", "acc (%)", "± std", "load (GiB)", "load / FSL_MC", "storage (M params)", "server copies", reach]
-    header += ["paper CIFAR acc", "paper load / FSL_MC", "paper storage (M)"]
-    paper = [
-        [opt(t["paper_acc"], ".2f"), opt(t["paper_load_ratio"], ".3f"), opt(t["paper_storage"], ".2f")] for t in table
+        seeds = Col("per seed", lambda t: ", ".join(f"{r['accuracy']:.2f}" for r in per[t["method"]]))
+        return layout([*V5, seeds, LOAD, Col("paper non-IID acc (%)", "paper_acc", ".2f")], table)
+    digits = p.dataset["name"] == "digits"
+    cols = [
+        *V5,
+        Col("load (GiB)", "load_gib", ".4f"),
+        LOAD,
+        Col("storage (M)" if digits else "storage (M params)", "storage_m", ".4f"),
     ]
-    return markdown_table(header, [b + q for b, q in zip(body, paper)])
+    cols.append(Col("copies" if digits else "server copies", "server_copies"))
+    cols.append(Col(f"load to reach {100 * p.target:.0f} % (MiB)", _mib, ".1f"))
+    if not digits:
+        cols += [Col("paper CIFAR acc", "paper_acc", ".2f"), Col("paper load / FSL_MC", "paper_load_ratio", ".3f")]
+        cols.append(Col("paper storage (M)", "paper_storage", ".2f"))
+    return layout(cols, table)
 
 
 STUDY = Study(

@@ -8,20 +8,27 @@ preset runs and which files it writes is on the page, docs/reproductions/fedmim.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedweave.experiments.aggregate import group, mean_std
+from fedweave.experiments.aggregate import diverged, group, mean_of, mean_std, per_cell, per_seed, ranks, std_of
 from fedweave.experiments.grid import Point
-from fedweave.experiments.plots import Panel, plot_panels
-from fedweave.experiments.study import HELD, Claim, Plan, Study, Verdict, judge, not_run, option
-from fedweave.experiments.tables import csv_text, grouped_table, markdown_table, pm, read_csv, write_csv
+from fedweave.experiments.plots import Panel, plot_panels, seed_lines
+from fedweave.experiments.study import HELD, Claim, Json, Plan, Report, Rows, Study, Verdict, judge, not_run, option
+from fedweave.experiments.tables import (
+    bold_best,
+    csv_text,
+    grouped_table,
+    indent,
+    markdown_table,
+    pm,
+    read_csv,
+    signed,
+)
 from fedweave.experiments.verdicts import All, Paired, Untestable
-from fedweave.results import atomic_write
 from fedweave.runner import Result
 
 # ---- the paper's numbers ------------------------------------------------------------------------------
@@ -290,32 +297,21 @@ def plan(
     grid = p.grid + (p.extension if extend else [])
     names = list(dict.fromkeys(d for d, _, _ in grid))
     rename = dict(zip(names, datasets)) if datasets else {d: d for d in names}  # unmatched ones are dropped
-    points = []
+    variants = [v for v, _ in p.variants] or [""]
     if p.variants:
-        for seed in seeds:
-            for preset_dataset, split, group in grid:
-                for variant, _ in p.variants:
-                    for method in group:
-                        if preset_dataset not in rename or (methods is not None and method not in methods):
-                            continue
-                        dataset = rename[preset_dataset]
-                        slug = re.sub(r"[^A-Za-z0-9.]+", "_", variant).strip("_")
-                        name = f"{dataset}-{split}-{method}-{slug}-s{seed}"
-                        cfg = run_config(p, dataset, split, method, seed, out / "runs" / name, variant)
-                        points.append(Point.of(cfg, name, dataset=dataset, split=split, method=method, variant=variant))
-        return points
-    for preset_dataset, split, group in grid:
-        if preset_dataset not in rename:
-            continue
-        dataset = rename[preset_dataset]
-        for seed in seeds:
-            for method in group:
-                if methods is not None and method not in methods:
-                    continue
-                name = f"{dataset}-{split}-{method}-s{seed}"
-                cfg = run_config(p, dataset, split, method, seed, out / "runs" / name)
-                points.append(Point.of(cfg, name, dataset=dataset, split=split, method=method))
-    return points
+        runs = [(seed, entry, v, m) for seed in seeds for entry in grid for v in variants for m in entry[2]]
+    else:
+        runs = [(seed, entry, v, m) for entry in grid for seed in seeds for v in variants for m in entry[2]]
+    runs = [(seed, d, split, v, m) for seed, (d, split, _), v, m in runs if methods is None or m in methods]
+    return [_point(p, out, rename[d], split, m, seed, v) for seed, d, split, v, m in runs if d in rename]
+
+
+def _point(p: Preset, out: Path, dataset: str, split: str, method: str, seed: int, variant: str) -> Point:
+    """One run of the grid, in ``OUT/runs/<name>``: named by its cell, variant (made filesystem-safe) and seed."""
+    slug = re.sub(r"[^A-Za-z0-9.]+", "_", variant).strip("_")
+    name = "-".join(x for x in (dataset, split, method, slug, f"s{seed}") if x)
+    cfg = run_config(p, dataset, split, method, seed, out / "runs" / name, variant)
+    return Point.of(cfg, name, dataset=dataset, split=split, method=method, **({"variant": variant} if variant else {}))
 
 
 def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any]:
@@ -344,46 +340,35 @@ def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any
 
 
 # ---- tables and plots -----------------------------------------------------------------------------
-def _ranks(values: dict[str, float]) -> dict[str, int]:
-    order = sorted(values, key=lambda k: -values[k])
-    return {k: i + 1 for i, k in enumerate(order)}
+def _finished(rs: list[dict]) -> list[dict]:
+    """A cell's runs that did not diverge (all of them when none finished: the cell then reads NaN)."""
+    return [r for r in rs if math.isfinite(r["final_acc"])] or rs
+
+
+TABLE_STATS = {
+    "seeds": len,
+    "diverged": diverged("final_acc"),
+    "final_acc_mean": mean_of("final_acc", _finished),
+    "final_acc_std": std_of("final_acc", _finished),
+    "best_acc_mean": mean_of("best_acc", _finished),
+    "consistency_last20": mean_of("consistency_last20", _finished),
+}
 
 
 def summarize(records: list[dict]) -> tuple[list[dict], dict]:
-    """Per (dataset, split, method): mean/std of final accuracy and consistency; plus the claim checks."""
-    cells = group(records, lambda r: (r["dataset"], r["split"], r["method"]))
-    table = []
-    for (d, s, m), all_rs in cells.items():
-        rs = [r for r in all_rs if math.isfinite(r["final_acc"])] or all_rs
-        acc_m, acc_sd = mean_std([r["final_acc"] for r in rs])
-        best_m, _ = mean_std([r["best_acc"] for r in rs])
-        cons_m, _ = mean_std([r["consistency_last20"] for r in rs])
-        table.append(
-            {
-                "dataset": d,
-                "split": s,
-                "method": m,
-                "seeds": len(all_rs),
-                "diverged": sum(not math.isfinite(r["final_acc"]) for r in all_rs),
-                "final_acc_mean": acc_m,
-                "final_acc_std": acc_sd,
-                "best_acc_mean": best_m,
-                "consistency_last20": cons_m,
-                "paper_cifar10": TABLE_I[m].get(("cifar10", s)),
-            }
-        )
-    for d, s in {(t["dataset"], t["split"]) for t in table}:
-        col = [t for t in table if (t["dataset"], t["split"]) == (d, s)]
-        ours = _ranks({t["method"]: t["final_acc_mean"] for t in col})
-        paper = _ranks(
-            {t["method"]: TABLE_I[t["method"]][("cifar10", s)] for t in col if ("cifar10", s) in TABLE_I[t["method"]]}
-        )
+    """Per (dataset, split, method): mean/std of final accuracy and consistency, the ranks in the column and
+    the paper's CIFAR-10 number and rank beside them; plus the claim checks."""
+    table = per_cell(records, ("dataset", "split", "method"), TABLE_STATS)
+    for (_, s), col in group(table, lambda t: (t["dataset"], t["split"])).items():
+        paper = {
+            t["method"]: TABLE_I[t["method"]][("cifar10", s)] for t in col if ("cifar10", s) in TABLE_I[t["method"]]
+        }
+        ours, paper_ranks = ranks({t["method"]: t["final_acc_mean"] for t in col}), ranks(paper)
         for t in col:
-            t["rank"], t["paper_rank"] = ours[t["method"]], paper.get(t["method"])
-    claims = {}
-    for d in sorted({t["dataset"] for t in table}):
-        claims[d] = _claims(records, d)
-    return table, claims
+            t.update(
+                paper_cifar10=paper.get(t["method"]), rank=ours[t["method"]], paper_rank=paper_ranks.get(t["method"])
+            )
+    return table, {d: _claims(records, d) for d in sorted({t["dataset"] for t in table})}
 
 
 def _claims(records: list[dict], dataset: str) -> dict[str, Any]:
@@ -435,8 +420,11 @@ def _of(c: dict[str, Any], dataset: str) -> list[dict]:
 def _seed_gaps(c: dict[str, Any], dataset: str) -> list[dict]:
     """Per split and seed, FedMIM's final accuracy minus FedAvg's (the same seed: the same partition)."""
     by = {(r["split"], r["method"], r["seed"]): r["final_acc"] for r in _of(c, dataset)}
-    return [{"split": s, "seed": k, "gap": a - by[(s, "fedavg", k)]} for (s, m, k), a in by.items()
-            if m == "fedmim" and (s, "fedavg", k) in by]  # fmt: skip
+    return [
+        {"split": s, "seed": k, "gap": a - by[(s, "fedavg", k)]}
+        for (s, m, k), a in by.items()
+        if m == "fedmim" and (s, "fedavg", k) in by
+    ]
 
 
 def _accuracy(c: dict[str, Any], _):
@@ -531,7 +519,7 @@ def markdown(
             paper = f"{t['paper_cifar10']:.2f}" if t["paper_cifar10"] is not None else "–"
             div = f" ({t['diverged']}/{t['seeds']} diverged)" if t["diverged"] else ""
             return [
-                pm(t["final_acc_mean"], t["final_acc_std"]) + div,
+                _acc(t) + div,
                 t["rank"],
                 f"{t['consistency_last20']:.3g}",
                 paper,
@@ -566,20 +554,19 @@ def markdown(
     return "\n".join(lines)
 
 
+def _width(method: str) -> dict[str, float]:
+    """FedMIM's line drawn wider than the others."""
+    return {"lw": 2.2 if method == "fedmim" else 1.2}
+
+
 def plot(records: list[dict], out: Path) -> list[Path]:
     """``OUT/curves-<dataset>.png``: test accuracy (top) and local consistency (bottom) against rounds per
     split, the mean over seeds with a band."""
     paths = []
     for d in sorted({r["dataset"] for r in records}):
         splits = [s for s in ("iid", "dir0.3", "dir0.1") if any(r["dataset"] == d and r["split"] == s for r in records)]
-        lines = {
-            s: [
-                (LABELS[m], runs, {"lw": 2.2 if m == "fedmim" else 1.2})
-                for m in METHODS
-                if (runs := [r["_rows"] for r in records if (r["dataset"], r["split"], r["method"]) == (d, s, m)])
-            ]
-            for s in splits
-        }
+        cells = {s: [r for r in records if (r["dataset"], r["split"]) == (d, s)] for s in splits}
+        lines = {s: seed_lines(cells[s], "method", METHODS, LABELS.get, _width) for s in splits}
         acc = [
             Panel(
                 lines[s],
@@ -618,67 +605,55 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> tuple[str, str]:
         "",
     ]
     for dataset, split, methods in p.grid:
-        header = ["round", *(LABELS[m] for m in methods)]
-        header += [f"FedMIM − {LABELS[m]} (per seed)" for m in methods if m != "fedmim"]
+        others = [m for m in methods if m != "fedmim"]
+        header = ["round", *(LABELS[m] for m in methods), *(f"FedMIM − {LABELS[m]} (per seed)" for m in others)]
         body = []
         for t in p.report_rounds:
-            cells, gap_cells = [], []
-            for m in methods:
-                vals = [acc[(dataset, split, m, s)][t] for s in seeds if t in acc.get((dataset, split, m, s), {})]
-                cells.append(pm(*mean_std(vals)) + f" ({len(vals)})" if vals else "–")
-            for m in methods:
-                if m == "fedmim":
-                    continue
-                g = []
-                for s in seeds:
-                    a, b = acc.get((dataset, split, "fedmim", s), {}), acc.get((dataset, split, m, s), {})
-                    if t in a and t in b:
-                        g.append(a[t] - b[t])
-                        lines.append([dataset, split, m, s, t, f"{b[t]:.2f}", f"{a[t] - b[t]:.2f}"])
-                gap_cells.append(f"{sum(g) / len(g):+.2f} ({', '.join(f'{x:+.2f}' for x in g)})" if g else "–")
-            for s in seeds:
-                a = acc.get((dataset, split, "fedmim", s), {})
-                if t in a:
-                    lines.append([dataset, split, "fedmim", s, t, f"{a[t]:.2f}", "0.00"])
-            body.append([t, *cells, *gap_cells])
+            at = {m: {s: a[t] for s in seeds if t in (a := acc.get((dataset, split, m, s), {}))} for m in methods}
+            cells = [pm(*mean_std(list(at[m].values()))) + f" ({len(at[m])})" if at[m] else "–" for m in methods]
+            for m in others:
+                g = {s: at["fedmim"][s] - b for s, b in at[m].items() if s in at["fedmim"]}
+                lines += [[dataset, split, m, s, t, f"{at[m][s]:.2f}", f"{x:.2f}"] for s, x in g.items()]
+                per = ", ".join(f"{x:+.2f}" for x in g.values())
+                cells.append(f"{sum(g.values()) / len(g):+.2f} ({per})" if g else "–")
+            lines += [[dataset, split, "fedmim", s, t, f"{a:.2f}", "0.00"] for s, a in at["fedmim"].items()]
+            body.append([t, *cells])
         md += [f"## {dataset} {split}", "", markdown_table(header, body)]
     header = ["dataset", "split", "method", "seed", "round", "accuracy", "fedmim_minus_method"]
     return csv_text(lines, header), "\n".join(md)
 
 
 # ---- the variant presets' tables: Table II, Table III, Fig. 2a ------------------------------------------
+def _ok(rs: list[dict]) -> list[dict]:
+    """A cell's runs that did not diverge, in seed order."""
+    return sorted((r for r in rs if math.isfinite(r["final_acc"])), key=lambda r: r["seed"])
+
+
+def _auc(rs: list[dict]) -> float:
+    """The mean over the finished runs of their mean test accuracy (%) over the evaluated rounds."""
+    return mean_std([100 * sum(x["test_accuracy"] for x in r["_rows"]) / len(r["_rows"]) for r in _ok(rs)])[0]
+
+
+VARIANT_STATS = {
+    "seeds": len,
+    "diverged": diverged("final_acc"),
+    "final_acc_mean": lambda rs: round(mean_of("final_acc", _ok)(rs), 2),
+    "final_acc_std": lambda rs: round(std_of("final_acc", _ok)(rs), 2),
+    "mean_acc_over_rounds": lambda rs: round(_auc(rs), 2),
+    "consistency_last20": lambda rs: round(mean_of("consistency_last20", _ok)(rs), 4),
+    "final_acc_per_seed": per_seed("final_acc"),
+}
+
+
 def variant_summary(records: list[dict], p: Preset) -> list[dict]:
     """Per (variant, method), in the preset's order: final accuracy mean ± std over seeds (diverged runs
     counted apart), the mean accuracy over the evaluated rounds (how fast it converges), the local
     consistency of the last 20 rounds, the per-seed finals, and the paper's number where it has one."""
-    labels = [v for v, _ in p.variants]
     methods = list(dict.fromkeys(m for _, _, group in p.grid + p.extension for m in group))
-    rows = []
-    for vi, v in enumerate(labels):
-        for m in methods:
-            rs = sorted((r for r in records if (r["variant"], r["method"]) == (v, m)), key=lambda r: r["seed"])
-            if not rs:
-                continue
-            ok = [r for r in rs if math.isfinite(r["final_acc"])]
-            acc, sd = mean_std([r["final_acc"] for r in ok])
-            auc, _ = mean_std([100 * sum(x["test_accuracy"] for x in r["_rows"]) / len(r["_rows"]) for r in ok])
-            cons, _ = mean_std([r["consistency_last20"] for r in ok])
-            paper = TABLE_II_C10[m][vi] if p.table == "epochs" else TABLE_III[vi][2] if p.table == "ablation" else None
-            rows.append(
-                {
-                    "variant": v,
-                    "method": m,
-                    "seeds": len(rs),
-                    "diverged": len(rs) - len(ok),
-                    "final_acc_mean": round(acc, 2),
-                    "final_acc_std": round(sd, 2),
-                    "mean_acc_over_rounds": round(auc, 2),
-                    "consistency_last20": round(cons, 4),
-                    "final_acc_per_seed": " / ".join(f"{r['final_acc']:.2f}" for r in rs),
-                    "paper_c10": "" if paper is None else paper,
-                }
-            )
-    return rows
+    cells = {(c["variant"], c["method"]): c for c in per_cell(records, ("variant", "method"), VARIANT_STATS)}
+    paper = {"epochs": lambda i, m: TABLE_II_C10[m][i], "ablation": lambda i, m: TABLE_III[i][2]}.get(p.table)
+    rows = [(i, v, m) for i, (v, _) in enumerate(p.variants) for m in methods if (v, m) in cells]
+    return [cells[(v, m)] | {"paper_c10": paper(i, m) if paper else ""} for i, v, m in rows]
 
 
 def variant_claims(rows: list[dict], p: Preset) -> list[tuple[str, bool | None, str]]:
@@ -731,8 +706,13 @@ class Cells:
         """Per method and seed, how much its final accuracy changes between the first and the last variant."""
         by = {(r["variant"], r["method"], r["seed"]): r["final_acc"] for r in self.records}
         lo, hi = self.labels[0], self.labels[-1]
-        return _seeded([{"method": m, "seed": k, "change": abs(by[(hi, m, k)] - a)} for (v, m, k), a in by.items()
-                         if v == lo and (hi, m, k) in by])  # fmt: skip
+        return _seeded(
+            [
+                {"method": m, "seed": k, "change": abs(by[(hi, m, k)] - a)}
+                for (v, m, k), a in by.items()
+                if v == lo and (hi, m, k) in by
+            ]
+        )
 
 
 def _cell(v: str, m: str = "fedmim") -> dict[str, str]:
@@ -970,7 +950,7 @@ def variant_markdown(rows: list[dict], checks: list, name: str, p: Preset, wall:
         body = [
             [
                 r["variant"],
-                pm(r["final_acc_mean"], r["final_acc_std"]),
+                _acc(r),
                 r["final_acc_per_seed"],
                 f"{r['mean_acc_over_rounds']:.2f}",
                 f"{r['consistency_last20']:.3g}",
@@ -987,7 +967,7 @@ def variant_markdown(rows: list[dict], checks: list, name: str, p: Preset, wall:
                 return None
             div = f" ({r['diverged']}/{r['seeds']} diverged)" if r["diverged"] else ""
             return [
-                pm(r["final_acc_mean"], r["final_acc_std"]) + div,
+                _acc(r) + div,
                 f"{r['mean_acc_over_rounds']:.2f}",
                 f"{r['consistency_last20']:.3g}",
             ] + ([f"{r['paper_c10']:.2f}"] if paper else [])
@@ -1007,12 +987,10 @@ def variant_plot(records: list[dict], p: Preset, name: str, out: Path) -> Path:
     methods = list(dict.fromkeys(r["method"] for r in records))
     grid = []
     for panel in [None] if p.table == "ablation" else labels:
-        lines = []
-        for v in labels if panel is None else [panel]:
-            for m in methods:
-                if runs := [r["_rows"] for r in records if (r["variant"], r["method"]) == (v, m)]:
-                    style = {"lw": 2.2 if m == "fedmim" and panel is not None else 1.2}
-                    lines.append((v if panel is None else LABELS[m], runs, style))
+        if panel is None:  # Table III: FedMIM alone, each row a line
+            lines = seed_lines(records, "variant", labels, style=lambda v: {"lw": 1.2})
+        else:
+            lines = seed_lines([r for r in records if r["variant"] == panel], "method", methods, LABELS.get, _width)
         title = f"{name}: {panel or 'FedMIM rows'} (mean over seeds)"
         grid.append(
             Panel(
@@ -1032,11 +1010,9 @@ RESULT_KEYS = ["dataset", "split", "method", "variant", "seed", "final_acc", "be
 RESULT_KEYS += ["consistency_last20", "status", "rounds_done", "wall_seconds", "cpu_seconds"]
 
 
-def write_results(records: list[dict], out: Path, variant: bool = False) -> float | None:
-    """``OUT/results.csv``, one row per run (a variant preset's with its variant); returns the runs' summed
-    CPU seconds when every run has them (the machine is shared: CPU time says what a preset costs)."""
-    keys = [k for k in RESULT_KEYS if variant or k != "variant"]
-    write_csv(out / "results.csv", records, keys, float_format=".6g")
+def _cpu(records: list[dict]) -> float | None:
+    """The runs' summed CPU seconds when every run has them (the machine is shared: CPU time says what a
+    preset costs)."""
     cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
     return sum(cpus) if cpus and len(cpus) == len(records) else None
 
@@ -1044,18 +1020,13 @@ def write_results(records: list[dict], out: Path, variant: bool = False) -> floa
 def write_variant_outputs(records: list[dict], skipped: list, name: str, p: Preset, out: Path, wall: float) -> int:
     """A variant preset's files: results.csv (one row per run), NAME.csv and NAME.md (the table beside the
     paper's and the claim checks), claims.json and curves-NAME.png."""
-    cpu = write_results(records, out, variant=True)
     rows = variant_summary(records, p)
     checks = variant_claims(rows, p)
-    write_csv(out / f"{name}.csv", rows)
-    md = variant_markdown(rows, checks, name, p, wall, cpu)
-    md += not_run(skipped)
-    atomic_write(out / f"{name}.md", md)
+    md = variant_markdown(rows, checks, name, p, wall, _cpu(records)) + not_run(skipped)
     claims = [{"claim": c, "verdict": HELD[ok], "measured": m} for c, ok, m in checks]
-    atomic_write(out / "claims.json", json.dumps(claims, indent=2, ensure_ascii=False))
-    variant_plot(records, p, name, out)
-    print(md)
-    return 0
+    files = {"results.csv": Rows(records, RESULT_KEYS, ".6g"), f"{name}.csv": Rows(rows), f"{name}.md": md}
+    files["claims.json"] = Json(claims, ensure_ascii=False)
+    return Report(files, show=f"{name}.md", figures=lambda out: variant_plot(records, p, name, out)).write(out)
 
 
 # ---- the study ------------------------------------------------------------------------------------------
@@ -1102,6 +1073,16 @@ def sections(folder: Path) -> dict[str, str]:
     }
 
 
+def _acc(row: dict) -> str:
+    """A row's final accuracy, mean ± std over its seeds."""
+    return pm(row["final_acc_mean"], row["final_acc_std"])
+
+
+def _bold_acc(rows: list[dict]) -> list[str]:
+    """The rows' final accuracies, the most accurate in bold."""
+    return bold_best([_acc(r) for r in rows], [r["final_acc_mean"] for r in rows])
+
+
 def _page_per_seed(rows: list[dict]) -> str:
     """The small preset's Dir-0.1 Fashion-MNIST finals and best accuracies per seed, FedAvg against FedMIM."""
     by = {(r["method"], r["seed"]): r for r in rows if (r["dataset"], r["split"]) == ("fashion_mnist", "dir0.1")}
@@ -1119,16 +1100,25 @@ def _page_per_seed(rows: list[dict]) -> str:
 
 def _page_mnist(rows: list[dict]) -> str:
     """The page's MNIST table (``table.csv``, inside a list item: indented), the best of each split in bold."""
-    core = ["fedavg", "scaffold", "fedcm", "fedmim"]
-    cols = []
+    return indent(markdown_table(["method", "IID", "cons.", "Dir-0.1", "cons."], _core_rows(rows, "mnist", False)))
+
+
+PAGE_CORE = ["fedavg", "scaffold", "fedcm", "fedmim"]  # the rows of the page's Table I and MNIST table
+
+
+def _core_rows(rows: list[dict], dataset: str, paper: bool) -> list[list]:
+    """Per method of ``PAGE_CORE``, at IID and at Dir-0.1 (``table.csv``): the final accuracy (each split's best
+    in bold) and the consistency; with ``paper``, also our rank, the paper's CIFAR-10 number and its rank."""
+    body = [[LABELS[m]] for m in PAGE_CORE]
     for split in ("iid", "dir0.1"):
-        by = {r["method"]: r for r in rows if (r["dataset"], r["split"]) == ("mnist", split)}
-        cells = _bold_best([pm(by[m]["final_acc_mean"], by[m]["final_acc_std"]) for m in core],
-                           [by[m]["final_acc_mean"] for m in core])  # fmt: skip
-        cols.append([[c, f"{by[m]['consistency_last20']:#.3g}"] for m, c in zip(core, cells)])
-    body = [[LABELS[m], *cols[0][i], *cols[1][i]] for i, m in enumerate(core)]
-    table = markdown_table(["method", "IID", "cons.", "Dir-0.1", "cons."], body)
-    return "".join(f"  {line}\n" for line in table.splitlines()) + "  "
+        by = {r["method"]: r for r in rows if (r["dataset"], r["split"]) == (dataset, split)}
+        cells = _bold_acc([by[m] for m in PAGE_CORE])
+        ours = ranks({m: by[m]["final_acc_mean"] for m in PAGE_CORE})
+        theirs = ranks({m: by[m]["paper_cifar10"] for m in PAGE_CORE}) if paper else {}
+        for row, m, cell in zip(body, PAGE_CORE, cells):
+            cons = f"{by[m]['consistency_last20']:#.3g}"
+            row += [cell, ours[m], cons, f"{by[m]['paper_cifar10']:.2f}", theirs[m]] if paper else [cell, cons]
+    return body
 
 
 def _page_long(rows: list[dict]) -> str:
@@ -1137,9 +1127,6 @@ def _page_long(rows: list[dict]) -> str:
     methods = ["fedavg", "fedmim", "fedcm", "scaffold"]
     acc = {(r["round"], r["method"], r["seed"]): r["accuracy"] for r in rows}
     seeds = sorted({r["seed"] for r in rows})
-
-    def signed(x: float) -> str:
-        return f"{x:+.2f}".replace("-", "−")
 
     body = []
     for t in sorted({r["round"] for r in rows}):
@@ -1152,27 +1139,12 @@ def _page_long(rows: list[dict]) -> str:
     return markdown_table(header, body)
 
 
-def _bold_best(cells: list[str], values: list[float]) -> list[str]:
-    """``cells`` with the one of the largest value in bold."""
-    top = max(range(len(values)), key=values.__getitem__)
-    return [f"**{c}**" if i == top else c for i, c in enumerate(cells)]
-
-
 def _page_table1(rows: list[dict]) -> str:
     """The page's Table I: the four core methods on Fashion-MNIST (``table.csv``), ranks among them, the best
     of each split in bold, the paper's CIFAR-10 number and its rank among the same four."""
-    core = ["fedavg", "scaffold", "fedcm", "fedmim"]
-    cols = []
-    for split in ("iid", "dir0.1"):
-        by = {r["method"]: r for r in rows if (r["dataset"], r["split"]) == ("fashion_mnist", split)}
-        acc = [by[m]["final_acc_mean"] for m in core]
-        ours, paper = _ranks(dict(zip(core, acc))), _ranks({m: by[m]["paper_cifar10"] for m in core})
-        cells = _bold_best([pm(by[m]["final_acc_mean"], by[m]["final_acc_std"]) for m in core], acc)
-        cols.append([[c, ours[m], f"{by[m]['consistency_last20']:#.3g}", f"{by[m]['paper_cifar10']:.2f}", paper[m]]
-                     for m, c in zip(core, cells)])  # fmt: skip
     header = ["method", "IID: ours", "rank", "cons.", "paper C10 IID", "paper rank"]
     header += ["Dir-0.1: ours", "rank", "cons.", "paper C10 DIR.1", "paper rank"]
-    return markdown_table(header, [[LABELS[m], *cols[0][i], *cols[1][i]] for i, m in enumerate(core)])
+    return markdown_table(header, _core_rows(rows, "fashion_mnist", True))
 
 
 ABLATION_ROWS = (  # Table III's rows on the page, in TABLE_III's order
@@ -1190,8 +1162,8 @@ ABLATION_ROWS = (  # Table III's rows on the page, in TABLE_III's order
 
 def _page_ablation(rows: list[dict]) -> str:
     """The page's Table III (``ablation/ablation.csv``): ours, per seed and the paper's, the best of each in bold."""
-    ours = _bold_best([pm(r["final_acc_mean"], r["final_acc_std"]) for r in rows], [r["final_acc_mean"] for r in rows])
-    paper = _bold_best([f"{r['paper_c10']:.2f}" for r in rows], [r["paper_c10"] for r in rows])
+    ours = _bold_acc(rows)
+    paper = bold_best([f"{r['paper_c10']:.2f}" for r in rows], [r["paper_c10"] for r in rows])
     body = [[label, o, r["final_acc_per_seed"], p] for label, o, r, p in zip(ABLATION_ROWS, ours, rows, paper)]
     return markdown_table(["row (alpha on δ_t, δ_t−1; beta)", "ours", "per seed", "paper"], body)
 
@@ -1201,8 +1173,14 @@ def _page_epochs(rows: list[dict]) -> str:
     labels = list(dict.fromkeys(r["variant"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     by = {(r["method"], r["variant"]): r for r in rows}
-    body = [[LABELS[m], *(pm(by[(m, v)]["final_acc_mean"], by[(m, v)]["final_acc_std"]) for v in labels),
-             " / ".join(f"{by[(m, v)]['paper_c10']:.2f}" for v in labels)] for m in methods]  # fmt: skip
+    body = [
+        [
+            LABELS[m],
+            *(_acc(by[(m, v)]) for v in labels),
+            " / ".join(f"{by[(m, v)]['paper_c10']:.2f}" for v in labels),
+        ]
+        for m in methods
+    ]
     heads = [v.replace("=", " = ") for v in labels]
     return markdown_table(["method", *heads, "paper C10 E = " + " / ".join(h.split(" = ")[1] for h in heads)], body)
 
@@ -1213,14 +1191,18 @@ def _page_participation(rows: list[dict]) -> str:
     lo, hi = list(dict.fromkeys(r["variant"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     by = {(r["method"], r["variant"]): r for r in rows}
-    cols = {v: _bold_best([pm(by[(m, v)]["final_acc_mean"], by[(m, v)]["final_acc_std"]) for m in methods],
-                          [by[(m, v)]["final_acc_mean"] for m in methods]) for v in (lo, hi)}  # fmt: skip
+    cols = {v: _bold_acc([by[(m, v)] for m in methods]) for v in (lo, hi)}
     body = [
-        [LABELS[m], cols[lo][i], f"{by[(m, lo)]['mean_acc_over_rounds']:.2f}", cols[hi][i],
-         f"{by[(m, hi)]['mean_acc_over_rounds']:.2f}",
-         f"{abs(by[(m, hi)]['final_acc_mean'] - by[(m, lo)]['final_acc_mean']):.2f}"]
+        [
+            LABELS[m],
+            cols[lo][i],
+            f"{by[(m, lo)]['mean_acc_over_rounds']:.2f}",
+            cols[hi][i],
+            f"{by[(m, hi)]['mean_acc_over_rounds']:.2f}",
+            f"{abs(by[(m, hi)]['final_acc_mean'] - by[(m, lo)]['final_acc_mean']):.2f}",
+        ]
         for i, m in enumerate(methods)
-    ]  # fmt: skip
+    ]
     h = [v.replace("%", " %") for v in (lo, hi)]
     return markdown_table(
         ["method", h[0], "mean over rounds", h[1], "mean over rounds", f"change {h[0]} → {h[1]}"], body
@@ -1245,8 +1227,11 @@ def _small_cost(folder: Path) -> str:
 def _round50(folder: Path) -> str:
     """How far the ``long`` preset's round-50 accuracies (``long/gaps.csv``) are from the ``small`` preset's
     T = 50 finals (``results.csv``), run by run."""
-    small = {(r["method"], r["seed"]): r["final_acc"] for r in read_csv(folder / "results.csv")
-             if (r["dataset"], r["split"]) == ("fashion_mnist", "dir0.1")}  # fmt: skip
+    small = {
+        (r["method"], r["seed"]): r["final_acc"]
+        for r in read_csv(folder / "results.csv")
+        if (r["dataset"], r["split"]) == ("fashion_mnist", "dir0.1")
+    }
     diffs = sorted(
         (abs(r["accuracy"] - small[k]), k, r["accuracy"], small[k])
         for r in read_csv(folder / "long" / "gaps.csv")
@@ -1267,28 +1252,23 @@ def study_plan(opts) -> Plan:
     return Plan(plan(p, Path(opts.out), seeds, opts.datasets, opts.methods, opts.extend), (p, seeds))
 
 
-def report(records: list[dict], plan_: Plan, opts, wall: float) -> int:
+TABLE_KEYS = ["dataset", "split", "method", "seeds", "diverged", "final_acc_mean", "final_acc_std", "best_acc_mean"]
+TABLE_KEYS += ["consistency_last20", "rank", "paper_cifar10", "paper_rank"]
+
+
+def report(records: list[dict], plan_: Plan, opts, wall: float) -> int | Report:
     """Table I (or a variant preset's table), results.csv, the claims, the curves and the gaps."""
     p, seeds = plan_.context
-    out, skipped = Path(opts.out), plan_.skipped
+    out = Path(opts.out)
     if p.variants:
-        return write_variant_outputs(records, skipped, opts.scale, p, out, wall)
+        return write_variant_outputs(records, plan_.skipped, opts.scale, p, out, wall)
     table, claims = summarize(records)
-    cpu = write_results(records, out)
-    tkeys = ["dataset", "split", "method", "seeds", "diverged", "final_acc_mean", "final_acc_std", "best_acc_mean"]
-    tkeys += ["consistency_last20", "rank", "paper_cifar10", "paper_rank"]
-    write_csv(out / "table.csv", table, tkeys, float_format=".6g")
-    md = markdown(table, claims, opts.scale, p, wall, cpu)
-    md += not_run(skipped)
-    atomic_write(out / "table.md", md)
-    atomic_write(out / "claims.json", json.dumps(claims, indent=2))
-    plot(records, out)
+    md = markdown(table, claims, opts.scale, p, wall, _cpu(records)) + not_run(plan_.skipped)
+    files = {"results.csv": Rows(records, [k for k in RESULT_KEYS if k != "variant"], ".6g")}
+    files |= {"table.csv": Rows(table, TABLE_KEYS, ".6g"), "table.md": md, "claims.json": Json(claims)}
     if p.report_rounds:
-        gap_csv, gap_md = gaps(out, p, seeds)
-        atomic_write(out / "gaps.csv", gap_csv)
-        atomic_write(out / "gaps.md", gap_md)
-    print(md)
-    return 0
+        files["gaps.csv"], files["gaps.md"] = gaps(out, p, seeds)
+    return Report(files, show="table.md", figures=lambda out: plot(records, out))
 
 
 STUDY = Study(

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,10 @@ from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import cache_datasets as _cache_datasets
 from fedweave.experiments.jobs import load_average
 from fedweave.experiments.plots import Panel, plot_panels
-from fedweave.experiments.study import HELD, Claim, Plan, Study, option
-from fedweave.experiments.tables import grouped_table, markdown_table, pm, read_csv, write_csv
+from fedweave.experiments.study import HELD, Claim, Json, Plan, Report, Rows, Study, option
+from fedweave.experiments.tables import grouped_table, markdown_table, pm, read_csv
 from fedweave.experiments.verdicts import Untestable
 from fedweave.memory import cpu_seconds
-from fedweave.results import atomic_write
 from fedweave.runner import Result
 
 SETTINGS = [(1000.0, 0.9), (1.0, 0.5), (0.1, 0.1)]  # (Dirichlet alpha, participation beta), paper §IV
@@ -81,13 +81,14 @@ class Preset:
     datasets: list[str]
     rounds: int  # Table I runs
     tau: float  # Table I tau
-    sweep_dataset: list[str]
-    sweep_taus: list[float]
-    sweep_rounds: int
-    sweep_seeds: int  # how many of the seeds the tau sweep uses
     batch_size: int
     server_batch_size: int
     eval_every: int
+    # the tau sweep (Fig. 2): its datasets (none: no sweep), taus, rounds and how many of the seeds it uses
+    sweep_dataset: list[str] = field(default_factory=list)
+    sweep_taus: list[float] = field(default_factory=list)
+    sweep_rounds: int = 0
+    sweep_seeds: int = 0
     dataset_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     lam: float = 10.0  # spec A1 (not given in the paper)
     mu: float = 0.1
@@ -204,10 +205,6 @@ PRESETS = {
         datasets=["adult"],
         rounds=100,
         tau=5,
-        sweep_dataset=[],
-        sweep_taus=[],
-        sweep_rounds=0,
-        sweep_seeds=0,
         batch_size=32,
         server_batch_size=32,
         eval_every=2,
@@ -228,10 +225,6 @@ PRESETS = {
         datasets=["mnist", "fashion_mnist"],
         rounds=100,
         tau=20,
-        sweep_dataset=[],
-        sweep_taus=[],
-        sweep_rounds=0,
-        sweep_seeds=0,
         batch_size=64,
         server_batch_size=64,
         eval_every=5,
@@ -553,9 +546,19 @@ def page_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
 # ---- writing -------------------------------------------------------------------------------------------
 
 
-def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], out: Path, meta: dict) -> None:
-    write_csv(out / "table.csv", rows)
+def table_report(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], meta: dict) -> Report:
+    """Table I's files: ``table.csv`` (``rows``), ``table.md`` and ``claims.json`` (the claims' values, the meta)."""
+    files = {"table.csv": Rows(rows), "table.md": table_md(p, rows, claims, meta)}
+    return Report({**files, "claims.json": Json({"claims": claims, "meta": meta})}, show="table.md")
 
+
+def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], out: Path, meta: dict) -> None:
+    """Write Table I's files (``table_report``) into ``out``: rebuilds a committed table from its files."""
+    table_report(p, rows, claims, meta).write(out, show=False)
+
+
+def table_md(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], meta: dict) -> str:
+    """``table.md``: Table I per dataset beside the paper's, the claims, their values and the invocation's cost."""
     lines = [
         "# ZO-HFL Table I at our scale, beside the paper's",
         "",
@@ -589,51 +592,39 @@ def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], o
         f"load average at the end {meta['load_at_end']}.",
         "",
     ]
-    atomic_write(out / "table.md", "\n".join(lines))
-    atomic_write(out / "claims.json", json.dumps({"claims": claims, "meta": meta}, indent=2))
+    return "\n".join(lines)
 
 
 def write_plots(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int], out: Path) -> None:
     """Fig. 2 (global loss and test cross-entropy against rounds per tau) and test accuracy against rounds per
     method, one panel per setting; the mean over seeds with a band."""
+
+    def title(ds: str, s: tuple[float, float]) -> str:
+        return f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})"
+
+    def runs(ds: str, s: tuple[float, float], m: str) -> list[list[dict[str, Any]]]:
+        return [results[run_config(p, ds, s, m, seed, p.tau, p.rounds, out)["name"]]["rows"] for seed in seeds]
+
     for ds in p.sweep_dataset:
+        taus = {
+            s: [(f"tau={t:g}", [results[n]["rows"] for n in _sweep_names(p, ds, s, t, out)], {}) for t in p.sweep_taus]
+            for s in SETTINGS
+        }
         fig2 = [
-            [
-                Panel(
-                    [
-                        (f"tau={tau:g}", [results[n]["rows"] for n in _sweep_names(p, ds, s, tau, out)], {})
-                        for tau in p.sweep_taus
-                    ],
-                    metric,
-                    title=f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})",
-                    xlabel="round",
-                    ylabel=ylabel,
-                )
-                for s in SETTINGS
-            ]
+            [Panel(taus[s], metric, title=title(ds, s), xlabel="round", ylabel=ylabel) for s in SETTINGS]
             for metric, ylabel in (("global_loss", "global loss f1 + f2"), ("test_loss", "test loss"))
         ]
         plot_panels(fig2, out / f"fig2_{ds}.png", panel_size=(4.2, 3.2), dpi=80)
     methods = [m for m in p.methods if p.rounds_of(m) == p.rounds and m not in p.sensitivity]
     for ds in p.datasets:
+        first = {"ylabel": "test accuracy", "legend": {"fontsize": 7}}
         panels = [
             Panel(
-                [
-                    (
-                        label(m),
-                        [
-                            results[run_config(p, ds, s, m, seed, p.tau, p.rounds, out)["name"]]["rows"]
-                            for seed in seeds
-                        ],
-                        {},
-                    )
-                    for m in methods
-                ],
+                [(label(m), runs(ds, s, m), {}) for m in methods],
                 "test_accuracy",
-                title=f"{DATASET_LABELS.get(ds, ds)} ({SETTING_NAMES[s]})",
+                title=title(ds, s),
                 xlabel="round",
-                ylabel="test accuracy" if j == 0 else None,
-                legend={"fontsize": 7} if j == 0 else None,
+                **(first if j == 0 else {"ylabel": None, "legend": None}),
             )
             for j, s in enumerate(SETTINGS)
         ]
@@ -644,20 +635,14 @@ def write_plots(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int],
 
 
 def plan(p: Preset, seeds: list[int], out: Path) -> list[dict[str, Any]]:
-    configs = {}
-    for ds in p.datasets:
-        for s in SETTINGS:
-            for m in p.methods:
-                for seed in p.seeds_of(m, seeds):
-                    c = run_config(p, ds, s, m, seed, p.tau, p.rounds_of(m), out)
-                    configs[c["name"]] = c
-    for ds in p.sweep_dataset:
-        for s in SETTINGS:
-            for seed in range(p.sweep_seeds):
-                for tau in p.sweep_taus:
-                    c = run_config(p, ds, s, "zo_hfl", seed, tau, p.sweep_rounds, out)
-                    configs.setdefault(c["name"], c)
-    return order(list(configs.values()))
+    """Table I's runs (dataset, setting, method, seed), then the tau sweep's (a run both need runs once)."""
+    table = product(p.datasets, SETTINGS, p.methods)
+    configs = [
+        run_config(p, ds, s, m, k, p.tau, p.rounds_of(m), out) for ds, s, m in table for k in p.seeds_of(m, seeds)
+    ]
+    sweep = product(p.sweep_dataset, SETTINGS, range(p.sweep_seeds), p.sweep_taus)
+    configs += [run_config(p, ds, s, "zo_hfl", seed, tau, p.sweep_rounds, out) for ds, s, seed, tau in sweep]
+    return order(list({c["name"]: c for c in configs}.values()))
 
 
 def order(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -674,16 +659,11 @@ def tune_configs(p: Preset, seeds: list[int], out: Path) -> list[dict[str, Any]]
     """ZO-HFL over the (lambda, mu, gamma_0) grid on every dataset and setting; scored on a validation set
     held out of the training set, so the test set is not looked at. lambda = 0 ignores mu (one run)."""
     configs = {}
-    for ds in p.datasets:
-        for s in SETTINGS:
-            for seed in seeds:
-                for lam in p.tune_lams:
-                    for mu in p.tune_mus if lam > 0 else p.tune_mus[:1]:
-                        for g in p.tune_server_lrs:
-                            over = {"lam": lam, "mu": mu, "server_lr": g, "validation": p.validation}
-                            tag = f"-lam{lam:g}-mu{mu:g}-g{g:g}-val"
-                            c = run_config(p, ds, s, "zo_hfl", seed, p.tau, p.rounds, out, overrides=over, tag=tag)
-                            configs[c["name"]] = c
+    for ds, s, seed, lam in product(p.datasets, SETTINGS, seeds, p.tune_lams):
+        for mu, g in product(p.tune_mus if lam > 0 else p.tune_mus[:1], p.tune_server_lrs):
+            over, tag = {"lam": lam, "mu": mu, "server_lr": g, "validation": p.validation}, f"-lam{lam:g}-mu{mu:g}"
+            c = run_config(p, ds, s, "zo_hfl", seed, p.tau, p.rounds, out, overrides=over, tag=f"{tag}-g{g:g}-val")
+            configs[c["name"]] = c
     return order(list(configs.values()))
 
 
@@ -705,8 +685,8 @@ def tune_summary(configs: list[dict[str, Any]], results: dict[str, dict[str, Any
     return sorted(rows, key=lambda r: -r["mean"])
 
 
-def write_tune(rows: list[dict[str, Any]], out: Path, meta: dict) -> None:
-    write_csv(out / "tune.csv", rows)
+def tune_md(rows: list[dict[str, Any]], meta: dict) -> str:
+    """``tune.md``: the validation accuracy of every (lambda, mu, gamma_0), best first."""
     cols = list(rows[0])
     lines = [
         "# ZO-HFL: lambda and mu chosen on a validation split (spec A1)",
@@ -720,7 +700,7 @@ def write_tune(rows: list[dict[str, Any]], out: Path, meta: dict) -> None:
         f"(workers included) {meta['cpu_seconds']:.0f} s; load average at the end {meta['load']}.",
         "",
     ]
-    atomic_write(out / "tune.md", "\n".join(lines))
+    return "\n".join(lines)
 
 
 def study_plan(opts) -> Plan:
@@ -740,7 +720,7 @@ def study_plan(opts) -> Plan:
     return Plan([Point.of(c, c["name"]) for c in configs], (p, seeds, configs), initializer=_cache_datasets)
 
 
-def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> int:
+def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> Report:
     """Table I, the claims and the figures (or the tuning table)."""
     p, seeds, configs = plan_.context
     out = Path(opts.out)
@@ -755,9 +735,8 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> int
             "cpu_seconds": cpu_seconds(),
             "load": load_average(),
         }
-        write_tune(tune_summary(configs, results), out, meta)
-        print((out / "tune.md").read_text())
-        return 0
+        rows = tune_summary(configs, results)
+        return Report({"tune.csv": Rows(rows), "tune.md": tune_md(rows, meta)}, show="tune.md")
     meta = {
         "scale": opts.scale,
         "rounds": p.rounds,
@@ -772,10 +751,9 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> int
         "reused": sum(bool(v.get("reused")) for v in results.values()),
     }
     rows, claims = summarize(p, results, seeds, out)
-    write_table(p, rows, claims, out, meta)
-    write_plots(p, results, seeds, out)
-    print((out / "table.md").read_text())
-    return 0
+    report = table_report(p, rows, claims, meta)
+    report.figures = lambda out: write_plots(p, results, seeds, out)
+    return report
 
 
 PAGE_CLAIMS = ("adult/claims.json", "claims.json", "long/claims.json")  # the page's claim table, in its order
@@ -809,9 +787,14 @@ def fig2_section(claims: dict[str, Any], dataset: str = "fashion_mnist") -> str:
     c = claims[dataset]
     glob, test = c["C3_final_global_loss_per_tau"], c["C3_final_test_loss_per_tau"]
     taus = " / ".join(next(iter(test.values())))
-    body = [[setting.replace("a=", "alpha=").replace("b=", "beta="),
-             " / ".join(f"{v:.4f}" for v in glob[setting].values()),
-             " / ".join(f"{v:.5f}" for v in test[setting].values())] for setting in test]  # fmt: skip
+    body = [
+        [
+            setting.replace("a=", "alpha=").replace("b=", "beta="),
+            " / ".join(f"{v:.4f}" for v in glob[setting].values()),
+            " / ".join(f"{v:.5f}" for v in test[setting].values()),
+        ]
+        for setting in test
+    ]
     return markdown_table(["setting", f"global loss, tau = {taus}", f"test loss, tau = {taus}"], body)
 
 
@@ -872,12 +855,17 @@ SENSITIVITY_LABELS = {  # the page's sensitivity rows (spec §9.2, A5, A11)
 def sensitivity_section(rows: list[dict]) -> str:
     """The page's sensitivity table from the small preset's ``table.csv``: mean ± std per dataset and setting."""
     by = {(r["method"], r["dataset"], r["alpha"], r["beta"]): r for r in rows}
-    cols = [(ds, a, b) for ds in ("mnist", "fashion_mnist")
-            for a, b in dict.fromkeys((r["alpha"], r["beta"]) for r in rows if r["dataset"] == ds)]  # fmt: skip
+    cols = [
+        (ds, a, b)
+        for ds in ("mnist", "fashion_mnist")
+        for a, b in dict.fromkeys((r["alpha"], r["beta"]) for r in rows if r["dataset"] == ds)
+    ]
     name = {"mnist": "MNIST", "fashion_mnist": "FMNIST"}
     header = ["method", *(f"{name[ds]} {a:g}/{100 * b:.0f}%" for ds, a, b in cols)]
-    body = [[label, *(pm(by[(m, *c)]["acc_mean"], by[(m, *c)]["acc_std"]) for c in cols)]
-            for m, label in SENSITIVITY_LABELS.items()]  # fmt: skip
+    body = [
+        [label, *(pm(by[(m, *c)]["acc_mean"], by[(m, *c)]["acc_std"]) for c in cols)]
+        for m, label in SENSITIVITY_LABELS.items()
+    ]
     return markdown_table(header, body)
 
 
@@ -901,12 +889,15 @@ def cost_section(folder: Path) -> str:
     body = [
         ["`--tune`", tune_runs, f"{t['wall']} s", f"{t['cpu']} s", t["load"]],
         ["`--scale small` (the last invocation)", runs, f"{s['wall']} s", f"{s['cpu']} s", s["load"]],
-    ]  # fmt: skip
+    ]
     sens = PRESETS["small"].sensitivity
-    groups = {"Table I core rows (FedAvg, FedProx, SCAFFOLD, ZO-HFL, server-only)": lambda m: m in METHODS,
-              "the sensitivity rows of spec §9.2": lambda m: m in sens,
-              "the extra rows (ZO-HFL at other lambdas, FedAvg with the server's share, server-only long)":
-                  lambda m: m not in METHODS and m not in sens}  # fmt: skip
+    groups = {
+        "Table I core rows (FedAvg, FedProx, SCAFFOLD, ZO-HFL, server-only)": lambda m: m in METHODS,
+        "the sensitivity rows of spec §9.2": lambda m: m in sens,
+        "the extra rows (ZO-HFL at other lambdas, FedAvg with the server's share, server-only long)": lambda m: (
+            m not in METHODS and m not in sens
+        ),
+    }
     rows = read_csv(folder / "table.csv")
     cpu = {g: sum(r["cpu_seconds_mean"] * r["seeds"] for r in rows if f(r["method"])) for g, f in groups.items()}
     split = "; ".join(f"{g} {v:.0f} s" for g, v in cpu.items())
@@ -920,7 +911,7 @@ def cost_section(folder: Path) -> str:
                 "load average at the end (1, 5, 15 min)",
             ],
             body,
-        )  # fmt: skip
+        )
         + f"\nThe {runs} runs of the small preset used {int(total)} CPU-s of their own (data loading not included),\n"
         f"so the preset needs about {int(total) / 2 / 60:.0f} minutes of 2 idle cores (CPU time measured under load"
         " is itself\ninflated, so this is an upper estimate). From `table.csv` (mean CPU time per run times its seeds):"
