@@ -27,6 +27,14 @@ def test_smoke_preset_writes_table_claims_and_plots(tmp_path):
     assert rows[0][1] == ("held" if claims["C1_robust_under_extreme_heterogeneity"] else "did not hold")
     for png in ("fig2_digits.png", "accuracy_digits.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    # the per-seed records: one per Table I run and column (the server-only run once per setting) and sweep run
+    seeds = list(csv.DictReader((tmp_path / "results.csv").open()))
+    p = zo_hfl.PRESETS["smoke"]
+    assert len(seeds) == len(zo_hfl.SETTINGS) * (len(zo_hfl.METHODS) + len(p.sweep_taus))
+    assert list(seeds[0]) == zo_hfl.SEED_COLUMNS
+    by = {(r["method"], float(r["alpha"]), float(r["beta"])): float(r["acc"]) for r in seeds if r["part"] == "table"}
+    for r in csv.DictReader((tmp_path / "table.csv").open()):  # one seed: Table I's mean is the seed's value
+        assert round(by[(r["method"], float(r["alpha"]), float(r["beta"]))], 2) == float(r["acc_mean"])
 
 
 def test_paper_table_is_the_papers():

@@ -385,6 +385,32 @@ def summarize(
     return rows, claims
 
 
+# the per-seed records (``results.csv``): one row per run and the column it stands for (the server-only
+# control, one run, once per setting); ``part`` is "table" for Table I's runs, "sweep" for the tau sweep's
+SEED_COLUMNS = ["dataset", "alpha", "beta", "method", "part", "tau", "rounds", "seed", "acc", "acc_last10"]
+SEED_COLUMNS += ["test_loss", "global_loss", "status"]
+
+
+def seed_rows(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int], out: Path) -> list[dict[str, Any]]:
+    """The per-seed records the claims' declared rules read: final test accuracy (%) and its mean over the last
+    10 rounds, and the final test and global loss, of every Table I run and every tau-sweep run."""
+
+    def row(ds: str, s: tuple[float, float], m: str, part: str, tau: float, rounds: int, seed: int) -> dict:
+        r = results[run_config(p, ds, s, m, seed, tau, rounds, out)["name"]]
+        last = r["rows"][-1]
+        return {"dataset": ds, "alpha": s[0], "beta": s[1], "method": m, "part": part, "tau": tau,
+                "rounds": rounds, "seed": seed, "acc": 100 * _final(r), "acc_last10": 100 * _last10(r, rounds),
+                "test_loss": float(last.get("test_loss", float("nan"))),
+                "global_loss": float(last.get("global_loss", float("nan"))), "status": r["status"]}  # fmt: skip
+
+    rows = [row(ds, s, m, "table", p.tau, p.rounds_of(m), seed)
+            for ds in p.datasets for s in SETTINGS for m in p.methods for seed in p.seeds_of(m, seeds)]  # fmt: skip
+    sweep = [(ds, s, seed, tau) for ds in p.sweep_dataset for s in SETTINGS for seed in range(p.sweep_seeds)
+             for tau in p.sweep_taus]  # fmt: skip
+    rows += [row(ds, s, "zo_hfl", "sweep", tau, p.sweep_rounds, seed) for ds, s, seed, tau in sweep]
+    return rows
+
+
 def check_claims(p: Preset, acc, results, out: Path) -> dict[str, Any]:
     """Claims C1-C4 of spec §9.2, evaluated on the seed means."""
     homo, mid, extreme = SETTINGS
@@ -773,6 +799,7 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> int
     }
     rows, claims = summarize(p, results, seeds, out)
     write_table(p, rows, claims, out, meta)
+    write_csv(out / "results.csv", seed_rows(p, results, seeds, out), SEED_COLUMNS, float_format=".6g")
     write_plots(p, results, seeds, out)
     print((out / "table.md").read_text())
     return 0
