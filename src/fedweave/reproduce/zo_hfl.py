@@ -23,7 +23,7 @@ from fedweave.experiments.jobs import load_average
 from fedweave.experiments.plots import Panel, plot_panels
 from fedweave.experiments.study import HELD, Claim, Plan, Study, option
 from fedweave.experiments.tables import grouped_table, markdown_table, pm, read_csv, write_csv
-from fedweave.experiments.verdicts import Untestable
+from fedweave.experiments.verdicts import All, Paired, Untestable
 from fedweave.memory import cpu_seconds
 from fedweave.results import atomic_write
 from fedweave.runner import Result
@@ -511,10 +511,114 @@ def _c4(c: dict[str, Any], _):
     return f"within one std in {sum(within.values())}/{len(within)} settings", all(within.values())
 
 
-# Every claim compares seed means: the committed files (claims.json, table.csv) hold means and stds, no
-# per-seed row, so no claim can be judged by a paired rule; each says so on the page instead of a verdict
-# read from the means (the preset's files keep the spec's criterion on the means: ``claim_rows``).
+# Each claim's declared rule reads the per-seed records of its dataset (``results.csv``, passed in as the
+# claims entry's "_records" by ``page_rows``): final test accuracy (points) or final loss, paired by seed (the
+# same seed gives the same split, server share and initialisation to every method), 95 % paired t (3 seeds:
+# too few for a percentile bootstrap). A preset committed without per-seed records (or with one seed) keeps
+# "untestable"; the preset's own files keep the spec's criterion on the means (``claim_rows``).
 NO_SEEDS = Untestable("no per-seed records (claims.json and table.csv hold seed means and stds)")
+HOMO, MID, EXTREME = SETTINGS
+BASELINES = ("fedavg", "fedprox", "scaffold")
+C2_MARGIN = 5.0  # C2's "within 5 points of the best baseline" (spec §9.2)
+
+
+def _at(m: str, s: tuple[float, float], part: str = "table", **more: Any) -> dict[str, Any]:
+    return {"method": m, "alpha": s[0], "beta": s[1], "part": part, **more}
+
+
+def _acc(a: dict[str, Any], b: dict[str, Any], direction: str = "greater", min_effect: float = 0.0) -> Paired:
+    return Paired("acc", a, b, direction, min_effect)
+
+
+def _seeded(rule):
+    """``rule(records)`` as a declared rule of a claims entry: NO_SEEDS unless it carries 2 seeds or more."""
+
+    def declared(c: dict[str, Any], _):
+        records = c.get("_records") or []
+        return rule(records) if len({r["seed"] for r in records}) >= 2 else NO_SEEDS
+
+    return declared
+
+
+def _with_drops(c: dict[str, Any], _) -> list[dict[str, Any]]:
+    """The records and, per seed, ZO-HFL's drop from (1000, 90%) to (0.1, 10%) and half of FedAvg's (C1)."""
+    records = c.get("_records") or []
+    acc = {(r["method"], r["alpha"], r["beta"], r["seed"]): r["acc"] for r in records if r["part"] == "table"}
+    drop = lambda m, seed: acc[(m, *HOMO, seed)] - acc[(m, *EXTREME, seed)]  # noqa: E731
+    seeds = sorted({k[-1] for k in acc if k[0] == "zo_hfl"} & {k[-1] for k in acc if k[0] == "fedavg"})
+    extra = [{"side": "half FedAvg's drop", "seed": s, "x": drop("fedavg", s) / 2} for s in seeds]
+    extra += [{"side": "ZO-HFL's drop", "seed": s, "x": drop("zo_hfl", s)} for s in seeds]
+    return records + extra
+
+
+def _records(c: dict[str, Any], _) -> list[dict[str, Any]]:
+    return c.get("_records") or []
+
+
+def _c1_rule(records):
+    return All((
+        ("ZO-HFL - FedAvg at (0.1, 10%)", _acc(_at("zo_hfl", EXTREME), _at("fedavg", EXTREME))),
+        ("ZO-HFL - FedProx at (0.1, 10%)", _acc(_at("zo_hfl", EXTREME), _at("fedprox", EXTREME))),
+        ("half FedAvg's drop - ZO-HFL's drop", Paired("x", {"side": "half FedAvg's drop"}, {"side": "ZO-HFL's drop"})),
+    ))  # fmt: skip
+
+
+def _best_baseline(records) -> str:
+    """The baseline with the best mean final accuracy at (1000, 90%) (the means' criterion's "best")."""
+    means = {m: np.mean([r["acc"] for r in records if r.items() >= _at(m, HOMO).items()]) for m in BASELINES}
+    return max(means, key=means.get)
+
+
+def _with_margin(c: dict[str, Any], _) -> list[dict[str, Any]]:
+    """The records and the best baseline's once more, C2_MARGIN points lower (``<best> - 5``)."""
+    records = c.get("_records") or []
+    if not records:
+        return records
+    best = _best_baseline(records)
+    low = [{**r, "method": f"{best} - {C2_MARGIN:g}", "acc": r["acc"] - C2_MARGIN}
+           for r in records if r.items() >= _at(best, HOMO).items()]  # fmt: skip
+    return records + low
+
+
+def _c2_rule(records):
+    best = _best_baseline(records)
+    return All(((f"ZO-HFL - ({label(best)} - {C2_MARGIN:g}) at (1000, 90%)",
+                 _acc(_at("zo_hfl", HOMO), _at(f"{best} - {C2_MARGIN:g}", HOMO))),))  # fmt: skip
+
+
+def _c3_rule(key: str, moderate: bool):
+    """C3 on the tau sweep's final ``key``: each larger tau lowers it at (1000, 90%) and (1, 50%) (every step
+    of the sweep's taus, paired by seed), or, at (0.1, 10%), the largest tau's is not below the smallest's."""
+
+    def rule(records):
+        sweep = [r for r in records if r["part"] == "sweep"]
+        if len({r["seed"] for r in sweep}) < 2:
+            return Untestable("the tau sweep ran fewer than 2 seeds" if sweep else "no tau sweep on this dataset")
+        taus = sorted({r["tau"] for r in sweep})
+        loss = lambda a, b, s: Paired(key, _at("zo_hfl", s, "sweep", tau=a), _at("zo_hfl", s, "sweep", tau=b),  # noqa: E731
+                                      unit="", digits=5)  # fmt: skip
+        if moderate:
+            return All(tuple((f"{SETTING_NAMES[s]}: tau {a:g} - tau {b:g}", loss(a, b, s))
+                             for s in (HOMO, MID) for a, b in zip(taus, taus[1:])))  # fmt: skip
+        return All(((f"{SETTING_NAMES[EXTREME]}: tau {taus[-1]:g} - tau {taus[0]:g}",
+                     loss(taus[-1], taus[0], EXTREME)),))  # fmt: skip
+
+    return rule
+
+
+def _c4_rule(records):
+    """Within one std in every setting: the bound is the larger of the two methods' seed std (population, as
+    the means' criterion) in that setting."""
+
+    def std(m, s):
+        return float(np.std([r["acc"] for r in records if r.items() >= _at(m, s).items()]))
+
+    bound = {s: max(std("zo_hfl", s), std("server_only", s), 0.01) for s in SETTINGS}
+    parts = [(f"{SETTING_NAMES[s]} within ±{bound[s]:.2f}",
+              _acc(_at("zo_hfl", s), _at("server_only", s), "within", bound[s])) for s in SETTINGS]  # fmt: skip
+    return All(tuple(parts))
+
+
 # spec §9.2, judged per dataset on its entry of claims.json (the claim's context: the dataset's name)
 CLAIMS = [
     Claim(
@@ -523,14 +627,16 @@ CLAIMS = [
             "FedProx's accuracy, and at most half of FedAvg's drop from (1000, 90%))"
         ),
         _c1,
-        declared=NO_SEEDS,
+        declared=_seeded(_c1_rule),
+        records=_with_drops,
     ),
     Claim(
         lambda c, name: (
             f"C2 {name}: competitive when homogeneous (within 5 points of the best baseline at (1000, 90%))"
         ),
         _c2,
-        declared=NO_SEEDS,
+        declared=_seeded(_c2_rule),
+        records=_with_margin,
     ),
     *(
         claim
@@ -541,19 +647,22 @@ CLAIMS = [
                     f"C3 {name}: a larger tau lowers the final {what} at (1000, 90%) and (1, 50%)"
                 ),
                 _c3(key, True),
-                declared=NO_SEEDS,
+                declared=_seeded(_c3_rule(key, True)),
+                records=_records,
             ),
             Claim(
                 lambda c, name, what=what: f"C3 {name}: no monotone gain from a larger tau at (0.1, 10%) ({what})",
                 _c3(key, False),
-                declared=NO_SEEDS,
+                declared=_seeded(_c3_rule(key, False)),
+                records=_records,
             ),
         )
     ),
     Claim(
         lambda c, name: f"C4 {name}: ZO-HFL within one std of the server-only control (lambda = 0) in every setting",
         _c4,
-        declared=NO_SEEDS,
+        declared=_seeded(_c4_rule),
+        records=_records,
     ),
 ]
 
@@ -564,12 +673,13 @@ def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
     return [(v.claim, HELD[v.held], v.measured) for v in verdicts]
 
 
-def page_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """The page's (claim, verdict, measured) rows: each claim's declared rule, with the criterion on the means
-    beside it (``claim_rows``)."""
+def page_rows(claims: dict[str, Any], records: list[dict[str, Any]] = ()) -> list[tuple[str, str, str]]:
+    """The page's (claim, verdict, measured) rows: each claim's declared rule on the per-seed ``records`` (a
+    ``results.csv``; none: untestable), with the criterion on the means beside it (``claim_rows``)."""
     rows = []
     for ds, c in claims.items():
         name = DATASET_LABELS.get(ds, ds)
+        c = {**c, "_records": [r for r in records if r["dataset"] == ds]}
         for k in CLAIMS:
             if (means := k.criterion(c, name)) is not None and (v := k.verdict(c, name)) is not None:
                 rows.append((v.claim, f"{v.interval} (the means' criterion: {HELD[means.held]})", v.measured))
@@ -813,7 +923,9 @@ def sections(folder: Path) -> dict[str, str]:
     ``folder``, judged again from their values."""
     rows = []
     for name in PAGE_CLAIMS:
-        got = page_rows(json.loads((folder / name).read_text(encoding="utf-8"))["claims"])
+        seeds = (folder / name).with_name("results.csv")  # the per-seed records beside it, where committed
+        records = read_csv(seeds) if seeds.is_file() else []
+        got = page_rows(json.loads((folder / name).read_text(encoding="utf-8"))["claims"], records)
         rows += [[claim, f"`{name}`", verdict, measured] for claim, verdict, measured in got]
     return {
         "claims": markdown_table(["claim", "source", "verdict", "measured"], rows),
