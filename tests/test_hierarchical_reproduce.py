@@ -112,3 +112,14 @@ def test_declared_rules_read_the_per_seed_records():
     # without per-seed records, or with one seed, every claim is untestable
     for got in (zo_hfl.page_rows(claims), zo_hfl.page_rows(claims, [r for r in records if r["seed"] == 0])):
         assert all(r[1].startswith("untestable by a declared rule: no per-seed records") for r in got)
+
+
+def test_the_power_of_the_paired_test():
+    # no true difference: the test rejects at its level; far more pairs: the normal approximation's
+    # (1.96 + 0.84) sd / sqrt(n) for 80 % power
+    assert zo_hfl.paired_power(0.0, 1.0, 3) == pytest.approx(0.05, abs=1e-9)
+    assert zo_hfl.detectable(1.0, 400) == pytest.approx((1.959964 + 0.841621) / 20, rel=0.01)
+    # 3 pairs: a difference of 3.26 sd is needed (t with 2 degrees of freedom), and 10 pairs need about 1 sd
+    assert zo_hfl.detectable(1.0, 3) == pytest.approx(3.264, abs=0.01)
+    assert zo_hfl.paired_power(zo_hfl.detectable(0.35, 3), 0.35, 3) == pytest.approx(0.8)
+    assert zo_hfl.detectable(1.0, 10) == pytest.approx(0.996, abs=0.01)
