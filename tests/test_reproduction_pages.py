@@ -18,7 +18,10 @@ import pytest
 PAGES = Path(__file__).parents[1] / "docs" / "reproductions"
 NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?", re.IGNORECASE)
 BOLD = re.compile(r"\*\*(.+?)\*\*")
-DECLARED = re.compile(r"n=\d+: (held|did not hold|inconclusive)$|^untestable by a declared rule")
+# a declared rule's line, alone or (ZO-HFL) followed by the means' criterion
+DECLARED = re.compile(
+    r"n=\d+: (held|did not hold|inconclusive)( \(the means' criterion: [\w ]+\))?$|^untestable by a declared rule"
+)
 
 
 def _norm(text: str) -> str:
@@ -191,9 +194,11 @@ def test_fedmim_gaps_reads_the_checkpoint_rounds_of_every_run(tmp_path):
 def _generated_claims(name: str) -> dict[str, list[tuple[str, str, str]]]:
     """Per committed records file beside the page (path relative to its folder): the (claim, verdict,
     measured) rows its reproduce module generates from it for the page (FedMIM: every claim's declared rule on the
-    per-seed ``results.csv``; ZO-HFL: the claims of its ``claims.json``, each with its declared rule)."""
+    per-seed ``results.csv``; ZO-HFL: the claims of its ``claims.json``, each with its declared rule on the
+    ``results.csv`` beside it)."""
     import json
 
+    from fedweave.experiments.tables import read_csv
     from fedweave.reproduce import fedmim, zo_hfl
 
     out: dict[str, list[tuple[str, str, str]]] = {}
@@ -203,8 +208,9 @@ def _generated_claims(name: str) -> dict[str, list[tuple[str, str, str]]]:
         return out
     for f in sorted((PAGES / name).rglob("claims.json")):
         data = json.loads(f.read_text(encoding="utf-8"))
-        if name == "zo-hfl":
-            rows = zo_hfl.page_rows(data["claims"])
+        if name == "zo-hfl":  # with the per-seed records beside the claims file, where committed
+            seeds = f.with_name("results.csv")
+            rows = zo_hfl.page_rows(data["claims"], read_csv(seeds) if seeds.is_file() else [])
         elif isinstance(data, list):  # a Table II / III / Fig. 2a preset: the rows themselves
             rows = [(c["claim"], c["verdict"], c["measured"]) for c in data]
         else:
