@@ -293,3 +293,21 @@ def test_a_copied_table_is_the_reports_and_a_missing_one_is_one_line():
     assert table_after(report, "## Table 2") == "| c |\n|---|\n| 3 |\n"
     with pytest.raises(ConfigError, match=r"^r.md has no line starting with '## Table 4'$"):
         table_after(report, "## Table 4", "r.md")
+
+
+@pytest.mark.parametrize("name", ["afind", "cse-fsl", "fedmim"])
+def test_the_paper_scale_table_is_the_committed_estimate(name):
+    """The page's "What a paper-scale run needs" table is, byte for byte, what ``benchmarks/paper_scale_cost.py``
+    renders from the committed ``paper-scale.csv`` (an edited number there fails here)."""
+    import importlib.util
+
+    from fedweave.experiments.pages import table_after
+    from fedweave.experiments.tables import read_csv
+
+    path = Path(__file__).parents[1] / "benchmarks" / "paper_scale_cost.py"
+    spec = importlib.util.spec_from_file_location("paper_scale_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    page = (PAGES / f"{name}.md").read_text(encoding="utf-8")
+    want = module.page_table(read_csv(PAGES / "paper-scale.csv"), name)
+    assert table_after(page, "## What a paper-scale run needs") == want
