@@ -27,6 +27,14 @@ def test_smoke_preset_writes_table_claims_and_plots(tmp_path):
     assert rows[0][1] == ("held" if claims["C1_robust_under_extreme_heterogeneity"] else "did not hold")
     for png in ("fig2_digits.png", "accuracy_digits.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    # the per-seed records: one per Table I run and column (the server-only run once per setting) and sweep run
+    seeds = list(csv.DictReader((tmp_path / "results.csv").open()))
+    p = zo_hfl.PRESETS["smoke"]
+    assert len(seeds) == len(zo_hfl.SETTINGS) * (len(zo_hfl.METHODS) + len(p.sweep_taus))
+    assert list(seeds[0]) == zo_hfl.SEED_COLUMNS
+    by = {(r["method"], float(r["alpha"]), float(r["beta"])): float(r["acc"]) for r in seeds if r["part"] == "table"}
+    for r in csv.DictReader((tmp_path / "table.csv").open()):  # one seed: Table I's mean is the seed's value
+        assert round(by[(r["method"], float(r["alpha"]), float(r["beta"]))], 2) == float(r["acc_mean"])
 
 
 def test_paper_table_is_the_papers():
@@ -67,3 +75,51 @@ def test_long_and_paper_presets_use_the_validation_tuned_lambda_and_mu(tmp_path)
         (1.0, 0.01, 20, long.rounds)
     }
     assert {c["algorithm"]["lam"] for c in configs if "zo_hfl_lam10" in c["name"]} == {10.0}  # the untuned row
+
+
+def _records(acc: dict[tuple[str, tuple[float, float]], list[float]]) -> list[dict]:
+    """Per-seed records of Table I (``results.csv`` rows) from per-method, per-setting accuracies by seed."""
+    return [{"dataset": "mnist", "alpha": s[0], "beta": s[1], "method": m, "part": "table", "tau": 5, "rounds": 40,
+             "seed": seed, "acc": a, "test_loss": 0.5, "global_loss": 0.5}
+            for (m, s), accs in acc.items() for seed, a in enumerate(accs)]  # fmt: skip
+
+
+def test_declared_rules_read_the_per_seed_records():
+    homo, mid, extreme = zo_hfl.SETTINGS
+    acc = {(m, s): [80.0 + d, 81.0 + d, 82.0 + d]
+           for m, d in (("fedavg", 0.0), ("fedprox", 0.0), ("scaffold", 1.0)) for s in (homo, mid)}  # fmt: skip
+    acc |= {("fedavg", extreme): [60.0, 70.0, 65.0], ("fedprox", extreme): [61.0, 70.0, 64.0]}
+    acc |= {("scaffold", extreme): [75.0, 76.0, 77.0]}
+    acc |= {("zo_hfl", s): [79.0, 80.5, 80.9] for s in zo_hfl.SETTINGS}
+    acc |= {("server_only", s): [79.1, 80.4, 81.0] for s in zo_hfl.SETTINGS}
+    records = _records(acc)
+    means = {(m, s): sum(v) / 3 for (m, s), v in acc.items()}
+    drop = {m: means[(m, homo)] - means[(m, extreme)] for m in ("zo_hfl", "fedavg", "fedprox", "scaffold")}
+    claims = {"mnist": {
+        "C1_robust_under_extreme_heterogeneity": True, "drops_homogeneous_to_extreme": drop,
+        "C2_competitive_when_homogeneous": True, "ZO-HFL_minus_best_baseline_homogeneous": -2.2,
+        "C4_zo_hfl_within_1std_of_server_only": {zo_hfl.SETTING_NAMES[s]: True for s in zo_hfl.SETTINGS},
+    }}  # fmt: skip
+    rows = {r[0][:2]: r[1] for r in zo_hfl.page_rows(claims, records)}
+    # C1: ZO-HFL ahead of FedAvg and FedProx on every seed by 10-20 points and its drop 0 against 7.5 at half
+    assert rows["C1"].startswith("all of 3 (points): ZO-HFL - FedAvg at (0.1, 10%) +15.13")
+    assert ": held (the means' criterion: held)" in rows["C1"]
+    # C2: against SCAFFOLD (the best mean) less 5 points: per seed +3.0, +3.5, +2.9
+    assert "ZO-HFL - (SCAFFOLD - 5) at (1000, 90%) +3.13 [2.33, 3.93] held" in rows["C2"]
+    # C4: differences of 0.1 point on each seed, inside the larger std of the two (0.82): held in every setting
+    assert "a=1000, b=90% within ±0.82 -0.03 [-0.32, 0.25] held" in rows["C4"]
+    assert rows["C4"].endswith("n=3: held (the means' criterion: held)")
+    # without per-seed records, or with one seed, every claim is untestable
+    for got in (zo_hfl.page_rows(claims), zo_hfl.page_rows(claims, [r for r in records if r["seed"] == 0])):
+        assert all(r[1].startswith("untestable by a declared rule: no per-seed records") for r in got)
+
+
+def test_the_power_of_the_paired_test():
+    # no true difference: the test rejects at its level; far more pairs: the normal approximation's
+    # (1.96 + 0.84) sd / sqrt(n) for 80 % power
+    assert zo_hfl.paired_power(0.0, 1.0, 3) == pytest.approx(0.05, abs=1e-9)
+    assert zo_hfl.detectable(1.0, 400) == pytest.approx((1.959964 + 0.841621) / 20, rel=0.01)
+    # 3 pairs: a difference of 3.26 sd is needed (t with 2 degrees of freedom), and 10 pairs need about 1 sd
+    assert zo_hfl.detectable(1.0, 3) == pytest.approx(3.264, abs=0.01)
+    assert zo_hfl.paired_power(zo_hfl.detectable(0.35, 3), 0.35, 3) == pytest.approx(0.8)
+    assert zo_hfl.detectable(1.0, 10) == pytest.approx(0.996, abs=0.01)

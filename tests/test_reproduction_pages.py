@@ -18,7 +18,10 @@ import pytest
 PAGES = Path(__file__).parents[1] / "docs" / "reproductions"
 NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?", re.IGNORECASE)
 BOLD = re.compile(r"\*\*(.+?)\*\*")
-DECLARED = re.compile(r"n=\d+: (held|did not hold|inconclusive)$|^untestable by a declared rule")
+# a declared rule's line, alone or (ZO-HFL) followed by the means' criterion
+DECLARED = re.compile(
+    r"n=\d+: (held|did not hold|inconclusive)( \(the means' criterion: [\w ]+\))?$|^untestable by a declared rule"
+)
 
 
 def _norm(text: str) -> str:
@@ -96,20 +99,22 @@ def _file_verdicts(md: str, verdict_col: int) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "page_table, result_file",
-    [(0, "table-fashion_mnist.md"), (1, "table-fashion_mnist-noniid.md"), (2, "table-digits.md")],
+    "block, result_file",
+    [
+        ("claims-fashion_mnist", "table-fashion_mnist.md"),
+        ("claims-fashion_mnist-noniid", "table-fashion_mnist-noniid.md"),
+        ("claims-digits", "table-digits.md"),
+    ],
     ids=["fashion", "fashion-noniid", "digits"],
 )
-def test_cse_fsl_verdicts_are_the_files(page_table, result_file):
-    page = claim_tables((PAGES / "cse-fsl.md").read_text(encoding="utf-8"))[page_table]
+def test_cse_fsl_verdicts_are_the_files(block, result_file):
+    """The page's claim table of each committed Table V gives, for every claim, the `held` its table file
+    states (the spec's criterion on the means), and every claim of the file is on the page."""
+    from fedweave.experiments.pages import blocks
+
+    [page] = claim_tables(blocks((PAGES / "cse-fsl.md").read_text(encoding="utf-8"))[block])
     verdicts = _file_verdicts((PAGES / "cse-fsl" / result_file).read_text(encoding="utf-8"), 2)
-    for row in page:
-        key = _claim_id(row[0])
-        if key in verdicts:
-            assert row[-1].split(" (")[0] == verdicts[key], (key, row[-1], verdicts[key])
-        else:  # not evaluated by the generator: the row names the committed plot it was read from
-            plots = [p.name for p in (PAGES / "cse-fsl").glob("*.png")]
-            assert any(p in row[1] for p in plots) and "from the plot" in row[-1], row
+    assert {_claim_id(row[0]): row[-1] for row in page} == verdicts
 
 
 def test_afind_verdicts_are_the_files():
@@ -191,9 +196,11 @@ def test_fedmim_gaps_reads_the_checkpoint_rounds_of_every_run(tmp_path):
 def _generated_claims(name: str) -> dict[str, list[tuple[str, str, str]]]:
     """Per committed records file beside the page (path relative to its folder): the (claim, verdict,
     measured) rows its reproduce module generates from it for the page (FedMIM: every claim's declared rule on the
-    per-seed ``results.csv``; ZO-HFL: the claims of its ``claims.json``, each with its declared rule)."""
+    per-seed ``results.csv``; ZO-HFL: the claims of its ``claims.json``, each with its declared rule on the
+    ``results.csv`` beside it)."""
     import json
 
+    from fedweave.experiments.tables import read_csv
     from fedweave.reproduce import fedmim, zo_hfl
 
     out: dict[str, list[tuple[str, str, str]]] = {}
@@ -203,8 +210,9 @@ def _generated_claims(name: str) -> dict[str, list[tuple[str, str, str]]]:
         return out
     for f in sorted((PAGES / name).rglob("claims.json")):
         data = json.loads(f.read_text(encoding="utf-8"))
-        if name == "zo-hfl":
-            rows = zo_hfl.page_rows(data["claims"])
+        if name == "zo-hfl":  # with the per-seed records beside the claims file, where committed
+            seeds = f.with_name("results.csv")
+            rows = zo_hfl.page_rows(data["claims"], read_csv(seeds) if seeds.is_file() else [])
         elif isinstance(data, list):  # a Table II / III / Fig. 2a preset: the rows themselves
             rows = [(c["claim"], c["verdict"], c["measured"]) for c in data]
         else:
@@ -287,3 +295,21 @@ def test_a_copied_table_is_the_reports_and_a_missing_one_is_one_line():
     assert table_after(report, "## Table 2") == "| c |\n|---|\n| 3 |\n"
     with pytest.raises(ConfigError, match=r"^r.md has no line starting with '## Table 4'$"):
         table_after(report, "## Table 4", "r.md")
+
+
+@pytest.mark.parametrize("name", ["afind", "cse-fsl", "fedmim"])
+def test_the_paper_scale_table_is_the_committed_estimate(name):
+    """The page's "What a paper-scale run needs" table is, byte for byte, what ``benchmarks/paper_scale_cost.py``
+    renders from the committed ``paper-scale.csv`` (an edited number there fails here)."""
+    import importlib.util
+
+    from fedweave.experiments.pages import table_after
+    from fedweave.experiments.tables import read_csv
+
+    path = Path(__file__).parents[1] / "benchmarks" / "paper_scale_cost.py"
+    spec = importlib.util.spec_from_file_location("paper_scale_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    page = (PAGES / f"{name}.md").read_text(encoding="utf-8")
+    want = module.page_table(read_csv(PAGES / "paper-scale.csv"), name)
+    assert table_after(page, "## What a paper-scale run needs") == want

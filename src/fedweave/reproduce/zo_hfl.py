@@ -24,7 +24,7 @@ from fedweave.experiments.jobs import load_average
 from fedweave.experiments.plots import Panel, plot_panels
 from fedweave.experiments.study import HELD, Claim, Json, Plan, Report, Rows, Study, option
 from fedweave.experiments.tables import grouped_table, markdown_table, pm, read_csv
-from fedweave.experiments.verdicts import Untestable
+from fedweave.experiments.verdicts import All, Paired, Untestable
 from fedweave.memory import cpu_seconds
 from fedweave.runner import Result
 
@@ -378,6 +378,32 @@ def summarize(
     return rows, claims
 
 
+# the per-seed records (``results.csv``): one row per run and the column it stands for (the server-only
+# control, one run, once per setting); ``part`` is "table" for Table I's runs, "sweep" for the tau sweep's
+SEED_COLUMNS = ["dataset", "alpha", "beta", "method", "part", "tau", "rounds", "seed", "acc", "acc_last10"]
+SEED_COLUMNS += ["test_loss", "global_loss", "status"]
+
+
+def seed_rows(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int], out: Path) -> list[dict[str, Any]]:
+    """The per-seed records the claims' declared rules read: final test accuracy (%) and its mean over the last
+    10 rounds, and the final test and global loss, of every Table I run and every tau-sweep run."""
+
+    def row(ds: str, s: tuple[float, float], m: str, part: str, tau: float, rounds: int, seed: int) -> dict:
+        r = results[run_config(p, ds, s, m, seed, tau, rounds, out)["name"]]
+        last = r["rows"][-1]
+        return {"dataset": ds, "alpha": s[0], "beta": s[1], "method": m, "part": part, "tau": tau,
+                "rounds": rounds, "seed": seed, "acc": 100 * _final(r), "acc_last10": 100 * _last10(r, rounds),
+                "test_loss": float(last.get("test_loss", float("nan"))),
+                "global_loss": float(last.get("global_loss", float("nan"))), "status": r["status"]}  # fmt: skip
+
+    rows = [row(ds, s, m, "table", p.tau, p.rounds_of(m), seed)
+            for ds in p.datasets for s in SETTINGS for m in p.methods for seed in p.seeds_of(m, seeds)]  # fmt: skip
+    sweep = [(ds, s, seed, tau) for ds in p.sweep_dataset for s in SETTINGS for seed in range(p.sweep_seeds)
+             for tau in p.sweep_taus]  # fmt: skip
+    rows += [row(ds, s, "zo_hfl", "sweep", tau, p.sweep_rounds, seed) for ds, s, seed, tau in sweep]
+    return rows
+
+
 def check_claims(p: Preset, acc, results, out: Path) -> dict[str, Any]:
     """Claims C1-C4 of spec §9.2, evaluated on the seed means."""
     homo, mid, extreme = SETTINGS
@@ -478,10 +504,114 @@ def _c4(c: dict[str, Any], _):
     return f"within one std in {sum(within.values())}/{len(within)} settings", all(within.values())
 
 
-# Every claim compares seed means: the committed files (claims.json, table.csv) hold means and stds, no
-# per-seed row, so no claim can be judged by a paired rule; each says so on the page instead of a verdict
-# read from the means (the preset's files keep the spec's criterion on the means: ``claim_rows``).
+# Each claim's declared rule reads the per-seed records of its dataset (``results.csv``, passed in as the
+# claims entry's "_records" by ``page_rows``): final test accuracy (points) or final loss, paired by seed (the
+# same seed gives the same split, server share and initialisation to every method), 95 % paired t (3 seeds:
+# too few for a percentile bootstrap). A preset committed without per-seed records (or with one seed) keeps
+# "untestable"; the preset's own files keep the spec's criterion on the means (``claim_rows``).
 NO_SEEDS = Untestable("no per-seed records (claims.json and table.csv hold seed means and stds)")
+HOMO, MID, EXTREME = SETTINGS
+BASELINES = ("fedavg", "fedprox", "scaffold")
+C2_MARGIN = 5.0  # C2's "within 5 points of the best baseline" (spec §9.2)
+
+
+def _at(m: str, s: tuple[float, float], part: str = "table", **more: Any) -> dict[str, Any]:
+    return {"method": m, "alpha": s[0], "beta": s[1], "part": part, **more}
+
+
+def _acc(a: dict[str, Any], b: dict[str, Any], direction: str = "greater", min_effect: float = 0.0) -> Paired:
+    return Paired("acc", a, b, direction, min_effect)
+
+
+def _seeded(rule):
+    """``rule(records)`` as a declared rule of a claims entry: NO_SEEDS unless it carries 2 seeds or more."""
+
+    def declared(c: dict[str, Any], _):
+        records = c.get("_records") or []
+        return rule(records) if len({r["seed"] for r in records}) >= 2 else NO_SEEDS
+
+    return declared
+
+
+def _with_drops(c: dict[str, Any], _) -> list[dict[str, Any]]:
+    """The records and, per seed, ZO-HFL's drop from (1000, 90%) to (0.1, 10%) and half of FedAvg's (C1)."""
+    records = c.get("_records") or []
+    acc = {(r["method"], r["alpha"], r["beta"], r["seed"]): r["acc"] for r in records if r["part"] == "table"}
+    drop = lambda m, seed: acc[(m, *HOMO, seed)] - acc[(m, *EXTREME, seed)]  # noqa: E731
+    seeds = sorted({k[-1] for k in acc if k[0] == "zo_hfl"} & {k[-1] for k in acc if k[0] == "fedavg"})
+    extra = [{"side": "half FedAvg's drop", "seed": s, "x": drop("fedavg", s) / 2} for s in seeds]
+    extra += [{"side": "ZO-HFL's drop", "seed": s, "x": drop("zo_hfl", s)} for s in seeds]
+    return records + extra
+
+
+def _records(c: dict[str, Any], _) -> list[dict[str, Any]]:
+    return c.get("_records") or []
+
+
+def _c1_rule(records):
+    return All((
+        ("ZO-HFL - FedAvg at (0.1, 10%)", _acc(_at("zo_hfl", EXTREME), _at("fedavg", EXTREME))),
+        ("ZO-HFL - FedProx at (0.1, 10%)", _acc(_at("zo_hfl", EXTREME), _at("fedprox", EXTREME))),
+        ("half FedAvg's drop - ZO-HFL's drop", Paired("x", {"side": "half FedAvg's drop"}, {"side": "ZO-HFL's drop"})),
+    ))  # fmt: skip
+
+
+def _best_baseline(records) -> str:
+    """The baseline with the best mean final accuracy at (1000, 90%) (the means' criterion's "best")."""
+    means = {m: np.mean([r["acc"] for r in records if r.items() >= _at(m, HOMO).items()]) for m in BASELINES}
+    return max(means, key=means.get)
+
+
+def _with_margin(c: dict[str, Any], _) -> list[dict[str, Any]]:
+    """The records and the best baseline's once more, C2_MARGIN points lower (``<best> - 5``)."""
+    records = c.get("_records") or []
+    if not records:
+        return records
+    best = _best_baseline(records)
+    low = [{**r, "method": f"{best} - {C2_MARGIN:g}", "acc": r["acc"] - C2_MARGIN}
+           for r in records if r.items() >= _at(best, HOMO).items()]  # fmt: skip
+    return records + low
+
+
+def _c2_rule(records):
+    best = _best_baseline(records)
+    return All(((f"ZO-HFL - ({label(best)} - {C2_MARGIN:g}) at (1000, 90%)",
+                 _acc(_at("zo_hfl", HOMO), _at(f"{best} - {C2_MARGIN:g}", HOMO))),))  # fmt: skip
+
+
+def _c3_rule(key: str, moderate: bool):
+    """C3 on the tau sweep's final ``key``: each larger tau lowers it at (1000, 90%) and (1, 50%) (every step
+    of the sweep's taus, paired by seed), or, at (0.1, 10%), the largest tau's is not below the smallest's."""
+
+    def rule(records):
+        sweep = [r for r in records if r["part"] == "sweep"]
+        if len({r["seed"] for r in sweep}) < 2:
+            return Untestable("the tau sweep ran fewer than 2 seeds" if sweep else "no tau sweep on this dataset")
+        taus = sorted({r["tau"] for r in sweep})
+        loss = lambda a, b, s: Paired(key, _at("zo_hfl", s, "sweep", tau=a), _at("zo_hfl", s, "sweep", tau=b),  # noqa: E731
+                                      unit="", digits=5)  # fmt: skip
+        if moderate:
+            return All(tuple((f"{SETTING_NAMES[s]}: tau {a:g} - tau {b:g}", loss(a, b, s))
+                             for s in (HOMO, MID) for a, b in zip(taus, taus[1:])))  # fmt: skip
+        return All(((f"{SETTING_NAMES[EXTREME]}: tau {taus[-1]:g} - tau {taus[0]:g}",
+                     loss(taus[-1], taus[0], EXTREME)),))  # fmt: skip
+
+    return rule
+
+
+def _c4_rule(records):
+    """Within one std in every setting: the bound is the larger of the two methods' seed std (population, as
+    the means' criterion) in that setting."""
+
+    def std(m, s):
+        return float(np.std([r["acc"] for r in records if r.items() >= _at(m, s).items()]))
+
+    bound = {s: max(std("zo_hfl", s), std("server_only", s), 0.01) for s in SETTINGS}
+    parts = [(f"{SETTING_NAMES[s]} within ±{bound[s]:.2f}",
+              _acc(_at("zo_hfl", s), _at("server_only", s), "within", bound[s])) for s in SETTINGS]  # fmt: skip
+    return All(tuple(parts))
+
+
 # spec §9.2, judged per dataset on its entry of claims.json (the claim's context: the dataset's name)
 CLAIMS = [
     Claim(
@@ -490,14 +620,16 @@ CLAIMS = [
             "FedProx's accuracy, and at most half of FedAvg's drop from (1000, 90%))"
         ),
         _c1,
-        declared=NO_SEEDS,
+        declared=_seeded(_c1_rule),
+        records=_with_drops,
     ),
     Claim(
         lambda c, name: (
             f"C2 {name}: competitive when homogeneous (within 5 points of the best baseline at (1000, 90%))"
         ),
         _c2,
-        declared=NO_SEEDS,
+        declared=_seeded(_c2_rule),
+        records=_with_margin,
     ),
     *(
         claim
@@ -508,19 +640,22 @@ CLAIMS = [
                     f"C3 {name}: a larger tau lowers the final {what} at (1000, 90%) and (1, 50%)"
                 ),
                 _c3(key, True),
-                declared=NO_SEEDS,
+                declared=_seeded(_c3_rule(key, True)),
+                records=_records,
             ),
             Claim(
                 lambda c, name, what=what: f"C3 {name}: no monotone gain from a larger tau at (0.1, 10%) ({what})",
                 _c3(key, False),
-                declared=NO_SEEDS,
+                declared=_seeded(_c3_rule(key, False)),
+                records=_records,
             ),
         )
     ),
     Claim(
         lambda c, name: f"C4 {name}: ZO-HFL within one std of the server-only control (lambda = 0) in every setting",
         _c4,
-        declared=NO_SEEDS,
+        declared=_seeded(_c4_rule),
+        records=_records,
     ),
 ]
 
@@ -531,12 +666,13 @@ def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
     return [(v.claim, HELD[v.held], v.measured) for v in verdicts]
 
 
-def page_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """The page's (claim, verdict, measured) rows: each claim's declared rule, with the criterion on the means
-    beside it (``claim_rows``)."""
+def page_rows(claims: dict[str, Any], records: list[dict[str, Any]] = ()) -> list[tuple[str, str, str]]:
+    """The page's (claim, verdict, measured) rows: each claim's declared rule on the per-seed ``records`` (a
+    ``results.csv``; none: untestable), with the criterion on the means beside it (``claim_rows``)."""
     rows = []
     for ds, c in claims.items():
         name = DATASET_LABELS.get(ds, ds)
+        c = {**c, "_records": [r for r in records if r["dataset"] == ds]}
         for k in CLAIMS:
             if (means := k.criterion(c, name)) is not None and (v := k.verdict(c, name)) is not None:
                 rows.append((v.claim, f"{v.interval} (the means' criterion: {HELD[means.held]})", v.measured))
@@ -752,6 +888,7 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> Rep
     }
     rows, claims = summarize(p, results, seeds, out)
     report = table_report(p, rows, claims, meta)
+    report.files["results.csv"] = Rows(seed_rows(p, results, seeds, out), SEED_COLUMNS, float_format=".6g")
     report.figures = lambda out: write_plots(p, results, seeds, out)
     return report
 
@@ -764,7 +901,9 @@ def sections(folder: Path) -> dict[str, str]:
     ``folder``, judged again from their values."""
     rows = []
     for name in PAGE_CLAIMS:
-        got = page_rows(json.loads((folder / name).read_text(encoding="utf-8"))["claims"])
+        seeds = (folder / name).with_name("results.csv")  # the per-seed records beside it, where committed
+        records = read_csv(seeds) if seeds.is_file() else []
+        got = page_rows(json.loads((folder / name).read_text(encoding="utf-8"))["claims"], records)
         rows += [[claim, f"`{name}`", verdict, measured] for claim, verdict, measured in got]
     return {
         "claims": markdown_table(["claim", "source", "verdict", "measured"], rows),
@@ -776,9 +915,58 @@ def sections(folder: Path) -> dict[str, str]:
             for ds in ("mnist", "fashion_mnist")
         },
         "adult": table1_section(read_csv(folder / "adult" / "table.csv"), "adult", ADULT_LABELS, detail=False),
+        "adult-power": power_section(read_csv(folder / "adult" / "results.csv")),
         "sensitivity": sensitivity_section(read_csv(folder / "table.csv")),
         "fig2": fig2_section(json.loads((folder / "claims.json").read_text(encoding="utf-8"))["claims"]),
     }
+
+
+def paired_power(delta: float, sd: float, n: int, level: float = 0.95) -> float:
+    """The power of the two-sided ``level`` paired t test over ``n`` pairs to find a true mean difference
+    ``delta`` when the pairs' differences have standard deviation ``sd`` (the noncentral t)."""
+    from scipy import stats
+
+    crit = stats.t.ppf((1 + level) / 2, n - 1)
+    nc = delta * np.sqrt(n) / sd
+    # the lower tail is below 1e-9 once nc > 10, where scipy's cdf can return NaN
+    return float(stats.nct.sf(crit, n - 1, nc) + (stats.nct.cdf(-crit, n - 1, nc) if abs(nc) < 10 else 0.0))
+
+
+def detectable(sd: float, n: int, power: float = 0.8, level: float = 0.95) -> float:
+    """The smallest true mean difference the paired t test finds with probability ``power`` (``paired_power``)."""
+    from scipy.optimize import brentq
+
+    return float(brentq(lambda d: paired_power(d, sd, n, level) - power, 1e-9 * sd, 30 * sd))
+
+
+def power_section(rows: list[dict]) -> str:
+    """How much room the Adult check left the zeroth-order term (the best baseline's mean final accuracy above
+    the server-only control's at (1000, 90%)) and what the paired test at its seeds could find: per setting,
+    the seed std of the paired differences ZO-HFL - server-only, the difference detected with 80 % power by the
+    95 % paired t, and the power against a gain as large as that room (``results.csv``)."""
+    table = [r for r in rows if r["part"] == "table"]
+
+    def accs(m: str, s: tuple[float, float]) -> dict[int, float]:
+        return {r["seed"]: r["acc"] for r in table if r.items() >= _at(m, s).items()}
+
+    mean = lambda m, s: float(np.mean(list(accs(m, s).values())))  # noqa: E731
+    best = max(BASELINES, key=lambda m: mean(m, HOMO))
+    room = mean(best, HOMO) - mean("server_only", HOMO)
+    server_std = float(np.std(list(accs("server_only", HOMO).values())))
+    body = []
+    for s in SETTINGS:
+        zo, so = accs("zo_hfl", s), accs("server_only", s)
+        d = [zo[k] - so[k] for k in sorted(set(zo) & set(so))]
+        sd = float(np.std(d, ddof=1))
+        body.append([SETTING_NAMES[s], len(d), f"{np.mean(d):+.2f}", f"{sd:.2f}", f"{detectable(sd, len(d)):.2f}",
+                     f"{paired_power(room, sd, len(d)):.2f}"])  # fmt: skip
+    header = ["setting", "seeds", "ZO-HFL - server-only", "std of the paired differences",
+              "difference found with 80 % power", f"power against a gain of {room:.2f}"]  # fmt: skip
+    return (
+        f"Room: the best baseline ({label(best)}) ends {room:.2f} points above the server-only control at "
+        f"(1000, 90%)\n(the control's seed std: {server_std:.2f} points), so a zeroth-order term that closed the "
+        "whole gap would gain that much.\n\n" + markdown_table(header, body)
+    )
 
 
 def fig2_section(claims: dict[str, Any], dataset: str = "fashion_mnist") -> str:

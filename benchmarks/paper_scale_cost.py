@@ -1,0 +1,130 @@
+"""What a paper-scale reproduction run needs: training passes, CPU time and an H100 estimate per paper.
+
+    python benchmarks/paper_scale_cost.py [--out docs/reproductions/paper-scale.csv] [--repeats 5]
+
+For each paper's ``--scale paper`` preset with a neural model, one training step (forward, backward and the SGD
+update) of the preset's model at its batch size is timed on this machine's CPU (one torch thread, synthetic
+inputs of the data's shape: timing only), and its floating-point operations are counted
+(``torch.utils.flop_counter``). The preset's training passes (one sample through one step) are counted from
+its definition (the ``passes`` column says how). From these:
+
+- CPU core-hours = passes x the measured seconds per sample (one thread; evaluation, aggregation and data
+  loading are left out, so it is a lower bound);
+- H100 hours = passes x FLOPs per sample / an effective rate. No GPU was measured here: the rate is an
+  assumption, given as a range, 10 to 50 TFLOP/s (about 2-10 % of the H100's dense TF32 tensor peak of 495
+  TFLOP/s, the range small CNNs at batch 50-128 reach; ``benchmarks/gpu.py`` measures the real one on a GPU).
+
+ZO-HFL (softmax regression) and CFL-SAGA (closed-form problems) need no GPU; the pages state their CPU cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from fedweave.experiments.tables import write_csv
+from fedweave.models.build import build_model
+from fedweave.models.split import build_split_model
+
+RATES = (10e12, 50e12)  # the assumed effective H100 training rates, FLOP/s (module docstring)
+
+# paper, what runs, model, input shape, classes, batch size, passes per run, runs, how the passes are counted
+WORKLOADS = [
+    ("fedmim", "Table I, CIFAR-10 and CIFAR-100 (7 methods x 3 splits x 2 data sets, 1 seed)", "resnet18_gn",
+     (3, 32, 32), 10, 50, 1000 * 10 * 5 * 500, 42,
+     "1000 rounds x 10 clients x 5 epochs x 500 samples; FedSAM's second pass not counted"),
+    ("afind", "Table 1, CIFAR-10 columns (6 methods x 4 splits x 3 seeds)", "cnn_cifar",
+     (3, 32, 32), 10, 128, 500 * 100 * 5 * 500, 72,
+     "500 rounds x 100 clients x 5 epochs x 500 samples (every client trains each round); proxies not counted"),
+    ("afind", "Table 1, CIFAR-100 columns (6 methods x 4 splits x 3 seeds)", "resnet18_gn",
+     (3, 32, 32), 100, 128, 500 * 100 * 5 * 500, 72,
+     "500 rounds x 100 clients x 5 epochs x 500 samples (every client trains each round); proxies not counted"),
+    ("cse-fsl", "Table V, CIFAR-10 (8 methods x 5 seeds)", "split_cifar",
+     (3, 24, 24), 10, 50, 200 * 5 * 10_000, 40,
+     "200 epochs x 5 clients x 10,000 samples; client, aux net and server each step (CSE-FSL h > 1: server less)"),
+]  # fmt: skip
+
+
+def _model(name: str, shape: tuple[int, ...], classes: int) -> tuple[nn.Module, ...]:
+    """The modules one training step updates: the model, or a split model's client, server and auxiliary net."""
+    torch.manual_seed(0)
+    if name.startswith("split_"):
+        split = build_split_model(name, shape, classes, {"aux": "mlp"})
+        return split.client, split.server, split.aux
+    return (build_model(name, shape, classes),)
+
+
+def _step(parts: tuple[nn.Module, ...], x: torch.Tensor, y: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+    """One SGD step of every part: the whole model, or the client with its auxiliary net and the server."""
+    loss = nn.functional.cross_entropy
+    opt.zero_grad(set_to_none=True)
+    if len(parts) == 1:
+        loss(parts[0](x), y).backward()
+    else:
+        client, server, aux = parts
+        smashed = client(x)
+        loss(aux(smashed), y).backward()
+        loss(server(smashed.detach().requires_grad_()), y).backward()
+    opt.step()
+
+
+def measure(name: str, shape: tuple[int, ...], classes: int, batch: int, repeats: int) -> tuple[float, float]:
+    """(CPU seconds, FLOPs) per sample of one training step at ``batch``: the median of ``repeats`` timed
+    steps after one untimed step, and the counted operations of one step."""
+    parts = _model(name, shape, classes)
+    opt = torch.optim.SGD([p for m in parts for p in m.parameters()], lr=0.01)
+    x, y = torch.randn(batch, *shape), torch.randint(0, classes, (batch,))
+    _step(parts, x, y, opt)
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        _step(parts, x, y, opt)
+        times.append(time.process_time() - t0)
+    with FlopCounterMode(display=False) as counter:
+        _step(parts, x, y, opt)
+    return sorted(times)[len(times) // 2] / batch, counter.get_total_flops() / batch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="docs/reproductions/paper-scale.csv")
+    parser.add_argument("--repeats", type=int, default=5)
+    opts = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = []
+    for paper, what, model, shape, classes, batch, passes, runs, how in WORKLOADS:
+        sec, flops = measure(model, shape, classes, batch, opts.repeats)
+        total = passes * runs
+        rows.append({
+            "paper": paper, "runs": what, "model": model, "batch": batch, "passes_per_run": passes,
+            "n_runs": runs, "passes_counted_as": how, "cpu_ms_per_sample": round(1e3 * sec, 3),
+            "mflop_per_sample": round(flops / 1e6, 1), "cpu_core_hours": round(total * sec / 3600),
+            "h100_hours_low": round(total * flops / RATES[1] / 3600, 1),
+            "h100_hours_high": round(total * flops / RATES[0] / 3600, 1),
+        })  # fmt: skip
+        print(rows[-1], flush=True)
+    write_csv(Path(opts.out), rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+def page_table(rows: list[dict], paper: str) -> str:
+    """The table a reproduction page shows of ``paper``'s rows of the CSV (``read_csv``): what runs, the model
+    and batch, the training passes, the measured CPU time per sample, the core-hours and the H100 range."""
+    from fedweave.experiments.tables import markdown_table
+
+    header = ["what runs", "model, batch", "training passes (how counted)", "CPU ms per sample (1 thread)",
+              "MFLOP per sample", "CPU core-hours", "H100 hours at 50 / 10 TFLOP/s"]  # fmt: skip
+    body = [[r["runs"], f"`{r['model']}`, {r['batch']}",
+             f"{r['passes_per_run'] * r['n_runs'] / 1e9:.2f} G ({r['n_runs']} runs x {r['passes_counted_as']})",
+             f"{r['cpu_ms_per_sample']:.2f}", f"{r['mflop_per_sample']:.0f}", f"{r['cpu_core_hours']:,}",
+             f"{r['h100_hours_low']:g} / {r['h100_hours_high']:g}"] for r in rows if r["paper"] == paper]  # fmt: skip
+    return markdown_table(header, body)
