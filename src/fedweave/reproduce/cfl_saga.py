@@ -738,7 +738,7 @@ def sections(folder: Path) -> dict[str, str]:
     return out
 
 
-REAL = {"adult": "Adult (a9a)", "mushroom": "Mushroom", "breast_cancer": "breast cancer (10 × 5 users)"}
+REAL_NAMES = {"adult": "Adult (a9a)", "mushroom": "Mushroom", "breast_cancer": "breast cancer (10 × 5 users)"}
 
 
 def real_sections(aggs: list[dict]) -> tuple[str, str]:
@@ -746,7 +746,7 @@ def real_sections(aggs: list[dict]) -> tuple[str, str]:
     rho = 0 and its best rho (iterations / uploads to 1e-8; fewest uploads) with the reduction of uploads; and
     the best rho with the rhos of the grid that did not reach 1e-8 (the final gap they stopped at)."""
     body, rho_body = [], []
-    for problem, name in REAL.items():
+    for problem, name in REAL_NAMES.items():
         rows = [a for a in aggs if a["problem"] == problem]
         done = [a for a in rows if a.get(DEEP)]
         gt = min((a for a in done if a["method"].startswith("GT-SAGA")), key=lambda a: a[DEEP])
@@ -754,14 +754,24 @@ def real_sections(aggs: list[dict]) -> tuple[str, str]:
         best = min((a for a in cfl if a.get(DEEP)), key=lambda a: a[DEEP])
         zero = next(a for a in cfl if a["method"] == "CFL-SAGA rho=0")
         stuck = [a for a in rows if a["method"].startswith("GT-SAGA") and not a.get(DEEP)]
-        note = "".join(f" ({_short(a['method'])}: opg {a['final_opt_gap']:.0e} after {a['iterations']:,.0f} it)"
-                       for a in stuck)  # fmt: skip
-        body.append([name, f"{_short(gt['method'])}: {gt[IT]:.0f} / **{gt[DEEP]:,.0f}**{note}",
-                     f"{zero[IT]:.0f} / {zero[DEEP]:,.0f}",
-                     f"{_short(best['method']).removeprefix('CFL-SAGA ')}: {best[IT]:.0f} / **{best[DEEP]:,.0f}**",
-                     f"{gt[DEEP] / best[DEEP]:.1f}×"])  # fmt: skip
-        failed = [f"{_short(a['method']).removeprefix('CFL-SAGA ')} (opg {a['final_opt_gap']:.2g} after "
-                  f"{a['iterations']:,.0f} it)" for a in cfl if not a.get(DEEP)]  # fmt: skip
+        note = "".join(
+            f" ({_short(a['method'])}: opg {a['final_opt_gap']:.0e} after {a['iterations']:,.0f} it)" for a in stuck
+        )
+        body.append(
+            [
+                name,
+                f"{_short(gt['method'])}: {gt[IT]:.0f} / **{gt[DEEP]:,.0f}**{note}",
+                f"{zero[IT]:.0f} / {zero[DEEP]:,.0f}",
+                f"{_short(best['method']).removeprefix('CFL-SAGA ')}: {best[IT]:.0f} / **{best[DEEP]:,.0f}**",
+                f"{gt[DEEP] / best[DEEP]:.1f}×",
+            ]
+        )
+        failed = [
+            f"{_short(a['method']).removeprefix('CFL-SAGA ')} (opg {a['final_opt_gap']:.2g} after "
+            f"{a['iterations']:,.0f} it)"
+            for a in cfl
+            if not a.get(DEEP)
+        ]
         rho_body.append(
             [name.split(" (")[0], _short(best["method"]).removeprefix("CFL-SAGA "), ", ".join(failed) or "—"]
         )
