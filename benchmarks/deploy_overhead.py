@@ -39,7 +39,10 @@ import threading
 import time
 from pathlib import Path
 
+from fedweave.memory import process_tree
+
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+IDLE = 10.0  # seconds of an idle federation whose CPU is measured before the run (the looks for work)
 BIN = Path(sys.executable).parent
 CLIENTS = 3
 
@@ -70,7 +73,7 @@ class Federation:
     """A SuperLink and SuperNodes on loopback, each a process group whose output lines are time-stamped."""
 
     def __init__(self, root: Path, isolation: str) -> None:
-        self.root, self.isolation, self.procs, self.lines = root, isolation, [], []
+        self.root, self.isolation, self.procs, self.names, self.lines = root, isolation, [], [], []
         self.lock = threading.Lock()
         self.port = free_port()
         home = root / "flwr-home"
@@ -87,6 +90,7 @@ class Federation:
         p = subprocess.Popen([str(BIN / args[0]), *args[1:]], env=self.env, cwd=self.root, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         self.procs.append(p)
+        self.names.append(name)
         threading.Thread(target=self._read, args=(name, p), daemon=True).start()
 
     def _read(self, name: str, p: subprocess.Popen) -> None:
@@ -110,6 +114,20 @@ class Federation:
             if self.isolation == "process":
                 self.start(f"executor-{client}", "fedweave", "flower-executor", "--insecure",
                            "--runtime-api-address", f"127.0.0.1:{port}")  # fmt: skip
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds (user + system, with finished children) so far of each kind of process tree: the
+        SuperLink (and the ServerApp it starts), the nodes, the executors (and their forked ClientApps)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {"superlink": 0.0, "node": 0.0, "executor": 0.0}
+        for name, p in zip(self.names, self.procs):
+            for pid in process_tree(p.pid):
+                try:
+                    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                out[name.split("-")[0]] += sum(int(v) for v in f[11:15]) / tick
+        return out
 
     def run(self, app: Path, timeout: float) -> str:
         cmd = [str(BIN / "flwr"), "run", str(app), "local", "--stream"]
@@ -198,8 +216,13 @@ def main() -> None:
         t0 = time.time()
         fed.up()
         write_app(cfg, root / "app", run_dir=str(root / "deployed"), node_wait=120.0, reply_timeout=300.0)
+        time.sleep(5)  # the nodes and executors have started and are idle
+        idle0 = fed.cpu()
+        time.sleep(IDLE)
+        idle1 = fed.cpu()
         output = fed.run(root / "app", timeout=120 + 120 * args.rounds)
         total = time.time() - t0
+        busy = fed.cpu()
     finally:
         stop.set()
         fed.stop()
@@ -237,6 +260,14 @@ def main() -> None:
               f"{med['node_mean']:.3f} s")  # fmt: skip
         print(f"- last node Sending -> the round's row (the reply pushed, the ServerApp's look for replies, "
               f"aggregation, evaluation, the row written): {med['back']:.3f} s")  # fmt: skip
+    idle = {k: (idle1[k] - idle0[k]) / IDLE for k in idle0}
+    run_cpu = {k: busy[k] - idle1[k] for k in busy}
+    print()
+    print(
+        f"CPU of the federation, idle (per second, {IDLE:.0f} s before the run): SuperLink {idle['superlink']:.3f}, "
+        f"nodes {idle['node']:.3f}, executors {idle['executor']:.3f}; during the run (s): SuperLink and ServerApp "
+        f"{run_cpu['superlink']:.1f}, nodes {run_cpu['node']:.1f}, executors and ClientApps {run_cpu['executor']:.1f}."
+    )
     print(f"\nTime-stamped logs: {root / 'lines.txt'}")
 
 
