@@ -54,6 +54,7 @@ def config(rounds: int, model: str) -> dict:
         "seed": 0,
         "rounds": rounds,
         "backend": "loop",
+        "threads": 1,  # the simulation and the ServerApp: two spinning threads per process on a shared 2-core machine
         "dataset": {"name": "digits", "as_image": True},
         "partition": {"name": "dirichlet", "num_clients": CLIENTS, "alpha": 0.5},
         "model": {"name": model},

@@ -24,7 +24,7 @@ import time
 
 log = logging.getLogger("fedweave")
 FLOWER = (1, 42)  # the Flower release (major, minor) whose Runtime API this speaks: pyproject pins flwr to it
-POLL = 0.05  # seconds between two asks for a task (at most this is added to a job; idle CPU: docs/deployment.md)
+POLL = 0.2  # seconds between two asks for a task
 
 
 class ExecutorError(RuntimeError):

@@ -40,7 +40,7 @@ from fedweave.execution.state import StateStore
 from fedweave.results import atomic_write
 
 log = logging.getLogger("fedweave")
-POLL = 0.05  # seconds between two looks for replies (benchmarks/deploy_overhead.py: at most this is added to a round)
+POLL = 0.1  # seconds between two looks for replies (at most this is added to a round: docs/deployment.md)
 
 
 class DeploymentError(RuntimeError):
