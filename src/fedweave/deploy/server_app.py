@@ -40,7 +40,7 @@ from fedweave.execution.state import StateStore
 from fedweave.results import atomic_write
 
 log = logging.getLogger("fedweave")
-POLL = 0.1  # seconds between two looks for replies (at most this is added to a round: docs/deployment.md)
+POLL = 0.25  # seconds between two looks for replies
 
 
 class DeploymentError(RuntimeError):
