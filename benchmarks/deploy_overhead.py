@@ -171,11 +171,18 @@ def breakdown(lines: list[tuple[float, str, str]], row_times: list[float]) -> li
     Receiving to Sending at each node, and from the round's last Sending to its row."""
     recv: dict[str, list[float]] = {}
     sent: dict[str, list[float]] = {}
+    done: dict[str, list[float]] = {}  # the reply's "Sent successfully"
     for t, name, line in lines:
         if name.startswith("node-") and "Receiving: train message" in line:
             recv.setdefault(name, []).append(t)
         elif name.startswith("node-") and "Sending: train message" in line:
             sent.setdefault(name, []).append(t)
+        elif (
+            name.startswith("node-")
+            and "Sent successfully" in line
+            and len(sent.get(name, [])) > len(done.get(name, []))
+        ):
+            done.setdefault(name, []).append(t)
     out = []
     for r in range(1, len(row_times)):  # round r + 1 runs from row_times[r - 1] to row_times[r]
         if any(len(recv.get(n, [])) <= r or len(sent.get(n, [])) <= r for n in recv) or not recv:
@@ -184,8 +191,10 @@ def breakdown(lines: list[tuple[float, str, str]], row_times: list[float]) -> li
         pick = [recv[n][r] - start for n in recv]
         node = [sent[n][r] - recv[n][r] for n in recv]
         last = max(sent[n][r] for n in sent)
+        idle = [recv[n][r] - done[n][r - 1] for n in recv if len(done.get(n, [])) >= r]
         out.append({"round": end - start, "pickup_max": max(pick), "pickup_min": min(pick), "node_max": max(node),
-                    "node_mean": statistics.mean(node), "back": end - last})  # fmt: skip
+                    "node_mean": statistics.mean(node), "back": end - last,
+                    "idle_min": min(idle), "idle_max": max(idle)})  # fmt: skip
     return out
 
 
@@ -255,6 +264,10 @@ def main() -> None:
         print(
             f"- previous round's row written -> the nodes log Receiving (the ServerApp's next push, then the "
             f"nodes' idle look every 3 s): last node {med['pickup_max']:.3f} s, first {med['pickup_min']:.3f} s"
+        )
+        print(
+            f"- at a node, its previous reply sent (Sent successfully) -> its next Receiving: {med['idle_min']:.3f} "
+            f"to {med['idle_max']:.3f} s (the node found nothing right after sending, then slept 3 s)"
         )
         print(f"- at a node, Receiving -> Sending (the message's objects pulled, the executor's task, the forked "
               f"ClientApp, the node's look for the reply every 0.5 s): slowest {med['node_max']:.3f} s, mean "
