@@ -172,9 +172,19 @@ def breakdown(lines: list[tuple[float, str, str]], row_times: list[float]) -> li
     recv: dict[str, list[float]] = {}
     sent: dict[str, list[float]] = {}
     done: dict[str, list[float]] = {}  # the reply's "Sent successfully"
+    got: dict[str, list[float]] = {}  # the job's "Received successfully" (its objects pulled)
+    ended: dict[str, list[float]] = {}  # the lines of a node's executor: its forked ClientApps end with one
     for t, name, line in lines:
+        if name.startswith("executor-"):
+            ended.setdefault(name.replace("executor", "node"), []).append(t)
         if name.startswith("node-") and "Receiving: train message" in line:
             recv.setdefault(name, []).append(t)
+        elif (
+            name.startswith("node-")
+            and "Received successfully" in line
+            and len(recv.get(name, [])) > len(got.get(name, []))
+        ):
+            got.setdefault(name, []).append(t)
         elif name.startswith("node-") and "Sending: train message" in line:
             sent.setdefault(name, []).append(t)
         elif (
@@ -192,9 +202,15 @@ def breakdown(lines: list[tuple[float, str, str]], row_times: list[float]) -> li
         node = [sent[n][r] - recv[n][r] for n in recv]
         last = max(sent[n][r] for n in sent)
         idle = [recv[n][r] - done[n][r - 1] for n in recv if len(done.get(n, [])) >= r]
+        pulled = [got[n][r] - recv[n][r] for n in recv if len(got.get(n, [])) > r]
+        child = {n: min((t for t in ended.get(n, []) if got[n][r] < t <= sent[n][r]), default=None) for n in recv}
+        app = [child[n] - got[n][r] for n in recv if child[n] is not None]  # executor's pick-up and ClientApp
+        look = [sent[n][r] - child[n] for n in recv if child[n] is not None]  # the node's look for the reply
         out.append({"round": end - start, "pickup_max": max(pick), "pickup_min": min(pick), "node_max": max(node),
                     "node_mean": statistics.mean(node), "back": end - last,
-                    "idle_min": min(idle), "idle_max": max(idle)})  # fmt: skip
+                    "idle_min": min(idle), "idle_max": max(idle), "pulled": statistics.mean(pulled),
+                    "app": statistics.mean(app) if app else float("nan"),
+                    "look": statistics.mean(look) if look else float("nan")})  # fmt: skip
     return out
 
 
@@ -271,7 +287,9 @@ def main() -> None:
         )
         print(f"- at a node, Receiving -> Sending (the message's objects pulled, the executor's task, the forked "
               f"ClientApp, the node's look for the reply every 0.5 s): slowest {med['node_max']:.3f} s, mean "
-              f"{med['node_mean']:.3f} s")  # fmt: skip
+              f"{med['node_mean']:.3f} s, of which the objects pulled (Receiving -> Received successfully) "
+              f"{med['pulled']:.3f} s, the executor's pick-up and the ClientApp process (to its last line) "
+              f"{med['app']:.3f} s, the node's look for the reply {med['look']:.3f} s")  # fmt: skip
         print(f"- last node Sending -> the round's row (the reply pushed, the ServerApp's look for replies, "
               f"aggregation, evaluation, the row written): {med['back']:.3f} s")  # fmt: skip
     idle = {k: (idle1[k] - idle0[k]) / IDLE for k in idle0}
