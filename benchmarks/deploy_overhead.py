@@ -8,19 +8,22 @@ round (median of rounds 2..R: round 1 pays the nodes' first job, which derives t
 
 Every line the Flower processes print is stamped with the time it arrived, and so is every metrics row the
 ServerApp writes (at the end of each round, after its evaluation), so each deployed round is split into:
-- the previous round's row -> the nodes log ``Receiving``: the ServerApp pushes the jobs, then each node finds
-  them at its next look; a SuperNode without messages looks every 3 s (a ``time.sleep(3)`` in Flower 1.42's
-  ``start_client_internal``, with no option or setting to change it), and the node whose reply ended the last
-  round looked, found nothing and went to sleep just before the ServerApp pushed;
-- ``Receiving`` -> ``Sending`` at each node: the message's objects pulled, the executor taking the task (it
-  asks every ``executor.POLL`` s), the forked ClientApp (pull, decode, build the trainer, train, encode,
-  push to the node), then the node's own look for the reply (every 0.5 s, Flower's);
+- the previous round's row -> the nodes log ``Receiving``; and, per node, its previous reply sent -> its
+  next ``Receiving``: a SuperNode looks for a message right after sending a reply, finds none (the round has
+  not ended), and sleeps 3 s (a ``time.sleep(3)`` in Flower 1.42's ``start_client_internal``, with no option or
+  setting to change it), so each node takes its next job 3 s after its reply (6 s if the job was not there
+  yet), whatever the ServerApp does in between;
+- ``Receiving`` -> ``Sending`` at each node: the message's objects pulled (to ``Received successfully``), the
+  executor taking the task (it asks every ``executor.POLL`` s) and the forked ClientApp process (Flower's
+  ``run_clientapp`` around fedweave's ``train``; it ends with a line of the executor's), then the node's own
+  look for the reply (every 0.5 s, Flower's);
 - the round's last ``Sending`` -> its row: the reply pushed, the ServerApp's look for replies (every
   ``server_app.POLL`` s), aggregation, evaluation.
+The federation's CPU seconds, idle and during the run, show what the looks for work cost.
 
-Usage:
-  python benchmarks/deploy_overhead.py --rounds 8
-  python benchmarks/deploy_overhead.py --rounds 4 --isolation subprocess   # Flower's default (a process a message)
+Usage (from the checkout, its source first on the path):
+  PYTHONPATH=src python benchmarks/deploy_overhead.py --rounds 8
+  PYTHONPATH=src python benchmarks/deploy_overhead.py --rounds 4 --isolation subprocess   # a process a message
 Needs the ``flower`` extra (pip install 'fedweave[flower]').
 """
 
@@ -150,8 +153,9 @@ class Federation:
 def per_round(rows: list[dict]) -> list[float]:
     """Seconds of each round from the cumulative ``wall_seconds`` of the metrics rows (round 0: the start)."""
     walls = [r["wall_seconds"] for r in rows]
-    return [b - a for a, b in zip(walls, walls[1:])] if rows[0]["round"] == 0 else [walls[0], *(
-        b - a for a, b in zip(walls, walls[1:]))]  # fmt: skip
+    if rows[0]["round"] != 0:
+        walls = [0.0, *walls]
+    return [b - a for a, b in zip(walls, walls[1:])]
 
 
 def watch_rows(path: Path, seen: list[float], stop: threading.Event) -> None:
@@ -164,6 +168,14 @@ def watch_rows(path: Path, seen: list[float], stop: threading.Event) -> None:
             rows = 0
         seen.extend([time.time()] * (rows - len(seen)))
         time.sleep(0.01)
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.mean(xs) if xs else float("nan")
+
+
+def _min(xs: list[float]) -> float:
+    return min(xs) if xs else float("nan")
 
 
 def breakdown(lines: list[tuple[float, str, str]], row_times: list[float]) -> list[dict[str, float]]:
@@ -203,14 +215,17 @@ def breakdown(lines: list[tuple[float, str, str]], row_times: list[float]) -> li
         last = max(sent[n][r] for n in sent)
         idle = [recv[n][r] - done[n][r - 1] for n in recv if len(done.get(n, [])) >= r]
         pulled = [got[n][r] - recv[n][r] for n in recv if len(got.get(n, [])) > r]
-        child = {n: min((t for t in ended.get(n, []) if got[n][r] < t <= sent[n][r]), default=None) for n in recv}
-        app = [child[n] - got[n][r] for n in recv if child[n] is not None]  # executor's pick-up and ClientApp
-        look = [sent[n][r] - child[n] for n in recv if child[n] is not None]  # the node's look for the reply
+        child = {  # the executor's line that ends the node's ClientApp process of this job
+            n: min((t for t in ended.get(n, []) if got[n][r] < t <= sent[n][r]), default=None)
+            for n in recv
+            if len(got.get(n, [])) > r
+        }
+        app = [t - got[n][r] for n, t in child.items() if t is not None]  # the executor's pick-up and the ClientApp
+        look = [sent[n][r] - t for n, t in child.items() if t is not None]  # the node's look for the reply
         out.append({"round": end - start, "pickup_max": max(pick), "pickup_min": min(pick), "node_max": max(node),
-                    "node_mean": statistics.mean(node), "back": end - last,
-                    "idle_min": min(idle), "idle_max": max(idle), "pulled": statistics.mean(pulled),
-                    "app": statistics.mean(app) if app else float("nan"),
-                    "look": statistics.mean(look) if look else float("nan")})  # fmt: skip
+                    "node_mean": statistics.mean(node), "back": end - last, "idle_min": _min(idle),
+                    "idle_max": -_min([-x for x in idle]), "pulled": _mean(pulled), "app": _mean(app),
+                    "look": _mean(look)})  # fmt: skip
     return out
 
 
