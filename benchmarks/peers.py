@@ -380,7 +380,7 @@ def run_pfl(workload: str, rounds: int, spec: dict, launched: float) -> dict:
             return torch.nn.functional.cross_entropy(self.net(inputs), targets)
 
         def metrics(self, inputs, targets, eval=False):  # noqa: A002
-            return {}  # the evaluation is the peers' own (central_eval below), as for Flower
+            return {}  # the global model is evaluated by the Marks callback below, with the peers' code
 
     # pfl asks its user sampler for one client id at a time: fedweave's sampled clients, round after round
     order = iter([(r, int(c)) for r in range(rounds) for c in sampled[r]])
@@ -410,7 +410,8 @@ def run_pfl(workload: str, rounds: int, spec: dict, launched: float) -> dict:
         central_optimizer=torch.optim.SGD(module.parameters(), lr=1.0),  # the averaged difference, applied once
     )
     FederatedAveraging().run(
-        # evaluation_frequency past the last round: pfl's own per-client evaluation off, as in the other runs
+        # evaluation_frequency past the last round: pfl's per-client evaluation only in round 1 (iteration 0 is a
+        # multiple of any frequency), where it costs nothing since ``metrics`` computes nothing
         algorithm_params=NNAlgorithmParams(
             central_num_iterations=rounds, evaluation_frequency=rounds + 1, train_cohort_size=k, val_cohort_size=0
         ),
