@@ -1,4 +1,5 @@
-"""Peer-framework benchmark: fedweave against Flower 1.41's simulation engine on the same workloads.
+"""Peer-framework benchmark: fedweave against Flower 1.41's simulation engine and pfl-research 0.6's simulator on
+the same workloads.
 
 Workloads (issue 8; MNIST, FedAvg, Dirichlet(0.3) label skew, 1 local epoch, lr 0.05, global-model
 evaluation on the 10k test set every round):
@@ -12,7 +13,9 @@ same initial weights (fedweave's ``model_init`` stream), the same sampled client
 ``client_sampling`` stream; Flower's server sends each sampled client its id), the same batches in the same
 order (the ``batches`` stream), plain SGD, sample-weighted averaging and the same evaluation code
 (inference mode, batches of 2048). A run whose final accuracy differs from the others by more than 0.5
-points is reported as void.
+points is reported as void. pfl-research runs the same computation in one process: its user sampler hands out
+fedweave's sampled clients, each client's dataset yields fedweave's batches, ``WeightByDatapoints`` weighs the
+updates, and a callback times the rounds and evaluates with the same code.
 
 Every configuration runs in a fresh process; the parent samples the resident memory of that process's
 whole tree (the process, Ray's processes and actors) every 0.2 s. Start-up = launch to the start of round 1
@@ -23,7 +26,11 @@ Usage:
   python benchmarks/peers.py --workload cnn --rounds 20
   python benchmarks/peers.py --workload logistic mlp --rounds 20
   python benchmarks/peers.py --workload cnn --rounds 2 --only fedweave   # a quick look
+  python benchmarks/peers.py --workload logistic mlp --only fedweave-1t pfl-1t --pfl-python /path/to/pflenv/bin/python
 Needs the ``bench`` extra (pip install 'fedweave[bench]') for Flower; telemetry and Ray usage stats are off.
+pfl-research cannot share that environment (its dp-accounting requires absl-py 1.x and attrs < 24, fedweave's
+constraints pin absl-py 2.5.1 and attrs 26.1.0): the pfl configurations run in a child of ``--pfl-python``, an
+environment with ``pip install 'pfl[pytorch]==0.6.0'`` and fedweave's dependencies (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -75,7 +82,11 @@ CONFIGS = {
     "flower-1x2": {"framework": "flower", "actors": 1, "actor_cpus": 2},
     # benchmarks/gpu.py: four actors sharing one GPU, the client's training on it
     "flower-gpu-4x0.25": {"framework": "flower", "actors": 4, "actor_cpus": 1, "actor_gpus": 0.25, "device": "cuda"},
+    # pfl-research's simulator in one process (run by --pfl-python: pfl's pins conflict with fedweave's)
+    "pfl": {"framework": "pfl", "threads": 2},
+    "pfl-1t": {"framework": "pfl", "threads": 1},
 }
+RUNNERS = {"fedweave": "run_fedweave", "flower": "run_flower", "pfl": "run_pfl"}
 DEFAULT_CONFIGS = {
     "cnn": ["fedweave-pool-2x1", "fedweave-1t", "flower-2x1"],
     "logistic": ["fedweave-1t", "fedweave-pool-2x1", "flower-2x1"],
@@ -319,6 +330,112 @@ def run_flower(workload: str, rounds: int, spec: dict, launched: float) -> dict:
     }
 
 
+# ---- pfl-research --------------------------------------------------------------------------------
+def run_pfl(workload: str, rounds: int, spec: dict, launched: float) -> dict:
+    """pfl-research's simulator (``SimulatedBackend``, ``FederatedAveraging``, ``PyTorchModel``) in one process,
+    on fedweave's partition, initial weights, sampled clients and batches, weighted by data points."""
+    import numpy as np
+    import torch
+    from pfl.aggregate.simulate import SimulatedBackend
+    from pfl.aggregate.weighting import WeightByDatapoints
+    from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
+    from pfl.callback.base import TrainingProcessCallback
+    from pfl.data.dataset import Dataset
+    from pfl.data.federated_dataset import FederatedDataset
+    from pfl.hyperparam import NNEvalHyperParams, NNTrainHyperParams
+    from pfl.metrics import Metrics
+    from pfl.model.pytorch import PyTorchModel
+
+    torch.set_num_threads(spec["threads"])
+    w = WORKLOADS[workload]
+    setting = {"config": fedweave_config(workload, rounds), "batch_size": w["batch_size"]}
+    ctx, ds, planner = _plan(setting)
+    n, k = w["num_clients"], w["per_round"]
+    sampled = [np.sort(ctx.seeds.numpy("client_sampling", r).choice(n, k, replace=False)) for r in range(rounds)]
+    x, y = ds.train_x, ds.train_y
+
+    class Planned(Dataset):
+        """A client's data whose batches are fedweave's (the ``batches`` stream of its round), in order."""
+
+        def __init__(self, cid: int, rnd: int) -> None:
+            idx = torch.as_tensor(planner.parts[cid])
+            super().__init__((x[idx], y[idx]), user_id=f"{rnd}/{cid}")  # its length weighs its update
+            self.planned = list(planner.client_batches(cid, rnd, (), None))
+
+        def iter(self, batch_size):
+            for b in self.planned:
+                yield (x[b], y[b])
+
+    class Module(torch.nn.Module):
+        """fedweave's model with the ``loss`` and ``metrics`` that pfl's ``PyTorchModel`` calls."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = ctx.build_model()  # fedweave's initial weights
+
+        def forward(self, inputs):
+            return self.net(inputs)
+
+        def loss(self, inputs, targets, eval=False):  # noqa: A002 (pfl's keyword)
+            return torch.nn.functional.cross_entropy(self.net(inputs), targets)
+
+        def metrics(self, inputs, targets, eval=False):  # noqa: A002
+            return {}  # the global model is evaluated by the Marks callback below, with the peers' code
+
+    # pfl asks its user sampler for one client id at a time: fedweave's sampled clients, round after round
+    order = iter([(r, int(c)) for r in range(rounds) for c in sampled[r]])
+    data = FederatedDataset(lambda key: Planned(key[1], key[0]), lambda: next(order))
+    marks: dict = {"round_start": [], "train_end": [], "round_end": [], "accuracy": [], "cpu": []}
+
+    class Marks(TrainingProcessCallback):
+        """Times each round and evaluates the global model with the peers' evaluation code."""
+
+        def on_train_begin(self, *, model):
+            marks["round_start"].append(time.time())
+            marks["cpu"].append(cpu_seconds())
+            return Metrics()
+
+        def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
+            marks["train_end"].append(time.time())
+            marks["accuracy"].append(evaluate_model(model.pytorch_model, ds.test_x, ds.test_y))
+            marks["round_end"].append(time.time())
+            marks["cpu"].append(cpu_seconds())
+            marks["round_start"].append(time.time())
+            return False, Metrics()
+
+    module = Module()
+    model = PyTorchModel(
+        model=module,
+        local_optimizer_create=torch.optim.SGD,
+        central_optimizer=torch.optim.SGD(module.parameters(), lr=1.0),  # the averaged difference, applied once
+    )
+    FederatedAveraging().run(
+        # evaluation_frequency past the last round: pfl's per-client evaluation only in round 1 (iteration 0 is a
+        # multiple of any frequency), where it costs nothing since ``metrics`` computes nothing
+        algorithm_params=NNAlgorithmParams(
+            central_num_iterations=rounds, evaluation_frequency=rounds + 1, train_cohort_size=k, val_cohort_size=0
+        ),
+        backend=SimulatedBackend(training_data=data, val_data=data, postprocessors=[WeightByDatapoints()]),
+        model=model,
+        model_train_params=NNTrainHyperParams(
+            local_learning_rate=LR, local_num_epochs=1, local_batch_size=w["batch_size"]
+        ),
+        model_eval_params=NNEvalHyperParams(local_batch_size=EVAL_BATCH),
+        callbacks=[Marks()],
+        send_metrics_to_platform=False,  # no metrics table printed each round
+    )
+    starts, ends, trains = marks["round_start"], marks["round_end"], marks["train_end"]
+    return {
+        "startup": starts[0] - launched,
+        "cpu": [b - a for a, b in zip(marks["cpu"], marks["cpu"][1:])],
+        "train": [t - s for s, t in zip(starts, trains)],
+        "eval": [e - t for t, e in zip(trains, ends)],
+        "accuracy": marks["accuracy"],
+        "threads": torch.get_num_threads(),
+        "partition": partition_digest(ctx.partition),
+    }
+
+
 # ---- measurement (process-tree memory comes from fedweave.memory) ------------------------------
 def matmul_gflops(threads: int, n: int = 2048, reps: int = 10) -> float:
     """Dense float32 matmul throughput of this machine at ``threads`` threads (GFLOP/s)."""
@@ -411,10 +528,11 @@ def train_flops_per_round(workload: str, rounds: int) -> list[float]:
     return out
 
 
-def launch(name: str, workload: str, rounds: int) -> dict:
-    """Run one configuration in a fresh process, sampling its process tree's memory."""
+def launch(name: str, workload: str, rounds: int, python: str = sys.executable) -> dict:
+    """Run one configuration in a fresh process of the interpreter ``python``, sampling its process tree's
+    memory."""
     out = Path(f"/tmp/peers-{os.getpid()}-{name}-{workload}.json")
-    cmd = [sys.executable, __file__, "--child", name, "--workload", workload, "--rounds", str(rounds)]
+    cmd = [python, __file__, "--child", name, "--workload", workload, "--rounds", str(rounds)]
     launched = time.time()
     cmd += ["--out", str(out), "--launched", repr(launched)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env())
@@ -487,16 +605,33 @@ def summarize(workload: str, rounds: int, results: dict[str, list[dict]], thread
     lines.append(f"Final accuracies {verdict} (spread {spread:.2f} points).")
     med_rep = {n: statistics.median(v) for n, v in per_rep.items()}
     fw = {n: v for n, v in med_rep.items() if n.startswith("fedweave")}
-    flw = {n: v for n, v in med_rep.items() if n.startswith("flower")}
-    if fw and flw:
-        best_fw, best_fl = min(fw, key=fw.get), min(flw, key=flw.get)
-        pairs = [a / b for a, b in zip(per_rep[best_fw], per_rep[best_fl])]
-        ratio = fw[best_fw] / flw[best_fl]
+    for framework, label in (("flower", "Flower"), ("pfl", "pfl-research")):
+        peer = {n: v for n, v in med_rep.items() if CONFIGS[n]["framework"] == framework}
+        if not (fw and peer):
+            continue
+        best_fw, best_peer = min(fw, key=fw.get), min(peer, key=peer.get)
+        pairs = [a / b for a, b in zip(per_rep[best_fw], per_rep[best_peer])]
+        ratio = fw[best_fw] / peer[best_peer]
         lines.append(
-            f"Best fedweave ({best_fw}) / best Flower ({best_fl}) per round: {ratio:.3f}x (Flower {1 / ratio:.1f}x "
-            f"slower); per repetition {', '.join(f'{x:.3f}' for x in pairs)}."
+            f"Best fedweave ({best_fw}) / best {label} ({best_peer}) per round: {ratio:.3f}x ({label} "
+            f"{1 / ratio:.1f}x slower); per repetition {', '.join(f'{x:.3f}' for x in pairs)}."
         )
     return "\n".join(lines)
+
+
+def check_pfl(python: str) -> str | None:
+    """Why ``python`` cannot run the pfl configurations (it must import pfl, torch and this checkout's
+    fedweave), or None when it can."""
+    hint = "give the Python of an environment with pfl-research (docs/performance.md, Peer frameworks)"
+    try:
+        done = subprocess.run([python, "-c", "import pfl, torch, fedweave"], env=child_env(), capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+    except OSError as e:
+        return f"--pfl-python {python}: cannot run it ({e.strerror}); {hint}"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"--pfl-python {python}: cannot import pfl, torch and fedweave ({last}); {hint}"
+    return None
 
 
 def main() -> None:
@@ -507,16 +642,25 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="repetitions, interleaved across configurations")
     ap.add_argument("--json", type=Path, help="also write all measurements here")
     ap.add_argument("--eval-variants", action="store_true", help="also time cheaper evaluation paths")
+    ap.add_argument(
+        "--pfl-python",
+        default=sys.executable,
+        help="the Python of an environment with pfl-research (pip install 'pfl[pytorch]==0.6.0' and fedweave's "
+        "dependencies), which runs the pfl configurations (default: this one)",
+    )
     ap.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--launched", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         spec = CONFIGS[args.child]
-        fn = run_fedweave if spec["framework"] == "fedweave" else run_flower
+        fn = globals()[RUNNERS[spec["framework"]]]
         res = fn(args.workload[0], args.rounds, spec, args.launched)
         args.out.write_text(json.dumps(res))
         return
+    chosen = {n for w in args.workload for n in (args.only or DEFAULT_CONFIGS[w])}
+    if any(CONFIGS[n]["framework"] == "pfl" for n in chosen) and (why := check_pfl(args.pfl_python)):
+        ap.exit(2, f"peers.py: error: {why}\n")
     everything = {}
     for workload in args.workload:
         names = args.only or DEFAULT_CONFIGS[workload]
@@ -524,7 +668,8 @@ def main() -> None:
         for rep in range(args.repeat):  # interleaved, so that changes in the machine's load hit every one
             for name in names:
                 print(f"[{workload}] {name}, repetition {rep + 1} ...", file=sys.stderr, flush=True)
-                results[name].append(launch(name, workload, args.rounds))
+                python = args.pfl_python if CONFIGS[name]["framework"] == "pfl" else sys.executable
+                results[name].append(launch(name, workload, args.rounds, python))
         everything[workload] = results
         print(summarize(workload, args.rounds, results, threads=2), flush=True)
         print()

@@ -1,0 +1,71 @@
+"""benchmarks/peers.py's pfl-research peer: an interpreter that cannot run pfl is refused in one line, and (where an
+environment with pfl is given, ``PFL_PYTHON``) pfl trains what fedweave trains."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "peers.py"
+PFL_PYTHON = os.environ.get("PFL_PYTHON") or (sys.executable if importlib.util.find_spec("pfl") else None)
+
+
+def _peers(*args: str, python: str = sys.executable) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    return subprocess.run([python, str(SCRIPT), *args], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+
+
+def test_a_missing_pfl_python_is_refused_in_one_line():
+    out = _peers("--workload", "logistic", "--only", "pfl", "--pfl-python", "/nonexistent/python")
+    assert out.returncode == 2
+    assert out.stderr.startswith("peers.py: error: --pfl-python /nonexistent/python: cannot run it (")
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pfl") is not None, reason="this environment has pfl")
+def test_a_python_without_pfl_is_refused_in_one_line():
+    out = _peers("--workload", "mlp", "--only", "fedweave-1t", "pfl-1t", "--pfl-python", sys.executable)
+    assert out.returncode == 2
+    assert out.stderr.startswith(
+        f"peers.py: error: --pfl-python {sys.executable}: cannot import pfl, torch and fedweave"
+    )
+    assert "No module named 'pfl'" in out.stderr and out.stderr.count("\n") == 1
+
+
+def _child(name: str, python: str, tmp_path: Path) -> dict:
+    out = tmp_path / f"{name}.json"
+    args = [
+        "--child",
+        name,
+        "--workload",
+        "logistic",
+        "--rounds",
+        "2",
+        "--out",
+        str(out),
+        "--launched",
+        repr(time.time()),
+    ]
+    done = _peers(*args, python=python)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(PFL_PYTHON is None, reason="no environment with pfl-research (set PFL_PYTHON to its python)")
+def test_pfl_trains_what_fedweave_trains(tmp_path):
+    """Same partition, initial weights, sampled clients and batches: the global model's accuracy after each round
+    equals fedweave's but for float rounding (a few of the 10,000 test images)."""
+    pfl = _child("pfl-1t", PFL_PYTHON, tmp_path)
+    fw = _child("fedweave-1t", sys.executable, tmp_path)
+    assert pfl["partition"] == fw["partition"]
+    assert len(pfl["accuracy"]) == len(fw["accuracy"]) == 2
+    assert pfl["accuracy"] == pytest.approx(fw["accuracy"], abs=5e-4)
