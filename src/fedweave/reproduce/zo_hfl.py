@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from fedweave.experiments.aggregate import mean_std
+from fedweave.experiments.aggregate import group, mean_of, mean_std, per_cell, std_of
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import cache_datasets as _cache_datasets
 from fedweave.experiments.jobs import load_average
@@ -343,39 +343,34 @@ def _last10(res: dict[str, Any], rounds: int) -> float:
     return float(np.mean(vals))
 
 
+TABLE_STATS = {  # table.csv's columns per cell (dataset, setting, method) over its seeds (population std)
+    "acc_mean": mean_of("acc", ddof=0, nd=2),
+    "acc_std": std_of("acc", ddof=0, nd=2),
+    "acc_last10_mean": mean_of("acc_last10", ddof=0, nd=2),
+    "paper_acc": lambda rs: paper_acc(rs[0]),
+    "seeds": len,
+    "seconds_mean": mean_of("seconds", nd=1),
+    "cpu_seconds_mean": mean_of("cpu", nd=2),
+    "diverged": lambda rs: sum(r["status"] == "diverged" for r in rs),
+}
+CELL = ("dataset", "alpha", "beta", "method")
+
+
+def paper_acc(r: dict[str, Any]) -> float | str:
+    """The paper's Table I number of a record's cell, or "" where the paper has none."""
+    paper = PAPER_TABLE.get(r["method"], {}).get(r["dataset"])
+    return paper[SETTINGS.index((r["alpha"], r["beta"]))] if paper else ""
+
+
 def summarize(
     p: Preset, results: dict[str, dict[str, Any]], seeds: list[int], out: Path
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    rows = []
-    acc: dict[tuple[str, str, tuple[float, float]], tuple[float, float]] = {}
-    for ds in p.datasets:
-        for si, s in enumerate(SETTINGS):
-            for m in p.methods:
-                R = p.rounds_of(m)
-                run_seeds = p.seeds_of(m, seeds)
-                res = [results[run_config(p, ds, s, m, seed, p.tau, R, out)["name"]] for seed in run_seeds]
-                mean, std = mean_std([100 * _final(r) for r in res], ddof=0)
-                last_mean, _ = mean_std([100 * _last10(r, R) for r in res], ddof=0)
-                acc[(ds, m, s)] = (mean, std)
-                paper = PAPER_TABLE.get(m, {}).get(ds)
-                rows.append(
-                    {
-                        "dataset": ds,
-                        "alpha": s[0],
-                        "beta": s[1],
-                        "method": m,
-                        "acc_mean": round(mean, 2),
-                        "acc_std": round(std, 2),
-                        "acc_last10_mean": round(last_mean, 2),
-                        "paper_acc": paper[si] if paper else "",
-                        "seeds": len(run_seeds),
-                        "seconds_mean": round(float(np.mean([r["seconds"] for r in res])), 1),
-                        "cpu_seconds_mean": round(float(np.mean([r.get("cpu", 0.0) for r in res])), 2),
-                        "diverged": sum(r["status"] == "diverged" for r in res),
-                    }
-                )
-    claims = check_claims(p, acc, results, out)
-    return rows, claims
+    """``table.csv``'s rows (``TABLE_STATS`` per cell of Table I) and the claims' values (``check_claims``)."""
+    records = seed_rows(p, results, seeds, out)
+    table = [r for r in records if r["part"] == "table"]
+    cells = group(table, lambda r: tuple(r[k] for k in CELL))
+    acc = {(ds, m, (a, b)): mean_std([r["acc"] for r in rs], ddof=0) for (ds, a, b, m), rs in cells.items()}
+    return per_cell(table, CELL, TABLE_STATS), check_claims(p, acc, records)
 
 
 # the per-seed records (``results.csv``): one row per run and the column it stands for (the server-only
@@ -402,11 +397,11 @@ def seed_rows(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int], o
         acc, acc_last10 = 100 * _final(r), 100 * _last10(r, rounds)
         losses = [float(last.get(k, float("nan"))) for k in ("test_loss", "global_loss")]
         values = [ds, *s, m, part, tau, rounds, seed, acc, acc_last10, *losses, r["status"]]
-        rows.append(dict(zip(SEED_COLUMNS, values)))
+        rows.append({**dict(zip(SEED_COLUMNS, values)), "seconds": r["seconds"], "cpu": r.get("cpu", 0.0)})
     return rows
 
 
-def check_claims(p: Preset, acc, results, out: Path) -> dict[str, Any]:
+def check_claims(p: Preset, acc, records: list[dict[str, Any]]) -> dict[str, Any]:
     """Claims C1-C4 of spec §9.2, evaluated on the seed means."""
     homo, mid, extreme = SETTINGS
     claims: dict[str, Any] = {}
@@ -447,13 +442,7 @@ def check_claims(p: Preset, acc, results, out: Path) -> dict[str, Any]:
         # The global loss (f1 + the f2 estimate, A13) grows with tau by construction (longer solves move y
         # further from x, so the f2 estimate rises); the test cross-entropy of x is comparable across tau.
         for key, metric in (("global_loss", "global_loss"), ("test_loss", "test_loss")):
-            final = {
-                s: [
-                    float(np.mean([_final(results[n], metric) for n in _sweep_names(p, ds, s, tau, out)]))
-                    for tau in p.sweep_taus
-                ]
-                for s in SETTINGS
-            }
+            final = {s: [float(np.mean(_sweep(records, ds, s, tau, metric))) for tau in p.sweep_taus] for s in SETTINGS}
             claims[ds][f"C3_final_{key}_per_tau"] = {
                 SETTING_NAMES[s]: dict(zip(map(str, p.sweep_taus), (round(v, 5) for v in final[s]))) for s in SETTINGS
             }
@@ -464,6 +453,11 @@ def check_claims(p: Preset, acc, results, out: Path) -> dict[str, Any]:
                 nonincreasing(final[extreme]) and final[extreme][-1] < final[extreme][0]
             )
     return claims
+
+
+def _sweep(records: list[dict[str, Any]], ds: str, s, tau: float, metric: str) -> list[float]:
+    """The tau sweep's final ``metric`` per seed of ``ds`` in setting ``s`` at ``tau``."""
+    return list(at("zo_hfl", s, "sweep", tau=tau, dataset=ds).values(records, metric).values())
 
 
 def _sweep_names(p: Preset, ds: str, s, tau: float, out: Path) -> list[str]:
