@@ -23,7 +23,7 @@ from fedweave.experiments.jobs import cache_datasets as _cache_datasets
 from fedweave.experiments.jobs import load_average
 from fedweave.experiments.plots import Panel, plot_panels
 from fedweave.experiments.study import HELD, Claim, Json, Plan, Report, Rows, Study, option
-from fedweave.experiments.tables import Col, grouped_table, layout, markdown_table, pm, read_csv
+from fedweave.experiments.tables import Col, Grid, layout, markdown_table, pm, read_csv
 from fedweave.experiments.verdicts import All, Paired, Select, Untestable, cell
 from fedweave.memory import cpu_seconds
 from fedweave.runner import Result
@@ -685,19 +685,15 @@ def table_md(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], meta
         "over seeds [mean over the last 10 rounds] / paper.",
         "",
     ]
-    by = {(r["dataset"], r["method"], (r["alpha"], r["beta"])): r for r in rows}
 
-    def cell(ds: str, m: str, s: tuple[float, float]) -> list[str]:
-        r = by[(ds, m, s)]
+    def cell(r: dict[str, Any]) -> str:
         paper = f"{r['paper_acc']:.2f}" if r["paper_acc"] != "" else "n/a"
-        return [f"{pm(r['acc_mean'], r['acc_std'], sep=' +- ')} [{r['acc_last10_mean']:.2f}] / {paper}"]
+        return f"{pm(r['acc_mean'], r['acc_std'], sep=' +- ')} [{r['acc_last10_mean']:.2f}] / {paper}"
 
+    labels = {m: label(m, p) for m in p.methods}
+    grid = Grid("method", "method", labels, lambda r: (r["alpha"], r["beta"]), SETTING_NAMES.get, cell)
     for ds in p.datasets:
-        cells = lambda m, s, ds=ds: cell(ds, m, s)  # noqa: E731
-        header, body = grouped_table(
-            "method", p.methods, SETTINGS, [""], cells, lambda m: label(m, p), SETTING_NAMES.get
-        )
-        lines += [f"## {DATASET_LABELS.get(ds, ds)}", "", markdown_table(header, body)]
+        lines += [f"## {DATASET_LABELS.get(ds, ds)}", "", grid.render([r for r in rows if r["dataset"] == ds])]
     lines += ["## Claims (spec §9.2)", "", markdown_table(["claim", "verdict", "measured"], claim_rows(claims))]
     lines += ["All values:", "", "```json", json.dumps(claims, indent=2), "```", ""]
     lines += [
@@ -992,8 +988,6 @@ def table1_section(rows: list[dict], dataset: str, labels: dict = PAGE_TABLE1, d
     """The page's Table I of one dataset from a preset's ``table.csv``: per method it ran (of ``labels``) and
     setting, mean ± std and, with ``detail``, [the mean of the last 10 rounds] / the paper's number (the
     500-round control: mean ± std only)."""
-    by = {(r["method"], r["alpha"], r["beta"]): r for r in rows if r["dataset"] == dataset}
-    settings = list(dict.fromkeys((r["alpha"], r["beta"]) for r in rows if r["dataset"] == dataset))
 
     def cell(r: dict) -> str:
         last = "" if r["method"] == "server_only_long" or not detail else f" [{r['acc_last10_mean']:.2f}]"
@@ -1001,10 +995,10 @@ def table1_section(rows: list[dict], dataset: str, labels: dict = PAGE_TABLE1, d
         return f"{r['acc_mean']:.2f} ± {r['acc_std']:.2f}{last}{paper}"
 
     ab = "alpha={:g}, beta={:.0f}%" if detail else "a={:g}, b={:.0f}%"
-    header = ["method", *(ab.format(a, 100 * b) for a, b in settings)]
-    ran = {m for m, *_ in by}
-    body = [[label, *(cell(by[(m, *s)]) for s in settings)] for m, label in labels.items() if m in ran]
-    return markdown_table(header, body)
+    grid = Grid(
+        "method", "method", labels, lambda r: (r["alpha"], r["beta"]), lambda s: ab.format(s[0], 100 * s[1]), cell
+    )
+    return grid.render([r for r in rows if r["dataset"] == dataset])
 
 
 SENSITIVITY_LABELS = {  # the page's sensitivity rows (spec §9.2, A5, A11)
@@ -1022,19 +1016,13 @@ SENSITIVITY_LABELS = {  # the page's sensitivity rows (spec §9.2, A5, A11)
 
 def sensitivity_section(rows: list[dict]) -> str:
     """The page's sensitivity table from the small preset's ``table.csv``: mean ± std per dataset and setting."""
-    by = {(r["method"], r["dataset"], r["alpha"], r["beta"]): r for r in rows}
-    cols = [
-        (ds, a, b)
-        for ds in ("mnist", "fashion_mnist")
-        for a, b in dict.fromkeys((r["alpha"], r["beta"]) for r in rows if r["dataset"] == ds)
-    ]
     name = {"mnist": "MNIST", "fashion_mnist": "FMNIST"}
-    header = ["method", *(f"{name[ds]} {a:g}/{100 * b:.0f}%" for ds, a, b in cols)]
-    body = [
-        [label, *(pm(by[(m, *c)]["acc_mean"], by[(m, *c)]["acc_std"]) for c in cols)]
-        for m, label in SENSITIVITY_LABELS.items()
-    ]
-    return markdown_table(header, body)
+    col = lambda r: (r["dataset"], r["alpha"], r["beta"])  # noqa: E731
+    head = lambda c: f"{name[c[0]]} {c[1]:g}/{100 * c[2]:.0f}%"  # noqa: E731
+    cell = lambda r: pm(r["acc_mean"], r["acc_std"])  # noqa: E731
+    return Grid("method", "method", SENSITIVITY_LABELS, col, head, cell).render(
+        [r for r in rows if r["dataset"] in name]
+    )
 
 
 def _invocation(md: str) -> dict[str, str]:
