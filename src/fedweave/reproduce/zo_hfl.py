@@ -593,51 +593,30 @@ def _c4_rule(records):
     return All(tuple((f"{SETTING_NAMES[s]} within ±{bound[s]:.2f}", rule) for s, rule in within.items()))
 
 
-# spec §9.2, judged per dataset on its entry of claims.json (the claim's context: the dataset's name)
+def claim(text: str, criterion, declared) -> Claim:
+    """A claim of spec §9.2, judged per dataset on its entry of claims.json: ``text`` names the dataset as
+    ``{name}`` (the claim's context), ``criterion`` is the spec's on the means and ``declared(records)`` the
+    rule on the entry's per-seed records (``_seeded``)."""
+    return Claim(lambda c, name: text.format(name=name), criterion, declared=_seeded(declared), records=_records)
+
+
+C1 = (
+    "C1 {name}: robust under extreme heterogeneity (at (0.1, 10%) at least FedAvg's and FedProx's accuracy, "
+    "and at most half of FedAvg's drop from (1000, 90%))"
+)
+C2 = "C2 {name}: competitive when homogeneous (within 5 points of the best baseline at (1000, 90%))"
+C3 = "C3 {name}: a larger tau lowers the final {what} at (1000, 90%) and (1, 50%)"
+C3_EXTREME = "C3 {name}: no monotone gain from a larger tau at (0.1, 10%) ({what})"
+C4 = "C4 {name}: ZO-HFL within one std of the server-only control (lambda = 0) in every setting"
 CLAIMS = [
-    Claim(
-        lambda c, name: (
-            f"C1 {name}: robust under extreme heterogeneity (at (0.1, 10%) at least FedAvg's and "
-            "FedProx's accuracy, and at most half of FedAvg's drop from (1000, 90%))"
-        ),
-        _c1,
-        declared=_seeded(lambda records: C1_RULE),
-        records=_records,
-    ),
-    Claim(
-        lambda c, name: (
-            f"C2 {name}: competitive when homogeneous (within 5 points of the best baseline at (1000, 90%))"
-        ),
-        _c2,
-        declared=_seeded(_c2_rule),
-        records=_records,
-    ),
+    claim(C1, _c1, lambda records: C1_RULE),
+    claim(C2, _c2, _c2_rule),
     *(
-        claim
+        claim(text.replace("{what}", what), _c3(key, moderate), _c3_rule(key, moderate))
         for key, what in (("test_loss", "test loss"), ("global_loss", "global loss"))
-        for claim in (
-            Claim(
-                lambda c, name, what=what: (
-                    f"C3 {name}: a larger tau lowers the final {what} at (1000, 90%) and (1, 50%)"
-                ),
-                _c3(key, True),
-                declared=_seeded(_c3_rule(key, True)),
-                records=_records,
-            ),
-            Claim(
-                lambda c, name, what=what: f"C3 {name}: no monotone gain from a larger tau at (0.1, 10%) ({what})",
-                _c3(key, False),
-                declared=_seeded(_c3_rule(key, False)),
-                records=_records,
-            ),
-        )
+        for text, moderate in ((C3, True), (C3_EXTREME, False))
     ),
-    Claim(
-        lambda c, name: f"C4 {name}: ZO-HFL within one std of the server-only control (lambda = 0) in every setting",
-        _c4,
-        declared=_seeded(_c4_rule),
-        records=_records,
-    ),
+    claim(C4, _c4, _c4_rule),
 ]
 
 
