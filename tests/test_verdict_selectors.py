@@ -58,3 +58,14 @@ def test_a_selector_with_two_records_of_one_seed_or_a_missing_value_is_one_line(
     broken = [*RECORDS[:2], {"method": "zo", "alpha": 0.5, "seed": 0, "acc": None}]
     with pytest.raises(ConfigError, match=r"acc at seed 0 is None; a verdict needs finite values"):
         (cell(alpha=0.5) - cell(alpha=1000)).values(broken, "acc")
+
+
+def test_a_constant_side_is_a_bound_at_every_seed_of_the_other():
+    got = Paired("acc", cell(method="zo", alpha=1000), 79.0).judge(RECORDS)
+    built = [*(r for r in RECORDS if (r["method"], r["alpha"]) == ("zo", 1000))]
+    built += [{"method": "bound", "seed": s, "acc": 79.0} for s in (0, 1, 2)]
+    assert got == Paired("acc", {"method": "zo", "alpha": 1000}, {"method": "bound"}).judge(built)
+    assert got.detail == "per seed: 0 +1.00, 1 +2.00, 2 +0.00"
+    assert Paired("acc", cell(method="fedprox"), 79.0).judge(RECORDS) is None
+    with pytest.raises(ConfigError, match=r"B's bound is nan; a verdict needs finite values"):
+        Paired("acc", cell(method="zo"), float("nan"))

@@ -150,12 +150,13 @@ def _finite(name: str, what: str, value: Any) -> float:
 class Paired:
     """A paired comparison of ``metric`` between the records of A (``a``: the fields and values that select
     them, e.g. ``{"method": "fedmim"}``, or a selector, ``cell(method="fedmim")``) and of B, paired by
-    ``pair`` (module docstring). ``scale`` turns the difference into ``unit`` (100: fractions into points);
+    ``pair`` (module docstring); B may be a number, a constant bound at every pairing value (a one-sample
+    test as a paired one). ``scale`` turns the difference into ``unit`` (100: fractions into points);
     ``name`` names the rule in an error line."""
 
     metric: str
     a: Mapping[str, Any] | Select
-    b: Mapping[str, Any] | Select
+    b: Mapping[str, Any] | Select | float
     direction: str = "greater"
     min_effect: float = 0.0
     test: str = "t"
@@ -185,13 +186,17 @@ class Paired:
             )
         if not (isinstance(self.resamples, int) and self.resamples >= 1):
             raise ConfigError(f"verdict rule {who}: resamples {self.resamples!r} is not a whole number >= 1")
+        if isinstance(self.b, int | float):
+            _finite(who, "B's bound", self.b)
         if _finite(who, "scale", self.scale) == 0:
             raise ConfigError(f"verdict rule {who}: scale 0 makes every difference 0")
 
     def judge(self, records: Sequence[Mapping[str, Any]]) -> Decision | None:
         """The decision on ``records`` (A's and B's paired by ``pair``), or None when A or B has no record
         (the records cannot test the claim, e.g. a variant the preset does not run)."""
-        a, b = self._values(records, self.a, "A"), self._values(records, self.b, "B")
+        a = self._values(records, self.a, "A")
+        constant = isinstance(self.b, int | float)  # a bound, the same at every pairing value of A
+        b = dict.fromkeys(a, self.b) if constant else self._values(records, self.b, "B")
         return self.decide(a, b) if a and b else None
 
     def _values(self, records: Sequence[Mapping[str, Any]], where: Mapping[str, Any] | Select, side: str) -> dict:
