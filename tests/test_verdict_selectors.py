@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fedweave.config import ConfigError
-from fedweave.experiments.verdicts import Paired, cell
+from fedweave.experiments.verdicts import Paired, cell, median
 
 RECORDS = [
     {"method": m, "alpha": a, "seed": s, "acc": acc}
@@ -69,3 +69,8 @@ def test_a_constant_side_is_a_bound_at_every_seed_of_the_other():
     assert Paired("acc", cell(method="fedprox"), 79.0).judge(RECORDS) is None
     with pytest.raises(ConfigError, match=r"B's bound is nan; a verdict needs finite values"):
         Paired("acc", cell(method="zo"), float("nan"))
+
+
+def test_the_median_of_selectors_is_taken_seed_by_seed():
+    sides = (cell(method="zo", alpha=1000), cell(method="avg", alpha=1000), cell(method="avg", alpha=0.1))
+    assert median(*sides).values(RECORDS, "acc") == {0: 80.0, 1: 81.0}

@@ -26,10 +26,12 @@ declares a ``Threshold`` rule instead: held or did not hold, no interval. So eve
 
 A side of a paired rule is a mapping of fields to values (the records it selects) or a selector, ``cell(**keys)``:
 the records whose fields have those values, one per pairing value. Selectors combine pair by pair with ``-``,
-``+`` and ``*`` by a number or another selector, so a claim about a derived quantity (half of FedAvg's drop from
-one setting to another, the best baseline less a margin) is declared as one rule,
+``+`` and ``*`` by a number or another selector, and ``median(*selectors)`` is their median, so a claim about a
+derived quantity (half of FedAvg's drop from one setting to another, the best baseline less a margin, the median
+of several settings) is declared as one rule,
 ``Paired("acc", (cell(method="fedavg", alpha=1000) - cell(method="fedavg", alpha=0.1)) * 0.5, ...)``,
-instead of building records by hand; ``Select.values`` gives a selector's values on records.
+instead of building records by hand; ``Select.values`` gives a selector's values on records. B may also be a
+number: a constant bound at every pairing value of A.
 
 A bad declaration (an unknown test or direction, a level outside (0, 1), a negative minimum effect, fewer than
 2 pairs for a paired test, a value that is not finite) is a ``ConfigError`` of one line naming the rule.
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import math
 import operator
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,6 +122,15 @@ class Select:
 def cell(**where: Any) -> Select:
     """The selector of the records whose fields have the values ``where``, e.g. ``cell(method="fedmim")``."""
     return Select(where)
+
+
+def median(*sides: Select) -> Select:
+    """The median of several selectors' values, pair by pair (e.g. over every CFL-SAGA setting of a seed)."""
+    return Select(op=_median, args=sides)
+
+
+def _median(*values: float) -> float:
+    return statistics.median(values)
 
 
 def _pick(records, where: Mapping[str, Any], metric: str, pair: str, who: str, side: str) -> dict:
