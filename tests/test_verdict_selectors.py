@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fedweave.config import ConfigError
-from fedweave.experiments.verdicts import Paired, cell, median
+from fedweave.experiments.verdicts import Paired, cell, mean, median
 
 RECORDS = [
     {"method": m, "alpha": a, "seed": s, "acc": acc}
@@ -74,3 +74,8 @@ def test_a_constant_side_is_a_bound_at_every_seed_of_the_other():
 def test_the_median_of_selectors_is_taken_seed_by_seed():
     sides = (cell(method="zo", alpha=1000), cell(method="avg", alpha=1000), cell(method="avg", alpha=0.1))
     assert median(*sides).values(RECORDS, "acc") == {0: 80.0, 1: 81.0}
+
+
+def test_the_mean_of_selectors_is_taken_seed_by_seed():
+    drops = [cell(method=m, alpha=1000) - cell(method=m, alpha=0.1) for m in ("zo", "avg")]
+    assert mean(*drops).values(RECORDS, "acc") == {0: 20.0, 1: 17.5}

@@ -26,9 +26,9 @@ declares a ``Threshold`` rule instead: held or did not hold, no interval. So eve
 
 A side of a paired rule is a mapping of fields to values (the records it selects) or a selector, ``cell(**keys)``:
 the records whose fields have those values, one per pairing value. Selectors combine pair by pair with ``-``,
-``+`` and ``*`` by a number or another selector, and ``median(*selectors)`` is their median, so a claim about a
-derived quantity (half of FedAvg's drop from one setting to another, the best baseline less a margin, the median
-of several settings) is declared as one rule,
+``+`` and ``*`` by a number or another selector, and ``mean(*selectors)`` / ``median(*selectors)`` are their
+mean / median, so a claim about a derived quantity (half of FedAvg's drop from one setting to another, the best
+baseline less a margin, a gain averaged over several methods) is declared as one rule,
 ``Paired("acc", (cell(method="fedavg", alpha=1000) - cell(method="fedavg", alpha=0.1)) * 0.5, ...)``,
 instead of building records by hand; ``Select.values`` gives a selector's values on records. B may also be a
 number: a constant bound at every pairing value of A.
@@ -122,6 +122,15 @@ class Select:
 def cell(**where: Any) -> Select:
     """The selector of the records whose fields have the values ``where``, e.g. ``cell(method="fedmim")``."""
     return Select(where)
+
+
+def mean(*sides: Select) -> Select:
+    """The mean of several selectors' values, pair by pair (e.g. a gain averaged over several methods)."""
+    return Select(op=_mean, args=sides)
+
+
+def _mean(*values: float) -> float:
+    return float(np.mean(values))
 
 
 def median(*sides: Select) -> Select:
