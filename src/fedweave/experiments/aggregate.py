@@ -68,14 +68,19 @@ def per_cell(records: list[Any], by: tuple[str, ...], stats: dict[str, Stat]) ->
     return [{**dict(zip(by, key)), **{name: stat(rs) for name, stat in stats.items()}} for key, rs in cells.items()]
 
 
-def mean_of(key: str, where: Callable[[list[Any]], list[Any]] = list, ddof: int = 1) -> Stat:
-    """The mean of ``key`` over a cell's records (those ``where`` keeps)."""
-    return lambda rs: mean_std([r[key] for r in where(rs)], ddof)[0]
+def mean_of(key: str, where: Callable[[list[Any]], list[Any]] = list, ddof: int = 1, nd: int | None = None) -> Stat:
+    """The mean of ``key`` over a cell's records (those ``where`` keeps), rounded to ``nd`` decimals if given."""
+    return lambda rs: _round(mean_std([r[key] for r in where(rs)], ddof)[0], nd)
 
 
-def std_of(key: str, where: Callable[[list[Any]], list[Any]] = list, ddof: int = 1) -> Stat:
-    """The standard deviation of ``key`` over a cell's records (those ``where`` keeps)."""
-    return lambda rs: mean_std([r[key] for r in where(rs)], ddof)[1]
+def std_of(key: str, where: Callable[[list[Any]], list[Any]] = list, ddof: int = 1, nd: int | None = None) -> Stat:
+    """The standard deviation of ``key`` over a cell's records (those ``where`` keeps), rounded to ``nd``
+    decimals if given."""
+    return lambda rs: _round(mean_std([r[key] for r in where(rs)], ddof)[1], nd)
+
+
+def _round(x: float, nd: int | None) -> float:
+    return x if nd is None else round(x, nd)
 
 
 def per_seed(key: str, fmt: str = ".2f", sep: str = " / ") -> Stat:

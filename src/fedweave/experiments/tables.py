@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,3 +176,31 @@ class Col:
 def layout(cols: Sequence[Col], rows: Sequence[Any]) -> str:
     """The markdown table of ``rows`` under the declared ``cols``."""
     return markdown_table([c.header for c in cols], [[c.cell(r) for c in cols] for r in rows])
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A table declared as data and rendered from records: one row per key of ``labels`` (a record's
+    ``row`` value -> the row's label, in the table's order) that some record has, one column per value of
+    ``col(record)`` in order of first appearance, headed ``head(value)``, and in each cell ``cell(record)`` of
+    the record at that row and column (``missing`` where none); ``first`` heads the labels' column."""
+
+    first: str
+    row: str
+    labels: Mapping[Any, str]
+    col: Callable[[Any], Any]
+    head: Callable[[Any], str]
+    cell: Callable[[Any], str]
+    missing: str = "–"
+
+    def render(self, records: Sequence[Any]) -> str:
+        """The markdown table of ``records`` (later records of one row and column replace earlier ones)."""
+        at = {(r[self.row], self.col(r)): r for r in records}
+        cols = list(dict.fromkeys(self.col(r) for r in records))
+        ran = {r[self.row] for r in records}
+        body = [
+            [label, *(self.cell(at[(k, c)]) if (k, c) in at else self.missing for c in cols)]
+            for k, label in self.labels.items()
+            if k in ran
+        ]
+        return markdown_table([self.first, *map(self.head, cols)], body)

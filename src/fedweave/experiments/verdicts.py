@@ -24,6 +24,15 @@ sign "hold" by it whatever their spread. Declare ``"t"`` for 3 to 5 seeds; the b
 A claim about one deterministic quantity (bytes against a closed form, one run's accuracy against a bound)
 declares a ``Threshold`` rule instead: held or did not hold, no interval. So every claim can declare a rule.
 
+A side of a paired rule is a mapping of fields to values (the records it selects) or a selector, ``cell(**keys)``:
+the records whose fields have those values, one per pairing value. Selectors combine pair by pair with ``-``,
+``+`` and ``*`` by a number or another selector, and ``mean(*selectors)`` / ``median(*selectors)`` are their
+mean / median, so a claim about a derived quantity (half of FedAvg's drop from one setting to another, the best
+baseline less a margin, a gain averaged over several methods) is declared as one rule,
+``Paired("acc", (cell(method="fedavg", alpha=1000) - cell(method="fedavg", alpha=0.1)) * 0.5, ...)``,
+instead of building records by hand; ``Select.values`` gives a selector's values on records. B may also be a
+number: a constant bound at every pairing value of A.
+
 A bad declaration (an unknown test or direction, a level outside (0, 1), a negative minimum effect, fewer than
 2 pairs for a paired test, a value that is not finite) is a ``ConfigError`` of one line naming the rule.
 """
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import math
 import operator
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +82,81 @@ def _where(records: Sequence[Mapping[str, Any]], where: Mapping[str, Any]) -> li
     return [r for r in records if all(r.get(k) == v for k, v in where.items())]
 
 
+@dataclass(frozen=True)
+class Select:
+    """Per-pair values of a metric chosen from records (module docstring): a leaf (``where``: the fields and
+    values of its records) or ``op`` applied pair by pair to ``args`` (selectors or numbers)."""
+
+    where: Mapping[str, Any] = field(default_factory=dict)
+    op: Any = None
+    args: tuple = ()
+
+    def values(self, records: Sequence[Mapping[str, Any]], metric: str, pair: str = "seed", who: str = "") -> dict:
+        """The value of ``metric`` per ``pair`` value (in the records' order), on the pairs every leaf has;
+        a leaf with two records of one pairing value (or one without it) is a ``ConfigError`` of one line."""
+        if self.op is None:
+            return _pick(records, self.where, metric, pair, who or metric, "a side")
+        sides = [a.values(records, metric, pair, who) if isinstance(a, Select) else a for a in self.args]
+        maps = [s for s in sides if isinstance(s, dict)]
+
+        def at(side: Any, k: Any) -> float:  # a number, or the side's value at k, which must be finite
+            return _finite(who or metric, f"{metric} at {pair} {k}", side[k]) if isinstance(side, dict) else side
+
+        return {k: self.op(*(at(s, k) for s in sides)) for k in maps[0] if all(k in m for m in maps)}
+
+    def __sub__(self, other: Select | float) -> Select:
+        return Select(op=operator.sub, args=(self, other))
+
+    def __add__(self, other: Select | float) -> Select:
+        return Select(op=operator.add, args=(self, other))
+
+    def __mul__(self, other: Select | float) -> Select:
+        return Select(op=operator.mul, args=(self, other))
+
+    def __repr__(self) -> str:
+        if self.op is None:
+            return f"cell({', '.join(f'{k}={v!r}' for k, v in self.where.items())})"
+        return f"{self.op.__name__}{self.args!r}"
+
+
+def cell(**where: Any) -> Select:
+    """The selector of the records whose fields have the values ``where``, e.g. ``cell(method="fedmim")``."""
+    return Select(where)
+
+
+def mean(*sides: Select) -> Select:
+    """The mean of several selectors' values, pair by pair (e.g. a gain averaged over several methods)."""
+    return Select(op=_mean, args=sides)
+
+
+def _mean(*values: float) -> float:
+    return float(np.mean(values))
+
+
+def median(*sides: Select) -> Select:
+    """The median of several selectors' values, pair by pair (e.g. over every CFL-SAGA setting of a seed)."""
+    return Select(op=_median, args=sides)
+
+
+def _median(*values: float) -> float:
+    return statistics.median(values)
+
+
+def _pick(records, where: Mapping[str, Any], metric: str, pair: str, who: str, side: str) -> dict:
+    """``metric`` per ``pair`` value of the records ``where`` selects (one record per pairing value)."""
+    values: dict[Any, Any] = {}
+    for r in _where(records, where):
+        key = r.get(pair)
+        if key is None or key in values:
+            raise ConfigError(
+                f"verdict rule {who}: {side} ({where}) has "
+                + (f"a record without {pair!r}" if key is None else f"two records with {pair} {key!r}")
+                + f"; a pairing needs one record per {pair}"
+            )
+        values[key] = r.get(metric)  # a missing metric is None: not finite, one line in decide
+    return values
+
+
 def _finite(name: str, what: str, value: Any) -> float:
     try:
         v = float(value)
@@ -85,12 +170,14 @@ def _finite(name: str, what: str, value: Any) -> float:
 @dataclass(frozen=True)
 class Paired:
     """A paired comparison of ``metric`` between the records of A (``a``: the fields and values that select
-    them, e.g. ``{"method": "fedmim"}``) and of B, paired by ``pair`` (module docstring). ``scale`` turns the
-    difference into ``unit`` (100: fractions into points); ``name`` names the rule in an error line."""
+    them, e.g. ``{"method": "fedmim"}``, or a selector, ``cell(method="fedmim")``) and of B, paired by
+    ``pair`` (module docstring); B may be a number, a constant bound at every pairing value (a one-sample
+    test as a paired one). ``scale`` turns the difference into ``unit`` (100: fractions into points);
+    ``name`` names the rule in an error line."""
 
     metric: str
-    a: Mapping[str, Any]
-    b: Mapping[str, Any]
+    a: Mapping[str, Any] | Select
+    b: Mapping[str, Any] | Select | float
     direction: str = "greater"
     min_effect: float = 0.0
     test: str = "t"
@@ -120,27 +207,24 @@ class Paired:
             )
         if not (isinstance(self.resamples, int) and self.resamples >= 1):
             raise ConfigError(f"verdict rule {who}: resamples {self.resamples!r} is not a whole number >= 1")
+        if isinstance(self.b, int | float):
+            _finite(who, "B's bound", self.b)
         if _finite(who, "scale", self.scale) == 0:
             raise ConfigError(f"verdict rule {who}: scale 0 makes every difference 0")
 
     def judge(self, records: Sequence[Mapping[str, Any]]) -> Decision | None:
         """The decision on ``records`` (A's and B's paired by ``pair``), or None when A or B has no record
         (the records cannot test the claim, e.g. a variant the preset does not run)."""
-        a, b = self._values(records, self.a, "A"), self._values(records, self.b, "B")
+        a = self._values(records, self.a, "A")
+        constant = isinstance(self.b, int | float)  # a bound, the same at every pairing value of A
+        b = dict.fromkeys(a, self.b) if constant else self._values(records, self.b, "B")
         return self.decide(a, b) if a and b else None
 
-    def _values(self, records: Sequence[Mapping[str, Any]], where: Mapping[str, Any], side: str) -> dict:
-        values: dict[Any, Any] = {}
-        for r in _where(records, where):
-            key = r.get(self.pair)
-            if key is None or key in values:
-                raise ConfigError(
-                    f"verdict rule {self.name or self.metric}: {side} ({where}) has "
-                    + (f"a record without {self.pair!r}" if key is None else f"two records with {self.pair} {key!r}")
-                    + f"; a pairing needs one record per {self.pair}"
-                )
-            values[key] = r.get(self.metric)  # a missing metric is None: not finite, one line in decide
-        return values
+    def _values(self, records: Sequence[Mapping[str, Any]], where: Mapping[str, Any] | Select, side: str) -> dict:
+        who = self.name or self.metric
+        if isinstance(where, Select):
+            return where.values(records, self.metric, self.pair, who)
+        return _pick(records, where, self.metric, self.pair, who, side)
 
     def decide(self, a: Mapping[Any, Any], b: Mapping[Any, Any]) -> Decision:
         """The decision on A's and B's values, each a mapping from the pairing value (the seed) to the metric;

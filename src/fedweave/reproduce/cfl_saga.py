@@ -24,7 +24,7 @@ from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Lines, plot_lines
 from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, judge, load_records, option, save_records
 from fedweave.experiments.tables import markdown_table, read_csv
-from fedweave.experiments.verdicts import All, Paired, Threshold, Untestable
+from fedweave.experiments.verdicts import All, Paired, Select, Threshold, Untestable, cell, median
 from fedweave.runner import Result
 
 TARGETS = (1e-4, 1e-6, 1e-8)
@@ -334,8 +334,8 @@ def _c4(topo):
         return f"{best_c['method']}: {per_it:.1f} per iteration", *_verdict(per_it < 20)
 
     paper = "fewer than GT-SAGA at SR 0.05 (20/iteration)"
-    best = lambda aggs, raw: _bound(raw, topo, _best_pair(topo, aggs)[0]["method"], "uploads_per_iteration", 20)  # noqa: E731
-    return PaperClaim(f"C4 uploads per iteration, {topo} (§VIII-B)", rule, paper, declared=_d4(topo), records=best)
+    runs = lambda aggs, raw: _runs(raw, topo, "uploads_per_iteration")  # noqa: E731
+    return PaperClaim(f"C4 uploads per iteration, {topo} (§VIII-B)", rule, paper, declared=_d4(topo), records=runs)
 
 
 def _c5(topo):
@@ -370,9 +370,9 @@ def _c8(topo):
         return measured, *_verdict(c10["upload_fraction"] < 0.2, "< 20% of users")
 
     paper = "rho=10 gives high communication efficiency"
-    bound = lambda aggs, raw: _bound(raw, topo, "CFL-SAGA rho=10", "upload_fraction", 0.2)  # noqa: E731
-    declared = _pair("upload_fraction", "CFL-SAGA rho=10", "bound", "less", unit="above 0.2")
-    return PaperClaim(f"C8 paper-nominal rho=10, {topo}", rule, paper, records=bound, declared=declared)
+    runs = lambda aggs, raw: _runs(raw, topo, "upload_fraction")  # noqa: E731
+    declared = _pair("upload_fraction", "CFL-SAGA rho=10", 0.2, "less", unit="above 0.2")
+    return PaperClaim(f"C8 paper-nominal rho=10, {topo}", rule, paper, records=runs, declared=declared)
 
 
 def _c6(prefix):
@@ -417,8 +417,8 @@ def _c7(method):
         f"C7 runtime, {method} (Fig. 5)",
         rule,
         "GT-SAGA cheaper per iteration than CFL-SAGA",
-        declared=_pair("ms_per_iteration_cpu", method, "CFL-SAGA median", "less", unit="ms"),
-        records=lambda aggs, raw: _cpu(raw),
+        declared=lambda aggs, raw: _pair("ms_per_iteration_cpu", method, _cfl_median(raw), "less", unit="ms"),
+        records=lambda aggs, raw: _runs(raw, "random", "ms_per_iteration_cpu"),
     )
 
 
@@ -434,15 +434,12 @@ def _runs(raw: list[dict], topo: str, key: str) -> list[dict]:
     return [{**r, "log_up": math.log10(r[DEEP]) if r.get(DEEP) else None} for r in rs]
 
 
-def _pair(metric: str, a: str, b: str, direction: str = "greater", min_effect: float = 0.0, unit: str = "") -> Paired:
-    return Paired(metric, {"method": a}, {"method": b}, direction, min_effect, unit=unit)
-
-
-def _bound(raw: list[dict], topo: str, method: str, key: str, bound: float) -> list[dict]:
-    """``method``'s ``key`` per seed beside the constant ``bound`` (method ``bound``): a one-sample claim as a
-    paired one."""
-    rs = [r for r in _runs(raw, topo, key) if r["method"] == method]
-    return rs + [{"method": "bound", "seed": r["seed"], key: bound} for r in rs]
+def _pair(
+    metric: str, a: str, b: str | float | Select, direction: str = "greater", min_effect: float = 0.0, unit: str = ""
+) -> Paired:
+    """``a`` against ``b`` (a method, a constant bound or a selector) on ``metric``, paired by seed."""
+    side = {"method": b} if isinstance(b, str) else b
+    return Paired(metric, {"method": a}, side, direction, min_effect, unit=unit)
 
 
 def _d2(topo):
@@ -469,7 +466,7 @@ def _d3(topo):
 
 def _d4(topo):
     best = lambda aggs, raw: _best_pair(topo, aggs)[0]["method"]  # noqa: E731
-    return lambda aggs, raw: _pair("uploads_per_iteration", best(aggs, raw), "bound", "less", unit="above 20")
+    return lambda aggs, raw: _pair("uploads_per_iteration", best(aggs, raw), 20, "less", unit="above 20")
 
 
 def _d5(topo):
@@ -492,20 +489,13 @@ def _d6(prefix):
     return rule
 
 
-def _cpu(raw: list[dict]) -> list[dict]:
-    """Per seed, each GT-SAGA run's CPU time per iteration beside the median over the CFL-SAGA runs (method
-    ``CFL-SAGA median``)."""
+def _cfl_median(raw: list[dict]) -> Select:
+    """Per seed, the median CPU time per iteration over the CFL-SAGA settings on the random graph (C7's
+    reference)."""
     rnd = _runs(raw, "random", "ms_per_iteration_cpu")
-    cfl = group([r for r in rnd if r["method"].startswith("CFL-SAGA")], lambda r: r["seed"])
-    med = [
-        {
-            "method": "CFL-SAGA median",
-            "seed": s,
-            "ms_per_iteration_cpu": statistics.median(r["ms_per_iteration_cpu"] for r in rs),
-        }
-        for s, rs in cfl.items()
-    ]
-    return [r for r in rnd if r["method"].startswith("GT-SAGA")] + med
+    return median(
+        *(cell(method=m) for m in dict.fromkeys(r["method"] for r in rnd if r["method"].startswith("CFL-SAGA")))
+    )
 
 
 def _unreached(aggs, raw) -> list[dict]:

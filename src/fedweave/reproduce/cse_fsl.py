@@ -24,7 +24,7 @@ from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import plot_curves
 from fedweave.experiments.study import YES_NO, Claim, Plan, Report, Rows, Study, Verdict, judge, option, verdict_table
 from fedweave.experiments.tables import Col, layout, markdown_table, read_csv
-from fedweave.experiments.verdicts import All, Paired, Threshold, Untestable
+from fedweave.experiments.verdicts import All, Paired, Select, Threshold, Untestable, cell
 from fedweave.runner import Result
 
 LABELS = {"fsl_mc": "FSL_MC", "fsl_oc": "FSL_OC (+clip)", "fsl_an": "FSL_AN", "cse_fsl": "CSE-FSL"}
@@ -321,21 +321,21 @@ def seed_records(md: str) -> list[dict[str, Any]]:
     return [{"method": m, "seed": s, "accuracy": float(a)} for m, accs in per for s, a in zip(seeds, accs.split(", "))]
 
 
-def _less(records: list[dict[str, Any]], method: str, pp: float) -> list[dict[str, Any]]:
-    """``records`` and ``method``'s once more ``pp`` points lower (``METHOD - PP pp``): a row above that copy is
-    less than ``pp`` below ``method`` (a one-sided "at most ``pp`` below")."""
-    low = [
-        {**r, "method": f"{method} - {pp:g} pp", "accuracy": r["accuracy"] - pp}
-        for r in records
-        if r["method"] == method
-    ]
-    return list(records) + low
+def _acc(a: str | Select, b: str | Select, direction: str = "greater", min_effect: float = 0.0) -> Paired:
+    """``a`` against ``b`` (methods, or selectors such as ``below("fsl_an", 3)``) on the final accuracy (%),
+    paired by seed, 95 % paired t: 3 seeds, too few for a percentile bootstrap."""
+    side = lambda m: cell(method=m) if isinstance(m, str) else m  # noqa: E731
+    return Paired("accuracy", side(a), side(b), direction, min_effect, unit="pp")
 
 
-def _acc(a: str, b: str, direction: str = "greater", min_effect: float = 0.0) -> Paired:
-    """``a`` against ``b`` on the final accuracy (%), paired by seed, 95 % paired t: 3 seeds, too few for a
-    percentile bootstrap."""
-    return Paired("accuracy", {"method": a}, {"method": b}, direction, min_effect, unit="pp")
+def below(method: str, pp: float) -> Select:
+    """``method``'s accuracy per seed less ``pp`` points: a row above it is less than ``pp`` below ``method`` (a
+    one-sided "at most ``pp`` below")."""
+    return cell(method=method) - pp
+
+
+def _seeds(table, p: Preset) -> list[dict[str, Any]]:
+    return p.records
 
 
 def _closed_forms(table, p) -> Threshold:
@@ -346,7 +346,7 @@ def _c7_rule(table, p):
     by = _by(table)
     if by["fsl_oc"]["accuracy"] >= max(by["fsl_mc"]["accuracy"], by["fsl_an"]["accuracy"]) - 1:
         return Untestable("FSL_OC is not more than 1 pp below FSL_MC/AN in the means: no problem to fix")
-    return All((("h=1 vs FSL_OC - 1 pp", _acc("cse_fsl h=1", "fsl_oc - 1 pp")),))
+    return All((("h=1 vs FSL_OC - 1 pp", _acc("cse_fsl h=1", below("fsl_oc", 1.0))),))
 
 
 NO_SEEDS = "the load to reach the target has no per-seed record (the table: its seed mean)"
@@ -365,9 +365,9 @@ CLAIMS = [
         "C2 CSE-FSL with small h within 3 pp of FSL_AN at equal rounds",
         _c2,
         declared=lambda t, p: All(
-            tuple((f"{m} vs FSL_AN - 3 pp", _acc(m, "fsl_an - 3 pp")) for m in (x["method"] for x in _mid(t)))
+            tuple((f"{x['method']} vs FSL_AN - 3 pp", _acc(x["method"], below("fsl_an", 3.0))) for x in _mid(t))
         ),
-        records=lambda t, p: _less(p.records, "fsl_an", 3.0),
+        records=_seeds,
     ),
     Claim(
         lambda t, p: f"C3 less load to reach {100 * p.target:.0f} % test accuracy: CSE (h>1) < FSL_AN < FSL_MC",
@@ -383,7 +383,7 @@ CLAIMS = [
     Claim(
         "C6 ordered vs randomly ordered server within 1.5 pp (Fig. 6)",
         _c6,
-        records=lambda t, p: p.records,
+        records=_seeds,
         declared=lambda t, p: (lambda r: _acc(r.replace(" random", ""), r, "within", 1.5))(
             next(x["method"] for x in t if "random" in x["method"])
         ),
@@ -392,7 +392,7 @@ CLAIMS = [
         "C7 CSE-FSL h=1 >= FSL_OC (+clip) - 1 pp (testable only if FSL_OC is > 1 pp below FSL_MC/AN)",
         _c7,
         declared=_c7_rule,
-        records=lambda t, p: _less(p.records, "fsl_oc", 1.0),
+        records=_seeds,
     ),
     Claim(
         lambda t, p: (
@@ -401,7 +401,7 @@ CLAIMS = [
         ),
         _c8,
         declared=lambda t, p: _acc(f"cse_fsl h={p.random_h}", "fsl_mc", "less", NONIID_GAP),
-        records=lambda t, p: p.records,
+        records=_seeds,
     ),
     Claim(
         lambda t, p: f"C9 non-IID ordering of Table V: FSL_MC > FSL_AN > FSL_OC > CSE-FSL h={p.random_h}",
@@ -413,7 +413,7 @@ CLAIMS = [
                 ("OC > CSE", _acc("fsl_oc", f"cse_fsl h={p.random_h}")),
             )
         ),
-        records=lambda t, p: p.records,
+        records=_seeds,
     ),
 ]
 

@@ -17,14 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from fedweave.experiments.aggregate import mean_std
+from fedweave.experiments.aggregate import group, mean_of, mean_std, per_cell, std_of
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import cache_datasets as _cache_datasets
 from fedweave.experiments.jobs import load_average
 from fedweave.experiments.plots import Panel, plot_panels
 from fedweave.experiments.study import HELD, Claim, Json, Plan, Report, Rows, Study, option
-from fedweave.experiments.tables import grouped_table, markdown_table, pm, read_csv
-from fedweave.experiments.verdicts import All, Paired, Untestable
+from fedweave.experiments.tables import Col, Grid, layout, markdown_table, pm, read_csv
+from fedweave.experiments.verdicts import All, Paired, Select, Untestable, cell
 from fedweave.memory import cpu_seconds
 from fedweave.runner import Result
 
@@ -343,39 +343,34 @@ def _last10(res: dict[str, Any], rounds: int) -> float:
     return float(np.mean(vals))
 
 
+TABLE_STATS = {  # table.csv's columns per cell (dataset, setting, method) over its seeds (population std)
+    "acc_mean": mean_of("acc", ddof=0, nd=2),
+    "acc_std": std_of("acc", ddof=0, nd=2),
+    "acc_last10_mean": mean_of("acc_last10", ddof=0, nd=2),
+    "paper_acc": lambda rs: paper_acc(rs[0]),
+    "seeds": len,
+    "seconds_mean": mean_of("seconds", nd=1),
+    "cpu_seconds_mean": mean_of("cpu", nd=2),
+    "diverged": lambda rs: sum(r["status"] == "diverged" for r in rs),
+}
+CELL = ("dataset", "alpha", "beta", "method")
+
+
+def paper_acc(r: dict[str, Any]) -> float | str:
+    """The paper's Table I number of a record's cell, or "" where the paper has none."""
+    paper = PAPER_TABLE.get(r["method"], {}).get(r["dataset"])
+    return paper[SETTINGS.index((r["alpha"], r["beta"]))] if paper else ""
+
+
 def summarize(
     p: Preset, results: dict[str, dict[str, Any]], seeds: list[int], out: Path
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    rows = []
-    acc: dict[tuple[str, str, tuple[float, float]], tuple[float, float]] = {}
-    for ds in p.datasets:
-        for si, s in enumerate(SETTINGS):
-            for m in p.methods:
-                R = p.rounds_of(m)
-                run_seeds = p.seeds_of(m, seeds)
-                res = [results[run_config(p, ds, s, m, seed, p.tau, R, out)["name"]] for seed in run_seeds]
-                mean, std = mean_std([100 * _final(r) for r in res], ddof=0)
-                last_mean, _ = mean_std([100 * _last10(r, R) for r in res], ddof=0)
-                acc[(ds, m, s)] = (mean, std)
-                paper = PAPER_TABLE.get(m, {}).get(ds)
-                rows.append(
-                    {
-                        "dataset": ds,
-                        "alpha": s[0],
-                        "beta": s[1],
-                        "method": m,
-                        "acc_mean": round(mean, 2),
-                        "acc_std": round(std, 2),
-                        "acc_last10_mean": round(last_mean, 2),
-                        "paper_acc": paper[si] if paper else "",
-                        "seeds": len(run_seeds),
-                        "seconds_mean": round(float(np.mean([r["seconds"] for r in res])), 1),
-                        "cpu_seconds_mean": round(float(np.mean([r.get("cpu", 0.0) for r in res])), 2),
-                        "diverged": sum(r["status"] == "diverged" for r in res),
-                    }
-                )
-    claims = check_claims(p, acc, results, out)
-    return rows, claims
+    """``table.csv``'s rows (``TABLE_STATS`` per cell of Table I) and the claims' values (``check_claims``)."""
+    records = seed_rows(p, results, seeds, out)
+    table = [r for r in records if r["part"] == "table"]
+    cells = group(table, lambda r: tuple(r[k] for k in CELL))
+    acc = {(ds, m, (a, b)): mean_std([r["acc"] for r in rs], ddof=0) for (ds, a, b, m), rs in cells.items()}
+    return per_cell(table, CELL, TABLE_STATS), check_claims(p, acc, records)
 
 
 # the per-seed records (``results.csv``): one row per run and the column it stands for (the server-only
@@ -384,27 +379,29 @@ SEED_COLUMNS = ["dataset", "alpha", "beta", "method", "part", "tau", "rounds", "
 SEED_COLUMNS += ["test_loss", "global_loss", "status"]
 
 
+def units(p: Preset, seeds: list[int]):
+    """Every run of Table I, then of the tau sweep, as (dataset, setting, method, part, tau, rounds, seed)."""
+    for ds, s, m in product(p.datasets, SETTINGS, p.methods):
+        yield from ((ds, s, m, "table", p.tau, p.rounds_of(m), k) for k in p.seeds_of(m, seeds))
+    for ds, s, seed, tau in product(p.sweep_dataset, SETTINGS, range(p.sweep_seeds), p.sweep_taus):
+        yield ds, s, "zo_hfl", "sweep", tau, p.sweep_rounds, seed
+
+
 def seed_rows(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int], out: Path) -> list[dict[str, Any]]:
     """The per-seed records the claims' declared rules read: final test accuracy (%) and its mean over the last
     10 rounds, and the final test and global loss, of every Table I run and every tau-sweep run."""
-
-    def row(ds: str, s: tuple[float, float], m: str, part: str, tau: float, rounds: int, seed: int) -> dict:
+    rows = []
+    for ds, s, m, part, tau, rounds, seed in units(p, seeds):
         r = results[run_config(p, ds, s, m, seed, tau, rounds, out)["name"]]
         last = r["rows"][-1]
-        return {"dataset": ds, "alpha": s[0], "beta": s[1], "method": m, "part": part, "tau": tau,
-                "rounds": rounds, "seed": seed, "acc": 100 * _final(r), "acc_last10": 100 * _last10(r, rounds),
-                "test_loss": float(last.get("test_loss", float("nan"))),
-                "global_loss": float(last.get("global_loss", float("nan"))), "status": r["status"]}  # fmt: skip
-
-    rows = [row(ds, s, m, "table", p.tau, p.rounds_of(m), seed)
-            for ds in p.datasets for s in SETTINGS for m in p.methods for seed in p.seeds_of(m, seeds)]  # fmt: skip
-    sweep = [(ds, s, seed, tau) for ds in p.sweep_dataset for s in SETTINGS for seed in range(p.sweep_seeds)
-             for tau in p.sweep_taus]  # fmt: skip
-    rows += [row(ds, s, "zo_hfl", "sweep", tau, p.sweep_rounds, seed) for ds, s, seed, tau in sweep]
+        acc, acc_last10 = 100 * _final(r), 100 * _last10(r, rounds)
+        losses = [float(last.get(k, float("nan"))) for k in ("test_loss", "global_loss")]
+        values = [ds, *s, m, part, tau, rounds, seed, acc, acc_last10, *losses, r["status"]]
+        rows.append({**dict(zip(SEED_COLUMNS, values)), "seconds": r["seconds"], "cpu": r.get("cpu", 0.0)})
     return rows
 
 
-def check_claims(p: Preset, acc, results, out: Path) -> dict[str, Any]:
+def check_claims(p: Preset, acc, records: list[dict[str, Any]]) -> dict[str, Any]:
     """Claims C1-C4 of spec §9.2, evaluated on the seed means."""
     homo, mid, extreme = SETTINGS
     claims: dict[str, Any] = {}
@@ -445,13 +442,7 @@ def check_claims(p: Preset, acc, results, out: Path) -> dict[str, Any]:
         # The global loss (f1 + the f2 estimate, A13) grows with tau by construction (longer solves move y
         # further from x, so the f2 estimate rises); the test cross-entropy of x is comparable across tau.
         for key, metric in (("global_loss", "global_loss"), ("test_loss", "test_loss")):
-            final = {
-                s: [
-                    float(np.mean([_final(results[n], metric) for n in _sweep_names(p, ds, s, tau, out)]))
-                    for tau in p.sweep_taus
-                ]
-                for s in SETTINGS
-            }
+            final = {s: [float(np.mean(_sweep(records, ds, s, tau, metric))) for tau in p.sweep_taus] for s in SETTINGS}
             claims[ds][f"C3_final_{key}_per_tau"] = {
                 SETTING_NAMES[s]: dict(zip(map(str, p.sweep_taus), (round(v, 5) for v in final[s]))) for s in SETTINGS
             }
@@ -462,6 +453,11 @@ def check_claims(p: Preset, acc, results, out: Path) -> dict[str, Any]:
                 nonincreasing(final[extreme]) and final[extreme][-1] < final[extreme][0]
             )
     return claims
+
+
+def _sweep(records: list[dict[str, Any]], ds: str, s, tau: float, metric: str) -> list[float]:
+    """The tau sweep's final ``metric`` per seed of ``ds`` in setting ``s`` at ``tau``."""
+    return list(at("zo_hfl", s, "sweep", tau=tau, dataset=ds).values(records, metric).values())
 
 
 def _sweep_names(p: Preset, ds: str, s, tau: float, out: Path) -> list[str]:
@@ -515,12 +511,22 @@ BASELINES = ("fedavg", "fedprox", "scaffold")
 C2_MARGIN = 5.0  # C2's "within 5 points of the best baseline" (spec §9.2)
 
 
-def _at(m: str, s: tuple[float, float], part: str = "table", **more: Any) -> dict[str, Any]:
-    return {"method": m, "alpha": s[0], "beta": s[1], "part": part, **more}
+def at(m: str, s: tuple[float, float], part: str = "table", **more: Any) -> Select:
+    """The per-seed records of method ``m`` in setting ``s`` (of Table I, or of the tau sweep)."""
+    return cell(method=m, alpha=s[0], beta=s[1], part=part, **more)
 
 
-def _acc(a: dict[str, Any], b: dict[str, Any], direction: str = "greater", min_effect: float = 0.0) -> Paired:
+def drop(m: str) -> Select:
+    """Method ``m``'s drop in final accuracy from (1000, 90%) to (0.1, 10%), per seed."""
+    return at(m, HOMO) - at(m, EXTREME)
+
+
+def _acc(a: Select, b: Select, direction: str = "greater", min_effect: float = 0.0) -> Paired:
     return Paired("acc", a, b, direction, min_effect)
+
+
+def _accs(records, m: str, s: tuple[float, float]) -> list[float]:
+    return list(at(m, s).values(records, "acc").values())
 
 
 def _seeded(rule):
@@ -533,68 +539,47 @@ def _seeded(rule):
     return declared
 
 
-def _with_drops(c: dict[str, Any], _) -> list[dict[str, Any]]:
-    """The records and, per seed, ZO-HFL's drop from (1000, 90%) to (0.1, 10%) and half of FedAvg's (C1)."""
-    records = c.get("_records") or []
-    acc = {(r["method"], r["alpha"], r["beta"], r["seed"]): r["acc"] for r in records if r["part"] == "table"}
-    drop = lambda m, seed: acc[(m, *HOMO, seed)] - acc[(m, *EXTREME, seed)]  # noqa: E731
-    seeds = sorted({k[-1] for k in acc if k[0] == "zo_hfl"} & {k[-1] for k in acc if k[0] == "fedavg"})
-    extra = [{"side": "half FedAvg's drop", "seed": s, "x": drop("fedavg", s) / 2} for s in seeds]
-    extra += [{"side": "ZO-HFL's drop", "seed": s, "x": drop("zo_hfl", s)} for s in seeds]
-    return records + extra
-
-
 def _records(c: dict[str, Any], _) -> list[dict[str, Any]]:
     return c.get("_records") or []
 
 
-def _c1_rule(records):
-    return All((
-        ("ZO-HFL - FedAvg at (0.1, 10%)", _acc(_at("zo_hfl", EXTREME), _at("fedavg", EXTREME))),
-        ("ZO-HFL - FedProx at (0.1, 10%)", _acc(_at("zo_hfl", EXTREME), _at("fedprox", EXTREME))),
-        ("half FedAvg's drop - ZO-HFL's drop", Paired("x", {"side": "half FedAvg's drop"}, {"side": "ZO-HFL's drop"})),
-    ))  # fmt: skip
+C1_RULE = All(
+    (
+        ("ZO-HFL - FedAvg at (0.1, 10%)", _acc(at("zo_hfl", EXTREME), at("fedavg", EXTREME))),
+        ("ZO-HFL - FedProx at (0.1, 10%)", _acc(at("zo_hfl", EXTREME), at("fedprox", EXTREME))),
+        ("half FedAvg's drop - ZO-HFL's drop", _acc(drop("fedavg") * 0.5, drop("zo_hfl"))),
+    )
+)
 
 
 def _best_baseline(records) -> str:
     """The baseline with the best mean final accuracy at (1000, 90%) (the means' criterion's "best")."""
-    means = {m: np.mean([r["acc"] for r in records if r.items() >= _at(m, HOMO).items()]) for m in BASELINES}
+    means = {m: np.mean(_accs(records, m, HOMO)) for m in BASELINES}
     return max(means, key=means.get)
-
-
-def _with_margin(c: dict[str, Any], _) -> list[dict[str, Any]]:
-    """The records and the best baseline's once more, C2_MARGIN points lower (``<best> - 5``)."""
-    records = c.get("_records") or []
-    if not records:
-        return records
-    best = _best_baseline(records)
-    low = [{**r, "method": f"{best} - {C2_MARGIN:g}", "acc": r["acc"] - C2_MARGIN}
-           for r in records if r.items() >= _at(best, HOMO).items()]  # fmt: skip
-    return records + low
 
 
 def _c2_rule(records):
     best = _best_baseline(records)
-    return All(((f"ZO-HFL - ({label(best)} - {C2_MARGIN:g}) at (1000, 90%)",
-                 _acc(_at("zo_hfl", HOMO), _at(f"{best} - {C2_MARGIN:g}", HOMO))),))  # fmt: skip
+    rule = _acc(at("zo_hfl", HOMO), at(best, HOMO) - C2_MARGIN)
+    return All(((f"ZO-HFL - ({label(best)} - {C2_MARGIN:g}) at (1000, 90%)", rule),))
 
 
 def _c3_rule(key: str, moderate: bool):
     """C3 on the tau sweep's final ``key``: each larger tau lowers it at (1000, 90%) and (1, 50%) (every step
     of the sweep's taus, paired by seed), or, at (0.1, 10%), the largest tau's is not below the smallest's."""
 
+    def step(s: tuple[float, float], a: float, b: float) -> tuple[str, Paired]:
+        sweep = lambda tau: at("zo_hfl", s, "sweep", tau=tau)  # noqa: E731
+        return f"{SETTING_NAMES[s]}: tau {a:g} - tau {b:g}", Paired(key, sweep(a), sweep(b), unit="", digits=5)
+
     def rule(records):
         sweep = [r for r in records if r["part"] == "sweep"]
         if len({r["seed"] for r in sweep}) < 2:
             return Untestable("the tau sweep ran fewer than 2 seeds" if sweep else "no tau sweep on this dataset")
         taus = sorted({r["tau"] for r in sweep})
-        loss = lambda a, b, s: Paired(key, _at("zo_hfl", s, "sweep", tau=a), _at("zo_hfl", s, "sweep", tau=b),  # noqa: E731
-                                      unit="", digits=5)  # fmt: skip
         if moderate:
-            return All(tuple((f"{SETTING_NAMES[s]}: tau {a:g} - tau {b:g}", loss(a, b, s))
-                             for s in (HOMO, MID) for a, b in zip(taus, taus[1:])))  # fmt: skip
-        return All(((f"{SETTING_NAMES[EXTREME]}: tau {taus[-1]:g} - tau {taus[0]:g}",
-                     loss(taus[-1], taus[0], EXTREME)),))  # fmt: skip
+            return All(tuple(step(s, a, b) for s in (HOMO, MID) for a, b in zip(taus, taus[1:])))
+        return All((step(EXTREME, taus[-1], taus[0]),))
 
     return rule
 
@@ -602,61 +587,36 @@ def _c3_rule(key: str, moderate: bool):
 def _c4_rule(records):
     """Within one std in every setting: the bound is the larger of the two methods' seed std (population, as
     the means' criterion) in that setting."""
-
-    def std(m, s):
-        return float(np.std([r["acc"] for r in records if r.items() >= _at(m, s).items()]))
-
+    std = lambda m, s: float(np.std(_accs(records, m, s)))  # noqa: E731
     bound = {s: max(std("zo_hfl", s), std("server_only", s), 0.01) for s in SETTINGS}
-    parts = [(f"{SETTING_NAMES[s]} within ±{bound[s]:.2f}",
-              _acc(_at("zo_hfl", s), _at("server_only", s), "within", bound[s])) for s in SETTINGS]  # fmt: skip
-    return All(tuple(parts))
+    within = {s: _acc(at("zo_hfl", s), at("server_only", s), "within", bound[s]) for s in SETTINGS}
+    return All(tuple((f"{SETTING_NAMES[s]} within ±{bound[s]:.2f}", rule) for s, rule in within.items()))
 
 
-# spec §9.2, judged per dataset on its entry of claims.json (the claim's context: the dataset's name)
+def claim(text: str, criterion, declared) -> Claim:
+    """A claim of spec §9.2, judged per dataset on its entry of claims.json: ``text`` names the dataset as
+    ``{name}`` (the claim's context), ``criterion`` is the spec's on the means and ``declared(records)`` the
+    rule on the entry's per-seed records (``_seeded``)."""
+    return Claim(lambda c, name: text.format(name=name), criterion, declared=_seeded(declared), records=_records)
+
+
+C1 = (
+    "C1 {name}: robust under extreme heterogeneity (at (0.1, 10%) at least FedAvg's and FedProx's accuracy, "
+    "and at most half of FedAvg's drop from (1000, 90%))"
+)
+C2 = "C2 {name}: competitive when homogeneous (within 5 points of the best baseline at (1000, 90%))"
+C3 = "C3 {name}: a larger tau lowers the final {what} at (1000, 90%) and (1, 50%)"
+C3_EXTREME = "C3 {name}: no monotone gain from a larger tau at (0.1, 10%) ({what})"
+C4 = "C4 {name}: ZO-HFL within one std of the server-only control (lambda = 0) in every setting"
 CLAIMS = [
-    Claim(
-        lambda c, name: (
-            f"C1 {name}: robust under extreme heterogeneity (at (0.1, 10%) at least FedAvg's and "
-            "FedProx's accuracy, and at most half of FedAvg's drop from (1000, 90%))"
-        ),
-        _c1,
-        declared=_seeded(_c1_rule),
-        records=_with_drops,
-    ),
-    Claim(
-        lambda c, name: (
-            f"C2 {name}: competitive when homogeneous (within 5 points of the best baseline at (1000, 90%))"
-        ),
-        _c2,
-        declared=_seeded(_c2_rule),
-        records=_with_margin,
-    ),
+    claim(C1, _c1, lambda records: C1_RULE),
+    claim(C2, _c2, _c2_rule),
     *(
-        claim
+        claim(text.replace("{what}", what), _c3(key, moderate), _c3_rule(key, moderate))
         for key, what in (("test_loss", "test loss"), ("global_loss", "global loss"))
-        for claim in (
-            Claim(
-                lambda c, name, what=what: (
-                    f"C3 {name}: a larger tau lowers the final {what} at (1000, 90%) and (1, 50%)"
-                ),
-                _c3(key, True),
-                declared=_seeded(_c3_rule(key, True)),
-                records=_records,
-            ),
-            Claim(
-                lambda c, name, what=what: f"C3 {name}: no monotone gain from a larger tau at (0.1, 10%) ({what})",
-                _c3(key, False),
-                declared=_seeded(_c3_rule(key, False)),
-                records=_records,
-            ),
-        )
+        for text, moderate in ((C3, True), (C3_EXTREME, False))
     ),
-    Claim(
-        lambda c, name: f"C4 {name}: ZO-HFL within one std of the server-only control (lambda = 0) in every setting",
-        _c4,
-        declared=_seeded(_c4_rule),
-        records=_records,
-    ),
+    claim(C4, _c4, _c4_rule),
 ]
 
 
@@ -704,19 +664,15 @@ def table_md(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], meta
         "over seeds [mean over the last 10 rounds] / paper.",
         "",
     ]
-    by = {(r["dataset"], r["method"], (r["alpha"], r["beta"])): r for r in rows}
 
-    def cell(ds: str, m: str, s: tuple[float, float]) -> list[str]:
-        r = by[(ds, m, s)]
+    def cell(r: dict[str, Any]) -> str:
         paper = f"{r['paper_acc']:.2f}" if r["paper_acc"] != "" else "n/a"
-        return [f"{pm(r['acc_mean'], r['acc_std'], sep=' +- ')} [{r['acc_last10_mean']:.2f}] / {paper}"]
+        return f"{pm(r['acc_mean'], r['acc_std'], sep=' +- ')} [{r['acc_last10_mean']:.2f}] / {paper}"
 
+    labels = {m: label(m, p) for m in p.methods}
+    grid = Grid("method", "method", labels, lambda r: (r["alpha"], r["beta"]), SETTING_NAMES.get, cell)
     for ds in p.datasets:
-        cells = lambda m, s, ds=ds: cell(ds, m, s)  # noqa: E731
-        header, body = grouped_table(
-            "method", p.methods, SETTINGS, [""], cells, lambda m: label(m, p), SETTING_NAMES.get
-        )
-        lines += [f"## {DATASET_LABELS.get(ds, ds)}", "", markdown_table(header, body)]
+        lines += [f"## {DATASET_LABELS.get(ds, ds)}", "", grid.render([r for r in rows if r["dataset"] == ds])]
     lines += ["## Claims (spec §9.2)", "", markdown_table(["claim", "verdict", "measured"], claim_rows(claims))]
     lines += ["All values:", "", "```json", json.dumps(claims, indent=2), "```", ""]
     lines += [
@@ -772,12 +728,7 @@ def write_plots(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int],
 
 def plan(p: Preset, seeds: list[int], out: Path) -> list[dict[str, Any]]:
     """Table I's runs (dataset, setting, method, seed), then the tau sweep's (a run both need runs once)."""
-    table = product(p.datasets, SETTINGS, p.methods)
-    configs = [
-        run_config(p, ds, s, m, k, p.tau, p.rounds_of(m), out) for ds, s, m in table for k in p.seeds_of(m, seeds)
-    ]
-    sweep = product(p.sweep_dataset, SETTINGS, range(p.sweep_seeds), p.sweep_taus)
-    configs += [run_config(p, ds, s, "zo_hfl", seed, tau, p.sweep_rounds, out) for ds, s, seed, tau in sweep]
+    configs = [run_config(p, ds, s, m, seed, tau, R, out) for ds, s, m, _, tau, R, seed in units(p, seeds)]
     return order(list({c["name"]: c for c in configs}.values()))
 
 
@@ -947,25 +898,29 @@ def power_section(rows: list[dict]) -> str:
     table = [r for r in rows if r["part"] == "table"]
 
     def accs(m: str, s: tuple[float, float]) -> dict[int, float]:
-        return {r["seed"]: r["acc"] for r in table if r.items() >= _at(m, s).items()}
+        return at(m, s).values(table, "acc")
 
     mean = lambda m, s: float(np.mean(list(accs(m, s).values())))  # noqa: E731
     best = max(BASELINES, key=lambda m: mean(m, HOMO))
     room = mean(best, HOMO) - mean("server_only", HOMO)
     server_std = float(np.std(list(accs("server_only", HOMO).values())))
-    body = []
+    diffs = {}
     for s in SETTINGS:
         zo, so = accs("zo_hfl", s), accs("server_only", s)
-        d = [zo[k] - so[k] for k in sorted(set(zo) & set(so))]
-        sd = float(np.std(d, ddof=1))
-        body.append([SETTING_NAMES[s], len(d), f"{np.mean(d):+.2f}", f"{sd:.2f}", f"{detectable(sd, len(d)):.2f}",
-                     f"{paired_power(room, sd, len(d)):.2f}"])  # fmt: skip
-    header = ["setting", "seeds", "ZO-HFL - server-only", "std of the paired differences",
-              "difference found with 80 % power", f"power against a gain of {room:.2f}"]  # fmt: skip
+        diffs[s] = [zo[k] - so[k] for k in sorted(set(zo) & set(so))]
+    sd = lambda s: float(np.std(diffs[s], ddof=1))  # noqa: E731
+    cols = [
+        Col("setting", SETTING_NAMES.get),
+        Col("seeds", lambda s: len(diffs[s])),
+        Col("ZO-HFL - server-only", lambda s: np.mean(diffs[s]), "+.2f"),
+        Col("std of the paired differences", sd, ".2f"),
+        Col("difference found with 80 % power", lambda s: detectable(sd(s), len(diffs[s])), ".2f"),
+        Col(f"power against a gain of {room:.2f}", lambda s: paired_power(room, sd(s), len(diffs[s])), ".2f"),
+    ]
     return (
         f"Room: the best baseline ({label(best)}) ends {room:.2f} points above the server-only control at "
         f"(1000, 90%)\n(the control's seed std: {server_std:.2f} points), so a zeroth-order term that closed the "
-        "whole gap would gain that much.\n\n" + markdown_table(header, body)
+        "whole gap would gain that much.\n\n" + layout(cols, SETTINGS)
     )
 
 
@@ -1012,8 +967,6 @@ def table1_section(rows: list[dict], dataset: str, labels: dict = PAGE_TABLE1, d
     """The page's Table I of one dataset from a preset's ``table.csv``: per method it ran (of ``labels``) and
     setting, mean ± std and, with ``detail``, [the mean of the last 10 rounds] / the paper's number (the
     500-round control: mean ± std only)."""
-    by = {(r["method"], r["alpha"], r["beta"]): r for r in rows if r["dataset"] == dataset}
-    settings = list(dict.fromkeys((r["alpha"], r["beta"]) for r in rows if r["dataset"] == dataset))
 
     def cell(r: dict) -> str:
         last = "" if r["method"] == "server_only_long" or not detail else f" [{r['acc_last10_mean']:.2f}]"
@@ -1021,10 +974,10 @@ def table1_section(rows: list[dict], dataset: str, labels: dict = PAGE_TABLE1, d
         return f"{r['acc_mean']:.2f} ± {r['acc_std']:.2f}{last}{paper}"
 
     ab = "alpha={:g}, beta={:.0f}%" if detail else "a={:g}, b={:.0f}%"
-    header = ["method", *(ab.format(a, 100 * b) for a, b in settings)]
-    ran = {m for m, *_ in by}
-    body = [[label, *(cell(by[(m, *s)]) for s in settings)] for m, label in labels.items() if m in ran]
-    return markdown_table(header, body)
+    grid = Grid(
+        "method", "method", labels, lambda r: (r["alpha"], r["beta"]), lambda s: ab.format(s[0], 100 * s[1]), cell
+    )
+    return grid.render([r for r in rows if r["dataset"] == dataset])
 
 
 SENSITIVITY_LABELS = {  # the page's sensitivity rows (spec §9.2, A5, A11)
@@ -1042,19 +995,13 @@ SENSITIVITY_LABELS = {  # the page's sensitivity rows (spec §9.2, A5, A11)
 
 def sensitivity_section(rows: list[dict]) -> str:
     """The page's sensitivity table from the small preset's ``table.csv``: mean ± std per dataset and setting."""
-    by = {(r["method"], r["dataset"], r["alpha"], r["beta"]): r for r in rows}
-    cols = [
-        (ds, a, b)
-        for ds in ("mnist", "fashion_mnist")
-        for a, b in dict.fromkeys((r["alpha"], r["beta"]) for r in rows if r["dataset"] == ds)
-    ]
     name = {"mnist": "MNIST", "fashion_mnist": "FMNIST"}
-    header = ["method", *(f"{name[ds]} {a:g}/{100 * b:.0f}%" for ds, a, b in cols)]
-    body = [
-        [label, *(pm(by[(m, *c)]["acc_mean"], by[(m, *c)]["acc_std"]) for c in cols)]
-        for m, label in SENSITIVITY_LABELS.items()
-    ]
-    return markdown_table(header, body)
+    col = lambda r: (r["dataset"], r["alpha"], r["beta"])  # noqa: E731
+    head = lambda c: f"{name[c[0]]} {c[1]:g}/{100 * c[2]:.0f}%"  # noqa: E731
+    cell = lambda r: pm(r["acc_mean"], r["acc_std"])  # noqa: E731
+    return Grid("method", "method", SENSITIVITY_LABELS, col, head, cell).render(
+        [r for r in rows if r["dataset"] in name]
+    )
 
 
 def _invocation(md: str) -> dict[str, str]:
