@@ -30,8 +30,20 @@ EVAL_ROWS = 256
 # layout -> the worker pool whose workers hold that layout's model (``execution.pool`` adds itself), so
 # that evaluation runs on the pool's workers; an object with ``batch_sums(w, x, y, batch_size)``
 evaluators: weakref.WeakKeyDictionary[ParamLayout, Any] = weakref.WeakKeyDictionary()
+# id -> weak reference of the tensors that a pool's workers read from their fork (``share_with_workers``)
+fork_shared: dict[int, weakref.ref] = {}
 # layout -> (channels-last copy of its model, that copy's layout), made on first use
 _TWINS: weakref.WeakKeyDictionary[ParamLayout, tuple[nn.Module, ParamLayout]] = weakref.WeakKeyDictionary()
+
+
+def share_with_workers(*tensors: torch.Tensor) -> None:
+    """Declare evaluation sets (e.g. the dataset's test set) that a ``pool`` backend's workers read from their
+    fork instead of receiving a copy: a pool forked while they exist records them, and evaluates on views of
+    the workers' inherited copies as long as the tensors are unmodified (their ``_version``), so their pages
+    stay shared with the driver (copy-on-write) and count once in the process tree's memory."""
+    for t in tensors:
+        fork_shared[id(t)] = weakref.ref(t)
+        weakref.finalize(t, fork_shared.pop, id(t), None)
 
 
 def channels_last_ok(model: nn.Module) -> bool:
