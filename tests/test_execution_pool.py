@@ -14,7 +14,17 @@ from torch import nn
 from fedweave.algorithms.base import RunContext, build_algorithm
 from fedweave.config import load
 from fedweave.execution import LocalRule, evaluate, evaluate_clients
-from fedweave.execution.evaluate import EVAL_ROWS, batch_sums, channels_last_ok, fork_shared, share_with_workers
+from fedweave.execution.evaluate import (
+    EVAL_ROWS,
+    batch_sums,
+    channels_last_ok,
+    eval_model,
+    fork_shared,
+    one_thread,
+    share_with_workers,
+    to_channels_last,
+)
+from fedweave.execution.params import ParamLayout
 from fedweave.execution.pool import pool, pool_for
 from tests.conftest import make_toy
 from tests.test_core_engine import ProxLookAhead, _models, _trainer
@@ -199,3 +209,32 @@ def test_a_run_on_the_pool_equals_the_loop(toy_config, algorithm):
     for a, b in zip(out["loop"][1], out["auto"][1]):
         assert a["test_accuracy"] == b["test_accuracy"]
         assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-5)
+
+
+def test_evaluation_row_work_at_one_thread_keeps_the_sums(model):
+    """The passes' losses and argmaxes run at one intra-op thread (``one_thread``): the same per-batch sums,
+    bit for bit, as computed at the process's thread count, and the thread count is restored afterwards."""
+    ds = make_toy(n_test=301)
+    layout = ParamLayout(model)
+    w = layout.flatten() + 0.05
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = batch_sums(layout, w, ds.test_x, ds.test_y, 64)
+        assert torch.get_num_threads() == 2
+        with one_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        want = []
+        with torch.inference_mode():  # each pass's row work at 2 threads, as it was computed before
+            m, cl = eval_model(layout, w)
+            for lo in range(0, 301, 64):
+                xb = ds.test_x[lo : lo + 64]
+                logits = m.eval()(to_channels_last(xb) if cl else xb)
+                yb = ds.test_y[lo : lo + 64]
+                loss = nn.functional.cross_entropy(logits, yb, reduction="sum")
+                want.append((loss.item(), int((logits.argmax(1) == yb).sum())))
+        m.train()
+    finally:
+        torch.set_num_threads(threads)
+    assert got == want
