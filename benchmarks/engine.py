@@ -10,7 +10,8 @@ processes) runs too; auto picks it for the CNN then.
 
 Memory: the peak of the whole process tree (this process and the pool's workers, sampled every 0.1 s while the
 workload runs: PSS divides the pages the forked workers share with the driver among them, RSS counts them
-once per process), printed per workload, so that a regression shows in the same output as the times. The
+once per process), printed per workload and per process (each process's own peak), so that a regression shows
+in the same output as the times, and where it lives. The
 workloads run one after another in this process, so a later one's peak includes what the earlier left.
 
 The hand-written loop is what one would write without a framework: one reused model, torch.optim.SGD,
@@ -141,6 +142,12 @@ def main() -> None:
             f"  peak memory of the process tree ({mem.processes} processes): PSS {gib['pss']:.3f} GB "
             f"(anonymous {gib['anon']:.3f}), summed RSS {gib['rss']:.3f} GB"
         )
+        for i, (pid, peak) in enumerate(mem.per_process.items()):  # the root first: this process
+            who = "this process" if i == 0 else f"worker {pid}"
+            print(
+                f"    {who:14s} peak PSS {peak['pss'] / 2**30:.3f} GB (anonymous {peak['anon'] / 2**30:.3f}), "
+                f"RSS {peak['rss'] / 2**30:.3f} GB"
+            )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from fedweave.execution.batched import batched_grad
 from fedweave.execution.fused import FusedSGD, fused_sgd
 from fedweave.execution.local import LocalRule, cross_entropy
 from fedweave.execution.loop import compute
+from fedweave.execution.placement import CPU, take_rows
 from fedweave.models import build_model
 from fedweave.seeding import Seeds
 from tests.conftest import make_toy
@@ -146,3 +147,68 @@ def test_channels_last_twin_gradient_equals_the_templates():
 def test_models_with_normalization_keep_the_template():
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.GroupNorm(1, 2), nn.Flatten(), nn.Linear(32, 3))
     assert compute(ParamLayout(model)).model is model
+
+
+def test_take_rows_gives_what_indexing_gives():
+    """``Placement.rows`` copies rows with ``index_select`` (faster on a CPU): the same tensor as ``t[idx]``
+    for index tensors of any shape and rows of any shape; boolean masks are indexed as before."""
+    g = torch.Generator().manual_seed(0)
+    for t in (torch.randn(50, 1, 4, 4, generator=g), torch.randn(50, 3, generator=g), torch.arange(50)):
+        for idx in (torch.randint(0, 50, (7,), generator=g), torch.randint(0, 50, (3, 5), generator=g),
+                    torch.tensor(4), torch.zeros(0, dtype=torch.long), torch.rand(50, generator=g) > 0.5):  # fmt: skip
+            got = take_rows(t, idx)
+            assert got.shape == t[idx].shape and torch.equal(got, t[idx])
+            assert torch.equal(CPU.rows(t, idx), t[idx])
+
+
+def _reference_fused_run(k: FusedSGD, x, y, batches, lrs, momentum, weight_decay) -> torch.Tensor:
+    """The fused kernel's steps as first written (each step's loss written into a preallocated tensor, one
+    ``_sgd`` call per parameter, the public operators): the rewritten kernel must keep its bits."""
+    k.momentum, k.weight_decay = momentum, weight_decay
+    k.bufs = [(torch.zeros_like(W), None if b is None else torch.zeros_like(b)) for W, _, b in k.layers]
+    dots = torch.empty(len(batches))
+    sizes = torch.tensor([len(b) for b in batches], dtype=dots.dtype)
+    eye = torch.eye(k.classes)
+    for t, b in enumerate(batches):
+        xb, target, lr = x[b].reshape(len(b), -1), eye[y[b]], lrs[t]
+        acts = [xb]
+        for _, Wt, bias in k.layers[:-1]:
+            xb = (xb.mm(Wt) if bias is None else torch.addmm(bias, xb, Wt)).relu_()
+            acts.append(xb)
+        _, Wt, bias = k.layers[-1]
+        logp = torch.log_softmax(xb.mm(Wt) if bias is None else torch.addmm(bias, xb, Wt), 1)
+        torch.dot(logp.view(-1), target.view(-1), out=dots[t])
+        dz = logp.exp_().sub_(target)
+        ones = torch.ones(xb.shape[0])
+        for layer in range(len(k.layers) - 1, -1, -1):
+            W, _, bias = k.layers[layer]
+            if layer:
+                dh = torch.ops.aten.threshold_backward(dz.mm(W), acts[layer], 0)
+            bw, bb = k.bufs[layer] if momentum else (None, None)
+            k._sgd(W, bw, dz.t(), acts[layer], lr)
+            if bias is not None:
+                k._sgd(bias, bb, dz.t(), ones, lr)
+            if layer:
+                dz = dh
+    return -(dots / sizes).sum().to(torch.float64)
+
+
+@MLPS
+@pytest.mark.parametrize("sgd", [{}, {"momentum": 0.9}, {"weight_decay": 0.01}, {"momentum": 0.5, "weight_decay": 0.1}])
+def test_fused_kernel_keeps_the_bits_of_its_first_form(name, options, sgd):
+    ds = make_toy()
+    model = build_model(name, (1, 6, 6), 4, **options)
+    layout = ParamLayout(model)
+    start = layout.flatten() + 0.01
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, len(ds.train_y), (n,), generator=g) for n in (10, 10, 7, 10, 3)]
+    lrs = [0.1, 0.1, 0.05, 0.2, 0.1]
+    runs = []
+    for run in (FusedSGD.run, _reference_fused_run):
+        value = start.clone()
+        k = FusedSGD(layout, value)
+        loss = run(k, ds.train_x, ds.train_y, batches, lrs, sgd.get("momentum", 0.0), sgd.get("weight_decay", 0.0))
+        runs.append((value, loss))
+    (new, new_loss), (ref, ref_loss) = runs
+    assert torch.equal(new, ref) and torch.equal(new_loss, ref_loss)
+    assert not torch.equal(new, start)

@@ -14,7 +14,17 @@ from torch import nn
 from fedweave.algorithms.base import RunContext, build_algorithm
 from fedweave.config import load
 from fedweave.execution import LocalRule, evaluate, evaluate_clients
-from fedweave.execution.evaluate import EVAL_ROWS, batch_sums, channels_last_ok
+from fedweave.execution.evaluate import (
+    EVAL_ROWS,
+    batch_sums,
+    channels_last_ok,
+    eval_model,
+    fork_shared,
+    one_thread,
+    share_with_workers,
+    to_channels_last,
+)
+from fedweave.execution.params import ParamLayout
 from fedweave.execution.pool import pool, pool_for
 from tests.conftest import make_toy
 from tests.test_core_engine import ProxLookAhead, _models, _trainer
@@ -82,6 +92,37 @@ def test_pool_evaluation_adds_the_same_batch_sums(model, uneven_parts):
     ds.test_x[0] += 1.0  # modified in place: sent again, not served stale
     changed = batch_sums(tr.layout, w, ds.test_x, ds.test_y, 64)
     assert p.batch_sums(w, ds.test_x, ds.test_y, 64) == changed
+
+
+def test_a_declared_evaluation_set_is_read_from_the_fork_not_copied(uneven_parts, monkeypatch):
+    """The test set a run declares (``share_with_workers``, done by ``RunContext.dataset``) exists before the
+    pool forks: the workers evaluate on views of their inherited copy (pages shared with the driver) instead
+    of receiving a copy of their rows; the sums are the driver's. Modified in place, it is sent as before."""
+    model = next(iter(_models()))
+    ds = make_toy(n_test=301)
+    share_with_workers(ds.test_x, ds.test_y)
+    tr = _trainer(model, uneven_parts, "pool", epochs=1, batch_size=16, lr=0.1)
+    w = tr.layout.flatten() + 0.05
+    p = pool(tr, workers=2)
+    sent = []
+    request = p.request
+    monkeypatch.setattr(p, "request", lambda calls: sent.extend(op for _, op, _ in calls) or request(calls))
+    assert p.batch_sums(w, ds.test_x, ds.test_y, 64) == batch_sums(tr.layout, w, ds.test_x, ds.test_y, 64)
+    assert sent == ["view", "view", "evaluate", "evaluate"]  # no "data": no rows travel
+    ds.test_x[0] += 1.0  # the workers' inherited copy is stale now: the rows are sent
+    sent.clear()
+    assert p.batch_sums(w, ds.test_x, ds.test_y, 64) == batch_sums(tr.layout, w, ds.test_x, ds.test_y, 64)
+    assert sent == ["data", "data", "evaluate", "evaluate"]
+    later = make_toy(n_test=100, seed=3)  # declared after the fork: the workers do not have it
+    share_with_workers(later.test_x, later.test_y)
+    sent.clear()
+    assert p.batch_sums(w, later.test_x, later.test_y, 64) == batch_sums(tr.layout, w, later.test_x, later.test_y, 64)
+    assert sent[:2] == ["data", "data"]
+
+
+def test_a_runs_test_set_is_declared_for_the_pools_workers(toy_config):
+    ds = RunContext(load(toy_config)).dataset
+    assert fork_shared[id(ds.test_x)]() is ds.test_x and fork_shared[id(ds.test_y)]() is ds.test_y
 
 
 def test_evaluation_rows_and_channels_last_twin():
@@ -168,3 +209,32 @@ def test_a_run_on_the_pool_equals_the_loop(toy_config, algorithm):
     for a, b in zip(out["loop"][1], out["auto"][1]):
         assert a["test_accuracy"] == b["test_accuracy"]
         assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-5)
+
+
+def test_evaluation_row_work_at_one_thread_keeps_the_sums(model):
+    """The passes' losses and argmaxes run at one intra-op thread (``one_thread``): the same per-batch sums,
+    bit for bit, as computed at the process's thread count, and the thread count is restored afterwards."""
+    ds = make_toy(n_test=301)
+    layout = ParamLayout(model)
+    w = layout.flatten() + 0.05
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = batch_sums(layout, w, ds.test_x, ds.test_y, 64)
+        assert torch.get_num_threads() == 2
+        with one_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        want = []
+        with torch.inference_mode():  # each pass's row work at 2 threads, as it was computed before
+            m, cl = eval_model(layout, w)
+            for lo in range(0, 301, 64):
+                xb = ds.test_x[lo : lo + 64]
+                logits = m.eval()(to_channels_last(xb) if cl else xb)
+                yb = ds.test_y[lo : lo + 64]
+                loss = nn.functional.cross_entropy(logits, yb, reduction="sum")
+                want.append((loss.item(), int((logits.argmax(1) == yb).sum())))
+        m.train()
+    finally:
+        torch.set_num_threads(threads)
+    assert got == want

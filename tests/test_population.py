@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 import tracemalloc
 from pathlib import Path
@@ -189,3 +190,21 @@ def test_peak_memory_sees_a_transient_allocation_of_the_process_tree():
         time.sleep(0.1)
         del block
     assert mem.peak["rss"] - base >= 80 * 2**20 and mem.peak["pss"] >= mem.peak["anon"] > 0 and mem.processes >= 1
+
+
+def test_peak_memory_keeps_each_processs_own_peak():
+    """Per process, so that a regression shows where it lives: a child's transient allocation raises the child's
+    peak, not this process's."""
+    import subprocess
+    import sys
+
+    from fedweave.memory import PeakMemory
+
+    child = "import time; b = b'x' * (64 * 2**20); time.sleep(0.6)"  # 64 MB written, so resident
+    with PeakMemory(interval=0.02) as mem:
+        subprocess.run([sys.executable, "-c", child], check=True)
+    me, *others = mem.per_process
+    assert me == os.getpid() and others
+    child_peak = max(mem.per_process[p]["rss"] for p in others)
+    assert child_peak >= 60 * 2**20 and mem.per_process[me]["rss"] > 0
+    assert mem.peak["rss"] > child_peak  # the tree's sum holds both

@@ -63,13 +63,16 @@ def cpu_seconds() -> float:
 class PeakMemory:
     """The peak memory (``memory()``'s RSS, PSS, anonymous and shared-memory parts, each its own maximum) of
     the process tree under ``root`` (default: this process, with its pool workers or Ray processes), sampled
-    every ``interval`` seconds by a daemon thread between ``start()`` and ``stop()`` (or a ``with`` block)."""
+    every ``interval`` seconds by a daemon thread between ``start()`` and ``stop()`` (or a ``with`` block).
+    ``per_process`` holds each process's own peaks, so that a regression shows where it lives (the driver or
+    a worker)."""
 
     def __init__(self, root: int | None = None, interval: float = 0.1) -> None:
         import threading
 
         self.root, self.interval = root or os.getpid(), interval
         self.peak = {"rss": 0, "pss": 0, "anon": 0, "shmem": 0}
+        self.per_process: dict[int, dict[str, int]] = {}  # pid -> its own peaks (the root first)
         self.processes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -83,7 +86,14 @@ class PeakMemory:
     def sample(self) -> None:
         """Take one sample now."""
         pids = process_tree(self.root)
-        for k, v in memory(pids).items():
+        total = dict.fromkeys(self.peak, 0)
+        for pid in pids:
+            one = memory([pid])
+            mine = self.per_process.setdefault(pid, dict.fromkeys(self.peak, 0))
+            for k, v in one.items():
+                total[k] += v
+                mine[k] = max(mine[k], v)
+        for k, v in total.items():
             self.peak[k] = max(self.peak[k], v)
         self.processes = max(self.processes, len(pids))
 

@@ -27,6 +27,7 @@ from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
 from fedweave.data.partition import Partition
 from fedweave.execution import LocalTrainer, batch_statistics, choose_backend
+from fedweave.execution.evaluate import share_with_workers
 from fedweave.execution.local import LocalRule
 from fedweave.execution.placement import Placement, resolve_placement
 from fedweave.faults import Faults
@@ -192,7 +193,9 @@ class RunContext:
     @cached_property
     def dataset(self) -> Dataset:
         """The dataset in host memory (the placement moves what computes), in the run's precision."""
-        return self._checked(self._in_precision(self._on_host(self._loaded)))
+        ds = self._checked(self._in_precision(self._on_host(self._loaded)))
+        share_with_workers(ds.test_x, ds.test_y)  # a pool's workers evaluate on their forked copy: no copies
+        return ds
 
     @staticmethod
     def _on_host(ds: Dataset) -> Dataset:

@@ -29,8 +29,10 @@ import torch
 
 from fedweave.execution.batched import layer_spec
 from fedweave.execution.params import ParamLayout
+from fedweave.execution.placement import take_rows
 
 GATHER = 64  # batches gathered from the training set in one indexing operation
+_threshold_backward = torch.ops.aten.threshold_backward.default  # the overload itself: no resolution per call
 
 
 class FusedSGD:
@@ -85,45 +87,53 @@ class FusedSGD:
                 if bb is not None:
                     bb.zero_()
         dev = self.device
-        # per step: sum_b <log softmax(z_b), onehot(y_b)>
-        dots = torch.empty(len(batches), dtype=self.dtype, device=dev)
-        sizes = torch.tensor([len(b) for b in batches], dtype=dots.dtype, device=dev)
+        # per step: sum_b <log softmax(z_b), onehot(y_b)>, a 0-d tensor each, stacked at the end
+        dots: list[torch.Tensor] = []
+        sizes = torch.tensor([len(b) for b in batches], dtype=self.dtype, device=dev)
         eye = torch.eye(self.classes, dtype=self.dtype, device=dev)
         for lo in range(0, len(batches), GATHER):
             chunk = batches[lo : lo + GATHER]
             idx = torch.cat(list(chunk))
             counts = [len(b) for b in chunk]
             xs = gather(x, idx).reshape(len(idx), -1).split(counts)
-            targets = eye[gather(y, idx)].split(counts)
+            targets = take_rows(eye, gather(y, idx)).split(counts)
             for t, (xb, target) in enumerate(zip(xs, targets), start=lo):
-                self.step(xb, target, lrs[t], dots[t])
-        return -(dots / sizes).sum().to(wide)
+                self.step(xb, target, lrs[t], dots)
+        return -(torch.stack(dots) / sizes).sum().to(wide)
 
-    def step(self, x: torch.Tensor, target: torch.Tensor, lr: float, dot: torch.Tensor) -> None:
-        """One SGD step on rows ``x`` (n, in) with one-hot targets (n, C); writes the summed target
-        log-probabilities into the 0-d ``dot``."""
+    def step(self, x: torch.Tensor, target: torch.Tensor, lr: float, dots: list[torch.Tensor]) -> None:
+        """One SGD step on rows ``x`` (n, in) with one-hot targets (n, C); appends the summed target
+        log-probabilities (0-d) to ``dots``. Written for few operations a step: on 10-row batches each
+        operation's dispatch costs about as much as its arithmetic (docs/performance.md)."""
         layers = self.layers
         acts = [x]  # h_0 .. h_{L-1}
         for _, Wt, b in layers[:-1]:
-            h = x.mm(Wt) if b is None else torch.addmm(b, x, Wt)
-            x = h.relu_()
+            x = (x.mm(Wt) if b is None else torch.addmm(b, x, Wt)).relu_()
             acts.append(x)
         _, Wt, b = layers[-1]
         z = x.mm(Wt) if b is None else torch.addmm(b, x, Wt)
         logp = torch.log_softmax(z, 1)
-        torch.dot(logp.view(-1), target.view(-1), out=dot)
+        dots.append(torch.dot(logp.view(-1), target.view(-1)))
         dz = logp.exp_().sub_(target)  # n * dloss/dz
         n = x.shape[0]
         ones = self.ones(n)
+        plain = not self.momentum and not self.weight_decay
+        alpha = -lr / n
         for layer in range(len(layers) - 1, -1, -1):
             W, _, b = layers[layer]
             h = acts[layer]
+            dzt = dz.t()
             if layer:  # the next layer down's gradient, at the weights before this step
-                dh = torch.ops.aten.threshold_backward(dz.mm(W), h, 0)
-            bw, bb = self.bufs[layer] if self.momentum else (None, None)
-            self._sgd(W, bw, dz.t(), h, lr)  # g_W = (1/n) dz^T h
-            if b is not None:
-                self._sgd(b, bb, dz.t(), ones, lr)  # g_b = (1/n) dz^T 1
+                dh = _threshold_backward(dz.mm(W), h, 0)
+            if plain:  # W -= lr g_W with g_W = (1/n) dz^T h; b -= lr g_b with g_b = (1/n) dz^T 1
+                W.addmm_(dzt, h, alpha=alpha)
+                if b is not None:
+                    b.addmv_(dzt, ones, alpha=alpha)
+            else:
+                bw, bb = self.bufs[layer] if self.momentum else (None, None)
+                self._sgd(W, bw, dzt, h, lr)
+                if b is not None:
+                    self._sgd(b, bb, dzt, ones, lr)
             if layer:
                 dz = dh
 

@@ -70,6 +70,17 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def take_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``t[idx]`` for an integer index tensor of any shape: the same rows, copied by ``index_select``, which on
+    a CPU copies whole rows where advanced indexing computes an offset per element (a step's 10 MNIST rows:
+    12 vs 44 us; the 50 jobs' rows of a vmap step: 265 vs 392 us; docs/performance.md). Boolean
+    masks take ordinary indexing. The indices are sample positions, never negative (``index_select`` rejects
+    a negative one)."""
+    if idx.dtype == torch.bool:
+        return t[idx]
+    return t.index_select(0, idx.reshape(-1)).view(idx.shape + t.shape[1:])
+
+
 @dataclass(eq=False)
 class Placement:
     """The run's device, storage dtype and autocast dtype, and where its data and state live."""
@@ -157,10 +168,10 @@ class Placement:
         """Rows ``idx`` of a placed tensor, on the device: gathered there when ``t`` lives there, else
         gathered in host memory and copied without blocking."""
         if self.on_cpu:
-            return t[idx]
+            return take_rows(t, idx)
         if t.device == self.device:
-            return t[idx.to(self.device, non_blocking=True)]
-        rows = t[idx.cpu()]
+            return take_rows(t, idx.to(self.device, non_blocking=True))
+        rows = take_rows(t, idx.cpu())
         return (
             rows.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else rows.to(self.device)
         )

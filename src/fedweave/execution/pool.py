@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from fedweave.execution.evaluate import batch_sums, evaluators
+from fedweave.execution.evaluate import batch_sums, evaluators, fork_shared
 from fedweave.execution.job import LocalCall, LocalResult, backend
 from fedweave.execution.local import LocalTrainer
 from fedweave.execution.params import ParamLayout
@@ -84,6 +84,13 @@ def _serve(conn: Any, tr: LocalTrainer, driver_ends: list | None = None) -> None
                     cache.pop(next(iter(cache)))
                 cache[token] = (x, y)
                 out = None
+            elif op == "view":  # rows of an evaluation set inherited from the fork: views, no copy
+                token, ids, (lo, hi) = args
+                x, y = (fork_shared[i]()[lo:hi] for i in ids)
+                while len(cache) >= _CACHE_KEEP:
+                    cache.pop(next(iter(cache)))
+                cache[token] = (x, y)
+                out = None
             elif op == "evaluate":
                 token, w, batch_size = args
                 w = torch.from_numpy(w)
@@ -125,6 +132,8 @@ class WorkerPool:
             there.close()
             self.conns.append(here)
             self.procs.append(p)
+        # the declared evaluation sets as the workers inherited them (execution.evaluate.share_with_workers)
+        self.inherited = {i: (r, t._version) for i, r in list(fork_shared.items()) if (t := r()) is not None}
         self.sent: list[tuple] = []  # evaluation sets already sent (weak references, versions, token, bounds)
         self.tokens = 0
         self._finalizer = weakref.finalize(self, _close, self.conns, self.procs)
@@ -168,6 +177,11 @@ class WorkerPool:
         return LocalResult(cat(params), cat(nsteps), cat(loss))
 
     # ---- evaluation ------------------------------------------------------------------------------
+    def forked(self, t: torch.Tensor) -> bool:
+        """Whether the workers inherited ``t`` from the fork as it is now (declared shared, unmodified since)."""
+        hit = self.inherited.get(id(t))
+        return hit is not None and hit[0]() is t and t._version == hit[1]
+
     def batch_sums(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> list:
         """Per-batch (loss sum, correct) of ``w`` on ``(x, y)``, the batches split over the workers."""
         have = None
@@ -183,8 +197,10 @@ class WorkerPool:
             bounds = [(min(a * batch_size, len(y)), min(b * batch_size, len(y))) for a, b in zip(edges, edges[1:])]
             self.tokens += 1
             token = self.tokens
-            calls = [(i, "data", (token, x[lo:hi].clone(), y[lo:hi].clone())) for i, (lo, hi) in enumerate(bounds)]
-            # (sent once per evaluation set, so torch's slower pickling of tensors does not matter here)
+            if self.forked(x) and self.forked(y):  # the workers hold them from the fork: no copy
+                calls = [(i, "view", (token, (id(x), id(y)), b)) for i, b in enumerate(bounds)]
+            else:  # sent once per evaluation set, so torch's slower pickling of tensors does not matter here
+                calls = [(i, "data", (token, x[lo:hi].clone(), y[lo:hi].clone())) for i, (lo, hi) in enumerate(bounds)]
             self.request([c for c in calls if bounds[c[0]][1] > bounds[c[0]][0]])
             self.sent = self.sent[-(_CACHE_KEEP - 1) :]  # the workers keep the last _CACHE_KEEP sets too
             self.sent.append((weakref.ref(x), weakref.ref(y), x._version, y._version, batch_size, token, bounds))
