@@ -721,7 +721,7 @@ def sections(folder: Path) -> dict[str, str]:
     return out
 
 
-REAL = {"adult": "Adult (a9a)", "mushroom": "Mushroom", "breast_cancer": "breast cancer (10 × 5 users)"}
+REAL_NAMES = {"adult": "Adult (a9a)", "mushroom": "Mushroom", "breast_cancer": "breast cancer (10 × 5 users)"}
 
 
 def real_sections(aggs: list[dict]) -> tuple[str, str]:
@@ -729,7 +729,7 @@ def real_sections(aggs: list[dict]) -> tuple[str, str]:
     rho = 0 and its best rho (iterations / uploads to 1e-8; fewest uploads) with the reduction of uploads; and
     the best rho with the rhos of the grid that did not reach 1e-8 (the final gap they stopped at)."""
     body, rho_body = [], []
-    for problem, name in REAL.items():
+    for problem, name in REAL_NAMES.items():
         rows = [a for a in aggs if a["problem"] == problem]
         done = [a for a in rows if a.get(DEEP)]
         gt = min((a for a in done if a["method"].startswith("GT-SAGA")), key=lambda a: a[DEEP])
