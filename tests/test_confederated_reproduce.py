@@ -48,3 +48,33 @@ def test_configs_validate(path):
     cls = ALGORITHMS.get(cfg.algorithm.name)
     build_dataclass(cls.Hparams, cfg.algorithm.options, "algorithm")
     assert cls.family == "confederated"
+
+
+def test_the_x_star_block_names_a_converged_run_whose_accuracy_is_not_x_stars():
+    from fedweave.reproduce.cfl_saga import x_star_section
+
+    raw = [
+        {"problem": p, "method": "CFL-SAGA rho=0", "test_accuracy_x_star": 0.9, "test_accuracy": 0.9, "iters_1e-08": 9}
+        for p in ("adult", "mushroom", "breast_cancer")
+    ]
+    assert "Every run that reached 1e-8 has the same test accuracy as x" in x_star_section(raw)
+    raw.append(
+        {
+            "problem": "adult",
+            "method": "GT-SAGA SR=0.45",
+            "test_accuracy_x_star": 0.9,
+            "test_accuracy": 0.8,
+            "iters_1e-08": 9,
+        }
+    )
+    raw.append(
+        {
+            "problem": "mushroom",
+            "method": "GT-SAGA SR=0.05",
+            "test_accuracy_x_star": 0.9,
+            "test_accuracy": 0.7,
+            "iters_1e-08": None,
+        }
+    )
+    block = x_star_section(raw)
+    assert "adult GT-SAGA SR=0.45 (0.8000)" in block and "mushroom" not in block.split("x\\*:")[-1]
