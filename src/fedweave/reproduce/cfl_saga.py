@@ -725,11 +725,36 @@ def sections(folder: Path) -> dict[str, str]:
     out["synthetic"] = synthetic_section(read_csv(folder / "summary.csv"))
     out["alpha"] = alpha_section(read_csv(folder / "summary.csv"))
     out["real"], out["real-rho"] = real_sections(read_csv(folder / "summary.csv"))
+    out["runtime"] = runtime_section(read_csv(folder / "paper" / "summary.csv"))
     out["x-star"] = x_star_section(json.loads((folder / "paper" / "raw.json").read_text(encoding="utf-8")))
     return out
 
 
 REAL_NAMES = {"adult": "Adult (a9a)", "mushroom": "Mushroom", "breast_cancer": "breast cancer (10 × 5 users)"}
+
+
+RUNTIME_ROWS = {  # the page's runtime table: label -> the methods (synthetic, random graph) whose median it shows
+    "CFL-SAGA (all 400 users compute a SAGA step; median over its ρ)": "CFL-SAGA rho=",
+    "GT-SAGA at SR 0.05": "GT-SAGA SR=0.05",
+    "GT-SAGA at SR 0.45": "GT-SAGA SR=0.45",
+    "GT-SVRG (T = 100)": "GT-SVRG SR=0.15 T=100",
+    "GT-SARAH (T = 100)": "GT-SARAH SR=0.15 T=100",
+    "CFL-ADMM (reconstructed)": "CFL-ADMM (reconstructed) SR=0.3",
+}
+
+
+def runtime_section(paper: list[dict]) -> str:
+    """CPU and wall seconds per 1000 iterations on the synthetic problem's random graph at the paper scale,
+    from the runs' own per-iteration times (``summary.csv``: medians over the seeds)."""
+
+    def secs(prefix: str, col: str) -> str:
+        at = [a for a in paper if (a["problem"], a["topology"]) == ("synthetic", "random")]
+        return f"{statistics.median(a[col] for a in at if a['method'].startswith(prefix)):.2f} s"
+
+    rows = [
+        [label, secs(m, "ms_per_iteration_cpu"), secs(m, "ms_per_iteration_wall")] for label, m in RUNTIME_ROWS.items()
+    ]
+    return markdown_table(["method", "CPU time for 1000 iterations", "wall time"], rows)
 
 
 X_STAR_NAMES = {"adult": "Adult (16,281 test rows)", "mushroom": "Mushroom", "breast_cancer": "breast cancer"}
