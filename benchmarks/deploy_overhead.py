@@ -32,8 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,11 +40,12 @@ import threading
 import time
 from pathlib import Path
 
-from fedweave.memory import process_tree
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ``benchmarks`` importable when run as a script
+from benchmarks.federation import Federation as LocalFederation  # noqa: E402
+from fedweave.memory import process_tree  # noqa: E402
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 IDLE = 10.0  # seconds of an idle federation whose CPU is measured before the run (the looks for work)
-BIN = Path(sys.executable).parent
 CLIENTS = 3
 
 
@@ -67,57 +66,40 @@ def config(rounds: int, model: str) -> dict:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Federation:
-    """A SuperLink and SuperNodes on loopback, each a process group whose output lines are time-stamped."""
+class Federation(LocalFederation):
+    """The federation of benchmarks/federation.py, each process's output lines time-stamped as they arrive."""
 
     def __init__(self, root: Path, isolation: str) -> None:
-        self.root, self.isolation, self.procs, self.names, self.lines = root, isolation, [], [], []
+        super().__init__(root, task_poll=0.1)
+        self.isolation = isolation
+        self.names: list[str] = []  # of ``procs``, in order
+        self.lines: list[tuple[float, str, str]] = []
         self.lock = threading.Lock()
-        self.port = free_port()
-        home = root / "flwr-home"
-        home.mkdir()
-        (home / "config.toml").write_text(
-            f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
-        )
-        self.env = {**os.environ, "FLWR_HOME": str(home), "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-        # Flower's executors (the SuperLink's, which starts the ServerApp; the nodes' under subprocess isolation)
-        # look for tasks every 1 s by default: a documented setting
-        self.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = "0.1"
 
-    def start(self, name: str, *args: str) -> None:
-        p = subprocess.Popen([str(BIN / args[0]), *args[1:]], env=self.env, cwd=self.root, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        self.procs.append(p)
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        """``popen`` with each output line kept in ``lines`` with its arrival time and ``name``."""
+        p = self.popen(args, subprocess.PIPE)
         self.names.append(name)
         threading.Thread(target=self._read, args=(name, p), daemon=True).start()
+        return p
 
     def _read(self, name: str, p: subprocess.Popen) -> None:
         for raw in p.stdout:
             with self.lock:
                 self.lines.append((time.time(), name, raw.decode(errors="replace").rstrip()))
 
+    def logs(self) -> str:
+        """The last 100 time-stamped lines (the processes write no log files here)."""
+        with self.lock:
+            return "\n".join(f"{t:.3f} {n}: {line}" for t, n, line in self.lines[-100:])
+
     def up(self) -> None:
-        self.start("superlink", "flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--database", str(self.root / "state.db"), "--disable-runtime-dependency-installation")  # fmt: skip
-        deadline = time.monotonic() + 120
-        while socket.socket().connect_ex(("127.0.0.1", self.port)) != 0:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the SuperLink did not listen on port {self.port}")
-            time.sleep(0.2)
+        """The SuperLink, then a node per client (``node-<client>``: ``breakdown`` and ``cpu`` read the names)."""
+        self.superlink()
+        self.wait_listening(timeout=120)
         for client in range(CLIENTS):
-            port = str(free_port())
-            self.start(f"node-{client}", "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-                       "--port", port, "--node-config", f"partition-id={client} state-dir='{self.root / str(client)}'",
-                       "--isolation", self.isolation)  # fmt: skip
-            if self.isolation == "process":
-                self.start(f"executor-{client}", "fedweave", "flower-executor", "--insecure",
-                           "--runtime-api-address", f"127.0.0.1:{port}")  # fmt: skip
+            node_config = f"partition-id={client} state-dir='{self.root / str(client)}'"
+            self.start_node(client, node_config, self.isolation, name="node")
 
     def cpu(self) -> dict[str, float]:
         """CPU seconds (user + system, with finished children) so far of each kind of process tree: the
@@ -132,22 +114,6 @@ class Federation:
                     continue
                 out[name.split("-")[0]] += sum(int(v) for v in f[11:15]) / tick
         return out
-
-    def run(self, app: Path, timeout: float) -> str:
-        cmd = [str(BIN / "flwr"), "run", str(app), "local", "--stream"]
-        done = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout)
-        return done.stdout + done.stderr
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
 
 
 def per_round(rows: list[dict]) -> list[float]:
@@ -261,7 +227,8 @@ def main() -> None:
         idle0 = fed.cpu()
         time.sleep(IDLE)
         idle1 = fed.cpu()
-        output = fed.run(root / "app", timeout=120 + 120 * args.rounds)
+        done = fed.flwr_run(root / "app", timeout=120 + 120 * args.rounds)
+        output = done.stdout + done.stderr
         total = time.time() - t0
         busy = fed.cpu()
     finally:

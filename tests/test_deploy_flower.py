@@ -21,9 +21,7 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,22 +30,17 @@ import pytest
 
 pytest.importorskip("flwr")
 
+from benchmarks.federation import BIN  # noqa: E402
+from benchmarks.federation import Federation as LocalFederation  # noqa: E402
 from fedweave.callbacks import Callback  # noqa: E402
 from fedweave.config import load  # noqa: E402
 from fedweave.deploy.node_data import export_clients  # noqa: E402
 from fedweave.deploy.project import write_app  # noqa: E402
 from fedweave.runner import run  # noqa: E402
 
-BIN = Path(sys.executable).parent
 CLIENTS = 3
 DATA_NODE = 2  # its node holds the client's samples in a file (node data) instead of deriving its partition
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config(
@@ -68,43 +61,13 @@ def config(
     }
 
 
-class Federation:
-    """A SuperLink and SuperNodes as process groups; ``stop`` kills every one of them."""
+class Federation(LocalFederation):
+    """The module's federation (benchmarks/federation.py), its nodes by client, so that a test can kill one."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self.procs = root, []
+        super().__init__(root, task_poll=0.2)
         self.nodes: dict[int, subprocess.Popen] = {}
         self.executors: dict[int, subprocess.Popen] = {}
-        self.port = free_port()
-        # the SuperLink and SuperNodes start Flower's other executables (flower-superexec, ...) from PATH
-        path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
-        self.env = {**os.environ, "FLWR_HOME": str(root / "flwr-home"), "PATH": path}
-        self.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = "0.2"  # Flower's executors look for tasks every 1 s
-        home = root / "flwr-home"
-        home.mkdir()
-        (home / "config.toml").write_text(
-            f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
-        )
-
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        with open(self.root / f"{name}.log", "ab") as log:  # the child keeps its own copy of the descriptor
-            p = subprocess.Popen([str(BIN / args[0]), *args[1:]], env=self.env, cwd=self.root, stdout=log,
-                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        self.procs.append(p)
-        return p
-
-    def superlink(self) -> None:
-        self.start("superlink", "flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--database", str(self.root / "state.db"), "--disable-runtime-dependency-installation")  # fmt: skip
-
-    def wait_listening(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.2)
-        raise TimeoutError(f"the SuperLink did not listen on port {self.port}:\n{self.logs()}")
 
     def supernode(
         self, client: int, state_dir: Path | None = None, isolation: str = "process", data: str = "data"
@@ -116,16 +79,9 @@ class Federation:
         node_config = f"partition-id={client} state-dir='{state_dir}'"
         if client == DATA_NODE:
             node_config += f" data='{self.root / data / f'client-{client}.npz'}'"
-        port = str(free_port())
-        self.nodes[client] = self.start(
-            f"supernode-{client}", "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-            "--port", port, "--node-config", node_config, "--isolation", isolation,
-        )  # fmt: skip
-        if isolation == "process":
-            self.executors[client] = self.start(
-                f"executor-{client}", "fedweave", "flower-executor", "--insecure", "--runtime-api-address",
-                f"127.0.0.1:{port}",
-            )  # fmt: skip
+        self.nodes[client], executor = self.start_node(client, node_config, isolation)
+        if executor is not None:
+            self.executors[client] = executor
         return self.nodes[client]
 
     def kill(self, client: int) -> None:
@@ -135,12 +91,6 @@ class Federation:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
 
-    def flwr_run(self, app: Path, *, wait: bool = True, timeout: float = 300):
-        cmd = [str(BIN / "flwr"), "run", str(app), "local", "--stream"]
-        if wait:
-            return subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout)
-        return subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
     def run_status(self, output: str) -> tuple[str, str]:
         """``flwr list``'s status and status details of the run that ``flwr run``'s ``output`` started."""
         (run_id,) = re.findall(r"Successfully started run (\d+)", output)
@@ -148,20 +98,6 @@ class Federation:
         done = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=60, check=True)
         (run,) = json.loads(done.stdout)["runs"]
         return run["status"], run["status-details"]
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in self.root.glob("*.log"))
 
 
 @pytest.fixture(scope="module")
