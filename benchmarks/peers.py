@@ -124,6 +124,20 @@ def partition_digest(parts) -> str:
     return h.hexdigest()[:16]
 
 
+def peer_timings(marks: dict[str, list], launched: float, ctx) -> dict:
+    """A peer's run from the marks its callbacks left: start-up, CPU per round, train and eval seconds per
+    round (round start -> train end -> round end), the accuracies and the partition's digest."""
+    starts, ends, trains = marks["round_start"], marks["round_end"], marks["train_end"]
+    return {
+        "startup": starts[0] - launched,
+        "cpu": [b - a for a, b in zip(marks["cpu"], marks["cpu"][1:])],
+        "train": [t - s for s, t in zip(starts, trains)],
+        "eval": [e - t for t, e in zip(trains, ends)],
+        "accuracy": marks["accuracy"],
+        "partition": partition_digest(ctx.partition),
+    }
+
+
 # ---- fedweave ----------------------------------------------------------------------------------------
 def run_fedweave(workload: str, rounds: int, spec: dict, launched: float) -> dict:
     import torch
@@ -319,15 +333,7 @@ def run_flower(workload: str, rounds: int, spec: dict, launched: float) -> dict:
         "init_args": {"num_cpus": spec["actors"] * spec["actor_cpus"]},
     }
     run_simulation(server_app=server, client_app=client, num_supernodes=n, backend_config=backend)
-    starts, ends, trains = marks["round_start"], marks["round_end"], marks["train_end"]
-    return {
-        "startup": starts[0] - launched,
-        "cpu": [b - a for a, b in zip(marks["cpu"], marks["cpu"][1:])],
-        "train": [t - s for s, t in zip(starts, trains)],
-        "eval": [e - t for t, e in zip(trains, ends)],
-        "accuracy": marks["accuracy"],
-        "partition": partition_digest(ctx.partition),
-    }
+    return peer_timings(marks, launched, ctx)
 
 
 # ---- pfl-research --------------------------------------------------------------------------------
@@ -424,16 +430,7 @@ def run_pfl(workload: str, rounds: int, spec: dict, launched: float) -> dict:
         callbacks=[Marks()],
         send_metrics_to_platform=False,  # no metrics table printed each round
     )
-    starts, ends, trains = marks["round_start"], marks["round_end"], marks["train_end"]
-    return {
-        "startup": starts[0] - launched,
-        "cpu": [b - a for a, b in zip(marks["cpu"], marks["cpu"][1:])],
-        "train": [t - s for s, t in zip(starts, trains)],
-        "eval": [e - t for t, e in zip(trains, ends)],
-        "accuracy": marks["accuracy"],
-        "threads": torch.get_num_threads(),
-        "partition": partition_digest(ctx.partition),
-    }
+    return {**peer_timings(marks, launched, ctx), "threads": torch.get_num_threads()}
 
 
 # ---- measurement (process-tree memory comes from fedweave.memory) ------------------------------
