@@ -8,7 +8,8 @@ Workloads (issue 14; FedAvg, 1 local epoch, lr 0.05; targets on one H100 in brac
            timing only, its accuracy means nothing), 100 clients, 10 per round, batch 50   [>= 1.5x hand-written]
   mlp:     the cross-device MLP (784-64-10) on MNIST, 1000 clients, 50 per round, batch 10
            [>= 3x hand-written, >= 10x Flower]
-For each: seconds per round (median of rounds 2..R: local training and aggregation, the device synchronised
+fedweave runs each at float32 and bf16-mixed (``--precision both``, the default); the hand-written loop and Flower
+at float32. For each: seconds per round (median of rounds 2..R: local training and aggregation, the device synchronised
 before and after), the ratios, GPU utilisation while training (torch.cuda.utilization or nvidia-smi), peak GPU
 memory, and max_memory_allocated after round 10 against round R (flat: within 5%). Then a projection of
 FedMIM on CIFAR-10 at the paper's scale (100 clients, 10 per round, E = 5, B = 50, crop + flip, 1000 rounds,
@@ -19,7 +20,7 @@ the data on the GPU, the same sampled clients, batch indices and start weights a
 is compared with fedweave's (relative difference of the new global model) before anything is timed.
 
 Usage:
-  python benchmarks/gpu.py                        # all three workloads on cuda (100 rounds; resnet 20)
+  python benchmarks/gpu.py                        # all three workloads on cuda (50 rounds; resnet 20)
   python benchmarks/gpu.py --quick                # a few rounds of small versions
   python benchmarks/gpu.py --device cpu --quick   # the same code end to end on a CPU (tiny sizes)
   python benchmarks/gpu.py --workload cnn --precision bf16-mixed
@@ -150,12 +151,20 @@ def median_round(times: list[float]) -> float:
     return statistics.median(times[1:] or times)  # round 1 pays the warm-up
 
 
-def run_fedweave(workload: str, args, backend: str, algorithm: dict | None = None, local: dict | None = None) -> dict:
-    """R rounds of fedweave (``backend``); per-round times, utilisation, memory after round 10 and R."""
+def run_fedweave(
+    workload: str,
+    args,
+    backend: str,
+    precision: str = "float32",
+    algorithm: dict | None = None,
+    local: dict | None = None,
+) -> dict:
+    """R rounds of fedweave (``backend``, ``precision``); per-round times, utilisation, memory after round 10
+    and R."""
     from fedweave.algorithms.base import RunContext, build_algorithm
     from fedweave.config import load
 
-    cfg, objects = config(workload, args.quick, args.device, backend, args.precision, args.rounds_of[workload])
+    cfg, objects = config(workload, args.quick, args.device, backend, precision, args.rounds_of[workload])
     if algorithm:
         cfg["algorithm"] = {**cfg["algorithm"], **algorithm}
     if local:
@@ -179,7 +188,7 @@ def run_fedweave(workload: str, args, backend: str, algorithm: dict | None = Non
     ev = algo.evaluate(cfg["rounds"] - 1)
     pl.synchronize()
     return {
-        "label": f"fedweave {algo.trainer.backend}",
+        "label": f"fedweave {algo.trainer.backend}" + ("" if precision == "float32" else f" {precision}"),
         "times": times,
         "eval": time.perf_counter() - t0,
         "accuracy": ev.get("test_accuracy"),
@@ -232,7 +241,7 @@ def first_round_difference(workload: str, args, hand_first: torch.Tensor) -> flo
     from fedweave.algorithms.base import RunContext, build_algorithm
     from fedweave.config import load
 
-    cfg, objects = config(workload, args.quick, args.device, "loop", args.precision, 1)
+    cfg, objects = config(workload, args.quick, args.device, "loop", "float32", 1)
     algo = build_algorithm(RunContext(load(cfg), objects))
     algo.run_round(0)
     return float((algo.x - hand_first).norm() / hand_first.norm())
@@ -265,7 +274,7 @@ def fedmim_projection(args) -> str:
         saved = args.rounds_of["resnet"]
         args.rounds_of["resnet"] = args.fedmim_rounds
         try:
-            res = run_fedweave("resnet", args, backend, algorithm=algo_opts, local=paper_local)
+            res = run_fedweave("resnet", args, backend, args.projection_precision, algo_opts, paper_local)
         finally:
             args.rounds_of["resnet"] = saved
         per = median_round(res["times"])
@@ -331,8 +340,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--device", default=None, help="cuda (default), cuda:N, mps or cpu")
-    ap.add_argument("--precision", default="float32", choices=["float32", "bf16-mixed"])
-    ap.add_argument("--rounds", type=int, default=None, help="rounds per variant (default 100; resnet 20; quick 3)")
+    ap.add_argument(
+        "--precision",
+        default="both",
+        choices=["both", "float32", "bf16-mixed"],
+        help="fedweave's precision (both: float32 and bf16-mixed rows side by side; the hand-written loop and "
+        "Flower run in float32)",
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=None, help="rounds per variant (default 50, quick 3; resnet 20 at most)"
+    )
     ap.add_argument("--flower-rounds", type=int, default=10)
     ap.add_argument("--fedmim-rounds", type=int, default=None, help="FedMIM rounds for the projection (default 3)")
     ap.add_argument("--no-flower", action="store_true", help="skip Flower even where it is installed")
@@ -355,19 +372,25 @@ def main() -> int:
             return 0
         args.device = "cuda"
     try:
-        pl = resolve_placement(args.device, args.precision)
+        precisions = ["float32", "bf16-mixed"] if args.precision == "both" else [args.precision]
+        pl = resolve_placement(args.device, precisions[-1])
     except ConfigError as e:
         print(f"benchmarks/gpu.py: {e}")
         return 2
-    default = 3 if args.quick else 100
-    args.rounds_of = {w: args.rounds or (min(default, 20) if w == "resnet" else default) for w in WORKLOADS}
+    default = 3 if args.quick else 50
+    rounds = args.rounds or default
+    args.rounds_of = {w: min(rounds, 20) if w == "resnet" else rounds for w in WORKLOADS}  # resnet: 20 at most
     args.fedmim_rounds = args.fedmim_rounds or (2 if args.quick else 3)
     args.backends = ["loop", "vmap"]
-    print(f"# fedweave GPU benchmark: {pl.device} ({pl.name}), precision {args.precision}, torch {torch.__version__}")
+    args.projection_precision = precisions[0]
+    print(
+        f"# fedweave GPU benchmark: {pl.device} ({pl.name}), precision {', '.join(precisions)}, "
+        f"torch {torch.__version__}"
+    )
     print("GPU numbers are measured only where this runs on a GPU; see docs/performance.md.\n")
     for workload in args.workload:
         try:
-            rows = [run_fedweave(workload, args, backend) for backend in args.backends]
+            rows = [run_fedweave(workload, args, b, p) for p in precisions for b in args.backends]
         except DataSourceError as e:
             print(f"## {workload}: skipped, its data could not be loaded: {e}\n")
             continue
