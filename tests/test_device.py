@@ -154,6 +154,17 @@ def test_same_seed_same_numbers_on_every_device(name, device, tmp_path):
                 assert b[k] == pytest.approx(v, rel=1e-3, abs=1e-4), k
 
 
+@pytest.mark.parametrize("device", [_device_param("cuda")])
+def test_float32_on_cuda_turns_tf32_off(device):
+    """cuDNN lets convolutions run in TF32 by default; precision float32 means float32 there too."""
+    torch.backends.cudnn.allow_tf32 = True
+    resolve_placement(device, "bf16-mixed")
+    assert torch.backends.cudnn.allow_tf32  # bf16-mixed leaves torch's switches alone
+    resolve_placement(device, "float32")
+    assert not torch.backends.cudnn.allow_tf32
+    assert not torch.backends.cuda.matmul.allow_tf32
+
+
 # ---- clear errors ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", ["cuda", "cuda:7", "mps"])
 def test_an_absent_device_stops_with_one_line_before_anything_is_written(device, tmp_path, capsys):

@@ -254,7 +254,17 @@ def resolve_placement(device: str, precision: str, memory: MemoryConfig | None =
     if precision == "float64" and dev.type == "mps":
         raise ConfigError("precision: float64 is not supported on device mps (MPS has no float64); use float32")
     dtype = torch.float64 if precision == "float64" else torch.float32
+    if dev.type == "cuda" and precision != "bf16-mixed":
+        full_float32_on_cuda()
     return Placement(dev, dtype, precision, device_name(dev), memory or MemoryConfig())
+
+
+def full_float32_on_cuda() -> None:
+    """``precision: float32`` on a CUDA device computes in float32. cuDNN's default runs convolutions in TF32 (a
+    10-bit mantissa): on an H100 two programs computing the same CNN round differed by 8e-4 (relative) after
+    one round, 5e-8 with TF32 off (docs/performance.md, GPUs). These are torch's process-wide switches."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def move_tensors(obj: Any, device: torch.device, _seen: dict[int, Any] | None = None) -> Any:
