@@ -439,9 +439,8 @@ def table_md(aggs: list[dict], problem: str) -> str:
         for a in sub:
             red = f"{best_g[DEEP] / a[DEEP]:.1f}x" if best_g and a.get(DEEP) else ""
             iqr = f" ({a[f'{DEEP}_iqr']})" if a.get(f"{DEEP}_iqr") else ""
-            counts = _counts(a)
-            per_it = [f"{a[PER_IT]:.1f}", f"{a[CPU]:.2f}"]
-            body.append([topo, a["method"], *counts[:-1], counts[-1] + iqr, red, *per_it])
+            *counts, deep = _counts(a)
+            body.append([topo, a["method"], *counts, deep + iqr, red, f"{a[PER_IT]:.1f}", f"{a[CPU]:.2f}"])
     return markdown_table(head, body).rstrip("\n")
 
 
@@ -485,16 +484,16 @@ def load_raw(out: Path) -> list[dict]:
     return load_records(out / "raw.json", out / "curves.npz", "_curve", "gus")
 
 
+COMMAND = "Command: `fedweave reproduce cfl-saga {}`: wall time {:.1f} min."  # summary.md's line of each command
+
+
 def summary_files(rows: list[dict], meta: dict) -> dict[str, Any]:
     """The report's files of every run in ``rows``: runs.csv, summary.csv (medians over seeds), claims.csv and
     summary.md."""
     scale, seeds, aggs = meta["scale"], meta["seeds"], aggregate(rows)
     smoke = ["", "**Smoke scale: a tiny synthetic problem for testing; these numbers mean nothing.**", ""]
     md = [f"# CFL-SAGA reproduction ({scale})", *(["\n".join(smoke)] if scale == "smoke" else []), ""]
-    for r in meta["runs"]:
-        md.append(
-            f"Command: `fedweave reproduce cfl-saga {' '.join(r['argv'])}`: wall time {r['wall_seconds'] / 60:.1f} min."
-        )
+    md += [COMMAND.format(" ".join(r["argv"]), r["wall_seconds"] / 60) for r in meta["runs"]]
     md += [
         f"Seeds {seeds} (synthetic); real data: seed {seeds[0]}.",
         "The paper gives no numeric tables, only Figs. 3-7 and statements; its claims are in the last table.",
