@@ -484,7 +484,9 @@ def load_raw(out: Path) -> list[dict]:
     return load_records(out / "raw.json", out / "curves.npz", "_curve", "gus")
 
 
-COMMAND = "Command: `fedweave reproduce cfl-saga {}`: wall time {:.1f} min."  # summary.md's line of each command
+# summary.md's line of each command, and what the page's runs block reads back from it
+COMMAND = "Command: `fedweave reproduce cfl-saga {}`: wall time {:.1f} min."
+COMMANDS = re.compile(r"^Command: `(fedweave reproduce cfl-saga .+)`: wall time ([\d.]+) min\.$", re.M)
 
 
 def summary_files(rows: list[dict], meta: dict) -> dict[str, Any]:
@@ -573,7 +575,7 @@ def runs_section(folder: Path) -> str:
     """The commands that ran a scale with their wall times (its ``summary.md``), how many runs its ``summary.csv``
     holds per part, and the range of wall-clock over CPU time per iteration of its synthetic cells."""
     text = (folder / "summary.md").read_text(encoding="utf-8")
-    commands = re.findall(r"^Command: `(.+)`: wall time ([\d.]+) min\.$", text, re.M)
+    commands = COMMANDS.findall(text)
     width, aggs = max(len(c) for c, _ in commands) + 2, read_csv(folder / "summary.csv")
     part = group(aggs, lambda a: a["problem"] if a["problem"].startswith("synthetic") else "real")
     runs = {k: sum(a["seeds"] for a in part[k]) for k in PARTS if k in part}
