@@ -677,16 +677,16 @@ def variant_claims(rows: list[dict], p: Preset) -> list[tuple[str, bool | None, 
     """The paper's readings of Table II, Table III or Fig. 2a, checked on the seed means of ``rows`` as a
     preset's files state them (each claim's ``rule``): (claim, True / False / None = untestable because a cell
     is missing, what was measured). A page judges them by their declared rules (``variant_verdicts``)."""
-    if (cells := _cells(rows, p)) is None:
-        return [("every cell of the preset ran", None, "not every cell ran (see the table)")]
-    return [(v.claim, v.held, v.measured) for c in VARIANT_CLAIMS[p.table] if (v := c.criterion(cells))]
+    return [(v.claim, v.held, v.measured) for v in variant_verdicts(rows, p)]
 
 
-def variant_verdicts(rows: list[dict], p: Preset, records: list[dict]) -> list[Verdict]:
-    """The same readings, each verdict by its declared rule on the per-seed ``records`` (a ``results.csv``),
-    what was measured from the seed means of ``rows``."""
-    if (cells := _cells(rows, p, records)) is None:
+def variant_verdicts(rows: list[dict], p: Preset, records: list[dict] | None = None) -> list[Verdict]:
+    """The same readings, each verdict by its declared rule on the per-seed ``records`` (a ``results.csv``;
+    without them, by its criterion on the means), what was measured from the seed means of ``rows``."""
+    if (cells := _cells(rows, p, records or [])) is None:
         return [Verdict("every cell of the preset ran", "not every cell ran (see the table)", None)]
+    if records is None:
+        return [v for c in VARIANT_CLAIMS[p.table] if (v := c.criterion(cells))]
     return judge(VARIANT_CLAIMS[p.table], cells)
 
 
@@ -1001,6 +1001,11 @@ def _page_per_seed(rows: list[dict]) -> str:
     )
 
 
+def _from(by: dict, value: str | Callable) -> Callable:
+    """A column's value from each row's record ``by[row]``: its ``value`` (a key of it, or a function of it)."""
+    return (lambda k: by[k][value]) if isinstance(value, str) else (lambda k: value(by[k]))
+
+
 CORE_ROWS = ["fedavg", "scaffold", "fedcm", "fedmim"]  # the rows of the page's Table I and MNIST table
 
 
@@ -1011,20 +1016,15 @@ def _core_cols(rows: list[dict], dataset: str, paper: bool) -> list[Col]:
     cols = [Col("method", LABELS.get)]
     for split, name, c10 in (("iid", "IID", "IID"), ("dir0.1", "Dir-0.1", "DIR.1")):
         by = {r["method"]: r for r in rows if (r["dataset"], r["split"]) == (dataset, split)}
-        acc = Best(f"{name}: ours" if paper else name, _of(by, _acc), key=_of(by, "final_acc_mean"))
-        cons = Col("cons.", _of(by, "consistency_last20"), "#.3g")
+        acc = Best(f"{name}: ours" if paper else name, _from(by, _acc), key=_from(by, "final_acc_mean"))
+        cons = Col("cons.", _from(by, "consistency_last20"), "#.3g")
         if not paper:
             cols += [acc, cons]
             continue
         ours, theirs = (ranks({m: by[m][k] for m in CORE_ROWS}) for k in ("final_acc_mean", "paper_cifar10"))
-        cols += [acc, Col("rank", ours.get), cons, Col(f"paper C10 {c10}", _of(by, "paper_cifar10"), ".2f")]
+        cols += [acc, Col("rank", ours.get), cons, Col(f"paper C10 {c10}", _from(by, "paper_cifar10"), ".2f")]
         cols.append(Col("paper rank", theirs.get))
     return cols
-
-
-def _of(by: dict, value: str | Callable) -> Callable:
-    """A column's value from each row's record ``by[row]``: its ``value`` (a key of it, or a function of it)."""
-    return (lambda k: by[k][value]) if isinstance(value, str) else (lambda k: value(by[k]))
 
 
 def _page_long(rows: list[dict]) -> str:
@@ -1067,7 +1067,7 @@ def _per_variant(rows: list[dict]) -> dict[str, dict[str, dict]]:
 def _page_epochs(rows: list[dict]) -> str:
     """The page's Table II (``epochs/epochs.csv``): per method, ours at each E and the paper's three numbers."""
     per = _per_variant(rows)
-    cols = [Col("method", LABELS.get), *(Col(v.replace("=", " = "), _of(by, _acc)) for v, by in per.items())]
+    cols = [Col("method", LABELS.get), *(Col(v.replace("=", " = "), _from(by, _acc)) for v, by in per.items())]
     paper = Col("paper C10 E = " + " / ".join(v.split("=")[1] for v in per), lambda m: _paper_c10(per, m))
     return layout([*cols, paper], list(dict.fromkeys(r["method"] for r in rows)))
 
@@ -1082,8 +1082,8 @@ def _page_participation(rows: list[dict]) -> str:
     (lo, a), (hi, b) = per = _per_variant(rows).items()
     cols = [Col("method", LABELS.get)]
     for v, by in per:
-        cols += [Best(v.replace("%", " %"), _of(by, _acc), key=_of(by, "final_acc_mean"))]
-        cols += [Col("mean over rounds", _of(by, "mean_acc_over_rounds"), ".2f")]
+        cols += [Best(v.replace("%", " %"), _from(by, _acc), key=_from(by, "final_acc_mean"))]
+        cols += [Col("mean over rounds", _from(by, "mean_acc_over_rounds"), ".2f")]
     change = Col(
         f"change {lo} → {hi}".replace("%", " %"), lambda m: abs(b[m]["final_acc_mean"] - a[m]["final_acc_mean"])
     )
