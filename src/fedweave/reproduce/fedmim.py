@@ -478,16 +478,27 @@ OURS = Col("ours", lambda t: _acc(t) + (f" ({t['diverged']}/{t['seeds']} diverge
 CONS = Col("cons.", "consistency_last20", ".3g")
 MEAN_ACC = Col("mean acc.", "mean_acc_over_rounds", ".2f")
 PAPER_C10 = Col("paper C10", "paper_c10", ".2f")
-TABLE_I_COLS = (OURS, Col("rank", "rank"), CONS, Col("paper C10", "paper_cifar10", ".2f", "–"))
-TABLE_I_COLS += (Col("paper rank", "paper_rank", "", "–"),)
-ABLATION_COLS = (Col("row", "variant"), Col("ours", _acc), Col("per seed", "final_acc_per_seed"), MEAN_ACC, CONS)
-ABLATION_COLS += (Col("paper", "paper_c10", ".2f"),)
+TABLE_I_COLS = (
+    OURS,
+    Col("rank", "rank"),
+    CONS,
+    Col("paper C10", "paper_cifar10", ".2f", "–"),
+    Col("paper rank", "paper_rank", "", "–"),
+)
+ABLATION_COLS = (
+    Col("row", "variant"),
+    Col("ours", _acc),
+    Col("per seed", "final_acc_per_seed"),
+    MEAN_ACC,
+    CONS,
+    Col("paper", "paper_c10", ".2f"),
+)
 
 
-def _grouped(rows: list[dict], group: str, groups: list[str], cols: tuple[Col, ...], drop_empty: bool = False) -> str:
+def _grouped(rows: list[dict], key: str, groups: list[str], cols: tuple[Col, ...], drop_empty: bool = False) -> str:
     """One row per method of ``rows`` (in ``METHODS``' order when ``drop_empty``, else in the rows' order) and,
-    per value of ``group`` in ``groups``, the declared ``cols`` of its summary row (``–`` where none ran)."""
-    by = {(r["method"], r[group]): r for r in rows}
+    per value of ``key`` in ``groups``, the declared ``cols`` of its summary row (``–`` where none ran)."""
+    by = {(r["method"], r[key]): r for r in rows}
     methods = METHODS if drop_empty else list(dict.fromkeys(r["method"] for r in rows))
 
     def cells(m: str, g: str) -> list[str] | None:
@@ -727,10 +738,15 @@ class Cells:
         return _seeded([{"method": m, "seed": k, "change": abs(b - a)} for m, k, a, b in at if b is not None])
 
 
-def _reading(text: str | Callable, reading: Callable[[Cells], tuple], records: Callable | None = None) -> Claim:
+def _reading(text: str, reading: Callable[[Cells], tuple], records: Callable | None = None) -> Claim:
     """A variant preset's claim from one function of its seed means, ``reading(cells) -> (measured, held on the
-    means, declared rule)``; the rule reads ``records(cells, _)``, by default every finished run (2 seeds or more)."""
-    return Claim(text, lambda c, _: reading(c)[:2], declared=lambda c, _: reading(c)[2], records=records or _records)
+    means, declared rule)``; the rule reads ``records(cells, _)``, by default every finished run (2 seeds or more).
+    ``text`` may name the first and the last variant, ``{lo}`` and ``{hi}``, or any, ``{labels[i]}``."""
+
+    def claim(c: Cells, _) -> str:
+        return text.format(lo=c.labels[0], hi=c.labels[-1], labels=c.labels)
+
+    return Claim(claim, lambda c, _: reading(c)[:2], declared=lambda c, _: reading(c)[2], records=records or _records)
 
 
 def _records(c: Cells, _) -> list[dict]:
@@ -849,7 +865,7 @@ VARIANT_CLAIMS = {
     "ablation": [
         _reading("every inertial row (J >= 1) beats J = 0 (FedAvg)", _a_inertial),
         _reading("J = 2 is best: the best J = 2 row beats the best J = 1 row (rows chosen by their seed means)", _a_j2),
-        _reading(lambda c, _: f"the paper's best row ({c.labels[6]}) is the best row", _a_top),
+        _reading("the paper's best row ({labels[6]}) is the best row", _a_top),
         _reading("beta weighted to the adjacent step is best: beta (0.9, 0.1) > (0.5, 0.5) > (0.1, 0.9)", _a_beta),
         _reading("a large alpha and a proper beta: adding beta (0.9, 0.1) to alpha (0.6, 0.3) helps", _a_alpha_beta),
     ],
@@ -859,24 +875,16 @@ VARIANT_CLAIMS = {
             _p_fedavg_slowest,
         ),
         _reading(
-            lambda c, _: (
-                "FedAdam, FedCM and FedDyn are highly sensitive to the participation ratio: each "
-                f"changes more between {c.labels[0]} and {c.labels[-1]} than FedMIM"
-            ),
+            "FedAdam, FedCM and FedDyn are highly sensitive to the participation ratio: each changes more between "
+            "{lo} and {hi} than FedMIM",
             _p_sensitive,
             Cells.changes,
         ),
         _reading(
-            lambda c, _: (
-                f"SCAFFOLD performs well at the higher participation: among the two most accurate at {c.labels[-1]}"
-            ),
-            _p_scaffold,
+            "SCAFFOLD performs well at the higher participation: among the two most accurate at {hi}", _p_scaffold
         ),
         _reading(
-            lambda c, _: (
-                f"FedMIM is very stable: the smallest change between {c.labels[0]} and {c.labels[-1]} "
-                "of the methods run"
-            ),
+            "FedMIM is very stable: the smallest change between {lo} and {hi} of the methods run",
             _p_stable,
             Cells.changes,
         ),
