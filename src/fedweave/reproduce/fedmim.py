@@ -734,8 +734,8 @@ class Cells:
         """Per method and seed, how much its final accuracy changes between the first and the last variant."""
         by = {(r["variant"], r["method"], r["seed"]): r["final_acc"] for r in self.records}
         lo, hi = self.labels[0], self.labels[-1]
-        at = [(m, k, a, by.get((hi, m, k))) for (v, m, k), a in by.items() if v == lo]
-        return _seeded([{"method": m, "seed": k, "change": abs(b - a)} for m, k, a, b in at if b is not None])
+        pairs = [(m, k, a, by[(hi, m, k)]) for (v, m, k), a in by.items() if v == lo and (hi, m, k) in by]
+        return _seeded([{"method": m, "seed": k, "change": abs(b - a)} for m, k, a, b in pairs])
 
 
 def _reading(text: str, reading: Callable[[Cells], tuple], records: Callable | None = None) -> Claim:
