@@ -204,3 +204,26 @@ class Grid:
             if k in ran
         ]
         return markdown_table([self.first, *map(self.head, cols)], body)
+
+
+@dataclass(frozen=True)
+class Best(Col):
+    """A ``Col`` whose best cell is in bold (``bold_layout``): the row of the largest ``key`` (a key of the row
+    or a function of it; by default the column's own value), or of the smallest with ``best=min``; the first
+    of equal ones (``bold_best``)."""
+
+    key: str | Callable[[Any], float] | None = None
+    best: Callable = max
+
+
+def bold_layout(cols: Sequence[Col], rows: Sequence[Any]) -> str:
+    """``layout``: the markdown table of ``rows`` under the declared ``cols``, each ``Best`` column's best cell
+    in bold."""
+    columns = []
+    for c in cols:
+        cells = [c.cell(r) for r in rows]
+        if isinstance(c, Best):
+            key = c.value if c.key is None else c.key
+            cells = bold_best(cells, [r[key] if isinstance(key, str) else key(r) for r in rows], c.best)
+        columns.append(cells)
+    return markdown_table([c.header for c in cols], [list(row) for row in zip(*columns)])

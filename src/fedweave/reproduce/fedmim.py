@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,13 @@ from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Panel, plot_panels, seed_lines
 from fedweave.experiments.study import HELD, Claim, Json, Plan, Report, Rows, Study, Verdict, judge, not_run, option
 from fedweave.experiments.tables import (
-    bold_best,
+    Best,
+    Col,
+    bold_layout,
     csv_text,
     grouped_table,
     indent,
+    layout,
     markdown_table,
     pm,
     read_csv,
@@ -33,15 +37,7 @@ from fedweave.runner import Result
 
 # ---- the paper's numbers ------------------------------------------------------------------------------
 METHODS = ("fedavg", "fedadam", "scaffold", "fedcm", "feddyn", "fedsam", "fedmim")
-LABELS = {
-    "fedavg": "FedAvg",
-    "fedadam": "FedAdam",
-    "scaffold": "SCAFFOLD",
-    "fedcm": "FedCM",
-    "feddyn": "FedDyn",
-    "fedsam": "FedSAM",
-    "fedmim": "FedMIM",
-}
+LABELS = dict(zip(METHODS, ("FedAvg", "FedAdam", "SCAFFOLD", "FedCM", "FedDyn", "FedSAM", "FedMIM")))
 # Table I: test accuracy (%) after 1000 rounds; columns (dataset, split)
 TABLE_I: dict[str, dict[tuple[str, str], float]] = {
     m: dict(zip([(d, s) for d in ("cifar10", "cifar100", "tiny") for s in ("iid", "dir0.3", "dir0.1")], row))
@@ -164,15 +160,7 @@ PRESETS: dict[str, Preset] = {
         num_clients=100,
         clients_per_round=10,
         model="resnet18_gn",
-        local={
-            "epochs": 5,
-            "batch_size": 50,
-            "lr": 0.1,
-            "lr_decay": 0.998,
-            "weight_decay": 1e-3,
-            "grad_clip": 10.0,
-            "augment": ["crop", "flip"],
-        },
+        local={**SMALL_LOCAL, "epochs": 5, "batch_size": 50, "augment": ["crop", "flip"]},
         eval_every=10,
         note="paper preset: Table I settings (spec §9.4); needs the CIFAR files and a fast machine",
     ),
@@ -383,23 +371,22 @@ def _claims(records: list[dict], dataset: str) -> dict[str, Any]:
 
 
 def _gap_summary(records: list[dict], dataset: str) -> dict[str, Any]:
+    """Per split of ``dataset`` (Dir-0.1, IID), FedMIM against FedAvg paired by seed: the mean gap of the final
+    accuracies, on how many of the seeds FedMIM is ahead, and the mean ratio of the local dispersions."""
     by = {(r["split"], r["method"], r["seed"]): r for r in records if r["dataset"] == dataset}
     out: dict[str, Any] = {}
     for split in ("dir0.1", "iid"):
-        seeds = sorted(k[2] for k in by if k[0] == split and k[1] == "fedmim" and (split, "fedavg", k[2]) in by)
-        if not seeds:
-            continue
-        gaps = [by[(split, "fedmim", s)]["final_acc"] - by[(split, "fedavg", s)]["final_acc"] for s in seeds]
-        cons = [
-            by[(split, "fedmim", s)]["consistency_last20"] / by[(split, "fedavg", s)]["consistency_last20"]
-            for s in seeds
-        ]
-        out[split] = {
-            "gap_mean": sum(gaps) / len(gaps),
-            "wins": sum(g > 0 for g in gaps),
-            "seeds": len(seeds),
-            "consistency_ratio": sum(cons) / len(cons),
-        }
+        seeds = sorted(k[2] for k in by if k[:2] == (split, "fedmim") and (split, "fedavg", k[2]) in by)
+        pairs = [(by[(split, "fedmim", s)], by[(split, "fedavg", s)]) for s in seeds]
+        gaps = [a["final_acc"] - b["final_acc"] for a, b in pairs]
+        cons = [a["consistency_last20"] / b["consistency_last20"] for a, b in pairs]
+        if pairs:
+            out[split] = {
+                "gap_mean": sum(gaps) / len(gaps),
+                "wins": sum(g > 0 for g in gaps),
+                "seeds": len(gaps),
+                "consistency_ratio": sum(cons) / len(cons),
+            }
     return out
 
 
@@ -422,56 +409,51 @@ def _gap(split: str) -> Select:
     return cell(split=split, method="fedmim") - cell(split=split, method="fedavg")
 
 
-def _accuracy(c: dict[str, Any], _):
-    if (g := c.get("dir0.1")) is None:
-        return None
-    return (
-        f"FedMIM - FedAvg {g['gap_mean']:+.2f} points, ahead on {g['wins']}/{g['seeds']} seeds",
-        g["gap_mean"] >= 1.0 and g["wins"] >= min(2, g["seeds"]),
-    )
+def _gaps(measured: str, held: Callable[[dict, dict], bool | None], iid: bool = False) -> Callable:
+    """A Table I criterion on a dataset's seed gaps (``_gap_summary``): ``measured`` formatted with the Dir-0.1
+    gaps ``d`` and the IID ones ``i``, and ``held(d, i)``; the claim is left out without the Dir-0.1 cell (and,
+    with ``iid``, the IID one)."""
 
+    def rule(c: dict[str, Any], _) -> tuple[str, bool | None] | None:
+        d, i = c.get("dir0.1"), c.get("iid")
+        return None if d is None or (iid and i is None) else (measured.format(d=d, i=i), held(d, i))
 
-def _dispersion(c: dict[str, Any], _):
-    if (g := c.get("dir0.1")) is None:
-        return None
-    return f"FedMIM / FedAvg {g['consistency_ratio']:.3f}", g["consistency_ratio"] < 0.5
-
-
-def _iid_smaller(c: dict[str, Any], _):
-    g, iid = c.get("dir0.1"), c.get("iid")
-    if g is None or iid is None:
-        return None
-    # "the advantage shrinks without heterogeneity" needs an advantage: None = untestable
-    return (
-        f"FedMIM - FedAvg: IID {iid['gap_mean']:+.2f}, Dir-0.1 {g['gap_mean']:+.2f} points",
-        iid["gap_mean"] < g["gap_mean"] if g["gap_mean"] > 0 else None,
-    )
+    return rule
 
 
 DIR = {"split": "dir0.1"}
-# spec §9.2 on one dataset, by key; each verdict by its declared rule on the per-seed records (95 % paired t
-# over the seeds: 3 to 5 of them, too few for a percentile bootstrap)
+# spec §9.2 on one dataset, by key: each claim's criterion on the seed gaps (what a preset's claims.json states)
+# and its declared rule on the per-seed records (95 % paired t over the seeds: 3 to 5 of them, too few for a
+# percentile bootstrap)
 TABLE_I_CLAIMS = {
     # min effect 1.0 point: spec §9.2's bar; a smaller gain is within what another partition moves at this scale
     "claim_accuracy": Claim(
         lambda c, d: f"{d}: Dir-0.1 FedMIM beats FedAvg by more than 1.0 point (final accuracy, paired by seed)",
-        _accuracy,
+        _gaps(
+            "FedMIM - FedAvg {d[gap_mean]:+.2f} points, ahead on {d[wins]}/{d[seeds]} seeds",
+            lambda d, _: d["gap_mean"] >= 1.0 and d["wins"] >= min(2, d["seeds"]),
+        ),
         declared=Paired("final_acc", {**DIR, "method": "fedmim"}, {**DIR, "method": "fedavg"}, min_effect=1.0),
         records=_of,
     ),
     # the ratio is tested on its log, paired by seed; min effect ln 2: the spec's "less than half"
     "claim_consistency": Claim(
         lambda c, d: f"{d}: Dir-0.1 FedMIM's local dispersion < 0.5 x FedAvg's (log of the ratio, paired by seed)",
-        _dispersion,
+        _gaps("FedMIM / FedAvg {d[consistency_ratio]:.3f}", lambda d, _: d["consistency_ratio"] < 0.5),
         declared=Paired(
             "log_cons", {**DIR, "method": "fedmim"}, {**DIR, "method": "fedavg"}, "less", math.log(2), unit="ln ratio"
         ),
         records=_of,
     ),
-    # the paper: the advantage shrinks without heterogeneity; any shrinking counts (min effect 0), per seed
+    # the paper: the advantage shrinks without heterogeneity; any shrinking counts (min effect 0), per seed;
+    # "shrinks" needs an advantage: untestable (None) without a Dir-0.1 gain
     "claim_iid_smaller": Claim(
         lambda c, d: f"{d}: FedMIM's gain over FedAvg is larger on Dir-0.1 than on IID (difference of the seed gaps)",
-        _iid_smaller,
+        _gaps(
+            "FedMIM - FedAvg: IID {i[gap_mean]:+.2f}, Dir-0.1 {d[gap_mean]:+.2f} points",
+            lambda d, i: i["gap_mean"] < d["gap_mean"] if d["gap_mean"] > 0 else None,
+            iid=True,
+        ),
         declared=Paired("final_acc", _gap("dir0.1"), _gap("iid"), "greater", 0.0),
         records=_of,
     ),
@@ -486,67 +468,95 @@ def claim_verdicts(records: list[dict]) -> list:
     return out
 
 
-def markdown(
-    table: list[dict], claims: dict, preset_name: str, p: Preset, wall: float, cpu: float | None = None
-) -> str:
-    # runs share the machine: the summed CPU time of the runs says what the preset costs on idle cores
-    cpu_note = f"; CPU time of the runs {cpu / 60:.1f} min (one thread each)" if cpu else ""
-    lines = [
-        f"# FedMIM reproduction, preset `{preset_name}`",
-        "",
-        f"{p.note}. {p.num_clients} clients, {p.clients_per_round} per round, model `{p.model}`, "
-        f"local {p.local}, T = {p.rounds}. Wall time {wall / 60:.1f} min{cpu_note}.",
-        "",
-        "Final test accuracy (%) of the global model, mean ± std over seeds. `rank` is our ranking in the "
-        "column (among the methods run there, as is `paper rank`); the paper has no MNIST/Fashion-MNIST "
-        "column, so its CIFAR-10 number and rank for the same split (Table I) are shown beside ours. "
-        "`cons.` is the local consistency (1/S)Σ‖x_i − x̄‖² averaged "
-        "over the evaluations of the last 20 rounds (Fig. 2b; lower is more consistent).",
-        "",
-    ]
-    for d in sorted({t["dataset"] for t in table}):
-        splits = [s for s in ("iid", "dir0.3", "dir0.1") if any(t["dataset"] == d and t["split"] == s for t in table)]
-        by = {(t["split"], t["method"]): t for t in table if t["dataset"] == d}
+# ---- the reports' tables: columns declared once, laid out per split (Table I) or per variant -------------
+def _acc(row: dict) -> str:
+    """A row's final accuracy, mean ± std over its seeds."""
+    return pm(row["final_acc_mean"], row["final_acc_std"])
 
-        def cells(m: str, s: str, by=by) -> list | None:
-            if (t := by.get((s, m))) is None:
-                return None
-            paper = f"{t['paper_cifar10']:.2f}" if t["paper_cifar10"] is not None else "–"
-            div = f" ({t['diverged']}/{t['seeds']} diverged)" if t["diverged"] else ""
-            return [
-                _acc(t) + div,
-                t["rank"],
-                f"{t['consistency_last20']:.3g}",
-                paper,
-                t["paper_rank"] or "–",
-            ]
 
-        columns = ["ours", "rank", "cons.", "paper C10", "paper rank"]
-        header, body = grouped_table("method", METHODS, splits, columns, cells, LABELS.get, drop_empty=True)
-        lines += [f"## {d}", "", markdown_table(header, body).rstrip("\n"), ""]
-        c = claims.get(d, {})
-        if c:
-            lines.append("Claims (spec §9.2):")
-            for s in ("dir0.1", "iid"):
-                if s in c:
-                    g = c[s]
-                    lines.append(
-                        f"- {s}: FedMIM − FedAvg = {g['gap_mean']:+.2f} points, FedMIM ahead on "
-                        f"{g['wins']}/{g['seeds']} seeds; consistency FedMIM/FedAvg = {g['consistency_ratio']:.3f}"
-                    )
-            for key, text in (
-                ("claim_accuracy", "Dir-0.1: FedMIM ≥ FedAvg + 1.0 point on average and ahead on ≥ 2 seeds"),
-                ("claim_consistency", "Dir-0.1: FedMIM's local dispersion < 0.5 × FedAvg's"),
-                (
-                    "claim_iid_smaller",
-                    "the IID gap is smaller than the Dir-0.1 gap (informative; untestable without a Dir-0.1 gain)",
-                ),
-            ):
-                if key in c:
-                    verdict = "untestable" if c[key] is None else "held" if c[key] else "did not hold"
-                    lines.append(f"- {text}: **{verdict}**")
-            lines.append("")
+OURS = Col("ours", lambda t: _acc(t) + (f" ({t['diverged']}/{t['seeds']} diverged)" if t["diverged"] else ""))
+CONS = Col("cons.", "consistency_last20", ".3g")
+MEAN_ACC = Col("mean acc.", "mean_acc_over_rounds", ".2f")
+PAPER_C10 = Col("paper C10", "paper_c10", ".2f")
+TABLE_I_COLS = (
+    OURS,
+    Col("rank", "rank"),
+    CONS,
+    Col("paper C10", "paper_cifar10", ".2f", "–"),
+    Col("paper rank", "paper_rank", "", "–"),
+)
+ABLATION_COLS = (
+    Col("row", "variant"),
+    Col("ours", _acc),
+    Col("per seed", "final_acc_per_seed"),
+    MEAN_ACC,
+    CONS,
+    Col("paper", "paper_c10", ".2f"),
+)
+
+
+def _grouped(rows: list[dict], key: str, groups: list[str], cols: tuple[Col, ...], drop_empty: bool = False) -> str:
+    """One row per method of ``rows`` (in ``METHODS``' order when ``drop_empty``, else in the rows' order) and,
+    per value of ``key`` in ``groups``, the declared ``cols`` of its summary row (``–`` where none ran)."""
+    by = {(r["method"], r[key]): r for r in rows}
+    methods = METHODS if drop_empty else list(dict.fromkeys(r["method"] for r in rows))
+
+    def cells(m: str, g: str) -> list[str] | None:
+        return [c.cell(by[(m, g)]) for c in cols] if (m, g) in by else None
+
+    header, body = grouped_table(
+        "method", methods, groups, [c.header for c in cols], cells, LABELS.get, drop_empty=drop_empty
+    )
+    return markdown_table(header, body).rstrip("\n")
+
+
+def _setting(p: Preset, wall: float, records: list[dict], variant: bool = False) -> str:
+    """A report's line on its preset and cost: the runs share the machine, so their summed CPU time (when every
+    run has it) says what the preset costs on idle cores."""
+    cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
+    cpu = (
+        f"; CPU time of the runs {sum(cpus) / 60:.1f} min (one thread each)"
+        if cpus and len(cpus) == len(records)
+        else ""
+    )
+    per_round = " unless the column says otherwise" if variant else ""
+    horizon = "" if variant else f", T = {p.rounds}"
+    return (
+        f"{p.note}. {p.num_clients} clients, {p.clients_per_round} per round{per_round}, model `{p.model}`, "
+        f"local {p.local}{horizon}. Wall time {wall / 60:.1f} min{cpu}."
+    )
+
+
+TABLE_I_TEXT = (
+    "Final test accuracy (%) of the global model, mean ± std over seeds. `rank` is our ranking in the column (among "
+    "the methods run there, as is `paper rank`); the paper has no MNIST/Fashion-MNIST column, so its CIFAR-10 number "
+    "and rank for the same split (Table I) are shown beside ours. `cons.` is the local consistency (1/S)Σ‖x_i − x̄‖² "
+    "averaged over the evaluations of the last 20 rounds (Fig. 2b; lower is more consistent)."
+)
+GAP_LINE = (
+    "- {}: FedMIM − FedAvg = {gap_mean:+.2f} points, FedMIM ahead on {wins}/{seeds} seeds; "
+    "consistency FedMIM/FedAvg = {consistency_ratio:.3f}"
+)
+CRITERIA = {  # Table I's claims as a preset's table.md states its criteria on the seed gaps
+    "claim_accuracy": "Dir-0.1: FedMIM ≥ FedAvg + 1.0 point on average and ahead on ≥ 2 seeds",
+    "claim_consistency": "Dir-0.1: FedMIM's local dispersion < 0.5 × FedAvg's",
+    "claim_iid_smaller": "the IID gap is smaller than the Dir-0.1 gap (informative; untestable without a Dir-0.1 gain)",
+}
+
+
+def markdown(table: list[dict], claims: dict, name: str, p: Preset, wall: float, records: list[dict]) -> str:
+    """A Table I preset's table.md: per dataset, the table beside the paper's and the claims' criteria."""
+    lines = [f"# FedMIM reproduction, preset `{name}`", "", _setting(p, wall, records), "", TABLE_I_TEXT, ""]
+    for d, rows in sorted(group(table, lambda t: t["dataset"]).items()):
+        splits = [s for s in ("iid", "dir0.3", "dir0.1") if any(t["split"] == s for t in rows)]
+        lines += [f"## {d}", "", _grouped(rows, "split", splits, TABLE_I_COLS, drop_empty=True), ""]
+        if c := claims.get(d, {}):
+            lines += ["Claims (spec §9.2):", *(GAP_LINE.format(s, **c[s]) for s in ("dir0.1", "iid") if s in c)]
+            lines += [f"- {text}: **{HELD[c[key]]}**" for key, text in CRITERIA.items() if key in c] + [""]
     return "\n".join(lines)
+
+
+ACC = "test accuracy (%)"
 
 
 def _width(method: str) -> dict[str, float]:
@@ -558,17 +568,18 @@ def plot(records: list[dict], out: Path) -> list[Path]:
     """``OUT/curves-<dataset>.png``: test accuracy (top) and local consistency (bottom) against rounds per
     split, the mean over seeds with a band."""
     paths = []
-    for d in sorted({r["dataset"] for r in records}):
-        splits = [s for s in ("iid", "dir0.3", "dir0.1") if any(r["dataset"] == d and r["split"] == s for r in records)]
-        cells = {s: [r for r in records if (r["dataset"], r["split"]) == (d, s)] for s in splits}
-        lines = {s: seed_lines(cells[s], "method", METHODS, LABELS.get, _width) for s in splits}
-        acc = [
+    for d, rs in sorted(group(records, lambda r: r["dataset"]).items()):
+        splits = [s for s in ("iid", "dir0.3", "dir0.1") if any(r["split"] == s for r in rs)]
+        lines = {
+            s: seed_lines([r for r in rs if r["split"] == s], "method", METHODS, LABELS.get, _width) for s in splits
+        }
+        accs = [
             Panel(
                 lines[s],
                 "test_accuracy",
                 yscale=100,
                 title=f"{d}, {s} (mean over seeds)",
-                ylabel="test accuracy (%)",
+                ylabel=ACC,
                 legend={"fontsize": 8},
             )
             for s in splits
@@ -577,48 +588,70 @@ def plot(records: list[dict], out: Path) -> list[Path]:
             Panel(lines[s], "local_consistency", xlabel="round", ylabel="local consistency", logy=True, legend=None)
             for s in splits
         ]
-        paths.append(plot_panels([acc, cons], out / f"curves-{d}.png", panel_size=(5, 3.5), dpi=110))
+        paths.append(plot_panels([accs, cons], out / f"curves-{d}.png", panel_size=(5, 3.5), dpi=110))
     return paths
+
+
+def _seed_acc(acc: dict[tuple[str, int], dict[int, float]], seeds) -> Callable[[int, str], dict[int, float]]:
+    """``at(round, method)``: per seed of ``seeds``, the accuracy at that round of the method's run, from ``acc``
+    (per (method, seed), the run's accuracy per round), for the runs that reached it."""
+
+    def at(t: int, m: str) -> dict[int, float]:
+        return {s: a[t] for s in seeds if t in (a := acc.get((m, s), {}))}
+
+    return at
+
+
+def _rounds_table(at: Callable[[int, str], dict[int, float]], rounds, methods: list[str], page: bool) -> str:
+    """Per round, each method's accuracy (``at``: per seed; mean ± std over the seeds that reached it, and, but
+    on the page, how many) and FedMIM minus each other method, the mean and per seed."""
+    others, sign = [m for m in methods if m != "fedmim"], signed if page else (lambda x: f"{x:+.2f}")
+    body = []
+    for t in rounds:
+        a = {m: at(t, m) for m in methods}
+        cells = [
+            pm(*mean_std([*a[m].values()])) + ("" if page else f" ({len(a[m])})") if a[m] else "–" for m in methods
+        ]
+        for m in others:
+            g = [a["fedmim"][s] - x for s, x in a[m].items() if s in a["fedmim"]]
+            cells.append(f"{sign(sum(g) / len(g))} ({', '.join(map(sign, g))})" if g else "–")
+        body.append([t, *cells])
+    per = "" if page else " (per seed)"
+    return markdown_table(["round", *map(LABELS.get, methods), *(f"FedMIM − {LABELS[m]}{per}" for m in others)], body)
+
+
+GAPS_TEXT = (
+    "Test accuracy (%) at each round, mean ± std over the seeds that reached it (sample std), and FedMIM − method, "
+    "per seed."
+)
 
 
 def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> tuple[str, str]:
     """Test accuracy of every run at ``p.report_rounds`` and FedMIM's gap to each other method, per seed
     (CSV) and as mean ± std over the seeds that have the round (markdown); read from the run directories."""
-    acc: dict[tuple[str, str, str, int], dict[int, float]] = {}
-    for dataset, split, methods in p.grid:
-        for m in methods:
-            for seed in seeds:
-                path = out / "runs" / f"{dataset}-{split}-{m}-s{seed}" / "metrics.csv"
-                if path.is_file():
-                    rows = {int(r["round"]): 100 * float(r["test_accuracy"]) for r in read_csv(path)}
-                    acc[(dataset, split, m, seed)] = {t: rows[t] for t in p.report_rounds if t in rows}
     lines: list[list[Any]] = []  # per (method, seed, round): accuracy and FedMIM's gap
-    md = [f"# FedMIM's gap over a longer horizon (preset rounds {p.rounds})", ""]
-    md += [
-        "Test accuracy (%) at each round, mean ± std over the seeds that reached it (sample std), "
-        "and FedMIM − method, per seed.",
-        "",
-    ]
+    md = [f"# FedMIM's gap over a longer horizon (preset rounds {p.rounds})", "", GAPS_TEXT, ""]
     for dataset, split, methods in p.grid:
-        others = [m for m in methods if m != "fedmim"]
-        header = ["round", *(LABELS[m] for m in methods), *(f"FedMIM − {LABELS[m]} (per seed)" for m in others)]
-        body = []
+        runs = {(m, s): out / "runs" / f"{dataset}-{split}-{m}-s{s}" / "metrics.csv" for m in methods for s in seeds}
+        acc = {
+            k: {int(r["round"]): 100 * float(r["test_accuracy"]) for r in read_csv(f)}
+            for k, f in runs.items()
+            if f.is_file()
+        }
+        at = _seed_acc(acc, seeds)
         for t in p.report_rounds:
-            at = {m: {s: a[t] for s in seeds if t in (a := acc.get((dataset, split, m, s), {}))} for m in methods}
-            cells = [pm(*mean_std(list(at[m].values()))) + f" ({len(at[m])})" if at[m] else "–" for m in methods]
-            for m in others:
-                g = {s: at["fedmim"][s] - b for s, b in at[m].items() if s in at["fedmim"]}
-                lines += [[dataset, split, m, s, t, f"{at[m][s]:.2f}", f"{x:.2f}"] for s, x in g.items()]
-                per = ", ".join(f"{x:+.2f}" for x in g.values())
-                cells.append(f"{sum(g.values()) / len(g):+.2f} ({per})" if g else "–")
-            lines += [[dataset, split, "fedmim", s, t, f"{a:.2f}", "0.00"] for s, a in at["fedmim"].items()]
-            body.append([t, *cells])
-        md += [f"## {dataset} {split}", "", markdown_table(header, body)]
+            mim = at(t, "fedmim")
+            for m in (m for m in methods if m != "fedmim"):
+                lines += [
+                    [dataset, split, m, s, t, f"{x:.2f}", f"{mim[s] - x:.2f}"] for s, x in at(t, m).items() if s in mim
+                ]
+            lines += [[dataset, split, "fedmim", s, t, f"{x:.2f}", "0.00"] for s, x in mim.items()]
+        md += [f"## {dataset} {split}", "", _rounds_table(at, p.report_rounds, list(methods), page=False)]
     header = ["dataset", "split", "method", "seed", "round", "accuracy", "fedmim_minus_method"]
     return csv_text(lines, header), "\n".join(md)
 
 
-# ---- the variant presets' tables: Table II, Table III, Fig. 2a ------------------------------------------
+# ---- the variant presets: Table II, Table III, Fig. 2a ---------------------------------------------------
 def _ok(rs: list[dict]) -> list[dict]:
     """A cell's runs that did not diverge, in seed order."""
     return sorted((r for r in rs if math.isfinite(r["final_acc"])), key=lambda r: r["seed"])
@@ -655,16 +688,16 @@ def variant_claims(rows: list[dict], p: Preset) -> list[tuple[str, bool | None, 
     """The paper's readings of Table II, Table III or Fig. 2a, checked on the seed means of ``rows`` as a
     preset's files state them (each claim's ``rule``): (claim, True / False / None = untestable because a cell
     is missing, what was measured). A page judges them by their declared rules (``variant_verdicts``)."""
-    if (cells := _cells(rows, p)) is None:
-        return [("every cell of the preset ran", None, "not every cell ran (see the table)")]
-    return [(v.claim, v.held, v.measured) for c in VARIANT_CLAIMS[p.table] if (v := c.criterion(cells))]
+    return [(v.claim, v.held, v.measured) for v in variant_verdicts(rows, p)]
 
 
-def variant_verdicts(rows: list[dict], p: Preset, records: list[dict]) -> list[Verdict]:
-    """The same readings, each verdict by its declared rule on the per-seed ``records`` (a ``results.csv``),
-    what was measured from the seed means of ``rows``."""
-    if (cells := _cells(rows, p, records)) is None:
+def variant_verdicts(rows: list[dict], p: Preset, records: list[dict] | None = None) -> list[Verdict]:
+    """The same readings, each verdict by its declared rule on the per-seed ``records`` (a ``results.csv``;
+    without them, by its criterion on the means), what was measured from the seed means of ``rows``."""
+    if (cells := _cells(rows, p, records or [])) is None:
         return [Verdict("every cell of the preset ran", "not every cell ran (see the table)", None)]
+    if records is None:
+        return [v for c in VARIANT_CLAIMS[p.table] if (v := c.criterion(cells))]
     return judge(VARIANT_CLAIMS[p.table], cells)
 
 
@@ -701,278 +734,189 @@ class Cells:
         """Per method and seed, how much its final accuracy changes between the first and the last variant."""
         by = {(r["variant"], r["method"], r["seed"]): r["final_acc"] for r in self.records}
         lo, hi = self.labels[0], self.labels[-1]
-        return _seeded(
-            [
-                {"method": m, "seed": k, "change": abs(by[(hi, m, k)] - a)}
-                for (v, m, k), a in by.items()
-                if v == lo and (hi, m, k) in by
-            ]
-        )
+        pairs = [(m, k, a, by[(hi, m, k)]) for (v, m, k), a in by.items() if v == lo and (hi, m, k) in by]
+        return _seeded([{"method": m, "seed": k, "change": abs(b - a)} for m, k, a, b in pairs])
 
 
-def _cell(v: str, m: str = "fedmim") -> dict[str, str]:
-    return {"variant": v, "method": m}
+def _reading(text: str, reading: Callable[[Cells], tuple], records: Callable | None = None) -> Claim:
+    """A variant preset's claim from one function of its seed means, ``reading(cells) -> (measured, held on the
+    means, declared rule)``; the rule reads ``records(cells, _)``, by default every finished run (2 seeds or more).
+    ``text`` may name the first and the last variant, ``{lo}`` and ``{hi}``, or any, ``{labels[i]}``."""
 
+    def claim(c: Cells, _) -> str:
+        return text.format(lo=c.labels[0], hi=c.labels[-1], labels=c.labels)
 
-def _gt(a: dict, b: dict, metric: str = "final_acc", direction: str = "greater") -> Paired:
-    """A beats B on ``metric`` paired by seed, 95 % paired t (3 seeds: too few for a percentile bootstrap).
-    Min effect 0: the paper states orders, not sizes, so any difference in the claimed direction counts and the
-    interval decides whether the seeds see it."""
-    return Paired(metric, a, b, direction)
-
-
-def _all(parts) -> All:
-    return All(tuple(parts))
-
-
-def _beta(v: str) -> str:
-    return "b=" + v.split("b=")[1]
+    return Claim(claim, lambda c, _: reading(c)[:2], declared=lambda c, _: reading(c)[2], records=records or _records)
 
 
 def _records(c: Cells, _) -> list[dict]:
     return _seeded(c.records)
 
 
-def _second(c: Cells, but: str) -> str:
-    """The second most accurate method at the last variant other than ``but`` (by seed means)."""
-    hi = c.labels[-1]
-    return sorted((m for m in c.methods if m != but), key=lambda m: -c.acc[(hi, m)])[1]
+def _gt(a: str, b: str, m: str = "fedmim", n: str | None = None) -> Paired:
+    """Variant ``a`` of method ``m`` beats variant ``b`` of method ``n`` (by default ``m``) on the final accuracy,
+    paired by seed, 95 % paired t (3 seeds: too few for a percentile bootstrap). Min effect 0: the paper states
+    orders, not sizes, so any difference in the claimed direction counts and the interval decides whether the
+    seeds see it."""
+    return Paired("final_acc", {"variant": a, "method": m}, {"variant": b, "method": n or m})
 
 
-def _e_best(c: Cells, _):
+def _changed(a: str, b: str, direction: str = "greater") -> Paired:
+    """Method ``a``'s change between the first and the last variant against method ``b``'s, paired by seed."""
+    return Paired("change", {"method": a}, {"method": b}, direction)
+
+
+def _all(parts) -> All:
+    return All(tuple(parts))
+
+
+def _e_best(c: Cells) -> tuple:
     best = {v: max(c.methods, key=lambda m: c.acc[(v, m)]) for v in c.labels}
     where = [
         f"{v}: FedMIM {c.acc[(v, 'fedmim')]:.2f}, best {LABELS[best[v]]} {c.acc[(v, best[v])]:.2f}" for v in c.labels
     ]
-    return "; ".join(where), len(c.methods) > 1 and all(b == "fedmim" for b in best.values())
+    rule = _all((f"{v} vs {LABELS[m]}", _gt(v, v, "fedmim", m)) for v in c.labels for m in c.methods if m != "fedmim")
+    return "; ".join(where), len(c.methods) > 1 and all(b == "fedmim" for b in best.values()), rule
 
 
-def _e_falls(c: Cells, _):
-    falls = {m: all(c.acc[(a, m)] > c.acc[(b, m)] for a, b in zip(c.labels, c.labels[1:])) for m in c.methods}
+def _e_falls(c: Cells) -> tuple:
+    steps = list(zip(c.labels, c.labels[1:]))
+    falls = {m: all(c.acc[(a, m)] > c.acc[(b, m)] for a, b in steps) for m in c.methods}
     trend = [
         f"{LABELS[m]} " + " / ".join(f"{c.acc[(v, m)]:.2f}" for v in c.labels) + ("" if falls[m] else " (not falling)")
         for m in c.methods
     ]
-    return "; ".join(trend), all(falls.values())
+    rule = _all((f"{LABELS[m]} {a} > {b}", _gt(a, b, m)) for m in c.methods for a, b in steps)
+    return "; ".join(trend), all(falls.values()), rule
 
 
 # Table III's rows in TABLE_III's order: 0 J = 0 (FedAvg); 1-2 J = 1; 3-5 J = 2 without beta; 6-8 J = 2 with beta
-def _a_inertial(c: Cells, _):
+def _a_inertial(c: Cells) -> tuple:
     a, lb = c.fedmim(), c.labels
     rest = [a[v] for v in lb[1:]]
-    return f"J = 0: {a[lb[0]]:.2f}; J >= 1: {min(rest):.2f} to {max(rest):.2f}", min(rest) > a[lb[0]]
+    measured = f"J = 0: {a[lb[0]]:.2f}; J >= 1: {min(rest):.2f} to {max(rest):.2f}"
+    return measured, min(rest) > a[lb[0]], _all((v, _gt(v, lb[0])) for v in lb[1:])
 
 
-def _a_j2(c: Cells, _):
+def _a_j2(c: Cells) -> tuple:
     a = c.fedmim()
     j1, j2 = max(c.labels[1:3], key=a.get), max(c.labels[3:], key=a.get)
-    return f"best J = 2 ({j2}) {a[j2]:.2f} vs best J = 1 ({j1}) {a[j1]:.2f}", a[j2] > a[j1]
+    return f"best J = 2 ({j2}) {a[j2]:.2f} vs best J = 1 ({j1}) {a[j1]:.2f}", a[j2] > a[j1], _gt(j2, j1)
 
 
-def _a_top(c: Cells, _):
-    a = c.fedmim()
+def _a_top(c: Cells) -> tuple:
+    a, paper = c.fedmim(), c.labels[6]
     top = max(c.labels, key=a.get)
-    return f"{a[c.labels[6]]:.2f}; best row {top} {a[top]:.2f}", top == c.labels[6]
+    rule = _all((f"vs {v}", _gt(paper, v)) for v in c.labels if v != paper)
+    return f"{a[paper]:.2f}; best row {top} {a[top]:.2f}", top == paper, rule
 
 
-def _a_beta(c: Cells, _):
+def _a_beta(c: Cells) -> tuple:
     a, lb = c.fedmim(), c.labels
-    return " / ".join(f"{a[v]:.2f}" for v in lb[6:9]), a[lb[6]] > a[lb[7]] > a[lb[8]]
+    rule = _all((f"b={x.split('b=')[1]} > b={y.split('b=')[1]}", _gt(x, y)) for x, y in zip(lb[6:8], lb[7:9]))
+    return " / ".join(f"{a[v]:.2f}" for v in lb[6:9]), a[lb[6]] > a[lb[7]] > a[lb[8]], rule
 
 
-def _a_alpha_beta(c: Cells, _):
+def _a_alpha_beta(c: Cells) -> tuple:
     a, lb = c.fedmim(), c.labels
-    return f"{a[lb[6]]:.2f} with beta vs {a[lb[4]]:.2f} without", a[lb[6]] > a[lb[4]]
+    return f"{a[lb[6]]:.2f} with beta vs {a[lb[4]]:.2f} without", a[lb[6]] > a[lb[4]], _gt(lb[6], lb[4])
 
 
 def _changes(c: Cells, ms: list[str]) -> str:
     return ", ".join(f"{LABELS[m]} {c.change(m):.2f}" for m in ms) + " points"
 
 
-def _p_fedavg_slowest(c: Cells, _):
+def _p_fedavg_slowest(c: Cells) -> tuple:
     slowest = {v: min(c.methods, key=lambda m: c.auc[(v, m)]) for v in c.labels}
     measured = "; ".join(f"{v}: lowest {LABELS[slowest[v]]} {c.auc[(v, slowest[v])]:.2f}" for v in c.labels)
-    return measured, all(x == "fedavg" for x in slowest.values()) if "fedavg" in c.methods else None
+    held = all(x == "fedavg" for x in slowest.values()) if "fedavg" in c.methods else None
+    return measured, held, Untestable("no per-seed records of the mean accuracy over the rounds (results.csv: finals)")
 
 
-def _p_sensitive(c: Cells, _):
+def _p_sensitive(c: Cells) -> tuple:
     named = [m for m in ("fedadam", "fedcm", "feddyn") if m in c.methods]
-    return _changes(c, [*named, "fedmim"]), all(c.change(m) > c.change("fedmim") for m in named) if named else None
+    held = all(c.change(m) > c.change("fedmim") for m in named) if named else None
+    return _changes(c, [*named, "fedmim"]), held, _all((f"{LABELS[m]} vs FedMIM", _changed(m, "fedmim")) for m in named)
 
 
-def _p_scaffold(c: Cells, _):
+def _p_scaffold(c: Cells) -> tuple:
     hi = c.labels[-1]
     ranked = sorted(c.methods, key=lambda m: -c.acc[(hi, m)])
     measured = f"{hi}: " + " > ".join(f"{LABELS[m]} {c.acc[(hi, m)]:.2f}" for m in ranked)
-    return measured, "scaffold" in ranked[:2] if "scaffold" in c.methods else None
+    # among the two most accurate = above every other method but one: against the second of the others
+    others = [m for m in ranked if m != "scaffold"]
+    rule = _gt(hi, hi, "scaffold", others[1]) if len(others) > 1 else Untestable("fewer than three methods ran")
+    return measured, "scaffold" in ranked[:2] if "scaffold" in c.methods else None, rule
 
 
-def _p_stable(c: Cells, _):
+def _p_stable(c: Cells) -> tuple:
     steady = sorted(c.methods, key=c.change)
-    return _changes(c, steady), steady[0] == "fedmim"
+    rule = _all((f"vs {LABELS[m]}", _changed("fedmim", m, "less")) for m in c.methods if m != "fedmim")
+    return _changes(c, steady), steady[0] == "fedmim", rule
 
 
+# the paper's readings of each variant table, each with its criterion on the seed means (what the preset's
+# files state) and its declared rule on the per-seed records (what the page states)
 VARIANT_CLAIMS = {
     "epochs": [
-        Claim(
-            "FedMIM is the most accurate of the methods run at every E (paper: best in all 9 columns)",
-            _e_best,
-            declared=lambda c, _: _all(
-                (f"{v} vs {LABELS[m]}", _gt(_cell(v), _cell(v, m)))
-                for v in c.labels
-                for m in c.methods
-                if m != "fedmim"
-            ),
-            records=_records,
-        ),
-        Claim(
-            "accuracy falls as E grows, for every method run (paper: all but one)",
-            _e_falls,
-            declared=lambda c, _: _all(
-                (f"{LABELS[m]} {a} > {b}", _gt(_cell(a, m), _cell(b, m)))
-                for m in c.methods
-                for a, b in zip(c.labels, c.labels[1:])
-            ),
-            records=_records,
-        ),
+        _reading("FedMIM is the most accurate of the methods run at every E (paper: best in all 9 columns)", _e_best),
+        _reading("accuracy falls as E grows, for every method run (paper: all but one)", _e_falls),
     ],
     "ablation": [
-        Claim(
-            "every inertial row (J >= 1) beats J = 0 (FedAvg)",
-            _a_inertial,
-            declared=lambda c, _: _all((v, _gt(_cell(v), _cell(c.labels[0]))) for v in c.labels[1:]),
-            records=_records,
-        ),
-        Claim(
-            "J = 2 is best: the best J = 2 row beats the best J = 1 row (rows chosen by their seed means)",
-            _a_j2,
-            declared=lambda c, _: _gt(
-                _cell(max(c.labels[3:], key=c.fedmim().get)), _cell(max(c.labels[1:3], key=c.fedmim().get))
-            ),
-            records=_records,
-        ),
-        Claim(
-            lambda c, _: f"the paper's best row ({c.labels[6]}) is the best row",
-            _a_top,
-            declared=lambda c, _: _all(
-                (f"vs {v}", _gt(_cell(c.labels[6]), _cell(v))) for v in c.labels if v != c.labels[6]
-            ),
-            records=_records,
-        ),
-        Claim(
-            "beta weighted to the adjacent step is best: beta (0.9, 0.1) > (0.5, 0.5) > (0.1, 0.9)",
-            _a_beta,
-            declared=lambda c, _: _all(
-                (f"{_beta(a)} > {_beta(b)}", _gt(_cell(a), _cell(b))) for a, b in zip(c.labels[6:8], c.labels[7:9])
-            ),
-            records=_records,
-        ),
-        Claim(
-            "a large alpha and a proper beta: adding beta (0.9, 0.1) to alpha (0.6, 0.3) helps",
-            _a_alpha_beta,
-            declared=lambda c, _: _gt(_cell(c.labels[6]), _cell(c.labels[4])),
-            records=_records,
-        ),
+        _reading("every inertial row (J >= 1) beats J = 0 (FedAvg)", _a_inertial),
+        _reading("J = 2 is best: the best J = 2 row beats the best J = 1 row (rows chosen by their seed means)", _a_j2),
+        _reading("the paper's best row ({labels[6]}) is the best row", _a_top),
+        _reading("beta weighted to the adjacent step is best: beta (0.9, 0.1) > (0.5, 0.5) > (0.1, 0.9)", _a_beta),
+        _reading("a large alpha and a proper beta: adding beta (0.9, 0.1) to alpha (0.6, 0.3) helps", _a_alpha_beta),
     ],
     "participation": [
-        Claim(
+        _reading(
             "FedAvg loses the most convergence speed: the lowest mean accuracy over the rounds at both ratios",
             _p_fedavg_slowest,
-            declared=Untestable("no per-seed records of the mean accuracy over the rounds (results.csv: finals)"),
         ),
-        Claim(
-            lambda c, _: (
-                "FedAdam, FedCM and FedDyn are highly sensitive to the participation ratio: each "
-                f"changes more between {c.labels[0]} and {c.labels[-1]} than FedMIM"
-            ),
+        _reading(
+            "FedAdam, FedCM and FedDyn are highly sensitive to the participation ratio: each changes more between "
+            "{lo} and {hi} than FedMIM",
             _p_sensitive,
-            declared=lambda c, _: _all(
-                (f"{LABELS[m]} vs FedMIM", _gt({"method": m}, {"method": "fedmim"}, "change"))
-                for m in ("fedadam", "fedcm", "feddyn")
-                if m in c.methods
-            ),
-            records=Cells.changes,
+            Cells.changes,
         ),
-        Claim(
-            lambda c, _: (
-                f"SCAFFOLD performs well at the higher participation: among the two most accurate at {c.labels[-1]}"
-            ),
-            _p_scaffold,
-            # among the two most accurate = above every other method but one: against the second of the others
-            declared=lambda c, _: _gt(_cell(c.labels[-1], "scaffold"), _cell(c.labels[-1], _second(c, "scaffold"))),
-            records=_records,
+        _reading(
+            "SCAFFOLD performs well at the higher participation: among the two most accurate at {hi}", _p_scaffold
         ),
-        Claim(
-            lambda c, _: (
-                f"FedMIM is very stable: the smallest change between {c.labels[0]} and {c.labels[-1]} "
-                "of the methods run"
-            ),
+        _reading(
+            "FedMIM is very stable: the smallest change between {lo} and {hi} of the methods run",
             _p_stable,
-            declared=lambda c, _: _all(
-                (f"vs {LABELS[m]}", _gt({"method": "fedmim"}, {"method": m}, "change", "less"))
-                for m in c.methods
-                if m != "fedmim"
-            ),
-            records=Cells.changes,
+            Cells.changes,
         ),
     ],
 }
 
 
-def variant_markdown(rows: list[dict], checks: list, name: str, p: Preset, wall: float, cpu: float | None) -> str:
-    titles = {"epochs": "Table II (local epochs)", "ablation": "Table III (alpha, beta, J)"}
-    cpu_note = f"; CPU time of the runs {cpu / 60:.1f} min (one thread each)" if cpu else ""
-    paper_note = {
-        "epochs": "The paper's numbers are CIFAR-10 with ResNet-18-GN (Table II).",
-        "ablation": "The paper's numbers are its Table III (CIFAR-10 probably, E = 5, T = 500).",
-        "participation": "The paper shows Fig. 2a as curves only (CIFAR-10, Dir-0.1, E = 5).",
-    }[p.table]
-    lines = [
-        f"# FedMIM {titles.get(p.table, 'Fig. 2a (participation)')}, preset `{name}`",
-        "",
-        f"{p.note}. {p.num_clients} clients, {p.clients_per_round} per round unless the column says otherwise, "
-        f"model `{p.model}`, local {p.local}. Wall time {wall / 60:.1f} min{cpu_note}.",
-        "",
-        "Final test accuracy (%) of the global model, mean ± std over seeds (per seed in `results.csv` and "
-        f"`{name}.csv`); `mean acc.` is the mean test accuracy over the evaluated rounds (every {p.eval_every}; "
-        "it measures convergence speed); `cons.` is the local consistency averaged over the last 20 rounds. "
-        + paper_note,
-        "",
-    ]
-    labels = [v for v, _ in p.variants]
+VARIANT_TITLES = {"epochs": "Table II (local epochs)", "ablation": "Table III (alpha, beta, J)"}
+VARIANT_TEXT = (
+    "Final test accuracy (%) of the global model, mean ± std over seeds (per seed in `results.csv` and "
+    "`{name}.csv`); `mean acc.` is the mean test accuracy over the evaluated rounds (every {p.eval_every}; "
+    "it measures convergence speed); `cons.` is the local consistency averaged over the last 20 rounds. "
+)
+PAPER_NOTES = {
+    "epochs": "The paper's numbers are CIFAR-10 with ResNet-18-GN (Table II).",
+    "ablation": "The paper's numbers are its Table III (CIFAR-10 probably, E = 5, T = 500).",
+    "participation": "The paper shows Fig. 2a as curves only (CIFAR-10, Dir-0.1, E = 5).",
+}
+
+
+def variant_markdown(rows: list[dict], checks: list, name: str, p: Preset, wall: float, records: list[dict]) -> str:
+    """A variant preset's NAME.md: its table beside the paper's and the claims' criteria on the seed means."""
+    title = VARIANT_TITLES.get(p.table, "Fig. 2a (participation)")
+    lines = [f"# FedMIM {title}, preset `{name}`", "", _setting(p, wall, records, variant=True), ""]
+    lines += [VARIANT_TEXT.format(name=name, p=p) + PAPER_NOTES[p.table], ""]
     if p.table == "ablation":
-        header = ["row", "ours", "per seed", "mean acc.", "cons.", "paper"]
-        body = [
-            [
-                r["variant"],
-                _acc(r),
-                r["final_acc_per_seed"],
-                f"{r['mean_acc_over_rounds']:.2f}",
-                f"{r['consistency_last20']:.3g}",
-                f"{r['paper_c10']:.2f}",
-            ]
-            for r in rows
-        ]
+        lines.append(layout(ABLATION_COLS, rows).rstrip("\n"))
     else:
-        paper = p.table == "epochs"
-        by = {(r["method"], r["variant"]): r for r in rows}
-
-        def cells(m: str, v: str) -> list | None:
-            if (r := by.get((m, v))) is None:
-                return None
-            div = f" ({r['diverged']}/{r['seeds']} diverged)" if r["diverged"] else ""
-            return [
-                _acc(r) + div,
-                f"{r['mean_acc_over_rounds']:.2f}",
-                f"{r['consistency_last20']:.3g}",
-            ] + ([f"{r['paper_c10']:.2f}"] if paper else [])
-
-        cols = ["ours", "mean acc.", "cons."] + (["paper C10"] if paper else [])
-        methods = list(dict.fromkeys(r["method"] for r in rows))
-        header, body = grouped_table("method", methods, labels, cols, cells, LABELS.get)
-    lines += [markdown_table(header, body).rstrip("\n"), "", "## Claims", ""]
-    lines += [markdown_table(["claim", "verdict", "measured"], [[c, HELD[ok], m] for c, ok, m in checks]).rstrip("\n")]
-    return "\n".join(lines) + "\n"
+        cols = (OURS, MEAN_ACC, CONS) + ((PAPER_C10,) if p.table == "epochs" else ())
+        lines.append(_grouped(rows, "variant", [v for v, _ in p.variants], cols))
+    checks = markdown_table(["claim", "verdict", "measured"], [[c, HELD[ok], m] for c, ok, m in checks])
+    return "\n".join([*lines, "", "## Claims", "", checks])
 
 
 def variant_plot(records: list[dict], p: Preset, name: str, out: Path) -> Path:
@@ -987,17 +931,8 @@ def variant_plot(records: list[dict], p: Preset, name: str, out: Path) -> Path:
         else:
             lines = seed_lines([r for r in records if r["variant"] == panel], "method", methods, LABELS.get, _width)
         title = f"{name}: {panel or 'FedMIM rows'} (mean over seeds)"
-        grid.append(
-            Panel(
-                lines,
-                "test_accuracy",
-                yscale=100,
-                title=title,
-                xlabel="round",
-                ylabel="test accuracy (%)",
-                legend={"fontsize": 7},
-            )
-        )
+        legend = {"fontsize": 7}
+        grid.append(Panel(lines, "test_accuracy", yscale=100, title=title, xlabel="round", ylabel=ACC, legend=legend))
     return plot_panels([grid], out / f"curves-{name}.png", panel_size=(5, 4), dpi=100)
 
 
@@ -1005,26 +940,19 @@ RESULT_KEYS = ["dataset", "split", "method", "variant", "seed", "final_acc", "be
 RESULT_KEYS += ["consistency_last20", "status", "rounds_done", "wall_seconds", "cpu_seconds"]
 
 
-def _cpu(records: list[dict]) -> float | None:
-    """The runs' summed CPU seconds when every run has them (the machine is shared: CPU time says what a
-    preset costs)."""
-    cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
-    return sum(cpus) if cpus and len(cpus) == len(records) else None
-
-
 def write_variant_outputs(records: list[dict], skipped: list, name: str, p: Preset, out: Path, wall: float) -> int:
     """A variant preset's files: results.csv (one row per run), NAME.csv and NAME.md (the table beside the
     paper's and the claim checks), claims.json and curves-NAME.png."""
     rows = variant_summary(records, p)
     checks = variant_claims(rows, p)
-    md = variant_markdown(rows, checks, name, p, wall, _cpu(records)) + not_run(skipped)
+    md = variant_markdown(rows, checks, name, p, wall, records) + not_run(skipped)
     claims = [{"claim": c, "verdict": HELD[ok], "measured": m} for c, ok, m in checks]
     files = {"results.csv": Rows(records, RESULT_KEYS, ".6g"), f"{name}.csv": Rows(rows), f"{name}.md": md}
     files["claims.json"] = Json(claims, ensure_ascii=False)
     return Report(files, show=f"{name}.md", figures=lambda out: variant_plot(records, p, name, out)).write(out)
 
 
-# ---- the study ------------------------------------------------------------------------------------------
+# ---- the page: docs/reproductions/fedmim.md's generated sections, from the committed records beside it ------
 # the page's claim table: the claims judged on the per-seed records of these committed folders beside it (a
 # variant preset's folder is named after it), in this order
 PAGE_FOLDERS = ("", "long", "ablation", "epochs", "participation")
@@ -1051,31 +979,22 @@ def page_verdicts(folder: Path) -> list[tuple[str, Verdict]]:
 
 
 def sections(folder: Path) -> dict[str, str]:
-    """docs/reproductions/fedmim.md's generated claim table: every claim's verdict by its declared rule from
-    the committed per-seed records in ``folder`` (``page_verdicts``)."""
-    rows = [[v.claim, f"`{src}`", verdict_cell(v), v.measured] for src, v in page_verdicts(folder)]
+    """docs/reproductions/fedmim.md's generated sections, from the committed files in ``folder``: the claim table
+    (every claim's verdict by its declared rule, ``page_verdicts``), the tables and the prose with numbers."""
+    table, results = read_csv(folder / "table.csv"), read_csv(folder / "results.csv")
+    claims = [[v.claim, f"`{src}`", verdict_cell(v), v.measured] for src, v in page_verdicts(folder)]
     return {
-        "claims": markdown_table(["claim", "source", "verdict", "measured"], rows),
-        "small-cost": _small_cost(folder),
-        "round50": _round50(folder),
-        "table1": _page_table1(read_csv(folder / "table.csv")),
+        "claims": markdown_table(["claim", "source", "verdict", "measured"], claims),
+        "small-cost": _small_cost(folder, results),
+        "round50": _round50(folder, results),
+        "table1": bold_layout(_core_cols(table, "fashion_mnist", paper=True), CORE_ROWS),
         "long": _page_long(read_csv(folder / "long" / "gaps.csv")),
-        "per-seed": _page_per_seed(read_csv(folder / "results.csv")),
-        "mnist": _page_mnist(read_csv(folder / "table.csv")),
+        "per-seed": _page_per_seed(results),
+        "mnist": indent(bold_layout(_core_cols(table, "mnist", paper=False), CORE_ROWS)),
         "ablation": _page_ablation(read_csv(folder / "ablation" / "ablation.csv")),
         "epochs": _page_epochs(read_csv(folder / "epochs" / "epochs.csv")),
         "participation": _page_participation(read_csv(folder / "participation" / "participation.csv")),
     }
-
-
-def _acc(row: dict) -> str:
-    """A row's final accuracy, mean ± std over its seeds."""
-    return pm(row["final_acc_mean"], row["final_acc_std"])
-
-
-def _bold_acc(rows: list[dict]) -> list[str]:
-    """The rows' final accuracies, the most accurate in bold."""
-    return bold_best([_acc(r) for r in rows], [r["final_acc_mean"] for r in rows])
 
 
 def _page_per_seed(rows: list[dict]) -> str:
@@ -1083,63 +1002,45 @@ def _page_per_seed(rows: list[dict]) -> str:
     by = {(r["method"], r["seed"]): r for r in rows if (r["dataset"], r["split"]) == ("fashion_mnist", "dir0.1")}
     seeds = sorted(s for m, s in by if m == "fedmim")
     pairs = ", ".join(f"{by[('fedavg', s)]['final_acc']:.2f} → {by[('fedmim', s)]['final_acc']:.2f}" for s in seeds)
-
-    def best(m: str) -> str:
-        return " / ".join(f"{by[(m, s)]['best_acc']:.2f}" for s in seeds)
-
+    best = {m: " / ".join(f"{by[(m, s)]['best_acc']:.2f}" for s in seeds) for m in ("fedavg", "fedmim")}
     return (
         f"Per seed at Dir-0.1 (final accuracy, FedAvg → FedMIM): {pairs}.\n"
-        f"FedMIM's best accuracy over the evaluated rounds is {best('fedmim')}, against FedAvg's\n{best('fedavg')}.\n"
+        f"FedMIM's best accuracy over the evaluated rounds is {best['fedmim']}, against FedAvg's\n{best['fedavg']}.\n"
     )
 
 
-def _page_mnist(rows: list[dict]) -> str:
-    """The page's MNIST table (``table.csv``, inside a list item: indented), the best of each split in bold."""
-    return indent(markdown_table(["method", "IID", "cons.", "Dir-0.1", "cons."], _core_rows(rows, "mnist", False)))
+def _from(by: dict, value: str | Callable) -> Callable:
+    """A column's value from each row's record ``by[row]``: its ``value`` (a key of it, or a function of it)."""
+    return (lambda k: by[k][value]) if isinstance(value, str) else (lambda k: value(by[k]))
 
 
-PAGE_CORE = ["fedavg", "scaffold", "fedcm", "fedmim"]  # the rows of the page's Table I and MNIST table
+CORE_ROWS = ["fedavg", "scaffold", "fedcm", "fedmim"]  # the rows of the page's Table I and MNIST table
 
 
-def _core_rows(rows: list[dict], dataset: str, paper: bool) -> list[list]:
-    """Per method of ``PAGE_CORE``, at IID and at Dir-0.1 (``table.csv``): the final accuracy (each split's best
-    in bold) and the consistency; with ``paper``, also our rank, the paper's CIFAR-10 number and its rank."""
-    body = [[LABELS[m]] for m in PAGE_CORE]
-    for split in ("iid", "dir0.1"):
+def _core_cols(rows: list[dict], dataset: str, paper: bool) -> list[Col]:
+    """The columns of the page's Table I (``paper``: with our rank, the paper's CIFAR-10 number and its rank,
+    among ``CORE_ROWS``) or its MNIST table, from ``table.csv``: per split, the final accuracy (the split's best
+    in bold) and the consistency."""
+    cols = [Col("method", LABELS.get)]
+    for split, name, c10 in (("iid", "IID", "IID"), ("dir0.1", "Dir-0.1", "DIR.1")):
         by = {r["method"]: r for r in rows if (r["dataset"], r["split"]) == (dataset, split)}
-        cells = _bold_acc([by[m] for m in PAGE_CORE])
-        ours = ranks({m: by[m]["final_acc_mean"] for m in PAGE_CORE})
-        theirs = ranks({m: by[m]["paper_cifar10"] for m in PAGE_CORE}) if paper else {}
-        for row, m, acc in zip(body, PAGE_CORE, cells):
-            cons = f"{by[m]['consistency_last20']:#.3g}"
-            row += [acc, ours[m], cons, f"{by[m]['paper_cifar10']:.2f}", theirs[m]] if paper else [acc, cons]
-    return body
+        acc = Best(f"{name}: ours" if paper else name, _from(by, _acc), key=_from(by, "final_acc_mean"))
+        cons = Col("cons.", _from(by, "consistency_last20"), "#.3g")
+        if not paper:
+            cols += [acc, cons]
+            continue
+        ours, theirs = (ranks({m: by[m][k] for m in CORE_ROWS}) for k in ("final_acc_mean", "paper_cifar10"))
+        cols += [acc, Col("rank", ours.get), cons, Col(f"paper C10 {c10}", _from(by, "paper_cifar10"), ".2f")]
+        cols.append(Col("paper rank", theirs.get))
+    return cols
 
 
 def _page_long(rows: list[dict]) -> str:
     """The page's ``long`` table (``long/gaps.csv``): per checkpoint round, each method's accuracy (mean ± std
     over seeds) and FedMIM minus each other method, the mean and per seed."""
-    methods = ["fedavg", "fedmim", "fedcm", "scaffold"]
-    acc = {(r["round"], r["method"], r["seed"]): r["accuracy"] for r in rows}
-    seeds = sorted({r["seed"] for r in rows})
-
-    body = []
-    for t in sorted({r["round"] for r in rows}):
-        cells = [pm(*mean_std([acc[(t, m, s)] for s in seeds])) for m in methods]
-        for m in methods[:1] + methods[2:]:
-            d = [acc[(t, "fedmim", s)] - acc[(t, m, s)] for s in seeds]
-            cells.append(f"{signed(sum(d) / len(d))} ({', '.join(signed(x) for x in d)})")
-        body.append([t, *cells])
-    header = ["round", *(LABELS[m] for m in methods), *(f"FedMIM − {LABELS[m]}" for m in methods[:1] + methods[2:])]
-    return markdown_table(header, body)
-
-
-def _page_table1(rows: list[dict]) -> str:
-    """The page's Table I: the four core methods on Fashion-MNIST (``table.csv``), ranks among them, the best
-    of each split in bold, the paper's CIFAR-10 number and its rank among the same four."""
-    header = ["method", "IID: ours", "rank", "cons.", "paper C10 IID", "paper rank"]
-    header += ["Dir-0.1: ours", "rank", "cons.", "paper C10 DIR.1", "paper rank"]
-    return markdown_table(header, _core_rows(rows, "fashion_mnist", True))
+    runs = group(rows, lambda r: (r["method"], r["seed"]))
+    at = _seed_acc({k: {r["round"]: r["accuracy"] for r in rs} for k, rs in runs.items()}, sorted({k[1] for k in runs}))
+    return _rounds_table(at, sorted({r["round"] for r in rows}), list(CORE), page=True)
 
 
 ABLATION_ROWS = (  # Table III's rows on the page, in TABLE_III's order
@@ -1153,62 +1054,55 @@ ABLATION_ROWS = (  # Table III's rows on the page, in TABLE_III's order
     "J = 2, alpha (0.6, 0.3), beta (0.5, 0.5)",
     "J = 2, alpha (0.6, 0.3), beta (0.1, 0.9)",
 )
+PAGE_ABLATION = [
+    Col("row (alpha on δ_t, δ_t−1; beta)", "row"),
+    Best("ours", _acc, key="final_acc_mean"),
+    Col("per seed", "final_acc_per_seed"),
+    Best("paper", "paper_c10", ".2f"),
+]
 
 
 def _page_ablation(rows: list[dict]) -> str:
     """The page's Table III (``ablation/ablation.csv``): ours, per seed and the paper's, the best of each in bold."""
-    ours = _bold_acc(rows)
-    paper = bold_best([f"{r['paper_c10']:.2f}" for r in rows], [r["paper_c10"] for r in rows])
-    body = [[label, o, r["final_acc_per_seed"], p] for label, o, r, p in zip(ABLATION_ROWS, ours, rows, paper)]
-    return markdown_table(["row (alpha on δ_t, δ_t−1; beta)", "ours", "per seed", "paper"], body)
+    return bold_layout(PAGE_ABLATION, [{**r, "row": name} for name, r in zip(ABLATION_ROWS, rows)])
+
+
+def _per_variant(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    """A variant table's rows (its ``NAME.csv``) per variant, then per method, in their order."""
+    return {v: {r["method"]: r for r in rs} for v, rs in group(rows, lambda r: r["variant"]).items()}
 
 
 def _page_epochs(rows: list[dict]) -> str:
     """The page's Table II (``epochs/epochs.csv``): per method, ours at each E and the paper's three numbers."""
-    labels = list(dict.fromkeys(r["variant"] for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    by = {(r["method"], r["variant"]): r for r in rows}
-    body = [
-        [
-            LABELS[m],
-            *(_acc(by[(m, v)]) for v in labels),
-            " / ".join(f"{by[(m, v)]['paper_c10']:.2f}" for v in labels),
-        ]
-        for m in methods
-    ]
-    heads = [v.replace("=", " = ") for v in labels]
-    return markdown_table(["method", *heads, "paper C10 E = " + " / ".join(h.split(" = ")[1] for h in heads)], body)
+    per = _per_variant(rows)
+    cols = [Col("method", LABELS.get), *(Col(v.replace("=", " = "), _from(by, _acc)) for v, by in per.items())]
+    paper = Col("paper C10 E = " + " / ".join(v.split("=")[1] for v in per), lambda m: _paper_c10(per, m))
+    return layout([*cols, paper], list(dict.fromkeys(r["method"] for r in rows)))
+
+
+def _paper_c10(per: dict[str, dict[str, dict]], m: str) -> str:
+    return " / ".join(f"{by[m]['paper_c10']:.2f}" for by in per.values())
 
 
 def _page_participation(rows: list[dict]) -> str:
     """The page's Fig. 2a table (``participation/participation.csv``): per method and ratio, the final accuracy
     (best in bold) and the mean accuracy over the rounds, and the change of the final accuracy between them."""
-    lo, hi = list(dict.fromkeys(r["variant"] for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    by = {(r["method"], r["variant"]): r for r in rows}
-    cols = {v: _bold_acc([by[(m, v)] for m in methods]) for v in (lo, hi)}
-    body = [
-        [
-            LABELS[m],
-            cols[lo][i],
-            f"{by[(m, lo)]['mean_acc_over_rounds']:.2f}",
-            cols[hi][i],
-            f"{by[(m, hi)]['mean_acc_over_rounds']:.2f}",
-            f"{abs(by[(m, hi)]['final_acc_mean'] - by[(m, lo)]['final_acc_mean']):.2f}",
-        ]
-        for i, m in enumerate(methods)
-    ]
-    h = [v.replace("%", " %") for v in (lo, hi)]
-    return markdown_table(
-        ["method", h[0], "mean over rounds", h[1], "mean over rounds", f"change {h[0]} → {h[1]}"], body
+    (lo, a), (hi, b) = per = _per_variant(rows).items()
+    cols = [Col("method", LABELS.get)]
+    for v, by in per:
+        cols += [Best(v.replace("%", " %"), _from(by, _acc), key=_from(by, "final_acc_mean"))]
+        cols += [Col("mean over rounds", _from(by, "mean_acc_over_rounds"), ".2f")]
+    change = Col(
+        f"change {lo} → {hi}".replace("%", " %"), lambda m: abs(b[m]["final_acc_mean"] - a[m]["final_acc_mean"])
     )
+    return bold_layout([*cols, dataclasses.replace(change, fmt=".2f")], list(dict.fromkeys(r["method"] for r in rows)))
 
 
-def _small_cost(folder: Path) -> str:
+def _small_cost(folder: Path, results: list[dict]) -> str:
     """The small preset's wall time (its ``table.md``) and CPU cost (the ``cpu_seconds`` of its MNIST runs,
     the runs that recorded it) as the page states them."""
     wall = re.search(r"Wall time ([\d.]+) min", (folder / "table.md").read_text(encoding="utf-8"))[1]
-    cpu = [r["cpu_seconds"] for r in read_csv(folder / "results.csv") if r["dataset"] == "mnist"]
+    cpu = [r["cpu_seconds"] for r in results if r["dataset"] == "mnist"]
     mean = sum(cpu) / len(cpu)
     return (
         f"Runtime: {wall} min wall (`table.md`) on the 2-core machine while it was shared with several other jobs\n"
@@ -1219,14 +1113,10 @@ def _small_cost(folder: Path) -> str:
     )
 
 
-def _round50(folder: Path) -> str:
+def _round50(folder: Path, results: list[dict]) -> str:
     """How far the ``long`` preset's round-50 accuracies (``long/gaps.csv``) are from the ``small`` preset's
     T = 50 finals (``results.csv``), run by run."""
-    small = {
-        (r["method"], r["seed"]): r["final_acc"]
-        for r in read_csv(folder / "results.csv")
-        if (r["dataset"], r["split"]) == ("fashion_mnist", "dir0.1")
-    }
+    small = {(r["method"], r["seed"]): r["final_acc"] for r in results if (r["dataset"], r["split"]) == _CELL}
     diffs = sorted(
         (abs(r["accuracy"] - small[k]), k, r["accuracy"], small[k])
         for r in read_csv(folder / "long" / "gaps.csv")
@@ -1241,6 +1131,7 @@ def _round50(folder: Path) -> str:
     )
 
 
+# ---- the study ------------------------------------------------------------------------------------------
 def study_plan(opts) -> Plan:
     p = PRESETS[opts.scale]
     seeds = tuple(range(opts.seeds)) if opts.seeds else p.seeds
@@ -1258,7 +1149,7 @@ def report(records: list[dict], plan_: Plan, opts, wall: float) -> int | Report:
     if p.variants:
         return write_variant_outputs(records, plan_.skipped, opts.scale, p, out, wall)
     table, claims = summarize(records)
-    md = markdown(table, claims, opts.scale, p, wall, _cpu(records)) + not_run(plan_.skipped)
+    md = markdown(table, claims, opts.scale, p, wall, records) + not_run(plan_.skipped)
     files = {"results.csv": Rows(records, [k for k in RESULT_KEYS if k != "variant"], ".6g")}
     files |= {"table.csv": Rows(table, TABLE_KEYS, ".6g"), "table.md": md, "claims.json": Json(claims)}
     if p.report_rounds:
