@@ -27,7 +27,6 @@ from fedweave.experiments.tables import Col, layout, markdown_table, read_csv
 from fedweave.experiments.verdicts import All, Paired, Select, Threshold, Untestable, cell
 from fedweave.runner import Result
 
-LABELS = {"fsl_mc": "FSL_MC", "fsl_oc": "FSL_OC (+clip)", "fsl_an": "FSL_AN", "cse_fsl": "CSE-FSL"}
 NONIID_NOTE = ", its non-IID column: 2 label-sorted shards per client"
 NONIID_GAP = 3.0  # C8: "well below" FSL_MC = further below than C2's "similar accuracy" tolerance of 3 pp
 
@@ -119,24 +118,6 @@ def split_facts(config: RunConfig) -> tuple[SplitSizes, list[int]]:
 
     algo = build_algorithm(RunContext(config))
     return algo.split_sizes, [len(part) for part in algo.ctx.partition]
-
-
-def collect(point: Point, res: Result, facts: tuple[SplitSizes, list[int]]) -> dict[str, Any]:
-    if not res.metrics:
-        raise SystemExit(f"{res.run_dir}: the run diverged before its first evaluation; nothing to tabulate")
-    algo = point.config.algorithm
-    return {
-        "key": dict(point.values)["key"],
-        "seed": point.seed,
-        "method": algo.name,
-        "h": algo.options.get("h", 1),
-        "status": res.summary["status"],
-        "run_dir": str(res.run_dir),
-        "rows": res.metrics,
-        "sizes": facts[0],
-        "samples": facts[1],
-        "wall": res.summary["wall_seconds"],
-    }
 
 
 # ---- summaries ---------------------------------------------------------------------------------------------
@@ -466,10 +447,25 @@ def plan(opts) -> Plan:
 def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
     """A run as a record: its rows with the split model's sizes and the clients' samples (the same for every
     method at one data, model and seed: built once per those)."""
+    if not res.metrics:
+        raise SystemExit(f"{res.run_dir}: the run diverged before its first evaluation; nothing to tabulate")
     c, facts = point.config, plan.context[2]
     key = json.dumps([c.dataset.to_dict(), c.partition.to_dict(), c.model.to_dict(), c.seed], sort_keys=True)
-    facts.setdefault(key, split_facts(c))
-    return collect(point, res, facts[key])
+    if key not in facts:
+        facts[key] = split_facts(c)
+    sizes, samples = facts[key]
+    return {
+        "key": dict(point.values)["key"],
+        "seed": point.seed,
+        "method": c.algorithm.name,
+        "h": c.algorithm.options.get("h", 1),
+        "status": res.summary["status"],
+        "run_dir": str(res.run_dir),
+        "rows": res.metrics,
+        "sizes": sizes,
+        "samples": samples,
+        "wall": res.summary["wall_seconds"],
+    }
 
 
 def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Report:

@@ -131,23 +131,6 @@ def label(m: str, p: Preset | None = None) -> str:
     return LABELS.get(m) or f"ZO-HFL (lambda={m.removeprefix('zo_hfl_lam')})"
 
 
-def algo_of(m: str) -> str:
-    base = m.partition("_")[0]
-    return f"hier_{base}" if base in BASELINES else "zo_hfl"
-
-
-def method_lam(p: Preset, m: str) -> float:
-    if m.startswith("server_only"):
-        return 0.0
-    return float(m.removeprefix("zo_hfl_lam")) if m.startswith("zo_hfl_lam") else p.lam
-
-
-def run_setting(m: str, setting: tuple[float, float]) -> tuple[float, float]:
-    """The server-only control contacts no client, so alpha and beta do not change it: one run serves all
-    three columns (the split, the server's share and its batches come from streams independent of both)."""
-    return SETTINGS[0] if m.startswith("server_only") else setting
-
-
 SENSITIVITY = [f"{m}_{v}" for v in VARIANTS for m in BASELINES] + ["zo_hfl_nocrn", "zo_hfl_fast", "server_only_fast"]
 PRESETS = {
     # lambda = 10, mu = 0.1: the spec's untuned values (A1)
@@ -201,13 +184,18 @@ def run_config(
     overrides: dict[str, Any] | None = None,
     tag: str = "",
 ) -> dict[str, Any]:
-    """The config of one run (spec §9.2/§9.3: pooled 90/10 split, 30% server share, Dir(alpha) clients)."""
-    alpha, beta = run_setting(method, setting)
-    algo: dict[str, Any] = {"name": algo_of(method), "participation": beta, "tau": tau}
-    algo |= {"test_fraction": 0.1, "server_share": 0.3}
+    """The config of one run (spec §9.2/§9.3: pooled 90/10 split, 30% server share, Dir(alpha) clients). The
+    server-only control contacts no client, so alpha and beta do not change it: one run serves all three columns
+    (the split, the server's share and its batches come from streams independent of both)."""
+    alpha, beta = SETTINGS[0] if method.startswith("server_only") else setting
+    base = method.partition("_")[0]
+    algo: dict[str, Any] = {"name": f"hier_{base}" if base in BASELINES else "zo_hfl", "participation": beta}
+    algo |= {"tau": tau, "test_fraction": 0.1, "server_share": 0.3}
     local = {"batch_size": p.batch_size, "lr": 0.1}  # gamma~_{i,t} = 0.1 / (t + 1) (paper §IV)
     if algo["name"] == "zo_hfl":
-        algo |= {"lam": method_lam(p, method), "mu": p.mu, "server_batch_size": p.server_batch_size}
+        lam = float(method.removeprefix("zo_hfl_lam")) if method.startswith("zo_hfl_lam") else p.lam
+        lam = 0.0 if method.startswith("server_only") else lam
+        algo |= {"lam": lam, "mu": p.mu, "server_batch_size": p.server_batch_size}
         algo["server_lr"] = FAST_SERVER_LR if method.endswith("_fast") else p.server_lr
         if method == "zo_hfl_nocrn":
             algo["crn"] = False  # spec A5 literal reading
