@@ -718,15 +718,12 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> Rep
 
 # ---- the page's generated sections (docs/reproductions/zo-hfl.md) -----------------------------------------
 PAGE_CLAIMS = ("adult/claims.json", "claims.json", "long/claims.json")  # the page's claim table, in its order
-PAGE_TABLE1 = {  # the page's Table I rows: method -> its label there
-    "fedavg": "FedAvg",
-    "fedprox": "FedProx",
-    "scaffold": "SCAFFOLD",
+PAGE_TABLE1 = {m: LABELS[m] for m in BASELINES} | {  # the page's Table I rows: method -> its label there
     "zo_hfl": "ZO-HFL (lambda = 1, mu = 0.01)",
     "server_only": "server-only (lambda = 0)",
     "zo_hfl_lam10": "ZO-HFL (lambda = 10)",
     "zo_hfl_lam30": "ZO-HFL (lambda = 30)",
-    "fedavg_server": "FedAvg + server as client",
+    "fedavg_server": LABELS["fedavg_server"],
     "server_only_long": "server-only, 500 rounds",
 }
 ADULT_LABELS = {**{m: PAGE_TABLE1[m] for m in METHODS}, "zo_hfl": "ZO-HFL (lambda = 1)"}
@@ -752,14 +749,15 @@ def sections(folder: Path) -> dict[str, str]:
         "adult-tune": adult_tune_section(folder / "adult" / "tune.csv"),
         **{f"table1-{ds}": table1_section(small, ds) for ds in ("mnist", "fashion_mnist")},
         **{f"long-{ds}": table1_section(long, ds) for ds in ("mnist", "fashion_mnist")},
-        "adult": table1(read_csv(folder / "adult" / "table.csv"), ADULT_LABELS, _setting("a={:g}, b={:.0f}%"), adult),
+        "adult": table1(read_csv(folder / "adult" / "table.csv"), ADULT_LABELS, _head("a={:g}, b={:.0f}%"), adult),
         "adult-power": power_section(read_csv(folder / "adult" / "results.csv")),
         "sensitivity": sensitivity_section(small),
         "fig2": fig2_section(json.loads((folder / "claims.json").read_text(encoding="utf-8"))["claims"]),
     }
 
 
-def _setting(fmt: str):
+def _head(fmt: str):
+    """A setting's column head on the page: ``fmt`` of alpha and beta in %."""
     return lambda s: fmt.format(s[0], 100 * s[1])
 
 
@@ -773,7 +771,7 @@ def table1_section(rows: list[dict], dataset: str) -> str:
         return f"{pm(r['acc_mean'], r['acc_std'])}{last}{paper}"
 
     rows = [r for r in rows if r["dataset"] == dataset]
-    return table1(rows, PAGE_TABLE1, _setting("alpha={:g}, beta={:.0f}%"), cell)
+    return table1(rows, PAGE_TABLE1, _head("alpha={:g}, beta={:.0f}%"), cell)
 
 
 def sensitivity_section(rows: list[dict]) -> str:
@@ -792,15 +790,12 @@ def fig2_section(claims: dict[str, Any], dataset: str = "fashion_mnist") -> str:
     seeds (``claims.json``'s C3 values)."""
     glob, test = (claims[dataset][f"C3_final_{k}_per_tau"] for k in ("global_loss", "test_loss"))
     taus = " / ".join(next(iter(test.values())))
-    body = [
-        [
-            setting.replace("a=", "alpha=").replace("b=", "beta="),
-            " / ".join(f"{v:.4f}" for v in glob[setting].values()),
-            " / ".join(f"{v:.5f}" for v in test[setting].values()),
-        ]
-        for setting in test
+    cols = [
+        Col("setting", lambda s: s.replace("a=", "alpha=").replace("b=", "beta=")),
+        Col(f"global loss, tau = {taus}", lambda s: " / ".join(f"{v:.4f}" for v in glob[s].values())),
+        Col(f"test loss, tau = {taus}", lambda s: " / ".join(f"{v:.5f}" for v in test[s].values())),
     ]
-    return markdown_table(["setting", f"global loss, tau = {taus}", f"test loss, tau = {taus}"], body)
+    return layout(cols, list(test))
 
 
 def paired_power(delta: float, sd: float, n: int, level: float = 0.95) -> float:
