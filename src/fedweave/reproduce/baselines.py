@@ -47,11 +47,11 @@ class Method:
 
 
 # The page's methods, in its order: the global ones, then the personalized ones; adding a method is adding its name.
-GLOBAL = "fedavg fedprox scaffold fedadam fedyogi fedadagrad fedavgm fedcm feddyn fedsam mofedsam fedmim fednova"
-GLOBAL += " fedexp moon fedlc qfedavg afl"
-PERSONAL = "fedper fedrep lg_fedavg apfl ditto_star pfedme perfedavg fedbn"
+GLOBAL = ["fedavg", "fedprox", "scaffold", "fedadam", "fedyogi", "fedadagrad", "fedavgm", "fedcm", "feddyn", "fedsam"]
+GLOBAL += ["mofedsam", "fedmim", "fednova", "fedexp", "moon", "fedlc", "qfedavg", "afl"]
+PERSONAL = ["fedper", "fedrep", "lg_fedavg", "apfl", "ditto_star", "pfedme", "perfedavg", "fedbn"]
 MODELS = {"fedbn": {"norm": "batch"}}
-METHODS = [Method(k, k in PERSONAL.split(), MODELS.get(k, {})) for k in f"{GLOBAL} {PERSONAL}".split()]
+METHODS = [Method(k, k in PERSONAL, MODELS.get(k, {})) for k in GLOBAL + PERSONAL]
 BY_KEY = {m.key: m for m in METHODS}
 
 # the label-skewed splits of the page: Dirichlet(0.1) over clients per class, and exactly 2 classes per client
