@@ -27,7 +27,6 @@ from fedweave.experiments.tables import Col, layout, markdown_table, read_csv
 from fedweave.experiments.verdicts import All, Paired, Select, Threshold, Untestable, cell
 from fedweave.runner import Result
 
-LABELS = {"fsl_mc": "FSL_MC", "fsl_oc": "FSL_OC (+clip)", "fsl_an": "FSL_AN", "cse_fsl": "CSE-FSL"}
 NONIID_NOTE = ", its non-IID column: 2 label-sorted shards per client"
 NONIID_GAP = 3.0  # C8: "well below" FSL_MC = further below than C2's "similar accuracy" tolerance of 3 pp
 
@@ -62,50 +61,22 @@ class Preset:
 
 
 def preset(scale: str, dataset: str) -> Preset:
+    """The preset of ``scale`` on ``dataset``: ``Preset(dataset, model, clients, batch_size, lr, rounds, hs, random_h,
+    target, seeds, ...)``."""
     if scale == "paper":
-        # spec §3: random 24×24 crops and flips to train, the centre crop to test (q = 2304)
-        cifar = {"name": "cifar10", "stats": "half"}  # the authors' Normalize(0.5, 0.5) (docs/algorithms/split.md)
-        return Preset(
-            cifar,
-            {"name": "split_cifar", "aux": "mlp", "init": "normal", "crop": 24},
-            5,
-            50,
-            0.15,
-            200,
-            [5, 10, 25, 50],
-            5,
-            0.70,
-            5,
-            {"lr_decay": 0.99, "augment": ["crop", "flip"], "crop_size": 24, "crop_padding": 0},
-            {"lr_decay_every": 10},
-        )
+        # spec §3: random 24×24 crops and flips to train, the centre crop to test (q = 2304); the authors'
+        # Normalize(0.5, 0.5) (docs/algorithms/split.md)
+        model = {"name": "split_cifar", "aux": "mlp", "init": "normal", "crop": 24}
+        local = {"lr_decay": 0.99, "augment": ["crop", "flip"], "crop_size": 24, "crop_padding": 0}
+        cifar = {"name": "cifar10", "stats": "half"}
+        return Preset(cifar, model, 5, 50, 0.15, 200, [5, 10, 25, 50], 5, 0.70, 5, local, {"lr_decay_every": 10})
     if dataset == "digits":  # spec §9.3: 1,400 train / 397 test, 5 × 280, B = 10 → M_i = 28
-        p = Preset(
-            {"name": "digits", "as_image": True, "test_fraction": 0.2213},
-            {"name": "split_small"},
-            5,
-            10,
-            0.05,
-            30,
-            [1, 2, 4, 7, 14],
-            4,
-            0.90,
-            3,
-        )
+        data = {"name": "digits", "as_image": True, "test_fraction": 0.2213}
+        p = Preset(data, {"name": "split_small"}, 5, 10, 0.05, 30, [1, 2, 4, 7, 14], 4, 0.90, 3)
     elif dataset in ("fashion_mnist", "mnist"):  # 5 × 600, B = 20 → M_i = 30
+        data = {"name": dataset, "max_train": 3000, "max_test": 2000}
         target = 0.75 if dataset == "fashion_mnist" else 0.90
-        p = Preset(
-            {"name": dataset, "max_train": 3000, "max_test": 2000},
-            {"name": "split_small", "width": 16},
-            5,
-            20,
-            0.1,
-            15,
-            [1, 5, 15],
-            5,
-            target,
-            3,
-        )
+        p = Preset(data, {"name": "split_small", "width": 16}, 5, 20, 0.1, 15, [1, 5, 15], 5, target, 3)
     else:  # any registered image dataset (tests use a synthetic one); smoke-sized
         p = Preset({"name": dataset}, {"name": "split_small"}, 5, 10, 0.05, 2, [1, 4], 4, 0.5, 1)
     if scale == "smoke":
@@ -147,24 +118,6 @@ def split_facts(config: RunConfig) -> tuple[SplitSizes, list[int]]:
 
     algo = build_algorithm(RunContext(config))
     return algo.split_sizes, [len(part) for part in algo.ctx.partition]
-
-
-def collect(point: Point, res: Result, facts: tuple[SplitSizes, list[int]]) -> dict[str, Any]:
-    if not res.metrics:
-        raise SystemExit(f"{res.run_dir}: the run diverged before its first evaluation; nothing to tabulate")
-    algo = point.config.algorithm
-    return {
-        "key": dict(point.values)["key"],
-        "seed": point.seed,
-        "method": algo.name,
-        "h": algo.options.get("h", 1),
-        "status": res.summary["status"],
-        "run_dir": str(res.run_dir),
-        "rows": res.metrics,
-        "sizes": facts[0],
-        "samples": facts[1],
-        "wall": res.summary["wall_seconds"],
-    }
 
 
 # ---- summaries ---------------------------------------------------------------------------------------------
@@ -301,16 +254,22 @@ def _c8(table, p):
     return f"{cse['accuracy']:.2f} vs {mc['accuracy']:.2f} % ({gap:+.2f} pp)", gap < -NONIID_GAP
 
 
+def _order(p: Preset) -> dict[str, str]:
+    """C9's order of Table V's non-IID column, best first: method -> its name in the verdict."""
+    return {
+        "fsl_mc": "FSL_MC",
+        "fsl_an": "FSL_AN",
+        "fsl_oc": "FSL_OC",
+        f"cse_fsl h={p.random_h}": f"CSE-FSL h={p.random_h}",
+    }
+
+
 def _c9(table, p):
-    if not (cse := _noniid_cse(table, p)):
+    if not _noniid_cse(table, p):
         return None
-    by = _by(table)
-    order = [by["fsl_mc"], by["fsl_an"], by["fsl_oc"], cse]
-    name = dict(zip(map(id, order), ["FSL_MC", "FSL_AN", "FSL_OC", f"CSE-FSL h={p.random_h}"], strict=True))
-    ranked = sorted(order, key=lambda t: -t["accuracy"])
-    return " > ".join(f"{name[id(t)]} {t['accuracy']:.2f}" for t in ranked), all(
-        a["accuracy"] > b["accuracy"] for a, b in zip(order, order[1:])
-    )
+    acc = {m: _by(table)[m]["accuracy"] for m in _order(p)}
+    ranked = " > ".join(f"{_order(p)[m]} {acc[m]:.2f}" for m in sorted(acc, key=lambda m: -acc[m]))
+    return ranked, all(a > b for a, b in zip(acc.values(), list(acc.values())[1:]))
 
 
 def seed_records(md: str) -> list[dict[str, Any]]:
@@ -334,8 +293,15 @@ def below(method: str, pp: float) -> Select:
     return cell(method=method) - pp
 
 
-def _seeds(table, p: Preset) -> list[dict[str, Any]]:
-    return p.records
+def _c9_rule(table, p) -> All:
+    """Each method of C9's order above the next, paired by seed ("MC > AN", "AN > OC", "OC > CSE")."""
+    ms, short = list(_order(p)), [n.removeprefix("FSL_").split("-")[0] for n in _order(p).values()]
+    return All(tuple((f"{a} > {b}", _acc(x, y)) for a, b, x, y in zip(short, short[1:], ms, ms[1:])))
+
+
+def seeded(text, rule, declared) -> Claim:
+    """A claim whose declared rule reads the per-seed final accuracies (``Preset.records``)."""
+    return Claim(text, rule, declared=declared, records=lambda t, p: p.records)
 
 
 def _closed_forms(table, p) -> Threshold:
@@ -361,13 +327,12 @@ CLAIMS = [
         declared=_closed_forms,
         records=lambda t, p: [{"mismatches": sum(not r["load_exact"] for r in t)}],
     ),
-    Claim(
+    seeded(
         "C2 CSE-FSL with small h within 3 pp of FSL_AN at equal rounds",
         _c2,
-        declared=lambda t, p: All(
+        lambda t, p: All(
             tuple((f"{x['method']} vs FSL_AN - 3 pp", _acc(x["method"], below("fsl_an", 3.0))) for x in _mid(t))
         ),
-        records=_seeds,
     ),
     Claim(
         lambda t, p: f"C3 less load to reach {100 * p.target:.0f} % test accuracy: CSE (h>1) < FSL_AN < FSL_MC",
@@ -380,40 +345,28 @@ CLAIMS = [
         declared=Threshold("ratio", "<", 0.4, unit="× FSL_AN's storage"),
         records=lambda t, p: [{"ratio": _cse(t)[0]["storage_m"] / _by(t)["fsl_an"]["storage_m"]}],
     ),
-    Claim(
+    seeded(
         "C6 ordered vs randomly ordered server within 1.5 pp (Fig. 6)",
         _c6,
-        records=_seeds,
-        declared=lambda t, p: (lambda r: _acc(r.replace(" random", ""), r, "within", 1.5))(
+        lambda t, p: (lambda r: _acc(r.replace(" random", ""), r, "within", 1.5))(
             next(x["method"] for x in t if "random" in x["method"])
         ),
     ),
-    Claim(
-        "C7 CSE-FSL h=1 >= FSL_OC (+clip) - 1 pp (testable only if FSL_OC is > 1 pp below FSL_MC/AN)",
-        _c7,
-        declared=_c7_rule,
-        records=_seeds,
+    seeded(
+        "C7 CSE-FSL h=1 >= FSL_OC (+clip) - 1 pp (testable only if FSL_OC is > 1 pp below FSL_MC/AN)", _c7, _c7_rule
     ),
-    Claim(
+    seeded(
         lambda t, p: (
             f"C8 non-IID: CSE-FSL h={p.random_h} more than {NONIID_GAP:g} pp below FSL_MC "
             "(paper, h=5: 42.33 vs 61.17 %)"
         ),
         _c8,
-        declared=lambda t, p: _acc(f"cse_fsl h={p.random_h}", "fsl_mc", "less", NONIID_GAP),
-        records=_seeds,
+        lambda t, p: _acc(f"cse_fsl h={p.random_h}", "fsl_mc", "less", NONIID_GAP),
     ),
-    Claim(
+    seeded(
         lambda t, p: f"C9 non-IID ordering of Table V: FSL_MC > FSL_AN > FSL_OC > CSE-FSL h={p.random_h}",
         _c9,
-        declared=lambda t, p: All(
-            (
-                ("MC > AN", _acc("fsl_mc", "fsl_an")),
-                ("AN > OC", _acc("fsl_an", "fsl_oc")),
-                ("OC > CSE", _acc("fsl_oc", f"cse_fsl h={p.random_h}")),
-            )
-        ),
-        records=_seeds,
+        _c9_rule,
     ),
 ]
 
@@ -424,33 +377,27 @@ def claims(table: list[dict[str, Any]], p: Preset) -> list[Verdict]:
     return [v for c in CLAIMS if (v := c.criterion(table, p)) is not None]
 
 
-def _fmt(v: Any, nd: int = 2) -> str:
-    if v is None:
-        return "—"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        return f"{v:.{nd}f}"
-    return str(v)
-
-
-COLUMNS = [
-    ("method", "method"),
-    ("accuracy", "acc (%)"),
-    ("accuracy_std", "± std"),
-    ("load_gib", "load (GiB)"),
-    ("load_ratio", "load / FSL_MC"),
-    ("storage_m", "storage (M)"),
-    ("server_copies", "server copies"),
-    ("load_to_target_gib", "load to target (GiB)"),
-    ("paper_acc", "paper acc IID (%)"),
-    ("paper_load", "paper load (GiB)"),
-    ("paper_load_ratio", "paper load / FSL_MC"),
-    ("paper_storage", "paper storage (M)"),
-]
+def columns(noniid: bool = False) -> list[Col]:
+    """Table V's columns in ``table.md``; their keys are ``table.csv``'s first columns."""
+    nd = lambda header, key, digits=2: Col(header, key, f".{digits}f")  # noqa: E731
+    return [
+        Col("method", "method"),
+        nd("acc (%)", "accuracy"),
+        nd("± std", "accuracy_std"),
+        nd("load (GiB)", "load_gib", 5),
+        nd("load / FSL_MC", "load_ratio", 3),
+        nd("storage (M)", "storage_m", 4),
+        Col("server copies", "server_copies"),
+        nd("load to target (GiB)", "load_to_target_gib", 5),
+        nd(f"paper acc {'non-IID' if noniid else 'IID'} (%)", "paper_acc"),
+        nd("paper load (GiB)", "paper_load"),
+        nd("paper load / FSL_MC", "paper_load_ratio", 3),
+        nd("paper storage (M)", "paper_storage"),
+    ]
 
 
 def markdown(table, verdicts, p: Preset, scale: str, seeds: list[int], wall: float) -> str:
+    """``table.md``: Table V, the claims and the per-seed final accuracies."""
     lines = [
         "# CSE-FSL reproduction (Table V / Fig. 9 style)",
         "",
@@ -459,13 +406,14 @@ def markdown(table, verdicts, p: Preset, scale: str, seeds: list[int], wall: flo
         f"The paper's columns are its CIFAR-10 Table V (5 clients, 200 epochs{NONIID_NOTE if p.noniid else ''}); "
         "accuracies are not comparable across datasets, the load *ratios* and the storage structure are.",
         "",
+        layout(columns(p.noniid), table),
+        "## Claims (spec §9.3)",
+        "",
+        verdict_table(verdicts).rstrip("\n"),
+        "",
+        "Per-seed final accuracies (%):",
+        "",
     ]
-    nd = {"load_gib": 5, "storage_m": 4, "load_to_target_gib": 5, "load_ratio": 3, "paper_load_ratio": 3}
-    body = [[_fmt(t[k], nd.get(k, 2)) for k, _ in COLUMNS] for t in table]
-    header = [h.replace("IID", "non-IID") if k == "paper_acc" and p.noniid else h for k, h in COLUMNS]
-    lines += [markdown_table(header, body), "## Claims (spec §9.3)", ""]
-    lines += [verdict_table(verdicts).rstrip("\n")]
-    lines += ["", "Per-seed final accuracies (%):", ""]
     lines += [f"- {t['method']}: {', '.join(f'{a:.2f}' for a in t['accs'])}" for t in table]
     return "\n".join(lines) + "\n"
 
@@ -479,24 +427,13 @@ def plots(results: list[dict[str, Any]], out: Path) -> None:
     curves = {k: [r["rows"] for r in rs] for k, rs in group(results, lambda r: r["key"]).items()}
     styles = {k: {"ls": "--"} for k in curves if "random" in k}
     common = {"y": "test_accuracy", "yscale": 100, "ylabel": "test accuracy (%), mean over seeds", "styles": styles}
-    plot_curves(
-        curves,
-        out / "fig9_accuracy_vs_load.png",
-        x="load_bytes",
-        xscale=1 / GIB,
-        logx=True,
-        xlabel="communication load (GiB, labels excluded)",
-        **common,
-    )
-    plot_curves(curves, out / "accuracy_vs_rounds.png", x="round", xlabel="round (epoch)", **common)
-    plot_curves(
-        curves,
-        out / "accuracy_vs_uploads.png",
-        x="smashed_uploads_per_client",
-        logx=True,
-        xlabel="smashed-data uploads per client",
-        **common,
-    )
+    figures = {  # file -> x, its label, whether its axis is logarithmic, its scale
+        "fig9_accuracy_vs_load": ("load_bytes", "communication load (GiB, labels excluded)", True, 1 / GIB),
+        "accuracy_vs_rounds": ("round", "round (epoch)", False, 1.0),
+        "accuracy_vs_uploads": ("smashed_uploads_per_client", "smashed-data uploads per client", True, 1.0),
+    }
+    for name, (x, xlabel, logx, xscale) in figures.items():
+        plot_curves(curves, out / f"{name}.png", x=x, xlabel=xlabel, logx=logx, xscale=xscale, **common)
 
 
 def plan(opts) -> Plan:
@@ -510,10 +447,25 @@ def plan(opts) -> Plan:
 def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
     """A run as a record: its rows with the split model's sizes and the clients' samples (the same for every
     method at one data, model and seed: built once per those)."""
+    if not res.metrics:
+        raise SystemExit(f"{res.run_dir}: the run diverged before its first evaluation; nothing to tabulate")
     c, facts = point.config, plan.context[2]
     key = json.dumps([c.dataset.to_dict(), c.partition.to_dict(), c.model.to_dict(), c.seed], sort_keys=True)
-    facts.setdefault(key, split_facts(c))
-    return collect(point, res, facts[key])
+    if key not in facts:
+        facts[key] = split_facts(c)
+    sizes, samples = facts[key]
+    return {
+        "key": dict(point.values)["key"],
+        "seed": point.seed,
+        "method": c.algorithm.name,
+        "h": c.algorithm.options.get("h", 1),
+        "status": res.summary["status"],
+        "run_dir": str(res.run_dir),
+        "rows": res.metrics,
+        "sizes": sizes,
+        "samples": samples,
+        "wall": res.summary["wall_seconds"],
+    }
 
 
 def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Report:
@@ -522,7 +474,7 @@ def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Repo
     table = summarize(results, p)
     md = markdown(table, claims(table, p), p, opts.scale, seeds, wall)
     status = 0 if all(t["load_exact"] for t in table) else 1
-    files = {"table.md": md, "table.csv": Rows(table, [k for k, _ in COLUMNS] + CSV_EXTRA)}
+    files = {"table.md": md, "table.csv": Rows(table, [c.value for c in columns()] + CSV_EXTRA)}
     return Report(files, "table.md", status, figures=lambda out: plots(results, out))
 
 
