@@ -234,7 +234,7 @@ def _best(rows: list[dict], prefix: str = "") -> dict | None:
 
 
 def _rho(method: str) -> float:
-    return float(method.split("rho=")[1].split()[0])
+    return float(method.split("rho=")[1])
 
 
 def _fmt(v: Any) -> str:
@@ -404,18 +404,21 @@ def claims(aggs: list[dict], raw: list[dict] | None) -> list[tuple[str, str, str
 NO_SEEDS = "no per-seed records (summary.csv holds medians over the seeds)"
 
 
-# ---- the tables: one per problem (summary.md's, the page's synthetic one) and the claims -----------------
+# ---- the tables: summary.md's sections, each also the page's block of the same data ---------------------
 def _short(method: str) -> str:
-    """A method as the tables name it: ``CFL-SAGA ρ=1e4``, ``GT-SAGA SR 0.05``, then a step size of the grid."""
-    method, _, alpha = method.partition(" alpha=")
+    """A method as the tables name it: ``CFL-SAGA ρ=1e4``, ``GT-SAGA SR 0.05``."""
     if method == "CFL-ADMM (reconstructed, exact local gradients) SR=0.3":
-        name = "CFL-ADMM (reconstr., exact local grads)"
-    elif method.startswith("CFL-SAGA rho="):
+        return "CFL-ADMM (reconstr., exact local grads)"
+    if method.startswith("CFL-SAGA rho="):
         rho = _rho(method)
-        name = "CFL-SAGA ρ=" + (f"{rho:g}" if rho < 1000 else f"1e{round(math.log10(rho))}")
-    else:
-        name = method.replace("=", " ", 1) if method.startswith(("GT-", "CFL-ADMM")) else method
-    return f"{name} α={alpha}" if alpha else name
+        return "CFL-SAGA ρ=" + (f"{rho:g}" if rho < 1000 else f"1e{round(math.log10(rho))}")
+    return method.replace("=", " ", 1) if method.startswith(("GT-", "CFL-ADMM")) else method
+
+
+def _it_up(a: dict, bold: bool = False) -> str:
+    """Iterations / uploads to 1e-8 (the uploads in bold where ``bold``), or – where the run did not reach it."""
+    up = f"**{a[DEEP]:,.0f}**" if bold else f"{a[DEEP]:,.0f}"
+    return f"{a[IT]:.0f} / {up}" if a.get(DEEP) else "–"
 
 
 def problem_table(aggs: list[dict], problem: str) -> str:
@@ -445,21 +448,65 @@ def problem_table(aggs: list[dict], problem: str) -> str:
     return markdown_table([*header, "reduction", "uploads/it", "ms/it"], body)
 
 
+REAL_NAMES = {"adult": "Adult (a9a)", "mushroom": "Mushroom", "breast_cancer": "breast cancer (10 × 5 users)"}
+
+
+def real_section(aggs: list[dict]) -> str:
+    """The real problems' tables (``problem_table``), each after its data set's name; "" where none ran."""
+    ran = {a["problem"] for a in aggs}
+    return "\n".join(f"{name}:\n\n{problem_table(aggs, p)}" for p, name in REAL_NAMES.items() if p in ran)
+
+
+def alpha_section(aggs: list[dict]) -> str:
+    """The step-size grid (the ``synthetic, alpha grid`` rows): per method and alpha, iterations / uploads to
+    1e-8, each method's fewest uploads in bold; CFL-SAGA first; "" where the grid did not run."""
+    rows = [(*a["method"].rsplit(" alpha=", 1), a) for a in aggs if a["problem"] == "synthetic, alpha grid"]
+    alphas, body = list(dict.fromkeys(alpha for _, alpha, _ in rows)), []
+    by = group(rows, lambda r: r[0])
+    for method in sorted(by, key=lambda m: not m.startswith("CFL-SAGA")):  # stable: the others in order
+        best = _best([a for _, _, a in by[method]])
+        cells = {alpha: _it_up(a, a is best) for _, alpha, a in by[method]}
+        body.append([_short(method), *(cells.get(alpha, "–") for alpha in alphas)])
+    return markdown_table(["method", *alphas], body) if body else ""
+
+
+X_STAR_NAMES = {"adult": "Adult (16,281 test rows)", "mushroom": "Mushroom", "breast_cancer": "breast cancer"}
+
+
+def x_star_section(raw: list[dict]) -> str:
+    """The test accuracy of x* per real problem (the per-seed records) and whether every run that reached 1e-8
+    has it (to 4 decimals), or which runs do not; "" where no real problem ran."""
+    real = [r for r in raw if "test_accuracy_x_star" in r]
+    if not real:
+        return ""
+    star = {r["problem"]: r["test_accuracy_x_star"] for r in real}
+    rows = [[name, f"{star[p]:.4f}"] for p, name in X_STAR_NAMES.items() if p in star]
+    table = markdown_table(["data set", "test accuracy of x\\*"], rows)
+    off = [r for r in real if r.get(IT) and round(r["test_accuracy"], 4) != round(star[r["problem"]], 4)]
+    if not off:
+        return table + "\nEvery run that reached 1e-8 has the same test accuracy as x\\*.\n"
+    runs = ", ".join(f"{r['problem']} {r['method']} ({r['test_accuracy']:.4f})" for r in off)
+    return table + f"\nRuns that reached 1e-8 without the test accuracy of x\\*: {runs}.\n"
+
+
 def claims_table(aggs: list[dict], raw: list[dict] | None) -> str:
-    """The claims' table (``claims``): summary.md's last table and the page's."""
+    """The claims' table (``claims``)."""
     return markdown_table(CLAIM_COLUMNS, claims(aggs, raw))
 
 
-# ---- the page's other sections -------------------------------------------------------------------------
+# ---- the page's blocks: the small preset's sections, the paper scale's claims and checks -----------------
 def sections(folder: Path) -> dict[str, str]:
     """docs/reproductions/cfl-saga.md's generated sections, from the committed small (``summary.csv``) and paper
     scale (``paper/summary.csv``, ``paper/raw.json``) records: the claims judged again, the tables and checks."""
     small, paper = read_csv(folder / "summary.csv"), read_csv(folder / "paper" / "summary.csv")
     raw = json.loads((folder / "paper" / "raw.json").read_text(encoding="utf-8"))
     out = {"claims-paper": claims_table(paper, raw), "synthetic": problem_table(small, "synthetic")}
-    out["real"], out["real-rho"] = real_sections(small)
-    out |= {"pilot": pilot_section(small), "alpha": alpha_section(small), "alpha-ratios": alpha_ratios(small)}
-    out |= {"runs": runs_section(folder), "runs-paper": runs_section(folder / "paper")}
+    out |= {"real": real_section(small), "pilot": pilot_section(small), "alpha": alpha_section(small)}
+    out |= {
+        "alpha-ratios": alpha_ratios(small),
+        "runs": runs_section(folder),
+        "runs-paper": runs_section(folder / "paper"),
+    }
     sigma = {r["topology"]: r["sigma"] for r in _synthetic(raw)}  # sigma = ||W - 11^T/N||_2 as the runs record it
     out["graphs"] = "  " + ", ".join(f"{topo} {sigma[topo]:.3f}" for topo in GRAPHS) + ".\n  "  # in a list item
     return out | {"runtime": runtime_section(paper), "x-star": x_star_section(raw)}
@@ -550,81 +597,6 @@ def runtime_section(paper: list[dict]) -> str:
     return markdown_table(["method", "CPU time for 1000 iterations", "wall time"], rows)
 
 
-X_STAR_NAMES = {"adult": "Adult (16,281 test rows)", "mushroom": "Mushroom", "breast_cancer": "breast cancer"}
-
-
-def x_star_section(raw: list[dict]) -> str:
-    """The test accuracy of x* per real problem (the paper scale's ``raw.json``) and whether every run that
-    reached 1e-8 has it (to 4 decimals), or which runs do not."""
-    real = [r for r in raw if "test_accuracy_x_star" in r]
-    star = {p: next(r["test_accuracy_x_star"] for r in real if r["problem"] == p) for p in X_STAR_NAMES}
-    table = markdown_table(
-        ["data set", "test accuracy of x\\*"], [[n, f"{star[p]:.3f}"] for p, n in X_STAR_NAMES.items()]
-    )
-    off = [r for r in real if r.get("iters_1e-08") and round(r["test_accuracy"], 4) != round(star[r["problem"]], 4)]
-    if not off:
-        return table + "\nEvery run that reached 1e-8 has the same test accuracy as x\\*.\n"
-    runs = ", ".join(f"{r['problem']} {r['method']} ({r['test_accuracy']:.4f})" for r in off)
-    return table + f"\nRuns that reached 1e-8 without the test accuracy of x\\*: {runs}.\n"
-
-
-def _it_up(a: dict, bold: bool = False) -> str:
-    """Iterations / uploads to 1e-8 (the uploads in bold where ``bold``), or – where the run did not reach it."""
-    up = f"**{a[DEEP]:,.0f}**" if bold else f"{a[DEEP]:,.0f}"
-    return f"{a[IT]:.0f} / {up}" if a.get(DEEP) else "–"
-
-
-REAL_NAMES = {"adult": "Adult (a9a)", "mushroom": "Mushroom", "breast_cancer": "breast cancer (10 × 5 users)"}
-REAL_HEAD = [
-    "data set",
-    "GT-SAGA (best SR): it / uploads",
-    "CFL-SAGA ρ=0",
-    "CFL-SAGA best ρ",
-    "reduction vs best GT-SAGA",
-]
-
-
-def real_sections(aggs: list[dict]) -> tuple[str, str]:
-    """The page's real-data tables (``summary.csv``, one seed): per data set the best GT-SAGA, CFL-SAGA at
-    rho = 0 and its best rho (iterations / uploads to 1e-8; fewest uploads) with the reduction of uploads; and
-    the best rho with the rhos of the grid that did not reach 1e-8 (the final gap they stopped at)."""
-    body, rho_body = [], []
-    for problem, name in REAL_NAMES.items():
-        rows = [a for a in aggs if a["problem"] == problem]
-        gt, cfl = _of(rows, "GT-SAGA"), _of(rows, "CFL-SAGA rho=")
-        best_g, best, zero = _best(gt), _best(cfl), _it_up(_method(cfl, "CFL-SAGA rho=0"))
-        stuck = "".join(f" ({_short(a['method'])}: {_stopped(a, '.0e')})" for a in gt if not a.get(DEEP))
-        gt_cell, rho = f"{_short(best_g['method'])}: {_it_up(best_g, True)}{stuck}", _rho_label(best["method"])
-        body.append([name, gt_cell, zero, f"{rho}: {_it_up(best, True)}", f"{best_g[DEEP] / best[DEEP]:.1f}×"])
-        failed = ", ".join(f"{_rho_label(a['method'])} ({_stopped(a, '.2g')})" for a in cfl if not a.get(DEEP))
-        rho_body.append([name.split(" (")[0], rho, failed or "—"])
-    return markdown_table(REAL_HEAD, body), markdown_table(
-        ["data set", "best ρ", "ρ that did not reach 1e-8"], rho_body
-    )
-
-
-def _stopped(a: dict, gap: str) -> str:
-    """Where a run that did not reach 1e-8 stopped: its final gap (formatted by ``gap``) and iterations."""
-    return f"opg {a['final_opt_gap']:{gap}} after {a['iterations']:,.0f} it"
-
-
-def _rho_label(method: str) -> str:
-    return _short(method).removeprefix("CFL-SAGA ")
-
-
-def alpha_section(aggs: list[dict]) -> str:
-    """The page's step-size grid (``summary.csv``'s ``synthetic, alpha grid`` rows): per method and alpha,
-    iterations / uploads to 1e-8, each method's fewest uploads in bold; CFL-SAGA first."""
-    rows = [(*a["method"].rsplit(" alpha=", 1), a) for a in aggs if a["problem"] == "synthetic, alpha grid"]
-    alphas, body = list(dict.fromkeys(alpha for _, alpha, _ in rows)), []
-    by = group(rows, lambda r: r[0])
-    for method in sorted(by, key=lambda m: not m.startswith("CFL-SAGA")):  # stable: the others in order
-        best = _best([a for _, _, a in by[method]])
-        cells = {alpha: _it_up(a, a is best) for _, alpha, a in by[method]}
-        body.append([_short(method), *(cells.get(alpha, "–") for alpha in alphas)])
-    return markdown_table(["method", *alphas], body)
-
-
 # CFL-SAGA settings drawn beside the baselines: the paper's rho = 10 and the calibrated 1e4 and 1e6
 SHOWN = {"CFL-SAGA rho=10", "CFL-SAGA rho=10000", "CFL-SAGA rho=1e+06"}
 FIGURES = {  # Figs. 3, 4 and 6-7 per problem and graph: the methods each draws
@@ -671,9 +643,9 @@ COMMANDS = re.compile(r"^Command: `(fedweave reproduce cfl-saga .+)`: wall time 
 
 
 def summary_md(aggs: list[dict], raw: list[dict] | None, meta: dict) -> str:
-    """summary.md: the commands, the settings, the table of every problem (``problem_table``) and the claims'
-    (``claims_table``) of the medians ``aggs`` and the per-seed records ``raw`` (None where only the medians
-    are kept: the claims are then untestable by their declared rules, and x*'s test accuracy is left out)."""
+    """summary.md: the commands, the settings and the sections the page shows of the medians ``aggs`` and the
+    per-seed records ``raw`` (None where only the medians are kept: the claims are then untestable by their
+    declared rules, and x*'s test accuracy is left out)."""
     scale, seeds = meta["scale"], meta["seeds"]
     md = [f"# CFL-SAGA reproduction ({scale})", ""]
     if scale == "smoke":
@@ -687,11 +659,14 @@ def summary_md(aggs: list[dict], raw: list[dict] | None, meta: dict) -> str:
         "per-seed records, paired by seed.",
         "",
     ]
-    for prob in sorted({a["problem"] for a in aggs}, key=lambda p: (p != "synthetic", p)):  # not set order
-        md += [f"## {prob}", "", problem_table(aggs, prob)]
-        acc = [r["test_accuracy_x_star"] for r in raw or [] if r["problem"] == prob and "test_accuracy_x_star" in r]
-        md += [f"Test accuracy of x* (the optimum every method approaches): {acc[0]:.4f}.", ""] if acc else []
-    return "\n".join([*md, "## The paper's claims (synthetic problem)", "", claims_table(aggs, raw)])
+    parts = {
+        "synthetic": problem_table(aggs, "synthetic"),
+        "real data (one seed, random graph)": real_section(aggs),
+        "step-size grid (one seed, random graph)": alpha_section(aggs),
+        "test accuracy of x*": x_star_section(raw or []),
+        "The paper's claims (synthetic problem)": claims_table(aggs, raw),
+    }
+    return "\n".join(md + [f"## {title}\n\n{text}" for title, text in parts.items() if text])
 
 
 def study_plan(opts) -> Plan:
