@@ -12,7 +12,7 @@ import json
 import math
 import re
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import numpy as np
 from fedweave.experiments.aggregate import group, median_of, per_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Lines, plot_lines
-from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, judge, load_records, option, save_records
+from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, load_records, option, save_records
 from fedweave.experiments.tables import markdown_table, read_csv
 from fedweave.experiments.verdicts import All, Paired, Select, Threshold, Untestable, cell, median
 from fedweave.runner import Result
@@ -216,8 +216,8 @@ def _synthetic(rows: list[dict]) -> list[dict]:
     return [a for a in rows if a["problem"] == "synthetic"]
 
 
-def _on(topo: str, rows: list[dict]) -> list[dict]:
-    return [a for a in _synthetic(rows) if a["topology"] == topo]
+def _on(topo: str, rows: list[dict], problem: str = "synthetic") -> list[dict]:
+    return [a for a in rows if a["problem"] == problem and a["topology"] == topo]
 
 
 def _of(rows: list[dict], prefix: str) -> list[dict]:
@@ -241,23 +241,16 @@ def _fmt(v: Any) -> str:
     return "-" if v is None else f"{v:.0f}"
 
 
-# ---- the claims: each a criterion on the medians (``aggs``: what was measured, the verdict's words) and a
-# declared rule on the per-seed records (``raw.json``, the synthetic problem), paired by seed (the same seed:
-# the same problem, graph and sampling), 95 % paired t over the seeds (5 at the paper scale; too few for a
-# percentile bootstrap). The methods a claim compares are chosen by their medians. Minimum effects: the
-# criterion's own factors (10x for "orders of magnitude", 2.5x for "many more uploads", both on log10 of
-# uploads), its bounds (20 uploads per iteration, 20 % of users), 0 for orderings.
+# ---- the claims: each a declared rule on the synthetic problem's per-seed records (``raw.json``), paired by seed
+# (the same seed: the same problem, graph and sampling), 95 % paired t over the seeds (5 at the paper scale; too
+# few for a percentile bootstrap). The methods a rule compares are chosen by their medians, which its
+# ``measured`` gives. Minimum effects: 10x for "orders of magnitude", 2.5x for "many more uploads" (both on log10
+# of the uploads to 1e-8), the bounds 20 uploads per iteration and 20 % of users, 0 for orderings.
 @dataclass(frozen=True)
 class PaperClaim(Claim):
-    """A claim of §VIII with the paper's statement of it (the page's "paper" column)."""
+    """A claim of §VIII with the paper's statement of it (the claims table's "paper" column)."""
 
     paper: str = ""
-
-
-def _verdict(ok: bool, note: str = "", partial: bool = False) -> tuple[bool, str]:
-    """``held`` and the page's words for it: held, partly (``partial``) or did not hold, with a note."""
-    s = "held" if ok else ("partly" if partial else "did not hold")
-    return ok, f"{s} ({note})" if note else s
 
 
 def _pair(metric: str, a: str, b: str | float | Select, direction: str = "greater", min_effect=0.0, unit="") -> Paired:
@@ -268,14 +261,13 @@ def _pair(metric: str, a: str, b: str | float | Select, direction: str = "greate
 def _c1(aggs, _):
     cfl = _of(_synthetic(aggs), "CFL-SAGA")
     reached = [a for a in cfl if a.get(IT) is not None]
-    ok = [a for a in reached if (a.get("tail_r2") or 0) > 0.98]
-    low = "; ".join(f"{a['topology']} {a['method']}: R^2 {a['tail_r2']:.3f}" for a in reached if a not in ok)
+    low = [a for a in reached if not (a.get("tail_r2") or 0) > 0.98]
+    below = "; ".join(f"{a['topology']} {a['method']}: R^2 {a['tail_r2']:.3f}" for a in low)
     measured = (
         f"{len(reached)}/{len(cfl)} CFL-SAGA settings reach {DEEP[8:]} on every seed; median tail R^2 of "
-        f"log opg vs k > 0.98 for {len(ok)}" + (f" (below: {low})" if low else "")
+        f"log opg vs k > 0.98 for {len(reached) - len(low)}" + (f" (below: {below})" if below else "")
     )
-    all_reach = len(reached) == len(cfl)
-    return measured, *_verdict(all_reach and len(ok) >= len(cfl) - 2, "all reach the target", all_reach)
+    return measured, None
 
 
 def _unreached(aggs, raw) -> list[dict]:
@@ -283,40 +275,21 @@ def _unreached(aggs, raw) -> list[dict]:
 
 
 # The claims judged on one graph of the synthetic problem: ``judge(arg, on)``, ``on`` the graph's medians, gives
-# (measured, held, the verdict's words, the declared rule), or None where the medians cannot test the claim.
+# (measured, the declared rule), or None where the medians cannot test the claim.
 def _c2(topo, on):
     rows = sorted(_of(on, "CFL-SAGA"), key=lambda a: _rho(a["method"]))
-    ups, its = [a.get(DEEP) for a in rows], [a.get(IT) for a in rows]
-    mono = None not in ups and all(b <= a * 1.05 for a, b in zip(ups, ups[1:]))
-    slower = None not in its and its[-1] >= its[0]
     txt = ", ".join(f"{_rho(a['method']):g}: {_fmt(a.get(IT))} it / {_fmt(a.get(DEEP))} up" for a in rows)
     lo, hi = rows[0]["method"], rows[-1]["method"]  # the declared trade-off: between the rho grid's ends
     big, small = f"{_rho(hi):g}", f"{_rho(lo):g}"
     fewer_uploads = (f"uploads {big} < {small}", _pair(DEEP, hi, lo, "less"))
-    rule = All((fewer_uploads, (f"iterations {big} > {small}", _pair(IT, hi, lo))))
-    note = f"uploads fall with rho: {'yes' if mono else 'no'}; iterations rise: {'yes' if slower else 'no'}"
-    return txt, *_verdict(mono and slower, note, mono), rule
-
-
-def _c3(topo, on):
-    best_c, best_g, full = _best(on, "CFL-SAGA"), _best(on, "GT-SAGA"), _method(on, "CFL-SAGA rho=0")
-    if not (best_c and best_g):
-        return None
-    f = best_g[DEEP] / best_c[DEEP]
-    vs_full = full[DEEP] / best_c[DEEP] if full and full.get(DEEP) else math.nan
-    measured = (
-        f"best {best_c['method']} {best_c[DEEP]:.0f} vs best {best_g['method']} {best_g[DEEP]:.0f}: "
-        f"{f:.1f}x fewer; {vs_full:.1f}x fewer than full upload"
-    )
-    rule = _pair("log_up", best_g["method"], best_c["method"], min_effect=1.0, unit="log10")
-    return measured, *_verdict(f >= 10, ">= 10x", f >= 5), rule
+    return txt, All((fewer_uploads, (f"iterations {big} > {small}", _pair(IT, hi, lo))))
 
 
 def _c4(topo, on):
     if not ((best_c := _best(on, "CFL-SAGA")) and _best(on, "GT-SAGA")):
         return None
-    per_it, rule = best_c[PER_IT], _pair(PER_IT, best_c["method"], 20, "less", unit="above 20")
-    return f"{best_c['method']}: {per_it:.1f} per iteration", *_verdict(per_it < 20), rule
+    rule = _pair(PER_IT, best_c["method"], 20, "less", unit="above 20")
+    return f"{best_c['method']}: {best_c[PER_IT]:.1f} per iteration", rule
 
 
 def _c5(topo, on):
@@ -324,37 +297,41 @@ def _c5(topo, on):
     if not (c10 and g45 and topo in ("random", "full")):
         return None
     fastest = min((a for a in (c10, mid) if a and a.get(IT) is not None), key=lambda a: a[IT], default=None)
-    ok = fastest is not None and g45.get(IT) is not None and fastest[IT] <= g45[IT]
     measured = f"rho=10: {_fmt(c10.get(IT))}, rho=1e4: {_fmt(mid and mid.get(IT))}, GT-SAGA 0.45: {_fmt(g45.get(IT))}"
     rule = _pair(IT, fastest["method"], "GT-SAGA SR=0.45", "less") if fastest else Untestable("no run reached 1e-08")
-    return measured, *_verdict(ok), rule
+    return measured, rule
 
 
 def _c8(topo, on):
     if not ((c10 := _method(on, "CFL-SAGA rho=10")) and c10.get("upload_fraction") is not None):
         return None
     measured = f"uploads {100 * c10['upload_fraction']:.0f}% of users per iteration (full upload: 100%)"
-    rule = _pair("upload_fraction", "CFL-SAGA rho=10", 0.2, "less", unit="above 0.2")
-    return measured, *_verdict(c10["upload_fraction"] < 0.2, "< 20% of users"), rule
+    return measured, _pair("upload_fraction", "CFL-SAGA rho=10", 0.2, "less", unit="above 0.2")
 
 
-def _c6(prefix, on):
-    best_c, base, runs = _best(on, "CFL-SAGA"), _best(on, prefix), _of(on, prefix)
-    if best_c is None:
-        return None
-    if base is None:
-        txt = "; ".join(f"{a['method']}: opg {a['final_opt_gap']:.1e} after {a['iterations']:.0f} it" for a in runs)
-        word = "CFL-SAGA better (baseline did not reach the target)"
-        return f"did not reach {DEEP[8:]}: {txt}", True, word, Untestable(f"no {prefix} run reached 1e-08")
-    f = base[DEEP] / best_c[DEEP]
-    missed = ", ".join(a["method"] for a in runs if a.get(DEEP) is None)
-    measured = (
-        f"{base['method']}: {base[IT]:.0f} it / {base[DEEP]:.0f} up; best CFL-SAGA "
-        f"{best_c[IT]:.0f} it / {best_c[DEEP]:.0f} up ({f:.1f}x fewer)"
-        + (f"; did not reach {DEEP[8:]}: {missed}" if missed else "")
-    )
-    rule = _pair("log_up", base["method"], best_c["method"], min_effect=math.log10(2.5), unit="log10")
-    return measured, *_verdict(f >= 2.5, ">= 2.5x"), rule
+def _fewer(factor: float, family: str | None = None):
+    """The judge of "the best CFL-SAGA needs ``factor``x fewer uploads to 1e-8 than the best of ``family``" (the
+    claim's argument where None), on log10 of the uploads; untestable where no run of the family reached 1e-8."""
+
+    def judge(arg, on):
+        best_c, runs = _best(on, "CFL-SAGA"), _of(on, family or arg)
+        if not (best_c and runs):
+            return None
+        if (base := _best(runs)) is None:
+            txt = "; ".join(f"{a['method']}: opg {a['final_opt_gap']:.1e} after {a['iterations']:.0f} it" for a in runs)
+            return f"did not reach {DEEP[8:]}: {txt}", Untestable(f"no {family or arg} run reached 1e-08")
+        missed = ", ".join(a["method"] for a in runs if a.get(DEEP) is None)
+        full = _method(on, "CFL-SAGA rho=0")
+        vs_full = f"; {full[DEEP] / best_c[DEEP]:.1f}x fewer than full upload" if full and full.get(DEEP) else ""
+        measured = (
+            f"{base['method']}: {base[IT]:.0f} it / {base[DEEP]:.0f} up; best CFL-SAGA "
+            f"{best_c[IT]:.0f} it / {best_c[DEEP]:.0f} up ({base[DEEP] / best_c[DEEP]:.1f}x fewer{vs_full})"
+            + (f"; did not reach {DEEP[8:]}: {missed}" if missed else "")
+        )
+        rule = _pair("log_up", base["method"], best_c["method"], min_effect=math.log10(factor), unit="log10")
+        return measured, rule
+
+    return judge
 
 
 def _c7(method, on):
@@ -362,41 +339,39 @@ def _c7(method, on):
         return None
     ms = statistics.median(c[CPU] for c in cfl)
     ref = median(*(cell(method=c["method"]) for c in cfl))  # per seed, the median over the CFL-SAGA settings
-    measured, rule = f"{a[CPU]:.2f} vs {ms:.2f} ms CPU per iteration", _pair(CPU, method, ref, "less", unit="ms")
-    return measured, *_verdict(a[CPU] < ms), rule
+    return f"{a[CPU]:.2f} vs {ms:.2f} ms CPU per iteration", _pair(CPU, method, ref, "less", unit="ms")
 
 
 def _claim(topo: str, arg: str, text: str, paper: str, key: str, judge_on) -> PaperClaim:
-    """The claim ``text`` (``{}``: ``arg``) judged on the synthetic problem's graph ``topo`` by ``judge_on(arg,
-    medians)``; its declared rule reads that graph's per-seed runs with a ``key`` (a target missed is no value
-    to pair), each with ``log_up``, log10 of its uploads to 1e-8."""
+    """The claim ``text`` (``{}``: ``arg``) on the synthetic problem's graph ``topo``: ``judge_on(arg, medians)``
+    gives what was measured and the declared rule, which reads that graph's per-seed runs with a ``key`` (a
+    target missed is no value to pair), each with ``log_up``, log10 of its uploads to 1e-8."""
 
     def runs(aggs, raw):
         rs = [r for r in _on(topo, raw) if r.get(key) is not None]
         return [{**r, "log_up": math.log10(r[DEEP]) if r.get(DEEP) else None} for r in rs]
 
-    def judged(aggs: list[dict]) -> tuple | None:
-        return judge_on(arg, _on(topo, aggs))
+    def measured(aggs, _):
+        return (got := judge_on(arg, _on(topo, aggs))) and (got[0], None)
 
-    def criterion(aggs: list[dict], _: Any) -> tuple | None:
-        return (got := judged(aggs)) and got[:3]
-
-    return PaperClaim(text.format(arg), criterion, paper, declared=lambda aggs, _: judged(aggs)[3], records=runs)
+    return PaperClaim(
+        text.format(arg), measured, paper, declared=lambda a, _: judge_on(arg, _on(topo, a))[1], records=runs
+    )
 
 
 PER_GRAPH = (  # the claims judged on every graph: the claim, the paper's statement, the field its runs need
     ("C2 rho trade-off, {} (Fig. 3)", "larger rho: fewer uploads, more iterations", IT, _c2),
-    ("C3 uploads vs GT-SAGA, {} (Fig. 4 d-f)", "orders of magnitude fewer uploads", DEEP, _c3),
+    ("C3 uploads vs GT-SAGA, {} (Fig. 4 d-f)", "orders of magnitude fewer uploads", DEEP, _fewer(10, "GT-SAGA")),
     ("C4 uploads per iteration, {} (§VIII-B)", "fewer than GT-SAGA at SR 0.05 (20/iteration)", PER_IT, _c4),
     ("C5 iterations vs GT-SAGA SR 0.45, {} (Fig. 4 a,c)", "CFL-SAGA (rho=10) faster", IT, _c5),
     ("C8 paper-nominal rho=10, {}", "rho=10 gives high communication efficiency", "upload_fraction", _c8),
 )
-C6 = ("C6 vs {}, random (Figs. 6-7)", "similar iterations, many more uploads", DEEP, _c6)
+C6 = ("C6 vs {}, random (Figs. 6-7)", "similar iterations, many more uploads", DEEP, _fewer(2.5))
 C7 = ("C7 runtime, {} (Fig. 5)", "GT-SAGA cheaper per iteration than CFL-SAGA", CPU, _c7)
 
 
 def claim_list(aggs: list[dict]) -> list[PaperClaim]:
-    """The claims of §VIII (spec §9.2) on the synthetic problem, in the page's order: per graph run, then
+    """The claims of §VIII (spec §9.2) on the synthetic problem, in the tables' order: per graph run, then
     against the other baselines and, per GT-SAGA sampling rate <= 0.25 run, the runtime."""
     topologies = sorted({a["topology"] for a in _synthetic(aggs)})
     cheap = [a["method"] for a in _of(_on("random", aggs), "GT-SAGA") if float(a["method"].split("=")[1]) <= 0.25]
@@ -414,150 +389,116 @@ def claim_list(aggs: list[dict]) -> list[PaperClaim]:
 CLAIM_COLUMNS = ["claim", "paper", "measured", "verdict"]
 
 
-def claims(aggs: list[dict]) -> list[tuple[str, str, str, str]]:
-    """(claim, paper statement, measured here, verdict) of every claim the aggregates can test."""
-    return [(v.claim, c.paper, v.measured, v.word) for c in claim_list(aggs) if (v := c.criterion(aggs))]
+def claims(aggs: list[dict], raw: list[dict] | None) -> list[tuple[str, str, str, str]]:
+    """(claim, paper statement, measured on the medians ``aggs``, the declared rule's verdict with its interval on
+    the per-seed ``raw``) of every claim the medians can test; untestable without two seeds' records."""
+    seeds = {r["seed"] for r in raw or []}
+    why = "" if len(seeds) > 1 else "one seed (a paired test needs two)" if raw else NO_SEEDS
+    rules = [replace(c, declared=Untestable(why), records=None) if why else c for c in claim_list(aggs)]
+    return [(v.claim, c.paper, v.measured, v.interval) for c in rules if (v := c.verdict(aggs, raw))]
 
 
-def claim_section(aggs: list[dict], raw: list[dict] | None) -> str:
-    """The claims' table with, beside the criterion's verdict, the declared rule's on the per-seed ``raw``."""
-    declared = {} if raw is None else {v.claim: v.interval for v in judge(claim_list(aggs), aggs, raw)}
-    none = "untestable by a declared rule: no per-seed records (summary.csv holds medians over the seeds)"
-    rows = [[*row, declared.get(row[0], none)] for row in claims(aggs)]
-    return markdown_table([*CLAIM_COLUMNS, "verdict (declared rule)"], rows)
+NO_SEEDS = "no per-seed records (summary.csv holds medians over the seeds)"
 
 
-# ---- the report ----------------------------------------------------------------------------------------
-def table_md(aggs: list[dict], problem: str) -> str:
-    """The report's table of ``problem``: per graph, each method's iterations and uploads to each target (the
-    IQR of the uploads to 1e-8), its reduction against the best GT-SAGA, uploads and CPU ms per iteration."""
-    head = ["topology", "method", *(f"{w} to {t}" for t in ("1e-4", "1e-6") for w in ("it", "uploads"))]
-    head += ["it to 1e-8", "uploads to 1e-8 (IQR)", "reduction vs best GT-SAGA at 1e-8", "uploads/it", "ms/it (CPU)"]
-    body = []
-    for topo, sub in sorted(group([a for a in aggs if a["problem"] == problem], lambda a: a["topology"]).items()):
-        best_g = _best(sub, "GT-SAGA")
-        for a in sub:
-            red = f"{best_g[DEEP] / a[DEEP]:.1f}x" if best_g and a.get(DEEP) else ""
-            iqr = f" ({a[f'{DEEP}_iqr']})" if a.get(f"{DEEP}_iqr") else ""
-            *counts, deep = _counts(a)
-            body.append([topo, a["method"], *counts, deep + iqr, red, f"{a[PER_IT]:.1f}", f"{a[CPU]:.2f}"])
-    return markdown_table(head, body).rstrip("\n")
+# ---- the tables: summary.md's sections, each also the page's block of the same data ---------------------
+def _short(method: str) -> str:
+    """A method as the tables name it: ``CFL-SAGA ρ=1e4``, ``GT-SAGA SR 0.05``."""
+    if method == "CFL-ADMM (reconstructed, exact local gradients) SR=0.3":
+        return "CFL-ADMM (reconstr., exact local grads)"
+    if method.startswith("CFL-SAGA rho="):
+        rho = _rho(method)
+        return "CFL-SAGA ρ=" + (f"{rho:g}" if rho < 1000 else f"1e{round(math.log10(rho))}")
+    return method.replace("=", " ", 1) if method.startswith(("GT-", "CFL-ADMM")) else method
 
 
-# CFL-SAGA settings drawn beside the baselines: the paper's rho = 10 and the calibrated 1e4 and 1e6
-SHOWN = {"CFL-SAGA rho=10", "CFL-SAGA rho=10000", "CFL-SAGA rho=1e+06"}
-FIGURES = {  # Figs. 3, 4 and 6-7 per problem and graph: the methods each draws
-    "fig3_rho": lambda m: m.startswith("CFL-SAGA"),
-    "fig4_vs_gtsaga": lambda m: m.startswith("GT-SAGA") or m in SHOWN,
-    "fig67_baselines": lambda m: m.startswith(("GT-SVRG", "GT-SARAH", "CFL-ADMM")) or m in SHOWN,
-}
+def _it_up(a: dict, bold: bool = False) -> str:
+    """Iterations / uploads to 1e-8 (the uploads in bold where ``bold``), or – where the run did not reach it."""
+    up = f"**{a[DEEP]:,.0f}**" if bold else f"{a[DEEP]:,.0f}"
+    return f"{a[IT]:.0f} / {up}" if a.get(DEEP) else "–"
 
 
-def plots(rows: list[dict], out: Path) -> list[Path]:
-    """Per problem and graph: Figs. 3, 4 and 6-7 (optimality gap against iterations and against uploads) and,
-    on the random graph, Fig. 5 (wall-clock seconds against iterations); the first seed's traces."""
-    curves = [r for r in rows if "_curve" in r]
-    written = []
-    for (prob, topo), sub in sorted(group(curves, lambda r: (r["problem"], r["topology"])).items()):
-        for name, drawn in FIGURES.items():
-            grp = [r for r in sub if drawn(r["method"])]
-            if len(grp) < (2 if name == "fig67_baselines" else 1):  # baselines alone: nothing to compare
-                continue
-            by_it = [(np.arange(len(r["_curve"][0])), r["_curve"][0], r["method"]) for r in grp]
-            by_up = [(np.maximum(r["_curve"][1], 1), r["_curve"][0], r["method"]) for r in grp]
-            panels = [
-                Lines(by_it, "semilogy", "iteration", "optimality gap"),
-                Lines(by_up, "loglog", "cumulative uploads (vectors)", "optimality gap", 6),
+def problem_table(aggs: list[dict], problem: str) -> str:
+    """The table of ``problem`` (medians over the seeds): per graph, GT-SAGA, then CFL-SAGA by rho, then the other
+    baselines; iterations and uploads to each target, the reduction against the best GT-SAGA at 1e-8 (the best
+    CFL-SAGA in bold), uploads and CPU milliseconds per iteration."""
+    body, first_full = [], True
+    for topo in GRAPHS:
+        on = _on(topo, aggs, problem)
+        gt, cfl = _of(on, "GT-SAGA"), sorted(_of(on, "CFL-SAGA"), key=lambda a: _rho(a["method"]))
+        best_g, best_c = _best(gt), _best(cfl)
+        for a in gt + cfl + [a for a in on if a not in gt and a not in cfl]:
+            label = _short(a["method"])
+            if label == "CFL-SAGA ρ=0" and first_full:
+                label, first_full = label + " (full upload)", False
+            counts = [
+                "–" if (v := a[f"{w}_{t:.0e}"]) is None else f"{v:{',' if w == 'uploads' else ''}.0f}"
+                for t in TARGETS
+                for w in ("iters", "uploads")
             ]
-            title = f"{prob}, {topo} graph (seed {sub[0]['seed']})"
-            written.append(plot_lines(panels, out / f"{prob}_{topo}_{name}.png", (11, 4), title))
-        if topo == "random":  # Fig. 5: runtime vs iterations
-            shown = [r for r in sub if FIGURES["fig4_vs_gtsaga"](r["method"])]
-            secs = [(np.arange(len(r["_curve"][2])), r["_curve"][2], r["method"]) for r in shown]
-            panel = Lines(secs, "plot", "iteration", "wall-clock seconds", legend=7)
-            written.append(plot_lines([panel], out / f"{prob}_{topo}_fig5_runtime.png", (6, 4)))
-    return written
+            red = f"{best_g[DEEP] / a[DEEP]:.1f}×" if best_g and a.get(DEEP) else ""
+            if a is best_c:
+                counts[-1], red = f"**{counts[-1]}**", f"**{red}**"
+            up = f"{a[PER_IT]:.0f}" if a[PER_IT] == int(a[PER_IT]) and a[PER_IT] >= 100 else f"{a[PER_IT]:.1f}"
+            body.append([topo, label, *counts, red, up, f"{a[CPU]:.2f}"])
+    header = ["topology", "method", *(f"{w} → {t}" for t in ("1e-4", "1e-6", "1e-8") for w in ("it", "uploads"))]
+    return markdown_table([*header, "reduction", "uploads/it", "ms/it"], body)
 
 
-def load_raw(out: Path) -> list[dict]:
-    """The rows of raw.json, with their traces when curves.npz is there (the figures need them)."""
-    return load_records(out / "raw.json", out / "curves.npz", "_curve", "gus")
+REAL_NAMES = {"adult": "Adult (a9a)", "mushroom": "Mushroom", "breast_cancer": "breast cancer (10 × 5 users)"}
 
 
-# summary.md's line of each command, and what the page's runs block reads back from it
-COMMAND = "Command: `fedweave reproduce cfl-saga {}`: wall time {:.1f} min."
-COMMANDS = re.compile(r"^Command: `(fedweave reproduce cfl-saga .+)`: wall time ([\d.]+) min\.$", re.M)
+def real_section(aggs: list[dict]) -> str:
+    """The real problems' tables (``problem_table``), each after its data set's name; "" where none ran."""
+    ran = {a["problem"] for a in aggs}
+    return "\n".join(f"{name}:\n\n{problem_table(aggs, p)}" for p, name in REAL_NAMES.items() if p in ran)
 
 
-def summary_files(rows: list[dict], meta: dict) -> dict[str, Any]:
-    """The report's files of every run in ``rows``: runs.csv, summary.csv (medians over seeds), claims.csv and
-    summary.md."""
-    scale, seeds, aggs = meta["scale"], meta["seeds"], aggregate(rows)
-    smoke = ["", "**Smoke scale: a tiny synthetic problem for testing; these numbers mean nothing.**", ""]
-    md = [f"# CFL-SAGA reproduction ({scale})", *(["\n".join(smoke)] if scale == "smoke" else []), ""]
-    md += [COMMAND.format(" ".join(r["argv"]), r["wall_seconds"] / 60) for r in meta["runs"]]
-    md += [
-        f"Seeds {seeds} (synthetic); real data: seed {seeds[0]}.",
-        "The paper gives no numeric tables, only Figs. 3-7 and statements; its claims are in the last table.",
-        "Medians over seeds; a target counts only if every seed reached it. Uploads are user -> server vectors.",
-        "",
-    ]
-    for prob in sorted({a["problem"] for a in aggs}, key=lambda p: (p != "synthetic", p)):  # not set order
-        md += [f"## {prob}", "", table_md(aggs, prob), ""]
-        acc = [r["test_accuracy_x_star"] for r in rows if r["problem"] == prob and "test_accuracy_x_star" in r]
-        md += [f"Test accuracy of x* (the optimum every method approaches): {acc[0]:.4f}.", ""] if acc else []
-    cl = claims(aggs)
-    md += ["## The paper's claims (synthetic problem)", "", markdown_table(CLAIM_COLUMNS, cl).rstrip("\n")]
-    files = {"runs.csv": Rows(rows), "summary.csv": Rows(aggs), "claims.csv": Rows(cl, CLAIM_COLUMNS)}
-    return {**files, "summary.md": "\n".join(md) + "\n"}
+def alpha_section(aggs: list[dict]) -> str:
+    """The step-size grid (the ``synthetic, alpha grid`` rows): per method and alpha, iterations / uploads to
+    1e-8, each method's fewest uploads in bold; CFL-SAGA first; "" where the grid did not run."""
+    rows = [(*a["method"].rsplit(" alpha=", 1), a) for a in aggs if a["problem"] == "synthetic, alpha grid"]
+    alphas, body = list(dict.fromkeys(alpha for _, alpha, _ in rows)), []
+    by = group(rows, lambda r: r[0])
+    for method in sorted(by, key=lambda m: not m.startswith("CFL-SAGA")):  # stable: the others in order
+        best = _best([a for _, _, a in by[method]])
+        cells = {alpha: _it_up(a, a is best) for _, alpha, a in by[method]}
+        body.append([_short(method), *(cells.get(alpha, "–") for alpha in alphas)])
+    return markdown_table(["method", *alphas], body) if body else ""
 
 
-def study_plan(opts) -> Plan:
-    """The runs of ``--part`` (none with ``--report-only``), heaviest first; with ``--part`` other than all,
-    the rows of the other parts are kept from ``OUT/raw.json``."""
-    seeds = list(range(opts.seeds or {"smoke": 1, "small": 3, "paper": 5}[opts.scale]))
-    out, kept = Path(opts.out), []
-    if opts.report_only:
-        return Plan([], ([], json.loads((out / "meta.json").read_text())))
-    jobs = synthetic_jobs(opts.scale, seeds) if opts.part in ("all", "synthetic") else []
-    if opts.scale != "smoke" and opts.part in ("all", "real"):
-        jobs += real_jobs(seeds[0])
-    if opts.part == "alpha":
-        jobs = alpha_jobs(seeds[0])
-    meta: dict[str, Any] = {"scale": opts.scale, "seeds": seeds, "runs": []}
-    if opts.part != "all" and (out / "raw.json").is_file():
-        meta = json.loads((out / "meta.json").read_text())
-        meta["runs"] = [r for r in meta["runs"] if r["part"] != opts.part]
-        part_of = {"synthetic": "synthetic", "synthetic, alpha grid": "alpha"}
-        kept = [r for r in load_raw(out) if part_of.get(r["problem"], "real") != opts.part]
-    # heaviest first; the problem of a seed is solved once per worker
-    jobs.sort(key=lambda p: (dict(p.values)["problem"] != "synthetic", p.seed, -p.config.rounds))
-    return Plan(jobs, (kept, meta))
+X_STAR_NAMES = {"adult": "Adult (16,281 test rows)", "mushroom": "Mushroom", "breast_cancer": "breast cancer"}
 
 
-def report(rows: list[dict], plan: Plan, opts, wall: float) -> Report:
-    """raw.json, meta.json and the report (tables, claims, figures); ``--report-only``: the report from them."""
-    out, (kept, meta) = Path(opts.out), plan.context
-    if opts.report_only:
-        rows, files = load_raw(out), {}
-    else:
-        rows = kept + rows
-        save_records(out / "raw.json", out / "curves.npz", rows, "_curve", "gus")  # what --report-only reads
-        meta["runs"].append({"part": opts.part, "argv": opts.argv, "wall_seconds": wall, "workers": opts.workers})
-        files = {"meta.json": Json(meta, indent=None, end="\n")}
-    files |= summary_files(rows, meta)
-    return Report(files, say=f"wrote {out / 'summary.md'}", figures=lambda o: plots(rows, o))
+def x_star_section(raw: list[dict]) -> str:
+    """The test accuracy of x* per real problem (the per-seed records) and whether every run that reached 1e-8
+    has it (to 4 decimals), or which runs do not; "" where no real problem ran."""
+    real = [r for r in raw if "test_accuracy_x_star" in r]
+    if not real:
+        return ""
+    star = {r["problem"]: r["test_accuracy_x_star"] for r in real}
+    rows = [[name, f"{star[p]:.4f}"] for p, name in X_STAR_NAMES.items() if p in star]
+    table = markdown_table(["data set", "test accuracy of x\\*"], rows)
+    off = [r for r in real if r.get(IT) and round(r["test_accuracy"], 4) != round(star[r["problem"]], 4)]
+    if not off:
+        return table + "\nEvery run that reached 1e-8 has the same test accuracy as x\\*.\n"
+    runs = ", ".join(f"{r['problem']} {r['method']} ({r['test_accuracy']:.4f})" for r in off)
+    return table + f"\nRuns that reached 1e-8 without the test accuracy of x\\*: {runs}.\n"
 
 
-# ---- the page's generated sections ---------------------------------------------------------------------
+def claims_table(aggs: list[dict], raw: list[dict] | None) -> str:
+    """The claims' table (``claims``)."""
+    return markdown_table(CLAIM_COLUMNS, claims(aggs, raw))
+
+
+# ---- the page's blocks: the small preset's sections, the paper scale's claims and checks -----------------
 def sections(folder: Path) -> dict[str, str]:
     """docs/reproductions/cfl-saga.md's generated sections, from the committed small (``summary.csv``) and paper
     scale (``paper/summary.csv``, ``paper/raw.json``) records: the claims judged again, the tables and checks."""
     small, paper = read_csv(folder / "summary.csv"), read_csv(folder / "paper" / "summary.csv")
     raw = json.loads((folder / "paper" / "raw.json").read_text(encoding="utf-8"))
-    out = {"claims": claim_section(small, None), "claims-paper": claim_section(paper, raw)}
-    out["real"], out["real-rho"] = real_sections(small)
-    out |= {"pilot": pilot_section(small), "synthetic": synthetic_section(small), "alpha": alpha_section(small)}
+    out = {"claims-paper": claims_table(paper, raw), "synthetic": problem_table(small, "synthetic")}
+    out |= {"real": real_section(small), "pilot": pilot_section(small), "alpha": alpha_section(small)}
     out |= {
         "alpha-ratios": alpha_ratios(small),
         "runs": runs_section(folder),
@@ -653,120 +594,115 @@ def runtime_section(paper: list[dict]) -> str:
     return markdown_table(["method", "CPU time for 1000 iterations", "wall time"], rows)
 
 
-X_STAR_NAMES = {"adult": "Adult (16,281 test rows)", "mushroom": "Mushroom", "breast_cancer": "breast cancer"}
+# CFL-SAGA settings drawn beside the baselines: the paper's rho = 10 and the calibrated 1e4 and 1e6
+SHOWN = {"CFL-SAGA rho=10", "CFL-SAGA rho=10000", "CFL-SAGA rho=1e+06"}
+FIGURES = {  # Figs. 3, 4 and 6-7 per problem and graph: the methods each draws
+    "fig3_rho": lambda m: m.startswith("CFL-SAGA"),
+    "fig4_vs_gtsaga": lambda m: m.startswith("GT-SAGA") or m in SHOWN,
+    "fig67_baselines": lambda m: m.startswith(("GT-SVRG", "GT-SARAH", "CFL-ADMM")) or m in SHOWN,
+}
 
 
-def x_star_section(raw: list[dict]) -> str:
-    """The test accuracy of x* per real problem (the paper scale's ``raw.json``) and whether every run that
-    reached 1e-8 has it (to 4 decimals), or which runs do not."""
-    real = [r for r in raw if "test_accuracy_x_star" in r]
-    star = {p: next(r["test_accuracy_x_star"] for r in real if r["problem"] == p) for p in X_STAR_NAMES}
-    table = markdown_table(
-        ["data set", "test accuracy of x\\*"], [[n, f"{star[p]:.3f}"] for p, n in X_STAR_NAMES.items()]
-    )
-    off = [r for r in real if r.get("iters_1e-08") and round(r["test_accuracy"], 4) != round(star[r["problem"]], 4)]
-    if not off:
-        return table + "\nEvery run that reached 1e-8 has the same test accuracy as x\\*.\n"
-    runs = ", ".join(f"{r['problem']} {r['method']} ({r['test_accuracy']:.4f})" for r in off)
-    return table + f"\nRuns that reached 1e-8 without the test accuracy of x\\*: {runs}.\n"
+def plots(rows: list[dict], out: Path) -> list[Path]:
+    """Per problem and graph: Figs. 3, 4 and 6-7 (optimality gap against iterations and against uploads) and,
+    on the random graph, Fig. 5 (wall-clock seconds against iterations); the first seed's traces."""
+    curves = [r for r in rows if "_curve" in r]
+    written = []
+    for (prob, topo), sub in sorted(group(curves, lambda r: (r["problem"], r["topology"])).items()):
+        for name, drawn in FIGURES.items():
+            grp = [r for r in sub if drawn(r["method"])]
+            if len(grp) < (2 if name == "fig67_baselines" else 1):  # baselines alone: nothing to compare
+                continue
+            by_it = [(np.arange(len(r["_curve"][0])), r["_curve"][0], r["method"]) for r in grp]
+            by_up = [(np.maximum(r["_curve"][1], 1), r["_curve"][0], r["method"]) for r in grp]
+            panels = [
+                Lines(by_it, "semilogy", "iteration", "optimality gap"),
+                Lines(by_up, "loglog", "cumulative uploads (vectors)", "optimality gap", 6),
+            ]
+            title = f"{prob}, {topo} graph (seed {sub[0]['seed']})"
+            written.append(plot_lines(panels, out / f"{prob}_{topo}_{name}.png", (11, 4), title))
+        if topo == "random":  # Fig. 5: runtime vs iterations
+            shown = [r for r in sub if FIGURES["fig4_vs_gtsaga"](r["method"])]
+            secs = [(np.arange(len(r["_curve"][2])), r["_curve"][2], r["method"]) for r in shown]
+            panel = Lines(secs, "plot", "iteration", "wall-clock seconds", legend=7)
+            written.append(plot_lines([panel], out / f"{prob}_{topo}_fig5_runtime.png", (6, 4)))
+    return written
 
 
-def _short(method: str) -> str:
-    """A method as the page's tables name it: ``CFL-SAGA ρ=1e4``, ``GT-SAGA SR 0.05``."""
-    if method == "CFL-ADMM (reconstructed, exact local gradients) SR=0.3":
-        return "CFL-ADMM (reconstr., exact local grads)"
-    if method.startswith("CFL-SAGA rho="):
-        rho = _rho(method)
-        return "CFL-SAGA ρ=" + (f"{rho:g}" if rho < 1000 else f"1e{round(math.log10(rho))}")
-    return method.replace("=", " ", 1) if method.startswith(("GT-", "CFL-ADMM")) else method
+def load_raw(out: Path) -> list[dict]:
+    """The rows of raw.json, with their traces when curves.npz is there (the figures need them)."""
+    return load_records(out / "raw.json", out / "curves.npz", "_curve", "gus")
 
 
-def _it_up(a: dict, bold: bool = False) -> str:
-    """Iterations / uploads to 1e-8 (the uploads in bold where ``bold``), or – where the run did not reach it."""
-    up = f"**{a[DEEP]:,.0f}**" if bold else f"{a[DEEP]:,.0f}"
-    return f"{a[IT]:.0f} / {up}" if a.get(DEEP) else "–"
+# summary.md's line of each command, and what the page's runs block reads back from it
+COMMAND = "Command: `fedweave reproduce cfl-saga {}`: wall time {:.1f} min."
+COMMANDS = re.compile(r"^Command: `(fedweave reproduce cfl-saga .+)`: wall time ([\d.]+) min\.$", re.M)
 
 
-REAL_NAMES = {"adult": "Adult (a9a)", "mushroom": "Mushroom", "breast_cancer": "breast cancer (10 × 5 users)"}
-REAL_HEAD = [
-    "data set",
-    "GT-SAGA (best SR): it / uploads",
-    "CFL-SAGA ρ=0",
-    "CFL-SAGA best ρ",
-    "reduction vs best GT-SAGA",
-]
-
-
-def real_sections(aggs: list[dict]) -> tuple[str, str]:
-    """The page's real-data tables (``summary.csv``, one seed): per data set the best GT-SAGA, CFL-SAGA at
-    rho = 0 and its best rho (iterations / uploads to 1e-8; fewest uploads) with the reduction of uploads; and
-    the best rho with the rhos of the grid that did not reach 1e-8 (the final gap they stopped at)."""
-    body, rho_body = [], []
-    for problem, name in REAL_NAMES.items():
-        rows = [a for a in aggs if a["problem"] == problem]
-        gt, cfl = _of(rows, "GT-SAGA"), _of(rows, "CFL-SAGA rho=")
-        best_g, best, zero = _best(gt), _best(cfl), _it_up(_method(cfl, "CFL-SAGA rho=0"))
-        stuck = "".join(f" ({_short(a['method'])}: {_stopped(a, '.0e')})" for a in gt if not a.get(DEEP))
-        gt_cell, rho = f"{_short(best_g['method'])}: {_it_up(best_g, True)}{stuck}", _rho_label(best["method"])
-        body.append([name, gt_cell, zero, f"{rho}: {_it_up(best, True)}", f"{best_g[DEEP] / best[DEEP]:.1f}×"])
-        failed = ", ".join(f"{_rho_label(a['method'])} ({_stopped(a, '.2g')})" for a in cfl if not a.get(DEEP))
-        rho_body.append([name.split(" (")[0], rho, failed or "—"])
-    return markdown_table(REAL_HEAD, body), markdown_table(
-        ["data set", "best ρ", "ρ that did not reach 1e-8"], rho_body
-    )
-
-
-def _stopped(a: dict, gap: str) -> str:
-    """Where a run that did not reach 1e-8 stopped: its final gap (formatted by ``gap``) and iterations."""
-    return f"opg {a['final_opt_gap']:{gap}} after {a['iterations']:,.0f} it"
-
-
-def _rho_label(method: str) -> str:
-    return _short(method).removeprefix("CFL-SAGA ")
-
-
-def alpha_section(aggs: list[dict]) -> str:
-    """The page's step-size grid (``summary.csv``'s ``synthetic, alpha grid`` rows): per method and alpha,
-    iterations / uploads to 1e-8, each method's fewest uploads in bold; CFL-SAGA first."""
-    rows = [(*a["method"].rsplit(" alpha=", 1), a) for a in aggs if a["problem"] == "synthetic, alpha grid"]
-    alphas, body = list(dict.fromkeys(alpha for _, alpha, _ in rows)), []
-    by = group(rows, lambda r: r[0])
-    for method in sorted(by, key=lambda m: not m.startswith("CFL-SAGA")):  # stable: the others in order
-        best = _best([a for _, _, a in by[method]])
-        cells = {alpha: _it_up(a, a is best) for _, alpha, a in by[method]}
-        body.append([_short(method), *(cells.get(alpha, "–") for alpha in alphas)])
-    return markdown_table(["method", *alphas], body)
-
-
-def _counts(a: dict, none: str = "-", comma: str = "") -> list[str]:
-    """Iterations and uploads (with ``comma``: ``","`` for thousands) to each target; ``none`` where not reached."""
-    return [
-        none if (v := a[f"{w}_{t:.0e}"]) is None else f"{v:{comma if w == 'uploads' else ''}.0f}"
-        for t in TARGETS
-        for w in ("iters", "uploads")
+def summary_md(aggs: list[dict], raw: list[dict] | None, meta: dict) -> str:
+    """summary.md: the commands, the settings and the sections the page shows of the medians ``aggs`` and the
+    per-seed records ``raw`` (None where only the medians are kept: the claims are then untestable by their
+    declared rules, and x*'s test accuracy is left out)."""
+    scale, seeds = meta["scale"], meta["seeds"]
+    md = [f"# CFL-SAGA reproduction ({scale})", ""]
+    if scale == "smoke":
+        md += ["**Smoke scale: a tiny synthetic problem for testing; these numbers mean nothing.**", ""]
+    md += [COMMAND.format(" ".join(r["argv"]), r["wall_seconds"] / 60) for r in meta["runs"]]
+    md += [
+        f"Seeds {seeds} (synthetic); real data: seed {seeds[0]}.",
+        "The paper gives no numeric tables, only Figs. 3-7 and statements; its claims are in the last table.",
+        "Medians over seeds; a target counts only if every seed reached it (the IQR of the uploads to each target is",
+        "in summary.csv). Uploads are user -> server vectors. The verdicts are the claims' declared rules on the",
+        "per-seed records, paired by seed.",
+        "",
     ]
+    parts = {
+        "synthetic": problem_table(aggs, "synthetic"),
+        "real data (one seed, random graph)": real_section(aggs),
+        "step-size grid (one seed, random graph)": alpha_section(aggs),
+        "test accuracy of x*": x_star_section(raw or []),
+        "The paper's claims (synthetic problem)": claims_table(aggs, raw),
+    }
+    return "\n".join(md + [f"## {title}\n\n{text}" for title, text in parts.items() if text])
 
 
-def synthetic_section(aggs: list[dict]) -> str:
-    """The page's synthetic-problem table (``summary.csv``): per graph, GT-SAGA, then CFL-SAGA by rho, then the
-    other baselines; iterations and uploads to each target, the reduction against the best GT-SAGA at 1e-8
-    (the best CFL-SAGA in bold), uploads and CPU milliseconds per iteration."""
-    body, first_full = [], True
-    for topo in GRAPHS:
-        on = _on(topo, aggs)
-        gt, cfl = _of(on, "GT-SAGA"), sorted(_of(on, "CFL-SAGA"), key=lambda a: _rho(a["method"]))
-        best_g, best_c = _best(gt), _best(cfl)
-        for a in gt + cfl + [a for a in on if a not in gt and a not in cfl]:
-            label = _short(a["method"])
-            if label == "CFL-SAGA ρ=0" and first_full:
-                label, first_full = label + " (full upload)", False
-            counts, red = _counts(a, "–", ","), f"{best_g[DEEP] / a[DEEP]:.1f}×" if a.get(DEEP) else ""
-            if a is best_c:
-                counts[-1], red = f"**{counts[-1]}**", f"**{red}**"
-            up = f"{a[PER_IT]:.0f}" if a[PER_IT] == int(a[PER_IT]) and a[PER_IT] >= 100 else f"{a[PER_IT]:.1f}"
-            body.append([topo, label, *counts, red, up, f"{a[CPU]:.2f}"])
-    header = ["topology", "method", *(f"{w} → {t}" for t in ("1e-4", "1e-6", "1e-8") for w in ("it", "uploads"))]
-    return markdown_table([*header, "reduction", "uploads/it", "ms/it"], body)
+def study_plan(opts) -> Plan:
+    """The runs of ``--part`` (none with ``--report-only``), heaviest first; with ``--part`` other than all,
+    the rows of the other parts are kept from ``OUT/raw.json``."""
+    seeds = list(range(opts.seeds or {"smoke": 1, "small": 3, "paper": 5}[opts.scale]))
+    out, kept = Path(opts.out), []
+    if opts.report_only:
+        return Plan([], ([], json.loads((out / "meta.json").read_text())))
+    jobs = synthetic_jobs(opts.scale, seeds) if opts.part in ("all", "synthetic") else []
+    if opts.scale != "smoke" and opts.part in ("all", "real"):
+        jobs += real_jobs(seeds[0])
+    if opts.part == "alpha":
+        jobs = alpha_jobs(seeds[0])
+    meta: dict[str, Any] = {"scale": opts.scale, "seeds": seeds, "runs": []}
+    if opts.part != "all" and (out / "raw.json").is_file():
+        meta = json.loads((out / "meta.json").read_text())
+        meta["runs"] = [r for r in meta["runs"] if r["part"] != opts.part]
+        part_of = {"synthetic": "synthetic", "synthetic, alpha grid": "alpha"}
+        kept = [r for r in load_raw(out) if part_of.get(r["problem"], "real") != opts.part]
+    # heaviest first; the problem of a seed is solved once per worker
+    jobs.sort(key=lambda p: (dict(p.values)["problem"] != "synthetic", p.seed, -p.config.rounds))
+    return Plan(jobs, (kept, meta))
+
+
+def report(rows: list[dict], plan: Plan, opts, wall: float) -> Report:
+    """raw.json, meta.json and the report (tables, claims, figures); ``--report-only``: the report from them."""
+    out, (kept, meta) = Path(opts.out), plan.context
+    if opts.report_only:
+        rows, files = load_raw(out), {}
+    else:
+        rows = kept + rows
+        save_records(out / "raw.json", out / "curves.npz", rows, "_curve", "gus")  # what --report-only reads
+        meta["runs"].append({"part": opts.part, "argv": opts.argv, "wall_seconds": wall, "workers": opts.workers})
+        files = {"meta.json": Json(meta, indent=None, end="\n")}
+    aggs = aggregate(rows)
+    files |= {"runs.csv": Rows(rows), "summary.csv": Rows(aggs), "claims.csv": Rows(claims(aggs, rows), CLAIM_COLUMNS)}
+    files["summary.md"] = summary_md(aggs, rows, meta)
+    return Report(files, say=f"wrote {out / 'summary.md'}", figures=lambda o: plots(rows, o))
 
 
 STUDY = Study(
