@@ -137,7 +137,9 @@ def test_variant_preset_applies_its_overrides_and_writes_its_table(tmp_path):
     done = run_points(points, tmp_path / "runs", progress=False, overwrite=True)
     records = [repro.record(pt, done[pt.slug]) for pt in points]
     files = repro.report_files(records, repro.variant_summary(records, p), "participation", p, 1.0)
-    assert Report(files).write(tmp_path, show=False) == 0
+    figures = lambda out: repro.plot(records, p, "participation", out)  # noqa: E731
+    assert Report(files, figures=figures).write(tmp_path, show=False) == 0
+    assert (tmp_path / "curves-participation.png").stat().st_size > 1000
     md = (tmp_path / "participation.md").read_text()
     assert "| method | 5 % | mean over rounds | 20 % | mean over rounds | change 5 % → 20 % |" in md
     assert "| the paper's readings | `results.csv` | untestable | no claim testable" in md  # one seed: no pairs

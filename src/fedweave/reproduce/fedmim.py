@@ -382,20 +382,26 @@ def variant_summary(records: list[dict], p: Preset) -> list[dict]:
     return [cells[(v, m)] | {"paper_c10": paper(i, m) if paper else ""} for i, v, m in rows]
 
 
-# ---- the claims: each verdict by its declared rule (95 % paired t over the seeds: 3 to 5 of them, too few for a
-# percentile bootstrap), what the seed means show beside it ---------------------------------------------------
-def _claim(text: str | Callable, measured: Callable, declared: Any, records: Callable) -> Claim:
-    """A claim judged by its ``declared`` rule on ``records(table, ctx)``; ``measured(table, ctx)`` says what the
-    seed means show, or is None when the records cannot test the claim (it is then left out)."""
-    return Claim(
-        text, lambda t, c: None if (m := measured(t, c)) is None else (m, None), declared=declared, records=records
-    )
+# ---- the claims: each verdict by its declared rule, 95 % paired t over the seeds (3 to 5 of them: too few for a
+# percentile bootstrap); ``measured`` says what the seed means show ---------------------------------------------
+def _reading(text: str, reading: Callable, records: Callable | None = None) -> Claim:
+    """A claim from one function of its table and context, ``reading(table, ctx) -> (measured, declared rule)``
+    (measured None: the records cannot test it, the claim is left out); the rule reads ``records(table, ctx)``,
+    by default a variant preset's paired runs. In a variant preset's ``text`` ``{lo}`` and ``{hi}`` are its first
+    and last variant, ``{labels[i]}`` any."""
+
+    def claim(t: Any, _) -> str:
+        return text.format(lo=t.labels[0], hi=t.labels[-1], labels=t.labels) if isinstance(t, Cells) else text
+
+    def measured(t: Any, ctx: Any) -> tuple[str, None] | None:
+        return None if (m := reading(t, ctx)[0]) is None else (m, None)
+
+    return Claim(claim, measured, declared=lambda t, ctx: reading(t, ctx)[1], records=records or _records)
 
 
 def _paired(records: list[dict], cell: Callable[[dict], Any], metrics=("final_acc",)) -> list[dict]:
     """The finished runs (finite ``metrics``) of the seeds that finished every cell (``cell(record)``) of
-    ``records``: the pairs of every claim are these seeds. None when fewer than 2 seeds did: one seed cannot test a
-    paired claim."""
+    ``records``, the pairs of a paired rule; none when fewer than 2 seeds did (one cannot test a paired claim)."""
     ok = [r for r in records if all(math.isfinite(r[k]) for k in metrics)]
     cells = {cell(r) for r in records}
     seeds = {s for s in {r["seed"] for r in ok} if {cell(r) for r in ok if r["seed"] == s} == cells}
@@ -403,8 +409,8 @@ def _paired(records: list[dict], cell: Callable[[dict], Any], metrics=("final_ac
 
 
 def _of(*splits: str) -> Callable[[list[dict], str], list[dict]]:
-    """The records a claim on ``splits`` reads, per dataset: the paired runs of FedMIM and FedAvg there
-    (``_paired``), each with ``log_cons``, the log of its local dispersion."""
+    """The records a Table I claim on ``splits`` reads, per dataset: the paired runs of FedMIM and FedAvg there,
+    each with ``log_cons``, the log of its local dispersion."""
 
     def records(rs: list[dict], dataset: str) -> list[dict]:
         main = [r for r in rs if r["dataset"] == dataset and r["split"] in splits and r["method"] in MAIN]
@@ -419,56 +425,55 @@ def _gap(split: str) -> Select:
     return cell(split=split, method="fedmim") - cell(split=split, method="fedavg")
 
 
-def _gaps(records: list[dict], split: str) -> list[float] | None:
-    """The seed gaps ``_gap(split)`` of paired ``records``, or None where ``split`` has none."""
-    return list(_gap(split).values(records, "final_acc").values()) or None
+def _mean_gap(records: list[dict], split: str) -> tuple[float, int, int] | None:
+    """The mean of the seed gaps ``_gap(split)`` of paired ``records``, on how many seeds FedMIM is ahead and of
+    how many; None where ``split`` has none."""
+    g = list(_gap(split).values(records, "final_acc").values())
+    return (sum(g) / len(g), sum(x > 0 for x in g), len(g)) if g else None
 
 
-def _accuracy(records: list[dict], d: str) -> str | None:
-    g = _gaps(_of("dir0.1")(records, d), "dir0.1")
-    return g and f"FedMIM - FedAvg {sum(g) / len(g):+.2f} points, ahead on {sum(x > 0 for x in g)}/{len(g)} seeds"
+def _accuracy(records: list[dict], d: str) -> tuple:
+    g = _mean_gap(_of("dir0.1")(records, d), "dir0.1")
+    rule = Paired("final_acc", {**DIR, "method": "fedmim"}, {**DIR, "method": "fedavg"}, min_effect=1.0)
+    return g and "FedMIM - FedAvg {:+.2f} points, ahead on {}/{} seeds".format(*g), rule
 
 
-def _dispersion(records: list[dict], d: str) -> str | None:
+def _dispersion(records: list[dict], d: str) -> tuple:
     def ratio(split: str) -> float | None:  # the mean over the seeds of FedMIM's dispersion / FedAvg's
         a, b = (cell(split=split, method=m).values(_of(split)(records, d), "consistency_last20") for m in MAIN[::-1])
         ratios = [a[s] / b[s] for s in sorted(a) if s in b]
         return sum(ratios) / len(ratios) if ratios else None
 
     at, iid = ratio("dir0.1"), ratio("iid")
-    return None if at is None else f"FedMIM / FedAvg {at:.3f}" + ("" if iid is None else f" (IID {iid:.3f})")
+    measured = None if at is None else f"FedMIM / FedAvg {at:.3f}" + ("" if iid is None else f" (IID {iid:.3f})")
+    fedmim, fedavg = {**DIR, "method": "fedmim"}, {**DIR, "method": "fedavg"}
+    return measured, Paired("log_cons", fedmim, fedavg, "less", math.log(2), unit="ln ratio")
 
 
-def _iid(records: list[dict], d: str) -> str | None:
+def _iid(records: list[dict], d: str) -> tuple:
     both = _of("dir0.1", "iid")(records, d)
-    g, i = _gaps(both, "dir0.1"), _gaps(both, "iid")
-    return g and i and f"FedMIM - FedAvg: IID {sum(i) / len(i):+.2f}, Dir-0.1 {sum(g) / len(g):+.2f} points"
+    g, i = _mean_gap(both, "dir0.1"), _mean_gap(both, "iid")
+    measured = g and i and f"FedMIM - FedAvg: IID {i[0]:+.2f}, Dir-0.1 {g[0]:+.2f} points"
+    return measured, Paired("final_acc", _gap("dir0.1"), _gap("iid"), "greater", 0.0)
 
 
 DIR = {"split": "dir0.1"}
-# spec §9.2 on one dataset, by key (the table is the per-seed records, the context the dataset)
+# spec §9.2 on one dataset (the table: the per-seed records, the context: the dataset), by key
 TABLE_I_CLAIMS = {
     # min effect 1.0 point: spec §9.2's bar; a smaller gain is within what another partition moves at this scale
-    "claim_accuracy": _claim(
-        lambda c, d: f"{d}: Dir-0.1 FedMIM beats FedAvg by more than 1.0 point (final accuracy, paired by seed)",
-        _accuracy,
-        Paired("final_acc", {**DIR, "method": "fedmim"}, {**DIR, "method": "fedavg"}, min_effect=1.0),
-        _of("dir0.1"),
+    "claim_accuracy": _reading(
+        "Dir-0.1 FedMIM beats FedAvg by more than 1.0 point (final accuracy, paired by seed)", _accuracy, _of("dir0.1")
     ),
     # the ratio is tested on its log, paired by seed; min effect ln 2: the spec's "less than half"
-    "claim_consistency": _claim(
-        lambda c, d: f"{d}: Dir-0.1 FedMIM's local dispersion < 0.5 x FedAvg's (log of the ratio, paired by seed)",
+    "claim_consistency": _reading(
+        "Dir-0.1 FedMIM's local dispersion < 0.5 x FedAvg's (log of the ratio, paired by seed)",
         _dispersion,
-        Paired(
-            "log_cons", {**DIR, "method": "fedmim"}, {**DIR, "method": "fedavg"}, "less", math.log(2), unit="ln ratio"
-        ),
         _of("dir0.1"),
     ),
     # the paper: the advantage shrinks without heterogeneity; any shrinking counts (min effect 0), per seed
-    "claim_iid_smaller": _claim(
-        lambda c, d: f"{d}: FedMIM's gain over FedAvg is larger on Dir-0.1 than on IID (difference of the seed gaps)",
+    "claim_iid_smaller": _reading(
+        "FedMIM's gain over FedAvg is larger on Dir-0.1 than on IID (difference of the seed gaps)",
         _iid,
-        Paired("final_acc", _gap("dir0.1"), _gap("iid"), "greater", 0.0),
         _of("dir0.1", "iid"),
     ),
 }
@@ -479,14 +484,15 @@ def claim_verdicts(records: list[dict]) -> list[Verdict]:
     """The Table I checks (spec §9.2) on the per-seed records (a ``results.csv``), per dataset: ``Verdict``s."""
     out = []
     for d in sorted({r["dataset"] for r in records}):
-        out += judge(list(TABLE_I_CLAIMS.values()), records, d) or [Verdict(f"{d}: spec §9.2", NO_PAIRS, None)]
+        got = judge(list(TABLE_I_CLAIMS.values()), records, d) or [Verdict("spec §9.2", NO_PAIRS, None)]
+        out += [dataclasses.replace(v, claim=f"{d}: {v.claim}") for v in got]
     return out
 
 
 @dataclass
 class Cells:
-    """A variant preset's seed means per (variant, method), the final accuracy and the mean accuracy over the
-    rounds, its variants and methods in order, and the paired per-seed records the declared rules read."""
+    """A variant preset's seed means per (variant, method), of the final accuracy and of the mean accuracy over
+    the rounds, its variants and methods in order, and the paired per-seed records its declared rules read."""
 
     acc: dict[tuple[str, str], float]
     auc: dict[tuple[str, str], float]
@@ -508,6 +514,10 @@ class Cells:
         return [{"method": m, "seed": k, "change": abs(by[(hi, m, k)] - a)} for (v, m, k), a in by.items() if v == lo]
 
 
+def _records(c: Cells, _) -> list[dict]:
+    return c.records
+
+
 def variant_verdicts(rows: list[dict], p: Preset, records: list[dict]) -> list[Verdict]:
     """The paper's readings of Table II, Table III or Fig. 2a, each verdict by its declared rule on the per-seed
     ``records`` (a ``results.csv``), what was measured from the seed means of ``rows`` (its ``NAME.csv``)."""
@@ -518,23 +528,6 @@ def variant_verdicts(rows: list[dict], p: Preset, records: list[dict]) -> list[V
     auc = {(r["variant"], r["method"]): r["mean_acc_over_rounds"] for r in rows}
     cells = Cells(acc, auc, labels, methods, _paired(records, lambda r: (r["variant"], r["method"])))
     return judge(VARIANT_CLAIMS[p.table], cells) if cells.records else [Verdict("the paper's readings", NO_PAIRS, None)]
-
-
-def _reading(text: str, reading: Callable[[Cells], tuple], records: Callable | None = None) -> Claim:
-    """A variant preset's claim from one function of its seed means, ``reading(cells) -> (measured, declared
-    rule)``; the rule reads ``records(cells, _)``, by default the paired runs. ``text`` may name the first and the
-    last variant, ``{lo}`` and ``{hi}``, or any, ``{labels[i]}``."""
-
-    def claim(c: Cells, _) -> str:
-        return text.format(lo=c.labels[0], hi=c.labels[-1], labels=c.labels)
-
-    return Claim(
-        claim, lambda c, _: (reading(c)[0], None), declared=lambda c, _: reading(c)[1], records=records or _records
-    )
-
-
-def _records(c: Cells, _) -> list[dict]:
-    return c.records
 
 
 def _gt(a: str, b: str, m: str = "fedmim", n: str | None = None) -> Paired:
@@ -553,14 +546,14 @@ def _all(parts) -> All:
     return All(tuple(parts))
 
 
-def _e_best(c: Cells) -> tuple:
+def _e_best(c: Cells, _) -> tuple:
     best = {v: max(c.methods, key=lambda m: c.acc[(v, m)]) for v in c.labels}
     where = [f"{v}: FedMIM {c.acc[(v, 'fedmim')]:.2f}, best {LABELS[b]} {c.acc[(v, b)]:.2f}" for v, b in best.items()]
     others = [m for m in c.methods if m != "fedmim"]
     return "; ".join(where), _all((f"{v} vs {LABELS[m]}", _gt(v, v, "fedmim", m)) for v in c.labels for m in others)
 
 
-def _e_falls(c: Cells) -> tuple:
+def _e_falls(c: Cells, _) -> tuple:
     steps = list(zip(c.labels, c.labels[1:]))
 
     def trend(m: str) -> str:
@@ -574,7 +567,7 @@ def _e_falls(c: Cells) -> tuple:
 
 
 # Table III's rows in TABLE_III's order: 0 J = 0 (FedAvg); 1-2 J = 1; 3-5 J = 2 without beta; 6-8 J = 2 with beta
-def _a_inertial(c: Cells) -> tuple:
+def _a_inertial(c: Cells, _) -> tuple:
     a, lb = c.fedmim(), c.labels
     rest = [a[v] for v in lb[1:]]
     return f"J = 0: {a[lb[0]]:.2f}; J >= 1: {min(rest):.2f} to {max(rest):.2f}", _all(
@@ -582,13 +575,13 @@ def _a_inertial(c: Cells) -> tuple:
     )
 
 
-def _a_j2(c: Cells) -> tuple:
+def _a_j2(c: Cells, _) -> tuple:
     a = c.fedmim()
     j1, j2 = max(c.labels[1:3], key=a.get), max(c.labels[3:], key=a.get)
     return f"best J = 2 ({j2}) {a[j2]:.2f} vs best J = 1 ({j1}) {a[j1]:.2f}", _gt(j2, j1)
 
 
-def _a_top(c: Cells) -> tuple:
+def _a_top(c: Cells, _) -> tuple:
     a, paper = c.fedmim(), c.labels[6]
     top = max(c.labels, key=a.get)
     return f"{a[paper]:.2f}; best row {top} {a[top]:.2f}", _all(
@@ -596,13 +589,13 @@ def _a_top(c: Cells) -> tuple:
     )
 
 
-def _a_beta(c: Cells) -> tuple:
+def _a_beta(c: Cells, _) -> tuple:
     a, lb = c.fedmim(), c.labels
     rule = _all((f"b={x.split('b=')[1]} > b={y.split('b=')[1]}", _gt(x, y)) for x, y in zip(lb[6:8], lb[7:9]))
     return " / ".join(f"{a[v]:.2f}" for v in lb[6:9]), rule
 
 
-def _a_alpha_beta(c: Cells) -> tuple:
+def _a_alpha_beta(c: Cells, _) -> tuple:
     a, lb = c.fedmim(), c.labels
     return f"{a[lb[6]]:.2f} with beta vs {a[lb[4]]:.2f} without", _gt(lb[6], lb[4])
 
@@ -611,18 +604,18 @@ def _changes(c: Cells, ms: list[str]) -> str:
     return ", ".join(f"{LABELS[m]} {c.change(m):.2f}" for m in ms) + " points"
 
 
-def _p_fedavg_slowest(c: Cells) -> tuple:
+def _p_fedavg_slowest(c: Cells, _) -> tuple:
     slowest = {v: min(c.methods, key=lambda m: c.auc[(v, m)]) for v in c.labels}
     measured = "; ".join(f"{v}: lowest {LABELS[m]} {c.auc[(v, m)]:.2f}" for v, m in slowest.items())
     return measured, Untestable("no per-seed records of the mean accuracy over the rounds (results.csv: finals)")
 
 
-def _p_sensitive(c: Cells) -> tuple:
+def _p_sensitive(c: Cells, _) -> tuple:
     named = [m for m in ("fedadam", "fedcm", "feddyn") if m in c.methods]
     return _changes(c, [*named, "fedmim"]), _all((f"{LABELS[m]} vs FedMIM", _changed(m, "fedmim")) for m in named)
 
 
-def _p_scaffold(c: Cells) -> tuple:
+def _p_scaffold(c: Cells, _) -> tuple:
     hi = c.labels[-1]
     ranked = sorted(c.methods, key=lambda m: -c.acc[(hi, m)])
     measured = f"{hi}: " + " > ".join(f"{LABELS[m]} {c.acc[(hi, m)]:.2f}" for m in ranked)
@@ -633,12 +626,12 @@ def _p_scaffold(c: Cells) -> tuple:
     )
 
 
-def _p_stable(c: Cells) -> tuple:
+def _p_stable(c: Cells, _) -> tuple:
     rule = _all((f"vs {LABELS[m]}", _changed("fedmim", m, "less")) for m in c.methods if m != "fedmim")
     return _changes(c, sorted(c.methods, key=c.change)), rule
 
 
-# the paper's readings of each variant table
+# the paper's readings of each variant table (the table: its ``Cells``)
 VARIANT_CLAIMS = {
     "epochs": [
         _reading("FedMIM is the most accurate of the methods run at every E (paper: best in all 9 columns)", _e_best),
@@ -891,49 +884,23 @@ def _width(method: str) -> dict[str, float]:
     return {"lw": 2.2 if method == "fedmim" else 1.2}
 
 
-def plot(records: list[dict], out: Path) -> list[Path]:
-    """``OUT/curves-<dataset>.png``: test accuracy (top) and local consistency (bottom) against rounds per
-    split, the mean over seeds with a band."""
-    paths = []
+def plot(records: list[dict], p: Preset, name: str, out: Path) -> list[Path]:
+    """``OUT/curves-<dataset>.png`` (a variant preset: ``curves-NAME.png``): test accuracy against rounds, the mean
+    over seeds with a band, one panel per split or variant, each method a line (Table III: one panel, each row a
+    line); below it, for Table I, the local consistency."""
+    key, paths = "variant" if p.variants else "split", []
     for d, rs in sorted(group(records, lambda r: r["dataset"]).items()):
-        splits = [s for s in SPLIT_NAMES if any(r["split"] == s for r in rs)]
-        lines = {
-            s: seed_lines([r for r in rs if r["split"] == s], "method", METHODS, LABELS.get, _width) for s in splits
-        }
-        accs = [
-            Panel(
-                lines[s],
-                "test_accuracy",
-                yscale=100,
-                title=f"{d}, {s} (mean over seeds)",
-                ylabel=ACC,
-                legend={"fontsize": 8},
-            )
-            for s in splits
-        ]
-        cons = [
-            Panel(lines[s], "local_consistency", xlabel="round", ylabel="local consistency", logy=True, legend=None)
-            for s in splits
-        ]
-        paths.append(plot_panels([accs, cons], out / f"curves-{d}.png", panel_size=(5, 3.5), dpi=110))
+        panels = [v for v, _ in p.variants] or [s for s in SPLIT_NAMES if any(r["split"] == s for r in rs)]
+        lines = {g: seed_lines([r for r in rs if r[key] == g], "method", METHODS, LABELS.get, _width) for g in panels}
+        if p.table == "ablation":  # FedMIM alone, each row a line
+            lines = {"FedMIM rows": seed_lines(rs, "variant", panels, style=lambda v: {"lw": 1.2})}
+        acc = {"yscale": 100, "xlabel": "round" if p.variants else None, "ylabel": ACC, "legend": {"fontsize": 8}}
+        grid = [[Panel(ls, "test_accuracy", title=f"{d}, {g} (mean over seeds)", **acc) for g, ls in lines.items()]]
+        cons = {"xlabel": "round", "ylabel": "local consistency", "logy": True, "legend": None}
+        if not p.variants:
+            grid.append([Panel(ls, "local_consistency", **cons) for ls in lines.values()])
+        paths.append(plot_panels(grid, out / f"curves-{name if p.variants else d}.png", panel_size=(5, 3.5), dpi=110))
     return paths
-
-
-def variant_plot(records: list[dict], p: Preset, name: str, out: Path) -> Path:
-    """``OUT/curves-NAME.png``: test accuracy against rounds, the mean over seeds with a band; one panel per
-    variant, each method a line (Table III: one panel, each row a line)."""
-    labels = [v for v, _ in p.variants]
-    methods = list(dict.fromkeys(r["method"] for r in records))
-    grid = []
-    for panel in [None] if p.table == "ablation" else labels:
-        if panel is None:  # Table III: FedMIM alone, each row a line
-            lines = seed_lines(records, "variant", labels, style=lambda v: {"lw": 1.2})
-        else:
-            lines = seed_lines([r for r in records if r["variant"] == panel], "method", methods, LABELS.get, _width)
-        title = f"{name}: {panel or 'FedMIM rows'} (mean over seeds)"
-        legend = {"fontsize": 7}
-        grid.append(Panel(lines, "test_accuracy", yscale=100, title=title, xlabel="round", ylabel=ACC, legend=legend))
-    return plot_panels([grid], out / f"curves-{name}.png", panel_size=(5, 4), dpi=100)
 
 
 # ---- the page: docs/reproductions/fedmim.md's generated sections, from the committed records beside it ------
@@ -1031,9 +998,8 @@ def report(records: list[dict], plan_: Plan, opts, wall: float) -> Report:
     rows = variant_summary(records, p) if p.variants else summarize(records)[0]
     gap_rows = gaps(Path(opts.out), p, seeds) if p.report_rounds else None
     files = report_files(records, rows, opts.scale, p, wall, plan_.skipped, gap_rows)
-    if p.variants:
-        return Report(files, show=f"{opts.scale}.md", figures=lambda out: variant_plot(records, p, opts.scale, out))
-    return Report(files, show="table.md", figures=lambda out: plot(records, out))
+    show = f"{opts.scale}.md" if p.variants else "table.md"
+    return Report(files, show=show, figures=lambda out: plot(records, p, opts.scale, out))
 
 
 STUDY = Study(
