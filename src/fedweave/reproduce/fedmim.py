@@ -76,7 +76,6 @@ class Preset:
     table: str = ""  # the variant table this preset writes: "epochs", "ablation" or "participation"
 
 
-ALL = METHODS
 MAIN = ("fedavg", "fedmim")  # the main claim, spec §9.1
 SECOND = ("fedcm", "scaffold")  # FedMIM's J = 1 special case; the paper's strongest baseline at DIR.1
 CORE = MAIN + SECOND
@@ -142,7 +141,7 @@ PRESETS: dict[str, Preset] = {
         report_rounds=(50, 150, 300, 500),
     ),
     "paper": Preset(
-        grid=[(d, s, ALL) for d in ("cifar10", "cifar100") for s in ("iid", "dir0.3", "dir0.1")],
+        grid=[(d, s, METHODS) for d in ("cifar10", "cifar100") for s in ("iid", "dir0.3", "dir0.1")],
         seeds=(0,),
         rounds=1000,
         num_clients=100,
@@ -396,7 +395,8 @@ def _reading(text: str, reading: Callable, records: Callable | None = None) -> C
     def measured(t: Any, ctx: Any) -> tuple[str, None] | None:
         return None if (m := reading(t, ctx)[0]) is None else (m, None)
 
-    return Claim(claim, measured, declared=lambda t, ctx: reading(t, ctx)[1], records=records or _records)
+    records = records or (lambda c, _: c.records)
+    return Claim(claim, measured, declared=lambda t, ctx: reading(t, ctx)[1], records=records)
 
 
 def _paired(records: list[dict], cell: Callable[[dict], Any], metrics=("final_acc",)) -> list[dict]:
@@ -512,10 +512,6 @@ class Cells:
         by = {(r["variant"], r["method"], r["seed"]): r["final_acc"] for r in self.records}
         lo, hi = self.labels[0], self.labels[-1]
         return [{"method": m, "seed": k, "change": abs(by[(hi, m, k)] - a)} for (v, m, k), a in by.items() if v == lo]
-
-
-def _records(c: Cells, _) -> list[dict]:
-    return c.records
 
 
 def variant_verdicts(rows: list[dict], p: Preset, records: list[dict]) -> list[Verdict]:
