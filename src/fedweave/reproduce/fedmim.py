@@ -434,7 +434,7 @@ def _mean_gap(records: list[dict], split: str) -> tuple[float, int, int] | None:
 
 def _accuracy(records: list[dict], d: str) -> tuple:
     g = _mean_gap(_of("dir0.1")(records, d), "dir0.1")
-    rule = Paired("final_acc", {**DIR, "method": "fedmim"}, {**DIR, "method": "fedavg"}, min_effect=1.0)
+    rule = Paired("final_acc", cell(**DIR, method="fedmim"), cell(**DIR, method="fedavg"), min_effect=1.0)
     return g and "FedMIM - FedAvg {:+.2f} points, ahead on {}/{} seeds".format(*g), rule
 
 
@@ -446,7 +446,7 @@ def _dispersion(records: list[dict], d: str) -> tuple:
 
     at, iid = ratio("dir0.1"), ratio("iid")
     measured = None if at is None else f"FedMIM / FedAvg {at:.3f}" + ("" if iid is None else f" (IID {iid:.3f})")
-    fedmim, fedavg = {**DIR, "method": "fedmim"}, {**DIR, "method": "fedavg"}
+    fedmim, fedavg = cell(**DIR, method="fedmim"), cell(**DIR, method="fedavg")
     return measured, Paired("log_cons", fedmim, fedavg, "less", math.log(2), unit="ln ratio")
 
 
@@ -512,6 +512,12 @@ class Cells:
         by = {(r["variant"], r["method"], r["seed"]): r["final_acc"] for r in self.records}
         lo, hi = self.labels[0], self.labels[-1]
         return [{"method": m, "seed": k, "change": abs(by[(hi, m, k)] - a)} for (v, m, k), a in by.items() if v == lo]
+
+
+def verdicts(p: Preset, records: list[dict], rows: list[dict]) -> list[Verdict]:
+    """A preset's claims, each verdict by its declared rule on the per-seed ``records``: Table I's per dataset
+    (``claim_verdicts``), or a variant preset's readings of its seed means ``rows`` (``variant_verdicts``)."""
+    return variant_verdicts(rows, p, records) if p.variants else claim_verdicts(records)
 
 
 def variant_verdicts(rows: list[dict], p: Preset, records: list[dict]) -> list[Verdict]:
@@ -831,21 +837,22 @@ def report_files(records: list[dict], rows: list[dict], name: str, p: Preset, wa
     rules as markdown, claims.json, and with the ``long`` preset's ``gaps`` rows gaps.csv and gaps.md."""
     md = [f"# FedMIM {TITLES.get(p.table, 'reproduction')}, preset `{name}`", "", _setting(p, wall, records), ""]
     if p.variants:
-        verdicts, keys, csv_name = variant_verdicts(rows, p, records), RESULT_KEYS, f"{name}.csv"
+        keys, csv_name = RESULT_KEYS, f"{name}.csv"
         table = VARIANT_TABLES[p.table](rows) if rows else "No run finished.\n"
         md += [VARIANT_TEXT.format(name=name, p=p) + PAPER_NOTES[p.table], "", table]
     else:
-        verdicts, keys, csv_name = claim_verdicts(records), [k for k in RESULT_KEYS if k != "variant"], "table.csv"
+        keys, csv_name = [k for k in RESULT_KEYS if k != "variant"], "table.csv"
         md += [TABLE_I_TEXT, ""]
         for d in sorted({r["dataset"] for r in rows}):
             md += [f"## {d}", "", table_i(rows, d)]
-    md += ["## Claims (each by its declared rule)", "", claim_table([("results.csv", v) for v in verdicts])]
+    judged = verdicts(p, records, rows)
+    md += ["## Claims (each by its declared rule)", "", claim_table([("results.csv", v) for v in judged])]
     files = {
         "results.csv": Rows(records, keys, ".6g"),
         csv_name: Rows(rows) if p.variants else Rows(rows, TABLE_KEYS, ".6g"),
     }
     files[f"{name}.md" if p.variants else "table.md"] = "\n".join(md) + not_run(skipped)
-    claims = [{"claim": v.claim, "verdict": verdict_cell(v), "measured": v.measured} for v in verdicts]
+    claims = [{"claim": v.claim, "verdict": verdict_cell(v), "measured": v.measured} for v in judged]
     files["claims.json"] = Json(claims, ensure_ascii=False)
     if gaps is not None:
         gaps_md = [f"# FedMIM's gap over a longer horizon (preset rounds {p.rounds})", "", GAPS_TEXT]
@@ -911,12 +918,9 @@ def page_verdicts(folder: Path) -> list[tuple[str, Verdict]]:
     seed means from its committed ``NAME.csv``."""
     out = []
     for name in PAGE_FOLDERS:
-        records = read_csv(folder / name / "results.csv")
-        if name in PRESETS and PRESETS[name].variants:
-            got = variant_verdicts(read_csv(folder / name / f"{name}.csv"), PRESETS[name], records)
-        else:
-            got = claim_verdicts(records)
-        out += [(f"{name}/results.csv".lstrip("/"), v) for v in got]
+        p, d = PRESETS[name or "small"], folder / name
+        rows = read_csv(d / f"{name}.csv") if p.variants else []
+        out += [(f"{name}/results.csv".lstrip("/"), v) for v in verdicts(p, read_csv(d / "results.csv"), rows)]
     return out
 
 
