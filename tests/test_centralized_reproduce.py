@@ -7,6 +7,7 @@ import csv
 import pytest
 
 from fedweave.experiments.jobs import run_points
+from fedweave.experiments.study import Report
 from fedweave.registry import DATASETS
 from fedweave.reproduce import fedmim as repro
 from tests.conftest import make_toy
@@ -53,7 +54,7 @@ def _rec(split, method, seed, acc, cons):
     }
 
 
-def test_claims_and_ranks_follow_the_pass_criteria():
+def test_claims_and_ranks_follow_the_declared_rules():
     recs = [
         _rec("dir0.1", "fedavg", 0, 70.0, 1.0),
         _rec("dir0.1", "fedmim", 0, 73.0, 0.1),
@@ -64,11 +65,12 @@ def test_claims_and_ranks_follow_the_pass_criteria():
         _rec("iid", "fedavg", 0, 80.0, 1.0),
         _rec("iid", "fedmim", 0, 80.5, 0.8),
     ]
-    table, claims = repro.summarize(recs)
-    c = claims["d"]
-    assert c["dir0.1"]["gap_mean"] == pytest.approx((3.0 - 0.5 + 2.0) / 3)
-    assert c["dir0.1"]["wins"] == 2 and c["claim_accuracy"] and c["claim_consistency"]
-    assert c["claim_iid_smaller"]
+    table, verdicts = repro.summarize(recs)
+    accuracy, consistency = verdicts  # one IID seed: the IID claim has no pairs and is left out
+    # +1.50 on average, ahead on 2 of 3 seeds, but the seeds' 95 % interval includes the +1.0 bound
+    assert accuracy.measured == "FedMIM - FedAvg +1.50 points, ahead on 2/3 seeds"
+    assert accuracy.outcome == "inconclusive" and accuracy.interval.startswith("+1.50 points [-2.98, 5.98]")
+    assert consistency.outcome == "held" and consistency.measured == "FedMIM / FedAvg 0.100"
     cell = next(t for t in table if (t["split"], t["method"]) == ("dir0.1", "fedmim"))
     assert cell["rank"] == 1 and cell["paper_rank"] == 1 and cell["paper_cifar10"] == 80.82
     assert cell["final_acc_std"] == pytest.approx(0.7637626, rel=1e-6)
@@ -134,10 +136,13 @@ def test_variant_preset_applies_its_overrides_and_writes_its_table(tmp_path):
 
     done = run_points(points, tmp_path / "runs", progress=False, overwrite=True)
     records = [repro.record(pt, done[pt.slug]) for pt in points]
-    assert repro.write_variant_outputs(records, [], "participation", p, tmp_path, 1.0) == 0
+    files = repro.report_files(records, repro.variant_summary(records, p), "participation", p, 1.0)
+    figures = lambda out: repro.plot(records, p, "participation", out)  # noqa: E731
+    assert Report(files, figures=figures).write(tmp_path, show=False) == 0
+    assert (tmp_path / "curves-participation.png").stat().st_size > 1000
     md = (tmp_path / "participation.md").read_text()
-    assert "| method | 5%: ours | mean acc. | cons. | 20%: ours |" in md
-    assert "| FedMIM is very stable: the smallest change between 5% and 20% of the methods run |" in md
+    assert "| method | 5 % | mean over rounds | 20 % | mean over rounds | change 5 % → 20 % |" in md
+    assert "| the paper's readings | `results.csv` | untestable | no claim testable" in md  # one seed: no pairs
     rows = list(csv.DictReader((tmp_path / "results.csv").open()))
     assert [r["variant"] for r in rows] == ["5%", "5%", "20%", "20%"]
     # finished runs are recognised: nothing is rerun
@@ -146,37 +151,47 @@ def test_variant_preset_applies_its_overrides_and_writes_its_table(tmp_path):
     assert (tmp_path / "runs" / "_toy_repro-dir0.1-fedavg-5-s0" / "summary.json").stat().st_mtime_ns == before
 
 
-def _vrow(variant: str, method: str, acc: float, auc: float | None = None) -> dict:
-    return {"variant": variant, "method": method, "final_acc_mean": acc, "mean_acc_over_rounds": auc or acc,
-            "seeds": 3, "diverged": 0}  # fmt: skip
+def _verdicts(accs: dict[tuple[str, str], float], p, auc=lambda v, a: a) -> list:
+    """The declared verdicts of a variant preset on three seeds per (variant, method) around the given mean
+    accuracy (offsets that differ by cell, so that the paired differences vary, and sum to 0 over the seeds), each
+    run's mean accuracy over the rounds ``auc(variant, accuracy)``."""
+    records = []
+    for i, ((v, m), a) in enumerate(accs.items()):
+        for s in range(3):
+            x = a + 0.05 * ((s + i) % 3 - 1)
+            rows = [{"test_accuracy": auc(v, x) / 100}]
+            records.append(
+                {"variant": v, "method": m, "seed": s, "final_acc": x, "consistency_last20": 0.1, "_rows": rows}
+            )
+    return repro.variant_verdicts(repro.variant_summary(records, p), p, records)
 
 
 def test_epochs_claims_read_table_ii():
     p = repro.PRESETS["epochs"]
-    rows = [_vrow("E=1", "fedavg", 80), _vrow("E=5", "fedavg", 78), _vrow("E=10", "fedavg", 77)]
-    rows += [_vrow("E=1", "fedmim", 81), _vrow("E=5", "fedmim", 79), _vrow("E=10", "fedmim", 79.5)]
-    best, falls = repro.variant_claims(rows, p)
-    assert best[1] is True and falls[1] is False and "FedMIM 81.00 / 79.00 / 79.50 (not falling)" in falls[2]
-    checks = repro.variant_claims(rows[:-1], p)  # FedMIM at E = 10 missing
-    assert [ok for _, ok, _ in checks] == [None]
+    accs = {("E=1", "fedavg"): 80, ("E=5", "fedavg"): 78, ("E=10", "fedavg"): 77}
+    accs |= {("E=1", "fedmim"): 81, ("E=5", "fedmim"): 79, ("E=10", "fedmim"): 79.5}
+    best, falls = _verdicts(accs, p)
+    assert best.outcome == "held" and falls.outcome == "did not hold"  # FedMIM rises from E = 5 to 10
+    assert "FedMIM 81.00 / 79.00 / 79.50 (not falling)" in falls.measured
+    checks = _verdicts({k: a for k, a in accs.items() if k != ("E=10", "fedmim")}, p)  # FedMIM at E = 10 missing
+    assert [v.held for v in checks] == [None]
 
 
 def test_ablation_claims_read_table_iii():
     p = repro.PRESETS["ablation"]
     labels = [v for v, _ in p.variants]
-    paper = {v: acc for v, (_, _, acc) in zip(labels, repro.TABLE_III)}
-    verdicts = [ok for _, ok, _ in repro.variant_claims([_vrow(v, "fedmim", paper[v]) for v in labels], p)]
-    assert verdicts == [True, True, True, True, True]  # the paper's own numbers pass every reading
-    swapped = {**paper, labels[0]: 85.0}  # FedAvg (J = 0) best
-    verdicts = [ok for _, ok, _ in repro.variant_claims([_vrow(v, "fedmim", swapped[v]) for v in labels], p)]
-    assert verdicts == [False, True, False, True, True]
+    paper = {(v, "fedmim"): acc for v, (_, _, acc) in zip(labels, repro.TABLE_III)}
+    assert [v.outcome for v in _verdicts(paper, p)] == ["held"] * 5  # the paper's own numbers pass every reading
+    swapped = {**paper, (labels[0], "fedmim"): 86.0}  # FedAvg (J = 0) best
+    outcomes = [v.outcome for v in _verdicts(swapped, p)]
+    assert outcomes == ["did not hold", "held", "did not hold", "held", "held"]
 
 
 def test_participation_claims_read_fig_2a():
     p = repro.PRESETS["participation"]
     acc = {"fedavg": (70, 74), "fedadam": (60, 75), "scaffold": (71, 78), "fedcm": (65, 72), "feddyn": (66, 76),
            "fedmim": (72, 73)}  # fmt: skip
-    rows = [_vrow("5%", m, a, a - 5) for m, (a, _) in acc.items()] + [_vrow("20%", m, b) for m, (_, b) in acc.items()]
-    slow, sensitive, scaffold, stable = (ok for _, ok, _ in repro.variant_claims(rows, p))
-    assert slow is False  # FedAdam, not FedAvg, is slowest at 5%
-    assert sensitive is True and scaffold is True and stable is True
+    accs = {(v, m): a[i] for i, v in enumerate(("5%", "20%")) for m, a in acc.items()}
+    slow, sensitive, scaffold, stable = _verdicts(accs, p, auc=lambda v, a: a - 5 if v == "5%" else a)
+    assert slow.outcome == "untestable" and slow.measured.startswith("5%: lowest FedAdam 55.00")  # not FedAvg
+    assert sensitive.outcome == scaffold.outcome == stable.outcome == "held"

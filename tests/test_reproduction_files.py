@@ -96,3 +96,24 @@ def test_cfl_saga_report_only_rebuilds_the_committed_paper_report_from_raw_json(
     assert cfl_saga.main(["--scale", "paper", "--out", str(tmp_path), "--report-only"]) == 0
     for f in ("claims.csv", "summary.csv", "summary.md"):
         assert (tmp_path / f).read_text(encoding="utf-8") == (committed / f).read_text(encoding="utf-8"), f
+
+
+@pytest.mark.parametrize("name", ["", "long", "ablation", "epochs", "participation"])
+def test_fedmim_reports_are_rebuilt_from_their_records(name, tmp_path):
+    """Every text file of a committed FedMIM report is what ``report_files`` makes of its committed records: the
+    per-seed results.csv, the per-cell table.csv / NAME.csv (their mean accuracy over the rounds needs the runs'
+    metrics, not committed) and the long preset's gaps.csv; the wall time is the committed report's."""
+    from fedweave.experiments.study import Report
+    from fedweave.experiments.tables import read_csv
+    from fedweave.reproduce import fedmim
+
+    d, p = PAGES / "fedmim" / name, fedmim.PRESETS[name or "small"]
+    report, cells = (f"{name}.md", f"{name}.csv") if p.variants else ("table.md", "table.csv")
+    wall = 60 * float(re.search(r"Wall time ([\d.]+) min", (d / report).read_text(encoding="utf-8"))[1])
+    rows = [{**r, "paper_c10": ""} if r.get("paper_c10", 0) is None else r for r in read_csv(d / cells)]
+    gaps = read_csv(d / "gaps.csv") if p.report_rounds else None
+    files = fedmim.report_files(read_csv(d / "results.csv"), rows, name or "small", p, wall, (), gaps)
+    Report(files).write(tmp_path, show=False)
+    assert sorted(files) == sorted(f.name for f in d.iterdir() if f.is_file() and f.suffix != ".png")
+    for f in files:
+        assert (tmp_path / f).read_text(encoding="utf-8") == (d / f).read_text(encoding="utf-8"), f
