@@ -26,7 +26,7 @@ from fedweave.experiments.jobs import load_average
 from fedweave.experiments.plots import Panel, plot_panels, seed_lines
 from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, Verdict, judge, option
 from fedweave.experiments.tables import Col, Grid, csv_text, layout, markdown_table, parse_csv, pm, read_csv
-from fedweave.experiments.verdicts import All, Paired, Rule, Select, Untestable, cell
+from fedweave.experiments.verdicts import All, Paired, Rule, Select, Untestable, cell, detectable, paired_power
 from fedweave.memory import cpu_seconds
 from fedweave.runner import Result
 
@@ -124,10 +124,8 @@ class Preset:
         return self.long_server_only if method == "server_only_long" else self.rounds
 
 
-def label(m: str, p: Preset | None = None) -> str:
-    """A method's row in ``table.md`` and its line in the plots."""
-    if m == "server_only_long":
-        return f"server-only (lambda=0), {p.long_server_only if p else 'more'} rounds"
+def label(m: str) -> str:
+    """A method's line in the plots and its row in the sensitivity table."""
     base, _, variant = m.partition("_")
     if variant in VARIANTS:
         return f"{LABELS[base]}, {VARIANTS[variant]}"
@@ -308,9 +306,8 @@ def fig2_means(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Fig. 2's final global and test loss per tau-sweep dataset, setting and tau: the means over the sweep's
     seeds, to 5 decimals (``claims.json``'s ``fig2``, from the runs' full-precision values)."""
     out: dict[str, Any] = {}
-    for (ds, a, b, tau), rs in group(
-        [r for r in records if r["part"] == "sweep"], itemgetter(*CELL[:3], "tau")
-    ).items():
+    sweep = [r for r in records if r["part"] == "sweep"]
+    for (ds, a, b, tau), rs in group(sweep, itemgetter(*CELL[:3], "tau")).items():
         for key in ("global_loss", "test_loss"):
             per = out.setdefault(ds, {}).setdefault(key, {}).setdefault(SETTING_NAMES[(a, b)], {})
             per[f"{tau:g}"] = round(float(np.mean([r[key] for r in rs])), 5)
@@ -480,24 +477,6 @@ def fig2(losses: dict[str, Any]) -> str:
     return layout(cols, list(test))
 
 
-def paired_power(delta: float, sd: float, n: int, level: float = 0.95) -> float:
-    """The power of the two-sided ``level`` paired t test over ``n`` pairs to find a true mean difference
-    ``delta`` when the pairs' differences have standard deviation ``sd`` (the noncentral t)."""
-    from scipy import stats
-
-    crit = stats.t.ppf((1 + level) / 2, n - 1)
-    nc = delta * np.sqrt(n) / sd
-    # the lower tail is below 1e-9 once nc > 10, where scipy's cdf can return NaN
-    return float(stats.nct.sf(crit, n - 1, nc) + (stats.nct.cdf(-crit, n - 1, nc) if abs(nc) < 10 else 0.0))
-
-
-def detectable(sd: float, n: int, power: float = 0.8, level: float = 0.95) -> float:
-    """The smallest true mean difference the paired t test finds with probability ``power`` (``paired_power``)."""
-    from scipy.optimize import brentq
-
-    return float(brentq(lambda d: paired_power(d, sd, n, level) - power, 1e-9 * sd, 30 * sd))
-
-
 def power_table(records: list[dict]) -> str:
     """How much room one dataset's check left the zeroth-order term (the best baseline's mean final accuracy
     above the server-only control's at (1000, 90%)) and what the paired test at its seeds could find: per
@@ -572,12 +551,8 @@ def preset_report(p: Preset, records: list[dict], table: list[dict], losses: dic
     """A preset's report files: ``table.csv`` (``table``, Table I's cells), ``table.md`` and ``claims.json`` (the
     claims' verdicts by their declared rules on the per-seed ``records``, Fig. 2's final losses, the meta)."""
     got = verdicts(records)
-    md = table_md(
-        p,
-        preset_sections(p, records, table, losses),
-        markdown_table(CLAIM_HEADER, claim_rows(got, "`results.csv`")),
-        meta,
-    )
+    claim_table = markdown_table(CLAIM_HEADER, claim_rows(got, "`results.csv`"))
+    md = table_md(p, preset_sections(p, records, table, losses), claim_table, meta)
     claims = [{"claim": v.claim, "verdict": v.outcome, "rule": v.interval} for v in got]
     files = {"table.csv": Rows(table), "table.md": md}
     return Report(files | {"claims.json": Json({"claims": claims, "fig2": losses, "meta": meta})}, show="table.md")
@@ -587,13 +562,7 @@ def committed(folder: Path, scale: str) -> tuple:
     """A preset's committed files in ``folder``: its preset, per-seed records, Table I's cells, Fig. 2's final
     losses and the invocation's meta (what ``preset_report`` takes)."""
     saved = json.loads((folder / "claims.json").read_text(encoding="utf-8"))
-    return (
-        PRESETS[scale],
-        read_csv(folder / "results.csv"),
-        read_csv(folder / "table.csv"),
-        saved["fig2"],
-        saved["meta"],
-    )
+    return PRESETS[scale], *(read_csv(folder / f) for f in ("results.csv", "table.csv")), saved["fig2"], saved["meta"]
 
 
 def rebuild(folder: Path, scale: str) -> Report:
