@@ -46,7 +46,7 @@ class Preset:
     local: dict[str, Any] = field(default_factory=dict)
     algorithm: dict[str, Any] = field(default_factory=dict)
     partition: dict[str, Any] = field(default_factory=lambda: {"name": "iid"})
-    # the per-seed final accuracies the claims' declared rules read (``seed_records``; set by the page)
+    # the per-seed final accuracies the claims' declared rules read (``seed_records`` of table.md; ``markdown``)
     records: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -122,24 +122,22 @@ def split_facts(config: RunConfig) -> tuple[SplitSizes, list[int]]:
 
 # ---- summaries ---------------------------------------------------------------------------------------------
 def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
+    """Table V's rows, one per method variant over its seeds: final accuracy (mean, std, per seed), the measured
+    load and storage beside their closed forms, the load to reach the target and the paper's CIFAR-10 numbers."""
     table = []
     for key, rs in group(results, lambda r: r["key"]).items():
-        method, h = rs[0]["method"], rs[0]["h"]
-        sizes = rs[0]["sizes"]
+        method, h, sizes, last = rs[0]["method"], rs[0]["h"], rs[0]["sizes"], rs[0]["rows"][-1]
         accs = [100 * r["rows"][-1]["test_accuracy"] if r["status"] == "completed" else math.nan for r in rs]
         acc_m, acc_s = mean_std(accs)
-        load = rs[0]["rows"][-1]["load_bytes"]
         formulas = [round_bytes(method, sizes, r["samples"], p.batch_size, h=h)["load"] * len(r["rows"]) for r in rs]
         reach = if_all([to_target(r["rows"], "test_accuracy", p.target, "load_bytes") for r in rs], np.mean)
-        paper_key = key if key in PAPER_TABLE_V["cifar10"] else method if method != "cse_fsl" else None
-        paper = PAPER_TABLE_V["cifar10"].get(paper_key) if paper_key else None
-        last = rs[0]["rows"][-1]
+        paper = PAPER_TABLE_V["cifar10"].get(key) or (None,) * 4  # (IID acc, non-IID acc, load, storage)
         table.append(
             {
                 "method": key,
                 "accuracy": acc_m,
                 "accuracy_std": acc_s,
-                "load_gib": load / GIB,
+                "load_gib": last["load_bytes"] / GIB,
                 "load_formula_gib": formulas[0] / GIB,
                 "load_exact": all(r["rows"][-1]["load_bytes"] == f for r, f in zip(rs, formulas, strict=True)),
                 "storage_m": last["storage_params"] / 1e6,
@@ -147,9 +145,9 @@ def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
                 "server_copies": last["server_copies"],
                 "load_to_target_gib": float(reach) / GIB if reach is not None else None,
                 "uploads_per_client": last["smashed_uploads_per_client"],
-                "paper_acc": (paper[1] if p.noniid else paper[0]) if paper else None,
-                "paper_load": paper[2] if paper else None,
-                "paper_storage": paper[3] if paper else None,
+                "paper_acc": paper[1] if p.noniid else paper[0],
+                "paper_load": paper[2],
+                "paper_storage": paper[3],
                 "accs": accs,
             }
         )
