@@ -19,12 +19,11 @@ def test_smoke_preset_writes_table_claims_and_plots(tmp_path):
     assert all(0 <= float(r["acc_mean"]) <= 100 for r in rows)
     table = (tmp_path / "table.md").read_text()
     assert "ZO-HFL" in table and "server-only" in table and "Claims" in table
-    claims = json.loads((tmp_path / "claims.json").read_text())["claims"]["digits"]
-    assert "C1_robust_under_extreme_heterogeneity" in claims and "C3_final_global_loss_per_tau" in claims
-    rows = zo_hfl.claim_rows({"digits": claims})  # the claim table printed in table.md, one row per check
-    assert [r[0][:2] for r in rows] == ["C1", "C2", "C3", "C3", "C3", "C3", "C4"]
-    assert all(f"| {c} | {v} | {m} |" in table for c, v, m in rows)
-    assert rows[0][1] == ("held" if claims["C1_robust_under_extreme_heterogeneity"] else "did not hold")
+    # one seed: every claim of the dataset untestable by its declared rule, each row of claims.json in table.md
+    claims = json.loads((tmp_path / "claims.json").read_text())["claims"]
+    assert [c["claim"][:2] for c in claims] == ["C1", "C2", "C3", "C3", "C3", "C3", "C4"]
+    assert {c["verdict"] for c in claims} == {"untestable"}
+    assert all(f"| {c['claim']} | `results.csv` | {c['rule']} |" in table for c in claims)
     for png in ("fig2_digits.png", "accuracy_digits.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     # the per-seed records: one per Table I run and column (the server-only run once per setting) and sweep run
@@ -93,25 +92,19 @@ def test_declared_rules_read_the_per_seed_records():
     acc |= {("zo_hfl", s): [79.0, 80.5, 80.9] for s in zo_hfl.SETTINGS}
     acc |= {("server_only", s): [79.1, 80.4, 81.0] for s in zo_hfl.SETTINGS}
     records = _records(acc)
-    means = {(m, s): sum(v) / 3 for (m, s), v in acc.items()}
-    drop = {m: means[(m, homo)] - means[(m, extreme)] for m in ("zo_hfl", "fedavg", "fedprox", "scaffold")}
-    claims = {"mnist": {
-        "C1_robust_under_extreme_heterogeneity": True, "drops_homogeneous_to_extreme": drop,
-        "C2_competitive_when_homogeneous": True, "ZO-HFL_minus_best_baseline_homogeneous": -2.2,
-        "C4_zo_hfl_within_1std_of_server_only": {zo_hfl.SETTING_NAMES[s]: True for s in zo_hfl.SETTINGS},
-    }}  # fmt: skip
-    rows = {r[0][:2]: r[1] for r in zo_hfl.page_rows(claims, records)}
+    rows = {v.claim[:2]: v.interval for v in zo_hfl.verdicts(records)}
+    assert set(rows) == {"C1", "C2", "C4"}  # no tau sweep: no C3
     # C1: ZO-HFL ahead of FedAvg and FedProx on every seed by 10-20 points and its drop 0 against 7.5 at half
     assert rows["C1"].startswith("all of 3 (points): ZO-HFL - FedAvg at (0.1, 10%) +15.13")
-    assert ": held (the means' criterion: held)" in rows["C1"]
+    assert rows["C1"].endswith("n=3: held")
     # C2: against SCAFFOLD (the best mean) less 5 points: per seed +3.0, +3.5, +2.9
     assert "ZO-HFL - (SCAFFOLD - 5) at (1000, 90%) +3.13 [2.33, 3.93] held" in rows["C2"]
     # C4: differences of 0.1 point on each seed, inside the larger std of the two (0.82): held in every setting
     assert "a=1000, b=90% within ±0.82 -0.03 [-0.32, 0.25] held" in rows["C4"]
-    assert rows["C4"].endswith("n=3: held (the means' criterion: held)")
-    # without per-seed records, or with one seed, every claim is untestable
-    for got in (zo_hfl.page_rows(claims), zo_hfl.page_rows(claims, [r for r in records if r["seed"] == 0])):
-        assert all(r[1].startswith("untestable by a declared rule: no per-seed records") for r in got)
+    assert rows["C4"].endswith("n=3: held")
+    # with one seed every claim is untestable
+    got = zo_hfl.verdicts([r for r in records if r["seed"] == 0])
+    assert len(got) == 3 and all(v.interval.startswith("untestable by a declared rule: fewer than 2") for v in got)
 
 
 def test_the_power_of_the_paired_test():

@@ -227,3 +227,9 @@ def bold_layout(cols: Sequence[Col], rows: Sequence[Any]) -> str:
             cells = bold_best(cells, [r[key] if isinstance(key, str) else key(r) for r in rows], c.best)
         columns.append(cells)
     return markdown_table([c.header for c in cols], [list(row) for row in zip(*columns)])
+
+
+def parse_csv(text: str) -> list[dict[str, Any]]:
+    """The rows of CSV text (``csv_text``'s) typed back as ``read_csv`` types a file's: what a reader of the
+    written file gets (e.g. floats at the precision ``float_format`` wrote)."""
+    return [{k: _typed(v) for k, v in r.items()} for r in csv.DictReader(io.StringIO(text))]

@@ -358,3 +358,22 @@ class Untestable:
 
 
 Rule = Paired | Threshold | All | Untestable
+
+
+# ---- the power of the paired t test: what a declared rule over n seeds could find ------------------------
+def paired_power(delta: float, sd: float, n: int, level: float = 0.95) -> float:
+    """The power of the two-sided ``level`` paired t test over ``n`` pairs to find a true mean difference
+    ``delta`` when the pairs' differences have standard deviation ``sd`` (the noncentral t)."""
+    from scipy import stats
+
+    crit = stats.t.ppf((1 + level) / 2, n - 1)
+    nc = delta * np.sqrt(n) / sd
+    # the lower tail is below 1e-9 once nc > 10, where scipy's cdf can return NaN
+    return float(stats.nct.sf(crit, n - 1, nc) + (stats.nct.cdf(-crit, n - 1, nc) if abs(nc) < 10 else 0.0))
+
+
+def detectable(sd: float, n: int, power: float = 0.8, level: float = 0.95) -> float:
+    """The smallest true mean difference the paired t test finds with probability ``power`` (``paired_power``)."""
+    from scipy.optimize import brentq
+
+    return float(brentq(lambda d: paired_power(d, sd, n, level) - power, 1e-9 * sd, 30 * sd))

@@ -22,7 +22,7 @@ from fedweave.config import RunConfig
 from fedweave.experiments.aggregate import group, if_all, mean_std, to_target
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import plot_curves
-from fedweave.experiments.study import YES_NO, Claim, Plan, Report, Rows, Study, Verdict, judge, option, verdict_table
+from fedweave.experiments.study import Claim, Plan, Report, Rows, Study, judge, option
 from fedweave.experiments.tables import Col, layout, markdown_table, read_csv
 from fedweave.experiments.verdicts import All, Paired, Select, Threshold, Untestable, cell
 from fedweave.runner import Result
@@ -46,7 +46,7 @@ class Preset:
     local: dict[str, Any] = field(default_factory=dict)
     algorithm: dict[str, Any] = field(default_factory=dict)
     partition: dict[str, Any] = field(default_factory=lambda: {"name": "iid"})
-    # the per-seed final accuracies the claims' declared rules read (``seed_records``; set by the page)
+    # the per-seed final accuracies the claims' declared rules read (``seed_records`` of table.md; ``markdown``)
     records: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -122,24 +122,22 @@ def split_facts(config: RunConfig) -> tuple[SplitSizes, list[int]]:
 
 # ---- summaries ---------------------------------------------------------------------------------------------
 def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
+    """Table V's rows, one per method variant over its seeds: final accuracy (mean, std, per seed), the measured
+    load and storage beside their closed forms, the load to reach the target and the paper's CIFAR-10 numbers."""
     table = []
     for key, rs in group(results, lambda r: r["key"]).items():
-        method, h = rs[0]["method"], rs[0]["h"]
-        sizes = rs[0]["sizes"]
+        method, h, sizes, last = rs[0]["method"], rs[0]["h"], rs[0]["sizes"], rs[0]["rows"][-1]
         accs = [100 * r["rows"][-1]["test_accuracy"] if r["status"] == "completed" else math.nan for r in rs]
         acc_m, acc_s = mean_std(accs)
-        load = rs[0]["rows"][-1]["load_bytes"]
         formulas = [round_bytes(method, sizes, r["samples"], p.batch_size, h=h)["load"] * len(r["rows"]) for r in rs]
         reach = if_all([to_target(r["rows"], "test_accuracy", p.target, "load_bytes") for r in rs], np.mean)
-        paper_key = key if key in PAPER_TABLE_V["cifar10"] else method if method != "cse_fsl" else None
-        paper = PAPER_TABLE_V["cifar10"].get(paper_key) if paper_key else None
-        last = rs[0]["rows"][-1]
+        paper = PAPER_TABLE_V["cifar10"].get(key) or (None,) * 4  # (IID acc, non-IID acc, load, storage)
         table.append(
             {
                 "method": key,
                 "accuracy": acc_m,
                 "accuracy_std": acc_s,
-                "load_gib": load / GIB,
+                "load_gib": last["load_bytes"] / GIB,
                 "load_formula_gib": formulas[0] / GIB,
                 "load_exact": all(r["rows"][-1]["load_bytes"] == f for r, f in zip(rs, formulas, strict=True)),
                 "storage_m": last["storage_params"] / 1e6,
@@ -147,9 +145,9 @@ def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
                 "server_copies": last["server_copies"],
                 "load_to_target_gib": float(reach) / GIB if reach is not None else None,
                 "uploads_per_client": last["smashed_uploads_per_client"],
-                "paper_acc": (paper[1] if p.noniid else paper[0]) if paper else None,
-                "paper_load": paper[2] if paper else None,
-                "paper_storage": paper[3] if paper else None,
+                "paper_acc": paper[1] if p.noniid else paper[0],
+                "paper_load": paper[2],
+                "paper_storage": paper[3],
                 "accs": accs,
             }
         )
@@ -169,112 +167,14 @@ def _cse(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [t for t in table if t["method"].startswith("cse_fsl") and "random" not in t["method"]]
 
 
-def _h(t: dict[str, Any]) -> int:
-    return int(t["method"].split("h=")[1])
-
-
-def _c1(table, p):
-    return ", ".join(f"{t['method']}: {'exact' if t['load_exact'] else 'MISMATCH'}" for t in table), all(
-        t["load_exact"] for t in table
-    )
-
-
 def _mid(table) -> list[dict[str, Any]]:
     """C2's "small h": the CSE-FSL rows with 1 < h <= 5 (all of them when there are none)."""
-    return [t for t in _cse(table) if 1 < _h(t) <= 5] or _cse(table)
-
-
-def _c2(table, p):
-    an, cse = _by(table)["fsl_an"], _cse(table)
-    mid = _mid(table)
-    measured = ", ".join(f"{t['method']}: {t['accuracy'] - an['accuracy']:+.2f} pp" for t in cse)
-    return measured, all(an["accuracy"] - t["accuracy"] <= 3.0 for t in mid)
-
-
-def _c3(table, p):
-    reach = {t["method"]: t["load_to_target_gib"] for t in table}
-    big = [t for t in _cse(table) if _h(t) > 1]
-    c3 = (
-        all(reach[t["method"]] is not None for t in big)
-        and reach["fsl_an"] is not None
-        and all(reach[t["method"]] < reach["fsl_an"] for t in big)
-        and (reach["fsl_mc"] is None or reach["fsl_an"] < reach["fsl_mc"])
-    )
-    if reach["fsl_an"] is None and all(reach[t["method"]] is None for t in big):
-        c3 = None  # neither CSE-FSL (h > 1) nor FSL_AN reached the target: no load to compare
-    measured = ", ".join(f"{k}: {'not reached' if v is None else f'{1024 * v:.1f} MiB'}" for k, v in reach.items())
-    return measured, c3
-
-
-def _c5(table, p):
-    by, cse = _by(table), _cse(table)
-    an, mc, oc = by["fsl_an"], by["fsl_mc"], by["fsl_oc"]
-    c5 = all(t["server_copies"] == 1 for t in cse) and cse[0]["storage_m"] < 0.4 * an["storage_m"]
-    return (
-        f"CSE {cse[0]['storage_m']:.4f} M vs FSL_AN {an['storage_m']:.4f} M "
-        f"({cse[0]['storage_m'] / an['storage_m']:.2f}×), copies MC {mc['server_copies']}, "
-        f"AN {an['server_copies']}, OC {oc['server_copies']}, CSE 1"
-    ), c5
-
-
-def _c6(table, p):
-    rnd = next(t for t in table if "random" in t["method"])
-    ordered = _by(table).get(rnd["method"].replace(" random", ""))
-    if not ordered:
-        return None
-    return f"{ordered['accuracy']:.2f} vs {rnd['accuracy']:.2f} %", abs(rnd["accuracy"] - ordered["accuracy"]) <= 1.5
-
-
-def _c7(table, p):
-    by = _by(table)
-    h1, an, mc, oc = by.get("cse_fsl h=1"), by["fsl_an"], by["fsl_mc"], by["fsl_oc"]
-    if not h1:
-        return None
-    # "the auxiliary net fixes the single-server-model problem" needs that problem: FSL_OC more than 1 pp
-    # below the better of FSL_MC / FSL_AN (the paper: 73.74 vs 80.55 on CIFAR); otherwise untestable
-    struggled = oc["accuracy"] < max(mc["accuracy"], an["accuracy"]) - 1
-    return (
-        f"{h1['accuracy']:.2f} vs {oc['accuracy']:.2f} %; FSL_OC vs best of FSL_MC/AN "
-        f"{oc['accuracy']:.2f} vs {max(mc['accuracy'], an['accuracy']):.2f} %",
-        h1["accuracy"] >= oc["accuracy"] - 1 if struggled else None,
-    )
-
-
-def _noniid_cse(table, p):
-    """Table V's non-IID column (CSE-FSL h=5 42.33 vs FSL_MC 61.17, FSL_AN 54.67, FSL_OC 50.14): the CSE-FSL
-    row at the random run's h (h = 5 on Fashion-MNIST/MNIST, as Table V's first CSE row)."""
-    return _by(table).get(f"cse_fsl h={p.random_h}") if p.noniid else None
-
-
-def _c8(table, p):
-    if not (cse := _noniid_cse(table, p)):
-        return None
-    mc = _by(table)["fsl_mc"]
-    gap = cse["accuracy"] - mc["accuracy"]
-    return f"{cse['accuracy']:.2f} vs {mc['accuracy']:.2f} % ({gap:+.2f} pp)", gap < -NONIID_GAP
-
-
-def _order(p: Preset) -> dict[str, str]:
-    """C9's order of Table V's non-IID column, best first: method -> its name in the verdict."""
-    return {
-        "fsl_mc": "FSL_MC",
-        "fsl_an": "FSL_AN",
-        "fsl_oc": "FSL_OC",
-        f"cse_fsl h={p.random_h}": f"CSE-FSL h={p.random_h}",
-    }
-
-
-def _c9(table, p):
-    if not _noniid_cse(table, p):
-        return None
-    acc = {m: _by(table)[m]["accuracy"] for m in _order(p)}
-    ranked = " > ".join(f"{_order(p)[m]} {acc[m]:.2f}" for m in sorted(acc, key=lambda m: -acc[m]))
-    return ranked, all(a > b for a, b in zip(acc.values(), list(acc.values())[1:]))
+    return [t for t in _cse(table) if 1 < int(t["method"].split("h=")[1]) <= 5] or _cse(table)
 
 
 def seed_records(md: str) -> list[dict[str, Any]]:
-    """The per-seed final accuracies a committed ``table-*.md`` lists (``- METHOD: a, b, c`` under its seeds
-    ``[0, 1, 2]``, at the 2 decimals it prints), one record per method and seed."""
+    """The per-seed final accuracies a ``table-*.md`` lists (``- METHOD: a, b, c`` under its seeds
+    ``[0, 1, 2]``, at the 2 decimals it prints), one record per method and seed: what the claims' rules read."""
     seeds = json.loads(re.search(r"seeds (\[[\d, ]*\])", md)[1])
     per = re.findall(r"^- (.+): ([\d., ]+)$", md.split("Per-seed final accuracies (%):", 1)[1], re.M)
     return [{"method": m, "seed": s, "accuracy": float(a)} for m, accs in per for s, a in zip(seeds, accs.split(", "))]
@@ -282,7 +182,7 @@ def seed_records(md: str) -> list[dict[str, Any]]:
 
 def _acc(a: str | Select, b: str | Select, direction: str = "greater", min_effect: float = 0.0) -> Paired:
     """``a`` against ``b`` (methods, or selectors such as ``below("fsl_an", 3)``) on the final accuracy (%),
-    paired by seed, 95 % paired t: 3 seeds, too few for a percentile bootstrap."""
+    paired by seed, 95 % paired t: 3 to 10 seeds, too few for a percentile bootstrap."""
     side = lambda m: cell(method=m) if isinstance(m, str) else m  # noqa: E731
     return Paired("accuracy", side(a), side(b), direction, min_effect, unit="pp")
 
@@ -293,132 +193,112 @@ def below(method: str, pp: float) -> Select:
     return cell(method=method) - pp
 
 
-def _c9_rule(table, p) -> All:
-    """Each method of C9's order above the next, paired by seed ("MC > AN", "AN > OC", "OC > CSE")."""
-    ms, short = list(_order(p)), [n.removeprefix("FSL_").split("-")[0] for n in _order(p).values()]
-    return All(tuple((f"{a} > {b}", _acc(x, y)) for a, b, x, y in zip(short, short[1:], ms, ms[1:])))
-
-
-def seeded(text, rule, declared) -> Claim:
-    """A claim whose declared rule reads the per-seed final accuracies (``Preset.records``)."""
-    return Claim(text, rule, declared=declared, records=lambda t, p: p.records)
-
-
-def _closed_forms(table, p) -> Threshold:
-    return Threshold("mismatches", "==", 0, digits=0, unit="methods off the closed form")
-
-
 def _c7_rule(table, p):
+    """C7 needs the problem it claims to fix: FSL_OC more than 1 pp below the better of FSL_MC / FSL_AN in the
+    means (the paper: 73.74 vs 80.55 on CIFAR); otherwise untestable."""
     by = _by(table)
     if by["fsl_oc"]["accuracy"] >= max(by["fsl_mc"]["accuracy"], by["fsl_an"]["accuracy"]) - 1:
         return Untestable("FSL_OC is not more than 1 pp below FSL_MC/AN in the means: no problem to fix")
     return All((("h=1 vs FSL_OC - 1 pp", _acc("cse_fsl h=1", below("fsl_oc", 1.0))),))
 
 
+def _c9_rule(table, p) -> All:
+    """Table V's non-IID order, best first: each method above the next, paired by seed."""
+    ms = ["fsl_mc", "fsl_an", "fsl_oc", f"cse_fsl h={p.random_h}"]
+    short = ["MC", "AN", "OC", "CSE"]
+    return All(tuple((f"{a} > {b}", _acc(x, y)) for a, b, x, y in zip(short, short[1:], ms, ms[1:])))
+
+
+def seeded(text, declared, noniid: bool = False) -> Claim:
+    """A claim whose declared rule reads the per-seed final accuracies (``Preset.records``; untestable with fewer
+    than 2 seeds); a ``noniid`` claim reads none on an IID preset, so it is left out there."""
+    records = lambda t, p: p.records if p.noniid or not noniid else []  # noqa: E731
+    rule = lambda t, p: NO_PAIRS if len({r["seed"] for r in records(t, p)}) == 1 else declared(t, p)  # noqa: E731
+    return Claim(text, None, declared=rule, records=records)
+
+
+def _one(text, rule: Threshold, value) -> Claim:
+    """A deterministic claim: ``rule`` on the one value ``value(table)``."""
+    return Claim(text, None, declared=rule, records=lambda t, p: [{rule.metric: value(t)}])
+
+
 NO_SEEDS = "the load to reach the target has no per-seed record (the table: its seed mean)"
-# Each claim's declared rule (``Claim.declared``) on the per-seed final accuracies (``records``: a table's
-# ``seeds``, see ``seed_records``); the spec's criterion on the means stays each claim's ``rule`` (the committed
-# tables' "held"). Minimum effects: the spec's 3 pp of "similar accuracy" (C2, one-sided: a CSE row above FSL_AN
-# is no failure), 1.5 pp of Fig. 6's order invariance (C6), the 1 pp of C7, NONIID_GAP (C8), 0 for C9's order.
+NO_PAIRS = Untestable("fewer than 2 seeds, no paired test")
+# Each claim's one verdict is its declared rule's (``Claim.declared``) on the per-seed final accuracies
+# (``records``: a table's ``seeds``, see ``seed_records``) or, for the deterministic C1 and C5, a threshold on
+# the table. Minimum effects: the spec's 3 pp of "similar accuracy" (C2, one-sided: a CSE row above FSL_AN is
+# no failure), 1.5 pp of Fig. 6's order invariance (C6), the 1 pp of C7, NONIID_GAP (C8), 0 for C9's order.
 CLAIMS = [
-    Claim(
+    _one(
         "C1 measured bytes equal the closed forms (every method, every round)",
-        _c1,
-        declared=_closed_forms,
-        records=lambda t, p: [{"mismatches": sum(not r["load_exact"] for r in t)}],
+        Threshold("mismatches", "==", 0, digits=0, unit="methods off the closed form"),
+        lambda t: sum(not r["load_exact"] for r in t),
     ),
     seeded(
         "C2 CSE-FSL with small h within 3 pp of FSL_AN at equal rounds",
-        _c2,
         lambda t, p: All(
             tuple((f"{x['method']} vs FSL_AN - 3 pp", _acc(x["method"], below("fsl_an", 3.0))) for x in _mid(t))
         ),
     ),
     Claim(
         lambda t, p: f"C3 less load to reach {100 * p.target:.0f} % test accuracy: CSE (h>1) < FSL_AN < FSL_MC",
-        _c3,
+        None,
         declared=Untestable(NO_SEEDS),
     ),
-    Claim(
+    _one(
         "C5 CSE-FSL keeps one server-side model; storage < 0.4× FSL_AN",
-        _c5,
-        declared=Threshold("ratio", "<", 0.4, unit="× FSL_AN's storage"),
-        records=lambda t, p: [{"ratio": _cse(t)[0]["storage_m"] / _by(t)["fsl_an"]["storage_m"]}],
+        Threshold("ratio", "<", 0.4, unit="× FSL_AN's storage"),
+        lambda t: _cse(t)[0]["storage_m"] / _by(t)["fsl_an"]["storage_m"],
     ),
     seeded(
         "C6 ordered vs randomly ordered server within 1.5 pp (Fig. 6)",
-        _c6,
-        lambda t, p: (lambda r: _acc(r.replace(" random", ""), r, "within", 1.5))(
-            next(x["method"] for x in t if "random" in x["method"])
-        ),
+        lambda t, p: _acc(f"cse_fsl h={p.random_h}", f"cse_fsl h={p.random_h} random", "within", 1.5),
     ),
-    seeded(
-        "C7 CSE-FSL h=1 >= FSL_OC (+clip) - 1 pp (testable only if FSL_OC is > 1 pp below FSL_MC/AN)", _c7, _c7_rule
-    ),
+    seeded("C7 CSE-FSL h=1 >= FSL_OC (+clip) - 1 pp (testable only if FSL_OC is > 1 pp below FSL_MC/AN)", _c7_rule),
     seeded(
         lambda t, p: (
             f"C8 non-IID: CSE-FSL h={p.random_h} more than {NONIID_GAP:g} pp below FSL_MC "
             "(paper, h=5: 42.33 vs 61.17 %)"
         ),
-        _c8,
         lambda t, p: _acc(f"cse_fsl h={p.random_h}", "fsl_mc", "less", NONIID_GAP),
+        noniid=True,
     ),
     seeded(
         lambda t, p: f"C9 non-IID ordering of Table V: FSL_MC > FSL_AN > FSL_OC > CSE-FSL h={p.random_h}",
-        _c9,
         _c9_rule,
+        noniid=True,
     ),
 ]
 
 
-def claims(table: list[dict[str, Any]], p: Preset) -> list[Verdict]:
-    """The verdicts of the spec's claims (§9.3) on the summary table's means, as a preset's ``table.md``
-    states them (each claim's own rule; ``Claim.criterion``)."""
-    return [v for c in CLAIMS if (v := c.criterion(table, p)) is not None]
+def claims_table(table: list[dict[str, Any]], p: Preset) -> str:
+    """The claims (spec §9.3) on Table V and its per-seed records (``p.records``), each with its declared rule's
+    verdict and interval: ``table.md``'s and the page's claim table."""
+    rows = [[v.claim, v.interval] for v in judge(CLAIMS, table, p)]
+    return markdown_table(["claim", "verdict (declared rule)"], rows)
 
 
-def columns(noniid: bool = False) -> list[Col]:
-    """Table V's columns in ``table.md``; their keys are ``table.csv``'s first columns."""
-    nd = lambda header, key, digits=2: Col(header, key, f".{digits}f")  # noqa: E731
-    return [
-        Col("method", "method"),
-        nd("acc (%)", "accuracy"),
-        nd("± std", "accuracy_std"),
-        nd("load (GiB)", "load_gib", 5),
-        nd("load / FSL_MC", "load_ratio", 3),
-        nd("storage (M)", "storage_m", 4),
-        Col("server copies", "server_copies"),
-        nd("load to target (GiB)", "load_to_target_gib", 5),
-        nd(f"paper acc {'non-IID' if noniid else 'IID'} (%)", "paper_acc"),
-        nd("paper load (GiB)", "paper_load"),
-        nd("paper load / FSL_MC", "paper_load_ratio", 3),
-        nd("paper storage (M)", "paper_storage"),
-    ]
+def markdown(table, p: Preset, scale: str, seeds: list[int], wall: float) -> str:
+    """``table.md``: Table V and the claims as the page shows them, and the per-seed final accuracies the claims'
+    rules read (``seed_records`` of this file: the page reads them from it too)."""
+    head = (
+        f"# CSE-FSL reproduction (Table V / Fig. 9 style)\n\nScale `{scale}`, dataset `{p.dataset['name']}` "
+        f"({p.split_text}, B = {p.batch_size}, lr {p.lr}, {p.rounds} rounds, model `{p.model['name']}`), seeds "
+        f"{seeds}, wall {wall:.0f} s.\nThe paper's columns are its CIFAR-10 Table V (5 clients, 200 epochs"
+        f"{NONIID_NOTE if p.noniid else ''}); accuracies are not comparable across datasets, the load *ratios* and "
+        "the storage structure are.\n\n"
+    )
+    listing = "Per-seed final accuracies (%):\n\n" + "".join(
+        f"- {t['method']}: {', '.join(f'{a:.2f}' for a in t['accs'])}\n" for t in table
+    )
+    p.records = seed_records(head + listing)
+    return head + page_table(table, p) + "\n## Claims (spec §9.3)\n\n" + claims_table(table, p) + "\n" + listing
 
 
-def markdown(table, verdicts, p: Preset, scale: str, seeds: list[int], wall: float) -> str:
-    """``table.md``: Table V, the claims and the per-seed final accuracies."""
-    lines = [
-        "# CSE-FSL reproduction (Table V / Fig. 9 style)",
-        "",
-        f"Scale `{scale}`, dataset `{p.dataset['name']}` ({p.split_text}, B = {p.batch_size}, "
-        f"lr {p.lr}, {p.rounds} rounds, model `{p.model['name']}`), seeds {seeds}, wall {wall:.0f} s.",
-        f"The paper's columns are its CIFAR-10 Table V (5 clients, 200 epochs{NONIID_NOTE if p.noniid else ''}); "
-        "accuracies are not comparable across datasets, the load *ratios* and the storage structure are.",
-        "",
-        layout(columns(p.noniid), table),
-        "## Claims (spec §9.3)",
-        "",
-        verdict_table(verdicts).rstrip("\n"),
-        "",
-        "Per-seed final accuracies (%):",
-        "",
-    ]
-    lines += [f"- {t['method']}: {', '.join(f'{a:.2f}' for a in t['accs'])}" for t in table]
-    return "\n".join(lines) + "\n"
-
-
-CSV_EXTRA = ["load_formula_gib", "load_exact", "storage_formula_m", "uploads_per_client"]
+# table.csv's columns: Table V's (the paper's beside ours), then the checks of the measured load and storage
+CSV_COLUMNS = ["method", "accuracy", "accuracy_std", "load_gib", "load_ratio", "storage_m", "server_copies"]
+CSV_COLUMNS += ["load_to_target_gib", "paper_acc", "paper_load", "paper_load_ratio", "paper_storage"]
+CSV_COLUMNS += ["load_formula_gib", "load_exact", "storage_formula_m", "uploads_per_client"]
 
 
 def plots(results: list[dict[str, Any]], out: Path) -> None:
@@ -472,9 +352,9 @@ def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Repo
     """Table V (markdown and CSV), the claims and the figures; exit 1 when a measured load is not its formula."""
     p, seeds, _ = plan.context
     table = summarize(results, p)
-    md = markdown(table, claims(table, p), p, opts.scale, seeds, wall)
+    md = markdown(table, p, opts.scale, seeds, wall)
     status = 0 if all(t["load_exact"] for t in table) else 1
-    files = {"table.md": md, "table.csv": Rows(table, [c.value for c in columns()] + CSV_EXTRA)}
+    files = {"table.md": md, "table.csv": Rows(table, CSV_COLUMNS)}
     return Report(files, "table.md", status, figures=lambda out: plots(results, out))
 
 
@@ -493,10 +373,7 @@ def sections(folder: Path) -> dict[str, str]:
     for block, f, scale, dataset in PAGE_TABLES:
         table, p = read_csv(folder / f), preset(scale, dataset)
         p.records = seed_records((folder / f).with_suffix(".md").read_text(encoding="utf-8"))
-        declared = {v.claim: v.interval for v in judge(CLAIMS, table, p)}
-        rows = [[v.claim, v.measured, declared.get(v.claim, "-"), YES_NO[v.held]] for v in claims(table, p)]
-        out[block] = markdown_table(["claim", "measured", "verdict (declared rule)", "held"], rows)
-        out[block.replace("claims", "table")] = page_table(table, p, block.endswith("noniid"))
+        out |= {block: claims_table(table, p), block.replace("claims", "table"): page_table(table, p)}
     return out
 
 
@@ -519,11 +396,11 @@ V5 = [
 LOAD = Col("load / FSL_MC", "load_ratio", ".3f")
 
 
-def page_table(table: list[dict[str, Any]], p: Preset, noniid: bool) -> str:
+def page_table(table: list[dict[str, Any]], p: Preset) -> str:
     """The page's Table V of one committed ``table-*.csv``: accuracy (mean, std), load and storage with the
     paper's CIFAR-10 numbers (the non-IID column: accuracy per seed and the paper's non-IID accuracy)."""
     per = group(p.records, lambda r: r["method"])
-    if noniid:
+    if p.noniid:
         seeds = Col("per seed", lambda t: ", ".join(f"{r['accuracy']:.2f}" for r in per[t["method"]]))
         return layout([*V5, seeds, LOAD, Col("paper non-IID acc (%)", "paper_acc", ".2f")], table)
     digits = p.dataset["name"] == "digits"

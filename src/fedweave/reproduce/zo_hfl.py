@@ -1,8 +1,9 @@
 """Reproduce ZO-HFL's Table I and Fig. 2 (Qiu, Kim, Yousefian, 2025) at a chosen scale (spec zo-hfl §9).
 
 The presets (``smoke``, ``small``, ``adult``, ``long``, ``paper``; ``--tune`` searches lambda and mu on a
-validation split, spec A1), the paper's Table I, the table layout and the claims C1-C4 of spec §9.2; what each
-scale runs and what the outputs hold is on the page, docs/reproductions/zo-hfl.md.
+validation split, spec A1), the paper's Table I, the tables' layouts (one renderer: a preset's ``table.md`` holds
+the page's sections of that preset) and the claims C1-C4 of spec §9.2, each judged by its declared rule on the
+per-seed records; what each scale runs and what the outputs hold is on the page, docs/reproductions/zo-hfl.md.
 """
 
 from __future__ import annotations
@@ -12,19 +13,20 @@ import json
 import re
 from dataclasses import dataclass, field
 from itertools import product
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedweave.experiments.aggregate import group, mean_of, mean_std, per_cell, std_of
+from fedweave.experiments.aggregate import group, mean_of, per_cell, std_of
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import cache_datasets as _cache_datasets
 from fedweave.experiments.jobs import load_average
 from fedweave.experiments.plots import Panel, plot_panels, seed_lines
-from fedweave.experiments.study import HELD, Claim, Json, Plan, Report, Rows, Study, option
-from fedweave.experiments.tables import Col, Grid, layout, markdown_table, pm, read_csv
-from fedweave.experiments.verdicts import All, Paired, Select, Untestable, cell
+from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, Verdict, judge, option
+from fedweave.experiments.tables import Col, Grid, csv_text, layout, markdown_table, parse_csv, pm, read_csv
+from fedweave.experiments.verdicts import All, Paired, Rule, Select, Untestable, cell, detectable, paired_power
 from fedweave.memory import cpu_seconds
 from fedweave.runner import Result
 
@@ -96,6 +98,7 @@ class Preset:
     table_eval_every: int = 0  # evaluation interval of the Table I runs (0: eval_every)
     sensitivity: list[str] = field(default_factory=list)  # extra rows: "<baseline>_const", "<baseline>_2h", ...
     sensitivity_seeds: int = 3
+    power: bool = False  # its report and page show what the paired test could find (power_table)
     # ``--tune``: the grid of spec A1, scored by validation accuracy (10% of the training set held out)
     tune_lams: list[float] = field(default_factory=lambda: [0.0, 0.1, 1.0, 10.0, 100.0])
     tune_mus: list[float] = field(default_factory=lambda: [0.01, 0.1, 1.0])
@@ -121,10 +124,8 @@ class Preset:
         return self.long_server_only if method == "server_only_long" else self.rounds
 
 
-def label(m: str, p: Preset | None = None) -> str:
-    """A method's row in ``table.md`` and its line in the plots."""
-    if m == "server_only_long":
-        return f"server-only (lambda=0), {p.long_server_only if p else 'more'} rounds"
+def label(m: str) -> str:
+    """A method's line in the plots and its row in the sensitivity table."""
     base, _, variant = m.partition("_")
     if variant in VARIANTS:
         return f"{LABELS[base]}, {VARIANTS[variant]}"
@@ -154,7 +155,9 @@ PRESETS = {
     # d = 242 instead of MNIST's 7,840), the paper's three heterogeneity settings and server share.
     # lambda, mu and gamma_0 chosen by --tune on a validation split (docs/reproductions/zo-hfl/adult/tune.md):
     # at the paper's gamma_0 = 0.01 no setting leaves the majority class (76.55 %) in 100 rounds.
-    "adult": Preset(["adult"], 100, 5, 32, 2, table_eval_every=4, server_lr=1.0, tune_server_lrs=[0.01, 0.1, 1.0]),
+    "adult": Preset(
+        ["adult"], 100, 5, 32, 2, table_eval_every=4, server_lr=1.0, tune_server_lrs=[0.01, 0.1, 1.0], power=True
+    ),
     # Table I with the paper's tau = 20 and batch 64 on MNIST / Fashion-MNIST, over the longest horizon that
     # fits the CPU this machine could give it (measured: 30 rounds of this grid cost about 6 CPU-minutes,
     # growing as R^1.5 with H = tau sqrt(r+1) local steps; 100 rounds, about 36 CPU-minutes, was chosen on a
@@ -242,7 +245,7 @@ def record(pt: Point, res: Result, plan: Plan) -> dict[str, Any]:
     }
 
 
-# ---- records and summaries --------------------------------------------------------------------------------
+# ---- the per-seed records --------------------------------------------------------------------------------
 
 
 def _final(res: dict[str, Any], key: str = "test_accuracy") -> float:
@@ -280,10 +283,10 @@ def seed_rows(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int], o
     return rows
 
 
-def paper_acc(r: dict[str, Any]) -> float | str:
-    """The paper's Table I number of a record's cell, or "" where the paper has none."""
+def paper_acc(r: dict[str, Any]) -> float | None:
+    """The paper's Table I number of a record's cell, or None where the paper has none."""
     paper = PAPER_TABLE.get(r["method"], {}).get(r["dataset"])
-    return paper[SETTINGS.index((r["alpha"], r["beta"]))] if paper else ""
+    return paper[SETTINGS.index((r["alpha"], r["beta"]))] if paper else None
 
 
 TABLE_STATS = {  # table.csv's columns per cell (dataset, setting, method) over its seeds (population std)
@@ -299,81 +302,24 @@ TABLE_STATS = {  # table.csv's columns per cell (dataset, setting, method) over 
 CELL = ("dataset", "alpha", "beta", "method")
 
 
-def summarize(p: Preset, records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """``table.csv``'s rows (``TABLE_STATS`` per cell of Table I of the per-seed ``records``) and the claims'
-    values (``check_claims``)."""
-    table = [r for r in records if r["part"] == "table"]
-    cells = group(table, lambda r: tuple(r[k] for k in CELL))
-    acc = {(ds, m, (a, b)): mean_std([r["acc"] for r in rs], ddof=0) for (ds, a, b, m), rs in cells.items()}
-    return per_cell(table, CELL, TABLE_STATS), check_claims(p, acc, records)
-
-
-def _nonincreasing(v: list[float]) -> bool:
-    return all(b <= a + 1e-12 for a, b in zip(v, v[1:]))
-
-
-def check_claims(p: Preset, acc, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The values of claims C1-C4 of spec §9.2 on the seed means (claims.json), per dataset."""
-    claims: dict[str, Any] = {}
-    for ds in p.datasets:
-        a = {(m, s): acc[(ds, m, s)][0] for m in p.methods for s in SETTINGS}
-        sd = {(m, s): acc[(ds, m, s)][1] for m in ("zo_hfl", "server_only") for s in SETTINGS}
-        drop = {m: a[(m, HOMO)] - a[(m, EXTREME)] for m in p.methods}
-        at_least = a[("zo_hfl", EXTREME)] >= max(a[("fedavg", EXTREME)], a[("fedprox", EXTREME)])
-        best = max(a[(m, HOMO)] for m in BASELINES)
-        claims[ds] = {
-            "C1_robust_under_extreme_heterogeneity": bool(
-                at_least and drop["zo_hfl"] <= 0.5 * max(drop["fedavg"], 0.0)
-            ),
-            "drops_homogeneous_to_extreme": {m: round(v, 2) for m, v in drop.items()},
-            "C2_competitive_when_homogeneous": bool(a[("zo_hfl", HOMO)] >= best - C2_MARGIN),
-            "ZO-HFL_minus_best_baseline_homogeneous": round(a[("zo_hfl", HOMO)] - best, 2),
-            "C4_zo_hfl_within_1std_of_server_only": {
-                SETTING_NAMES[s]: abs(a[("zo_hfl", s)] - a[("server_only", s)])
-                <= max(sd[("zo_hfl", s)], sd[("server_only", s)], 1e-9)
-                for s in SETTINGS
-            },
-        }
-        if "zo_hfl_fast" in p.methods and "server_only_fast" in p.methods:  # C4 again with a 10x server step
-            claims[ds]["C4_fast_zo_hfl_minus_server_only"] = {
-                SETTING_NAMES[s]: round(a[("zo_hfl_fast", s)] - a[("server_only_fast", s)], 2) for s in SETTINGS
-            }
-        if sens := [m for m in p.sensitivity if m.partition("_")[0] in BASELINES]:
-            # do the baselines collapse at (0.1, 10%) with more drift (constant lr) or more steps (2H)?
-            claims[ds]["baseline_variants_accuracy_extreme"] = {m: round(a[(m, EXTREME)], 2) for m in sens}
-        if p.long_server_only and ds in PAPER_TABLE["zo_hfl"]:  # can the server's share alone explain Table I?
-            claims[ds][f"server_only_{p.long_server_only}_rounds_vs_paper_zo_hfl"] = {
-                SETTING_NAMES[s]: [round(acc[(ds, "server_only_long", s)][0], 2), PAPER_TABLE["zo_hfl"][ds][k]]
-                for k, s in enumerate(SETTINGS)
-            }
-    for ds in p.sweep.datasets:
-        entry = claims.setdefault(ds, {})
-        runs = [r for r in records if (r["part"], r["dataset"]) == ("sweep", ds)]
-        sweep = group(runs, lambda r: (r["alpha"], r["beta"], r["tau"]))
-        # The global loss (f1 + the f2 estimate, A13) grows with tau by construction (longer solves move y
-        # further from x, so the f2 estimate rises); the test cross-entropy of x is comparable across tau.
+def fig2_means(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Fig. 2's final global and test loss per tau-sweep dataset, setting and tau: the means over the sweep's
+    seeds, to 5 decimals (``claims.json``'s ``fig2``, from the runs' full-precision values)."""
+    out: dict[str, Any] = {}
+    sweep = [r for r in records if r["part"] == "sweep"]
+    for (ds, a, b, tau), rs in group(sweep, itemgetter(*CELL[:3], "tau")).items():
         for key in ("global_loss", "test_loss"):
-            final = {s: [float(np.mean([r[key] for r in sweep[(*s, t)]])) for t in p.sweep.taus] for s in SETTINGS}
-            entry[f"C3_final_{key}_per_tau"] = {
-                SETTING_NAMES[s]: dict(zip(map(str, p.sweep.taus), (round(v, 5) for v in final[s]))) for s in SETTINGS
-            }
-            entry[f"C3_{key}_larger_tau_helps_in_homogeneous_and_moderate"] = bool(
-                _nonincreasing(final[HOMO]) and _nonincreasing(final[MID])
-            )
-            entry[f"C3_{key}_no_monotone_gain_in_extreme"] = not (
-                _nonincreasing(final[EXTREME]) and final[EXTREME][-1] < final[EXTREME][0]
-            )
-    return claims
+            per = out.setdefault(ds, {}).setdefault(key, {}).setdefault(SETTING_NAMES[(a, b)], {})
+            per[f"{tau:g}"] = round(float(np.mean([r[key] for r in rs])), 5)
+    return out
 
 
-# ---- the claims' rules ----------------------------------------------------------------------------------
-# Each claim has the spec's criterion on the means (the values ``check_claims`` writes into claims.json, read
-# back by ``_means``: what a preset's table.md states) and a declared rule on the per-seed records of its
-# dataset (``results.csv``, passed in as the claims entry's "_records" by ``page_rows``): final test accuracy
-# (points) or final loss, paired by seed (the same seed gives the same split, server share and initialisation
-# to every method), 95 % paired t (3 seeds: too few for a percentile bootstrap). A preset committed without
-# per-seed records (or with one seed) keeps "untestable".
-NO_SEEDS = Untestable("no per-seed records (claims.json and table.csv hold seed means and stds)")
+# ---- the claims of spec §9.2, each by its declared rule --------------------------------------------------
+# A rule reads one dataset's per-seed records (``results.csv``): final test accuracy (points) or final loss,
+# paired by seed (the same seed gives the same split, server share and initialisation to every method), 95 %
+# paired t (3 seeds: too few for a percentile bootstrap). Fewer than 2 seeds: untestable.
+NO_SEEDS = Untestable("fewer than 2 seeds, no paired test")
+LEFT_OUT = All(())  # no comparison: the claim is left out (a dataset without a tau sweep has no C3)
 C2_MARGIN = 5.0  # C2's "within 5 points of the best baseline" (spec §9.2)
 
 
@@ -405,7 +351,7 @@ C1_RULE = All(
 
 
 def _c2_rule(records) -> All:
-    """Against the baseline with the best mean final accuracy at (1000, 90%) (the means' criterion's "best")."""
+    """Against the baseline with the best mean final accuracy at (1000, 90%)."""
     means = {m: np.mean(_accs(records, m, HOMO)) for m in BASELINES}
     best = max(means, key=means.get)
     rule = _acc(at("zo_hfl", HOMO), at(best, HOMO) - C2_MARGIN)
@@ -421,10 +367,7 @@ def _c3_rule(key: str, moderate: bool):
         return f"{SETTING_NAMES[s]}: tau {a:g} - tau {b:g}", Paired(key, sweep(a), sweep(b), unit="", digits=5)
 
     def rule(records):
-        sweep = [r for r in records if r["part"] == "sweep"]
-        if len({r["seed"] for r in sweep}) < 2:
-            return Untestable("the tau sweep ran fewer than 2 seeds" if sweep else "no tau sweep on this dataset")
-        taus = sorted({r["tau"] for r in sweep})
+        taus = sorted({r["tau"] for r in records if r["part"] == "sweep"})
         if moderate:
             return All(tuple(step(s, a, b) for s in (HOMO, MID) for a, b in zip(taus, taus[1:])))
         return All((step(EXTREME, taus[-1], taus[0]),))
@@ -433,53 +376,24 @@ def _c3_rule(key: str, moderate: bool):
 
 
 def _c4_rule(records) -> All:
-    """Within one std in every setting: the bound is the larger of the two methods' seed std (population, as
-    the means' criterion) in that setting."""
+    """Within one std in every setting: the bound is the larger of the two methods' seed std (population) in
+    that setting."""
     std = lambda m, s: float(np.std(_accs(records, m, s)))  # noqa: E731
     bound = {s: max(std("zo_hfl", s), std("server_only", s), 0.01) for s in SETTINGS}
     rules = {s: _acc(at("zo_hfl", s), at("server_only", s), "within", bound[s]) for s in SETTINGS}
     return All(tuple((f"{SETTING_NAMES[s]} within ±{bound[s]:.2f}", rule) for s, rule in rules.items()))
 
 
-def _means(key: str, measured, held=None):
-    """The spec's criterion on the means: ``measured(entry)`` and claims.json's ``key`` (or ``held(entry)``);
-    None where the dataset's entry has no ``key``."""
-    return lambda c, _: None if key not in c else (measured(c), held(c) if held else c[key])
+def claim(text: str, rule, part: str = "table") -> Claim:
+    """A claim of spec §9.2 on one dataset's per-seed records (its name, the context, is ``{name}`` in
+    ``text``): ``rule(records)`` declares its rule on the records of ``part``; left out where the dataset has
+    none of them, untestable with fewer than 2 seeds."""
 
+    def declared(records, _) -> Rule:
+        seeds = {r["seed"] for r in records if r["part"] == part}
+        return LEFT_OUT if not seeds else rule(records) if len(seeds) >= 2 else NO_SEEDS
 
-def claim(text: str, criterion, declared) -> Claim:
-    """A claim of spec §9.2, judged per dataset on its entry of claims.json: ``text`` names the dataset as
-    ``{name}`` (the claim's context), ``criterion`` is the spec's on the means (``_means``) and
-    ``declared(records)`` the rule on the entry's per-seed records (NO_SEEDS with fewer than 2 seeds)."""
-
-    def seeded(c: dict[str, Any], _):
-        records = c.get("_records") or []
-        return declared(records) if len({r["seed"] for r in records}) >= 2 else NO_SEEDS
-
-    return Claim(
-        lambda c, name: text.format(name=name), criterion, declared=seeded, records=lambda c, _: c.get("_records") or []
-    )
-
-
-def _drops(c: dict[str, Any]) -> str:
-    d = c["drops_homogeneous_to_extreme"]
-    return "drop: " + ", ".join(f"{label(m)} {d[m]:.2f}" for m in ("zo_hfl", *BASELINES)) + " points"
-
-
-def _c3_means(key: str, moderate: bool):
-    """C3's criterion on the means: the final ``key`` per tau in the homogeneous and moderate settings
-    (``moderate``), or in the extreme."""
-    held = f"C3_{key}_" + (
-        "larger_tau_helps_in_homogeneous_and_moderate" if moderate else "no_monotone_gain_in_extreme"
-    )
-
-    def measured(c: dict[str, Any]) -> str:
-        per_tau = c[f"C3_final_{key}_per_tau"]
-        values = [f"{s}: " + " / ".join(f"{v:.5f}" for v in t.values()) for s, t in per_tau.items()]
-        taus = "/".join(next(iter(per_tau.values())))
-        return f"tau {taus}: " + ("; ".join(values[:2]) if moderate else values[-1])
-
-    return _means(f"C3_final_{key}_per_tau", measured, lambda c: c[held])
+    return Claim(lambda records, name: text.format(name=name), None, declared=declared)
 
 
 C1 = (
@@ -490,95 +404,137 @@ C2 = "C2 {name}: competitive when homogeneous (within 5 points of the best basel
 C3 = "C3 {name}: a larger tau lowers the final {what} at (1000, 90%) and (1, 50%)"
 C3_EXTREME = "C3 {name}: no monotone gain from a larger tau at (0.1, 10%) ({what})"
 C4 = "C4 {name}: ZO-HFL within one std of the server-only control (lambda = 0) in every setting"
-C4_KEY = "C4_zo_hfl_within_1std_of_server_only"
 CLAIMS = [
-    claim(C1, _means("C1_robust_under_extreme_heterogeneity", _drops), lambda records: C1_RULE),
-    claim(
-        C2,
-        _means(
-            "C2_competitive_when_homogeneous",
-            lambda c: f"ZO-HFL - best baseline {c['ZO-HFL_minus_best_baseline_homogeneous']:+.2f} points",
-        ),
-        _c2_rule,
-    ),
+    claim(C1, lambda records: C1_RULE),
+    claim(C2, _c2_rule),
     *(
-        claim(text.replace("{what}", key.replace("_", " ")), _c3_means(key, moderate), _c3_rule(key, moderate))
+        claim(text.replace("{what}", key.replace("_", " ")), _c3_rule(key, moderate), "sweep")
         for key in ("test_loss", "global_loss")
         for text, moderate in ((C3, True), (C3_EXTREME, False))
     ),
-    claim(
-        C4,
-        _means(
-            C4_KEY,
-            lambda c: f"within one std in {sum(c[C4_KEY].values())}/{len(c[C4_KEY])} settings",
-            lambda c: all(c[C4_KEY].values()),
-        ),
-        _c4_rule,
-    ),
+    claim(C4, _c4_rule),
 ]
 
 
-def claim_rows(claims: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """The claims of ``claims.json`` (spec §9.2) as (claim, verdict, measured) rows: a page's claim table."""
-    verdicts = [v for ds, c in claims.items() for k in CLAIMS if (v := k.criterion(c, DATASET_LABELS.get(ds, ds)))]
-    return [(v.claim, HELD[v.held], v.measured) for v in verdicts]
+def verdicts(records: list[dict[str, Any]]) -> list[Verdict]:
+    """The claims' verdicts by their declared rules on each dataset of the per-seed ``records``."""
+    by = group(records, itemgetter("dataset"))
+    return [v for ds, rs in by.items() for v in judge(CLAIMS, rs, DATASET_LABELS.get(ds, ds))]
 
 
-def page_rows(claims: dict[str, Any], records: list[dict[str, Any]] = ()) -> list[tuple[str, str, str]]:
-    """The page's (claim, verdict, measured) rows: each claim's declared rule on the per-seed ``records`` (a
-    ``results.csv``; none: untestable), with the criterion on the means beside it (``claim_rows``)."""
-    rows = []
-    for ds, c in claims.items():
-        name = DATASET_LABELS.get(ds, ds)
-        c = {**c, "_records": [r for r in records if r["dataset"] == ds]}
-        for k in CLAIMS:
-            if (means := k.criterion(c, name)) is not None and (v := k.verdict(c, name)) is not None:
-                rows.append((v.claim, f"{v.interval} (the means' criterion: {HELD[means.held]})", v.measured))
-    return rows
+def claim_rows(got: list[Verdict], source: str) -> list[list[str]]:
+    """The claim table's rows (claim, the records file the rules read, the rule's verdict with its interval)."""
+    return [[v.claim, source, v.interval] for v in got]
 
 
-# ---- the files of an invocation ---------------------------------------------------------------------------
+# ---- the tables: a preset's report and the page's sections, one renderer --------------------------------
+CLAIM_HEADER = ["claim", "source", "verdict (declared rule)"]
 
 
-def table_report(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], meta: dict) -> Report:
-    """Table I's files: ``table.csv`` (``rows``), ``table.md`` and ``claims.json`` (the claims' values, the meta)."""
-    files = {"table.csv": Rows(rows), "table.md": table_md(p, rows, claims, meta)}
-    return Report({**files, "claims.json": Json({"claims": claims, "meta": meta})}, show="table.md")
+def table1_label(m: str, p: Preset) -> str:
+    """A method's row in Table I."""
+    if m.startswith("zo_hfl_lam"):
+        return f"ZO-HFL (lambda = {m.removeprefix('zo_hfl_lam')})"
+    special = {"zo_hfl": f"ZO-HFL (lambda = {p.lam:g}, mu = {p.mu:g})", "server_only": "server-only (lambda = 0)"}
+    return (special | {"server_only_long": f"server-only, {p.long_server_only} rounds"}).get(m) or LABELS[m]
 
 
-def write_table(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], out: Path, meta: dict) -> None:
-    """Write Table I's files (``table_report``) into ``out``: rebuilds a committed table from its files."""
-    table_report(p, rows, claims, meta).write(out, show=False)
+def table1(p: Preset, rows: list[dict], dataset: str) -> str:
+    """Table I of one dataset from ``table.csv``'s rows: per method that ran (the sensitivity rows apart) and
+    setting, mean ± std [the mean of the last 10 rounds] / the paper's number (the long control: mean ± std)."""
+
+    def cell(r: dict) -> str:
+        last = "" if r["method"] == "server_only_long" else f" [{r['acc_last10_mean']:.2f}]"
+        paper = "" if r["paper_acc"] is None else f" / {r['paper_acc']:.2f}"
+        return f"{pm(r['acc_mean'], r['acc_std'])}{last}{paper}"
+
+    labels = {m: table1_label(m, p) for m in p.methods if m not in p.sensitivity}
+    head = lambda s: f"alpha={s[0]:g}, beta={100 * s[1]:.0f}%"  # noqa: E731
+    grid = Grid("method", "method", labels, itemgetter("alpha", "beta"), head, cell)
+    return grid.render([r for r in rows if r["dataset"] == dataset])
 
 
-def table1(rows: list[dict[str, Any]], labels: dict[str, str], head, cell) -> str:
-    """Table I of one dataset's ``table.csv`` rows: per method of ``labels`` (that ran), per setting (headed
-    ``head(setting)``), ``cell(row)``."""
-    return Grid("method", "method", labels, lambda r: (r["alpha"], r["beta"]), head, cell).render(rows)
+# the sensitivity rows (spec §9.2, A5, A11)
+SENSITIVITY_LABELS = {m: label(m) for m in SENSITIVITY} | {"zo_hfl_nocrn": "ZO-HFL, `crn: false`"}
 
 
-def table_md(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], meta: dict) -> str:
-    """``table.md``: Table I per dataset beside the paper's, the claims, their values and the invocation's cost."""
+def sensitivity(rows: list[dict]) -> str:
+    """The sensitivity rows of ``table.csv``: mean ± std per dataset and setting."""
+    head = lambda c: f"{DATASET_LABELS[c[0]]} {c[1]:g}/{100 * c[2]:.0f}%"  # noqa: E731
+    cell = lambda r: pm(r["acc_mean"], r["acc_std"])  # noqa: E731
+    return Grid("method", "method", SENSITIVITY_LABELS, itemgetter(*CELL[:3]), head, cell).render(rows)
+
+
+def fig2(losses: dict[str, Any]) -> str:
+    """Fig. 2's final global and test loss of one dataset per setting and tau (``fig2_means``)."""
+    glob, test = losses["global_loss"], losses["test_loss"]
+    taus = " / ".join(next(iter(test.values())))
+    cols = [
+        Col("setting", lambda s: s.replace("a=", "alpha=").replace("b=", "beta=")),
+        Col(f"global loss, tau = {taus}", lambda s: " / ".join(f"{v:.4f}" for v in glob[s].values())),
+        Col(f"test loss, tau = {taus}", lambda s: " / ".join(f"{v:.5f}" for v in test[s].values())),
+    ]
+    return layout(cols, list(test))
+
+
+def power_table(records: list[dict]) -> str:
+    """How much room one dataset's check left the zeroth-order term (the best baseline's mean final accuracy
+    above the server-only control's at (1000, 90%)) and what the paired test at its seeds could find: per
+    setting, the seed std of the paired differences ZO-HFL - server-only, the difference detected with 80 %
+    power by the 95 % paired t, and the power against a gain as large as that room."""
+    table = [r for r in records if r["part"] == "table"]
+    mean = lambda m: float(np.mean(_accs(table, m, HOMO)))  # noqa: E731
+    best = max(BASELINES, key=mean)
+    room = mean(best) - mean("server_only")
+    diffs = {s: list((at("zo_hfl", s) - at("server_only", s)).values(table, "acc").values()) for s in SETTINGS}
+    sd = lambda s: float(np.std(diffs[s], ddof=1))  # noqa: E731
+    cols = [
+        Col("setting", SETTING_NAMES.get),
+        Col("seeds", lambda s: len(diffs[s])),
+        Col("ZO-HFL - server-only", lambda s: np.mean(diffs[s]), "+.2f"),
+        Col("std of the paired differences", sd, ".2f"),
+        Col("difference found with 80 % power", lambda s: detectable(sd(s), len(diffs[s])), ".2f"),
+        Col(f"power against a gain of {room:.2f}", lambda s: paired_power(room, sd(s), len(diffs[s])), ".2f"),
+    ]
+    return (
+        f"Room: the best baseline ({label(best)}) ends {room:.2f} points above the server-only control at "
+        f"(1000, 90%)\n(the control's seed std: {np.std(_accs(table, 'server_only', HOMO)):.2f} points), so a "
+        "zeroth-order term that closed the whole gap would gain that much.\n\n" + layout(cols, SETTINGS)
+    )
+
+
+def preset_sections(p: Preset, records: list[dict], table: list[dict], losses: dict[str, Any]) -> dict[str, str]:
+    """A preset's tables, by name: Table I per dataset, the sensitivity rows, Fig. 2's final losses per
+    sweep dataset and (``Preset.power``) the paired test's power, from its per-seed ``records``, ``table.csv``'s
+    rows and ``fig2_means``: its ``table.md`` and the page's blocks (under the preset's folder)."""
+    datasets = list(dict.fromkeys(r["dataset"] for r in table))
+    out = {f"table1-{ds}": table1(p, table, ds) for ds in datasets}
+    out |= {"sensitivity": sensitivity(table)} if p.sensitivity else {}
+    out |= {f"fig2-{ds}": fig2(v) for ds, v in losses.items()}
+    return out | (
+        {f"power-{ds}": power_table([r for r in records if r["dataset"] == ds]) for ds in datasets} if p.power else {}
+    )
+
+
+HEADINGS = {"table1": "Table I", "sensitivity": "Sensitivity rows (spec §9.2, A5, A11)"}
+HEADINGS |= {"fig2": "Fig. 2, final losses (means over the sweep's seeds)", "power": "What the paired test could find"}
+
+
+def table_md(p: Preset, parts: dict[str, str], claims: str, meta: dict) -> str:
+    """``table.md``: the preset's settings, its tables (``preset_sections``), the claims and the invocation's cost."""
     lines = [
         "# ZO-HFL Table I at our scale, beside the paper's",
         "",
         f"Scale `{meta['scale']}`: {meta['rounds']} rounds, tau = {p.tau:g} (paper: 500 rounds, tau = 20), "
         f"{meta['seeds']} seed(s), lambda = {p.lam:g}, mu = {p.mu:g}, eta = 0.1, gamma_r = {p.server_lr:g}/sqrt(r+1), "
-        f"local 0.1/(t+1), batch {p.batch_size}. Cells: final test accuracy % of the global model, mean +- std "
-        "over seeds [mean over the last 10 rounds] / paper.",
+        f"local 0.1/(t+1), batch {p.batch_size}. Table I's cells: final test accuracy % of the global model, mean "
+        "± std over seeds [mean over the last 10 rounds] / the paper's.",
         "",
     ]
-
-    def cell(r: dict[str, Any]) -> str:
-        paper = f"{r['paper_acc']:.2f}" if r["paper_acc"] != "" else "n/a"
-        return f"{pm(r['acc_mean'], r['acc_std'], sep=' +- ')} [{r['acc_last10_mean']:.2f}] / {paper}"
-
-    labels = {m: label(m, p) for m in p.methods}
-    for ds in p.datasets:
-        table = table1([r for r in rows if r["dataset"] == ds], labels, SETTING_NAMES.get, cell)
-        lines += [f"## {DATASET_LABELS.get(ds, ds)}", "", table]
-    lines += ["## Claims (spec §9.2)", "", markdown_table(["claim", "verdict", "measured"], claim_rows(claims))]
-    lines += ["All values:", "", "```json", json.dumps(claims, indent=2), "```", ""]
+    for name, body in parts.items():
+        kind, _, ds = name.partition("-")
+        lines += [f"## {HEADINGS[kind]}" + (f": {DATASET_LABELS.get(ds, ds)}" if ds else ""), "", body]
+    lines += ["## Claims (spec §9.2)", "", claims]
     lines += [
         f"Wall time of this invocation: {meta['wall_seconds']:.0f} s with {meta['workers']} worker process(es); "
         f"CPU time of this invocation (workers, their start-up and data loading included): "
@@ -589,6 +545,29 @@ def table_md(p: Preset, rows: list[dict[str, Any]], claims: dict[str, Any], meta
         "",
     ]
     return "\n".join(lines)
+
+
+def preset_report(p: Preset, records: list[dict], table: list[dict], losses: dict[str, Any], meta: dict) -> Report:
+    """A preset's report files: ``table.csv`` (``table``, Table I's cells), ``table.md`` and ``claims.json`` (the
+    claims' verdicts by their declared rules on the per-seed ``records``, Fig. 2's final losses, the meta)."""
+    got = verdicts(records)
+    claim_table = markdown_table(CLAIM_HEADER, claim_rows(got, "`results.csv`"))
+    md = table_md(p, preset_sections(p, records, table, losses), claim_table, meta)
+    claims = [{"claim": v.claim, "verdict": v.outcome, "rule": v.interval} for v in got]
+    files = {"table.csv": Rows(table), "table.md": md}
+    return Report(files | {"claims.json": Json({"claims": claims, "fig2": losses, "meta": meta})}, show="table.md")
+
+
+def committed(folder: Path, scale: str) -> tuple:
+    """A preset's committed files in ``folder``: its preset, per-seed records, Table I's cells, Fig. 2's final
+    losses and the invocation's meta (what ``preset_report`` takes)."""
+    saved = json.loads((folder / "claims.json").read_text(encoding="utf-8"))
+    return PRESETS[scale], *(read_csv(folder / f) for f in ("results.csv", "table.csv")), saved["fig2"], saved["meta"]
+
+
+def rebuild(folder: Path, scale: str) -> Report:
+    """A preset's report files rebuilt from its committed ones in ``folder``, without running."""
+    return preset_report(*committed(folder, scale))
 
 
 def write_plots(p: Preset, records: list[dict[str, Any]], out: Path) -> None:
@@ -602,11 +581,11 @@ def write_plots(p: Preset, records: list[dict[str, Any]], out: Path) -> None:
 
     taus = lambda rs: seed_lines(rs, "tau", label=lambda t: f"tau={t:g}")  # noqa: E731
     for ds in p.sweep.datasets:
-        fig2 = [
+        fig = [
             [panel(ds, s, "sweep", taus, metric, ylabel=ylabel) for s in SETTINGS]
             for metric, ylabel in (("global_loss", "global loss f1 + f2"), ("test_loss", "test loss"))
         ]
-        plot_panels(fig2, out / f"fig2_{ds}.png", panel_size=(4.2, 3.2), dpi=80)
+        plot_panels(fig, out / f"fig2_{ds}.png", panel_size=(4.2, 3.2), dpi=80)
     order = [m for m in p.methods if p.rounds_of(m) == p.rounds and m not in p.sensitivity]
     methods = lambda rs: seed_lines(rs, "method", order, label)  # noqa: E731
     for ds in p.datasets:
@@ -710,143 +689,28 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> Rep
         "reused": sum(bool(v.get("reused")) for v in results.values()),
     }
     records = seed_rows(p, results, seeds, Path(opts.out))
-    report = table_report(p, *summarize(p, records), meta)
-    report.files["results.csv"] = Rows(records, SEED_COLUMNS, float_format=".6g")
+    saved = csv_text(records, SEED_COLUMNS, ".6g")  # the rules read the records as results.csv holds them
+    table = per_cell([r for r in records if r["part"] == "table"], CELL, TABLE_STATS)
+    report = preset_report(p, parse_csv(saved), table, fig2_means(records), meta)
+    report.files["results.csv"] = saved
     report.figures = lambda out: write_plots(p, records, out)
     return report
 
 
 # ---- the page's generated sections (docs/reproductions/zo-hfl.md) -----------------------------------------
-PAGE_CLAIMS = ("adult/claims.json", "claims.json", "long/claims.json")  # the page's claim table, in its order
-PAGE_TABLE1 = {m: LABELS[m] for m in BASELINES} | {  # the page's Table I rows: method -> its label there
-    "zo_hfl": "ZO-HFL (lambda = 1, mu = 0.01)",
-    "server_only": "server-only (lambda = 0)",
-    "zo_hfl_lam10": "ZO-HFL (lambda = 10)",
-    "zo_hfl_lam30": "ZO-HFL (lambda = 30)",
-    "fedavg_server": LABELS["fedavg_server"],
-    "server_only_long": "server-only, 500 rounds",
-}
-ADULT_LABELS = {**{m: PAGE_TABLE1[m] for m in METHODS}, "zo_hfl": "ZO-HFL (lambda = 1)"}
-# the page's sensitivity rows (spec §9.2, A5, A11)
-SENSITIVITY_LABELS = {m: label(m) for m in SENSITIVITY} | {"zo_hfl_nocrn": "ZO-HFL, `crn: false`"}
+PAGE_PRESETS = {"adult/": "adult", "": "small", "long/": "long"}  # the page's presets: folder -> scale
 
 
 def sections(folder: Path) -> dict[str, str]:
-    """docs/reproductions/zo-hfl.md's generated sections from the committed files in ``folder``: the claim
-    table (the claims of the committed claims files, judged again from their values and the per-seed records
-    beside them), the Table I tables, the cost, the Adult tuning and power, the sensitivity rows and Fig. 2."""
-    rows = []
-    for name in PAGE_CLAIMS:
-        seeds = (folder / name).with_name("results.csv")  # the per-seed records beside it, where committed
-        records = read_csv(seeds) if seeds.is_file() else []
-        got = page_rows(json.loads((folder / name).read_text(encoding="utf-8"))["claims"], records)
-        rows += [[claim, f"`{name}`", verdict, measured] for claim, verdict, measured in got]
-    small, long = read_csv(folder / "table.csv"), read_csv(folder / "long" / "table.csv")
-    adult = lambda r: pm(r["acc_mean"], r["acc_std"])  # noqa: E731
-    return {
-        "claims": markdown_table(["claim", "source", "verdict", "measured"], rows),
-        "cost": cost_section(folder),
-        "adult-tune": adult_tune_section(folder / "adult" / "tune.csv"),
-        **{f"table1-{ds}": table1_section(small, ds) for ds in ("mnist", "fashion_mnist")},
-        **{f"long-{ds}": table1_section(long, ds) for ds in ("mnist", "fashion_mnist")},
-        "adult": table1(read_csv(folder / "adult" / "table.csv"), ADULT_LABELS, _head("a={:g}, b={:.0f}%"), adult),
-        "adult-power": power_section(read_csv(folder / "adult" / "results.csv")),
-        "sensitivity": sensitivity_section(small),
-        "fig2": fig2_section(json.loads((folder / "claims.json").read_text(encoding="utf-8"))["claims"]),
-    }
-
-
-def _head(fmt: str):
-    """A setting's column head on the page: ``fmt`` of alpha and beta in %."""
-    return lambda s: fmt.format(s[0], 100 * s[1])
-
-
-def table1_section(rows: list[dict], dataset: str) -> str:
-    """The page's Table I of one dataset from a preset's ``table.csv``: per method it ran and setting, mean ± std
-    [the mean of the last 10 rounds] / the paper's number (the 500-round control: mean ± std only)."""
-
-    def cell(r: dict) -> str:
-        last = "" if r["method"] == "server_only_long" else f" [{r['acc_last10_mean']:.2f}]"
-        paper = "" if r["paper_acc"] is None else f" / {r['paper_acc']:.2f}"
-        return f"{pm(r['acc_mean'], r['acc_std'])}{last}{paper}"
-
-    rows = [r for r in rows if r["dataset"] == dataset]
-    return table1(rows, PAGE_TABLE1, _head("alpha={:g}, beta={:.0f}%"), cell)
-
-
-def sensitivity_section(rows: list[dict]) -> str:
-    """The page's sensitivity table from the small preset's ``table.csv``: mean ± std per dataset and setting."""
-    name = {"mnist": "MNIST", "fashion_mnist": "FMNIST"}
-    col = lambda r: (r["dataset"], r["alpha"], r["beta"])  # noqa: E731
-    head = lambda c: f"{name[c[0]]} {c[1]:g}/{100 * c[2]:.0f}%"  # noqa: E731
-    cell = lambda r: pm(r["acc_mean"], r["acc_std"])  # noqa: E731
-    return Grid("method", "method", SENSITIVITY_LABELS, col, head, cell).render(
-        [r for r in rows if r["dataset"] in name]
-    )
-
-
-def fig2_section(claims: dict[str, Any], dataset: str = "fashion_mnist") -> str:
-    """The page's Fig. 2 table: the final global and test loss per setting and tau, means over the sweep's
-    seeds (``claims.json``'s C3 values)."""
-    glob, test = (claims[dataset][f"C3_final_{k}_per_tau"] for k in ("global_loss", "test_loss"))
-    taus = " / ".join(next(iter(test.values())))
-    cols = [
-        Col("setting", lambda s: s.replace("a=", "alpha=").replace("b=", "beta=")),
-        Col(f"global loss, tau = {taus}", lambda s: " / ".join(f"{v:.4f}" for v in glob[s].values())),
-        Col(f"test loss, tau = {taus}", lambda s: " / ".join(f"{v:.5f}" for v in test[s].values())),
-    ]
-    return layout(cols, list(test))
-
-
-def paired_power(delta: float, sd: float, n: int, level: float = 0.95) -> float:
-    """The power of the two-sided ``level`` paired t test over ``n`` pairs to find a true mean difference
-    ``delta`` when the pairs' differences have standard deviation ``sd`` (the noncentral t)."""
-    from scipy import stats
-
-    crit = stats.t.ppf((1 + level) / 2, n - 1)
-    nc = delta * np.sqrt(n) / sd
-    # the lower tail is below 1e-9 once nc > 10, where scipy's cdf can return NaN
-    return float(stats.nct.sf(crit, n - 1, nc) + (stats.nct.cdf(-crit, n - 1, nc) if abs(nc) < 10 else 0.0))
-
-
-def detectable(sd: float, n: int, power: float = 0.8, level: float = 0.95) -> float:
-    """The smallest true mean difference the paired t test finds with probability ``power`` (``paired_power``)."""
-    from scipy.optimize import brentq
-
-    return float(brentq(lambda d: paired_power(d, sd, n, level) - power, 1e-9 * sd, 30 * sd))
-
-
-def power_section(rows: list[dict]) -> str:
-    """How much room the Adult check left the zeroth-order term (the best baseline's mean final accuracy above
-    the server-only control's at (1000, 90%)) and what the paired test at its seeds could find: per setting,
-    the seed std of the paired differences ZO-HFL - server-only, the difference detected with 80 % power by the
-    95 % paired t, and the power against a gain as large as that room (``results.csv``)."""
-    table = [r for r in rows if r["part"] == "table"]
-    mean = lambda m: float(np.mean(_accs(table, m, HOMO)))  # noqa: E731
-    best = max(BASELINES, key=mean)
-    room = mean(best) - mean("server_only")
-    diffs = {s: list((at("zo_hfl", s) - at("server_only", s)).values(table, "acc").values()) for s in SETTINGS}
-    sd = lambda s: float(np.std(diffs[s], ddof=1))  # noqa: E731
-    cols = [
-        Col("setting", SETTING_NAMES.get),
-        Col("seeds", lambda s: len(diffs[s])),
-        Col("ZO-HFL - server-only", lambda s: np.mean(diffs[s]), "+.2f"),
-        Col("std of the paired differences", sd, ".2f"),
-        Col("difference found with 80 % power", lambda s: detectable(sd(s), len(diffs[s])), ".2f"),
-        Col(f"power against a gain of {room:.2f}", lambda s: paired_power(room, sd(s), len(diffs[s])), ".2f"),
-    ]
-    return (
-        f"Room: the best baseline ({label(best)}) ends {room:.2f} points above the server-only control at "
-        f"(1000, 90%)\n(the control's seed std: {np.std(_accs(table, 'server_only', HOMO)):.2f} points), so a "
-        "zeroth-order term that closed the whole gap would gain that much.\n\n" + layout(cols, SETTINGS)
-    )
-
-
-def _invocation(md: str) -> list[str]:
-    """The wall time, CPU time and load average an invocation's ``table.md`` / ``tune.md`` states."""
-    wall = re.search(r"Wall time (?:of this invocation: )?(\d+) s", md)[1]
-    cpu = re.search(r"CPU time [^;]*?(\d+) s;", md)[1]
-    return [f"{wall} s", f"{cpu} s", re.search(r"load average at the end ([\d. ]+)\.", md)[1]]
+    """docs/reproductions/zo-hfl.md's generated sections from the committed files in ``folder``: each preset's
+    tables (``preset_sections``, named under its folder), one claim table of every preset's claims judged by
+    their declared rules on its committed per-seed records, the cost and the Adult tuning."""
+    out, rows = {"cost": cost_section(folder), "adult-tune": adult_tune_section(folder / "adult" / "tune.csv")}, []
+    for prefix, scale in PAGE_PRESETS.items():
+        p, records, table, losses, _ = committed(folder / prefix, scale)
+        out |= {prefix + name: body for name, body in preset_sections(p, records, table, losses).items()}
+        rows += claim_rows(verdicts(records), f"`{prefix}results.csv`")
+    return out | {"claims": markdown_table(CLAIM_HEADER, rows)}
 
 
 COST_HEADER = ["invocation", "runs", "wall (2 workers)", "CPU time (workers, start-up and data loading included)"]
@@ -854,14 +718,17 @@ COST_HEADER += ["load average at the end (1, 5, 15 min)"]
 
 
 def cost_section(folder: Path) -> str:
-    """The cost of the two committed invocations (``tune.md``, the last ``table.md``) and the split of the
-    small preset's run CPU time (``table.csv``: mean CPU seconds per run times its seeds, per group of rows;
-    the tau sweep is the rest of the runs' total that ``table.md`` states)."""
-    tune, table = ((folder / f).read_text(encoding="utf-8") for f in ("tune.md", "table.md"))
-    runs, total = re.search(r"sum of the (\d+) runs' own CPU times (\d+) s", table).groups()
+    """The cost of the two committed invocations (``tune.md``; the small preset's, ``claims.json``'s meta) and the
+    split of the small preset's run CPU time (``table.csv``: mean CPU seconds per run times its seeds, per group
+    of rows; the tau sweep is the rest of the runs' total)."""
+    tune = (folder / "tune.md").read_text(encoding="utf-8")
+    meta = json.loads((folder / "claims.json").read_text(encoding="utf-8"))["meta"]
+    invocation = [f"{meta['wall_seconds']:.0f} s", f"{meta['cpu_seconds']:.0f} s", meta["load_at_end"]]
+    cost = [re.search(pattern, tune)[1] for pattern in (r"Wall time (\d+) s", r"CPU time [^;]*?(\d+) s;")]
+    load = re.search(r"load average at the end ([\d. ]+)\.", tune)[1]
     tune_runs = len(read_csv(folder / "tune.csv")) * 6  # one run per (lambda, mu) and setting, 1 seed
-    body = [["`--tune`", tune_runs, *_invocation(tune)]]
-    body += [["`--scale small` (the last invocation)", runs, *_invocation(table)]]
+    body = [["`--tune`", tune_runs, *(f"{c} s" for c in cost), load]]
+    body += [["`--scale small` (the last invocation)", meta["runs"], *invocation]]
     groups = {
         "Table I core rows (FedAvg, FedProx, SCAFFOLD, ZO-HFL, server-only)": lambda m: m in METHODS,
         "the sensitivity rows of spec §9.2": lambda m: m in SENSITIVITY,
@@ -869,15 +736,15 @@ def cost_section(folder: Path) -> str:
             m not in METHODS and m not in SENSITIVITY
         ),
     }
-    rows = read_csv(folder / "table.csv")
+    rows, runs, total = read_csv(folder / "table.csv"), meta["runs"], round(sum(meta["run_cpu_seconds"].values()))
     cpu = {g: sum(r["cpu_seconds_mean"] * r["seeds"] for r in rows if f(r["method"])) for g, f in groups.items()}
     split = "; ".join(f"{g} {v:.0f} s" for g, v in cpu.items())
     return (
         markdown_table(COST_HEADER, body)
         + f"\nThe {runs} runs of the small preset used {total} CPU-s of their own (data loading not included),\n"
-        f"so the preset needs about {int(total) / 2 / 60:.0f} minutes of 2 idle cores (CPU time measured under load"
+        f"so the preset needs about {total / 2 / 60:.0f} minutes of 2 idle cores (CPU time measured under load"
         " is itself\ninflated, so this is an upper estimate). From `table.csv` (mean CPU time per run times its seeds):"
-        f" {split};\nthe tau sweep, which `table.csv` does not list, the rest: {int(total) - sum(cpu.values()):.0f} s."
+        f" {split};\nthe tau sweep, which `table.csv` does not list, the rest: {total - sum(cpu.values()):.0f} s."
         "\n"
     )
 
