@@ -84,6 +84,8 @@ class Preset:
     dp_sigmas: list[float]
     seeds: int
     extra: dict[str, Any] = field(default_factory=dict)
+    dpx_sigmas: list[float] = field(default_factory=list)  # Table 4 with noise on the exchanged tensors (A27)
+    pathological: str = ""  # the setting of Fig. 5(b), the pathological panel
 
 
 def _base(dataset: dict, partition: dict, model: dict, rounds: int, local: dict, every: int) -> dict[str, Any]:
@@ -104,9 +106,8 @@ def preset(scale: str) -> Preset:
         ds = {"name": "synthetic", "iid": True, "num_users": 20, "num_features": 20, "num_classes": 3, "seed": 0}
         part = {"name": "dirichlet_balanced", "num_clients": 6, "alpha": 0.3}
         base = _base(ds, part, {"name": "mlp", "hidden": [8]}, 2, {"epochs": 1, "batch_size": 32, "lr": 0.05}, 1)
-        return Preset(
-            [Setting("synthetic", "Synthetic (generated) Dir0.3", base)], "synthetic", 4, 2, [0.1, 1.5], [5.0], 1
-        )
+        synthetic = [Setting("synthetic", "Synthetic (generated) Dir0.3", base)]
+        return Preset(synthetic, "synthetic", 4, 2, [0.1, 1.5], [5.0], 1, dpx_sigmas=[5.0], pathological="synthetic")
     if scale == "small":  # spec 9.1, with the small CNN
         local = {"epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.9}
         model = {"name": "cnn_small"}
@@ -122,7 +123,8 @@ def preset(scale: str) -> Preset:
             Setting("mnist-path2", "MNIST Path2", _base(ds("mnist"), path2, model, 20, local, 2)),
         ]
         # proxy data: a fixed random half of each client's 100 images (spec A4 option), for CPU time
-        return Preset(settings, "fmnist-dir0.3", 10, 5, [0.1, 1.5], [2.0, 5.0, 10.0, 50.0], 3, {"proxy_samples": 50})
+        dp, extra = [2.0, 5.0, 10.0, 50.0], {"proxy_samples": 50}
+        return Preset(settings, "fmnist-dir0.3", 10, 5, [0.1, 1.5], dp, 3, extra, [2.0, 5.0], "mnist-path2")
     if scale == "paper":  # spec 9.2 (needs the CIFAR files)
         local = {
             "epochs": 5,
@@ -145,7 +147,8 @@ def preset(scale: str) -> Preset:
                 )
                 key = f"{name}-{kind}{v}"
                 settings.append(Setting(key, key, _base({"name": name}, part, model, 500, local, 5)))
-        return Preset(settings, "cifar10-dir0.1", 10, 10, [0.1, 0.5, 0.8, 1.0, 1.5], [2.0, 5.0, 10.0, 50.0], 3)
+        dp = [2.0, 5.0, 10.0, 50.0]
+        return Preset(settings, "cifar10-dir0.1", 10, 10, [0.1, 0.5, 0.8, 1.0, 1.5], dp, 3, {}, dp, "cifar10-path2")
     raise SystemExit(f"--scale must be smoke, small or paper; got {scale!r}")
 
 
@@ -198,8 +201,16 @@ class Job:
 def table_rows(p: Preset, meth: dict[str, dict[str, Any]]) -> dict[str, list[tuple[str, str, str, dict]]]:
     """Per table of ``--tables``, its rows: (row label, setting, run label, algorithm section)."""
     plus, first = meth["AFIND+"], p.primary
-    # spec A27 resolution: per-sample clipped DP-SGD (C = 1) on every local step that yields a shared model
-    dp = [(s, {**plus, "dp_sigma": s, "dp_clip": 1.0, "dp_mode": "sgd"} if s else plus) for s in [0.0, *p.dp_sigmas]]
+    # Table 4 (spec A27): ``sgd``, its resolution, per-sample clipped DP-SGD (C = 1) on every local step that
+    # yields a shared model; ``exchange``, the paper's own mechanism, N(0, (sigma_2 C / L)^2 I) on every sent tensor
+    dp = {
+        mode: [
+            (f"{s:g}", dp_label(s, mode), {**plus, "dp_sigma": s, "dp_clip": 1.0, "dp_mode": mode} if s else plus)
+            for s in [0.0, *sigmas]
+        ]
+        for mode, sigmas in (("sgd", p.dp_sigmas), ("exchange", p.dpx_sigmas))
+    }
+    plugins = [k + x for k in PLUGINS for x in ("", " + AFIND+")]
     ablation = [("FedAvg-FT", "Gossip"), ("+i (top-k)", "+i (top-k)"), ("+i+ii (AFIND)", "+i+ii (AFIND)")]
     return {
         "1": [
@@ -216,9 +227,17 @@ def table_rows(p: Preset, meth: dict[str, dict[str, Any]]) -> dict[str, list[tup
             (f"{t:g}", first, "AFIND+" if t == 0.5 else f"AFIND+ tau={t:g}", {**plus, "tau": t})
             for t in sorted({*p.taus, 0.5})
         ],
-        "dp": [(f"{s:g}", first, "AFIND+" if s == 0 else f"AFIND+ dp={s:g}", algo) for s, algo in dp],
-        "fig5": [(lb, first, lb, meth[lb]) for lb in (k + x for k in PLUGINS for x in ("", " + AFIND+"))],
+        "dp": [(row, first, lb, algo) for row, lb, algo in dp["sgd"]],
+        "fig5": [(lb, first, lb, meth[lb]) for lb in plugins],
+        # Table 4 with the paper's mechanism (noise on every exchanged tensor, A27's alternative) and Fig. 5(b)
+        "dpx": [(row, first, lb, algo) for row, lb, algo in dp["exchange"]],
+        "fig5b": [(lb, p.pathological, lb, meth[lb]) for lb in plugins],
     }
+
+
+def dp_label(sigma: float, mode: str) -> str:
+    """The run label of Table 4's row ``sigma`` (sigma_2) under ``dp_mode`` ``mode``; 0 is plain AFIND+."""
+    return "AFIND+" if sigma == 0 else f"AFIND+ {'exchange ' if mode == 'exchange' else ''}dp={sigma:g}"
 
 
 def plan(p: Preset, seeds: int, tables: set[str]) -> tuple[list[Job], dict[str, list[tuple[str, str, str]]]]:
@@ -319,6 +338,7 @@ LAYOUTS = {
     "table3": ("method", MEASURED, lambda row, lb: PAPER_T3[lb.replace(" [half]", "")]),
     "tau": ("tau", ["mean selected", "best", "final", "label overlap of selected", "MB sent", "seeds"], None),
     "dp": ("sigma_2", ["best", "final"], lambda row, lb: PAPER_T4.get(float(row), [])),
+    "dpx": ("sigma_2", ["best", "final"], lambda row, lb: PAPER_T4.get(float(row), [])),
 }
 
 
@@ -349,12 +369,15 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
                 for row, s, lb in rows[name]
             ]
             out[name] = (header, body)
-    if "fig5" in rows:
+    for name in ("fig5", "fig5b"):
+        if name not in rows:
+            continue
+        setting = rows[name][0][1]
         header = ["method", "best without", "best with AFIND+", "gain (best)", "final without", "final with AFIND+"]
         header += ["gain (final)", "mean selected with AFIND+", "MB sent without / with", "seeds"]
         body = []
         for label in PLUGINS:
-            plain, plug = by[(p.primary, label)], by[(p.primary, label + " + AFIND+")]
+            plain, plug = by[(setting, label)], by[(setting, label + " + AFIND+")]
             row = [label]
             for key in ("best", "final"):
                 gain = seed_gaps(plain, plug, key)
@@ -366,8 +389,8 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
             row += [_ms_cell([r["selected"] for r in plug], 1.0)]
             row += [f"{_ms_cell([r['bytes'] for r in plain], 2**-20)} / {_ms_cell([r['bytes'] for r in plug], 2**-20)}"]
             body.append(row + [f"{len(plain)} / {len(plug)}"])
-        out["fig5"] = (header, body)
-    return {k: out[k] for k in ("table1", "table2", "table3", "tau", "fig5", "dp") if k in out}
+        out[name] = (header, body)
+    return {k: out[k] for k in ("table1", "table2", "table3", "tau", "fig5", "dp", "fig5b", "dpx") if k in out}
 
 
 def _by_seed(results: list[dict[str, Any]], p: Preset) -> dict[str, dict[int, dict[str, Any]]]:
@@ -419,20 +442,21 @@ def _c_tau(results, p):
     return ", ".join(f"tau {t:g}: {s:.2f}" for t, s in zip(taus, sel)), all(x > y for x, y in zip(sel, sel[1:]))
 
 
-def _dp(results, p) -> dict[float, tuple[float, int]]:
-    """Table 4: the change of best-round accuracy against sigma_2 = 0, over the seeds both have (a run that
-    diverged before evaluating counts as the worst possible change), and the number of those seeds."""
+def _dp(results, p, mode: str = "sgd") -> dict[float, tuple[float, int]]:
+    """Table 4 under ``dp_mode`` ``mode``: the change of best-round accuracy against sigma_2 = 0, over the seeds
+    both have (a run that diverged before evaluating counts as the worst possible change), and the number of
+    those seeds."""
     base, dp = _best(results, p, "AFIND+"), {}
-    for sigma in p.dp_sigmas:
-        got = _best(results, p, f"AFIND+ dp={sigma:g}")
+    for sigma in p.dp_sigmas if mode == "sgd" else p.dpx_sigmas:
+        got = _best(results, p, dp_label(sigma, mode))
         if common := sorted(set(got) & set(base)):
             diffs = [got[s] - base[s] for s in common]
             dp[sigma] = (float(np.mean(diffs)) if np.isfinite(diffs).all() else -math.inf, len(common))
     return dp
 
 
-def _c_dp_small(results, p):
-    dp = _dp(results, p)
+def _c_dp_small(results, p, mode: str = "sgd"):
+    dp = _dp(results, p, mode)
     if not (small := [s for s in dp if s <= 5]):
         return None
     return (
@@ -453,20 +477,20 @@ def _c_dp_big(results, p):
     return measured, dp[b][0] < min(dp[s][0] for s in small)
 
 
-def _plugin_gains(results, p) -> dict[str, float] | None:
+def _plugin_gains(results, p, setting: str | None = None) -> dict[str, float] | None:
     """Fig. 5 and section 5: per plug-in method, the per-seed gains of best-round accuracy with AFIND+'s
-    selection (None unless every plug-in ran both ways)."""
-    gains = {}
+    selection on ``setting`` (default: the primary one; None unless every plug-in ran both ways)."""
+    gains, setting = {}, p.primary if setting is None else setting
     for label in PLUGINS:
-        plain = [r for r in results if r["setting"] == p.primary and r["label"] == label]
-        plug = [r for r in results if r["setting"] == p.primary and r["label"] == label + " + AFIND+"]
+        plain = [r for r in results if r["setting"] == setting and r["label"] == label]
+        plug = [r for r in results if r["setting"] == setting and r["label"] == label + " + AFIND+"]
         if plain and plug:
             gains[label] = seed_gaps(plain, plug, "best")
     return gains if len(gains) == len(PLUGINS) and all(gains.values()) else None
 
 
-def _c_fig5(results, p):
-    if not (gains := _plugin_gains(results, p)):
+def _c_fig5(results, p, setting: str | None = None):
+    if not (gains := _plugin_gains(results, p, setting)):
         return None
     means = {k: float(np.mean(v)) for k, v in gains.items()}
     per = "; ".join(
@@ -475,8 +499,8 @@ def _c_fig5(results, p):
     return per, all(m > 0 for m in means.values())
 
 
-def _c_section5(results, p):
-    if not (gains := _plugin_gains(results, p)):
+def _c_section5(results, p, setting: str | None = None):
+    if not (gains := _plugin_gains(results, p, setting)):
         return None
     overall = 100 * float(np.mean([float(np.mean(v)) for v in gains.values()]))
     lo, hi = CLAIMED_PLUGIN_GAIN / 2, 1.5 * CLAIMED_PLUGIN_GAIN
@@ -491,6 +515,11 @@ def _primary(results, p) -> list[dict[str, Any]]:
     """The primary setting's finished runs (a run that diverged has no best-round accuracy to pair; the
     verdict's n says how many seeds were paired)."""
     return [r for r in results if r["setting"] == p.primary and math.isfinite(r["best"])]
+
+
+def _pathological(results, p) -> list[dict[str, Any]]:
+    """Fig. 5(b)'s setting's finished runs (as ``_primary``)."""
+    return [r for r in results if r["setting"] == p.pathological and math.isfinite(r["best"])]
 
 
 def _vs(a: str, b: str | Select, direction: str = "greater", min_effect: float = 0.0, metric: str = "best") -> Paired:
@@ -576,6 +605,36 @@ CLAIMS = [
         ),
         records=_primary,
     ),
+    # Table 4 with the paper's own mechanism: the paper's words, "With sigma_2 <= 5, AFIND+ shows only marginal
+    # reductions without significant performance degradation", by the same rule as the DP-SGD table's
+    Claim(
+        "Table 4, noise on the exchanged tensors: sigma_2 <= 5 costs at most 3 points (paper: <= 2.84)",
+        lambda t, p: _c_dp_small(t, p, "exchange"),
+        records=_primary,
+        declared=lambda t, p: All(
+            tuple(
+                (f"sigma {s:g}", _vs(dp_label(s, "exchange"), cell(label="AFIND+") - 0.03))
+                for s in p.dpx_sigmas
+                if s <= 5
+            )
+        ),
+    ),
+    # Fig. 5(b), the pathological panel (the paper's "approximately 3%" is said of Fig. 5 as a whole)
+    Claim(
+        "Fig. 5(b), pathological: AFIND+ selection improves every plug-in method (mean best-round gain > 0)",
+        lambda t, p: _c_fig5(t, p, p.pathological),
+        declared=All(tuple((k, _vs(k + " + AFIND+", k)) for k in PLUGINS)),
+        records=_pathological,
+    ),
+    Claim(
+        f"Section 5 on Fig. 5(b): the improvement is about +3 points (mean gain over the plug-ins in "
+        f"[{CLAIMED_PLUGIN_GAIN / 2:g}, {1.5 * CLAIMED_PLUGIN_GAIN:g}])",
+        lambda t, p: _c_section5(t, p, p.pathological),
+        declared=Paired(
+            "best", _plugin_gain(), 0.0, "within", CLAIMED_PLUGIN_GAIN / 2, scale=100, unit="points from +3"
+        ),
+        records=_pathological,
+    ),
 ]
 
 
@@ -654,6 +713,9 @@ def results_report(
         "tau": "Fig. 8: tau sweep (primary setting)",
         "dp": "Table 4: DP noise sigma_2 (primary setting)",
         "fig5": "Fig. 5: personalised methods without and with AFIND+'s neighbour selection (primary setting)",
+        "dpx": "Table 4 with noise on the exchanged tensors (dp_mode exchange): sigma_2 (primary setting)",
+        "fig5b": "Fig. 5(b): personalised methods without and with AFIND+'s neighbour selection (pathological "
+        f"setting, {({s.key: s.title for s in p.settings}).get(p.pathological, p.pathological)})",
     }
     for name, (header, body) in tables(results, rows, p).items():
         md += [f"## {names[name]}\n", markdown_table(header, body)]
@@ -678,7 +740,7 @@ def write_results(out: Path, results: list[dict[str, Any]], rows: dict[str, list
 
 
 # ------------------------------------------------------------------------------------------ the study
-TABLES = ("1", "2", "3", "tau", "dp", "fig5")
+TABLES = ("1", "2", "3", "tau", "dp", "fig5", "dpx", "fig5b")
 
 
 def study_plan(opts) -> Plan:
@@ -688,10 +750,12 @@ def study_plan(opts) -> Plan:
     if opts.rounds is not None:
         for s in p.settings:
             s.base["rounds"] = opts.rounds
+    wanted = {t.strip() for t in opts.tables.split(",") if t.strip()}
+    if opts.primary_only and "fig5b" in wanted:
+        raise ConfigError("--primary-only leaves out the pathological setting that --tables fig5b runs")
     if opts.primary_only:
         p.settings = [s for s in p.settings if s.key == p.primary]
     seeds = opts.seeds or p.seeds
-    wanted = {t.strip() for t in opts.tables.split(",") if t.strip()}
     if bad := wanted - set(TABLES):
         raise ConfigError(f"--tables: unknown {sorted(bad)}; allowed {', '.join(TABLES)}")
     jobs, rows = plan(p, seeds, wanted)
@@ -791,8 +855,9 @@ STUDY = Study(
         option(
             "--tables",
             default="1,2,tau",
-            help="comma list of 1,2,3,tau,dp,fig5 (3 = partial topology, dp = "
-            "Table 4, fig5 = the personalised methods Ditto, FOMO, DisPFL with and without AFIND+'s selection)",
+            help="comma list of 1,2,3,tau,dp,fig5,dpx,fig5b (3 = partial topology, dp = Table 4 with DP-SGD, dpx = "
+            "Table 4 with noise on the exchanged tensors, fig5 = the personalised methods Ditto, FOMO, DisPFL with "
+            "and without AFIND+'s selection, fig5b = the same on the pathological setting)",
         ),
         option("--rounds", count=True, default=None, help="override the preset's number of rounds"),
         option("--primary-only", action="store_true", help="Table 1 on the primary setting only"),
