@@ -608,7 +608,7 @@ CLAIMS = [
     # Table 4 with the paper's own mechanism: the paper's words, "With sigma_2 <= 5, AFIND+ shows only marginal
     # reductions without significant performance degradation", by the same rule as the DP-SGD table's
     Claim(
-        "Table 4, noise on the exchanged tensors: sigma_2 <= 5 costs at most 3 points (paper: <= 2.84)",
+        "Table 4 (noise on the exchanged tensors): DP noise sigma_2 <= 5 costs at most 3 points (paper: <= 2.84)",
         lambda t, p: _c_dp_small(t, p, "exchange"),
         records=_primary,
         declared=lambda t, p: All(
@@ -776,7 +776,7 @@ def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Repo
     return results_report(Path(opts.out), results, rows, p, opts.scale, len(plan.points), seeds, wall)
 
 
-PAGE_CLAIMS = ("", "table3-dp", "fig5")  # the folders of the page's claim table, in its order
+PAGE_CLAIMS = ("", "table3-dp", "fig5", "dp-exchange", "fig5b")  # the folders of the page's claim table, in order
 
 
 def sections(folder: Path) -> dict[str, str]:
@@ -797,13 +797,14 @@ def sections(folder: Path) -> dict[str, str]:
         )
     out["dp"] = _merged_dp(*(folder / sub / "results.md" for sub in ("", "table3-dp")))
     out["fig5"] = _page_fig5(folder / "fig5")
+    out["fig5b"] = _page_fig5(folder / "fig5b", "## Fig. 5(b)")
     return out
 
 
-def _page_fig5(folder: Path) -> str:
-    """Fig. 5 as the page shows it: ``fig5/results.md``'s table with the best-round gain per seed (from
-    ``fig5/results.json``) and the means of the selected neighbours and of the megabytes sent."""
-    report = table_after((folder / "results.md").read_text(encoding="utf-8"), "## Fig. 5").splitlines()[2:]
+def _page_fig5(folder: Path, heading: str = "## Fig. 5") -> str:
+    """Fig. 5 as the page shows it: the table under ``heading`` in ``folder/results.md`` with the best-round gain
+    per seed (from ``folder/results.json``) and the means of the selected neighbours and of the megabytes sent."""
+    report = table_after((folder / "results.md").read_text(encoding="utf-8"), heading).splitlines()[2:]
     results = json.loads((folder / "results.json").read_text(encoding="utf-8"))
     body = []
     for line in report:
@@ -843,6 +844,7 @@ PAGE_TABLES = {  # block -> (folder, the heading of its table in the folder's re
     "tau": ("", "## Fig. 8"),
     "table3": ("table3-dp", "## Table 3"),
     "selection": ("", "## Selection rule alone"),
+    "dpx": ("dp-exchange", "## Table 4 with noise on the exchanged tensors"),
 }
 
 
