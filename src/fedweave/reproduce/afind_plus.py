@@ -208,18 +208,14 @@ def dp_label(sigma: float, mode: str) -> str:
 def table_rows(p: Preset, meth: dict[str, dict[str, Any]]) -> dict[str, list[tuple[str, str, str, dict]]]:
     """Per table of ``--tables``, its rows: (row label, setting, run label, algorithm section)."""
     plus, first = meth["AFIND+"], p.primary
+
     # Table 4 (spec A27): ``sgd``, its resolution, per-sample clipped DP-SGD (C = 1) on every local step that
     # yields a shared model; ``exchange``, the paper's own mechanism, N(0, (sigma_2 C / L)^2 I) on every sent tensor
+    def private(s: float, mode: str) -> dict[str, Any]:
+        return {**plus, "dp_sigma": s, "dp_clip": 1.0, "dp_mode": mode} if s else plus
+
     dp = {
-        mode: [
-            (
-                f"{s:g}",
-                first,
-                dp_label(s, mode),
-                {**plus, "dp_sigma": s, "dp_clip": 1.0, "dp_mode": mode} if s else plus,
-            )
-            for s in [0.0, *sigmas]
-        ]
+        mode: [(f"{s:g}", first, dp_label(s, mode), private(s, mode)) for s in [0.0, *sigmas]]
         for mode, sigmas in (("sgd", p.dp_sigmas), ("exchange", p.dpx_sigmas))
     }
     ablation = [("FedAvg-FT", "Gossip"), ("+i (top-k)", "+i (top-k)"), ("+i+ii (AFIND)", "+i+ii (AFIND)")]
