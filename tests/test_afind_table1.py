@@ -148,3 +148,44 @@ def test_fig5_claims_compare_per_seed_gains_with_the_abstracts_three_points():
     assert every[0] is False and "DisPFL +0.00 (1/2 seeds ahead)" in every[1]  # DisPFL: -0.5 and +0.5
     about = next(v for c, v in checks.items() if c.startswith("Section 5"))
     assert about[0] is True and about[1] == "mean gain +1.67 points"  # (3.5 + 1.5 + 0) / 3
+
+
+def test_table4_exchange_rows_put_the_noise_on_the_messages():
+    """Table 4 with the paper's mechanism (``--tables dpx``): the local steps stay plain SGD and every tensor a
+    client sends gets N(0, (sigma_2 C / L)^2 I), C = 1; sigma_2 = 0 is the plain AFIND+ run."""
+    from fedweave.reproduce.afind_plus import plan, preset, run_config
+
+    p = preset("small")
+    jobs, rows = plan(p, 1, {"dpx"})
+    assert p.dpx_sigmas == [2.0, 5.0] and [r for r, _, _ in rows["dpx"]] == ["0", "2", "5"]
+    bases = {s.key: s.base for s in p.settings}
+    modes = {}
+    for j in jobs:
+        algo = load(run_config(j, bases[j.setting])).algorithm.options
+        modes[j.label] = (algo.get("dp_mode"), algo.get("dp_sigma"), algo.get("dp_clip"))
+    assert modes == {
+        "AFIND+": (None, None, None),
+        "AFIND+ exchange dp=2": ("exchange", 2.0, 1.0),
+        "AFIND+ exchange dp=5": ("exchange", 5.0, 1.0),
+    }
+
+
+def test_fig5b_runs_the_plugins_on_the_pathological_setting():
+    from fedweave.reproduce.afind_plus import PLUGINS, plan, preset
+
+    p = preset("small")
+    jobs, rows = plan(p, 3, {"fig5b"})
+    assert [r for r, _, _ in rows["fig5b"]] == [m + s for m in PLUGINS for s in ("", " + AFIND+")]
+    assert len(jobs) == 18 and {j.setting for j in jobs} == {"mnist-path2"}
+    part = {s.key: s.base for s in p.settings}["mnist-path2"]["partition"]
+    assert part == {"name": "pathological", "num_clients": 20, "classes_per_client": 2}
+    _, fig5 = plan(p, 3, {"fig5"})  # the same methods and options as Fig. 5(a)
+    assert [(r, lb) for r, _, lb in rows["fig5b"]] == [(r, lb) for r, _, lb in fig5["fig5"]]
+
+
+def test_fig5b_needs_the_pathological_setting(capsys):
+    from fedweave.cli import main
+
+    argv = ["reproduce", "afind", "--tables", "fig5b", "--primary-only", "--out", "unused"]
+    assert main(argv) == 2
+    assert "--primary-only leaves out the pathological setting" in capsys.readouterr().err

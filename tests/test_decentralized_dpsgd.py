@@ -175,3 +175,23 @@ def test_dp_sgd_rule_pickles_for_the_ray_backend():
     x, y = ds.train_x[:8], ds.train_y[:8]
     copy = pickle.loads(pickle.dumps(rule))
     assert torch.equal(copy.private(v, _Grad(x, y), 1), rule.private(v, _Grad(x, y), 1))
+
+
+def test_exchange_noise_is_sigma_c_over_l_on_the_received_tensor():
+    """``dp_mode: exchange`` (A27's alternative): a received tensor is x + N(0, (sigma_2 C / L)^2 I), one fresh
+    draw per message (round, sender, receiver, what) and the same draw on every call for that message."""
+    sigma, clip = 2.0, 0.5
+    cfg = _dfl({"dp_sigma": sigma, "dp_clip": clip, "dp_mode": "exchange"}, "afind_plus")
+    a = build_algorithm(RunContext(load(cfg)))
+    L = a.config.local.batch_size
+    assert not isinstance(a.trainer, PrivateTrainer)  # exchange mode: the local steps stay plain SGD
+    x = torch.linspace(-3.0, 3.0, 200_000)
+    noise = a.noisy(x, 1, 2, 0) - x
+    assert float(noise.std()) == pytest.approx(sigma * clip / L, rel=0.01)
+    assert abs(float(noise.mean())) < 4 * sigma * clip / L / x.numel() ** 0.5
+    assert torch.equal(a.noisy(x, 1, 2, 0), x + noise)  # the message's draw, on every call
+    assert torch.allclose(a.noisy(torch.zeros_like(x), 1, 2, 0), noise, atol=1e-6)  # additive: x does not matter
+    for other in ((2, 2, 0, 0), (1, 3, 0, 0), (1, 2, 3, 0), (1, 2, 0, 1)):  # another round, sender, receiver, what
+        assert not torch.allclose(a.noisy(x, *other) - x, noise)
+    plain = build_algorithm(RunContext(load(_dfl({"dp_sigma": sigma, "dp_clip": clip}, "afind_plus"))))
+    assert plain.noisy(x, 1, 2, 0) is x  # dp_mode sgd: nothing is added to a message

@@ -18,6 +18,8 @@ TABLE_FILES = {
     "tau.csv": "tau",
     "dp.csv": "dp",
     "fig5.csv": "fig5",
+    "dpx.csv": "dpx",
+    "fig5b.csv": "fig5b",
 }
 
 
@@ -37,7 +39,7 @@ def _rows(path: Path) -> list[dict]:
         return [{k: _typed(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
-@pytest.mark.parametrize("sub", ["afind", "afind/table3-dp", "afind/fig5"])
+@pytest.mark.parametrize("sub", ["afind", "afind/table3-dp", "afind/fig5", "afind/dp-exchange", "afind/fig5b"])
 def test_afind_results_are_rebuilt_from_results_json(sub, tmp_path):
     from fedweave.reproduce import afind_plus as af
 
