@@ -64,36 +64,34 @@ SPLITS = {
 SPLIT_TEXT = {"dir0.1": "Dirichlet α = 0.1", "path2": "pathological, 2 classes per client"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Preset:
-    """What one scale runs (the same for every method)."""
+    """What one scale runs, the same for every method: the model per dataset, the rounds, the client-test accuracy
+    per dataset whose bytes-to-reach the page reports, the local training and the clients."""
 
-    models: dict[str, str]  # dataset -> model
+    models: dict[str, str]
     rounds: int
-    clients: int
-    per_round: int
-    seeds: int
-    targets: dict[str, float]  # dataset -> client-test accuracy whose bytes-to-reach the page reports
-    local: dict[str, Any]
-    eval_every: int
+    targets: dict[str, float]
+    local: dict[str, Any] = field(default_factory=lambda: {"epochs": 1, "batch_size": 32, "lr": 0.05})
+    eval_every: int = 5
     dataset_options: dict[str, Any] = field(default_factory=dict)
+    clients: int = 100
+    per_round: int = 10
+    seeds: int = 3
 
 
-def preset(scale: str) -> Preset:
-    """The scale's preset: ``paper`` (the papers' CNNs), ``small`` (``cnn_small``, fewer rounds: what a 2-core
-    machine runs in about half an hour on one dataset) and ``smoke`` (seconds, for the tests)."""
-    local = {"epochs": 1, "batch_size": 32, "lr": 0.05}
-    targets = {"mnist": 0.80, "fashion_mnist": 0.70}
-    if scale == "paper":
-        models = {"mnist": "cnn_mnist", "fashion_mnist": "cnn_fmnist"}
-        return Preset(models, 200, 100, 10, 3, {"mnist": 0.95, "fashion_mnist": 0.80}, local, 5)
-    if scale == "small":
-        # 20,000 training images (15,000 after the hold-out) keep a run near 20 s on a loaded 2-core machine
-        models = {"mnist": "cnn_small", "fashion_mnist": "cnn_small"}
-        return Preset(models, 20, 100, 10, 3, targets, local, 5, {"max_train": 20000})
-    if scale == "smoke":
-        return Preset({}, 2, 10, 5, 1, {}, {"epochs": 1, "batch_size": 16, "lr": 0.05}, 1)
-    raise ConfigError(f"--scale: unknown {scale!r}; allowed paper, small, smoke")
+# paper: the papers' CNNs; small: cnn_small and fewer rounds, 20,000 training images (15,000 after the hold-out)
+# keeping a run near 20 s on a loaded 2-core machine; smoke: seconds, for the tests (any registered dataset)
+PRESETS = {
+    "paper": Preset({"mnist": "cnn_mnist", "fashion_mnist": "cnn_fmnist"}, 200, {"mnist": 0.95, "fashion_mnist": 0.80}),
+    "small": Preset(
+        {"mnist": "cnn_small", "fashion_mnist": "cnn_small"},
+        20,
+        {"mnist": 0.80, "fashion_mnist": 0.70},
+        dataset_options={"max_train": 20000},
+    ),
+    "smoke": Preset({}, 2, {}, {"epochs": 1, "batch_size": 16, "lr": 0.05}, 1, clients=10, per_round=5, seeds=1),
+}
 
 
 def _choice(opts_value: str | None, allowed: list[str], flag: str) -> list[str] | None:
@@ -218,7 +216,7 @@ def plan(opts) -> Plan:
     """The preset of ``--scale`` restricted to ``--datasets`` / ``--methods``; nothing to run with
     ``--from-records``. The files named are checked before anything runs (``--page``'s existence by the pipeline,
     its block here)."""
-    p = preset(opts.scale)
+    p = PRESETS[opts.scale]
     if opts.scale == "smoke":  # any registered dataset (the tests use a synthetic one)
         datasets = [s.strip() for s in (opts.datasets or "mnist").split(",")]
     else:
