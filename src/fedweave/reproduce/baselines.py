@@ -158,6 +158,10 @@ def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
     }
 
 
+# records.csv's columns (a report of no finished run still has its header)
+COLUMNS = ["dataset", "split", "method", "seed", "status", "rounds", "global_acc", "client_acc", "worst_client_acc"]
+COLUMNS += ["spread", "mib_to_target", "mib_total"]
+
 # ---- the tables: one layout for tables.md and the page's block -------------------------------------------------
 # the published numbers beside ours, per (dataset, split, method): (number, source, note). None found whose
 # setting matches (see the page's notes): an entry is added here only with its paper and table.
@@ -236,7 +240,7 @@ def plan(opts) -> Plan:
 def report(records: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Report:
     """``records.csv`` and ``tables.md`` in ``--out``; the page's generated block with ``--page``."""
     records = read_csv(opts.from_records) if opts.from_records else records
-    files: dict[str, Any] = {} if opts.from_records else {"records.csv": Rows(records)}
+    files: dict[str, Any] = {} if opts.from_records else {"records.csv": Rows(records, COLUMNS)}
     files["tables.md"] = text = section(records, plan.context)
     if opts.page:
         pages.update(opts.page, {NAME: f"\n{text}\n"})
