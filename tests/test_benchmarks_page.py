@@ -1,9 +1,10 @@
-"""The comparison page (docs/benchmarks.md): its generated section is rebuilt from the committed records byte for
+"""The comparison page (docs/benchmarks.md): its generated block is rebuilt from the committed records byte for
 byte, and the study that writes it runs end to end at a smoke scale on synthetic data."""
 
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,13 @@ import torch
 
 from fedweave.config import ConfigError
 from fedweave.data.base import Dataset
+from fedweave.experiments.pages import blocks
+from fedweave.experiments.tables import read_csv
 from fedweave.registry import DATASETS
-from fedweave.reproduce.baselines import BEGIN, END, METHODS, main, read_records, replace_section
+from fedweave.reproduce.baselines import METHODS, NAME, main
 
 ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = f"<!-- generated: {NAME} -->", "<!-- end generated -->"  # the page's block
 PAGE = ROOT / "docs" / "benchmarks.md"
 RECORDS = ROOT / "docs" / "benchmarks" / "baselines-small.csv"
 # the committed grid, as the page's command runs it
@@ -42,9 +46,9 @@ def _rebuild(tmp_path: Path, records: Path, text: str | None = None) -> str:
 
 def test_the_page_is_rebuilt_from_its_committed_records_byte_for_byte(tmp_path):
     committed = PAGE.read_text(encoding="utf-8")
-    assert committed.count(BEGIN) == 1 and committed.count(END) == 1
+    assert committed.count(BEGIN) == 1 and list(blocks(committed)) == [NAME]
     assert _rebuild(tmp_path, RECORDS) == committed
-    records = read_records(RECORDS)
+    records = read_csv(RECORDS)
     assert {r["method"] for r in records} <= {m.key for m in METHODS}
 
 
@@ -73,7 +77,7 @@ def test_smoke_runs_the_study_writes_records_tables_and_the_page(tmp_path):
     out = tmp_path / "out"
     argv = ["--scale", "smoke", "--datasets", "_toy_bench", "--methods", "fedavg,fedper,fedbn", "--workers", "1"]
     assert main([*argv, "--out", str(out), "--page", str(page)]) == 0
-    records = read_records(out / "records.csv")
+    records = read_csv(out / "records.csv")
     assert len(records) == 2 * 3  # 2 splits x 3 methods x 1 seed
     assert all(r["status"] == "completed" and r["rounds"] == 2 for r in records)
     for r in records:
@@ -103,10 +107,11 @@ def test_bad_options_are_one_line(tmp_path):
         main(["--datasets", "cifar10", "--out", "unused"])
     page = tmp_path / "page.md"
     page.write_text("no markers here\n", encoding="utf-8")
-    with pytest.raises(ConfigError, match="--page: needs exactly one generated section"):  # before anything runs
+    with pytest.raises(ConfigError, match=re.escape(f"--page {page} has no block '{BEGIN}'")):  # before anything runs
         main(["--page", str(page), "--out", str(tmp_path / "out")])
     assert page.read_text(encoding="utf-8") == "no markers here\n" and not (tmp_path / "out").exists()
-    with pytest.raises(ConfigError, match="--page: needs exactly one generated section"):
-        replace_section(f"{END}\n{BEGIN}\n", "x")
+    page.write_text(f"{END}\n{BEGIN}\n", encoding="utf-8")  # the markers the wrong way round
+    with pytest.raises(ConfigError, match=re.escape(f"--page {page} has no block '{BEGIN}'")):
+        main(["--page", str(page), "--out", str(tmp_path / "out")])
     with pytest.raises(ConfigError, match="--from-records: .*nothing.csv is not a file"):
         main(["--from-records", str(tmp_path / "nothing.csv"), "--out", str(tmp_path / "out")])
