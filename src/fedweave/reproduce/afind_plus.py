@@ -1,8 +1,9 @@
 """``fedweave reproduce afind``: AFIND+ (Wang et al. 2024) Tables 1-3, the tau sweep, Table 4 and Fig. 5 at our scale.
 
 The presets (afind-plus spec 9: ``smoke``, ``small``, ``paper``), the paper's numbers, the table layouts and the
-claims (spec 9.1 pass criteria); the scales, ``--tables`` and the outputs are described on the page,
-docs/reproductions/afind.md. Cells are mean +- std over seeds with the population std, as the spec fixes.
+claims (spec 9.1) with their declared verdict rules; the scales, ``--tables`` and the outputs are described on the
+page, docs/reproductions/afind.md, whose tables are the reports'. Cells are mean +- std over seeds with the
+population std, as the spec fixes.
 """
 
 from __future__ import annotations
@@ -339,10 +340,10 @@ FIG5 += ["gain (final)", "mean selected with AFIND+", "MB sent without / with", 
 ORDER = ("table1", "table2", "table3", "tau", "fig5", "dp", "fig5b", "dpx")  # of the tables in results.md
 
 
-def gain(plain: list[dict[str, Any]], plug: list[dict[str, Any]], key: str) -> str:
+def plugin_gain(plain: list[dict[str, Any]], plug: list[dict[str, Any]], key: str) -> str:
     """The gain of ``key`` with AFIND+'s selection, per seed both ran: its signed mean±std in points."""
-    cell = mean_std_cell(seed_gaps(plain, plug, key), 100.0, ddof=0, sep="±")
-    return f"+{cell}" if cell[0].isdigit() else cell
+    text = mean_std_cell(seed_gaps(plain, plug, key), 100.0, ddof=0, sep="±")
+    return f"+{text}" if text[0].isdigit() else text
 
 
 def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> dict[str, tuple[list, list]]:
@@ -378,8 +379,8 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
             for lb in PLUGINS:
                 plain, plug = by[(setting, lb)], by[(setting, lb + " + AFIND+")]
                 per = ", ".join(f"{100 * g:.2f}" for g in seed_gaps(plain, plug, "best"))
-                cells = [column(plain, "best"), column(plug, "best"), f"{gain(plain, plug, 'best')} ({per})"]
-                cells += [column(plain, "final"), column(plug, "final"), gain(plain, plug, "final")]
+                cells = [column(plain, "best"), column(plug, "best"), f"{plugin_gain(plain, plug, 'best')} ({per})"]
+                cells += [column(plain, "final"), column(plug, "final"), plugin_gain(plain, plug, "final")]
                 sent = f"{column(plain, 'MB sent')} / {column(plug, 'MB sent')}"
                 body.append([lb, *cells, column(plug, "mean selected"), sent, f"{len(plain)} / {len(plug)}"])
             out[name] = FIG5, body
