@@ -117,16 +117,6 @@ class Claim:
             text, measured or decision.detail, decision.held, outcome=decision.outcome, interval=decision.text
         )
 
-    def criterion(self, table: Any, ctx: Any = None) -> Verdict | None:
-        """The verdict of the claim's own ``rule`` alone (a criterion on the means, as a preset's files state
-        it), whatever rule it declares; None when the rule cannot test it or there is no rule."""
-        got = self.rule(table, ctx) if self.rule is not None else None
-        if got is None:
-            return None
-        measured, held, *word = got
-        text = self.text(table, ctx) if callable(self.text) else self.text
-        return Verdict(text, measured, None if held is None else bool(held), *word)
-
 
 def judge(claims: Sequence[Claim], table: Any, ctx: Any = None) -> list[Verdict]:
     """The verdicts of ``claims`` on ``table``, in their order, without the claims the table cannot test."""
