@@ -1065,7 +1065,23 @@ def sections(folder: Path) -> dict[str, str]:
         "ablation": _page_ablation(read_csv(folder / "ablation" / "ablation.csv")),
         "epochs": _page_epochs(read_csv(folder / "epochs" / "epochs.csv")),
         "participation": _page_participation(read_csv(folder / "participation" / "participation.csv")),
+        "fedadam": _fedadam_settings(),
     }
+
+
+def _fedadam_settings() -> str:
+    """The FedAdam baseline's server settings as every preset runs them (``METHOD_OPTIONS`` over the
+    algorithm's defaults, in a list item: indented), and where ``v_init``, its second moment's start, comes
+    from: the presets do not set it, so a change of the default changes the page."""
+    from fedweave.algorithms.centralized.fedadam import FedOptHparams
+
+    hp = FedOptHparams(**METHOD_OPTIONS["fedadam"])
+    where = "`METHOD_OPTIONS`" if "v_init" in METHOD_OPTIONS["fedadam"] else "`algorithm.v_init`'s default"
+    text = (
+        f"Server step eta_g = {hp.server_lr:g}, beta1 = {hp.beta1:g}, beta2 = {hp.beta2:g}, tau = {hp.tau:g}\n"
+        f"(`METHOD_OPTIONS`), and the second moment starts at v_init = {hp.v_init:g} ({where}, `FedOptHparams`).\n"
+    )
+    return indent(text)
 
 
 def _acc(row: dict) -> str:
