@@ -313,3 +313,14 @@ def test_the_paper_scale_table_is_the_committed_estimate(name):
     page = (PAGES / f"{name}.md").read_text(encoding="utf-8")
     want = module.page_table(read_csv(PAGES / "paper-scale.csv"), name)
     assert table_after(page, "## What a paper-scale run needs") == want
+
+
+def test_fedmim_fedadam_block_states_the_v_init_the_runs_use(monkeypatch):
+    """The page's FedAdam settings are the algorithm's: v_init is its default unless the presets set it."""
+    from fedweave.algorithms.centralized.fedadam import FedOptHparams
+    from fedweave.reproduce import fedmim
+
+    block = fedmim.sections(PAGES / "fedmim")["fedadam"]
+    assert f"v_init = {FedOptHparams.v_init:g} (`algorithm.v_init`'s default" in block
+    monkeypatch.setitem(fedmim.METHOD_OPTIONS, "fedadam", {**fedmim.METHOD_OPTIONS["fedadam"], "v_init": 1e-4})
+    assert "v_init = 0.0001 (`METHOD_OPTIONS`" in fedmim._fedadam_settings()
