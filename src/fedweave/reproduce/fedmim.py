@@ -1066,7 +1066,29 @@ def sections(folder: Path) -> dict[str, str]:
         "epochs": _page_epochs(read_csv(folder / "epochs" / "epochs.csv")),
         "participation": _page_participation(read_csv(folder / "participation" / "participation.csv")),
         "fedadam": _fedadam_settings(),
+        **{f"{name}-cost": _cost(folder, name) for name in PAGE_FOLDERS[1:]},
     }
+
+
+def _cost(folder: Path, name: str) -> str:
+    """What a preset's committed runs cost (``NAME/results.csv``: their number and summed ``cpu_seconds``, one
+    torch thread each), per variant where the variants change the work per run (Table II's E, Fig. 2a's
+    ratio); the wall time of a shared machine is not a cost, so it is left out."""
+    rows = read_csv(folder / name / "results.csv")
+    cpu = [r["cpu_seconds"] for r in rows]
+    groups = {"": cpu}
+    if name in ("epochs", "participation"):
+        groups = {
+            v: [r["cpu_seconds"] for r in rows if r["variant"] == v] for v in dict.fromkeys(r["variant"] for r in rows)
+        }
+    spans = ", ".join(
+        f"{min(c):.0f}–{max(c):.0f} s" + (f" at {v.replace('=', ' = ').replace('%', ' %')}" if v else " each")
+        for v, c in groups.items()
+    )
+    return (
+        f"Cost: {len(rows)} runs, {sum(cpu):,.0f} CPU-seconds in total ({spans}; `cpu_seconds` of\n"
+        f"`{name}/results.csv`, one torch thread per run).\n"
+    )
 
 
 def _fedadam_settings() -> str:
@@ -1227,8 +1249,8 @@ def _small_cost(folder: Path) -> str:
     cpu = [r["cpu_seconds"] for r in read_csv(folder / "results.csv") if r["dataset"] == "mnist"]
     mean = sum(cpu) / len(cpu)
     return (
-        f"Runtime: {wall} min wall (`table.md`) on the 2-core machine while it was shared with several other jobs\n"
-        f"(load average 7–22). Its cost on idle cores, from the CPU time of the {len(cpu)} MNIST runs that recorded\n"
+        f"Runtime: {wall} min wall (`table.md`) on the 2-core machine while it was shared with several other jobs.\n"
+        f"Its cost on idle cores, from the CPU time of the {len(cpu)} MNIST runs that recorded\n"
         f"it ({sum(cpu):.0f} CPU-seconds, {min(cpu):.0f}–{max(cpu):.0f} s per run, {mean:.0f} s on average), is about\n"
         f"{36 * mean / 2 / 60:.0f} minutes for the default preset's 36 runs on 2 idle cores and about"
         f" {66 * mean / 2 / 60:.0f} minutes\nwith `--extend` (66 runs).\n"
