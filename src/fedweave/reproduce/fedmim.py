@@ -1067,7 +1067,51 @@ def sections(folder: Path) -> dict[str, str]:
         "participation": _page_participation(read_csv(folder / "participation" / "participation.csv")),
         "fedadam": _fedadam_settings(),
         **{f"{name}-cost": _cost(folder, name) for name in PAGE_FOLDERS[1:]},
+        "same-cell": _same_cell_table(folder),
     }
+
+
+# Table III's rows that are another method's configuration: J = 0 is FedAvg, the default row FedMIM's default
+ABLATION_AS = {"J=0 a=- b=-": "fedavg", "J=2 a=0.6,0.3 b=0.9,0.1": "fedmim"}
+
+
+def _same_cell(folder: Path) -> dict[str, dict[tuple[str, int], float]]:
+    """Per committed preset, the accuracy (%) after 50 rounds of each (method, seed) run of the small preset's
+    Dir-0.1 Fashion-MNIST configuration: the small preset's finals, the ``long`` preset at round 50
+    (``long/gaps.csv``), Table II's E = 1 column and Table III's J = 0 and default rows."""
+    small = read_csv(folder / "results.csv")
+    return {
+        "`small`": {(r["method"], r["seed"]): r["final_acc"] for r in small if (r["dataset"], r["split"]) == _CELL},
+        "`long`, round 50": {
+            (r["method"], r["seed"]): r["accuracy"] for r in read_csv(folder / "long" / "gaps.csv") if r["round"] == 50
+        },
+        "`epochs`, E = 1": {
+            (r["method"], r["seed"]): r["final_acc"]
+            for r in read_csv(folder / "epochs" / "results.csv")
+            if r["variant"] == "E=1"
+        },
+        "`ablation`, J = 0 and default rows": {
+            (ABLATION_AS[r["variant"]], r["seed"]): r["final_acc"]
+            for r in read_csv(folder / "ablation" / "results.csv")
+            if r["variant"] in ABLATION_AS
+        },
+    }
+
+
+def _same_cell_table(folder: Path) -> str:
+    """For every two presets of ``_same_cell``: the methods they share, how many of their common (method, seed)
+    runs give the same accuracy and the largest difference."""
+    runs = _same_cell(folder)
+    names, body = list(runs), []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            common = sorted(set(runs[a]) & set(runs[b]), key=lambda k: (PAGE_CORE.index(k[0]), k[1]))
+            if not common:
+                continue
+            diffs = [abs(runs[a][k] - runs[b][k]) for k in common]
+            methods = ", ".join(LABELS[m] for m in dict.fromkeys(m for m, _ in common))
+            body.append([a, b, methods, f"{sum(d == 0 for d in diffs)} of {len(diffs)}", f"{max(diffs):.2f}"])
+    return markdown_table(["runs", "against", "methods", "runs equal", "largest difference (points)"], body)
 
 
 def _cost(folder: Path, name: str) -> str:
