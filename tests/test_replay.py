@@ -10,8 +10,8 @@ record is rerun on this machine type and committed with a line in its page's his
 strict replay again (CSE-FSL digits h = 1, AFIND+ FedAvg Path 2 and FedMIM MNIST FedAvg, 26 Nov 2026).
 
 The pages' other committed records are not replayed: the ZO-HFL presets' per-seed rows are new (the Adult
-preset's are replayed below), and the Fashion-MNIST cells need a data set that a test does not download (a
-cell whose data are not in the cache is skipped).
+preset's are replayed below). A Fashion-MNIST cell (FedMIM's Table II) needs a data set that a test does not
+download: a cell whose data are not in the cache is skipped.
 """
 
 from __future__ import annotations
@@ -157,6 +157,24 @@ def test_fedmim_mnist_dir01_fedavg_seed_0_replays(tmp_path):
     # rerun on this machine type on 26 Nov 2026 (the page's history): 96.79 % before, 96.81 % since
     assert committed["final_acc"] == "96.81"
     same(_csv_row(got, FEDMIM_KEYS, tmp_path / "replay.csv"), {k: committed[k] for k in FEDMIM_KEYS})
+
+
+@pytest.mark.slow  # about 15-30 s: 50 rounds of 10 clients
+def test_fedmim_epochs_fashion_mnist_fedcm_e1_seed_0_replays(tmp_path):
+    # Table II's cell of the small preset's Dir-0.1 Fashion-MNIST configuration, run on this machine type on
+    # 26 Nov 2026 with the extended methods (the page's history)
+    cached("fashion_mnist")
+    cell = ("fedcm", "E=1", "0")
+    got = replay(
+        "fedmim",
+        ["--scale", "epochs", "--extend", "--methods", "fedcm"],
+        lambda pt: (_values(pt)["variant"], pt.seed) == ("E=1", 0),
+        tmp_path,
+    )
+    with open(PAGES / "fedmim" / "epochs" / "results.csv", encoding="utf-8") as f:
+        [committed] = [r for r in csv.DictReader(f) if (r["method"], r["variant"], r["seed"]) == cell]
+    keys = [*FEDMIM_KEYS[:3], "variant", *FEDMIM_KEYS[3:]]
+    same(_csv_row(got, keys, tmp_path / "replay.csv"), {k: committed[k] for k in keys})
 
 
 # ---- CSE-FSL: table-digits.md, the per-seed final accuracies (%, 2 decimals) ------------------------------

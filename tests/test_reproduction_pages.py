@@ -328,3 +328,53 @@ def test_the_paper_scale_table_is_the_committed_estimate(name):
     page = (PAGES / f"{name}.md").read_text(encoding="utf-8")
     want = module.page_table(read_csv(PAGES / "paper-scale.csv"), name)
     assert table_after(page, "## What a paper-scale run needs") == want
+
+
+def test_fedmim_fedadam_block_states_the_v_init_the_runs_use(monkeypatch):
+    """The page's FedAdam settings are the algorithm's: v_init is its default unless the presets set it."""
+    from fedweave.algorithms.centralized.fedadam import FedOptHparams
+    from fedweave.reproduce import fedmim
+
+    block = fedmim.sections(PAGES / "fedmim")["fedadam"]
+    assert f"v_init = {FedOptHparams.v_init:g} (`algorithm.v_init`'s default" in block
+    monkeypatch.setitem(fedmim.METHOD_OPTIONS, "fedadam", {**fedmim.METHOD_OPTIONS["fedadam"], "v_init": 1e-4})
+    assert "v_init = 0.0001 (`METHOD_OPTIONS`" in fedmim._fedadam_settings()
+
+
+def test_fedmim_same_cell_table_counts_equal_runs_and_the_largest_difference(tmp_path):
+    """The cross-check of the presets that run the small preset's Dir-0.1 Fashion-MNIST configuration pairs their
+    runs by method and seed (Table III's J = 0 row as FedAvg, its default row as FedMIM)."""
+    from fedweave.reproduce.fedmim import _same_cell_table
+
+    def write(path: str, header: str, rows: list[str]) -> None:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("\n".join([header, *rows]) + "\n", encoding="utf-8")
+
+    write(
+        "results.csv",
+        "dataset,split,method,seed,final_acc",
+        [
+            "fashion_mnist,dir0.1,fedavg,0,75.00",
+            "fashion_mnist,dir0.1,fedavg,1,76.00",
+            "fashion_mnist,iid,fedavg,0,80.00",
+            "mnist,dir0.1,fedavg,0,96.00",
+        ],
+    )
+    write(
+        "long/gaps.csv", "method,seed,round,accuracy", ["fedavg,0,50,75.00", "fedavg,1,50,75.50", "fedavg,0,150,80.00"]
+    )
+    write(
+        "epochs/results.csv",
+        "method,variant,seed,final_acc",
+        ["fedavg,E=1,0,75.00", "fedcm,E=1,0,70.00", "fedavg,E=5,0,83.00"],
+    )
+    write(
+        "ablation/results.csv",
+        "method,variant,seed,final_acc",
+        ["fedmim,J=0 a=- b=-,0,75.00", 'fedmim,"J=2 a=0.6,0.3 b=0.9,0.1",0,74.00', "fedmim,J=1 a=0.5 b=-,0,76.00"],
+    )
+    table = _same_cell_table(tmp_path)
+    assert "| `small` | `long`, round 50 | FedAvg | 1 of 2 | 0.50 |" in table
+    assert "| `small` | `epochs`, E = 1 | FedAvg | 1 of 1 | 0.00 |" in table
+    assert "| `long`, round 50 | `ablation`, J = 0 and default rows | FedAvg | 1 of 1 | 0.00 |" in table
+    assert table.count("\n") == 2 + 6  # every two of the four presets share a run

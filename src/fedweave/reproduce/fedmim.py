@@ -681,6 +681,85 @@ def claim_table(judged: list[tuple[str, Verdict]]) -> str:
     return markdown_table(["claim", "source", "verdict", "measured"], rows)
 
 
+# Table III's rows that are another method's configuration: J = 0 is FedAvg, the default row FedMIM's default
+ABLATION_AS = {"J=0 a=- b=-": "fedavg", "J=2 a=0.6,0.3 b=0.9,0.1": "fedmim"}
+
+
+def _same_cell(folder: Path) -> dict[str, dict[tuple[str, int], float]]:
+    """Per committed preset, the accuracy (%) after 50 rounds of each (method, seed) run of the small preset's
+    Dir-0.1 Fashion-MNIST configuration: the small preset's finals, the ``long`` preset at round 50
+    (``long/gaps.csv``), Table II's E = 1 column and Table III's J = 0 and default rows."""
+    small = read_csv(folder / "results.csv")
+    return {
+        "`small`": {(r["method"], r["seed"]): r["final_acc"] for r in small if (r["dataset"], r["split"]) == _CELL},
+        "`long`, round 50": {
+            (r["method"], r["seed"]): r["accuracy"] for r in read_csv(folder / "long" / "gaps.csv") if r["round"] == 50
+        },
+        "`epochs`, E = 1": {
+            (r["method"], r["seed"]): r["final_acc"]
+            for r in read_csv(folder / "epochs" / "results.csv")
+            if r["variant"] == "E=1"
+        },
+        "`ablation`, J = 0 and default rows": {
+            (ABLATION_AS[r["variant"]], r["seed"]): r["final_acc"]
+            for r in read_csv(folder / "ablation" / "results.csv")
+            if r["variant"] in ABLATION_AS
+        },
+    }
+
+
+def _same_cell_table(folder: Path) -> str:
+    """For every two presets of ``_same_cell``: the methods they share, how many of their common (method, seed)
+    runs give the same accuracy and the largest difference."""
+    runs = _same_cell(folder)
+    names, body = list(runs), []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            common = sorted(set(runs[a]) & set(runs[b]), key=lambda k: (CORE_ROWS.index(k[0]), k[1]))
+            if not common:
+                continue
+            diffs = [abs(runs[a][k] - runs[b][k]) for k in common]
+            methods = ", ".join(LABELS[m] for m in dict.fromkeys(m for m, _ in common))
+            body.append([a, b, methods, f"{sum(d == 0 for d in diffs)} of {len(diffs)}", f"{max(diffs):.2f}"])
+    return markdown_table(["runs", "against", "methods", "runs equal", "largest difference (points)"], body)
+
+
+def _cost(folder: Path, name: str) -> str:
+    """What a preset's committed runs cost (``NAME/results.csv``: their number and summed ``cpu_seconds``, one
+    torch thread each), per variant where the variants change the work per run (Table II's E, Fig. 2a's
+    ratio); the wall time of a shared machine is not a cost, so it is left out."""
+    rows = read_csv(folder / name / "results.csv")
+    cpu = [r["cpu_seconds"] for r in rows]
+    groups = {"": cpu}
+    if name in ("epochs", "participation"):
+        groups = {
+            v: [r["cpu_seconds"] for r in rows if r["variant"] == v] for v in dict.fromkeys(r["variant"] for r in rows)
+        }
+    spans = ", ".join(
+        f"{min(c):.0f}–{max(c):.0f} s" + (f" at {v.replace('=', ' = ').replace('%', ' %')}" if v else " each")
+        for v, c in groups.items()
+    )
+    return (
+        f"Cost: {len(rows)} runs, {sum(cpu):,.0f} CPU-seconds in total ({spans}; `cpu_seconds` of\n"
+        f"`{name}/results.csv`, one torch thread per run).\n"
+    )
+
+
+def _fedadam_settings() -> str:
+    """The FedAdam baseline's server settings as every preset runs them (``METHOD_OPTIONS`` over the
+    algorithm's defaults, in a list item: indented), and where ``v_init``, its second moment's start, comes
+    from: the presets do not set it, so a change of the default changes the page."""
+    from fedweave.algorithms.centralized.fedadam import FedOptHparams
+
+    hp = FedOptHparams(**METHOD_OPTIONS["fedadam"])
+    where = "`METHOD_OPTIONS`" if "v_init" in METHOD_OPTIONS["fedadam"] else "`algorithm.v_init`'s default"
+    text = (
+        f"Server step eta_g = {hp.server_lr:g}, beta1 = {hp.beta1:g}, beta2 = {hp.beta2:g}, tau = {hp.tau:g}\n"
+        f"(`METHOD_OPTIONS`), and the second moment starts at v_init = {hp.v_init:g} ({where}, `FedOptHparams`).\n"
+    )
+    return indent(text)
+
+
 def _acc(row: dict) -> str:
     """A row's final accuracy, mean ± std over its seeds (and how many diverged)."""
     failed = f" ({row['diverged']}/{row['seeds']} diverged)" if row["diverged"] else ""
@@ -937,6 +1016,9 @@ def sections(folder: Path) -> dict[str, str]:
         "per-seed": _page_per_seed(results),
         "mnist": indent(table_i(table, "mnist", CORE_ROWS, paper=False)),
         **{t: VARIANT_TABLES[t](read_csv(folder / t / f"{t}.csv")) for t in ("ablation", "epochs", "participation")},
+        "fedadam": _fedadam_settings(),
+        **{f"{name}-cost": _cost(folder, name) for name in PAGE_FOLDERS[1:]},
+        "same-cell": _same_cell_table(folder),
     }
 
 
@@ -959,8 +1041,8 @@ def _small_cost(folder: Path, results: list[dict]) -> str:
     cpu = [r["cpu_seconds"] for r in results if r["dataset"] == "mnist"]
     mean = sum(cpu) / len(cpu)
     return (
-        f"Runtime: {wall} min wall (`table.md`) on the 2-core machine while it was shared with several other jobs\n"
-        f"(load average 7–22). Its cost on idle cores, from the CPU time of the {len(cpu)} MNIST runs that recorded\n"
+        f"Runtime: {wall} min wall (`table.md`) on the 2-core machine while it was shared with several other jobs.\n"
+        f"Its cost on idle cores, from the CPU time of the {len(cpu)} MNIST runs that recorded\n"
         f"it ({sum(cpu):.0f} CPU-seconds, {min(cpu):.0f}–{max(cpu):.0f} s per run, {mean:.0f} s on average), is about\n"
         f"{36 * mean / 2 / 60:.0f} minutes for the default preset's 36 runs on 2 idle cores and about"
         f" {66 * mean / 2 / 60:.0f} minutes\nwith `--extend` (66 runs).\n"
