@@ -48,6 +48,8 @@ def test_mixing_matrix_properties(kind):
         assert s == pytest.approx(0, abs=1e-12) and np.allclose(w, 1 / 20)
     if kind == "ring":
         assert s == pytest.approx((1 + 2 * math.cos(2 * math.pi / 20)) / 3, abs=1e-12)  # spec §4: 0.9674
+    if kind == "random":  # docs/algorithms/confederated.md's reference: graph_seed 1 gives 51 edges, sigma = 0.902
+        assert adj.sum() // 2 == 51 and round(s, 3) == 0.902
 
 
 def test_graph_options_and_errors():
