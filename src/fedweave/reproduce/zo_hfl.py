@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import textwrap
 from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
@@ -869,7 +870,7 @@ def sections(folder: Path) -> dict[str, str]:
         "adult-power": power_section(read_csv(folder / "adult" / "results.csv")),
         "sensitivity": sensitivity_section(read_csv(folder / "table.csv")),
         "fig2": fig2_section(json.loads((folder / "claims.json").read_text(encoding="utf-8"))["claims"]),
-    }
+    } | prose_sections(folder)
 
 
 def paired_power(delta: float, sd: float, n: int, level: float = 0.95) -> float:
@@ -1067,6 +1068,131 @@ def adult_tune_section(path: Path) -> str:
         f" 100 rounds,\nand no cell gets far from it: the best is {top[0]:.2f} % (lambda = {top[1]['lam']:g}, mu ="
         f" {top[1]['mu']}, {top[2][6:]}),\nso gamma_0 was tuned too.\n"
     )
+
+
+# ---- the page's numbers in prose, generated (docs/reproductions/zo-hfl.numbers.yaml declares the rest) ------
+def _fill(text: str) -> str:
+    """A generated sentence wrapped as the page's prose is."""
+    return textwrap.fill(text, 110, break_long_words=False, break_on_hyphens=False) + "\n"
+
+
+def tune_section(path: Path) -> str:
+    """The small preset's lambda x mu grid (``tune.csv``, validation accuracy, one seed): the mean over the six
+    cells per (lambda, mu), the best in bold, and what the sentence after it reads from the grid."""
+    rows = read_csv(path)
+    mus = sorted({r["mu"] for r in rows if r["mu"] != "-"}, key=float)
+    cell = {(r["lam"], r["mu"]): r for r in rows}
+    best = max(rows, key=lambda r: r["mean"])
+    base = next(r for r in rows if r["lam"] == 0)
+
+    def shown(r: dict | None) -> str:
+        return "" if r is None else f"**{r['mean']:.2f}**" if r is best else f"{r['mean']:.2f}"
+
+    body = []
+    for lam in sorted({r["lam"] for r in rows}):
+        name = f"**{lam:g}**" if lam == best["lam"] else f"{lam:g}"
+        if lam == 0:
+            body.append([f"{name} (server-only)", shown(base)] + [""] * (len(mus) - 1))
+        else:
+            body.append([name] + [shown(cell.get((lam, mu))) for mu in mus])
+    table = markdown_table(["lambda"] + [f"mu = {float(mu):g}" for mu in mus], body)
+    small = [r for r in rows if 0 < r["lam"] <= best["lam"]]
+    mu_effect = max(
+        max(r["mean"] for r in small if r["lam"] == lam) - min(r["mean"] for r in small if r["lam"] == lam)
+        for lam in {r["lam"] for r in small}
+    )
+    extreme = "fashion_mnist a=0.1, b=10%"
+
+    def span(lam: float) -> str:
+        vals = sorted(r[extreme] for r in rows if r["lam"] == lam)
+        return f"{vals[0]:.1f}-{vals[-1]:.1f}"
+
+    text = (
+        f"lambda = {best['lam']:g}, mu = {float(best['mu']):g} is the best mean, and it is what the Table I row "
+        f'"ZO-HFL" uses (the ZO-HFL example config too). The margin over the server-only control is '
+        f"{best['mean'] - base['mean']:.2f} points on one seed: the ZO term neither helps nor hurts measurably at "
+        f"lambda <= 1, and hurts at lambda >= 10, most under heterogeneity (FMNIST at (0.1, 10%): "
+        f"{base[extreme]:.1f} server-only, {span(10)} at lambda = 10, {span(100)} at lambda = 100). mu changed "
+        f"the mean by at most {mu_effect:.2f} points at lambda <= 1."
+    )
+    return table + "\n" + _fill(text)
+
+
+def adult_best_section(path: Path) -> str:
+    """The best cell of the Adult grid (``adult/tune.csv``) against the server-only control at its gamma_0."""
+    rows = read_csv(path)
+    best = max(rows, key=lambda r: r["mean"])
+    same = [r for r in rows if r["server_lr"] == best["server_lr"]]
+    base = next(r for r in same if r["lam"] == 0)
+    worse = max(r["mean"] for r in same if r["lam"] > best["lam"])
+    return _fill(
+        f"The best cell is lambda = {best['lam']:g}, mu = {float(best['mu']):g}, gamma_0 = {best['server_lr']:g} "
+        f"with mean validation accuracy {best['mean']:.2f}, against {base['mean']:.2f} for the server-only "
+        f"control at the same gamma_0; larger lambdas are worse ({worse:.2f} and below)."
+    )
+
+
+def _run_cpu(md: str) -> tuple[int, int]:
+    """(runs, the sum of their own CPU seconds) as the last line of a committed ``table.md`` states them."""
+    runs, total = re.search(r"sum of the (\d+) runs' own CPU times (\d+) s", md).groups()
+    return int(runs), int(total)
+
+
+def long_cost_section(folder: Path) -> str:
+    """The `long` preset's CPU, as the last line of ``long/table.md`` states it."""
+    runs, total = _run_cpu((folder / "long" / "table.md").read_text(encoding="utf-8"))
+    return _fill(
+        f"The {runs} runs' own CPU times sum to {total:,} s ({total / 60:.0f} CPU-minutes, the last line of "
+        f"`zo-hfl/long/table.md`), so the preset needs about {total / 2 / 60:.0f} minutes of two idle cores."
+    )
+
+
+def paper_scale_section(folder: Path) -> str:
+    """The paper scale's CPU estimate from the measured `long` preset (``long/table.md``): its CPU per run, scaled
+    by the rounds as R^1.5 (H = tau sqrt(r+1) local steps per round), by the dimension for CIFAR-10 and by tau
+    for the sweep; Table I's runs per data set and the sweep's runs counted from the paper preset."""
+    runs, total = _run_cpu((folder / "long" / "table.md").read_text(encoding="utf-8"))
+    long, paper = PRESETS["long"], PRESETS["paper"]
+    rounds = (paper.rounds / long.rounds) ** 1.5
+    per_run = total / runs * rounds
+    seeds, settings = 3, len(SETTINGS)
+    methods = len(BASELINES + ("zo_hfl",))
+    table_runs = methods * settings * seeds + seeds  # server-only: once per seed
+    dims = {"mnist": 784 * 10, "cifar10": 3 * 32 * 32 * 10}
+    d = dims["cifar10"] / dims["mnist"]
+    two = 2 * table_runs * per_run / 3600
+    cifar = table_runs * per_run * d / 3600
+    sweep_runs = settings * seeds  # per data set and tau
+    sweep = (
+        sum(
+            sweep_runs * per_run * (tau / paper.tau) * (1 if ds != "cifar10" else d)
+            for ds in paper.sweep_dataset
+            for tau in paper.sweep_taus
+        )
+        / 3600
+    )
+    return _fill(
+        f"CPU estimate, from the measured `long` preset (its {runs} runs of {long.rounds} rounds at tau = "
+        f"{long.tau:g} used {total:,} CPU-s, about {total / runs:.0f} s per run, `long/table.md`): x "
+        f"({paper.rounds}/{long.rounds})^1.5 = {rounds:.1f} for the rounds (H = tau sqrt(r+1) local steps per "
+        f"round), about {per_run:.0f} s per run; Table I has {table_runs} runs per data set ({methods} "
+        f"methods x {settings} settings x {seeds} seeds and the server-only run once per seed), so MNIST and "
+        f"Fashion-MNIST about {two:.1f} h; CIFAR-10's d = {dims['cifar10']:,} against {dims['mnist']:,} (x {d:.1f}) "
+        f"about {cifar:.1f} h; the tau sweep (Fashion-MNIST and CIFAR-10, {settings} settings x {seeds} seeds, tau "
+        f"{' / '.join(f'{t:g}' for t in paper.sweep_taus)}, cost in proportion to tau) about {sweep:.0f} h: about "
+        f"{two + cifar + sweep:.0f} CPU core-hours in all."
+    )
+
+
+def prose_sections(folder: Path) -> dict[str, str]:
+    """The page's generated numbers outside its tables of results: what its prose reads from the committed
+    grids and invocations."""
+    return {
+        "tune": tune_section(folder / "tune.csv"),
+        "adult-tune-best": adult_best_section(folder / "adult" / "tune.csv"),
+        "long-cost": long_cost_section(folder),
+        "paper-scale": paper_scale_section(folder),
+    }
 
 
 STUDY = Study(
