@@ -37,10 +37,13 @@ def _paper_scale_cost():
     return module
 
 
+def _load(name: str) -> dict:
+    return yaml.safe_load((PAGES / f"{name}.numbers.yaml").read_text(encoding="utf-8"))
+
+
 def declarations(name: str) -> dict[str, dict]:
-    """The page's declared numbers by their normal form (``pages.normal``)."""
-    data = yaml.safe_load((PAGES / f"{name}.numbers.yaml").read_text(encoding="utf-8"))
-    return {normal(str(value)): entry for value, entry in data.items()}
+    """The page's declared numbers by their normal form (``pages.normal``); ``_let`` names the checks' helpers."""
+    return {normal(str(value)): entry for value, entry in _load(name).items() if value != "_let"}
 
 
 def scanned(name: str, page: str) -> list[tuple[int, str]]:
@@ -97,6 +100,8 @@ def test_declared_checks_give_their_numbers(name):
 
     namespace = {**vars(importlib.import_module(MODULES[name])), "split": split}
     namespace["paper_scale_cost"] = _paper_scale_cost()
+    for helper, expression in _load(name).get("_let", {}).items():  # names the checks share, in order
+        namespace[helper] = eval(str(expression), namespace)  # noqa: S307
     checked = 0
     for value, entry in declarations(name).items():
         checks = entry.get("check", [])
