@@ -14,6 +14,7 @@ import textwrap
 from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -1147,40 +1148,47 @@ def long_cost_section(folder: Path) -> str:
     )
 
 
+def planned(scale: str) -> list[dict[str, Any]]:
+    """The run configs ``fedweave reproduce zo-hfl --scale SCALE`` plans (default seeds and rounds)."""
+    opts = SimpleNamespace(scale=scale, rounds=None, seeds=None, tune=False, out="runs")
+    return study_plan(opts).context[2]
+
+
+DIMENSIONS = {"mnist": 784 * 10, "fashion_mnist": 784 * 10, "cifar10": 3 * 32 * 32 * 10}  # softmax regression's d
+
+
 def paper_scale_section(folder: Path) -> str:
-    """The paper scale's CPU estimate from the measured `long` preset (``long/table.md``): its CPU per run, scaled
-    by the rounds as R^1.5 (H = tau sqrt(r+1) local steps per round), by the dimension for CIFAR-10 and by tau
-    for the sweep; Table I's runs per data set and the sweep's runs counted from the paper preset."""
+    """The paper scale's CPU estimate from the measured `long` preset (``long/table.md``): its CPU per run, and
+    each run the paper preset plans scaled by its rounds as R^1.5 (H = tau sqrt(r+1) local steps per round), by
+    its tau and by its data set's dimension, against the `long` preset's."""
     runs, total = _run_cpu((folder / "long" / "table.md").read_text(encoding="utf-8"))
-    long, paper = PRESETS["long"], PRESETS["paper"]
-    rounds = (paper.rounds / long.rounds) ** 1.5
-    per_run = total / runs * rounds
-    seeds, settings = 3, len(SETTINGS)
-    methods = len(BASELINES + ("zo_hfl",))
-    table_runs = methods * settings * seeds + seeds  # server-only: once per seed
-    dims = {"mnist": 784 * 10, "cifar10": 3 * 32 * 32 * 10}
-    d = dims["cifar10"] / dims["mnist"]
-    two = 2 * table_runs * per_run / 3600
-    cifar = table_runs * per_run * d / 3600
-    sweep_runs = settings * seeds  # per data set and tau
-    sweep = (
-        sum(
-            sweep_runs * per_run * (tau / paper.tau) * (1 if ds != "cifar10" else d)
-            for ds in paper.sweep_dataset
-            for tau in paper.sweep_taus
+    base = planned("long")[0]
+    r0, tau0, d0 = base["rounds"], base["algorithm"]["tau"], DIMENSIONS[base["dataset"]["name"]]
+    p = PRESETS["paper"]
+    per_round = (p.rounds / r0) ** 1.5
+
+    def hours(configs: list[dict[str, Any]]) -> float:
+        cost = sum(
+            (c["rounds"] / r0) ** 1.5 * c["algorithm"]["tau"] / tau0 * DIMENSIONS[c["dataset"]["name"]] / d0
+            for c in configs
         )
-        / 3600
-    )
+        return cost * total / runs / 3600
+
+    configs = planned("paper")
+    table = [c for c in configs if c["rounds"] == p.rounds and c["algorithm"]["tau"] == p.tau]
+    sweep = [c for c in configs if c not in table]
+    two = [c for c in table if c["dataset"]["name"] != "cifar10"]
+    cifar = [c for c in table if c["dataset"]["name"] == "cifar10"]
+    d = DIMENSIONS["cifar10"] / d0
+    taus = " / ".join(f"{t:g}" for t in sorted({c["algorithm"]["tau"] for c in sweep}))
     return _fill(
-        f"CPU estimate, from the measured `long` preset (its {runs} runs of {long.rounds} rounds at tau = "
-        f"{long.tau:g} used {total:,} CPU-s, about {total / runs:.0f} s per run, `long/table.md`): x "
-        f"({paper.rounds}/{long.rounds})^1.5 = {rounds:.1f} for the rounds (H = tau sqrt(r+1) local steps per "
-        f"round), about {per_run:.0f} s per run; Table I has {table_runs} runs per data set ({methods} "
-        f"methods x {settings} settings x {seeds} seeds and the server-only run once per seed), so MNIST and "
-        f"Fashion-MNIST about {two:.1f} h; CIFAR-10's d = {dims['cifar10']:,} against {dims['mnist']:,} (x {d:.1f}) "
-        f"about {cifar:.1f} h; the tau sweep (Fashion-MNIST and CIFAR-10, {settings} settings x {seeds} seeds, tau "
-        f"{' / '.join(f'{t:g}' for t in paper.sweep_taus)}, cost in proportion to tau) about {sweep:.0f} h: about "
-        f"{two + cifar + sweep:.0f} CPU core-hours in all."
+        f"CPU estimate, from the measured `long` preset (its {runs} runs of {r0} rounds at tau = {tau0:g} used "
+        f"{total:,} CPU-s, about {total / runs:.0f} s per run, `long/table.md`), each run the paper preset plans "
+        f"scaled by (R/{r0})^1.5 for the rounds (H = tau sqrt(r+1) local steps per round: x {per_round:.1f} at R = "
+        f"{p.rounds}), by tau/{tau0:g} and by the dimension (CIFAR-10's d = {DIMENSIONS['cifar10']:,} against "
+        f"{d0:,}: x {d:.1f}): Table I's {len(cifar)} runs per data set about {hours(two):.1f} h for MNIST and "
+        f"Fashion-MNIST together and {hours(cifar):.1f} h for CIFAR-10; the tau sweep's {len(sweep)} runs (tau "
+        f"{taus}) about {hours(sweep):.0f} h: about {hours(configs):.0f} CPU core-hours in all."
     )
 
 
