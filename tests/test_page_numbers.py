@@ -1,13 +1,13 @@
 """Every number of a reproduction page is generated or declared.
 
 A number of ``docs/reproductions/<name>.md`` is either inside a generated block (rendered from the committed
-records; ``test_reproduction_pages.py`` checks the blocks byte for byte), or in the table of what a paper-scale
-run needs (checked against the committed ``paper-scale.csv`` there too), or declared with its source in
-``docs/reproductions/<name>.numbers.yaml``: ``paper``, ``setup`` or ``derived``, each with the place it comes
-from, the number of times the page states it (``count``: an edit of one declared number into another changes
-two counts) and, where simple, a ``check`` that recomputes it from the study's presets, the paper's numbers in
-the code or the closed forms. The section ``## History`` is exempt: its dated entries record values before and after a
-change, which no committed record holds any more (``fedweave.experiments.pages.prose_numbers``).
+records; ``test_reproduction_pages.py`` checks the blocks byte for byte), or in the table of what a paper-scale run
+needs (checked against the committed ``paper-scale.csv`` there too), or declared with its source in
+``docs/reproductions/<name>.numbers.yaml``: ``paper``, ``setup`` or ``derived``, each with the place it comes from,
+the number of times the page states it (``count``: an edit of one declared number into another changes two counts)
+and, where simple, a ``check`` that recomputes it from the study's presets, the paper's numbers in the code or the
+closed forms. The section ``## History`` is exempt: its dated entries record values before and after a change, which
+no committed record holds any more (``fedweave.experiments.pages.prose_numbers``).
 """
 
 from __future__ import annotations
