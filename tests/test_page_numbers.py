@@ -131,6 +131,8 @@ def test_the_history_generated_blocks_references_and_dates_are_not_scanned():
         "3,000 images, 1e-8 and h=14\n## History\n\n- 26 Nov 2026: 83.25 → 83.07.\n## After\n0.5\n"
     )
     assert prose_numbers(page) == [(3, "5"), (10, "3,000"), (10, "1e-8"), (10, "14"), (15, "0.5")]
+    # a list goes on only after a plural (Figs. 6, 7); after one figure, a number is a number again
+    assert prose_numbers("Figs. 6, 7 and 9, Fig. 7/8; spec 9.1, Fig. 2, 3 seeds") == [(1, "3")]
 
 
 def _edit(page: str, line: int, old: str, new: str) -> str:

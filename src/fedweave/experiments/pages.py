@@ -68,11 +68,13 @@ def table_after(text: str, heading: str, where: str = "the file") -> str:
 # word or name (C1, F-EMNIST, CIFAR-10, fig9, s0, v2.1).
 NUMBER = re.compile(r"(?<![\w.])(?<![A-Za-z_]-)(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?(?:e[-+]?\d+)?)(?![\w])")
 # what names a place rather than states a value: a paper's figure, table, equation or section (Figs. 3-7, Eq. (14),
-# §9.3, Table 4, Alg. 1), a date (26 Nov 2026), an arXiv number, a heading's or a list item's own numbering
+# §9.3, spec 9.1, Table 4, Alg. 1), a date (26 Nov 2026), an arXiv number, a heading's or a list item's own numbering
 _NUM = r"\(?\d+(?:\.\d+)*[a-z]?\)?"
+_ONE = r"Fig\.|Figure|Eq\.|eq\.|Table|§|Thm\.|Theorem|Alg\.|Algorithm|Appendix|App\.|Section|section|Sec\.|[Ss]pec"
+_ONE += r"|Lemma|Assumption|Remark|Corollary|Proposition"
+_MANY = r"Figs\.|Figures|Eqs\.|eqs\.|Tables|Sections|sections"  # a list after these: Figs. 6, 7 and 9
 REFERENCE = re.compile(
-    r"(?:Figs?\.|Figures?|Eqs?\.|eqs?\.|Tables?|§|Thm\.|Theorem|Alg\.|Algorithm|Appendix|Sections?|section|Sec\.|Lemma"
-    rf"|Assumption|Remark|Corollary|Proposition)\s*{_NUM}(?:\s*(?:[–-]|and|or|,|/)\s*{_NUM})*"
+    rf"(?:{_MANY})\s*{_NUM}(?:\s*(?:[–-]|and|or|,|/)\s*{_NUM})*|(?:{_ONE})\s*{_NUM}(?:\s*[–/-]\s*{_NUM})?"
     r"|\b\d{1,2} (?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)[a-z]* \d{4}\b"
     r"|arXiv:? ?\d+\.\d+"
     r"|^#+ \d+[a-z]?\.|^\s*\d+\. "
