@@ -78,6 +78,10 @@ def problems(name: str, page: str, declared: dict[str, dict]) -> list[str]:
     return bad
 
 
+def test_every_reproduction_page_declares_its_numbers():
+    assert sorted(p.stem for p in PAGES.glob("*.md")) == DECLARED, "a page without its .numbers.yaml"
+
+
 @pytest.mark.parametrize("name", DECLARED)
 def test_every_number_outside_the_generated_blocks_is_declared(name):
     page = (PAGES / f"{name}.md").read_text(encoding="utf-8")
