@@ -17,6 +17,7 @@ Every other number of a page is declared, with its source, in ``docs/reproductio
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 from fedweave.config import ConfigError
@@ -80,6 +81,11 @@ REFERENCE = re.compile(
     r"|^#+ \d+[a-z]?\.|^\s*\d+\. "
 )
 HISTORY = "## History"
+
+
+def paragraph(text: str) -> str:
+    """A generated sentence of a page's prose, wrapped at the pages' 110 columns (no word or hyphen broken)."""
+    return textwrap.fill(text, 110, break_long_words=False, break_on_hyphens=False) + "\n"
 
 
 def normal(token: str) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import textwrap
 from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
@@ -22,6 +21,7 @@ from fedweave.accounting.split import GIB, PAPER_TABLE_V, SplitSizes, round_byte
 from fedweave.config import RunConfig
 from fedweave.experiments.aggregate import group, if_all, mean_std, to_target
 from fedweave.experiments.grid import Point
+from fedweave.experiments.pages import paragraph
 from fedweave.experiments.plots import plot_curves
 from fedweave.experiments.study import Claim, Plan, Report, Rows, Study, judge, option
 from fedweave.experiments.tables import Col, layout, markdown_table, read_csv, signed
@@ -483,7 +483,7 @@ def table_v_section() -> str:
         if round(load_gib("fsl_mc", setup["sizes"], [s] * n, setup["batch_size"], setup["rounds"]), 2) == want
     )
     out.append(
-        _fill(
+        paragraph(
             f"The paper's F-EMNIST baselines ({want:.2f} GiB) correspond to {samples} samples per client per round "
             f"instead of {setup['samples']}: the closed form gives {want:.2f} exactly with {samples} (spec A21). "
             f"Every other figure matches with {setup['samples']}."
@@ -502,18 +502,13 @@ def digits_bytes_section() -> str:
     per_round = [round_bytes(m, sizes, samples, p.batch_size, h=h)["load"] for m, h in rows]
     store = [storage_params(m, sizes, n) for m in ("fsl_mc", "fsl_oc", "fsl_an", "cse_fsl")]
     fixed = 2 * n * (sizes.client + sizes.aux) * 4
-    return _fill(
+    return paragraph(
         f"The spec's §9.3 digits numbers also hold: {' / '.join(f'{b:,}' for b in per_round)} bytes per round "
         f"(FSL_MC and FSL_OC, FSL_AN and CSE-FSL h = 1, then CSE-FSL h = {', '.join(str(h) for h in p.hs[1:])}), "
         f"and storage of {' / '.join(f'{s:,}' for s in store)} parameters (FSL_MC / FSL_OC / FSL_AN / CSE-FSL) "
         f"at n = {n}. Of a CSE-FSL round, the client models and auxiliary nets going down and up, "
         f"2n(P_c + P_a)·4 bytes, are a fixed {fixed:,} B whatever h."
     )
-
-
-def _fill(text: str) -> str:
-    """A generated sentence wrapped as the page's prose is."""
-    return textwrap.fill(text, 110, break_long_words=False, break_on_hyphens=False) + "\n"
 
 
 def _records(folder: Path, f: str) -> dict[tuple[str, int], float]:
@@ -528,7 +523,7 @@ def h1_vs_an_section(folder: Path) -> str:
     acc = _records(folder, "table-fashion_mnist.md")
     seeds = sorted({s for _, s in acc})
     gaps = [acc["cse_fsl h=1", s] - acc["fsl_an", s] for s in seeds]
-    return _fill(
+    return paragraph(
         f"CSE-FSL h = 1 against FSL_AN at their equal load: {table['cse_fsl h=1']['accuracy']:.2f} vs "
         f"{table['fsl_an']['accuracy']:.2f} % in the seed means, higher on {sum(g > 0 for g in gaps)} of the "
         f"{len(seeds)} seeds (per-seed gaps {signed(min(gaps))} to {signed(max(gaps))} pp)."
@@ -556,7 +551,7 @@ def wall_section(folder: Path, f: str) -> str:
     """The wall time the committed table file states: that of the invocation that wrote it (runs it reused
     from an earlier invocation count nothing)."""
     wall = int(re.search(r"wall (\d+) s\.", (folder / f).read_text(encoding="utf-8"))[1])
-    return _fill(f"Wall time of the invocation that wrote `cse-fsl/{f}`: {wall:,} s ({wall / 60:.0f} min).")
+    return paragraph(f"Wall time of the invocation that wrote `cse-fsl/{f}`: {wall:,} s ({wall / 60:.0f} min).")
 
 
 def prose_sections(folder: Path) -> dict[str, str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import textwrap
 from dataclasses import dataclass, field
 from itertools import product
 from operator import itemgetter
@@ -25,6 +24,7 @@ from fedweave.experiments.aggregate import group, mean_of, per_cell, std_of
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import cache_datasets as _cache_datasets
 from fedweave.experiments.jobs import load_average
+from fedweave.experiments.pages import paragraph
 from fedweave.experiments.plots import Panel, plot_panels, seed_lines
 from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, Verdict, judge, option
 from fedweave.experiments.tables import Col, Grid, csv_text, layout, markdown_table, parse_csv, pm, read_csv
@@ -766,11 +766,6 @@ def adult_tune_section(path: Path) -> str:
 
 
 # ---- the page's numbers in prose, generated (docs/reproductions/zo-hfl.numbers.yaml declares the rest) ------
-def _fill(text: str) -> str:
-    """A generated sentence wrapped as the page's prose is."""
-    return textwrap.fill(text, 110, break_long_words=False, break_on_hyphens=False) + "\n"
-
-
 def tune_section(path: Path) -> str:
     """The small preset's lambda x mu grid (``tune.csv``, validation accuracy, one seed): the mean over the six
     cells per (lambda, mu), the best in bold, and what the sentence after it reads from the grid."""
@@ -810,7 +805,7 @@ def tune_section(path: Path) -> str:
         f"{base[extreme]:.1f} server-only, {span(10)} at lambda = 10, {span(100)} at lambda = 100). mu changed "
         f"the mean by at most {mu_effect:.2f} points at lambda <= 1."
     )
-    return table + "\n" + _fill(text)
+    return table + "\n" + paragraph(text)
 
 
 def adult_best_section(path: Path) -> str:
@@ -820,7 +815,7 @@ def adult_best_section(path: Path) -> str:
     same = [r for r in rows if r["server_lr"] == best["server_lr"]]
     base = next(r for r in same if r["lam"] == 0)
     worse = max(r["mean"] for r in same if r["lam"] > best["lam"])
-    return _fill(
+    return paragraph(
         f"The best cell is lambda = {best['lam']:g}, mu = {float(best['mu']):g}, gamma_0 = {best['server_lr']:g} "
         f"with mean validation accuracy {best['mean']:.2f}, against {base['mean']:.2f} for the server-only "
         f"control at the same gamma_0; larger lambdas are worse ({worse:.2f} and below)."
@@ -836,7 +831,7 @@ def _run_cpu(md: str) -> tuple[int, int]:
 def long_cost_section(folder: Path) -> str:
     """The `long` preset's CPU, as the last line of ``long/table.md`` states it."""
     runs, total = _run_cpu((folder / "long" / "table.md").read_text(encoding="utf-8"))
-    return _fill(
+    return paragraph(
         f"The {runs} runs' own CPU times sum to {total:,} s ({total / 60:.0f} CPU-minutes, the last line of "
         f"`zo-hfl/long/table.md`), so the preset needs about {total / 2 / 60:.0f} minutes of two idle cores."
     )
@@ -875,7 +870,7 @@ def paper_scale_section(folder: Path) -> str:
     cifar = [c for c in table if c["dataset"]["name"] == "cifar10"]
     d = DIMENSIONS["cifar10"] / d0
     taus = " / ".join(f"{t:g}" for t in sorted({c["algorithm"]["tau"] for c in sweep}))
-    return _fill(
+    return paragraph(
         f"CPU estimate, from the measured `long` preset (its {runs} runs of {r0} rounds at tau = {tau0:g} used "
         f"{total:,} CPU-s, about {total / runs:.0f} s per run, `long/table.md`), each run the paper preset plans "
         f"scaled by (R/{r0})^1.5 for the rounds (H = tau sqrt(r+1) local steps per round: x {per_round:.1f} at R = "
