@@ -9,11 +9,15 @@ A page, ``docs/reproductions/<paper>.md``, marks what the pipeline writes as blo
 and its study renders each NAME from the committed records beside the page (``Study.sections``), so that a
 page's claim tables are never edited by hand: ``fedweave reproduce NAME ... --page PAGE`` rewrites the blocks
 after the report, and the suite checks that the committed blocks are what the records render.
+
+Every other number of a page is declared, with its source, in ``docs/reproductions/<paper>.numbers.yaml``
+(``prose_numbers`` finds them; ``tests/test_page_numbers.py`` fails on one the file does not declare).
 """
 
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 from fedweave.config import ConfigError
@@ -59,3 +63,50 @@ def table_after(text: str, heading: str, where: str = "the file") -> str:
     first = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("|"))
     last = next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))
     return "\n".join(lines[first:last]) + "\n"
+
+
+# A number as a page prints it: 1,187,774 / 36.23 / 1e-8 / 0 (a sign is not part of it), not a digit inside a
+# word or name (C1, F-EMNIST, CIFAR-10, fig9, s0, v2.1).
+NUMBER = re.compile(r"(?<![\w.])(?<![A-Za-z_]-)(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?(?:e[-+]?\d+)?)(?![\w])")
+# what names a place rather than states a value: a paper's figure, table, equation or section (Figs. 3-7, Eq. (14),
+# §9.3, spec 9.1, Table 4, Alg. 1), a date (26 Nov 2026), an arXiv number, a heading's or a list item's own numbering
+_NUM = r"\(?\d+(?:\.\d+)*[a-z]?\)?"
+_ONE = r"Fig\.|Figure|Eq\.|eq\.|Table|§|Thm\.|Theorem|Alg\.|Algorithm|Appendix|App\.|Section|section|Sec\.|[Ss]pec"
+_ONE += r"|Lemma|Assumption|Remark|Corollary|Proposition"
+_MANY = r"Figs\.|Figures|Eqs\.|eqs\.|Tables|Sections|sections"  # a list after these: Figs. 6, 7 and 9
+REFERENCE = re.compile(
+    rf"(?:{_MANY})\s*{_NUM}(?:\s*(?:[–-]|and|or|,|/)\s*{_NUM})*|(?:{_ONE})\s*{_NUM}(?:\s*[–/-]\s*{_NUM})?"
+    r"|\b\d{1,2} (?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)[a-z]* \d{4}\b"
+    r"|arXiv:? ?\d+\.\d+"
+    r"|^#+ \d+[a-z]?\.|^\s*\d+\. "
+)
+HISTORY = "## History"
+
+
+def paragraph(text: str) -> str:
+    """A generated sentence of a page's prose, wrapped at the pages' 110 columns (no word or hyphen broken)."""
+    return textwrap.fill(text, 110, break_long_words=False, break_on_hyphens=False) + "\n"
+
+
+def normal(token: str) -> str:
+    """A number as declared and compared: without thousands separators (1,400 and 1400 are one number)."""
+    return token.replace(",", "")
+
+
+def prose_numbers(page: str) -> list[tuple[int, str]]:
+    """(line, number) for every number of a page's text that no generated block holds: outside the blocks, the
+    HTML comments, the targets of links and the section ``## History`` (whose dated entries record past values,
+    before and after a change, that no committed record holds any more), and other than the places
+    ``REFERENCE`` names (figures, tables, sections, dates). Code spans and fenced code count: a command's
+    ``--seeds 5`` states a setting."""
+    text = BLOCK.sub(lambda m: "\n" * m[0].count("\n"), page)
+    text = re.sub(r"<!--.*?-->", lambda m: "\n" * m[0].count("\n"), text, flags=re.S)
+    out, history = [], False
+    for i, line in enumerate(text.split("\n"), 1):
+        if line.startswith("## "):
+            history = line.startswith(HISTORY)
+        if history:
+            continue
+        line = REFERENCE.sub(" ", re.sub(r"\]\([^)]*\)", "]", line))
+        out += [(i, token) for token in NUMBER.findall(line)]
+    return out

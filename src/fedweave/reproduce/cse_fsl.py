@@ -21,9 +21,10 @@ from fedweave.accounting.split import GIB, PAPER_TABLE_V, SplitSizes, round_byte
 from fedweave.config import RunConfig
 from fedweave.experiments.aggregate import group, if_all, mean_std, to_target
 from fedweave.experiments.grid import Point
+from fedweave.experiments.pages import paragraph
 from fedweave.experiments.plots import plot_curves
 from fedweave.experiments.study import Claim, Plan, Report, Rows, Study, judge, option
-from fedweave.experiments.tables import Col, layout, markdown_table, read_csv
+from fedweave.experiments.tables import Col, layout, markdown_table, read_csv, signed
 from fedweave.experiments.verdicts import All, Paired, Select, Threshold, Untestable, cell
 from fedweave.runner import Result
 
@@ -374,7 +375,7 @@ def sections(folder: Path) -> dict[str, str]:
         table, p = read_csv(folder / f), preset(scale, dataset)
         p.records = seed_records((folder / f).with_suffix(".md").read_text(encoding="utf-8"))
         out |= {block: claims_table(table, p), block.replace("claims", "table"): page_table(table, p)}
-    return out
+    return out | prose_sections(folder)
 
 
 def _label(method: str) -> str:
@@ -416,6 +417,154 @@ def page_table(table: list[dict[str, Any]], p: Preset) -> str:
         cols += [Col("paper CIFAR acc", "paper_acc", ".2f"), Col("paper load / FSL_MC", "paper_load_ratio", ".3f")]
         cols.append(Col("paper storage (M)", "paper_storage", ".2f"))
     return layout(cols, table)
+
+
+# ---- the page's numbers in prose, generated (docs/reproductions/cse-fsl.numbers.yaml declares the rest) -----
+# the paper's models as Tables III/IV build them: (dataset, split model, input shape, classes, the CNN+MLP
+# auxiliary nets' channels c of the table)
+PAPER_MODELS = (
+    ("CIFAR", "split_cifar", (3, 24, 24), 10, (54, 27, 14, 7)),
+    ("F-EMNIST", "split_femnist", (1, 28, 28), 62, (64, 32, 8, 2)),
+)
+DIGITS_MODEL = ("split_small", (1, 8, 8), 10)  # spec §9.3's digits-mini
+DIGITS_TRAIN = 1400  # spec §9.3: the digits preset's training images (the rest of the 1,797 are its test set)
+TABLE_V_CSE = {"cifar10": (5, 10, 25, 50), "femnist": (2, 4, 5)}  # Table V's CSE-FSL columns, by h
+
+
+def _sizes(name: str, shape: tuple[int, ...], classes: int, **options: Any) -> SplitSizes:
+    from fedweave.models.split import build_split_model, count
+
+    m = build_split_model(name, shape, classes, options)
+    return SplitSizes(count(m.client), count(m.server), count(m.aux), m.smashed_floats)
+
+
+def models_section() -> str:
+    """The paper's models' parameter counts as ``fedweave.models.split`` builds them (the tests pin them to
+    spec §9.1's counts)."""
+    rows, cnn = [], []
+    for label, name, shape, k, channels in PAPER_MODELS:
+        s = _sizes(name, shape, k)
+        rows.append([label, f"{s.client:,}", f"{s.server:,}", f"{s.aux:,}", f"{s.smashed:,}"])
+        aux = [_sizes(name, shape, k, aux="cnn", aux_channels=c).aux for c in channels]
+        cnn.append(f"- {label}, c = {'/'.join(map(str, channels))}: {' / '.join(f'{a:,}' for a in aux)}.")
+    table = markdown_table(["model", "client", "server", "MLP aux", "smashed floats per sample"], rows)
+    return table + "\nThe CNN+MLP auxiliary nets also match:\n\n" + "\n".join(cnn) + "\n"
+
+
+def _v_row(label: str, cells: list[float]) -> str:
+    return f"| {label} | " + " | ".join(f"{c:.2f}" for c in cells) + " |"
+
+
+def table_v_section() -> str:
+    """Table V's loads and storage from the closed forms with the paper's configurations, beside the paper's,
+    and the F-EMNIST samples per client per round that give the paper's FSL_MC load (spec A21)."""
+    from fedweave.accounting.split import PAPER_SETUPS, load_gib, table_v_row
+
+    out = []
+    for dataset, name in (("cifar10", "CIFAR-10"), ("femnist", "F-EMNIST")):
+        keys = ["fsl_mc", "fsl_oc", "fsl_an"] + [f"cse_fsl h={h}" for h in TABLE_V_CSE[dataset]]
+        paper = PAPER_TABLE_V[dataset]
+        computed = [table_v_row(dataset, k) for k in keys]
+        hs = [f"h={h}" for h in TABLE_V_CSE[dataset]]
+        lines = ["| | FSL_MC | FSL_OC | FSL_AN | CSE " + " | ".join(hs) + " |", "|" + "---|" * (len(keys) + 1)]
+        for i, what in ((0, "load (GiB)"), (1, "storage (M)")):
+            mine, theirs = [c[i] for c in computed], [paper[k][2 + i] for k in keys]
+            if [round(x, 2) for x in mine] == theirs:
+                lines.append(_v_row(f"{name} {what}, computed = paper", mine))
+            else:
+                lines += [_v_row(f"{name} {what}, computed", mine), _v_row(f"{name} {what}, paper", theirs)]
+        out.append("\n".join(lines) + "\n")
+    # spec A21: the samples per client per round whose FSL_MC load is the paper's (its FSL_AN/CSE need the 200)
+    setup, want = PAPER_SETUPS["femnist"], PAPER_TABLE_V["femnist"]["fsl_mc"][2]
+    n = setup["clients"]
+    samples = next(
+        s
+        for s in range(setup["samples"], 2 * setup["samples"])
+        if round(load_gib("fsl_mc", setup["sizes"], [s] * n, setup["batch_size"], setup["rounds"]), 2) == want
+    )
+    out.append(
+        paragraph(
+            f"The paper's F-EMNIST baselines ({want:.2f} GiB) correspond to {samples} samples per client per round "
+            f"instead of {setup['samples']}: the closed form gives {want:.2f} exactly with {samples} (spec A21). "
+            f"Every other figure matches with {setup['samples']}."
+        )
+    )
+    return "\n".join(out)
+
+
+def digits_bytes_section() -> str:
+    """Spec §9.3's digits numbers from the closed forms with the digits preset's model and clients: the bytes
+    of one round per method, the storage at n = 5 and the models' fixed traffic per round."""
+    p = preset("small", "digits")
+    sizes, n = _sizes(*DIGITS_MODEL), p.clients
+    samples = [DIGITS_TRAIN // n] * n  # equal IID shares
+    rows = [("fsl_mc", 1), ("fsl_an", 1)] + [("cse_fsl", h) for h in p.hs[1:]]
+    per_round = [round_bytes(m, sizes, samples, p.batch_size, h=h)["load"] for m, h in rows]
+    store = [storage_params(m, sizes, n) for m in ("fsl_mc", "fsl_oc", "fsl_an", "cse_fsl")]
+    fixed = 2 * n * (sizes.client + sizes.aux) * 4
+    return paragraph(
+        f"The spec's §9.3 digits numbers also hold: {' / '.join(f'{b:,}' for b in per_round)} bytes per round "
+        f"(FSL_MC and FSL_OC, FSL_AN and CSE-FSL h = 1, then CSE-FSL h = {', '.join(str(h) for h in p.hs[1:])}), "
+        f"and storage of {' / '.join(f'{s:,}' for s in store)} parameters (FSL_MC / FSL_OC / FSL_AN / CSE-FSL) "
+        f"at n = {n}. Of a CSE-FSL round, the client models and auxiliary nets going down and up, "
+        f"2n(P_c + P_a)·4 bytes, are a fixed {fixed:,} B whatever h."
+    )
+
+
+def _records(folder: Path, f: str) -> dict[tuple[str, int], float]:
+    md = (folder / f).read_text(encoding="utf-8")
+    return {(r["method"], r["seed"]): r["accuracy"] for r in seed_records(md)}
+
+
+def h1_vs_an_section(folder: Path) -> str:
+    """Fig. 9a's CSE-FSL h = 1 against FSL_AN at their equal load on IID Fashion-MNIST: the seed means and the
+    per-seed gaps of the committed table."""
+    table = _by(read_csv(folder / "table-fashion_mnist.csv"))
+    acc = _records(folder, "table-fashion_mnist.md")
+    seeds = sorted({s for _, s in acc})
+    gaps = [acc["cse_fsl h=1", s] - acc["fsl_an", s] for s in seeds]
+    return paragraph(
+        f"CSE-FSL h = 1 against FSL_AN at their equal load: {table['cse_fsl h=1']['accuracy']:.2f} vs "
+        f"{table['fsl_an']['accuracy']:.2f} % in the seed means, higher on {sum(g > 0 for g in gaps)} of the "
+        f"{len(seeds)} seeds (per-seed gaps {signed(min(gaps))} to {signed(max(gaps))} pp)."
+    )
+
+
+def gaps_section(folder: Path) -> str:
+    """Each method's seed-mean gap to FSL_MC on IID and non-IID Fashion-MNIST beside the paper's CIFAR-10 ones
+    (Table V): what the non-IID verdict compares."""
+    iid, non = (_by(read_csv(folder / f)) for f in ("table-fashion_mnist.csv", "table-fashion_mnist-noniid.csv"))
+    paper = PAPER_TABLE_V["cifar10"]
+
+    def gap(by: dict[str, dict[str, Any]], key: str) -> str:
+        return signed(by[key]["accuracy"] - by["fsl_mc"]["accuracy"]) if key in by else "—"
+
+    def paper_gap(key: str, col: int) -> str:
+        return signed(paper[key][col] - paper["fsl_mc"][col]) if key in paper else "—"
+
+    head = ["method", "IID (pp)", "non-IID (pp)", "paper CIFAR-10 IID (pp)", "paper CIFAR-10 non-IID (pp)"]
+    rows = [[_label(k), gap(iid, k), gap(non, k), paper_gap(k, 0), paper_gap(k, 1)] for k in non if k != "fsl_mc"]
+    return markdown_table(head, rows)
+
+
+def wall_section(folder: Path, f: str) -> str:
+    """The wall time the committed table file states: that of the invocation that wrote it (runs it reused
+    from an earlier invocation count nothing)."""
+    wall = int(re.search(r"wall (\d+) s\.", (folder / f).read_text(encoding="utf-8"))[1])
+    return paragraph(f"Wall time of the invocation that wrote `cse-fsl/{f}`: {wall:,} s ({wall / 60:.0f} min).")
+
+
+def prose_sections(folder: Path) -> dict[str, str]:
+    """The page's generated numbers outside its tables of results: the closed forms of §1 and the readings of
+    the committed tables that the prose states."""
+    return {
+        "models": models_section(),
+        "table-v": table_v_section(),
+        "digits-bytes": digits_bytes_section(),
+        "h1-vs-an": h1_vs_an_section(folder),
+        "noniid-gaps": gaps_section(folder),
+        **{b.replace("claims", "wall"): wall_section(folder, f.replace(".csv", ".md")) for b, f, *_ in PAGE_TABLES},
+    }
 
 
 STUDY = Study(

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from itertools import product
 from operator import itemgetter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from fedweave.experiments.aggregate import group, mean_of, per_cell, std_of
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import cache_datasets as _cache_datasets
 from fedweave.experiments.jobs import load_average
+from fedweave.experiments.pages import paragraph
 from fedweave.experiments.plots import Panel, plot_panels, seed_lines
 from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, Verdict, judge, option
 from fedweave.experiments.tables import Col, Grid, csv_text, layout, markdown_table, parse_csv, pm, read_csv
@@ -710,7 +712,7 @@ def sections(folder: Path) -> dict[str, str]:
         p, records, table, losses, _ = committed(folder / prefix, scale)
         out |= {prefix + name: body for name, body in preset_sections(p, records, table, losses).items()}
         rows += claim_rows(verdicts(records), f"`{prefix}results.csv`")
-    return out | {"claims": markdown_table(CLAIM_HEADER, rows)}
+    return out | {"claims": markdown_table(CLAIM_HEADER, rows)} | prose_sections(folder)
 
 
 COST_HEADER = ["invocation", "runs", "wall (2 workers)", "CPU time (workers, start-up and data loading included)"]
@@ -761,6 +763,133 @@ def adult_tune_section(path: Path) -> str:
         f" 100 rounds,\nand no cell gets far from it: the best is {top[0]:.2f} % (lambda = {top[1]['lam']:g}, mu ="
         f" {top[1]['mu']}, {top[2][6:]}),\nso gamma_0 was tuned too.\n"
     )
+
+
+# ---- the page's numbers in prose, generated (docs/reproductions/zo-hfl.numbers.yaml declares the rest) ------
+def tune_section(path: Path) -> str:
+    """The small preset's lambda x mu grid (``tune.csv``, validation accuracy, one seed): the mean over the six
+    cells per (lambda, mu), the best in bold, and what the sentence after it reads from the grid."""
+    rows = read_csv(path)
+    mus = sorted({r["mu"] for r in rows if r["mu"] != "-"}, key=float)
+    cell = {(r["lam"], r["mu"]): r for r in rows}
+    best = max(rows, key=lambda r: r["mean"])
+    base = next(r for r in rows if r["lam"] == 0)
+
+    def shown(r: dict | None) -> str:
+        return "" if r is None else f"**{r['mean']:.2f}**" if r is best else f"{r['mean']:.2f}"
+
+    body = []
+    for lam in sorted({r["lam"] for r in rows}):
+        name = f"**{lam:g}**" if lam == best["lam"] else f"{lam:g}"
+        if lam == 0:
+            body.append([f"{name} (server-only)", shown(base)] + [""] * (len(mus) - 1))
+        else:
+            body.append([name] + [shown(cell.get((lam, mu))) for mu in mus])
+    table = markdown_table(["lambda"] + [f"mu = {float(mu):g}" for mu in mus], body)
+    small = [r for r in rows if 0 < r["lam"] <= best["lam"]]
+    mu_effect = max(
+        max(r["mean"] for r in small if r["lam"] == lam) - min(r["mean"] for r in small if r["lam"] == lam)
+        for lam in {r["lam"] for r in small}
+    )
+    extreme = "fashion_mnist a=0.1, b=10%"
+
+    def span(lam: float) -> str:
+        vals = sorted(r[extreme] for r in rows if r["lam"] == lam)
+        return f"{vals[0]:.1f}-{vals[-1]:.1f}"
+
+    text = (
+        f"lambda = {best['lam']:g}, mu = {float(best['mu']):g} is the best mean, and it is what the Table I row "
+        f'"ZO-HFL" uses (the ZO-HFL example config too). The margin over the server-only control is '
+        f"{best['mean'] - base['mean']:.2f} points on one seed: the ZO term neither helps nor hurts measurably at "
+        f"lambda <= 1, and hurts at lambda >= 10, most under heterogeneity (FMNIST at (0.1, 10%): "
+        f"{base[extreme]:.1f} server-only, {span(10)} at lambda = 10, {span(100)} at lambda = 100). mu changed "
+        f"the mean by at most {mu_effect:.2f} points at lambda <= 1."
+    )
+    return table + "\n" + paragraph(text)
+
+
+def adult_best_section(path: Path) -> str:
+    """The best cell of the Adult grid (``adult/tune.csv``) against the server-only control at its gamma_0."""
+    rows = read_csv(path)
+    best = max(rows, key=lambda r: r["mean"])
+    same = [r for r in rows if r["server_lr"] == best["server_lr"]]
+    base = next(r for r in same if r["lam"] == 0)
+    worse = max(r["mean"] for r in same if r["lam"] > best["lam"])
+    return paragraph(
+        f"The best cell is lambda = {best['lam']:g}, mu = {float(best['mu']):g}, gamma_0 = {best['server_lr']:g} "
+        f"with mean validation accuracy {best['mean']:.2f}, against {base['mean']:.2f} for the server-only "
+        f"control at the same gamma_0; larger lambdas are worse ({worse:.2f} and below)."
+    )
+
+
+def _run_cpu(md: str) -> tuple[int, int]:
+    """(runs, the sum of their own CPU seconds) as the last line of a committed ``table.md`` states them."""
+    runs, total = re.search(r"sum of the (\d+) runs' own CPU times (\d+) s", md).groups()
+    return int(runs), int(total)
+
+
+def long_cost_section(folder: Path) -> str:
+    """The `long` preset's CPU, as the last line of ``long/table.md`` states it."""
+    runs, total = _run_cpu((folder / "long" / "table.md").read_text(encoding="utf-8"))
+    return paragraph(
+        f"The {runs} runs' own CPU times sum to {total:,} s ({total / 60:.0f} CPU-minutes, the last line of "
+        f"`zo-hfl/long/table.md`), so the preset needs about {total / 2 / 60:.0f} minutes of two idle cores."
+    )
+
+
+def planned(scale: str) -> list[dict[str, Any]]:
+    """The run configs ``fedweave reproduce zo-hfl --scale SCALE`` plans (default seeds and rounds)."""
+    opts = SimpleNamespace(scale=scale, rounds=None, seeds=None, tune=False, out="runs")
+    return study_plan(opts).context[2]
+
+
+DIMENSIONS = {"mnist": 784 * 10, "fashion_mnist": 784 * 10, "cifar10": 3 * 32 * 32 * 10}  # softmax regression's d
+
+
+def paper_scale_section(folder: Path) -> str:
+    """The paper scale's CPU estimate from the measured `long` preset (``long/table.md``): its CPU per run, and
+    each run the paper preset plans scaled by its rounds as R^1.5 (H = tau sqrt(r+1) local steps per round), by
+    its tau and by its data set's dimension, against the `long` preset's."""
+    runs, total = _run_cpu((folder / "long" / "table.md").read_text(encoding="utf-8"))
+    base = planned("long")[0]
+    r0, tau0, d0 = base["rounds"], base["algorithm"]["tau"], DIMENSIONS[base["dataset"]["name"]]
+    p = PRESETS["paper"]
+    per_round = (p.rounds / r0) ** 1.5
+
+    def hours(configs: list[dict[str, Any]]) -> float:
+        cost = sum(
+            (c["rounds"] / r0) ** 1.5 * c["algorithm"]["tau"] / tau0 * DIMENSIONS[c["dataset"]["name"]] / d0
+            for c in configs
+        )
+        return cost * total / runs / 3600
+
+    configs = planned("paper")
+    table = [c for c in configs if c["rounds"] == p.rounds and c["algorithm"]["tau"] == p.tau]
+    sweep = [c for c in configs if c not in table]
+    two = [c for c in table if c["dataset"]["name"] != "cifar10"]
+    cifar = [c for c in table if c["dataset"]["name"] == "cifar10"]
+    d = DIMENSIONS["cifar10"] / d0
+    taus = " / ".join(f"{t:g}" for t in sorted({c["algorithm"]["tau"] for c in sweep}))
+    return paragraph(
+        f"CPU estimate, from the measured `long` preset (its {runs} runs of {r0} rounds at tau = {tau0:g} used "
+        f"{total:,} CPU-s, about {total / runs:.0f} s per run, `long/table.md`), each run the paper preset plans "
+        f"scaled by (R/{r0})^1.5 for the rounds (H = tau sqrt(r+1) local steps per round: x {per_round:.1f} at R = "
+        f"{p.rounds}), by tau/{tau0:g} and by the dimension (CIFAR-10's d = {DIMENSIONS['cifar10']:,} against "
+        f"{d0:,}: x {d:.1f}): Table I's {len(cifar)} runs per data set about {hours(two):.1f} h for MNIST and "
+        f"Fashion-MNIST together and {hours(cifar):.1f} h for CIFAR-10; the tau sweep's {len(sweep)} runs (tau "
+        f"{taus}) about {hours(sweep):.0f} h: about {hours(configs):.0f} CPU core-hours in all."
+    )
+
+
+def prose_sections(folder: Path) -> dict[str, str]:
+    """The page's generated numbers outside its tables of results: what its prose reads from the committed
+    grids and invocations."""
+    return {
+        "tune": tune_section(folder / "tune.csv"),
+        "adult-tune-best": adult_best_section(folder / "adult" / "tune.csv"),
+        "long-cost": long_cost_section(folder),
+        "paper-scale": paper_scale_section(folder),
+    }
 
 
 STUDY = Study(
