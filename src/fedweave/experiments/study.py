@@ -142,6 +142,17 @@ def verdict_table(
     return markdown_table(header, rows)
 
 
+def reading(text: str | Callable[[Any, Any], str], read: Callable, records: Callable | None = None) -> Claim:
+    """A claim from one function of its table and context, ``read(table, ctx) -> (measured, declared rule)``:
+    ``measured`` None leaves the claim out (the records cannot test it); the rule reads ``records(table, ctx)``
+    (by default the table)."""
+
+    def measured(t: Any, ctx: Any) -> tuple[str, None] | None:
+        return None if (m := read(t, ctx)[0]) is None else (m, None)
+
+    return Claim(text, measured, declared=lambda t, ctx: read(t, ctx)[1], records=records)
+
+
 @dataclass
 class Plan:
     """What a study runs for one invocation: its points, what its records and report need of the preset

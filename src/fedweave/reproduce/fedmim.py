@@ -12,15 +12,17 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from fedweave.experiments.aggregate import diverged, group, mean_of, mean_std, per_cell, per_seed, ranks, std_of
+from fedweave.experiments.blocks import claim_table, cost_line, gap_table, same_runs_table, verdict_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Panel, plot_panels, seed_lines
-from fedweave.experiments.study import HELD, Claim, Json, Plan, Report, Rows, Study, Verdict, judge, not_run, option
-from fedweave.experiments.tables import Best, Col, bold_layout, indent, layout, markdown_table, pm, read_csv, signed
-from fedweave.experiments.verdicts import All, Paired, Select, Untestable, cell
+from fedweave.experiments.study import Json, Plan, Report, Rows, Study, Verdict, judge, not_run, option, reading
+from fedweave.experiments.tables import Best, Col, bold_layout, indent, layout, lookup, pm_cell, read_csv
+from fedweave.experiments.verdicts import All, Paired, Select, Untestable, cell, complete_pairs
 from fedweave.runner import Result
 
 # ---- the paper's numbers ------------------------------------------------------------------------------
@@ -96,7 +98,7 @@ PRESETS: dict[str, Preset] = {
     ),
     # Spec §9 priority: (1) FedMIM vs FedAvg at Dir-0.1 and the IID control, (2) FedCM (FedMIM's J = 1
     # special case) and SCAFFOLD (the paper's strongest baseline at DIR.1) on Fashion-MNIST, (3) the main
-    # claim again on MNIST: 36 runs, about 12 min on 2 idle cores (measured 40 CPU-s per run).
+    # claim again on MNIST: 36 runs (what they cost is the page's generated cost line, from their records).
     # --extend adds the other baselines on Fashion-MNIST and FedCM/SCAFFOLD on MNIST (30 more runs).
     "small": Preset(
         grid=[
@@ -383,29 +385,15 @@ def variant_summary(records: list[dict], p: Preset) -> list[dict]:
 
 # ---- the claims: each verdict by its declared rule, 95 % paired t over the seeds (3 to 5 of them: too few for a
 # percentile bootstrap); ``measured`` says what the seed means show ---------------------------------------------
-def _reading(text: str, reading: Callable, records: Callable | None = None) -> Claim:
-    """A claim from one function of its table and context, ``reading(table, ctx) -> (measured, declared rule)``
-    (measured None: the records cannot test it, the claim is left out); the rule reads ``records(table, ctx)``,
-    by default a variant preset's paired runs. In a variant preset's ``text`` ``{lo}`` and ``{hi}`` are its first
-    and last variant, ``{labels[i]}`` any."""
+def _reading(text: str, read: Callable, records: Callable | None = None):
+    """``reading``: a claim from ``read(table, ctx) -> (measured, declared rule)``; on a variant preset's ``Cells``
+    (whose paired runs its rule reads by default) ``{lo}`` and ``{hi}`` in ``text`` are its first and last
+    variant, ``{labels[i]}`` any."""
 
     def claim(t: Any, _) -> str:
         return text.format(lo=t.labels[0], hi=t.labels[-1], labels=t.labels) if isinstance(t, Cells) else text
 
-    def measured(t: Any, ctx: Any) -> tuple[str, None] | None:
-        return None if (m := reading(t, ctx)[0]) is None else (m, None)
-
-    records = records or (lambda c, _: c.records)
-    return Claim(claim, measured, declared=lambda t, ctx: reading(t, ctx)[1], records=records)
-
-
-def _paired(records: list[dict], cell: Callable[[dict], Any], metrics=("final_acc",)) -> list[dict]:
-    """The finished runs (finite ``metrics``) of the seeds that finished every cell (``cell(record)``) of
-    ``records``, the pairs of a paired rule; none when fewer than 2 seeds did (one cannot test a paired claim)."""
-    ok = [r for r in records if all(math.isfinite(r[k]) for k in metrics)]
-    cells = {cell(r) for r in records}
-    seeds = {s for s in {r["seed"] for r in ok} if {cell(r) for r in ok if r["seed"] == s} == cells}
-    return [r for r in ok if r["seed"] in seeds] if len(seeds) >= 2 else []
+    return reading(claim, read, records or (lambda c, _: c.records))
 
 
 def _of(*splits: str) -> Callable[[list[dict], str], list[dict]]:
@@ -415,7 +403,7 @@ def _of(*splits: str) -> Callable[[list[dict], str], list[dict]]:
     def records(rs: list[dict], dataset: str) -> list[dict]:
         main = [r for r in rs if r["dataset"] == dataset and r["split"] in splits and r["method"] in MAIN]
         logs = [{**r, "log_cons": math.log(c) if (c := r["consistency_last20"]) > 0 else math.nan} for r in main]
-        return _paired(logs, lambda r: (r["split"], r["method"]), ("final_acc", "log_cons"))
+        return complete_pairs(logs, lambda r: (r["split"], r["method"]), ("final_acc", "log_cons"))
 
     return records
 
@@ -528,7 +516,9 @@ def variant_verdicts(rows: list[dict], p: Preset, records: list[dict]) -> list[V
     if "fedmim" not in methods or not all((v, m) in acc for v in labels for m in methods):
         return [Verdict("every cell of the preset ran", "not every cell ran (see the table)", None)]
     auc = {(r["variant"], r["method"]): r["mean_acc_over_rounds"] for r in rows}
-    cells = Cells(acc, auc, labels, methods, _paired(records, lambda r: (r["variant"], r["method"])))
+    cells = Cells(
+        acc, auc, labels, methods, complete_pairs(records, lambda r: (r["variant"], r["method"]), ("final_acc",))
+    )
     return judge(VARIANT_CLAIMS[p.table], cells) if cells.records else [Verdict("the paper's readings", NO_PAIRS, None)]
 
 
@@ -670,17 +660,6 @@ VARIANT_CLAIMS = {
 
 
 # ---- the tables: one layout each, for a preset's report and the page's generated sections ---------------------
-def verdict_cell(v: Verdict) -> str:
-    """A verdict's cell: its declared rule's line (estimate, interval, test, n, outcome), else its word."""
-    return v.interval or HELD[v.held]
-
-
-def claim_table(judged: list[tuple[str, Verdict]]) -> str:
-    """The claims' table: per (records file, verdict), the claim, the file, the verdict and what was measured."""
-    rows = [[v.claim, f"`{src}`", verdict_cell(v), v.measured] for src, v in judged]
-    return markdown_table(["claim", "source", "verdict", "measured"], rows)
-
-
 # Table III's rows that are another method's configuration: J = 0 is FedAvg, the default row FedMIM's default
 ABLATION_AS = {"J=0 a=- b=-": "fedavg", "J=2 a=0.6,0.3 b=0.9,0.1": "fedmim"}
 
@@ -709,40 +688,17 @@ def _same_cell(folder: Path) -> dict[str, dict[tuple[str, int], float]]:
 
 
 def _same_cell_table(folder: Path) -> str:
-    """For every two presets of ``_same_cell``: the methods they share, how many of their common (method, seed)
-    runs give the same accuracy and the largest difference."""
-    runs = _same_cell(folder)
-    names, body = list(runs), []
-    for i, a in enumerate(names):
-        for b in names[i + 1 :]:
-            common = sorted(set(runs[a]) & set(runs[b]), key=lambda k: (CORE_ROWS.index(k[0]), k[1]))
-            if not common:
-                continue
-            diffs = [abs(runs[a][k] - runs[b][k]) for k in common]
-            methods = ", ".join(LABELS[m] for m in dict.fromkeys(m for m, _ in common))
-            body.append([a, b, methods, f"{sum(d == 0 for d in diffs)} of {len(diffs)}", f"{max(diffs):.2f}"])
-    return markdown_table(["runs", "against", "methods", "runs equal", "largest difference (points)"], body)
+    """For every two presets of ``_same_cell``: the methods of their common runs, how many give the same
+    accuracy and the largest difference (``same_runs_table``)."""
+    return same_runs_table(_same_cell(folder), lambda k: (CORE_ROWS.index(k[0]), k[1]), LABELS.get)
 
 
 def _cost(folder: Path, name: str) -> str:
-    """What a preset's committed runs cost (``NAME/results.csv``: their number and summed ``cpu_seconds``, one
-    torch thread each), per variant where the variants change the work per run (Table II's E, Fig. 2a's
-    ratio); the wall time of a shared machine is not a cost, so it is left out."""
-    rows = read_csv(folder / name / "results.csv")
-    cpu = [r["cpu_seconds"] for r in rows]
-    groups = {"": cpu}
-    if name in ("epochs", "participation"):
-        groups = {
-            v: [r["cpu_seconds"] for r in rows if r["variant"] == v] for v in dict.fromkeys(r["variant"] for r in rows)
-        }
-    spans = ", ".join(
-        f"{min(c):.0f}–{max(c):.0f} s" + (f" at {v.replace('=', ' = ').replace('%', ' %')}" if v else " each")
-        for v, c in groups.items()
-    )
-    return (
-        f"Cost: {len(rows)} runs, {sum(cpu):,.0f} CPU-seconds in total ({spans}; `cpu_seconds` of\n"
-        f"`{name}/results.csv`, one torch thread per run).\n"
-    )
+    """What a preset's committed runs cost (``cost_line``), per variant where the variants change the work per
+    run (Table II's E, Fig. 2a's ratio)."""
+    by = "variant" if name in ("epochs", "participation") else None
+    label = lambda v: v.replace("=", " = ").replace("%", " %")  # noqa: E731
+    return cost_line(read_csv(folder / name / "results.csv"), f"{name}/results.csv", by, label)
 
 
 def _fedadam_settings() -> str:
@@ -760,16 +716,8 @@ def _fedadam_settings() -> str:
     return indent(text)
 
 
-def _acc(row: dict) -> str:
-    """A row's final accuracy, mean ± std over its seeds (and how many diverged)."""
-    failed = f" ({row['diverged']}/{row['seeds']} diverged)" if row["diverged"] else ""
-    return pm(row["final_acc_mean"], row["final_acc_std"]) + failed
-
-
-def _from(by: dict, value: str | Callable, missing: Any = None) -> Callable:
-    """A column's value at row ``k`` from the record ``by[k]``: a key of it or a function of it (``missing``
-    where the row has none)."""
-    return lambda k: missing if k not in by else by[k][value] if isinstance(value, str) else value(by[k])
+ACC = "test accuracy (%)"
+_acc = partial(pm_cell, key="final_acc")  # a row's final accuracy, mean ± std over seeds
 
 
 SPLIT_NAMES = {"iid": ("IID", "IID"), "dir0.3": ("Dir-0.3", "DIR.3"), "dir0.1": ("Dir-0.1", "DIR.1")}  # ours, paper's
@@ -786,30 +734,18 @@ def table_i(rows: list[dict], dataset: str, methods=METHODS, paper: bool = True)
     for split, (name, c10) in SPLIT_NAMES.items():
         if not (by := {r["method"]: r for r in ran if r["split"] == split}):
             continue
-        acc = Best(f"{name}: ours" if paper else name, _from(by, _acc), key=_from(by, "final_acc_mean", -math.inf))
-        cons = Col("cons.", _from(by, "consistency_last20"), "#.3g")
+        acc = Best(f"{name}: ours" if paper else name, lookup(by, _acc), key=lookup(by, "final_acc_mean", -math.inf))
+        cons = Col("cons.", lookup(by, "consistency_last20"), "#.3g")
         if not paper:
             cols += [acc, cons]
             continue
         ours, theirs = (ranks({m: by[m][k] for m in keys if m in by}) for k in ("final_acc_mean", "paper_cifar10"))
-        cols += [acc, Col("rank", ours.get), cons, Col(f"paper C10 {c10}", _from(by, "paper_cifar10"), ".2f")]
+        cols += [acc, Col("rank", ours.get), cons, Col(f"paper C10 {c10}", lookup(by, "paper_cifar10"), ".2f")]
         cols.append(Col("paper rank", theirs.get))
     return bold_layout(cols, keys)
 
 
-def rounds_table(rows: list[dict], methods) -> str:
-    """Per round of ``rows`` (``gaps.csv``), each method's accuracy (mean ± std over the seeds that reached it)
-    and FedMIM minus each other method, the mean and per seed."""
-    acc = {(r["method"], r["round"], r["seed"]): r["accuracy"] for r in sorted(rows, key=lambda r: r["seed"])}
-    others, body = [m for m in methods if m != "fedmim"], []
-    for t in sorted({r["round"] for r in rows}):
-        a = {m: {s: x for (n, u, s), x in acc.items() if (n, u) == (m, t)} for m in methods}
-        cells = [pm(*mean_std([*a[m].values()])) if a[m] else "–" for m in methods]
-        for m in others:
-            g = [a["fedmim"][s] - x for s, x in a[m].items() if s in a["fedmim"]]
-            cells.append(f"{signed(sum(g) / len(g))} ({', '.join(map(signed, g))})" if g else "–")
-        body.append([t, *cells])
-    return markdown_table(["round", *map(LABELS.get, methods), *(f"FedMIM − {LABELS[m]}" for m in others)], body)
+rounds_table = partial(gap_table, ref="fedmim", label=LABELS.get)  # the long preset's gaps per round
 
 
 ABLATION_ROWS = (  # Table III's rows in TABLE_III's order
@@ -840,8 +776,8 @@ def _per_variant(rows: list[dict]) -> dict[str, dict[str, dict]]:
 def _epochs(rows: list[dict]) -> str:
     """Table II: per method, ours at each E and the paper's three numbers."""
     per = _per_variant(rows)
-    cols = [Col("method", LABELS.get), *(Col(v.replace("=", " = "), _from(by, _acc)) for v, by in per.items())]
-    paper = [_from(by, lambda r: f"{r['paper_c10']:.2f}", "–") for by in per.values()]
+    cols = [Col("method", LABELS.get), *(Col(v.replace("=", " = "), lookup(by, _acc)) for v, by in per.items())]
+    paper = [lookup(by, lambda r: f"{r['paper_c10']:.2f}", "–") for by in per.values()]
     cols.append(
         Col("paper C10 E = " + " / ".join(v.split("=")[1] for v in per), lambda m: " / ".join(f(m) for f in paper))
     )
@@ -853,8 +789,8 @@ def _participation(rows: list[dict]) -> str:
     the change of the final accuracy between the first and the last ratio."""
     per, cols = _per_variant(rows), [Col("method", LABELS.get)]
     for v, by in per.items():
-        cols += [Best(v.replace("%", " %"), _from(by, _acc), key=_from(by, "final_acc_mean", -math.inf))]
-        cols += [Col("mean over rounds", _from(by, "mean_acc_over_rounds"), ".2f")]
+        cols += [Best(v.replace("%", " %"), lookup(by, _acc), key=lookup(by, "final_acc_mean", -math.inf))]
+        cols += [Col("mean over rounds", lookup(by, "mean_acc_over_rounds"), ".2f")]
     (lo, a), (hi, b) = list(per.items())[0], list(per.items())[-1]
 
     def change(m: str) -> float | None:
@@ -956,9 +892,6 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> list[dict]:
             ordered += [(k, x) for k, x in at.items() if k[0] == "fedmim"]
             rows += [dict(zip(GAP_KEYS, (dataset, split, m, s, t, x, mim[s] - x))) for (m, s), x in ordered]
     return rows
-
-
-ACC = "test accuracy (%)"
 
 
 def _width(method: str) -> dict[str, float]:
