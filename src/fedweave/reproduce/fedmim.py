@@ -101,7 +101,7 @@ PRESETS: dict[str, Preset] = {
         SMOKE_LOCAL,
         {"max_train": 600, "max_test": 200},
         eval_every=1,
-    ),  # fmt: skip
+    ),
     # Spec §9 priority: (1) FedMIM vs FedAvg at Dir-0.1 and the IID control, (2) FedCM (FedMIM's J = 1
     # special case) and SCAFFOLD (the paper's strongest baseline at DIR.1) on Fashion-MNIST, (3) the main
     # claim again on MNIST: 36 runs (what they cost is the page's generated cost line, from their records).
@@ -121,7 +121,7 @@ PRESETS: dict[str, Preset] = {
         rounds=500,
         eval_every=10,
         report_rounds=(50, 150, 300, 500),
-    ),  # fmt: skip
+    ),
     "paper": Preset(
         [(d, s, METHODS) for d in ("cifar10", "cifar100") for s in ("iid", "dir0.3", "dir0.1")],
         "paper preset: Table I settings (spec §9.4); needs the CIFAR files and a fast machine",
@@ -131,7 +131,7 @@ PRESETS: dict[str, Preset] = {
         eval_every=10,
         dataset_options={},
         local={**SMALL_LOCAL, "epochs": 5, "batch_size": 50, "augment": ["crop", "flip"]},
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -167,46 +167,40 @@ def ablation_label(alpha: tuple[float, ...], beta: tuple[float, ...]) -> str:
     return f"J={len(alpha)} a={a} b={b}"
 
 
-_SMALL = PRESETS["small"]
 _CELL = ("fashion_mnist", "dir0.1")
-PRESETS.update(
-    {
-        # Table II: E = 1 is the small preset's cell (K = 10 local steps); E = 5 and 10 give K = 50 and 100,
-        # the paper's K at E = 5 and 10 on CIFAR (10 batches of 50 per epoch). --extend adds FedCM, SCAFFOLD.
-        "epochs": dataclasses.replace(
-            _SMALL,
-            grid=[(*_CELL, MAIN)],
-            extension=[(*_CELL, SECOND)],
-            variants=tuple((f"E={e}", {"local": {"epochs": e}}) for e in (1, 5, 10)),
-            table="epochs",
-            note="epochs preset (Table II): the small preset's Dir-0.1 Fashion-MNIST cell at E = 1, 5 and 10 "
-            "local epochs of B = 20 (K = 10, 50, 100), T = 50",
+_E1 = "E = 1 (K = 10), T = 50"
+PRESETS |= {
+    # Table II: E = 1 is the small preset's cell (K = 10 local steps); E = 5 and 10 give K = 50 and 100,
+    # the paper's K at E = 5 and 10 on CIFAR (10 batches of 50 per epoch). --extend adds FedCM, SCAFFOLD.
+    "epochs": Preset(
+        [(*_CELL, MAIN)],
+        "epochs preset (Table II): the small preset's Dir-0.1 Fashion-MNIST cell at E = 1, 5 and 10 local epochs "
+        "of B = 20 (K = 10, 50, 100), T = 50",
+        extension=[(*_CELL, SECOND)],
+        variants=tuple((f"E={e}", {"local": {"epochs": e}}) for e in (1, 5, 10)),
+        table="epochs",
+    ),
+    # Table III: every row is FedMIM with that (alpha, beta); J = 0 is FedAvg, J = 1 with beta = 0 FedCM
+    "ablation": Preset(
+        [(*_CELL, ("fedmim",))],
+        f"ablation preset (Table III): FedMIM's alpha/beta/J rows on the small preset's Dir-0.1 Fashion-MNIST "
+        f"cell, {_E1}",
+        variants=tuple(
+            (ablation_label(a, b), {"options": {"alpha": list(a), "beta": list(b)}}) for a, b, _ in TABLE_III
         ),
-        # Table III: every row is FedMIM with that (alpha, beta); J = 0 is FedAvg, J = 1 with beta = 0 FedCM
-        "ablation": dataclasses.replace(
-            _SMALL,
-            grid=[(*_CELL, ("fedmim",))],
-            extension=[],
-            variants=tuple(
-                (ablation_label(a, b), {"options": {"alpha": list(a), "beta": list(b)}}) for a, b, _ in TABLE_III
-            ),
-            table="ablation",
-            note="ablation preset (Table III): FedMIM's alpha/beta/J rows on the small preset's Dir-0.1 "
-            "Fashion-MNIST cell, E = 1 (K = 10), T = 50",
-        ),
-        # Fig. 2a: 5 % and 20 % of the 100 clients per round (the small preset's 10 % is its Table I cell);
-        # the methods its claims name, FedSAM with --extend
-        "participation": dataclasses.replace(
-            _SMALL,
-            grid=[(*_CELL, ("fedavg", "fedadam", "scaffold", "fedcm", "feddyn", "fedmim"))],
-            extension=[(*_CELL, ("fedsam",))],
-            variants=(("5%", {"clients_per_round": 5}), ("20%", {"clients_per_round": 20})),
-            table="participation",
-            note="participation preset (Fig. 2a): the small preset's Dir-0.1 Fashion-MNIST cell with 5 % and "
-            "20 % of the clients per round, E = 1 (K = 10), T = 50",
-        ),
-    }
-)
+        table="ablation",
+    ),
+    # Fig. 2a: 5 % and 20 % of the 100 clients per round (the small preset's 10 % is its Table I cell);
+    # the methods its claims name, FedSAM with --extend
+    "participation": Preset(
+        [(*_CELL, ("fedavg", "fedadam", "scaffold", "fedcm", "feddyn", "fedmim"))],
+        f"participation preset (Fig. 2a): the small preset's Dir-0.1 Fashion-MNIST cell with 5 % and 20 % of the "
+        f"clients per round, {_E1}",
+        extension=[(*_CELL, ("fedsam",))],
+        variants=(("5%", {"clients_per_round": 5}), ("20%", {"clients_per_round": 20})),
+        table="participation",
+    ),
+}
 
 
 # ---- the grid ----------------------------------------------------------------------------------------
