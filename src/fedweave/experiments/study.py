@@ -268,6 +268,17 @@ class Study:
         return [self.record(pt, runs[pt.slug], plan) for pt in plan.points if pt.slug in runs]
 
 
+def choices(value: str | None, allowed: Sequence[str], flag: str) -> list[str] | None:
+    """An option's comma list (None when not given), each item one of ``allowed``: else a ``ConfigError`` of one
+    line naming the flag, the unknown items and what is allowed."""
+    if value is None:
+        return None
+    items = [s.strip() for s in value.split(",") if s.strip()]
+    if (bad := [s for s in items if s not in allowed]) or not items:
+        raise ConfigError(f"{flag}: unknown {bad or [value]}; allowed {', '.join(allowed)}")
+    return items
+
+
 def not_run(skipped: Sequence[Point]) -> str:
     """A report's line naming the points the time budget left unrun (each by its values and seed), or ""."""
     if not skipped:

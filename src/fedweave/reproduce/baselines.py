@@ -29,7 +29,7 @@ from fedweave.config import ConfigError
 from fedweave.experiments import pages
 from fedweave.experiments.aggregate import group, per_cell, to_target
 from fedweave.experiments.grid import Point
-from fedweave.experiments.study import Plan, Report, Rows, Study, option
+from fedweave.experiments.study import Plan, Report, Rows, Study, choices, option
 from fedweave.experiments.tables import Col, layout, mean_std_cell, read_csv
 from fedweave.runner import Result
 
@@ -92,17 +92,6 @@ PRESETS = {
     ),
     "smoke": Preset({}, 2, {}, {"epochs": 1, "batch_size": 16, "lr": 0.05}, 1, clients=10, per_round=5, seeds=1),
 }
-
-
-def _choice(opts_value: str | None, allowed: list[str], flag: str) -> list[str] | None:
-    """A comma list of an option, each item checked against ``allowed`` (one line naming the unknown ones)."""
-    if opts_value is None:
-        return None
-    items = [s.strip() for s in opts_value.split(",") if s.strip()]
-    bad = [s for s in items if s not in allowed]
-    if bad or not items:
-        raise ConfigError(f"{flag}: unknown {bad or [opts_value]}; allowed {', '.join(allowed)}")
-    return items
 
 
 def jobs(p: Preset, datasets: list[str], methods: list[Method], seeds: list[int], out: Path) -> list[Point]:
@@ -224,8 +213,8 @@ def plan(opts) -> Plan:
     if opts.scale == "smoke":  # any registered dataset (the tests use a synthetic one)
         datasets = [s.strip() for s in (opts.datasets or "mnist").split(",")]
     else:
-        datasets = _choice(opts.datasets, list(p.models), "--datasets") or list(p.models)
-    methods = [BY_KEY[k] for k in _choice(opts.methods, list(BY_KEY), "--methods") or BY_KEY]
+        datasets = choices(opts.datasets, list(p.models), "--datasets") or list(p.models)
+    methods = [BY_KEY[k] for k in choices(opts.methods, list(BY_KEY), "--methods") or BY_KEY]
     seeds = list(range(opts.seeds if opts.seeds is not None else p.seeds))
     context = {"preset": p, "datasets": datasets, "methods": methods, "seeds": seeds}
     if opts.from_records and not Path(opts.from_records).is_file():
