@@ -40,6 +40,12 @@ def cost_line(rows: Sequence[Mapping[str, Any]], source: str, by: str | None = N
     )
 
 
+def run_values(rows: Sequence[Mapping[str, Any]], value: str, keep: Callable, method: Callable | None = None) -> dict:
+    """Per (method, seed) of the ``rows`` that ``keep`` keeps, its ``value``: one preset's side of
+    ``same_runs_table``; ``method(row)`` names a row's method (by default its ``method``)."""
+    return {(method(r) if method else r["method"], r["seed"]): r[value] for r in rows if keep(r)}
+
+
 def same_runs_table(runs: Mapping[str, Mapping[tuple, float]], order: Callable, label: Callable[[Any], str]) -> str:
     """For every two presets of ``runs`` (a name -> its value per (method, seed) run): the methods (``label``) of
     their common runs (in ``order``), how many of those give the same value and the largest difference."""

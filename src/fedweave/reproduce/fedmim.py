@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fedweave.experiments.aggregate import diverged, group, mean_of, mean_std, per_cell, per_seed, ranks, std_of
-from fedweave.experiments.blocks import claim_table, cost_line, gap_table, same_runs_table, verdict_cell
+from fedweave.experiments.blocks import claim_table, cost_line, gap_table, run_values, same_runs_table, verdict_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Panel, plot_panels, seed_lines
 from fedweave.experiments.study import Json, Plan, Report, Rows, Study, Verdict, judge, not_run, option, reading
@@ -204,9 +204,7 @@ PRESETS |= {
 
 
 # ---- the grid ----------------------------------------------------------------------------------------
-def run_config(
-    p: Preset, dataset: str, split: str, method: str, seed: int, run_dir: Path, variant: str = ""
-) -> dict[str, Any]:
+def run_config(p: Preset, dataset: str, split: str, method: str, seed: int, run_dir: Path, variant: str = "") -> dict:
     over = dict(p.variants).get(variant, {}) if variant else {}
     options = over["options"] if "options" in over and method == "fedmim" else METHOD_OPTIONS[method]
     # weighting: P-line 16, spec A22
@@ -233,14 +231,7 @@ def run_config(
     }
 
 
-def plan(
-    p: Preset,
-    out: Path,
-    seeds: tuple[int, ...],
-    datasets: list[str] | None,
-    methods: list[str] | None,
-    extend: bool = False,
-) -> list[Point]:
+def plan(p: Preset, out: Path, seeds: tuple, datasets: list | None, methods: list | None, extend=False) -> list[Point]:
     """The runs of a preset in priority order (grid entry, then seed, then method), each in
     ``OUT/runs/<dataset>-<split>-<method>-s<seed>``; in a variant preset seed, then grid entry, variant and
     method (a time budget leaves whole seeds), each in ``OUT/runs/<dataset>-<split>-<method>-<variant>-s<seed>``."""
@@ -643,20 +634,17 @@ def _same_cell(folder: Path) -> dict[str, dict[tuple[str, int], float]]:
     (``long/gaps.csv``), Table II's E = 1 column and Table III's J = 0 and default rows."""
     small = read_csv(folder / "results.csv")
     return {
-        "`small`": {(r["method"], r["seed"]): r["final_acc"] for r in small if (r["dataset"], r["split"]) == _CELL},
-        "`long`, round 50": {
-            (r["method"], r["seed"]): r["accuracy"] for r in read_csv(folder / "long" / "gaps.csv") if r["round"] == 50
-        },
-        "`epochs`, E = 1": {
-            (r["method"], r["seed"]): r["final_acc"]
-            for r in read_csv(folder / "epochs" / "results.csv")
-            if r["variant"] == "E=1"
-        },
-        "`ablation`, J = 0 and default rows": {
-            (ABLATION_AS[r["variant"]], r["seed"]): r["final_acc"]
-            for r in read_csv(folder / "ablation" / "results.csv")
-            if r["variant"] in ABLATION_AS
-        },
+        "`small`": run_values(small, "final_acc", lambda r: (r["dataset"], r["split"]) == _CELL),
+        "`long`, round 50": run_values(read_csv(folder / "long" / "gaps.csv"), "accuracy", lambda r: r["round"] == 50),
+        "`epochs`, E = 1": run_values(
+            read_csv(folder / "epochs/results.csv"), "final_acc", lambda r: r["variant"] == "E=1"
+        ),
+        "`ablation`, J = 0 and default rows": run_values(
+            read_csv(folder / "ablation/results.csv"),
+            "final_acc",
+            lambda r: r["variant"] in ABLATION_AS,
+            lambda r: ABLATION_AS[r["variant"]],
+        ),
     }
 
 
