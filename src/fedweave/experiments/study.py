@@ -96,6 +96,7 @@ class Claim:
     # ``(table, ctx)`` that returns the rule: one whose sides are chosen from the table (the best row by mean).
     declared: Rule | Callable[[Any, Any], Rule] | None = field(default=None, kw_only=True)
     records: Callable[[Any, Any], Sequence[Any]] | None = field(default=None, kw_only=True)
+    paper: str = field(default="", kw_only=True)  # the paper's own statement, where a page shows it beside the claim
 
     def __post_init__(self) -> None:
         if self.rule is None and self.declared is None:
@@ -142,15 +143,15 @@ def verdict_table(
     return markdown_table(header, rows)
 
 
-def reading(text: str | Callable[[Any, Any], str], read: Callable, records: Callable | None = None) -> Claim:
-    """A claim from one function of its table and context, ``read(table, ctx) -> (measured, declared rule)``:
-    ``measured`` None leaves the claim out (the records cannot test it); the rule reads ``records(table, ctx)``
-    (by default the table)."""
+def reading(text: str | Callable[[Any, Any], str], read: Callable, records: Callable | None = None, paper: str = ""):
+    """A ``Claim`` from one function of its table and context, ``read(table, ctx) -> (measured, declared rule)``:
+    None, or ``measured`` None, leaves the claim out (the records cannot test it); the rule reads
+    ``records(table, ctx)`` (by default the table); ``paper``: the paper's statement of the claim."""
 
     def measured(t: Any, ctx: Any) -> tuple[str, None] | None:
-        return None if (m := read(t, ctx)[0]) is None else (m, None)
+        return None if (got := read(t, ctx)) is None or got[0] is None else (got[0], None)
 
-    return Claim(text, measured, declared=lambda t, ctx: read(t, ctx)[1], records=records)
+    return Claim(text, measured, declared=lambda t, ctx: read(t, ctx)[1], records=records, paper=paper)
 
 
 @dataclass

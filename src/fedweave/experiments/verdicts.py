@@ -336,7 +336,10 @@ class All:
     (label, ``Paired``) pairs, all with the same test. **held** when every part held, **did not hold** when one
     did not hold, **inconclusive** otherwise; its line gives each part's estimate, interval and outcome."""
 
-    parts: tuple[tuple[str, Paired], ...]
+    parts: tuple[tuple[str, Paired], ...]  # any iterable of them, kept as a tuple
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parts", tuple(self.parts))
 
     def judge(self, records: Sequence[Mapping[str, Any]]) -> Decision | None:
         """The decision on ``records``, or None when a part finds no record of A or of B."""

@@ -427,14 +427,14 @@ def _dp_claims(mode: str, what: str) -> list[Claim]:
 
     def small(t, p) -> All:
         vs = [(f"sigma {s:g}", _vs(dp_label(s, mode), cell(label="AFIND+") - 0.03)) for s in ran(t, p) if s <= 5]
-        return All(tuple(vs))
+        return All(vs)
 
     def big(t, p) -> All:
         if not (big := [s for s in ran(t, p) if s > 5]):
             return All(())  # no part: the claim is left out
         b = max(big)
         vs = [(f"sigma {b:g} vs {s:g}", _vs(dp_label(b, mode), dp_label(s, mode), "less")) for s in ran(t, p) if s <= 5]
-        return All(tuple(vs))
+        return All(vs)
 
     return [
         _on(f"Table 4{what}: DP noise sigma_2 <= 5 costs at most 3 points (paper: <= 2.84)", small),
@@ -447,7 +447,7 @@ def _fig5_claims(fig: str, section: str, where: str) -> list[Claim]:
     section 5's "approximately 3%" (within 1.5 points of +3: the spec's [1.5, 4.5], fixed before the runs)."""
     gain = mean(*(cell(label=k + " + AFIND+") - cell(label=k) for k in PLUGINS)) - CLAIMED_PLUGIN_GAIN / 100
     lo, hi = CLAIMED_PLUGIN_GAIN / 2, 1.5 * CLAIMED_PLUGIN_GAIN
-    every = All(tuple((k, _vs(k + " + AFIND+", k)) for k in PLUGINS))
+    every = All((k, _vs(k + " + AFIND+", k)) for k in PLUGINS)
     about = Paired("best", gain, 0.0, "within", lo, scale=100, unit="points from +3")
     about_text = f"{section}: the improvement is about +3 points (mean gain over the plug-ins in [{lo:g}, {hi:g}])"
     return [

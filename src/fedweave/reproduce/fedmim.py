@@ -16,7 +16,17 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fedweave.experiments.aggregate import diverged, group, mean_of, mean_std, per_cell, per_seed, ranks, std_of
+from fedweave.experiments.aggregate import (
+    diverged,
+    finite_runs,
+    group,
+    mean_of,
+    mean_std,
+    per_cell,
+    per_seed,
+    ranks,
+    std_of,
+)
 from fedweave.experiments.blocks import claim_table, cost_line, gap_table, run_values, same_runs_table, verdict_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Panel, plot_panels, seed_lines
@@ -285,14 +295,8 @@ RESULT_KEYS += ["consistency_last20", "status", "rounds_done", "wall_seconds", "
 
 
 # ---- the per-cell summaries: Table I's (table.csv) and a variant preset's (NAME.csv) ------------------------
-def _finished(rs: list[dict]) -> list[dict]:
-    """A cell's runs that did not diverge (all of them when none finished: the cell then reads NaN)."""
-    return [r for r in rs if math.isfinite(r["final_acc"])] or rs
-
-
-def _ok(rs: list[dict]) -> list[dict]:
-    """A cell's runs that did not diverge, in seed order."""
-    return sorted((r for r in rs if math.isfinite(r["final_acc"])), key=lambda r: r["seed"])
+_finished = finite_runs("final_acc", or_all=True)  # a cell's runs that did not diverge (all: the cell reads NaN)
+_ok = finite_runs("final_acc", by_seed=True)  # the same in seed order, without the fallback
 
 
 def _auc(rs: list[dict]) -> float:
@@ -498,15 +502,11 @@ def _changed(a: str, b: str, direction: str = "greater") -> Paired:
     return Paired("change", {"method": a}, {"method": b}, direction)
 
 
-def _all(parts) -> All:
-    return All(tuple(parts))
-
-
 def _e_best(c: Cells, _) -> tuple:
     best = {v: max(c.methods, key=lambda m: c.acc[(v, m)]) for v in c.labels}
     where = [f"{v}: FedMIM {c.acc[(v, 'fedmim')]:.2f}, best {LABELS[b]} {c.acc[(v, b)]:.2f}" for v, b in best.items()]
     others = [m for m in c.methods if m != "fedmim"]
-    return "; ".join(where), _all((f"{v} vs {LABELS[m]}", _gt(v, v, "fedmim", m)) for v in c.labels for m in others)
+    return "; ".join(where), All((f"{v} vs {LABELS[m]}", _gt(v, v, "fedmim", m)) for v in c.labels for m in others)
 
 
 def _e_falls(c: Cells, _) -> tuple:
@@ -518,7 +518,7 @@ def _e_falls(c: Cells, _) -> tuple:
             f"{LABELS[m]} " + " / ".join(f"{c.acc[(v, m)]:.2f}" for v in c.labels) + ("" if falls else " (not falling)")
         )
 
-    rule = _all((f"{LABELS[m]} {a} > {b}", _gt(a, b, m)) for m in c.methods for a, b in steps)
+    rule = All((f"{LABELS[m]} {a} > {b}", _gt(a, b, m)) for m in c.methods for a, b in steps)
     return "; ".join(map(trend, c.methods)), rule
 
 
@@ -526,9 +526,7 @@ def _e_falls(c: Cells, _) -> tuple:
 def _a_inertial(c: Cells, _) -> tuple:
     a, lb = c.fedmim(), c.labels
     rest = [a[v] for v in lb[1:]]
-    return f"J = 0: {a[lb[0]]:.2f}; J >= 1: {min(rest):.2f} to {max(rest):.2f}", _all(
-        (v, _gt(v, lb[0])) for v in lb[1:]
-    )
+    return f"J = 0: {a[lb[0]]:.2f}; J >= 1: {min(rest):.2f} to {max(rest):.2f}", All((v, _gt(v, lb[0])) for v in lb[1:])
 
 
 def _a_j2(c: Cells, _) -> tuple:
@@ -540,14 +538,14 @@ def _a_j2(c: Cells, _) -> tuple:
 def _a_top(c: Cells, _) -> tuple:
     a, paper = c.fedmim(), c.labels[6]
     top = max(c.labels, key=a.get)
-    return f"{a[paper]:.2f}; best row {top} {a[top]:.2f}", _all(
+    return f"{a[paper]:.2f}; best row {top} {a[top]:.2f}", All(
         (f"vs {v}", _gt(paper, v)) for v in c.labels if v != paper
     )
 
 
 def _a_beta(c: Cells, _) -> tuple:
     a, lb = c.fedmim(), c.labels
-    rule = _all((f"b={x.split('b=')[1]} > b={y.split('b=')[1]}", _gt(x, y)) for x, y in zip(lb[6:8], lb[7:9]))
+    rule = All((f"b={x.split('b=')[1]} > b={y.split('b=')[1]}", _gt(x, y)) for x, y in zip(lb[6:8], lb[7:9]))
     return " / ".join(f"{a[v]:.2f}" for v in lb[6:9]), rule
 
 
@@ -568,7 +566,7 @@ def _p_fedavg_slowest(c: Cells, _) -> tuple:
 
 def _p_sensitive(c: Cells, _) -> tuple:
     named = [m for m in ("fedadam", "fedcm", "feddyn") if m in c.methods]
-    return _changes(c, [*named, "fedmim"]), _all((f"{LABELS[m]} vs FedMIM", _changed(m, "fedmim")) for m in named)
+    return _changes(c, [*named, "fedmim"]), All((f"{LABELS[m]} vs FedMIM", _changed(m, "fedmim")) for m in named)
 
 
 def _p_scaffold(c: Cells, _) -> tuple:
@@ -583,7 +581,7 @@ def _p_scaffold(c: Cells, _) -> tuple:
 
 
 def _p_stable(c: Cells, _) -> tuple:
-    rule = _all((f"vs {LABELS[m]}", _changed("fedmim", m, "less")) for m in c.methods if m != "fedmim")
+    rule = All((f"vs {LABELS[m]}", _changed("fedmim", m, "less")) for m in c.methods if m != "fedmim")
     return _changes(c, sorted(c.methods, key=c.change)), rule
 
 
