@@ -141,6 +141,12 @@ def mean_std_cell(
     return cell if not bad else f"{cell} ({bad}/{len(values)} diverged)"
 
 
+def pm_of(key: str, **fmt: Any) -> Callable[[Sequence[Mapping[str, Any]]], str]:
+    """A cell's statistic: ``mean_std_cell`` of ``key`` over its records (a diverged run counted, never dropped);
+    ``fmt``: its ``scale``, ``ddof``, ``sep``, ``nd``."""
+    return lambda rs: mean_std_cell([r[key] for r in rs], **fmt)
+
+
 def bold_best(cells: Sequence[str], values: Sequence[float], best: Callable = max) -> list[str]:
     """``cells`` with the one of the best value (``best``: the largest by default, the first of equal ones)
     in bold."""

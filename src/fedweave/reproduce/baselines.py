@@ -18,7 +18,6 @@ it rebuilds them from committed records without running anything.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import product
 from operator import itemgetter
@@ -30,7 +29,7 @@ from fedweave.experiments import pages
 from fedweave.experiments.aggregate import group, per_cell, to_target
 from fedweave.experiments.grid import Point
 from fedweave.experiments.study import Plan, Report, Rows, Study, choices, option
-from fedweave.experiments.tables import Col, layout, mean_std_cell, read_csv
+from fedweave.experiments.tables import Col, layout, mean_std_cell, pm_of, read_csv
 from fedweave.runner import Result
 
 MIB = 2**20
@@ -171,11 +170,6 @@ def _published(cell: dict[str, Any]) -> str:
     return f"{pub[0]} ({pub[1]})" if pub else "no matching published setting"
 
 
-def _mean_std(key: str) -> Callable[[list[dict[str, Any]]], str]:
-    """A cell's mean ± std of ``key`` over its seeds (a diverged run counted, never dropped)."""
-    return lambda rs: mean_std_cell([r[key] for r in rs])
-
-
 # the accuracies' columns; a cell (dataset, split, method) is its seeds, their accuracies and the MiB to target
 ACCURACIES = {
     "global_acc": "global acc (%)",
@@ -183,7 +177,7 @@ ACCURACIES = {
     "worst_client_acc": "worst client (%)",
     "spread": "spread (pp)",
 }
-CELL = {"seeds": len, **{key: _mean_std(key) for key in ACCURACIES}, "reach": _reach}
+CELL = {"seeds": len, **{key: pm_of(key) for key in ACCURACIES}, "reach": _reach}
 COLS = [Col("method", "method"), Col("kind", lambda c: "personal" if c["method"] in PERSONAL else "global")]
 COLS += [Col("seeds", "seeds"), *(Col(head, key) for key, head in ACCURACIES.items())]
 
