@@ -316,10 +316,10 @@ TABLE_KEYS = ["dataset", "split", "method", *TABLE_STATS, "rank", "paper_cifar10
 VARIANT_STATS = {
     "seeds": len,
     "diverged": diverged("final_acc"),
-    "final_acc_mean": lambda rs: round(mean_of("final_acc", _ok)(rs), 2),
-    "final_acc_std": lambda rs: round(std_of("final_acc", _ok)(rs), 2),
+    "final_acc_mean": mean_of("final_acc", _ok, nd=2),
+    "final_acc_std": std_of("final_acc", _ok, nd=2),
     "mean_acc_over_rounds": lambda rs: round(_auc(rs), 2),
-    "consistency_last20": lambda rs: round(mean_of("consistency_last20", _ok)(rs), 4),
+    "consistency_last20": mean_of("consistency_last20", _ok, nd=4),
     "final_acc_per_seed": per_seed("final_acc"),
 }
 
@@ -537,10 +537,8 @@ def _a_j2(c: Cells, _) -> tuple:
 
 def _a_top(c: Cells, _) -> tuple:
     a, paper = c.fedmim(), c.labels[6]
-    top = max(c.labels, key=a.get)
-    return f"{a[paper]:.2f}; best row {top} {a[top]:.2f}", All(
-        (f"vs {v}", _gt(paper, v)) for v in c.labels if v != paper
-    )
+    top, rule = max(c.labels, key=a.get), All((f"vs {v}", _gt(paper, v)) for v in c.labels if v != paper)
+    return f"{a[paper]:.2f}; best row {top} {a[top]:.2f}", rule
 
 
 def _a_beta(c: Cells, _) -> tuple:
@@ -574,10 +572,8 @@ def _p_scaffold(c: Cells, _) -> tuple:
     ranked = sorted(c.methods, key=lambda m: -c.acc[(hi, m)])
     measured = f"{hi}: " + " > ".join(f"{LABELS[m]} {c.acc[(hi, m)]:.2f}" for m in ranked)
     # among the two most accurate = above every other method but one: against the second of the others
-    others = [m for m in ranked if m != "scaffold"]
-    return measured, _gt(hi, hi, "scaffold", others[1]) if len(others) > 1 else Untestable(
-        "fewer than three methods ran"
-    )
+    others, few = [m for m in ranked if m != "scaffold"], Untestable("fewer than three methods ran")
+    return measured, _gt(hi, hi, "scaffold", others[1]) if len(others) > 1 else few
 
 
 def _p_stable(c: Cells, _) -> tuple:
