@@ -80,9 +80,11 @@ def test_complete_pairs_keeps_the_seeds_that_finished_every_cell():
 def test_reading_is_one_function_for_what_was_measured_and_the_rule():
     rule = Paired("acc", {"m": "a"}, {"m": "b"})
     rows = [{"m": m, "seed": s, "acc": a + s} for s in range(3) for m, a in (("a", 2.0), ("b", 1.0))]
-    got = judge([reading("a beats b", lambda t, _: ("a ahead", rule), paper="a is better"),
-                 reading("left out", lambda t, _: None), reading("also out", lambda t, _: (None, rule))], rows)  # fmt: skip
+    claims = [reading("a beats b", lambda t, _: ("a ahead", rule), paper="a is better")]
+    claims += [reading("left out", lambda t, _: None), reading("also out", lambda t, _: (None, rule))]
+    got = judge(claims, rows)
     assert [(v.claim, v.measured, v.outcome) for v in got] == [("a beats b", "a ahead", "held")]
+    assert claims[0].paper == "a is better"
     assert reading("x", lambda t, _: None).paper == "" and All(p for p in [("one", rule)]).parts == (("one", rule),)
 
 
