@@ -110,7 +110,9 @@ def finite_runs(key: str, by_seed: bool = False, or_all: bool = False) -> Callab
 
     def runs(rs: list[Any]) -> list[Any]:
         ok = [r for r in rs if math.isfinite(r[key])]
-        return sorted(ok, key=lambda r: r["seed"]) if by_seed else ok or rs if or_all else ok
+        if by_seed:
+            return sorted(ok, key=lambda r: r["seed"])
+        return (ok or rs) if or_all else ok
 
     return runs
 

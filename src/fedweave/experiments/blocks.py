@@ -25,9 +25,9 @@ def claim_table(judged: Sequence[tuple[str, Verdict]]) -> str:
 
 
 def cost_line(rows: Sequence[Mapping[str, Any]], source: str, by: str | None = None, label: Callable = str) -> str:
-    """What committed runs cost: their number and summed ``cpu_seconds`` (one torch thread each), the span per
-    run, per value of ``by`` (``label``-led) where it changes the work per run; the wall time of a shared machine
-    is not a cost, so it is left out. ``source`` names the records file."""
+    """What committed runs cost: their number and summed ``cpu_seconds`` (one torch thread each) and the span per
+    run, per value of ``by`` (named by ``label``) where it changes the work per run; the wall time of a shared
+    machine is not a cost, so it is left out. ``source`` names the records file."""
     cpu = [r["cpu_seconds"] for r in rows]
     groups = group(list(rows), lambda r: r[by]) if by else {"": rows}
     spans = ", ".join(

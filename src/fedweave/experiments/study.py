@@ -143,7 +143,9 @@ def verdict_table(
     return markdown_table(header, rows)
 
 
-def reading(text: str | Callable[[Any, Any], str], read: Callable, records: Callable | None = None, paper: str = ""):
+def reading(
+    text: str | Callable[[Any, Any], str], read: Callable, records: Callable | None = None, paper: str = ""
+) -> Claim:
     """A ``Claim`` from one function of its table and context, ``read(table, ctx) -> (measured, declared rule)``:
     None, or ``measured`` None, leaves the claim out (the records cannot test it); the rule reads
     ``records(table, ctx)`` (by default the table); ``paper``: the paper's statement of the claim."""

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import operator
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,7 +142,9 @@ def _median(*values: float) -> float:
     return statistics.median(values)
 
 
-def complete_pairs(records: Sequence[Mapping[str, Any]], cell: Any, metrics: Sequence[str] = (), pair: str = "seed"):
+def complete_pairs(
+    records: Sequence[Mapping[str, Any]], cell: Callable[[Any], Any], metrics: Sequence[str] = (), pair: str = "seed"
+) -> list[Mapping[str, Any]]:
     """The records with finite ``metrics`` of the ``pair`` values (seeds) that have such a record in every cell
     (``cell(record)``) of ``records``: the pairs of a paired rule; none when fewer than 2 seeds do (a paired
     claim cannot be tested on one)."""
