@@ -898,7 +898,7 @@ def sections(folder: Path) -> dict[str, str]:
     return {
         "claims": claim_table(page_verdicts(folder)),
         "small-cost": _small_cost(folder, results),
-        "round50": _round50(folder, results),
+        "round50": _round50(folder),
         "table1": table_i(table, "fashion_mnist", CORE_ROWS),
         "long": rounds_table(read_csv(folder / "long" / "gaps.csv"), CORE),
         "per-seed": _page_per_seed(results),
@@ -937,15 +937,12 @@ def _small_cost(folder: Path, results: list[dict]) -> str:
     )
 
 
-def _round50(folder: Path, results: list[dict]) -> str:
+def _round50(folder: Path) -> str:
     """How far the ``long`` preset's round-50 accuracies (``long/gaps.csv``) are from the ``small`` preset's
-    T = 50 finals (``results.csv``), run by run."""
-    small = {(r["method"], r["seed"]): r["final_acc"] for r in results if (r["dataset"], r["split"]) == _CELL}
-    diffs = sorted(
-        (abs(r["accuracy"] - small[k]), k, r["accuracy"], small[k])
-        for r in read_csv(folder / "long" / "gaps.csv")
-        if r["round"] == 50 and (k := (r["method"], r["seed"])) in small
-    )
+    T = 50 finals (``results.csv``), run by run (``_same_cell``)."""
+    runs = _same_cell(folder)
+    small, long = runs["`small`"], runs["`long`, round 50"]
+    diffs = sorted((abs(x - small[k]), k, x, small[k]) for k, x in long.items() if k in small)
     d, (m, seed), here, there = diffs[-1]
     return (
         f"The round-50 accuracies differ from the `small` preset's T = 50 finals by up to {d:.2f} points\n"
