@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import operator
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +140,18 @@ def median(*sides: Select) -> Select:
 
 def _median(*values: float) -> float:
     return statistics.median(values)
+
+
+def complete_pairs(
+    records: Sequence[Mapping[str, Any]], cell: Callable[[Any], Any], metrics: Sequence[str] = (), pair: str = "seed"
+) -> list[Mapping[str, Any]]:
+    """The records with finite ``metrics`` of the ``pair`` values (seeds) that have such a record in every cell
+    (``cell(record)``) of ``records``: the pairs of a paired rule; none when fewer than 2 seeds do (a paired
+    claim cannot be tested on one)."""
+    ok = [r for r in records if all(math.isfinite(r[k]) for k in metrics)]
+    cells = {cell(r) for r in records}
+    seeds = {s for s in {r[pair] for r in ok} if {cell(r) for r in ok if r[pair] == s} == cells}
+    return [r for r in ok if r[pair] in seeds] if len(seeds) >= 2 else []
 
 
 def _pick(records, where: Mapping[str, Any], metric: str, pair: str, who: str, side: str) -> dict:
@@ -326,7 +338,10 @@ class All:
     (label, ``Paired``) pairs, all with the same test. **held** when every part held, **did not hold** when one
     did not hold, **inconclusive** otherwise; its line gives each part's estimate, interval and outcome."""
 
-    parts: tuple[tuple[str, Paired], ...]
+    parts: tuple[tuple[str, Paired], ...]  # any iterable of them, kept as a tuple
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parts", tuple(self.parts))
 
     def judge(self, records: Sequence[Mapping[str, Any]]) -> Decision | None:
         """The decision on ``records``, or None when a part finds no record of A or of B."""
