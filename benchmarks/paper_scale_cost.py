@@ -14,6 +14,13 @@ its definition (the ``passes`` column says how). From these:
   assumption, given as a range, 10 to 50 TFLOP/s (about 2-10 % of the H100's dense TF32 tensor peak of 495
   TFLOP/s, the range small CNNs at batch 50-128 reach; ``benchmarks/gpu.py`` measures the real one on a GPU).
 
+With ``--device cuda`` the same steps are timed on the GPU instead (wall clock, synchronized; float32 with TF32
+off, as fedweave's ``precision: float32`` computes on CUDA) and written to ``paper-scale-gpu.csv``: GPU ms per
+sample and the GPU hours they give for the same passes (one client's step at a time at the preset's batch size,
+as the ``loop`` backend trains; evaluation, aggregation and data loading left out, so again a lower bound).
+
+    python benchmarks/paper_scale_cost.py --device cuda --out docs/reproductions/paper-scale-gpu.csv --repeats 20
+
 ZO-HFL (softmax regression) and CFL-SAGA (closed-form problems) need no GPU; the pages state their CPU cost.
 """
 
@@ -73,18 +80,27 @@ def _step(parts: tuple[nn.Module, ...], x: torch.Tensor, y: torch.Tensor, opt: t
     opt.step()
 
 
-def measure(name: str, shape: tuple[int, ...], classes: int, batch: int, repeats: int) -> tuple[float, float]:
-    """(CPU seconds, FLOPs) per sample of one training step at ``batch``: the median of ``repeats`` timed
-    steps after one untimed step, and the counted operations of one step."""
-    parts = _model(name, shape, classes)
+def measure(
+    name: str, shape: tuple[int, ...], classes: int, batch: int, repeats: int, device: str = "cpu"
+) -> tuple[float, float]:
+    """(seconds, FLOPs) per sample of one training step at ``batch``: the median of ``repeats`` timed steps
+    after untimed warm-up steps (CPU time on the CPU, synchronized wall time on a GPU), and the counted
+    operations of one step."""
+    parts = tuple(m.to(device) for m in _model(name, shape, classes))
     opt = torch.optim.SGD([p for m in parts for p in m.parameters()], lr=0.01)
-    x, y = torch.randn(batch, *shape), torch.randint(0, classes, (batch,))
-    _step(parts, x, y, opt)
+    x, y = torch.randn(batch, *shape, device=device), torch.randint(0, classes, (batch,), device=device)
+    gpu = device != "cpu"
+    clock = time.perf_counter if gpu else time.process_time
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    for _ in range(3 if gpu else 1):  # the GPU's first steps pick kernels and allocate
+        _step(parts, x, y, opt)
     times = []
     for _ in range(repeats):
-        t0 = time.process_time()
+        sync()
+        t0 = clock()
         _step(parts, x, y, opt)
-        times.append(time.process_time() - t0)
+        sync()
+        times.append(clock() - t0)
     with FlopCounterMode(display=False) as counter:
         _step(parts, x, y, opt)
     return sorted(times)[len(times) // 2] / batch, counter.get_total_flops() / batch
@@ -94,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="docs/reproductions/paper-scale.csv")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: time the steps on the GPU")
     opts = parser.parse_args(argv)
+    if opts.device != "cpu":
+        return _gpu(opts)
     torch.set_num_threads(1)
     rows = []
     for paper, what, model, shape, classes, batch, passes, runs, how in WORKLOADS:
@@ -106,6 +125,27 @@ def main(argv: list[str] | None = None) -> int:
             "mflop_per_sample": round(flops / 1e6, 1), "cpu_core_hours": round(total * sec / 3600),
             "h100_hours_low": round(total * flops / RATES[1] / 3600, 1),
             "h100_hours_high": round(total * flops / RATES[0] / 3600, 1),
+        })  # fmt: skip
+        print(rows[-1], flush=True)
+    write_csv(Path(opts.out), rows)
+    return 0
+
+
+def _gpu(opts: argparse.Namespace) -> int:
+    """The same steps timed on ``opts.device`` in float32 with TF32 off (``precision: float32``)."""
+    from fedweave.execution.placement import full_float32_on_cuda
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"error: --device {opts.device}: no CUDA device here")
+    full_float32_on_cuda()
+    name = torch.cuda.get_device_name()
+    rows = []
+    for paper, what, model, shape, classes, batch, passes, runs, _ in WORKLOADS:
+        sec, _flops = measure(model, shape, classes, batch, opts.repeats, opts.device)
+        rows.append({
+            "paper": paper, "runs": what, "model": model, "batch": batch, "device": name, "precision": "float32",
+            "torch": torch.__version__, "gpu_ms_per_sample": round(1e3 * sec, 4),
+            "gpu_hours": round(passes * runs * sec / 3600, 1),
         })  # fmt: skip
         print(rows[-1], flush=True)
     write_csv(Path(opts.out), rows)
