@@ -93,6 +93,28 @@ def median_of(key: str) -> Stat:
     return lambda rs: if_all([r.get(key) for r in rs], statistics.median)
 
 
+def iqr_of(key: str) -> Stat:
+    """A cell's interquartile range of ``key`` (``q25-q75``, whole numbers) when every one of its 2 or more records
+    has a value, else ""."""
+
+    def stat(rs: list[Any]) -> str:
+        got = [r[key] for r in rs if r[key] is not None]
+        return f"{np.percentile(got, 25):.0f}-{np.percentile(got, 75):.0f}" if len(got) == len(rs) > 1 else ""
+
+    return stat
+
+
+def finite_runs(key: str, by_seed: bool = False, or_all: bool = False) -> Callable[[list[Any]], list[Any]]:
+    """A cell's records whose ``key`` is finite (the runs that did not diverge), in seed order with ``by_seed``;
+    with ``or_all`` all of them when none is (the cell then reads NaN)."""
+
+    def runs(rs: list[Any]) -> list[Any]:
+        ok = [r for r in rs if math.isfinite(r[key])]
+        return sorted(ok, key=lambda r: r["seed"]) if by_seed else ok or rs if or_all else ok
+
+    return runs
+
+
 def diverged(key: str) -> Stat:
     """How many of a cell's records have no finite ``key`` (runs that diverged)."""
     return lambda rs: sum(not math.isfinite(r[key]) for r in rs)

@@ -96,6 +96,7 @@ class Claim:
     # ``(table, ctx)`` that returns the rule: one whose sides are chosen from the table (the best row by mean).
     declared: Rule | Callable[[Any, Any], Rule] | None = field(default=None, kw_only=True)
     records: Callable[[Any, Any], Sequence[Any]] | None = field(default=None, kw_only=True)
+    paper: str = field(default="", kw_only=True)  # the paper's own statement, where a page shows it beside the claim
 
     def __post_init__(self) -> None:
         if self.rule is None and self.declared is None:
@@ -140,6 +141,17 @@ def verdict_table(
         w = getattr(v, "interval", None) or words[h]
         rows.append([c, m, w] if measured_first else [c, w, m])
     return markdown_table(header, rows)
+
+
+def reading(text: str | Callable[[Any, Any], str], read: Callable, records: Callable | None = None, paper: str = ""):
+    """A ``Claim`` from one function of its table and context, ``read(table, ctx) -> (measured, declared rule)``:
+    None, or ``measured`` None, leaves the claim out (the records cannot test it); the rule reads
+    ``records(table, ctx)`` (by default the table); ``paper``: the paper's statement of the claim."""
+
+    def measured(t: Any, ctx: Any) -> tuple[str, None] | None:
+        return None if (got := read(t, ctx)) is None or got[0] is None else (got[0], None)
+
+    return Claim(text, measured, declared=lambda t, ctx: read(t, ctx)[1], records=records, paper=paper)
 
 
 @dataclass
@@ -255,6 +267,17 @@ class Study:
         )
         plan.skipped = [pt for pt in plan.points if pt.slug not in runs]
         return [self.record(pt, runs[pt.slug], plan) for pt in plan.points if pt.slug in runs]
+
+
+def choices(value: str | None, allowed: Sequence[str], flag: str) -> list[str] | None:
+    """An option's comma list (None when not given), each item one of ``allowed``: else a ``ConfigError`` of one
+    line naming the flag, the unknown items and what is allowed."""
+    if value is None:
+        return None
+    items = [s.strip() for s in value.split(",") if s.strip()]
+    if (bad := [s for s in items if s not in allowed]) or not items:
+        raise ConfigError(f"{flag}: unknown {bad or [value]}; allowed {', '.join(allowed)}")
+    return items
 
 
 def not_run(skipped: Sequence[Point]) -> str:

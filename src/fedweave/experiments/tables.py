@@ -141,6 +141,12 @@ def mean_std_cell(
     return cell if not bad else f"{cell} ({bad}/{len(values)} diverged)"
 
 
+def pm_of(key: str, **fmt: Any) -> Callable[[Sequence[Mapping[str, Any]]], str]:
+    """A cell's statistic: ``mean_std_cell`` of ``key`` over its records (a diverged run counted, never dropped);
+    ``fmt``: its ``scale``, ``ddof``, ``sep``, ``nd``."""
+    return lambda rs: mean_std_cell([r[key] for r in rs], **fmt)
+
+
 def bold_best(cells: Sequence[str], values: Sequence[float], best: Callable = max) -> list[str]:
     """``cells`` with the one of the best value (``best``: the largest by default, the first of equal ones)
     in bold."""
@@ -233,3 +239,15 @@ def parse_csv(text: str) -> list[dict[str, Any]]:
     """The rows of CSV text (``csv_text``'s) typed back as ``read_csv`` types a file's: what a reader of the
     written file gets (e.g. floats at the precision ``float_format`` wrote)."""
     return [{k: _typed(v) for k, v in r.items()} for r in csv.DictReader(io.StringIO(text))]
+
+
+def lookup(by: Mapping[Any, Any], value: str | Callable[[Any], Any], missing: Any = None) -> Callable[[Any], Any]:
+    """A ``Col`` value for rows that are keys of ``by``: the key ``value`` of ``by[k]``, or ``value(by[k])``
+    (``missing`` where ``by`` has no ``k``)."""
+    return lambda k: missing if k not in by else by[k][value] if isinstance(value, str) else value(by[k])
+
+
+def pm_cell(row: Mapping[str, Any], key: str) -> str:
+    """A per-cell row's ``<key>_mean ± <key>_std`` and, when some of its ``seeds`` ran diverged, how many."""
+    failed = f" ({row['diverged']}/{row['seeds']} diverged)" if row["diverged"] else ""
+    return pm(row[f"{key}_mean"], row[f"{key}_std"]) + failed

@@ -142,6 +142,16 @@ def _median(*values: float) -> float:
     return statistics.median(values)
 
 
+def complete_pairs(records: Sequence[Mapping[str, Any]], cell: Any, metrics: Sequence[str] = (), pair: str = "seed"):
+    """The records with finite ``metrics`` of the ``pair`` values (seeds) that have such a record in every cell
+    (``cell(record)``) of ``records``: the pairs of a paired rule; none when fewer than 2 seeds do (a paired
+    claim cannot be tested on one)."""
+    ok = [r for r in records if all(math.isfinite(r[k]) for k in metrics)]
+    cells = {cell(r) for r in records}
+    seeds = {s for s in {r[pair] for r in ok} if {cell(r) for r in ok if r[pair] == s} == cells}
+    return [r for r in ok if r[pair] in seeds] if len(seeds) >= 2 else []
+
+
 def _pick(records, where: Mapping[str, Any], metric: str, pair: str, who: str, side: str) -> dict:
     """``metric`` per ``pair`` value of the records ``where`` selects (one record per pairing value)."""
     values: dict[Any, Any] = {}
@@ -326,7 +336,10 @@ class All:
     (label, ``Paired``) pairs, all with the same test. **held** when every part held, **did not hold** when one
     did not hold, **inconclusive** otherwise; its line gives each part's estimate, interval and outcome."""
 
-    parts: tuple[tuple[str, Paired], ...]
+    parts: tuple[tuple[str, Paired], ...]  # any iterable of them, kept as a tuple
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parts", tuple(self.parts))
 
     def judge(self, records: Sequence[Mapping[str, Any]]) -> Decision | None:
         """The decision on ``records``, or None when a part finds no record of A or of B."""

@@ -18,7 +18,6 @@ it rebuilds them from committed records without running anything.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import product
 from operator import itemgetter
@@ -29,8 +28,8 @@ from fedweave.config import ConfigError
 from fedweave.experiments import pages
 from fedweave.experiments.aggregate import group, per_cell, to_target
 from fedweave.experiments.grid import Point
-from fedweave.experiments.study import Plan, Report, Rows, Study, option
-from fedweave.experiments.tables import Col, layout, mean_std_cell, read_csv
+from fedweave.experiments.study import Plan, Report, Rows, Study, choices, option
+from fedweave.experiments.tables import Col, layout, mean_std_cell, pm_of, read_csv
 from fedweave.runner import Result
 
 MIB = 2**20
@@ -92,17 +91,6 @@ PRESETS = {
     ),
     "smoke": Preset({}, 2, {}, {"epochs": 1, "batch_size": 16, "lr": 0.05}, 1, clients=10, per_round=5, seeds=1),
 }
-
-
-def _choice(opts_value: str | None, allowed: list[str], flag: str) -> list[str] | None:
-    """A comma list of an option, each item checked against ``allowed`` (one line naming the unknown ones)."""
-    if opts_value is None:
-        return None
-    items = [s.strip() for s in opts_value.split(",") if s.strip()]
-    bad = [s for s in items if s not in allowed]
-    if bad or not items:
-        raise ConfigError(f"{flag}: unknown {bad or [opts_value]}; allowed {', '.join(allowed)}")
-    return items
 
 
 def jobs(p: Preset, datasets: list[str], methods: list[Method], seeds: list[int], out: Path) -> list[Point]:
@@ -182,11 +170,6 @@ def _published(cell: dict[str, Any]) -> str:
     return f"{pub[0]} ({pub[1]})" if pub else "no matching published setting"
 
 
-def _mean_std(key: str) -> Callable[[list[dict[str, Any]]], str]:
-    """A cell's mean ± std of ``key`` over its seeds (a diverged run counted, never dropped)."""
-    return lambda rs: mean_std_cell([r[key] for r in rs])
-
-
 # the accuracies' columns; a cell (dataset, split, method) is its seeds, their accuracies and the MiB to target
 ACCURACIES = {
     "global_acc": "global acc (%)",
@@ -194,7 +177,7 @@ ACCURACIES = {
     "worst_client_acc": "worst client (%)",
     "spread": "spread (pp)",
 }
-CELL = {"seeds": len, **{key: _mean_std(key) for key in ACCURACIES}, "reach": _reach}
+CELL = {"seeds": len, **{key: pm_of(key) for key in ACCURACIES}, "reach": _reach}
 COLS = [Col("method", "method"), Col("kind", lambda c: "personal" if c["method"] in PERSONAL else "global")]
 COLS += [Col("seeds", "seeds"), *(Col(head, key) for key, head in ACCURACIES.items())]
 
@@ -224,8 +207,8 @@ def plan(opts) -> Plan:
     if opts.scale == "smoke":  # any registered dataset (the tests use a synthetic one)
         datasets = [s.strip() for s in (opts.datasets or "mnist").split(",")]
     else:
-        datasets = _choice(opts.datasets, list(p.models), "--datasets") or list(p.models)
-    methods = [BY_KEY[k] for k in _choice(opts.methods, list(BY_KEY), "--methods") or BY_KEY]
+        datasets = choices(opts.datasets, list(p.models), "--datasets") or list(p.models)
+    methods = [BY_KEY[k] for k in choices(opts.methods, list(BY_KEY), "--methods") or BY_KEY]
     seeds = list(range(opts.seeds if opts.seeds is not None else p.seeds))
     context = {"preset": p, "datasets": datasets, "methods": methods, "seeds": seeds}
     if opts.from_records and not Path(opts.from_records).is_file():

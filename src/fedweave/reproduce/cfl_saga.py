@@ -12,16 +12,27 @@ import json
 import math
 import re
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedweave.experiments.aggregate import group, median_of, per_cell
+from fedweave.experiments.aggregate import group, iqr_of, median_of, per_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Lines, plot_lines
-from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, load_records, option, save_records
+from fedweave.experiments.study import (
+    Claim,
+    Json,
+    Plan,
+    Report,
+    Rows,
+    Study,
+    load_records,
+    option,
+    reading,
+    save_records,
+)
 from fedweave.experiments.tables import markdown_table, read_csv
 from fedweave.experiments.verdicts import All, Paired, Select, Threshold, Untestable, cell, median
 from fedweave.runner import Result
@@ -189,22 +200,12 @@ def alpha_jobs(seed: int) -> list[Point]:
 
 
 # ---- the seeds' medians --------------------------------------------------------------------------------
-def _iqr(key: str):
-    """A cell's interquartile range of ``key`` (``q25-q75``) when every seed has a value and there are 2 or more."""
-
-    def stat(rs: list[dict]) -> str:
-        got = [r[key] for r in rs if r[key] is not None]
-        return f"{np.percentile(got, 25):.0f}-{np.percentile(got, 75):.0f}" if len(got) == len(rs) > 1 else ""
-
-    return stat
-
-
 MEDIANS = ("iterations", PER_IT, "upload_fraction", "ms_per_iteration_wall", CPU, "final_opt_gap", "tail_r2")
 # per (problem, topology, method), medians over the seeds; a target counts only if every seed reached it
 CELL = {"seeds": len, **{k: median_of(k) for k in MEDIANS}}
 for _t in (f"{t:.0e}" for t in TARGETS):
     CELL |= {f"iters_{_t}": median_of(f"iters_{_t}"), f"uploads_{_t}": median_of(f"uploads_{_t}")}
-    CELL[f"uploads_{_t}_iqr"] = _iqr(f"uploads_{_t}")
+    CELL[f"uploads_{_t}_iqr"] = iqr_of(f"uploads_{_t}")
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
@@ -246,13 +247,6 @@ def _fmt(v: Any) -> str:
 # few for a percentile bootstrap). The methods a rule compares are chosen by their medians, which its
 # ``measured`` gives. Minimum effects: 10x for "orders of magnitude", 2.5x for "many more uploads" (both on log10
 # of the uploads to 1e-8), the bounds 20 uploads per iteration and 20 % of users, 0 for orderings.
-@dataclass(frozen=True)
-class PaperClaim(Claim):
-    """A claim of §VIII with the paper's statement of it (the claims table's "paper" column)."""
-
-    paper: str = ""
-
-
 def _pair(metric: str, a: str, b: str | float | Select, direction: str = "greater", min_effect=0.0, unit="") -> Paired:
     """``a`` against ``b`` (a method, a constant bound or a selector) on ``metric``, paired by seed."""
     return Paired(metric, {"method": a}, {"method": b} if isinstance(b, str) else b, direction, min_effect, unit=unit)
@@ -342,7 +336,7 @@ def _c7(method, on):
     return f"{a[CPU]:.2f} vs {ms:.2f} ms CPU per iteration", _pair(CPU, method, ref, "less", unit="ms")
 
 
-def _claim(topo: str, arg: str, text: str, paper: str, key: str, judge_on) -> PaperClaim:
+def _claim(topo: str, arg: str, text: str, paper: str, key: str, judge_on) -> Claim:
     """The claim ``text`` (``{}``: ``arg``) on the synthetic problem's graph ``topo``: ``judge_on(arg, medians)``
     gives what was measured and the declared rule, which reads that graph's per-seed runs with a ``key`` (a
     target missed is no value to pair), each with ``log_up``, log10 of its uploads to 1e-8."""
@@ -351,12 +345,7 @@ def _claim(topo: str, arg: str, text: str, paper: str, key: str, judge_on) -> Pa
         rs = [r for r in _on(topo, raw) if r.get(key) is not None]
         return [{**r, "log_up": math.log10(r[DEEP]) if r.get(DEEP) else None} for r in rs]
 
-    def measured(aggs, _):
-        return (got := judge_on(arg, _on(topo, aggs))) and (got[0], None)
-
-    return PaperClaim(
-        text.format(arg), measured, paper, declared=lambda a, _: judge_on(arg, _on(topo, a))[1], records=runs
-    )
+    return reading(text.format(arg), lambda aggs, _: judge_on(arg, _on(topo, aggs)), runs, paper)
 
 
 PER_GRAPH = (  # the claims judged on every graph: the claim, the paper's statement, the field its runs need
@@ -370,7 +359,7 @@ C6 = ("C6 vs {}, random (Figs. 6-7)", "similar iterations, many more uploads", D
 C7 = ("C7 runtime, {} (Fig. 5)", "GT-SAGA cheaper per iteration than CFL-SAGA", CPU, _c7)
 
 
-def claim_list(aggs: list[dict]) -> list[PaperClaim]:
+def claim_list(aggs: list[dict]) -> list[Claim]:
     """The claims of §VIII (spec §9.2) on the synthetic problem, in the tables' order: per graph run, then
     against the other baselines and, per GT-SAGA sampling rate <= 0.25 run, the runtime."""
     topologies = sorted({a["topology"] for a in _synthetic(aggs)})
@@ -380,8 +369,8 @@ def claim_list(aggs: list[dict]) -> list[PaperClaim]:
     # C1 declares that every CFL-SAGA run reaches the deepest target (the linear rate itself is read from the
     # tail's R^2 on the medians: a description, not a test)
     reach = Threshold("unreached", "==", 0, digits=0, unit="CFL-SAGA runs short of 1e-08")
-    c1 = PaperClaim(
-        "C1 linear convergence (Thm. 1)", _c1, "CFL-SAGA converges linearly", records=_unreached, declared=reach
+    c1 = Claim(
+        "C1 linear convergence (Thm. 1)", _c1, records=_unreached, declared=reach, paper="CFL-SAGA converges linearly"
     )
     return [c1, *(_claim(*spec) for spec in specs)]
 

@@ -12,15 +12,27 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fedweave.experiments.aggregate import diverged, group, mean_of, mean_std, per_cell, per_seed, ranks, std_of
+from fedweave.experiments.aggregate import (
+    diverged,
+    finite_runs,
+    group,
+    mean_of,
+    mean_std,
+    per_cell,
+    per_seed,
+    ranks,
+    std_of,
+)
+from fedweave.experiments.blocks import claim_table, cost_line, gap_table, run_values, same_runs_table, verdict_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Panel, plot_panels, seed_lines
-from fedweave.experiments.study import HELD, Claim, Json, Plan, Report, Rows, Study, Verdict, judge, not_run, option
-from fedweave.experiments.tables import Best, Col, bold_layout, indent, layout, markdown_table, pm, read_csv, signed
-from fedweave.experiments.verdicts import All, Paired, Select, Untestable, cell
+from fedweave.experiments.study import Json, Plan, Report, Rows, Study, Verdict, judge, not_run, option, reading
+from fedweave.experiments.tables import Best, Col, bold_layout, indent, layout, lookup, pm_cell, read_csv
+from fedweave.experiments.verdicts import All, Paired, Select, Untestable, cell, complete_pairs
 from fedweave.runner import Result
 
 # ---- the paper's numbers ------------------------------------------------------------------------------
@@ -56,18 +68,28 @@ METHOD_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
+MAIN = ("fedavg", "fedmim")  # the main claim, spec §9.1
+SECOND = ("fedcm", "scaffold")  # FedMIM's J = 1 special case; the paper's strongest baseline at DIR.1
+CORE = MAIN + SECOND
+REST = ("fedadam", "feddyn", "fedsam")
+DIR_IID = ("dir0.1", "iid")  # a cell and its IID control
+SMALL_LOCAL = {"epochs": 1, "batch_size": 20, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3, "grad_clip": 10.0}
+
+
 @dataclass
 class Preset:
+    """A preset; its defaults are the small preset's (Fashion-MNIST/MNIST, 20k images, 100 clients, T = 50)."""
+
     grid: list[tuple[str, str, tuple[str, ...]]]  # (dataset, split, methods), in priority order
-    seeds: tuple[int, ...]
-    rounds: int
-    num_clients: int
-    clients_per_round: int
-    model: str
-    local: dict[str, Any]
-    dataset_options: dict[str, Any] = field(default_factory=dict)
+    note: str
+    seeds: tuple[int, ...] = (0, 1, 2)
+    rounds: int = 50
+    num_clients: int = 100
+    clients_per_round: int = 10
+    model: str = "cnn_small"
+    local: dict[str, Any] = field(default_factory=lambda: SMALL_LOCAL)
+    dataset_options: dict[str, Any] = field(default_factory=lambda: {"max_train": 20000})
     eval_every: int = 5
-    note: str = ""
     extension: list[tuple[str, str, tuple[str, ...]]] = field(default_factory=list)  # run with --extend
     report_rounds: tuple[int, ...] = ()  # also write OUT/gaps.{csv,md}: accuracy and gaps at these rounds
     # Table II / III / Fig. 2a presets: every grid cell runs once per (label, overrides) variant; overrides
@@ -76,80 +98,49 @@ class Preset:
     table: str = ""  # the variant table this preset writes: "epochs", "ablation" or "participation"
 
 
-MAIN = ("fedavg", "fedmim")  # the main claim, spec §9.1
-SECOND = ("fedcm", "scaffold")  # FedMIM's J = 1 special case; the paper's strongest baseline at DIR.1
-CORE = MAIN + SECOND
-REST = ("fedadam", "feddyn", "fedsam")
-SMALL_LOCAL = {"epochs": 1, "batch_size": 20, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3, "grad_clip": 10.0}
+SMOKE_LOCAL = {"steps": 2, "batch_size": 16, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3}
 PRESETS: dict[str, Preset] = {
     "smoke": Preset(
-        grid=[("mnist", "dir0.1", ("fedavg", "fedmim")), ("mnist", "iid", ("fedavg", "fedmim"))],
-        seeds=(0,),
-        rounds=3,
-        num_clients=10,
-        clients_per_round=3,
-        model="logistic",
-        local={"steps": 2, "batch_size": 16, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3},
-        dataset_options={"max_train": 600, "max_test": 200},
+        [("mnist", "dir0.1", MAIN), ("mnist", "iid", MAIN)],
+        "smoke preset: a few rounds on a tiny slice; checks the pipeline, not the paper",
+        (0,),
+        3,
+        10,
+        3,
+        "logistic",
+        SMOKE_LOCAL,
+        {"max_train": 600, "max_test": 200},
         eval_every=1,
-        note="smoke preset: a few rounds on a tiny slice; checks the pipeline, not the paper",
     ),
     # Spec §9 priority: (1) FedMIM vs FedAvg at Dir-0.1 and the IID control, (2) FedCM (FedMIM's J = 1
     # special case) and SCAFFOLD (the paper's strongest baseline at DIR.1) on Fashion-MNIST, (3) the main
-    # claim again on MNIST: 36 runs, about 12 min on 2 idle cores (measured 40 CPU-s per run).
+    # claim again on MNIST: 36 runs (what they cost is the page's generated cost line, from their records).
     # --extend adds the other baselines on Fashion-MNIST and FedCM/SCAFFOLD on MNIST (30 more runs).
     "small": Preset(
-        grid=[
-            ("fashion_mnist", "dir0.1", MAIN),
-            ("fashion_mnist", "iid", MAIN),
-            ("fashion_mnist", "dir0.1", SECOND),
-            ("fashion_mnist", "iid", SECOND),
-            ("mnist", "dir0.1", MAIN),
-            ("mnist", "iid", MAIN),
-        ],
-        extension=[
-            ("fashion_mnist", "dir0.1", REST),
-            ("fashion_mnist", "iid", REST),
-            ("mnist", "dir0.1", SECOND),
-            ("mnist", "iid", SECOND),
-        ],
-        seeds=(0, 1, 2),
-        rounds=50,
-        num_clients=100,
-        clients_per_round=10,
-        model="cnn_small",
-        local=SMALL_LOCAL,
-        dataset_options={"max_train": 20000},
-        eval_every=5,
-        note="small preset: Fashion-MNIST/MNIST, 20k training images (200 per client), E = 1 epoch of B = 20 "
+        [(d, s, g) for d, gs in (("fashion_mnist", (MAIN, SECOND)), ("mnist", (MAIN,))) for g in gs for s in DIR_IID],
+        "small preset: Fashion-MNIST/MNIST, 20k training images (200 per client), E = 1 epoch of B = 20 "
         "(K = 10), T = 50",
+        extension=[(d, s, g) for d, g in (("fashion_mnist", REST), ("mnist", SECOND)) for s in DIR_IID],
     ),
     # Issue check of the page's explanation "the gain comes from the learning-rate ramp-up": the small
     # preset's Dir-0.1 Fashion-MNIST cell with the four core methods, run ten times longer (T = 500);
     # evaluated every 10 rounds so the gap can be read at rounds 50, 150, 300 and 500.
     "long": Preset(
-        grid=[("fashion_mnist", "dir0.1", CORE)],
-        seeds=(0, 1, 2),
+        [("fashion_mnist", "dir0.1", CORE)],
+        "long preset: the small preset's Dir-0.1 Fashion-MNIST cell (FedMIM, FedAvg, FedCM, SCAFFOLD) at T = 500",
         rounds=500,
-        num_clients=100,
-        clients_per_round=10,
-        model="cnn_small",
-        local=SMALL_LOCAL,
-        dataset_options={"max_train": 20000},
         eval_every=10,
-        note="long preset: the small preset's Dir-0.1 Fashion-MNIST cell (FedMIM, FedAvg, FedCM, SCAFFOLD) at T = 500",
         report_rounds=(50, 150, 300, 500),
     ),
     "paper": Preset(
-        grid=[(d, s, METHODS) for d in ("cifar10", "cifar100") for s in ("iid", "dir0.3", "dir0.1")],
-        seeds=(0,),
-        rounds=1000,
-        num_clients=100,
-        clients_per_round=10,
+        [(d, s, METHODS) for d in ("cifar10", "cifar100") for s in ("iid", "dir0.3", "dir0.1")],
+        "paper preset: Table I settings (spec §9.4); needs the CIFAR files and a fast machine",
+        (0,),
+        1000,
         model="resnet18_gn",
-        local={**SMALL_LOCAL, "epochs": 5, "batch_size": 50, "augment": ["crop", "flip"]},
         eval_every=10,
-        note="paper preset: Table I settings (spec §9.4); needs the CIFAR files and a fast machine",
+        dataset_options={},
+        local={**SMALL_LOCAL, "epochs": 5, "batch_size": 50, "augment": ["crop", "flip"]},
     ),
 }
 
@@ -186,52 +177,44 @@ def ablation_label(alpha: tuple[float, ...], beta: tuple[float, ...]) -> str:
     return f"J={len(alpha)} a={a} b={b}"
 
 
-_SMALL = PRESETS["small"]
 _CELL = ("fashion_mnist", "dir0.1")
-PRESETS.update(
-    {
-        # Table II: E = 1 is the small preset's cell (K = 10 local steps); E = 5 and 10 give K = 50 and 100,
-        # the paper's K at E = 5 and 10 on CIFAR (10 batches of 50 per epoch). --extend adds FedCM, SCAFFOLD.
-        "epochs": dataclasses.replace(
-            _SMALL,
-            grid=[(*_CELL, MAIN)],
-            extension=[(*_CELL, SECOND)],
-            variants=tuple((f"E={e}", {"local": {"epochs": e}}) for e in (1, 5, 10)),
-            table="epochs",
-            note="epochs preset (Table II): the small preset's Dir-0.1 Fashion-MNIST cell at E = 1, 5 and 10 "
-            "local epochs of B = 20 (K = 10, 50, 100), T = 50",
+_E1 = "E = 1 (K = 10), T = 50"
+PRESETS |= {
+    # Table II: E = 1 is the small preset's cell (K = 10 local steps); E = 5 and 10 give K = 50 and 100,
+    # the paper's K at E = 5 and 10 on CIFAR (10 batches of 50 per epoch). --extend adds FedCM, SCAFFOLD.
+    "epochs": Preset(
+        [(*_CELL, MAIN)],
+        "epochs preset (Table II): the small preset's Dir-0.1 Fashion-MNIST cell at E = 1, 5 and 10 local epochs "
+        "of B = 20 (K = 10, 50, 100), T = 50",
+        extension=[(*_CELL, SECOND)],
+        variants=tuple((f"E={e}", {"local": {"epochs": e}}) for e in (1, 5, 10)),
+        table="epochs",
+    ),
+    # Table III: every row is FedMIM with that (alpha, beta); J = 0 is FedAvg, J = 1 with beta = 0 FedCM
+    "ablation": Preset(
+        [(*_CELL, ("fedmim",))],
+        f"ablation preset (Table III): FedMIM's alpha/beta/J rows on the small preset's Dir-0.1 Fashion-MNIST "
+        f"cell, {_E1}",
+        variants=tuple(
+            (ablation_label(a, b), {"options": {"alpha": list(a), "beta": list(b)}}) for a, b, _ in TABLE_III
         ),
-        # Table III: every row is FedMIM with that (alpha, beta); J = 0 is FedAvg, J = 1 with beta = 0 FedCM
-        "ablation": dataclasses.replace(
-            _SMALL,
-            grid=[(*_CELL, ("fedmim",))],
-            extension=[],
-            variants=tuple(
-                (ablation_label(a, b), {"options": {"alpha": list(a), "beta": list(b)}}) for a, b, _ in TABLE_III
-            ),
-            table="ablation",
-            note="ablation preset (Table III): FedMIM's alpha/beta/J rows on the small preset's Dir-0.1 "
-            "Fashion-MNIST cell, E = 1 (K = 10), T = 50",
-        ),
-        # Fig. 2a: 5 % and 20 % of the 100 clients per round (the small preset's 10 % is its Table I cell);
-        # the methods its claims name, FedSAM with --extend
-        "participation": dataclasses.replace(
-            _SMALL,
-            grid=[(*_CELL, ("fedavg", "fedadam", "scaffold", "fedcm", "feddyn", "fedmim"))],
-            extension=[(*_CELL, ("fedsam",))],
-            variants=(("5%", {"clients_per_round": 5}), ("20%", {"clients_per_round": 20})),
-            table="participation",
-            note="participation preset (Fig. 2a): the small preset's Dir-0.1 Fashion-MNIST cell with 5 % and "
-            "20 % of the clients per round, E = 1 (K = 10), T = 50",
-        ),
-    }
-)
+        table="ablation",
+    ),
+    # Fig. 2a: 5 % and 20 % of the 100 clients per round (the small preset's 10 % is its Table I cell);
+    # the methods its claims name, FedSAM with --extend
+    "participation": Preset(
+        [(*_CELL, ("fedavg", "fedadam", "scaffold", "fedcm", "feddyn", "fedmim"))],
+        f"participation preset (Fig. 2a): the small preset's Dir-0.1 Fashion-MNIST cell with 5 % and 20 % of the "
+        f"clients per round, {_E1}",
+        extension=[(*_CELL, ("fedsam",))],
+        variants=(("5%", {"clients_per_round": 5}), ("20%", {"clients_per_round": 20})),
+        table="participation",
+    ),
+}
 
 
 # ---- the grid ----------------------------------------------------------------------------------------
-def run_config(
-    p: Preset, dataset: str, split: str, method: str, seed: int, run_dir: Path, variant: str = ""
-) -> dict[str, Any]:
+def run_config(p: Preset, dataset: str, split: str, method: str, seed: int, run_dir: Path, variant: str = "") -> dict:
     over = dict(p.variants).get(variant, {}) if variant else {}
     options = over["options"] if "options" in over and method == "fedmim" else METHOD_OPTIONS[method]
     # weighting: P-line 16, spec A22
@@ -258,14 +241,7 @@ def run_config(
     }
 
 
-def plan(
-    p: Preset,
-    out: Path,
-    seeds: tuple[int, ...],
-    datasets: list[str] | None,
-    methods: list[str] | None,
-    extend: bool = False,
-) -> list[Point]:
+def plan(p: Preset, out: Path, seeds: tuple, datasets: list | None, methods: list | None, extend=False) -> list[Point]:
     """The runs of a preset in priority order (grid entry, then seed, then method), each in
     ``OUT/runs/<dataset>-<split>-<method>-s<seed>``; in a variant preset seed, then grid entry, variant and
     method (a time budget leaves whole seeds), each in ``OUT/runs/<dataset>-<split>-<method>-<variant>-s<seed>``."""
@@ -319,14 +295,8 @@ RESULT_KEYS += ["consistency_last20", "status", "rounds_done", "wall_seconds", "
 
 
 # ---- the per-cell summaries: Table I's (table.csv) and a variant preset's (NAME.csv) ------------------------
-def _finished(rs: list[dict]) -> list[dict]:
-    """A cell's runs that did not diverge (all of them when none finished: the cell then reads NaN)."""
-    return [r for r in rs if math.isfinite(r["final_acc"])] or rs
-
-
-def _ok(rs: list[dict]) -> list[dict]:
-    """A cell's runs that did not diverge, in seed order."""
-    return sorted((r for r in rs if math.isfinite(r["final_acc"])), key=lambda r: r["seed"])
+_finished = finite_runs("final_acc", or_all=True)  # a cell's runs that did not diverge (all: the cell reads NaN)
+_ok = finite_runs("final_acc", by_seed=True)  # the same in seed order, without the fallback
 
 
 def _auc(rs: list[dict]) -> float:
@@ -383,29 +353,15 @@ def variant_summary(records: list[dict], p: Preset) -> list[dict]:
 
 # ---- the claims: each verdict by its declared rule, 95 % paired t over the seeds (3 to 5 of them: too few for a
 # percentile bootstrap); ``measured`` says what the seed means show ---------------------------------------------
-def _reading(text: str, reading: Callable, records: Callable | None = None) -> Claim:
-    """A claim from one function of its table and context, ``reading(table, ctx) -> (measured, declared rule)``
-    (measured None: the records cannot test it, the claim is left out); the rule reads ``records(table, ctx)``,
-    by default a variant preset's paired runs. In a variant preset's ``text`` ``{lo}`` and ``{hi}`` are its first
-    and last variant, ``{labels[i]}`` any."""
+def _reading(text: str, read: Callable, records: Callable | None = None):
+    """``reading``: a claim from ``read(table, ctx) -> (measured, declared rule)``; on a variant preset's ``Cells``
+    (whose paired runs its rule reads by default) ``{lo}`` and ``{hi}`` in ``text`` are its first and last
+    variant, ``{labels[i]}`` any."""
 
     def claim(t: Any, _) -> str:
         return text.format(lo=t.labels[0], hi=t.labels[-1], labels=t.labels) if isinstance(t, Cells) else text
 
-    def measured(t: Any, ctx: Any) -> tuple[str, None] | None:
-        return None if (m := reading(t, ctx)[0]) is None else (m, None)
-
-    records = records or (lambda c, _: c.records)
-    return Claim(claim, measured, declared=lambda t, ctx: reading(t, ctx)[1], records=records)
-
-
-def _paired(records: list[dict], cell: Callable[[dict], Any], metrics=("final_acc",)) -> list[dict]:
-    """The finished runs (finite ``metrics``) of the seeds that finished every cell (``cell(record)``) of
-    ``records``, the pairs of a paired rule; none when fewer than 2 seeds did (one cannot test a paired claim)."""
-    ok = [r for r in records if all(math.isfinite(r[k]) for k in metrics)]
-    cells = {cell(r) for r in records}
-    seeds = {s for s in {r["seed"] for r in ok} if {cell(r) for r in ok if r["seed"] == s} == cells}
-    return [r for r in ok if r["seed"] in seeds] if len(seeds) >= 2 else []
+    return reading(claim, read, records or (lambda c, _: c.records))
 
 
 def _of(*splits: str) -> Callable[[list[dict], str], list[dict]]:
@@ -415,7 +371,7 @@ def _of(*splits: str) -> Callable[[list[dict], str], list[dict]]:
     def records(rs: list[dict], dataset: str) -> list[dict]:
         main = [r for r in rs if r["dataset"] == dataset and r["split"] in splits and r["method"] in MAIN]
         logs = [{**r, "log_cons": math.log(c) if (c := r["consistency_last20"]) > 0 else math.nan} for r in main]
-        return _paired(logs, lambda r: (r["split"], r["method"]), ("final_acc", "log_cons"))
+        return complete_pairs(logs, lambda r: (r["split"], r["method"]), ("final_acc", "log_cons"))
 
     return records
 
@@ -528,7 +484,9 @@ def variant_verdicts(rows: list[dict], p: Preset, records: list[dict]) -> list[V
     if "fedmim" not in methods or not all((v, m) in acc for v in labels for m in methods):
         return [Verdict("every cell of the preset ran", "not every cell ran (see the table)", None)]
     auc = {(r["variant"], r["method"]): r["mean_acc_over_rounds"] for r in rows}
-    cells = Cells(acc, auc, labels, methods, _paired(records, lambda r: (r["variant"], r["method"])))
+    cells = Cells(
+        acc, auc, labels, methods, complete_pairs(records, lambda r: (r["variant"], r["method"]), ("final_acc",))
+    )
     return judge(VARIANT_CLAIMS[p.table], cells) if cells.records else [Verdict("the paper's readings", NO_PAIRS, None)]
 
 
@@ -544,15 +502,11 @@ def _changed(a: str, b: str, direction: str = "greater") -> Paired:
     return Paired("change", {"method": a}, {"method": b}, direction)
 
 
-def _all(parts) -> All:
-    return All(tuple(parts))
-
-
 def _e_best(c: Cells, _) -> tuple:
     best = {v: max(c.methods, key=lambda m: c.acc[(v, m)]) for v in c.labels}
     where = [f"{v}: FedMIM {c.acc[(v, 'fedmim')]:.2f}, best {LABELS[b]} {c.acc[(v, b)]:.2f}" for v, b in best.items()]
     others = [m for m in c.methods if m != "fedmim"]
-    return "; ".join(where), _all((f"{v} vs {LABELS[m]}", _gt(v, v, "fedmim", m)) for v in c.labels for m in others)
+    return "; ".join(where), All((f"{v} vs {LABELS[m]}", _gt(v, v, "fedmim", m)) for v in c.labels for m in others)
 
 
 def _e_falls(c: Cells, _) -> tuple:
@@ -564,7 +518,7 @@ def _e_falls(c: Cells, _) -> tuple:
             f"{LABELS[m]} " + " / ".join(f"{c.acc[(v, m)]:.2f}" for v in c.labels) + ("" if falls else " (not falling)")
         )
 
-    rule = _all((f"{LABELS[m]} {a} > {b}", _gt(a, b, m)) for m in c.methods for a, b in steps)
+    rule = All((f"{LABELS[m]} {a} > {b}", _gt(a, b, m)) for m in c.methods for a, b in steps)
     return "; ".join(map(trend, c.methods)), rule
 
 
@@ -572,9 +526,7 @@ def _e_falls(c: Cells, _) -> tuple:
 def _a_inertial(c: Cells, _) -> tuple:
     a, lb = c.fedmim(), c.labels
     rest = [a[v] for v in lb[1:]]
-    return f"J = 0: {a[lb[0]]:.2f}; J >= 1: {min(rest):.2f} to {max(rest):.2f}", _all(
-        (v, _gt(v, lb[0])) for v in lb[1:]
-    )
+    return f"J = 0: {a[lb[0]]:.2f}; J >= 1: {min(rest):.2f} to {max(rest):.2f}", All((v, _gt(v, lb[0])) for v in lb[1:])
 
 
 def _a_j2(c: Cells, _) -> tuple:
@@ -586,14 +538,14 @@ def _a_j2(c: Cells, _) -> tuple:
 def _a_top(c: Cells, _) -> tuple:
     a, paper = c.fedmim(), c.labels[6]
     top = max(c.labels, key=a.get)
-    return f"{a[paper]:.2f}; best row {top} {a[top]:.2f}", _all(
+    return f"{a[paper]:.2f}; best row {top} {a[top]:.2f}", All(
         (f"vs {v}", _gt(paper, v)) for v in c.labels if v != paper
     )
 
 
 def _a_beta(c: Cells, _) -> tuple:
     a, lb = c.fedmim(), c.labels
-    rule = _all((f"b={x.split('b=')[1]} > b={y.split('b=')[1]}", _gt(x, y)) for x, y in zip(lb[6:8], lb[7:9]))
+    rule = All((f"b={x.split('b=')[1]} > b={y.split('b=')[1]}", _gt(x, y)) for x, y in zip(lb[6:8], lb[7:9]))
     return " / ".join(f"{a[v]:.2f}" for v in lb[6:9]), rule
 
 
@@ -614,7 +566,7 @@ def _p_fedavg_slowest(c: Cells, _) -> tuple:
 
 def _p_sensitive(c: Cells, _) -> tuple:
     named = [m for m in ("fedadam", "fedcm", "feddyn") if m in c.methods]
-    return _changes(c, [*named, "fedmim"]), _all((f"{LABELS[m]} vs FedMIM", _changed(m, "fedmim")) for m in named)
+    return _changes(c, [*named, "fedmim"]), All((f"{LABELS[m]} vs FedMIM", _changed(m, "fedmim")) for m in named)
 
 
 def _p_scaffold(c: Cells, _) -> tuple:
@@ -629,7 +581,7 @@ def _p_scaffold(c: Cells, _) -> tuple:
 
 
 def _p_stable(c: Cells, _) -> tuple:
-    rule = _all((f"vs {LABELS[m]}", _changed("fedmim", m, "less")) for m in c.methods if m != "fedmim")
+    rule = All((f"vs {LABELS[m]}", _changed("fedmim", m, "less")) for m in c.methods if m != "fedmim")
     return _changes(c, sorted(c.methods, key=c.change)), rule
 
 
@@ -670,17 +622,6 @@ VARIANT_CLAIMS = {
 
 
 # ---- the tables: one layout each, for a preset's report and the page's generated sections ---------------------
-def verdict_cell(v: Verdict) -> str:
-    """A verdict's cell: its declared rule's line (estimate, interval, test, n, outcome), else its word."""
-    return v.interval or HELD[v.held]
-
-
-def claim_table(judged: list[tuple[str, Verdict]]) -> str:
-    """The claims' table: per (records file, verdict), the claim, the file, the verdict and what was measured."""
-    rows = [[v.claim, f"`{src}`", verdict_cell(v), v.measured] for src, v in judged]
-    return markdown_table(["claim", "source", "verdict", "measured"], rows)
-
-
 # Table III's rows that are another method's configuration: J = 0 is FedAvg, the default row FedMIM's default
 ABLATION_AS = {"J=0 a=- b=-": "fedavg", "J=2 a=0.6,0.3 b=0.9,0.1": "fedmim"}
 
@@ -691,58 +632,32 @@ def _same_cell(folder: Path) -> dict[str, dict[tuple[str, int], float]]:
     (``long/gaps.csv``), Table II's E = 1 column and Table III's J = 0 and default rows."""
     small = read_csv(folder / "results.csv")
     return {
-        "`small`": {(r["method"], r["seed"]): r["final_acc"] for r in small if (r["dataset"], r["split"]) == _CELL},
-        "`long`, round 50": {
-            (r["method"], r["seed"]): r["accuracy"] for r in read_csv(folder / "long" / "gaps.csv") if r["round"] == 50
-        },
-        "`epochs`, E = 1": {
-            (r["method"], r["seed"]): r["final_acc"]
-            for r in read_csv(folder / "epochs" / "results.csv")
-            if r["variant"] == "E=1"
-        },
-        "`ablation`, J = 0 and default rows": {
-            (ABLATION_AS[r["variant"]], r["seed"]): r["final_acc"]
-            for r in read_csv(folder / "ablation" / "results.csv")
-            if r["variant"] in ABLATION_AS
-        },
+        "`small`": run_values(small, "final_acc", lambda r: (r["dataset"], r["split"]) == _CELL),
+        "`long`, round 50": run_values(read_csv(folder / "long" / "gaps.csv"), "accuracy", lambda r: r["round"] == 50),
+        "`epochs`, E = 1": run_values(
+            read_csv(folder / "epochs/results.csv"), "final_acc", lambda r: r["variant"] == "E=1"
+        ),
+        "`ablation`, J = 0 and default rows": run_values(
+            read_csv(folder / "ablation/results.csv"),
+            "final_acc",
+            lambda r: r["variant"] in ABLATION_AS,
+            lambda r: ABLATION_AS[r["variant"]],
+        ),
     }
 
 
 def _same_cell_table(folder: Path) -> str:
-    """For every two presets of ``_same_cell``: the methods they share, how many of their common (method, seed)
-    runs give the same accuracy and the largest difference."""
-    runs = _same_cell(folder)
-    names, body = list(runs), []
-    for i, a in enumerate(names):
-        for b in names[i + 1 :]:
-            common = sorted(set(runs[a]) & set(runs[b]), key=lambda k: (CORE_ROWS.index(k[0]), k[1]))
-            if not common:
-                continue
-            diffs = [abs(runs[a][k] - runs[b][k]) for k in common]
-            methods = ", ".join(LABELS[m] for m in dict.fromkeys(m for m, _ in common))
-            body.append([a, b, methods, f"{sum(d == 0 for d in diffs)} of {len(diffs)}", f"{max(diffs):.2f}"])
-    return markdown_table(["runs", "against", "methods", "runs equal", "largest difference (points)"], body)
+    """For every two presets of ``_same_cell``: the methods of their common runs, how many give the same
+    accuracy and the largest difference (``same_runs_table``)."""
+    return same_runs_table(_same_cell(folder), lambda k: (CORE_ROWS.index(k[0]), k[1]), LABELS.get)
 
 
 def _cost(folder: Path, name: str) -> str:
-    """What a preset's committed runs cost (``NAME/results.csv``: their number and summed ``cpu_seconds``, one
-    torch thread each), per variant where the variants change the work per run (Table II's E, Fig. 2a's
-    ratio); the wall time of a shared machine is not a cost, so it is left out."""
-    rows = read_csv(folder / name / "results.csv")
-    cpu = [r["cpu_seconds"] for r in rows]
-    groups = {"": cpu}
-    if name in ("epochs", "participation"):
-        groups = {
-            v: [r["cpu_seconds"] for r in rows if r["variant"] == v] for v in dict.fromkeys(r["variant"] for r in rows)
-        }
-    spans = ", ".join(
-        f"{min(c):.0f}–{max(c):.0f} s" + (f" at {v.replace('=', ' = ').replace('%', ' %')}" if v else " each")
-        for v, c in groups.items()
-    )
-    return (
-        f"Cost: {len(rows)} runs, {sum(cpu):,.0f} CPU-seconds in total ({spans}; `cpu_seconds` of\n"
-        f"`{name}/results.csv`, one torch thread per run).\n"
-    )
+    """What a preset's committed runs cost (``cost_line``), per variant where the variants change the work per
+    run (Table II's E, Fig. 2a's ratio)."""
+    by = "variant" if name in ("epochs", "participation") else None
+    label = lambda v: v.replace("=", " = ").replace("%", " %")  # noqa: E731
+    return cost_line(read_csv(folder / name / "results.csv"), f"{name}/results.csv", by, label)
 
 
 def _fedadam_settings() -> str:
@@ -760,16 +675,8 @@ def _fedadam_settings() -> str:
     return indent(text)
 
 
-def _acc(row: dict) -> str:
-    """A row's final accuracy, mean ± std over its seeds (and how many diverged)."""
-    failed = f" ({row['diverged']}/{row['seeds']} diverged)" if row["diverged"] else ""
-    return pm(row["final_acc_mean"], row["final_acc_std"]) + failed
-
-
-def _from(by: dict, value: str | Callable, missing: Any = None) -> Callable:
-    """A column's value at row ``k`` from the record ``by[k]``: a key of it or a function of it (``missing``
-    where the row has none)."""
-    return lambda k: missing if k not in by else by[k][value] if isinstance(value, str) else value(by[k])
+ACC = "test accuracy (%)"
+_acc = partial(pm_cell, key="final_acc")  # a row's final accuracy, mean ± std over seeds
 
 
 SPLIT_NAMES = {"iid": ("IID", "IID"), "dir0.3": ("Dir-0.3", "DIR.3"), "dir0.1": ("Dir-0.1", "DIR.1")}  # ours, paper's
@@ -786,30 +693,18 @@ def table_i(rows: list[dict], dataset: str, methods=METHODS, paper: bool = True)
     for split, (name, c10) in SPLIT_NAMES.items():
         if not (by := {r["method"]: r for r in ran if r["split"] == split}):
             continue
-        acc = Best(f"{name}: ours" if paper else name, _from(by, _acc), key=_from(by, "final_acc_mean", -math.inf))
-        cons = Col("cons.", _from(by, "consistency_last20"), "#.3g")
+        acc = Best(f"{name}: ours" if paper else name, lookup(by, _acc), key=lookup(by, "final_acc_mean", -math.inf))
+        cons = Col("cons.", lookup(by, "consistency_last20"), "#.3g")
         if not paper:
             cols += [acc, cons]
             continue
         ours, theirs = (ranks({m: by[m][k] for m in keys if m in by}) for k in ("final_acc_mean", "paper_cifar10"))
-        cols += [acc, Col("rank", ours.get), cons, Col(f"paper C10 {c10}", _from(by, "paper_cifar10"), ".2f")]
+        cols += [acc, Col("rank", ours.get), cons, Col(f"paper C10 {c10}", lookup(by, "paper_cifar10"), ".2f")]
         cols.append(Col("paper rank", theirs.get))
     return bold_layout(cols, keys)
 
 
-def rounds_table(rows: list[dict], methods) -> str:
-    """Per round of ``rows`` (``gaps.csv``), each method's accuracy (mean ± std over the seeds that reached it)
-    and FedMIM minus each other method, the mean and per seed."""
-    acc = {(r["method"], r["round"], r["seed"]): r["accuracy"] for r in sorted(rows, key=lambda r: r["seed"])}
-    others, body = [m for m in methods if m != "fedmim"], []
-    for t in sorted({r["round"] for r in rows}):
-        a = {m: {s: x for (n, u, s), x in acc.items() if (n, u) == (m, t)} for m in methods}
-        cells = [pm(*mean_std([*a[m].values()])) if a[m] else "–" for m in methods]
-        for m in others:
-            g = [a["fedmim"][s] - x for s, x in a[m].items() if s in a["fedmim"]]
-            cells.append(f"{signed(sum(g) / len(g))} ({', '.join(map(signed, g))})" if g else "–")
-        body.append([t, *cells])
-    return markdown_table(["round", *map(LABELS.get, methods), *(f"FedMIM − {LABELS[m]}" for m in others)], body)
+rounds_table = partial(gap_table, ref="fedmim", label=LABELS.get)  # the long preset's gaps per round
 
 
 ABLATION_ROWS = (  # Table III's rows in TABLE_III's order
@@ -840,8 +735,8 @@ def _per_variant(rows: list[dict]) -> dict[str, dict[str, dict]]:
 def _epochs(rows: list[dict]) -> str:
     """Table II: per method, ours at each E and the paper's three numbers."""
     per = _per_variant(rows)
-    cols = [Col("method", LABELS.get), *(Col(v.replace("=", " = "), _from(by, _acc)) for v, by in per.items())]
-    paper = [_from(by, lambda r: f"{r['paper_c10']:.2f}", "–") for by in per.values()]
+    cols = [Col("method", LABELS.get), *(Col(v.replace("=", " = "), lookup(by, _acc)) for v, by in per.items())]
+    paper = [lookup(by, lambda r: f"{r['paper_c10']:.2f}", "–") for by in per.values()]
     cols.append(
         Col("paper C10 E = " + " / ".join(v.split("=")[1] for v in per), lambda m: " / ".join(f(m) for f in paper))
     )
@@ -853,8 +748,8 @@ def _participation(rows: list[dict]) -> str:
     the change of the final accuracy between the first and the last ratio."""
     per, cols = _per_variant(rows), [Col("method", LABELS.get)]
     for v, by in per.items():
-        cols += [Best(v.replace("%", " %"), _from(by, _acc), key=_from(by, "final_acc_mean", -math.inf))]
-        cols += [Col("mean over rounds", _from(by, "mean_acc_over_rounds"), ".2f")]
+        cols += [Best(v.replace("%", " %"), lookup(by, _acc), key=lookup(by, "final_acc_mean", -math.inf))]
+        cols += [Col("mean over rounds", lookup(by, "mean_acc_over_rounds"), ".2f")]
     (lo, a), (hi, b) = list(per.items())[0], list(per.items())[-1]
 
     def change(m: str) -> float | None:
@@ -956,9 +851,6 @@ def gaps(out: Path, p: Preset, seeds: tuple[int, ...]) -> list[dict]:
             ordered += [(k, x) for k, x in at.items() if k[0] == "fedmim"]
             rows += [dict(zip(GAP_KEYS, (dataset, split, m, s, t, x, mim[s] - x))) for (m, s), x in ordered]
     return rows
-
-
-ACC = "test accuracy (%)"
 
 
 def _width(method: str) -> dict[str, float]:
