@@ -12,6 +12,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from itertools import product
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ import numpy as np
 
 from fedweave.accounting.split import GIB, PAPER_TABLE_V, SplitSizes, round_bytes, storage_params
 from fedweave.config import RunConfig
-from fedweave.experiments.aggregate import group, if_all, mean_std, to_target
+from fedweave.experiments.aggregate import group, if_all, mean_std, seed_gaps, to_target
+from fedweave.experiments.blocks import verdict_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.pages import paragraph
 from fedweave.experiments.plots import plot_curves
@@ -272,11 +274,13 @@ CLAIMS = [
 ]
 
 
+CLAIM_COLS = [Col("claim", attrgetter("claim")), Col("verdict (declared rule)", verdict_cell)]
+
+
 def claims_table(table: list[dict[str, Any]], p: Preset) -> str:
     """The claims (spec §9.3) on Table V and its per-seed records (``p.records``), each with its declared rule's
     verdict and interval: ``table.md``'s and the page's claim table."""
-    rows = [[v.claim, v.interval] for v in judge(CLAIMS, table, p)]
-    return markdown_table(["claim", "verdict (declared rule)"], rows)
+    return layout(CLAIM_COLS, judge(CLAIMS, table, p))
 
 
 def markdown(table, p: Preset, scale: str, seeds: list[int], wall: float) -> str:
@@ -511,40 +515,30 @@ def digits_bytes_section() -> str:
     )
 
 
-def _records(folder: Path, f: str) -> dict[tuple[str, int], float]:
-    md = (folder / f).read_text(encoding="utf-8")
-    return {(r["method"], r["seed"]): r["accuracy"] for r in seed_records(md)}
-
-
 def h1_vs_an_section(folder: Path) -> str:
     """Fig. 9a's CSE-FSL h = 1 against FSL_AN at their equal load on IID Fashion-MNIST: the seed means and the
     per-seed gaps of the committed table."""
     table = _by(read_csv(folder / "table-fashion_mnist.csv"))
-    acc = _records(folder, "table-fashion_mnist.md")
-    seeds = sorted({s for _, s in acc})
-    gaps = [acc["cse_fsl h=1", s] - acc["fsl_an", s] for s in seeds]
+    per = group(seed_records((folder / "table-fashion_mnist.md").read_text(encoding="utf-8")), itemgetter("method"))
+    gaps = seed_gaps(per["fsl_an"], per["cse_fsl h=1"], "accuracy")
     return paragraph(
         f"CSE-FSL h = 1 against FSL_AN at their equal load: {table['cse_fsl h=1']['accuracy']:.2f} vs "
         f"{table['fsl_an']['accuracy']:.2f} % in the seed means, higher on {sum(g > 0 for g in gaps)} of the "
-        f"{len(seeds)} seeds (per-seed gaps {signed(min(gaps))} to {signed(max(gaps))} pp)."
+        f"{len(gaps)} seeds (per-seed gaps {signed(min(gaps))} to {signed(max(gaps))} pp)."
     )
 
 
 def gaps_section(folder: Path) -> str:
     """Each method's seed-mean gap to FSL_MC on IID and non-IID Fashion-MNIST beside the paper's CIFAR-10 ones
     (Table V): what the non-IID verdict compares."""
-    iid, non = (_by(read_csv(folder / f)) for f in ("table-fashion_mnist.csv", "table-fashion_mnist-noniid.csv"))
-    paper = PAPER_TABLE_V["cifar10"]
-
-    def gap(by: dict[str, dict[str, Any]], key: str) -> str:
-        return signed(by[key]["accuracy"] - by["fsl_mc"]["accuracy"]) if key in by else "—"
-
-    def paper_gap(key: str, col: int) -> str:
-        return signed(paper[key][col] - paper["fsl_mc"][col]) if key in paper else "—"
-
-    head = ["method", "IID (pp)", "non-IID (pp)", "paper CIFAR-10 IID (pp)", "paper CIFAR-10 non-IID (pp)"]
-    rows = [[_label(k), gap(iid, k), gap(non, k), paper_gap(k, 0), paper_gap(k, 1)] for k in non if k != "fsl_mc"]
-    return markdown_table(head, rows)
+    ours = {x: _by(read_csv(folder / f"table-fashion_mnist{f}.csv")) for x, f in (("IID", ""), ("non-IID", "-noniid"))}
+    acc = {f"{x} (pp)": {k: t["accuracy"] for k, t in by.items()} for x, by in ours.items()}
+    acc |= {
+        f"paper CIFAR-10 {x} (pp)": {k: v[i] for k, v in PAPER_TABLE_V["cifar10"].items()} for i, x in enumerate(ours)
+    }
+    gap = lambda a: lambda k: signed(a[k] - a["fsl_mc"]) if k in a else "—"  # noqa: E731
+    methods = [k for k in ours["non-IID"] if k != "fsl_mc"]
+    return layout([Col("method", _label), *(Col(h, gap(a)) for h, a in acc.items())], methods)
 
 
 def wall_section(folder: Path, f: str) -> str:
