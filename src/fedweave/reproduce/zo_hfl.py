@@ -12,6 +12,7 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass
+from functools import partial
 from itertools import product
 from operator import itemgetter
 from pathlib import Path
@@ -709,6 +710,8 @@ def sections(folder: Path) -> dict[str, str]:
 
 COST_HEADER = ["invocation", "runs", "wall (2 workers)", "CPU time (workers, start-up and data loading included)"]
 COST_HEADER += ["load average at the end (1, 5, 15 min)"]
+COST_ROWS = ("Table I core rows (FedAvg, FedProx, SCAFFOLD, ZO-HFL, server-only)", "the sensitivity rows of spec §9.2")
+COST_ROWS += ("the extra rows (ZO-HFL at other lambdas, FedAvg with the server's share, server-only long)",)
 
 
 def cost_section(folder: Path) -> str:
@@ -723,15 +726,12 @@ def cost_section(folder: Path) -> str:
     tune_runs = len(read_csv(folder / "tune.csv")) * 6  # one run per (lambda, mu) and setting, 1 seed
     body = [["`--tune`", tune_runs, *(f"{c} s" for c in cost), load]]
     body += [["`--scale small` (the last invocation)", meta["runs"], *invocation]]
-    groups = {
-        "Table I core rows (FedAvg, FedProx, SCAFFOLD, ZO-HFL, server-only)": lambda m: m in METHODS,
-        "the sensitivity rows of spec §9.2": lambda m: m in SENSITIVITY,
-        "the extra rows (ZO-HFL at other lambdas, FedAvg with the server's share, server-only long)": lambda m: (
-            m not in METHODS and m not in SENSITIVITY
-        ),
-    }
     rows, runs, total = read_csv(folder / "table.csv"), meta["runs"], round(sum(meta["run_cpu_seconds"].values()))
-    cpu = {g: sum(r["cpu_seconds_mean"] * r["seeds"] for r in rows if f(r["method"])) for g, f in groups.items()}
+    part = lambda m: 0 if m in METHODS else 1 if m in SENSITIVITY else 2  # noqa: E731
+    cpu = {
+        g: sum(r["cpu_seconds_mean"] * r["seeds"] for r in rows if part(r["method"]) == i)
+        for i, g in enumerate(COST_ROWS)
+    }
     split = "; ".join(f"{g} {v:.0f} s" for g, v in cpu.items())
     return (
         markdown_table(COST_HEADER, body)
@@ -767,17 +767,16 @@ def tune_section(path: Path) -> str:
     best = max(rows, key=lambda r: r["mean"])
     base = next(r for r in rows if r["lam"] == 0)
 
-    def shown(r: dict | None) -> str:
+    def shown(lam: float, mu: float) -> str:  # the server-only control (mu unused) in the first mu's column
+        r = cell.get((lam, "-" if lam == 0 and mu == mus[0] else mu))
         return "" if r is None else f"**{r['mean']:.2f}**" if r is best else f"{r['mean']:.2f}"
 
-    body = []
-    for lam in sorted({r["lam"] for r in rows}):
-        name = f"**{lam:g}**" if lam == best["lam"] else f"{lam:g}"
-        if lam == 0:
-            body.append([f"{name} (server-only)", shown(base)] + [""] * (len(mus) - 1))
-        else:
-            body.append([name] + [shown(cell.get((lam, mu))) for mu in mus])
-    table = markdown_table(["lambda"] + [f"mu = {float(mu):g}" for mu in mus], body)
+    name = lambda lam: f"**{lam:g}**" if lam == best["lam"] else f"{lam:g}"  # noqa: E731
+    cols = [
+        Col("lambda", lambda lam: name(lam) + " (server-only)" * (lam == 0)),
+        *(Col(f"mu = {float(mu):g}", partial(shown, mu=mu)) for mu in mus),
+    ]
+    table = layout(cols, sorted({r["lam"] for r in rows}))
     small = [r for r in rows if 0 < r["lam"] <= best["lam"]]
     mu_effect = max(
         max(r["mean"] for r in small if r["lam"] == lam) - min(r["mean"] for r in small if r["lam"] == lam)
