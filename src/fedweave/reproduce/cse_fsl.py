@@ -24,7 +24,7 @@ from fedweave.config import RunConfig
 from fedweave.experiments.aggregate import group, if_all, mean_std, seed_gaps, to_target
 from fedweave.experiments.blocks import verdict_cell
 from fedweave.experiments.grid import Point
-from fedweave.experiments.pages import paragraph
+from fedweave.experiments.pages import paragraph, stated
 from fedweave.experiments.plots import plot_curves
 from fedweave.experiments.study import Claim, Plan, Report, Rows, Study, judge, option
 from fedweave.experiments.tables import Col, layout, markdown_table, read_csv, signed
@@ -548,7 +548,7 @@ def gaps_section(folder: Path) -> str:
 def wall_section(folder: Path, f: str) -> str:
     """The wall time the committed table file states: that of the invocation that wrote it (runs it reused
     from an earlier invocation count nothing)."""
-    wall = int(re.search(r"wall (\d+) s\.", (folder / f).read_text(encoding="utf-8"))[1])
+    wall = int(stated(folder / f, r"wall (\d+) s\.")[0])
     return paragraph(f"Wall time of the invocation that wrote `cse-fsl/{f}`: {wall:,} s ({wall / 60:.0f} min).")
 
 

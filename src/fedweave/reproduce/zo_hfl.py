@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass
 from functools import partial
 from itertools import product
@@ -26,7 +25,7 @@ from fedweave.experiments.blocks import verdict_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import cache_datasets as _cache_datasets
 from fedweave.experiments.jobs import load_average
-from fedweave.experiments.pages import paragraph
+from fedweave.experiments.pages import paragraph, stated
 from fedweave.experiments.plots import Panel, plot_panels, seed_lines
 from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, Verdict, judge, option
 from fedweave.experiments.tables import Col, Grid, csv_text, layout, markdown_table, parse_csv, pm, read_csv
@@ -710,6 +709,7 @@ def sections(folder: Path) -> dict[str, str]:
 
 COST_HEADER = ["invocation", "runs", "wall (2 workers)", "CPU time (workers, start-up and data loading included)"]
 COST_HEADER += ["load average at the end (1, 5, 15 min)"]
+TUNE_COST = r"Wall time (\d+) s.*?CPU time [^;]*?(\d+) s; load average at the end ([\d. ]+)\."
 COST_ROWS = ("Table I core rows (FedAvg, FedProx, SCAFFOLD, ZO-HFL, server-only)", "the sensitivity rows of spec §9.2")
 COST_ROWS += ("the extra rows (ZO-HFL at other lambdas, FedAvg with the server's share, server-only long)",)
 
@@ -718,13 +718,11 @@ def cost_section(folder: Path) -> str:
     """The cost of the two committed invocations (``tune.md``; the small preset's, ``claims.json``'s meta) and the
     split of the small preset's run CPU time (``table.csv``: mean CPU seconds per run times its seeds, per group
     of rows; the tau sweep is the rest of the runs' total)."""
-    tune = (folder / "tune.md").read_text(encoding="utf-8")
     meta = json.loads((folder / "claims.json").read_text(encoding="utf-8"))["meta"]
     invocation = [f"{meta['wall_seconds']:.0f} s", f"{meta['cpu_seconds']:.0f} s", meta["load_at_end"]]
-    cost = [re.search(pattern, tune)[1] for pattern in (r"Wall time (\d+) s", r"CPU time [^;]*?(\d+) s;")]
-    load = re.search(r"load average at the end ([\d. ]+)\.", tune)[1]
+    wall, cpu, load = stated(folder / "tune.md", TUNE_COST)  # its last line (``tune_md``)
     tune_runs = len(read_csv(folder / "tune.csv")) * 6  # one run per (lambda, mu) and setting, 1 seed
-    body = [["`--tune`", tune_runs, *(f"{c} s" for c in cost), load]]
+    body = [["`--tune`", tune_runs, f"{wall} s", f"{cpu} s", load]]
     body += [["`--scale small` (the last invocation)", meta["runs"], *invocation]]
     rows, runs, total = read_csv(folder / "table.csv"), meta["runs"], round(sum(meta["run_cpu_seconds"].values()))
     part = lambda m: 0 if m in METHODS else 1 if m in SENSITIVITY else 2  # noqa: E731
@@ -813,15 +811,14 @@ def adult_best_section(path: Path) -> str:
     )
 
 
-def _run_cpu(md: str) -> tuple[int, int]:
-    """(runs, the sum of their own CPU seconds) as the last line of a committed ``table.md`` states them."""
-    runs, total = re.search(r"sum of the (\d+) runs' own CPU times (\d+) s", md).groups()
-    return int(runs), int(total)
+def _run_cpu(folder: Path) -> tuple[int, ...]:
+    """(runs, the sum of their own CPU seconds) of the `long` preset, as the last line of ``long/table.md`` states."""
+    return tuple(map(int, stated(folder / "long" / "table.md", r"sum of the (\d+) runs' own CPU times (\d+) s")))
 
 
 def long_cost_section(folder: Path) -> str:
     """The `long` preset's CPU, as the last line of ``long/table.md`` states it."""
-    runs, total = _run_cpu((folder / "long" / "table.md").read_text(encoding="utf-8"))
+    runs, total = _run_cpu(folder)
     return paragraph(
         f"The {runs} runs' own CPU times sum to {total:,} s ({total / 60:.0f} CPU-minutes, the last line of "
         f"`zo-hfl/long/table.md`), so the preset needs about {total / 2 / 60:.0f} minutes of two idle cores."
@@ -841,7 +838,7 @@ def paper_scale_section(folder: Path) -> str:
     """The paper scale's CPU estimate from the measured `long` preset (``long/table.md``): its CPU per run, and
     each run the paper preset plans scaled by its rounds as R^1.5 (H = tau sqrt(r+1) local steps per round), by
     its tau and by its data set's dimension, against the `long` preset's."""
-    runs, total = _run_cpu((folder / "long" / "table.md").read_text(encoding="utf-8"))
+    runs, total = _run_cpu(folder)
     base = planned("long")[0]
     r0, tau0, d0 = base["rounds"], base["algorithm"]["tau"], DIMENSIONS[base["dataset"]["name"]]
     p = PRESETS["paper"]
