@@ -142,11 +142,11 @@ PRESETS = {
     # lambda = 10: the spec's untuned scaled-run value; 30: its lambda sensitivity row (§9.2)
     "small": Preset(
         ["mnist", "fashion_mnist"],
-        40,
-        5,
-        32,
-        2,
-        Sweep(("fashion_mnist",), TAUS, 20, 3),
+        rounds=40,
+        tau=5,
+        batch_size=32,
+        eval_every=2,
+        sweep=Sweep(("fashion_mnist",), TAUS, 20, 3),
         extra_lams=(10.0, 30.0),
         table_eval_every=4,
         long_server_only=500,
