@@ -110,3 +110,12 @@ def prose_numbers(page: str) -> list[tuple[int, str]]:
         line = REFERENCE.sub(" ", re.sub(r"\]\([^)]*\)", "]", line))
         out += [(i, token) for token in NUMBER.findall(line)]
     return out
+
+
+def stated(path: str | Path, pattern: str) -> tuple[str, ...]:
+    """The groups of the first match of ``pattern`` in the committed file at ``path``: values its report states
+    (a wall time, a count of runs) that a page's prose reads; a ConfigError naming the file and the pattern when it
+    states none (a report written by other code, or edited by hand)."""
+    if (m := re.search(pattern, Path(path).read_text(encoding="utf-8"))) is None:
+        raise ConfigError(f"{path} states nothing that matches '{pattern}'")
+    return m.groups()

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import product
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +21,10 @@ import numpy as np
 
 from fedweave.accounting.split import GIB, PAPER_TABLE_V, SplitSizes, round_bytes, storage_params
 from fedweave.config import RunConfig
-from fedweave.experiments.aggregate import group, if_all, mean_std, to_target
+from fedweave.experiments.aggregate import group, if_all, mean_std, seed_gaps, to_target
+from fedweave.experiments.blocks import verdict_cell
 from fedweave.experiments.grid import Point
-from fedweave.experiments.pages import paragraph
+from fedweave.experiments.pages import paragraph, stated
 from fedweave.experiments.plots import plot_curves
 from fedweave.experiments.study import Claim, Plan, Report, Rows, Study, judge, option
 from fedweave.experiments.tables import Col, layout, markdown_table, read_csv, signed
@@ -194,6 +197,26 @@ def below(method: str, pp: float) -> Select:
     return cell(method=method) - pp
 
 
+def _mismatches(table) -> int:
+    """C1's value: how many methods' measured load is not its closed form."""
+    return sum(not r["load_exact"] for r in table)
+
+
+def _storage_ratio(table) -> float:
+    """C5's value: CSE-FSL's server-side storage over FSL_AN's."""
+    return _cse(table)[0]["storage_m"] / _by(table)["fsl_an"]["storage_m"]
+
+
+def _c2_rule(table, p) -> All:
+    """Each CSE-FSL row of small h at most 3 pp below FSL_AN, paired by seed."""
+    return All((f"{x['method']} vs FSL_AN - 3 pp", _acc(x["method"], below("fsl_an", 3.0))) for x in _mid(table))
+
+
+def _c6_rule(table, p) -> Paired:
+    """The ordered server against the randomly ordered one at the random run's h, within 1.5 pp."""
+    return _acc(f"cse_fsl h={p.random_h}", f"cse_fsl h={p.random_h} random", "within", 1.5)
+
+
 def _c7_rule(table, p):
     """C7 needs the problem it claims to fix: FSL_OC more than 1 pp below the better of FSL_MC / FSL_AN in the
     means (the paper: 73.74 vs 80.55 on CIFAR); otherwise untestable."""
@@ -203,80 +226,65 @@ def _c7_rule(table, p):
     return All((("h=1 vs FSL_OC - 1 pp", _acc("cse_fsl h=1", below("fsl_oc", 1.0))),))
 
 
+def _c8_rule(table, p) -> Paired:
+    """Non-IID: CSE-FSL at the random run's h more than ``NONIID_GAP`` below FSL_MC, paired by seed."""
+    return _acc(f"cse_fsl h={p.random_h}", "fsl_mc", "less", NONIID_GAP)
+
+
 def _c9_rule(table, p) -> All:
     """Table V's non-IID order, best first: each method above the next, paired by seed."""
     ms = ["fsl_mc", "fsl_an", "fsl_oc", f"cse_fsl h={p.random_h}"]
     short = ["MC", "AN", "OC", "CSE"]
-    return All(tuple((f"{a} > {b}", _acc(x, y)) for a, b, x, y in zip(short, short[1:], ms, ms[1:])))
+    return All((f"{a} > {b}", _acc(x, y)) for a, b, x, y in zip(short, short[1:], ms, ms[1:]))
 
 
-def seeded(text, declared, noniid: bool = False) -> Claim:
+def _text(text: str) -> Callable[[Any, Preset], str]:
+    """A claim's text naming its preset's randomly ordered h (``{h}``), target (``{target}``, %) and the
+    non-IID gap (``{gap}``)."""
+    return lambda t, p: text.format(h=p.random_h, target=100 * p.target, gap=NONIID_GAP)
+
+
+def seeded(text: str, declared, noniid: bool = False) -> Claim:
     """A claim whose declared rule reads the per-seed final accuracies (``Preset.records``; untestable with fewer
     than 2 seeds); a ``noniid`` claim reads none on an IID preset, so it is left out there."""
     records = lambda t, p: p.records if p.noniid or not noniid else []  # noqa: E731
     rule = lambda t, p: NO_PAIRS if len({r["seed"] for r in records(t, p)}) == 1 else declared(t, p)  # noqa: E731
-    return Claim(text, None, declared=rule, records=records)
+    return Claim(_text(text), None, declared=rule, records=records)
 
 
-def _one(text, rule: Threshold, value) -> Claim:
-    """A deterministic claim: ``rule`` on the one value ``value(table)``."""
-    return Claim(text, None, declared=rule, records=lambda t, p: [{rule.metric: value(t)}])
+def _one(text: str, rule: Threshold | Untestable, value: Callable | None = None) -> Claim:
+    """A claim on the table itself: ``rule`` on the one value ``value(table)`` (a deterministic one)."""
+    return Claim(_text(text), None, declared=rule, records=value and (lambda t, p: [{rule.metric: value(t)}]))
 
 
-NO_SEEDS = "the load to reach the target has no per-seed record (the table: its seed mean)"
+NO_SEEDS = Untestable("the load to reach the target has no per-seed record (the table: its seed mean)")
 NO_PAIRS = Untestable("fewer than 2 seeds, no paired test")
+EXACT = Threshold("mismatches", "==", 0, digits=0, unit="methods off the closed form")
+SHARED = Threshold("ratio", "<", 0.4, unit="× FSL_AN's storage")
+C8 = "C8 non-IID: CSE-FSL h={h} more than {gap:g} pp below FSL_MC (paper, h=5: 42.33 vs 61.17 %)"
 # Each claim's one verdict is its declared rule's (``Claim.declared``) on the per-seed final accuracies
 # (``records``: a table's ``seeds``, see ``seed_records``) or, for the deterministic C1 and C5, a threshold on
 # the table. Minimum effects: the spec's 3 pp of "similar accuracy" (C2, one-sided: a CSE row above FSL_AN is
 # no failure), 1.5 pp of Fig. 6's order invariance (C6), the 1 pp of C7, NONIID_GAP (C8), 0 for C9's order.
 CLAIMS = [
-    _one(
-        "C1 measured bytes equal the closed forms (every method, every round)",
-        Threshold("mismatches", "==", 0, digits=0, unit="methods off the closed form"),
-        lambda t: sum(not r["load_exact"] for r in t),
-    ),
-    seeded(
-        "C2 CSE-FSL with small h within 3 pp of FSL_AN at equal rounds",
-        lambda t, p: All(
-            tuple((f"{x['method']} vs FSL_AN - 3 pp", _acc(x["method"], below("fsl_an", 3.0))) for x in _mid(t))
-        ),
-    ),
-    Claim(
-        lambda t, p: f"C3 less load to reach {100 * p.target:.0f} % test accuracy: CSE (h>1) < FSL_AN < FSL_MC",
-        None,
-        declared=Untestable(NO_SEEDS),
-    ),
-    _one(
-        "C5 CSE-FSL keeps one server-side model; storage < 0.4× FSL_AN",
-        Threshold("ratio", "<", 0.4, unit="× FSL_AN's storage"),
-        lambda t: _cse(t)[0]["storage_m"] / _by(t)["fsl_an"]["storage_m"],
-    ),
-    seeded(
-        "C6 ordered vs randomly ordered server within 1.5 pp (Fig. 6)",
-        lambda t, p: _acc(f"cse_fsl h={p.random_h}", f"cse_fsl h={p.random_h} random", "within", 1.5),
-    ),
+    _one("C1 measured bytes equal the closed forms (every method, every round)", EXACT, _mismatches),
+    seeded("C2 CSE-FSL with small h within 3 pp of FSL_AN at equal rounds", _c2_rule),
+    _one("C3 less load to reach {target:.0f} % test accuracy: CSE (h>1) < FSL_AN < FSL_MC", NO_SEEDS),
+    _one("C5 CSE-FSL keeps one server-side model; storage < 0.4× FSL_AN", SHARED, _storage_ratio),
+    seeded("C6 ordered vs randomly ordered server within 1.5 pp (Fig. 6)", _c6_rule),
     seeded("C7 CSE-FSL h=1 >= FSL_OC (+clip) - 1 pp (testable only if FSL_OC is > 1 pp below FSL_MC/AN)", _c7_rule),
-    seeded(
-        lambda t, p: (
-            f"C8 non-IID: CSE-FSL h={p.random_h} more than {NONIID_GAP:g} pp below FSL_MC "
-            "(paper, h=5: 42.33 vs 61.17 %)"
-        ),
-        lambda t, p: _acc(f"cse_fsl h={p.random_h}", "fsl_mc", "less", NONIID_GAP),
-        noniid=True,
-    ),
-    seeded(
-        lambda t, p: f"C9 non-IID ordering of Table V: FSL_MC > FSL_AN > FSL_OC > CSE-FSL h={p.random_h}",
-        _c9_rule,
-        noniid=True,
-    ),
+    seeded(C8, _c8_rule, noniid=True),
+    seeded("C9 non-IID ordering of Table V: FSL_MC > FSL_AN > FSL_OC > CSE-FSL h={h}", _c9_rule, noniid=True),
 ]
+
+
+CLAIM_COLS = [Col("claim", attrgetter("claim")), Col("verdict (declared rule)", verdict_cell)]
 
 
 def claims_table(table: list[dict[str, Any]], p: Preset) -> str:
     """The claims (spec §9.3) on Table V and its per-seed records (``p.records``), each with its declared rule's
     verdict and interval: ``table.md``'s and the page's claim table."""
-    rows = [[v.claim, v.interval] for v in judge(CLAIMS, table, p)]
-    return markdown_table(["claim", "verdict (declared rule)"], rows)
+    return layout(CLAIM_COLS, judge(CLAIMS, table, p))
 
 
 def markdown(table, p: Preset, scale: str, seeds: list[int], wall: float) -> str:
@@ -511,46 +519,36 @@ def digits_bytes_section() -> str:
     )
 
 
-def _records(folder: Path, f: str) -> dict[tuple[str, int], float]:
-    md = (folder / f).read_text(encoding="utf-8")
-    return {(r["method"], r["seed"]): r["accuracy"] for r in seed_records(md)}
-
-
 def h1_vs_an_section(folder: Path) -> str:
     """Fig. 9a's CSE-FSL h = 1 against FSL_AN at their equal load on IID Fashion-MNIST: the seed means and the
     per-seed gaps of the committed table."""
     table = _by(read_csv(folder / "table-fashion_mnist.csv"))
-    acc = _records(folder, "table-fashion_mnist.md")
-    seeds = sorted({s for _, s in acc})
-    gaps = [acc["cse_fsl h=1", s] - acc["fsl_an", s] for s in seeds]
+    per = group(seed_records((folder / "table-fashion_mnist.md").read_text(encoding="utf-8")), itemgetter("method"))
+    gaps = seed_gaps(per["fsl_an"], per["cse_fsl h=1"], "accuracy")
     return paragraph(
         f"CSE-FSL h = 1 against FSL_AN at their equal load: {table['cse_fsl h=1']['accuracy']:.2f} vs "
         f"{table['fsl_an']['accuracy']:.2f} % in the seed means, higher on {sum(g > 0 for g in gaps)} of the "
-        f"{len(seeds)} seeds (per-seed gaps {signed(min(gaps))} to {signed(max(gaps))} pp)."
+        f"{len(gaps)} seeds (per-seed gaps {signed(min(gaps))} to {signed(max(gaps))} pp)."
     )
 
 
 def gaps_section(folder: Path) -> str:
     """Each method's seed-mean gap to FSL_MC on IID and non-IID Fashion-MNIST beside the paper's CIFAR-10 ones
     (Table V): what the non-IID verdict compares."""
-    iid, non = (_by(read_csv(folder / f)) for f in ("table-fashion_mnist.csv", "table-fashion_mnist-noniid.csv"))
-    paper = PAPER_TABLE_V["cifar10"]
-
-    def gap(by: dict[str, dict[str, Any]], key: str) -> str:
-        return signed(by[key]["accuracy"] - by["fsl_mc"]["accuracy"]) if key in by else "—"
-
-    def paper_gap(key: str, col: int) -> str:
-        return signed(paper[key][col] - paper["fsl_mc"][col]) if key in paper else "—"
-
-    head = ["method", "IID (pp)", "non-IID (pp)", "paper CIFAR-10 IID (pp)", "paper CIFAR-10 non-IID (pp)"]
-    rows = [[_label(k), gap(iid, k), gap(non, k), paper_gap(k, 0), paper_gap(k, 1)] for k in non if k != "fsl_mc"]
-    return markdown_table(head, rows)
+    ours = {x: _by(read_csv(folder / f"table-fashion_mnist{f}.csv")) for x, f in (("IID", ""), ("non-IID", "-noniid"))}
+    acc = {f"{x} (pp)": {k: t["accuracy"] for k, t in by.items()} for x, by in ours.items()}
+    acc |= {
+        f"paper CIFAR-10 {x} (pp)": {k: v[i] for k, v in PAPER_TABLE_V["cifar10"].items()} for i, x in enumerate(ours)
+    }
+    gap = lambda a: lambda k: signed(a[k] - a["fsl_mc"]) if k in a else "—"  # noqa: E731
+    methods = [k for k in ours["non-IID"] if k != "fsl_mc"]
+    return layout([Col("method", _label), *(Col(h, gap(a)) for h, a in acc.items())], methods)
 
 
 def wall_section(folder: Path, f: str) -> str:
     """The wall time the committed table file states: that of the invocation that wrote it (runs it reused
     from an earlier invocation count nothing)."""
-    wall = int(re.search(r"wall (\d+) s\.", (folder / f).read_text(encoding="utf-8"))[1])
+    wall = int(stated(folder / f, r"wall (\d+) s\.")[0])
     return paragraph(f"Wall time of the invocation that wrote `cse-fsl/{f}`: {wall:,} s ({wall / 60:.0f} min).")
 
 

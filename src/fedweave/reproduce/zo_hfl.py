@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from itertools import product
 from operator import itemgetter
 from pathlib import Path
@@ -21,10 +21,11 @@ from typing import Any
 import numpy as np
 
 from fedweave.experiments.aggregate import group, mean_of, per_cell, std_of
+from fedweave.experiments.blocks import verdict_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import cache_datasets as _cache_datasets
 from fedweave.experiments.jobs import load_average
-from fedweave.experiments.pages import paragraph
+from fedweave.experiments.pages import paragraph, stated
 from fedweave.experiments.plots import Panel, plot_panels, seed_lines
 from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, Verdict, judge, option
 from fedweave.experiments.tables import Col, Grid, csv_text, layout, markdown_table, parse_csv, pm, read_csv
@@ -79,8 +80,8 @@ class Sweep:
 
 @dataclass
 class Preset:
-    """What a scale runs: ``Preset(datasets, rounds, tau, batch_size, eval_every, sweep, ...)``, Table I's runs and
-    the tau sweep (Fig. 2)."""
+    """What a scale runs: Table I's runs (``datasets``, ``rounds``, ``tau``, ``batch_size``, ``eval_every``), the
+    tau sweep (Fig. 2) and the rows the scale adds."""
 
     datasets: list[str]
     rounds: int  # Table I runs
@@ -93,27 +94,26 @@ class Preset:
     lam: float = 1.0
     mu: float = 0.01
     min_size: int = 10
-    extra_lams: list[float] = field(default_factory=list)  # lambda sensitivity: extra ZO-HFL rows
+    extra_lams: tuple[float, ...] = ()  # lambda sensitivity: extra ZO-HFL rows
     long_server_only: int | None = None  # also run the (cheap) server-only control for this many rounds
     server_as_client: bool = False  # also run FedAvg with the server's share as an extra client (A12 control)
     server_lr: float = 0.01  # gamma_0 (paper §IV)
     table_eval_every: int = 0  # evaluation interval of the Table I runs (0: eval_every)
-    sensitivity: list[str] = field(default_factory=list)  # extra rows: "<baseline>_const", "<baseline>_2h", ...
+    sensitivity: tuple[str, ...] = ()  # extra rows: "<baseline>_const", "<baseline>_2h", ...
     sensitivity_seeds: int = 3
     power: bool = False  # its report and page show what the paired test could find (power_table)
     # ``--tune``: the grid of spec A1, scored by validation accuracy (10% of the training set held out)
-    tune_lams: list[float] = field(default_factory=lambda: [0.0, 0.1, 1.0, 10.0, 100.0])
-    tune_mus: list[float] = field(default_factory=lambda: [0.01, 0.1, 1.0])
-    tune_server_lrs: list[float] = field(default_factory=lambda: [0.01])
+    tune_lams: tuple[float, ...] = (0.0, 0.1, 1.0, 10.0, 100.0)
+    tune_mus: tuple[float, ...] = (0.01, 0.1, 1.0)
+    tune_server_lrs: tuple[float, ...] = (0.01,)
 
     def __post_init__(self) -> None:
         self.server_batch_size = self.server_batch_size or self.batch_size
 
     @property
     def methods(self) -> list[str]:
-        extra = [f"zo_hfl_lam{lam:g}" for lam in self.extra_lams]
-        extra += ["fedavg_server"] if self.server_as_client else []
-        return METHODS + extra + (["server_only_long"] if self.long_server_only else []) + self.sensitivity
+        extra = [f"zo_hfl_lam{lam:g}" for lam in self.extra_lams] + ["fedavg_server"] * self.server_as_client
+        return METHODS + extra + ["server_only_long"] * bool(self.long_server_only) + list(self.sensitivity)
 
     @property
     def sweep_taus(self) -> tuple[float, ...]:
@@ -134,7 +134,8 @@ def label(m: str) -> str:
     return LABELS.get(m) or f"ZO-HFL (lambda={m.removeprefix('zo_hfl_lam')})"
 
 
-SENSITIVITY = [f"{m}_{v}" for v in VARIANTS for m in BASELINES] + ["zo_hfl_nocrn", "zo_hfl_fast", "server_only_fast"]
+SENSITIVITY = (*(f"{m}_{v}" for v in VARIANTS for m in BASELINES), "zo_hfl_nocrn", "zo_hfl_fast", "server_only_fast")
+TAUS = (5, 20, 50)  # the sweep's taus
 PRESETS = {
     # lambda = 10, mu = 0.1: the spec's untuned values (A1)
     "smoke": Preset(["digits"], 2, 1, 16, 1, Sweep(("digits",), (1, 2), 2, 1), lam=10.0, mu=0.1, min_size=5),
@@ -145,9 +146,9 @@ PRESETS = {
         tau=5,
         batch_size=32,
         eval_every=2,
+        sweep=Sweep(("fashion_mnist",), TAUS, 20, 3),
+        extra_lams=(10.0, 30.0),
         table_eval_every=4,
-        sweep=Sweep(("fashion_mnist",), (5, 20, 50), 20, 3),
-        extra_lams=[10.0, 30.0],
         long_server_only=500,
         server_as_client=True,
         sensitivity=SENSITIVITY,
@@ -158,19 +159,17 @@ PRESETS = {
     # lambda, mu and gamma_0 chosen by --tune on a validation split (docs/reproductions/zo-hfl/adult/tune.md):
     # at the paper's gamma_0 = 0.01 no setting leaves the majority class (76.55 %) in 100 rounds.
     "adult": Preset(
-        ["adult"], 100, 5, 32, 2, table_eval_every=4, server_lr=1.0, tune_server_lrs=[0.01, 0.1, 1.0], power=True
+        ["adult"], 100, 5, 32, 2, table_eval_every=4, server_lr=1.0, tune_server_lrs=(0.01, 0.1, 1.0), power=True
     ),
-    # Table I with the paper's tau = 20 and batch 64 on MNIST / Fashion-MNIST, over the longest horizon that
-    # fits the CPU this machine could give it (measured: 30 rounds of this grid cost about 6 CPU-minutes,
-    # growing as R^1.5 with H = tau sqrt(r+1) local steps; 100 rounds, about 36 CPU-minutes, was chosen on a
-    # machine shared at load 8-13). lambda and mu are the small preset's validation-tuned values, fixed
-    # before these runs; the lambda = 10 row is the spec's untuned value, for comparison.
-    "long": Preset(["mnist", "fashion_mnist"], 100, 20, 64, 5, extra_lams=[10.0]),
+    # Table I with the paper's tau = 20 and batch 64 on MNIST / Fashion-MNIST, over the longest horizon the CPU
+    # allowed (its cost: the page's generated `long-cost` section). lambda and mu are the small preset's
+    # validation-tuned values, fixed before these runs; the lambda = 10 row is the spec's untuned value.
+    "long": Preset(["mnist", "fashion_mnist"], 100, 20, 64, 5, extra_lams=(10.0,)),
     # `--scale paper --tune` repeats the search of lambda and mu at this scale (the same grid on a validation
     # split), but costs about twice the table itself (117 ZO-HFL runs of 500 rounds), so the preset does not
     # depend on it.
     "paper": Preset(
-        ["mnist", "fashion_mnist", "cifar10"], 500, 20, 64, 5, Sweep(("fashion_mnist", "cifar10"), (5, 20, 50), 500, 3)
+        ["mnist", "fashion_mnist", "cifar10"], 500, 20, 64, 5, Sweep(("fashion_mnist", "cifar10"), TAUS, 500, 3)
     ),
 }
 RAW = ("mnist", "fashion_mnist", "cifar10")  # the image datasets, read without normalization (pixels in [0, 1])
@@ -354,8 +353,7 @@ C1_RULE = All(
 
 def _c2_rule(records) -> All:
     """Against the baseline with the best mean final accuracy at (1000, 90%)."""
-    means = {m: np.mean(_accs(records, m, HOMO)) for m in BASELINES}
-    best = max(means, key=means.get)
+    best = max(BASELINES, key=lambda m: np.mean(_accs(records, m, HOMO)))
     rule = _acc(at("zo_hfl", HOMO), at(best, HOMO) - C2_MARGIN)
     return All(((f"ZO-HFL - ({label(best)} - {C2_MARGIN:g}) at (1000, 90%)", rule),))
 
@@ -371,7 +369,7 @@ def _c3_rule(key: str, moderate: bool):
     def rule(records):
         taus = sorted({r["tau"] for r in records if r["part"] == "sweep"})
         if moderate:
-            return All(tuple(step(s, a, b) for s in (HOMO, MID) for a, b in zip(taus, taus[1:])))
+            return All(step(s, a, b) for s in (HOMO, MID) for a, b in zip(taus, taus[1:]))
         return All((step(EXTREME, taus[-1], taus[0]),))
 
     return rule
@@ -380,10 +378,9 @@ def _c3_rule(key: str, moderate: bool):
 def _c4_rule(records) -> All:
     """Within one std in every setting: the bound is the larger of the two methods' seed std (population) in
     that setting."""
-    std = lambda m, s: float(np.std(_accs(records, m, s)))  # noqa: E731
-    bound = {s: max(std("zo_hfl", s), std("server_only", s), 0.01) for s in SETTINGS}
-    rules = {s: _acc(at("zo_hfl", s), at("server_only", s), "within", bound[s]) for s in SETTINGS}
-    return All(tuple((f"{SETTING_NAMES[s]} within ±{bound[s]:.2f}", rule) for s, rule in rules.items()))
+    bound = {s: max(*(float(np.std(_accs(records, m, s))) for m in ("zo_hfl", "server_only")), 0.01) for s in SETTINGS}
+    rule = lambda s: _acc(at("zo_hfl", s), at("server_only", s), "within", bound[s])  # noqa: E731
+    return All((f"{SETTING_NAMES[s]} within ±{bound[s]:.2f}", rule(s)) for s in SETTINGS)
 
 
 def claim(text: str, rule, part: str = "table") -> Claim:
@@ -398,23 +395,21 @@ def claim(text: str, rule, part: str = "table") -> Claim:
     return Claim(lambda records, name: text.format(name=name), None, declared=declared)
 
 
-C1 = (
-    "C1 {name}: robust under extreme heterogeneity (at (0.1, 10%) at least FedAvg's and FedProx's accuracy, "
-    "and at most half of FedAvg's drop from (1000, 90%))"
-)
-C2 = "C2 {name}: competitive when homogeneous (within 5 points of the best baseline at (1000, 90%))"
 C3 = "C3 {name}: a larger tau lowers the final {what} at (1000, 90%) and (1, 50%)"
 C3_EXTREME = "C3 {name}: no monotone gain from a larger tau at (0.1, 10%) ({what})"
-C4 = "C4 {name}: ZO-HFL within one std of the server-only control (lambda = 0) in every setting"
 CLAIMS = [
-    claim(C1, lambda records: C1_RULE),
-    claim(C2, _c2_rule),
+    claim(
+        "C1 {name}: robust under extreme heterogeneity (at (0.1, 10%) at least FedAvg's and FedProx's accuracy, "
+        "and at most half of FedAvg's drop from (1000, 90%))",
+        lambda records: C1_RULE,
+    ),
+    claim("C2 {name}: competitive when homogeneous (within 5 points of the best baseline at (1000, 90%))", _c2_rule),
     *(
         claim(text.replace("{what}", key.replace("_", " ")), _c3_rule(key, moderate), "sweep")
         for key in ("test_loss", "global_loss")
         for text, moderate in ((C3, True), (C3_EXTREME, False))
     ),
-    claim(C4, _c4_rule),
+    claim("C4 {name}: ZO-HFL within one std of the server-only control (lambda = 0) in every setting", _c4_rule),
 ]
 
 
@@ -424,13 +419,10 @@ def verdicts(records: list[dict[str, Any]]) -> list[Verdict]:
     return [v for ds, rs in by.items() for v in judge(CLAIMS, rs, DATASET_LABELS.get(ds, ds))]
 
 
-def claim_rows(got: list[Verdict], source: str) -> list[list[str]]:
-    """The claim table's rows (claim, the records file the rules read, the rule's verdict with its interval)."""
-    return [[v.claim, source, v.interval] for v in got]
-
-
 # ---- the tables: a preset's report and the page's sections, one renderer --------------------------------
-CLAIM_HEADER = ["claim", "source", "verdict (declared rule)"]
+# the claims' table: per (records file, verdict), the claim, the file and its declared rule's verdict
+CLAIM_COLS = [Col("claim", lambda sv: sv[1].claim), Col("source", lambda sv: f"`{sv[0]}`")]
+CLAIM_COLS += [Col("verdict (declared rule)", lambda sv: verdict_cell(sv[1]))]
 
 
 def table1_label(m: str, p: Preset) -> str:
@@ -553,7 +545,7 @@ def preset_report(p: Preset, records: list[dict], table: list[dict], losses: dic
     """A preset's report files: ``table.csv`` (``table``, Table I's cells), ``table.md`` and ``claims.json`` (the
     claims' verdicts by their declared rules on the per-seed ``records``, Fig. 2's final losses, the meta)."""
     got = verdicts(records)
-    claim_table = markdown_table(CLAIM_HEADER, claim_rows(got, "`results.csv`"))
+    claim_table = layout(CLAIM_COLS, [("results.csv", v) for v in got])
     md = table_md(p, preset_sections(p, records, table, losses), claim_table, meta)
     claims = [{"claim": v.claim, "verdict": v.outcome, "rule": v.interval} for v in got]
     files = {"table.csv": Rows(table), "table.md": md}
@@ -707,39 +699,37 @@ def sections(folder: Path) -> dict[str, str]:
     """docs/reproductions/zo-hfl.md's generated sections from the committed files in ``folder``: each preset's
     tables (``preset_sections``, named under its folder), one claim table of every preset's claims judged by
     their declared rules on its committed per-seed records, the cost and the Adult tuning."""
-    out, rows = {"cost": cost_section(folder), "adult-tune": adult_tune_section(folder / "adult" / "tune.csv")}, []
+    out, judged = {"cost": cost_section(folder), "adult-tune": adult_tune_section(folder / "adult" / "tune.csv")}, []
     for prefix, scale in PAGE_PRESETS.items():
         p, records, table, losses, _ = committed(folder / prefix, scale)
         out |= {prefix + name: body for name, body in preset_sections(p, records, table, losses).items()}
-        rows += claim_rows(verdicts(records), f"`{prefix}results.csv`")
-    return out | {"claims": markdown_table(CLAIM_HEADER, rows)} | prose_sections(folder)
+        judged += [(f"{prefix}results.csv", v) for v in verdicts(records)]
+    return out | {"claims": layout(CLAIM_COLS, judged)} | prose_sections(folder)
 
 
 COST_HEADER = ["invocation", "runs", "wall (2 workers)", "CPU time (workers, start-up and data loading included)"]
 COST_HEADER += ["load average at the end (1, 5, 15 min)"]
+TUNE_COST = r"Wall time (\d+) s.*?CPU time [^;]*?(\d+) s; load average at the end ([\d. ]+)\."
+COST_ROWS = ("Table I core rows (FedAvg, FedProx, SCAFFOLD, ZO-HFL, server-only)", "the sensitivity rows of spec §9.2")
+COST_ROWS += ("the extra rows (ZO-HFL at other lambdas, FedAvg with the server's share, server-only long)",)
 
 
 def cost_section(folder: Path) -> str:
     """The cost of the two committed invocations (``tune.md``; the small preset's, ``claims.json``'s meta) and the
     split of the small preset's run CPU time (``table.csv``: mean CPU seconds per run times its seeds, per group
     of rows; the tau sweep is the rest of the runs' total)."""
-    tune = (folder / "tune.md").read_text(encoding="utf-8")
     meta = json.loads((folder / "claims.json").read_text(encoding="utf-8"))["meta"]
     invocation = [f"{meta['wall_seconds']:.0f} s", f"{meta['cpu_seconds']:.0f} s", meta["load_at_end"]]
-    cost = [re.search(pattern, tune)[1] for pattern in (r"Wall time (\d+) s", r"CPU time [^;]*?(\d+) s;")]
-    load = re.search(r"load average at the end ([\d. ]+)\.", tune)[1]
+    wall, cpu, load = stated(folder / "tune.md", TUNE_COST)  # its last line (``tune_md``)
     tune_runs = len(read_csv(folder / "tune.csv")) * 6  # one run per (lambda, mu) and setting, 1 seed
-    body = [["`--tune`", tune_runs, *(f"{c} s" for c in cost), load]]
+    body = [["`--tune`", tune_runs, f"{wall} s", f"{cpu} s", load]]
     body += [["`--scale small` (the last invocation)", meta["runs"], *invocation]]
-    groups = {
-        "Table I core rows (FedAvg, FedProx, SCAFFOLD, ZO-HFL, server-only)": lambda m: m in METHODS,
-        "the sensitivity rows of spec §9.2": lambda m: m in SENSITIVITY,
-        "the extra rows (ZO-HFL at other lambdas, FedAvg with the server's share, server-only long)": lambda m: (
-            m not in METHODS and m not in SENSITIVITY
-        ),
-    }
     rows, runs, total = read_csv(folder / "table.csv"), meta["runs"], round(sum(meta["run_cpu_seconds"].values()))
-    cpu = {g: sum(r["cpu_seconds_mean"] * r["seeds"] for r in rows if f(r["method"])) for g, f in groups.items()}
+    part = lambda m: 0 if m in METHODS else 1 if m in SENSITIVITY else 2  # noqa: E731
+    cpu = {
+        g: sum(r["cpu_seconds_mean"] * r["seeds"] for r in rows if part(r["method"]) == i)
+        for i, g in enumerate(COST_ROWS)
+    }
     split = "; ".join(f"{g} {v:.0f} s" for g, v in cpu.items())
     return (
         markdown_table(COST_HEADER, body)
@@ -775,17 +765,16 @@ def tune_section(path: Path) -> str:
     best = max(rows, key=lambda r: r["mean"])
     base = next(r for r in rows if r["lam"] == 0)
 
-    def shown(r: dict | None) -> str:
+    def shown(lam: float, mu: float) -> str:  # the server-only control (mu unused) in the first mu's column
+        r = cell.get((lam, "-" if lam == 0 and mu == mus[0] else mu))
         return "" if r is None else f"**{r['mean']:.2f}**" if r is best else f"{r['mean']:.2f}"
 
-    body = []
-    for lam in sorted({r["lam"] for r in rows}):
-        name = f"**{lam:g}**" if lam == best["lam"] else f"{lam:g}"
-        if lam == 0:
-            body.append([f"{name} (server-only)", shown(base)] + [""] * (len(mus) - 1))
-        else:
-            body.append([name] + [shown(cell.get((lam, mu))) for mu in mus])
-    table = markdown_table(["lambda"] + [f"mu = {float(mu):g}" for mu in mus], body)
+    name = lambda lam: f"**{lam:g}**" if lam == best["lam"] else f"{lam:g}"  # noqa: E731
+    cols = [
+        Col("lambda", lambda lam: name(lam) + " (server-only)" * (lam == 0)),
+        *(Col(f"mu = {float(mu):g}", partial(shown, mu=mu)) for mu in mus),
+    ]
+    table = layout(cols, sorted({r["lam"] for r in rows}))
     small = [r for r in rows if 0 < r["lam"] <= best["lam"]]
     mu_effect = max(
         max(r["mean"] for r in small if r["lam"] == lam) - min(r["mean"] for r in small if r["lam"] == lam)
@@ -822,15 +811,14 @@ def adult_best_section(path: Path) -> str:
     )
 
 
-def _run_cpu(md: str) -> tuple[int, int]:
-    """(runs, the sum of their own CPU seconds) as the last line of a committed ``table.md`` states them."""
-    runs, total = re.search(r"sum of the (\d+) runs' own CPU times (\d+) s", md).groups()
-    return int(runs), int(total)
+def _run_cpu(folder: Path) -> tuple[int, ...]:
+    """(runs, the sum of their own CPU seconds) of the `long` preset, as the last line of ``long/table.md`` states."""
+    return tuple(map(int, stated(folder / "long" / "table.md", r"sum of the (\d+) runs' own CPU times (\d+) s")))
 
 
 def long_cost_section(folder: Path) -> str:
     """The `long` preset's CPU, as the last line of ``long/table.md`` states it."""
-    runs, total = _run_cpu((folder / "long" / "table.md").read_text(encoding="utf-8"))
+    runs, total = _run_cpu(folder)
     return paragraph(
         f"The {runs} runs' own CPU times sum to {total:,} s ({total / 60:.0f} CPU-minutes, the last line of "
         f"`zo-hfl/long/table.md`), so the preset needs about {total / 2 / 60:.0f} minutes of two idle cores."
@@ -850,7 +838,7 @@ def paper_scale_section(folder: Path) -> str:
     """The paper scale's CPU estimate from the measured `long` preset (``long/table.md``): its CPU per run, and
     each run the paper preset plans scaled by its rounds as R^1.5 (H = tau sqrt(r+1) local steps per round), by
     its tau and by its data set's dimension, against the `long` preset's."""
-    runs, total = _run_cpu((folder / "long" / "table.md").read_text(encoding="utf-8"))
+    runs, total = _run_cpu(folder)
     base = planned("long")[0]
     r0, tau0, d0 = base["rounds"], base["algorithm"]["tau"], DIMENSIONS[base["dataset"]["name"]]
     p = PRESETS["paper"]
