@@ -212,3 +212,43 @@ def test_fused_kernel_keeps_the_bits_of_its_first_form(name, options, sgd):
     (new, new_loss), (ref, ref_loss) = runs
     assert torch.equal(new, ref) and torch.equal(new_loss, ref_loss)
     assert not torch.equal(new, start)
+
+
+@pytest.mark.parametrize("budget_rows", [1, 12, 40, 10_000])
+@pytest.mark.parametrize("sgd", [{}, {"momentum": 0.9, "weight_decay": 0.01}])
+def test_rows_gathered_for_many_jobs_keep_each_jobs_bits(budget_rows, sgd, uneven_parts, monkeypatch):
+    """The loop backend gathers the rows of consecutive jobs together (``FusedSGD.gathered``, up to
+    ``GATHER_BYTES``; a job over it on its own gets index batches): every job's steps, final parameters and
+    loss are bit for bit those of the job gathered alone, for any budget, with a client without data."""
+    import fedweave.execution.fused as fused
+
+    ds = make_toy()
+    model = build_model("mlp", (1, 6, 6), 4, hidden=[5])
+    cfg = LocalConfig(epochs=2, batch_size=3, lr=0.1, **sgd)
+    cfg.validate()
+    parts = [*uneven_parts, uneven_parts[0][:0]]  # the last client has no data
+    tr = LocalTrainer(model, ds.train_x, ds.train_y, parts, cfg, Seeds(4))
+    row_bytes = ds.train_x[:1].numel() * ds.train_x.element_size()
+    monkeypatch.setattr(fused, "GATHER_BYTES", budget_rows * row_bytes)
+    clients = [*range(len(parts)), 1]
+    plans = [tr.flat_batches(c, 3, (), None) for c in clients]
+    start = tr.layout.flatten() + 0.05
+    jobs = []
+    for (flat, sizes), got in zip(plans, FusedSGD(tr.layout, start.clone()).gathered(tr.train_x, tr.train_y, plans)):
+        assert len(got) == len(sizes)
+        if budget_rows < len(flat):  # over the budget: its index batches
+            assert [b.tolist() for b in got] == [b.tolist() for b in flat.split(sizes)]
+        jobs.append(got)
+    assert len(jobs) == len(clients)
+    for c, got in zip(clients, jobs):
+        batches = tr.client_batches(c, 3, (), None)
+        runs = []
+        for arg in (got, batches):
+            value = start.clone()
+            loss = FusedSGD(tr.layout, value).run(
+                tr.train_x, tr.train_y, arg, [0.1] * len(batches), cfg.momentum, cfg.weight_decay
+            )
+            runs.append((value, loss))
+        (a, la), (b, lb) = runs
+        assert torch.equal(a, b) and torch.equal(la, lb)
+        assert torch.equal(a, start) == (not batches)

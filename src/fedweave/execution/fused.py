@@ -148,8 +148,8 @@ class FusedSGD:
         gather a job cost about as much as its steps' dispatch on 10-row batches); a job larger than that on
         its own gets its index batches, which :meth:`run` gathers ``GATHER`` at a time. The rows are copies,
         so the steps see the same values, whichever gather brought them."""
-        row_bytes = x[:1].numel() * x.element_size()
-        budget = max(1, GATHER_BYTES // max(row_bytes, 1))
+        features = x[:1].numel()
+        budget = max(1, GATHER_BYTES // max(features * x.element_size(), 1))
         eye, gather, dev, k = self.eye(), self.gather, self.device, 0
         while k < len(jobs):
             flat, sizes = jobs[k]
@@ -164,7 +164,7 @@ class FusedSGD:
             group = jobs[k:end]
             idx = torch.cat([f for f, _ in group]) if end - k > 1 else flat
             counts = [c for _, s in group for c in s]
-            xs = gather(x, idx).reshape(len(idx), -1).split(counts)
+            xs = gather(x, idx).reshape(len(idx), features).split(counts)
             targets = take_rows(eye, gather(y, idx)).split(counts)
             sizes_all = torch.tensor(counts, dtype=self.dtype, device=dev)
             t = 0
