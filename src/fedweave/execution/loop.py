@@ -114,7 +114,8 @@ def run(tr: LocalTrainer, call: LocalCall) -> LocalResult:
         elif not tr.local.momentum and not tr.local.weight_decay:
             train_job = _train_plain
     if train_job is _train_fused:  # the rows of consecutive jobs gathered together (FusedSGD.gathered)
-        plans = [tr.flat_batches(c, round, key, steps) for c in call.clients]
+        streams = tr.batch_streams(call.clients, round, key)
+        plans = [tr.flat_batches(c, round, key, steps, g) for c, g in zip(call.clients, streams)]
         jobs = comp.fused.gathered(tr.train_x, tr.train_y, plans)
     else:
         jobs = (tr.client_batches(c, round, key, steps) for c in call.clients)
