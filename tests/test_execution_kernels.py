@@ -3,6 +3,8 @@ backend), the fused plain-SGD MLP step and the channels-last training twin of pl
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
@@ -252,3 +254,45 @@ def test_rows_gathered_for_many_jobs_keep_each_jobs_bits(budget_rows, sgd, uneve
         (a, la), (b, lb) = runs
         assert torch.equal(a, b) and torch.equal(la, lb)
         assert torch.equal(a, start) == (not batches)
+
+
+@MLPS
+@pytest.mark.parametrize("threads", [1, 2])
+def test_evaluation_of_linear_models_skips_the_module_calls_with_the_same_bits(name, options, threads):
+    """``batch_sums`` computes a fedweave MLP's or softmax regression's logits with the functions its modules
+    call, without the calls: the same per-batch sums as through the modules, bit for bit, at 1 and 2 threads;
+    a forward hook on the model sends evaluation through the modules again (the hook sees every pass)."""
+    ev = importlib.import_module("fedweave.execution.evaluate")  # the module (the package exports the function)
+
+    torch.manual_seed(0)
+    model = build_model(name, (1, 6, 6), 4, **options)
+    layout = ParamLayout(model)
+    w = layout.flatten() + 0.3 * torch.randn(layout.numel)
+    x, y = torch.randn(300, 1, 6, 6), torch.randint(0, 4, (300,))
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        direct = ev.batch_sums(layout, w, x, y, 64)
+        with torch.inference_mode():  # the module path: the model's own forward, then the same sums
+            model.eval()
+            logits = [layout.load_(w)(x[lo : lo + 64]) for lo in range(0, 300, 64)]
+            model.train()
+        with ev.one_thread():
+            ref = [
+                (float(nn.functional.cross_entropy(z, y[lo : lo + 64], reduction="sum")),
+                 int((z.argmax(1) == y[lo : lo + 64]).sum()))
+                for z, lo in zip(logits, range(0, 300, 64))
+            ]  # fmt: skip
+        assert direct == ref
+        with pytest.MonkeyPatch.context() as mp:  # the modules are not called
+            mp.setattr(nn.Linear, "forward", lambda *a: pytest.fail("a module called"))
+            assert ev.batch_sums(layout, w, x, y, 64) == ref
+        seen = []
+        handle = model.register_forward_hook(lambda m, i, o: seen.append(len(o)))
+        try:
+            assert ev.batch_sums(layout, w, x, y, 64) == ref
+        finally:
+            handle.remove()
+        assert seen == [64, 64, 64, 64, 44]
+    finally:
+        torch.set_num_threads(n)
