@@ -234,6 +234,10 @@ def test_rows_gathered_for_many_jobs_keep_each_jobs_bits(budget_rows, sgd, uneve
     monkeypatch.setattr(fused, "GATHER_BYTES", budget_rows * row_bytes)
     clients = [*range(len(parts)), 1]
     plans = [tr.flat_batches(c, 3, (), None) for c in clients]
+    streams = tr.batch_streams(clients, 3, ())  # the loop backend's way: the call's streams made at once
+    for c, g, (flat, sizes) in zip(clients, streams, plans):
+        again, same = tr.flat_batches(c, 3, (), None, g)
+        assert torch.equal(again, flat) and same == sizes
     start = tr.layout.flatten() + 0.05
     jobs = []
     for (flat, sizes), got in zip(plans, FusedSGD(tr.layout, start.clone()).gathered(tr.train_x, tr.train_y, plans)):
