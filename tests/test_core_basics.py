@@ -31,6 +31,27 @@ def test_streams_depend_only_on_identity_not_on_draw_order():
     assert torch.equal(t1, torch.randn(3, generator=b.torch("x", 1)))
 
 
+def test_seeds_of_many_keys_at_once_are_numpys_seed_sequence():
+    """``Seeds.int_seeds`` hashes the keys of a call on arrays: the same seeds, and generators, as one
+    ``SeedSequence`` a key, for roots and keys of every word length, negative keys, repeated and mixed keys."""
+    rng = np.random.default_rng(1)
+    values = [-2, -1, 0, 1, 5, 2**32 - 1, 2**32, 2**33 + 3, 2**63 - 1]
+    for trial in range(200):
+        root = int(rng.choice([0, 1, 2**32 - 1, 2**32, 2**63 - 1, 2**200 + 3, int(rng.integers(0, 2**62))]))
+        seeds = Seeds(root)
+        width = int(rng.integers(0, 4))
+        if trial % 2:  # a call's keys: (round, client, *key), only the client differing
+            keys = [(3, int(c), *([7] * width)) for c in rng.integers(0, 10**6, size=int(rng.integers(1, 60)))]
+        else:
+            keys = [tuple(int(v) for v in rng.choice(values, size=width)) for _ in range(int(rng.integers(0, 9)))]
+        got = seeds.int_seeds("batches", keys)
+        assert got == [seeds.int_seed("batches", *k) for k in keys]
+    gens = Seeds(7).torches("batches", [(2, c) for c in range(5)] + [(2, 4)])
+    for g, c in zip(gens, [0, 1, 2, 3, 4, 4]):
+        one = Seeds(7).torch("batches", 2, c)
+        assert torch.equal(torch.randperm(50, generator=g), torch.randperm(50, generator=one))
+
+
 def test_seed_must_be_non_negative_int():
     with pytest.raises(ValueError, match="non-negative"):
         Seeds(-1)

@@ -3,6 +3,8 @@ backend), the fused plain-SGD MLP step and the channels-last training twin of pl
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
@@ -212,3 +214,89 @@ def test_fused_kernel_keeps_the_bits_of_its_first_form(name, options, sgd):
     (new, new_loss), (ref, ref_loss) = runs
     assert torch.equal(new, ref) and torch.equal(new_loss, ref_loss)
     assert not torch.equal(new, start)
+
+
+@pytest.mark.parametrize("budget_rows", [1, 12, 40, 10_000])
+@pytest.mark.parametrize("sgd", [{}, {"momentum": 0.9, "weight_decay": 0.01}])
+def test_rows_gathered_for_many_jobs_keep_each_jobs_bits(budget_rows, sgd, uneven_parts, monkeypatch):
+    """The loop backend gathers the rows of consecutive jobs together (``FusedSGD.gathered``, up to
+    ``GATHER_BYTES``; a job over it on its own gets index batches): every job's steps, final parameters and
+    loss are bit for bit those of the job gathered alone, for any budget, with a client without data."""
+    import fedweave.execution.fused as fused
+
+    ds = make_toy()
+    model = build_model("mlp", (1, 6, 6), 4, hidden=[5])
+    cfg = LocalConfig(epochs=2, batch_size=3, lr=0.1, **sgd)
+    cfg.validate()
+    parts = [*uneven_parts, uneven_parts[0][:0]]  # the last client has no data
+    tr = LocalTrainer(model, ds.train_x, ds.train_y, parts, cfg, Seeds(4))
+    row_bytes = ds.train_x[:1].numel() * ds.train_x.element_size()
+    monkeypatch.setattr(fused, "GATHER_BYTES", budget_rows * row_bytes)
+    clients = [*range(len(parts)), 1]
+    plans = [tr.flat_batches(c, 3, (), None) for c in clients]
+    streams = tr.batch_streams(clients, 3, ())  # the loop backend's way: the call's streams made at once
+    for c, g, (flat, sizes) in zip(clients, streams, plans):
+        again, same = tr.flat_batches(c, 3, (), None, g)
+        assert torch.equal(again, flat) and same == sizes
+    start = tr.layout.flatten() + 0.05
+    jobs = []
+    for (flat, sizes), got in zip(plans, FusedSGD(tr.layout, start.clone()).gathered(tr.train_x, tr.train_y, plans)):
+        assert len(got) == len(sizes)
+        if budget_rows < len(flat):  # over the budget: its index batches
+            assert [b.tolist() for b in got] == [b.tolist() for b in flat.split(sizes)]
+        jobs.append(got)
+    assert len(jobs) == len(clients)
+    for c, got in zip(clients, jobs):
+        batches = tr.client_batches(c, 3, (), None)
+        runs = []
+        for arg in (got, batches):
+            value = start.clone()
+            loss = FusedSGD(tr.layout, value).run(
+                tr.train_x, tr.train_y, arg, [0.1] * len(batches), cfg.momentum, cfg.weight_decay
+            )
+            runs.append((value, loss))
+        (a, la), (b, lb) = runs
+        assert torch.equal(a, b) and torch.equal(la, lb)
+        assert torch.equal(a, start) == (not batches)
+
+
+@MLPS
+@pytest.mark.parametrize("threads", [1, 2])
+def test_evaluation_of_linear_models_skips_the_module_calls_with_the_same_bits(name, options, threads):
+    """``batch_sums`` computes a fedweave MLP's or softmax regression's logits with the functions its modules
+    call, without the calls: the same per-batch sums as through the modules, bit for bit, at 1 and 2 threads;
+    a forward hook on the model sends evaluation through the modules again (the hook sees every pass)."""
+    ev = importlib.import_module("fedweave.execution.evaluate")  # the module (the package exports the function)
+
+    torch.manual_seed(0)
+    model = build_model(name, (1, 6, 6), 4, **options)
+    layout = ParamLayout(model)
+    w = layout.flatten() + 0.3 * torch.randn(layout.numel)
+    x, y = torch.randn(300, 1, 6, 6), torch.randint(0, 4, (300,))
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        direct = ev.batch_sums(layout, w, x, y, 64)
+        with torch.inference_mode():  # the module path: the model's own forward, then the same sums
+            model.eval()
+            logits = [layout.load_(w)(x[lo : lo + 64]) for lo in range(0, 300, 64)]
+            model.train()
+        with ev.one_thread():
+            ref = [
+                (float(nn.functional.cross_entropy(z, y[lo : lo + 64], reduction="sum")),
+                 int((z.argmax(1) == y[lo : lo + 64]).sum()))
+                for z, lo in zip(logits, range(0, 300, 64))
+            ]  # fmt: skip
+        assert direct == ref
+        with pytest.MonkeyPatch.context() as mp:  # the modules are not called
+            mp.setattr(nn.Linear, "forward", lambda *a: pytest.fail("a module called"))
+            assert ev.batch_sums(layout, w, x, y, 64) == ref
+        seen = []
+        handle = model.register_forward_hook(lambda m, i, o: seen.append(len(o)))
+        try:
+            assert ev.batch_sums(layout, w, x, y, 64) == ref
+        finally:
+            handle.remove()
+        assert seen == [64, 64, 64, 64, 44]
+    finally:
+        torch.set_num_threads(n)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedweave.execution.batched import mlp_layers
 from fedweave.execution.params import ParamLayout
 from fedweave.tasks import Task, evaluate_batches
 
@@ -104,13 +106,16 @@ def batch_sums(
     model, cl = eval_model(layout, w)
     model.eval()
     losses, correct, passes = [], [], []
+    forward = model
+    if pl.autocast_dtype is None and (layers := mlp_layers(model)) is not None and not _hooked(model):
+        forward = functools.partial(_linear_stack, [(m.weight, m.bias) for m in layers])
     try:
         for lo in range(0, len(y), batch_size):
             xb, yb = pl.to(x[lo : lo + batch_size]), pl.to(y[lo : lo + batch_size])
             if cl and xb.dim() == 4:
                 xb = to_channels_last(xb)
             with pl.autocast():
-                logits = model(xb)
+                logits = forward(xb)
             passes.append((logits.to(w.dtype), yb))  # the loss in the storage dtype (a no-op unless autocast)
     finally:
         model.train()
@@ -122,6 +127,25 @@ def batch_sums(
             correct.append((logits.argmax(1) == yb).sum())
     # one trip to the host for all batches (float(...) and int(...) of each would be one per batch)
     return list(zip(torch.stack(losses).tolist(), torch.stack(correct).tolist(), strict=True))
+
+
+def _hooked(model: nn.Module) -> bool:
+    """Whether a forward hook would see ``model``'s calls (then its modules are called, hooks and all)."""
+    mod = nn.modules.module
+    if mod._global_forward_hooks or mod._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def _linear_stack(layers: list[tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor) -> torch.Tensor:
+    """The forward pass of a fedweave MLP or softmax regression (``models.linear``) with its layers' parameters
+    ``layers``: the functions its modules call (flatten, ``F.linear``, ``F.relu``), on the same tensors, without
+    the modules' calls around them (a few us each, on 40 passes of the 10k test images)."""
+    h = x.reshape(x.shape[0], -1)
+    for weight, bias in layers[:-1]:
+        h = nn.functional.relu(nn.functional.linear(h, weight, bias))
+    weight, bias = layers[-1]
+    return nn.functional.linear(h, weight, bias)
 
 
 def evaluate(

@@ -23,7 +23,8 @@ first, so it is not fused. The result equals autograd's SGD step to float roundi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +33,23 @@ from fedweave.execution.params import ParamLayout
 from fedweave.execution.placement import take_rows
 
 GATHER = 64  # batches gathered from the training set in one indexing operation
+# the loop backend gathers the rows of consecutive jobs together, up to this many bytes of inputs at once
+GATHER_BYTES = 1 << 20
+
+
+@dataclass
+class Rows:
+    """A job's batches already gathered: per step its input rows ``xs[t]`` (n, in), one-hot targets
+    ``targets[t]`` (n, C), and the batch sizes ``sizes`` (a tensor in the parameters' dtype)."""
+
+    xs: Sequence[torch.Tensor]
+    targets: Sequence[torch.Tensor]
+    sizes: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.xs)
+
+
 _threshold_backward = torch.ops.aten.threshold_backward.default  # the overload itself: no resolution per call
 
 
@@ -46,10 +64,16 @@ class FusedSGD:
         # (W, W^T, b): the transposed views made once, not at every step
         self.layers = [(w, w.t(), None if b is None else value[b[0] : b[1]]) for w, (*_, b) in zip(weights, spec)]
         self.classes = spec[-1][1]
+        # the step's loops, unpacked once: (W^T, b) of the hidden layers, of the output layer, and
+        # (index, W, b) of every layer from the top down
+        self.hidden = [(Wt, b) for _, Wt, b in self.layers[:-1]]
+        self.top = self.layers[-1][1:]
+        self.down = [(i, W, b) for i, (W, _, b) in reversed(list(enumerate(self.layers)))]
         self.dtype = value.dtype  # the run's precision: every work tensor below is made in it
         self.device = value.device  # ... on the parameters' device
         self.gather = layout.placement.rows
         self._ones: dict[int, torch.Tensor] = {}
+        self._eye: torch.Tensor | None = None
         self.momentum, self.weight_decay = 0.0, 0.0
         # heavy-ball buffers of (W, b) per layer, made on first use with momentum
         self.bufs: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
@@ -64,15 +88,16 @@ class FusedSGD:
         self,
         x: torch.Tensor,
         y: torch.Tensor,
-        batches: Sequence[torch.Tensor],
+        batches: Sequence[torch.Tensor] | Rows,
         lrs: Sequence[float],
         momentum: float = 0.0,
         weight_decay: float = 0.0,
     ) -> torch.Tensor:
         """SGD steps (momentum buffers starting at zero) on the rows ``batches[t]`` of the training set
-        ``(x, y)`` with step sizes ``lrs[t]``; returns the sum of the steps' mean batch losses (a float64
-        0-d tensor on the device, read by the caller without a round trip to the host). Rows are gathered
-        where the training set lives and brought to the parameters' device (``Placement.rows``)."""
+        ``(x, y)`` (or on rows already gathered: ``Rows``, from :meth:`gathered`) with step sizes ``lrs[t]``;
+        returns the sum of the steps' mean batch losses (a float64 0-d tensor on the device, read by the caller
+        without a round trip to the host). Rows are gathered where the training set lives and brought to the
+        parameters' device (``Placement.rows``)."""
         wide = torch.float32 if self.device.type == "mps" else torch.float64  # MPS has no float64
         if not batches:
             return torch.zeros((), dtype=wide, device=self.device)
@@ -86,11 +111,17 @@ class FusedSGD:
                 bw.zero_()
                 if bb is not None:
                     bb.zero_()
+        if isinstance(batches, Rows):  # gathered by the caller (``gathered``), with others' rows
+            dots: list[torch.Tensor] = []
+            step = self.step
+            for xb, target, lr in zip(batches.xs, batches.targets, lrs):
+                step(xb, target, lr, dots)
+            return -(torch.stack(dots) / batches.sizes).sum().to(wide)
         dev = self.device
         # per step: sum_b <log softmax(z_b), onehot(y_b)>, a 0-d tensor each, stacked at the end
-        dots: list[torch.Tensor] = []
+        dots = []
         sizes = torch.tensor([len(b) for b in batches], dtype=self.dtype, device=dev)
-        eye = torch.eye(self.classes, dtype=self.dtype, device=dev)
+        eye = self.eye()
         for lo in range(0, len(batches), GATHER):
             chunk = batches[lo : lo + GATHER]
             idx = torch.cat(list(chunk))
@@ -101,39 +132,82 @@ class FusedSGD:
                 self.step(xb, target, lrs[t], dots)
         return -(torch.stack(dots) / sizes).sum().to(wide)
 
+    def eye(self) -> torch.Tensor:
+        """The one-hot rows of the classes (made once)."""
+        e = self._eye
+        if e is None:
+            e = self._eye = torch.eye(self.classes, dtype=self.dtype, device=self.device)
+        return e
+
+    def gathered(
+        self, x: torch.Tensor, y: torch.Tensor, jobs: Sequence[tuple[torch.Tensor, list[int]]]
+    ) -> Iterator[Rows | list[torch.Tensor]]:
+        """Each job's batches for :meth:`run`, in order, from ``jobs``: per job the indices of its batches one
+        after another and their sizes (``LocalTrainer.flat_batches``). The rows of consecutive jobs are gathered
+        from the training set ``(x, y)`` in one indexing operation, up to ``GATHER_BYTES`` of inputs (one
+        gather a job cost about as much as its steps' dispatch on 10-row batches); a job larger than that on
+        its own gets its index batches, which :meth:`run` gathers ``GATHER`` at a time. The rows are copies,
+        so the steps see the same values, whichever gather brought them."""
+        features = x[:1].numel()
+        budget = max(1, GATHER_BYTES // max(features * x.element_size(), 1))
+        eye, gather, dev, k = self.eye(), self.gather, self.device, 0
+        while k < len(jobs):
+            flat, sizes = jobs[k]
+            if len(flat) > budget:  # alone over the budget: gathered by run, GATHER batches at a time
+                yield list(flat.split(sizes)) if sizes else []
+                k += 1
+                continue
+            end, rows = k + 1, len(flat)
+            while end < len(jobs) and rows + len(jobs[end][0]) <= budget:
+                rows += len(jobs[end][0])
+                end += 1
+            group = jobs[k:end]
+            idx = torch.cat([f for f, _ in group]) if end - k > 1 else flat
+            counts = [c for _, s in group for c in s]
+            xs = gather(x, idx).reshape(len(idx), features).split(counts)
+            targets = take_rows(eye, gather(y, idx)).split(counts)
+            sizes_all = torch.tensor(counts, dtype=self.dtype, device=dev)
+            t = 0
+            for _, s in group:
+                yield Rows(xs[t : t + len(s)], targets[t : t + len(s)], sizes_all[t : t + len(s)])
+                t += len(s)
+            k = end
+
     def step(self, x: torch.Tensor, target: torch.Tensor, lr: float, dots: list[torch.Tensor]) -> None:
         """One SGD step on rows ``x`` (n, in) with one-hot targets (n, C); appends the summed target
-        log-probabilities (0-d) to ``dots``. Written for few operations a step: on 10-row batches each
-        operation's dispatch costs about as much as its arithmetic (docs/performance.md)."""
-        layers = self.layers
+        log-probabilities (0-d) to ``dots``. Written for few operations a step, and little Python: on 10-row
+        batches each operation's dispatch costs about as much as its arithmetic (docs/performance.md)."""
         acts = [x]  # h_0 .. h_{L-1}
-        for _, Wt, b in layers[:-1]:
+        for Wt, b in self.hidden:
             x = (x.mm(Wt) if b is None else torch.addmm(b, x, Wt)).relu_()
             acts.append(x)
-        _, Wt, b = layers[-1]
-        z = x.mm(Wt) if b is None else torch.addmm(b, x, Wt)
-        logp = torch.log_softmax(z, 1)
+        Wt, b = self.top
+        logp = torch.log_softmax(x.mm(Wt) if b is None else torch.addmm(b, x, Wt), 1)
         dots.append(torch.dot(logp.view(-1), target.view(-1)))
         dz = logp.exp_().sub_(target)  # n * dloss/dz
         n = x.shape[0]
-        ones = self.ones(n)
-        plain = not self.momentum and not self.weight_decay
-        alpha = -lr / n
-        for layer in range(len(layers) - 1, -1, -1):
-            W, _, b = layers[layer]
-            h = acts[layer]
-            dzt = dz.t()
-            if layer:  # the next layer down's gradient, at the weights before this step
-                dh = _threshold_backward(dz.mm(W), h, 0)
-            if plain:  # W -= lr g_W with g_W = (1/n) dz^T h; b -= lr g_b with g_b = (1/n) dz^T 1
+        ones = self._ones.get(n)
+        if ones is None:
+            ones = self.ones(n)
+        if not self.momentum and not self.weight_decay:
+            alpha = -lr / n
+            for layer, W, b in self.down:
+                h, dzt = acts[layer], dz.t()
+                if layer:  # the next layer down's gradient, at the weights before this step
+                    dz = _threshold_backward(dz.mm(W), h, 0)
+                # W -= lr g_W with g_W = (1/n) dz^T h; b -= lr g_b with g_b = (1/n) dz^T 1
                 W.addmm_(dzt, h, alpha=alpha)
                 if b is not None:
                     b.addmv_(dzt, ones, alpha=alpha)
-            else:
-                bw, bb = self.bufs[layer] if self.momentum else (None, None)
-                self._sgd(W, bw, dzt, h, lr)
-                if b is not None:
-                    self._sgd(b, bb, dzt, ones, lr)
+            return
+        for layer, W, b in self.down:
+            h, dzt = acts[layer], dz.t()
+            if layer:
+                dh = _threshold_backward(dz.mm(W), h, 0)
+            bw, bb = self.bufs[layer] if self.momentum else (None, None)
+            self._sgd(W, bw, dzt, h, lr)
+            if b is not None:
+                self._sgd(b, bb, dzt, ones, lr)
             if layer:
                 dz = dh
 

@@ -142,28 +142,39 @@ class LocalTrainer:
 
     def client_batches(self, client: int, round: int, key: tuple[int, ...], steps: int | None) -> list[torch.Tensor]:
         """Indices (into the training set) of each local batch of ``client`` in ``round``."""
+        flat, sizes = self.flat_batches(client, round, key, steps)
+        return list(flat.split(sizes)) if sizes else []
+
+    def batch_streams(self, clients: Sequence[int], round: int, key: tuple[int, ...]) -> list[torch.Generator]:
+        """The ``batches`` streams of ``clients`` in ``round``, their seeds derived all at once
+        (``Seeds.torches``)."""
+        return self.seeds.torches("batches", [(round, int(c), *key) for c in clients])
+
+    def flat_batches(
+        self, client: int, round: int, key: tuple[int, ...], steps: int | None, stream: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The batches of :meth:`client_batches` one after another in one index tensor, and their sizes (one
+        tensor a job instead of one a batch: the loop backend gathers the rows of many jobs at once).
+        ``stream``: the client's ``batches`` stream of the round, fresh, where the caller made it already
+        (:meth:`batch_streams`)."""
         idx = self.parts[client]
         n, bs = len(idx), self.local.batch_size
         if n == 0:
-            return []
+            return idx[:0], []
         fixed = steps if steps is not None else self.local.steps
         if self.local.full_batch:  # gradient descent: every step sees the client's whole data, in order
-            return [idx] * (fixed if fixed is not None else self.local.epochs)
-        g = self.seeds.torch("batches", round, client, *key)
-        out: list[torch.Tensor] = []
-        if fixed is None:  # epochs: reshuffle every epoch, keep the last partial batch
-            for _ in range(self.local.epochs):
-                perm = idx[torch.randperm(n, generator=g, device="cpu")]
-                out.extend(perm.split(bs))
-            return out
-        # a fixed number of full batches drawn from a stream of reshuffled epochs
-        stream: list[torch.Tensor] = []
-        have = 0
-        while have < fixed * bs:
-            stream.append(idx[torch.randperm(n, generator=g, device="cpu")])
-            have += n
-        flat = torch.cat(stream)
-        return list(flat[: fixed * bs].split(bs))
+            k = fixed if fixed is not None else self.local.epochs
+            return idx.repeat(k), [n] * k
+        g = stream if stream is not None else self.seeds.torch("batches", round, client, *key)
+        # epochs: reshuffle every epoch, keep the last partial batch; a fixed number of full batches: drawn from
+        # a stream of reshuffled epochs, as many as they need
+        draws = self.local.epochs if fixed is None else -(-fixed * bs // n)
+        perms = [torch.randperm(n, generator=g, device="cpu") for _ in range(draws)]
+        order = perms[0] if draws == 1 else torch.cat(perms)
+        if fixed is None:
+            whole, rest = divmod(n, bs)
+            return idx[order], ([bs] * whole + ([rest] if rest else [])) * draws
+        return idx[order[: fixed * bs]], [bs] * fixed
 
     def plan(self, clients: Sequence[int], round: int, key: tuple[int, ...], steps: int | None) -> Batches:
         """The batch plan of one call: the local batches of each of ``clients`` in ``round`` (drawn from the
@@ -195,10 +206,10 @@ class LocalTrainer:
             source = lo[:, None] + b  # (K, B) positions in parts.indices
         else:
             draws, lengths = [], np.zeros(K, dtype=np.int64)
-            for k in np.flatnonzero(n > 0):  # the random draws: one stream per client, as before
+            drawn = np.flatnonzero(n > 0)
+            for k, g in zip(drawn, self.batch_streams(c[drawn].tolist(), round, key)):  # one stream per client
                 nk = int(n[k])
                 perms = self.local.epochs if fixed is None else -(-fixed * bs // nk)  # epochs, or enough for fixed
-                g = self.seeds.torch("batches", round, int(c[k]), *key)
                 draws.extend(torch.randperm(nk, generator=g, device="cpu") for _ in range(perms))
                 lengths[k] = perms * nk
             stream = torch.cat(draws).numpy() if draws else np.zeros(0, dtype=np.int64)  # each job's permutations

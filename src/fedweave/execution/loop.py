@@ -113,8 +113,13 @@ def run(tr: LocalTrainer, call: LocalCall) -> LocalResult:
             train_job = _train_fused  # MLPs: backpropagation written out (execution.fused)
         elif not tr.local.momentum and not tr.local.weight_decay:
             train_job = _train_plain
-    for k, c in enumerate(call.clients):
-        batches = tr.client_batches(c, round, key, steps)
+    if train_job is _train_fused:  # the rows of consecutive jobs gathered together (FusedSGD.gathered)
+        streams = tr.batch_streams(call.clients, round, key)
+        plans = [tr.flat_batches(c, round, key, steps, g) for c, g in zip(call.clients, streams)]
+        jobs = comp.fused.gathered(tr.train_x, tr.train_y, plans)
+    else:
+        jobs = (tr.client_batches(c, round, key, steps) for c in call.clients)
+    for k, (c, batches) in enumerate(zip(call.clients, jobs)):
         out[k], total = train_job(tr, comp, starts[k], batches, c, round, key, lr, rule, call.offset + k)
         counts.append(len(batches))
         totals.append(total)
@@ -183,7 +188,7 @@ def _train_fused(tr, comp, start, batches, c, round, key, lr, rule, job) -> tupl
     """SGD with the configured momentum and weight decay on an MLP or softmax regression, by the fused kernel
     of ``execution.fused`` (equal to the general path to float rounding)."""
     comp.value.copy_(start)
-    lrs = [tr.step_lr(lr, t) for t in range(len(batches))]
+    lrs = [tr.step_lr(lr, t) for t in range(len(batches))] if callable(lr) else [lr] * len(batches)
     loc = tr.local
     total = comp.fused.run(tr.train_x, tr.train_y, batches, lrs, loc.momentum, loc.weight_decay)
     return comp.value, total  # the live buffer: the caller copies it into its output row
