@@ -48,6 +48,10 @@ def pytest_runtest_call(item: pytest.Item):
 # Test workloads are tiny: one intra-op thread is as fast and avoids thread oversubscription when several
 # processes share the cores.
 torch.set_num_threads(1)
+# The same for the processes the tests start (CLI runs, benchmarks, Flower's nodes and ServerApps): their torch
+# reads this at start. Several OpenMP threads a process on a loaded 2-core machine spin-wait for each other: a
+# benchmark script ran 5x slower with torch's default than with one thread. A value set outside is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,8 @@ simulation covers both. Each run is an app written with ``fedweave flower-app``'
 ``flwr run --stream``; its metrics are compared with the simulation's ``loop`` backend (computed while the
 run goes on), Flower's payload bytes with the ledger, and its end with what ``flwr list`` reports. One run
 shows as many facts as it can (each run costs a ServerApp process and a message per client and round, about
-4 s apiece for Flower's polling). The fault tests kill, restart or break the node of client 2 and leave it
+4 s apiece for Flower's polling), and the runs no fault test touches go side by side on the federation, each
+test's at once. The fault tests kill, restart or break the node of client 2 and leave it
 healthy again for the tests after them.
 """
 
@@ -222,26 +223,37 @@ def deployed_and_simulated(fed: Federation, cfg: dict, root: Path) -> tuple[Depl
     return run.wait(), sim
 
 
-@pytest.mark.parametrize("name", CENTRALIZED)
-def test_deployed_run_equals_simulation(federation, tmp_path, name):
+def all_deployed_and_simulated(
+    fed: Federation, cfgs: dict[str, dict], root: Path
+) -> dict[str, tuple[Deployed, list[dict]]]:
+    """Deploy every config of ``cfgs`` at once on the federation (a SuperLink serves several runs, and a node
+    keeps each run's client state apart, in a folder per run), compute their simulations while they go on, then
+    wait for each: by name, the run (in ``root/<name>``) and its simulation. Most of a deployed run's time is
+    Flower's polling, so runs side by side take little longer than one."""
+    runs = {name: Deployed(fed, cfg, root / name) for name, cfg in cfgs.items()}
+    sims = {name: simulated(cfg, root / name) for name, cfg in cfgs.items()}
+    return {name: (run.wait(), sims[name]) for name, run in runs.items()}
+
+
+def test_deployed_runs_equal_simulation(federation, tmp_path):
     """FedAvg (the plain rule), SCAFFOLD (c_i kept on the nodes across rounds) and FedMIM (a rule with
-    tensors: its two momentum combinations) on the nodes, 3 rounds, equal the simulation. Flower records the
-    run completed, and ``flwr run --stream`` shows fedweave's lines: a line per round trained and evaluated,
-    and the completion line."""
-    run, sim = deployed_and_simulated(federation, CENTRALIZED[name], tmp_path)
-    summary, rows = run.results()
-    assert len(rows) == 3
-    assert_same_metrics(rows, sim)
-    assert summary["execution"]["backend"] == "flower"
-    assert_payload_is_the_ledger(summary)
-    assert summary["flower"]["jobs"] == 3 * CLIENTS
-    assert summary["flower"]["messages"] >= 2 * (3 * CLIENTS) + 2 * CLIENTS  # jobs, replies and the queries
-    assert summary["flower"]["dropped"] == {}
-    for r in (1, 2, 3):
-        assert f"fedweave round {r}/3 trained: train_loss" in run.output, run.output
-        assert f"fedweave round {r}/3 evaluated: test_accuracy" in run.output, run.output
-    assert f"fedweave run in {run.run_dir}: completed" in run.output
-    assert run.fed.run_status(run.output)[0] == "finished:completed"
+    tensors: its two momentum combinations) on the nodes, 3 rounds, at once, each equal to its simulation.
+    Flower records each run completed, and ``flwr run --stream`` shows fedweave's lines: a line per round
+    trained and evaluated, and the completion line."""
+    for name, (dep, sim) in all_deployed_and_simulated(federation, CENTRALIZED, tmp_path).items():
+        summary, rows = dep.results()
+        assert len(rows) == 3, name
+        assert_same_metrics(rows, sim)
+        assert summary["execution"]["backend"] == "flower"
+        assert_payload_is_the_ledger(summary)
+        assert summary["flower"]["jobs"] == 3 * CLIENTS
+        assert summary["flower"]["messages"] >= 2 * (3 * CLIENTS) + 2 * CLIENTS  # jobs, replies and the queries
+        assert summary["flower"]["dropped"] == {}
+        for r in (1, 2, 3):
+            assert f"fedweave round {r}/3 trained: train_loss" in dep.output, dep.output
+            assert f"fedweave round {r}/3 evaluated: test_accuracy" in dep.output, dep.output
+        assert f"fedweave run in {dep.run_dir}: completed" in dep.output
+        assert dep.fed.run_status(dep.output)[0] == "finished:completed"
 
 
 COMPRESSED = {  # compression.upload across real processes
@@ -256,45 +268,46 @@ COMPRESSED = {  # compression.upload across real processes
 }
 
 
-@pytest.mark.parametrize("name", COMPRESSED)
-def test_deployed_compressed_uploads_equal_simulation(federation, tmp_path, name):
-    """Compressed uploads across real processes: each SuperNode encodes its client's upload (top-k with its
-    error-feedback residual kept in the node's state directory; QSGD's draws from the client's stream, SCAFFOLD's
-    two messages each), the replies carry only the encoded bytes, the ServerApp decodes them. Every metric equals
-    the simulation and the reply arrays are the ledger's encoded bytes."""
-    run, sim = deployed_and_simulated(federation, COMPRESSED[name], tmp_path)
-    summary, rows = run.results()
-    assert len(rows) == 3
-    assert_same_metrics(rows, sim)
-    assert_payload_is_the_ledger(summary)  # the ledger bills the encoded size: the replies' arrays are that
-    assert 3 * summary["flower"]["payload_received"] < summary["flower"]["payload_sent"]
-    assert run.fed.run_status(run.output)[0] == "finished:completed"
+def test_deployed_compressed_uploads_equal_simulation(federation, tmp_path):
+    """Compressed uploads across real processes (both runs at once): each SuperNode encodes its client's upload
+    (top-k with its error-feedback residual kept in the node's state directory; QSGD's draws from the client's
+    stream, SCAFFOLD's two messages each), the replies carry only the encoded bytes, the ServerApp decodes them.
+    Every metric equals the simulation and the reply arrays are the ledger's encoded bytes."""
+    for name, (dep, sim) in all_deployed_and_simulated(federation, COMPRESSED, tmp_path).items():
+        summary, rows = dep.results()
+        assert len(rows) == 3, name
+        assert_same_metrics(rows, sim)
+        assert_payload_is_the_ledger(summary)  # the ledger bills the encoded size: the replies' arrays are that
+        assert 3 * summary["flower"]["payload_received"] < summary["flower"]["payload_sent"], name
+        assert dep.fed.run_status(dep.output)[0] == "finished:completed"
 
 
-@pytest.mark.parametrize("name", SPLIT)
-def test_deployed_split_learning_equals_simulation(federation, tmp_path, name):
-    """The split family: each client's side runs on its node, the main and fed servers in the ServerApp.
-    CSE-FSL and FSL_AN: one message per client and round (x_c, a_c down; x_c, a_c, the smashed batches and
-    their labels up). FSL_MC and FSL_OC: one message per batch (the first carries x_c down, the next ones the
-    server's gradient of the last smashed batch; the replies the next smashed batch, finally x_c), the
-    client kept in its node's state directory between them; FSL_OC serves its clients one after another.
-    Every metric equals the simulation, and the messages carry the ledger's bytes both ways."""
-    algorithm, steps, per_round = SPLIT[name]
-    run, sim = deployed_and_simulated(federation, SPLIT_RUNS[name], tmp_path)
-    summary, rows = run.results()
-    assert len(rows) == 2
-    assert_same_metrics(rows, sim)
-    uploads = steps // algorithm.get("h", 1)  # smashed batches per client and round
-    assert rows[-1]["server_steps"] == per_round * uploads
-    fl, ledger = summary["flower"], summary["communication"]
-    assert ledger["by_transfer"]["client->server:smashed"]["count"] == 2 * per_round * uploads
-    assert fl["payload_received"] == ledger["bytes_up"]
-    assert fl["payload_sent"] == ledger["bytes_down"]
-    if name in ("fsl_mc", "fsl_oc"):  # a gradient down after every batch: a message per batch
-        assert ledger["by_transfer"]["server->client:gradient"]["count"] == 2 * per_round * steps
-        assert fl["jobs"] == 2 * per_round * (steps + 1)
-    else:
-        assert fl["jobs"] == 2 * per_round
+@pytest.mark.parametrize("names", [("fsl_oc",), ("cse_fsl", "fsl_an", "fsl_mc")], ids=["fsl_oc", "the_others"])
+def test_deployed_split_learning_equals_simulation(federation, tmp_path, names):
+    """The split family (FSL_OC alone, its clients' messages one after another; the three others at once): each
+    client's side runs on its node, the main and fed servers in the ServerApp. CSE-FSL and FSL_AN: one message
+    per client and round (x_c, a_c down; x_c, a_c, the smashed batches and their labels up). FSL_MC and FSL_OC:
+    one message per batch (the first carries x_c down, the next ones the server's gradient of the last smashed
+    batch; the replies the next smashed batch, finally x_c), the client kept in its node's state directory
+    between them; FSL_OC serves its clients one after another. Every metric equals the simulation, and the
+    messages carry the ledger's bytes both ways."""
+    cfgs = {name: SPLIT_RUNS[name] for name in names}
+    for name, (dep, sim) in all_deployed_and_simulated(federation, cfgs, tmp_path).items():
+        algorithm, steps, per_round = SPLIT[name]
+        summary, rows = dep.results()
+        assert len(rows) == 2, name
+        assert_same_metrics(rows, sim)
+        uploads = steps // algorithm.get("h", 1)  # smashed batches per client and round
+        assert rows[-1]["server_steps"] == per_round * uploads, name
+        fl, ledger = summary["flower"], summary["communication"]
+        assert ledger["by_transfer"]["client->server:smashed"]["count"] == 2 * per_round * uploads, name
+        assert fl["payload_received"] == ledger["bytes_up"], name
+        assert fl["payload_sent"] == ledger["bytes_down"], name
+        if name in ("fsl_mc", "fsl_oc"):  # a gradient down after every batch: a message per batch
+            assert ledger["by_transfer"]["server->client:gradient"]["count"] == 2 * per_round * steps, name
+            assert fl["jobs"] == 2 * per_round * (steps + 1), name
+        else:
+            assert fl["jobs"] == 2 * per_round, name
 
 
 def test_a_killed_node_is_a_dropout_and_rejoins_with_its_state(federation, tmp_path):
@@ -376,11 +389,10 @@ def test_deployed_hierarchical_runs_equal_simulation(federation, tmp_path):
     federation.kill(DATA_NODE)
     federation.supernode(DATA_NODE, data="hierarchy")
     try:
-        for algorithm in runs:
-            name, cfg = algorithm["name"], config(algorithm, steps=None, per_round=None)  # H_{i,r} steps (tau)
-            run, sim = deployed_and_simulated(federation, cfg, tmp_path / name)
-            summary, rows = run.results()
-            assert len(rows) == 2 and summary["status"] == "completed"
+        cfgs = {a["name"]: config(a, steps=None, per_round=None) for a in runs}  # H_{i,r} steps (tau)
+        for name, (dep, sim) in all_deployed_and_simulated(federation, cfgs, tmp_path).items():  # both at once
+            summary, rows = dep.results()
+            assert len(rows) == 2 and summary["status"] == "completed", name
             assert_same_metrics(rows, sim)
             assert_payload_is_the_ledger(summary)
             per_client = 2 if name == "zo_hfl" else 1  # ZO-HFL: the + and - solves

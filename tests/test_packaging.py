@@ -129,14 +129,18 @@ def test_the_wheel_installs_beside_other_versions_and_runs_outside_the_source_tr
     _run([sys.executable, "-m", "venv", str(venv)])
     py = venv / "bin" / "python"
     _share_torch(py, tmp_path / "shared-torch")
-    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    _run([*pip, "torch==2.13.0", *(f"{n}=={v}" for n, v in THEIRS.items())])
-    _run([*pip, str(wheel)])
+    # the fresh environment sees only itself: with the source tree on PYTHONPATH (and the build's egg-info
+    # in it), pip would find fedweave installed already and skip the wheel
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # --no-compile: no bytecode written ahead for every module of every package (most of pip's time here);
+    # Python compiles what a run imports
+    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]
+    _run([*pip, "torch==2.13.0", *(f"{n}=={v}" for n, v in THEIRS.items())], env=env)
+    _run([*pip, str(wheel)], env=env)
     assert _versions(py, list(THEIRS)) == THEIRS  # nothing downgraded or replaced
 
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     exe = str(venv / "bin" / "fedweave")
     origin = _run([str(py), "-c", "import fedweave; print(fedweave.__file__)"], cwd=outside, env=env)
     assert str(venv) in origin  # the installed package, not the source tree
