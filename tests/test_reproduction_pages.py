@@ -315,7 +315,8 @@ def test_a_copied_table_is_the_reports_and_a_missing_one_is_one_line():
 @pytest.mark.parametrize("name", ["afind", "cse-fsl", "fedmim"])
 def test_the_paper_scale_table_is_the_committed_estimate(name):
     """The page's "What a paper-scale run needs" table is, byte for byte, what ``benchmarks/paper_scale_cost.py``
-    renders from the committed ``paper-scale.csv`` (an edited number there fails here)."""
+    renders from the committed ``paper-scale.csv`` and ``paper-scale-gpu.csv`` (an edited number in either fails
+    here)."""
     import importlib.util
 
     from fedweave.experiments.pages import table_after
@@ -326,7 +327,7 @@ def test_the_paper_scale_table_is_the_committed_estimate(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     page = (PAGES / f"{name}.md").read_text(encoding="utf-8")
-    want = module.page_table(read_csv(PAGES / "paper-scale.csv"), name)
+    want = module.page_table(read_csv(PAGES / "paper-scale.csv"), read_csv(PAGES / "paper-scale-gpu.csv"), name)
     assert table_after(page, "## What a paper-scale run needs") == want
 
 
