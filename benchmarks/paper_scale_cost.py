@@ -10,9 +10,7 @@ its definition (the ``passes`` column says how). From these:
 
 - CPU core-hours = passes x the measured seconds per sample (one thread; evaluation, aggregation and data
   loading are left out, so it is a lower bound);
-- H100 hours = passes x FLOPs per sample / an effective rate. No GPU was measured here: the rate is an
-  assumption, given as a range, 10 to 50 TFLOP/s (about 2-10 % of the H100's dense TF32 tensor peak of 495
-  TFLOP/s, the range small CNNs at batch 50-128 reach; ``benchmarks/gpu.py`` measures the real one on a GPU).
+- the FLOPs per sample are shown beside it; GPU hours are measured, not derived from them (below).
 
 With ``--device cuda`` the same steps are timed on the GPU instead (wall clock, synchronized; float32 with TF32
 off, as fedweave's ``precision: float32`` computes on CUDA) and written to ``paper-scale-gpu.csv``: GPU ms per
@@ -27,6 +25,7 @@ ZO-HFL (softmax regression) and CFL-SAGA (closed-form problems) need no GPU; the
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -37,8 +36,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from fedweave.experiments.tables import write_csv
 from fedweave.models.build import build_model
 from fedweave.models.split import build_split_model
-
-RATES = (10e12, 50e12)  # the assumed effective H100 training rates, FLOP/s (module docstring)
 
 # paper, what runs, model, input shape, classes, batch size, passes per run, runs, how the passes are counted
 WORKLOADS = [
@@ -108,10 +105,14 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="docs/reproductions/paper-scale.csv")
+    parser.add_argument("--out", help="default docs/reproductions/paper-scale.csv (paper-scale-gpu.csv on a GPU)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: time the steps on the GPU")
     opts = parser.parse_args(argv)
+    if opts.out is None:  # the GPU rows never land in the CPU file by default
+        opts.out = (
+            "docs/reproductions/paper-scale.csv" if opts.device == "cpu" else "docs/reproductions/paper-scale-gpu.csv"
+        )
     if opts.device != "cpu":
         return _gpu(opts)
     torch.set_num_threads(1)
@@ -123,8 +124,6 @@ def main(argv: list[str] | None = None) -> int:
             "paper": paper, "runs": what, "model": model, "batch": batch, "passes_per_run": passes,
             "n_runs": runs, "passes_counted_as": how, "cpu_ms_per_sample": round(1e3 * sec, 3),
             "mflop_per_sample": round(flops / 1e6, 1), "cpu_core_hours": round(total * sec / 3600),
-            "h100_hours_low": round(total * flops / RATES[1] / 3600, 1),
-            "h100_hours_high": round(total * flops / RATES[0] / 3600, 1),
         })  # fmt: skip
         print(rows[-1], flush=True)
     write_csv(Path(opts.out), rows)
@@ -136,7 +135,10 @@ def _gpu(opts: argparse.Namespace) -> int:
     from fedweave.execution.placement import full_float32_on_cuda
 
     if not torch.cuda.is_available():
-        raise SystemExit(f"error: --device {opts.device}: no CUDA device here")
+        print(
+            f"error: --device {opts.device}: no CUDA device here (torch.cuda.is_available() is False)", file=sys.stderr
+        )
+        return 2
     full_float32_on_cuda()
     name = torch.cuda.get_device_name()
     rows = []
@@ -156,15 +158,21 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-def page_table(rows: list[dict], paper: str) -> str:
-    """The table a reproduction page shows of ``paper``'s rows of the CSV (``read_csv``): what runs, the model
-    and batch, the training passes, the measured CPU time per sample, the core-hours and the H100 range."""
+def page_table(rows: list[dict], gpu_rows: list[dict], paper: str) -> str:
+    """The table a reproduction page shows of ``paper``'s rows of the CPU CSV and the GPU CSV (``read_csv`` of
+    ``paper-scale.csv`` and ``paper-scale-gpu.csv``): what runs, the model and batch, the training passes, the
+    measured CPU time per sample and core-hours, the measured GPU time per sample and GPU hours, and the GPU."""
     from fedweave.experiments.tables import markdown_table
 
+    gpu = {(g["paper"], g["runs"]): g for g in gpu_rows}
+    mine = [r for r in rows if r["paper"] == paper]
     header = ["what runs", "model, batch", "training passes (how counted)", "CPU ms per sample (1 thread)",
-              "MFLOP per sample", "CPU core-hours", "H100 hours at 50 / 10 TFLOP/s"]  # fmt: skip
+              "MFLOP per sample", "CPU core-hours", "GPU ms per sample", "GPU hours",
+              "GPU (precision, torch)"]  # fmt: skip
     body = [[r["runs"], f"`{r['model']}`, {r['batch']}",
              f"{r['passes_per_run'] * r['n_runs'] / 1e9:.2f} G ({r['n_runs']} runs x {r['passes_counted_as']})",
              f"{r['cpu_ms_per_sample']:.2f}", f"{r['mflop_per_sample']:.0f}", f"{r['cpu_core_hours']:,}",
-             f"{r['h100_hours_low']:g} / {r['h100_hours_high']:g}"] for r in rows if r["paper"] == paper]  # fmt: skip
+             f"{gpu[paper, r['runs']]['gpu_ms_per_sample']:.4f}", f"{gpu[paper, r['runs']]['gpu_hours']:.1f}",
+             "{device} ({precision}, {torch})".format_map(gpu[paper, r["runs"]])]
+            for r in mine]  # fmt: skip
     return markdown_table(header, body)

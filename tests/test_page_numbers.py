@@ -57,7 +57,9 @@ def scanned(name: str, page: str) -> list[tuple[int, str]]:
         from fedweave.experiments.tables import read_csv
 
         table = table_after(page, PAPER_SCALE)
-        if table == _paper_scale_cost().page_table(read_csv(PAGES / "paper-scale.csv"), name):
+        if table == _paper_scale_cost().page_table(
+            read_csv(PAGES / "paper-scale.csv"), read_csv(PAGES / "paper-scale-gpu.csv"), name
+        ):
             first = page[: page.index(table)].count("\n") + 1
             rows = range(first, first + table.count("\n"))
             found = [(i, t) for i, t in found if i not in rows]

@@ -315,7 +315,8 @@ def test_a_copied_table_is_the_reports_and_a_missing_one_is_one_line():
 @pytest.mark.parametrize("name", ["afind", "cse-fsl", "fedmim"])
 def test_the_paper_scale_table_is_the_committed_estimate(name):
     """The page's "What a paper-scale run needs" table is, byte for byte, what ``benchmarks/paper_scale_cost.py``
-    renders from the committed ``paper-scale.csv`` (an edited number there fails here)."""
+    renders from the committed ``paper-scale.csv`` and ``paper-scale-gpu.csv`` (an edited number in either fails
+    here)."""
     import importlib.util
 
     from fedweave.experiments.pages import table_after
@@ -326,7 +327,7 @@ def test_the_paper_scale_table_is_the_committed_estimate(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     page = (PAGES / f"{name}.md").read_text(encoding="utf-8")
-    want = module.page_table(read_csv(PAGES / "paper-scale.csv"), name)
+    want = module.page_table(read_csv(PAGES / "paper-scale.csv"), read_csv(PAGES / "paper-scale-gpu.csv"), name)
     assert table_after(page, "## What a paper-scale run needs") == want
 
 
@@ -378,3 +379,41 @@ def test_fedmim_same_cell_table_counts_equal_runs_and_the_largest_difference(tmp
     assert "| `small` | `epochs`, E = 1 | FedAvg | 1 of 1 | 0.00 |" in table
     assert "| `long`, round 50 | `ablation`, J = 0 and default rows | FedAvg | 1 of 1 | 0.00 |" in table
     assert table.count("\n") == 2 + 6  # every two of the four presets share a run
+
+
+def _paper_scale_cost():
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "paper_scale_cost.py"
+    spec = importlib.util.spec_from_file_location("paper_scale_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_edited_gpu_number_changes_the_paper_scale_table():
+    """The table renders the committed GPU measurements, so an edited one no longer matches the page; the CPU file
+    keeps only measurements (no assumed-rate columns)."""
+    from fedweave.experiments.tables import read_csv
+
+    module = _paper_scale_cost()
+    cpu, gpu = read_csv(PAGES / "paper-scale.csv"), read_csv(PAGES / "paper-scale-gpu.csv")
+    page = (PAGES / "fedmim.md").read_text(encoding="utf-8")
+    assert module.page_table(cpu, gpu, "fedmim") in page
+    for column in ("gpu_hours", "gpu_ms_per_sample", "device"):
+        edited = [dict(row) for row in gpu]
+        edited[0][column] = 99.0 if column != "device" else "Another GPU"
+        assert module.page_table(cpu, edited, "fedmim") not in page, column
+    assert not {"h100_hours_low", "h100_hours_high"} & set(cpu[0])
+
+
+def test_the_paper_scale_benchmark_without_a_gpu_is_one_line(monkeypatch, capsys, tmp_path):
+    import torch
+
+    module = _paper_scale_cost()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "gpu.csv"
+    assert module.main(["--device", "cuda", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --device cuda: no CUDA device here (torch.cuda.is_available() is False)\n"
+    assert not out.exists()
