@@ -360,6 +360,8 @@ ALLOWED_HOST_READS = {
     "no device synchronisation",
     ("execution/local.py", "torch.cat(draws).numpy()"): "the batch plan's permutations, drawn on the CPU "
     "(device='cpu'): no device synchronisation",
+    ("execution/local.py", "c[drawn].tolist()"): "the batch plan's client ids, a numpy array on the host: no "
+    "device synchronisation",
 }
 
 
