@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from importlib.util import find_spec
 
 import numpy as np
@@ -59,6 +61,18 @@ def _one_torch_thread():
     """Every test starts on one intra-op thread, whatever thread count an earlier run set."""
     torch.set_num_threads(1)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_put_back():
+    """Every test leaves Ctrl-C's and SIGTERM's handlers as it found them: a library a test runs in-process may
+    install its own (an exit handler), and a later test that sends itself SIGINT must meet Python's."""
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    before = {s: signal.getsignal(s) for s in sigs} if threading.current_thread() is threading.main_thread() else {}
+    yield
+    for s, handler in before.items():
+        if handler is not None and signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
 
 
 def make_toy(n_train: int = 1200, n_test: int = 300, side: int = 6, classes: int = 4, seed: int = 0) -> Dataset:
