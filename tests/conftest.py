@@ -65,8 +65,8 @@ def _one_torch_thread():
 
 @pytest.fixture(autouse=True)
 def _signal_handlers_put_back():
-    """Every test leaves Ctrl-C's and SIGTERM's handlers as it found them: a library a test runs in-process may
-    install its own (an exit handler), and a later test that sends itself SIGINT must meet Python's."""
+    """Every test leaves Ctrl-C's and SIGTERM's handlers as it found them, so that a handler one test (or a
+    library it runs in-process) installs cannot change what a later test's signal does."""
     sigs = (signal.SIGINT, signal.SIGTERM)
     before = {s: signal.getsignal(s) for s in sigs} if threading.current_thread() is threading.main_thread() else {}
     yield

@@ -186,7 +186,16 @@ def test_a_planted_probe_link_is_not_followed(tmp_path):
     assert victim.read_text() == "precious"
 
 
-def test_a_users_temporary_files_in_the_run_directory_are_kept(tmp_path):
+@pytest.fixture
+def python_ctrl_c():
+    """Ctrl-C as a terminal's foreground program meets it: Python's own handler (KeyboardInterrupt), whatever
+    the process inherited or an earlier test left."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_users_temporary_files_in_the_run_directory_are_kept(tmp_path, python_ctrl_c):
     # a run stopped by Ctrl-C after round 1; the user then leaves files of theirs in its directory and resumes
     class CtrlC(fedweave.callbacks.Callback):
         def on_round_end(self, run, r):
@@ -220,7 +229,7 @@ def test_a_plain_run_into_a_users_folder_is_refused_and_writes_nothing(tmp_path,
 
 
 # ---- 4. the round named after a signal is the checkpoint on disk -------------------------------------------
-def test_a_signal_just_after_a_checkpoint_names_that_checkpoint(tmp_path, monkeypatch):
+def test_a_signal_just_after_a_checkpoint_names_that_checkpoint(tmp_path, monkeypatch, python_ctrl_c):
     import fedweave.checkpoints as checkpoints
 
     real, written = checkpoints.atomic_write, []
