@@ -211,7 +211,6 @@ def _generated_claims(name: str) -> dict[str, list[tuple[str, str, str]]]:
     measured) rows its reproduce module generates from it for the page (FedMIM: every claim's declared rule on the
     per-seed ``results.csv``; ZO-HFL: the claims of spec §9.2 by their declared rules on each per-seed
     ``results.csv``, with nothing in the measured column)."""
-    import json
 
     from fedweave.experiments.tables import read_csv
     from fedweave.reproduce import fedmim, zo_hfl
@@ -222,17 +221,8 @@ def _generated_claims(name: str) -> dict[str, list[tuple[str, str, str]]]:
             rows = zo_hfl.verdicts(read_csv(f))
             out[str(f.relative_to(PAGES / name))] = [(v.claim, v.interval, "") for v in rows]
         return out
-    if name == "fedmim":
-        for source, v in fedmim.page_verdicts(PAGES / name):
-            out.setdefault(source, []).append((v.claim, fedmim.verdict_cell(v), v.measured))
-        return out
-    for f in sorted((PAGES / name).rglob("claims.json")):
-        data = json.loads(f.read_text(encoding="utf-8"))
-        if isinstance(data, list):  # a Table II / III / Fig. 2a preset: the rows themselves
-            rows = [(c["claim"], c["verdict"], c["measured"]) for c in data]
-        else:
-            rows = fedmim.claim_rows(data)
-        out[str(f.relative_to(PAGES / name))] = rows
+    for source, v in fedmim.page_verdicts(PAGES / name):  # fedmim
+        out.setdefault(source, []).append((v.claim, fedmim.verdict_cell(v), v.measured))
     return out
 
 
