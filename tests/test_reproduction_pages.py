@@ -256,7 +256,9 @@ def test_an_edited_generated_number_is_found_and_rewritten(tmp_path):
 
     page = tmp_path / "zo-hfl.md"
     committed = (PAGES / "zo-hfl.md").read_text(encoding="utf-8")
-    page.write_text(committed.replace("+4.07 [2.62, 5.53] held", "+4.07 [2.62, 5.53] did not hold", 1))
+    edited = committed.replace("] held; 95 % paired t", "] did not hold; 95 % paired t", 1)  # a held rule's verdict
+    assert edited != committed
+    page.write_text(edited)
     sections = study("zo-hfl").sections(PAGES / "zo-hfl")
     assert update(page, sections) and page.read_text(encoding="utf-8") == committed
     assert not update(page, sections)  # nothing to change: the file is left as it is
