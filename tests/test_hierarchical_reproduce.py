@@ -36,6 +36,23 @@ def test_smoke_preset_writes_table_claims_and_plots(tmp_path):
         assert round(by[(r["method"], float(r["alpha"]), float(r["beta"]))], 2) == float(r["acc_mean"])
 
 
+def test_the_small_presets_sweep_and_sensitivity_rows_follow_the_seeds_up_to_5():
+    """--seeds 5 gives the tau sweep and the sensitivity rows 5 seeds, like Table I's rows (3 left C3
+    undecided); the default --seeds 3 plans the same 315 runs as before."""
+    from types import SimpleNamespace
+
+    def plan(seeds):
+        opts = SimpleNamespace(scale="small", rounds=None, seeds=seeds, tune=False, out="runs")
+        configs = zo_hfl.study_plan(opts).context[2]
+        sweep = {c["seed"] for c in configs if c["rounds"] < zo_hfl.PRESETS["small"].rounds}
+        methods = zo_hfl.PRESETS["small"].sensitivity  # a run's name: dataset-alpha-beta-method-tau-rounds-seed
+        sensitivity = {c["seed"] for c in configs if c["name"].split("-")[3] in methods}
+        return len(configs), sweep, sensitivity
+
+    assert plan(None) == (315, {0, 1, 2}, {0, 1, 2})
+    assert plan(5) == (525, set(range(5)), set(range(5)))
+
+
 def test_paper_table_is_the_papers():
     # spec §6.1: ZO-HFL best in 5 of the 6 heterogeneous cells; mean over all 9 cells 76.28
     t = zo_hfl.PAPER_TABLE
