@@ -205,7 +205,6 @@ def _generated_claims(name: str) -> dict[str, list[tuple[str, str, str]]]:
     measured) rows its reproduce module generates from it for the page (FedMIM: every claim's declared rule on the
     per-seed ``results.csv``; ZO-HFL: the claims of spec §9.2 by their declared rules on each per-seed
     ``results.csv``, with nothing in the measured column)."""
-
     from fedweave.experiments.tables import read_csv
     from fedweave.reproduce import fedmim, zo_hfl
 
@@ -303,15 +302,10 @@ def test_the_paper_scale_table_is_the_committed_estimate(name):
     """The page's "What a paper-scale run needs" table is, byte for byte, what ``benchmarks/paper_scale_cost.py``
     renders from the committed ``paper-scale.csv`` and ``paper-scale-gpu.csv`` (an edited number in either fails
     here)."""
-    import importlib.util
-
     from fedweave.experiments.pages import table_after
     from fedweave.experiments.tables import read_csv
 
-    path = Path(__file__).parents[1] / "benchmarks" / "paper_scale_cost.py"
-    spec = importlib.util.spec_from_file_location("paper_scale_cost", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _paper_scale_cost()
     page = (PAGES / f"{name}.md").read_text(encoding="utf-8")
     want = module.page_table(read_csv(PAGES / "paper-scale.csv"), read_csv(PAGES / "paper-scale-gpu.csv"), name)
     assert table_after(page, "## What a paper-scale run needs") == want
