@@ -397,3 +397,16 @@ def test_the_paper_scale_benchmark_without_a_gpu_is_one_line(monkeypatch, capsys
     err = capsys.readouterr().err
     assert err == "error: --device cuda: no CUDA device here (torch.cuda.is_available() is False)\n"
     assert not out.exists()
+
+
+def test_zo_hfl_cost_row_of_an_invocation_that_reused_runs_counts_the_runs_it_ran():
+    """The wall and CPU time of an invocation that reused earlier runs are those of the runs it ran: its row
+    says how many it ran and how many it reused, not only the preset's total."""
+    import json
+
+    from fedweave.reproduce import zo_hfl
+
+    meta = json.loads((PAGES / "zo-hfl" / "claims.json").read_text(encoding="utf-8"))["meta"]
+    assert meta["reused"] > 0
+    row = next(line for line in zo_hfl.cost_section(PAGES / "zo-hfl").splitlines() if "last invocation" in line)
+    assert row.split(" | ")[1] == f"{meta['runs'] - meta['reused']} (and {meta['reused']} reused)"

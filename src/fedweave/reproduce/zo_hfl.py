@@ -724,7 +724,9 @@ def cost_section(folder: Path) -> str:
     wall, cpu, load = stated(folder / "tune.md", TUNE_COST)  # its last line (``tune_md``)
     tune_runs = len(read_csv(folder / "tune.csv")) * 6  # one run per (lambda, mu) and setting, 1 seed
     body = [["`--tune`", tune_runs, f"{wall} s", f"{cpu} s", load]]
-    body += [["`--scale small` (the last invocation)", meta["runs"], *invocation]]
+    # the invocation's wall and CPU time are those of the runs it ran (and its rebuild), not of the ones it reused
+    ran = f"{meta['runs'] - meta['reused']} (and {meta['reused']} reused)" if meta.get("reused") else meta["runs"]
+    body += [["`--scale small` (the last invocation)", ran, *invocation]]
     rows, runs, total = read_csv(folder / "table.csv"), meta["runs"], round(sum(meta["run_cpu_seconds"].values()))
     part = lambda m: 0 if m in METHODS else 1 if m in SENSITIVITY else 2  # noqa: E731
     cpu = {
