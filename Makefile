@@ -11,6 +11,11 @@ TEST_EXTRAS := dev,ray,flower,tensorboard,mlflow,wandb,docs,privacy
 # Exact versions of every dependency for our own runs (the package itself declares ranges).
 CONSTRAINTS := constraints.txt
 TEST_WORKERS ?= 3
+# The data sets of the replay tests (tests/test_replay.py: committed reproduction cells run again), fetched and
+# verified into the cache before the suite and named in FEDWEAVE_TEST_DATA, so that on a fresh machine a replay
+# runs instead of skipping, and a data set that cannot be had fails its replay.
+comma := ,
+TEST_DATA := mnist,fashion_mnist,adult
 # The tests marked slow (real Flower processes, a wheel installed into a fresh environment, killed sweeps, ...)
 # run under CI (CI=true) or with `make test SLOW=1`; a plain `make test` leaves them out.
 SLOW_TESTS := $(if $(CI)$(SLOW),,-m "not slow")
@@ -47,7 +52,8 @@ demo: $(STAMP)
 
 # Three pytest workers (pytest-xdist: the real-process Flower tests mostly wait, so a third keeps both cores busy); FEDWEAVE_TEST_EXTRAS makes a missing optional package a failure, not a skip.
 test: $(TEST_STAMP)
-	FEDWEAVE_TEST_EXTRAS=$(TEST_EXTRAS) $(BIN)/python -m pytest -n $(TEST_WORKERS) $(SLOW_TESTS)
+	$(BIN)/fedweave data fetch $(subst $(comma), ,$(TEST_DATA))
+	FEDWEAVE_TEST_EXTRAS=$(TEST_EXTRAS) FEDWEAVE_TEST_DATA=$(TEST_DATA) $(BIN)/python -m pytest -n $(TEST_WORKERS) $(SLOW_TESTS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py

@@ -294,7 +294,7 @@ OTHER_COMMANDS = [
     (["run", "--resume", "nowhere"], "nowhere"),
     (["run", "--resume", "nowhere", "--out", "x"], "--out"),
     (["data"], "{fetch,verify}"),
-    (["data", "fetch"], "name"),
+    (["data", "fetch"], "NAME"),
     (["data", "verify", "NOSUCH"], "NOSUCH"),
     (["plot"], "run_dirs"),
     (["plot", "nowhere"], "nowhere"),
@@ -365,6 +365,13 @@ def test_data_fetch_of_an_unknown_dataset(capsys, tmp_path, monkeypatch):
 def test_data_fetch_with_a_missing_root_is_refused(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("FEDWEAVE_DATA", str(tmp_path))
     _one_line_error(capsys, cli_main(["data", "fetch", "mnist", "--root", str(tmp_path / "no")]), "does not exist")
+
+
+def test_data_fetch_of_several_datasets_with_one_root_is_refused(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDWEAVE_DATA", str(tmp_path / "cache"))
+    out = cli_main(["data", "fetch", "mnist", "adult", "--root", str(tmp_path)])
+    _one_line_error(capsys, out, "--root holds the files of one dataset; give one NAME, not 2")
+    assert not (tmp_path / "cache").exists()
 
 
 def test_plot_of_an_unknown_metric_lists_the_metrics(toy_config, tmp_path, capsys):
@@ -761,6 +768,10 @@ def test_data_fetch_hashes_every_time(cached_mnist, capsys, monkeypatch):
     assert hashed == []  # a run's quick check: identity unchanged, nothing hashed
     assert cli_main(["data", "fetch", "mnist"]) == 0
     assert sorted(hashed) == sorted(sources.SPECS["mnist"].files)
+    hashed.clear()
+    assert cli_main(["data", "fetch", "mnist", "mnist"]) == 0  # several names: each fetched once, in order
+    assert sorted(hashed) == sorted(sources.SPECS["mnist"].files)
+    assert capsys.readouterr().out.count("mnist: ") == 2
     assert cli_main(["data", "verify"]) == 0
     assert "mnist: OK" in capsys.readouterr().out
 

@@ -10,8 +10,9 @@ record is rerun on this machine type and committed with a line in its page's his
 strict replay again (CSE-FSL digits h = 1, AFIND+ FedAvg Path 2 and FedMIM MNIST FedAvg, 26 Nov 2026).
 
 The pages' other committed records are not replayed: the ZO-HFL presets' per-seed rows are new (the Adult
-preset's are replayed below). A Fashion-MNIST cell (FedMIM's Table II) needs a data set that a test does not
-download: a cell whose data are not in the cache is skipped.
+preset's are replayed below). A test downloads nothing: a cell whose data set is not in the cache is skipped,
+unless FEDWEAVE_TEST_DATA names it (``make test`` fetches the data sets of these cells first and names them
+there, so that a fresh machine runs every replay instead of skipping it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import csv
 import dataclasses
 import json
 import math
+import os
 import re
 import time
 from collections.abc import Callable
@@ -54,13 +56,27 @@ def replay(name: str, argv: list[str], pick: Callable[[Any], bool], out: Path) -
 
 
 def cached(dataset: str) -> None:
-    """Skip unless ``dataset``'s verified files are in the data cache (a test downloads nothing)."""
+    """Skip unless ``dataset``'s verified files are in the data cache (a test downloads nothing); fail instead
+    when FEDWEAVE_TEST_DATA (comma-separated) names it: the run was meant to replay it."""
     from fedweave.data.sources import DataNotFoundError, resolve
 
     try:
         resolve(dataset, offline=True)
     except DataNotFoundError:
-        pytest.skip(f"{dataset} is not in the data cache (fedweave data fetch {dataset})")
+        why = f"{dataset} is not in the data cache (fedweave data fetch {dataset})"
+        if dataset in os.environ.get("FEDWEAVE_TEST_DATA", "").split(","):
+            pytest.fail(f"FEDWEAVE_TEST_DATA names {dataset}, but {why}")
+        pytest.skip(why)
+
+
+def test_a_cell_without_its_data_skips_unless_the_run_names_its_data(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDWEAVE_DATA", str(tmp_path / "empty"))
+    monkeypatch.setenv("FEDWEAVE_TEST_DATA", "fashion_mnist,adult")
+    with pytest.raises(pytest.skip.Exception, match="mnist is not in the data cache"):
+        cached("mnist")
+    with pytest.raises(pytest.fail.Exception, match="FEDWEAVE_TEST_DATA names adult, but adult is not in the data"):
+        cached("adult")
+    assert not (tmp_path / "empty").exists()  # nothing was downloaded
 
 
 def _values(pt) -> dict[str, Any]:

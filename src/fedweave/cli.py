@@ -103,11 +103,15 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def _cmd_data(args: argparse.Namespace) -> int:
     from fedweave.data.sources import SourceFailed, fetch
 
-    if args.root is not None and not Path(args.root).expanduser().is_dir():
-        what = "is not a directory" if Path(args.root).expanduser().exists() else "does not exist"
-        raise SourceFailed(f"--root {args.root!r} {what}; give the directory that holds the {args.name} files")
-    path = fetch(args.name, root=args.root, rehash=True)  # "fetch and verify": hash the files every time
-    print(f"{args.name}: {path}")
+    if args.root is not None:
+        if len(args.names) > 1:
+            raise SourceFailed(f"--root holds the files of one dataset; give one NAME, not {len(args.names)}")
+        if not Path(args.root).expanduser().is_dir():
+            what = "is not a directory" if Path(args.root).expanduser().exists() else "does not exist"
+            raise SourceFailed(f"--root {args.root!r} {what}; give the directory that holds the {args.names[0]} files")
+    for name in dict.fromkeys(args.names):  # in order, each once
+        path = fetch(name, root=args.root, rehash=True)  # "fetch and verify": hash the files every time
+        print(f"{name}: {path}", flush=True)
     return 0
 
 
@@ -311,8 +315,8 @@ def parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("data", help="dataset files")
     dsub = d.add_subparsers(dest="data_command", required=True, metavar="{fetch,verify}")
-    f = dsub.add_parser("fetch", help="fetch and verify a dataset into the cache")
-    f.add_argument("name")
+    f = dsub.add_parser("fetch", help="fetch and verify datasets into the cache")
+    f.add_argument("names", nargs="+", metavar="NAME", help="datasets to fetch, in order (`fedweave list` names them)")
     f.add_argument("--root", help="a directory that already holds the files")
     f.set_defaults(fn=_cmd_data)
     v = dsub.add_parser("verify", help="hash cached dataset files against their checksums now")
