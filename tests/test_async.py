@@ -138,22 +138,99 @@ def test_compression_composes_with_fedbuff():
         ({"consistency": True}, "algorithm.consistency: fedbuff has no round of local models"),
         ({"name": "fedasync", "server_lr": 0.5}, "algorithm.server_lr: fedasync's server step is its mixing weight"),
         ({"name": "fedasync", "alpha": 0.0}, "algorithm.alpha must be in (0, 1]"),
+        ({"faults": {"outage_rounds": [2]}}, "faults.outage_rounds: fedbuff has no round that every client misses"),
+        ({"faults": {"dropout": 1.0}}, "faults.dropout must be < 1 for fedbuff"),
     ],
 )
 def test_bad_async_config_is_one_line(opts, expect):
     opts = dict(opts)
+    faults = opts.pop("faults", {})
+    cfg = _async(opts.pop("name", "fedbuff"), **opts)
     with pytest.raises(ConfigError) as e:
-        _algo(_async(opts.pop("name", "fedbuff"), **opts))
+        _algo({**cfg, "faults": {**cfg["faults"], **faults}})
     assert expect in str(e.value)
 
 
-def test_faults_and_flower_are_refused_and_list_shows_them(tmp_path, monkeypatch, capsys):
+# ---- injected faults: dropouts and a deadline ----------------------------------------------------------
+def _jobs(events: list) -> dict[int, list]:
+    """Per job id, its events in order: (event, time, client)."""
+    out: dict[int, list] = {}
+    for t, e, c, j, *_ in events:
+        if j >= 0:
+            out.setdefault(j, []).append((e, t, c))
+    return out
+
+
+def test_a_deadline_abandons_the_slow_client_at_the_deadline():
+    """Works 0.5, 1, 1.5 at equal speeds and a deadline of 1.2: client 2 never reports; the server frees its slot
+    1.2 after each dispatch, and the other two arrive when they would have."""
+    algo = _algo({**_three("fedbuff", buffer_size=1), "faults": {"speed_sigma": 0.0, "deadline": 1.2}})
+    rows = [algo.run_round(r) for r in range(6)]
+    jobs = _jobs(algo.events)
+    timeouts = [ev for ev in jobs.values() if ev[0][2] == 2]
+    assert len(timeouts) >= 2 and all(len(ev) <= 2 for ev in timeouts)
+    for ev in timeouts:  # dispatch at s, timeout at s + 1.2 (while in flight: dispatched only)
+        assert ev[0][0] == "dispatch" and (len(ev) == 1 or (ev[1][0], ev[1][1]) == ("timeout", ev[0][1] + 1.2))
+    work = {0: 0.5, 1: 1.0}
+    for ev in (ev for ev in jobs.values() if ev[0][2] != 2 and len(ev) == 2):
+        assert ev[1][0] == "arrive" and ev[1][1] == ev[0][1] + work[ev[0][2]]
+    assert [m["sim_time"] for m in rows] == [0.5, 1.0, 1.0, 1.5, 2.0, 2.0]
+    assert algo.ledger.bytes("up") == 6 * algo.ledger.bytes("up", round=0)  # one upload a step, none from 2
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+def test_dropped_clients_deliver_nothing_and_free_their_slot_when_they_would_have_reported(backend):
+    cfg = _async("fedbuff", rounds=8, backend=backend, sigma=0.5, concurrency=5, buffer_size=2)
+    faulty, clean = _algo({**cfg, "faults": {"speed_sigma": 0.5, "dropout": 0.4}}), _algo(cfg)
+    for r in range(8):
+        faulty.run_round(r)
+        clean.run_round(r)
+    jobs = _jobs(faulty.events)
+    dropped = [ev for ev in jobs.values() if len(ev) == 2 and ev[1][0] == "drop"]
+    arrived = [ev for ev in jobs.values() if len(ev) == 2 and ev[1][0] == "arrive"]
+    assert len(dropped) >= 3 and len(arrived) == 16  # 8 steps of 2 uploads
+    assert all(len(ev) in (1, 2) for ev in jobs.values())  # one end each (or still in flight)
+    # a dropped client is lost when it would have reported: its time is its speed times its work, as an arrival's
+    speed = lambda c: float(faulty.faults.arrival_times(0, np.array([c]), faulty.client_work(np.array([c])))[0])  # noqa: E731
+    for ev in dropped + arrived:
+        assert ev[1][1] - ev[0][1] == pytest.approx(speed(ev[0][2]), rel=1e-12)
+    # only the arrivals upload (no compression: one dense message each), every dispatch downloads
+    assert faulty.ledger.bytes("up") == 16 * clean.ledger.bytes("up", round=0) / 2
+    sent = sum(e == "dispatch" for _, e, *_ in clean.events)
+    assert faulty.ledger.bytes("down") == len(jobs) * clean.ledger.bytes("down") / sent
+    assert not any(j in faulty.ys or j in faulty.starts for j, ev in jobs.items() if ev[-1][0] == "drop")
+    assert not torch.equal(faulty.x, clean.x)
+
+
+def test_faults_keep_loop_and_vmap_on_the_same_schedule_and_resume_identically(tmp_path):
+    cfg = _async("fedbuff", rounds=6, sigma=0.5, concurrency=5, buffer_size=2)
+    cfg["faults"] = {"speed_sigma": 0.5, "dropout": 0.3, "deadline": 2.0}
+    algos = [_algo({**cfg, "backend": b}) for b in ("loop", "vmap")]
+    xs = [_rounds(a, 6) for a in algos]
+    torch.testing.assert_close(xs[0], xs[1], rtol=1e-5, atol=1e-6)
+    assert algos[0].events == algos[1].events
+    assert {e for _, e, *_ in algos[0].events} >= {"drop", "timeout", "arrive"}
+    full = fedweave.run(cfg, run_dir=tmp_path / "full")
+    cfg2 = {**cfg, "output": {**cfg["output"], "checkpoint_every": 3}}
+    fedweave.run({**cfg2, "rounds": 3}, run_dir=tmp_path / "part")
+    resumed = run_config(load({**cfg2, "rounds": 6}), run_dir=tmp_path / "part", resume=True)
+    assert torch.equal(resumed.algorithm.x, full.algorithm.x)
+    assert (tmp_path / "part" / "events.csv").read_text() == (tmp_path / "full" / "events.csv").read_text()
+
+
+def test_a_deadline_below_every_clients_time_stops_the_run_in_one_line():
+    algo = _algo({**_three("fedbuff", buffer_size=1), "faults": {"speed_sigma": 0.0, "deadline": 0.1}})
+    with pytest.raises(ConfigError, match=r"faults: 10,000 dispatches in a row delivered nothing"):
+        algo.run_round(0)
+
+
+def test_late_stragglers_and_flower_are_refused_and_list_shows_them(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     cfg = {**_cfg("fedbuff"), "dataset": {"name": "_toy"}, "partition": {"name": "iid", "num_clients": 4}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     assert cli_main(["flower-app", "c.yaml", "app"]) == 2
     assert "algorithm 'fedbuff' runs its asynchrony on the simulated clock" in capsys.readouterr().err
-    assert cli_main(["run", "c.yaml", "faults.dropout=0.1"]) == 2
+    assert cli_main(["run", "c.yaml", "faults.deadline=2", "faults.straggler_policy=late"]) == 2
     assert "algorithm 'fedbuff' does not handle this fault" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
     assert cli_main(["list"]) == 0

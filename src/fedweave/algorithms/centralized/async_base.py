@@ -14,6 +14,13 @@ staleness ``t - tau`` of the updates it used. Updates staler than ``max_stalenes
 Staleness weighting ``s(t - tau)`` (FedAsync Sec. 5.2): ``constant`` 1; ``polynomial`` ``(1 + t - tau)^-a``;
 ``hinge`` 1 if ``t - tau <= b`` else ``1 / (a (t - tau - b) + 1)``.
 
+Injected faults (docs/reliability.md), drawn per dispatch instant ``b`` and client: a client that drops out
+(``faults.dropout``) received the model and delivers nothing; the server learns it when the client would have
+reported (its connection closes), and the slot is free again from then. With ``faults.deadline`` (policy
+``drop``) the server abandons a job still out ``deadline`` after its dispatch and frees its slot then; its
+upload is never received. Neither kind trains: a lost job's result could not reach the server. Both are
+events of the log (``drop``, ``timeout``), and a server step waits for ``buffer_size`` uploads that arrive.
+
 - FedAsync (Alg. 1, "Updater"): every arrival is a server step ``x <- (1 - alpha_t) x + alpha_t y_i`` with
   ``alpha_t = alpha s(t - tau)``.
 - FedBuff (Alg. 1): arrivals ``Delta_i = y_i - x_tau`` fill a buffer of ``buffer_size``; when it is full,
@@ -38,6 +45,9 @@ from fedweave.config import ConfigError, Section
 
 EVENTS_FILE = "events.csv"
 EVENT_COLUMNS = ("time", "event", "client", "job", "version", "server_step")
+# dispatches in a row that deliver nothing (dropped or past the deadline) before a run stops: the faults leave
+# no client that reports, and the simulated clock would run forever
+MAX_LOST_IN_A_ROW = 10_000
 
 
 def staleness_weight(kind: str, tau: int, a: float, b: int) -> float:
@@ -73,10 +83,13 @@ class AsyncStar(StarAlgorithm):
     """The event-driven server of the asynchronous methods; a method fills in :meth:`apply`."""
 
     Hparams = AsyncHparams
-    handles_faults: ClassVar[tuple[str, ...]] = ()  # its clients' latencies are the simulation itself
+    # its clients' latencies are the simulation itself; a straggler that arrives late is the normal case (its
+    # staleness), so only a deadline that drops it is a fault
+    handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "deadline")
     asynchronous: ClassVar[bool] = True  # the deployment refuses it (fedweave.deploy.support)
     buffer_size: int = 1
     state_fields = (*StarAlgorithm.state_fields, "now", "dispatches", "jobs", "events", "in_flight", "starts", "ys")
+    state_fields += ("lost", "lost_in_a_row")
 
     def __init__(self, ctx, hp: AsyncHparams) -> None:
         super().__init__(ctx, hp)
@@ -88,6 +101,17 @@ class AsyncStar(StarAlgorithm):
         if hp.consistency:
             raise ConfigError(
                 f"algorithm.consistency: {self.name} has no round of local models to compare; leave it out"
+            )
+        faults = ctx.config.faults
+        if faults.outage_rounds:
+            raise ConfigError(
+                f"faults.outage_rounds: {self.name} has no round that every client misses (a server step waits for "
+                "buffer_size uploads); inject faults.dropout or faults.deadline instead"
+            )
+        if faults.dropout >= 1.0:
+            raise ConfigError(
+                f"faults.dropout must be < 1 for {self.name}: with 1 no client ever reports, and a server step "
+                "waits for its uploads"
             )
         self.concurrency = hp.concurrency or hp.clients_per_round
         if self.concurrency > ctx.num_clients:
@@ -103,6 +127,8 @@ class AsyncStar(StarAlgorithm):
         # each job's start model x_tau and local result y_i (and its loss), by job id
         self.starts: dict[int, torch.Tensor] = {}
         self.ys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lost: dict[int, str] = {}  # the jobs in flight that deliver nothing: job id -> "drop" or "timeout"
+        self.lost_in_a_row = 0  # jobs lost since the last upload that arrived
 
     # ---- the simulated clock ---------------------------------------------------------------------
     def dispatch(self, r: int) -> None:
@@ -117,13 +143,25 @@ class AsyncStar(StarAlgorithm):
         clients = np.sort(self.seeds.numpy("client_sampling", b).choice(idle, free, replace=False))
         self.dispatches += 1
         self.send(r, clients, "model", self.x)
-        local = self.trainer.train(self.x, clients, b, lr=self.trainer.lr(r))
         durations = self.faults.arrival_times(b, clients, self.client_work(clients))
+        # the faults of this dispatch instant (docs/reliability.md): a dropped client is lost when it would have
+        # reported, one past the deadline when the deadline passes; only the others train
+        lost = np.where(self.faults.dropped(b, clients), "drop", "")
+        deadline = self.faults.config.deadline
+        if deadline is not None:
+            lost = np.where((lost == "") & (durations > deadline), "timeout", lost)
+            durations = np.minimum(durations, deadline)
+        kept = lost == ""
+        local = self.trainer.train(self.x, clients[kept], b, lr=self.trainer.lr(r)) if kept.any() else None
+        row = np.cumsum(kept) - 1  # each kept client's row of the training call
         for j, c in enumerate(clients.tolist()):
             job = self.jobs
             self.jobs += 1
-            self.starts[job] = self.x
-            self.ys[job] = (local.params[j], local.loss[j])
+            if kept[j]:
+                self.starts[job] = self.x
+                self.ys[job] = (local.params[row[j]], local.loss[row[j]])
+            else:
+                self.lost[job] = str(lost[j])
             heapq.heappush(self.in_flight, [self.now + float(durations[j]), job, c, r])
             self.events.append([self.now, "dispatch", c, job, r, r])
 
@@ -136,6 +174,18 @@ class AsyncStar(StarAlgorithm):
                 self.dispatch(r)
             arrival, job, client, version = heapq.heappop(self.in_flight)
             self.now = arrival
+            if job in self.lost:  # nothing arrives: the slot is free from now
+                self.events.append([self.now, self.lost.pop(job), client, job, version, r])
+                self.lost_in_a_row += 1
+                if self.lost_in_a_row >= MAX_LOST_IN_A_ROW:
+                    f = self.faults.config
+                    raise ConfigError(
+                        f"faults: {self.lost_in_a_row:,} dispatches in a row delivered nothing (faults.dropout = "
+                        f"{f.dropout}, faults.deadline = {f.deadline}): no client reports; lower the dropout or "
+                        "raise the deadline"
+                    )
+                continue
+            self.lost_in_a_row = 0
             tau = r - version
             start, (y, loss) = self.starts.pop(job), self.ys.pop(job)
             if self.hp.max_staleness is not None and tau > self.hp.max_staleness:
