@@ -218,6 +218,20 @@ def test_faults_keep_loop_and_vmap_on_the_same_schedule_and_resume_identically(t
     assert (tmp_path / "part" / "events.csv").read_text() == (tmp_path / "full" / "events.csv").read_text()
 
 
+def test_a_checkpoint_written_before_faults_were_handled_resumes():
+    """Checkpoints of fedbuff runs written before ``lost`` and ``lost_in_a_row`` were in its state record lack
+    them; a run without faults loses no job, so the fresh values are the right ones."""
+    cfg = _async("fedbuff", rounds=6, sigma=0.5, concurrency=5, buffer_size=2)
+    full, part = _algo(cfg), _algo(cfg)
+    _rounds(full, 6)
+    _rounds(part, 3)
+    old = {k: v for k, v in part.state_dict().items() if k not in ("lost", "lost_in_a_row")}
+    resumed = _algo(cfg)
+    resumed.load_state_dict(old)
+    _rounds(resumed, 3, start=3)
+    assert torch.equal(resumed.x, full.x) and resumed.events == full.events
+
+
 def test_a_deadline_below_every_clients_time_stops_the_run_in_one_line():
     algo = _algo({**_three("fedbuff", buffer_size=1), "faults": {"speed_sigma": 0.0, "deadline": 0.1}})
     with pytest.raises(ConfigError, match=r"faults: 10,000 dispatches in a row delivered nothing"):

@@ -224,7 +224,12 @@ STATE_RECORDS = {
     "afl": ("x", "lam"),
     # the star's personalized methods: their personal models (and APFL's alpha) are the store's client state
     **dict.fromkeys(["fedper", "fedrep", "lg_fedavg", "fedbn", "apfl", "ditto_star", "pfedme", "perfedavg"], ("x",)),
-    **dict.fromkeys(["fedasync", "fedbuff"], ("x", "now", "dispatches", "jobs", "events", "in_flight", "starts", "ys")),
+    # the asynchronous methods' jobs lost to injected faults: keys added later, which an older checkpoint lacks (a
+    # run without faults loses none, so such a checkpoint resumes with the fresh, empty values)
+    **dict.fromkeys(
+        ["fedasync", "fedbuff"],
+        ("x", "now", "dispatches", "jobs", "events", "in_flight", "starts", "ys", "lost", "lost_in_a_row"),
+    ),
     **dict.fromkeys(["fedadam", "fedopt", "fedyogi", "fedadagrad", "fedavgm"], ("x", "m", "v")),
     "fedcm": ("x", "momentum"),
     "mofedsam": ("x", "momentum"),
