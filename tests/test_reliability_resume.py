@@ -239,7 +239,7 @@ STATE_RECORDS = {
     **dict.fromkeys(["hier_fedavg", "hier_fedprox", "hier_scaffold", "zo_hfl"], ("x",)),
     **dict.fromkeys(["cse_fsl", "fsl_an", "fsl_mc", "fsl_oc"], ("xc", "xs", "xa")),
     **dict.fromkeys(["afind", "afind_plus", "dfedavg", "dfedavgm", "dispfl", "ditto"], ()),
-    **dict.fromkeys(["fedavg_ft", "gossip", "local"], ()),
+    **dict.fromkeys(["fedavg_ft", "gossip", "local", "choco_sgd"], ()),
     "federico": ("pi", "tracked"),
     "fomo": ("affinity",),
     "pens": ("counts",),
