@@ -3,11 +3,11 @@
 Every node i keeps its model x_i and a public copy x̂_i of it, which each of its neighbours holds too
 (x̂_i = 0 at the start). One round:
 
-  x_i^{+} = the local training from x_i                  (line 3: one SGD step; here the run's local steps,
-                                                           as DFedAvg trains before it mixes)
-  q_i     = Q(x_i^{+} - x̂_i), sent to every neighbour     (lines 4-5)
-  x̂_j    <- x̂_j + q_j for j in N_i and i itself           (line 6: every holder of a copy adds the same q_j)
-  x_i     <- x_i^{+} + gamma sum_j w_ij (x̂_j - x̂_i)      (line 7)
+  x_i^{+} = the local training from x_i                  (the stochastic gradient step x^{t+1/2}; here the
+                                                           run's local steps, as DFedAvg trains before it mixes)
+  q_i     = Q(x_i^{+} - x̂_i), sent to every neighbour     (the compressed message)
+  x̂_j    <- x̂_j + q_j for j in N_i and i itself           (every holder of a copy adds the same q_j)
+  x_i     <- x_i^{+} + gamma sum_j w_ij (x̂_j - x̂_i)      (the consensus step)
 
 with w the Metropolis weights of the graph (symmetric and doubly stochastic, so the mean of the models is what
 the training left it: sum_i (W x̂ - x̂)_i = 0). What Q drops stays in x_i^{+} - x̂_i and is sent in a later round:
@@ -40,7 +40,7 @@ PUBLIC = "public"  # the store's table of the public copies x̂
 
 @dataclass
 class ChocoHparams(GraphHparams):
-    gamma: float = 1.0  # the consensus step size (Alg. 2, line 7); 1 with exact messages, below 1 with compression
+    gamma: float = 1.0  # the consensus step size of Alg. 2; 1 with exact messages, below 1 with compression
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -75,11 +75,11 @@ class ChocoSGD(GraphAlgorithm):
             c.check(self.layout.numel)
         self.mixing = metropolis_weights(self.graph)
         self.degrees = np.array([len(nb) for nb in self.neighbours])
-        self.store.create(PUBLIC, self.layout.numel, on_device=True)  # x̂_i = 0 (Alg. 2, input)
+        self.store.create(PUBLIC, self.layout.numel, on_device=True)  # x̂_i = 0 at the start (Alg. 2)
 
     def messages(self, r: int, diffs: torch.Tensor) -> torch.Tensor:
-        """q_i = Q(diffs_i) for every node (lines 4-5), each sent to its graph neighbours: the ledger bills the
-        encoded bytes once per neighbour."""
+        """q_i = Q(diffs_i) for every node, each sent to its graph neighbours: the ledger bills the encoded bytes
+        once per neighbour."""
         if self.compressor is None:  # dense: every message one model row
             self.peer(r, "model_delta", self.model_bytes, int(self.degrees.sum()))
             return diffs
@@ -92,9 +92,9 @@ class ChocoSGD(GraphAlgorithm):
         return out
 
     def run_round(self, r: int) -> dict[str, float]:
-        own = self.train_up(r, self.trainer, self.W)  # x^{+} (line 3)
-        public = self.store[PUBLIC] + self.messages(r, own.params - self.store[PUBLIC])  # line 6
+        own = self.train_up(r, self.trainer, self.W)  # x^{t+1/2}
+        public = self.store[PUBLIC] + self.messages(r, own.params - self.store[PUBLIC])  # x̂ + q
         mixed = gossip(public, self.mixing) - public  # sum_j w_ij (x̂_j - x̂_i), w doubly stochastic
         self.commit(PUBLIC, public)
-        self.commit("model", own.params + self.hp.gamma * mixed)  # line 7
+        self.commit("model", own.params + self.hp.gamma * mixed)  # the consensus step
         return {"train_loss": float(own.loss.mean()), "selected_mean": float(self.degrees.mean())}
