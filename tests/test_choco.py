@@ -85,6 +85,7 @@ def test_efsign_and_unscaled_randk_train_and_resume_identically(tmp_path):
         ({"name": "qsgd"}, {}, None, "choco_sgd needs a contraction for Q"),
         ({"name": "randk", "ratio": 0.2}, {}, None, "'randk' as configured is unbiased"),
         (None, {"gamma": 0.0}, None, "algorithm.gamma must be in (0, 1]"),
+        (None, {"neighbours": 3}, None, "algorithm.neighbours: choco_sgd talks to every graph neighbour"),
         (None, {"dp_sigma": 1.0, "dp_mode": "exchange"}, None, "algorithm.dp_mode 'exchange': choco_sgd"),
         (None, {}, {"link_loss": 0.1}, "algorithm 'choco_sgd' does not handle this fault"),
     ],

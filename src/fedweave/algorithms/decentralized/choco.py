@@ -15,8 +15,8 @@ the public copies are CHOCO's error feedback. Q is the run's ``compression.uploa
 contraction (Assumption 1: E ||Q(v) - v||^2 <= (1 - delta) ||v||^2): ``topk``, ``efsign``, or ``randk`` with
 ``error_feedback: true`` (its unscaled form); ``qsgd``, ``int8`` and the d/k-scaled ``randk`` are unbiased, not
 contractions, and are refused. Without a compressor Q is the identity, and gamma = 1 is DFedAvg with Metropolis
-mixing (to float rounding). Every node talks to all its graph neighbours every round (``neighbours`` is not
-read). Injected faults are refused: a node that misses a q_j would hold a copy of x̂_j that its neighbours do
+mixing (to float rounding). Every node talks to all its graph neighbours every round (``neighbours`` is
+refused). Injected faults are refused: a node that misses a q_j would hold a copy of x̂_j that its neighbours do
 not, and the algorithm assumes none (reliable synchronous links).
 """
 
@@ -57,6 +57,11 @@ class ChocoSGD(GraphAlgorithm):
 
     def __init__(self, ctx: RunContext, hp: ChocoHparams) -> None:
         super().__init__(ctx, hp)
+        if "neighbours" in ctx.config.algorithm.options:
+            raise ConfigError(
+                "algorithm.neighbours: choco_sgd talks to every graph neighbour each round (Metropolis weights); "
+                "leave it out, or choose the neighbours with the topology"
+            )
         if hp.dp_sigma and hp.dp_mode == "exchange":
             raise ConfigError(
                 "algorithm.dp_mode 'exchange': choco_sgd's neighbours must add the same message to their copies; "
