@@ -8,8 +8,9 @@ Workloads (issue 14; FedAvg, 1 local epoch, lr 0.05; targets on one H100 in brac
            timing only, its accuracy means nothing), 100 clients, 10 per round, batch 50   [>= 1.5x hand-written]
   mlp:     the cross-device MLP (784-64-10) on MNIST, 1000 clients, 50 per round, batch 10
            [>= 3x hand-written, >= 10x Flower]
-fedweave runs each at float32 and bf16-mixed (``--precision both``, the default); the hand-written loop and Flower
-at float32. For each: seconds per round (median of rounds 2..R: local training and aggregation, the device synchronised
+fedweave runs each at float32 and bf16-mixed (``--precision both``, the default); the hand-written loop at the first
+of them (float32 under ``both``; ``--precision bf16-mixed`` alone autocasts it too, and its row says so), Flower at
+float32. For each: seconds per round (median of rounds 2..R: local training and aggregation, the device synchronised
 before and after), the ratios, GPU utilisation while training (torch.cuda.utilization or nvidia-smi), peak GPU
 memory, and max_memory_allocated after round 10 against round R (flat: within 5%). Then a projection of
 FedMIM on CIFAR-10 at the paper's scale (100 clients, 10 per round, E = 5, B = 50, crop + flip, 1000 rounds,
@@ -233,7 +234,8 @@ def run_hand_written(ref: dict, args) -> dict:
             times.append(time.perf_counter() - t0)
             if first is None:
                 first = w.clone()
-    return {"label": "hand-written loop", "times": times, "util": util.mean(), "first": first}
+    label = "hand-written loop" + ("" if pl.autocast_dtype is None else " bf16-mixed")  # autocast as fedweave's first
+    return {"label": label, "times": times, "util": util.mean(), "first": first}
 
 
 def first_round_difference(workload: str, args, hand_first: torch.Tensor) -> float:
@@ -344,8 +346,8 @@ def main() -> int:
         "--precision",
         default="both",
         choices=["both", "float32", "bf16-mixed"],
-        help="fedweave's precision (both: float32 and bf16-mixed rows side by side; the hand-written loop and "
-        "Flower run in float32)",
+        help="fedweave's precision (both: float32 and bf16-mixed rows side by side; the hand-written loop runs in "
+        "the first, Flower in float32)",
     )
     ap.add_argument(
         "--rounds", type=int, default=None, help="rounds per variant (default 25, quick 3; resnet 12 at most)"

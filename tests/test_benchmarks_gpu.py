@@ -57,3 +57,24 @@ def test_a_device_this_machine_lacks_is_one_line():
         "benchmarks/gpu.py: device: 'mps' is not available on this machine (available: "
         f"{', '.join(available_devices())}); set device: auto or one of those"
     ]
+
+
+@pytest.mark.parametrize(
+    "precision, hand", [("bf16-mixed", "hand-written loop bf16-mixed"), ("float32", "hand-written loop")]
+)
+def test_the_hand_written_row_names_the_precision_it_ran_in(precision, hand):
+    """The hand-written loop autocasts as fedweave's first precision does: ``--precision bf16-mixed`` alone
+    compares like with like, and its row says so."""
+    from fedweave.data.sources import DataNotFoundError, resolve
+
+    try:
+        resolve("mnist", offline=True)
+    except DataNotFoundError:
+        pytest.skip("mnist is not in the data cache (fedweave data fetch mnist)")
+    args = ("--device", "cpu", "--quick", "--workload", "mlp", "--rounds", "1", "--no-flower", "--no-projection")
+    out = _run(*args, "--precision", precision)
+    assert out.returncode == 0, out.stderr
+    assert (
+        f"| {hand} |" in out.stdout
+        and f"| fedweave loop{'' if precision == 'float32' else ' ' + precision} |" in out.stdout
+    )
