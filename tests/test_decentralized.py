@@ -145,6 +145,11 @@ def test_ledger_counts_match_topology_and_budget():
     assert ring.ledger.bytes(kind="model") == 8 * 2 * P * 4
 
 
+def test_metropolis_mixing_refuses_a_neighbour_budget_it_would_not_read():
+    with pytest.raises(ConfigError, match="algorithm.neighbours: mixing 'metropolis' mixes with every graph neighbour"):
+        build("dfedavg", topology="ring", mixing="metropolis", neighbours=1)
+
+
 def test_afind_ledger_counts_match_selected_neighbours():
     algo = build("afind_plus", neighbours=4)
     P, d_phi = algo.layout.numel, algo.proxy.size

@@ -52,6 +52,11 @@ class DFedAvg(GraphAlgorithm):
         super().__init__(ctx, hp)
         if hp.local_momentum is not None:
             self.trainer = with_local(self.trainer, momentum=hp.local_momentum)
+        if hp.mixing == "metropolis" and "neighbours" in ctx.config.algorithm.options:
+            raise ConfigError(
+                "algorithm.neighbours: mixing 'metropolis' mixes with every graph neighbour each round; leave "
+                "neighbours out, or use mixing 'sampled'"
+            )
         self.selector = NeighbourSelector(self, hp)
         self.mixing = metropolis_weights(self.graph) if hp.mixing == "metropolis" else None
 
