@@ -102,6 +102,10 @@ class GraphAlgorithm(Algorithm):
 
     def __init__(self, ctx: RunContext, hp: GraphHparams) -> None:
         super().__init__(ctx, hp)
+        given = ctx.config.algorithm.options
+        for key, why in self.unread_options(hp).items():  # a family option the method would not read
+            if key in given:
+                raise ConfigError(f"algorithm.{key}: {why}; leave it out")
         n = ctx.num_clients
         self.num_clients = n
         self.graph = build_graph(
@@ -126,6 +130,11 @@ class GraphAlgorithm(Algorithm):
         self.store.create("model", self.layout.numel, fill=self.layout.flatten(), on_device=True)
         self.model_bytes = self.layout.numel * ctx.float_bytes  # one model row
         self._up: tuple[int, np.ndarray] | None = None
+
+    def unread_options(self, hp: GraphHparams) -> dict[str, str]:
+        """The family's options (:class:`GraphHparams`) this method does not read under ``hp``, each with why: a
+        config that sets one is refused in one line instead of being silently ignored. None by default."""
+        return {}
 
     # ---- state -----------------------------------------------------------------------------------
     @property

@@ -57,11 +57,6 @@ class ChocoSGD(GraphAlgorithm):
 
     def __init__(self, ctx: RunContext, hp: ChocoHparams) -> None:
         super().__init__(ctx, hp)
-        if "neighbours" in ctx.config.algorithm.options:
-            raise ConfigError(
-                "algorithm.neighbours: choco_sgd talks to every graph neighbour each round (Metropolis weights); "
-                "leave it out, or choose the neighbours with the topology"
-            )
         if hp.dp_sigma and hp.dp_mode == "exchange":
             raise ConfigError(
                 "algorithm.dp_mode 'exchange': choco_sgd's neighbours must add the same message to their copies; "
@@ -81,6 +76,10 @@ class ChocoSGD(GraphAlgorithm):
         self.mixing = metropolis_weights(self.graph)
         self.degrees = np.array([len(nb) for nb in self.neighbours])
         self.store.create(PUBLIC, self.layout.numel, on_device=True)  # x̂_i = 0 at the start (Alg. 2)
+
+    def unread_options(self, hp: ChocoHparams) -> dict[str, str]:
+        why = "choco_sgd talks to every graph neighbour each round (Metropolis weights; choose them with the topology)"
+        return {"neighbours": why}
 
     def messages(self, r: int, diffs: torch.Tensor) -> torch.Tensor:
         """q_i = Q(diffs_i) for every node, each sent to its graph neighbours: the ledger bills the encoded bytes

@@ -52,13 +52,14 @@ class DFedAvg(GraphAlgorithm):
         super().__init__(ctx, hp)
         if hp.local_momentum is not None:
             self.trainer = with_local(self.trainer, momentum=hp.local_momentum)
-        if hp.mixing == "metropolis" and "neighbours" in ctx.config.algorithm.options:
-            raise ConfigError(
-                "algorithm.neighbours: mixing 'metropolis' mixes with every graph neighbour each round; leave "
-                "neighbours out, or use mixing 'sampled'"
-            )
         self.selector = NeighbourSelector(self, hp)
         self.mixing = metropolis_weights(self.graph) if hp.mixing == "metropolis" else None
+
+    def unread_options(self, hp: DFedAvgHparams) -> dict[str, str]:
+        if hp.mixing != "metropolis":
+            return {}
+        why = "mixing 'metropolis' mixes with every graph neighbour each round (or use mixing 'sampled')"
+        return {"neighbours": why}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "selector": self.selector.state_dict()}
