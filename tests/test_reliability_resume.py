@@ -224,6 +224,7 @@ STATE_RECORDS = {
     "afl": ("x", "lam"),
     # the star's personalized methods: their personal models (and APFL's alpha) are the store's client state
     **dict.fromkeys(["fedper", "fedrep", "lg_fedavg", "fedbn", "apfl", "ditto_star", "pfedme", "perfedavg"], ("x",)),
+    "ifca": ("models",),  # one model per cluster, no global one
     # the asynchronous methods' jobs lost to injected faults: keys added later, which an older checkpoint lacks (a
     # run without faults loses none, so such a checkpoint resumes with the fresh, empty values)
     **dict.fromkeys(

@@ -339,15 +339,16 @@ class RunContext:
                 )
         return cache[per_client]
 
-    def build_model(self) -> nn.Module:
+    def build_model(self, key: tuple[int, ...] = ()) -> nn.Module:
         """A fresh model, initialized on the CPU from the ``model_init`` stream (same seed, same weights on
         every device), then moved to the run's device and dtype; ``model.init_from`` (a state_dict or .npz
-        file) then sets its weights."""
+        file) then sets its weights. ``key``: another model of the run with its own initialization (the
+        ``("model_init", *key)`` stream: IFCA's cluster models); the run's model is ``key=()``."""
         ds = self.dataset
         opts = dict(self.config.model.options)
         init_from = opts.pop("init_from", None)
         with torch.random.fork_rng(devices=[]), _as_config_error("model"):
-            torch.manual_seed(self.seeds.int_seed("model_init"))
+            torch.manual_seed(self.seeds.int_seed("model_init", *key))
             if self.objects.model is not None:
                 model = self.objects.model()
                 if not isinstance(model, nn.Module):
@@ -362,7 +363,7 @@ class RunContext:
         if init_from is not None:
             load_initial_weights(model, init_from)
         check_model_fits(model, ds, self.config.model.name, self.config.dataset.name, self.device)
-        if self.objects.model is not None:  # objects.json: what the factory gave
+        if self.objects.model is not None and not key:  # objects.json: what the factory gave for the run's model
             self.objects.built_model = describe_model(model)
         return model
 

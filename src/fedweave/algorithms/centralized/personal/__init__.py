@@ -1,5 +1,6 @@
 """The star's personalized methods: FedPer, FedRep, LG-FedAvg, FedBN, APFL, Ditto, pFedMe and Per-FedAvg,
-each client keeping a personal model that is evaluated on its own test set (``personal.base``)."""
+each client keeping a personal model that is evaluated on its own test set (``personal.base``), and the
+clustered IFCA, each client picking one of the server's cluster models."""
 
 from fedweave.algorithms.centralized.personal import (  # noqa: F401
     apfl,
@@ -7,6 +8,7 @@ from fedweave.algorithms.centralized.personal import (  # noqa: F401
     fedbn,
     fedper,
     fedrep,
+    ifca,
     lg_fedavg,
     perfedavg,
     pfedme,

@@ -1,0 +1,133 @@
+"""IFCA, the Iterative Federated Clustering Algorithm (Ghosh, Chung, Yin, Ramchandran, NeurIPS 2020), on the star.
+
+The server keeps k cluster models theta_1..theta_k. Round t (Alg. 1, option II, model averaging):
+  the server sends every theta_j^t to the sampled clients M_t                                 (line 3)
+  client i estimates its cluster, j^ = argmin_j F_i(theta_j^t), its loss on its own data       (line 6)
+  and trains theta~_i = LocalUpdate(theta_j^^t), sending back theta~_i and its identity s_i     (lines 7, 9)
+  theta_j^{t+1} = sum_i s_ij theta~_i / sum_i s_ij for every cluster that a client picked      (line 13)
+A cluster nobody picked keeps its model. The average is written as FedAvg's server step on each cluster,
+``theta_j + server_lr * sum_{i in j} p_i (theta~_i - theta_j)`` with ``p`` the ``weighting`` over the
+cluster's clients (``uniform``, the default, is line 13's average; ``samples`` weighs by data), so that one
+cluster is FedAvg bit for bit. Cluster j > 0 starts from its own initialization (the ``("model_init", j)``
+stream), cluster 0 from the run's model.
+
+A client's model is the cluster model it picks, so IFCA's test metrics are those of its paper: each client's
+pick, by its loss on its training data, evaluated on its own test set (``eval.personal_test``'s sets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import numpy as np
+import torch
+
+from fedweave.algorithms.base import aggregation_weights
+from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams
+from fedweave.config import ConfigError
+from fedweave.execution import ParamLayout, evaluate_clients_task
+from fedweave.registry import ALGORITHMS
+
+
+@dataclass
+class IFCAHparams(StarHparams):
+    clusters: int = 2  # k
+    weighting: Literal["samples", "uniform"] = "uniform"  # line 13: the plain average over a cluster's clients
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.clusters < 1:
+            raise ConfigError(f"algorithm.clusters must be >= 1, got {self.clusters}")
+
+
+@ALGORITHMS.register("ifca")
+class IFCA(StarAlgorithm):
+    name = "ifca"
+    Hparams = IFCAHparams
+    state_fields = ("models",)  # the k cluster models; there is no single global model
+    undeployable: ClassVar[str] = "its clients pick one of several server models (the deployment sends one)"
+    handles_faults = ("dropout", "deadline")  # an attack and a robust aggregator act on one aggregate
+    robust_aggregation = False
+    compresses_uploads = False
+    dp_refusal = "its server keeps one model per cluster, each from the updates of the clients that picked it"
+
+    def __init__(self, ctx, hp: IFCAHparams) -> None:
+        if hp.clusters > 1 and "init_from" in ctx.config.model.options:
+            raise ConfigError(
+                "algorithm ifca: model.init_from would start every cluster model from the same weights, so every "
+                "client would pick cluster 0; leave model.init_from out"
+            )
+        super().__init__(ctx, hp)
+        others = [ParamLayout(ctx.build_model(key=(j,)), ctx.placement).flatten() for j in range(1, hp.clusters)]
+        self.models = torch.stack([self.x, *others])  # (k, P): theta_1..theta_k
+        del self.x  # no single global model: what reads one fails loudly instead of reading a stale copy
+        self.picked: np.ndarray = np.zeros(0, dtype=np.int64)  # this round's clusters, in job order
+
+    def cluster_losses(self, clients: np.ndarray | range) -> np.ndarray:
+        """F_i(theta_j) for every cluster model j and client i of ``clients``: the task's loss on the client's
+        training data, ``(k, len(clients))`` (each client computes its own row in the paper)."""
+        ds, parts = self.ctx.dataset, [self.ctx.partition[int(c)] for c in clients]
+        batch = self.config.eval.batch_size
+        return np.stack(
+            [
+                evaluate_clients_task(self.layout, m, ds.train_x, ds.train_y, parts, self.ctx.task, batch)["loss"]
+                for m in self.models
+            ]
+        )
+
+    def pick(self, clients: np.ndarray | range) -> np.ndarray:
+        """Each client's cluster estimate, argmin_j F_i(theta_j) (line 6; a tie goes to the lowest j)."""
+        return self.cluster_losses(clients).argmin(axis=0)
+
+    def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        return {"model": tuple(self.models)}  # line 3: all k models, to every sampled client
+
+    def train_clients(self, r: int, clients: np.ndarray) -> Collected:
+        lr = self.trainer.lr(r)
+        self.picked = self.pick(clients)
+        start = self.models[torch.as_tensor(self.picked, device=self.models.device)]  # (n, P): theta_j^
+        local = self.trainer.train(start, clients, r, lr=lr)  # line 7: LocalUpdate from the picked model
+        if self.sampler.reads_context:
+            self.client_history.record(r, clients, local.loss)
+        identity = torch.as_tensor(self.picked, device=start.device).unsqueeze(1)  # s_i, sent as its index
+        upload = {"model": local.params, "cluster": identity}
+        return Collected(r, clients, lr, local, upload, self.weights(clients), start=start)
+
+    def aggregate(
+        self, updates: torch.Tensor, weights: torch.Tensor, clients: np.ndarray | None = None
+    ) -> torch.Tensor:
+        """One mean update per cluster, ``(k, P)`` (zero for a cluster nobody picked): FedAvg's reduction over
+        the clients that picked it, their ``weighting`` renormalized within the cluster."""
+        means = torch.zeros_like(self.models)
+        for j in np.unique(self.picked):
+            mine = np.flatnonzero(self.picked == j)
+            p = aggregation_weights(self.sizes, clients[mine], self.hp.weighting)
+            means[j] = p @ updates[torch.as_tensor(mine, device=updates.device)]
+        return means
+
+    def server_update(self, mean: torch.Tensor, got: Collected) -> None:
+        picked = torch.zeros(len(self.models), dtype=torch.bool, device=self.models.device)
+        picked[torch.as_tensor(np.unique(self.picked), device=picked.device)] = True
+        moved = self.models + self.hp.server_lr * mean  # line 13, for the clusters a client picked
+        self.models = torch.where(picked.unsqueeze(1), moved, self.models)
+
+    def run_round(self, r: int) -> dict[str, float]:
+        self.picked = np.zeros(0, dtype=np.int64)
+        out = super().run_round(r)
+        out["clusters_picked"] = float(len(np.unique(self.picked)))  # distinct clusters among the reports
+        return out
+
+    def evaluate(self, r: int) -> dict[str, float]:
+        """Each client's picked model on its own test set: the mean (and the worst client) of the task's
+        values, and how many clusters the clients pick (``clusters_used``)."""
+        n, task = self.ctx.num_clients, self.ctx.task
+        picks = self.pick(range(n))
+        x, y, parts = self.ctx.personal_test_set()
+        models = self.models[torch.as_tensor(picks, device=self.models.device)]  # (N, P): each client's pick
+        per = evaluate_clients_task(self.layout, models, x, y, parts, task, self.config.eval.batch_size)
+        out = {f"test_{k}": float(v.mean()) for k, v in per.items()}
+        worst = per[task.main].min() if task.direction == "max" else per[task.main].max()
+        out[f"test_{task.main}_min" if task.is_default else f"test_{task.main}_worst"] = float(worst)
+        out["clusters_used"] = float(len(np.unique(picks)))
+        return out
