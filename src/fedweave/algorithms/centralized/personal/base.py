@@ -38,6 +38,9 @@ class PersonalStar(StarAlgorithm):
     undeployable: ClassVar[str] = "its clients' personal models are kept by the simulation's state store"
 
     keeps_personal: ClassVar[bool] = True  # False: the personal models are derived, not kept (Per-FedAvg)
+    # False: the method has no global model (IFCA, FedProto), so its test metrics are the personal models' on the
+    # clients' own test sets, under the plain names (test_accuracy, ...), as eval.personal_test names them
+    global_model: ClassVar[bool] = True
 
     def __init__(self, ctx, hp) -> None:
         super().__init__(ctx, hp)
@@ -52,22 +55,29 @@ class PersonalStar(StarAlgorithm):
         return self.store["personal"]
 
     def evaluate(self, r: int) -> dict[str, float]:
+        models = self.personal_models(r)
+        if not self.global_model:
+            return self.personal_metrics(models, "")
         out = super().evaluate(r)  # the global model on the global test split (and eval.personal_test's)
+        return {**out, **self.personal_metrics(models, "_personal")}
+
+    def personal_metrics(self, models: torch.Tensor, suffix: str) -> dict[str, float]:
+        """Client i's model (row i of ``models``) on client i's own test set: the means over the clients of
+        ``test_accuracy<suffix>`` and ``test_loss<suffix>`` and the worst client's ``test_accuracy<suffix>_min``
+        (under another task ``test_<metric><suffix>`` and ``test_<main><suffix>_worst``)."""
         ev, task = self.config.eval, self.ctx.task
         x, y, parts = self.ctx.personal_test_set()
-        models = self.personal_models(r)
         if task.is_default:
             accs, losses = evaluate_clients(self.layout, models, x, y, parts, ev.batch_size)
-            out.update(
-                test_accuracy_personal=float(accs.mean()),
-                test_loss_personal=float(losses.mean()),
-                test_accuracy_personal_min=float(accs.min()),
-            )
-            return out
+            return {
+                f"test_accuracy{suffix}": float(accs.mean()),
+                f"test_loss{suffix}": float(losses.mean()),
+                f"test_accuracy{suffix}_min": float(accs.min()),
+            }
         per = evaluate_clients_task(self.layout, models, x, y, parts, task, ev.batch_size)
-        out.update({f"test_{k}_personal": float(v.mean()) for k, v in per.items()})
+        out = {f"test_{k}{suffix}": float(v.mean()) for k, v in per.items()}
         worst = per[task.main].min() if task.direction == "max" else per[task.main].max()
-        out[f"test_{task.main}_personal_worst"] = float(worst)
+        out[f"test_{task.main}{suffix}_worst"] = float(worst)
         return out
 
 

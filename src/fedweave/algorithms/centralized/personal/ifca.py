@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import aggregation_weights
-from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams
+from fedweave.algorithms.centralized.base import Collected, StarHparams
+from fedweave.algorithms.centralized.personal.base import PersonalStar
 from fedweave.config import ConfigError
 from fedweave.execution import ParamLayout, evaluate_clients_task
 from fedweave.registry import ALGORITHMS
@@ -42,11 +43,13 @@ class IFCAHparams(StarHparams):
 
 
 @ALGORITHMS.register("ifca")
-class IFCA(StarAlgorithm):
+class IFCA(PersonalStar):
     name = "ifca"
     Hparams = IFCAHparams
     state_fields = ("models",)  # the k cluster models; there is no single global model
     undeployable: ClassVar[str] = "its clients pick one of several server models (the deployment sends one)"
+    keeps_personal = False  # a client's model is its pick of the cluster models, made when evaluated
+    global_model = False
     handles_faults = ("dropout", "deadline")  # an attack and a robust aggregator act on one aggregate
     robust_aggregation = False
     compresses_uploads = False
@@ -118,16 +121,13 @@ class IFCA(StarAlgorithm):
         out["clusters_picked"] = float(len(np.unique(self.picked)))  # distinct clusters among the reports
         return out
 
+    def personal_models(self, r: int) -> torch.Tensor:
+        """Each client's pick (by its loss on its training data) of the cluster models, ``(N, P)``."""
+        picks = self.pick(range(self.ctx.num_clients))
+        self.used = len(np.unique(picks))  # for evaluate's clusters_used
+        return self.models[torch.as_tensor(picks, device=self.models.device)]
+
     def evaluate(self, r: int) -> dict[str, float]:
-        """Each client's picked model on its own test set: the mean (and the worst client) of the task's
-        values, and how many clusters the clients pick (``clusters_used``)."""
-        n, task = self.ctx.num_clients, self.ctx.task
-        picks = self.pick(range(n))
-        x, y, parts = self.ctx.personal_test_set()
-        models = self.models[torch.as_tensor(picks, device=self.models.device)]  # (N, P): each client's pick
-        per = evaluate_clients_task(self.layout, models, x, y, parts, task, self.config.eval.batch_size)
-        out = {f"test_{k}": float(v.mean()) for k, v in per.items()}
-        worst = per[task.main].min() if task.direction == "max" else per[task.main].max()
-        out[f"test_{task.main}_min" if task.is_default else f"test_{task.main}_worst"] = float(worst)
-        out["clusters_used"] = float(len(np.unique(picks)))
-        return out
+        """The clients' picks on their own test sets (``PersonalStar``'s metrics under the plain names) and how
+        many clusters the clients pick (``clusters_used``)."""
+        return {**super().evaluate(r), "clusters_used": float(self.used)}
