@@ -150,6 +150,47 @@ def test_metropolis_mixing_refuses_a_neighbour_budget_it_would_not_read():
         build("dfedavg", topology="ring", mixing="metropolis", neighbours=1)
 
 
+UNREAD = [  # (method, options, the family option it would not read, that option's default)
+    *(("local", {k: v}, k, d) for k, v, d in [
+        ("topology", "ring", "full"),
+        ("edge_prob", 0.3, 0.5),
+        ("degree", 6, 4),
+        ("rewire_prob", 0.2, 0.1),
+        ("torus_rows", 2, 0),
+        ("edge_file", "edges.txt", None),
+    ]),
+    ("local", {"dp_sigma": 2.0, "dp_mode": "exchange"}, "dp_mode", "sgd"),
+    ("afind_plus", {"reading": "literal", "neighbours": 3}, "neighbours", 10),
+    ("afind", {"reading": "literal", "neighbours": 3}, "neighbours", 10),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("algo", "opts", "key", "default"), UNREAD, ids=[f"{a}-{k}" for a, _, k, _ in UNREAD])
+def test_a_family_option_the_method_does_not_read_is_refused_unless_default(algo, opts, key, default):
+    """GraphAlgorithm.unread_options: one line naming the key and the method; the same key at its default (as an
+    example config writes it out) is not refused."""
+    with pytest.raises(ConfigError) as e:
+        build(algo, **opts)
+    msg = str(e.value)
+    assert msg.startswith(f"algorithm.{key}: {algo} ") and msg.endswith("; leave it out") and "\n" not in msg
+    build(algo, **{**opts, key: default})
+
+
+@pytest.mark.parametrize("algo", ["local", "afind_plus", "choco_sgd", "dfedavg"])
+def test_every_family_option_written_out_at_its_default_builds(algo):
+    """A config that writes every family option out at its default is never refused (the refusal compares values)."""
+    from dataclasses import fields
+
+    from fedweave.registry import ALGORITHMS
+
+    opts = {f.name: f.default for f in fields(ALGORITHMS.get(algo).Hparams)}
+    if algo == "dfedavg":
+        opts["mixing"] = "metropolis"  # neighbours (10, its default) is then not read
+    if algo == "afind_plus":
+        opts["reading"] = "literal"
+    build(algo, **opts)
+
+
 def test_afind_ledger_counts_match_selected_neighbours():
     algo = build("afind_plus", neighbours=4)
     P, d_phi = algo.layout.numel, algo.proxy.size

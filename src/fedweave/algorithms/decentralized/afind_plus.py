@@ -149,6 +149,13 @@ class AfindPlus(GraphAlgorithm):
             # beta never leaves the client: its epochs are plain SGD even under DP-SGD
             self.head_trainer = with_local(self.ft_trainer, epochs=hp.head_epochs, steps=None)
 
+    def unread_options(self, hp: AfindPlusHparams) -> dict[str, str]:
+        if hp.reading != "literal":
+            return {}
+        why = f"{self.name} with reading 'literal' takes every graph neighbour each round (Alg. 1 as printed; or use "
+        why += "reading 'resolved')"
+        return {"neighbours": why}
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "afind": self.state.state_dict(), "prev_loss": self.prev_loss.clone()}
 

@@ -21,7 +21,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -102,9 +102,11 @@ class GraphAlgorithm(Algorithm):
 
     def __init__(self, ctx: RunContext, hp: GraphHparams) -> None:
         super().__init__(ctx, hp)
-        given = ctx.config.algorithm.options
-        for key, why in self.unread_options(hp).items():  # a family option the method would not read
-            if key in given:
+        # a family option the method would not read, set to other than its default: a config that writes a
+        # default out (configs/decentralized/afind_plus_fmnist.yaml's neighbours: 10) is not refused
+        defaults = {f.name: f.default for f in fields(hp)}
+        for key, why in self.unread_options(hp).items():
+            if getattr(hp, key) != defaults[key]:
                 raise ConfigError(f"algorithm.{key}: {why}; leave it out")
         n = ctx.num_clients
         self.num_clients = n
@@ -133,7 +135,8 @@ class GraphAlgorithm(Algorithm):
 
     def unread_options(self, hp: GraphHparams) -> dict[str, str]:
         """The family's options (:class:`GraphHparams`) this method does not read under ``hp``, each with why: a
-        config that sets one is refused in one line instead of being silently ignored. None by default."""
+        config that sets one to other than its default (the method's ``Hparams`` default) is refused in one line
+        instead of being silently ignored. None by default."""
         return {}
 
     # ---- state -----------------------------------------------------------------------------------
