@@ -167,8 +167,8 @@ PRESETS = {
     # validation-tuned values, fixed before these runs; the lambda = 10 row is the spec's untuned value.
     "long": Preset(["mnist", "fashion_mnist"], 100, 20, 64, 5, extra_lams=(10.0,)),
     # `--scale paper --tune` repeats the search of lambda and mu at this scale (the same grid on a validation
-    # split), but costs about twice the table itself (117 ZO-HFL runs of 500 rounds), so the preset does not
-    # depend on it.
+    # split), but costs about one and a half times a three-seed table (117 ZO-HFL runs of 500 rounds, as many runs
+    # as the table's but each ZO-HFL's, the costlier kind), so the preset does not depend on it.
     "paper": Preset(
         ["mnist", "fashion_mnist", "cifar10"], 500, 20, 64, 5, Sweep(("fashion_mnist", "cifar10"), TAUS, 500, 3)
     ),
