@@ -163,3 +163,19 @@ def test_the_backends_agree():
     for other in algos[1:]:
         assert np.array_equal(other.picked, algos[0].picked)
         torch.testing.assert_close(other.models, algos[0].models, rtol=1e-5, atol=1e-6)
+
+
+def test_eval_distribution_spreads_the_picks_metric_and_eval_per_client_is_refused(tmp_path):
+    ev = {"personal_test": True, "distribution": True}
+    fedavg = _algo({**_cfg("fedavg", weighting="uniform"), "eval": ev})
+    ifca = _algo({**_cfg("ifca", clusters=1), "eval": {"distribution": True}})
+    for r in range(2):
+        fedavg.run_round(r), ifca.run_round(r)
+    a, b = fedavg.evaluate(2), ifca.evaluate(2)
+    for key in ("client_test_accuracy_mean", "client_test_accuracy_worst10", "client_test_accuracy_std"):
+        assert a[key] == b[key]
+    assert ifca.client_values["accuracy"] == fedavg.client_values["accuracy"]
+    for name in ("ifca", "fedproto"):
+        cfg = {**_cfg(name), "model": {"name": "mlp", "hidden": [8]}, "eval": {"per_client": True}}
+        with pytest.raises(ConfigError, match=f"^eval.per_client scores the global model .* algorithm {name} has no"):
+            fedweave.run(cfg, run_dir=tmp_path / name)

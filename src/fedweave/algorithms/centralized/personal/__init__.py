@@ -1,12 +1,13 @@
 """The star's personalized methods: FedPer, FedRep, LG-FedAvg, FedBN, APFL, Ditto, pFedMe and Per-FedAvg,
-each client keeping a personal model that is evaluated on its own test set (``personal.base``), and the
-clustered IFCA, each client picking one of the server's cluster models."""
+each client keeping a personal model that is evaluated on its own test set (``personal.base``), FedProto, whose clients
+share class prototypes only, and the clustered IFCA, each client picking one of the server's cluster models."""
 
 from fedweave.algorithms.centralized.personal import (  # noqa: F401
     apfl,
     ditto,
     fedbn,
     fedper,
+    fedproto,
     fedrep,
     ifca,
     lg_fedavg,

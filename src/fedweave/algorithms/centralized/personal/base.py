@@ -43,6 +43,11 @@ class PersonalStar(StarAlgorithm):
     global_model: ClassVar[bool] = True
 
     def __init__(self, ctx, hp) -> None:
+        if not self.global_model and ctx.config.eval.per_client:
+            raise ConfigError(
+                f"eval.per_client scores the global model on each client's training data, but algorithm {self.name} "
+                "has no global model (its clients' own models are scored on their own test sets); leave it out"
+            )
         super().__init__(ctx, hp)
         if not self.keeps_personal:
             return
@@ -56,29 +61,32 @@ class PersonalStar(StarAlgorithm):
 
     def evaluate(self, r: int) -> dict[str, float]:
         models = self.personal_models(r)
-        if not self.global_model:
-            return self.personal_metrics(models, "")
+        if not self.global_model:  # the clients' own models are the method's: the plain names, eval.distribution
+            out, per = self.personal_metrics(models, "")
+            return {**out, **self.client_distribution(r, per)} if self.config.eval.distribution else out
         out = super().evaluate(r)  # the global model on the global test split (and eval.personal_test's)
-        return {**out, **self.personal_metrics(models, "_personal")}
+        return {**out, **self.personal_metrics(models, "_personal")[0]}
 
-    def personal_metrics(self, models: torch.Tensor, suffix: str) -> dict[str, float]:
+    def personal_metrics(self, models: torch.Tensor, suffix: str) -> tuple[dict[str, float], dict[str, np.ndarray]]:
         """Client i's model (row i of ``models``) on client i's own test set: the means over the clients of
         ``test_accuracy<suffix>`` and ``test_loss<suffix>`` and the worst client's ``test_accuracy<suffix>_min``
-        (under another task ``test_<metric><suffix>`` and ``test_<main><suffix>_worst``)."""
+        (under another task ``test_<metric><suffix>`` and ``test_<main><suffix>_worst``), and each client's values
+        of the task's metrics."""
         ev, task = self.config.eval, self.ctx.task
         x, y, parts = self.ctx.personal_test_set()
         if task.is_default:
             accs, losses = evaluate_clients(self.layout, models, x, y, parts, ev.batch_size)
-            return {
+            out = {
                 f"test_accuracy{suffix}": float(accs.mean()),
                 f"test_loss{suffix}": float(losses.mean()),
                 f"test_accuracy{suffix}_min": float(accs.min()),
             }
+            return out, {"accuracy": accs, "loss": losses}
         per = evaluate_clients_task(self.layout, models, x, y, parts, task, ev.batch_size)
         out = {f"test_{k}{suffix}": float(v.mean()) for k, v in per.items()}
         worst = per[task.main].min() if task.direction == "max" else per[task.main].max()
         out[f"test_{task.main}{suffix}_worst"] = float(worst)
-        return out
+        return out, per
 
 
 def name_mask(layout: ParamLayout, names: set[str] | list[str]) -> torch.Tensor:
