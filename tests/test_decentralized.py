@@ -150,6 +150,11 @@ def test_metropolis_mixing_refuses_a_neighbour_budget_it_would_not_read():
         build("dfedavg", topology="ring", mixing="metropolis", neighbours=1)
 
 
+def test_metropolis_mixing_refuses_per_message_noise_when_the_run_is_built():
+    with pytest.raises(ConfigError, match="^algorithm.dp_sigma with dp_mode 'exchange' needs mixing 'sampled'"):
+        build("dfedavg", topology="ring", mixing="metropolis", dp_sigma=1.0, dp_clip=1.0, dp_mode="exchange")
+
+
 UNREAD = [  # (method, options, the family option it would not read, that option's default)
     *(("local", {k: v}, k, d) for k, v, d in [
         ("topology", "ring", "full"),

@@ -50,7 +50,8 @@ class Method:
 # The page's methods, in its order: the global ones, then the personalized ones; adding a method is adding its name.
 GLOBAL = ["fedavg", "fedprox", "scaffold", "fedadam", "fedyogi", "fedadagrad", "fedavgm", "fedcm", "feddyn", "fedsam"]
 GLOBAL += ["mofedsam", "fedmim", "fednova", "fedexp", "moon", "fedlc", "qfedavg", "afl"]
-PERSONAL = ["fedper", "fedrep", "lg_fedavg", "apfl", "ditto_star", "pfedme", "perfedavg", "fedbn"]
+PERSONAL = ["fedper", "fedrep", "lg_fedavg", "apfl", "ditto_star", "pfedme", "perfedavg", "fedbn", "fedproto", "ifca"]
+NO_GLOBAL = ("fedproto", "ifca")  # their clients' own models are scored under the plain names (test_accuracy)
 MODELS = {"fedbn": {"norm": "batch"}}
 METHODS = [Method(k, k in PERSONAL, MODELS.get(k, {})) for k in GLOBAL + PERSONAL]
 BY_KEY = {m.key: m for m in METHODS}
@@ -123,7 +124,7 @@ def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
     ``_min``. Per-client accuracies, once the records hold them, give the worst 10 % and the std across clients."""
     v = dict(point.values)
     m, p = BY_KEY[v["method"]], plan.context["preset"]
-    metric = "test_accuracy_personal" if m.personal else "test_accuracy"
+    metric = "test_accuracy_personal" if m.personal and m.key not in NO_GLOBAL else "test_accuracy"
     rows = [r for r in res.metrics if metric in r]
     out = {"dataset": v["dataset"], "split": v["split"], "method": m.key, "seed": point.seed}
     out["status"] = res.summary["status"]
@@ -137,7 +138,7 @@ def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
     return {
         **out,
         "rounds": last["round"],
-        "global_acc": 100 * last["test_accuracy_global"],
+        "global_acc": 100 * last["test_accuracy_global"] if m.key not in NO_GLOBAL else math.nan,
         "client_acc": 100 * mean,
         "worst_client_acc": 100 * worst,
         "spread": 100 * (mean - worst),
@@ -178,6 +179,7 @@ ACCURACIES = {
     "spread": "spread (pp)",
 }
 CELL = {"seeds": len, **{key: pm_of(key) for key in ACCURACIES}, "reach": _reach}
+CELL["global_acc"] = lambda rs: "no global model" if rs[0]["method"] in NO_GLOBAL else pm_of("global_acc")(rs)
 COLS = [Col("method", "method"), Col("kind", lambda c: "personal" if c["method"] in PERSONAL else "global")]
 COLS += [Col("seeds", "seeds"), *(Col(head, key) for key, head in ACCURACIES.items())]
 

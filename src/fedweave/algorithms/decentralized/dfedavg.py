@@ -41,6 +41,8 @@ class DFedAvgHparams(SelectionHparams, GraphHparams):
             raise ConfigError(f"algorithm.local_momentum must be in [0, 1), got {self.local_momentum}")
         if self.mixing == "metropolis" and self.selection != "random":
             raise ConfigError("algorithm.mixing 'metropolis' mixes with every graph neighbour; use selection 'random'")
+        if self.mixing == "metropolis" and self.dp_sigma and self.dp_mode == "exchange":
+            raise ConfigError("algorithm.dp_sigma with dp_mode 'exchange' needs mixing 'sampled' (per-message noise)")
 
 
 @ALGORITHMS.register("dfedavg")
@@ -75,10 +77,6 @@ class DFedAvg(GraphAlgorithm):
         Under faults only delivered models are mixed: the sampled weights are re-normalized over them, and
         the Metropolis matrix moves the weight of a lost link or a dropped peer to the diagonal."""
         if self.mixing is not None:  # every client sends to every graph neighbour
-            if self.hp.dp_sigma and self.hp.dp_mode == "exchange":
-                raise ConfigError(
-                    "algorithm.dp_sigma with dp_mode 'exchange' needs mixing 'sampled' (per-message noise)"
-                )
             M = self.mixing
             messages = 2 * self.graph.number_of_edges()
             if self.faulty:
