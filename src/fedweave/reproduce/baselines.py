@@ -180,7 +180,8 @@ ACCURACIES = {
 }
 CELL = {"seeds": len, **{key: pm_of(key) for key in ACCURACIES}, "reach": _reach}
 CELL["global_acc"] = lambda rs: "no global model" if rs[0]["method"] in NO_GLOBAL else pm_of("global_acc")(rs)
-COLS = [Col("method", "method"), Col("kind", lambda c: "personal" if c["method"] in PERSONAL else "global")]
+KIND = {**dict.fromkeys(GLOBAL, "global"), **dict.fromkeys(PERSONAL, "personal"), "ifca": "clustered"}
+COLS = [Col("method", "method"), Col("kind", lambda c: KIND[c["method"]])]
 COLS += [Col("seeds", "seeds"), *(Col(head, key) for key, head in ACCURACIES.items())]
 
 
