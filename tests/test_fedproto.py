@@ -149,3 +149,13 @@ def test_what_fedproto_does_not_handle_is_refused_in_one_line(change, words, tmp
     with pytest.raises(ConfigError) as err:
         fedweave.run({**_proto(), **change}, run_dir=tmp_path / "run")
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_only_the_clients_that_report_send_prototypes_and_train():
+    algo = _algo({**_proto(), "faults": {"dropout": 0.5}})
+    before = algo.store["personal"].clone()
+    out = algo.run_round(0)
+    got = [e for e in algo.ledger.entries() if e.sender == "client"]
+    assert sum(e.count for e in got) == out["reported_clients"] < algo.hp.clients_per_round
+    moved = (algo.store["personal"] != before).any(1)
+    assert int(moved.sum()) == out["reported_clients"]  # a dropped client's model is as it was

@@ -179,3 +179,12 @@ def test_eval_distribution_spreads_the_picks_metric_and_eval_per_client_is_refus
         cfg = {**_cfg(name), "model": {"name": "mlp", "hidden": [8]}, "eval": {"per_client": True}}
         with pytest.raises(ConfigError, match=f"^eval.per_client scores the global model .* algorithm {name} has no"):
             fedweave.run(cfg, run_dir=tmp_path / name)
+
+
+def test_dropped_clients_are_sent_the_models_and_deliver_nothing():
+    algo = _algo({**_cfg("ifca", clusters=2), "faults": {"dropout": 0.5}})
+    out = algo.run_round(0)
+    sent = [e for e in algo.ledger.entries() if e.sender == "server"]
+    got = [e for e in algo.ledger.entries() if e.sender == "client"]
+    assert sent[0].count == algo.hp.clients_per_round and len(algo.picked) == out["reported_clients"] < sent[0].count
+    assert sum(e.count for e in got) == out["reported_clients"]
