@@ -108,7 +108,7 @@ def test_unknown_rule_is_refused_with_the_known_names():
         decode_job(encode_header(header), tensors)
     known = str(e.value).split("this node knows: ")[1].split(", ")
     builtin = ["fedcm", "feddyn", "fedlc", "fedmim", "fedproto", "fedprox", "fedsam", "lower_level", "moon", "plain"]
-    builtin += ["scaffold"]
+    builtin += ["proxskip", "scaffold"]
     assert [n for n in known if not n.startswith("_")] == builtin  # the tests' own rules start with _
 
 

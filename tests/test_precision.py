@@ -24,7 +24,8 @@ def family_config(name: str) -> dict:
             "dataset": DIGITS,
             "partition": {"name": "iid", "num_clients": 6},
             "model": {"name": "logistic"},
-            "algorithm": {"name": name, "clients_per_round": 3},
+            # proxskip communicates with every client in every round
+            "algorithm": {"name": name, "clients_per_round": 6 if name == "proxskip" else 3},
             "local": {"batch_size": 32, "lr": 0.05},
         }
     if family == "hierarchical":

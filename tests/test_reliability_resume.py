@@ -221,6 +221,7 @@ def test_nan_used_as_a_marker_from_the_start_is_not_divergence(toy_config, tmp_p
 # checkpoint written so far, which a resumed run reads back: a change here makes old checkpoints unreadable.
 STATE_RECORDS = {
     **dict.fromkeys(["fedavg", "fedprox", "fedsam", "fednova", "fedexp", "moon", "fedlc", "qfedavg", "qffl"], ("x",)),
+    "proxskip": ("x",),  # the clients' control variates are the store's client state
     "afl": ("x", "lam"),
     # the star's personalized methods: their personal models (and APFL's alpha) are the store's client state
     **dict.fromkeys(["fedper", "fedrep", "lg_fedavg", "fedbn", "apfl", "ditto_star", "pfedme", "perfedavg"], ("x",)),

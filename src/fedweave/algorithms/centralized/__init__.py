@@ -1,7 +1,7 @@
 """Centralized (star) FL: FedMIM and its baselines FedAvg, FedAdam/FedOpt, SCAFFOLD, FedDyn, FedCM
 (+ MoFedSAM), FedSAM, and FedProx; the heterogeneity and fairness baselines FedNova, FedExP, MOON, FedLC,
-q-FFL and AFL; the asynchronous FedAsync and FedBuff on the simulated clock; the personalized methods in
-``personal``."""
+q-FFL and AFL; Scaffnew (ProxSkip); the asynchronous FedAsync and FedBuff on the simulated clock; the
+personalized and clustered methods in ``personal``."""
 
 from fedweave.algorithms.centralized import (  # noqa: F401
     afl,
@@ -19,6 +19,7 @@ from fedweave.algorithms.centralized import (  # noqa: F401
     fedsam,
     moon,
     personal,
+    proxskip,
     qffl,
     scaffold,
 )

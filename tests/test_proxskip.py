@@ -1,0 +1,103 @@
+"""Scaffnew / ProxSkip (Mishchenko et al. 2022, Alg. 2): the exact optimum where FedAvg drifts, p = 1 as gradient
+descent, the control variates by hand and their zero sum, the Geometric(p) round lengths, resume and refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fedweave
+from fedweave.config import ConfigError, load
+from fedweave.runner import run as run_config
+from tests.test_centralized import M_Q, _algo, _cfg, _quad_cfg, _quad_optimum, _squared
+
+GD = {"batch_size": M_Q, "lr": 0.1}  # full-batch gradient steps: deterministic gradients
+
+
+def _quad(alg: str, local: dict | None = None, **opts):
+    cfg = _quad_cfg(alg, **opts)
+    cfg["local"] = local or GD
+    algo = _algo(cfg)
+    algo.trainer.loss_fn = _squared
+    return algo
+
+
+def _distance(algo, rounds: int) -> float:
+    for r in range(rounds):
+        algo.run_round(r)
+    opt = _quad_optimum()
+    return float((algo.x - opt).norm() / opt.norm())
+
+
+def test_scaffnew_reaches_the_exact_optimum_where_fedavg_drifts():
+    assert _distance(_quad("proxskip", p=0.2), 40) < 1e-5
+    assert _distance(_quad("fedavg", {**GD, "steps": 5}), 40) > 1e-2  # 5 local steps: a biased fixed point
+
+
+def test_with_p_1_every_round_is_one_gradient_step_on_the_average():
+    skip, gd = _quad("proxskip", p=1.0), _quad("fedavg", {**GD, "steps": 1})
+    for r in range(10):
+        assert skip.run_round(r)["local_steps"] == 1
+        gd.run_round(r)
+        torch.testing.assert_close(skip.x, gd.x, rtol=1e-6, atol=1e-6)  # the h_i cancel in the average
+
+
+def test_the_control_variates_follow_alg2_and_sum_to_zero():
+    algo = _quad("proxskip", p=0.3)
+    seen = []
+    train = algo.trainer.train
+    algo.trainer.train = lambda *a, **k: seen.append(train(*a, **k)) or seen[-1]
+    for r in range(5):
+        h = algo.store["h"].clone()
+        algo.run_round(r)
+        local = seen[-1]
+        torch.testing.assert_close(algo.x, local.params.mean(0))  # x = (1/n) sum_j x^_j
+        want = h + (0.3 / 0.1) * (algo.x - local.params)  # h_i + (p/gamma)(x - x^_i)
+        torch.testing.assert_close(algo.store["h"], want)
+        assert float(algo.store["h"].sum(0).abs().max()) < 1e-4  # sum_i h_i = 0, to float32 rounding
+        assert (local.steps == algo.local_steps(r)).all()  # every client took the round's K_r steps
+
+
+def test_round_lengths_are_geometric_with_mean_1_over_p():
+    algo = _algo({**_cfg("proxskip", clients_per_round=8), "local": {"batch_size": 16, "lr": 0.1}})
+    k = np.array([algo.local_steps(r) for r in range(4000)])
+    assert k.min() == 1 and abs(k.mean() - 1 / 0.2) < 0.2  # mean 5, std of the mean about 0.07
+    assert abs((k == 1).mean() - 0.2) < 0.02  # P(K = 1) = p
+    again = _algo({**_cfg("proxskip", clients_per_round=8), "local": {"batch_size": 16, "lr": 0.1}})
+    assert [again.local_steps(r) for r in range(50)] == k[:50].tolist()  # the ("local_steps", r) stream
+
+
+def test_loop_and_vmap_agree_and_resume_continues_identically(tmp_path):
+    cfg = {**_cfg("proxskip", rounds=4, clients_per_round=8), "local": {"batch_size": 16, "lr": 0.1}}
+    algos = [_algo({**cfg, "backend": b}) for b in ("loop", "vmap")]
+    for algo in algos:
+        for r in range(3):
+            algo.run_round(r)
+    torch.testing.assert_close(algos[0].x, algos[1].x, rtol=1e-5, atol=1e-6)
+    full = fedweave.run(cfg, run_dir=tmp_path / "full")
+    cfg2 = {**cfg, "output": {**cfg["output"], "checkpoint_every": 2}}
+    fedweave.run({**cfg2, "rounds": 2}, run_dir=tmp_path / "part")
+    resumed = run_config(load(cfg2), run_dir=tmp_path / "part", resume=True)
+    assert torch.equal(resumed.algorithm.x, full.algorithm.x)
+    assert torch.equal(resumed.algorithm.store["h"], full.algorithm.store["h"])
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"algorithm": {"name": "proxskip", "clients_per_round": 3}}, "proxskip communicates with every client (8)"),
+        ({"algorithm": {"name": "proxskip", "clients_per_round": 8, "p": 0}}, "algorithm.p must be in (0, 1], got 0"),
+        ({"algorithm": {"name": "proxskip", "clients_per_round": 8, "weighting": "samples"}}, "use uniform"),
+        ({"algorithm": {"name": "proxskip", "clients_per_round": 8, "server_lr": 0.5}}, "leave it at 1"),
+        ({"local": {"steps": 4}}, "leave local.steps, local.epochs and local.momentum out"),
+        ({"local": {"momentum": 0.9}}, "leave local.steps, local.epochs and local.momentum out"),
+        ({"faults": {"dropout": 0.1}}, "algorithm 'proxskip' does not handle this fault (it handles: none)"),
+        ({"privacy": {"mechanism": "central", "noise_multiplier": 1.0, "clip": 1.0}}, "privacy"),
+    ],
+)
+def test_what_scaffnew_needs_is_checked_in_one_line(change, words, tmp_path):
+    cfg = {**_cfg("proxskip", clients_per_round=8), "local": {"batch_size": 16, "lr": 0.1}, **change}
+    with pytest.raises(ConfigError) as err:
+        fedweave.run(cfg, run_dir=tmp_path / "run")
+    assert words in str(err.value) and "\n" not in str(err.value)
