@@ -17,7 +17,17 @@ from fedweave.checkpoints import CHECKPOINT, read_checkpoint
 from fedweave.cli import main as cli_main
 from fedweave.config import ConfigError, load
 from fedweave.registry import AGGREGATORS, ATTACKS
-from fedweave.robust.aggregators import Bulyan, CenteredClipping, GeometricMedian, Krum, Median, TrimmedMean, bucketed
+from fedweave.robust.aggregators import (
+    Bulyan,
+    CenteredClipping,
+    GeometricMedian,
+    Krum,
+    Mean,
+    Median,
+    NormBound,
+    TrimmedMean,
+    bucketed,
+)
 from fedweave.robust.attacks import AttackInfo, alie_z
 from fedweave.robust.stage import RobustStage, attackers, poisoned_labels
 from fedweave.runner import resume
@@ -150,6 +160,28 @@ def test_centered_clipping_one_iteration_closed_form_and_its_center_carries_over
     torch.testing.assert_close(cc(u2, w, 0), want2, rtol=1e-14, atol=1e-14)
     # a radius above every distance: the weighted mean
     torch.testing.assert_close(CenteredClipping(tau=1e9)(u, w, 0), w @ u, rtol=1e-14, atol=1e-14)
+
+
+def test_norm_bounding_scales_the_long_updates_to_the_bound_by_hand():
+    u, w = _rows(6, 4, seed=6), torch.tensor([0.1, 0.3, 0.2, 0.1, 0.2, 0.1], dtype=F64)
+    norms = [float(r.norm()) for r in u]
+    want = sum(w[i] * u[i] * min(1.0, 1.5 / norms[i]) for i in range(6))
+    torch.testing.assert_close(NormBound(bound=1.5)(u, w, 0), want, rtol=1e-14, atol=1e-14)
+    # null: M is the median of the round's norms (the mean of the two middle ones for an even count)
+    m = float(np.median(norms))
+    want = sum(w[i] * u[i] * min(1.0, m / norms[i]) for i in range(6))
+    torch.testing.assert_close(NormBound()(u, w, 0), want, rtol=1e-14, atol=1e-14)
+    # no update longer than the bound: the weighted mean, bit for bit
+    assert torch.equal(NormBound(bound=1e9)(u, w, 0), Mean()(u, w, 0))
+
+
+def test_norm_bounding_caps_a_boosted_attackers_pull():
+    honest = _rows(9, 5, seed=7) * 0.1
+    boosted = 1000.0 * honest[:1]  # model replacement: one update scaled by the round's clients and more
+    u, w = torch.cat([honest, boosted]), _uniform(10)
+    moved = (NormBound()(u, w, 1) - honest.mean(0)).norm()
+    assert float(moved) < float(honest.norm(dim=1).max())  # the attacker's share is at most M / n
+    assert float((Mean()(u, w, 1) - honest.mean(0)).norm()) > 10.0
 
 
 def test_bucketing_averages_consecutive_buckets_of_the_permutation():
@@ -427,6 +459,7 @@ def test_label_flip_attackers_at_the_edge_train_on_flipped_labels():
         ({"algorithm": {"name": "dfedavg"}, "aggregator": "median"}, r"aggregator: median: algorithm 'dfedavg'"),
         ({"aggregator": "krum_x"}, r"unknown aggregator 'krum_x'\. Did you mean 'krum'\?"),
         ({"aggregator": {"name": "trimmed_mean", "beta": 0.7}}, r"aggregator.beta must be in \[0, 0.5\)"),
+        ({"aggregator": {"name": "norm_bound", "bound": 0}}, r"aggregator.bound must be > 0 .* or null, got 0"),
         ({"aggregator": {"name": "median", "bucketing": 0}}, r"aggregator.bucketing must be a whole number >= 1"),
         ({"aggregator": {"name": "krum", "q": 1}}, r"unknown key 'aggregator.q'"),
         ({"faults": {"byzantine": {"fraction": 1.2, "attack": "ipm"}}}, r"faults.byzantine.fraction must be"),

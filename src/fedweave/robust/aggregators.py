@@ -6,7 +6,7 @@ Each is registered in :data:`fedweave.registry.AGGREGATORS` and called as ``agg(
 section are the keyword arguments of the class. ``mean`` (the weighted mean) is the default and is exactly the
 star template's own reduction.
 
-Weights: the weighted mean, the geometric median and centered clipping use the aggregation weights (their
+Weights: the weighted mean, norm bounding, the geometric median and centered clipping use the aggregation weights (their
 papers state them weighted); the order statistics (median, trimmed mean, Krum, Bulyan) treat every update
 alike, as their papers do.
 """
@@ -285,6 +285,32 @@ class CenteredClipping(Aggregator):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the center."""
         self.center = state.get("center")
+
+
+@AGGREGATORS.register("norm_bound")
+class NormBound(Aggregator):
+    """Norm bounding (Sun, Kairouz, Suresh, McMahan, "Can You Really Backdoor Federated Learning?", 2019, Sec.
+    4): every update longer than ``M`` is scaled to length ``M``, ``u_i min(1, M/||u_i||)``, then the weighted mean.
+    ``bound``: M; null: the median of the round's update norms (the adaptive bound of FLAME, Nguyen et al.,
+    USENIX Security 2022), which needs no scale and holds while attackers are fewer than half the updates. No
+    update longer than M: the weighted mean, bit for bit."""
+
+    name = "norm_bound"
+
+    def __init__(self, bound: float | None = None) -> None:
+        if bound is not None and not bound > 0:
+            raise ConfigError(f"aggregator.bound must be > 0 (the largest update norm kept) or null, got {bound}")
+        self.bound = bound
+
+    def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+        """The weighted mean of the updates, each scaled to norm at most M."""
+        norms = updates.norm(dim=1)
+        m = self.bound if self.bound is not None else _median(norms.sort().values)
+        long = norms > m
+        clipped = torch.where(
+            long.unsqueeze(1), updates * (m / norms.clamp_min(torch.finfo(norms.dtype).tiny)).unsqueeze(1), updates
+        )
+        return weights @ clipped
 
 
 def bucketed(updates: torch.Tensor, weights: torch.Tensor, size: int, perm: torch.Tensor):
