@@ -29,7 +29,7 @@ from fedweave.robust.aggregators import (
     bucketed,
 )
 from fedweave.robust.attacks import AttackInfo, alie_z
-from fedweave.robust.stage import RobustStage, attackers, poisoned_labels
+from fedweave.robust.stage import RobustStage, attackers, poisoned_data
 from fedweave.runner import resume
 from fedweave.seeding import Seeds
 
@@ -216,7 +216,9 @@ def test_attacks_send_what_their_papers_define():
     assert torch.equal(_attack("alie")(own, honest, info), (mu - z * sd).expand(2, 6))
     assert torch.equal(_attack("ipm", eps=0.5)(own, honest, info), (-0.5 * mu).expand(2, 6))
     assert torch.equal(_attack("label_flip")(own, honest, info), own)
-    assert torch.equal(_attack("label_flip").poison(torch.tensor([0, 3, 9]), 10), torch.tensor([9, 6, 0]))
+    x = torch.zeros(3, 2)
+    px, py = _attack("label_flip").poison(x, torch.tensor([0, 3, 9]), 10, 1.0, np.random.default_rng(0))
+    assert px is x and torch.equal(py, torch.tensor([9, 6, 0]))
 
 
 @pytest.mark.parametrize("perturbation", ["unit_vec", "std", "sign"])
@@ -249,8 +251,42 @@ def test_attackers_come_from_the_seed_and_label_flip_poisons_only_their_samples(
     cfg = load({"faults": {"byzantine": {"clients": [1], "attack": "label_flip"}}})
     parts = [np.array([0, 1]), np.array([2, 3, 4]), np.array([5])]
     y = torch.tensor([0, 1, 2, 3, 4, 5])
-    assert torch.equal(poisoned_labels(cfg, Seeds(0), y, parts, 6), torch.tensor([0, 1, 3, 2, 1, 5]))
+    x = torch.arange(6.0).unsqueeze(1)
+    px, py = poisoned_data(cfg, Seeds(0), x, y, parts, 6)
+    assert torch.equal(py, torch.tensor([0, 1, 3, 2, 1, 5])) and px is x  # labels only: the inputs not copied
     assert torch.equal(y, torch.tensor([0, 1, 2, 3, 4, 5]))  # the dataset is untouched
+
+
+def test_backdoor_attackers_stamp_the_trigger_on_their_share_and_label_it_the_target():
+    cfg = load({"faults": {"byzantine": {"clients": [1], "attack": "backdoor", "target": 2, "poison_fraction": 0.5}}})
+    parts = [np.arange(0, 4), np.arange(4, 12), np.arange(12, 16)]
+    x, y = torch.rand(16, 1, 6, 6, generator=torch.Generator().manual_seed(0)), torch.arange(16) % 5
+    px, py = poisoned_data(cfg, Seeds(3), x, y, parts, 5)
+    changed = np.flatnonzero((px != x).flatten(1).any(1).numpy() | (py != y).numpy())
+    chosen = 4 + np.sort(Seeds(3).numpy("poison", 1).permutation(8)[:4])  # half of client 1's 8 samples
+    assert np.array_equal(np.union1d(changed, chosen), chosen)  # nothing outside the attacker's chosen rows
+    high = float(x.max())
+    for i in chosen:
+        assert int(py[i]) == 2 and torch.all(px[i, :, -3:, -3:] == high)  # the 3x3 corner at the largest value
+        assert torch.equal(px[i, :, :3, :], x[i, :, :3, :])  # and the rest of the image as it was
+    assert torch.equal(x, torch.rand(16, 1, 6, 6, generator=torch.Generator().manual_seed(0)))  # untouched
+
+
+def test_a_backdoor_implants_its_trigger_and_norm_bounding_blunts_its_boosted_form(tmp_path):
+    base = {
+        "name": "bd", "seed": 0, "rounds": 10, "dataset": "digits",
+        "partition": {"name": "iid", "num_clients": 20}, "model": "logistic",
+        "algorithm": {"name": "fedavg", "clients_per_round": 20},
+        "local": {"epochs": 1, "batch_size": 16, "lr": 0.1}, "eval": {"every": 10},
+        "output": {"progress": False, "plots": False},
+    }  # fmt: skip
+    attack = {"byzantine": {"fraction": 0.05, "attack": "backdoor", "boost": 10.0}}  # one attacker, boosted
+    clean = fedweave.run(base, run_dir=tmp_path / "clean").metrics[-1]
+    hit = fedweave.run({**base, "faults": attack}, run_dir=tmp_path / "hit").metrics[-1]
+    bounded = fedweave.run({**base, "faults": attack, "aggregator": "norm_bound"}, run_dir=tmp_path / "nb").metrics[-1]
+    assert "test_backdoor_success" not in clean
+    assert hit["test_backdoor_success"] > 0.8 and hit["test_accuracy"] > 0.8  # the trigger works, the task too
+    assert bounded["test_backdoor_success"] < 0.2  # its long update is cut to the median norm
 
 
 def test_label_flip_attackers_train_on_flipped_labels_in_a_run(toy_config):
@@ -481,7 +517,7 @@ def test_list_shows_aggregators_and_attacks(capsys):
     assert cli_main(["list"]) == 0
     out = capsys.readouterr().out
     assert "aggregators: bulyan, centered_clipping, geometric_median, krum, mean, median" in out
-    assert "attacks: alie, gaussian, ipm, label_flip, min_max, scaled, sign_flip" in out
+    assert "attacks: alie, backdoor, gaussian, ipm, label_flip, min_max, scaled, sign_flip" in out
 
 
 # ---- docs/robustness.md ------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from fedweave.execution.placement import Placement, resolve_placement
 from fedweave.faults import Faults
 from fedweave.ledger import Ledger
 from fedweave.registry import ALGORITHMS, DATASETS, MODELS, PARTITIONERS
-from fedweave.robust import poisoned_labels
+from fedweave.robust import poisoned_data
 from fedweave.seeding import Seeds
 from fedweave.tasks import CallableLoss, Loss, Task, build_task
 
@@ -529,11 +529,11 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
             "backend: vmap pads short local batches with rows the loss leaves out, but the model's batch norm "
             "would count them in its statistics; set local.steps (every batch full) or choose backend loop"
         )
-    # a data-poisoning attack's clients train on its labels (robustness); otherwise ds.train_y itself
-    train_y = poisoned_labels(cfg, ctx.seeds, ds.train_y, ctx.partition, ds.num_classes)
+    # a data-poisoning attack's clients train on its samples (robustness); otherwise the dataset's own
+    train_x, train_y = poisoned_data(cfg, ctx.seeds, ds.train_x, ds.train_y, ctx.partition, ds.num_classes)
     return LocalTrainer(
         ctx.model,
-        ds.train_x,
+        train_x,
         train_y,
         ctx.partition,
         local,

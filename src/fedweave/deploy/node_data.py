@@ -51,11 +51,11 @@ def load_node_data(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 def trial_parts(config: RunConfig, ctx=None) -> tuple[torch.Tensor, torch.Tensor, list[np.ndarray]]:
     """``(train_x, train_y, parts)``: the training samples and each client's indices as the simulation of
     ``config`` gives them (the hierarchical family: the clients' parts of its server/client split), with the
-    labels its trainer has (a label-flipping attacker's samples relabelled, ``faults.byzantine``)."""
+    samples its trainer has (a data-poisoning attacker's samples poisoned, ``faults.byzantine``)."""
     from fedweave.algorithms.base import RunContext
     from fedweave.config import build_dataclass
     from fedweave.registry import ALGORITHMS
-    from fedweave.robust import poisoned_labels
+    from fedweave.robust import poisoned_data
 
     ctx = ctx or RunContext(config)
     cls = ALGORITHMS.get(config.algorithm.name)
@@ -67,7 +67,8 @@ def trial_parts(config: RunConfig, ctx=None) -> tuple[torch.Tensor, torch.Tensor
         x, y, parts = d.train_x, d.train_y, d.parts
     else:
         x, y, parts = ctx.dataset.train_x, ctx.dataset.train_y, ctx.partition
-    return x, poisoned_labels(config, ctx.seeds, y, parts, ctx.dataset.num_classes), parts
+    x, y = poisoned_data(config, ctx.seeds, x, y, parts, ctx.dataset.num_classes)
+    return x, y, parts
 
 
 def own_parts(client: int, samples: int, num_clients: int) -> list[np.ndarray]:

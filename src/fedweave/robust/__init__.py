@@ -7,6 +7,6 @@ a family's server round.
 """
 
 from fedweave.robust import aggregators, attacks
-from fedweave.robust.stage import RobustStage, attackers, build, check, poisoned_labels
+from fedweave.robust.stage import RobustStage, attackers, build, check, poisoned_data
 
-__all__ = ["RobustStage", "aggregators", "attackers", "attacks", "build", "check", "poisoned_labels"]
+__all__ = ["RobustStage", "aggregators", "attackers", "attacks", "build", "check", "poisoned_data"]

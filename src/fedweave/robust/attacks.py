@@ -5,8 +5,8 @@ send instead: ``attack(own, honest, info)`` with ``own`` the ``(a, d)`` updates 
 honestly, ``honest`` the ``(h, d)`` updates of the round's honest clients and ``info`` the round, the
 attackers' ids, the round's number of updates and the run's seeds. The omniscient attacks (ALIE, IPM,
 Min-Max) read ``honest`` as their papers assume; in a round without an honest client they use the attackers'
-own updates (what they would compute on their own data). A data-poisoning attack (``label_flip``) trains on
-poisoned data and sends its update as it is.
+own updates (what they would compute on their own data). A data-poisoning attack (``label_flip``,
+``backdoor``) trains on poisoned data and sends the update that training gives (``backdoor`` may boost it).
 """
 
 from __future__ import annotations
@@ -34,19 +34,23 @@ class AttackInfo:
 
 
 class Attack:
-    """Base class: ``omniscient`` attacks read the honest updates; ``poisons_data`` ones change the labels the
-    attackers train on (:meth:`poison`) and send their update unchanged."""
+    """Base class: ``omniscient`` attacks read the honest updates; ``poisons_data`` ones change the samples the
+    attackers train on (:meth:`poison`: the labels, and with ``poisons_inputs`` the inputs too)."""
 
     name: ClassVar[str] = ""
     omniscient: ClassVar[bool] = False
     poisons_data: ClassVar[bool] = False
+    poisons_inputs: ClassVar[bool] = False
 
     def __call__(self, own: torch.Tensor, honest: torch.Tensor, info: AttackInfo) -> torch.Tensor:
         raise NotImplementedError
 
-    def poison(self, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
-        """The labels an attacker trains on (a data-poisoning attack only)."""
-        return labels
+    def poison(
+        self, x: torch.Tensor, y: torch.Tensor, num_classes: int, high: float, rng: np.random.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One attacker's samples ``(x, y)`` as it trains on them (a data-poisoning attack only); ``high``: the
+        largest training input value, ``rng``: the attacker's own ``("poison", client)`` stream."""
+        return x, y
 
 
 def _same_for_all(update: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
@@ -108,8 +112,54 @@ class LabelFlip(Attack):
     def __call__(self, own: torch.Tensor, honest: torch.Tensor, info: AttackInfo) -> torch.Tensor:
         return own
 
-    def poison(self, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
-        return num_classes - 1 - labels
+    def poison(self, x, y, num_classes, high, rng):
+        return x, num_classes - 1 - y
+
+
+def stamped(x: torch.Tensor, size: int, value: float) -> torch.Tensor:
+    """``x`` (a batch) with the trigger: a ``size`` x ``size`` square of ``value`` in the bottom-right corner of
+    every channel of an image, or the last ``size`` values of a flat sample."""
+    out = x.clone()
+    if out.dim() >= 3:  # (N, H, W) or (N, C, H, W)
+        out[..., -size:, -size:] = value
+    else:
+        out[:, -size:] = value
+    return out
+
+
+@ATTACKS.register("backdoor")
+class Backdoor(Attack):
+    """A backdoor by data poisoning (Bagdasaryan et al., AISTATS 2020; the pixel-pattern trigger of Gu et al.'s
+    BadNets, 2017): each attacker stamps the trigger (:func:`stamped`, ``size`` pixels square, at the largest
+    training input value) on a ``poison_fraction`` of its samples, drawn from its ``("poison", client)`` stream,
+    and labels them ``target``; it trains on them with the rest of its samples and sends ``boost`` times the
+    update (``boost`` > 1: the model replacement of Bagdasaryan et al., eq. 3). The star methods report
+    ``test_backdoor_success``: the share of the test samples of other classes, stamped, classified as ``target``."""
+
+    name = "backdoor"
+    poisons_data = True
+    poisons_inputs = True
+
+    def __init__(self, target: int = 0, poison_fraction: float = 0.5, size: int = 3, boost: float = 1.0) -> None:
+        if not 0 < poison_fraction <= 1:
+            raise ConfigError(f"faults.byzantine.poison_fraction must be in (0, 1], got {poison_fraction}")
+        if size < 1:
+            raise ConfigError(f"faults.byzantine.size must be >= 1 (the trigger's side in pixels), got {size}")
+        if not boost > 0:
+            raise ConfigError(f"faults.byzantine.boost must be > 0, got {boost}")
+        self.target, self.poison_fraction, self.size, self.boost = target, poison_fraction, size, boost
+
+    def __call__(self, own: torch.Tensor, honest: torch.Tensor, info: AttackInfo) -> torch.Tensor:
+        return own if self.boost == 1.0 else self.boost * own
+
+    def poison(self, x, y, num_classes, high, rng):
+        if not 0 <= self.target < num_classes:
+            raise ConfigError(f"faults.byzantine.target must be a class, 0..{num_classes - 1}, got {self.target}")
+        rows = torch.as_tensor(rng.permutation(len(x))[: round(self.poison_fraction * len(x))], dtype=torch.long)
+        x, y = x.clone(), y.clone()
+        x[rows] = stamped(x[rows], self.size, high)
+        y[rows] = self.target
+        return x, y
 
 
 @ATTACKS.register("scaled")

@@ -12,19 +12,21 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 import math
 import statistics
 from pathlib import Path
 
 from fedweave.results import atomic_write
 
-FIELDS = ("aggregator", "attack", "fraction", "seed", "status", "final_test_accuracy")
+FIELDS = ("aggregator", "attack", "fraction", "seed", "status", "final_test_accuracy", "final_backdoor_success")
 CLEAN = "none"  # the attack column of the runs without attackers
+BACKDOOR = "backdoor"  # the attack whose runs also record their final test_backdoor_success
 
 
 def gather(clean: Path, *attacked: Path) -> list[dict[str, str]]:
     """The runs of the sweep directories as records (``FIELDS``), sorted; the clean runs (the first sweep)
-    have attack ``none`` and fraction 0."""
+    have attack ``none`` and fraction 0. A backdoor run's success rate comes from its ``summary.json``."""
     rows = []
     for path, is_clean in ((clean, True), *((a, False) for a in attacked)):
         with open(Path(path) / "sweep.csv", newline="") as f:
@@ -37,9 +39,18 @@ def gather(clean: Path, *attacked: Path) -> list[dict[str, str]]:
                         "seed": r["seed"],
                         "status": r["status"],
                         "final_test_accuracy": r["final_test_accuracy"],
+                        "final_backdoor_success": _backdoor(Path(path), r) if not is_clean else "",
                     }
                 )
     return sorted(rows, key=lambda r: (r["aggregator"], r["attack"], float(r["fraction"]), int(r["seed"])))
+
+
+def _backdoor(sweep: Path, row: dict[str, str]) -> str:
+    """A backdoor run's final ``test_backdoor_success`` (empty for another attack or a run without it)."""
+    if row["faults.byzantine.attack"] != BACKDOOR:
+        return ""
+    final = json.loads((sweep / row["run_dir"] / "summary.json").read_text()).get("final") or {}
+    return repr(final["test_backdoor_success"]) if "test_backdoor_success" in final else ""
 
 
 def records_text(rows: list[dict[str, str]]) -> str:
@@ -60,12 +71,12 @@ def _order(rows: list[dict[str, str]], key: str) -> list[str]:
     return list(dict.fromkeys(r[key] for r in rows))
 
 
-def cells(rows: list[dict[str, str]]) -> dict[tuple[str, str, float], list[float]]:
-    """(aggregator, attack, fraction) -> the final accuracies over seeds (NaN for a diverged run)."""
+def cells(rows: list[dict[str, str]], key: str = "final_test_accuracy") -> dict[tuple[str, str, float], list[float]]:
+    """(aggregator, attack, fraction) -> the final values of ``key`` over seeds (NaN for a diverged run)."""
     out: dict[tuple[str, str, float], list[float]] = {}
     for r in rows:
-        acc = float(r["final_test_accuracy"]) if r["status"] == "completed" and r["final_test_accuracy"] else math.nan
-        out.setdefault((r["aggregator"], r["attack"], float(r["fraction"])), []).append(acc)
+        value = float(r[key]) if r["status"] == "completed" and r.get(key) else math.nan
+        out.setdefault((r["aggregator"], r["attack"], float(r["fraction"])), []).append(value)
     return out
 
 
@@ -96,6 +107,18 @@ def table(rows: list[dict[str, str]]) -> str:
         for agg in aggs:
             row = [_cell(by[(agg, CLEAN, 0.0)]) if (agg, CLEAN, 0.0) in by else "-"]
             row += [_cell(by[(agg, attack, f)]) if (agg, attack, f) in by else "-" for f in fractions]
+            out.append(f"| {agg} | " + " | ".join(row) + " |\n")
+    success = cells([r for r in rows if r["attack"] == BACKDOOR], "final_backdoor_success")
+    if success:  # the backdoor's own measure: how often the trigger makes the model say the target
+        out.append(
+            f"\n**{BACKDOOR}: attack success rate** (%): the share of the test samples of other classes that the final "
+            "model, with the trigger stamped on, classifies as the target (`test_backdoor_success`), mean ± std over "
+            f"{seeds} seeds.\n\n"
+        )
+        out.append("| aggregator | " + " | ".join(f"{f:g}" for f in fractions) + " |\n")
+        out.append("|---|" + "---|" * len(fractions) + "\n")
+        for agg in aggs:
+            row = [_cell(success[(agg, BACKDOOR, f)]) if (agg, BACKDOOR, f) in success else "-" for f in fractions]
             out.append(f"| {agg} | " + " | ".join(row) + " |\n")
     return "".join(out)
 

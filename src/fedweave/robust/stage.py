@@ -15,9 +15,10 @@ import numpy as np
 import torch
 
 from fedweave.config import ConfigError, RunConfig, Section, check_options
+from fedweave.execution import evaluate
 from fedweave.registry import AGGREGATORS, ATTACKS, Registry, UnknownNameError
 from fedweave.robust.aggregators import Aggregator, bucketed
-from fedweave.robust.attacks import Attack, AttackInfo
+from fedweave.robust.attacks import Attack, AttackInfo, stamped
 from fedweave.seeding import Seeds
 
 DEFAULT = Section("mean")  # the weighted mean: the template's own reduction
@@ -118,6 +119,7 @@ class RobustStage:
         self.f = _count(section, "f")
         self.round = 0
         self.last_byzantine = 0  # the reporting attackers of the last round (a metric)
+        self.stamped_test: tuple[torch.Tensor, torch.Tensor] | None = None  # a backdoor's triggered test samples
 
     @property
     def stateful(self) -> bool:
@@ -168,6 +170,20 @@ class RobustStage:
         """``byzantine_clients``: the attackers among the round's reporting clients (with an attack only)."""
         return {"byzantine_clients": float(self.last_byzantine)} if self.attack_fn is not None else {}
 
+    def backdoor_metrics(self, layout: Any, x: torch.Tensor, dataset: Any, batch_size: int) -> dict[str, float]:
+        """``test_backdoor_success`` of the model ``x`` under a backdoor attack (nothing otherwise): the share of the
+        test samples whose class is not the target that, with the trigger stamped on, the model classifies as
+        the target."""
+        attack = self.attack_fn
+        if attack is None or not attack.poisons_inputs:
+            return {}
+        if self.stamped_test is None:  # built once: the trigger at the training inputs' largest value
+            keep = dataset.test_y != attack.target
+            inputs = stamped(dataset.test_x[keep], attack.size, float(dataset.train_x.max()))
+            self.stamped_test = inputs, torch.full((len(inputs),), attack.target, dtype=dataset.test_y.dtype)
+        success, _ = evaluate(layout, x, *self.stamped_test, batch_size)
+        return {"test_backdoor_success": success}
+
     def state_dict(self) -> dict[str, Any]:
         """The aggregator's state (a checkpoint's ``robust`` entry)."""
         return self.aggregator.state_dict()
@@ -188,22 +204,30 @@ def build(config: RunConfig, seeds: Seeds, num_clients: int, per_round: int) -> 
     return stage
 
 
-def poisoned_labels(config: RunConfig, seeds: Seeds, labels: torch.Tensor, partition: list[np.ndarray],
-                    num_classes: int) -> torch.Tensor:  # fmt: skip
-    """The training labels the clients train on: for a data-poisoning attack, the attackers' samples get the
-    attack's labels (a copy; the dataset is untouched); otherwise ``labels`` itself."""
+def poisoned_data(config: RunConfig, seeds: Seeds, x: torch.Tensor, labels: torch.Tensor,
+                  partition: list[np.ndarray], num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The training inputs and labels the clients train on: for a data-poisoning attack, each attacker's samples
+    as the attack poisons them (copies; the dataset is untouched, and the inputs are copied only by an attack
+    that changes them); otherwise ``x`` and ``labels`` themselves."""
     spec = config.faults.byzantine
     if not spec:
-        return labels
+        return x, labels
     attack = build_attack(spec)
     if not attack.poisons_data:
-        return labels
+        return x, labels
     if labels.is_floating_point():
-        raise ConfigError(f"faults.byzantine.attack {attack.name!r} flips class labels; this dataset has float targets")
+        raise ConfigError(
+            f"faults.byzantine.attack {attack.name!r} changes class labels; this dataset has float targets"
+        )
     bad = attackers(spec, len(partition), seeds)
     if len(bad) == 0:
-        return labels
-    idx = torch.as_tensor(np.concatenate([partition[int(c)] for c in bad]), dtype=torch.long)
-    out = labels.clone()
-    out[idx] = attack.poison(labels[idx], num_classes)
-    return out
+        return x, labels
+    high = float(x.max()) if attack.poisons_inputs else 0.0
+    x_out, y_out = (x.clone() if attack.poisons_inputs else x), labels.clone()
+    for c in bad:
+        idx = torch.as_tensor(partition[int(c)], dtype=torch.long)
+        px, py = attack.poison(x[idx], labels[idx], num_classes, high, seeds.numpy("poison", int(c)))
+        if attack.poisons_inputs:
+            x_out[idx] = px
+        y_out[idx] = py
+    return x_out, y_out

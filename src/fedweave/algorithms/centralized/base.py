@@ -402,7 +402,13 @@ class StarAlgorithm(Algorithm):
         if ev.per_client:
             accs, _ = evaluate_clients(self.layout, self.x, ds.train_x, ds.train_y, self.ctx.partition, ev.batch_size)
             out["client_train_accuracy_mean"] = float(accs.mean())
-        return out
+        return {**out, **self.backdoor_metrics()}
+
+    def backdoor_metrics(self) -> dict[str, float]:
+        """Under a backdoor attack (robustness), the global model's ``test_backdoor_success``; else nothing."""
+        if self.robust is None:
+            return {}
+        return self.robust.backdoor_metrics(self.layout, self.x, self.ctx.dataset, self.config.eval.batch_size)
 
     def evaluate_task(self, r: int) -> dict[str, float]:
         """Evaluation under any task: ``test_<metric>`` for each of the task's values, the loss included;
@@ -427,7 +433,7 @@ class StarAlgorithm(Algorithm):
                 self.layout, self.x, ds.train_x, ds.train_y, self.ctx.partition, task, ev.batch_size
             )
             out[f"client_train_{task.main}_mean"] = float(per[task.main].mean())
-        return out
+        return {**out, **self.backdoor_metrics()}
 
     def client_distribution(self, r: int, per: dict[str, np.ndarray]) -> dict[str, float]:
         """``eval.distribution``: the spread over the clients of the task's main metric on their own test

@@ -325,10 +325,10 @@ class HierarchicalAlgorithm(Algorithm):
         jobs = [*d.parts, d.server.numpy()]
         self.server_job = self.m
         self.sampler = make_sampler(ctx, self.k, self.m, family=self.family)
-        # a data-poisoning attack's clients train on its labels (robustness); otherwise d.train_y itself
-        train_y = robust.poisoned_labels(cfg, ctx.seeds, d.train_y, d.parts, ctx.dataset.num_classes)
+        # a data-poisoning attack's clients train on its samples (robustness); otherwise d's own
+        train_x, train_y = robust.poisoned_data(cfg, ctx.seeds, d.train_x, d.train_y, d.parts, ctx.dataset.num_classes)
         self.trainer = LocalTrainer(
-            ctx.model, d.train_x, train_y, jobs, cfg.local, ctx.seeds, backend=backend, ray=cfg.ray,
+            ctx.model, train_x, train_y, jobs, cfg.local, ctx.seeds, backend=backend, ray=cfg.ray,
             loss_fn=ctx.task.loss, placement=ctx.placement,
         )  # fmt: skip
         self.layout: ParamLayout = self.trainer.layout
