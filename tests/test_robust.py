@@ -496,6 +496,14 @@ def test_label_flip_attackers_at_the_edge_train_on_flipped_labels():
         ({"aggregator": "krum_x"}, r"unknown aggregator 'krum_x'\. Did you mean 'krum'\?"),
         ({"aggregator": {"name": "trimmed_mean", "beta": 0.7}}, r"aggregator.beta must be in \[0, 0.5\)"),
         ({"aggregator": {"name": "norm_bound", "bound": 0}}, r"aggregator.bound must be > 0 .* or null, got 0"),
+        (
+            {"faults": {"byzantine": {"fraction": 0.2, "attack": "backdoor", "poison_fraction": 0}}},
+            r"faults.byzantine.poison_fraction must be in \(0, 1\], got 0",
+        ),
+        (
+            {"faults": {"byzantine": {"fraction": 0.2, "attack": "backdoor", "target": 99}}},
+            r"faults.byzantine.target must be a class, 0..\d+, got 99",
+        ),
         ({"aggregator": {"name": "median", "bucketing": 0}}, r"aggregator.bucketing must be a whole number >= 1"),
         ({"aggregator": {"name": "krum", "q": 1}}, r"unknown key 'aggregator.q'"),
         ({"faults": {"byzantine": {"fraction": 1.2, "attack": "ipm"}}}, r"faults.byzantine.fraction must be"),
