@@ -101,3 +101,12 @@ def test_what_scaffnew_needs_is_checked_in_one_line(change, words, tmp_path):
     with pytest.raises(ConfigError) as err:
         fedweave.run(cfg, run_dir=tmp_path / "run")
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["proxskip", "ifca", "fedproto"])
+def test_the_methods_whose_client_state_stays_in_the_simulation_are_refused_for_deployment_in_one_line(name):
+    from fedweave.deploy.support import unsupported
+
+    why = unsupported(name, "centralized", "stop")
+    assert why is not None and why.startswith(f"algorithm {name!r} (centralized) cannot be deployed on Flower yet: ")
+    assert "\n" not in why
