@@ -21,7 +21,7 @@ from fedweave.registry import MODELS
 from fedweave.runner import run as run_config
 from tests.test_centralized import D_Q, M_Q, N_Q, _algo, _cfg, _quad_cfg, _quad_data, _rounds, _squared
 
-PERSONAL = ["fedper", "fedrep", "lg_fedavg", "fedbn", "apfl", "ditto_star", "pfedme", "perfedavg"]
+PERSONAL = ["fedper", "fedrep", "lg_fedavg", "fedbn", "apfl", "ditto_star", "pfedme", "perfedavg", "fedbabu"]
 
 
 class _Headless(HeadedModel):
@@ -70,6 +70,30 @@ def test_an_empty_head_is_fedavg_bit_for_bit(alg):
     assert not algo.partial
     assert torch.equal(_rounds(algo, 3), _fedavg_x({"name": "_headless"}))
     assert torch.equal(algo.personal_models(3), algo.x.expand(8, -1))  # nobody keeps anything
+
+
+def test_fedbabu_trains_the_body_only_and_fine_tunes_at_evaluation():
+    cfg = _pcfg("fedbabu", local={"steps": 4, "batch_size": 16, "lr": 0.2, "momentum": 0.9, "weight_decay": 1e-2})
+    algo = _algo(cfg)
+    x0 = algo.x.clone()
+    _rounds(algo, 3)
+    assert torch.equal(algo.x[algo.head], x0[algo.head])  # the head keeps its random start, momentum and all
+    assert not torch.equal(algo.x[algo.body], x0[algo.body])
+    p, n = int(algo.body.sum()), algo.hp.clients_per_round
+    assert {(e.sender, e.bytes) for e in algo.ledger.entries()} == {("server", n * p * 4), ("client", n * p * 4)}
+    full = algo.personal_models(3)  # tau epochs of local SGD from the global model, the fine-tuning's batches
+    want = algo.tuner.train(algo.x, range(8), 3, key=(1,)).params
+    assert torch.equal(full, want) and algo.tuner.local.epochs == 5
+    head = _algo({**cfg, "algorithm": {**cfg["algorithm"], "finetune": "head"}})
+    _rounds(head, 3)
+    tuned = head.personal_models(3)
+    assert torch.equal(tuned[:, head.body], head.x[head.body].expand(8, -1))  # only the head moved
+    assert not torch.equal(tuned[:, head.head], head.x[head.head].expand(8, -1))
+
+
+def test_fedbabu_with_an_empty_head_trains_as_fedavg_bit_for_bit():
+    algo = _algo(_pcfg("fedbabu", {"name": "_headless"}))
+    assert torch.equal(_rounds(algo, 3), _fedavg_x({"name": "_headless"}))
 
 
 def test_fedbn_without_batch_norm_is_fedavg_bit_for_bit():
@@ -356,7 +380,7 @@ def test_eval_holdout_applies_to_the_decentralized_family_too(tmp_path, monkeypa
     assert x is algo.ctx.dataset.train_x and parts is held  # the clients' own held-out samples
 
 
-@pytest.mark.parametrize("alg", [a for a in PERSONAL if a != "perfedavg"])
+@pytest.mark.parametrize("alg", [a for a in PERSONAL if a not in ("perfedavg", "fedbabu")])  # keep no personal models
 def test_under_dropout_only_the_reporting_clients_personal_models_change(alg):
     cfg = {**_pcfg(alg), "faults": {"dropout": 0.5}}
     algo = _algo(cfg)

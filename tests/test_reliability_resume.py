@@ -225,6 +225,7 @@ STATE_RECORDS = {
     "afl": ("x", "lam"),
     # the star's personalized methods: their personal models (and APFL's alpha) are the store's client state
     **dict.fromkeys(["fedper", "fedrep", "lg_fedavg", "fedbn", "apfl", "ditto_star", "pfedme", "perfedavg"], ("x",)),
+    "fedbabu": ("x",),  # the fine-tuned models are made at evaluation
     "ifca": ("models",),  # one model per cluster, no global one
     "fedproto": ("protos", "known"),  # the global prototypes; each client's own model is the store's
     # the asynchronous methods' jobs lost to injected faults: keys added later, which an older checkpoint lacks (a
