@@ -50,8 +50,8 @@ class Method:
 # The page's methods, in its order: the global ones, then the personalized ones; adding a method is adding its name.
 GLOBAL = ["fedavg", "fedprox", "scaffold", "fedadam", "fedyogi", "fedadagrad", "fedavgm", "fedcm", "feddyn", "fedsam"]
 GLOBAL += ["mofedsam", "fedmim", "fednova", "fedexp", "moon", "fedlc", "qfedavg", "afl"]
-PERSONAL = ["fedper", "fedrep", "lg_fedavg", "apfl", "ditto_star", "pfedme", "perfedavg", "fedbn", "fedbabu", "fedproto"]
-PERSONAL += ["ifca"]
+PERSONAL = ["fedper", "fedrep", "lg_fedavg", "apfl", "ditto_star", "pfedme", "perfedavg", "fedbn", "fedbabu"]
+PERSONAL += ["fedproto", "ifca"]
 NO_GLOBAL = ("fedproto", "ifca")  # their clients' own models are scored under the plain names (test_accuracy)
 MODELS = {"fedbn": {"norm": "batch"}}
 METHODS = [Method(k, k in PERSONAL, MODELS.get(k, {})) for k in GLOBAL + PERSONAL]
