@@ -188,3 +188,33 @@ def test_dropped_clients_are_sent_the_models_and_deliver_nothing():
     got = [e for e in algo.ledger.entries() if e.sender == "client"]
     assert sent[0].count == algo.hp.clients_per_round and len(algo.picked) == out["reported_clients"] < sent[0].count
     assert sum(e.count for e in got) == out["reported_clients"]
+
+
+def _shared(clusters: int, **opts):
+    cfg = {**_cfg("ifca", clusters=clusters, share_body=True, **opts), "model": {"name": "mlp", "hidden": [8]}}
+    return _algo(cfg)
+
+
+def test_weight_sharing_keeps_one_body_moved_by_every_client_and_a_head_per_cluster():
+    algo = _shared(3, local={"steps": 3, "batch_size": 16, "lr": 0.3})
+    body = algo.shared
+    assert body.any() and not body.all()
+    for r in range(4):
+        before = algo.models.clone()
+        algo.run_round(r)
+        assert torch.equal(algo.models[:, body], algo.models[0, body].expand(3, -1))  # one body
+    heads = algo.models[:, ~body]
+    assert not torch.equal(heads[0], heads[1]) and not torch.equal(heads[1], heads[2])
+    # the last round's body moved by the mean of every reporting client's update, whatever their clusters
+    assert not torch.equal(algo.models[0, body], before[0, body])
+    p, k, n = int(body.sum()), 3, algo.hp.clients_per_round
+    down = [e for e in algo.ledger.entries() if e.sender == "server" and e.round == 0][0]
+    assert down.bytes == n * (p + k * int((~body).sum())) * 4  # the body once and k heads
+
+
+def test_weight_sharing_with_one_cluster_is_fedavg_bit_for_bit():
+    fedavg = _algo({**_cfg("fedavg", weighting="uniform"), "model": {"name": "mlp", "hidden": [8]}})
+    ifca = _shared(1)
+    for r in range(3):
+        fedavg.run_round(r), ifca.run_round(r)
+    assert torch.equal(ifca.models[0], fedavg.x)

@@ -9,7 +9,10 @@ A cluster nobody picked keeps its model. The average is written as FedAvg's serv
 ``theta_j + server_lr * sum_{i in j} p_i (theta~_i - theta_j)`` with ``p`` the ``weighting`` over the
 cluster's clients (``uniform``, the default, is line 13's average; ``samples`` weighs by data), so that one
 cluster is FedAvg bit for bit. Cluster j > 0 starts from its own initialization (the ``("model_init", j)``
-stream), cluster 0 from the run's model.
+stream), cluster 0 from the run's model. With ``share_body`` (the paper's weight sharing, Sec. 5) the cluster
+models differ only in their heads (``head_names()``): one body, which every reporting client's update moves
+(FedAvg over all of them, the same ``weighting``), and k heads, each averaged over its cluster's clients; the
+server sends the body once and the k heads.
 
 A client's model is the cluster model it picks, so IFCA's test metrics are those of its paper: each client's
 pick, by its loss on its training data, evaluated on its own test set (``eval.personal_test``'s sets).
@@ -25,7 +28,7 @@ import torch
 
 from fedweave.algorithms.base import aggregation_weights
 from fedweave.algorithms.centralized.base import Collected, StarHparams
-from fedweave.algorithms.centralized.personal.base import PersonalStar
+from fedweave.algorithms.centralized.personal.base import PersonalStar, head_names, name_mask
 from fedweave.config import ConfigError
 from fedweave.execution import ParamLayout, evaluate_clients_task
 from fedweave.registry import ALGORITHMS
@@ -34,6 +37,7 @@ from fedweave.registry import ALGORITHMS
 @dataclass
 class IFCAHparams(StarHparams):
     clusters: int = 2  # k
+    share_body: bool = False  # weight sharing: one body for every cluster, a head per cluster
     weighting: Literal["samples", "uniform"] = "uniform"  # line 13: the plain average over a cluster's clients
 
     def __post_init__(self) -> None:
@@ -63,6 +67,10 @@ class IFCA(PersonalStar):
             )
         super().__init__(ctx, hp)
         others = [ParamLayout(ctx.build_model(key=(j,)), ctx.placement).flatten() for j in range(1, hp.clusters)]
+        # the coordinates every cluster model shares (the body, with share_body), else none
+        head = name_mask(self.layout, head_names(self.layout.model, self.name)) if hp.share_body else None
+        self.shared = ~head if head is not None else torch.zeros_like(self.x, dtype=torch.bool)
+        others = [torch.where(self.shared, self.x, m) for m in others]  # one body: cluster 0's
         self.models = torch.stack([self.x, *others])  # (k, P): theta_1..theta_k
         del self.x  # no single global model: what reads one fails loudly instead of reading a stale copy
         self.picked: np.ndarray = np.zeros(0, dtype=np.int64)  # this round's clusters, in job order
@@ -84,6 +92,8 @@ class IFCA(PersonalStar):
         return self.cluster_losses(clients).argmin(axis=0)
 
     def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        if self.hp.share_body:  # the body once, then each cluster's head
+            return {"model": (self.models[0][self.shared], *(m[~self.shared] for m in self.models))}
         return {"model": tuple(self.models)}  # line 3: all k models, to every sampled client
 
     def train_clients(self, r: int, clients: np.ndarray) -> Collected:
@@ -107,13 +117,16 @@ class IFCA(PersonalStar):
             mine = np.flatnonzero(self.picked == j)
             p = aggregation_weights(self.sizes, clients[mine], self.hp.weighting)
             means[j] = p @ updates[torch.as_tensor(mine, device=updates.device)]
+        if self.hp.share_body:  # the shared body: FedAvg's reduction over every reporting client
+            means[:, self.shared] = (weights @ updates[:, self.shared]).unsqueeze(0)
         return means
 
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
         picked = torch.zeros(len(self.models), dtype=torch.bool, device=self.models.device)
         picked[torch.as_tensor(np.unique(self.picked), device=picked.device)] = True
         moved = self.models + self.hp.server_lr * mean  # line 13, for the clusters a client picked
-        self.models = torch.where(picked.unsqueeze(1), moved, self.models)
+        moves = picked.unsqueeze(1) | self.shared.unsqueeze(0)  # and the shared body of every cluster
+        self.models = torch.where(moves, moved, self.models)
 
     def run_round(self, r: int) -> dict[str, float]:
         self.picked = np.zeros(0, dtype=np.int64)
