@@ -45,12 +45,17 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--clients", type=int, default=40)
     ap.add_argument("--out", type=Path, default=Path("runs/rotated_mnist"))
+    ap.add_argument("--methods", nargs="+", default=["ifca k=4", "fedavg", "ifca k=1"], help="the rows to run")
     args = ap.parse_args()
-    methods = {
+    rows = {
         "ifca k=4": ("ifca", {"clusters": GROUPS}),
         "fedavg": ("fedavg", {}),
         "ifca k=1": ("ifca", {"clusters": 1}),
+        "ifca k=4 shared body": ("ifca", {"clusters": GROUPS, "share_body": True}),
     }
+    if unknown := set(args.methods) - set(rows):
+        ap.error(f"--methods: unknown {sorted(unknown)}; allowed: {', '.join(map(repr, rows))}")
+    methods = {k: rows[k] for k in args.methods}
     print("| method | seed | test accuracy | worst client | clusters used | MiB moved |")
     print("|---|---|---|---|---|---|")
     for seed in args.seeds:
