@@ -24,8 +24,8 @@ def family_config(name: str) -> dict:
             "dataset": DIGITS,
             "partition": {"name": "iid", "num_clients": 6},
             "model": {"name": "logistic"},
-            # proxskip communicates with every client in every round
-            "algorithm": {"name": name, "clients_per_round": 6 if name == "proxskip" else 3},
+            # proxskip and clustered_fl need every client in every round
+            "algorithm": {"name": name, "clients_per_round": 6 if name in ("proxskip", "clustered_fl") else 3},
             "local": {"batch_size": 32, "lr": 0.05},
         }
     if family == "hierarchical":

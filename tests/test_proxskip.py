@@ -103,7 +103,7 @@ def test_what_scaffnew_needs_is_checked_in_one_line(change, words, tmp_path):
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("name", ["proxskip", "ifca", "fedproto"])
+@pytest.mark.parametrize("name", ["proxskip", "ifca", "fedproto", "clustered_fl"])
 def test_the_methods_whose_client_state_stays_in_the_simulation_are_refused_for_deployment_in_one_line(name):
     from fedweave.deploy.support import unsupported
 

@@ -227,6 +227,7 @@ STATE_RECORDS = {
     **dict.fromkeys(["fedper", "fedrep", "lg_fedavg", "fedbn", "apfl", "ditto_star", "pfedme", "perfedavg"], ("x",)),
     "fedbabu": ("x",),  # the fine-tuned models are made at evaluation
     "ifca": ("models",),  # one model per cluster, no global one
+    "clustered_fl": ("models", "assignment"),  # a model per cluster, a cluster per client
     "fedproto": ("protos", "known"),  # the global prototypes; each client's own model is the store's
     # the asynchronous methods' jobs lost to injected faults: keys added later, which an older checkpoint lacks (a
     # run without faults loses none, so such a checkpoint resumes with the fresh, empty values)
