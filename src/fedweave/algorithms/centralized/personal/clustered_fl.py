@@ -74,7 +74,7 @@ class ClusteredFL(PersonalStar):
         super().__init__(ctx, hp)
         self.models = self.x.unsqueeze(0).clone()  # one cluster at the start, the run's model
         del self.x  # no single global model
-        self.assignment = torch.zeros(ctx.num_clients, dtype=torch.long)  # client -> cluster
+        self.assignment = torch.zeros(ctx.num_clients, dtype=torch.long, device="cpu")  # client -> cluster (host)
         self.round_index, self.splits = 0, 0  # the round being aggregated, and its splits (a metric)
 
     def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -82,7 +82,7 @@ class ClusteredFL(PersonalStar):
 
     def train_clients(self, r: int, clients: np.ndarray) -> Collected:
         lr = self.trainer.lr(r)
-        start = self.models[self.assignment[torch.as_tensor(clients)].to(self.models.device)]
+        start = self.models[self.assignment[torch.as_tensor(clients, device="cpu")].to(self.models.device)]
         local = self.trainer.train(start, clients, r, lr=lr)
         if self.sampler.reads_context:
             self.client_history.record(r, clients, local.loss)
@@ -92,7 +92,7 @@ class ClusteredFL(PersonalStar):
         self, updates: torch.Tensor, weights: torch.Tensor, clients: np.ndarray | None = None
     ) -> torch.Tensor:
         """Split the clusters that meet the criterion, then each cluster's mean update, ``(clusters, P)``."""
-        cluster = self.assignment[torch.as_tensor(clients)].numpy().copy()
+        cluster = self.assignment[torch.as_tensor(clients, device="cpu")].numpy().copy()
         self.splits = 0
         for c in range(len(self.models)):
             mine = np.flatnonzero(cluster == c)
@@ -107,7 +107,7 @@ class ClusteredFL(PersonalStar):
                 cluster[mine[second]] = len(self.models)  # the second group: a new cluster from c's model
                 self.models = torch.cat([self.models, self.models[c : c + 1]])
                 self.splits += 1
-        self.assignment[torch.as_tensor(clients)] = torch.as_tensor(cluster)
+        self.assignment[torch.as_tensor(clients, device="cpu")] = torch.as_tensor(cluster, device="cpu")
         means = torch.zeros_like(self.models)
         for c in np.unique(cluster):
             mine = np.flatnonzero(cluster == c)
