@@ -155,6 +155,8 @@ class StarAlgorithm(Algorithm):
     # privacy: why the ``privacy`` section refuses this method (None: its messages are one model update per
     # client and its server state a function of the noised mean only, so DP-FedAvg's proof covers it)
     dp_refusal: ClassVar[str | None] = "its messages and server state have not been checked against DP-FedAvg's proof"
+    # why a method needs every client in every round (clients_per_round = the run's clients); None: it samples
+    every_client: ClassVar[str | None] = None
 
     def __init__(self, ctx: RunContext, hp: StarHparams) -> None:
         super().__init__(ctx, hp)
@@ -162,6 +164,11 @@ class StarAlgorithm(Algorithm):
         if hp.clients_per_round > n:
             raise ConfigError(
                 f"algorithm.clients_per_round ({hp.clients_per_round}) exceeds partition.num_clients ({n})"
+            )
+        if self.every_client and hp.clients_per_round != n:
+            raise ConfigError(
+                f"algorithm.clients_per_round: {self.name} {self.every_client} ({n}), got {hp.clients_per_round}; "
+                "set it to partition.num_clients"
             )
         self.trainer = make_trainer(ctx, hp.clients_per_round, regularize_in_rule=self.regularize_in_rule)
         self.layout: ParamLayout = self.trainer.layout

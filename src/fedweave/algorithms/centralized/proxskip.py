@@ -67,13 +67,9 @@ class ProxSkip(StarAlgorithm):
     robust_aggregation = False
     compresses_uploads = False
     dp_refusal = "its control variates are built from the clients' unclipped, unnoised models"
+    every_client = "communicates with every client"
 
     def __init__(self, ctx, hp: ProxSkipHparams) -> None:
-        if hp.clients_per_round != ctx.num_clients:
-            raise ConfigError(
-                f"algorithm.clients_per_round: proxskip communicates with every client ({ctx.num_clients}), got "
-                f"{hp.clients_per_round}; set it to partition.num_clients"
-            )
         local = ctx.config.local
         if local.steps is not None or local.epochs != 1 or local.momentum:
             raise ConfigError(

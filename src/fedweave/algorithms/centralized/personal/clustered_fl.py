@@ -64,13 +64,9 @@ class ClusteredFL(PersonalStar):
     robust_aggregation = False
     compresses_uploads = False
     dp_refusal = "its server splits clusters by the similarity of the clients' individual updates"
+    every_client = "splits by every client's update each round"
 
     def __init__(self, ctx, hp: ClusteredFLHparams) -> None:
-        if hp.clients_per_round != ctx.num_clients:
-            raise ConfigError(
-                f"algorithm.clients_per_round: clustered_fl splits by every client's update each round "
-                f"({ctx.num_clients}), got {hp.clients_per_round}; set it to partition.num_clients"
-            )
         super().__init__(ctx, hp)
         self.models = self.x.unsqueeze(0).clone()  # one cluster at the start, the run's model
         del self.x  # no single global model
