@@ -82,3 +82,13 @@ def test_what_cfl_needs_is_checked_in_one_line(change, words, tmp_path):
     with pytest.raises(ConfigError) as err:
         fedweave.run(cfg, run_dir=tmp_path / "run")
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_loop_and_vmap_agree_across_splits():
+    cfg = _cfg("clustered_fl", rounds=5, clients_per_round=8, warmup=2, eps1=1e9, eps2=0.0)
+    algos = [_algo({**cfg, "backend": b}) for b in ("loop", "vmap")]
+    for algo in algos:
+        for r in range(5):
+            algo.run_round(r)
+    assert torch.equal(algos[0].assignment, algos[1].assignment) and len(algos[0].models) > 2
+    torch.testing.assert_close(algos[0].models, algos[1].models, rtol=1e-5, atol=1e-6)
