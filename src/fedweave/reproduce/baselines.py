@@ -30,6 +30,7 @@ from fedweave.experiments.aggregate import group, per_cell, to_target
 from fedweave.experiments.grid import Point
 from fedweave.experiments.study import Plan, Report, Rows, Study, choices, option
 from fedweave.experiments.tables import Col, layout, mean_std_cell, pm_of, read_csv
+from fedweave.registry import ALGORITHMS
 from fedweave.runner import Result
 
 MIB = 2**20
@@ -52,7 +53,8 @@ GLOBAL = ["fedavg", "fedprox", "scaffold", "fedadam", "fedyogi", "fedadagrad", "
 GLOBAL += ["mofedsam", "fedmim", "fednova", "fedexp", "moon", "fedlc", "qfedavg", "afl"]
 PERSONAL = ["fedper", "fedrep", "lg_fedavg", "apfl", "ditto_star", "pfedme", "perfedavg", "fedbn", "fedbabu"]
 PERSONAL += ["fedproto", "ifca"]
-NO_GLOBAL = ("fedproto", "ifca")  # their clients' own models are scored under the plain names (test_accuracy)
+# the methods without a global model: their clients' own models are scored under the plain names (test_accuracy)
+NO_GLOBAL = tuple(k for k in PERSONAL if not getattr(ALGORITHMS.get(k), "global_model", True))
 MODELS = {"fedbn": {"norm": "batch"}}
 METHODS = [Method(k, k in PERSONAL, MODELS.get(k, {})) for k in GLOBAL + PERSONAL]
 BY_KEY = {m.key: m for m in METHODS}

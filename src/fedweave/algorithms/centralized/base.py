@@ -10,7 +10,8 @@ recorded in the ledger with its exact size. A method fills in only what its pape
   state of their own; plain local SGD by default;
 - ``server_update(mean, got)``: its server step from the aggregate of the client updates;
 - where its paper differs from FedAvg's messages: ``downlink()`` (what the server sends), ``uplink`` (the
-  ledger kind of the upload), ``client_updates(got)`` (what each client's update is) and ``recipients``.
+  ledger kind of the upload), ``client_updates(got)`` (what each client's update is) and ``recipients``;
+- where its clients do not start from the global model (their own models, their cluster's): ``client_starts``.
 """
 
 from __future__ import annotations
@@ -299,20 +300,25 @@ class StarAlgorithm(Algorithm):
         that keep state of their own (trained over ``self.store``). Plain local SGD by default (FedAvg)."""
         return PLAIN
 
+    def client_starts(self, clients: np.ndarray) -> torch.Tensor | None:
+        """Where each reporting client's local training starts, ``(n, P)``; None: from the global model x_t.
+        Compressed downloads: the models the clients hold (compression). A method whose clients start elsewhere
+        (their own models, their cluster's) overrides it."""
+        return None if self.download is None else self.download.held(clients)
+
     def train_clients(self, r: int, clients: np.ndarray) -> Collected:
-        """Local training of the clients that report, from the global model under :meth:`client_rule`."""
+        """Local training of the clients that report, from :meth:`client_starts` under :meth:`client_rule`."""
         lr = self.trainer.lr(r)
         rule = self.client_rule(lr)
-        # compressed downloads: each client trains from the model it holds (compression)
-        start = self.x if self.download is None else self.download.held(clients)
+        starts = self.client_starts(clients)
+        start = self.x if starts is None else starts
         if isinstance(rule, ClientStep):
             local, upload = self.trainer.train_with_state(start, clients, r, rule, self.store, lr=lr)
         else:
             local, upload = self.trainer.train(start, clients, r, rule=rule, lr=lr), {}
         if self.sampler.reads_context:  # a copy of the losses to the host: no number changes
             self.client_history.record(r, clients, local.loss)
-        held = None if self.download is None else start
-        return Collected(r, clients, lr, local, upload, self.weights(clients), start=held)
+        return Collected(r, clients, lr, local, upload, self.weights(clients), start=starts)
 
     def client_updates(self, got: Collected) -> torch.Tensor:
         """Each reporting client's update, one row per client: what the server pipeline reduces.
@@ -348,14 +354,18 @@ class StarAlgorithm(Algorithm):
         """The sorted ids of round ``r``'s clients, from the run's sampler (the ``sampler`` section)."""
         return self.sampler(r)
 
-    def losses_at(self, params: torch.Tensor, clients: np.ndarray) -> torch.Tensor:
-        """The task's loss of ``params`` on each of ``clients``' whole training data, ``(len(clients),)`` in the
-        run's dtype (q-FFL's F_k(w^t), AFL's L_k(w)): computed in simulation where each client would compute
-        it on its own data."""
+    def client_losses(self, params: torch.Tensor, clients: np.ndarray | range) -> np.ndarray:
+        """The task's loss of ``params`` (one vector, or a row per client) on each of ``clients``' whole training
+        data, in float64: computed in simulation where each client would compute it on its own data."""
         ds, ev = self.ctx.dataset, self.config.eval
         parts = [self.ctx.partition[int(c)] for c in clients]
-        per = evaluate_clients_task(self.layout, params, ds.train_x, ds.train_y, parts, self.ctx.task, ev.batch_size)
-        return torch.as_tensor(per["loss"], dtype=self.x.dtype, device=self.x.device)
+        return evaluate_clients_task(self.layout, params, ds.train_x, ds.train_y, parts, self.ctx.task, ev.batch_size)[
+            "loss"
+        ]
+
+    def losses_at(self, params: torch.Tensor, clients: np.ndarray) -> torch.Tensor:
+        """:meth:`client_losses` in the run's dtype, ``(len(clients),)`` (q-FFL's F_k(w^t), AFL's L_k(w))."""
+        return torch.as_tensor(self.client_losses(params, clients), dtype=self.sizes.dtype, device=self.sizes.device)
 
     def client_work(self, clients: np.ndarray) -> np.ndarray:
         """A client's local steps relative to the mean: clients with more data are slower."""

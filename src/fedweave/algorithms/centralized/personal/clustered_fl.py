@@ -76,13 +76,8 @@ class ClusteredFL(PersonalStar):
     def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:
         return {"model": (self.models[0],)}  # one model per client: its cluster's (all the same size)
 
-    def train_clients(self, r: int, clients: np.ndarray) -> Collected:
-        lr = self.trainer.lr(r)
-        start = self.models[self.assignment[torch.as_tensor(clients, device="cpu")].to(self.models.device)]
-        local = self.trainer.train(start, clients, r, lr=lr)
-        if self.sampler.reads_context:
-            self.client_history.record(r, clients, local.loss)
-        return Collected(r, clients, lr, local, {}, self.weights(clients), start=start)
+    def client_starts(self, clients: np.ndarray) -> torch.Tensor:
+        return self.models[self.assignment[torch.as_tensor(clients, device="cpu")].to(self.models.device)]
 
     def aggregate(
         self, updates: torch.Tensor, weights: torch.Tensor, clients: np.ndarray | None = None

@@ -101,16 +101,14 @@ class FedProto(PersonalStar):
             return PLAIN
         return PrototypeRule(self.hp.lam, self.protos, self.known)
 
+    def client_starts(self, clients: np.ndarray) -> torch.Tensor:
+        return self.store.rows("personal", clients)  # each client's own model
+
     def train_clients(self, r: int, clients: np.ndarray) -> Collected:
-        lr = self.trainer.lr(r)
-        start = self.store.rows("personal", clients)
-        local = self.trainer.train(start, clients, r, rule=self.client_rule(lr), lr=lr)
-        self.store.set_rows("personal", clients, local.params)
-        if self.sampler.reads_context:
-            self.client_history.record(r, clients, local.loss)
-        sums, counts = self.class_sums(local.params, clients)  # Eq. 3's numerators and denominators
-        self.reported = sums, counts
-        return Collected(r, clients, lr, local, {}, self.weights(clients), start=start)
+        got = super().train_clients(r, clients)  # its own model on L_S + lambda L_R (Eqs. 7-8)
+        self.store.set_rows("personal", clients, got.local.params)
+        self.reported = self.class_sums(got.local.params, clients)  # Eq. 3's numerators and denominators
+        return got
 
     def class_sums(self, params: torch.Tensor, clients: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Each client's sum of representations per class on its training data, ``(n, C, D)``, and its

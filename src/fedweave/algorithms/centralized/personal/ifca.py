@@ -30,7 +30,7 @@ from fedweave.algorithms.base import aggregation_weights
 from fedweave.algorithms.centralized.base import Collected, StarHparams
 from fedweave.algorithms.centralized.personal.base import PersonalStar, head_names, name_mask
 from fedweave.config import ConfigError
-from fedweave.execution import ParamLayout, evaluate_clients_task
+from fedweave.execution import ParamLayout
 from fedweave.registry import ALGORITHMS
 
 
@@ -78,14 +78,7 @@ class IFCA(PersonalStar):
     def cluster_losses(self, clients: np.ndarray | range) -> np.ndarray:
         """F_i(theta_j) for every cluster model j and client i of ``clients``: the task's loss on the client's
         training data, ``(k, len(clients))`` (each client computes its own row in the paper)."""
-        ds, parts = self.ctx.dataset, [self.ctx.partition[int(c)] for c in clients]
-        batch = self.config.eval.batch_size
-        return np.stack(
-            [
-                evaluate_clients_task(self.layout, m, ds.train_x, ds.train_y, parts, self.ctx.task, batch)["loss"]
-                for m in self.models
-            ]
-        )
+        return np.stack([self.client_losses(m, clients) for m in self.models])
 
     def pick(self, clients: np.ndarray | range) -> np.ndarray:
         """Each client's cluster estimate, argmin_j F_i(theta_j) (line 6; a tie goes to the lowest j)."""
@@ -96,16 +89,15 @@ class IFCA(PersonalStar):
             return {"model": (self.models[0][self.shared], *(m[~self.shared] for m in self.models))}
         return {"model": tuple(self.models)}  # line 3: all k models, to every sampled client
 
+    def client_starts(self, clients: np.ndarray) -> torch.Tensor:
+        self.picked = self.pick(clients)  # line 6
+        return self.models[torch.as_tensor(self.picked, device=self.models.device)]  # (n, P): theta_j^
+
     def train_clients(self, r: int, clients: np.ndarray) -> Collected:
-        lr = self.trainer.lr(r)
-        self.picked = self.pick(clients)
-        start = self.models[torch.as_tensor(self.picked, device=self.models.device)]  # (n, P): theta_j^
-        local = self.trainer.train(start, clients, r, lr=lr)  # line 7: LocalUpdate from the picked model
-        if self.sampler.reads_context:
-            self.client_history.record(r, clients, local.loss)
-        identity = torch.as_tensor(self.picked, device=start.device).unsqueeze(1)  # s_i, sent as its index
-        upload = {"model": local.params, "cluster": identity}
-        return Collected(r, clients, lr, local, upload, self.weights(clients), start=start)
+        got = super().train_clients(r, clients)  # line 7: LocalUpdate from the picked model
+        identity = torch.as_tensor(self.picked, device=got.start.device).unsqueeze(1)  # s_i, sent as its index
+        got.upload = {"model": got.local.params, "cluster": identity}  # what the ledger counts
+        return got
 
     def aggregate(
         self, updates: torch.Tensor, weights: torch.Tensor, clients: np.ndarray | None = None
