@@ -314,6 +314,24 @@ def test_stage_replaces_only_the_attackers_rows():
     assert stage.metrics() == {"byzantine_clients": 2.0}
 
 
+@pytest.mark.parametrize(
+    "aggregator", [{"name": "norm_bound", "bound": 1.0}, {"name": "centered_clipping", "tau": 0.5}]
+)
+def test_length_measuring_aggregators_see_displacements_when_the_rows_are_models(aggregator):
+    """Rows that are models ``x + d_i`` (FedDyn, hier_fedavg): a norm bound or centered clipping reduces the
+    displacements ``d_i`` and adds ``x`` back, so a far-off ``x`` changes nothing; the translation-equivariant
+    aggregators get the models as before, bit for bit."""
+    cfg = load({"aggregator": aggregator})
+    d, w = _rows(6, 4), torch.full((6,), 1 / 6, dtype=torch.float64)
+    x = torch.full((4,), 100.0, dtype=torch.float64)  # far from zero: the models' norms say nothing of the updates
+    on_displacements = RobustStage(cfg, Seeds(0), 6).aggregate(d, w)
+    torch.testing.assert_close(RobustStage(cfg, Seeds(0), 6).aggregate(x + d, w, x), x + on_displacements)
+    on_models = RobustStage(cfg, Seeds(0), 6).aggregate(x + d, w)  # what the models alone would give
+    assert (on_models - (x + on_displacements)).abs().max() > 1.0
+    median = RobustStage(load({"aggregator": "median"}), Seeds(0), 6)
+    assert torch.equal(median.aggregate(x + d, w, x), median.aggregate(x + d, w))
+
+
 # ---- runs ----------------------------------------------------------------------------------------------------
 
 
@@ -566,3 +584,22 @@ def test_a_round_that_dropouts_leave_below_the_bound_stops_the_run_with_one_line
     cfg = _cfg(toy_config, aggregator={"name": "krum", "f": 2}, faults={"dropout": 0.5})  # n >= 7 of 8 needed
     with pytest.raises(ConfigError, match=r"^aggregator 'krum' needs at least 7 client updates .* \(got [0-6]\)"):
         fedweave.run(cfg, run_dir=tmp_path / "r")
+
+
+def test_a_backdoor_at_the_hierarchical_edge_is_scored_as_on_the_star(tmp_path):
+    """hier_fedavg reports ``test_backdoor_success`` under a backdoor attack (on its own test set), none without
+    one; the boosted trigger is implanted, and norm bounding at the server step blunts it."""
+    base = {
+        "name": "hbd", "seed": 0, "rounds": 10, "dataset": "digits",
+        "partition": {"name": "iid", "num_clients": 20}, "model": "logistic",
+        "algorithm": {"name": "hier_fedavg", "participation": 1.0},
+        "local": {"batch_size": 16, "lr": 0.1}, "eval": {"every": 10},
+        "output": {"progress": False, "plots": False},
+    }  # fmt: skip
+    attack = {"byzantine": {"fraction": 0.05, "attack": "backdoor", "boost": 10.0}}  # one attacker, boosted
+    clean = fedweave.run(base, run_dir=tmp_path / "clean").metrics[-1]
+    hit = fedweave.run({**base, "faults": attack}, run_dir=tmp_path / "hit").metrics[-1]
+    bounded = fedweave.run({**base, "faults": attack, "aggregator": "norm_bound"}, run_dir=tmp_path / "nb").metrics[-1]
+    assert "test_backdoor_success" not in clean
+    assert hit["test_backdoor_success"] > 0.8 and hit["test_accuracy"] > 0.8
+    assert bounded["test_backdoor_success"] < 0.2

@@ -26,10 +26,13 @@ class Aggregator:
     """A reduction of ``(n, d)`` client updates to one ``(d,)`` update.
 
     ``stateful`` aggregators (centered clipping) keep state between rounds; :meth:`state_dict` is then what a
-    checkpoint carries."""
+    checkpoint carries. ``translation_equivariant``: shifting every row by ``c`` shifts the result by ``c``
+    (means, medians, Krum's picks); an aggregator that measures lengths (a norm bound, clipping around a
+    center) is not, and must see the clients' displacements, never their models."""
 
     name: ClassVar[str] = ""
     stateful: ClassVar[bool] = False
+    translation_equivariant: ClassVar[bool] = True
 
     def min_updates(self, f: int) -> int:
         """The fewest updates with which the aggregator is defined against ``f`` Byzantine ones."""
@@ -258,6 +261,7 @@ class CenteredClipping(Aggregator):
 
     name = "centered_clipping"
     stateful = True
+    translation_equivariant = False  # it clips lengths around its center
 
     def __init__(self, tau: float = 1.0, iters: int = 1) -> None:
         if not tau > 0:
@@ -296,6 +300,7 @@ class NormBound(Aggregator):
     update longer than M: the weighted mean, bit for bit."""
 
     name = "norm_bound"
+    translation_equivariant = False  # it bounds lengths
 
     def __init__(self, bound: float | None = None) -> None:
         if bound is not None and not bound > 0:

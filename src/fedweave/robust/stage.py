@@ -156,9 +156,16 @@ class RobustStage:
             return self.f
         return math.ceil(self.fraction * n - 1e-9)
 
-    def aggregate(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def aggregate(
+        self, updates: torch.Tensor, weights: torch.Tensor, center: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Stage 4: the robust reduction, after bucketing when ``aggregator.bucketing`` > 1 (the permutation from
-        the ``("bucketing", round)`` stream)."""
+        the ``("bucketing", round)`` stream). ``center``: where the rows are the clients' models (FedDyn,
+        hier_fedavg), the global model they moved from; an aggregator that measures lengths then reduces the
+        displacements ``y_i - x`` and the result is ``x`` plus that (the others see the models: the same
+        aggregate, and the same bits as before)."""
+        if center is not None and not self.aggregator.translation_equivariant:
+            return center + self.aggregate(updates - center, weights)
         f = self.byzantine_f(len(updates))
         if self.bucketing > 1:
             perm = torch.from_numpy(self.seeds.numpy("bucketing", self.round).permutation(len(updates)))
@@ -173,7 +180,8 @@ class RobustStage:
     def backdoor_metrics(self, layout: Any, x: torch.Tensor, dataset: Any, batch_size: int) -> dict[str, float]:
         """``test_backdoor_success`` of the model ``x`` under a backdoor attack (nothing otherwise): the share of the
         test samples whose class is not the target that, with the trigger stamped on, the model classifies as
-        the target."""
+        the target. ``dataset``: anything with ``train_x``, ``test_x`` and ``test_y`` (a dataset, or a family's own
+        split of it)."""
         attack = self.attack_fn
         if attack is None or not attack.poisons_inputs:
             return {}

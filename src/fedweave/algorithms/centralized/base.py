@@ -342,7 +342,7 @@ class StarAlgorithm(Algorithm):
             # privacy, stage 5: Gaussian noise on the sum, over E (DP-FTRL: the tree's increment); one release
             return self.privacy.noise(weights @ updates)
         if self.robust is not None:  # 4. reduction: the robust aggregator (robustness)
-            return self.robust.aggregate(updates, weights)
+            return self.robust.aggregate(updates, weights, self.x if self.updates_are_models else None)
         return weights @ updates
 
     @abstractmethod

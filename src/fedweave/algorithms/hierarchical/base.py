@@ -511,6 +511,15 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
         if robust_state is not None and self.robust is not None:
             self.robust.load_state_dict(robust_state)
 
+    def evaluate(self, r: int) -> dict[str, float]:
+        """The family's evaluation and, under a backdoor attack at the edge (robustness), the global model's
+        ``test_backdoor_success`` on the family's own test set, as the star methods report it; not while
+        tuning, which never looks at the test set."""
+        out = super().evaluate(r)
+        if self.robust is None or self.data.validation is not None:
+            return out
+        return {**out, **self.robust.backdoor_metrics(self.layout, self.x, self.data, self.config.eval.batch_size)}
+
     def run_round(self, r: int) -> dict[str, float]:
         kind, size = self.downlink
         sampled, clients = self.call_clients(r, kind, size * nbytes(self.x))
@@ -601,7 +610,7 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
         if self.robust is not None and not self.robust.plain:
             n = len(updates)
             w = weights if weights is not None else torch.full((n,), 1 / n, dtype=updates.dtype, device=updates.device)
-            return self.robust.aggregate(updates, w)
+            return self.robust.aggregate(updates, w, self.x if self.updates_are_models else None)
         return weights @ updates if weights is not None else updates.mean(0)
 
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
