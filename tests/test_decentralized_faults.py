@@ -42,8 +42,10 @@ def build(algo: str, faults: dict, **kw):
 def test_every_dfl_method_declares_dropout_and_link_loss():
     from fedweave.registry import ALGORITHMS
 
+    gossiping = {"gossip", "fedavg_ft", "dfedavg", "dfedavgm"}  # these also take Byzantine peers (robustness)
     for name in DFL:
-        assert set(ALGORITHMS.get(name).handles_faults) == {"dropout", "link_loss"}, name
+        extra = {"byzantine"} if name in gossiping else set()
+        assert set(ALGORITHMS.get(name).handles_faults) == {"dropout", "link_loss"} | extra, name
     with pytest.raises(ConfigError, match="faults.server_miss"):
         run(load(config("gossip", {"server_miss": 0.1})), progress=False)
 

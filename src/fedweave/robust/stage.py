@@ -99,7 +99,7 @@ def check(config: RunConfig, algorithm: type) -> None:
         raise ConfigError(
             f"aggregator: {section.name}: algorithm '{name}' ({family} family) does not reduce client updates "
             "to one at a server; leave the aggregator section out (robust aggregation applies to the centralized "
-            "methods and the hierarchical model-averaging ones)"
+            "methods, the hierarchical model-averaging ones and the gossip methods at each peer)"
         )
 
 
@@ -143,6 +143,14 @@ class RobustStage:
         out = updates.clone()  # the honest rows exactly as they were
         out[idx] = sent + center if center is not None else sent
         return out
+
+    def reduce_at_peer(self, rows: torch.Tensor, weights: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        """A peer's reduction of the models it received (its own among them) with its mixing ``weights``, for
+        the gossip methods: stage 4 around its ``own`` model. A stateful aggregator starts afresh at every
+        peer, so that centered clipping clips around the peer's own model: ClippedGossip (He, Karimireddy &
+        Jaggi 2022, Alg. 1, ``x_i + sum_j w_ij clip(x_j - x_i, tau)``)."""
+        self.aggregator.load_state_dict({})
+        return self.aggregate(rows, weights, own)
 
     def check_round(self, n: int) -> None:
         """Refuse, before the first round, a round of ``n`` updates that the aggregator's bound rules out."""

@@ -294,6 +294,11 @@ class GraphAlgorithm(Algorithm):
         """The models evaluated after round ``r`` (default: ``W``)."""
         return self.W
 
+    def evaluated_clients(self) -> np.ndarray | None:
+        """The clients whose models the evaluation averages over: every one (None), or, with Byzantine peers
+        (robustness), the honest ones: an attacker's own model is not what the run learns."""
+        return None
+
     def evaluate(self, r: int) -> dict[str, float]:
         """Mean over clients of per-client test accuracy, after ``finetune_epochs`` of local fine-tuning
         on a throw-away copy (afind-plus R10; training continues from the un-tuned models)."""
@@ -302,6 +307,9 @@ class GraphAlgorithm(Algorithm):
             models = self.ft_trainer.train(models, range(self.num_clients), r, key=(FINETUNE_KEY,)).params
         ev, task = self.config.eval, self.ctx.task
         tx, ty, parts = self.ctx.personal_test_set(self.hp.test_per_client)  # eval.holdout: the clients' own
+        keep = self.evaluated_clients()
+        if keep is not None:
+            models, parts = models[torch.as_tensor(keep, device=models.device)], [parts[k] for k in keep]
         if not task.is_default:  # any task: each value's mean over clients, and the worst client's main metric
             per = evaluate_clients_task(self.layout, models, tx, ty, parts, task, ev.batch_size)
             out = {f"test_{k}": float(v.mean()) for k, v in per.items()}

@@ -19,12 +19,14 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from fedweave import robust
 from fedweave.algorithms.base import RunContext
 from fedweave.algorithms.decentralized.base import GraphAlgorithm, GraphHparams, with_local
 from fedweave.algorithms.decentralized.selection import NeighbourSelector, SelectionHparams
 from fedweave.config import ConfigError
 from fedweave.faults import mixing_without
 from fedweave.registry import ALGORITHMS
+from fedweave.robust.stage import is_default
 from fedweave.topology.graph import gossip, metropolis_weights
 
 
@@ -49,6 +51,10 @@ class DFedAvgHparams(SelectionHparams, GraphHparams):
 class DFedAvg(GraphAlgorithm):
     name = "dfedavg"
     Hparams = DFedAvgHparams
+    # robustness: Byzantine peers send what their attack makes of their model, and each peer reduces what it
+    # receives with the run's aggregator (its mixing weights as the weights) instead of the weighted sum
+    handles_faults = (*GraphAlgorithm.handles_faults, "byzantine")
+    robust_aggregation = True
 
     def __init__(self, ctx: RunContext, hp: DFedAvgHparams) -> None:
         super().__init__(ctx, hp)
@@ -56,6 +62,31 @@ class DFedAvg(GraphAlgorithm):
             self.trainer = with_local(self.trainer, momentum=hp.local_momentum)
         self.selector = NeighbourSelector(self, hp)
         self.mixing = metropolis_weights(self.graph) if hp.mixing == "metropolis" else None
+        self.robust = self._robust_stage(ctx, hp)
+
+    def _robust_stage(self, ctx: RunContext, hp: DFedAvgHparams) -> robust.RobustStage | None:
+        """The run's attack and per-peer reduction (None without either), checked against the fewest models a
+        peer mixes: itself and its neighbours (``neighbours`` of them when sampled)."""
+        section = ctx.config.aggregator
+        if not ctx.config.faults.byzantine and is_default(section):
+            return None
+        if hp.selection != "random":
+            raise ConfigError(
+                f"algorithm.selection: {hp.selection!r} scores the models the peers send, which Byzantine peers "
+                "forge; robust gossip (faults.byzantine, aggregator) takes selection 'random'"
+            )
+        if (section.options.get("bucketing") or 1) > 1:
+            raise ConfigError(
+                f"aggregator.bucketing: a peer reduces the few models it receives; leave it out for {self.name}"
+            )
+        fewest = min(len(nb) for nb in self.neighbours)
+        rows = 1 + (fewest if self.mixing is not None else min(hp.neighbours, fewest))
+        return robust.build(ctx.config, ctx.seeds, self.num_clients, rows)
+
+    def evaluated_clients(self) -> np.ndarray | None:
+        if self.robust is None or not len(self.robust.attackers):
+            return None
+        return np.setdiff1d(np.arange(self.num_clients), self.robust.attackers)
 
     def unread_options(self, hp: DFedAvgHparams) -> dict[str, str]:
         if hp.mixing != "metropolis":
@@ -86,15 +117,34 @@ class DFedAvg(GraphAlgorithm):
                 M = torch.as_tensor(mixing_without(M.numpy(), ok), device="cpu")
                 messages = int(((self.mixing.numpy() > 0) & ok & ~np.eye(n, dtype=bool)).sum())
             self.peer(r, "model", self.model_bytes, messages)
-            return gossip(sent, M), messages / max(1, int(self.up(r).sum()) if self.faulty else self.num_clients)
-        new = torch.empty_like(sent)
+            k = messages / max(1, int(self.up(r).sum()) if self.faulty else self.num_clients)
+            if self.robust is None or (self.robust.plain and not len(self.robust.attackers)):
+                return gossip(sent, M), k  # one product; every peer's row is the same weighted sum
+            picks = [(np.setdiff1d(np.flatnonzero(M[i] > 0), [i]), None) for i in range(self.num_clients)]
+            picks = [(nb, torch.cat([M[i, i : i + 1], M[i, nb]])) for i, (nb, _) in enumerate(picks)]
+            return self.reduce_received(r, sent, picks), k
         picks = self.selector.select(r, W, sent)
-        for i, (chosen, wts) in enumerate(picks):
+        for chosen, _ in picks:
             self.peer(r, "model", self.model_bytes, len(chosen))  # each j in R_i -> i (delivered only)
-            rows = [sent[i], *(self.noisy(sent[j], r, int(j), i) for j in chosen)]
-            new[i] = (self.on_device(wts, sent)[:, None] * torch.stack(rows)).sum(0)
         sizes = torch.tensor([float(len(c)) for c, _ in picks], dtype=torch.float64, device="cpu")
-        return new, self.mean_over_up(r, sizes)
+        return self.reduce_received(r, sent, picks), self.mean_over_up(r, sizes)
+
+    def reduce_received(self, r: int, sent: torch.Tensor, picks: list[tuple[np.ndarray, torch.Tensor]]) -> torch.Tensor:
+        """Each peer i's new row from its own model and those ``picks[i]`` names (``(chosen, weights)``, its own
+        weight first): their weighted sum; with Byzantine peers (robustness) an attacker's message is what its
+        attack makes of its model's displacement from i's, and a non-default aggregator reduces them."""
+        new = torch.empty_like(sent)
+        for i, (chosen, wts) in enumerate(picks):
+            received = [self.noisy(sent[j], r, int(j), i) for j in chosen]
+            rows = torch.stack([sent[i], *received]) if len(chosen) else sent[i : i + 1]
+            wts = self.on_device(wts, sent)
+            if self.robust is not None and len(chosen):
+                rows = torch.cat([rows[:1], self.robust.attack(r, chosen, rows[1:], sent[i])])
+            if self.robust is None or self.robust.plain:
+                new[i] = (wts[:, None] * rows).sum(0)
+            else:
+                new[i] = self.robust.reduce_at_peer(rows, wts.to(rows.dtype), sent[i])
+        return new
 
     def run_round(self, r: int) -> dict[str, float]:
         if self.all_down(r):
@@ -108,7 +158,10 @@ class DFedAvg(GraphAlgorithm):
             own = self.train_up(r, self.trainer, W0)
             new, k = self.mix(r, W0, own.params)  # a dropped peer trained nothing and sends nothing
         self.commit("model", self.hold_dropped(r, new, W0))  # ... and does not update
-        return {"train_loss": self.mean_over_up(r, own.loss), "selected_mean": k, **self.round_fault_metrics(r)}
+        out = {"train_loss": self.mean_over_up(r, own.loss), "selected_mean": k, **self.round_fault_metrics(r)}
+        if self.robust is not None and self.robust.attack_fn is not None:  # the attackers taking part this round
+            out["byzantine_clients"] = float(np.isin(self.clients_up(r), self.robust.attackers).sum())
+        return out
 
 
 @dataclass
