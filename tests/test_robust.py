@@ -699,3 +699,16 @@ def test_gossip_evaluation_reads_the_honest_peers_only():
     tx, ty, parts = ctx.personal_test_set(None)
     accs, _ = evaluate_clients(algo.layout, algo.W[honest], tx, ty, [parts[k] for k in honest], cfg.eval.batch_size)
     assert algo.evaluate(0)["test_accuracy"] == pytest.approx(float(accs.mean()), abs=0)
+
+
+def test_a_backdoor_among_gossip_peers_is_scored_on_the_honest_peers_models(tmp_path):
+    """Two of 20 peers train on triggered samples and send boosted messages: ``test_backdoor_success`` (the mean
+    over the honest peers' models) is high with the plain weighted sum and near 0 with a median at each peer;
+    a run without the attack reports none."""
+    attack = {"byzantine": {"fraction": 0.1, "attack": "backdoor", "boost": 10.0}}
+    clean = fedweave.run(_gossip(), run_dir=tmp_path / "clean").metrics[-1]
+    hit = fedweave.run(_gossip(faults=attack), run_dir=tmp_path / "hit").metrics[-1]
+    median = fedweave.run(_gossip(faults=attack, aggregator="median"), run_dir=tmp_path / "median").metrics[-1]
+    assert "test_backdoor_success" not in clean
+    assert hit["test_backdoor_success"] > 0.5 and median["test_backdoor_success"] < 0.2
+    assert median["test_accuracy"] > clean["test_accuracy"] - 0.02

@@ -299,6 +299,11 @@ class GraphAlgorithm(Algorithm):
         (robustness), the honest ones: an attacker's own model is not what the run learns."""
         return None
 
+    def model_metrics(self, models: torch.Tensor) -> dict[str, float]:
+        """Metrics of the evaluated ``models`` (one row per evaluated client) beside the task's: none by
+        default."""
+        return {}
+
     def evaluate(self, r: int) -> dict[str, float]:
         """Mean over clients of per-client test accuracy, after ``finetune_epochs`` of local fine-tuning
         on a throw-away copy (afind-plus R10; training continues from the un-tuned models)."""
@@ -314,10 +319,11 @@ class GraphAlgorithm(Algorithm):
             per = evaluate_clients_task(self.layout, models, tx, ty, parts, task, ev.batch_size)
             out = {f"test_{k}": float(v.mean()) for k, v in per.items()}
             worst = per[task.main].min() if task.direction == "max" else per[task.main].max()
-            return {**out, f"test_{task.main}_worst": float(worst)}
+            return {**out, f"test_{task.main}_worst": float(worst), **self.model_metrics(models)}
         accs, losses = evaluate_clients(self.layout, models, tx, ty, parts, ev.batch_size)
         return {
             "test_accuracy": float(accs.mean()),
             "test_loss": float(losses.mean()),
             "test_accuracy_min": float(accs.min()),
+            **self.model_metrics(models),
         }
