@@ -98,7 +98,7 @@ def table(rows: list[dict[str, str]]) -> str:
     seeds = len({r["seed"] for r in rows})
     out = [
         f"Final test accuracy (%), mean ± std over {seeds} seeds; column: the fraction of Byzantine clients "
-        "(0: no attacker); -: not run (Bulyan's bound n >= 4f + 3 fails).\n"
+        "(0: no attacker); -: not run (the aggregator's bound fails there: Bulyan's n >= 4f + 3, Krum's n >= 2f + 3).\n"
     ]
     for attack in attacks:
         out.append(f"\n**{attack}**\n\n")
