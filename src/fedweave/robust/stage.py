@@ -148,7 +148,7 @@ class RobustStage:
         """A peer's reduction of the models it received (its own among them) with its mixing ``weights``, for
         the gossip methods: stage 4 around its ``own`` model. A stateful aggregator starts afresh at every
         peer, so that centered clipping clips around the peer's own model: ClippedGossip (He, Karimireddy &
-        Jaggi 2022, Alg. 1, ``x_i + sum_j w_ij clip(x_j - x_i, tau)``)."""
+        Jaggi, arXiv:2202.01545, 2022: ``x_i + sum_j w_ij clip(x_j - x_i, tau)``)."""
         self.aggregator.load_state_dict({})
         return self.aggregate(rows, weights, own)
 
