@@ -173,6 +173,26 @@ def test_one_fedexp_server_step_is_the_closed_form():
     torch.testing.assert_close(algo.x.double(), x0.double() + eta * d.mean(0), rtol=1e-5, atol=1e-7)
 
 
+def test_fedexp_steps_by_the_updates_the_server_received_under_an_attack():
+    """eta_g is the server's: computed from the rows it received (a Gaussian attacker's noise in place of its
+    update), the same rows its aggregate reduces, not from the updates the attackers computed and never sent."""
+    attack = {"byzantine": {"fraction": 0.5, "attack": "gaussian", "std": 1.0}}
+    cfg = {**CFG, "rounds": 1, "algorithm": {"name": "fedexp", "clients_per_round": 4}, "faults": attack}
+    algo = build_algorithm(RunContext(load(cfg)))
+    reduced, plain = [], algo.aggregate
+
+    def aggregate(updates, weights, clients=None):
+        reduced.append((updates, plain(updates, weights, clients)))
+        return reduced[-1][1]
+
+    algo.aggregate = aggregate
+    out = algo.run_round(0)
+    assert out["byzantine_clients"] > 0
+    rows, mean = reduced[0]
+    assert algo.last_step_size == fedexp_step_size(rows, mean, algo.hp.eps) > 1
+    assert out["server_step_size"] == algo.last_step_size
+
+
 # ---- MOON -------------------------------------------------------------------------------------------------
 def test_moon_with_mu_zero_is_fedavg_bit_for_bit(tmp_path):
     """With mu = 0 the term is exact zeros; on the vmap backend the task's gradient comes from FedAvg's kernels."""

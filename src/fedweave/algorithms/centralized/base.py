@@ -127,6 +127,9 @@ class Collected:
     sent: torch.Tensor | None = None
     # compressed downloads (fedweave.compression): the models the clients started from; None: x_t itself
     start: torch.Tensor | None = None
+    # the client updates as the server's reduction gets them (decoded, after the attack): what a server step
+    # that reads the rows themselves (FedExP's step size) reads; None until the round template has them
+    received: torch.Tensor | None = None
 
 
 class StarAlgorithm(Algorithm):
@@ -270,6 +273,7 @@ class StarAlgorithm(Algorithm):
         updates = self.client_updates(got)
         if self.robust is not None:  # 1. attack: Byzantine clients replace their (decoded) updates (robustness)
             updates = self.robust.attack(r, got.clients, updates, self.x if self.updates_are_models else None)
+        got.received = updates
         self.server_update(self.aggregate(updates, got.weights, got.clients), got)
         out = {**self.local_metrics(got.local, got.weights), **self.fault_metrics(clients)}
         return {**out, **self.robust.metrics()} if self.robust is not None else out
