@@ -126,10 +126,19 @@ class RobustStage:
         """Whether the aggregator keeps state between rounds (then the checkpoint carries it)."""
         return self.aggregator.stateful
 
-    def attack(self, r: int, clients: np.ndarray, updates: torch.Tensor, center: torch.Tensor | None) -> torch.Tensor:
+    def attack(
+        self,
+        r: int,
+        clients: np.ndarray,
+        updates: torch.Tensor,
+        center: torch.Tensor | None,
+        unsent: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Stage 1: the rows of the round's reporting attackers replaced by what their attack sends.
         ``center``: where the rows are models (the method averages models), the global model they moved from,
-        so that the attack acts on the displacement ``y_i - x``. Also records the round (bucketing's stream)."""
+        so that the attack acts on the displacement ``y_i - x``. ``unsent``: the coordinates, ``(d,)`` bool, that
+        the method's uploads do not carry (a personal part): an attacker cannot send them either, so its row keeps
+        its own values there. Also records the round (bucketing's stream)."""
         self.round = r
         bad = np.isin(np.asarray(clients), self.attackers)
         self.last_byzantine = int(bad.sum())
@@ -140,6 +149,8 @@ class RobustStage:
         rows = updates - center if center is not None else updates
         info = AttackInfo(r, np.asarray(clients)[bad], len(clients), self.seeds)
         sent = self.attack_fn(rows[idx], rows[good], info).to(rows.dtype)
+        if unsent is not None:
+            sent = torch.where(unsent, rows[idx], sent)
         out = updates.clone()  # the honest rows exactly as they were
         out[idx] = sent + center if center is not None else sent
         return out

@@ -272,7 +272,8 @@ class StarAlgorithm(Algorithm):
             self.secagg.record(r, self.ledger, sampled, got.clients, _elements(got))
         updates = self.client_updates(got)
         if self.robust is not None:  # 1. attack: Byzantine clients replace their (decoded) updates (robustness)
-            updates = self.robust.attack(r, got.clients, updates, self.x if self.updates_are_models else None)
+            center = self.x if self.updates_are_models else None
+            updates = self.robust.attack(r, got.clients, updates, center, unsent=self.unsent())
         got.received = updates
         self.server_update(self.aggregate(updates, got.weights, got.clients), got)
         out = {**self.local_metrics(got.local, got.weights), **self.fault_metrics(clients)}
@@ -298,6 +299,12 @@ class StarAlgorithm(Algorithm):
     def recipients(self, clients: np.ndarray) -> np.ndarray:
         """Who receives the round's messages: the sampled clients."""
         return clients
+
+    def unsent(self) -> torch.Tensor | None:
+        """The model's coordinates that no client's upload carries, ``(P,)`` bool (a personal part, a fixed head);
+        None: the upload carries them all. An attacker sends what every client sends, so its row keeps its own
+        values there (robustness)."""
+        return None
 
     def client_rule(self, lr: float) -> LocalRule | ClientStep:
         """The local rule of the round's clients (their paper's client step), or a ``ClientStep`` for clients
