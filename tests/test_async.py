@@ -127,6 +127,19 @@ def test_compression_composes_with_fedbuff():
     assert algo.ledger.bytes("up", round=0) == 2 * -(-(((d - 1).bit_length()) + 32) // 8)  # two top-1 messages
 
 
+@pytest.mark.parametrize("aggregator", ["median", {"name": "trimmed_mean", "beta": 0.2}, "geometric_median"])
+def test_a_robust_aggregator_keeps_fedbuffs_staleness_weights(aggregator):
+    """A buffer of one: any aggregator returns the one row, so the step is the paper's x + eta_g s(t - tau) Delta
+    (the mean's), the staleness weight included; an aggregator that ignores or renormalizes weights does not
+    drop it."""
+    opts = {"buffer_size": 1, "staleness": "polynomial"}
+    mean, robust = _algo(_three("fedbuff", **opts)), _algo({**_three("fedbuff", **opts), "aggregator": aggregator})
+    stale = [robust.run_round(r)["staleness_max"] for r in range(7)]
+    _rounds(mean, 7)
+    assert max(stale) > 0  # some steps discount their update
+    torch.testing.assert_close(robust.x, mean.x, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize(
     "opts, expect",
     [
