@@ -140,6 +140,21 @@ def test_a_robust_aggregator_keeps_fedbuffs_staleness_weights(aggregator):
     torch.testing.assert_close(robust.x, mean.x, rtol=1e-6, atol=1e-7)
 
 
+def test_fedbuffs_bucketing_draws_each_server_step_from_its_own_stream(monkeypatch):
+    """Bucketing's permutation of server step r comes from the ("bucketing", r) stream, as in the star's rounds."""
+    algo = _algo({**_async("fedbuff", buffer_size=4, concurrency=5), "aggregator": {"name": "median", "bucketing": 2}})
+    keys, draw = [], algo.seeds.numpy
+
+    def numpy(name, *key):
+        if name == "bucketing":
+            keys.append(key)
+        return draw(name, *key)
+
+    monkeypatch.setattr(algo.seeds, "numpy", numpy)
+    _rounds(algo, 3)
+    assert keys == [(0,), (1,), (2,)]
+
+
 @pytest.mark.parametrize(
     "opts, expect",
     [

@@ -139,7 +139,7 @@ class RobustStage:
         so that the attack acts on the displacement ``y_i - x``. ``unsent``: the coordinates, ``(d,)`` bool, that
         the method's uploads do not carry (a personal part): an attacker cannot send them either, so its row keeps
         its own values there. Also records the round (bucketing's stream)."""
-        self.round = r
+        self.at_round(r)
         bad = np.isin(np.asarray(clients), self.attackers)
         self.last_byzantine = int(bad.sum())
         if self.attack_fn is None or not bad.any():
@@ -154,6 +154,11 @@ class RobustStage:
         out = updates.clone()  # the honest rows exactly as they were
         out[idx] = sent + center if center is not None else sent
         return out
+
+    def at_round(self, r: int) -> None:
+        """Record the server's round (or step) ``r``: bucketing draws its permutation from ``("bucketing", r)``.
+        :meth:`attack` records it; a server that reduces without the attack stage calls this first."""
+        self.round = r
 
     def check_round(self, n: int) -> None:
         """Refuse, before the first round, a round of ``n`` updates that the aggregator's bound rules out."""

@@ -214,6 +214,8 @@ class AsyncStar(StarAlgorithm):
         )
         weights = self.weights(clients)
         losses = torch.stack([g[4] for g in got])
+        if self.robust is not None:  # a robust aggregator's bucketing draws from this server step's stream
+            self.robust.at_round(r)
         self.apply(torch.stack([g[2] for g in got]), torch.stack([g[3] for g in got]), weights, s)
         self.events.append([self.now, "update", -1, -1, r + 1, r])  # version: the model the step makes
         return {
