@@ -155,6 +155,16 @@ def test_fedbuffs_bucketing_draws_each_server_step_from_its_own_stream(monkeypat
     assert keys == [(0,), (1,), (2,)]
 
 
+def test_fedbuffs_aggregator_bound_is_checked_on_the_buffer_before_round_1():
+    """A server step reduces buffer_size updates, not clients_per_round: the aggregator's bound is checked on
+    the buffer when the run is built."""
+    krum = {"name": "krum", "f": 1}  # n >= 2f + 3 = 5
+    with pytest.raises(ConfigError, match=r"aggregator 'krum' needs at least 5 client updates .* \(got 4\)"):
+        _algo({**_async("fedbuff", buffer_size=4, concurrency=8, clients_per_round=8), "aggregator": krum})
+    algo = _algo({**_async("fedbuff", buffer_size=5, concurrency=3, clients_per_round=3), "aggregator": krum})
+    _rounds(algo, 2)
+
+
 @pytest.mark.parametrize(
     "opts, expect",
     [

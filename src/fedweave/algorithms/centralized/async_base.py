@@ -130,6 +130,9 @@ class AsyncStar(StarAlgorithm):
         self.lost: dict[int, str] = {}  # the jobs in flight that deliver nothing: job id -> "drop" or "timeout"
         self.lost_in_a_row = 0  # jobs lost since the last upload that arrived
 
+    def reduced_per_round(self) -> int:
+        return getattr(self.hp, "buffer_size", 1)  # a server step reduces one buffer of arrivals
+
     # ---- the simulated clock ---------------------------------------------------------------------
     def dispatch(self, r: int) -> None:
         """Fill the free slots at the current time: clients drawn uniformly from the idle ones train from the

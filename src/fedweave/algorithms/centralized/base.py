@@ -186,7 +186,7 @@ class StarAlgorithm(Algorithm):
         )
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
         # robustness: Byzantine attack and robust aggregator (None without either: the plain template)
-        self.robust = robust.build(ctx.config, ctx.seeds, n, hp.clients_per_round)
+        self.robust = robust.build(ctx.config, ctx.seeds, n, self.reduced_per_round())
         self.client_values: dict | None = None  # eval.distribution: the last evaluation's per-client values
         self.compression = upload_compression(ctx, self.num_params, n)  # None unless compression.upload is set
         self.download = download_compression(self)  # None unless compression.download is set (compression)
@@ -229,6 +229,11 @@ class StarAlgorithm(Algorithm):
             self.client_history.load_state_dict(history)
         if clients is not None and self.store is not None:
             self.store.load_state_dict(clients)
+
+    def reduced_per_round(self) -> int:
+        """The client updates one server step reduces when every client reports: the round's clients (what a
+        robust aggregator's bound is checked against when the run is built)."""
+        return self.hp.clients_per_round
 
     @property
     def num_params(self) -> int:
