@@ -397,6 +397,22 @@ def test_a_resumed_private_run_continues_the_accountant_and_the_adaptive_clip(to
     assert torch.equal(res.algorithm.x, whole.algorithm.x)
 
 
+def test_a_resumed_sample_level_run_stops_at_the_budget_where_the_uninterrupted_run_does(toy_config, tmp_path):
+    """The budget's look-ahead adds the steps clients did since its last look; a resumed run's first look counts
+    from the checkpoint, as the uninterrupted run's does, not from the run's start (which would stop it early)."""
+    from fedweave.runner import resume
+
+    privacy = {"level": "sample", "noise_multiplier": 1.5, "clip": 0.5, "target_epsilon": 14.0}
+    cfg = _cfg(toy_config, privacy, sampler="bernoulli", precision="float64", rounds=8)
+    whole = run(load(cfg), run_dir=tmp_path / "whole")
+    part = {**cfg, "rounds": 5, "output": {**cfg["output"], "checkpoint_every": 1}}
+    run(load(part), run_dir=tmp_path / "part")
+    res = resume(tmp_path / "part", ["rounds=8"])
+    assert len(whole.metrics) == 8  # the budget holds for all 8 rounds
+    assert [r["epsilon"] for r in res.metrics] == [r["epsilon"] for r in whole.metrics]
+    assert torch.equal(res.algorithm.x, whole.algorithm.x)
+
+
 # ---- the hierarchical family's client step ------------------------------------------------------
 def _hier(toy_config, privacy: dict | None, **algo) -> dict:
     cfg = _cfg(toy_config, privacy, precision="float64", sampler="bernoulli")
