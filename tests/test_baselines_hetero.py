@@ -336,6 +336,24 @@ def test_afl_with_a_frozen_mixture_is_fedavg_up_to_rounding(tmp_path):
     torch.testing.assert_close(frozen.algorithm.x, _run(tmp_path, "fedavg").algorithm.x, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("aggregator", ["geometric_median", "median", {"name": "centered_clipping", "tau": 0.5}])
+def test_afl_leaves_w_where_it_was_when_the_rounds_clients_have_no_weight_under_any_aggregator(toy_config, aggregator):
+    """A round whose clients all have lambda_k = 0 leaves w unchanged (AFL's rule, the mean's zero step), whatever
+    the aggregator: before, the geometric median divided by the zero weights (NaN), the median stepped."""
+    cfg = {**toy_config, "rounds": 10, "algorithm": {"name": "afl", "clients_per_round": 4, "lambda_lr": 1.0}}
+    algo = build_algorithm(RunContext(load({**cfg, "aggregator": aggregator})))
+    idle = 0
+    for r in range(10):
+        x = algo.x.clone()
+        nobody = float(algo.weights(algo.sample_clients(r)).sum()) == 0
+        algo.run_round(r)
+        assert torch.isfinite(algo.x).all()
+        if nobody:
+            idle += 1
+            assert torch.equal(algo.x, x)
+    assert idle > 0
+
+
 # ---- the rules travel to a deployment's nodes by name ------------------------------------------------------
 def _trip(rule, k: int, jobs: int = 3, step=None):
     start = torch.zeros(5)

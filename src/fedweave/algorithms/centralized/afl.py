@@ -79,6 +79,13 @@ class AFL(StarAlgorithm):
     def client_updates(self, got: Collected) -> torch.Tensor:
         return got.upload["model"] - self.x
 
+    def aggregate(
+        self, updates: torch.Tensor, weights: torch.Tensor, clients: np.ndarray | None = None
+    ) -> torch.Tensor:
+        if not bool(weights.any()):  # every client of the round has lambda_k = 0: no step, whatever the aggregator
+            return torch.zeros_like(self.x)
+        return super().aggregate(updates, weights, clients)
+
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
         self.x = self.x + self.hp.server_lr * mean  # w's step: sum_k lambda_k Delta_k over the round
         self.lam = lambda_step(self.lam, got.clients, got.upload["loss"].squeeze(1), self.hp.lambda_lr)
