@@ -174,6 +174,12 @@ class StarAlgorithm(Algorithm):
                 f"algorithm.clients_per_round: {self.name} {self.every_client} ({n}), got {hp.clients_per_round}; "
                 "set it to partition.num_clients"
             )
+        if self.every_client and (ctx.config.sampler != Section("uniform") or hp.sampling != "fixed"):
+            name = ctx.config.sampler.name if hp.sampling == "fixed" else hp.sampling
+            raise ConfigError(  # a sampler would hand the method a subset of the clients
+                f"sampler: {self.name} {self.every_client}, but sampler {name} chooses the round's clients; leave "
+                "the sampler section and algorithm.sampling out"
+            )
         self.trainer = make_trainer(ctx, hp.clients_per_round, regularize_in_rule=self.regularize_in_rule)
         self.layout: ParamLayout = self.trainer.layout
         self.x = self.layout.flatten()  # the global model x_t
