@@ -354,6 +354,29 @@ def test_afl_leaves_w_where_it_was_when_the_rounds_clients_have_no_weight_under_
     assert idle > 0
 
 
+def test_afls_train_loss_is_the_plain_mean_in_a_round_whose_clients_have_no_weight(toy_config):
+    """train_loss is the lambda-weighted mean of the round's losses; where every lambda_k of the round is 0 that
+    weighting is undefined, and the row gives the clients' plain mean (before: 0.0, as if they had no loss)."""
+    cfg = {**toy_config, "rounds": 10, "algorithm": {"name": "afl", "clients_per_round": 4, "lambda_lr": 1.0}}
+    algo = build_algorithm(RunContext(load(cfg)))
+    losses, train = [], algo.trainer.train
+
+    def spy(*args, **kw):  # the round's local losses, as the clients report them
+        out = train(*args, **kw)
+        losses.append(out.loss)
+        return out
+
+    algo.trainer.train = spy
+    idle = 0
+    for r in range(10):
+        nobody = float(algo.weights(algo.sample_clients(r)).sum()) == 0
+        row = algo.run_round(r)
+        if nobody:
+            idle += 1
+            assert row["train_loss"] == pytest.approx(float(losses[-1].mean()), rel=1e-6) and row["train_loss"] > 0
+    assert idle > 0
+
+
 # ---- the rules travel to a deployment's nodes by name ------------------------------------------------------
 def _trip(rule, k: int, jobs: int = 3, step=None):
     start = torch.zeros(5)

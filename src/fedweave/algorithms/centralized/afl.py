@@ -91,7 +91,9 @@ class AFL(StarAlgorithm):
         self.lam = lambda_step(self.lam, got.clients, got.upload["loss"].squeeze(1), self.hp.lambda_lr)
 
     def local_metrics(self, local, p) -> dict[str, float]:
-        # the round's metrics (after its server step): how far the mixture has moved from the start
+        # the round's metrics (after its server step): how far the mixture has moved from the start. train_loss is
+        # the lambda-weighted mean of the round's losses; where every lambda_k of the round is 0, their plain mean
+        p = p if bool(p.any()) else torch.full_like(p, 1 / len(p))
         return {**super().local_metrics(local, p), "lambda_max": float(self.lam.max())}
 
 
