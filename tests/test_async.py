@@ -127,6 +127,44 @@ def test_compression_composes_with_fedbuff():
     assert algo.ledger.bytes("up", round=0) == 2 * -(-(((d - 1).bit_length()) + 32) // 8)  # two top-1 messages
 
 
+@pytest.mark.parametrize("aggregator", ["median", {"name": "trimmed_mean", "beta": 0.2}, "geometric_median"])
+def test_a_robust_aggregator_keeps_fedbuffs_staleness_weights(aggregator):
+    """A buffer of one: any aggregator returns the one row, so the step is the paper's x + eta_g s(t - tau) Delta
+    (the mean's), the staleness weight included; an aggregator that ignores or renormalizes weights does not
+    drop it."""
+    opts = {"buffer_size": 1, "staleness": "polynomial"}
+    mean, robust = _algo(_three("fedbuff", **opts)), _algo({**_three("fedbuff", **opts), "aggregator": aggregator})
+    stale = [robust.run_round(r)["staleness_max"] for r in range(7)]
+    _rounds(mean, 7)
+    assert max(stale) > 0  # some steps discount their update
+    torch.testing.assert_close(robust.x, mean.x, rtol=1e-6, atol=1e-7)
+
+
+def test_fedbuffs_bucketing_draws_each_server_step_from_its_own_stream(monkeypatch):
+    """Bucketing's permutation of server step r comes from the ("bucketing", r) stream, as in the star's rounds."""
+    algo = _algo({**_async("fedbuff", buffer_size=4, concurrency=5), "aggregator": {"name": "median", "bucketing": 2}})
+    keys, draw = [], algo.seeds.numpy
+
+    def numpy(name, *key):
+        if name == "bucketing":
+            keys.append(key)
+        return draw(name, *key)
+
+    monkeypatch.setattr(algo.seeds, "numpy", numpy)
+    _rounds(algo, 3)
+    assert keys == [(0,), (1,), (2,)]
+
+
+def test_fedbuffs_aggregator_bound_is_checked_on_the_buffer_before_round_1():
+    """A server step reduces buffer_size updates, not clients_per_round: the aggregator's bound is checked on
+    the buffer when the run is built."""
+    krum = {"name": "krum", "f": 1}  # n >= 2f + 3 = 5
+    with pytest.raises(ConfigError, match=r"aggregator 'krum' needs at least 5 client updates .* \(got 4\)"):
+        _algo({**_async("fedbuff", buffer_size=4, concurrency=8, clients_per_round=8), "aggregator": krum})
+    algo = _algo({**_async("fedbuff", buffer_size=5, concurrency=3, clients_per_round=3), "aggregator": krum})
+    _rounds(algo, 2)
+
+
 @pytest.mark.parametrize(
     "opts, expect",
     [

@@ -173,6 +173,26 @@ def test_one_fedexp_server_step_is_the_closed_form():
     torch.testing.assert_close(algo.x.double(), x0.double() + eta * d.mean(0), rtol=1e-5, atol=1e-7)
 
 
+def test_fedexp_steps_by_the_updates_the_server_received_under_an_attack():
+    """eta_g is the server's: computed from the rows it received (a Gaussian attacker's noise in place of its
+    update), the same rows its aggregate reduces, not from the updates the attackers computed and never sent."""
+    attack = {"byzantine": {"fraction": 0.5, "attack": "gaussian", "std": 1.0}}
+    cfg = {**CFG, "rounds": 1, "algorithm": {"name": "fedexp", "clients_per_round": 4}, "faults": attack}
+    algo = build_algorithm(RunContext(load(cfg)))
+    reduced, plain = [], algo.aggregate
+
+    def aggregate(updates, weights, clients=None):
+        reduced.append((updates, plain(updates, weights, clients)))
+        return reduced[-1][1]
+
+    algo.aggregate = aggregate
+    out = algo.run_round(0)
+    assert out["byzantine_clients"] > 0
+    rows, mean = reduced[0]
+    assert algo.last_step_size == fedexp_step_size(rows, mean, algo.hp.eps) > 1
+    assert out["server_step_size"] == algo.last_step_size
+
+
 # ---- MOON -------------------------------------------------------------------------------------------------
 def test_moon_with_mu_zero_is_fedavg_bit_for_bit(tmp_path):
     """With mu = 0 the term is exact zeros; on the vmap backend the task's gradient comes from FedAvg's kernels."""
@@ -314,6 +334,47 @@ def test_afl_with_a_frozen_mixture_is_fedavg_up_to_rounding(tmp_path):
     weights computed in another order (lambda_S / sum lambda_S versus n_S / sum n_S)."""
     frozen = _run(tmp_path, "afl", lambda_lr=0.0)
     torch.testing.assert_close(frozen.algorithm.x, _run(tmp_path, "fedavg").algorithm.x, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("aggregator", ["geometric_median", "median", {"name": "centered_clipping", "tau": 0.5}])
+def test_afl_leaves_w_where_it_was_when_the_rounds_clients_have_no_weight_under_any_aggregator(toy_config, aggregator):
+    """A round whose clients all have lambda_k = 0 leaves w unchanged (AFL's rule, the mean's zero step), whatever
+    the aggregator: before, the geometric median divided by the zero weights (NaN), the median stepped."""
+    cfg = {**toy_config, "rounds": 10, "algorithm": {"name": "afl", "clients_per_round": 4, "lambda_lr": 1.0}}
+    algo = build_algorithm(RunContext(load({**cfg, "aggregator": aggregator})))
+    idle = 0
+    for r in range(10):
+        x = algo.x.clone()
+        nobody = float(algo.weights(algo.sample_clients(r)).sum()) == 0
+        algo.run_round(r)
+        assert torch.isfinite(algo.x).all()
+        if nobody:
+            idle += 1
+            assert torch.equal(algo.x, x)
+    assert idle > 0
+
+
+def test_afls_train_loss_is_the_plain_mean_in_a_round_whose_clients_have_no_weight(toy_config):
+    """train_loss is the lambda-weighted mean of the round's losses; where every lambda_k of the round is 0 that
+    weighting is undefined, and the row gives the clients' plain mean (before: 0.0, as if they had no loss)."""
+    cfg = {**toy_config, "rounds": 10, "algorithm": {"name": "afl", "clients_per_round": 4, "lambda_lr": 1.0}}
+    algo = build_algorithm(RunContext(load(cfg)))
+    losses, train = [], algo.trainer.train
+
+    def spy(*args, **kw):  # the round's local losses, as the clients report them
+        out = train(*args, **kw)
+        losses.append(out.loss)
+        return out
+
+    algo.trainer.train = spy
+    idle = 0
+    for r in range(10):
+        nobody = float(algo.weights(algo.sample_clients(r)).sum()) == 0
+        row = algo.run_round(r)
+        if nobody:
+            idle += 1
+            assert row["train_loss"] == pytest.approx(float(losses[-1].mean()), rel=1e-6) and row["train_loss"] > 0
+    assert idle > 0
 
 
 # ---- the rules travel to a deployment's nodes by name ------------------------------------------------------

@@ -134,6 +134,20 @@ def test_the_personal_part_never_moves_in_the_global_model_and_is_not_sent(alg, 
     assert (kept != x0[algo.mask]).any(dim=1).sum() >= 3
 
 
+@pytest.mark.parametrize("alg", ["fedper", "lg_fedavg", "fedbabu"])
+def test_an_attacker_sends_only_what_the_method_uploads(alg):
+    """A Byzantine client sends the shared part as every client does: a Gaussian attacker's noise takes the place
+    of its shared coordinates, and the coordinates nobody sends (the personal part, FedBABU's fixed head) stay
+    where they were in the global model."""
+    attack = {"byzantine": {"clients": list(range(8)), "attack": "gaussian", "std": 1.0}}
+    algo = _algo({**_pcfg(alg), "faults": attack})
+    unsent = algo.head if alg == "fedbabu" else algo.mask
+    x0 = algo.x.clone()
+    _rounds(algo, 2)
+    assert torch.equal(algo.x[unsent], x0[unsent])
+    assert (algo.x[~unsent] - x0[~unsent]).abs().max() > 0.1  # the noise arrived where the clients send
+
+
 def test_fedrep_trains_the_head_then_the_body_with_the_other_frozen(monkeypatch):
     algo = _algo(_pcfg("fedrep", head_epochs=2))
     calls = []

@@ -397,6 +397,41 @@ def test_a_resumed_private_run_continues_the_accountant_and_the_adaptive_clip(to
     assert torch.equal(res.algorithm.x, whole.algorithm.x)
 
 
+def test_a_resumed_sample_level_run_stops_at_the_budget_where_the_uninterrupted_run_does(toy_config, tmp_path):
+    """The budget's look-ahead adds the steps clients did since its last look; a resumed run's first look counts
+    from the checkpoint, as the uninterrupted run's does, not from the run's start (which would stop it early)."""
+    from fedweave.runner import resume
+
+    privacy = {"level": "sample", "noise_multiplier": 1.5, "clip": 0.5, "target_epsilon": 14.0}
+    cfg = _cfg(toy_config, privacy, sampler="bernoulli", precision="float64", rounds=8)
+    whole = run(load(cfg), run_dir=tmp_path / "whole")
+    part = {**cfg, "rounds": 5, "output": {**cfg["output"], "checkpoint_every": 1}}
+    run(load(part), run_dir=tmp_path / "part")
+    res = resume(tmp_path / "part", ["rounds=8"])
+    assert len(whole.metrics) == 8  # the budget holds for all 8 rounds
+    assert [r["epsilon"] for r in res.metrics] == [r["epsilon"] for r in whole.metrics]
+    assert torch.equal(res.algorithm.x, whole.algorithm.x)
+
+
+def test_a_resumed_run_asks_the_budget_before_its_first_round(toy_config, tmp_path):
+    """A run ended at its last round never asked the budget about the next one; extended by a resume, it asks
+    before its first round, as the uninterrupted run asked after that round: one more round past the target
+    is not run, and the run ends as the uninterrupted one did (before: it released a round beyond
+    target_epsilon)."""
+    from fedweave.runner import resume
+
+    cfg = _cfg(toy_config, {"noise_multiplier": 1.0, "target_epsilon": 5.0}, sampler="bernoulli", rounds=8)
+    whole = run(load(cfg), run_dir=tmp_path / "whole")
+    assert len(whole.metrics) == 2 and "privacy budget" in whole.summary["stopped_early"]
+    part = {**cfg, "rounds": 2, "output": {**cfg["output"], "checkpoint_every": 1}}
+    run(load(part), run_dir=tmp_path / "part")
+    res = resume(tmp_path / "part", ["rounds=8"])
+    kept = ("round", "test_accuracy", "test_loss", "epsilon")
+    assert [[m[k] for k in kept] for m in res.metrics] == [[m[k] for k in kept] for m in whole.metrics]  # no more
+    assert res.summary["stopped_early"] == whole.summary["stopped_early"]
+    assert res.summary["stopped_early"].startswith("privacy budget: one more round would spend epsilon 5.205 > ")
+
+
 # ---- the hierarchical family's client step ------------------------------------------------------
 def _hier(toy_config, privacy: dict | None, **algo) -> dict:
     cfg = _cfg(toy_config, privacy, precision="float64", sampler="bernoulli")

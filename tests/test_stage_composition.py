@@ -45,3 +45,35 @@ def test_privacy_and_a_robust_aggregator_together_are_refused_with_one_line(toy_
         fedweave.run(cfg, run_dir=tmp_path / "r")
     assert "aggregator: median and privacy" in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("algorithm", ["proxskip", "clustered_fl"])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"sampler": {"name": "schedule", "clients": [[0, 1], [2, 3]]}},
+        {"sampler": {"name": "fixed", "clients": [0, 1, 2]}},
+        {"sampler": "bernoulli"},
+        {"sampler": "power_of_choice"},
+    ],
+)
+def test_a_method_that_needs_every_client_refuses_a_sampler_with_one_line(toy_config, tmp_path, algorithm, sampling):
+    """ProxSkip (the zero sum of the h_i) and clustered FL (a split reads every client's update) need all clients
+    every round; a sampler section would hand them a subset: refused (before: the run left clients out)."""
+    n = toy_config["partition"]["num_clients"]
+    cfg = {**toy_config, "algorithm": {"name": algorithm, "clients_per_round": n}, **sampling}
+    with pytest.raises(ConfigError) as e:
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+    assert str(e.value).startswith(f"sampler: {algorithm} ") and "\n" not in str(e.value)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("sampler", [{"name": "schedule", "clients": [[0, 1], [2, 3]]}, "bernoulli", "power_of_choice"])
+def test_the_decentralized_family_refuses_a_sampler_with_one_line(toy_config, tmp_path, sampler):
+    """Every peer trains every round (the graph and the method choose whom it hears from): a sampler section
+    would be ignored, so it is refused (before: the run went on without it)."""
+    algo = {"name": "dfedavg", "topology": "random_regular", "degree": 3, "neighbours": 3}
+    with pytest.raises(ConfigError) as e:
+        fedweave.run({**toy_config, "algorithm": algo, "sampler": sampler}, run_dir=tmp_path / "r")
+    assert str(e.value).startswith("sampler: the decentralized family") and "\n" not in str(e.value)
+    assert not (tmp_path / "r").exists()

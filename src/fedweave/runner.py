@@ -157,7 +157,8 @@ def _run_locked(
         cbs.on_start(state)
         if config.eval.at_start and state.start_round == 0:  # the initial model, as round 0 (peers report it)
             _evaluate(state, -1, {})
-        for r in range(state.start_round, config.rounds):
+        # a callback's on_start may end a resumed run where the uninterrupted one ended (the privacy budget)
+        for r in range(state.start_round if not state.stop_reason else config.rounds, config.rounds):
             metrics = state.algo.run_round(r)
             cbs.after_training(state, r, metrics)
             if metrics.get("reported_clients", 1) == 0:

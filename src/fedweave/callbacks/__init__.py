@@ -83,7 +83,9 @@ class Callback:
         SuperNodes here, so a failure leaves no file)."""
 
     def on_start(self, run: RunState) -> None:
-        """The run directory holds the config (and a resumed run's rows); the first round comes next."""
+        """The run directory holds the config (and a resumed run's rows); the first round comes next. Setting
+        ``run.stop_reason`` here ends the run before it (a resumed run that the uninterrupted one would not have
+        gone on with: the privacy budget)."""
 
     def after_training(self, run: RunState, r: int, metrics: dict[str, Any]) -> None:
         """Round ``r`` (0-based) trained; ``metrics`` are its training metrics, before any evaluation."""

@@ -118,6 +118,9 @@ class SampleDP:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.trainer.steps_done = np.asarray(state["steps_done"], dtype=np.int64)
+        # the budget's next look counts the steps done since the checkpoint's round, as the uninterrupted run's
+        # look after that round did (not since the run's start: that would stop a resumed run early)
+        self._seen = self.trainer.steps_done.copy()
 
 
 def sample_rates(sizes: Sequence[int], batch_size: int, full_batch: bool) -> np.ndarray:

@@ -126,11 +126,20 @@ class RobustStage:
         """Whether the aggregator keeps state between rounds (then the checkpoint carries it)."""
         return self.aggregator.stateful
 
-    def attack(self, r: int, clients: np.ndarray, updates: torch.Tensor, center: torch.Tensor | None) -> torch.Tensor:
+    def attack(
+        self,
+        r: int,
+        clients: np.ndarray,
+        updates: torch.Tensor,
+        center: torch.Tensor | None,
+        unsent: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Stage 1: the rows of the round's reporting attackers replaced by what their attack sends.
         ``center``: where the rows are models (the method averages models), the global model they moved from,
-        so that the attack acts on the displacement ``y_i - x``. Also records the round (bucketing's stream)."""
-        self.round = r
+        so that the attack acts on the displacement ``y_i - x``. ``unsent``: the coordinates, ``(d,)`` bool, that
+        the method's uploads do not carry (a personal part): an attacker cannot send them either, so its row keeps
+        its own values there. Also records the round (bucketing's stream)."""
+        self.at_round(r)
         bad = np.isin(np.asarray(clients), self.attackers)
         self.last_byzantine = int(bad.sum())
         if self.attack_fn is None or not bad.any():
@@ -140,6 +149,8 @@ class RobustStage:
         rows = updates - center if center is not None else updates
         info = AttackInfo(r, np.asarray(clients)[bad], len(clients), self.seeds)
         sent = self.attack_fn(rows[idx], rows[good], info).to(rows.dtype)
+        if unsent is not None:
+            sent = torch.where(unsent, rows[idx], sent)
         out = updates.clone()  # the honest rows exactly as they were
         out[idx] = sent + center if center is not None else sent
         return out
@@ -151,6 +162,11 @@ class RobustStage:
         Jaggi, arXiv:2202.01545, 2022: ``x_i + sum_j w_ij clip(x_j - x_i, tau)``)."""
         self.aggregator.load_state_dict({})
         return self.aggregate(rows, weights, own)
+
+    def at_round(self, r: int) -> None:
+        """Record the server's round (or step) ``r``: bucketing draws its permutation from ``("bucketing", r)``.
+        :meth:`attack` records it; a server that reduces without the attack stage calls this first."""
+        self.round = r
 
     def check_round(self, n: int) -> None:
         """Refuse, before the first round, a round of ``n`` updates that the aggregator's bound rules out."""

@@ -79,12 +79,21 @@ class AFL(StarAlgorithm):
     def client_updates(self, got: Collected) -> torch.Tensor:
         return got.upload["model"] - self.x
 
+    def aggregate(
+        self, updates: torch.Tensor, weights: torch.Tensor, clients: np.ndarray | None = None
+    ) -> torch.Tensor:
+        if not bool(weights.any()):  # every client of the round has lambda_k = 0: no step, whatever the aggregator
+            return torch.zeros_like(self.x)
+        return super().aggregate(updates, weights, clients)
+
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
         self.x = self.x + self.hp.server_lr * mean  # w's step: sum_k lambda_k Delta_k over the round
         self.lam = lambda_step(self.lam, got.clients, got.upload["loss"].squeeze(1), self.hp.lambda_lr)
 
     def local_metrics(self, local, p) -> dict[str, float]:
-        # the round's metrics (after its server step): how far the mixture has moved from the start
+        # the round's metrics (after its server step): how far the mixture has moved from the start. train_loss is
+        # the lambda-weighted mean of the round's losses; where every lambda_k of the round is 0, their plain mean
+        p = p if bool(p.any()) else torch.full_like(p, 1 / len(p))
         return {**super().local_metrics(local, p), "lambda_max": float(self.lam.max())}
 
 

@@ -130,6 +130,9 @@ class AsyncStar(StarAlgorithm):
         self.lost: dict[int, str] = {}  # the jobs in flight that deliver nothing: job id -> "drop" or "timeout"
         self.lost_in_a_row = 0  # jobs lost since the last upload that arrived
 
+    def reduced_per_round(self) -> int:
+        return getattr(self.hp, "buffer_size", 1)  # a server step reduces one buffer of arrivals
+
     # ---- the simulated clock ---------------------------------------------------------------------
     def dispatch(self, r: int) -> None:
         """Fill the free slots at the current time: clients drawn uniformly from the idle ones train from the
@@ -214,6 +217,8 @@ class AsyncStar(StarAlgorithm):
         )
         weights = self.weights(clients)
         losses = torch.stack([g[4] for g in got])
+        if self.robust is not None:  # a robust aggregator's bucketing draws from this server step's stream
+            self.robust.at_round(r)
         self.apply(torch.stack([g[2] for g in got]), torch.stack([g[3] for g in got]), weights, s)
         self.events.append([self.now, "update", -1, -1, r + 1, r])  # version: the model the step makes
         return {

@@ -127,6 +127,9 @@ class Collected:
     sent: torch.Tensor | None = None
     # compressed downloads (fedweave.compression): the models the clients started from; None: x_t itself
     start: torch.Tensor | None = None
+    # the client updates as the server's reduction gets them (decoded, after the attack): what a server step
+    # that reads the rows themselves (FedExP's step size) reads; None until the round template has them
+    received: torch.Tensor | None = None
 
 
 class StarAlgorithm(Algorithm):
@@ -171,6 +174,12 @@ class StarAlgorithm(Algorithm):
                 f"algorithm.clients_per_round: {self.name} {self.every_client} ({n}), got {hp.clients_per_round}; "
                 "set it to partition.num_clients"
             )
+        if self.every_client and (ctx.config.sampler != Section("uniform") or hp.sampling != "fixed"):
+            name = ctx.config.sampler.name if hp.sampling == "fixed" else hp.sampling
+            raise ConfigError(  # a sampler would hand the method a subset of the clients
+                f"sampler: {self.name} {self.every_client}, but sampler {name} chooses the round's clients; leave "
+                "the sampler section and algorithm.sampling out"
+            )
         self.trainer = make_trainer(ctx, hp.clients_per_round, regularize_in_rule=self.regularize_in_rule)
         self.layout: ParamLayout = self.trainer.layout
         self.x = self.layout.flatten()  # the global model x_t
@@ -183,7 +192,7 @@ class StarAlgorithm(Algorithm):
         )
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
         # robustness: Byzantine attack and robust aggregator (None without either: the plain template)
-        self.robust = robust.build(ctx.config, ctx.seeds, n, hp.clients_per_round)
+        self.robust = robust.build(ctx.config, ctx.seeds, n, self.reduced_per_round())
         self.client_values: dict | None = None  # eval.distribution: the last evaluation's per-client values
         self.compression = upload_compression(ctx, self.num_params, n)  # None unless compression.upload is set
         self.download = download_compression(self)  # None unless compression.download is set (compression)
@@ -227,6 +236,11 @@ class StarAlgorithm(Algorithm):
         if clients is not None and self.store is not None:
             self.store.load_state_dict(clients)
 
+    def reduced_per_round(self) -> int:
+        """The client updates one server step reduces when every client reports: the round's clients (what a
+        robust aggregator's bound is checked against when the run is built)."""
+        return self.hp.clients_per_round
+
     @property
     def num_params(self) -> int:
         """The number of the global model's parameters (the length of its flat vector)."""
@@ -269,7 +283,9 @@ class StarAlgorithm(Algorithm):
             self.secagg.record(r, self.ledger, sampled, got.clients, _elements(got))
         updates = self.client_updates(got)
         if self.robust is not None:  # 1. attack: Byzantine clients replace their (decoded) updates (robustness)
-            updates = self.robust.attack(r, got.clients, updates, self.x if self.updates_are_models else None)
+            center = self.x if self.updates_are_models else None
+            updates = self.robust.attack(r, got.clients, updates, center, unsent=self.unsent())
+        got.received = updates
         self.server_update(self.aggregate(updates, got.weights, got.clients), got)
         out = {**self.local_metrics(got.local, got.weights), **self.fault_metrics(clients)}
         return {**out, **self.robust.metrics()} if self.robust is not None else out
@@ -294,6 +310,12 @@ class StarAlgorithm(Algorithm):
     def recipients(self, clients: np.ndarray) -> np.ndarray:
         """Who receives the round's messages: the sampled clients."""
         return clients
+
+    def unsent(self) -> torch.Tensor | None:
+        """The model's coordinates that no client's upload carries, ``(P,)`` bool (a personal part, a fixed head);
+        None: the upload carries them all. An attacker sends what every client sends, so its row keeps its own
+        values there (robustness)."""
+        return None
 
     def client_rule(self, lr: float) -> LocalRule | ClientStep:
         """The local rule of the round's clients (their paper's client step), or a ``ClientStep`` for clients

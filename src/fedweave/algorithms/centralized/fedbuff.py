@@ -40,4 +40,8 @@ class FedBuff(AsyncStar):
         self.buffer_size = hp.buffer_size
 
     def apply(self, deltas: torch.Tensor, models: torch.Tensor, weights: torch.Tensor, s: torch.Tensor) -> None:
-        self.x = self.x + self.hp.server_lr * self.aggregate(deltas, weights * s)  # Alg. 1, server lines
+        if self.robust is None:
+            step = self.aggregate(deltas, weights * s)  # sum_i p_i s(t - tau_i) Delta_i
+        else:  # an aggregator may ignore or renormalize weights: the rows carry s(t - tau_i), the weights sum to one
+            step = self.aggregate(s.unsqueeze(1) * deltas, weights)
+        self.x = self.x + self.hp.server_lr * step  # Alg. 1, server lines

@@ -53,7 +53,9 @@ class FedExP(StarAlgorithm):
     last_step_size = 1.0  # eta_g of the round's server step (logged as server_step_size)
 
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
-        eta = fedexp_step_size(self.client_updates(got), mean, self.hp.eps) if self.hp.extrapolate else 1.0
+        # the rows the server received (an attacker's in place of its own update), else as the clients computed them
+        rows = got.received if got.received is not None else self.client_updates(got)
+        eta = fedexp_step_size(rows, mean, self.hp.eps) if self.hp.extrapolate else 1.0
         self.last_step_size = eta
         self.x = self.x + self.hp.server_lr * eta * mean  # x_{t+1} = x_t + eta_g Delta (server_lr 1: the paper's)
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import Algorithm, RunContext, make_trainer, with_local  # noqa: F401 (re-exported)
-from fedweave.config import ConfigError
+from fedweave.config import ConfigError, Section
 from fedweave.execution import (
     LocalResult,
     LocalRule,
@@ -108,6 +108,12 @@ class GraphAlgorithm(Algorithm):
         for key, why in self.unread_options(hp).items():
             if getattr(hp, key) != defaults[key]:
                 raise ConfigError(f"algorithm.{key}: {why}; leave it out")
+        if ctx.config.sampler != Section("uniform"):  # the section would be ignored: nobody samples here
+            raise ConfigError(
+                f"sampler: the decentralized family has every client train every round (the graph and the method "
+                f"choose the peers it hears from), so sampler {ctx.config.sampler.name} would be ignored; leave the "
+                "sampler section out"
+            )
         n = ctx.num_clients
         self.num_clients = n
         self.graph = build_graph(

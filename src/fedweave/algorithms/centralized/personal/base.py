@@ -166,6 +166,9 @@ class PartialSharing(PersonalStar):
         upload = {"shared": local.params[:, self.shared]} if self.partial else {}  # what the ledger counts
         return Collected(r, clients, lr, local, upload, self.weights(clients))
 
+    def unsent(self) -> torch.Tensor | None:
+        return self.mask if self.partial else None  # the personal coordinates never travel
+
     def client_updates(self, got: Collected) -> torch.Tensor:
         d = got.local.params - self.x
         return torch.where(self.mask, torch.zeros_like(d), d) if self.partial else d

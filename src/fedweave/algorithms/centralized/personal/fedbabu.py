@@ -65,6 +65,9 @@ class FedBABU(PersonalStar):
         got.upload = {"body": got.local.params[:, self.body]}  # what the ledger counts: the body alone
         return got
 
+    def unsent(self) -> torch.Tensor:
+        return self.head  # the clients send the body alone
+
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
         self.x = self.x + self.hp.server_lr * mean  # FedAvg on the body; the head's mean update is exactly 0
 
