@@ -3,6 +3,7 @@ definition or a numpy/scipy reference, each attack against its paper's update, a
 
 from __future__ import annotations
 
+import copy
 import math
 from statistics import NormalDist
 
@@ -411,15 +412,16 @@ def test_hierarchical_averaging_uses_the_aggregator_and_zo_hfl_refuses_it(tmp_pa
 # ---- attacks at the hierarchical edge step ---------------------------------------------------------------------
 
 
+HIER = {
+    "name": "h", "seed": 0, "rounds": 3, "precision": "float64", "dataset": {"name": "_toy"},
+    "partition": {"name": "iid", "num_clients": 8}, "model": {"name": "logistic"},
+    "algorithm": {"name": "hier_fedavg", "participation": 1.0}, "local": {"batch_size": 16, "lr": 0.1},
+    "output": {"progress": False, "plots": False},
+}  # fmt: skip
+
+
 def _hier(**extra) -> dict:
-    cfg = {
-        "name": "h", "seed": 0, "rounds": 3, "precision": "float64", "dataset": {"name": "_toy"},
-        "partition": {"name": "iid", "num_clients": 8}, "model": {"name": "logistic"},
-        "algorithm": {"name": "hier_fedavg", "participation": 1.0}, "local": {"batch_size": 16, "lr": 0.1},
-        "output": {"progress": False, "plots": False},
-    }  # fmt: skip
-    cfg.update(extra)
-    return cfg
+    return copy.deepcopy(HIER) | extra
 
 
 @pytest.mark.parametrize("name", ["hier_fedavg", "hier_scaffold"])
@@ -664,15 +666,16 @@ def test_a_backdoor_at_the_hierarchical_edge_is_scored_as_on_the_star(tmp_path):
 # ---- Byzantine peers in gossip -----------------------------------------------------------------------------------
 
 
+GOSSIP = {  # the settings of the committed gossip grid (docs/robustness/gossip/clean.yaml)
+    "name": "rg", "seed": 0, "rounds": 15, "dataset": "digits", "partition": {"name": "iid", "num_clients": 20},
+    "model": "logistic", "algorithm": {"name": "dfedavg", "neighbours": 8, "finetune_epochs": 0},
+    "local": {"epochs": 1, "batch_size": 16, "lr": 0.1}, "eval": {"every": 15},
+    "output": {"progress": False, "plots": False},
+}  # fmt: skip
+
+
 def _gossip(**extra) -> dict:
-    cfg = {
-        "name": "rg", "seed": 0, "rounds": 15, "dataset": "digits", "partition": {"name": "iid", "num_clients": 20},
-        "model": "logistic", "algorithm": {"name": "dfedavg", "neighbours": 8, "finetune_epochs": 0},
-        "local": {"epochs": 1, "batch_size": 16, "lr": 0.1}, "eval": {"every": 15},
-        "output": {"progress": False, "plots": False},
-    }  # fmt: skip
-    cfg.update(extra)
-    return cfg
+    return copy.deepcopy(GOSSIP) | extra
 
 
 @pytest.mark.parametrize("mixing", ["sampled", "metropolis"])
