@@ -131,8 +131,8 @@ class DFedAvg(GraphAlgorithm):
             k = messages / max(1, int(self.up(r).sum()) if self.faulty else self.num_clients)
             if self.robust is None or (self.robust.plain and not len(self.robust.attackers)):
                 return gossip(sent, M), k  # one product; every peer's row is the same weighted sum
-            picks = [(np.setdiff1d(np.flatnonzero(M[i] > 0), [i]), None) for i in range(self.num_clients)]
-            picks = [(nb, torch.cat([M[i, i : i + 1], M[i, nb]])) for i, (nb, _) in enumerate(picks)]
+            heard = [np.setdiff1d(np.flatnonzero(M[i] > 0), [i]) for i in range(self.num_clients)]  # the delivered
+            picks = [(nb, torch.cat([M[i, i : i + 1], M[i, nb]])) for i, nb in enumerate(heard)]  # own weight first
             return self.reduce_received(r, sent, picks), k
         picks = self.selector.select(r, W, sent)
         for chosen, _ in picks:
