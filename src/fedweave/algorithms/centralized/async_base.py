@@ -131,7 +131,7 @@ class AsyncStar(StarAlgorithm):
         self.lost_in_a_row = 0  # jobs lost since the last upload that arrived
 
     def reduced_per_round(self) -> int:
-        return getattr(self.hp, "buffer_size", 1)  # a server step reduces one buffer of arrivals
+        return 1  # a server step takes one arrival (FedBuff's: one buffer of them)
 
     # ---- the simulated clock ---------------------------------------------------------------------
     def dispatch(self, r: int) -> None:
