@@ -276,7 +276,7 @@ def test_a_resumed_run_may_change_device_but_not_precision(tmp_path):
 # ---- memory stays flat on a GPU -------------------------------------------------------------------------------
 @pytest.mark.skipif(not any(d.startswith("cuda") for d in HAVE), reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", ["loop", "vmap"])
-def test_gpu_memory_is_flat_over_100_rounds(backend):
+def test_cuda_memory_is_flat_over_100_rounds(backend):
     cfg = {**family_config("scaffold"), "rounds": 100, "device": "cuda", "backend": backend}
     cfg["eval"] = {"every": 10}
     ctx = RunContext(load_config(cfg))
