@@ -94,6 +94,23 @@ def test_stop_at_target_ends_after_the_round_that_reached_it_evaluated_and_check
     assert ckpt["next_round"] == first + 1  # the last round is saved, though 5 does not divide it
 
 
+def test_a_run_stopped_at_its_target_resumes_to_where_it_stopped(cfg, tmp_path):
+    """Resumed with the same callbacks, a run that reached its target runs no further round (it ran one more per
+    resume before: StopAtTarget had forgotten the rows before the checkpoint); without them it goes on."""
+    cfg = {**cfg, "rounds": 8, "eval": {"every": 1}, "output": {**cfg["output"], "checkpoint_every": 1}}
+    accs = [r["test_accuracy"] for r in fedweave.run(cfg, run_dir=tmp_path / "full").metrics]
+    target = sorted(accs)[len(accs) // 2]
+    first = next(i for i, a in enumerate(accs) if a >= target)
+    stop = {**cfg, "callbacks": [{"name": "stop_at_target", "metric": "test_accuracy", "target": target}]}
+    res = fedweave.run(stop, run_dir=tmp_path / "s")
+    again = resume(tmp_path / "s", ["rounds=10"])
+    assert again.summary["rounds"] == res.summary["rounds"] == first + 1
+    assert again.summary["stopped_early"] == res.summary["stopped_early"]
+    assert [r["test_accuracy"] for r in again.metrics] == accs[: first + 1]
+    assert read_checkpoint(tmp_path / "s" / "checkpoint.pt")["next_round"] == first + 1
+    assert resume(tmp_path / "s", ["callbacks=[]"]).summary["rounds"] == 10  # the rounds of the last resume
+
+
 def test_a_stopping_round_is_evaluated_and_the_run_resumes_to_the_full_one(cfg, tmp_path):
     cfg = {**cfg, "rounds": 6, "eval": {"every": 3}, "output": {**cfg["output"], "checkpoint_every": 3}}
     full = fedweave.run(cfg, run_dir=tmp_path / "full")

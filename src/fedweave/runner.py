@@ -155,9 +155,14 @@ def _run_locked(
     status, error, raised = "completed", None, None
     try:
         cbs.on_start(state)
+        if state.resumed and 0 < state.start_round < config.rounds and not state.stop_reason:
+            # asked first what the uninterrupted run asked after the checkpoint's round, a resumed run ends where
+            # that one ended: a target reached, a privacy or time budget spent (a run that ran all its rounds
+            # never asked)
+            state.stop_reason = cbs.after_round(state, state.start_round - 1)
+            state.final_round = state.start_round - 1 if state.stop_reason else None
         if config.eval.at_start and state.start_round == 0:  # the initial model, as round 0 (peers report it)
             _evaluate(state, -1, {})
-        # a callback's on_start may end a resumed run where the uninterrupted one ended (the privacy budget)
         for r in range(state.start_round if not state.stop_reason else config.rounds, config.rounds):
             metrics = state.algo.run_round(r)
             cbs.after_training(state, r, metrics)

@@ -83,9 +83,9 @@ class Callback:
         SuperNodes here, so a failure leaves no file)."""
 
     def on_start(self, run: RunState) -> None:
-        """The run directory holds the config (and a resumed run's rows); the first round comes next. Setting
-        ``run.stop_reason`` here ends the run before it (a resumed run that the uninterrupted one would not have
-        gone on with: the privacy budget)."""
+        """The run directory holds the config (and a resumed run's rows, ``run.rows``: restore from them what
+        ``after_round`` needs); the first round comes next. Setting ``run.stop_reason`` here ends the run before
+        it."""
 
     def after_training(self, run: RunState, r: int, metrics: dict[str, Any]) -> None:
         """Round ``r`` (0-based) trained; ``metrics`` are its training metrics, before any evaluation."""
@@ -99,7 +99,9 @@ class Callback:
 
     def after_round(self, run: RunState, r: int) -> str | bool | None:
         """Round ``r`` is trained and, when due, evaluated: return a reason (or True) to end the run after it.
-        The runner then evaluates the round if it was not, and checkpoints it."""
+        The runner then evaluates the round if it was not, and checkpoints it. A resumed run asks once more,
+        after ``on_start``, about the checkpoint's round (``r = run.start_round - 1``), so that it ends where the
+        uninterrupted run ended (a target already reached, a budget already spent) instead of running on."""
 
     def on_round_end(self, run: RunState, r: int) -> None:
         """Round ``r`` is over (``run.is_last(r)`` says whether it was the last)."""

@@ -229,6 +229,9 @@ class StopAtTarget(Callback):
                     f"whose direction is known, is {main!r})"
                 )
             self.direction = run.ctx.task.direction
+        self.reached = None
+        for row in run.rows:  # a resumed run's recorded rows: a target reached before the checkpoint stays reached
+            self._check(row["round"], row.get(self.metric))
 
     def on_row(self, run, row):
         self._check(row["round"], row.get(self.metric))
@@ -310,15 +313,6 @@ class PrivacyBudget(Callback):
         dp = getattr(run.algo, "privacy", None)
         if dp is not None and r >= 0:
             values.update(dp.metrics())
-
-    def on_start(self, run):
-        # a resumed run asks first what the uninterrupted run asked after the checkpoint's round (a run that ended
-        # at its last round never asked): one more round past the target is not run, and the run ends as the
-        # uninterrupted one did, at the checkpoint's round
-        if run.resumed and 0 < run.start_round < run.config.rounds and not run.stop_reason:
-            run.stop_reason = self.after_round(run, run.start_round - 1)
-            if run.stop_reason:
-                run.final_round = run.start_round - 1
 
     def after_round(self, run, r):
         dp, target = getattr(run.algo, "privacy", None), run.config.privacy.target_epsilon
