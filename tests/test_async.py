@@ -75,6 +75,107 @@ def test_max_staleness_discards_and_the_next_arrival_counts():
     assert [(t, c) for t, e, c, *_ in algo.events if e == "discard"] == [(1.5, 2)]
 
 
+# ---- discarded uploads: sent, so billed, and a compressing client's residual advances ----------------------
+def _ends(run_dir) -> dict[str, int]:
+    """The number of each event of a run's events.csv."""
+    rows = list(csv.DictReader((run_dir / "events.csv").read_text().splitlines()))
+    return {e: sum(r["event"] == e for r in rows) for e in ("arrive", "discard", "dispatch")}
+
+
+@pytest.mark.parametrize("alg", ["fedbuff", "fedasync"])
+@pytest.mark.parametrize("compression", [None, {"name": "topk", "k": 1, "error_feedback": False}])
+def test_the_ledger_bills_discarded_uploads_as_accepted_ones(alg, compression, tmp_path):
+    """The client sent its upload before the server read its staleness: the bytes crossed the link. Every upload
+    here is the same size (dense, or one top-1 message), so the ledger's upload bytes are that size times the
+    arrivals plus the discards of events.csv."""
+    opts = {"buffer_size": 2} if alg == "fedbuff" else {}
+    cfg = _async(alg, rounds=8, sigma=0.5, concurrency=5, max_staleness=1, **opts)
+    if compression is not None:
+        cfg["compression"] = {"upload": compression}
+    result = fedweave.run(cfg, run_dir=tmp_path / "r")
+    ends, algo = _ends(tmp_path / "r"), result.algorithm
+    assert ends["discard"] >= 2 and ends["arrive"] == 8 * (2 if alg == "fedbuff" else 1)
+    d = algo.num_params
+    # dense: d floats; top-1: the index's bits and a 32-bit value, in whole bytes (test_compression_composes...)
+    each = d * algo.x.element_size() if compression is None else -(-(((d - 1).bit_length()) + 32) // 8)
+    assert algo.ledger.bytes("up") == (ends["arrive"] + ends["discard"]) * each
+    assert sum(e.count for e in algo.ledger.entries() if e.sender == "client") == ends["arrive"] + ends["discard"]
+    assert result.metrics[-1]["bytes_up"] == algo.ledger.bytes("up")
+
+
+def test_a_discarded_upload_advances_the_clients_error_feedback_residual():
+    """Client 2's staleness-3 upload at t = 1.5 (server step 3) is discarded under max_staleness 2. The client
+    encoded it (top-1 with error feedback) not knowing that: its residual is e <- p - C(p), p its displacement
+    (its first upload: e was 0), the residual it has when the server accepts it (max_staleness null)."""
+    topk = {"upload": {"name": "topk", "k": 1}}
+    discard, accept = _algo({**_three(max_staleness=2), "compression": topk}), _algo({**_three(), "compression": topk})
+    for r in range(3):
+        discard.run_round(r)
+        accept.run_round(r)
+    job = next(j for t, e, c, j, *_ in discard.events if e == "dispatch" and c == 2)
+    p = discard.ys[job][0] - discard.starts[job]  # y_i - x_tau, the client's displacement
+    discard.run_round(3)
+    accept.run_round(3)
+    assert [(c, j) for _, e, c, j, *_ in discard.events if e == "discard"] == [(2, job)]
+    assert [(c, j) for _, e, c, j, *_ in accept.events if e == "arrive"][3] == (2, job)
+    expect = p.clone()
+    expect[p.abs().argmax()] = 0  # top-1 sends the largest coordinate, the rest stays behind
+    residual = discard.compression.store.rows("update", [2])[0]
+    assert torch.equal(residual, expect) and residual.abs().sum() > 0
+    assert torch.equal(residual, accept.compression.store.rows("update", [2])[0])
+
+
+@pytest.mark.parametrize("compressor", [{"name": "randk", "k": 2}, {"name": "qsgd", "levels": 4}])
+def test_a_discarded_uploads_draws_leave_every_other_upload_bit_for_bit(compressor, monkeypatch):
+    """The compression draws are keyed by job id: encoding a discarded upload takes no draw of another one, so
+    each accepted upload decodes to exactly what its own stream ("compression", job, client, 0) gives, and
+    the model is the one of a run where the discarded upload is never encoded (no error feedback: the discard
+    leaves no state behind)."""
+    cfg = {**_async("fedbuff", rounds=8, sigma=0.5, concurrency=5, max_staleness=1, buffer_size=2)}
+    cfg["compression"] = {"upload": compressor}
+    algo, unsent = _algo(cfg), _algo(cfg)
+    sent: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+    transmit = algo.compression.transmit
+
+    def recorded(key, clients, index, name, rows):
+        out, nbytes = transmit(key, clients, index, name, rows)
+        sent[key] = (int(clients[0]), rows[0].clone(), out[0].clone())
+        return out, nbytes
+
+    monkeypatch.setattr(algo.compression, "transmit", recorded)
+    _rounds(algo, 8)
+    discarded = {j for _, e, _, j, *_ in algo.events if e == "discard"}
+    accepted = [j for _, e, _, j, *_ in algo.events if e == "arrive"]
+    assert discarded and discarded <= sent.keys() and len(accepted) == 16
+    c = algo.compression.compressor
+    for job in accepted:
+        client, rows, out = sent[job]
+        own = c.decode(c.encode(rows.to("cpu"), algo.seeds.torch("compression", job, client, 0)))
+        assert torch.equal(out, own.to(out.device))
+    # the model of a run whose discarded uploads are never encoded (the server rejecting them unseen)
+    plain = unsent.compression.transmit
+
+    def skipping(key, clients, index, name, rows):
+        return (rows, 0) if key in discarded else plain(key, clients, index, name, rows)
+
+    monkeypatch.setattr(unsent.compression, "transmit", skipping)
+    assert torch.equal(_rounds(unsent, 8), algo.x)
+
+
+@pytest.mark.parametrize("compression", [None, {"name": "topk", "k": 1}])
+def test_a_run_without_discards_keeps_its_ledger_and_model(compression):
+    """A max_staleness that no upload exceeds changes nothing: the same events, ledger and model as none."""
+    cfg = _async("fedbuff", rounds=8, sigma=0.5, concurrency=5, buffer_size=2)
+    if compression is not None:
+        cfg["compression"] = {"upload": compression}
+    capped, free = _algo({**cfg, "algorithm": {**cfg["algorithm"], "max_staleness": 100}}), _algo(cfg)
+    assert torch.equal(_rounds(capped, 8), _rounds(free, 8))
+    assert capped.events == free.events and not any(e == "discard" for _, e, *_ in capped.events)
+    assert list(capped.ledger.entries()) == list(free.ledger.entries())
+    arrivals = sum(e == "arrive" for _, e, *_ in capped.events)
+    assert sum(e.count for e in capped.ledger.entries() if e.sender == "client") == arrivals
+
+
 def test_fedasync_mixes_with_the_staleness_weighted_alpha():
     algo = _algo(_three(alpha=0.5, staleness="hinge", staleness_a=1.0, staleness_b=0))
     algo.run_round(0)

@@ -9,7 +9,8 @@ at each instant the arrivals come first, each one updating the server as its met
 arrivals are in, the free slots are filled with clients drawn uniformly from the idle ones (the
 ``("client_sampling", b)`` stream of the ``b``-th dispatch), which train from the current model. One call of
 ``run_round`` is one server step; its metrics carry ``sim_time`` (the simulated time of the step) and the
-staleness ``t - tau`` of the updates it used. Updates staler than ``max_staleness`` are discarded.
+staleness ``t - tau`` of the updates it used. Updates staler than ``max_staleness`` are discarded on
+arrival: they were sent, so the ledger counts them and a compressing client's residual advances as for any other.
 
 Staleness weighting ``s(t - tau)`` (FedAsync Sec. 5.2): ``constant`` 1; ``polynomial`` ``(1 + t - tau)^-a``;
 ``hinge`` 1 if ``t - tau <= b`` else ``1 / (a (t - tau - b) + 1)``.
@@ -191,10 +192,8 @@ class AsyncStar(StarAlgorithm):
             self.lost_in_a_row = 0
             tau = r - version
             start, (y, loss) = self.starts.pop(job), self.ys.pop(job)
-            if self.hp.max_staleness is not None and tau > self.hp.max_staleness:
-                self.events.append([self.now, "discard", client, job, version, r])
-                continue
-            self.events.append([self.now, "arrive", client, job, version, r])
+            # the upload crosses the link before the server reads its staleness: it is billed, and under error
+            # feedback the client's residual advances, whether the server keeps it or not (the client cannot know)
             delta = y - start  # the client's displacement from the model it started from
             if self.compression is None:
                 self.receive(r, np.array([client]), self.uplink, y)
@@ -202,6 +201,10 @@ class AsyncStar(StarAlgorithm):
                 sent, nbytes = self.compression.transmit(job, np.array([client]), 0, "update", delta.unsqueeze(0))
                 self.ledger.record(r, "client", "server", self.uplink, nbytes, 1)
                 delta, y = sent[0], start + sent[0]
+            if self.hp.max_staleness is not None and tau > self.hp.max_staleness:
+                self.events.append([self.now, "discard", client, job, version, r])
+                continue
+            self.events.append([self.now, "arrive", client, job, version, r])
             return client, tau, delta, y, loss
 
     def run_round(self, r: int) -> dict[str, float]:
