@@ -63,9 +63,25 @@ class PersonalStar(StarAlgorithm):
         models = self.personal_models(r)
         if not self.global_model:  # the clients' own models are the method's: the plain names, eval.distribution
             out, per = self.personal_metrics(models, "")
+            out.update(self.personal_backdoor_metrics(models))
             return {**out, **self.client_distribution(r, per)} if self.config.eval.distribution else out
         out = super().evaluate(r)  # the global model on the global test split (and eval.personal_test's)
-        return {**out, **self.personal_metrics(models, "_personal")[0]}
+        return {**out, **self.personal_metrics(models, "_personal")[0], **self.personal_backdoor_metrics(models)}
+
+    def backdoor_metrics(self) -> dict[str, float]:
+        """Under a backdoor attack (robustness), the global model's figure as ``test_backdoor_success_global``:
+        the plain name is the honest clients' own models' (:meth:`personal_backdoor_metrics`), the models they
+        use."""
+        return {f"{k}_global": v for k, v in super().backdoor_metrics().items()}
+
+    def personal_backdoor_metrics(self, models: torch.Tensor) -> dict[str, float]:
+        """Under a backdoor attack (robustness), ``test_backdoor_success``: its mean over the honest clients of
+        client i's model (row i of ``models``), each scored as the star scores its global model; an attacker's own
+        model is not what the attack does to the others. Nothing otherwise."""
+        if self.robust is None:
+            return {}
+        honest = (models[int(i)] for i in self.robust.honest())  # row by row: no copy of the (N, P) table
+        return self.robust.mean_backdoor_metrics(self.layout, honest, self.ctx.dataset, self.config.eval.batch_size)
 
     def personal_metrics(self, models: torch.Tensor, suffix: str) -> tuple[dict[str, float], dict[str, np.ndarray]]:
         """Client i's model (row i of ``models``) on client i's own test set: the means over the clients of
