@@ -6,7 +6,8 @@ at the start) and adds, to the star's global evaluation, the personal models' me
 test set (``ctx.personal_test_set``: the client's held-out samples under ``eval.holdout``, else a draw
 from the test split with its label distribution): ``test_accuracy_personal``, ``test_loss_personal`` and
 the worst client's ``test_accuracy_personal_min`` (under another task ``test_<metric>_personal`` and
-``test_<main>_personal_worst``).
+``test_<main>_personal_worst``). Under a backdoor attack ``test_backdoor_success`` is the honest clients' personal
+models' mean, and the global model's is ``test_backdoor_success_global`` (docs/robustness.md).
 
 :class:`PartialSharing` is the template of the methods that share part of the model and keep the rest
 (FedPer, FedRep, LG-FedAvg, FedBN): a boolean mask over the flat parameter vector marks the personal
