@@ -9,6 +9,7 @@ its ``aggregate`` seam. The attackers are fixed for the run, drawn from the ``by
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -111,6 +112,7 @@ class RobustStage:
         self.seeds = seeds
         self.attack_fn = build_attack(spec) if spec else None
         self.attackers = attackers(spec, num_clients, seeds)
+        self.num_clients = num_clients
         self.fraction = len(self.attackers) / num_clients if num_clients else 0.0
         section = config.aggregator
         self.aggregator = build_aggregator(section)
@@ -215,6 +217,20 @@ class RobustStage:
             self.stamped_test = inputs, torch.full((len(inputs),), attack.target, dtype=dataset.test_y.dtype)
         success, _ = evaluate(layout, x, *self.stamped_test, batch_size)
         return {"test_backdoor_success": success}
+
+    def honest(self) -> np.ndarray:
+        """The run's clients that are not attackers, sorted."""
+        return np.setdiff1d(np.arange(self.num_clients), self.attackers)
+
+    def mean_backdoor_metrics(
+        self, layout: Any, models: Iterable[torch.Tensor], dataset: Any, batch_size: int
+    ) -> dict[str, float]:
+        """``test_backdoor_success`` averaged over ``models`` (the honest clients' or peers' own models), each
+        scored by :meth:`backdoor_metrics`; nothing without a backdoor attack or without a model."""
+        per = [self.backdoor_metrics(layout, w, dataset, batch_size) for w in models]
+        if not per or not per[0]:
+            return {}
+        return {"test_backdoor_success": sum(p["test_backdoor_success"] for p in per) / len(per)}
 
     def state_dict(self) -> dict[str, Any]:
         """The aggregator's state (a checkpoint's ``robust`` entry)."""

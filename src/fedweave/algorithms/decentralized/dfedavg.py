@@ -86,18 +86,14 @@ class DFedAvg(GraphAlgorithm):
     def evaluated_clients(self) -> np.ndarray | None:
         if self.robust is None or not len(self.robust.attackers):
             return None
-        return np.setdiff1d(np.arange(self.num_clients), self.robust.attackers)
+        return self.robust.honest()
 
     def model_metrics(self, models: torch.Tensor) -> dict[str, float]:
         """Under a backdoor attack (robustness), ``test_backdoor_success``: its mean over the evaluated peers'
         models, each scored as the star scores its global model."""
         if self.robust is None:
             return {}
-        bs = self.config.eval.batch_size
-        per = [self.robust.backdoor_metrics(self.layout, w, self.ctx.dataset, bs) for w in models]
-        if not per or not per[0]:
-            return {}
-        return {"test_backdoor_success": sum(p["test_backdoor_success"] for p in per) / len(per)}
+        return self.robust.mean_backdoor_metrics(self.layout, models, self.ctx.dataset, self.config.eval.batch_size)
 
     def unread_options(self, hp: DFedAvgHparams) -> dict[str, str]:
         if hp.mixing != "metropolis":

@@ -6,7 +6,8 @@ at the start) and adds, to the star's global evaluation, the personal models' me
 test set (``ctx.personal_test_set``: the client's held-out samples under ``eval.holdout``, else a draw
 from the test split with its label distribution): ``test_accuracy_personal``, ``test_loss_personal`` and
 the worst client's ``test_accuracy_personal_min`` (under another task ``test_<metric>_personal`` and
-``test_<main>_personal_worst``).
+``test_<main>_personal_worst``). Under a backdoor attack ``test_backdoor_success`` is the honest clients' personal
+models' mean, and the global model's is ``test_backdoor_success_global`` (docs/robustness.md).
 
 :class:`PartialSharing` is the template of the methods that share part of the model and keep the rest
 (FedPer, FedRep, LG-FedAvg, FedBN): a boolean mask over the flat parameter vector marks the personal
@@ -63,9 +64,25 @@ class PersonalStar(StarAlgorithm):
         models = self.personal_models(r)
         if not self.global_model:  # the clients' own models are the method's: the plain names, eval.distribution
             out, per = self.personal_metrics(models, "")
+            out.update(self.personal_backdoor_metrics(models))
             return {**out, **self.client_distribution(r, per)} if self.config.eval.distribution else out
         out = super().evaluate(r)  # the global model on the global test split (and eval.personal_test's)
-        return {**out, **self.personal_metrics(models, "_personal")[0]}
+        return {**out, **self.personal_metrics(models, "_personal")[0], **self.personal_backdoor_metrics(models)}
+
+    def backdoor_metrics(self) -> dict[str, float]:
+        """Under a backdoor attack (robustness), the global model's figure as ``test_backdoor_success_global``:
+        the plain name is the honest clients' own models' (:meth:`personal_backdoor_metrics`), the models they
+        use."""
+        return {f"{k}_global": v for k, v in super().backdoor_metrics().items()}
+
+    def personal_backdoor_metrics(self, models: torch.Tensor) -> dict[str, float]:
+        """Under a backdoor attack (robustness), ``test_backdoor_success``: its mean over the honest clients of
+        client i's model (row i of ``models``), each scored as the star scores its global model; an attacker's own
+        model is not what the attack does to the others. Nothing otherwise."""
+        if self.robust is None:
+            return {}
+        honest = (models[int(i)] for i in self.robust.honest())  # row by row: no copy of the (N, P) table
+        return self.robust.mean_backdoor_metrics(self.layout, honest, self.ctx.dataset, self.config.eval.batch_size)
 
     def personal_metrics(self, models: torch.Tensor, suffix: str) -> tuple[dict[str, float], dict[str, np.ndarray]]:
         """Client i's model (row i of ``models``) on client i's own test set: the means over the clients of
