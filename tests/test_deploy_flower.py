@@ -402,6 +402,23 @@ def test_deployed_hierarchical_runs_equal_simulation(federation, tmp_path):
         federation.supernode(DATA_NODE)
 
 
+def test_deployed_gossip_equals_simulation(federation, tmp_path):
+    """DFedAvg and Gossip with Metropolis mixing across real processes: each peer trains on its SuperNode (its
+    round's local steps, and before each evaluation the fine-tuning of a copy), from the model the ServerApp,
+    which relays the gossip, mixed for it. Both equal the simulation; the ledger counts the peer-to-peer
+    messages, and the wire carries one model each way per job."""
+    runs = {"dfedavg": {"name": "dfedavg"}, "gossip": {"name": "gossip", "mixing": "metropolis"}}
+    cfgs = {name: config(a, per_round=None) for name, a in runs.items()}
+    for name, (dep, sim) in all_deployed_and_simulated(federation, cfgs, tmp_path).items():
+        summary, rows = dep.results()
+        assert len(rows) == 2 and summary["status"] == "completed", name
+        assert_same_metrics(rows, sim)
+        fl = summary["flower"]
+        assert fl["jobs"] == 2 * 2 * CLIENTS  # 2 rounds: each peer's training and its fine-tuning
+        assert fl["payload_sent"] == fl["payload_received"] == fl["jobs"] * 650 * 4  # the logistic model, float32
+        assert summary["communication"]["bytes_lateral"] > 0 == summary["communication"]["bytes_up"]
+
+
 def test_deployed_secure_aggregation_is_the_simulation_within_the_quantization_bound(federation, tmp_path):
     """Flower's SecAgg+ across the real processes (fedweave.deploy.secure): the SuperLink carries the four
     stages' messages, each node's ClientApp runs Flower's secaggplus_mod. The round's model equals the

@@ -78,9 +78,9 @@ def deployed(cfg: dict, tmp_path, grid: InProcessGrid | None = None, **app) -> t
     return json.loads((out / "summary.json").read_text()), rows
 
 
-def deployed_equals_simulation(cfg: dict, tmp_path) -> dict:
-    """Deploy ``cfg``, assert every round's metrics equal the simulation's and the message payloads are the
-    ledger's bytes; returns summary.json's flower section."""
+def deployed_equals_simulation(cfg: dict, tmp_path, payload_is_ledger: bool = True) -> dict:
+    """Deploy ``cfg``, assert every round's metrics equal the simulation's and (``payload_is_ledger``) the message
+    payloads are the ledger's bytes; returns summary.json's flower section."""
     summary, rows = deployed(cfg, tmp_path)
     sim = run(load(cfg), run_dir=tmp_path / "sim").metrics
     assert summary["status"] == "completed" and len(rows) == len(sim) == cfg["rounds"]
@@ -89,8 +89,9 @@ def deployed_equals_simulation(cfg: dict, tmp_path) -> dict:
             if "wall" not in k:
                 assert got[k] == pytest.approx(v, rel=1e-6, abs=1e-9), (k, got[k], v)
     fl, ledger = summary["flower"], summary["communication"]
-    assert fl["payload_received"] == ledger["bytes_up"] > 0
-    assert fl["payload_sent"] == ledger["bytes_down"]
+    if payload_is_ledger:
+        assert fl["payload_received"] == ledger["bytes_up"] > 0
+        assert fl["payload_sent"] == ledger["bytes_down"]
     assert_flower_bytes(fl)
     return fl
 
@@ -153,6 +154,79 @@ def test_centralized_runs_deployed_in_process_equal_the_simulation(tmp_path, nam
     zeros = tree_bytes(Array(np.zeros(650, np.float32)))
     assert fl["deduplicated_sent"] == (3 * zeros if name == "fedmim" else 0)
     assert fl["deduplicated_received"] == 0
+
+
+def gossip(algorithm: dict, rounds: int = 3, **more) -> dict:
+    return {
+        "name": "g", "seed": 2, "rounds": rounds, "backend": "loop", "dataset": {"name": "digits"},
+        "partition": {"name": "dirichlet", "num_clients": CLIENTS, "alpha": 0.5}, "model": {"name": "logistic"},
+        "algorithm": algorithm, "local": {"steps": 3, "batch_size": 16, "lr": 0.1},
+        "output": {"progress": False, "plots": False}, **more,
+    }  # fmt: skip
+
+
+DECENTRALIZED = {
+    "dfedavg": {"name": "dfedavg"},
+    "dfedavgm-metropolis": {"name": "dfedavgm", "mixing": "metropolis"},
+    "gossip-no-finetuning": {"name": "gossip", "finetune_epochs": 0},
+    "fedavg_ft": {"name": "fedavg_ft"},
+}
+MODEL_BYTES = 650 * 4  # the logistic model on digits: 64 x 10 weights and 10 biases, float32
+
+
+@pytest.mark.parametrize("name", DECENTRALIZED)
+def test_gossip_runs_deployed_in_process_equal_the_simulation(tmp_path, name):
+    """The decentralized family through the ServerApp that relays the gossip: every peer trains on its node,
+    each round from the model the ServerApp mixed for it and, before each evaluation, a throw-away copy for
+    the fine-tuning; the ServerApp keeps the peers' models and mixes them. Every metric equals the simulation,
+    and each job carries one model down and one up (the ledger counts the peer-to-peer messages instead)."""
+    algorithm = DECENTRALIZED[name]
+    fl = deployed_equals_simulation(gossip(algorithm), tmp_path, payload_is_ledger=False)
+    finetuning = 0 if algorithm.get("finetune_epochs") == 0 else 3 * CLIENTS  # an evaluation a round
+    assert fl["jobs"] == 3 * CLIENTS + finetuning
+    assert fl["payload_sent"] == fl["payload_received"] == fl["jobs"] * MODEL_BYTES
+
+
+def test_byzantine_peers_and_dropouts_in_deployed_gossip_equal_the_simulation(tmp_path):
+    """Robust gossip deployed: the attacker's messages are forged in the ServerApp, as the star's attacks
+    are, each peer's median is taken there, and a peer that drops out trains nothing that round."""
+    faults = {"byzantine": {"clients": [1], "attack": "sign_flip"}, "dropout": 0.3}
+    cfg = gossip({"name": "dfedavg", "finetune_epochs": 0}, rounds=4, faults=faults, aggregator={"name": "median"})
+    fl = deployed_equals_simulation(cfg, tmp_path, payload_is_ledger=False)
+    assert 0 < fl["jobs"] < 4 * CLIENTS  # the dropouts' jobs were not sent
+
+
+@pytest.mark.parametrize(
+    "algorithm, match",
+    [
+        ({"name": "afind_plus"}, r"'afind_plus' \(decentralized\) cannot be deployed on Flower yet: each peer scores"),
+        ({"name": "pens"}, r"scores its neighbours' models on its own data"),
+        ({"name": "choco_sgd"}, r"so the wire would carry dense models"),
+        ({"name": "dispfl"}, r"sparse masks from gradients on their own data"),
+        ({"name": "ditto"}, r"personal models never leave their peers"),
+        ({"name": "local"}, r"there is no gossip to relay"),
+        ({"name": "dfedavg", "selection": "topk"}, r"^algorithm.selection: 'topk' scores the neighbours' models"),
+        ({"name": "dfedavg", "dp_sigma": 1.0}, r"^algorithm.dp_sigma cannot be deployed on Flower yet"),
+    ],
+)
+def test_gossip_the_relay_cannot_carry_is_refused_in_one_line(algorithm, match):
+    from fedweave.config import ConfigError
+    from fedweave.deploy.support import check_deployable
+
+    with pytest.raises(ConfigError, match=match):
+        check_deployable(load(gossip(algorithm)), "stop")
+    with pytest.raises(ConfigError, match=r"on-error drop is not built for the decentralized family yet"):
+        check_deployable(load(gossip({"name": "dfedavg"})), "drop")
+
+
+def test_sample_level_privacy_is_refused_before_anything_is_written(tmp_path):
+    """DP-SGD runs in the simulation's trainer; deployed, the nodes trained with plain SGD while the run
+    reported epsilon 0. It is refused, as ``fedweave flower-app`` refuses it, and nothing is written."""
+    privacy = {"level": "sample", "noise_multiplier": 1.0, "clip": 1.0, "amplification": "none"}
+    cfg = {**small("fedavg", per_round=3), "privacy": privacy}
+    with pytest.raises(server_app.RunFailed, match=r"^fedweave run not started: privacy.level: sample cannot be"):
+        deployed(cfg, tmp_path)
+    assert not (tmp_path / "deployed").exists()
 
 
 @pytest.mark.parametrize("precision", ["float64", "bf16-mixed"])

@@ -24,7 +24,14 @@ def test_the_page_has_examples():
 
 @pytest.mark.parametrize("code", EXAMPLES, ids=[f"example-{i}" for i in range(len(EXAMPLES))])
 def test_an_example_runs_as_written(code, tmp_path, monkeypatch):
-    """Run as a module of its own (dataclasses look their module up), without this file's __future__ flags."""
+    """Run as a module of its own (dataclasses look their module up), without this file's __future__ flags. What
+    an example registers (a rule, an algorithm, ...) is forgotten after it, so no later test sees it."""
+    import fedweave.registry
+
+    for registry in vars(fedweave.registry).values():
+        if isinstance(registry, fedweave.registry.Registry):
+            registry.names()  # every built-in module imported (and registered) first: they register only once
+            monkeypatch.setattr(registry, "_items", dict(registry._items))
     monkeypatch.chdir(tmp_path)
     module = types.ModuleType(f"extending_example_{EXAMPLES.index(code)}")
     monkeypatch.setitem(sys.modules, module.__name__, module)

@@ -320,8 +320,16 @@ OTHER_COMMANDS = [
     (["flower-app", "missing.yaml", "app"], "missing.yaml"),
     # setups the ServerApp cannot run are refused before anything is written
     (
-        ["flower-app", "c.yaml", "app", "algorithm.name=dfedavg"],
-        "algorithm 'dfedavg' (decentralized) cannot be deployed on Flower yet",
+        ["flower-app", "c.yaml", "app", "algorithm.name=afind_plus"],
+        "algorithm 'afind_plus' (decentralized) cannot be deployed on Flower yet: each peer scores",
+    ),
+    (
+        ["flower-app", "c.yaml", "app", "algorithm.name=dfedavg", "--on-error", "drop"],
+        "on-error drop is not built for the decentralized family yet (algorithm 'dfedavg'); use on-error stop",
+    ),
+    (
+        ["flower-app", "c.yaml", "app", "privacy.level=sample", "privacy.amplification=none"],
+        "privacy.level: sample cannot be deployed on Flower yet",
     ),
     (
         ["flower-app", "c.yaml", "app", "algorithm.name=cse_fsl", "model.name=split_small", "--on-error", "drop"],

@@ -234,16 +234,16 @@ class FlowerClients(Callback):
         trainer = getattr(algo, "trainer", None)
         if trainer is None:
             raise DeploymentError(f"algorithm {algo.name!r} ({algo.family}) has no local trainer to deploy")
-        remote = FlowerTrainer.__new__(FlowerTrainer)
-        remote.__dict__.update(trainer.__dict__)
-        remote.backend, remote.clients, remote.here = "flower", self, trainer
+        remote = self.remote(trainer, algo)
         remote.secure = secure.SecureAggregation.of(algo, self)  # Flower's SecAgg+ (None without the section)
-        remote.num_classes = algo.ctx.dataset.num_classes  # what a node with its own data builds its model for
         num_clients = len(trainer.parts)
-        remote.server_jobs = set()
         if algo.family == "hierarchical":  # the server's own share trains here (its job m), not on a node
             num_clients = algo.m
             remote.server_jobs = {algo.server_job}
+        elif algo.family == "decentralized":
+            # the ServerApp relays the gossip: it keeps each peer's model between rounds (what the peer sent its
+            # neighbours) and mixes; the peers train on their nodes, also for the fine-tuning before evaluation
+            algo.ft_trainer = self.remote(algo.ft_trainer, algo)
         elif getattr(algo, "store", None) is not None:
             algo.store = None  # the clients' own state lives on their nodes, not in the server
         algo.trainer = remote
@@ -251,6 +251,16 @@ class FlowerClients(Callback):
         self._apply_policy(algo)
         self.discover(num_clients)
         self.check_samples([len(p) for p in trainer.parts[:num_clients]])
+
+    def remote(self, trainer: LocalTrainer, algo: Algorithm) -> FlowerTrainer:
+        """``trainer`` with its jobs sent to the nodes (its settings travel in each job)."""
+        if type(trainer) is not LocalTrainer:  # e.g. DP-SGD's PrivateTrainer: its noise would not travel
+            raise DeploymentError(f"algorithm {algo.name!r}: its {type(trainer).__name__} cannot be deployed yet")
+        remote = FlowerTrainer.__new__(FlowerTrainer)
+        remote.__dict__.update(trainer.__dict__)
+        remote.backend, remote.clients, remote.here, remote.server_jobs = "flower", self, trainer, set()
+        remote.num_classes = algo.ctx.dataset.num_classes  # what a node with its own data builds its model for
+        return remote
 
     def check_samples(self, sizes: list[int]) -> None:
         """The server weighs clients (and counts their local steps) by its partition: a node with its own

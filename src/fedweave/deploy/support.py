@@ -8,7 +8,7 @@ from fedweave.config import ConfigError, RunConfig
 from fedweave.registry import ALGORITHMS
 
 POLICIES = ("stop", "drop")  # the app config's on-error
-FAMILIES = ("centralized", "split", "hierarchical")  # the families a deployment can run
+FAMILIES = ("centralized", "split", "hierarchical", "decentralized")  # the families a deployment can run
 DROP_FAMILIES = ("centralized", "hierarchical")  # ... and those that can go on without a lost client
 
 
@@ -36,6 +36,16 @@ def undeployable_parts(config: RunConfig, on_error: str = "stop") -> str | None:
             f"algorithm {config.algorithm.name!r} runs its asynchrony on the simulated clock and cannot be deployed "
             "on Flower yet; deploy a synchronous method (fedavg, fedadam, ...)"
         )
+    if config.privacy is not None and config.privacy.level == "sample":  # the nodes would train with plain SGD
+        return (
+            "privacy.level: sample cannot be deployed on Flower yet: its DP-SGD (per-sample clipping and noise in "
+            "every local step) runs in the simulation's trainer, not on the nodes; use privacy.level: user "
+            "(DP-FedAvg, which the server applies) or run it in simulation"
+        )
+    family = ALGORITHMS.get(config.algorithm.name).family
+    why = _decentralized_refusal(config) if family == "decentralized" else None
+    if why is not None:
+        return why
     if config.secure_aggregation is not None:  # Flower's SecAgg+ (deploy/secure.py): the server sees only the mean
         why = secure_refusal(config, on_error)
         if why is not None:
@@ -44,6 +54,23 @@ def undeployable_parts(config: RunConfig, on_error: str = "stop") -> str | None:
         return (
             "compression.download: compressed downloads cannot be deployed on Flower yet (the jobs carry the dense "
             "model); remove compression.download to deploy this run (compressed uploads deploy)"
+        )
+    return None
+
+
+def _decentralized_refusal(config: RunConfig) -> str | None:
+    """Why a gossip run's options need more than the relay (peers train on their nodes, the ServerApp keeps
+    their models and mixes) can give, or None."""
+    options = config.algorithm.options
+    if options.get("selection", "random") != "random":  # topk / afind score models on each peer's own data
+        return (
+            f"algorithm.selection: {options['selection']!r} scores the neighbours' models on each peer's own data, "
+            "which the ServerApp that relays the gossip does not hold; deploy with selection: random"
+        )
+    if options.get("dp_sigma", 0.0):
+        return (
+            "algorithm.dp_sigma cannot be deployed on Flower yet: its noise is added in the simulation's trainer "
+            "or exchange, not on the nodes; deploy with dp_sigma: 0"
         )
     return None
 

@@ -115,6 +115,7 @@ class AfindPlusHparams(GraphHparams):
 class AfindPlus(GraphAlgorithm):
     name = "afind_plus"
     Hparams = AfindPlusHparams
+    undeployable = "each peer scores its neighbours' models on its own data, which the relaying ServerApp does not hold"
 
     def __init__(self, ctx: RunContext, hp: AfindPlusHparams) -> None:
         super().__init__(ctx, hp)

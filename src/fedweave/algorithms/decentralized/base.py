@@ -97,6 +97,12 @@ class GraphAlgorithm(Algorithm):
 
     family = "decentralized"
     Hparams = GraphHparams
+    # deployed on Flower, the ServerApp relays the gossip (docs/deployment.md): a method whose peers compute on
+    # their own data only through their local trainers deploys, and says so with None here
+    undeployable: ClassVar[str | None] = (
+        "its peers compute on their own data beyond local training (scores, masks or personal models), which "
+        "the ServerApp that relays the gossip does not hold"
+    )
     # Every DFL method here filters its peers with ``reachable`` and holds dropped clients (reliability.md).
     handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "link_loss")
 

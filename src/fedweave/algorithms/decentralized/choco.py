@@ -52,6 +52,10 @@ class ChocoHparams(GraphHparams):
 class ChocoSGD(GraphAlgorithm):
     name = "choco_sgd"
     Hparams = ChocoHparams
+    undeployable = (
+        "its compressed messages Q(x - x_hat) and public copies would be computed by the ServerApp that relays "
+        "the gossip, so the wire would carry dense models"
+    )
     handles_faults: ClassVar[tuple[str, ...]] = ()  # reliable links assumed (module docstring)
     compresses_uploads: ClassVar[bool] = True  # compression.upload is its Q
 

@@ -79,6 +79,7 @@ class DisPFLHparams(SelectionHparams, GraphHparams):
 class DisPFL(GraphAlgorithm):
     name = "dispfl"
     Hparams = DisPFLHparams
+    undeployable = "its peers grow their sparse masks from gradients on their own data, outside local training"
 
     def __init__(self, ctx: RunContext, hp: DisPFLHparams) -> None:
         super().__init__(ctx, hp)

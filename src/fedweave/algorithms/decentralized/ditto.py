@@ -38,6 +38,7 @@ class DittoHparams(SelectionHparams, GraphHparams):
 class Ditto(GraphAlgorithm):
     name = "ditto"
     Hparams = DittoHparams
+    undeployable = "its personal models never leave their peers, and the deployment keeps no peer state on the nodes"
 
     def __init__(self, ctx: RunContext, hp: DittoHparams) -> None:
         super().__init__(ctx, hp)

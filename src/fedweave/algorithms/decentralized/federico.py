@@ -38,6 +38,7 @@ class FedeRiCoHparams(GraphHparams):
 @ALGORITHMS.register("federico")
 class FedeRiCo(GraphAlgorithm):
     name = "federico"
+    undeployable = "each peer scores its neighbours' models on its own data, which the relaying ServerApp does not hold"
     Hparams = FedeRiCoHparams
     state_fields = ("pi", "tracked")
 

@@ -38,6 +38,7 @@ class FomoHparams(SelectionHparams, GraphHparams):
 @ALGORITHMS.register("fomo")
 class Fomo(GraphAlgorithm):
     name = "fomo"
+    undeployable = "each peer scores its neighbours' models on its own data, which the relaying ServerApp does not hold"
     Hparams = FomoHparams
     state_fields = ("affinity",)
 

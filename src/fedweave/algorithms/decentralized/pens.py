@@ -37,6 +37,7 @@ class PENSHparams(GraphHparams):
 @ALGORITHMS.register("pens")
 class PENS(GraphAlgorithm):
     name = "pens"
+    undeployable = "each peer scores its neighbours' models on its own data, which the relaying ServerApp does not hold"
     Hparams = PENSHparams
     state_fields = ("counts",)
 
