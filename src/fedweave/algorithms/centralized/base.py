@@ -42,7 +42,7 @@ from fedweave.execution import (
 from fedweave.execution.local import PLAIN, ClientStep, GradFn, LocalRule
 from fedweave.privacy import make_privacy
 from fedweave.privacy.secagg import make_secagg
-from fedweave.topology.samplers import ClientHistory, make_sampler
+from fedweave.topology.samplers import ClientHistory, make_sampler, weighting_under
 
 
 @dataclass
@@ -190,6 +190,9 @@ class StarAlgorithm(Algorithm):
         self.sampler = make_sampler(
             ctx, hp.clients_per_round, default=_aliased_sampler(ctx, hp), context=self.client_history.context
         )
+        # a sampler that draws by size gets equal weights: every reader of hp.weighting (weights(), AFL's lambda_0,
+        # the clustered methods, the deployment's secure aggregation) then follows the draw's analysis
+        hp.weighting = weighting_under(ctx, self.sampler, hp.weighting)
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
         # robustness: Byzantine attack and robust aggregator (None without either: the plain template)
         self.robust = robust.build(ctx.config, ctx.seeds, n, self.reduced_per_round())
