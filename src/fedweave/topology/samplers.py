@@ -318,6 +318,19 @@ class Sampler:
         self.reads_context = reads_context(self.fn)
         self.draws_by_size = draws_by_size(self.fn)
 
+    def fewest(self) -> int:
+        """The fewest clients the sampler gives in a round of the run, where that is known when the run is built:
+        ``fixed``'s clients, the shortest entry of a ``schedule`` that the run's rounds use; ``per_round`` for the
+        others (a draw of that many; bernoulli's count is random, and each round checks its own). What a robust
+        aggregator's bound is checked against before round 0."""
+        if self.fn is fixed:
+            chosen = self.options.get("clients", 0)
+            return len(chosen) if isinstance(chosen, list) else (chosen or self.per_round)
+        if self.fn is schedule:
+            plan = _plan(self.options.get("clients"), self.options.get("file"))
+            return min(len(ids) for ids in plan[: self.rounds])  # round r takes entry r % len(plan)
+        return self.per_round
+
     def __call__(self, r: int) -> np.ndarray:
         extra = {"context": self.context} if self.reads_context else {}
         rng = self.seeds.numpy("client_sampling", r)

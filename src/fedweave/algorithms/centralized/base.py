@@ -240,9 +240,10 @@ class StarAlgorithm(Algorithm):
             self.store.load_state_dict(clients)
 
     def reduced_per_round(self) -> int:
-        """The client updates one server step reduces when every client reports: the round's clients (what a
-        robust aggregator's bound is checked against when the run is built)."""
-        return self.hp.clients_per_round
+        """The client updates one server step reduces when every client reports: the round's clients, the fewest
+        the sampler gives in any round (a ``fixed`` or ``schedule`` sampler's own count, else
+        ``clients_per_round``): what a robust aggregator's bound is checked against when the run is built."""
+        return self.sampler.fewest()
 
     @property
     def num_params(self) -> int:

@@ -493,7 +493,8 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
         super().__init__(ctx, hp)
         self.compression = upload_compression(ctx, self.dim, self.m)  # None unless compression.upload is set
         # a robust aggregator; None: the mean
-        self.robust = robust.build(ctx.config, ctx.seeds, self.m, len(self.jobs_of(np.arange(self.k))))
+        # checked against the fewest clients the sampler gives in a round (a fixed or schedule sampler's own count)
+        self.robust = robust.build(ctx.config, ctx.seeds, self.m, len(self.jobs_of(np.arange(self.sampler.fewest()))))
 
     def state_dict(self) -> dict:
         out = super().state_dict()
