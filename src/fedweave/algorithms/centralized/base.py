@@ -48,7 +48,8 @@ from fedweave.topology.samplers import ClientHistory, make_sampler, weighting_un
 @dataclass
 class StarHparams:
     clients_per_round: int = 10
-    weighting: Literal["samples", "uniform"] = "samples"  # aggregation weights over the round's clients
+    # aggregation weights over the round's clients; uniform under a sampler that draws by size (weighting_under)
+    weighting: Literal["samples", "uniform"] = "samples"
     server_lr: float = 1.0
     consistency: bool = False  # log the local-consistency metric every round (FedMIM Fig. 2b)
     # fixed: the sampler section decides (uniform by default: clients_per_round clients without replacement);
