@@ -760,3 +760,61 @@ def test_a_backdoor_among_gossip_peers_is_scored_on_the_honest_peers_models(tmp_
     assert "test_backdoor_success" not in clean
     assert hit["test_backdoor_success"] > 0.5 and median["test_backdoor_success"] < 0.2
     assert median["test_accuracy"] > clean["test_accuracy"] - 0.02
+
+
+# ---- the build-time bound against the sampler's own count (fixed, schedule) ----------------------------------
+KRUM_F2 = {"name": "krum", "f": 2}  # n > 2f + 2: at least 7 updates per round
+
+
+def _krum_line(n: int) -> str:
+    """The line a round of ``n`` updates gets from Krum with f = 2, in the round itself."""
+    with pytest.raises(ConfigError) as e:
+        Krum()(_rows(n, 3), _uniform(n), 2)
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    "sampler,got",
+    [
+        ({"name": "schedule", "clients": [list(range(8))] * 3 + [list(range(6))]}, 6),  # round 3 takes 6
+        ({"name": "fixed", "clients": [0, 1, 2, 3, 4]}, 5),
+    ],
+)
+def test_a_sampler_that_gives_too_few_updates_is_refused_before_round_0_with_the_rounds_line(
+    toy_config, tmp_path, sampler, got
+):
+    """The bound is checked against the fewest clients the sampler gives (before: against clients_per_round = 8,
+    so the run started and stopped in the round that took too few, with the same line)."""
+    cfg = _cfg(toy_config, aggregator=KRUM_F2, sampler=sampler)
+    with pytest.raises(ConfigError) as e:
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+    assert str(e.value) == _krum_line(got) and "\n" not in str(e.value)
+    assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        {"name": "fixed", "clients": 8},
+        {"name": "schedule", "clients": [list(range(8)), list(range(4, 12))]},
+        {"name": "schedule", "clients": [list(range(8)), list(range(1, 9)), [0, 1]]},  # the short entry is unused
+    ],
+)
+def test_a_sampler_that_gives_enough_updates_is_not_refused(toy_config, tmp_path, sampler):
+    """clients_per_round (4) is below Krum's bound, but the sampler gives 8 in every one of the run's rounds
+    (before: refused, for a count the run never reduced)."""
+    cfg = {**_cfg(toy_config, aggregator=KRUM_F2, sampler=sampler), "rounds": 2}
+    cfg["algorithm"] = {"name": "fedavg", "clients_per_round": 4}
+    res = fedweave.run(cfg, run_dir=tmp_path / "r")
+    assert len(res.metrics) == 2 and res.summary["status"] == "completed"
+
+
+def test_the_hierarchical_bound_is_checked_against_the_samplers_own_count(tmp_path):
+    """hier_fedavg likewise: the fewest clients its sampler gives, not participation * clients."""
+    few = _hier(aggregator=KRUM_F2, sampler={"name": "fixed", "clients": [0, 1, 2, 3, 4]})
+    with pytest.raises(ConfigError) as e:
+        fedweave.run(few, run_dir=tmp_path / "few")
+    assert str(e.value) == _krum_line(5) and not (tmp_path / "few").exists()
+    enough = _hier(aggregator=KRUM_F2, sampler={"name": "fixed", "clients": 8}, rounds=1)
+    enough["algorithm"] = {"name": "hier_fedavg", "participation": 0.5}  # 4 of 8: below the bound
+    assert fedweave.run(enough, run_dir=tmp_path / "enough").summary["status"] == "completed"

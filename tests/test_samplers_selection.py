@@ -8,11 +8,13 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 import fedweave
 from fedweave.config import ConfigError
+from fedweave.registry import SAMPLERS
 from fedweave.runner import resume
-from fedweave.topology.samplers import ClientHistory, oort, power_of_choice
+from fedweave.topology.samplers import ClientHistory, by_size, oort, power_of_choice
 
 
 def _context(sizes, losses=None, rounds=None):
@@ -131,3 +133,67 @@ def test_the_samplers_select_differently_from_uniform(tmp_path):
     poc = fedweave.run(_cfg({"name": "power_of_choice", "d": 6}), run_dir=tmp_path / "p")
     utility = fedweave.run(_cfg({"name": "oort"}), run_dir=tmp_path / "o")
     assert _losses(poc) != _losses(uniform) and _losses(utility) != _losses(uniform)
+
+
+# ---- power-of-choice's aggregation weights: equal, its draw already counts the sizes ------------------------
+def _rows(res) -> list[dict]:
+    return [{k: v for k, v in row.items() if "seconds" not in k and "time" not in k} for row in res.metrics]
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fednova", "afl"])
+def test_power_of_choice_averages_its_clients_with_equal_weights(algorithm, tmp_path):
+    """Cho et al. draw the candidates in proportion to their sizes and average the selected clients' models with
+    equal weights (eq. (2), ``(1/m) sum_{k in S}``): under the default weighting the run is, bit for bit, the run
+    with ``weighting: uniform`` (before: the sizes were counted twice, once by the draw and again by the weights).
+    FedNova's tau_eff and AFL's lambda_0 come from the same weights."""
+    sampler = {"name": "power_of_choice", "d": 6}
+    cfg = _cfg(sampler, rounds=3)
+    default = fedweave.run({**cfg, "algorithm": {"name": algorithm, "clients_per_round": 3}}, run_dir=tmp_path / "d")
+    sizes = default.algorithm.sizes
+    assert len(set(sizes.tolist())) > 3  # the dirichlet split's clients differ in size
+    uniform = {"name": algorithm, "clients_per_round": 3, "weighting": "uniform"}
+    equal = fedweave.run({**cfg, "algorithm": uniform}, run_dir=tmp_path / "u")
+    assert _rows(default) == _rows(equal) and _who(default) == _who(equal)
+    picked = np.array([0, 5, 7])
+    assert default.algorithm.hp.weighting == "uniform"
+    if algorithm != "afl":  # AFL's weights are its lambda, which moved from the uniform lambda_0
+        assert torch.equal(default.algorithm.weights(picked), torch.full((3,), 1.0, dtype=sizes.dtype) / 3)
+    # the other samplers keep the configured weighting: by size under the default
+    plain = fedweave.run(
+        {**_cfg({"name": "uniform"}, rounds=1), "algorithm": {"name": "fedavg"}}, run_dir=tmp_path / "p"
+    )
+    w = plain.algorithm.weights(picked)
+    assert plain.algorithm.hp.weighting == "samples" and torch.equal(w, sizes[picked] / sizes[picked].sum())
+
+
+def test_power_of_choice_refuses_an_explicit_weighting_by_samples_with_one_line(tmp_path):
+    cfg = {**_cfg({"name": "power_of_choice"}), "algorithm": {"name": "fedavg", "weighting": "samples"}}
+    with pytest.raises(ConfigError) as e:
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+    msg = str(e.value)
+    assert msg.startswith("algorithm.weighting: samples and sampler: power_of_choice both weigh clients by their sizes")
+    assert "set it to uniform" in msg and "\n" not in msg
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_registered_sampler_that_draws_by_size_gets_equal_weights_or_is_refused(tmp_path):
+    """The declaration (``by_size``), not the name: a plug-in sampler that declares it is averaged with equal
+    weights by the split family (its ``weighting``), and refused by the hierarchical one (it always weighs by
+    size)."""
+    from test_precision import family_config
+
+    if "_by_size" not in SAMPLERS._items:
+
+        @SAMPLERS.register("_by_size")
+        @by_size
+        def _drawn_by_size(num_clients, per_round, r, rng, *, rounds):
+            return np.sort(rng.choice(num_clients, per_round, replace=False))
+
+    split = {**family_config("cse_fsl"), "sampler": {"name": "_by_size"}, "rounds": 1}
+    assert fedweave.run(split, run_dir=tmp_path / "s").algorithm.hp.weighting == "uniform"
+    with pytest.raises(ConfigError) as e:
+        fedweave.run({**family_config("hier_fedavg"), "sampler": {"name": "_by_size"}}, run_dir=tmp_path / "h")
+    assert str(e.value).startswith(
+        "sampler '_by_size' draws clients in proportion to their sizes, and the hierarchical"
+    )
+    assert "\n" not in str(e.value) and not (tmp_path / "h").exists()

@@ -10,6 +10,10 @@ backend and after a resume) and ``per_round`` the algorithm's ``clients_per_roun
 ``sampler`` section of a config (``sampler: {name: schedule, clients: [[0, 1], [2, 3]]}``); register your
 own with ``@SAMPLERS.register("name")`` (in a plug-in, for YAML configs).
 
+A sampler that draws its clients in proportion to their sizes (the built-in ``power_of_choice``) declares it
+with :func:`by_size`: its draw already counts each client's size, so the family aggregates the round's clients
+with equal weights rather than weighing them by their sizes a second time (:func:`weighting_under`).
+
 A sampler that selects by what it knows of the clients (the built-in ``power_of_choice`` and ``oort``) declares
 a ``context`` keyword and gets a read-only :class:`SamplerContext`: each client's number of training samples,
 its last reported training loss and the round it last reported, as of the start of round ``r``. The
@@ -132,7 +136,21 @@ def _checked(ids: list[int], num_clients: int, key: str) -> np.ndarray:
     return np.sort(a).astype(np.int64)
 
 
+def by_size(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    """Declares that sampler ``fn`` draws clients with probability proportional to their sizes (a decorator,
+    under the registration): the family then averages the round's clients with equal weights
+    (:func:`weighting_under`), as the analyses of such draws do (Li et al. 2020's scheme; Cho et al. 2022)."""
+    fn.draws_by_size = True  # type: ignore[attr-defined]
+    return fn
+
+
+def draws_by_size(fn: Callable[..., Any]) -> bool:
+    """True when sampler ``fn`` declared with :func:`by_size` that it draws clients in proportion to their sizes."""
+    return bool(getattr(fn, "draws_by_size", False))
+
+
 @SAMPLERS.register("power_of_choice")
+@by_size
 def power_of_choice(
     num_clients: int,
     per_round: int,
@@ -150,7 +168,10 @@ def power_of_choice(
     last mean training loss it reported (the context's ``last_loss``), so no extra computation is needed, and a
     candidate never heard from counts as the highest. Ties keep the candidates' random order. ``d`` (default
     ``2 * per_round``, at most the number of clients with data) must be at least ``per_round``;
-    ``d = per_round`` is a size-proportional draw, larger ``d`` selects more by loss."""
+    ``d = per_round`` is a size-proportional draw, larger ``d`` selects more by loss.
+
+    The draw already counts the sizes, so the selected clients are averaged with equal weights, the paper's
+    ``(1/m) sum_{k in S}`` (its update rule, eq. (2)): declared with :func:`by_size`."""
     sizes = context.sizes.astype(np.float64)
     holders = int((sizes > 0).sum())
     d = min(2 * per_round, holders) if d is None else d
@@ -291,9 +312,24 @@ class Sampler:
     seeds: Any  # the run's Seeds: round r draws from its own ("client_sampling", r) stream
     context: SamplerContext | None = None
     reads_context: bool = field(init=False)  # the function declares a ``context`` keyword
+    draws_by_size: bool = field(init=False)  # the function draws clients in proportion to their sizes (by_size)
 
     def __post_init__(self) -> None:
         self.reads_context = reads_context(self.fn)
+        self.draws_by_size = draws_by_size(self.fn)
+
+    def fewest(self) -> int:
+        """The fewest clients the sampler gives in a round of the run, where that is known when the run is built:
+        ``fixed``'s clients, the shortest entry of a ``schedule`` that the run's rounds use; ``per_round`` for the
+        others (a draw of that many; bernoulli's count is random, and each round checks its own). What a robust
+        aggregator's bound is checked against before round 0."""
+        if self.fn is fixed:
+            chosen = self.options.get("clients", 0)
+            return len(chosen) if isinstance(chosen, list) else (chosen or self.per_round)
+        if self.fn is schedule:
+            plan = _plan(self.options.get("clients"), self.options.get("file"))
+            return min(len(ids) for ids in plan[: self.rounds])  # round r takes entry r % len(plan)
+        return self.per_round
 
     def __call__(self, r: int) -> np.ndarray:
         extra = {"context": self.context} if self.reads_context else {}
@@ -336,3 +372,26 @@ def check_every_round(fn: Callable, opts: dict, num_clients: int, rounds: int) -
     a ``schedule`` (a bad entry for round 900 is a configuration error before round 1, not in round 900)."""
     if fn is schedule:
         _checked_plan(num_clients, rounds, **opts)
+
+
+def weighting_under(ctx, sampler: Sampler, weighting: str | None, family: str = "") -> str | None:
+    """The aggregation weighting a run uses with ``sampler``: ``weighting`` (the family's ``algorithm.weighting``)
+    unless the sampler draws clients in proportion to their sizes (:func:`by_size`); then ``uniform``, the
+    simple average its draw is analysed with, since weighing by size again would count every size twice. An
+    explicit ``algorithm.weighting: samples`` is then refused, and so is the sampler by a family that always
+    weighs by size (``weighting`` None: it has no such key). One line each."""
+    if not sampler.draws_by_size:
+        return weighting
+    if weighting is None:
+        raise ConfigError(
+            f"sampler {sampler.name!r} draws clients in proportion to their sizes, and the {family} family weighs "
+            "them by their sizes again; use it with a centralized or split algorithm (they average its clients "
+            "with equal weights), or another sampler"
+        )
+    if ctx.config.algorithm.options.get("weighting") == "samples":
+        raise ConfigError(
+            f"algorithm.weighting: samples and sampler: {sampler.name} both weigh clients by their sizes (the "
+            "sampler draws them in proportion to their sizes); leave algorithm.weighting out or set it to uniform "
+            "(the equal weights the draw is analysed with)"
+        )
+    return "uniform"

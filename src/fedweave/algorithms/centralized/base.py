@@ -42,13 +42,14 @@ from fedweave.execution import (
 from fedweave.execution.local import PLAIN, ClientStep, GradFn, LocalRule
 from fedweave.privacy import make_privacy
 from fedweave.privacy.secagg import make_secagg
-from fedweave.topology.samplers import ClientHistory, make_sampler
+from fedweave.topology.samplers import ClientHistory, make_sampler, weighting_under
 
 
 @dataclass
 class StarHparams:
     clients_per_round: int = 10
-    weighting: Literal["samples", "uniform"] = "samples"  # aggregation weights over the round's clients
+    # aggregation weights over the round's clients; uniform under a sampler that draws by size (weighting_under)
+    weighting: Literal["samples", "uniform"] = "samples"
     server_lr: float = 1.0
     consistency: bool = False  # log the local-consistency metric every round (FedMIM Fig. 2b)
     # fixed: the sampler section decides (uniform by default: clients_per_round clients without replacement);
@@ -190,6 +191,9 @@ class StarAlgorithm(Algorithm):
         self.sampler = make_sampler(
             ctx, hp.clients_per_round, default=_aliased_sampler(ctx, hp), context=self.client_history.context
         )
+        # a sampler that draws by size gets equal weights: every reader of hp.weighting (weights(), AFL's lambda_0,
+        # the clustered methods, the deployment's secure aggregation) then follows the draw's analysis
+        hp.weighting = weighting_under(ctx, self.sampler, hp.weighting)
         self.store: StateStore | None = None  # per-client state, created by the algorithms that keep some
         # robustness: Byzantine attack and robust aggregator (None without either: the plain template)
         self.robust = robust.build(ctx.config, ctx.seeds, n, self.reduced_per_round())
@@ -237,9 +241,10 @@ class StarAlgorithm(Algorithm):
             self.store.load_state_dict(clients)
 
     def reduced_per_round(self) -> int:
-        """The client updates one server step reduces when every client reports: the round's clients (what a
-        robust aggregator's bound is checked against when the run is built)."""
-        return self.hp.clients_per_round
+        """The client updates one server step reduces when every client reports: the round's clients, the fewest
+        the sampler gives in any round (a ``fixed`` or ``schedule`` sampler's own count, else
+        ``clients_per_round``): what a robust aggregator's bound is checked against when the run is built."""
+        return self.sampler.fewest()
 
     @property
     def num_params(self) -> int:

@@ -37,7 +37,7 @@ from fedweave.ledger import nbytes
 from fedweave.privacy import make_privacy
 from fedweave.registry import LR_SCHEDULES, RULE_PARTS, RULES
 from fedweave.seeding import Seeds
-from fedweave.topology.samplers import make_sampler
+from fedweave.topology.samplers import make_sampler, weighting_under
 
 # ---- schedules -----------------------------------------------------------------------------------------
 
@@ -325,6 +325,7 @@ class HierarchicalAlgorithm(Algorithm):
         jobs = [*d.parts, d.server.numpy()]
         self.server_job = self.m
         self.sampler = make_sampler(ctx, self.k, self.m, family=self.family)
+        weighting_under(ctx, self.sampler, None, self.family)  # it weighs by size: a draw by size is refused
         # a data-poisoning attack's clients train on its samples (robustness); otherwise d's own
         train_x, train_y = robust.poisoned_data(cfg, ctx.seeds, d.train_x, d.train_y, d.parts, ctx.dataset.num_classes)
         self.trainer = LocalTrainer(
@@ -492,7 +493,8 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
         super().__init__(ctx, hp)
         self.compression = upload_compression(ctx, self.dim, self.m)  # None unless compression.upload is set
         # a robust aggregator; None: the mean
-        self.robust = robust.build(ctx.config, ctx.seeds, self.m, len(self.jobs_of(np.arange(self.k))))
+        # checked against the fewest clients the sampler gives in a round (a fixed or schedule sampler's own count)
+        self.robust = robust.build(ctx.config, ctx.seeds, self.m, len(self.jobs_of(np.arange(self.sampler.fewest()))))
 
     def state_dict(self) -> dict:
         out = super().state_dict()

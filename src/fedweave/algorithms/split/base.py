@@ -49,7 +49,7 @@ from fedweave.execution import LocalTrainer, ParamLayout, evaluate_task
 from fedweave.ledger import nbytes
 from fedweave.models.split import build_split_model
 from fedweave.privacy.split import private_average, split_privacy
-from fedweave.topology.samplers import make_sampler
+from fedweave.topology.samplers import make_sampler, weighting_under
 
 ORDERS = ("ordered", "random", "event", "sync")
 
@@ -243,6 +243,7 @@ class SplitAlgorithm(Algorithm):
         n = ctx.num_clients
         self.per_round = hp.clients_per_round or n
         self.sampler = make_sampler(ctx, self.per_round, family=self.family)
+        hp.weighting = weighting_under(ctx, self.sampler, hp.weighting)  # equal weights after a draw by size
         self.loss = ctx.task.loss  # the local (auxiliary) and server losses: cross-entropy in the paper
         if self.per_round > n:
             raise ConfigError(f"algorithm.clients_per_round ({self.per_round}) exceeds partition.num_clients ({n})")
