@@ -171,7 +171,7 @@ def power_of_choice(
     ``d = per_round`` is a size-proportional draw, larger ``d`` selects more by loss.
 
     The draw already counts the sizes, so the selected clients are averaged with equal weights, the paper's
-    ``(1/m) sum_{k in S}`` (its update rule, eq. (2)): declared with :func:`by_size`."""
+    ``(1/m) sum_{k in S}`` (its update rule, Sec. 2): declared with :func:`by_size`."""
     sizes = context.sizes.astype(np.float64)
     holders = int((sizes > 0).sum())
     d = min(2 * per_round, holders) if d is None else d
