@@ -206,7 +206,7 @@ def test_byzantine_peers_and_dropouts_in_deployed_gossip_equal_the_simulation(tm
         ({"name": "ditto"}, r"personal models never leave their peers"),
         ({"name": "local"}, r"there is no gossip to relay"),
         ({"name": "dfedavg", "selection": "topk"}, r"^algorithm.selection: 'topk' scores the neighbours' models"),
-        ({"name": "dfedavg", "dp_sigma": 1.0}, r"^algorithm.dp_sigma cannot be deployed on Flower yet"),
+        ({"name": "dfedavg", "dp_sigma": 1.0, "dp_mode": "exchange"}, r"^algorithm.dp_mode: exchange cannot be"),
     ],
 )
 def test_gossip_the_relay_cannot_carry_is_refused_in_one_line(algorithm, match):
@@ -219,14 +219,43 @@ def test_gossip_the_relay_cannot_carry_is_refused_in_one_line(algorithm, match):
         check_deployable(load(gossip({"name": "dfedavg"})), "drop")
 
 
-def test_sample_level_privacy_is_refused_before_anything_is_written(tmp_path):
-    """DP-SGD runs in the simulation's trainer; deployed, the nodes trained with plain SGD while the run
-    reported epsilon 0. It is refused, as ``fedweave flower-app`` refuses it, and nothing is written."""
-    privacy = {"level": "sample", "noise_multiplier": 1.0, "clip": 1.0, "amplification": "none"}
-    cfg = {**small("fedavg", per_round=3), "privacy": privacy}
-    with pytest.raises(server_app.RunFailed, match=r"^fedweave run not started: privacy.level: sample cannot be"):
-        deployed(cfg, tmp_path)
-    assert not (tmp_path / "deployed").exists()
+SAMPLE_DP = {"level": "sample", "noise_multiplier": 1.0, "clip": 1.0}
+PRIVATE = {
+    "fedavg": lambda: {**small("fedavg", per_round=3), "privacy": {**SAMPLE_DP, "amplification": "none"}},
+    "fedprox": lambda: {**small("fedprox", per_round=3), "privacy": {**SAMPLE_DP, "amplification": "none"}},
+    "dfedavg-privacy": lambda: gossip({"name": "dfedavg"}, privacy=SAMPLE_DP),
+    "dfedavg-dp_sigma": lambda: gossip({"name": "dfedavg", "dp_sigma": 1.0, "dp_clip": 1.0}),
+}
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_dp_sgd_runs_on_the_nodes_and_equals_the_simulation(tmp_path, name):
+    """``privacy.level: sample`` (and the decentralized ``dp_sigma``) deployed: each job carries DP-SGD's clip and
+    sigma, the node runs DP-SGD around the rule it rebuilds with the noise of the job's own stream, and the
+    server's accountant counts the steps the nodes report. Every metric, epsilon included, equals the
+    simulation (before, the nodes trained with plain SGD and the run reported epsilon 0)."""
+    cfg = PRIVATE[name]()
+    deployed_equals_simulation(cfg, tmp_path, payload_is_ledger="privacy" in cfg and "dfedavg" not in name)
+    rows = [json.loads(line) for line in (tmp_path / "deployed" / "metrics.jsonl").read_text().splitlines()]
+    assert ("epsilon" in rows[-1]) == ("privacy" in cfg)
+    assert rows[-1].get("epsilon", 1.0) > 0
+    algorithm = {k: v for k, v in cfg["algorithm"].items() if not k.startswith("dp_")}
+    plain = {**{k: v for k, v in cfg.items() if k != "privacy"}, "algorithm": algorithm}
+    plain = run(load(plain), run_dir=tmp_path / "plain").metrics
+    assert rows[-1]["test_loss"] != plain[-1]["test_loss"]  # the noise is there
+
+
+def test_dp_sgd_on_the_nodes_refuses_a_malformed_dp_sgd_field():
+    from fedweave.config import LocalConfig
+    from fedweave.deploy.jobs import MalformedJobError, decode_job, encode_header, encode_job
+    from fedweave.execution.job import PLAIN, LocalCall
+
+    call = LocalCall(torch.zeros(1, 3), [0], 0, PLAIN, 0.1, 1, ())
+    header, tensors = encode_job(call, 0, local=LocalConfig(steps=1), dp=(1.0, 0.5))
+    assert decode_job(encode_header(header), tensors).dp == (1.0, 0.5)
+    for bad in ({"clip": 0.0, "sigma": 1.0}, {"clip": 1.0, "sigma": -1.0}, {"clip": "x", "sigma": 1.0}, {"sigma": 1}):
+        with pytest.raises(MalformedJobError, match=r"^malformed fedweave job message: .*dp_sgd"):
+            decode_job(encode_header({**header, "dp_sgd": bad}), tensors)
 
 
 @pytest.mark.parametrize("precision", ["float64", "bf16-mixed"])

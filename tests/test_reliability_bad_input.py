@@ -328,8 +328,8 @@ OTHER_COMMANDS = [
         "on-error drop is not built for the decentralized family yet (algorithm 'dfedavg'); use on-error stop",
     ),
     (
-        ["flower-app", "c.yaml", "app", "privacy.level=sample", "privacy.amplification=none"],
-        "privacy.level: sample cannot be deployed on Flower yet",
+        ["flower-app", "c.yaml", "app", "algorithm.name=dfedavg", "algorithm.dp_sigma=1", "algorithm.dp_mode=exchange"],
+        "algorithm.dp_mode: exchange cannot be deployed on Flower: its noise would be added by the ServerApp",
     ),
     (
         ["flower-app", "c.yaml", "app", "algorithm.name=cse_fsl", "model.name=split_small", "--on-error", "drop"],

@@ -33,6 +33,7 @@ from fedweave.deploy.jobs import Job, MalformedJobError, UnknownRuleError, check
 from fedweave.deploy.node_data import NodeDataError, load_node_data, own_parts, trial_parts, write_samples
 from fedweave.deploy.node_state import NodeState, StateMissingError
 from fedweave.deploy.wire import from_records, to_records
+from fedweave.execution.dpsgd import DPSGD
 from fedweave.execution.job import LocalCall, LocalResult, backend_run
 from fedweave.execution.local import LocalTrainer
 from fedweave.execution.placement import move_tensors
@@ -150,6 +151,10 @@ def train(msg: Message, context: Context) -> Message:
     tr.local = job.local
     if tr.placement.device.type != "cpu":  # the wire carries host tensors; the node computes on its device
         job = move_tensors(job, tr.placement.device)
+    if job.dp is not None:  # privacy.level sample: DP-SGD in every step, its noise from the job's own stream
+        c = job.call
+        rule = DPSGD(tr.layout, *job.dp, tr.seeds, c.round, c.clients, c.key, base=c.rule, loss_fn=tr.loss_fn)
+        job = replace(job, call=replace(c, rule=rule))
     if job.step is None:
         res = _run(tr, job.call)
         out, sent = res, {"params": res.params}

@@ -162,10 +162,12 @@ def encode_job(
     step: ClientStep | None = None,
     state_round: int = -1,
     num_classes: int | None = None,
+    dp: tuple[float, float] | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Job ``k`` of ``call`` as ``(header, tensors)``: its start row, client, batch plan and learning rate,
     and the call's rule (its per-job tensors as row ``k``) or, for a stateful algorithm, the client ``step``
-    in its place (the call's rule is then unused)."""
+    in its place (the call's rule is then unused). ``dp``: DP-SGD's ``(clip, sigma)``, which the node runs
+    around the rule (the noise from the run's stream of the job: the same as in simulation)."""
     start, client, round, lr, steps, key = call.starts[k], call.clients[k], call.round, call.lr, call.steps, call.key
     rule = call.rule if step is None else None
     header: dict[str, Any] = {
@@ -177,6 +179,10 @@ def encode_job(
         "local": dataclasses.asdict(local),
         "num_classes": num_classes,  # the model's outputs, for a node that holds its own data
     }
+    if dp is not None:
+        if step is not None:
+            raise ValueError("DP-SGD around a stateful client step is not deployed")
+        header["dp_sgd"] = {"clip": float(dp[0]), "sigma": float(dp[1])}
     tensors = {"start": start.detach().reshape(1, -1).contiguous()}
     if rule is not None:
         name, scalars, extra = _job_rule(rule, k, len(call))
@@ -210,6 +216,7 @@ class Job:
     step: ClientStep | None = None
     state_round: int = -1  # the round of the client state version the server accepted (-1: initial)
     num_classes: int | None = None
+    dp: tuple[float, float] | None = None  # DP-SGD's (clip, sigma) around the rule: privacy.level sample
 
     @property
     def client(self) -> int:
@@ -261,6 +268,7 @@ def decode_job(header_json: str, tensors: dict[str, torch.Tensor]) -> Job:
             step=step,
             state_round=state_round,
             num_classes=whole(h, "num_classes", 1, optional=True),
+            dp=_dp(h, step),
         )
     except UnknownRuleError:
         raise
@@ -268,6 +276,19 @@ def decode_job(header_json: str, tensors: dict[str, torch.Tensor]) -> Job:
         raise MalformedJobError(f"malformed fedweave job message: the job's {e}") from e
     except (KeyError, TypeError, ValueError, AttributeError, json.JSONDecodeError) as e:
         raise MalformedJobError(f"malformed fedweave job message: {type(e).__name__}: {e}") from e
+
+
+def _dp(h: dict[str, Any], step: ClientStep | None) -> tuple[float, float] | None:
+    """The job's DP-SGD ``(clip, sigma)``: clip a finite number > 0, sigma one >= 0; only around a rule."""
+    if "dp_sgd" not in h:
+        return None
+    if step is not None:
+        raise ConfigError("dp_sgd goes around a rule, and this job has a client step")
+    dp = h["dp_sgd"] if isinstance(h["dp_sgd"], dict) else {}
+    clip, sigma = (coerce(dp.get(k), float, f"dp_sgd.{k}") for k in ("clip", "sigma"))
+    if not (0 < clip < float("inf") and 0 <= sigma < float("inf")):
+        raise ConfigError(f"dp_sgd must have a finite clip > 0 and sigma >= 0, got clip {clip}, sigma {sigma}")
+    return clip, sigma
 
 
 def encode_header(header: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ error reply, or a reply that does not come, does to the run).
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -34,6 +35,7 @@ from fedweave.deploy.jobs import encode_job
 from fedweave.deploy.node_state import INITIAL
 from fedweave.deploy.wire import from_records, payload_bytes, pushed_bytes, to_records, tree_bytes, wire_bytes
 from fedweave.errors import RunStopped
+from fedweave.execution.dpsgd import DPSGD, PrivateTrainer
 from fedweave.execution.job import LR, PLAIN, ClientStep, LocalCall, LocalResult, reindexed
 from fedweave.execution.local import LocalTrainer
 from fedweave.execution.state import StateStore
@@ -253,13 +255,20 @@ class FlowerClients(Callback):
         self.check_samples([len(p) for p in trainer.parts[:num_clients]])
 
     def remote(self, trainer: LocalTrainer, algo: Algorithm) -> FlowerTrainer:
-        """``trainer`` with its jobs sent to the nodes (its settings travel in each job)."""
-        if type(trainer) is not LocalTrainer:  # e.g. DP-SGD's PrivateTrainer: its noise would not travel
-            raise DeploymentError(f"algorithm {algo.name!r}: its {type(trainer).__name__} cannot be deployed yet")
-        remote = FlowerTrainer.__new__(FlowerTrainer)
+        """``trainer`` with its jobs sent to the nodes (its settings travel in each job). A DP-SGD trainer
+        (privacy.level sample, its accounting) stays one: its ``train`` wraps each call's rule in DP-SGD, whose
+        ``(clip, sigma)`` the jobs carry, and counts the steps the nodes report."""
+        cls = type(trainer)
+        if cls is not LocalTrainer and not issubclass(cls, PrivateTrainer):  # its own code would not travel
+            raise DeploymentError(f"algorithm {algo.name!r}: its {cls.__name__} cannot be deployed yet")
+        cls = FlowerTrainer if cls is LocalTrainer else _on_flower(cls)
+        remote = cls.__new__(cls)
         remote.__dict__.update(trainer.__dict__)
         remote.backend, remote.clients, remote.here, remote.server_jobs = "flower", self, trainer, set()
         remote.num_classes = algo.ctx.dataset.num_classes  # what a node with its own data builds its model for
+        dp = getattr(algo, "privacy", None)
+        if getattr(dp, "trainer", None) is trainer:  # the accountant reads the steps this trainer counts
+            dp.trainer = remote
         return remote
 
     def check_samples(self, sizes: list[int]) -> None:
@@ -424,14 +433,18 @@ class FlowerTrainer(LocalTrainer):
         remote, here = self._split(clients)
         parts = []
         if remote:
+            dp = None
+            if isinstance(rule, DPSGD):  # each node runs DP-SGD around the rule it rebuilds (the job's dp_sgd)
+                dp, rule = (rule.clip, rule.sigma), rule.base
             mine = rule if len(remote) == len(clients) else reindexed(rule, remote)
-            replies = self._send(LocalCall(starts[remote], [clients[k] for k in remote], round, mine, lr, steps, key))
+            to_nodes = LocalCall(starts[remote], [clients[k] for k in remote], round, mine, lr, steps, key)
+            replies = self._send(to_nodes, dp=dp)
             out = [from_records(r.content, starts.device) for r in replies]
             params = torch.stack([t["params"].reshape(-1) for _, t in out])
             parts.append((remote, _result(params, [json.loads(h) for h, _ in out])))
         if here:
             own = [clients[k] for k in here]
-            own_call = LocalCall(starts[here], own, round, reindexed(rule, here), lr, steps, key)
+            own_call = LocalCall(starts[here], own, round, reindexed(call.rule, here), lr, steps, key)
             parts.append((here, self.here.run_jobs(own_call)))
         return _merged(parts, len(clients))
 
@@ -450,6 +463,8 @@ class FlowerTrainer(LocalTrainer):
         """A stateful algorithm's jobs: each node starts from its own copy of its client's state and
         replies with what the client uploads in the paper; the server keeps only, per client, the round of
         the state version it used (``store`` stays unused: there is none on the server)."""
+        if isinstance(self, PrivateTrainer):  # the privacy section refuses stateful methods; DP-SGD must not vanish
+            raise DeploymentError("DP-SGD around a stateful client step cannot be deployed")
         clients = list(map(int, clients))
         starts = self.checked_starts(starts, clients)
         lr = self.lr(round) if lr is None else lr
@@ -479,16 +494,25 @@ class FlowerTrainer(LocalTrainer):
         upload = {n: _rows([(pos, u[n]) for pos, u in uploads], len(clients)) for n in names}
         return _merged(parts, len(clients)), upload
 
-    def _send(self, call: LocalCall, *, step: ClientStep | None = None) -> list[Message]:
-        """Each job of ``call`` as one Message to its client's node (with ``step``: a stateful algorithm's)."""
+    def _send(
+        self, call: LocalCall, *, step: ClientStep | None = None, dp: tuple[float, float] | None = None
+    ) -> list[Message]:
+        """Each job of ``call`` as one Message to its client's node (with ``step``: a stateful algorithm's;
+        ``dp``: DP-SGD's clip and sigma)."""
         jobs = []
         for k, c in enumerate(call.clients):
             header, tensors = encode_job(
                 call, k, local=self.local, step=step, state_round=self.clients.accepted.get(c, INITIAL),
-                num_classes=self.num_classes,
+                num_classes=self.num_classes, dp=dp,
             )  # fmt: skip
             jobs.append((c, header, tensors))
         return self.clients.run_jobs(call.round, jobs)
+
+
+@functools.cache
+def _on_flower(cls: type[LocalTrainer]) -> type[FlowerTrainer]:
+    """``cls`` (a trainer that wraps or counts around ``train``) with its jobs run by :class:`FlowerTrainer`."""
+    return type(f"Flower{cls.__name__}", (cls, FlowerTrainer), {})
 
 
 def _rows(parts: list[tuple[list[int], torch.Tensor]], n: int) -> torch.Tensor:

@@ -36,12 +36,6 @@ def undeployable_parts(config: RunConfig, on_error: str = "stop") -> str | None:
             f"algorithm {config.algorithm.name!r} runs its asynchrony on the simulated clock and cannot be deployed "
             "on Flower yet; deploy a synchronous method (fedavg, fedadam, ...)"
         )
-    if config.privacy is not None and config.privacy.level == "sample":  # the nodes would train with plain SGD
-        return (
-            "privacy.level: sample cannot be deployed on Flower yet: its DP-SGD (per-sample clipping and noise in "
-            "every local step) runs in the simulation's trainer, not on the nodes; use privacy.level: user "
-            "(DP-FedAvg, which the server applies) or run it in simulation"
-        )
     family = ALGORITHMS.get(config.algorithm.name).family
     why = _decentralized_refusal(config) if family == "decentralized" else None
     if why is not None:
@@ -67,10 +61,10 @@ def _decentralized_refusal(config: RunConfig) -> str | None:
             f"algorithm.selection: {options['selection']!r} scores the neighbours' models on each peer's own data, "
             "which the ServerApp that relays the gossip does not hold; deploy with selection: random"
         )
-    if options.get("dp_sigma", 0.0):
+    if options.get("dp_sigma", 0.0) and options.get("dp_mode", "sgd") == "exchange":
         return (
-            "algorithm.dp_sigma cannot be deployed on Flower yet: its noise is added in the simulation's trainer "
-            "or exchange, not on the nodes; deploy with dp_sigma: 0"
+            "algorithm.dp_mode: exchange cannot be deployed on Flower: its noise would be added by the ServerApp that "
+            "relays the gossip, after it saw each peer's model; deploy with dp_mode: sgd (DP-SGD on the nodes)"
         )
     return None
 
