@@ -402,18 +402,25 @@ def test_deployed_hierarchical_runs_equal_simulation(federation, tmp_path):
         federation.supernode(DATA_NODE)
 
 
-def test_deployed_gossip_equals_simulation(federation, tmp_path):
+def test_deployed_gossip_and_dp_sgd_equal_simulation(federation, tmp_path):
     """DFedAvg and Gossip with Metropolis mixing across real processes: each peer trains on its SuperNode (its
     round's local steps, and before each evaluation the fine-tuning of a copy), from the model the ServerApp,
-    which relays the gossip, mixed for it. Both equal the simulation; the ledger counts the peer-to-peer
-    messages, and the wire carries one model each way per job."""
+    which relays the gossip, mixed for it; the ledger counts the peer-to-peer messages, and the wire carries one
+    model each way per job. Beside them, FedAvg with privacy.level sample: DP-SGD on the nodes, accounted from
+    the steps they report. All three at once, each equal to its simulation, epsilon included."""
     runs = {"dfedavg": {"name": "dfedavg"}, "gossip": {"name": "gossip", "mixing": "metropolis"}}
     cfgs = {name: config(a, per_round=None) for name, a in runs.items()}
+    privacy = {"level": "sample", "noise_multiplier": 1.0, "clip": 1.0, "amplification": "none"}
+    cfgs["fedavg-dp-sgd"] = {**config({"name": "fedavg"}), "privacy": privacy}
     for name, (dep, sim) in all_deployed_and_simulated(federation, cfgs, tmp_path).items():
         summary, rows = dep.results()
         assert len(rows) == 2 and summary["status"] == "completed", name
         assert_same_metrics(rows, sim)
         fl = summary["flower"]
+        if name == "fedavg-dp-sgd":
+            assert rows[-1]["epsilon"] == sim[-1]["epsilon"] > 0
+            assert_payload_is_the_ledger(summary)
+            continue
         assert fl["jobs"] == 2 * 2 * CLIENTS  # 2 rounds: each peer's training and its fine-tuning
         assert fl["payload_sent"] == fl["payload_received"] == fl["jobs"] * 650 * 4  # the logistic model, float32
         assert summary["communication"]["bytes_lateral"] > 0 == summary["communication"]["bytes_up"]
