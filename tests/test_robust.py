@@ -634,7 +634,8 @@ def test_bad_robustness_input_on_the_command_line_is_one_error_line(toy_config, 
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "fedweave: error: aggregator 'krum' needs at least 11 client updates per round against f = 4 Byzantine ones "
-        "(got 8); lower aggregator.f, raise algorithm.clients_per_round or choose another aggregator"
+        "(got 8); lower aggregator.f, give each reduction more updates (algorithm.clients_per_round, the sampler's "
+        "clients, fedbuff's buffer_size) or choose another aggregator"
     ]
 
 

@@ -44,8 +44,9 @@ class Aggregator:
         if n < need:
             raise ConfigError(
                 f"aggregator {self.name!r} needs at least {need} client updates per round against f = {f} "
-                f"Byzantine ones (got {n}); lower aggregator.f, raise algorithm.clients_per_round or choose "
-                "another aggregator"
+                f"Byzantine ones (got {n}); lower aggregator.f, give each reduction more updates "
+                "(algorithm.clients_per_round, the sampler's clients, fedbuff's buffer_size) or choose another "
+                "aggregator"
             )
 
     def __call__(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
