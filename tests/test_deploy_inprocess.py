@@ -272,6 +272,28 @@ def test_the_nodes_train_in_the_runs_precision(tmp_path, precision):
     deployed_equals_simulation(cfg, tmp_path)
 
 
+def _on(kind: str):
+    """A device of this machine of ``kind`` as a parameter (skipped where there is none)."""
+    from fedweave.execution.placement import available_devices
+
+    present = [d for d in available_devices() if d.split(":")[0] == kind]
+    return pytest.param(present[0] if present else kind, marks=pytest.mark.skipif(not present, reason=f"no {kind}"))
+
+
+@pytest.mark.parametrize("device", [_on("cpu"), _on("cuda")])
+@pytest.mark.parametrize("name", ["scaffold", "dfedavg", "fedavg-dp-sgd"])
+def test_the_nodes_train_on_the_runs_device(tmp_path, device, name):
+    """A node follows the run's ``device``: it moves what arrives onto it and trains there (a stateful client
+    with its state, a gossip peer, DP-SGD's per-sample gradients), and the deployed run equals its simulation
+    on that device."""
+    if name == "fedavg-dp-sgd":
+        cfg = {**small("fedavg", per_round=3), "privacy": {"level": "sample", "noise_multiplier": 1.0, "clip": 1.0,
+                                                            "amplification": "none"}}  # fmt: skip
+    else:
+        cfg = small(name) if name == "scaffold" else gossip({"name": name})
+    deployed_equals_simulation({**cfg, "device": device}, tmp_path, payload_is_ledger=name != "dfedavg")
+
+
 def small(name: str, rounds: int = 2, per_round: int = CLIENTS) -> dict:
     return {
         "name": "f", "seed": 2, "rounds": rounds, "backend": "loop", "dataset": {"name": "digits"},
