@@ -235,20 +235,44 @@ def all_deployed_and_simulated(
     return {name: (run.wait(), sims[name]) for name, run in runs.items()}
 
 
+GOSSIP = {"dfedavg": config({"name": "dfedavg"}, per_round=None)}  # the decentralized family, relayed by the ServerApp
+DP_SGD = {  # privacy.level sample: DP-SGD on the nodes
+    "fedavg-dp-sgd": {
+        **config({"name": "fedavg"}),
+        "privacy": {"level": "sample", "noise_multiplier": 1.0, "clip": 1.0, "amplification": "none"},
+    }
+}
+
+
 def test_deployed_runs_equal_simulation(federation, tmp_path):
     """FedAvg (the plain rule), SCAFFOLD (c_i kept on the nodes across rounds) and FedMIM (a rule with
-    tensors: its two momentum combinations) on the nodes, 3 rounds, at once, each equal to its simulation.
-    Flower records each run completed, and ``flwr run --stream`` shows fedweave's lines: a line per round
-    trained and evaluated, and the completion line."""
-    for name, (dep, sim) in all_deployed_and_simulated(federation, CENTRALIZED, tmp_path).items():
+    tensors: its two momentum combinations) on the nodes, 3 rounds, each equal to its simulation. Flower
+    records each run completed, and ``flwr run --stream`` shows fedweave's lines: a line per round trained and
+    evaluated, and the completion line. At the same time, 2 rounds each: DFedAvg, each peer training on its
+    SuperNode (its round's local steps, and before each evaluation the fine-tuning of a copy) from the model the
+    ServerApp that relays the gossip mixed for it, one model each way per job while the ledger counts the
+    peer-to-peer messages; and FedAvg with privacy.level sample, DP-SGD on the nodes, accounted from the steps
+    they report, epsilon equal to the simulation's."""
+    runs = all_deployed_and_simulated(federation, {**CENTRALIZED, **GOSSIP, **DP_SGD}, tmp_path)
+    for name, (dep, sim) in runs.items():
         summary, rows = dep.results()
-        assert len(rows) == 3, name
+        assert summary["status"] == "completed", name
         assert_same_metrics(rows, sim)
-        assert summary["execution"]["backend"] == "flower"
+        fl = summary["flower"]
+        if name in GOSSIP:
+            assert len(rows) == 2 and fl["jobs"] == 2 * 2 * CLIENTS  # each peer's training and its fine-tuning
+            assert fl["payload_sent"] == fl["payload_received"] == fl["jobs"] * 650 * 4  # the logistic model
+            assert summary["communication"]["bytes_lateral"] > 0 == summary["communication"]["bytes_up"]
+            continue
         assert_payload_is_the_ledger(summary)
-        assert summary["flower"]["jobs"] == 3 * CLIENTS
-        assert summary["flower"]["messages"] >= 2 * (3 * CLIENTS) + 2 * CLIENTS  # jobs, replies and the queries
-        assert summary["flower"]["dropped"] == {}
+        if name in DP_SGD:
+            assert len(rows) == 2 and rows[-1]["epsilon"] == sim[-1]["epsilon"] > 0
+            continue
+        assert len(rows) == 3, name
+        assert summary["execution"]["backend"] == "flower"
+        assert fl["jobs"] == 3 * CLIENTS
+        assert fl["messages"] >= 2 * (3 * CLIENTS) + 2 * CLIENTS  # jobs, replies and the queries
+        assert fl["dropped"] == {}
         for r in (1, 2, 3):
             assert f"fedweave round {r}/3 trained: train_loss" in dep.output, dep.output
             assert f"fedweave round {r}/3 evaluated: test_accuracy" in dep.output, dep.output
@@ -400,30 +424,6 @@ def test_deployed_hierarchical_runs_equal_simulation(federation, tmp_path):
     finally:
         federation.kill(DATA_NODE)
         federation.supernode(DATA_NODE)
-
-
-def test_deployed_gossip_and_dp_sgd_equal_simulation(federation, tmp_path):
-    """DFedAvg and Gossip with Metropolis mixing across real processes: each peer trains on its SuperNode (its
-    round's local steps, and before each evaluation the fine-tuning of a copy), from the model the ServerApp,
-    which relays the gossip, mixed for it; the ledger counts the peer-to-peer messages, and the wire carries one
-    model each way per job. Beside them, FedAvg with privacy.level sample: DP-SGD on the nodes, accounted from
-    the steps they report. All three at once, each equal to its simulation, epsilon included."""
-    runs = {"dfedavg": {"name": "dfedavg"}, "gossip": {"name": "gossip", "mixing": "metropolis"}}
-    cfgs = {name: config(a, per_round=None) for name, a in runs.items()}
-    privacy = {"level": "sample", "noise_multiplier": 1.0, "clip": 1.0, "amplification": "none"}
-    cfgs["fedavg-dp-sgd"] = {**config({"name": "fedavg"}), "privacy": privacy}
-    for name, (dep, sim) in all_deployed_and_simulated(federation, cfgs, tmp_path).items():
-        summary, rows = dep.results()
-        assert len(rows) == 2 and summary["status"] == "completed", name
-        assert_same_metrics(rows, sim)
-        fl = summary["flower"]
-        if name == "fedavg-dp-sgd":
-            assert rows[-1]["epsilon"] == sim[-1]["epsilon"] > 0
-            assert_payload_is_the_ledger(summary)
-            continue
-        assert fl["jobs"] == 2 * 2 * CLIENTS  # 2 rounds: each peer's training and its fine-tuning
-        assert fl["payload_sent"] == fl["payload_received"] == fl["jobs"] * 650 * 4  # the logistic model, float32
-        assert summary["communication"]["bytes_lateral"] > 0 == summary["communication"]["bytes_up"]
 
 
 def test_deployed_secure_aggregation_is_the_simulation_within_the_quantization_bound(federation, tmp_path):
