@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -133,7 +134,39 @@ def test_hierarchical_runs_deployed_in_process_equal_the_simulation(tmp_path, na
     assert fl["messages"] == 2 * CLIENTS + 2 * fl["jobs"]  # the start-up queries, the jobs and their replies
 
 
-CENTRALIZED = ["fedavg", "fedadam", "fedopt", "scaffold", "feddyn", "fedcm", "mofedsam", "fedsam", "fedprox", "fedmim"]
+def _deployable(family: str) -> list[str]:
+    """Every registered method of ``family`` that the deployment does not refuse (so a new one is covered)."""
+    from fedweave.deploy.support import unsupported
+    from fedweave.registry import ALGORITHMS
+
+    names = [n for n in ALGORITHMS.names() if not n.startswith("_") and ALGORITHMS.get(n).family == family]
+    synchronous = [n for n in names if not getattr(ALGORITHMS.get(n), "asynchronous", False)]  # fedasync, fedbuff
+    return [n for n in synchronous if not unsupported(n, family, "stop")]
+
+
+CENTRALIZED = _deployable("centralized")
+REFUSED_CENTRALIZED = {  # a method computing on the clients' data outside their jobs, and why, in its line
+    "afl": "its clients' losses of the global model, L_k(w_t), are computed in the simulation",
+    "qffl": "its clients' losses of the global model, F_k(w^t), are computed in the simulation",
+    "fedlc": "its clients' label margins come from the partition in the simulation",
+    "perfedavg": "its evaluation adapts the global model on every client's data in the simulation",
+}
+
+
+def test_every_centralized_method_deploys_or_is_refused_in_one_line():
+    """The methods below compute on their clients' data outside the clients' jobs (losses of the global model,
+    label margins, adaptation before evaluation); deployed, that ran in the ServerApp on its copy of the
+    partition. They are refused before anything is written; every other method is in CENTRALIZED."""
+    from fedweave.config import ConfigError
+    from fedweave.deploy.support import check_deployable
+
+    assert {"fedavg", "scaffold", "fedmim", "fednova", "fedexp", "moon", "fedyogi"} <= set(CENTRALIZED)
+    for name, why in REFUSED_CENTRALIZED.items():
+        assert name not in CENTRALIZED
+        with pytest.raises(ConfigError, match=f"^algorithm '{name}' \\(centralized\\) cannot be deployed"):
+            check_deployable(load(small(name, per_round=3)), "stop")
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            check_deployable(load(small(name, per_round=3)), "stop")
 
 
 @pytest.mark.parametrize("name", CENTRALIZED)

@@ -55,6 +55,7 @@ class AFLHparams(StarHparams):
 @ALGORITHMS.register("afl")
 class AFL(StarAlgorithm):
     name = "afl"
+    undeployable = "its clients' losses of the global model, L_k(w_t), are computed in the simulation, not on the nodes"
     Hparams = AFLHparams
     uplink = "model+loss"  # the local model and L_k(w_t)
     compresses_uploads = False  # the compressor would also quantize L_k, which lambda's step reads

@@ -73,6 +73,7 @@ class FedLCHparams(StarHparams):
 @ALGORITHMS.register("fedlc")
 class FedLC(StarAlgorithm):
     name = "fedlc"
+    undeployable = "its clients' label margins come from the partition in the simulation, not from the nodes' labels"
     Hparams = FedLCHparams
 
     def __init__(self, ctx, hp: FedLCHparams) -> None:

@@ -67,6 +67,7 @@ def qffl_step(x: torch.Tensor, delta: torch.Tensor, h: torch.Tensor) -> torch.Te
 @ALGORITHMS.register("qfedavg")
 class QFedAvg(StarAlgorithm):
     name = "qfedavg"
+    undeployable = "its clients' losses of the global model, F_k(w^t), are computed in the simulation, not on the nodes"
     Hparams = QFFLHparams
     uplink = "update+h"  # Delta_k and h_k
     # its server step is sum Delta_k / sum h_k, not a reduction of the updates to one: an aggregator, a
