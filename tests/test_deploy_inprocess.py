@@ -153,6 +153,19 @@ REFUSED_CENTRALIZED = {  # a method computing on the clients' data outside their
 }
 
 
+@pytest.mark.parametrize("evaluation", [{"per_client": True}, {"personal_test": True, "holdout": 0.25}])
+def test_an_evaluation_on_the_clients_own_samples_is_refused(evaluation):
+    """``eval.per_client`` and ``eval.holdout`` evaluate on the clients' training samples, which only the nodes
+    hold; deployed, the ServerApp had evaluated on its copy of the partition."""
+    from fedweave.config import ConfigError
+    from fedweave.deploy.support import check_deployable
+
+    key = "eval.per_client" if "per_client" in evaluation else "eval.holdout"
+    with pytest.raises(ConfigError, match=f"^{key} evaluates on the clients' own training samples"):
+        check_deployable(load({**small("fedavg"), "eval": evaluation}), "stop")
+    check_deployable(load({**small("fedavg"), "eval": {"personal_test": True}}), "stop")  # the test split's draws
+
+
 def test_every_centralized_method_deploys_or_is_refused_in_one_line():
     """The methods below compute on their clients' data outside the clients' jobs (losses of the global model,
     label margins, adaptation before evaluation); deployed, that ran in the ServerApp on its copy of the

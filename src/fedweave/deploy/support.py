@@ -36,6 +36,12 @@ def undeployable_parts(config: RunConfig, on_error: str = "stop") -> str | None:
             f"algorithm {config.algorithm.name!r} runs its asynchrony on the simulated clock and cannot be deployed "
             "on Flower yet; deploy a synchronous method (fedavg, fedadam, ...)"
         )
+    if config.eval.per_client or config.eval.holdout:  # evaluations on the clients' own samples, in the ServerApp
+        key = "eval.per_client" if config.eval.per_client else "eval.holdout"
+        return (
+            f"{key} evaluates on the clients' own training samples, which the ServerApp does not hold (the nodes "
+            "do); deploy without it (eval.personal_test draws each client's test set from the test split)"
+        )
     family = ALGORITHMS.get(config.algorithm.name).family
     why = _decentralized_refusal(config) if family == "decentralized" else None
     if why is not None:
