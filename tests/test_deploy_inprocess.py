@@ -166,6 +166,12 @@ def test_an_evaluation_on_the_clients_own_samples_is_refused(evaluation):
     check_deployable(load({**small("fedavg"), "eval": {"personal_test": True}}), "stop")  # the test split's draws
 
 
+def test_the_deployment_tests_cover_every_method_it_carries():
+    """A method the deployment does not refuse is in this file's equality tests: a new one fails here first."""
+    assert set(_deployable("decentralized")) == {a["name"] for a in DECENTRALIZED.values()}
+    assert set(_deployable("hierarchical")) == {a["name"] for a in HIERARCHICAL.values()}
+
+
 def test_every_centralized_method_deploys_or_is_refused_in_one_line():
     """The methods below compute on their clients' data outside the clients' jobs (losses of the global model,
     label margins, adaptation before evaluation); deployed, that ran in the ServerApp on its copy of the
