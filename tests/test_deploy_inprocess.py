@@ -146,8 +146,6 @@ def _deployable(family: str) -> list[str]:
 
 CENTRALIZED = _deployable("centralized")
 REFUSED_CENTRALIZED = {  # a method computing on the clients' data outside their jobs, and why, in its line
-    "afl": "its clients' losses of the global model, L_k(w_t), are computed in the simulation",
-    "qffl": "its clients' losses of the global model, F_k(w^t), are computed in the simulation",
     "fedlc": "its clients' label margins come from the partition in the simulation",
     "perfedavg": "its evaluation adapts the global model on every client's data in the simulation",
 }
@@ -179,7 +177,7 @@ def test_every_centralized_method_deploys_or_is_refused_in_one_line():
     from fedweave.config import ConfigError
     from fedweave.deploy.support import check_deployable
 
-    assert {"fedavg", "scaffold", "fedmim", "fednova", "fedexp", "moon", "fedyogi"} <= set(CENTRALIZED)
+    assert {"fedavg", "scaffold", "fedmim", "fednova", "fedexp", "moon", "fedyogi", "afl", "qffl"} <= set(CENTRALIZED)
     for name, why in REFUSED_CENTRALIZED.items():
         assert name not in CENTRALIZED
         with pytest.raises(ConfigError, match=f"^algorithm '{name}' \\(centralized\\) cannot be deployed"):

@@ -34,9 +34,11 @@ from fedweave.deploy.node_data import NodeDataError, load_node_data, own_parts, 
 from fedweave.deploy.node_state import NodeState, StateMissingError
 from fedweave.deploy.wire import from_records, to_records
 from fedweave.execution.dpsgd import DPSGD
+from fedweave.execution.evaluate import evaluate_clients_task
 from fedweave.execution.job import LocalCall, LocalResult, backend_run
 from fedweave.execution.local import LocalTrainer
 from fedweave.execution.placement import move_tensors
+from fedweave.tasks import build_task
 
 # Error codes of the replies (Flower reserves codes below 100 for itself)
 UNKNOWN_RULE, MALFORMED, WRONG_NODE, STATE_MISSING, STATE_UNWRITABLE, NODE_DATA = 101, 102, 103, 104, 105, 106
@@ -166,6 +168,8 @@ def train(msg: Message, context: Context) -> Message:
         except OSError as e:
             return _error(msg, STATE_UNWRITABLE, f"cannot read or write the client state in {state_dir(context)}: {e}")
     header = {"steps": int(out.steps[0]), "loss": float(out.loss[0])}
+    if job.start_loss:  # the client's loss of the model it received, on all its data (AFL, q-FFL)
+        sent = {**sent, "start_loss": _start_loss(tr, config_json, job)}
     if secure.is_secure(msg):  # secure aggregation: the update, for Flower's SecAgg+ mod to mask (deploy/secure.py)
         return secure.masked_reply(msg, header, sent["params"], job.call.starts)
     compressor = compressed.run_compressor(config_json)
@@ -214,6 +218,17 @@ def _split_job(msg: Message, context: Context, h: dict, tensors: dict[str, torch
     except (ValueError, ConfigError) as e:  # the node's data, or a run that is not of the split family
         return _error(msg, NODE_DATA, str(e))
     return Message(to_records(header, out), reply_to=msg)
+
+
+def _start_loss(tr: LocalTrainer, config_json: str, job: Job) -> torch.Tensor:
+    """The task's loss of the job's start model on every sample of the node's client, as the simulation's server
+    computes it for the client (``StarAlgorithm.client_losses``: the evaluation's batches), in the run's dtype (as
+    the ledger bills it)."""
+    config = load_config(json.loads(config_json))
+    task = build_task(config.task.loss, config.task.loss_options, config.task.metrics, config.task.main)
+    loss = evaluate_clients_task(tr.layout, job.start.reshape(-1), tr.train_x, tr.train_y, [tr.parts[job.client]],
+                                 task, config.eval.batch_size)["loss"]  # fmt: skip
+    return torch.as_tensor(loss, dtype=job.start.dtype)
 
 
 def _run(tr: LocalTrainer, call: LocalCall) -> LocalResult:

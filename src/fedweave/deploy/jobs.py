@@ -163,11 +163,13 @@ def encode_job(
     state_round: int = -1,
     num_classes: int | None = None,
     dp: tuple[float, float] | None = None,
+    start_loss: bool = False,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Job ``k`` of ``call`` as ``(header, tensors)``: its start row, client, batch plan and learning rate,
     and the call's rule (its per-job tensors as row ``k``) or, for a stateful algorithm, the client ``step``
     in its place (the call's rule is then unused). ``dp``: DP-SGD's ``(clip, sigma)``, which the node runs
-    around the rule (the noise from the run's stream of the job: the same as in simulation)."""
+    around the rule (the noise from the run's stream of the job: the same as in simulation). ``start_loss``: the
+    node also reports its client's task loss of the start model on all its data (AFL's and q-FFL's)."""
     start, client, round, lr, steps, key = call.starts[k], call.clients[k], call.round, call.lr, call.steps, call.key
     rule = call.rule if step is None else None
     header: dict[str, Any] = {
@@ -183,6 +185,8 @@ def encode_job(
         if step is not None:
             raise ValueError("DP-SGD around a stateful client step is not deployed")
         header["dp_sgd"] = {"clip": float(dp[0]), "sigma": float(dp[1])}
+    if start_loss:
+        header["start_loss"] = True
     tensors = {"start": start.detach().reshape(1, -1).contiguous()}
     if rule is not None:
         name, scalars, extra = _job_rule(rule, k, len(call))
@@ -217,6 +221,7 @@ class Job:
     state_round: int = -1  # the round of the client state version the server accepted (-1: initial)
     num_classes: int | None = None
     dp: tuple[float, float] | None = None  # DP-SGD's (clip, sigma) around the rule: privacy.level sample
+    start_loss: bool = False  # also report the task loss of the start model on the client's whole data
 
     @property
     def client(self) -> int:
@@ -269,6 +274,7 @@ def decode_job(header_json: str, tensors: dict[str, torch.Tensor]) -> Job:
             state_round=state_round,
             num_classes=whole(h, "num_classes", 1, optional=True),
             dp=_dp(h, step),
+            start_loss=coerce(h.get("start_loss", False), bool, "start_loss"),
         )
     except UnknownRuleError:
         raise

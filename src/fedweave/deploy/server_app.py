@@ -248,6 +248,7 @@ class FlowerClients(Callback):
             algo.ft_trainer = self.remote(algo.ft_trainer, algo)
         elif getattr(algo, "store", None) is not None:
             algo.store = None  # the clients' own state lives on their nodes, not in the server
+        remote.start_loss = getattr(algo, "uploads_start_loss", False)  # AFL, q-FFL: each node's loss of its start
         algo.trainer = remote
         compressed.attach(self, algo, ClientsLost)  # compression.upload: the nodes encode, the server decodes
         self._apply_policy(algo)
@@ -417,6 +418,7 @@ class FlowerTrainer(LocalTrainer):
     here: LocalTrainer
     server_jobs: set[int]
     secure: secure.SecureAggregation | None = None
+    start_loss: bool = False  # each job also asks its node for the client's loss of the start model (AFL, q-FFL)
 
     def _split(self, clients: list[int]) -> tuple[list[int], list[int]]:
         """Positions of the jobs that go to the nodes and of those that run here."""
@@ -441,7 +443,10 @@ class FlowerTrainer(LocalTrainer):
             replies = self._send(to_nodes, dp=dp)
             out = [from_records(r.content, starts.device) for r in replies]
             params = torch.stack([t["params"].reshape(-1) for _, t in out])
-            parts.append((remote, _result(params, [json.loads(h) for h, _ in out])))
+            result = _result(params, [json.loads(h) for h, _ in out])
+            if self.start_loss:
+                result.start_loss = torch.cat([t["start_loss"].reshape(-1) for _, t in out])
+            parts.append((remote, result))
         if here:
             own = [clients[k] for k in here]
             own_call = LocalCall(starts[here], own, round, reindexed(call.rule, here), lr, steps, key)
@@ -503,7 +508,7 @@ class FlowerTrainer(LocalTrainer):
         for k, c in enumerate(call.clients):
             header, tensors = encode_job(
                 call, k, local=self.local, step=step, state_round=self.clients.accepted.get(c, INITIAL),
-                num_classes=self.num_classes, dp=dp,
+                num_classes=self.num_classes, dp=dp, start_loss=self.start_loss and step is None,
             )  # fmt: skip
             jobs.append((c, header, tensors))
         return self.clients.run_jobs(call.round, jobs)

@@ -216,6 +216,9 @@ class LocalResult:
     params: torch.Tensor  #: (K, P) final local parameters
     steps: torch.Tensor  #: (K,) local steps taken
     loss: torch.Tensor  #: (K,) mean training loss over the steps
+    #: (K,) each job's task loss of its start model on its client's whole data (the run's dtype), where the
+    #: client computed it (a deployed node asked for it: AFL's L_k(w_t), q-FFL's F_k(w^t)); None: not asked for
+    start_loss: torch.Tensor | None = None
 
 
 def summed_losses(losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:

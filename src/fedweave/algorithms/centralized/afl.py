@@ -55,7 +55,7 @@ class AFLHparams(StarHparams):
 @ALGORITHMS.register("afl")
 class AFL(StarAlgorithm):
     name = "afl"
-    undeployable = "its clients' losses of the global model, L_k(w_t), are computed in the simulation, not on the nodes"
+    uploads_start_loss = True  # L_k(w_t): deployed, each node computes it on its data, in the training job
     Hparams = AFLHparams
     uplink = "model+loss"  # the local model and L_k(w_t)
     compresses_uploads = False  # the compressor would also quantize L_k, which lambda's step reads
@@ -72,8 +72,8 @@ class AFL(StarAlgorithm):
         return lam / total if total > 0 else lam  # lambda over the round's clients; all zero: no step
 
     def train_clients(self, r: int, clients: np.ndarray) -> Collected:
-        loss = self.losses_at(self.x, clients)  # L_k(w_t), before training
         got = super().train_clients(r, clients)
+        loss = self.start_losses(got)  # L_k(w_t), of the model each client received
         got.upload = {"model": got.local.params, "loss": loss.unsqueeze(1)}  # what each client sends
         return got
 

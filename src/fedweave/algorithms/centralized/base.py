@@ -152,6 +152,7 @@ class StarAlgorithm(Algorithm):
     # True where client_updates are the local models, not their displacement (an attack acts on y_i - x_t)
     updates_are_models: ClassVar[bool] = False
     uplink: ClassVar[str] = "model"  # the ledger kind of each reporting client's upload
+    uploads_start_loss: ClassVar[bool] = False  # its clients also send their loss of the model they received
     compresses_uploads: ClassVar[bool] = True  # the template runs the compression stage (fedweave.compression)
     # compression.download applies: the first tensor of the first downlink message is the model x_t, and the
     # clients' rule and update read the model only as where they start (fedweave.compression.download)
@@ -389,6 +390,13 @@ class StarAlgorithm(Algorithm):
         return evaluate_clients_task(self.layout, params, ds.train_x, ds.train_y, parts, self.ctx.task, ev.batch_size)[
             "loss"
         ]
+
+    def start_losses(self, got: Collected) -> torch.Tensor:
+        """Each reporting client's loss of the model it received (AFL's L_k(w_t), q-FFL's F_k(w^t)), in the run's
+        dtype: as its node computed it on its data when deployed (``uploads_start_loss``), else here."""
+        if got.local.start_loss is not None:
+            return got.local.start_loss.to(dtype=self.sizes.dtype, device=self.sizes.device)
+        return self.losses_at(self.x, got.clients)
 
     def losses_at(self, params: torch.Tensor, clients: np.ndarray) -> torch.Tensor:
         """:meth:`client_losses` in the run's dtype, ``(len(clients),)`` (q-FFL's F_k(w^t), AFL's L_k(w))."""

@@ -67,7 +67,7 @@ def qffl_step(x: torch.Tensor, delta: torch.Tensor, h: torch.Tensor) -> torch.Te
 @ALGORITHMS.register("qfedavg")
 class QFedAvg(StarAlgorithm):
     name = "qfedavg"
-    undeployable = "its clients' losses of the global model, F_k(w^t), are computed in the simulation, not on the nodes"
+    uploads_start_loss = True  # F_k(w^t): deployed, each node computes it on its data, in the training job
     Hparams = QFFLHparams
     uplink = "update+h"  # Delta_k and h_k
     # its server step is sum Delta_k / sum h_k, not a reduction of the updates to one: an aggregator, a
@@ -81,8 +81,8 @@ class QFedAvg(StarAlgorithm):
         return self.hp.lipschitz if self.hp.lipschitz is not None else 1.0 / lr
 
     def train_clients(self, r: int, clients) -> Collected:
-        loss = self.losses_at(self.x, clients)  # F_k(w^t), each client on its own data before training
         got = super().train_clients(r, clients)
+        loss = self.start_losses(got)  # F_k(w^t), each client's on its own data
         delta, h = qffl_client(self.x, got.local.params, loss, self.hp.q, self.lipschitz(got.lr))
         got.upload = {"delta": delta, "h": h.unsqueeze(1)}  # what each client sends
         return got
