@@ -273,17 +273,22 @@ SAMPLE_DP = {"level": "sample", "noise_multiplier": 1.0, "clip": 1.0}
 PRIVATE = {
     "fedavg": lambda: {**small("fedavg", per_round=3), "privacy": {**SAMPLE_DP, "amplification": "none"}},
     "fedprox": lambda: {**small("fedprox", per_round=3), "privacy": {**SAMPLE_DP, "amplification": "none"}},
+    "fedavg-user-level": lambda: {
+        **small("fedavg", per_round=3),
+        "privacy": {"noise_multiplier": 1.0, "clip": 1.0, "amplification": "none"},
+    },  # fmt: skip
     "dfedavg-privacy": lambda: gossip({"name": "dfedavg"}, privacy=SAMPLE_DP),
     "dfedavg-dp_sigma": lambda: gossip({"name": "dfedavg", "dp_sigma": 1.0, "dp_clip": 1.0}),
 }
 
 
 @pytest.mark.parametrize("name", PRIVATE)
-def test_dp_sgd_runs_on_the_nodes_and_equals_the_simulation(tmp_path, name):
+def test_private_runs_deployed_equal_the_simulation(tmp_path, name):
     """``privacy.level: sample`` (and the decentralized ``dp_sigma``) deployed: each job carries DP-SGD's clip and
     sigma, the node runs DP-SGD around the rule it rebuilds with the noise of the job's own stream, and the
     server's accountant counts the steps the nodes report. Every metric, epsilon included, equals the
-    simulation (before, the nodes trained with plain SGD and the run reported epsilon 0)."""
+    simulation (before, the nodes trained with plain SGD and the run reported epsilon 0). User-level DP-FedAvg,
+    which the ServerApp applies to the nodes' updates, too."""
     cfg = PRIVATE[name]()
     deployed_equals_simulation(cfg, tmp_path, payload_is_ledger="privacy" in cfg and "dfedavg" not in name)
     rows = [json.loads(line) for line in (tmp_path / "deployed" / "metrics.jsonl").read_text().splitlines()]
