@@ -16,7 +16,7 @@ import fedweave
 from fedweave.algorithms.base import RunContext, build_algorithm
 from fedweave.algorithms.centralized.afl import lambda_step, project_simplex
 from fedweave.algorithms.centralized.fedexp import fedexp_step_size
-from fedweave.algorithms.centralized.fedlc import LogitCalibration
+from fedweave.algorithms.centralized.fedlc import LogitCalibration, calibration
 from fedweave.algorithms.centralized.fednova import nova_scale
 from fedweave.algorithms.centralized.moon import ModelContrastive, MoonStep
 from fedweave.algorithms.centralized.qffl import qffl_client, qffl_step
@@ -248,7 +248,9 @@ def test_fedlc_loss_is_the_calibrated_cross_entropy(tmp_path):
     want_margins = [0.7 * max(n, 1e-8) ** -0.25 for n in counts.tolist()]
     torch.testing.assert_close(algo.margins[c].double(), torch.tensor(want_margins, dtype=torch.float64))
 
-    rule = LogitCalibration(algo.margins[[c, c + 1]])
+    rule = LogitCalibration(algo.margins[[c, c + 1]], algo.hp.tau, algo.hp.absent_count)
+    own = rule.at_client(ds.train_y[torch.as_tensor(part[c])], ds.num_classes)  # as client c's node derives them
+    torch.testing.assert_close(own.margins[0].to(algo.margins.dtype), algo.margins[c], rtol=0, atol=0)
     idx = torch.as_tensor(part[c][:5])
     x, y = ds.train_x[idx], ds.train_y[idx]
     w = algo.x + 0.1 * torch.randn(algo.x.shape, generator=torch.Generator().manual_seed(0))
@@ -399,17 +401,21 @@ def test_moon_and_fedlc_rules_and_moons_step_travel_by_name():
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 5, generator=g), torch.tensor([0, 1, 2, 3])
     w = torch.randn(5, generator=g)
+    labels = [torch.tensor([0, 0, 1, 4]), torch.tensor([2, 3, 3, 3]), torch.tensor([1, 1, 1, 0])]  # each job's client's
+    margins = torch.cat([calibration(torch.bincount(t, minlength=5)[None], 0.7, 1e-8) for t in labels]).float()
     rules = [
         ModelContrastive(1.5, 0.5, torch.randn(5, generator=g), torch.randn(3, 5, generator=g)),
-        LogitCalibration(torch.rand(3, 5, generator=g)),
+        LogitCalibration(margins, 0.7, 1e-8),
     ]
     for rule in rules:
         for k in range(3):
             job = _trip(rule, k)
             assert type(job.call.rule) is type(rule)
-            torch.testing.assert_close(
-                job.call.rule.extra_loss(w, x, y, 0, _Model), rule.extra_loss(w, x, y, k, _Model)
-            )
+            node = job.call.rule
+            if isinstance(rule, LogitCalibration):  # a client's margins are its own: not sent, derived on its node
+                assert "margins" not in vars(node) and (node.tau, node.absent_count) == (0.7, 1e-8)
+                node = node.at_client(labels[k], 5)
+            torch.testing.assert_close(node.extra_loss(w, x, y, 0, _Model), rule.extra_loss(w, x, y, k, _Model))
     step = MoonStep(1.0, 0.5, torch.randn(5, generator=g))
     job = _trip(rules[0], 0, step=step)
     assert type(job.step) is MoonStep and (job.step.mu, job.step.tau) == (1.0, 0.5)

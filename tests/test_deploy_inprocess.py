@@ -146,7 +146,6 @@ def _deployable(family: str) -> list[str]:
 
 CENTRALIZED = _deployable("centralized")
 REFUSED_CENTRALIZED = {  # a method computing on the clients' data outside their jobs, and why, in its line
-    "fedlc": "its clients' label margins come from the partition in the simulation",
     "perfedavg": "its evaluation adapts the global model on every client's data in the simulation",
 }
 
@@ -171,13 +170,14 @@ def test_the_deployment_tests_cover_every_method_it_carries():
 
 
 def test_every_centralized_method_deploys_or_is_refused_in_one_line():
-    """The methods below compute on their clients' data outside the clients' jobs (losses of the global model,
-    label margins, adaptation before evaluation); deployed, that ran in the ServerApp on its copy of the
-    partition. They are refused before anything is written; every other method is in CENTRALIZED."""
+    """A method that computes on its clients' data outside their jobs (Per-FedAvg's adaptation before evaluation)
+    would run that in the ServerApp, on its copy of the partition: it is refused before anything is written.
+    AFL's and q-FFL's losses and FedLC's margins are computed on the nodes (they are in CENTRALIZED)."""
     from fedweave.config import ConfigError
     from fedweave.deploy.support import check_deployable
 
-    assert {"fedavg", "scaffold", "fedmim", "fednova", "fedexp", "moon", "fedyogi", "afl", "qffl"} <= set(CENTRALIZED)
+    carried = {"fedavg", "scaffold", "fedmim", "fednova", "fedexp", "moon", "fedyogi", "afl", "qffl", "fedlc"}
+    assert carried <= set(CENTRALIZED)
     for name, why in REFUSED_CENTRALIZED.items():
         assert name not in CENTRALIZED
         with pytest.raises(ConfigError, match=f"^algorithm '{name}' \\(centralized\\) cannot be deployed"):

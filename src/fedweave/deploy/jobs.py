@@ -46,7 +46,10 @@ def _attributes(obj: object, name: str, k: int, jobs: int) -> tuple[dict[str, An
     ``(K, P)`` travels as its row ``k`` (shape ``(1, P)``, read by the node's job 0)."""
     scalars: dict[str, Any] = {}
     tensors: dict[str, torch.Tensor] = {}
+    derived = getattr(obj, "client_derived", ())  # the node derives these from its own data (LocalRule.at_client)
     for attr, v in vars(obj).items():
+        if attr in derived:
+            continue
         if isinstance(v, torch.Tensor):
             per_job = v.dim() == 2 and (jobs < 0 or v.shape[0] == jobs)
             tensors[attr] = v[k : k + 1].contiguous() if per_job else v.contiguous()

@@ -87,6 +87,15 @@ class LocalRule:
         does not override this method keeps every backend's usual path, fast kernels included."""
         return None
 
+    #: attributes each client derives from its own data (FedLC's label margins): a deployment does not send
+    #: them, and the node derives them with :meth:`at_client`
+    client_derived: tuple[str, ...] = ()
+
+    def at_client(self, y: torch.Tensor, num_classes: int) -> LocalRule:
+        """The rule of a one-job call with its :attr:`client_derived` attributes derived from the client's own
+        training targets ``y`` (a deployed node's, where the data are); the rule itself by default."""
+        return self
+
 
 PLAIN = LocalRule()
 

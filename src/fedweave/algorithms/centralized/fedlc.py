@@ -47,10 +47,18 @@ class LogitCalibration(LocalRule):
 
     Args:
         margins: ``(K, C)``, each job's class margins ``tau n_{i,y}^{-1/4}``.
+        tau, absent_count: the calibration's, with which a client derives its own margins (:meth:`at_client`).
     """
 
-    def __init__(self, margins: torch.Tensor) -> None:
-        self.margins = margins
+    client_derived = ("margins",)  # a client counts its own labels: deployed, nothing is sent
+
+    def __init__(self, margins: torch.Tensor, tau: float, absent_count: float) -> None:
+        self.margins, self.tau, self.absent_count = margins, float(tau), float(absent_count)
+
+    def at_client(self, y: torch.Tensor, num_classes: int) -> LogitCalibration:
+        counts = torch.bincount(y.to("cpu", torch.long), minlength=num_classes).unsqueeze(0)
+        margins = calibration(counts, self.tau, self.absent_count).to(device=y.device)
+        return LogitCalibration(margins, self.tau, self.absent_count)
 
     def extra_loss(self, w, x, y, jobs, model):
         logits = model.functional(w, x)
@@ -73,7 +81,6 @@ class FedLCHparams(StarHparams):
 @ALGORITHMS.register("fedlc")
 class FedLC(StarAlgorithm):
     name = "fedlc"
-    undeployable = "its clients' label margins come from the partition in the simulation, not from the nodes' labels"
     Hparams = FedLCHparams
 
     def __init__(self, ctx, hp: FedLCHparams) -> None:
@@ -97,7 +104,7 @@ class FedLC(StarAlgorithm):
 
     def client_rule(self, lr: float) -> LocalRule:
         rows = torch.as_tensor(self.round_clients, dtype=torch.long, device=self.margins.device)
-        return LogitCalibration(self.margins.index_select(0, rows))
+        return LogitCalibration(self.margins.index_select(0, rows), self.hp.tau, self.hp.absent_count)
 
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
         self.x = self.x + self.hp.server_lr * mean  # FedAvg's
