@@ -153,7 +153,7 @@ def train(msg: Message, context: Context) -> Message:
     tr.local = job.local
     if tr.placement.device.type != "cpu":  # the wire carries host tensors; the node computes on its device
         job = move_tensors(job, tr.placement.device)
-    if job.step is None:  # what the rule derives from the client's own data, derived here (FedLC's margins)
+    if job.step is None and job.call.rule.client_derived:  # derived from the client's own data (FedLC's margins)
         own_y = tr.train_y[torch.as_tensor(tr.parts[job.client], device=tr.train_y.device)]
         job = replace(job, call=replace(job.call, rule=job.call.rule.at_client(own_y, job.num_classes)))
     if job.dp is not None:  # privacy.level sample: DP-SGD in every step, its noise from the job's own stream
