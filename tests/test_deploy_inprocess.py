@@ -237,6 +237,19 @@ def test_gossip_runs_deployed_in_process_equal_the_simulation(tmp_path, name):
     assert fl["payload_sent"] == fl["payload_received"] == fl["jobs"] * MODEL_BYTES
 
 
+def test_a_peer_lost_while_the_run_evaluates_stops_it_in_one_line(tmp_path):
+    """The gossip family's evaluation sends jobs too (each peer's fine-tuning): a peer whose node leaves after
+    round 1's training stops the run with its results so far, as a lost job of a round does."""
+    cfg = gossip({"name": "dfedavg"}, rounds=2)
+    grid = InProcessGrid(json.dumps(load(cfg).to_dict()), tmp_path)
+    grid.offline, grid.offline_after = {CLIENTS}, CLIENTS  # client 3's node, once round 1's training went out
+    with pytest.raises(server_app.RunFailed, match=r"^fedweave run stopped: round 1: client 3: no SuperNode holding"):
+        deployed(cfg, tmp_path, grid)
+    summary = json.loads((tmp_path / "deployed" / "summary.json").read_text())
+    assert summary["status"] == "stopped" and "a node lost while the run evaluates" in summary["error"]
+    assert summary["flower"]["jobs"] == CLIENTS + CLIENTS - 1  # round 1's training, then the fine-tuning sent
+
+
 def test_byzantine_peers_and_dropouts_in_deployed_gossip_equal_the_simulation(tmp_path):
     """Robust gossip deployed: the attacker's messages are forged in the ServerApp, as the star's attacks
     are, each peer's median is taken there, and a peer that drops out trains nothing that round."""

@@ -328,7 +328,15 @@ class FlowerClients(Callback):
             clients = np.asarray(clients)
             return send(r, clients[~np.isin(clients, sorted(gone))] if gone else clients, *args, **kwargs)
 
-        algo.run_round = run_round_under_policy
+        evaluate = algo.evaluate
+
+        def evaluate_or_stop(r: int) -> dict[str, float]:
+            try:
+                return evaluate(r)
+            except ClientsLost as e:  # a node lost in an evaluation's jobs (the gossip family's fine-tuning)
+                raise RunStopped(f"{e} (deployment: a node lost while the run evaluates ends it)") from None
+
+        algo.run_round, algo.evaluate = run_round_under_policy, evaluate_or_stop
         if self.on_error == "drop" and can_drop:
             algo.reporting = reporting_without_lost
             algo.fault_metrics = fault_metrics_with_reports
