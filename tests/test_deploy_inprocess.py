@@ -565,13 +565,21 @@ def test_a_compressed_reply_the_server_did_not_use_leaves_the_nodes_residual_as_
 
 @pytest.mark.parametrize(
     "method, attack",
-    [("fedavg", "label_flip"), ("hier_fedavg", "label_flip"), ("hier_scaffold", "alie"), ("fedavg", "sign_flip")],
+    [
+        ("fedavg", "label_flip"),
+        ("hier_fedavg", "label_flip"),
+        ("hier_scaffold", "alie"),
+        ("fedavg", "sign_flip"),
+        ("fedlc", "label_flip"),
+        ("afl", "label_flip"),
+    ],
 )
 def test_byzantine_clients_deployed_equal_the_simulation(tmp_path, method, attack):
     """``faults.byzantine`` deployed: an attack on the updates runs in the ServerApp (the star's and the
     hierarchical edge step's stage 1), and a label-flipping client's node derives its part of the data with the
     attack's labels, as the simulation's trainer has them (a trial: a node with its own data file trains on
-    what the file holds)."""
+    what the file holds). FedLC's margins and AFL's losses of a label-flipping client come from its flipped
+    labels, on its node as in the simulation."""
     hierarchical = method.startswith("hier")
     per_round = {"tau": 2, "participation": 1.0} if hierarchical else {"clients_per_round": 4}
     cfg = {

@@ -384,10 +384,11 @@ class StarAlgorithm(Algorithm):
 
     def client_losses(self, params: torch.Tensor, clients: np.ndarray | range) -> np.ndarray:
         """The task's loss of ``params`` (one vector, or a row per client) on each of ``clients``' whole training
-        data, in float64: computed in simulation where each client would compute it on its own data."""
-        ds, ev = self.ctx.dataset, self.config.eval
+        data, in float64: computed in simulation where each client would compute it on its own data (the data it
+        trains on: a data-poisoning attacker's as poisoned, as its deployed node holds them)."""
+        tr, ev = self.trainer, self.config.eval
         parts = [self.ctx.partition[int(c)] for c in clients]
-        return evaluate_clients_task(self.layout, params, ds.train_x, ds.train_y, parts, self.ctx.task, ev.batch_size)[
+        return evaluate_clients_task(self.layout, params, tr.train_x, tr.train_y, parts, self.ctx.task, ev.batch_size)[
             "loss"
         ]
 

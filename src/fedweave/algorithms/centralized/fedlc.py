@@ -7,8 +7,8 @@ trains on the cross-entropy of the calibrated logits (the paper's calibrated los
     f_y^cal(x) = f_y(x) - tau n_{i,y}^{-1/4}                                 (the calibrated logit)
     L_cal      = -log( exp(f_y^cal(x)) / sum_{y'} exp(f_{y'}^cal(x)) )        (the calibrated cross-entropy)
 
-with ``n_{i,y}`` client i's number of training samples of class y (counted from the partition when the run
-is built) and ``tau`` the calibration strength. A class the client does not hold counts ``absent_count``
+with ``n_{i,y}`` client i's number of training samples of class y (counted from the labels it trains on when the
+run is built; a deployed node counts its own) and ``tau`` the calibration strength. A class the client does not hold counts ``absent_count``
 (default 1e-8: its logit is lowered by ``100 tau`` and drops out of the client's softmax). The server is
 FedAvg's. ``tau: 0`` is FedAvg. Classification with cross-entropy only (the calibration is of logits).
 
@@ -90,7 +90,7 @@ class FedLC(StarAlgorithm):
                 f"cross-entropy, got task.loss {ctx.config.task.loss!r}"
             )
         super().__init__(ctx, hp)
-        ys = ctx.dataset.train_y.cpu().numpy()
+        ys = self.trainer.train_y.cpu().numpy()  # the labels each client trains on (a label-flipper's as flipped)
         c = ctx.dataset.num_classes
         counts = np.stack([np.bincount(ys[np.asarray(p, dtype=np.int64)], minlength=c) for p in ctx.partition])
         # n_{i,y}, the client's own label counts (each client knows its own; nothing is sent)
