@@ -8,9 +8,10 @@ trains on the cross-entropy of the calibrated logits (the paper's calibrated los
     L_cal      = -log( exp(f_y^cal(x)) / sum_{y'} exp(f_{y'}^cal(x)) )        (the calibrated cross-entropy)
 
 with ``n_{i,y}`` client i's number of training samples of class y (counted from the labels it trains on when the
-run is built; a deployed node counts its own) and ``tau`` the calibration strength. A class the client does not hold counts ``absent_count``
-(default 1e-8: its logit is lowered by ``100 tau`` and drops out of the client's softmax). The server is
-FedAvg's. ``tau: 0`` is FedAvg. Classification with cross-entropy only (the calibration is of logits).
+run is built; a deployed node counts its own) and ``tau`` the calibration strength. A class the client does not
+hold counts ``absent_count`` (default 1e-8: its logit is lowered by ``100 tau`` and drops out of the client's
+softmax). The server is FedAvg's. ``tau: 0`` is FedAvg. Classification with cross-entropy only (the
+calibration is of logits).
 
 The rule adds ``L_cal - CE`` per sample to the task's cross-entropy through the loss hook
 (``LocalRule.extra_loss``), so the local gradient is that of ``L_cal`` on every backend.
