@@ -38,7 +38,7 @@ from fedweave.execution.evaluate import evaluate_clients_task
 from fedweave.execution.job import LocalCall, LocalResult, backend_run
 from fedweave.execution.local import LocalTrainer
 from fedweave.execution.placement import move_tensors
-from fedweave.tasks import build_task
+from fedweave.tasks import Task, build_task
 
 # Error codes of the replies (Flower reserves codes below 100 for itself)
 UNKNOWN_RULE, MALFORMED, WRONG_NODE, STATE_MISSING, STATE_UNWRITABLE, NODE_DATA = 101, 102, 103, 104, 105, 106
@@ -223,15 +223,22 @@ def _split_job(msg: Message, context: Context, h: dict, tensors: dict[str, torch
     return Message(to_records(header, out), reply_to=msg)
 
 
+@lru_cache(maxsize=2)
+def _evaluation(config_json: str) -> tuple[Task, int]:
+    """The run's task and evaluation batch size (read once per run config)."""
+    config = load_config(json.loads(config_json))
+    t = config.task
+    return build_task(t.loss, t.loss_options, t.metrics, t.main), config.eval.batch_size
+
+
 def _start_loss(tr: LocalTrainer, config_json: str, job: Job) -> torch.Tensor:
     """The task's loss of the job's start model on every sample of the node's client, as the simulation's server
     computes it for the client (``StarAlgorithm.client_losses``: the evaluation's batches), in the run's dtype (as
     the ledger bills it)."""
-    config = load_config(json.loads(config_json))
-    task = build_task(config.task.loss, config.task.loss_options, config.task.metrics, config.task.main)
-    loss = evaluate_clients_task(tr.layout, job.start.reshape(-1), tr.train_x, tr.train_y, [tr.parts[job.client]],
-                                 task, config.eval.batch_size)["loss"]  # fmt: skip
-    return torch.as_tensor(loss, dtype=job.start.dtype)
+    task, batch_size = _evaluation(config_json)
+    parts = [tr.parts[job.client]]
+    loss = evaluate_clients_task(tr.layout, job.start.reshape(-1), tr.train_x, tr.train_y, parts, task, batch_size)
+    return torch.as_tensor(loss["loss"], dtype=job.start.dtype)
 
 
 def _run(tr: LocalTrainer, call: LocalCall) -> LocalResult:

@@ -29,7 +29,13 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import RunContext
-from fedweave.algorithms.decentralized.base import COPY_KEY, GraphAlgorithm, GraphHparams, with_local
+from fedweave.algorithms.decentralized.base import (
+    COPY_KEY,
+    SCORES_ON_OWN_DATA,
+    GraphAlgorithm,
+    GraphHparams,
+    with_local,
+)
 from fedweave.algorithms.decentralized.selection import (
     AfindOptions,
     AfindState,
@@ -115,7 +121,7 @@ class AfindPlusHparams(GraphHparams):
 class AfindPlus(GraphAlgorithm):
     name = "afind_plus"
     Hparams = AfindPlusHparams
-    undeployable = "each peer scores its neighbours' models on its own data, which the relaying ServerApp does not hold"
+    undeployable = SCORES_ON_OWN_DATA
 
     def __init__(self, ctx: RunContext, hp: AfindPlusHparams) -> None:
         super().__init__(ctx, hp)

@@ -85,6 +85,12 @@ class GraphHparams:
 
 
 # ------------------------------------------------------------------------------------------ algorithm
+# why a method whose peers score their neighbours' models on their own data does not deploy (docs/deployment.md)
+SCORES_ON_OWN_DATA = (
+    "each peer scores its neighbours' models on its own data, which the relaying ServerApp does not hold"
+)
+
+
 class GraphAlgorithm(Algorithm):
     """Base of DFL methods: graph, per-client models ``W`` (N, P), neighbour sampling, ledger, evaluation.
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import RunContext
-from fedweave.algorithms.decentralized.base import GraphAlgorithm, GraphHparams
+from fedweave.algorithms.decentralized.base import SCORES_ON_OWN_DATA, GraphAlgorithm, GraphHparams
 from fedweave.algorithms.decentralized.selection import ProxyComputer
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
@@ -38,7 +38,7 @@ class FedeRiCoHparams(GraphHparams):
 @ALGORITHMS.register("federico")
 class FedeRiCo(GraphAlgorithm):
     name = "federico"
-    undeployable = "each peer scores its neighbours' models on its own data, which the relaying ServerApp does not hold"
+    undeployable = SCORES_ON_OWN_DATA
     Hparams = FedeRiCoHparams
     state_fields = ("pi", "tracked")
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import RunContext
-from fedweave.algorithms.decentralized.base import GraphAlgorithm, GraphHparams
+from fedweave.algorithms.decentralized.base import SCORES_ON_OWN_DATA, GraphAlgorithm, GraphHparams
 from fedweave.algorithms.decentralized.selection import NeighbourSelector, ProxyComputer, SelectionHparams
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
@@ -38,7 +38,7 @@ class FomoHparams(SelectionHparams, GraphHparams):
 @ALGORITHMS.register("fomo")
 class Fomo(GraphAlgorithm):
     name = "fomo"
-    undeployable = "each peer scores its neighbours' models on its own data, which the relaying ServerApp does not hold"
+    undeployable = SCORES_ON_OWN_DATA
     Hparams = FomoHparams
     state_fields = ("affinity",)
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import RunContext
-from fedweave.algorithms.decentralized.base import GraphAlgorithm, GraphHparams
+from fedweave.algorithms.decentralized.base import SCORES_ON_OWN_DATA, GraphAlgorithm, GraphHparams
 from fedweave.algorithms.decentralized.selection import ProxyComputer
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
@@ -37,7 +37,7 @@ class PENSHparams(GraphHparams):
 @ALGORITHMS.register("pens")
 class PENS(GraphAlgorithm):
     name = "pens"
-    undeployable = "each peer scores its neighbours' models on its own data, which the relaying ServerApp does not hold"
+    undeployable = SCORES_ON_OWN_DATA
     Hparams = PENSHparams
     state_fields = ("counts",)
 
