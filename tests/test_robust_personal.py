@@ -129,3 +129,33 @@ def test_the_other_methods_figures_are_unchanged(tmp_path, alg):
     metrics = [m for m in fedweave.run(cfg, run_dir=tmp_path / "r").metrics if "test_backdoor_success" in m]
     assert [m["test_backdoor_success"] for m in metrics] == PINNED[alg]
     assert not any("test_backdoor_success_global" in m for m in metrics)
+
+
+def _accuracy(algo, w: torch.Tensor, rows) -> float:
+    """``w``'s accuracy on the test samples ``rows`` of the clients' test sets, written out here."""
+    x, y, _ = algo.ctx.personal_test_set()
+    t = torch.as_tensor(rows, dtype=torch.long)
+    model = copy.deepcopy(algo.layout.model)
+    torch.nn.utils.vector_to_parameters(w.detach().cpu().to(next(model.parameters()).dtype), model.parameters())
+    with torch.no_grad():
+        return float((model(x[t]).argmax(1) == y[t]).double().mean())
+
+
+@pytest.mark.parametrize("alg, opts", [CASES[0], CASES[3], CASES[6]], ids=["fedper", "ditto_star", "perfedavg"])
+def test_under_an_attack_the_personal_accuracy_is_the_honest_clients(alg, opts):
+    """Under an attack the personal figures are the honest clients' (as Ditto reports the benign devices'): the
+    mean and the worst of each honest client's own model on its own test set, the attacker's left out."""
+    attack = {"byzantine": {"clients": ATTACKERS, "attack": "gaussian"}}
+    algo = build_algorithm(RunContext(load(_cfg(alg, attack, **opts))))
+    r = 3
+    for k in range(r + 1):
+        algo.run_round(k)
+    out = algo.evaluate(r)
+    _, _, parts = algo.ctx.personal_test_set()
+    acc = {i: _accuracy(algo, _personal(algo, alg, r, i), parts[i]) for i in range(10)}
+    honest = [acc[i] for i in range(10) if i not in ATTACKERS]
+    assert out["test_accuracy_personal"] == pytest.approx(sum(honest) / len(honest), abs=1e-12)
+    assert out["test_accuracy_personal_min"] == pytest.approx(min(honest), abs=1e-12)
+    everyone = sum(acc.values()) / len(acc)
+    if abs(everyone - sum(honest) / len(honest)) > 1e-9:  # the attacker's own model is left out
+        assert out["test_accuracy_personal"] != pytest.approx(everyone, abs=1e-12)

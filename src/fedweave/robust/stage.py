@@ -222,6 +222,11 @@ class RobustStage:
         """The run's clients that are not attackers, sorted."""
         return np.setdiff1d(np.arange(self.num_clients), self.attackers)
 
+    def evaluated(self) -> np.ndarray | None:
+        """The clients whose own models a family's per-client metrics average: the honest ones when the run has
+        attackers (an attacker's own model serves no one), None (every client) otherwise."""
+        return self.honest() if len(self.attackers) else None
+
     def mean_backdoor_metrics(
         self, layout: Any, models: Iterable[torch.Tensor], dataset: Any, batch_size: int
     ) -> dict[str, float]:

@@ -85,9 +85,7 @@ class DFedAvg(GraphAlgorithm):
         return robust.build(ctx.config, ctx.seeds, self.num_clients, rows)
 
     def evaluated_clients(self) -> np.ndarray | None:
-        if self.robust is None or not len(self.robust.attackers):
-            return None
-        return self.robust.honest()
+        return None if self.robust is None else self.robust.evaluated()
 
     def model_metrics(self, models: torch.Tensor) -> dict[str, float]:
         """Under a backdoor attack (robustness), ``test_backdoor_success``: its mean over the evaluated peers'

@@ -6,8 +6,10 @@ at the start) and adds, to the star's global evaluation, the personal models' me
 test set (``ctx.personal_test_set``: the client's held-out samples under ``eval.holdout``, else a draw
 from the test split with its label distribution): ``test_accuracy_personal``, ``test_loss_personal`` and
 the worst client's ``test_accuracy_personal_min`` (under another task ``test_<metric>_personal`` and
-``test_<main>_personal_worst``). Under a backdoor attack ``test_backdoor_success`` is the honest clients' personal
-models' mean, and the global model's is ``test_backdoor_success_global`` (docs/robustness.md).
+``test_<main>_personal_worst``). Under an attack (``faults.byzantine``) these are the honest clients' figures, as
+Ditto reports accuracy on the benign devices (Li, Hu, Beirami & Smith 2021, Sec. 5): an attacker's own model
+serves no one. Under a backdoor attack ``test_backdoor_success`` is the honest clients' personal models' mean, and
+the global model's is ``test_backdoor_success_global`` (docs/robustness.md).
 
 :class:`PartialSharing` is the template of the methods that share part of the model and keep the rest
 (FedPer, FedRep, LG-FedAvg, FedBN): a boolean mask over the flat parameter vector marks the personal
@@ -84,13 +86,21 @@ class PersonalStar(StarAlgorithm):
         honest = (models[int(i)] for i in self.robust.honest())  # row by row: no copy of the (N, P) table
         return self.robust.mean_backdoor_metrics(self.layout, honest, self.ctx.dataset, self.config.eval.batch_size)
 
+    def evaluated_clients(self) -> np.ndarray | None:
+        """The clients whose own models the personal metrics score: the honest ones when the run has attackers,
+        every client otherwise (None)."""
+        return None if self.robust is None else self.robust.evaluated()
+
     def personal_metrics(self, models: torch.Tensor, suffix: str) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-        """Client i's model (row i of ``models``) on client i's own test set: the means over the clients of
-        ``test_accuracy<suffix>`` and ``test_loss<suffix>`` and the worst client's ``test_accuracy<suffix>_min``
-        (under another task ``test_<metric><suffix>`` and ``test_<main><suffix>_worst``), and each client's values
-        of the task's metrics."""
+        """Client i's model (row i of ``models``) on client i's own test set: the means over the scored clients
+        (:meth:`evaluated_clients`) of ``test_accuracy<suffix>`` and ``test_loss<suffix>`` and the worst one's
+        ``test_accuracy<suffix>_min`` (under another task ``test_<metric><suffix>`` and
+        ``test_<main><suffix>_worst``), and each scored client's values of the task's metrics."""
         ev, task = self.config.eval, self.ctx.task
         x, y, parts = self.ctx.personal_test_set()
+        if (clients := self.evaluated_clients()) is not None:  # the attackers' rows and test sets left out
+            models = models[torch.as_tensor(clients, device=models.device)]
+            parts = [parts[i] for i in clients]
         if task.is_default:
             accs, losses = evaluate_clients(self.layout, models, x, y, parts, ev.batch_size)
             out = {
