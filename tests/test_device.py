@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,47 @@ def test_float32_on_cuda_turns_tf32_off(device):
     resolve_placement(device, "float32")
     assert not torch.backends.cudnn.allow_tf32
     assert not torch.backends.cuda.matmul.allow_tf32
+
+
+@pytest.mark.parametrize("device", [_device_param("cuda")])
+def test_a_cuda_run_picks_deterministic_kernels(device, monkeypatch):
+    """Whatever the precision: cuDNN's deterministic algorithms without benchmark mode, and cuBLAS's fixed
+    workspace unless the environment chose one."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+    resolve_placement(device, "bf16-mixed")
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    resolve_placement(device, "float32")
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+CNN_ON_MNIST = {
+    "name": "cuda-twice", "seed": 3, "rounds": 3, "dataset": {"name": "mnist", "max_train": 3000, "max_test": 1000},
+    "partition": {"name": "dirichlet", "num_clients": 10, "alpha": 0.3}, "model": {"name": "cnn_mnist"},
+    "algorithm": {"name": "fedavg", "clients_per_round": 5}, "local": {"epochs": 1, "batch_size": 32, "lr": 0.05},
+    "output": {"progress": False, "plots": False, "checkpoint_every": 1},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("device", [_device_param("cuda")])
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+def test_a_cnn_run_twice_on_cuda_gives_the_same_numbers(device, backend, tmp_path):
+    """Convolutions' weight gradients are where a GPU's default kernels differ from run to run: the MNIST CNN,
+    run twice with one seed on one CUDA device, gives the same metrics and final model, bit for bit."""
+    from fedweave.data.sources import DataNotFoundError, resolve
+
+    try:
+        resolve("mnist", offline=True)
+    except DataNotFoundError:
+        pytest.skip("mnist is not in the data cache (fedweave data fetch mnist)")
+    cfg = {**CNN_ON_MNIST, "device": device, "backend": backend}
+    a, b = (fedweave.run(cfg, run_dir=tmp_path / k) for k in "ab")
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "wall_seconds"} for r in rows]  # noqa: E731
+    assert drop(a.metrics) == drop(b.metrics)
+    sa, sb = (dict(floating_tensors(read_checkpoint(tmp_path / k / CHECKPOINT))) for k in "ab")
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 # ---- clear errors ------------------------------------------------------------------------------------------
