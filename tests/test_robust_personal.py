@@ -134,11 +134,7 @@ def test_the_other_methods_figures_are_unchanged(tmp_path, alg):
 def _accuracy(algo, w: torch.Tensor, rows) -> float:
     """``w``'s accuracy on the test samples ``rows`` of the clients' test sets, written out here."""
     x, y, _ = algo.ctx.personal_test_set()
-    t = torch.as_tensor(rows, dtype=torch.long)
-    model = copy.deepcopy(algo.layout.model)
-    torch.nn.utils.vector_to_parameters(w.detach().cpu().to(next(model.parameters()).dtype), model.parameters())
-    with torch.no_grad():
-        return float((model(x[t]).argmax(1) == y[t]).double().mean())
+    return _on_rows(algo, w, x, y, rows)
 
 
 @pytest.mark.parametrize("alg, opts", [CASES[0], CASES[3], CASES[6]], ids=["fedper", "ditto_star", "perfedavg"])
@@ -159,3 +155,33 @@ def test_under_an_attack_the_personal_accuracy_is_the_honest_clients(alg, opts):
     everyone = sum(acc.values()) / len(acc)
     if abs(everyone - sum(honest) / len(honest)) > 1e-9:  # the attacker's own model is left out
         assert out["test_accuracy_personal"] != pytest.approx(everyone, abs=1e-12)
+
+
+def test_under_an_attack_the_global_models_per_client_figures_are_the_honest_clients():
+    """eval.personal_test, eval.distribution and eval.per_client of FedAvg's global model average the honest
+    clients too (the benign devices'), and clients.jsonl's values name them."""
+    cfg = _cfg("fedavg", {"byzantine": {"clients": ATTACKERS, "attack": "gaussian"}})
+    cfg["eval"] = {"every": 2, "personal_test": True, "distribution": True, "per_client": True}
+    algo = build_algorithm(RunContext(load(cfg)))
+    for k in range(2):
+        algo.run_round(k)
+    out = algo.evaluate(1)
+    _, _, parts = algo.ctx.personal_test_set()
+    honest = [i for i in range(10) if i not in ATTACKERS]
+    own = {i: _accuracy(algo, algo.x, parts[i]) for i in range(10)}
+    assert out["test_accuracy"] == pytest.approx(sum(own[i] for i in honest) / len(honest), abs=1e-12)
+    assert out["test_accuracy_min"] == pytest.approx(min(own[i] for i in honest), abs=1e-12)
+    assert algo.client_values["clients"] == honest
+    assert algo.client_values["accuracy"] == pytest.approx([own[i] for i in honest], abs=1e-12)
+    ds = algo.ctx.dataset
+    train = [_on_rows(algo, algo.x, ds.train_x, ds.train_y, algo.ctx.partition[i]) for i in honest]
+    assert out["client_train_accuracy_mean"] == pytest.approx(sum(train) / len(train), abs=1e-12)
+
+
+def _on_rows(algo, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, rows) -> float:
+    """``w``'s accuracy on the samples ``rows`` of ``x``, ``y``."""
+    t = torch.as_tensor(rows, dtype=torch.long)
+    model = copy.deepcopy(algo.layout.model)
+    torch.nn.utils.vector_to_parameters(w.detach().cpu().to(next(model.parameters()).dtype), model.parameters())
+    with torch.no_grad():
+        return float((model(x[t]).argmax(1) == y[t]).double().mean())

@@ -17,6 +17,7 @@ recorded in the ledger with its exact size. A method fills in only what its pape
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -439,8 +440,9 @@ class StarAlgorithm(Algorithm):
             return self.evaluate_task(r)
         acc, loss = evaluate(self.layout, self.x, ds.test_x, ds.test_y, ev.batch_size)
         out = {"test_accuracy": acc, "test_loss": loss}
-        if ev.personal_test or ev.distribution:  # the global model on each client's own test set
+        if ev.personal_test or ev.distribution:  # the global model on each (evaluated) client's own test set
             tx, ty, parts = self.ctx.personal_test_set()
+            parts, ids = self.evaluated(parts)
             accs, losses = evaluate_clients(self.layout, self.x, tx, ty, parts, ev.batch_size)
             if ev.personal_test:  # averaged over clients
                 out = {
@@ -451,9 +453,10 @@ class StarAlgorithm(Algorithm):
                     "test_loss_global": loss,
                 }
             if ev.distribution:
-                out.update(self.client_distribution(r, {"accuracy": accs, "loss": losses}))
+                out.update(self.client_distribution(r, {"accuracy": accs, "loss": losses}, ids))
         if ev.per_client:
-            accs, _ = evaluate_clients(self.layout, self.x, ds.train_x, ds.train_y, self.ctx.partition, ev.batch_size)
+            parts, _ = self.evaluated(self.ctx.partition)
+            accs, _ = evaluate_clients(self.layout, self.x, ds.train_x, ds.train_y, parts, ev.batch_size)
             out["client_train_accuracy_mean"] = float(accs.mean())
         return {**out, **self.backdoor_metrics()}
 
@@ -473,6 +476,7 @@ class StarAlgorithm(Algorithm):
         out = {f"test_{k}": v for k, v in glob.items()}
         if ev.personal_test or ev.distribution:
             tx, ty, parts = self.ctx.personal_test_set()
+            parts, ids = self.evaluated(parts)
             per = evaluate_clients_task(self.layout, self.x, tx, ty, parts, task, ev.batch_size)
             if ev.personal_test:
                 out = {f"test_{k}": float(v.mean()) for k, v in per.items()}
@@ -480,24 +484,38 @@ class StarAlgorithm(Algorithm):
                 out[f"test_{task.main}_worst"] = float(worst)
                 out.update({f"test_{k}_global": v for k, v in glob.items()})
             if ev.distribution:
-                out.update(self.client_distribution(r, per))
+                out.update(self.client_distribution(r, per, ids))
         if ev.per_client:
-            per = evaluate_clients_task(
-                self.layout, self.x, ds.train_x, ds.train_y, self.ctx.partition, task, ev.batch_size
-            )
+            parts, _ = self.evaluated(self.ctx.partition)
+            per = evaluate_clients_task(self.layout, self.x, ds.train_x, ds.train_y, parts, task, ev.batch_size)
             out[f"client_train_{task.main}_mean"] = float(per[task.main].mean())
         return {**out, **self.backdoor_metrics()}
 
-    def client_distribution(self, r: int, per: dict[str, np.ndarray]) -> dict[str, float]:
-        """``eval.distribution``: the spread over the clients of the task's main metric on their own test
-        sets (``client_test_<main>_mean``, ``_worst10``, ``_std``); every client's values are kept in
-        :attr:`client_values` for the run directory's ``clients.jsonl``."""
+    def evaluated_ids(self) -> np.ndarray | None:
+        """The clients whose per-client figures an evaluation averages (``eval.personal_test``,
+        ``eval.distribution``, ``eval.per_client``, a personalized method's own models): every client (None) or,
+        when the run has attackers, the honest ones, as Ditto reports accuracy on the benign devices (Li, Hu,
+        Beirami & Smith 2021, Sec. 5) and the gossip family averages its honest peers."""
+        return None if self.robust is None else self.robust.evaluated()
+
+    def evaluated(self, parts: Sequence[np.ndarray]) -> tuple[Sequence[np.ndarray], np.ndarray | None]:
+        """Of ``parts`` (one entry per client), the :meth:`evaluated_ids` clients' (``parts`` itself when that is
+        every client), and their ids."""
+        ids = self.evaluated_ids()
+        return (parts, None) if ids is None else ([parts[int(i)] for i in ids], ids)
+
+    def client_distribution(
+        self, r: int, per: dict[str, np.ndarray], ids: np.ndarray | None = None
+    ) -> dict[str, float]:
+        """``eval.distribution``: the spread over the clients (``ids``; None: all, in order) of the task's main
+        metric on their own test sets (``client_test_<main>_mean``, ``_worst10``, ``_std``); every client's values
+        are kept in :attr:`client_values` for the run directory's ``clients.jsonl``."""
         task = self.ctx.task
         self.client_values = {
             "round": r + 1,
             "metric": task.main,
             "direction": task.direction,
-            "clients": list(range(len(per[task.main]))),
+            "clients": list(range(len(per[task.main]))) if ids is None else [int(i) for i in ids],
             **{k: [float(x) for x in v] for k, v in per.items()},
         }
         spread = client_spread(per[task.main], task.direction)

@@ -67,7 +67,11 @@ class PersonalStar(StarAlgorithm):
         if not self.global_model:  # the clients' own models are the method's: the plain names, eval.distribution
             out, per = self.personal_metrics(models, "")
             out.update(self.personal_backdoor_metrics(models))
-            return {**out, **self.client_distribution(r, per)} if self.config.eval.distribution else out
+            return (
+                {**out, **self.client_distribution(r, per, self.evaluated_ids())}
+                if self.config.eval.distribution
+                else out
+            )
         out = super().evaluate(r)  # the global model on the global test split (and eval.personal_test's)
         return {**out, **self.personal_metrics(models, "_personal")[0], **self.personal_backdoor_metrics(models)}
 
@@ -86,21 +90,17 @@ class PersonalStar(StarAlgorithm):
         honest = (models[int(i)] for i in self.robust.honest())  # row by row: no copy of the (N, P) table
         return self.robust.mean_backdoor_metrics(self.layout, honest, self.ctx.dataset, self.config.eval.batch_size)
 
-    def evaluated_clients(self) -> np.ndarray | None:
-        """The clients whose own models the personal metrics score: the honest ones when the run has attackers,
-        every client otherwise (None)."""
-        return None if self.robust is None else self.robust.evaluated()
-
     def personal_metrics(self, models: torch.Tensor, suffix: str) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-        """Client i's model (row i of ``models``) on client i's own test set: the means over the scored clients
-        (:meth:`evaluated_clients`) of ``test_accuracy<suffix>`` and ``test_loss<suffix>`` and the worst one's
-        ``test_accuracy<suffix>_min`` (under another task ``test_<metric><suffix>`` and
-        ``test_<main><suffix>_worst``), and each scored client's values of the task's metrics."""
+        """Client i's model (row i of ``models``) on client i's own test set: the means over the evaluated clients
+        (:meth:`~fedweave.algorithms.centralized.base.StarAlgorithm.evaluated`: the honest ones under an attack)
+        of ``test_accuracy<suffix>`` and ``test_loss<suffix>`` and the worst one's ``test_accuracy<suffix>_min``
+        (under another task ``test_<metric><suffix>`` and ``test_<main><suffix>_worst``), and each evaluated
+        client's values of the task's metrics."""
         ev, task = self.config.eval, self.ctx.task
         x, y, parts = self.ctx.personal_test_set()
-        if (clients := self.evaluated_clients()) is not None:  # the attackers' rows and test sets left out
-            models = models[torch.as_tensor(clients, device=models.device)]
-            parts = [parts[i] for i in clients]
+        parts, ids = self.evaluated(parts)
+        if ids is not None:  # the attackers' rows left out too
+            models = models[torch.as_tensor(ids, device=models.device)]
         if task.is_default:
             accs, losses = evaluate_clients(self.layout, models, x, y, parts, ev.batch_size)
             out = {
