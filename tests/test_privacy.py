@@ -67,6 +67,24 @@ def test_no_noise_and_a_huge_clip_is_the_method_bit_for_bit(toy_config, name):
     assert torch.equal(_rounds(private, 3), plain)
 
 
+TWO_A_ROUND = {"name": "schedule", "clients": [[0, 5], [3, 7], [1, 11]]}
+
+
+def test_a_schedule_divides_by_its_own_count_not_clients_per_round(toy_config):
+    """E is the clients a round of the schedule takes (2 here), whatever clients_per_round says (4): without noise
+    and with a huge clip, the private run is the plain one bit for bit; a schedule of varying counts divides by
+    their mean over the run's rounds."""
+    algorithm = {"name": "fedavg", "clients_per_round": 4, "weighting": "uniform"}
+    plain = _rounds(_built(_cfg(toy_config, algorithm=algorithm, sampler=TWO_A_ROUND)), 3)
+    private = _built(_cfg(toy_config, {"noise_multiplier": 0.0, "clip": 1e30}, algorithm=algorithm,
+                          sampler=TWO_A_ROUND))  # fmt: skip
+    assert private.privacy.expected == 2 and private.privacy.sample_rate == 1.0
+    assert torch.equal(_rounds(private, 3), plain)
+    uneven = {"name": "schedule", "clients": [[0, 5], [3, 7, 9], [1, 11]]}  # rounds 0-3 take 2, 3, 2, 2
+    algo = _built(_cfg(toy_config, {"noise_multiplier": 1.0}, algorithm=algorithm, sampler=uneven, rounds=4))
+    assert algo.privacy.expected == 9 / 4
+
+
 def test_noise_moves_the_model(toy_config):
     algorithm = {"name": "fedavg", "clients_per_round": 4, "weighting": "uniform"}
     plain = _rounds(_built(_cfg(toy_config, algorithm=algorithm)), 2)

@@ -75,7 +75,7 @@ class UserDP:
         mechanism: str,
         clip: float,
         z: float,
-        expected: int,
+        expected: int | float,
         sample_rate: float,
         seeds: Seeds,
         accountant: Accountant,
@@ -85,7 +85,7 @@ class UserDP:
         clip_lr: float = 0.2,
         count_noise: float = 1.0,
     ) -> None:
-        self.mechanism, self.clip_norm, self.z, self.expected = mechanism, float(clip), float(z), int(expected)
+        self.mechanism, self.clip_norm, self.z, self.expected = mechanism, float(clip), float(z), expected
         self.sample_rate, self.seeds, self.accountant, self.numels = float(sample_rate), seeds, accountant, numels
         self.adaptive, self.gamma, self.clip_lr, self.count_noise = adaptive, target_quantile, clip_lr, count_noise
         # the std of the update's noise is z_update * C: z itself, or what the count leaves of it (Theorem 1)

@@ -27,20 +27,17 @@ NO_AMPLIFICATION = ("fixed", "schedule")  # the samplers whose clients are known
 
 def sampling(
     cfg: PrivacyConfig, sampler: Any, per_round: int, num_clients: int, amplify: bool = True
-) -> tuple[float, int]:
-    """The sampling rate q the accountant is told and E, the expected number of clients of a round; a sampler
-    that does not match the accountant's proof is one ConfigError. ``amplify`` False (local DP, whose messages
-    the server sees with their senders): q = 1 whatever the sampler."""
+) -> tuple[float, int | float]:
+    """The sampling rate q the accountant is told and E, the expected number of clients of a round (a ``schedule``'s
+    mean count); a sampler that does not match the accountant's proof is one ConfigError. ``amplify`` False (local
+    DP, whose messages the server sees with their senders): q = 1 whatever the sampler."""
     name = sampler.name
     if sampler.reads_context:
         raise ConfigError(
             f"privacy: sampler {name!r} chooses clients by their losses, which would leak through who takes part; "
             "use sampler: bernoulli"
         )
-    expected = per_round
-    if name == "fixed":
-        chosen = sampler.options.get("clients", 0)
-        expected = len(chosen) if isinstance(chosen, list) else (chosen or per_round)
+    expected = sampler.expected()  # per_round, fixed's count or the schedule's mean count
     if not amplify or cfg.amplification == "none" or name in NO_AMPLIFICATION or per_round >= num_clients:
         return 1.0, expected  # (every client every round: nothing to amplify, whatever the sampler)
     if name == "bernoulli":

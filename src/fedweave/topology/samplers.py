@@ -331,6 +331,16 @@ class Sampler:
             return min(len(ids) for ids in plan[: self.rounds])  # round r takes entry r % len(plan)
         return self.per_round
 
+    def expected(self) -> int | float:
+        """The mean number of clients a round of the run takes: :meth:`fewest` for every sampler but ``schedule``,
+        whose count is the mean length of the entries the run's rounds take (an int where it is whole). DP-FedAvg's
+        fixed denominator E (fedweave.privacy), known before round 0 and independent of the data."""
+        if self.fn is not schedule:
+            return self.fewest()
+        plan = _plan(self.options.get("clients"), self.options.get("file"))
+        mean = sum(len(plan[r % len(plan)]) for r in range(self.rounds)) / self.rounds
+        return int(mean) if mean.is_integer() else mean
+
     def __call__(self, r: int) -> np.ndarray:
         extra = {"context": self.context} if self.reads_context else {}
         rng = self.seeds.numpy("client_sampling", r)
