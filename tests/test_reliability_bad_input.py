@@ -88,6 +88,12 @@ def _cases() -> list[tuple[list[str], str]]:
         (["local.lr_schedule=linear"], "local.lr_schedule"),
         (["local.augment=[spin]"], "local.augment"),
         (["local.crop_size=24"], "local.crop_size"),
+        # an augmentation that cannot apply to the data or whose output the model cannot read (before: a
+        # traceback in round 1, after the run directory was written)
+        (["dataset.name=digits", "local.augment=[flip]"], "local.augment"),
+        (["local.augment=[crop]", "local.crop_size=20"], "local.augment"),
+        (["local.augment=[crop]", "local.crop_size=4"], "local.augment"),
+        (["local.augment=[normalize]"], "local.augment"),
         (["local.lrr=0.1"], "local.lrr"),
         (["eval.every=0"], "eval.every"),
         (["eval.batch_size=-3"], "eval.batch_size"),

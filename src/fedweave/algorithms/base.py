@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import re
 from abc import ABCMeta, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cached_property
 from typing import Any, ClassVar
@@ -130,6 +130,50 @@ def check_model_fits(
         ) from e
     finally:
         model.train(was_training)
+
+
+def checked_augment(
+    ctx: RunContext, model: nn.Module | None = None
+) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None:
+    """The run's training augmentation (``local.augment``), tried once on two training samples and, given
+    ``model``, fed to it, so that an augmentation that cannot apply to the data (a crop of feature vectors, a
+    window larger than the padded image) or whose output the model cannot read (a smaller crop into a model
+    without a centre crop) is a configuration error now rather than a traceback in round 1. The trial draws
+    from a generator of its own, so no named stream moves; the model runs in eval mode without gradients."""
+    cfg, ds = ctx.config, ctx.dataset
+    aug = list(cfg.local.augment)
+    shape = tuple(ds.train_x.shape[1:])
+    try:
+        augment = augment_for(cfg.local)
+        if augment is None:
+            return None
+        out = augment(ds.train_x[:2], torch.Generator().manual_seed(0))
+    except (RuntimeError, ValueError, IndexError, TypeError) as e:
+        raise ConfigError(
+            f"local.augment {aug} cannot apply to dataset {cfg.dataset.name!r}, whose samples have shape {shape} "
+            f"({_first_line(e)}); crop and flip need images (channels, height, width) and local.crop_size "
+            "at most the image side plus twice local.crop_padding"
+        ) from e
+    if model is not None:
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                model(out.to(ctx.device))
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            raise ConfigError(
+                f"local.augment {aug} gives samples of shape {tuple(out.shape[1:])}, which model "
+                f"{cfg.model.name!r} cannot read ({_first_line(e)}); leave local.crop_size out (the image size) "
+                "or choose a model for that input"
+            ) from e
+        finally:
+            model.train(was_training)
+    return augment
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:160] if text else type(e).__name__
 
 
 # partitioners that use only the number of samples (or the users), never the labels
@@ -521,7 +565,7 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
     local = cfg.local
     if regularize_in_rule:
         local = dataclasses.replace(local, weight_decay=0.0, grad_clip=None)
-    augment = augment_for(cfg.local)
+    augment = checked_augment(ctx, ctx.model)
     ds = ctx.dataset
     backend = choose_backend(cfg.backend, ctx.model, jobs_per_call, device=ctx.device)
     if backend == "vmap" and batch_statistics(ctx.model) and (local.steps is None or local.full_batch):

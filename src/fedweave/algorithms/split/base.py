@@ -42,9 +42,8 @@ from torch import nn
 
 from fedweave.accounting import split as accounting
 from fedweave.accounting.split import upload_batches
-from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights
+from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights, checked_augment
 from fedweave.config import ConfigError
-from fedweave.data.augment import augment_for
 from fedweave.execution import LocalTrainer, ParamLayout, evaluate_task
 from fedweave.ledger import nbytes
 from fedweave.models.split import build_split_model
@@ -265,7 +264,7 @@ class SplitAlgorithm(Algorithm):
         self.full = ParamLayout(nn.Sequential(self.client, self.server), pl)  # the inference model x_s ∘ x_c
         self.local_model = ParamLayout(nn.Sequential(self.client, self.aux), pl)  # a_c ∘ x_c (the local loss)
         self.xc, self.xs, self.xa = self.lc.flatten(), self.ls.flatten(), self.la.flatten()
-        augment = augment_for(cfg.local)
+        augment = checked_augment(ctx)  # the split parts read the crop (a model may centre-crop its test images)
         # only the batch plan (named ``batches`` stream) and augmentation of the foundation trainer are used
         self.batcher = LocalTrainer(
             self.client, ds.train_x, ds.train_y, ctx.partition, cfg.local, self.seeds, augment=augment, placement=pl
