@@ -94,6 +94,16 @@ def _cases() -> list[tuple[list[str], str]]:
         (["local.augment=[crop]", "local.crop_size=20"], "local.augment"),
         (["local.augment=[crop]", "local.crop_size=4"], "local.augment"),
         (["local.augment=[normalize]"], "local.augment"),
+        # a section or key the family never reads (before: silently ignored, the run as without it)
+        (["algorithm={name: hier_fedavg}", "local.epochs=3"], "local.epochs: the hierarchical family runs H_r"),
+        (["algorithm={name: zo_hfl}", "local.steps=3", "local.epochs=null"], "local.steps: the hierarchical family"),
+        (["algorithm={name: zo_hfl}", "local.augment=[flip]"], "local.augment: the hierarchical family"),
+        (
+            ["algorithm={name: cfl_saga}", "dataset={name: cfl_logreg, num_samples: 300, dim: 20}"],
+            "partition.num_clients: the confederated family",
+        ),
+        (["algorithm={name: gt_saga}", "model.name=mlp"], "model.name: the confederated family"),
+        (["algorithm={name: cfl_admm}", "partition={name: iid, num_clients: 10}"], "local.lr: the confederated family"),
         (["local.lrr=0.1"], "local.lrr"),
         (["eval.every=0"], "eval.every"),
         (["eval.batch_size=-3"], "eval.batch_size"),

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fedweave.byo import RunObjects, describe_model
-from fedweave.config import ConfigError, RunConfig, build_dataclass, check_options
+from fedweave.config import ConfigError, RunConfig, Section, build_dataclass, check_options, load
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
 from fedweave.data.partition import Partition
@@ -466,6 +466,9 @@ class Algorithm(metaclass=_AlgorithmMeta):
     handles_faults: ClassVar[tuple[str, ...]] = ()
     #: Why the family trains only its own task (None: it trains any task of fedweave.tasks).
     fixed_task: ClassVar[str | None] = None
+    #: Config keys the class never reads (a section such as ``model``, or one key such as ``local.steps``), each
+    #: with why: set to other than its default it is refused, naming the key, when the run is built.
+    unread_config: ClassVar[dict[str, str]] = {}
     #: The column a run's plots show when the task's main metric is not among its rows (a fixed task's own).
     plot_metric: ClassVar[str] = "test_loss"
     #: The state record: the attributes that a resumed run needs beyond the context, which the default
@@ -617,6 +620,24 @@ class ProximalRule(LocalRule):
         return grad(w) + self.lam * (w - self.anchor[jobs])
 
 
+def changed_keys(config: RunConfig, key: str) -> list[str]:
+    """The keys under ``key`` (``model``, ``local``, ``local.steps``) whose values differ from a default
+    config's, named as written in a config (``local.lr``, ``model.name``, ``partition.alpha``)."""
+    mine, default = config, load({})  # a loaded config: its defaults resolved (local.epochs 1) as the run's are
+    for part in key.split("."):
+        mine, default = getattr(mine, part), getattr(default, part)
+    if isinstance(mine, Section):
+        if mine.name != default.name:
+            return [f"{key}.name"]
+        opts = sorted(set(mine.options) | set(default.options))
+        return [f"{key}.{k}" for k in opts if mine.options.get(k) != default.options.get(k)]
+    if dataclasses.is_dataclass(mine):
+        return [
+            f"{key}.{f.name}" for f in dataclasses.fields(mine) if getattr(mine, f.name) != getattr(default, f.name)
+        ]
+    return [key] if mine != default else []
+
+
 def build_algorithm(ctx: RunContext) -> Algorithm:
     """Look up ``algorithm.name``, validate its options against its ``Hparams``, construct it."""
     section = ctx.config.algorithm
@@ -648,6 +669,10 @@ def build_algorithm(ctx: RunContext) -> Algorithm:
             f"secure_aggregation: the {cls.family} family is not supported yet (the star methods whose server needs "
             "only the sum of the updates); leave the section out"
         )
+    for key, why in cls.unread_config.items():
+        changed = changed_keys(ctx.config, key)
+        if changed:
+            raise ConfigError(f"{changed[0]}: the {cls.family} family {why}; leave it out")
     algo = cls(ctx, hp)
     if secure and getattr(algo, "secagg", None) is None:  # a star method with a round of its own
         raise ConfigError(f"secure_aggregation: algorithm {section.name!r} runs a round of its own, not billed yet")

@@ -307,6 +307,12 @@ class HierarchicalAlgorithm(Algorithm):
 
     family = "hierarchical"
     Hparams = HierarchyHparams
+    unread_config = {  # docs/algorithms/hierarchical.md, "Local steps"
+        # steps first: local.steps given with local.epochs null names the key that was set
+        "local.steps": "runs H_r = floor(algorithm.tau (r+1)^algorithm.steps_power) local steps a round",
+        "local.epochs": "runs H_r = floor(algorithm.tau (r+1)^algorithm.steps_power) local steps a round",
+        "local.augment": "trains on its clients' batches as they are (no augmentation)",
+    }
     jobs_per_client = 1
     state_fields = ("x",)  # the global model x^_r
     # privacy: why the ``privacy`` section refuses this method (None: DP-FedAvg's proof covers its round)
