@@ -900,6 +900,11 @@ def test_column_directions():
         "test_perplexity": "min",
         "train_loss": "min",
         "test_loss_global": "min",
+        # the confederated family's solver columns: lower is better (before: "max", so a sweep over them
+        # marked the point with the largest optimality gap best)
+        "opt_gap": "min",
+        "objective_gap": "min",
+        "consensus_error": "min",
     }
     assert {k: column_direction(k) for k in want} == want
 
