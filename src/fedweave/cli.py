@@ -92,6 +92,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
         ("compressors", COMPRESSORS),  # compression.upload and .download (docs/compression.md)
     ):
         print(f"{title}: {', '.join(reg.names())}")
+    from fedweave.models.split import SPLIT_MODELS  # the split family's model.name (docs/algorithms/split.md)
+
+    print(f"split models: {', '.join(SPLIT_MODELS.names())}")
     from fedweave.registry import ACCOUNTANTS, PRIVACY_MECHANISMS  # privacy (the privacy section)
 
     print(f"privacy mechanisms: {', '.join(PRIVACY_MECHANISMS.names())}")
