@@ -412,6 +412,19 @@ def test_output_dir_that_is_a_file(in_tmp, capsys):
     assert (in_tmp / "taken").read_text() == "mine"
 
 
+def test_the_refusal_of_a_taken_run_directory_offers_resume_only_where_a_checkpoint_is(in_tmp, capsys):
+    """Without checkpoints (``output.checkpoint_every: 0``, the default) `--resume` cannot continue the run, so
+    the line does not offer it (before: it did, and the suggested command failed with 'no checkpoint')."""
+    assert cli_main(["run", "c.yaml", "--out", "r", "--no-progress"]) == 0
+    capsys.readouterr()
+    line = _one_line_error(capsys, cli_main(["run", "c.yaml", "--out", "r"]), "already holds a finished run")
+    assert "--resume" not in line and "no checkpoint" in line and "--overwrite" in line
+    assert cli_main(["run", "c.yaml", "output.checkpoint_every=1", "--out", "k", "--no-progress"]) == 0
+    capsys.readouterr()
+    line = _one_line_error(capsys, cli_main(["run", "c.yaml", "--out", "k"]), "already holds a finished run")
+    assert "'fedweave run --resume k'" in line
+
+
 def test_a_finished_run_is_never_overwritten_without_overwrite(in_tmp, capsys):
     assert cli_main(["run", "c.yaml", "--out", "r", "--no-progress"]) == 0
     capsys.readouterr()
