@@ -94,6 +94,11 @@ def _cases() -> list[tuple[list[str], str]]:
         (["local.augment=[crop]", "local.crop_size=20"], "local.augment"),
         (["local.augment=[crop]", "local.crop_size=4"], "local.augment"),
         (["local.augment=[normalize]"], "local.augment"),
+        # a callback's options (before: a negative budget ended the run after its first round; a stop_at_target
+        # on a column other than the main metric without a direction was a traceback after config.yaml was written)
+        (["callbacks=[{name: budget, seconds: -5}]"], "callbacks[0] (budget): Budget: seconds must be"),
+        (["callbacks=[{name: budget, rounds: 0}]"], "callbacks[0] (budget): Budget: rounds must be"),
+        (["callbacks=[{name: stop_at_target, metric: test_acc, target: 0.5}]"], "'test_acc'"),
         # a section or key the family never reads (before: silently ignored, the run as without it)
         (["algorithm={name: hier_fedavg}", "local.epochs=3"], "local.epochs: the hierarchical family runs H_r"),
         (["algorithm={name: zo_hfl}", "local.steps=3", "local.epochs=null"], "local.steps: the hierarchical family"),

@@ -220,15 +220,20 @@ class StopAtTarget(Callback):
         self.each_round = each_round  # also watch the round's training metrics (a metric reported every round)
         self.reached: int | None = None
 
-    def on_start(self, run):
+    def on_build(self, run):
+        # resolved when the run is built, before anything is written: a missing direction is a config error
         if self.direction is None:
+            from fedweave.config import ConfigError
+
             main = run.ctx.task.main_key
             if self.metric != main:
-                raise ValueError(
+                raise ConfigError(
                     f"StopAtTarget: give direction='max' or 'min' for {self.metric!r} (the task's main metric, "
                     f"whose direction is known, is {main!r})"
                 )
             self.direction = run.ctx.task.direction
+
+    def on_start(self, run):
         self.reached = None
         for row in run.rows:  # a resumed run's recorded rows: a target reached before the checkpoint stays reached
             self._check(row["round"], row.get(self.metric))
@@ -295,6 +300,11 @@ class Budget(Callback):
     def __init__(self, seconds: float | None = None, rounds: int | None = None) -> None:
         if seconds is None and rounds is None:
             raise ValueError("Budget: give seconds, rounds or both")
+        # a negative budget is a mistake, not a request for one round (seconds: 0 asks for that)
+        if seconds is not None and not (isinstance(seconds, int | float) and 0 <= seconds < math.inf):
+            raise ValueError(f"Budget: seconds must be a number >= 0 (wall seconds), got {seconds!r}")
+        if rounds is not None and not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1):
+            raise ValueError(f"Budget: rounds must be an integer >= 1, got {rounds!r}")
         self.seconds, self.rounds = seconds, rounds
 
     def after_round(self, run, r):
