@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import math
 import sys
 from typing import TYPE_CHECKING, Any
@@ -235,14 +236,28 @@ class StopAtTarget(Callback):
 
     def on_start(self, run):
         self.reached = None
+        self._seen = False  # whether the metric has appeared in a row or (each_round) a round's training metrics
+        self._warned = False
         for row in run.rows:  # a resumed run's recorded rows: a target reached before the checkpoint stays reached
             self._check(row["round"], row.get(self.metric))
 
     def on_row(self, run, row):
+        self._seen = self._seen or self.metric in row
+        if not self._seen and not self._warned and row["round"] > 0:
+            # a column the run never writes (a misspelling) would let the run go on to its last round silently
+            self._warned = True
+            columns = ", ".join(k for k in row if k != "round")
+            logging.getLogger("fedweave").warning(
+                "stop_at_target: the run's first evaluated row has no column %r, so it can never stop the run; "
+                "its columns: %s",
+                self.metric,
+                columns,
+            )
         self._check(row["round"], row.get(self.metric))
 
     def after_training(self, run, r, metrics):
         if self.each_round:
+            self._seen = self._seen or self.metric in metrics
             self._check(r + 1, metrics.get(self.metric))
 
     def _check(self, round_: int, v: Any) -> None:
