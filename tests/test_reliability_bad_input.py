@@ -94,6 +94,11 @@ def _cases() -> list[tuple[list[str], str]]:
         (["local.augment=[crop]", "local.crop_size=20"], "local.augment"),
         (["local.augment=[crop]", "local.crop_size=4"], "local.augment"),
         (["local.augment=[normalize]"], "local.augment"),
+        # a neighbour-selection option the chosen selection does not read (before: silently ignored)
+        (["algorithm={name: gossip, tau: 0.9}"], "algorithm.tau: selection 'random' does not read it"),
+        (["algorithm={name: ditto, boltzmann_T: 5}"], "algorithm.boltzmann_T: selection 'random'"),
+        (["algorithm={name: fedavg_ft, proxy_layer: classifier}"], "algorithm.proxy_layer: selection 'random'"),
+        (["algorithm={name: gossip, selection: topk, select_k: 2, tau: 0.9}"], "algorithm.tau: selection 'topk'"),
         # a callback's options (before: a negative budget ended the run after its first round; a stop_at_target
         # on a column other than the main metric without a direction was a traceback after config.yaml was written)
         (["callbacks=[{name: budget, seconds: -5}]"], "callbacks[0] (budget): Budget: seconds must be"),
