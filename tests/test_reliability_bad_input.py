@@ -99,6 +99,8 @@ def _cases() -> list[tuple[list[str], str]]:
         (["algorithm={name: ditto, boltzmann_T: 5}"], "algorithm.boltzmann_T: selection 'random'"),
         (["algorithm={name: fedavg_ft, proxy_layer: classifier}"], "algorithm.proxy_layer: selection 'random'"),
         (["algorithm={name: gossip, selection: topk, select_k: 2, tau: 0.9}"], "algorithm.tau: selection 'topk'"),
+        # a config's sweep section given to a single run (before: "unknown key 'sweep'. Did you mean 'seed'?")
+        (["sweep={grid: {local.lr: [0.1, 0.2]}}"], "sweep: a config's sweep section is read by 'fedweave sweep"),
         # a callback's options (before: a negative budget ended the run after its first round; a stop_at_target
         # on a column other than the main metric without a direction was a traceback after config.yaml was written)
         (["callbacks=[{name: budget, seconds: -5}]"], "callbacks[0] (budget): Budget: seconds must be"),

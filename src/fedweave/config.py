@@ -879,6 +879,11 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"a config must be a mapping of keys to values, got {type(data).__name__}")
     data = dict(data)
+    if "sweep" in data:  # `fedweave sweep` takes this section off before it builds each point's config
+        raise ConfigError(
+            "sweep: a config's sweep section is read by 'fedweave sweep CONFIG', which runs its grid; a single run "
+            "('fedweave run', fedweave.run) takes the config without it"
+        )
     sections = {k: _section(data.pop(k), k) for k in SECTION_KEYS if k in data}
     callbacks = data.pop("callbacks", None) or []
     if not isinstance(callbacks, list):
