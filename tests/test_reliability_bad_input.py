@@ -101,6 +101,9 @@ def _cases() -> list[tuple[list[str], str]]:
         (["algorithm={name: gossip, selection: topk, select_k: 2, tau: 0.9}"], "algorithm.tau: selection 'topk'"),
         # a config's sweep section given to a single run (before: "unknown key 'sweep'. Did you mean 'seed'?")
         (["sweep={grid: {local.lr: [0.1, 0.2]}}"], "sweep: a config's sweep section is read by 'fedweave sweep"),
+        # an override of a section the file leaves out names no object (before: "sampler must be a mapping with
+        # a 'name' key", which does not say why)
+        (["sampler.redraw=false"], "sampler has options but no name ({'redraw': False}): give sampler.name too, e.g."),
         # a callback's options (before: a negative budget ended the run after its first round; a stop_at_target
         # on a column other than the main metric without a direction was a traceback after config.yaml was written)
         (["callbacks=[{name: budget, seconds: -5}]"], "callbacks[0] (budget): Budget: seconds must be"),

@@ -859,6 +859,11 @@ def check_options(fn: Any, options: dict[str, Any], key: str, skip: tuple[str, .
 def _section(data: Any, key: str) -> Section:
     if isinstance(data, str):
         return Section(data)
+    if isinstance(data, dict) and data and "name" not in data:
+        # typically a key=value override of a section the file leaves out: the override alone names nothing
+        default = getattr(RunConfig(), key, None) if key in SECTION_KEYS else None
+        eg = f", e.g. {key}.name={default.name} (the default when the section is left out)" if default else ""
+        raise ConfigError(f"{key} has options but no name ({data!r}): give {key}.name too{eg}")
     if not isinstance(data, dict) or "name" not in data:
         raise ConfigError(f"{key} must be a mapping with a 'name' key (or just the name), got {data!r}")
     opts = dict(data)
