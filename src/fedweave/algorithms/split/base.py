@@ -252,6 +252,17 @@ class SplitAlgorithm(Algorithm):
                 self.parts = build_split_model(cfg.model.name, tuple(ds.input_shape), ds.num_classes, cfg.model.options)
             except ValueError as e:
                 raise ConfigError(str(e)) from e
+        if not self.uses_aux:  # FSL_MC and FSL_OC train no auxiliary net: its options would be silently unread
+            given = {
+                "model.aux": cfg.model.options.get("aux", "mlp"),
+                "model.aux_channels": cfg.model.options.get("aux_channels"),
+                "algorithm.aux_lr": hp.aux_lr,
+            }
+            for key, value in given.items():
+                if value not in ("mlp", None):  # the defaults (a paper preset writes aux: mlp for every method)
+                    raise ConfigError(
+                        f"{key}: algorithm {self.name!r} trains no auxiliary net (cse_fsl and fsl_an do); leave it out"
+                    )
         pl = self.placement = ctx.placement
         for m in (self.parts.client, self.parts.server, self.parts.aux):
             m.to(device=ctx.device, dtype=ctx.dtype)  # the run's placement (in place: the parts keep their modules)
