@@ -102,6 +102,16 @@ def _cases() -> list[tuple[list[str], str]]:
         # an auxiliary-net option with a split method that trains none (before: silently not read)
         (["algorithm={name: fsl_mc}", "model={name: split_small, aux: cnn, aux_channels: 4}"], "model.aux"),
         (["algorithm={name: fsl_oc, aux_lr: 0.1}", "model.name=split_small"], "algorithm.aux_lr: algorithm 'fsl_oc'"),
+        # a key of another lr schedule, or a schedule the family does not read (before: silently not read)
+        (["local.lr_min=0.01"], "local.lr_min applies to local.lr_schedule: cosine, not exponential"),
+        (["local.lr_step=5"], "local.lr_step applies to local.lr_schedule: step"),
+        (["local.lr_schedule=cosine", "local.lr_decay=0.9"], "local.lr_decay applies to the exponential and step"),
+        (["algorithm={name: hier_fedavg}", "local.lr_decay=0.9"], "local.lr_decay: the hierarchical family"),
+        (["algorithm={name: zo_hfl}", "local.lr_schedule=cosine"], "local.lr_schedule: the hierarchical family"),
+        (
+            ["algorithm={name: cse_fsl}", "model.name=split_small", "local.lr_schedule=cosine"],
+            "local.lr_schedule: the split",
+        ),
         # a config's sweep section given to a single run (before: "unknown key 'sweep'. Did you mean 'seed'?")
         (["sweep={grid: {local.lr: [0.1, 0.2]}}"], "sweep: a config's sweep section is read by 'fedweave sweep"),
         # an override of a section the file leaves out names no object (before: "sampler must be a mapping with

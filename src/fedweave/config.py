@@ -192,6 +192,17 @@ class LocalConfig:
             raise ConfigError(f"local.lr_step must be >= 1, got {self.lr_step}")
         if not 0 <= self.lr_min <= self.lr:
             raise ConfigError(f"local.lr_min must be in [0, local.lr], got {self.lr_min}")
+        # a key of another schedule would be silently unread (LocalTrainer.lr reads only its schedule's keys)
+        for key, default, schedules in (("lr_step", 1, ("step",)), ("lr_min", 0.0, ("cosine",))):
+            if getattr(self, key) != default and self.lr_schedule not in schedules:
+                raise ConfigError(
+                    f"local.{key} applies to local.lr_schedule: {schedules[0]}, not {self.lr_schedule}; leave it out"
+                )
+        if self.lr_decay != 1 and self.lr_schedule == "cosine":
+            raise ConfigError(
+                "local.lr_decay applies to the exponential and step schedules; local.lr_schedule: cosine falls from "
+                "local.lr to local.lr_min"
+            )
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"local.momentum must be in [0, 1), got {self.momentum}")
         if not 0 <= self.weight_decay < math.inf:

@@ -312,6 +312,10 @@ class HierarchicalAlgorithm(Algorithm):
         "local.steps": "runs H_r = floor(algorithm.tau (r+1)^algorithm.steps_power) local steps a round",
         "local.epochs": "runs H_r = floor(algorithm.tau (r+1)^algorithm.steps_power) local steps a round",
         "local.augment": "trains on its clients' batches as they are (no augmentation)",
+        "local.lr_schedule": "takes local.lr in every round (or, with algorithm.local_schedule: decaying, local.lr / "
+        "(t + local_offset) within each call)",
+        "local.lr_decay": "takes local.lr in every round (or, with algorithm.local_schedule: decaying, local.lr / "
+        "(t + local_offset) within each call)",
     }
     jobs_per_client = 1
     state_fields = ("x",)  # the global model x^_r

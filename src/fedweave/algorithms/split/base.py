@@ -223,6 +223,9 @@ class SplitAlgorithm(Algorithm):
     Hparams = SplitHparams
     method: ClassVar[str] = ""  # the accounting name: fsl_mc, fsl_oc, fsl_an, cse_fsl
     uses_aux: ClassVar[bool] = False
+    unread_config = {  # SplitAlgorithm.lrs: its own exponential decay
+        "local.lr_schedule": "decays its rates by local.lr_decay every algorithm.lr_decay_every rounds (exponential)",
+    }
     # the synchronous template waits for its clients: a client past the deadline is dropped like a dropout
     handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "deadline")
     state_fields = ("xc", "xs", "xa")  # the client, server and auxiliary models
