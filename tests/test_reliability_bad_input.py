@@ -112,6 +112,18 @@ def _cases() -> list[tuple[list[str], str]]:
             ["algorithm={name: cse_fsl}", "model.name=split_small", "local.lr_schedule=cosine"],
             "local.lr_schedule: the split",
         ),
+        # per-client evaluation where the family evaluates only its global model (before: silently not read)
+        (["algorithm={name: hier_fedavg}", "eval.personal_test=true"], "eval.personal_test: the hierarchical family"),
+        (["algorithm.name=fsl_mc", "model.name=split_small", "eval.per_client=true"], "eval.per_client: the split"),
+        (
+            [
+                "algorithm={name: gt_saga}",
+                "partition={name: iid, num_clients: 10}",
+                "local={}",
+                "eval.personal_test=true",
+            ],
+            "eval.personal_test: the confederated family",
+        ),
         # a config's sweep section given to a single run (before: "unknown key 'sweep'. Did you mean 'seed'?")
         (["sweep={grid: {local.lr: [0.1, 0.2]}}"], "sweep: a config's sweep section is read by 'fedweave sweep"),
         # an override of a section the file leaves out names no object (before: "sampler must be a mapping with

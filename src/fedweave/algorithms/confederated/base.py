@@ -128,6 +128,10 @@ class ConfederatedAlgorithm(Algorithm):
         "partition": "spreads the samples over its servers and users itself (algorithm.num_servers, "
         "users_per_server, batch_size)",
         "local": "takes its steps from its own options (algorithm.step_size or step_scale, iterations_per_round)",
+        "eval.personal_test": "evaluates the servers' average model on the test split; per-client evaluation is "
+        "the centralized family's",
+        "eval.per_client": "evaluates the servers' average model on the test split; per-client evaluation is "
+        "the centralized family's",
     }
     Hparams = ConfederatedHparams
     handles_faults = ("dropout", "server_miss", "link_loss")

@@ -296,6 +296,10 @@ class HierarchyHparams:
             raise ConfigError(f"algorithm.validation must be in [0, 1), got {self.validation}")
 
 
+# why a family that scores only its global model refuses eval.personal_test and eval.per_client
+GLOBAL_EVAL_ONLY = "evaluates the global model on the test split; per-client evaluation is the centralized family's"
+
+
 class HierarchicalAlgorithm(Algorithm):
     """Shared mechanics: the split, sampling, schedules, ledger messages and global-model evaluation.
 
@@ -314,6 +318,8 @@ class HierarchicalAlgorithm(Algorithm):
         "local.augment": "trains on its clients' batches as they are (no augmentation)",
         "local.lr_schedule": "takes local.lr in every round (or, with algorithm.local_schedule: decaying, local.lr / "
         "(t + local_offset) within each call)",
+        "eval.personal_test": GLOBAL_EVAL_ONLY,
+        "eval.per_client": GLOBAL_EVAL_ONLY,
         "local.lr_decay": "takes local.lr in every round (or, with algorithm.local_schedule: decaying, local.lr / "
         "(t + local_offset) within each call)",
     }

@@ -214,6 +214,10 @@ class BackpropSession:
         return torch.stack([c.xc for c in self.states])
 
 
+# why a family that scores only its global model refuses eval.personal_test and eval.per_client
+GLOBAL_EVAL_ONLY = "evaluates the global model on the test split; per-client evaluation is the centralized family's"
+
+
 class SplitAlgorithm(Algorithm):
     """Shared mechanics of the split family and the synchronous round template (:meth:`run_round`): a
     synchronous method (FSL_MC, FSL_OC, FSL_AN) writes only its exchanges, :meth:`train_round`; CSE-FSL,
@@ -225,6 +229,8 @@ class SplitAlgorithm(Algorithm):
     uses_aux: ClassVar[bool] = False
     unread_config = {  # SplitAlgorithm.lrs: its own exponential decay
         "local.lr_schedule": "decays its rates by local.lr_decay every algorithm.lr_decay_every rounds (exponential)",
+        "eval.personal_test": GLOBAL_EVAL_ONLY,
+        "eval.per_client": GLOBAL_EVAL_ONLY,
     }
     # the synchronous template waits for its clients: a client past the deadline is dropped like a dropout
     handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "deadline")
