@@ -4,6 +4,7 @@ and the built-in callbacks being what a config asks for."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import pytest
@@ -159,6 +160,20 @@ def test_the_config_decides_the_built_in_callbacks(cfg):
     assert kinds[0] is DivergenceGuard and Checkpointer in kinds and ProgressBar not in kinds
     on = load({**cfg, "output": {**cfg["output"], "progress": True, "checkpoint_every": 0}})
     assert ProgressBar in [type(c) for c in defaults(on)] and Checkpointer not in [type(c) for c in defaults(on)]
+
+
+def test_stop_at_target_on_a_column_the_run_never_writes_is_a_warning(cfg, tmp_path, caplog):
+    """A misspelled metric can never stop the run: it says so once, naming the run's columns (before: silence,
+    and the run went on to its last round)."""
+    with caplog.at_level(logging.WARNING, logger="fedweave"):
+        res = fedweave.run(cfg, run_dir=tmp_path / "x", callbacks=[StopAtTarget("test_acc", 0.1, direction="max")])
+    assert res.summary["rounds"] == 4 and "stopped_early" not in res.summary
+    warned = [r.getMessage() for r in caplog.records if "stop_at_target" in r.getMessage()]
+    assert len(warned) == 1 and "'test_acc'" in warned[0] and "test_accuracy" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fedweave"):
+        fedweave.run(cfg, run_dir=tmp_path / "y", callbacks=[StopAtTarget("test_accuracy", 2.0)])
+    assert not [r for r in caplog.records if "stop_at_target" in r.getMessage()]
 
 
 def test_stop_at_target_needs_a_direction_for_a_metric_other_than_the_main_one(cfg, tmp_path):

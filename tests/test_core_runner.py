@@ -136,6 +136,8 @@ def test_cli_list_shows_registries(capsys):
     assert cli_main(["list"]) == 0
     out = capsys.readouterr().out
     assert "fedavg" in out and "dirichlet" in out and "logistic" in out
+    # the split family's models, which its algorithms require (before: listed nowhere)
+    assert "split models: split_cifar, split_femnist, split_small" in out
 
 
 def test_finished_run_is_recognised_even_when_the_schema_gained_keys(toy_config, tmp_path):

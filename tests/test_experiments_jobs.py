@@ -45,6 +45,8 @@ def test_another_configs_run_is_refused_unless_overwrite(toy_config, tmp_path):
     with pytest.raises(RunFailed, match="RunDirError: .* already holds a finished run") as e:
         run_points(other, tmp_path, progress=False)
     assert isinstance(e.value.__cause__, RunDirError)
+    # what a sweep's user can do: neither --resume nor --overwrite, which `fedweave sweep` does not have
+    assert "a sweep never replaces it" in str(e.value) and "--overwrite" not in str(e.value)
     res = run_points(other, tmp_path, progress=False, overwrite=True)
     assert res["lr0.05/s3"].summary["rounds"] == 3
 

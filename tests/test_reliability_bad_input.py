@@ -88,6 +88,62 @@ def _cases() -> list[tuple[list[str], str]]:
         (["local.lr_schedule=linear"], "local.lr_schedule"),
         (["local.augment=[spin]"], "local.augment"),
         (["local.crop_size=24"], "local.crop_size"),
+        # an augmentation that cannot apply to the data or whose output the model cannot read (before: a
+        # traceback in round 1, after the run directory was written)
+        (["dataset.name=digits", "local.augment=[flip]"], "local.augment"),
+        (["local.augment=[crop]", "local.crop_size=20"], "local.augment"),
+        (["local.augment=[crop]", "local.crop_size=4"], "local.augment"),
+        (["local.augment=[normalize]"], "local.augment"),
+        # a neighbour-selection option the chosen selection does not read (before: silently ignored)
+        (["algorithm={name: gossip, tau: 0.9}"], "algorithm.tau: selection 'random' does not read it"),
+        (["algorithm={name: ditto, boltzmann_T: 5}"], "algorithm.boltzmann_T: selection 'random'"),
+        (["algorithm={name: fedavg_ft, proxy_layer: classifier}"], "algorithm.proxy_layer: selection 'random'"),
+        (["algorithm={name: gossip, selection: topk, select_k: 2, tau: 0.9}"], "algorithm.tau: selection 'topk'"),
+        # an auxiliary-net option with a split method that trains none (before: silently not read)
+        (["algorithm={name: fsl_mc}", "model={name: split_small, aux: cnn, aux_channels: 4}"], "model.aux"),
+        (["algorithm={name: fsl_oc, aux_lr: 0.1}", "model.name=split_small"], "algorithm.aux_lr: algorithm 'fsl_oc'"),
+        # a key of another lr schedule, or a schedule the family does not read (before: silently not read)
+        (["local.lr_min=0.01"], "local.lr_min applies to local.lr_schedule: cosine, not exponential"),
+        (["local.lr_step=5"], "local.lr_step applies to local.lr_schedule: step"),
+        (["local.lr_schedule=cosine", "local.lr_decay=0.9"], "local.lr_decay applies to the exponential and step"),
+        (["algorithm={name: hier_fedavg}", "local.lr_decay=0.9"], "local.lr_decay: the hierarchical family"),
+        (["algorithm={name: zo_hfl}", "local.lr_schedule=cosine"], "local.lr_schedule: the hierarchical family"),
+        (
+            ["algorithm={name: cse_fsl}", "model.name=split_small", "local.lr_schedule=cosine"],
+            "local.lr_schedule: the split",
+        ),
+        # per-client evaluation where the family evaluates only its global model (before: silently not read)
+        (["algorithm={name: hier_fedavg}", "eval.personal_test=true"], "eval.personal_test: the hierarchical family"),
+        (["algorithm.name=fsl_mc", "model.name=split_small", "eval.per_client=true"], "eval.per_client: the split"),
+        (
+            [
+                "algorithm={name: gt_saga}",
+                "partition={name: iid, num_clients: 10}",
+                "local={}",
+                "eval.personal_test=true",
+            ],
+            "eval.personal_test: the confederated family",
+        ),
+        # a config's sweep section given to a single run (before: "unknown key 'sweep'. Did you mean 'seed'?")
+        (["sweep={grid: {local.lr: [0.1, 0.2]}}"], "sweep: a config's sweep section is read by 'fedweave sweep"),
+        # an override of a section the file leaves out names no object (before: "sampler must be a mapping with
+        # a 'name' key", which does not say why)
+        (["sampler.redraw=false"], "sampler has options but no name ({'redraw': False}): give sampler.name too, e.g."),
+        # a callback's options (before: a negative budget ended the run after its first round; a stop_at_target
+        # on a column other than the main metric without a direction was a traceback after config.yaml was written)
+        (["callbacks=[{name: budget, seconds: -5}]"], "callbacks[0] (budget): Budget: seconds must be"),
+        (["callbacks=[{name: budget, rounds: 0}]"], "callbacks[0] (budget): Budget: rounds must be"),
+        (["callbacks=[{name: stop_at_target, metric: test_acc, target: 0.5}]"], "'test_acc'"),
+        # a section or key the family never reads (before: silently ignored, the run as without it)
+        (["algorithm={name: hier_fedavg}", "local.epochs=3"], "local.epochs: the hierarchical family runs H_r"),
+        (["algorithm={name: zo_hfl}", "local.steps=3", "local.epochs=null"], "local.steps: the hierarchical family"),
+        (["algorithm={name: zo_hfl}", "local.augment=[flip]"], "local.augment: the hierarchical family"),
+        (
+            ["algorithm={name: cfl_saga}", "dataset={name: cfl_logreg, num_samples: 300, dim: 20}"],
+            "partition.num_clients: the confederated family",
+        ),
+        (["algorithm={name: gt_saga}", "model.name=mlp"], "model.name: the confederated family"),
+        (["algorithm={name: cfl_admm}", "partition={name: iid, num_clients: 10}"], "local.lr: the confederated family"),
         (["local.lrr=0.1"], "local.lrr"),
         (["eval.every=0"], "eval.every"),
         (["eval.batch_size=-3"], "eval.batch_size"),
@@ -394,6 +450,19 @@ def test_output_dir_that_is_a_file(in_tmp, capsys):
     _one_line_error(capsys, cli_main(["run", "c.yaml", "--out", "taken"]), "is a file")
     _one_line_error(capsys, cli_main(["run", "c.yaml", "--out", "taken/run"]), "is a file")
     assert (in_tmp / "taken").read_text() == "mine"
+
+
+def test_the_refusal_of_a_taken_run_directory_offers_resume_only_where_a_checkpoint_is(in_tmp, capsys):
+    """Without checkpoints (``output.checkpoint_every: 0``, the default) `--resume` cannot continue the run, so
+    the line does not offer it (before: it did, and the suggested command failed with 'no checkpoint')."""
+    assert cli_main(["run", "c.yaml", "--out", "r", "--no-progress"]) == 0
+    capsys.readouterr()
+    line = _one_line_error(capsys, cli_main(["run", "c.yaml", "--out", "r"]), "already holds a finished run")
+    assert "--resume" not in line and "no checkpoint" in line and "--overwrite" in line
+    assert cli_main(["run", "c.yaml", "output.checkpoint_every=1", "--out", "k", "--no-progress"]) == 0
+    capsys.readouterr()
+    line = _one_line_error(capsys, cli_main(["run", "c.yaml", "--out", "k"]), "already holds a finished run")
+    assert "'fedweave run --resume k'" in line
 
 
 def test_a_finished_run_is_never_overwritten_without_overwrite(in_tmp, capsys):

@@ -6,6 +6,7 @@ import argparse
 import atexit
 import contextlib
 import errno
+import json
 import os
 import signal
 import sys
@@ -91,6 +92,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
         ("compressors", COMPRESSORS),  # compression.upload and .download (docs/compression.md)
     ):
         print(f"{title}: {', '.join(reg.names())}")
+    from fedweave.models.split import SPLIT_MODELS  # the split family's model.name (docs/algorithms/split.md)
+
+    print(f"split models: {', '.join(SPLIT_MODELS.names())}")
     from fedweave.registry import ACCOUNTANTS, PRIVACY_MECHANISMS  # privacy (the privacy section)
 
     print(f"privacy mechanisms: {', '.join(PRIVACY_MECHANISMS.names())}")
@@ -141,12 +145,27 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     for d in map(Path, args.run_dirs):
         runs += sorted((d / "runs").iterdir()) if (d / "sweep.json").is_file() else [d]
     try:
-        written = plot_runs(runs, out, metric=args.metric)
+        written = plot_runs(runs, out, metric=args.metric or _runs_metric(runs))
     except ValueError as e:
         raise ConfigError(str(e)) from e
     for p in written:
         print(p)
     return 0
+
+
+def _runs_metric(runs: list[Path]) -> str | None:
+    """The first finished run's own metric (its task's main metric, or the column its plots show where its
+    rows have none: the confederated family's ``opt_gap``); None when no run has a readable summary."""
+    from fedweave.runner import run_metric
+
+    for d in runs:
+        try:
+            metric = run_metric(json.loads((d / "summary.json").read_text()))
+        except (OSError, ValueError, AttributeError):
+            continue
+        if metric:
+            return metric
+    return None
 
 
 SWEEP_KEYS = ("grid", "zip", "seeds", "workers", "out")

@@ -192,6 +192,17 @@ class LocalConfig:
             raise ConfigError(f"local.lr_step must be >= 1, got {self.lr_step}")
         if not 0 <= self.lr_min <= self.lr:
             raise ConfigError(f"local.lr_min must be in [0, local.lr], got {self.lr_min}")
+        # a key of another schedule would be silently unread (LocalTrainer.lr reads only its schedule's keys)
+        for key, default, schedules in (("lr_step", 1, ("step",)), ("lr_min", 0.0, ("cosine",))):
+            if getattr(self, key) != default and self.lr_schedule not in schedules:
+                raise ConfigError(
+                    f"local.{key} applies to local.lr_schedule: {schedules[0]}, not {self.lr_schedule}; leave it out"
+                )
+        if self.lr_decay != 1 and self.lr_schedule == "cosine":
+            raise ConfigError(
+                "local.lr_decay applies to the exponential and step schedules; local.lr_schedule: cosine falls from "
+                "local.lr to local.lr_min"
+            )
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"local.momentum must be in [0, 1), got {self.momentum}")
         if not 0 <= self.weight_decay < math.inf:
@@ -859,6 +870,11 @@ def check_options(fn: Any, options: dict[str, Any], key: str, skip: tuple[str, .
 def _section(data: Any, key: str) -> Section:
     if isinstance(data, str):
         return Section(data)
+    if isinstance(data, dict) and data and "name" not in data:
+        # typically a key=value override of a section the file leaves out: the override alone names nothing
+        default = getattr(RunConfig(), key, None) if key in SECTION_KEYS else None
+        eg = f", e.g. {key}.name={default.name} (the default when the section is left out)" if default else ""
+        raise ConfigError(f"{key} has options but no name ({data!r}): give {key}.name too{eg}")
     if not isinstance(data, dict) or "name" not in data:
         raise ConfigError(f"{key} must be a mapping with a 'name' key (or just the name), got {data!r}")
     opts = dict(data)
@@ -879,6 +895,11 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"a config must be a mapping of keys to values, got {type(data).__name__}")
     data = dict(data)
+    if "sweep" in data:  # `fedweave sweep` takes this section off before it builds each point's config
+        raise ConfigError(
+            "sweep: a config's sweep section is read by 'fedweave sweep CONFIG', which runs its grid; a single run "
+            "('fedweave run', fedweave.run) takes the config without it"
+        )
     sections = {k: _section(data.pop(k), k) for k in SECTION_KEYS if k in data}
     callbacks = data.pop("callbacks", None) or []
     if not isinstance(callbacks, list):

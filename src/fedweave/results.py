@@ -133,10 +133,12 @@ def check_run_dir(path: Path, *, resume: bool = False, overwrite: bool = False) 
     if holds_run(path):
         summary = path / "summary.json"
         what = "a finished run" if summary.is_file() else "an unfinished run"
-        raise RunDirError(
-            f"{str(path)!r} already holds {what}; give another --out / output.dir, resume it with "
-            f"'fedweave run --resume {path}', or replace it with --overwrite"
-        )
+        # offer --resume only where it can continue: a run without checkpoint.pt has nothing to resume from
+        if (path / "checkpoint.pt").is_file():
+            ways = f"give another --out / output.dir, resume it with 'fedweave run --resume {path}', or replace it"
+        else:
+            ways = "it has no checkpoint to resume from; give another --out / output.dir, or replace it"
+        raise RunDirError(f"{str(path)!r} already holds {what}; {ways} with --overwrite")
     foreign = foreign_entries(path)
     if foreign:  # a user's folder: the run's files would land among (and over same-named) files of theirs
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")

@@ -346,10 +346,11 @@ class Task:
 
 def column_direction(column: str) -> str:
     """Whether higher (``max``) or lower (``min``) is better in a metrics column (``test_mse``,
-    ``val_auc``, ``test_accuracy_min``, ``train_loss``, ...), from the registered metric it names; losses are
-    ``min``, and a column that names no metric counts as ``max``."""
+    ``val_auc``, ``test_accuracy_min``, ``train_loss``, ...), from the registered metric it names; losses,
+    gaps and errors (the confederated family's ``opt_gap``, ``objective_gap``, ``consensus_error``) are ``min``,
+    and a column that names no metric counts as ``max``."""
     words = column.split("_")
-    if "loss" in words:
+    if {"loss", "gap", "error"} & set(words):
         return "min"
     for word in words:
         for cls in METRICS._items.values():

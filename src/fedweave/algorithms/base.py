@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import re
 from abc import ABCMeta, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cached_property
 from typing import Any, ClassVar
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fedweave.byo import RunObjects, describe_model
-from fedweave.config import ConfigError, RunConfig, build_dataclass, check_options
+from fedweave.config import ConfigError, RunConfig, Section, build_dataclass, check_options, load
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
 from fedweave.data.partition import Partition
@@ -130,6 +130,50 @@ def check_model_fits(
         ) from e
     finally:
         model.train(was_training)
+
+
+def checked_augment(
+    ctx: RunContext, model: nn.Module | None = None
+) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None:
+    """The run's training augmentation (``local.augment``), tried once on two training samples and, given
+    ``model``, fed to it, so that an augmentation that cannot apply to the data (a crop of feature vectors, a
+    window larger than the padded image) or whose output the model cannot read (a smaller crop into a model
+    without a centre crop) is a configuration error now rather than a traceback in round 1. The trial draws
+    from a generator of its own, so no named stream moves; the model runs in eval mode without gradients."""
+    cfg, ds = ctx.config, ctx.dataset
+    aug = list(cfg.local.augment)
+    shape = tuple(ds.train_x.shape[1:])
+    try:
+        augment = augment_for(cfg.local)
+        if augment is None:
+            return None
+        out = augment(ds.train_x[:2], torch.Generator().manual_seed(0))
+    except (RuntimeError, ValueError, IndexError, TypeError) as e:
+        raise ConfigError(
+            f"local.augment {aug} cannot apply to dataset {cfg.dataset.name!r}, whose samples have shape {shape} "
+            f"({_first_line(e)}); crop and flip need images (channels, height, width) and local.crop_size "
+            "at most the image side plus twice local.crop_padding"
+        ) from e
+    if model is not None:
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                model(out.to(ctx.device))
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            raise ConfigError(
+                f"local.augment {aug} gives samples of shape {tuple(out.shape[1:])}, which model "
+                f"{cfg.model.name!r} cannot read ({_first_line(e)}); leave local.crop_size out (the image size) "
+                "or choose a model for that input"
+            ) from e
+        finally:
+            model.train(was_training)
+    return augment
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:160] if text else type(e).__name__
 
 
 # partitioners that use only the number of samples (or the users), never the labels
@@ -422,6 +466,9 @@ class Algorithm(metaclass=_AlgorithmMeta):
     handles_faults: ClassVar[tuple[str, ...]] = ()
     #: Why the family trains only its own task (None: it trains any task of fedweave.tasks).
     fixed_task: ClassVar[str | None] = None
+    #: Config keys the class never reads (a section such as ``model``, or one key such as ``local.steps``), each
+    #: with why: set to other than its default it is refused, naming the key, when the run is built.
+    unread_config: ClassVar[dict[str, str]] = {}
     #: The column a run's plots show when the task's main metric is not among its rows (a fixed task's own).
     plot_metric: ClassVar[str] = "test_loss"
     #: The state record: the attributes that a resumed run needs beyond the context, which the default
@@ -521,7 +568,7 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
     local = cfg.local
     if regularize_in_rule:
         local = dataclasses.replace(local, weight_decay=0.0, grad_clip=None)
-    augment = augment_for(cfg.local)
+    augment = checked_augment(ctx, ctx.model)
     ds = ctx.dataset
     backend = choose_backend(cfg.backend, ctx.model, jobs_per_call, device=ctx.device)
     if backend == "vmap" and batch_statistics(ctx.model) and (local.steps is None or local.full_batch):
@@ -573,6 +620,24 @@ class ProximalRule(LocalRule):
         return grad(w) + self.lam * (w - self.anchor[jobs])
 
 
+def changed_keys(config: RunConfig, key: str) -> list[str]:
+    """The keys under ``key`` (``model``, ``local``, ``local.steps``) whose values differ from a default
+    config's, named as written in a config (``local.lr``, ``model.name``, ``partition.alpha``)."""
+    mine, default = config, load({})  # a loaded config: its defaults resolved (local.epochs 1) as the run's are
+    for part in key.split("."):
+        mine, default = getattr(mine, part), getattr(default, part)
+    if isinstance(mine, Section):
+        if mine.name != default.name:
+            return [f"{key}.name"]
+        opts = sorted(set(mine.options) | set(default.options))
+        return [f"{key}.{k}" for k in opts if mine.options.get(k) != default.options.get(k)]
+    if dataclasses.is_dataclass(mine):
+        return [
+            f"{key}.{f.name}" for f in dataclasses.fields(mine) if getattr(mine, f.name) != getattr(default, f.name)
+        ]
+    return [key] if mine != default else []
+
+
 def build_algorithm(ctx: RunContext) -> Algorithm:
     """Look up ``algorithm.name``, validate its options against its ``Hparams``, construct it."""
     section = ctx.config.algorithm
@@ -604,6 +669,10 @@ def build_algorithm(ctx: RunContext) -> Algorithm:
             f"secure_aggregation: the {cls.family} family is not supported yet (the star methods whose server needs "
             "only the sum of the updates); leave the section out"
         )
+    for key, why in cls.unread_config.items():
+        changed = changed_keys(ctx.config, key)
+        if changed:
+            raise ConfigError(f"{changed[0]}: the {cls.family} family {why}; leave it out")
     algo = cls(ctx, hp)
     if secure and getattr(algo, "secagg", None) is None:  # a star method with a round of its own
         raise ConfigError(f"secure_aggregation: algorithm {section.name!r} runs a round of its own, not billed yet")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import math
 import sys
 from typing import TYPE_CHECKING, Any
@@ -220,24 +221,43 @@ class StopAtTarget(Callback):
         self.each_round = each_round  # also watch the round's training metrics (a metric reported every round)
         self.reached: int | None = None
 
-    def on_start(self, run):
+    def on_build(self, run):
+        # resolved when the run is built, before anything is written: a missing direction is a config error
         if self.direction is None:
+            from fedweave.config import ConfigError
+
             main = run.ctx.task.main_key
             if self.metric != main:
-                raise ValueError(
+                raise ConfigError(
                     f"StopAtTarget: give direction='max' or 'min' for {self.metric!r} (the task's main metric, "
                     f"whose direction is known, is {main!r})"
                 )
             self.direction = run.ctx.task.direction
+
+    def on_start(self, run):
         self.reached = None
+        self._seen = False  # whether the metric has appeared in a row or (each_round) a round's training metrics
+        self._warned = False
         for row in run.rows:  # a resumed run's recorded rows: a target reached before the checkpoint stays reached
             self._check(row["round"], row.get(self.metric))
 
     def on_row(self, run, row):
+        self._seen = self._seen or self.metric in row
+        if not self._seen and not self._warned and row["round"] > 0:
+            # a column the run never writes (a misspelling) would let the run go on to its last round silently
+            self._warned = True
+            columns = ", ".join(k for k in row if k != "round")
+            logging.getLogger("fedweave").warning(
+                "stop_at_target: the run's first evaluated row has no column %r, so it can never stop the run; "
+                "its columns: %s",
+                self.metric,
+                columns,
+            )
         self._check(row["round"], row.get(self.metric))
 
     def after_training(self, run, r, metrics):
         if self.each_round:
+            self._seen = self._seen or self.metric in metrics
             self._check(r + 1, metrics.get(self.metric))
 
     def _check(self, round_: int, v: Any) -> None:
@@ -295,6 +315,11 @@ class Budget(Callback):
     def __init__(self, seconds: float | None = None, rounds: int | None = None) -> None:
         if seconds is None and rounds is None:
             raise ValueError("Budget: give seconds, rounds or both")
+        # a negative budget is a mistake, not a request for one round (seconds: 0 asks for that)
+        if seconds is not None and not (isinstance(seconds, int | float) and 0 <= seconds < math.inf):
+            raise ValueError(f"Budget: seconds must be a number >= 0 (wall seconds), got {seconds!r}")
+        if rounds is not None and not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1):
+            raise ValueError(f"Budget: rounds must be an integer >= 1, got {rounds!r}")
         self.seconds, self.rounds = seconds, rounds
 
     def after_round(self, run, r):

@@ -36,6 +36,7 @@ def _run_point(config: dict[str, Any], run_dir: str, threads: int, overwrite: bo
     import torch
 
     from fedweave.config import ConfigError, load
+    from fedweave.results import RunDirError
     from fedweave.runner import CHECKPOINT, run
 
     cfg = load(config)
@@ -49,7 +50,17 @@ def _run_point(config: dict[str, Any], run_dir: str, threads: int, overwrite: bo
             pass
     elif unfinished_run(run_dir, cfg):  # this point's run, killed before its first checkpoint: start it again
         overwrite = True
-    res = run(cfg, run_dir=run_dir, progress=False, on_divergence="return", overwrite=overwrite)
+    try:
+        res = run(cfg, run_dir=run_dir, progress=False, on_divergence="return", overwrite=overwrite)
+    except RunDirError as e:
+        # the runner's line offers --resume and --overwrite, which a sweep has not: say what a sweep user can do
+        if overwrite or "already holds" not in str(e):
+            raise
+        what = "a finished run" if (Path(run_dir) / "summary.json").is_file() else "an unfinished run"
+        raise RunDirError(
+            f"{run_dir!r} already holds {what} of another config than this point's; a sweep never replaces it: "
+            "give the sweep another --out, or move that directory away"
+        ) from e
     return Result(res.run_dir, res.metrics, res.summary)
 
 

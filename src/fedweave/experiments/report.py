@@ -115,12 +115,14 @@ def _read_run(path: Path, label: str | None = None) -> _Run:
 
 
 def _main_metric(runs: list[_Run]) -> str:
-    """The task's main metric column: a finished run's summary names it, else the config's task section."""
+    """The task's main metric column: a finished run's summary names it (or, where its rows have none, the
+    column its own plots show: :func:`fedweave.runner.run_metric`), else the config's task section."""
+    from fedweave.runner import run_metric
     from fedweave.tasks import build_task
 
     for r in runs:
-        if r.summary is not None and r.summary.get("main_metric"):
-            return r.summary["main_metric"]
+        if r.summary is not None and run_metric(r.summary):
+            return str(run_metric(r.summary))
     for r in runs:
         t = r.config
         try:

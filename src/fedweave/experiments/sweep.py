@@ -54,10 +54,12 @@ def sweep(
     ``sweep.json`` (the spec), ``runs/<point>``, ``sweep.csv`` (a row per run), ``summary.csv`` and
     ``summary.md`` (a row per point: mean and std over seeds) and the plots into ``out``, and returns them as
     a :class:`SweepResult`."""
+    from fedweave.runner import run_metric
     from fedweave.tasks import column_direction
 
     check_workers(workers)  # like the grid, before anything is written
     points = expand(config, grid, zipped=zipped, seeds=seeds, overrides=overrides)
+    defaulted = metric is None
     metric = metric or _main_column(points[0].config)
     better = max if column_direction(metric) == "max" else min
     out = Path(out)
@@ -69,6 +71,14 @@ def sweep(
     spec["runs"] = [{"run_dir": f"runs/{p.slug}", "point": p.label} for p in points]
     atomic_write(out / "sweep.json", json.dumps(spec, indent=2, default=str))
     results = run_points(points, out / "runs", workers=workers, progress=progress, ray_address=ray_address)
+    if defaulted and not any(results[p.slug].summary.get("main_metric") for p in points):
+        # no run's rows hold the task's main metric (the confederated family's synthetic problem has no test
+        # set): tabulate the column the runs' own plots show, as `fedweave plot` and the report do
+        own = next((m for p in points if (m := run_metric(results[p.slug].summary))), None)
+        if own is not None:
+            metric, better = own, max if column_direction(own) == "max" else min
+            spec["metric"] = metric
+            atomic_write(out / "sweep.json", json.dumps(spec, indent=2, default=str))
 
     records, by_point, curves = [], {}, {}
     for p in points:

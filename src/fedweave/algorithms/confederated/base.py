@@ -123,6 +123,16 @@ class ConfederatedAlgorithm(Algorithm):
     family = "confederated"
     fixed_task = "solves its paper's regularized logistic regression, eq. (48) (docs/algorithms/confederated.md)"
     plot_metric = "opt_gap"  # the paper's figures: the optimality gap against iterations and uploads
+    unread_config = {  # the problem, its split and steps are the options (docs/algorithms/confederated.md)
+        "model": "solves the linear model of eq. (48) on the data's features, not a model of the zoo",
+        "partition": "spreads the samples over its servers and users itself (algorithm.num_servers, "
+        "users_per_server, batch_size)",
+        "local": "takes its steps from its own options (algorithm.step_size or step_scale, iterations_per_round)",
+        "eval.personal_test": "evaluates the servers' average model on the test split; per-client evaluation is "
+        "the centralized family's",
+        "eval.per_client": "evaluates the servers' average model on the test split; per-client evaluation is "
+        "the centralized family's",
+    }
     Hparams = ConfederatedHparams
     handles_faults = ("dropout", "server_miss", "link_loss")
     state_fields = ("X", "Y", "G", "k", "uploads")  # the skeleton's; a method adds its own

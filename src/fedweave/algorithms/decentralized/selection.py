@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import numpy as np
@@ -300,6 +300,19 @@ class SelectionHparams:
         if self.boltzmann_T <= 0:
             raise ConfigError(f"algorithm.boltzmann_T must be > 0, got {self.boltzmann_T}")
         AfindOptions(tau=self.tau, upsilon=self.upsilon).validate()
+        # an option the chosen selection does not read, set to other than its default, is refused: random draws
+        # without proxies (NeighbourSelector.select), top-k weighs its choice uniformly
+        unread = {
+            "random": ("tau", "upsilon", "boltzmann_T", "boltzmann_weights", "proxy_layer"),
+            "topk": ("tau", "boltzmann_T", "boltzmann_weights"),
+        }.get(self.selection, ())
+        for f in fields(SelectionHparams):
+            if f.name in unread and getattr(self, f.name) != f.default:
+                used = "topk or afind" if f.name == "proxy_layer" else "afind"
+                raise ConfigError(
+                    f"algorithm.{f.name}: selection {self.selection!r} does not read it (selection {used} does); "
+                    "leave it out or set algorithm.selection"
+                )
 
 
 class NeighbourSelector:

@@ -296,6 +296,10 @@ class HierarchyHparams:
             raise ConfigError(f"algorithm.validation must be in [0, 1), got {self.validation}")
 
 
+# why a family that scores only its global model refuses eval.personal_test and eval.per_client
+GLOBAL_EVAL_ONLY = "evaluates the global model on the test split; per-client evaluation is the centralized family's"
+
+
 class HierarchicalAlgorithm(Algorithm):
     """Shared mechanics: the split, sampling, schedules, ledger messages and global-model evaluation.
 
@@ -307,6 +311,18 @@ class HierarchicalAlgorithm(Algorithm):
 
     family = "hierarchical"
     Hparams = HierarchyHparams
+    unread_config = {  # docs/algorithms/hierarchical.md, "Local steps"
+        # steps first: local.steps given with local.epochs null names the key that was set
+        "local.steps": "runs H_r = floor(algorithm.tau (r+1)^algorithm.steps_power) local steps a round",
+        "local.epochs": "runs H_r = floor(algorithm.tau (r+1)^algorithm.steps_power) local steps a round",
+        "local.augment": "trains on its clients' batches as they are (no augmentation)",
+        "local.lr_schedule": "takes local.lr in every round (or, with algorithm.local_schedule: decaying, local.lr / "
+        "(t + local_offset) within each call)",
+        "eval.personal_test": GLOBAL_EVAL_ONLY,
+        "eval.per_client": GLOBAL_EVAL_ONLY,
+        "local.lr_decay": "takes local.lr in every round (or, with algorithm.local_schedule: decaying, local.lr / "
+        "(t + local_offset) within each call)",
+    }
     jobs_per_client = 1
     state_fields = ("x",)  # the global model x^_r
     # privacy: why the ``privacy`` section refuses this method (None: DP-FedAvg's proof covers its round)

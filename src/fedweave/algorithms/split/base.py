@@ -42,9 +42,8 @@ from torch import nn
 
 from fedweave.accounting import split as accounting
 from fedweave.accounting.split import upload_batches
-from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights
+from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights, checked_augment
 from fedweave.config import ConfigError
-from fedweave.data.augment import augment_for
 from fedweave.execution import LocalTrainer, ParamLayout, evaluate_task
 from fedweave.ledger import nbytes
 from fedweave.models.split import build_split_model
@@ -215,6 +214,10 @@ class BackpropSession:
         return torch.stack([c.xc for c in self.states])
 
 
+# why a family that scores only its global model refuses eval.personal_test and eval.per_client
+GLOBAL_EVAL_ONLY = "evaluates the global model on the test split; per-client evaluation is the centralized family's"
+
+
 class SplitAlgorithm(Algorithm):
     """Shared mechanics of the split family and the synchronous round template (:meth:`run_round`): a
     synchronous method (FSL_MC, FSL_OC, FSL_AN) writes only its exchanges, :meth:`train_round`; CSE-FSL,
@@ -224,6 +227,11 @@ class SplitAlgorithm(Algorithm):
     Hparams = SplitHparams
     method: ClassVar[str] = ""  # the accounting name: fsl_mc, fsl_oc, fsl_an, cse_fsl
     uses_aux: ClassVar[bool] = False
+    unread_config = {  # SplitAlgorithm.lrs: its own exponential decay
+        "local.lr_schedule": "decays its rates by local.lr_decay every algorithm.lr_decay_every rounds (exponential)",
+        "eval.personal_test": GLOBAL_EVAL_ONLY,
+        "eval.per_client": GLOBAL_EVAL_ONLY,
+    }
     # the synchronous template waits for its clients: a client past the deadline is dropped like a dropout
     handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "deadline")
     state_fields = ("xc", "xs", "xa")  # the client, server and auxiliary models
@@ -253,6 +261,17 @@ class SplitAlgorithm(Algorithm):
                 self.parts = build_split_model(cfg.model.name, tuple(ds.input_shape), ds.num_classes, cfg.model.options)
             except ValueError as e:
                 raise ConfigError(str(e)) from e
+        if not self.uses_aux:  # FSL_MC and FSL_OC train no auxiliary net: its options would be silently unread
+            given = {
+                "model.aux": cfg.model.options.get("aux", "mlp"),
+                "model.aux_channels": cfg.model.options.get("aux_channels"),
+                "algorithm.aux_lr": hp.aux_lr,
+            }
+            for key, value in given.items():
+                if value not in ("mlp", None):  # the defaults (a paper preset writes aux: mlp for every method)
+                    raise ConfigError(
+                        f"{key}: algorithm {self.name!r} trains no auxiliary net (cse_fsl and fsl_an do); leave it out"
+                    )
         pl = self.placement = ctx.placement
         for m in (self.parts.client, self.parts.server, self.parts.aux):
             m.to(device=ctx.device, dtype=ctx.dtype)  # the run's placement (in place: the parts keep their modules)
@@ -265,7 +284,7 @@ class SplitAlgorithm(Algorithm):
         self.full = ParamLayout(nn.Sequential(self.client, self.server), pl)  # the inference model x_s ∘ x_c
         self.local_model = ParamLayout(nn.Sequential(self.client, self.aux), pl)  # a_c ∘ x_c (the local loss)
         self.xc, self.xs, self.xa = self.lc.flatten(), self.ls.flatten(), self.la.flatten()
-        augment = augment_for(cfg.local)
+        augment = checked_augment(ctx)  # the split parts read the crop (a model may centre-crop its test images)
         # only the batch plan (named ``batches`` stream) and augmentation of the foundation trainer are used
         self.batcher = LocalTrainer(
             self.client, ds.train_x, ds.train_y, ctx.partition, cfg.local, self.seeds, augment=augment, placement=pl
