@@ -392,6 +392,24 @@ def test_a_refused_or_stopped_run_raises_so_that_flower_records_it_as_failed(tmp
     assert summary["flower"]["jobs"] == CLIENTS
 
 
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("on-error", "dorp", r"app config on-error must be one of stop, drop, got 'dorp'$"),
+        ("reply-timeout", "abc", r"app config reply-timeout must be a number of seconds > 0, got 'abc'$"),
+        ("reply-timeout", -1.0, r"app config reply-timeout must be a number of seconds > 0, got -1.0$"),
+        ("node-wait", 0, r"app config node-wait must be a number of seconds > 0, got 0$"),
+    ],
+)
+def test_a_bad_app_setting_is_refused_at_start_in_one_line(tmp_path, key, value, match):
+    """``flwr run --run-config`` can set the app's keys to anything of TOML's types, past ``fedweave flower-app``'s
+    checks: the ServerApp refuses a bad one as it refuses any run at start (``RunFailed``, one line naming the key
+    and what is allowed), before it writes anything."""
+    with pytest.raises(server_app.RunFailed, match=r"^fedweave run not started: " + match):
+        deployed(small("fedavg", rounds=1), tmp_path, **{key: value})
+    assert not (tmp_path / "deployed").exists()
+
+
 def test_the_servers_progress_and_completion_lines_go_through_flowers_logger(tmp_path):
     """Flower forwards what its logger prints in the ServerApp's process to ``flwr run --stream``: fedweave's
     lines (a line per round trained and evaluated, the completion line) go there, once each."""

@@ -554,6 +554,23 @@ def _result(params: torch.Tensor, headers: list[dict]) -> LocalResult:
     )
 
 
+def _app_settings(rc: dict) -> tuple[float, float, str]:
+    """The app config's ``reply-timeout``, ``node-wait`` and ``on-error``, checked here because ``flwr run
+    --run-config`` sets them past ``fedweave flower-app``'s checks (to any TOML value): a bad one is a
+    :class:`DeploymentError` naming the key and what is allowed."""
+    seconds = []
+    for key in ("reply-timeout", "node-wait"):
+        value = rc.get(key)
+        number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
+        if not 0 < number < float("inf"):
+            raise DeploymentError(f"app config {key} must be a number of seconds > 0, got {value!r}")
+        seconds.append(float(number))
+    on_error = rc.get("on-error", "stop")
+    if on_error not in support.POLICIES:
+        raise DeploymentError(f"app config on-error must be one of {', '.join(support.POLICIES)}, got {on_error!r}")
+    return seconds[0], seconds[1], on_error
+
+
 app = ServerApp()
 
 
@@ -570,12 +587,11 @@ def _main(grid: Grid, context: Context) -> None:
 
     rc = context.run_config
     config = load_config(json.loads(str(rc["fedweave-config"])))
-    clients = FlowerClients(
-        grid,
-        reply_timeout=float(rc["reply-timeout"]),
-        node_wait=float(rc["node-wait"]),
-        on_error=str(rc.get("on-error", "stop")),
-    )
+    try:
+        reply_timeout, node_wait, on_error = _app_settings(rc)
+    except DeploymentError as e:
+        raise RunFailed(f"fedweave run not started: {e}") from None
+    clients = FlowerClients(grid, reply_timeout=reply_timeout, node_wait=node_wait, on_error=on_error)
     run_dir = str(rc.get("run-dir", "")) or None
     failed = None
     try:
