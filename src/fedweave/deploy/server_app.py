@@ -84,6 +84,7 @@ class FlowerClients(Callback):
         self.asked: dict[str, int] = {}  # start-up queries waiting for their reply: message id -> node id
         self.queried: set[int] = set()  # nodes asked once
         self.query_errors: dict[int, str] = {}  # node id -> why it did not answer the query
+        self.num_clients = 0  # the run's clients, which ``discover`` sets before any answer is taken
         self.samples: dict[int, int] = {}  # client -> sample count of a node that holds its own data
         self.accepted: dict[int, int] = {}  # client -> round of its state version the server used
         self.replies: dict[str, Message] = {}  # this round's good replies, by job digest
@@ -114,6 +115,11 @@ class FlowerClients(Callback):
             header, _ = from_records(reply.content)
             answer = json.loads(header)
             client = int(answer["partition"])
+            if self.num_clients and not 0 <= client < self.num_clients:  # a typo: name it beside the missing client
+                why = f"partition-id {client} is not a client of the run (0 .. {self.num_clients - 1})"
+                self.query_errors[node] = why
+                log.warning("SuperNode %d holds no client of the run: %s", node, why)
+                continue
             if "samples" in answer:
                 self.samples[client] = int(answer["samples"])
             if client in self.node_of and self.node_of[client] != node:
@@ -122,6 +128,7 @@ class FlowerClients(Callback):
 
     def discover(self, num_clients: int) -> None:
         """Ask every connected node which client it holds, until all ``num_clients`` are held."""
+        self.num_clients = num_clients
         deadline = time.monotonic() + self.node_wait
         while True:
             self._ask_new_nodes()
