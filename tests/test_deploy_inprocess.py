@@ -410,6 +410,17 @@ def test_a_bad_app_setting_is_refused_at_start_in_one_line(tmp_path, key, value,
     assert not (tmp_path / "deployed").exists()
 
 
+def test_a_config_problem_found_while_building_is_refused_at_start_in_one_line(tmp_path):
+    """A config passes ``fedweave flower-app`` with what only building the run checks (a partitioner's option):
+    the ServerApp refuses it as a run refused at start, one line naming the key, before it writes anything."""
+    cfg = small("fedavg", rounds=1)
+    cfg["partition"] = {**cfg["partition"], "alpha": -1.0}
+    with pytest.raises(server_app.RunFailed, match=r"^fedweave run not started: partition") as e:
+        deployed(cfg, tmp_path)
+    assert "\n" not in str(e.value) and "alpha" in str(e.value)
+    assert not (tmp_path / "deployed").exists()
+
+
 def test_the_servers_progress_and_completion_lines_go_through_flowers_logger(tmp_path):
     """Flower forwards what its logger prints in the ServerApp's process to ``flwr run --stream``: fedweave's
     lines (a line per round trained and evaluated, the completion line) go there, once each."""

@@ -604,7 +604,9 @@ def _main(grid: Grid, context: Context) -> None:
     try:
         result = runner.run(config, run_dir=run_dir, callbacks=[clients], progress=False)
         out = Path(result.run_dir)
-    except DeploymentError as e:  # before the first round: nothing was written
+    except (DeploymentError, ConfigError) as e:  # before the first round: nothing was written
+        # a ConfigError is what building the run finds (an option only the partitioner or model checks), past
+        # fedweave flower-app's checks of the config's form and of what the deployment carries
         raise RunFailed(f"fedweave run not started: {e}") from None
     except RunStopped as e:
         failed = RunFailed(f"fedweave run stopped: {e}")
