@@ -392,6 +392,35 @@ def test_a_refused_or_stopped_run_raises_so_that_flower_records_it_as_failed(tmp
     assert summary["flower"]["jobs"] == CLIENTS
 
 
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("on-error", "dorp", r"app config on-error must be one of stop, drop, got 'dorp'$"),
+        ("reply-timeout", "abc", r"app config reply-timeout must be a number of seconds > 0, got 'abc'$"),
+        ("reply-timeout", -1.0, r"app config reply-timeout must be a number of seconds > 0, got -1.0$"),
+        ("node-wait", 0, r"app config node-wait must be a number of seconds > 0, got 0$"),
+    ],
+)
+def test_a_bad_app_setting_is_refused_at_start_in_one_line(tmp_path, key, value, match):
+    """``flwr run --run-config`` can set the app's keys to anything of TOML's types, past ``fedweave flower-app``'s
+    checks: the ServerApp refuses a bad one as it refuses any run at start (``RunFailed``, one line naming the key
+    and what is allowed), before it writes anything."""
+    with pytest.raises(server_app.RunFailed, match=r"^fedweave run not started: " + match):
+        deployed(small("fedavg", rounds=1), tmp_path, **{key: value})
+    assert not (tmp_path / "deployed").exists()
+
+
+def test_a_config_problem_found_while_building_is_refused_at_start_in_one_line(tmp_path):
+    """A config passes ``fedweave flower-app`` with what only building the run checks (a partitioner's option):
+    the ServerApp refuses it as a run refused at start, one line naming the key, before it writes anything."""
+    cfg = small("fedavg", rounds=1)
+    cfg["partition"] = {**cfg["partition"], "alpha": -1.0}
+    with pytest.raises(server_app.RunFailed, match=r"^fedweave run not started: partition") as e:
+        deployed(cfg, tmp_path)
+    assert "\n" not in str(e.value) and "alpha" in str(e.value)
+    assert not (tmp_path / "deployed").exists()
+
+
 def test_the_servers_progress_and_completion_lines_go_through_flowers_logger(tmp_path):
     """Flower forwards what its logger prints in the ServerApp's process to ``flwr run --stream``: fedweave's
     lines (a line per round trained and evaluated, the completion line) go there, once each."""
@@ -486,6 +515,44 @@ def test_a_node_refuses_a_job_whose_settings_or_tensors_are_not_the_runs(tmp_pat
     got = reply({"kind": "split_epoch", "client": "0"}, {})  # a split job: its client is checked first
     assert got.has_error() and got.error.code == client_app.MALFORMED
     assert got.error.reason == "malformed fedweave split job message: the job's client must be an integer, got '0'"
+
+
+@pytest.mark.parametrize(
+    "node_config, why",
+    [
+        ({}, "SuperNode --node-config must name 'partition-id=N' (the fedweave client it holds)"),
+        ({"partition-id": 1.5}, "SuperNode --node-config partition-id must be a whole number >= 0, got 1.5"),
+        ({"partition-id": "x"}, "SuperNode --node-config partition-id must be a whole number >= 0, got 'x'"),
+        ({"partition-id": True}, "SuperNode --node-config partition-id must be a whole number >= 0, got True"),
+        ({"partition-id": -1}, "SuperNode --node-config partition-id must be a whole number >= 0, got -1"),
+    ],
+)
+def test_a_node_without_a_whole_partition_id_answers_the_query_with_one_line(tmp_path, node_config, why):
+    """The start-up query asks a node which client it holds: a node config without ``partition-id``, or with one
+    that is not a whole number >= 0 (Flower's ``--node-config`` parses ``1.5``, ``'x'`` and ``true`` as such),
+    is error 107 with one line naming the key, not a client it was not meant to hold (``int(1.5)`` is 1) nor
+    Flower's wrapping of an exception; the ServerApp names the line when it gives up waiting."""
+    from fedweave.deploy.wire import to_records
+
+    config_json = json.dumps(load(small("fedavg")).to_dict())
+    node = Context(7, 1, {"state-dir": str(tmp_path), **node_config}, RecordDict(), {"fedweave-config": config_json})
+    msg = Message(to_records({}, {}), dst_node_id=1, message_type="query")
+    msg.metadata.__dict__["_message_id"] = msg.object_id
+    got = client_app.app(msg, node)
+    assert got.has_error() and got.error.code == client_app.NODE_CONFIG
+    assert got.error.reason == why
+
+
+def test_a_node_holding_no_client_of_the_run_is_named_when_the_run_is_refused(tmp_path):
+    """A node whose ``partition-id`` is past the run's clients (``partition-id=4`` of clients 0 .. 3): the
+    refusal names that node and its partition-id beside the clients nobody holds."""
+    cfg = small("fedavg")
+    grid = InProcessGrid(json.dumps(load(cfg).to_dict()), tmp_path, clients=range(CLIENTS - 1))
+    grid.contexts[CLIENTS - 1].node_config["partition-id"] = CLIENTS  # node 3 (client 2's), one past the last
+    with pytest.raises(server_app.RunFailed) as e:
+        deployed(cfg, tmp_path, grid, **{"node-wait": 0.1})
+    assert str(e.value).startswith("fedweave run not started: no SuperNode holds clients [2, 3] after waiting")
+    assert f"node {CLIENTS - 1}: partition-id {CLIENTS} is not a client of the run (0 .. {CLIENTS - 1})" in str(e.value)
 
 
 COMPRESSED = {  # method, compression.upload

@@ -42,15 +42,23 @@ from fedweave.tasks import Task, build_task
 
 # Error codes of the replies (Flower reserves codes below 100 for itself)
 UNKNOWN_RULE, MALFORMED, WRONG_NODE, STATE_MISSING, STATE_UNWRITABLE, NODE_DATA = 101, 102, 103, 104, 105, 106
+NODE_CONFIG = 107  # the node's --node-config names no partition-id, or one that is not a whole number >= 0
 
 app = ClientApp()
 
 
 def partition_id(context: Context) -> int:
+    """The fedweave client this node holds, from its ``--node-config``; a ``ConfigError`` naming the key when it
+    is missing or not a whole number >= 0 (Flower parses ``1.5``, ``'x'`` and ``true`` as such, and ``int``
+    would take ``1.5`` and ``true`` for client 1)."""
     value = context.node_config.get("partition-id")
     if value is None:
         raise ConfigError("SuperNode --node-config must name 'partition-id=N' (the fedweave client it holds)")
-    return int(value)
+    if isinstance(value, str) and value.isdecimal():  # partition-id='2', quoted
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"SuperNode --node-config partition-id must be a whole number >= 0, got {value!r}")
+    return value
 
 
 def state_dir(context: Context) -> Path:
@@ -103,7 +111,10 @@ def _trainer(config_json: str, data: str, client: int, num_classes: int | None) 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Which client this node holds (and, with its own data, how many samples it has)."""
-    answer = {"partition": partition_id(context)}
+    try:
+        answer = {"partition": partition_id(context)}
+    except ConfigError as e:
+        return _error(msg, NODE_CONFIG, str(e))
     data = node_data(context)
     if data is not None:
         try:

@@ -84,6 +84,7 @@ class FlowerClients(Callback):
         self.asked: dict[str, int] = {}  # start-up queries waiting for their reply: message id -> node id
         self.queried: set[int] = set()  # nodes asked once
         self.query_errors: dict[int, str] = {}  # node id -> why it did not answer the query
+        self.num_clients = 0  # the run's clients, which ``discover`` sets before any answer is taken
         self.samples: dict[int, int] = {}  # client -> sample count of a node that holds its own data
         self.accepted: dict[int, int] = {}  # client -> round of its state version the server used
         self.replies: dict[str, Message] = {}  # this round's good replies, by job digest
@@ -114,6 +115,11 @@ class FlowerClients(Callback):
             header, _ = from_records(reply.content)
             answer = json.loads(header)
             client = int(answer["partition"])
+            if self.num_clients and not 0 <= client < self.num_clients:  # a typo: name it beside the missing client
+                why = f"partition-id {client} is not a client of the run (0 .. {self.num_clients - 1})"
+                self.query_errors[node] = why
+                log.warning("SuperNode %d holds no client of the run: %s", node, why)
+                continue
             if "samples" in answer:
                 self.samples[client] = int(answer["samples"])
             if client in self.node_of and self.node_of[client] != node:
@@ -122,6 +128,7 @@ class FlowerClients(Callback):
 
     def discover(self, num_clients: int) -> None:
         """Ask every connected node which client it holds, until all ``num_clients`` are held."""
+        self.num_clients = num_clients
         deadline = time.monotonic() + self.node_wait
         while True:
             self._ask_new_nodes()
@@ -554,6 +561,23 @@ def _result(params: torch.Tensor, headers: list[dict]) -> LocalResult:
     )
 
 
+def _app_settings(rc: dict) -> tuple[float, float, str]:
+    """The app config's ``reply-timeout``, ``node-wait`` and ``on-error``, checked here because ``flwr run
+    --run-config`` sets them past ``fedweave flower-app``'s checks (to any TOML value): a bad one is a
+    :class:`DeploymentError` naming the key and what is allowed."""
+    seconds = []
+    for key in ("reply-timeout", "node-wait"):
+        value = rc.get(key)
+        number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
+        if not 0 < number < float("inf"):
+            raise DeploymentError(f"app config {key} must be a number of seconds > 0, got {value!r}")
+        seconds.append(float(number))
+    on_error = rc.get("on-error", "stop")
+    if on_error not in support.POLICIES:
+        raise DeploymentError(f"app config on-error must be one of {', '.join(support.POLICIES)}, got {on_error!r}")
+    return seconds[0], seconds[1], on_error
+
+
 app = ServerApp()
 
 
@@ -570,18 +594,19 @@ def _main(grid: Grid, context: Context) -> None:
 
     rc = context.run_config
     config = load_config(json.loads(str(rc["fedweave-config"])))
-    clients = FlowerClients(
-        grid,
-        reply_timeout=float(rc["reply-timeout"]),
-        node_wait=float(rc["node-wait"]),
-        on_error=str(rc.get("on-error", "stop")),
-    )
+    try:
+        reply_timeout, node_wait, on_error = _app_settings(rc)
+    except DeploymentError as e:
+        raise RunFailed(f"fedweave run not started: {e}") from None
+    clients = FlowerClients(grid, reply_timeout=reply_timeout, node_wait=node_wait, on_error=on_error)
     run_dir = str(rc.get("run-dir", "")) or None
     failed = None
     try:
         result = runner.run(config, run_dir=run_dir, callbacks=[clients], progress=False)
         out = Path(result.run_dir)
-    except DeploymentError as e:  # before the first round: nothing was written
+    except (DeploymentError, ConfigError) as e:  # before the first round: nothing was written
+        # a ConfigError is what building the run finds (an option only the partitioner or model checks), past
+        # fedweave flower-app's checks of the config's form and of what the deployment carries
         raise RunFailed(f"fedweave run not started: {e}") from None
     except RunStopped as e:
         failed = RunFailed(f"fedweave run stopped: {e}")
