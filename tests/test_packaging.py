@@ -72,6 +72,17 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"fedweave {fedweave.__version__}"
 
 
+def test_python_dash_m_fedweave_is_the_command():
+    """``python -m fedweave`` runs the ``fedweave`` command: its output, its one-line errors and their status."""
+    env = {**os.environ, "PYTHONPATH": str(Path(fedweave.__file__).parents[1])}
+    run = [sys.executable, "-m", "fedweave"]
+    done = subprocess.run([*run, "--version"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == f"fedweave {fedweave.__version__}"
+    done = subprocess.run([*run, "run", "no-such-config.yaml"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr == "fedweave: error: config file 'no-such-config.yaml' does not exist\n"
+
+
 def test_the_example_configs_ship_in_the_package_and_load():
     from fedweave.config import example_path, examples, load
 
