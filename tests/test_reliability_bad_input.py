@@ -189,6 +189,10 @@ def _cases() -> list[tuple[list[str], str]]:
         (["task.metrics=accuracy"], "task.metrics"),
         (["task.main=auc"], "task.main"),
         (["task.loss_options.half=true"], "task.loss_options takes no options"),
+        # a registered entry that takes no options is named
+        (["partition={name: iid, num_clients: 10, alpha: 0.5}"], "partition 'iid' takes no options"),
+        (["aggregator={name: median, foo: 1}"], "aggregator 'median' takes no options"),
+        (["sampler={name: uniform, foo: 1}"], "sampler 'uniform' takes no options"),
         (["task={loss: mse, loss_options: {full: true}}"], "task.loss_options.full"),
         (["task.colour=red"], "task.colour"),
         (["task=mse"], "task"),

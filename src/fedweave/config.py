@@ -811,13 +811,14 @@ def _check_finite(value: Any, default: Any, key: str) -> Any:
     return value
 
 
-def _unknown(key: str, bad: Any, allowed: list[str]) -> ConfigError:
+def _unknown(key: str, bad: Any, allowed: list[str], name: str | None = None) -> ConfigError:
     close = difflib.get_close_matches(bad, allowed, n=1) if isinstance(bad, str) else []
     hint = f" Did you mean {close[0]!r}?" if close else ""
     prefix = f"{key}." if key else ""
     shown = repr(f"{prefix}{bad}")  # repr: a key with control characters stays visible and on one line
     if not allowed:
-        return ConfigError(f"unknown key {shown}: {key or 'the config'} takes no options")
+        owner = f"{key} {name!r}" if name else key or "the config"  # the chosen entry of a registry, when known
+        return ConfigError(f"unknown key {shown}: {owner} takes no options")
     return ConfigError(f"unknown key {shown}.{hint} Allowed: {', '.join(sorted(map(str, allowed)))}")
 
 
@@ -843,10 +844,13 @@ def build_dataclass(cls: type, data: dict[str, Any] | None, key: str) -> Any:
     return obj
 
 
-def check_options(fn: Any, options: dict[str, Any], key: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+def check_options(
+    fn: Any, options: dict[str, Any], key: str, skip: tuple[str, ...] = (), name: str | None = None
+) -> dict[str, Any]:
     """Check ``options`` against the keyword parameters of callable ``fn`` (names and annotated types), leaving
     out the parameters in ``skip`` (those the caller passes itself); returns the options with their values
-    coerced. A bad one raises a :class:`ConfigError` naming ``key.option`` and what is allowed."""
+    coerced. A bad one raises a :class:`ConfigError` naming ``key.option`` and what is allowed (``name``: the
+    registered name of ``fn``, which that line names where ``fn`` takes no options)."""
     sig = inspect.signature(fn)
     params = {
         n: p for n, p in sig.parameters.items() if n not in skip and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
@@ -862,7 +866,7 @@ def check_options(fn: Any, options: dict[str, Any], key: str, skip: tuple[str, .
             if takes_any:
                 out[k] = v
                 continue
-            raise _unknown(key, k, list(params))
+            raise _unknown(key, k, list(params), name)
         out[k] = _check_finite(coerce(v, hints.get(k, Any), f"{key}.{k}"), params[k].default, f"{key}.{k}")
     return out
 

@@ -230,7 +230,7 @@ class RunContext:
         if self.objects.dataset is not None:
             return self.objects.dataset
         loader = DATASETS.get(self.config.dataset.name)
-        opts = check_options(loader, self.config.dataset.options, "dataset")
+        opts = check_options(loader, self.config.dataset.options, "dataset", name=self.config.dataset.name)
         with _as_config_error("dataset"):
             return loader(**opts)
 
@@ -353,7 +353,7 @@ class RunContext:
                 f"partition.num_clients must be a non-negative integer (0 = one client per natural user), "
                 f"got {num_clients!r}"
             )
-        opts = check_options(fn, opts, "partition", skip=("labels", "num_clients", "rng", "users"))
+        opts = check_options(fn, opts, "partition", skip=("labels", "num_clients", "rng", "users"), name=part.name)
         with _as_config_error("partition"):
             return Partition.of(fn(labels, num_clients, self.seeds.numpy("partition"), users=users, **opts))
 
@@ -399,7 +399,8 @@ class RunContext:
                     raise ConfigError(f"model: the factory must return an nn.Module, got {type(model).__name__}")
             else:
                 builder = MODELS.get(self.config.model.name)
-                opts = check_options(builder, opts, "model", skip=("input_shape", "num_classes"))
+                name = self.config.model.name
+                opts = check_options(builder, opts, "model", skip=("input_shape", "num_classes"), name=name)
                 with _model_memory(self.config.model.name, opts):
                     model = builder(tuple(ds.input_shape), ds.num_classes, **opts)
         with _model_memory(self.config.model.name, opts):

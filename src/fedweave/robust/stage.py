@@ -51,14 +51,14 @@ def build_attack(spec: dict[str, Any]) -> Attack:
     """The attack ``faults.byzantine`` names, with its options checked against the attack's own."""
     name, opts = byzantine_parts(spec)
     cls = _lookup(ATTACKS, name, "faults.byzantine.attack")
-    return cls(**check_options(cls, opts, "faults.byzantine"))
+    return cls(**check_options(cls, opts, "faults.byzantine", name=name))
 
 
 def build_aggregator(section: Section) -> Aggregator:
     """The aggregator ``aggregator.name`` names, with its options (less ``bucketing`` and ``f``) checked."""
     cls = _lookup(AGGREGATORS, section.name, "aggregator.name")
     opts = {k: v for k, v in section.options.items() if k not in STAGE_KEYS}
-    return cls(**check_options(cls, opts, "aggregator"))
+    return cls(**check_options(cls, opts, "aggregator", name=section.name))
 
 
 def _count(section: Section, key: str) -> int | None:

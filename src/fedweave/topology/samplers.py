@@ -365,7 +365,7 @@ def make_sampler(
     section = ctx.config.sampler
     name = default if section.name == "uniform" and not section.options else section.name
     fn = SAMPLERS.get(name)
-    opts = check_options(fn, section.options, "sampler", skip=SAMPLER_ARGS)
+    opts = check_options(fn, section.options, "sampler", skip=SAMPLER_ARGS, name=name)
     if context is None:
         refuse_context(name, fn, family or "this")
     n = ctx.num_clients if num_clients is None else num_clients
