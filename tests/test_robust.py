@@ -122,6 +122,34 @@ def test_krum_and_bulyan_refuse_too_few_updates_in_one_line():
         Bulyan()(_rows(10, 3), _uniform(10), 2)
 
 
+@pytest.mark.parametrize(
+    ("byzantine", "aggregator", "message"),
+    [
+        ({"fraction": 0.2, "attack": "min_max", "perturbation": "foo"}, None,
+         r"^faults\.byzantine\.perturbation must be one of \['unit_vec', 'std', 'sign'\], got 'foo'$"),
+        ({"fraction": 0.2, "attack": "sign_flip", "scale": "abc"}, None,
+         r"^faults\.byzantine\.scale must be a number, got 'abc'$"),
+        (None, {"name": "krum", "m": 1.5}, r"^aggregator\.m must be an integer, got 1\.5$"),
+        (None, {"name": "geometric_median", "iters": "abc"}, r"^aggregator\.iters must be an integer, got 'abc'$"),
+    ],
+)  # fmt: skip
+def test_attack_and_aggregator_options_of_the_wrong_type_are_one_line_naming_the_key(
+    byzantine, aggregator, message, tmp_path
+):
+    # the options are the classes' __init__ parameters: their types are checked as every other option's (before,
+    # a misspelt perturbation silently ran as 'sign' and a string gave a raw TypeError inside the round)
+    data = {"seed": 0, "rounds": 1, "dataset": "digits", "partition": {"name": "iid", "num_clients": 10},
+            "model": "logistic", "algorithm": {"name": "fedavg", "clients_per_round": 10},
+            "output": {"dir": str(tmp_path / "run"), "plots": False, "progress": False}}  # fmt: skip
+    if byzantine is not None:
+        data["faults"] = {"byzantine": byzantine}
+    if aggregator is not None:
+        data["aggregator"] = aggregator
+    with pytest.raises(ConfigError, match=message) as e:
+        fedweave.run(data)
+    assert "\n" not in str(e.value)
+
+
 def test_bulyan_on_its_bound_keeps_to_the_honest_updates():
     n, f = 11, 2  # n = 4f + 3
     u, honest = _honest_and_byzantine(n, f, seed=3)

@@ -857,7 +857,9 @@ def check_options(
     }
     takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
     try:
-        hints = typing.get_type_hints(fn)
+        # a class's options are its __init__ parameters: get_type_hints(cls) would give the class attributes'
+        # annotations instead, and the options would go unchecked
+        hints = typing.get_type_hints(fn.__init__ if inspect.isclass(fn) else fn)
     except Exception:  # unresolvable annotations: check names only
         hints = {}
     out = {}
