@@ -67,11 +67,9 @@ class PersonalStar(StarAlgorithm):
         if not self.global_model:  # the clients' own models are the method's: the plain names, eval.distribution
             out, per = self.personal_metrics(models, "")
             out.update(self.personal_backdoor_metrics(models))
-            return (
-                {**out, **self.client_distribution(r, per, self.evaluated_ids())}
-                if self.config.eval.distribution
-                else out
-            )
+            if self.config.eval.distribution:
+                out.update(self.client_distribution(r, per, self.evaluated_ids()))
+            return out
         out = super().evaluate(r)  # the global model on the global test split (and eval.personal_test's)
         return {**out, **self.personal_metrics(models, "_personal")[0], **self.personal_backdoor_metrics(models)}
 
