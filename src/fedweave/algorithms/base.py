@@ -115,21 +115,29 @@ def check_model_fits(
 ) -> None:
     """One forward pass on two training samples (on ``device``), so that a model that cannot read the
     dataset's input (a character LSTM on images, say) is a configuration error now rather than a traceback
-    in round 1. Eval mode and no_grad: no batch-norm statistics move and no random numbers are drawn."""
+    in round 1."""
+    e = forward_error(model, ds.train_x[:2].to(device) if device is not None else ds.train_x[:2])
+    if e is not None:
+        raise ConfigError(
+            f"model {model_name!r} does not fit dataset {dataset_name!r}: its input is "
+            f"{tuple(ds.train_x.shape[1:])} ({ds.train_x.dtype}) with {ds.num_classes} classes, and the model "
+            f"fails on it ({_first_line(e)}); choose a model for this kind of input (fedweave list)"
+        ) from e
+
+
+def forward_error(model: nn.Module, x: torch.Tensor) -> Exception | None:
+    """The error one forward pass of ``x`` through ``model`` raises, or None. Eval mode and no_grad: no
+    batch-norm statistics move and no random numbers are drawn; the model's mode is put back."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            model(ds.train_x[:2].to(device) if device is not None else ds.train_x[:2])
+            model(x)
     except (RuntimeError, ValueError, IndexError, TypeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(
-            f"model {model_name!r} does not fit dataset {dataset_name!r}: its input is "
-            f"{tuple(ds.train_x.shape[1:])} ({ds.train_x.dtype}) with {ds.num_classes} classes, and the model "
-            f"fails on it ({first[:160]}); choose a model for this kind of input (fedweave list)"
-        ) from e
+        return e
     finally:
         model.train(was_training)
+    return None
 
 
 def checked_augment(
@@ -154,20 +162,12 @@ def checked_augment(
             f"({_first_line(e)}); crop and flip need images (channels, height, width) and local.crop_size "
             "at most the image side plus twice local.crop_padding"
         ) from e
-    if model is not None:
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                model(out.to(ctx.device))
-        except (RuntimeError, ValueError, IndexError, TypeError) as e:
-            raise ConfigError(
-                f"local.augment {aug} gives samples of shape {tuple(out.shape[1:])}, which model "
-                f"{cfg.model.name!r} cannot read ({_first_line(e)}); leave local.crop_size out (the image size) "
-                "or choose a model for that input"
-            ) from e
-        finally:
-            model.train(was_training)
+    if model is not None and (e := forward_error(model, out.to(ctx.device))) is not None:
+        raise ConfigError(
+            f"local.augment {aug} gives samples of shape {tuple(out.shape[1:])}, which model "
+            f"{cfg.model.name!r} cannot read ({_first_line(e)}); leave local.crop_size out (the image size) "
+            "or choose a model for that input"
+        ) from e
     return augment
 
 
@@ -401,7 +401,7 @@ class RunContext:
                 builder = MODELS.get(self.config.model.name)
                 name = self.config.model.name
                 opts = check_options(builder, opts, "model", skip=("input_shape", "num_classes"), name=name)
-                with _model_memory(self.config.model.name, opts):
+                with _model_memory(name, opts):
                     model = builder(tuple(ds.input_shape), ds.num_classes, **opts)
         with _model_memory(self.config.model.name, opts):
             model = model.to(device=self.device, dtype=self.dtype)
