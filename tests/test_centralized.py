@@ -88,6 +88,23 @@ def test_fedmim_without_momentum_is_fedavg_bit_for_bit(opts):
     assert torch.equal(base, mim)
 
 
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+@pytest.mark.parametrize(("alg", "opts"), [("fedprox", {"mu": 0.0}), ("fedcm", {"alpha": 1.0})])
+def test_fedprox_mu0_and_fedcm_alpha1_are_fedavg_bit_for_bit(alg, opts, backend):
+    # FedProx Eq. 2 without its proximal term, FedCM Alg. 1 without the momentum share: FedAvg's clients
+    base = _rounds(_algo(_cfg("fedavg", backend=backend)), 3)
+    assert torch.equal(_rounds(_algo(_cfg(alg, backend=backend, **opts)), 3), base)
+    other = {"mu": 0.5} if alg == "fedprox" else {"alpha": 0.5}
+    assert not torch.equal(_rounds(_algo(_cfg(alg, backend=backend, **other)), 3), base)  # the term matters
+
+
+def test_feddyn_refuses_a_server_step_size_in_one_line():
+    # Alg. 1's server sets theta^t = mean theta_i - h / alpha: a server_lr would be read by nothing
+    with pytest.raises(ConfigError) as err:
+        _algo(_cfg("feddyn", server_lr=0.5))
+    assert str(err.value).startswith("algorithm.server_lr: FedDyn's server model is") and "\n" not in str(err.value)
+
+
 def test_fedmim_j1_beta0_is_fedcm():
     local = {"steps": 4, "batch_size": 16, "lr": 0.2, "weight_decay": 1e-2}  # constant lr (spec A8)
     cm = _rounds(_algo(_cfg("fedcm", local=local, alpha=0.1)), 4)

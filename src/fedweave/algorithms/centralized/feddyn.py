@@ -59,6 +59,11 @@ class FedDynHparams(StarHparams):
         super().__post_init__()
         if self.alpha <= 0:
             raise ConfigError(f"algorithm.alpha must be > 0, got {self.alpha}")
+        if self.server_lr != 1.0:  # Alg. 1's server sets theta^t outright: a step size would go unread
+            raise ConfigError(
+                f"algorithm.server_lr: FedDyn's server model is mean_S theta_i - h / alpha and takes no step size, "
+                f"got {self.server_lr}"
+            )
 
 
 @ALGORITHMS.register("feddyn")

@@ -63,6 +63,11 @@ class FedProtoHparams(StarHparams):
         super().__post_init__()
         if not self.lam >= 0:
             raise ConfigError(f"algorithm.lam must be >= 0, got {self.lam}")
+        if self.server_lr != 1.0:  # Eq. 6 sets each global prototype to the mean: a step size would go unread
+            raise ConfigError(
+                f"algorithm.server_lr: FedProto's server sets each class's prototype to the clients' mean and takes "
+                f"no step size, got {self.server_lr}"
+            )
 
 
 @ALGORITHMS.register("fedproto")
