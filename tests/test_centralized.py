@@ -236,6 +236,37 @@ def test_scaffold_and_feddyn_reach_the_optimum_where_fedavg_drifts(quad_final):
     assert quad_final["fedmim"] < quad_final["fedavg"], quad_final  # its fixed point is FedAvg at lr A eta
 
 
+if "_uneven_blocks" not in PARTITIONERS._items:
+
+    @PARTITIONERS.register("_uneven_blocks")
+    def _uneven_blocks(labels, num_clients, rng, *, users=None):
+        return [np.arange(i * M_Q, i * M_Q + 10 * (i + 1)) for i in range(num_clients)]  # 10, 20, 30, 40 samples
+
+
+@pytest.mark.parametrize(("alg", "opts"), [("scaffold", {}), ("feddyn", {"alpha": 1.0})])
+def test_scaffold_and_feddyn_reach_the_unweighted_optimum_under_either_weighting(alg, opts):
+    # c = (1/N) sum c_i (SCAFFOLD Alg. 1 line 17) and h = (1/N) sum grad L_i (FedDyn Alg. 1) make the fixed point
+    # the optimum of (1/N) sum f_i, the papers' objective: `weighting` changes the path, not the limit
+    ds, parts = _quad_data(), _uneven_blocks(None, N_Q, None)
+    a, y = ds.train_x.double(), ds.train_y.double()
+
+    def optimum(p: list[float]) -> torch.Tensor:  # argmin sum_i p_i f_i, f_i the mean squared error of client i
+        h = sum(w * a[i].T @ a[i] / len(i) for w, i in zip(p, parts))
+        return torch.linalg.solve(h, sum(w * a[i].T @ y[i] / len(i) for w, i in zip(p, parts)))
+
+    sizes = [len(i) for i in parts]
+    plain, by_size = optimum([1 / N_Q] * N_Q), optimum([n / sum(sizes) for n in sizes])
+    assert (plain - by_size).norm() / plain.norm() > 1e-2  # the two objectives differ on this split
+    for weighting in ("uniform", "samples"):
+        cfg = _quad_cfg(alg, weighting=weighting, **opts)
+        cfg["partition"]["name"] = "_uneven_blocks"
+        cfg["local"] = {"steps": 5, "full_batch": True, "lr": 0.1}
+        algo = _algo(cfg)
+        algo.trainer.loss_fn = _squared
+        x = _rounds(algo, 60).double()
+        assert (x - plain).norm() / plain.norm() < 1e-5, weighting
+
+
 # ---- ledger bytes per round (spec §7) -------------------------------------------------------------------
 D_TOY = (36 + 1) * 4  # logistic on 6x6 inputs, 4 classes
 
