@@ -310,6 +310,14 @@ def test_personalized_methods_are_refused_for_deployment_with_one_line(alg):
     assert unsupported("fedavg", "centralized", "stop") is None
 
 
+def test_apfl_refuses_an_alpha_step_size_without_the_alpha_steps_in_one_line():
+    # alpha_lr is eta_alpha of Eq. 10, which adaptive: false turns off: it would be read by nothing
+    with pytest.raises(ConfigError) as err:
+        _algo(_pcfg("apfl", adaptive=False, alpha_lr=0.1))
+    msg = str(err.value)
+    assert msg.startswith("algorithm.alpha_lr is the step size of alpha's update") and "\n" not in msg
+
+
 @pytest.mark.parametrize("alg", ["apfl", "pfedme"])
 def test_rules_that_keep_client_state_refuse_the_out_of_process_backends(alg):
     with pytest.raises(ConfigError, match=f"algorithm {alg} .* backend pool .* choose backend loop or vmap"):

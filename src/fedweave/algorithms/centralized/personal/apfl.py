@@ -63,6 +63,11 @@ class APFLHparams(StarHparams):
             raise ConfigError(f"algorithm.alpha must be in [0, 1], got {self.alpha}")
         if self.alpha_lr is not None and self.alpha_lr <= 0:
             raise ConfigError(f"algorithm.alpha_lr must be > 0 or null, got {self.alpha_lr}")
+        if self.alpha_lr is not None and not self.adaptive:  # Eq. 10 is off: the step size would go unread
+            raise ConfigError(
+                f"algorithm.alpha_lr is the step size of alpha's update (Eq. 10), which adaptive: false turns off; "
+                f"leave it out or set adaptive: true, got {self.alpha_lr}"
+            )
 
 
 @ALGORITHMS.register("apfl")
