@@ -89,13 +89,20 @@ def test_fedmim_without_momentum_is_fedavg_bit_for_bit(opts):
 
 
 @pytest.mark.parametrize("backend", ["loop", "vmap"])
-@pytest.mark.parametrize(("alg", "opts"), [("fedprox", {"mu": 0.0}), ("fedcm", {"alpha": 1.0})])
-def test_fedprox_mu0_and_fedcm_alpha1_are_fedavg_bit_for_bit(alg, opts, backend):
-    # FedProx Eq. 2 without its proximal term, FedCM Alg. 1 without the momentum share: FedAvg's clients
-    base = _rounds(_algo(_cfg("fedavg", backend=backend)), 3)
-    assert torch.equal(_rounds(_algo(_cfg(alg, backend=backend, **opts)), 3), base)
-    other = {"mu": 0.5} if alg == "fedprox" else {"alpha": 0.5}
-    assert not torch.equal(_rounds(_algo(_cfg(alg, backend=backend, **other)), 3), base)  # the term matters
+@pytest.mark.parametrize(
+    ("alg", "opts", "other", "base", "base_opts"),
+    [
+        ("fedprox", {"mu": 0.0}, {"mu": 0.5}, "fedavg", {}),
+        ("fedcm", {"alpha": 1.0}, {"alpha": 0.5}, "fedavg", {}),
+        ("mofedsam", {"alpha": 1.0, "sam_rho": 0.05}, {"alpha": 0.5, "sam_rho": 0.05}, "fedsam", {"rho": 0.05}),
+    ],
+)
+def test_special_cases_are_their_base_method_bit_for_bit(alg, opts, other, base, base_opts, backend):
+    # FedProx Eq. 2 without its proximal term and FedCM Alg. 1 without the momentum share are FedAvg's clients;
+    # MoFedSAM (Qu et al. 2022, Alg. 2) without the momentum share is FedSAM's
+    ref = _rounds(_algo(_cfg(base, backend=backend, **base_opts)), 3)
+    assert torch.equal(_rounds(_algo(_cfg(alg, backend=backend, **opts)), 3), ref)
+    assert not torch.equal(_rounds(_algo(_cfg(alg, backend=backend, **other)), 3), ref)  # the term matters
 
 
 def test_feddyn_refuses_a_server_step_size_in_one_line():
