@@ -283,12 +283,21 @@ class Paired:
 
     def describe(self) -> str:
         """The test and the bound as a verdict's line names them: ``95 % paired t, min effect +1.00``."""
+        return ", ".join(filter(None, (self.test_name(), self.bound())))
+
+    def test_name(self) -> str:
+        """The test as a verdict's line names it: ``95 % paired t``."""
+        return f"{100 * self.level:g} % {TESTS[self.test]}"
+
+    def bound(self) -> str:
+        """The bound as a verdict's line names it (``min effect +1.00``, ``within ±0.50``), or "" for an
+        ordering (min effect 0)."""
         m, nd = float(self.min_effect), self.digits
-        bound = {"greater": f"min effect {m:+.{nd}f}", "less": f"min effect {-m:+.{nd}f}"}.get(
+        if self.direction != "within" and m == 0:
+            return ""
+        return {"greater": f"min effect {m:+.{nd}f}", "less": f"min effect {-m:+.{nd}f}"}.get(
             self.direction, f"within ±{m:.{nd}f}"
         )
-        test = f"{100 * self.level:g} % {TESTS[self.test]}"
-        return test if self.direction != "within" and m == 0 else f"{test}, {bound}"
 
 
 @dataclass(frozen=True)
@@ -351,12 +360,17 @@ class All:
         outcomes = {d.outcome for _, d in got}
         outcome = NOT_HELD if NOT_HELD in outcomes else HELD if outcomes == {HELD} else INCONCLUSIVE
         first, nd = self.parts[0][1], self.parts[0][1].digits
+        # parts with bounds of their own (ZO-HFL's C4: one std per setting) each name theirs, and the line's
+        # end only the test: the first part's bound there would misstate the others'
+        own = len({rule.bound() for _, rule in self.parts}) > 1
+        bounds = [f" {rule.bound()}" if own and rule.bound() else "" for _, rule in self.parts]
         each = "; ".join(
-            f"{label} {d.estimate:+.{nd}f} [{d.low:.{nd}f}, {d.high:.{nd}f}] {d.outcome}" for label, d in got
+            f"{label} {d.estimate:+.{nd}f} [{d.low:.{nd}f}, {d.high:.{nd}f}]{b} {d.outcome}"
+            for (label, d), b in zip(got, bounds)
         )
         n = min(d.n for _, d in got)
         unit = f" ({first.unit})" if first.unit else ""
-        text = f"all of {len(got)}{unit}: {each}; {first.describe()}, n={n}: {outcome}"
+        text = f"all of {len(got)}{unit}: {each}; {first.test_name() if own else first.describe()}, n={n}: {outcome}"
         return Decision(outcome, min(d.estimate for _, d in got), None, None, n, text, "")
 
 
