@@ -133,7 +133,7 @@ def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
         method, h, sizes, last = rs[0]["method"], rs[0]["h"], rs[0]["sizes"], rs[0]["rows"][-1]
         accs = [100 * r["rows"][-1]["test_accuracy"] if r["status"] == "completed" else math.nan for r in rs]
         acc_m, acc_s = mean_std(accs)
-        formulas = [round_bytes(method, sizes, r["samples"], p.batch_size, h=h)["load"] * len(r["rows"]) for r in rs]
+        formulas = [round_bytes(method, sizes, r["samples"], p.batch_size, h=h)["load"] for r in rs]  # per round
         reach = if_all([to_target(r["rows"], "test_accuracy", p.target, "load_bytes") for r in rs], np.mean)
         paper = PAPER_TABLE_V["cifar10"].get(key) or (None,) * 4  # (IID acc, non-IID acc, load, storage)
         table.append(
@@ -142,8 +142,8 @@ def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
                 "accuracy": acc_m,
                 "accuracy_std": acc_s,
                 "load_gib": last["load_bytes"] / GIB,
-                "load_formula_gib": formulas[0] / GIB,
-                "load_exact": all(r["rows"][-1]["load_bytes"] == f for r, f in zip(rs, formulas, strict=True)),
+                "load_formula_gib": formulas[0] * last["round"] / GIB,
+                "load_exact": all(x["load_bytes"] == f * x["round"] for r, f in zip(rs, formulas) for x in r["rows"]),
                 "storage_m": last["storage_params"] / 1e6,
                 "storage_formula_m": storage_params(method, sizes, len(rs[0]["samples"])) / 1e6,
                 "server_copies": last["server_copies"],
