@@ -134,3 +134,10 @@ def test_the_power_of_the_paired_test():
     assert zo_hfl.detectable(1.0, 3) == pytest.approx(3.264, abs=0.01)
     assert zo_hfl.paired_power(zo_hfl.detectable(0.35, 3), 0.35, 3) == pytest.approx(0.8)
     assert zo_hfl.detectable(1.0, 10) == pytest.approx(0.996, abs=0.01)
+
+
+def test_seed_rows_leave_out_the_runs_a_time_budget_did_not_start(tmp_path):
+    """``--budget-minutes`` can leave some of a preset's runs unrun: the records are those that ran (before: a
+    KeyError traceback ended the report)."""
+    p = zo_hfl.PRESETS["smoke"]
+    assert zo_hfl.seed_rows(p, {}, [0, 1], tmp_path) == []

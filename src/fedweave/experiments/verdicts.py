@@ -34,7 +34,9 @@ instead of building records by hand; ``Select.values`` gives a selector's values
 number: a constant bound at every pairing value of A.
 
 A bad declaration (an unknown test or direction, a level outside (0, 1), a negative minimum effect, fewer than
-2 pairs for a paired test, a value that is not finite) is a ``ConfigError`` of one line naming the rule.
+2 pairs given to ``decide``, a value that is not finite) is a ``ConfigError`` of one line naming the rule. Records
+on which fewer than 2 seeds ran both sides (a time budget stopped a preset part-way) are no error: the rule's
+verdict is **untestable**, and says why; a conjunction with such a part is untestable unless another did not hold.
 """
 
 from __future__ import annotations
@@ -230,7 +232,12 @@ class Paired:
         a = self._values(records, self.a, "A")
         constant = isinstance(self.b, int | float)  # a bound, the same at every pairing value of A
         b = dict.fromkeys(a, self.b) if constant else self._values(records, self.b, "B")
-        return self.decide(a, b) if a and b else None
+        if not (a and b):
+            return None
+        if (n := len(set(a) & set(b))) < 2:  # a side's other seeds did not run (a time budget): no test, said so
+            why = f"untestable: {n} {self.pair} with both sides run; a {TESTS[self.test]} test needs 2"
+            return Decision(UNTESTABLE, math.nan, None, None, n, why)
+        return self.decide(a, b)
 
     def _values(self, records: Sequence[Mapping[str, Any]], where: Mapping[str, Any] | Select, side: str) -> dict:
         who = self.name or self.metric
@@ -359,6 +366,7 @@ class All:
             return None
         outcomes = {d.outcome for _, d in got}
         outcome = NOT_HELD if NOT_HELD in outcomes else HELD if outcomes == {HELD} else INCONCLUSIVE
+        outcome = UNTESTABLE if UNTESTABLE in outcomes and outcome != NOT_HELD else outcome
         first, nd = self.parts[0][1], self.parts[0][1].digits
         # parts with bounds of their own (ZO-HFL's C4: one std per setting) each name theirs, and the line's
         # end only the test: the first part's bound there would misstate the others'
@@ -366,6 +374,8 @@ class All:
         bounds = [f" {rule.bound()}" if own and rule.bound() else "" for _, rule in self.parts]
         each = "; ".join(
             f"{label} {d.estimate:+.{nd}f} [{d.low:.{nd}f}, {d.high:.{nd}f}]{b} {d.outcome}"
+            if d.low is not None
+            else f"{label} {d.text}"  # untestable: no interval
             for (label, d), b in zip(got, bounds)
         )
         n = min(d.n for _, d in got)
