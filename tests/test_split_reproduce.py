@@ -91,3 +91,20 @@ def test_c1_checks_the_load_of_every_round_not_only_the_total(monkeypatch):
     assert cse_fsl.summarize([run([10, 20, 30])], p)[0]["load_exact"]
     [row] = cse_fsl.summarize([run([5, 25, 30])], p)  # the right total, the wrong rounds
     assert not row["load_exact"] and row["load_formula_gib"] * cse_fsl.GIB == 30
+
+
+def test_a_time_budget_that_leaves_runs_unrun_is_one_line_not_a_traceback():
+    """``--budget-minutes`` that leaves FSL_MC unrun (or every run, at 0): Table V's load ratios need it, so the
+    report is one line naming the runs not started (before: StopIteration in summarize)."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from fedweave.config import ConfigError
+    from fedweave.experiments.study import Plan
+    from fedweave.reproduce import cse_fsl
+
+    p = preset("smoke", "fashion_mnist")
+    plan = Plan([], context=(p, [0], {}), skipped=[SimpleNamespace(values={"key": "fsl_mc"}, seed=0)])
+    with pytest.raises(ConfigError, match=r"Table V needs every run; Not run \(time budget reached\): fsl_mc-0"):
+        cse_fsl.report([], plan, SimpleNamespace(scale="smoke"), 0.0)

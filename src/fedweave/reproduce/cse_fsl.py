@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 
 from fedweave.accounting.split import GIB, PAPER_TABLE_V, SplitSizes, round_bytes, storage_params
-from fedweave.config import RunConfig
+from fedweave.config import ConfigError, RunConfig
 from fedweave.experiments.aggregate import group, if_all, mean_std, seed_gaps, to_target
 from fedweave.experiments.blocks import verdict_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.pages import paragraph, stated
 from fedweave.experiments.plots import plot_curves
-from fedweave.experiments.study import Claim, Plan, Report, Rows, Study, judge, option
+from fedweave.experiments.study import Claim, Plan, Report, Rows, Study, judge, not_run, option
 from fedweave.experiments.tables import Col, layout, markdown_table, read_csv, signed
 from fedweave.experiments.verdicts import All, Paired, Select, Threshold, Untestable, cell
 from fedweave.runner import Result
@@ -360,6 +360,8 @@ def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
 def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Report:
     """Table V (markdown and CSV), the claims and the figures; exit 1 when a measured load is not its formula."""
     p, seeds, _ = plan.context
+    if plan.skipped:  # Table V's load ratios and per-seed lists need every run (the finished ones are kept)
+        raise ConfigError(f"cse-fsl: Table V needs every run; {not_run(plan.skipped).strip()}; rerun to finish them")
     table = summarize(results, p)
     md = markdown(table, p, opts.scale, seeds, wall)
     status = 0 if all(t["load_exact"] for t in table) else 1
