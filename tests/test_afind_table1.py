@@ -207,3 +207,18 @@ def test_fig5b_needs_the_pathological_setting(capsys):
     argv = ["reproduce", "afind", "--tables", "fig5b", "--primary-only", "--out", "unused"]
     assert main(argv) == 2
     assert "--primary-only leaves out the pathological setting" in capsys.readouterr().err
+
+
+def test_table_3_and_fedavg_below_local_are_judged_by_declared_rules():
+    """The page's verdicts on Table 3's ordering and on FedAvg below Local (pathological) were read from the
+    means; each is now a declared rule on the committed per-seed records."""
+    from pathlib import Path
+
+    from fedweave.reproduce import afind_plus as af
+
+    folder = Path(__file__).parents[1] / "docs" / "reproductions" / "afind"
+    rows = {c: v for sub in ("", "table3-dp") for c, v in af.claim_rows(*af.committed(folder / sub))}
+    t3 = next(v for c, v in rows.items() if c.startswith("Table 3, each client linked to half"))
+    assert "FedeRiCo > PENS +3.67 [0.31, 7.03] held" in t3 and t3.endswith("n=3: inconclusive")
+    local = next(v for c, v in rows.items() if c.startswith("FedAvg below Local on the pathological split"))
+    assert local.endswith("95 % paired t, n=5: held")

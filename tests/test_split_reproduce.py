@@ -71,3 +71,40 @@ def test_noniid_preset_deals_label_shards_and_checks_table_v_noniid_column(tmp_p
     got = verdicts(58.0, p)
     assert got["C8"].outcome == "did not hold" and got["C9"].outcome == "did not hold"
     assert "C8" not in verdicts(42.0, small) and "C9" not in verdicts(42.0, small)  # IID: no non-IID claims
+
+
+def test_c1_checks_the_load_of_every_round_not_only_the_total(monkeypatch):
+    """C1 claims the measured bytes equal the closed form at every round: a run whose total is the closed form's
+    but whose first round is not is off (before: only the last row was compared)."""
+    from fedweave.reproduce import cse_fsl
+
+    monkeypatch.setattr(cse_fsl, "round_bytes", lambda *a, **k: {"load": 10})
+    monkeypatch.setattr(cse_fsl, "storage_params", lambda *a, **k: 1)
+
+    def run(loads: list[int]) -> dict:
+        rows = [{"round": i + 1, "load_bytes": b, "test_accuracy": 0.5, "storage_params": 1, "server_copies": 1,
+                 "smashed_uploads_per_client": 1.0} for i, b in enumerate(loads)]  # fmt: skip
+        return {"key": "fsl_mc", "method": "fsl_mc", "h": 1, "sizes": None, "samples": [1], "status": "completed",
+                "rows": rows}  # fmt: skip
+
+    p = preset("smoke", "fashion_mnist")
+    assert cse_fsl.summarize([run([10, 20, 30])], p)[0]["load_exact"]
+    [row] = cse_fsl.summarize([run([5, 25, 30])], p)  # the right total, the wrong rounds
+    assert not row["load_exact"] and row["load_formula_gib"] * cse_fsl.GIB == 30
+
+
+def test_a_time_budget_that_leaves_runs_unrun_is_one_line_not_a_traceback():
+    """``--budget-minutes`` that leaves FSL_MC unrun (or every run, at 0): Table V's load ratios need it, so the
+    report is one line naming the runs not started (before: StopIteration in summarize)."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from fedweave.config import ConfigError
+    from fedweave.experiments.study import Plan
+    from fedweave.reproduce import cse_fsl
+
+    p = preset("smoke", "fashion_mnist")
+    plan = Plan([], context=(p, [0], {}), skipped=[SimpleNamespace(values={"key": "fsl_mc"}, seed=0)])
+    with pytest.raises(ConfigError, match=r"Table V needs every run; Not run \(time budget reached\): fsl_mc-0"):
+        cse_fsl.report([], plan, SimpleNamespace(scale="smoke"), 0.0)

@@ -58,6 +58,7 @@ def test_a_python_caller_gets_a_usage_error_as_one_config_error():
 class Square:
     x: float
     seed: int
+    power: int = 2  # not in the slug: two scales with other powers name the same runs
 
     @property
     def slug(self) -> str:
@@ -65,7 +66,7 @@ class Square:
 
 
 def _solve(point: Square) -> dict:
-    return {"x": point.x, "y": point.x**2, "_curve": (np.arange(3.0) * point.x, np.ones(2))}
+    return {"x": point.x, "y": point.x**point.power, "_curve": (np.arange(3.0) * point.x, np.ones(2))}
 
 
 def _study(seen: list) -> Study:
@@ -74,7 +75,8 @@ def _study(seen: list) -> Study:
         return 0
 
     def plan(opts):
-        return Plan([Square(float(x), 0) for x in opts.xs.split(",")], solve=_solve)
+        power = 3 if opts.scale == "small" else 2
+        return Plan([Square(float(x), 0, power) for x in opts.xs.split(",")], solve=_solve)
 
     from fedweave.experiments.study import option
 
@@ -206,3 +208,30 @@ def test_a_page_that_is_not_a_file_is_one_line_before_anything_runs(tmp_path, ca
 
     assert main(["reproduce", "zo-hfl", "--page", str(tmp_path / "nope.md"), "--out", str(tmp_path / "o")]) == 2
     assert "--page: " in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+# ---- --out: checked before any run, never another scale's runs replaced -------------------------------------
+def test_an_out_that_is_a_file_or_under_a_file_is_one_line_naming_out(tmp_path, capsys):
+    from fedweave.cli import main
+
+    (tmp_path / "f").write_text("mine")
+    for out in (tmp_path / "f", tmp_path / "f" / "sub"):
+        assert main(["reproduce", "fedmim", "--scale", "smoke", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--out: {out} " in err and "give a folder this user can write" in err
+    assert (tmp_path / "f").read_text() == "mine"
+
+
+def test_another_scales_runs_in_out_are_refused_not_replaced(tmp_path):
+    seen: list = []
+    s = _study(seen)
+    s.scales = ("smoke", "small")
+    assert s.main(["--xs", "2", "--out", str(tmp_path), "--workers", "1"]) == 0
+    kept = tmp_path / "runs" / "x2" / "s0" / "record.json"
+    before = kept.read_bytes()
+    # the same run names at another scale, of another config (power 3): its run would replace the kept one
+    with pytest.raises(ConfigError, match=r"--out: .* holds the runs of 'fedweave reproduce squares --scale smoke'"):
+        s.main(["--xs", "2", "--scale", "small", "--out", str(tmp_path), "--workers", "1"])
+    assert kept.read_bytes() == before and len(seen) == 1
+    assert s.main(["--xs", "2,3", "--out", str(tmp_path), "--workers", "1"]) == 0  # the same scale goes on
+    assert s.main(["--xs", "2", "--scale", "small", "--out", str(tmp_path / "other"), "--workers", "1"]) == 0

@@ -289,3 +289,38 @@ def test_the_cse_fsl_page_reads_the_per_seed_accuracies_its_table_files_list():
     got = {(r["method"], r["seed"]): r["accuracy"] for r in seed_records(md)}
     # the 5 seeds run on 26 Nov 2026 (the page's history): 7 methods x 5 seeds
     assert got[("fsl_oc", 2)] == 59.45 and got[("cse_fsl h=5 random", 4)] == 65.70 and len(got) == 35
+
+
+def test_a_conjunction_whose_parts_have_their_own_bounds_names_each_not_the_firsts_for_all():
+    """ZO-HFL's C4 bounds each setting by its own std: the line must not end with the first part's bound as
+    if it were every part's."""
+    from fedweave.experiments.verdicts import All
+
+    records = [{"s": s, "seed": k, "acc": v} for s, vals in (("x", (1.0, 1.1, 0.9)), ("y", (1.0, 1.2, 0.8)))
+               for k, v in enumerate(vals)]  # fmt: skip
+    records += [{"s": "z", "seed": k, "acc": 1.0} for k in range(3)]
+    rule = lambda s, m: Paired("acc", {"s": s}, {"s": "z"}, "within", m)  # noqa: E731
+    text = All((("x", rule("x", 0.5)), ("y", rule("y", 2.0)))).judge(records).text
+    assert "x +0.00 [-0.25, 0.25] within ±0.50 held; y +0.00 [-0.50, 0.50] within ±2.00 held" in text
+    assert text.endswith("; 95 % paired t, n=3: held")
+    # parts with one bound keep it once, at the line's end
+    same = All((("x", rule("x", 0.5)), ("y", rule("y", 0.5)))).judge(records).text
+    assert same.endswith("; 95 % paired t, within ±0.50, n=3: held") and same.count("±") == 1
+
+
+def test_a_side_with_one_common_seed_is_untestable_not_an_error():
+    """A time budget can leave one side of a comparison with a single seed that both sides ran: the claim is
+    untestable, said in its line, and the report goes on (before: a ConfigError ended the report)."""
+    from fedweave.experiments.verdicts import All
+
+    records = [{"m": m, "seed": k, "acc": v} for m, vs in (("a", (3.0, 3.1, 2.9)), ("b", (1.0, 1.1, 0.9)))
+               for k, v in enumerate(vs)]  # fmt: skip
+    records += [{"m": "c", "seed": 0, "acc": 1.0}]  # c's seeds 1 and 2 did not run
+    short = Paired("acc", {"m": "a"}, {"m": "c"})
+    d = short.judge(records)
+    assert (d.outcome, d.held, d.n) == ("untestable", None, 1) and "a paired t test needs 2" in d.text
+    held, lost = Paired("acc", {"m": "a"}, {"m": "b"}), Paired("acc", {"m": "b"}, {"m": "a"})
+    assert All((("a > b", held), ("a > c", short))).judge(records).outcome == "untestable"
+    assert All((("b > a", lost), ("a > c", short))).judge(records).outcome == "did not hold"
+    line = All((("a > b", held), ("a > c", short))).judge(records).text
+    assert "a > c untestable: 1 seed with both sides run" in line and line.endswith("n=1: untestable")

@@ -28,6 +28,7 @@ import dataclasses
 import io
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -233,6 +234,7 @@ class Study:
         page = Path(opts.page) if getattr(opts, "page", None) else None
         if page is not None and not page.is_file():
             raise ConfigError(f"--page: {page} is not a file (a reproduction page, docs/reproductions/<paper>.md)")
+        results_folder(opts.out, self.name, opts.scale)  # a bad --out is one line before any work
         t0 = time.perf_counter()
         plan = self.plan(opts)
         budget = None if opts.budget_minutes is None else 60 * opts.budget_minutes
@@ -260,6 +262,7 @@ class Study:
               flush=True)  # fmt: skip
         if not plan.points:  # e.g. a report rebuilt from its records: nothing to run, no runs/ made
             return []
+        atomic_write(out / "runs" / OWNER, json.dumps({"study": self.name, "scale": scale}) + "\n")
         if plan.solve is not None:
             solved = _solved(plan, out / "runs", workers, budget_s)
             return [self.record(pt, solved[pt.slug], plan) for pt in plan.points if pt.slug in solved]
@@ -269,6 +272,35 @@ class Study:
         )
         plan.skipped = [pt for pt in plan.points if pt.slug not in runs]
         return [self.record(pt, runs[pt.slug], plan) for pt in plan.points if pt.slug in runs]
+
+
+OWNER = ".reproduction"  # in OUT/runs: the study and scale whose runs the folder holds
+
+
+def results_folder(out: str | Path, name: str, scale: str) -> Path:
+    """``--out`` checked before any run: a folder this process can write (made if missing), whose ``runs/``
+    holds no other study's or scale's runs (``OWNER``). Two scales share run names (fedmim's ``small`` and
+    ``long`` both name ``fashion_mnist-dir0.1-fedavg-s0``) and a run directory of another config is replaced,
+    so one scale's runs would silently replace the other's. Else a ``ConfigError`` of one line naming --out."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        what = "is a file" if out.is_file() else f"cannot be written ({e.strerror or e})"
+        raise ConfigError(f"--out: {out} {what}; give a folder this user can write (made if missing)") from None
+    try:
+        owner = json.loads((out / "runs" / OWNER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return out  # no runs yet, or runs made before the owner was kept
+    if owner != {"study": name, "scale": scale}:
+        theirs = f"{owner.get('study')} --scale {owner.get('scale')}" if isinstance(owner, dict) else str(owner)
+        raise ConfigError(
+            f"--out: {out} holds the runs of 'fedweave reproduce {theirs}', which '{name} --scale {scale}' would "
+            "replace; give another folder for it"
+        )
+    return out
 
 
 def choices(value: str | None, allowed: Sequence[str], flag: str) -> list[str] | None:

@@ -34,7 +34,9 @@ instead of building records by hand; ``Select.values`` gives a selector's values
 number: a constant bound at every pairing value of A.
 
 A bad declaration (an unknown test or direction, a level outside (0, 1), a negative minimum effect, fewer than
-2 pairs for a paired test, a value that is not finite) is a ``ConfigError`` of one line naming the rule.
+2 pairs given to ``decide``, a value that is not finite) is a ``ConfigError`` of one line naming the rule. Records
+on which fewer than 2 seeds ran both sides (a time budget stopped a preset part-way) are no error: the rule's
+verdict is **untestable**, and says why; a conjunction with such a part is untestable unless another did not hold.
 """
 
 from __future__ import annotations
@@ -230,7 +232,12 @@ class Paired:
         a = self._values(records, self.a, "A")
         constant = isinstance(self.b, int | float)  # a bound, the same at every pairing value of A
         b = dict.fromkeys(a, self.b) if constant else self._values(records, self.b, "B")
-        return self.decide(a, b) if a and b else None
+        if not (a and b):
+            return None
+        if (n := len(set(a) & set(b))) < 2:  # a side's other seeds did not run (a time budget): no test, said so
+            why = f"untestable: {n} {self.pair} with both sides run; a {TESTS[self.test]} test needs 2"
+            return Decision(UNTESTABLE, math.nan, None, None, n, why)
+        return self.decide(a, b)
 
     def _values(self, records: Sequence[Mapping[str, Any]], where: Mapping[str, Any] | Select, side: str) -> dict:
         who = self.name or self.metric
@@ -283,12 +290,21 @@ class Paired:
 
     def describe(self) -> str:
         """The test and the bound as a verdict's line names them: ``95 % paired t, min effect +1.00``."""
+        return ", ".join(filter(None, (self.test_name(), self.bound())))
+
+    def test_name(self) -> str:
+        """The test as a verdict's line names it: ``95 % paired t``."""
+        return f"{100 * self.level:g} % {TESTS[self.test]}"
+
+    def bound(self) -> str:
+        """The bound as a verdict's line names it (``min effect +1.00``, ``within ±0.50``), or "" for an
+        ordering (min effect 0)."""
         m, nd = float(self.min_effect), self.digits
-        bound = {"greater": f"min effect {m:+.{nd}f}", "less": f"min effect {-m:+.{nd}f}"}.get(
+        if self.direction != "within" and m == 0:
+            return ""
+        return {"greater": f"min effect {m:+.{nd}f}", "less": f"min effect {-m:+.{nd}f}"}.get(
             self.direction, f"within ±{m:.{nd}f}"
         )
-        test = f"{100 * self.level:g} % {TESTS[self.test]}"
-        return test if self.direction != "within" and m == 0 else f"{test}, {bound}"
 
 
 @dataclass(frozen=True)
@@ -350,13 +366,21 @@ class All:
             return None
         outcomes = {d.outcome for _, d in got}
         outcome = NOT_HELD if NOT_HELD in outcomes else HELD if outcomes == {HELD} else INCONCLUSIVE
+        outcome = UNTESTABLE if UNTESTABLE in outcomes and outcome != NOT_HELD else outcome
         first, nd = self.parts[0][1], self.parts[0][1].digits
+        # parts with bounds of their own (ZO-HFL's C4: one std per setting) each name theirs, and the line's
+        # end only the test: the first part's bound there would misstate the others'
+        own = len({rule.bound() for _, rule in self.parts}) > 1
+        bounds = [f" {rule.bound()}" if own and rule.bound() else "" for _, rule in self.parts]
         each = "; ".join(
-            f"{label} {d.estimate:+.{nd}f} [{d.low:.{nd}f}, {d.high:.{nd}f}] {d.outcome}" for label, d in got
+            f"{label} {d.estimate:+.{nd}f} [{d.low:.{nd}f}, {d.high:.{nd}f}]{b} {d.outcome}"
+            if d.low is not None
+            else f"{label} {d.text}"  # untestable: no interval
+            for (label, d), b in zip(got, bounds)
         )
         n = min(d.n for _, d in got)
         unit = f" ({first.unit})" if first.unit else ""
-        text = f"all of {len(got)}{unit}: {each}; {first.describe()}, n={n}: {outcome}"
+        text = f"all of {len(got)}{unit}: {each}; {first.test_name() if own else first.describe()}, n={n}: {outcome}"
         return Decision(outcome, min(d.estimate for _, d in got), None, None, n, text, "")
 
 

@@ -299,9 +299,9 @@ def _c5(topo, on):
     c10, g45, mid = (_method(on, m) for m in ("CFL-SAGA rho=10", "GT-SAGA SR=0.45", "CFL-SAGA rho=10000"))
     if not (c10 and g45 and topo in ("random", "full")):
         return None
-    fastest = min((a for a in (c10, mid) if a and a.get(IT) is not None), key=lambda a: a[IT], default=None)
+    reached = c10.get(IT) is not None  # the paper fixes rho = 10 for Fig. 4 (§VIII-B): the claim is that setting's
     measured = f"rho=10: {_fmt(c10.get(IT))}, rho=1e4: {_fmt(mid and mid.get(IT))}, GT-SAGA 0.45: {_fmt(g45.get(IT))}"
-    rule = _pair(IT, fastest["method"], "GT-SAGA SR=0.45", "less") if fastest else Untestable("no run reached 1e-08")
+    rule = _pair(IT, c10["method"], "GT-SAGA SR=0.45", "less") if reached else Untestable("rho=10 did not reach 1e-08")
     return measured, rule
 
 

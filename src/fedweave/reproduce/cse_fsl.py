@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 
 from fedweave.accounting.split import GIB, PAPER_TABLE_V, SplitSizes, round_bytes, storage_params
-from fedweave.config import RunConfig
+from fedweave.config import ConfigError, RunConfig
 from fedweave.experiments.aggregate import group, if_all, mean_std, seed_gaps, to_target
 from fedweave.experiments.blocks import verdict_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.pages import paragraph, stated
 from fedweave.experiments.plots import plot_curves
-from fedweave.experiments.study import Claim, Plan, Report, Rows, Study, judge, option
+from fedweave.experiments.study import Claim, Plan, Report, Rows, Study, judge, not_run, option
 from fedweave.experiments.tables import Col, layout, markdown_table, read_csv, signed
 from fedweave.experiments.verdicts import All, Paired, Select, Threshold, Untestable, cell
 from fedweave.runner import Result
@@ -133,7 +133,7 @@ def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
         method, h, sizes, last = rs[0]["method"], rs[0]["h"], rs[0]["sizes"], rs[0]["rows"][-1]
         accs = [100 * r["rows"][-1]["test_accuracy"] if r["status"] == "completed" else math.nan for r in rs]
         acc_m, acc_s = mean_std(accs)
-        formulas = [round_bytes(method, sizes, r["samples"], p.batch_size, h=h)["load"] * len(r["rows"]) for r in rs]
+        formulas = [round_bytes(method, sizes, r["samples"], p.batch_size, h=h)["load"] for r in rs]  # per round
         reach = if_all([to_target(r["rows"], "test_accuracy", p.target, "load_bytes") for r in rs], np.mean)
         paper = PAPER_TABLE_V["cifar10"].get(key) or (None,) * 4  # (IID acc, non-IID acc, load, storage)
         table.append(
@@ -142,8 +142,8 @@ def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
                 "accuracy": acc_m,
                 "accuracy_std": acc_s,
                 "load_gib": last["load_bytes"] / GIB,
-                "load_formula_gib": formulas[0] / GIB,
-                "load_exact": all(r["rows"][-1]["load_bytes"] == f for r, f in zip(rs, formulas, strict=True)),
+                "load_formula_gib": formulas[0] * last["round"] / GIB,
+                "load_exact": all(x["load_bytes"] == f * x["round"] for r, f in zip(rs, formulas) for x in r["rows"]),
                 "storage_m": last["storage_params"] / 1e6,
                 "storage_formula_m": storage_params(method, sizes, len(rs[0]["samples"])) / 1e6,
                 "server_copies": last["server_copies"],
@@ -360,6 +360,8 @@ def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
 def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Report:
     """Table V (markdown and CSV), the claims and the figures; exit 1 when a measured load is not its formula."""
     p, seeds, _ = plan.context
+    if plan.skipped:  # Table V's load ratios and per-seed lists need every run (the finished ones are kept)
+        raise ConfigError(f"cse-fsl: Table V needs every run; {not_run(plan.skipped).strip()}; rerun to finish them")
     table = summarize(results, p)
     md = markdown(table, p, opts.scale, seeds, wall)
     status = 0 if all(t["load_exact"] for t in table) else 1

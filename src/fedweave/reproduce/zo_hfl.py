@@ -277,7 +277,8 @@ def seed_rows(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int], o
     10 rounds, and the final test and global loss, of every Table I run and every tau-sweep run."""
     rows = []
     for ds, s, m, part, tau, rounds, seed in units(p, seeds):
-        r = results[run_config(p, ds, s, m, seed, tau, rounds, out)["name"]]
+        if (r := results.get(run_config(p, ds, s, m, seed, tau, rounds, out)["name"])) is None:
+            continue  # not run: the time budget ran out (``plan.skipped``); its rules pair the seeds that ran
         losses = [float(r["rows"][-1].get(k, float("nan"))) for k in ("test_loss", "global_loss")]
         values = [ds, *s, m, part, tau, rounds, seed, 100 * _final(r), 100 * _last10(r, rounds), *losses, r["status"]]
         rows.append({**dict(zip(SEED_COLUMNS, values)), "seconds": r["seconds"], "cpu": r.get("cpu", 0.0)})
@@ -381,7 +382,7 @@ def _c4_rule(records) -> All:
     that setting."""
     bound = {s: max(*(float(np.std(_accs(records, m, s))) for m in ("zo_hfl", "server_only")), 0.01) for s in SETTINGS}
     rule = lambda s: _acc(at("zo_hfl", s), at("server_only", s), "within", bound[s])  # noqa: E731
-    return All((f"{SETTING_NAMES[s]} within ±{bound[s]:.2f}", rule(s)) for s in SETTINGS)
+    return All((SETTING_NAMES[s], rule(s)) for s in SETTINGS)  # each part names its bound (``All``)
 
 
 def claim(text: str, rule, part: str = "table") -> Claim:
