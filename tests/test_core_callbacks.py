@@ -15,6 +15,7 @@ from fedweave.callbacks import default_callbacks as defaults
 from fedweave.checkpoints import read_checkpoint
 from fedweave.config import load
 from fedweave.errors import DivergenceError
+from fedweave.results import read_metrics
 from fedweave.runner import resume
 
 
@@ -151,8 +152,23 @@ def test_an_unexpected_error_in_a_hook_still_ends_every_callback(cfg, tmp_path):
     rec = Recorder()
     with pytest.raises(RuntimeError, match="broken callback"):
         fedweave.run(cfg, run_dir=tmp_path / "e", callbacks=[rec, Broken()])
+    # the run is recorded as failed, with its error and the rows before it: not as one still going or killed
+    summary = json.loads((tmp_path / "e" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == "RuntimeError: broken callback"
+    assert rec.events[-1] == ("end", "failed")
+    assert summary["rounds"] == [r["round"] for r in read_metrics(tmp_path / "e")][-1]
+
+
+def test_a_plug_in_that_exits_the_process_writes_no_summary(cfg, tmp_path):
+    class Exit(Callback):
+        def after_training(self, run, r, metrics):
+            raise SystemExit(3)
+
+    rec = Recorder()
+    with pytest.raises(SystemExit):
+        fedweave.run(cfg, run_dir=tmp_path / "x", callbacks=[rec, Exit()])
     assert rec.events[-1] == ("end", None)
-    assert not (tmp_path / "e" / "summary.json").exists()
+    assert not (tmp_path / "x" / "summary.json").exists()
 
 
 def test_the_config_decides_the_built_in_callbacks(cfg):

@@ -4,6 +4,7 @@ definition or a numpy/scipy reference, each attack against its paper's update, a
 from __future__ import annotations
 
 import copy
+import json
 import math
 from statistics import NormalDist
 
@@ -682,6 +683,9 @@ def test_a_round_that_dropouts_leave_below_the_bound_stops_the_run_with_one_line
     cfg = _cfg(toy_config, aggregator={"name": "krum", "f": 2}, faults={"dropout": 0.5})  # n >= 7 of 8 needed
     with pytest.raises(ConfigError, match=r"^aggregator 'krum' needs at least 7 client updates .* \(got [0-6]\)"):
         fedweave.run(cfg, run_dir=tmp_path / "r")
+    # recorded as a failed run with its error (a report and a sweep read it so), not left like a killed one
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith("ConfigError: aggregator 'krum' needs")
 
 
 # ---- Byzantine peers in gossip -----------------------------------------------------------------------------------

@@ -187,7 +187,10 @@ def _run_locked(
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM turned into one by the command line
         raised, signal_name = e, getattr(e, "signal_name", "SIGINT")
         status, error = "interrupted", f"stopped by {signal_name}. " + _kept(path, state.last_checkpoint, False)
-    except BaseException:
+    except Exception as e:  # a bug or a problem only a round can show (a plug-in, an aggregator's bound)
+        cbs.on_end(state, _failed(state, e))
+        raise
+    except BaseException:  # the process is exiting (a plug-in's sys.exit): nothing more is written
         cbs.on_end(state, None)
         raise
     summary = _summary(state, status, error)
@@ -196,6 +199,19 @@ def _run_locked(
     out.write_json("summary.json", summary)
     cbs.on_end(state, summary)
     return _outcome(state, summary, raised, on_divergence)
+
+
+def _failed(state: RunState, e: Exception) -> dict[str, Any] | None:
+    """Write ``summary.json`` with ``status: failed`` and the error of a run that raised ``e`` mid-way, so that
+    its results so far are read as a failed run, not as one still going or killed; None where even that fails
+    (then the original error is what the caller sees)."""
+    try:
+        summary = _summary(state, "failed", f"{type(e).__name__}: {e}")
+        state.out.write_json("summary.json", summary)
+    except Exception:  # noqa: BLE001 - the run's own error matters more than the summary's
+        log.debug("summary.json of the failed run could not be written", exc_info=True)
+        return None
+    return summary
 
 
 def _check_faults(config: RunConfig) -> None:

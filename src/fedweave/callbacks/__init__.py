@@ -110,8 +110,9 @@ class Callback:
         """``checkpoint.pt`` now holds the state after round ``next_round - 1``."""
 
     def on_end(self, run: RunState, summary: dict[str, Any] | None) -> None:
-        """The run ended and ``summary.json`` is written; ``summary`` is None when it failed with an
-        unexpected error (release what you hold)."""
+        """The run ended and ``summary.json`` is written. A run that raised an error mid-way ends with
+        ``status: failed`` (the error raised right after); ``summary`` is None only when even that summary
+        could not be written, or the process is exiting (``SystemExit``): release what you hold."""
 
 
 class CallbackList(Callback):

@@ -523,7 +523,7 @@ STYLE = (
     "h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:1.5em}h3{margin:1em 0 .3em}"
     "table{border-collapse:collapse;margin:.4em 0}td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px;"
     "text-align:left;white-space:nowrap}th{background:#f2f2f2}td[title]{cursor:help}tr.best{font-weight:bold;background:#dfd}"
-    "tr.unfinished,tr.not-started,tr.interrupted,tr.stopped{background:#fff3cd}tr.diverged{background:#f8d7da}"
+    "tr.unfinished,tr.not-started,tr.interrupted,tr.stopped{background:#fff3cd}tr.diverged,tr.failed{background:#f8d7da}"
     "table.runs td:first-child{white-space:normal;min-width:14em}"
     ".note{background:#fff3cd;padding:.3em .6em;border-left:4px solid #e0a800}"
     "img{max-width:540px}figure{display:inline-block;margin:.3em}figcaption{font-size:12px;color:#666}"
