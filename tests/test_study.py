@@ -235,3 +235,15 @@ def test_another_scales_runs_in_out_are_refused_not_replaced(tmp_path):
     assert kept.read_bytes() == before and len(seen) == 1
     assert s.main(["--xs", "2,3", "--out", str(tmp_path), "--workers", "1"]) == 0  # the same scale goes on
     assert s.main(["--xs", "2", "--scale", "small", "--out", str(tmp_path / "other"), "--workers", "1"]) == 0
+
+
+def test_without_out_each_scale_writes_into_its_own_folder(tmp_path, monkeypatch):
+    seen: list = []
+    s = _study(seen)
+    s.scales = ("smoke", "small")
+    monkeypatch.chdir(tmp_path)
+    assert s.main(["--xs", "2", "--workers", "1"]) == 0  # the default scale: runs/reproduce-squares
+    assert s.main(["--xs", "2", "--scale", "small", "--workers", "1"]) == 0  # not refused: a folder of its own
+    assert (tmp_path / "runs" / "reproduce-squares" / "runs" / "x2" / "s0" / "record.json").is_file()
+    assert (tmp_path / "runs" / "reproduce-squares-small" / "runs" / "x2" / "s0" / "record.json").is_file()
+    assert [[r["y"] for r in records] for records, _ in seen] == [[4.0], [8.0]]

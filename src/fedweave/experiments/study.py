@@ -209,7 +209,12 @@ class Study:
         parser.add_argument("--scale", choices=self.scales, default=self.default_scale, help=self.scale_help)
         parser.add_argument("--seeds", type=count, default=None, help=self.seeds_help)
         parser.add_argument("--workers", type=count, default=min(2, os.cpu_count() or 1), help="parallel runs")
-        parser.add_argument("--out", default=f"runs/reproduce-{self.name}", help="output directory")
+        parser.add_argument(
+            "--out",
+            default=None,
+            help=f"output directory (default: runs/reproduce-{self.name}, or runs/reproduce-{self.name}-SCALE for a "
+            f"scale other than {self.default_scale}: scales share run names)",
+        )
         parser.add_argument(
             "--budget-minutes", type=positive_minutes, default=None, help="start no new run after this many minutes"
         )
@@ -231,6 +236,8 @@ class Study:
         """Plan, run the points (resumable, parallel, within the budget), record every finished run, report.
         ``argv``, the command line's options, is kept as ``opts.argv`` (a report may name its command)."""
         opts.argv = list(argv or [])
+        if opts.out is None:  # each scale its own folder: scales share run names, whose runs would be replaced
+            opts.out = f"runs/reproduce-{self.name}" + ("" if opts.scale == self.default_scale else f"-{opts.scale}")
         page = Path(opts.page) if getattr(opts, "page", None) else None
         if page is not None and not page.is_file():
             raise ConfigError(f"--page: {page} is not a file (a reproduction page, docs/reproductions/<paper>.md)")
