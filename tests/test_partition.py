@@ -238,8 +238,9 @@ def test_natural_selection():
 
 
 def test_natural_errors():
-    with pytest.raises(ValueError, match="no natural users"):
+    with pytest.raises(ValueError, match="no natural users") as e:
         natural(ULABELS, 2, np.random.default_rng(0), users=None)
+    assert all(n in str(e.value) for n in PARTITIONERS.names() if n != "natural")  # every other partitioner
     with pytest.raises(ValueError, match=r"partition\.num_clients \(5\) exceeds the 4 natural users"):
         natural(ULABELS, 5, np.random.default_rng(0), users=USERS)
     with pytest.raises(ValueError, match=r"partition\.select must be one of largest, first, random"):

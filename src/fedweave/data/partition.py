@@ -501,9 +501,10 @@ def natural(
     """
     labels = _check_labels(labels)
     if users is None:
+        others = ", ".join(n for n in PARTITIONERS.names() if n != "natural")  # the registry's, plug-ins too
         raise ValueError(
             "the dataset has no natural users (no per-sample user ids); partition.name 'natural' needs a "
-            "naturally federated dataset, or choose iid, dirichlet, pathological, shards or quantity_skew"
+            f"naturally federated dataset, or choose one of {others}"
         )
     users = np.asarray(users)
     if users.shape != labels.shape:
