@@ -115,12 +115,19 @@ def check_model_fits(
 ) -> None:
     """One forward pass on two training samples (on ``device``), so that a model that cannot read the
     dataset's input (a character LSTM on images, say) is a configuration error now rather than a traceback
-    in round 1."""
-    e = forward_error(model, ds.train_x[:2].to(device) if device is not None else ds.train_x[:2])
+    in round 1. For integer inputs (token ids) the samples holding the smallest and largest id are passed too:
+    an id beyond an embedding's vocabulary failed only when a batch first held it."""
+    x, kind = ds.train_x[:2], str(ds.train_x.dtype)
+    if len(ds.train_x) and not ds.train_x.is_floating_point():
+        flat = ds.train_x.reshape(len(ds.train_x), -1)
+        lo, hi = flat.min(1).values, flat.max(1).values
+        x = torch.cat([x, ds.train_x[torch.stack([lo.argmin(), hi.argmax()])]])
+        kind += f", ids {int(lo.min())}..{int(hi.max())}"
+    e = forward_error(model, x.to(device) if device is not None else x)
     if e is not None:
         raise ConfigError(
             f"model {model_name!r} does not fit dataset {dataset_name!r}: its input is "
-            f"{tuple(ds.train_x.shape[1:])} ({ds.train_x.dtype}) with {ds.num_classes} classes, and the model "
+            f"{tuple(ds.train_x.shape[1:])} ({kind}) with {ds.num_classes} classes, and the model "
             f"fails on it ({_first_line(e)}); choose a model for this kind of input (fedweave list)"
         ) from e
 
