@@ -95,6 +95,9 @@ def test_misspelled_key_is_named(tmp_path, toy_config, capsys):
         ("model.depth=3", "model.depth"),
         ("backend=gpu", "backend must be one of"),
         ("partition.alpha=-1", "partition.alpha"),
+        # set by the run from the dataset: through the builder's **options they used to arrive twice (TypeError)
+        ("model.num_classes=1", r"model\.num_classes is not an option: the run passes it to model 'logistic'"),
+        ("model.input_shape=[4]", r"model\.input_shape is not an option"),
         ("local.epochs=2", None),
     ],
 )

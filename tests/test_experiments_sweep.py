@@ -89,6 +89,22 @@ def test_a_bad_grid_is_one_clear_line_before_anything_runs(toy_config, tmp_path,
     assert not (tmp_path / "s").exists()
 
 
+def test_a_metric_no_run_has_is_one_clear_line_and_the_runs_are_reused(toy_config, tmp_path, capsys):
+    # a misspelt --metric used to tabulate nan for every point and exit 0
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**toy_config, "rounds": 1}))
+    args = ["sweep", str(cfg), "--grid", "local.lr=0.1", "--out", str(tmp_path / "s"), "--no-progress"]
+    assert cli_main([*args, "--metric", "test_acc"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--metric 'test_acc'" in err and "test_accuracy" in err, err
+    assert not (tmp_path / "s" / "summary.csv").exists()
+    run = next((tmp_path / "s" / "runs").glob("*/summary.json"))
+    mtime = run.stat().st_mtime_ns
+    assert cli_main([*args, "--metric", "test_loss"]) == 0
+    assert run.stat().st_mtime_ns == mtime  # the finished run was reused
+    assert _read(tmp_path / "s" / "summary.csv")[0]["test_loss_mean"] != "nan"
+
+
 def test_a_diverging_point_is_recorded_and_the_sweep_goes_on(toy_config, tmp_path):
     res = fedweave.sweep(toy_config, {"local.lr": [0.1, 1e38]}, out=tmp_path / "s", progress=False)
     status = {r["local.lr"]: r["status"] for r in res.records}

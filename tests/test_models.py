@@ -331,3 +331,18 @@ def test_two_conv_cnn_equals_the_textbook_layer_order_bit_for_bit(name):
     (out_a, g_a), (out_b, g_b) = grads
     assert torch.equal(out_a, out_b)
     assert all(torch.equal(a, b) for a, b in zip(g_a, g_b))
+
+
+def test_a_token_id_beyond_the_vocabulary_is_refused_when_the_run_is_built(tmp_path) -> None:
+    import fedweave
+    from fedweave.config import ConfigError
+
+    # the vocabulary is num_classes (10); one id of 12, in a sample the two trial samples miss, used to pass the
+    # build and fail in round 1 with torch's "index out of range in self"
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 10, (64, 20), generator=g), torch.arange(64) % 10
+    x[40, 3] = 12
+    cfg = {"rounds": 1, "model": {"name": "char_lstm"}, "partition": {"name": "iid", "num_clients": 2}}
+    cfg |= {"algorithm": {"name": "fedavg", "clients_per_round": 2}, "output": {"progress": False, "plots": False}}
+    with pytest.raises(ConfigError, match=r"char_lstm.*does not fit.*ids 0\.\.12.*index out of range"):
+        fedweave.run(cfg, dataset=(x, y, x, y), run_dir=tmp_path / "r")

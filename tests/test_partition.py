@@ -187,6 +187,23 @@ def test_quantity_skew_sizes(kw):
     assert sizes.max() > 2 * N / 20  # unequal
 
 
+def test_quantity_skew_large_sigma_keeps_finite_shares():
+    # lognormal(0, 5000) overflows exp: the shares were nan and the sizes a bare numpy error
+    parts = quantity_skew(LABELS, 20, np.random.default_rng(0), min_size=15, sigma=5000.0)
+    sizes = np.array([len(p) for p in parts])
+    assert sizes.min() >= 15 and sizes.sum() == N
+    assert sizes.max() == N - 19 * 15  # the limit of sigma -> inf: one client takes all but the minimum
+
+
+@pytest.mark.parametrize("name", ["dirichlet", "quantity_skew"])
+def test_huge_alpha_is_near_iid_not_one_client(name):
+    # numpy's Dir(alpha) overflows to all zeros once alpha * m exceeds ~1.8e308; that used to give (nearly)
+    # every sample to one client, the opposite of the alpha -> inf limit (equal shares)
+    parts = run(name, alpha=1e308, min_size=5)
+    sizes = np.array([len(p) for p in parts])
+    assert sizes.sum() == N and sizes.min() > 0.8 * N / 20
+
+
 def test_quantity_skew_errors():
     with pytest.raises(ValueError, match="not both"):
         quantity_skew(LABELS, 5, np.random.default_rng(0), alpha=1.0, sigma=1.0)
@@ -221,8 +238,9 @@ def test_natural_selection():
 
 
 def test_natural_errors():
-    with pytest.raises(ValueError, match="no natural users"):
+    with pytest.raises(ValueError, match="no natural users") as e:
         natural(ULABELS, 2, np.random.default_rng(0), users=None)
+    assert all(n in str(e.value) for n in PARTITIONERS.names() if n != "natural")  # every other partitioner
     with pytest.raises(ValueError, match=r"partition\.num_clients \(5\) exceeds the 4 natural users"):
         natural(ULABELS, 5, np.random.default_rng(0), users=USERS)
     with pytest.raises(ValueError, match=r"partition\.select must be one of largest, first, random"):

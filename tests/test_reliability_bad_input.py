@@ -428,6 +428,7 @@ def test_overrides_after_the_options_are_overrides(in_tmp, capsys):
 def test_data_fetch_of_an_unknown_dataset(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("FEDWEAVE_DATA", str(tmp_path))
     _one_line_error(capsys, cli_main(["data", "fetch", "NOSUCH"]), "no download sources for dataset 'NOSUCH'")
+    _one_line_error(capsys, cli_main(["data", "fetch", "mnistt"]), "'mnistt' (did you mean 'mnist'?)")
 
 
 def test_data_fetch_with_a_missing_root_is_refused(capsys, tmp_path, monkeypatch):

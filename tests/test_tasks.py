@@ -239,6 +239,23 @@ def test_a_class_loss_on_float_targets_and_mse_on_labels_are_refused(tmp_path):
         fedweave.run(digits, run_dir=tmp_path / "b")
 
 
+@pytest.mark.parametrize(
+    ("dataset", "task", "message"),
+    [
+        # accuracy on float targets scored 0 in every round; the others failed with a traceback in evaluation
+        ("diabetes", {"loss": "mse", "metrics": ["mse", "accuracy"]}, r"'accuracy' needs integer class labels"),
+        ("diabetes", {"loss": "mse", "metrics": ["perplexity"]}, r"'perplexity' needs integer class labels"),
+        ("diabetes", {"loss": "mse", "metrics": ["auc"]}, r"'auc' needs 0/1 targets.*float targets; .*mse"),
+        ("digits", {"metrics": ["accuracy", "mse"]}, r"'mse' needs float targets.*class labels \(10 classes\)"),
+        ("digits", {"metrics": ["f1"]}, r"task\.metrics: 'f1' needs 0/1 targets.*accuracy"),
+    ],
+)
+def test_a_metric_that_does_not_fit_the_targets_is_refused(tmp_path, dataset, task, message):
+    cfg = {**REGRESSION, "dataset": {"name": dataset}, "partition": {"name": "iid", "num_clients": 4}, "task": task}
+    with pytest.raises(ConfigError, match=message):
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+
+
 # ---- multi-label with bce_with_logits on real images -------------------------------------------------
 def _multilabel_digits():
     from fedweave.data.datasets.bundled import load_digits

@@ -864,6 +864,10 @@ def check_options(
         hints = {}
     out = {}
     for k, v in options.items():
+        if k in skip and k != "self":
+            # the caller passes it itself: through a builder's **options it would arrive twice, a bare TypeError
+            owner = f"{key} {name!r}" if name else key
+            raise ConfigError(f"{key}.{k} is not an option: the run passes it to {owner} itself; leave it out")
         if k not in params:
             if takes_any:
                 out[k] = v

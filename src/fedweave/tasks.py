@@ -147,6 +147,9 @@ class Metric:
     values it always gives, with whether higher (``max``) or lower (``min``) is better."""
 
     keys: dict[str, str] = {}
+    # the targets it reads, checked against the dataset when a run is built: "class" (int64 indices),
+    # "float" (values shaped like the output), "binary" (0/1 values shaped like the output); None: unchecked
+    targets: str | None = None
 
     def update(self, out: torch.Tensor, y: torch.Tensor) -> None:
         """Add one batch: the model's output ``out`` and its targets ``y``."""
@@ -163,6 +166,7 @@ class Accuracy(Metric):
 
     k = 1
     keys = {"accuracy": "max"}
+    targets = "class"
 
     def __init__(self) -> None:
         self.correct, self.n = 0, 0
@@ -194,6 +198,8 @@ class Top5(Accuracy):
 
 class _Errors(Metric):
     """Sums of squared and absolute errors and of the targets, per output column (all additive)."""
+
+    targets = "float"
 
     def __init__(self) -> None:
         self.sums: list[torch.Tensor] | None = None
@@ -254,6 +260,7 @@ class AUC(Metric):
     (scikit-learn's ``roc_auc_score``)."""
 
     keys = {"auc": "max"}
+    targets = "binary"
 
     def __init__(self) -> None:
         self.scores: list[np.ndarray] = []
@@ -276,6 +283,7 @@ class F1(Metric):
     """F1 per label at logit 0 (probability 1/2): ``f1`` is their mean, ``f1_<j>`` each label's."""
 
     keys = {"f1": "max"}
+    targets = "binary"
 
     def __init__(self) -> None:
         self.tp = self.fp = self.fn = None
@@ -302,6 +310,7 @@ class Perplexity(Metric):
     """exp(mean cross-entropy per token), for next-token models."""
 
     keys = {"perplexity": "min"}
+    targets = "class"
 
     def __init__(self) -> None:
         self.total, self.n = 0.0, 0

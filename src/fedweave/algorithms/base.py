@@ -32,7 +32,7 @@ from fedweave.execution.local import LocalRule
 from fedweave.execution.placement import Placement, resolve_placement
 from fedweave.faults import Faults
 from fedweave.ledger import Ledger
-from fedweave.registry import ALGORITHMS, DATASETS, MODELS, PARTITIONERS
+from fedweave.registry import ALGORITHMS, DATASETS, METRICS, MODELS, PARTITIONERS
 from fedweave.robust import poisoned_data
 from fedweave.seeding import Seeds
 from fedweave.tasks import CallableLoss, Loss, Task, build_task
@@ -115,12 +115,19 @@ def check_model_fits(
 ) -> None:
     """One forward pass on two training samples (on ``device``), so that a model that cannot read the
     dataset's input (a character LSTM on images, say) is a configuration error now rather than a traceback
-    in round 1."""
-    e = forward_error(model, ds.train_x[:2].to(device) if device is not None else ds.train_x[:2])
+    in round 1. For integer inputs (token ids) the samples holding the smallest and largest id are passed too:
+    an id beyond an embedding's vocabulary failed only when a batch first held it."""
+    x, kind = ds.train_x[:2], str(ds.train_x.dtype)
+    if len(ds.train_x) and not ds.train_x.is_floating_point():
+        flat = ds.train_x.reshape(len(ds.train_x), -1)
+        lo, hi = flat.min(1).values, flat.max(1).values
+        x = torch.cat([x, ds.train_x[torch.stack([lo.argmin(), hi.argmax()])]])
+        kind += f", ids {int(lo.min())}..{int(hi.max())}"
+    e = forward_error(model, x.to(device) if device is not None else x)
     if e is not None:
         raise ConfigError(
             f"model {model_name!r} does not fit dataset {dataset_name!r}: its input is "
-            f"{tuple(ds.train_x.shape[1:])} ({ds.train_x.dtype}) with {ds.num_classes} classes, and the model "
+            f"{tuple(ds.train_x.shape[1:])} ({kind}) with {ds.num_classes} classes, and the model "
             f"fails on it ({_first_line(e)}); choose a model for this kind of input (fedweave list)"
         ) from e
 
@@ -280,7 +287,28 @@ class RunContext:
                 f"task.loss {self.task.loss.name!r} needs float targets, but dataset {self.config.dataset.name!r} "
                 "has class labels; use cross_entropy (the default) or nll"
             )
+        self._check_metrics(ds, has)
         return ds
+
+    def _check_metrics(self, ds: Dataset, has: str) -> None:
+        """Each metric must read targets of the dataset's kind: accuracy on float targets scored 0 and
+        perplexity, mse or auc on the wrong kind failed with a traceback at the first evaluation."""
+        floats = has == "float"
+        # a registered model gives num_classes logits, so value metrics on class labels fit only one output
+        one_output = ds.num_classes == 1 or self.objects.model is not None
+        binary = floats and bool(((ds.train_y == 0) | (ds.train_y == 1)).all())
+        fits = {"class": not floats, "float": floats or one_output, "binary": binary if floats else one_output}
+        for m in self.task.metrics:
+            wants = METRICS.get(m).targets
+            if wants is None or fits[wants]:
+                continue
+            need = {"class": "integer class labels", "float": "float targets", "binary": "0/1 targets"}[wants]
+            got = "float targets" if floats else f"class labels ({ds.num_classes} classes)"
+            ok = [n for n in METRICS.names() if METRICS.get(n).targets in [k for k, v in fits.items() if v]]
+            raise ConfigError(
+                f"task.metrics: {m!r} needs {need}, but dataset {self.config.dataset.name!r} has {got}; "
+                f"metrics for these targets: {', '.join(ok)}"
+            )
 
     @cached_property
     def partition(self) -> Partition:

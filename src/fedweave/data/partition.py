@@ -189,6 +189,29 @@ def _apportion(p: np.ndarray, total: int) -> np.ndarray:
     return counts
 
 
+def _dirichlet(rng: np.random.Generator, alpha: float, size: int) -> np.ndarray:
+    """p ~ Dir(alpha * 1_size). numpy's sampler returns all zeros once the sum of its gamma draws overflows
+    (alpha * size above about 1.8e308); Dir(alpha) is then uniform to machine precision, its limit as alpha
+    grows, so that is what is returned (a zero vector would give every sample to one client)."""
+    p = rng.dirichlet(np.full(size, alpha))
+    if not p.sum() > 0 and alpha >= 1:
+        p = np.full(size, 1.0 / size)
+    return p
+
+
+def _lognormal_weights(rng: np.random.Generator, sigma: float, size: int) -> np.ndarray:
+    """Weights proportional to lognormal(0, sigma) draws. Above sigma ~ 100, exp overflows to inf and the
+    shares would be nan: the same normal draws (lognormal is exp of them, one per sample, from the same
+    stream) are then exponentiated relative to the largest, which leaves the shares unchanged."""
+    state = rng.bit_generator.state
+    weights = rng.lognormal(0.0, sigma, size=size)
+    if not np.isfinite(weights).all():
+        rng.bit_generator.state = state
+        z = rng.normal(0.0, sigma, size=size)
+        weights = np.exp(z - z.max())
+    return weights
+
+
 def _shuffled_by_class(labels: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """All indices grouped by class (ascending), randomly ordered within each class; and class sizes."""
     perm = rng.permutation(len(labels))
@@ -221,7 +244,7 @@ def _dirichlet_attempt(class_sizes: np.ndarray, m: int, alpha: float, rng: np.ra
     for n_k in class_sizes:
         if n_k == 0:
             continue
-        p = rng.dirichlet(np.full(m, alpha))
+        p = _dirichlet(rng, alpha, m)
         # Li et al. (NIID-Bench) balancing: clients already holding >= N/m samples get no more of this class.
         masked = p * (sizes < n / m)
         if masked.sum() > 0:
@@ -451,9 +474,9 @@ def quantity_skew(
     if alpha is not None and sigma is not None:
         raise ValueError("partition 'quantity_skew': give partition.alpha or partition.sigma, not both")
     if sigma is not None:
-        weights = rng.lognormal(0.0, _check_positive("sigma", sigma), size=m)
+        weights = _lognormal_weights(rng, _check_positive("sigma", sigma), m)
     else:
-        weights = rng.dirichlet(np.full(m, _check_positive("alpha", 0.5 if alpha is None else alpha)))
+        weights = _dirichlet(rng, _check_positive("alpha", 0.5 if alpha is None else alpha), m)
     if not weights.sum() > 0:  # Dir with tiny alpha can underflow to all zeros: one client takes the rest
         weights = np.eye(m)[rng.integers(m)]
     sizes = min_size + _apportion(weights, n - m * min_size)
@@ -478,9 +501,10 @@ def natural(
     """
     labels = _check_labels(labels)
     if users is None:
+        others = ", ".join(n for n in PARTITIONERS.names() if n != "natural")  # the registry's, plug-ins too
         raise ValueError(
             "the dataset has no natural users (no per-sample user ids); partition.name 'natural' needs a "
-            "naturally federated dataset, or choose iid, dirichlet, pathological, shards or quantity_skew"
+            f"naturally federated dataset, or choose one of {others}"
         )
     users = np.asarray(users)
     if users.shape != labels.shape:

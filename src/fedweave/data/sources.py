@@ -18,6 +18,7 @@ The external commands go through :func:`run_command` and :func:`download`; tests
 
 from __future__ import annotations
 
+import difflib
 import gzip
 import hashlib
 import importlib.util
@@ -398,8 +399,10 @@ class UnknownDataset(DataSourceError, KeyError):
 
 def _spec(name: str) -> DataSpec:
     if name not in SPECS:
+        close = difflib.get_close_matches(name, names(), n=1) if isinstance(name, str) else []
+        hint = f" (did you mean {close[0]!r}?)" if close else ""  # a misspelt name: `data fetch mnistt`
         raise UnknownDataset(
-            f"no download sources for dataset {name!r}; known: {', '.join(names())}. "
+            f"no download sources for dataset {name!r}{hint}; known: {', '.join(names())}. "
             "Datasets such as leaf, libsvm, digits, breast_cancer and synthetic need no fetch."
         )
     return SPECS[name]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedweave.config import ConfigError
 from fedweave.experiments.aggregate import if_all, mean_std, to_target
 from fedweave.experiments.grid import expand
 from fedweave.experiments.jobs import check_workers, run_points
@@ -104,6 +105,16 @@ def sweep(
         by_point.setdefault(p.label, []).append(rec)
         curves.setdefault(p.label, []).append(rows)
 
+    columns = {k for rows in curves.values() for rs in rows for r in rs for k, v in r.items() if v is not None}
+    if not defaulted and columns and metric not in columns:
+        # a misspelt --metric used to give a table of nan; the runs stay, so running again with the right
+        # column reuses them (runs that wrote no rows at all prove nothing either way)
+        known = sorted({k for rows in curves.values() for rs in rows for r in rs for k, v in r.items() if _num(v)})
+        raise ConfigError(
+            f"--metric {metric!r} is not a column of the sweep's runs in {out / 'runs'}; choose one of "
+            f"{', '.join(known)} (run the sweep again with it: its finished runs are reused)"
+        )
+
     summary = []
     for label, recs in by_point.items():
         m, sd = mean_std([r[f"final_{metric}"] for r in recs if r["status"] == "completed"])
@@ -125,6 +136,11 @@ def sweep(
 
     plot_sweep(curves, out, metric)
     return SweepResult(out, records, summary, best)
+
+
+def _num(v: Any) -> bool:
+    """Whether a metrics value is a measured one (a float, as `fedweave plot` lists them, not a count)."""
+    return isinstance(v, float)
 
 
 def _main_column(config) -> str:
