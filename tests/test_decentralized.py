@@ -298,6 +298,37 @@ def test_afind_all_own_model_uniform_reduces_to_dfedavg():
     assert torch.allclose(a.W, b.W, atol=1e-6)
 
 
+def test_complete_graph_with_uniform_mixing_is_fedavg():
+    """On the complete graph the Metropolis weights are all 1/m, so DFedAvg (train, then mix) gives every client
+    FedAvg's iterate with every client taking part and uniform weights; gossip (mix, then train) keeps the mean
+    of its rows on that iterate (mean_i train_i(mean W) = FedAvg's step from mean W)."""
+    metro = build("dfedavg", topology="full", mixing="metropolis")
+    assert torch.allclose(metro.mixing, torch.full((8, 8), 1 / 8, dtype=torch.float64))
+    sampled = build("dfedavg", topology="full", neighbours=7)  # every other client, uniform weights
+    gossip_all = build("gossip", topology="full", neighbours=7)
+    fedavg = build("fedavg", clients_per_round=8, weighting="uniform")
+    for r in range(3):
+        for algo in (metro, sampled, gossip_all, fedavg):
+            algo.run_round(r)
+        x = fedavg.x
+        assert (metro.W - x).abs().max() < 1e-6 and (sampled.W - x).abs().max() < 1e-6
+        assert (gossip_all.W.mean(0) - x).abs().max() < 1e-6
+    assert (gossip_all.W - x).abs().max() > 1e-3  # its rows are the clients' own updates, not the average
+
+
+def test_pens_refuses_an_m_top_that_selects_nothing():
+    """PENS keeps the m_top best of the n_s models a client samples; with m_top >= n_s it keeps all of them, no
+    neighbour beats E_i = T_1 m_top / |S_i| (on a small graph every count equals T_1 <= E_i), and phase 2 would
+    train every client alone. Both ways to get there are refused in one line naming m_top."""
+    with pytest.raises(ConfigError, match=r"^algorithm.m_top \(5\) must be below algorithm.neighbours \(3"):
+        build("pens", neighbours=3)  # m_top's default, 5
+    with pytest.raises(ConfigError, match=r"^algorithm.m_top \(3\) must be below the models client 0 samples"):
+        build("pens", topology="ring", neighbours=4, m_top=3)  # a ring gives each client 2 neighbours
+    algo = build("pens", neighbours=4, m_top=2, phase1_rounds=1)
+    algo.run_round(0)
+    assert all(len(algo.preferred(i)) for i in range(algo.num_clients))  # 2 of 4 sampled, E_i = 2/7 < 1
+
+
 def test_dp_noise_changes_only_when_enabled():
     a, b, c = (
         build("gossip", neighbours=3),
