@@ -99,6 +99,7 @@ def _cases() -> list[tuple[list[str], str]]:
         (["algorithm={name: ditto, boltzmann_T: 5}"], "algorithm.boltzmann_T: selection 'random'"),
         (["algorithm={name: fedavg_ft, proxy_layer: classifier}"], "algorithm.proxy_layer: selection 'random'"),
         (["algorithm={name: gossip, selection: topk, select_k: 2, tau: 0.9}"], "algorithm.tau: selection 'topk'"),
+        (["algorithm={name: fomo, selection: afind, select_k: 2}"], "algorithm.select_k: selection 'afind' does not"),
         # an auxiliary-net option with a split method that trains none (before: silently not read)
         (["algorithm={name: fsl_mc}", "model={name: split_small, aux: cnn, aux_channels: 4}"], "model.aux"),
         (["algorithm={name: fsl_oc, aux_lr: 0.1}", "model.name=split_small"], "algorithm.aux_lr: algorithm 'fsl_oc'"),
