@@ -155,6 +155,11 @@ class ConfederatedAlgorithm(Algorithm):
         pb = self.problem
         n, d = pb.N, pb.d
         if self.config.sampler.name != "uniform" or self.config.sampler.options:  # every iteration's, now
+            if self.draws_users(hp) is not None:  # the section would be ignored: this method draws no users
+                raise ConfigError(
+                    f"sampler: {self.name} {self.draws_users(hp)}, so sampler {self.config.sampler.name} would be "
+                    "ignored; leave the sampler section out"
+                )
             fn = SAMPLERS.get(self.config.sampler.name)
             refuse_context(self.config.sampler.name, fn, self.family)
             opts = check_options(fn, self.config.sampler.options, "sampler", skip=SAMPLER_ARGS)
@@ -216,6 +221,11 @@ class ConfederatedAlgorithm(Algorithm):
         not shift the mini-batch draws (spec §9.1 item 4)."""
         pb = self.problem
         return torch.from_numpy(self.seeds.numpy("batches", k).integers(pb.S, size=(pb.N, pb.P))).to(self.device)
+
+    def draws_users(self, hp: ConfederatedHparams) -> str | None:
+        """None when the method draws m random users per server and iteration (:meth:`select_users`, where a
+        ``sampler`` section applies), else why it draws none (the section is then refused)."""
+        return None
 
     def select_users(self, k: int, m: int) -> torch.Tensor:
         """m users per server, uniformly without replacement (spec A13), sorted: (N, m). A ``sampler``
