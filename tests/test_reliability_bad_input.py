@@ -100,6 +100,8 @@ def _cases() -> list[tuple[list[str], str]]:
         (["algorithm={name: fedavg_ft, proxy_layer: classifier}"], "algorithm.proxy_layer: selection 'random'"),
         (["algorithm={name: gossip, selection: topk, select_k: 2, tau: 0.9}"], "algorithm.tau: selection 'topk'"),
         (["algorithm={name: fomo, selection: afind, select_k: 2}"], "algorithm.select_k: selection 'afind' does not"),
+        # compressed messages in the decentralized family: choco_sgd is the method that sends them
+        (["algorithm={name: gossip}", "compression.upload={name: topk, ratio: 0.1}"], "choco_sgd (compressed gossip)"),
         # an auxiliary-net option with a split method that trains none (before: silently not read)
         (["algorithm={name: fsl_mc}", "model={name: split_small, aux: cnn, aux_channels: 4}"], "model.aux"),
         (["algorithm={name: fsl_oc, aux_lr: 0.1}", "model.name=split_small"], "algorithm.aux_lr: algorithm 'fsl_oc'"),
