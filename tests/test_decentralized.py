@@ -167,6 +167,16 @@ UNREAD = [  # (method, options, the family option it would not read, that option
     ("local", {"dp_sigma": 2.0, "dp_mode": "exchange"}, "dp_mode", "sgd"),
     ("afind_plus", {"reading": "literal", "neighbours": 3}, "neighbours", 10),
     ("afind", {"reading": "literal", "neighbours": 3}, "neighbours", 10),
+    # AFIND+'s own options, each read only under one selection, aggregation or personalization
+    ("afind_plus", {"selection": "topk", "tau": 0.9}, "tau", 0.5),
+    ("afind_plus", {"selection": "random", "theta0": 0.1}, "theta0", 0.0),
+    ("afind_plus", {"selection": "topk", "empty_fallback": "top1"}, "empty_fallback", "none"),
+    ("afind_plus", {"topk": 3}, "topk", 5),
+    ("afind_plus", {"selection": "all", "upsilon": 0.5}, "upsilon", 0.1),
+    ("afind", {"boltzmann_T": 2.0}, "boltzmann_T", 1.0),
+    ("afind_plus", {"aggregation": "uniform", "loss_gamma": 0.5}, "loss_gamma", 0.9),
+    ("afind_plus", {"aggregation": "uniform", "loss_smoothing": "ema_rounds"}, "loss_smoothing", "eq15"),
+    ("afind_plus", {"head_epochs": 2}, "head_epochs", 1),
 ]  # fmt: skip
 
 
