@@ -92,10 +92,18 @@ def test_graph_edge_list_file(tmp_path):
     with pytest.raises(ConfigError, match="outside"):
         build_graph("edgelist", 4, 0, edge_file=str(f))
     f.write_text("0 1\n")
-    with pytest.raises(ConfigError, match="without neighbours"):
+    with pytest.raises(ConfigError, match=r"client\(s\) \[2, 3\] without neighbours; give them an edge in algorithm"):
         build_graph("edgelist", 4, 0, edge_file=str(f))
     with pytest.raises(ConfigError, match="edge_file"):
         build_graph("edgelist", 4, 0)
+
+
+def test_a_graph_that_leaves_a_client_alone_names_what_the_topology_reads():
+    """The hint names the option of the topology at hand (before: 'a larger algorithm.edge_prob' for every one)."""
+    with pytest.raises(ConfigError, match=r"^algorithm.topology 'half' left .* 'half' needs at least 4 clients"):
+        build_graph("half", 3, 0)
+    with pytest.raises(ConfigError, match=r"^algorithm.topology 'erdos_renyi' left .* larger algorithm.edge_prob"):
+        build_graph("erdos_renyi", 8, 0, edge_prob=0.01)
 
 
 def test_bad_topology_name_is_a_config_error():
