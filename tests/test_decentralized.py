@@ -334,6 +334,24 @@ def test_complete_graph_with_uniform_mixing_is_fedavg():
     assert (gossip_all.W - x).abs().max() > 1e-3  # its rows are the clients' own updates, not the average
 
 
+def test_two_different_local_momenta_are_refused():
+    """dfedavgm's local_momentum (0.9 by default) replaced a local.momentum set beside it, silently; two different
+    values are now refused in one line naming both keys, and one value (or the same twice) builds."""
+
+    def make(algo: str, momentum: float, **opts):
+        cfg = config(algo, **opts)
+        cfg["local"]["momentum"] = momentum
+        return build_algorithm(RunContext(load(cfg)))
+
+    with pytest.raises(ConfigError, match=r"^algorithm.local_momentum \(0.9; dfedavgm's default: 0.9\) and local.mom"):
+        make("dfedavgm", 0.5)
+    with pytest.raises(ConfigError, match=r"^algorithm.local_momentum \(0.5; dfedavg's default: None\) and local"):
+        make("dfedavg", 0.9, local_momentum=0.5)
+    assert make("dfedavgm", 0.9).trainer.local.momentum == 0.9
+    assert make("dfedavgm", 0.0, local_momentum=0.5).trainer.local.momentum == 0.5
+    assert make("dfedavg", 0.5).trainer.local.momentum == 0.5
+
+
 def test_pens_refuses_an_m_top_that_selects_nothing():
     """PENS keeps the m_top best of the n_s models a client samples; with m_top >= n_s it keeps all of them, no
     neighbour beats E_i = T_1 m_top / |S_i| (on a small graph every count equals T_1 <= E_i), and phase 2 would
