@@ -100,6 +100,7 @@ def _cases() -> list[tuple[list[str], str]]:
         (["algorithm={name: fedavg_ft, proxy_layer: classifier}"], "algorithm.proxy_layer: selection 'random'"),
         (["algorithm={name: gossip, selection: topk, select_k: 2, tau: 0.9}"], "algorithm.tau: selection 'topk'"),
         (["algorithm={name: fomo, selection: afind, select_k: 2}"], "algorithm.select_k: selection 'afind' does not"),
+        (["algorithm={name: fomo, selection: topk, select_k: 2, greedy: 0.9}"], "algorithm.greedy: selection 'topk'"),
         # compressed messages in the decentralized family: choco_sgd is the method that sends them
         (["algorithm={name: gossip}", "compression.upload={name: topk, ratio: 0.1}"], "choco_sgd (compressed gossip)"),
         # an auxiliary-net option with a split method that trains none (before: silently not read)
