@@ -56,6 +56,10 @@ class ConfederatedHparams(ConfederationHparams):
             raise ConfigError(f"algorithm.step_size must be > 0 or null, got {self.step_size}")
         if self.step_scale <= 0:
             raise ConfigError(f"algorithm.step_scale must be > 0, got {self.step_scale}")
+        if self.step_size is not None and self.step_scale != ConfederatedHparams.step_scale:
+            raise ConfigError(
+                "algorithm.step_scale: algorithm.step_size sets alpha directly and step_scale / L_f is unread; keep one"
+            )
         if self.iterations_per_round < 1:
             raise ConfigError(f"algorithm.iterations_per_round must be >= 1, got {self.iterations_per_round}")
 
