@@ -175,6 +175,7 @@ UNREAD = [  # (method, options, the family option it would not read, that option
     ("local", {"dp_sigma": 2.0, "dp_mode": "exchange"}, "dp_mode", "sgd"),
     ("afind_plus", {"reading": "literal", "neighbours": 3}, "neighbours", 10),
     ("afind", {"reading": "literal", "neighbours": 3}, "neighbours", 10),
+    ("dfedavg", {"mixing": "metropolis", "select_k": 2}, "select_k", None),
     # AFIND+'s own options, each read only under one selection, aggregation or personalization
     ("afind_plus", {"selection": "topk", "tau": 0.9}, "tau", 0.5),
     ("afind_plus", {"selection": "random", "theta0": 0.1}, "theta0", 0.0),

@@ -104,7 +104,7 @@ class DFedAvg(GraphAlgorithm):
         if hp.mixing != "metropolis":
             return {}
         why = "mixing 'metropolis' mixes with every graph neighbour each round (or use mixing 'sampled')"
-        return {"neighbours": why}
+        return {"neighbours": why, "select_k": f"{self.name} with {why}"}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "selector": self.selector.state_dict()}
