@@ -185,6 +185,23 @@ def test_rho_zero_equals_gt_saga_with_full_participation():
     assert a.uploads == b.uploads == 30 * 30  # every user, every iteration
 
 
+@pytest.mark.parametrize("name", ["cfl_saga", "gt_saga", "gt_svrg"])
+def test_one_edge_server_is_centralized_variance_reduced_sgd(name):
+    """With N = 1, W = [1]: y^k = g^k by eq. (6) from y^0 = g^0 = 0, so eq. (5) is x^{k+1} = x^k - alpha g^k, the
+    server's variance-reduced SGD on its users' estimate, with no server-to-server traffic."""
+    algo = make(name, num_servers=1, users_per_server=30)
+    assert algo.net.W.tolist() == [[1.0]] and algo.net.num_edges == 0
+    for r in range(12):
+        x, g = algo.X.clone(), algo.G.clone()
+        algo.run_round(r)
+        assert torch.allclose(algo.Y, algo.G, rtol=1e-12, atol=1e-12)  # y + g' - g = g' up to rounding
+        assert torch.allclose(algo.X, x - algo.alpha * g, rtol=1e-12, atol=1e-12)
+    assert (
+        algo.ledger.bytes(kind="tracker") == 0
+        and algo.opt_gap() < run(make(name, num_servers=1, users_per_server=30), 1)[0]
+    )
+
+
 def test_tracking_invariants():
     """g_i = sum_j held copies (eq. 18); mean(y^k) = mean(g^k) (eq. 84); xbar^{k+1} = xbar^k - alpha gbar^k (85)."""
     algo = make("cfl_saga", rho=1e3, graph="ring")

@@ -62,3 +62,22 @@ def test_a_sampler_that_reads_the_clients_context_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="which the confederated family does not give") as e:
         _make(sampler={"name": "_power_of_choice"}).select_users(0, 2)
     assert "\n" not in str(e.value)
+
+
+def test_a_method_that_draws_no_users_refuses_a_sampler_and_a_sample_rate():
+    """CFL-SAGA's users all check their trigger every iteration, and GT-SAGA's Algorithm 1 has no users: a sampler
+    section (or GT-SAGA's sample_rate) would be ignored, so it is refused in one line (before: silently unread)."""
+    system = {k: v for k, v in _ALGO.items() if k != "sample_rate"}
+
+    def make(sampler: dict | None = None, **algo):
+        cfg = {"seed": 0, "rounds": 4, "dataset": _DATA, "algorithm": {**system, **algo}}
+        return build_algorithm(RunContext(load({**cfg, **({"sampler": sampler} if sampler else {})})))
+
+    with pytest.raises(ConfigError, match=r"^sampler: cfl_saga draws no users: every user checks its trigger"):
+        make({"name": "fixed"}, name="cfl_saga")
+    with pytest.raises(ConfigError, match=r"^sampler: gt_saga with mode 'decentralized' draws no users"):
+        make({"name": "fixed"}, name="gt_saga", mode="decentralized")
+    with pytest.raises(ConfigError, match=r"^algorithm.sample_rate: gt_saga with mode 'decentralized' selects no"):
+        make(name="gt_saga", mode="decentralized", sample_rate=0.4)
+    make(name="cfl_saga"), make(name="gt_saga", mode="decentralized")  # without either: accepted
+    make({"name": "uniform"}, name="cfl_saga")  # the default section names no sampler

@@ -92,10 +92,18 @@ def test_graph_edge_list_file(tmp_path):
     with pytest.raises(ConfigError, match="outside"):
         build_graph("edgelist", 4, 0, edge_file=str(f))
     f.write_text("0 1\n")
-    with pytest.raises(ConfigError, match="without neighbours"):
+    with pytest.raises(ConfigError, match=r"client\(s\) \[2, 3\] without neighbours; give them an edge in algorithm"):
         build_graph("edgelist", 4, 0, edge_file=str(f))
     with pytest.raises(ConfigError, match="edge_file"):
         build_graph("edgelist", 4, 0)
+
+
+def test_a_graph_that_leaves_a_client_alone_names_what_the_topology_reads():
+    """The hint names the option of the topology at hand (before: 'a larger algorithm.edge_prob' for every one)."""
+    with pytest.raises(ConfigError, match=r"^algorithm.topology 'half' left .* 'half' needs at least 4 clients"):
+        build_graph("half", 3, 0)
+    with pytest.raises(ConfigError, match=r"^algorithm.topology 'erdos_renyi' left .* larger algorithm.edge_prob"):
+        build_graph("erdos_renyi", 8, 0, edge_prob=0.01)
 
 
 def test_bad_topology_name_is_a_config_error():
@@ -167,6 +175,17 @@ UNREAD = [  # (method, options, the family option it would not read, that option
     ("local", {"dp_sigma": 2.0, "dp_mode": "exchange"}, "dp_mode", "sgd"),
     ("afind_plus", {"reading": "literal", "neighbours": 3}, "neighbours", 10),
     ("afind", {"reading": "literal", "neighbours": 3}, "neighbours", 10),
+    ("dfedavg", {"mixing": "metropolis", "select_k": 2}, "select_k", None),
+    # AFIND+'s own options, each read only under one selection, aggregation or personalization
+    ("afind_plus", {"selection": "topk", "tau": 0.9}, "tau", 0.5),
+    ("afind_plus", {"selection": "random", "theta0": 0.1}, "theta0", 0.0),
+    ("afind_plus", {"selection": "topk", "empty_fallback": "top1"}, "empty_fallback", "none"),
+    ("afind_plus", {"topk": 3}, "topk", 5),
+    ("afind_plus", {"selection": "all", "upsilon": 0.5}, "upsilon", 0.1),
+    ("afind", {"boltzmann_T": 2.0}, "boltzmann_T", 1.0),
+    ("afind_plus", {"aggregation": "uniform", "loss_gamma": 0.5}, "loss_gamma", 0.9),
+    ("afind_plus", {"aggregation": "uniform", "loss_smoothing": "ema_rounds"}, "loss_smoothing", "eq15"),
+    ("afind_plus", {"head_epochs": 2}, "head_epochs", 1),
 ]  # fmt: skip
 
 
@@ -296,6 +315,55 @@ def test_afind_all_own_model_uniform_reduces_to_dfedavg():
         a.run_round(r)
         b.run_round(r)
     assert torch.allclose(a.W, b.W, atol=1e-6)
+
+
+def test_complete_graph_with_uniform_mixing_is_fedavg():
+    """On the complete graph the Metropolis weights are all 1/m, so DFedAvg (train, then mix) gives every client
+    FedAvg's iterate with every client taking part and uniform weights; gossip (mix, then train) keeps the mean
+    of its rows on that iterate (mean_i train_i(mean W) = FedAvg's step from mean W)."""
+    metro = build("dfedavg", topology="full", mixing="metropolis")
+    assert torch.allclose(metro.mixing, torch.full((8, 8), 1 / 8, dtype=torch.float64))
+    sampled = build("dfedavg", topology="full", neighbours=7)  # every other client, uniform weights
+    gossip_all = build("gossip", topology="full", neighbours=7)
+    fedavg = build("fedavg", clients_per_round=8, weighting="uniform")
+    for r in range(3):
+        for algo in (metro, sampled, gossip_all, fedavg):
+            algo.run_round(r)
+        x = fedavg.x
+        assert (metro.W - x).abs().max() < 1e-6 and (sampled.W - x).abs().max() < 1e-6
+        assert (gossip_all.W.mean(0) - x).abs().max() < 1e-6
+    assert (gossip_all.W - x).abs().max() > 1e-3  # its rows are the clients' own updates, not the average
+
+
+def test_two_different_local_momenta_are_refused():
+    """dfedavgm's local_momentum (0.9 by default) replaced a local.momentum set beside it, silently; two different
+    values are now refused in one line naming both keys, and one value (or the same twice) builds."""
+
+    def make(algo: str, momentum: float, **opts):
+        cfg = config(algo, **opts)
+        cfg["local"]["momentum"] = momentum
+        return build_algorithm(RunContext(load(cfg)))
+
+    with pytest.raises(ConfigError, match=r"^algorithm.local_momentum \(0.9; dfedavgm's default: 0.9\) and local.mom"):
+        make("dfedavgm", 0.5)
+    with pytest.raises(ConfigError, match=r"^algorithm.local_momentum \(0.5; dfedavg's default: None\) and local"):
+        make("dfedavg", 0.9, local_momentum=0.5)
+    assert make("dfedavgm", 0.9).trainer.local.momentum == 0.9
+    assert make("dfedavgm", 0.0, local_momentum=0.5).trainer.local.momentum == 0.5
+    assert make("dfedavg", 0.5).trainer.local.momentum == 0.5
+
+
+def test_pens_refuses_an_m_top_that_selects_nothing():
+    """PENS keeps the m_top best of the n_s models a client samples; with m_top >= n_s it keeps all of them, no
+    neighbour beats E_i = T_1 m_top / |S_i| (on a small graph every count equals T_1 <= E_i), and phase 2 would
+    train every client alone. Both ways to get there are refused in one line naming m_top."""
+    with pytest.raises(ConfigError, match=r"^algorithm.m_top \(5\) must be below algorithm.neighbours \(3"):
+        build("pens", neighbours=3)  # m_top's default, 5
+    with pytest.raises(ConfigError, match=r"^algorithm.m_top \(3\) must be below the models client 0 samples"):
+        build("pens", topology="ring", neighbours=4, m_top=3)  # a ring gives each client 2 neighbours
+    algo = build("pens", neighbours=4, m_top=2, phase1_rounds=1)
+    algo.run_round(0)
+    assert all(len(algo.preferred(i)) for i in range(algo.num_clients))  # 2 of 4 sampled, E_i = 2/7 < 1
 
 
 def test_dp_noise_changes_only_when_enabled():

@@ -19,6 +19,8 @@ DFL = ["local", "gossip", "fedavg_ft", "dfedavg", "dfedavgm", "pens", "federico"
 
 
 def config(algo: str, faults: dict, rounds: int = 12, clients: int = 8, backend: str = "auto", **opts) -> dict:
+    if algo == "pens":  # PENS keeps the m_top best of the 3 it samples (m_top must be below neighbours)
+        opts = {"m_top": 2, **opts}
     return {
         "name": "dfl-faults",
         "seed": 1,

@@ -179,11 +179,23 @@ def test_run_end_to_end_writes_metrics(tmp_path):
         ({"constraint": "disk"}, "algorithm.constraint"),
         ({"lamda": 1.0}, "algorithm.lamda"),
         ({"tau": 0}, "algorithm.tau"),
+        # an option of another variant, which would be ignored (before: accepted and silently unread)
+        ({"radius": 0.5}, "algorithm.radius: constraint 'none' does not read it"),
+        ({"constraint": "ball", "box_low": -1.0}, "algorithm.box_low: constraint 'ball' does not read it"),
+        ({"constraint": "box", "radius": 2.0}, "algorithm.radius: constraint 'box' does not read it"),
+        ({"local_schedule": "constant", "local_offset": 5.0}, "algorithm.local_offset: local_schedule 'constant'"),
+        ({"name": "hier_fedavg", "local_schedule": "constant", "local_offset": 5.0}, "algorithm.local_offset"),
     ],
 )
 def test_bad_options_name_the_key(options, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         _build(**options)
+
+
+def test_an_option_of_another_variant_at_its_default_builds():
+    _build(constraint="ball", radius=0.5, box_low=0.0, box_high=float("inf"))
+    _build(constraint="box", box_low=-1.0, box_high=1.0, radius=1.0)
+    _build(local_schedule="constant", local_offset=1.0)
 
 
 # ---- the baselines in the same server-data setting ----------------------------------------------------------

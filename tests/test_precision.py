@@ -46,7 +46,8 @@ def family_config(name: str) -> dict:
             "dataset": DIGITS,
             "partition": {"name": "iid", "num_clients": 6},
             "model": {"name": "mlp", "hidden": [8]},
-            "algorithm": {"name": name},
+            # PENS keeps the m_top best of the 5 neighbours it samples here (m_top must be below that)
+            "algorithm": {"name": name, **({"m_top": 2} if name == "pens" else {})},
             "local": {"batch_size": 32, "lr": 0.05},
         }
     if family == "split":

@@ -99,6 +99,13 @@ def _cases() -> list[tuple[list[str], str]]:
         (["algorithm={name: ditto, boltzmann_T: 5}"], "algorithm.boltzmann_T: selection 'random'"),
         (["algorithm={name: fedavg_ft, proxy_layer: classifier}"], "algorithm.proxy_layer: selection 'random'"),
         (["algorithm={name: gossip, selection: topk, select_k: 2, tau: 0.9}"], "algorithm.tau: selection 'topk'"),
+        (["algorithm={name: fomo, selection: afind, select_k: 2}"], "algorithm.select_k: selection 'afind' does not"),
+        (["algorithm={name: fomo, selection: topk, select_k: 2, greedy: 0.9}"], "algorithm.greedy: selection 'topk'"),
+        # an explicit confederated step size or penalty beside the scale it replaces (before: the scale unread)
+        (["algorithm={name: gt_saga, step_size: 0.01, step_scale: 0.5}"], "algorithm.step_scale: algorithm.step_size"),
+        (["algorithm={name: cfl_admm, c: 5.0, c_scale: 8.0}"], "algorithm.c_scale: algorithm.c sets the penalty"),
+        # compressed messages in the decentralized family: choco_sgd is the method that sends them
+        (["algorithm={name: gossip}", "compression.upload={name: topk, ratio: 0.1}"], "choco_sgd (compressed gossip)"),
         # an auxiliary-net option with a split method that trains none (before: silently not read)
         (["algorithm={name: fsl_mc}", "model={name: split_small, aux: cnn, aux_channels: 4}"], "model.aux"),
         (["algorithm={name: fsl_oc, aux_lr: 0.1}", "model.name=split_small"], "algorithm.aux_lr: algorithm 'fsl_oc'"),

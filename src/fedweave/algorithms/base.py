@@ -675,7 +675,8 @@ def build_algorithm(ctx: RunContext) -> Algorithm:
     if ctx.config.compression.upload is not None and not cls.compresses_uploads:
         raise ConfigError(
             f"compression.upload: algorithm {section.name!r} ({cls.family}) does not compress its uploads yet; the "
-            "star methods and the hierarchical model-averaging baselines do (docs/compression.md); remove the section"
+            "star methods, the hierarchical model-averaging baselines and choco_sgd (compressed gossip) do "
+            "(docs/compression.md); remove the section"
         )
     if ctx.config.compression.download is not None and not getattr(cls, "compresses_downloads", False):
         raise ConfigError(

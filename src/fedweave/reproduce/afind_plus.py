@@ -165,7 +165,8 @@ def methods(p: Preset) -> dict[str, dict[str, Any]]:
             CONFIG_KEY: {"eval": {"personal_test": True}},
         },
         "Gossip": {"name": "gossip", "neighbours": p.budget},
-        "PENS": {"name": "pens", "neighbours": p.pool, "m_top": p.budget, "phase1_rounds": 0},
+        # n_s = the pool, m_top = the budget below n_s (spec 5: n_s = 10, m_top = 5; keeping all n_s selects nothing)
+        "PENS": {"name": "pens", "neighbours": p.pool, "m_top": min(p.budget, p.pool // 2), "phase1_rounds": 0},
         "FedeRiCo": {"name": "federico", "neighbours": p.budget},
         "+i (top-k)": {"name": "afind_plus", **afind, "selection": "topk", "topk": p.budget, "aggregation": "uniform"},
         "+i+ii (AFIND)": {"name": "afind", **afind},

@@ -105,10 +105,12 @@ def build_graph(
         raise ConfigError(f"algorithm.topology must be one of {', '.join(TOPOLOGIES)}; got {topology!r}")
     lonely = [i for i in range(m) if g.degree(i) == 0]
     if m > 1 and lonely:
-        raise ConfigError(
-            f"algorithm.topology {topology!r} left client(s) {lonely[:5]} without neighbours; "
-            "use a denser graph (e.g. a larger algorithm.edge_prob)"
-        )
+        remedy = {  # only these can leave a client alone; the hint names what the topology reads
+            "erdos_renyi": f"use a larger algorithm.edge_prob (got {edge_prob})",
+            "half": f"'half' needs at least 4 clients (a floor((m-1)/2)-regular graph; m = {m})",
+            "edgelist": "give them an edge in algorithm.edge_file",
+        }.get(topology, "use a denser graph")
+        raise ConfigError(f"algorithm.topology {topology!r} left client(s) {lonely[:5]} without neighbours; {remedy}")
     return g
 
 

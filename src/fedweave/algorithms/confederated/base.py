@@ -56,6 +56,10 @@ class ConfederatedHparams(ConfederationHparams):
             raise ConfigError(f"algorithm.step_size must be > 0 or null, got {self.step_size}")
         if self.step_scale <= 0:
             raise ConfigError(f"algorithm.step_scale must be > 0, got {self.step_scale}")
+        if self.step_size is not None and self.step_scale != ConfederatedHparams.step_scale:
+            raise ConfigError(
+                "algorithm.step_scale: algorithm.step_size sets alpha directly and step_scale / L_f is unread; keep one"
+            )
         if self.iterations_per_round < 1:
             raise ConfigError(f"algorithm.iterations_per_round must be >= 1, got {self.iterations_per_round}")
 
@@ -155,6 +159,11 @@ class ConfederatedAlgorithm(Algorithm):
         pb = self.problem
         n, d = pb.N, pb.d
         if self.config.sampler.name != "uniform" or self.config.sampler.options:  # every iteration's, now
+            if self.draws_users(hp) is not None:  # the section would be ignored: this method draws no users
+                raise ConfigError(
+                    f"sampler: {self.name} {self.draws_users(hp)}, so sampler {self.config.sampler.name} would be "
+                    "ignored; leave the sampler section out"
+                )
             fn = SAMPLERS.get(self.config.sampler.name)
             refuse_context(self.config.sampler.name, fn, self.family)
             opts = check_options(fn, self.config.sampler.options, "sampler", skip=SAMPLER_ARGS)
@@ -216,6 +225,11 @@ class ConfederatedAlgorithm(Algorithm):
         not shift the mini-batch draws (spec §9.1 item 4)."""
         pb = self.problem
         return torch.from_numpy(self.seeds.numpy("batches", k).integers(pb.S, size=(pb.N, pb.P))).to(self.device)
+
+    def draws_users(self, hp: ConfederatedHparams) -> str | None:
+        """None when the method draws m random users per server and iteration (:meth:`select_users`, where a
+        ``sampler`` section applies), else why it draws none (the section is then refused)."""
+        return None
 
     def select_users(self, k: int, m: int) -> torch.Tensor:
         """m users per server, uniformly without replacement (spec A13), sorted: (N, m). A ``sampler``

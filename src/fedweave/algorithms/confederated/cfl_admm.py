@@ -53,6 +53,12 @@ class CFLADMMHparams(ConfederatedHparams):
             v = getattr(self, key)
             if v is not None and v <= 0:
                 raise ConfigError(f"algorithm.{key} must be > 0, got {v}")
+        for key in ("beta", "c"):  # an explicit penalty replaces its scale * L_f
+            scale = f"{key}_scale"
+            if getattr(self, key) is not None and getattr(self, scale) != getattr(CFLADMMHparams, scale):
+                raise ConfigError(
+                    f"algorithm.{scale}: algorithm.{key} sets the penalty directly, {scale} * L_f is unread; keep one"
+                )
 
 
 @ALGORITHMS.register("cfl_admm")

@@ -51,6 +51,9 @@ class CFLSAGA(ConfederatedAlgorithm):
         self.last_ratio_median = float("nan")
         self.ledger.store("user", "saga_table", (pb.S + 2) * self.vector_bytes)
 
+    def draws_users(self, hp: CFLSAGAHparams) -> str | None:
+        return "draws no users: every user checks its trigger (17) at every iteration"
+
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if self.hp.trigger == "lag":

@@ -35,6 +35,11 @@ class GTSAGAHparams(ConfederatedHparams):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_rate("sample_rate", self.sample_rate)
+        if self.mode == "decentralized" and self.sample_rate != GTSAGAHparams.sample_rate:
+            raise ConfigError(
+                "algorithm.sample_rate: gt_saga with mode 'decentralized' selects no users (Algorithm 1: each server "
+                "draws one of its own mini-batches); leave it out or use mode 'cfl'"
+            )
 
 
 @ALGORITHMS.register("gt_saga")
@@ -56,6 +61,11 @@ class GTSAGA(ConfederatedAlgorithm):
                 "faults.dropout / faults.outage_rounds: gt_saga with algorithm.mode 'decentralized' has no users "
                 "to drop out (use faults.server_miss, or mode 'cfl')"
             )
+
+    def draws_users(self, hp: GTSAGAHparams) -> str | None:
+        if hp.mode == "decentralized":
+            return "with mode 'decentralized' draws no users (Algorithm 1: each server draws one of its mini-batches)"
+        return None
 
     def taking_part(self) -> int:
         if self.hp.mode == "decentralized":  # single level: the servers are the nodes

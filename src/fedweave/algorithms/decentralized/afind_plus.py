@@ -157,11 +157,25 @@ class AfindPlus(GraphAlgorithm):
             self.head_trainer = with_local(self.ft_trainer, epochs=hp.head_epochs, steps=None)
 
     def unread_options(self, hp: AfindPlusHparams) -> dict[str, str]:
-        if hp.reading != "literal":
-            return {}
-        why = f"{self.name} with reading 'literal' takes every graph neighbour each round (Alg. 1 as printed; or use "
-        why += "reading 'resolved')"
-        return {"neighbours": why}
+        out, me = {}, self.name
+        if hp.reading == "literal":
+            out["neighbours"] = (
+                f"{me} with reading 'literal' takes every graph neighbour each round (Alg. 1 as printed; or use "
+                "reading 'resolved')"
+            )
+        if hp.selection != "threshold":  # theta_i (Eqs. 10-13) is still logged, but chooses nobody
+            why = f"{me} with selection {hp.selection!r} applies no threshold (Alg. 1 lines 3-5; threshold does)"
+            out.update(dict.fromkeys(("tau", "theta0", "h_mode", "empty_fallback"), why))
+        if hp.selection in ("threshold", "all"):
+            out["topk"] = f"{me} with selection {hp.selection!r} keeps no fixed number of neighbours (topk, random do)"
+        if hp.selection in ("random", "all"):
+            out["upsilon"] = f"{me} with selection {hp.selection!r} does not rank the pool by Eq. (8) (threshold does)"
+        if hp.aggregation == "uniform":  # the smoothed losses F~ (Eq. 15) only feed the Boltzmann weights
+            why = f"{me} with aggregation 'uniform' does not weigh by the smoothed losses (Eqs. 14-16; boltzmann does)"
+            out.update(dict.fromkeys(("boltzmann_T", "loss_gamma", "loss_smoothing"), why))
+        if hp.personal == "none":
+            out["head_epochs"] = f"{me} with personal 'none' has no personal head to train (personal 'head' does)"
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "afind": self.state.state_dict(), "prev_loss": self.prev_loss.clone()}

@@ -60,6 +60,12 @@ class DFedAvg(GraphAlgorithm):
     def __init__(self, ctx: RunContext, hp: DFedAvgHparams) -> None:
         super().__init__(ctx, hp)
         if hp.local_momentum is not None:
+            local = ctx.config.local.momentum  # 0 unless set: two different values would leave one silently unread
+            if local not in (0.0, hp.local_momentum):
+                raise ConfigError(
+                    f"algorithm.local_momentum ({hp.local_momentum}; {self.name}'s default: {type(hp).local_momentum}) "
+                    f"and local.momentum ({local}) both set the momentum of the local steps; keep one"
+                )
             self.trainer = with_local(self.trainer, momentum=hp.local_momentum)
         self.selector = NeighbourSelector(self, hp)
         self.mixing = metropolis_weights(self.graph) if hp.mixing == "metropolis" else None
@@ -98,7 +104,7 @@ class DFedAvg(GraphAlgorithm):
         if hp.mixing != "metropolis":
             return {}
         why = "mixing 'metropolis' mixes with every graph neighbour each round (or use mixing 'sampled')"
-        return {"neighbours": why}
+        return {"neighbours": why, "select_k": f"{self.name} with {why}"}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "selector": self.selector.state_dict()}

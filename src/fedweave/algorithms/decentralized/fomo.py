@@ -33,6 +33,11 @@ class FomoHparams(SelectionHparams, GraphHparams):
         SelectionHparams.__post_init__(self)
         if not 0 <= self.greedy <= 1:
             raise ConfigError(f"algorithm.greedy must be in [0, 1], got {self.greedy}")
+        if self.selection != "random" and self.greedy != FomoHparams.greedy:  # FOMO's own choice only
+            raise ConfigError(
+                f"algorithm.greedy: selection {self.selection!r} chooses the neighbours itself and does not read it "
+                "(FOMO's own choice, selection 'random', does); leave it out"
+            )
 
 
 @ALGORITHMS.register("fomo")

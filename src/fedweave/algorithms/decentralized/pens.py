@@ -32,6 +32,11 @@ class PENSHparams(GraphHparams):
             raise ConfigError(f"algorithm.m_top must be >= 1, got {self.m_top}")
         if self.phase1_rounds < 1:
             raise ConfigError(f"algorithm.phase1_rounds must be >= 1, got {self.phase1_rounds}")
+        if self.m_top >= self.neighbours:
+            raise ConfigError(
+                f"algorithm.m_top ({self.m_top}) must be below algorithm.neighbours ({self.neighbours}, n_s): PENS "
+                "keeps the m_top best of the n_s models it samples, so with m_top >= n_s it selects nothing"
+            )
 
 
 @ALGORITHMS.register("pens")
@@ -50,6 +55,17 @@ class PENS(GraphAlgorithm):
         n = self.num_clients
         self.counts = torch.zeros(n, n, dtype=torch.long, device="cpu")  # c_ij (host bookkeeping)
         self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=torch.float64, device="cpu")
+        # E_i = T_1 m_top / |S_i| is the count under random choice only while i samples more than m_top models a
+        # round; a client with too few graph neighbours would keep all of them, exceed E_i never, and be left
+        # with an empty N_i in phase 2 (local training alone)
+        short = [i for i, nb in enumerate(self.neighbours) if min(hp.neighbours, len(nb)) <= hp.m_top]
+        if short:
+            i = short[0]
+            raise ConfigError(
+                f"algorithm.m_top ({hp.m_top}) must be below the models client {i} samples a round, "
+                f"min(algorithm.neighbours, its {len(self.neighbours[i])} graph neighbours) on topology "
+                f"{hp.topology!r}; lower m_top or use a denser graph"
+            )
 
     def preferred(self, i: int) -> np.ndarray:
         """N_i: neighbours chosen more often than expected under random selection."""

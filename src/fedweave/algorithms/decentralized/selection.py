@@ -301,14 +301,17 @@ class SelectionHparams:
             raise ConfigError(f"algorithm.boltzmann_T must be > 0, got {self.boltzmann_T}")
         AfindOptions(tau=self.tau, upsilon=self.upsilon).validate()
         # an option the chosen selection does not read, set to other than its default, is refused: random draws
-        # without proxies (NeighbourSelector.select), top-k weighs its choice uniformly
+        # without proxies (NeighbourSelector.select), top-k weighs its choice uniformly, and afind's threshold
+        # (Alg. 1 lines 3-5) decides how many it keeps
         unread = {
             "random": ("tau", "upsilon", "boltzmann_T", "boltzmann_weights", "proxy_layer"),
             "topk": ("tau", "boltzmann_T", "boltzmann_weights"),
+            "afind": ("select_k",),
         }.get(self.selection, ())
+        readers = {"proxy_layer": "topk or afind", "select_k": "random or topk"}
         for f in fields(SelectionHparams):
             if f.name in unread and getattr(self, f.name) != f.default:
-                used = "topk or afind" if f.name == "proxy_layer" else "afind"
+                used = readers.get(f.name, "afind")
                 raise ConfigError(
                     f"algorithm.{f.name}: selection {self.selection!r} does not read it (selection {used} does); "
                     "leave it out or set algorithm.selection"

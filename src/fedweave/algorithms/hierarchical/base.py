@@ -292,6 +292,11 @@ class HierarchyHparams:
             raise ConfigError(f"algorithm.steps_power must be >= 0, got {self.steps_power}")
         if self.local_offset <= 0:
             raise ConfigError(f"algorithm.local_offset must be > 0, got {self.local_offset}")
+        if self.local_schedule == "constant" and self.local_offset != HierarchyHparams.local_offset:
+            raise ConfigError(
+                "algorithm.local_offset: local_schedule 'constant' steps with local.lr and does not read it (Gamma of "
+                "local.lr / (t + Gamma) belongs to local_schedule 'decaying'); leave it out"
+            )
         if not 0 <= self.validation < 1:
             raise ConfigError(f"algorithm.validation must be in [0, 1), got {self.validation}")
 

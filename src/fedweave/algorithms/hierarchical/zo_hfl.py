@@ -71,6 +71,13 @@ class ZOHFLHparams(HierarchyHparams):
             raise ConfigError(f"algorithm.server_batch_size must be >= 1, got {self.server_batch_size}")
         if self.box_low > self.box_high:
             raise ConfigError(f"algorithm.box_low ({self.box_low}) must be <= algorithm.box_high ({self.box_high})")
+        # a constraint's own bounds, set for another constraint, would be ignored: refused instead
+        for key, reader in (("radius", "ball"), ("box_low", "box"), ("box_high", "box")):
+            if self.constraint != reader and getattr(self, key) != getattr(ZOHFLHparams, key):
+                raise ConfigError(
+                    f"algorithm.{key}: constraint {self.constraint!r} does not read it (constraint {reader!r} does); "
+                    "leave it out or set algorithm.constraint"
+                )
 
 
 @ALGORITHMS.register("zo_hfl")
