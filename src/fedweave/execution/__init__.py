@@ -11,6 +11,7 @@ from fedweave.execution.evaluate import (
     evaluate_clients,
     evaluate_clients_task,
     evaluate_task,
+    with_samples,
 )
 from fedweave.execution.job import LocalCall, StepGradient
 from fedweave.execution.local import LocalResult, LocalRule, LocalTrainer
@@ -35,6 +36,7 @@ __all__ = [
     "evaluate_clients_task",
     "client_spread",
     "evaluate_clients",
+    "with_samples",
 ]
 
 

@@ -17,13 +17,14 @@ import contextlib
 import copy
 import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from fedweave.config import ConfigError
 from fedweave.execution.batched import mlp_layers
 from fedweave.execution.params import ParamLayout
 from fedweave.tasks import Task, evaluate_batches
@@ -234,6 +235,19 @@ def evaluate_clients(
         sums = batch_sums(layout, w, x[t], y[t], min(batch_size, EVAL_ROWS))  # small sets: here, not on a pool
         accs[k], losses[k] = _accuracy_and_loss(sums, len(t))
     return accs, losses
+
+
+def with_samples(parts: Sequence[np.ndarray], ids: np.ndarray | None = None) -> np.ndarray | None:
+    """Of the clients ``ids`` (None: every one of ``parts``), those whose set ``parts[i]`` holds a sample, the
+    clients a per-client mean averages: one without a sample has no accuracy or loss (it would count as 0 and
+    pull the mean down). ``ids`` itself when none is left out, so that the usual case keeps every bit."""
+    every = np.arange(len(parts)) if ids is None else np.asarray(ids)
+    kept = np.asarray([i for i in every if len(parts[int(i)])], dtype=np.int64)
+    if len(kept) == len(every):
+        return ids
+    if not len(kept):
+        raise ConfigError("no evaluated client has a sample in its own set: there is no per-client figure to average")
+    return kept
 
 
 def client_spread(values: np.ndarray, direction: str = "max", worst: float = 0.1) -> dict[str, float]:

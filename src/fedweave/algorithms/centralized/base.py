@@ -39,6 +39,7 @@ from fedweave.execution import (
     evaluate_clients,
     evaluate_clients_task,
     evaluate_task,
+    with_samples,
 )
 from fedweave.execution.local import PLAIN, ClientStep, GradFn, LocalRule
 from fedweave.privacy import make_privacy
@@ -499,9 +500,9 @@ class StarAlgorithm(Algorithm):
         return None if self.robust is None else self.robust.evaluated()
 
     def evaluated(self, parts: Sequence[np.ndarray]) -> tuple[Sequence[np.ndarray], np.ndarray | None]:
-        """Of ``parts`` (one entry per client), the :meth:`evaluated_ids` clients' (``parts`` itself when that is
-        every client), and their ids."""
-        ids = self.evaluated_ids()
+        """Of ``parts`` (one entry per client), the :meth:`evaluated_ids` clients' that hold a sample there
+        (``parts`` itself when that is every client), and their ids."""
+        ids = with_samples(parts, self.evaluated_ids())
         return (parts, None) if ids is None else ([parts[int(i)] for i in ids], ids)
 
     def client_distribution(

@@ -37,6 +37,7 @@ from fedweave.execution import (
     StateStore,
     evaluate_clients,
     evaluate_clients_task,
+    with_samples,
 )
 from fedweave.execution.dpsgd import PrivateTrainer
 from fedweave.execution.local import PLAIN, reindexed
@@ -330,7 +331,7 @@ class GraphAlgorithm(Algorithm):
             models = self.ft_trainer.train(models, range(self.num_clients), r, key=(FINETUNE_KEY,)).params
         ev, task = self.config.eval, self.ctx.task
         tx, ty, parts = self.ctx.personal_test_set(self.hp.test_per_client)  # eval.holdout: the clients' own
-        keep = self.evaluated_clients()
+        keep = with_samples(parts, self.evaluated_clients())  # a client without a test sample has no figure
         if keep is not None:
             models, parts = models[torch.as_tensor(keep, device=models.device)], [parts[k] for k in keep]
         if not task.is_default:  # any task: each value's mean over clients, and the worst client's main metric

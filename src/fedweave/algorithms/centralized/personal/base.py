@@ -65,10 +65,10 @@ class PersonalStar(StarAlgorithm):
     def evaluate(self, r: int) -> dict[str, float]:
         models = self.personal_models(r)
         if not self.global_model:  # the clients' own models are the method's: the plain names, eval.distribution
-            out, per = self.personal_metrics(models, "")
+            out, per, ids = self.personal_metrics(models, "")
             out.update(self.personal_backdoor_metrics(models))
             if self.config.eval.distribution:
-                out.update(self.client_distribution(r, per, self.evaluated_ids()))
+                out.update(self.client_distribution(r, per, ids))
             return out
         out = super().evaluate(r)  # the global model on the global test split (and eval.personal_test's)
         return {**out, **self.personal_metrics(models, "_personal")[0], **self.personal_backdoor_metrics(models)}
@@ -88,12 +88,14 @@ class PersonalStar(StarAlgorithm):
         honest = (models[int(i)] for i in self.robust.honest())  # row by row: no copy of the (N, P) table
         return self.robust.mean_backdoor_metrics(self.layout, honest, self.ctx.dataset, self.config.eval.batch_size)
 
-    def personal_metrics(self, models: torch.Tensor, suffix: str) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    def personal_metrics(
+        self, models: torch.Tensor, suffix: str
+    ) -> tuple[dict[str, float], dict[str, np.ndarray], np.ndarray | None]:
         """Client i's model (row i of ``models``) on client i's own test set: the means over the evaluated clients
         (:meth:`~fedweave.algorithms.centralized.base.StarAlgorithm.evaluated`: the honest ones under an attack)
         of ``test_accuracy<suffix>`` and ``test_loss<suffix>`` and the worst one's ``test_accuracy<suffix>_min``
-        (under another task ``test_<metric><suffix>`` and ``test_<main><suffix>_worst``), and each evaluated
-        client's values of the task's metrics."""
+        (under another task ``test_<metric><suffix>`` and ``test_<main><suffix>_worst``), each evaluated
+        client's values of the task's metrics, and the evaluated clients' ids (None: every client, in order)."""
         ev, task = self.config.eval, self.ctx.task
         x, y, parts = self.ctx.personal_test_set()
         parts, ids = self.evaluated(parts)
@@ -106,12 +108,12 @@ class PersonalStar(StarAlgorithm):
                 f"test_loss{suffix}": float(losses.mean()),
                 f"test_accuracy{suffix}_min": float(accs.min()),
             }
-            return out, {"accuracy": accs, "loss": losses}
+            return out, {"accuracy": accs, "loss": losses}, ids
         per = evaluate_clients_task(self.layout, models, x, y, parts, task, ev.batch_size)
         out = {f"test_{k}{suffix}": float(v.mean()) for k, v in per.items()}
         worst = per[task.main].min() if task.direction == "max" else per[task.main].max()
         out[f"test_{task.main}{suffix}_worst"] = float(worst)
-        return out, per
+        return out, per, ids
 
 
 def name_mask(layout: ParamLayout, names: set[str] | list[str]) -> torch.Tensor:
