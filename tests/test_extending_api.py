@@ -1,0 +1,103 @@
+"""The public Python API used as docs/extending.md teaches, and used wrongly as a newcomer would: each mistake
+is one clear line naming the thing and what is allowed, nothing runs on silently."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fedweave
+from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.config import ConfigError, load
+from fedweave.registry import SAMPLERS
+
+
+def _cfg(**kw) -> dict:
+    return {
+        "dataset": {"name": "digits"},
+        "partition": {"name": "iid", "num_clients": 6},
+        "model": {"name": "logistic"},
+        "algorithm": {"name": "fedavg", "clients_per_round": 3},
+        "rounds": 2,
+        "threads": 1,
+        "output": {"progress": False, "plots": False},
+        **kw,
+    }
+
+
+@pytest.fixture
+def samplers(monkeypatch):
+    """Register a test's samplers in a copy of the registry, forgotten after the test."""
+    SAMPLERS.names()  # the built-ins first: they register only once
+    monkeypatch.setattr(SAMPLERS, "_items", dict(SAMPLERS._items))
+
+    def register(name, ids=None, fn=None):
+        if fn is None:
+
+            def fn(num_clients, per_round, r, rng, *, rounds):
+                return ids(r) if callable(ids) else ids
+
+        SAMPLERS.register(name)(fn)
+        return {"name": name}
+
+    return register
+
+
+# what a plug-in sampler may return by mistake; before, the first three ran to the end (client 0 trained twice,
+# -1 read as the last client, 0.5 as client 0) and the others failed with an unrelated error
+BAD_DRAWS = {
+    "repeated": (np.array([0, 0, 1]), "distinct client ids in \\[0, 5\\]"),
+    "negative": (np.array([-1, 0, 1]), "distinct client ids in \\[0, 5\\]"),
+    "fraction": (np.array([0.5, 1.0, 2.0]), "a 1-D list or array of integer client ids"),
+    "whole floats": ([0.0, 1.0, 2.0], "a 1-D list or array of integer client ids"),
+    "a mask": (np.array([True, False, True, False, True, False]), "a 1-D list or array of integer client ids"),
+    "too large": (np.array([0, 1, 6]), "distinct client ids in \\[0, 5\\]"),
+    "nothing returned": (None, "a 1-D list or array of integer client ids"),
+    "2-D": (np.array([[0, 1, 2]]), "a 1-D list or array of integer client ids"),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_DRAWS))
+def test_a_sampler_that_returns_bad_ids_is_one_line_naming_it_and_the_round(what, samplers, tmp_path):
+    ids, allowed = BAD_DRAWS[what]
+    sampler = samplers("_bad", lambda r: np.arange(3) if r == 0 else ids)  # round 1 fine, round 2 bad
+    with pytest.raises(ConfigError, match=f"^sampler '_bad' \\(round 2\\) returned .*; a sampler returns {allowed}"):
+        fedweave.run(_cfg(sampler=sampler), run_dir=tmp_path / "run")
+
+
+def test_a_sampler_may_return_its_ids_in_any_order_or_form_and_none_for_an_empty_round(samplers, tmp_path):
+    plain = fedweave.run(_cfg(sampler=samplers("_sorted", np.array([1, 3, 4]))), run_dir=tmp_path / "sorted")
+    for name, ids in [("_unsorted", np.array([4, 1, 3])), ("_list", [3, 4, 1]), ("_tensor", torch.tensor([4, 3, 1]))]:
+        other = fedweave.run(_cfg(sampler=samplers(name, ids)), run_dir=tmp_path / name)
+        assert other.metrics == [{**r, "wall_seconds": o["wall_seconds"]} for r, o in zip(plain.metrics, other.metrics)]
+    empty = fedweave.run(
+        _cfg(sampler=samplers("_empty", lambda r: [0, 1, 2] if r == 0 else [])), run_dir=tmp_path / "e"
+    )
+    # nobody took part in round 2 (as in a bernoulli draw without redraw): the model stays as it was
+    assert empty.summary["status"] == "completed" and empty.metrics[1]["test_loss"] == empty.metrics[0]["test_loss"]
+
+
+def test_a_sampler_without_the_arguments_every_family_passes_is_refused_when_the_run_is_built(samplers, tmp_path):
+    def no_rounds(num_clients, per_round, r, rng):
+        return np.arange(per_round)
+
+    sampler = samplers("_no_rounds", fn=no_rounds)
+    with pytest.raises(
+        ConfigError, match=r"^sampler '_no_rounds' must take \(num_clients, per_round, r, rng, \*, rounds"
+    ):
+        fedweave.run(_cfg(sampler=sampler), run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # before anything is written
+
+
+def test_the_confederated_edge_servers_check_what_the_sampler_picks(samplers):
+    sampler = samplers("_repeats", fn=lambda num_clients, per_round, r, rng, *, rounds: np.zeros(per_round, int))
+    cfg = {
+        "rounds": 2,
+        "dataset": {"name": "cfl_logreg", "num_samples": 300, "dim": 20, "seed": 1},
+        "algorithm": {"name": "gt_saga", "num_servers": 6, "users_per_server": 5, "batch_size": 2, "sample_rate": 0.4},
+        "sampler": sampler,
+    }
+    algo = build_algorithm(RunContext(load(cfg)))
+    with pytest.raises(ConfigError, match=r"^sampler '_repeats' \(edge server 0, iteration 0\) returned \[0, 0\]"):
+        algo.select_users(0, 2)
