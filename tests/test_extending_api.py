@@ -101,3 +101,49 @@ def test_the_confederated_edge_servers_check_what_the_sampler_picks(samplers):
     algo = build_algorithm(RunContext(load(cfg)))
     with pytest.raises(ConfigError, match=r"^sampler '_repeats' \(edge server 0, iteration 0\) returned \[0, 0\]"):
         algo.select_users(0, 2)
+
+
+# fedweave.run called wrongly: before, a raw TypeError or AttributeError from inside the run, or (a string of
+# overrides) a complaint about the override 'r', or (a RunConfig) the overrides silently not applied
+WRONG_CALLS = {
+    "a list as the config": (lambda cfg: fedweave.run([cfg]), r"^config is a YAML file's path, .* got list"),
+    "no config": (lambda cfg: fedweave.run(None), r"^config is a YAML file's path, .* got NoneType"),
+    "one override as a string": (
+        lambda cfg: fedweave.run(cfg, "rounds=3"),
+        r"^overrides must be a list of key=value strings, e\.g\. \['local\.lr=0\.1'\]; got 'rounds=3'",
+    ),
+    "one callback, not a list": (
+        lambda cfg: fedweave.run(cfg, callbacks=fedweave.Callback()),
+        r"^callbacks must be a list of fedweave\.Callback objects, got Callback",
+    ),
+    "a callback class": (
+        lambda cfg: fedweave.run(cfg, callbacks=[fedweave.Callback]),
+        r"^callbacks\[0\] is the class Callback, not an object of it: pass Callback\(\)",
+    ),
+    "a function as a callback": (
+        lambda cfg: fedweave.run(cfg, callbacks=[print]),
+        r"^callbacks\[0\] must be a fedweave\.Callback object",
+    ),
+    "a module, not a factory": (
+        lambda cfg: fedweave.run(cfg, model=torch.nn.Linear(64, 10)),
+        r"^model must be a function or class returning a fresh nn\.Module .* got a Linear instance",
+    ),
+    "a loss by name": (
+        lambda cfg: fedweave.run(cfg, loss="mse"),
+        r"^loss must be a function \(output, target\) -> per-sample losses .* got 'mse'; .* task\.loss",
+    ),
+}
+
+
+@pytest.mark.parametrize("what", list(WRONG_CALLS))
+def test_fedweave_run_called_wrongly_is_one_line_saying_what_to_pass(what, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    call, message = WRONG_CALLS[what]
+    with pytest.raises(ConfigError, match=message):
+        call(_cfg())
+    assert not (tmp_path / "runs").exists()  # refused before anything is written
+
+
+def test_the_overrides_apply_to_a_runconfig_too(tmp_path):
+    result = fedweave.run(load(_cfg()), ["rounds=1"], run_dir=tmp_path / "run")
+    assert result.summary["rounds"] == 1

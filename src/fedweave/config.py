@@ -1117,6 +1117,11 @@ def load(source: str | Path | dict[str, Any], overrides: list[str] | None = None
     ``overrides`` are ``key=value`` strings (``"local.lr=0.1"``, :func:`parse_override`) applied on top of
     the source. Returns the validated :class:`RunConfig`; a missing or unreadable file, bad YAML, an unknown
     key or a bad value raises one :class:`ConfigError` whose one-line message names the file or key."""
+    if not isinstance(source, str | Path | dict):
+        raise ConfigError(f"a config is a YAML file's path, 'example:NAME' or a dict; got {type(source).__name__}")
+    if overrides is not None and not isinstance(overrides, list | tuple):  # a string would be read letter by letter
+        got = repr(overrides) if isinstance(overrides, str) else type(overrides).__name__
+        raise ConfigError(f"overrides must be a list of key=value strings, e.g. ['local.lr=0.1']; got {got}")
     if isinstance(source, dict):
         data = source
     else:

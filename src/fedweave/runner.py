@@ -6,7 +6,7 @@ import json
 import logging
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -120,6 +120,7 @@ def run(
     Ctrl-C or SIGTERM ends the run with ``status: interrupted`` and raises :class:`RunInterrupted`."""
     if on_divergence not in ("raise", "return"):
         raise ValueError(f"on_divergence must be 'raise' or 'return', got {on_divergence!r}")
+    callbacks = _checked(callbacks)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     path = Path(run_dir or config.output.dir or default_run_dir(config.name, config.seed))
@@ -134,6 +135,20 @@ def run(
         # again, under the lock: a run into the same directory may have ended while this one was being built
         check_run_dir(path, resume=resume, overwrite=overwrite)
         return _run_locked(state, path, overwrite=overwrite, objects=objects, on_divergence=on_divergence)
+
+
+def _checked(callbacks: Sequence[Callback]) -> list[Callback]:
+    """The caller's callbacks, each a :class:`Callback` object; anything else is one line saying what to pass
+    (before: an AttributeError or a missing ``run`` argument from inside the first hook)."""
+    if isinstance(callbacks, Callback | str) or not isinstance(callbacks, Iterable):
+        raise ConfigError(f"callbacks must be a list of fedweave.Callback objects, got {type(callbacks).__name__}")
+    callbacks = list(callbacks)
+    for i, c in enumerate(callbacks):
+        if isinstance(c, type) and issubclass(c, Callback):
+            raise ConfigError(f"callbacks[{i}] is the class {c.__name__}, not an object of it: pass {c.__name__}()")
+        if not isinstance(c, Callback):
+            raise ConfigError(f"callbacks[{i}] must be a fedweave.Callback object (a subclass's), got {c!r}")
+    return callbacks
 
 
 def _run_locked(
