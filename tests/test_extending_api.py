@@ -10,6 +10,7 @@ import torch
 import fedweave
 from fedweave.algorithms.base import RunContext, build_algorithm
 from fedweave.config import ConfigError, load
+from fedweave.models import HeadedModel
 from fedweave.registry import SAMPLERS
 
 
@@ -147,3 +148,50 @@ def test_fedweave_run_called_wrongly_is_one_line_saying_what_to_pass(what, tmp_p
 def test_the_overrides_apply_to_a_runconfig_too(tmp_path):
     result = fedweave.run(load(_cfg()), ["rounds=1"], run_dir=tmp_path / "run")
     assert result.summary["rounds"] == 1
+
+
+class _Net(HeadedModel):
+    """A model of one's own with a representation and a head (MOON reads both)."""
+
+    classifier = ("out",)
+
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        self.body, self.out = torch.nn.Linear(64, hidden), torch.nn.Linear(hidden, 10)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x.flatten(1)))
+
+    def head(self, z: torch.Tensor) -> torch.Tensor:
+        return self.out(z)
+
+
+class _StopAfter(fedweave.Callback):
+    def __init__(self, rounds: int) -> None:
+        self.rounds = rounds
+
+    def after_round(self, run, r):
+        return f"stopped after round {r + 1}" if r + 1 >= self.rounds else None
+
+
+def test_a_run_with_python_objects_and_callbacks_resumes_with_them_through_fedweave_resume(tmp_path):
+    """docs/tasks.md: a run made with objects passed from Python resumes from Python; before, there was no way
+    to pass them (fedweave.runner.resume took none) and the run failed with "unknown model 'python'"."""
+    cfg = _cfg(
+        algorithm={"name": "moon", "clients_per_round": 3},
+        rounds=3,
+        output={"progress": False, "plots": False, "checkpoint_every": 1},
+    )
+    whole = fedweave.run(cfg, model=_Net, run_dir=tmp_path / "whole")
+    part = fedweave.run(cfg, model=_Net, run_dir=tmp_path / "part", callbacks=[_StopAfter(1)])
+    assert part.summary["rounds"] == 1
+    with pytest.raises(ConfigError, match=r"^the run was made with a model passed from Python .* model=\.\.\.\)$"):
+        fedweave.resume(tmp_path / "part")
+    with pytest.raises(ConfigError, match=r"^the model passed is not the one the run was made with: the SHA-256"):
+        fedweave.resume(tmp_path / "part", model=lambda: _Net(hidden=9))
+    with pytest.raises(ConfigError, match=r"^loss= was passed, but the run was made with the loss its config names"):
+        fedweave.resume(tmp_path / "part", model=_Net, loss=torch.nn.CrossEntropyLoss(reduction="none"))
+    again = fedweave.resume(tmp_path / "part", model=_Net, callbacks=[_StopAfter(1)])  # ends where it ended
+    assert again.summary["rounds"] == 1 and again.summary["stopped_early"] == "stopped after round 1"
+    resumed = fedweave.resume(tmp_path / "part", model=_Net)
+    assert [r["test_loss"] for r in resumed.metrics] == [r["test_loss"] for r in whole.metrics]
