@@ -9,9 +9,11 @@ import torch
 
 import fedweave
 from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams
 from fedweave.config import ConfigError, load
+from fedweave.execution import LocalRule
 from fedweave.models import HeadedModel
-from fedweave.registry import SAMPLERS
+from fedweave.registry import ALGORITHMS, SAMPLERS
 
 
 def _cfg(**kw) -> dict:
@@ -195,3 +197,69 @@ def test_a_run_with_python_objects_and_callbacks_resumes_with_them_through_fedwe
     assert again.summary["rounds"] == 1 and again.summary["stopped_early"] == "stopped after round 1"
     resumed = fedweave.resume(tmp_path / "part", model=_Net)
     assert [r["test_loss"] for r in resumed.metrics] == [r["test_loss"] for r in whole.metrics]
+
+
+@pytest.fixture
+def algorithms(monkeypatch):
+    """Register a test's algorithms in a copy of the registry, forgotten after the test."""
+    ALGORITHMS.names()
+    monkeypatch.setattr(ALGORITHMS, "_items", dict(ALGORITHMS._items))
+
+    def register(name, rule=None, hparams=StarHparams):
+        class Method(StarAlgorithm):
+            Hparams = hparams
+
+            def client_rule(self, lr):
+                return LocalRule() if rule is None else rule
+
+            def server_update(self, mean, got):
+                self.x = self.x + mean
+
+        Method.name = name
+        ALGORITHMS.register(name)(Method)
+        return {"name": name, "clients_per_round": 3}
+
+    return register
+
+
+class _SummedTerm(LocalRule):
+    def extra_loss(self, w, x, y, jobs, model):
+        return model.features(w, x).pow(2).sum()  # the batch's sum, not one term per sample
+
+
+class _FeatureTerm(LocalRule):
+    def extra_loss(self, w, x, y, jobs, model):
+        return model.features(w, x).pow(2)  # (B, D), not (B,)
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+@pytest.mark.parametrize(("rule", "got"), [(_SummedTerm(), r"\(\)"), (_FeatureTerm(), r"\(32, 8\)")])
+def test_an_extra_loss_of_another_shape_than_one_term_per_sample_is_one_line_on_every_backend(
+    rule, got, backend, algorithms, tmp_path
+):
+    """Before, the loop backend averaged a scalar or a (B, D) term silently and vmap failed on the (B, D) one
+    with a broadcasting error."""
+    cfg = _cfg(algorithm=algorithms("_term", rule), model={"name": "mlp", "hidden": [8]}, backend=backend)
+    with pytest.raises(ValueError, match=rf"^{type(rule).__name__}\.extra_loss must return one term per sample, "):
+        fedweave.run(cfg, run_dir=tmp_path / "run")
+    with pytest.raises(ValueError, match=rf"shape \(32,\), got shape {got}$"):
+        fedweave.run(cfg, run_dir=tmp_path / "again")
+
+
+def test_a_client_rule_that_is_no_rule_is_one_line(algorithms, tmp_path):
+    with pytest.raises(TypeError, match=r"^the local rule must be a LocalRule .* got 'prox'$"):
+        fedweave.run(_cfg(algorithm=algorithms("_no_rule", "prox")), run_dir=tmp_path / "run")
+
+
+def test_hyper_parameters_not_decorated_as_a_dataclass_are_refused_naming_their_fields(algorithms, tmp_path):
+    """Before, mu was an unknown key 'algorithm.mu' (allowed: the base's keys), and left out it was the class
+    attribute's default, silently."""
+
+    class Undecorated(StarHparams):
+        mu: float = 0.1
+
+    section = algorithms("_undecorated", hparams=Undecorated)
+    for options in ({}, {"mu": 0.5}):
+        cfg = _cfg(algorithm={**section, **options})
+        with pytest.raises(TypeError, match=r"^.*Undecorated declares mu but is not a dataclass: decorate it with"):
+            fedweave.run(cfg, run_dir=tmp_path / "run")

@@ -823,7 +823,16 @@ def _unknown(key: str, bad: Any, allowed: list[str], name: str | None = None) ->
 
 
 def build_dataclass(cls: type, data: dict[str, Any] | None, key: str) -> Any:
-    """Instantiate dataclass ``cls`` from ``data``, checking names and types; errors name ``key.field``."""
+    """Instantiate dataclass ``cls`` from ``data``, checking names and types; errors name ``key.field``.
+
+    A subclass of a dataclass that declares fields but is not decorated itself (a plug-in's ``Hparams``) is a
+    TypeError naming them: its fields would otherwise be unknown keys, and their defaults used silently."""
+    undecorated = [n for n in inspect.get_annotations(cls) if "__dataclass_fields__" not in vars(cls)]
+    if undecorated:
+        raise TypeError(
+            f"{cls.__qualname__} declares {', '.join(undecorated)} but is not a dataclass: decorate it with "
+            "@dataclass (a subclass of a dataclass needs its own)"
+        )
     data = dict(data or {})
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]

@@ -283,6 +283,11 @@ class LocalTrainer:
         ZO-HFL use the same key, hence the same batches). ``lr`` may be a function of the local step index
         ``t`` (restarting at 0 in every call), e.g. the decaying ``0.1 / (t + 1)`` of ZO-HFL's Algorithm 2.
         """
+        if not isinstance(rule, LocalRule):  # e.g. an algorithm's client_rule that returned something else
+            raise TypeError(
+                f"the local rule must be a LocalRule (what an algorithm's client_rule returns, or a ClientStep's "
+                f"rule(state)), got {rule!r}"
+            )
         starts = self.checked_starts(self.placement.to(starts), clients)
         dev = starts.device
         if len(clients) == 0:  # e.g. every sampled client dropped out: no backend needs to start
