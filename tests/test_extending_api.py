@@ -11,9 +11,10 @@ import fedweave
 from fedweave.algorithms.base import RunContext, build_algorithm
 from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams
 from fedweave.config import ConfigError, load
+from fedweave.data.base import Dataset
 from fedweave.execution import LocalRule
 from fedweave.models import HeadedModel
-from fedweave.registry import ALGORITHMS, SAMPLERS
+from fedweave.registry import ALGORITHMS, DATASETS, SAMPLERS
 
 
 def _cfg(**kw) -> dict:
@@ -263,3 +264,29 @@ def test_hyper_parameters_not_decorated_as_a_dataclass_are_refused_naming_their_
         cfg = _cfg(algorithm={**section, **options})
         with pytest.raises(TypeError, match=r"^.*Undecorated declares mu but is not a dataclass: decorate it with"):
             fedweave.run(cfg, run_dir=tmp_path / "run")
+
+
+_X, _Y = torch.randn(40, 3, generator=torch.Generator().manual_seed(0)), torch.arange(40) % 3
+BAD_DATASETS = {  # before: an AttributeError far from the loader
+    "its tensors, not a Dataset": (
+        lambda: (_X, _Y, _X, _Y),
+        r"^dataset '_data': a registered dataset returns a fedweave\.data\.base\.Dataset .* got tuple$",
+    ),
+    "nothing": (lambda: None, r"^dataset '_data': a registered dataset returns .* got NoneType$"),
+    "NumPy arrays": (
+        lambda: Dataset("d", _X.numpy(), _Y.numpy(), _X.numpy(), _Y.numpy(), 3, (3,)),
+        r"^dataset: dataset 'd': train_x must be a torch\.Tensor, got ndarray \(torch\.as_tensor converts an array\)$",
+    ),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_DATASETS))
+def test_a_registered_dataset_that_returns_something_else_is_one_line(what, monkeypatch, tmp_path):
+    DATASETS.names()
+    monkeypatch.setattr(DATASETS, "_items", dict(DATASETS._items))
+    loader, message = BAD_DATASETS[what]
+    DATASETS.register("_data")(loader)
+    cfg = _cfg(dataset={"name": "_data"}, partition={"name": "iid", "num_clients": 4})
+    with pytest.raises(ConfigError, match=message):
+        fedweave.run(cfg, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()

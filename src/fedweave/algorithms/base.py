@@ -232,7 +232,13 @@ class RunContext:
         loader = DATASETS.get(self.config.dataset.name)
         opts = check_options(loader, self.config.dataset.options, "dataset", name=self.config.dataset.name)
         with _as_config_error("dataset"):
-            return loader(**opts)
+            ds = loader(**opts)
+        if not isinstance(ds, Dataset):  # a plug-in's loader that returned its tensors or nothing
+            raise ConfigError(
+                f"dataset {self.config.dataset.name!r}: a registered dataset returns a fedweave.data.base.Dataset "
+                f"(its training and test tensors, classes and input shape), got {type(ds).__name__}"
+            )
+        return ds
 
     @cached_property
     def dataset(self) -> Dataset:
