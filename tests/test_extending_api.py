@@ -290,3 +290,18 @@ def test_a_registered_dataset_that_returns_something_else_is_one_line(what, monk
     with pytest.raises(ConfigError, match=message):
         fedweave.run(cfg, run_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", [3, "", "  ", None])
+def test_a_name_no_config_could_give_is_refused_at_registration(name):
+    """Before, SAMPLERS.register(3) registered the function under 3, which no config could ever name."""
+    with pytest.raises(ValueError, match=r"^a sampler is registered under a non-empty string, its config name; got "):
+        SAMPLERS.register(name)
+
+
+def test_registering_a_taken_name_never_replaces_the_registered_object():
+    with pytest.raises(ValueError, match=r"^sampler 'uniform' is registered twice$"):
+        SAMPLERS.register("uniform")(lambda num_clients, per_round, r, rng, *, rounds: [0])
+    from fedweave.topology.samplers import uniform
+
+    assert SAMPLERS.get("uniform") is uniform
