@@ -9,10 +9,11 @@ import torch
 
 import fedweave
 from fedweave.algorithms.base import RunContext, build_algorithm
-from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams
+from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams, per_job
 from fedweave.config import ConfigError, load
 from fedweave.data.base import Dataset
-from fedweave.execution import LocalRule
+from fedweave.execution import LocalRule, StateStore
+from fedweave.execution.job import ClientStep
 from fedweave.models import HeadedModel
 from fedweave.registry import ALGORITHMS, DATASETS, SAMPLERS
 
@@ -305,3 +306,71 @@ def test_registering_a_taken_name_never_replaces_the_registered_object():
     from fedweave.topology.samplers import uniform
 
     assert SAMPLERS.get("uniform") is uniform
+
+
+class _Corrected(LocalRule):
+    def __init__(self, c: torch.Tensor) -> None:
+        self.c = c
+
+    def direction(self, w, grad, jobs):
+        return grad(w) + per_job(self.c, jobs)
+
+
+class _Step(ClientStep):
+    """A client that keeps a correction of the model's size (SCAFFOLD-like); ``keep`` is its new state."""
+
+    state = ("c",)
+
+    def __init__(self, keep) -> None:
+        self.keep = keep
+
+    def rule(self, state):
+        return _Corrected(state["c"])
+
+    def finish(self, state, start, result):
+        return {}, self.keep(state["c"])
+
+
+# before: an AssertionError, a KeyError naming no way out, an index assignment's shape error
+STEP_MISTAKES = {
+    "no state store": (
+        None,
+        lambda c: {"c": c},
+        TypeError,
+        r"^_Step keeps client state \['c'\], but the algorithm has no StateStore: make one when it is built",
+    ),
+    "its row not created": ((), lambda c: {"c": c}, KeyError, r"no client state 'c'; have \[\] \(create it when"),
+    "new state of another size": (
+        ("c",),
+        lambda c: {"c": c[:, :5]},
+        ValueError,
+        r"^client state 'c': 3 rows of shape \(650,\) expected, got a tensor of shape \(3, 5\)$",
+    ),
+}
+
+
+@pytest.mark.parametrize("what", list(STEP_MISTAKES))
+def test_a_client_step_without_its_state_store_or_rows_is_one_line(what, monkeypatch, tmp_path):
+    rows, keep, error, message = STEP_MISTAKES[what]
+    ALGORITHMS.names()
+    monkeypatch.setattr(ALGORITHMS, "_items", dict(ALGORITHMS._items))
+
+    class Method(StarAlgorithm):
+        name = "_stateful"
+
+        def __init__(self, ctx, hp) -> None:
+            super().__init__(ctx, hp)
+            if rows is not None:
+                self.store = StateStore(ctx.num_clients, dtype=ctx.dtype, placement=ctx.placement)
+                for row in rows:
+                    self.store.create(row, self.num_params)
+
+        def client_rule(self, lr):
+            return _Step(keep)
+
+        def server_update(self, mean, got):
+            self.x = self.x + mean
+
+    ALGORITHMS.register("_stateful")(Method)
+    with pytest.raises(error, match=message):
+        fedweave.run(_cfg(algorithm={"name": "_stateful", "clients_per_round": 3}), run_dir=tmp_path / "run")

@@ -330,7 +330,12 @@ class LocalTrainer:
         """Train the jobs of a stateful algorithm's clients: each job's rule comes from its client's state
         rows in ``store``, and after training ``step`` computes each client's upload and new state, which is
         written back. Returns the local result and the uploads (rows in job order)."""
-        assert store is not None, "the simulation keeps the clients' state in the algorithm's StateStore"
+        if store is None:
+            raise TypeError(
+                f"{type(step).__name__} keeps client state {list(step.state)}, but the algorithm has no StateStore: "
+                "make one when it is built (self.store = StateStore(ctx.num_clients, dtype=ctx.dtype, "
+                "placement=ctx.placement), then self.store.create(name, size) for each)"
+            )
         state = {name: store.rows(name, clients) for name in step.state}  # only these rows move to the device
         result = self.train(starts, clients, round, rule=step.rule(state), lr=lr, steps=steps, key=key)
         upload, new = step.finish(state, self.placement.to(starts), result)
