@@ -39,7 +39,8 @@ def run(
     to any of them.
 
     Your own objects, without registering them: ``model`` a function returning a fresh ``nn.Module``
-    (called once, under the run's ``model_init`` seed), ``dataset`` a fedweave ``Dataset``, arrays or tensors
+    (called under the run's ``model_init`` seed, once per model the method initializes: IFCA's clusters
+    each), ``dataset`` a fedweave ``Dataset``, arrays or tensors
     ``(train_x, train_y, test_x, test_y[, train_users, test_users])`` or in-memory torch Datasets
     ``(train, test)``, ``loss`` a function ``(output, target) -> per-sample losses``. The config then records
     ``python`` for each, and ``objects.json`` in the run directory what was passed (docs/tasks.md). A config,

@@ -277,7 +277,8 @@ class LocalTrainer:
         steps: int | None = None,
         key: tuple[int, ...] = (),
     ) -> LocalResult:
-        """Train jobs ``k`` = client ``clients[k]`` from ``starts[k]``; returns the final parameters.
+        """Train jobs ``k`` = client ``clients[k]`` from ``starts[k]``; returns their :class:`LocalResult` (the
+        final parameters, the steps taken and the mean training losses, one row per job).
 
         ``key`` distinguishes several jobs of one client in one round (e.g. the two perturbed solves of
         ZO-HFL use the same key, hence the same batches). ``lr`` may be a function of the local step index
