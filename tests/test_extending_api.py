@@ -374,3 +374,15 @@ def test_a_client_step_without_its_state_store_or_rows_is_one_line(what, monkeyp
     ALGORITHMS.register("_stateful")(Method)
     with pytest.raises(error, match=message):
         fedweave.run(_cfg(algorithm={"name": "_stateful", "clients_per_round": 3}), run_dir=tmp_path / "run")
+
+
+def test_a_model_built_for_fewer_classes_than_the_data_is_refused_when_the_run_is_built(tmp_path):
+    """Before: 'Target 2 is out of bounds' in round 1 (on a GPU, a device-side assert)."""
+    with pytest.raises(ConfigError, match=r"^model 'python' gives 8 logits per sample, but dataset 'digits' has 10"):
+        fedweave.run(_cfg(), model=lambda: torch.nn.Linear(64, 8), run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+    def binary(out, y):  # a loss of one's own may read fewer outputs than classes: not refused
+        return torch.nn.functional.binary_cross_entropy_with_logits(out[:, 0], (y > 4).float(), reduction="none")
+
+    fedweave.run(_cfg(rounds=1), model=lambda: torch.nn.Linear(64, 1), loss=binary, run_dir=tmp_path / "own-loss")

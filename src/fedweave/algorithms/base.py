@@ -110,13 +110,31 @@ def load_initial_weights(model: nn.Module, path: str) -> None:
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
 
 
+# the registered losses whose targets index the model's logits (cross_entropy, nll)
+CLASS_LOSSES = ("cross_entropy", "nll")
+
+
 def check_model_fits(
-    model: nn.Module, ds: Dataset, model_name: str, dataset_name: str, device: torch.device | None = None
+    model: nn.Module,
+    ds: Dataset,
+    model_name: str,
+    dataset_name: str,
+    device: torch.device | None = None,
+    classes: int | None = None,
 ) -> None:
     """One forward pass on two training samples (on ``device``), so that a model that cannot read the
     dataset's input (a character LSTM on images, say) is a configuration error now rather than a traceback
-    in round 1."""
-    e = forward_error(model, ds.train_x[:2].to(device) if device is not None else ds.train_x[:2])
+    in round 1. ``classes``: the logits a cross-entropy task needs per sample, checked against a ``(B, K)``
+    output (a model built for fewer classes fails in round 1, on a GPU with a device-side assert)."""
+    outputs: list[torch.Tensor] = []
+    e = forward_error(model, ds.train_x[:2].to(device) if device is not None else ds.train_x[:2], outputs)
+    out = outputs[0] if outputs else None
+    fewer = isinstance(out, torch.Tensor) and out.dim() == 2 and classes is not None and out.shape[1] < classes
+    if e is None and fewer:
+        raise ConfigError(
+            f"model {model_name!r} gives {out.shape[1]} logits per sample, but dataset {dataset_name!r} has "
+            f"{classes} classes; build the model for {classes} outputs"
+        )
     if e is not None:
         raise ConfigError(
             f"model {model_name!r} does not fit dataset {dataset_name!r}: its input is "
@@ -125,14 +143,17 @@ def check_model_fits(
         ) from e
 
 
-def forward_error(model: nn.Module, x: torch.Tensor) -> Exception | None:
-    """The error one forward pass of ``x`` through ``model`` raises, or None. Eval mode and no_grad: no
-    batch-norm statistics move and no random numbers are drawn; the model's mode is put back."""
+def forward_error(model: nn.Module, x: torch.Tensor, outputs: list | None = None) -> Exception | None:
+    """The error one forward pass of ``x`` through ``model`` raises, or None (``outputs``, if given, gets the
+    output). Eval mode and no_grad: no batch-norm statistics move and no random numbers are drawn; the model's
+    mode is put back."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            model(x)
+            out = model(x)
+        if outputs is not None:
+            outputs.append(out)
     except (RuntimeError, ValueError, IndexError, TypeError) as e:
         return e
     finally:
@@ -413,7 +434,9 @@ class RunContext:
             model = model.to(device=self.device, dtype=self.dtype)
         if init_from is not None:
             load_initial_weights(model, init_from)
-        check_model_fits(model, ds, self.config.model.name, self.config.dataset.name, self.device)
+        # the built-in class losses index the logits by label (a loss of one's own may read fewer outputs)
+        classes = ds.num_classes if self.objects.loss is None and self.task.loss.name in CLASS_LOSSES else None
+        check_model_fits(model, ds, self.config.model.name, self.config.dataset.name, self.device, classes)
         if self.objects.model is not None and not key:  # objects.json: what the factory gave for the run's model
             self.objects.built_model = describe_model(model)
         return model
