@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ import torch
 
 from fedweave.config import ConfigError, check_options
 from fedweave.registry import SAMPLERS
+
+log = logging.getLogger("fedweave")
 
 
 @SAMPLERS.register("uniform")
@@ -343,6 +346,7 @@ class Sampler:
     context: SamplerContext | None = None
     reads_context: bool = field(init=False)  # the function declares a ``context`` keyword
     draws_by_size: bool = field(init=False)  # the function draws clients in proportion to their sizes (by_size)
+    empty: set[int] = field(init=False, default_factory=set)  # the rounds it chose nobody for (said once each)
 
     def __post_init__(self) -> None:
         self.reads_context = reads_context(self.fn)
@@ -375,7 +379,11 @@ class Sampler:
         extra = {"context": self.context} if self.reads_context else {}
         rng = self.seeds.numpy("client_sampling", r)
         ids = self.fn(self.num_clients, self.per_round, r, rng, rounds=self.rounds, **extra, **self.options)
-        return drawn(ids, self.num_clients, f"sampler {self.name!r} (round {r + 1})")
+        ids = drawn(ids, self.num_clients, f"sampler {self.name!r} (round {r + 1})")
+        if len(ids) == 0 and r not in self.empty:  # a round nobody trains in is said, not only seen in the rows
+            self.empty.add(r)
+            log.warning("round %d: sampler %r chose no client; nobody trains in this round", r + 1, self.name)
+        return ids
 
 
 def make_sampler(
