@@ -393,3 +393,22 @@ def test_a_model_built_for_fewer_classes_than_the_data_is_refused_when_the_run_i
         return torch.nn.functional.binary_cross_entropy_with_logits(out[:, 0], (y > 4).float(), reduction="none")
 
     fedweave.run(_cfg(rounds=1), model=lambda: torch.nn.Linear(64, 1), loss=binary, run_dir=tmp_path / "own-loss")
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+def test_a_model_with_dropout_is_refused_by_the_families_that_seed_local_training(backend, tmp_path):
+    """Before: on loop the same seed gave other numbers (the masks came from torch's global generator), on vmap
+    a RuntimeError about vmap's randomness flags."""
+
+    def net():
+        return torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 10))
+
+    with pytest.raises(ConfigError, match=r"^model: its dropout '1' would draw its masks from torch's global gen"):
+        fedweave.run(_cfg(backend=backend), model=net, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+    def no_dropout():
+        return torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Dropout(0.0), torch.nn.Linear(16, 10))
+
+    runs = [fedweave.run(_cfg(backend=backend), model=no_dropout, run_dir=tmp_path / f"p0-{i}") for i in range(2)]
+    assert runs[0].metrics[-1]["test_loss"] == runs[1].metrics[-1]["test_loss"]

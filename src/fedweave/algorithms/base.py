@@ -26,7 +26,7 @@ from fedweave.config import ConfigError, RunConfig, Section, build_dataclass, ch
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
 from fedweave.data.partition import Partition
-from fedweave.execution import LocalTrainer, batch_statistics, choose_backend
+from fedweave.execution import LocalTrainer, batch_statistics, check_seeded, choose_backend
 from fedweave.execution.evaluate import share_with_workers
 from fedweave.execution.local import LocalRule
 from fedweave.execution.placement import Placement, resolve_placement
@@ -598,6 +598,7 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
     local = cfg.local
     if regularize_in_rule:
         local = dataclasses.replace(local, weight_decay=0.0, grad_clip=None)
+    check_seeded(ctx.model)
     augment = checked_augment(ctx, ctx.model)
     ds = ctx.dataset
     backend = choose_backend(cfg.backend, ctx.model, jobs_per_call, device=ctx.device)
