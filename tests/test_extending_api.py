@@ -3,6 +3,8 @@ is one clear line naming the thing and what is allowed, nothing runs on silently
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -412,3 +414,23 @@ def test_a_model_with_dropout_is_refused_by_the_families_that_seed_local_trainin
 
     runs = [fedweave.run(_cfg(backend=backend), model=no_dropout, run_dir=tmp_path / f"p0-{i}") for i in range(2)]
     assert runs[0].metrics[-1]["test_loss"] == runs[1].metrics[-1]["test_loss"]
+
+
+def test_a_callback_that_changes_its_row_changes_nothing_recorded(tmp_path):
+    """Before, the row a callback got was the recorded one: Result.metrics and summary.json took the change, and
+    metrics.jsonl took it for every row but the last (rewritten before the hook)."""
+
+    class Overwrites(fedweave.Callback):
+        def on_row(self, run, row):
+            row["test_accuracy"] = -1.0
+
+    seen = []
+
+    class Reads(fedweave.Callback):
+        def on_row(self, run, row):
+            seen.append(row["test_accuracy"])
+
+    result = fedweave.run(_cfg(), run_dir=tmp_path / "run", callbacks=[Overwrites(), Reads()])
+    written = [json.loads(line)["test_accuracy"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert -1.0 not in written and [r["test_accuracy"] for r in result.metrics] == written == seen
+    assert result.summary["final_test_accuracy"] == written[-1]
