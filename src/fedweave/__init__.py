@@ -4,11 +4,11 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "run", "Result", "sweep", "SweepResult", "Callback", "RunState"]
+__all__ = ["__version__", "run", "resume", "Result", "sweep", "SweepResult", "Callback", "RunState"]
 
 
 def __getattr__(name: str):  # lazy: `import fedweave` stays cheap, torch loads on first use
-    if name in ("run", "Result", "sweep", "SweepResult"):
+    if name in ("run", "resume", "Result", "sweep", "SweepResult"):
         from fedweave import api
 
         return getattr(api, name)

@@ -22,6 +22,9 @@ from torch import nn
 from fedweave.config import ConfigError
 from fedweave.data.base import Dataset
 
+PYTHON = "python"  # the name a config records for an object passed from Python
+OBJECTS_FILE = "objects.json"  # what was passed, in the run directory
+
 
 @dataclass
 class RunObjects:
@@ -119,3 +122,45 @@ def describe_dataset(ds: Dataset) -> dict[str, Any]:
         h.update(np.ascontiguousarray(a).tobytes())
         out[key] = [list(a.shape), str(t.dtype)]
     return {**out, "outputs": ds.num_classes, "sha256": h.hexdigest()}
+
+
+def named_python(config: Any) -> dict[str, bool]:
+    """Which objects the run's ``config`` records as passed from Python (``python`` in place of a name)."""
+    return {
+        "model": config.model.name == PYTHON,
+        "dataset": config.dataset.name == PYTHON,
+        "loss": config.task.loss == PYTHON,
+    }
+
+
+def check_resumed_objects(config: Any, objects: RunObjects | None) -> None:
+    """A resumed run continues with the objects it was made with: each one its config records as passed from
+    Python must be passed again, and none that it does not (that would replace the model, data or loss it
+    named). One :class:`ConfigError` line each, before anything is built."""
+    for key, named in named_python(config).items():
+        given = objects is not None and getattr(objects, key) is not None
+        if named and not given:
+            raise ConfigError(
+                f"the run was made with a {key} passed from Python (its config.yaml records {key}: python, its "
+                f"{OBJECTS_FILE} what it was): resume it from Python with the same one, "
+                f"fedweave.resume(RUN_DIR, {key}=...)"
+            )
+        if given and not named:
+            raise ConfigError(
+                f"{key}= was passed, but the run was made with the {key} its config names; a resumed run continues "
+                f"with that one: leave {key}= out"
+            )
+
+
+def check_same_objects(saved: dict[str, Any], objects: RunObjects) -> None:
+    """The model and data passed to a resumed run are those it was made with: the SHA-256 digests of the model's
+    initial weights and of the data equal those ``objects.json`` recorded (``saved``); else one line."""
+    now = objects.describe()
+    for key, what in (("model", "initial weights"), ("dataset", "data")):
+        was, got = saved.get(key, {}).get("sha256"), now.get(key, {}).get("sha256")
+        if was and got and was != got:
+            raise ConfigError(
+                f"the {key} passed is not the one the run was made with: the SHA-256 of its {what} is {got[:12]}..., "
+                f"{OBJECTS_FILE} recorded {was[:12]}... ({saved[key].get('class')}); a resumed run continues with the "
+                f"same {key}"
+            )

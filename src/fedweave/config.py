@@ -823,7 +823,16 @@ def _unknown(key: str, bad: Any, allowed: list[str], name: str | None = None) ->
 
 
 def build_dataclass(cls: type, data: dict[str, Any] | None, key: str) -> Any:
-    """Instantiate dataclass ``cls`` from ``data``, checking names and types; errors name ``key.field``."""
+    """Instantiate dataclass ``cls`` from ``data``, checking names and types; errors name ``key.field``.
+
+    A subclass of a dataclass that declares fields but is not decorated itself (a plug-in's ``Hparams``) is a
+    TypeError naming them: its fields would otherwise be unknown keys, and their defaults used silently."""
+    undecorated = [n for n in inspect.get_annotations(cls) if "__dataclass_fields__" not in vars(cls)]
+    if undecorated:
+        raise TypeError(
+            f"{cls.__qualname__} declares {', '.join(undecorated)} but is not a dataclass: decorate it with "
+            "@dataclass (a subclass of a dataclass needs its own)"
+        )
     data = dict(data or {})
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
@@ -1121,6 +1130,11 @@ def load(source: str | Path | dict[str, Any], overrides: list[str] | None = None
     ``overrides`` are ``key=value`` strings (``"local.lr=0.1"``, :func:`parse_override`) applied on top of
     the source. Returns the validated :class:`RunConfig`; a missing or unreadable file, bad YAML, an unknown
     key or a bad value raises one :class:`ConfigError` whose one-line message names the file or key."""
+    if not isinstance(source, str | Path | dict):
+        raise ConfigError(f"a config is a YAML file's path, 'example:NAME' or a dict; got {type(source).__name__}")
+    if overrides is not None and not isinstance(overrides, list | tuple):  # a string would be read letter by letter
+        got = repr(overrides) if isinstance(overrides, str) else type(overrides).__name__
+        raise ConfigError(f"overrides must be a list of key=value strings, e.g. ['local.lr=0.1']; got {got}")
     if isinstance(source, dict):
         data = source
     else:

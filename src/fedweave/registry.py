@@ -29,7 +29,10 @@ class Registry:
 
     def register(self, name: str) -> Callable[[Any], Any]:
         """A decorator that registers the decorated object under ``name`` and returns it unchanged.
-        Registering another object under a taken name raises ValueError."""
+        Registering another object under a taken name raises ValueError, and so does a name that a config
+        could not give (not a non-empty string)."""
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"a {self.kind} is registered under a non-empty string, its config name; got {name!r}")
 
         def deco(obj: Any) -> Any:
             if name in self._items and self._items[name] is not obj:

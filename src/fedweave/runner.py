@@ -6,7 +6,7 @@ import json
 import logging
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -15,7 +15,7 @@ import torch
 
 from fedweave import __version__, robust
 from fedweave.algorithms.base import Algorithm, RunContext, build_algorithm
-from fedweave.byo import RunObjects
+from fedweave.byo import OBJECTS_FILE, RunObjects, check_resumed_objects, check_same_objects
 from fedweave.callbacks import Callback, CallbackList, RunState, default_callbacks
 from fedweave.checkpoints import CHECKPOINT, restore_checkpoint
 from fedweave.config import ConfigError, RunConfig
@@ -120,6 +120,7 @@ def run(
     Ctrl-C or SIGTERM ends the run with ``status: interrupted`` and raises :class:`RunInterrupted`."""
     if on_divergence not in ("raise", "return"):
         raise ValueError(f"on_divergence must be 'raise' or 'return', got {on_divergence!r}")
+    callbacks = _checked(callbacks)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     path = Path(run_dir or config.output.dir or default_run_dir(config.name, config.seed))
@@ -128,12 +129,28 @@ def run(
     ctx = RunContext(config, objects)
     # a config problem found while building ends here, before anything is written
     state = RunState(config, ctx, build_algorithm(ctx), resumed=resume)
+    if resume and objects is not None and (path / OBJECTS_FILE).is_file():  # the same model and data as before
+        check_same_objects(json.loads((path / OBJECTS_FILE).read_text()), objects)
     state.callbacks = cbs = CallbackList([*default_callbacks(config, progress), *callbacks])
     cbs.on_build(state)
     with locked_run_dir(path):  # held until the run's last file is written (a second run here is refused)
         # again, under the lock: a run into the same directory may have ended while this one was being built
         check_run_dir(path, resume=resume, overwrite=overwrite)
         return _run_locked(state, path, overwrite=overwrite, objects=objects, on_divergence=on_divergence)
+
+
+def _checked(callbacks: Sequence[Callback]) -> list[Callback]:
+    """The caller's callbacks, each a :class:`Callback` object; anything else is one line saying what to pass
+    (before: an AttributeError or a missing ``run`` argument from inside the first hook)."""
+    if isinstance(callbacks, Callback | str) or not isinstance(callbacks, Iterable):
+        raise ConfigError(f"callbacks must be a list of fedweave.Callback objects, got {type(callbacks).__name__}")
+    callbacks = list(callbacks)
+    for i, c in enumerate(callbacks):
+        if isinstance(c, type) and issubclass(c, Callback):
+            raise ConfigError(f"callbacks[{i}] is the class {c.__name__}, not an object of it: pass {c.__name__}()")
+        if not isinstance(c, Callback):
+            raise ConfigError(f"callbacks[{i}] must be a fedweave.Callback object (a subclass's), got {c!r}")
+    return callbacks
 
 
 def _run_locked(
@@ -149,7 +166,7 @@ def _run_locked(
     wall_before, cpu_before = _continue(state, ckpt)
     out.write_config(config.to_dict())
     if objects is not None and objects.describe():
-        out.write_json("objects.json", objects.describe())  # what was passed from Python in place of names
+        out.write_json(OBJECTS_FILE, objects.describe())  # what was passed from Python in place of names
     state.t0 = time.perf_counter() - wall_before
     state.cpu0 = cpu_seconds() - cpu_before  # all threads and worker processes: what a loaded machine inflates least
     status, error, raised = "completed", None, None
@@ -352,10 +369,22 @@ def _summary(state: RunState, status: str, error: str | None) -> dict[str, Any]:
     return summary
 
 
-def resume(run_dir: str | Path, overrides: list[str] | None = None, *, progress: bool | None = None) -> Result:
+def resume(
+    run_dir: str | Path,
+    overrides: list[str] | None = None,
+    *,
+    progress: bool | None = None,
+    objects: RunObjects | None = None,
+    callbacks: Sequence[Callback] = (),
+    on_divergence: Literal["raise", "return"] = "raise",
+) -> Result:
     """Continue the run in ``run_dir`` from its last checkpoint. ``overrides`` may change only what a resumed
     run can change (:data:`RESUMABLE_CHANGES`, e.g. ``rounds=200`` to extend a finished run, which then gives
-    the numbers of a run started with 200 rounds; or a smaller ``local.lr`` after a divergence)."""
+    the numbers of a run started with 200 rounds; or a smaller ``local.lr`` after a divergence).
+
+    ``objects``: those the run was made with, when it was made with objects passed from Python (its config
+    records ``python``; checked against its ``objects.json``, :func:`fedweave.resume`); ``callbacks``,
+    ``progress`` and ``on_divergence`` as in :func:`run`."""
     path = Path(run_dir)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a run directory")
@@ -363,4 +392,14 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, progress:
         raise CheckpointError(
             f"{path / CHECKPOINT} not found: the run has no checkpoint to resume from (set output.checkpoint_every)"
         )
-    return run(load_config(path / "config.yaml", overrides), run_dir=path, progress=progress, resume=True)
+    config = load_config(path / "config.yaml", overrides)
+    check_resumed_objects(config, objects)
+    return run(
+        config,
+        run_dir=path,
+        progress=progress,
+        resume=True,
+        on_divergence=on_divergence,
+        objects=objects,
+        callbacks=callbacks,
+    )

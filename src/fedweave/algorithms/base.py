@@ -26,7 +26,7 @@ from fedweave.config import ConfigError, RunConfig, Section, build_dataclass, ch
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
 from fedweave.data.partition import Partition
-from fedweave.execution import LocalTrainer, batch_statistics, choose_backend
+from fedweave.execution import LocalTrainer, batch_statistics, check_seeded, choose_backend
 from fedweave.execution.evaluate import share_with_workers
 from fedweave.execution.local import LocalRule
 from fedweave.execution.placement import Placement, resolve_placement
@@ -110,20 +110,39 @@ def load_initial_weights(model: nn.Module, path: str) -> None:
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
 
 
+# the registered losses whose targets index the model's logits (cross_entropy, nll)
+CLASS_LOSSES = ("cross_entropy", "nll")
+
+
 def check_model_fits(
-    model: nn.Module, ds: Dataset, model_name: str, dataset_name: str, device: torch.device | None = None
+    model: nn.Module,
+    ds: Dataset,
+    model_name: str,
+    dataset_name: str,
+    device: torch.device | None = None,
+    classes: int | None = None,
 ) -> None:
     """One forward pass on two training samples (on ``device``), so that a model that cannot read the
     dataset's input (a character LSTM on images, say) is a configuration error now rather than a traceback
     in round 1. For integer inputs (token ids) the samples holding the smallest and largest id are passed too:
-    an id beyond an embedding's vocabulary failed only when a batch first held it."""
+    an id beyond an embedding's vocabulary failed only when a batch first held it. ``classes``: the logits a
+    cross-entropy task needs per sample, checked against a ``(B, K)`` output (a model built for fewer classes
+    fails in round 1, on a GPU with a device-side assert)."""
     x, kind = ds.train_x[:2], str(ds.train_x.dtype)
     if len(ds.train_x) and not ds.train_x.is_floating_point():
         flat = ds.train_x.reshape(len(ds.train_x), -1)
         lo, hi = flat.min(1).values, flat.max(1).values
         x = torch.cat([x, ds.train_x[torch.stack([lo.argmin(), hi.argmax()])]])
         kind += f", ids {int(lo.min())}..{int(hi.max())}"
-    e = forward_error(model, x.to(device) if device is not None else x)
+    outputs: list[torch.Tensor] = []
+    e = forward_error(model, x.to(device) if device is not None else x, outputs)
+    out = outputs[0] if outputs else None
+    fewer = isinstance(out, torch.Tensor) and out.dim() == 2 and classes is not None and out.shape[1] < classes
+    if e is None and fewer:
+        raise ConfigError(
+            f"model {model_name!r} gives {out.shape[1]} logits per sample, but dataset {dataset_name!r} has "
+            f"{classes} classes; build the model for {classes} outputs"
+        )
     if e is not None:
         raise ConfigError(
             f"model {model_name!r} does not fit dataset {dataset_name!r}: its input is "
@@ -132,14 +151,17 @@ def check_model_fits(
         ) from e
 
 
-def forward_error(model: nn.Module, x: torch.Tensor) -> Exception | None:
-    """The error one forward pass of ``x`` through ``model`` raises, or None. Eval mode and no_grad: no
-    batch-norm statistics move and no random numbers are drawn; the model's mode is put back."""
+def forward_error(model: nn.Module, x: torch.Tensor, outputs: list | None = None) -> Exception | None:
+    """The error one forward pass of ``x`` through ``model`` raises, or None (``outputs``, if given, gets the
+    output). Eval mode and no_grad: no batch-norm statistics move and no random numbers are drawn; the model's
+    mode is put back."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            model(x)
+            out = model(x)
+        if outputs is not None:
+            outputs.append(out)
     except (RuntimeError, ValueError, IndexError, TypeError) as e:
         return e
     finally:
@@ -239,7 +261,13 @@ class RunContext:
         loader = DATASETS.get(self.config.dataset.name)
         opts = check_options(loader, self.config.dataset.options, "dataset", name=self.config.dataset.name)
         with _as_config_error("dataset"):
-            return loader(**opts)
+            ds = loader(**opts)
+        if not isinstance(ds, Dataset):  # a plug-in's loader that returned its tensors or nothing
+            raise ConfigError(
+                f"dataset {self.config.dataset.name!r}: a registered dataset returns a fedweave.data.base.Dataset "
+                f"(its training and test tensors, classes and input shape), got {type(ds).__name__}"
+            )
+        return ds
 
     @cached_property
     def dataset(self) -> Dataset:
@@ -435,7 +463,9 @@ class RunContext:
             model = model.to(device=self.device, dtype=self.dtype)
         if init_from is not None:
             load_initial_weights(model, init_from)
-        check_model_fits(model, ds, self.config.model.name, self.config.dataset.name, self.device)
+        # the built-in class losses index the logits by label (a loss of one's own may read fewer outputs)
+        classes = ds.num_classes if self.objects.loss is None and self.task.loss.name in CLASS_LOSSES else None
+        check_model_fits(model, ds, self.config.model.name, self.config.dataset.name, self.device, classes)
         if self.objects.model is not None and not key:  # objects.json: what the factory gave for the run's model
             self.objects.built_model = describe_model(model)
         return model
@@ -597,6 +627,7 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
     local = cfg.local
     if regularize_in_rule:
         local = dataclasses.replace(local, weight_decay=0.0, grad_clip=None)
+    check_seeded(ctx.model)
     augment = checked_augment(ctx, ctx.model)
     ds = ctx.dataset
     backend = choose_backend(cfg.backend, ctx.model, jobs_per_call, device=ctx.device)

@@ -95,7 +95,8 @@ class Callback:
         keeps it out of the metrics."""
 
     def on_row(self, run: RunState, row: dict[str, Any]) -> None:
-        """A metrics row was recorded (``metrics.csv`` and ``metrics.jsonl`` hold it)."""
+        """A metrics row was recorded (``metrics.csv`` and ``metrics.jsonl`` hold it). ``row`` is a copy:
+        changing it changes nothing recorded (values are added in :meth:`on_evaluation`)."""
 
     def after_round(self, run: RunState, r: int) -> str | bool | None:
         """Round ``r`` is trained and, when due, evaluated: return a reason (or True) to end the run after it.
@@ -138,8 +139,8 @@ class CallbackList(Callback):
             c.on_evaluation(run, r, values)
 
     def on_row(self, run, row):
-        for c in self.callbacks:
-            c.on_row(run, row)
+        for c in self.callbacks:  # each its own copy: the recorded row (metrics files, Result, summary) stays as is
+            c.on_row(run, dict(row))
 
     def after_round(self, run, r):
         reasons = [c.after_round(run, r) for c in self.callbacks]  # every callback hears of every round

@@ -30,6 +30,12 @@ class Dataset:
     def __post_init__(self) -> None:
         for split in ("train", "test"):
             x, y = getattr(self, f"{split}_x"), getattr(self, f"{split}_y")
+            for key, t in ((f"{split}_x", x), (f"{split}_y", y)):
+                if not isinstance(t, torch.Tensor):  # a NumPy array fails far from here, on its missing .device
+                    raise ValueError(
+                        f"dataset {self.name!r}: {key} must be a torch.Tensor, got {type(t).__name__} "
+                        "(torch.as_tensor converts an array)"
+                    )
             if len(x) != len(y):
                 raise ValueError(f"dataset {self.name!r}: {split}_x has {len(x)} rows but {split}_y has {len(y)}")
             if tuple(x.shape[1:]) != tuple(self.input_shape):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fedweave.config import ConfigError
 from fedweave.execution.evaluate import (
     client_spread,
     evaluate,
@@ -86,3 +87,19 @@ def batch_statistics(model: nn.Module) -> bool:
     """True when ``model`` normalizes with its batch's statistics (batch norm): every row of a batch then
     changes every other row's output, the padding rows of the vmap backend's short batches included."""
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+DROPOUTS = (nn.modules.dropout._DropoutNd,)  # Dropout, Dropout1d/2d/3d, AlphaDropout, FeatureAlphaDropout
+
+
+def check_seeded(model: nn.Module) -> None:
+    """Local training draws every random number from the run's named streams; a dropout module draws its masks
+    from torch's global generator instead, so the same seed would give other numbers on the loop backend
+    (silently) and the vmap backend could not draw them at all. One ConfigError naming the module."""
+    drops = [repr(n or type(m).__name__) for n, m in model.named_modules() if isinstance(m, DROPOUTS) and m.p > 0]
+    if drops:
+        raise ConfigError(
+            f"model: its dropout {', '.join(drops)} would draw its masks from torch's global generator, not from "
+            "the run's seed, so a seed would not give the same numbers (and backend vmap cannot draw them); remove it "
+            "or set p=0 (the split family draws its models' dropout from the run's streams)"
+        )

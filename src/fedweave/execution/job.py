@@ -144,7 +144,14 @@ def extra_loss_grad(
         jobs, rule = rule._map(jobs), rule.rule
 
     def mean_term(v, xb, yb, mb, job):
-        return _valid_mean(rule.extra_loss(v, xb, yb, job, model), mb)
+        term = rule.extra_loss(v, xb, yb, job, model)
+        if not isinstance(term, torch.Tensor) or term.shape != xb.shape[:1]:
+            # a scalar or a (B, D) term would be averaged otherwise on one backend and fail on the other
+            got = f"shape {tuple(term.shape)}" if isinstance(term, torch.Tensor) else type(term).__name__
+            raise ValueError(
+                f"{type(rule).__name__}.extra_loss must return one term per sample, shape ({xb.shape[0]},), got {got}"
+            )
+        return _valid_mean(term, mb)
 
     one = torch.func.grad_and_value(mean_term)
     if w.dim() == 1:

@@ -277,12 +277,18 @@ class LocalTrainer:
         steps: int | None = None,
         key: tuple[int, ...] = (),
     ) -> LocalResult:
-        """Train jobs ``k`` = client ``clients[k]`` from ``starts[k]``; returns the final parameters.
+        """Train jobs ``k`` = client ``clients[k]`` from ``starts[k]``; returns their :class:`LocalResult` (the
+        final parameters, the steps taken and the mean training losses, one row per job).
 
         ``key`` distinguishes several jobs of one client in one round (e.g. the two perturbed solves of
         ZO-HFL use the same key, hence the same batches). ``lr`` may be a function of the local step index
         ``t`` (restarting at 0 in every call), e.g. the decaying ``0.1 / (t + 1)`` of ZO-HFL's Algorithm 2.
         """
+        if not isinstance(rule, LocalRule):  # e.g. an algorithm's client_rule that returned something else
+            raise TypeError(
+                f"the local rule must be a LocalRule (what an algorithm's client_rule returns, or a ClientStep's "
+                f"rule(state)), got {rule!r}"
+            )
         starts = self.checked_starts(self.placement.to(starts), clients)
         dev = starts.device
         if len(clients) == 0:  # e.g. every sampled client dropped out: no backend needs to start
@@ -325,7 +331,12 @@ class LocalTrainer:
         """Train the jobs of a stateful algorithm's clients: each job's rule comes from its client's state
         rows in ``store``, and after training ``step`` computes each client's upload and new state, which is
         written back. Returns the local result and the uploads (rows in job order)."""
-        assert store is not None, "the simulation keeps the clients' state in the algorithm's StateStore"
+        if store is None:
+            raise TypeError(
+                f"{type(step).__name__} keeps client state {list(step.state)}, but the algorithm has no StateStore: "
+                "make one when it is built (self.store = StateStore(ctx.num_clients, dtype=ctx.dtype, "
+                "placement=ctx.placement), then self.store.create(name, size) for each)"
+            )
         state = {name: store.rows(name, clients) for name in step.state}  # only these rows move to the device
         result = self.train(starts, clients, round, rule=step.rule(state), lr=lr, steps=steps, key=key)
         upload, new = step.finish(state, self.placement.to(starts), result)

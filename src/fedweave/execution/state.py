@@ -78,7 +78,10 @@ class StateStore:
         try:
             return self._tensors[name]
         except KeyError:
-            raise KeyError(f"no client state {name!r}; have {sorted(self._tensors)}") from None
+            raise KeyError(
+                f"no client state {name!r}; have {sorted(self._tensors)} (create it when the algorithm is built: "
+                f"store.create({name!r}, size))"
+            ) from None
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -92,6 +95,11 @@ class StateStore:
     def set_rows(self, name: str, clients: Any, value: torch.Tensor) -> None:
         """Write ``value`` (one row per client of ``clients``) into state ``name``, wherever it lives."""
         t = self[name]
+        if value.shape != (len(clients), *t.shape[1:]):  # a row of another size would fail in an index assignment
+            raise ValueError(
+                f"client state {name!r}: {len(clients)} rows of shape {tuple(t.shape[1:])} expected, got a tensor of "
+                f"shape {tuple(value.shape)}"
+            )
         idx = torch.as_tensor(clients, dtype=torch.long, device=t.device)
         t[idx] = value.to(t.device)
 

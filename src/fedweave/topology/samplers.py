@@ -3,10 +3,11 @@
 Every server-based topology (star, hierarchical, split) asks the run's sampler for round ``r``'s clients;
 algorithms never draw clients themselves. A sampler is a function::
 
-    sampler(num_clients, per_round, r, rng, *, rounds, **options) -> sorted client ids
+    sampler(num_clients, per_round, r, rng, *, rounds, **options) -> client ids
 
 with ``rng`` the round's ``("client_sampling", r)`` stream (so the same seed picks the same clients on every
-backend and after a resume) and ``per_round`` the algorithm's ``clients_per_round``. Choose one with the
+backend and after a resume) and ``per_round`` the algorithm's ``clients_per_round``; the ids it returns are
+checked every round (distinct integers in ``[0, num_clients)``, :func:`drawn`) and sorted. Choose one with the
 ``sampler`` section of a config (``sampler: {name: schedule, clients: [[0, 1], [2, 3]]}``); register your
 own with ``@SAMPLERS.register("name")`` (in a plug-in, for YAML configs).
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,8 @@ import torch
 
 from fedweave.config import ConfigError, check_options
 from fedweave.registry import SAMPLERS
+
+log = logging.getLogger("fedweave")
 
 
 @SAMPLERS.register("uniform")
@@ -133,6 +137,22 @@ def _checked(ids: list[int], num_clients: int, key: str) -> np.ndarray:
         raise ConfigError(f"{key} must be a list of client ids, got {ids!r}")
     if len(np.unique(a)) != len(a) or a.min() < 0 or a.max() >= num_clients:
         raise ConfigError(f"{key} must hold distinct client ids in [0, {num_clients - 1}], got {ids!r}")
+    return np.sort(a).astype(np.int64)
+
+
+def drawn(ids: Any, num_clients: int, who: str) -> np.ndarray:
+    """What a sampler returned (``who`` names it and its round) as the sorted int64 client ids every family
+    takes: a 1-D list, array or tensor of distinct integer ids in ``[0, num_clients)``, in any order, or none (a
+    round nobody takes part in). Anything else is one :class:`ConfigError` naming ``who``, where a repeated id
+    would have trained one client twice in the round and ``-1`` would have indexed the last client, silently."""
+    a = np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids)
+    if a.ndim == 1 and a.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    shown = np.array2string(a, threshold=12, separator=", ") if a.ndim else repr(ids)
+    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+        raise ConfigError(f"{who} returned {shown}; a sampler returns a 1-D list or array of integer client ids")
+    if len(np.unique(a)) != len(a) or a.min() < 0 or a.max() >= num_clients:
+        raise ConfigError(f"{who} returned {shown}; a sampler returns distinct client ids in [0, {num_clients - 1}]")
     return np.sort(a).astype(np.int64)
 
 
@@ -290,6 +310,19 @@ def reads_context(fn: Callable[..., Any]) -> bool:
     return "context" in inspect.signature(fn).parameters
 
 
+def check_signature(name: str, fn: Callable[..., Any], options: dict[str, Any]) -> None:
+    """One line for a registered sampler that cannot be called the way every family calls one (a plug-in that
+    left out ``rounds``, say), when the run is built rather than as a TypeError in its first round."""
+    extra = {"context": None} if reads_context(fn) else {}
+    try:
+        inspect.signature(fn).bind(1, 1, 0, None, rounds=1, **extra, **options)
+    except TypeError as e:
+        raise ConfigError(
+            f"sampler {name!r} must take (num_clients, per_round, r, rng, *, rounds, **options) (and a context "
+            f"keyword to read one): {e}"
+        ) from e
+
+
 def refuse_context(name: str, fn: Callable[..., Any], family: str) -> None:
     """One line for a sampler that reads a context the ``family`` does not give."""
     if reads_context(fn):
@@ -313,6 +346,7 @@ class Sampler:
     context: SamplerContext | None = None
     reads_context: bool = field(init=False)  # the function declares a ``context`` keyword
     draws_by_size: bool = field(init=False)  # the function draws clients in proportion to their sizes (by_size)
+    empty: set[int] = field(init=False, default_factory=set)  # the rounds it chose nobody for (said once each)
 
     def __post_init__(self) -> None:
         self.reads_context = reads_context(self.fn)
@@ -344,9 +378,12 @@ class Sampler:
     def __call__(self, r: int) -> np.ndarray:
         extra = {"context": self.context} if self.reads_context else {}
         rng = self.seeds.numpy("client_sampling", r)
-        return np.asarray(
-            self.fn(self.num_clients, self.per_round, r, rng, rounds=self.rounds, **extra, **self.options)
-        )
+        ids = self.fn(self.num_clients, self.per_round, r, rng, rounds=self.rounds, **extra, **self.options)
+        ids = drawn(ids, self.num_clients, f"sampler {self.name!r} (round {r + 1})")
+        if len(ids) == 0 and r not in self.empty:  # a round nobody trains in is said, not only seen in the rows
+            self.empty.add(r)
+            log.warning("round %d: sampler %r chose no client; nobody trains in this round", r + 1, self.name)
+        return ids
 
 
 def make_sampler(
@@ -366,6 +403,7 @@ def make_sampler(
     name = default if section.name == "uniform" and not section.options else section.name
     fn = SAMPLERS.get(name)
     opts = check_options(fn, section.options, "sampler", skip=SAMPLER_ARGS, name=name)
+    check_signature(name, fn, opts)
     if context is None:
         refuse_context(name, fn, family or "this")
     n = ctx.num_clients if num_clients is None else num_clients

@@ -31,7 +31,7 @@ from fedweave.config import ConfigError, check_options
 from fedweave.faults import mixing_without
 from fedweave.registry import SAMPLERS
 from fedweave.topology.confederation import Confederation, ConfederationHparams
-from fedweave.topology.samplers import SAMPLER_ARGS, check_every_round, refuse_context
+from fedweave.topology.samplers import SAMPLER_ARGS, check_every_round, check_signature, drawn, refuse_context
 
 
 @dataclass
@@ -167,6 +167,7 @@ class ConfederatedAlgorithm(Algorithm):
             fn = SAMPLERS.get(self.config.sampler.name)
             refuse_context(self.config.sampler.name, fn, self.family)
             opts = check_options(fn, self.config.sampler.options, "sampler", skip=SAMPLER_ARGS)
+            check_signature(self.config.sampler.name, fn, opts)
             check_every_round(fn, opts, pb.P, self.config.rounds)
         self.X = torch.zeros(n, d, dtype=torch.float64, device=dev)  # server models x_i^k
         self.Y = torch.zeros(n, d, dtype=torch.float64, device=dev)  # trackers y_i^k
@@ -251,9 +252,8 @@ class ConfederatedAlgorithm(Algorithm):
         opts = check_options(fn, section.options, "sampler", skip=SAMPLER_ARGS)
         rows = []
         for i in range(pb.N):
-            row = np.asarray(
-                fn(pb.P, m, k, self.seeds.numpy("user_selection", k, i), rounds=self.config.rounds, **opts)
-            )
+            row = fn(pb.P, m, k, self.seeds.numpy("user_selection", k, i), rounds=self.config.rounds, **opts)
+            row = drawn(row, pb.P, f"sampler {section.name!r} (edge server {i}, iteration {k})")
             if len(row) != m:
                 raise ConfigError(
                     f"sampler {section.name!r} picked {len(row)} users of edge server {i} at iteration {k}; the "

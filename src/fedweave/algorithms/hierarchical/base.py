@@ -31,7 +31,7 @@ from fedweave import robust
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.compression import upload_compression
 from fedweave.config import ConfigError
-from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, choose_backend, evaluate_task
+from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, check_seeded, choose_backend, evaluate_task
 from fedweave.execution.local import LR, PLAIN, ClientStep, GradFn, LocalResult
 from fedweave.ledger import nbytes
 from fedweave.privacy import make_privacy
@@ -340,6 +340,7 @@ class HierarchicalAlgorithm(Algorithm):
         self.m = len(self.data.parts)
         self.k = max(1, int(round(hp.participation * self.m)))  # spec A20
         cfg = ctx.config
+        check_seeded(ctx.model)
         backend = choose_backend(cfg.backend, ctx.model, self.jobs_per_client * self.k, device=ctx.device)
         d = self.data
         # trainer data index m is the server's own share (a baseline control trains on it as a client)

@@ -1,0 +1,436 @@
+"""The public Python API used as docs/extending.md teaches, and used wrongly as a newcomer would: each mistake
+is one clear line naming the thing and what is allowed, nothing runs on silently."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import fedweave
+from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams, per_job
+from fedweave.config import ConfigError, load
+from fedweave.data.base import Dataset
+from fedweave.execution import LocalRule, StateStore
+from fedweave.execution.job import ClientStep
+from fedweave.models import HeadedModel
+from fedweave.registry import ALGORITHMS, DATASETS, SAMPLERS
+
+
+def _cfg(**kw) -> dict:
+    return {
+        "dataset": {"name": "digits"},
+        "partition": {"name": "iid", "num_clients": 6},
+        "model": {"name": "logistic"},
+        "algorithm": {"name": "fedavg", "clients_per_round": 3},
+        "rounds": 2,
+        "threads": 1,
+        "output": {"progress": False, "plots": False},
+        **kw,
+    }
+
+
+@pytest.fixture
+def samplers(monkeypatch):
+    """Register a test's samplers in a copy of the registry, forgotten after the test."""
+    SAMPLERS.names()  # the built-ins first: they register only once
+    monkeypatch.setattr(SAMPLERS, "_items", dict(SAMPLERS._items))
+
+    def register(name, ids=None, fn=None):
+        if fn is None:
+
+            def fn(num_clients, per_round, r, rng, *, rounds):
+                return ids(r) if callable(ids) else ids
+
+        SAMPLERS.register(name)(fn)
+        return {"name": name}
+
+    return register
+
+
+# what a plug-in sampler may return by mistake; before, the first three ran to the end (client 0 trained twice,
+# -1 read as the last client, 0.5 as client 0) and the others failed with an unrelated error
+BAD_DRAWS = {
+    "repeated": (np.array([0, 0, 1]), "distinct client ids in \\[0, 5\\]"),
+    "negative": (np.array([-1, 0, 1]), "distinct client ids in \\[0, 5\\]"),
+    "fraction": (np.array([0.5, 1.0, 2.0]), "a 1-D list or array of integer client ids"),
+    "whole floats": ([0.0, 1.0, 2.0], "a 1-D list or array of integer client ids"),
+    "a mask": (np.array([True, False, True, False, True, False]), "a 1-D list or array of integer client ids"),
+    "too large": (np.array([0, 1, 6]), "distinct client ids in \\[0, 5\\]"),
+    "nothing returned": (None, "a 1-D list or array of integer client ids"),
+    "2-D": (np.array([[0, 1, 2]]), "a 1-D list or array of integer client ids"),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_DRAWS))
+def test_a_sampler_that_returns_bad_ids_is_one_line_naming_it_and_the_round(what, samplers, tmp_path):
+    ids, allowed = BAD_DRAWS[what]
+    sampler = samplers("_bad", lambda r: np.arange(3) if r == 0 else ids)  # round 1 fine, round 2 bad
+    with pytest.raises(ConfigError, match=f"^sampler '_bad' \\(round 2\\) returned .*; a sampler returns {allowed}"):
+        fedweave.run(_cfg(sampler=sampler), run_dir=tmp_path / "run")
+
+
+def test_a_sampler_may_return_its_ids_in_any_order_and_form(samplers, tmp_path):
+    plain = fedweave.run(_cfg(sampler=samplers("_sorted", np.array([1, 3, 4]))), run_dir=tmp_path / "sorted")
+    for name, ids in [("_unsorted", np.array([4, 1, 3])), ("_list", [3, 4, 1]), ("_tensor", torch.tensor([4, 3, 1]))]:
+        other = fedweave.run(_cfg(sampler=samplers(name, ids)), run_dir=tmp_path / name)
+        assert other.metrics == [{**r, "wall_seconds": o["wall_seconds"]} for r, o in zip(plain.metrics, other.metrics)]
+
+
+def test_a_round_the_sampler_leaves_empty_is_said_once(samplers, tmp_path, caplog):
+    """Nobody takes part (as in a bernoulli draw without redraw): the model stays as it was. Before, without
+    injected faults, nothing said so; the round's row only lacked its train_loss."""
+    with caplog.at_level("WARNING", logger="fedweave"):
+        empty = fedweave.run(
+            _cfg(sampler=samplers("_empty", lambda r: [0, 1, 2] if r == 0 else []), rounds=3), run_dir=tmp_path / "e"
+        )
+    assert empty.summary["status"] == "completed" and empty.metrics[1]["test_loss"] == empty.metrics[0]["test_loss"]
+    said = [m for m in caplog.messages if "chose no client" in m]
+    assert said == [f"round {r}: sampler '_empty' chose no client; nobody trains in this round" for r in (2, 3)]
+
+
+def test_a_sampler_without_the_arguments_every_family_passes_is_refused_when_the_run_is_built(samplers, tmp_path):
+    def no_rounds(num_clients, per_round, r, rng):
+        return np.arange(per_round)
+
+    sampler = samplers("_no_rounds", fn=no_rounds)
+    with pytest.raises(
+        ConfigError, match=r"^sampler '_no_rounds' must take \(num_clients, per_round, r, rng, \*, rounds"
+    ):
+        fedweave.run(_cfg(sampler=sampler), run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # before anything is written
+
+
+def test_the_confederated_edge_servers_check_what_the_sampler_picks(samplers):
+    sampler = samplers("_repeats", fn=lambda num_clients, per_round, r, rng, *, rounds: np.zeros(per_round, int))
+    cfg = {
+        "rounds": 2,
+        "dataset": {"name": "cfl_logreg", "num_samples": 300, "dim": 20, "seed": 1},
+        "algorithm": {"name": "gt_saga", "num_servers": 6, "users_per_server": 5, "batch_size": 2, "sample_rate": 0.4},
+        "sampler": sampler,
+    }
+    algo = build_algorithm(RunContext(load(cfg)))
+    with pytest.raises(ConfigError, match=r"^sampler '_repeats' \(edge server 0, iteration 0\) returned \[0, 0\]"):
+        algo.select_users(0, 2)
+
+
+# fedweave.run called wrongly: before, a raw TypeError or AttributeError from inside the run, or (a string of
+# overrides) a complaint about the override 'r', or (a RunConfig) the overrides silently not applied
+WRONG_CALLS = {
+    "a list as the config": (lambda cfg: fedweave.run([cfg]), r"^config is a YAML file's path, .* got list"),
+    "no config": (lambda cfg: fedweave.run(None), r"^config is a YAML file's path, .* got NoneType"),
+    "one override as a string": (
+        lambda cfg: fedweave.run(cfg, "rounds=3"),
+        r"^overrides must be a list of key=value strings, e\.g\. \['local\.lr=0\.1'\]; got 'rounds=3'",
+    ),
+    "one callback, not a list": (
+        lambda cfg: fedweave.run(cfg, callbacks=fedweave.Callback()),
+        r"^callbacks must be a list of fedweave\.Callback objects, got Callback",
+    ),
+    "a callback class": (
+        lambda cfg: fedweave.run(cfg, callbacks=[fedweave.Callback]),
+        r"^callbacks\[0\] is the class Callback, not an object of it: pass Callback\(\)",
+    ),
+    "a function as a callback": (
+        lambda cfg: fedweave.run(cfg, callbacks=[print]),
+        r"^callbacks\[0\] must be a fedweave\.Callback object",
+    ),
+    "a module, not a factory": (
+        lambda cfg: fedweave.run(cfg, model=torch.nn.Linear(64, 10)),
+        r"^model must be a function or class returning a fresh nn\.Module .* got a Linear instance",
+    ),
+    "a loss by name": (
+        lambda cfg: fedweave.run(cfg, loss="mse"),
+        r"^loss must be a function \(output, target\) -> per-sample losses .* got 'mse'; .* task\.loss",
+    ),
+}
+
+
+@pytest.mark.parametrize("what", list(WRONG_CALLS))
+def test_fedweave_run_called_wrongly_is_one_line_saying_what_to_pass(what, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    call, message = WRONG_CALLS[what]
+    with pytest.raises(ConfigError, match=message):
+        call(_cfg())
+    assert not (tmp_path / "runs").exists()  # refused before anything is written
+
+
+def test_the_overrides_apply_to_a_runconfig_too(tmp_path):
+    result = fedweave.run(load(_cfg()), ["rounds=1"], run_dir=tmp_path / "run")
+    assert result.summary["rounds"] == 1
+
+
+class _Net(HeadedModel):
+    """A model of one's own with a representation and a head (MOON reads both)."""
+
+    classifier = ("out",)
+
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        self.body, self.out = torch.nn.Linear(64, hidden), torch.nn.Linear(hidden, 10)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x.flatten(1)))
+
+    def head(self, z: torch.Tensor) -> torch.Tensor:
+        return self.out(z)
+
+
+class _StopAfter(fedweave.Callback):
+    def __init__(self, rounds: int) -> None:
+        self.rounds = rounds
+
+    def after_round(self, run, r):
+        return f"stopped after round {r + 1}" if r + 1 >= self.rounds else None
+
+
+def test_a_run_with_python_objects_and_callbacks_resumes_with_them_through_fedweave_resume(tmp_path):
+    """docs/tasks.md: a run made with objects passed from Python resumes from Python; before, there was no way
+    to pass them (fedweave.runner.resume took none) and the run failed with "unknown model 'python'"."""
+    cfg = _cfg(
+        algorithm={"name": "moon", "clients_per_round": 3},
+        rounds=3,
+        output={"progress": False, "plots": False, "checkpoint_every": 1},
+    )
+    whole = fedweave.run(cfg, model=_Net, run_dir=tmp_path / "whole")
+    part = fedweave.run(cfg, model=_Net, run_dir=tmp_path / "part", callbacks=[_StopAfter(1)])
+    assert part.summary["rounds"] == 1
+    with pytest.raises(ConfigError, match=r"^the run was made with a model passed from Python .* model=\.\.\.\)$"):
+        fedweave.resume(tmp_path / "part")
+    with pytest.raises(ConfigError, match=r"^the model passed is not the one the run was made with: the SHA-256"):
+        fedweave.resume(tmp_path / "part", model=lambda: _Net(hidden=9))
+    with pytest.raises(ConfigError, match=r"^loss= was passed, but the run was made with the loss its config names"):
+        fedweave.resume(tmp_path / "part", model=_Net, loss=torch.nn.CrossEntropyLoss(reduction="none"))
+    again = fedweave.resume(tmp_path / "part", model=_Net, callbacks=[_StopAfter(1)])  # ends where it ended
+    assert again.summary["rounds"] == 1 and again.summary["stopped_early"] == "stopped after round 1"
+    resumed = fedweave.resume(tmp_path / "part", model=_Net)
+    assert [r["test_loss"] for r in resumed.metrics] == [r["test_loss"] for r in whole.metrics]
+
+
+@pytest.fixture
+def algorithms(monkeypatch):
+    """Register a test's algorithms in a copy of the registry, forgotten after the test."""
+    ALGORITHMS.names()
+    monkeypatch.setattr(ALGORITHMS, "_items", dict(ALGORITHMS._items))
+
+    def register(name, rule=None, hparams=StarHparams):
+        class Method(StarAlgorithm):
+            Hparams = hparams
+
+            def client_rule(self, lr):
+                return LocalRule() if rule is None else rule
+
+            def server_update(self, mean, got):
+                self.x = self.x + mean
+
+        Method.name = name
+        ALGORITHMS.register(name)(Method)
+        return {"name": name, "clients_per_round": 3}
+
+    return register
+
+
+class _SummedTerm(LocalRule):
+    def extra_loss(self, w, x, y, jobs, model):
+        return model.features(w, x).pow(2).sum()  # the batch's sum, not one term per sample
+
+
+class _FeatureTerm(LocalRule):
+    def extra_loss(self, w, x, y, jobs, model):
+        return model.features(w, x).pow(2)  # (B, D), not (B,)
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+@pytest.mark.parametrize(("rule", "got"), [(_SummedTerm(), r"\(\)"), (_FeatureTerm(), r"\(32, 8\)")])
+def test_an_extra_loss_of_another_shape_than_one_term_per_sample_is_one_line_on_every_backend(
+    rule, got, backend, algorithms, tmp_path
+):
+    """Before, the loop backend averaged a scalar or a (B, D) term silently and vmap failed on the (B, D) one
+    with a broadcasting error."""
+    cfg = _cfg(algorithm=algorithms("_term", rule), model={"name": "mlp", "hidden": [8]}, backend=backend)
+    with pytest.raises(ValueError, match=rf"^{type(rule).__name__}\.extra_loss must return one term per sample, "):
+        fedweave.run(cfg, run_dir=tmp_path / "run")
+    with pytest.raises(ValueError, match=rf"shape \(32,\), got shape {got}$"):
+        fedweave.run(cfg, run_dir=tmp_path / "again")
+
+
+def test_a_client_rule_that_is_no_rule_is_one_line(algorithms, tmp_path):
+    with pytest.raises(TypeError, match=r"^the local rule must be a LocalRule .* got 'prox'$"):
+        fedweave.run(_cfg(algorithm=algorithms("_no_rule", "prox")), run_dir=tmp_path / "run")
+
+
+def test_hyper_parameters_not_decorated_as_a_dataclass_are_refused_naming_their_fields(algorithms, tmp_path):
+    """Before, mu was an unknown key 'algorithm.mu' (allowed: the base's keys), and left out it was the class
+    attribute's default, silently."""
+
+    class Undecorated(StarHparams):
+        mu: float = 0.1
+
+    section = algorithms("_undecorated", hparams=Undecorated)
+    for options in ({}, {"mu": 0.5}):
+        cfg = _cfg(algorithm={**section, **options})
+        with pytest.raises(TypeError, match=r"^.*Undecorated declares mu but is not a dataclass: decorate it with"):
+            fedweave.run(cfg, run_dir=tmp_path / "run")
+
+
+_X, _Y = torch.randn(40, 3, generator=torch.Generator().manual_seed(0)), torch.arange(40) % 3
+BAD_DATASETS = {  # before: an AttributeError far from the loader
+    "its tensors, not a Dataset": (
+        lambda: (_X, _Y, _X, _Y),
+        r"^dataset '_data': a registered dataset returns a fedweave\.data\.base\.Dataset .* got tuple$",
+    ),
+    "nothing": (lambda: None, r"^dataset '_data': a registered dataset returns .* got NoneType$"),
+    "NumPy arrays": (
+        lambda: Dataset("d", _X.numpy(), _Y.numpy(), _X.numpy(), _Y.numpy(), 3, (3,)),
+        r"^dataset: dataset 'd': train_x must be a torch\.Tensor, got ndarray \(torch\.as_tensor converts an array\)$",
+    ),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_DATASETS))
+def test_a_registered_dataset_that_returns_something_else_is_one_line(what, monkeypatch, tmp_path):
+    DATASETS.names()
+    monkeypatch.setattr(DATASETS, "_items", dict(DATASETS._items))
+    loader, message = BAD_DATASETS[what]
+    DATASETS.register("_data")(loader)
+    cfg = _cfg(dataset={"name": "_data"}, partition={"name": "iid", "num_clients": 4})
+    with pytest.raises(ConfigError, match=message):
+        fedweave.run(cfg, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", [3, "", "  ", None])
+def test_a_name_no_config_could_give_is_refused_at_registration(name):
+    """Before, SAMPLERS.register(3) registered the function under 3, which no config could ever name."""
+    with pytest.raises(ValueError, match=r"^a sampler is registered under a non-empty string, its config name; got "):
+        SAMPLERS.register(name)
+
+
+def test_registering_a_taken_name_never_replaces_the_registered_object():
+    with pytest.raises(ValueError, match=r"^sampler 'uniform' is registered twice$"):
+        SAMPLERS.register("uniform")(lambda num_clients, per_round, r, rng, *, rounds: [0])
+    from fedweave.topology.samplers import uniform
+
+    assert SAMPLERS.get("uniform") is uniform
+
+
+class _Corrected(LocalRule):
+    def __init__(self, c: torch.Tensor) -> None:
+        self.c = c
+
+    def direction(self, w, grad, jobs):
+        return grad(w) + per_job(self.c, jobs)
+
+
+class _Step(ClientStep):
+    """A client that keeps a correction of the model's size (SCAFFOLD-like); ``keep`` is its new state."""
+
+    state = ("c",)
+
+    def __init__(self, keep) -> None:
+        self.keep = keep
+
+    def rule(self, state):
+        return _Corrected(state["c"])
+
+    def finish(self, state, start, result):
+        return {}, self.keep(state["c"])
+
+
+# before: an AssertionError, a KeyError naming no way out, an index assignment's shape error
+STEP_MISTAKES = {
+    "no state store": (
+        None,
+        lambda c: {"c": c},
+        TypeError,
+        r"^_Step keeps client state \['c'\], but the algorithm has no StateStore: make one when it is built",
+    ),
+    "its row not created": ((), lambda c: {"c": c}, KeyError, r"no client state 'c'; have \[\] \(create it when"),
+    "new state of another size": (
+        ("c",),
+        lambda c: {"c": c[:, :5]},
+        ValueError,
+        r"^client state 'c': 3 rows of shape \(650,\) expected, got a tensor of shape \(3, 5\)$",
+    ),
+}
+
+
+@pytest.mark.parametrize("what", list(STEP_MISTAKES))
+def test_a_client_step_without_its_state_store_or_rows_is_one_line(what, monkeypatch, tmp_path):
+    rows, keep, error, message = STEP_MISTAKES[what]
+    ALGORITHMS.names()
+    monkeypatch.setattr(ALGORITHMS, "_items", dict(ALGORITHMS._items))
+
+    class Method(StarAlgorithm):
+        name = "_stateful"
+
+        def __init__(self, ctx, hp) -> None:
+            super().__init__(ctx, hp)
+            if rows is not None:
+                self.store = StateStore(ctx.num_clients, dtype=ctx.dtype, placement=ctx.placement)
+                for row in rows:
+                    self.store.create(row, self.num_params)
+
+        def client_rule(self, lr):
+            return _Step(keep)
+
+        def server_update(self, mean, got):
+            self.x = self.x + mean
+
+    ALGORITHMS.register("_stateful")(Method)
+    with pytest.raises(error, match=message):
+        fedweave.run(_cfg(algorithm={"name": "_stateful", "clients_per_round": 3}), run_dir=tmp_path / "run")
+
+
+def test_a_model_built_for_fewer_classes_than_the_data_is_refused_when_the_run_is_built(tmp_path):
+    """Before: 'Target 2 is out of bounds' in round 1 (on a GPU, a device-side assert)."""
+    with pytest.raises(ConfigError, match=r"^model 'python' gives 8 logits per sample, but dataset 'digits' has 10"):
+        fedweave.run(_cfg(), model=lambda: torch.nn.Linear(64, 8), run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+    def binary(out, y):  # a loss of one's own may read fewer outputs than classes: not refused
+        return torch.nn.functional.binary_cross_entropy_with_logits(out[:, 0], (y > 4).float(), reduction="none")
+
+    fedweave.run(_cfg(rounds=1), model=lambda: torch.nn.Linear(64, 1), loss=binary, run_dir=tmp_path / "own-loss")
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+def test_a_model_with_dropout_is_refused_by_the_families_that_seed_local_training(backend, tmp_path):
+    """Before: on loop the same seed gave other numbers (the masks came from torch's global generator), on vmap
+    a RuntimeError about vmap's randomness flags."""
+
+    def net():
+        return torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 10))
+
+    with pytest.raises(ConfigError, match=r"^model: its dropout '1' would draw its masks from torch's global gen"):
+        fedweave.run(_cfg(backend=backend), model=net, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+    def no_dropout():
+        return torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Dropout(0.0), torch.nn.Linear(16, 10))
+
+    runs = [fedweave.run(_cfg(backend=backend), model=no_dropout, run_dir=tmp_path / f"p0-{i}") for i in range(2)]
+    assert runs[0].metrics[-1]["test_loss"] == runs[1].metrics[-1]["test_loss"]
+
+
+def test_a_callback_that_changes_its_row_changes_nothing_recorded(tmp_path):
+    """Before, the row a callback got was the recorded one: Result.metrics and summary.json took the change, and
+    metrics.jsonl took it for every row but the last (rewritten before the hook)."""
+
+    class Overwrites(fedweave.Callback):
+        def on_row(self, run, row):
+            row["test_accuracy"] = -1.0
+
+    seen = []
+
+    class Reads(fedweave.Callback):
+        def on_row(self, run, row):
+            seen.append(row["test_accuracy"])
+
+    result = fedweave.run(_cfg(), run_dir=tmp_path / "run", callbacks=[Overwrites(), Reads()])
+    written = [json.loads(line)["test_accuracy"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert -1.0 not in written and [r["test_accuracy"] for r in result.metrics] == written == seen
+    assert result.summary["final_test_accuracy"] == written[-1]
