@@ -243,11 +243,12 @@ def test_scaffold_and_feddyn_reach_the_optimum_where_fedavg_drifts(quad_final):
     assert quad_final["fedmim"] < quad_final["fedavg"], quad_final  # its fixed point is FedAvg at lr A eta
 
 
-if "_uneven_blocks" not in PARTITIONERS._items:
+def _uneven_blocks(labels, num_clients, rng, *, users=None):
+    return [np.arange(i * M_Q, i * M_Q + 10 * (i + 1)) for i in range(num_clients)]  # 10, 20, 30, 40 samples
 
-    @PARTITIONERS.register("_uneven_blocks")
-    def _uneven_blocks(labels, num_clients, rng, *, users=None):
-        return [np.arange(i * M_Q, i * M_Q + 10 * (i + 1)) for i in range(num_clients)]  # 10, 20, 30, 40 samples
+
+if "_uneven_blocks" not in PARTITIONERS._items:  # this module may be imported twice in one process
+    PARTITIONERS.register("_uneven_blocks")(_uneven_blocks)
 
 
 @pytest.mark.parametrize(("alg", "opts"), [("scaffold", {}), ("feddyn", {"alpha": 1.0})])

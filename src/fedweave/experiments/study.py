@@ -28,7 +28,6 @@ import dataclasses
 import io
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -285,18 +284,20 @@ OWNER = ".reproduction"  # in OUT/runs: the study and scale whose runs the folde
 
 
 def results_folder(out: str | Path, name: str, scale: str) -> Path:
-    """``--out`` checked before any run: a folder this process can write (made if missing), whose ``runs/``
-    holds no other study's or scale's runs (``OWNER``). Two scales share run names (fedmim's ``small`` and
-    ``long`` both name ``fashion_mnist-dir0.1-fedavg-s0``) and a run directory of another config is replaced,
-    so one scale's runs would silently replace the other's. Else a ``ConfigError`` of one line naming --out."""
+    """``--out`` checked before any run, nothing made yet: a folder this process can write (or can make), whose
+    ``runs/`` holds no other study's or scale's runs (``OWNER``). Two scales share run names (fedmim's ``small``
+    and ``long`` both name ``fashion_mnist-dir0.1-fedavg-s0``) and a run directory of another config is
+    replaced, so one scale's runs would silently replace the other's. Else a ``ConfigError`` of one line naming
+    --out."""
     out = Path(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as e:
-        what = "is a file" if out.is_file() else f"cannot be written ({e.strerror or e})"
-        raise ConfigError(f"--out: {out} {what}; give a folder this user can write (made if missing)") from None
+    there = next(p for p in (out, *out.absolute().parents) if p.exists())  # the folder it is, or will be made in
+    what = None
+    if there.is_file():
+        what = "is a file" if there == out else f"lies under the file {there}"
+    elif not os.access(there, os.W_OK | os.X_OK):
+        what = "cannot be written" if there == out else f"cannot be made in {there}"
+    if what:
+        raise ConfigError(f"--out: {out} {what}; give a folder this user can write (made if missing)")
     try:
         owner = json.loads((out / "runs" / OWNER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
