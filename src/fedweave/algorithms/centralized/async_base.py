@@ -23,7 +23,7 @@ upload is never received. Neither kind trains: a lost job's result could not rea
 events of the log (``drop``, ``timeout``), and a server step waits for ``buffer_size`` uploads that arrive.
 
 - FedAsync (Alg. 1, "Updater"): every arrival is a server step ``x <- (1 - alpha_t) x + alpha_t y_i`` with
-  ``alpha_t = alpha s(t - tau)``.
+  ``alpha_t = alpha s(t - tau)``; its clients ("Worker") minimize ``f_i(y) + (rho/2) ||y - x_tau||^2``.
 - FedBuff (Alg. 1): arrivals ``Delta_i = y_i - x_tau`` fill a buffer of ``buffer_size``; when it is full,
   ``x <- x + eta_g sum_i p_i s(t - tau_i) Delta_i`` with ``p_i`` the aggregation weights over the buffer
   (``weighting``: samples or uniform, the paper's 1/K). With buffer = concurrency = clients_per_round, equal
@@ -156,7 +156,8 @@ class AsyncStar(StarAlgorithm):
             lost = np.where((lost == "") & (durations > deadline), "timeout", lost)
             durations = np.minimum(durations, deadline)
         kept = lost == ""
-        local = self.trainer.train(self.x, clients[kept], b, lr=self.trainer.lr(r)) if kept.any() else None
+        lr = self.trainer.lr(r)
+        local = self.trainer.train(self.x, clients[kept], b, rule=self.client_rule(lr), lr=lr) if kept.any() else None
         row = np.cumsum(kept) - 1  # each kept client's row of the training call
         for j, c in enumerate(clients.tolist()):
             job = self.jobs
