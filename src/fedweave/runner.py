@@ -223,6 +223,8 @@ def _check_faults(config: RunConfig) -> None:
     late = [r for r in config.faults.outage_rounds if r > config.rounds]
     if late:  # allowed (a fault switched on that hits nobody), but rarely meant
         log.warning("faults.outage_rounds %s are after the last round (%d) and never happen", late, config.rounds)
+    if config.faults.straggler_policy == "late" and config.faults.deadline is None:  # allowed, as above
+        log.warning("faults.straggler_policy 'late' never applies: without faults.deadline no upload is late")
 
 
 def _continue(state: RunState, ckpt: dict[str, Any] | None) -> tuple[float, float]:
