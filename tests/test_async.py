@@ -467,9 +467,16 @@ def test_late_stragglers_and_flower_are_refused_and_list_shows_them(tmp_path, mo
     assert "fedasync" in algorithms.split(": ")[1].split(", ") and "fedbuff" in algorithms
 
 
-def test_plots_against_simulated_time(tmp_path):
+@pytest.mark.parametrize("at_start", [False, True])
+def test_plots_against_simulated_time(at_start, tmp_path):
+    """eval.at_start: the initial model's row (round 0) is at time 0 of the clock; without sim_time on it the
+    plot against simulated time was silently left out."""
     cfg = _async("fedbuff", rounds=3, sigma=0.5, concurrency=4, buffer_size=2)
-    fedweave.run({**cfg, "output": {"progress": False, "plots": True}}, run_dir=tmp_path / "r")
+    res = fedweave.run(
+        {**cfg, "eval": {"at_start": at_start}, "output": {"progress": False, "plots": True}}, run_dir=tmp_path / "r"
+    )
     assert (tmp_path / "r" / "test_accuracy_vs_sim_time.png").stat().st_size > 1000
+    times = [m["sim_time"] for m in res.metrics]
+    assert times == sorted(times) and (times[0] == 0.0) == at_start and len(times) == 3 + at_start
     fedweave.run({**_cfg("fedavg", rounds=2), "output": {"progress": False, "plots": True}}, run_dir=tmp_path / "s")
     assert not (tmp_path / "s" / "test_accuracy_vs_sim_time.png").exists()  # no clock, no such plot

@@ -232,6 +232,14 @@ class AsyncStar(StarAlgorithm):
             "staleness_max": float(max(taus)),
         }
 
+    def evaluate(self, r: int) -> dict[str, float]:
+        """The star's evaluation; the initial model's (``eval.at_start``, ``r = -1``) is at time 0 of the clock,
+        so its row has ``sim_time`` like every other and the run keeps its plot against simulated time."""
+        out = super().evaluate(r)
+        if r < 0:
+            out["sim_time"] = self.now
+        return out
+
     def apply(self, deltas: torch.Tensor, models: torch.Tensor, weights: torch.Tensor, s: torch.Tensor) -> None:
         """The method's server step from the uploads (rows: ``y_i - x_tau`` and ``y_i``), their aggregation
         weights and staleness weights."""
