@@ -366,6 +366,23 @@ def test_bad_async_config_is_one_line(opts, expect):
     assert expect in str(e.value)
 
 
+def test_concurrency_alone_runs_fewer_clients_than_the_default_clients_per_round():
+    """clients_per_round is only the default of concurrency: with concurrency set, its default (10) does not
+    refuse a run of 6 clients, and at most concurrency clients train at once."""
+    cfg = _async("fedbuff", buffer_size=2, concurrency=4)
+    del cfg["algorithm"]["clients_per_round"]
+    algo = _algo({**cfg, "partition": {**cfg["partition"], "num_clients": 6}})
+    _rounds(algo, 4)
+    busy, most = set(), 0
+    for _, e, c, *_ in algo.events:
+        if e == "dispatch":
+            busy.add(c)
+        elif e != "update":
+            busy.discard(c)
+        most = max(most, len(busy))
+    assert most == 4
+
+
 # ---- injected faults: dropouts and a deadline ----------------------------------------------------------
 def _jobs(events: list) -> dict[int, list]:
     """Per job id, its events in order: (event, time, client)."""

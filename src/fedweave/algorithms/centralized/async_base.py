@@ -93,6 +93,16 @@ class AsyncStar(StarAlgorithm):
     state_fields += ("lost", "lost_in_a_row")
 
     def __init__(self, ctx, hp: AsyncHparams) -> None:
+        if hp.concurrency is not None:
+            if hp.concurrency > ctx.num_clients:
+                raise ConfigError(
+                    f"algorithm.concurrency ({hp.concurrency}) exceeds partition.num_clients ({ctx.num_clients})"
+                )
+            if hp.clients_per_round > ctx.num_clients:
+                # no round samples clients here: clients_per_round is only the default of concurrency, so its
+                # default (10) must not refuse a run of fewer clients that sets concurrency; a training call
+                # holds at most concurrency jobs
+                hp.clients_per_round = hp.concurrency
         super().__init__(ctx, hp)
         if ctx.config.sampler != Section("uniform") or hp.sampling != "fixed":
             raise ConfigError(
@@ -115,10 +125,6 @@ class AsyncStar(StarAlgorithm):
                 "waits for its uploads"
             )
         self.concurrency = hp.concurrency or hp.clients_per_round
-        if self.concurrency > ctx.num_clients:
-            raise ConfigError(
-                f"algorithm.concurrency ({self.concurrency}) exceeds partition.num_clients ({ctx.num_clients})"
-            )
         self.now = 0.0  # the simulated clock
         self.dispatches = 0  # dispatch instants so far (the key of their streams and batches)
         self.jobs = 0  # clients dispatched so far (a job's id)
