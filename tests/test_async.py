@@ -213,7 +213,9 @@ def test_fedbuff_without_staleness_is_fedavg_for_every_staleness_function(k, sta
     """buffer_size = concurrency = clients_per_round with equal latencies: every update has staleness 0 and
     s(0) = 1 for each function, so the step is FedAvg's x + eta_g sum_i p_i Delta_i, bit for bit."""
     sync = _algo(_async("fedavg", clients_per_round=k, server_lr=server_lr))
-    opts = {"buffer_size": k, "concurrency": k, "staleness": staleness, "staleness_b": 0, "server_lr": server_lr}
+    opts = {"buffer_size": k, "concurrency": k, "staleness": staleness, "server_lr": server_lr}
+    if staleness == "hinge":
+        opts["staleness_b"] = 0  # a discount from the first step of staleness on: none at staleness 0 still
     buff = _algo(_async("fedbuff", clients_per_round=k, **opts))
     for r in range(4):
         assert buff.run_round(r)["train_loss"] == sync.run_round(r)["train_loss"]
@@ -259,6 +261,12 @@ def test_fedasyncs_worker_is_the_papers_proximal_sgd():
     assert not torch.equal(fa, _rounds(_algo(_async("fedasync", clients_per_round=1, alpha=0.6)), 4))
     xs = [_rounds(_algo(_async("fedasync", backend=b, sigma=0.5, concurrency=5, rho=0.5)), 6) for b in ("loop", "vmap")]
     torch.testing.assert_close(xs[0], xs[1], rtol=1e-5, atol=1e-6)
+
+
+def test_staleness_options_at_their_defaults_are_accepted_where_unread():
+    """A config may write out the defaults of the options its staleness function does not read."""
+    _algo(_async("fedbuff", buffer_size=2, staleness="constant", staleness_a=0.5, staleness_b=4))
+    _algo(_async("fedbuff", buffer_size=2, staleness="polynomial", staleness_a=0.7, staleness_b=4))
 
 
 def test_staleness_functions():
@@ -353,6 +361,8 @@ def test_fedbuffs_aggregator_bound_is_checked_on_the_buffer_before_round_1():
         ({"name": "fedasync", "server_lr": 0.5}, "algorithm.server_lr: fedasync's server step is its mixing weight"),
         ({"name": "fedasync", "alpha": 0.0}, "algorithm.alpha must be in (0, 1]"),
         ({"name": "fedasync", "rho": -0.1}, "algorithm.rho must be >= 0"),
+        ({"staleness": "polynomial", "staleness_b": 2}, "algorithm.staleness_b: staleness 'polynomial' does not read"),
+        ({"staleness": "constant", "staleness_a": 0.9}, "algorithm.staleness_a: staleness 'constant' does not read it"),
         ({"faults": {"outage_rounds": [2]}}, "faults.outage_rounds: fedbuff has no round that every client misses"),
         ({"faults": {"dropout": 1.0}}, "faults.dropout must be < 1 for fedbuff"),
     ],

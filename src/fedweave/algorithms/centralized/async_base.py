@@ -35,7 +35,7 @@ The order of events is recorded and written to ``events.csv`` in the run directo
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar, Literal
 
 import numpy as np
@@ -78,6 +78,17 @@ class AsyncHparams(StarHparams):
             raise ConfigError(f"algorithm.staleness_a must be >= 0, got {self.staleness_a}")
         if self.staleness_b < 0:
             raise ConfigError(f"algorithm.staleness_b must be >= 0, got {self.staleness_b}")
+        # an option the chosen s(t - tau) does not read is refused unless left at its default, never ignored
+        unread = {"constant": ("staleness_a", "staleness_b"), "polynomial": ("staleness_b",)}.get(self.staleness, ())
+        for key in unread:
+            if getattr(self, key) != _DEFAULTS[key]:
+                raise ConfigError(
+                    f"algorithm.{key}: staleness '{self.staleness}' does not read it (polynomial reads staleness_a, "
+                    "hinge staleness_a and staleness_b); leave it out or choose that staleness"
+                )
+
+
+_DEFAULTS = {f.name: f.default for f in fields(AsyncHparams)}
 
 
 class AsyncStar(StarAlgorithm):
