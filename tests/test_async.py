@@ -361,6 +361,7 @@ def test_fedbuffs_aggregator_bound_is_checked_on_the_buffer_before_round_1():
         ({"name": "fedasync", "server_lr": 0.5}, "algorithm.server_lr: fedasync's server step is its mixing weight"),
         ({"name": "fedasync", "alpha": 0.0}, "algorithm.alpha must be in (0, 1]"),
         ({"name": "fedasync", "rho": -0.1}, "algorithm.rho must be >= 0"),
+        ({"name": "fedasync", "weighting": "uniform"}, "algorithm.weighting: fedasync steps on one arrival at a time"),
         ({"staleness": "polynomial", "staleness_b": 2}, "algorithm.staleness_b: staleness 'polynomial' does not read"),
         ({"staleness": "constant", "staleness_a": 0.9}, "algorithm.staleness_a: staleness 'constant' does not read it"),
         ({"faults": {"outage_rounds": [2]}}, "faults.outage_rounds: fedbuff has no round that every client misses"),

@@ -31,6 +31,10 @@ class FedAsyncHparams(AsyncHparams):
             raise ConfigError(f"algorithm.alpha must be in (0, 1], got {self.alpha}")
         if self.rho < 0:
             raise ConfigError(f"algorithm.rho must be >= 0, got {self.rho}")
+        if self.weighting != "samples":  # never read: a step mixes one arrival, whose weight is 1
+            raise ConfigError(
+                "algorithm.weighting: fedasync steps on one arrival at a time, nothing to weight; leave it out"
+            )
         if self.server_lr != 1.0:
             raise ConfigError("algorithm.server_lr: fedasync's server step is its mixing weight alpha; set alpha")
 
