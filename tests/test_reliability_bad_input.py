@@ -529,6 +529,19 @@ def test_a_late_policy_without_a_deadline_is_said_never_to_apply(tmp_path, caplo
     assert res.summary["status"] == "completed"
 
 
+def test_client_speeds_without_a_deadline_are_said_to_change_nothing_in_a_synchronous_round(tmp_path, caplog):
+    """A synchronous round waits for every client, so their speeds matter only against a deadline; an
+    asynchronous method's clock reads them always (no warning there)."""
+    with caplog.at_level("WARNING", logger="fedweave"):
+        fedweave.run({**BASE, "faults": {"speed_jitter": 0.3}}, run_dir=tmp_path / "r")
+    assert f"faults.speed_sigma / speed_jitter change nothing in {BASE['algorithm']['name']} without" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedweave"):
+        fedweave.run({**BASE, "faults": {"speed_jitter": 0.3, "deadline": 2.0}}, run_dir=tmp_path / "d")
+        fedweave.run({**BASE, "faults": {"speed_sigma": 0.5}}, run_dir=tmp_path / "s")  # the default written out
+    assert "speed_jitter change nothing" not in caplog.text
+
+
 def test_run_files_follow_the_umask(tmp_path):
     old = os.umask(0o022)
     try:
