@@ -186,6 +186,89 @@ def test_fedasync_mixes_with_the_staleness_weighted_alpha():
     torch.testing.assert_close(algo.x, (1 - alpha) * x1 + alpha * y, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("alpha", [1.0, 0.6])
+def test_fedasync_one_client_at_a_time_is_fedavg_of_one_client(alpha, monkeypatch):
+    """concurrency 1: every arrival has staleness 0, so alpha_t = alpha and x <- (1 - alpha) x + alpha y_i is
+    FedAvg's x + eta_g (y_i - x) with one client a round and eta_g = alpha, draw for draw (the same client, the
+    same batches); with alpha = 1 the server takes the arriving model as it is."""
+    sync = _algo(_async("fedavg", clients_per_round=1, server_lr=alpha))
+    fa = _algo(_async("fedasync", sigma=0.5, clients_per_round=1, alpha=alpha, staleness="hinge", staleness_b=0))
+    arrived, apply = [], fa.apply
+
+    def recorded(deltas, models, weights, s):
+        arrived.append(models[0].clone())
+        apply(deltas, models, weights, s)
+
+    monkeypatch.setattr(fa, "apply", recorded)
+    for r in range(4):
+        m_sync, m_fa = sync.run_round(r), fa.run_round(r)
+        assert m_fa["train_loss"] == m_sync["train_loss"] and m_fa["staleness_max"] == 0
+        torch.testing.assert_close(fa.x, sync.x, rtol=0, atol=1e-6)
+        if alpha == 1.0:
+            assert torch.equal(fa.x, arrived[-1])
+
+
+@pytest.mark.parametrize("k, staleness, server_lr", [(1, "polynomial", 0.6), (3, "polynomial", 1.0), (3, "hinge", 0.5)])
+def test_fedbuff_without_staleness_is_fedavg_for_every_staleness_function(k, staleness, server_lr):
+    """buffer_size = concurrency = clients_per_round with equal latencies: every update has staleness 0 and
+    s(0) = 1 for each function, so the step is FedAvg's x + eta_g sum_i p_i Delta_i, bit for bit."""
+    sync = _algo(_async("fedavg", clients_per_round=k, server_lr=server_lr))
+    opts = {"buffer_size": k, "concurrency": k, "staleness": staleness, "server_lr": server_lr}
+    if staleness == "hinge":
+        opts["staleness_b"] = 0  # a discount from the first step of staleness on: none at staleness 0 still
+    buff = _algo(_async("fedbuff", clients_per_round=k, **opts))
+    for r in range(4):
+        assert buff.run_round(r)["train_loss"] == sync.run_round(r)["train_loss"]
+    assert torch.equal(sync.x, buff.x)
+
+
+@pytest.mark.parametrize("weighting", ["samples", "uniform"])
+def test_fedbuffs_step_is_the_papers_under_staleness(weighting, monkeypatch):
+    """Nguyen et al. 2022, Alg. 1 with the staleness scaling of Sec. 5: once K updates are in,
+    x <- x + eta_g sum_i p_i s(t - tau_i) Delta_i, Delta_i = y_i - x_{tau_i} from the model client i was sent,
+    checked against the hand formula with every job's start and result recorded at dispatch."""
+    cfg = _three("fedbuff", buffer_size=2, server_lr=0.7, staleness="polynomial", staleness_a=0.5, weighting=weighting)
+    algo = _algo(cfg)
+    jobs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    dispatch = algo.dispatch
+
+    def recorded(r):
+        dispatch(r)
+        for j, start in algo.starts.items():
+            jobs.setdefault(j, (start.clone(), algo.ys[j][0].clone()))
+
+    monkeypatch.setattr(algo, "dispatch", recorded)
+    taus = []
+    for r in range(6):
+        x, n = algo.x.clone(), len(algo.events)
+        algo.run_round(r)
+        got = [(c, j, r - v) for _, e, c, j, v, _ in algo.events[n:] if e == "arrive"]
+        sizes = torch.tensor([float(algo.sizes[c]) for c, _, _ in got], dtype=torch.float64)
+        p = sizes / sizes.sum() if weighting == "samples" else torch.full((2,), 0.5, dtype=torch.float64)
+        step = sum(float(p[i]) * (1 + tau) ** -0.5 * (jobs[j][1] - jobs[j][0]) for i, (_, j, tau) in enumerate(got))
+        torch.testing.assert_close(algo.x, x + 0.7 * step, rtol=1e-6, atol=1e-7)
+        taus += [tau for *_, tau in got]
+    assert max(taus) >= 2 and 0 in taus  # stale and fresh updates both scaled
+
+
+def test_fedasyncs_worker_is_the_papers_proximal_sgd():
+    """Xie et al. 2019, Alg. 1 (Worker): local SGD on f_i(y) + (rho/2) ||y - x_tau||^2 about the model sent. With
+    one client at a time it is FedProx's rule (mu = rho) with one client a round and eta_g = alpha; rho moves
+    the model; loop and vmap agree with several clients in flight."""
+    sync = _rounds(_algo(_async("fedprox", clients_per_round=1, server_lr=0.6, mu=0.5)), 4)
+    fa = _rounds(_algo(_async("fedasync", clients_per_round=1, alpha=0.6, rho=0.5)), 4)
+    torch.testing.assert_close(fa, sync, rtol=0, atol=1e-6)
+    assert not torch.equal(fa, _rounds(_algo(_async("fedasync", clients_per_round=1, alpha=0.6)), 4))
+    xs = [_rounds(_algo(_async("fedasync", backend=b, sigma=0.5, concurrency=5, rho=0.5)), 6) for b in ("loop", "vmap")]
+    torch.testing.assert_close(xs[0], xs[1], rtol=1e-5, atol=1e-6)
+
+
+def test_staleness_options_at_their_defaults_are_accepted_where_unread():
+    """A config may write out the defaults of the options its staleness function does not read."""
+    _algo(_async("fedbuff", buffer_size=2, staleness="constant", staleness_a=0.5, staleness_b=4))
+    _algo(_async("fedbuff", buffer_size=2, staleness="polynomial", staleness_a=0.7, staleness_b=4))
+
+
 def test_staleness_functions():
     assert staleness_weight("constant", 7, 0.5, 4) == 1.0
     assert staleness_weight("polynomial", 3, 0.5, 4) == pytest.approx(0.5)  # (1 + 3)^-1/2
@@ -277,6 +360,10 @@ def test_fedbuffs_aggregator_bound_is_checked_on_the_buffer_before_round_1():
         ({"consistency": True}, "algorithm.consistency: fedbuff has no round of local models"),
         ({"name": "fedasync", "server_lr": 0.5}, "algorithm.server_lr: fedasync's server step is its mixing weight"),
         ({"name": "fedasync", "alpha": 0.0}, "algorithm.alpha must be in (0, 1]"),
+        ({"name": "fedasync", "rho": -0.1}, "algorithm.rho must be >= 0"),
+        ({"name": "fedasync", "weighting": "uniform"}, "algorithm.weighting: fedasync steps on one arrival at a time"),
+        ({"staleness": "polynomial", "staleness_b": 2}, "algorithm.staleness_b: staleness 'polynomial' does not read"),
+        ({"staleness": "constant", "staleness_a": 0.9}, "algorithm.staleness_a: staleness 'constant' does not read it"),
         ({"faults": {"outage_rounds": [2]}}, "faults.outage_rounds: fedbuff has no round that every client misses"),
         ({"faults": {"dropout": 1.0}}, "faults.dropout must be < 1 for fedbuff"),
     ],
@@ -288,6 +375,23 @@ def test_bad_async_config_is_one_line(opts, expect):
     with pytest.raises(ConfigError) as e:
         _algo({**cfg, "faults": {**cfg["faults"], **faults}})
     assert expect in str(e.value)
+
+
+def test_concurrency_alone_runs_fewer_clients_than_the_default_clients_per_round():
+    """clients_per_round is only the default of concurrency: with concurrency set, its default (10) does not
+    refuse a run of 6 clients, and at most concurrency clients train at once."""
+    cfg = _async("fedbuff", buffer_size=2, concurrency=4)
+    del cfg["algorithm"]["clients_per_round"]
+    algo = _algo({**cfg, "partition": {**cfg["partition"], "num_clients": 6}})
+    _rounds(algo, 4)
+    busy, most = set(), 0
+    for _, e, c, *_ in algo.events:
+        if e == "dispatch":
+            busy.add(c)
+        elif e != "update":
+            busy.discard(c)
+        most = max(most, len(busy))
+    assert most == 4
 
 
 # ---- injected faults: dropouts and a deadline ----------------------------------------------------------
@@ -391,9 +495,16 @@ def test_late_stragglers_and_flower_are_refused_and_list_shows_them(tmp_path, mo
     assert "fedasync" in algorithms.split(": ")[1].split(", ") and "fedbuff" in algorithms
 
 
-def test_plots_against_simulated_time(tmp_path):
+@pytest.mark.parametrize("at_start", [False, True])
+def test_plots_against_simulated_time(at_start, tmp_path):
+    """eval.at_start: the initial model's row (round 0) is at time 0 of the clock; without sim_time on it the
+    plot against simulated time was silently left out."""
     cfg = _async("fedbuff", rounds=3, sigma=0.5, concurrency=4, buffer_size=2)
-    fedweave.run({**cfg, "output": {"progress": False, "plots": True}}, run_dir=tmp_path / "r")
+    res = fedweave.run(
+        {**cfg, "eval": {"at_start": at_start}, "output": {"progress": False, "plots": True}}, run_dir=tmp_path / "r"
+    )
     assert (tmp_path / "r" / "test_accuracy_vs_sim_time.png").stat().st_size > 1000
+    times = [m["sim_time"] for m in res.metrics]
+    assert times == sorted(times) and (times[0] == 0.0) == at_start and len(times) == 3 + at_start
     fedweave.run({**_cfg("fedavg", rounds=2), "output": {"progress": False, "plots": True}}, run_dir=tmp_path / "s")
     assert not (tmp_path / "s" / "test_accuracy_vs_sim_time.png").exists()  # no clock, no such plot

@@ -520,6 +520,28 @@ def test_outage_rounds_after_the_last_round_are_said_never_to_happen(tmp_path, c
     assert res.summary["status"] == "completed" and res.summary.get("skipped_rounds") == [1]
 
 
+def test_a_late_policy_without_a_deadline_is_said_never_to_apply(tmp_path, caplog):
+    """Without a deadline nothing is late, so straggler_policy: late changes nothing: said, not refused (a
+    sweep over the deadline may include null as its control)."""
+    with caplog.at_level("WARNING", logger="fedweave"):
+        res = fedweave.run({**BASE, "faults": {"straggler_policy": "late"}}, run_dir=tmp_path / "r")
+    assert "faults.straggler_policy 'late' never applies: without faults.deadline no upload is late" in caplog.text
+    assert res.summary["status"] == "completed"
+
+
+def test_client_speeds_without_a_deadline_are_said_to_change_nothing_in_a_synchronous_round(tmp_path, caplog):
+    """A synchronous round waits for every client, so their speeds matter only against a deadline; an
+    asynchronous method's clock reads them always (no warning there)."""
+    with caplog.at_level("WARNING", logger="fedweave"):
+        fedweave.run({**BASE, "faults": {"speed_jitter": 0.3}}, run_dir=tmp_path / "r")
+    assert f"faults.speed_sigma / speed_jitter change nothing in {BASE['algorithm']['name']} without" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedweave"):
+        fedweave.run({**BASE, "faults": {"speed_jitter": 0.3, "deadline": 2.0}}, run_dir=tmp_path / "d")
+        fedweave.run({**BASE, "faults": {"speed_sigma": 0.5}}, run_dir=tmp_path / "s")  # the default written out
+    assert "speed_jitter change nothing" not in caplog.text
+
+
 def test_run_files_follow_the_umask(tmp_path):
     old = os.umask(0o022)
     try:

@@ -18,7 +18,7 @@ from fedweave.algorithms.base import Algorithm, RunContext, build_algorithm
 from fedweave.byo import OBJECTS_FILE, RunObjects, check_resumed_objects, check_same_objects
 from fedweave.callbacks import Callback, CallbackList, RunState, default_callbacks
 from fedweave.checkpoints import CHECKPOINT, restore_checkpoint
-from fedweave.config import ConfigError, RunConfig
+from fedweave.config import ConfigError, FaultsConfig, RunConfig
 from fedweave.config import load as load_config
 from fedweave.errors import CheckpointError, DivergenceError, RunInterrupted, RunStopped
 from fedweave.faults import Faults
@@ -240,6 +240,13 @@ def _check_faults(config: RunConfig) -> None:
     late = [r for r in config.faults.outage_rounds if r > config.rounds]
     if late:  # allowed (a fault switched on that hits nobody), but rarely meant
         log.warning("faults.outage_rounds %s are after the last round (%d) and never happen", late, config.rounds)
+    f, name = config.faults, config.algorithm.name
+    if f.straggler_policy == "late" and f.deadline is None:  # allowed, as above
+        log.warning("faults.straggler_policy 'late' never applies: without faults.deadline no upload is late")
+    spread = f.speed_jitter > 0 or f.speed_sigma != FaultsConfig.speed_sigma
+    if spread and f.deadline is None and not getattr(ALGORITHMS.get(name), "asynchronous", False):
+        # a synchronous round waits for everyone: the speeds decide nothing until a deadline makes some late
+        log.warning("faults.speed_sigma / speed_jitter change nothing in %s without faults.deadline", name)
 
 
 def _continue(state: RunState, ckpt: dict[str, Any] | None) -> tuple[float, float]:

@@ -23,7 +23,7 @@ upload is never received. Neither kind trains: a lost job's result could not rea
 events of the log (``drop``, ``timeout``), and a server step waits for ``buffer_size`` uploads that arrive.
 
 - FedAsync (Alg. 1, "Updater"): every arrival is a server step ``x <- (1 - alpha_t) x + alpha_t y_i`` with
-  ``alpha_t = alpha s(t - tau)``.
+  ``alpha_t = alpha s(t - tau)``; its clients ("Worker") minimize ``f_i(y) + (rho/2) ||y - x_tau||^2``.
 - FedBuff (Alg. 1): arrivals ``Delta_i = y_i - x_tau`` fill a buffer of ``buffer_size``; when it is full,
   ``x <- x + eta_g sum_i p_i s(t - tau_i) Delta_i`` with ``p_i`` the aggregation weights over the buffer
   (``weighting``: samples or uniform, the paper's 1/K). With buffer = concurrency = clients_per_round, equal
@@ -35,7 +35,7 @@ The order of events is recorded and written to ``events.csv`` in the run directo
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar, Literal
 
 import numpy as np
@@ -78,6 +78,17 @@ class AsyncHparams(StarHparams):
             raise ConfigError(f"algorithm.staleness_a must be >= 0, got {self.staleness_a}")
         if self.staleness_b < 0:
             raise ConfigError(f"algorithm.staleness_b must be >= 0, got {self.staleness_b}")
+        # an option the chosen s(t - tau) does not read is refused unless left at its default, never ignored
+        unread = {"constant": ("staleness_a", "staleness_b"), "polynomial": ("staleness_b",)}.get(self.staleness, ())
+        for key in unread:
+            if getattr(self, key) != _DEFAULTS[key]:
+                raise ConfigError(
+                    f"algorithm.{key}: staleness '{self.staleness}' does not read it (polynomial reads staleness_a, "
+                    "hinge staleness_a and staleness_b); leave it out or choose that staleness"
+                )
+
+
+_DEFAULTS = {f.name: f.default for f in fields(AsyncHparams)}
 
 
 class AsyncStar(StarAlgorithm):
@@ -93,6 +104,16 @@ class AsyncStar(StarAlgorithm):
     state_fields += ("lost", "lost_in_a_row")
 
     def __init__(self, ctx, hp: AsyncHparams) -> None:
+        if hp.concurrency is not None:
+            if hp.concurrency > ctx.num_clients:
+                raise ConfigError(
+                    f"algorithm.concurrency ({hp.concurrency}) exceeds partition.num_clients ({ctx.num_clients})"
+                )
+            if hp.clients_per_round > ctx.num_clients:
+                # no round samples clients here: clients_per_round is only the default of concurrency, so its
+                # default (10) must not refuse a run of fewer clients that sets concurrency; a training call
+                # holds at most concurrency jobs
+                hp.clients_per_round = hp.concurrency
         super().__init__(ctx, hp)
         if ctx.config.sampler != Section("uniform") or hp.sampling != "fixed":
             raise ConfigError(
@@ -115,10 +136,6 @@ class AsyncStar(StarAlgorithm):
                 "waits for its uploads"
             )
         self.concurrency = hp.concurrency or hp.clients_per_round
-        if self.concurrency > ctx.num_clients:
-            raise ConfigError(
-                f"algorithm.concurrency ({self.concurrency}) exceeds partition.num_clients ({ctx.num_clients})"
-            )
         self.now = 0.0  # the simulated clock
         self.dispatches = 0  # dispatch instants so far (the key of their streams and batches)
         self.jobs = 0  # clients dispatched so far (a job's id)
@@ -156,7 +173,8 @@ class AsyncStar(StarAlgorithm):
             lost = np.where((lost == "") & (durations > deadline), "timeout", lost)
             durations = np.minimum(durations, deadline)
         kept = lost == ""
-        local = self.trainer.train(self.x, clients[kept], b, lr=self.trainer.lr(r)) if kept.any() else None
+        lr = self.trainer.lr(r)
+        local = self.trainer.train(self.x, clients[kept], b, rule=self.client_rule(lr), lr=lr) if kept.any() else None
         row = np.cumsum(kept) - 1  # each kept client's row of the training call
         for j, c in enumerate(clients.tolist()):
             job = self.jobs
@@ -230,6 +248,14 @@ class AsyncStar(StarAlgorithm):
             "staleness_mean": float(np.mean(taus)),
             "staleness_max": float(max(taus)),
         }
+
+    def evaluate(self, r: int) -> dict[str, float]:
+        """The star's evaluation; the initial model's (``eval.at_start``, ``r = -1``) is at time 0 of the clock,
+        so its row has ``sim_time`` like every other and the run keeps its plot against simulated time."""
+        out = super().evaluate(r)
+        if r < 0:
+            out["sim_time"] = self.now
+        return out
 
     def apply(self, deltas: torch.Tensor, models: torch.Tensor, weights: torch.Tensor, s: torch.Tensor) -> None:
         """The method's server step from the uploads (rows: ``y_i - x_tau`` and ``y_i``), their aggregation
