@@ -125,6 +125,20 @@ def test_topk_with_k_equal_d_is_no_compression_bit_for_bit(alg):
     assert torch.equal(plain, full)
 
 
+@pytest.mark.parametrize("name", ["efsign", "qsgd"])
+def test_fednova_reduces_the_decoded_updates_themselves(name):
+    """FedNova's rows are (tau_eff / tau_i) times the decoded displacement (Wang et al. 2020, Sec. 5), not times
+    (x + decoded) - x, which differs from it by the rounding of the sum (in the last bits of some coordinates)."""
+    from fedweave.algorithms.centralized.fednova import nova_scale
+
+    algo = _algo(_with(_cfg("fednova", local={"epochs": 1, "batch_size": 16, "lr": 0.5}), name))
+    _rounds(algo, 2)
+    got = algo.transmit_uploads(2, algo.train_clients(2, algo.sample_clients(2)))
+    assert got.sent is not None
+    want = nova_scale(got.weights, got.local.steps).unsqueeze(1) * got.sent
+    assert torch.equal(algo.client_updates(got), want)
+
+
 def test_error_feedback_converges_to_the_uncompressed_optimum():
     """SCAFFOLD on the federated least-squares problem (full participation, local GD) reaches the pooled
     optimum uncompressed; with error feedback on both of its messages (Delta y_i and Delta c_i, which vanish
