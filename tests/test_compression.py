@@ -64,6 +64,20 @@ def test_random_compressors_are_unbiased(c, variance):
     assert not torch.equal(_draws(c, v, 1)[0], v)  # the draws do compress
 
 
+@pytest.mark.parametrize("s", [1, 4])
+def test_qsgd_variance_is_the_stochastic_roundings_and_within_lemma_3_1(s):
+    """QSGD's error is that of its stochastic rounding, E||Q(v) - v||^2 = sum_i (||v|| / s)^2 p_i (1 - p_i) with
+    p_i the fractional part of s |v_i| / ||v||, which Alistarh et al. 2017, Lemma 3.1 (ii) bounds by
+    min(d / s^2, sqrt(d) / s) ||v||^2. The mean of n squared errors is within 5 of its standard errors of it."""
+    v = torch.randn(50, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    scaled = v.abs() / v.norm() * s
+    p = scaled - scaled.floor()
+    exact = float((v.norm() / s) ** 2 * (p * (1 - p)).sum())
+    assert exact <= min(len(v) / s**2, math.sqrt(len(v)) / s) * float(v.norm() ** 2)
+    err = ((_draws(QSGD(levels=s), v, 2000) - v) ** 2).sum(1)
+    assert abs(float(err.mean()) - exact) <= 5 * float(err.std()) / math.sqrt(len(err))
+
+
 def test_topk_and_efsign_are_what_their_papers_define():
     v = torch.tensor([0.5, -3.0, 0.1, 2.0, -0.2])
     top = TopK(k=2)
