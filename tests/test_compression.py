@@ -433,7 +433,7 @@ def test_download_and_upload_compression_resume_identically(tmp_path):
     [
         ({"name": "topk"}, "fedavg", "compression.download: give exactly one of k (values kept) and ratio"),
         ({"name": "nosuch"}, "fedavg", "compression.download.name: unknown compressor 'nosuch'"),
-        ({"name": "topk", "k": 10_000}, "fedavg", "compression.download.k (10000) exceeds the 148 values"),
+        ({"name": "topk", "k": 10_000}, "fedavg", "compression.download.k (10000) exceeds the 148 values of a message"),
         ("efsign", "fedmim", "compression.download: algorithm 'fedmim' (centralized) does not compress its down"),
         ("efsign", "feddyn", "compression.download: algorithm 'feddyn' (centralized) does not compress its down"),
         ("efsign", "fedprox", "compression.download: algorithm 'fedprox' (centralized) does not compress its down"),
