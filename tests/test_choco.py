@@ -100,3 +100,18 @@ def test_refusals_are_one_line(compression, opts, faults, expect, tmp_path):
         fedweave.run(cfg, run_dir=tmp_path / "r")
     assert expect in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "r").exists()
+
+
+def test_a_lossless_q_is_exact_gossip_bit_for_bit():
+    """Q = top-k with k = d sends every coordinate at its float bits, so q_i = x_i^{+} - x̂_i exactly and every
+    public copy and model equals the run without a compressor bit for bit, for any gamma (Alg. 2 with Q the
+    identity); only the bytes differ: k indices and k values per message instead of the dense row."""
+    exact, full = _choco(gamma=0.5), _choco({"name": "topk", "ratio": 1.0}, gamma=0.5)
+    for r in range(3):
+        exact.run_round(r)
+        full.run_round(r)
+        assert torch.equal(exact.W, full.W)
+        assert torch.equal(exact.store["public"], full.store["public"])
+    d = full.layout.numel
+    per_message = math.ceil(d * (math.ceil(math.log2(d)) + 32) / 8)
+    assert full.ledger.bytes(kind="model_delta") == 3 * 8 * 2 * per_message  # 3 rounds, 8 nodes, 2 ring neighbours

@@ -194,6 +194,13 @@ def test_the_accountant_resumes_from_its_state(toy_config):
         ),
         ({"sampler": "bernoulli", "privacy": {"adaptive": True, "count_noise": 0.4}}, "privacy.count_noise (0.4)"),
         ({"sampler": {"name": "power_of_choice"}}, "chooses clients by their losses"),
+        (  # local DP's noise must be on what the client sends, and the compression stage encodes before it
+            {
+                "privacy": {"mechanism": "local", "noise_multiplier": 1.0},
+                "compression": {"upload": {"name": "topk", "ratio": 0.1}},
+            },
+            "privacy.mechanism: local noises each update at its client before it is sent, but compression.upload",
+        ),
     ],
 )
 def test_what_the_proof_does_not_cover_is_refused_with_one_line(toy_config, change, words):

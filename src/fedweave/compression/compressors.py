@@ -64,7 +64,7 @@ class _Sparse(Compressor):
 
     def check(self, size: int) -> None:
         if self.kept(size) > size:
-            raise ConfigError(f"{KEY}.k ({self.k}) exceeds the {size} values of an upload; choose k <= {size}")
+            raise ConfigError(f"{KEY}.k ({self.k}) exceeds the {size} values of a message; choose k <= {size}")
 
 
 @COMPRESSORS.register("topk")

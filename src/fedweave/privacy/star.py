@@ -73,6 +73,15 @@ def make_privacy(
             "privacy: algorithm.server_data: client trains the server's share as one more client, outside the "
             "per-user bound; leave it at none"
         )
+    if cfg.level == "user" and cfg.mechanism == "local" and algo.config.compression.upload is not None:
+        # the compression stage encodes each upload before the clipping stage runs, so the local noise would be
+        # added on the server to what already crossed the link un-noised: no local guarantee for the wire
+        raise ConfigError(
+            "privacy.mechanism: local noises each update at its client before it is sent, but compression.upload "
+            "encodes the update before it is clipped and noised, so the server would receive it un-noised; use "
+            "mechanism: central (the trusted server clips and noises the decoded updates) or remove "
+            "compression.upload"
+        )
     ctx = algo.ctx
     per_round = algo.hp.clients_per_round if per_round is None else per_round
     population = ctx.num_clients if num_clients is None else num_clients

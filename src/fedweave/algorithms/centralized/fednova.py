@@ -54,8 +54,9 @@ class FedNova(StarAlgorithm):
 
     def client_updates(self, got: Collected) -> torch.Tensor:
         # (tau_eff / tau_i) Delta_i: each update normalized by its client's steps, rescaled by tau_eff, so that
-        # the template's weighted mean sum_i p_i (.) is FedNova's direction (Sec. 5)
-        delta = got.local.params - self.x
+        # the template's weighted mean sum_i p_i (.) is FedNova's direction (Sec. 5). Delta_i is the template's:
+        # under compression.upload the decoded displacement itself, not (x + decoded) - x, which rounds it
+        delta = super().client_updates(got)
         return nova_scale(got.weights, got.local.steps).unsqueeze(1) * delta
 
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
