@@ -264,6 +264,24 @@ def test_adaptive_clipping_accounts_the_count_noise_by_theorem_1():
     assert dp.accountant.history == [(1.0, 0.1, 1)]
 
 
+@pytest.mark.parametrize("norm", [0.5, 2.0])  # the added client's update unclipped (b = 1) and clipped (b = 0)
+def test_adaptive_clipping_count_moves_by_at_most_one_half_for_one_client(norm):
+    # Theorem 1's (2 sigma_b)^-2 holds for a count of sensitivity 1/2: the noised sum of b_i - 1/2 (Andrew et al.'s
+    # reference implementation). The uncentred sum of b_i moves by 1 when one client is added: z understated.
+    def noised_count(rows: torch.Tensor) -> float:
+        dp = _user_dp(z=1.0, clip=1.0, expected=10, adaptive=True, clip_lr=0.2, count_noise=5.0)
+        updates, weights = dp.clip(rows, torch.ones(len(rows), dtype=torch.float64))
+        dp.noise(weights @ updates)
+        # C' = C exp(-eta_C (b~ - gamma)): the released b~ times E, up to what does not depend on the data
+        return -math.log(dp.clip_norm) / 0.2 * 10
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.nn.functional.normalize(torch.randn(6, 4, generator=g, dtype=torch.float64), dim=1)
+    rows = rows * torch.tensor([0.3, 0.7, 1.5, 0.2, 3.0, 0.9], dtype=torch.float64)[:, None]
+    one_more = torch.cat([rows, torch.full((1, 4), norm / 2, dtype=torch.float64)])
+    assert abs(noised_count(one_more) - noised_count(rows)) == pytest.approx(0.5, abs=1e-9)
+
+
 def test_a_private_run_with_adaptive_clipping_records_its_clip(toy_config, tmp_path):
     privacy = {"noise_multiplier": 1.0, "adaptive": True, "count_noise": 2.0}
     res = run(load(_cfg(toy_config, privacy, sampler="bernoulli")), run_dir=tmp_path / "r")
