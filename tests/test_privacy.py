@@ -403,6 +403,41 @@ def test_the_decentralized_family_refuses_what_it_cannot_account(toy_config, alg
     assert str(e.value).startswith("privacy: ") and words in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {"name": "pens", "m_top": 2},
+        {"name": "fomo"},
+        {"name": "federico"},
+        {"name": "afind_plus"},
+        {"name": "dispfl"},
+        {"name": "dfedavg", "selection": "topk", "select_k": 2},
+        {"name": "ditto", "selection": "afind"},
+    ],
+)
+def test_sample_level_dp_refuses_dfl_methods_that_read_their_data_outside_dp_sgd(toy_config, algorithm):
+    # scores of the neighbours' models on a peer's own data (PENS, FoMo, FedeRiCo, AFIND+, selection topk/afind) and
+    # DisPFL's mask regrowth from a plain gradient choose what is sent from unclipped, unnoised functions of the
+    # data: the DP-SGD steps' epsilon does not bound them
+    with pytest.raises(ConfigError) as e:
+        _built(_dfl(toy_config, algorithm, {"level": "sample", "noise_multiplier": 1.0}))
+    assert str(e.value).startswith("privacy: ") and "outside its DP-SGD steps" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {"name": "dfedavg", "topology": "random_regular", "degree": 3, "neighbours": 3},
+        {"name": "ditto", "topology": "random_regular", "degree": 3, "neighbours": 3},
+        {"name": "choco_sgd", "topology": "random_regular", "degree": 3},
+        {"name": "local"},
+    ],
+)
+def test_sample_level_dp_accepts_dfl_methods_that_read_their_data_only_in_dp_sgd(toy_config, algorithm):
+    cfg = _cfg(toy_config, {"level": "sample", "noise_multiplier": 1.0}, algorithm=algorithm, rounds=2)
+    assert _built(cfg).privacy is not None
+
+
 def test_the_docs_table_is_generated_from_the_committed_records():
     import importlib.util
     import json

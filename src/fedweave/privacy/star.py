@@ -140,6 +140,17 @@ def graph_privacy(algo: Any) -> SampleDP | None:
     if cfg is None:
         return None
     hp = algo.hp
+    name = algo.config.algorithm.name
+    # DP-SGD's epsilon bounds what a peer computes from its data through its private steps, nothing else: a score
+    # of the neighbours' models on its own data, or a mask grown from a plain gradient, decides what it sends
+    why = algo.dp_refusal
+    if not why and getattr(hp, "selection", "random") != "random":
+        why = f"algorithm.selection: {hp.selection} scores the neighbours' models on each peer's own data"
+    if why:
+        raise ConfigError(
+            f"privacy: algorithm {name!r} reads each peer's data outside its DP-SGD steps ({why}), which the "
+            "accountant does not count; use dfedavg, choco_sgd, ditto or local, with selection: random"
+        )
     if cfg.level != "sample":
         raise ConfigError(
             "privacy: the decentralized family has no server to clip and noise the clients' updates; use "
