@@ -374,6 +374,21 @@ def _dfl(toy_config, algorithm: dict, privacy: dict | None) -> dict:
     return _cfg(toy_config, privacy, algorithm=algo, rounds=2, precision="float64")
 
 
+def test_sample_level_without_amplification_accounts_every_step_at_rate_one(toy_config, tmp_path):
+    # the local batches are a shuffled pass, which Opacus's Poisson bound does not cover: amplification: none must
+    # account each DP-SGD step at q = 1 (valid for any batching), not at B / n_i
+    privacy = {"level": "sample", "noise_multiplier": 1.5, "clip": 0.5, "amplification": "none"}
+    res = run(load(_cfg(toy_config, privacy, precision="float64")), run_dir=tmp_path / "r")
+    steps = res.algorithm.privacy.trainer.steps_done
+    assert (res.algorithm.privacy.rates == 1.0).all()
+    assert res.summary["privacy"]["epsilon"] == _opacus_epsilon("rdp", 1.5, 1.0, int(steps.max()), 1e-5)
+
+
+def test_sample_level_accepts_a_loss_blind_client_sampler_of_any_kind(toy_config):
+    # each client is accounted by its own DP-SGD steps whoever drew it: the client sampler amplifies nothing here
+    assert _built(_cfg(toy_config, {"level": "sample", "noise_multiplier": 1.0})).privacy is not None
+
+
 def test_the_decentralized_dpsgd_rule_reports_its_epsilon_and_trains_as_before(toy_config, tmp_path):
     dp = {"dp_sigma": 1.2, "dp_clip": 0.8}
     before = _built(_dfl(toy_config, dp, None))
