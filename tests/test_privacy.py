@@ -271,6 +271,24 @@ def test_adaptive_clipping_accounts_the_count_noise_by_theorem_1():
     assert dp.accountant.history == [(1.0, 0.1, 1)]
 
 
+@pytest.mark.parametrize("norm", [0.5, 2.0])  # the added client's update unclipped (b = 1) and clipped (b = 0)
+def test_adaptive_clipping_count_moves_by_at_most_one_half_for_one_client(norm):
+    # Theorem 1's (2 sigma_b)^-2 holds for a count of sensitivity 1/2: the noised sum of b_i - 1/2 (Andrew et al.'s
+    # reference implementation). The uncentred sum of b_i moves by 1 when one client is added: z understated.
+    def noised_count(rows: torch.Tensor) -> float:
+        dp = _user_dp(z=1.0, clip=1.0, expected=10, adaptive=True, clip_lr=0.2, count_noise=5.0)
+        updates, weights = dp.clip(rows, torch.ones(len(rows), dtype=torch.float64))
+        dp.noise(weights @ updates)
+        # C' = C exp(-eta_C (b~ - gamma)): the released b~ times E, up to what does not depend on the data
+        return -math.log(dp.clip_norm) / 0.2 * 10
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.nn.functional.normalize(torch.randn(6, 4, generator=g, dtype=torch.float64), dim=1)
+    rows = rows * torch.tensor([0.3, 0.7, 1.5, 0.2, 3.0, 0.9], dtype=torch.float64)[:, None]
+    one_more = torch.cat([rows, torch.full((1, 4), norm / 2, dtype=torch.float64)])
+    assert abs(noised_count(one_more) - noised_count(rows)) == pytest.approx(0.5, abs=1e-9)
+
+
 def test_a_private_run_with_adaptive_clipping_records_its_clip(toy_config, tmp_path):
     privacy = {"noise_multiplier": 1.0, "adaptive": True, "count_noise": 2.0}
     res = run(load(_cfg(toy_config, privacy, sampler="bernoulli")), run_dir=tmp_path / "r")
@@ -363,6 +381,21 @@ def _dfl(toy_config, algorithm: dict, privacy: dict | None) -> dict:
     return _cfg(toy_config, privacy, algorithm=algo, rounds=2, precision="float64")
 
 
+def test_sample_level_without_amplification_accounts_every_step_at_rate_one(toy_config, tmp_path):
+    # the local batches are a shuffled pass, which Opacus's Poisson bound does not cover: amplification: none must
+    # account each DP-SGD step at q = 1 (valid for any batching), not at B / n_i
+    privacy = {"level": "sample", "noise_multiplier": 1.5, "clip": 0.5, "amplification": "none"}
+    res = run(load(_cfg(toy_config, privacy, precision="float64")), run_dir=tmp_path / "r")
+    steps = res.algorithm.privacy.trainer.steps_done
+    assert (res.algorithm.privacy.rates == 1.0).all()
+    assert res.summary["privacy"]["epsilon"] == _opacus_epsilon("rdp", 1.5, 1.0, int(steps.max()), 1e-5)
+
+
+def test_sample_level_accepts_a_loss_blind_client_sampler_of_any_kind(toy_config):
+    # each client is accounted by its own DP-SGD steps whoever drew it: the client sampler amplifies nothing here
+    assert _built(_cfg(toy_config, {"level": "sample", "noise_multiplier": 1.0})).privacy is not None
+
+
 def test_the_decentralized_dpsgd_rule_reports_its_epsilon_and_trains_as_before(toy_config, tmp_path):
     dp = {"dp_sigma": 1.2, "dp_clip": 0.8}
     before = _built(_dfl(toy_config, dp, None))
@@ -390,6 +423,41 @@ def test_the_decentralized_family_refuses_what_it_cannot_account(toy_config, alg
     with pytest.raises(ConfigError) as e:
         _built(_dfl(toy_config, algorithm, privacy))
     assert str(e.value).startswith("privacy: ") and words in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {"name": "pens", "m_top": 2},
+        {"name": "fomo"},
+        {"name": "federico"},
+        {"name": "afind_plus"},
+        {"name": "dispfl"},
+        {"name": "dfedavg", "selection": "topk", "select_k": 2},
+        {"name": "ditto", "selection": "afind"},
+    ],
+)
+def test_sample_level_dp_refuses_dfl_methods_that_read_their_data_outside_dp_sgd(toy_config, algorithm):
+    # scores of the neighbours' models on a peer's own data (PENS, FoMo, FedeRiCo, AFIND+, selection topk/afind) and
+    # DisPFL's mask regrowth from a plain gradient choose what is sent from unclipped, unnoised functions of the
+    # data: the DP-SGD steps' epsilon does not bound them
+    with pytest.raises(ConfigError) as e:
+        _built(_dfl(toy_config, algorithm, {"level": "sample", "noise_multiplier": 1.0}))
+    assert str(e.value).startswith("privacy: ") and "outside its DP-SGD steps" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {"name": "dfedavg", "topology": "random_regular", "degree": 3, "neighbours": 3},
+        {"name": "ditto", "topology": "random_regular", "degree": 3, "neighbours": 3},
+        {"name": "choco_sgd", "topology": "random_regular", "degree": 3},
+        {"name": "local"},
+    ],
+)
+def test_sample_level_dp_accepts_dfl_methods_that_read_their_data_only_in_dp_sgd(toy_config, algorithm):
+    cfg = _cfg(toy_config, {"level": "sample", "noise_multiplier": 1.0}, algorithm=algorithm, rounds=2)
+    assert _built(cfg).privacy is not None
 
 
 def test_the_docs_table_is_generated_from_the_committed_records():

@@ -108,7 +108,7 @@ def test_the_hierarchical_client_step_releases_an_empty_round(toy_config):
     assert algo.privacy.releases == ROUNDS
 
 
-@pytest.mark.parametrize("method", ["fsl_mc", "cse_fsl"])
+@pytest.mark.parametrize("method", ["fsl_an", "cse_fsl"])
 def test_the_split_fed_server_releases_an_empty_round(method):
     from tests.test_privacy_split import _cfg
 

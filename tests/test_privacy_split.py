@@ -28,7 +28,7 @@ if "_toy_split_dp" not in DATASETS._items:
         return Dataset("_toy_split_dp", x[:n_train], y[:n_train], x[n_train:], y[n_train:], 10, (1, side, side))
 
 
-METHODS = ("fsl_mc", "fsl_oc", "fsl_an", "cse_fsl")
+METHODS = ("fsl_an", "cse_fsl")  # FSL_MC and FSL_OC are refused (their clients get the server's gradients)
 
 
 def _cfg(method: str, privacy: dict | None = None, rounds: int = 2, **algo) -> dict:
@@ -66,7 +66,7 @@ def test_no_noise_and_a_huge_clip_is_the_method_bit_for_bit(method):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("method", ["fsl_oc", "cse_fsl"])
+@pytest.mark.parametrize("method", ["fsl_an", "cse_fsl"])
 def test_the_client_side_update_is_clipped_to_c_with_its_auxiliary_net(method):
     algo = _built(_cfg(method, {"noise_multiplier": 0.0, "clip": 0.05}))
     seen = []
@@ -105,7 +105,7 @@ def test_the_noise_has_std_sigma_c_over_the_expected_clients():
 def test_epsilon_is_opacus_called_directly_with_poisson_sampling(tmp_path, accountant):
     from opacus.accountants import PRVAccountant, RDPAccountant
 
-    cfg = _cfg("fsl_mc", {"noise_multiplier": 1.1, "clip": 0.5, "accountant": accountant}, rounds=3,
+    cfg = _cfg("fsl_an", {"noise_multiplier": 1.1, "clip": 0.5, "accountant": accountant}, rounds=3,
                clients_per_round=3)  # fmt: skip
     cfg["sampler"] = {"name": "bernoulli"}
     res = run(load(cfg), run_dir=tmp_path / "r")
@@ -119,8 +119,8 @@ def test_a_resumed_private_split_run_continues_the_accountant(tmp_path):
     from fedweave.runner import resume
 
     privacy = {"noise_multiplier": 1.0, "clip": 0.5, "adaptive": True, "count_noise": 2.0}
-    whole = run(load(_cfg("fsl_oc", privacy, rounds=3)), run_dir=tmp_path / "whole")
-    cfg = _cfg("fsl_oc", privacy, rounds=2)
+    whole = run(load(_cfg("fsl_an", privacy, rounds=3)), run_dir=tmp_path / "whole")
+    cfg = _cfg("fsl_an", privacy, rounds=2)
     cfg["output"] = {**cfg["output"], "checkpoint_every": 1}
     run(load(cfg), run_dir=tmp_path / "part")
     res = resume(tmp_path / "part", ["rounds=3"])
@@ -134,7 +134,7 @@ def test_a_resumed_private_split_run_continues_the_accountant(tmp_path):
     ("method", "change", "words"),
     [
         ("cse_fsl", {"agg_every": 2}, "privacy: algorithm.agg_every (2)"),
-        ("fsl_mc", {"weighting": "samples"}, "privacy: algorithm.weighting: samples"),
+        ("fsl_an", {"weighting": "samples"}, "privacy: algorithm.weighting: samples"),
     ],
 )
 def test_what_the_proof_does_not_cover_is_refused_with_one_line(method, change, words):
@@ -145,6 +145,41 @@ def test_what_the_proof_does_not_cover_is_refused_with_one_line(method, change, 
 
 def test_sample_level_and_ftrl_are_refused_in_the_split_family():
     with pytest.raises(ConfigError, match=r"^privacy.level: sample is not supported in the split family"):
-        _built(_cfg("fsl_mc", {"level": "sample", "noise_multiplier": 1.0}))
+        _built(_cfg("fsl_an", {"level": "sample", "noise_multiplier": 1.0}))
     with pytest.raises(ConfigError, match=r"^privacy.mechanism: ftrl is supported in the centralized family"):
-        _built(_cfg("fsl_mc", {"mechanism": "ftrl", "noise_multiplier": 1.0}))
+        _built(_cfg("fsl_an", {"mechanism": "ftrl", "noise_multiplier": 1.0}))
+
+
+@pytest.mark.parametrize("method", ["fsl_mc", "fsl_oc"])
+def test_methods_whose_clients_get_the_server_sides_gradients_are_refused(method):
+    # another client's update, given the same released client-side model, moves when only client 0's data change
+    # (the server-side model it back-propagates through was fitted to client 0's smashed data): the sum's
+    # sensitivity is not C, so DP-FedAvg's epsilon does not hold
+    with pytest.raises(ConfigError) as e:
+        _built(_cfg(method, {"noise_multiplier": 1.0}))
+    assert str(e.value).startswith(f"privacy: algorithm {method!r} is refused: its clients train on gradients")
+
+
+@pytest.mark.parametrize(("method", "moved"), [("fsl_oc", True), ("cse_fsl", False)])
+def test_whether_one_clients_data_move_the_other_clients_updates(method, moved):
+    # why FSL_OC is refused and CSE-FSL is not: change only client 0's labels; with FSL_OC (one server-side model
+    # served client after client) a client served after client 0 sends another update in the same round
+    def updates(flip: bool) -> torch.Tensor:
+        algo = _built(_cfg(method))
+        if flip:
+            ys = algo.batcher.train_y
+            idx = torch.as_tensor(algo.ctx.partition[0], device=ys.device)
+            ys[idx] = (ys[idx] + 1) % 10
+        seen, aggregate = [], algo.aggregate
+
+        def spy(clients, xc_rows, xa_rows):
+            seen.append(xc_rows.clone())  # each client's client-side model, all from the same released x_c
+            return aggregate(clients, xc_rows, xa_rows)
+
+        algo.aggregate = spy
+        algo.run_round(0)
+        return seen[0]
+
+    a, b = updates(False), updates(True)
+    assert bool((a[0] != b[0]).any())  # client 0's own update moves in both
+    assert bool(((a - b)[1:].norm(dim=1) > 0).any()) == moved

@@ -476,7 +476,8 @@ class PrivacyConfig:
     accountant: str = "rdp"  # rdp or prv (Opacus's accountants)
     target_epsilon: float | None = None  # stop before it is exceeded, or (noise_multiplier: auto) calibrate sigma
     # auto: Poisson sampling (sampler: bernoulli) is amplified with q = clients_per_round / N, fixed clients
-    # or a schedule get q = 1, a fixed-size uniform sample is refused; none: q = 1 whatever the sampler
+    # or a schedule get q = 1, a fixed-size uniform sample is refused; none: q = 1 whatever the sampler. Level
+    # sample: the local batches' rate, auto q_i = B / n_i (Poisson's number for shuffled batches), none q_i = 1
     amplification: Literal["auto", "none"] = "auto"
     adaptive: bool = False  # adaptive clipping (Andrew et al. 2021): C follows target_quantile of the norms
     target_quantile: float = 0.5  # gamma: the fraction of updates left unclipped

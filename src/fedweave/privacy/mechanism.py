@@ -11,11 +11,14 @@ Adding or removing one user moves the sum by at most C, so each round is the Gau
 multiplier sigma; the accountant composes the rounds (with Poisson sampling at rate q, amplified).
 
 Adaptive clipping (Andrew et al., NeurIPS 2021, Alg. 1): each client also reports ``b_i = 1[|Delta_i| <= C]``;
-the server forms ``b~ = (sum_i b_i + N(0, sigma_b^2)) / E`` and moves ``C <- C exp(-eta_C (b~ - gamma))``, so C
-follows the gamma-quantile of the update norms. The count is a second Gaussian mechanism (sensitivity 1);
-Theorem 1 of the paper: the pair with update noise multiplier z_Delta and count noise sigma_b is accounted as
-one Gaussian mechanism with ``z = (z_Delta^-2 + (2 sigma_b)^-2)^-1/2``, so for an accounted z the update is
-noised with ``z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2`` (which needs sigma_b > z / 2).
+the server forms ``b~ = (sum_i (b_i - 1/2) + N(0, sigma_b^2)) / E + 1/2`` and moves
+``C <- C exp(-eta_C (b~ - gamma))``, so C follows the gamma-quantile of the update norms. The count is a second
+Gaussian mechanism; centred at zero, each client's ``b_i - 1/2`` is +-1/2, so adding or removing one moves the
+noised sum by at most 1/2 (as in the paper's reference implementation, TensorFlow Privacy's
+``QuantileEstimatorQuery``: the uncentred sum of ``b_i`` would move by 1). With that sensitivity of 1/2, Theorem 1
+of the paper: the pair with update noise multiplier z_Delta and count noise sigma_b is accounted as one Gaussian
+mechanism with ``z = (z_Delta^-2 + (2 sigma_b)^-2)^-1/2``, so for an accounted z the update is noised with
+``z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2`` (which needs sigma_b > z / 2).
 
 Local DP (``mechanism: local``): each client adds ``N(0, sigma^2 C^2 I)`` to its own clipped update before it
 sends it, and the server adds nothing. A client's message is then the Gaussian mechanism on its own data with
@@ -93,7 +96,7 @@ class UserDP:
         # local DP: each client's message has sensitivity 2C (its data replaced), so z / 2 is accounted
         self.z_accounted = self.z / 2 if mechanism == "local" else self.z
         self.releases = 0  # rounds released so far: the noise streams' key and the accountant's steps
-        self.unclipped: torch.Tensor | None = None  # sum_i b_i of the round being reduced (adaptive)
+        self.unclipped: torch.Tensor | None = None  # sum_i (b_i - 1/2) of the round being reduced (adaptive)
         self.last_norms: torch.Tensor | None = None
 
     @property
@@ -114,7 +117,8 @@ class UserDP:
         norms = updates.norm(dim=-1)
         self.last_norms = norms
         if self.adaptive:
-            self.unclipped = (norms <= self.clip_norm).to(updates.dtype).sum()  # sum_i b_i
+            # sum_i (b_i - 1/2): centred, one client moves it by 1/2, the sensitivity Theorem 1's 2 sigma_b assumes
+            self.unclipped = ((norms <= self.clip_norm).to(updates.dtype) - 0.5).sum()
         if self.numels is not None:
             out = clip_per_layer(updates, self.clip_norm, self.numels)
         else:
@@ -131,10 +135,11 @@ class UserDP:
         if self.mechanism == "central" and self.z_update:
             mean = mean + (self.z_update * self.clip_norm / self.expected) * self._gaussian(mean.shape, mean, "dp")
         if self.adaptive:
-            # b~ = (sum_i b_i + N(0, sigma_b^2)) / E; C <- C exp(-eta_C (b~ - gamma)) (Andrew et al. Alg. 1)
+            # b~ = (sum_i (b_i - 1/2) + N(0, sigma_b^2)) / E + 1/2; C <- C exp(-eta_C (b~ - gamma)) (Andrew et al.
+            # Alg. 1, with the centred count of their reference implementation: adding 1/2 back is post-processing)
             g = self.seeds.torch("dp_count", self.releases)
             noisy = float(self.unclipped) + self.count_noise * float(torch.randn((), generator=g, dtype=torch.float64))
-            self.clip_norm = self.clip_norm * math.exp(-self.clip_lr * (noisy / self.expected - self.gamma))
+            self.clip_norm = self.clip_norm * math.exp(-self.clip_lr * (noisy / self.expected + 0.5 - self.gamma))
         self.accountant.step(self.z_accounted, 1.0 if self.mechanism == "local" else self.sample_rate)
         self.releases += 1
         return mean

@@ -8,7 +8,8 @@ local steps client i has done so far, and the run reports the largest epsilon ov
 
 Opacus's accountants assume Poisson sampling of each batch; fedweave's local batches are a shuffled pass
 (fixed size, without replacement within an epoch), as in most DP-SGD code. The reported epsilon is the number
-those implementations report, not a proof for shuffled batches (docs/privacy.md says so).
+those implementations report, not a proof for shuffled batches (docs/privacy.md says so). With
+``privacy.amplification: none`` every step is accounted at q = 1 instead, a bound that holds for any batching.
 """
 
 from __future__ import annotations

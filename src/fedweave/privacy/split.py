@@ -7,6 +7,10 @@ clipped to C by the privacy package's :class:`~fedweave.privacy.mechanism.UserDP
 C^2 I)`` and is divided by E, the expected clients of a round, and the accountant counts one release per round
 (amplified with ``sampler: bernoulli``, as for the star).
 
+Which methods: FSL_AN and CSE-FSL, whose clients train on a local loss through the auxiliary net. FSL_MC and
+FSL_OC are refused (their ``dp_refusal``): their clients back-propagate gradients of a server-side model fitted to
+every client's smashed data, so one client's data move the others' updates and the sum's sensitivity is not C.
+
 What this does NOT protect: the smashed data (activations) and labels each client sends the main server every
 batch, the gradients that come back, and the server-side model(s) trained on them. Only the fed server's
 client-side model and auxiliary net are covered; the trained model ``x_s . x_c`` as a whole is not.

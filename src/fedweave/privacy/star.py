@@ -32,11 +32,7 @@ def sampling(
     mean count); a sampler that does not match the accountant's proof is one ConfigError. ``amplify`` False (local
     DP, whose messages the server sees with their senders): q = 1 whatever the sampler."""
     name = sampler.name
-    if sampler.reads_context:
-        raise ConfigError(
-            f"privacy: sampler {name!r} chooses clients by their losses, which would leak through who takes part; "
-            "use sampler: bernoulli"
-        )
+    _loss_blind(sampler)
     expected = sampler.expected()  # per_round, fixed's count or the schedule's mean count
     if not amplify or cfg.amplification == "none" or name in NO_AMPLIFICATION or per_round >= num_clients:
         return 1.0, expected  # (every client every round: nothing to amplify, whatever the sampler)
@@ -47,6 +43,15 @@ def sampling(
         "subsampling) give no bound; use sampler: bernoulli (accounted with q = clients_per_round / N) or "
         "privacy.amplification: none (accounted with q = 1)"
     )
+
+
+def _loss_blind(sampler: Any) -> None:
+    """A sampler that chooses clients by their losses is one ConfigError: who takes part would leak them."""
+    if sampler.reads_context:
+        raise ConfigError(
+            f"privacy: sampler {sampler.name!r} chooses clients by their losses, which would leak through who takes "
+            "part; use sampler: bernoulli"
+        )
 
 
 def make_privacy(
@@ -90,15 +95,18 @@ def make_privacy(
             f"privacy.mechanism: ftrl is supported in the centralized family, not in the {algo.family} family yet; "
             "use mechanism: central"
         )
-    # local DP and DP-FTRL get no amplification: q = 1 whatever the (loss-blind) sampler
-    q, expected = sampling(cfg, algo.sampler, per_round, population, amplify=cfg.mechanism == "central")
     accountant = Accountant(cfg.accountant, cfg.delta)
     if cfg.level == "sample":
         if algo.family != "centralized":
             raise ConfigError(
                 f"privacy.level: sample is not supported in the {algo.family} family yet; use level: user"
             )
+        # each client is accounted by the DP-SGD steps it did, whoever drew it: the client sampler amplifies
+        # nothing here and only has to be blind to the losses (privacy.amplification is about the batches)
+        _loss_blind(algo.sampler)
         return _sample_level(algo, cfg, accountant)
+    # local DP and DP-FTRL get no amplification: q = 1 whatever the (loss-blind) sampler
+    q, expected = sampling(cfg, algo.sampler, per_round, population, amplify=cfg.mechanism == "central")
     count_noise = cfg.count_noise if cfg.count_noise is not None else expected / 20  # Andrew et al.: m / 20
     z = cfg.noise_multiplier
     if z == "auto":  # the accounted multiplier that spends target_epsilon in the planned rounds
@@ -149,6 +157,17 @@ def graph_privacy(algo: Any) -> SampleDP | None:
     if cfg is None:
         return None
     hp = algo.hp
+    name = algo.config.algorithm.name
+    # DP-SGD's epsilon bounds what a peer computes from its data through its private steps, nothing else: a score
+    # of the neighbours' models on its own data, or a mask grown from a plain gradient, decides what it sends
+    why = algo.dp_refusal
+    if not why and getattr(hp, "selection", "random") != "random":
+        why = f"algorithm.selection: {hp.selection} scores the neighbours' models on each peer's own data"
+    if why:
+        raise ConfigError(
+            f"privacy: algorithm {name!r} reads each peer's data outside its DP-SGD steps ({why}), which the "
+            "accountant does not count; use dfedavg, choco_sgd, ditto or local, with selection: random"
+        )
     if cfg.level != "sample":
         raise ConfigError(
             "privacy: the decentralized family has no server to clip and noise the clients' updates; use "
@@ -177,7 +196,10 @@ def _sample_level(algo: Any, cfg: PrivacyConfig, accountant: Accountant) -> Samp
         )
     local = algo.config.local
     sizes = [len(p) for p in algo.ctx.partition]
-    rates = sample_rates(sizes, local.batch_size, local.full_batch)
+    # the batches are a shuffled pass, not the Poisson batches Opacus's accountants assume: amplification: none
+    # accounts each step at q = 1, a bound that holds for any batching (each step is the Gaussian mechanism on
+    # whatever batch it drew); auto gives the usual q_i = B / n_i
+    rates = sample_rates(sizes, local.batch_size, local.full_batch or cfg.amplification == "none")
     z = cfg.noise_multiplier
     if z == "auto":  # as if one client had the most steps and the largest rate (an upper bound for each)
         steps = max(algo.trainer.num_steps(c) for c in range(algo.ctx.num_clients)) * algo.config.rounds

@@ -31,6 +31,7 @@ import torch
 from fedweave.algorithms.base import RunContext
 from fedweave.algorithms.decentralized.base import (
     COPY_KEY,
+    SCORED_ON_OWN_DATA,
     SCORES_ON_OWN_DATA,
     GraphAlgorithm,
     GraphHparams,
@@ -122,6 +123,7 @@ class AfindPlus(GraphAlgorithm):
     name = "afind_plus"
     Hparams = AfindPlusHparams
     undeployable = SCORES_ON_OWN_DATA
+    dp_refusal = SCORED_ON_OWN_DATA
 
     def __init__(self, ctx: RunContext, hp: AfindPlusHparams) -> None:
         super().__init__(ctx, hp)

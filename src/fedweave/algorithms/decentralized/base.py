@@ -92,6 +92,10 @@ SCORES_ON_OWN_DATA = (
 )
 
 
+# why such a method is refused under privacy: the scores are unclipped, unnoised functions of the data
+SCORED_ON_OWN_DATA = "its peers score their neighbours' models on their own data to choose or weigh them"
+
+
 class GraphAlgorithm(Algorithm):
     """Base of DFL methods: graph, per-client models ``W`` (N, P), neighbour sampling, ledger, evaluation.
 
@@ -110,6 +114,9 @@ class GraphAlgorithm(Algorithm):
         "its peers compute on their own data beyond local training (scores, masks or personal models), which "
         "the ServerApp that relays the gossip does not hold"
     )
+    # privacy (docs/privacy.md): DP-SGD at every peer bounds only what a peer computes from its data through its
+    # private local trainer; a method that was checked to touch its data nowhere else says so with None here
+    dp_refusal: ClassVar[str | None] = "it has not been checked to read each peer's data only in local training"
     # Every DFL method here filters its peers with ``reachable`` and holds dropped clients (reliability.md).
     handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "link_loss")
 

@@ -57,6 +57,7 @@ class ChocoSGD(GraphAlgorithm):
         "the gossip, so the wire would carry dense models"
     )
     handles_faults: ClassVar[tuple[str, ...]] = ()  # reliable links assumed (module docstring)
+    dp_refusal = None  # its compressed messages are functions of the models its DP-SGD steps produced
     compresses_uploads: ClassVar[bool] = True  # compression.upload is its Q
 
     def __init__(self, ctx: RunContext, hp: ChocoHparams) -> None:

@@ -52,6 +52,7 @@ class DFedAvg(GraphAlgorithm):
     name = "dfedavg"
     Hparams = DFedAvgHparams
     undeployable = None  # its peers touch their data only in local training (selection random: deploy/support.py)
+    dp_refusal = None  # the same: with selection random its messages are functions of the DP-SGD steps only
     # robustness: Byzantine peers send what their attack makes of their model, and each peer reduces what it
     # receives with the run's aggregator (its mixing weights as the weights) instead of the weighted sum
     handles_faults = (*GraphAlgorithm.handles_faults, "byzantine")

@@ -80,6 +80,7 @@ class DisPFL(GraphAlgorithm):
     name = "dispfl"
     Hparams = DisPFLHparams
     undeployable = "its peers grow their sparse masks from gradients on their own data, outside local training"
+    dp_refusal = "its peers regrow the sparse masks they send from plain (unclipped, unnoised) gradients on their data"
 
     def __init__(self, ctx: RunContext, hp: DisPFLHparams) -> None:
         super().__init__(ctx, hp)

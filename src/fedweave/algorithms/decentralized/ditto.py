@@ -39,6 +39,9 @@ class Ditto(GraphAlgorithm):
     name = "ditto"
     Hparams = DittoHparams
     undeployable = "its personal models never leave their peers, and the deployment keeps no peer state on the nodes"
+    # privacy: the shared models come from the DP-SGD steps only (with selection random); the personal models are
+    # trained by plain SGD and never sent, so they are not covered (docs/privacy.md)
+    dp_refusal = None
 
     def __init__(self, ctx: RunContext, hp: DittoHparams) -> None:
         super().__init__(ctx, hp)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import RunContext
-from fedweave.algorithms.decentralized.base import SCORES_ON_OWN_DATA, GraphAlgorithm, GraphHparams
+from fedweave.algorithms.decentralized.base import SCORED_ON_OWN_DATA, SCORES_ON_OWN_DATA, GraphAlgorithm, GraphHparams
 from fedweave.algorithms.decentralized.selection import ProxyComputer
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
@@ -39,6 +39,7 @@ class FedeRiCoHparams(GraphHparams):
 class FedeRiCo(GraphAlgorithm):
     name = "federico"
     undeployable = SCORES_ON_OWN_DATA
+    dp_refusal = SCORED_ON_OWN_DATA
     Hparams = FedeRiCoHparams
     state_fields = ("pi", "tracked")
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import RunContext
-from fedweave.algorithms.decentralized.base import SCORES_ON_OWN_DATA, GraphAlgorithm, GraphHparams
+from fedweave.algorithms.decentralized.base import SCORED_ON_OWN_DATA, SCORES_ON_OWN_DATA, GraphAlgorithm, GraphHparams
 from fedweave.algorithms.decentralized.selection import NeighbourSelector, ProxyComputer, SelectionHparams
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
@@ -44,6 +44,7 @@ class FomoHparams(SelectionHparams, GraphHparams):
 class Fomo(GraphAlgorithm):
     name = "fomo"
     undeployable = SCORES_ON_OWN_DATA
+    dp_refusal = SCORED_ON_OWN_DATA
     Hparams = FomoHparams
     state_fields = ("affinity",)
 

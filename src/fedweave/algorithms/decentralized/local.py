@@ -13,6 +13,7 @@ GRAPH_OPTIONS = ("topology", "edge_prob", "degree", "rewire_prob", "torus_rows",
 class Local(GraphAlgorithm):
     name = "local"
     undeployable = "its peers never exchange models: there is no gossip to relay (run each client on its own)"
+    dp_refusal = None  # its models come from its DP-SGD steps only
 
     def unread_options(self, hp: GraphHparams) -> dict[str, str]:
         # ``neighbours`` is not read either, but is not named: a comparison may give every method of the family

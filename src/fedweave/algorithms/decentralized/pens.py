@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import RunContext
-from fedweave.algorithms.decentralized.base import SCORES_ON_OWN_DATA, GraphAlgorithm, GraphHparams
+from fedweave.algorithms.decentralized.base import SCORED_ON_OWN_DATA, SCORES_ON_OWN_DATA, GraphAlgorithm, GraphHparams
 from fedweave.algorithms.decentralized.selection import ProxyComputer
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS
@@ -43,6 +43,7 @@ class PENSHparams(GraphHparams):
 class PENS(GraphAlgorithm):
     name = "pens"
     undeployable = SCORES_ON_OWN_DATA
+    dp_refusal = SCORED_ON_OWN_DATA
     Hparams = PENSHparams
     state_fields = ("counts",)
 
