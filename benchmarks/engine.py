@@ -121,6 +121,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads must be at least 1, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.rounds} rounds")

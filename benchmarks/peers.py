@@ -649,6 +649,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--launched", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    for flag in ("rounds", "repeat"):
+        if (value := getattr(args, flag.replace("-", "_"))) < 1:
+            ap.error(f"--{flag} must be at least 1, got {value}")
     if args.child:
         spec = CONFIGS[args.child]
         fn = globals()[RUNNERS[spec["framework"]]]

@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--docs", action="store_true", help="write the table into docs/privacy.md")
     t.set_defaults(fn=cmd_table)
     args = parser.parse_args(argv)
+    if args.command == "run" and args.workers < 1:
+        r.error(f"--workers must be at least 1, got {args.workers}")
     args.fn(args)
     return 0
 
