@@ -171,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "run" and args.workers < 1:
         r.error(f"--workers must be at least 1, got {args.workers}")
+    if args.command == "run" and args.only is not None and not any(label.startswith(args.only) for label in POINTS):
+        # else nothing ran and the records were written again unchanged, as if the points had run
+        starts = sorted({label.split(",")[0] for label in POINTS})
+        r.error(f"--only {args.only!r} begins no point's label; the labels begin with: {'; '.join(starts)}")
     args.fn(args)
     return 0
 

@@ -32,6 +32,7 @@ CASES = [
     ("compression_digits.py", ["--seeds", "0", "--out", "/nonexistent"], "--seeds must be at least 1, got 0"),
     ("paper_scale_cost.py", ["--repeats", "0"], "--repeats must be at least 1, got 0"),
     ("privacy.py", ["run", "--workers", "0"], "--workers must be at least 1, got 0"),
+    ("privacy.py", ["run", "--only", "nothing"], "--only 'nothing' begins no point's label; the labels begin with: "),
     ("peers.py", ["--repeat", "0", "--only", "fedweave"], "--repeat must be at least 1, got 0"),
     ("peers.py", ["--rounds", "0", "--only", "fedweave"], "--rounds must be at least 1, got 0"),
     ("gpu.py", ["--rounds", "0", "--device", "cpu", "--quick"], "--rounds must be at least 1, got 0"),
