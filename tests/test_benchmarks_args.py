@@ -21,6 +21,7 @@ CASES = [
     ("engine.py", ["--rounds", "-3"], "--rounds must be at least 1, got -3"),
     ("engine.py", ["--threads", "0"], "--threads must be at least 1, got 0"),
     ("population.py", ["--threads", "0"], "--threads must be at least 1, got 0"),
+    ("population.py", ["--rounds", "1"], "--rounds must be at least 2 (the median is of rounds 2..R), got 1"),
     ("population.py", ["--curve", "1000", "0"], "--curve populations must be at least 1, got 0"),
     ("precision.py", ["--reps", "0"], "--reps must be at least 1, got 0"),
     ("precision.py", ["--clients", "0"], "--clients must be in [1, 100] (the clients of the partition), got 0"),
