@@ -175,7 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         # else nothing ran and the records were written again unchanged, as if the points had run
         starts = sorted({label.split(",")[0] for label in POINTS})
         r.error(f"--only {args.only!r} begins no point's label; the labels begin with: {'; '.join(starts)}")
-    args.fn(args)
+    from fedweave.config import ConfigError
+
+    try:
+        args.fn(args)
+    except ConfigError as e:  # a run refused its config (Opacus missing, ...): its one line, not a worker's traceback
+        parser.exit(2, f"privacy.py: error: {e}\n")
     return 0
 
 

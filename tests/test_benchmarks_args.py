@@ -57,3 +57,20 @@ def test_bad_counts_get_one_error_line(script, args, message):
     assert last.startswith(f"{script}: error: ") or last.startswith(f"{script} run: error: ")
     assert message in last
     assert out.stdout == ""
+
+
+def test_privacy_without_opacus_is_one_line_and_keeps_the_records(tmp_path):
+    """The run's ConfigError (Opacus missing) came back from the worker pool as a traceback."""
+    records = ROOT / "benchmarks" / "privacy" / "records.json"
+    before = records.read_bytes()
+    (tmp_path / "sitecustomize.py").write_text('import sys\nsys.modules["opacus"] = None  # as if not installed\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "src"), str(ROOT)])}
+    args = ["run", "--only", "DP-FedAvg, C = 0.5, sigma = 0.8", "--out", str(tmp_path / "out")]
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "privacy.py"), *args], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr == (
+        "privacy.py: error: privacy: the accountants need Opacus, an optional dependency; install it with pip install "
+        "'fedweave[privacy]'\n"
+    )
+    assert records.read_bytes() == before
