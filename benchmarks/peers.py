@@ -668,6 +668,8 @@ def main() -> None:
     for flag in ("rounds", "repeat"):
         if (value := getattr(args, flag.replace("-", "_"))) < 1:
             ap.error(f"--{flag} must be at least 1, got {value}")
+    if args.json is not None and not args.json.parent.is_dir():  # else the measurements were lost at the end
+        ap.error(f"--json {args.json}: its folder {args.json.parent} does not exist")
     if args.child:
         spec = CONFIGS[args.child]
         fn = globals()[RUNNERS[spec["framework"]]]

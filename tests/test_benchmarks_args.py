@@ -36,6 +36,7 @@ CASES = [
     ("privacy.py", ["run", "--only", "nothing"], "--only 'nothing' begins no point's label; the labels begin with: "),
     ("peers.py", ["--repeat", "0", "--only", "fedweave"], "--repeat must be at least 1, got 0"),
     ("peers.py", ["--rounds", "0", "--only", "fedweave"], "--rounds must be at least 1, got 0"),
+    ("peers.py", ["--json", "/nonexistent/m.json", "--only", "fedweave"], "--json /nonexistent/m.json: its folder"),
     ("gpu.py", ["--rounds", "0", "--device", "cpu", "--quick"], "--rounds must be at least 1, got 0"),
 ]
 
