@@ -58,6 +58,11 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5, help="alternate repetitions of each builder per round")
     args = ap.parse_args()
+    for flag in ("rounds", "threads", "clients", "per-round", "batch-size", "reps"):
+        if (value := getattr(args, flag.replace("-", "_"))) < 1:
+            ap.error(f"--{flag} must be at least 1, got {value}")
+    if args.per_round > args.clients:
+        ap.error(f"--per-round must be at most --clients ({args.clients}), got {args.per_round}")
     torch.set_num_threads(args.threads)
     ds = DATASETS.get("mnist")()
     seeds = Seeds(0)

@@ -137,6 +137,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/compression"))
     ap.add_argument("--seeds", type=int, default=3)
     args = ap.parse_args()
+    if args.seeds < 1:
+        ap.error(f"--seeds must be at least 1, got {args.seeds}")
     for p in render(run(args.out, args.seeds), args.out):
         print(p)
 

@@ -30,6 +30,7 @@ Needs the ``flower`` extra (pip install 'fedweave[flower]').
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -41,6 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ``benchmarks`` importable when run as a script
+from benchmarks.federation import BIN  # noqa: E402
 from benchmarks.federation import Federation as LocalFederation  # noqa: E402
 from fedweave.memory import process_tree  # noqa: E402
 
@@ -206,6 +208,11 @@ def main() -> None:
         ap.exit(2, "deploy_overhead.py: error: --rounds must be at least 2 (round 1 pays the nodes' first job)\n")
     if args.keep is not None and args.keep.exists():
         ap.exit(2, f"deploy_overhead.py: error: --keep {args.keep} exists; give a new folder\n")
+    # checked first: without the extra the SuperLink died at once and the run ended a minute later in a traceback
+    missing = [m for m in ("flwr", "tomli_w") if importlib.util.find_spec(m) is None]
+    if missing or not (BIN / "flower-superlink").exists():
+        what = ", ".join(missing) if missing else f"flower-superlink in {BIN}"
+        ap.exit(2, f"deploy_overhead.py: error: this environment lacks {what}: pip install 'fedweave[flower]'\n")
 
     from fedweave.config import load
     from fedweave.deploy.project import write_app

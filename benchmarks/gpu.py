@@ -359,6 +359,10 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small versions, a few rounds")
     ap.add_argument("--no-projection", action="store_true", help="skip the FedMIM CIFAR-10 projection")
     args = ap.parse_args()
+    for flag in ("rounds", "flower-rounds", "fedmim-rounds"):
+        value = getattr(args, flag.replace("-", "_"))
+        if value is not None and value < 1:
+            ap.error(f"--{flag} must be at least 1, got {value}")
     started = time.perf_counter()
 
     from fedweave.config import ConfigError

@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: time the steps on the GPU")
     opts = parser.parse_args(argv)
+    if opts.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {opts.repeats}")
     if opts.out is None:  # the GPU rows never land in the CPU file by default
         opts.out = (
             "docs/reproductions/paper-scale.csv" if opts.device == "cpu" else "docs/reproductions/paper-scale-gpu.csv"

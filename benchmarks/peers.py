@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import statistics
@@ -616,6 +617,21 @@ def summarize(workload: str, rounds: int, results: dict[str, list[dict]], thread
     return "\n".join(lines)
 
 
+def check_bench_extra(chosen: set[str]) -> str | None:
+    """Why this environment cannot run the chosen configurations that need the ``bench`` extra (Flower's
+    simulation engine, Ray), or None when it can: checked before anything runs, so that a missing Flower is one
+    line and not a child's traceback after the fedweave configurations have run."""
+    needs = {"flwr": [n for n in chosen if CONFIGS[n]["framework"] == "flower"]}
+    needs["ray"] = needs["flwr"] + [n for n in chosen if CONFIGS[n].get("backend") == "ray"]
+    for module, names in needs.items():
+        if names and importlib.util.find_spec(module) is None:
+            return (
+                f"{module} is not installed, and {', '.join(sorted(names))} need{'s' if len(names) == 1 else ''} "
+                "it: pip install 'fedweave[bench]', or choose other configurations with --only"
+            )
+    return None
+
+
 def check_pfl(python: str) -> str | None:
     """Why ``python`` cannot run the pfl configurations (it must import pfl, torch and this checkout's
     fedweave), or None when it can."""
@@ -649,6 +665,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--launched", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    for flag in ("rounds", "repeat"):
+        if (value := getattr(args, flag.replace("-", "_"))) < 1:
+            ap.error(f"--{flag} must be at least 1, got {value}")
+    if args.json is not None and not args.json.parent.is_dir():  # else the measurements were lost at the end
+        ap.error(f"--json {args.json}: its folder {args.json.parent} does not exist")
     if args.child:
         spec = CONFIGS[args.child]
         fn = globals()[RUNNERS[spec["framework"]]]
@@ -656,6 +677,8 @@ def main() -> None:
         args.out.write_text(json.dumps(res))
         return
     chosen = {n for w in args.workload for n in (args.only or DEFAULT_CONFIGS[w])}
+    if why := check_bench_extra(chosen):
+        ap.exit(2, f"peers.py: error: {why}\n")
     if any(CONFIGS[n]["framework"] == "pfl" for n in chosen) and (why := check_pfl(args.pfl_python)):
         ap.exit(2, f"peers.py: error: {why}\n")
     everything = {}

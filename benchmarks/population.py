@@ -205,6 +205,13 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rounds < 2:  # every part reports the median of rounds 2..R
+        ap.error(f"--rounds must be at least 2 (the median is of rounds 2..R), got {args.rounds}")
+    for flag in ("clients", "small", "threads"):
+        if (value := getattr(args, flag.replace("-", "_"))) < 1:
+            ap.error(f"--{flag} must be at least 1, got {value}")
+    if args.curve and min(args.curve) < 1:
+        ap.error(f"--curve populations must be at least 1, got {min(args.curve)}")
     if args.child:
         run = child_curve(args.clients, args.rounds, args.threads) if args.child == "curve" else None
         run = run or child(args.child, args.clients, args.rounds, args.threads)

@@ -15,13 +15,15 @@ import time
 
 import torch
 
-from fedweave.config import LocalConfig
+from fedweave.config import ConfigError, LocalConfig
 from fedweave.data.partition import dirichlet
 from fedweave.execution import LocalTrainer, evaluate
 from fedweave.execution.placement import resolve_placement
 from fedweave.models import build_model
-from fedweave.registry import DATASETS
+from fedweave.registry import DATASETS, MODELS
 from fedweave.seeding import Seeds
+
+CLIENTS = 100  # the partition's clients; --clients of them train
 
 
 def main() -> None:
@@ -31,10 +33,20 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=10)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
+    if args.reps < 1:
+        ap.error(f"--reps must be at least 1, got {args.reps}")
+    if not 1 <= args.clients <= CLIENTS:
+        ap.error(f"--clients must be in [1, {CLIENTS}] (the clients of the partition), got {args.clients}")
+    if args.model not in MODELS:
+        ap.error(f"--model must be one of {', '.join(MODELS.names())}, got {args.model!r}")
+    try:
+        resolve_placement(args.device, "float32")
+    except ConfigError as e:
+        ap.error(f"--device {args.device}: {e}")
     torch.set_num_threads(1)
     ds = DATASETS.get("mnist")()
     seeds = Seeds(0)
-    parts = dirichlet(ds.train_y.numpy(), 100, seeds.numpy("partition"), alpha=0.3, min_size=10)
+    parts = dirichlet(ds.train_y.numpy(), CLIENTS, seeds.numpy("partition"), alpha=0.3, min_size=10)
     local = LocalConfig(epochs=1, batch_size=32, lr=0.05)
     runs: dict[str, list[tuple[float, float, int, float]]] = {}
     for _ in range(args.reps):

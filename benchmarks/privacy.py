@@ -169,7 +169,18 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--docs", action="store_true", help="write the table into docs/privacy.md")
     t.set_defaults(fn=cmd_table)
     args = parser.parse_args(argv)
-    args.fn(args)
+    if args.command == "run" and args.workers < 1:
+        r.error(f"--workers must be at least 1, got {args.workers}")
+    if args.command == "run" and args.only is not None and not any(label.startswith(args.only) for label in POINTS):
+        # else nothing ran and the records were written again unchanged, as if the points had run
+        starts = sorted({label.split(",")[0] for label in POINTS})
+        r.error(f"--only {args.only!r} begins no point's label; the labels begin with: {'; '.join(starts)}")
+    from fedweave.config import ConfigError
+
+    try:
+        args.fn(args)
+    except ConfigError as e:  # a run refused its config (Opacus missing, ...): its one line, not a worker's traceback
+        parser.exit(2, f"privacy.py: error: {e}\n")
     return 0
 
 

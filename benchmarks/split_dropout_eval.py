@@ -45,6 +45,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--draws", type=int, default=5)
     args = ap.parse_args()
+    for flag in ("rounds", "draws"):
+        if (value := getattr(args, flag.replace("-", "_"))) < 1:
+            ap.error(f"--{flag} must be at least 1, got {value}")
     torch.set_num_threads(1)
     for seed in args.seeds:
         algo = build_algorithm(RunContext(load(config(seed, args.rounds))))

@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ``benchmarks`` importable when run as a script
 from benchmarks.peers import EVAL_BATCH, LR, WORKLOADS, fedweave_config  # noqa: E402
+from fedweave.config import BACKENDS  # noqa: E402
 
 
 def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
@@ -183,8 +184,11 @@ def main() -> None:
     ap.add_argument("--workload", nargs="+", default=["logistic", "mlp"], choices=["logistic", "mlp"])
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--backend", default="auto", choices=BACKENDS)
     args = ap.parse_args()
+    for flag in ("rounds", "threads"):
+        if (value := getattr(args, flag.replace("-", "_"))) < 1:
+            ap.error(f"--{flag} must be at least 1, got {value}")
     torch.set_num_threads(args.threads)
     import fedweave
 

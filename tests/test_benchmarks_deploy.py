@@ -101,6 +101,17 @@ def test_an_existing_keep_folder_is_refused_and_left_alone(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"]
 
 
+def test_a_missing_flower_is_refused_in_one_line_before_anything_starts(tmp_path):
+    """Without the flower extra the SuperLink died at once, and the run ended a minute later in a TimeoutError
+    traceback with the SuperLink's ModuleNotFoundError in its log."""
+    (tmp_path / "sitecustomize.py").write_text('import sys\nsys.modules["flwr"] = None  # as if not installed\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "src"), str(ROOT)])}
+    out = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "2"], capture_output=True, text=True, timeout=300,
+                         env=env)  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr == "deploy_overhead.py: error: this environment lacks flwr: pip install 'fedweave[flower]'\n"
+
+
 @pytest.mark.slow
 def test_it_runs_a_real_federation_end_to_end(tmp_path):
     pytest.importorskip("flwr")

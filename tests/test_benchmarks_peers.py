@@ -30,6 +30,21 @@ def test_a_missing_pfl_python_is_refused_in_one_line():
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
 
 
+def test_a_missing_flower_is_refused_in_one_line_before_anything_runs(tmp_path):
+    """Without the bench extra, a Flower configuration used to fail in its child with a traceback, after the
+    fedweave configurations before it had run."""
+    (tmp_path / "sitecustomize.py").write_text('import sys\nsys.modules["flwr"] = None  # as if not installed\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "src"), str(ROOT)])}
+    args = ["--workload", "logistic", "--rounds", "1", "--only", "fedweave-1t", "flower-2x1"]
+    out = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 2
+    assert out.stderr == (
+        "peers.py: error: flwr is not installed, and flower-2x1 needs it: pip install 'fedweave[bench]', or choose "
+        "other configurations with --only\n"
+    )
+    assert out.stdout == ""
+
+
 @pytest.mark.skipif(importlib.util.find_spec("pfl") is not None, reason="this environment has pfl")
 def test_a_python_without_pfl_is_refused_in_one_line():
     out = _peers("--workload", "mlp", "--only", "fedweave-1t", "pfl-1t", "--pfl-python", sys.executable)

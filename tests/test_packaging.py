@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -81,6 +82,60 @@ def test_python_dash_m_fedweave_is_the_command():
     done = subprocess.run([*run, "run", "no-such-config.yaml"], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2
     assert done.stderr == "fedweave: error: config file 'no-such-config.yaml' does not exist\n"
+
+
+def _declared() -> tuple[set[str], dict[str, set[str]]]:
+    """pyproject.toml's distributions (normalized names): the dependencies, and those of each extra."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def names(reqs: list[str]) -> set[str]:
+        return {re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", r).group()).lower() for r in reqs}
+
+    return names(project["dependencies"]), {k: names(v) for k, v in project["optional-dependencies"].items()}
+
+
+def _third_party_imports(folder: Path) -> dict[str, set[str]]:
+    """The top-level modules that the files under ``folder`` import, outside the standard library and fedweave,
+    each with the files importing it (lazy imports inside functions included)."""
+    import ast
+
+    found: dict[str, set[str]] = {}
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                mods = [node.module]
+            else:
+                continue
+            for mod in mods:
+                top = mod.split(".")[0]
+                if top not in sys.stdlib_module_names and top != "fedweave":
+                    found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_import_of_the_package_is_declared_and_every_dependency_used():
+    """An import of src/ whose distribution pyproject.toml does not declare (in the dependencies or an extra)
+    works only where something else happened to install it: ``cloudpickle`` (the pool backend's fallback for
+    rules defined in ``__main__``) came with mlflow, so the pool refused such a rule unless the mlflow extra was
+    installed. And a dependency that nothing of src/ imports is one more install for every user."""
+    from importlib.metadata import packages_distributions
+
+    core, extras = _declared()
+    dists = packages_distributions()
+    imports = _third_party_imports(ROOT / "src")
+    undeclared = {}
+    for mod, files in imports.items():
+        names = {re.sub(r"[-_.]+", "-", d).lower() for d in dists.get(mod, [mod])}
+        if not names & (core | set().union(*extras.values())):
+            undeclared[mod] = sorted(files)
+    assert not undeclared, f"imported by src/ but not declared in pyproject.toml: {undeclared}"
+    imported = {re.sub(r"[-_.]+", "-", d).lower() for mod in imports for d in dists.get(mod, [mod])}
+    assert core <= imported, f"dependencies nothing of src/ imports: {sorted(core - imported)}"
+    assert not core & extras["dev"], f"in the dependencies and again in dev: {sorted(core & extras['dev'])}"
 
 
 def test_the_example_configs_ship_in_the_package_and_load():
