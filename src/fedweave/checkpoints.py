@@ -229,6 +229,20 @@ def load_checkpoint(
     return ckpt
 
 
+def _over_the_total(config: RunConfig, algo: Algorithm) -> str | None:
+    """Why the rounds still to come depend on the run's total ``rounds`` (so a resumed run may not change it),
+    or None."""
+    if config.local.lr_schedule == "cosine":
+        return "local.lr_schedule is cosine"
+    if algo.uses_total_rounds:
+        return algo.name
+    if config.privacy is not None and config.privacy.noise_multiplier == "auto":
+        # sigma is calibrated to spend target_epsilon in the planned rounds: the rounds already released used
+        # the old total's sigma, so an extension would stop at once on the spent budget
+        return "privacy.noise_multiplier is auto, calibrated to the planned rounds"
+    return None
+
+
 def restore_checkpoint(path: Path, algo: Algorithm, ctx: RunContext) -> dict[str, Any]:
     """Load ``path``'s checkpoint into the freshly built ``algo`` and the run's ledger, after checking that
     it belongs to this run (:func:`load_checkpoint`) and that the config changed only where a resumed run may
@@ -239,10 +253,8 @@ def restore_checkpoint(path: Path, algo: Algorithm, ctx: RunContext) -> dict[str
         # re-resolved, so keys added to the config schema since then (with their defaults) are no change
         saved = load_config(ckpt["config"])
         _check_resumable(saved.to_dict(), config.to_dict(), path)
-        if config.rounds != saved.rounds and (
-            config.local.lr_schedule == "cosine" or getattr(algo, "uses_total_rounds", False)
-        ):
-            why = "local.lr_schedule is cosine" if config.local.lr_schedule == "cosine" else algo.name
+        why = _over_the_total(config, algo)
+        if config.rounds != saved.rounds and why:
             raise ConfigError(
                 f"rounds: cannot change from {saved.rounds} to {config.rounds} on resume because the "
                 f"schedule depends on the total ({why}); start a new run with rounds={config.rounds}"

@@ -80,6 +80,7 @@ class DisPFL(GraphAlgorithm):
     name = "dispfl"
     Hparams = DisPFLHparams
     undeployable = "its peers grow their sparse masks from gradients on their own data, outside local training"
+    uses_total_rounds = True  # the prune rate r_t anneals over the run's T rounds
 
     def __init__(self, ctx: RunContext, hp: DisPFLHparams) -> None:
         super().__init__(ctx, hp)
