@@ -713,6 +713,11 @@ TOTAL_ROUNDS = {
         {"sampler": {"name": "bernoulli"}, "privacy": {"noise_multiplier": "auto", "target_epsilon": 20.0}},
         "privacy.noise_multiplier is auto",
     ),
+    # DP-FedAvg's denominator E is the mean entry length over the planned rounds (2.5 for 2 rounds, 2.75 for 4)
+    "privacy-schedule": (
+        {"sampler": {"name": "schedule", "clients": [[0, 1], [0, 1, 2], [0, 1, 2, 3]]}, "privacy": {"clip": 1.0}},
+        "privacy's expected clients per round E",
+    ),
 }
 
 
