@@ -244,10 +244,11 @@ def _over_the_total(config: RunConfig, algo: Algorithm, saved_rounds: int) -> st
     sampler = getattr(algo, "sampler", None)
     if (
         config.privacy is not None
+        and config.privacy.level == "user"
         and isinstance(sampler, Sampler)
         and sampler.expected(saved_rounds) != sampler.expected()
     ):
-        # DP-FedAvg divides the noised sum by E, the mean length of the schedule's entries over the planned rounds
+        # user-level DP-FedAvg divides the noised sum by E, the mean entry length of a schedule over the planned rounds
         return "privacy's expected clients per round E, the mean of the sampler schedule's entries over the rounds"
     return None
 
