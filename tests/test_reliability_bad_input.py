@@ -724,10 +724,34 @@ def test_resume_refuses_a_config_and_a_changed_computation(checkpointed, capsys,
     _one_line_error(capsys, cli_main(["run", "--resume", str(checkpointed), "seed=4"]), "seed changed")
 
 
-def test_resume_refuses_to_extend_a_cosine_schedule(tmp_path, capsys):
-    cfg = {**BASE, "local": {**BASE["local"], "lr_schedule": "cosine"}}
-    fedweave.run({**cfg, "output": {**BASE["output"], "checkpoint_every": 1}}, run_dir=tmp_path / "r")
-    _one_line_error(capsys, cli_main(["run", "--resume", str(tmp_path / "r"), "rounds=4"]), "cosine")
+# schedules over the run's total rounds: an extension would change the rounds still to come (before: DisPFL's
+# annealed prune rate was extended silently, to numbers no run of the new length gives)
+TOTAL_ROUNDS = {
+    "cosine": ({"local": {**BASE["local"], "lr_schedule": "cosine"}}, "local.lr_schedule is cosine"),
+    "dispfl": ({"algorithm": {"name": "dispfl", "neighbours": 2}}, "(dispfl)"),
+    # before: the extension ran with the sigma of the new total, stopped at once on the spent budget and
+    # reported that sigma in summary.json, not the one its rounds were released with
+    "privacy-auto": (
+        {"sampler": {"name": "bernoulli"}, "privacy": {"noise_multiplier": "auto", "target_epsilon": 20.0}},
+        "privacy.noise_multiplier is auto",
+    ),
+    # DP-FedAvg's denominator E is the mean entry length over the planned rounds (2.5 for 2 rounds, 2.75 for 4)
+    "privacy-schedule": (
+        {"sampler": {"name": "schedule", "clients": [[0, 1], [0, 1, 2], [0, 1, 2, 3]]}, "privacy": {"clip": 1.0}},
+        "privacy's expected clients per round E",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", TOTAL_ROUNDS)
+def test_resume_refuses_to_extend_a_schedule_over_the_total(tmp_path, capsys, case):
+    changes, why = TOTAL_ROUNDS[case]
+    cfg = {**BASE, **changes, "output": {**BASE["output"], "checkpoint_every": 1}}
+    fedweave.run(cfg, run_dir=tmp_path / "r")
+    line = _one_line_error(capsys, cli_main(["run", "--resume", str(tmp_path / "r"), "rounds=4"]), why)
+    assert "schedule depends on the total" in line
+    # the same total resumes: only the extension is refused
+    assert cli_main(["run", "--resume", str(tmp_path / "r"), "--no-progress"]) == 0
 
 
 # ---- divergence --------------------------------------------------------------------------------------

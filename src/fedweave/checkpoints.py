@@ -20,6 +20,7 @@ from fedweave.config import load as load_config
 from fedweave.errors import CheckpointError, DivergenceError
 from fedweave.execution.placement import move_tensors
 from fedweave.results import RunDir, atomic_write
+from fedweave.topology.samplers import Sampler
 
 log = logging.getLogger("fedweave")
 
@@ -229,6 +230,29 @@ def load_checkpoint(
     return ckpt
 
 
+def _over_the_total(config: RunConfig, algo: Algorithm, saved_rounds: int) -> str | None:
+    """Why the rounds still to come depend on the run's total ``rounds`` (so a resumed run may not change it
+    from the checkpoint's ``saved_rounds``), or None."""
+    if config.local.lr_schedule == "cosine":
+        return "local.lr_schedule is cosine"
+    if algo.uses_total_rounds:
+        return algo.name
+    if config.privacy is not None and config.privacy.noise_multiplier == "auto":
+        # sigma is calibrated to spend target_epsilon in the planned rounds: the rounds already released used
+        # the old total's sigma, so an extension would stop at once on the spent budget
+        return "privacy.noise_multiplier is auto, calibrated to the planned rounds"
+    sampler = getattr(algo, "sampler", None)
+    if (
+        config.privacy is not None
+        and config.privacy.level == "user"
+        and isinstance(sampler, Sampler)
+        and sampler.expected(saved_rounds) != sampler.expected()
+    ):
+        # user-level DP-FedAvg divides the noised sum by E, the mean entry length of a schedule over the planned rounds
+        return "privacy's expected clients per round E, the mean of the sampler schedule's entries over the rounds"
+    return None
+
+
 def restore_checkpoint(path: Path, algo: Algorithm, ctx: RunContext) -> dict[str, Any]:
     """Load ``path``'s checkpoint into the freshly built ``algo`` and the run's ledger, after checking that
     it belongs to this run (:func:`load_checkpoint`) and that the config changed only where a resumed run may
@@ -239,10 +263,8 @@ def restore_checkpoint(path: Path, algo: Algorithm, ctx: RunContext) -> dict[str
         # re-resolved, so keys added to the config schema since then (with their defaults) are no change
         saved = load_config(ckpt["config"])
         _check_resumable(saved.to_dict(), config.to_dict(), path)
-        if config.rounds != saved.rounds and (
-            config.local.lr_schedule == "cosine" or getattr(algo, "uses_total_rounds", False)
-        ):
-            why = "local.lr_schedule is cosine" if config.local.lr_schedule == "cosine" else algo.name
+        why = _over_the_total(config, algo, saved.rounds) if config.rounds != saved.rounds else None
+        if why:
             raise ConfigError(
                 f"rounds: cannot change from {saved.rounds} to {config.rounds} on resume because the "
                 f"schedule depends on the total ({why}); start a new run with rounds={config.rounds}"

@@ -538,6 +538,9 @@ class Algorithm(metaclass=_AlgorithmMeta):
     state_fields: ClassVar[tuple[str, ...]] = ()
     #: Whether the class runs the compression stage on its uploads (``compression.upload``); the others refuse it.
     compresses_uploads: ClassVar[bool] = False
+    #: Whether a round's computation depends on the run's total ``rounds`` (an annealed schedule): a resumed
+    #: run may then not change ``rounds``, which would change the rounds still to come.
+    uses_total_rounds: ClassVar[bool] = False
 
     def __init__(self, ctx: RunContext, hp: Any) -> None:
         self.ctx = ctx

@@ -365,14 +365,16 @@ class Sampler:
             return min(len(ids) for ids in plan[: self.rounds])  # round r takes entry r % len(plan)
         return self.per_round
 
-    def expected(self) -> int | float:
+    def expected(self, rounds: int | None = None) -> int | float:
         """The mean number of clients a round of the run takes: :meth:`fewest` for every sampler but ``schedule``,
         whose count is the mean length of the entries the run's rounds take (an int where it is whole). DP-FedAvg's
-        fixed denominator E (fedweave.privacy), known before round 0 and independent of the data."""
+        fixed denominator E (fedweave.privacy), known before round 0 and independent of the data. ``rounds``: over
+        that many rounds instead of the run's (a resumed run compares its total with the checkpoint's)."""
         if self.fn is not schedule:
             return self.fewest()
+        rounds = rounds or self.rounds
         plan = _plan(self.options.get("clients"), self.options.get("file"))
-        mean = sum(len(plan[r % len(plan)]) for r in range(self.rounds)) / self.rounds
+        mean = sum(len(plan[r % len(plan)]) for r in range(rounds)) / rounds
         return int(mean) if mean.is_integer() else mean
 
     def __call__(self, r: int) -> np.ndarray:

@@ -81,6 +81,7 @@ class DisPFL(GraphAlgorithm):
     Hparams = DisPFLHparams
     undeployable = "its peers grow their sparse masks from gradients on their own data, outside local training"
     dp_refusal = "its peers regrow the sparse masks they send from plain (unclipped, unnoised) gradients on their data"
+    uses_total_rounds = True  # the prune rate r_t anneals over the run's T rounds
 
     def __init__(self, ctx: RunContext, hp: DisPFLHparams) -> None:
         super().__init__(ctx, hp)
