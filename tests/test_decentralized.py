@@ -317,6 +317,21 @@ def test_afind_all_own_model_uniform_reduces_to_dfedavg():
     assert torch.allclose(a.W, b.W, atol=1e-6)
 
 
+def test_boltzmann_weights_tend_to_uniform_as_the_temperature_grows():
+    """Eq. (16) as T -> inf: exp(-F~/T)/Z -> 1/|C_i + {i}|, so AFIND+ becomes AFIND (uniform weights over the
+    same coreset; selection does not read T). At T = 1e12 the weights differ from uniform by O(|F~|/T)."""
+    w = boltzmann(torch.tensor([0.3, 2.0, 5.0]), 1e12)
+    assert torch.allclose(w, torch.full((3,), 1 / 3, dtype=torch.float64), rtol=0, atol=1e-11)
+    hot = build("afind_plus", rounds=3, neighbours=4, tau=0.8, boltzmann_T=1e12)
+    cold = build("afind_plus", rounds=3, neighbours=4, tau=0.8, boltzmann_T=0.05)
+    uniform = build("afind", rounds=3, neighbours=4, tau=0.8)
+    for r in range(3):
+        sel = [a.run_round(r)["selected_mean"] for a in (hot, cold, uniform)]
+        assert sel[0] == sel[2]  # the same coresets
+        assert torch.allclose(hot.W, uniform.W, rtol=0, atol=1e-6)
+    assert not torch.allclose(cold.W, uniform.W, rtol=0, atol=1e-3)  # a finite temperature does weigh
+
+
 def test_complete_graph_with_uniform_mixing_is_fedavg():
     """On the complete graph the Metropolis weights are all 1/m, so DFedAvg (train, then mix) gives every client
     FedAvg's iterate with every client taking part and uniform weights; gossip (mix, then train) keeps the mean
