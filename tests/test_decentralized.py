@@ -231,6 +231,18 @@ def test_afind_ledger_counts_match_selected_neighbours():
     assert led.bytes(kind="loss") == round(2 * n * B + selected) * 4
 
 
+def test_afind_proxies_are_billed_in_the_runs_precision():
+    # phi_j is a gradient of the model's layer, sent at the model's width (8 bytes a value in float64), as
+    # the model itself and the selection plug-in's proxies are
+    cfg = config("afind_plus", neighbours=4)
+    cfg["precision"] = "float64"
+    algo = build_algorithm(RunContext(load(cfg)))
+    algo.run_round(0)
+    led, d_phi = algo.ledger, algo.proxy.size
+    assert led.bytes(kind="model") == led.count(kind="model") * algo.layout.numel * 8
+    assert led.bytes(kind="feature_proxy") == led.count(kind="feature_proxy") * d_phi * 8
+
+
 # -------------------------------------------------------------------------------------- AFIND+ rules
 def test_equations_closed_forms():
     s = torch.tensor([0.9, 0.1, -0.5])

@@ -238,7 +238,7 @@ class AfindPlus(GraphAlgorithm):
             phis, lpre = self.proxies_for(W0, i, pool.tolist())
             phis = torch.stack([self.noisy(phis[q], r, int(c), i, 1) for q, c in enumerate([i, *pool])])
             self.peer(r, "model", self.model_bytes, len(pool))
-            self.peer(r, "feature_proxy", d_phi * 4, len(pool))
+            self.peer(r, "feature_proxy", d_phi * self.ctx.float_bytes, len(pool))  # at the model's width
             self.peer(r, "loss", 4, len(pool))
             sims = cosine(phis[0], phis[1:]).cpu()  # selection is host bookkeeping
             pos = self.state.choose(i, pool, sims, rng)  # R4-R5 (Eq. 8 or 9, threshold)
