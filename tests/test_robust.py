@@ -843,3 +843,27 @@ def test_the_hierarchical_bound_is_checked_against_the_samplers_own_count(tmp_pa
     enough = _with(HIER, aggregator=KRUM_F2, sampler={"name": "fixed", "clients": 8}, rounds=1)
     enough["algorithm"] = {"name": "hier_fedavg", "participation": 0.5}  # 4 of 8: below the bound
     assert fedweave.run(enough, run_dir=tmp_path / "enough").summary["status"] == "completed"
+
+
+def test_a_gossip_attack_counts_the_receivers_own_row_among_the_updates_reduced(tmp_path, monkeypatch):
+    """A peer reduces its own model beside the 8 messages it receives, so the attacks' ``n`` (ALIE's
+    ``s = floor(n/2 + 1) - f``, model replacement's boost ``n``) is 9, the rows its aggregator sees: a scaled
+    attacker's boosted displacement, weighted 1/9, then replaces the peer's mean (Bagdasaryan et al., eq. 3)."""
+    from fedweave.robust.attacks import Scaled
+
+    seen_n, reduced = [], []
+    call, reduce = Scaled.__call__, RobustStage.reduce_at_peer
+
+    def spy_call(self, own, honest, info):
+        seen_n.append(info.n)
+        return call(self, own, honest, info)
+
+    def spy_reduce(self, rows, weights, own):
+        reduced.append(len(rows))
+        return reduce(self, rows, weights, own)
+
+    monkeypatch.setattr(Scaled, "__call__", spy_call)
+    monkeypatch.setattr(RobustStage, "reduce_at_peer", spy_reduce)
+    cfg = _with(GOSSIP, rounds=1, aggregator={"name": "median"})
+    fedweave.run(cfg | {"faults": {"byzantine": {"attack": "scaled", "fraction": 0.2}}}, run_dir=tmp_path / "r")
+    assert seen_n and set(seen_n) == set(reduced) == {9}

@@ -29,7 +29,7 @@ class AttackInfo:
 
     round: int
     attackers: np.ndarray  # the ids of the round's reporting attackers, in row order
-    n: int  # the round's reporting clients (attackers included)
+    n: int  # the updates the round's reduction sees (attackers included; a gossip peer's own row too)
     seeds: Seeds
 
 

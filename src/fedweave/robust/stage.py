@@ -135,12 +135,16 @@ class RobustStage:
         updates: torch.Tensor,
         center: torch.Tensor | None,
         unsent: torch.Tensor | None = None,
+        reduced: int | None = None,
     ) -> torch.Tensor:
         """Stage 1: the rows of the round's reporting attackers replaced by what their attack sends.
         ``center``: where the rows are models (the method averages models), the global model they moved from,
         so that the attack acts on the displacement ``y_i - x``. ``unsent``: the coordinates, ``(d,)`` bool, that
         the method's uploads do not carry (a personal part): an attacker cannot send them either, so its row keeps
-        its own values there. Also records the round (bucketing's stream)."""
+        its own values there. ``reduced``: the rows the reduction will see, when more than these (a gossip peer's
+        own model beside the messages it receives): the ``n`` of ALIE's ``s`` and of model replacement's boost,
+        which count every update the aggregator reduces (Baruch et al. 2019, Alg. 3; Bagdasaryan et al. 2020,
+        eq. 3); default ``len(clients)``. Also records the round (bucketing's stream)."""
         self.at_round(r)
         bad = np.isin(np.asarray(clients), self.attackers)
         self.last_byzantine = int(bad.sum())
@@ -149,7 +153,7 @@ class RobustStage:
         idx = torch.as_tensor(np.flatnonzero(bad), device=updates.device)
         good = torch.as_tensor(np.flatnonzero(~bad), device=updates.device)
         rows = updates - center if center is not None else updates
-        info = AttackInfo(r, np.asarray(clients)[bad], len(clients), self.seeds)
+        info = AttackInfo(r, np.asarray(clients)[bad], len(clients) if reduced is None else reduced, self.seeds)
         sent = self.attack_fn(rows[idx], rows[good], info).to(rows.dtype)
         if unsent is not None:
             sent = torch.where(unsent, rows[idx], sent)

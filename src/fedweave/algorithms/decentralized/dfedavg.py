@@ -152,7 +152,8 @@ class DFedAvg(GraphAlgorithm):
             rows = torch.stack([sent[i], *received]) if len(chosen) else sent[i : i + 1]
             wts = self.on_device(wts, sent)
             if self.robust is not None and len(chosen):
-                rows = torch.cat([rows[:1], self.robust.attack(r, chosen, rows[1:], sent[i])])
+                # the peer reduces its own row too: the attacks' n counts it (ALIE's s, model replacement)
+                rows = torch.cat([rows[:1], self.robust.attack(r, chosen, rows[1:], sent[i], reduced=len(rows))])
             if self.robust is None or self.robust.plain:
                 new[i] = (wts[:, None] * rows).sum(0)
             else:
