@@ -239,6 +239,15 @@ class SplitAlgorithm(Algorithm):
     # models is DP-FedAvg's release; fedweave.privacy.split)
     dp_refusal: ClassVar[str | None] = None
 
+    # the methods whose clients back-propagate the gradients of a server-side model trained, unclipped and
+    # unnoised, on every client's smashed data (FSL_MC, FSL_OC): one client's data move the others' client-side
+    # updates, so the sum's sensitivity is not C (DP-FedAvg's bound, McMahan et al. 2018, needs each update to
+    # depend on the other clients only through released models)
+    SERVER_GRADIENTS: ClassVar[str] = (
+        "its clients train on gradients from a server-side model fitted to every client's smashed data, so one "
+        "client's data move the other clients' updates; use fsl_an or cse_fsl (local loss, no gradient back)"
+    )
+
     def __init__(self, ctx: RunContext, hp: SplitHparams) -> None:
         super().__init__(ctx, hp)
         cfg = ctx.config

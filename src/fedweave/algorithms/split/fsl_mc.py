@@ -22,14 +22,7 @@ from fedweave.registry import ALGORITHMS
 class FSLMC(SplitAlgorithm):
     name = "fsl_mc"
     method = "fsl_mc"
-    # privacy: the clients back-propagate the gradients of a server-side model trained, unclipped and unnoised, on
-    # every client's smashed data, so one client's data move the others' client-side updates and the sum's
-    # sensitivity is not C (DP-FedAvg's bound, McMahan et al. 2018, needs each update to depend on the other clients
-    # only through released models)
-    dp_refusal = (
-        "its clients train on gradients from a server-side model fitted to every client's smashed data, so one "
-        "client's data move the other clients' updates; use fsl_an or cse_fsl (local loss, no gradient back)"
-    )
+    dp_refusal = SplitAlgorithm.SERVER_GRADIENTS  # privacy: one client's data move the others' updates
 
     def train_round(
         self, r: int, clients: np.ndarray, xc_rows: torch.Tensor, xa_rows: torch.Tensor, lrs: tuple[float, ...]
