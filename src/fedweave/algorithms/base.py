@@ -134,9 +134,7 @@ def check_model_fits(
         lo, hi = flat.min(1).values, flat.max(1).values
         x = torch.cat([x, ds.train_x[torch.stack([lo.argmin(), hi.argmax()])]])
         kind += f", ids {int(lo.min())}..{int(hi.max())}"
-    outputs: list[torch.Tensor] = []
-    e = forward_error(model, x.to(device) if device is not None else x, outputs)
-    out = outputs[0] if outputs else None
+    out, e = trial_forward(model, x.to(device) if device is not None else x)
     fewer = isinstance(out, torch.Tensor) and out.dim() == 2 and classes is not None and out.shape[1] < classes
     if e is None and fewer:
         raise ConfigError(
@@ -151,22 +149,23 @@ def check_model_fits(
         ) from e
 
 
-def forward_error(model: nn.Module, x: torch.Tensor, outputs: list | None = None) -> Exception | None:
-    """The error one forward pass of ``x`` through ``model`` raises, or None (``outputs``, if given, gets the
-    output). Eval mode and no_grad: no batch-norm statistics move and no random numbers are drawn; the model's
-    mode is put back."""
+def trial_forward(model: nn.Module, x: torch.Tensor) -> tuple[Any, Exception | None]:
+    """One forward pass of ``x`` through ``model``: its output and None, or None and the error it raises. Eval mode
+    and no_grad: no batch-norm statistics move and no random numbers are drawn; the model's mode is put back."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            out = model(x)
-        if outputs is not None:
-            outputs.append(out)
+            return model(x), None
     except (RuntimeError, ValueError, IndexError, TypeError) as e:
-        return e
+        return None, e
     finally:
         model.train(was_training)
-    return None
+
+
+def forward_error(model: nn.Module, x: torch.Tensor) -> Exception | None:
+    """The error one forward pass of ``x`` through ``model`` raises, or None (:func:`trial_forward`)."""
+    return trial_forward(model, x)[1]
 
 
 def checked_augment(
