@@ -105,11 +105,12 @@ def sweep(
         by_point.setdefault(p.label, []).append(rec)
         curves.setdefault(p.label, []).append(rows)
 
-    columns = {k for rows in curves.values() for rs in rows for r in rs for k, v in r.items() if v is not None}
-    if not defaulted and columns and metric not in columns:
+    written = [(k, v) for rows in curves.values() for rs in rows for r in rs for k, v in r.items() if v is not None]
+    if not defaulted and written and metric not in {k for k, _ in written}:
         # a misspelt --metric used to give a table of nan; the runs stay, so running again with the right
-        # column reuses them (runs that wrote no rows at all prove nothing either way)
-        known = sorted({k for rows in curves.values() for rs in rows for r in rs for k, v in r.items() if _num(v)})
+        # column reuses them (runs that wrote no rows at all prove nothing either way); the columns offered are
+        # the measured ones (floats, as `fedweave plot` lists them), not the counts
+        known = sorted({k for k, v in written if isinstance(v, float)})
         raise ConfigError(
             f"--metric {metric!r} is not a column of the sweep's runs in {out / 'runs'}; choose one of "
             f"{', '.join(known)} (run the sweep again with it: its finished runs are reused)"
@@ -136,11 +137,6 @@ def sweep(
 
     plot_sweep(curves, out, metric)
     return SweepResult(out, records, summary, best)
-
-
-def _num(v: Any) -> bool:
-    """Whether a metrics value is a measured one (a float, as `fedweave plot` lists them, not a count)."""
-    return isinstance(v, float)
 
 
 def _main_column(config) -> str:
