@@ -416,6 +416,8 @@ def test_plugin_selection_and_checkpoint_roundtrip():
     other.load_state_dict(torch.load(buf, weights_only=True))
     assert torch.equal(other.W, algo.W)
     assert torch.equal(other.selector.state.theta, algo.selector.state.theta)
+    other.run_round(2), algo.run_round(2)  # the restored thresholds select what the uninterrupted run selects
+    assert torch.equal(other.W, algo.W)
 
 
 def test_run_end_to_end_reports_personalized_accuracy(tmp_path):

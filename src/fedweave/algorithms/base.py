@@ -603,20 +603,32 @@ class Algorithm(metaclass=_AlgorithmMeta):
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume; default: the state record, each attribute of ``state_fields`` under its
-        name. A family or method with more (a client state store, uploads in flight) adds its entries."""
-        return {k: getattr(self, k) for k in self.state_fields}
+        name (a component with a state of its own, such as a neighbour selector, by its ``state_dict``). A
+        family or method with more (a client state store, uploads in flight) adds its entries."""
+        return {k: _saved(getattr(self, k)) for k in self.state_fields}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the attributes of :meth:`state_dict`; a tensor goes where the fresh algorithm keeps it
         (the run's device, or the host for host-side bookkeeping), whichever device saved it."""
         for k, v in state.items():
             cur = getattr(self, k, None)
-            if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor) and cur.shape == v.shape:
+            if _stateful(cur):  # a component restores itself, wherever the fresh algorithm built it
+                cur.load_state_dict(v)
+            elif isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor) and cur.shape == v.shape:
                 cur.copy_(v)
             elif isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor):
                 setattr(self, k, v.to(cur.device))
             else:
                 setattr(self, k, v)
+
+
+def _stateful(value: Any) -> bool:
+    """A component of the state record that saves and restores itself (not a tensor or a plain value)."""
+    return not isinstance(value, torch.Tensor) and callable(getattr(value, "load_state_dict", None))
+
+
+def _saved(value: Any) -> Any:
+    return value.state_dict() if _stateful(value) else value
 
 
 def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: bool = False) -> LocalTrainer:

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -51,6 +51,7 @@ class DFedAvgHparams(SelectionHparams, GraphHparams):
 class DFedAvg(GraphAlgorithm):
     name = "dfedavg"
     Hparams = DFedAvgHparams
+    state_fields = ("selector",)  # its neighbour selection's state (AFIND's thresholds)
     undeployable = None  # its peers touch their data only in local training (selection random: deploy/support.py)
     dp_refusal = None  # the same: with selection random its messages are functions of the DP-SGD steps only
     # robustness: Byzantine peers send what their attack makes of their model, and each peer reduces what it
@@ -106,14 +107,6 @@ class DFedAvg(GraphAlgorithm):
             return {}
         why = "mixing 'metropolis' mixes with every graph neighbour each round (or use mixing 'sampled')"
         return {"neighbours": why, "select_k": f"{self.name} with {why}"}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "selector": self.selector.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        self.selector.load_state_dict(state.pop("selector"))
-        super().load_state_dict(state)
 
     def mix(self, r: int, W: torch.Tensor, sent: torch.Tensor) -> tuple[torch.Tensor, float]:
         """New rows from the round-start ``W`` (proxies) and the models ``sent`` (double-buffered).

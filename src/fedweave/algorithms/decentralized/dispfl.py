@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -79,6 +78,7 @@ class DisPFLHparams(SelectionHparams, GraphHparams):
 class DisPFL(GraphAlgorithm):
     name = "dispfl"
     Hparams = DisPFLHparams
+    state_fields = ("selector",)  # its neighbour selection's state (AFIND's thresholds)
     undeployable = "its peers grow their sparse masks from gradients on their own data, outside local training"
     dp_refusal = "its peers regrow the sparse masks they send from plain (unclipped, unnoised) gradients on their data"
     uses_total_rounds = True  # the prune rate r_t anneals over the run's T rounds
@@ -101,14 +101,6 @@ class DisPFL(GraphAlgorithm):
                 masks[i, lo:hi] = row.to(masks.device)
         self.W.mul_(masks)
         self.selector = NeighbourSelector(self, hp)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "selector": self.selector.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        self.selector.load_state_dict(state.pop("selector"))
-        super().load_state_dict(state)
 
     def prune_rate(self, r: int) -> float:
         return self.hp.anneal / 2 * (1 + math.cos(math.pi * r / self.config.rounds))

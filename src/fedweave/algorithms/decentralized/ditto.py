@@ -12,7 +12,6 @@ The personal models v_i are evaluated (no extra fine-tuning by default).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -38,6 +37,7 @@ class DittoHparams(SelectionHparams, GraphHparams):
 class Ditto(GraphAlgorithm):
     name = "ditto"
     Hparams = DittoHparams
+    state_fields = ("selector",)  # its neighbour selection's state (AFIND's thresholds)
     undeployable = "its personal models never leave their peers, and the deployment keeps no peer state on the nodes"
     # privacy: the shared models come from the DP-SGD steps only (with selection random); the personal models are
     # trained by plain SGD and never sent, so they are not covered (docs/privacy.md)
@@ -49,14 +49,6 @@ class Ditto(GraphAlgorithm):
         # from the plain trainer: the personal model never leaves the client, so DP-SGD is not applied to it
         self.personal_trainer = with_local(self.ft_trainer, epochs=hp.personal_epochs, steps=None)
         self.selector = NeighbourSelector(self, hp)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "selector": self.selector.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        self.selector.load_state_dict(state.pop("selector"))
-        super().load_state_dict(state)
 
     def eval_models(self, r: int) -> torch.Tensor:
         return self.store["personal"]

@@ -11,7 +11,6 @@ no u is positive). The affinities accumulate: P_i += u_i.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -46,7 +45,7 @@ class Fomo(GraphAlgorithm):
     undeployable = SCORES_ON_OWN_DATA
     dp_refusal = SCORED_ON_OWN_DATA
     Hparams = FomoHparams
-    state_fields = ("affinity",)
+    state_fields = ("affinity", "selector")
 
     def __init__(self, ctx: RunContext, hp: FomoHparams) -> None:
         super().__init__(ctx, hp)
@@ -58,14 +57,6 @@ class Fomo(GraphAlgorithm):
         self.selector = NeighbourSelector(self, hp)
         n = self.num_clients
         self.affinity = torch.zeros(n, n, dtype=torch.float64, device="cpu")  # host bookkeeping
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "selector": self.selector.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        self.selector.load_state_dict(state.pop("selector"))
-        super().load_state_dict(state)
 
     def _native(self, r: int, i: int) -> np.ndarray:
         avail = self.available(r, i)
