@@ -184,12 +184,22 @@ def test_a_genuine_batch_layout_still_loads(tmp_path):
         ({"name": "dirichlet_balanced", "num_clients": 61, "alpha": 0.1}, r"partition\.num_clients"),
         ({"name": "iid", "num_clients": -3}, r"partition\.num_clients must be a non-negative integer"),
         ({"name": "iid", "num_clients": "many"}, r"partition\.num_clients"),
+        ({"name": "iid", "num_clients": 10.5}, r"partition\.num_clients must be a non-negative integer .*got 10\.5"),
+        ({"name": "dirichlet", "num_clients": 5, "alpha": 1, "min_size": 2.5}, r"partition\.min_size .*got 2\.5"),
     ],
 )
 def test_impossible_partitions_fail_fast_and_clearly(mnist_root, tmp_path, partition, match):
     cfg = _mnist_config(mnist_root, tmp_path, partition=partition)
     with quickly(), pytest.raises(ConfigError, match=match):
         fedweave.run(cfg)
+
+
+def test_a_whole_number_written_as_a_float_is_an_integer_in_the_partition_too(mnist_root, tmp_path):
+    """``rounds: 2.0`` is read as 2 (every integer key of the config); so are the partition's integer options."""
+    part = {"name": "dirichlet", "num_clients": 4.0, "alpha": 1, "min_size": 2.0}
+    with quickly():
+        res = fedweave.run(_mnist_config(mnist_root, tmp_path, partition=part))
+    assert res.summary["status"] == "completed" and res.algorithm.ctx.num_clients == 4
 
 
 def test_dirichlet_at_the_exact_limit_terminates(mnist_root, tmp_path):

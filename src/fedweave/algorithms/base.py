@@ -25,7 +25,7 @@ from fedweave.byo import RunObjects, describe_model
 from fedweave.config import ConfigError, RunConfig, Section, build_dataclass, check_options, load
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
-from fedweave.data.partition import Partition
+from fedweave.data.partition import Partition, integral
 from fedweave.execution import LocalTrainer, batch_statistics, check_seeded, choose_backend
 from fedweave.execution.evaluate import share_with_workers
 from fedweave.execution.local import LocalRule
@@ -387,8 +387,7 @@ class RunContext:
         part = self.config.partition
         fn = PARTITIONERS.get(part.name)
         opts = dict(part.options)
-        num_clients = opts.pop("num_clients", None)
-        bins = opts.pop("bins", None)
+        num_clients, bins = (integral(opts.pop(k, None)) for k in ("num_clients", "bins"))
         if not np.issubdtype(np.asarray(labels).dtype, np.integer):  # float targets (regression, multi-label)
             if part.name in LABEL_FREE_PARTITIONERS:
                 labels = np.zeros(len(labels), dtype=np.int64)  # these partitioners read only the sample count

@@ -122,7 +122,14 @@ def _check_labels(labels: np.ndarray) -> np.ndarray:
     return labels.astype(np.int64, copy=False)
 
 
+def integral(value: Any) -> Any:
+    """``value``, with a float that is a whole number (``10.0``) made an int, as every integer key of the config
+    accepts it; anything else unchanged, for the check that reads it to refuse."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def _check_int(key: str, value: int, minimum: int) -> int:
+    value = integral(value)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{key} must be an integer >= {minimum}, got {value!r}")
     return int(value)
