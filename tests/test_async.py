@@ -610,6 +610,16 @@ def test_fedavg_and_fedbuff_plot_against_simulated_time_together(tmp_path):
     assert tmp_path / "both" / "test_accuracy_vs_sim_time.png" in written
 
 
+def test_the_speeds_warn_of_nothing_on_the_clock(tmp_path, caplog):
+    """Without a deadline the speeds change nothing in a synchronous run (a warning says so), except its clock."""
+    with caplog.at_level("WARNING", logger="fedweave"):
+        fedweave.run(_async("fedavg", rounds=1, sigma=0.7), run_dir=tmp_path / "a")
+        assert "change nothing in fedavg" in caplog.text
+        caplog.clear()
+        fedweave.run(_timed(_async("fedavg", rounds=1, sigma=0.7)), run_dir=tmp_path / "b")
+        assert "change nothing" not in caplog.text
+
+
 def test_the_clock_is_refused_outside_the_star_in_one_line(tmp_path):
     cfg = {**_timed(_cfg("fedavg")), "algorithm": {"name": "gossip"}}
     with pytest.raises(ConfigError, match=r"^faults.sim_time: algorithm 'gossip' \(decentralized family\) has no "):
