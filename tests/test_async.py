@@ -14,8 +14,12 @@ import fedweave
 from fedweave.algorithms.centralized.async_base import staleness_weight
 from fedweave.cli import main as cli_main
 from fedweave.config import ConfigError, load
+from fedweave.errors import CheckpointError
+from fedweave.faults import Faults
+from fedweave.plots import plot_runs
 from fedweave.registry import PARTITIONERS
 from fedweave.runner import run as run_config
+from fedweave.seeding import Seeds
 from tests.test_centralized import _algo, _cfg, _rounds
 
 if "_thirds" not in PARTITIONERS._items:
@@ -40,14 +44,20 @@ def _three(alg: str = "fedasync", **opts) -> dict:
     return cfg
 
 
+def _timed(cfg: dict, **faults) -> dict:
+    """``cfg`` with the synchronous star's simulated clock on (``faults.sim_time``) and the given faults."""
+    return {**cfg, "faults": {**cfg.get("faults", {}), "sim_time": True, **faults}}
+
+
 @pytest.mark.parametrize("weighting", ["samples", "uniform"])
 def test_fedbuff_with_full_buffer_and_equal_latencies_is_fedavg_exactly(weighting):
-    sync = _algo(_async("fedavg", weighting=weighting))
+    """Model, train loss and, with FedAvg's rounds on the simulated clock (faults.sim_time), the clock itself."""
+    sync = _algo(_timed(_async("fedavg", weighting=weighting)))
     buff = _algo(_async("fedbuff", weighting=weighting, buffer_size=3, concurrency=3, staleness="constant"))
     for r in range(4):
         m_sync, m_buff = sync.run_round(r), buff.run_round(r)
         assert m_buff["train_loss"] == m_sync["train_loss"]
-        assert m_buff["sim_time"] == r + 1 and m_buff["staleness_max"] == 0
+        assert m_buff["sim_time"] == m_sync["sim_time"] == r + 1 and m_buff["staleness_max"] == 0
     assert torch.equal(sync.x, buff.x)
 
 
@@ -508,3 +518,112 @@ def test_plots_against_simulated_time(at_start, tmp_path):
     assert times == sorted(times) and (times[0] == 0.0) == at_start and len(times) == 3 + at_start
     fedweave.run({**_cfg("fedavg", rounds=2), "output": {"progress": False, "plots": True}}, run_dir=tmp_path / "s")
     assert not (tmp_path / "s" / "test_accuracy_vs_sim_time.png").exists()  # no clock, no such plot
+
+
+# ---- the synchronous star on the simulated clock (faults.sim_time) ------------------------------------------
+def _sync_thirds(alg: str = "fedavg", per_round: int = 3, rounds: int = 4, **faults) -> dict:
+    """Synchronous rounds of ``per_round`` of the three clients of works 0.5, 1 and 1.5, on the clock."""
+    cfg = _async(alg, rounds=rounds, clients_per_round=per_round)
+    cfg["partition"] = {"name": "_thirds", "num_clients": 3}
+    cfg["local"] = {"epochs": 1, "batch_size": 80, "lr": 0.1}
+    return _timed(cfg, **faults)
+
+
+WORK = np.array([0.5, 1.0, 1.5])  # the _thirds clients' local steps (1, 2, 3) over their mean (2)
+
+
+def test_a_synchronous_round_lasts_until_its_slowest_sampled_client_reports():
+    """Two of three clients a round, speeds exp(0.5 z_i) and a per-round jitter exp(0.3 z_{i,r}): each round lasts
+    the slowest sampled client's work times its speed, from Faults.arrival_times itself; the rounds add up."""
+    cfg = _sync_thirds(per_round=2, rounds=5, speed_sigma=0.5, speed_jitter=0.3)
+    algo, ref = _algo(cfg), _algo(cfg)
+    faults = Faults(load(cfg).faults, Seeds(cfg["seed"]))
+    rows = [algo.run_round(r) for r in range(5)]
+    now, expected = 0.0, []
+    for r in range(5):
+        sampled = ref.sample_clients(r)
+        now += float(faults.arrival_times(r, sampled, WORK[sampled]).max())
+        expected.append(now)
+    assert [m["sim_time"] for m in rows] == expected
+    assert len({tuple(ref.sample_clients(r)) for r in range(5)}) > 1  # the rounds sample different pairs
+    assert algo.clock_metrics() == {"sim_time": expected[-1]}
+
+
+def test_the_clock_changes_no_other_number_and_is_off_by_default():
+    plain, timed = _algo(_async("fedavg", sigma=0.5)), _algo(_timed(_async("fedavg", sigma=0.5)))
+    for r in range(3):
+        m_plain, m_timed = plain.run_round(r), timed.run_round(r)
+        assert "sim_time" not in m_plain and m_timed == {**m_plain, "sim_time": m_timed["sim_time"]}
+    assert torch.equal(plain.x, timed.x) and list(plain.ledger.entries()) == list(timed.ledger.entries())
+    assert "now" not in plain.state_dict() and "now" in timed.state_dict()
+    # the config a run without the clock records (config.yaml, the checkpoint's) is the one it always had
+    assert "sim_time" not in load(_async("fedavg")).to_dict()["faults"]
+    assert load(_timed(_async("fedavg"))).to_dict()["faults"]["sim_time"] is True
+
+
+def test_the_deadline_caps_a_round_and_a_dropped_client_counts_when_it_would_have_reported():
+    """Works 0.5, 1, 1.5 at equal speeds. A deadline of 1.2: client 2 times out and every round lasts 1.2, the
+    round of an outage (nobody reports) too. No deadline, 60 % dropout: a round lasts until its slowest client
+    reports or would have, dropped or not."""
+    algo = _algo(_sync_thirds(speed_sigma=0.0, deadline=1.2, outage_rounds=[2]))
+    rows = [algo.run_round(r) for r in range(4)]
+    assert [m["reported_clients"] for m in rows] == [2, 0, 2, 2]
+    assert [m["sim_time"] for m in rows] == [1.2, 1.2 + 1.2, 1.2 + 1.2 + 1.2, 1.2 + 1.2 + 1.2 + 1.2]
+    cfg = _sync_thirds(rounds=6, speed_sigma=0.5, dropout=0.6)
+    algo = _algo(cfg)
+    faults = Faults(load(cfg).faults, Seeds(cfg["seed"]))
+    rows = [algo.run_round(r) for r in range(6)]
+    now, slowest_dropped = 0.0, 0
+    for r, m in enumerate(rows):
+        times = faults.arrival_times(r, [0, 1, 2], WORK)
+        now += float(times.max())
+        assert m["sim_time"] == now
+        slowest_dropped += bool(faults.dropped(r, [int(times.argmax())])[0])
+    assert slowest_dropped >= 1 and 0 in [m["reported_clients"] for m in rows]  # the cases this test is about
+
+
+def test_the_clock_resumes_bit_for_bit_and_cannot_be_switched_on_at_resume(tmp_path):
+    cfg = _timed(_cfg("scaffold", rounds=6), speed_sigma=0.5, speed_jitter=0.2, dropout=0.2)
+    full = fedweave.run(cfg, run_dir=tmp_path / "full")
+    cfg2 = {**cfg, "output": {**cfg["output"], "checkpoint_every": 3}}
+    fedweave.run({**cfg2, "rounds": 3}, run_dir=tmp_path / "part")
+    resumed = run_config(load({**cfg2, "rounds": 6}), run_dir=tmp_path / "part", resume=True)
+    assert torch.equal(resumed.algorithm.x, full.algorithm.x)
+    times = [r["sim_time"] for r in full.metrics]
+    assert [r["sim_time"] for r in resumed.metrics] == times and times == sorted(times) and times[0] > 0
+    assert resumed.algorithm.now == full.algorithm.now == times[-1]
+    # a clock switched on at a resume would start from 0 there: refused (the checkpoint has no clock)
+    plain = {**cfg2, "faults": {"speed_sigma": 0.5, "speed_jitter": 0.2, "dropout": 0.2}}
+    fedweave.run({**plain, "rounds": 3}, run_dir=tmp_path / "plain")
+    with pytest.raises(CheckpointError, match="the algorithm state lacks 'now'"):
+        fedweave.resume(tmp_path / "plain", ["rounds=6", "faults.sim_time=true"])
+
+
+def test_fedavg_and_fedbuff_plot_against_simulated_time_together(tmp_path):
+    """eval.at_start: FedAvg's initial row is at time 0 as FedBuff's; both runs on one plot against sim_time."""
+    out = {"output": {"progress": False, "plots": True}, "eval": {"at_start": True}}
+    sync = fedweave.run({**_timed(_async("fedavg", rounds=3, sigma=0.5)), **out}, run_dir=tmp_path / "avg")
+    fedweave.run({**_async("fedbuff", rounds=3, sigma=0.5, buffer_size=3), **out}, run_dir=tmp_path / "buff")
+    assert [m["sim_time"] for m in sync.metrics][0] == 0.0 and len(sync.metrics) == 4
+    assert (tmp_path / "avg" / "test_accuracy_vs_sim_time.png").stat().st_size > 1000
+    written = plot_runs([tmp_path / "avg", tmp_path / "buff"], tmp_path / "both")
+    assert tmp_path / "both" / "test_accuracy_vs_sim_time.png" in written
+
+
+def test_the_speeds_warn_of_nothing_on_the_clock(tmp_path, caplog):
+    """Without a deadline the speeds change nothing in a synchronous run (a warning says so), except its clock."""
+    with caplog.at_level("WARNING", logger="fedweave"):
+        fedweave.run(_async("fedavg", rounds=1, sigma=0.7), run_dir=tmp_path / "a")
+        assert "change nothing in fedavg" in caplog.text
+        caplog.clear()
+        fedweave.run(_timed(_async("fedavg", rounds=1, sigma=0.7)), run_dir=tmp_path / "b")
+        assert "change nothing" not in caplog.text
+
+
+def test_the_clock_is_refused_outside_the_star_in_one_line(tmp_path):
+    cfg = {**_timed(_cfg("fedavg")), "algorithm": {"name": "gossip"}}
+    with pytest.raises(ConfigError, match=r"^faults.sim_time: algorithm 'gossip' \(decentralized family\) has no "):
+        run_config(load(cfg), run_dir=tmp_path / "g")
+    with pytest.raises(ConfigError, match="does not handle this fault"):  # the star has no late delivery
+        run_config(load(_timed(_cfg("fedavg"), deadline=1.0, straggler_policy="late")), run_dir=tmp_path / "l")
+    assert not any(tmp_path.iterdir())  # refused before anything is written

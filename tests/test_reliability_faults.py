@@ -70,6 +70,24 @@ def test_stragglers_twice_the_work_take_twice_as_long_and_delay_counts_deadlines
     assert f.active() == {"late"} and len(f.reporting(3, c)) == int((d == 0).sum())
 
 
+@pytest.mark.parametrize("policy", ["drop", "late"])
+def test_outcomes_end_each_job_at_its_arrival_its_would_be_arrival_or_the_deadline(policy):
+    """The simulated clocks' one latency rule: the server hears of a job when its upload arrives, when a dropped
+    client would have reported, or at the deadline, whichever comes first; the outcome says which; a client
+    that reports is exactly one that faults.reporting keeps."""
+    f = Faults(FaultsConfig(dropout=0.3, deadline=1.0, speed_sigma=0.7, straggler_policy=policy), Seeds(1))
+    c, work = np.arange(60), np.linspace(0.5, 1.5, 60)
+    times, lost = f.outcomes(3, c, work)
+    arrival, dropped = f.arrival_times(3, c, work), f.dropped(3, c)
+    assert np.array_equal(times, np.minimum(arrival, 1.0))
+    past = "timeout" if policy == "drop" else "late"
+    assert np.array_equal(lost, np.where(dropped, "drop", np.where(arrival > 1.0, past, "")))
+    assert {"drop", past, ""} <= set(lost.tolist())
+    assert np.array_equal(c[lost == ""], f.reporting(3, c, work))
+    untimed = Faults(FaultsConfig(speed_sigma=0.7), Seeds(1)).outcomes(3, c, work)
+    assert np.array_equal(untimed[0], arrival) and set(untimed[1].tolist()) == {""}
+
+
 def test_no_faults_by_default_and_outages_drop_everyone():
     f = Faults(FaultsConfig(), Seeds(0))
     c = np.arange(10)

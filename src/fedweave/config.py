@@ -342,6 +342,10 @@ class FaultsConfig:
     # Byzantine clients (fedweave.robust, docs/robustness.md): {fraction: 0.2 | clients: [ids], attack: NAME,
     # ...the attack's options}; null = none
     byzantine: dict | None = None
+    # the star family's synchronous rounds on the simulated clock of the asynchronous methods (the same latency
+    # model: speed_sigma, speed_jitter, deadline): a round lasts until the server has heard from every sampled
+    # client, at most the deadline, and each metrics row gets sim_time; the asynchronous methods always have it
+    sim_time: bool = False
 
     def validate(self) -> None:
         """Check the ``faults`` section; raise a :class:`ConfigError` naming the first bad key and what it allows."""
@@ -719,6 +723,9 @@ class RunConfig:
                 continue  # a run without privacy records the config it always has
             elif dataclasses.is_dataclass(v):
                 out[f.name] = dataclasses.asdict(v)
+                if f.name == "faults" and not v.sim_time:
+                    # a run without the clock records the config it always has (and its checkpoints still resume)
+                    del out[f.name]["sim_time"]
             else:
                 out[f.name] = v
         return out

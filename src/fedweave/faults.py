@@ -129,6 +129,29 @@ class Faults:
             log_t = log_t + c.speed_jitter * self.normal("speed_jitter", r, clients)
         return np.asarray(work, dtype=np.float64) * np.exp(log_t)
 
+    def outcomes(
+        self, r: int, clients: np.ndarray | Iterable[int], work: np.ndarray | float = 1.0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """When the server learns how each client's job of round ``r`` ended, counted from its start, and how.
+
+        The one latency rule of the simulated clocks (the asynchronous star's dispatches, the synchronous star's
+        rounds under ``faults.sim_time``): a client's upload arrives at :meth:`arrival_times`; a client that
+        drops out delivers nothing, and the server learns it when the client would have reported (its connection
+        closes); with ``faults.deadline`` the server stops waiting at the deadline, so no job keeps it longer.
+        Returns ``(times, lost)``: float64 times and, per client, ``""`` (the upload arrives), ``"drop"`` or,
+        past the deadline, ``"timeout"`` (policy ``drop``) or ``"late"`` (policy ``late``: the upload reaches
+        the server in a later round, :meth:`delay_rounds`, and holds none of them up).
+        """
+        clients = np.asarray(list(clients) if not isinstance(clients, np.ndarray) else clients, dtype=np.int64)
+        times = self.arrival_times(r, clients, work)
+        lost = np.where(self.dropped(r, clients), "drop", "")
+        deadline = self.config.deadline
+        if deadline is not None:
+            past = "timeout" if self.config.straggler_policy == "drop" else "late"
+            lost = np.where((lost == "") & (times > deadline), past, lost)
+            times = np.minimum(times, deadline)
+        return times, lost
+
     def late(self, r: int, clients: np.ndarray | Iterable[int], work: np.ndarray | float = 1.0) -> np.ndarray:
         """Boolean mask: True where the client's upload arrives after the round's deadline."""
         clients = np.asarray(list(clients) if not isinstance(clients, np.ndarray) else clients, dtype=np.int64)

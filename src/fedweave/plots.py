@@ -43,7 +43,7 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
         ("round", "communication round", f"{metric}_vs_rounds.png"),
         ("bytes_total", "bytes communicated (MiB)", f"{metric}_vs_bytes.png"),
     ]
-    if all(r.get("sim_time") is not None for _, rows in series for r in rows):  # an asynchronous method's clock
+    if all(r.get("sim_time") is not None for _, rows in series for r in rows):  # a simulated clock
         axes.append(("sim_time", "simulated time", f"{metric}_vs_sim_time.png"))
     for xkey, xlabel, fname in axes:
         fig, ax = plt.subplots(figsize=(6, 4))

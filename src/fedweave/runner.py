@@ -179,7 +179,7 @@ def _run_locked(
             state.stop_reason = cbs.after_round(state, state.start_round - 1)
             state.final_round = state.start_round - 1 if state.stop_reason else None
         if config.eval.at_start and state.start_round == 0:  # the initial model, as round 0 (peers report it)
-            _evaluate(state, -1, {})
+            _evaluate(state, -1, state.algo.start_metrics())
         for r in range(state.start_round if not state.stop_reason else config.rounds, config.rounds):
             metrics = state.algo.run_round(r)
             cbs.after_training(state, r, metrics)
@@ -241,11 +241,19 @@ def _check_faults(config: RunConfig) -> None:
     if late:  # allowed (a fault switched on that hits nobody), but rarely meant
         log.warning("faults.outage_rounds %s are after the last round (%d) and never happen", late, config.rounds)
     f, name = config.faults, config.algorithm.name
+    cls = ALGORITHMS.get(name)
+    if f.sim_time and not getattr(cls, "sim_clock", False):
+        raise ConfigError(
+            f"faults.sim_time: algorithm '{name}' ({getattr(cls, 'family', 'a plug-in')} family) has no simulated "
+            "clock; it is the star family's (centralized: fedavg, fedprox, scaffold, ..., fedasync, fedbuff); "
+            "leave it out"
+        )
     if f.straggler_policy == "late" and f.deadline is None:  # allowed, as above
         log.warning("faults.straggler_policy 'late' never applies: without faults.deadline no upload is late")
     spread = f.speed_jitter > 0 or f.speed_sigma != FaultsConfig.speed_sigma
-    if spread and f.deadline is None and not getattr(ALGORITHMS.get(name), "asynchronous", False):
-        # a synchronous round waits for everyone: the speeds decide nothing until a deadline makes some late
+    if spread and f.deadline is None and not f.sim_time and not getattr(cls, "asynchronous", False):
+        # a synchronous round waits for everyone: the speeds decide nothing until a deadline makes some late (or
+        # the clock measures the rounds)
         log.warning("faults.speed_sigma / speed_jitter change nothing in %s without faults.deadline", name)
 
 

@@ -521,6 +521,9 @@ class Algorithm(metaclass=_AlgorithmMeta):
     Hparams: ClassVar[type] = NoHparams
     #: Injected faults (fedweave.faults) this class's run_round handles; the runner refuses the others.
     handles_faults: ClassVar[tuple[str, ...]] = ()
+    #: Whether the class's rounds run on the simulated clock of ``faults.sim_time`` (the star family's); the
+    #: runner refuses the key for the others.
+    sim_clock: ClassVar[bool] = False
     #: Why the family trains only its own task (None: it trains any task of fedweave.tasks).
     fixed_task: ClassVar[str | None] = None
     #: Config keys the class never reads (a section such as ``model``, or one key such as ``local.steps``), each
@@ -581,6 +584,10 @@ class Algorithm(metaclass=_AlgorithmMeta):
         if not self.faulty:
             return clients
         return self.faults.reporting(r, clients, self.client_work(clients))
+
+    def start_metrics(self) -> dict[str, float]:
+        """What the initial model's row (``eval.at_start``) carries beside its evaluation; nothing by default."""
+        return {}
 
     def fault_metrics(self, reported: int | np.ndarray) -> dict[str, float]:
         """``reported_clients`` when faults are injected (0 marks a skipped round for the runner)."""

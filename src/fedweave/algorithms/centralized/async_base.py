@@ -164,14 +164,9 @@ class AsyncStar(StarAlgorithm):
         clients = np.sort(self.seeds.numpy("client_sampling", b).choice(idle, free, replace=False))
         self.dispatches += 1
         self.send(r, clients, "model", self.x)
-        durations = self.faults.arrival_times(b, clients, self.client_work(clients))
         # the faults of this dispatch instant (docs/reliability.md): a dropped client is lost when it would have
         # reported, one past the deadline when the deadline passes; only the others train
-        lost = np.where(self.faults.dropped(b, clients), "drop", "")
-        deadline = self.faults.config.deadline
-        if deadline is not None:
-            lost = np.where((lost == "") & (durations > deadline), "timeout", lost)
-            durations = np.minimum(durations, deadline)
+        durations, lost = self.faults.outcomes(b, clients, self.client_work(clients))
         kept = lost == ""
         lr = self.trainer.lr(r)
         local = self.trainer.train(self.x, clients[kept], b, rule=self.client_rule(lr), lr=lr) if kept.any() else None

@@ -165,6 +165,10 @@ class StarAlgorithm(Algorithm):
     dp_refusal: ClassVar[str | None] = "its messages and server state have not been checked against DP-FedAvg's proof"
     # why a method needs every client in every round (clients_per_round = the run's clients); None: it samples
     every_client: ClassVar[str | None] = None
+    # True where the server runs its own event clock (fedweave.algorithms.centralized.async_base); the round
+    # template's synchronous clock (faults.sim_time) is then not its
+    asynchronous: ClassVar[bool] = False
+    sim_clock: ClassVar[bool] = True  # faults.sim_time applies (round_time)
 
     def __init__(self, ctx: RunContext, hp: StarHparams) -> None:
         super().__init__(ctx, hp)
@@ -205,6 +209,10 @@ class StarAlgorithm(Algorithm):
         self.download = download_compression(self)  # None unless compression.download is set (compression)
         self.privacy = make_privacy(self)  # privacy: the DP stages of the round (None without a privacy section)
         self.secagg = make_secagg(self)  # secure aggregation: SecAgg+'s messages in the ledger (None: not billed)
+        # faults.sim_time: the synchronous rounds on the simulated clock (round_time); an asynchronous method's
+        # clock is its own and always on
+        self.clocked = ctx.config.faults.sim_time and not self.asynchronous
+        self.now = 0.0  # the simulated time at the end of the last round
 
     def state_dict(self) -> dict:
         out = super().state_dict()
@@ -220,6 +228,8 @@ class StarAlgorithm(Algorithm):
             out["robust"] = self.robust.state_dict()
         if self.privacy is not None:  # privacy: the accountant's releases and the (adaptive) clip
             out["privacy"] = self.privacy.state_dict()
+        if self.clocked:  # only then (the asynchronous methods' clock is in their state record)
+            out["now"] = self.now
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -233,6 +243,8 @@ class StarAlgorithm(Algorithm):
         private = state.pop("privacy", None)
         if private is not None and self.privacy is not None:  # privacy
             self.privacy.load_state_dict(private)
+        if self.clocked:  # the synchronous clock (a checkpoint of a run with the clock always has it)
+            self.now = float(state.pop("now"))
         super().load_state_dict(state)
         if robust_state is not None and self.robust is not None:
             self.robust.load_state_dict(robust_state)
@@ -262,7 +274,8 @@ class StarAlgorithm(Algorithm):
         here for every method. Clients that drop out or miss the deadline (``reporting``: simulated arrival
         times from ``client_work``) were sent the round's message but deliver nothing; the weights re-weight
         over those that reported. A round nobody reports leaves every state as it was, and the runner logs
-        it as skipped (``reported_clients = 0``).
+        it as skipped (``reported_clients = 0``). Under ``faults.sim_time`` the round advances the simulated
+        clock by :meth:`round_time` and its metrics carry ``sim_time``.
         """
         clients = self.sample_clients(r)
         if self.download is None:
@@ -277,6 +290,8 @@ class StarAlgorithm(Algorithm):
                 )
                 self.ledger.record(r, "server", "client", kind, nbytes, len(recipients))
         sampled, clients = clients, self.reporting(r, clients)  # dropouts and stragglers deliver nothing
+        if self.clocked:
+            self.now += self.round_time(r, sampled)
         if len(clients) == 0:
             if self.secagg is not None:  # secure aggregation: its first stages ran before anybody dropped
                 self.secagg.record(r, self.ledger, sampled, clients, 0)
@@ -284,7 +299,8 @@ class StarAlgorithm(Algorithm):
                 none, lr = self.x.new_zeros(0, len(self.x)), self.trainer.lr(r)
                 nobody = Collected(r, clients, lr, LocalResult(none, none[:, 0], none[:, 0]), {}, none[:, 0])
                 self.server_update(self.aggregate(none, nobody.weights, clients), nobody)
-            return self.fault_metrics(clients)  # nobody reported: all state stays as it was (privacy: see above)
+            # nobody reported: all state stays as it was (privacy: see above); the clock still ran
+            return {**self.fault_metrics(clients), **self.clock_metrics()}
         got = self.train_clients(r, clients)
         got = self.transmit_uploads(r, got)  # 2. compression: what the clients send, billed encoded
         if self.secagg is not None:  # secure aggregation: SecAgg+'s messages, the masked inputs among them
@@ -296,7 +312,30 @@ class StarAlgorithm(Algorithm):
         got.received = updates
         self.server_update(self.aggregate(updates, got.weights, got.clients), got)
         out = {**self.local_metrics(got.local, got.weights), **self.fault_metrics(clients)}
-        return {**out, **self.robust.metrics()} if self.robust is not None else out
+        out = {**out, **self.robust.metrics()} if self.robust is not None else out
+        return {**out, **self.clock_metrics()}
+
+    def round_time(self, r: int, sampled: np.ndarray) -> float:
+        """How long synchronous round ``r`` lasts on the simulated clock: until the server has heard from every
+        sampled client, under the asynchronous methods' latency model (:meth:`fedweave.faults.Faults.outcomes`,
+        the same work units: :meth:`client_work`). A client that reports counts when its upload arrives, one
+        that drops out when it would have reported (its connection closes), and the server waits at most
+        ``faults.deadline``: the slowest of these ends the round. No sampled client (a sampler may give none):
+        the round takes no time."""
+        if len(sampled) == 0:
+            return 0.0
+        times, _ = self.faults.outcomes(r, sampled, self.client_work(sampled))
+        return float(times.max())
+
+    def clock_metrics(self) -> dict[str, float]:
+        """``sim_time``, the simulated time at the end of the round, when the synchronous clock is on; else
+        nothing (the rows stay as they were without it)."""
+        return {"sim_time": self.now} if self.clocked else {}
+
+    def start_metrics(self) -> dict[str, float]:
+        """The initial model's row (``eval.at_start``) is at time 0 of the clock: every row has ``sim_time``, so
+        the run keeps its plot against simulated time."""
+        return self.clock_metrics()
 
     def transmit_uploads(self, r: int, got: Collected) -> Collected:
         """The reporting clients' uploads reach the server, recorded in the ledger: dense, or (stage 2 of the
