@@ -716,9 +716,74 @@ def test_the_tree_sensitivity_counts_every_released_node_of_a_client():
     once = [np.array([0]), np.array([1]), np.array([2]), np.array([3]), np.array([4])]
     assert tree_sensitivity(once) == 3 == (5).bit_length()  # leaf 1 in [1], [1,2], [1,4]; [1,8] is not released
     assert tree_sensitivity(once[:4]) == 3 and tree_sensitivity(once[:1]) == 1
-    every = [np.array([7])] * 4  # one client in all 4 leaves: 4 leaves x 1 + 2 pairs x 2^2 + the root 4^2
-    assert tree_sensitivity(every) == 4 + 8 + 16
-    assert tree_sensitivity([np.array([0, 1]), np.array([1])]) == 1 + 1 + 4  # client 1 in [1], [2] and twice in [1,2]
+    # one client in all 4 leaves: [1], [3], [1,2] (2^2) and [1,4] (4^2); [2], [4] and [3,4] are in no prefix sum
+    every = [np.array([7])] * 4
+    assert tree_sensitivity(every) == 1 + 1 + 4 + 16
+    assert tree_sensitivity([np.array([0, 1]), np.array([1])]) == 1 + 4  # client 1 in [1] and twice in [1,2]
+
+
+# The released nodes of a tree of T leaves, enumerated by hand as spans [first leaf, last leaf]: those that the
+# prefix sums S~_1..S~_T add (S~_1 = [1], S~_2 = [1,2], S~_3 = [1,2] + [3], S~_4 = [1,4], S~_5 = [1,4] + [5],
+# S~_6 = [1,4] + [5,6], S~_7 = [1,4] + [5,6] + [7], S~_8 = [1,8]); the right children [2], [4], [3,4], [6], [8],
+# [7,8], [5,8] are in none of them.
+RELEASED_BY_HAND = {
+    1: [(1, 1)],
+    2: [(1, 1), (1, 2)],
+    3: [(1, 1), (1, 2), (3, 3)],
+    4: [(1, 1), (1, 2), (3, 3), (1, 4)],
+    7: [(1, 1), (1, 2), (3, 3), (1, 4), (5, 5), (5, 6), (7, 7)],
+    8: [(1, 1), (1, 2), (3, 3), (1, 4), (5, 5), (5, 6), (7, 7), (1, 8)],
+}
+# who reports in leaf t (1-based), for a tree of T leaves
+PATTERNS = {
+    "each client once": lambda T: [[t] for t in range(1, T + 1)],
+    "one client in every leaf": lambda T: [[0]] * T,
+    "one client in the even leaves": lambda T: [[0] if t % 2 == 0 else [t] for t in range(1, T + 1)],
+    "one client in leaves 1 and 2": lambda T: [[0] if t <= 2 else [t] for t in range(1, T + 1)],
+}
+
+
+@pytest.mark.parametrize("T", sorted(RELEASED_BY_HAND))
+def test_the_released_nodes_are_the_nodes_of_the_prefix_sums_enumerated_by_hand(T):
+    from fedweave.privacy import decomposition
+
+    drawn = {(k * 2**h + 1, (k + 1) * 2**h) for t in range(1, T + 1) for h, k in decomposition(t)}
+    assert drawn == set(RELEASED_BY_HAND[T]) and len(drawn) == T  # one new node per leaf
+    once = max(sum(a <= leaf <= b for a, b in RELEASED_BY_HAND[T]) for leaf in range(1, T + 1))
+    assert once == math.ceil(math.log2(T + 1))  # the paper's count for a client that takes part once
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+@pytest.mark.parametrize("T", sorted(RELEASED_BY_HAND))
+def test_dp_ftrl_epsilon_counts_only_the_released_nodes(T, pattern):
+    from opacus.accountants import RDPAccountant
+
+    from fedweave.privacy import decomposition
+
+    leaves = PATTERNS[pattern](T)
+    clients = sorted({c for leaf in leaves for c in leaf})
+    # by hand: sum over the released nodes v of c_v^2, c_v the client's leaves inside v; the largest over clients
+    sens = {c: sum(sum(c in leaves[t - 1] for t in range(a, b + 1)) ** 2 for a, b in RELEASED_BY_HAND[T])
+            for c in clients}  # fmt: skip
+    hand = max(sens.values())
+    # the exact Gaussian parameter of the release itself, with no node counting: the prefix sums' noises have
+    # covariance Sigma_st = (nodes shared by s's and t's decompositions) sigma^2 C^2, and a client with aligned
+    # updates of norm C moves S~_t by Delta_t = C (its leaves <= t); the privacy loss is that of the Gaussian
+    # mechanism with sensitivity / noise = sqrt(Delta^T Sigma^-1 Delta) / (sigma C), which no bound can go below
+    nodes = [set(decomposition(t)) for t in range(1, T + 1)]
+    cov = np.array([[len(a & b) for b in nodes] for a in nodes], dtype=np.float64)
+    for c in clients:
+        delta = np.cumsum([c in leaf for leaf in leaves]).astype(np.float64)
+        assert delta @ np.linalg.solve(cov, delta) == pytest.approx(sens[c], rel=1e-12)
+    dp = _ftrl_dp(z=2.0, clip=1.0, expected=1)
+    zero = torch.zeros(3, dtype=torch.float64)
+    for leaf in leaves:
+        dp.clip(zero.expand(len(leaf), 3), torch.ones(len(leaf), dtype=torch.float64), np.array(leaf))
+        dp.noise(zero)
+    acc = RDPAccountant()
+    acc.history = [(2.0 / math.sqrt(hand), 1.0, 1)]
+    assert dp.summary()["tree_sensitivities"] == [hand]
+    assert dp.epsilon() == acc.get_epsilon(delta=1e-5)
 
 
 def test_dp_ftrl_epsilon_is_opacus_with_sigma_over_sqrt_depth_per_period(toy_config, tmp_path):
@@ -740,11 +805,19 @@ def test_dp_ftrl_epsilon_is_opacus_with_sigma_over_sqrt_depth_per_period(toy_con
     assert s["mechanism"] == "ftrl" and s["sample_rate"] == 1.0 and s["tree_sensitivities"] == [2, 2]
 
 
-def test_dp_ftrl_accounts_a_client_in_every_leaf_by_its_node_counts(toy_config, tmp_path):
-    privacy = {"noise_multiplier": 2.0}
-    res = run(load(_ftrl(toy_config, privacy, sampler={"name": "fixed"}, rounds=4)), run_dir=tmp_path / "r")
-    assert res.summary["privacy"]["tree_sensitivities"] == [28]
-    assert res.summary["privacy"]["epsilon"] == _opacus_epsilon("rdp", 2.0 / math.sqrt(28), 1.0, 1, 1e-5)
+@pytest.mark.parametrize(
+    ("restart_every", "rounds", "trees"),
+    [(None, 4, [22]), (3, 7, [6, 6, 1])],  # [1],[3],[1,2],[1,4]: 1+1+4+16; [1],[3],[1,2]: 1+1+4; [1]: 1
+)
+def test_dp_ftrl_accounts_a_client_in_every_leaf_by_its_node_counts(toy_config, tmp_path, restart_every, rounds, trees):
+    from opacus.accountants import RDPAccountant
+
+    privacy = {"noise_multiplier": 2.0, "restart_every": restart_every}
+    res = run(load(_ftrl(toy_config, privacy, sampler={"name": "fixed"}, rounds=rounds)), run_dir=tmp_path / "r")
+    assert res.summary["privacy"]["tree_sensitivities"] == trees
+    acc = RDPAccountant()
+    acc.history = [(2.0 / math.sqrt(s), 1.0, trees.count(s)) for s in dict.fromkeys(trees)]
+    assert res.summary["privacy"]["epsilon"] == acc.get_epsilon(delta=1e-5)
 
 
 def test_a_restart_starts_a_new_tree_and_zeroes_the_momentum():

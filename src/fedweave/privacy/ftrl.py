@@ -17,9 +17,14 @@ The node noises are never stored: node (tree, level h, index k) is drawn from it
 run regenerates the very same tree.
 
 Accounting (Theorem 3.1 of the paper and its Appendix D, the reduction of the tree to one Gaussian mechanism): the
-released node values are one Gaussian mechanism whose sensitivity is that of the vector of node sums. A client whose
-clipped update sits in one leaf of a tree of n leaves changes every released node that contains that leaf, at most
-``depth(n) = floor(log2 n) + 1 = ceil(log2(n + 1))`` nodes (the leaf's ancestors whose span ends at or before n),
+released node values are one Gaussian mechanism whose sensitivity is that of the vector of node sums. The released
+nodes of a tree of n leaves are those of the prefix sums S~_1..S~_n, one new node per leaf: leaf t brings the node
+of t's lowest 1-bit h, ``(h, (t >> h) - 1)``, whose index is even: a left child. A right child (odd index) is never
+in any binary decomposition: its noise is never drawn and nothing released depends on it, so it is not counted. The
+n prefix sums and the n released nodes determine each other (a triangular linear map), so the released nodes'
+sensitivity is that of the run's output, not merely a bound on it. A client whose clipped update sits in one leaf of
+a tree of n leaves changes every released node that contains that leaf, at most
+``depth(n) = floor(log2 n) + 1 = ceil(log2(n + 1))`` nodes (for the first leaf exactly: [1], [1, 2], [1, 4], ...),
 each by at most C, so the sensitivity is ``sqrt(depth) C`` and the tree is the Gaussian mechanism with noise
 multiplier ``sigma / sqrt(depth)``; the trees are composed by Opacus's RDP (or PRV) accountant with sample rate 1.
 A client that takes part in several leaves of one tree adds up inside the nodes they share: the exact worst case is
@@ -57,8 +62,9 @@ def decomposition(t: int) -> list[tuple[int, int]]:
 def tree_sensitivity(leaves: list[np.ndarray]) -> int:
     """The squared L2 sensitivity, in units of C^2, of the released nodes of a tree whose leaf j (0-based) had the
     clients ``leaves[j]``: the largest over the clients of ``sum over released nodes v of c_v^2``, c_v the client's
-    leaves inside v (its updates all pointing the same way: the worst case). A node is released once its span has
-    ended (it ends at or before leaf n = len(leaves))."""
+    leaves inside v (its updates all pointing the same way: the worst case). Node (h, k) is released when some prefix
+    sum [1, t], t <= n = len(leaves), has it in its binary decomposition: k even and its span ended by leaf n (a right
+    child, k odd, is in no decomposition, so its noise is never drawn)."""
     n = len(leaves)
     if n == 0:
         return 0
@@ -69,7 +75,7 @@ def tree_sensitivity(leaves: list[np.ndarray]) -> int:
     total: dict[int, int] = {}
     for h in range(depth(n)):
         node = pos >> h
-        released = ((node + 1) << h) <= n
+        released = (node % 2 == 0) & (((node + 1) << h) <= n)  # a left child whose span has ended
         pairs, counts = np.unique(np.stack([ids[released], node[released]], axis=1), axis=0, return_counts=True)
         for client, c in zip(pairs[:, 0].tolist(), counts.tolist()):
             total[client] = total.get(client, 0) + c * c
