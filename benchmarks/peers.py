@@ -1,5 +1,5 @@
-"""Peer-framework benchmark: fedweave against Flower 1.41's simulation engine and pfl-research 0.6's simulator on
-the same workloads.
+"""Peer-framework benchmark: fedweave against Flower 1.42's simulation engine and pfl-research 0.6's simulator on
+the same workloads (the summary names the releases each peer's runs imported).
 
 Workloads (issue 8; MNIST, FedAvg, Dirichlet(0.3) label skew, 1 local epoch, lr 0.05, global-model
 evaluation on the 10k test set every round):
@@ -125,11 +125,20 @@ def partition_digest(parts) -> str:
     return h.hexdigest()[:16]
 
 
-def peer_timings(marks: dict[str, list], launched: float, ctx) -> dict:
+def release(distribution: str) -> str:
+    """``"flwr 1.42.0"``: the installed release of a peer's distribution, as the measuring process imports it."""
+    import importlib.metadata
+
+    return f"{distribution} {importlib.metadata.version(distribution)}"
+
+
+def peer_timings(marks: dict[str, list], launched: float, ctx, distribution: str) -> dict:
     """A peer's run from the marks its callbacks left: start-up, CPU per round, train and eval seconds per
-    round (round start -> train end -> round end), the accuracies and the partition's digest."""
+    round (round start -> train end -> round end), the accuracies, the partition's digest and the peer's
+    release (``distribution`` and its installed version: a comparison holds for one release)."""
     starts, ends, trains = marks["round_start"], marks["round_end"], marks["train_end"]
     return {
+        "release": release(distribution),
         "startup": starts[0] - launched,
         "cpu": [b - a for a, b in zip(marks["cpu"], marks["cpu"][1:])],
         "train": [t - s for s, t in zip(starts, trains)],
@@ -334,7 +343,7 @@ def run_flower(workload: str, rounds: int, spec: dict, launched: float) -> dict:
         "init_args": {"num_cpus": spec["actors"] * spec["actor_cpus"]},
     }
     run_simulation(server_app=server, client_app=client, num_supernodes=n, backend_config=backend)
-    return peer_timings(marks, launched, ctx)
+    return peer_timings(marks, launched, ctx, "flwr")
 
 
 # ---- pfl-research --------------------------------------------------------------------------------
@@ -431,7 +440,7 @@ def run_pfl(workload: str, rounds: int, spec: dict, launched: float) -> dict:
         callbacks=[Marks()],
         send_metrics_to_platform=False,  # no metrics table printed each round
     )
-    return {**peer_timings(marks, launched, ctx), "threads": torch.get_num_threads()}
+    return {**peer_timings(marks, launched, ctx, "pfl"), "threads": torch.get_num_threads()}
 
 
 # ---- measurement (process-tree memory comes from fedweave.memory) ------------------------------
@@ -555,6 +564,13 @@ def _median_rounds(values: list[float]) -> float:
     return statistics.median(values[1:] or values)  # round 1 pays the warm-up
 
 
+def releases(results: dict[str, list[dict]]) -> str:
+    """The peers' releases the runs in ``results`` measured (``flower-2x1: flwr 1.42.0``), each configuration
+    once; more than one release for a configuration names them all."""
+    seen = {name: sorted({r["release"] for r in runs if "release" in r}) for name, runs in results.items()}
+    return "; ".join(f"{name}: {', '.join(found)}" for name, found in seen.items() if found)
+
+
 def summarize(workload: str, rounds: int, results: dict[str, list[dict]], threads: int) -> str:
     """One table row per configuration: medians over the repetitions, which ran interleaved."""
     fl = train_flops_per_round(workload, rounds)
@@ -601,6 +617,8 @@ def summarize(workload: str, rounds: int, results: dict[str, list[dict]], thread
     lines.append(f"Same partition in every run: {'yes' if len(digests) == 1 else 'NO'} ({', '.join(digests)}).")
     verdict = "agree" if spread <= 0.5 else "DISAGREE: the comparison is void"
     lines.append(f"Final accuracies {verdict} (spread {spread:.2f} points).")
+    if peers := releases(results):
+        lines.append(f"Peer releases measured: {peers}.")
     med_rep = {n: statistics.median(v) for n, v in per_rep.items()}
     fw = {n: v for n, v in med_rep.items() if n.startswith("fedweave")}
     for framework, label in (("flower", "Flower"), ("pfl", "pfl-research")):

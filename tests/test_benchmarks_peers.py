@@ -45,6 +45,25 @@ def test_a_missing_flower_is_refused_in_one_line_before_anything_runs(tmp_path):
     assert out.stdout == ""
 
 
+def test_the_summary_names_the_peer_release_each_configuration_measured(monkeypatch):
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import peers
+
+    assert peers.release("pytest") == f"pytest {pytest.__version__}"  # the installed release, as imported
+    run = {"train": [1.0, 1.0], "eval": [0.1, 0.1], "cpu": [1.0], "accuracy": [0.9], "partition": "p0",
+           "startup": 1.0, "load": 0.1, "processes": 1, "peak_rss": 0, "peak_pss": 0, "peak_anon": 0,
+           "peak_shmem": 0}  # fmt: skip
+    results = {
+        "fedweave-1t": [dict(run)],
+        "flower-2x1": [{**run, "release": "flwr 1.42.0"}, {**run, "release": "flwr 1.42.0"}],
+    }
+    assert peers.releases(results) == "flower-2x1: flwr 1.42.0"
+    monkeypatch.setattr(peers, "train_flops_per_round", lambda workload, rounds: [1e9, 1e9])
+    monkeypatch.setattr(peers, "matmul_gflops", lambda threads: 10.0)
+    text = peers.summarize("logistic", 2, results, threads=2)
+    assert "Peer releases measured: flower-2x1: flwr 1.42.0." in text.splitlines()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("pfl") is not None, reason="this environment has pfl")
 def test_a_python_without_pfl_is_refused_in_one_line():
     out = _peers("--workload", "mlp", "--only", "fedweave-1t", "pfl-1t", "--pfl-python", sys.executable)

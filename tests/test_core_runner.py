@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 
 import pytest
@@ -119,6 +120,44 @@ def test_divergence_stops_with_a_clear_error_and_keeps_results(toy_config, tmp_p
     assert res.summary["status"] == "diverged" and res.summary == json.loads((tmp_path / "r2/summary.json").read_text())
     with pytest.raises(ValueError, match="on_divergence"):
         run(load(cfg), run_dir=tmp_path / "r3", on_divergence="ignore")
+
+
+@pytest.mark.parametrize("server_lr, how", [(1e10, "exploded"), (1e38, "not finite")])
+def test_a_divergence_names_the_step_sizes_the_algorithm_reads(toy_config, tmp_path, server_lr, how):
+    # a server step blows the run up while local.lr is modest: the line names algorithm.server_lr too
+    cfg = {**toy_config, "algorithm": {"name": "fedavg", "clients_per_round": 4, "server_lr": server_lr}}
+    cfg["output"] = {**cfg["output"], "checkpoint_every": 1}
+    with pytest.raises(DivergenceError, match=how) as e:
+        run(load(cfg), run_dir=tmp_path / "r")
+    msg = str(e.value)
+    assert "\n" not in msg and "Lower one of its step sizes (local.lr, algorithm.server_lr)" in msg
+    if how == "exploded":  # round 1 was good: the resume hint, and that server_lr needs a new run
+        assert "local.lr=SMALLER' (an algorithm option needs a new run)" in msg
+
+
+def test_the_step_sizes_named_after_a_divergence_are_the_algorithms_own():
+    from fedweave.algorithms.base import step_size_keys
+    from fedweave.registry import ALGORITHMS
+    from fedweave.runner import _kept, divergence_advice
+
+    keys = {name: step_size_keys(ALGORITHMS.get(name)) for name in ALGORITHMS.names()}
+    assert keys["fedadam"] == keys["fedexp"] == ["local.lr", "algorithm.server_lr"]
+    assert keys["zo_hfl"] == ["local.lr", "algorithm.server_lr"]  # not eta, its smoothing radius
+    assert keys["cse_fsl"] == ["local.lr", "algorithm.client_lr", "algorithm.aux_lr", "algorithm.server_lr"]
+    assert keys["hier_fedavg"] == keys["gossip"] == ["local.lr"]
+    # a server_lr the method refuses unless 1 is not offered
+    assert keys["proxskip"] == keys["feddyn"] == keys["qffl"] == keys["fedasync"] == ["local.lr"]
+    # the confederated family reads no local key: neither local.lr nor local.grad_clip is suggested
+    saga = ALGORITHMS.get("cfl_saga")
+    assert keys["cfl_saga"] == ["algorithm.step_size", "algorithm.step_scale"]
+    assert divergence_advice(saga) == "Lower one of its step sizes (algorithm.step_size, algorithm.step_scale)."
+    assert "local.lr" not in _kept("runs/a", 3, saga) and "new run" in _kept("runs/a", 3, saga)
+    assert divergence_advice(ALGORITHMS.get("gossip")) == "Lower local.lr or enable local.grad_clip."
+    assert _kept("runs/a", 3, ALGORITHMS.get("gossip")).endswith("--resume runs/a local.lr=SMALLER'.")
+    # every key named is one a config may set
+    for name, named in keys.items():
+        fields = {f.name for f in dataclasses.fields(ALGORITHMS.get(name).Hparams)}
+        assert {k.removeprefix("algorithm.") for k in named if k.startswith("algorithm.")} <= fields, name
 
 
 def test_resume_continues_identically(toy_config, tmp_path):

@@ -243,6 +243,17 @@ def test_afind_proxies_are_billed_in_the_runs_precision():
     assert led.bytes(kind="feature_proxy") == led.count(kind="feature_proxy") * d_phi * 8
 
 
+@pytest.mark.parametrize(("name", "opts"), [("afind_plus", {}), ("dfedavg", {"selection": "afind"})])
+def test_the_loss_scalars_beside_the_proxies_are_billed_in_the_runs_precision(name, opts):
+    # F_j(w_i) comes back beside phi_j as one value of the model's dtype: 8 bytes in float64, not a fixed 4
+    cfg = config(name, neighbours=4, **opts)
+    cfg["precision"] = "float64"
+    algo = build_algorithm(RunContext(load(cfg)))
+    algo.run_round(0)
+    led = algo.ledger
+    assert led.count(kind="loss") > 0 and led.bytes(kind="loss") == led.count(kind="loss") * 8
+
+
 # -------------------------------------------------------------------------------------- AFIND+ rules
 def test_equations_closed_forms():
     s = torch.tensor([0.9, 0.1, -0.5])

@@ -131,7 +131,8 @@ def test_hierarchical_runs_deployed_in_process_equal_the_simulation(tmp_path, na
     fl = deployed_equals_simulation(cfg, tmp_path)
     per_client = 2 if name.startswith("zo_hfl") else 1  # ZO-HFL: the + and - solves
     assert fl["jobs"] == 3 * 3 * per_client  # 3 of 4 clients a round
-    assert fl["messages"] == 2 * CLIENTS + 2 * fl["jobs"]  # the start-up queries, the jobs and their replies
+    # the start-up queries, the jobs and the release queries at the end, and their replies
+    assert fl["messages"] == 2 * CLIENTS + 2 * fl["jobs"] + 2 * CLIENTS
 
 
 def _deployable(family: str) -> list[str]:
@@ -369,6 +370,29 @@ def small(name: str, rounds: int = 2, per_round: int = CLIENTS) -> dict:
         "algorithm": {"name": name, "clients_per_round": per_round},
         "local": {"steps": 2, "batch_size": 16, "lr": 0.1}, "output": {"progress": False, "plots": False},
     }  # fmt: skip
+
+
+def test_a_trial_nodes_samples_of_the_run_are_removed_at_its_end(tmp_path):
+    """A trial node derives its client's samples into ``run-<id>/client-<c>/samples.npz`` on the run's first job;
+    every run left its copy there for good. The ServerApp's release at the run's end removes that file only:
+    SCAFFOLD's client state beside it stays, and so does a node's own ``data`` file (client 0's here)."""
+    from fedweave.deploy.node_data import export_clients
+
+    cfg = small("scaffold")
+    config_json = json.dumps(load(cfg).to_dict())
+    grid = InProcessGrid(config_json, tmp_path)
+    (own,) = export_clients(load(cfg), tmp_path / "data", [0])
+    grid.contexts[1].node_config["data"] = str(own)
+    summary, _ = deployed(cfg, tmp_path, grid)
+    assert summary["status"] == "completed"
+    for c in range(CLIENTS):
+        client_dir = tmp_path / f"node-{c}" / "run-7" / f"client-{c}"
+        names = sorted(f.name for f in client_dir.iterdir())
+        assert names and all(n.startswith("round-") for n in names), (c, names)  # the client state only
+    assert own.is_file()
+    fl = summary["flower"]
+    # the start-up queries, the jobs, the release queries at the end, and the answers to each
+    assert fl["messages"] == 2 * CLIENTS + 2 * fl["jobs"] + 2 * CLIENTS
 
 
 def test_a_refused_or_stopped_run_raises_so_that_flower_records_it_as_failed(tmp_path):

@@ -496,5 +496,7 @@ def test_the_flower_extra_pins_the_release_the_executor_speaks():
     major, minor = FLOWER
     flwr = [req for req in extras["flower"] if req.startswith("flwr")]
     assert flwr == [f"flwr[simulation]>={major}.{minor},<{major}.{minor + 1}"]
+    # benchmarks/peers.py compares against the same release the tests run (the bench extra allowed any 1.x)
+    assert [req for req in extras["bench"] if req.startswith("flwr")] == flwr
     pins = [line for line in (root / "constraints.txt").read_text().splitlines() if line.startswith("flwr==")]
     assert len(pins) == 1 and pins[0].startswith(f"flwr=={major}.{minor}."), pins

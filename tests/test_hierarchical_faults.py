@@ -71,7 +71,8 @@ def test_zo_term_alone_still_learns_under_dropout(tmp_path):
 
 def test_zo_round_sums_only_the_reporters_terms():
     """Alg. 1 line 7 over the clients that reported: a dropout adds g_i = 0 (as H_{i,r} = 0, spec A3), and
-    ``partial: rescale`` divides by the number that reported."""
+    ``partial: rescale`` multiplies by m / k_r with k_r = |S_r| the number sampled (spec A3, §7), not the
+    number that reported (which it used before)."""
     for partial in ("zero", "rescale"):
         a = _build("zo_hfl", {"dropout": 0.5}, participation=1.0, lam=4.0, eta=0.2, partial=partial)
         r, x0 = 0, a.x.clone()
@@ -88,7 +89,7 @@ def test_zo_round_sums_only_the_reporters_terms():
             fp = 2.0 * a.rho[i] * ((inputs[2 * j] - y[j, 0]).double() ** 2).sum()  # (lam/2) rho_i ||x - y||^2
             fm = 2.0 * a.rho[i] * ((inputs[2 * j + 1] - y[j, 1]).double() ** 2).sum()
             gz = gz + a.dim / (2 * 0.2) * (fp - fm) * v[j].double()
-        scale = a.m / len(rep) if partial == "rescale" else 1.0
+        scale = a.m / len(sampled) if partial == "rescale" else 1.0
         m = a.run_round(r)
         assert m["reported_clients"] == len(rep) and m["participants"] == len(sampled)
         assert m["zo_evaluations"] == 2 * len(rep)

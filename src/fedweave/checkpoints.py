@@ -82,9 +82,8 @@ def save_checkpoint(
     bad = _diverged(algo_state, must_be_finite)
     if bad:
         raise DivergenceError(
-            f"round {next_round}: the algorithm state '{bad}' is not finite; the run stopped before "
-            "checkpointing it. Lower local.lr or enable local.grad_clip."
-        )
+            f"round {next_round}: the algorithm state '{bad}' is not finite; the run stopped before checkpointing it."
+        )  # the runner adds which step sizes to lower (fedweave.runner.divergence_advice)
     state = {
         "next_round": next_round,
         "wall_seconds": wall,

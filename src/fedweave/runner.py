@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 
 from fedweave import __version__, robust
-from fedweave.algorithms.base import Algorithm, RunContext, build_algorithm
+from fedweave.algorithms.base import Algorithm, RunContext, build_algorithm, reads_local, step_size_keys
 from fedweave.byo import OBJECTS_FILE, RunObjects, check_resumed_objects, check_same_objects
 from fedweave.callbacks import Callback, CallbackList, RunState, default_callbacks
 from fedweave.checkpoints import CHECKPOINT, restore_checkpoint
@@ -198,12 +198,13 @@ def _run_locked(
             if state.stop_reason:
                 break
     except DivergenceError as e:
-        status, error = "diverged", f"{e} {_kept(path, state.last_checkpoint)}"
+        parts = (str(e), divergence_advice(type(state.algo)), _kept(path, state.last_checkpoint, type(state.algo)))
+        status, error = "diverged", " ".join(p for p in parts if p)
     except RunStopped as e:
         status, error, raised = "stopped", str(e), e
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM turned into one by the command line
         raised, signal_name = e, getattr(e, "signal_name", "SIGINT")
-        status, error = "interrupted", f"stopped by {signal_name}. " + _kept(path, state.last_checkpoint, False)
+        status, error = "interrupted", f"stopped by {signal_name}. " + _kept(path, state.last_checkpoint)
     except Exception as e:  # a bug or a problem only a round can show (a plug-in, an aggregator's bound)
         cbs.on_end(state, _failed(state, e))
         raise
@@ -307,12 +308,33 @@ def _outcome(state: RunState, summary: dict[str, Any], raised: BaseException | N
     return Result(path, state.rows, summary, state.algo)
 
 
-def _kept(path: Path, checkpoint_round: int | None, smaller_lr: bool = True) -> str:
-    """What is left to continue from, for the one line that reports a stopped run."""
+def divergence_advice(cls: type[Algorithm]) -> str:
+    """What to change after a divergence, for the one line that reports it: the step sizes the algorithm
+    ``cls`` reads (:func:`~fedweave.algorithms.base.step_size_keys`: a server's ``algorithm.server_lr`` diverges
+    a run as well as ``local.lr``, and the confederated family reads no ``local`` key), and ``local.grad_clip``
+    where the algorithm reads it."""
+    keys = step_size_keys(cls)
+    clip = " or enable local.grad_clip" if reads_local(cls, "grad_clip") else ""
+    if not keys:
+        return f"Enable {clip.removeprefix(' or enable ')}." if clip else ""
+    which = keys[0] if len(keys) == 1 else f"one of its step sizes ({', '.join(keys)})"
+    return f"Lower {which}{clip}."
+
+
+def _kept(path: Path, checkpoint_round: int | None, diverged: type[Algorithm] | None = None) -> str:
+    """What is left to continue from, for the one line that reports a stopped run; after a divergence of the
+    algorithm ``diverged``, how to continue with a smaller step: a resumed run may change ``local.lr``
+    (checkpoints.RESUMABLE_LOCAL), an ``algorithm`` option only in a new run."""
     if not checkpoint_round:
         return "No checkpoint was written (output.checkpoint_every is 0 or no checkpoint round was reached)."
-    lr = " local.lr=SMALLER" if smaller_lr else ""
-    return f"The checkpoint of round {checkpoint_round} is kept; continue with 'fedweave run --resume {path}{lr}'."
+    kept = f"The checkpoint of round {checkpoint_round} is kept"
+    if diverged is None:
+        return f"{kept}; continue with 'fedweave run --resume {path}'."
+    keys = step_size_keys(diverged)
+    if "local.lr" not in keys:
+        return f"{kept}, but a resumed run may not change algorithm options: start a new run with a smaller step."
+    others = " (an algorithm option needs a new run)" if len(keys) > 1 else ""
+    return f"{kept}; continue with 'fedweave run --resume {path} local.lr=SMALLER'{others}."
 
 
 def main_metric(task: Task, rows: list[dict[str, Any]]) -> str | None:

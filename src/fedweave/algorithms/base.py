@@ -529,6 +529,10 @@ class Algorithm(metaclass=_AlgorithmMeta):
     #: Config keys the class never reads (a section such as ``model``, or one key such as ``local.steps``), each
     #: with why: set to other than its default it is refused, naming the key, when the run is built.
     unread_config: ClassVar[dict[str, str]] = {}
+    #: The ``algorithm`` options that scale a step of the method (named when a run diverges); None: its
+    #: Hparams fields named as step sizes (``lr``, ``*_lr``, ``step_size``, ``step_scale``). A method whose
+    #: ``server_lr`` must stay 1 declares its own, so the advice never names an option the run refuses.
+    step_sizes: ClassVar[tuple[str, ...] | None] = None
     #: The column a run's plots show when the task's main metric is not among its rows (a fixed task's own).
     plot_metric: ClassVar[str] = "test_loss"
     #: The state record: the attributes that a resumed run needs beyond the context, which the default
@@ -716,6 +720,30 @@ def changed_keys(config: RunConfig, key: str) -> list[str]:
             f"{key}.{f.name}" for f in dataclasses.fields(mine) if getattr(mine, f.name) != getattr(default, f.name)
         ]
     return [key] if mine != default else []
+
+
+_STEP_SIZE_NAME = re.compile(r"(.*_)?lr|step_(size|scale)")
+
+
+def step_size_keys(cls: type[Algorithm]) -> list[str]:
+    """The config keys that set a step size the algorithm ``cls`` reads, as written in a config: ``local.lr``
+    unless the class never reads it (its ``unread_config``), then its ``step_sizes`` as ``algorithm.<name>``.
+    A diverged run's message names these (fedweave.runner), not only ``local.lr``: a server's step (FedAdam's
+    ``server_lr``) or the confederated family's ``step_size`` blows up a run just as well."""
+    if cls.step_sizes is not None:
+        own = list(cls.step_sizes)
+    elif dataclasses.is_dataclass(cls.Hparams):
+        own = [f.name for f in dataclasses.fields(cls.Hparams) if _STEP_SIZE_NAME.fullmatch(f.name)]
+    else:
+        own = []
+    local = ["local.lr"] if reads_local(cls, "lr") else []
+    return local + [f"algorithm.{name}" for name in own]
+
+
+def reads_local(cls: type[Algorithm], key: str) -> bool:
+    """Whether the algorithm ``cls`` reads ``local.<key>``: False where its ``unread_config`` names the key or
+    the whole ``local`` section."""
+    return not ({"local", f"local.{key}"} & set(cls.unread_config))
 
 
 def build_algorithm(ctx: RunContext) -> Algorithm:

@@ -24,9 +24,8 @@ def check_finite(values: dict[str, Any], r: int, what: str) -> None:
     bad = {k: v for k, v in values.items() if isinstance(v, float) and not math.isfinite(v)}
     if bad:
         raise DivergenceError(
-            f"round {r + 1}: {what} is not finite ({', '.join(f'{k}={v}' for k, v in bad.items())}); "
-            "the run stopped. Lower local.lr or enable local.grad_clip."
-        )
+            f"round {r + 1}: {what} is not finite ({', '.join(f'{k}={v}' for k, v in bad.items())}); the run stopped."
+        )  # the runner adds which step sizes to lower: the algorithm's own (fedweave.runner.divergence_advice)
 
 
 def check_explosion(values: dict[str, Any], first: dict[str, float], r: int, factor: float | None) -> None:

@@ -73,14 +73,21 @@ def node_data(context: Context) -> str | None:
     return str(value) if value else None
 
 
+def derived_samples(context: Context, client: int) -> Path:
+    """Where a trial node keeps the samples it derived for ``client`` in this run:
+    ``<state-dir>/run-<run id>/client-<c>/samples.npz``, one file per client and run."""
+    return NodeState(state_dir(context), context.run_id).dir / f"client-{client}" / "samples.npz"
+
+
 def samples_file(context: Context, config_json: str, client: int) -> str:
     """The file of the client's training samples: the node's own (``data``), or, in a trial, the client's
     part of the configured dataset, derived on the run's first job into the state directory, so that the
-    run's later jobs (each a new ClientApp process) read that file instead of building the dataset again."""
+    run's later jobs (each a new ClientApp process) read that file instead of building the dataset again
+    (the ServerApp's release at the run's end removes it: :func:`query`)."""
     own = node_data(context)
     if own is not None:
         return own
-    file = NodeState(state_dir(context), context.run_id).dir / f"client-{client}" / "samples.npz"
+    file = derived_samples(context, client)
     if not file.is_file():
         train_x, train_y, parts = trial_parts(load_config(json.loads(config_json)))
         if not 0 <= client < len(parts):
@@ -110,11 +117,23 @@ def _trainer(config_json: str, data: str, client: int, num_classes: int | None) 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Which client this node holds (and, with its own data, how many samples it has)."""
+    """Which client this node holds (and, with its own data, how many samples it has). The ServerApp's query
+    at the run's end (a header ``{"release": true}``) also removes the samples a trial node derived for this
+    run: every run wrote its own copy of the client's data, and none was ever removed. Only that file of this
+    run's directory goes; a node's own ``data`` file and its client state are left as they are."""
     try:
         answer = {"partition": partition_id(context)}
     except ConfigError as e:
         return _error(msg, NODE_CONFIG, str(e))
+    if _asks_release(msg):
+        derived = derived_samples(context, answer["partition"])
+        answer["released"] = node_data(context) is None and derived.is_file()
+        if answer["released"]:
+            try:
+                derived.unlink()
+            except OSError as e:
+                return _error(msg, STATE_UNWRITABLE, f"cannot remove the client's samples {derived}: {e}")
+        return Message(to_records(answer, {}), reply_to=msg)
     data = node_data(context)
     if data is not None:
         try:
@@ -122,6 +141,15 @@ def query(msg: Message, context: Context) -> Message:
         except NodeDataError as e:
             return _error(msg, NODE_DATA, str(e))
     return Message(to_records(answer, {}), reply_to=msg)
+
+
+def _asks_release(msg: Message) -> bool:
+    """Whether a query is the ServerApp's release at the run's end (the start-up query's header is ``{}``)."""
+    try:
+        header = json.loads(from_records(msg.content)[0])
+    except (ValueError, KeyError, TypeError):  # records without a fedweave header: not the release
+        return False
+    return isinstance(header, dict) and header.get("release") is True
 
 
 def _error(msg: Message, code: int, reason: str) -> Message:

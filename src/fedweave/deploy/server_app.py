@@ -143,6 +143,27 @@ class FlowerClients(Callback):
                 )
             time.sleep(POLL)
 
+    def release(self) -> None:
+        """At the run's end, a query ``{"release": true}`` to every connected node that holds a client, which
+        removes the samples a trial node derived for this run (``client_app.query``); without it every run left a
+        copy of its client's data in the node's state directory. Waits for the answers up to ``node_wait``
+        (or ``reply_timeout``, if shorter) seconds; a node that does not answer keeps its file, with a warning."""
+        online = set(self.grid.get_node_ids())
+        nodes = sorted({n for n in self.node_of.values() if n in online})
+        msgs = [Message(to_records({"release": True}, {}), dst_node_id=n, message_type="query") for n in nodes]
+        pending = set(self.push(msgs))
+        deadline = time.monotonic() + min(self.node_wait, self.reply_timeout)
+        while pending and time.monotonic() < deadline:
+            for reply in self.pull(list(pending)):
+                pending.discard(reply.metadata.reply_to_message_id)
+                if reply.has_error():
+                    log.warning("a SuperNode kept its client's samples of this run: %s", reply.error.reason)
+            if pending:
+                time.sleep(POLL)
+        if pending:
+            log.warning("%d SuperNode(s) did not answer the release at the run's end; a trial node among them keeps "
+                        "its client's samples of this run in its state directory", len(pending))  # fmt: skip
+
     def refresh(self) -> None:
         """Between calls: ask nodes that connected since (a restarted node rejoins under a new id) without
         waiting for them, and take the answers that came in."""
@@ -561,6 +582,14 @@ def _result(params: torch.Tensor, headers: list[dict]) -> LocalResult:
     )
 
 
+def _release(clients: FlowerClients) -> None:
+    """:meth:`FlowerClients.release`, whose failure (the Grid gone with the run) is a warning, not the run's error."""
+    try:
+        clients.release()
+    except Exception as e:  # a run that failed keeps its own error, a finished one its results
+        log.warning("the release of the nodes' samples at the run's end failed: %s: %s", type(e).__name__, e)
+
+
 def _app_settings(rc: dict) -> tuple[float, float, str]:
     """The app config's ``reply-timeout``, ``node-wait`` and ``on-error``, checked here because ``flwr run
     --run-config`` sets them past ``fedweave flower-app``'s checks (to any TOML value): a bad one is a
@@ -613,6 +642,8 @@ def _main(grid: Grid, context: Context) -> None:
         if e.run_dir is None:
             raise failed from None
         out = Path(e.run_dir)
+    finally:  # however the run ended, the nodes drop what they derived for it (counted in the summary below)
+        _release(clients)
     summary = json.loads((out / "summary.json").read_text())
     summary["flower"] = clients.summary(summary["communication"]["bytes_total"])
     atomic_write(out / "summary.json", json.dumps(summary, indent=2))

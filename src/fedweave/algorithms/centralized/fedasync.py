@@ -43,6 +43,7 @@ class FedAsyncHparams(AsyncHparams):
 class FedAsync(AsyncStar):
     name = "fedasync"
     Hparams = FedAsyncHparams
+    step_sizes = ()  # server_lr must stay 1; the mixing weight alpha in (0, 1] is a convex combination
     robust_aggregation = False  # one arrival per server step: nothing to reduce, so no aggregator applies
 
     def client_rule(self, lr: float) -> LocalRule:

@@ -72,6 +72,7 @@ class FedDyn(StarAlgorithm):
     # privacy: h sums the clients' raw displacements, and the clients send their models (not updates)
     dp_refusal = "its server state h sums the clients' unclipped model displacements, outside the noised mean"
     Hparams = FedDynHparams
+    step_sizes = ()  # server_lr must stay 1: the server sets its model outright
     state_fields = (*StarAlgorithm.state_fields, "h")
     updates_are_models = True  # the server averages the local models (an attack acts on theta_i - x_t)
 

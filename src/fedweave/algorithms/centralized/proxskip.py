@@ -62,6 +62,7 @@ class ProxSkipHparams(StarHparams):
 class ProxSkip(StarAlgorithm):
     name = "proxskip"
     Hparams = ProxSkipHparams
+    step_sizes = ()  # server_lr must stay 1: the server step is the average itself
     undeployable = "its clients' control variates are updated from the average in the simulation's state store"
     handles_faults: tuple[str, ...] = ()  # a client that misses a communication breaks sum_i h_i = 0
     robust_aggregation = False

@@ -69,6 +69,7 @@ class QFedAvg(StarAlgorithm):
     name = "qfedavg"
     uploads_start_loss = True  # F_k(w^t): deployed, each node computes it on its data, in the training job
     Hparams = QFFLHparams
+    step_sizes = ()  # server_lr must stay 1: the step is sum Delta_k / sum h_k, h_k from algorithm.lipschitz
     uplink = "update+h"  # Delta_k and h_k
     # its server step is sum Delta_k / sum h_k, not a reduction of the updates to one: an aggregator, a
     # Byzantine attack on the updates or a compressor of the (Delta_k, h_k) pair would be silently bypassed

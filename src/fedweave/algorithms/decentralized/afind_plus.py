@@ -239,7 +239,7 @@ class AfindPlus(GraphAlgorithm):
             phis = torch.stack([self.noisy(phis[q], r, int(c), i, 1) for q, c in enumerate([i, *pool])])
             self.peer(r, "model", self.model_bytes, len(pool))
             self.peer(r, "feature_proxy", d_phi * self.ctx.float_bytes, len(pool))  # at the model's width
-            self.peer(r, "loss", 4, len(pool))
+            self.peer(r, "loss", self.ctx.float_bytes, len(pool))  # F_j(w_i^t): one value at the model's width
             sims = cosine(phis[0], phis[1:]).cpu()  # selection is host bookkeeping
             pos = self.state.choose(i, pool, sims, rng)  # R4-R5 (Eq. 8 or 9, threshold)
             self.state.set_threshold(i, sims[pos])  # R9 (Eqs. 10-13), used next round
@@ -271,7 +271,7 @@ class AfindPlus(GraphAlgorithm):
             else:
                 models, after, before = W0[:0], [], []
             self.peer(r, "model", self.model_bytes, len(C))
-            self.peer(r, "loss", 4, len(C))
+            self.peer(r, "loss", self.ctx.float_bytes, len(C))
             models = (
                 torch.stack([self.noisy(models[q], r, int(j), i, 2) for q, j in enumerate(C)]) if len(C) else models
             )

@@ -13,7 +13,9 @@ the server-only control (SGD on f1; spec §9.2 C4): the clients are then not con
 
 Faults (docs/reliability.md): x and v_i go to every sampled client; a client that drops out or misses the
 deadline returns nothing and adds g_i = 0, exactly like a non-participant (the paper's H_{i,r} = 0 straggler,
-§IV; spec A3), and ``partial: rescale`` divides by the number that reported. ZO-HFL keeps no personalized
+§IV; spec A3), and ``partial: rescale`` multiplies the sum by m / k_r with k_r = |S_r| the number sampled
+(spec A3 and §7: k_r = round(beta m)), not the number that reported: a dropout is a client of S_r with
+g_i = 0, as H_{i,r} = 0. ZO-HFL keeps no personalized
 state across rounds (y_0 is the input point, A4), so a dropout changes nothing on the client. The server's
 own step on f1 is unaffected: in a round nobody reports in, x still moves along grad f~1.
 """
@@ -119,7 +121,7 @@ class ZOHFL(HierarchicalAlgorithm):
         g1, f1_batch = self.server_gradient(r, hp.server_batch_size)  # grad f~1(x^_r, xi_r)
         metrics = {"server_batch_loss": f1_batch}
         g = g1.double()
-        clients = np.empty(0, dtype=np.int64)  # the clients whose solutions arrive (none for lam = 0)
+        sampled = clients = np.empty(0, dtype=np.int64)  # S_r, and those of it whose solutions arrive (lam = 0: none)
         if hp.lam > 0:
             H = self.steps(r)
             fp32 = self.x.element_size()  # bytes per value (8 in float64)
@@ -141,7 +143,9 @@ class ZOHFL(HierarchicalAlgorithm):
             half_lw = 0.5 * hp.lam * self.w[clients]
             f_diff = half_lw * ((a - b) * (a + b)).sum(1)
             gz = zo_gradient(f_diff, torch.zeros_like(f_diff), v.double(), hp.eta).sum(0)
-            scale = self.m / len(clients) if hp.partial == "rescale" else 1.0
+            # m / k_r with k_r = |S_r| the sampled count (spec A3, §7: k_r = round(beta m)): a dropout is a client of
+            # S_r whose g_i is 0, as H_{i,r} = 0 (A3); it does not shrink k_r (the reporters are a subset of S_r)
+            scale = self.m / len(sampled) if hp.partial == "rescale" else 1.0
             g = g + scale * gz
             # A13(b): the penalty estimate from the returned solutions, extrapolated to all clients
             pen = (half_lw * 0.5 * ((a * a).sum(1) + (b * b).sum(1))).sum() * self.m / len(clients)

@@ -74,6 +74,7 @@ class FedProtoHparams(StarHparams):
 class FedProto(PersonalStar):
     name = "fedproto"
     Hparams = FedProtoHparams
+    step_sizes = ()  # server_lr must stay 1: the server sets each prototype to the mean
     global_model = False  # each client keeps its whole model (the store's ``personal`` rows)
     state_fields = ("protos", "known")  # the global prototypes; the clients' models are the store's
     undeployable: ClassVar[str] = "its clients' models are kept by the simulation's state store"

@@ -65,6 +65,7 @@ class PerFedAvgHparams(StarHparams):
 class PerFedAvg(PersonalStar):
     name = "perfedavg"
     Hparams = PerFedAvgHparams
+    step_sizes = ("server_lr", "alpha")  # alpha: the personalization step of lines 6-8
     keeps_personal = False  # the personal model is one step from the global model, made when evaluated
     undeployable = "its evaluation adapts the global model on every client's data in the simulation"
 
