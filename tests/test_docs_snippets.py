@@ -1,8 +1,9 @@
 """The README's and docs/*.md's commands and config snippets hold as a newcomer copies them (the generated
 reproduction pages aside): every YAML block is a valid config, every ``fedweave run`` line names a config that
 exists and overrides it validly, no command of a page writes into a run directory that an earlier command of
-the same page filled (the run would be refused), and the two algorithm classes shown as code are the code.
-docs/extending.md's examples and docs/tasks.md's first one are executed by their own tests."""
+the same page filled (the run would be refused), the two algorithm classes shown as code are the code, and
+docs/models.md's examples run. docs/extending.md's examples and docs/tasks.md's first one are executed by their
+own tests."""
 
 from __future__ import annotations
 
@@ -169,3 +170,8 @@ def test_the_readme_algorithm_runs_and_is_fedavg(tmp_path, monkeypatch):
     mine = fedweave.run({**cfg, "algorithm": {**BASE["algorithm"], "name": "fedavg_readme"}}, run_dir=tmp_path / "a")
     ref = fedweave.run(cfg, run_dir=tmp_path / "b")
     assert [r["test_loss"] for r in mine.metrics] == [r["test_loss"] for r in ref.metrics]
+
+
+@pytest.mark.parametrize("code", [c for _, c in blocks(ROOT / "docs/models.md", "python")])
+def test_a_models_md_example_runs_as_written(code):
+    exec(compile(code, "docs/models.md", "exec", dont_inherit=True), {"__name__": "models_example"})
