@@ -2,8 +2,8 @@
 reproduction pages aside): every YAML block is a valid config, every ``fedweave run`` line names a config that
 exists and overrides it validly, no command of a page writes into a run directory that an earlier command of
 the same page filled (the run would be refused), the two algorithm classes shown as code are the code, and
-docs/models.md's examples run. docs/extending.md's examples and docs/tasks.md's first one are executed by their
-own tests."""
+docs/models.md's examples and docs/tasks.md's plug-in run. docs/extending.md's examples and docs/tasks.md's
+first one are executed by their own tests."""
 
 from __future__ import annotations
 
@@ -175,3 +175,16 @@ def test_the_readme_algorithm_runs_and_is_fedavg(tmp_path, monkeypatch):
 @pytest.mark.parametrize("code", [c for _, c in blocks(ROOT / "docs/models.md", "python")])
 def test_a_models_md_example_runs_as_written(code):
     exec(compile(code, "docs/models.md", "exec", dont_inherit=True), {"__name__": "models_example"})
+
+
+def test_the_tasks_md_plugin_registers_its_loss_for_a_config(tmp_path, monkeypatch):
+    """docs/tasks.md's myplugin.py, as written, named by a config's ``plugins`` and its loss by ``task.loss``."""
+    from fedweave.registry import LOSSES
+
+    [code] = [c for _, c in blocks(ROOT / "docs/tasks.md", "python") if c.startswith("# myplugin.py")]
+    (tmp_path / "myplugin.py").write_text(code, encoding="utf-8")
+    monkeypatch.setattr(LOSSES, "_items", dict(LOSSES._items))  # the loss it registers is forgotten after
+    monkeypatch.chdir(tmp_path)  # a plug-in file is found relative to the working directory
+    cfg = {**BASE, "dataset": {"name": "diabetes"}, "plugins": ["myplugin.py"], "task": {"loss": "l1"}}
+    res = fedweave.run(cfg, run_dir=tmp_path / "run")
+    assert res.summary["main_metric"] == "test_mse" and "l1" in LOSSES.names()
