@@ -1,0 +1,190 @@
+"""The README's and docs/*.md's commands and config snippets hold as a newcomer copies them (the generated
+reproduction pages aside): every YAML block is a valid config, every ``fedweave run`` line names a config that
+exists and overrides it validly, no command of a page writes into a run directory that an earlier command of
+the same page filled (the run would be refused), the two algorithm classes shown as code are the code, and
+docs/models.md's examples and docs/tasks.md's plug-in run. docs/extending.md's examples and docs/tasks.md's
+first one are executed by their own tests."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+import fedweave
+from fedweave.config import load
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "reproductions" not in p.parts)]
+FENCE = re.compile(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```", flags=re.S | re.M)
+# a fragment is checked inside this run (a sections' key replaces the base's)
+BASE = {
+    "rounds": 2,
+    "dataset": {"name": "digits"},
+    "partition": {"name": "iid", "num_clients": 10},
+    "model": {"name": "logistic"},
+    "algorithm": {"name": "fedavg", "clients_per_round": 4},
+    "output": {"progress": False, "plots": False},
+}
+
+
+def blocks(page: Path, *langs: str) -> list[tuple[int, str]]:
+    """The page's fenced blocks in these languages: (line of the fence, text)."""
+    text = page.read_text(encoding="utf-8")
+    return [(text.count("\n", 0, m.start()) + 1, m.group(3)) for m in FENCE.finditer(text) if m.group(2) in langs]
+
+
+def name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+YAML_BLOCKS = [(f"{name(p)}:{line}", code) for p in PAGES for line, code in blocks(p, "yaml")]
+
+
+def test_the_pages_have_yaml_blocks():
+    assert len(YAML_BLOCKS) >= 10
+
+
+@pytest.mark.parametrize("code", [c for _, c in YAML_BLOCKS], ids=[i for i, _ in YAML_BLOCKS])
+def test_a_yaml_block_is_a_valid_config(code):
+    data = yaml.safe_load(code)
+    load(data if "dataset" in data else {**BASE, **data})
+
+
+def commands(page: Path) -> list[tuple[int, list[str]]]:
+    """Each shell command of the page's unlabelled and shell blocks, and each ``fedweave.run("PATH", ...)`` of
+    its Python blocks, in the page's order: (line, argv); a Python call is ``["python", PATH, run_dir?]``."""
+    out = []
+    text = page.read_text(encoding="utf-8")
+    for m in FENCE.finditer(text):
+        line = text.count("\n", 0, m.start()) + 1
+        if m.group(2) == "python":
+            for call in re.finditer(r'fedweave\.run\(\s*"([^"]+)"(.*?)\)\n', m.group(3), flags=re.S):
+                out.append((line, ["python", call.group(1), "run_dir=" in call.group(2)]))
+        elif m.group(2) in ("", "bash", "sh"):
+            for cmd in m.group(3).replace("\\\n", " ").splitlines():
+                for part in cmd.split("&&"):
+                    try:
+                        argv = shlex.split(part, comments=True)
+                    except ValueError:  # a formula or an output listing, not a command
+                        continue
+                    if argv[:1] in (["fedweave"], ["make"]):
+                        out.append((line, argv))
+    return out
+
+
+def run_line(argv: list[str]) -> tuple[str | None, list[str], str | None, bool]:
+    """A ``fedweave run`` line's config, overrides, --out and whether it replaces or resumes a run."""
+    config, overrides, out, keeps = None, [], None, False
+    args = iter(argv[2:])
+    for a in args:
+        if a in ("--out", "--plugin"):
+            value = next(args)
+            out = value if a == "--out" else out
+        elif a in ("--overwrite", "--resume"):
+            keeps = True
+        elif a.startswith("--"):
+            continue
+        elif config is None:
+            config = a
+        else:
+            overrides.append(a)
+    return config, overrides, out, keeps
+
+
+RUN_LINES = [
+    (f"{name(p)}:{line}", argv) for p in PAGES for line, argv in commands(p) if argv[:2] == ["fedweave", "run"]
+]
+
+
+def test_the_pages_have_run_lines():
+    assert len(RUN_LINES) >= 20
+
+
+@pytest.mark.parametrize("argv", [a for _, a in RUN_LINES], ids=[i for i, _ in RUN_LINES])
+def test_a_run_line_names_a_config_that_exists_and_its_overrides_load(argv):
+    config, overrides, _, _ = run_line(argv)
+    if config is None or config.isupper() or "--resume" in argv:  # the synopsis' CONFIG; a resume's RUN_DIR
+        return
+    if not config.startswith("example:"):
+        assert (ROOT / config).is_file(), f"{config} does not exist"
+        config = str(ROOT / config)
+    load(config, overrides)
+
+
+def written(argv: list[str]) -> tuple[str | None, bool]:
+    """The run directory a page's command writes (None: a new one each time) and whether it may replace it."""
+    if argv[:2] == ["make", "demo"]:  # the Makefile: fedweave run configs/demo.yaml --overwrite
+        return load(str(ROOT / "configs/demo.yaml")).output.dir, True
+    if argv[0] == "python":
+        return (None, True) if argv[2] else (load(str(ROOT / argv[1])).output.dir, False)
+    if argv[:2] != ["fedweave", "run"]:
+        return None, True
+    config, overrides, out, keeps = run_line(argv)
+    if out is None and config is not None and not config.isupper() and "--resume" not in argv:
+        path = config if config.startswith("example:") else str(ROOT / config)
+        out = load(path, overrides).output.dir
+    return out, keeps
+
+
+@pytest.mark.parametrize("page", PAGES, ids=name)
+def test_no_command_of_a_page_writes_into_a_run_an_earlier_one_filled(page):
+    """Run in the page's order, a second run into the same directory is refused (it holds a finished run):
+    each command names its own --out / run_dir, or --overwrite / --resume where it means to."""
+    filled: dict[str, int] = {}
+    for line, argv in commands(page):
+        where, replaces = written(argv)
+        if where is None:
+            continue
+        assert replaces or where not in filled, (
+            f"{name(page)}:{line}: {' '.join(map(str, argv))} writes {where}, which line {filled.get(where)} filled"
+        )
+        filled.setdefault(where, line)
+
+
+def test_architecture_md_shows_fedprox_whole():
+    """'FedProx, whole:' is the class in fedprox.py, line for line."""
+    [block] = [c for _, c in blocks(ROOT / "docs/architecture.md", "python") if "class FedProx(" in c]
+    assert block in (ROOT / "src/fedweave/algorithms/centralized/fedprox.py").read_text(encoding="utf-8")
+
+
+def test_the_readme_algorithm_runs_and_is_fedavg(tmp_path, monkeypatch):
+    """The README's algorithm class, registered under another name, is built and runs FedAvg's numbers."""
+    from fedweave.algorithms.centralized.base import Collected, StarAlgorithm
+    from fedweave.registry import ALGORITHMS
+
+    [code] = [c for _, c in blocks(ROOT / "README.md", "python") if "@ALGORITHMS.register" in c]
+    monkeypatch.setattr(ALGORITHMS, "_items", dict(ALGORITHMS._items))
+    module = types.ModuleType("readme_algorithm")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    module.__dict__.update(torch=__import__("torch"), StarAlgorithm=StarAlgorithm, Collected=Collected)
+    register = ALGORITHMS.register
+    module.ALGORITHMS = types.SimpleNamespace(register=lambda n: register(f"{n}_readme"))
+    exec(compile(code, "README.md", "exec", dont_inherit=True), module.__dict__)
+    cfg = {**BASE, "local": {"steps": 3, "batch_size": 16, "lr": 0.1}}
+    mine = fedweave.run({**cfg, "algorithm": {**BASE["algorithm"], "name": "fedavg_readme"}}, run_dir=tmp_path / "a")
+    ref = fedweave.run(cfg, run_dir=tmp_path / "b")
+    assert [r["test_loss"] for r in mine.metrics] == [r["test_loss"] for r in ref.metrics]
+
+
+@pytest.mark.parametrize("code", [c for _, c in blocks(ROOT / "docs/models.md", "python")])
+def test_a_models_md_example_runs_as_written(code):
+    exec(compile(code, "docs/models.md", "exec", dont_inherit=True), {"__name__": "models_example"})
+
+
+def test_the_tasks_md_plugin_registers_its_loss_for_a_config(tmp_path, monkeypatch):
+    """docs/tasks.md's myplugin.py, as written, named by a config's ``plugins`` and its loss by ``task.loss``."""
+    from fedweave.registry import LOSSES
+
+    [code] = [c for _, c in blocks(ROOT / "docs/tasks.md", "python") if c.startswith("# myplugin.py")]
+    (tmp_path / "myplugin.py").write_text(code, encoding="utf-8")
+    monkeypatch.setattr(LOSSES, "_items", dict(LOSSES._items))  # the loss it registers is forgotten after
+    monkeypatch.chdir(tmp_path)  # a plug-in file is found relative to the working directory
+    cfg = {**BASE, "dataset": {"name": "diabetes"}, "plugins": ["myplugin.py"], "task": {"loss": "l1"}}
+    res = fedweave.run(cfg, run_dir=tmp_path / "run")
+    assert res.summary["main_metric"] == "test_mse" and "l1" in LOSSES.names()
