@@ -4,7 +4,7 @@ An attack is called once per round on the updates of the round's reporting attac
 send instead: ``attack(own, honest, info)`` with ``own`` the ``(a, d)`` updates the attackers computed
 honestly, ``honest`` the ``(h, d)`` updates of the round's honest clients and ``info`` the round, the
 attackers' ids, the round's number of updates and the run's seeds. The omniscient attacks (ALIE, IPM,
-Min-Max) read ``honest`` as their papers assume; in a round without an honest client they use the attackers'
+Min-Max, Min-Sum) read ``honest`` as their papers assume; in a round without an honest client they use the attackers'
 own updates (what they would compute on their own data). A data-poisoning attack (``label_flip``,
 ``backdoor``) trains on poisoned data and sends the update that training gives (``backdoor`` may boost it).
 """
@@ -222,15 +222,14 @@ class IPM(Attack):
         return _same_for_all(-self.eps * _known(own, honest).mean(0), own)
 
 
-@ATTACKS.register("min_max")
-class MinMax(Attack):
-    """Min-Max (Shejwalkar & Houmansadr, NDSS 2021, eq. 6): ``mu - gamma p``, with ``mu`` the honest mean,
-    ``p`` the perturbation (``unit_vec``: ``mu / ||mu||``; ``std``: the coordinate-wise standard deviation;
-    ``sign``: ``sign(mu)``) and the largest ``gamma`` found by the paper's halving search (from
-    ``gamma_init``, to ``tol``) for which the malicious update is no farther from any honest update than the
-    two farthest honest updates are from each other."""
+class PerturbedMean(Attack):
+    """The aggregation-agnostic attacks of Shejwalkar & Houmansadr (NDSS 2021, Sec. IV-C): every attacker sends
+    ``mu - gamma p``, with ``mu`` the honest mean, ``p`` the perturbation (``unit_vec``: ``mu / ||mu||``;
+    ``std``: the coordinate-wise standard deviation; ``sign``: ``sign(mu)``; the paper writes ``mu + gamma p``
+    with these directions negated) and the largest ``gamma`` for which :meth:`spread` of the malicious update
+    stays within :meth:`bound`, found by the paper's halving search (Alg. 1, from ``gamma_init`` to ``tol``).
+    A subclass gives the objective: :meth:`spread` and :meth:`bound`."""
 
-    name = "min_max"
     omniscient = True
 
     def __init__(
@@ -249,13 +248,22 @@ class MinMax(Attack):
             return known.std(0, correction=1 if len(known) > 1 else 0)
         return mu.sign()
 
+    def bound(self, known: torch.Tensor) -> torch.Tensor:
+        """What the malicious update's :meth:`spread` may reach: the honest updates' own, at its largest."""
+        raise NotImplementedError
+
+    def spread(self, known: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """The malicious update ``m``'s distance measure to the known updates."""
+        raise NotImplementedError
+
     def gamma(self, known: torch.Tensor, p: torch.Tensor) -> float:
-        """The paper's search: step up by half the last step while the bound holds, down while it fails."""
+        """The paper's search (Alg. 1): step up by half the last step while ``spread <= bound`` holds, down while
+        it fails; the last ``gamma`` at which it held (0.0 if none)."""
         mu = known.mean(0)
-        bound = torch.cdist(known, known).max()
+        bound = self.bound(known)
         gamma, step, good = self.gamma_init, self.gamma_init, 0.0
         while abs(good - gamma) > self.tol:
-            if (known - (mu - gamma * p)).norm(dim=1).max() <= bound:
+            if self.spread(known, mu - gamma * p) <= bound:
                 good = gamma
                 gamma = gamma + step / 2
             else:
@@ -267,3 +275,43 @@ class MinMax(Attack):
         known = _known(own, honest)
         p = self.direction(known)
         return _same_for_all(known.mean(0) - self.gamma(known, p) * p, own)
+
+
+@ATTACKS.register("min_max")
+class MinMax(PerturbedMean):
+    """Min-Max (Shejwalkar & Houmansadr, NDSS 2021, eq. 6): the largest ``gamma`` (:class:`PerturbedMean`) for
+    which the malicious update is no farther from any honest update than the two farthest honest updates are
+    from each other."""
+
+    name = "min_max"
+
+    def bound(self, known: torch.Tensor) -> torch.Tensor:
+        """The largest distance between two known updates."""
+        return torch.cdist(known, known).max()
+
+    def spread(self, known: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """The largest distance from ``m`` to a known update."""
+        return (known - m).norm(dim=1).max()
+
+
+def _sq_dist_sums(known: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``sum_j ||m_i - known_j||^2`` for each row ``m_i`` of ``m``, from the differences (no
+    ``||a||^2 + ||b||^2 - 2ab`` cancellation)."""
+    return torch.cdist(m, known, compute_mode="donot_use_mm_for_euclid_dist").pow(2).sum(1)
+
+
+@ATTACKS.register("min_sum")
+class MinSum(PerturbedMean):
+    """Min-Sum (Shejwalkar & Houmansadr, NDSS 2021, eq. 7): the largest ``gamma`` (:class:`PerturbedMean`) for
+    which the sum of squared distances from the malicious update to the honest updates is at most the largest
+    such sum of an honest update to the others."""
+
+    name = "min_sum"
+
+    def bound(self, known: torch.Tensor) -> torch.Tensor:
+        """``max_i sum_j ||g_i - g_j||^2`` over the known updates."""
+        return _sq_dist_sums(known, known).max()
+
+    def spread(self, known: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """``sum_j ||m - g_j||^2``."""
+        return _sq_dist_sums(known, m.unsqueeze(0))[0]
