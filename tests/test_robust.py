@@ -22,6 +22,7 @@ from fedweave.registry import AGGREGATORS, ATTACKS
 from fedweave.robust.aggregators import (
     Bulyan,
     CenteredClipping,
+    DnC,
     GeometricMedian,
     Krum,
     Mean,
@@ -212,6 +213,62 @@ def test_norm_bounding_caps_a_boosted_attackers_pull():
     moved = (NormBound()(u, w, 1) - honest.mean(0)).norm()
     assert float(moved) < float(honest.norm(dim=1).max())  # the attacker's share is at most M / n
     assert float((Mean()(u, w, 1) - honest.mean(0)).norm()) > 10.0
+
+
+def _dnc_reference(u: np.ndarray, f: int, niters: int, c: float, coords: list[np.ndarray]) -> np.ndarray:
+    """Alg. 2 of Shejwalkar & Houmansadr (NDSS 2021) in numpy, on the given sampled coordinates."""
+    n, good = len(u), set(range(len(u)))
+    for r in coords:
+        sub = u[:, r]
+        centered = sub - sub.mean(0)
+        v = np.linalg.svd(centered, full_matrices=False)[2][0]
+        scores = (centered @ v) ** 2
+        good &= set(np.argsort(scores, kind="stable")[: n - int(math.floor(c * f))].tolist())
+    return u[sorted(good)].mean(0)
+
+
+def test_dnc_keeps_the_honest_updates_against_obvious_outliers():
+    u, honest = _honest_and_byzantine(10, 2)
+    want = u[sorted(honest)].mean(0)
+    rng = np.random.default_rng(0)
+    torch.testing.assert_close(DnC()(u, _uniform(10), 2, rng=rng), want, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(DnC(b=2, niters=7)(u, _uniform(10), 2, rng=rng), want, rtol=1e-14, atol=1e-14)
+    # c = 2 cuts 4 a round: the good set is a subset of the honest ones
+    out = DnC(b=2, c=2.0)(u, _uniform(10), 2, rng=rng)
+    assert float((out - want).abs().max()) < 0.2 and float((out - u[sorted(set(range(10)) - honest)][0]).norm()) > 30
+
+
+@pytest.mark.parametrize(("niters", "b", "c", "f"), [(1, 4, 1.0, 2), (5, 3, 1.0, 2), (4, 6, 1.5, 1), (3, 40, 1.0, 3)])
+def test_dnc_equals_an_independent_implementation_on_the_same_coordinates(niters, b, c, f):
+    u = _rows(11, 30, seed=niters + b)
+    u[3] += 2.0  # one update off the others, so the sets differ between iterations
+    agg = DnC(niters=niters, b=b, c=c)
+    coords = [agg.coordinates(30, rng) for rng in [np.random.default_rng(9)] for _ in range(niters)]
+    assert all(len(r) == min(b, 30) and len(set(r.tolist())) == len(r) for r in coords)
+    ref = _dnc_reference(u.numpy(), f, niters, c, coords)
+    got = agg(u, _uniform(11), f, rng=np.random.default_rng(9))  # the same stream: the same coordinates
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-12, atol=1e-14)
+
+
+def test_dnc_refuses_bad_options_too_few_updates_and_an_empty_intersection_in_one_line():
+    for opts, message in [
+        ({"niters": 0}, r"^aggregator\.niters must be >= 1 .*, got 0$"),
+        ({"b": 0}, r"^aggregator\.b must be >= 1 .*, got 0$"),
+        ({"c": 0.0}, r"^aggregator\.c must be > 0 .*, got 0\.0$"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            DnC(**opts)
+    # n > floor(c f): with c = 1.5 and f = 2, three updates are cut, so three are too few
+    with pytest.raises(ConfigError, match=r"^aggregator 'dnc' needs at least 4 client updates .* f = 2 "):
+        DnC(c=1.5)(_rows(3, 4), _uniform(3), 2, rng=np.random.default_rng(0))
+    # b = 1: each iteration keeps the update nearest the mean on its one coordinate; coordinate 0 keeps row 1,
+    # coordinate 1 keeps row 3, so two iterations that sample one each have no update in common
+    u = torch.tensor([[0.0, 5.0], [10.0, 0.0], [11.0, 100.0], [12.0, 6.0]], dtype=F64)
+    agg, drawn = DnC(niters=2, b=1), iter([np.array([0]), np.array([1])])
+    agg.coordinates = lambda d, rng: next(drawn)  # type: ignore[method-assign]
+    with pytest.raises(ConfigError, match=r"^aggregator 'dnc': its 2 iterations kept no update in common") as e:
+        agg(u, _uniform(4), 3, rng=np.random.default_rng(0))
+    assert "\n" not in str(e.value)
 
 
 def test_bucketing_averages_consecutive_buckets_of_the_permutation():
@@ -409,6 +466,21 @@ def test_length_measuring_aggregators_see_displacements_when_the_rows_are_models
     assert torch.equal(median.aggregate(x + d, w, x), median.aggregate(x + d, w))
 
 
+def test_dnc_draws_from_the_rounds_and_the_peers_own_seeded_streams():
+    cfg = load({"aggregator": {"name": "dnc", "b": 2, "niters": 3, "f": 2}})
+    u, w = _rows(9, 12, seed=4), _uniform(9)
+    u[0] += 1.5
+    stage = RobustStage(cfg, Seeds(7), 9)
+    stage.at_round(5)
+    got = stage.aggregate(u, w)
+    assert torch.equal(got, DnC(b=2, niters=3)(u, w, 2, rng=Seeds(7).numpy("robust_aggregator", 5)))
+    assert torch.equal(stage.aggregate(u, w), got)  # a function of the seed and the round, not of the calls
+    peer = stage.reduce_at_peer(u, w, u[0], peer=3)
+    assert torch.equal(peer, DnC(b=2, niters=3)(u, w, 2, rng=Seeds(7).numpy("robust_aggregator", 5, 3)))
+    draws = {tuple(stage.aggregate(u, w).tolist()) for stage.round in range(6)}
+    assert len(draws) > 1  # other rounds sample other coordinates
+
+
 # ---- runs ----------------------------------------------------------------------------------------------------
 
 
@@ -460,6 +532,21 @@ def test_attack_and_robust_aggregator_runs_are_deterministic_and_resume_identica
     assert _numbers(resumed.metrics) == _numbers(full.metrics)
     ckpt = read_checkpoint(tmp_path / "part" / CHECKPOINT)
     assert "robust" in ckpt["algorithm"]  # the clipping center travels with the checkpoint
+
+
+def test_a_dnc_run_is_deterministic_and_resumes_bit_for_bit(toy_config, tmp_path):
+    cfg = _cfg(
+        toy_config,
+        aggregator={"name": "dnc", "b": 3, "niters": 3},
+        faults={"byzantine": {"fraction": 0.25, "attack": "min_sum"}},
+        output={"progress": False, "plots": False, "checkpoint_every": 1},
+    )
+    full = fedweave.run(cfg, run_dir=tmp_path / "full")
+    assert _numbers(fedweave.run(cfg, run_dir=tmp_path / "again").metrics) == _numbers(full.metrics)
+    assert all(math.isfinite(m["test_loss"]) for m in full.metrics)
+    fedweave.run({**cfg, "rounds": 2}, run_dir=tmp_path / "part")
+    resumed = resume(tmp_path / "part", ["rounds=4"], progress=False)
+    assert _numbers(resumed.metrics) == _numbers(full.metrics)
 
 
 def test_hierarchical_averaging_uses_the_aggregator_and_zo_hfl_refuses_it(tmp_path):
@@ -633,14 +720,14 @@ def test_bad_robustness_input_is_one_line(toy_config, tmp_path, change, message)
 def test_list_shows_aggregators_and_attacks(capsys):
     assert cli_main(["list"]) == 0
     out = capsys.readouterr().out
-    assert "aggregators: bulyan, centered_clipping, geometric_median, krum, mean, median" in out
+    assert "aggregators: bulyan, centered_clipping, dnc, geometric_median, krum, mean, median" in out
     assert "attacks: alie, backdoor, gaussian, ipm, label_flip, min_max, min_sum, scaled, sign_flip" in out
 
 
 # ---- docs/robustness.md ------------------------------------------------------------------------------------
 
 # registered after the grids were run (docs/robustness.md says so): not in their records
-NOT_IN_THE_GRIDS = {"min_sum"}
+NOT_IN_THE_GRIDS = {"min_sum", "dnc"}
 
 
 def test_the_committed_table_rebuilds_from_the_committed_records_byte_for_byte(tmp_path):
@@ -656,7 +743,7 @@ def test_the_committed_table_rebuilds_from_the_committed_records_byte_for_byte(t
     assert (tmp_path / "table.md").read_text() == committed and (tmp_path / "accuracy.png").stat().st_size > 0
     assert committed in (docs / "robustness.md").read_text()  # the page shows the table it was built from
     # every aggregator and attack of the registries is in the records, 3 seeds each
-    assert {r["aggregator"] for r in rows} == set(AGGREGATORS.names()) - {"multi_krum"}
+    assert {r["aggregator"] for r in rows} == set(AGGREGATORS.names()) - {"multi_krum"} - NOT_IN_THE_GRIDS
     assert {r["attack"] for r in rows} - {"none"} == set(ATTACKS.names()) - NOT_IN_THE_GRIDS
     assert {r["seed"] for r in rows} == {"0", "1", "2"}
 
@@ -701,7 +788,7 @@ def test_the_committed_gossip_table_rebuilds_from_its_records_and_is_on_the_page
     assert (tmp_path / "table.md").read_text() == committed
     assert committed in (docs / "robustness.md").read_text()
     # every attack, every aggregator whose bound a peer's 9 rows allow, 3 seeds each
-    assert {r["aggregator"] for r in rows} == set(AGGREGATORS.names()) - {"multi_krum", "bulyan"}
+    assert {r["aggregator"] for r in rows} == set(AGGREGATORS.names()) - {"multi_krum", "bulyan"} - NOT_IN_THE_GRIDS
     assert {r["attack"] for r in rows} - {"none"} == set(ATTACKS.names()) - NOT_IN_THE_GRIDS
     assert {r["seed"] for r in rows} == {"0", "1", "2"}
 
@@ -899,9 +986,9 @@ def test_a_gossip_attack_counts_the_receivers_own_row_among_the_updates_reduced(
         seen_n.append(info.n)
         return call(self, own, honest, info)
 
-    def spy_reduce(self, rows, weights, own):
+    def spy_reduce(self, rows, weights, own, peer=None):
         reduced.append(len(rows))
-        return reduce(self, rows, weights, own)
+        return reduce(self, rows, weights, own, peer)
 
     monkeypatch.setattr(Scaled, "__call__", spy_call)
     monkeypatch.setattr(RobustStage, "reduce_at_peer", spy_reduce)

@@ -161,13 +161,17 @@ class RobustStage:
         out[idx] = sent + center if center is not None else sent
         return out
 
-    def reduce_at_peer(self, rows: torch.Tensor, weights: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    def reduce_at_peer(
+        self, rows: torch.Tensor, weights: torch.Tensor, own: torch.Tensor, peer: int | None = None
+    ) -> torch.Tensor:
         """A peer's reduction of the models it received (its own among them) with its mixing ``weights``, for
         the gossip methods: stage 4 around its ``own`` model. A stateful aggregator starts afresh at every
         peer, so that centered clipping clips around the peer's own model: ClippedGossip (He, Karimireddy &
-        Jaggi, arXiv:2202.01545, 2022: ``x_i + sum_j w_ij clip(x_j - x_i, tau)``)."""
+        Jaggi, arXiv:2202.01545, 2022: ``x_i + sum_j w_ij clip(x_j - x_i, tau)``). ``peer``: the peer's id, so
+        that an aggregator that draws (DnC) draws from the peer's own ``("robust_aggregator", round, peer)``
+        stream."""
         self.aggregator.load_state_dict({})
-        return self.aggregate(rows, weights, own)
+        return self.aggregate(rows, weights, own, peer=peer)
 
     def at_round(self, r: int) -> None:
         """Record the server's round (or step) ``r``: bucketing draws its permutation from ``("bucketing", r)``.
@@ -187,20 +191,29 @@ class RobustStage:
         return math.ceil(self.fraction * n - 1e-9)
 
     def aggregate(
-        self, updates: torch.Tensor, weights: torch.Tensor, center: torch.Tensor | None = None
+        self,
+        updates: torch.Tensor,
+        weights: torch.Tensor,
+        center: torch.Tensor | None = None,
+        peer: int | None = None,
     ) -> torch.Tensor:
         """Stage 4: the robust reduction, after bucketing when ``aggregator.bucketing`` > 1 (the permutation from
         the ``("bucketing", round)`` stream). ``center``: where the rows are the clients' models (FedDyn,
         hier_fedavg), the global model they moved from; an aggregator that measures lengths then reduces the
         displacements ``y_i - x`` and the result is ``x`` plus that (the others see the models: the same
-        aggregate, and the same bits as before)."""
+        aggregate, and the same bits as before). An aggregator that draws (DnC) gets the
+        ``("robust_aggregator", round)`` stream, ``("robust_aggregator", round, peer)`` at a gossip ``peer``: a
+        function of the seed and the round, so a resumed run draws what the uninterrupted one did."""
         if center is not None and not self.aggregator.translation_equivariant:
-            return center + self.aggregate(updates - center, weights)
+            return center + self.aggregate(updates - center, weights, peer=peer)
         f = self.byzantine_f(len(updates))
         if self.bucketing > 1:
             perm = torch.from_numpy(self.seeds.numpy("bucketing", self.round).permutation(len(updates)))
             updates, weights = bucketed(updates, weights, self.bucketing, perm.to(updates.device))
             f = min(f, len(updates))
+        if self.aggregator.random:
+            keys = (self.round,) if peer is None else (self.round, peer)
+            return self.aggregator(updates, weights, f, rng=self.seeds.numpy("robust_aggregator", *keys))
         return self.aggregator(updates, weights, f)
 
     def metrics(self) -> dict[str, float]:

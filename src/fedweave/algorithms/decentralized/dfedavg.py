@@ -157,7 +157,7 @@ class DFedAvg(GraphAlgorithm):
             if self.robust is None or self.robust.plain:
                 new[i] = (wts[:, None] * rows).sum(0)
             else:
-                new[i] = self.robust.reduce_at_peer(rows, wts.to(rows.dtype), sent[i])
+                new[i] = self.robust.reduce_at_peer(rows, wts.to(rows.dtype), sent[i], peer=i)
         return new
 
     def run_round(self, r: int) -> dict[str, float]:
