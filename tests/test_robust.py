@@ -382,6 +382,15 @@ def test_attackers_come_from_the_seed_and_label_flip_poisons_only_their_samples(
     assert torch.equal(y, torch.tensor([0, 1, 2, 3, 4, 5]))  # the dataset is untouched
 
 
+@pytest.mark.parametrize(
+    ("fraction", "n", "want"),
+    [(0.25, 10, 3), (0.35, 10, 4), (0.15, 10, 2), (0.05, 10, 1), (0.07, 50, 4), (0.24, 10, 2)],
+)
+def test_a_fraction_of_the_clients_rounds_halves_up(fraction, n, want):
+    # the documented rule, floor(fraction * N + 1/2), for every half (Python's round took 2.5 to 2 and 0.5 to 0)
+    assert len(attackers({"fraction": fraction, "attack": "ipm"}, n, Seeds(0))) == want
+
+
 def test_backdoor_attackers_stamp_the_trigger_on_their_share_and_label_it_the_target():
     cfg = load({"faults": {"byzantine": {"clients": [1], "attack": "backdoor", "target": 2, "poison_fraction": 0.5}}})
     parts = [np.arange(0, 4), np.arange(4, 12), np.arange(12, 16)]
