@@ -954,6 +954,31 @@ def test_a_sampler_that_gives_too_few_updates_is_refused_before_round_0_with_the
     assert not (tmp_path / "r").exists()  # refused before anything was written
 
 
+def test_every_round_size_is_checked_where_the_bound_is_not_monotone_in_it():
+    """With f a share of the round's count rounded up, the bound is not monotone in the count: Bulyan with a
+    fifth of 20 clients as attackers passes a round of 15 (f = 3, 4f + 3 = 15) and fails one of 16 (f = 4: 19).
+    Every count is checked (before: only the fewest, so a schedule of 15 and 16 started and stopped mid-run)."""
+    from fedweave.robust.stage import build
+
+    cfg = load({"aggregator": "bulyan", "faults": {"byzantine": {"fraction": 0.2, "attack": "ipm"}}})
+    assert build(cfg, Seeds(0), 20, [15]) is not None
+    with pytest.raises(ConfigError, match=r"^aggregator 'bulyan' needs at least 19 .* f = 4 .*\(got 16\)"):
+        build(cfg, Seeds(0), 20, [16, 15])
+
+
+def test_a_schedule_with_one_round_size_beyond_the_bound_is_refused_before_round_0(toy_config, tmp_path):
+    """The toy's 12 clients, 4 of them attackers (0.34): Krum (n > 2f + 2, f = ceil(n/3)) takes a round of 9
+    (f = 3) but not one of 10 (f = 4); a schedule of 9 and 10 is refused up front with the 10's line."""
+    sampler = {"name": "schedule", "clients": [list(range(9)), list(range(10))]}
+    byz = {"byzantine": {"fraction": 0.34, "attack": "sign_flip"}}
+    cfg = _cfg(toy_config, aggregator="krum", sampler=sampler, faults=byz)
+    with pytest.raises(ConfigError) as e:
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+    assert str(e.value).startswith("aggregator 'krum' needs at least 11 client updates per round against f = 4")
+    assert "(got 10)" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
 @pytest.mark.parametrize(
     "sampler",
     [

@@ -270,14 +270,16 @@ class RobustStage:
         self.aggregator.load_state_dict(state)
 
 
-def build(config: RunConfig, seeds: Seeds, num_clients: int, per_round: int) -> RobustStage | None:
+def build(config: RunConfig, seeds: Seeds, num_clients: int, per_round: int | Iterable[int]) -> RobustStage | None:
     """The run's robust stage, or None without ``faults.byzantine`` and with the default aggregator (then the
-    family's own reduction runs, unchanged). ``per_round``: the updates of a full round, checked against the
-    aggregator's bound now rather than in round 1."""
+    family's own reduction runs, unchanged). ``per_round``: the updates of a full round, or every count a round
+    of the run can reduce, each checked against the aggregator's bound now rather than in the round that has
+    it (with ``f`` read from the count, the bound is not monotone in it: the fewest alone is not the worst)."""
     if not config.faults.byzantine and is_default(config.aggregator):
         return None
     stage = RobustStage(config, seeds, num_clients)
-    stage.check_round(per_round)
+    for n in sorted({per_round} if isinstance(per_round, int) else set(per_round)):
+        stage.check_round(n)
     return stage
 
 
