@@ -308,6 +308,23 @@ def test_attacks_send_what_their_papers_define():
     assert px is x and torch.equal(py, torch.tensor([9, 6, 0]))
 
 
+def test_alie_refuses_a_run_whose_attackers_are_a_majority_and_sends_the_mean_in_a_sampled_majority_round(
+    toy_config, tmp_path
+):
+    """Alg. 3 of Baruch et al. needs s = floor(n/2 + 1) - f > 0 supporters; 7 attackers of the toy's 12 clients
+    leave a full round none: refused before round 0 naming z (before: every round sent the honest mean, z = 0).
+    A round that sampling leaves with a majority (s <= 0) sends the mean, as documented."""
+    byz = {"fraction": 0.55, "attack": "alie"}  # 6.6 -> 7 of 12
+    with pytest.raises(ConfigError, match=r"^faults\.byzantine\.z: ALIE's z .* 7 attackers of 12 clients") as e:
+        fedweave.run(_cfg(toy_config, faults={"byzantine": byz}), run_dir=tmp_path / "r")
+    assert "\n" not in str(e.value) and not (tmp_path / "r").exists()
+    given = fedweave.run(_cfg(toy_config, rounds=1, faults={"byzantine": {**byz, "z": 1.0}}), run_dir=tmp_path / "z")
+    assert given.summary["status"] == "completed"
+    half = {"fraction": 0.5, "attack": "alie"}  # 6 of 12: s = 7 - 6 = 1 in a full round
+    assert fedweave.run(_cfg(toy_config, rounds=1, faults={"byzantine": half}), run_dir=tmp_path / "h").metrics
+    assert alie_z(10, 6) == 0.0 and alie_z(10, 5) == NormalDist().inv_cdf(0.9)  # s = 0, then s = 1
+
+
 @pytest.mark.parametrize("perturbation", ["unit_vec", "std", "sign"])
 def test_min_max_takes_the_largest_gamma_within_the_honest_diameter(perturbation):
     own, honest = _rows(2, 6, seed=7), _rows(8, 6, seed=8)

@@ -45,6 +45,10 @@ class Attack:
     def __call__(self, own: torch.Tensor, honest: torch.Tensor, info: AttackInfo) -> torch.Tensor:
         raise NotImplementedError
 
+    def check_run(self, attackers: int, num_clients: int) -> None:
+        """Refuse, before round 0 and in one line, a run of ``attackers`` among ``num_clients`` the attack is
+        not defined for (nothing by default)."""
+
     def poison(
         self, x: torch.Tensor, y: torch.Tensor, num_classes: int, high: float, rng: np.random.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +185,10 @@ class Scaled(Attack):
 
 def alie_z(n: int, f: int) -> float:
     """ALIE's ``z_max`` (Baruch et al. 2019, Alg. 3): ``s = floor(n/2 + 1) - f`` supporters are needed, and
-    ``z = Phi^{-1}((n - s) / n)``."""
+    ``z = Phi^{-1}((n - s) / n)``. Alg. 3 is defined for a minority, ``s > 0``; a round whose attackers are a
+    majority of its ``n`` updates (``s <= 0``, which sampling can give a run whose attackers are a minority of
+    its clients) gets 0.0: the attackers send the honest mean. A run whose attackers are a majority of all its
+    clients is refused before round 0 (:meth:`ALIE.check_run`)."""
     s = n // 2 + 1 - f
     return NormalDist().inv_cdf((n - s) / n) if 0 < (n - s) / n < 1 else 0.0
 
@@ -197,6 +204,16 @@ class ALIE(Attack):
 
     def __init__(self, z: float | None = None) -> None:
         self.z = z
+
+    def check_run(self, attackers: int, num_clients: int) -> None:
+        """Refuse ``z`` null where the attackers are a majority of the clients: Alg. 3's ``z_max`` needs
+        ``s = floor(n/2 + 1) - f > 0`` (for ``s <= 0`` no finite ``z`` bounds it), so a full round has none."""
+        if self.z is None and attackers >= num_clients // 2 + 1:
+            raise ConfigError(
+                f"faults.byzantine.z: ALIE's z (Baruch et al. 2019, Alg. 3) is defined while the attackers are "
+                f"fewer than half the updates (s = floor(n/2 + 1) - f > 0); this run's {attackers} attackers of "
+                f"{num_clients} clients are a majority: give z, or fewer attackers"
+            )
 
     def __call__(self, own: torch.Tensor, honest: torch.Tensor, info: AttackInfo) -> torch.Tensor:
         known = _known(own, honest)

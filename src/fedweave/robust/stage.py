@@ -119,6 +119,8 @@ class RobustStage:
         self.seeds = seeds
         self.attack_fn = build_attack(spec) if spec else None
         self.attackers = attackers(spec, num_clients, seeds)
+        if self.attack_fn is not None:
+            self.attack_fn.check_run(len(self.attackers), num_clients)
         self.num_clients = num_clients
         self.fraction = len(self.attackers) / num_clients if num_clients else 0.0
         section = config.aggregator
