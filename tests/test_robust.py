@@ -22,6 +22,7 @@ from fedweave.registry import AGGREGATORS, ATTACKS
 from fedweave.robust.aggregators import (
     Bulyan,
     CenteredClipping,
+    DnC,
     GeometricMedian,
     Krum,
     Mean,
@@ -214,6 +215,62 @@ def test_norm_bounding_caps_a_boosted_attackers_pull():
     assert float((Mean()(u, w, 1) - honest.mean(0)).norm()) > 10.0
 
 
+def _dnc_reference(u: np.ndarray, f: int, niters: int, c: float, coords: list[np.ndarray]) -> np.ndarray:
+    """Alg. 2 of Shejwalkar & Houmansadr (NDSS 2021) in numpy, on the given sampled coordinates."""
+    n, good = len(u), set(range(len(u)))
+    for r in coords:
+        sub = u[:, r]
+        centered = sub - sub.mean(0)
+        v = np.linalg.svd(centered, full_matrices=False)[2][0]
+        scores = (centered @ v) ** 2
+        good &= set(np.argsort(scores, kind="stable")[: n - int(math.floor(c * f))].tolist())
+    return u[sorted(good)].mean(0)
+
+
+def test_dnc_keeps_the_honest_updates_against_obvious_outliers():
+    u, honest = _honest_and_byzantine(10, 2)
+    want = u[sorted(honest)].mean(0)
+    rng = np.random.default_rng(0)
+    torch.testing.assert_close(DnC()(u, _uniform(10), 2, rng=rng), want, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(DnC(b=2, niters=7)(u, _uniform(10), 2, rng=rng), want, rtol=1e-14, atol=1e-14)
+    # c = 2 cuts 4 a round: the good set is a subset of the honest ones
+    out = DnC(b=2, c=2.0)(u, _uniform(10), 2, rng=rng)
+    assert float((out - want).abs().max()) < 0.2 and float((out - u[sorted(set(range(10)) - honest)][0]).norm()) > 30
+
+
+@pytest.mark.parametrize(("niters", "b", "c", "f"), [(1, 4, 1.0, 2), (5, 3, 1.0, 2), (4, 6, 1.5, 1), (3, 40, 1.0, 3)])
+def test_dnc_equals_an_independent_implementation_on_the_same_coordinates(niters, b, c, f):
+    u = _rows(11, 30, seed=niters + b)
+    u[3] += 2.0  # one update off the others, so the sets differ between iterations
+    agg = DnC(niters=niters, b=b, c=c)
+    coords = [agg.coordinates(30, rng) for rng in [np.random.default_rng(9)] for _ in range(niters)]
+    assert all(len(r) == min(b, 30) and len(set(r.tolist())) == len(r) for r in coords)
+    ref = _dnc_reference(u.numpy(), f, niters, c, coords)
+    got = agg(u, _uniform(11), f, rng=np.random.default_rng(9))  # the same stream: the same coordinates
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-12, atol=1e-14)
+
+
+def test_dnc_refuses_bad_options_too_few_updates_and_an_empty_intersection_in_one_line():
+    for opts, message in [
+        ({"niters": 0}, r"^aggregator\.niters must be >= 1 .*, got 0$"),
+        ({"b": 0}, r"^aggregator\.b must be >= 1 .*, got 0$"),
+        ({"c": 0.0}, r"^aggregator\.c must be > 0 .*, got 0\.0$"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            DnC(**opts)
+    # n > floor(c f): with c = 1.5 and f = 2, three updates are cut, so three are too few
+    with pytest.raises(ConfigError, match=r"^aggregator 'dnc' needs at least 4 client updates .* f = 2 "):
+        DnC(c=1.5)(_rows(3, 4), _uniform(3), 2, rng=np.random.default_rng(0))
+    # b = 1: each iteration keeps the update nearest the mean on its one coordinate; coordinate 0 keeps row 1,
+    # coordinate 1 keeps row 3, so two iterations that sample one each have no update in common
+    u = torch.tensor([[0.0, 5.0], [10.0, 0.0], [11.0, 100.0], [12.0, 6.0]], dtype=F64)
+    agg, drawn = DnC(niters=2, b=1), iter([np.array([0]), np.array([1])])
+    agg.coordinates = lambda d, rng: next(drawn)  # type: ignore[method-assign]
+    with pytest.raises(ConfigError, match=r"^aggregator 'dnc': its 2 iterations kept no update in common") as e:
+        agg(u, _uniform(4), 3, rng=np.random.default_rng(0))
+    assert "\n" not in str(e.value)
+
+
 def test_bucketing_averages_consecutive_buckets_of_the_permutation():
     u, w = _rows(5, 3), torch.tensor([0.1, 0.2, 0.3, 0.25, 0.15], dtype=F64)
     perm = torch.tensor([3, 0, 4, 1, 2])
@@ -251,6 +308,23 @@ def test_attacks_send_what_their_papers_define():
     assert px is x and torch.equal(py, torch.tensor([9, 6, 0]))
 
 
+def test_alie_refuses_a_run_whose_attackers_are_a_majority_and_sends_the_mean_in_a_sampled_majority_round(
+    toy_config, tmp_path
+):
+    """Alg. 3 of Baruch et al. needs s = floor(n/2 + 1) - f > 0 supporters; 7 attackers of the toy's 12 clients
+    leave a full round none: refused before round 0 naming z (before: every round sent the honest mean, z = 0).
+    A round that sampling leaves with a majority (s <= 0) sends the mean, as documented."""
+    byz = {"fraction": 0.55, "attack": "alie"}  # 6.6 -> 7 of 12
+    with pytest.raises(ConfigError, match=r"^faults\.byzantine\.z: ALIE's z .* 7 attackers of 12 clients") as e:
+        fedweave.run(_cfg(toy_config, faults={"byzantine": byz}), run_dir=tmp_path / "r")
+    assert "\n" not in str(e.value) and not (tmp_path / "r").exists()
+    given = fedweave.run(_cfg(toy_config, rounds=1, faults={"byzantine": {**byz, "z": 1.0}}), run_dir=tmp_path / "z")
+    assert given.summary["status"] == "completed"
+    half = {"fraction": 0.5, "attack": "alie"}  # 6 of 12: s = 7 - 6 = 1 in a full round
+    assert fedweave.run(_cfg(toy_config, rounds=1, faults={"byzantine": half}), run_dir=tmp_path / "h").metrics
+    assert alie_z(10, 6) == 0.0 and alie_z(10, 5) == NormalDist().inv_cdf(0.9)  # s = 0, then s = 1
+
+
 @pytest.mark.parametrize("perturbation", ["unit_vec", "std", "sign"])
 def test_min_max_takes_the_largest_gamma_within_the_honest_diameter(perturbation):
     own, honest = _rows(2, 6, seed=7), _rows(8, 6, seed=8)
@@ -264,6 +338,44 @@ def test_min_max_takes_the_largest_gamma_within_the_honest_diameter(perturbation
     assert (honest - sent[0]).norm(dim=1).max() <= diameter  # the constraint of eq. (6) holds
     assert (honest - (mu - (gamma + 1e-4) * p)).norm(dim=1).max() > diameter  # and gamma is (nearly) the largest
     assert gamma > 0
+
+
+def _min_sum_constraint(honest: torch.Tensor, m: torch.Tensor) -> bool:
+    """Eq. (7) of Shejwalkar & Houmansadr, written out in numpy: sum_i ||m - g_i||^2 <= max_i sum_j ||g_i - g_j||^2."""
+    h, m = honest.numpy(), m.numpy()
+    bound = max(sum(float(np.sum((h[i] - h[j]) ** 2)) for j in range(len(h))) for i in range(len(h)))
+    return sum(float(np.sum((m - g) ** 2)) for g in h) <= bound
+
+
+@pytest.mark.parametrize("perturbation", ["unit_vec", "std", "sign"])
+def test_min_sum_takes_the_largest_gamma_within_the_largest_honest_sum_of_squared_distances(perturbation):
+    own, honest = _rows(2, 6, seed=7), _rows(8, 6, seed=8)
+    attack = _attack("min_sum", perturbation=perturbation)
+    sent = attack(own, honest, AttackInfo(0, np.array([0, 1]), 10, Seeds(0)))
+    mu = honest.mean(0)
+    p = {"unit_vec": mu / mu.norm(), "std": honest.std(0), "sign": mu.sign()}[perturbation]
+    gamma = attack.gamma(honest, p)
+    assert torch.equal(sent, (mu - gamma * p).expand(2, 6))
+    assert _min_sum_constraint(honest, sent[0])  # the constraint holds at the returned gamma ...
+    assert not _min_sum_constraint(honest, mu - (gamma + 1e-4) * p)  # ... and fails just above it
+    # closed form: mu is the honest mean, so sum_i ||mu - gamma p - g_i||^2 = sum_i ||mu - g_i||^2 + n gamma^2 ||p||^2
+    h = honest.numpy()
+    bound = max(float(np.sum((h[i] - h) ** 2)) for i in range(8))
+    closed = math.sqrt((bound - float(np.sum((h - h.mean(0)) ** 2))) / (8 * float(p @ p)))
+    assert closed - 2e-5 <= gamma <= closed
+    # and a brute-force scan of gamma on a grid of step 1e-4 agrees to the grid's step
+    ok = [g for g in np.arange(0.0, 20.0, 1e-2) if _min_sum_constraint(honest, mu - g * p)]  # coarse, then fine
+    fine = [g for g in np.arange(ok[-1], ok[-1] + 1e-2, 1e-4) if _min_sum_constraint(honest, mu - g * p)]
+    assert abs(fine[-1] - gamma) <= 1e-4
+
+
+def test_min_sum_and_min_max_share_the_direction_and_the_search_and_differ_in_the_objective():
+    honest = _rows(8, 6, seed=8)
+    min_max, min_sum = _attack("min_max"), _attack("min_sum")
+    p = min_max.direction(honest)
+    assert torch.equal(p, min_sum.direction(honest))
+    assert type(min_max).gamma is type(min_sum).gamma  # one search, parametrised by bound() and spread()
+    assert min_sum.gamma(honest, p) != min_max.gamma(honest, p)
 
 
 def test_omniscient_attacks_read_their_own_updates_when_no_honest_client_reports():
@@ -285,6 +397,15 @@ def test_attackers_come_from_the_seed_and_label_flip_poisons_only_their_samples(
     px, py = poisoned_data(cfg, Seeds(0), x, y, parts, 6)
     assert torch.equal(py, torch.tensor([0, 1, 3, 2, 1, 5])) and px is x  # labels only: the inputs not copied
     assert torch.equal(y, torch.tensor([0, 1, 2, 3, 4, 5]))  # the dataset is untouched
+
+
+@pytest.mark.parametrize(
+    ("fraction", "n", "want"),
+    [(0.25, 10, 3), (0.35, 10, 4), (0.15, 10, 2), (0.05, 10, 1), (0.07, 50, 4), (0.24, 10, 2)],
+)
+def test_a_fraction_of_the_clients_rounds_halves_up(fraction, n, want):
+    # the documented rule, floor(fraction * N + 1/2), for every half (Python's round took 2.5 to 2 and 0.5 to 0)
+    assert len(attackers({"fraction": fraction, "attack": "ipm"}, n, Seeds(0))) == want
 
 
 def test_backdoor_attackers_stamp_the_trigger_on_their_share_and_label_it_the_target():
@@ -371,6 +492,21 @@ def test_length_measuring_aggregators_see_displacements_when_the_rows_are_models
     assert torch.equal(median.aggregate(x + d, w, x), median.aggregate(x + d, w))
 
 
+def test_dnc_draws_from_the_rounds_and_the_peers_own_seeded_streams():
+    cfg = load({"aggregator": {"name": "dnc", "b": 2, "niters": 3, "f": 2}})
+    u, w = _rows(9, 12, seed=4), _uniform(9)
+    u[0] += 1.5
+    stage = RobustStage(cfg, Seeds(7), 9)
+    stage.at_round(5)
+    got = stage.aggregate(u, w)
+    assert torch.equal(got, DnC(b=2, niters=3)(u, w, 2, rng=Seeds(7).numpy("robust_aggregator", 5)))
+    assert torch.equal(stage.aggregate(u, w), got)  # a function of the seed and the round, not of the calls
+    peer = stage.reduce_at_peer(u, w, u[0], peer=3)
+    assert torch.equal(peer, DnC(b=2, niters=3)(u, w, 2, rng=Seeds(7).numpy("robust_aggregator", 5, 3)))
+    draws = {tuple(stage.aggregate(u, w).tolist()) for stage.round in range(6)}
+    assert len(draws) > 1  # other rounds sample other coordinates
+
+
 # ---- runs ----------------------------------------------------------------------------------------------------
 
 
@@ -422,6 +558,21 @@ def test_attack_and_robust_aggregator_runs_are_deterministic_and_resume_identica
     assert _numbers(resumed.metrics) == _numbers(full.metrics)
     ckpt = read_checkpoint(tmp_path / "part" / CHECKPOINT)
     assert "robust" in ckpt["algorithm"]  # the clipping center travels with the checkpoint
+
+
+def test_a_dnc_run_is_deterministic_and_resumes_bit_for_bit(toy_config, tmp_path):
+    cfg = _cfg(
+        toy_config,
+        aggregator={"name": "dnc", "b": 3, "niters": 3},
+        faults={"byzantine": {"fraction": 0.25, "attack": "min_sum"}},
+        output={"progress": False, "plots": False, "checkpoint_every": 1},
+    )
+    full = fedweave.run(cfg, run_dir=tmp_path / "full")
+    assert _numbers(fedweave.run(cfg, run_dir=tmp_path / "again").metrics) == _numbers(full.metrics)
+    assert all(math.isfinite(m["test_loss"]) for m in full.metrics)
+    fedweave.run({**cfg, "rounds": 2}, run_dir=tmp_path / "part")
+    resumed = resume(tmp_path / "part", ["rounds=4"], progress=False)
+    assert _numbers(resumed.metrics) == _numbers(full.metrics)
 
 
 def test_hierarchical_averaging_uses_the_aggregator_and_zo_hfl_refuses_it(tmp_path):
@@ -595,8 +746,8 @@ def test_bad_robustness_input_is_one_line(toy_config, tmp_path, change, message)
 def test_list_shows_aggregators_and_attacks(capsys):
     assert cli_main(["list"]) == 0
     out = capsys.readouterr().out
-    assert "aggregators: bulyan, centered_clipping, geometric_median, krum, mean, median" in out
-    assert "attacks: alie, backdoor, gaussian, ipm, label_flip, min_max, scaled, sign_flip" in out
+    assert "aggregators: bulyan, centered_clipping, dnc, geometric_median, krum, mean, median" in out
+    assert "attacks: alie, backdoor, gaussian, ipm, label_flip, min_max, min_sum, scaled, sign_flip" in out
 
 
 # ---- docs/robustness.md ------------------------------------------------------------------------------------
@@ -817,6 +968,31 @@ def test_a_sampler_that_gives_too_few_updates_is_refused_before_round_0_with_the
     assert not (tmp_path / "r").exists()  # refused before anything was written
 
 
+def test_every_round_size_is_checked_where_the_bound_is_not_monotone_in_it():
+    """With f a share of the round's count rounded up, the bound is not monotone in the count: Bulyan with a
+    fifth of 20 clients as attackers passes a round of 15 (f = 3, 4f + 3 = 15) and fails one of 16 (f = 4: 19).
+    Every count is checked (before: only the fewest, so a schedule of 15 and 16 started and stopped mid-run)."""
+    from fedweave.robust.stage import build
+
+    cfg = load({"aggregator": "bulyan", "faults": {"byzantine": {"fraction": 0.2, "attack": "ipm"}}})
+    assert build(cfg, Seeds(0), 20, [15]) is not None
+    with pytest.raises(ConfigError, match=r"^aggregator 'bulyan' needs at least 19 .* f = 4 .*\(got 16\)"):
+        build(cfg, Seeds(0), 20, [16, 15])
+
+
+def test_a_schedule_with_one_round_size_beyond_the_bound_is_refused_before_round_0(toy_config, tmp_path):
+    """The toy's 12 clients, 4 of them attackers (0.34): Krum (n > 2f + 2, f = ceil(n/3)) takes a round of 9
+    (f = 3) but not one of 10 (f = 4); a schedule of 9 and 10 is refused up front with the 10's line."""
+    sampler = {"name": "schedule", "clients": [list(range(9)), list(range(10))]}
+    byz = {"byzantine": {"fraction": 0.34, "attack": "sign_flip"}}
+    cfg = _cfg(toy_config, aggregator="krum", sampler=sampler, faults=byz)
+    with pytest.raises(ConfigError) as e:
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+    assert str(e.value).startswith("aggregator 'krum' needs at least 11 client updates per round against f = 4")
+    assert "(got 10)" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
 @pytest.mark.parametrize(
     "sampler",
     [
@@ -858,9 +1034,9 @@ def test_a_gossip_attack_counts_the_receivers_own_row_among_the_updates_reduced(
         seen_n.append(info.n)
         return call(self, own, honest, info)
 
-    def spy_reduce(self, rows, weights, own):
+    def spy_reduce(self, rows, weights, own, peer=None):
         reduced.append(len(rows))
-        return reduce(self, rows, weights, own)
+        return reduce(self, rows, weights, own, peer)
 
     monkeypatch.setattr(Scaled, "__call__", spy_call)
     monkeypatch.setattr(RobustStage, "reduce_at_peer", spy_reduce)

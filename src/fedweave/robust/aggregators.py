@@ -8,7 +8,7 @@ star template's own reduction.
 
 Weights: the weighted mean, norm bounding, the geometric median and centered clipping use the aggregation weights (their
 papers state them weighted); the order statistics (median, trimmed mean, Krum, Bulyan) treat every update
-alike, as their papers do.
+alike, as their papers do; so does DnC, which averages the updates it keeps.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from fedweave.config import ConfigError
@@ -33,6 +34,7 @@ class Aggregator:
     name: ClassVar[str] = ""
     stateful: ClassVar[bool] = False
     translation_equivariant: ClassVar[bool] = True
+    random: ClassVar[bool] = False  # it draws: called with ``rng``, the stage's seeded stream of the reduction
 
     def min_updates(self, f: int) -> int:
         """The fewest updates with which the aggregator is defined against ``f`` Byzantine ones."""
@@ -49,8 +51,15 @@ class Aggregator:
                 "aggregator"
             )
 
-    def __call__(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
+    def __call__(
+        self, updates: torch.Tensor, weights: torch.Tensor, f: int, rng: np.random.Generator | None = None
+    ) -> torch.Tensor:
+        """The checked reduction; ``rng``: the reduction's own stream, for a ``random`` aggregator (only)."""
         self.check(len(updates), f)
+        if self.random:
+            if rng is None:
+                raise ValueError(f"aggregator {self.name!r} draws at random: call it with rng, a seeded stream")
+            return self.reduce(updates, weights, f, rng=rng)
         return self.reduce(updates, weights, f)
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
@@ -213,6 +222,72 @@ class Bulyan(Aggregator):
         med = _median(sel.sort(0).values)
         closest = (sel - med).abs().argsort(dim=0, stable=True)[:beta]
         return sel.gather(0, closest).mean(0)
+
+
+@AGGREGATORS.register("dnc")
+class DnC(Aggregator):
+    """Divide-and-Conquer (Shejwalkar & Houmansadr, NDSS 2021, Alg. 2): ``niters`` times, sample ``b``
+    coordinates, center the updates' sampled coordinates on their mean ``mu``, take the top right singular
+    vector ``v`` of the centered rows and score each update ``s_i = ((g_i - mu) . v)^2``; keep the
+    ``n - floor(c f)`` lowest scores. The aggregate is the mean of the updates kept in every iteration (the
+    intersection of the good sets). The coordinates come from the ``rng`` the stage passes (its seeded
+    stream), ``b`` of them without replacement, sorted; all of them where the update has at most ``b``.
+    Defined for ``n > floor(c f)``; a round whose good sets have no update in common is refused."""
+
+    name = "dnc"
+    random = True
+
+    def __init__(self, niters: int = 5, b: int = 10000, c: float = 1.0) -> None:
+        if niters < 1:
+            raise ConfigError(f"aggregator.niters must be >= 1 (the subsampling iterations), got {niters}")
+        if b < 1:
+            raise ConfigError(f"aggregator.b must be >= 1 (the coordinates each iteration samples), got {b}")
+        if not c > 0:
+            raise ConfigError(f"aggregator.c must be > 0 (the filtering fraction: c f updates cut), got {c}")
+        self.niters, self.b, self.c = niters, b, c
+
+    def cut(self, f: int) -> int:
+        """The updates each iteration removes: ``floor(c f)``."""
+        return math.floor(self.c * f)
+
+    def min_updates(self, f: int) -> int:
+        return self.cut(f) + 1
+
+    def coordinates(self, d: int, rng: np.random.Generator) -> np.ndarray:
+        """One iteration's sampled coordinates: ``b`` of the ``d`` without replacement, sorted (all if d <= b)."""
+        if d <= self.b:
+            return np.arange(d)
+        return np.sort(rng.choice(d, size=self.b, replace=False))
+
+    def good(self, updates: torch.Tensor, f: int, rng: np.random.Generator) -> torch.Tensor:
+        """The rows kept in every iteration, in row order."""
+        n, keep = len(updates), len(updates) - self.cut(f)
+        good = torch.ones(n, dtype=torch.bool, device=updates.device)
+        for _ in range(self.niters):
+            cols = torch.as_tensor(self.coordinates(updates.shape[1], rng), device=updates.device)
+            sub = updates[:, cols]
+            centered = sub - sub.mean(0)
+            v = torch.linalg.svd(centered, full_matrices=False).Vh[0]
+            scores = (centered @ v).pow(2)
+            kept = torch.zeros(n, dtype=torch.bool, device=updates.device)
+            kept[scores.argsort(stable=True)[:keep]] = True  # ties: the earlier row
+            good &= kept
+        return good.nonzero().flatten()
+
+    def reduce(
+        self, updates: torch.Tensor, weights: torch.Tensor, f: int, rng: np.random.Generator | None = None
+    ) -> torch.Tensor:
+        """The mean of the rows every iteration keeps."""
+        if rng is None:
+            raise ValueError("aggregator 'dnc' samples coordinates: reduce with rng, a seeded stream")
+        good = self.good(updates, f, rng)
+        if len(good) == 0:
+            raise ConfigError(
+                f"aggregator 'dnc': its {self.niters} iterations kept no update in common among {len(updates)} "
+                f"(each cuts floor(c f) = {self.cut(f)}); lower aggregator.niters, aggregator.c or aggregator.f, "
+                "or give each reduction more updates"
+            )
+        return updates[good].mean(0)
 
 
 @AGGREGATORS.register("geometric_median")

@@ -4,7 +4,7 @@ An attack is called once per round on the updates of the round's reporting attac
 send instead: ``attack(own, honest, info)`` with ``own`` the ``(a, d)`` updates the attackers computed
 honestly, ``honest`` the ``(h, d)`` updates of the round's honest clients and ``info`` the round, the
 attackers' ids, the round's number of updates and the run's seeds. The omniscient attacks (ALIE, IPM,
-Min-Max) read ``honest`` as their papers assume; in a round without an honest client they use the attackers'
+Min-Max, Min-Sum) read ``honest`` as their papers assume; in a round without an honest client they use the attackers'
 own updates (what they would compute on their own data). A data-poisoning attack (``label_flip``,
 ``backdoor``) trains on poisoned data and sends the update that training gives (``backdoor`` may boost it).
 """
@@ -44,6 +44,10 @@ class Attack:
 
     def __call__(self, own: torch.Tensor, honest: torch.Tensor, info: AttackInfo) -> torch.Tensor:
         raise NotImplementedError
+
+    def check_run(self, attackers: int, num_clients: int) -> None:
+        """Refuse, before round 0 and in one line, a run of ``attackers`` among ``num_clients`` the attack is
+        not defined for (nothing by default)."""
 
     def poison(
         self, x: torch.Tensor, y: torch.Tensor, num_classes: int, high: float, rng: np.random.Generator
@@ -181,7 +185,10 @@ class Scaled(Attack):
 
 def alie_z(n: int, f: int) -> float:
     """ALIE's ``z_max`` (Baruch et al. 2019, Alg. 3): ``s = floor(n/2 + 1) - f`` supporters are needed, and
-    ``z = Phi^{-1}((n - s) / n)``."""
+    ``z = Phi^{-1}((n - s) / n)``. Alg. 3 is defined for a minority, ``s > 0``; a round whose attackers are a
+    majority of its ``n`` updates (``s <= 0``, which sampling can give a run whose attackers are a minority of
+    its clients) gets 0.0: the attackers send the honest mean. A run whose attackers are a majority of all its
+    clients is refused before round 0 (:meth:`ALIE.check_run`)."""
     s = n // 2 + 1 - f
     return NormalDist().inv_cdf((n - s) / n) if 0 < (n - s) / n < 1 else 0.0
 
@@ -197,6 +204,16 @@ class ALIE(Attack):
 
     def __init__(self, z: float | None = None) -> None:
         self.z = z
+
+    def check_run(self, attackers: int, num_clients: int) -> None:
+        """Refuse ``z`` null where the attackers are a majority of the clients: Alg. 3's ``z_max`` needs
+        ``s = floor(n/2 + 1) - f > 0`` (for ``s <= 0`` no finite ``z`` bounds it), so a full round has none."""
+        if self.z is None and attackers >= num_clients // 2 + 1:
+            raise ConfigError(
+                f"faults.byzantine.z: ALIE's z (Baruch et al. 2019, Alg. 3) is defined while the attackers are "
+                f"fewer than half the updates (s = floor(n/2 + 1) - f > 0); this run's {attackers} attackers of "
+                f"{num_clients} clients are a majority: give z, or fewer attackers"
+            )
 
     def __call__(self, own: torch.Tensor, honest: torch.Tensor, info: AttackInfo) -> torch.Tensor:
         known = _known(own, honest)
@@ -222,15 +239,14 @@ class IPM(Attack):
         return _same_for_all(-self.eps * _known(own, honest).mean(0), own)
 
 
-@ATTACKS.register("min_max")
-class MinMax(Attack):
-    """Min-Max (Shejwalkar & Houmansadr, NDSS 2021, eq. 6): ``mu - gamma p``, with ``mu`` the honest mean,
-    ``p`` the perturbation (``unit_vec``: ``mu / ||mu||``; ``std``: the coordinate-wise standard deviation;
-    ``sign``: ``sign(mu)``) and the largest ``gamma`` found by the paper's halving search (from
-    ``gamma_init``, to ``tol``) for which the malicious update is no farther from any honest update than the
-    two farthest honest updates are from each other."""
+class PerturbedMean(Attack):
+    """The aggregation-agnostic attacks of Shejwalkar & Houmansadr (NDSS 2021, Sec. IV-C): every attacker sends
+    ``mu - gamma p``, with ``mu`` the honest mean, ``p`` the perturbation (``unit_vec``: ``mu / ||mu||``;
+    ``std``: the coordinate-wise standard deviation; ``sign``: ``sign(mu)``; the paper writes ``mu + gamma p``
+    with these directions negated) and the largest ``gamma`` for which :meth:`spread` of the malicious update
+    stays within :meth:`bound`, found by the paper's halving search (Alg. 1, from ``gamma_init`` to ``tol``).
+    A subclass gives the objective: :meth:`spread` and :meth:`bound`."""
 
-    name = "min_max"
     omniscient = True
 
     def __init__(
@@ -249,13 +265,22 @@ class MinMax(Attack):
             return known.std(0, correction=1 if len(known) > 1 else 0)
         return mu.sign()
 
+    def bound(self, known: torch.Tensor) -> torch.Tensor:
+        """What the malicious update's :meth:`spread` may reach: the honest updates' own, at its largest."""
+        raise NotImplementedError
+
+    def spread(self, known: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """The malicious update ``m``'s distance measure to the known updates."""
+        raise NotImplementedError
+
     def gamma(self, known: torch.Tensor, p: torch.Tensor) -> float:
-        """The paper's search: step up by half the last step while the bound holds, down while it fails."""
+        """The paper's search (Alg. 1): step up by half the last step while ``spread <= bound`` holds, down while
+        it fails; the last ``gamma`` at which it held (0.0 if none)."""
         mu = known.mean(0)
-        bound = torch.cdist(known, known).max()
+        bound = self.bound(known)
         gamma, step, good = self.gamma_init, self.gamma_init, 0.0
         while abs(good - gamma) > self.tol:
-            if (known - (mu - gamma * p)).norm(dim=1).max() <= bound:
+            if self.spread(known, mu - gamma * p) <= bound:
                 good = gamma
                 gamma = gamma + step / 2
             else:
@@ -267,3 +292,43 @@ class MinMax(Attack):
         known = _known(own, honest)
         p = self.direction(known)
         return _same_for_all(known.mean(0) - self.gamma(known, p) * p, own)
+
+
+@ATTACKS.register("min_max")
+class MinMax(PerturbedMean):
+    """Min-Max (Shejwalkar & Houmansadr, NDSS 2021, eq. 6): the largest ``gamma`` (:class:`PerturbedMean`) for
+    which the malicious update is no farther from any honest update than the two farthest honest updates are
+    from each other."""
+
+    name = "min_max"
+
+    def bound(self, known: torch.Tensor) -> torch.Tensor:
+        """The largest distance between two known updates."""
+        return torch.cdist(known, known).max()
+
+    def spread(self, known: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """The largest distance from ``m`` to a known update."""
+        return (known - m).norm(dim=1).max()
+
+
+def _sq_dist_sums(known: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``sum_j ||m_i - known_j||^2`` for each row ``m_i`` of ``m``, from the differences (no
+    ``||a||^2 + ||b||^2 - 2ab`` cancellation)."""
+    return torch.cdist(m, known, compute_mode="donot_use_mm_for_euclid_dist").pow(2).sum(1)
+
+
+@ATTACKS.register("min_sum")
+class MinSum(PerturbedMean):
+    """Min-Sum (Shejwalkar & Houmansadr, NDSS 2021, eq. 7): the largest ``gamma`` (:class:`PerturbedMean`) for
+    which the sum of squared distances from the malicious update to the honest updates is at most the largest
+    such sum of an honest update to the others."""
+
+    name = "min_sum"
+
+    def bound(self, known: torch.Tensor) -> torch.Tensor:
+        """``max_i sum_j ||g_i - g_j||^2`` over the known updates."""
+        return _sq_dist_sums(known, known).max()
+
+    def spread(self, known: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """``sum_j ||m - g_j||^2``."""
+        return _sq_dist_sums(known, m.unsqueeze(0))[0]

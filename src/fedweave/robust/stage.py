@@ -69,8 +69,15 @@ def _count(section: Section, key: str) -> int | None:
     return v
 
 
+def attacker_count(fraction: float, num_clients: int) -> int:
+    """``fraction * N`` to the nearest whole number, halves up: ``floor(fraction * N + 1/2)`` (Python's round
+    would take halves to the even number: 0.25 of 10 clients 2, 0.35 of 10 clients 4). The 1e-9 keeps a half
+    written in decimal a half (0.07 * 50 is 3.5000000000000004, 0.15 * 10 1.5 exactly)."""
+    return math.floor(fraction * num_clients + 0.5 + 1e-9)
+
+
 def attackers(spec: dict[str, Any] | None, num_clients: int, seeds: Seeds) -> np.ndarray:
-    """The run's Byzantine clients, sorted: ``clients`` as given, or ``round(fraction * N)`` of the N clients
+    """The run's Byzantine clients, sorted: ``clients`` as given, or :func:`attacker_count` of the N clients
     drawn without replacement from the ``byzantine`` seed stream (so the same for every seed-equal run)."""
     if not spec:
         return np.zeros(0, dtype=np.int64)
@@ -82,7 +89,7 @@ def attackers(spec: dict[str, Any] | None, num_clients: int, seeds: Seeds) -> np
                 f"(ids 0..{num_clients - 1})"
             )
         return ids
-    f = round(float(spec.get("fraction") or 0.0) * num_clients)
+    f = attacker_count(float(spec.get("fraction") or 0.0), num_clients)
     return np.sort(seeds.numpy("byzantine").choice(num_clients, f, replace=False)).astype(np.int64)
 
 
@@ -112,6 +119,8 @@ class RobustStage:
         self.seeds = seeds
         self.attack_fn = build_attack(spec) if spec else None
         self.attackers = attackers(spec, num_clients, seeds)
+        if self.attack_fn is not None:
+            self.attack_fn.check_run(len(self.attackers), num_clients)
         self.num_clients = num_clients
         self.fraction = len(self.attackers) / num_clients if num_clients else 0.0
         section = config.aggregator
@@ -161,13 +170,17 @@ class RobustStage:
         out[idx] = sent + center if center is not None else sent
         return out
 
-    def reduce_at_peer(self, rows: torch.Tensor, weights: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    def reduce_at_peer(
+        self, rows: torch.Tensor, weights: torch.Tensor, own: torch.Tensor, peer: int | None = None
+    ) -> torch.Tensor:
         """A peer's reduction of the models it received (its own among them) with its mixing ``weights``, for
         the gossip methods: stage 4 around its ``own`` model. A stateful aggregator starts afresh at every
         peer, so that centered clipping clips around the peer's own model: ClippedGossip (He, Karimireddy &
-        Jaggi, arXiv:2202.01545, 2022: ``x_i + sum_j w_ij clip(x_j - x_i, tau)``)."""
+        Jaggi, arXiv:2202.01545, 2022: ``x_i + sum_j w_ij clip(x_j - x_i, tau)``). ``peer``: the peer's id, so
+        that an aggregator that draws (DnC) draws from the peer's own ``("robust_aggregator", round, peer)``
+        stream."""
         self.aggregator.load_state_dict({})
-        return self.aggregate(rows, weights, own)
+        return self.aggregate(rows, weights, own, peer=peer)
 
     def at_round(self, r: int) -> None:
         """Record the server's round (or step) ``r``: bucketing draws its permutation from ``("bucketing", r)``.
@@ -187,20 +200,29 @@ class RobustStage:
         return math.ceil(self.fraction * n - 1e-9)
 
     def aggregate(
-        self, updates: torch.Tensor, weights: torch.Tensor, center: torch.Tensor | None = None
+        self,
+        updates: torch.Tensor,
+        weights: torch.Tensor,
+        center: torch.Tensor | None = None,
+        peer: int | None = None,
     ) -> torch.Tensor:
         """Stage 4: the robust reduction, after bucketing when ``aggregator.bucketing`` > 1 (the permutation from
         the ``("bucketing", round)`` stream). ``center``: where the rows are the clients' models (FedDyn,
         hier_fedavg), the global model they moved from; an aggregator that measures lengths then reduces the
         displacements ``y_i - x`` and the result is ``x`` plus that (the others see the models: the same
-        aggregate, and the same bits as before)."""
+        aggregate, and the same bits as before). An aggregator that draws (DnC) gets the
+        ``("robust_aggregator", round)`` stream, ``("robust_aggregator", round, peer)`` at a gossip ``peer``: a
+        function of the seed and the round, so a resumed run draws what the uninterrupted one did."""
         if center is not None and not self.aggregator.translation_equivariant:
-            return center + self.aggregate(updates - center, weights)
+            return center + self.aggregate(updates - center, weights, peer=peer)
         f = self.byzantine_f(len(updates))
         if self.bucketing > 1:
             perm = torch.from_numpy(self.seeds.numpy("bucketing", self.round).permutation(len(updates)))
             updates, weights = bucketed(updates, weights, self.bucketing, perm.to(updates.device))
             f = min(f, len(updates))
+        if self.aggregator.random:
+            keys = (self.round,) if peer is None else (self.round, peer)
+            return self.aggregator(updates, weights, f, rng=self.seeds.numpy("robust_aggregator", *keys))
         return self.aggregator(updates, weights, f)
 
     def metrics(self) -> dict[str, float]:
@@ -250,14 +272,16 @@ class RobustStage:
         self.aggregator.load_state_dict(state)
 
 
-def build(config: RunConfig, seeds: Seeds, num_clients: int, per_round: int) -> RobustStage | None:
+def build(config: RunConfig, seeds: Seeds, num_clients: int, per_round: int | Iterable[int]) -> RobustStage | None:
     """The run's robust stage, or None without ``faults.byzantine`` and with the default aggregator (then the
-    family's own reduction runs, unchanged). ``per_round``: the updates of a full round, checked against the
-    aggregator's bound now rather than in round 1."""
+    family's own reduction runs, unchanged). ``per_round``: the updates of a full round, or every count a round
+    of the run can reduce, each checked against the aggregator's bound now rather than in the round that has
+    it (with ``f`` read from the count, the bound is not monotone in it: the fewest alone is not the worst)."""
     if not config.faults.byzantine and is_default(config.aggregator):
         return None
     stage = RobustStage(config, seeds, num_clients)
-    stage.check_round(per_round)
+    for n in sorted({per_round} if isinstance(per_round, int) else set(per_round)):
+        stage.check_round(n)
     return stage
 
 

@@ -365,6 +365,17 @@ class Sampler:
             return min(len(ids) for ids in plan[: self.rounds])  # round r takes entry r % len(plan)
         return self.per_round
 
+    def sizes(self) -> tuple[int, ...]:
+        """Every count of clients the sampler gives in a round of the run, where known when the run is built,
+        ascending: ``fixed``'s one, the lengths of the ``schedule`` entries the run's rounds use, ``per_round``
+        for the others. What a robust aggregator's bound is checked against before round 0: a bound that reads
+        ``f`` from the round's count (a share of attackers, rounded up) is not monotone in it, so the fewest
+        alone is not the worst (Bulyan with a fifth of the clients: 15 pass, 16 need 19)."""
+        if self.fn is schedule:
+            plan = _plan(self.options.get("clients"), self.options.get("file"))
+            return tuple(sorted({len(ids) for ids in plan[: self.rounds]}))
+        return (self.fewest(),)
+
     def expected(self, rounds: int | None = None) -> int | float:
         """The mean number of clients a round of the run takes: :meth:`fewest` for every sampler but ``schedule``,
         whose count is the mean length of the entries the run's rounds take (an int where it is whole). DP-FedAvg's

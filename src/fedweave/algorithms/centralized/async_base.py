@@ -148,8 +148,8 @@ class AsyncStar(StarAlgorithm):
         self.lost: dict[int, str] = {}  # the jobs in flight that deliver nothing: job id -> "drop" or "timeout"
         self.lost_in_a_row = 0  # jobs lost since the last upload that arrived
 
-    def reduced_per_round(self) -> int:
-        return 1  # a server step takes one arrival (FedBuff's: one buffer of them)
+    def reduced_per_round(self) -> tuple[int, ...]:
+        return (1,)  # a server step takes one arrival (FedBuff's: one buffer of them)
 
     # ---- the simulated clock ---------------------------------------------------------------------
     def dispatch(self, r: int) -> None:

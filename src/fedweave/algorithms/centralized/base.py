@@ -255,11 +255,11 @@ class StarAlgorithm(Algorithm):
         if clients is not None and self.store is not None:
             self.store.load_state_dict(clients)
 
-    def reduced_per_round(self) -> int:
-        """The client updates one server step reduces when every client reports: the round's clients, the fewest
-        the sampler gives in any round (a ``fixed`` or ``schedule`` sampler's own count, else
+    def reduced_per_round(self) -> tuple[int, ...]:
+        """The counts of client updates a server step reduces when every client reports: the round's clients,
+        every count the sampler gives in a round (a ``fixed`` or ``schedule`` sampler's own, else
         ``clients_per_round``): what a robust aggregator's bound is checked against when the run is built."""
-        return self.sampler.fewest()
+        return self.sampler.sizes()
 
     @property
     def num_params(self) -> int:

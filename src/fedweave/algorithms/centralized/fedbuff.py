@@ -39,8 +39,8 @@ class FedBuff(AsyncStar):
         super().__init__(ctx, hp)
         self.buffer_size = hp.buffer_size
 
-    def reduced_per_round(self) -> int:
-        return self.hp.buffer_size  # a server step reduces one buffer of K arrivals
+    def reduced_per_round(self) -> tuple[int, ...]:
+        return (self.hp.buffer_size,)  # a server step reduces one buffer of K arrivals
 
     def apply(self, deltas: torch.Tensor, models: torch.Tensor, weights: torch.Tensor, s: torch.Tensor) -> None:
         if self.robust is None:

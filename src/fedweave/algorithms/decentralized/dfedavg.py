@@ -74,8 +74,8 @@ class DFedAvg(GraphAlgorithm):
         self.robust = self._robust_stage(ctx, hp)
 
     def _robust_stage(self, ctx: RunContext, hp: DFedAvgHparams) -> robust.RobustStage | None:
-        """The run's attack and per-peer reduction (None without either), checked against the fewest models a
-        peer mixes: itself and its neighbours (``neighbours`` of them when sampled)."""
+        """The run's attack and per-peer reduction (None without either), checked against the count of models
+        each peer mixes: itself and its neighbours (``neighbours`` of them when sampled)."""
         section = ctx.config.aggregator
         if not ctx.config.faults.byzantine and is_default(section):
             return None
@@ -88,8 +88,8 @@ class DFedAvg(GraphAlgorithm):
             raise ConfigError(
                 f"aggregator.bucketing: a peer reduces the few models it receives; leave it out for {self.name}"
             )
-        fewest = min(len(nb) for nb in self.neighbours)
-        rows = 1 + (fewest if self.mixing is not None else min(hp.neighbours, fewest))
+        # every peer's count (a bound that reads f from the count is not monotone in it, so not the fewest alone)
+        rows = {1 + (len(nb) if self.mixing is not None else min(hp.neighbours, len(nb))) for nb in self.neighbours}
         return robust.build(ctx.config, ctx.seeds, self.num_clients, rows)
 
     def evaluated_clients(self) -> np.ndarray | None:
@@ -150,7 +150,7 @@ class DFedAvg(GraphAlgorithm):
             if self.robust is None or self.robust.plain:
                 new[i] = (wts[:, None] * rows).sum(0)
             else:
-                new[i] = self.robust.reduce_at_peer(rows, wts.to(rows.dtype), sent[i])
+                new[i] = self.robust.reduce_at_peer(rows, wts.to(rows.dtype), sent[i], peer=i)
         return new
 
     def run_round(self, r: int) -> dict[str, float]:

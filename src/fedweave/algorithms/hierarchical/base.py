@@ -515,8 +515,9 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
         super().__init__(ctx, hp)
         self.compression = upload_compression(ctx, self.dim, self.m)  # None unless compression.upload is set
         # a robust aggregator; None: the mean
-        # checked against the fewest clients the sampler gives in a round (a fixed or schedule sampler's own count)
-        self.robust = robust.build(ctx.config, ctx.seeds, self.m, len(self.jobs_of(np.arange(self.sampler.fewest()))))
+        # checked against every count of clients the sampler gives in a round (a fixed or schedule sampler's own)
+        sizes = [len(self.jobs_of(np.arange(n))) for n in self.sampler.sizes()]
+        self.robust = robust.build(ctx.config, ctx.seeds, self.m, sizes)
 
     def state_dict(self) -> dict:
         out = super().state_dict()
