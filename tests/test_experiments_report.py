@@ -385,3 +385,34 @@ def test_report_replaces_an_earlier_report_but_no_other_file(tmp_path, capsys):
     out = tmp_path / "report.html"
     assert cli_main(["report", str(tmp_path / "run"), "--out", str(out)]) == 0
     assert cli_main(["report", str(tmp_path / "run"), "--out", str(out)]) == 0  # its own earlier report: replaced
+
+
+def test_report_renders_a_sweeps_comparison_with_its_baseline_from_the_runs_files(toy_config, tmp_path):
+    import html as _html
+
+    from scipy import stats
+
+    res = fedweave.sweep({**toy_config, "rounds": 2}, {"algorithm.name": ["fedavg", "fedprox"]}, seeds=3,
+                         out=tmp_path / "s", progress=False, baseline="fedavg")  # fmt: skip
+    page = build_report([res.out_dir])
+    head, base, other = _dom(page).table("summary")
+    cols = {h: i for i, h in enumerate(head)}
+    assert {"test_accuracy − baseline", "95 % paired t interval", "pairs", "vs baseline", "unpaired"} <= set(cols)
+    assert "against the baseline algorithm.name=fedavg, paired by seed (t interval)" in page
+    assert base[cols["vs baseline"]] == "baseline"
+    row = {r["point"]: r for r in res.summary}["algorithm.name=fedprox"]
+    diff, low, high = (row[f"test_accuracy_diff{k}"] for k in ("", "_low", "_high"))
+    assert other[cols["test_accuracy − baseline"]] == f"{diff:.4g}"
+    assert other[cols["95 % paired t interval"]] == f"[{low:.4g}, {high:.4g}]"
+    assert (other[cols["pairs"]], other[cols["vs baseline"]]) == ("3", row["vs_baseline"])
+    assert f'title="{_html.escape(f"{low!r}, {high!r}")}"' in page  # the exact values summary.csv holds
+
+    # a seed that has not finished (killed): the report pairs the seeds that have, and names it
+    finals = {(r["point"], r["seed"]): r["final_test_accuracy"] for r in res.records}
+    (res.out_dir / "runs" / "algorithm.name=fedprox,seed=5" / "summary.json").unlink()
+    head, _, other = _dom(build_report([res.out_dir])).table("summary")
+    d = np.array([finals[("algorithm.name=fedprox", s)] - finals[("algorithm.name=fedavg", s)] for s in (3, 4)])
+    half = stats.t.ppf(0.975, 1) * d.std(ddof=1) / np.sqrt(2)
+    assert other[cols["test_accuracy − baseline"]] == f"{d.mean():.4g}"
+    assert other[cols["95 % paired t interval"]] == f"[{d.mean() - half:.4g}, {d.mean() + half:.4g}]"
+    assert (other[cols["pairs"]], other[cols["unpaired"]]) == ("2", "5 unfinished")

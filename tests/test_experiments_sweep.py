@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import os
 import signal
 import subprocess
@@ -213,3 +214,199 @@ def test_an_unfinished_run_of_another_config_is_not_replaced(toy_config, tmp_pat
     with pytest.raises(RunFailed, match="RunDirError: .* already holds an unfinished run") as e:
         fedweave.sweep({**toy_config, "rounds": 3}, {"local.lr": [0.05]}, out=tmp_path / "s", progress=False)
     assert isinstance(e.value.__cause__, RunDirError)
+
+
+# ---- every point against a baseline point, paired by seed (--baseline) ----------------------------------------
+ALGOS = ["--grid", "algorithm.name=fedavg,fedprox,scaffold", "--seeds", "3"]
+
+
+@pytest.fixture(scope="module")
+def algos(tmp_path_factory):
+    """A 3-point x 3-seed sweep of 2 rounds, run once with --baseline fedavg: its directory and its printout."""
+    import contextlib
+    import io
+
+    d = tmp_path_factory.mktemp("algos")
+    cfg = d / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**TOY, "rounds": 2}))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = cli_main(["sweep", str(cfg), *ALGOS, "--baseline", "algorithm.name=fedavg", "--out", str(d / "s"),
+                       "--no-progress"])  # fmt: skip
+    assert rc == 0
+    return cfg, d / "s", printed.getvalue()
+
+
+TOY = {  # tests/conftest.py's toy_config, for a fixture shared by several tests
+    "name": "toy",
+    "seed": 3,
+    "rounds": 4,
+    "dataset": {"name": "_toy"},
+    "partition": {"name": "dirichlet", "num_clients": 12, "alpha": 0.5, "min_size": 20},
+    "model": {"name": "logistic"},
+    "algorithm": {"name": "fedavg", "clients_per_round": 4},
+    "local": {"epochs": 1, "batch_size": 16, "lr": 0.1},
+    "output": {"progress": False, "plots": False},
+}
+
+
+def _finals(out) -> dict[tuple[str, int], float]:
+    """Each run's final test accuracy read from its own summary.json, by (algorithm, seed)."""
+    import json
+
+    got = {}
+    for run in (out / "runs").iterdir():
+        conf = yaml.safe_load((run / "config.yaml").read_text())
+        got[(conf["algorithm"]["name"], conf["seed"])] = json.loads((run / "summary.json").read_text())["final"][
+            "test_accuracy"
+        ]
+    return got
+
+
+def test_points_against_a_baseline_equal_a_paired_t_interval_computed_from_the_runs(algos):
+    import json
+
+    import numpy as np
+    from scipy import stats
+
+    _, out, printed = algos
+    finals = _finals(out)
+    summary = {r["point"]: r for r in _read(out / "summary.csv")}
+    for algo in ("fedprox", "scaffold"):
+        d = np.array([finals[(algo, s)] - finals[("fedavg", s)] for s in (3, 4, 5)])
+        half = stats.t.ppf(0.975, 2) * d.std(ddof=1) / np.sqrt(3)
+        row = summary[f"algorithm.name={algo}"]
+        got = [float(row[k]) for k in ("test_accuracy_diff", "test_accuracy_diff_low", "test_accuracy_diff_high")]
+        assert got == pytest.approx([d.mean(), d.mean() - half, d.mean() + half], rel=1e-12, abs=1e-15)
+        want = "better" if d.mean() - half > 0 else "worse" if d.mean() + half < 0 else "inconclusive"
+        assert (row["pairs"], row["vs_baseline"], row["unpaired"]) == ("3", want, "")
+        (line,) = [x for x in printed.splitlines() if f"algorithm.name={algo}" in x]
+        assert want in line  # the printed table carries the columns
+    base = summary["algorithm.name=fedavg"]
+    assert (base["vs_baseline"], base["pairs"], base["test_accuracy_diff"]) == ("baseline", "", "")
+    # sweep.csv: each run's final metric minus the baseline's at its seed
+    for r in _read(out / "sweep.csv"):
+        want = finals[(r["algorithm.name"], int(r["seed"]))] - finals[("fedavg", int(r["seed"]))]
+        assert float(r["diff_final_test_accuracy"]) == pytest.approx(want, abs=1e-15)
+    spec = json.loads((out / "sweep.json").read_text())
+    assert spec["baseline"] == {"point": "algorithm.name=fedavg", "level": 0.95, "test": "t"}
+    assert "vs_baseline" in printed and "test_accuracy_diff_low" in printed
+
+
+def test_a_seed_pairs_the_partition_across_points_and_not_across_seeds(algos):
+    # a seed fixes the partition (and the other streams) whatever the algorithm, so the points' runs pair
+    _, out, _ = algos
+    parts = {r.name: (r / "partition.csv").read_text() for r in (out / "runs").iterdir()}
+    for s in (3, 4, 5):
+        assert len({parts[f"algorithm.name={a},seed={s}"] for a in ("fedavg", "fedprox", "scaffold")}) == 1
+    assert len({parts[f"algorithm.name=fedavg,seed={s}"] for s in (3, 4, 5)}) == 3
+
+
+def _copy(out, tmp_path):
+    """A copy of the shared sweep to run again (its runs reused), leaving the shared one as it was."""
+    import shutil
+
+    return shutil.copytree(out, tmp_path / "s")
+
+
+def test_without_a_baseline_the_files_are_the_sweeps_without_its_columns(algos, tmp_path):
+    from fedweave.experiments.tables import csv_text
+
+    cfg, done, _ = algos
+    out = _copy(done, tmp_path)
+    with_base = {n: (out / n).read_text() for n in ("sweep.csv", "summary.csv")}
+    assert cli_main(["sweep", str(cfg), *ALGOS, "--out", str(out), "--no-progress"]) == 0  # the runs are reused
+    added = {"diff_final_test_accuracy", "test_accuracy_diff", "test_accuracy_diff_low", "test_accuracy_diff_high",
+             "pairs", "vs_baseline", "unpaired"}  # fmt: skip
+    for name, text in with_base.items():
+        rows = list(csv.DictReader(io.StringIO(text)))
+        kept = [k for k in rows[0] if k not in added]
+        assert (out / name).read_text() == csv_text(rows, kept), name
+        assert not added & set(next(csv.reader(io.StringIO((out / name).read_text()))))
+    assert "baseline" not in yaml.safe_load((out / "sweep.json").read_text())
+
+
+def test_a_baseline_from_the_sweep_section_with_the_bootstrap(algos, tmp_path):
+    import json
+
+    cfg, done, _ = algos
+    out = _copy(done, tmp_path)
+    section = {"grid": {"algorithm.name": ["fedavg", "fedprox", "scaffold"]}, "seeds": 3}
+    spec = {**yaml.safe_load(cfg.read_text()), "sweep": {**section, "baseline": "fedavg", "test": "bootstrap"}}
+    cfg2 = tmp_path / "with_sweep.yaml"
+    cfg2.write_text(yaml.safe_dump(spec))
+    assert cli_main(["sweep", str(cfg2), "--out", str(out), "--no-progress", "--level", "0.9"]) == 0
+    assert json.loads((out / "sweep.json").read_text())["baseline"] == {
+        "point": "algorithm.name=fedavg",
+        "level": 0.9,
+        "test": "bootstrap",
+    }
+    runs = _read(out / "sweep.csv")
+    for row in _read(out / "summary.csv")[1:]:  # a percentile interval of the mean lies within the differences
+        d = [float(r["diff_final_test_accuracy"]) for r in runs if r["point"] == row["point"]]
+        low, high = float(row["test_accuracy_diff_low"]), float(row["test_accuracy_diff_high"])
+        assert min(d) <= low <= float(row["test_accuracy_diff"]) <= high <= max(d)
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--baseline", "algorithm.name=fedsgd"], ["--baseline algorithm.name=fedsgd", "no point", "fedavg, fedprox"]),
+        (["--baseline", "local.lr=0.1"], ["'local.lr'", "not a key", "allowed: algorithm.name"]),
+        (["--grid", "local.lr=0.1,0.2", "--baseline", "fedavg"], ["must name its key", "algorithm.name, local.lr"]),
+        (["--grid", "local.lr=0.1,0.2", "--baseline", "algorithm.name=fedavg"], ["names 2 points", "local.lr"]),
+        (["--baseline", "fedavg", "--test", "z"], ["--test 'z'", "t, bootstrap"]),
+        (["--baseline", "fedavg", "--level", "1.5"], ["--level 1.5", "(0, 1)"]),
+        (["--level", "0.9"], ["--baseline"]),
+    ],
+)
+def test_a_bad_baseline_is_one_clear_line_before_anything_runs(toy_config, tmp_path, capsys, extra, words):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(toy_config))
+    args = ["sweep", str(cfg), "--grid", "algorithm.name=fedavg,fedprox", "--out", str(tmp_path / "s")]
+    assert cli_main([*args, *extra, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(w in err for w in words), err
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_diverged_run_is_not_paired_and_one_pair_is_n_below_2(toy_config, tmp_path):
+    grid = {"local.lr": [0.1, 1e38]}
+    res = fedweave.sweep({**toy_config, "rounds": 2}, grid, seeds=2, out=tmp_path / "s", progress=False,
+                         baseline="local.lr=0.1")  # fmt: skip
+    blown = res.summary[1]
+    assert (blown["vs_baseline"], blown["pairs"], blown["test_accuracy_diff"]) == ("n < 2", 0, None)
+    assert blown["unpaired"] == "3 diverged; 4 diverged"
+    assert [r["diff_final_test_accuracy"] for r in res.records[2:]] == [None, None]
+
+
+def test_a_completed_run_that_ended_on_nan_is_named_not_paired():
+    from fedweave.experiments.baseline import compare
+
+    recs = [
+        {"point": p, "seed": s, "status": "completed", "v": 0.5 + 0.1 * s * (p == "b")} for p in "ab" for s in (1, 2, 3)
+    ]
+    recs[4]["v"] = float("nan")  # b, seed 2
+    got = compare(recs, "v", "a", "max")
+    assert (got["b"].n, got["b"].unpaired) == (2, "2 v nan")
+    assert got["b"].diff == pytest.approx(0.2)  # seeds 1 and 3: +0.1 and +0.3
+    only = compare(recs[:2] + recs[3:5], "v", "a", "max")  # seeds 1 and 2, seed 2 NaN: one pair
+    assert (only["b"].outcome, only["b"].n, only["b"].low) == ("n < 2", 1, None)
+
+
+@pytest.mark.parametrize("key, outcome", [("test_accuracy", "better"), ("test_loss", "worse"), ("opt_gap", "worse")])
+def test_better_follows_the_metrics_direction(key, outcome):
+    from fedweave.experiments.baseline import compare
+    from fedweave.tasks import column_direction
+
+    gains = {1: 0.10, 2: 0.12, 3: 0.11}  # b is higher than a at every seed, by about the same
+    recs = [
+        {"point": p, "seed": s, "status": "completed", key: 0.5 + g * (p == "b")}
+        for p in "ab"
+        for s, g in gains.items()
+    ]
+    got = compare(recs, key, "a", column_direction(key))["b"]
+    assert (got.outcome, got.n) == (outcome, 3) and got.low > 0
+    assert (
+        compare(recs, key, "b", column_direction(key))["a"].outcome == {"better": "worse", "worse": "better"}[outcome]
+    )

@@ -168,7 +168,7 @@ def _runs_metric(runs: list[Path]) -> str | None:
     return None
 
 
-SWEEP_KEYS = ("grid", "zip", "seeds", "workers", "out")
+SWEEP_KEYS = ("grid", "zip", "seeds", "workers", "out", "baseline", "level", "test")
 
 
 def _sweep_section(form: object, config: str) -> dict:
@@ -198,6 +198,15 @@ def _sweep_section(form: object, config: str) -> dict:
             raise ConfigError(f"{where}.{key} must be a whole number >= 1, got {v!r}")
     if not isinstance(form.get("out", "-"), str) or not form.get("out", "-"):
         raise ConfigError(f"{where}.out must be a directory path, got {form['out']!r}")
+    b = form.get("baseline", "-")
+    if not (isinstance(b, dict) and b or isinstance(b, str | int | float) and not isinstance(b, bool)):
+        raise ConfigError(
+            f"{where}.baseline must name one grid point, as a mapping (algorithm.name: fedavg) or, with one grid "
+            f"key, its value; got {b!r}"
+        )
+    from fedweave.experiments.baseline import check_test
+
+    check_test(form.get("level", 0.95), form.get("test", "t"), f"{where}.")
     return form
 
 
@@ -215,6 +224,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         seeds = args.seeds_given or form.get("seeds", seeds)
         workers = args.workers_given or form.get("workers", workers)
         out = args.out_given or form.get("out", out)
+        for key in ("baseline", "level", "test"):  # the command line's win, as for the keys above
+            if getattr(args, key) is None and key in form:
+                setattr(args, key, form[key] if key != "baseline" or isinstance(form[key], dict) else str(form[key]))
     config = {} if spec is None else spec
     res = sweep(
         config,
@@ -228,6 +240,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         target=args.target,
         progress=not args.no_progress,
         ray_address=args.ray,
+        baseline=args.baseline,
+        level=args.level,
+        test=args.test,
     )
     print(res.table(), end="")
     print(f"sweep directory: {res.out_dir}")
@@ -359,6 +374,14 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--metric", default=None, help="metrics column to tabulate (default: the task's main metric)")
     sw.add_argument("--target", type=float, default=None, help="report rounds and bytes to reach this metric")
     sw.add_argument("--ray", metavar="ADDRESS", help="run the points as tasks on this existing Ray cluster")
+    sw.add_argument(
+        "--baseline",
+        default=None,
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="compare every point with this grid point, paired by seed (VALUE alone when the grid varies one key)",
+    )
+    sw.add_argument("--level", type=float, default=None, help="the comparison's confidence level (default 0.95)")
+    sw.add_argument("--test", default=None, metavar="t|bootstrap", help="paired t interval (default) or bootstrap")
     sw.add_argument("--no-progress", action="store_true")
     sw.set_defaults(fn=_cmd_sweep)
 

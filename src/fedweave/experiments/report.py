@@ -28,7 +28,9 @@ from typing import Any
 import yaml
 
 from fedweave.experiments.aggregate import if_all, mean_std, to_target
+from fedweave.experiments.baseline import BASELINE
 from fedweave.experiments.grid import Point
+from fedweave.experiments.verdicts import TESTS
 from fedweave.results import RunDirError, atomic_write
 
 log = logging.getLogger("fedweave")
@@ -295,6 +297,12 @@ def _point_summary(src: _Source) -> tuple[list[str], list[Any]]:
         head.append("epsilon (mean ± std)")
     if target is not None:
         head += [f"rounds to {target:g}", f"bytes to {target:g}"]
+    spec = src.spec or {}
+    compared = _compared(src) if spec.get("baseline") else {}
+    if compared:
+        level, test = spec["baseline"]["level"], spec["baseline"]["test"]
+        head += [f"{metric} − baseline", f"{100 * level:g} % {TESTS[test]} interval", "pairs", "vs baseline"]
+        head += ["unpaired"]
     rows, means = [], []
     for label, runs in by_point.items():
         finals = [(r.summary.get("final") or {}).get(metric) for r in runs if r.status == "completed" and r.summary]
@@ -313,12 +321,38 @@ def _point_summary(src: _Source) -> tuple[list[str], list[Any]]:
                 reach = [to_target(r.rows, metric, target, x, direction) for r in runs]
                 v = if_all(reach, lambda v: mean_std(v)[0])  # all seeds reached it
                 cells += _td(fmt(v), None if v is None else repr(v))
+        if compared:
+            c = compared[label]
+            cells += _td(_num(c.diff), repr(c.diff))
+            if c.low is None:  # fewer than 2 pairs: no interval
+                cells += _td("-")
+            else:
+                cells += _td(f"[{_num(c.low)}, {_num(c.high)}]", f"{c.low!r}, {c.high!r}")
+            cells += _td("-" if c.outcome == BASELINE else c.n) + _td(c.outcome) + _td(c.unpaired or "-")
         rows.append(cells)
     scored = [i for i, m in enumerate(means) if not math.isnan(m)]
     best = (max if direction == "max" else min)(scored, key=lambda i: means[i]) if scored else None
     if best is not None:
         rows[best] = ("best", rows[best])
     return head, rows
+
+
+def _compared(src: _Source) -> dict[str, Any]:
+    """Each point against the baseline ``sweep.json`` names (its level and test), by the function
+    ``fedweave sweep`` writes summary.csv's comparison with (:func:`fedweave.experiments.baseline.compare`), on
+    the final metric of each run's summary.json; a run not finished is named as unpaired."""
+    from fedweave.experiments.baseline import compare
+    from fedweave.tasks import column_direction
+
+    b, key = (src.spec or {})["baseline"], f"final_{src.metric}"
+    records = []
+    for r in src.runs:
+        seed, tail = r.config.get("seed"), r.name.rsplit(",seed=", 1)[-1]
+        if seed is None and tail.isdigit():  # a run not started yet has no config: its name holds its seed
+            seed = int(tail)
+        final = (r.summary or {}).get("final") or {}
+        records.append({"point": r.label, "seed": seed, "status": r.status, key: final.get(src.metric)})
+    return compare(records, key, b["point"], column_direction(src.metric), b["level"], b["test"])
 
 
 def _private(runs: list[_Run]) -> bool:
@@ -505,6 +539,9 @@ def _source_section(src: _Source, differ: list[str]) -> str:
         spec = src.spec
         axes = {**(spec.get("grid") or {}), **(spec.get("zipped") or {})}
         desc = "; ".join(f"{k} = {', '.join(map(_config_text, v))}" for k, v in axes.items()) or "no grid"
+        if spec.get("baseline"):  # fedweave sweep --baseline: every point against it, paired by seed
+            b = spec["baseline"]
+            desc += f"; every point against the baseline {b['point']}, paired by seed ({b['test']} interval)"
         parts.append(f"<p>{html.escape(desc)}; {spec.get('seeds', 1)} seed(s); metric {html.escape(src.metric)}</p>")
         for note in _notes(src):  # on the page, and said where the report is made (stderr, by default)
             log.warning("%s: %s", src.path, note)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedweave.config import ConfigError
+from fedweave.experiments import baseline as paired
 from fedweave.experiments.aggregate import if_all, mean_std, to_target
 from fedweave.experiments.grid import expand
 from fedweave.experiments.jobs import check_workers, run_points
@@ -43,6 +45,9 @@ def sweep(
     target: float | None = None,
     progress: bool = True,
     ray_address: str | None = None,
+    baseline: str | Mapping[str, Any] | None = None,
+    level: float | None = None,
+    test: str | None = None,
 ) -> SweepResult:
     """Run ``config`` over the ``grid`` (product), ``zipped`` keys (together) and ``seeds`` seeds into ``out``.
     Runs already finished there are reused and killed ones resume, so re-running a sweep continues it.
@@ -54,12 +59,25 @@ def sweep(
     ``progress`` shows a bar. ``target`` adds the rounds and bytes each run took to reach it. Writes
     ``sweep.json`` (the spec), ``runs/<point>``, ``sweep.csv`` (a row per run), ``summary.csv`` and
     ``summary.md`` (a row per point: mean and std over seeds) and the plots into ``out``, and returns them as
-    a :class:`SweepResult`."""
+    a :class:`SweepResult`.
+
+    ``baseline`` (``"KEY=VALUE[,KEY=VALUE]"``, a mapping, or a bare value when the grid varies one key) names
+    one grid point: every other point's final metric is then compared with it, paired by seed, by the
+    ``level`` (0.95) interval of the ``test`` (``"t"`` or ``"bootstrap"``) of
+    :mod:`fedweave.experiments.baseline`; its columns are added to summary.csv (and the per-seed difference
+    to sweep.csv), and ``sweep.json`` records the baseline, level and test. Without it the files are as
+    before."""
     from fedweave.runner import run_metric
     from fedweave.tasks import column_direction
 
     check_workers(workers)  # like the grid, before anything is written
+    if baseline is None and (level is not None or test is not None):
+        raise ConfigError("--level and --test apply to a comparison with a --baseline point; give --baseline")
     points = expand(config, grid, zipped=zipped, seeds=seeds, overrides=overrides)
+    base = None
+    if baseline is not None:  # checked before anything runs, like the grid
+        level, test = paired.check_test(0.95 if level is None else level, "t" if test is None else test)
+        base = paired.resolve(paired.parse_baseline(baseline), [p.values for p in points])
     defaulted = metric is None
     metric = metric or _main_column(points[0].config)
     better = max if column_direction(metric) == "max" else min
@@ -70,6 +88,8 @@ def sweep(
     # sweep reads its runs from here rather than expanding the grid again
     spec["base_seed"] = points[0].seed
     spec["runs"] = [{"run_dir": f"runs/{p.slug}", "point": p.label} for p in points]
+    if base is not None:  # only then, so that a sweep without one writes the sweep.json it always did
+        spec["baseline"] = {"point": base, "level": level, "test": test}
     atomic_write(out / "sweep.json", json.dumps(spec, indent=2, default=str))
     results = run_points(points, out / "runs", workers=workers, progress=progress, ray_address=ray_address)
     if defaulted and not any(results[p.slug].summary.get("main_metric") for p in points):
@@ -116,6 +136,13 @@ def sweep(
             f"{', '.join(known)} (run the sweep again with it: its finished runs are reused)"
         )
 
+    compared = {}
+    if base is not None:  # each point against the baseline, paired by seed, on the final metric
+        diffs = paired.per_seed(records, f"final_{metric}", base)
+        for rec in records:  # the run's final metric minus the baseline's at its seed (empty: not paired)
+            rec[f"diff_final_{metric}"] = diffs.get((rec["point"], rec["seed"]))
+        compared = paired.compare(records, f"final_{metric}", base, column_direction(metric), level, test)
+
     summary = []
     for label, recs in by_point.items():
         m, sd = mean_std([r[f"final_{metric}"] for r in recs if r["status"] == "completed"])
@@ -124,6 +151,8 @@ def sweep(
         if target is not None:
             for x in ("rounds_to_target", "bytes_to_target"):
                 row[f"{x}_mean"] = if_all([r[x] for r in recs], lambda v: mean_std(v)[0])  # all seeds reached it
+        if base is not None:
+            row.update(paired.row(compared[label], metric))
         summary.append(row)
     scored = [i for i, r in enumerate(summary) if not math.isnan(r[f"{metric}_mean"])]
     best = better(scored, key=lambda i: summary[i][f"{metric}_mean"]) if scored else None
