@@ -319,9 +319,9 @@ def _sq_dist_sums(known: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 @ATTACKS.register("min_sum")
 class MinSum(PerturbedMean):
-    """Min-Sum (Shejwalkar & Houmansadr, NDSS 2021, the AGR-agnostic Min-Sum attack): the largest ``gamma`` (:class:`PerturbedMean`) for
-    which the sum of squared distances from the malicious update to the honest updates is at most the largest
-    such sum of an honest update to the others."""
+    """Min-Sum (Shejwalkar & Houmansadr, NDSS 2021, their AGR-agnostic Min-Sum attack): the largest ``gamma``
+    (:class:`PerturbedMean`) for which the sum of squared distances from the malicious update to the honest
+    updates is at most the largest such sum of an honest update to the others."""
 
     name = "min_sum"
 
