@@ -23,10 +23,10 @@ simulation's schedule, not Poisson sampling.
 Threat model. The counts come from the schedule: who is dispatched when, and when each upload arrives, follow from
 the seed (the ``client_sampling`` draws, the latencies and faults of :mod:`fedweave.faults`) and from each client's
 amount of local work (its number of local steps, so its data size), never from its data's values or the model. The
-schedule is treated as public, as the seeds are; the protected difference is one client's data as seen through its
-updates (its clipped updates replaced by anything in the C-ball, zero included) with the schedule held fixed. The
-same replay of the schedule tells the budget who the next step's uploads come from before it is run
-(:meth:`fedweave.algorithms.centralized.async_base.AsyncStar.upcoming_clients`).
+schedule is treated as public, as the seeds are; the neighbouring runs are DP-FedAvg's add/remove with the schedule
+held fixed: one client's clipped contributions present, or all zero (replacing them by others in the C-ball would
+move a sum by up to 2C). The same replay of the schedule tells the budget who the next step's uploads come from
+before it is run (:meth:`fedweave.algorithms.centralized.async_base.AsyncStar.upcoming_clients`).
 """
 
 from __future__ import annotations
