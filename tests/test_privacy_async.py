@@ -196,6 +196,17 @@ def test_the_budget_stops_before_the_next_step_would_exceed_it(tmp_path):
     assert free.metrics[n]["epsilon"] == pytest.approx(_opacus_worst(3.0, _contributions(tmp_path / "free")))
 
 
+def test_the_look_ahead_changes_nothing_in_the_run(tmp_path):
+    """The replay draws from the schedule's streams without consuming them: a target never reached leaves the
+    model, the events and the epsilons as without one."""
+    cfg = _private({**_buff(rounds=5), "faults": {"speed_sigma": 0.6, "dropout": 0.2}}, noise_multiplier=2.0)
+    plain = fedweave.run(cfg, run_dir=tmp_path / "plain")
+    aimed = fedweave.run({**cfg, "privacy": {**cfg["privacy"], "target_epsilon": 1e6}}, run_dir=tmp_path / "aimed")
+    assert torch.equal(plain.algorithm.x, aimed.algorithm.x) and len(aimed.metrics) == 5
+    assert (tmp_path / "plain" / "events.csv").read_text() == (tmp_path / "aimed" / "events.csv").read_text()
+    assert [r["epsilon"] for r in plain.metrics] == [r["epsilon"] for r in aimed.metrics]
+
+
 def test_a_target_the_first_step_exceeds_is_one_line():
     with pytest.raises(ConfigError, match=r"exceeded by the first round alone") as e:
         _algo(_private(_buff(), noise_multiplier=0.3, target_epsilon=1.0))
