@@ -205,9 +205,9 @@ def test_fedasync_one_client_at_a_time_is_fedavg_of_one_client(alpha, monkeypatc
     fa = _algo(_async("fedasync", sigma=0.5, clients_per_round=1, alpha=alpha, staleness="hinge", staleness_b=0))
     arrived, apply = [], fa.apply
 
-    def recorded(deltas, models, weights, s):
+    def recorded(deltas, models, weights, s, clients):
         arrived.append(models[0].clone())
-        apply(deltas, models, weights, s)
+        apply(deltas, models, weights, s, clients)
 
     monkeypatch.setattr(fa, "apply", recorded)
     for r in range(4):

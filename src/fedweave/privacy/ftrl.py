@@ -82,6 +82,24 @@ def tree_sensitivity(leaves: list[np.ndarray]) -> int:
     return max(total.values())
 
 
+def gaussian_history(z: float, squared_sensitivities: list[int] | list[float]) -> list[tuple[float, float, int]]:
+    """Opacus's history of Gaussian releases of noise std ``z C`` whose L2 sensitivities are
+    ``sqrt(s) C``, s in ``squared_sensitivities``: each the Gaussian mechanism with noise multiplier
+    ``z / sqrt(s)`` at sample rate 1 (no amplification), equal neighbours merged; a release of sensitivity 0 is
+    left out (it depends on nobody's data). DP-FTRL's trees and DP-FedBuff's worst client
+    (:mod:`fedweave.privacy.buffered`) are accounted through it."""
+    out: list[tuple[float, float, int]] = []
+    for s in squared_sensitivities:
+        if s == 0:
+            continue
+        noise = z / math.sqrt(s) if z else 0.0
+        if out and out[-1][0] == noise:
+            out[-1] = (noise, 1.0, out[-1][2] + 1)
+        else:
+            out.append((noise, 1.0, 1))
+    return out
+
+
 class TreeNoise:
     """Unit Gaussian node noises of the binary trees of a run, each node from its own seed stream
     ``("dp_tree", tree, level, index)``, drawn on the CPU in ``dtype`` (the same on every device)."""
@@ -175,17 +193,7 @@ class FTRLDP(UserDP):
     def history(self, current: list[np.ndarray] | None = None) -> list[tuple[float, float, int]]:
         """Opacus's history of the run: each tree one Gaussian release at noise multiplier
         ``sigma / sqrt(sensitivity^2)`` and sample rate 1 (equal neighbours merged)."""
-        sens = [*self.closed, tree_sensitivity(self.leaves if current is None else current)]
-        out: list[tuple[float, float, int]] = []
-        for s in sens:
-            if s == 0:
-                continue
-            z = self.z / math.sqrt(s) if self.z else 0.0
-            if out and out[-1][0] == z:
-                out[-1] = (z, 1.0, out[-1][2] + 1)
-            else:
-                out.append((z, 1.0, 1))
-        return out
+        return gaussian_history(self.z, [*self.closed, tree_sensitivity(self.leaves if current is None else current)])
 
     def epsilon(self) -> float:
         """Epsilon at the run's delta after the trees so far (of the client with the largest sensitivity)."""

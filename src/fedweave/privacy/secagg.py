@@ -134,6 +134,11 @@ def make_secagg(algo: Any) -> SecAggPlus | None:
     name = algo.config.algorithm.name
     if algo.family != "centralized":
         raise ConfigError(f"secure_aggregation: the {algo.family} family is not supported yet (star methods only)")
+    if getattr(algo, "asynchronous", False):
+        raise ConfigError(
+            f"secure_aggregation: algorithm {name!r} is refused: its server steps on a buffer of uploads that arrive "
+            "one by one, which SecAgg+'s rounds of a fixed cohort do not model"
+        )
     if algo.dp_refusal:  # the same criterion: one model update per client, the server state from their sum
         raise ConfigError(
             f"secure_aggregation: algorithm {name!r} is refused: its server needs more than the sum of the "

@@ -18,6 +18,7 @@ import numpy as np
 
 from fedweave.config import ConfigError, PrivacyConfig
 from fedweave.privacy.accountant import Accountant, calibrate
+from fedweave.privacy.buffered import BufferedDP
 from fedweave.privacy.ftrl import FTRLDP, planned_sensitivity
 from fedweave.privacy.mechanism import UserDP
 from fedweave.privacy.sample import AccountedTrainer, SampleDP, sample_rates
@@ -88,6 +89,8 @@ def make_privacy(
             "compression.upload"
         )
     ctx = algo.ctx
+    if getattr(algo, "asynchronous", False):  # DP-FedBuff: its own stages and per-client accounting
+        return _buffered(algo, cfg)
     per_round = algo.hp.clients_per_round if per_round is None else per_round
     population = ctx.num_clients if num_clients is None else num_clients
     if cfg.mechanism == "ftrl" and algo.family != "centralized":
@@ -145,8 +148,39 @@ def make_privacy(
     if dp.releases_empty_rounds and algo.sampler.name == "bernoulli":
         # Poisson sampling as the proof has it: an empty draw is kept (not drawn again) and released as noise
         algo.sampler.options = {**algo.sampler.options, "redraw": False}
-    _check_first_release(cfg, dp)
+    check_first_release(cfg, dp)
     return dp
+
+
+def _buffered(algo: Any, cfg: PrivacyConfig) -> BufferedDP:
+    """DP-FedBuff (fedweave.privacy.buffered): user-level central DP, each client accounted by its uploads per
+    server step, no amplification; what its proof does not cover is one ConfigError naming the key. The first
+    step's look-ahead is checked by the method once its clock exists (:func:`check_first_release`)."""
+    name = algo.config.algorithm.name
+    for key, value, allowed in (
+        ("level", cfg.level, "user"),
+        ("mechanism", cfg.mechanism, "central"),
+        ("adaptive", cfg.adaptive, False),
+    ):
+        if value != allowed:
+            raise ConfigError(
+                f"privacy.{key}: {name} supports user-level central DP only (each upload clipped, Gaussian noise on "
+                f"the buffer's sum), not {key} {value}; use privacy.{key}: {allowed}"
+            )
+    if cfg.noise_multiplier == "auto":
+        raise ConfigError(
+            f"privacy.noise_multiplier: auto needs the clients' contributions in advance, which {name}'s schedule "
+            "decides as it runs; set a noise_multiplier (privacy.target_epsilon then stops the run at the budget)"
+        )
+    return BufferedDP(
+        num_clients=algo.ctx.num_clients,
+        clip=cfg.clip,
+        z=cfg.noise_multiplier,
+        expected=algo.hp.buffer_size,
+        seeds=algo.ctx.seeds,
+        accountant=Accountant(cfg.accountant, cfg.delta),
+        numels=list(algo.layout.numels) if cfg.per_layer else None,
+    )
 
 
 def graph_privacy(algo: Any) -> SampleDP | None:
@@ -209,11 +243,11 @@ def _sample_level(algo: Any, cfg: PrivacyConfig, accountant: Accountant) -> Samp
     trainer.steps_per_round = max(trainer.num_steps(c) for c in range(algo.ctx.num_clients))
     algo.trainer = trainer
     dp = SampleDP(trainer, z, rates, accountant)
-    _check_first_release(cfg, dp)
+    check_first_release(cfg, dp)
     return dp
 
 
-def _check_first_release(cfg: PrivacyConfig, dp: UserDP | SampleDP) -> None:
+def check_first_release(cfg: PrivacyConfig, dp: UserDP | SampleDP) -> None:
     """A target epsilon that the first round alone exceeds is a configuration error, not a run of no rounds."""
     if cfg.target_epsilon is None:
         return

@@ -155,18 +155,12 @@ class AsyncStar(StarAlgorithm):
     def dispatch(self, r: int) -> None:
         """Fill the free slots at the current time: clients drawn uniformly from the idle ones train from the
         current model (one training call for the instant), their arrival times from the latency model."""
-        busy = {job[2] for job in self.in_flight}
-        free = self.concurrency - len(busy)
-        if free <= 0:
+        drawn = self.draw_dispatch(self.dispatches, self.in_flight)
+        if drawn is None:
             return
-        idle = np.array([c for c in range(self.ctx.num_clients) if c not in busy])
-        b = self.dispatches
-        clients = np.sort(self.seeds.numpy("client_sampling", b).choice(idle, free, replace=False))
+        b, (clients, durations, lost) = self.dispatches, drawn
         self.dispatches += 1
         self.send(r, clients, "model", self.x)
-        # the faults of this dispatch instant (docs/reliability.md): a dropped client is lost when it would have
-        # reported, one past the deadline when the deadline passes; only the others train
-        durations, lost = self.faults.outcomes(b, clients, self.client_work(clients))
         kept = lost == ""
         lr = self.trainer.lr(r)
         local = self.trainer.train(self.x, clients[kept], b, rule=self.client_rule(lr), lr=lr) if kept.any() else None
@@ -181,6 +175,52 @@ class AsyncStar(StarAlgorithm):
                 self.lost[job] = str(lost[j])
             heapq.heappush(self.in_flight, [self.now + float(durations[j]), job, c, r])
             self.events.append([self.now, "dispatch", c, job, r, r])
+
+    def draw_dispatch(self, b: int, in_flight: list[list]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Who dispatch instant ``b`` sends the model to, given the jobs ``in_flight``, and how each job ends:
+        ``(clients, durations, lost)``, or None when no slot is free. A function of the seed, the jobs in flight
+        and the clients' work only, never of the model or the data's values, so that :meth:`upcoming_clients`
+        can replay the schedule ahead of the training."""
+        busy = {job[2] for job in in_flight}
+        free = self.concurrency - len(busy)
+        if free <= 0:
+            return None
+        idle = np.array([c for c in range(self.ctx.num_clients) if c not in busy])
+        clients = np.sort(self.seeds.numpy("client_sampling", b).choice(idle, free, replace=False))
+        # the faults of this dispatch instant (docs/reliability.md): a dropped client is lost when it would have
+        # reported, one past the deadline when the deadline passes; only the others train
+        durations, lost = self.faults.outcomes(b, clients, self.client_work(clients))
+        return clients, durations, lost
+
+    def upcoming_clients(self, r: int) -> np.ndarray:
+        """The clients whose uploads server step ``r`` (the next one) will use, one entry per upload, replayed from
+        the current state of the clock without training anyone: the dispatches, drops, deadlines and discards of
+        :meth:`next_arrival` follow from the seed and the schedule alone (privacy: DP-FedBuff's budget looks ahead
+        with it). A replay that meets ``MAX_LOST_IN_A_ROW`` lost jobs stops there, as the run itself would."""
+        heap = [list(job) for job in self.in_flight]  # a copy of a heap is a heap
+        now, b, job_id, lost = self.now, self.dispatches, self.jobs, set(self.lost)
+        got: list[int] = []
+        in_a_row = self.lost_in_a_row
+        while len(got) < self.buffer_size and in_a_row < MAX_LOST_IN_A_ROW:
+            if not heap or heap[0][0] > now:
+                drawn = self.draw_dispatch(b, heap)
+                if drawn is not None:
+                    b += 1
+                    for c, d, why in zip(*(x.tolist() for x in drawn)):
+                        if why:
+                            lost.add(job_id)
+                        heapq.heappush(heap, [now + float(d), job_id, c, r])
+                        job_id += 1
+            arrival, job, client, version = heapq.heappop(heap)
+            now = arrival
+            if job in lost:
+                in_a_row += 1
+                continue
+            in_a_row = 0
+            if self.hp.max_staleness is not None and r - version > self.hp.max_staleness:
+                continue
+            got.append(client)
+        return np.array(got, dtype=np.int64)
 
     def next_arrival(self, r: int) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The next upload to arrive (dispatching first when the current instant's arrivals are all in): its
@@ -235,7 +275,7 @@ class AsyncStar(StarAlgorithm):
         losses = torch.stack([g[4] for g in got])
         if self.robust is not None:  # a robust aggregator's bucketing draws from this server step's stream
             self.robust.at_round(r)
-        self.apply(torch.stack([g[2] for g in got]), torch.stack([g[3] for g in got]), weights, s)
+        self.apply(torch.stack([g[2] for g in got]), torch.stack([g[3] for g in got]), weights, s, clients)
         self.events.append([self.now, "update", -1, -1, r + 1, r])  # version: the model the step makes
         return {
             "train_loss": float(weights @ losses.to(weights.dtype)),
@@ -252,9 +292,12 @@ class AsyncStar(StarAlgorithm):
             out["sim_time"] = self.now
         return out
 
-    def apply(self, deltas: torch.Tensor, models: torch.Tensor, weights: torch.Tensor, s: torch.Tensor) -> None:
+    def apply(
+        self, deltas: torch.Tensor, models: torch.Tensor, weights: torch.Tensor, s: torch.Tensor, clients: np.ndarray
+    ) -> None:
         """The method's server step from the uploads (rows: ``y_i - x_tau`` and ``y_i``), their aggregation
-        weights and staleness weights."""
+        weights and staleness weights; ``clients``: whose upload each row is (DP-FedBuff's accounting counts
+        them)."""
         raise NotImplementedError
 
     def server_update(self, mean, got) -> None:  # the step is :meth:`apply`, per buffer of arrivals

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fedweave.algorithms.centralized.async_base import AsyncHparams, AsyncStar
@@ -45,11 +46,19 @@ class FedAsync(AsyncStar):
     Hparams = FedAsyncHparams
     step_sizes = ()  # server_lr must stay 1; the mixing weight alpha in (0, 1] is a convex combination
     robust_aggregation = False  # one arrival per server step: nothing to reduce, so no aggregator applies
+    # privacy: noise on every single arrival drowns it; FedBuff's buffer shares one noise among K updates
+    dp_refusal = (
+        "every arrival is its own server step, so each single clipped update would be released with the whole "
+        "noise sigma C, shared by no buffer of updates (fedbuff with buffer_size 1 is that mechanism, accounted); "
+        "use fedbuff"
+    )
 
     def client_rule(self, lr: float) -> LocalRule:
         # Alg. 1, Worker: SGD on g_{x_tau}(y) = f(y) + (rho/2) ||y - x_tau||^2, x_tau the model sent at dispatch
         return ProxRule(self.hp.rho, self.x) if self.hp.rho > 0 else PLAIN
 
-    def apply(self, deltas: torch.Tensor, models: torch.Tensor, weights: torch.Tensor, s: torch.Tensor) -> None:
+    def apply(
+        self, deltas: torch.Tensor, models: torch.Tensor, weights: torch.Tensor, s: torch.Tensor, clients: np.ndarray
+    ) -> None:
         alpha = self.hp.alpha * float(s[0])  # alpha_t = alpha s(t - tau)
         self.x = (1 - alpha) * self.x + alpha * models[0]  # Alg. 1, Updater
