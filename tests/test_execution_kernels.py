@@ -260,6 +260,36 @@ def test_rows_gathered_for_many_jobs_keep_each_jobs_bits(budget_rows, sgd, uneve
         assert torch.equal(a, start) == (not batches)
 
 
+@pytest.mark.parametrize("budget_rows", [1, 12, 10_000])
+@pytest.mark.parametrize("sgd", [{}, {"momentum": 0.9, "weight_decay": 0.01}])
+def test_loop_call_reduces_its_jobs_losses_at_once_with_each_jobs_bits(budget_rows, sgd, uneven_parts, monkeypatch):
+    """The loop backend reduces the losses of its gathered jobs at the end of the call (``job_losses``): every
+    job's mean loss and final parameters are bit for bit those of the job run alone by ``FusedSGD.run``,
+    whatever the budget sends to ``run``'s own gathers, with a client without data and a client twice."""
+    import fedweave.execution.fused as fused
+
+    ds = make_toy()
+    model = build_model("mlp", (1, 6, 6), 4, hidden=[5])
+    cfg = LocalConfig(epochs=2, batch_size=3, lr=0.1, **sgd)
+    cfg.validate()
+    parts = [*uneven_parts, uneven_parts[0][:0]]  # the last client has no data
+    tr = LocalTrainer(model, ds.train_x, ds.train_y, parts, cfg, Seeds(4))
+    row_bytes = ds.train_x[:1].numel() * ds.train_x.element_size()
+    monkeypatch.setattr(fused, "GATHER_BYTES", budget_rows * row_bytes)
+    clients = [*range(len(parts)), 1]
+    start = tr.layout.flatten() + 0.05
+    got = tr.train(start.expand(len(clients), -1), clients, 3, lr=0.1)
+    for k, c in enumerate(clients):
+        batches = tr.client_batches(c, 3, (), None)
+        value = start.clone()
+        total = FusedSGD(tr.layout, value).run(
+            tr.train_x, tr.train_y, batches, [0.1] * len(batches), cfg.momentum, cfg.weight_decay
+        )
+        assert torch.equal(got.params[k], value)
+        assert torch.equal(got.loss[k], (total / max(len(batches), 1)).to(value.dtype))
+        assert int(got.steps[k]) == len(batches)
+
+
 @MLPS
 @pytest.mark.parametrize("threads", [1, 2])
 def test_evaluation_of_linear_models_skips_the_module_calls_with_the_same_bits(name, options, threads):

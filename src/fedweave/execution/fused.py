@@ -92,12 +92,17 @@ class FusedSGD:
         lrs: Sequence[float],
         momentum: float = 0.0,
         weight_decay: float = 0.0,
-    ) -> torch.Tensor:
+        dots: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:
         """SGD steps (momentum buffers starting at zero) on the rows ``batches[t]`` of the training set
         ``(x, y)`` (or on rows already gathered: ``Rows``, from :meth:`gathered`) with step sizes ``lrs[t]``;
         returns the sum of the steps' mean batch losses (a float64 0-d tensor on the device, read by the caller
         without a round trip to the host). Rows are gathered where the training set lives and brought to the
-        parameters' device (``Placement.rows``)."""
+        parameters' device (``Placement.rows``).
+
+        ``dots``: for ``Rows`` with at least one step, the steps' summed target log-probabilities are appended
+        to this list instead and None is returned; :func:`job_losses` then reduces many jobs' at once, to
+        the same bits."""
         wide = torch.float32 if self.device.type == "mps" else torch.float64  # MPS has no float64
         if not batches:
             return torch.zeros((), dtype=wide, device=self.device)
@@ -112,11 +117,11 @@ class FusedSGD:
                 if bb is not None:
                     bb.zero_()
         if isinstance(batches, Rows):  # gathered by the caller (``gathered``), with others' rows
-            dots: list[torch.Tensor] = []
             step = self.step
+            own = [] if dots is None else dots
             for xb, target, lr in zip(batches.xs, batches.targets, lrs):
-                step(xb, target, lr, dots)
-            return -(torch.stack(dots) / batches.sizes).sum().to(wide)
+                step(xb, target, lr, own)
+            return None if dots is not None else -(torch.stack(own) / batches.sizes).sum().to(wide)
         dev = self.device
         # per step: sum_b <log softmax(z_b), onehot(y_b)>, a 0-d tensor each, stacked at the end
         dots = []
@@ -225,6 +230,16 @@ class FusedSGD:
         if wd:
             buf.add_(P, alpha=wd)  # ... + wd P
         P.add_(buf, alpha=-lr)
+
+
+def job_losses(dots: Sequence[torch.Tensor], sizes: Sequence[torch.Tensor], wide: torch.dtype) -> torch.Tensor:
+    """Each job's sum of its steps' mean batch losses, as :meth:`FusedSGD.run` returns it for ``Rows``, for
+    jobs whose steps appended their ``dots`` one job after another, ``sizes`` their batch sizes (``Rows.sizes``):
+    one stack and one division for them all, then one sum a job (a sum of a slice is that of the same values
+    alone: the same bits); a vector in ``wide``. Per job the stack, division, negation and conversion cost
+    about as much as a step's dispatch."""
+    q = torch.stack(list(dots)) / torch.cat(list(sizes))
+    return (-torch.stack([part.sum() for part in q.split([len(s) for s in sizes])])).to(wide)
 
 
 def fused_sgd(layout: ParamLayout, value: torch.Tensor) -> FusedSGD | None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedweave.execution.evaluate import channels_last_ok, to_channels_last
-from fedweave.execution.fused import fused_sgd
+from fedweave.execution.fused import fused_sgd, job_losses
 from fedweave.execution.job import (
     LocalCall,
     LocalResult,
@@ -119,15 +119,33 @@ def run(tr: LocalTrainer, call: LocalCall) -> LocalResult:
         jobs = comp.fused.gathered(tr.train_x, tr.train_y, plans)
     else:
         jobs = (tr.client_batches(c, round, key, steps) for c in call.clients)
+    # the fused kernel's gathered jobs leave their losses' reduction to the end of the call (job_losses)
+    dots: list[torch.Tensor] | None = [] if train_job is _train_fused else None
+    deferred: list[tuple[int, torch.Tensor]] = []  # (job, its batch sizes): not the rows, which may go
     for k, (c, batches) in enumerate(zip(call.clients, jobs)):
-        out[k], total = train_job(tr, comp, starts[k], batches, c, round, key, lr, rule, call.offset + k)
+        if dots is not None:
+            out[k], total = _train_fused(tr, comp, starts[k], batches, c, round, key, lr, rule, call.offset + k, dots)
+        else:
+            out[k], total = train_job(tr, comp, starts[k], batches, c, round, key, lr, rule, call.offset + k)
         counts.append(len(batches))
+        if total is None:
+            deferred.append((k, batches.sizes))
         totals.append(total)
     comp.value.copy_(template)
     dev = starts.device
     nsteps = torch.tensor(counts, dtype=torch.long, device=dev)
+    if deferred:
+        wide = torch.float32 if dev.type == "mps" else torch.float64  # as FusedSGD.run's own sums
+        reduced = job_losses(dots, [sizes for _, sizes in deferred], wide)
+        if len(deferred) == len(totals):
+            summed = reduced
+        else:  # the others' totals (jobs without steps, jobs gathered by run) in their places
+            summed = torch.stack([t if t is not None else reduced[0] for t in totals])
+            summed[[k for k, _ in deferred]] = reduced
+    else:
+        summed = torch.stack(totals)
     # each job's mean loss: its float64 sum over max(steps, 1), stored in the run's dtype
-    losses = (torch.stack(totals) / nsteps.clamp_min(1).to(totals[0].dtype)).to(starts.dtype)
+    losses = (summed / nsteps.clamp_min(1).to(summed.dtype)).to(starts.dtype)
     return LocalResult(out, nsteps, losses)
 
 
@@ -184,11 +202,14 @@ def _train_plain(tr, comp, start, batches, c, round, key, lr, rule, job) -> tupl
     return value, summed_losses(step_losses, value.device)
 
 
-def _train_fused(tr, comp, start, batches, c, round, key, lr, rule, job) -> tuple[torch.Tensor, torch.Tensor]:
+def _train_fused(
+    tr, comp, start, batches, c, round, key, lr, rule, job, dots=None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """SGD with the configured momentum and weight decay on an MLP or softmax regression, by the fused kernel
-    of ``execution.fused`` (equal to the general path to float rounding)."""
+    of ``execution.fused`` (equal to the general path to float rounding). With ``dots`` (``FusedSGD.run``)
+    the loss of gathered rows is left to the caller: None in its place."""
     comp.value.copy_(start)
     lrs = [tr.step_lr(lr, t) for t in range(len(batches))] if callable(lr) else [lr] * len(batches)
     loc = tr.local
-    total = comp.fused.run(tr.train_x, tr.train_y, batches, lrs, loc.momentum, loc.weight_decay)
+    total = comp.fused.run(tr.train_x, tr.train_y, batches, lrs, loc.momentum, loc.weight_decay, dots)
     return comp.value, total  # the live buffer: the caller copies it into its output row
