@@ -378,6 +378,22 @@ def test_min_sum_and_min_max_share_the_direction_and_the_search_and_differ_in_th
     assert min_sum.gamma(honest, p) != min_max.gamma(honest, p)
 
 
+@pytest.mark.parametrize("name", ["min_max", "min_sum"])
+def test_unit_vec_attacks_send_the_honest_mean_when_it_is_zero(name, tmp_path):
+    # mu / ||mu|| is 0 / 0 there: before, every attacker sent NaN (gamma * NaN, even at gamma 0)
+    own, honest = _rows(2, 6), _rows(3, 6, seed=4)
+    honest = torch.cat([honest, -honest]).round()  # whole numbers: the mean is exactly 0, the updates far from it
+    sent = _attack(name)(own, honest, AttackInfo(0, np.array([0, 1]), 8, Seeds(0)))
+    assert torch.equal(sent, torch.zeros_like(own))
+    # gossip trains after mixing: in round 1 every peer holds the initial model, every displacement is 0
+    cfg = {"name": "g", "rounds": 2, "dataset": {"name": "digits"}, "partition": {"name": "iid", "num_clients": 8},
+           "model": {"name": "logistic"}, "algorithm": {"name": "gossip", "neighbours": 3},
+           "local": {"epochs": 1, "batch_size": 32, "lr": 0.1}, "aggregator": {"name": "dnc"},
+           "faults": {"byzantine": {"fraction": 0.25, "attack": name}}, "output": {"progress": False}}  # fmt: skip
+    res = fedweave.run(cfg, run_dir=tmp_path / "run")
+    assert res.summary["status"] == "completed" and all(math.isfinite(r["test_accuracy"]) for r in res.metrics)
+
+
 def test_omniscient_attacks_read_their_own_updates_when_no_honest_client_reports():
     own = _rows(3, 4)
     out = _attack("ipm", eps=1.0)(own, own[:0], AttackInfo(0, np.array([0, 1, 2]), 3, Seeds(0)))
