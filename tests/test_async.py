@@ -14,7 +14,6 @@ import fedweave
 from fedweave.algorithms.centralized.async_base import staleness_weight
 from fedweave.cli import main as cli_main
 from fedweave.config import ConfigError, load
-from fedweave.errors import CheckpointError
 from fedweave.faults import Faults
 from fedweave.plots import plot_runs
 from fedweave.registry import PARTITIONERS
@@ -592,10 +591,10 @@ def test_the_clock_resumes_bit_for_bit_and_cannot_be_switched_on_at_resume(tmp_p
     times = [r["sim_time"] for r in full.metrics]
     assert [r["sim_time"] for r in resumed.metrics] == times and times == sorted(times) and times[0] > 0
     assert resumed.algorithm.now == full.algorithm.now == times[-1]
-    # a clock switched on at a resume would start from 0 there: refused (the checkpoint has no clock)
+    # a clock switched on at a resume would start from 0 there: refused, naming the section that changed
     plain = {**cfg2, "faults": {"speed_sigma": 0.5, "speed_jitter": 0.2, "dropout": 0.2}}
     fedweave.run({**plain, "rounds": 3}, run_dir=tmp_path / "plain")
-    with pytest.raises(CheckpointError, match="the algorithm state lacks 'now'"):
+    with pytest.raises(ConfigError, match="faults changed since the checkpoint was written"):
         fedweave.resume(tmp_path / "plain", ["rounds=6", "faults.sim_time=true"])
 
 

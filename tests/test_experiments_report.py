@@ -416,3 +416,23 @@ def test_report_renders_a_sweeps_comparison_with_its_baseline_from_the_runs_file
     assert other[cols["test_accuracy − baseline"]] == f"{d.mean():.4g}"
     assert other[cols["95 % paired t interval"]] == f"[{d.mean() - half:.4g}, {d.mean() + half:.4g}]"
     assert (other[cols["pairs"]], other[cols["unpaired"]]) == ("2", "5 unfinished")
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        ({"point": "algorithm.name=fedavg"}, "baseline lacks level, test"),
+        ({"point": "algorithm.name=fedsgd", "level": 0.95, "test": "t"}, "baseline.point 'algorithm.name=fedsgd'"),
+        ({"point": "algorithm.name=fedavg", "level": "high", "test": "t"}, "baseline.level must be a number in (0, 1)"),
+        ({"point": "algorithm.name=fedavg", "level": 0.95, "test": "z"}, "baseline.test must be one of t, bootstrap"),
+        ("fedavg", "baseline must be a mapping with point, level and test"),
+    ],
+)
+def test_report_of_a_hand_edited_sweep_baseline_is_one_line(toy_config, tmp_path, capsys, edit, said):
+    res = fedweave.sweep({**toy_config, "rounds": 1}, {"algorithm.name": ["fedavg", "fedprox"]}, seeds=1,
+                         out=tmp_path / "s", progress=False, baseline="fedavg")  # fmt: skip
+    spec = json.loads((res.out_dir / "sweep.json").read_text())
+    (res.out_dir / "sweep.json").write_text(json.dumps({**spec, "baseline": edit}))
+    assert cli_main(["report", str(res.out_dir), "--out", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and said in err and "sweep.json" in err

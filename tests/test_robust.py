@@ -378,6 +378,44 @@ def test_min_sum_and_min_max_share_the_direction_and_the_search_and_differ_in_th
     assert min_sum.gamma(honest, p) != min_max.gamma(honest, p)
 
 
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_dnc_cuts_an_update_that_is_not_finite(bad):
+    # before, the SVD raised a LinAlgError traceback mid-run
+    honest = _rows(8, 40, seed=3).float()
+    updates = torch.cat([honest, torch.full((2, 40), bad)])
+    out = AGGREGATORS.get("dnc")(b=16)(updates, torch.full((10,), 0.1), 2, rng=np.random.default_rng(0))
+    assert torch.equal(out, honest.mean(0))  # every iteration cuts c f = 2 rows: the attackers'
+
+
+def test_dnc_holds_against_updates_whose_svd_overflows_float32(tmp_path):
+    # sign flipping scaled by 1e30: the SVD of the float32 updates came back NaN and DnC kept the attackers (the
+    # run diverged in round 2 where the median and Krum held); now it keeps the honest updates
+    cfg = {"name": "d", "rounds": 2, "backend": "loop", "dataset": {"name": "digits"},
+           "partition": {"name": "iid", "num_clients": 10}, "model": {"name": "logistic"},
+           "local": {"epochs": 1, "batch_size": 32, "lr": 0.1}, "aggregator": {"name": "dnc"},
+           "algorithm": {"name": "fedavg", "clients_per_round": 10}, "output": {"progress": False}}  # fmt: skip
+    attacked = {**cfg, "faults": {"byzantine": {"fraction": 0.2, "attack": "sign_flip", "scale": 1e30}}}
+    res = fedweave.run(attacked, run_dir=tmp_path / "a", on_divergence="return")
+    assert res.summary["status"] == "completed"
+    assert all(r["byzantine_clients"] == 2 for r in res.metrics)
+
+
+@pytest.mark.parametrize("name", ["min_max", "min_sum"])
+def test_unit_vec_attacks_send_the_honest_mean_when_it_is_zero(name, tmp_path):
+    # mu / ||mu|| is 0 / 0 there: before, every attacker sent NaN (gamma * NaN, even at gamma 0)
+    own, honest = _rows(2, 6), _rows(3, 6, seed=4)
+    honest = torch.cat([honest, -honest]).round()  # whole numbers: the mean is exactly 0, the updates far from it
+    sent = _attack(name)(own, honest, AttackInfo(0, np.array([0, 1]), 8, Seeds(0)))
+    assert torch.equal(sent, torch.zeros_like(own))
+    # gossip trains after mixing: in round 1 every peer holds the initial model, every displacement is 0
+    cfg = {"name": "g", "rounds": 2, "dataset": {"name": "digits"}, "partition": {"name": "iid", "num_clients": 8},
+           "model": {"name": "logistic"}, "algorithm": {"name": "gossip", "neighbours": 3},
+           "local": {"epochs": 1, "batch_size": 32, "lr": 0.1}, "aggregator": {"name": "dnc"},
+           "faults": {"byzantine": {"fraction": 0.25, "attack": name}}, "output": {"progress": False}}  # fmt: skip
+    res = fedweave.run(cfg, run_dir=tmp_path / "run")
+    assert res.summary["status"] == "completed" and all(math.isfinite(r["test_accuracy"]) for r in res.metrics)
+
+
 def test_omniscient_attacks_read_their_own_updates_when_no_honest_client_reports():
     own = _rows(3, 4)
     out = _attack("ipm", eps=1.0)(own, own[:0], AttackInfo(0, np.array([0, 1, 2]), 3, Seeds(0)))

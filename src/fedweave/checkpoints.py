@@ -208,6 +208,11 @@ def load_checkpoint(
         )
     if not isinstance(ckpt["rows"], list) or not isinstance(ckpt["algorithm"], dict):
         raise CheckpointError(f"{file} is damaged: 'rows' must be a list and 'algorithm' a mapping")
+    if "config" in ckpt:
+        # before the state: a config changed where a resume may not change it (faults.sim_time switched on, a
+        # compression section added) also changes the state's keys, and the key is what the line must name
+        # (re-resolved, so keys added to the config schema since then, with their defaults, are no change)
+        _check_resumable(load_config(ckpt["config"]).to_dict(), config.to_dict(), path)
     want, got = _shapes(algo.state_dict()), _shapes(ckpt["algorithm"])
     for p, shape in want.items():
         if p in got and got[p] != shape:
@@ -258,10 +263,8 @@ def restore_checkpoint(path: Path, algo: Algorithm, ctx: RunContext) -> dict[str
     change it; the checkpoint's contents are returned (rows, next round, bookkeeping)."""
     config = ctx.config
     ckpt = load_checkpoint(path, algo, config, ctx.device)
-    if "config" in ckpt:
-        # re-resolved, so keys added to the config schema since then (with their defaults) are no change
+    if "config" in ckpt:  # (what a resume may change was checked by load_checkpoint)
         saved = load_config(ckpt["config"])
-        _check_resumable(saved.to_dict(), config.to_dict(), path)
         why = _over_the_total(config, algo, saved.rounds) if config.rounds != saved.rounds else None
         if why:
             raise ConfigError(

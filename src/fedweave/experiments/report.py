@@ -163,6 +163,29 @@ def _current_points(d: Path, spec: dict[str, Any]) -> list[tuple[str, str]]:
     return [(replace(p, seed=first + i).slug, p.label) for p in points for i in range(n)]
 
 
+def _check_baseline(path: Path, baseline: Any, labels: set[str]) -> None:
+    """A sweep.json's ``baseline`` (``fedweave sweep --baseline`` writes ``{"point", "level", "test"}``) as the
+    report reads it, or one line naming the file and the key: such a file was edited or damaged by hand. A
+    point that names no run of the grid is refused too (every other point would silently pair with nothing);
+    ``labels`` empty (no run started yet) checks nothing of it."""
+    if not baseline:
+        return
+    key = f"{path}: baseline"
+    if not isinstance(baseline, dict):
+        raise RunDirError(f"{key} must be a mapping with point, level and test, got {baseline!r}")
+    missing = [k for k in ("point", "level", "test") if k not in baseline]
+    if missing:
+        raise RunDirError(f"{key} lacks {', '.join(missing)}; fedweave sweep --baseline writes point, level and test")
+    point, level, test = baseline["point"], baseline["level"], baseline["test"]
+    if not isinstance(point, str) or (labels and point not in labels):
+        points = ", ".join(sorted(labels))
+        raise RunDirError(f"{key}.point {point!r} names no point of the sweep; its points are {points}")
+    if isinstance(level, bool) or not isinstance(level, int | float) or not 0 < level < 1:
+        raise RunDirError(f"{key}.level must be a number in (0, 1), got {level!r}")
+    if test not in TESTS:
+        raise RunDirError(f"{key}.test must be one of {', '.join(TESTS)}, got {test!r}")
+
+
 def _read_source(d: Path) -> _Source:
     if not d.is_dir():
         what = "is a file" if d.exists() else "does not exist"
@@ -171,6 +194,7 @@ def _read_source(d: Path) -> _Source:
     if (d / "sweep.json").is_file():
         spec = _load(d / "sweep.json", json.loads)
         points = _current_points(d, spec)
+        _check_baseline(d / "sweep.json", spec.get("baseline"), {label for _, label in points})
         runs = [_read_run(d / "runs" / name, label) for name, label in points]
         wanted = {name for name, _ in points}
         present = sorted(p.name for p in (d / "runs").iterdir() if p.is_dir()) if (d / "runs").is_dir() else []

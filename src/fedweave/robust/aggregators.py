@@ -265,14 +265,36 @@ class DnC(Aggregator):
         good = torch.ones(n, dtype=torch.bool, device=updates.device)
         for _ in range(self.niters):
             cols = torch.as_tensor(self.coordinates(updates.shape[1], rng), device=updates.device)
-            sub = updates[:, cols]
-            centered = sub - sub.mean(0)
-            v = torch.linalg.svd(centered, full_matrices=False).Vh[0]
-            scores = (centered @ v).pow(2)
+            scores = self.scores(updates[:, cols])
             kept = torch.zeros(n, dtype=torch.bool, device=updates.device)
             kept[scores.argsort(stable=True)[:keep]] = True  # ties: the earlier row
             good &= kept
         return good.nonzero().flatten()
+
+    @staticmethod
+    def scores(sub: torch.Tensor) -> torch.Tensor:
+        """One iteration's outlier scores ``((g_i - mu) . v)^2`` of the rows of ``sub`` (the sampled coordinates).
+
+        Where the run's float width overflows (sign flipping scaled by 1e30 in float32: the scores' squares, the
+        honest updates' too, are all +inf, their order lost, and the ranking kept the attackers) or a row is not
+        finite (a Gaussian attack at float32's limit, where the SVD raised): again in float64, divided by the
+        largest centered value (the scores' order does not change with the scale), ``mu`` and ``v`` from the
+        finite rows only, and a row that is not finite scores +inf, the farthest outlier. Where every score is
+        finite they are the plain computation's, unchanged."""
+        centered = sub - sub.mean(0)
+        if torch.isfinite(centered).all():
+            scores = (centered @ torch.linalg.svd(centered, full_matrices=False).Vh[0]).pow(2)
+            if torch.isfinite(scores).all():
+                return scores
+        wide = sub.double()
+        finite = torch.isfinite(wide).all(1)
+        scores = torch.full((len(sub),), math.inf, dtype=torch.float64, device=sub.device)
+        if finite.any():
+            centered = wide[finite] - wide[finite].mean(0)
+            scale = centered.abs().max()
+            centered = centered / scale if scale > 0 else centered
+            scores[finite] = (centered @ torch.linalg.svd(centered, full_matrices=False).Vh[0]).pow(2)
+        return scores
 
     def reduce(
         self, updates: torch.Tensor, weights: torch.Tensor, f: int, rng: np.random.Generator | None = None

@@ -260,7 +260,11 @@ class PerturbedMean(Attack):
         """The perturbation ``p`` of the configured kind, from the known (honest) updates."""
         mu = known.mean(0)
         if self.perturbation == "unit_vec":
-            return mu / mu.norm()
+            # a zero honest mean has no direction (mu / 0 is NaN, and gamma * NaN poisons even gamma = 0): no
+            # perturbation, the attackers send mu; gossip's first round, every peer on the same initial model
+            # and so every displacement 0, is such a round
+            norm = mu.norm()
+            return mu / norm if norm > 0 else torch.zeros_like(mu)
         if self.perturbation == "std":
             return known.std(0, correction=1 if len(known) > 1 else 0)
         return mu.sign()
