@@ -372,6 +372,22 @@ def test_report_overlays_the_sweeps_and_runs_given_on_one_plot(toy_config, tmp_p
     assert heads == [["run", "algorithm.name", "local.lr", "seed"]] * 3
 
 
+def test_report_draws_a_sweep_on_the_simulated_clock_against_simulated_time(toy_config, tmp_path):
+    """Synchronous and buffered asynchronous FedAvg on one clock (faults.sim_time): the overlay has the figure
+    against simulated time a run's own plots have; a sweep without the clock does not (the overlay test above)."""
+    cfg = {**toy_config, "rounds": 3, "faults": {"speed_sigma": 0.5, "sim_time": True}}
+    res = _sweep(cfg, {"algorithm.name": ["fedavg", "fedbuff"]}, tmp_path / "s")
+    overlay = re.findall(r'<section class="overlay">(.*?)</section>', build_report([res.out_dir]))[0]
+    figures = dict(re.findall(r'alt="([^"]+)" src="data:image/png;base64,([^"]+)"', overlay))
+    assert sorted(figures) == [
+        "test_accuracy_vs_bytes.png",
+        "test_accuracy_vs_rounds.png",
+        "test_accuracy_vs_sim_time.png",
+    ]
+    drawn = _colours(base64.b64decode(figures["test_accuracy_vs_sim_time.png"]))
+    assert len([c for c, n in drawn.items() if n > 30]) == 2, drawn  # a line for each method
+
+
 def test_report_replaces_an_earlier_report_but_no_other_file(tmp_path, capsys):
     cfg = {"name": "r", "rounds": 1, "dataset": {"name": "digits"}, "partition": {"name": "iid", "num_clients": 4},
            "model": {"name": "logistic"}, "algorithm": {"name": "fedavg", "clients_per_round": 2},

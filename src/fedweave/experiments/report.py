@@ -519,9 +519,11 @@ def _overlay(sources: list[_Source]) -> str:
     figures = []
     with tempfile.TemporaryDirectory() as tmp:
         for metric, curves in by_metric.items():
-            for x, xlabel, xscale in (("round", "communication round", 1.0),
-                                      ("bytes_total", "bytes communicated (MiB)", 2.0**-20)):  # fmt: skip
-                name = f"{metric}_vs_{'rounds' if x == 'round' else 'bytes'}.png"
+            axes = [("round", "communication round", 1.0), ("bytes_total", "bytes communicated (MiB)", 2.0**-20)]
+            if all(r.get("sim_time") is not None for runs in curves.values() for rows in runs for r in rows):
+                axes.append(("sim_time", "simulated time", 1.0))  # every run on a simulated clock, as a run's plots
+            for x, xlabel, xscale in axes:
+                name = f"{metric}_vs_{ {'round': 'rounds', 'bytes_total': 'bytes'}.get(x, x) }.png"
                 path = plot_curves(curves, Path(tmp) / name, x=x, y=metric, xlabel=xlabel, xscale=xscale)
                 if path is not None:
                     figures.append(_img(name, path.read_bytes()))
