@@ -443,7 +443,7 @@ def test_dropped_clients_deliver_nothing_and_free_their_slot_when_they_would_hav
     assert len(dropped) >= 3 and len(arrived) == 16  # 8 steps of 2 uploads
     assert all(len(ev) in (1, 2) for ev in jobs.values())  # one end each (or still in flight)
     # a dropped client is lost when it would have reported: its time is its speed times its work, as an arrival's
-    speed = lambda c: float(faulty.faults.arrival_times(0, np.array([c]), faulty.client_work(np.array([c])))[0])  # noqa: E731
+    speed = lambda c: float(faulty.faults.arrival_times(0, np.array([c]), faulty.client_work(0, np.array([c])))[0])  # noqa: E731
     for ev in dropped + arrived:
         assert ev[1][1] - ev[0][1] == pytest.approx(speed(ev[0][2]), rel=1e-12)
     # only the arrivals upload (no compression: one dense message each), every dispatch downloads

@@ -110,3 +110,23 @@ def test_the_methods_whose_client_state_stays_in_the_simulation_are_refused_for_
     why = unsupported(name, "centralized", "stop")
     assert why is not None and why.startswith(f"algorithm {name!r} (centralized) cannot be deployed on Flower yet: ")
     assert "\n" not in why
+
+
+def test_a_round_lasts_its_k_r_steps_on_the_simulated_clock():
+    """Every client takes the round's K_r ~ Geometric(p) steps, so on the clock (faults.sim_time) a round lasts
+    K_r p (the steps over their mean 1/p) times the slowest client's speed: the same factor every round. The
+    configured local steps (one epoch of each client's data) gave every round the same length."""
+    cfg = _quad_cfg("proxskip", p=0.3)
+    cfg["local"] = GD
+    cfg["faults"] = {"speed_sigma": 0.5, "sim_time": True}
+    algo = _algo(cfg)
+    algo.trainer.loss_fn = _squared
+    now, ratios, steps = 0.0, [], []
+    for r in range(8):
+        row = algo.run_round(r)
+        steps.append(row["local_steps"])
+        ratios.append((row["sim_time"] - now) / (row["local_steps"] * 0.3))
+        now = row["sim_time"]
+    assert len(set(steps)) > 1  # the rounds' lengths differ
+    np.testing.assert_allclose(ratios, ratios[0], rtol=1e-12)  # the slowest client's speed, every round
+    assert ratios[0] > 1  # speeds exp(0.5 z_i): the slowest of the clients is slower than the median

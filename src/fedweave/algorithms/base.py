@@ -578,8 +578,8 @@ class Algorithm(metaclass=_AlgorithmMeta):
         """True when the config injects any fault (without faults every family runs its fault-free path)."""
         return bool(self.faults.active())
 
-    def client_work(self, clients: np.ndarray) -> np.ndarray | float:
-        """Each client's work in a round relative to the mean work: its upload's arrival time scales with it."""
+    def client_work(self, r: int, clients: np.ndarray) -> np.ndarray | float:
+        """Each client's work in round ``r`` relative to the mean work: its upload's arrival time scales with it."""
         return 1.0
 
     def reporting(self, r: int, clients: np.ndarray) -> np.ndarray:
@@ -587,7 +587,7 @@ class Algorithm(metaclass=_AlgorithmMeta):
         and those past the deadline (policy drop), deliver nothing."""
         if not self.faulty:
             return clients
-        return self.faults.reporting(r, clients, self.client_work(clients))
+        return self.faults.reporting(r, clients, self.client_work(r, clients))
 
     def start_metrics(self) -> dict[str, float]:
         """What the initial model's row (``eval.at_start``) carries beside its evaluation; nothing by default."""

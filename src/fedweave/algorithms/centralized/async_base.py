@@ -189,7 +189,7 @@ class AsyncStar(StarAlgorithm):
         clients = np.sort(self.seeds.numpy("client_sampling", b).choice(idle, free, replace=False))
         # the faults of this dispatch instant (docs/reliability.md): a dropped client is lost when it would have
         # reported, one past the deadline when the deadline passes; only the others train
-        durations, lost = self.faults.outcomes(b, clients, self.client_work(clients))
+        durations, lost = self.faults.outcomes(b, clients, self.client_work(b, clients))
         return clients, durations, lost
 
     def upcoming_clients(self, r: int) -> np.ndarray:

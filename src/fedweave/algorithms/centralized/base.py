@@ -324,7 +324,7 @@ class StarAlgorithm(Algorithm):
         the round takes no time."""
         if len(sampled) == 0:
             return 0.0
-        times, _ = self.faults.outcomes(r, sampled, self.client_work(sampled))
+        times, _ = self.faults.outcomes(r, sampled, self.client_work(r, sampled))
         return float(times.max())
 
     def clock_metrics(self) -> dict[str, float]:
@@ -444,7 +444,7 @@ class StarAlgorithm(Algorithm):
         """:meth:`client_losses` in the run's dtype, ``(len(clients),)`` (q-FFL's F_k(w^t), AFL's L_k(w))."""
         return torch.as_tensor(self.client_losses(params, clients), dtype=self.sizes.dtype, device=self.sizes.device)
 
-    def client_work(self, clients: np.ndarray) -> np.ndarray:
+    def client_work(self, r: int, clients: np.ndarray) -> np.ndarray:
         """A client's local steps relative to the mean: clients with more data are slower."""
         work = np.array([self.trainer.num_steps(int(c)) for c in clients], dtype=np.float64)
         return work / self.reference_steps()

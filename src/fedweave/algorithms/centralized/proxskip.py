@@ -87,6 +87,11 @@ class ProxSkip(StarAlgorithm):
         says communicate."""
         return int(self.seeds.numpy("local_steps", r).geometric(self.hp.p))
 
+    def client_work(self, r: int, clients: np.ndarray) -> np.ndarray:
+        """Every client takes the round's K_r steps, whatever its data: K_r over the mean, 1/p (the simulated
+        clock's and the deadline's unit)."""
+        return np.full(len(clients), self.local_steps(r) * self.hp.p)
+
     def train_clients(self, r: int, clients: np.ndarray) -> Collected:
         lr, steps = self.trainer.lr(r), self.local_steps(r)
         rule = ShiftedGradient(self.store.rows("h", clients))

@@ -332,7 +332,7 @@ class SplitAlgorithm(Algorithm):
     # FSL_OC, FSL_AN wait for the round's clients) drop a client past the deadline like a dropout and refuse
     # ``late``; CSE-FSL times each upload on the simulated clock (``TimedSplit``). Aggregation re-weights over
     # the reporters.
-    def client_work(self, clients: np.ndarray) -> np.ndarray:
+    def client_work(self, r: int, clients: np.ndarray) -> np.ndarray:
         """Each client's local batches relative to the mean: a client with twice the data is twice as slow."""
         return np.array([self.batcher.num_steps(int(c)) for c in clients], dtype=np.float64) / self.reference_batches
 
@@ -722,7 +722,7 @@ class TimedSplit(SplitAlgorithm):
     def finish_time(self, r: int, client: int, batches: int) -> float:
         """When client ``client`` finishes its ``batches`` local batches of round ``r``."""
         if self.timed:
-            return float(self.faults.arrival_times(r, [client], self.client_work([client]))[0])
+            return float(self.faults.arrival_times(r, [client], self.client_work(r, [client]))[0])
         return batches * self.batch_time(client)
 
     def dropped(self, r: int, clients: np.ndarray) -> np.ndarray:
