@@ -796,13 +796,15 @@ def test_dp_ftrl_epsilon_is_opacus_with_sigma_over_sqrt_depth_per_period(toy_con
         acc.history = history
         return acc.get_epsilon(delta=1e-5)
 
-    z2 = 1.1 / math.sqrt(2)  # a full tree of 3 leaves: depth floor(log2 3) + 1 = 2
-    want = [opacus([(1.1, 1.0, 1)]), opacus([(z2, 1.0, 1)]), opacus([(z2, 1.0, 1)]),
-            opacus([(z2, 1.0, 1), (1.1, 1.0, 1)]), opacus([(z2, 1.0, 2)]), opacus([(z2, 1.0, 2)])]  # fmt: skip
+    # clients 0-3 are the first leaf of each tree of 3 leaves (depth floor(log2 3) + 1 = 2): after each round their
+    # squared sensitivity summed over the trees is 1, 2, 2, 2 + 1, 2 + 2, 2 + 2, one Gaussian release each
+    want = [opacus([(1.1 / math.sqrt(s), 1.0, 1)]) for s in (1, 2, 2, 3, 4, 4)]
     assert [row["epsilon"] for row in res.metrics] == want
-    assert want[-1] == _opacus_epsilon("rdp", 1.1 / math.sqrt(2), 1.0, 2, 1e-5)  # 2 periods, q = 1
+    # the trees composed one by one, sigma / sqrt(depth) per period: the same Renyi DP, equal to rounding
+    assert want[-1] == pytest.approx(_opacus_epsilon("rdp", 1.1 / math.sqrt(2), 1.0, 2, 1e-5), rel=1e-12)
     s = res.summary["privacy"]
     assert s["mechanism"] == "ftrl" and s["sample_rate"] == 1.0 and s["tree_sensitivities"] == [2, 2]
+    assert s["squared_sensitivity"] == 4
 
 
 @pytest.mark.parametrize(
@@ -815,9 +817,10 @@ def test_dp_ftrl_accounts_a_client_in_every_leaf_by_its_node_counts(toy_config, 
     privacy = {"noise_multiplier": 2.0, "restart_every": restart_every}
     res = run(load(_ftrl(toy_config, privacy, sampler={"name": "fixed"}, rounds=rounds)), run_dir=tmp_path / "r")
     assert res.summary["privacy"]["tree_sensitivities"] == trees
-    acc = RDPAccountant()
-    acc.history = [(2.0 / math.sqrt(s), 1.0, trees.count(s)) for s in dict.fromkeys(trees)]
+    acc = RDPAccountant()  # the same clients in every tree: each client's total is the trees' sum
+    acc.history = [(2.0 / math.sqrt(sum(trees)), 1.0, 1)]
     assert res.summary["privacy"]["epsilon"] == acc.get_epsilon(delta=1e-5)
+    assert res.summary["privacy"]["squared_sensitivity"] == sum(trees)
 
 
 def test_a_restart_starts_a_new_tree_and_zeroes_the_momentum():
@@ -914,3 +917,95 @@ def test_dp_ftrl_needs_no_amplification_so_any_loss_blind_sampler_works(toy_conf
     for sampler in ("uniform", "bernoulli", {"name": "fixed"}):
         algo = _built(_ftrl(toy_config, {"noise_multiplier": 1.0}, sampler=sampler))
         assert algo.privacy.sample_rate == 1.0
+
+
+# ---- DP-FTRL across trees: each client's squared counts summed over the trees, the worst client's total ----------
+def test_dp_ftrl_composes_each_clients_trees_and_accounts_the_worst_clients_total():
+    from opacus.accountants import RDPAccountant
+
+    # trees of 2 leaves: client 0 then 1, then 1 then 0. In a tree of 2 the first leaf is in [1] and [1,2] (2), the
+    # second in [1,2] only (1): each client has 2 + 1 = 3 over the run, while each tree's worst has 2 (4 summed)
+    dp = _ftrl_dp(z=1.7, clip=1.0, expected=1, restart_every=2)
+    zero = torch.zeros(3, dtype=torch.float64)
+    for leaf in ([0], [1], [1], [0]):
+        dp.clip(zero.unsqueeze(0), torch.ones(1, dtype=torch.float64), np.array(leaf))
+        dp.noise(zero)
+    acc = RDPAccountant()
+    acc.history = [(1.7 / math.sqrt(3), 1.0, 1)]  # one Gaussian mechanism of squared sensitivity 2 + 1
+    assert dp.epsilon() == acc.get_epsilon(delta=1e-5)
+    assert dp.closed == [2, 2] and dp.summary()["squared_sensitivity"] == 3
+    worst_per_tree = RDPAccountant()
+    worst_per_tree.history = [(1.7 / math.sqrt(2), 1.0, 2)]
+    assert dp.epsilon() < worst_per_tree.get_epsilon(delta=1e-5)
+
+
+# the clients of three groups, rotated so that a different group is first (the deepest leaf) in each tree of 3
+ROTATED = {"name": "schedule", "clients": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
+                                           [4, 5, 6, 7], [0, 1, 2, 3], [8, 9, 10, 11]]}  # fmt: skip
+
+
+def test_a_dp_ftrl_run_whose_worst_client_changes_between_trees_is_accounted_by_the_worst_total(toy_config, tmp_path):
+    from opacus.accountants import RDPAccountant
+
+    privacy = {"noise_multiplier": 1.3, "restart_every": 3}
+    res = run(load(_ftrl(toy_config, privacy, sampler=ROTATED, rounds=6)), run_dir=tmp_path / "r")
+    # a tree of 3: leaf 1 in [1], [1,2] (2), leaves 2 and 3 in one node each; group 0 has 2 + 1, group 1 1 + 2,
+    # group 2 1 + 1: the worst total is 3, where each tree's worst summed over the trees would be 4
+    s = res.summary["privacy"]
+    acc = RDPAccountant()
+    acc.history = [(1.3 / math.sqrt(3), 1.0, 1)]
+    assert s["epsilon"] == acc.get_epsilon(delta=1e-5)
+    assert s["tree_sensitivities"] == [2, 2] and s["squared_sensitivity"] == 3
+
+
+def test_a_dp_ftrl_run_resumed_after_a_restart_keeps_each_clients_totals(toy_config, tmp_path):
+    from fedweave.runner import resume
+
+    privacy = {"noise_multiplier": 1.3, "restart_every": 3, "momentum": 0.5}
+    whole = run(load(_ftrl(toy_config, privacy, sampler=ROTATED, rounds=6)), run_dir=tmp_path / "whole")
+    cfg = _ftrl(toy_config, privacy, sampler=ROTATED, rounds=4)  # stops in the second tree, the first one closed
+    cfg["output"] = {**cfg["output"], "checkpoint_every": 1}
+    run(load(cfg), run_dir=tmp_path / "part")
+    res = resume(tmp_path / "part", ["rounds=6"])
+    assert [r["epsilon"] for r in res.metrics] == [r["epsilon"] for r in whole.metrics]
+    assert torch.equal(res.algorithm.x, whole.algorithm.x)
+    assert res.summary["privacy"] == whole.summary["privacy"]
+    assert res.summary["privacy"]["squared_sensitivity"] == 3
+
+
+def test_a_dp_ftrl_state_without_per_client_totals_resumes_with_each_finished_tree_on_every_client():
+    # a checkpoint written before the per-client totals kept only each finished tree's worst client: every client
+    # may have been it, so the resumed run adds their sum to every client (the former bound, never below the exact)
+    def fed(dp, leaves):
+        zero = torch.zeros(3, dtype=torch.float64)
+        for leaf in leaves:
+            dp.clip(zero.unsqueeze(0), torch.ones(1, dtype=torch.float64), np.array(leaf))
+            dp.noise(zero)
+
+    whole = _ftrl_dp(z=1.7, clip=1.0, expected=1, restart_every=2)
+    fed(whole, [[0], [1], [1], [0], [2]])
+    part = _ftrl_dp(z=1.7, clip=1.0, expected=1, restart_every=2)
+    fed(part, [[0], [1], [1], [0]])
+    state = part.state_dict()
+    del state["squared"], state["unattributed"]
+    old = _ftrl_dp(z=1.7, clip=1.0, expected=1, restart_every=2)
+    old.load_state_dict(state)
+    fed(old, [[2]])
+    assert old.summary()["squared_sensitivity"] == 2 + 2 + 1 and whole.summary()["squared_sensitivity"] == 3
+    assert old.epsilon() == old.accountant.epsilon([(1.7 / math.sqrt(5), 1.0, 1)]) > whole.epsilon()
+    # a state written now resumes exactly
+    again = _ftrl_dp(z=1.7, clip=1.0, expected=1, restart_every=2)
+    again.load_state_dict(part.state_dict())
+    fed(again, [[2]])
+    assert again.epsilon() == whole.epsilon() and again.summary() == whole.summary()
+
+
+def test_dp_ftrl_auto_stays_within_its_target_when_the_worst_client_changes_between_trees(toy_config, tmp_path):
+    # auto calibrates for a client first in both trees of 3 (2 + 2 = 4); the rotated schedule's worst has 3, so the
+    # run does all its rounds and spends what Opacus gives for 3, below the target
+    privacy = {"noise_multiplier": "auto", "target_epsilon": 3.0, "restart_every": 3}
+    res = run(load(_ftrl(toy_config, privacy, sampler=ROTATED, rounds=6)), run_dir=tmp_path / "r")
+    s = res.summary["privacy"]
+    assert res.summary["rounds"] == 6 and "stopped_early" not in res.summary and s["squared_sensitivity"] == 3
+    assert _opacus_epsilon("rdp", s["noise_multiplier"] / 2, 1.0, 1, 1e-5) == pytest.approx(3.0, abs=0.05)
+    assert s["epsilon"] == _opacus_epsilon("rdp", s["noise_multiplier"] / math.sqrt(3), 1.0, 1, 1e-5) < 3.0

@@ -166,6 +166,40 @@ def test_epsilon_is_opacus_composed_by_hand_from_events_csv(tmp_path, accountant
 
 
 @pytest.mark.parametrize(
+    ("algorithm", "extra"),
+    [
+        ({"max_staleness": 1}, {}),
+        ({}, {"faults": {"speed_sigma": 0.6, "dropout": 0.2, "deadline": 1.6}}),
+        ({}, {"faults": {"speed_sigma": 0.6, "sim_time": True}}),
+        ({}, {"compression": {"upload": {"name": "topk", "ratio": 0.1}}}),
+        ({"concurrency": 7, "buffer_size": 2}, {}),
+        ({"staleness": "hinge", "staleness_a": 0.5, "staleness_b": 1}, {}),
+    ],
+    ids=["max_staleness", "dropout-deadline", "sim_time", "compression", "concurrency>buffer", "hinge"],
+)
+def test_epsilon_is_opacus_from_events_csv_under_every_schedule_setting(tmp_path, algorithm, extra):
+    """Discards, lost jobs, the clock switch, compressed uploads (clipped as decoded), more clients in flight than a
+    buffer holds and another staleness function: the run's epsilon is still the worst client's composition of the
+    steps whose uploads events.csv records as arrived."""
+    cfg = {**_private(_buff(rounds=6, **algorithm), noise_multiplier=2.0), **extra}
+    res = fedweave.run(cfg, run_dir=tmp_path)
+    expect = _opacus_worst(2.0, _contributions(tmp_path))
+    assert res.summary["privacy"]["epsilon"] == pytest.approx(expect, rel=1e-9)
+
+
+def test_a_target_equal_to_a_steps_epsilon_runs_that_step_and_stops_before_the_next(tmp_path):
+    """The budget's boundary: a next step that would spend exactly the target is taken (epsilon <= target)."""
+    cfg = _private(_buff(rounds=12), noise_multiplier=3.0)
+    free = fedweave.run(cfg, run_dir=tmp_path / "free")
+    eps = [r["epsilon"] for r in free.metrics]
+    n = next(i for i in range(1, 12) if eps[i] > eps[i - 1])  # steps 1..n spend eps[n - 1], step n + 1 more
+    aimed = {**cfg, "privacy": {**cfg["privacy"], "target_epsilon": eps[n - 1]}}
+    res = fedweave.run(aimed, run_dir=tmp_path / "aimed")
+    assert res.summary["rounds"] == n and res.metrics[-1]["epsilon"] == eps[n - 1]
+    assert res.summary["stopped_early"].startswith("privacy budget: one more round would spend epsilon")
+
+
+@pytest.mark.parametrize(
     "faults",
     [{}, {"dropout": 0.3}, {"deadline": 1.3}, {"dropout": 0.2, "deadline": 1.6}],
     ids=["plain", "dropout", "deadline", "both"],
@@ -247,10 +281,13 @@ def test_a_resumed_run_stops_at_the_budget_where_the_whole_run_does(tmp_path):
         ("fedbuff", {"level": "sample"}, "privacy.level: fedbuff supports user-level central DP only"),
         ("fedbuff", {"adaptive": True}, "privacy.adaptive: fedbuff supports user-level central DP only"),
         ("fedbuff", {"noise_multiplier": "auto", "target_epsilon": 5.0}, "privacy.noise_multiplier: auto needs"),
+        ("fedbuff", {"_top": {"aggregator": {"name": "median"}}}, "aggregator: median and privacy both decide"),
     ],
 )
 def test_what_the_proof_does_not_cover_is_one_line(alg, privacy, words):
     cfg = _async(alg, concurrency=3, **({"buffer_size": 2} if alg == "fedbuff" else {}))
+    privacy = dict(privacy)
+    cfg = {**cfg, **privacy.pop("_top", {})}  # a section beside privacy: a robust aggregator
     with pytest.raises(ConfigError) as e:
         _algo(_private(cfg, **privacy))
     assert words in str(e.value) and "\n" not in str(e.value)

@@ -12,7 +12,15 @@
 
 from fedweave.privacy.accountant import Accountant, calibrate
 from fedweave.privacy.buffered import BufferedDP
-from fedweave.privacy.ftrl import FTRLDP, TreeNoise, decomposition, gaussian_history, tree_sensitivity
+from fedweave.privacy.ftrl import (
+    FTRLDP,
+    TreeNoise,
+    client_history,
+    decomposition,
+    gaussian_history,
+    tree_counts,
+    tree_sensitivity,
+)
 from fedweave.privacy.mechanism import UserDP, clip_per_layer, update_noise_multiplier
 from fedweave.privacy.sample import AccountedTrainer, SampleDP
 from fedweave.privacy.star import graph_privacy, make_privacy, sampling
@@ -26,12 +34,14 @@ __all__ = [
     "SampleDP",
     "UserDP",
     "calibrate",
+    "client_history",
     "clip_per_layer",
     "decomposition",
     "gaussian_history",
     "graph_privacy",
     "make_privacy",
     "sampling",
+    "tree_counts",
     "tree_sensitivity",
     "update_noise_multiplier",
 ]

@@ -16,8 +16,8 @@ Gaussian mechanism of sensitivity ``c_t C`` (all its updates aligned: the worst 
 ``alpha c_t^2 / (2 sigma^2)``; the steps compose to ``alpha (sum_t c_t^2) / (2 sigma^2)``, one Gaussian mechanism of
 noise multiplier ``sigma / sqrt(sum_t c_t^2)`` (exactly: the Gaussian mechanisms compose to a Gaussian one, so the
 PRV accountant gets the same number as composing them one by one). The run's epsilon is that of the client with the
-largest ``sum_t c_t^2``, computed by Opacus at sample rate 1 through the same path as DP-FTRL's trees
-(:func:`fedweave.privacy.ftrl.gaussian_history`). No amplification is claimed: the dispatch order is the
+largest ``sum_t c_t^2``, computed by Opacus at sample rate 1 through the same function as DP-FTRL's trees
+(:func:`fedweave.privacy.ftrl.client_history`). No amplification is claimed: the dispatch order is the
 simulation's schedule, not Poisson sampling.
 
 Threat model. The counts come from the schedule: who is dispatched when, and when each upload arrives, follow from
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedweave.privacy.ftrl import gaussian_history
+from fedweave.privacy.ftrl import client_history
 from fedweave.privacy.mechanism import UserDP
 
 
@@ -78,8 +78,7 @@ class BufferedDP(UserDP):
     def history(self, squared: np.ndarray | None = None) -> list[tuple[float, float, int]]:
         """Opacus's history: the worst client's composed Gaussian mechanism, noise multiplier
         ``sigma / sqrt(max_i sum_t c_{i,t}^2)`` at sample rate 1 (empty before any upload)."""
-        worst = int((self.squared if squared is None else squared).max(initial=0))
-        return gaussian_history(self.z, [worst])
+        return client_history(self.z, self.squared if squared is None else squared)
 
     def epsilon(self) -> float:
         """Epsilon at the run's delta after the steps so far, of the client with the most squared contributions."""

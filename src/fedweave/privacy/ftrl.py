@@ -26,12 +26,20 @@ sensitivity is that of the run's output, not merely a bound on it. A client whos
 a tree of n leaves changes every released node that contains that leaf, at most
 ``depth(n) = floor(log2 n) + 1 = ceil(log2(n + 1))`` nodes (for the first leaf exactly: [1], [1, 2], [1, 4], ...),
 each by at most C, so the sensitivity is ``sqrt(depth) C`` and the tree is the Gaussian mechanism with noise
-multiplier ``sigma / sqrt(depth)``; the trees are composed by Opacus's RDP (or PRV) accountant with sample rate 1.
-A client that takes part in several leaves of one tree adds up inside the nodes they share: the exact worst case is
-``sum over released nodes of c_v^2`` (c_v: its leaves in node v, all of its updates aligned), which this module
-computes from who actually reported (the participation is data-independent: samplers that read losses are refused),
-and the largest over the clients is the tree's squared sensitivity. With each client at most once per tree it is
-``depth(n)``, the paper's number.
+multiplier ``sigma / sqrt(depth)``. A client that takes part in several leaves of one tree adds up inside the nodes
+they share: the exact worst case is ``sum over released nodes of c_v^2`` (c_v: its leaves in node v, all of its
+updates aligned), which this module computes from who actually reported (the participation is data-independent:
+samplers that read losses are refused). With each client at most once per tree it is at most ``depth(n)``, the
+paper's number.
+
+Across trees (restarts; the paper's Appendix D composes the per-epoch trees of one example): every node of every
+tree has its own independent noise N(0, sigma^2 C^2 I), so for the neighbouring pair of client i all the trees'
+released nodes together are one Gaussian mechanism of squared sensitivity ``s_i = sum over trees of its count in
+the tree`` (adaptively: each tree's Renyi DP ``alpha s_{i,tree} / (2 sigma^2)`` holds whatever the earlier trees
+released, and they add up). The run's epsilon is the worst client's, noise multiplier ``sigma / sqrt(max_i s_i)``
+at sample rate 1, asked of Opacus's RDP (or PRV) accountant; this is never above composing each tree's worst
+client (``sum over trees of max_i``) and is below it when different clients are worst in different trees.
+DP-FedBuff's server steps are accounted by the same function (:func:`client_history`).
 """
 
 from __future__ import annotations
@@ -59,35 +67,46 @@ def decomposition(t: int) -> list[tuple[int, int]]:
     return [(h, (t >> h) - 1) for h in reversed(range(t.bit_length())) if t >> h & 1]
 
 
-def tree_sensitivity(leaves: list[np.ndarray]) -> int:
-    """The squared L2 sensitivity, in units of C^2, of the released nodes of a tree whose leaf j (0-based) had the
-    clients ``leaves[j]``: the largest over the clients of ``sum over released nodes v of c_v^2``, c_v the client's
-    leaves inside v (its updates all pointing the same way: the worst case). Node (h, k) is released when some prefix
-    sum [1, t], t <= n = len(leaves), has it in its binary decomposition: k even and its span ended by leaf n (a right
-    child, k odd, is in no decomposition, so its noise is never drawn)."""
+def tree_counts(leaves: list[np.ndarray]) -> np.ndarray:
+    """Each client's squared L2 sensitivity, in units of C^2, in the released nodes of a tree whose leaf j (0-based)
+    had the clients ``leaves[j]``: ``sum over released nodes v of c_v^2``, c_v the client's leaves inside v (its
+    updates all pointing the same way: the worst case); an int64 array indexed by client id (0 for a client that is
+    not in the tree). Node (h, k) is released when some prefix sum [1, t], t <= n = len(leaves), has it in its
+    binary decomposition: k even and its span ended by leaf n (a right child, k odd, is in no decomposition, so its
+    noise is never drawn)."""
     n = len(leaves)
-    if n == 0:
-        return 0
-    ids = np.concatenate([np.asarray(c, dtype=np.int64) for c in leaves])
+    ids = np.concatenate([np.zeros(0, dtype=np.int64), *(np.asarray(c, dtype=np.int64) for c in leaves)])
+    total = np.zeros(int(ids.max(initial=-1)) + 1, dtype=np.int64)
     if len(ids) == 0:
-        return 0
+        return total
     pos = np.repeat(np.arange(n, dtype=np.int64), [len(c) for c in leaves])
-    total: dict[int, int] = {}
     for h in range(depth(n)):
         node = pos >> h
         released = (node % 2 == 0) & (((node + 1) << h) <= n)  # a left child whose span has ended
         pairs, counts = np.unique(np.stack([ids[released], node[released]], axis=1), axis=0, return_counts=True)
-        for client, c in zip(pairs[:, 0].tolist(), counts.tolist()):
-            total[client] = total.get(client, 0) + c * c
-    return max(total.values())
+        np.add.at(total, pairs[:, 0], counts.astype(np.int64) ** 2)
+    return total
+
+
+def tree_sensitivity(leaves: list[np.ndarray]) -> int:
+    """The squared L2 sensitivity, in units of C^2, of one tree's released nodes: the largest of
+    :func:`tree_counts` over the clients (0 for an empty tree)."""
+    return int(tree_counts(leaves).max(initial=0))
+
+
+def plus(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Two per-client int64 arrays added, the shorter one padded with zeros (clients that are in one only)."""
+    out = np.zeros(max(len(a), len(b)), dtype=np.int64)
+    out[: len(a)] += a
+    out[: len(b)] += b
+    return out
 
 
 def gaussian_history(z: float, squared_sensitivities: list[int] | list[float]) -> list[tuple[float, float, int]]:
     """Opacus's history of Gaussian releases of noise std ``z C`` whose L2 sensitivities are
     ``sqrt(s) C``, s in ``squared_sensitivities``: each the Gaussian mechanism with noise multiplier
     ``z / sqrt(s)`` at sample rate 1 (no amplification), equal neighbours merged; a release of sensitivity 0 is
-    left out (it depends on nobody's data). DP-FTRL's trees and DP-FedBuff's worst client
-    (:mod:`fedweave.privacy.buffered`) are accounted through it."""
+    left out (it depends on nobody's data)."""
     out: list[tuple[float, float, int]] = []
     for s in squared_sensitivities:
         if s == 0:
@@ -98,6 +117,17 @@ def gaussian_history(z: float, squared_sensitivities: list[int] | list[float]) -
         else:
             out.append((noise, 1.0, 1))
     return out
+
+
+def client_history(z: float, squared: np.ndarray, unattributed: int = 0) -> list[tuple[float, float, int]]:
+    """Opacus's history of a run whose releases all carry independent Gaussian noise of std ``z C`` and in which
+    client i's contributions have squared L2 sensitivity ``squared[i] C^2`` over the whole run (summed over its
+    releases): for the neighbouring pair of client i the run is one Gaussian mechanism of noise multiplier
+    ``z / sqrt(squared[i])`` (the releases' Renyi DP ``alpha s / (2 z^2)`` add up, and Gaussian mechanisms
+    compose to a Gaussian one), so the run's epsilon is the largest client's. ``unattributed``: squared
+    sensitivity known only as a bound for every client, added to each. DP-FTRL's trees and DP-FedBuff's server
+    steps (:mod:`fedweave.privacy.buffered`) are both accounted through it."""
+    return gaussian_history(z, [int(unattributed) + int(np.asarray(squared).max(initial=0))])
 
 
 class TreeNoise:
@@ -131,8 +161,10 @@ class TreeNoise:
 
 
 def planned_sensitivity(rounds: int, restart_every: int | None) -> int:
-    """The sum of the trees' squared sensitivities over ``rounds`` releases with each client at most once per tree
-    (what ``noise_multiplier: auto`` calibrates for)."""
+    """The most squared sensitivity a client can have over ``rounds`` releases with each client at most once per
+    tree: ``depth`` of every tree's leaves, reached by a client in the first leaf of every tree (what
+    ``noise_multiplier: auto`` calibrates for; a run whose clients repeat inside a tree is stopped by the
+    budget)."""
     period = restart_every or rounds
     full, rest = divmod(rounds, period)
     return full * depth(period) + depth(rest)
@@ -146,7 +178,11 @@ class FTRLDP(UserDP):
         super().__init__(mechanism="ftrl", **kw)
         self.restart_every, self.momentum = restart_every, float(momentum)
         self.leaves: list[np.ndarray] = []  # the reporting clients of each leaf of the current tree
-        self.closed: list[int] = []  # the squared sensitivities (units of C^2) of the finished trees
+        self.closed: list[int] = []  # each finished tree's worst client's squared sensitivity (units of C^2)
+        # per client, the sum over the finished trees of its squared sensitivity in each (units of C^2)
+        self.squared = np.zeros(0, dtype=np.int64)
+        # a bound added to every client: the finished trees of a checkpoint that kept only their worst clients
+        self.unattributed = 0
         self.buffer: torch.Tensor | None = None  # DP-FTRLM's increment d_t (None: zero, a fresh tree)
         self._noise: TreeNoise | None = None
         self._clients: np.ndarray | None = None
@@ -184,16 +220,24 @@ class FTRLDP(UserDP):
         self._clients = None
         self.releases += 1
         if self.restart_every is not None and len(self.leaves) == self.restart_every:
-            self.closed.append(tree_sensitivity(self.leaves))
+            counts = tree_counts(self.leaves)
+            self.closed.append(int(counts.max(initial=0)))
+            self.squared = plus(self.squared, counts)
             self.leaves, self.buffer = [], None
         self.accountant.impl.history = self.history()  # what Opacus is told, for whoever reads the accountant
         return out
 
     # ---- accounting -------------------------------------------------------------------------------
+    def totals(self, current: list[np.ndarray] | None = None) -> np.ndarray:
+        """Each client's squared sensitivity over the run: the finished trees' plus the current tree's (``current``
+        in its place when given)."""
+        return plus(self.squared, tree_counts(self.leaves if current is None else current))
+
     def history(self, current: list[np.ndarray] | None = None) -> list[tuple[float, float, int]]:
-        """Opacus's history of the run: each tree one Gaussian release at noise multiplier
-        ``sigma / sqrt(sensitivity^2)`` and sample rate 1 (equal neighbours merged)."""
-        return gaussian_history(self.z, [*self.closed, tree_sensitivity(self.leaves if current is None else current)])
+        """Opacus's history of the run: the worst client's composed Gaussian mechanism, noise multiplier
+        ``sigma / sqrt(max_i sum_trees s_{i,tree})`` at sample rate 1 (every node's noise is an independent
+        N(0, sigma^2 C^2 I), so all the trees' nodes together are one Gaussian mechanism per client)."""
+        return client_history(self.z, self.totals(current), self.unattributed)
 
     def epsilon(self) -> float:
         """Epsilon at the run's delta after the trees so far (of the client with the largest sensitivity)."""
@@ -202,13 +246,14 @@ class FTRLDP(UserDP):
     def epsilon_after_next(self, next_round: int | None = None) -> float:
         """Epsilon after one more leaf: the clients the sampler draws for ``next_round`` (who reports is among
         them: an upper bound; the draw depends on the seed only, never on the data), or, without a round or a
-        sampler, every client of the current tree and a new one. A full tree is closed by :meth:`noise`, so the
-        next leaf is in this tree or, when it is empty, the first of a new one."""
+        sampler, every client seen so far and a new one (a client's count only grows with the leaves it is in, so
+        this bounds any next leaf). A full tree is closed by :meth:`noise`, so the next leaf is in this tree or,
+        when it is empty, the first of a new one."""
         if next_round is not None and self.upcoming is not None:
             return self.accountant.epsilon(self.history([*self.leaves, np.asarray(self.upcoming(next_round))]))
-        seen = np.unique(np.concatenate([np.zeros(0, dtype=np.int64), *self.leaves]))
-        fresh = int(seen.max()) + 1 if len(seen) else 0
-        return self.accountant.epsilon(self.history([*self.leaves, np.append(seen, fresh)]))
+        seen = np.concatenate([np.zeros(0, dtype=np.int64), *self.leaves])
+        everyone = np.arange(max(len(self.squared), int(seen.max(initial=-1)) + 1) + 1)  # the last one is new
+        return self.accountant.epsilon(self.history([*self.leaves, everyone]))
 
     def summary(self) -> dict[str, Any]:
         out = super().summary()
@@ -218,6 +263,7 @@ class FTRLDP(UserDP):
             momentum=self.momentum,
             trees=len(self.closed) + (1 if self.leaves else 0),
             tree_sensitivities=[*self.closed, *([tree_sensitivity(self.leaves)] if self.leaves else [])],
+            squared_sensitivity=self.unattributed + int(self.totals().max(initial=0)),
         )
         return out
 
@@ -226,6 +272,8 @@ class FTRLDP(UserDP):
         out.update(
             leaves=[c.tolist() for c in self.leaves],
             closed=list(self.closed),
+            squared=self.squared.tolist(),
+            unattributed=self.unattributed,
             buffer=None if self.buffer is None else self.buffer.clone(),
         )
         return out
@@ -234,5 +282,10 @@ class FTRLDP(UserDP):
         super().load_state_dict(state)
         self.leaves = [np.asarray(c, dtype=np.int64) for c in state["leaves"]]
         self.closed = [int(s) for s in state["closed"]]
+        if "squared" in state:
+            self.squared = np.asarray(state["squared"], dtype=np.int64)
+            self.unattributed = int(state["unattributed"])
+        else:  # a checkpoint that kept only each finished tree's worst client: every client may have been it
+            self.squared, self.unattributed = np.zeros(0, dtype=np.int64), sum(self.closed)
         self.buffer = state["buffer"]
         self.accountant.impl.history = self.history()
