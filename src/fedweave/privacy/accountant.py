@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from fedweave.config import ConfigError
 from fedweave.registry import ACCOUNTANTS
 
@@ -76,7 +78,10 @@ class Accountant:
             return self._cache[1]
         probe = ACCOUNTANTS.get(self.name)()
         probe.history = [tuple(h) for h in hist]
-        eps = float(probe.get_epsilon(delta=self.delta))
+        # at sample rate 1 Opacus's PRV evaluates both sides of an np.where, one a log of 0 it then discards: its
+        # "divide by zero" warnings say nothing about the epsilon, which is right
+        with np.errstate(divide="ignore"):
+            eps = float(probe.get_epsilon(delta=self.delta))
         self._cache = (key, eps)
         return eps
 
