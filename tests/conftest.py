@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import threading
@@ -98,20 +99,23 @@ if "_toy_cnn" not in MODELS._items:
         )
 
 
+TOY_CONFIG = {  # a small FedAvg run on the toy data (a few seconds); copied for each use (toy_config)
+    "name": "toy",
+    "seed": 3,
+    "rounds": 4,
+    "dataset": {"name": "_toy"},
+    "partition": {"name": "dirichlet", "num_clients": 12, "alpha": 0.5, "min_size": 20},
+    "model": {"name": "logistic"},
+    "algorithm": {"name": "fedavg", "clients_per_round": 4},
+    "local": {"epochs": 1, "batch_size": 16, "lr": 0.1},
+    "output": {"progress": False, "plots": False},
+}
+
+
 @pytest.fixture
 def toy_config() -> dict:
-    """A small FedAvg run on the toy data (a few seconds)."""
-    return {
-        "name": "toy",
-        "seed": 3,
-        "rounds": 4,
-        "dataset": {"name": "_toy"},
-        "partition": {"name": "dirichlet", "num_clients": 12, "alpha": 0.5, "min_size": 20},
-        "model": {"name": "logistic"},
-        "algorithm": {"name": "fedavg", "clients_per_round": 4},
-        "local": {"epochs": 1, "batch_size": 16, "lr": 0.1},
-        "output": {"progress": False, "plots": False},
-    }
+    """A small FedAvg run on the toy data (a few seconds), a copy each test may change."""
+    return copy.deepcopy(TOY_CONFIG)
 
 
 @pytest.fixture

@@ -231,13 +231,8 @@ def test_fedbuff_without_staleness_is_fedavg_for_every_staleness_function(k, sta
     assert torch.equal(sync.x, buff.x)
 
 
-@pytest.mark.parametrize("weighting", ["samples", "uniform"])
-def test_fedbuffs_step_is_the_papers_under_staleness(weighting, monkeypatch):
-    """Nguyen et al. 2022, Alg. 1 with the staleness scaling of Sec. 5: once K updates are in,
-    x <- x + eta_g sum_i p_i s(t - tau_i) Delta_i, Delta_i = y_i - x_{tau_i} from the model client i was sent,
-    checked against the hand formula with every job's start and result recorded at dispatch."""
-    cfg = _three("fedbuff", buffer_size=2, server_lr=0.7, staleness="polynomial", staleness_a=0.5, weighting=weighting)
-    algo = _algo(cfg)
+def record_jobs(algo, monkeypatch) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each job's start model and trained result, by job id, recorded as the server dispatches it."""
     jobs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     dispatch = algo.dispatch
 
@@ -247,6 +242,17 @@ def test_fedbuffs_step_is_the_papers_under_staleness(weighting, monkeypatch):
             jobs.setdefault(j, (start.clone(), algo.ys[j][0].clone()))
 
     monkeypatch.setattr(algo, "dispatch", recorded)
+    return jobs
+
+
+@pytest.mark.parametrize("weighting", ["samples", "uniform"])
+def test_fedbuffs_step_is_the_papers_under_staleness(weighting, monkeypatch):
+    """Nguyen et al. 2022, Alg. 1 with the staleness scaling of Sec. 5: once K updates are in,
+    x <- x + eta_g sum_i p_i s(t - tau_i) Delta_i, Delta_i = y_i - x_{tau_i} from the model client i was sent,
+    checked against the hand formula with every job's start and result recorded at dispatch."""
+    cfg = _three("fedbuff", buffer_size=2, server_lr=0.7, staleness="polynomial", staleness_a=0.5, weighting=weighting)
+    algo = _algo(cfg)
+    jobs = record_jobs(algo, monkeypatch)
     taus = []
     for r in range(6):
         x, n = algo.x.clone(), len(algo.events)

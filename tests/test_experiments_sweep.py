@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import yaml
+from scipy import stats
 
 import fedweave
 from fedweave.checkpoints import CHECKPOINT
 from fedweave.cli import main as cli_main
 from fedweave.experiments import GridError, expand, parse_grid
 from fedweave.experiments.aggregate import mean_std
+from fedweave.experiments.baseline import compare
+from fedweave.experiments.jobs import RunFailed
+from fedweave.experiments.tables import csv_text
+from fedweave.results import RunDirError
+from fedweave.tasks import column_direction
+from tests.conftest import TOY_CONFIG
 
 # scikit-learn's bundled digits need no network, so a sweep in a subprocess can load them
 DIGITS = {
@@ -179,8 +190,6 @@ def test_a_sweep_on_a_ray_cluster_equals_one_in_processes(tmp_path):
 
 
 def test_runs_killed_before_their_first_checkpoint_start_again_and_finished_ones_are_reused(toy_config, tmp_path):
-    import json
-    import shutil
 
     grid = {"local.lr": [0.05, 0.2, 0.4]}
     full = fedweave.sweep(toy_config, grid, out=tmp_path / "full", progress=False)
@@ -205,8 +214,6 @@ def test_runs_killed_before_their_first_checkpoint_start_again_and_finished_ones
 
 
 def test_an_unfinished_run_of_another_config_is_not_replaced(toy_config, tmp_path):
-    from fedweave.experiments.jobs import RunFailed
-    from fedweave.results import RunDirError
 
     res = fedweave.sweep(toy_config, {"local.lr": [0.05]}, out=tmp_path / "s", progress=False)
     run_dir = tmp_path / "s" / res.records[0]["run_dir"]
@@ -223,12 +230,10 @@ ALGOS = ["--grid", "algorithm.name=fedavg,fedprox,scaffold", "--seeds", "3"]
 @pytest.fixture(scope="module")
 def algos(tmp_path_factory):
     """A 3-point x 3-seed sweep of 2 rounds, run once with --baseline fedavg: its directory and its printout."""
-    import contextlib
-    import io
 
     d = tmp_path_factory.mktemp("algos")
     cfg = d / "c.yaml"
-    cfg.write_text(yaml.safe_dump({**TOY, "rounds": 2}))
+    cfg.write_text(yaml.safe_dump({**TOY_CONFIG, "rounds": 2}))
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         rc = cli_main(["sweep", str(cfg), *ALGOS, "--baseline", "algorithm.name=fedavg", "--out", str(d / "s"),
@@ -237,22 +242,8 @@ def algos(tmp_path_factory):
     return cfg, d / "s", printed.getvalue()
 
 
-TOY = {  # tests/conftest.py's toy_config, for a fixture shared by several tests
-    "name": "toy",
-    "seed": 3,
-    "rounds": 4,
-    "dataset": {"name": "_toy"},
-    "partition": {"name": "dirichlet", "num_clients": 12, "alpha": 0.5, "min_size": 20},
-    "model": {"name": "logistic"},
-    "algorithm": {"name": "fedavg", "clients_per_round": 4},
-    "local": {"epochs": 1, "batch_size": 16, "lr": 0.1},
-    "output": {"progress": False, "plots": False},
-}
-
-
 def _finals(out) -> dict[tuple[str, int], float]:
     """Each run's final test accuracy read from its own summary.json, by (algorithm, seed)."""
-    import json
 
     got = {}
     for run in (out / "runs").iterdir():
@@ -264,10 +255,6 @@ def _finals(out) -> dict[tuple[str, int], float]:
 
 
 def test_points_against_a_baseline_equal_a_paired_t_interval_computed_from_the_runs(algos):
-    import json
-
-    import numpy as np
-    from scipy import stats
 
     _, out, printed = algos
     finals = _finals(out)
@@ -304,13 +291,11 @@ def test_a_seed_pairs_the_partition_across_points_and_not_across_seeds(algos):
 
 def _copy(out, tmp_path):
     """A copy of the shared sweep to run again (its runs reused), leaving the shared one as it was."""
-    import shutil
 
     return shutil.copytree(out, tmp_path / "s")
 
 
 def test_without_a_baseline_the_files_are_the_sweeps_without_its_columns(algos, tmp_path):
-    from fedweave.experiments.tables import csv_text
 
     cfg, done, _ = algos
     out = _copy(done, tmp_path)
@@ -327,7 +312,6 @@ def test_without_a_baseline_the_files_are_the_sweeps_without_its_columns(algos, 
 
 
 def test_a_baseline_from_the_sweep_section_with_the_bootstrap(algos, tmp_path):
-    import json
 
     cfg, done, _ = algos
     out = _copy(done, tmp_path)
@@ -381,7 +365,6 @@ def test_a_diverged_run_is_not_paired_and_one_pair_is_n_below_2(toy_config, tmp_
 
 
 def test_a_completed_run_that_ended_on_nan_is_named_not_paired():
-    from fedweave.experiments.baseline import compare
 
     recs = [
         {"point": p, "seed": s, "status": "completed", "v": 0.5 + 0.1 * s * (p == "b")} for p in "ab" for s in (1, 2, 3)
@@ -396,8 +379,6 @@ def test_a_completed_run_that_ended_on_nan_is_named_not_paired():
 
 @pytest.mark.parametrize("key, outcome", [("test_accuracy", "better"), ("test_loss", "worse"), ("opt_gap", "worse")])
 def test_better_follows_the_metrics_direction(key, outcome):
-    from fedweave.experiments.baseline import compare
-    from fedweave.tasks import column_direction
 
     gains = {1: 0.10, 2: 0.12, 3: 0.11}  # b is higher than a at every seed, by about the same
     recs = [

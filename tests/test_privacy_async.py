@@ -15,7 +15,7 @@ import fedweave
 from fedweave.config import ConfigError
 from fedweave.runner import resume
 from fedweave.seeding import Seeds
-from tests.test_async import _async, _three, _timed
+from tests.test_async import _async, _three, _timed, record_jobs
 from tests.test_centralized import _algo
 
 pytest.importorskip("opacus", reason="opacus is not installed (pip install 'fedweave[privacy]')")
@@ -96,15 +96,7 @@ def test_the_clipped_sum_is_sum_of_staleness_weighted_clipped_updates_over_k(mon
     cfg = _private(_three("fedbuff", buffer_size=3, server_lr=0.7, staleness="polynomial"), noise_multiplier=0.0)
     cfg["privacy"]["clip"] = clip
     algo = _algo(cfg)
-    jobs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    dispatch = algo.dispatch
-
-    def recorded(r):
-        dispatch(r)
-        for j, start in algo.starts.items():
-            jobs.setdefault(j, (start.clone(), algo.ys[j][0].clone()))
-
-    monkeypatch.setattr(algo, "dispatch", recorded)
+    jobs = record_jobs(algo, monkeypatch)
     norms = []
     for r in range(4):
         x, n = algo.x.clone(), len(algo.events)
