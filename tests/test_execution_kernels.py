@@ -216,12 +216,11 @@ def test_fused_kernel_keeps_the_bits_of_its_first_form(name, options, sgd):
     assert not torch.equal(new, start)
 
 
-@pytest.mark.parametrize("budget_rows", [1, 12, 40, 10_000])
-@pytest.mark.parametrize("sgd", [{}, {"momentum": 0.9, "weight_decay": 0.01}])
-def test_rows_gathered_for_many_jobs_keep_each_jobs_bits(budget_rows, sgd, uneven_parts, monkeypatch):
-    """The loop backend gathers the rows of consecutive jobs together (``FusedSGD.gathered``, up to
-    ``GATHER_BYTES``; a job over it on its own gets index batches): every job's steps, final parameters and
-    loss are bit for bit those of the job gathered alone, for any budget, with a client without data."""
+def _gathering_trainer(
+    sgd: dict, uneven_parts, budget_rows: int, monkeypatch
+) -> tuple[LocalConfig, LocalTrainer, list[int]]:
+    """An MLP's trainer over uneven clients and one without data, with the loop backend's gather budget set to
+    ``budget_rows`` rows, and the clients of its call (every client, then client 1 again)."""
     import fedweave.execution.fused as fused
 
     ds = make_toy()
@@ -232,7 +231,16 @@ def test_rows_gathered_for_many_jobs_keep_each_jobs_bits(budget_rows, sgd, uneve
     tr = LocalTrainer(model, ds.train_x, ds.train_y, parts, cfg, Seeds(4))
     row_bytes = ds.train_x[:1].numel() * ds.train_x.element_size()
     monkeypatch.setattr(fused, "GATHER_BYTES", budget_rows * row_bytes)
-    clients = [*range(len(parts)), 1]
+    return cfg, tr, [*range(len(parts)), 1]
+
+
+@pytest.mark.parametrize("budget_rows", [1, 12, 40, 10_000])
+@pytest.mark.parametrize("sgd", [{}, {"momentum": 0.9, "weight_decay": 0.01}])
+def test_rows_gathered_for_many_jobs_keep_each_jobs_bits(budget_rows, sgd, uneven_parts, monkeypatch):
+    """The loop backend gathers the rows of consecutive jobs together (``FusedSGD.gathered``, up to
+    ``GATHER_BYTES``; a job over it on its own gets index batches): every job's steps, final parameters and
+    loss are bit for bit those of the job gathered alone, for any budget, with a client without data."""
+    cfg, tr, clients = _gathering_trainer(sgd, uneven_parts, budget_rows, monkeypatch)
     plans = [tr.flat_batches(c, 3, (), None) for c in clients]
     streams = tr.batch_streams(clients, 3, ())  # the loop backend's way: the call's streams made at once
     for c, g, (flat, sizes) in zip(clients, streams, plans):
@@ -266,17 +274,7 @@ def test_loop_call_reduces_its_jobs_losses_at_once_with_each_jobs_bits(budget_ro
     """The loop backend reduces the losses of its gathered jobs at the end of the call (``job_losses``): every
     job's mean loss and final parameters are bit for bit those of the job run alone by ``FusedSGD.run``,
     whatever the budget sends to ``run``'s own gathers, with a client without data and a client twice."""
-    import fedweave.execution.fused as fused
-
-    ds = make_toy()
-    model = build_model("mlp", (1, 6, 6), 4, hidden=[5])
-    cfg = LocalConfig(epochs=2, batch_size=3, lr=0.1, **sgd)
-    cfg.validate()
-    parts = [*uneven_parts, uneven_parts[0][:0]]  # the last client has no data
-    tr = LocalTrainer(model, ds.train_x, ds.train_y, parts, cfg, Seeds(4))
-    row_bytes = ds.train_x[:1].numel() * ds.train_x.element_size()
-    monkeypatch.setattr(fused, "GATHER_BYTES", budget_rows * row_bytes)
-    clients = [*range(len(parts)), 1]
+    cfg, tr, clients = _gathering_trainer(sgd, uneven_parts, budget_rows, monkeypatch)
     start = tr.layout.flatten() + 0.05
     got = tr.train(start.expand(len(clients), -1), clients, 3, lr=0.1)
     for k, c in enumerate(clients):
