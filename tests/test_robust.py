@@ -81,6 +81,17 @@ def test_trimmed_mean_equals_scipy_trim_mean(beta):
     np.testing.assert_allclose(TrimmedMean()(u, _uniform(13), k).numpy(), ref, rtol=1e-13, atol=1e-15)
 
 
+def test_a_trimmed_mean_cutting_fewer_than_the_attackers_warns_and_runs(caplog):
+    """beta 0.1 of 20 updates cuts 2 of each end against f = 4: allowed (a study of too small a beta), with one
+    warning saying the attackers' most extreme values stay in; beta null (cut f), or enough, says nothing."""
+    with caplog.at_level("WARNING", logger="fedweave.robust.aggregators"):
+        TrimmedMean(beta=0.1).check(20, 4)
+        TrimmedMean().check(20, 4)
+        TrimmedMean(beta=0.2).check(20, 4)
+    (rec,) = caplog.records
+    assert rec.getMessage().startswith("aggregator.beta 0.1 cuts 2 of each end of 20 updates, fewer than the 4")
+
+
 def _honest_and_byzantine(n: int, f: int, seed: int = 0) -> tuple[torch.Tensor, set[int]]:
     """``n - f`` honest updates around (1, 1, ...) and ``f`` colluding ones far away, mixed in order."""
     g = torch.Generator().manual_seed(seed)

@@ -13,6 +13,7 @@ alike, as their papers do; so does DnC, which averages the updates it keeps.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, ClassVar
 
@@ -21,6 +22,8 @@ import torch
 
 from fedweave.config import ConfigError
 from fedweave.registry import AGGREGATORS
+
+log = logging.getLogger(__name__)
 
 
 class Aggregator:
@@ -124,6 +127,18 @@ class TrimmedMean(Aggregator):
 
     def min_updates(self, f: int) -> int:
         return 2 * f + 1 if self.beta is None else 1
+
+    def check(self, n: int, f: int) -> None:
+        super().check(n, f)
+        if self.trimmed(n, f) < f:  # allowed (a study of a too-small beta), but rarely meant
+            log.warning(
+                "aggregator.beta %g cuts %d of each end of %d updates, fewer than the %d Byzantine ones guarded "
+                "against: the attackers' most extreme values stay in the mean (beta null cuts f)",
+                self.beta,
+                self.trimmed(n, f),
+                n,
+                f,
+            )
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
         """The coordinate-wise mean of the rows without the k largest and k smallest values."""
