@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from fedweave.config import ConfigError
+from fedweave.experiments.grid import _text
 from fedweave.experiments.verdicts import HELD, INCONCLUSIVE, NOT_HELD, TESTS, Paired
 
 BETTER, WORSE, FEW = "better", "worse", "n < 2"
@@ -92,8 +93,6 @@ def resolve(
     """The label (``key=value,...``, a point's ``label``) of the one grid point ``wanted`` names, among the
     ``points`` (each its grid values, in the sweep's order). A key that is not a grid or zipped key, a value
     no point has, or keys that leave several points are one ``ConfigError`` line naming what is allowed."""
-    from fedweave.experiments.grid import _text
-
     values = list(dict.fromkeys(points))
     keys = list(dict.fromkeys(k for p in values for k, _ in p))
     if not keys:
