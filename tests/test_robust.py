@@ -336,23 +336,31 @@ def test_alie_refuses_a_run_whose_attackers_are_a_majority_and_sends_the_mean_in
     assert alie_z(10, 6) == 0.0 and alie_z(10, 5) == NormalDist().inv_cdf(0.9)  # s = 0, then s = 1
 
 
-@pytest.mark.parametrize("perturbation", ["unit_vec", "std", "sign"])
-def test_min_max_takes_the_largest_gamma_within_the_honest_diameter(perturbation):
+def _perturbed_mean(name: str, perturbation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """Min-Max's or Min-Sum's upload from 8 honest rows, checked to be ``mu - gamma p`` for both attackers:
+    the honest rows, the upload, the direction ``p`` and ``gamma``."""
     own, honest = _rows(2, 6, seed=7), _rows(8, 6, seed=8)
-    attack = _attack("min_max", perturbation=perturbation)
+    attack = _attack(name, perturbation=perturbation)
     sent = attack(own, honest, AttackInfo(0, np.array([0, 1]), 10, Seeds(0)))
     mu = honest.mean(0)
     p = {"unit_vec": mu / mu.norm(), "std": honest.std(0), "sign": mu.sign()}[perturbation]
     gamma = attack.gamma(honest, p)
     assert torch.equal(sent, (mu - gamma * p).expand(2, 6))
+    return honest, sent[0], p, gamma
+
+
+@pytest.mark.parametrize("perturbation", ["unit_vec", "std", "sign"])
+def test_min_max_takes_the_largest_gamma_within_the_honest_diameter(perturbation):
+    honest, sent, p, gamma = _perturbed_mean("min_max", perturbation)
+    mu = honest.mean(0)
     diameter = torch.cdist(honest, honest).max()
-    assert (honest - sent[0]).norm(dim=1).max() <= diameter  # the constraint of eq. (6) holds
+    assert (honest - sent).norm(dim=1).max() <= diameter  # Min-Max's constraint holds
     assert (honest - (mu - (gamma + 1e-4) * p)).norm(dim=1).max() > diameter  # and gamma is (nearly) the largest
     assert gamma > 0
 
 
 def _min_sum_constraint(honest: torch.Tensor, m: torch.Tensor) -> bool:
-    """Eq. (7) of Shejwalkar & Houmansadr, written out in numpy: sum_i ||m - g_i||^2 <= max_i sum_j ||g_i - g_j||^2."""
+    """Min-Sum's constraint (Shejwalkar & Houmansadr), in numpy: sum_i ||m - g_i||^2 <= max_i sum_j ||g_i - g_j||^2."""
     h, m = honest.numpy(), m.numpy()
     bound = max(sum(float(np.sum((h[i] - h[j]) ** 2)) for j in range(len(h))) for i in range(len(h)))
     return sum(float(np.sum((m - g) ** 2)) for g in h) <= bound
@@ -360,14 +368,9 @@ def _min_sum_constraint(honest: torch.Tensor, m: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("perturbation", ["unit_vec", "std", "sign"])
 def test_min_sum_takes_the_largest_gamma_within_the_largest_honest_sum_of_squared_distances(perturbation):
-    own, honest = _rows(2, 6, seed=7), _rows(8, 6, seed=8)
-    attack = _attack("min_sum", perturbation=perturbation)
-    sent = attack(own, honest, AttackInfo(0, np.array([0, 1]), 10, Seeds(0)))
+    honest, sent, p, gamma = _perturbed_mean("min_sum", perturbation)
     mu = honest.mean(0)
-    p = {"unit_vec": mu / mu.norm(), "std": honest.std(0), "sign": mu.sign()}[perturbation]
-    gamma = attack.gamma(honest, p)
-    assert torch.equal(sent, (mu - gamma * p).expand(2, 6))
-    assert _min_sum_constraint(honest, sent[0])  # the constraint holds at the returned gamma ...
+    assert _min_sum_constraint(honest, sent)  # the constraint holds at the returned gamma ...
     assert not _min_sum_constraint(honest, mu - (gamma + 1e-4) * p)  # ... and fails just above it
     # closed form: mu is the honest mean, so sum_i ||mu - gamma p - g_i||^2 = sum_i ||mu - g_i||^2 + n gamma^2 ||p||^2
     h = honest.numpy()
