@@ -132,7 +132,10 @@ def test_a_divergence_names_the_step_sizes_the_algorithm_reads(toy_config, tmp_p
     msg = str(e.value)
     assert "\n" not in msg and "Lower one of its step sizes (local.lr, algorithm.server_lr)" in msg
     if how == "exploded":  # round 1 was good: the resume hint, and that server_lr needs a new run
-        assert "local.lr=SMALLER' (an algorithm option needs a new run)" in msg
+        assert (
+            f"continue with 'fedweave run --resume {tmp_path / 'r'} local.lr=SMALLER', or start a new run with a "
+            "smaller algorithm.server_lr (a resumed run may not change an algorithm option)."
+        ) in msg
 
 
 def test_the_step_sizes_named_after_a_divergence_are_the_algorithms_own():
@@ -151,9 +154,32 @@ def test_the_step_sizes_named_after_a_divergence_are_the_algorithms_own():
     saga = ALGORITHMS.get("cfl_saga")
     assert keys["cfl_saga"] == ["algorithm.step_size", "algorithm.step_scale"]
     assert divergence_advice(saga) == "Lower one of its step sizes (algorithm.step_size, algorithm.step_scale)."
-    assert "local.lr" not in _kept("runs/a", 3, saga) and "new run" in _kept("runs/a", 3, saga)
+    assert _kept("runs/a", 3, saga) == (
+        "The checkpoint of round 3 is kept, but a resumed run may not change an algorithm option: start a new run "
+        "with a smaller algorithm.step_size or algorithm.step_scale."
+    )
     assert divergence_advice(ALGORITHMS.get("gossip")) == "Lower local.lr or enable local.grad_clip."
     assert _kept("runs/a", 3, ALGORITHMS.get("gossip")).endswith("--resume runs/a local.lr=SMALLER'.")
+    # local.lr may be lowered on resume, FedAdam's server_lr only in a new run: the line offers both, each named
+    assert _kept("runs/a", 3, ALGORITHMS.get("fedadam")) == (
+        "The checkpoint of round 3 is kept; continue with 'fedweave run --resume runs/a local.lr=SMALLER', or start "
+        "a new run with a smaller algorithm.server_lr (a resumed run may not change an algorithm option)."
+    )
+    assert _kept("runs/a", 3, ALGORITHMS.get("cse_fsl")).endswith(
+        "or start a new run with a smaller algorithm.client_lr, algorithm.aux_lr or algorithm.server_lr (a resumed "
+        "run may not change an algorithm option)."
+    )
+
+    class ServerStepOnly(ALGORITHMS.get("fedavg")):  # a method whose only step size is an algorithm option
+        unread_config = {"local.lr": "takes no local step"}
+        step_sizes = ("server_lr",)
+
+    assert step_size_keys(ServerStepOnly) == ["algorithm.server_lr"]
+    assert _kept("runs/a", 3, ServerStepOnly) == (
+        "The checkpoint of round 3 is kept, but a resumed run may not change an algorithm option: start a new run "
+        "with a smaller algorithm.server_lr."
+    )
+    assert "--resume" not in _kept("runs/a", 3, ServerStepOnly)
     # every key named is one a config may set
     for name, named in keys.items():
         fields = {f.name for f in dataclasses.fields(ALGORITHMS.get(name).Hparams)}

@@ -72,7 +72,7 @@ def test_zo_term_alone_still_learns_under_dropout(tmp_path):
 def test_zo_round_sums_only_the_reporters_terms():
     """Alg. 1 line 7 over the clients that reported: a dropout adds g_i = 0 (as H_{i,r} = 0, spec A3), and
     ``partial: rescale`` multiplies by m / k_r with k_r = |S_r| the number sampled (spec A3, §7), not the
-    number that reported (which it used before)."""
+    number that reported (which it used before); the penalty metric (A13(b)) takes the same k_r."""
     for partial in ("zero", "rescale"):
         a = _build("zo_hfl", {"dropout": 0.5}, participation=1.0, lam=4.0, eta=0.2, partial=partial)
         r, x0 = 0, a.x.clone()
@@ -85,14 +85,19 @@ def test_zo_round_sums_only_the_reporters_terms():
         inputs = torch.stack([x0 + 0.2 * v, x0 - 0.2 * v], 1).reshape(-1, a.dim)
         y = a.solve(r, rep, inputs, a.steps(r)).reshape(len(rep), 2, a.dim)
         gz = torch.zeros(a.dim, dtype=torch.float64)
+        pen = torch.zeros((), dtype=torch.float64)
         for j, i in enumerate(rep):
             fp = 2.0 * a.rho[i] * ((inputs[2 * j] - y[j, 0]).double() ** 2).sum()  # (lam/2) rho_i ||x - y||^2
             fm = 2.0 * a.rho[i] * ((inputs[2 * j + 1] - y[j, 1]).double() ** 2).sum()
             gz = gz + a.dim / (2 * 0.2) * (fp - fm) * v[j].double()
+            pen = pen + 0.5 * (fp + fm)
         scale = a.m / len(sampled) if partial == "rescale" else 1.0
         m = a.run_round(r)
         assert m["reported_clients"] == len(rep) and m["participants"] == len(sampled)
         assert m["zo_evaluations"] == 2 * len(rep)
+        # the penalty metric (A13(b)) takes m / k_r with k_r = #S_r under either option, as the step's rescale
+        # does: a dropout adds 0 (H_{i,r} = 0, A3); it divided by the reporters before
+        assert m["penalty"] == pytest.approx(float(pen) * a.m / len(sampled), rel=1e-6)
         assert torch.allclose(a.x.double(), x0.double() - 0.5 * (g1.double() + scale * gz), atol=1e-5)
 
 

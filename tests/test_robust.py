@@ -513,6 +513,15 @@ def test_label_flip_attackers_train_on_flipped_labels_in_a_run(toy_config):
     assert torch.equal(got[bad], 3 - y[bad]) and torch.equal(got[good], y[good])  # 4 classes: c -> 3 - c
 
 
+def test_byzantine_client_ids_take_whole_floats_as_every_integer_key_does():
+    # num_clients: 10.0 and rounds: 2.0 are integers; the attackers' ids were the one integer list that refused
+    # 2.0. They are written back as ints, so the run, its saved config and a resume see the same numbers.
+    cfg = load({"faults": {"byzantine": {"clients": [1.0, 2.0], "attack": "sign_flip"}}})
+    ids = cfg.faults.byzantine["clients"]
+    assert ids == [1, 2] and all(type(c) is int for c in ids)
+    assert attackers(cfg.faults.byzantine, 8, Seeds(0)).tolist() == [1, 2]
+
+
 def test_stage_replaces_only_the_attackers_rows():
     cfg = load({"faults": {"byzantine": {"clients": [2, 5], "attack": "sign_flip"}}})
     stage = RobustStage(cfg, Seeds(0), 8)
@@ -785,6 +794,22 @@ def test_label_flip_attackers_at_the_edge_train_on_flipped_labels():
         ({"faults": {"byzantine": {"fraction": 0.1}}}, r"faults.byzantine.attack must be an attack's name"),
         ({"faults": {"byzantine": {"fraction": 0.1, "attack": "alie", "zz": 1}}}, r"unknown key 'faults.byzantine.zz'"),
         ({"faults": {"byzantine": {"clients": [99], "attack": "ipm"}}}, r"faults.byzantine.clients names client 99"),
+        (
+            {"faults": {"byzantine": {"clients": [1.5], "attack": "ipm"}}},
+            r"^faults\.byzantine\.clients\[0\] must be an integer, got 1\.5$",
+        ),
+        (
+            {"faults": {"byzantine": {"clients": [0, True], "attack": "ipm"}}},
+            r"^faults\.byzantine\.clients\[1\] must be an integer, got True$",
+        ),
+        (
+            {"faults": {"byzantine": {"clients": [-1.0], "attack": "ipm"}}},
+            r"^faults\.byzantine\.clients\[0\] must be a client id \(an integer >= 0\), got -1$",
+        ),
+        (
+            {"faults": {"byzantine": {"clients": [1, 1.0], "attack": "ipm"}}},
+            r"^faults\.byzantine\.clients must hold distinct client ids, got 1 twice in \[1, 1\.0\]$",
+        ),
         ({"aggregator": "bulyan", "faults": {"byzantine": {"fraction": 0.25, "attack": "ipm"}}}, r"'bulyan' needs at"),
     ],
 )

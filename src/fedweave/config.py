@@ -367,8 +367,9 @@ class FaultsConfig:
 
 
 def _check_byzantine(spec: dict[str, Any]) -> None:
-    """``faults.byzantine``: exactly one of ``fraction`` (in [0, 1)) and ``clients`` (ids >= 0), and an
-    ``attack`` name (checked with its options against the ATTACKS registry when the run is built)."""
+    """``faults.byzantine``: exactly one of ``fraction`` (in [0, 1)) and ``clients`` (distinct ids >= 0, a whole
+    float taken as its integer), and an ``attack`` name (checked with its options against the ATTACKS registry
+    when the run is built)."""
     where = "faults.byzantine"
     for k in spec:
         if not isinstance(k, str):
@@ -382,8 +383,21 @@ def _check_byzantine(spec: dict[str, Any]) -> None:
             raise ConfigError(f"{where}.fraction must be a number in [0, 1), got {v!r}")
     else:
         ids = spec["clients"]
-        if not isinstance(ids, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in ids):
+        if not isinstance(ids, list):
             raise ConfigError(f"{where}.clients must be a list of client ids (integers >= 0), got {ids!r}")
+        # each id as every other integer key takes it (coerce: 2.0 is 2, 1.5 and true are refused), written back
+        # so that the run, its saved config and a resume see the same whole numbers
+        ids = [coerce(c, int, f"{where}.clients[{i}]") for i, c in enumerate(ids)]
+        seen: set[int] = set()
+        for i, c in enumerate(ids):
+            if c < 0:
+                raise ConfigError(f"{where}.clients[{i}] must be a client id (an integer >= 0), got {c}")
+            if c in seen:  # a repeat was dropped silently: a typo for another client went unnoticed
+                raise ConfigError(
+                    f"{where}.clients must hold distinct client ids, got {c} twice in {spec['clients']!r}"
+                )
+            seen.add(c)
+        spec["clients"] = ids
     if not isinstance(spec.get("attack"), str):
         raise ConfigError(f"{where}.attack must be an attack's name (fedweave list), got {spec.get('attack')!r}")
 

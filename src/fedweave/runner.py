@@ -17,7 +17,7 @@ from fedweave import __version__, robust
 from fedweave.algorithms.base import Algorithm, RunContext, build_algorithm, reads_local, step_size_keys
 from fedweave.byo import OBJECTS_FILE, RunObjects, check_resumed_objects, check_same_objects
 from fedweave.callbacks import Callback, CallbackList, RunState, default_callbacks
-from fedweave.checkpoints import CHECKPOINT, restore_checkpoint
+from fedweave.checkpoints import CHECKPOINT, RESUMABLE_LOCAL, restore_checkpoint
 from fedweave.config import ConfigError, FaultsConfig, RunConfig
 from fedweave.config import load as load_config
 from fedweave.errors import CheckpointError, DivergenceError, RunInterrupted, RunStopped
@@ -323,18 +323,32 @@ def divergence_advice(cls: type[Algorithm]) -> str:
 
 def _kept(path: Path, checkpoint_round: int | None, diverged: type[Algorithm] | None = None) -> str:
     """What is left to continue from, for the one line that reports a stopped run; after a divergence of the
-    algorithm ``diverged``, how to continue with a smaller step: a resumed run may change ``local.lr``
-    (checkpoints.RESUMABLE_LOCAL), an ``algorithm`` option only in a new run."""
+    algorithm ``diverged``, how to continue with a smaller step: a resumed run may lower ``local.lr`` where
+    the algorithm reads it (checkpoints.RESUMABLE_LOCAL), while a step size that is an ``algorithm`` option
+    (FedAdam's ``algorithm.server_lr``) is named with the new run it needs."""
     if not checkpoint_round:
         return "No checkpoint was written (output.checkpoint_every is 0 or no checkpoint round was reached)."
     kept = f"The checkpoint of round {checkpoint_round} is kept"
     if diverged is None:
         return f"{kept}; continue with 'fedweave run --resume {path}'."
     keys = step_size_keys(diverged)
-    if "local.lr" not in keys:
-        return f"{kept}, but a resumed run may not change algorithm options: start a new run with a smaller step."
-    others = " (an algorithm option needs a new run)" if len(keys) > 1 else ""
-    return f"{kept}; continue with 'fedweave run --resume {path} local.lr=SMALLER'{others}."
+    # the step sizes a resume may lower (local.lr: checkpoints.RESUMABLE_LOCAL), and those that only a new run
+    # may: the algorithm's own options, which the checkpoint's config holds fixed
+    resumable = [k for k in keys if k.removeprefix("local.") in RESUMABLE_LOCAL and k.startswith("local.")]
+    fixed = [k for k in keys if k not in resumable]
+    new_run = f"{', '.join(fixed[:-1])} or {fixed[-1]}" if len(fixed) > 1 else "".join(fixed)
+    if not keys:  # no step size to lower (divergence_advice says what else to change)
+        return f"{kept}; continue with 'fedweave run --resume {path}'."
+    if not resumable:
+        return (
+            f"{kept}, but a resumed run may not change an algorithm option: start a new run with a smaller {new_run}."
+        )
+    offer = f"{kept}; continue with 'fedweave run --resume {path} {' '.join(f'{k}=SMALLER' for k in resumable)}'"
+    if not fixed:
+        return f"{offer}."
+    # a resume that lowers local.lr leaves the algorithm's own step sizes as they were: they are named, with
+    # the new run they need, so that a divergence through FedAdam's server_lr is not sent to local.lr alone
+    return f"{offer}, or start a new run with a smaller {new_run} (a resumed run may not change an algorithm option)."
 
 
 def main_metric(task: Task, rows: list[dict[str, Any]]) -> str | None:

@@ -147,8 +147,10 @@ class ZOHFL(HierarchicalAlgorithm):
             # S_r whose g_i is 0, as H_{i,r} = 0 (A3); it does not shrink k_r (the reporters are a subset of S_r)
             scale = self.m / len(sampled) if hp.partial == "rescale" else 1.0
             g = g + scale * gz
-            # A13(b): the penalty estimate from the returned solutions, extrapolated to all clients
-            pen = (half_lw * 0.5 * ((a * a).sum(1) + (b * b).sum(1))).sum() * self.m / len(clients)
+            # A13(b): f2_r = (lambda/2) sum_{i in S_r} w_i (m/k_r) 1/2 (||a_i||^2 + ||b_i||^2), k_r = #S_r the
+            # sampled count as in the step: a dropout is a client of S_r with H_{i,r} = 0 (A3), whose y^+/- is
+            # the input point, so a_i = b_i = 0 and it adds 0 to the sum; it does not shrink k_r
+            pen = (half_lw * 0.5 * ((a * a).sum(1) + (b * b).sum(1))).sum() * self.m / len(sampled)
             metrics.update(
                 local_steps=float(H),  # per call of Algorithm 2 (spec A7)
                 client_sgd_steps=float(2 * H * len(clients)),  # spec §7 counters: +/- calls counted apart
