@@ -162,6 +162,10 @@ def test_cse_fsl_deadline_drop_uses_the_fault_clock_per_upload():
     assert algo.ledger.count(kind="client_model", sender="client") == len(models)
     assert m["reported_clients"] == int((times[:, 0] <= deadline).sum())  # anyone who delivered a batch
     assert m["late_uploads"] == m["in_flight_uploads"] == 0  # policy drop: late batches are discarded
+    # a client cut off at the deadline (its model late) is billed for the batches that arrived before it
+    cut_off = [k for k, i in enumerate(alive) if i not in models]
+    assert any(times[k, 0] <= deadline for k in cut_off)  # the seed gives such a client
+    assert algo.ledger.bytes(kind="smashed") == int((times <= deadline).sum()) * B * algo.split_sizes.smashed * 4
 
 
 def test_cse_fsl_late_uploads_join_a_later_round_queue():

@@ -35,11 +35,14 @@ torch.set_num_threads(1)
 METHODS = ("fsl_mc", "fsl_oc", "fsl_an", "cse_fsl")
 
 
-def make(algorithm, *, model="split_small", data=None, clients=5, batch=10, lr=0.05, seed=0, **local):
+def make(
+    algorithm, *, model="split_small", data=None, clients=5, batch=10, lr=0.05, seed=0, precision="float32", **local
+):
     cfg = from_dict(
         {
             "seed": seed,
             "rounds": 1,
+            "precision": precision,
             "dataset": {"name": "_toy_split", "n_train": 400, **(data or {})},
             "partition": {"name": "iid", "num_clients": clients},
             "model": model if isinstance(model, dict) else {"name": model},
@@ -93,6 +96,53 @@ def test_digits_shaped_bytes_match_spec_table():
     algo.run_round(0)
     assert algo.round_metrics(0, 5, 0, [], [])["load_bytes"] == 1_304_720
     assert kinds(algo)["labels"] == 5 * 7 * 10 * 8
+
+
+# ---- the ledger bills the width a run sends, the closed forms stay the paper's float32 ------------------
+@pytest.mark.parametrize("method", METHODS)
+def test_float64_run_bills_twice_the_float32_value_bytes(method):
+    # 5 clients x 80 samples, B = 10: M = 8 batches each; CSE-FSL h = 2 uploads batches 1, 3, 5, 7
+    opts = {"name": method, **({"h": 2} if method == "cse_fsl" else {})}
+    runs = {}
+    for precision in ("float32", "float64"):
+        algo = make(opts, precision=precision)
+        m = algo.run_round(0)
+        runs[precision] = (kinds(algo), algo.ledger.summary()["storage_peak_bytes"], m)
+    s = algo.split_sizes
+    up = 5 * (40 if method == "cse_fsl" else 80)  # samples whose smashed data go up
+    aux = method in ("fsl_an", "cse_fsl")
+    copies = 5 if method in ("fsl_mc", "fsl_an") else 1
+    for precision, width in (("float32", 4), ("float64", 8)):  # bytes a value, as sent
+        got, storage, m = runs[precision]
+        assert got == {
+            "smashed": up * s.smashed * width,
+            "labels": up * 8,  # int64 labels in either precision
+            "gradient": up * s.smashed * width if method in ("fsl_mc", "fsl_oc") else 0,
+            "client_model": 2 * 5 * s.client * width,  # down to and up from every client
+            "aux_model": 2 * 5 * s.aux * width if aux else 0,
+        }, precision
+        assert m["load_bytes"] == got["smashed"] + got["gradient"] + got["client_model"] + got["aux_model"]
+        assert storage["server"]["server_models"] == copies * s.server * width
+        assert storage["fed_server"]["client_models"] == 5 * (s.client + (s.aux if aux else 0)) * width
+        if method == "cse_fsl":
+            assert storage["server"]["queue_peak"] == m["queue_peak"] * 10 * s.smashed * width
+    (b32, st32, m32), (b64, st64, m64) = runs["float32"], runs["float64"]
+    assert {k: 2 * v for k, v in b32.items() if k != "labels"} == {k: v for k, v in b64.items() if k != "labels"}
+    assert b64["labels"] == b32["labels"] and m64["load_bytes"] == 2 * m32["load_bytes"]
+    assert st64 == {role: {k: 2 * v for k, v in held.items()} for role, held in st32.items()}
+    # the closed forms are the paper's float32 convention (Table V) whatever the run's precision
+    assert m32["load_bytes"] == round_bytes(method, s, [80] * 5, 10, h=2 if method == "cse_fsl" else 1)["load"]
+
+
+def test_bf16_mixed_queue_peak_is_held_at_the_width_the_smashed_data_were_sent():
+    # under bf16-mixed the client's last layer autocasts: smashed data travel in bfloat16 (2 bytes), the models
+    # in float32; the server's queue holds what arrived
+    algo = make({"name": "cse_fsl", "h": 2, "speed_spread": 3.0}, precision="bf16-mixed")
+    m = algo.run_round(0)
+    s = algo.split_sizes
+    assert kinds(algo)["smashed"] == 5 * 40 * s.smashed * 2 and kinds(algo)["client_model"] == 2 * 5 * s.client * 4
+    assert m["queue_peak"] >= 1
+    assert algo.ledger.summary()["storage_peak_bytes"]["server"]["queue_peak"] == m["queue_peak"] * 10 * s.smashed * 2
 
 
 # ---- identities ------------------------------------------------------------------------------------------

@@ -5,6 +5,10 @@ plan, so that the ledger of a run can be checked against them byte for byte. Con
 float32 everywhere (4 bytes), labels counted separately and excluded from Table V's "Load", "GB" in
 Table V is GiB (2³⁰ bytes), storage is in parameters and counts everything the server holds at
 aggregation time (server-side model copies plus the received client-side models and auxiliary nets).
+
+The 4 bytes are the paper's convention, not a run's: a run's ledger bills the width it sends (the run's float
+width for the models, the tensors' element size for smashed data and gradients), so these forms equal the
+ledger of a float32 run, and a float64 run bills twice their value bytes with the same label bytes.
 """
 
 from __future__ import annotations

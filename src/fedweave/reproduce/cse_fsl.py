@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from fedweave.accounting.split import GIB, PAPER_TABLE_V, SplitSizes, round_bytes, storage_params
+from fedweave.accounting.split import FLOAT_BYTES, GIB, PAPER_TABLE_V, SplitSizes, round_bytes, storage_params
 from fedweave.config import ConfigError, RunConfig
 from fedweave.experiments.aggregate import group, if_all, mean_std, seed_gaps, to_target
 from fedweave.experiments.blocks import verdict_cell
@@ -511,7 +511,7 @@ def digits_bytes_section() -> str:
     rows = [("fsl_mc", 1), ("fsl_an", 1)] + [("cse_fsl", h) for h in p.hs[1:]]
     per_round = [round_bytes(m, sizes, samples, p.batch_size, h=h)["load"] for m, h in rows]
     store = [storage_params(m, sizes, n) for m in ("fsl_mc", "fsl_oc", "fsl_an", "cse_fsl")]
-    fixed = 2 * n * (sizes.client + sizes.aux) * 4
+    fixed = 2 * n * (sizes.client + sizes.aux) * FLOAT_BYTES  # the paper's float32 convention (spec A8)
     return paragraph(
         f"The spec's §9.3 digits numbers also hold: {' / '.join(f'{b:,}' for b in per_round)} bytes per round "
         f"(FSL_MC and FSL_OC, FSL_AN and CSE-FSL h = 1, then CSE-FSL h = {', '.join(str(h) for h in p.hs[1:])}), "

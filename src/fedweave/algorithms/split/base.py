@@ -299,7 +299,6 @@ class SplitAlgorithm(Algorithm):
             self.client, ds.train_x, ds.train_y, ctx.partition, cfg.local, self.seeds, augment=augment, placement=pl
         )
         self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=ctx.dtype, device=ctx.device)
-        self.smashed_bytes = self.parts.smashed_floats * ctx.float_bytes  # q_b per sample (4 bytes a float in float32)
         self.server_copies = 1
         n = ctx.num_clients  # the mean local batches per client: the unit of a client's work under faults
         self.reference_batches = max(1, round(sum(self.batcher.num_steps(c) for c in range(n)) / n))

@@ -138,8 +138,11 @@ class CSEFSL(TimedSplit):
         # Alg. 2 lines 3-10: the server drains its dataQueue, one SGD step per item on its one model
         order = process_order(hp.server_order, queue, self.seeds.numpy("server_order", r))
         clock = simulate_server(queue, order, hp.server_step_time, barrier=hp.server_order == "sync")
-        batch_bytes = self.config.local.batch_size * self.smashed_bytes
-        self.ledger.store("server", "queue_peak", clock["queue_peak"] * batch_bytes)  # high-water, full batches
+        # high-water mark in full batches, at the width the smashed data were sent in (bfloat16 under bf16-mixed
+        # where the client's last layer autocasts, not the run's float width)
+        width = queue[0].smashed.element_size() if queue else 0  # an empty queue peaks at 0 batches
+        batch_bytes = self.config.local.batch_size * self.parts.smashed_floats * width
+        self.ledger.store("server", "queue_peak", clock["queue_peak"] * batch_bytes)
         self.ls.load_(self.xs)
         server_losses = []
         with self.stream("server_dropout", r):
