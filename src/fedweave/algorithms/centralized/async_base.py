@@ -34,8 +34,12 @@ The order of events is recorded and written to ``events.csv`` in the run directo
 
 from __future__ import annotations
 
+import copy
 import heapq
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from itertools import islice
+from types import SimpleNamespace
 from typing import ClassVar, Literal
 
 import numpy as np
@@ -49,6 +53,9 @@ EVENT_COLUMNS = ("time", "event", "client", "job", "version", "server_step")
 # dispatches in a row that deliver nothing (dropped or past the deadline) before a run stops: the faults leave
 # no client that reports, and the simulated clock would run forever
 MAX_LOST_IN_A_ROW = 10_000
+# the state of the schedule, which :meth:`AsyncStar.schedule` advances: the simulated time, the dispatch instants
+# and jobs so far, the jobs in flight and those of them that deliver nothing, the jobs lost in a row
+CLOCK_FIELDS = ("now", "dispatches", "jobs", "in_flight", "lost", "lost_in_a_row")
 
 
 def staleness_weight(kind: str, tau: int, a: float, b: int) -> float:
@@ -153,100 +160,87 @@ class AsyncStar(StarAlgorithm):
 
     # ---- the simulated clock ---------------------------------------------------------------------
     def dispatch(self, r: int) -> None:
-        """Fill the free slots at the current time: clients drawn uniformly from the idle ones train from the
-        current model (one training call for the instant), their arrival times from the latency model."""
-        drawn = self.draw_dispatch(self.dispatches, self.in_flight)
-        if drawn is None:
+        """Fill the free slots at the current time (:meth:`launch`); the clients that will deliver train from the
+        current model, in one training call for the instant."""
+        if (launched := self.launch(r, self)) is None:
             return
-        b, (clients, durations, lost) = self.dispatches, drawn
-        self.dispatches += 1
+        b, clients, lost, jobs = launched
         self.send(r, clients, "model", self.x)
         kept = lost == ""
         lr = self.trainer.lr(r)
         local = self.trainer.train(self.x, clients[kept], b, rule=self.client_rule(lr), lr=lr) if kept.any() else None
         row = np.cumsum(kept) - 1  # each kept client's row of the training call
-        for j, c in enumerate(clients.tolist()):
-            job = self.jobs
-            self.jobs += 1
+        for j, (c, job) in enumerate(zip(clients.tolist(), jobs)):
             if kept[j]:
                 self.starts[job] = self.x
                 self.ys[job] = (local.params[row[j]], local.loss[row[j]])
-            else:
-                self.lost[job] = str(lost[j])
-            heapq.heappush(self.in_flight, [self.now + float(durations[j]), job, c, r])
             self.events.append([self.now, "dispatch", c, job, r, r])
 
-    def draw_dispatch(self, b: int, in_flight: list[list]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Who dispatch instant ``b`` sends the model to, given the jobs ``in_flight``, and how each job ends:
-        ``(clients, durations, lost)``, or None when no slot is free. A function of the seed, the jobs in flight
-        and the clients' work only, never of the model or the data's values, so that :meth:`upcoming_clients`
-        can replay the schedule ahead of the training."""
-        busy = {job[2] for job in in_flight}
+    def launch(self, r: int, clock: AsyncStar | SimpleNamespace) -> tuple[int, np.ndarray, np.ndarray, range] | None:
+        """Fill the free slots of ``clock`` at its time with clients drawn uniformly from the idle ones, as jobs in
+        flight that end as the latency model and the faults say: ``(b, clients, lost, jobs)`` of dispatch instant
+        ``b``, or None when no slot is free. A function of the seed, the jobs in flight and the clients' work only,
+        never of the model or the data's values, so that a copy of the clock can run ahead of the training."""
+        busy = {job[2] for job in clock.in_flight}
         free = self.concurrency - len(busy)
         if free <= 0:
             return None
+        b = clock.dispatches
         idle = np.array([c for c in range(self.ctx.num_clients) if c not in busy])
         clients = np.sort(self.seeds.numpy("client_sampling", b).choice(idle, free, replace=False))
         # the faults of this dispatch instant (docs/reliability.md): a dropped client is lost when it would have
         # reported, one past the deadline when the deadline passes; only the others train
         durations, lost = self.faults.outcomes(b, clients, self.client_work(b, clients))
-        return clients, durations, lost
+        jobs = range(clock.jobs, clock.jobs + len(clients))
+        for job, c, d, why in zip(jobs, clients.tolist(), durations.tolist(), lost.tolist()):
+            heapq.heappush(clock.in_flight, [clock.now + d, job, c, r])
+            if why:
+                clock.lost[job] = why
+        clock.dispatches += 1
+        clock.jobs += len(clients)
+        return b, clients, lost, jobs
+
+    def schedule(self, r: int, clock: AsyncStar | SimpleNamespace) -> Iterator[tuple[str, list]]:
+        """The jobs that end during server step ``r`` in the order of events, each ``[arrival, job, client,
+        version]`` with how it ended: ``drop`` or ``timeout`` (nothing arrives; its slot is free from then),
+        ``discard`` (staler than ``max_staleness``) or ``arrive``; it ends after ``MAX_LOST_IN_A_ROW`` lost in a
+        row. It advances ``clock`` (its ``CLOCK_FIELDS``): the run's, the algorithm itself, whose free slots
+        :meth:`dispatch` fills and trains, or a copy that looks ahead, whose slots :meth:`launch` alone fills."""
+        while clock.lost_in_a_row < MAX_LOST_IN_A_ROW:
+            if not clock.in_flight or clock.in_flight[0][0] > clock.now:  # the instant's arrivals are all in
+                if clock is self:
+                    self.dispatch(r)
+                else:
+                    self.launch(r, clock)
+            job = heapq.heappop(clock.in_flight)  # [arrival, job id, client, version]
+            clock.now = job[0]
+            if job[1] in clock.lost:
+                clock.lost_in_a_row += 1
+                yield clock.lost.pop(job[1]), job
+            else:
+                clock.lost_in_a_row = 0
+                stale = self.hp.max_staleness is not None and r - job[3] > self.hp.max_staleness
+                yield ("discard" if stale else "arrive"), job
 
     def upcoming_clients(self, r: int) -> np.ndarray:
-        """The clients whose uploads server step ``r`` (the next one) will use, one entry per upload, replayed from
-        the current state of the clock without training anyone: the dispatches, drops, deadlines and discards of
-        :meth:`next_arrival` follow from the seed and the schedule alone (privacy: DP-FedBuff's budget looks ahead
-        with it). A replay that meets ``MAX_LOST_IN_A_ROW`` lost jobs stops there, as the run itself would."""
-        heap = [list(job) for job in self.in_flight]  # a copy of a heap is a heap
-        now, b, job_id, lost = self.now, self.dispatches, self.jobs, set(self.lost)
-        got: list[int] = []
-        in_a_row = self.lost_in_a_row
-        while len(got) < self.buffer_size and in_a_row < MAX_LOST_IN_A_ROW:
-            if not heap or heap[0][0] > now:
-                drawn = self.draw_dispatch(b, heap)
-                if drawn is not None:
-                    b += 1
-                    for c, d, why in zip(*(x.tolist() for x in drawn)):
-                        if why:
-                            lost.add(job_id)
-                        heapq.heappush(heap, [now + float(d), job_id, c, r])
-                        job_id += 1
-            arrival, job, client, version = heapq.heappop(heap)
-            now = arrival
-            if job in lost:
-                in_a_row += 1
-                continue
-            in_a_row = 0
-            if self.hp.max_staleness is not None and r - version > self.hp.max_staleness:
-                continue
-            got.append(client)
-        return np.array(got, dtype=np.int64)
+        """The clients whose uploads server step ``r`` (the next one) will use, one entry per upload: the
+        :meth:`schedule` of :meth:`next_arrival` on a copy of the clock, training no one (DP-FedBuff's budget looks
+        ahead with it); fewer where it meets ``MAX_LOST_IN_A_ROW`` lost jobs, at which the run itself stops."""
+        ahead = SimpleNamespace(**{k: copy.deepcopy(getattr(self, k)) for k in CLOCK_FIELDS})
+        arrivals = (client for how, (_, _, client, _) in self.schedule(r, ahead) if how == "arrive")
+        return np.array(list(islice(arrivals, self.buffer_size)), dtype=np.int64)
 
     def next_arrival(self, r: int) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The next upload to arrive (dispatching first when the current instant's arrivals are all in): its
         client, staleness, displacement ``y_i - x_tau`` and model ``y_i`` as the server decodes them, and the
         local loss."""
-        while True:
-            if not self.in_flight or self.in_flight[0][0] > self.now:
-                self.dispatch(r)
-            arrival, job, client, version = heapq.heappop(self.in_flight)
-            self.now = arrival
-            if job in self.lost:  # nothing arrives: the slot is free from now
-                self.events.append([self.now, self.lost.pop(job), client, job, version, r])
-                self.lost_in_a_row += 1
-                if self.lost_in_a_row >= MAX_LOST_IN_A_ROW:
-                    f = self.faults.config
-                    raise ConfigError(
-                        f"faults: {self.lost_in_a_row:,} dispatches in a row delivered nothing (faults.dropout = "
-                        f"{f.dropout}, faults.deadline = {f.deadline}): no client reports; lower the dropout or "
-                        "raise the deadline"
-                    )
+        for how, (_, job, client, version) in self.schedule(r, self):
+            self.events.append([self.now, how, client, job, version, r])
+            if how in ("drop", "timeout"):  # nothing arrives: the slot is free from now
                 continue
-            self.lost_in_a_row = 0
-            tau = r - version
             start, (y, loss) = self.starts.pop(job), self.ys.pop(job)
-            # the upload crosses the link before the server reads its staleness: it is billed, and under error
-            # feedback the client's residual advances, whether the server keeps it or not (the client cannot know)
+            # a discarded upload crossed the link too, before the server read its staleness: it is billed, and under
+            # error feedback the client's residual advances, whether the server keeps it or not (the client cannot know)
             delta = y - start  # the client's displacement from the model it started from
             if self.compression is None:
                 self.receive(r, np.array([client]), self.uplink, y)
@@ -254,11 +248,13 @@ class AsyncStar(StarAlgorithm):
                 sent, nbytes = self.compression.transmit(job, np.array([client]), 0, "update", delta.unsqueeze(0))
                 self.ledger.record(r, "client", "server", self.uplink, nbytes, 1)
                 delta, y = sent[0], start + sent[0]
-            if self.hp.max_staleness is not None and tau > self.hp.max_staleness:
-                self.events.append([self.now, "discard", client, job, version, r])
-                continue
-            self.events.append([self.now, "arrive", client, job, version, r])
-            return client, tau, delta, y, loss
+            if how == "arrive":
+                return client, r - version, delta, y, loss
+        f = self.faults.config
+        raise ConfigError(
+            f"faults: {self.lost_in_a_row:,} dispatches in a row delivered nothing (faults.dropout = {f.dropout}, "
+            f"faults.deadline = {f.deadline}): no client reports; lower the dropout or raise the deadline"
+        )
 
     def run_round(self, r: int) -> dict[str, float]:
         """One server step: the next ``buffer_size`` fresh-enough uploads, in the order they arrive."""
