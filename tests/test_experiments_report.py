@@ -415,6 +415,8 @@ def test_report_renders_a_sweeps_comparison_with_its_baseline_from_the_runs_file
     cols = {h: i for i, h in enumerate(head)}
     assert {"test_accuracy − baseline", "95 % paired t interval", "pairs", "vs baseline", "unpaired"} <= set(cols)
     assert "against the baseline algorithm.name=fedavg, paired by seed (t interval)" in page
+    assert "; no correction for multiple comparisons" in page  # --correction not given: none, said so
+    assert not {"interval level", "p", "p adjusted"} & set(cols)
     assert base[cols["vs baseline"]] == "baseline"
     row = {r["point"]: r for r in res.summary}["algorithm.name=fedprox"]
     diff, low, high = (row[f"test_accuracy_diff{k}"] for k in ("", "_low", "_high"))
@@ -434,6 +436,29 @@ def test_report_renders_a_sweeps_comparison_with_its_baseline_from_the_runs_file
     assert (other[cols["pairs"]], other[cols["unpaired"]]) == ("2", "5 unfinished")
 
 
+def test_report_renders_a_holm_corrected_comparison_as_summary_csv_holds_it(toy_config, tmp_path):
+    grid = {"algorithm.name": ["fedavg", "fedprox", "scaffold"]}
+    res = fedweave.sweep({**toy_config, "rounds": 2}, grid, seeds=3, out=tmp_path / "s", progress=False,
+                         baseline="fedavg", correction="holm")  # fmt: skip
+    page = build_report([res.out_dir])
+    head, *rows = _dom(page).table("summary")
+    cols = {h: i for i, h in enumerate(head)}
+    interval = "paired t interval, Holm over 2 at 95 % family-wise"
+    assert {interval, "interval level", "p", "p adjusted", "vs baseline"} <= set(cols)
+    assert "paired by seed (t interval); Holm correction over the points compared, 95 % family-wise" in page
+    want = {r["point"]: r for r in res.summary}
+    for cells in rows:
+        row = want[cells[cols["point"]]]
+        assert cells[cols["vs baseline"]] == row["vs_baseline"]
+        if row["vs_baseline"] == "baseline":
+            assert [cells[cols[k]] for k in ("interval level", "p", "p adjusted")] == ["-", "-", "-"]
+            continue
+        low, high = row["test_accuracy_diff_low"], row["test_accuracy_diff_high"]
+        assert cells[cols[interval]] == f"[{low:.4g}, {high:.4g}]"
+        for col, key in (("interval level", "interval_level"), ("p", "p_value"), ("p adjusted", "p_adjusted")):
+            assert cells[cols[col]] == f"{row[key]:.4g}"
+
+
 @pytest.mark.parametrize(
     ("edit", "said"),
     [
@@ -442,6 +467,10 @@ def test_report_renders_a_sweeps_comparison_with_its_baseline_from_the_runs_file
         ({"point": "algorithm.name=fedavg", "level": "high", "test": "t"}, "baseline.level must be a number in (0, 1)"),
         ({"point": "algorithm.name=fedavg", "level": 0.95, "test": "z"}, "baseline.test must be one of t, bootstrap"),
         ("fedavg", "baseline must be a mapping with point, level and test"),
+        (
+            {"point": "algorithm.name=fedavg", "level": 0.95, "test": "t", "correction": "fdr"},
+            "baseline.correction must be one of none, holm, bonferroni, got 'fdr'",
+        ),
     ],
 )
 def test_report_of_a_hand_edited_sweep_baseline_is_one_line(toy_config, tmp_path, capsys, edit, said):

@@ -23,10 +23,11 @@ from fedweave.checkpoints import CHECKPOINT
 from fedweave.cli import main as cli_main
 from fedweave.experiments import GridError, expand, parse_grid
 from fedweave.experiments.aggregate import mean_std
-from fedweave.experiments.baseline import compare
+from fedweave.experiments.baseline import CORRECTED, adjust, compare, levels
 from fedweave.experiments.jobs import RunFailed
 from fedweave.experiments.tables import csv_text
 from fedweave.results import RunDirError
+from fedweave.runner import Result
 from fedweave.tasks import column_direction
 from tests.conftest import TOY_CONFIG
 
@@ -342,6 +343,8 @@ def test_a_baseline_from_the_sweep_section_with_the_bootstrap(algos, tmp_path):
         (["--baseline", "fedavg", "--test", "z"], ["--test 'z'", "t, bootstrap"]),
         (["--baseline", "fedavg", "--level", "1.5"], ["--level 1.5", "(0, 1)"]),
         (["--level", "0.9"], ["--baseline"]),
+        (["--baseline", "fedavg", "--correction", "sidak"], ["--correction 'sidak'", "none, holm, bonferroni"]),
+        (["--correction", "holm"], ["--correction", "--baseline"]),
     ],
 )
 def test_a_bad_baseline_is_one_clear_line_before_anything_runs(toy_config, tmp_path, capsys, extra, words):
@@ -391,3 +394,134 @@ def test_better_follows_the_metrics_direction(key, outcome):
     assert (
         compare(recs, key, "b", column_direction(key))["a"].outcome == {"better": "worse", "worse": "better"}[outcome]
     )
+
+
+# ---- a family-wise correction of the comparisons with the baseline (--correction) ---------------------------
+def test_holm_and_bonferroni_adjust_p_values_as_computed_by_hand():
+    p = [0.01, 0.04, 0.03, 0.005]
+    # Bonferroni: m p, m = 4
+    assert adjust(p, "bonferroni") == pytest.approx([0.04, 0.16, 0.12, 0.02])
+    # Holm: ranked 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04; running max 0.02, 0.03,
+    # 0.06, 0.06
+    assert adjust(p, "holm") == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert adjust(p, "none") == p
+    # the levels at 95 %: 0.005 < 0.05/4 and 0.01 < 0.05/3 are called at 1 - 0.05/4 and 1 - 0.05/3; 0.03 is not
+    # below 0.05/2, so the step-down stops there: 0.03 and 0.04 at 1 - 0.05/2
+    assert levels(p, 0.95, "holm") == pytest.approx([1 - 0.05 / 3, 0.975, 0.975, 1 - 0.05 / 4])
+    assert levels(p, 0.95, "bonferroni") == pytest.approx([0.9875] * 4)
+    assert levels(p, 0.95, "none") == [0.95] * 4
+    assert adjust([0.2, 0.01, 0.2], "holm") == pytest.approx([0.4, 0.03, 0.4])  # a tie keeps the step-down's value
+    assert adjust([0.6, 0.7], "holm") == [1.0, 1.0] and adjust([], "holm") == []  # capped at 1
+
+
+# each point's final accuracy minus the baseline's (local.lr=0.1) at seeds 3..7, and its paired t p-value
+GAINS = {
+    0.2: [0.10, 0.12, 0.11, 0.10, 0.12],  # p 1.6e-5: better, whatever the correction
+    0.3: [0.02, 0.05, 0.01, 0.03, 0.04],  # p 0.0132: below 0.05/3 (Holm's 2nd rank), above 0.05/4 (Bonferroni)
+    0.4: [0.01, 0.04, 0.00, 0.03, 0.05],  # p 0.0486: better alone, not below 0.05/2 at Holm's 3rd rank
+    0.5: [-0.02, 0.03, 0.01, -0.01, 0.02],  # p 0.553
+}
+
+
+@pytest.fixture
+def planted(monkeypatch, toy_config):
+    """A sweep of 5 points x 5 seeds whose runs end on the accuracies of GAINS (the runs themselves are not run:
+    ``run_points`` returns their summaries), and its grid."""
+
+    base = {s: 0.5 + 0.01 * s for s in range(3, 8)}
+
+    def run_points(points, runs_dir, **_):
+        out = {}
+        for p in points:
+            lr, i = dict(p.values)["local.lr"], p.seed - 3
+            acc = base[p.seed] + (GAINS[lr][i] if lr in GAINS else 0.0)
+            summary = {"status": "completed", "rounds": 1, "final": {"test_accuracy": acc}, "wall_seconds": 0.0,
+                       "main_metric": "test_accuracy", "communication": {"bytes_total": 0}}  # fmt: skip
+            out[p.slug] = Result(runs_dir / p.slug, [], summary)
+        return out
+
+    # the module, not fedweave.experiments.sweep, which is its function
+    monkeypatch.setattr(sys.modules["fedweave.experiments.sweep"], "run_points", run_points)
+    return toy_config, {"local.lr": [0.1, *GAINS]}
+
+
+def test_a_point_better_alone_is_inconclusive_under_holm_among_several(planted, tmp_path):
+    config, grid = planted
+    p = {lr: stats.ttest_1samp(g, 0.0).pvalue for lr, g in GAINS.items()}  # computed apart from the sweep
+    runs = {}
+    for correction in (None, "none", "holm", "bonferroni"):
+        res = fedweave.sweep(config, grid, seeds=5, out=tmp_path / str(correction), progress=False,
+                             baseline="local.lr=0.1", correction=correction)  # fmt: skip
+        runs[correction] = {float(r["point"].split("=")[1]): r for r in res.summary}
+        spec = json.loads((tmp_path / str(correction) / "sweep.json").read_text())["baseline"]
+        header = (tmp_path / str(correction) / "summary.csv").read_text().splitlines()[0].split(",")
+        if correction is None:  # not given: the files of a sweep run before the option
+            assert "correction" not in spec and not set(CORRECTED) & set(header)
+        else:  # given, none too: said in sweep.json, on every row of summary.csv and in summary.md
+            assert spec["correction"] == correction and set(CORRECTED) <= set(header)
+            assert all(r["correction"] == correction for r in res.summary)
+            assert f"| {correction} |" in (tmp_path / str(correction) / "summary.md").read_text()
+    outcome = {c: {lr: runs[c][lr]["vs_baseline"] for lr in GAINS} for c in runs}
+    assert outcome[None] == outcome["none"] == {0.2: "better", 0.3: "better", 0.4: "better", 0.5: "inconclusive"}
+    # Holm: 1.6e-5 < 0.05/4, 0.0132 < 0.05/3, 0.0486 >= 0.05/2: the step-down stops at 0.4
+    assert outcome["holm"] == {0.2: "better", 0.3: "better", 0.4: "inconclusive", 0.5: "inconclusive"}
+    # Bonferroni: only 1.6e-5 < 0.05/4
+    assert outcome["bonferroni"] == {0.2: "better", 0.3: "inconclusive", 0.4: "inconclusive", 0.5: "inconclusive"}
+
+    holm = runs["holm"]
+    want_level = {0.2: 1 - 0.05 / 4, 0.3: 1 - 0.05 / 3, 0.4: 1 - 0.05 / 2, 0.5: 1 - 0.05 / 2}
+    want_adj = {0.2: 4 * p[0.2], 0.3: 3 * p[0.3], 0.4: 2 * p[0.4], 0.5: p[0.5]}
+    for lr, g in GAINS.items():
+        r, d = holm[lr], np.array(g)
+        assert r["p_value"] == pytest.approx(p[lr], rel=1e-9) and r["p_adjusted"] == pytest.approx(want_adj[lr])
+        assert r["interval_level"] == pytest.approx(want_level[lr])
+        half = stats.t.ppf((1 + want_level[lr]) / 2, 4) * d.std(ddof=1) / np.sqrt(5)
+        got = [r["test_accuracy_diff_low"], r["test_accuracy_diff_high"]]
+        assert got == pytest.approx([d.mean() - half, d.mean() + half], abs=1e-12)
+        # uncorrected: the 95 % interval, as before the option
+        assert runs[None][lr]["test_accuracy_diff_low"] == pytest.approx(
+            d.mean() - stats.t.ppf(0.975, 4) * d.std(ddof=1) / np.sqrt(5), abs=1e-12
+        )
+    assert holm[0.4]["test_accuracy_diff_low"] < 0 < runs[None][0.4]["test_accuracy_diff_low"]
+    base = holm[0.1]
+    assert (base["vs_baseline"], base["p_value"], base["interval_level"]) == ("baseline", None, None)
+
+
+def test_holm_with_the_bootstrap_calls_a_point_when_its_interval_leaves_zero(planted, tmp_path):
+    # the bootstrap's p-values invert its percentile interval: each outcome is its interval's at the row's level
+    config, grid = planted
+    res = fedweave.sweep(config, grid, seeds=5, out=tmp_path / "s", progress=False, baseline="local.lr=0.1",
+                         test="bootstrap", correction="holm")  # fmt: skip
+    rows = res.summary[1:]
+    assert sorted(r["interval_level"] for r in rows)[-1] == pytest.approx(1 - 0.05 / 4)
+    for r in rows:
+        off = r["test_accuracy_diff_low"] > 0 or r["test_accuracy_diff_high"] < 0
+        assert (r["vs_baseline"] != "inconclusive") == off == (r["p_adjusted"] < 0.05), r
+
+
+def test_the_correction_from_the_sweep_section_and_a_bad_one(algos, tmp_path, capsys):
+    cfg, done, _ = algos
+    out = _copy(done, tmp_path)
+    section = {"grid": {"algorithm.name": ["fedavg", "fedprox", "scaffold"]}, "seeds": 3, "baseline": "fedavg"}
+    spec = yaml.safe_load(cfg.read_text())
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(yaml.safe_dump({**spec, "sweep": {**section, "correction": "holm"}}))
+    bad.write_text(yaml.safe_dump({**spec, "sweep": {**section, "correction": "fdr"}}))
+    assert cli_main(["sweep", str(bad), "--out", str(tmp_path / "b"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "sweep.correction 'fdr' unknown" in err and "none, holm, bonferroni" in err
+    assert cli_main(["sweep", str(good), "--out", str(out), "--no-progress"]) == 0  # the runs are reused
+    assert json.loads((out / "sweep.json").read_text())["baseline"]["correction"] == "holm"
+    # the runs' own finals: Holm by hand over the 2 points compared
+    finals, rows = _finals(out), {r["point"]: r for r in _read(out / "summary.csv")}
+    algos_ = ("fedprox", "scaffold")
+    diffs = {a: np.array([finals[(a, s)] - finals[("fedavg", s)] for s in (3, 4, 5)]) for a in algos_}
+    p = {a: stats.ttest_rel(*[[finals[(x, s)] for s in (3, 4, 5)] for x in (a, "fedavg")]).pvalue for a in algos_}
+    p = {a: 1.0 if np.all(diffs[a] == 0) else v for a, v in p.items()}  # no difference: scipy's nan
+    first, second = sorted(algos_, key=p.get)
+    called = p[first] < 0.025
+    for a, m in ((first, 2), (second, 1 if called else 2)):
+        row = rows[f"algorithm.name={a}"]
+        assert float(row["interval_level"]) == pytest.approx(1 - 0.05 / m) and row["correction"] == "holm"
+        assert float(row["p_value"]) == pytest.approx(p[a], rel=1e-9, abs=1e-15)
+    assert float(rows[f"algorithm.name={first}"]["p_adjusted"]) == pytest.approx(min(1.0, 2 * p[first]))

@@ -324,3 +324,26 @@ def test_a_side_with_one_common_seed_is_untestable_not_an_error():
     assert All((("b > a", lost), ("a > c", short))).judge(records).outcome == "did not hold"
     line = All((("a > b", held), ("a > c", short))).judge(records).text
     assert "a > c untestable: 1 seed with both sides run" in line and line.endswith("n=1: untestable")
+
+
+@pytest.mark.parametrize("test", ["t", "bootstrap"])
+def test_the_p_value_is_where_the_interval_leaves_zero(test):
+    # p-value and interval are one test: the interval at level L excludes 0 exactly when p < 1 - L, so a
+    # multiple-comparison correction of the p-values (fedweave.experiments.baseline) agrees with the intervals
+    rng = np.random.default_rng(5)
+    seen = 0
+    for _ in range(60):
+        d = rng.normal(rng.normal(0, 1), 1, size=int(rng.integers(3, 8)))
+        rule = Paired("acc", {}, {}, test=test)
+        p = rule.p_value(d)
+        if test == "t":  # scipy's one-sample t test of the differences, computed apart from the rule
+            assert p == pytest.approx(stats.ttest_1samp(d, 0.0).pvalue, rel=1e-10)
+        if not 1e-6 < p < 1 - 1e-6:
+            continue
+        seen += 1
+        out = Paired("acc", {}, {}, test=test, level=1 - p * (1 + 1e-6)).interval(d)
+        inside = Paired("acc", {}, {}, test=test, level=1 - p * (1 - 1e-6)).interval(d)
+        assert (out[0] > 0 or out[1] < 0) and inside[0] <= 0 <= inside[1], (p, out, inside)
+    assert seen > 20
+    assert Paired("acc", {}, {}, test=test).p_value(np.zeros(4)) == 1.0  # all 0: the interval is [0, 0]
+    assert Paired("acc", {}, {}, test=test).p_value(np.full(4, 0.2)) == 0.0  # no spread, not 0: any level

@@ -168,7 +168,7 @@ def _runs_metric(runs: list[Path]) -> str | None:
     return None
 
 
-SWEEP_KEYS = ("grid", "zip", "seeds", "workers", "out", "baseline", "level", "test")
+SWEEP_KEYS = ("grid", "zip", "seeds", "workers", "out", "baseline", "level", "test", "correction")
 
 
 def _sweep_section(form: object, config: str) -> dict:
@@ -204,9 +204,10 @@ def _sweep_section(form: object, config: str) -> dict:
             f"{where}.baseline must name one grid point, as a mapping (algorithm.name: fedavg) or, with one grid "
             f"key, its value; got {b!r}"
         )
-    from fedweave.experiments.baseline import check_test
+    from fedweave.experiments.baseline import check_correction, check_test
 
     check_test(form.get("level", 0.95), form.get("test", "t"), f"{where}.")
+    check_correction(form.get("correction", "none"), f"{where}.")
     return form
 
 
@@ -224,7 +225,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         seeds = args.seeds_given or form.get("seeds", seeds)
         workers = args.workers_given or form.get("workers", workers)
         out = args.out_given or form.get("out", out)
-        for key in ("baseline", "level", "test"):  # the command line's win, as for the keys above
+        for key in ("baseline", "level", "test", "correction"):  # the command line's win, as for the keys above
             if getattr(args, key) is None and key in form:
                 setattr(args, key, form[key] if key != "baseline" or isinstance(form[key], dict) else str(form[key]))
     config = {} if spec is None else spec
@@ -243,6 +244,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         baseline=args.baseline,
         level=args.level,
         test=args.test,
+        correction=args.correction,
     )
     print(res.table(), end="")
     print(f"sweep directory: {res.out_dir}")
@@ -382,6 +384,13 @@ def parser() -> argparse.ArgumentParser:
     )
     sw.add_argument("--level", type=float, default=None, help="the comparison's confidence level (default 0.95)")
     sw.add_argument("--test", default=None, metavar="t|bootstrap", help="paired t interval (default) or bootstrap")
+    sw.add_argument(
+        "--correction",
+        default=None,
+        metavar="holm|bonferroni|none",
+        help="correct the comparisons with the baseline for their number (family-wise at --level); "
+        "default: none, each point's interval at --level on its own",
+    )
     sw.add_argument("--no-progress", action="store_true")
     sw.set_defaults(fn=_cmd_sweep)
 

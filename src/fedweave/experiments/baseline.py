@@ -9,6 +9,28 @@ is better, ``less`` where lower is): the code the reproductions' verdicts use, n
 sweep`` writes them into summary.csv and ``fedweave report`` renders them from the runs' files by the same
 function, :func:`compare`.
 
+Many points against one baseline: ``correction`` (``--correction``) ``holm`` or ``bonferroni`` makes the
+comparisons a family whose chance of one or more false ``better``/``worse`` calls is at most ``1 - level``
+(the family-wise error rate), instead of ``1 - level`` for each point. The family is the points with 2 or more
+pairs (m of them); each has the two-sided p-value of a zero mean difference that its interval inverts
+(:meth:`fedweave.experiments.verdicts.Paired.p_value`: the paired t test's, or the percentile bootstrap's
+by inverting its interval), so a comparison is called at level ``L`` exactly when ``p < 1 - L``. With
+``alpha = 1 - level``:
+
+- ``bonferroni``: every interval at level ``1 - alpha / m``; adjusted p-value ``min(1, m p)``.
+- ``holm`` (S. Holm, "A simple sequentially rejective multiple test procedure", Scand. J. Statist. 6 (1979)
+  65-70; the step-down): the p-values ranked ``p_(1) <= ... <= p_(m)``; the comparison of rank
+  ``i`` is called while ``p_(j) < alpha / (m - j + 1)`` for every ``j <= i``, and its interval is at its own
+  rank's level ``1 - alpha / (m - i + 1)``; at the first rank ``k`` where that fails the step-down stops, and
+  rank ``k`` and every later one are inconclusive, their intervals at rank ``k``'s level ``1 - alpha / (m - k +
+  1)`` (where each of them includes 0, since their p-values are no smaller than ``p_(k)``, so every interval
+  agrees with its outcome). Adjusted p-value ``max over j <= i of min(1, (m - j + 1) p_(j))``.
+- ``none`` (the default): each interval at ``level``, as without the option.
+
+An outcome is ``better`` or ``worse`` exactly when its adjusted p-value is below ``alpha``. The default is
+``none`` so that a sweep run as before gives the outcomes and files it gave: a correction widens intervals, and
+turned on by default it would turn some ``better`` points of existing sweeps ``inconclusive`` unasked.
+
 Why a seed pairs: a point's seed is the root of every random stream of its run (``fedweave.seeding.Seeds``):
 the partition, the model's initialisation, the clients sampled each round, each client's batches. A stream's
 seed depends only on the root seed and its name and keys (e.g. ``("client_sampling", round)``), never on the
@@ -22,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import yaml
@@ -34,14 +56,17 @@ from fedweave.experiments.verdicts import HELD, INCONCLUSIVE, NOT_HELD, TESTS, P
 BETTER, WORSE, FEW = "better", "worse", "n < 2"
 OUTCOMES = {HELD: BETTER, NOT_HELD: WORSE, INCONCLUSIVE: INCONCLUSIVE}  # a verdict -> the point's outcome
 BASELINE = "baseline"  # the baseline point's own outcome cell
+CORRECTIONS = ("none", "holm", "bonferroni")  # --correction's values; none: each interval at --level on its own
 
 
 @dataclass(frozen=True)
 class Comparison:
     """A point against the baseline: the mean of the per-seed differences (point minus baseline) ``diff``,
     its interval ``low``-``high`` (None with fewer than 2 pairs), the pairs ``n``, the ``outcome`` (better,
-    worse, inconclusive, ``n < 2``, or ``baseline`` for the baseline itself) and ``unpaired``, the seeds of
-    either point left out and why (``5 diverged``, ``6 baseline unfinished``)."""
+    worse, inconclusive, ``n < 2``, or ``baseline`` for the baseline itself), ``unpaired``, the seeds of
+    either point left out and why (``5 diverged``, ``6 baseline unfinished``), and, for a point with 2 or more
+    pairs, ``level``, the confidence level of its interval (the one asked for, or the corrected one), ``p``, the
+    two-sided p-value of a zero difference, and ``p_adjusted``, that p-value after the correction."""
 
     outcome: str
     diff: float | None
@@ -49,6 +74,9 @@ class Comparison:
     high: float | None
     n: int
     unpaired: str = ""
+    level: float | None = None
+    p: float | None = None
+    p_adjusted: float | None = None
 
 
 def parse_baseline(text: str | Mapping[str, Any], flag: str = "--baseline") -> dict[str, Any] | str:
@@ -130,6 +158,53 @@ def check_test(level: Any, test: Any, flag: str = "--") -> tuple[float, str]:
     return float(level), str(test)
 
 
+def check_correction(correction: Any, flag: str = "--") -> str:
+    """``correction`` when it is one of :data:`CORRECTIONS`; else one line naming the allowed values."""
+    if correction not in CORRECTIONS:
+        raise ConfigError(f"{flag}correction {correction!r} unknown; allowed: {', '.join(CORRECTIONS)}")
+    return str(correction)
+
+
+def _ranked(pvalues: Sequence[float]) -> list[int]:
+    """The indices of ``pvalues`` from the smallest p-value up (ties in their given order: the sweep's)."""
+    return sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+
+
+def adjust(pvalues: Sequence[float], correction: str) -> list[float]:
+    """The adjusted p-values of a family of ``pvalues`` (module docstring), in their order: ``bonferroni``
+    ``min(1, m p)``; ``holm`` the step-down's ``max_{j <= i} min(1, (m - j + 1) p_(j))`` at rank ``i``;
+    ``none`` the p-values as they are. A comparison is called at family-wise level ``1 - alpha`` when its
+    adjusted p-value is below ``alpha``."""
+    m = len(pvalues)
+    if correction == "none":
+        return [float(p) for p in pvalues]
+    if correction == "bonferroni":
+        return [min(1.0, m * float(p)) for p in pvalues]
+    out, running = [0.0] * m, 0.0
+    for rank, i in enumerate(_ranked(pvalues)):  # rank 0 is Holm's i = 1, compared with alpha / m
+        running = max(running, min(1.0, (m - rank) * float(pvalues[i])))  # adjusted p-values never decrease
+        out[i] = running
+    return out
+
+
+def levels(pvalues: Sequence[float], level: float, correction: str) -> list[float]:
+    """The confidence level of each comparison's interval (module docstring), in the order of ``pvalues``:
+    ``level`` for ``none``; ``1 - alpha / m`` for ``bonferroni``; for ``holm`` ``1 - alpha / (m - i + 1)`` at
+    rank ``i`` while the step-down calls, and the level of the rank where it stopped for that rank and every
+    later one."""
+    m, alpha = len(pvalues), 1 - level
+    if correction == "none":
+        return [level] * m
+    if correction == "bonferroni":
+        return [1 - alpha / m] * m
+    out, stopped = [level] * m, None
+    for rank, i in enumerate(_ranked(pvalues)):
+        if stopped is None and not pvalues[i] < alpha / (m - rank):  # not below: an interval that touches 0
+            stopped = 1 - alpha / (m - rank)
+        out[i] = 1 - alpha / (m - rank) if stopped is None else stopped
+    return out
+
+
 def _value(r: Mapping[str, Any], key: str) -> tuple[float | None, str]:
     """A run's value and, when it has none to pair, why (its status, or its non-finite value)."""
     if r.get("status") != "completed":
@@ -159,13 +234,18 @@ def compare(
     direction: str,
     level: float = 0.95,
     test: str = "t",
+    correction: str = "none",
 ) -> dict[str, Comparison]:
     """Every point of ``records`` (one dict per run: ``point``, ``seed``, ``status`` and the value ``key``)
     against the ``baseline`` point: a :class:`Comparison` per point, in the records' order. ``direction``
     (``max`` or ``min``, :func:`fedweave.tasks.column_direction`) says which sign is better. Only
-    ``completed`` runs with a finite value pair; the others are named in ``unpaired``, never silently dropped."""
+    ``completed`` runs with a finite value pair; the others are named in ``unpaired``, never silently dropped.
+    ``correction`` (:data:`CORRECTIONS`) corrects the points with 2 or more pairs as one family (module
+    docstring); ``none`` gives each point's interval at ``level``."""
+    check_correction(correction, "")
     points = list(dict.fromkeys(r["point"] for r in records))
-    out = {}
+    out: dict[str, Comparison] = {}
+    tested: dict[str, tuple[Paired, dict, dict, float]] = {}  # the family: a rule, its sides and p-value
     for point in points:
         if point == baseline:
             out[point] = Comparison(BASELINE, None, None, None, 0)
@@ -191,18 +271,37 @@ def compare(
             unit="",
             name=f"{point} vs baseline {baseline}",
         )
-        d = rule.decide({s: a[s][0] for s in pairs}, {s: b[s][0] for s in pairs})
-        out[point] = Comparison(OUTCOMES[d.outcome], d.estimate, d.low, d.high, d.n, unpaired)
+        sides = {s: a[s][0] for s in pairs}, {s: b[s][0] for s in pairs}
+        tested[point] = (rule, *sides, rule.p_value(rule.differences(*sides)))
+        out[point] = Comparison(FEW, None, None, None, len(pairs), unpaired)  # its place; decided below
+    ps = [p for *_, p in tested.values()]
+    for (point, (rule, a_side, b_side, p)), at, adjusted in zip(
+        tested.items(), levels(ps, level, correction), adjust(ps, correction)
+    ):
+        # none: at == level, the rule as it always was, so the interval and outcome are the uncorrected ones
+        d = (rule if at == level else replace(rule, level=at)).decide(a_side, b_side)
+        c = out[point]
+        out[point] = Comparison(OUTCOMES[d.outcome], d.estimate, d.low, d.high, d.n, c.unpaired, at, p, adjusted)
     return out
 
 
-def columns(metric: str) -> tuple[str, str, str, str, str, str]:
+CORRECTED = ("interval_level", "p_value", "p_adjusted", "correction")  # the columns --correction adds
+
+
+def columns(metric: str, corrected: bool = False) -> tuple[str, ...]:
     """summary.csv's column names of a comparison: the mean difference, its interval's ends, the pairs, the
-    outcome and the seeds left out."""
-    return (f"{metric}_diff", f"{metric}_diff_low", f"{metric}_diff_high", "pairs", "vs_baseline", "unpaired")
+    outcome and the seeds left out; ``corrected`` (a sweep run with ``--correction``, whatever its value)
+    adds :data:`CORRECTED`: the interval's level, the p-value, the adjusted p-value and the correction."""
+    plain = (f"{metric}_diff", f"{metric}_diff_low", f"{metric}_diff_high", "pairs", "vs_baseline", "unpaired")
+    return plain + CORRECTED if corrected else plain
 
 
-def row(c: Comparison, metric: str) -> dict[str, Any]:
-    """A comparison as summary.csv's cells (:func:`columns`; an empty cell, None, where there is nothing)."""
+def row(c: Comparison, metric: str, correction: str | None = None) -> dict[str, Any]:
+    """A comparison as summary.csv's cells (:func:`columns`; an empty cell, None, where there is nothing);
+    ``correction`` (the value given to ``--correction``; None when it was not given) adds its columns, the
+    correction named on every row."""
     n = None if c.outcome == BASELINE else c.n
-    return dict(zip(columns(metric), (c.diff, c.low, c.high, n, c.outcome, c.unpaired or None)))
+    cells = (c.diff, c.low, c.high, n, c.outcome, c.unpaired or None)
+    if correction is not None:
+        cells += (c.level, c.p, c.p_adjusted, correction)
+    return dict(zip(columns(metric, correction is not None), cells))

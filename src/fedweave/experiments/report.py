@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from fedweave.experiments.aggregate import if_all, mean_std, to_target
-from fedweave.experiments.baseline import BASELINE
+from fedweave.experiments.baseline import BASELINE, CORRECTIONS
 from fedweave.experiments.grid import Point
 from fedweave.experiments.verdicts import TESTS
 from fedweave.results import RunDirError, atomic_write
@@ -37,6 +37,7 @@ log = logging.getLogger("fedweave")
 
 # a run directory holds at least one of these from its start (config.yaml is written before round 1)
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
+NAMES = {"holm": "Holm", "bonferroni": "Bonferroni"}  # a --correction as the page names it
 UNFINISHED = "unfinished"  # no summary.json: the run is still going, or its process was killed
 NOT_STARTED = "not started"  # a point of the sweep's grid without a run directory yet
 FINISHED = ("completed", "diverged")  # what a sweep does not run again (an interrupted run resumes)
@@ -164,7 +165,8 @@ def _current_points(d: Path, spec: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _check_baseline(path: Path, baseline: Any, labels: set[str]) -> None:
-    """A sweep.json's ``baseline`` (``fedweave sweep --baseline`` writes ``{"point", "level", "test"}``) as the
+    """A sweep.json's ``baseline`` (``fedweave sweep --baseline`` writes ``{"point", "level", "test"}``, and
+    ``"correction"`` when ``--correction`` was given) as the
     report reads it, or one line naming the file and the key: such a file was edited or damaged by hand. A
     point that names no run of the grid is refused too (every other point would silently pair with nothing);
     ``labels`` empty (no run started yet) checks nothing of it."""
@@ -184,6 +186,8 @@ def _check_baseline(path: Path, baseline: Any, labels: set[str]) -> None:
         raise RunDirError(f"{key}.level must be a number in (0, 1), got {level!r}")
     if test not in TESTS:
         raise RunDirError(f"{key}.test must be one of {', '.join(TESTS)}, got {test!r}")
+    if baseline.get("correction", "none") not in CORRECTIONS:
+        raise RunDirError(f"{key}.correction must be one of {', '.join(CORRECTIONS)}, got {baseline['correction']!r}")
 
 
 def _read_source(d: Path) -> _Source:
@@ -323,10 +327,12 @@ def _point_summary(src: _Source) -> tuple[list[str], list[Any]]:
         head += [f"rounds to {target:g}", f"bytes to {target:g}"]
     spec = src.spec or {}
     compared = _compared(src) if spec.get("baseline") else {}
+    correction = spec["baseline"].get("correction") if compared else None  # None: --correction not given
     if compared:
         level, test = spec["baseline"]["level"], spec["baseline"]["test"]
-        head += [f"{metric} − baseline", f"{100 * level:g} % {TESTS[test]} interval", "pairs", "vs baseline"]
-        head += ["unpaired"]
+        head += [f"{metric} − baseline", _interval_head(level, test, correction, compared)]
+        head += ["interval level", "p", "p adjusted"] if correction is not None else []
+        head += ["pairs", "vs baseline", "unpaired"]
     rows, means = [], []
     for label, runs in by_point.items():
         finals = [(r.summary.get("final") or {}).get(metric) for r in runs if r.status == "completed" and r.summary]
@@ -352,6 +358,9 @@ def _point_summary(src: _Source) -> tuple[list[str], list[Any]]:
                 cells += _td("-")
             else:
                 cells += _td(f"[{_num(c.low)}, {_num(c.high)}]", f"{c.low!r}, {c.high!r}")
+            if correction is not None:
+                for x in (c.level, c.p, c.p_adjusted):
+                    cells += _td("-") if x is None else _td(_num(x), repr(x))
             cells += _td("-" if c.outcome == BASELINE else c.n) + _td(c.outcome) + _td(c.unpaired or "-")
         rows.append(cells)
     scored = [i for i, m in enumerate(means) if not math.isnan(m)]
@@ -359,6 +368,17 @@ def _point_summary(src: _Source) -> tuple[list[str], list[Any]]:
     if best is not None:
         rows[best] = ("best", rows[best])
     return head, rows
+
+
+def _interval_head(level: float, test: str, correction: str | None, compared: dict[str, Any]) -> str:
+    """The interval column's head: its level and test, and the correction when ``--correction`` was given
+    (``holm``/``bonferroni``: the family's size and level, each row's own level in its column)."""
+    if correction is None:
+        return f"{100 * level:g} % {TESTS[test]} interval"
+    if correction == "none":
+        return f"{100 * level:g} % {TESTS[test]} interval, no correction"
+    m = sum(c.p is not None for c in compared.values())
+    return f"{TESTS[test]} interval, {NAMES[correction]} over {m} at {100 * level:g} % family-wise"
 
 
 def _compared(src: _Source) -> dict[str, Any]:
@@ -376,7 +396,8 @@ def _compared(src: _Source) -> dict[str, Any]:
             seed = int(tail)
         final = (r.summary or {}).get("final") or {}
         records.append({"point": r.label, "seed": seed, "status": r.status, key: final.get(src.metric)})
-    return compare(records, key, b["point"], column_direction(src.metric), b["level"], b["test"])
+    direction = column_direction(src.metric)
+    return compare(records, key, b["point"], direction, b["level"], b["test"], b.get("correction", "none"))
 
 
 def _private(runs: list[_Run]) -> bool:
@@ -568,6 +589,13 @@ def _source_section(src: _Source, differ: list[str]) -> str:
         if spec.get("baseline"):  # fedweave sweep --baseline: every point against it, paired by seed
             b = spec["baseline"]
             desc += f"; every point against the baseline {b['point']}, paired by seed ({b['test']} interval)"
+            # the correction for the number of points, said even for a sweep run without --correction (none)
+            corr = b.get("correction", "none")
+            desc += (
+                "; no correction for multiple comparisons"
+                if corr == "none"
+                else f"; {NAMES[corr]} correction over the points compared, {100 * b['level']:g} % family-wise"
+            )
         parts.append(f"<p>{html.escape(desc)}; {spec.get('seeds', 1)} seed(s); metric {html.escape(src.metric)}</p>")
         for note in _notes(src):  # on the page, and said where the report is made (stderr, by default)
             log.warning("%s: %s", src.path, note)

@@ -48,6 +48,7 @@ def sweep(
     baseline: str | Mapping[str, Any] | None = None,
     level: float | None = None,
     test: str | None = None,
+    correction: str | None = None,
 ) -> SweepResult:
     """Run ``config`` over the ``grid`` (product), ``zipped`` keys (together) and ``seeds`` seeds into ``out``.
     Runs already finished there are reused and killed ones resume, so re-running a sweep continues it.
@@ -66,17 +67,24 @@ def sweep(
     ``level`` (0.95) interval of the ``test`` (``"t"`` or ``"bootstrap"``) of
     :mod:`fedweave.experiments.baseline`; its columns are added to summary.csv (and the per-seed difference
     to sweep.csv), and ``sweep.json`` records the baseline, level and test. Without it the files are as
-    before."""
+    before. ``correction`` (``"holm"``, ``"bonferroni"`` or ``"none"``) corrects those comparisons for their
+    number (:mod:`fedweave.experiments.baseline`); not given, none is made and the files are those of a sweep
+    run before the option existed; given (``"none"`` too), summary.csv gains the interval's level, the p-value,
+    the adjusted p-value and the correction, and ``sweep.json`` records it."""
     from fedweave.runner import run_metric
     from fedweave.tasks import column_direction
 
     check_workers(workers)  # like the grid, before anything is written
-    if baseline is None and (level is not None or test is not None):
-        raise ConfigError("--level and --test apply to a comparison with a --baseline point; give --baseline")
+    if baseline is None and (level is not None or test is not None or correction is not None):
+        raise ConfigError(
+            "--level, --test and --correction apply to a comparison with a --baseline point; give --baseline"
+        )
     points = expand(config, grid, zipped=zipped, seeds=seeds, overrides=overrides)
     base = None
     if baseline is not None:  # checked before anything runs, like the grid
         level, test = paired.check_test(0.95 if level is None else level, "t" if test is None else test)
+        if correction is not None:
+            correction = paired.check_correction(correction)
         base = paired.resolve(paired.parse_baseline(baseline), [p.values for p in points])
     defaulted = metric is None
     metric = metric or _main_column(points[0].config)
@@ -90,6 +98,8 @@ def sweep(
     spec["runs"] = [{"run_dir": f"runs/{p.slug}", "point": p.label} for p in points]
     if base is not None:  # only then, so that a sweep without one writes the sweep.json it always did
         spec["baseline"] = {"point": base, "level": level, "test": test}
+        if correction is not None:  # only when given, so a sweep without it writes the sweep.json it did
+            spec["baseline"]["correction"] = correction
     atomic_write(out / "sweep.json", json.dumps(spec, indent=2, default=str))
     results = run_points(points, out / "runs", workers=workers, progress=progress, ray_address=ray_address)
     if defaulted and not any(results[p.slug].summary.get("main_metric") for p in points):
@@ -141,7 +151,9 @@ def sweep(
         diffs = paired.per_seed(records, f"final_{metric}", base)
         for rec in records:  # the run's final metric minus the baseline's at its seed (empty: not paired)
             rec[f"diff_final_{metric}"] = diffs.get((rec["point"], rec["seed"]))
-        compared = paired.compare(records, f"final_{metric}", base, column_direction(metric), level, test)
+        compared = paired.compare(
+            records, f"final_{metric}", base, column_direction(metric), level, test, correction or "none"
+        )
 
     summary = []
     for label, recs in by_point.items():
@@ -152,7 +164,7 @@ def sweep(
             for x in ("rounds_to_target", "bytes_to_target"):
                 row[f"{x}_mean"] = if_all([r[x] for r in recs], lambda v: mean_std(v)[0])  # all seeds reached it
         if base is not None:
-            row.update(paired.row(compared[label], metric))
+            row.update(paired.row(compared[label], metric, correction))
         summary.append(row)
     scored = [i for i, r in enumerate(summary) if not math.isnan(r[f"{metric}_mean"])]
     best = better(scored, key=lambda i: summary[i][f"{metric}_mean"]) if scored else None

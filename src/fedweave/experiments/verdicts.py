@@ -248,6 +248,17 @@ class Paired:
     def decide(self, a: Mapping[Any, Any], b: Mapping[Any, Any]) -> Decision:
         """The decision on A's and B's values, each a mapping from the pairing value (the seed) to the metric;
         the pairs are the keys both have."""
+        keys, d = self._paired(a, b)
+        low, high = self.interval(d)
+        detail = f"per {self.pair}: " + ", ".join(f"{k} {x:+.{self.digits}f}" for k, x in zip(keys, d))
+        return self._decision(float(d.mean()), low, high, len(d), detail)
+
+    def differences(self, a: Mapping[Any, Any], b: Mapping[Any, Any]) -> np.ndarray:
+        """The paired differences that :meth:`decide` tests (A minus B times ``scale``, by sorted pairing value),
+        with its checks and error lines."""
+        return self._paired(a, b)[1]
+
+    def _paired(self, a: Mapping[Any, Any], b: Mapping[Any, Any]) -> tuple[list[Any], np.ndarray]:
         who = self.name or self.metric
         keys = sorted(set(a) & set(b))
         if len(keys) < 2:
@@ -259,9 +270,7 @@ class Paired:
         d = np.array(
             [self.scale * (_finite(who, f"A's {at} {k}", a[k]) - _finite(who, f"B's {at} {k}", b[k])) for k in keys]
         )
-        low, high = self.interval(d)
-        detail = f"per {self.pair}: " + ", ".join(f"{k} {x:+.{self.digits}f}" for k, x in zip(keys, d))
-        return self._decision(float(d.mean()), low, high, len(d), detail)
+        return keys, d
 
     def interval(self, d: np.ndarray) -> tuple[float, float]:
         """The ``level`` interval of the mean of the paired differences ``d`` by the rule's test."""
@@ -271,10 +280,43 @@ class Paired:
             # mean +- t_{(1+level)/2, n-1} * s / sqrt(n), s the sample standard deviation
             half = float(stats.t.ppf((1 + self.level) / 2, len(d) - 1) * stats.sem(d))
             return float(d.mean()) - half, float(d.mean()) + half
-        rng = np.random.default_rng(self.seed)
-        means = d[rng.integers(0, len(d), size=(self.resamples, len(d)))].mean(axis=1)
-        low, high = np.percentile(means, [50 * (1 - self.level), 50 * (1 + self.level)])
+        low, high = np.percentile(self._resampled(d), [50 * (1 - self.level), 50 * (1 + self.level)])
         return float(low), float(high)
+
+    def _resampled(self, d: np.ndarray) -> np.ndarray:
+        """The bootstrap's ``resamples`` means of ``d`` resampled with replacement, from the rule's ``seed``."""
+        rng = np.random.default_rng(self.seed)
+        return d[rng.integers(0, len(d), size=(self.resamples, len(d)))].mean(axis=1)
+
+    def p_value(self, d: np.ndarray) -> float:
+        """The two-sided p-value of a zero mean difference by the rule's test, the one its interval inverts:
+        the interval of ``d`` at level L lies wholly on one side of 0 exactly when p < 1 - L (a multiple-
+        comparison correction, ``baseline.adjust``, ranks and scales these).
+
+        ``"t"``: 2 P(T_{n-1} > |mean| / (s / sqrt(n))), the paired t test's (0 when every difference is the
+        same non-zero value, 1 when every one is 0). ``"bootstrap"``: the smallest 1 - L at which the
+        percentile interval of the same resampled means (the same seed) excludes 0, found by inverting its
+        linear interpolation between order statistics (about twice the share of the resampled means on the far
+        side of 0 from the median)."""
+        mean = float(d.mean())
+        if self.test == "t":
+            from scipy import stats
+
+            sem = float(stats.sem(d))
+            if sem == 0:  # no spread: the interval is the one point, which excludes 0 at every level unless 0
+                return 0.0 if mean != 0 else 1.0
+            return float(min(1.0, 2 * stats.t.sf(abs(mean) / sem, len(d) - 1)))
+        s = np.sort(self._resampled(d))
+        r = len(s) - 1  # np.percentile (linear) reads quantile q at position h = r q of the sorted means
+        if r == 0:
+            return 0.0 if s[0] != 0 else 1.0
+        # the low end, at position r (1 - L) / 2, is > 0 past h0 = the last position where the interpolation is <= 0
+        j = int(np.searchsorted(s, 0.0, side="right"))  # the means <= 0
+        p_low = 0.0 if j == 0 else 1.0 if j == len(s) else 2 * (j - 1 - s[j - 1] / (s[j] - s[j - 1])) / r
+        # the high end, at position r (1 + L) / 2, is < 0 before h1 = the first position where it is >= 0
+        k = int(np.searchsorted(s, 0.0, side="left"))  # the means < 0
+        p_high = 0.0 if k == len(s) else 1.0 if k == 0 else 2 * (r - (k - 1 - s[k - 1] / (s[k] - s[k - 1]))) / r
+        return float(min(1.0, p_low, p_high))
 
     def _decision(self, estimate: float, low: float, high: float, n: int, detail: str) -> Decision:
         m = float(self.min_effect)
