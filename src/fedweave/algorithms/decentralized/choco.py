@@ -16,8 +16,24 @@ contraction (Assumption 1: E ||Q(v) - v||^2 <= (1 - delta) ||v||^2): ``topk``, `
 ``error_feedback: true`` (its unscaled form); ``qsgd``, ``int8`` and the d/k-scaled ``randk`` are unbiased, not
 contractions, and are refused. Without a compressor Q is the identity, and gamma = 1 is DFedAvg with Metropolis
 mixing (to float rounding). Every node talks to all its graph neighbours every round (``neighbours`` is
-refused). Injected faults are refused: a node that misses a q_j would hold a copy of x̂_j that its neighbours do
-not, and the algorithm assumes none (reliable synchronous links).
+refused).
+
+Injected faults (docs/reliability.md): a node that drops out in a round (``faults.dropout``,
+``faults.outage_rounds``) neither trains, compresses, sends nor updates anything: its x_j, its x̂_j and every
+neighbour's copy of x̂_j stay as they are, so every copy of x̂_j stays the same. The live nodes run the round
+with W^(t), the Metropolis weights with the edges to the dropped nodes removed and their weight moved to the
+diagonal (``faults.mixing_without``, as ``dfedavg`` with ``mixing: metropolis``): a dropped node's row is
+then e_j (it changes nothing), and W^(t) is still symmetric and doubly stochastic, so the consensus step keeps
+the models' average, the invariant x̄^{t+1} = x̄^{t+1/2} of the paper's analysis. Using a dropped neighbour's
+stale x̂_j with the full W instead would be well defined too (its copy is consistent), but the exchange would
+be one-sided: the live node moves towards x̂_j and the dropped node does not move back, so the average drifts.
+A live node still sends its q_i to a dropped neighbour: links are reliable, the message waits, and the node
+adds the messages it missed to its copies, in order, when it comes back, before any consensus step reads
+them, so the one table of copies kept here is every holder's copy whenever it is read; the ledger bills
+every message sent (a live node's, once per graph neighbour) and none of a dropped node. A round in which
+nobody takes part is skipped. Lost links (``faults.link_loss``) are refused: a node that misses a q_j would
+hold a copy of x̂_j that its other neighbours do not, and no later message repairs it. Byzantine peers
+(``faults.byzantine``) are refused too: robust gossip is the gossip methods' (docs/robustness.md).
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ from fedweave.algorithms.base import RunContext
 from fedweave.algorithms.decentralized.base import GraphAlgorithm, GraphHparams
 from fedweave.compression import EFSign, RandK, TopK, build_compressor
 from fedweave.config import ConfigError
+from fedweave.faults import mixing_without
 from fedweave.registry import ALGORITHMS
 from fedweave.topology.graph import gossip, metropolis_weights
 
@@ -56,7 +73,8 @@ class ChocoSGD(GraphAlgorithm):
         "its compressed messages Q(x - x_hat) and public copies would be computed by the ServerApp that relays "
         "the gossip, so the wire would carry dense models"
     )
-    handles_faults: ClassVar[tuple[str, ...]] = ()  # reliable links assumed (module docstring)
+    # a dropped node keeps x_j and x̂_j, so every copy of x̂_j stays the same; a lost link would not (docstring)
+    handles_faults: ClassVar[tuple[str, ...]] = ("dropout",)
     dp_refusal = None  # its compressed messages are functions of the models its DP-SGD steps produced
     compresses_uploads: ClassVar[bool] = True  # compression.upload is its Q
 
@@ -87,23 +105,42 @@ class ChocoSGD(GraphAlgorithm):
         return {"neighbours": why}
 
     def messages(self, r: int, diffs: torch.Tensor) -> torch.Tensor:
-        """q_i = Q(diffs_i) for every node, each sent to its graph neighbours: the ledger bills the encoded bytes
-        once per neighbour."""
+        """q_i = Q(diffs_i) for every node that takes part in round ``r``, each sent to its graph neighbours: the
+        ledger bills the encoded bytes once per neighbour. A dropped node sends nothing: its row is not read."""
+        up = self.clients_up(r)
         if self.compressor is None:  # dense: every message one model row
-            self.peer(r, "model_delta", self.model_bytes, int(self.degrees.sum()))
+            self.peer(r, "model_delta", self.model_bytes, int(self.degrees[up].sum()))
             return diffs
-        c, out = self.compressor, torch.empty_like(diffs)
-        for i, d in enumerate(self.degrees.tolist()):
+        c, out = self.compressor, torch.zeros_like(diffs)
+        for i in up.tolist():  # the fault-free stream of node i: a dropout elsewhere changes no draw of i's
             rng = self.seeds.torch("compression", r, i, 0) if c.random else None
             encoded = c.encode(diffs[i].detach().to("cpu"), rng)
             out[i] = c.decode(encoded).to(out.device)
-            self.peer(r, "model_delta", encoded.nbytes, d)
+            self.peer(r, "model_delta", encoded.nbytes, int(self.degrees[i]))
         return out
 
+    def round_mixing(self, r: int) -> tuple[torch.Tensor, float]:
+        """W^(t) of round ``r`` and the mean over the live nodes of the neighbours each mixes with: without a
+        dropout, the graph's Metropolis weights; else those with the edges to the dropped nodes removed, their
+        weight on the diagonal (still symmetric and doubly stochastic; a dropped node's row is e_j)."""
+        up = self.up(r) if self.faulty else None
+        if up is None or up.all():
+            return self.mixing, float(self.degrees.mean())
+        ok = up[:, None] & up[None, :]
+        M = torch.as_tensor(mixing_without(self.mixing.numpy(), ok), device="cpu")
+        live = ((self.mixing.numpy() > 0) & ok & ~np.eye(self.num_clients, dtype=bool)).sum(1)
+        return M, float(live[up].mean())
+
     def run_round(self, r: int) -> dict[str, float]:
-        own = self.train_up(r, self.trainer, self.W)  # x^{t+1/2}
-        public = self.store[PUBLIC] + self.messages(r, own.params - self.store[PUBLIC])  # x̂ + q
-        mixed = gossip(public, self.mixing) - public  # sum_j w_ij (x̂_j - x̂_i), w doubly stochastic
+        if self.all_down(r):
+            return self.round_fault_metrics(r)
+        own = self.train_up(r, self.trainer, self.W)  # x^{t+1/2}; a dropped node's row: its x, untrained
+        x_hat = self.store[PUBLIC]
+        # x̂ + q; a dropped node sends no q, so its x̂ (every copy of it) stays as it was, bit for bit
+        public = self.hold_dropped(r, x_hat + self.messages(r, own.params - x_hat), x_hat)
+        M, k = self.round_mixing(r)
+        mixed = gossip(public, M) - public  # sum_j w_ij (x̂_j - x̂_i), W^(t) doubly stochastic
         self.commit(PUBLIC, public)
-        self.commit("model", own.params + self.hp.gamma * mixed)  # the consensus step
-        return {"train_loss": float(own.loss.mean()), "selected_mean": float(self.degrees.mean())}
+        # the consensus step; a dropped node keeps its x (its row of W^(t) is e_j: held all the same)
+        self.commit("model", self.hold_dropped(r, own.params + self.hp.gamma * mixed, self.W))
+        return {"train_loss": self.mean_over_up(r, own.loss), "selected_mean": k, **self.round_fault_metrics(r)}
