@@ -346,6 +346,9 @@ class FaultsConfig:
     # model: speed_sigma, speed_jitter, deadline): a round lasts until the server has heard from every sampled
     # client, at most the deadline, and each metrics row gets sim_time; the asynchronous methods always have it
     sim_time: bool = False
+    # the unit of the clock (deadline, sim_time, arrival times): round = a mean client's round (a client's work is
+    # its local steps over the run's mean); step = one local step of a median-speed client (its local steps)
+    work_unit: Literal["round", "step"] = "round"
 
     def validate(self) -> None:
         """Check the ``faults`` section; raise a :class:`ConfigError` naming the first bad key and what it allows."""
@@ -740,6 +743,8 @@ class RunConfig:
                 if f.name == "faults" and not v.sim_time:
                     # a run without the clock records the config it always has (and its checkpoints still resume)
                     del out[f.name]["sim_time"]
+                if f.name == "faults" and v.work_unit == "round":  # the default unit: the same, for the same reason
+                    del out[f.name]["work_unit"]
             else:
                 out[f.name] = v
         return out

@@ -117,10 +117,11 @@ class Faults:
     def arrival_times(self, r: int, clients: np.ndarray | Iterable[int], work: np.ndarray | float = 1.0) -> np.ndarray:
         """Simulated time at which each client's upload reaches the server in round ``r``.
 
-        ``work`` is the client's amount of local work relative to a reference round (e.g. its local steps
-        over the mean), so a client with twice the data takes twice as long. A client's time per unit of
-        work is ``exp(speed_sigma * z_i + speed_jitter * z_{i,r})`` with z standard normal: a fixed speed
-        per client (median 1) and an optional per-round jitter.
+        ``work`` is the client's amount of local work in the clock's unit (``faults.work_unit``, applied by the
+        family's ``client_work``): relative to a reference round (``round``: e.g. its local steps over the
+        mean), or its local steps (``step``), so a client with twice the data takes twice as long. A client's
+        time per unit of work is ``exp(speed_sigma * z_i + speed_jitter * z_{i,r})`` with z standard normal: a
+        fixed speed per client (median 1) and an optional per-round jitter.
         """
         clients = np.asarray(list(clients) if not isinstance(clients, np.ndarray) else clients, dtype=np.int64)
         c = self.config

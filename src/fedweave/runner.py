@@ -249,6 +249,16 @@ def _check_faults(config: RunConfig) -> None:
             "clock; it is the star family's (centralized: fedavg, fedprox, scaffold, ..., fedasync, fedbuff); "
             "leave it out"
         )
+    if f.work_unit == "step" and not getattr(cls, "counts_steps", False):
+        # a family whose clients' work is not a count of local steps has no step to time (each client's work
+        # is one round), so the unit would be a silent alias of ``round``
+        raise ConfigError(
+            f"faults.work_unit: step: algorithm '{name}' ({getattr(cls, 'family', 'a plug-in')} family) counts no "
+            "local steps per client; the unit step is the star and split families'; use round (the default) or "
+            "leave it out"
+        )
+    if f.work_unit == "step" and f.deadline is None and not f.sim_time and not getattr(cls, "asynchronous", False):
+        log.warning("faults.work_unit changes nothing in %s without faults.deadline or faults.sim_time", name)
     if f.straggler_policy == "late" and f.deadline is None:  # allowed, as above
         log.warning("faults.straggler_policy 'late' never applies: without faults.deadline no upload is late")
     spread = f.speed_jitter > 0 or f.speed_sigma != FaultsConfig.speed_sigma

@@ -524,6 +524,10 @@ class Algorithm(metaclass=_AlgorithmMeta):
     #: Whether the class's rounds run on the simulated clock of ``faults.sim_time`` (the star family's); the
     #: runner refuses the key for the others.
     sim_clock: ClassVar[bool] = False
+    #: Whether a client's work in a round is a count of local steps (:meth:`client_steps`, with
+    #: :meth:`relative_work` its reference), so that ``faults.work_unit: step`` is defined: the star and split
+    #: families'. The runner refuses that unit for the others (their clients' work is one round each).
+    counts_steps: ClassVar[bool] = False
     #: Why the family trains only its own task (None: it trains any task of fedweave.tasks).
     fixed_task: ClassVar[str | None] = None
     #: Config keys the class never reads (a section such as ``model``, or one key such as ``local.steps``), each
@@ -579,8 +583,29 @@ class Algorithm(metaclass=_AlgorithmMeta):
         return bool(self.faults.active())
 
     def client_work(self, r: int, clients: np.ndarray) -> np.ndarray | float:
-        """Each client's work in round ``r`` relative to the mean work: its upload's arrival time scales with it."""
-        return 1.0
+        """Each client's work in round ``r`` in the clock's unit (``faults.work_unit``): its upload's arrival time
+        scales with it. Every consumer (``reporting``, the synchronous star's ``round_time``, the asynchronous
+        ``launch``, the split family's timed uploads) asks here. A family that counts no local steps
+        (:attr:`counts_steps` False) gives every client one round's work, 1 (the unit ``step`` is refused)."""
+        if not self.counts_steps:
+            return 1.0
+        return self.work_units(self.client_steps(r, clients))
+
+    def work_units(self, steps: np.ndarray | list[int]) -> np.ndarray:
+        """Local steps in the clock's unit, the one place that applies ``faults.work_unit``: ``step`` keeps them
+        (a median-speed client takes one unit per step); ``round`` takes them over the mean client's round
+        (:meth:`relative_work`)."""
+        steps = np.asarray(steps, dtype=np.float64)
+        return steps if self.config.faults.work_unit == "step" else self.relative_work(steps)
+
+    def client_steps(self, r: int, clients: np.ndarray) -> np.ndarray:
+        """Each client's local steps in round ``r`` (a family with :attr:`counts_steps` defines them)."""
+        raise NotImplementedError(f"{type(self).__name__} counts no local steps")
+
+    def relative_work(self, steps: np.ndarray) -> np.ndarray:
+        """``steps`` over the local steps of the run's mean client round (a family with :attr:`counts_steps`
+        defines its reference): the unit ``round`` of the clock."""
+        raise NotImplementedError(f"{type(self).__name__} counts no local steps")
 
     def reporting(self, r: int, clients: np.ndarray) -> np.ndarray:
         """The clients of ``clients`` whose upload arrives in round ``r`` (order kept): those that drop out,

@@ -169,6 +169,7 @@ class StarAlgorithm(Algorithm):
     # template's synchronous clock (faults.sim_time) is then not its
     asynchronous: ClassVar[bool] = False
     sim_clock: ClassVar[bool] = True  # faults.sim_time applies (round_time)
+    counts_steps: ClassVar[bool] = True  # a client's work is its local steps (faults.work_unit: step applies)
 
     def __init__(self, ctx: RunContext, hp: StarHparams) -> None:
         super().__init__(ctx, hp)
@@ -444,10 +445,13 @@ class StarAlgorithm(Algorithm):
         """:meth:`client_losses` in the run's dtype, ``(len(clients),)`` (q-FFL's F_k(w^t), AFL's L_k(w))."""
         return torch.as_tensor(self.client_losses(params, clients), dtype=self.sizes.dtype, device=self.sizes.device)
 
-    def client_work(self, r: int, clients: np.ndarray) -> np.ndarray:
-        """A client's local steps relative to the mean: clients with more data are slower."""
-        work = np.array([self.trainer.num_steps(int(c)) for c in clients], dtype=np.float64)
-        return work / self.reference_steps()
+    def client_steps(self, r: int, clients: np.ndarray) -> np.ndarray:
+        """A client's local steps (``local.steps``, or its epochs' batches): clients with more data are slower."""
+        return np.array([self.trainer.num_steps(int(c)) for c in clients], dtype=np.float64)
+
+    def relative_work(self, steps: np.ndarray) -> np.ndarray:
+        """Steps over :meth:`reference_steps`, the mean client's."""
+        return steps / self.reference_steps()
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:
         """Aggregation weights of the round's clients, summing to one."""

@@ -87,10 +87,14 @@ class ProxSkip(StarAlgorithm):
         says communicate."""
         return int(self.seeds.numpy("local_steps", r).geometric(self.hp.p))
 
-    def client_work(self, r: int, clients: np.ndarray) -> np.ndarray:
-        """Every client takes the round's K_r steps, whatever its data: K_r over the mean, 1/p (the simulated
-        clock's and the deadline's unit)."""
-        return np.full(len(clients), self.local_steps(r) * self.hp.p)
+    def client_steps(self, r: int, clients: np.ndarray) -> np.ndarray:
+        """Every client takes the round's K_r steps, whatever its data."""
+        return np.full(len(clients), float(self.local_steps(r)))
+
+    def relative_work(self, steps: np.ndarray) -> np.ndarray:
+        """K_r over its mean 1/p: K_r p (a product, as the clock has always computed it; K_r / (1/p) can differ
+        in the last bit)."""
+        return steps * self.hp.p
 
     def train_clients(self, r: int, clients: np.ndarray) -> Collected:
         lr, steps = self.trainer.lr(r), self.local_steps(r)

@@ -234,6 +234,7 @@ class SplitAlgorithm(Algorithm):
     }
     # the synchronous template waits for its clients: a client past the deadline is dropped like a dropout
     handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "deadline")
+    counts_steps: ClassVar[bool] = True  # a client's work is its local batches (faults.work_unit: step applies)
     state_fields = ("xc", "xs", "xa")  # the client, server and auxiliary models
     # privacy: why the ``privacy`` section refuses this method (None: the fed server's average of the client-side
     # models is DP-FedAvg's release; fedweave.privacy.split)
@@ -331,9 +332,13 @@ class SplitAlgorithm(Algorithm):
     # FSL_OC, FSL_AN wait for the round's clients) drop a client past the deadline like a dropout and refuse
     # ``late``; CSE-FSL times each upload on the simulated clock (``TimedSplit``). Aggregation re-weights over
     # the reporters.
-    def client_work(self, r: int, clients: np.ndarray) -> np.ndarray:
-        """Each client's local batches relative to the mean: a client with twice the data is twice as slow."""
-        return np.array([self.batcher.num_steps(int(c)) for c in clients], dtype=np.float64) / self.reference_batches
+    def client_steps(self, r: int, clients: np.ndarray) -> np.ndarray:
+        """Each client's local batches: a client with twice the data is twice as slow."""
+        return np.array([self.batcher.num_steps(int(c)) for c in clients], dtype=np.float64)
+
+    def relative_work(self, steps: np.ndarray) -> np.ndarray:
+        """Batches over ``reference_batches``, the mean client's."""
+        return steps / self.reference_batches
 
     # ---- the synchronous round template --------------------------------------------------------------
     def run_round(self, r: int) -> dict[str, float]:
@@ -681,8 +686,9 @@ class TimedSplit(SplitAlgorithm):
 
     Without ``faults.deadline`` client i takes τ_i ~ U[1, speed_spread] per local batch (the ``clock``
     stream, fixed per client) and its upload after batch m arrives at (m+1)·τ_i + latency. With a deadline the
-    clock is the fault model's: the upload after batch m arrives at ``faults.arrival_times(r, i, (m + 1) /
-    reference_batches)`` (+ latency), the client's model at the end of its epoch, so the fed server aggregates
+    clock is the fault model's: the upload after batch m arrives at ``faults.arrival_times(r, i, w)`` (+ latency)
+    with w the m + 1 batches in the clock's unit (``work_units``: ``(m + 1) / reference_batches``, or ``m + 1``
+    under ``faults.work_unit: step``), the client's model at the end of its epoch, so the fed server aggregates
     exactly the clients of ``faults.reporting``. A smashed upload past the deadline is discarded (policy
     ``drop``) or, with policy ``late``, joins the server's queue ``ceil(t / deadline) - 1`` rounds later at
     time ``t - delay * deadline`` of that round (rounds last one deadline); uploads in transit are kept in
@@ -714,7 +720,7 @@ class TimedSplit(SplitAlgorithm):
     def upload_times(self, r: int, client: int, batches: list[int]) -> np.ndarray:
         """Arrival times of client ``client``'s smashed uploads after the given local batches (0-based)."""
         if self.timed:
-            work = (np.asarray(batches, dtype=np.float64) + 1) / self.reference_batches
+            work = self.work_units(np.asarray(batches, dtype=np.float64) + 1)  # batches 0..m: m + 1 of them
             return self.faults.arrival_times(r, np.full(len(batches), client), work) + self.hp.latency
         return (np.asarray(batches, dtype=np.float64) + 1) * self.batch_time(client) + self.hp.latency
 

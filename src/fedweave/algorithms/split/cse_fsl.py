@@ -14,7 +14,8 @@ dataQueue discipline and the simulated clock (``ordered``, ``random``, ``event``
 Faults (docs/reliability.md), on the family's simulated clock (``TimedSplit`` in base.py, which also times
 the uploads without faults). A client that drops out trains nothing and sends nothing in the round. With
 ``faults.deadline`` set, the clock is the fault model's: client i's upload after local batch m arrives at
-``faults.arrival_times(r, i, (m + 1) / reference_batches)`` (+ ``latency``), and its model upload at the end
+``faults.arrival_times(r, i, (m + 1) / reference_batches)`` (+ ``latency``; ``m + 1`` under ``faults.work_unit:
+step``), and its model upload at the end
 of its epoch, so the fed server aggregates exactly the clients of ``faults.reporting``; a late model misses
 the aggregation and is not sent (the client gets the new model next round). A smashed upload past the
 deadline is discarded (policy ``drop``) or, with the asynchronous ``event`` server and policy ``late``,

@@ -1,0 +1,155 @@
+"""``faults.work_unit`` (docs/reliability.md): the unit of the simulated clock, the deadline and the arrival times.
+
+``round`` (the default) times a client's work relative to the run's mean client round; ``step`` times one local
+step of a median-speed client, so methods of different local work compare on one clock. Hand-computed clocks
+(speed_sigma 0: every client's time per unit is exactly 1), a deadline against ``Faults.arrival_times``, the
+asynchronous FedBuff's events, ProxSkip's K_r, CSE-FSL's timed uploads, refusals and the unchanged default.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fedweave
+from fedweave.config import ConfigError, load
+from fedweave.faults import Faults
+from fedweave.runner import run as run_config
+from fedweave.seeding import Seeds
+from tests.test_async import _three
+from tests.test_centralized import _algo, _cfg
+from tests.test_faults_split import make
+
+STEPS = np.array([1.0, 2.0, 3.0])  # the _thirds clients' local steps (one epoch of 1/6, 2/6, 3/6 of the data)
+
+
+def _clocked(alg: str, unit: str | None, local: dict | None = None, rounds: int = 3, opts=None, **faults) -> dict:
+    """``alg`` (its options ``opts``) on the synchronous star's clock, ``faults.work_unit`` = ``unit`` (None: the
+    key left out)."""
+    cfg = _cfg(alg, rounds=rounds, local=local, **(opts or {}))
+    cfg["faults"] = {"sim_time": True, "speed_sigma": 0.0, **faults, **({"work_unit": unit} if unit else {})}
+    return cfg
+
+
+def _thirds(unit: str, **faults) -> dict:
+    """FedAvg on the three clients of 1, 2 and 3 local steps, all three every round, on the clock."""
+    cfg = _clocked("fedavg", unit, local={"epochs": 1, "batch_size": 80, "lr": 0.1}, rounds=4, **faults)
+    cfg["partition"] = {"name": "_thirds", "num_clients": 3}
+    cfg["algorithm"]["clients_per_round"] = 3
+    return cfg
+
+
+@pytest.mark.parametrize("unit", ["round", "step"])
+def test_fedavg_rounds_last_their_local_steps_in_step_units_and_one_round_else(unit):
+    """Equal speeds (speed_sigma 0), every client of a round takes local.steps: with ``step`` a round of 5 steps
+    lasts 5 and one of 1 step lasts 1; with ``round`` both last 1 (each client's work is the mean's)."""
+    times = {}
+    for k in (1, 5):
+        local = {"steps": k, "batch_size": 16, "lr": 0.2}
+        algo = _algo(_clocked("fedavg", unit, local=local))
+        times[k] = [algo.run_round(r)["sim_time"] for r in range(3)]
+    if unit == "step":
+        assert times[1] == [1.0, 2.0, 3.0] and times[5] == [5.0, 10.0, 15.0]
+    else:
+        assert times[1] == times[5] == [1.0, 2.0, 3.0]
+
+
+def test_a_deadline_in_steps_drops_exactly_the_clients_whose_steps_times_speed_exceed_it():
+    """Clients of 1, 2 and 3 steps at speeds exp(0.5 z_i + 0.3 z_ir): with ``step`` client i is late when
+    steps_i * speed_ir (its arrival time, from Faults.arrival_times at one unit of work) passes the deadline; a
+    round lasts its slowest client's time, at most the deadline. (Seed 4: steps x speed are 0.81, 2.12, 4.95;
+    0.54, 1.09, 5.65; 0.95, 2.48, 7.20; 0.95, 1.37, 5.49, so a deadline of 2 keeps client 0, then 0 and 1, 0,
+    0 and 1; the ``round`` unit, steps over their mean 2, would keep 0 and 1 in every round.)"""
+    deadline = 2.0
+    cfg = _thirds("step", speed_sigma=0.5, speed_jitter=0.3, deadline=deadline)
+    algo, faults = _algo(cfg), Faults(load(cfg).faults, Seeds(cfg["seed"]))
+    clients, now, kept = np.arange(3), 0.0, []
+    for r in range(4):
+        times = STEPS * faults.arrival_times(r, clients, 1.0)  # steps x the client's time per step
+        on_time = clients[times <= deadline].tolist()
+        assert algo.reporting(r, clients).tolist() == on_time
+        row = algo.run_round(r)
+        now += min(float(times.max()), deadline)
+        assert row["reported_clients"] == len(on_time) and row["sim_time"] == now
+        kept.append(on_time)
+    assert kept == [[0], [0, 1], [0], [0, 1]]  # the hand-computed sets above
+
+
+def test_fedbuff_clock_in_steps_matches_hand_computed_events():
+    """Clients of 1, 2 and 3 steps at equal speeds, all three in flight, a server step every 2 arrivals. t=0: jobs
+    0, 1, 2 (clients 0, 1, 2, due 1, 2, 3). t=1: client 0 arrives, restarts (due 2). t=2: client 1 arrives: step 0
+    at 2; client 0 arrives; clients 0 and 1 restart (due 3 and 4). t=3: client 2: step 1 at 3; client 0, restarts
+    with 2 (due 4 and 6). t=4: client 1: step 2 at 4; client 0, restarts with 1 (due 5 and 6). t=5: client 0: step
+    3 at 5, restarts (due 6). t=6: clients 2 and 1: step 4 at 6; client 0 arrives, all restart (due 7, 8, 9).
+    t=7: client 0: step 5 at 7, restarts (due 8). t=8: clients 1 and 0: step 6 at 8."""
+    cfg = _three("fedbuff", buffer_size=2, staleness="constant")
+    cfg["faults"] = {**cfg["faults"], "work_unit": "step"}
+    algo = _algo(cfg)
+    assert [algo.run_round(r)["sim_time"] for r in range(7)] == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    arrivals = [(t, c) for t, e, c, *_ in algo.events if e == "arrive"]
+    assert arrivals == [(1.0, 0), (2.0, 1), (2.0, 0), (3.0, 2), (3.0, 0), (4.0, 1), (4.0, 0), (5.0, 0),
+                        (6.0, 2), (6.0, 1), (6.0, 0), (7.0, 0), (8.0, 1), (8.0, 0)]  # fmt: skip
+
+
+def test_a_proxskip_round_lasts_its_k_r_steps():
+    """Every client takes the round's K_r ~ Geometric(p) steps: at equal speeds a round lasts K_r in step units
+    (K_r p, the steps over their mean 1/p, in round units)."""
+    local = {"batch_size": 16, "lr": 0.1}
+    for unit, scale in (("step", 1.0), ("round", 0.3)):
+        algo = _algo(_clocked("proxskip", unit, local=local, opts={"clients_per_round": 8, "p": 0.3}))
+        now, steps = 0.0, []
+        for r in range(8):
+            row = algo.run_round(r)
+            assert row["sim_time"] - now == pytest.approx(row["local_steps"] * scale, rel=1e-12)
+            if unit == "step":  # whole numbers: exact
+                assert row["sim_time"] - now == row["local_steps"]
+            now = row["sim_time"]
+            steps.append(row["local_steps"])
+        assert len(set(steps)) > 1  # the rounds' lengths differ
+
+
+def test_cse_fsl_times_its_uploads_in_batches():
+    """CSE-FSL with a deadline: the upload after local batch m arrives at (m + 1) times the client's time per
+    batch in step units ((m + 1) over the mean batches in round units), plus the latency."""
+    faults = {"deadline": 4.0, "speed_sigma": 0.6, "work_unit": "step"}
+    algo = make({"name": "cse_fsl", "h": 2}, faults)
+    speed = Faults(algo.config.faults, Seeds(0)).arrival_times(0, [3], 1.0)[0]
+    got = algo.upload_times(0, 3, [0, 1, 3])
+    assert got.tolist() == (np.array([1.0, 2.0, 4.0]) * speed + algo.hp.latency).tolist()
+    assert algo.finish_time(0, 3, algo.batcher.num_steps(3)) == algo.batcher.num_steps(3) * speed
+    rounds = make({"name": "cse_fsl", "h": 2}, {**faults, "work_unit": "round"})
+    assert rounds.upload_times(0, 3, [1]).tolist() == [2.0 / algo.reference_batches * speed + algo.hp.latency]
+
+
+def test_the_default_unit_is_round_and_written_only_when_step(tmp_path):
+    """The key left out and ``work_unit: round`` are the same run, with the same rows and the same config.yaml
+    (which names the key only for ``step``, so the runs and checkpoints written before it stay as they were)."""
+    cfg = _thirds(None, speed_sigma=0.5, deadline=1.2, dropout=0.2)
+    plain = fedweave.run(cfg, run_dir=tmp_path / "plain")
+    named = fedweave.run({**cfg, "faults": {**cfg["faults"], "work_unit": "round"}}, run_dir=tmp_path / "named")
+    drop = ("wall_seconds",)
+    assert [{k: v for k, v in m.items() if k not in drop} for m in plain.metrics] == [
+        {k: v for k, v in m.items() if k not in drop} for m in named.metrics
+    ]
+    assert (tmp_path / "plain" / "config.yaml").read_text() == (tmp_path / "named" / "config.yaml").read_text()
+    assert "work_unit" not in (tmp_path / "plain" / "config.yaml").read_text()
+    assert load(_thirds("step")).to_dict()["faults"]["work_unit"] == "step"
+
+
+def test_a_bad_unit_and_a_family_without_steps_are_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^faults.work_unit must be one of \['round', 'step'\], got 'steps'$"):
+        load(_thirds("steps"))
+    cfg = {**_clocked("fedavg", "step"), "algorithm": {"name": "gossip"}}
+    cfg["faults"].pop("sim_time")
+    with pytest.raises(ConfigError, match=r"^faults.work_unit: step: algorithm 'gossip' \(decentralized family\) "):
+        run_config(load(cfg), run_dir=tmp_path / "g")
+    assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
+def test_the_unit_cannot_change_at_a_resume(tmp_path):
+    cfg = {**_thirds(None, speed_sigma=0.5), "output": {"progress": False, "plots": False, "checkpoint_every": 2}}
+    fedweave.run({**cfg, "rounds": 2}, run_dir=tmp_path / "r")
+    with pytest.raises(ConfigError, match="faults changed since the checkpoint was written"):
+        fedweave.resume(tmp_path / "r", ["rounds=4", "faults.work_unit=step"])
+    resumed = fedweave.resume(tmp_path / "r", ["rounds=4"])  # the unchanged default resumes
+    assert len(resumed.metrics) == 4
