@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from flwr.app import Array, Context, Message, RecordDict  # noqa: E402
 from fedweave.callbacks import Callback  # noqa: E402
 from fedweave.config import load  # noqa: E402
 from fedweave.deploy import client_app, server_app  # noqa: E402
-from fedweave.deploy.wire import tree_bytes  # noqa: E402
+from fedweave.deploy.wire import from_records, tree_bytes  # noqa: E402
 from fedweave.runner import run  # noqa: E402
 
 CLIENTS = 4
@@ -38,7 +39,8 @@ def _task_identity(monkeypatch):
 class InProcessGrid:
     """The Grid calls ``FlowerClients`` makes, answered at once by the nodes' ClientApp in this process.
     ``clients``: the clients that have a node; ``errors``: let a node's error reply through (else it fails the
-    test); ``offline``: nodes that leave once ``offline_after`` train messages were sent."""
+    test); ``offline``: nodes that leave once ``offline_after`` train messages were sent; ``at_release``: the files
+    in each node's state directory when the release query at the run's end reached it."""
 
     def __init__(self, config_json: str, state_dir, clients=range(CLIENTS), errors: bool = False) -> None:
         node_config = lambda c: {"partition-id": c, "state-dir": str(state_dir / f"node-{c}")}  # noqa: E731
@@ -47,6 +49,7 @@ class InProcessGrid:
         self.replies: dict[str, Message] = {}
         self.messages = self.jobs = 0
         self.errors, self.offline, self.offline_after = errors, set(), 0
+        self.at_release: dict[int, list[str]] = {}
 
     def get_node_ids(self) -> list[int]:
         gone = self.offline if self.jobs >= self.offline_after else set()
@@ -57,7 +60,10 @@ class InProcessGrid:
         for msg in msgs:
             msg.metadata.__dict__["_message_id"] = msg.object_id  # as the SuperLink does
             self.jobs += msg.metadata.message_type == "train"
-            reply = client_app.app(msg, self.contexts[msg.metadata.dst_node_id])
+            node = self.contexts[msg.metadata.dst_node_id]
+            if msg.metadata.message_type == "query" and json.loads(from_records(msg.content)[0]).get("release"):
+                self.at_release[msg.metadata.dst_node_id] = files_in(node.node_config["state-dir"])
+            reply = client_app.app(msg, node)
             assert self.errors or not reply.has_error(), reply.error.reason
             self.replies[msg.metadata.message_id] = reply
             ids.append(msg.metadata.message_id)
@@ -66,6 +72,12 @@ class InProcessGrid:
 
     def pull_messages(self, ids: list[str]) -> list[Message]:
         return [self.replies.pop(i) for i in ids if i in self.replies]
+
+
+def files_in(directory) -> list[str]:
+    """The files under ``directory``, as paths relative to it."""
+    root = Path(directory)
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if not p.is_dir())
 
 
 def deployed(cfg: dict, tmp_path, grid: InProcessGrid | None = None, **app) -> tuple[dict, list[dict]]:
@@ -79,10 +91,12 @@ def deployed(cfg: dict, tmp_path, grid: InProcessGrid | None = None, **app) -> t
     return json.loads((out / "summary.json").read_text()), rows
 
 
-def deployed_equals_simulation(cfg: dict, tmp_path, payload_is_ledger: bool = True) -> dict:
-    """Deploy ``cfg``, assert every round's metrics equal the simulation's and (``payload_is_ledger``) the message
-    payloads are the ledger's bytes; returns summary.json's flower section."""
-    summary, rows = deployed(cfg, tmp_path)
+def deployed_equals_simulation(
+    cfg: dict, tmp_path, payload_is_ledger: bool = True, grid: InProcessGrid | None = None
+) -> dict:
+    """Deploy ``cfg`` (on ``grid``), assert every round's metrics equal the simulation's and (``payload_is_ledger``)
+    the message payloads are the ledger's bytes; returns summary.json's flower section."""
+    summary, rows = deployed(cfg, tmp_path, grid)
     sim = run(load(cfg), run_dir=tmp_path / "sim").metrics
     assert summary["status"] == "completed" and len(rows) == len(sim) == cfg["rounds"]
     for got, want in zip(rows, sim, strict=True):
@@ -372,24 +386,46 @@ def small(name: str, rounds: int = 2, per_round: int = CLIENTS) -> dict:
     }  # fmt: skip
 
 
-def test_a_trial_nodes_samples_of_the_run_are_removed_at_its_end(tmp_path):
-    """A trial node derives its client's samples into ``run-<id>/client-<c>/samples.npz`` on the run's first job;
-    every run left its copy there for good. The ServerApp's release at the run's end removes that file only:
-    SCAFFOLD's client state beside it stays, and so does a node's own ``data`` file (client 0's here)."""
+RELEASED = {  # method, compression.upload
+    "scaffold": ("scaffold", None),
+    "scaffold-efsign": ("scaffold", "efsign"),
+    "fedavg-topk-ef": ("fedavg", {"name": "topk", "ratio": 0.1}),
+}
+
+
+@pytest.mark.parametrize("name", RELEASED)
+def test_the_release_at_a_runs_end_removes_every_file_the_run_wrote_on_its_nodes(tmp_path, name):
+    """A node writes files for its client in ``<state-dir>/run-<id>``: a trial's samples (``client-<c>/samples.npz``),
+    a stateful client's versions (SCAFFOLD's ``c_i``, ``client-<c>/round-<r>.npz``) and error-feedback residuals
+    (``residuals/client-<c>/round-<r>.npz``); every run left them on a long-lived node. The ServerApp's release
+    at the run's end removes all of them and the directories that this empties, and nothing else: a file in the
+    run's directory that the run did not write (client 1's node), another run's directory (client 2's node) and
+    a node's own ``data`` file (client 0's) stay."""
     from fedweave.deploy.node_data import export_clients
 
-    cfg = small("scaffold")
+    method, upload = RELEASED[name]
+    cfg = small(method) if upload is None else {**small(method), "compression": {"upload": upload}}
     config_json = json.dumps(load(cfg).to_dict())
     grid = InProcessGrid(config_json, tmp_path)
     (own,) = export_clients(load(cfg), tmp_path / "data", [0])
     grid.contexts[1].node_config["data"] = str(own)
+    notes = tmp_path / "node-1" / "run-7" / "client-1" / "notes.txt"
+    other_run = tmp_path / "node-2" / "run-6" / "client-2" / "round-1.npz"
+    for f in (notes, other_run):
+        f.parent.mkdir(parents=True)
+        f.write_text("not this run's")
+    before = {c: files_in(tmp_path / f"node-{c}") for c in range(CLIENTS)}
     summary, _ = deployed(cfg, tmp_path, grid)
     assert summary["status"] == "completed"
     for c in range(CLIENTS):
-        client_dir = tmp_path / f"node-{c}" / "run-7" / f"client-{c}"
-        names = sorted(f.name for f in client_dir.iterdir())
-        assert names and all(n.startswith("round-") for n in names), (c, names)  # the client state only
-    assert own.is_file()
+        written = sorted(set(grid.at_release[c + 1]) - set(before[c]))  # what the run wrote, as the release found it
+        state = [f"run-7/client-{c}/round-0.npz", f"run-7/client-{c}/round-1.npz"] if method == "scaffold" else []
+        residuals = [f"run-7/residuals/client-{c}/round-{r}.npz" for r in (0, 1)] if upload is not None else []
+        samples = [f"run-7/client-{c}/samples.npz"] if c != 0 else []  # client 0's node reads its own data
+        assert written == sorted(state + residuals + samples), (c, written)
+        assert files_in(tmp_path / f"node-{c}") == before[c], c  # all of it gone, nothing else
+    assert sorted(p.name for p in (tmp_path / "node-1" / "run-7").rglob("*")) == ["client-1", "notes.txt"]
+    assert not (tmp_path / "node-3" / "run-7").exists() and own.is_file()
     fl = summary["flower"]
     # the start-up queries, the jobs, the release queries at the end, and the answers to each
     assert fl["messages"] == 2 * CLIENTS + 2 * fl["jobs"] + 2 * CLIENTS
@@ -608,14 +644,16 @@ def test_compressed_uploads_travel_encoded_and_equal_the_simulation(tmp_path, na
     }  # fmt: skip
     if hierarchical:
         del cfg["local"]["steps"]
-    fl = deployed_equals_simulation(cfg, tmp_path)  # the reply arrays are the ledger's bytes_up
+    grid = InProcessGrid(json.dumps(load(cfg).to_dict()), tmp_path)
+    fl = deployed_equals_simulation(cfg, tmp_path, grid=grid)  # the reply arrays are the ledger's bytes_up
     assert 3 * fl["payload_received"] < fl["payload_sent"]  # no dense model came back (one went out per job)
     rows = [(tmp_path / d / "metrics.jsonl").read_text().splitlines() for d in ("deployed", "sim")]
     numbers = [[(m["train_loss"], m["test_loss"], m["test_accuracy"]) for m in map(json.loads, r)] for r in rows]
     assert numbers[0] == numbers[1]  # bit for bit
-    residuals = list((tmp_path / "node-0" / "residuals").rglob("round-*.npz"))
+    residuals = [f for f in grid.at_release[1] if f.startswith("run-7/residuals/")]
     ef = name.endswith("-ef") or upload == "efsign"
-    assert bool(residuals) == ef  # error feedback: the node keeps its residuals
+    assert bool(residuals) == ef  # error feedback: the node keeps its residuals, until the run's end
+    assert not (tmp_path / "node-0" / "run-7").exists()
 
 
 def test_a_compressed_reply_the_server_did_not_use_leaves_the_nodes_residual_as_it_was(tmp_path):
@@ -641,7 +679,8 @@ def test_a_compressed_reply_the_server_did_not_use_leaves_the_nodes_residual_as_
     grid = LosesOneReply(json.dumps(load(cfg).to_dict()), tmp_path, errors=True)
     summary, rows = deployed(cfg, tmp_path, grid, **{"on-error": "drop"})
     assert summary["flower"]["dropped"] == {"2": [3]}
-    assert len(list((tmp_path / "node-3" / "residuals").rglob("round-*.npz"))) == 2  # round 3's and round 1's
+    residuals = [f for f in grid.at_release[CLIENTS] if f.startswith("run-7/residuals/")]
+    assert residuals == ["run-7/residuals/client-3/round-0.npz", "run-7/residuals/client-3/round-2.npz"]  # 1's, 3's
 
     class Drop(Callback):  # the simulation: client 3 delivers nothing in round 2
         def on_build(self, state) -> None:

@@ -256,6 +256,59 @@ def test_node_state_keeps_the_accepted_version_and_the_new_one(tmp_path):
     assert not list((tmp_path / "run-1" / "client-2").glob("*.tmp"))
 
 
+def test_node_state_release_removes_the_files_the_run_wrote_for_the_client_and_nothing_else(tmp_path):
+    """At a run's end a node removes what the run wrote for its client (state versions, a split turn, a trial's
+    samples, error-feedback residuals, the temporary file of a write cut short) and the directories that this
+    empties. A file the run did not write, another client's and another run's files, a file ``keep`` names (a
+    node's own data) and whatever a link leads to stay."""
+    from fedweave.deploy.node_data import write_samples
+    from fedweave.deploy.node_state import INITIAL, RESIDUALS, NodeState
+
+    node, residuals = NodeState(tmp_path, run_id=3), NodeState(tmp_path, run_id=3, part=RESIDUALS)
+    row = {"c": torch.ones(1, 3)}
+    for c in (1, 2):
+        node.save(c, 0, row, accepted=INITIAL)
+        node.save(c, 1, row, accepted=0)
+        node.save_turn(c, 1, row)
+        residuals.save(c, 0, row, accepted=INITIAL)
+        write_samples(node.samples(c), torch.zeros(2, 3), torch.zeros(2))
+    (node.client_dir(1) / ".round-2.npz.k3x_9a2q.tmp").write_bytes(b"")  # a node killed while it wrote
+    NodeState(tmp_path, run_id=4).save(1, 0, row, accepted=INITIAL)  # another run's
+    (residuals.client_dir(1) / "notes.txt").write_text("not the run's")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "round-0.npz").write_bytes(b"x")
+    (node.client_dir(1) / "round-7.npz").symlink_to(outside / "round-0.npz")
+    (node.run_dir / "client-5").symlink_to(outside, target_is_directory=True)
+    files = lambda: sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if not p.is_dir())  # noqa: E731
+    before = files()
+
+    removed, failed = node.release(1)
+    assert failed == []
+    gone = [
+        "run-3/client-1/.round-2.npz.k3x_9a2q.tmp",
+        "run-3/client-1/round-0.npz",
+        "run-3/client-1/round-1.npz",
+        "run-3/client-1/samples.npz",
+        "run-3/client-1/turn-round-1.npz",
+        "run-3/residuals/client-1/round-0.npz",
+    ]
+    assert sorted(str(p.relative_to(tmp_path)) for p in removed) == gone
+    assert files() == sorted(set(before) - set(gone))  # the link, the notes, client 2's and run 4's files stay
+    assert (node.client_dir(1) / "round-7.npz").is_symlink() and (outside / "round-0.npz").read_bytes() == b"x"
+    assert node.release(5) == ([], []) and (outside / "round-0.npz").is_file()  # behind a link: not the run's
+
+    (node.client_dir(1) / "round-7.npz").unlink()
+    (node.run_dir / "client-5").unlink()
+    removed, failed = node.release(2, keep=(str(node.samples(2)),))  # its own data file, where the run's would be
+    assert failed == [] and len(removed) == 4 and node.samples(2).is_file()
+    node.samples(2).unlink()
+    assert node.release(2) == ([], []) and not node.client_dir(2).exists()  # emptied: removed
+    assert files() == ["elsewhere/round-0.npz", "run-3/residuals/client-1/notes.txt", "run-4/client-1/round-0.npz"]
+    (residuals.client_dir(1) / "notes.txt").unlink()
+    assert node.release(1) == ([], []) and not node.run_dir.exists()  # the last file gone, so is the run's directory
+
+
 def test_a_step_job_carries_the_servers_tensors_and_the_state_version_not_the_state():
     from fedweave.algorithms.centralized.scaffold import ScaffoldStep
 

@@ -76,14 +76,14 @@ def node_data(context: Context) -> str | None:
 def derived_samples(context: Context, client: int) -> Path:
     """Where a trial node keeps the samples it derived for ``client`` in this run:
     ``<state-dir>/run-<run id>/client-<c>/samples.npz``, one file per client and run."""
-    return NodeState(state_dir(context), context.run_id).dir / f"client-{client}" / "samples.npz"
+    return NodeState(state_dir(context), context.run_id).samples(client)
 
 
 def samples_file(context: Context, config_json: str, client: int) -> str:
     """The file of the client's training samples: the node's own (``data``), or, in a trial, the client's
     part of the configured dataset, derived on the run's first job into the state directory, so that the
     run's later jobs (each a new ClientApp process) read that file instead of building the dataset again
-    (the ServerApp's release at the run's end removes it: :func:`query`)."""
+    (the ServerApp's release at the run's end removes it with the run's other files: :func:`query`)."""
     own = node_data(context)
     if own is not None:
         return own
@@ -118,21 +118,21 @@ def _trainer(config_json: str, data: str, client: int, num_classes: int | None) 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Which client this node holds (and, with its own data, how many samples it has). The ServerApp's query
-    at the run's end (a header ``{"release": true}``) also removes the samples a trial node derived for this
-    run: every run wrote its own copy of the client's data, and none was ever removed. Only that file of this
-    run's directory goes; a node's own ``data`` file and its client state are left as they are."""
+    at the run's end (a header ``{"release": true}``) also removes every file this run wrote for the client in
+    the node's state directory (``NodeState.release``: its state versions, its split turns, a trial's samples,
+    its error-feedback residuals); before, they built up on a long-lived node, run after run. Files the run did
+    not write stay, and so does the node's own ``data`` file; the answer counts the files removed."""
     try:
         answer = {"partition": partition_id(context)}
     except ConfigError as e:
         return _error(msg, NODE_CONFIG, str(e))
     if _asks_release(msg):
-        derived = derived_samples(context, answer["partition"])
-        answer["released"] = node_data(context) is None and derived.is_file()
-        if answer["released"]:
-            try:
-                derived.unlink()
-            except OSError as e:
-                return _error(msg, STATE_UNWRITABLE, f"cannot remove the client's samples {derived}: {e}")
+        own = node_data(context)
+        store = NodeState(state_dir(context), context.run_id)
+        removed, failed = store.release(answer["partition"], keep=(own,) if own is not None else ())
+        if failed:
+            return _error(msg, STATE_UNWRITABLE, f"cannot remove the run's files: {'; '.join(failed)}")
+        answer["released"] = len(removed)
         return Message(to_records(answer, {}), reply_to=msg)
     data = node_data(context)
     if data is not None:

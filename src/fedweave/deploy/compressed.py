@@ -6,7 +6,8 @@ A node whose run config compresses its uploads replies with each message's encod
 ledger bills) and, in the header, the message names in the order they were encoded (their seed streams'
 index); it never sends the dense tensors. The node draws from the same ``("compression", round, client,
 message)`` streams as the simulation and keeps its client's error-feedback residuals in versioned files beside
-the other client state (:class:`fedweave.deploy.node_state.NodeState` under ``<state-dir>/residuals``): the
+the other client state (:class:`fedweave.deploy.node_state.NodeState` under ``<state-dir>/run-<id>/residuals``,
+removed with the run's other files at its end): the
 server names in each job the round of the residual version it accepted (``residual_round``), so a reply that
 never reached the server leaves no trace, as a dropout does in simulation.
 
@@ -29,7 +30,7 @@ from fedweave.compression import Compressor, UploadCompression, build_compressor
 from fedweave.compression.stage import UPDATE
 from fedweave.config import load as load_config
 from fedweave.deploy.jobs import whole
-from fedweave.deploy.node_state import INITIAL, NodeState
+from fedweave.deploy.node_state import INITIAL, RESIDUALS, NodeState
 from fedweave.deploy.wire import from_records, to_records
 from fedweave.seeding import Seeds
 
@@ -64,7 +65,7 @@ def encode_reply(
     accepted = whole(h, RESIDUAL_ROUND, INITIAL)
     messages = {UPDATE: sent["params"] - start} if list(sent) == ["params"] else sent
     names = tuple(f"residual_{n}" for n in messages)
-    store = NodeState(Path(root) / "residuals", run_id)
+    store = NodeState(root, run_id, RESIDUALS)
     ef = compressor.error_feedback
     residuals = store.load(client, accepted, names, start) if ef else {}
     tensors, new = {}, {}

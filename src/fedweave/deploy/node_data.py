@@ -81,7 +81,7 @@ def write_samples(path: str | Path, x: torch.Tensor, y: torch.Tensor) -> None:
     """A node data file of ``x`` and ``y``, written atomically (a reader sees no half-written file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # as NodeState names it
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, x=x.cpu().numpy(), y=y.cpu().numpy())

@@ -145,9 +145,13 @@ class FlowerClients(Callback):
 
     def release(self) -> None:
         """At the run's end, a query ``{"release": true}`` to every connected node that holds a client, which
-        removes the samples a trial node derived for this run (``client_app.query``); without it every run left a
-        copy of its client's data in the node's state directory. Waits for the answers up to ``node_wait``
-        (or ``reply_timeout``, if shorter) seconds; a node that does not answer keeps its file, with a warning."""
+        removes every file the run wrote on the node (``client_app.query``: its client's state versions, split
+        turns, a trial's samples, error-feedback residuals); without it they built up, run after run, in a
+        long-lived node's state directory. Waits for the answers up to ``node_wait`` (or ``reply_timeout``, if
+        shorter) seconds; a node that does not answer keeps its files, with a warning. The wait is not cut
+        shorter: a node runs one message at a time, so a healthy node answers only once it has finished the job
+        it is running (one this run stopped waiting for, or another run's), and it ignores the release once the
+        run has ended."""
         online = set(self.grid.get_node_ids())
         nodes = sorted({n for n in self.node_of.values() if n in online})
         msgs = [Message(to_records({"release": True}, {}), dst_node_id=n, message_type="query") for n in nodes]
@@ -157,12 +161,12 @@ class FlowerClients(Callback):
             for reply in self.pull(list(pending)):
                 pending.discard(reply.metadata.reply_to_message_id)
                 if reply.has_error():
-                    log.warning("a SuperNode kept its client's samples of this run: %s", reply.error.reason)
+                    log.warning("a SuperNode kept files of this run: %s", reply.error.reason)
             if pending:
                 time.sleep(POLL)
         if pending:
-            log.warning("%d SuperNode(s) did not answer the release at the run's end; a trial node among them keeps "
-                        "its client's samples of this run in its state directory", len(pending))  # fmt: skip
+            log.warning("%d SuperNode(s) did not answer the release at the run's end; they keep the files of this "
+                        "run in their state directories", len(pending))  # fmt: skip
 
     def refresh(self) -> None:
         """Between calls: ask nodes that connected since (a restarted node rejoins under a new id) without
@@ -587,7 +591,7 @@ def _release(clients: FlowerClients) -> None:
     try:
         clients.release()
     except Exception as e:  # a run that failed keeps its own error, a finished one its results
-        log.warning("the release of the nodes' samples at the run's end failed: %s: %s", type(e).__name__, e)
+        log.warning("the release of the nodes' files at the run's end failed: %s: %s", type(e).__name__, e)
 
 
 def _app_settings(rc: dict) -> tuple[float, float, str]:
@@ -642,7 +646,7 @@ def _main(grid: Grid, context: Context) -> None:
         if e.run_dir is None:
             raise failed from None
         out = Path(e.run_dir)
-    finally:  # however the run ended, the nodes drop what they derived for it (counted in the summary below)
+    finally:  # however the run ended, the nodes drop the files they wrote for it (counted in the summary below)
         _release(clients)
     summary = json.loads((out / "summary.json").read_text())
     summary["flower"] = clients.summary(summary["communication"]["bytes_total"])
