@@ -145,6 +145,11 @@ class AfindPlus(GraphAlgorithm):
         # ema_rounds smoothing (host bookkeeping)
         self.prev_loss = torch.full((n, n), float("nan"), dtype=torch.float64, device="cpu")
         self.last_coreset: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * n
+        # peer i keeps theta_i, the literal reading's p_ij over its graph neighbours (Alg. 1 Init) and the
+        # ema_rounds smoothing's F~_ij over them and itself: the peak is at the graph's max degree
+        deg = max(len(nb) for nb in self.neighbours)
+        kept = 1 + (deg if hp.reading == "literal" else 0) + (deg + 1 if hp.loss_smoothing == "ema_rounds" else 0)
+        self.hold("selection_state", kept * self.prev_loss.element_size())
         self.head: torch.Tensor | None = None  # bool mask of the personal block beta over the flat parameters
         if hp.personal == "head":
             names = set(layer_parameter_names(ctx.model, "classifier"))
@@ -242,6 +247,9 @@ class AfindPlus(GraphAlgorithm):
             self.peer(r, "loss", self.ctx.float_bytes, len(pool))  # F_j(w_i^t): one value at the model's width
             sims = cosine(phis[0], phis[1:]).cpu()  # selection is host bookkeeping
             pos = self.state.choose(i, pool, sims, rng)  # R4-R5 (Eq. 8 or 9, threshold)
+            self.hold("feature_proxies", phis.numel() * phis.element_size())  # phi_i and the pool's phi_j
+            if len(pool):  # each j of the pool computes phi_j, F_j (and trains a copy) at i's model, one at a time
+                self.hold("requested_model", self.layout.numel * self.ctx.float_bytes)
             self.state.set_threshold(i, sims[pos])  # R9 (Eqs. 10-13), used next round
             C = pool[pos]
             rest = np.setdiff1d(np.arange(len(pool)), pos)
@@ -272,6 +280,7 @@ class AfindPlus(GraphAlgorithm):
                 models, after, before = W0[:0], [], []
             self.peer(r, "model", self.model_bytes, len(C))
             self.peer(r, "loss", self.ctx.float_bytes, len(C))
+            self.hold_received(len(C))  # aggregated together (R8)
             models = (
                 torch.stack([self.noisy(models[q], r, int(j), i, 2) for q, j in enumerate(C)]) if len(C) else models
             )
@@ -283,6 +292,10 @@ class AfindPlus(GraphAlgorithm):
                 self_after = float(self.proxy.losses(own.params[i], [i])[0])
                 cand = [own.params[i], *cand]
                 cand_loss = [self._smooth(i, i, self_after, float(lpre[0])), *losses]
+            # float64 scores of the round: F_j(w_i^t) of i and the pool, s_ij, Eq. (8)'s p_ij (the literal
+            # reading's p is selection_state) and F~ of the candidates (Eq. 15)
+            fresh = len(pool) if hp.reading == "resolved" else 0
+            self.hold("scores", (len(lpre) + len(sims) + fresh + len(cand_loss)) * lpre.element_size())
             if not cand:  # empty coreset without self: keep the own update (A7)
                 new[i] = own.params[i]
                 continue

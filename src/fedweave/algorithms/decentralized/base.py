@@ -7,6 +7,10 @@
   a neighbour's half-updated model.
 * Every peer-to-peer transfer is a ledger entry ``peer -> peer`` with its exact bytes (kinds ``model``,
   ``feature_proxy``, ``loss``, ``mask``, ...).
+* What a peer holds beyond its own model is ledger storage of role ``client``, per peer as the star family's
+  per-client storage, each figure the peak over peers and rounds (:meth:`GraphAlgorithm.hold`): the method's
+  state where it is created, the neighbours' models it gathers in a round (``received_models``), the buffer
+  of heavy-ball local steps (``momentum``).
 * Personalized evaluation: each client's model, fine-tuned ``finetune_epochs`` local epochs (the
   FedAvg-FT backbone of afind-plus §4.5), on its own test set drawn with its train label distribution
   (``client_test_split``); ``test_accuracy`` is the unweighted mean over clients.
@@ -48,6 +52,10 @@ from fedweave.topology.graph import TOPOLOGIES, Topology, build_graph, neighbour
 # client's own training (key ()): fine-tuning before evaluation, and copies trained for another client.
 FINETUNE_KEY = 1_000_003
 COPY_KEY = 1_000_033  # + target client id
+
+# storage (ledger.store) of a peer: role ``client`` and per peer, as the star family records its clients' state
+PEER_STORAGE = "client"
+RECEIVED = "received_models"  # the neighbours' models a peer holds at once in a round to mix or score them
 
 
 # --------------------------------------------------------------------------------------------- hparams
@@ -158,6 +166,7 @@ class GraphAlgorithm(Algorithm):
         self.store.create("model", self.layout.numel, fill=self.layout.flatten(), on_device=True)
         self.model_bytes = self.layout.numel * ctx.float_bytes  # one model row
         self._up: tuple[int, np.ndarray] | None = None
+        self.hold_momentum()  # local.momentum's buffer (a method that sets its own momentum records it again)
 
     def unread_options(self, hp: GraphHparams) -> dict[str, str]:
         """The family's options (:class:`GraphHparams`) this method does not read under ``hp``, each with why: a
@@ -193,6 +202,24 @@ class GraphAlgorithm(Algorithm):
         if private is not None and self.privacy is not None:  # privacy
             self.privacy.load_state_dict(private)
         super().load_state_dict(state)
+
+    # ---- storage ---------------------------------------------------------------------------------
+    def hold(self, what: str, nbytes: int) -> None:
+        """Record that a peer holds ``nbytes`` of ``what`` beyond its own model (ledger storage of role
+        ``client``, per peer). The ledger keeps the peak, so a figure that differs between peers (a
+        degree-dependent table) or rounds (the models received) is the largest any peer needs."""
+        self.ledger.store(PEER_STORAGE, what, nbytes)
+
+    def hold_received(self, count: int, nbytes_each: int | None = None) -> None:
+        """A peer holds ``count`` neighbours' messages of ``nbytes_each`` bytes (default: one model row, the
+        model's width) at once this round, to mix or score them together: ``received_models``."""
+        self.hold(RECEIVED, int(count) * (self.model_bytes if nbytes_each is None else nbytes_each))
+
+    def hold_momentum(self) -> None:
+        """Heavy-ball local steps keep one buffer the size of the whole model while a peer trains (the local
+        trainer's ``momentum``; DFedAvgM's by default): ``momentum``. Nothing without momentum."""
+        if self.trainer.local.momentum:
+            self.hold("momentum", self.layout.numel * self.ctx.float_bytes)
 
     # ---- faults ----------------------------------------------------------------------------------
     def up(self, r: int) -> np.ndarray:

@@ -99,6 +99,10 @@ class ChocoSGD(GraphAlgorithm):
         self.mixing = metropolis_weights(self.graph)
         self.degrees = np.array([len(nb) for nb in self.neighbours])
         self.store.create(PUBLIC, self.layout.numel, on_device=True)  # x̂_i = 0 at the start (Alg. 2)
+        # the one table stands for every node's own x̂_i and its copies of its neighbours' x̂_j (Alg. 2: node i
+        # adds q_j to deg_i + 1 of them): the copies grow with the degree, so the peak is the graph's max degree
+        self.hold("public_copy", self.model_bytes)
+        self.hold("neighbour_copies", int(self.degrees.max()) * self.model_bytes)
 
     def unread_options(self, hp: ChocoHparams) -> dict[str, str]:
         why = "choco_sgd talks to every graph neighbour each round (Metropolis weights; choose them with the topology)"

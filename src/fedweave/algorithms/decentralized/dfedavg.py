@@ -69,6 +69,7 @@ class DFedAvg(GraphAlgorithm):
                     f"and local.momentum ({local}) both set the momentum of the local steps; keep one"
                 )
             self.trainer = with_local(self.trainer, momentum=hp.local_momentum)
+            self.hold_momentum()  # DFedAvgM's heavy-ball buffer (Sun et al. 2022), held while training
         self.selector = NeighbourSelector(self, hp)
         self.mixing = metropolis_weights(self.graph) if hp.mixing == "metropolis" else None
         self.robust = self._robust_stage(ctx, hp)
@@ -123,6 +124,8 @@ class DFedAvg(GraphAlgorithm):
                 M = torch.as_tensor(mixing_without(M.numpy(), ok), device="cpu")
                 messages = int(((self.mixing.numpy() > 0) & ok & ~np.eye(n, dtype=bool)).sum())
             self.peer(r, "model", self.model_bytes, messages)
+            # each peer gathers the models of every delivered graph neighbour: the peak over peers of that count
+            self.hold_received(int(((M.numpy() > 0) & ~np.eye(self.num_clients, dtype=bool)).sum(1).max()))
             k = messages / max(1, int(self.up(r).sum()) if self.faulty else self.num_clients)
             if self.robust is None or (self.robust.plain and not len(self.robust.attackers)):
                 return gossip(sent, M), k  # one product; every peer's row is the same weighted sum
@@ -132,6 +135,7 @@ class DFedAvg(GraphAlgorithm):
         picks = self.selector.select(r, W, sent)
         for chosen, _ in picks:
             self.peer(r, "model", self.model_bytes, len(chosen))  # each j in R_i -> i (delivered only)
+            self.hold_received(len(chosen))  # i mixes them together
         sizes = torch.tensor([float(len(c)) for c, _ in picks], dtype=torch.float64, device="cpu")
         return self.reduce_received(r, sent, picks), self.mean_over_up(r, sizes)
 

@@ -100,6 +100,7 @@ class DisPFL(GraphAlgorithm):
                 row[torch.randperm(hi - lo, generator=g, device="cpu")[:k]] = 1.0
                 masks[i, lo:hi] = row.to(masks.device)
         self.W.mul_(masks)
+        self.hold("mask", masks[0].numel() * masks.element_size())  # M_i, held at the state store's dtype
         self.selector = NeighbourSelector(self, hp)
 
     def prune_rate(self, r: int) -> float:
@@ -131,6 +132,9 @@ class DisPFL(GraphAlgorithm):
             for j in chosen:
                 self.peer(r, "model", self.sparse_bytes(int(j), M0))
             self.peer(r, "mask", mask_bytes, len(chosen))
+            # held as dense rows at the model's width (the masked average reads every M_j and M_j * w_j at once)
+            self.hold_received(len(chosen))
+            self.hold("received_masks", len(chosen) * M0[0].numel() * M0.element_size())
             group = [i, *chosen.tolist()]
             rows = torch.stack([W0[i], *(self.noisy(W0[j], r, int(j), i) * M0[j] for j in chosen)])
             a = self.on_device(wts, W0)[:, None] * M0[group]

@@ -46,6 +46,7 @@ class Ditto(GraphAlgorithm):
     def __init__(self, ctx: RunContext, hp: DittoHparams) -> None:
         super().__init__(ctx, hp)
         self.store.create("personal", self.layout.numel, fill=self.W[0], on_device=True)
+        self.hold("personal_model", self.model_bytes)  # v_i beside the shared w_i (Ditto Alg. 1)
         # from the plain trainer: the personal model never leaves the client, so DP-SGD is not applied to it
         self.personal_trainer = with_local(self.ft_trainer, epochs=hp.personal_epochs, steps=None)
         self.selector = NeighbourSelector(self, hp)
@@ -61,6 +62,7 @@ class Ditto(GraphAlgorithm):
         picks = self.selector.select(r, W0)  # a dropped client selects nobody and keeps w_i
         for i, (chosen, wts) in enumerate(picks):
             self.peer(r, "model", self.model_bytes, len(chosen))
+            self.hold_received(len(chosen))  # mixed together into w_i
             rows = [W0[i], *(self.noisy(W0[j], r, int(j), i) for j in chosen)]
             mixed[i] = (self.on_device(wts, W0)[:, None] * torch.stack(rows)).sum(0)
         shared = self.train_up(r, self.trainer, mixed)

@@ -55,6 +55,10 @@ class FedeRiCo(GraphAlgorithm):
             adj[i, nb] = True
         self.pi = adj.double() / adj.sum(1, keepdim=True)  # uniform over S_i and i
         self.tracked = torch.full((n, n), float("nan"), dtype=torch.float64, device="cpu")
+        # peer i keeps pi_ij and L_ij over its graph neighbours and itself: the peak is the max degree + 1
+        held = max(len(nb) for nb in self.neighbours) + 1
+        self.hold("mixture_weights", held * self.pi.element_size())
+        self.hold("tracked_losses", held * self.tracked.element_size())
 
     def run_round(self, r: int) -> dict[str, float]:
         if self.all_down(r):
@@ -77,6 +81,7 @@ class FedeRiCo(GraphAlgorithm):
             received = torch.stack([self.noisy(W0[j], r, int(j), i) for j in chosen]) if len(chosen) else W0[:0]
             group = [i, *chosen.tolist()]
             losses = self.proxy.model_losses(torch.cat([W0[i : i + 1], received]), i)
+            self.hold_received(len(chosen))  # scored, then aggregated together
             old = self.tracked[i, group]
             self.tracked[i, group] = torch.where(old.isnan(), losses, (1 - b) * old + b * losses)
             post = self.pi[i, group] * torch.exp(-self.tracked[i, group])  # E-step

@@ -57,6 +57,10 @@ class Fomo(GraphAlgorithm):
         self.selector = NeighbourSelector(self, hp)
         n = self.num_clients
         self.affinity = torch.zeros(n, n, dtype=torch.float64, device="cpu")  # host bookkeeping
+        # peer i accumulates P_ij over its graph neighbours only: the peak is the graph's max degree
+        self.hold("affinities", max(len(nb) for nb in self.neighbours) * self.affinity.element_size())
+        # theta_i' is trained, yet the update theta_i + sum_j u~_ij (theta_j - theta_i) reads the round-start theta_i
+        self.hold("start_model", self.model_bytes)
 
     def _native(self, r: int, i: int) -> np.ndarray:
         avail = self.available(r, i)
@@ -87,6 +91,8 @@ class Fomo(GraphAlgorithm):
             base_loss = float(self.losses.losses(W0[i], [i])[0])
             dist = (models - W0[i]).double().norm(dim=1).clamp_min(1e-12).cpu()  # to the host bookkeeping
             u = (base_loss - self.losses.model_losses(models, i)) / dist
+            self.hold_received(len(chosen))  # weighed together on i's data
+            self.hold("scores", u.numel() * u.element_size())  # u_ij over theta_i' and the received models
             self.affinity[i, chosen] += u[1:]
             pos = u.clamp_min(0)
             if pos.sum() > 0:

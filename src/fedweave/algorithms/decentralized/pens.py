@@ -55,6 +55,8 @@ class PENS(GraphAlgorithm):
         )
         n = self.num_clients
         self.counts = torch.zeros(n, n, dtype=torch.long, device="cpu")  # c_ij (host bookkeeping)
+        # peer i counts c_ij over its graph neighbours only: the peak is the graph's max degree
+        self.hold("counts", max(len(nb) for nb in self.neighbours) * self.counts.element_size())
         self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=torch.float64, device="cpu")
         # E_i = T_1 m_top / |S_i| is the count under random choice only while i samples more than m_top models a
         # round; a client with too few graph neighbours would keep all of them, exceed E_i never, and be left
@@ -90,6 +92,8 @@ class PENS(GraphAlgorithm):
                 if len(avail):
                     received = torch.stack([self.noisy(W0[j], r, int(j), i) for j in avail])
                     losses = self.proxy.model_losses(received, i)
+                    self.hold_received(len(avail))  # scored together: the m_top lowest losses are kept
+                    self.hold("scores", losses.numel() * losses.element_size())  # F_i(w_j) per received model
                     keep = np.sort(np.argsort(losses.numpy(), kind="stable")[: hp.m_top])
                     chosen, models = avail[keep], received[keep]
                 else:
@@ -102,6 +106,7 @@ class PENS(GraphAlgorithm):
                 chosen = np.sort(rng.choice(pref, size=k, replace=False)) if k < len(pref) else pref
                 chosen = self.reachable(r, i, chosen)
                 self.peer(r, "model", self.model_bytes, len(chosen))
+                self.hold_received(len(chosen))  # averaged together
                 models = torch.stack([self.noisy(W0[j], r, int(j), i) for j in chosen]) if len(chosen) else W0[:0]
             wts = self.sizes[[i, *chosen.tolist()]]
             wts = self.on_device(wts / wts.sum(), W0)  # re-normalized over the models that arrived

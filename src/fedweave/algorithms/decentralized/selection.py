@@ -342,6 +342,8 @@ class NeighbourSelector:
                 topk=hp.select_k or 1,
             )
             self.state = AfindState(algo.neighbours, opts)
+            if hp.selection == "afind":  # theta_i (Eqs. 10-13), one float64 a peer
+                algo.hold("selection_state", self.state.theta[:1].numel() * self.state.theta.element_size())
         self.last_sizes: list[int] = []
 
     def select(
@@ -377,11 +379,17 @@ class NeighbourSelector:
             pos = self.state.choose(i, avail, sims, rng)
             self.state.set_threshold(i, sims[pos])
             chosen = avail[pos]
+            algo.hold("feature_proxies", phis.numel() * phis.element_size())  # phi_i and those of B_i
+            if len(avail):  # each j of B_i computes phi_j and F_j at w_i, one request at a time
+                algo.hold("requested_model", algo.layout.numel * algo.ctx.float_bytes)
+            scored = 2 * len(avail)  # float64 s_ij and Eq. (8)'s p_ij over B_i
             if hp.selection == "afind" and hp.boltzmann_weights:
                 losses = self.proxy.model_losses(sent[[i, *chosen.tolist()]], i)
                 weights = boltzmann(losses, hp.boltzmann_T)  # Eq. (14), own-model reading
+                scored += len(losses)  # and F_i(w_j) of i and the selected
             else:
                 weights = torch.full((len(chosen) + 1,), 1.0 / (len(chosen) + 1), dtype=torch.float64, device="cpu")
+            algo.hold("scores", scored * sims.element_size())
             out.append((chosen, weights))
         if self.state is not None:
             self.state.end_round()
