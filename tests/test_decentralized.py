@@ -231,6 +231,37 @@ def test_afind_ledger_counts_match_selected_neighbours():
     assert led.bytes(kind="loss") == round(2 * n * B + selected) * 4
 
 
+@pytest.mark.parametrize(
+    ("opts", "per_member"),
+    [
+        ({}, 2),  # Eq. (15) with gamma 0.9: F_i(w_j^t) needs w_j^t at i as well as w_j^{t+1}
+        ({"personal": "head", "finetune_epochs": 0}, 2),  # the same, each of the shared part only
+        ({"loss_gamma": 0.0}, 1),  # F~ = F_i(w_j^{t+1}) alone
+        ({"loss_smoothing": "ema_rounds"}, 1),  # A11's option reads no before loss
+        ({"aggregation": "uniform"}, 1),  # AFIND: F~ weighs nothing (the after loss is still measured)
+    ],
+)
+def test_afind_own_model_ledger_is_what_crosses_the_links(opts, per_member):
+    """own_model (A5): i judges each coreset model on its own data, so every model it scores crossed a link.
+    Hand count per round and client: w_i^t to each of the B pool members (each returns phi_j and one loss),
+    then per coreset member w_j^{t+1} and, where Eq. (15) reads it, w_j^t; no loss value comes back."""
+    algo = build("afind_plus", neighbours=4, exchange="own_model", **opts)
+    scored = []  # how many models i scores per call: the before models are not computed where unread
+    inner = algo.proxy.model_losses
+    algo.proxy.model_losses = lambda Ws, c: scored.append(len(Ws)) or inner(Ws, c)
+    stats = [algo.run_round(r) for r in range(2)]
+    n, B = algo.num_clients, 4
+    selected = round(sum(s["selected_mean"] * n for s in stats))
+    assert selected > 0
+    shared = algo.layout.numel - (int(algo.head.sum()) if algo.head is not None else 0)
+    assert shared < algo.layout.numel or "personal" not in opts
+    led = algo.ledger
+    assert led.count(kind="model") == 2 * n * B + per_member * selected
+    assert led.bytes(kind="model") == (2 * n * B + per_member * selected) * shared * 4
+    assert led.count(kind="loss") == 2 * n * B and led.bytes(kind="loss") == 2 * n * B * 4
+    assert sum(scored) == per_member * selected
+
+
 def test_afind_proxies_are_billed_in_the_runs_precision():
     # phi_j is a gradient of the model's layer, sent at the model's width (8 bytes a value in float64), as
     # the model itself and the selection plug-in's proxies are

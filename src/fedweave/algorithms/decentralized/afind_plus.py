@@ -193,9 +193,23 @@ class AfindPlus(GraphAlgorithm):
         self.prev_loss = state.pop("prev_loss").cpu().clone()  # host bookkeeping
         super().load_state_dict(state)
 
-    def _smooth(self, i: int, j: int, after: float, before: float) -> float:
+    @property
+    def reads_before(self) -> bool:
+        """Whether a neighbour's F~ reads its before loss F(w^t): Eq. (15) with gamma != 0, when F~ weighs the
+        aggregate (Eq. 16). Not under ema_rounds (A11), gamma 0 (F~ = the after loss) or uniform weights."""
+        hp = self.hp
+        return hp.aggregation == "boltzmann" and hp.loss_smoothing == "eq15" and hp.loss_gamma != 0
+
+    def judged(self, models: torch.Tensor, own_i: torch.Tensor) -> torch.Tensor:
+        """The rows i scores on its data in own_model (A5): the shared part of each, with i's own beta_i."""
+        return models if self.head is None else torch.where(self.head, own_i, models)
+
+    def _smooth(self, i: int, j: int, after: float, before: float | None) -> float:
+        """F~_ij (Eq. 15, or A11's ema_rounds). ``before`` is None where it is not read (:attr:`reads_before`)."""
         g = self.hp.loss_gamma
         if self.hp.loss_smoothing == "eq15":  # Eq. (15): same-round before/after
+            if before is None:  # gamma 0 (or unweighted): F~ is the after loss, (1 - 0) * after exactly
+                return after
             return float(smoothed_loss(torch.tensor(after, device="cpu"), torch.tensor(before, device="cpu"), g))
         prev = float(self.prev_loss[i, j])  # A11 option: EMA over rounds
         val = after if np.isnan(prev) else (1 - g) * after + g * prev
@@ -267,23 +281,24 @@ class AfindPlus(GraphAlgorithm):
             if len(C) and hp.exchange == "train_copy":  # Alg. 1 line 7: w_j^{t,0} = w_i^t (with a copy of beta_j)
                 starts = W0[i] if self.head is None else torch.stack([self.at(W0, i, int(j)) for j in C])
                 models = self.local_update(starts, C.tolist(), r, key=(COPY_KEY + i,)).params
+                # j measures both losses on its exact copy and sends them as values (F~_j, line 8)
                 after = [float(self.proxy.losses(models[q], [int(j)])[0]) for q, j in enumerate(C)]
                 before = lpre[1:][pos].tolist()
-            elif len(C):  # own_model: j's own new model, judged on i's data (as PENS/FedeRiCo), with beta_i
+                models = torch.stack([self.noisy(models[q], r, int(j), i, 2) for q, j in enumerate(C)])
+            elif len(C):  # own_model (A5): j's own new model, judged on i's data (as PENS/FedeRiCo), with beta_i
                 models = own.params[C]
-                judged, prior = models, W0[C]
-                if self.head is not None:
-                    judged, prior = (torch.where(self.head, own.params[i], M) for M in (models, prior))
-                after = self.proxy.model_losses(judged, i).tolist()
-                before = self.proxy.model_losses(prior, i).tolist()
+                after = self.proxy.model_losses(self.judged(models, own.params[i]), i).tolist()
+                before = [None] * len(C)
+                if self.reads_before:  # Eq. (15)'s F_i(w_j^t): w_j^t must cross the link too, as its own message
+                    before = self.proxy.model_losses(self.judged(W0[C], own.params[i]), i).tolist()
+                    self.peer(r, "model", self.model_bytes, len(C))
+                models = torch.stack([self.noisy(models[q], r, int(j), i, 2) for q, j in enumerate(C)])
             else:
                 models, after, before = W0[:0], [], []
             self.peer(r, "model", self.model_bytes, len(C))
-            self.peer(r, "loss", self.ctx.float_bytes, len(C))
+            if hp.exchange == "train_copy":  # F~_j as a value; own_model's i measures its losses itself
+                self.peer(r, "loss", self.ctx.float_bytes, len(C))
             self.hold_received(len(C))  # aggregated together (R8)
-            models = (
-                torch.stack([self.noisy(models[q], r, int(j), i, 2) for q, j in enumerate(C)]) if len(C) else models
-            )
             losses = [self._smooth(i, int(j), a, b) for j, a, b in zip(C, after, before)]
 
             # R8: aggregate over C_i (+ i itself, A6) with Eq. (16) or uniform weights
