@@ -262,6 +262,56 @@ def test_afind_own_model_ledger_is_what_crosses_the_links(opts, per_member):
     assert sum(scored) == per_member * selected
 
 
+def test_afind_own_model_under_dp_exchange_judges_the_noised_models_it_aggregates():
+    """dp_mode exchange (A27): i holds w_j^{t+1} + N and w_j^t + N' only, so Eq. (15)'s losses are measured on
+    those: the after loss on the very draw i aggregates (stream index 2), the before loss on its own draw (3).
+    Recomputed here from the seeds' noise stream, and checked against the aggregate of Eq. (16)."""
+    sigma = 5.0
+    algo = build("afind_plus", neighbours=4, exchange="own_model", dp_sigma=sigma, dp_mode="exchange")
+    std = sigma * algo.hp.dp_clip / algo.config.local.batch_size
+    r, W0 = 0, algo.W.clone()
+    trained, smoothed = [], {}
+    inner_update, inner_smooth = algo.local_update, algo._smooth
+
+    def local_update(starts, clients, rr, key=()):
+        out = inner_update(starts, clients, rr, key)
+        trained.append(out.params.clone())  # the round's own updates w_j^{t+1} (R7)
+        return out
+
+    def smooth(i, j, after, before):
+        smoothed[i, j] = (after, before, inner_smooth(i, j, after, before))
+        return smoothed[i, j][2]
+
+    algo.local_update, algo._smooth = local_update, smooth
+    algo.run_round(r)
+    (own,) = trained
+    g = algo.hp.loss_gamma
+
+    def received(x, j, i, what):
+        noise = torch.randn(x.shape, generator=algo.seeds.torch("dp_noise", r, j, i, what), dtype=x.dtype)
+        return x + std * noise
+
+    checked = 0
+    for i in range(algo.num_clients):
+        C = [int(j) for j in algo.last_coreset[i]]
+        cand, cand_loss = [own[i]], [smoothed[i, i][2]]
+        for j in C:
+            after, before, tilde = smoothed[i, j]
+            got = received(own[j], j, i, 2)
+            assert after == pytest.approx(float(algo.proxy.model_losses(got[None], i)[0]), rel=1e-6)
+            assert after != pytest.approx(float(algo.proxy.model_losses(own[j][None], i)[0]), rel=1e-3)
+            prior = received(W0[j], j, i, 3)
+            assert before == pytest.approx(float(algo.proxy.model_losses(prior[None], i)[0]), rel=1e-6)
+            assert tilde == pytest.approx((1 - g) * after + g * before, rel=1e-6)
+            cand.append(got)
+            cand_loss.append(tilde)
+            checked += 1
+        wts = boltzmann(torch.tensor(cand_loss, dtype=torch.float64), algo.hp.boltzmann_T)
+        expect = (wts.to(W0.dtype)[:, None] * torch.stack(cand)).sum(0)
+        assert torch.allclose(algo.W[i], expect, atol=1e-6)
+    assert checked > 0
+
+
 def test_afind_proxies_are_billed_in_the_runs_precision():
     # phi_j is a gradient of the model's layer, sent at the model's width (8 bytes a value in float64), as
     # the model itself and the selection plug-in's proxies are

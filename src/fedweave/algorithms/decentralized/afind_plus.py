@@ -286,13 +286,14 @@ class AfindPlus(GraphAlgorithm):
                 before = lpre[1:][pos].tolist()
                 models = torch.stack([self.noisy(models[q], r, int(j), i, 2) for q, j in enumerate(C)])
             elif len(C):  # own_model (A5): j's own new model, judged on i's data (as PENS/FedeRiCo), with beta_i
-                models = own.params[C]
+                # i holds only what crossed the link: it judges the very tensor it then aggregates (one draw)
+                models = torch.stack([self.noisy(own.params[j], r, int(j), i, 2) for j in C])
                 after = self.proxy.model_losses(self.judged(models, own.params[i]), i).tolist()
                 before = [None] * len(C)
                 if self.reads_before:  # Eq. (15)'s F_i(w_j^t): w_j^t must cross the link too, as its own message
-                    before = self.proxy.model_losses(self.judged(W0[C], own.params[i]), i).tolist()
+                    prior = torch.stack([self.noisy(W0[j], r, int(j), i, 3) for j in C])
+                    before = self.proxy.model_losses(self.judged(prior, own.params[i]), i).tolist()
                     self.peer(r, "model", self.model_bytes, len(C))
-                models = torch.stack([self.noisy(models[q], r, int(j), i, 2) for q, j in enumerate(C)])
             else:
                 models, after, before = W0[:0], [], []
             self.peer(r, "model", self.model_bytes, len(C))
