@@ -153,3 +153,27 @@ def test_the_unit_cannot_change_at_a_resume(tmp_path):
         fedweave.resume(tmp_path / "r", ["rounds=4", "faults.work_unit=step"])
     resumed = fedweave.resume(tmp_path / "r", ["rounds=4"])  # the unchanged default resumes
     assert len(resumed.metrics) == 4
+
+
+@pytest.mark.parametrize(
+    ("alg", "opts", "extra"),
+    [
+        ("ditto_star", {"personal_epochs": 2}, [2.0, 4.0, 6.0]),  # lines 6-7: 2 epochs of 1, 2, 3 batches
+        ("fedrep", {"head_epochs": 3}, [3.0, 6.0, 9.0]),  # lines 6-8: the head's 3 epochs
+        ("apfl", {}, [1.0, 1.0, 1.0]),  # line 6: the personal pass, as long as the global one
+    ],
+)
+@pytest.mark.parametrize("unit", ["round", "step"])
+def test_personal_passes_are_local_work_on_the_clock(alg, opts, extra, unit):
+    """Ditto, FedRep and APFL train a personal model (or head) each round besides the trainer's local steps (1
+    here): the clock counts those steps too, so with ``step`` a round lasts the slowest client's total, and with
+    ``round`` each client's total over the mean client's (rounded, as reference_steps is)."""
+    cfg = _thirds(unit)
+    cfg["local"] = {"steps": 1, "batch_size": 80, "lr": 0.1}
+    cfg["algorithm"] = {**cfg["algorithm"], "name": alg, **opts}
+    cfg["model"] = {"name": "mlp", "hidden": [8]}  # a body and a head (FedRep's)
+    algo = _algo(cfg)
+    total = 1.0 + np.array(extra)
+    want = total if unit == "step" else total / round(total.mean())
+    np.testing.assert_array_equal(algo.client_work(0, np.arange(3)), want)
+    assert algo.run_round(0)["sim_time"] == want.max()  # speed_sigma 0: the slowest client's work
