@@ -177,3 +177,25 @@ def test_personal_passes_are_local_work_on_the_clock(alg, opts, extra, unit):
     want = total if unit == "step" else total / round(total.mean())
     np.testing.assert_array_equal(algo.client_work(0, np.arange(3)), want)
     assert algo.run_round(0)["sim_time"] == want.max()  # speed_sigma 0: the slowest client's work
+
+
+def test_runs_on_different_clock_units_get_no_plot_against_simulated_time(tmp_path, caplog):
+    """A mean client's round and a local step are not one axis: ``fedweave plot`` and ``fedweave report`` of runs
+    under ``round`` and ``step`` draw no figure against simulated time (a warning says why); runs of one unit do,
+    the axis naming the unit under ``step``."""
+    from fedweave.experiments.report import build_report
+    from fedweave.plots import plot_runs
+
+    for unit in ("round", "step"):
+        cfg = _clocked("fedavg", unit, local={"steps": 5, "batch_size": 16, "lr": 0.2})
+        fedweave.run(cfg, run_dir=tmp_path / unit)
+    runs = [tmp_path / "round", tmp_path / "step"]
+    with caplog.at_level("WARNING", logger="fedweave"):
+        written = plot_runs(runs, tmp_path / "both")
+        assert "different units (faults.work_unit: round, step)" in caplog.text
+        assert not any(p.name.endswith("_vs_sim_time.png") for p in written)
+        assert "test_accuracy_vs_sim_time.png" not in build_report(runs)
+    assert tmp_path / "one" / "test_accuracy_vs_sim_time.png" in plot_runs(runs[1:], tmp_path / "one")
+    from fedweave.plots import clock_label
+
+    assert clock_label(runs[:1]) == "simulated time" and "local steps" in clock_label(runs[1:])

@@ -522,6 +522,7 @@ def _overlay(sources: list[_Source]) -> str:
     every directory given on one figure. A point's curve uses its finished runs (an unfinished seed would cut
     the band short), or its unfinished ones while none has finished."""
     from fedweave.experiments.plots import plot_curves
+    from fedweave.plots import clock_label
 
     by_metric: dict[str, dict[str, list[list[dict[str, Any]]]]] = {}
     for src in sources:
@@ -542,7 +543,10 @@ def _overlay(sources: list[_Source]) -> str:
         for metric, curves in by_metric.items():
             axes = [("round", "communication round", 1.0), ("bytes_total", "bytes communicated (MiB)", 2.0**-20)]
             if all(r.get("sim_time") is not None for runs in curves.values() for rows in runs for r in rows):
-                axes.append(("sim_time", "simulated time", 1.0))  # every run on a simulated clock, as a run's plots
+                # every run on a simulated clock, as a run's plots, and all in one unit (faults.work_unit)
+                label = clock_label([r.path for src in sources if src.metric == metric for r in src.runs if r.rows])
+                if label is not None:
+                    axes.append(("sim_time", label, 1.0))
             for x, xlabel, xscale in axes:
                 name = f"{metric}_vs_{ {'round': 'rounds', 'bytes_total': 'bytes'}.get(x, x) }.png"
                 path = plot_curves(curves, Path(tmp) / name, x=x, y=metric, xlabel=xlabel, xscale=xscale)
