@@ -199,3 +199,19 @@ def test_runs_on_different_clock_units_get_no_plot_against_simulated_time(tmp_pa
     from fedweave.plots import clock_label
 
     assert clock_label(runs[:1]) == "simulated time" and "local steps" in clock_label(runs[1:])
+
+
+def test_the_warning_that_step_changes_nothing_names_only_keys_the_family_takes(tmp_path, caplog):
+    """Without a deadline (or the star's clock) ``step`` changes nothing, and the warning says what would: the
+    star's ``faults.deadline or faults.sim_time``, the split family's ``faults.deadline`` alone (it refuses
+    ``faults.sim_time``)."""
+    from tests.test_faults_split import cfg_dict, opts
+
+    with caplog.at_level("WARNING", logger="fedweave"):
+        fedweave.run(_cfg("fedavg", rounds=1) | {"faults": {"work_unit": "step"}}, run_dir=tmp_path / "star")
+        assert "work_unit changes nothing in fedavg without faults.deadline or faults.sim_time" in caplog.text
+        caplog.clear()
+        cfg = cfg_dict(opts("cse_fsl"), {"work_unit": "step"}) | {"output": {"progress": False, "plots": False}}
+        fedweave.run(cfg, run_dir=tmp_path / "split")
+        assert "work_unit changes nothing in cse_fsl without faults.deadline\n" in caplog.text + "\n"
+        assert "sim_time" not in caplog.text
