@@ -8,6 +8,8 @@ asynchronous FedBuff's events, ProxSkip's K_r, CSE-FSL's timed uploads, refusals
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -215,3 +217,24 @@ def test_the_warning_that_step_changes_nothing_names_only_keys_the_family_takes(
         fedweave.run(cfg, run_dir=tmp_path / "split")
         assert "work_unit changes nothing in cse_fsl without faults.deadline\n" in caplog.text + "\n"
         assert "sim_time" not in caplog.text
+
+
+def test_the_report_shows_the_default_unit_config_yaml_leaves_out(tmp_path):
+    """``config.yaml`` leaves out ``work_unit: round`` (and ``sim_time: false``), so that older runs keep their
+    files; the report's table of runs shows those defaults where the runs differ, not the "-" of a missing key."""
+    from fedweave.experiments.report import build_report
+
+    for unit in ("round", "step"):
+        fedweave.run(_clocked("fedavg", unit, rounds=1), run_dir=tmp_path / unit)
+    fedweave.run(_cfg("fedavg", rounds=1), run_dir=tmp_path / "plain")  # no clock: sim_time left out as well
+    page = build_report([tmp_path / "round", tmp_path / "step", tmp_path / "plain"])
+    cells = {}
+    for table in re.findall(r'class="runs">(.*?)</table>', page):  # one table per run given
+        heads = re.findall(r"<th>([^<]*)</th>", table)
+        row = re.findall(r"<td[^>]*>(.*?)</td>", table)
+        cells[row[0]] = dict(zip(heads, row))
+    assert {name: (c["faults.work_unit"], c["faults.sim_time"]) for name, c in cells.items()} == {
+        "round": ("round", "true"),
+        "step": ("step", "true"),
+        "plain": ("round", "false"),
+    }

@@ -114,7 +114,23 @@ def _read_run(path: Path, label: str | None = None) -> _Run:
     rows = _load(path / "metrics.jsonl", _jsonl, [])
     summary = _load(path / "summary.json", json.loads)
     status = str(summary["status"]) if summary is not None else UNFINISHED
-    return _Run(path, path.name, label or path.name, status, _flat(raw or {}), rows, summary)
+    return _Run(path, path.name, label or path.name, status, _flat(_with_defaults(raw or {})), rows, summary)
+
+
+# keys config.yaml leaves out at their default (RunConfig.to_dict), so that runs written before they existed keep
+# their files: a table of runs shows the default there, not the "-" of a key the run does not have
+OMITTED_DEFAULTS = {"faults": {"sim_time": False, "work_unit": "round"}}
+
+
+def _with_defaults(raw: Any) -> Any:
+    """A run's ``config.yaml`` with the keys it leaves out at their default (:data:`OMITTED_DEFAULTS`) put back."""
+    if not isinstance(raw, dict):
+        return raw
+    out = dict(raw)
+    for section, defaults in OMITTED_DEFAULTS.items():
+        if isinstance(out.get(section), dict):
+            out[section] = {**defaults, **out[section]}
+    return out
 
 
 def _main_metric(runs: list[_Run]) -> str:
