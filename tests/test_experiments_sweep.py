@@ -525,3 +525,16 @@ def test_the_correction_from_the_sweep_section_and_a_bad_one(algos, tmp_path, ca
         assert float(row["interval_level"]) == pytest.approx(1 - 0.05 / m) and row["correction"] == "holm"
         assert float(row["p_value"]) == pytest.approx(p[a], rel=1e-9, abs=1e-15)
     assert float(rows[f"algorithm.name={first}"]["p_adjusted"]) == pytest.approx(min(1.0, 2 * p[first]))
+
+
+@pytest.mark.parametrize("key, value", [("correction", "holm"), ("level", 0.9), ("test", "bootstrap")])
+def test_a_sweep_section_comparison_key_without_a_baseline_is_named_as_the_file_spells_it(key, value, tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    spec = {"name": "n", "rounds": 1, "dataset": {"name": "digits"}, "partition": {"name": "iid", "num_clients": 2},
+            "model": {"name": "logistic"}, "algorithm": {"name": "fedavg", "clients_per_round": 2},
+            "sweep": {"grid": {"algorithm.name": ["fedavg", "fedprox"]}, key: value}}  # fmt: skip
+    cfg.write_text(yaml.safe_dump(spec))
+    assert cli_main(["sweep", str(cfg), "--out", str(tmp_path / "s"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"sweep.{key} applies to a comparison" in err and "sweep.baseline" in err
+    assert not (tmp_path / "s").exists()

@@ -8,6 +8,8 @@ asynchronous FedBuff's events, ProxSkip's K_r, CSE-FSL's timed uploads, refusals
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -153,3 +155,86 @@ def test_the_unit_cannot_change_at_a_resume(tmp_path):
         fedweave.resume(tmp_path / "r", ["rounds=4", "faults.work_unit=step"])
     resumed = fedweave.resume(tmp_path / "r", ["rounds=4"])  # the unchanged default resumes
     assert len(resumed.metrics) == 4
+
+
+@pytest.mark.parametrize(
+    ("alg", "opts", "extra"),
+    [
+        ("ditto_star", {"personal_epochs": 2}, [2.0, 4.0, 6.0]),  # lines 6-7: 2 epochs of 1, 2, 3 batches
+        ("fedrep", {"head_epochs": 3}, [3.0, 6.0, 9.0]),  # lines 6-8: the head's 3 epochs
+        ("apfl", {}, [1.0, 1.0, 1.0]),  # line 6: the personal pass, as long as the global one
+    ],
+)
+@pytest.mark.parametrize("unit", ["round", "step"])
+def test_personal_passes_are_local_work_on_the_clock(alg, opts, extra, unit):
+    """Ditto, FedRep and APFL train a personal model (or head) each round besides the trainer's local steps (1
+    here): the clock counts those steps too, so with ``step`` a round lasts the slowest client's total, and with
+    ``round`` each client's total over the mean client's (rounded, as reference_steps is)."""
+    cfg = _thirds(unit)
+    cfg["local"] = {"steps": 1, "batch_size": 80, "lr": 0.1}
+    cfg["algorithm"] = {**cfg["algorithm"], "name": alg, **opts}
+    cfg["model"] = {"name": "mlp", "hidden": [8]}  # a body and a head (FedRep's)
+    algo = _algo(cfg)
+    total = 1.0 + np.array(extra)
+    want = total if unit == "step" else total / round(total.mean())
+    np.testing.assert_array_equal(algo.client_work(0, np.arange(3)), want)
+    assert algo.run_round(0)["sim_time"] == want.max()  # speed_sigma 0: the slowest client's work
+
+
+def test_runs_on_different_clock_units_get_no_plot_against_simulated_time(tmp_path, caplog):
+    """A mean client's round and a local step are not one axis: ``fedweave plot`` and ``fedweave report`` of runs
+    under ``round`` and ``step`` draw no figure against simulated time (a warning says why); runs of one unit do,
+    the axis naming the unit under ``step``."""
+    from fedweave.experiments.report import build_report
+    from fedweave.plots import plot_runs
+
+    for unit in ("round", "step"):
+        cfg = _clocked("fedavg", unit, local={"steps": 5, "batch_size": 16, "lr": 0.2})
+        fedweave.run(cfg, run_dir=tmp_path / unit)
+    runs = [tmp_path / "round", tmp_path / "step"]
+    with caplog.at_level("WARNING", logger="fedweave"):
+        written = plot_runs(runs, tmp_path / "both")
+        assert "different units (faults.work_unit: round, step)" in caplog.text
+        assert not any(p.name.endswith("_vs_sim_time.png") for p in written)
+        assert "test_accuracy_vs_sim_time.png" not in build_report(runs)
+    assert tmp_path / "one" / "test_accuracy_vs_sim_time.png" in plot_runs(runs[1:], tmp_path / "one")
+    from fedweave.plots import clock_label
+
+    assert clock_label(runs[:1]) == "simulated time" and "local steps" in clock_label(runs[1:])
+
+
+def test_the_warning_that_step_changes_nothing_names_only_keys_the_family_takes(tmp_path, caplog):
+    """Without a deadline (or the star's clock) ``step`` changes nothing, and the warning says what would: the
+    star's ``faults.deadline or faults.sim_time``, the split family's ``faults.deadline`` alone (it refuses
+    ``faults.sim_time``)."""
+    from tests.test_faults_split import cfg_dict, opts
+
+    with caplog.at_level("WARNING", logger="fedweave"):
+        fedweave.run(_cfg("fedavg", rounds=1) | {"faults": {"work_unit": "step"}}, run_dir=tmp_path / "star")
+        assert "work_unit changes nothing in fedavg without faults.deadline or faults.sim_time" in caplog.text
+        caplog.clear()
+        cfg = cfg_dict(opts("cse_fsl"), {"work_unit": "step"}) | {"output": {"progress": False, "plots": False}}
+        fedweave.run(cfg, run_dir=tmp_path / "split")
+        assert "work_unit changes nothing in cse_fsl without faults.deadline\n" in caplog.text + "\n"
+        assert "sim_time" not in caplog.text
+
+
+def test_the_report_shows_the_default_unit_config_yaml_leaves_out(tmp_path):
+    """``config.yaml`` leaves out ``work_unit: round`` (and ``sim_time: false``), so that older runs keep their
+    files; the report's table of runs shows those defaults where the runs differ, not the "-" of a missing key."""
+    from fedweave.experiments.report import build_report
+
+    for unit in ("round", "step"):
+        fedweave.run(_clocked("fedavg", unit, rounds=1), run_dir=tmp_path / unit)
+    fedweave.run(_cfg("fedavg", rounds=1), run_dir=tmp_path / "plain")  # no clock: sim_time left out as well
+    page = build_report([tmp_path / "round", tmp_path / "step", tmp_path / "plain"])
+    cells = {}
+    for table in re.findall(r'class="runs">(.*?)</table>', page):  # one table per run given
+        heads = re.findall(r"<th>([^<]*)</th>", table)
+        row = re.findall(r"<td[^>]*>(.*?)</td>", table)
+        cells[row[0]] = dict(zip(heads, row))
+    assert {name: (c["faults.work_unit"], c["faults.sim_time"]) for name, c in cells.items()} == {
+        "round": ("round", "true"),
+        "step": ("step", "true"),
+        "plain": ("round", "false"),
+    }

@@ -228,6 +228,14 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         for key in ("baseline", "level", "test", "correction"):  # the command line's win, as for the keys above
             if getattr(args, key) is None and key in form:
                 setattr(args, key, form[key] if key != "baseline" or isinstance(form[key], dict) else str(form[key]))
+        if args.baseline is None and (keys := [k for k in ("level", "test", "correction") if k in form]):
+            from fedweave.config import ConfigError
+
+            # the key as the file spells it: the line sweep() would give names the flags, which were not given
+            raise ConfigError(
+                f"config file {config!r}: sweep.{keys[0]} applies to a comparison with a baseline point; give "
+                "sweep.baseline or --baseline"
+            )
     config = {} if spec is None else spec
     res = sweep(
         config,

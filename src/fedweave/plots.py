@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from pathlib import Path
 
 import matplotlib
@@ -12,6 +13,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from fedweave.results import atomic_write, read_metrics  # noqa: E402
+
+log = logging.getLogger("fedweave")
+
+# the simulated clock's axis label per faults.work_unit (docs/reliability.md): round keeps the label it always had
+CLOCK_LABELS = {"round": "simulated time", "step": "simulated time (local steps of a median-speed client)"}
 
 
 def save_png(fig, path: str | Path, dpi: int = 120) -> Path:
@@ -44,7 +50,9 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
         ("bytes_total", "bytes communicated (MiB)", f"{metric}_vs_bytes.png"),
     ]
     if all(r.get("sim_time") is not None for _, rows in series for r in rows):  # a simulated clock
-        axes.append(("sim_time", "simulated time", f"{metric}_vs_sim_time.png"))
+        label = clock_label([d for d in run_dirs if Path(d).name in {n for n, _ in series}])
+        if label is not None:
+            axes.append(("sim_time", label, f"{metric}_vs_sim_time.png"))
     for xkey, xlabel, fname in axes:
         fig, ax = plt.subplots(figsize=(6, 4))
         for label, rows in series:
@@ -71,3 +79,29 @@ def _main_metric(run_dirs: list[str | Path]) -> str:
         if key:
             return key
     return "test_accuracy"
+
+
+def work_unit(run_dir: str | Path) -> str:
+    """The unit of a run's simulated clock, ``faults.work_unit`` of its ``config.yaml`` (``round`` when the key is
+    left out, as ``config.yaml`` leaves out the default, or the file is unreadable)."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return "round"
+    faults = cfg.get("faults") if isinstance(cfg, dict) else None
+    return str((faults or {}).get("work_unit", "round"))
+
+
+def clock_label(run_dirs: list[str | Path]) -> str | None:
+    """The simulated-time axis label of runs on one clock unit, or None (with a warning) when their units differ:
+    a mean client's round and a local step are not one axis, so the plot against simulated time is not drawn."""
+    units = {work_unit(d) for d in run_dirs}
+    if len(units) > 1:
+        log.warning(
+            "no plot against simulated time: the runs' clocks have different units (faults.work_unit: %s)",
+            ", ".join(sorted(units)),
+        )
+        return None
+    return CLOCK_LABELS.get(units.pop() if units else "round", "simulated time")

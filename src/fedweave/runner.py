@@ -258,7 +258,9 @@ def _check_faults(config: RunConfig) -> None:
             "leave it out"
         )
     if f.work_unit == "step" and f.deadline is None and not f.sim_time and not getattr(cls, "asynchronous", False):
-        log.warning("faults.work_unit changes nothing in %s without faults.deadline or faults.sim_time", name)
+        # name only the keys that would give it effect: a family without the star's clock refuses faults.sim_time
+        keys = "faults.deadline or faults.sim_time" if getattr(cls, "sim_clock", False) else "faults.deadline"
+        log.warning("faults.work_unit changes nothing in %s without %s", name, keys)
     if f.straggler_policy == "late" and f.deadline is None:  # allowed, as above
         log.warning("faults.straggler_policy 'late' never applies: without faults.deadline no upload is late")
     spread = f.speed_jitter > 0 or f.speed_sigma != FaultsConfig.speed_sigma

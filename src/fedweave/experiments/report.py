@@ -114,7 +114,23 @@ def _read_run(path: Path, label: str | None = None) -> _Run:
     rows = _load(path / "metrics.jsonl", _jsonl, [])
     summary = _load(path / "summary.json", json.loads)
     status = str(summary["status"]) if summary is not None else UNFINISHED
-    return _Run(path, path.name, label or path.name, status, _flat(raw or {}), rows, summary)
+    return _Run(path, path.name, label or path.name, status, _flat(_with_defaults(raw or {})), rows, summary)
+
+
+# keys config.yaml leaves out at their default (RunConfig.to_dict), so that runs written before they existed keep
+# their files: a table of runs shows the default there, not the "-" of a key the run does not have
+OMITTED_DEFAULTS = {"faults": {"sim_time": False, "work_unit": "round"}}
+
+
+def _with_defaults(raw: Any) -> Any:
+    """A run's ``config.yaml`` with the keys it leaves out at their default (:data:`OMITTED_DEFAULTS`) put back."""
+    if not isinstance(raw, dict):
+        return raw
+    out = dict(raw)
+    for section, defaults in OMITTED_DEFAULTS.items():
+        if isinstance(out.get(section), dict):
+            out[section] = {**defaults, **out[section]}
+    return out
 
 
 def _main_metric(runs: list[_Run]) -> str:
@@ -522,6 +538,7 @@ def _overlay(sources: list[_Source]) -> str:
     every directory given on one figure. A point's curve uses its finished runs (an unfinished seed would cut
     the band short), or its unfinished ones while none has finished."""
     from fedweave.experiments.plots import plot_curves
+    from fedweave.plots import clock_label
 
     by_metric: dict[str, dict[str, list[list[dict[str, Any]]]]] = {}
     for src in sources:
@@ -542,7 +559,10 @@ def _overlay(sources: list[_Source]) -> str:
         for metric, curves in by_metric.items():
             axes = [("round", "communication round", 1.0), ("bytes_total", "bytes communicated (MiB)", 2.0**-20)]
             if all(r.get("sim_time") is not None for runs in curves.values() for rows in runs for r in rows):
-                axes.append(("sim_time", "simulated time", 1.0))  # every run on a simulated clock, as a run's plots
+                # every run on a simulated clock, as a run's plots, and all in one unit (faults.work_unit)
+                label = clock_label([r.path for src in sources if src.metric == metric for r in src.runs if r.rows])
+                if label is not None:
+                    axes.append(("sim_time", label, 1.0))
             for x, xlabel, xscale in axes:
                 name = f"{metric}_vs_{ {'round': 'rounds', 'bytes_total': 'bytes'}.get(x, x) }.png"
                 path = plot_curves(curves, Path(tmp) / name, x=x, y=metric, xlabel=xlabel, xscale=xscale)

@@ -446,12 +446,21 @@ class StarAlgorithm(Algorithm):
         return torch.as_tensor(self.client_losses(params, clients), dtype=self.sizes.dtype, device=self.sizes.device)
 
     def client_steps(self, r: int, clients: np.ndarray) -> np.ndarray:
-        """A client's local steps (``local.steps``, or its epochs' batches): clients with more data are slower."""
-        return np.array([self.trainer.num_steps(int(c)) for c in clients], dtype=np.float64)
+        """A client's local steps in a round: the trainer's (``local.steps``, or its epochs' batches; clients with
+        more data are slower) and the method's other local SGD passes of the round (:meth:`personal_steps`)."""
+        return np.array([self.trainer.num_steps(int(c)) + self.personal_steps(int(c)) for c in clients], np.float64)
+
+    def personal_steps(self, client: int) -> int:
+        """The local SGD steps ``client`` takes in a round besides the trainer's, on its personal model or head
+        (Ditto's ``personal_epochs``, FedRep's ``head_epochs``, APFL's personal pass): 0 for a method with none.
+        They are local work like the others, so the clock (``faults.work_unit``) times them too."""
+        return 0
 
     def relative_work(self, steps: np.ndarray) -> np.ndarray:
-        """Steps over :meth:`reference_steps`, the mean client's."""
-        return steps / self.reference_steps()
+        """Steps over the mean client's round: :meth:`reference_steps` and, for a method with
+        :meth:`personal_steps`, the rounded mean of the two together (the same rounding)."""
+        ks = [self.trainer.num_steps(c) + self.personal_steps(c) for c in range(self.ctx.num_clients)]
+        return steps / max(1, round(sum(ks) / len(ks)))
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:
         """Aggregation weights of the round's clients, summing to one."""

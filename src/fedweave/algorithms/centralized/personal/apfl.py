@@ -84,6 +84,10 @@ class APFL(PersonalStar):
             )
         self.store.create("alpha", 1, fill=hp.alpha)  # alpha_i
 
+    def personal_steps(self, client: int) -> int:
+        """Line 6: the personal model's pass, as many steps as the global model's (the trainer's)."""
+        return self.trainer.num_steps(client)
+
     def train_clients(self, r: int, clients) -> Collected:
         got = super().train_clients(r, clients)  # line 5: plain local SGD from w (FedAvg's client)
         alpha = self.store.rows("alpha", clients)

@@ -42,6 +42,10 @@ class StarDitto(PersonalStar):
         super().__init__(ctx, hp)
         self.personal_trainer = with_local(self.trainer, epochs=hp.personal_epochs, steps=None)
 
+    def personal_steps(self, client: int) -> int:
+        """Lines 6-7: ``personal_epochs`` of the client's batches on its personal model, every round it takes part."""
+        return self.personal_trainer.num_steps(client)
+
     def train_clients(self, r: int, clients) -> Collected:
         got = super().train_clients(r, clients)  # lines 4-5: plain local SGD from w^t (FedAvg's client)
         anchor = self.x.expand(len(clients), -1)  # w^t for every job

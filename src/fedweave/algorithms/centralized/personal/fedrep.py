@@ -48,6 +48,11 @@ class FedRep(PartialSharing):
     def personal_mask(self) -> torch.Tensor:
         return name_mask(self.layout, head_names(self.layout.model, self.name))
 
+    def personal_steps(self, client: int) -> int:
+        """Lines 6-8: ``head_epochs`` of the client's batches on its head before the representation's steps (none
+        without a head)."""
+        return self.head_trainer.num_steps(client) if self.partial else 0
+
     def local_train(self, r: int, clients: np.ndarray, starts: torch.Tensor, lr: float) -> LocalResult:
         if not self.partial:  # no head: the representation phase alone, plain local SGD
             return self.trainer.train(starts, clients, r, lr=lr)
