@@ -175,6 +175,51 @@ def test_stragglers_past_the_deadline_are_dropped(name):
     assert got == want and min(want) < a.m
 
 
+# faults.work_unit: step (docs/reliability.md): a client's work is its local steps of the round. With tau 2,
+# H_r = floor(2 sqrt(r+1)) = 2, 2, 3: ZO-HFL's two solves take 4, 4, 6 steps, a baseline's one job 2, 2, 3.
+STEP_FAULTS = {"deadline": 3.0, "speed_sigma": 0.5, "speed_jitter": 0.3}
+
+
+@pytest.mark.parametrize(
+    ("name", "work", "kept"),
+    [
+        # seed 2, time per step of clients 0..5: r0 0.297 1.652 0.538 0.466 2.013 1.528; r1 0.566 1.467 0.313
+        # 1.048 3.217 1.993; r2 0.678 2.310 0.526 0.481 2.908 0.911. Times steps, against the deadline of 3:
+        # ZO-HFL r0 1.19 6.61 2.15 1.86 8.05 6.11, r1 2.26 5.87 1.25 4.19 12.87 7.97, r2 4.07 13.86 3.16 2.89 ...
+        ("zo_hfl", [4.0, 4.0, 6.0], [[0, 2, 3], [0, 2], [3]]),
+        # hier_fedavg r0 0.59 3.30 1.08 0.93 4.03 3.06, r1 1.13 2.93 0.63 2.10 6.43 3.99, r2 2.03 6.93 1.58 1.44
+        # 8.72 2.73
+        ("hier_fedavg", [2.0, 2.0, 3.0], [[0, 2, 3], [0, 1, 2, 3], [0, 2, 3, 5]]),
+    ],
+)
+def test_a_deadline_in_steps_keeps_exactly_the_clients_whose_steps_times_speed_meet_it(name, work, kept):
+    """Under ``work_unit: step`` client i of round r is late when its local steps times its time per step
+    (``Faults.arrival_times`` at one unit of work) pass the deadline; the hand-computed sets differ from the
+    ``round`` unit's, which keeps every client but client 4 in round 1 (3.217 > 3)."""
+    a = _build(name, {**STEP_FAULTS, "work_unit": "step"}, participation=1.0)
+    f = Faults(FaultsConfig(**STEP_FAULTS, work_unit="step"), Seeds(SEED))
+    clients = np.arange(a.m)
+    for r in range(3):
+        assert a.client_work(r, clients).tolist() == [work[r]] * a.m
+        on_time = clients[work[r] * f.arrival_times(r, clients, 1.0) <= STEP_FAULTS["deadline"]].tolist()
+        assert on_time == kept[r]
+        assert a.run_round(r)["reported_clients"] == len(kept[r])
+    assert _build(name, STEP_FAULTS).reporting(1, clients).tolist() == [0, 1, 2, 3, 5]  # round: work 1
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_the_round_unit_gives_every_client_exactly_one_round_of_work(name):
+    """``work_unit: round`` stays what the family always passed: work exactly 1.0 for every client, whatever
+    H_r (so a run's rows are unchanged), and the steps_factor variant takes twice the steps under ``step``."""
+    a = _build(name, {"deadline": 2.0}, participation=1.0)
+    for r in range(5):
+        work = a.client_work(r, np.arange(a.m))
+        assert work.dtype == np.float64 and work.tolist() == [1.0] * a.m
+    if name != "zo_hfl":
+        b = _build(name, {"deadline": 2.0, "work_unit": "step"}, steps_factor=2)
+        assert b.client_work(2, np.arange(3)).tolist() == [6.0] * 3  # 2 H_2 = 2 * 3
+
+
 def test_resume_under_dropout_continues_identically():
     a = _build("zo_hfl", {"dropout": 0.3})
     for r in range(3):

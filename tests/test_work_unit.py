@@ -143,7 +143,11 @@ def test_a_bad_unit_and_a_family_without_steps_are_refused_in_one_line(tmp_path)
         load(_thirds("steps"))
     cfg = {**_clocked("fedavg", "step"), "algorithm": {"name": "gossip"}}
     cfg["faults"].pop("sim_time")
-    with pytest.raises(ConfigError, match=r"^faults.work_unit: step: algorithm 'gossip' \(decentralized family\) "):
+    with pytest.raises(
+        ConfigError,
+        match=r"^faults.work_unit: step: algorithm 'gossip' \(decentralized family\) counts no local steps per "
+        r"client; the unit step is the star, split and hierarchical families'; use round",
+    ):
         run_config(load(cfg), run_dir=tmp_path / "g")
     assert not any(tmp_path.iterdir())  # refused before anything is written
 

@@ -254,8 +254,8 @@ def _check_faults(config: RunConfig) -> None:
         # is one round), so the unit would be a silent alias of ``round``
         raise ConfigError(
             f"faults.work_unit: step: algorithm '{name}' ({getattr(cls, 'family', 'a plug-in')} family) counts no "
-            "local steps per client; the unit step is the star and split families'; use round (the default) or "
-            "leave it out"
+            "local steps per client; the unit step is the star, split and hierarchical families'; use round (the "
+            "default) or leave it out"
         )
     if f.work_unit == "step" and f.deadline is None and not f.sim_time and not getattr(cls, "asynchronous", False):
         # name only the keys that would give it effect: a family without the star's clock refuses faults.sim_time

@@ -525,8 +525,8 @@ class Algorithm(metaclass=_AlgorithmMeta):
     #: runner refuses the key for the others.
     sim_clock: ClassVar[bool] = False
     #: Whether a client's work in a round is a count of local steps (:meth:`client_steps`, with
-    #: :meth:`relative_work` its reference), so that ``faults.work_unit: step`` is defined: the star and split
-    #: families'. The runner refuses that unit for the others (their clients' work is one round each).
+    #: :meth:`relative_work` its reference), so that ``faults.work_unit: step`` is defined: the star, split and
+    #: hierarchical families'. The runner refuses that unit for the others (their clients' work is one round each).
     counts_steps: ClassVar[bool] = False
     #: Why the family trains only its own task (None: it trains any task of fedweave.tasks).
     fixed_task: ClassVar[str | None] = None

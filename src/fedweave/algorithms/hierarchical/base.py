@@ -309,9 +309,10 @@ class HierarchicalAlgorithm(Algorithm):
     """Shared mechanics: the split, sampling, schedules, ledger messages and global-model evaluation.
 
     ``jobs_per_client`` is the number of local jobs each participant runs per round (ZO-HFL: 2), so the
-    backend choice (``backend: auto``) sees the real batch width. Faults use ``Algorithm.reporting`` with
-    the default work 1: every client of a round runs the same H_{i,r} local steps, so only its speed
-    decides whether it is late (docs/reliability.md).
+    backend choice (``backend: auto``) sees the real batch width. Faults use ``Algorithm.reporting``: a
+    client's work is its local steps of the round (:meth:`client_steps`, the method's count), so under
+    ``faults.work_unit: step`` a deadline is in local steps; under ``round`` every client of a round runs the
+    same steps, so its work is exactly 1 and only its speed decides whether it is late (docs/reliability.md).
     """
 
     family = "hierarchical"
@@ -329,6 +330,7 @@ class HierarchicalAlgorithm(Algorithm):
         "(t + local_offset) within each call)",
     }
     jobs_per_client = 1
+    counts_steps = True  # a client's work is its local steps of the round (faults.work_unit: step applies)
     state_fields = ("x",)  # the global model x^_r
     # privacy: why the ``privacy`` section refuses this method (None: DP-FedAvg's proof covers its round)
     dp_refusal: ClassVar[str | None] = "its messages and server state have not been checked against DP-FedAvg's proof"
@@ -397,6 +399,21 @@ class HierarchicalAlgorithm(Algorithm):
         """The local steps of round ``r``: H_r = floor(tau (r+1)^q), at least 1 (``local_steps``)."""
         return local_steps(self.hp.tau, r, self.hp.steps_power)
 
+    def client_round_steps(self, r: int) -> int:
+        """The local steps one participating client takes in round ``r`` (each method's count; the same for
+        every client of the round, since H_{i,r} = H_r here)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no local steps per client")
+
+    def client_steps(self, r: int, clients: np.ndarray) -> np.ndarray:
+        """Every client of the round takes the method's :meth:`client_round_steps`, whatever its data."""
+        return np.full(len(clients), float(self.client_round_steps(r)))
+
+    def relative_work(self, steps: np.ndarray) -> np.ndarray:
+        """The unit ``round``: every client of a round takes the same steps, the mean client's round, so each
+        one's work is exactly 1 (as the family has always passed; ``steps / steps`` would be too, spelled out
+        here so that no rounding can enter)."""
+        return np.ones_like(np.asarray(steps, dtype=np.float64))
+
     def local_lr(self) -> LR:
         """The clients' step size: ``local.lr``, or the schedule ``local.lr / (t + local_offset)`` when the
         algorithm's ``local_schedule`` is ``decaying``."""
@@ -406,8 +423,9 @@ class HierarchicalAlgorithm(Algorithm):
     def call_clients(self, r: int, kind: str, per_client_bytes: int) -> tuple[np.ndarray, np.ndarray]:
         """The round's reach to its clients: sample S_r, send each sampled client one message of
         ``per_client_bytes`` (``kind``), and return (S_r, the clients of S_r whose upload arrives). Injected
-        dropouts and stragglers past the deadline deliver nothing (``reporting``, with work 1: every client
-        of a round runs the same H_{i,r} local steps, so only its speed decides whether it is late)."""
+        dropouts and stragglers past the deadline deliver nothing (``reporting``, with each client's work
+        :meth:`client_steps` in the clock's unit: under ``round`` exactly 1, as every client of a round runs the
+        same steps and only its speed decides whether it is late; under ``step`` those steps)."""
         sampled = self.sample_clients(r)
         self.send(r, sampled, kind, per_client_bytes)
         return sampled, self.reporting(r, sampled)
@@ -584,6 +602,10 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
         """The local steps of each job in round ``r``: ``steps_factor`` times H_r
         (:meth:`~HierarchicalAlgorithm.steps`)."""
         return self.hp.steps_factor * self.steps(r)
+
+    def client_round_steps(self, r: int) -> int:
+        """A client's local steps: its one training job's ``steps_factor * H_r`` (:meth:`round_steps`)."""
+        return self.round_steps(r)
 
     def step_sizes_sum(self, r: int) -> float:
         """The sum of the local step sizes over round ``r``'s local steps (under

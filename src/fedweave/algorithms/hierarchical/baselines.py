@@ -10,7 +10,8 @@ Each method fills in the family's model-averaging round template (``AveragingAlg
 client rule and its server update. Faults (docs/reliability.md), handled there: the server sends to every
 sampled client; a client that drops out or misses the deadline delivers nothing (no upload in the ledger) and
 keeps its state (SCAFFOLD's c_i); the average is re-weighted over the clients that reported. The server's own
-job (``server_data: client``) never drops.
+job (``server_data: client``) never drops. A client's work on the clock is its ``steps_factor * H_r`` local steps
+(``faults.work_unit: step``; exactly 1 under ``round``, every client's the same).
 
     FedAvg:   y_i = H steps of SGD from x;  x <- sum_i N_i y_i / sum_i N_i                  (McMahan et al.)
     FedProx:  the same on L_i(y) + (mu/2)||y - x||^2                                         (Li et al., eq. 2)

@@ -15,7 +15,8 @@ Faults (docs/reliability.md): x and v_i go to every sampled client; a client tha
 deadline returns nothing and adds g_i = 0, exactly like a non-participant (the paper's H_{i,r} = 0 straggler,
 §IV; spec A3), and ``partial: rescale`` multiplies the sum by m / k_r with k_r = |S_r| the number sampled
 (spec A3 and §7: k_r = round(beta m)), not the number that reported: a dropout is a client of S_r with
-g_i = 0, as H_{i,r} = 0. ZO-HFL keeps no personalized
+g_i = 0, as H_{i,r} = 0. A client's work on the clock is its two solves, 2 H_r local steps (``faults.work_unit:
+step``; exactly 1 under ``round``, every client's the same). ZO-HFL keeps no personalized
 state across rounds (y_0 is the input point, A4), so a dropout changes nothing on the client. The server's
 own step on f1 is unaffected: in a round nobody reports in, x still moves along grad f~1.
 """
@@ -97,6 +98,11 @@ class ZOHFL(HierarchicalAlgorithm):
         w = self.rho if hp.weights == "data" else uniform
         self.w = w
         self.projection = make_projection(hp.constraint, hp.radius, hp.box_low, hp.box_high)
+
+    def client_round_steps(self, r: int) -> int:
+        """A client's local steps: its two calls of Algorithm 2, H_{i,r} projected SGD steps each (Alg. 1 line 5;
+        spec §7 counts the +/- calls apart, ``client_sgd_steps``), so 2 H_r."""
+        return self.jobs_per_client * self.steps(r)
 
     def server_lr(self, r: int) -> float:
         return self.hp.server_lr / (r + 1) ** self.hp.server_lr_power  # gamma_r (paper §IV)
