@@ -459,6 +459,18 @@ def test_report_renders_a_holm_corrected_comparison_as_summary_csv_holds_it(toy_
             assert cells[cols[col]] == f"{row[key]:.4g}"
 
 
+def test_a_corrected_comparison_with_no_point_of_two_pairs_says_so_in_its_head(toy_config, tmp_path):
+    """One seed per point: no point has the 2 pairs an interval needs, so the Holm family is empty; the interval
+    column's head says that no point can be compared yet, not "Holm over 0"."""
+    res = fedweave.sweep({**toy_config, "rounds": 1}, {"algorithm.name": ["fedavg", "fedprox"]}, seeds=1,
+                         out=tmp_path / "s", progress=False, baseline="fedavg", correction="holm")  # fmt: skip
+    page = build_report([res.out_dir])
+    head, *rows = _dom(page).table("summary")
+    interval = "paired t interval, Holm: no point has 2 or more pairs to compare yet"
+    assert interval in head and "over 0" not in page
+    assert [cells[head.index(interval)] for cells in rows] == ["-", "-"]  # the baseline, and fedprox's one pair
+
+
 @pytest.mark.parametrize(
     ("edit", "said"),
     [

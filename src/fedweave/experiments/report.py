@@ -388,12 +388,16 @@ def _point_summary(src: _Source) -> tuple[list[str], list[Any]]:
 
 def _interval_head(level: float, test: str, correction: str | None, compared: dict[str, Any]) -> str:
     """The interval column's head: its level and test, and the correction when ``--correction`` was given
-    (``holm``/``bonferroni``: the family's size and level, each row's own level in its column)."""
+    (``holm``/``bonferroni``: the family's size and level, each row's own level in its column). A family of
+    no point (none has 2 or more pairs yet: a sweep of one seed, or one still running) is said as such, not
+    as a correction "over 0"."""
     if correction is None:
         return f"{100 * level:g} % {TESTS[test]} interval"
     if correction == "none":
         return f"{100 * level:g} % {TESTS[test]} interval, no correction"
     m = sum(c.p is not None for c in compared.values())
+    if m == 0:
+        return f"{TESTS[test]} interval, {NAMES[correction]}: no point has 2 or more pairs to compare yet"
     return f"{TESTS[test]} interval, {NAMES[correction]} over {m} at {100 * level:g} % family-wise"
 
 
