@@ -19,6 +19,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar, Literal
 
 import numpy as np
@@ -457,10 +458,16 @@ class StarAlgorithm(Algorithm):
         return 0
 
     def relative_work(self, steps: np.ndarray) -> np.ndarray:
-        """Steps over the mean client's round: :meth:`reference_steps` and, for a method with
-        :meth:`personal_steps`, the rounded mean of the two together (the same rounding)."""
+        """Steps over the mean client's round (:attr:`mean_round_steps`)."""
+        return steps / self.mean_round_steps
+
+    @cached_property
+    def mean_round_steps(self) -> int:
+        """The unit ``round``'s reference: :meth:`reference_steps` and, for a method with :meth:`personal_steps`,
+        the rounded mean of the two together (the same rounding). Counted once over the population: a client's
+        steps depend on its data and the config only, and the asynchronous clock asks at every dispatch."""
         ks = [self.trainer.num_steps(c) + self.personal_steps(c) for c in range(self.ctx.num_clients)]
-        return steps / max(1, round(sum(ks) / len(ks)))
+        return max(1, round(sum(ks) / len(ks)))
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:
         """Aggregation weights of the round's clients, summing to one."""
