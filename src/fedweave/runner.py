@@ -335,8 +335,8 @@ def divergence_advice(cls: type[Algorithm]) -> str:
 
 def _kept(path: Path, checkpoint_round: int | None, diverged: type[Algorithm] | None = None) -> str:
     """What is left to continue from, for the one line that reports a stopped run; after a divergence of the
-    algorithm ``diverged``, how to continue with a smaller step: a resumed run may lower ``local.lr`` where
-    the algorithm reads it (checkpoints.RESUMABLE_LOCAL), while a step size that is an ``algorithm`` option
+    algorithm ``diverged``, how to continue with a smaller step: a resumed run may lower ``local.lr`` or set
+    ``local.grad_clip`` where the algorithm reads them (checkpoints.RESUMABLE_LOCAL), while a step size that is an ``algorithm`` option
     (FedAdam's ``algorithm.server_lr``) is named with the new run it needs."""
     if not checkpoint_round:
         return "No checkpoint was written (output.checkpoint_every is 0 or no checkpoint round was reached)."
@@ -356,6 +356,8 @@ def _kept(path: Path, checkpoint_round: int | None, diverged: type[Algorithm] | 
             f"{kept}, but a resumed run may not change an algorithm option: start a new run with a smaller {new_run}."
         )
     offer = f"{kept}; continue with 'fedweave run --resume {path} {' '.join(f'{k}=SMALLER' for k in resumable)}'"
+    if reads_local(diverged, "grad_clip"):  # a resume may also bound the step (RESUMABLE_LOCAL)
+        offer += " (or with local.grad_clip=MAX_NORM)"
     if not fixed:
         return f"{offer}."
     # a resume that lowers local.lr leaves the algorithm's own step sizes as they were: they are named, with
