@@ -126,6 +126,16 @@ def test_krum_scores_by_hand():
     assert torch.equal(Krum()(u, _uniform(4), 0), u[1])
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_krum_never_picks_an_update_that_is_not_finite(bad):
+    # a NaN row's score is NaN, and argmin took NaN for the least score: Krum picked the NaN update that
+    # Multi-Krum's sort (NaN last) ranks worst; a row that is not finite is the farthest outlier
+    u = torch.cat([torch.full((2, 3), bad, dtype=F64), _rows(9, 3)])
+    out = Krum()(u, _uniform(11), 2)
+    assert any(torch.equal(out, u[i]) for i in range(2, 11))
+    assert bool(torch.isfinite(Bulyan()(u, _uniform(11), 2)).all())
+
+
 def test_krum_and_bulyan_refuse_too_few_updates_in_one_line():
     u = _rows(6, 3)
     with pytest.raises(ConfigError, match=r"^aggregator 'krum' needs at least 7 client updates .* f = 2") as e:

@@ -157,14 +157,15 @@ def _sq_dists(updates: torch.Tensor) -> torch.Tensor:
 
 def krum_scores(updates: torch.Tensor, f: int) -> torch.Tensor:
     """Krum's score of each update: the sum of squared distances to its ``n - f - 2`` nearest others
-    (Blanchard et al. 2017, Sec. 4); at least one neighbour while there are two updates."""
+    (Blanchard et al. 2017, Sec. 4); at least one neighbour while there are two updates. A row that is not
+    finite scores +inf, the farthest outlier (its NaN score was taken by argmin for the least)."""
     n = len(updates)
     if n == 1:
         return torch.zeros(1, dtype=updates.dtype, device=updates.device)
     k = min(max(n - f - 2, 1), n - 1)
     d = _sq_dists(updates)
     d.fill_diagonal_(math.inf)  # not one's own neighbour
-    return d.topk(k, dim=1, largest=False).values.sum(1)
+    return d.topk(k, dim=1, largest=False).values.sum(1).nan_to_num(nan=math.inf, posinf=math.inf)
 
 
 @AGGREGATORS.register("krum")
