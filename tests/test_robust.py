@@ -840,6 +840,23 @@ def test_list_shows_aggregators_and_attacks(capsys):
 # ---- docs/robustness.md ------------------------------------------------------------------------------------
 
 
+def test_privacy_with_a_robust_aggregator_is_refused_as_the_page_says(tmp_path):
+    # the page listed DP among the stages that compose with every aggregator; a robust aggregator with privacy
+    # is refused (DP's guarantee is the noised sum's), and the page now says so
+    from pathlib import Path
+
+    data = {"seed": 0, "rounds": 1, "dataset": "digits", "partition": {"name": "iid", "num_clients": 10},
+            "model": "logistic", "algorithm": {"name": "fedavg", "clients_per_round": 10},
+            "aggregator": "median", "privacy": {"clip": 1.0, "noise_multiplier": 0.5},
+            "output": {"dir": str(tmp_path / "run"), "plots": False, "progress": False}}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^aggregator: median and privacy both decide") as e:
+        fedweave.run(data)
+    assert "\n" not in str(e.value)
+    page = " ".join((Path(__file__).resolve().parents[1] / "docs" / "robustness.md").read_text().split())
+    assert "With the other server stages (compression, DP) in the agreed order above." not in page
+    assert "a non-default `aggregator` with `privacy` is refused in one line" in page
+
+
 def test_the_committed_table_rebuilds_from_the_committed_records_byte_for_byte(tmp_path):
     from pathlib import Path
 
