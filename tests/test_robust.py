@@ -240,6 +240,19 @@ def test_centered_clipping_one_iteration_closed_form_and_its_center_carries_over
     torch.testing.assert_close(CenteredClipping(tau=1e9)(u, w, 0), w @ u, rtol=1e-14, atol=1e-14)
 
 
+@pytest.mark.parametrize("agg", [NormBound(), NormBound(bound=0.05), CenteredClipping(tau=0.05)])
+def test_length_measuring_aggregators_scale_updates_whose_float32_norm_overflows(agg):
+    # two attackers' rows of about 1e30 are finite in float32, their norms (squares summed) are not: the scale
+    # M / ||u|| came out 0 and the rows were dropped, not scaled to length M (or tau); float64 is the reference
+    honest = torch.randn(8, 650, generator=torch.Generator().manual_seed(0)) * 0.01
+    u = torch.cat([honest, -1e30 * honest[:2]])
+    assert bool(torch.isfinite(u).all()) and not bool(torch.isfinite(u.norm(dim=1)).all())
+    want = copy.deepcopy(agg)(u.double(), _uniform(10), 2)
+    got = agg(u, _uniform(10).float(), 2)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+
+
 def test_norm_bounding_scales_the_long_updates_to_the_bound_by_hand():
     u, w = _rows(6, 4, seed=6), torch.tensor([0.1, 0.3, 0.2, 0.1, 0.2, 0.1], dtype=F64)
     norms = [float(r.norm()) for r in u]

@@ -367,6 +367,14 @@ class GeometricMedian(Aggregator):
         return origin + v
 
 
+def _norms(rows: torch.Tensor) -> torch.Tensor:
+    """The rows' Euclidean norms; in float64 where a norm overflows the run's float width (float32 rows of about
+    1e30 are finite, the sum of their squares is not), so that a length-measuring aggregator scales such a row
+    rather than zeroing it (``M / inf`` was 0). Where every norm is finite they are the plain ones, unchanged."""
+    norms = rows.norm(dim=1)
+    return norms if bool(torch.isfinite(norms).all()) else rows.double().norm(dim=1)
+
+
 @AGGREGATORS.register("centered_clipping")
 class CenteredClipping(Aggregator):
     """Centered clipping (Karimireddy, He & Jaggi, ICML 2021, eq. 2): from the center ``v`` (the previous
@@ -391,7 +399,8 @@ class CenteredClipping(Aggregator):
         w = weights.to(updates.dtype)
         for _ in range(self.iters):
             diff = updates - v
-            scale = (self.tau / diff.norm(dim=1).clamp_min(torch.finfo(diff.dtype).tiny)).clamp(max=1.0)
+            norms = _norms(diff)
+            scale = (self.tau / norms.clamp_min(torch.finfo(norms.dtype).tiny)).clamp(max=1.0).to(diff.dtype)
             v = v + (w * scale) @ diff
         self.center = v.clone()
         return v
@@ -423,12 +432,11 @@ class NormBound(Aggregator):
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
         """The weighted mean of the updates, each scaled to norm at most M."""
-        norms = updates.norm(dim=1)
+        norms = _norms(updates)
         m = self.bound if self.bound is not None else _median(norms.sort().values)
         long = norms > m
-        clipped = torch.where(
-            long.unsqueeze(1), updates * (m / norms.clamp_min(torch.finfo(norms.dtype).tiny)).unsqueeze(1), updates
-        )
+        scale = (m / norms.clamp_min(torch.finfo(norms.dtype).tiny)).to(updates.dtype)
+        clipped = torch.where(long.unsqueeze(1), updates * scale.unsqueeze(1), updates)
         return weights @ clipped
 
 
