@@ -157,14 +157,15 @@ def _sq_dists(updates: torch.Tensor) -> torch.Tensor:
 
 def krum_scores(updates: torch.Tensor, f: int) -> torch.Tensor:
     """Krum's score of each update: the sum of squared distances to its ``n - f - 2`` nearest others
-    (Blanchard et al. 2017, Sec. 4); at least one neighbour while there are two updates."""
+    (Blanchard et al. 2017, Sec. 4); at least one neighbour while there are two updates. A row that is not
+    finite scores +inf, the farthest outlier (its NaN score was taken by argmin for the least)."""
     n = len(updates)
     if n == 1:
         return torch.zeros(1, dtype=updates.dtype, device=updates.device)
     k = min(max(n - f - 2, 1), n - 1)
     d = _sq_dists(updates)
     d.fill_diagonal_(math.inf)  # not one's own neighbour
-    return d.topk(k, dim=1, largest=False).values.sum(1)
+    return d.topk(k, dim=1, largest=False).values.sum(1).nan_to_num(nan=math.inf, posinf=math.inf)
 
 
 @AGGREGATORS.register("krum")
@@ -366,6 +367,14 @@ class GeometricMedian(Aggregator):
         return origin + v
 
 
+def _norms(rows: torch.Tensor) -> torch.Tensor:
+    """The rows' Euclidean norms; in float64 where a norm overflows the run's float width (float32 rows of about
+    1e30 are finite, the sum of their squares is not), so that a length-measuring aggregator scales such a row
+    rather than zeroing it (``M / inf`` was 0). Where every norm is finite they are the plain ones, unchanged."""
+    norms = rows.norm(dim=1)
+    return norms if bool(torch.isfinite(norms).all()) else rows.double().norm(dim=1)
+
+
 @AGGREGATORS.register("centered_clipping")
 class CenteredClipping(Aggregator):
     """Centered clipping (Karimireddy, He & Jaggi, ICML 2021, eq. 2): from the center ``v`` (the previous
@@ -390,7 +399,8 @@ class CenteredClipping(Aggregator):
         w = weights.to(updates.dtype)
         for _ in range(self.iters):
             diff = updates - v
-            scale = (self.tau / diff.norm(dim=1).clamp_min(torch.finfo(diff.dtype).tiny)).clamp(max=1.0)
+            norms = _norms(diff)
+            scale = (self.tau / norms.clamp_min(torch.finfo(norms.dtype).tiny)).clamp(max=1.0).to(diff.dtype)
             v = v + (w * scale) @ diff
         self.center = v.clone()
         return v
@@ -422,12 +432,11 @@ class NormBound(Aggregator):
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
         """The weighted mean of the updates, each scaled to norm at most M."""
-        norms = updates.norm(dim=1)
+        norms = _norms(updates)
         m = self.bound if self.bound is not None else _median(norms.sort().values)
         long = norms > m
-        clipped = torch.where(
-            long.unsqueeze(1), updates * (m / norms.clamp_min(torch.finfo(norms.dtype).tiny)).unsqueeze(1), updates
-        )
+        scale = (m / norms.clamp_min(torch.finfo(norms.dtype).tiny)).to(updates.dtype)
+        clipped = torch.where(long.unsqueeze(1), updates * scale.unsqueeze(1), updates)
         return weights @ clipped
 
 
