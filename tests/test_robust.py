@@ -535,6 +535,31 @@ def test_backdoor_attackers_stamp_the_trigger_on_their_share_and_label_it_the_ta
     assert torch.equal(x, torch.rand(16, 1, 6, 6, generator=torch.Generator().manual_seed(0)))  # untouched
 
 
+@pytest.mark.parametrize("shape, side", [((16, 1, 6, 6), 6), ((16, 1, 4, 9), 4), ((16, 5), 5)])
+def test_a_backdoor_trigger_larger_than_the_sample_is_refused_in_one_line(shape, side):
+    """A trigger as large as the sample (or its smaller side) is stamped; a larger one would cover the whole
+    sample without saying so: refused, naming the key and the largest size allowed."""
+    parts = [np.arange(0, 8), np.arange(8, 16)]
+    x, y = torch.rand(*shape, generator=torch.Generator().manual_seed(0)), torch.arange(16) % 5
+    ok = load({"faults": {"byzantine": {"clients": [1], "attack": "backdoor", "size": side}}})
+    poisoned_data(ok, Seeds(3), x, y, parts, 5)
+    bad = load({"faults": {"byzantine": {"clients": [1], "attack": "backdoor", "size": side + 1}}})
+    with pytest.raises(ConfigError, match=rf"^faults\.byzantine\.size must be at most {side} for these samples, got "):
+        poisoned_data(bad, Seeds(3), x, y, parts, 5)
+
+
+def test_a_trimmed_mean_warns_once_per_round_shape_not_every_round(caplog):
+    agg = TrimmedMean(beta=0.1)
+    with caplog.at_level("WARNING", logger="fedweave.robust.aggregators"):
+        for _ in range(5):
+            agg.check(20, 4)
+        agg.check(30, 4)  # another number of updates: its own cut, said once more
+    assert [r.getMessage().split(" updates")[0] for r in caplog.records] == [
+        "aggregator.beta 0.1 cuts 2 of each end of 20",
+        "aggregator.beta 0.1 cuts 3 of each end of 30",
+    ]
+
+
 @pytest.mark.parametrize(
     "algorithm, local",
     [

@@ -120,6 +120,7 @@ class TrimmedMean(Aggregator):
         if beta is not None and not 0.0 <= beta < 0.5:
             raise ConfigError(f"aggregator.beta must be in [0, 0.5) (the fraction cut from each end), got {beta}")
         self.beta = beta
+        self._warned: set[tuple[int, int]] = set()
 
     def trimmed(self, n: int, f: int) -> int:
         """k, the values cut from each end of ``n``: ``floor(beta n)``, or ``f`` when ``beta`` is null."""
@@ -130,7 +131,8 @@ class TrimmedMean(Aggregator):
 
     def check(self, n: int, f: int) -> None:
         super().check(n, f)
-        if self.trimmed(n, f) < f:  # allowed (a study of a too-small beta), but rarely meant
+        if self.trimmed(n, f) < f and (n, f) not in self._warned:  # allowed (a too-small beta), rarely meant
+            self._warned.add((n, f))  # once per round shape, not every round
             log.warning(
                 "aggregator.beta %g cuts %d of each end of %d updates, fewer than the %d Byzantine ones guarded "
                 "against: the attackers' most extreme values stay in the mean (beta null cuts f)",
