@@ -173,7 +173,8 @@ class Backdoor(Attack):
 class Scaled(Attack):
     """Boosted updates, the model replacement of Bagdasaryan et al. (AISTATS 2020, eq. 3): send ``gamma * u``
     with ``gamma = boost``, null: the round's number of updates ``n`` (``n / eta`` with the server step 1), so
-    that the weighted mean is replaced by the attacker's model."""
+    that the mean is replaced by the attacker's model (exactly so under uniform weights; under sample weights the
+    attacker's share of the mean is its weight times ``n``)."""
 
     name = "scaled"
 
