@@ -217,7 +217,7 @@ def test_pfedme_one_step_is_the_closed_form_on_least_squares():
             theta = theta - plr * (a.T @ (a @ theta - y) / M_Q + lam * (theta - x0))
         thetas.append(theta)
         ws.append(x0 - lr * lam * (x0 - theta))  # line 8
-    expect = x0 + beta * (torch.stack(ws) - x0).mean(0)  # line 12, uniform weights
+    expect = x0 + beta * (torch.stack(ws) - x0).mean(0)  # Alg. 1's server update, uniform weights
     assert algo.x.dtype == torch.float64 and algo.x.shape == (D_Q,)
     torch.testing.assert_close(algo.x, expect, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(algo.store["personal"], torch.stack(thetas), rtol=1e-12, atol=1e-12)

@@ -133,9 +133,9 @@ def test_a_divergence_names_the_step_sizes_the_algorithm_reads(toy_config, tmp_p
     assert "\n" not in msg and "Lower one of its step sizes (local.lr, algorithm.server_lr)" in msg
     if how == "exploded":  # round 1 was good: the resume hint, and that server_lr needs a new run
         assert (
-            f"continue with 'fedweave run --resume {tmp_path / 'r'} local.lr=SMALLER' (or with local.grad_clip=MAX_NORM), "
-            "or start a new run with a "
-            "smaller algorithm.server_lr (a resumed run may not change an algorithm option)."
+            f"continue with 'fedweave run --resume {tmp_path / 'r'} local.lr=SMALLER' (or with "
+            "local.grad_clip=MAX_NORM), or start a new run with a smaller algorithm.server_lr (a resumed run may not "
+            "change an algorithm option)."
         ) in msg
 
 
@@ -166,7 +166,8 @@ def test_the_step_sizes_named_after_a_divergence_are_the_algorithms_own():
     # local.lr may be lowered on resume, FedAdam's server_lr only in a new run: the line offers both, each named
     assert _kept("runs/a", 3, ALGORITHMS.get("fedadam")) == (
         "The checkpoint of round 3 is kept; continue with 'fedweave run --resume runs/a local.lr=SMALLER' (or with "
-        "local.grad_clip=MAX_NORM), or start a new run with a smaller algorithm.server_lr (a resumed run may not change an algorithm option)."
+        "local.grad_clip=MAX_NORM), or start a new run with a smaller algorithm.server_lr (a resumed run may not "
+        "change an algorithm option)."
     )
     assert _kept("runs/a", 3, ALGORITHMS.get("cse_fsl")).endswith(
         "or start a new run with a smaller algorithm.client_lr, algorithm.aux_lr or algorithm.server_lr (a resumed "

@@ -336,8 +336,8 @@ def divergence_advice(cls: type[Algorithm]) -> str:
 def _kept(path: Path, checkpoint_round: int | None, diverged: type[Algorithm] | None = None) -> str:
     """What is left to continue from, for the one line that reports a stopped run; after a divergence of the
     algorithm ``diverged``, how to continue with a smaller step: a resumed run may lower ``local.lr`` or set
-    ``local.grad_clip`` where the algorithm reads them (checkpoints.RESUMABLE_LOCAL), while a step size that is an ``algorithm`` option
-    (FedAdam's ``algorithm.server_lr``) is named with the new run it needs."""
+    ``local.grad_clip`` where the algorithm reads them (checkpoints.RESUMABLE_LOCAL), while a step size that is
+    an ``algorithm`` option (FedAdam's ``algorithm.server_lr``) is named with the new run it needs."""
     if not checkpoint_round:
         return "No checkpoint was written (output.checkpoint_every is 0 or no checkpoint round was reached)."
     kept = f"The checkpoint of round {checkpoint_round} is kept"

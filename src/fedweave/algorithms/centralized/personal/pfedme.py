@@ -6,7 +6,7 @@ model w^t, each of its R local steps, on the step's batch D:
   theta~ <- K steps of theta <- theta - personal_lr (grad f_i(theta; D) + lambda (theta - w))
             from theta = w: an approximate solution of Eq. 7's inner problem                  (Alg. 1 line 7)
   w      <- w - eta lambda (w - theta~)       (line 8: the gradient of the envelope, Eq. 8)
-it sends w_{i,R}; the server mixes, w^{t+1} = (1 - beta) w^t + beta sum_i p_i w_{i,R} (line 12; times
+it sends w_{i,R}; the server mixes, w^{t+1} = (1 - beta) w^t + beta sum_i p_i w_{i,R} (Alg. 1's server update; times
 algorithm.server_lr). A client's personal model is its theta~ of its last local step. Alg. 1 has every
 client take the local steps each round (the sample only chooses whose w_{i,R} the server averages); here only
 the sampled clients train, as in every star method, so an unsampled client keeps the theta~ of the last round
@@ -93,4 +93,5 @@ class PFedMe(PersonalStar):
         return Collected(r, clients, lr, local, {}, self.weights(clients))
 
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
-        self.x = self.x + (self.hp.server_lr * self.hp.beta) * mean  # line 12: (1 - beta) w + beta mean(w_i)
+        # Alg. 1's server update: (1 - beta) w + beta mean(w_i)
+        self.x = self.x + (self.hp.server_lr * self.hp.beta) * mean
