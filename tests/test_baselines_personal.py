@@ -96,6 +96,30 @@ def test_fedbabu_with_an_empty_head_trains_as_fedavg_bit_for_bit():
     assert torch.equal(_rounds(algo, 3), _fedavg_x({"name": "_headless"}))
 
 
+@pytest.mark.parametrize(
+    "alg, outcome",
+    [
+        ("fedper", "nothing is shared: each client trains alone"),
+        ("fedrep", "nothing is shared: each client trains alone"),
+        ("fedbabu", "nothing trains in the rounds: each client fine-tunes the start"),
+    ],
+)
+def test_a_model_whose_head_is_the_whole_model_warns_once_what_the_method_becomes(alg, outcome, caplog):
+    """``logistic`` is all head: FedPer and FedRep degenerate into local training, FedBABU into fine-tuning the
+    initial model; said once at the start. An MLP with a body, and LG-FedAvg (which then shares everything,
+    FedAvg), say nothing."""
+    with caplog.at_level("WARNING", logger="fedweave.algorithms.centralized.personal.base"):
+        _algo(_pcfg(alg, {"name": "logistic"}))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"algorithm {alg}: the head of Logistic is the whole model (no body), so {outcome}"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedweave.algorithms.centralized.personal.base"):
+        _algo(_pcfg(alg))
+        _algo(_pcfg("lg_fedavg", {"name": "logistic"}))
+    assert not caplog.records
+
+
 def test_fedbn_without_batch_norm_is_fedavg_bit_for_bit():
     assert torch.equal(_rounds(_algo(_pcfg("fedbn")), 3), _fedavg_x(MLP))
 

@@ -20,6 +20,7 @@ coordinates of the global model never move. With no personal coordinate it is Fe
 
 from __future__ import annotations
 
+import logging
 from typing import ClassVar
 
 import numpy as np
@@ -129,6 +130,22 @@ def name_mask(layout: ParamLayout, names: set[str] | list[str]) -> torch.Tensor:
     return torch.cat(parts)
 
 
+log = logging.getLogger(__name__)
+
+
+def warn_if_nothing_shared(personal: torch.Tensor, algorithm: str, model: torch.nn.Module, outcome: str) -> None:
+    """Log once, at the start of a run, when the personal coordinates ``personal`` cover the whole model (a model
+    whose head is all of it: ``logistic``, an ``mlp`` without hidden layers): the method then degenerates into
+    ``outcome``, which a run may mean (a control) but rarely does."""
+    if bool(personal.all()):
+        log.warning(
+            "algorithm %s: the head of %s is the whole model (no body), so %s",
+            algorithm,
+            type(model).__name__,
+            outcome,
+        )
+
+
 def head_names(model: torch.nn.Module, algorithm: str) -> list[str]:
     """The model's head parameters (``fedweave.models.head``), or a one-line ConfigError naming the method."""
     names = getattr(model, "head_names", None)
@@ -166,6 +183,7 @@ class PartialSharing(PersonalStar):
         self.mask = self.personal_mask()  # True: personal, never sent
         self.shared = ~self.mask
         self.partial = bool(self.mask.any())  # False: every coordinate is shared (FedAvg)
+        warn_if_nothing_shared(self.mask, self.name, self.layout.model, "nothing is shared: each client trains alone")
 
     def personal_mask(self) -> torch.Tensor:
         """The personal coordinates of the flat parameter vector, ``(P,)`` bool."""

@@ -21,7 +21,13 @@ import torch
 
 from fedweave.algorithms.base import with_local
 from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams
-from fedweave.algorithms.centralized.personal.base import FreezeRule, PersonalStar, head_names, name_mask
+from fedweave.algorithms.centralized.personal.base import (
+    FreezeRule,
+    PersonalStar,
+    head_names,
+    name_mask,
+    warn_if_nothing_shared,
+)
 from fedweave.config import ConfigError
 from fedweave.execution.local import PLAIN, LocalRule
 from fedweave.registry import ALGORITHMS
@@ -52,6 +58,9 @@ class FedBABU(PersonalStar):
         super().__init__(ctx, hp)
         self.head = name_mask(self.layout, head_names(self.layout.model, self.name))  # fixed at its start
         self.body = ~self.head
+        warn_if_nothing_shared(
+            self.head, self.name, self.layout.model, "nothing trains in the rounds: each client fine-tunes the start"
+        )
         self.tuner = with_local(self.trainer, epochs=hp.finetune_epochs, steps=None)
 
     def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:
