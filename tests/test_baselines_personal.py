@@ -247,6 +247,95 @@ def test_pfedme_one_step_is_the_closed_form_on_least_squares():
     torch.testing.assert_close(algo.store["personal"], torch.stack(thetas), rtol=1e-12, atol=1e-12)
 
 
+def _pfedme_closed_form(x0, lam, K, plr, lr):
+    """Alg. 1 lines 7-8 of one full-batch local step for every client of the least-squares toy from ``x0``:
+    each client's theta~ and w_{i,1}, ``(N_Q, D_Q)`` each."""
+    ds, ws, thetas = _quad_data(), [], []
+    for i in range(N_Q):
+        a, y = ds.train_x[i * M_Q : (i + 1) * M_Q].double(), ds.train_y[i * M_Q : (i + 1) * M_Q].double()
+        theta = x0.clone()
+        for _ in range(K):  # line 7 on f_i(theta) = (1/2m)||A theta - y||^2
+            theta = theta - plr * (a.T @ (a @ theta - y) / M_Q + lam * (theta - x0))
+        thetas.append(theta)
+        ws.append(x0 - lr * lam * (x0 - theta))  # line 8
+    return torch.stack(thetas), torch.stack(ws)
+
+
+def test_pfedme_train_all_trains_every_client_and_averages_the_sampled_ones():
+    lam, K, plr, beta, lr, S = 2.0, 3, 0.05, 0.7, 0.1, 2
+    opts = {"lam": lam, "inner_steps": K, "personal_lr": plr, "beta": beta, "clients_per_round": S}
+    cfg = {**_quad_cfg("pfedme", **opts, train_all=True), "precision": "float64", "rounds": 3}
+    cfg["local"] = {"steps": 1, "batch_size": M_Q, "lr": lr}  # one full-batch step
+    algo, default = _algo(cfg), _algo({**cfg, "algorithm": {**cfg["algorithm"], "train_all": False}})
+    for a in (algo, default):
+        a.trainer.loss_fn = _squared
+    nbytes = D_Q * 8  # one float64 model
+    for r in range(3):
+        x0, before = algo.x.clone(), algo.store["personal"].clone()
+        sampled = default.sample_clients(r)  # the default's draw
+        assert len(sampled) == S
+        algo.run_round(r)
+        default.run_round(r)
+        thetas, ws = _pfedme_closed_form(x0, lam, K, plr, lr)
+        # every client took the local steps from x_t: each personal model is its theta~, the unsampled ones too
+        torch.testing.assert_close(algo.store["personal"], thetas, rtol=1e-12, atol=1e-12)
+        assert (algo.store["personal"] != before).any(1).all()
+        # Alg. 1's server update over the sampled clients' w_{i,R} only (uniform weights)
+        expect = x0 + beta * (ws[torch.as_tensor(sampled)] - x0).mean(0)
+        torch.testing.assert_close(algo.x, expect, rtol=1e-12, atol=1e-12)
+        assert torch.equal(algo.x, default.x)  # the sampled clients' steps are the default's
+        # the ledger: w_t down to all N_Q clients (line 3), w_{i,R} up from the S sampled ones
+        billed = {(e.sender, e.kind): (e.bytes, e.count) for e in algo.ledger.entries() if e.round == r}
+        assert billed == {("server", "model"): (N_Q * nbytes, N_Q), ("client", "model"): (S * nbytes, S)}
+        assert default.ledger.bytes("down", round=r) == S * nbytes  # the default sends the sampled ones only
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+def test_pfedme_train_all_with_every_client_sampled_is_the_default_bit_for_bit(backend):
+    cfg = {**_pcfg("pfedme", clients_per_round=8), "backend": backend}
+    algo, default = _algo({**cfg, "algorithm": {**cfg["algorithm"], "train_all": True}}), _algo(cfg)
+    for r in range(3):
+        assert algo.run_round(r) == default.run_round(r)
+        assert algo.evaluate(r) == default.evaluate(r)
+    assert torch.equal(algo.x, default.x) and torch.equal(algo.store["personal"], default.store["personal"])
+    assert list(algo.ledger.entries()) == list(default.ledger.entries())
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+def test_pfedme_train_all_keeps_the_default_global_model_and_moves_every_personal_model(backend):
+    cfg = {**_pcfg("pfedme"), "backend": backend}  # 3 of 8 clients a round
+    algo, default = _algo({**cfg, "algorithm": {**cfg["algorithm"], "train_all": True}}), _algo(cfg)
+    for r in range(3):
+        before = algo.store["personal"].clone()
+        assert algo.run_round(r) == default.run_round(r)  # train_loss: the sampled clients'
+        assert torch.equal(algo.x, default.x)
+        assert (algo.store["personal"] != before).any(1).all()  # every client trained
+        sampled = torch.as_tensor(default.sample_clients(r))
+        assert torch.equal(algo.store["personal"][sampled], default.store["personal"][sampled])
+
+
+@pytest.mark.parametrize(
+    "faults", [{"dropout": 0.2}, {"deadline": 2.0}, {"byzantine": {"fraction": 0.25, "attack": "sign_flip"}}]
+)
+def test_pfedme_train_all_refuses_injected_faults_in_one_line(faults):
+    with pytest.raises(ConfigError, match=r"^algorithm.train_all: true has every client take its local steps") as e:
+        _algo({**_pcfg("pfedme", train_all=True), "faults": faults})
+    assert "\n" not in str(e.value)
+    _algo({**_pcfg("pfedme"), "faults": faults})  # the default takes them
+
+
+def test_pfedme_train_all_resumes_bit_for_bit(tmp_path):
+    cfg = {**_pcfg("pfedme", train_all=True), "rounds": 4}
+    full = fedweave.run(cfg, run_dir=tmp_path / "full")
+    cfg2 = {**cfg, "output": {**cfg["output"], "checkpoint_every": 2}}
+    fedweave.run({**cfg2, "rounds": 2}, run_dir=tmp_path / "part")
+    resumed = run_config(load(cfg2), run_dir=tmp_path / "part", resume=True)
+    assert torch.equal(resumed.algorithm.x, full.algorithm.x)
+    assert torch.equal(resumed.algorithm.store["personal"], full.algorithm.store["personal"])
+    final = [{k: v for k, v in res.summary["final"].items() if k != "wall_seconds"} for res in (resumed, full)]
+    assert final[0] == final[1] and "test_accuracy_personal" in final[0]
+
+
 def _quadratic():
     g = torch.Generator().manual_seed(3)
     m = torch.randn(5, 5, generator=g, dtype=torch.float64)

@@ -7,21 +7,36 @@ model w^t, each of its R local steps, on the step's batch D:
             from theta = w: an approximate solution of Eq. 7's inner problem                  (Alg. 1 line 7)
   w      <- w - eta lambda (w - theta~)       (line 8: the gradient of the envelope, Eq. 8)
 it sends w_{i,R}; the server mixes, w^{t+1} = (1 - beta) w^t + beta sum_i p_i w_{i,R} (Alg. 1's server update; times
-algorithm.server_lr). A client's personal model is its theta~ of its last local step. Alg. 1 has every
-client take the local steps each round (the sample only chooses whose w_{i,R} the server averages); here only
-the sampled clients train, as in every star method, so an unsampled client keeps the theta~ of the last round
-it took part in.
+algorithm.server_lr). A client's personal model is its theta~ of its last local step.
+
+Alg. 1 sends w^t to every client (line 3) and has every client take the R local steps, the sample S^t, drawn after
+them, only choosing whose w_{i,R} are sent and averaged (Alg. 1's server step); the authors' code likewise "do[es]
+update for all users not only selected users". By default only the sampled clients train, as in every star method,
+so an unsampled client keeps the theta~ of the last round it took part in. ``algorithm.train_all: true`` runs Alg. 1
+as written: every client receives w^t and takes the R local steps from it (every personal model moves each round),
+and only the round's sampled clients, the ones the default draws, send their w_{i,R}, which the server averages as
+before. The local steps start from w^t (line 7's theta~ too), so the sampled clients' w_{i,R}, and with them the
+global model, are the default's (bit for bit in the tests, on the loop and vmap backends); only the personal models
+of the clients outside the sample differ. The cost is N clients' local training a round instead of
+clients_per_round, and the ledger bills the download of w^t to all N (line 3) beside the sampled clients' uploads.
+As in the rest of the family, ``train_loss`` is the mean over the clients that report and ``faults.sim_time``'s
+round lasts until their uploads arrive (the others train beside them). A round whose sample is empty (a sampler may
+give none) is skipped as by default: nobody is sent w^t, nobody trains. Injected faults (``faults.dropout``,
+``outage_rounds``, ``deadline``, ``byzantine``) are refused beside it: whether a client that drops out or is late
+still took its steps, and what an attacker outside the sample does, Alg. 1 does not say.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fedweave.algorithms.centralized.base import Collected, StarHparams
 from fedweave.algorithms.centralized.personal.base import PersonalStar
 from fedweave.config import ConfigError
+from fedweave.execution import LocalResult
 from fedweave.execution.local import GradFn, LocalRule
 from fedweave.registry import ALGORITHMS
 
@@ -55,6 +70,8 @@ class PFedMeHparams(StarHparams):
     inner_steps: int = 5  # K
     personal_lr: float = 0.01  # the inner solver's step size
     beta: float = 1.0  # the server's mixing; 1 is FedAvg's average
+    # Alg. 1 as written: every client takes the local steps each round, the sampled ones report (module docstring)
+    train_all: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -80,15 +97,32 @@ class PFedMe(PersonalStar):
                 f"algorithm pfedme keeps each client's personalized model from inside the local steps, which "
                 f"backend {self.trainer.backend} runs in other processes; choose backend loop or vmap"
             )
+        if hp.train_all and self.faulty:
+            kinds = ", ".join(sorted(self.faults.active()))
+            raise ConfigError(
+                f"algorithm.train_all: true has every client take its local steps each round, but the run injects "
+                f"faults ({kinds}), whose meaning for clients outside the sample Alg. 1 does not give; leave one out"
+            )
 
-    def train_clients(self, r: int, clients) -> Collected:
+    def recipients(self, clients: np.ndarray) -> np.ndarray:
+        # train_all: w^t goes to every client (Alg. 1 line 3); a round with no sampled client is skipped as by default
+        if self.hp.train_all and len(clients):
+            return np.arange(self.ctx.num_clients)
+        return clients
+
+    def train_clients(self, r: int, clients: np.ndarray) -> Collected:
         lr = self.trainer.lr(r)
         hp = self.hp
-        theta = self.store.rows("personal", clients)
+        # Alg. 1: every client (train_all; job c is client c) or the sampled ones
+        trained = np.arange(self.ctx.num_clients) if hp.train_all else clients
+        theta = self.store.rows("personal", trained)
         rule = PFedMeRule(hp.lam, hp.inner_steps, hp.personal_lr, theta)
-        local = self.trainer.train(self.x, clients, r, rule=rule, lr=lr)  # lines 5-9
-        self.store.set_rows("personal", clients, rule.theta)
-        if self.sampler.reads_context:
+        local = self.trainer.train(self.x, trained, r, rule=rule, lr=lr)  # lines 5-9
+        self.store.set_rows("personal", trained, rule.theta)
+        if hp.train_all:  # Alg. 1's S^t: only the sampled clients send their w_{i,R}
+            at = torch.as_tensor(clients, dtype=torch.long, device=local.params.device)
+            local = LocalResult(local.params[at], local.steps[at], local.loss[at])
+        if self.sampler.reads_context:  # what the sampled clients reported: the default's context
             self.client_history.record(r, clients, local.loss)
         return Collected(r, clients, lr, local, {}, self.weights(clients))
 
