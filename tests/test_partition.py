@@ -317,3 +317,15 @@ def test_report_heat_map_for_many_classes(tmp_path):
     parts = run("iid", labels=labels, m=6)
     write_partition_report(parts, labels, 30, tmp_path)
     assert (tmp_path / "partition.png").stat().st_size > 1000
+
+
+# ---------------------------------------------------------------------------------------- from_file
+
+
+@pytest.mark.parametrize("content", ["5", "null", '"0 1 2"', "true"])
+def test_from_file_that_is_not_a_list_of_lists_is_a_clear_error(tmp_path, content):
+    path = tmp_path / "parts.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=r"^partition.path .*parts.json' must hold a JSON list of per-client index"):
+        PARTITIONERS.get("from_file")(LABELS, 0, np.random.default_rng(0), path=str(path))
+

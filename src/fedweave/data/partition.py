@@ -676,6 +676,11 @@ def from_file(
             lists = [data[k] for k in sorted(data, key=int)] if isinstance(data, dict) else data
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"partition.path {path!r} is not a readable list of index lists ({e})") from e
+    if not isinstance(lists, list):  # a bare number, string or null: not a partition
+        raise ValueError(
+            f"partition.path {path!r} must hold a JSON list of per-client index lists (or an object of them "
+            f'keyed "0", "1", ...), got {type(lists).__name__}'
+        )
     n = len(labels)
     parts = [_index_list(p, i, n, path) for i, p in enumerate(lists)]
     if not parts:
