@@ -329,3 +329,14 @@ def test_from_file_that_is_not_a_list_of_lists_is_a_clear_error(tmp_path, conten
     with pytest.raises(ValueError, match=r"^partition.path .*parts.json' must hold a JSON list of per-client index"):
         PARTITIONERS.get("from_file")(LABELS, 0, np.random.default_rng(0), path=str(path))
 
+
+def test_from_file_keys_with_a_gap_are_refused_not_renumbered(tmp_path):
+    # {"0": ..., "2": ...} would otherwise make the file's client 2 the run's client 1.
+    (tmp_path / "gap.json").write_text('{"0": [0, 1], "2": [2]}')
+    np.savez(tmp_path / "gap.npz", client_0=np.array([0, 1]), client_2=np.array([2]))
+    for name in ("gap.json", "gap.npz"):
+        with pytest.raises(ValueError, match=r"clients must be numbered 0 \.\. 1 without gaps, got 0, 2"):
+            PARTITIONERS.get("from_file")(LABELS, 0, np.random.default_rng(0), path=str(tmp_path / name))
+    (tmp_path / "ok.json").write_text('{"1": [2], "0": [1, 0]}')
+    parts = PARTITIONERS.get("from_file")(LABELS, 0, np.random.default_rng(0), path=str(tmp_path / "ok.json"))
+    assert [p.tolist() for p in parts] == [[0, 1], [2]]

@@ -666,16 +666,24 @@ def from_file(
     file = Path(path).expanduser()
     if not path or not file.is_file():
         raise ValueError(f"partition.path must name a JSON or .npz file of per-client index lists, got {path!r}")
+    numbers = None  # the clients' numbers in a file that names them (npz keys, JSON object keys)
     try:
         if file.suffix == ".npz":
             with np.load(file, allow_pickle=False) as z:
                 keys = sorted((k for k in z.files if k.startswith("client_")), key=lambda k: int(k.split("_")[1]))
                 lists = [z[k] for k in keys]
+                numbers = [int(k.split("_")[1]) for k in keys]
         else:
             data = json.loads(file.read_text())
             lists = [data[k] for k in sorted(data, key=int)] if isinstance(data, dict) else data
+            numbers = sorted(int(k) for k in data) if isinstance(data, dict) else None
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"partition.path {path!r} is not a readable list of index lists ({e})") from e
+    if numbers is not None and numbers != list(range(len(numbers))):  # a gap would renumber the later clients
+        shown = ", ".join(map(str, numbers[:10])) + (", ..." if len(numbers) > 10 else "")
+        raise ValueError(
+            f"partition.path {path!r}: clients must be numbered 0 .. {len(numbers) - 1} without gaps, got {shown}"
+        )
     if not isinstance(lists, list):  # a bare number, string or null: not a partition
         raise ValueError(
             f"partition.path {path!r} must hold a JSON list of per-client index lists (or an object of them "
