@@ -340,3 +340,30 @@ def test_from_file_keys_with_a_gap_are_refused_not_renumbered(tmp_path):
     (tmp_path / "ok.json").write_text('{"1": [2], "0": [1, 0]}')
     parts = PARTITIONERS.get("from_file")(LABELS, 0, np.random.default_rng(0), path=str(tmp_path / "ok.json"))
     assert [p.tolist() for p in parts] == [[0, 1], [2]]
+
+
+# ------------------------------------------------------------------------------ a partitioner of your own
+
+_OWN = {  # name -> (the parts it returns for n training samples, the error)
+    "_own_negative": (lambda n: [np.array([-1, 0, 1]), np.arange(2, 10)], r"client 0 holds index -1, outside"),
+    "_own_beyond": (lambda n: [np.array([0, n + 5]), np.arange(2, 10)], r"client 0 holds index {n5}, outside"),
+    "_own_float": (lambda n: [np.array([0.7, 1.2]), np.arange(3, 10)], r"client 0 holds float64 indices"),
+    "_own_shared": (lambda n: [np.arange(0, 10), np.arange(5, 15)], r"a sample is given to more than one client"),
+}
+for _name, (_make, _) in _OWN.items():
+    if _name not in PARTITIONERS._items:
+        PARTITIONERS.register(_name)(lambda labels, num_clients, rng, *, users=None, _make=_make: _make(len(labels)))
+
+
+@pytest.mark.parametrize("name", sorted(_OWN))
+def test_a_partitioner_of_your_own_that_breaks_the_contract_is_a_clear_error(name):
+    # Float indices were truncated to other samples, shared samples trained twice, and a negative index
+    # wrapped around to the last sample (or failed as a bare IndexError deep in training).
+    from fedweave.algorithms.base import RunContext
+    from fedweave.config import ConfigError, load
+
+    cfg = {"name": "t", "dataset": {"name": "digits"}, "model": {"name": "logistic"}, "algorithm": {"name": "fedavg"}}
+    ctx = RunContext(load({**cfg, "rounds": 1, "partition": {"name": name, "num_clients": 2}}))
+    n = len(ctx.dataset.train_y)
+    with pytest.raises(ConfigError, match=rf"^partition {name!r}: " + _OWN[name][1].replace("{n5}", str(n + 5))):
+        _ = ctx.partition

@@ -110,6 +110,36 @@ def client_sizes(parts: Sequence[Any]) -> np.ndarray:
     return np.array([len(p) for p in parts], dtype=np.int64)
 
 
+def check_parts(parts: Sequence[Any], n: int, name: str) -> Partition:
+    """The per-client index arrays of a partitioner of your own as a :class:`Partition`, held to the contract of
+    ``docs/partitioning.md``: whole-number indices into the ``n`` training samples, no sample on two clients.
+
+    Without this a float index was truncated to another sample, a negative one wrapped around to the last
+    samples, and a shared sample was trained on by two clients. Raises ``ValueError`` naming the partitioner.
+    """
+    arrays = []
+    for i, p in enumerate(parts):
+        a = np.asarray(p.cpu() if hasattr(p, "cpu") else p).reshape(-1)
+        if a.size and a.dtype.kind not in "iu":
+            raise ValueError(
+                f"partition {name!r}: client {i} holds {a.dtype} indices; a partitioner must return whole-number "
+                f"indices in [0, {n - 1}] (the training set)"
+            )
+        outside = a[(a < 0) | (a >= n)] if a.size else a
+        if outside.size:
+            raise ValueError(
+                f"partition {name!r}: client {i} holds index {outside[0]}, outside the training set [0, {n - 1}]"
+            )
+        arrays.append(a.astype(np.int64, copy=False))
+    out = Partition.of(arrays)
+    if len(np.unique(out.indices)) != len(out.indices):
+        raise ValueError(
+            f"partition {name!r}: a sample is given to more than one client (or twice); clients must hold "
+            "distinct samples"
+        )
+    return out
+
+
 # --------------------------------------------------------------------------------------------- helpers
 
 
