@@ -167,6 +167,21 @@ def test_pathological_errors():
         pathological(tiny, 5, np.random.default_rng(0), classes_per_client=2)
 
 
+def test_pathological_extra_shard_goes_to_a_class_that_can_take_it():
+    # 4 clients x 2 classes = 8 slots over 3 classes: two classes get 3 shards, one gets 2. Class 0 has only
+    # 2 samples, so a feasible split always exists; it used to be refused whenever the random draw gave
+    # class 0 one of the extra shards (seeds 1, 2 and 3), with advice to lower the settings.
+    labels = np.array([0, 0] + [1] * 50 + [2] * 50)
+    for seed in range(8):
+        parts = pathological(labels, 4, np.random.default_rng(seed), classes_per_client=2)
+        hist = partition_stats(parts, labels, 3)["histogram"]
+        assert np.all((hist > 0).sum(1) == 2) and hist.sum() == len(labels)
+        assert np.array_equal((hist > 0).sum(0), [2, 3, 3])
+    # a draw that was feasible is left as it was: seed 0 gives the same partition as before
+    parts = pathological(labels, 4, np.random.default_rng(0), classes_per_client=2)
+    assert [len(p) for p in parts] == [33, 18, 34, 17]
+
+
 def test_shards_sizes_and_label_runs():
     labels = np.repeat(np.arange(NUM_CLASSES), 60)  # McMahan-like: 600 samples, 20 shards of 30
     parts = shards(labels, 10, np.random.default_rng(0), shards_per_client=2)

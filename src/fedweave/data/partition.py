@@ -414,10 +414,11 @@ def pathological(
     """Each client gets exactly ``classes_per_client`` (c) distinct classes.
 
     The m*c class slots are spread as evenly as possible over the C classes present (s_k = floor(mc/C) or
-    one more, the extra ones going to random classes); class k's samples are shuffled and cut into s_k
-    equal shards (sizes differ by at most 1). Listing each class s_k times and reading the list row by
-    row into a c x m grid gives client j column j: since s_k <= m, no column sees a class twice.
-    Feasible iff 1 <= c <= C and every used class has at least s_k samples. Classes that get no slot
+    one more, the extra ones going to random classes that have samples for them); class k's samples are
+    shuffled and cut into s_k equal shards (sizes differ by at most 1). Listing each class s_k times and
+    reading the list row by row into a c x m grid gives client j column j: since s_k <= m, no column sees a
+    class twice. Feasible iff 1 <= c <= C, every class has at least floor(mc/C) samples and at least
+    mc mod C classes have more. Classes that get no slot
     (only when m*c < C) are left out.
     """
     labels = _check_labels(labels)
@@ -431,8 +432,16 @@ def pathological(
         )
     slots = m * c
     shard_counts = np.full(len(present), slots // len(present), dtype=np.int64)
-    shard_counts[rng.choice(len(present), size=slots % len(present), replace=False)] += 1
+    extra = slots % len(present)
+    shard_counts[rng.choice(len(present), size=extra, replace=False)] += 1
     counts = np.bincount(labels)[present]
+    able = np.flatnonzero(counts > slots // len(present))  # classes with samples for one more shard
+    if np.any(counts < shard_counts) and extra <= len(able):
+        # The draw gave an extra shard to a class too small for it, although a feasible split exists: draw the
+        # extra shards again among the classes that can take one. This is the first draw conditioned on being
+        # feasible (rejection sampling), and a draw that was feasible stays as it was.
+        shard_counts[:] = slots // len(present)
+        shard_counts[rng.choice(able, size=extra, replace=False)] += 1
     bad = np.flatnonzero(counts < shard_counts)
     if bad.size:
         k = bad[0]
