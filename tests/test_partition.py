@@ -167,6 +167,21 @@ def test_pathological_errors():
         pathological(tiny, 5, np.random.default_rng(0), classes_per_client=2)
 
 
+def test_pathological_extra_shard_goes_to_a_class_that_can_take_it():
+    # 4 clients x 2 classes = 8 slots over 3 classes: two classes get 3 shards, one gets 2. Class 0 has only
+    # 2 samples, so a feasible split always exists; it used to be refused whenever the random draw gave
+    # class 0 one of the extra shards (seeds 1, 2 and 3), with advice to lower the settings.
+    labels = np.array([0, 0] + [1] * 50 + [2] * 50)
+    for seed in range(8):
+        parts = pathological(labels, 4, np.random.default_rng(seed), classes_per_client=2)
+        hist = partition_stats(parts, labels, 3)["histogram"]
+        assert np.all((hist > 0).sum(1) == 2) and hist.sum() == len(labels)
+        assert np.array_equal((hist > 0).sum(0), [2, 3, 3])
+    # a draw that was feasible is left as it was: seed 0 gives the same partition as before
+    parts = pathological(labels, 4, np.random.default_rng(0), classes_per_client=2)
+    assert [len(p) for p in parts] == [33, 18, 34, 17]
+
+
 def test_shards_sizes_and_label_runs():
     labels = np.repeat(np.arange(NUM_CLASSES), 60)  # McMahan-like: 600 samples, 20 shards of 30
     parts = shards(labels, 10, np.random.default_rng(0), shards_per_client=2)
@@ -317,3 +332,53 @@ def test_report_heat_map_for_many_classes(tmp_path):
     parts = run("iid", labels=labels, m=6)
     write_partition_report(parts, labels, 30, tmp_path)
     assert (tmp_path / "partition.png").stat().st_size > 1000
+
+
+# ---------------------------------------------------------------------------------------- from_file
+
+
+@pytest.mark.parametrize("content", ["5", "null", '"0 1 2"', "true"])
+def test_from_file_that_is_not_a_list_of_lists_is_a_clear_error(tmp_path, content):
+    path = tmp_path / "parts.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=r"^partition.path .*parts.json' must hold a JSON list of per-client index"):
+        PARTITIONERS.get("from_file")(LABELS, 0, np.random.default_rng(0), path=str(path))
+
+
+def test_from_file_keys_with_a_gap_are_refused_not_renumbered(tmp_path):
+    # {"0": ..., "2": ...} would otherwise make the file's client 2 the run's client 1.
+    (tmp_path / "gap.json").write_text('{"0": [0, 1], "2": [2]}')
+    np.savez(tmp_path / "gap.npz", client_0=np.array([0, 1]), client_2=np.array([2]))
+    for name in ("gap.json", "gap.npz"):
+        with pytest.raises(ValueError, match=r"clients must be numbered 0 \.\. 1 without gaps, got 0, 2"):
+            PARTITIONERS.get("from_file")(LABELS, 0, np.random.default_rng(0), path=str(tmp_path / name))
+    (tmp_path / "ok.json").write_text('{"1": [2], "0": [1, 0]}')
+    parts = PARTITIONERS.get("from_file")(LABELS, 0, np.random.default_rng(0), path=str(tmp_path / "ok.json"))
+    assert [p.tolist() for p in parts] == [[0, 1], [2]]
+
+
+# ------------------------------------------------------------------------------ a partitioner of your own
+
+_OWN = {  # name -> (the parts it returns for n training samples, the error)
+    "_own_negative": (lambda n: [np.array([-1, 0, 1]), np.arange(2, 10)], r"client 0 holds index -1, outside"),
+    "_own_beyond": (lambda n: [np.array([0, n + 5]), np.arange(2, 10)], r"client 0 holds index {n5}, outside"),
+    "_own_float": (lambda n: [np.array([0.7, 1.2]), np.arange(3, 10)], r"client 0 holds float64 indices"),
+    "_own_shared": (lambda n: [np.arange(0, 10), np.arange(5, 15)], r"a sample is given to more than one client"),
+}
+for _name, (_make, _) in _OWN.items():
+    if _name not in PARTITIONERS._items:
+        PARTITIONERS.register(_name)(lambda labels, num_clients, rng, *, users=None, _make=_make: _make(len(labels)))
+
+
+@pytest.mark.parametrize("name", sorted(_OWN))
+def test_a_partitioner_of_your_own_that_breaks_the_contract_is_a_clear_error(name):
+    # Float indices were truncated to other samples, shared samples trained twice, and a negative index
+    # wrapped around to the last sample (or failed as a bare IndexError deep in training).
+    from fedweave.algorithms.base import RunContext
+    from fedweave.config import ConfigError, load
+
+    cfg = {"name": "t", "dataset": {"name": "digits"}, "model": {"name": "logistic"}, "algorithm": {"name": "fedavg"}}
+    ctx = RunContext(load({**cfg, "rounds": 1, "partition": {"name": name, "num_clients": 2}}))
+    n = len(ctx.dataset.train_y)
+    with pytest.raises(ConfigError, match=rf"^partition {name!r}: " + _OWN[name][1].replace("{n5}", str(n + 5))):
+        _ = ctx.partition

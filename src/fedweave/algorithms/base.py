@@ -25,7 +25,7 @@ from fedweave.byo import RunObjects, describe_model
 from fedweave.config import ConfigError, RunConfig, Section, build_dataclass, check_options, load
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
-from fedweave.data.partition import Partition, integral
+from fedweave.data.partition import Partition, check_parts, integral
 from fedweave.execution import LocalTrainer, batch_statistics, check_seeded, choose_backend
 from fedweave.execution.evaluate import share_with_workers
 from fedweave.execution.local import LocalRule
@@ -409,7 +409,13 @@ class RunContext:
             )
         opts = check_options(fn, opts, "partition", skip=("labels", "num_clients", "rng", "users"), name=part.name)
         with _as_config_error("partition"):
-            return Partition.of(fn(labels, num_clients, self.seeds.numpy("partition"), users=users, **opts))
+            parts = fn(labels, num_clients, self.seeds.numpy("partition"), users=users, **opts)
+        if isinstance(parts, Partition):  # the built-in partitioners: correct by construction
+            return parts
+        try:  # a partitioner of your own: its list of arrays is checked against the contract
+            return check_parts(parts, len(labels), part.name)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
 
     @property
     def num_clients(self) -> int:

@@ -110,6 +110,36 @@ def client_sizes(parts: Sequence[Any]) -> np.ndarray:
     return np.array([len(p) for p in parts], dtype=np.int64)
 
 
+def check_parts(parts: Sequence[Any], n: int, name: str) -> Partition:
+    """The per-client index arrays of a partitioner of your own as a :class:`Partition`, held to the contract of
+    ``docs/partitioning.md``: whole-number indices into the ``n`` training samples, no sample on two clients.
+
+    Without this a float index was truncated to another sample, a negative one wrapped around to the last
+    samples, and a shared sample was trained on by two clients. Raises ``ValueError`` naming the partitioner.
+    """
+    arrays = []
+    for i, p in enumerate(parts):
+        a = np.asarray(p.cpu() if hasattr(p, "cpu") else p).reshape(-1)
+        if a.size and a.dtype.kind not in "iu":
+            raise ValueError(
+                f"partition {name!r}: client {i} holds {a.dtype} indices; a partitioner must return whole-number "
+                f"indices in [0, {n - 1}] (the training set)"
+            )
+        outside = a[(a < 0) | (a >= n)] if a.size else a
+        if outside.size:
+            raise ValueError(
+                f"partition {name!r}: client {i} holds index {outside[0]}, outside the training set [0, {n - 1}]"
+            )
+        arrays.append(a.astype(np.int64, copy=False))
+    out = Partition.of(arrays)
+    if len(np.unique(out.indices)) != len(out.indices):
+        raise ValueError(
+            f"partition {name!r}: a sample is given to more than one client (or twice); clients must hold "
+            "distinct samples"
+        )
+    return out
+
+
 # --------------------------------------------------------------------------------------------- helpers
 
 
@@ -384,10 +414,11 @@ def pathological(
     """Each client gets exactly ``classes_per_client`` (c) distinct classes.
 
     The m*c class slots are spread as evenly as possible over the C classes present (s_k = floor(mc/C) or
-    one more, the extra ones going to random classes); class k's samples are shuffled and cut into s_k
-    equal shards (sizes differ by at most 1). Listing each class s_k times and reading the list row by
-    row into a c x m grid gives client j column j: since s_k <= m, no column sees a class twice.
-    Feasible iff 1 <= c <= C and every used class has at least s_k samples. Classes that get no slot
+    one more, the extra ones going to random classes that have samples for them); class k's samples are
+    shuffled and cut into s_k equal shards (sizes differ by at most 1). Listing each class s_k times and
+    reading the list row by row into a c x m grid gives client j column j: since s_k <= m, no column sees a
+    class twice. Feasible iff 1 <= c <= C, every class has at least floor(mc/C) samples and at least
+    mc mod C classes have more. Classes that get no slot
     (only when m*c < C) are left out.
     """
     labels = _check_labels(labels)
@@ -401,8 +432,16 @@ def pathological(
         )
     slots = m * c
     shard_counts = np.full(len(present), slots // len(present), dtype=np.int64)
-    shard_counts[rng.choice(len(present), size=slots % len(present), replace=False)] += 1
+    extra = slots % len(present)
+    shard_counts[rng.choice(len(present), size=extra, replace=False)] += 1
     counts = np.bincount(labels)[present]
+    able = np.flatnonzero(counts > slots // len(present))  # classes with samples for one more shard
+    if np.any(counts < shard_counts) and extra <= len(able):
+        # The draw gave an extra shard to a class too small for it, although a feasible split exists: draw the
+        # extra shards again among the classes that can take one. This is the first draw conditioned on being
+        # feasible (rejection sampling), and a draw that was feasible stays as it was.
+        shard_counts[:] = slots // len(present)
+        shard_counts[rng.choice(able, size=extra, replace=False)] += 1
     bad = np.flatnonzero(counts < shard_counts)
     if bad.size:
         k = bad[0]
@@ -666,16 +705,29 @@ def from_file(
     file = Path(path).expanduser()
     if not path or not file.is_file():
         raise ValueError(f"partition.path must name a JSON or .npz file of per-client index lists, got {path!r}")
+    numbers = None  # the clients' numbers in a file that names them (npz keys, JSON object keys)
     try:
         if file.suffix == ".npz":
             with np.load(file, allow_pickle=False) as z:
                 keys = sorted((k for k in z.files if k.startswith("client_")), key=lambda k: int(k.split("_")[1]))
                 lists = [z[k] for k in keys]
+                numbers = [int(k.split("_")[1]) for k in keys]
         else:
             data = json.loads(file.read_text())
             lists = [data[k] for k in sorted(data, key=int)] if isinstance(data, dict) else data
+            numbers = sorted(int(k) for k in data) if isinstance(data, dict) else None
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"partition.path {path!r} is not a readable list of index lists ({e})") from e
+    if numbers is not None and numbers != list(range(len(numbers))):  # a gap would renumber the later clients
+        shown = ", ".join(map(str, numbers[:10])) + (", ..." if len(numbers) > 10 else "")
+        raise ValueError(
+            f"partition.path {path!r}: clients must be numbered 0 .. {len(numbers) - 1} without gaps, got {shown}"
+        )
+    if not isinstance(lists, list):  # a bare number, string or null: not a partition
+        raise ValueError(
+            f"partition.path {path!r} must hold a JSON list of per-client index lists (or an object of them "
+            f'keyed "0", "1", ...), got {type(lists).__name__}'
+        )
     n = len(labels)
     parts = [_index_list(p, i, n, path) for i, p in enumerate(lists)]
     if not parts:
