@@ -64,6 +64,16 @@ def test_random_compressors_are_unbiased(c, variance):
     assert not torch.equal(_draws(c, v, 1)[0], v)  # the draws do compress
 
 
+@pytest.mark.parametrize("scale", [1e-25, 1e20], ids=["tiny", "huge"])
+def test_qsgd_stays_unbiased_where_the_squared_norm_leaves_the_float_range(scale):
+    """Values whose squares underflow (or overflow) float32 still have a representable norm: QSGD keeps their
+    scale (a naive ||v||_2 is 0 or inf there, and the message decoded to zeros or NaN)."""
+    unit = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    mean = _draws(QSGD(levels=2), scale * unit, 2000).mean(0) / scale
+    # QSGD with s = 2: each coordinate's variance is at most ||v||^2 / (4 s^2); 5 standard errors of the mean
+    torch.testing.assert_close(mean, unit, rtol=0.0, atol=5 * float(unit.norm()) / 4 / 2000**0.5)
+
+
 @pytest.mark.parametrize("s", [1, 4])
 def test_qsgd_variance_is_the_stochastic_roundings_and_within_lemma_3_1(s):
     """QSGD's error is that of its stochastic rounding, E||Q(v) - v||^2 = sum_i (||v|| / s)^2 p_i (1 - p_i) with

@@ -129,7 +129,9 @@ class QSGD(Compressor):
             raise ConfigError(f"{KEY}.levels must be >= 1, got {self.levels}")
 
     def encode(self, v: torch.Tensor, rng: torch.Generator | None) -> Encoded:
-        s, norm = self.levels, v.norm()
+        s, norm, peak = self.levels, v.norm(), v.abs().max()
+        if (norm == 0 or norm.isinf()) and 0 < peak < math.inf:  # the squares under- or overflowed, not the norm
+            norm = (v / peak).norm() * peak
         u = torch.rand(len(v), generator=rng, dtype=v.dtype)  # drawn even for a zero vector: one stream use
         scaled = v.abs() / norm * s if norm > 0 else torch.zeros_like(v)
         low = scaled.floor()
