@@ -253,3 +253,30 @@ def test_a_solver_run_stops_on_a_metric_of_every_round_and_keeps_its_trace(tmp_p
     trace = (tmp_path / "stop" / "trace.csv").read_text().splitlines()
     assert trace[0] == "round,opt_gap,wall_seconds" and len(trace) == first + 2  # rounds 0..first
     assert [float(line.split(",")[1]) for line in trace[2:]] == gaps[:first]  # the same numbers as evaluated
+
+
+class _ExitAfter(Callback):
+    """Ends the process's run after round ``n`` (0-based), as a kill does: no summary, no on_end files."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def on_round_end(self, run, r):
+        if r == self.n:
+            raise SystemExit(1)
+
+
+def test_a_resumed_run_keeps_the_round_trace_up_to_its_checkpoint(toy_config, tmp_path):
+    # trace.csv was written only at the run's end and restarted empty on resume: a run killed at round 3 and
+    # resumed had a trace of rounds 4..6 only
+    toy_config.update(rounds=6, callbacks=[{"name": "round_trace", "keys": ["train_loss"]}])
+    toy_config["output"]["checkpoint_every"] = 1
+    fedweave.run(load(toy_config), run_dir=tmp_path / "full", progress=False)
+    with pytest.raises(SystemExit):
+        fedweave.run(load(toy_config), run_dir=tmp_path / "killed", progress=False, callbacks=[_ExitAfter(2)])
+    resume(tmp_path / "killed")
+
+    def trace(name):  # without the wall seconds
+        return [line.rsplit(",", 1)[0] for line in (tmp_path / name / "trace.csv").read_text().splitlines()]
+
+    assert len(trace("full")) == 7 and trace("killed") == trace("full")

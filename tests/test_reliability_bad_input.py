@@ -702,6 +702,16 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(checkpointed, kind, ca
 
 
 # ---- resume ------------------------------------------------------------------------------------------
+def test_resume_with_fewer_rounds_than_the_checkpoint_names_rounds(checkpointed, capsys):
+    # before: 'checkpoint.pt: next_round must be a round in [0, 1]', as if the intact checkpoint were damaged
+    _one_line_error(
+        capsys,
+        cli_main(["run", "--resume", str(checkpointed), "rounds=1", "--no-progress"]),
+        "rounds: 1 is below the round the checkpoint continues from (2); a resumed run may shorten the run down to "
+        "that round, not below: give rounds >= 2",
+    )
+
+
 def _numbers(rows):
     return [{k: v for k, v in r.items() if k != "wall_seconds"} for r in rows]
 

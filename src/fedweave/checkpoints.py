@@ -202,6 +202,17 @@ def load_checkpoint(
     if missing:
         raise CheckpointError(f"{file} is not a complete fedweave checkpoint (missing {', '.join(missing)})")
     nxt = ckpt["next_round"]
+    saved = ckpt.get("config")
+    if (
+        isinstance(nxt, int)
+        and isinstance(saved, dict)
+        and isinstance(saved.get("rounds"), int)
+        and config.rounds < nxt <= saved["rounds"]
+    ):  # an intact checkpoint, and a resume that asks for fewer rounds than it has run: the key is rounds
+        raise ConfigError(
+            f"rounds: {config.rounds} is below the round the checkpoint continues from ({nxt}); a resumed run may "
+            f"shorten the run down to that round, not below: give rounds >= {nxt}"
+        )
     if not isinstance(nxt, int) or isinstance(nxt, bool) or not 0 <= nxt <= config.rounds:
         raise CheckpointError(
             f"{file}: next_round must be a round in [0, {config.rounds}] (the config's rounds), got {nxt!r}"

@@ -276,7 +276,10 @@ class RoundTrace(Callback):
     """Keep the training metrics ``keys`` of every round (what an algorithm reports each round, e.g. the
     confederated methods' ``opt_gap`` and ``uploads``; the initial evaluation's values as round 0) with the
     run's wall seconds, and write them to the run directory's ``trace.csv`` at the end: a per-round curve
-    without evaluating every round."""
+    without evaluating every round. The file is also written at each checkpoint, and a resumed run keeps its
+    rows up to the checkpoint, as it keeps the metrics rows."""
+
+    FILE = "trace.csv"
 
     def __init__(self, keys: list[str]) -> None:
         self.keys = list(keys)
@@ -284,6 +287,16 @@ class RoundTrace(Callback):
 
     def on_start(self, run):
         self.rows = []
+        path = run.path / self.FILE
+        if run.resumed and path.is_file():
+            # the rows as written (strings, so they are written back byte for byte) up to the checkpoint's round
+            for row in csv.DictReader(io.StringIO(path.read_text())):
+                try:
+                    round_ = int(row.get("round") or "")
+                except ValueError:  # a line cut short when the run stopped
+                    continue
+                if round_ <= run.start_round:
+                    self.rows.append(row)
 
     def _add(self, run, round_: int, values: dict[str, Any]) -> None:
         self.rows.append({"round": round_, **{k: values.get(k) for k in self.keys}, "wall_seconds": run.wall()})
@@ -295,15 +308,22 @@ class RoundTrace(Callback):
     def after_training(self, run, r, metrics):
         self._add(run, r + 1, metrics)
 
+    def _write(self, run) -> None:
+        from fedweave.results import atomic_write
+
+        buf = io.StringIO()
+        # (a resumed run whose keys changed: a kept row's column no longer traced is left out)
+        w = csv.DictWriter(buf, ["round", *self.keys, "wall_seconds"], lineterminator="\n", extrasaction="ignore")
+        w.writeheader()
+        w.writerows(self.rows)
+        atomic_write(run.path / self.FILE, buf.getvalue())
+
+    def on_checkpoint(self, run, next_round):
+        self._write(run)  # a run killed after this checkpoint resumes with the rows up to it
+
     def on_end(self, run, summary):
         if summary is not None:
-            from fedweave.results import atomic_write
-
-            buf = io.StringIO()
-            w = csv.DictWriter(buf, ["round", *self.keys, "wall_seconds"], lineterminator="\n")
-            w.writeheader()
-            w.writerows(self.rows)
-            atomic_write(run.path / "trace.csv", buf.getvalue())
+            self._write(run)
 
 
 @CALLBACKS.register("budget")
