@@ -182,9 +182,10 @@ def test_a_genuine_batch_layout_still_loads(tmp_path):
         ({"name": "quantity_skew", "num_clients": 100, "alpha": 0.5}, r"partition\.num_clients"),
         ({"name": "dirichlet", "num_clients": 10, "alpha": 0.01, "min_size": 7}, r"partition\.min_size"),
         ({"name": "dirichlet_balanced", "num_clients": 61, "alpha": 0.1}, r"partition\.num_clients"),
-        ({"name": "iid", "num_clients": -3}, r"partition\.num_clients must be a non-negative integer"),
+        ({"name": "iid", "num_clients": -3}, r"partition\.num_clients must be a positive integer, got -3$"),
+        ({"name": "natural", "num_clients": -3}, r"must be a non-negative integer \(0 = one client per natural user\)"),
         ({"name": "iid", "num_clients": "many"}, r"partition\.num_clients"),
-        ({"name": "iid", "num_clients": 10.5}, r"partition\.num_clients must be a non-negative integer .*got 10\.5"),
+        ({"name": "iid", "num_clients": 10.5}, r"partition\.num_clients must be a positive integer, got 10\.5"),
         ({"name": "dirichlet", "num_clients": 5, "alpha": 1, "min_size": 2.5}, r"partition\.min_size .*got 2\.5"),
     ],
 )

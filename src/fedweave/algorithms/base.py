@@ -403,10 +403,12 @@ class RunContext:
         elif bins is not None:
             raise ConfigError("partition.bins applies to float targets only; these targets are class labels")
         if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 0:
-            raise ConfigError(
-                f"partition.num_clients must be a non-negative integer (0 = one client per natural user), "
-                f"got {num_clients!r}"
+            allowed = (
+                "a non-negative integer (0 = one client per natural user)"
+                if part.name == "natural"
+                else "a positive integer"
             )
+            raise ConfigError(f"partition.num_clients must be {allowed}, got {num_clients!r}")
         opts = check_options(fn, opts, "partition", skip=("labels", "num_clients", "rng", "users"), name=part.name)
         with _as_config_error("partition"):
             parts = fn(labels, num_clients, self.seeds.numpy("partition"), users=users, **opts)
@@ -789,10 +791,17 @@ def build_algorithm(ctx: RunContext) -> Algorithm:
             "(docs/compression.md); remove the section"
         )
     if ctx.config.compression.download is not None and not getattr(cls, "compresses_downloads", False):
+        why = (  # the reason where there is one to give
+            " (its asynchronous rounds keep no per-client copy of the server's model)"
+            if getattr(cls, "asynchronous", False)
+            else " (its clients' rule or update reads the server's model, not only where they start)"
+            if cls.family == "centralized"
+            else ""
+        )
         raise ConfigError(
-            f"compression.download: algorithm {section.name!r} ({cls.family}) does not compress its downloads yet (its "
-            "clients' rule or update reads the server's model, not only where they start); fedavg, the fedopt family, "
-            "fedsam, scaffold, fedcm and mofedsam do (docs/compression.md); remove compression.download"
+            f"compression.download: algorithm {section.name!r} ({cls.family}) does not compress its downloads yet"
+            f"{why}; fedavg, the fedopt family, fedsam, scaffold, fedcm and mofedsam do (docs/compression.md); "
+            "remove compression.download"
         )
     if cls.fixed_task and (ctx.config.task != type(ctx.config.task)() or ctx.objects.loss is not None):
         raise ConfigError(f"task: the {cls.family} family {cls.fixed_task}; leave the task section out")
