@@ -11,7 +11,9 @@ What a family does with the answers (docs/reliability.md):
 - a round in which nobody reports uses no client update (a star model stays as it was; a server with data
   of its own still takes its step); the family returns ``reported_clients = 0`` and the runner logs the
   round as skipped;
-- with policy ``late`` a straggler's update arrives ``delay_rounds`` rounds later (asynchronous families);
+- with policy ``late`` a straggler's update arrives ``delay_rounds`` rounds later (CSE-FSL with
+  ``server_order: event``, the one method that declares ``late``; FedAsync and FedBuff refuse it: on their
+  clock a slow upload is not late but arrives with its staleness);
 - a lost peer link carries nothing in either direction for the round; a server that misses a round neither
   sends nor receives and keeps its state.
 
