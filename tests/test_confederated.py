@@ -360,3 +360,20 @@ def test_a_dataset_passed_from_python_gets_its_own_problem(tmp_path):
     second = fedweave.run(cfg, dataset=data(2), run_dir=tmp_path / "second").algorithm
     assert torch.equal(second.problem.omega, alone.problem.omega) and torch.equal(second.x_star, alone.x_star)
     assert torch.equal(second.X, alone.X)
+
+
+@pytest.mark.parametrize(("split", "bad"), [("training", float("nan")), ("test", float("inf"))])
+def test_non_finite_features_are_refused_in_one_line(tmp_path, split, bad):
+    import fedweave
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(200, 6, generator=g)
+    y = (x[:, 0] > 0).long()
+    x[3 if split == "training" else 160, 2] = bad
+    cfg = {
+        "rounds": 1,
+        "output": {"progress": False, "plots": False},
+        "algorithm": {"name": "gt_saga", "num_servers": 3, "users_per_server": 2, "batch_size": 5},
+    }
+    with pytest.raises(ConfigError, match=f"dataset 'python': its {split} features hold NaN or infinite values"):
+        fedweave.run(cfg, dataset=(x[:150], y[:150], x[150:], y[150:]), run_dir=tmp_path)
