@@ -334,3 +334,46 @@ def test_the_objective_is_the_shared_logistic_loss():
     bce = LOSSES.get("bce_with_logits")().per_sample(pb.flat_x @ x, pb.flat_b).sum()
     want = (float(bce) + 0.5 * pb.kappa * pb.n * float(x @ x)) / pb.N
     assert pb.loss(x) == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def test_a_dataset_passed_from_python_gets_its_own_problem(tmp_path):
+    """The solved problem is memoized per data and options; two datasets passed from Python share the config's
+    name ``python``, so the second must not be handed the first one's problem (its samples, x* and f*)."""
+    import fedweave
+    from fedweave.algorithms.confederated import base as confed
+
+    def data(seed: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(200, 6, generator=g)
+        y = (x[:, 0] + 0.3 * torch.randn(200, generator=g) > 0).long()
+        return x[:150], y[:150], x[150:], y[150:]
+
+    cfg = {
+        "rounds": 2,
+        "output": {"progress": False, "plots": False},
+        "algorithm": {"name": "gt_saga", "num_servers": 3, "users_per_server": 2, "batch_size": 5},
+    }
+    confed._CACHE.clear()
+    alone = fedweave.run(cfg, dataset=data(2), run_dir=tmp_path / "alone").algorithm
+    confed._CACHE.clear()
+    fedweave.run(cfg, dataset=data(1), run_dir=tmp_path / "first")
+    second = fedweave.run(cfg, dataset=data(2), run_dir=tmp_path / "second").algorithm
+    assert torch.equal(second.problem.omega, alone.problem.omega) and torch.equal(second.x_star, alone.x_star)
+    assert torch.equal(second.X, alone.X)
+
+
+@pytest.mark.parametrize(("split", "bad"), [("training", float("nan")), ("test", float("inf"))])
+def test_non_finite_features_are_refused_in_one_line(tmp_path, split, bad):
+    import fedweave
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(200, 6, generator=g)
+    y = (x[:, 0] > 0).long()
+    x[3 if split == "training" else 160, 2] = bad
+    cfg = {
+        "rounds": 1,
+        "output": {"progress": False, "plots": False},
+        "algorithm": {"name": "gt_saga", "num_servers": 3, "users_per_server": 2, "batch_size": 5},
+    }
+    with pytest.raises(ConfigError, match=f"dataset 'python': its {split} features hold NaN or infinite values"):
+        fedweave.run(cfg, dataset=(x[:150], y[:150], x[150:], y[150:]), run_dir=tmp_path)

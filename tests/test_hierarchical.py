@@ -241,6 +241,15 @@ def test_server_as_client_trains_on_the_server_share_without_traffic():
     assert a.ledger.count(kind="model") == 2 * a.k  # the server's own job sends nothing
 
 
+@pytest.mark.parametrize("name", ["hier_fedavg", "hier_fedprox", "hier_scaffold"])
+@pytest.mark.parametrize("share", [0.0, 0.0005])  # 0.0005 of 600 samples rounds to none
+def test_server_as_client_without_server_data_is_refused(name, share):
+    # an empty server job would train nothing, yet count in SCAFFOLD's uniform mean of the Delta y (pulling x back
+    # toward x_r by k / (k + 1)), in its c update's 1 / (m + 1), in train_loss and in client_sgd_steps
+    with pytest.raises(ConfigError, match=r"algorithm\.server_data: 'client' .* no samples"):
+        _build(name=name, server_share=share, server_data="client")
+
+
 def test_example_configs_validate():
     from pathlib import Path
 

@@ -27,6 +27,7 @@ import torch
 import fedweave.data.datasets.cfl_logreg  # noqa: F401  (registers the paper's synthetic data)
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.algorithms.confederated.problem import build_problem
+from fedweave.byo import PYTHON, describe_dataset
 from fedweave.config import ConfigError, check_options
 from fedweave.faults import mixing_without
 from fedweave.registry import SAMPLERS
@@ -94,10 +95,13 @@ _CACHE: dict[tuple, tuple] = {}
 
 def _problem(ctx: RunContext, hp: ConfederatedHparams, rng: np.random.Generator) -> tuple:
     """(problem, x*, f*, L_f), memoized per data, distribution and problem options: sweeps over methods and
-    hyper-parameters on one problem pay the Newton solve once (the problem is never modified in place)."""
+    hyper-parameters on one problem pay the Newton solve once (the problem is never modified in place). The
+    data are told apart by the config's dataset section, and a dataset passed from Python by its contents."""
     cfg = ctx.config
+    # a dataset passed from Python is named ``python`` whatever it holds: its data's hash tells two apart
+    data = describe_dataset(ctx.dataset)["sha256"] if cfg.dataset.name == PYTHON else None
     key = (
-        cfg.dataset.name, repr(sorted(cfg.dataset.options.items())), cfg.seed, hp.num_servers,
+        cfg.dataset.name, repr(sorted(cfg.dataset.options.items())), data, cfg.seed, hp.num_servers,
         hp.users_per_server, hp.batch_size, hp.kappa, hp.feature_scaling, hp.intercept,
     )  # fmt: skip
     if key not in _CACHE:

@@ -175,6 +175,12 @@ def build_problem(
     y, ty = ds.train_y.to(torch.float64), ds.test_y.to(torch.float64)
     if not bool(((y == 0) | (y == 1)).all()):
         raise ConfigError(f"dataset {ds.name!r}: labels must be 0 or 1")
+    for split, feats in (("training", x), ("test", tx)):  # else L_f's eigensolver or Newton fails on them
+        if not bool(torch.isfinite(feats).all()):
+            raise ConfigError(
+                f"dataset {ds.name!r}: its {split} features hold NaN or infinite values; the confederated family "
+                "solves eq. (48) on finite features only"
+            )
     x, tx = _scale(x, tx, feature_scaling)
     if intercept:
         x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], 1)

@@ -531,6 +531,13 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
 
     def __init__(self, ctx: RunContext, hp: AveragingHparams) -> None:
         super().__init__(ctx, hp)
+        if hp.server_data == "client" and len(self.data.server) == 0:
+            # an empty job trains nothing, yet it would count in a plain mean, in train_loss and in the step counters
+            raise ConfigError(
+                f"algorithm.server_data: 'client' trains the server's share as a client, but that share has no samples "
+                f"(algorithm.server_share {hp.server_share} of {self.data.num_train}); raise server_share or use "
+                "server_data 'none'"
+            )
         self.compression = upload_compression(ctx, self.dim, self.m)  # None unless compression.upload is set
         # a robust aggregator; None: the mean
         # checked against every count of clients the sampler gives in a round (a fixed or schedule sampler's own)
