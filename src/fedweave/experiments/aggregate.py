@@ -125,5 +125,11 @@ def diverged(key: str) -> Stat:
 
 
 def ranks(values: dict[Any, float]) -> dict[Any, int]:
-    """The rank of each key by its value: 1 the largest; equal values keep the order given."""
-    return {k: i + 1 for i, k in enumerate(sorted(values, key=lambda k: -values[k]))}
+    """The rank of each key by its value: 1 the largest; equal values keep the order given; a NaN (a cell whose
+    every seed diverged) ranks after every number."""
+
+    def order(k: Any) -> tuple[bool, float]:  # a NaN compares false with everything and would scramble the sort
+        nan = math.isnan(values[k])
+        return nan, 0.0 if nan else -values[k]
+
+    return {k: i + 1 for i, k in enumerate(sorted(values, key=order))}
