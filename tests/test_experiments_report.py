@@ -493,3 +493,20 @@ def test_report_of_a_hand_edited_sweep_baseline_is_one_line(toy_config, tmp_path
     assert cli_main(["report", str(res.out_dir), "--out", str(tmp_path / "r.html")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and said in err and "sweep.json" in err
+
+
+@pytest.mark.parametrize(
+    "mean, std, text",
+    [
+        (0.8435, 0.0441, "0.844 ± 0.044"),
+        (85.3, 0.25, "85.30 ± 0.25"),
+        # a std that rounds up to the next power of ten keeps two significant digits: 0.0996 is 0.10, not 0.100
+        (0.8, 0.0996, "0.80 ± 0.10"),
+        (0.81, 0.00996, "0.810 ± 0.010"),
+        (85.3, 9.97, "85 ± 10"),
+    ],
+)
+def test_the_summary_cell_gives_the_std_to_two_significant_digits(mean, std, text):
+    from fedweave.experiments.report import _pm
+
+    assert _pm(mean, std, 3) == text

@@ -23,3 +23,13 @@ def test_without_best_columns_it_is_layout():
     cols = [Col("method", "m"), Col("acc", "acc", ".1f"), Best("key", "m", key=lambda r: -r["acc"])]
     assert bold_layout(cols[:2], ROWS) == layout(cols[:2], ROWS)
     assert bold_layout(cols, ROWS).splitlines()[2] == "| a | 71.0 | **a** |"  # the key decides, not the cell
+
+
+def test_a_cell_that_diverged_on_every_seed_is_never_the_best():
+    # a NaN mean (every seed diverged) compares false with everything: max() kept it when it came first
+    from fedweave.experiments.tables import bold_best
+
+    nan = float("nan")
+    assert bold_best(["a", "b", "c"], [nan, 0.8, 0.9]) == ["a", "b", "**c**"]
+    assert bold_best(["a", "b", "c"], [0.8, nan, 0.7], min) == ["a", "b", "**c**"]
+    assert bold_best(["a", "b"], [nan, nan]) == ["a", "b"]  # nothing finished: nothing in bold

@@ -23,3 +23,11 @@ def test_a_difference_found_with_80_percent_power_is_held_by_the_paired_t_that_o
     )
     # two-sided power: the lower tail is negligible at this delta, so the one-sided rejections are the power
     assert held / draws == pytest.approx(0.8, abs=0.03)
+
+
+def test_the_two_sided_power_is_the_same_for_a_loss_as_for_a_gain():
+    # the two-sided test rejects a mean difference -delta as often as +delta: its power is even in delta,
+    # also past the noncentrality (|nc| > 10) where the far tail is dropped
+    for delta in (0.5, 1.0, 5.0, 20.0):
+        assert paired_power(-delta, 1.0, 5) == pytest.approx(paired_power(delta, 1.0, 5), rel=1e-12)
+    assert paired_power(-5.0, 1.0, 5) == pytest.approx(1.0, abs=1e-6)

@@ -17,7 +17,9 @@ def mean_std(values: list[float], ddof: int = 1) -> tuple[float, float]:
     xs = np.asarray([float(v) for v in values if v is not None], dtype=float)
     if len(xs) == 0:
         return math.nan, math.nan
-    return float(xs.mean()), float(xs.std(ddof=ddof)) if len(xs) > 1 else 0.0
+    if len(xs) == 1:  # one value has no spread, unless it is NaN: no run's value, no spread either
+        return float(xs[0]), math.nan if math.isnan(xs[0]) else 0.0
+    return float(xs.mean()), float(xs.std(ddof=ddof))
 
 
 def group(records: list[Any], key: Callable[[Any], Any]) -> dict[Any, list[Any]]:
@@ -123,5 +125,11 @@ def diverged(key: str) -> Stat:
 
 
 def ranks(values: dict[Any, float]) -> dict[Any, int]:
-    """The rank of each key by its value: 1 the largest; equal values keep the order given."""
-    return {k: i + 1 for i, k in enumerate(sorted(values, key=lambda k: -values[k]))}
+    """The rank of each key by its value: 1 the largest; equal values keep the order given; a NaN (a cell whose
+    every seed diverged) ranks after every number."""
+
+    def order(k: Any) -> tuple[bool, float]:  # a NaN compares false with everything and would scramble the sort
+        nan = math.isnan(values[k])
+        return nan, 0.0 if nan else -values[k]
+
+    return {k: i + 1 for i, k in enumerate(sorted(values, key=order))}

@@ -263,7 +263,8 @@ def _pm(mean: float, std: float, n: int) -> str:
         return f"{mean:.4g}"
     if std == 0 or math.isnan(std):
         return f"{mean:.4g} ± 0"
-    decimals = max(0, 1 - math.floor(math.log10(abs(std))))
+    # the decimals of the std rounded to two significant digits: 0.0996 rounds to 0.10 (2 decimals), not 0.100
+    decimals = max(0, 1 - math.floor(math.log10(abs(float(f"{std:.2g}")))))
     return f"{mean:.{decimals}f} ± {std:.{decimals}f}"
 
 

@@ -149,8 +149,10 @@ def pm_of(key: str, **fmt: Any) -> Callable[[Sequence[Mapping[str, Any]]], str]:
 
 def bold_best(cells: Sequence[str], values: Sequence[float], best: Callable = max) -> list[str]:
     """``cells`` with the one of the best value (``best``: the largest by default, the first of equal ones)
-    in bold."""
-    top = best(range(len(values)), key=values.__getitem__)
+    in bold; a NaN value (a cell whose every seed diverged) is never the best, and none is bold when all are."""
+    # a NaN compares false with everything, so max/min would keep one that came first
+    scored = [i for i, v in enumerate(values) if not (isinstance(v, float) and math.isnan(v))]
+    top = best(scored, key=values.__getitem__) if scored else None
     return [f"**{c}**" if i == top else c for i, c in enumerate(cells)]
 
 

@@ -448,7 +448,9 @@ def paired_power(delta: float, sd: float, n: int, level: float = 0.95) -> float:
     from scipy import stats
 
     crit = stats.t.ppf((1 + level) / 2, n - 1)
-    nc = delta * np.sqrt(n) / sd
+    # the two-sided power is even in delta: a loss is found as often as a gain of the same size, so the
+    # noncentrality is taken positive (and the far tail below is the negligible one)
+    nc = abs(delta) * np.sqrt(n) / sd
     # the lower tail is below 1e-9 once nc > 10, where scipy's cdf can return NaN
     return float(stats.nct.sf(crit, n - 1, nc) + (stats.nct.cdf(-crit, n - 1, nc) if abs(nc) < 10 else 0.0))
 
