@@ -255,3 +255,17 @@ def test_faults_that_hit_nobody_change_nothing(method):
         mb.pop(key, None)
     assert ma == mb
     assert math.isclose(a.ledger.summary()["bytes_up"], b.ledger.summary()["bytes_up"])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_smashed_uploads_per_client_stays_cumulative_under_dropout(method):
+    """The cumulative smashed uploads per client count the uploads so far over the clients a round schedules:
+    a round with fewer reporters must not inflate (nor a later one shrink) the count of the earlier rounds."""
+    algo = make(opts(method), {"dropout": 0.5}, clients=5)
+    seen = []
+    for r in range(6):
+        m = algo.run_round(r)
+        if "smashed_uploads_per_client" in m:
+            seen.append(m["smashed_uploads_per_client"])
+            assert m["smashed_uploads_per_client"] == algo.ledger.count(kind="smashed") / 5
+    assert len(seen) >= 4 and seen == sorted(seen)
