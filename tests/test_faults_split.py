@@ -269,3 +269,15 @@ def test_smashed_uploads_per_client_stays_cumulative_under_dropout(method):
             seen.append(m["smashed_uploads_per_client"])
             assert m["smashed_uploads_per_client"] == algo.ledger.count(kind="smashed") / 5
     assert len(seen) >= 4 and seen == sorted(seen)
+
+
+@pytest.mark.parametrize(("policy", "order"), [("drop", "ordered"), ("late", "event")])
+def test_cse_fsl_round_time_ends_at_the_deadline(policy, order):
+    """With a deadline the fed server aggregates at the deadline and the next round starts then (late uploads
+    are timed from it), so a client still training past it does not lengthen the simulated round."""
+    faults = {"deadline": 0.8, "speed_sigma": 0.6, "straggler_policy": policy}
+    algo = make({"name": "cse_fsl", "h": 2, "server_order": order}, faults, clients=5)
+    late = Faults(algo.config.faults, Seeds(0)).late(0, np.arange(5), algo.client_work(0, np.arange(5)))
+    assert late.any()  # the seed gives clients whose epoch ends past the deadline
+    m = algo.run_round(0)
+    assert m["sim_round_time"] <= 0.8  # server steps take no time here: the round ends by the deadline
