@@ -255,3 +255,29 @@ def test_faults_that_hit_nobody_change_nothing(method):
         mb.pop(key, None)
     assert ma == mb
     assert math.isclose(a.ledger.summary()["bytes_up"], b.ledger.summary()["bytes_up"])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_smashed_uploads_per_client_stays_cumulative_under_dropout(method):
+    """The cumulative smashed uploads per client count the uploads so far over the clients a round schedules:
+    a round with fewer reporters must not inflate (nor a later one shrink) the count of the earlier rounds."""
+    algo = make(opts(method), {"dropout": 0.5}, clients=5)
+    seen = []
+    for r in range(6):
+        m = algo.run_round(r)
+        if "smashed_uploads_per_client" in m:
+            seen.append(m["smashed_uploads_per_client"])
+            assert m["smashed_uploads_per_client"] == algo.ledger.count(kind="smashed") / 5
+    assert len(seen) >= 4 and seen == sorted(seen)
+
+
+@pytest.mark.parametrize(("policy", "order"), [("drop", "ordered"), ("late", "event")])
+def test_cse_fsl_round_time_ends_at_the_deadline(policy, order):
+    """With a deadline the fed server aggregates at the deadline and the next round starts then (late uploads
+    are timed from it), so a client still training past it does not lengthen the simulated round."""
+    faults = {"deadline": 0.8, "speed_sigma": 0.6, "straggler_policy": policy}
+    algo = make({"name": "cse_fsl", "h": 2, "server_order": order}, faults, clients=5)
+    late = Faults(algo.config.faults, Seeds(0)).late(0, np.arange(5), algo.client_work(0, np.arange(5)))
+    assert late.any()  # the seed gives clients whose epoch ends past the deadline
+    m = algo.run_round(0)
+    assert m["sim_round_time"] <= 0.8  # server steps take no time here: the round ends by the deadline

@@ -655,7 +655,9 @@ class SplitAlgorithm(Algorithm):
             **out,
             "server_steps": steps,
             "server_copies": self.server_copies,
-            "smashed_uploads_per_client": led.count(kind="smashed") / max(n, 1),  # cumulative
+            # cumulative, over the clients a round schedules (the sampler's mean): not this round's reporters,
+            # whose number changes with the faults and would rescale the earlier rounds' uploads
+            "smashed_uploads_per_client": led.count(kind="smashed") / (self.sampler.expected() or 1),
             "load_bytes": load,  # Table V load: smashed + gradients + models, labels excluded
             "storage_params": self.server_copies * self.ls.numel + n * per,  # Table V convention
             "storage_params_streaming": self.server_copies * self.ls.numel + per,  # running-sum aggregation
