@@ -83,6 +83,15 @@ def test_graph_random_kinds_connected_and_seeded():
         assert nx.is_connected(a)
 
 
+def test_small_world_refuses_an_odd_degree_it_would_round_down():
+    """Watts-Strogatz joins each node to k // 2 ring neighbours on either side: an odd ``degree`` built a graph of
+    degree - 1 without a word (degree 3 gave a plain ring of degree 2)."""
+    with pytest.raises(ConfigError, match=r"^algorithm.degree must be even and in \[2, 11\] for small_world, got 3"):
+        build_graph("small_world", 12, 0, degree=3, rewire_prob=0.0)
+    g = build_graph("small_world", 12, 0, degree=4, rewire_prob=0.0)
+    assert {d for _, d in g.degree()} == {4}
+
+
 def test_graph_edge_list_file(tmp_path):
     f = tmp_path / "edges.txt"
     f.write_text("# a path\n0 1\n1 2\n2 3  # last\n")
