@@ -564,6 +564,24 @@ def test_plugins_accept_afind_selection(algo_name):
     assert algo.ledger.count(kind="feature_proxy") == 2 * 8 * 7
 
 
+def test_federico_e_step_survives_losses_whose_exponentials_underflow():
+    """pi_ij exp(-L_ij) underflows to 0 for every received model once the losses pass ~745 (a regression on raw
+    targets): the normalized E-step divided 0 by 0 and every weight, then every model, became NaN. The ratios are
+    those of exp(-(L_ij - min_j L_ij)), which is what it computes now."""
+    algo = build("federico", neighbours=3)
+    g = torch.Generator().manual_seed(0)
+    algo.W.mul_(300.0).add_(torch.randn(algo.W.shape, generator=g) * 30.0)  # distinct models, losses in the 1e4s
+    pi0, W0 = algo.pi.clone(), algo.W.clone()
+    algo.run_round(0)
+    assert torch.isfinite(algo.pi).all() and torch.isfinite(algo.W).all()
+    assert torch.allclose(algo.pi.sum(1), torch.ones(algo.num_clients, dtype=torch.float64))
+    i = 0
+    group = np.flatnonzero(~algo.tracked[i].isnan().numpy()).tolist()  # i and the models it scored
+    L = algo.proxy.model_losses(W0[group], i)
+    post = pi0[i, group] * torch.exp(-(L - L.min()))
+    assert torch.allclose(algo.pi[i, group] / algo.pi[i, group].sum(), post / post.sum())
+
+
 def test_fomo_moves_towards_models_that_lower_the_local_loss():
     algo = build("fomo", neighbours=3, greedy=0.0)
     W0 = algo.W.clone()
