@@ -195,6 +195,9 @@ UNREAD = [  # (method, options, the family option it would not read, that option
     ("afind_plus", {"aggregation": "uniform", "loss_gamma": 0.5}, "loss_gamma", 0.9),
     ("afind_plus", {"aggregation": "uniform", "loss_smoothing": "ema_rounds"}, "loss_smoothing", "eq15"),
     ("afind_plus", {"head_epochs": 2}, "head_epochs", 1),
+    # FOMO weighs what it receives by its own first-order weights u~, not the afind plug-in's Boltzmann weights
+    ("fomo", {"selection": "afind", "boltzmann_T": 2.0}, "boltzmann_T", 1.0),
+    ("fomo", {"selection": "afind", "boltzmann_weights": False}, "boltzmann_weights", True),
 ]  # fmt: skip
 
 

@@ -62,6 +62,12 @@ class Fomo(GraphAlgorithm):
         # theta_i' is trained, yet the update theta_i + sum_j u~_ij (theta_j - theta_i) reads the round-start theta_i
         self.hold("start_model", self.model_bytes)
 
+    def unread_options(self, hp: FomoHparams) -> dict[str, str]:
+        if hp.selection != "afind":  # random and topk refuse the Boltzmann options themselves (SelectionHparams)
+            return {}
+        why = "fomo weighs what it receives by its first-order weights u~, not the afind plug-in's Boltzmann weights"
+        return {"boltzmann_T": why, "boltzmann_weights": why}
+
     def _native(self, r: int, i: int) -> np.ndarray:
         rng = self.seeds.numpy("neighbour_selection", r, i)
         if rng.random() < self.hp.greedy:  # top-k by affinity, of which the reachable ones answer
