@@ -83,6 +83,15 @@ def test_graph_random_kinds_connected_and_seeded():
         assert nx.is_connected(a)
 
 
+def test_small_world_refuses_an_odd_degree_it_would_round_down():
+    """Watts-Strogatz joins each node to k // 2 ring neighbours on either side: an odd ``degree`` built a graph of
+    degree - 1 without a word (degree 3 gave a plain ring of degree 2)."""
+    with pytest.raises(ConfigError, match=r"^algorithm.degree must be even and in \[2, 11\] for small_world, got 3"):
+        build_graph("small_world", 12, 0, degree=3, rewire_prob=0.0)
+    g = build_graph("small_world", 12, 0, degree=4, rewire_prob=0.0)
+    assert {d for _, d in g.degree()} == {4}
+
+
 def test_graph_edge_list_file(tmp_path):
     f = tmp_path / "edges.txt"
     f.write_text("# a path\n0 1\n1 2\n2 3  # last\n")
@@ -186,6 +195,9 @@ UNREAD = [  # (method, options, the family option it would not read, that option
     ("afind_plus", {"aggregation": "uniform", "loss_gamma": 0.5}, "loss_gamma", 0.9),
     ("afind_plus", {"aggregation": "uniform", "loss_smoothing": "ema_rounds"}, "loss_smoothing", "eq15"),
     ("afind_plus", {"head_epochs": 2}, "head_epochs", 1),
+    # FOMO weighs what it receives by its own first-order weights u~, not the afind plug-in's Boltzmann weights
+    ("fomo", {"selection": "afind", "boltzmann_T": 2.0}, "boltzmann_T", 1.0),
+    ("fomo", {"selection": "afind", "boltzmann_weights": False}, "boltzmann_weights", True),
 ]  # fmt: skip
 
 
@@ -553,6 +565,24 @@ def test_plugins_accept_afind_selection(algo_name):
         stats = algo.run_round(r)
     assert stats["selected_mean"] < 7  # the threshold keeps only part of the available neighbours
     assert algo.ledger.count(kind="feature_proxy") == 2 * 8 * 7
+
+
+def test_federico_e_step_survives_losses_whose_exponentials_underflow():
+    """pi_ij exp(-L_ij) underflows to 0 for every received model once the losses pass ~745 (a regression on raw
+    targets): the normalized E-step divided 0 by 0 and every weight, then every model, became NaN. The ratios are
+    those of exp(-(L_ij - min_j L_ij)), which is what it computes now."""
+    algo = build("federico", neighbours=3)
+    g = torch.Generator().manual_seed(0)
+    algo.W.mul_(300.0).add_(torch.randn(algo.W.shape, generator=g) * 30.0)  # distinct models, losses in the 1e4s
+    pi0, W0 = algo.pi.clone(), algo.W.clone()
+    algo.run_round(0)
+    assert torch.isfinite(algo.pi).all() and torch.isfinite(algo.W).all()
+    assert torch.allclose(algo.pi.sum(1), torch.ones(algo.num_clients, dtype=torch.float64))
+    i = 0
+    group = np.flatnonzero(~algo.tracked[i].isnan().numpy()).tolist()  # i and the models it scored
+    L = algo.proxy.model_losses(W0[group], i)
+    post = pi0[i, group] * torch.exp(-(L - L.min()))
+    assert torch.allclose(algo.pi[i, group] / algo.pi[i, group].sum(), post / post.sum())
 
 
 def test_fomo_moves_towards_models_that_lower_the_local_loss():

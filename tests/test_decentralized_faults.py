@@ -206,3 +206,16 @@ def test_faults_that_hit_nobody_change_no_number(algo, tmp_path):
     idle = run(load(config(algo, {"outage_rounds": [99]}, rounds=3)), run_dir=tmp_path / "idle", progress=False)
     keys = ("test_accuracy", "test_loss", "bytes_total")
     assert [[r[k] for k in keys] for r in clean.metrics] == [[r[k] for k in keys] for r in idle.metrics]
+
+
+def test_fomo_greedy_choice_contacts_its_fault_free_top_k_under_link_loss():
+    """FOMO's greedy branch contacts the top-k of its graph neighbours by affinity, k = min(neighbours, degree) as
+    without faults, and keeps those that are reachable. It took k from the random pool after the fault filter, so a
+    lost link to a random peer it never contacts shrank the top-k it asked (often to none)."""
+    algo = build("fomo", {"link_loss": 0.5}, greedy=1.0)
+    for r in range(3):
+        for i in range(algo.num_clients):
+            nb = algo.neighbours[i]
+            top = np.sort(nb[np.argsort(-algo.affinity[i, nb].numpy(), kind="stable")[: min(3, len(nb))]])
+            assert np.array_equal(algo._native(r, i), algo.reachable(r, i, top)), (r, i)
+        algo.run_round(r)

@@ -92,8 +92,10 @@ def build_graph(
             )
         g = nx.random_regular_graph(degree, m, seed=seed)
     elif topology == "small_world":
-        if not 2 <= degree < m:
-            raise ConfigError(f"algorithm.degree must be in [2, {m - 1}] for small_world, got {degree}")
+        # Watts-Strogatz joins each node to degree // 2 ring neighbours on either side: an odd degree would
+        # silently build a graph of degree - 1
+        if not 2 <= degree < m or degree % 2:
+            raise ConfigError(f"algorithm.degree must be even and in [2, {m - 1}] for small_world, got {degree}")
         if not 0 <= rewire_prob <= 1:
             raise ConfigError(f"algorithm.rewire_prob must be in [0, 1], got {rewire_prob}")
         g = nx.connected_watts_strogatz_graph(m, degree, rewire_prob, tries=1000, seed=seed)

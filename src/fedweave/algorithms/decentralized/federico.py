@@ -85,6 +85,8 @@ class FedeRiCo(GraphAlgorithm):
             old = self.tracked[i, group]
             self.tracked[i, group] = torch.where(old.isnan(), losses, (1 - b) * old + b * losses)
             post = self.pi[i, group] * torch.exp(-self.tracked[i, group])  # E-step
+            if not post.sum() > 0:  # every exp(-L) underflowed (losses above ~745): the same ratios, shifted
+                post = self.pi[i, group] * torch.exp(-(self.tracked[i, group] - self.tracked[i, group].min()))
             self.pi[i, group] = post / post.sum() * self.pi[i, group].sum()
             self.pi[i] /= self.pi[i].sum()
             wts = self.on_device(self.pi[i, group] / self.pi[i, group].sum(), W0)

@@ -62,13 +62,22 @@ class Fomo(GraphAlgorithm):
         # theta_i' is trained, yet the update theta_i + sum_j u~_ij (theta_j - theta_i) reads the round-start theta_i
         self.hold("start_model", self.model_bytes)
 
+    def unread_options(self, hp: FomoHparams) -> dict[str, str]:
+        if hp.selection != "afind":  # random and topk refuse the Boltzmann options themselves (SelectionHparams)
+            return {}
+        why = "fomo weighs what it receives by its first-order weights u~, not the afind plug-in's Boltzmann weights"
+        return {"boltzmann_T": why, "boltzmann_weights": why}
+
     def _native(self, r: int, i: int) -> np.ndarray:
-        avail = self.available(r, i)
-        k = len(avail) if self.hp.select_k is None else min(self.hp.select_k, len(avail))
         rng = self.seeds.numpy("neighbour_selection", r, i)
         if rng.random() < self.hp.greedy:  # top-k by affinity, of which the reachable ones answer
+            # k as without faults: which random peers are unreachable has no bearing on the top-k contacted
             nb = self.neighbours[i]
+            budget = min(self.hp.neighbours, len(nb))
+            k = budget if self.hp.select_k is None else min(self.hp.select_k, budget)
             return self.reachable(r, i, np.sort(nb[np.argsort(-self.affinity[i, nb].numpy(), kind="stable")[:k]]))
+        avail = self.available(r, i)
+        k = len(avail) if self.hp.select_k is None else min(self.hp.select_k, len(avail))
         return np.sort(rng.choice(avail, size=k, replace=False)) if k < len(avail) else avail
 
     def run_round(self, r: int) -> dict[str, float]:
