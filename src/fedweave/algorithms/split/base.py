@@ -732,6 +732,12 @@ class TimedSplit(SplitAlgorithm):
             return float(self.faults.arrival_times(r, [client], self.client_work(r, [client]))[0])
         return batches * self.batch_time(client)
 
+    def training_end(self, r: int, client: int, batches: int) -> float:
+        """Until when round ``r`` waits for client ``client``'s training: its :meth:`finish_time`, cut at the
+        deadline (the fed server stops waiting then; the next round starts at it)."""
+        done = self.finish_time(r, client, batches)
+        return min(done, self.config.faults.deadline) if self.timed else done
+
     def dropped(self, r: int, clients: np.ndarray) -> np.ndarray:
         """Boolean mask over ``clients``: True for those that drop out of round ``r`` (train and send nothing)."""
         return self.faults.dropped(r, clients) if self.faulty else np.zeros(len(clients), dtype=bool)

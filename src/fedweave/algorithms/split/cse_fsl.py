@@ -118,9 +118,7 @@ class CSEFSL(TimedSplit):
                 queue.extend(up)
                 if up:
                     delivered.add(i)
-                # with a deadline the fed server stops waiting then (the next round starts at it)
-                done = self.finish_time(r, i, ep.batches)
-                client_end = max(client_end, min(done, self.config.faults.deadline) if self.timed else done)
+                client_end = max(client_end, self.training_end(r, i, ep.batches))
                 xc_rows[k], xa_rows[k] = ep.xc, ep.xa
                 if on_time is None or i in on_time:
                     arrived.append(k)
