@@ -354,6 +354,22 @@ def test_sample_level_epsilon_is_opacus_per_client_at_rate_batch_over_size(toy_c
     assert (steps == took).all()
 
 
+def test_sample_level_epsilon_is_the_worst_clients_not_that_of_the_client_with_the_most_steps(toy_config, tmp_path):
+    """summary.json's epsilon is the largest over the clients, each at its own (q_i = B / n_i, steps_i): a small
+    client (large q_i, few steps) can spend more than the client with ``max_local_steps`` (small q_i), so the
+    epsilon reported is not that client's (docs/privacy.md, "Where epsilon appears")."""
+    res = run(load(_sample_level(toy_config, "loop")), run_dir=tmp_path / "r")
+    algo, summary = res.algorithm, res.summary["privacy"]
+    sizes = np.array([len(p) for p in algo.ctx.partition])
+    steps = algo.privacy.trainer.steps_done
+    per_client = {c: _opacus_epsilon("rdp", 1.5, min(1.0, 16 / n), int(s), 1e-5)
+                  for c, (n, s) in enumerate(zip(sizes, steps)) if s}  # fmt: skip
+    most_steps = int(np.argmax(steps))
+    assert summary["max_local_steps"] == steps[most_steps]
+    assert summary["epsilon"] == max(per_client.values())
+    assert summary["epsilon"] > per_client[most_steps]  # the worst client is another one
+
+
 def test_the_sam_methods_are_refused_at_sample_level(toy_config):
     cfg = _cfg(
         toy_config, {"level": "sample"}, sampler="bernoulli", algorithm={"name": "fedsam", "clients_per_round": 4}
