@@ -378,6 +378,27 @@ def test_the_sam_methods_are_refused_at_sample_level(toy_config):
         _built(cfg)
 
 
+def test_a_batchnorm_model_is_refused_at_sample_level(toy_config):
+    """DP-SGD's per-sample gradients run the model on one sample at a time, so a BatchNorm layer (batch statistics)
+    would normalize each sample by itself: without noise and clipping the step is not plain SGD's (it is for the
+    same model without BatchNorm, to rounding). Refused in one line; user-level DP (whole updates) still runs."""
+    cfg = _cfg(toy_config, rounds=1, precision="float64", dataset={"name": "_toy", "side": 28},
+               local={"steps": 2, "batch_size": 8, "lr": 0.05})  # fmt: skip
+    plain, private = (
+        dict(cfg, model={"name": "cnn_mnist"}),
+        _cfg(cfg, {"level": "sample", "clip": 1e30, "noise_multiplier": 0.0}),
+    )
+    private["model"] = {"name": "cnn_mnist"}
+    a, b = _built(plain), _built(private)
+    torch.testing.assert_close(_rounds(b, 1), _rounds(a, 1), rtol=1e-10, atol=1e-12)
+    with pytest.raises(
+        ConfigError, match=r"^privacy.level: sample: the model has BatchNorm2d layers.*privacy.level: user$"
+    ):
+        _built(dict(private, model={"name": "cnn_mnist", "norm": "batch"}))
+    user = _cfg(cfg, {"noise_multiplier": 1.0}, sampler="bernoulli", model={"name": "cnn_mnist", "norm": "batch"})
+    assert _built(user).privacy is not None
+
+
 # ---- outputs ------------------------------------------------------------------------------------
 def test_the_report_and_the_list_show_privacy(toy_config, tmp_path, capsys):
     from fedweave.cli import main
