@@ -354,12 +354,49 @@ def test_sample_level_epsilon_is_opacus_per_client_at_rate_batch_over_size(toy_c
     assert (steps == took).all()
 
 
+def test_sample_level_epsilon_is_the_worst_clients_not_that_of_the_client_with_the_most_steps(toy_config, tmp_path):
+    """summary.json's epsilon is the largest over the clients, each at its own (q_i = B / n_i, steps_i): a small
+    client (large q_i, few steps) can spend more than the client with ``max_local_steps`` (small q_i), so the
+    epsilon reported is not that client's (docs/privacy.md, "Where epsilon appears")."""
+    res = run(load(_sample_level(toy_config, "loop")), run_dir=tmp_path / "r")
+    algo, summary = res.algorithm, res.summary["privacy"]
+    sizes = np.array([len(p) for p in algo.ctx.partition])
+    steps = algo.privacy.trainer.steps_done
+    per_client = {c: _opacus_epsilon("rdp", 1.5, min(1.0, 16 / n), int(s), 1e-5)
+                  for c, (n, s) in enumerate(zip(sizes, steps)) if s}  # fmt: skip
+    most_steps = int(np.argmax(steps))
+    assert summary["max_local_steps"] == steps[most_steps]
+    assert summary["epsilon"] == max(per_client.values())
+    assert summary["epsilon"] > per_client[most_steps]  # the worst client is another one
+
+
 def test_the_sam_methods_are_refused_at_sample_level(toy_config):
     cfg = _cfg(
         toy_config, {"level": "sample"}, sampler="bernoulli", algorithm={"name": "fedsam", "clients_per_round": 4}
     )
     with pytest.raises(ConfigError, match=r"^privacy.level: sample with algorithm 'fedsam'"):
         _built(cfg)
+
+
+def test_a_batchnorm_model_is_refused_at_sample_level(toy_config):
+    """DP-SGD's per-sample gradients run the model on one sample at a time, so a BatchNorm layer (batch statistics)
+    would normalize each sample by itself: without noise and clipping the step is not plain SGD's (it is for the
+    same model without BatchNorm, to rounding). Refused in one line; user-level DP (whole updates) still runs."""
+    cfg = _cfg(toy_config, rounds=1, precision="float64", dataset={"name": "_toy", "side": 28},
+               local={"steps": 2, "batch_size": 8, "lr": 0.05})  # fmt: skip
+    plain, private = (
+        dict(cfg, model={"name": "cnn_mnist"}),
+        _cfg(cfg, {"level": "sample", "clip": 1e30, "noise_multiplier": 0.0}),
+    )
+    private["model"] = {"name": "cnn_mnist"}
+    a, b = _built(plain), _built(private)
+    torch.testing.assert_close(_rounds(b, 1), _rounds(a, 1), rtol=1e-10, atol=1e-12)
+    with pytest.raises(
+        ConfigError, match=r"^privacy.level: sample: the model has BatchNorm2d layers.*privacy.level: user$"
+    ):
+        _built(dict(private, model={"name": "cnn_mnist", "norm": "batch"}))
+    user = _cfg(cfg, {"noise_multiplier": 1.0}, sampler="bernoulli", model={"name": "cnn_mnist", "norm": "batch"})
+    assert _built(user).privacy is not None
 
 
 # ---- outputs ------------------------------------------------------------------------------------

@@ -115,6 +115,27 @@ def test_epsilon_is_opacus_called_directly_with_poisson_sampling(tmp_path, accou
     assert res.summary["privacy"]["expected_clients"] == 3
 
 
+def test_the_split_samplers_are_accounted_as_the_stars():
+    """q = 1 for fixed clients, every client every round and any sampler under amplification: none; the default
+    fixed-size uniform sample of fewer clients than N is refused in one line, as for the star (docs/privacy.md)."""
+    privacy = {"noise_multiplier": 1.0, "clip": 0.5}
+    with pytest.raises(
+        ConfigError, match=r"^privacy: sampler 'uniform' draws a fixed-size sample.*amplification: none"
+    ):
+        _built(_cfg("fsl_an", privacy, clients_per_round=3))
+    cases = [
+        ({**privacy, "amplification": "none"}, {"clients_per_round": 3}, None, 3),
+        (privacy, {"clients_per_round": 3}, "fixed", 3),
+        (privacy, {"clients_per_round": None}, None, 6),
+    ]
+    for priv, algo, sampler, expected in cases:
+        cfg = _cfg("fsl_an", priv, **algo)
+        if sampler is not None:
+            cfg["sampler"] = sampler
+        dp = _built(cfg).privacy
+        assert (dp.sample_rate, dp.expected) == (1.0, expected)
+
+
 def test_a_resumed_private_split_run_continues_the_accountant(tmp_path):
     from fedweave.runner import resume
 

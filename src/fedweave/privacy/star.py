@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 import numpy as np
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from fedweave.config import ConfigError, PrivacyConfig
 from fedweave.privacy.accountant import Accountant, calibrate
@@ -227,6 +228,16 @@ def _sample_level(algo: Any, cfg: PrivacyConfig, accountant: Accountant) -> Samp
         raise ConfigError(
             f"privacy.level: sample with algorithm {algo.config.algorithm.name!r}: its SAM step takes two gradients "
             "per local step, which the accountant (one noisy gradient per step) does not count"
+        )
+    # DP-SGD takes each sample's gradient through the model applied to that sample alone: a BatchNorm layer would
+    # then normalize every sample by its own statistics, another network than the one plain training and the
+    # evaluation run on a whole batch (and batch statistics mix the samples, which per-sample clipping cannot bound)
+    norms = sorted({type(m).__name__ for m in algo.trainer.layout.model.modules() if isinstance(m, _BatchNorm)})
+    if norms:
+        raise ConfigError(
+            f"privacy.level: sample: the model has {', '.join(norms)} layers, whose batch statistics mix the samples "
+            "of a batch, so DP-SGD's per-sample gradients would train another network; use a model without "
+            "BatchNorm (model.norm: none for the cnn_* models) or privacy.level: user"
         )
     local = algo.config.local
     sizes = [len(p) for p in algo.ctx.partition]
