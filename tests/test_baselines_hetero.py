@@ -297,6 +297,19 @@ def test_one_qfedavg_step_is_the_closed_form(q):
     torch.testing.assert_close(qffl_step(x, delta, h), want, rtol=1e-15, atol=0)
 
 
+@pytest.mark.parametrize("moved", [0.0, 1e-9])
+def test_a_qfedavg_client_at_zero_loss_neither_freezes_nor_breaks_the_step(moved):
+    """A client whose loss underflows to 0 (a confident classifier: float32 cross-entropy is exactly 0 past a
+    margin of about 17) with q < 1: F^{q-1} is infinite there. As the authors' code (F + 1e-10), it adds
+    next to nothing to sum h_k, so the step is the other clients', not NaN (Delta w_k = 0) or no step at all."""
+    x = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    local = torch.tensor([[1.0 - moved, -1.0], [0.5, 0.0]], dtype=torch.float64)
+    delta, h = qffl_client(x, local, torch.tensor([0.0, 1.0], dtype=torch.float64), 0.5, 10.0)
+    alone = qffl_step(x, *qffl_client(x, local[1:], torch.tensor([1.0], dtype=torch.float64), 0.5, 10.0))
+    assert torch.isfinite(h).all()
+    torch.testing.assert_close(qffl_step(x, delta, h), alone, rtol=1e-5, atol=0)
+
+
 def test_qfedavg_refuses_a_server_step_size(tmp_path):
     with pytest.raises(ConfigError, match="algorithm.server_lr: q-FedAvg's server step"):
         _run(tmp_path, "qfedavg", server_lr=0.5)
