@@ -199,6 +199,16 @@ def test_moon_with_mu_zero_is_fedavg_bit_for_bit(tmp_path):
     _same_as_fedavg(_run(tmp_path, "moon", mu=0.0), _run(tmp_path, "fedavg"))
 
 
+def test_moon_on_a_model_without_a_hidden_layer_is_fedavg(tmp_path):
+    """logistic's representation is its input, which no parameter moves: l_con has no gradient (docs)."""
+    cfg = {**CFG, "model": {"name": "logistic"}}
+    moon = fedweave.run(
+        {**cfg, "algorithm": {"name": "moon", "clients_per_round": 4, "mu": 5.0}}, run_dir=tmp_path / "m"
+    )
+    fedavg = fedweave.run({**cfg, "algorithm": {"name": "fedavg", "clients_per_round": 4}}, run_dir=tmp_path / "f")
+    _same_as_fedavg(moon, fedavg)
+
+
 def test_moon_clients_keep_their_last_local_model(tmp_path):
     res = _run(tmp_path, "moon")
     prev = res.algorithm.store["prev"]
