@@ -320,6 +320,14 @@ def test_a_qfedavg_client_at_zero_loss_neither_freezes_nor_breaks_the_step(moved
     torch.testing.assert_close(qffl_step(x, delta, h), alone, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("q", [1.0, 2.0])
+def test_a_qfedavg_round_whose_clients_are_all_at_zero_loss_and_unmoved_stays_put(q):
+    """q >= 1 and every F_k = 0 with Delta w_k = 0: sum h_k was 0 and the step 0/0 = NaN; it is no step."""
+    x = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    delta, h = qffl_client(x, x.repeat(2, 1), torch.zeros(2, dtype=torch.float64), q, 10.0)
+    assert torch.equal(qffl_step(x, delta, h), x)
+
+
 def test_qfedavg_refuses_a_server_step_size(tmp_path):
     with pytest.raises(ConfigError, match="algorithm.server_lr: q-FedAvg's server step"):
         _run(tmp_path, "qfedavg", server_lr=0.5)
