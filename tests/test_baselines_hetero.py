@@ -22,6 +22,7 @@ from fedweave.algorithms.centralized.moon import ModelContrastive, MoonStep
 from fedweave.algorithms.centralized.qffl import qffl_client, qffl_step
 from fedweave.config import ConfigError, LocalConfig, load
 from fedweave.deploy.jobs import decode_job, encode_header, encode_job
+from fedweave.errors import DivergenceError
 from fedweave.execution import client_spread, evaluate_clients
 from fedweave.execution.local import LocalCall
 from fedweave.experiments.report import build_report
@@ -344,6 +345,16 @@ def test_simplex_projection_by_hand():
     # a point of the simplex is its own projection
     p = torch.tensor([0.2, 0.0, 0.8], dtype=torch.float64)
     torch.testing.assert_close(project_simplex(p), p)
+
+
+def test_afl_stops_with_the_divergence_error_when_a_loss_is_not_finite(tmp_path):
+    """A diverged model's losses (inf, NaN) have no projection onto the simplex: lambda becomes NaN and the run
+    stops with the divergence error naming lambda_lr, not a RuntimeError from inside the projection."""
+    for bad in (float("inf"), float("nan")):
+        assert torch.isnan(project_simplex(torch.tensor([0.5, bad, 0.2], dtype=torch.float64))).all()
+    cfg = {**CFG, "rounds": 4, "eval": {"every": 5}, "local": {"steps": 3, "batch_size": 16, "lr": 1e8}}
+    with pytest.raises(DivergenceError, match="algorithm.lambda_lr"):
+        fedweave.run({**cfg, "algorithm": {"name": "afl", "clients_per_round": 4}}, run_dir=tmp_path / "afl")
 
 
 def test_one_lambda_step_by_hand():
