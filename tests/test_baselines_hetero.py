@@ -22,6 +22,7 @@ from fedweave.algorithms.centralized.moon import ModelContrastive, MoonStep
 from fedweave.algorithms.centralized.qffl import qffl_client, qffl_step
 from fedweave.config import ConfigError, LocalConfig, load
 from fedweave.deploy.jobs import decode_job, encode_header, encode_job
+from fedweave.errors import DivergenceError
 from fedweave.execution import client_spread, evaluate_clients
 from fedweave.execution.local import LocalCall
 from fedweave.experiments.report import build_report
@@ -199,6 +200,16 @@ def test_moon_with_mu_zero_is_fedavg_bit_for_bit(tmp_path):
     _same_as_fedavg(_run(tmp_path, "moon", mu=0.0), _run(tmp_path, "fedavg"))
 
 
+def test_moon_on_a_model_without_a_hidden_layer_is_fedavg(tmp_path):
+    """logistic's representation is its input, which no parameter moves: l_con has no gradient (docs)."""
+    cfg = {**CFG, "model": {"name": "logistic"}}
+    moon = fedweave.run(
+        {**cfg, "algorithm": {"name": "moon", "clients_per_round": 4, "mu": 5.0}}, run_dir=tmp_path / "m"
+    )
+    fedavg = fedweave.run({**cfg, "algorithm": {"name": "fedavg", "clients_per_round": 4}}, run_dir=tmp_path / "f")
+    _same_as_fedavg(moon, fedavg)
+
+
 def test_moon_clients_keep_their_last_local_model(tmp_path):
     res = _run(tmp_path, "moon")
     prev = res.algorithm.store["prev"]
@@ -297,6 +308,27 @@ def test_one_qfedavg_step_is_the_closed_form(q):
     torch.testing.assert_close(qffl_step(x, delta, h), want, rtol=1e-15, atol=0)
 
 
+@pytest.mark.parametrize("moved", [0.0, 1e-9])
+def test_a_qfedavg_client_at_zero_loss_neither_freezes_nor_breaks_the_step(moved):
+    """A client whose loss underflows to 0 (a confident classifier: float32 cross-entropy is exactly 0 past a
+    margin of about 17) with q < 1: F^{q-1} is infinite there. As the authors' code (F + 1e-10), it adds
+    next to nothing to sum h_k, so the step is the other clients', not NaN (Delta w_k = 0) or no step at all."""
+    x = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    local = torch.tensor([[1.0 - moved, -1.0], [0.5, 0.0]], dtype=torch.float64)
+    delta, h = qffl_client(x, local, torch.tensor([0.0, 1.0], dtype=torch.float64), 0.5, 10.0)
+    alone = qffl_step(x, *qffl_client(x, local[1:], torch.tensor([1.0], dtype=torch.float64), 0.5, 10.0))
+    assert torch.isfinite(h).all()
+    torch.testing.assert_close(qffl_step(x, delta, h), alone, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("q", [1.0, 2.0])
+def test_a_qfedavg_round_whose_clients_are_all_at_zero_loss_and_unmoved_stays_put(q):
+    """q >= 1 and every F_k = 0 with Delta w_k = 0: sum h_k was 0 and the step 0/0 = NaN; it is no step."""
+    x = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    delta, h = qffl_client(x, x.repeat(2, 1), torch.zeros(2, dtype=torch.float64), q, 10.0)
+    assert torch.equal(qffl_step(x, delta, h), x)
+
+
 def test_qfedavg_refuses_a_server_step_size(tmp_path):
     with pytest.raises(ConfigError, match="algorithm.server_lr: q-FedAvg's server step"):
         _run(tmp_path, "qfedavg", server_lr=0.5)
@@ -313,6 +345,16 @@ def test_simplex_projection_by_hand():
     # a point of the simplex is its own projection
     p = torch.tensor([0.2, 0.0, 0.8], dtype=torch.float64)
     torch.testing.assert_close(project_simplex(p), p)
+
+
+def test_afl_stops_with_the_divergence_error_when_a_loss_is_not_finite(tmp_path):
+    """A diverged model's losses (inf, NaN) have no projection onto the simplex: lambda becomes NaN and the run
+    stops with the divergence error naming lambda_lr, not a RuntimeError from inside the projection."""
+    for bad in (float("inf"), float("nan")):
+        assert torch.isnan(project_simplex(torch.tensor([0.5, bad, 0.2], dtype=torch.float64))).all()
+    cfg = {**CFG, "rounds": 4, "eval": {"every": 5}, "local": {"steps": 3, "batch_size": 16, "lr": 1e8}}
+    with pytest.raises(DivergenceError, match="algorithm.lambda_lr"):
+        fedweave.run({**cfg, "algorithm": {"name": "afl", "clients_per_round": 4}}, run_dir=tmp_path / "afl")
 
 
 def test_one_lambda_step_by_hand():

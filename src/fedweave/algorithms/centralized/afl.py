@@ -33,7 +33,11 @@ from fedweave.registry import ALGORITHMS
 
 def project_simplex(v: torch.Tensor) -> torch.Tensor:
     """The Euclidean projection of ``v`` onto the probability simplex (Duchi, Shalev-Shwartz, Singer and
-    Chandra, ICML 2008, Fig. 1): ``max(v - theta, 0)`` with theta chosen so that the result sums to one."""
+    Chandra, ICML 2008, Fig. 1): ``max(v - theta, 0)`` with theta chosen so that the result sums to one. A
+    ``v`` with an infinite or NaN entry (a diverged model's loss) has no projection: all NaN, which the run's
+    divergence check reports."""
+    if not bool(torch.isfinite(v).all()):
+        return torch.full_like(v, float("nan"))
     u = torch.sort(v, descending=True).values
     css = torch.cumsum(u, 0) - 1
     j = torch.arange(1, len(v) + 1, dtype=v.dtype, device=v.device)

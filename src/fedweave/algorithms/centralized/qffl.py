@@ -53,6 +53,11 @@ def qffl_client(
     """Each client's ``(Delta_k, h_k)`` (q-FedAvg) from the global model ``x`` ``(P,)``, the local models
     ``local`` ``(m, P)`` and the clients' losses ``loss`` ``(m,)`` of ``x`` before training."""
     dw = lipschitz * (x - local)  # Delta w_k = L (w^t - wbar_k)
+    # F_k^{q-1} is infinite at F_k = 0 for q < 1 (a cross-entropy that underflows to 0): h_k would be inf (the round
+    # steps nowhere) or NaN (with Delta w_k = 0). The authors' code takes the powers of F_k + 1e-10; a floor at 1e-10
+    # does the same there and leaves every loss above it as it is (a negative loss, outside q-FFL's objective, is not
+    # hidden by the floor)
+    loss = torch.where(loss >= 0, loss.clamp_min(1e-10), loss)
     fq = loss.pow(q)
     slope = q * loss.pow(q - 1) * dw.pow(2).sum(1) if q else torch.zeros_like(loss)  # q F^{q-1} ||Delta w_k||^2
     return fq.unsqueeze(1) * dw, slope + lipschitz * fq  # Delta_k = F^q Delta w_k;  h_k = slope + L F^q
