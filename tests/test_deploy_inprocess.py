@@ -386,6 +386,20 @@ def small(name: str, rounds: int = 2, per_round: int = CLIENTS) -> dict:
     }  # fmt: skip
 
 
+def test_an_injected_dropout_is_billed_its_download_but_sent_no_job(tmp_path):
+    """``faults.dropout`` deployed: the run equals the simulation, whose ledger bills each dropout the model it
+    received before it failed; the ServerApp sends a dropout no job, so Flower's payload down is the reporting
+    clients' models only, below the ledger by the dropouts' downloads (docs/deployment.md, "Byte counts")."""
+    cfg = {**small("fedavg", rounds=3, per_round=3), "faults": {"dropout": 0.3}}
+    fl = deployed_equals_simulation(cfg, tmp_path, payload_is_ledger=False)
+    rows = [json.loads(line) for line in (tmp_path / "deployed" / "metrics.jsonl").read_text().splitlines()]
+    reported = sum(int(r["reported_clients"]) for r in rows)
+    ledger = json.loads((tmp_path / "deployed" / "summary.json").read_text())["communication"]
+    assert 0 < reported < 3 * 3 and fl["jobs"] == reported  # some clients dropped; no job for them
+    assert fl["payload_sent"] == fl["payload_received"] == ledger["bytes_up"] == reported * MODEL_BYTES
+    assert ledger["bytes_down"] == 3 * 3 * MODEL_BYTES > fl["payload_sent"]
+
+
 RELEASED = {  # method, compression.upload
     "scaffold": ("scaffold", None),
     "scaffold-efsign": ("scaffold", "efsign"),
