@@ -484,6 +484,25 @@ def test_a_bad_app_setting_is_refused_at_start_in_one_line(tmp_path, key, value,
     assert not (tmp_path / "deployed").exists()
 
 
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("{rounds: 1", r"app config fedweave-config is not the run config as JSON \(Expecting property name"),
+        ("[1, 2]", r"app config fedweave-config must be a mapping of the config's sections, got list$"),
+        (7, r"app config fedweave-config must be the run config as a JSON string, got 7$"),
+        ('{"rounds": 0}', r"rounds must be"),
+    ],
+)
+def test_a_bad_app_config_is_refused_at_start_in_one_line(tmp_path, value, match):
+    """The run config itself is an app config key (``fedweave-config``, which ``--run-config`` can replace): one
+    that is not JSON, not a mapping, or not a valid config is refused like any run at start (``RunFailed``, one
+    line), not with a traceback of the JSON decoder or the config loader as the run's status details."""
+    with pytest.raises(server_app.RunFailed, match=r"^fedweave run not started: ") as e:
+        deployed(small("fedavg", rounds=1), tmp_path, **{"fedweave-config": value})
+    assert re.search(match, str(e.value)) and "\n" not in str(e.value)
+    assert not (tmp_path / "deployed").exists()
+
+
 def test_a_config_problem_found_while_building_is_refused_at_start_in_one_line(tmp_path):
     """A config passes ``fedweave flower-app`` with what only building the run checks (a partitioner's option):
     the ServerApp refuses it as a run refused at start, one line naming the key, before it writes anything."""

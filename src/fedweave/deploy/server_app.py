@@ -28,7 +28,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedweave.algorithms.base import Algorithm
 from fedweave.callbacks import Callback, RunState
-from fedweave.config import ConfigError
+from fedweave.config import ConfigError, RunConfig
 from fedweave.config import load as load_config
 from fedweave.deploy import compressed, secure, split, support
 from fedweave.deploy.jobs import encode_job
@@ -611,6 +611,24 @@ def _app_settings(rc: dict) -> tuple[float, float, str]:
     return seconds[0], seconds[1], on_error
 
 
+def _app_run_config(rc: dict) -> RunConfig:
+    """The app config's ``fedweave-config``, the run config as JSON (``--run-config`` can replace it too): one
+    that is not JSON, not a mapping, or not a valid config is a :class:`DeploymentError` or :class:`ConfigError`
+    in one line."""
+    text = rc.get("fedweave-config")
+    if not isinstance(text, str):
+        raise DeploymentError(f"app config fedweave-config must be the run config as a JSON string, got {text!r}")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DeploymentError(f"app config fedweave-config is not the run config as JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise DeploymentError(
+            f"app config fedweave-config must be a mapping of the config's sections, got {type(data).__name__}"
+        )
+    return load_config(data)
+
+
 app = ServerApp()
 
 
@@ -626,10 +644,10 @@ def _main(grid: Grid, context: Context) -> None:
     from fedweave import runner
 
     rc = context.run_config
-    config = load_config(json.loads(str(rc["fedweave-config"])))
     try:
+        config = _app_run_config(rc)
         reply_timeout, node_wait, on_error = _app_settings(rc)
-    except DeploymentError as e:
+    except (DeploymentError, ConfigError) as e:
         raise RunFailed(f"fedweave run not started: {e}") from None
     clients = FlowerClients(grid, reply_timeout=reply_timeout, node_wait=node_wait, on_error=on_error)
     run_dir = str(rc.get("run-dir", "")) or None
