@@ -503,6 +503,19 @@ def test_a_bad_app_config_is_refused_at_start_in_one_line(tmp_path, value, match
     assert not (tmp_path / "deployed").exists()
 
 
+def test_a_run_dir_holding_a_finished_run_is_refused_at_start_in_one_line(tmp_path):
+    """An app with a fixed ``run-dir`` (``fedweave flower-app --run-dir``) run a second time: the results directory
+    holds the first run, which the ServerApp refuses as any run at start (``RunFailed``, one line), not with the
+    results' own exception as the run's status details; the first run's results stay as they were."""
+    cfg = small("fedavg", rounds=1)
+    deployed(cfg, tmp_path)
+    summary = (tmp_path / "deployed" / "summary.json").read_bytes()
+    with pytest.raises(server_app.RunFailed, match=r"^fedweave run not started: .* already holds a finished run") as e:
+        deployed(cfg, tmp_path)
+    assert "\n" not in str(e.value)
+    assert (tmp_path / "deployed" / "summary.json").read_bytes() == summary
+
+
 def test_a_config_problem_found_while_building_is_refused_at_start_in_one_line(tmp_path):
     """A config passes ``fedweave flower-app`` with what only building the run checks (a partitioner's option):
     the ServerApp refuses it as a run refused at start, one line naming the key, before it writes anything."""

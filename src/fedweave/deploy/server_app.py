@@ -39,7 +39,7 @@ from fedweave.execution.dpsgd import DPSGD, PrivateTrainer
 from fedweave.execution.job import LR, PLAIN, ClientStep, LocalCall, LocalResult, reindexed
 from fedweave.execution.local import LocalTrainer
 from fedweave.execution.state import StateStore
-from fedweave.results import atomic_write
+from fedweave.results import RunDirError, atomic_write
 
 log = logging.getLogger("fedweave")
 POLL = 0.25  # seconds between two looks for replies
@@ -659,6 +659,11 @@ def _main(grid: Grid, context: Context) -> None:
         # a ConfigError is what building the run finds (an option only the partitioner or model checks), past
         # fedweave flower-app's checks of the config's form and of what the deployment carries
         raise RunFailed(f"fedweave run not started: {e}") from None
+    except RunDirError as e:  # the results directory cannot take the run (it holds a finished one, say)
+        raise RunFailed(
+            f"fedweave run not started: {e} (deployed: give another run-dir, e.g. flwr run ... --run-config "
+            "\"run-dir='DIR'\")"
+        ) from None
     except RunStopped as e:
         failed = RunFailed(f"fedweave run stopped: {e}")
         if e.run_dir is None:
