@@ -193,6 +193,18 @@ def test_flower_app_with_node_data_it_cannot_write_writes_nothing(tmp_path, toy_
     assert len(list((tmp_path / "d").iterdir())) == toy_config["partition"]["num_clients"]
 
 
+@pytest.mark.parametrize("key", ["reply_timeout", "node_wait"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.0, -1.0])
+def test_write_app_refuses_seconds_the_serverapp_would_refuse(tmp_path, toy_config, key, value):
+    """``write_app`` takes the seconds the ServerApp takes at start (a finite number > 0): an app it writes is
+    never one the ServerApp refuses for its own settings (before, an infinite timeout was written)."""
+    from fedweave.deploy.project import write_app
+
+    with pytest.raises(ValueError, match=r"must be > 0 seconds \(finite\)"):
+        write_app(load(toy_config), tmp_path / "app", **{key: value})
+    assert not (tmp_path / "app").exists()
+
+
 def _write(tmp_path, config: dict) -> str:
     import yaml
 
