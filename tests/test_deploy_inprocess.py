@@ -473,6 +473,8 @@ def test_a_refused_or_stopped_run_raises_so_that_flower_records_it_as_failed(tmp
         ("reply-timeout", "abc", r"app config reply-timeout must be a number of seconds > 0, got 'abc'$"),
         ("reply-timeout", -1.0, r"app config reply-timeout must be a number of seconds > 0, got -1.0$"),
         ("node-wait", 0, r"app config node-wait must be a number of seconds > 0, got 0$"),
+        ("run-dir", 5, r"app config run-dir must be a path as a string \('': the config's\), got 5$"),
+        ("run-dir", True, r"app config run-dir must be a path as a string \('': the config's\), got True$"),
     ],
 )
 def test_a_bad_app_setting_is_refused_at_start_in_one_line(tmp_path, key, value, match):

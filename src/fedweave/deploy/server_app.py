@@ -647,10 +647,13 @@ def _main(grid: Grid, context: Context) -> None:
     try:
         config = _app_run_config(rc)
         reply_timeout, node_wait, on_error = _app_settings(rc)
+        run_dir = rc.get("run-dir", "")
+        if not isinstance(run_dir, str):  # Flower parses run-dir=5 or run-dir=true as a number or a bool
+            raise DeploymentError(f"app config run-dir must be a path as a string ('': the config's), got {run_dir!r}")
     except (DeploymentError, ConfigError) as e:
         raise RunFailed(f"fedweave run not started: {e}") from None
     clients = FlowerClients(grid, reply_timeout=reply_timeout, node_wait=node_wait, on_error=on_error)
-    run_dir = str(rc.get("run-dir", "")) or None
+    run_dir = run_dir or None
     failed = None
     try:
         result = runner.run(config, run_dir=run_dir, callbacks=[clients], progress=False)
