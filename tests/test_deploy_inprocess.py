@@ -386,6 +386,20 @@ def small(name: str, rounds: int = 2, per_round: int = CLIENTS) -> dict:
     }  # fmt: skip
 
 
+def test_an_injected_dropout_is_billed_its_download_but_sent_no_job(tmp_path):
+    """``faults.dropout`` deployed: the run equals the simulation, whose ledger bills each dropout the model it
+    received before it failed; the ServerApp sends a dropout no job, so Flower's payload down is the reporting
+    clients' models only, below the ledger by the dropouts' downloads (docs/deployment.md, "Byte counts")."""
+    cfg = {**small("fedavg", rounds=3, per_round=3), "faults": {"dropout": 0.3}}
+    fl = deployed_equals_simulation(cfg, tmp_path, payload_is_ledger=False)
+    rows = [json.loads(line) for line in (tmp_path / "deployed" / "metrics.jsonl").read_text().splitlines()]
+    reported = sum(int(r["reported_clients"]) for r in rows)
+    ledger = json.loads((tmp_path / "deployed" / "summary.json").read_text())["communication"]
+    assert 0 < reported < 3 * 3 and fl["jobs"] == reported  # some clients dropped; no job for them
+    assert fl["payload_sent"] == fl["payload_received"] == ledger["bytes_up"] == reported * MODEL_BYTES
+    assert ledger["bytes_down"] == 3 * 3 * MODEL_BYTES > fl["payload_sent"]
+
+
 RELEASED = {  # method, compression.upload
     "scaffold": ("scaffold", None),
     "scaffold-efsign": ("scaffold", "efsign"),
@@ -459,6 +473,8 @@ def test_a_refused_or_stopped_run_raises_so_that_flower_records_it_as_failed(tmp
         ("reply-timeout", "abc", r"app config reply-timeout must be a number of seconds > 0, got 'abc'$"),
         ("reply-timeout", -1.0, r"app config reply-timeout must be a number of seconds > 0, got -1.0$"),
         ("node-wait", 0, r"app config node-wait must be a number of seconds > 0, got 0$"),
+        ("run-dir", 5, r"app config run-dir must be a path as a string \('': the config's\), got 5$"),
+        ("run-dir", True, r"app config run-dir must be a path as a string \('': the config's\), got True$"),
     ],
 )
 def test_a_bad_app_setting_is_refused_at_start_in_one_line(tmp_path, key, value, match):
@@ -468,6 +484,38 @@ def test_a_bad_app_setting_is_refused_at_start_in_one_line(tmp_path, key, value,
     with pytest.raises(server_app.RunFailed, match=r"^fedweave run not started: " + match):
         deployed(small("fedavg", rounds=1), tmp_path, **{key: value})
     assert not (tmp_path / "deployed").exists()
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("{rounds: 1", r"app config fedweave-config is not the run config as JSON \(Expecting property name"),
+        ("[1, 2]", r"app config fedweave-config must be a mapping of the config's sections, got list$"),
+        (7, r"app config fedweave-config must be the run config as a JSON string, got 7$"),
+        ('{"rounds": 0}', r"rounds must be"),
+    ],
+)
+def test_a_bad_app_config_is_refused_at_start_in_one_line(tmp_path, value, match):
+    """The run config itself is an app config key (``fedweave-config``, which ``--run-config`` can replace): one
+    that is not JSON, not a mapping, or not a valid config is refused like any run at start (``RunFailed``, one
+    line), not with a traceback of the JSON decoder or the config loader as the run's status details."""
+    with pytest.raises(server_app.RunFailed, match=r"^fedweave run not started: ") as e:
+        deployed(small("fedavg", rounds=1), tmp_path, **{"fedweave-config": value})
+    assert re.search(match, str(e.value)) and "\n" not in str(e.value)
+    assert not (tmp_path / "deployed").exists()
+
+
+def test_a_run_dir_holding_a_finished_run_is_refused_at_start_in_one_line(tmp_path):
+    """An app with a fixed ``run-dir`` (``fedweave flower-app --run-dir``) run a second time: the results directory
+    holds the first run, which the ServerApp refuses as any run at start (``RunFailed``, one line), not with the
+    results' own exception as the run's status details; the first run's results stay as they were."""
+    cfg = small("fedavg", rounds=1)
+    deployed(cfg, tmp_path)
+    summary = (tmp_path / "deployed" / "summary.json").read_bytes()
+    with pytest.raises(server_app.RunFailed, match=r"^fedweave run not started: .* already holds a finished run") as e:
+        deployed(cfg, tmp_path)
+    assert "\n" not in str(e.value)
+    assert (tmp_path / "deployed" / "summary.json").read_bytes() == summary
 
 
 def test_a_config_problem_found_while_building_is_refused_at_start_in_one_line(tmp_path):

@@ -168,6 +168,43 @@ def test_flower_app_project_is_valid_and_carries_the_config(tmp_path, toy_config
     assert app["config"]["on-error"] == "drop" and app["config"]["reply-timeout"] == 600.0
 
 
+def test_flower_app_with_node_data_it_cannot_write_writes_nothing(tmp_path, toy_config, capsys):
+    """``--node-data`` into a directory that already holds a client's file, or for a partition the run cannot
+    build, is refused in one line before the app or any node data file is written: the same command can be
+    run again once the cause is gone (before, the app and the files of the clients before it were left
+    behind, so that the app directory was no longer empty)."""
+    from fedweave.cli import main
+
+    config = _write(tmp_path, toy_config)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "client-1.npz").write_bytes(b"mine")
+    assert main(["flower-app", config, str(tmp_path / "app"), "--node-data", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "client-1.npz exists" in err
+    assert not (tmp_path / "app").exists()
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["client-1.npz"]
+    assert (tmp_path / "d" / "client-1.npz").read_bytes() == b"mine"
+    bad = ["partition.alpha=-1"]
+    assert main(["flower-app", config, str(tmp_path / "app"), *bad, "--node-data", str(tmp_path / "e")]) == 2
+    assert "partition.alpha must be > 0" in capsys.readouterr().err
+    assert not (tmp_path / "app").exists() and not (tmp_path / "e").exists()
+    (tmp_path / "d" / "client-1.npz").unlink()
+    assert main(["flower-app", config, str(tmp_path / "app"), "--node-data", str(tmp_path / "d")]) == 0
+    assert len(list((tmp_path / "d").iterdir())) == toy_config["partition"]["num_clients"]
+
+
+@pytest.mark.parametrize("key", ["reply_timeout", "node_wait"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.0, -1.0])
+def test_write_app_refuses_seconds_the_serverapp_would_refuse(tmp_path, toy_config, key, value):
+    """``write_app`` takes the seconds the ServerApp takes at start (a finite number > 0): an app it writes is
+    never one the ServerApp refuses for its own settings (before, an infinite timeout was written)."""
+    from fedweave.deploy.project import write_app
+
+    with pytest.raises(ValueError, match=r"must be > 0 seconds \(finite\)"):
+        write_app(load(toy_config), tmp_path / "app", **{key: value})
+    assert not (tmp_path / "app").exists()
+
+
 def _write(tmp_path, config: dict) -> str:
     import yaml
 

@@ -283,15 +283,20 @@ def _cmd_flower_app(args: argparse.Namespace) -> int:
     from fedweave.deploy.project import write_app
 
     cfg = load(args.config, args.overrides)
+    export = None
+    if args.node_data:  # the node data are checked (data built, no file there) before the app is written
+        from fedweave.deploy.node_data import plan_export
+        from fedweave.deploy.support import check_deployable
+
+        check_deployable(cfg, args.on_error)  # a refused run is refused as without --node-data, before the data
+        export = plan_export(cfg, args.node_data)
     path = write_app(
         cfg, args.dir, run_dir=args.run_dir or "", on_error=args.on_error, reply_timeout=args.reply_timeout,
         node_wait=args.node_wait, overwrite=args.overwrite,
     )  # fmt: skip
     print(f"{path} (run it with: flwr run {args.dir} SUPERLINK)")
-    if args.node_data:
-        from fedweave.deploy.node_data import export_clients
-
-        files = export_clients(cfg, args.node_data)
+    if export is not None:
+        files = export()
         print(f"{len(files)} node data files in {args.node_data} (flower-supernode --node-config \"partition-id=N "
               f"data='{args.node_data}/client-N.npz'\")")  # fmt: skip
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -94,18 +95,34 @@ def write_samples(path: str | Path, x: torch.Tensor, y: torch.Tensor) -> None:
 def export_clients(config: RunConfig, directory: str | Path, clients: list[int] | None = None) -> list[Path]:
     """Write ``client-<i>.npz`` (x and y of client i's training samples, in partition order) for the
     configured dataset and partition (the hierarchical family: its clients' parts); returns the paths.
-    Nothing is overwritten."""
+    Nothing is overwritten: an existing file, or a client not in the partition, is refused before any file
+    is written."""
+    return plan_export(config, directory, clients)()
+
+
+def plan_export(config: RunConfig, directory: str | Path, clients: list[int] | None = None) -> Callable[[], list[Path]]:
+    """Check what :func:`export_clients` would write (the run's data and partition built, every client in
+    it, no file already there) and return the function that writes the files, so that a caller can refuse
+    before it writes anything of its own."""
     train_x, train_y, parts = trial_parts(config)
-    chosen = range(len(parts)) if clients is None else clients
+    chosen = list(range(len(parts)) if clients is None else clients)
     out = Path(directory)
-    paths = []
     for c in chosen:
         if not 0 <= c < len(parts):
             raise ConfigError(f"client {c} is not in the partition (0 .. {len(parts) - 1})")
         path = out / f"client-{c}.npz"
         if path.exists():
             raise FileExistsError(f"{path} exists; remove it or choose another directory")
-        idx = torch.as_tensor(parts[c], dtype=torch.long)
-        write_samples(path, train_x[idx], train_y[idx])
-        paths.append(path)
-    return paths
+
+    def write() -> list[Path]:
+        paths = []
+        for c in chosen:
+            path = out / f"client-{c}.npz"
+            if path.exists():  # appeared since the check
+                raise FileExistsError(f"{path} exists; remove it or choose another directory")
+            idx = torch.as_tensor(parts[c], dtype=torch.long)
+            write_samples(path, train_x[idx], train_y[idx])
+            paths.append(path)
+        return paths
+
+    return write

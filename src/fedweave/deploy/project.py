@@ -8,6 +8,7 @@ ClientApp. ``flwr run DIR SUPERLINK`` runs it against any SuperLink.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import tomli_w
@@ -41,8 +42,10 @@ def write_app(
     project's two files and leaves everything else in it alone."""
     if on_error not in ("stop", "drop"):
         raise ValueError(f"on_error must be 'stop' or 'drop', got {on_error!r}")
-    if not reply_timeout > 0 or not node_wait > 0:
-        raise ValueError(f"reply_timeout and node_wait must be > 0 seconds, got {reply_timeout} and {node_wait}")
+    if not 0 < reply_timeout < math.inf or not 0 < node_wait < math.inf:  # what the ServerApp takes at start
+        raise ValueError(
+            f"reply_timeout and node_wait must be > 0 seconds (finite), got {reply_timeout} and {node_wait}"
+        )
     check_deployable(config, on_error)  # a setup the ServerApp would refuse at start is refused here
     out = Path(directory)
     if out.exists() and not out.is_dir():

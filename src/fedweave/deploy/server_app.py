@@ -28,7 +28,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedweave.algorithms.base import Algorithm
 from fedweave.callbacks import Callback, RunState
-from fedweave.config import ConfigError
+from fedweave.config import ConfigError, RunConfig
 from fedweave.config import load as load_config
 from fedweave.deploy import compressed, secure, split, support
 from fedweave.deploy.jobs import encode_job
@@ -39,7 +39,7 @@ from fedweave.execution.dpsgd import DPSGD, PrivateTrainer
 from fedweave.execution.job import LR, PLAIN, ClientStep, LocalCall, LocalResult, reindexed
 from fedweave.execution.local import LocalTrainer
 from fedweave.execution.state import StateStore
-from fedweave.results import atomic_write
+from fedweave.results import RunDirError, atomic_write
 
 log = logging.getLogger("fedweave")
 POLL = 0.25  # seconds between two looks for replies
@@ -611,6 +611,24 @@ def _app_settings(rc: dict) -> tuple[float, float, str]:
     return seconds[0], seconds[1], on_error
 
 
+def _app_run_config(rc: dict) -> RunConfig:
+    """The app config's ``fedweave-config``, the run config as JSON (``--run-config`` can replace it too): one
+    that is not JSON, not a mapping, or not a valid config is a :class:`DeploymentError` or :class:`ConfigError`
+    in one line."""
+    text = rc.get("fedweave-config")
+    if not isinstance(text, str):
+        raise DeploymentError(f"app config fedweave-config must be the run config as a JSON string, got {text!r}")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DeploymentError(f"app config fedweave-config is not the run config as JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise DeploymentError(
+            f"app config fedweave-config must be a mapping of the config's sections, got {type(data).__name__}"
+        )
+    return load_config(data)
+
+
 app = ServerApp()
 
 
@@ -626,13 +644,16 @@ def _main(grid: Grid, context: Context) -> None:
     from fedweave import runner
 
     rc = context.run_config
-    config = load_config(json.loads(str(rc["fedweave-config"])))
     try:
+        config = _app_run_config(rc)
         reply_timeout, node_wait, on_error = _app_settings(rc)
-    except DeploymentError as e:
+        run_dir = rc.get("run-dir", "")
+        if not isinstance(run_dir, str):  # Flower parses run-dir=5 or run-dir=true as a number or a bool
+            raise DeploymentError(f"app config run-dir must be a path as a string ('': the config's), got {run_dir!r}")
+    except (DeploymentError, ConfigError) as e:
         raise RunFailed(f"fedweave run not started: {e}") from None
     clients = FlowerClients(grid, reply_timeout=reply_timeout, node_wait=node_wait, on_error=on_error)
-    run_dir = str(rc.get("run-dir", "")) or None
+    run_dir = run_dir or None
     failed = None
     try:
         result = runner.run(config, run_dir=run_dir, callbacks=[clients], progress=False)
@@ -641,6 +662,11 @@ def _main(grid: Grid, context: Context) -> None:
         # a ConfigError is what building the run finds (an option only the partitioner or model checks), past
         # fedweave flower-app's checks of the config's form and of what the deployment carries
         raise RunFailed(f"fedweave run not started: {e}") from None
+    except RunDirError as e:  # the results directory cannot take the run (it holds a finished one, say)
+        raise RunFailed(
+            f"fedweave run not started: {e} (deployed: give another run-dir, e.g. flwr run ... --run-config "
+            "\"run-dir='DIR'\")"
+        ) from None
     except RunStopped as e:
         failed = RunFailed(f"fedweave run stopped: {e}")
         if e.run_dir is None:
