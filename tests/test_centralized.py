@@ -107,7 +107,7 @@ def test_special_cases_are_their_base_method_bit_for_bit(alg, opts, other, base,
 
 @pytest.mark.parametrize("backend", ["loop", "vmap"])
 @pytest.mark.parametrize("local", [{}, {"weight_decay": 1e-2}], ids=["plain", "wd"])
-@pytest.mark.parametrize(("alg", "opts"), [("fedprox", {"mu": 0.0})])
+@pytest.mark.parametrize(("alg", "opts"), [("fedprox", {"mu": 0.0}), ("fedcm", {"alpha": 1.0})])
 def test_special_cases_are_fedavg_bit_for_bit_without_clipping(alg, opts, local, backend):
     """Without grad_clip the loop backend trains FedAvg's plain SGD by its own kernels (the fused one for a
     softmax regression): each special case below is FedAvg's clients and must take that path too, so that it
