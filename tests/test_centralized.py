@@ -105,6 +105,18 @@ def test_special_cases_are_their_base_method_bit_for_bit(alg, opts, other, base,
     assert not torch.equal(_rounds(_algo(_cfg(alg, backend=backend, **other)), 3), ref)  # the term matters
 
 
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+@pytest.mark.parametrize("local", [{}, {"weight_decay": 1e-2}], ids=["plain", "wd"])
+@pytest.mark.parametrize(("alg", "opts"), [("fedprox", {"mu": 0.0}), ("fedcm", {"alpha": 1.0})])
+def test_special_cases_are_fedavg_bit_for_bit_without_clipping(alg, opts, local, backend):
+    """Without grad_clip the loop backend trains FedAvg's plain SGD by its own kernels (the fused one for a
+    softmax regression): each special case below is FedAvg's clients and must take that path too, so that it
+    stays FedAvg bit for bit (the documented claim) in the default local configuration."""
+    loc = {"steps": 4, "batch_size": 16, "lr": 0.2, **local}
+    ref = _rounds(_algo(_cfg("fedavg", backend=backend, local=loc)), 3)
+    assert torch.equal(_rounds(_algo(_cfg(alg, backend=backend, local=loc, **opts)), 3), ref)
+
+
 def test_feddyn_refuses_a_server_step_size_in_one_line():
     # Alg. 1's server sets theta^t = mean theta_i - h / alpha: a server_lr would be read by nothing
     with pytest.raises(ConfigError) as err:

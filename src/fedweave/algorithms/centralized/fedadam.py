@@ -19,7 +19,7 @@ own paper's name with that rule fixed: ``fedyogi`` and ``fedadagrad`` (Reddi et 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
@@ -28,6 +28,10 @@ from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarH
 from fedweave.config import ConfigError
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
+
+# the server rules' updates (Reddi et al. 2021, Alg. 2; Hsu et al. 2019) and the options each leaves unread
+RULE = {"momentum": "m = beta1 m + Delta, x += server_lr m", "adagrad": "v = v + Delta^2"}
+UNREAD = {"momentum": ("beta2", "tau", "v_init"), "adagrad": ("beta2",)}
 
 
 @dataclass
@@ -48,6 +52,15 @@ class FedOptHparams(StarHparams):
             raise ConfigError(f"algorithm.tau must be > 0, got {self.tau}")
         if not self.v_init >= 0:
             raise ConfigError(f"algorithm.v_init must be >= 0 (Reddi et al.: >= tau^2), got {self.v_init}")
+        # the options the chosen server rule never reads: set to other than their default, a sweep over one would
+        # repeat the same run under another label, so they are refused (at the default: what a resolved config writes)
+        default = {f.name: f.default for f in fields(self)}
+        for key in UNREAD.get(self.server_opt, ()):
+            if getattr(self, key) != default[key]:
+                raise ConfigError(
+                    f"algorithm.{key}: server_opt {self.server_opt!r} does not read it ({RULE[self.server_opt]}); "
+                    "leave it out"
+                )
 
 
 @ALGORITHMS.register("fedopt")

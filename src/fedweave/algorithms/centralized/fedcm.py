@@ -17,7 +17,7 @@ from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarH
 from fedweave.algorithms.centralized.fedsam import sam_gradient
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule
-from fedweave.execution.local import GradFn
+from fedweave.execution.local import PLAIN, GradFn
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS, RULES
 
@@ -73,6 +73,9 @@ class FedCM(StarAlgorithm):
     regularize_in_rule = True
 
     def __init__(self, ctx, hp: FedCMHparams) -> None:
+        # alpha = 1 without SAM is FedAvg's client: its trainer regularizes and it trains plain local SGD
+        # (client_rule), so that it takes FedAvg's own path on every backend and is FedAvg bit for bit
+        self.regularize_in_rule = not self.plain(hp)
         super().__init__(ctx, hp)
         self.momentum = torch.zeros_like(self.x)  # Delta_t
         self.K = hp.K_ref or self.reference_steps()
@@ -81,7 +84,14 @@ class FedCM(StarAlgorithm):
     def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:
         return {"model+momentum": (self.x, self.momentum)}  # x_t and Delta_t
 
-    def client_rule(self, lr: float) -> FedCMRule:
+    @staticmethod
+    def plain(hp: FedCMHparams) -> bool:
+        """True where the client step is plain local SGD: no momentum share (alpha = 1) and no SAM."""
+        return hp.alpha == 1 and hp.sam_rho == 0
+
+    def client_rule(self, lr: float) -> LocalRule:
+        if self.plain(self.hp):
+            return PLAIN
         hp, c = self.hp, self.config.local  # g carries weight decay and clipping (fedmim spec A7)
         return FedCMRule(
             hp.alpha, self.momentum, weight_decay=c.weight_decay, grad_clip=c.grad_clip, sam_rho=hp.sam_rho

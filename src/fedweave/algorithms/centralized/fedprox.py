@@ -12,7 +12,7 @@ import torch
 from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams, per_job
 from fedweave.config import ConfigError
 from fedweave.execution import LocalRule
-from fedweave.execution.local import GradFn
+from fedweave.execution.local import PLAIN, GradFn
 from fedweave.registry import ALGORITHMS, RULES
 
 
@@ -52,6 +52,8 @@ class FedProx(StarAlgorithm):
     Hparams = FedProxHparams
 
     def client_rule(self, lr: float) -> LocalRule:
+        if self.hp.mu == 0:  # no proximal term: FedAvg's clients, on the backends' plain-SGD path (bit for bit)
+            return PLAIN
         return ProxRule(self.hp.mu, self.x)  # Eq. 2: local SGD on f_k(w) + (mu/2)||w - w^t||^2
 
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
