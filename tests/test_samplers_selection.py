@@ -55,6 +55,16 @@ def test_power_of_choice_refuses_a_d_outside_the_round_and_the_clients(d):
         power_of_choice(6, 2, 0, _rng(), rounds=1, context=_context([3] * 6), d=d)
 
 
+def test_power_of_choice_with_fewer_clients_with_data_than_the_round_names_clients_per_round():
+    # 3 clients hold data and the round takes 4: no d fits, whatever d is; the line names the round's size,
+    # not a d the config never set (before: "sampler.d must be an integer in [4, 3] ..., got 3")
+    ctx = _context([0, 0, 0, 5, 5, 5])
+    for d in (None, 4):
+        with pytest.raises(ConfigError) as e:
+            power_of_choice(6, 4, 0, _rng(), rounds=1, context=ctx, d=d)
+        assert str(e.value).startswith("algorithm.clients_per_round (4) must be at most 3 under sampler power_of")
+
+
 # ---- Oort-like utility -------------------------------------------------------------------------------
 def test_oort_without_exploration_takes_the_highest_utility():
     # U_i = n_i l_i + sqrt(0.1 log(R) / L_i) at round r = 3 (R = 4), L_i = last round + 1

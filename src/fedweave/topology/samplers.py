@@ -194,6 +194,11 @@ def power_of_choice(
     ``(1/m) sum_{k in S}`` (its update rule, Sec. 2): declared with :func:`by_size`."""
     sizes = context.sizes.astype(np.float64)
     holders = int((sizes > 0).sum())
+    if per_round > holders:  # no d can be both >= per_round and <= holders: the round itself is too large
+        raise ConfigError(
+            f"algorithm.clients_per_round ({per_round}) must be at most {holders} under sampler power_of_choice "
+            f"(the clients with data, from which its candidates are drawn)"
+        )
     d = min(2 * per_round, holders) if d is None else d
     if not isinstance(d, int) or not per_round <= d <= holders:
         raise ConfigError(
