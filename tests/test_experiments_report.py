@@ -504,6 +504,9 @@ def test_report_of_a_hand_edited_sweep_baseline_is_one_line(toy_config, tmp_path
         (0.8, 0.0996, "0.80 ± 0.10"),
         (0.81, 0.00996, "0.810 ± 0.010"),
         (85.3, 9.97, "85 ± 10"),
+        # a std of 100 or more: two significant digits are tens (or coarser), the mean rounded to the same place
+        (807.3, 123.4, "810 ± 120"),
+        (12346.0, 678.0, "12350 ± 680"),
     ],
 )
 def test_the_summary_cell_gives_the_std_to_two_significant_digits(mean, std, text):

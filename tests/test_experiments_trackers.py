@@ -227,3 +227,27 @@ def test_a_resumed_run_continues_each_tracker_run_which_holds_exactly_metrics_cs
     assert len(runs) == 2 and len(ids) == 1  # two sessions of one W&B run
     for k, pairs in want.items():
         assert [(h["_step"], h[k]) for h in history if k in h] == pairs, k
+
+
+def test_mlflow_sends_no_telemetry_and_writes_nothing_outside_the_run_directory(tmp_path):
+    """MLflow 3 records usage telemetry by default (an installation id in ~/.config/mlflow, events sent to its
+    servers): a run's MLflow store must stay local, so the tracker turns it off unless the user chose.
+    In a fresh process without pytest's variables, which MLflow itself reads as 'testing: no telemetry'."""
+    import os
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "MLFLOW", "DO_NOT_TRACK"))}
+    env |= {"HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config")}
+    code = (
+        "import sys; from pathlib import Path; from fedweave.callbacks.trackers import Trackers\n"
+        "t = Trackers(['mlflow'], {'name': 'x'}, Path(sys.argv[1]))\n"
+        "from mlflow.telemetry.utils import is_telemetry_disabled\n"
+        "print(is_telemetry_disabled())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r")], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True"]
+    assert not list((home / ".config").rglob("*")), "MLflow wrote outside the run directory"

@@ -14,6 +14,7 @@ ends otherwise than completed keeps its tracker runs open for the resume.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -209,6 +210,10 @@ class Trackers:
         self.sent: dict[str, int] = {}
         for name in names:
             module = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}[name]
+            if name == "mlflow":
+                # MLflow 3 sends usage telemetry by default, and importing it writes an installation id to
+                # ~/.config/mlflow: the run stays local unless the user chose otherwise (read at import and call)
+                os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
             try:
                 __import__(module)
             except ImportError as e:

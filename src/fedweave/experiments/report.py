@@ -264,7 +264,9 @@ def _pm(mean: float, std: float, n: int) -> str:
     if std == 0 or math.isnan(std):
         return f"{mean:.4g} ± 0"
     # the decimals of the std rounded to two significant digits: 0.0996 rounds to 0.10 (2 decimals), not 0.100
-    decimals = max(0, 1 - math.floor(math.log10(abs(float(f"{std:.2g}")))))
+    decimals = 1 - math.floor(math.log10(abs(float(f"{std:.2g}"))))
+    if decimals < 0:  # a std of 100 or more: its second significant digit is the tens (or coarser)
+        return f"{round(mean, decimals):.0f} ± {round(std, decimals):.0f}"
     return f"{mean:.{decimals}f} ± {std:.{decimals}f}"
 
 
