@@ -362,6 +362,9 @@ def test_r2_matches_sklearn_on_constant_and_offset_targets():
         assert r2(y[:, None], y) == 1.0
     y = torch.full((7,), 3.0, dtype=torch.float64)
     assert r2(y[:, None] + pred, y) == r2_score(y, y + pred[:, 0])
+    one = METRICS.get("r2")()  # one row: undefined, nan as in sklearn (which also warns)
+    one.update(torch.ones(1, 1), torch.zeros(1))
+    assert math.isnan(one.result()["r2"])
     g = torch.Generator().manual_seed(3)  # a large mean against a small spread: no cancellation
     y = 1e8 + torch.randn(9, generator=g, dtype=torch.float64)
     p = y[:, None] + 0.5 * torch.randn(9, 1, generator=g, dtype=torch.float64)

@@ -224,13 +224,14 @@ class _Errors(Metric):
         mse = float(sse.sum()) / (n * cols)
         sst = syy - sy.pow(2) / n
         # a constant column (SST = 0) scores 1 if predicted exactly, else 0: scikit-learn's r2_score
-        # (force_finite), not 1 - SSE/1e-300
+        # (force_finite), not 1 - SSE/1e-300; with fewer than two rows R^2 is undefined (sklearn: nan)
         r2 = torch.where(sst > 0, 1 - sse / sst.clamp_min(1e-300), (sse == 0).double())
+        r2_mean = float(r2.mean()) if self.n >= 2 else float("nan")
         values = {
             "mse": mse,
             "rmse": math.sqrt(mse),
             "mae": float(sae.sum()) / (n * cols),
-            "r2": float(r2.mean()),  # uniform average over outputs (sklearn's)
+            "r2": r2_mean,  # uniform average over outputs (sklearn's)
         }
         return {k: values[k] for k in self.keys}
 
