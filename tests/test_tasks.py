@@ -344,6 +344,20 @@ def test_regression_metrics_match_their_definitions():
     assert float(build_task("mse", {"half": True}).loss(pred, y)) == pytest.approx(0.5 * got["mse"], rel=1e-6)
 
 
+def test_f1_matches_sklearn_per_label_and_macro():
+    from sklearn.metrics import f1_score
+
+    g = torch.Generator().manual_seed(4)
+    out, y = torch.randn(12, 3, generator=g), (torch.rand(12, 3, generator=g) > 0.5).float()
+    f1 = METRICS.get("f1")()
+    f1.update(out[:5], y[:5])
+    f1.update(out[5:], y[5:])
+    got = f1.result()
+    want = f1_score(y.numpy(), (out > 0).int().numpy(), average=None, zero_division=0)
+    assert [got[f"f1_{j}"] for j in range(3)] == pytest.approx(want, rel=1e-12, abs=0)
+    assert got["f1"] == pytest.approx(float(np.mean(want)), rel=1e-12, abs=0)
+
+
 def test_r2_matches_sklearn_on_constant_and_offset_targets():
     from sklearn.metrics import r2_score
 

@@ -308,7 +308,8 @@ class F1(Metric):
             self.tp, self.fp, self.fn = (a + b for a, b in zip((self.tp, self.fp, self.fn), counts))
 
     def result(self):
-        f1 = (2 * self.tp / (2 * self.tp + self.fp + self.fn).clamp_min(1)).double()
+        tp, fp, fn = (c.double() for c in (self.tp, self.fp, self.fn))  # counts: divided in float64, not float32
+        f1 = 2 * tp / (2 * tp + fp + fn).clamp_min(1)
         out = {"f1": float(f1.mean())}
         if len(f1) > 1:
             out.update({f"f1_{j}": float(v) for j, v in enumerate(f1)})
