@@ -344,6 +344,47 @@ def test_regression_metrics_match_their_definitions():
     assert float(build_task("mse", {"half": True}).loss(pred, y)) == pytest.approx(0.5 * got["mse"], rel=1e-6)
 
 
+def test_f1_matches_sklearn_per_label_and_macro():
+    from sklearn.metrics import f1_score
+
+    g = torch.Generator().manual_seed(4)
+    out, y = torch.randn(12, 3, generator=g), (torch.rand(12, 3, generator=g) > 0.5).float()
+    f1 = METRICS.get("f1")()
+    f1.update(out[:5], y[:5])
+    f1.update(out[5:], y[5:])
+    got = f1.result()
+    want = f1_score(y.numpy(), (out > 0).int().numpy(), average=None, zero_division=0)
+    assert [got[f"f1_{j}"] for j in range(3)] == pytest.approx(want, rel=1e-12, abs=0)
+    assert got["f1"] == pytest.approx(float(np.mean(want)), rel=1e-12, abs=0)
+
+
+def test_r2_matches_sklearn_on_constant_and_offset_targets():
+    from sklearn.metrics import r2_score
+
+    def r2(pred, y):
+        m = METRICS.get("r2")()
+        m.update(pred[:3], y[:3])
+        m.update(pred[3:], y[3:])
+        return m.result()["r2"]
+
+    pred = torch.linspace(-1, 1, 7, dtype=torch.float64)[:, None]
+    # a constant column: sklearn's rule (force_finite) scores 0, or 1 if predicted exactly; its own
+    # mean can miss c by an ulp (c = 0.1 gives it -2e33), so the rule is asserted, and sklearn where exact
+    for c in (0.1, 0.3, 1.7, 3.0):
+        y = torch.full((7,), c, dtype=torch.float64)
+        assert r2(y[:, None] + pred, y) == 0.0
+        assert r2(y[:, None], y) == 1.0
+    y = torch.full((7,), 3.0, dtype=torch.float64)
+    assert r2(y[:, None] + pred, y) == r2_score(y, y + pred[:, 0])
+    one = METRICS.get("r2")()  # one row: undefined, nan as in sklearn (which also warns)
+    one.update(torch.ones(1, 1), torch.zeros(1))
+    assert math.isnan(one.result()["r2"])
+    g = torch.Generator().manual_seed(3)  # a large mean against a small spread: no cancellation
+    y = 1e8 + torch.randn(9, generator=g, dtype=torch.float64)
+    p = y[:, None] + 0.5 * torch.randn(9, 1, generator=g, dtype=torch.float64)
+    assert r2(p, y) == pytest.approx(r2_score(y, p[:, 0]), rel=1e-9)
+
+
 def test_topk_and_perplexity_match_their_definitions():
     g = torch.Generator().manual_seed(2)
     out, y = torch.randn(60, 7, generator=g), torch.randint(0, 7, (60,), generator=g)

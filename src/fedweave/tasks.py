@@ -197,18 +197,24 @@ class Top5(Accuracy):
 
 
 class _Errors(Metric):
-    """Sums of squared and absolute errors and of the targets, per output column (all additive)."""
+    """Sums of squared and absolute errors and of the targets, per output column (all additive). The
+    targets are summed less the first row's (``shift``): sum(y^2) - (sum y)^2 / n cancels catastrophically
+    when the targets' mean is large against their spread, and constant targets then give an SST of exactly 0."""
 
     targets = "float"
 
     def __init__(self) -> None:
         self.sums: list[torch.Tensor] | None = None
+        self.shift: torch.Tensor | None = None
         self.n = 0
 
     def update(self, out, y):
         y = _like(y, out).double().reshape(len(out), -1)
         err = out.double().reshape(len(out), -1) - y
-        sums = [err.pow(2).sum(0), err.abs().sum(0), y.sum(0), y.pow(2).sum(0)]
+        if self.shift is None:
+            self.shift = y[0].clone()
+        ys = y - self.shift
+        sums = [err.pow(2).sum(0), err.abs().sum(0), ys.sum(0), ys.pow(2).sum(0)]
         self.sums = sums if self.sums is None else [a + b for a, b in zip(self.sums, sums)]
         self.n += len(out)
 
@@ -217,11 +223,15 @@ class _Errors(Metric):
         n, cols = max(self.n, 1), sse.numel()
         mse = float(sse.sum()) / (n * cols)
         sst = syy - sy.pow(2) / n
+        # a constant column (SST = 0) scores 1 if predicted exactly, else 0: scikit-learn's r2_score
+        # (force_finite), not 1 - SSE/1e-300; with fewer than two rows R^2 is undefined (sklearn: nan)
+        r2 = torch.where(sst > 0, 1 - sse / sst.clamp_min(1e-300), (sse == 0).double())
+        r2_mean = float(r2.mean()) if self.n >= 2 else float("nan")
         values = {
             "mse": mse,
             "rmse": math.sqrt(mse),
             "mae": float(sae.sum()) / (n * cols),
-            "r2": float((1 - sse / sst.clamp_min(1e-300)).mean()),  # uniform average over outputs (sklearn's)
+            "r2": r2_mean,  # uniform average over outputs (sklearn's)
         }
         return {k: values[k] for k in self.keys}
 
@@ -298,7 +308,8 @@ class F1(Metric):
             self.tp, self.fp, self.fn = (a + b for a, b in zip((self.tp, self.fp, self.fn), counts))
 
     def result(self):
-        f1 = (2 * self.tp / (2 * self.tp + self.fp + self.fn).clamp_min(1)).double()
+        tp, fp, fn = (c.double() for c in (self.tp, self.fp, self.fn))  # counts: divided in float64, not float32
+        f1 = 2 * tp / (2 * tp + fp + fn).clamp_min(1)
         out = {"f1": float(f1.mean())}
         if len(f1) > 1:
             out.update({f"f1_{j}": float(v) for j, v in enumerate(f1)})
