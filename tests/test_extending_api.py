@@ -434,3 +434,23 @@ def test_a_callback_that_changes_its_row_changes_nothing_recorded(tmp_path):
     written = [json.loads(line)["test_accuracy"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert -1.0 not in written and [r["test_accuracy"] for r in result.metrics] == written == seen
     assert result.summary["final_test_accuracy"] == written[-1]
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+@pytest.mark.parametrize("size", [15, 30])
+def test_user_ids_of_another_length_than_their_split_are_one_line(split, size, tmp_path):
+    # before, test_users of another length than test_x ran on: a natural partition's per-client test sets
+    # were read from ids that belong to no test sample
+    g = np.random.default_rng(0)
+    data = [g.normal(size=(80, 5)), g.integers(0, 3, 80), g.normal(size=(20, 5)), g.integers(0, 3, 20)]
+    users = {"train": np.arange(10).repeat(8), "test": np.arange(10).repeat(2)}
+    users[split] = np.arange(size) % 10
+    rows = 80 if split == "train" else 20
+    with pytest.raises(ValueError, match=f"{split}_users has {size} ids but {split}_x has {rows} rows"):
+        fedweave.run(
+            _cfg(partition={"name": "natural", "num_clients": 0}, eval={"per_client": True}),
+            model=lambda: torch.nn.Linear(5, 3),
+            dataset=(*data, users["train"], users["test"]),
+            run_dir=tmp_path / "run",
+        )
+    assert not (tmp_path / "run").exists()
