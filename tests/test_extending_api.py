@@ -454,3 +454,19 @@ def test_user_ids_of_another_length_than_their_split_are_one_line(split, size, t
             run_dir=tmp_path / "run",
         )
     assert not (tmp_path / "run").exists()
+
+
+def test_bfloat16_data_are_described_in_objects_json(tmp_path):
+    # before, objects.json's SHA-256 read the data with .numpy(), which has no bfloat16: a bare TypeError
+    g = torch.Generator().manual_seed(0)
+    tx, vx = torch.randn(40, 5, generator=g), torch.randn(10, 5, generator=g)
+    ty, vy = torch.randint(0, 3, (40,), generator=g), torch.randint(0, 3, (10,), generator=g)
+    runs = {}
+    for name, (a, b) in {
+        "bf16": (tx.bfloat16(), vx.bfloat16()),
+        "f32": (tx.bfloat16().float(), vx.bfloat16().float()),
+    }.items():
+        fedweave.run(_cfg(), model=lambda: torch.nn.Linear(5, 3), dataset=(a, ty, b, vy), run_dir=tmp_path / name)
+        runs[name] = json.loads((tmp_path / name / "objects.json").read_text())["dataset"]
+    assert runs["bf16"]["train_x"] == [[40, 5], "torch.bfloat16"]
+    assert runs["bf16"]["sha256"] != runs["f32"]["sha256"]  # the same values, another dtype: told apart
