@@ -470,3 +470,19 @@ def test_bfloat16_data_are_described_in_objects_json(tmp_path):
         runs[name] = json.loads((tmp_path / name / "objects.json").read_text())["dataset"]
     assert runs["bf16"]["train_x"] == [[40, 5], "torch.bfloat16"]
     assert runs["bf16"]["sha256"] != runs["f32"]["sha256"]  # the same values, another dtype: told apart
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_an_empty_split_passed_from_python_is_one_line(split, tmp_path):
+    # before, an empty test set ran to the end and reported test_accuracy 0.0 and test_loss 0.0 every round
+    g = np.random.default_rng(0)
+    data = {
+        "train": [g.normal(size=(40, 5)), g.integers(0, 3, 40)],
+        "test": [g.normal(size=(10, 5)), g.integers(0, 3, 10)],
+    }
+    data[split] = [a[:0] for a in data[split]]
+    with pytest.raises(ConfigError, match=f"dataset: {split}_x has no samples"):
+        fedweave.run(
+            _cfg(), model=lambda: torch.nn.Linear(5, 3), dataset=(*data["train"], *data["test"]), run_dir=tmp_path / "r"
+        )
+    assert not (tmp_path / "r").exists()

@@ -87,6 +87,12 @@ def as_dataset(data: Any, name: str = "python") -> Dataset:
             "dataset must be a fedweave Dataset, (train_x, train_y, test_x, test_y[, train_users, test_users]) "
             f"arrays or tensors, or (train, test) torch Datasets; got {type(data).__name__}"
         )
+    for split, x in (("train", tx), ("test", vx)):
+        if len(x) == 0:  # an empty test set would be reported as test_accuracy 0.0 and test_loss 0.0 each round
+            raise ConfigError(
+                f"dataset: {split}_x has no samples; the run trains on the train split and evaluates every model on "
+                "the test split: give each at least one sample"
+            )
     # floating data keep their dtype here; the run casts them to its precision
     if ty.is_floating_point():  # regression or multi-label targets: float, one column per output
         num_outputs = 1 if ty.dim() == 1 else int(np.prod(ty.shape[1:]))
