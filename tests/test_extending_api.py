@@ -434,3 +434,55 @@ def test_a_callback_that_changes_its_row_changes_nothing_recorded(tmp_path):
     written = [json.loads(line)["test_accuracy"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert -1.0 not in written and [r["test_accuracy"] for r in result.metrics] == written == seen
     assert result.summary["final_test_accuracy"] == written[-1]
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+@pytest.mark.parametrize("size", [15, 30])
+def test_user_ids_of_another_length_than_their_split_are_one_line(split, size, tmp_path):
+    # before, test_users of another length than test_x ran on: a natural partition's per-client test sets
+    # were read from ids that belong to no test sample
+    g = np.random.default_rng(0)
+    data = [g.normal(size=(80, 5)), g.integers(0, 3, 80), g.normal(size=(20, 5)), g.integers(0, 3, 20)]
+    users = {"train": np.arange(10).repeat(8), "test": np.arange(10).repeat(2)}
+    users[split] = np.arange(size) % 10
+    rows = 80 if split == "train" else 20
+    with pytest.raises(ValueError, match=f"{split}_users has {size} ids but {split}_x has {rows} rows"):
+        fedweave.run(
+            _cfg(partition={"name": "natural", "num_clients": 0}, eval={"per_client": True}),
+            model=lambda: torch.nn.Linear(5, 3),
+            dataset=(*data, users["train"], users["test"]),
+            run_dir=tmp_path / "run",
+        )
+    assert not (tmp_path / "run").exists()
+
+
+def test_bfloat16_data_are_described_in_objects_json(tmp_path):
+    # before, objects.json's SHA-256 read the data with .numpy(), which has no bfloat16: a bare TypeError
+    g = torch.Generator().manual_seed(0)
+    tx, vx = torch.randn(40, 5, generator=g), torch.randn(10, 5, generator=g)
+    ty, vy = torch.randint(0, 3, (40,), generator=g), torch.randint(0, 3, (10,), generator=g)
+    runs = {}
+    for name, (a, b) in {
+        "bf16": (tx.bfloat16(), vx.bfloat16()),
+        "f32": (tx.bfloat16().float(), vx.bfloat16().float()),
+    }.items():
+        fedweave.run(_cfg(), model=lambda: torch.nn.Linear(5, 3), dataset=(a, ty, b, vy), run_dir=tmp_path / name)
+        runs[name] = json.loads((tmp_path / name / "objects.json").read_text())["dataset"]
+    assert runs["bf16"]["train_x"] == [[40, 5], "torch.bfloat16"]
+    assert runs["bf16"]["sha256"] != runs["f32"]["sha256"]  # the same values, another dtype: told apart
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_an_empty_split_passed_from_python_is_one_line(split, tmp_path):
+    # before, an empty test set ran to the end and reported test_accuracy 0.0 and test_loss 0.0 every round
+    g = np.random.default_rng(0)
+    data = {
+        "train": [g.normal(size=(40, 5)), g.integers(0, 3, 40)],
+        "test": [g.normal(size=(10, 5)), g.integers(0, 3, 10)],
+    }
+    data[split] = [a[:0] for a in data[split]]
+    with pytest.raises(ConfigError, match=f"dataset: {split}_x has no samples"):
+        fedweave.run(
+            _cfg(), model=lambda: torch.nn.Linear(5, 3), dataset=(*data["train"], *data["test"]), run_dir=tmp_path / "r"
+        )
+    assert not (tmp_path / "r").exists()

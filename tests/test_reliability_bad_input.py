@@ -314,6 +314,25 @@ def test_scientific_notation_is_a_number_in_yaml_files_and_overrides(tmp_path, s
     assert load(path, ["local.lr=0.1"]).local.weight_decay == abs(want)
 
 
+@pytest.mark.parametrize(
+    ("spelling", "want"), [("012", 12), ("007", 7), ("0o17", 15), ("0x1F", 31), ("1_000", 1000), ("0100", 100)]
+)
+def test_integers_are_read_by_yaml_1_2s_rule_in_files_and_overrides(tmp_path, spelling, want):
+    # YAML 1.1 read seed: 012 as octal 10: another seed than the one written, with no word said
+    path = tmp_path / "c.yaml"
+    path.write_text(f"seed: {spelling}\n")
+    assert load(path).seed == want
+    assert load(BASE, [f"seed={spelling}"]).seed == want
+
+
+def test_a_colon_number_is_not_read_in_base_60(tmp_path):
+    (tmp_path / "c.yaml").write_text("seed: 1:30\n")  # YAML 1.1: 90
+    with pytest.raises(ConfigError, match="seed must be an integer, got '1:30'"):
+        load(tmp_path / "c.yaml")
+    with pytest.raises(ConfigError, match="seed must be an integer, got '1:30'"):
+        load(BASE, ["seed=1:30"])
+
+
 def test_quoted_numbers_are_numbers_too():
     assert load(BASE, ["local.lr='1e-3'"]).local.lr == 1e-3
 

@@ -87,6 +87,12 @@ def as_dataset(data: Any, name: str = "python") -> Dataset:
             "dataset must be a fedweave Dataset, (train_x, train_y, test_x, test_y[, train_users, test_users]) "
             f"arrays or tensors, or (train, test) torch Datasets; got {type(data).__name__}"
         )
+    for split, x in (("train", tx), ("test", vx)):
+        if len(x) == 0:  # an empty test set would be reported as test_accuracy 0.0 and test_loss 0.0 each round
+            raise ConfigError(
+                f"dataset: {split}_x has no samples; the run trains on the train split and evaluates every model on "
+                "the test split: give each at least one sample"
+            )
     # floating data keep their dtype here; the run casts them to its precision
     if ty.is_floating_point():  # regression or multi-label targets: float, one column per output
         num_outputs = 1 if ty.dim() == 1 else int(np.prod(ty.shape[1:]))
@@ -96,13 +102,20 @@ def as_dataset(data: Any, name: str = "python") -> Dataset:
     return Dataset(name, tx, ty, vx, vy, num_outputs, tuple(tx.shape[1:]), *users)
 
 
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """The values of ``t`` as a NumPy array to hash; bfloat16, which NumPy has no type for, widened to float32
+    (exact: every bfloat16 is a float32), where ``.numpy()`` would raise a TypeError."""
+    t = t.detach().cpu()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
 def describe_model(model: nn.Module) -> dict[str, Any]:
     """The module a factory returned: its class, its number of parameters and a SHA-256 of its initial
     state (names, shapes, dtypes and values), so two runs started from other weights can be told apart."""
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
         h.update(str((name, tuple(t.shape), str(t.dtype))).encode())
-        h.update(np.ascontiguousarray(t.detach().cpu().numpy()).tobytes())
+        h.update(np.ascontiguousarray(_numpy(t)).tobytes())
     return {
         "class": _qualname(model),
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -117,7 +130,7 @@ def describe_dataset(ds: Dataset) -> dict[str, Any]:
     h = hashlib.sha256()
     out: dict[str, Any] = {"class": type(ds).__name__}
     for key, t in arrays.items():
-        a = t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t
+        a = _numpy(t) if isinstance(t, torch.Tensor) else t
         h.update(str((key, tuple(a.shape), str(t.dtype))).encode())
         h.update(np.ascontiguousarray(a).tobytes())
         out[key] = [list(a.shape), str(t.dtype)]

@@ -100,6 +100,28 @@ _Loader.yaml_implicit_resolvers = {
 }
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
 
+# YAML 1.2's integers: PyYAML's 1.1 rule reads a leading zero as octal (seed: 012 is 10) and colons as base 60
+# (1:30 is 90), silently other numbers than the ones written; 1.2 reads 012 as 12, octal only as 0o12, and
+# 1:30 as the string it looks like. Underscores stay allowed, as in the float rule above.
+_INT = re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+|0b[01_]+)$")
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:int"]
+    for first, resolvers in _Loader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:int", _INT, list("-+0123456789"))
+
+
+def _int_1_2(loader: _Loader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node).replace("_", "")
+    base = {"0o": 8, "0x": 16, "0b": 2}.get(text[:2], 10)  # base 10 given: a leading zero is a decimal digit
+    try:
+        return int(text[2:] if base != 10 else text, base)
+    except ValueError as e:  # an explicit !!int tag on other text
+        raise yaml.constructor.ConstructorError(None, None, f"{text!r} is not an integer", node.start_mark) from e
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _int_1_2)
+
 
 def _mapping_without_duplicates(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any]:
     seen: dict[Any, Any] = {}

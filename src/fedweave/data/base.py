@@ -38,6 +38,14 @@ class Dataset:
                     )
             if len(x) != len(y):
                 raise ValueError(f"dataset {self.name!r}: {split}_x has {len(x)} rows but {split}_y has {len(y)}")
+            users = getattr(self, f"{split}_users")
+            # one user id per sample: a shorter or longer list would give a natural partition's clients (and
+            # their per-client test sets) other samples than their users', with no error
+            if users is not None and len(users) != len(x):
+                raise ValueError(
+                    f"dataset {self.name!r}: {split}_users has {len(users)} ids but {split}_x has {len(x)} rows "
+                    "(one user id per sample)"
+                )
             if tuple(x.shape[1:]) != tuple(self.input_shape):
                 raise ValueError(
                     f"dataset {self.name!r}: {split}_x rows have shape {tuple(x.shape[1:])}, "
