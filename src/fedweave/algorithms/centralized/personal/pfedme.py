@@ -117,7 +117,7 @@ class PFedMe(PersonalStar):
         trained = np.arange(self.ctx.num_clients) if hp.train_all else clients
         theta = self.store.rows("personal", trained)
         rule = PFedMeRule(hp.lam, hp.inner_steps, hp.personal_lr, theta)
-        local = self.trainer.train(self.x, trained, r, rule=rule, lr=lr)  # lines 5-9
+        local = self.trainer.train(self.x, trained, r, rule=rule, lr=lr)  # the R local steps, lines 7-8 each
         self.store.set_rows("personal", trained, rule.theta)
         if hp.train_all:  # Alg. 1's S^t: only the sampled clients send their w_{i,R}
             at = torch.as_tensor(clients, dtype=torch.long, device=local.params.device)
