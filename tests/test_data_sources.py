@@ -311,3 +311,50 @@ def test_plays_found_below_a_root_that_is_the_plays_directory(tmp_path, monkeypa
     write(tmp_path / "x", plays)
     r = sources.resolve("shakespeare", tmp_path / "x" / "plays")
     assert r.files["plays/comedies/a.md"] == tmp_path / "x" / "plays" / "comedies" / "a.md"
+
+
+# ----------------------------------------------------------------------------- damaged gzip, one line
+def corrupt_gz(b: bytes) -> bytes:
+    """A .gz whose compressed stream is damaged in the middle (not truncated): zlib fails while inflating."""
+    z = bytearray(gzip.compress(b))
+    for i in range(20, min(len(z) - 8, 60)):
+        z[i] ^= 0xFF
+    return bytes(z)
+
+
+def test_damaged_gz_in_root_is_a_checksum_error_naming_the_file(tmp_path, mnist_blobs):
+    blobs = {n: bytes(range(256)) * 40 + b for n, b in mnist_blobs.items()}
+    for n, b in blobs.items():
+        sources.CHECKSUMS["mnist"][n] = sha(b)
+    write(tmp_path / "mine", blobs, gz=True)
+    bad = tmp_path / "mine" / "t10k-labels-idx1-ubyte.gz"
+    bad.write_bytes(corrupt_gz(blobs["t10k-labels-idx1-ubyte"]))
+    with pytest.raises(ChecksumError, match="unreadable") as e:
+        sources.verify_file(bad, sources.CHECKSUMS["mnist"]["t10k-labels-idx1-ubyte"])
+    assert str(bad) in str(e.value)
+    with pytest.warns(UserWarning, match="ignoring root="), pytest.raises(DataNotFoundError) as e2:
+        sources.resolve("mnist", tmp_path / "mine")
+    assert f"checksum mismatch for {bad}" in str(e2.value) and "unreadable" in str(e2.value)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def test_damaged_gz_from_an_installed_copy_names_the_file_and_tries_the_next_source(
+    tmp_path, monkeypatch, mnist_blobs, isolated, damage
+):
+    blobs = {n: bytes(range(256)) * 40 + b for n, b in mnist_blobs.items()}
+    monkeypatch.setitem(sources.CHECKSUMS, "fashion_mnist", {n: sha(b) for n, b in blobs.items()})
+    installed = tmp_path / "usr-share"
+    write(installed, blobs, gz=True)
+    bad = installed / "t10k-labels-idx1-ubyte.gz"
+    good = gzip.compress(blobs["t10k-labels-idx1-ubyte"])
+    bad.write_bytes(good[:-20] if damage == "truncated" else corrupt_gz(blobs["t10k-labels-idx1-ubyte"]))
+    monkeypatch.setitem(
+        sources.SPECS, "fashion_mnist", dataclasses.replace(sources.SPECS["fashion_mnist"], installed=lambda: installed)
+    )
+    with pytest.raises(DataNotFoundError) as e:  # before: a bare EOFError / zlib.error, no file named
+        sources.resolve("fashion_mnist")
+    reasons = [a.reason for a in e.value.attempts]
+    assert f"checksum mismatch for {bad}" in reasons[1] and "unreadable" in reasons[1]
+    assert len(reasons) == 4  # the Debian mirror and the URL were still tried
+    cache = tmp_path / "cache" / "fashion_mnist"
+    assert not cache.exists() or not [p for p in cache.iterdir() if p.name != sources.STAMP]

@@ -32,6 +32,7 @@ import tempfile
 import urllib.request
 import warnings
 import zipfile
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,9 @@ ENV_DIR = "FEDWEAVE_DATA"
 ENV_OFFLINE = "FEDWEAVE_OFFLINE"
 STAMP = ".fedweave-verified.json"
 _CHUNK = 1 << 20
+# What reading a damaged .gz raises: EOFError when truncated, zlib.error when its stream is corrupt, and
+# gzip.BadGzipFile (an OSError) for a bad header or CRC.
+_GZ_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -138,7 +142,7 @@ def verify_file(path: str | Path, pinned: str, *, decompress: bool | None = None
     algo, expected = _parse_digest(pinned)
     try:
         actual = file_digest(path, algo, decompress)
-    except (OSError, EOFError) as e:  # a truncated .gz fails while decompressing
+    except (OSError, *_GZ_ERRORS) as e:  # a damaged .gz fails while decompressing
         raise ChecksumError(Path(path), algo, expected, f"unreadable ({e})", hint) from e
     if actual != expected:
         raise ChecksumError(Path(path), algo, expected, actual, hint)
@@ -517,9 +521,13 @@ def _install(spec: DataSpec, found: dict[str, Path], dest: Path) -> dict[str, Pa
             target = dest / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-            with _open(src, _decompress_for(rel, src)) as fin, open(tmp, "wb") as fout:
-                shutil.copyfileobj(fin, fout, _CHUNK)
             staged[rel] = tmp
+            try:
+                with _open(src, _decompress_for(rel, src)) as fin, open(tmp, "wb") as fout:
+                    shutil.copyfileobj(fin, fout, _CHUNK)
+            except _GZ_ERRORS as e:  # a damaged .gz (installed copy, mirror): name it, let the next source try
+                algo, expected = _parse_digest(pinned[rel])
+                raise ChecksumError(src, algo, expected, f"unreadable ({e})") from e
             verify_file(tmp, pinned[rel], decompress=False, hint=f"(copied from {src})")
         for rel, tmp in staged.items():  # every file verified: now move them in
             os.replace(tmp, dest / rel)
