@@ -358,3 +358,25 @@ def test_damaged_gz_from_an_installed_copy_names_the_file_and_tries_the_next_sou
     assert len(reasons) == 4  # the Debian mirror and the URL were still tried
     cache = tmp_path / "cache" / "fashion_mnist"
     assert not cache.exists() or not [p for p in cache.iterdir() if p.name != sources.STAMP]
+
+
+def test_gzipped_files_put_in_the_cache_by_hand_are_used(tmp_path, mnist_blobs, isolated):
+    # docs/data.md and the all-failed error say: put the files, raw or gzipped, under the cache directory
+    cache = tmp_path / "cache" / "mnist"
+    write(cache, mnist_blobs, gz=True)
+    r = sources.resolve("mnist")
+    assert r.directory == cache and isolated == []  # no mirror, no URL
+    assert {rel: p.read_bytes() for rel, p in r.files.items()} == mnist_blobs  # decompressed, verified
+    assert all(p.parent == cache and p.suffix != ".gz" for p in r.files.values())
+    assert sources.resolve("mnist").source == f"cache {cache}"  # a plain cache hit from now on
+
+
+def test_a_damaged_gz_put_in_the_cache_is_named(tmp_path, mnist_blobs):
+    cache = tmp_path / "cache" / "mnist"
+    write(cache, mnist_blobs, gz=True)
+    bad = cache / "train-labels-idx1-ubyte.gz"
+    bad.write_bytes(gzip.compress(b"another release"))
+    with pytest.raises(DataNotFoundError) as e:
+        sources.resolve("mnist", offline=True)
+    assert "checksum mismatch" in str(e.value) and f"(copied from {bad})" in str(e.value)
+    assert not (cache / "train-labels-idx1-ubyte").exists()  # nothing half-installed

@@ -584,6 +584,15 @@ def resolve(
         return Resolved(name, cache, _check_cache(spec, cache, rehash=rehash), src, attempts)
     except (SourceFailed, ChecksumError) as e:
         attempts.append(Attempt(src, str(e)))
+    # Files put into the cache by hand may be gzipped (the instructions allow it): decompress and verify
+    # them into place, as for any other source.
+    found, missing = locate(cache, rels) if cache.is_dir() else ({}, rels)
+    if not missing and any(_decompress_for(rel, p) for rel, p in found.items()):
+        src = f"gzipped files in cache {cache}"
+        try:
+            return Resolved(name, cache, _install(spec, found, cache), src, attempts)
+        except ChecksumError as e:
+            attempts.append(Attempt(src, str(e)))
 
     if spec.archive:  # a tarball the user downloaded by hand, in root= or the cache
         for d in ([root] if root is not None else []) + [cache]:
