@@ -309,7 +309,7 @@ def test_shakespeare_samples(plays_root):
         for k, i in enumerate(tr):  # sample k of a user is text[k : k + seq] -> text[k + seq]
             assert decode(shakespeare.VOCAB[c] for c in ds.train_x[i].tolist()) == text[k : k + seq]
             assert shakespeare.VOCAB[int(ds.train_y[i])] == text[k + seq]
-        if len(te):  # test starts seq characters after the last training target: no overlap
+        if len(te):  # test starts at the character after the last training target: no overlap
             assert (
                 decode(shakespeare.VOCAB[c] for c in ds.test_x[te[0]].tolist())
                 == text[n_train + seq : n_train + 2 * seq]

@@ -6,8 +6,9 @@ the current speaker. A role's text is its lines joined by spaces with runs of sp
 ``txt_to_data`` replaces newlines by spaces the same way). Sample i of a role is
 ``x = text[i : i + seq_len]``, ``y = text[i + seq_len]``.
 
-Per-role split in time order: the first ``max(1, floor(train_fraction * n))`` samples train; test samples
-start ``seq_len`` characters after the last training target so no test window overlaps a training one.
+Per-role split in time order: the first ``max(1, floor(train_fraction * n))`` samples train; the first test
+window starts at the character after the last training target (the ``seq_len`` windows in between are
+dropped), so no test sample overlaps a training one.
 A root holding LEAF's JSON output (``train/*.json``, ``test/*.json``) is read instead when given.
 """
 
