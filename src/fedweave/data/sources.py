@@ -677,5 +677,10 @@ def verify(name: str) -> Path:
 
 
 def cached() -> list[str]:
-    """Datasets with a cache directory."""
-    return [n for n in names() if (cache_root() / n).is_dir()]
+    """Datasets whose cache directory holds files (hidden ones, the stamp or a temporary copy, aside). A
+    failed fetch may leave the directory empty: that dataset was never cached, and is not listed."""
+
+    def holds_files(d: Path) -> bool:
+        return d.is_dir() and any(not p.name.startswith(".") for p in d.iterdir())
+
+    return [n for n in names() if holds_files(cache_root() / n)]
