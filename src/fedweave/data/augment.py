@@ -17,7 +17,8 @@ from fedweave.registry import AUGMENTATIONS
 if TYPE_CHECKING:
     from fedweave.config import LocalConfig
 
-# ITU-R BT.601 luma weights, as torchvision's rgb_to_grayscale.
+# ITU-R BT.601 luma weights, as PIL's convert("L"), which torchvision's ColorJitter uses on PIL images
+# (torchvision's tensor rgb_to_grayscale has 0.2989 for red instead).
 _LUMA = (0.299, 0.587, 0.114)
 
 
