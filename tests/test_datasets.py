@@ -318,6 +318,18 @@ def test_shakespeare_samples(plays_root):
     assert len(set(capped.train_users.tolist())) == 2 and capped.num_train == 2 * 8
 
 
+def test_shakespeare_plays_gzipped_in_root(plays_root, tmp_path):
+    # docs/data.md: a file under root= may sit there as .gz; the plays were read with read_text (UTF-8 of
+    # the compressed bytes: UnicodeDecodeError)
+    gz = tmp_path / "gz"
+    for rel in ("plays/comedies/alpha.md", "plays/tragedies/beta.md"):
+        (gz / rel).parent.mkdir(parents=True, exist_ok=True)
+        (gz / (rel + ".gz")).write_bytes(gzip.compress((plays_root / rel).read_bytes()))
+    a = DATASETS.get("shakespeare")(root=plays_root, seq_len=10)
+    b = DATASETS.get("shakespeare")(root=gz, seq_len=10)
+    assert torch.equal(a.train_x, b.train_x) and torch.equal(a.test_y, b.test_y)
+
+
 def test_shakespeare_leaf_json(tmp_path):
     for split, xs, ys in (("train", ["to be", "o be,"], ["o", " "]), ("test", ["be, o"], ["r"])):
         (tmp_path / split).mkdir()

@@ -23,7 +23,7 @@ import torch
 
 from fedweave.data import sources
 from fedweave.data.base import Dataset
-from fedweave.data.datasets._common import opt_choice, opt_float, opt_int, reject_unknown
+from fedweave.data.datasets._common import open_maybe_gz, opt_choice, opt_float, opt_int, reject_unknown
 from fedweave.data.datasets.leaf import VOCAB, encode, load_leaf_dir
 from fedweave.registry import DATASETS
 from fedweave.seeding import Seeds
@@ -77,7 +77,9 @@ def read_plays(files: dict[str, Path]) -> list[tuple[str, str, str]]:
     out = []
     for rel in sorted(files):
         play = Path(rel).stem
-        for role, lines in parse_play(files[rel].read_text(encoding="utf-8")).items():
+        with open_maybe_gz(files[rel], "rt") as f:  # a play under root= may be gzipped (docs/data.md)
+            text = f.read()
+        for role, lines in parse_play(text).items():
             out.append((play, role, clean(lines)))
     return out
 
