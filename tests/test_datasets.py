@@ -412,6 +412,20 @@ def test_leaf_femnist(tmp_path):
         leaf.load_leaf_dir(tmp_path / "train")
 
 
+def test_leaf_root_with_a_tilde(tmp_path, monkeypatch):
+    # root="~/..." names the home directory for every other loader (sources.resolve, libsvm's path):
+    # LEAF took the "~" literally and reported its train/ directory missing
+    monkeypatch.setenv("HOME", str(tmp_path))
+    img = [0.5] * 784
+    write_leaf(tmp_path / "femnist", "train", {"f0": ([img], [3])}, 0)
+    write_leaf(tmp_path / "femnist", "test", {"f0": ([img], [4])}, 0)
+    assert DATASETS.get("leaf")(root="~/femnist").train_y.tolist() == [3]
+    write_leaf(tmp_path / "shk", "train", {"HAMLET": (["to be"], ["o"])}, 0)
+    write_leaf(tmp_path / "shk", "test", {"HAMLET": (["be, o"], ["r"])}, 0)
+    ds = DATASETS.get("shakespeare")(root="~/shk")  # source "auto": the LEAF JSON there, not the plays
+    assert ds.train_x.shape == (1, 5)
+
+
 def test_leaf_bad_layout(tmp_path):
     (tmp_path / "train").mkdir()
     (tmp_path / "test").mkdir()

@@ -179,4 +179,6 @@ def load_leaf(
     num_classes = opt_int("leaf", "num_classes", num_classes, minimum=2, allow_none=True)
     max_users = opt_int("leaf", "max_users", max_users, allow_none=True)
     seed = opt_int("leaf", "seed", seed, minimum=0)
-    return load_leaf_dir(Path(root), kind=kind, num_classes=num_classes, max_users=max_users, seed=seed)
+    # "~" names the home directory, as for every loader whose files come through sources.resolve
+    root = Path(root).expanduser()
+    return load_leaf_dir(root, kind=kind, num_classes=num_classes, max_users=max_users, seed=seed)

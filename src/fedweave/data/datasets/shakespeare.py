@@ -164,6 +164,7 @@ def load_shakespeare(
     max_users = opt_int(name, "max_users", max_users, allow_none=True)
     max_samples_per_user = opt_int(name, "max_samples_per_user", max_samples_per_user, allow_none=True)
     seed = opt_int(name, "seed", seed, minimum=0)
+    root = None if root is None else Path(root).expanduser()  # "~" as for the plays' sources.resolve
 
     if source == "leaf" or (source == "auto" and _is_leaf(root)):
         if root is None:
