@@ -67,6 +67,20 @@ def test_graph_options_and_errors():
     assert np.allclose(w.sum(1), 1) and spectral_sigma(w) < 1
 
 
+@pytest.mark.parametrize(
+    ("edges", "message"),
+    [
+        ([0, 1], r"^algorithm.edges\[0\] must be a list, got 0$"),  # one pair, not a list of pairs
+        ([[0, 1], [1, "2"]], r"^algorithm.edges\[1\]\[1\] must be an integer, got '2'$"),
+        ("0 1", r"^algorithm.edges must be a list or null, got '0 1'$"),
+    ],
+)
+def test_a_malformed_edge_list_names_the_entry_that_is_wrong(edges, message):
+    """A list whose entries are wrong was told it 'must be a list or null', which it is."""
+    with pytest.raises(ConfigError, match=message):
+        make("cfl_saga", graph="edges", edges=edges)
+
+
 # ---- the problem -------------------------------------------------------------------------------------
 def test_newton_optimum_and_lbfgs_cross_check():
     algo = make("gt_saga")
