@@ -67,6 +67,34 @@ def test_graph_options_and_errors():
     assert np.allclose(w.sum(1), 1) and spectral_sigma(w) < 1
 
 
+def test_optimal_constant_weights_as_documented():
+    """docs/algorithms/confederated.md: tau = (lambda_max + lambda_2)/2 gives the smallest sigma of any tau, and
+    negative diagonal entries on the random graph of graph_seed 1 (smallest -0.41), not on the ring or full."""
+    adj = build_graph("random", 20, np.random.default_rng(1))
+    w = mixing_matrix(adj, "optimal_constant")
+    assert round(w.min(), 2) == -0.41 and w.min() == np.diag(w).min()
+    lap = np.diag(adj.sum(1)) - adj.astype(float)
+    lam = np.linalg.eigvalsh(lap)[-1]
+    best = min(spectral_sigma(np.eye(20) - lap / tau) for tau in np.linspace(lam / 2 + 1e-6, 3 * lam, 500))
+    assert spectral_sigma(w) <= best + 1e-12 and spectral_sigma(w) < spectral_sigma(mixing_matrix(adj))
+    for kind in ("ring", "full"):
+        assert mixing_matrix(build_graph(kind, 20), "optimal_constant").min() >= 0
+
+
+@pytest.mark.parametrize(
+    ("edges", "message"),
+    [
+        ([0, 1], r"^algorithm.edges\[0\] must be a list, got 0$"),  # one pair, not a list of pairs
+        ([[0, 1], [1, "2"]], r"^algorithm.edges\[1\]\[1\] must be an integer, got '2'$"),
+        ("0 1", r"^algorithm.edges must be a list or null, got '0 1'$"),
+    ],
+)
+def test_a_malformed_edge_list_names_the_entry_that_is_wrong(edges, message):
+    """A list whose entries are wrong was told it 'must be a list or null', which it is."""
+    with pytest.raises(ConfigError, match=message):
+        make("cfl_saga", graph="edges", edges=edges)
+
+
 # ---- the problem -------------------------------------------------------------------------------------
 def test_newton_optimum_and_lbfgs_cross_check():
     algo = make("gt_saga")

@@ -81,3 +81,19 @@ def test_a_method_that_draws_no_users_refuses_a_sampler_and_a_sample_rate():
         make(name="gt_saga", mode="decentralized", sample_rate=0.4)
     make(name="cfl_saga"), make(name="gt_saga", mode="decentralized")  # without either: accepted
     make({"name": "uniform"}, name="cfl_saga")  # the default section names no sampler
+
+
+def test_a_schedule_without_cycling_must_cover_every_iteration():
+    """The edge servers ask the sampler every iteration k, not every round: a schedule of 2 entries with cycle
+    false was accepted for 2 rounds of 3 iterations and silently cycled over the 6 iterations."""
+    plan = {"name": "schedule", "clients": [[0, 1], [2, 3]], "cycle": False}
+    cfg = {"seed": 0, "rounds": 2, "dataset": _DATA, "sampler": plan}
+    with pytest.raises(
+        ConfigError,
+        match=r"^sampler: the schedule has 2 iterations but the run has 6 = rounds x algorithm.iterations_per_round",
+    ):
+        build_algorithm(RunContext(load({**cfg, "algorithm": {"name": "gt_saga", **_ALGO, "iterations_per_round": 3}})))
+    algo = build_algorithm(RunContext(load({**cfg, "algorithm": {"name": "gt_saga", **_ALGO}})))  # 2 x 1: covered
+    for r in range(2):
+        algo.run_round(r)
+    assert algo.k == 2

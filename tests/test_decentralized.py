@@ -92,6 +92,17 @@ def test_small_world_refuses_an_odd_degree_it_would_round_down():
     assert {d for _, d in g.degree()} == {4}
 
 
+def test_torus_refuses_a_side_below_three_it_would_degenerate_on():
+    """C_r x C_c is the 4-regular torus only for r, c >= 3: a side of 1 built a plain ring (7 clients, or
+    torus_rows 1) and a side of 2 a degree-3 ladder (8 clients as 2 x 4, torus_rows 2), without a word."""
+    for m, rows in ((7, 0), (8, 0), (4, 0), (12, 1), (12, 2), (12, 6)):
+        with pytest.raises(ConfigError, match=r"^algorithm.torus_rows: a torus needs at least 3 rows and 3 columns"):
+            build_graph("torus", m, 0, torus_rows=rows)
+    for m, rows in ((9, 0), (12, 0), (12, 4), (15, 5), (16, 0)):
+        g = build_graph("torus", m, 0, torus_rows=rows)
+        assert {d for _, d in g.degree()} == {4} and nx.is_connected(g)
+
+
 def test_graph_edge_list_file(tmp_path):
     f = tmp_path / "edges.txt"
     f.write_text("# a path\n0 1\n1 2\n2 3  # last\n")

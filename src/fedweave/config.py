@@ -796,11 +796,15 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(f"{key} must be a mapping of {tp.__name__} keys, got {value!r}")
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
+        lists = []  # what a list value failed on as a list: the entry that is wrong, e.g. "algorithm.edges[0]"
         for arg in typing.get_args(tp):
             try:
                 return coerce(value, arg, key)
-            except ConfigError:
-                continue
+            except ConfigError as e:
+                if isinstance(value, (list, tuple)) and (typing.get_origin(arg) or arg) in (list, tuple):
+                    lists.append(e)
+        if len(lists) == 1:  # else "must be a list or null" would be said of a list
+            raise lists[0]
         raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
     if tp is type(None):
         if value is None:

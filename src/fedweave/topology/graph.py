@@ -84,6 +84,16 @@ def build_graph(
         rows = torus_rows or _factor_rows(m)
         if rows < 1 or m % rows:
             raise ConfigError(f"algorithm.torus_rows ({rows}) must divide partition.num_clients ({m})")
+        # C_r x C_c is the 4-regular torus only for r, c >= 3: a side of 1 is a ring, a side of 2 a degree-3
+        # ladder (its two wrap-around edges coincide), either of which would be built without a word
+        if min(rows, m // rows) < 3:
+            fits = [d for d in range(3, m // 3 + 1) if m % d == 0]
+            hint = f"algorithm.torus_rows one of {', '.join(map(str, fits))}" if fits else ""
+            hint = hint or f"topology 'ring' ({m} clients have no such grid)"
+            raise ConfigError(
+                f"algorithm.torus_rows: a torus needs at least 3 rows and 3 columns (each client 4 neighbours); "
+                f"{rows} x {m // rows} for {m} clients is not one; use {hint}"
+            )
         g = nx.convert_node_labels_to_integers(nx.grid_2d_graph(rows, m // rows, periodic=True), ordering="sorted")
     elif topology == "random_regular":
         if not 0 < degree < m or (m * degree) % 2:

@@ -104,13 +104,18 @@ def _checked_plan(
     file: str | None = None,
     cycle: bool = True,
     every: bool = True,
+    unit: str = "rounds",
+    note: str = "",
 ) -> list[list[int]]:
     """The schedule's plan, its length checked against the run and, with ``every``, the client ids of every
     entry: ``make_sampler`` checks them all when the run is built, so that a bad entry for round 900 is not
-    found in round 900 (each round then checks its own entry only)."""
+    found in round 900 (each round then checks its own entry only). ``unit`` names what one entry is for
+    (``note``: how the run's count of them is made), for a family that asks its sampler other than per round."""
     plan = _plan(clients, file)
     if not cycle and len(plan) < rounds:
-        raise ConfigError(f"sampler: the schedule has {len(plan)} rounds but the run has {rounds} (or set cycle: true)")
+        raise ConfigError(
+            f"sampler: the schedule has {len(plan)} {unit} but the run has {rounds}{note} (or set cycle: true)"
+        )
     if every:
         for i, ids in enumerate(plan):
             _checked(ids, num_clients, f"sampler.clients[{i}]")
@@ -433,11 +438,14 @@ def make_sampler(
     return sample
 
 
-def check_every_round(fn: Callable, opts: dict, num_clients: int, rounds: int) -> None:
+def check_every_round(
+    fn: Callable, opts: dict, num_clients: int, rounds: int, unit: str = "rounds", note: str = ""
+) -> None:
     """What sampler ``fn`` will be asked for in any round, checked now, when the run is built: every entry of
-    a ``schedule`` (a bad entry for round 900 is a configuration error before round 1, not in round 900)."""
+    a ``schedule`` (a bad entry for round 900 is a configuration error before round 1, not in round 900).
+    ``rounds``: how many times the run asks it (``unit`` and ``note`` say so where that is not per round)."""
     if fn is schedule:
-        _checked_plan(num_clients, rounds, **opts)
+        _checked_plan(num_clients, rounds, **opts, unit=unit, note=note)
 
 
 def weighting_under(ctx, sampler: Sampler, weighting: str | None, family: str = "") -> str | None:

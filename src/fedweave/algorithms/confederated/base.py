@@ -172,7 +172,10 @@ class ConfederatedAlgorithm(Algorithm):
             refuse_context(self.config.sampler.name, fn, self.family)
             opts = check_options(fn, self.config.sampler.options, "sampler", skip=SAMPLER_ARGS)
             check_signature(self.config.sampler.name, fn, opts)
-            check_every_round(fn, opts, pb.P, self.config.rounds)
+            iterations = self.config.rounds * hp.iterations_per_round  # asked every iteration k, not every round
+            check_every_round(
+                fn, opts, pb.P, iterations, unit="iterations", note=" = rounds x algorithm.iterations_per_round"
+            )
         self.X = torch.zeros(n, d, dtype=torch.float64, device=dev)  # server models x_i^k
         self.Y = torch.zeros(n, d, dtype=torch.float64, device=dev)  # trackers y_i^k
         self.G = torch.zeros(n, d, dtype=torch.float64, device=dev)  # estimates g_i^k
@@ -254,9 +257,10 @@ class ConfederatedAlgorithm(Algorithm):
         fn = SAMPLERS.get(section.name)
         refuse_context(section.name, fn, self.family)
         opts = check_options(fn, section.options, "sampler", skip=SAMPLER_ARGS)
+        iterations = self.config.rounds * self.hp.iterations_per_round  # k runs over these, not over the rounds
         rows = []
         for i in range(pb.N):
-            row = fn(pb.P, m, k, self.seeds.numpy("user_selection", k, i), rounds=self.config.rounds, **opts)
+            row = fn(pb.P, m, k, self.seeds.numpy("user_selection", k, i), rounds=iterations, **opts)
             row = drawn(row, pb.P, f"sampler {section.name!r} (edge server {i}, iteration {k})")
             if len(row) != m:
                 raise ConfigError(
