@@ -93,7 +93,10 @@ def test_idx_truncated_or_not_idx(tmp_path):
 
 def test_missing_real_data_raises_sources_error_not_synthetic(tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(sources.DataNotFoundError, match="dataset 'mnist' is not available"):
+    with (
+        pytest.raises(sources.DataNotFoundError, match="dataset 'mnist' is not available"),
+        pytest.warns(UserWarning, match="ignoring root=.*missing 4 of 4 files"),
+    ):
         DATASETS.get("mnist")(root=tmp_path / "empty")
     with pytest.raises(sources.DataNotFoundError, match="cifar-100-python/train"):
         DATASETS.get("cifar100")()
