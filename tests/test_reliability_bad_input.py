@@ -475,6 +475,21 @@ def test_plot_of_an_unknown_metric_lists_the_metrics(toy_config, tmp_path, capsy
     assert "test_accuracy" in line
 
 
+def test_plot_of_a_sweep_with_a_run_that_wrote_no_rows(toy_config, tmp_path, capsys):
+    """A run that diverged before its first evaluation holds no metrics.jsonl: it is a run all the same, drawn
+    as no line, and the sweep's other runs are plotted (before: the whole plot failed, asking whether the
+    run's directory was a run directory)."""
+    fedweave.sweep(toy_config, {"local.lr": [0.1, 1e38]}, out=tmp_path / "s", progress=False)
+    (diverged,) = (tmp_path / "s" / "runs").glob("local.lr=1*e*38,seed=3")
+    assert (diverged / "summary.json").is_file() and not (diverged / "metrics.jsonl").exists()
+    assert cli_main(["plot", str(tmp_path / "s"), "--out", str(tmp_path / "p")]) == 0
+    assert (tmp_path / "p" / "test_accuracy_vs_rounds.png").read_bytes()[:4] == b"\x89PNG"
+    # nothing but runs without rows: one line saying so, not a question about the directories
+    code = cli_main(["plot", str(diverged), "--out", str(tmp_path / "q")])
+    line = _one_line_error(capsys, code, "no metrics row yet")
+    assert "is a fedweave run directory?" not in line and not (tmp_path / "q").exists()
+
+
 # ---- the run directory -------------------------------------------------------------------------------
 def test_output_dir_that_is_a_file(in_tmp, capsys):
     (in_tmp / "taken").write_text("mine")

@@ -34,13 +34,17 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
     main metric of the first run's task (its ``summary.json``), else ``test_accuracy``."""
     out_dir = Path(out_dir)
     metric = metric or _main_metric(run_dirs)
+    every = [(d, _rows(d)) for d in run_dirs]
+    if not any(rows for _, rows in every):
+        given = ", ".join(map(str, run_dirs))
+        raise ValueError(f"{given}: no metrics row yet (metrics.jsonl): no run has evaluated a round to plot")
     series = []
-    for d in run_dirs:
-        rows = [r for r in read_metrics(d) if r.get(metric) is not None]
+    for d, all_rows in every:
+        rows = [r for r in all_rows if r.get(metric) is not None]
         if rows:
             series.append((Path(d).name, rows))
     if not series:
-        known = sorted({k for d in run_dirs for r in read_metrics(d) for k, v in r.items() if isinstance(v, float)})
+        known = sorted({k for _, rows in every for r in rows for k, v in r.items() if isinstance(v, float)})
         raise ValueError(
             f"--metric {metric!r} is not a metric of {', '.join(map(str, run_dirs))}; choose one of {', '.join(known)}"
         )
@@ -68,6 +72,16 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
         save_png(fig, out_dir / fname)
         written.append(out_dir / fname)
     return written
+
+
+def _rows(run_dir: str | Path) -> list[dict]:
+    """A run's metric rows: none for a run directory without ``metrics.jsonl`` (a run that diverged before its
+    first evaluation, or one that has not finished it yet), as a sweep records such a run; a directory that
+    is not a run's is :func:`read_metrics`' error."""
+    d = Path(run_dir)
+    if not (d / "metrics.jsonl").is_file() and any((d / f).is_file() for f in ("config.yaml", "summary.json")):
+        return []
+    return read_metrics(d)
 
 
 def _main_metric(run_dirs: list[str | Path]) -> str:
