@@ -490,6 +490,22 @@ def test_plot_of_a_sweep_with_a_run_that_wrote_no_rows(toy_config, tmp_path, cap
     assert "is a fedweave run directory?" not in line and not (tmp_path / "q").exists()
 
 
+def test_plot_and_report_out_naming_a_file(toy_config, tmp_path, capsys):
+    """``--out`` that is a file, or lies under one, is one line naming --out (before: 'FILE: File exists' or
+    'FILE/sub: Not a directory'), and the file is left as it was."""
+    fedweave.run(toy_config, run_dir=tmp_path / "r")
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    run = str(tmp_path / "r")
+    for args, expect in (
+        (["plot", run, "--out", str(mine)], f"--out: {mine} is a file; give a folder"),
+        (["plot", run, "--out", str(mine / "sub")], f"--out: {mine / 'sub'} lies under the file {mine}"),
+        (["report", run, "--out", str(mine / "x.html")], f"--out: {mine / 'x.html'} lies under the file {mine}"),
+    ):
+        _one_line_error(capsys, cli_main(args), expect)
+    assert mine.read_text() == "mine"
+
+
 # ---- the run directory -------------------------------------------------------------------------------
 def test_output_dir_that_is_a_file(in_tmp, capsys):
     (in_tmp / "taken").write_text("mine")

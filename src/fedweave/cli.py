@@ -141,6 +141,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     from fedweave.plots import plot_runs
 
     out = Path(args.out) if args.out else Path(args.run_dirs[0])
+    if args.out:
+        _out_under_no_file(out, "give a folder (made if missing)", folder=True)
     runs = []  # a sweep directory stands for all its runs
     for d in map(Path, args.run_dirs):
         runs += sorted((d / "runs").iterdir()) if (d / "sweep.json").is_file() else [d]
@@ -259,10 +261,23 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _out_under_no_file(out: Path, allowed: str, folder: bool) -> None:
+    """``--out`` that is a file (where ``folder``: the PNGs' folder) or lies under one is one line naming
+    --out, before anything is written (the system's error named only the path: 'FILE: File exists')."""
+    from fedweave.config import ConfigError
+
+    there = next((p for p in (out, *out.absolute().parents) if p.exists()), None)
+    if there is not None and there.is_file() and (folder or there != out):
+        what = "is a file" if there == out else f"lies under the file {there}"
+        raise ConfigError(f"--out: {out} {what}; {allowed}")
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from fedweave.experiments.report import write_report
 
     out = args.out or str(Path(args.dirs[0]) / "report.html")
+    if args.out:
+        _out_under_no_file(Path(out), "give an HTML file in a folder (made if missing)", folder=False)
     print(write_report(args.dirs, out))
     return 0
 
