@@ -138,14 +138,20 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from fedweave.config import ConfigError
+    from fedweave.experiments.report import sweep_runs
     from fedweave.plots import plot_runs
 
     out = Path(args.out) if args.out else Path(args.run_dirs[0])
     if args.out:
         _out_under_no_file(out, "give a folder (made if missing)", folder=True)
-    runs = []  # a sweep directory stands for all its runs
+    runs = []  # a sweep directory stands for the runs of its current grid, as in its report
     for d in map(Path, args.run_dirs):
-        runs += sorted((d / "runs").iterdir()) if (d / "sweep.json").is_file() else [d]
+        if not (d / "sweep.json").is_file():
+            runs.append(d)
+        elif not (found := sweep_runs(d)):
+            raise ConfigError(f"{d}: no run of the sweep's grid (sweep.json) has started yet; nothing to plot")
+        else:
+            runs += found
     try:
         written = plot_runs(runs, out, metric=args.metric or _runs_metric(runs))
     except ValueError as e:
