@@ -295,6 +295,9 @@ def test_a_copied_table_is_the_reports_and_a_missing_one_is_one_line():
     assert table_after(report, "## Table 2") == "| c |\n|---|\n| 3 |\n"
     with pytest.raises(ConfigError, match=r"^r.md has no line starting with '## Table 4'$"):
         table_after(report, "## Table 4", "r.md")
+    # a heading with no table after it (the report's table removed) is one line too, not a StopIteration
+    with pytest.raises(ConfigError, match=r"^r.md has no table after the line starting with '## Table 3'$"):
+        table_after("# r\n\n## Table 3\n\ntext\n", "## Table 3", "r.md")
 
 
 @pytest.mark.parametrize("name", ["afind", "cse-fsl", "fedmim"])
