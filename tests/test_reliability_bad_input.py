@@ -490,6 +490,19 @@ def test_plot_of_a_sweep_with_a_run_that_wrote_no_rows(toy_config, tmp_path, cap
     assert "is a fedweave run directory?" not in line and not (tmp_path / "q").exists()
 
 
+def test_plot_says_which_runs_it_does_not_draw(toy_config, tmp_path, caplog):
+    """A run given to ``fedweave plot`` without a row of the metric (a non-private run against ``epsilon``) is
+    named in one warning line (before: silently left out, and with one line left the figure had no legend)."""
+    fedweave.run(toy_config, run_dir=tmp_path / "plain")
+    private = {**toy_config, "sampler": "bernoulli", "privacy": {"clip": 0.5, "noise_multiplier": 1.0}}
+    fedweave.run(private, run_dir=tmp_path / "dp")
+    caplog.clear()
+    out = str(tmp_path / "p")
+    assert cli_main(["plot", str(tmp_path / "plain"), str(tmp_path / "dp"), "--metric", "epsilon", "--out", out]) == 0
+    said = [r.getMessage() for r in caplog.records if r.name == "fedweave" and r.levelname == "WARNING"]
+    assert said == [f"not drawn, no row with epsilon: {tmp_path / 'plain'}"]
+
+
 def test_plot_and_report_out_naming_a_file(toy_config, tmp_path, capsys):
     """``--out`` that is a file, or lies under one, is one line naming --out (before: 'FILE: File exists' or
     'FILE/sub: Not a directory'), and the file is left as it was."""

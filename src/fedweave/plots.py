@@ -38,16 +38,20 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
     if not any(rows for _, rows in every):
         given = ", ".join(map(str, run_dirs))
         raise ValueError(f"{given}: no metrics row yet (metrics.jsonl): no run has evaluated a round to plot")
-    series = []
+    series, left = [], []
     for d, all_rows in every:
         rows = [r for r in all_rows if r.get(metric) is not None]
         if rows:
             series.append((Path(d).name, rows))
+        else:
+            left.append(str(d))
     if not series:
         known = sorted({k for _, rows in every for r in rows for k, v in r.items() if isinstance(v, float)})
         raise ValueError(
             f"--metric {metric!r} is not a metric of {', '.join(map(str, run_dirs))}; choose one of {', '.join(known)}"
         )
+    if left:  # a run asked for is never left out unsaid
+        log.warning("not drawn, no row with %s: %s", metric, ", ".join(left))
     written = []
     axes = [
         ("round", "communication round", f"{metric}_vs_rounds.png"),
