@@ -159,6 +159,28 @@ def test_plot_of_a_sweep_draws_only_its_current_grid(toy_config, tmp_path, monke
     assert drawn["test_accuracy_vs_rounds.png"] == drawn["test_accuracy_vs_bytes.png"] == current
 
 
+def test_plot_labels_tell_runs_of_the_same_name_apart(toy_config, tmp_path, monkeypatch):
+    """Runs whose directories share a name (the same grid point of two sweeps) are labelled by their paths,
+    and a run given as '.' by its directory's name (before: two identical labels; an empty one)."""
+    import fedweave.plots
+
+    for where in ("a", "b"):
+        fedweave.run({**toy_config, "rounds": 2}, run_dir=tmp_path / where / "r")
+    drawn, save = [], fedweave.plots.save_png
+
+    def keep(fig, path, dpi=120):
+        drawn.append([line.get_label() for line in fig.axes[0].get_lines()])
+        return save(fig, path, dpi)
+
+    monkeypatch.setattr(fedweave.plots, "save_png", keep)
+    fedweave.plots.plot_runs([tmp_path / "a" / "r", tmp_path / "b" / "r"], tmp_path / "p")
+    assert drawn[0] == [str(tmp_path / "a" / "r"), str(tmp_path / "b" / "r")]
+    monkeypatch.chdir(tmp_path / "a" / "r")
+    drawn.clear()
+    fedweave.plots.plot_runs([".", tmp_path / "b" / "r"], tmp_path / "q")
+    assert drawn[0] == [".", str(tmp_path / "b" / "r")]
+
+
 @pytest.mark.slow
 def test_killed_sweep_resumes_to_the_same_tables_as_an_uninterrupted_one(tmp_path):
     cfg = tmp_path / "digits.yaml"

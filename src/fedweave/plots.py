@@ -38,11 +38,12 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
     if not any(rows for _, rows in every):
         given = ", ".join(map(str, run_dirs))
         raise ValueError(f"{given}: no metrics row yet (metrics.jsonl): no run has evaluated a round to plot")
-    series, left = [], []
-    for d, all_rows in every:
+    series, left, drawn = [], [], []
+    for (d, all_rows), label in zip(every, _labels(run_dirs)):
         rows = [r for r in all_rows if r.get(metric) is not None]
         if rows:
-            series.append((Path(d).name, rows))
+            series.append((label, rows))
+            drawn.append(d)
         else:
             left.append(str(d))
     if not series:
@@ -58,7 +59,7 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
         ("bytes_total", "bytes communicated (MiB)", f"{metric}_vs_bytes.png"),
     ]
     if all(r.get("sim_time") is not None for _, rows in series for r in rows):  # a simulated clock
-        label = clock_label([d for d in run_dirs if Path(d).name in {n for n, _ in series}])
+        label = clock_label(drawn)
         if label is not None:
             axes.append(("sim_time", label, f"{metric}_vs_sim_time.png"))
     for xkey, xlabel, fname in axes:
@@ -76,6 +77,13 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
         save_png(fig, out_dir / fname)
         written.append(out_dir / fname)
     return written
+
+
+def _labels(run_dirs: list[str | Path]) -> list[str]:
+    """Each run's legend label: its directory's name ('.' resolved), or the path as given where two runs share
+    a name (the same grid point of two sweeps), so that no two lines carry one label."""
+    names = [Path(d).resolve().name for d in run_dirs]
+    return [str(d) if names.count(n) > 1 else n for d, n in zip(run_dirs, names)]
 
 
 def _rows(run_dir: str | Path) -> list[dict]:
