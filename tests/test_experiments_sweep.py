@@ -137,6 +137,50 @@ def test_a_sweep_written_as_yaml(toy_config, tmp_path, capsys):
     assert (tmp_path / "p" / "test_accuracy_vs_rounds.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_plot_of_a_sweep_draws_only_its_current_grid(toy_config, tmp_path, monkeypatch):
+    """The runs of a sweep are those of its current grid (sweep.json / sweep.csv), as the report reads them: the
+    run directories an earlier grid left in the same runs/ are not drawn (before: every directory in runs/)."""
+    import fedweave.plots
+
+    cfg = {**toy_config, "rounds": 2}
+    out = tmp_path / "s"
+    fedweave.sweep(cfg, {"local.lr": [0.05, 0.1]}, out=out, progress=False)
+    res = fedweave.sweep(cfg, {"local.lr": [0.1, 0.3]}, out=out, progress=False)  # another grid, the same folder
+    assert (out / "runs" / "local.lr=0.05,seed=3").is_dir()
+    drawn, save = {}, fedweave.plots.save_png
+
+    def keep(fig, path, dpi=120):  # the lines of each figure, then the figure written as before
+        drawn[path.name] = [line.get_label() for line in fig.axes[0].get_lines()]
+        return save(fig, path, dpi)
+
+    monkeypatch.setattr(fedweave.plots, "save_png", keep)
+    assert cli_main(["plot", str(out), "--out", str(tmp_path / "p")]) == 0
+    current = [r["run_dir"].split("/")[-1] for r in res.records]
+    assert drawn["test_accuracy_vs_rounds.png"] == drawn["test_accuracy_vs_bytes.png"] == current
+
+
+def test_plot_labels_tell_runs_of_the_same_name_apart(toy_config, tmp_path, monkeypatch):
+    """Runs whose directories share a name (the same grid point of two sweeps) are labelled by their paths,
+    and a run given as '.' by its directory's name (before: two identical labels; an empty one)."""
+    import fedweave.plots
+
+    for where in ("a", "b"):
+        fedweave.run({**toy_config, "rounds": 2}, run_dir=tmp_path / where / "r")
+    drawn, save = [], fedweave.plots.save_png
+
+    def keep(fig, path, dpi=120):
+        drawn.append([line.get_label() for line in fig.axes[0].get_lines()])
+        return save(fig, path, dpi)
+
+    monkeypatch.setattr(fedweave.plots, "save_png", keep)
+    fedweave.plots.plot_runs([tmp_path / "a" / "r", tmp_path / "b" / "r"], tmp_path / "p")
+    assert drawn[0] == [str(tmp_path / "a" / "r"), str(tmp_path / "b" / "r")]
+    monkeypatch.chdir(tmp_path / "a" / "r")
+    drawn.clear()
+    fedweave.plots.plot_runs([".", tmp_path / "b" / "r"], tmp_path / "q")
+    assert drawn[0] == [".", str(tmp_path / "b" / "r")]
+
+
 @pytest.mark.slow
 def test_killed_sweep_resumes_to_the_same_tables_as_an_uninterrupted_one(tmp_path):
     cfg = tmp_path / "digits.yaml"

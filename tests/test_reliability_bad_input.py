@@ -475,6 +475,50 @@ def test_plot_of_an_unknown_metric_lists_the_metrics(toy_config, tmp_path, capsy
     assert "test_accuracy" in line
 
 
+def test_plot_of_a_sweep_with_a_run_that_wrote_no_rows(toy_config, tmp_path, capsys):
+    """A run that diverged before its first evaluation holds no metrics.jsonl: it is a run all the same, drawn
+    as no line, and the sweep's other runs are plotted (before: the whole plot failed, asking whether the
+    run's directory was a run directory)."""
+    fedweave.sweep(toy_config, {"local.lr": [0.1, 1e38]}, out=tmp_path / "s", progress=False)
+    (diverged,) = (tmp_path / "s" / "runs").glob("local.lr=1*e*38,seed=3")
+    assert (diverged / "summary.json").is_file() and not (diverged / "metrics.jsonl").exists()
+    assert cli_main(["plot", str(tmp_path / "s"), "--out", str(tmp_path / "p")]) == 0
+    assert (tmp_path / "p" / "test_accuracy_vs_rounds.png").read_bytes()[:4] == b"\x89PNG"
+    # nothing but runs without rows: one line saying so, not a question about the directories
+    code = cli_main(["plot", str(diverged), "--out", str(tmp_path / "q")])
+    line = _one_line_error(capsys, code, "no metrics row yet")
+    assert "is a fedweave run directory?" not in line and not (tmp_path / "q").exists()
+
+
+def test_plot_says_which_runs_it_does_not_draw(toy_config, tmp_path, caplog):
+    """A run given to ``fedweave plot`` without a row of the metric (a non-private run against ``epsilon``) is
+    named in one warning line (before: silently left out, and with one line left the figure had no legend)."""
+    fedweave.run(toy_config, run_dir=tmp_path / "plain")
+    private = {**toy_config, "sampler": "bernoulli", "privacy": {"clip": 0.5, "noise_multiplier": 1.0}}
+    fedweave.run(private, run_dir=tmp_path / "dp")
+    caplog.clear()
+    out = str(tmp_path / "p")
+    assert cli_main(["plot", str(tmp_path / "plain"), str(tmp_path / "dp"), "--metric", "epsilon", "--out", out]) == 0
+    said = [r.getMessage() for r in caplog.records if r.name == "fedweave" and r.levelname == "WARNING"]
+    assert said == [f"not drawn, no row with epsilon: {tmp_path / 'plain'}"]
+
+
+def test_plot_and_report_out_naming_a_file(toy_config, tmp_path, capsys):
+    """``--out`` that is a file, or lies under one, is one line naming --out (before: 'FILE: File exists' or
+    'FILE/sub: Not a directory'), and the file is left as it was."""
+    fedweave.run(toy_config, run_dir=tmp_path / "r")
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    run = str(tmp_path / "r")
+    for args, expect in (
+        (["plot", run, "--out", str(mine)], f"--out: {mine} is a file; give a folder"),
+        (["plot", run, "--out", str(mine / "sub")], f"--out: {mine / 'sub'} lies under the file {mine}"),
+        (["report", run, "--out", str(mine / "x.html")], f"--out: {mine / 'x.html'} lies under the file {mine}"),
+    ):
+        _one_line_error(capsys, cli_main(args), expect)
+    assert mine.read_text() == "mine"
+
+
 # ---- the run directory -------------------------------------------------------------------------------
 def test_output_dir_that_is_a_file(in_tmp, capsys):
     (in_tmp / "taken").write_text("mine")

@@ -92,6 +92,21 @@ def test_overwrite_of_the_working_directory(in_tmp, capsys, monkeypatch):
     assert (in_tmp / "w" / "summary.json").is_file() and not list(in_tmp.glob(".w*"))
 
 
+def test_overwrite_of_a_run_holding_its_report(in_tmp, capsys):
+    """``fedweave report RUN`` writes report.html into the run directory by default: a page fedweave wrote, not
+    a user's file, so --overwrite replaces the run with it (before: refused, 'holds files that are not a
+    fedweave run's (report.html)'); a report.html of the user's own is still never removed."""
+    assert cli_main(["run", "c.yaml", "--out", "r", "--no-progress"]) == 0
+    assert cli_main(["report", "r"]) == 0 and (in_tmp / "r" / "report.html").is_file()
+    assert cli_main(["run", "c.yaml", "local.lr=0.2", "--out", "r", "--overwrite", "--no-progress"]) == 0
+    assert load(in_tmp / "r" / "config.yaml").local.lr == 0.2 and not (in_tmp / "r" / "report.html").exists()
+    capsys.readouterr()
+    (in_tmp / "r" / "report.html").write_text("<html>my own notes</html>")
+    code = cli_main(["run", "c.yaml", "--out", "r", "--overwrite", "--no-progress"])
+    _one_line_error(capsys, code, "holds files that are not a fedweave run's (report.html)")
+    assert (in_tmp / "r" / "report.html").read_text() == "<html>my own notes</html>"
+
+
 # ---- 2. one run at a time in a run directory ----------------------------------------------------------
 def test_a_second_run_into_a_directory_in_use_is_refused(in_tmp, capsys, monkeypatch):
     from fedweave.results import RunDir

@@ -126,6 +126,21 @@ def test_afind_verdicts_are_the_files():
             assert row[1] == verdicts[row[0]], (row[0], row[1], verdicts[row[0]])
 
 
+def test_afind_section5_prose_places_the_mean_gain_where_its_claim_row_does():
+    """The prose may say the mean gain over the plug-ins is within section 5's band (+3 ± 1.5 points) only
+    where the claim table's estimate (points from +3) is inside it: Fig. 5(b)'s is +2.99 (a mean gain of 5.99),
+    which its verdict paragraph called "within 1.5 points of the paper's +3"."""
+    page = (PAGES / "afind.md").read_text(encoding="utf-8")
+    prose = " ".join(page.split())
+    for heading, claim in (("### Fig. 5:", "Section 5: the improvement"), ("### Fig. 5(b)", "Section 5 on Fig. 5(b)")):
+        row = next(line for line in page.splitlines() if line.startswith(f"| {claim}"))
+        estimate = float(re.search(r"\| ([+-][\d.]+) points from \+3 ", row)[1])
+        start = prose.index(heading)
+        section = prose[start : prose.index("### ", start + 4)]
+        if abs(estimate) >= 1.5:
+            assert "within 1.5 points of the paper's +3" not in section, (heading, estimate)
+
+
 @pytest.mark.parametrize("name", sorted(p.stem for p in PAGES.glob("*.md")))
 def test_every_claim_table_is_a_generated_block(name):
     """A page's claim tables (a header that starts with ``| claim``) are all generated blocks, none written by
@@ -295,6 +310,9 @@ def test_a_copied_table_is_the_reports_and_a_missing_one_is_one_line():
     assert table_after(report, "## Table 2") == "| c |\n|---|\n| 3 |\n"
     with pytest.raises(ConfigError, match=r"^r.md has no line starting with '## Table 4'$"):
         table_after(report, "## Table 4", "r.md")
+    # a heading with no table after it (the report's table removed) is one line too, not a StopIteration
+    with pytest.raises(ConfigError, match=r"^r.md has no table after the line starting with '## Table 3'$"):
+        table_after("# r\n\n## Table 3\n\ntext\n", "## Table 3", "r.md")
 
 
 @pytest.mark.parametrize("name", ["afind", "cse-fsl", "fedmim"])

@@ -138,12 +138,20 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from fedweave.config import ConfigError
+    from fedweave.experiments.report import sweep_runs
     from fedweave.plots import plot_runs
 
     out = Path(args.out) if args.out else Path(args.run_dirs[0])
-    runs = []  # a sweep directory stands for all its runs
+    if args.out:
+        _out_under_no_file(out, "give a folder (made if missing)", folder=True)
+    runs = []  # a sweep directory stands for the runs of its current grid, as in its report
     for d in map(Path, args.run_dirs):
-        runs += sorted((d / "runs").iterdir()) if (d / "sweep.json").is_file() else [d]
+        if not (d / "sweep.json").is_file():
+            runs.append(d)
+        elif not (found := sweep_runs(d)):
+            raise ConfigError(f"{d}: no run of the sweep's grid (sweep.json) has started yet; nothing to plot")
+        else:
+            runs += found
     try:
         written = plot_runs(runs, out, metric=args.metric or _runs_metric(runs))
     except ValueError as e:
@@ -259,10 +267,23 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _out_under_no_file(out: Path, allowed: str, folder: bool) -> None:
+    """``--out`` that is a file (where ``folder``: the PNGs' folder) or lies under one is one line naming
+    --out, before anything is written (the system's error named only the path: 'FILE: File exists')."""
+    from fedweave.config import ConfigError
+
+    there = next((p for p in (out, *out.absolute().parents) if p.exists()), None)
+    if there is not None and there.is_file() and (folder or there != out):
+        what = "is a file" if there == out else f"lies under the file {there}"
+        raise ConfigError(f"--out: {out} {what}; {allowed}")
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from fedweave.experiments.report import write_report
 
     out = args.out or str(Path(args.dirs[0]) / "report.html")
+    if args.out:
+        _out_under_no_file(Path(out), "give an HTML file in a folder (made if missing)", folder=False)
     print(write_report(args.dirs, out))
     return 0
 

@@ -34,23 +34,32 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
     main metric of the first run's task (its ``summary.json``), else ``test_accuracy``."""
     out_dir = Path(out_dir)
     metric = metric or _main_metric(run_dirs)
-    series = []
-    for d in run_dirs:
-        rows = [r for r in read_metrics(d) if r.get(metric) is not None]
+    every = [(d, _rows(d)) for d in run_dirs]
+    if not any(rows for _, rows in every):
+        given = ", ".join(map(str, run_dirs))
+        raise ValueError(f"{given}: no metrics row yet (metrics.jsonl): no run has evaluated a round to plot")
+    series, left, drawn = [], [], []
+    for (d, all_rows), label in zip(every, _labels(run_dirs)):
+        rows = [r for r in all_rows if r.get(metric) is not None]
         if rows:
-            series.append((Path(d).name, rows))
+            series.append((label, rows))
+            drawn.append(d)
+        else:
+            left.append(str(d))
     if not series:
-        known = sorted({k for d in run_dirs for r in read_metrics(d) for k, v in r.items() if isinstance(v, float)})
+        known = sorted({k for _, rows in every for r in rows for k, v in r.items() if isinstance(v, float)})
         raise ValueError(
             f"--metric {metric!r} is not a metric of {', '.join(map(str, run_dirs))}; choose one of {', '.join(known)}"
         )
+    if left:  # a run asked for is never left out unsaid
+        log.warning("not drawn, no row with %s: %s", metric, ", ".join(left))
     written = []
     axes = [
         ("round", "communication round", f"{metric}_vs_rounds.png"),
         ("bytes_total", "bytes communicated (MiB)", f"{metric}_vs_bytes.png"),
     ]
     if all(r.get("sim_time") is not None for _, rows in series for r in rows):  # a simulated clock
-        label = clock_label([d for d in run_dirs if Path(d).name in {n for n, _ in series}])
+        label = clock_label(drawn)
         if label is not None:
             axes.append(("sim_time", label, f"{metric}_vs_sim_time.png"))
     for xkey, xlabel, fname in axes:
@@ -68,6 +77,23 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
         save_png(fig, out_dir / fname)
         written.append(out_dir / fname)
     return written
+
+
+def _labels(run_dirs: list[str | Path]) -> list[str]:
+    """Each run's legend label: its directory's name ('.' resolved), or the path as given where two runs share
+    a name (the same grid point of two sweeps), so that no two lines carry one label."""
+    names = [Path(d).resolve().name for d in run_dirs]
+    return [str(d) if names.count(n) > 1 else n for d, n in zip(run_dirs, names)]
+
+
+def _rows(run_dir: str | Path) -> list[dict]:
+    """A run's metric rows: none for a run directory without ``metrics.jsonl`` (a run that diverged before its
+    first evaluation, or one that has not finished it yet), as a sweep records such a run; a directory that
+    is not a run's is :func:`read_metrics`' error."""
+    d = Path(run_dir)
+    if not (d / "metrics.jsonl").is_file() and any((d / f).is_file() for f in ("config.yaml", "summary.json")):
+        return []
+    return read_metrics(d)
 
 
 def _main_metric(run_dirs: list[str | Path]) -> str:

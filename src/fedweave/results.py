@@ -89,9 +89,23 @@ def holds_run(path: Path) -> bool:
     return any((path / f).exists() for f in RUN_FILES)
 
 
+REPORT = "report.html"  # `fedweave report RUN` writes its page into the run directory by default
+
+
 def foreign_entries(path: Path) -> list[str]:
-    """The names in ``path`` that no fedweave run writes (a user's files): --overwrite never removes them."""
-    return sorted(e.name for e in path.iterdir() if not any(fnmatch.fnmatchcase(e.name, p) for p in _OWNED))
+    """The names in ``path`` that no fedweave run writes (a user's files): --overwrite never removes them. The
+    page ``fedweave report`` leaves there by default is the run's (a report.html of the user's own is not)."""
+    return sorted(e.name for e in path.iterdir() if not _owned(e))
+
+
+def _owned(entry: Path) -> bool:
+    if any(fnmatch.fnmatchcase(entry.name, p) for p in _OWNED):
+        return True
+    if entry.name != REPORT or entry.is_symlink():
+        return False
+    from fedweave.experiments.report import _is_report  # the page marks itself as the report's
+
+    return entry.is_file() and _is_report(entry)
 
 
 def _overwrite_refusal(path: Path) -> str | None:

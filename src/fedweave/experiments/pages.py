@@ -55,12 +55,15 @@ def update(path: str | Path, sections: dict[str, str]) -> bool:
 
 def table_after(text: str, heading: str, where: str = "the file") -> str:
     """The first markdown table after the line that starts with ``heading`` in ``text`` (a committed report),
-    with its newline: a page's copy of a report's table is a generated block, so an edit of it is found."""
+    with its newline: a page's copy of a report's table is a generated block, so an edit of it is found. A
+    missing heading, or no table after it, is a ConfigError of one line naming ``where``."""
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith(heading)), None)
     if start is None:
         raise ConfigError(f"{where} has no line starting with {heading!r}")
-    first = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("|"))
+    first = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("|")), None)
+    if first is None:
+        raise ConfigError(f"{where} has no table after the line starting with {heading!r}")
     last = next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))
     return "\n".join(lines[first:last]) + "\n"
 

@@ -180,6 +180,15 @@ def _current_points(d: Path, spec: dict[str, Any]) -> list[tuple[str, str]]:
     return [(replace(p, seed=first + i).slug, p.label) for p in points for i in range(n)]
 
 
+def sweep_runs(d: str | Path) -> list[Path]:
+    """The run directories of the sweep directory ``d`` that belong to its current grid and exist, in the
+    sweep's order (:func:`_current_points`): what ``fedweave plot`` draws of a sweep, as the report does; the
+    directories an earlier grid left in ``runs/`` are not the sweep's."""
+    d = Path(d)
+    points = _current_points(d, _load(d / "sweep.json", json.loads))
+    return [d / "runs" / name for name, _ in points if (d / "runs" / name).is_dir()]
+
+
 def _check_baseline(path: Path, baseline: Any, labels: set[str]) -> None:
     """A sweep.json's ``baseline`` (``fedweave sweep --baseline`` writes ``{"point", "level", "test"}``, and
     ``"correction"`` when ``--correction`` was given) as the
