@@ -90,6 +90,7 @@ def test_zipped_keys_vary_together(toy_config):
         (["local.lr=0.1,abc"], ["local.lr", "abc"]),
         (["local.lr"], ["--grid", "KEY=V1,V2"]),
         (["seed=1,2"], ["seed", "seeds"]),
+        (["local.lr=0.1,0.10"], ["local.lr=0.1", "twice"]),  # one value twice: two runs of one directory
     ],
 )
 def test_a_bad_grid_is_one_clear_line_before_anything_runs(toy_config, tmp_path, capsys, grid, words):

@@ -110,4 +110,14 @@ def expand(
                     where = ",".join(f"{k}={_text(v)}" for k, v in values)
                     raise GridError(f"sweep point {where}: {e}") from e
                 points.append(Point(values, base_seed + i, cfg))
+    # a value given twice (0.1,0.1, or 0.1,0.10 read as one number) would make two runs of one directory: the
+    # second found the first's finished run and was refused as "another config" after the first had run
+    seen: dict[str, str] = {}
+    for p in points:
+        if p.slug in seen:
+            what = f"sweep point {p.label} is given twice"
+            if seen[p.slug] != p.label:  # distinct values whose directory names agree once made filesystem-safe
+                what = f"sweep points {seen[p.slug]} and {p.label} would share the run directory {p.slug}"
+            raise GridError(f"{what}; give each grid value (and each zipped row) once")
+        seen[p.slug] = p.label
     return points
