@@ -139,6 +139,25 @@ def test_a_sweep_written_as_yaml(toy_config, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_plot_of_a_sweep_directory_draws_its_current_grid_and_skips_a_run_without_rows(
+    toy_config, tmp_path, monkeypatch
+):
+    # `fedweave plot SWEEP` drew every directory in runs/: an earlier grid's runs too, and a run just started
+    # (no metrics.jsonl yet) ended the command in "metrics.jsonl not found"
+    import fedweave.plots
+
+    cfg = {**toy_config, "rounds": 1}
+    fedweave.sweep(cfg, {"local.lr": [0.05]}, out=tmp_path / "s", progress=False)  # an earlier grid
+    fedweave.sweep(cfg, {"local.lr": [0.2]}, seeds=2, out=tmp_path / "s", progress=False)
+    started = tmp_path / "s" / "runs" / "local.lr=0.2,seed=4"  # as if its run had only just started
+    for name in ("metrics.jsonl", "metrics.csv", "summary.json"):
+        (started / name).unlink()
+    drawn = []
+    monkeypatch.setattr(fedweave.plots, "plot_runs", lambda runs, out, metric: drawn.extend(runs) or [])
+    assert cli_main(["plot", str(tmp_path / "s"), "--out", str(tmp_path / "p")]) == 0
+    assert drawn == [tmp_path / "s" / "runs" / "local.lr=0.2,seed=3"]
+
+
 def test_killed_sweep_resumes_to_the_same_tables_as_an_uninterrupted_one(tmp_path):
     cfg = tmp_path / "digits.yaml"
     cfg.write_text(yaml.safe_dump(DIGITS))

@@ -143,7 +143,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(args.run_dirs[0])
     runs = []  # a sweep directory stands for all its runs
     for d in map(Path, args.run_dirs):
-        runs += sorted((d / "runs").iterdir()) if (d / "sweep.json").is_file() else [d]
+        runs += _sweep_runs(d) if (d / "sweep.json").is_file() else [d]
     try:
         written = plot_runs(runs, out, metric=args.metric or _runs_metric(runs))
     except ValueError as e:
@@ -151,6 +151,20 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     for p in written:
         print(p)
     return 0
+
+
+def _sweep_runs(d: Path) -> list[Path]:
+    """A sweep directory's runs as its report reads them: those of its current grid (``sweep.json``), not the
+    directories an earlier grid left in ``runs/``, and of those only the runs that have written rows (a run of
+    a running sweep that has just started has none yet)."""
+    from fedweave.config import ConfigError
+    from fedweave.experiments.report import _current_points, _load
+
+    points = _current_points(d, _load(d / "sweep.json", json.loads))
+    runs = [d / "runs" / name for name, _ in points if (d / "runs" / name / "metrics.jsonl").is_file()]
+    if not runs:
+        raise ConfigError(f"{d}: no run of the sweep has written metrics yet; nothing to plot")
+    return runs
 
 
 def _runs_metric(runs: list[Path]) -> str | None:
