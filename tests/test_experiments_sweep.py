@@ -103,6 +103,23 @@ def test_a_bad_grid_is_one_clear_line_before_anything_runs(toy_config, tmp_path,
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"grid": {"local.lr": 0.1}}, ["grid", "'local.lr': 0.1", "non-empty list"]),  # was a TypeError
+        ({"grid": {"local.lr": []}}, ["grid", "'local.lr': []"]),  # was an IndexError
+        ({"grid": {"local.lr": [0.1]}, "zipped": {"rounds": 2}}, ["zipped", "'rounds': 2"]),
+        ({"grid": ["local.lr=0.1,0.2"]}, ["grid", "non-empty list"]),
+        ({"grid": {"local.lr": [0.1]}, "seeds": 2.0}, ["seeds", "whole number", "2.0"]),
+    ],
+)
+def test_a_bad_grid_from_python_is_one_clear_line_before_anything_runs(toy_config, tmp_path, kwargs, words):
+    with pytest.raises(GridError) as e:
+        fedweave.sweep(toy_config, **kwargs, out=tmp_path / "s", progress=False)
+    assert len(str(e.value).splitlines()) == 1 and all(w in str(e.value) for w in words), str(e.value)
+    assert not (tmp_path / "s").exists()
+
+
 def test_a_metric_no_run_has_is_one_clear_line_and_the_runs_are_reused(toy_config, tmp_path, capsys):
     # a misspelt --metric used to tabulate nan for every point and exit 0
     cfg = tmp_path / "c.yaml"
