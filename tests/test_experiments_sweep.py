@@ -120,6 +120,24 @@ def test_a_bad_grid_from_python_is_one_clear_line_before_anything_runs(toy_confi
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("command", ["sweep", "plot"])
+@pytest.mark.parametrize("under", ["", "/s"])
+def test_an_out_that_is_a_file_is_one_line_naming_out(toy_config, tmp_path, capsys, command, under):
+    # mkdir's own error was all the line said: "f.txt: File exists" or "f.txt/s: Not a directory"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**toy_config, "rounds": 1}))
+    (tmp_path / "f.txt").write_text("notes\n")
+    if command == "sweep":
+        args = ["sweep", str(cfg), "--grid", "local.lr=0.1", "--no-progress"]
+    else:
+        fedweave.run(str(cfg), run_dir=tmp_path / "r")
+        args = ["plot", str(tmp_path / "r")]
+    assert cli_main([*args, "--out", str(tmp_path / "f.txt") + under]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--out" in err and "is a file, not a directory" in err, err
+    assert (tmp_path / "f.txt").read_text() == "notes\n"
+
+
 def test_a_metric_no_run_has_is_one_clear_line_and_the_runs_are_reused(toy_config, tmp_path, capsys):
     # a misspelt --metric used to tabulate nan for every point and exit 0
     cfg = tmp_path / "c.yaml"

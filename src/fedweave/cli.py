@@ -141,6 +141,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     from fedweave.plots import plot_runs
 
     out = Path(args.out) if args.out else Path(args.run_dirs[0])
+    if args.out:
+        from fedweave.experiments.sweep import _check_directory
+
+        _check_directory(out, "--out")
     runs = []  # a sweep directory stands for all its runs
     for d in map(Path, args.run_dirs):
         runs += _sweep_runs(d) if (d / "sweep.json").is_file() else [d]

@@ -90,6 +90,7 @@ def sweep(
     metric = metric or _main_column(points[0].config)
     better = max if column_direction(metric) == "max" else min
     out = Path(out)
+    _check_directory(out, "sweep directory (--out)")
     out.mkdir(parents=True, exist_ok=True)
     spec = {"grid": grid or {}, "zipped": zipped or {}, "seeds": seeds, "metric": metric, "target": target}
     # the base config's seed and every run's directory and point, so that a report of a running or killed
@@ -178,6 +179,15 @@ def sweep(
 
     plot_sweep(curves, out, metric)
     return SweepResult(out, records, summary, best)
+
+
+def _check_directory(path: Path, what: str) -> None:
+    """Refuse, before anything is written, a directory path that is a file or lies under one (mkdir's own
+    error said only ``File exists`` or ``Not a directory``)."""
+    for parent in [path, *path.parents]:
+        if parent.exists() and not parent.is_dir():
+            where = "" if parent == path else f"its parent {str(parent)!r} "
+            raise ConfigError(f"{what} {str(path)!r}: {where}is a file, not a directory; give a directory path")
 
 
 def _main_column(config) -> str:
