@@ -138,6 +138,18 @@ def test_an_out_that_is_a_file_is_one_line_naming_out(toy_config, tmp_path, caps
     assert (tmp_path / "f.txt").read_text() == "notes\n"
 
 
+@pytest.mark.parametrize("target", ["nan", "inf", "-inf"])
+def test_a_target_that_is_not_finite_is_one_line_before_anything_runs(toy_config, tmp_path, capsys, target):
+    # --target nan was taken: no run ever "reached" it and the columns read '-' as if none had got there
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(toy_config))
+    args = ["sweep", str(cfg), "--grid", "local.lr=0.1", f"--target={target}", "--out", str(tmp_path / "s")]
+    assert cli_main([*args, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--target must be a finite number" in err, err
+    assert not (tmp_path / "s").exists()
+
+
 def test_a_metric_no_run_has_is_one_clear_line_and_the_runs_are_reused(toy_config, tmp_path, capsys):
     # a misspelt --metric used to tabulate nan for every point and exit 0
     cfg = tmp_path / "c.yaml"

@@ -75,6 +75,11 @@ def sweep(
     from fedweave.tasks import column_direction
 
     check_workers(workers)  # like the grid, before anything is written
+    if target is not None and (
+        isinstance(target, bool) or not isinstance(target, int | float) or not math.isfinite(target)
+    ):
+        # NaN is never reached (every comparison with it is false): the columns read '-' as if no run got there
+        raise ConfigError(f"--target must be a finite number (a value of the metric to reach), got {target!r}")
     if baseline is None and (level is not None or test is not None or correction is not None):
         raise ConfigError(
             "--level, --test and --correction apply to a comparison with a --baseline point; give --baseline"
