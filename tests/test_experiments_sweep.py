@@ -205,6 +205,20 @@ def test_plot_of_a_sweep_directory_draws_its_current_grid_and_skips_a_run_withou
     assert drawn == [tmp_path / "s" / "runs" / "local.lr=0.2,seed=3"]
 
 
+def test_plot_of_several_runs_without_out_does_not_replace_the_first_directorys_plots(toy_config, tmp_path, capsys):
+    # the overlay went to the first directory by default, over the sweep's own plots (its bands over seeds)
+    fedweave.sweep({**toy_config, "rounds": 2}, {"local.lr": [0.05, 0.2]}, out=tmp_path / "s", progress=False)
+    own = {p.name: p.read_bytes() for p in (tmp_path / "s").glob("*.png")}
+    run = next((tmp_path / "s" / "runs").iterdir())
+    for dirs in ([tmp_path / "s"], [run, tmp_path / "s"]):
+        assert cli_main(["plot", *map(str, dirs)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "needs --out" in err, err
+    assert own and {p.name: p.read_bytes() for p in (tmp_path / "s").glob("*.png")} == own
+    assert cli_main(["plot", str(run)]) == 0  # one run: its own plots, drawn again
+    assert cli_main(["plot", str(tmp_path / "s"), "--out", str(tmp_path / "p")]) == 0
+
+
 def test_killed_sweep_resumes_to_the_same_tables_as_an_uninterrupted_one(tmp_path):
     cfg = tmp_path / "digits.yaml"
     cfg.write_text(yaml.safe_dump(DIGITS))

@@ -148,6 +148,13 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     runs = []  # a sweep directory stands for all its runs
     for d in map(Path, args.run_dirs):
         runs += _sweep_runs(d) if (d / "sweep.json").is_file() else [d]
+    if not args.out and runs != [Path(args.run_dirs[0])]:
+        # the overlay has the file names of the first directory's own plots (a sweep's bands over seeds, a run's
+        # one curve): written there by default, it replaced them without a word
+        raise ConfigError(
+            f"fedweave plot of {len(runs)} runs needs --out DIR: the default, {args.run_dirs[0]}, would replace its "
+            "own plots"
+        )
     try:
         written = plot_runs(runs, out, metric=args.metric or _runs_metric(runs))
     except ValueError as e:
@@ -392,7 +399,7 @@ def parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="plot one or more run directories")
     pl.add_argument("run_dirs", nargs="+")
-    pl.add_argument("--out", help="where to write the PNGs (default: the first run directory)")
+    pl.add_argument("--out", help="where to write the PNGs (default: the run directory, when one run is plotted)")
     pl.add_argument("--metric", default=None, help="metrics column (default: the run's main metric)")
     pl.set_defaults(fn=_cmd_plot)
 
