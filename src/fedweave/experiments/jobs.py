@@ -95,8 +95,18 @@ def check_workers(workers: object) -> None:
 
 
 def threads_per_worker(workers: int) -> int:
-    """The machine's cores divided among the workers (at least one thread each)."""
-    return max(1, (os.cpu_count() or 1) // max(1, workers))
+    """The cores this process may run on divided among the workers (at least one thread each)."""
+    return max(1, _cores() // max(1, workers))
+
+
+def _cores() -> int:
+    """The cores this process may run on: its CPU affinity where the platform has one (a batch scheduler's or
+    ``taskset``'s share of the machine; ``os.cpu_count()`` counts every core of the machine, so 2 workers on 4
+    cores of a 128-core node ran 64 threads each), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity on this platform (macOS, Windows)
+        return os.cpu_count() or 1
 
 
 def finished(points: Iterable[Point], runs_dir: str | Path) -> dict[str, Result]:
