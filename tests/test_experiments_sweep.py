@@ -305,6 +305,22 @@ def test_an_unfinished_run_of_another_config_is_not_replaced(toy_config, tmp_pat
     assert isinstance(e.value.__cause__, RunDirError)
 
 
+def test_a_sweep_refused_for_another_configs_run_leaves_the_sweep_directory_as_it_was(toy_config, tmp_path, capsys):
+    # the refusal came from the worker that reached the point, after sweep.json had been rewritten for the new
+    # sweep: the earlier sweep's baseline was gone and its report read its runs by the new grid
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**toy_config, "rounds": 1}))
+    args = ["sweep", str(cfg), "--grid", "local.lr=0.05,0.1", "--out", str(tmp_path / "s"), "--no-progress"]
+    assert cli_main([*args, "--baseline", "0.05"]) == 0
+    before = {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert cli_main([*args[:3], "local.lr=0.05,0.2", *args[4:], "rounds=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "already holds a finished run of another config" in err, err
+    assert "local.lr=0.05,seed=3" in err
+    assert {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()} == before
+
+
 # ---- every point against a baseline point, paired by seed (--baseline) ----------------------------------------
 ALGOS = ["--grid", "algorithm.name=fedavg,fedprox,scaffold", "--seeds", "3"]
 

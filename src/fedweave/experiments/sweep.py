@@ -13,7 +13,7 @@ from fedweave.config import ConfigError
 from fedweave.experiments import baseline as paired
 from fedweave.experiments.aggregate import if_all, mean_std, to_target
 from fedweave.experiments.grid import expand
-from fedweave.experiments.jobs import check_workers, run_points
+from fedweave.experiments.jobs import check_reusable, check_workers, run_points
 from fedweave.experiments.tables import markdown, write_csv
 from fedweave.results import atomic_write, read_metrics
 
@@ -96,6 +96,7 @@ def sweep(
     better = max if column_direction(metric) == "max" else min
     out = Path(out)
     _check_directory(out, "sweep directory (--out)")
+    check_reusable(points, out / "runs")  # before sweep.json is rewritten: a refused sweep leaves it as it was
     out.mkdir(parents=True, exist_ok=True)
     spec = {"grid": grid or {}, "zipped": zipped or {}, "seeds": seeds, "metric": metric, "target": target}
     # the base config's seed and every run's directory and point, so that a report of a running or killed
