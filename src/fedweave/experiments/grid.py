@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,7 @@ def expand(
     (one list position at a time), each for ``seeds`` seeds (the base seed, +1, ...). Every config is resolved
     and validated here, so a bad key or value fails with one line naming it before anything runs."""
     for name, axes in (("grid", grid), ("zipped", zipped)):  # from Python: a scalar gave a TypeError, [] an IndexError
-        pairs = axes.items() if isinstance(axes, dict) else [(None, axes)] if axes else []
+        pairs = axes.items() if isinstance(axes, Mapping) else [(None, axes)] if axes else []
         for k, v in pairs:
             if not isinstance(k, str) or not isinstance(v, list | tuple) or not v:
                 raise GridError(
