@@ -268,3 +268,15 @@ os.kill(parent, signal.SIGKILL)
     if alive:
         os.kill(child, 9)
     assert not alive, "the worker outlived its parent"
+
+
+def test_workers_divide_the_cores_this_process_may_run_on(monkeypatch):
+    # os.cpu_count() counts the whole machine: on 4 cores a batch scheduler gave of 128, 2 workers got 64
+    # threads each; the share is the process's CPU affinity
+    import fedweave.experiments.jobs as jobs
+
+    monkeypatch.setattr(jobs.os, "cpu_count", lambda: 128)
+    monkeypatch.setattr(jobs.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert [threads_per_worker(w) for w in (1, 2, 3, 8)] == [4, 2, 1, 1]
+    monkeypatch.delattr(jobs.os, "sched_getaffinity")  # a platform without affinity: the machine's cores
+    assert threads_per_worker(2) == 64

@@ -90,6 +90,7 @@ def test_zipped_keys_vary_together(toy_config):
         (["local.lr=0.1,abc"], ["local.lr", "abc"]),
         (["local.lr"], ["--grid", "KEY=V1,V2"]),
         (["seed=1,2"], ["seed", "seeds"]),
+        (["local.lr=0.1,0.10"], ["local.lr=0.1", "twice"]),  # one value twice: two runs of one directory
     ],
 )
 def test_a_bad_grid_is_one_clear_line_before_anything_runs(toy_config, tmp_path, capsys, grid, words):
@@ -99,6 +100,53 @@ def test_a_bad_grid_is_one_clear_line_before_anything_runs(toy_config, tmp_path,
     assert cli_main(["sweep", str(cfg), *args, "--out", str(tmp_path / "s"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and all(w in err for w in words), err
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"grid": {"local.lr": 0.1}}, ["grid", "'local.lr': 0.1", "non-empty list"]),  # was a TypeError
+        ({"grid": {"local.lr": []}}, ["grid", "'local.lr': []"]),  # was an IndexError
+        ({"grid": {"local.lr": [0.1]}, "zipped": {"rounds": 2}}, ["zipped", "'rounds': 2"]),
+        ({"grid": ["local.lr=0.1,0.2"]}, ["grid", "non-empty list"]),
+        ({"grid": {"local.lr": [0.1]}, "seeds": 2.0}, ["seeds", "whole number", "2.0"]),
+    ],
+)
+def test_a_bad_grid_from_python_is_one_clear_line_before_anything_runs(toy_config, tmp_path, kwargs, words):
+    with pytest.raises(GridError) as e:
+        fedweave.sweep(toy_config, **kwargs, out=tmp_path / "s", progress=False)
+    assert len(str(e.value).splitlines()) == 1 and all(w in str(e.value) for w in words), str(e.value)
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("command", ["sweep", "plot"])
+@pytest.mark.parametrize("under", ["", "/s"])
+def test_an_out_that_is_a_file_is_one_line_naming_out(toy_config, tmp_path, capsys, command, under):
+    # mkdir's own error was all the line said: "f.txt: File exists" or "f.txt/s: Not a directory"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**toy_config, "rounds": 1}))
+    (tmp_path / "f.txt").write_text("notes\n")
+    if command == "sweep":
+        args = ["sweep", str(cfg), "--grid", "local.lr=0.1", "--no-progress"]
+    else:
+        fedweave.run(str(cfg), run_dir=tmp_path / "r")
+        args = ["plot", str(tmp_path / "r")]
+    assert cli_main([*args, "--out", str(tmp_path / "f.txt") + under]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--out" in err and ("is a file" in err or "lies under the file" in err), err
+    assert (tmp_path / "f.txt").read_text() == "notes\n"
+
+
+@pytest.mark.parametrize("target", ["nan", "inf", "-inf"])
+def test_a_target_that_is_not_finite_is_one_line_before_anything_runs(toy_config, tmp_path, capsys, target):
+    # --target nan was taken: no run ever "reached" it and the columns read '-' as if none had got there
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(toy_config))
+    args = ["sweep", str(cfg), "--grid", "local.lr=0.1", f"--target={target}", "--out", str(tmp_path / "s")]
+    assert cli_main([*args, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--target must be a finite number" in err, err
     assert not (tmp_path / "s").exists()
 
 
@@ -182,6 +230,39 @@ def test_plot_labels_tell_runs_of_the_same_name_apart(toy_config, tmp_path, monk
 
 
 @pytest.mark.slow
+def test_plot_of_a_sweep_directory_draws_its_current_grid_and_skips_a_run_without_rows(
+    toy_config, tmp_path, monkeypatch
+):
+    # `fedweave plot SWEEP` drew every directory in runs/: an earlier grid's runs too, and a run just started
+    # (no metrics.jsonl yet) ended the command in "metrics.jsonl not found"
+    import fedweave.plots
+
+    cfg = {**toy_config, "rounds": 1}
+    fedweave.sweep(cfg, {"local.lr": [0.05]}, out=tmp_path / "s", progress=False)  # an earlier grid
+    fedweave.sweep(cfg, {"local.lr": [0.2]}, seeds=2, out=tmp_path / "s", progress=False)
+    started = tmp_path / "s" / "runs" / "local.lr=0.2,seed=4"  # as if its run had only just started
+    for name in ("metrics.jsonl", "metrics.csv", "summary.json"):
+        (started / name).unlink()
+    drawn = []
+    monkeypatch.setattr(fedweave.plots, "plot_runs", lambda runs, out, metric: drawn.extend(runs) or [])
+    assert cli_main(["plot", str(tmp_path / "s"), "--out", str(tmp_path / "p")]) == 0
+    assert drawn == [tmp_path / "s" / "runs" / "local.lr=0.2,seed=3"]
+
+
+def test_plot_of_several_runs_without_out_does_not_replace_the_first_directorys_plots(toy_config, tmp_path, capsys):
+    # the overlay went to the first directory by default, over the sweep's own plots (its bands over seeds)
+    fedweave.sweep({**toy_config, "rounds": 2}, {"local.lr": [0.05, 0.2]}, out=tmp_path / "s", progress=False)
+    own = {p.name: p.read_bytes() for p in (tmp_path / "s").glob("*.png")}
+    run = next((tmp_path / "s" / "runs").iterdir())
+    for dirs in ([tmp_path / "s"], [run, tmp_path / "s"]):
+        assert cli_main(["plot", *map(str, dirs)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "needs --out" in err, err
+    assert own and {p.name: p.read_bytes() for p in (tmp_path / "s").glob("*.png")} == own
+    assert cli_main(["plot", str(run)]) == 0  # one run: its own plots, drawn again
+    assert cli_main(["plot", str(tmp_path / "s"), "--out", str(tmp_path / "p")]) == 0
+
+
 def test_killed_sweep_resumes_to_the_same_tables_as_an_uninterrupted_one(tmp_path):
     cfg = tmp_path / "digits.yaml"
     cfg.write_text(yaml.safe_dump(DIGITS))
@@ -266,6 +347,22 @@ def test_an_unfinished_run_of_another_config_is_not_replaced(toy_config, tmp_pat
     with pytest.raises(RunFailed, match="RunDirError: .* already holds an unfinished run") as e:
         fedweave.sweep({**toy_config, "rounds": 3}, {"local.lr": [0.05]}, out=tmp_path / "s", progress=False)
     assert isinstance(e.value.__cause__, RunDirError)
+
+
+def test_a_sweep_refused_for_another_configs_run_leaves_the_sweep_directory_as_it_was(toy_config, tmp_path, capsys):
+    # the refusal came from the worker that reached the point, after sweep.json had been rewritten for the new
+    # sweep: the earlier sweep's baseline was gone and its report read its runs by the new grid
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**toy_config, "rounds": 1}))
+    args = ["sweep", str(cfg), "--grid", "local.lr=0.05,0.1", "--out", str(tmp_path / "s"), "--no-progress"]
+    assert cli_main([*args, "--baseline", "0.05"]) == 0
+    before = {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert cli_main([*args[:3], "local.lr=0.05,0.2", *args[4:], "rounds=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "already holds a finished run of another config" in err, err
+    assert "local.lr=0.05,seed=3" in err
+    assert {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()} == before
 
 
 # ---- every point against a baseline point, paired by seed (--baseline) ----------------------------------------

@@ -152,6 +152,13 @@ def _cmd_plot(args: argparse.Namespace) -> int:
             raise ConfigError(f"{d}: no run of the sweep's grid (sweep.json) has started yet; nothing to plot")
         else:
             runs += found
+    if not args.out and runs != [Path(args.run_dirs[0])]:
+        # the overlay has the file names of the first directory's own plots (a sweep's bands over seeds, a run's
+        # one curve): written there by default, it replaced them without a word
+        raise ConfigError(
+            f"fedweave plot of {len(runs)} runs needs --out DIR: the default, {args.run_dirs[0]}, would replace its "
+            "own plots"
+        )
     try:
         written = plot_runs(runs, out, metric=args.metric or _runs_metric(runs))
     except ValueError as e:
@@ -269,12 +276,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _out_under_no_file(out: Path, allowed: str, folder: bool) -> None:
     """``--out`` that is a file (where ``folder``: the PNGs' folder) or lies under one is one line naming
-    --out, before anything is written (the system's error named only the path: 'FILE: File exists')."""
+    --out, before anything is written."""
     from fedweave.config import ConfigError
+    from fedweave.results import file_in_the_way
 
-    there = next((p for p in (out, *out.absolute().parents) if p.exists()), None)
-    if there is not None and there.is_file() and (folder or there != out):
-        what = "is a file" if there == out else f"lies under the file {there}"
+    if what := file_in_the_way(out, folder=folder):
         raise ConfigError(f"--out: {out} {what}; {allowed}")
 
 
@@ -395,7 +401,7 @@ def parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="plot one or more run directories")
     pl.add_argument("run_dirs", nargs="+")
-    pl.add_argument("--out", help="where to write the PNGs (default: the first run directory)")
+    pl.add_argument("--out", help="where to write the PNGs (default: the run directory, when one run is plotted)")
     pl.add_argument("--metric", default=None, help="metrics column (default: the run's main metric)")
     pl.set_defaults(fn=_cmd_plot)
 

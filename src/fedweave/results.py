@@ -98,14 +98,24 @@ def foreign_entries(path: Path) -> list[str]:
     return sorted(e.name for e in path.iterdir() if not _owned(e))
 
 
+GENERATOR = "<meta name='generator' content='fedweave report'>"  # marks a page `fedweave report` wrote
+
+
+def is_report(path: Path) -> bool:
+    """Whether ``path`` is a page ``fedweave report`` wrote (it carries :data:`GENERATOR`)."""
+    try:
+        with open(path, "rb") as f:
+            return GENERATOR.encode() in f.read(4096)
+    except OSError:  # a directory, or unreadable: not a report
+        return False
+
+
 def _owned(entry: Path) -> bool:
     if any(fnmatch.fnmatchcase(entry.name, p) for p in _OWNED):
         return True
     if entry.name != REPORT or entry.is_symlink():
         return False
-    from fedweave.experiments.report import _is_report  # the page marks itself as the report's
-
-    return entry.is_file() and _is_report(entry)
+    return entry.is_file() and is_report(entry)  # the page marks itself as the report's
 
 
 def _overwrite_refusal(path: Path) -> str | None:
@@ -126,6 +136,17 @@ def _overwrite_refusal(path: Path) -> str | None:
         f"{str(path)!r} {what}; --overwrite replaces only a run directory (one that holds nothing but a fedweave "
         "run's files) and deleted nothing: move those files out or give a new --out / output.dir"
     )
+
+
+def file_in_the_way(path: str | Path, *, folder: bool = True) -> str | None:
+    """What keeps ``path`` from being made (a folder where ``folder``, else a file in one): ``'is a file'`` or
+    ``'lies under the file F'``; None when nothing does. mkdir's own error names only the path ('File exists',
+    'Not a directory'), so callers say this in their one line, naming their option."""
+    path = Path(path)
+    there = next((p for p in (path, *path.absolute().parents) if p.exists()), None)
+    if there is None or not there.is_file() or (there == path and not folder):
+        return None
+    return "is a file" if there == path else f"lies under the file {there}"
 
 
 def check_run_dir(path: Path, *, resume: bool = False, overwrite: bool = False) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,9 +83,17 @@ def expand(
     """Every point of the sweep: the product of the ``grid`` keys, with all ``zipped`` keys varying together
     (one list position at a time), each for ``seeds`` seeds (the base seed, +1, ...). Every config is resolved
     and validated here, so a bad key or value fails with one line naming it before anything runs."""
+    for name, axes in (("grid", grid), ("zipped", zipped)):  # from Python: a scalar gave a TypeError, [] an IndexError
+        pairs = axes.items() if isinstance(axes, Mapping) else [(None, axes)] if axes else []
+        for k, v in pairs:
+            if not isinstance(k, str) or not isinstance(v, list | tuple) or not v:
+                raise GridError(
+                    f"{name} must map each key to a non-empty list of values (e.g. {{'local.lr': [0.01, 0.1]}}); "
+                    f"got {k!r}: {v!r}"[:200]
+                )
     grid, zipped = dict(grid or {}), dict(zipped or {})
-    if seeds < 1:
-        raise GridError(f"seeds must be at least 1, got {seeds}")
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise GridError(f"seeds must be a whole number >= 1, got {seeds!r}")
     if "seed" in grid or "seed" in zipped:
         raise GridError("the grid may not set 'seed': use seeds N (runs the base seed and the next N-1)")
     both = set(grid) & set(zipped)
@@ -110,4 +119,14 @@ def expand(
                     where = ",".join(f"{k}={_text(v)}" for k, v in values)
                     raise GridError(f"sweep point {where}: {e}") from e
                 points.append(Point(values, base_seed + i, cfg))
+    # a value given twice (0.1,0.1, or 0.1,0.10 read as one number) would make two runs of one directory: the
+    # second found the first's finished run and was refused as "another config" after the first had run
+    seen: dict[str, str] = {}
+    for p in points:
+        if p.slug in seen:
+            what = f"sweep point {p.label} is given twice"
+            if seen[p.slug] != p.label:  # distinct values whose directory names agree once made filesystem-safe
+                what = f"sweep points {seen[p.slug]} and {p.label} would share the run directory {p.slug}"
+            raise GridError(f"{what}; give each grid value (and each zipped row) once")
+        seen[p.slug] = p.label
     return points

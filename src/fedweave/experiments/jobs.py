@@ -86,6 +86,27 @@ def unfinished_run(run_dir: str | Path, config: Any) -> bool:
     return status not in ("completed", "diverged")
 
 
+def check_reusable(points: Iterable[Point], runs_dir: str | Path) -> None:
+    """Refuse, before anything is written, a point whose directory holds a run of another config that the sweep
+    would refuse once it reached it (one without a checkpoint: a run with one is left to its worker, which
+    resumes it where the changes are those a resumed run may make, as ``rounds``). A refused sweep rewrote the
+    sweep directory's ``sweep.json`` first, and a report then read the earlier sweep's runs by the new grid."""
+    from fedweave.results import RunDirError, holds_run
+    from fedweave.runner import CHECKPOINT
+
+    for p in points:
+        path = Path(runs_dir) / p.slug
+        if not path.is_dir() or not holds_run(path) or (path / CHECKPOINT).is_file():
+            continue
+        if finished_run(path, p.config) is None and not unfinished_run(path, p.config):
+            what = "a finished run" if (path / "summary.json").is_file() else "an unfinished run"
+            e = RunDirError(
+                f"{str(path)!r} already holds {what} of another config than this point's; a sweep never replaces "
+                "it: give the sweep another --out, or move that directory away"
+            )  # the line its worker gave, and the same exception
+            raise RunFailed(f"run {path} (point {p.label}, seed {p.seed}) failed: RunDirError: {e}") from e
+
+
 def check_workers(workers: object) -> None:
     """Refuse a worker count that is not a whole number >= 1, before anything runs or is written."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -95,8 +116,18 @@ def check_workers(workers: object) -> None:
 
 
 def threads_per_worker(workers: int) -> int:
-    """The machine's cores divided among the workers (at least one thread each)."""
-    return max(1, (os.cpu_count() or 1) // max(1, workers))
+    """The cores this process may run on divided among the workers (at least one thread each)."""
+    return max(1, _cores() // max(1, workers))
+
+
+def _cores() -> int:
+    """The cores this process may run on: its CPU affinity where the platform has one (a batch scheduler's or
+    ``taskset``'s share of the machine; ``os.cpu_count()`` counts every core of the machine, so 2 workers on 4
+    cores of a 128-core node ran 64 threads each), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity on this platform (macOS, Windows)
+        return os.cpu_count() or 1
 
 
 def finished(points: Iterable[Point], runs_dir: str | Path) -> dict[str, Result]:

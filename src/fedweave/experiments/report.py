@@ -31,7 +31,7 @@ from fedweave.experiments.aggregate import if_all, mean_std, to_target
 from fedweave.experiments.baseline import BASELINE, CORRECTIONS
 from fedweave.experiments.grid import Point
 from fedweave.experiments.verdicts import TESTS
-from fedweave.results import RunDirError, atomic_write
+from fedweave.results import GENERATOR, RunDirError, atomic_write, is_report
 
 log = logging.getLogger("fedweave")
 
@@ -692,25 +692,14 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-GENERATOR = "<meta name='generator' content='fedweave report'>"  # marks a page this module wrote
-
-
 def write_report(dirs: list[str | Path], out: str | Path) -> Path:
     """Write :func:`build_report`'s page to ``out`` (atomically) and return its path. An existing ``out``
     is replaced only when it is a report written here (a :class:`RunDirError` otherwise: nothing of the
     user's is overwritten)."""
     out = Path(out)
-    if out.exists() and not _is_report(out):
+    if out.exists() and not is_report(out):
         raise RunDirError(
             f"{str(out)!r} exists and is not a fedweave report; give another --out (an earlier report is replaced)"
         )
     atomic_write(out, build_report(dirs))
     return out
-
-
-def _is_report(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return GENERATOR.encode() in f.read(4096)
-    except OSError:  # a directory, or unreadable: not a report
-        return False

@@ -42,7 +42,7 @@ from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished, parallel_map, run_points
 from fedweave.experiments.tables import csv_text, markdown_table
 from fedweave.experiments.verdicts import Rule
-from fedweave.results import atomic_write
+from fedweave.results import atomic_write, file_in_the_way
 from fedweave.runner import Result
 
 
@@ -291,10 +291,8 @@ def results_folder(out: str | Path, name: str, scale: str) -> Path:
     --out."""
     out = Path(out)
     there = next(p for p in (out, *out.absolute().parents) if p.exists())  # the folder it is, or will be made in
-    what = None
-    if there.is_file():
-        what = "is a file" if there == out else f"lies under the file {there}"
-    elif not os.access(there, os.W_OK | os.X_OK):
+    what = file_in_the_way(out)
+    if what is None and not os.access(there, os.W_OK | os.X_OK):
         what = "cannot be written" if there == out else f"cannot be made in {there}"
     if what:
         raise ConfigError(f"--out: {out} {what}; give a folder this user can write (made if missing)")

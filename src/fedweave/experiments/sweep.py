@@ -13,9 +13,9 @@ from fedweave.config import ConfigError
 from fedweave.experiments import baseline as paired
 from fedweave.experiments.aggregate import if_all, mean_std, to_target
 from fedweave.experiments.grid import expand
-from fedweave.experiments.jobs import check_workers, run_points
+from fedweave.experiments.jobs import check_reusable, check_workers, run_points
 from fedweave.experiments.tables import markdown, write_csv
-from fedweave.results import atomic_write, read_metrics
+from fedweave.results import atomic_write, file_in_the_way, read_metrics
 
 
 @dataclass
@@ -75,6 +75,11 @@ def sweep(
     from fedweave.tasks import column_direction
 
     check_workers(workers)  # like the grid, before anything is written
+    if target is not None and (
+        isinstance(target, bool) or not isinstance(target, int | float) or not math.isfinite(target)
+    ):
+        # NaN is never reached (every comparison with it is false): the columns read '-' as if no run got there
+        raise ConfigError(f"--target must be a finite number (a value of the metric to reach), got {target!r}")
     if baseline is None and (level is not None or test is not None or correction is not None):
         raise ConfigError(
             "--level, --test and --correction apply to a comparison with a --baseline point; give --baseline"
@@ -90,6 +95,9 @@ def sweep(
     metric = metric or _main_column(points[0].config)
     better = max if column_direction(metric) == "max" else min
     out = Path(out)
+    if what := file_in_the_way(out):
+        raise ConfigError(f"--out: {out} {what}; give a folder (made if missing)")
+    check_reusable(points, out / "runs")  # before sweep.json is rewritten: a refused sweep leaves it as it was
     out.mkdir(parents=True, exist_ok=True)
     spec = {"grid": grid or {}, "zipped": zipped or {}, "seeds": seeds, "metric": metric, "target": target}
     # the base config's seed and every run's directory and point, so that a report of a running or killed
