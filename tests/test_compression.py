@@ -210,6 +210,7 @@ def test_loop_and_vmap_agree():
         ({"name": "topk"}, "fedavg", "compression.upload: give exactly one of k (values kept) and ratio"),
         ({"name": "topk", "k": 10_000}, "fedavg", "compression.upload.k (10000) exceeds the 148 values"),
         ({"name": "qsgd", "levels": 0}, "fedavg", "compression.upload.levels must be >= 1"),
+        ({"name": "qsgd", "levels": 1e30}, "fedavg", "compression.upload.levels must be at most 2^63 - 1"),
         ({"name": "qsgd", "bits": 4}, "fedavg", "unknown key 'compression.upload.bits'"),
         ({"name": "efsign"}, "dfedavg", "compression.upload: algorithm 'dfedavg' (decentralized) does not compress"),
         ([1], "fedavg", "compression.upload must be str or dict or null"),

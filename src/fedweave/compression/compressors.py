@@ -127,6 +127,8 @@ class QSGD(Compressor):
     def __post_init__(self) -> None:
         if self.levels < 1:
             raise ConfigError(f"{KEY}.levels must be >= 1, got {self.levels}")
+        if self.levels > 2**63 - 1:  # the levels travel as int64 codes
+            raise ConfigError(f"{KEY}.levels must be at most 2^63 - 1 (the codes are int64), got {self.levels}")
 
     def encode(self, v: torch.Tensor, rng: torch.Generator | None) -> Encoded:
         s, norm, peak = self.levels, v.norm(), v.abs().max()
