@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import ClassVar
 
 import torch
@@ -60,7 +61,10 @@ class _Sparse(Compressor):
 
     def kept(self, size: int) -> int:
         """The number of coordinates sent for a vector of ``size`` values."""
-        return self.k if self.k is not None else max(1, math.ceil(self.ratio * size))
+        if self.k is not None:
+            return self.k
+        # the ratio as written (0.07, not the float above it whose product with 100 is 7.000000000000001)
+        return max(1, math.ceil(Fraction(repr(self.ratio)) * size))
 
     def check(self, size: int) -> None:
         if self.kept(size) > size:
