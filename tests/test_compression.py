@@ -116,7 +116,7 @@ def test_encoded_bytes_round_trip_and_match_the_formula(name, dtype):
 def test_ratio_keeps_ceil_of_ratio_times_d_as_written(cls, ratio, size, k):
     # 0.07 * 100 is 7.000000000000001 in floats, whose ceiling kept (and billed) 8 values for "7 % of 100"
     c = cls(ratio=ratio)
-    assert c.kept(size) == k
+    assert c.kept(size) == k == cls(ratio=np.float64(ratio)).kept(size)  # a ratio from a numpy grid too
     e = c.encode(torch.randn(size, generator=torch.Generator().manual_seed(0)), torch.Generator().manual_seed(1))
     assert int((c.decode(e) != 0).sum()) == k and e.nbytes == math.ceil(wire_bits(c, size, torch.float32) / 8)
 

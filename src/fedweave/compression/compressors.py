@@ -63,8 +63,9 @@ class _Sparse(Compressor):
         """The number of coordinates sent for a vector of ``size`` values."""
         if self.k is not None:
             return self.k
-        # the ratio as written (0.07, not the float above it whose product with 100 is 7.000000000000001)
-        return max(1, math.ceil(Fraction(repr(self.ratio)) * size))
+        # the ratio as written (0.07, not the float above it whose product with 100 is 7.000000000000001); float()
+        # first, as a numpy scalar's repr names its type
+        return max(1, math.ceil(Fraction(repr(float(self.ratio))) * size))
 
     def check(self, size: int) -> None:
         if self.kept(size) > size:
