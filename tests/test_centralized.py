@@ -317,6 +317,14 @@ def test_ledger_bytes_per_round_match_the_formulas(alg, opts, down, up):
         assert algo.ledger.bytes("up", round=r) == up * S * d
 
 
+@pytest.mark.parametrize("alg,vectors", [("fedadam", 2), ("fedyogi", 2), ("fedadagrad", 2), ("fedavgm", 1)])
+def test_server_optimizer_storage_is_the_state_its_rule_keeps(alg, vectors):
+    # Adam, Yogi and Adagrad keep m and v (Reddi et al. 2021, Alg. 2); FedAvgM only its momentum m
+    # (Hsu et al. 2019): the ledger's storage holds what the server's rule needs, not what the class allocates
+    algo = _algo(_cfg(alg))
+    assert algo.ledger.summary()["storage_peak_bytes"]["server"] == {"optimizer_state": vectors * D_TOY * 4}
+
+
 def test_fedmim_broadcast_downlink_counts_every_client():
     algo = _algo(_cfg("fedmim", downlink="broadcast"))
     algo.run_round(0)

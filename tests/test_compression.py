@@ -109,6 +109,18 @@ def test_encoded_bytes_round_trip_and_match_the_formula(name, dtype):
     assert torch.equal(c.decode(back), c.decode(e))
 
 
+@pytest.mark.parametrize("cls", [TopK, RandK])
+@pytest.mark.parametrize(
+    "ratio, size, k", [(0.07, 100, 7), (0.14, 50, 7), (0.035, 200, 7), (0.01, 650, 7), (0.5, 1, 1)]
+)
+def test_ratio_keeps_ceil_of_ratio_times_d_as_written(cls, ratio, size, k):
+    # 0.07 * 100 is 7.000000000000001 in floats, whose ceiling kept (and billed) 8 values for "7 % of 100"
+    c = cls(ratio=ratio)
+    assert c.kept(size) == k == cls(ratio=np.float64(ratio)).kept(size)  # a ratio from a numpy grid too
+    e = c.encode(torch.randn(size, generator=torch.Generator().manual_seed(0)), torch.Generator().manual_seed(1))
+    assert int((c.decode(e) != 0).sum()) == k and e.nbytes == math.ceil(wire_bits(c, size, torch.float32) / 8)
+
+
 # ---- in the star round --------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(ALL))
 def test_the_ledger_bills_exactly_the_encoded_payload(name, monkeypatch):
@@ -210,6 +222,7 @@ def test_loop_and_vmap_agree():
         ({"name": "topk"}, "fedavg", "compression.upload: give exactly one of k (values kept) and ratio"),
         ({"name": "topk", "k": 10_000}, "fedavg", "compression.upload.k (10000) exceeds the 148 values"),
         ({"name": "qsgd", "levels": 0}, "fedavg", "compression.upload.levels must be >= 1"),
+        ({"name": "qsgd", "levels": 1e30}, "fedavg", "compression.upload.levels must be at most 2^63 - 1"),
         ({"name": "qsgd", "bits": 4}, "fedavg", "unknown key 'compression.upload.bits'"),
         ({"name": "efsign"}, "dfedavg", "compression.upload: algorithm 'dfedavg' (decentralized) does not compress"),
         ([1], "fedavg", "compression.upload must be str or dict or null"),

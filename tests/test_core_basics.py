@@ -182,3 +182,21 @@ def test_cpu_seconds_counts_live_worker_processes():
         child.kill()
         child.wait()
     assert cpu_seconds() - before - (time.process_time() - own0) >= 0.45  # and once it has been waited for
+
+
+def test_cpu_seconds_counts_what_a_live_worker_has_reaped():
+    # a live descendant's finished children (a Ray raylet's exited workers) are in its cutime/cstime: once the
+    # worker reaps them, their CPU must not drop out of the total while the worker lives on
+    from fedweave.memory import cpu_seconds
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"
+    parent = f"import subprocess, sys, time\nsubprocess.run([sys.executable, '-c', {burn!r}])\nprint(1, flush=True)\n"
+    parent += "time.sleep(60)"
+    own0, before = time.process_time(), cpu_seconds()
+    child = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline().strip() == b"1"  # the grandchild burned its CPU and was waited for
+        assert cpu_seconds() - before - (time.process_time() - own0) >= 0.45
+    finally:
+        child.kill()
+        child.wait()

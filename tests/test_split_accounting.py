@@ -165,3 +165,22 @@ def test_upload_windows():
         upload_batches(10, 4, "middle")
     with pytest.raises(ValueError, match="unknown split method"):
         server_copies("fsl_xx", 3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, expect",
+    [
+        ({"batch_size": 0}, "batch_size must be >= 1, got 0"),
+        ({"epochs": 0}, "epochs must be >= 1, got 0"),
+        ({"samples": [100, -5]}, "samples must be >= 0, got -5"),
+        ({"agg_every": 0}, "agg_every must be >= 1 or None, got 0"),
+        ({"agg_every": -2}, "agg_every must be >= 1 or None, got -2"),
+    ],
+)
+def test_closed_forms_refuse_bad_sizes_in_one_line(kwargs, expect):
+    # a zero batch divided by zero, a negative agg_every gave negative model bytes, no epochs or a negative
+    # client size silently billed no smashed data
+    args = {"samples": [100, 60], "batch_size": 10, **kwargs}
+    with pytest.raises(ValueError) as e:
+        round_bytes("cse_fsl", CIFAR, args.pop("samples"), args.pop("batch_size"), **args)
+    assert str(e.value) == expect

@@ -2,7 +2,8 @@
 
 An entry is (round, sender role, receiver role, kind, bytes, count). Roles are free strings; the ones
 fedweave uses are ``client``, ``server`` (the star's server, a split-learning server, a hierarchy's top),
-``peer`` (decentralized clients), ``user`` and ``edge`` (confederated learning). ``up`` is traffic from a
+``fed_server`` (split learning's server that averages the client-side models), ``peer`` (decentralized
+clients), ``user`` and ``edge`` (confederated learning). ``up`` is traffic from a
 client-like role to a server-like role, ``down`` the reverse, ``lateral`` everything else (peer-to-peer,
 server-to-server). Storage held by each role is recorded separately as a high-water mark (a
 decentralized peer's under ``client``, per peer, as a star client's).

@@ -44,8 +44,8 @@ def memory(pids: list[int]) -> dict[str, int]:
 
 def cpu_seconds() -> float:
     """CPU seconds (user + system, all threads) used so far by this process, its finished children and its
-    live descendants (the pool backend's workers, a local Ray's processes). Without /proc: this process and
-    its finished children only."""
+    live descendants (the pool backend's workers, a local Ray's processes) with the children they have waited
+    for. Without /proc: this process and its finished children only."""
     own, done = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     total = own.ru_utime + own.ru_stime + done.ru_utime + done.ru_stime
     if not Path("/proc/self/stat").exists():
@@ -56,7 +56,9 @@ def cpu_seconds() -> float:
             f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:  # exited meanwhile
             continue
-        total += (int(f[11]) + int(f[12])) / tick
+        # utime and stime, and cutime and cstime: its own finished children (a raylet's exited workers), which
+        # it has waited for and which RUSAGE_CHILDREN will count only once it is itself waited for
+        total += (int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])) / tick
     return total
 
 

@@ -70,6 +70,9 @@ def upload_batches(num_batches: int, h: int, upload_at: str = "end") -> list[int
 
 def batch_sizes(samples: int, batch_size: int, epochs: int = 1) -> list[int]:
     """Sizes of one client's local batches over ``epochs`` epochs (the last batch of an epoch may be short)."""
+    for name, value, least in (("samples", samples, 0), ("batch_size", batch_size, 1), ("epochs", epochs, 1)):
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
     full, rest = divmod(samples, batch_size)
     one = [batch_size] * full + ([rest] if rest else [])
     return one * epochs
@@ -112,6 +115,8 @@ def round_bytes(method: str, sizes: SplitSizes, samples: Sequence[int], batch_si
 
     ``agg_every`` = c (CSE-FSL): the models go down and up every c local batches, ⌈max M_i / c⌉ times.
     """
+    if agg_every is not None and agg_every < 1:
+        raise ValueError(f"agg_every must be >= 1 or None, got {agg_every}")
     n = len(samples)
     up = uploaded_samples(method, samples, batch_size, h, upload_at, epochs)
     longest = max((len(batch_sizes(s, batch_size, epochs)) for s in samples), default=1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import ClassVar
 
 import torch
@@ -60,7 +61,11 @@ class _Sparse(Compressor):
 
     def kept(self, size: int) -> int:
         """The number of coordinates sent for a vector of ``size`` values."""
-        return self.k if self.k is not None else max(1, math.ceil(self.ratio * size))
+        if self.k is not None:
+            return self.k
+        # the ratio as written (0.07, not the float above it whose product with 100 is 7.000000000000001); float()
+        # first, as a numpy scalar's repr names its type
+        return max(1, math.ceil(Fraction(repr(float(self.ratio))) * size))
 
     def check(self, size: int) -> None:
         if self.kept(size) > size:
@@ -127,6 +132,8 @@ class QSGD(Compressor):
     def __post_init__(self) -> None:
         if self.levels < 1:
             raise ConfigError(f"{KEY}.levels must be >= 1, got {self.levels}")
+        if self.levels > 2**63 - 1:  # the levels travel as int64 codes
+            raise ConfigError(f"{KEY}.levels must be at most 2^63 - 1 (the codes are int64), got {self.levels}")
 
     def encode(self, v: torch.Tensor, rng: torch.Generator | None) -> Encoded:
         s, norm, peak = self.levels, v.norm(), v.abs().max()

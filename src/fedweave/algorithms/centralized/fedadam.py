@@ -76,7 +76,9 @@ class FedOpt(StarAlgorithm):
         super().__init__(ctx, hp)
         self.m = torch.zeros_like(self.x)
         self.v = torch.full_like(self.x, hp.v_init)  # v_{-1} (Reddi et al. Alg. 2)
-        self.ledger.store("server", "optimizer_state", nbytes(self.m, self.v))
+        # the state the rule keeps: FedAvgM's momentum only (its v is never read), else m and v
+        kept = (self.m,) if hp.server_opt == "momentum" else (self.m, self.v)
+        self.ledger.store("server", "optimizer_state", nbytes(*kept))
 
     def server_step(self, delta: torch.Tensor) -> torch.Tensor:
         """The server optimizer's step from the pseudo-gradient ``delta`` (Reddi et al. Alg. 2)."""
