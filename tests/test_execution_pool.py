@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 
 from fedweave.algorithms.base import RunContext, build_algorithm
 from fedweave.config import load
+from fedweave.errors import WorkerLost
 from fedweave.execution import LocalRule, evaluate, evaluate_clients
 from fedweave.execution.evaluate import (
     EVAL_ROWS,
@@ -179,6 +181,37 @@ def test_the_drivers_ends_of_the_pipes_live_in_the_driver_only(uneven_parts):
             fds = os.listdir(f"/proc/{pid}/fd")
             held = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in fds if os.path.exists(f"/proc/{pid}/fd/{fd}")]
             assert f"socket:[{inode}]" not in held, f"worker pid {pid} holds the driver's end of worker {i}'s pipe"
+
+
+def test_a_worker_that_died_is_one_line_naming_it_and_how(uneven_parts):
+    """A worker killed from outside (the out-of-memory killer sends SIGKILL) ended the run in a RuntimeError of
+    two lines, "a pool worker failed:" and "worker 0 (pid N) died", with no cause, which the command line
+    printed as a traceback. It is one line now, naming the worker, its signal and what to do."""
+    tr = _trainer(next(_models()), uneven_parts, "pool", epochs=1, batch_size=16, lr=0.1)
+    p = pool(tr, workers=2)
+    tr.train(tr.layout.flatten(), [0, 1, 3], round=0)
+    victim = p.pids()[1]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.time() + 10
+    while time.time() < deadline and _alive(victim):
+        time.sleep(0.05)
+    with pytest.raises(WorkerLost) as e:
+        tr.train(tr.layout.flatten(), [0, 1, 3], round=1)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    assert f"worker 1 (pid {victim}) was killed by SIGKILL" in msg and "backend: loop" in msg, msg
+
+
+def test_the_command_line_reports_a_lost_worker_in_one_line(monkeypatch, capsys, tmp_path):
+    from fedweave import cli, runner
+
+    def lost(*args, **kwargs):
+        raise WorkerLost("backend pool: worker 1 (pid 7) was killed by SIGKILL")
+
+    monkeypatch.setattr(runner, "run", lost)
+    (tmp_path / "c.yaml").write_text("rounds: 1\n")
+    assert cli.main(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == "fedweave: error: backend pool: worker 1 (pid 7) was killed by SIGKILL\n"
 
 
 def _alive(pid: int) -> bool:

@@ -564,6 +564,7 @@ def _main(argv: list[str] | None) -> int:
 
     from fedweave.config import ConfigError
     from fedweave.data.sources import DataSourceError
+    from fedweave.errors import WorkerLost
     from fedweave.experiments.jobs import RunFailed
     from fedweave.registry import UnknownNameError
     from fedweave.results import RunDirError
@@ -581,6 +582,7 @@ def _main(argv: list[str] | None) -> int:
         DataSourceError,
         pickle.UnpicklingError,
         RunFailed,
+        WorkerLost,
     ) as e:
         print(f"fedweave: error: {_one_line(e)}", file=sys.stderr)
         return 2
