@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import signal
 import time
 
@@ -27,7 +28,7 @@ from fedweave.execution.evaluate import (
     to_channels_last,
 )
 from fedweave.execution.params import ParamLayout
-from fedweave.execution.pool import pool, pool_for
+from fedweave.execution.pool import _serve, pool, pool_for
 from tests.conftest import make_toy
 from tests.test_core_engine import ProxLookAhead, _models, _trainer
 
@@ -212,6 +213,26 @@ def test_the_command_line_reports_a_lost_worker_in_one_line(monkeypatch, capsys,
     (tmp_path / "c.yaml").write_text("rounds: 1\n")
     assert cli.main(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run")]) == 2
     assert capsys.readouterr().err == "fedweave: error: backend pool: worker 1 (pid 7) was killed by SIGKILL\n"
+
+
+def test_a_worker_whose_driver_is_gone_exits_without_a_traceback(monkeypatch):
+    """A worker that finished its work after the driver was killed failed to send its reply (a broken pipe),
+    and multiprocessing printed the BrokenPipeError's traceback for each worker on the terminal; it returns
+    quietly now, as it does when it finds the pipe closed while waiting for a request."""
+
+    class Gone:
+        def recv_bytes(self):
+            return pickle.dumps(("no such request", None))
+
+        def send_bytes(self, data):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # the worker's handlers, not this process's
+    threads = torch.get_num_threads()
+    try:
+        assert _serve(Gone(), None) is None
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _alive(pid: int) -> bool:

@@ -102,7 +102,10 @@ def _serve(conn: Any, tr: LocalTrainer, driver_ends: list | None = None) -> None
             reply = ("ok", out)
         except BaseException as e:  # reported in the driver with the worker's traceback
             reply = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:  # the driver died while this worker computed (a broken pipe): no one is left to tell
+            return
 
 
 def _close(conns: list, procs: list) -> None:
