@@ -103,3 +103,19 @@ def check_seeded(model: nn.Module) -> None:
             "the run's seed, so a seed would not give the same numbers (and backend vmap cannot draw them); remove it "
             "or set p=0 (the split family draws its models' dropout from the run's streams)"
         )
+
+
+def check_running_stats(model: nn.Module) -> None:
+    """A model whose batch norm keeps running statistics (buffers) is refused in one ConfigError naming the
+    first such module: the flat parameter vector that every backend trains, the server averages and a checkpoint
+    holds does not carry them, so local training would move them in whichever process trains (each worker of
+    ``pool`` and ``ray``, which also evaluate with them) and the same seed would give other numbers on another
+    backend, and on resume. (Batch norm without running statistics normalizes with each batch's own.)"""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            raise ConfigError(
+                f"model: its {type(m).__name__} {name!r} keeps running statistics, which are not parameters: no "
+                "backend carries them from client to server, no checkpoint holds them, and the pool's and Ray's "
+                "workers would each keep their own, so a seed would not give the same numbers; use "
+                "track_running_stats=False (each batch's statistics, as the cnn models' norm: batch)"
+            )
