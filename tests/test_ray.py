@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -262,7 +263,8 @@ def test_an_actor_that_died_is_one_line_and_the_next_trainer_gets_a_live_one(loc
     with pytest.raises(WorkerLost) as e:
         tr.train(w, [0, 1, 3], round=0)
     msg = str(e.value)
-    assert "\n" not in msg and f"backend ray: worker 1 (pid {victim}) died" in msg, msg
+    # the pid where Ray's error names it (it does in the Ray of constraints.txt)
+    assert "\n" not in msg and re.match(rf"backend ray: worker 1( \(pid {victim}\))? died ", msg), msg
     again = trainer()
     assert victim not in pool(again).pids()
     torch.testing.assert_close(again.train(w, [0, 1, 3], round=0).params, want.params)
