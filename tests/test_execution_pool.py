@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
+import signal
 import time
 
 import pytest
 import torch
 from torch import nn
 
+import fedweave
 from fedweave.algorithms.base import RunContext, build_algorithm
-from fedweave.config import load
+from fedweave.config import ConfigError, load
+from fedweave.errors import WorkerLost
 from fedweave.execution import LocalRule, evaluate, evaluate_clients
 from fedweave.execution.evaluate import (
     EVAL_ROWS,
@@ -25,7 +29,7 @@ from fedweave.execution.evaluate import (
     to_channels_last,
 )
 from fedweave.execution.params import ParamLayout
-from fedweave.execution.pool import pool, pool_for
+from fedweave.execution.pool import _serve, pool, pool_for
 from tests.conftest import make_toy
 from tests.test_core_engine import ProxLookAhead, _models, _trainer
 
@@ -181,6 +185,57 @@ def test_the_drivers_ends_of_the_pipes_live_in_the_driver_only(uneven_parts):
             assert f"socket:[{inode}]" not in held, f"worker pid {pid} holds the driver's end of worker {i}'s pipe"
 
 
+def test_a_worker_that_died_is_one_line_naming_it_and_how(uneven_parts):
+    """A worker killed from outside (the out-of-memory killer sends SIGKILL) ended the run in a RuntimeError of
+    two lines, "a pool worker failed:" and "worker 0 (pid N) died", with no cause, which the command line
+    printed as a traceback. It is one line now, naming the worker, its signal and what to do."""
+    tr = _trainer(next(_models()), uneven_parts, "pool", epochs=1, batch_size=16, lr=0.1)
+    p = pool(tr, workers=2)
+    tr.train(tr.layout.flatten(), [0, 1, 3], round=0)
+    victim = p.pids()[1]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.time() + 10
+    while time.time() < deadline and _alive(victim):
+        time.sleep(0.05)
+    with pytest.raises(WorkerLost) as e:
+        tr.train(tr.layout.flatten(), [0, 1, 3], round=1)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    assert f"worker 1 (pid {victim}) was killed by SIGKILL" in msg and "backend: loop" in msg, msg
+
+
+def test_the_command_line_reports_a_lost_worker_in_one_line(monkeypatch, capsys, tmp_path):
+    from fedweave import cli, runner
+
+    def lost(*args, **kwargs):
+        raise WorkerLost("backend pool: worker 1 (pid 7) was killed by SIGKILL")
+
+    monkeypatch.setattr(runner, "run", lost)
+    (tmp_path / "c.yaml").write_text("rounds: 1\n")
+    assert cli.main(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == "fedweave: error: backend pool: worker 1 (pid 7) was killed by SIGKILL\n"
+
+
+def test_a_worker_whose_driver_is_gone_exits_without_a_traceback(monkeypatch):
+    """A worker that finished its work after the driver was killed failed to send its reply (a broken pipe),
+    and multiprocessing printed the BrokenPipeError's traceback for each worker on the terminal; it returns
+    quietly now, as it does when it finds the pipe closed while waiting for a request."""
+
+    class Gone:
+        def recv_bytes(self):
+            return pickle.dumps(("no such request", None))
+
+        def send_bytes(self, data):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # the worker's handlers, not this process's
+    threads = torch.get_num_threads()
+    try:
+        assert _serve(Gone(), None) is None
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -238,3 +293,27 @@ def test_evaluation_row_work_at_one_thread_keeps_the_sums(model):
     finally:
         torch.set_num_threads(threads)
     assert got == want
+
+
+@pytest.mark.parametrize("algorithm", [{"name": "fedavg", "clients_per_round": 2}, {"name": "dfedavg"}])
+def test_a_model_with_running_statistics_is_refused_with_one_line(tmp_path, algorithm):
+    """A model's batch-norm running statistics are buffers, which the flat parameter vector does not carry:
+    every forward pass of local training moved them in whichever process trained (on the pool, each worker's
+    own, and those workers evaluated the global model with them), the server did not average them and a
+    checkpoint did not hold them. A model passed from Python with ``nn.BatchNorm2d`` ran silently: on the
+    pool its test loss differed from the loop's (1.0780 against 1.0807, 2 points of accuracy) and a resumed
+    run on the loop left the uninterrupted one at the first resumed round. It is refused before anything is
+    written, as FedBN refused it already; the same model without running statistics runs."""
+    ds = make_toy(n_train=200, n_test=50)
+    data = (ds.train_x, ds.train_y, ds.test_x, ds.test_y)
+
+    def model(running: bool = True) -> nn.Module:
+        bn = nn.BatchNorm2d(3, track_running_stats=running)
+        return nn.Sequential(nn.Conv2d(1, 3, 3), bn, nn.ReLU(), nn.Flatten(), nn.Linear(48, 4))
+
+    cfg = {"rounds": 1, "partition": {"name": "iid", "num_clients": 4}, "algorithm": algorithm,
+           "output": {"progress": False, "plots": False}}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^model: its BatchNorm2d '1' keeps running statistics") as e:
+        fedweave.run(cfg, model=model, dataset=data, run_dir=tmp_path / "refused")
+    assert "\n" not in str(e.value) and not (tmp_path / "refused").exists()
+    fedweave.run(cfg, model=lambda: model(running=False), dataset=data, run_dir=tmp_path / "runs")

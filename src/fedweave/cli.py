@@ -591,6 +591,7 @@ def _main(argv: list[str] | None) -> int:
 
     from fedweave.config import ConfigError
     from fedweave.data.sources import DataSourceError
+    from fedweave.errors import WorkerLost
     from fedweave.experiments.jobs import RunFailed
     from fedweave.registry import UnknownNameError
     from fedweave.results import RunDirError
@@ -608,6 +609,7 @@ def _main(argv: list[str] | None) -> int:
         DataSourceError,
         pickle.UnpicklingError,
         RunFailed,
+        WorkerLost,
     ) as e:
         print(f"fedweave: error: {_one_line(e)}", file=sys.stderr)
         return 2

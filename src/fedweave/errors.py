@@ -28,3 +28,9 @@ class RunStopped(RuntimeError):
 
 class CheckpointError(ValueError):
     """A checkpoint that is damaged or not this run's; the message names the file and what is wrong."""
+
+
+class WorkerLost(RuntimeError):
+    """A worker process of the run's execution (a ``pool`` backend worker) died while the run needed it (killed
+    from outside, e.g. by the out-of-memory killer); the message names the worker and how it ended. The run's
+    files so far are kept, as after any error mid-way."""

@@ -26,7 +26,7 @@ from fedweave.config import ConfigError, RunConfig, Section, build_dataclass, ch
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
 from fedweave.data.partition import Partition, check_parts, integral
-from fedweave.execution import LocalTrainer, batch_statistics, check_seeded, choose_backend
+from fedweave.execution import LocalTrainer, batch_statistics, check_running_stats, check_seeded, choose_backend
 from fedweave.execution.evaluate import share_with_workers
 from fedweave.execution.local import LocalRule
 from fedweave.execution.placement import Placement, resolve_placement
@@ -823,6 +823,9 @@ def build_algorithm(ctx: RunContext) -> Algorithm:
         if changed:
             raise ConfigError(f"{changed[0]}: the {cls.family} family {why}; leave it out")
     algo = cls(ctx, hp)
+    trainer = getattr(algo, "trainer", None)
+    if trainer is not None:  # after the method's own checks, which may refuse such a model in their words (FedBN)
+        check_running_stats(trainer.layout.model)
     if secure and getattr(algo, "secagg", None) is None:  # a star method with a round of its own
         raise ConfigError(f"secure_aggregation: algorithm {section.name!r} runs a round of its own, not billed yet")
     return algo

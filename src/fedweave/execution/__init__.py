@@ -52,9 +52,9 @@ def choose_backend(
     current count) computing on ``device``.
 
     On an accelerator: ``vmap`` from 2 jobs per call for a model it can batch (no buffers, no recurrent
-    layers), else ``loop``; never ``pool`` (forked CPU workers). This rule is provisional: it follows the
-    design (many clients in one computation keep a GPU busy) and is what ``benchmarks/gpu.py`` measures;
-    GPU numbers are not yet recorded in docs/performance.md.
+    layers), else ``loop``; never ``pool`` (forked CPU workers). It follows the design (many clients in one
+    computation keep a GPU busy); ``benchmarks/gpu.py`` measures it, and its H100 and H200 numbers in
+    docs/performance.md (GPUs) found ``vmap`` the fastest variant in every workload.
 
     On a CPU, measured on 2 cores, FedAvg on MNIST (docs/performance.md):
 
@@ -103,3 +103,19 @@ def check_seeded(model: nn.Module) -> None:
             "the run's seed, so a seed would not give the same numbers (and backend vmap cannot draw them); remove it "
             "or set p=0 (the split family draws its models' dropout from the run's streams)"
         )
+
+
+def check_running_stats(model: nn.Module) -> None:
+    """A model whose batch norm keeps running statistics (buffers) is refused in one ConfigError naming the
+    first such module: the flat parameter vector that every backend trains, the server averages and a checkpoint
+    holds does not carry them, so local training would move them in whichever process trains (each worker of
+    ``pool`` and ``ray``, which also evaluate with them) and the same seed would give other numbers on another
+    backend, and on resume. (Batch norm without running statistics normalizes with each batch's own.)"""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            raise ConfigError(
+                f"model: its {type(m).__name__} {name!r} keeps running statistics, which are not parameters: no "
+                "backend carries them from client to server, no checkpoint holds them, and the pool's and Ray's "
+                "workers would each keep their own, so a seed would not give the same numbers; use "
+                "track_running_stats=False (each batch's statistics, as the cnn models' norm: batch)"
+            )

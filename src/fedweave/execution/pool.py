@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from fedweave.errors import WorkerLost
 from fedweave.execution.evaluate import batch_sums, evaluators, fork_shared
 from fedweave.execution.job import LocalCall, LocalResult, backend
 from fedweave.execution.local import LocalTrainer
@@ -101,7 +102,10 @@ def _serve(conn: Any, tr: LocalTrainer, driver_ends: list | None = None) -> None
             reply = ("ok", out)
         except BaseException as e:  # reported in the driver with the worker's traceback
             reply = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:  # the driver died while this worker computed (a broken pipe): no one is left to tell
+            return
 
 
 def _close(conns: list, procs: list) -> None:
@@ -150,18 +154,45 @@ class WorkerPool:
 
     def request(self, calls: list[tuple[int, str, tuple]]) -> list[Any]:
         """Send ``(worker, op, args)`` requests (at most one per worker), then collect the replies in order."""
+        lost: list[int] = []  # workers whose pipe is closed: they died (a request cannot reach them)
         for i, op, args in calls:
-            self.conns[i].send_bytes(_dumps((op, args)))
+            try:
+                self.conns[i].send_bytes(_dumps((op, args)))
+            except OSError:
+                lost.append(i)
         out, errors = [], []
         for i, _, _ in calls:
+            if i in lost:
+                continue
             try:
                 status, value = pickle.loads(self.conns[i].recv_bytes())
             except (EOFError, OSError):
-                status, value = "error", f"worker {i} (pid {self.procs[i].pid}) died"
+                lost.append(i)
+                continue
             (out if status == "ok" else errors).append(value)
+        if lost:  # every other reply has been read: the pipes hold nothing stale
+            raise WorkerLost(self._lost(min(lost)))
         if errors:
             raise RuntimeError("a pool worker failed:\n" + errors[0])
         return out
+
+    def _lost(self, i: int) -> str:
+        """One line on worker ``i``, which died: how it ended and what to do."""
+        p = self.procs[i]
+        p.join(timeout=5)
+        code = p.exitcode
+        if code is None:
+            how = "closed its pipe"
+        elif code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+            if -code == signal.SIGKILL:
+                how += " (the system may have run out of memory)"
+        else:
+            how = f"exited with status {code}"
+        return (
+            f"backend pool: worker {i} (pid {p.pid}) {how}; the run cannot go on without it (its files so far are "
+            "kept: resume it with fedweave run --resume RUN_DIR, with fewer threads or backend: loop)"
+        )
 
     # ---- training --------------------------------------------------------------------------------
     def train(self, tr: LocalTrainer, call: LocalCall) -> LocalResult:

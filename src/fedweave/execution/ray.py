@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 import uuid
 import warnings
 import weakref
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from fedweave.config import ConfigError, LocalConfig, RayConfig
+from fedweave.errors import WorkerLost
 from fedweave.execution.job import PLAIN, LocalCall, LocalResult, LocalRule, backend
 from fedweave.execution.local import LocalTrainer
 from fedweave.execution.placement import move_tensors, resolve_placement
@@ -148,6 +150,13 @@ def actors(ray: Any, n: int, num_gpus: float = 0.0) -> list:
     return have[:n]
 
 
+def _drop(actor: Any) -> None:
+    """Forget a dead actor's handle, so that :func:`actors` starts a live one in its place."""
+    for have in _ACTORS.values():
+        if actor in have:
+            have.remove(actor)
+
+
 def _forget(actors: list, setup_id: str) -> None:
     try:
         for a in actors:
@@ -204,7 +213,22 @@ class RayPool:
         for actor, shard in zip(self.actors, split_call(tr, call, len(self.actors))):
             shard = replace(shard, starts=pl.host(shard.starts).clone(), rule=PLAIN)
             futures.append(actor.run.remote(self.setup_id, self.setup, tr.local, shard, rule_ref))
-        parts = ray.get(futures)
+        parts, lost = [], None
+        for k, future in enumerate(futures):  # each shard's reply, so that a dead actor is known by its place
+            try:
+                parts.append(ray.get(future))
+            except ray.exceptions.RayActorError as e:
+                lost = (k, e) if lost is None else lost
+        if lost is not None:
+            k, e = lost
+            _drop(self.actors[k])  # the next trainer of this session starts a live actor in its place
+            pid = re.search(r"\bpid: (\d+)", str(e))
+            who = f"worker {k} (pid {pid[1]})" if pid else f"worker {k}"
+            raise WorkerLost(
+                f"backend ray: {who} died (a Ray actor killed from outside, e.g. by the out-of-memory killer); the "
+                "run cannot go on without it (its files so far are kept: resume it with fedweave run --resume "
+                "RUN_DIR, with fewer ray.num_workers or backend: loop)"
+            ) from e
         cat, to = torch.cat, pl.to
         params, nsteps, loss = (cat([getattr(p, k) for p in parts]) for k in ("params", "steps", "loss"))
         return LocalResult(to(params), to(nsteps), to(loss))
