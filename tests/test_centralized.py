@@ -194,6 +194,9 @@ def test_fedmim_history_is_kept_on_the_server():
         ({"alpha": [-0.1, 0.3], "beta": [0.9, 0.1]}, "algorithm.alpha[0]"),
         ({"alpha": [0.6], "beta": [0.9, 0.1]}, "same length"),
         ({"beta": [0.9, -0.1]}, "algorithm.beta[1]"),
+        # NaN passes `b < 0` and inf is no weight: either turns every model into NaN from round 1 on
+        ({"beta": [0.9, float("nan")]}, "algorithm.beta[1] must be a finite number >= 0"),
+        ({"beta": [float("inf"), 0.1]}, "algorithm.beta[0] must be a finite number >= 0"),
         ({"downlink": "carrier_pigeon"}, "algorithm.downlink"),
     ],
 )

@@ -221,6 +221,27 @@ def test_centralized_runs_deployed_in_process_equal_the_simulation(tmp_path, nam
     assert fl["deduplicated_received"] == 0
 
 
+@pytest.mark.parametrize(
+    ("opts", "billed"),
+    [({"alpha": [0.5], "beta": [0.0]}, 2), ({}, 3), ({"alpha": [0.5, 0.2, 0.1], "beta": [0.3, 0.2, 0.1]}, 4)],
+    ids=["J1", "J2", "J3"],
+)
+def test_fedmim_jobs_carry_two_momentum_vectors_whatever_deltas_the_ledger_bills(tmp_path, opts, billed):
+    """docs/deployment.md: a deployed FedMIM job carries x_t, m_alpha and m_beta (3 vectors) where the ledger
+    bills x_t and one delta per j with a non-zero alpha_j or beta_j: the same bytes for the default J = 2, one
+    vector more than the ledger for J = 1 (FedCM's case), one fewer for J = 3."""
+    cfg = {
+        "name": "c", "seed": 2, "rounds": 2, "backend": "loop", "dataset": {"name": "digits"},
+        "partition": {"name": "dirichlet", "num_clients": CLIENTS, "alpha": 0.5}, "model": {"name": "logistic"},
+        "algorithm": {"name": "fedmim", "clients_per_round": 3, **opts},
+        "local": {"steps": 3, "batch_size": 16, "lr": 0.1}, "output": {"progress": False, "plots": False},
+    }  # fmt: skip
+    summary, _ = deployed(cfg, tmp_path)
+    jobs, d = 2 * 3, 650 * 4  # rounds x clients; the logistic model's float32 bytes
+    assert summary["communication"]["bytes_down"] == jobs * billed * d
+    assert summary["flower"]["payload_sent"] == jobs * 3 * d
+
+
 def gossip(algorithm: dict, rounds: int = 3, **more) -> dict:
     return {
         "name": "g", "seed": 2, "rounds": rounds, "backend": "loop", "dataset": {"name": "digits"},

@@ -15,6 +15,7 @@ is FedAvg; J = 1, beta = 0 is FedCM with client-momentum weight 1 - alpha_1 (con
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -84,8 +85,8 @@ class FedMIMHparams(StarHparams):
         if sum(self.alpha) >= 1:
             raise ConfigError(f"algorithm.alpha must sum to < 1 (A = 1 - sum(alpha) > 0), got {sum(self.alpha)}")
         for j, b in enumerate(self.beta):
-            if b < 0:
-                raise ConfigError(f"algorithm.beta[{j}] must be >= 0, got {b}")
+            if not (math.isfinite(b) and b >= 0):  # rho is free (spec A23), but NaN or inf is no weight
+                raise ConfigError(f"algorithm.beta[{j}] must be a finite number >= 0, got {b}")
         if self.K_ref is not None and self.K_ref < 1:
             raise ConfigError(f"algorithm.K_ref must be >= 1 or null, got {self.K_ref}")
 
