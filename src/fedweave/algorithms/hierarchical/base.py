@@ -478,8 +478,12 @@ class HierarchicalAlgorithm(Algorithm):
             out = {f"val_{k}": v for k, v in val.items()}
         if len(self.server_y):
             out["server_loss"] = scores(self.server_x, self.server_y)["loss"]  # f1(x^_r)
-        if self.hp.eval_train_loss:
-            out["train_loss_all"] = scores(d.train_x, d.train_y)["loss"]
+        if self.hp.eval_train_loss:  # A13(c): the N_tr samples of the server and the clients, the hold-out left out
+            if d.validation is None:
+                out["train_loss_all"] = scores(d.train_x, d.train_y)["loss"]
+            else:
+                held = torch.cat([d.server, *(torch.as_tensor(p, device="cpu") for p in d.parts)])
+                out["train_loss_all"] = scores(d.train_x[held], d.train_y[held])["loss"]
         return out
 
 
