@@ -290,3 +290,13 @@ def test_train_loss_all_leaves_out_the_validation_hold_out():
     logits = d.train_x[held].flatten(1).double() @ a.x.double().view(3, 16).T
     expected = float(torch.nn.functional.cross_entropy(logits, d.train_y[held]))
     assert a.evaluate(1)["train_loss_all"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize(("beta", "k"), [(0.25, 3), (0.35, 4), (0.45, 5), (0.15, 2), (0.05, 1), (0.9, 9), (0.5, 5)])
+def test_clients_per_round_round_halves_up(beta, k):
+    # spec A20: k = max(1, round(beta m)), the nearest whole number with halves up, as for every beta alike
+    # (round-half-to-even would give 0.25 of 10 clients 2 but 0.35 of 10 clients 4)
+    cfg = _config(participation=beta)
+    cfg["partition"] = {"name": "dirichlet", "num_clients": 10, "alpha": 1.0, "min_size": 5}
+    a = build_algorithm(RunContext(load(cfg)))
+    assert a.k == k and len(a.sample_clients(0)) == k
