@@ -277,3 +277,26 @@ def test_validation_holds_out_training_samples_and_hides_the_test_set():
     assert "val_accuracy" in out and "val_loss" in out and "test_accuracy" not in out
     # without validation the split is the one it always was (same streams)
     assert torch.equal(_build(server_share=0.3).data.server, _build(server_share=0.3, validation=0.0).data.server)
+
+
+def test_train_loss_all_leaves_out_the_validation_hold_out():
+    # A13(c): the cross-entropy of x on the training data, i.e. the N_tr samples held by the server or a
+    # client; the validation hold-out is nobody's training data, so it must not enter this series
+    a = _build(server_share=0.3, validation=0.2, eval_train_loss=True, server_lr=2.0)
+    a.run_round(0)  # move x away from 0, where every sample's loss is log 3
+    d = a.data
+    held = torch.cat([d.server, *(torch.as_tensor(p) for p in d.parts)])
+    assert len(held) == d.num_train
+    logits = d.train_x[held].flatten(1).double() @ a.x.double().view(3, 16).T
+    expected = float(torch.nn.functional.cross_entropy(logits, d.train_y[held]))
+    assert a.evaluate(1)["train_loss_all"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize(("beta", "k"), [(0.25, 3), (0.35, 4), (0.45, 5), (0.15, 2), (0.05, 1), (0.9, 9), (0.5, 5)])
+def test_clients_per_round_round_halves_up(beta, k):
+    # spec A20: k = max(1, round(beta m)), the nearest whole number with halves up, as for every beta alike
+    # (round-half-to-even would give 0.25 of 10 clients 2 but 0.35 of 10 clients 4)
+    cfg = _config(participation=beta)
+    cfg["partition"] = {"name": "dirichlet", "num_clients": 10, "alpha": 1.0, "min_size": 5}
+    a = build_algorithm(RunContext(load(cfg)))
+    assert a.k == k and len(a.sample_clients(0)) == k

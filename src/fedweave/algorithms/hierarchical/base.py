@@ -18,6 +18,7 @@ server update; the server step's aggregate is its one ``aggregate`` seam).
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -269,7 +270,7 @@ class HierarchyHparams:
     """What every method of the family shares: data split, participation and the local-step schedule."""
 
     server_share: float = 0.3  # fraction of the training set held by the server (paper §IV)
-    participation: float = 0.9  # beta: fraction of clients sampled per round, k = max(1, round(beta m))
+    participation: float = 0.9  # beta: fraction of clients sampled per round, k = max(1, round(beta m)), halves up
     test_fraction: float | None = None  # null: the dataset's own test set; 0.1: pool and re-split 90/10
     tau: float = 20.0  # H_{i,r} = floor(tau (r+1)^q) local steps (Table I: tau = 20)
     steps_power: float = 0.5  # q
@@ -340,7 +341,9 @@ class HierarchicalAlgorithm(Algorithm):
         ctx.placement.check_float64("the hierarchical family (its weights and ZO-HFL's estimator)")
         self.data = split_hierarchy(ctx, hp.server_share, hp.test_fraction, hp.validation)
         self.m = len(self.data.parts)
-        self.k = max(1, int(round(hp.participation * self.m)))  # spec A20
+        # spec A20: k = max(1, round(beta m)), halves up (Python's round takes them to the even number: 0.25 of
+        # 10 clients 2, 0.35 of 10 clients 4); the 1e-9 keeps a half written in decimal a half
+        self.k = max(1, math.floor(hp.participation * self.m + 0.5 + 1e-9))
         cfg = ctx.config
         check_seeded(ctx.model)
         backend = choose_backend(cfg.backend, ctx.model, self.jobs_per_client * self.k, device=ctx.device)
@@ -478,8 +481,12 @@ class HierarchicalAlgorithm(Algorithm):
             out = {f"val_{k}": v for k, v in val.items()}
         if len(self.server_y):
             out["server_loss"] = scores(self.server_x, self.server_y)["loss"]  # f1(x^_r)
-        if self.hp.eval_train_loss:
-            out["train_loss_all"] = scores(d.train_x, d.train_y)["loss"]
+        if self.hp.eval_train_loss:  # A13(c): the N_tr samples of the server and the clients, the hold-out left out
+            if d.validation is None:
+                out["train_loss_all"] = scores(d.train_x, d.train_y)["loss"]
+            else:
+                held = torch.cat([d.server, *(torch.as_tensor(p, device="cpu") for p in d.parts)])
+                out["train_loss_all"] = scores(d.train_x[held], d.train_y[held])["loss"]
         return out
 
 
