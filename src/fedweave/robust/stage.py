@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedweave.config import ConfigError, RunConfig, Section, check_options
+from fedweave.config import ConfigError, RunConfig, Section, check_options, nearest_count
 from fedweave.execution import evaluate
 from fedweave.registry import AGGREGATORS, ATTACKS, Registry, UnknownNameError
 from fedweave.robust.aggregators import Aggregator, bucketed
@@ -70,10 +70,8 @@ def _count(section: Section, key: str) -> int | None:
 
 
 def attacker_count(fraction: float, num_clients: int) -> int:
-    """``fraction * N`` to the nearest whole number, halves up: ``floor(fraction * N + 1/2)`` (Python's round
-    would take halves to the even number: 0.25 of 10 clients 2, 0.35 of 10 clients 4). The 1e-9 keeps a half
-    written in decimal a half (0.07 * 50 is 3.5000000000000004, 0.15 * 10 1.5 exactly)."""
-    return math.floor(fraction * num_clients + 0.5 + 1e-9)
+    """``fraction * N`` attackers, to the nearest whole number with halves up (:func:`nearest_count`)."""
+    return nearest_count(fraction, num_clients)
 
 
 def attackers(spec: dict[str, Any] | None, num_clients: int, seeds: Seeds) -> np.ndarray:

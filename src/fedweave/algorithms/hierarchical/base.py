@@ -18,7 +18,6 @@ server update; the server step's aggregate is its one ``aggregate`` seam).
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -31,7 +30,7 @@ import torch
 from fedweave import robust
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.compression import upload_compression
-from fedweave.config import ConfigError
+from fedweave.config import ConfigError, nearest_count
 from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, check_seeded, choose_backend, evaluate_task
 from fedweave.execution.local import LR, PLAIN, ClientStep, GradFn, LocalResult
 from fedweave.ledger import nbytes
@@ -341,9 +340,7 @@ class HierarchicalAlgorithm(Algorithm):
         ctx.placement.check_float64("the hierarchical family (its weights and ZO-HFL's estimator)")
         self.data = split_hierarchy(ctx, hp.server_share, hp.test_fraction, hp.validation)
         self.m = len(self.data.parts)
-        # spec A20: k = max(1, round(beta m)), halves up (Python's round takes them to the even number: 0.25 of
-        # 10 clients 2, 0.35 of 10 clients 4); the 1e-9 keeps a half written in decimal a half
-        self.k = max(1, math.floor(hp.participation * self.m + 0.5 + 1e-9))
+        self.k = max(1, nearest_count(hp.participation, self.m))  # spec A20: k = max(1, round(beta m)), halves up
         cfg = ctx.config
         check_seeded(ctx.model)
         backend = choose_backend(cfg.backend, ctx.model, self.jobs_per_client * self.k, device=ctx.device)
