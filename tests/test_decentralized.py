@@ -444,6 +444,21 @@ def test_afind_all_own_model_uniform_reduces_to_dfedavg():
     assert torch.allclose(a.W, b.W, atol=1e-6)
 
 
+def test_smoothed_loss_keeps_the_precision_of_a_float64_run():
+    """Eq. (15)'s F~ = (1 - gamma) F(after) + gamma F(before) feeds the Boltzmann weights (Eq. 16): in a
+    float64 run it is the float64 value of the formula, not one rounded to float32 (an error of ~1e-8 in
+    every weight); in a float32 run it is the float32 value, as the committed records were computed."""
+    after, before = 1.2345678912345, 0.987654321987
+    for precision, dtype in (("float64", torch.float64), ("float32", torch.float32)):
+        cfg = config("afind_plus", neighbours=4)
+        cfg["precision"] = precision
+        algo = build_algorithm(RunContext(load(cfg)))
+        g = algo.hp.loss_gamma
+        expect = float((1 - g) * torch.tensor(after, dtype=dtype) + g * torch.tensor(before, dtype=dtype))
+        assert algo._smooth(0, 1, after, before) == expect
+    assert expect != (1 - g) * after + g * before  # the float32 rounding the float64 run must not have
+
+
 def test_boltzmann_weights_tend_to_uniform_as_the_temperature_grows():
     """Eq. (16) as T -> inf: exp(-F~/T)/Z -> 1/|C_i + {i}|, so AFIND+ becomes AFIND (uniform weights over the
     same coreset; selection does not read T). At T = 1e12 the weights differ from uniform by O(|F~|/T)."""

@@ -210,7 +210,13 @@ class AfindPlus(GraphAlgorithm):
         if self.hp.loss_smoothing == "eq15":  # Eq. (15): same-round before/after
             if before is None:  # gamma 0 (or unweighted): F~ is the after loss, (1 - 0) * after exactly
                 return after
-            return float(smoothed_loss(torch.tensor(after, device="cpu"), torch.tensor(before, device="cpu"), g))
+            # at the run's precision: a float64 run keeps F~ exact; float32 is what the committed records used
+            dt = self.ctx.dtype
+            return float(
+                smoothed_loss(
+                    torch.tensor(after, dtype=dt, device="cpu"), torch.tensor(before, dtype=dt, device="cpu"), g
+                )
+            )
         prev = float(self.prev_loss[i, j])  # A11 option: EMA over rounds
         val = after if np.isnan(prev) else (1 - g) * after + g * prev
         self.prev_loss[i, j] = val
