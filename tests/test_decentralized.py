@@ -335,6 +335,34 @@ def test_afind_own_model_under_dp_exchange_judges_the_noised_models_it_aggregate
     assert checked > 0
 
 
+@pytest.mark.parametrize(
+    ("name", "opts"),
+    [("dfedavg", {"order": "aggregate_train"}), ("ditto", {}), ("dispfl", {"anneal": 0.0})],
+)
+def test_afind_plugin_under_dp_exchange_weighs_the_noised_models_it_mixes(name, opts):
+    """dp_mode exchange (A27): i holds only w_j + N (DisPFL: on j's mask), so the plug-in's Boltzmann weights
+    exp(-F_i(w_j)/T) (Eq. 14, own-model reading, A31) are measured on that very draw, the one it then mixes,
+    not on the exact w_j it never received; i's own model is scored as it is."""
+    algo = build(name, neighbours=4, selection="afind", dp_sigma=5.0, dp_mode="exchange", **opts)
+    W0 = algo.W.clone()
+    mask = algo.store["mask"].clone() if name == "dispfl" else torch.ones_like(W0)
+    std = 5.0 * algo.hp.dp_clip / algo.config.local.batch_size
+    scored, picks = {}, []
+    inner_losses, inner_select = algo.selector.proxy.model_losses, algo.selector.select
+    algo.selector.proxy.model_losses = lambda Ws, c: scored.setdefault(c, Ws.clone()) is None or inner_losses(Ws, c)
+    algo.selector.select = lambda *a: picks.extend(inner_select(*a)) or picks
+    algo.run_round(0)
+    checked = 0
+    for i, (chosen, _) in enumerate(picks):
+        assert torch.equal(scored[i][0], W0[i])
+        for q, j in enumerate(chosen.tolist()):
+            g = algo.seeds.torch("dp_noise", 0, j, i, 0)
+            held = (W0[j] + std * torch.randn(W0[j].shape, generator=g, dtype=W0.dtype)) * mask[j]
+            assert torch.allclose(scored[i][1 + q], held, rtol=0, atol=1e-6)
+            checked += 1
+    assert checked > 0
+
+
 def test_afind_proxies_are_billed_in_the_runs_precision():
     # phi_j is a gradient of the model's layer, sent at the model's width (8 bytes a value in float64), as
     # the model itself and the selection plug-in's proxies are

@@ -384,7 +384,10 @@ class NeighbourSelector:
                 algo.hold("requested_model", algo.layout.numel * algo.ctx.float_bytes)
             scored = 2 * len(avail)  # float64 s_ij and Eq. (8)'s p_ij over B_i
             if hp.selection == "afind" and hp.boltzmann_weights:
-                losses = self.proxy.model_losses(sent[[i, *chosen.tolist()]], i)
+                # i holds only what crossed the link (under dp_mode exchange a noised draw): it scores the very
+                # models it then mixes
+                held = [sent[i], *(algo.as_received(sent, r, int(j), i) for j in chosen)]
+                losses = self.proxy.model_losses(torch.stack(held), i)
                 weights = boltzmann(losses, hp.boltzmann_T)  # Eq. (14), own-model reading
                 scored += len(losses)  # and F_i(w_j) of i and the selected
             else:
