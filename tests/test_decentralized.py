@@ -363,6 +363,33 @@ def test_afind_plugin_under_dp_exchange_weighs_the_noised_models_it_mixes(name, 
     assert checked > 0
 
 
+@pytest.mark.parametrize(
+    ("name", "opts"), [("dfedavg", {"selection": "afind"}), ("ditto", {"selection": "topk", "select_k": 2})]
+)
+def test_plugin_selection_scores_with_the_tasks_loss(name, opts):
+    """The plug-in's proxies phi = grad of F_j and its losses F_i(w_j) are those of the run's task (as
+    afind_plus computes them), not cross-entropy: on a regression task (mse) F is the mean squared error."""
+    cfg = {
+        "name": "dfl-mse",
+        "seed": 0,
+        "rounds": 1,
+        "dataset": {"name": "diabetes"},
+        "partition": {"name": "quantity_skew", "num_clients": 6},
+        "model": {"name": "mlp", "hidden": [8]},
+        "task": {"loss": "mse"},
+        "algorithm": {"name": name, "neighbours": 3, **opts},
+        "local": {"epochs": 1, "batch_size": 16, "lr": 0.05},
+        "output": {"progress": False, "plots": False},
+    }
+    algo = build_algorithm(RunContext(load(cfg)))
+    algo.run_round(0)
+    ds, idx = algo.ctx.dataset, torch.as_tensor(algo.ctx.partition[1])
+    with torch.no_grad():
+        pred = algo.layout.load_(algo.W[0])(ds.train_x[idx]).reshape(-1)
+    mse = float(((pred - ds.train_y[idx].reshape(-1)) ** 2).mean())
+    assert float(algo.selector.proxy.losses(algo.W[0], [1])[0]) == pytest.approx(mse, rel=1e-5)
+
+
 def test_afind_proxies_are_billed_in_the_runs_precision():
     # phi_j is a gradient of the model's layer, sent at the model's width (8 bytes a value in float64), as
     # the model itself and the selection plug-in's proxies are

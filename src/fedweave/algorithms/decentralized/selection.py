@@ -332,8 +332,14 @@ class NeighbourSelector:
         if hp.selection != "random":
             algo.ctx.placement.check_float64("neighbour selection by proxy similarity")
             ds = algo.ctx.dataset
-            self.proxy = ProxyComputer(
-                algo.layout, algo.ctx.model, ds.train_x, ds.train_y, algo.ctx.partition, hp.proxy_layer
+            self.proxy = ProxyComputer(  # with the run's loss, as afind_plus (cross-entropy by default)
+                algo.layout,
+                algo.ctx.model,
+                ds.train_x,
+                ds.train_y,
+                algo.ctx.partition,
+                hp.proxy_layer,
+                loss=algo.ctx.task.loss,
             )
             opts = AfindOptions(
                 selection="threshold" if hp.selection == "afind" else "topk",
