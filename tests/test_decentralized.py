@@ -390,6 +390,41 @@ def test_plugin_selection_scores_with_the_tasks_loss(name, opts):
     assert float(algo.selector.proxy.losses(algo.W[0], [1])[0]) == pytest.approx(mse, rel=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("algo", "key"),
+    [
+        ({"name": "afind_plus"}, "proxy_layer"),
+        ({"name": "afind_plus", "proxy_layer": "classifier"}, "proxy_layer"),
+        ({"name": "ditto", "selection": "afind"}, "proxy_layer"),
+        ({"name": "afind_plus", "personal": "head", "finetune_epochs": 0}, "personal"),  # featurizer declared
+    ],
+)
+def test_a_model_without_the_layer_the_proxy_needs_is_one_line_naming_the_key(algo, key, tmp_path):
+    """A model of one's own (here an nn.Sequential) declares no featurizer/classifier layer: the run is refused
+    with a ConfigError naming the option that needs it and how to declare it, not a bare ValueError."""
+    import fedweave
+
+    torch.manual_seed(0)
+    x, y = torch.randn(60, 5), torch.randint(0, 3, (60,))
+
+    def model():
+        net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        if key == "personal":  # the proxy's layer is there: what is missing is the personal head
+            net.featurizer = ("0",)
+        return net
+
+    cfg = {
+        "rounds": 1,
+        "partition": {"name": "iid", "num_clients": 4},
+        "algorithm": {"neighbours": 2, **algo},
+        "output": {"progress": False, "plots": False},
+    }
+    with pytest.raises(ConfigError) as err:
+        fedweave.run(cfg, model=model, dataset=(x[:40], y[:40], x[40:], y[40:]), run_dir=tmp_path / "r")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"algorithm.{key}") and "Sequential" in msg and "registered model" in msg
+
+
 def test_afind_proxies_are_billed_in_the_runs_precision():
     # phi_j is a gradient of the model's layer, sent at the model's width (8 bytes a value in float64), as
     # the model itself and the selection plug-in's proxies are

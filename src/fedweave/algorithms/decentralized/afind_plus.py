@@ -44,11 +44,11 @@ from fedweave.algorithms.decentralized.selection import (
     Selection,
     boltzmann,
     cosine,
+    declared_layer,
     smoothed_loss,
 )
 from fedweave.config import ConfigError
 from fedweave.execution import LocalResult, LocalRule
-from fedweave.models import layer_parameter_names
 from fedweave.registry import ALGORITHMS
 
 HEAD_KEY = 1_000_081  # batch-stream key of the personal-head epochs (K_beta) of a local update
@@ -152,7 +152,7 @@ class AfindPlus(GraphAlgorithm):
         self.hold("selection_state", kept * self.prev_loss.element_size())
         self.head: torch.Tensor | None = None  # bool mask of the personal block beta over the flat parameters
         if hp.personal == "head":
-            names = set(layer_parameter_names(ctx.model, "classifier"))
+            names = set(declared_layer(ctx.model, "classifier", "personal 'head'"))
             self.head = torch.cat(
                 [
                     torch.full((k,), nm in names, device=ctx.device)

@@ -100,6 +100,19 @@ def pick(rule: Selection, p: torch.Tensor, theta: float, k: int, rng: np.random.
 
 
 # ----------------------------------------------------------------------------------------- the proxy
+def declared_layer(model: nn.Module, layer: Literal["featurizer", "classifier"], option: str) -> list[str]:
+    """The parameter names of the model's declared ``layer``; a model that declares none (one's own
+    ``nn.Module``) is refused in one line naming ``algorithm.<option>``, the option that needs the layer."""
+    try:
+        return layer_parameter_names(model, layer)
+    except ValueError:
+        raise ConfigError(
+            f"algorithm.{option}: the model ({type(model).__name__}) declares no {layer} layer; give it a "
+            f"'{layer}' attribute, the tuple of that layer's module names, as the registered models declare it "
+            f"(mlp: {layer} = ('{'hidden.0' if layer == 'featurizer' else 'out'}',)), or use a registered model"
+        ) from None
+
+
 class ProxyComputer:
     """phi = the gradient restricted to one layer, and the loss, of a model on several clients' data.
 
@@ -126,7 +139,7 @@ class ProxyComputer:
         self.loss = loss  # the task's loss (cross-entropy for the classification the papers use)
         self.index = torch.zeros(0, dtype=torch.long, device=pl.device)  # layer None: losses only (PENS, FedeRiCo)
         if layer is not None:
-            names = set(layer_parameter_names(model, layer))
+            names = set(declared_layer(model, layer, f"proxy_layer {layer!r}"))
             idx, off = [], 0
             for n, k in zip(layout.names, layout.numels, strict=True):
                 if n in names:
