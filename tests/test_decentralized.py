@@ -335,6 +335,96 @@ def test_afind_own_model_under_dp_exchange_judges_the_noised_models_it_aggregate
     assert checked > 0
 
 
+@pytest.mark.parametrize(
+    ("name", "opts"),
+    [("dfedavg", {"order": "aggregate_train"}), ("ditto", {}), ("dispfl", {"anneal": 0.0})],
+)
+def test_afind_plugin_under_dp_exchange_weighs_the_noised_models_it_mixes(name, opts):
+    """dp_mode exchange (A27): i holds only w_j + N (DisPFL: on j's mask), so the plug-in's Boltzmann weights
+    exp(-F_i(w_j)/T) (Eq. 14, own-model reading, A31) are measured on that very draw, the one it then mixes,
+    not on the exact w_j it never received; i's own model is scored as it is."""
+    algo = build(name, neighbours=4, selection="afind", dp_sigma=5.0, dp_mode="exchange", **opts)
+    W0 = algo.W.clone()
+    mask = algo.store["mask"].clone() if name == "dispfl" else torch.ones_like(W0)
+    std = 5.0 * algo.hp.dp_clip / algo.config.local.batch_size
+    scored, picks = {}, []
+    inner_losses, inner_select = algo.selector.proxy.model_losses, algo.selector.select
+    algo.selector.proxy.model_losses = lambda Ws, c: scored.setdefault(c, Ws.clone()) is None or inner_losses(Ws, c)
+    algo.selector.select = lambda *a: picks.extend(inner_select(*a)) or picks
+    algo.run_round(0)
+    checked = 0
+    for i, (chosen, _) in enumerate(picks):
+        assert torch.equal(scored[i][0], W0[i])
+        for q, j in enumerate(chosen.tolist()):
+            g = algo.seeds.torch("dp_noise", 0, j, i, 0)
+            held = (W0[j] + std * torch.randn(W0[j].shape, generator=g, dtype=W0.dtype)) * mask[j]
+            assert torch.allclose(scored[i][1 + q], held, rtol=0, atol=1e-6)
+            checked += 1
+    assert checked > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "opts"), [("dfedavg", {"selection": "afind"}), ("ditto", {"selection": "topk", "select_k": 2})]
+)
+def test_plugin_selection_scores_with_the_tasks_loss(name, opts):
+    """The plug-in's proxies phi = grad of F_j and its losses F_i(w_j) are those of the run's task (as
+    afind_plus computes them), not cross-entropy: on a regression task (mse) F is the mean squared error."""
+    cfg = {
+        "name": "dfl-mse",
+        "seed": 0,
+        "rounds": 1,
+        "dataset": {"name": "diabetes"},
+        "partition": {"name": "quantity_skew", "num_clients": 6},
+        "model": {"name": "mlp", "hidden": [8]},
+        "task": {"loss": "mse"},
+        "algorithm": {"name": name, "neighbours": 3, **opts},
+        "local": {"epochs": 1, "batch_size": 16, "lr": 0.05},
+        "output": {"progress": False, "plots": False},
+    }
+    algo = build_algorithm(RunContext(load(cfg)))
+    algo.run_round(0)
+    ds, idx = algo.ctx.dataset, torch.as_tensor(algo.ctx.partition[1])
+    with torch.no_grad():
+        pred = algo.layout.load_(algo.W[0])(ds.train_x[idx]).reshape(-1)
+    mse = float(((pred - ds.train_y[idx].reshape(-1)) ** 2).mean())
+    assert float(algo.selector.proxy.losses(algo.W[0], [1])[0]) == pytest.approx(mse, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("algo", "key"),
+    [
+        ({"name": "afind_plus"}, "proxy_layer"),
+        ({"name": "afind_plus", "proxy_layer": "classifier"}, "proxy_layer"),
+        ({"name": "ditto", "selection": "afind"}, "proxy_layer"),
+        ({"name": "afind_plus", "personal": "head", "finetune_epochs": 0}, "personal"),  # featurizer declared
+    ],
+)
+def test_a_model_without_the_layer_the_proxy_needs_is_one_line_naming_the_key(algo, key, tmp_path):
+    """A model of one's own (here an nn.Sequential) declares no featurizer/classifier layer: the run is refused
+    with a ConfigError naming the option that needs it and how to declare it, not a bare ValueError."""
+    import fedweave
+
+    torch.manual_seed(0)
+    x, y = torch.randn(60, 5), torch.randint(0, 3, (60,))
+
+    def model():
+        net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        if key == "personal":  # the proxy's layer is there: what is missing is the personal head
+            net.featurizer = ("0",)
+        return net
+
+    cfg = {
+        "rounds": 1,
+        "partition": {"name": "iid", "num_clients": 4},
+        "algorithm": {"neighbours": 2, **algo},
+        "output": {"progress": False, "plots": False},
+    }
+    with pytest.raises(ConfigError) as err:
+        fedweave.run(cfg, model=model, dataset=(x[:40], y[:40], x[40:], y[40:]), run_dir=tmp_path / "r")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"algorithm.{key}") and "Sequential" in msg and "registered model" in msg
+
+
 def test_afind_proxies_are_billed_in_the_runs_precision():
     # phi_j is a gradient of the model's layer, sent at the model's width (8 bytes a value in float64), as
     # the model itself and the selection plug-in's proxies are
@@ -442,6 +532,21 @@ def test_afind_all_own_model_uniform_reduces_to_dfedavg():
         a.run_round(r)
         b.run_round(r)
     assert torch.allclose(a.W, b.W, atol=1e-6)
+
+
+def test_smoothed_loss_keeps_the_precision_of_a_float64_run():
+    """Eq. (15)'s F~ = (1 - gamma) F(after) + gamma F(before) feeds the Boltzmann weights (Eq. 16): in a
+    float64 run it is the float64 value of the formula, not one rounded to float32 (an error of ~1e-8 in
+    every weight); in a float32 run it is the float32 value, as the committed records were computed."""
+    after, before = 1.2345678912345, 0.987654321987
+    for precision, dtype in (("float64", torch.float64), ("float32", torch.float32)):
+        cfg = config("afind_plus", neighbours=4)
+        cfg["precision"] = precision
+        algo = build_algorithm(RunContext(load(cfg)))
+        g = algo.hp.loss_gamma
+        expect = float((1 - g) * torch.tensor(after, dtype=dtype) + g * torch.tensor(before, dtype=dtype))
+        assert algo._smooth(0, 1, after, before) == expect
+    assert expect != (1 - g) * after + g * before  # the float32 rounding the float64 run must not have
 
 
 def test_boltzmann_weights_tend_to_uniform_as_the_temperature_grows():

@@ -44,11 +44,11 @@ from fedweave.algorithms.decentralized.selection import (
     Selection,
     boltzmann,
     cosine,
+    declared_layer,
     smoothed_loss,
 )
 from fedweave.config import ConfigError
 from fedweave.execution import LocalResult, LocalRule
-from fedweave.models import layer_parameter_names
 from fedweave.registry import ALGORITHMS
 
 HEAD_KEY = 1_000_081  # batch-stream key of the personal-head epochs (K_beta) of a local update
@@ -152,7 +152,7 @@ class AfindPlus(GraphAlgorithm):
         self.hold("selection_state", kept * self.prev_loss.element_size())
         self.head: torch.Tensor | None = None  # bool mask of the personal block beta over the flat parameters
         if hp.personal == "head":
-            names = set(layer_parameter_names(ctx.model, "classifier"))
+            names = set(declared_layer(ctx.model, "classifier", "personal 'head'"))
             self.head = torch.cat(
                 [
                     torch.full((k,), nm in names, device=ctx.device)
@@ -210,7 +210,13 @@ class AfindPlus(GraphAlgorithm):
         if self.hp.loss_smoothing == "eq15":  # Eq. (15): same-round before/after
             if before is None:  # gamma 0 (or unweighted): F~ is the after loss, (1 - 0) * after exactly
                 return after
-            return float(smoothed_loss(torch.tensor(after, device="cpu"), torch.tensor(before, device="cpu"), g))
+            # at the run's precision: a float64 run keeps F~ exact; float32 is what the committed records used
+            dt = self.ctx.dtype
+            return float(
+                smoothed_loss(
+                    torch.tensor(after, dtype=dt, device="cpu"), torch.tensor(before, dtype=dt, device="cpu"), g
+                )
+            )
         prev = float(self.prev_loss[i, j])  # A11 option: EMA over rounds
         val = after if np.isnan(prev) else (1 - g) * after + g * prev
         self.prev_loss[i, j] = val

@@ -322,6 +322,11 @@ class GraphAlgorithm(Algorithm):
         noise = torch.randn(x.shape, generator=g, dtype=x.dtype, device="cpu")  # the same draws on every device
         return x + std * noise.to(x.device)
 
+    def as_received(self, models: torch.Tensor, r: int, sender: int, receiver: int) -> torch.Tensor:
+        """Row ``sender`` of ``models`` as ``receiver`` holds it when the method sends it (``noisy``, what 0):
+        what a receiver that scores the models it mixes must score."""
+        return self.noisy(models[sender], r, sender, receiver)
+
     @property
     def label_overlap(self) -> torch.Tensor:
         """O_ij = sum_c min(q_ic, q_jc) of the clients' train label distributions q (1 = same labels).

@@ -103,6 +103,10 @@ class DisPFL(GraphAlgorithm):
         self.hold("mask", masks[0].numel() * masks.element_size())  # M_i, held at the state store's dtype
         self.selector = NeighbourSelector(self, hp)
 
+    def as_received(self, models: torch.Tensor, r: int, sender: int, receiver: int) -> torch.Tensor:
+        """The sparse model of ``sender`` as ``receiver`` holds it: the (noised) values on the sender's mask."""
+        return super().as_received(models, r, sender, receiver) * self.store["mask"][sender]
+
     def prune_rate(self, r: int) -> float:
         return self.hp.anneal / 2 * (1 + math.cos(math.pi * r / self.config.rounds))
 
@@ -136,7 +140,7 @@ class DisPFL(GraphAlgorithm):
             self.hold_received(len(chosen))
             self.hold("received_masks", len(chosen) * M0[0].numel() * M0.element_size())
             group = [i, *chosen.tolist()]
-            rows = torch.stack([W0[i], *(self.noisy(W0[j], r, int(j), i) * M0[j] for j in chosen)])
+            rows = torch.stack([W0[i], *(self.as_received(W0, r, int(j), i) for j in chosen)])
             a = self.on_device(wts, W0)[:, None] * M0[group]
             num, den = (a * rows).sum(0), a.sum(0)
             mixed[i] = torch.where(den > 0, num / den.clamp_min(1e-12), W0[i]) * M0[i]

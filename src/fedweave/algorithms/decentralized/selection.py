@@ -100,6 +100,19 @@ def pick(rule: Selection, p: torch.Tensor, theta: float, k: int, rng: np.random.
 
 
 # ----------------------------------------------------------------------------------------- the proxy
+def declared_layer(model: nn.Module, layer: Literal["featurizer", "classifier"], option: str) -> list[str]:
+    """The parameter names of the model's declared ``layer``; a model that declares none (one's own
+    ``nn.Module``) is refused in one line naming ``algorithm.<option>``, the option that needs the layer."""
+    try:
+        return layer_parameter_names(model, layer)
+    except ValueError:
+        raise ConfigError(
+            f"algorithm.{option}: the model ({type(model).__name__}) declares no {layer} layer; give it a "
+            f"'{layer}' attribute, the tuple of that layer's module names, as the registered models declare it "
+            f"(mlp: {layer} = ('{'hidden.0' if layer == 'featurizer' else 'out'}',)), or use a registered model"
+        ) from None
+
+
 class ProxyComputer:
     """phi = the gradient restricted to one layer, and the loss, of a model on several clients' data.
 
@@ -126,7 +139,7 @@ class ProxyComputer:
         self.loss = loss  # the task's loss (cross-entropy for the classification the papers use)
         self.index = torch.zeros(0, dtype=torch.long, device=pl.device)  # layer None: losses only (PENS, FedeRiCo)
         if layer is not None:
-            names = set(layer_parameter_names(model, layer))
+            names = set(declared_layer(model, layer, f"proxy_layer {layer!r}"))
             idx, off = [], 0
             for n, k in zip(layout.names, layout.numels, strict=True):
                 if n in names:
@@ -332,8 +345,14 @@ class NeighbourSelector:
         if hp.selection != "random":
             algo.ctx.placement.check_float64("neighbour selection by proxy similarity")
             ds = algo.ctx.dataset
-            self.proxy = ProxyComputer(
-                algo.layout, algo.ctx.model, ds.train_x, ds.train_y, algo.ctx.partition, hp.proxy_layer
+            self.proxy = ProxyComputer(  # with the run's loss, as afind_plus (cross-entropy by default)
+                algo.layout,
+                algo.ctx.model,
+                ds.train_x,
+                ds.train_y,
+                algo.ctx.partition,
+                hp.proxy_layer,
+                loss=algo.ctx.task.loss,
             )
             opts = AfindOptions(
                 selection="threshold" if hp.selection == "afind" else "topk",
@@ -384,7 +403,10 @@ class NeighbourSelector:
                 algo.hold("requested_model", algo.layout.numel * algo.ctx.float_bytes)
             scored = 2 * len(avail)  # float64 s_ij and Eq. (8)'s p_ij over B_i
             if hp.selection == "afind" and hp.boltzmann_weights:
-                losses = self.proxy.model_losses(sent[[i, *chosen.tolist()]], i)
+                # i holds only what crossed the link (under dp_mode exchange a noised draw): it scores the very
+                # models it then mixes
+                held = [sent[i], *(algo.as_received(sent, r, int(j), i) for j in chosen)]
+                losses = self.proxy.model_losses(torch.stack(held), i)
                 weights = boltzmann(losses, hp.boltzmann_T)  # Eq. (14), own-model reading
                 scored += len(losses)  # and F_i(w_j) of i and the selected
             else:
