@@ -464,11 +464,15 @@ def sensitivity(rows: list[dict]) -> str:
 def fig2(losses: dict[str, Any]) -> str:
     """Fig. 2's final global and test loss of one dataset per setting and tau (``fig2_means``)."""
     glob, test = losses["global_loss"], losses["test_loss"]
-    taus = " / ".join(next(iter(test.values())))
+    # every tau of any setting, each cell in that order: a setting whose run of a tau the time budget left unrun
+    # shows "–" there, not its other taus' values shifted under the wrong tau
+    order = sorted({t for per in test.values() for t in per}, key=float)
+    taus = " / ".join(order)
+    cells = lambda per, f: " / ".join(f"{per[t]:{f}}" if t in per else "–" for t in order)  # noqa: E731
     cols = [
         Col("setting", lambda s: s.replace("a=", "alpha=").replace("b=", "beta=")),
-        Col(f"global loss, tau = {taus}", lambda s: " / ".join(f"{v:.4f}" for v in glob[s].values())),
-        Col(f"test loss, tau = {taus}", lambda s: " / ".join(f"{v:.5f}" for v in test[s].values())),
+        Col(f"global loss, tau = {taus}", lambda s: cells(glob[s], ".4f")),
+        Col(f"test loss, tau = {taus}", lambda s: cells(test[s], ".5f")),
     ]
     return layout(cols, list(test))
 
