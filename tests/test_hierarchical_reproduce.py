@@ -156,3 +156,17 @@ def test_fig2_table_puts_each_loss_under_its_tau_when_a_tau_was_not_run():
     assert lines[3] == "| alpha=0.1, beta=10% | – / 2.6532 | – / 2.27404 |"
     first_missing = {k: dict(reversed(list(v.items()))) for k, v in losses.items()}  # header from any setting
     assert zo_hfl.fig2(first_missing).splitlines()[0] == lines[0]
+
+
+def test_a_budget_that_runs_out_counts_the_runs_that_finished_and_names_the_others(tmp_path):
+    """The cost line counts the runs whose CPU times it sums, not the preset's (before: "sum of the 16 runs'
+    own CPU times" after none had run), and table.md names the runs the budget left unrun."""
+    import json
+
+    assert zo_hfl.main(["--scale", "smoke", "--out", str(tmp_path), "--workers", "1", "--budget-minutes", "0"]) == 0
+    meta = json.loads((tmp_path / "claims.json").read_text())["meta"]
+    assert meta["runs"] == len(meta["run_cpu_seconds"]) == 0
+    md = (tmp_path / "table.md").read_text()
+    assert "sum of the 0 runs' own CPU times" in md
+    unrun = md.split("\nNot run (time budget reached): ")[1].strip().split(", ")
+    assert len(unrun) == 16 and "digits-a1000-b0.9-fedavg-tau1-R2-s0" in unrun  # every run, by its name
