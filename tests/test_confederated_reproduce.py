@@ -89,3 +89,19 @@ def test_c5_tests_rho_10_as_the_paper_fixes_it_not_the_faster_of_two_settings():
     aggs = [{"problem": "synthetic", "topology": "full", "method": m, cfl_saga.IT: it[1]} for m, it in iters.items()]
     c5 = next(c for c in cfl_saga.claim_list(aggs) if c.text.startswith("C5"))
     assert c5.verdict(aggs, raw).interval.startswith("-90.00 [")  # rho = 10 less GT-SAGA per seed: -100, -90, -80
+
+
+def test_report_only_without_earlier_records_is_one_line_naming_the_flag(tmp_path, capsys):
+    """``--report-only`` on a folder no earlier invocation wrote into is one line naming the flag and what it
+    needs (before: ``[Errno 2] No such file or directory: '.../meta.json'``), and nothing is made."""
+    from fedweave.cli import main
+
+    out = tmp_path / "none"
+    assert main(["reproduce", "cfl-saga", "--scale", "smoke", "--out", str(out), "--report-only"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--report-only: {out} holds no meta.json and no raw.json" in err
+    assert not out.exists()
+    out.mkdir()
+    (out / "meta.json").write_text('{"scale": "smoke", "seeds": [0], "runs": []}')
+    assert main(["reproduce", "cfl-saga", "--scale", "smoke", "--out", str(out), "--report-only"]) == 2
+    assert f"--report-only: {out} holds no raw.json of an earlier" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from fedweave.config import ConfigError
 from fedweave.experiments.aggregate import group, iqr_of, median_of, per_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Lines, plot_lines
@@ -760,6 +761,11 @@ def study_plan(opts) -> Plan:
     seeds = list(range(opts.seeds or {"smoke": 1, "small": 3, "paper": 5}[opts.scale]))
     out, kept = Path(opts.out), []
     if opts.report_only:
+        if missing := [f for f in ("meta.json", "raw.json") if not (out / f).is_file()]:
+            raise ConfigError(
+                f"--report-only: {out} holds no {' and no '.join(missing)} of an earlier cfl-saga invocation; give "
+                "that invocation's --out, or run without --report-only"
+            )
         return Plan([], ([], json.loads((out / "meta.json").read_text())))
     jobs = synthetic_jobs(opts.scale, seeds) if opts.part in ("all", "synthetic") else []
     if opts.scale != "smoke" and opts.part in ("all", "real"):
