@@ -105,3 +105,12 @@ def test_report_only_without_earlier_records_is_one_line_naming_the_flag(tmp_pat
     (out / "meta.json").write_text('{"scale": "smoke", "seeds": [0], "runs": []}')
     assert main(["reproduce", "cfl-saga", "--scale", "smoke", "--out", str(out), "--report-only"]) == 2
     assert f"--report-only: {out} holds no raw.json of an earlier" in capsys.readouterr().err
+
+
+def test_a_budget_that_runs_out_names_the_runs_it_left_unrun(tmp_path):
+    """summary.md of an invocation whose time budget ran out names the runs it did not start (before: its tables
+    and claims were silently those of the runs that finished, with no word of the others)."""
+    assert cfl_saga.main(["--scale", "smoke", "--out", str(tmp_path), "--workers", "1", "--budget-minutes", "0"]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    unrun = summary.split("\nNot run (time budget reached): ")[1]
+    assert all(f"-{dict(p.values)['method']}-" in unrun for p in cfl_saga.synthetic_jobs("smoke", [0]))

@@ -31,6 +31,7 @@ from fedweave.experiments.study import (
     Study,
     Verdict,
     load_records,
+    not_run,
     option,
     reading,
     save_records,
@@ -795,7 +796,7 @@ def report(rows: list[dict], plan: Plan, opts, wall: float) -> Report:
         files = {"meta.json": Json(meta, indent=None, end="\n")}
     aggs = aggregate(rows)
     files |= {"runs.csv": Rows(rows), "summary.csv": Rows(aggs), "claims.csv": Rows(claims(aggs, rows), CLAIM_COLUMNS)}
-    files["summary.md"] = summary_md(aggs, rows, meta)
+    files["summary.md"] = summary_md(aggs, rows, meta) + not_run(plan.skipped)  # what a time budget left unrun
     return Report(files, say=f"wrote {out / 'summary.md'}", figures=lambda o: plots(rows, o))
 
 
