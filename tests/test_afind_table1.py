@@ -222,3 +222,15 @@ def test_table_3_and_fedavg_below_local_are_judged_by_declared_rules():
     assert "FedeRiCo > PENS +3.67 [0.31, 7.03] held" in t3 and t3.endswith("n=3: inconclusive")
     local = next(v for c, v in rows.items() if c.startswith("FedAvg below Local on the pathological split"))
     assert local.endswith("95 % paired t, n=5: held")
+
+
+def test_a_budget_that_runs_out_counts_the_runs_that_finished_and_names_the_others(tmp_path):
+    """results.md's "N runs" counts the runs of its tables (before: the planned runs, "2 runs" after none had
+    run) and names the runs the time budget left unrun."""
+    from fedweave.reproduce.afind_plus import main
+
+    argv = ["--scale", "smoke", "--out", str(tmp_path), "--tables", "1", "--workers", "1", "--only", "FedAvg,Local"]
+    assert main([*argv, "--budget-minutes", "0"]) == 0
+    md = (tmp_path / "results.md").read_text()
+    assert md.splitlines()[2].startswith("0 runs, 1 seed(s), ")
+    assert md.endswith("\nNot run (time budget reached): synthetic-Local-0, synthetic-FedAvg-0\n")

@@ -89,3 +89,28 @@ def test_c5_tests_rho_10_as_the_paper_fixes_it_not_the_faster_of_two_settings():
     aggs = [{"problem": "synthetic", "topology": "full", "method": m, cfl_saga.IT: it[1]} for m, it in iters.items()]
     c5 = next(c for c in cfl_saga.claim_list(aggs) if c.text.startswith("C5"))
     assert c5.verdict(aggs, raw).interval.startswith("-90.00 [")  # rho = 10 less GT-SAGA per seed: -100, -90, -80
+
+
+def test_report_only_without_earlier_records_is_one_line_naming_the_flag(tmp_path, capsys):
+    """``--report-only`` on a folder no earlier invocation wrote into is one line naming the flag and what it
+    needs (before: ``[Errno 2] No such file or directory: '.../meta.json'``), and nothing is made."""
+    from fedweave.cli import main
+
+    out = tmp_path / "none"
+    assert main(["reproduce", "cfl-saga", "--scale", "smoke", "--out", str(out), "--report-only"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--report-only: {out} holds no meta.json and no raw.json" in err
+    assert not out.exists()
+    out.mkdir()
+    (out / "meta.json").write_text('{"scale": "smoke", "seeds": [0], "runs": []}')
+    assert main(["reproduce", "cfl-saga", "--scale", "smoke", "--out", str(out), "--report-only"]) == 2
+    assert f"--report-only: {out} holds no raw.json of an earlier" in capsys.readouterr().err
+
+
+def test_a_budget_that_runs_out_names_the_runs_it_left_unrun(tmp_path):
+    """summary.md of an invocation whose time budget ran out names the runs it did not start (before: its tables
+    and claims were silently those of the runs that finished, with no word of the others)."""
+    assert cfl_saga.main(["--scale", "smoke", "--out", str(tmp_path), "--workers", "1", "--budget-minutes", "0"]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    unrun = summary.split("\nNot run (time budget reached): ")[1]
+    assert all(f"-{dict(p.values)['method']}-" in unrun for p in cfl_saga.synthetic_jobs("smoke", [0]))

@@ -141,3 +141,32 @@ def test_seed_rows_leave_out_the_runs_a_time_budget_did_not_start(tmp_path):
     KeyError traceback ended the report)."""
     p = zo_hfl.PRESETS["smoke"]
     assert zo_hfl.seed_rows(p, {}, [0, 1], tmp_path) == []
+
+
+def test_fig2_table_puts_each_loss_under_its_tau_when_a_tau_was_not_run():
+    """A time budget that leaves one setting's tau-1 run unrun gives that row "–" under tau 1 and its tau-2 loss
+    under tau 2 (before: the tau-2 loss alone, read as tau 1's); the header names every tau of any setting."""
+    losses = {
+        "global_loss": {"a=1000, b=90%": {"1": 2.4286, "2": 2.5336}, "a=0.1, b=10%": {"2": 2.6532}},
+        "test_loss": {"a=1000, b=90%": {"1": 2.26728, "2": 2.26583}, "a=0.1, b=10%": {"2": 2.27404}},
+    }
+    lines = zo_hfl.fig2(losses).splitlines()
+    assert lines[0] == "| setting | global loss, tau = 1 / 2 | test loss, tau = 1 / 2 |"
+    assert lines[2] == "| alpha=1000, beta=90% | 2.4286 / 2.5336 | 2.26728 / 2.26583 |"
+    assert lines[3] == "| alpha=0.1, beta=10% | – / 2.6532 | – / 2.27404 |"
+    first_missing = {k: dict(reversed(list(v.items()))) for k, v in losses.items()}  # header from any setting
+    assert zo_hfl.fig2(first_missing).splitlines()[0] == lines[0]
+
+
+def test_a_budget_that_runs_out_counts_the_runs_that_finished_and_names_the_others(tmp_path):
+    """The cost line counts the runs whose CPU times it sums, not the preset's (before: "sum of the 16 runs'
+    own CPU times" after none had run), and table.md names the runs the budget left unrun."""
+    import json
+
+    assert zo_hfl.main(["--scale", "smoke", "--out", str(tmp_path), "--workers", "1", "--budget-minutes", "0"]) == 0
+    meta = json.loads((tmp_path / "claims.json").read_text())["meta"]
+    assert meta["runs"] == len(meta["run_cpu_seconds"]) == 0
+    md = (tmp_path / "table.md").read_text()
+    assert "sum of the 0 runs' own CPU times" in md
+    unrun = md.split("\nNot run (time budget reached): ")[1].strip().split(", ")
+    assert len(unrun) == 16 and "digits-a1000-b0.9-fedavg-tau1-R2-s0" in unrun  # every run, by its name

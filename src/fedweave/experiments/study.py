@@ -321,10 +321,12 @@ def choices(value: str | None, allowed: Sequence[str], flag: str) -> list[str] |
 
 
 def not_run(skipped: Sequence[Point]) -> str:
-    """A report's line naming the points the time budget left unrun (each by its values and seed), or ""."""
+    """A report's line naming the points the time budget left unrun (each by its values and seed, or by its run's
+    name when it has no values), or ""."""
     if not skipped:
         return ""
-    names = ("-".join(map(str, [*dict(pt.values).values(), pt.seed])) for pt in skipped)
+    # a point labelled by no values (a run config written out in full, named by its run) is named by its run
+    names = ("-".join(map(str, [*dict(pt.values).values(), pt.seed])) if pt.values else pt.slug for pt in skipped)
     return "\nNot run (time budget reached): " + ", ".join(names) + "\n"
 
 

@@ -23,7 +23,7 @@ from fedweave.experiments.aggregate import group, seed_gaps
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished
 from fedweave.experiments.plots import plot_curves
-from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, judge, option
+from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, judge, not_run, option
 from fedweave.experiments.tables import markdown_table, mean_std_cell
 from fedweave.experiments.verdicts import All, Paired, Select, cell, mean
 from fedweave.runner import Result
@@ -606,7 +606,10 @@ def study_plan(opts) -> Plan:
 
 def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Report:
     p, rows, seeds = plan.context
-    return results_report(Path(opts.out), results, rows, p, opts.scale, len(plan.points), seeds, wall)
+    # the runs of the tables: a time budget may leave some of the plan's points unrun, named after the tables
+    got = results_report(Path(opts.out), results, rows, p, opts.scale, len(results), seeds, wall)
+    got.files["results.md"] += not_run(plan.skipped)
+    return got
 
 
 # ------------------------------------------------------------------------------------------- the page

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from fedweave.config import ConfigError
 from fedweave.experiments.aggregate import group, iqr_of, median_of, per_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Lines, plot_lines
@@ -30,6 +31,7 @@ from fedweave.experiments.study import (
     Study,
     Verdict,
     load_records,
+    not_run,
     option,
     reading,
     save_records,
@@ -760,6 +762,11 @@ def study_plan(opts) -> Plan:
     seeds = list(range(opts.seeds or {"smoke": 1, "small": 3, "paper": 5}[opts.scale]))
     out, kept = Path(opts.out), []
     if opts.report_only:
+        if missing := [f for f in ("meta.json", "raw.json") if not (out / f).is_file()]:
+            raise ConfigError(
+                f"--report-only: {out} holds no {' and no '.join(missing)} of an earlier cfl-saga invocation; give "
+                "that invocation's --out, or run without --report-only"
+            )
         return Plan([], ([], json.loads((out / "meta.json").read_text())))
     jobs = synthetic_jobs(opts.scale, seeds) if opts.part in ("all", "synthetic") else []
     if opts.scale != "smoke" and opts.part in ("all", "real"):
@@ -789,7 +796,7 @@ def report(rows: list[dict], plan: Plan, opts, wall: float) -> Report:
         files = {"meta.json": Json(meta, indent=None, end="\n")}
     aggs = aggregate(rows)
     files |= {"runs.csv": Rows(rows), "summary.csv": Rows(aggs), "claims.csv": Rows(claims(aggs, rows), CLAIM_COLUMNS)}
-    files["summary.md"] = summary_md(aggs, rows, meta)
+    files["summary.md"] = summary_md(aggs, rows, meta) + not_run(plan.skipped)  # what a time budget left unrun
     return Report(files, say=f"wrote {out / 'summary.md'}", figures=lambda o: plots(rows, o))
 
 

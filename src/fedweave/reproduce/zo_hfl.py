@@ -27,7 +27,7 @@ from fedweave.experiments.jobs import cache_datasets as _cache_datasets
 from fedweave.experiments.jobs import load_average
 from fedweave.experiments.pages import paragraph, stated
 from fedweave.experiments.plots import Panel, plot_panels, seed_lines
-from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, Verdict, judge, option
+from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, Verdict, judge, not_run, option
 from fedweave.experiments.tables import Col, Grid, csv_text, layout, markdown_table, parse_csv, pm, read_csv
 from fedweave.experiments.verdicts import All, Paired, Rule, Select, Untestable, cell, detectable, paired_power
 from fedweave.memory import cpu_seconds
@@ -464,11 +464,15 @@ def sensitivity(rows: list[dict]) -> str:
 def fig2(losses: dict[str, Any]) -> str:
     """Fig. 2's final global and test loss of one dataset per setting and tau (``fig2_means``)."""
     glob, test = losses["global_loss"], losses["test_loss"]
-    taus = " / ".join(next(iter(test.values())))
+    # every tau of any setting, each cell in that order: a setting whose run of a tau the time budget left unrun
+    # shows "–" there, not its other taus' values shifted under the wrong tau
+    order = sorted({t for per in test.values() for t in per}, key=float)
+    taus = " / ".join(order)
+    cells = lambda per, f: " / ".join(f"{per[t]:{f}}" if t in per else "–" for t in order)  # noqa: E731
     cols = [
         Col("setting", lambda s: s.replace("a=", "alpha=").replace("b=", "beta=")),
-        Col(f"global loss, tau = {taus}", lambda s: " / ".join(f"{v:.4f}" for v in glob[s].values())),
-        Col(f"test loss, tau = {taus}", lambda s: " / ".join(f"{v:.5f}" for v in test[s].values())),
+        Col(f"global loss, tau = {taus}", lambda s: cells(glob[s], ".4f")),
+        Col(f"test loss, tau = {taus}", lambda s: cells(test[s], ".5f")),
     ]
     return layout(cols, list(test))
 
@@ -677,7 +681,7 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> Rep
         "seeds": len(seeds),
         "workers": opts.workers,
         "wall_seconds": round(wall, 1),
-        "runs": len(configs),
+        "runs": len(results),  # the runs finished (a time budget may leave some of ``configs`` unrun)
         "run_seconds": {k: round(v["seconds"], 1) for k, v in results.items()},
         "run_cpu_seconds": {k: round(v.get("cpu", 0.0), 2) for k, v in results.items()},
         "cpu_seconds": round(cpu_seconds(), 1),  # this invocation, workers included
@@ -688,6 +692,7 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> Rep
     saved = csv_text(records, SEED_COLUMNS, ".6g")  # the rules read the records as results.csv holds them
     table = per_cell([r for r in records if r["part"] == "table"], CELL, TABLE_STATS)
     report = preset_report(p, parse_csv(saved), table, fig2_means(records), meta)
+    report.files["table.md"] += not_run(plan_.skipped)  # the runs a time budget left unrun, named
     report.files["results.csv"] = saved
     report.figures = lambda out: write_plots(p, records, out)
     return report
