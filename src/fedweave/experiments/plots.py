@@ -123,7 +123,7 @@ def plot_panels(
                 ax.set_ylabel(panel.ylabel)
             if panel.logy:
                 ax.set_yscale("log")
-            if panel.legend is not None:
+            if panel.legend is not None and ax.get_legend_handles_labels()[0]:  # a panel whose runs have no rows
                 ax.legend(**panel.legend)
     fig.tight_layout()
     return save_png(fig, path, dpi=dpi)
