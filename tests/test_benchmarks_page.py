@@ -126,3 +126,9 @@ def test_a_scale_without_a_target_says_so_rather_than_not_reached():
     context = {"preset": PRESETS["smoke"], "datasets": ["_toy_bench"], "methods": [BY_KEY["fedavg"]], "seeds": [0]}
     row = next(line for line in section([rec], context).splitlines() if line.startswith("| fedavg"))
     assert "no target at this scale" in row and "not reached" not in row
+
+
+def test_an_unknown_smoke_dataset_is_one_line_before_anything_runs(tmp_path):
+    with pytest.raises(ConfigError, match=r"--datasets: unknown \['cifar11'\]; allowed .*_toy_bench"):
+        main(["--scale", "smoke", "--datasets", "_toy_bench,cifar11", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

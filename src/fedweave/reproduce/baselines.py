@@ -30,7 +30,7 @@ from fedweave.experiments.aggregate import group, per_cell, to_target
 from fedweave.experiments.grid import Point
 from fedweave.experiments.study import Plan, Report, Rows, Study, choices, option
 from fedweave.experiments.tables import Col, layout, mean_std_cell, pm_of, read_csv
-from fedweave.registry import ALGORITHMS
+from fedweave.registry import ALGORITHMS, DATASETS
 from fedweave.runner import Result
 
 MIB = 2**20
@@ -215,8 +215,8 @@ def plan(opts) -> Plan:
     ``--from-records``. The files named are checked before anything runs (``--page``'s existence by the pipeline,
     its block here)."""
     p = PRESETS[opts.scale]
-    if opts.scale == "smoke":  # any registered dataset (the tests use a synthetic one)
-        datasets = [s.strip() for s in (opts.datasets or "mnist").split(",")]
+    if opts.scale == "smoke":  # any registered dataset (the tests use a synthetic one), checked before anything runs
+        datasets = choices(opts.datasets, DATASETS.names(), "--datasets") or ["mnist"]
     else:
         datasets = choices(opts.datasets, list(p.models), "--datasets") or list(p.models)
     methods = [BY_KEY[k] for k in choices(opts.methods, list(BY_KEY), "--methods") or BY_KEY]
