@@ -115,3 +115,20 @@ def test_bad_options_are_one_line(tmp_path):
         main(["--page", str(page), "--out", str(tmp_path / "out")])
     with pytest.raises(ConfigError, match="--from-records: .*nothing.csv is not a file"):
         main(["--from-records", str(tmp_path / "nothing.csv"), "--out", str(tmp_path / "out")])
+
+
+def test_a_scale_without_a_target_says_so_rather_than_not_reached():
+    from fedweave.reproduce.baselines import BY_KEY, PRESETS, section
+
+    rec = {"dataset": "_toy_bench", "split": "dir0.1", "method": "fedavg", "seed": 0, "status": "completed"}
+    rec |= {"rounds": 2, "global_acc": 50.0, "client_acc": 50.0, "worst_client_acc": 40.0, "spread": 10.0}
+    rec |= {"mib_to_target": None, "mib_total": 1.0}
+    context = {"preset": PRESETS["smoke"], "datasets": ["_toy_bench"], "methods": [BY_KEY["fedavg"]], "seeds": [0]}
+    row = next(line for line in section([rec], context).splitlines() if line.startswith("| fedavg"))
+    assert "no target at this scale" in row and "not reached" not in row
+
+
+def test_an_unknown_smoke_dataset_is_one_line_before_anything_runs(tmp_path):
+    with pytest.raises(ConfigError, match=r"--datasets: unknown \['cifar11'\]; allowed .*_toy_bench"):
+        main(["--scale", "smoke", "--datasets", "_toy_bench,cifar11", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

@@ -488,7 +488,7 @@ class MemoryConfig:
     # its free memory; otherwise in pinned host memory, and only the sampled clients' rows are moved
     state_fraction: float = 0.25
     # jobs per batched (vmap) computation; null: 64 on a CPU, on an accelerator as many as fit in half its
-    # free memory (measured on the first chunk)
+    # free memory (measured on the first chunk), at most 4096
     vmap_chunk: int | None = None
 
     def validate(self) -> None:

@@ -27,7 +27,7 @@ import torch
 from fedweave.config import ConfigError, MemoryConfig
 
 AUTOCAST = {"bf16-mixed": torch.bfloat16}
-VMAP_CHUNK_CPU = 64  # jobs per batched computation on a CPU (the measured default, docs/performance.md)
+VMAP_CHUNK_CPU = 64  # jobs per batched computation on a CPU: the local trainer's default before placements existed
 VMAP_CHUNK_MAX = 4096
 _NULL = contextlib.nullcontext()
 
@@ -197,7 +197,8 @@ class Placement:
 
     def vmap_chunk(self, per_job_bytes: int | None = None) -> int:
         """Jobs per batched computation: ``memory.vmap_chunk`` if set; 64 on a CPU; on an accelerator as
-        many jobs of ``per_job_bytes`` as fit in half the free memory (8 until that is measured)."""
+        many jobs of ``per_job_bytes`` as fit in half the free memory, at most ``VMAP_CHUNK_MAX`` (8 until that
+        is measured)."""
         if self.memory.vmap_chunk is not None:
             return self.memory.vmap_chunk
         free = self.free_bytes()

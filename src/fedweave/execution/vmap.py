@@ -5,7 +5,7 @@ finished jobs. A partial last batch is padded and its padding masked out of the 
 exactly what the loop backend computes.
 
 On an accelerator the jobs of a call run in chunks that fit its memory: ``memory.vmap_chunk`` jobs, or
-as many as fit in half the free memory, measured on the first chunk (8 jobs). The batch plan is drawn on
+as many as fit in half the free memory (at most 4096), measured on the first chunk (8 jobs). The batch plan is drawn on
 the CPU and moved to the device once per chunk; a step makes no round trip to the host. Under
 ``precision: bf16-mixed`` the forward pass autocasts and the closed-form MLP gradients of
 ``execution.batched`` (written for float32) step aside.
