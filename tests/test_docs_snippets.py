@@ -188,3 +188,22 @@ def test_the_tasks_md_plugin_registers_its_loss_for_a_config(tmp_path, monkeypat
     cfg = {**BASE, "dataset": {"name": "diabetes"}, "plugins": ["myplugin.py"], "task": {"loss": "l1"}}
     res = fedweave.run(cfg, run_dir=tmp_path / "run")
     assert res.summary["main_metric"] == "test_mse" and "l1" in LOSSES.names()
+
+
+def test_architecture_md_layer_table_is_the_layers_contract():
+    """The table of layers, top-down, names every module of each layer of pyproject.toml's layers contract
+    (which is exhaustive), with ``|`` where that contract makes the modules independent siblings."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["importlinter"]
+    [layers] = [c["layers"] for c in contracts["contracts"] if c["id"] == "layers"]
+    expected = [(set(re.split(r"\s*[|:]\s*", layer)), "|" in layer) for layer in layers]
+    modules = {p.stem for p in (ROOT / "src/fedweave").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    text = (ROOT / "docs/architecture.md").read_text(encoding="utf-8")
+    table = text.split("| layer | modules |\n|---|---|\n", 1)[1].split("\n\n", 1)[0]
+    rows = []
+    for line in table.splitlines():
+        cell = line.split("|", 2)[2]  # the modules column (an escaped \| separates independent siblings)
+        rows.append(({m for m in re.findall(r"`([\w.]+)`", cell) if m in modules}, "\\|" in cell))
+    assert rows == expected
+
