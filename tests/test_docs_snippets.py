@@ -207,3 +207,13 @@ def test_architecture_md_layer_table_is_the_layers_contract():
         rows.append(({m for m in re.findall(r"`([\w.]+)`", cell) if m in modules}, "\\|" in cell))
     assert rows == expected
 
+
+def test_architecture_md_states_the_faults_the_star_template_declares():
+    """'The star template ... declares `(...)`' is ``StarAlgorithm.handles_faults``."""
+    import ast
+
+    from fedweave.algorithms.centralized.base import StarAlgorithm
+
+    text = re.sub(r"\s+", " ", (ROOT / "docs/architecture.md").read_text(encoding="utf-8"))
+    [stated] = re.findall(r"The star template does this for every centralized method \(it declares `([^`]+)`[:)]", text)
+    assert ast.literal_eval(stated) == StarAlgorithm.handles_faults
