@@ -217,3 +217,19 @@ def test_architecture_md_states_the_faults_the_star_template_declares():
     text = re.sub(r"\s+", " ", (ROOT / "docs/architecture.md").read_text(encoding="utf-8"))
     [stated] = re.findall(r"The star template does this for every centralized method \(it declares `([^`]+)`[:)]", text)
     assert ast.literal_eval(stated) == StarAlgorithm.handles_faults
+
+
+def test_the_readme_states_when_auto_on_a_gpu_picks_loop():
+    """``backend: auto`` on a GPU picks ``vmap`` only for a model it can batch: the README says which it
+    does not (torch's recurrent modules, batch norm), and those get ``loop``."""
+    import torch
+
+    from fedweave.execution import choose_backend
+    from fedweave.models import build_model
+
+    for model in (torch.nn.LSTM(4, 8), build_model("cnn_small", (1, 28, 28), 10, norm="batch")):
+        assert choose_backend("auto", model, jobs_per_call=10, device="cuda") == "loop"
+    assert choose_backend("auto", build_model("cnn_small", (1, 28, 28), 10), jobs_per_call=10, device="cuda") == "vmap"
+    text = re.sub(r"\s+", " ", (ROOT / "README.md").read_text(encoding="utf-8"))
+    [bullet] = re.findall(r"`backend: auto` on a GPU picks `vmap` from 2 clients per call (.*?); `pool`", text)
+    assert "`nn.LSTM`" in bullet and "batch norm" in bullet
