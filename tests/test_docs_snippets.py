@@ -233,3 +233,17 @@ def test_the_readme_states_when_auto_on_a_gpu_picks_loop():
     text = re.sub(r"\s+", " ", (ROOT / "README.md").read_text(encoding="utf-8"))
     [bullet] = re.findall(r"`backend: auto` on a GPU picks `vmap` from 2 clients per call (.*?); `pool`", text)
     assert "`nn.LSTM`" in bullet and "batch norm" in bullet
+
+
+def test_development_md_names_every_upper_bound_of_pyproject():
+    """docs/development.md says where pyproject.toml bounds a dependency from above: every requirement with an
+    upper bound (the dependencies' and the extras') is named there with its bound."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    requirements = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    bounded = {re.sub(r"\[.*\]", "", r) for r in requirements if "<" in r}
+    assert bounded, "pyproject.toml has no upper bound: the test would check nothing"
+    text = re.sub(r"\s+", " ", (ROOT / "docs/development.md").read_text(encoding="utf-8"))
+    stated = set(re.findall(r"`([\w-]+[><=][^`]*<[^`]+)`", text))
+    assert bounded <= stated, f"not stated: {sorted(bounded - stated)}"
