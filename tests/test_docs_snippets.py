@@ -271,3 +271,14 @@ def test_development_md_lists_every_page_of_the_api_reference():
     [listed] = re.findall(r"one page per public module \((.*?)\);", text)
     pages = sorted(p.stem for p in (ROOT / "docs/api").glob("*.rst") if p.stem != "index")
     assert [p for p in pages if words.get(p, p) not in listed] == []
+
+
+@pytest.mark.parametrize("task", [{}, {"metrics": ["accuracy", "top3"]}], ids=["default", "top3"])
+def test_tasks_md_names_the_worst_client_column_personal_evaluation_writes(task, tmp_path):
+    """docs/tasks.md's column of the worst client under eval.personal_test is the one a run writes: under the
+    default task ``test_accuracy_min``, under another ``test_<main>_worst``."""
+    cfg = {**BASE, "algorithm": {"name": "dfedavg"}, "eval": {"personal_test": True}, "task": task}
+    columns = set(fedweave.run(cfg, run_dir=tmp_path / "run").metrics[-1])
+    [worst] = [c for c in columns if c.endswith(("_min", "_worst")) and c.startswith("test_")]
+    text = re.sub(r"\s+", " ", (ROOT / "docs/tasks.md").read_text(encoding="utf-8"))
+    assert f"`{worst.replace('test_accuracy_worst', 'test_<main>_worst')}`" in text
