@@ -241,7 +241,8 @@ def test_development_md_names_every_upper_bound_of_pyproject():
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    requirements = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    extras = project["optional-dependencies"].values()
+    requirements = [*project["dependencies"], *(r for extra in extras for r in extra)]
     bounded = {re.sub(r"\[.*\]", "", r) for r in requirements if "<" in r}
     assert bounded, "pyproject.toml has no upper bound: the test would check nothing"
     text = re.sub(r"\s+", " ", (ROOT / "docs/development.md").read_text(encoding="utf-8"))
