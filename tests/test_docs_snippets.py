@@ -188,3 +188,98 @@ def test_the_tasks_md_plugin_registers_its_loss_for_a_config(tmp_path, monkeypat
     cfg = {**BASE, "dataset": {"name": "diabetes"}, "plugins": ["myplugin.py"], "task": {"loss": "l1"}}
     res = fedweave.run(cfg, run_dir=tmp_path / "run")
     assert res.summary["main_metric"] == "test_mse" and "l1" in LOSSES.names()
+
+
+def test_architecture_md_layer_table_is_the_layers_contract():
+    """The table of layers, top-down, names every module of each layer of pyproject.toml's layers contract
+    (which is exhaustive), with ``|`` where that contract makes the modules independent siblings."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["importlinter"]
+    [layers] = [c["layers"] for c in contracts["contracts"] if c["id"] == "layers"]
+    expected = [(set(re.split(r"\s*[|:]\s*", layer)), "|" in layer) for layer in layers]
+    modules = {p.stem for p in (ROOT / "src/fedweave").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    text = (ROOT / "docs/architecture.md").read_text(encoding="utf-8")
+    table = text.split("| layer | modules |\n|---|---|\n", 1)[1].split("\n\n", 1)[0]
+    rows = []
+    for line in table.splitlines():
+        cell = line.split("|", 2)[2]  # the modules column (an escaped \| separates independent siblings)
+        rows.append(({m for m in re.findall(r"`([\w.]+)`", cell) if m in modules}, "\\|" in cell))
+    assert rows == expected
+
+
+def test_architecture_md_states_the_faults_the_star_template_declares():
+    """'The star template ... declares `(...)`' is ``StarAlgorithm.handles_faults``."""
+    import ast
+
+    from fedweave.algorithms.centralized.base import StarAlgorithm
+
+    text = re.sub(r"\s+", " ", (ROOT / "docs/architecture.md").read_text(encoding="utf-8"))
+    [stated] = re.findall(r"The star template does this for every centralized method \(it declares `([^`]+)`[:)]", text)
+    assert ast.literal_eval(stated) == StarAlgorithm.handles_faults
+
+
+def test_the_readme_states_when_auto_on_a_gpu_picks_loop():
+    """``backend: auto`` on a GPU picks ``vmap`` only for a model it can batch: the README says which it
+    does not (torch's recurrent modules, batch norm), and those get ``loop``."""
+    import torch
+
+    from fedweave.execution import choose_backend
+    from fedweave.models import build_model
+
+    for model in (torch.nn.LSTM(4, 8), build_model("cnn_small", (1, 28, 28), 10, norm="batch")):
+        assert choose_backend("auto", model, jobs_per_call=10, device="cuda") == "loop"
+    assert choose_backend("auto", build_model("cnn_small", (1, 28, 28), 10), jobs_per_call=10, device="cuda") == "vmap"
+    text = re.sub(r"\s+", " ", (ROOT / "README.md").read_text(encoding="utf-8"))
+    [bullet] = re.findall(r"`backend: auto` on a GPU picks `vmap` from 2 clients per call (.*?); `pool`", text)
+    assert "`nn.LSTM`" in bullet and "batch norm" in bullet
+
+
+def test_development_md_names_every_upper_bound_of_pyproject():
+    """docs/development.md says where pyproject.toml bounds a dependency from above: every requirement with an
+    upper bound (the dependencies' and the extras') is named there with its bound."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    extras = project["optional-dependencies"].values()
+    requirements = [*project["dependencies"], *(r for extra in extras for r in extra)]
+    bounded = {re.sub(r"\[.*\]", "", r) for r in requirements if "<" in r}
+    assert bounded, "pyproject.toml has no upper bound: the test would check nothing"
+    text = re.sub(r"\s+", " ", (ROOT / "docs/development.md").read_text(encoding="utf-8"))
+    stated = set(re.findall(r"`([\w-]+[><=][^`]*<[^`]+)`", text))
+    assert bounded <= stated, f"not stated: {sorted(bounded - stated)}"
+
+
+def test_the_readme_says_the_backends_agree_to_float_rounding(tmp_path):
+    """The same seed on loop and vmap gives the same numbers to float rounding, not always bit for bit (as
+    docs/architecture.md says: vmap batches the clients' arithmetic); the README's 'Reproducible' claim says so
+    too."""
+    cfg = {**BASE, "local": {"steps": 3, "batch_size": 16, "lr": 0.1}}
+    loop, vmap = (
+        [r["test_loss"] for r in fedweave.run({**cfg, "backend": b}, run_dir=tmp_path / b).metrics]
+        for b in ("loop", "vmap")
+    )
+    assert loop == pytest.approx(vmap, rel=1e-6)
+    text = re.sub(r"\s+", " ", (ROOT / "README.md").read_text(encoding="utf-8"))
+    [claim] = re.findall(r"\*\*Reproducible\*\*: (.*?)\.", text)
+    assert "float rounding" in claim
+
+
+def test_development_md_lists_every_page_of_the_api_reference():
+    """'one page per public module (...)': each page of docs/api/ is in the list (by its module's word)."""
+    words = {"fedweave": "top level", "registry": "registries", "algorithms": "algorithm bases", "robust": "robust"}
+    text = re.sub(r"\s+", " ", (ROOT / "docs/development.md").read_text(encoding="utf-8"))
+    [listed] = re.findall(r"one page per public module \((.*?)\);", text)
+    pages = sorted(p.stem for p in (ROOT / "docs/api").glob("*.rst") if p.stem != "index")
+    assert [p for p in pages if words.get(p, p) not in listed] == []
+
+
+@pytest.mark.parametrize("task", [{}, {"metrics": ["accuracy", "top3"]}], ids=["default", "top3"])
+def test_tasks_md_names_the_worst_client_column_personal_evaluation_writes(task, tmp_path):
+    """docs/tasks.md's column of the worst client under eval.personal_test is the one a run writes: under the
+    default task ``test_accuracy_min``, under another ``test_<main>_worst``."""
+    cfg = {**BASE, "algorithm": {"name": "dfedavg"}, "eval": {"personal_test": True}, "task": task}
+    columns = set(fedweave.run(cfg, run_dir=tmp_path / "run").metrics[-1])
+    [worst] = [c for c in columns if c.endswith(("_min", "_worst")) and c.startswith("test_")]
+    text = re.sub(r"\s+", " ", (ROOT / "docs/tasks.md").read_text(encoding="utf-8"))
+    assert f"`{worst.replace('test_accuracy_worst', 'test_<main>_worst')}`" in text
