@@ -581,6 +581,27 @@ def test_the_executor_refuses_a_flower_whose_runtime_api_it_does_not_speak(monke
     assert "this is Flower 1.4.2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("module", ["flwr", "tomli_w"])
+def test_the_flower_commands_without_the_flower_extra_say_so_in_one_line(
+    tmp_path, toy_config, monkeypatch, capsys, module
+):
+    """Without the ``flower`` extra, ``fedweave flower-app`` (tomli_w) and ``fedweave flower-executor`` (flwr)
+    end in one line naming the extra, not in a traceback of the missing import."""
+    from fedweave.cli import main
+
+    monkeypatch.setitem(sys.modules, module, None)  # an import of it fails as if it were not installed
+    monkeypatch.delitem(sys.modules, "fedweave.deploy.project", raising=False)
+    if module == "tomli_w":
+        argv = ["flower-app", _write(tmp_path, toy_config), str(tmp_path / "app")]
+    else:
+        argv = ["flower-executor", "--runtime-api-address", "127.0.0.1:1", "--insecure"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"module {module!r} is missing" in err
+    assert "pip install 'fedweave[flower]'" in err
+    assert not (tmp_path / "app").exists()
+
+
 def test_the_flower_extra_pins_the_release_the_executor_speaks():
     """One truth for the Flower release: pyproject's ``flower`` extra, the executor's check and the
     constraints' pin name the same one."""
