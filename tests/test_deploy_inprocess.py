@@ -574,11 +574,26 @@ def test_the_servers_progress_and_completion_lines_go_through_flowers_logger(tmp
 def test_a_client_whose_node_is_offline_is_a_dropout_that_received_nothing(tmp_path):
     """``on-error: drop``: client 3's node leaves after round 1, so its jobs of rounds 2 and 3 are never sent.
     It is a dropout of those rounds (every metric but the downloads equals the simulation in which it drops
-    out), and the ledger counts only the downloads that left: equal to Flower's payload."""
+    out), and the ledger counts only the downloads that left: equal to Flower's payload. Gone at the run's end,
+    it keeps its files, which the ServerApp says in a warning."""
     cfg = small("scaffold", rounds=3)
     grid = InProcessGrid(json.dumps(load(cfg).to_dict()), tmp_path)
     grid.offline, grid.offline_after = {CLIENTS}, CLIENTS  # client 3's node, once round 1's jobs went out
-    summary, rows = deployed(cfg, tmp_path, grid, **{"on-error": "drop"})
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logging.getLogger("flwr").addHandler(handler)
+    try:
+        summary, rows = deployed(cfg, tmp_path, grid, **{"on-error": "drop"})
+    finally:
+        logging.getLogger("flwr").removeHandler(handler)
+    # it is gone at the run's end, so it keeps its files: said in a warning (docs/deployment.md), not in silence
+    gone = [r.getMessage() for r in seen if r.levelno == logging.WARNING and "not connected at the run's end" in
+            r.getMessage()]  # fmt: skip
+    assert gone == [
+        "the SuperNodes of clients [3] are not connected at the run's end; they keep the files of this run in "
+        "their state directories"
+    ]
     fl, ledger = summary["flower"], summary["communication"]
     assert fl["dropped"] == fl["unsent"] == {"2": [3], "3": [3]} and fl["jobs"] == CLIENTS + 2 * (CLIENTS - 1)
     assert fl["payload_sent"] == ledger["bytes_down"] and fl["payload_received"] == ledger["bytes_up"]

@@ -169,10 +169,10 @@ def test_flower_app_project_is_valid_and_carries_the_config(tmp_path, toy_config
 
 
 def test_flower_app_with_node_data_it_cannot_write_writes_nothing(tmp_path, toy_config, capsys):
-    """``--node-data`` into a directory that already holds a client's file, or for a partition the run cannot
-    build, is refused in one line before the app or any node data file is written: the same command can be
-    run again once the cause is gone (before, the app and the files of the clients before it were left
-    behind, so that the app directory was no longer empty)."""
+    """``--node-data`` into a directory that already holds a client's file, or that cannot be created (a path
+    below a file), or for a partition the run cannot build, is refused in one line before the app or any node
+    data file is written: the same command can be run again once the cause is gone (before, the app and the
+    files of the clients before it were left behind, so that the app directory was no longer empty)."""
     from fedweave.cli import main
 
     config = _write(tmp_path, toy_config)
@@ -188,6 +188,11 @@ def test_flower_app_with_node_data_it_cannot_write_writes_nothing(tmp_path, toy_
     assert main(["flower-app", config, str(tmp_path / "app"), *bad, "--node-data", str(tmp_path / "e")]) == 2
     assert "partition.alpha must be > 0" in capsys.readouterr().err
     assert not (tmp_path / "app").exists() and not (tmp_path / "e").exists()
+    (tmp_path / "f").write_bytes(b"a file")  # a directory that cannot be created: refused before the app too
+    assert main(["flower-app", config, str(tmp_path / "app"), "--node-data", str(tmp_path / "f" / "d")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "node data directory" in err and "is not a directory" in err
+    assert not (tmp_path / "app").exists()
     (tmp_path / "d" / "client-1.npz").unlink()
     assert main(["flower-app", config, str(tmp_path / "app"), "--node-data", str(tmp_path / "d")]) == 0
     assert len(list((tmp_path / "d").iterdir())) == toy_config["partition"]["num_clients"]
@@ -574,6 +579,27 @@ def test_the_executor_refuses_a_flower_whose_runtime_api_it_does_not_speak(monke
     monkeypatch.setattr(flwr, "__version__", "1.4.2")  # not 1.42: the version's numbers, not its text
     assert main(["flower-executor", "--runtime-api-address", "127.0.0.1:1", "--insecure"]) == 2
     assert "this is Flower 1.4.2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["flwr", "tomli_w"])
+def test_the_flower_commands_without_the_flower_extra_say_so_in_one_line(
+    tmp_path, toy_config, monkeypatch, capsys, module
+):
+    """Without the ``flower`` extra, ``fedweave flower-app`` (tomli_w) and ``fedweave flower-executor`` (flwr)
+    end in one line naming the extra, not in a traceback of the missing import."""
+    from fedweave.cli import main
+
+    monkeypatch.setitem(sys.modules, module, None)  # an import of it fails as if it were not installed
+    monkeypatch.delitem(sys.modules, "fedweave.deploy.project", raising=False)
+    if module == "tomli_w":
+        argv = ["flower-app", _write(tmp_path, toy_config), str(tmp_path / "app")]
+    else:
+        argv = ["flower-executor", "--runtime-api-address", "127.0.0.1:1", "--insecure"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"module {module!r} is missing" in err
+    assert "pip install 'fedweave[flower]'" in err
+    assert not (tmp_path / "app").exists()
 
 
 def test_the_flower_extra_pins_the_release_the_executor_speaks():

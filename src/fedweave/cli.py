@@ -305,9 +305,27 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     return s.execute(rp.parse_args(args.args), args.args)
 
 
+FLOWER_EXTRA = ("flwr", "tomli_w")  # the modules of the flower extra these commands import
+
+
+def _flower_extra_missing(command: str, e: ModuleNotFoundError) -> Exception:
+    """The one line for a command of the ``flower`` extra run without it (any other missing module re-raises)."""
+    from fedweave.config import ConfigError
+
+    if (e.name or "").split(".")[0] not in FLOWER_EXTRA:
+        raise e
+    return ConfigError(
+        f"fedweave {command} needs the flower extra (module {e.name!r} is missing): pip install 'fedweave[flower]'"
+    )
+
+
 def _cmd_flower_app(args: argparse.Namespace) -> int:
     from fedweave.config import load
-    from fedweave.deploy.project import write_app
+
+    try:
+        from fedweave.deploy.project import write_app
+    except ModuleNotFoundError as e:
+        raise _flower_extra_missing("flower-app", e) from e
 
     cfg = load(args.config, args.overrides)
     export = None
@@ -337,6 +355,8 @@ def _cmd_flower_executor(args: argparse.Namespace) -> int:
     except ExecutorError as e:
         print(f"fedweave: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        raise _flower_extra_missing("flower-executor", e) from e
     return 0
 
 

@@ -154,6 +154,10 @@ class FlowerClients(Callback):
         run has ended."""
         online = set(self.grid.get_node_ids())
         nodes = sorted({n for n in self.node_of.values() if n in online})
+        gone = sorted(c for c, n in self.node_of.items() if n not in online)
+        if gone:  # not asked: their nodes keep this run's files, which the user may want to remove
+            log.warning("the SuperNodes of clients %s are not connected at the run's end; they keep the files of "
+                        "this run in their state directories", gone)  # fmt: skip
         msgs = [Message(to_records({"release": True}, {}), dst_node_id=n, message_type="query") for n in nodes]
         pending = set(self.push(msgs))
         deadline = time.monotonic() + min(self.node_wait, self.reply_timeout)
