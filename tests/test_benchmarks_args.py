@@ -30,6 +30,7 @@ CASES = [
     ("step_overhead.py", ["--rounds", "0"], "--rounds must be at least 1, got 0"),
     ("step_overhead.py", ["--backend", "nope"], "argument --backend: invalid choice: 'nope'"),
     ("split_dropout_eval.py", ["--draws", "0"], "--draws must be at least 1, got 0"),
+    ("split_dropout_eval.py", ["--seeds", "0", "-1"], "--seeds must be at least 0 (a run's seed), got -1"),
     ("compression_digits.py", ["--seeds", "0", "--out", "/nonexistent"], "--seeds must be at least 1, got 0"),
     ("paper_scale_cost.py", ["--repeats", "0"], "--repeats must be at least 1, got 0"),
     ("privacy.py", ["run", "--workers", "0"], "--workers must be at least 1, got 0"),
