@@ -44,6 +44,7 @@ CASES = [
     ("split_dropout_eval.py", ["--seeds", "0", "-1"], "--seeds must be at least 0 (a run's seed), got -1"),
     ("compression_digits.py", ["--seeds", "0", "--out", "/nonexistent"], "--seeds must be at least 1, got 0"),
     ("paper_scale_cost.py", ["--repeats", "0"], "--repeats must be at least 1, got 0"),
+    ("paper_scale_cost.py", ["--device", "nonsense"], "--device must be cpu, cuda or cuda:N, got 'nonsense'"),
     ("privacy.py", ["run", "--workers", "0"], "--workers must be at least 1, got 0"),
     ("privacy.py", ["run", "--only", "nothing"], "--only 'nothing' begins no point's label; the labels begin with: "),
     ("peers.py", ["--repeat", "0", "--only", "fedweave"], "--repeat must be at least 1, got 0"),
