@@ -243,12 +243,12 @@ def main() -> None:
     print(f"  median round: {statistics.median(a['round_times'][1:]):.4f} s")
 
     print(f"\n(b) FedAvg, 10 clients per round, {args.rounds} rounds (median of rounds 2..R, no evaluation)")
-    med = {}
+    med = []  # in run order: keyed by population, equal --small and --clients would share one entry
     for n in (args.small, args.clients):
         b = launch("fedavg", n, args.rounds, args.threads)
-        med[n] = statistics.median(b["round_times"][1:])
-        print(f"  {n:6d} clients: {med[n]:.4f} s per round  (peak RSS {gb(b['after']['VmHWM'])})")
-    print(f"  ratio {args.clients} / {args.small} clients: {med[args.clients] / med[args.small]:.3f}")
+        med.append(statistics.median(b["round_times"][1:]))
+        print(f"  {n:6d} clients: {med[-1]:.4f} s per round  (peak RSS {gb(b['after']['VmHWM'])})")
+    print(f"  ratio {args.clients} / {args.small} clients: {med[1] / med[0]:.3f}")
 
 
 def curve(populations: list[int], rounds: int, threads: int) -> None:
