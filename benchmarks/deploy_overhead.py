@@ -33,6 +33,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -197,6 +198,13 @@ def breakdown(lines: list[tuple[float, str, str]], row_times: list[float]) -> li
     return out
 
 
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM (``timeout``, ``kill``) into ``SystemExit(143)``, so that the ``finally`` around the federation
+    stops its processes: under Python's default action the script ended at once and left the SuperLink, the
+    SuperNodes, their executors and the ServerApp running, orphaned."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=8)
@@ -221,6 +229,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="deploy-overhead-")) if args.keep is None else args.keep
     root.mkdir(parents=True, exist_ok=True)
     cfg = load(config(args.rounds, args.model))
+    stop_on_sigterm()
     fed = Federation(root, args.isolation)
     row_times: list[float] = []
     stop = threading.Event()

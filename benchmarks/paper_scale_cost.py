@@ -25,6 +25,7 @@ ZO-HFL (softmax regression) and CFL-SAGA (closed-form problems) need no GPU; the
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     if opts.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {opts.repeats}")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", opts.device):  # another name reached torch as a traceback
+        parser.error(f"--device must be cpu, cuda or cuda:N, got {opts.device!r}")
     if opts.out is None:  # the GPU rows never land in the CPU file by default
         opts.out = (
             "docs/reproductions/paper-scale.csv" if opts.device == "cpu" else "docs/reproductions/paper-scale-gpu.csv"

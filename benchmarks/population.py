@@ -46,6 +46,9 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
+PER_ROUND = 10  # clients per round, in every part: no population may be smaller
+
+
 def config(algorithm: str, clients: int, rounds: int, threads: int) -> dict:
     return {
         "name": f"population-{algorithm}-{clients}",
@@ -56,7 +59,7 @@ def config(algorithm: str, clients: int, rounds: int, threads: int) -> dict:
         "dataset": {"name": "mnist"},
         "partition": {"name": "iid", "num_clients": clients},
         "model": {"name": "cnn_small"},
-        "algorithm": {"name": algorithm, "clients_per_round": 10},
+        "algorithm": {"name": algorithm, "clients_per_round": PER_ROUND},
         "local": {"steps": 5, "batch_size": 5, "lr": 0.05},
         "output": {"progress": False, "plots": False},
     }
@@ -207,11 +210,14 @@ def main() -> None:
     args = ap.parse_args()
     if args.rounds < 2:  # every part reports the median of rounds 2..R
         ap.error(f"--rounds must be at least 2 (the median is of rounds 2..R), got {args.rounds}")
-    for flag in ("clients", "small", "threads"):
-        if (value := getattr(args, flag.replace("-", "_"))) < 1:
-            ap.error(f"--{flag} must be at least 1, got {value}")
-    if args.curve and min(args.curve) < 1:
-        ap.error(f"--curve populations must be at least 1, got {min(args.curve)}")
+    if args.threads < 1:
+        ap.error(f"--threads must be at least 1, got {args.threads}")
+    # a smaller population ended in a child's ConfigError traceback (clients_per_round exceeds num_clients)
+    for flag in ("clients", "small"):
+        if (value := getattr(args, flag)) < PER_ROUND:
+            ap.error(f"--{flag} must be at least {PER_ROUND} (the clients of a round), got {value}")
+    if args.curve and min(args.curve) < PER_ROUND:
+        ap.error(f"--curve populations must be at least {PER_ROUND} (the clients of a round), got {min(args.curve)}")
     if args.child:
         run = child_curve(args.clients, args.rounds, args.threads) if args.child == "curve" else None
         run = run or child(args.child, args.clients, args.rounds, args.threads)
@@ -237,12 +243,12 @@ def main() -> None:
     print(f"  median round: {statistics.median(a['round_times'][1:]):.4f} s")
 
     print(f"\n(b) FedAvg, 10 clients per round, {args.rounds} rounds (median of rounds 2..R, no evaluation)")
-    med = {}
+    med = []  # in run order: keyed by population, equal --small and --clients would share one entry
     for n in (args.small, args.clients):
         b = launch("fedavg", n, args.rounds, args.threads)
-        med[n] = statistics.median(b["round_times"][1:])
-        print(f"  {n:6d} clients: {med[n]:.4f} s per round  (peak RSS {gb(b['after']['VmHWM'])})")
-    print(f"  ratio {args.clients} / {args.small} clients: {med[args.clients] / med[args.small]:.3f}")
+        med.append(statistics.median(b["round_times"][1:]))
+        print(f"  {n:6d} clients: {med[-1]:.4f} s per round  (peak RSS {gb(b['after']['VmHWM'])})")
+    print(f"  ratio {args.clients} / {args.small} clients: {med[1] / med[0]:.3f}")
 
 
 def curve(populations: list[int], rounds: int, threads: int) -> None:

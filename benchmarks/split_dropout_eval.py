@@ -48,6 +48,8 @@ def main() -> None:
     for flag in ("rounds", "draws"):
         if (value := getattr(args, flag.replace("-", "_"))) < 1:
             ap.error(f"--{flag} must be at least 1, got {value}")
+    if min(args.seeds) < 0:  # checked here: the run's config refused it only after the seeds before it had run
+        ap.error(f"--seeds must be at least 0 (a run's seed), got {min(args.seeds)}")
     torch.set_num_threads(1)
     for seed in args.seeds:
         algo = build_algorithm(RunContext(load(config(seed, args.rounds))))

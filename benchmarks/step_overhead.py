@@ -16,10 +16,12 @@ Per round, interleaved, the same sampled clients and batches:
              input gradient ``dz W`` of every layer above the first on ``batch``-row batches; backend ``vmap``:
              the same as ``bmm`` over the round's jobs), at this process's thread count: the dense matmul rate
              those shapes reach on this machine now.
-Printed: min and median per round of each; fedweave's training rate = 3x the forward FLOPs of every trained
-sample (``peers.py``'s count) over its median training time, as a percentage of the matmul rate (target >= 20 %);
-per local step, fedweave's training time against the time of that step's matrix products (what a step costs
-beyond its matmuls). Every number comes from the same run, so their ratios hold under the machine's load.
+Printed: min and median per round of each; fedweave's training rate = the FLOPs of those products for every
+trained sample (forward and weight gradient of every layer, the input gradient above the first: what the matmul
+rate counts, not ``peers.py``'s 3x the forward FLOPs, which counts a first-layer input gradient no step computes)
+over its median training time, as a percentage of the matmul rate (target >= 20 %); per local step, fedweave's
+training time against the time of that step's matrix products (what a step costs beyond its matmuls). Every
+number comes from the same run, so their ratios hold under the machine's load.
 
 The script imports ``fedweave`` from the path, so the same file measures another checkout's code:
 ``PYTHONPATH=<checkout>/src python benchmarks/step_overhead.py``.
@@ -49,9 +51,13 @@ def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
     return [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
-def forward_flops(model: torch.nn.Module) -> int:
-    """Forward FLOPs of one sample (2 per multiply-add of the linear layers)."""
-    return sum(2 * i * o for i, o in linear_shapes(model))
+def step_flops(model: torch.nn.Module) -> int:
+    """FLOPs of one sample's training step as the engine computes it (2 per multiply-add): at every linear layer
+    the forward ``x W^T`` and the weight gradient ``dz^T h``, and above the first the input gradient ``dz W``
+    (no step computes the gradient of the data). The training rate and ``matmul_rate`` both count these, so their
+    ratio compares like with like; 3x the forward FLOPs would count the first layer's input gradient too (1.49x
+    these for the 784-64-10 MLP, 1.5x for softmax regression)."""
+    return sum(2 * i * o * (3 if layer else 2) for layer, (i, o) in enumerate(linear_shapes(model)))
 
 
 def matmul_rate(model: torch.nn.Module, batch: int, jobs: int, batched: bool, seconds: float = 0.25) -> float:
@@ -59,7 +65,7 @@ def matmul_rate(model: torch.nn.Module, batch: int, jobs: int, batched: bool, se
     False: ``mm`` on ``batch`` rows) or for ``jobs`` jobs at once (``bmm``). Best of 3 timed runs."""
     K = jobs if batched else 1
     shapes = linear_shapes(model)
-    ops, flops = [], 0
+    ops = []
     for layer, (i, o) in enumerate(shapes):
         h, W, dz = torch.randn(K, batch, i), torch.randn(K, o, i), torch.randn(K, batch, o)
         if batched:
@@ -72,7 +78,7 @@ def matmul_rate(model: torch.nn.Module, batch: int, jobs: int, batched: bool, se
             ops.append((torch.mm, dz[0].t(), h[0]))
             if layer:
                 ops.append((torch.mm, dz[0], W[0]))
-        flops += K * 2 * batch * i * o * (3 if layer else 2)
+    flops = K * batch * step_flops(model)
     best = float("inf")
     for _ in range(4):  # the first run warms up
         n, t0 = 0, time.perf_counter()
@@ -123,7 +129,7 @@ def bench(workload: str, rounds: int, threads: int, backend: str) -> None:
     k, batch = spec["per_round"], spec["batch_size"]
     plain_model = ctx.build_model()
     plain_x = torch.nn.utils.parameters_to_vector(plain_model.parameters()).detach().clone()
-    fwd = forward_flops(plain_model)
+    per_sample = step_flops(plain_model)
     rows = {"fedweave train": [], "fedweave eval": [], "plain train": [], "plain eval": [], "matmul": []}
     samples, steps = [], []
     for r in range(rounds + 1):  # round 0 warms up
@@ -165,14 +171,14 @@ def bench(workload: str, rounds: int, threads: int, backend: str) -> None:
         f"{statistics.median(pl) / statistics.median(fw):.2f}x (median / median)"
     )
     print(f"  final accuracy: fedweave {acc:.4f}, plain {p_acc:.4f}")
-    train_rate = 3 * fwd * statistics.median(samples) / med["fedweave train"] / 1e9
+    train_rate = per_sample * statistics.median(samples) / med["fedweave train"] / 1e9
     print(
-        f"  training rate {train_rate:.2f} GFLOP/s (3x forward FLOPs of the trained samples / median training time); "
+        f"  training rate {train_rate:.2f} GFLOP/s (step FLOPs of the trained samples / median training time); "
         f"matmul rate of the step's shapes {med['matmul']:.2f} GFLOP/s (min {low['matmul']:.2f}): "
         f"**{100 * train_rate / med['matmul']:.1f} %** (target >= 20 %)"
     )
     per_step = med["fedweave train"] / statistics.median(steps) * 1e6
-    mm_step = 3 * fwd * batch / (med["matmul"] * 1e9) * 1e6
+    mm_step = per_sample * batch / (med["matmul"] * 1e9) * 1e6
     print(
         f"  per local step: {per_step:.1f} us of training (round time incl. aggregation / steps) "
         f"against {mm_step:.1f} us for its matmuls at the measured rate"

@@ -125,3 +125,25 @@ def test_it_runs_a_real_federation_end_to_end(tmp_path):
     idle = re.search(r"its next Receiving: ([0-9.]+) to ([0-9.]+) s", text)
     assert idle and float(idle.group(1)) >= 3.0  # Flower's SuperNode sleeps 3 s when it finds no message
     assert (tmp_path / "fed" / "lines.txt").is_file()
+
+
+def test_sigterm_runs_the_cleanup(tmp_path):
+    """``timeout`` or ``kill`` sends SIGTERM: the script must still reach the ``finally`` that stops the federation
+    (it used to die at once, leaving the SuperLink, SuperNodes and executors running with no parent)."""
+    code = (
+        "import importlib.util, sys, time\n"
+        f"spec = importlib.util.spec_from_file_location('deploy_overhead', {str(SCRIPT)!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "m.stop_on_sigterm()\n"
+        "try:\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(60)\n"
+        "finally:\n"
+        f"    open({str(tmp_path / 'stopped')!r}, 'w').close()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    assert proc.stdout.readline() == "ready\n"
+    proc.terminate()
+    assert proc.wait(timeout=30) == 143
+    assert (tmp_path / "stopped").exists()

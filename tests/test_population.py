@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -208,3 +209,23 @@ def test_peak_memory_keeps_each_processs_own_peak():
     child_peak = max(mem.per_process[p]["rss"] for p in others)
     assert child_peak >= 60 * 2**20 and mem.per_process[me]["rss"] > 0
     assert mem.peak["rss"] > child_peak  # the tree's sum holds both
+
+
+def test_the_flatness_ratio_divides_the_two_runs_even_for_equal_populations(monkeypatch, capsys):
+    """benchmarks/population.py (b): with ``--small`` equal to ``--clients`` the two runs' medians were kept under
+    one key, so the second overwrote the first and the ratio printed 1.000 whatever they measured."""
+    from benchmarks import population
+
+    mem = {"VmRSS": 2**30, "RssAnon": 2**29, "RssFile": 2**29, "VmHWM": 2**30}
+    times = iter([[9.0, 1.0, 1.0], [9.0, 3.0, 3.0]])  # (b)'s two runs: medians of rounds 2..R 1.0 and 3.0
+
+    def launch(kind, clients, rounds, threads):
+        if kind == "scaffold-mmap":
+            return {"clients": clients, "params": 10, "store_bytes": 0, "disk_bytes": 0, "rows_written": 0,
+                    "before": mem, "built": mem, "after": mem, "round_times": [1.0, 1.0]}  # fmt: skip
+        return {"after": mem, "round_times": next(times)}
+
+    monkeypatch.setattr(population, "launch", launch)
+    monkeypatch.setattr(sys, "argv", ["population.py", "--rounds", "3", "--clients", "10", "--small", "10"])
+    population.main()
+    assert "ratio 10 / 10 clients: 3.000" in capsys.readouterr().out
