@@ -191,7 +191,7 @@ def test_flower_app_with_node_data_it_cannot_write_writes_nothing(tmp_path, toy_
     (tmp_path / "f").write_bytes(b"a file")  # a directory that cannot be created: refused before the app too
     assert main(["flower-app", config, str(tmp_path / "app"), "--node-data", str(tmp_path / "f" / "d")]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "node data directory" in err and "is not a directory" in err
+    assert len(err.splitlines()) == 1 and "node data directory" in err and "lies under the file" in err
     assert not (tmp_path / "app").exists()
     (tmp_path / "d" / "client-1.npz").unlink()
     assert main(["flower-app", config, str(tmp_path / "app"), "--node-data", str(tmp_path / "d")]) == 0

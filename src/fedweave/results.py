@@ -149,6 +149,18 @@ def file_in_the_way(path: str | Path, *, folder: bool = True) -> str | None:
     return "is a file" if there == path else f"lies under the file {there}"
 
 
+def folder_refusal(path: str | Path) -> str | None:
+    """Why a folder cannot be made or written at ``path``: :func:`file_in_the_way`'s reason, ``'cannot be
+    written'`` or ``'cannot be made in P'`` (the nearest existing folder is not writable); None when it can."""
+    if what := file_in_the_way(path):
+        return what
+    path = Path(path)
+    there = next(p for p in (path, *path.absolute().parents) if p.exists())  # the folder it is, or is made in
+    if not os.access(there, os.W_OK | os.X_OK):
+        return "cannot be written" if there == path else f"cannot be made in {there}"
+    return None
+
+
 def check_run_dir(path: Path, *, resume: bool = False, overwrite: bool = False) -> None:
     """Refuse, before anything is written, a run directory that cannot take this run: raise a
     :class:`RunDirError` naming the path when it (or a parent) is a file, when it holds anything but a run's

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from fedweave.config import ConfigError, RunConfig
+from fedweave.results import folder_refusal
 
 
 class NodeDataError(ValueError):
@@ -100,18 +101,6 @@ def export_clients(config: RunConfig, directory: str | Path, clients: list[int] 
     return plan_export(config, directory, clients)()
 
 
-def _check_writable_directory(out: Path) -> None:
-    """Refuse, without creating anything, a directory the files could not be written into: one that is a
-    file, or below a file, or whose nearest existing parent cannot be written."""
-    existing = out
-    while not existing.exists() and existing != existing.parent:  # the nearest part of the path that exists
-        existing = existing.parent
-    if not existing.is_dir():
-        raise NotADirectoryError(f"node data directory {str(out)!r}: {str(existing)!r} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise PermissionError(f"node data directory {str(out)!r}: {str(existing)!r} is not writable")
-
-
 def plan_export(config: RunConfig, directory: str | Path, clients: list[int] | None = None) -> Callable[[], list[Path]]:
     """Check what :func:`export_clients` would write (the run's data and partition built, every client in
     it, no file already there) and return the function that writes the files, so that a caller can refuse
@@ -119,7 +108,8 @@ def plan_export(config: RunConfig, directory: str | Path, clients: list[int] | N
     train_x, train_y, parts = trial_parts(config)
     chosen = list(range(len(parts)) if clients is None else clients)
     out = Path(directory)
-    _check_writable_directory(out)
+    if what := folder_refusal(out):  # before the app or any file is written, nothing created
+        raise ConfigError(f"node data directory {str(out)!r} {what}; give a folder this user can write")
     for c in chosen:
         if not 0 <= c < len(parts):
             raise ConfigError(f"client {c} is not in the partition (0 .. {len(parts) - 1})")

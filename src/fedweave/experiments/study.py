@@ -42,7 +42,7 @@ from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished, parallel_map, run_points
 from fedweave.experiments.tables import csv_text, markdown_table
 from fedweave.experiments.verdicts import Rule
-from fedweave.results import atomic_write, file_in_the_way
+from fedweave.results import atomic_write, folder_refusal
 from fedweave.runner import Result
 
 
@@ -290,11 +290,7 @@ def results_folder(out: str | Path, name: str, scale: str) -> Path:
     replaced, so one scale's runs would silently replace the other's. Else a ``ConfigError`` of one line naming
     --out."""
     out = Path(out)
-    there = next(p for p in (out, *out.absolute().parents) if p.exists())  # the folder it is, or will be made in
-    what = file_in_the_way(out)
-    if what is None and not os.access(there, os.W_OK | os.X_OK):
-        what = "cannot be written" if there == out else f"cannot be made in {there}"
-    if what:
+    if what := folder_refusal(out):
         raise ConfigError(f"--out: {out} {what}; give a folder this user can write (made if missing)")
     try:
         owner = json.loads((out / "runs" / OWNER).read_text(encoding="utf-8"))
