@@ -353,7 +353,9 @@ def main() -> int:
         "--rounds", type=int, default=None, help="rounds per variant (default 25, quick 3; resnet 12 at most)"
     )
     ap.add_argument("--flower-rounds", type=int, default=10)
-    ap.add_argument("--fedmim-rounds", type=int, default=None, help="FedMIM rounds for the projection (default 3)")
+    ap.add_argument(
+        "--fedmim-rounds", type=int, default=None, help="FedMIM rounds for the projection (default 3, quick 2)"
+    )
     ap.add_argument("--no-flower", action="store_true", help="skip Flower even where it is installed")
     ap.add_argument("--flower", action="store_true", help="run Flower in --quick mode too (full-size, slow to start)")
     ap.add_argument("--quick", action="store_true", help="small versions, a few rounds")
