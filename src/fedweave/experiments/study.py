@@ -239,7 +239,9 @@ class Study:
             opts.out = f"runs/reproduce-{self.name}" + ("" if opts.scale == self.default_scale else f"-{opts.scale}")
         page = Path(opts.page) if getattr(opts, "page", None) else None
         if page is not None and not page.is_file():
-            raise ConfigError(f"--page: {page} is not a file (a reproduction page, docs/reproductions/<paper>.md)")
+            raise ConfigError(
+                f"--page: {page} is not a file (the study's page: docs/reproductions/<paper>.md, docs/benchmarks.md)"
+            )
         results_folder(opts.out, self.name, opts.scale)  # a bad --out is one line before any work
         t0 = time.perf_counter()
         plan = self.plan(opts)
