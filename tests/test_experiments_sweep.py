@@ -243,10 +243,13 @@ def test_plot_of_a_sweep_directory_draws_its_current_grid_and_skips_a_run_withou
     started = tmp_path / "s" / "runs" / "local.lr=0.2,seed=4"  # as if its run had only just started
     for name in ("metrics.jsonl", "metrics.csv", "summary.json"):
         (started / name).unlink()
-    drawn = []
-    monkeypatch.setattr(fedweave.plots, "plot_runs", lambda runs, out, metric: drawn.extend(runs) or [])
-    assert cli_main(["plot", str(tmp_path / "s"), "--out", str(tmp_path / "p")]) == 0
-    assert drawn == [tmp_path / "s" / "runs" / "local.lr=0.2,seed=3"]
+    drawn, plot_runs = [], fedweave.plots.plot_runs
+    monkeypatch.setattr(
+        fedweave.plots, "plot_runs", lambda runs, out, metric: drawn.extend(runs) or plot_runs(runs, out, metric)
+    )
+    assert cli_main(["plot", str(tmp_path / "s"), "--out", str(tmp_path / "p")]) == 0  # the run without rows: no line
+    assert drawn == [tmp_path / "s" / "runs" / "local.lr=0.2,seed=3", started]  # the current grid's, in its order
+    assert list((tmp_path / "p").glob("*.png"))
 
 
 def test_plot_of_several_runs_without_out_does_not_replace_the_first_directorys_plots(toy_config, tmp_path, capsys):
