@@ -405,3 +405,14 @@ def test_non_finite_features_are_refused_in_one_line(tmp_path, split, bad):
     }
     with pytest.raises(ConfigError, match=f"dataset 'python': its {split} features hold NaN or infinite values"):
         fedweave.run(cfg, dataset=(x[:150], y[:150], x[150:], y[150:]), run_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "rate,users,m", [(0.5, 5, 3), (0.1, 25, 3), (0.3, 5, 2), (0.25, 20, 5), (0.05, 5, 1), (0.45, 20, 9), (1.0, 7, 7)]
+)
+def test_users_per_iteration_rounds_halves_up(rate, users, m):
+    # m = SR * P to the nearest whole number: Python's round took halves to the even number (0.5 of 5 users 2,
+    # 0.1 of 25 users 2), unlike the other fractions of a count (the Byzantine clients, ZO-HFL's k)
+    from fedweave.algorithms.confederated.base import users_per_iteration
+
+    assert users_per_iteration(rate, users) == m

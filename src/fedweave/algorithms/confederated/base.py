@@ -28,7 +28,7 @@ import fedweave.data.datasets.cfl_logreg  # noqa: F401  (registers the paper's s
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.algorithms.confederated.problem import build_problem
 from fedweave.byo import PYTHON, describe_dataset
-from fedweave.config import ConfigError, check_options
+from fedweave.config import ConfigError, check_options, nearest_count
 from fedweave.faults import mixing_without
 from fedweave.registry import SAMPLERS
 from fedweave.topology.confederation import Confederation, ConfederationHparams
@@ -81,8 +81,9 @@ def compute_threads(threads: int | None) -> Iterator[None]:
 
 
 def users_per_iteration(sample_rate: float, users: int) -> int:
-    """m_i = SR * P_i users selected per server and iteration (at least one)."""
-    return max(1, min(users, round(sample_rate * users)))
+    """m_i = SR * P_i users selected per server and iteration (spec A13), to the nearest whole number with halves
+    up (:func:`nearest_count`; Python's round took 0.5 of 5 users to 2), at least one."""
+    return max(1, min(users, nearest_count(sample_rate, users)))
 
 
 def check_rate(name: str, value: float) -> None:
