@@ -34,3 +34,12 @@ class WorkerLost(RuntimeError):
     """A worker process of the run's execution (a ``pool`` backend worker) died while the run needed it (killed
     from outside, e.g. by the out-of-memory killer); the message names the worker and how it ended. The run's
     files so far are kept, as after any error mid-way."""
+
+    @classmethod
+    def of(cls, backend: str, who: str, fewer: str) -> WorkerLost:
+        """The one line for ``backend``'s worker ``who`` (its name and how it ended); ``fewer`` is the setting
+        to lower on resume."""
+        return cls(
+            f"backend {backend}: {who}; the run cannot go on without it (its files so far are kept: resume it with "
+            f"fedweave run --resume RUN_DIR, with fewer {fewer} or backend: loop)"
+        )

@@ -171,12 +171,12 @@ class WorkerPool:
                 continue
             (out if status == "ok" else errors).append(value)
         if lost:  # every other reply has been read: the pipes hold nothing stale
-            raise WorkerLost(self._lost(min(lost)))
+            raise self._lost(min(lost))
         if errors:
             raise RuntimeError("a pool worker failed:\n" + errors[0])
         return out
 
-    def _lost(self, i: int) -> str:
+    def _lost(self, i: int) -> WorkerLost:
         """One line on worker ``i``, which died: how it ended and what to do."""
         p = self.procs[i]
         p.join(timeout=5)
@@ -189,10 +189,7 @@ class WorkerPool:
                 how += " (the system may have run out of memory)"
         else:
             how = f"exited with status {code}"
-        return (
-            f"backend pool: worker {i} (pid {p.pid}) {how}; the run cannot go on without it (its files so far are "
-            "kept: resume it with fedweave run --resume RUN_DIR, with fewer threads or backend: loop)"
-        )
+        return WorkerLost.of("pool", f"worker {i} (pid {p.pid}) {how}", "threads")
 
     # ---- training --------------------------------------------------------------------------------
     def train(self, tr: LocalTrainer, call: LocalCall) -> LocalResult:

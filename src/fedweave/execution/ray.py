@@ -224,11 +224,8 @@ class RayPool:
             _drop(self.actors[k])  # the next trainer of this session starts a live actor in its place
             pid = re.search(r"\bpid: (\d+)", str(e))
             who = f"worker {k} (pid {pid[1]})" if pid else f"worker {k}"
-            raise WorkerLost(
-                f"backend ray: {who} died (a Ray actor killed from outside, e.g. by the out-of-memory killer); the "
-                "run cannot go on without it (its files so far are kept: resume it with fedweave run --resume "
-                "RUN_DIR, with fewer ray.num_workers or backend: loop)"
-            ) from e
+            how = "died (a Ray actor killed from outside, e.g. by the out-of-memory killer)"
+            raise WorkerLost.of("ray", f"{who} {how}", "ray.num_workers") from e
         cat, to = torch.cat, pl.to
         params, nsteps, loss = (cat([getattr(p, k) for p in parts]) for k in ("params", "steps", "loss"))
         return LocalResult(to(params), to(nsteps), to(loss))
