@@ -632,3 +632,23 @@ def test_the_clock_is_refused_outside_the_star_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="does not handle this fault"):  # the star has no late delivery
         run_config(load(_timed(_cfg("fedavg"), deadline=1.0, straggler_policy="late")), run_dir=tmp_path / "l")
     assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
+def test_a_run_that_fails_mid_way_keeps_its_events_so_far(tmp_path):
+    """An error after round 2 (here a callback's) leaves the failed run's events.csv beside its summary: the
+    order of events up to the error, equal to the first rows of the same run's uninterrupted events."""
+
+    class Broken(fedweave.Callback):
+        def after_training(self, run, r, metrics):
+            if r == 2:
+                raise RuntimeError("broken callback")
+
+    cfg = _async("fedbuff", rounds=5, sigma=0.5, concurrency=4, buffer_size=2)
+    with pytest.raises(RuntimeError, match="broken callback"):
+        fedweave.run(cfg, run_dir=tmp_path / "failed", callbacks=[Broken()])
+    fedweave.run(cfg, run_dir=tmp_path / "full")
+    failed = (tmp_path / "failed" / "events.csv").read_text().splitlines()
+    full = (tmp_path / "full" / "events.csv").read_text().splitlines()
+    assert '"status": "failed"' in (tmp_path / "failed" / "summary.json").read_text()
+    updates = [row for row in csv.DictReader(failed) if row["event"] == "update"]
+    assert len(updates) == 3 and full[: len(failed)] == failed

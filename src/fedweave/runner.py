@@ -212,11 +212,16 @@ def _run_locked(
         cbs.on_end(state, None)
         raise
     summary = _summary(state, status, error)
-    for name, text in state.algo.run_files().items():  # e.g. an asynchronous method's events.csv
-        atomic_write(path / name, text)
+    _write_run_files(state)
     out.write_json("summary.json", summary)
     cbs.on_end(state, summary)
     return _outcome(state, summary, raised, on_divergence)
+
+
+def _write_run_files(state: RunState) -> None:
+    """The algorithm's own files of the run (e.g. an asynchronous method's ``events.csv``), beside its results."""
+    for name, text in state.algo.run_files().items():
+        atomic_write(state.out.path / name, text)
 
 
 def _failed(state: RunState, e: Exception) -> dict[str, Any] | None:
@@ -225,6 +230,7 @@ def _failed(state: RunState, e: Exception) -> dict[str, Any] | None:
     (then the original error is what the caller sees)."""
     try:
         summary = _summary(state, "failed", f"{type(e).__name__}: {e}")
+        _write_run_files(state)  # what happened up to the error (an asynchronous run's events) is its evidence
         state.out.write_json("summary.json", summary)
     except Exception:  # noqa: BLE001 - the run's own error matters more than the summary's
         log.debug("summary.json of the failed run could not be written", exc_info=True)
