@@ -24,7 +24,7 @@ from PIL import Image
 import fedweave
 from fedweave.checkpoints import CHECKPOINT
 from fedweave.cli import main as cli_main
-from fedweave.experiments.report import build_report
+from fedweave.experiments.report import _num, build_report
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium (Debian package chromium) is absent")
@@ -513,3 +513,17 @@ def test_the_summary_cell_gives_the_std_to_two_significant_digits(mean, std, tex
     from fedweave.experiments.report import _pm
 
     assert _pm(mean, std, 3) == text
+
+
+def test_best_of_a_run_counts_the_rounds_trained_not_the_initial_model(toy_config, tmp_path):
+    """With eval.at_start, row 0 is the untrained model: here (lr 5, the loss grows) the best test loss of
+    the rows is round 0's, but a run's best is over the rounds trained, in sweep.csv and the report's runs
+    table as in summary.json."""
+    cfg = {**toy_config, "rounds": 2, "eval": {"at_start": True}}
+    res = fedweave.sweep(cfg, {"local.lr": [5.0]}, out=tmp_path / "s", progress=False, metric="test_loss")
+    rows = fedweave.results.read_metrics(tmp_path / "s" / res.records[0]["run_dir"])
+    assert rows[0]["round"] == 0 and rows[0]["test_loss"] < min(r["test_loss"] for r in rows[1:])  # the premise
+    trained = min(r["test_loss"] for r in rows[1:])
+    assert res.records[0]["best_test_loss"] == trained
+    (run,) = _runs_by_name(build_report([res.out_dir])).values()
+    assert run["best test_loss"] == _num(trained)

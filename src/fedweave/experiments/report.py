@@ -446,7 +446,8 @@ def _epsilon(r: _Run) -> float | None:
 
 def _runs_table(src: _Source, differ: list[str]) -> str:
     """One row per run: the config keys in ``differ``, its status and rounds, the final and best metric (as in
-    sweep.csv: the best over all its evaluated rows), the bytes sent and its wall time."""
+    sweep.csv and summary.json: the best over its evaluated rounds after training began, so an ``eval.at_start``
+    row 0 is not a result), the bytes sent and its wall time."""
     from fedweave.tasks import column_direction
 
     metric = src.metric
@@ -459,7 +460,7 @@ def _runs_table(src: _Source, differ: list[str]) -> str:
     for r in src.runs:
         s = r.summary or {}
         vals = [x[metric] for x in r.rows if x.get(metric) is not None]
-        best = better(vals, default=None)
+        best = better((x[metric] for x in r.rows if x.get(metric) is not None and x["round"] > 0), default=None)
         final = (s.get("final") or {}).get(metric) if s else (vals[-1] if vals else None)
         last = r.rows[-1] if r.rows else {}
         name = html.escape(r.name).replace(",", ",<wbr>")  # a long run name breaks after a comma

@@ -131,7 +131,10 @@ def sweep(
             "status": s["status"],
             "rounds": s["rounds"],
             f"final_{metric}": final.get(metric),
-            f"best_{metric}": better((r[metric] for r in rows if r.get(metric) is not None), default=None),
+            # over the rounds trained, as summary.json's best: an eval.at_start row 0 is the initial model
+            f"best_{metric}": better(
+                (r[metric] for r in rows if r.get(metric) is not None and r["round"] > 0), default=None
+            ),
             "bytes_total": s["communication"]["bytes_total"],
             "wall_seconds": s["wall_seconds"],
             "run_dir": f"runs/{p.slug}",
