@@ -115,6 +115,9 @@ def test_table_writers(tmp_path):
     assert markdown([{"p": "a", "v": 0.5}, {"p": "b", "v": math.nan}], best=0) == (
         "| p | v |\n|---|---|\n| **a** | **0.5000** |\n| b | - |\n"
     )
+    # an optimality gap of 1e-5 or a std of 3.2e-3 keeps its digits; a zero std stays 0.0000
+    gaps = [{"opt_gap": 1.234567e-5, "std": 0.0032109}, {"opt_gap": -0.05, "std": 0.0}]
+    assert markdown(gaps) == "| opt_gap | std |\n|---|---|\n| 1.235e-05 | 0.003211 |\n| -0.0500 | 0.0000 |\n"
 
 
 def _children(pid: int) -> list[int]:

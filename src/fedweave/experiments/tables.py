@@ -105,12 +105,16 @@ def grouped_table(
 
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
-        return "-" if math.isnan(v) else f"{v:.4f}"
+        if math.isnan(v):
+            return "-"
+        # four decimals, or four significant digits below 0.01, where decimals would read an opt_gap of 1e-5 as 0
+        return f"{v:.4g}" if 0 < abs(v) < 0.01 else f"{v:.4f}"
     return "-" if v is None else str(v)
 
 
 def markdown(rows: list[dict[str, Any]], best: int | None = None) -> str:
-    """A markdown table of ``rows`` (floats to 4 decimals); the row at index ``best`` is marked in bold."""
+    """A markdown table of ``rows`` (floats to 4 decimals, 4 significant digits below 0.01); the row at index
+    ``best`` is marked in bold."""
     if not rows:
         return ""
     cols = list(rows[0])
