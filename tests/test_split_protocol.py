@@ -263,6 +263,13 @@ def test_event_mode_run_reports_clock():
         ("fsl_an", {"name": "split_small", "aux": "rnn"}, {}, "model.aux"),
         ("fsl_an", {"name": "split_small", "depth": 3}, {}, "model.depth"),
         ("fsl_mc", "split_small", {"momentum": 0.9}, "local.momentum"),
+        # a split model's options are checked against their types, naming the key (before: a bare TypeError, a
+        # torch message naming no key, or a string taken as true)
+        ("cse_fsl", {"name": "split_small", "width": 2.5}, {}, "model.width must be an integer"),
+        ("cse_fsl", {"name": "split_small", "hidden": True}, {}, "model.hidden must be an integer"),
+        ("cse_fsl", {"name": "split_small", "aux": "cnn", "aux_channels": 2.5}, {}, "model.aux_channels must be"),
+        ("cse_fsl", {"name": "split_cifar", "crop": 4.5}, {}, "model.crop must be"),
+        ("cse_fsl", {"name": "split_femnist", "client_relu": "no"}, {}, "model.client_relu must be true or false"),
     ],
 )
 def test_config_errors(algorithm, model, local, match):

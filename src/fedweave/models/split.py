@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedweave.config import check_options
 from fedweave.data.augment import center_crop
 from fedweave.registry import Registry
 
@@ -252,4 +253,7 @@ def build_split_model(
     for k in options:
         if k not in allowed:
             raise ValueError(f"unknown option model.{k} for split model {name!r}; allowed: {', '.join(allowed)}")
+    # the values against the builder's annotations, one line naming the key: a float width or crop would fail in
+    # torch without naming it, and a string such as "no" would be taken as true
+    options = check_options(builder, options, "model", skip=("input_shape", "num_classes"), name=name)
     return builder(tuple(input_shape), num_classes, **options)
