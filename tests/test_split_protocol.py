@@ -270,6 +270,9 @@ def test_event_mode_run_reports_clock():
         ("cse_fsl", {"name": "split_small", "aux": "cnn", "aux_channels": 2.5}, {}, "model.aux_channels must be"),
         ("cse_fsl", {"name": "split_cifar", "crop": 4.5}, {}, "model.crop must be"),
         ("cse_fsl", {"name": "split_femnist", "client_relu": "no"}, {}, "model.client_relu must be true or false"),
+        # the CNN+MLP head's width beside the MLP head, which has none (before: silently not read)
+        ("cse_fsl", {"name": "split_small", "aux_channels": 4}, {}, "model.aux_channels applies to model.aux: cnn"),
+        ("fsl_an", {"name": "split_small", "aux": "mlp", "aux_channels": 4}, {}, "model.aux_channels applies"),
     ],
 )
 def test_config_errors(algorithm, model, local, match):

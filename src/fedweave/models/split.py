@@ -60,6 +60,8 @@ def count(module: nn.Module) -> int:
 
 def _aux(kind: str, aux_channels: int | None, cut: tuple[int, int, int], num_classes: int) -> nn.Module:
     c, h, w = cut
+    if kind == "mlp" and aux_channels is not None:  # the MLP head has no channels: the value would go unread
+        raise ValueError(f"model.aux_channels applies to model.aux: cnn, not mlp (got {aux_channels!r}); leave it out")
     if kind == "mlp":  # Tables III/IV "MLP": one linear layer on the flattened smashed data
         return nn.Sequential(nn.Linear(c * h * w, num_classes))
     if kind == "cnn":  # Tables III/IV "CNN+MLP": 1×1 conv to aux_channels, ReLU (spec §4.3 resolution), linear
