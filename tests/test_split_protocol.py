@@ -145,6 +145,16 @@ def test_bf16_mixed_queue_peak_is_held_at_the_width_the_smashed_data_were_sent()
     assert algo.ledger.summary()["storage_peak_bytes"]["server"]["queue_peak"] == m["queue_peak"] * 10 * s.smashed * 2
 
 
+def test_full_batch_queue_peak_is_held_in_the_batches_that_went_up():
+    # local.full_batch: a client's one batch is its whole data (80 samples here), not local.batch_size (10); h = 1
+    # uploads it, and the server's queue holds those batches
+    algo = make({"name": "cse_fsl", "h": 1}, full_batch=True)
+    m = algo.run_round(0)
+    s = algo.split_sizes
+    assert kinds(algo)["smashed"] == 5 * 80 * s.smashed * 4 and m["queue_peak"] >= 1
+    assert algo.ledger.summary()["storage_peak_bytes"]["server"]["queue_peak"] == m["queue_peak"] * 80 * s.smashed * 4
+
+
 # ---- identities ------------------------------------------------------------------------------------------
 def _round(opts, **kw):
     algo = make(opts, **kw)

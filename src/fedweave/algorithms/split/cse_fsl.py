@@ -41,6 +41,7 @@ from fedweave.algorithms.split.base import (  # noqa: F401  (ClientEpoch, InFlig
     simulate_server,
 )
 from fedweave.config import ConfigError
+from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
 
 
@@ -139,10 +140,10 @@ class CSEFSL(TimedSplit):
         # Alg. 2 lines 3-10: the server drains its dataQueue, one SGD step per item on its one model
         order = process_order(hp.server_order, queue, self.seeds.numpy("server_order", r))
         clock = simulate_server(queue, order, hp.server_step_time, barrier=hp.server_order == "sync")
-        # high-water mark in full batches, at the width the smashed data were sent in (bfloat16 under bf16-mixed
-        # where the client's last layer autocasts, not the run's float width)
-        width = queue[0].smashed.element_size() if queue else 0  # an empty queue peaks at 0 batches
-        batch_bytes = self.config.local.batch_size * self.parts.smashed_floats * width
+        # high-water mark in full batches: the largest batch that went up, at the width the smashed data were sent
+        # in (bfloat16 under bf16-mixed where the client's last layer autocasts, not the run's float width), and
+        # at the size it went up in (a client's whole data under local.full_batch, not local.batch_size)
+        batch_bytes = max((nbytes(u.smashed) for u in queue), default=0)  # an empty queue peaks at 0 batches
         self.ledger.store("server", "queue_peak", clock["queue_peak"] * batch_bytes)
         self.ls.load_(self.xs)
         server_losses = []
