@@ -262,6 +262,24 @@ def test_event_mode_run_reports_clock():
     assert m["sim_round_time"] > 8 and m["server_idle_time"] >= 0 and m["queue_peak"] >= 1
 
 
+def test_event_clock_waits_for_each_aggregation(monkeypatch):
+    # agg_every = c: a client starts its batches of the next c only once the fed server has averaged the last
+    # c of every client, at the slowest one's end; client 0 takes 1 per batch, client 1 takes 3; h = 1, c = 2
+    import fedweave.algorithms.split.cse_fsl as cse
+
+    seen = []
+    clock = cse.simulate_server
+    monkeypatch.setattr(cse, "simulate_server", lambda items, *a, **k: seen.append(items) or clock(items, *a, **k))
+    opts = {"name": "cse_fsl", "h": 1, "agg_every": 2, "server_order": "event", "speed_spread": 3.0}
+    algo = make(opts, clients=2, batch=5, data={"n_train": 40})  # 20 samples a client: 4 batches
+    monkeypatch.setattr(algo, "batch_time", lambda client: (1.0, 3.0)[client])
+    m = algo.run_round(0)
+    arrivals = {pos: sorted(u.arrival for u in seen[0] if u.pos == pos) for pos in (0, 1)}
+    # client 0: batches 0, 1 at 1, 2; the average at 6 (client 1's second batch); batches 2, 3 at 7, 8
+    assert arrivals == {0: [1.0, 2.0, 7.0, 8.0], 1: [3.0, 6.0, 9.0, 12.0]}
+    assert m["sim_round_time"] == 12.0
+
+
 # ---- configuration errors ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "algorithm, model, local, match",

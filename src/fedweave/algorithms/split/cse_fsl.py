@@ -96,7 +96,7 @@ class CSEFSL(TimedSplit):
         lr_c, lr_a, lr_s = self.lrs(r)
         self.hold_server_models(1)
         queue: list[Upload] = []
-        losses, client_end = [], 0.0
+        losses, client_end = [], 0.0  # client_end: when the last segment's training ends (the clock)
         dropped = self.dropped(r, clients)  # a client that drops out trains nothing, sends nothing
         on_time = self.models_on_time(r, clients)  # whose model reaches the fed server (None: everyone's)
         delivered: set[int] = set()  # clients of which something reaches a server this round
@@ -104,7 +104,9 @@ class CSEFSL(TimedSplit):
         plan = [len(self.batcher.client_batches(int(i), r, (), None)) for i in clients]
         longest = max(max(plan, default=0), 1)
         period = hp.agg_every or longest  # default: aggregate once, after the local epoch(s)
+        offset = 0.0  # when the segment starts on the clock
         for seg, start in enumerate(range(0, longest, period)):
+            seg_end = offset
             self.download(r, clients if seg == 0 else clients[~dropped])  # Alg. 1 line 3
             xc_rows = self.xc.expand(len(clients), -1).clone()
             xa_rows = self.xa.expand(len(clients), -1).clone()
@@ -115,11 +117,14 @@ class CSEFSL(TimedSplit):
             for k, ep in zip(active.tolist(), epochs, strict=True):  # in parallel: none depends on the server
                 i = int(clients[k])
                 losses.extend(ep.losses)
-                up = self.deliver(r, k, i, ep.uploads)  # Alg. 1 lines 10-13: one batch per h went up
+                # Alg. 1 lines 10-13: one batch per h went up; the segment starts once the fed server has
+                # averaged the one before, at the latest client's end of it (``offset``)
+                up = self.deliver(r, k, i, ep.uploads, start, offset)
                 queue.extend(up)
                 if up:
                     delivered.add(i)
-                client_end = max(client_end, self.training_end(r, i, ep.batches))
+                done = len(range(start, min(start + period, ep.batches)))  # its batches in this segment
+                seg_end = max(seg_end, self.training_end(r, i, done, offset))
                 xc_rows[k], xa_rows[k] = ep.xc, ep.xa
                 if on_time is None or i in on_time:
                     arrived.append(k)
@@ -131,6 +136,7 @@ class CSEFSL(TimedSplit):
                 models_in = max(models_in, len(arrived))
             else:
                 self.release_nobody(clients[arrived])  # privacy: under amplification, the noise alone
+            offset = client_end = seg_end
         late_in = self.late_arrivals(r)  # stragglers' uploads of earlier rounds
         for f in late_in:
             queue.append(f.upload)
