@@ -145,6 +145,16 @@ def test_bf16_mixed_queue_peak_is_held_at_the_width_the_smashed_data_were_sent()
     assert algo.ledger.summary()["storage_peak_bytes"]["server"]["queue_peak"] == m["queue_peak"] * 10 * s.smashed * 2
 
 
+def test_full_batch_queue_peak_is_held_in_the_batches_that_went_up():
+    # local.full_batch: a client's one batch is its whole data (80 samples here), not local.batch_size (10); h = 1
+    # uploads it, and the server's queue holds those batches
+    algo = make({"name": "cse_fsl", "h": 1}, full_batch=True)
+    m = algo.run_round(0)
+    s = algo.split_sizes
+    assert kinds(algo)["smashed"] == 5 * 80 * s.smashed * 4 and m["queue_peak"] >= 1
+    assert algo.ledger.summary()["storage_peak_bytes"]["server"]["queue_peak"] == m["queue_peak"] * 80 * s.smashed * 4
+
+
 # ---- identities ------------------------------------------------------------------------------------------
 def _round(opts, **kw):
     algo = make(opts, **kw)
@@ -252,6 +262,24 @@ def test_event_mode_run_reports_clock():
     assert m["sim_round_time"] > 8 and m["server_idle_time"] >= 0 and m["queue_peak"] >= 1
 
 
+def test_event_clock_waits_for_each_aggregation(monkeypatch):
+    # agg_every = c: a client starts its batches of the next c only once the fed server has averaged the last
+    # c of every client, at the slowest one's end; client 0 takes 1 per batch, client 1 takes 3; h = 1, c = 2
+    import fedweave.algorithms.split.cse_fsl as cse
+
+    seen = []
+    clock = cse.simulate_server
+    monkeypatch.setattr(cse, "simulate_server", lambda items, *a, **k: seen.append(items) or clock(items, *a, **k))
+    opts = {"name": "cse_fsl", "h": 1, "agg_every": 2, "server_order": "event", "speed_spread": 3.0}
+    algo = make(opts, clients=2, batch=5, data={"n_train": 40})  # 20 samples a client: 4 batches
+    monkeypatch.setattr(algo, "batch_time", lambda client: (1.0, 3.0)[client])
+    m = algo.run_round(0)
+    arrivals = {pos: sorted(u.arrival for u in seen[0] if u.pos == pos) for pos in (0, 1)}
+    # client 0: batches 0, 1 at 1, 2; the average at 6 (client 1's second batch); batches 2, 3 at 7, 8
+    assert arrivals == {0: [1.0, 2.0, 7.0, 8.0], 1: [3.0, 6.0, 9.0, 12.0]}
+    assert m["sim_round_time"] == 12.0
+
+
 # ---- configuration errors ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "algorithm, model, local, match",
@@ -263,6 +291,16 @@ def test_event_mode_run_reports_clock():
         ("fsl_an", {"name": "split_small", "aux": "rnn"}, {}, "model.aux"),
         ("fsl_an", {"name": "split_small", "depth": 3}, {}, "model.depth"),
         ("fsl_mc", "split_small", {"momentum": 0.9}, "local.momentum"),
+        # a split model's options are checked against their types, naming the key (before: a bare TypeError, a
+        # torch message naming no key, or a string taken as true)
+        ("cse_fsl", {"name": "split_small", "width": 2.5}, {}, "model.width must be an integer"),
+        ("cse_fsl", {"name": "split_small", "hidden": True}, {}, "model.hidden must be an integer"),
+        ("cse_fsl", {"name": "split_small", "aux": "cnn", "aux_channels": 2.5}, {}, "model.aux_channels must be"),
+        ("cse_fsl", {"name": "split_cifar", "crop": 4.5}, {}, "model.crop must be"),
+        ("cse_fsl", {"name": "split_femnist", "client_relu": "no"}, {}, "model.client_relu must be true or false"),
+        # the CNN+MLP head's width beside the MLP head, which has none (before: silently not read)
+        ("cse_fsl", {"name": "split_small", "aux_channels": 4}, {}, "model.aux_channels applies to model.aux: cnn"),
+        ("fsl_an", {"name": "split_small", "aux": "mlp", "aux_channels": 4}, {}, "model.aux_channels applies"),
     ],
 )
 def test_config_errors(algorithm, model, local, match):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedweave.config import check_options
 from fedweave.data.augment import center_crop
 from fedweave.registry import Registry
 
@@ -59,6 +60,8 @@ def count(module: nn.Module) -> int:
 
 def _aux(kind: str, aux_channels: int | None, cut: tuple[int, int, int], num_classes: int) -> nn.Module:
     c, h, w = cut
+    if kind == "mlp" and aux_channels is not None:  # the MLP head has no channels: the value would go unread
+        raise ValueError(f"model.aux_channels applies to model.aux: cnn, not mlp (got {aux_channels!r}); leave it out")
     if kind == "mlp":  # Tables III/IV "MLP": one linear layer on the flattened smashed data
         return nn.Sequential(nn.Linear(c * h * w, num_classes))
     if kind == "cnn":  # Tables III/IV "CNN+MLP": 1×1 conv to aux_channels, ReLU (spec §4.3 resolution), linear
@@ -252,4 +255,7 @@ def build_split_model(
     for k in options:
         if k not in allowed:
             raise ValueError(f"unknown option model.{k} for split model {name!r}; allowed: {', '.join(allowed)}")
+    # the values against the builder's annotations, one line naming the key: a float width or crop would fail in
+    # torch without naming it, and a string such as "no" would be taken as true
+    options = check_options(builder, options, "model", skip=("input_shape", "num_classes"), name=name)
     return builder(tuple(input_shape), num_classes, **options)

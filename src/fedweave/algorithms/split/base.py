@@ -687,7 +687,8 @@ class TimedSplit(SplitAlgorithm):
     """The simulated clock of an asynchronous split round, and the injected faults on it (CSE-FSL).
 
     Without ``faults.deadline`` client i takes τ_i ~ U[1, speed_spread] per local batch (the ``clock``
-    stream, fixed per client) and its upload after batch m arrives at (m+1)·τ_i + latency. With a deadline the
+    stream, fixed per client) and its upload after batch m arrives at (m+1)·τ_i + latency (with ``agg_every``,
+    from the start of its segment, when the fed server has averaged the one before). With a deadline the
     clock is the fault model's: the upload after batch m arrives at ``faults.arrival_times(r, i, w)`` (+ latency)
     with w the m + 1 batches in the clock's unit (``work_units``: ``(m + 1) / reference_batches``, or ``m + 1``
     under ``faults.work_unit: step``), the client's model at the end of its epoch, so the fed server aggregates
@@ -719,23 +720,27 @@ class TimedSplit(SplitAlgorithm):
         """τ_i: the simulated time client i needs per local batch (a fixed device speed)."""
         return float(self.seeds.numpy("clock", client).uniform(1.0, self.hp.speed_spread))
 
-    def upload_times(self, r: int, client: int, batches: list[int]) -> np.ndarray:
-        """Arrival times of client ``client``'s smashed uploads after the given local batches (0-based)."""
+    def upload_times(self, r: int, client: int, batches: list[int], start: int = 0, offset: float = 0.0) -> np.ndarray:
+        """Arrival times of client ``client``'s smashed uploads after the given local batches (0-based), in the
+        round segment that starts with batch ``start`` at time ``offset`` (``agg_every``: when the fed server
+        has averaged the segment before; without a deadline only, which allows one segment)."""
         if self.timed:
             work = self.work_units(np.asarray(batches, dtype=np.float64) + 1)  # batches 0..m: m + 1 of them
             return self.faults.arrival_times(r, np.full(len(batches), client), work) + self.hp.latency
-        return (np.asarray(batches, dtype=np.float64) + 1) * self.batch_time(client) + self.hp.latency
+        done = np.asarray(batches, dtype=np.float64) - start + 1  # the segment's batches up to m
+        return offset + done * self.batch_time(client) + self.hp.latency
 
-    def finish_time(self, r: int, client: int, batches: int) -> float:
-        """When client ``client`` finishes its ``batches`` local batches of round ``r``."""
+    def finish_time(self, r: int, client: int, batches: int, offset: float = 0.0) -> float:
+        """When client ``client`` finishes its ``batches`` local batches of round ``r`` (of a segment that starts
+        at ``offset``)."""
         if self.timed:
             return float(self.faults.arrival_times(r, [client], self.client_work(r, [client]))[0])
-        return batches * self.batch_time(client)
+        return offset + batches * self.batch_time(client)
 
-    def training_end(self, r: int, client: int, batches: int) -> float:
+    def training_end(self, r: int, client: int, batches: int, offset: float = 0.0) -> float:
         """Until when round ``r`` waits for client ``client``'s training: its :meth:`finish_time`, cut at the
         deadline (the fed server stops waiting then; the next round starts at it)."""
-        done = self.finish_time(r, client, batches)
+        done = self.finish_time(r, client, batches, offset)
         return min(done, self.config.faults.deadline) if self.timed else done
 
     def dropped(self, r: int, clients: np.ndarray) -> np.ndarray:
@@ -746,13 +751,16 @@ class TimedSplit(SplitAlgorithm):
         """The clients whose model reaches the fed server by the deadline (None: no deadline, every one)."""
         return set(self.reporting(r, clients).tolist()) if self.timed else None
 
-    def deliver(self, r: int, pos: int, client: int, uploads: list) -> list[Upload]:
+    def deliver(
+        self, r: int, pos: int, client: int, uploads: list, start: int = 0, offset: float = 0.0
+    ) -> list[Upload]:
         """The smashed uploads ``(window, batch, smashed, labels)`` of client ``client`` (at position ``pos``
-        of the round) that reach the server's queue in round ``r``, in order, each through the ledger; the
-        late ones are held in flight (policy ``late``) or discarded (``drop``)."""
+        of the round; in the segment from batch ``start`` at time ``offset``, :meth:`upload_times`) that reach
+        the server's queue in round ``r``, in order, each through the ledger; the late ones are held in flight
+        (policy ``late``) or discarded (``drop``)."""
         deadline, late_policy = self.config.faults.deadline, self.late_policy
         sent = [m for _, m, _, _ in uploads]
-        times = dict(zip(sent, self.upload_times(r, client, sent), strict=True))
+        times = dict(zip(sent, self.upload_times(r, client, sent, start, offset), strict=True))
         arrived = []
         for w, m, a, y in uploads:
             up = Upload(pos, w, m, a, y, arrival=float(times[m]))

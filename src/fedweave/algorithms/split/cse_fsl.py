@@ -41,6 +41,7 @@ from fedweave.algorithms.split.base import (  # noqa: F401  (ClientEpoch, InFlig
     simulate_server,
 )
 from fedweave.config import ConfigError
+from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
 
 
@@ -95,7 +96,7 @@ class CSEFSL(TimedSplit):
         lr_c, lr_a, lr_s = self.lrs(r)
         self.hold_server_models(1)
         queue: list[Upload] = []
-        losses, client_end = [], 0.0
+        losses, client_end = [], 0.0  # client_end: when the last segment's training ends (the clock)
         dropped = self.dropped(r, clients)  # a client that drops out trains nothing, sends nothing
         on_time = self.models_on_time(r, clients)  # whose model reaches the fed server (None: everyone's)
         delivered: set[int] = set()  # clients of which something reaches a server this round
@@ -103,7 +104,9 @@ class CSEFSL(TimedSplit):
         plan = [len(self.batcher.client_batches(int(i), r, (), None)) for i in clients]
         longest = max(max(plan, default=0), 1)
         period = hp.agg_every or longest  # default: aggregate once, after the local epoch(s)
+        offset = 0.0  # when the segment starts on the clock
         for seg, start in enumerate(range(0, longest, period)):
+            seg_end = offset
             self.download(r, clients if seg == 0 else clients[~dropped])  # Alg. 1 line 3
             xc_rows = self.xc.expand(len(clients), -1).clone()
             xa_rows = self.xa.expand(len(clients), -1).clone()
@@ -114,11 +117,14 @@ class CSEFSL(TimedSplit):
             for k, ep in zip(active.tolist(), epochs, strict=True):  # in parallel: none depends on the server
                 i = int(clients[k])
                 losses.extend(ep.losses)
-                up = self.deliver(r, k, i, ep.uploads)  # Alg. 1 lines 10-13: one batch per h went up
+                # Alg. 1 lines 10-13: one batch per h went up; the segment starts once the fed server has
+                # averaged the one before, at the latest client's end of it (``offset``)
+                up = self.deliver(r, k, i, ep.uploads, start, offset)
                 queue.extend(up)
                 if up:
                     delivered.add(i)
-                client_end = max(client_end, self.training_end(r, i, ep.batches))
+                done = len(range(start, min(start + period, ep.batches)))  # its batches in this segment
+                seg_end = max(seg_end, self.training_end(r, i, done, offset))
                 xc_rows[k], xa_rows[k] = ep.xc, ep.xa
                 if on_time is None or i in on_time:
                     arrived.append(k)
@@ -130,6 +136,7 @@ class CSEFSL(TimedSplit):
                 models_in = max(models_in, len(arrived))
             else:
                 self.release_nobody(clients[arrived])  # privacy: under amplification, the noise alone
+            offset = client_end = seg_end
         late_in = self.late_arrivals(r)  # stragglers' uploads of earlier rounds
         for f in late_in:
             queue.append(f.upload)
@@ -139,10 +146,10 @@ class CSEFSL(TimedSplit):
         # Alg. 2 lines 3-10: the server drains its dataQueue, one SGD step per item on its one model
         order = process_order(hp.server_order, queue, self.seeds.numpy("server_order", r))
         clock = simulate_server(queue, order, hp.server_step_time, barrier=hp.server_order == "sync")
-        # high-water mark in full batches, at the width the smashed data were sent in (bfloat16 under bf16-mixed
-        # where the client's last layer autocasts, not the run's float width)
-        width = queue[0].smashed.element_size() if queue else 0  # an empty queue peaks at 0 batches
-        batch_bytes = self.config.local.batch_size * self.parts.smashed_floats * width
+        # high-water mark in full batches: the largest batch that went up, at the width the smashed data were sent
+        # in (bfloat16 under bf16-mixed where the client's last layer autocasts, not the run's float width), and
+        # at the size it went up in (a client's whole data under local.full_batch, not local.batch_size)
+        batch_bytes = max((nbytes(u.smashed) for u in queue), default=0)  # an empty queue peaks at 0 batches
         self.ledger.store("server", "queue_peak", clock["queue_peak"] * batch_bytes)
         self.ls.load_(self.xs)
         server_losses = []
