@@ -285,6 +285,9 @@ def test_init_options() -> None:
         ("resnet18_gn", CIFAR, {"stem": "tiny"}, r"model\.stem = 'tiny'.*'imagenet'.*'cifar'"),
         ("char_lstm", (80,), {"hidden": 0}, r"model\.hidden = 0"),
         ("char_lstm", (80,), {"num_layers": 1.5}, r"model\.num_layers = 1\.5"),
+        # a float equal to an allowed int used to pass the check and fail in torch without naming the option
+        ("cnn_mnist", MNIST, {"padding": 2.0}, r"model\.padding = 2\.0 .*0 .* or 2"),
+        ("resnet18_gn", CIFAR, {"groups": 2.0}, r"model\.groups = 2\.0 .*\[1, 2, 4, 8, 16, 32, 64\]"),
     ],
 )
 def test_bad_options_name_the_option(name, shape, opts, pattern) -> None:

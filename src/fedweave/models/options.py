@@ -65,7 +65,9 @@ def number(v: Any) -> float:
 
 def choice(*values: Any) -> Callable[[Any], Any]:
     def check(v: Any) -> Any:
-        if v not in values or isinstance(v, bool) != isinstance(values[0], bool):
+        # the type must match too: 2.0 == 2 and True == 1, but torch refuses a float or bool padding or group
+        # count later, in an error that names no option
+        if not any(type(v) is type(a) and v == a for a in values):
             raise _Bad
         return v
 
