@@ -288,6 +288,8 @@ def test_init_options() -> None:
         # a float equal to an allowed int used to pass the check and fail in torch without naming the option
         ("cnn_mnist", MNIST, {"padding": 2.0}, r"model\.padding = 2\.0 .*0 .* or 2"),
         ("resnet18_gn", CIFAR, {"groups": 2.0}, r"model\.groups = 2\.0 .*\[1, 2, 4, 8, 16, 32, 64\]"),
+        # a NaN forget bias used to build a model whose every logit is NaN
+        ("char_lstm", (80,), {"forget_bias": float("nan")}, r"model\.forget_bias = nan .*a finite number"),
     ],
 )
 def test_bad_options_name_the_option(name, shape, opts, pattern) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +59,8 @@ def pos_int(v: Any) -> int:
 
 
 def number(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    """A finite int or float (a NaN or infinite constant would make every output NaN or saturate a gate)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise _Bad
     return float(v)
 
