@@ -310,6 +310,20 @@ def test_bad_shapes_and_classes() -> None:
     assert build_model("cnn_fmnist", (3, 12, 12), 5)(torch.randn(2, 3, 12, 12)).shape == (2, 5)
 
 
+def test_numpy_integers_are_integers() -> None:
+    # a dataset of one's own often computes its classes as y.max() + 1, a NumPy integer: it used to be refused
+    # as "num_classes must be a positive int, got np.int64(10)"
+    import numpy as np
+
+    ten, shape = np.int64(10), tuple(np.array(MNIST))
+    for name in ("logistic", "mlp", "cnn_small", "resnet18_gn"):
+        assert count_parameters(_build(name, shape, ten)) == count_parameters(_build(name, MNIST, 10)), name
+    assert count_parameters(_build("mlp", MNIST, hidden=[np.int64(64)])) == 50_890
+    assert count_parameters(_build("char_lstm", (np.int64(80),), np.int64(80), hidden=np.int32(256))) == 817_872
+    with pytest.raises(ValueError, match="num_classes must be a positive int"):
+        build_model("logistic", MNIST, np.bool_(True))
+
+
 @pytest.mark.parametrize("name", ["cnn_mnist", "cnn_small", "cnn_fmnist"])
 def test_two_conv_cnn_equals_the_textbook_layer_order_bit_for_bit(name):
     """The CNNs apply each ReLU after its max-pool (cheaper); values and gradients must be those of

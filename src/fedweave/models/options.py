@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -43,7 +45,8 @@ def parse_options(model: str, options: Mapping[str, Any], spec: Mapping[str, Opt
 
 
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    # NumPy integers count (a dataset's y.max() + 1), booleans do not (True would be 1)
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
 def boolean(v: Any) -> bool:
@@ -101,6 +104,7 @@ def check_shape(model: str, input_shape: Any, ndim: int | None = None) -> tuple[
         raise ValueError(
             f"model {model!r}: input_shape must be a non-empty tuple of positive ints, got {input_shape!r}"
         )
+    shape = tuple(int(s) for s in shape)
     if ndim is not None and len(shape) != ndim:
         want = "(channels, height, width)" if ndim == 3 else f"{ndim} dimensions"
         raise ValueError(f"model {model!r}: input_shape must be {want}, got {shape}")
