@@ -75,6 +75,20 @@ def test_bad_split_model_options_are_one_line_naming_the_option(name, shape, opt
         build_split_model(name, shape, 10, opts)
 
 
+def test_an_allocation_failure_in_the_shape_probe_is_not_called_too_small():
+    # the split family turns it into "does not fit in memory" (docs/reliability.md), so it must pass through
+    import torch
+
+    from fedweave.models.split import _cut_shape
+
+    class Huge(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 10 bytes")
+
+    with pytest.raises(RuntimeError, match="allocate"):
+        _cut_shape(torch.nn.Sequential(Huge(), torch.nn.Flatten()), (1, 4, 4), "split_small")
+
+
 def test_paper_models_default_to_the_authors_init_spec_a28():
     import torch
 

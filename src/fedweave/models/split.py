@@ -90,7 +90,9 @@ def _cut_shape(client: nn.Module, input_shape: tuple[int, ...], name: str) -> tu
     with torch.no_grad():
         try:
             out = client[:-1](torch.zeros(1, *input_shape))  # every client ends with Flatten
-        except RuntimeError as e:  # a conv or pool whose output would be empty
+        except RuntimeError as e:  # a conv or pool whose output would be empty (not an allocation failure)
+            if "allocate" in str(e):
+                raise
             raise ValueError(too_small) from e
     if out.dim() != 4 or min(out.shape[2:]) < 1:
         raise ValueError(too_small)
