@@ -302,6 +302,14 @@ def test_bad_shapes_and_classes() -> None:
         build_model("cnn_small", (784,), 10)
     with pytest.raises(ValueError, match="too small"):
         build_model("cnn_mnist", (1, 8, 8), 10)
+    # the line names the input and the least size the two conv + pool stages take (it used to say only
+    # "spatial size 2 is too small for kernel 5", the size after the first stage, for 8x8 digits)
+    with pytest.raises(ValueError, match=r"input_shape \(1, 8, 8\) is too small.*at least 16×16 pixels"):
+        build_model("cnn_small", (1, 8, 8), 10)
+    with pytest.raises(ValueError, match=r"input_shape \(1, 3, 40\) is too small.*padding 2.*at least 4×4"):
+        build_model("cnn_fmnist", (1, 3, 40), 10)
+    assert build_model("cnn_small", (1, 16, 16), 10)(torch.randn(2, 1, 16, 16)).shape == (2, 10)
+    assert build_model("cnn_femnist", (1, 4, 4), 10)(torch.randn(2, 1, 4, 4)).shape == (2, 10)
     with pytest.raises(ValueError, match="num_classes must be a positive int"):
         build_model("logistic", MNIST, 0)
     with pytest.raises(ValueError, match="input_shape"):
