@@ -285,6 +285,11 @@ def test_init_options() -> None:
         ("resnet18_gn", CIFAR, {"stem": "tiny"}, r"model\.stem = 'tiny'.*'imagenet'.*'cifar'"),
         ("char_lstm", (80,), {"hidden": 0}, r"model\.hidden = 0"),
         ("char_lstm", (80,), {"num_layers": 1.5}, r"model\.num_layers = 1\.5"),
+        # a float equal to an allowed int used to pass the check and fail in torch without naming the option
+        ("cnn_mnist", MNIST, {"padding": 2.0}, r"model\.padding = 2\.0 .*0 .* or 2"),
+        ("resnet18_gn", CIFAR, {"groups": 2.0}, r"model\.groups = 2\.0 .*\[1, 2, 4, 8, 16, 32, 64\]"),
+        # a NaN forget bias used to build a model whose every logit is NaN
+        ("char_lstm", (80,), {"forget_bias": float("nan")}, r"model\.forget_bias = nan .*a finite number"),
     ],
 )
 def test_bad_options_name_the_option(name, shape, opts, pattern) -> None:
@@ -297,12 +302,34 @@ def test_bad_shapes_and_classes() -> None:
         build_model("cnn_small", (784,), 10)
     with pytest.raises(ValueError, match="too small"):
         build_model("cnn_mnist", (1, 8, 8), 10)
+    # the line names the input and the least size the two conv + pool stages take (it used to say only
+    # "spatial size 2 is too small for kernel 5", the size after the first stage, for 8x8 digits)
+    with pytest.raises(ValueError, match=r"input_shape \(1, 8, 8\) is too small.*at least 16×16 pixels"):
+        build_model("cnn_small", (1, 8, 8), 10)
+    with pytest.raises(ValueError, match=r"input_shape \(1, 3, 40\) is too small.*padding 2.*at least 4×4"):
+        build_model("cnn_fmnist", (1, 3, 40), 10)
+    assert build_model("cnn_small", (1, 16, 16), 10)(torch.randn(2, 1, 16, 16)).shape == (2, 10)
+    assert build_model("cnn_femnist", (1, 4, 4), 10)(torch.randn(2, 1, 4, 4)).shape == (2, 10)
     with pytest.raises(ValueError, match="num_classes must be a positive int"):
         build_model("logistic", MNIST, 0)
     with pytest.raises(ValueError, match="input_shape"):
         build_model("char_lstm", (1, 80), 80)
     # Any spatial size that survives the two conv + pool stages works, e.g. 12×12 with padding 2.
     assert build_model("cnn_fmnist", (3, 12, 12), 5)(torch.randn(2, 3, 12, 12)).shape == (2, 5)
+
+
+def test_numpy_integers_are_integers() -> None:
+    # a dataset of one's own often computes its classes as y.max() + 1, a NumPy integer: it used to be refused
+    # as "num_classes must be a positive int, got np.int64(10)"
+    import numpy as np
+
+    ten, shape = np.int64(10), tuple(np.array(MNIST))
+    for name in ("logistic", "mlp", "cnn_small", "resnet18_gn"):
+        assert count_parameters(_build(name, shape, ten)) == count_parameters(_build(name, MNIST, 10)), name
+    assert count_parameters(_build("mlp", MNIST, hidden=[np.int64(64)])) == 50_890
+    assert count_parameters(_build("char_lstm", (np.int64(80),), np.int64(80), hidden=np.int32(256))) == 817_872
+    with pytest.raises(ValueError, match="num_classes must be a positive int"):
+        build_model("logistic", MNIST, np.bool_(True))
 
 
 @pytest.mark.parametrize("name", ["cnn_mnist", "cnn_small", "cnn_fmnist"])

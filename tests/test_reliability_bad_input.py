@@ -229,6 +229,8 @@ def _cases() -> list[tuple[list[str], str]]:
         (["local.lr=1e41"], "local.lr must be a finite number in (0, 3.40282e+38]"),
         (["local.grad_clip=1e41"], "local.grad_clip"),
         (["model={name: mlp, hidden: [1000000000000]}"], "does not fit in memory"),
+        (["algorithm.name=cse_fsl", "model={name: split_small, hidden: 1000000000000}"], "does not fit in memory"),
+        (["algorithm.name=cse_fsl", "model={name: split_small, width: 2.0}"], "model.width must be a positive integer"),
         (["model.init_from=5"], "model.init_from must be the path"),
         (["local.lr=" + "[" * 20_000], "YAML nested deeper than 100 levels"),
         # every round's schedule entry is checked when the run is built (before: only when its round came)

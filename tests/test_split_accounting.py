@@ -53,6 +53,42 @@ def test_paper_preset_cifar_crop_gives_the_papers_q():
     assert _parts("split_cifar", (3, 32, 32), 10)[3] == 4096  # without the crop
 
 
+@pytest.mark.parametrize(
+    "name, shape, opts, expect",
+    [
+        # a float, bool or string used to reach torch (a TypeError naming no option: a traceback in a run)
+        ("split_small", (1, 8, 8), {"width": 2.0}, r"^model\.width must be a positive integer, got 2\.0$"),
+        ("split_small", (1, 8, 8), {"hidden": True}, r"^model\.hidden must be a positive integer, got True$"),
+        ("split_small", (1, 8, 8), {"hidden": "64"}, r"^model\.hidden must be a positive integer, got '64'$"),
+        ("split_cifar", (3, 32, 32), {"crop": 24.0}, r"^model\.crop must be an integer .* 32, got 24\.0$"),
+        ("split_cifar", (3, 24, 24), {"aux": "cnn", "aux_channels": 2.5}, r"^model\.aux_channels must be"),
+        # crop: true was read as a 1x1 crop, client_relu: 'no' as true (a ReLU)
+        ("split_cifar", (3, 32, 32), {"crop": True}, r"^model\.crop must be an integer between 1 and .*, got True$"),
+        ("split_femnist", (1, 28, 28), {"client_relu": "no"}, r"^model\.client_relu must be true or false, got 'no'$"),
+        # an input the client layers shrink to nothing: the forward's RuntimeError, not this line
+        ("split_femnist", (1, 4, 4), {}, r"^model 'split_femnist': input shape \(1, 4, 4\) is too small"),
+        ("split_small", (1, 1, 1), {}, r"^model 'split_small': input shape \(1, 1, 1\) is too small"),
+    ],
+)
+def test_bad_split_model_options_are_one_line_naming_the_option(name, shape, opts, expect):
+    with pytest.raises(ValueError, match=expect):
+        build_split_model(name, shape, 10, opts)
+
+
+def test_an_allocation_failure_in_the_shape_probe_is_not_called_too_small():
+    # the split family turns it into "does not fit in memory" (docs/reliability.md), so it must pass through
+    import torch
+
+    from fedweave.models.split import _cut_shape
+
+    class Huge(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 10 bytes")
+
+    with pytest.raises(RuntimeError, match="allocate"):
+        _cut_shape(torch.nn.Sequential(Huge(), torch.nn.Flatten()), (1, 4, 4), "split_small")
+
+
 def test_paper_models_default_to_the_authors_init_spec_a28():
     import torch
 

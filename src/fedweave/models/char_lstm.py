@@ -93,7 +93,7 @@ _OPTS = {
     "hidden": Opt(256, pos_int, "a positive int (LEAF: 256)"),
     "num_layers": Opt(2, pos_int, "a positive int (LEAF: 2)"),
     "vocab_size": Opt(None, lambda v: v if v is None else pos_int(v), "a positive int or null (= num_classes)"),
-    "forget_bias": Opt(1.0, number, "a number (LEAF/TensorFlow BasicLSTMCell: 1.0)"),
+    "forget_bias": Opt(1.0, number, "a finite number (LEAF/TensorFlow BasicLSTMCell: 1.0)"),
 }
 
 

@@ -41,6 +41,20 @@ from fedweave.registry import MODELS
 KERNEL = 5
 
 
+def _after_stages(model: str, size: int, padding: int) -> int:
+    """The length of one spatial axis after conv (stride 1) then maxpool 2×2 stride 2 (floor mode), twice."""
+    for _ in range(2):
+        size = conv_out(model, conv_out(model, size, KERNEL, 1, padding), 2, 2)
+    return size
+
+
+def _fits(model: str, size: int, padding: int) -> bool:
+    try:
+        return _after_stages(model, size, padding) >= 1
+    except ValueError:
+        return False
+
+
 class TwoConvCNN(HeadedModel):
     """conv1 → ReLU → pool → conv2 → ReLU → pool → flatten → (fc_i → ReLU)* → last fc (logits), computed
     with each ReLU after its pool (the same function)."""
@@ -64,9 +78,14 @@ class TwoConvCNN(HeadedModel):
             self.bn2 = nn.BatchNorm2d(channels[1], track_running_stats=False)
         else:
             self.bn1 = self.bn2 = nn.Identity()
-        for _ in range(2):  # conv (stride 1) then maxpool 2×2 stride 2, floor mode
-            h = conv_out(model, conv_out(model, h, KERNEL, 1, padding), 2, 2)
-            w = conv_out(model, conv_out(model, w, KERNEL, 1, padding), 2, 2)
+        try:
+            h, w = _after_stages(model, h, padding), _after_stages(model, w, padding)
+        except ValueError:  # name the input and the least size, not the size reached after the first stage
+            least = next(n for n in range(1, 100) if _fits(model, n, padding))  # 16 (padding 0), 4 (padding 2)
+            raise ValueError(
+                f"model {model!r}: input_shape {input_shape} is too small: its two {KERNEL}×{KERNEL} convs "
+                f"(padding {padding}), each followed by a 2×2 max-pool, need at least {least}×{least} pixels"
+            ) from None
         self.flat_features = channels[1] * h * w
         sizes = (self.flat_features, *hidden, num_classes)
         self.fcs = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -42,7 +45,8 @@ def parse_options(model: str, options: Mapping[str, Any], spec: Mapping[str, Opt
 
 
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    # NumPy integers count (a dataset's y.max() + 1), booleans do not (True would be 1)
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
 def boolean(v: Any) -> bool:
@@ -58,14 +62,17 @@ def pos_int(v: Any) -> int:
 
 
 def number(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    """A finite int or float (a NaN or infinite constant would make every output NaN or saturate a gate)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise _Bad
     return float(v)
 
 
 def choice(*values: Any) -> Callable[[Any], Any]:
     def check(v: Any) -> Any:
-        if v not in values or isinstance(v, bool) != isinstance(values[0], bool):
+        # the type must match too: 2.0 == 2 and True == 1, but torch refuses a float or bool padding or group
+        # count later, in an error that names no option
+        if not any(type(v) is type(a) and v == a for a in values):
             raise _Bad
         return v
 
@@ -97,6 +104,7 @@ def check_shape(model: str, input_shape: Any, ndim: int | None = None) -> tuple[
         raise ValueError(
             f"model {model!r}: input_shape must be a non-empty tuple of positive ints, got {input_shape!r}"
         )
+    shape = tuple(int(s) for s in shape)
     if ndim is not None and len(shape) != ndim:
         want = "(channels, height, width)" if ndim == 3 else f"{ndim} dimensions"
         raise ValueError(f"model {model!r}: input_shape must be {want}, got {shape}")

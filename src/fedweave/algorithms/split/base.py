@@ -42,7 +42,13 @@ from torch import nn
 
 from fedweave.accounting import split as accounting
 from fedweave.accounting.split import upload_batches
-from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights, checked_augment
+from fedweave.algorithms.base import (
+    Algorithm,
+    RunContext,
+    _model_memory,
+    aggregation_weights,
+    checked_augment,
+)
 from fedweave.config import ConfigError
 from fedweave.execution import LocalTrainer, ParamLayout, evaluate_task
 from fedweave.ledger import nbytes
@@ -267,8 +273,11 @@ class SplitAlgorithm(Algorithm):
             raise ConfigError(f"algorithm.clients_per_round ({self.per_round}) exceeds partition.num_clients ({n})")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seeds.int_seed("model_init"))
-            try:
-                self.parts = build_split_model(cfg.model.name, tuple(ds.input_shape), ds.num_classes, cfg.model.options)
+            try:  # a part too large to allocate is one line as for the zoo's models (docs/reliability.md)
+                with _model_memory(cfg.model.name, dict(cfg.model.options)):
+                    self.parts = build_split_model(
+                        cfg.model.name, tuple(ds.input_shape), ds.num_classes, cfg.model.options
+                    )
             except ValueError as e:
                 raise ConfigError(str(e)) from e
         if not self.uses_aux:  # FSL_MC and FSL_OC train no auxiliary net: its options would be silently unread
