@@ -58,17 +58,6 @@ def count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _is_int(v: Any) -> bool:
-    # bool is an int to Python (crop: true would be a 1×1 crop), and torch refuses a float size
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _positive(key: str, value: Any) -> int:
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"model.{key} must be a positive integer, got {value!r}")
-    return value
-
-
 def _aux(kind: str, aux_channels: int | None, cut: tuple[int, int, int], num_classes: int) -> nn.Module:
     c, h, w = cut
     if kind == "mlp" and aux_channels is not None:  # the MLP head has no channels: the value would go unread
@@ -76,7 +65,7 @@ def _aux(kind: str, aux_channels: int | None, cut: tuple[int, int, int], num_cla
     if kind == "mlp":  # Tables III/IV "MLP": one linear layer on the flattened smashed data
         return nn.Sequential(nn.Linear(c * h * w, num_classes))
     if kind == "cnn":  # Tables III/IV "CNN+MLP": 1×1 conv to aux_channels, ReLU (spec §4.3 resolution), linear
-        if not _is_int(aux_channels) or aux_channels < 1:
+        if aux_channels is None or aux_channels < 1:
             raise ValueError(f"model.aux_channels must be a positive integer for aux='cnn', got {aux_channels!r}")
         return nn.Sequential(
             nn.Unflatten(1, cut),
@@ -172,8 +161,8 @@ def split_cifar(
     c, h, w = _check_image("split_cifar", tuple(input_shape), num_classes)
     if pool not in ("max3", "max2"):
         raise ValueError(f"model.pool must be 'max3' or 'max2', got {pool!r}")
-    if crop is not None and not (_is_int(crop) and 0 < crop <= min(h, w)):
-        raise ValueError(f"model.crop must be an integer between 1 and the image size {min(h, w)}, got {crop!r}")
+    if crop is not None and not 0 < crop <= min(h, w):
+        raise ValueError(f"model.crop must be between 1 and the image size {min(h, w)}, got {crop}")
     front = [CenterCrop(crop)] if crop is not None else []
     input_shape = (c, crop, crop) if crop is not None else tuple(input_shape)
 
@@ -210,8 +199,6 @@ def split_femnist(
 ) -> SplitModel:
     """The F-EMNIST CNN of Reddi et al., cut after the pool and dropout (spec §4.2; ``client_relu`` A10)."""
     c, _, _ = _check_image("split_femnist", tuple(input_shape), num_classes)
-    if not isinstance(client_relu, bool):  # a string such as 'no' is truthy: it would keep the ReLUs
-        raise ValueError(f"model.client_relu must be true or false, got {client_relu!r}")
     act = nn.ReLU if client_relu else nn.Identity
     client = nn.Sequential(
         nn.Conv2d(c, 32, 3), act(), nn.Conv2d(32, 64, 3), act(), nn.MaxPool2d(2), nn.Dropout(0.25), nn.Flatten()
@@ -241,7 +228,8 @@ def split_small(
     the paper's CIFAR model. Server: Linear(q, hidden) ReLU Linear(hidden, K).
     """
     c, h, _ = _check_image("split_small", tuple(input_shape), num_classes)
-    width, hidden = _positive("width", width), _positive("hidden", hidden)
+    if width < 1 or hidden < 1:
+        raise ValueError(f"model.width and model.hidden must be >= 1, got {width}, {hidden}")
     layers: list[nn.Module] = [
         nn.Conv2d(c, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
