@@ -390,6 +390,34 @@ def test_a_dataset_passed_from_python_gets_its_own_problem(tmp_path):
     assert torch.equal(second.X, alone.X)
 
 
+def test_float64_data_passed_from_python_are_not_rounded_under_the_default_precision(tmp_path):
+    """The family computes in float64 whatever the precision, so float32 (the default) and float64 give the same
+    numbers: float64 features passed from Python reach eq. (48) as they are (before: rounded to float32 first,
+    a problem some 1e-8 away, x* included)."""
+    import fedweave
+    from fedweave.algorithms.confederated import base as confed
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(160, 6, generator=g, dtype=torch.float64) / 3
+    y = (x[:, 0] + 0.3 * torch.randn(160, generator=g, dtype=torch.float64) > 0).long()
+    cfg = {
+        "rounds": 5,
+        "output": {"progress": False, "plots": False},
+        "algorithm": {"name": "cfl_saga", "num_servers": 3, "users_per_server": 2, "batch_size": 5, "rho": 10.0},
+    }
+    runs = {}
+    for precision in ("float32", "float64"):
+        confed._CACHE.clear()
+        res = fedweave.run(
+            {**cfg, "precision": precision}, dataset=(x[:120], y[:120], x[120:], y[120:]), run_dir=tmp_path / precision
+        )
+        runs[precision] = res.algorithm
+    single, double = runs["float32"], runs["float64"]
+    rows = {tuple(r) for r in x[:120].tolist()}
+    assert all(tuple(r) in rows for r in single.problem.omega.reshape(-1, 6).tolist())  # the samples, unrounded
+    assert torch.equal(single.x_star, double.x_star) and torch.equal(single.X, double.X)
+
+
 @pytest.mark.parametrize(("split", "bad"), [("training", float("nan")), ("test", float("inf"))])
 def test_non_finite_features_are_refused_in_one_line(tmp_path, split, bad):
     import fedweave
