@@ -316,6 +316,21 @@ def test_drift_reading_of_the_trigger_does_not_converge():
     assert min(lag) <= 1e-8 and min(drift[300:]) > 1e-6
 
 
+@pytest.mark.parametrize("option", [{"step_size": 0.01}, {"step_scale": 0.5}])
+def test_cfl_admm_refuses_the_gradient_tracking_step_size_it_never_reads(option):
+    """CFL-ADMM steps by its penalties beta and c, never by alpha: a step_size or step_scale was accepted and
+    silently unread (step_size 1e9 ran as the default), and a diverged run was told to lower them."""
+    from fedweave.registry import ALGORITHMS
+    from fedweave.runner import divergence_advice
+
+    key = next(iter(option))
+    with pytest.raises(ConfigError, match=rf"^algorithm.{key}: cfl_admm takes no step size alpha") as e:
+        make("cfl_admm", **option)
+    assert "\n" not in str(e.value)
+    assert "step_s" not in divergence_advice(ALGORITHMS.get("cfl_admm"))
+    make("cfl_admm", beta=1e3, c=10.0)  # its own penalties are what it reads
+
+
 def test_svrg_sarah_converge_and_admm_makes_progress():
     for name in ("gt_svrg", "gt_sarah"):
         assert min(run(make(name, inner_loop=50), 600)) <= 1e-8
