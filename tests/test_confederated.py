@@ -331,6 +331,15 @@ def test_cfl_admm_refuses_the_gradient_tracking_step_size_it_never_reads(option)
     make("cfl_admm", beta=1e3, c=10.0)  # its own penalties are what it reads
 
 
+def test_cfl_admm_refuses_a_mixing_rule_it_never_reads():
+    """CFL-ADMM's servers use the graph's adjacency and degrees (the penalty c), never the mixing matrix W: a
+    mixing rule was accepted and ran the very same iterates as the default."""
+    with pytest.raises(ConfigError, match=r"^algorithm.mixing: cfl_admm mixes with no W") as e:
+        make("cfl_admm", mixing="optimal_constant")
+    assert "\n" not in str(e.value)
+    make("cfl_admm", mixing="max_degree")  # the default, written out
+
+
 def test_svrg_sarah_converge_and_admm_makes_progress():
     for name in ("gt_svrg", "gt_sarah"):
         assert min(run(make(name, inner_loop=50), 600)) <= 1e-8

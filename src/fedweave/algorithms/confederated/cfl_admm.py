@@ -55,6 +55,11 @@ class CFLADMMHparams(ConfederatedHparams):
                     f"algorithm.{key}: cfl_admm takes no step size alpha (its users step by 1/beta, its servers by "
                     "the penalty c: algorithm.beta or beta_scale, c or c_scale); leave it out"
                 )
+        if self.mixing != ConfederatedHparams.mixing:  # its servers weigh neighbours by c, not by W
+            raise ConfigError(
+                "algorithm.mixing: cfl_admm mixes with no W (its servers use the graph's links and degrees with the "
+                "penalty c); leave it out"
+            )
         for key in ("beta", "beta_scale", "c", "c_scale"):
             v = getattr(self, key)
             if v is not None and v <= 0:
