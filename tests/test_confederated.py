@@ -316,6 +316,30 @@ def test_drift_reading_of_the_trigger_does_not_converge():
     assert min(lag) <= 1e-8 and min(drift[300:]) > 1e-6
 
 
+@pytest.mark.parametrize("option", [{"step_size": 0.01}, {"step_scale": 0.5}])
+def test_cfl_admm_refuses_the_gradient_tracking_step_size_it_never_reads(option):
+    """CFL-ADMM steps by its penalties beta and c, never by alpha: a step_size or step_scale was accepted and
+    silently unread (step_size 1e9 ran as the default), and a diverged run was told to lower them."""
+    from fedweave.registry import ALGORITHMS
+    from fedweave.runner import divergence_advice
+
+    key = next(iter(option))
+    with pytest.raises(ConfigError, match=rf"^algorithm.{key}: cfl_admm takes no step size alpha") as e:
+        make("cfl_admm", **option)
+    assert "\n" not in str(e.value)
+    assert "step_s" not in divergence_advice(ALGORITHMS.get("cfl_admm"))
+    make("cfl_admm", beta=1e3, c=10.0)  # its own penalties are what it reads
+
+
+def test_cfl_admm_refuses_a_mixing_rule_it_never_reads():
+    """CFL-ADMM's servers use the graph's adjacency and degrees (the penalty c), never the mixing matrix W: a
+    mixing rule was accepted and ran the very same iterates as the default."""
+    with pytest.raises(ConfigError, match=r"^algorithm.mixing: cfl_admm mixes with no W") as e:
+        make("cfl_admm", mixing="optimal_constant")
+    assert "\n" not in str(e.value)
+    make("cfl_admm", mixing="max_degree")  # the default, written out
+
+
 def test_svrg_sarah_converge_and_admm_makes_progress():
     for name in ("gt_svrg", "gt_sarah"):
         assert min(run(make(name, inner_loop=50), 600)) <= 1e-8
@@ -388,6 +412,34 @@ def test_a_dataset_passed_from_python_gets_its_own_problem(tmp_path):
     second = fedweave.run(cfg, dataset=data(2), run_dir=tmp_path / "second").algorithm
     assert torch.equal(second.problem.omega, alone.problem.omega) and torch.equal(second.x_star, alone.x_star)
     assert torch.equal(second.X, alone.X)
+
+
+def test_float64_data_passed_from_python_are_not_rounded_under_the_default_precision(tmp_path):
+    """The family computes in float64 whatever the precision, so float32 (the default) and float64 give the same
+    numbers: float64 features passed from Python reach eq. (48) as they are (before: rounded to float32 first,
+    a problem some 1e-8 away, x* included)."""
+    import fedweave
+    from fedweave.algorithms.confederated import base as confed
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(160, 6, generator=g, dtype=torch.float64) / 3
+    y = (x[:, 0] + 0.3 * torch.randn(160, generator=g, dtype=torch.float64) > 0).long()
+    cfg = {
+        "rounds": 5,
+        "output": {"progress": False, "plots": False},
+        "algorithm": {"name": "cfl_saga", "num_servers": 3, "users_per_server": 2, "batch_size": 5, "rho": 10.0},
+    }
+    runs = {}
+    for precision in ("float32", "float64"):
+        confed._CACHE.clear()
+        res = fedweave.run(
+            {**cfg, "precision": precision}, dataset=(x[:120], y[:120], x[120:], y[120:]), run_dir=tmp_path / precision
+        )
+        runs[precision] = res.algorithm
+    single, double = runs["float32"], runs["float64"]
+    rows = {tuple(r) for r in x[:120].tolist()}
+    assert all(tuple(r) in rows for r in single.problem.omega.reshape(-1, 6).tolist())  # the samples, unrounded
+    assert torch.equal(single.x_star, double.x_star) and torch.equal(single.X, double.X)
 
 
 @pytest.mark.parametrize(("split", "bad"), [("training", float("nan")), ("test", float("inf"))])

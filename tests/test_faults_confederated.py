@@ -185,6 +185,15 @@ def test_outage_round_is_logged_and_listed(tmp_path, caplog):
     assert any("round 3: no client reported" in rec.getMessage() for rec in caplog.records)
 
 
+def test_a_skipped_round_reports_no_trigger_ratio():
+    """CFL-SAGA's ``trigger_ratio_median`` is the median of ||Delta||^2 / e over the round's last iteration: a
+    skipped round checks no trigger, so its row has none (before: the previous round's value, repeated)."""
+    algo = make("cfl_saga", {"outage_rounds": [3]}, rho=1e3, iterations_per_round=2)
+    rows = [algo.run_round(r) for r in range(4)]  # round r + 1 of the metrics is r here
+    assert "trigger_ratio_median" in rows[1] and "trigger_ratio_median" in rows[3]
+    assert rows[2]["reported_clients"] == 0 and "trigger_ratio_median" not in rows[2]
+
+
 # ---- refusals and resume --------------------------------------------------------------------------------
 def test_faults_that_do_not_apply_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="faults.dropout.*decentralized"):

@@ -286,7 +286,8 @@ class RunContext:
     def _in_precision(self, ds: Dataset) -> Dataset:
         """Floating features and targets in the run's dtype (token ids and class labels stay integers):
         under ``precision: float64`` every dataset; under float32 the data passed from Python (a registered
-        loader's own dtype is kept: the confederated problems are float64 by design)."""
+        loader's own dtype is kept, and so is any data's where the family computes in float64 whatever the
+        precision, ``placement.computes_in``: the confederated problems are float64 by design)."""
 
         def cast(t: torch.Tensor) -> torch.Tensor:
             return t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype else t
@@ -294,8 +295,8 @@ class RunContext:
         tensors = (ds.train_x, ds.train_y, ds.test_x, ds.test_y)
         if all(not t.is_floating_point() or t.dtype == self.dtype for t in tensors):
             return ds  # the common case: nothing to convert
-        if self.dtype == torch.float32 and self.objects.dataset is None:
-            return ds
+        if self.dtype == torch.float32 and (self.objects.dataset is None or self.placement.computes_in == "float64"):
+            return ds  # rounding float64 data to float32 would change the float64 family's problem
         return dataclasses.replace(
             ds, train_x=cast(ds.train_x), train_y=cast(ds.train_y), test_x=cast(ds.test_x), test_y=cast(ds.test_y)
         )

@@ -49,6 +49,17 @@ class CFLADMMHparams(ConfederatedHparams):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_rate("sample_rate", self.sample_rate)
+        for key in ("step_size", "step_scale"):  # the gradient-tracking skeleton's alpha, which ADMM never takes
+            if getattr(self, key) != getattr(ConfederatedHparams, key):
+                raise ConfigError(
+                    f"algorithm.{key}: cfl_admm takes no step size alpha (its users step by 1/beta, its servers by "
+                    "the penalty c: algorithm.beta or beta_scale, c or c_scale); leave it out"
+                )
+        if self.mixing != ConfederatedHparams.mixing:  # its servers weigh neighbours by c, not by W
+            raise ConfigError(
+                "algorithm.mixing: cfl_admm mixes with no W (its servers use the graph's links and degrees with the "
+                "penalty c); leave it out"
+            )
         for key in ("beta", "beta_scale", "c", "c_scale"):
             v = getattr(self, key)
             if v is not None and v <= 0:
@@ -65,6 +76,7 @@ class CFLADMMHparams(ConfederatedHparams):
 class CFLADMM(ConfederatedAlgorithm):
     name = "cfl_admm"
     Hparams = CFLADMMHparams
+    step_sizes = ()  # no alpha; a larger beta or c takes smaller steps, so a divergence names no step to lower
     state_fields = (*ConfederatedAlgorithm.state_fields, "xu", "lam", "msg", "gamma")
 
     def __init__(self, ctx: RunContext, hp: CFLADMMHparams) -> None:

@@ -97,6 +97,7 @@ class CFLSAGA(ConfederatedAlgorithm):
         return self.held.sum(1)  # eq. (18): g_i^{k+1} = sum_j of the held copies
 
     def run_round(self, r: int) -> dict[str, float]:
+        self.last_ratio_median = float("nan")  # a round skipped under faults checks no trigger: it reports none
         out = super().run_round(r)
         out["upload_fraction"] = out["uploads_per_iteration"] / self.net.num_users
         if self.last_ratio_median == self.last_ratio_median:  # finite: e_i > 0 on every server
