@@ -280,3 +280,27 @@ def test_a_resumed_run_keeps_the_round_trace_up_to_its_checkpoint(toy_config, tm
         return [line.rsplit(",", 1)[0] for line in (tmp_path / name / "trace.csv").read_text().splitlines()]
 
     assert len(trace("full")) == 7 and trace("killed") == trace("full")
+
+
+def test_a_resumed_run_measures_an_explosion_against_the_same_first_loss(toy_config, tmp_path):
+    """The explosion check compares a loss with its first positive value: a run killed and resumed compares with
+    the same one. Before, a resumed run took it from the recorded rows, so with ``eval.every: 3`` round 3's
+    training loss replaced round 1's, and a run that completes uninterrupted stopped as diverged once resumed."""
+    toy_config.update(rounds=8, eval={"every": 1, "explode_factor": None})
+    plain = fedweave.run(toy_config, run_dir=tmp_path / "plain").metrics
+    train, test = [r["train_loss"] for r in plain], [r["test_loss"] for r in plain]
+    factor = (1 + max(train[3:]) / train[2]) / 2  # above round 3's training loss by less than a later one's rise
+    assert factor > 1 and max(train[3:]) <= factor * train[0] and max(test[3:]) <= factor * test[2]
+    toy_config.update(eval={"every": 3, "explode_factor": factor})
+    toy_config["output"]["checkpoint_every"] = 3
+    full = fedweave.run(toy_config, run_dir=tmp_path / "full")
+    assert full.summary["status"] == "completed"
+    with pytest.raises(SystemExit):
+        fedweave.run(toy_config, run_dir=tmp_path / "killed", callbacks=[_ExitAfter(4)])  # round 3 checkpointed
+    again = resume(tmp_path / "killed", on_divergence="return")
+    assert again.summary["status"] == "completed", again.summary["error"]
+
+    def numbers(rows):
+        return [{k: v for k, v in r.items() if k != "wall_seconds"} for r in rows]
+
+    assert numbers(again.metrics) == numbers(full.metrics)

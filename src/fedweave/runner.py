@@ -281,6 +281,7 @@ def _continue(state: RunState, ckpt: dict[str, Any] | None) -> tuple[float, floa
     state.out.flush_metrics()
     state.start_round = state.last_checkpoint = ckpt["next_round"]
     state.skipped = list(ckpt.get("skipped_rounds", []))
+    state.loss_reference = dict(ckpt.get("loss_reference", {}))  # the divergence guard's first losses
     return ckpt["wall_seconds"], float(ckpt.get("cpu_seconds", 0.0))
 
 

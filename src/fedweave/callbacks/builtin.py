@@ -54,8 +54,10 @@ class DivergenceGuard(Callback):
         self.first: dict[str, float] = {}
 
     def on_start(self, run):
-        self.first = {}
-        for row in run.rows:  # a resumed run's reference: the first losses it reported
+        # a resumed run's reference: the first losses it reported, as its checkpoint keeps them (the rows hold
+        # only the evaluated rounds' values; they stand in for a checkpoint written without the reference)
+        self.first = run.loss_reference
+        for row in run.rows:
             self._remember(row)
 
     def _remember(self, row: dict[str, Any]) -> None:
@@ -130,7 +132,7 @@ class Checkpointer(Callback):
         from fedweave.checkpoints import save_checkpoint, signals_held
         from fedweave.memory import cpu_seconds
 
-        extra = {"config": run.config.to_dict(), "skipped_rounds": run.skipped}
+        extra = {"config": run.config.to_dict(), "skipped_rounds": run.skipped, "loss_reference": run.loss_reference}
         extra["cpu_seconds"] = cpu_seconds() - run.cpu0
         # a signal between the checkpoint's rename and its record would make summary.json name the previous
         # round: held until both are done
