@@ -125,6 +125,16 @@ def test_a_stopping_round_is_evaluated_and_the_run_resumes_to_the_full_one(cfg, 
     assert final == {k: v for k, v in full.metrics[-1].items() if k != "wall_seconds"}
 
 
+def test_a_stop_asked_in_the_last_round_is_no_early_stop(cfg, tmp_path):
+    """A run that ran all its rounds did not stop early, though a callback asked it to stop after its last one
+    (before: summary.json said ``stopped_early: the budget of 4 rounds is spent`` for a 4-round run); every
+    callback still hears of the last round."""
+    rec = Recorder()
+    res = fedweave.run(cfg, run_dir=tmp_path / "b", callbacks=[Budget(rounds=4), rec])
+    assert res.summary["rounds"] == 4 and "stopped_early" not in res.summary
+    assert ("after", 3) in rec.events
+
+
 def test_a_time_budget_stops_the_run(cfg, tmp_path):
     res = fedweave.run({**cfg, "rounds": 50}, run_dir=tmp_path / "t", callbacks=[Budget(seconds=0.0)])
     assert res.summary["rounds"] == 1 and "time budget" in res.summary["stopped_early"]

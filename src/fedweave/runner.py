@@ -189,7 +189,8 @@ def _run_locked(
             evaluated = (r + 1) % config.eval.every == 0 or r == config.rounds - 1
             if evaluated:
                 _evaluate(state, r, metrics)
-            state.stop_reason = cbs.after_round(state, r)
+            stop = cbs.after_round(state, r)  # every callback hears of every round, the last one too
+            state.stop_reason = stop if r < config.rounds - 1 else None  # the last round ends the run, not early
             if state.stop_reason:  # a callback ends the run here: the round is its last, evaluated and saved
                 state.final_round = r
                 if not evaluated:
