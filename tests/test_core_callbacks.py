@@ -236,6 +236,23 @@ def test_a_bad_callback_entry_is_one_line_before_anything_is_written(cfg, tmp_pa
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_registered_callback_that_is_no_callback_is_one_line_before_anything_is_written(cfg, tmp_path, monkeypatch):
+    """A plug-in's class registered as a callback without subclassing fedweave.Callback: one line naming the
+    entry (before: an AttributeError from inside the first hook, as for such an object passed from Python)."""
+    from fedweave.config import ConfigError
+    from fedweave.registry import CALLBACKS
+
+    class PrintRows:  # hooks of its own, but not a Callback
+        def on_row(self, run, row):
+            print(row["round"])
+
+    monkeypatch.setitem(CALLBACKS._items, "_print_rows", PrintRows)
+    message = "callbacks[0] (_print_rows): the registered callback made a PrintRows, not a fedweave.Callback"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        fedweave.run({**cfg, "callbacks": ["_print_rows"]}, run_dir=tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_a_family_with_its_own_metrics_is_plotted_by_them(tmp_path):
     # the confederated family records no test_loss (its rows hold opt_gap ...): its plots were a traceback
     from fedweave.cli import main as cli_main

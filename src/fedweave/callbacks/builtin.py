@@ -403,6 +403,12 @@ def configured(section: Section, key: str) -> Callback:
     cls = CALLBACKS.get(section.name)
     options = check_options(cls.__init__, section.options, key, skip=("self",))
     try:
-        return cls(**options)
+        made = cls(**options)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{key} ({section.name}): {e}") from e
+    if not isinstance(made, Callback):  # its hooks would fail one by one, from inside the run
+        raise ConfigError(
+            f"{key} ({section.name}): the registered callback made a {type(made).__name__}, not a fedweave.Callback; "
+            "register a subclass of fedweave.Callback"
+        )
+    return made
