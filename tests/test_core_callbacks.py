@@ -140,6 +140,12 @@ def test_a_time_budget_stops_the_run(cfg, tmp_path):
     assert res.summary["rounds"] == 1 and "time budget" in res.summary["stopped_early"]
 
 
+def test_a_budget_of_true_seconds_is_refused_from_python_as_from_a_config():
+    # a config's `seconds: true` is refused by its type; from Python True passed as 1 second
+    with pytest.raises(ValueError, match=r"Budget: seconds must be a number >= 0 \(wall seconds\), got True"):
+        Budget(seconds=True)
+
+
 def test_a_divergence_raised_by_a_callback_keeps_the_row_out(cfg, tmp_path):
     class Refuse(Callback):
         def on_evaluation(self, run, r, values):

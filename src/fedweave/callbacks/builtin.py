@@ -337,7 +337,9 @@ class Budget(Callback):
         if seconds is None and rounds is None:
             raise ValueError("Budget: give seconds, rounds or both")
         # a negative budget is a mistake, not a request for one round (seconds: 0 asks for that)
-        if seconds is not None and not (isinstance(seconds, int | float) and 0 <= seconds < math.inf):
+        if seconds is not None and not (
+            isinstance(seconds, int | float) and not isinstance(seconds, bool) and 0 <= seconds < math.inf
+        ):
             raise ValueError(f"Budget: seconds must be a number >= 0 (wall seconds), got {seconds!r}")
         if rounds is not None and not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1):
             raise ValueError(f"Budget: rounds must be an integer >= 1, got {rounds!r}")
