@@ -175,6 +175,33 @@ def test_an_unexpected_error_in_a_hook_still_ends_every_callback(cfg, tmp_path):
     assert summary["rounds"] == [r["round"] for r in read_metrics(tmp_path / "e")][-1]
 
 
+def test_a_failing_on_end_does_not_hide_the_error_that_ended_the_run(cfg, tmp_path):
+    """The caller sees the run's own error, as summary.json names it; a callback whose on_end then fails too is
+    a note on it (before: the on_end error was raised in its place)."""
+
+    class Broken(Callback):
+        def after_training(self, run, r, metrics):
+            raise RuntimeError("broken callback")
+
+    class CannotClose(Callback):
+        def on_end(self, run, summary):
+            raise OSError("cannot close")
+
+    rec = Recorder()
+    with pytest.raises(RuntimeError, match="broken callback") as info:
+        fedweave.run(cfg, run_dir=tmp_path / "e", callbacks=[Broken(), CannotClose(), rec])
+    assert "OSError: cannot close" in "".join(getattr(info.value, "__notes__", []))
+    assert rec.events[-1] == ("end", "failed")  # every callback still ends
+    assert json.loads((tmp_path / "e" / "summary.json").read_text())["error"] == "RuntimeError: broken callback"
+    with pytest.raises(SystemExit):  # likewise when the process is exiting
+
+        class Exit(Callback):
+            def after_training(self, run, r, metrics):
+                raise SystemExit(3)
+
+        fedweave.run(cfg, run_dir=tmp_path / "x", callbacks=[Exit(), CannotClose()])
+
+
 def test_a_plug_in_that_exits_the_process_writes_no_summary(cfg, tmp_path):
     class Exit(Callback):
         def after_training(self, run, r, metrics):

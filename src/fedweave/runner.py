@@ -207,10 +207,10 @@ def _run_locked(
         raised, signal_name = e, getattr(e, "signal_name", "SIGINT")
         status, error = "interrupted", f"stopped by {signal_name}. " + _kept(path, state.last_checkpoint)
     except Exception as e:  # a bug or a problem only a round can show (a plug-in, an aggregator's bound)
-        cbs.on_end(state, _failed(state, e))
+        _end_after(state, e, _failed(state, e))
         raise
-    except BaseException:  # the process is exiting (a plug-in's sys.exit): nothing more is written
-        cbs.on_end(state, None)
+    except BaseException as e:  # the process is exiting (a plug-in's sys.exit): nothing more is written
+        _end_after(state, e, None)
         raise
     summary = _summary(state, status, error)
     for name, text in state.algo.run_files().items():  # e.g. an asynchronous method's events.csv
@@ -218,6 +218,15 @@ def _run_locked(
     out.write_json("summary.json", summary)
     cbs.on_end(state, summary)
     return _outcome(state, summary, raised, on_divergence)
+
+
+def _end_after(state: RunState, e: BaseException, summary: dict[str, Any] | None) -> None:
+    """End the callbacks of a run that raised ``e``: a callback whose ``on_end`` fails as well is a note on ``e``,
+    never raised in its place, so that the caller sees the error that ended the run (the one summary.json names)."""
+    try:
+        state.callbacks.on_end(state, summary)
+    except Exception as end:  # noqa: BLE001 - the run's own error matters more
+        e.add_note(f"While the run ended, a callback's on_end raised as well: {type(end).__name__}: {end}")
 
 
 def _failed(state: RunState, e: Exception) -> dict[str, Any] | None:
