@@ -102,8 +102,9 @@ class Callback:
         changing it changes nothing recorded (values are added in :meth:`on_evaluation`)."""
 
     def after_round(self, run: RunState, r: int) -> str | bool | None:
-        """Round ``r`` is trained and, when due, evaluated: return a reason (or True) to end the run after it.
-        The runner then evaluates the round if it was not, and checkpoints it. A resumed run asks once more,
+        """Round ``r`` is trained and, when due, evaluated: return a reason (or True) to end the run after it
+        (after the configured last round the run ends anyway, and no early stop is recorded). The runner then
+        evaluates the round if it was not, and checkpoints it. A resumed run asks once more,
         after ``on_start``, about the checkpoint's round (``r = run.start_round - 1``), so that it ends where the
         uninterrupted run ended (a target already reached, a budget already spent) instead of running on."""
 
