@@ -202,6 +202,33 @@ def test_a_failing_on_end_does_not_hide_the_error_that_ended_the_run(cfg, tmp_pa
         fedweave.run(cfg, run_dir=tmp_path / "x", callbacks=[Exit(), CannotClose()])
 
 
+def test_a_failing_on_end_does_not_hide_how_the_run_ended(cfg, tmp_path):
+    """A diverged or interrupted run raises DivergenceError or RunInterrupted (the command line's one line and
+    status) even when a callback's on_end fails then: that failure is a note on it (before: raised in its place)."""
+    from fedweave.errors import RunInterrupted
+
+    class CannotClose(Callback):
+        def on_end(self, run, summary):
+            raise OSError("cannot close")
+
+    class Interrupt(Callback):
+        def after_training(self, run, r, metrics):
+            raise KeyboardInterrupt
+
+    diverging = {**cfg, "local": {**cfg["local"], "lr": 1e38}}
+    with pytest.raises(DivergenceError, match="not finite") as info:
+        fedweave.run(diverging, run_dir=tmp_path / "d", callbacks=[CannotClose()])
+    assert "OSError: cannot close" in "".join(getattr(info.value, "__notes__", []))
+    with pytest.raises(OSError, match="cannot close"):  # returned, the run has no error of its own to raise
+        fedweave.run(diverging, run_dir=tmp_path / "r", callbacks=[CannotClose()], on_divergence="return")
+    with pytest.raises(RunInterrupted) as info:
+        fedweave.run(cfg, run_dir=tmp_path / "i", callbacks=[Interrupt(), CannotClose()])
+    assert "OSError: cannot close" in "".join(getattr(info.value, "__notes__", []))
+    with pytest.raises(OSError, match="cannot close"):  # a completed run: the failure is the error
+        fedweave.run(cfg, run_dir=tmp_path / "c", callbacks=[CannotClose()])
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["status"] == "completed"
+
+
 def test_a_plug_in_that_exits_the_process_writes_no_summary(cfg, tmp_path):
     class Exit(Callback):
         def after_training(self, run, r, metrics):

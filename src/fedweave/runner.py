@@ -216,7 +216,17 @@ def _run_locked(
     for name, text in state.algo.run_files().items():  # e.g. an asynchronous method's events.csv
         atomic_write(path / name, text)
     out.write_json("summary.json", summary)
-    cbs.on_end(state, summary)
+    try:
+        cbs.on_end(state, summary)
+    except Exception as end:
+        # a diverged, interrupted or stopped run still raises what says so (the command line's line and status),
+        # the callback's failure a note on it; a run with nothing of its own to raise raises that failure
+        try:
+            _outcome(state, summary, raised, on_divergence)
+        except BaseException as e:
+            e.add_note(_end_note(end))
+            raise
+        raise
     return _outcome(state, summary, raised, on_divergence)
 
 
@@ -226,7 +236,15 @@ def _end_after(state: RunState, e: BaseException, summary: dict[str, Any] | None
     try:
         state.callbacks.on_end(state, summary)
     except Exception as end:  # noqa: BLE001 - the run's own error matters more
-        e.add_note(f"While the run ended, a callback's on_end raised as well: {type(end).__name__}: {end}")
+        e.add_note(_end_note(end))
+
+
+def _end_note(end: Exception) -> str:
+    """The note added to how a run ended when a callback's ``on_end`` raised ``end`` as well; logged too, since the
+    command line's one line shows the run's error without its notes."""
+    note = f"While the run ended, a callback's on_end raised as well: {type(end).__name__}: {end}"
+    log.warning("%s", note)
+    return note
 
 
 def _failed(state: RunState, e: Exception) -> dict[str, Any] | None:
