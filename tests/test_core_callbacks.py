@@ -229,6 +229,23 @@ def test_a_failing_on_end_does_not_hide_how_the_run_ended(cfg, tmp_path):
     assert json.loads((tmp_path / "c" / "summary.json").read_text())["status"] == "completed"
 
 
+def test_an_error_while_the_run_writes_its_files_ends_it_as_failed(cfg, tmp_path, monkeypatch):
+    """An algorithm whose run_files() raises after the last round: the run is failed, with its summary, and every
+    callback ends (before: no summary.json, as if the run were still going or killed, and no on_end)."""
+    from fedweave.registry import ALGORITHMS
+
+    def broken(self):
+        raise RuntimeError("broken run_files")
+
+    monkeypatch.setattr(ALGORITHMS.get("fedavg"), "run_files", broken)
+    rec = Recorder()
+    with pytest.raises(RuntimeError, match="broken run_files"):
+        fedweave.run(cfg, run_dir=tmp_path / "f", callbacks=[rec])
+    summary = json.loads((tmp_path / "f" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == "RuntimeError: broken run_files"
+    assert rec.events[-1] == ("end", "failed")
+
+
 def test_a_plug_in_that_exits_the_process_writes_no_summary(cfg, tmp_path):
     class Exit(Callback):
         def after_training(self, run, r, metrics):

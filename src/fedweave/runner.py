@@ -212,10 +212,14 @@ def _run_locked(
     except BaseException as e:  # the process is exiting (a plug-in's sys.exit): nothing more is written
         _end_after(state, e, None)
         raise
-    summary = _summary(state, status, error)
-    for name, text in state.algo.run_files().items():  # e.g. an asynchronous method's events.csv
-        atomic_write(path / name, text)
-    out.write_json("summary.json", summary)
+    try:
+        summary = _summary(state, status, error)
+        for name, text in state.algo.run_files().items():  # e.g. an asynchronous method's events.csv
+            atomic_write(path / name, text)
+        out.write_json("summary.json", summary)
+    except Exception as e:  # a plug-in algorithm's run_files(), say: failed, as a run that raised mid-way
+        _end_after(state, e, _failed(state, e))
+        raise
     try:
         cbs.on_end(state, summary)
     except Exception as end:
