@@ -125,9 +125,25 @@ def test_a_stopping_round_is_evaluated_and_the_run_resumes_to_the_full_one(cfg, 
     assert final == {k: v for k, v in full.metrics[-1].items() if k != "wall_seconds"}
 
 
+def test_a_stop_asked_in_the_last_round_is_no_early_stop(cfg, tmp_path):
+    """A run that ran all its rounds did not stop early, though a callback asked it to stop after its last one
+    (before: summary.json said ``stopped_early: the budget of 4 rounds is spent`` for a 4-round run); every
+    callback still hears of the last round."""
+    rec = Recorder()
+    res = fedweave.run(cfg, run_dir=tmp_path / "b", callbacks=[Budget(rounds=4), rec])
+    assert res.summary["rounds"] == 4 and "stopped_early" not in res.summary
+    assert ("after", 3) in rec.events
+
+
 def test_a_time_budget_stops_the_run(cfg, tmp_path):
     res = fedweave.run({**cfg, "rounds": 50}, run_dir=tmp_path / "t", callbacks=[Budget(seconds=0.0)])
     assert res.summary["rounds"] == 1 and "time budget" in res.summary["stopped_early"]
+
+
+def test_a_budget_of_true_seconds_is_refused_from_python_as_from_a_config():
+    # a config's `seconds: true` is refused by its type; from Python True passed as 1 second
+    with pytest.raises(ValueError, match=r"Budget: seconds must be a number >= 0 \(wall seconds\), got True"):
+        Budget(seconds=True)
 
 
 def test_a_divergence_raised_by_a_callback_keeps_the_row_out(cfg, tmp_path):
@@ -157,6 +173,77 @@ def test_an_unexpected_error_in_a_hook_still_ends_every_callback(cfg, tmp_path):
     assert summary["status"] == "failed" and summary["error"] == "RuntimeError: broken callback"
     assert rec.events[-1] == ("end", "failed")
     assert summary["rounds"] == [r["round"] for r in read_metrics(tmp_path / "e")][-1]
+
+
+def test_a_failing_on_end_does_not_hide_the_error_that_ended_the_run(cfg, tmp_path):
+    """The caller sees the run's own error, as summary.json names it; a callback whose on_end then fails too is
+    a note on it (before: the on_end error was raised in its place)."""
+
+    class Broken(Callback):
+        def after_training(self, run, r, metrics):
+            raise RuntimeError("broken callback")
+
+    class CannotClose(Callback):
+        def on_end(self, run, summary):
+            raise OSError("cannot close")
+
+    rec = Recorder()
+    with pytest.raises(RuntimeError, match="broken callback") as info:
+        fedweave.run(cfg, run_dir=tmp_path / "e", callbacks=[Broken(), CannotClose(), rec])
+    assert "OSError: cannot close" in "".join(getattr(info.value, "__notes__", []))
+    assert rec.events[-1] == ("end", "failed")  # every callback still ends
+    assert json.loads((tmp_path / "e" / "summary.json").read_text())["error"] == "RuntimeError: broken callback"
+    with pytest.raises(SystemExit):  # likewise when the process is exiting
+
+        class Exit(Callback):
+            def after_training(self, run, r, metrics):
+                raise SystemExit(3)
+
+        fedweave.run(cfg, run_dir=tmp_path / "x", callbacks=[Exit(), CannotClose()])
+
+
+def test_a_failing_on_end_does_not_hide_how_the_run_ended(cfg, tmp_path):
+    """A diverged or interrupted run raises DivergenceError or RunInterrupted (the command line's one line and
+    status) even when a callback's on_end fails then: that failure is a note on it (before: raised in its place)."""
+    from fedweave.errors import RunInterrupted
+
+    class CannotClose(Callback):
+        def on_end(self, run, summary):
+            raise OSError("cannot close")
+
+    class Interrupt(Callback):
+        def after_training(self, run, r, metrics):
+            raise KeyboardInterrupt
+
+    diverging = {**cfg, "local": {**cfg["local"], "lr": 1e38}}
+    with pytest.raises(DivergenceError, match="not finite") as info:
+        fedweave.run(diverging, run_dir=tmp_path / "d", callbacks=[CannotClose()])
+    assert "OSError: cannot close" in "".join(getattr(info.value, "__notes__", []))
+    with pytest.raises(OSError, match="cannot close"):  # returned, the run has no error of its own to raise
+        fedweave.run(diverging, run_dir=tmp_path / "r", callbacks=[CannotClose()], on_divergence="return")
+    with pytest.raises(RunInterrupted) as info:
+        fedweave.run(cfg, run_dir=tmp_path / "i", callbacks=[Interrupt(), CannotClose()])
+    assert "OSError: cannot close" in "".join(getattr(info.value, "__notes__", []))
+    with pytest.raises(OSError, match="cannot close"):  # a completed run: the failure is the error
+        fedweave.run(cfg, run_dir=tmp_path / "c", callbacks=[CannotClose()])
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["status"] == "completed"
+
+
+def test_an_error_while_the_run_writes_its_files_ends_it_as_failed(cfg, tmp_path, monkeypatch):
+    """An algorithm whose run_files() raises after the last round: the run is failed, with its summary, and every
+    callback ends (before: no summary.json, as if the run were still going or killed, and no on_end)."""
+    from fedweave.registry import ALGORITHMS
+
+    def broken(self):
+        raise RuntimeError("broken run_files")
+
+    monkeypatch.setattr(ALGORITHMS.get("fedavg"), "run_files", broken)
+    rec = Recorder()
+    with pytest.raises(RuntimeError, match="broken run_files"):
+        fedweave.run(cfg, run_dir=tmp_path / "f", callbacks=[rec])
+    summary = json.loads((tmp_path / "f" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == "RuntimeError: broken run_files"
+    assert rec.events[-1] == ("end", "failed")
 
 
 def test_a_plug_in_that_exits_the_process_writes_no_summary(cfg, tmp_path):
@@ -226,6 +313,23 @@ def test_a_bad_callback_entry_is_one_line_before_anything_is_written(cfg, tmp_pa
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_registered_callback_that_is_no_callback_is_one_line_before_anything_is_written(cfg, tmp_path, monkeypatch):
+    """A plug-in's class registered as a callback without subclassing fedweave.Callback: one line naming the
+    entry (before: an AttributeError from inside the first hook, as for such an object passed from Python)."""
+    from fedweave.config import ConfigError
+    from fedweave.registry import CALLBACKS
+
+    class PrintRows:  # hooks of its own, but not a Callback
+        def on_row(self, run, row):
+            print(row["round"])
+
+    monkeypatch.setitem(CALLBACKS._items, "_print_rows", PrintRows)
+    message = "callbacks[0] (_print_rows): the registered callback made a PrintRows, not a fedweave.Callback"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        fedweave.run({**cfg, "callbacks": ["_print_rows"]}, run_dir=tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_a_family_with_its_own_metrics_is_plotted_by_them(tmp_path):
     # the confederated family records no test_loss (its rows hold opt_gap ...): its plots were a traceback
     from fedweave.cli import main as cli_main
@@ -280,3 +384,27 @@ def test_a_resumed_run_keeps_the_round_trace_up_to_its_checkpoint(toy_config, tm
         return [line.rsplit(",", 1)[0] for line in (tmp_path / name / "trace.csv").read_text().splitlines()]
 
     assert len(trace("full")) == 7 and trace("killed") == trace("full")
+
+
+def test_a_resumed_run_measures_an_explosion_against_the_same_first_loss(toy_config, tmp_path):
+    """The explosion check compares a loss with its first positive value: a run killed and resumed compares with
+    the same one. Before, a resumed run took it from the recorded rows, so with ``eval.every: 3`` round 3's
+    training loss replaced round 1's, and a run that completes uninterrupted stopped as diverged once resumed."""
+    toy_config.update(rounds=8, eval={"every": 1, "explode_factor": None})
+    plain = fedweave.run(toy_config, run_dir=tmp_path / "plain").metrics
+    train, test = [r["train_loss"] for r in plain], [r["test_loss"] for r in plain]
+    factor = (1 + max(train[3:]) / train[2]) / 2  # above round 3's training loss by less than a later one's rise
+    assert factor > 1 and max(train[3:]) <= factor * train[0] and max(test[3:]) <= factor * test[2]
+    toy_config.update(eval={"every": 3, "explode_factor": factor})
+    toy_config["output"]["checkpoint_every"] = 3
+    full = fedweave.run(toy_config, run_dir=tmp_path / "full")
+    assert full.summary["status"] == "completed"
+    with pytest.raises(SystemExit):
+        fedweave.run(toy_config, run_dir=tmp_path / "killed", callbacks=[_ExitAfter(4)])  # round 3 checkpointed
+    again = resume(tmp_path / "killed", on_divergence="return")
+    assert again.summary["status"] == "completed", again.summary["error"]
+
+    def numbers(rows):
+        return [{k: v for k, v in r.items() if k != "wall_seconds"} for r in rows]
+
+    assert numbers(again.metrics) == numbers(full.metrics)

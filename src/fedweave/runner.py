@@ -189,7 +189,8 @@ def _run_locked(
             evaluated = (r + 1) % config.eval.every == 0 or r == config.rounds - 1
             if evaluated:
                 _evaluate(state, r, metrics)
-            state.stop_reason = cbs.after_round(state, r)
+            stop = cbs.after_round(state, r)  # every callback hears of every round, the last one too
+            state.stop_reason = stop if r < config.rounds - 1 else None  # the last round ends the run, not early
             if state.stop_reason:  # a callback ends the run here: the round is its last, evaluated and saved
                 state.final_round = r
                 if not evaluated:
@@ -206,16 +207,47 @@ def _run_locked(
         raised, signal_name = e, getattr(e, "signal_name", "SIGINT")
         status, error = "interrupted", f"stopped by {signal_name}. " + _kept(path, state.last_checkpoint)
     except Exception as e:  # a bug or a problem only a round can show (a plug-in, an aggregator's bound)
-        cbs.on_end(state, _failed(state, e))
+        _end_after(state, e, _failed(state, e))
         raise
-    except BaseException:  # the process is exiting (a plug-in's sys.exit): nothing more is written
-        cbs.on_end(state, None)
+    except BaseException as e:  # the process is exiting (a plug-in's sys.exit): nothing more is written
+        _end_after(state, e, None)
         raise
-    summary = _summary(state, status, error)
-    _write_run_files(state)
-    out.write_json("summary.json", summary)
-    cbs.on_end(state, summary)
+    try:
+        summary = _summary(state, status, error)
+        _write_run_files(state)
+        out.write_json("summary.json", summary)
+    except Exception as e:  # a plug-in algorithm's run_files(), say: failed, as a run that raised mid-way
+        _end_after(state, e, _failed(state, e))
+        raise
+    try:
+        cbs.on_end(state, summary)
+    except Exception as end:
+        # a diverged, interrupted or stopped run still raises what says so (the command line's line and status),
+        # the callback's failure a note on it; a run with nothing of its own to raise raises that failure
+        try:
+            _outcome(state, summary, raised, on_divergence)
+        except BaseException as e:
+            e.add_note(_end_note(end))
+            raise
+        raise
     return _outcome(state, summary, raised, on_divergence)
+
+
+def _end_after(state: RunState, e: BaseException, summary: dict[str, Any] | None) -> None:
+    """End the callbacks of a run that raised ``e``: a callback whose ``on_end`` fails as well is a note on ``e``,
+    never raised in its place, so that the caller sees the error that ended the run (the one summary.json names)."""
+    try:
+        state.callbacks.on_end(state, summary)
+    except Exception as end:  # noqa: BLE001 - the run's own error matters more
+        e.add_note(_end_note(end))
+
+
+def _end_note(end: Exception) -> str:
+    """The note added to how a run ended when a callback's ``on_end`` raised ``end`` as well; logged too, since the
+    command line's one line shows the run's error without its notes."""
+    note = f"While the run ended, a callback's on_end raised as well: {type(end).__name__}: {end}"
+    log.warning("%s", note)
+    return note
 
 
 def _write_run_files(state: RunState) -> None:
@@ -230,11 +262,14 @@ def _failed(state: RunState, e: Exception) -> dict[str, Any] | None:
     (then the original error is what the caller sees)."""
     try:
         summary = _summary(state, "failed", f"{type(e).__name__}: {e}")
-        _write_run_files(state)  # what happened up to the error (an asynchronous run's events) is its evidence
         state.out.write_json("summary.json", summary)
     except Exception:  # noqa: BLE001 - the run's own error matters more than the summary's
         log.debug("summary.json of the failed run could not be written", exc_info=True)
         return None
+    try:  # what happened up to the error (an asynchronous run's events) is its evidence
+        _write_run_files(state)
+    except Exception:  # noqa: BLE001 - e.g. the run files themselves were what failed
+        log.debug("the failed run's own files could not be written", exc_info=True)
     return summary
 
 
@@ -287,6 +322,7 @@ def _continue(state: RunState, ckpt: dict[str, Any] | None) -> tuple[float, floa
     state.out.flush_metrics()
     state.start_round = state.last_checkpoint = ckpt["next_round"]
     state.skipped = list(ckpt.get("skipped_rounds", []))
+    state.loss_reference = dict(ckpt.get("loss_reference", {}))  # the divergence guard's first losses
     return ckpt["wall_seconds"], float(ckpt.get("cpu_seconds", 0.0))
 
 

@@ -45,6 +45,9 @@ class RunState:
     t0: float = 0.0  #: time.perf_counter() at round 0: the wall clock continues across a resume
     cpu0: float = 0.0  #: fedweave.memory.cpu_seconds() at round 0, likewise
     skipped: list[int] = field(default_factory=list)  #: rounds in which no client reported (1-based)
+    #: the first positive value of each loss (the divergence guard's explosion reference), kept in the checkpoint:
+    #: a loss of a round that was not evaluated (round 1's ``train_loss`` under ``eval.every: 3``) is in no row
+    loss_reference: dict[str, float] = field(default_factory=dict)
     last_checkpoint: int | None = None  #: the round the checkpoint on disk holds
     final_round: int | None = None  #: set when the run ends early: the last round it ran (0-based)
     stop_reason: str | None = None
@@ -99,8 +102,9 @@ class Callback:
         changing it changes nothing recorded (values are added in :meth:`on_evaluation`)."""
 
     def after_round(self, run: RunState, r: int) -> str | bool | None:
-        """Round ``r`` is trained and, when due, evaluated: return a reason (or True) to end the run after it.
-        The runner then evaluates the round if it was not, and checkpoints it. A resumed run asks once more,
+        """Round ``r`` is trained and, when due, evaluated: return a reason (or True) to end the run after it
+        (after the configured last round the run ends anyway, and no early stop is recorded). The runner then
+        evaluates the round if it was not, and checkpoints it. A resumed run asks once more,
         after ``on_start``, about the checkpoint's round (``r = run.start_round - 1``), so that it ends where the
         uninterrupted run ended (a target already reached, a budget already spent) instead of running on."""
 

@@ -54,8 +54,10 @@ class DivergenceGuard(Callback):
         self.first: dict[str, float] = {}
 
     def on_start(self, run):
-        self.first = {}
-        for row in run.rows:  # a resumed run's reference: the first losses it reported
+        # a resumed run's reference: the first losses it reported, as its checkpoint keeps them (the rows hold
+        # only the evaluated rounds' values; they stand in for a checkpoint written without the reference)
+        self.first = run.loss_reference
+        for row in run.rows:
             self._remember(row)
 
     def _remember(self, row: dict[str, Any]) -> None:
@@ -130,7 +132,7 @@ class Checkpointer(Callback):
         from fedweave.checkpoints import save_checkpoint, signals_held
         from fedweave.memory import cpu_seconds
 
-        extra = {"config": run.config.to_dict(), "skipped_rounds": run.skipped}
+        extra = {"config": run.config.to_dict(), "skipped_rounds": run.skipped, "loss_reference": run.loss_reference}
         extra["cpu_seconds"] = cpu_seconds() - run.cpu0
         # a signal between the checkpoint's rename and its record would make summary.json name the previous
         # round: held until both are done
@@ -335,7 +337,9 @@ class Budget(Callback):
         if seconds is None and rounds is None:
             raise ValueError("Budget: give seconds, rounds or both")
         # a negative budget is a mistake, not a request for one round (seconds: 0 asks for that)
-        if seconds is not None and not (isinstance(seconds, int | float) and 0 <= seconds < math.inf):
+        if seconds is not None and not (
+            isinstance(seconds, int | float) and not isinstance(seconds, bool) and 0 <= seconds < math.inf
+        ):
             raise ValueError(f"Budget: seconds must be a number >= 0 (wall seconds), got {seconds!r}")
         if rounds is not None and not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1):
             raise ValueError(f"Budget: rounds must be an integer >= 1, got {rounds!r}")
@@ -401,6 +405,12 @@ def configured(section: Section, key: str) -> Callback:
     cls = CALLBACKS.get(section.name)
     options = check_options(cls.__init__, section.options, key, skip=("self",))
     try:
-        return cls(**options)
+        made = cls(**options)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{key} ({section.name}): {e}") from e
+    if not isinstance(made, Callback):  # its hooks would fail one by one, from inside the run
+        raise ConfigError(
+            f"{key} ({section.name}): the registered callback made a {type(made).__name__}, not a fedweave.Callback; "
+            "register a subclass of fedweave.Callback"
+        )
+    return made
