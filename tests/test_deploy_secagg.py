@@ -218,6 +218,23 @@ def test_an_update_that_quantization_would_clip_is_refused_on_its_node(tmp_path)
         _deploy(cfg, tmp_path)
 
 
+def test_a_round_whose_quantized_sum_would_wrap_around_the_modulus_is_refused(tmp_path, monkeypatch):
+    """Each client's quantized values (the weight's factor among them) lie in [0, quantization_range] and SecAgg+
+    sums them modulo modulus_range: with 3 clients at R = 2^31, M = 2^32 the sum can reach 3 R > M and wraps, so
+    the unmasked mean would be wrong (measured: off by twice the updates' size, the run completed). The round is
+    refused with one line instead; at 3 R < M it runs within the bound."""
+    cfg = {**_cfg("fedavg", {**SECURE, "quantization_range": 2**31, "modulus_range": 2**32}), "rounds": 1}
+    with pytest.raises(server_app.RunFailed, match="secure_aggregation.quantization_range") as e:
+        _deploy(cfg, tmp_path)
+    assert "\n" not in str(e.value)
+    cfg = {**_cfg("fedavg", {**SECURE, "quantization_range": 2**30, "modulus_range": 2**32}), "rounds": 1}
+    seen = Recorder(monkeypatch)
+    summary, _ = _deploy(cfg, tmp_path / "fits")
+    assert summary["status"] == "completed" and len(seen.means) == 1
+    exact = np.mean(list(seen.updates[0].values()), axis=0)
+    assert np.abs(seen.means[0] - exact).max() <= secure.error_bound(load(cfg).secure_aggregation, np.ones(3))
+
+
 def _protocol_bytes(grid: Watching) -> dict[str, int]:
     """The bytes of SecAgg+'s records in the messages of a deployed run, by the ledger kind that bills them: byte
     strings by their length, ids and numbers 8 bytes, the masked arrays by their int64 values (the stage's name

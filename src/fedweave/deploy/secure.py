@@ -184,6 +184,15 @@ class SecureAggregation:
         and what comes back is the weighted mean of the updates; every client's local model is ``x + mean``."""
         clients = list(map(int, call.clients))
         weights = self.int_weights(clients)
+        # each client's quantized values (its weight's factor among them) lie in [0, quantization_range] and SecAgg+
+        # sums them modulo modulus_range: a sum that can reach the modulus wraps, and the unmasked mean is wrong
+        levels, modulus = self.cfg.quantization_range, self.cfg.modulus_range
+        if len(clients) * levels >= modulus:
+            raise RunStopped(
+                f"round {call.round + 1}: secure_aggregation.quantization_range ({levels}) times the round's "
+                f"{len(clients)} clients reaches modulus_range ({modulus}), where SecAgg+'s sum of the quantized "
+                f"values wraps; lower quantization_range below {-(-modulus // len(clients))} or raise modulus_range"
+            )
         node = {c: self.clients.node_of[c] for c in clients}
         jobs = {}
         for k, c in enumerate(clients):
