@@ -228,6 +228,8 @@ def test_what_the_proof_does_not_cover_is_refused_with_one_line(toy_config, chan
         ({"delta": 1.5}, "privacy.delta"),
         ({"level": "sample", "adaptive": True}, "privacy.adaptive applies to privacy.level: user"),
         ({"clip": 0}, "privacy.clip"),
+        ({"noise_multiplier": "autox"}, "privacy.noise_multiplier must be float or auto, got 'autox'"),
+        ({"noise_multiplier": True}, "privacy.noise_multiplier must be float or auto, got True"),
     ],
 )
 def test_bad_privacy_values_are_one_line(toy_config, privacy, words):
