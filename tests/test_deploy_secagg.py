@@ -218,6 +218,23 @@ def test_an_update_that_quantization_would_clip_is_refused_on_its_node(tmp_path)
         _deploy(cfg, tmp_path)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_an_update_that_is_not_finite_is_refused_on_its_node(bad):
+    """Flower's quantization turns NaN into an arbitrary integer (int32's least) that the masks then carry into a
+    finite, wrong sum: a diverged client would go unseen. Its node refuses the update with one line instead."""
+    content = RecordDict()
+    content.config_records[secure.WEIGHT] = ConfigRecord(
+        {"client": 2, "weight": 1, "max_weight": 1.0, "clipping_range": 1.0, "quantization_range": 2**22}
+    )
+    msg = Message(content, dst_node_id=5, message_type="train")
+    msg.metadata.__dict__["_message_id"] = msg.object_id
+    with pytest.raises(ValueError, match=r"^secure_aggregation: client 2's update has a non-finite element") as e:
+        secure.masked_reply(msg, {"steps": 1, "loss": 0.5}, torch.tensor([bad, 0.1, -0.1]), torch.zeros(3))
+    assert "\n" not in str(e.value)
+    reply = secure.masked_reply(msg, {"steps": 1, "loss": 0.5}, torch.tensor([0.2, 0.1, -0.1]), torch.zeros(3))
+    assert not reply.has_error()
+
+
 def test_a_round_whose_quantized_sum_would_wrap_around_the_modulus_is_refused(tmp_path, monkeypatch):
     """Each client's quantized values (the weight's factor among them) lie in [0, quantization_range] and SecAgg+
     sums them modulo modulus_range: with 3 clients at R = 2^31, M = 2^32 the sum can reach 3 R > M and wraps, so

@@ -97,11 +97,17 @@ def is_secure(msg: Message) -> bool:
 def masked_reply(msg: Message, header: dict[str, Any], params: torch.Tensor, start: torch.Tensor) -> Message:
     """The reply of a job of a SecAgg+ round, for Flower's mod to mask: the client's update ``params - start``
     (float64) and its weight as a ``FitRes``, fedweave's header beside it. An update that SecAgg+'s quantization
-    would clip raises ValueError (one line), never clipped in silence."""
+    would clip, or one with a NaN or infinite element, raises ValueError (one line), never masked in silence."""
     rec = msg.content.config_records[WEIGHT]
     weight, max_weight = int(rec["weight"]), float(rec["max_weight"])
     clipping, levels = float(rec["clipping_range"]), int(rec["quantization_range"])
     update = (params.reshape(-1).double() - start.reshape(-1).double()).cpu().numpy()
+    if not np.isfinite(update).all():  # Flower would quantize NaN to an arbitrary integer: a finite, wrong sum
+        bad = update[~np.isfinite(update)][0]
+        raise ValueError(
+            f"secure_aggregation: client {rec['client']}'s update has a non-finite element ({bad}), which SecAgg+ "
+            "cannot quantize: the client's training diverged (lower its step size)"
+        )
     dq = round(weight / max_weight * levels) / levels  # what the mod multiplies the update by
     largest = float(np.abs(update).max()) * dq if update.size else 0.0
     if largest > clipping:
