@@ -380,6 +380,31 @@ def test_the_sam_methods_are_refused_at_sample_level(toy_config):
         _built(cfg)
 
 
+def test_batches_that_can_hold_a_sample_twice_are_refused_at_sample_level(toy_config):
+    """Under local.steps the fixed-size batches are cut from a stream of reshuffled epochs, so a batch that spans
+    two epochs (n_i not a multiple of B, and k B > n_i) can hold one sample twice: that DP-SGD step's sum moves by
+    2C when the sample goes, not C, and accounting it with the noise multiplier sigma (at q_i = 1 when n_i < B, or
+    under amplification: none) understates epsilon. Refused in one line; local.epochs (an epoch's batches are
+    disjoint) and batches that stay within one epoch run."""
+    parts = {"name": "dirichlet", "num_clients": 12, "alpha": 0.1, "min_size": 5}
+    steps = {"steps": 6, "batch_size": 16, "lr": 0.1}
+    plain = _built(_cfg(toy_config, partition=parts, local=steps))
+    sizes = [len(p) for p in plain.ctx.partition]
+    tiny = int(np.argmin(sizes))
+    assert sizes[tiny] < 16
+    copies = [max(np.unique(b.numpy(), return_counts=True)[1]) for b in plain.trainer.client_batches(tiny, 0, (), None)]
+    assert max(copies) >= 2  # the same sample more than once in one batch
+    for amplification in ("auto", "none"):
+        dp = {"level": "sample", "noise_multiplier": 1.0, "amplification": amplification}
+        words = r"^privacy.level: sample with local.steps: client \d+'s \d+ samples"
+        with pytest.raises(ConfigError, match=words) as e:
+            _built(_cfg(toy_config, dp, partition=parts, local=steps))
+        assert "\n" not in str(e.value)
+    dp = {"level": "sample", "noise_multiplier": 1.0}
+    assert _built(_cfg(toy_config, dp, partition=parts, local={"epochs": 1, "batch_size": 16, "lr": 0.1})).privacy
+    assert _built(_cfg(toy_config, dp, partition=parts, local={**steps, "steps": 1, "batch_size": 4})).privacy
+
+
 def test_a_batchnorm_model_is_refused_at_sample_level(toy_config):
     """DP-SGD's per-sample gradients run the model on one sample at a time, so a BatchNorm layer (batch statistics)
     would normalize each sample by itself: without noise and clipping the step is not plain SGD's (it is for the

@@ -241,6 +241,19 @@ def _sample_level(algo: Any, cfg: PrivacyConfig, accountant: Accountant) -> Samp
         )
     local = algo.config.local
     sizes = [len(p) for p in algo.ctx.partition]
+    if local.steps is not None and not local.full_batch:
+        # fixed-size batches cut from a stream of reshuffled epochs: a batch that spans two epochs (n not a multiple
+        # of B, k B > n) can hold one sample twice, and that step's sum then moves by 2C, not the C accounted
+        bs = local.batch_size
+        for c, n in enumerate(sizes):
+            k = algo.trainer.num_steps(c)
+            if n and n % bs and k * bs > n:
+                raise ConfigError(
+                    f"privacy.level: sample with local.steps: client {c}'s {n} samples are reshuffled inside its "
+                    f"{k} batches of {bs}, so one batch can hold a sample twice and move the step by more than "
+                    "privacy.clip; use local.epochs (an epoch's batches are disjoint), local.full_batch: true, or "
+                    "local.steps * local.batch_size <= each client's samples"
+                )
     # the batches are a shuffled pass, not the Poisson batches Opacus's accountants assume: amplification: none
     # accounts each step at q = 1, a bound that holds for any batching (each step is the Gaussian mechanism on
     # whatever batch it drew); auto gives the usual q_i = B / n_i
