@@ -93,6 +93,32 @@ def test_a_round_every_drawn_client_dropped_is_released_too(toy_config):
     assert algo.privacy.releases == ROUNDS
 
 
+def test_a_sample_level_round_nobody_reported_leaves_the_model_and_the_count_alone(toy_config):
+    """At sample level the server releases nothing of its own (the clients' DP-SGD steps are what is accounted), so
+    a round whose clients all dropped out trains nobody, moves nothing and counts no step; it had stopped the run
+    with an AttributeError (SampleDP has no empty-round release to ask about)."""
+    from opacus.accountants import RDPAccountant
+
+    cfg = {**toy_config, "rounds": ROUNDS, "precision": "float64", "faults": {"dropout": 0.9}}
+    cfg["privacy"] = {"level": "sample", "noise_multiplier": 1.0, "clip": 0.5}
+    algo = _built(cfg)
+    nobody = []
+    for r in range(ROUNDS):
+        x, steps = algo.x.clone(), algo.privacy.trainer.steps_done.copy()
+        if algo.run_round(r)["reported_clients"] == 0:
+            nobody.append(r)
+            assert torch.equal(algo.x, x) and np.array_equal(algo.privacy.trainer.steps_done, steps)
+    assert nobody and len(nobody) < ROUNDS  # the seed gives both kinds of round
+    done, rates = algo.privacy.trainer.steps_done, algo.privacy.rates
+    want = []
+    for q, s in zip(rates, done):
+        if s:
+            acc = RDPAccountant()
+            acc.history = [(1.0, float(q), int(s))]
+            want.append(acc.get_epsilon(delta=1e-5))
+    assert algo.privacy.epsilon() == max(want)
+
+
 def test_the_hierarchical_client_step_releases_an_empty_round(toy_config):
     cfg = {**toy_config, "rounds": ROUNDS, "sampler": {"name": "bernoulli"}, "precision": "float64"}
     cfg["partition"] = {"name": "iid", "num_clients": 12}

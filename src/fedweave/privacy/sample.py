@@ -53,6 +53,9 @@ class AccountedTrainer(PrivateTrainer):
 class SampleDP:
     """The accounting of DP-SGD at every client: epsilon of the client that has spent the most."""
 
+    # the server releases nothing of its own: a round in which nobody reported trains nobody and accounts nothing
+    releases_empty_rounds = False
+
     def __init__(self, trainer: AccountedTrainer, z: float, rates: np.ndarray, accountant: Accountant) -> None:
         self.trainer, self.z, self.rates, self.accountant = trainer, float(z), rates, accountant
         self._seen: np.ndarray | None = None  # steps_done at the last look-ahead (the budget's, once a round)
