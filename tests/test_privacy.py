@@ -554,6 +554,29 @@ def test_a_resumed_private_run_continues_the_accountant_and_the_adaptive_clip(to
     assert torch.equal(res.algorithm.x, whole.algorithm.x)
 
 
+def test_the_sample_level_budget_looks_ahead_by_each_clients_own_round(toy_config, tmp_path):
+    """The look-ahead adds to each client its own round of steps, at its own q_i: a client of n_i <= B has q_i = 1
+    and one step an epoch, the largest client many steps at a small q_i. Before, every client was looked ahead with
+    the most steps of any client, and the first look at the largest q_i: eps(1.0, q = 1, 19 steps) = 29.1, which
+    refused a target of 8 as 'exceeded by the first round alone', where no client's first round spends more than
+    5.78 and the whole run 4.89."""
+    parts = {"name": "dirichlet", "num_clients": 12, "alpha": 0.1, "min_size": 5}
+    schedule = {"name": "schedule", "clients": [[3], [3], [0], [3]]}
+    top = dict(partition=parts, sampler=schedule, algorithm={"name": "fedavg", "clients_per_round": 1}, rounds=4,
+               local={"epochs": 1, "batch_size": 16, "lr": 0.1})  # fmt: skip
+    free = run(load(_cfg(toy_config, {"level": "sample", "noise_multiplier": 1.0}, **top)), run_dir=tmp_path / "f")
+    algo = free.algorithm
+    rates, sizes = algo.privacy.rates, [len(p) for p in algo.ctx.partition]
+    steps = [algo.trainer.num_steps(c) for c in range(12)]
+    assert rates.max() == 1.0 and max(steps) == steps[int(np.argmax(sizes))] > 1
+    first = max(_opacus_epsilon("rdp", 1.0, float(q), s, 1e-5) for q, s in zip(rates, steps) if s)
+    eps = [r["epsilon"] for r in free.metrics]
+    assert eps[0] < first < 8.0 and eps[-1] < 8.0  # the first look: the worst client's own round
+    dp = {"level": "sample", "noise_multiplier": 1.0, "target_epsilon": 8.0}
+    capped = run(load(_cfg(toy_config, dp, **top)), run_dir=tmp_path / "c")
+    assert [r["epsilon"] for r in capped.metrics] == eps and "stopped_early" not in capped.summary
+
+
 def test_a_resumed_sample_level_run_stops_at_the_budget_where_the_uninterrupted_run_does(toy_config, tmp_path):
     """The budget's look-ahead adds the steps clients did since its last look; a resumed run's first look counts
     from the checkpoint, as the uninterrupted run's does, not from the run's start (which would stop it early)."""

@@ -265,6 +265,8 @@ def _sample_level(algo: Any, cfg: PrivacyConfig, accountant: Accountant) -> Samp
     trainer = AccountedTrainer.of(algo.trainer, cfg.clip, z)
     trainer.steps_done = np.zeros(algo.ctx.num_clients, dtype=np.int64)
     trainer.steps_per_round = max(trainer.num_steps(c) for c in range(algo.ctx.num_clients))
+    # each client's round of steps (none for a client without data), until a call shows it does more
+    trainer.round_steps = np.array([trainer.num_steps(c) if n else 0 for c, n in enumerate(sizes)], dtype=np.int64)
     algo.trainer = trainer
     dp = SampleDP(trainer, z, rates, accountant)
     check_first_release(cfg, dp)
