@@ -66,6 +66,21 @@ def test_without_amplification_an_empty_round_is_neither_drawn_nor_released(toy_
     assert all(len(algo.sample_clients(r)) for r in range(ROUNDS))
 
 
+def test_an_explicit_redraw_is_refused_where_the_proof_needs_the_empty_draw(toy_config):
+    """The privacy section keeps bernoulli's empty draw (redraw: false); a redraw: true written in the config had
+    been replaced in silence. It is refused in one line; without amplification the redraw stays as written."""
+    from fedweave.config import ConfigError
+
+    cfg = {**_star(toy_config), "sampler": {"name": "bernoulli", "redraw": True}}
+    with pytest.raises(ConfigError, match=r"^privacy: sampler.redraw: true draws a round again") as e:
+        _built(cfg)
+    assert "\n" not in str(e.value)
+    cfg["privacy"] = {**PRIVACY, "amplification": "none"}
+    assert _built(cfg).sampler.options["redraw"] is True
+    cfg = {**_star(toy_config), "sampler": {"name": "bernoulli", "redraw": False}}
+    assert _built(cfg).sampler.options["redraw"] is False
+
+
 def test_epsilon_counts_the_empty_rounds(toy_config, tmp_path):
     from opacus.accountants import RDPAccountant
 

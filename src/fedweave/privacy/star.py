@@ -148,6 +148,12 @@ def make_privacy(
         dp.upcoming = algo.sample_clients
     if dp.releases_empty_rounds and algo.sampler.name == "bernoulli":
         # Poisson sampling as the proof has it: an empty draw is kept (not drawn again) and released as noise
+        if algo.sampler.options.get("redraw") is True:  # written in the config: refused, not replaced in silence
+            raise ConfigError(
+                "privacy: sampler.redraw: true draws a round again when nobody was drawn, which is not the Poisson "
+                "sampling the accountant's amplification assumes; leave redraw out (the privacy section keeps the "
+                "empty draw) or set privacy.amplification: none"
+            )
         algo.sampler.options = {**algo.sampler.options, "redraw": False}
     check_first_release(cfg, dp)
     return dp
