@@ -235,6 +235,24 @@ def test_an_update_that_is_not_finite_is_refused_on_its_node(bad):
     assert not reply.has_error()
 
 
+def test_a_weight_share_that_rounds_to_zero_is_refused_on_its_node():
+    """Flower's mod multiplies the update by dq = round(weight / max_weight * R) / R: a share below half a level
+    gives dq = 0, and the client's update would leave the mean in silence (all of them: a division by zero).
+    Its node refuses it with one line instead."""
+    content = RecordDict()
+    content.config_records[secure.WEIGHT] = ConfigRecord(
+        {"client": 2, "weight": 1, "max_weight": 1000.0, "clipping_range": 1.0, "quantization_range": 256}
+    )
+    msg = Message(content, dst_node_id=5, message_type="train")
+    msg.metadata.__dict__["_message_id"] = msg.object_id
+    assert round(1 / 1000 * 256) == 0
+    with pytest.raises(ValueError, match=r"^secure_aggregation: client 2's weight share \(1 / 1000\)") as e:
+        secure.masked_reply(msg, {"steps": 1, "loss": 0.5}, torch.tensor([0.2, 0.1, -0.1]), torch.zeros(3))
+    assert "\n" not in str(e.value)
+    content.config_records[secure.WEIGHT]["weight"] = 2  # 2 / 1000 * 256 = 0.512: one level
+    assert not secure.masked_reply(msg, {"steps": 1, "loss": 0.5}, torch.tensor([0.2]), torch.zeros(1)).has_error()
+
+
 def test_a_round_whose_quantized_sum_would_wrap_around_the_modulus_is_refused(tmp_path, monkeypatch):
     """Each client's quantized values (the weight's factor among them) lie in [0, quantization_range] and SecAgg+
     sums them modulo modulus_range: with 3 clients at R = 2^31, M = 2^32 the sum can reach 3 R > M and wraps, so

@@ -109,6 +109,12 @@ def masked_reply(msg: Message, header: dict[str, Any], params: torch.Tensor, sta
             "cannot quantize: the client's training diverged (lower its step size)"
         )
     dq = round(weight / max_weight * levels) / levels  # what the mod multiplies the update by
+    if dq == 0:  # the update would leave the weighted mean in silence
+        raise ValueError(
+            f"secure_aggregation: client {rec['client']}'s weight share ({weight} / {max_weight:g}) is below half of "
+            f"one of quantization_range's {levels} levels, so SecAgg+ would weigh its update 0; lower max_weight or "
+            "raise quantization_range"
+        )
     largest = float(np.abs(update).max()) * dq if update.size else 0.0
     if largest > clipping:
         raise ValueError(
