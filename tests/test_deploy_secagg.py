@@ -218,6 +218,58 @@ def test_an_update_that_quantization_would_clip_is_refused_on_its_node(tmp_path)
         _deploy(cfg, tmp_path)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_an_update_that_is_not_finite_is_refused_on_its_node(bad):
+    """Flower's quantization turns NaN into an arbitrary integer (int32's least) that the masks then carry into a
+    finite, wrong sum: a diverged client would go unseen. Its node refuses the update with one line instead."""
+    content = RecordDict()
+    content.config_records[secure.WEIGHT] = ConfigRecord(
+        {"client": 2, "weight": 1, "max_weight": 1.0, "clipping_range": 1.0, "quantization_range": 2**22}
+    )
+    msg = Message(content, dst_node_id=5, message_type="train")
+    msg.metadata.__dict__["_message_id"] = msg.object_id
+    with pytest.raises(ValueError, match=r"^secure_aggregation: client 2's update has a non-finite element") as e:
+        secure.masked_reply(msg, {"steps": 1, "loss": 0.5}, torch.tensor([bad, 0.1, -0.1]), torch.zeros(3))
+    assert "\n" not in str(e.value)
+    reply = secure.masked_reply(msg, {"steps": 1, "loss": 0.5}, torch.tensor([0.2, 0.1, -0.1]), torch.zeros(3))
+    assert not reply.has_error()
+
+
+def test_a_weight_share_that_rounds_to_zero_is_refused_on_its_node():
+    """Flower's mod multiplies the update by dq = round(weight / max_weight * R) / R: a share below half a level
+    gives dq = 0, and the client's update would leave the mean in silence (all of them: a division by zero).
+    Its node refuses it with one line instead."""
+    content = RecordDict()
+    content.config_records[secure.WEIGHT] = ConfigRecord(
+        {"client": 2, "weight": 1, "max_weight": 1000.0, "clipping_range": 1.0, "quantization_range": 256}
+    )
+    msg = Message(content, dst_node_id=5, message_type="train")
+    msg.metadata.__dict__["_message_id"] = msg.object_id
+    assert round(1 / 1000 * 256) == 0
+    with pytest.raises(ValueError, match=r"^secure_aggregation: client 2's weight share \(1 / 1000\)") as e:
+        secure.masked_reply(msg, {"steps": 1, "loss": 0.5}, torch.tensor([0.2, 0.1, -0.1]), torch.zeros(3))
+    assert "\n" not in str(e.value)
+    content.config_records[secure.WEIGHT]["weight"] = 2  # 2 / 1000 * 256 = 0.512: one level
+    assert not secure.masked_reply(msg, {"steps": 1, "loss": 0.5}, torch.tensor([0.2]), torch.zeros(1)).has_error()
+
+
+def test_a_round_whose_quantized_sum_would_wrap_around_the_modulus_is_refused(tmp_path, monkeypatch):
+    """Each client's quantized values (the weight's factor among them) lie in [0, quantization_range] and SecAgg+
+    sums them modulo modulus_range: with 3 clients at R = 2^31, M = 2^32 the sum can reach 3 R > M and wraps, so
+    the unmasked mean would be wrong (measured: off by twice the updates' size, the run completed). The round is
+    refused with one line instead; at 3 R < M it runs within the bound."""
+    cfg = {**_cfg("fedavg", {**SECURE, "quantization_range": 2**31, "modulus_range": 2**32}), "rounds": 1}
+    with pytest.raises(server_app.RunFailed, match="secure_aggregation.quantization_range") as e:
+        _deploy(cfg, tmp_path)
+    assert "\n" not in str(e.value)
+    cfg = {**_cfg("fedavg", {**SECURE, "quantization_range": 2**30, "modulus_range": 2**32}), "rounds": 1}
+    seen = Recorder(monkeypatch)
+    summary, _ = _deploy(cfg, tmp_path / "fits")
+    assert summary["status"] == "completed" and len(seen.means) == 1
+    exact = np.mean(list(seen.updates[0].values()), axis=0)
+    assert np.abs(seen.means[0] - exact).max() <= secure.error_bound(load(cfg).secure_aggregation, np.ones(3))
+
+
 def _protocol_bytes(grid: Watching) -> dict[str, int]:
     """The bytes of SecAgg+'s records in the messages of a deployed run, by the ledger kind that bills them: byte
     strings by their length, ids and numbers 8 bytes, the masked arrays by their int64 values (the stage's name

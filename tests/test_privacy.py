@@ -228,6 +228,8 @@ def test_what_the_proof_does_not_cover_is_refused_with_one_line(toy_config, chan
         ({"delta": 1.5}, "privacy.delta"),
         ({"level": "sample", "adaptive": True}, "privacy.adaptive applies to privacy.level: user"),
         ({"clip": 0}, "privacy.clip"),
+        ({"noise_multiplier": "autox"}, "privacy.noise_multiplier must be float or auto, got 'autox'"),
+        ({"noise_multiplier": True}, "privacy.noise_multiplier must be float or auto, got True"),
     ],
 )
 def test_bad_privacy_values_are_one_line(toy_config, privacy, words):
@@ -378,6 +380,31 @@ def test_the_sam_methods_are_refused_at_sample_level(toy_config):
         _built(cfg)
 
 
+def test_batches_that_can_hold_a_sample_twice_are_refused_at_sample_level(toy_config):
+    """Under local.steps the fixed-size batches are cut from a stream of reshuffled epochs, so a batch that spans
+    two epochs (n_i not a multiple of B, and k B > n_i) can hold one sample twice: that DP-SGD step's sum moves by
+    2C when the sample goes, not C, and accounting it with the noise multiplier sigma (at q_i = 1 when n_i < B, or
+    under amplification: none) understates epsilon. Refused in one line; local.epochs (an epoch's batches are
+    disjoint) and batches that stay within one epoch run."""
+    parts = {"name": "dirichlet", "num_clients": 12, "alpha": 0.1, "min_size": 5}
+    steps = {"steps": 6, "batch_size": 16, "lr": 0.1}
+    plain = _built(_cfg(toy_config, partition=parts, local=steps))
+    sizes = [len(p) for p in plain.ctx.partition]
+    tiny = int(np.argmin(sizes))
+    assert sizes[tiny] < 16
+    copies = [max(np.unique(b.numpy(), return_counts=True)[1]) for b in plain.trainer.client_batches(tiny, 0, (), None)]
+    assert max(copies) >= 2  # the same sample more than once in one batch
+    for amplification in ("auto", "none"):
+        dp = {"level": "sample", "noise_multiplier": 1.0, "amplification": amplification}
+        words = r"^privacy.level: sample with local.steps: client \d+'s \d+ samples"
+        with pytest.raises(ConfigError, match=words) as e:
+            _built(_cfg(toy_config, dp, partition=parts, local=steps))
+        assert "\n" not in str(e.value)
+    dp = {"level": "sample", "noise_multiplier": 1.0}
+    assert _built(_cfg(toy_config, dp, partition=parts, local={"epochs": 1, "batch_size": 16, "lr": 0.1})).privacy
+    assert _built(_cfg(toy_config, dp, partition=parts, local={**steps, "steps": 1, "batch_size": 4})).privacy
+
+
 def test_a_batchnorm_model_is_refused_at_sample_level(toy_config):
     """DP-SGD's per-sample gradients run the model on one sample at a time, so a BatchNorm layer (batch statistics)
     would normalize each sample by itself: without noise and clipping the step is not plain SGD's (it is for the
@@ -525,6 +552,29 @@ def test_a_resumed_private_run_continues_the_accountant_and_the_adaptive_clip(to
     assert [r["epsilon"] for r in res.metrics] == [r["epsilon"] for r in whole.metrics]
     assert [r["dp_clip"] for r in res.metrics] == [r["dp_clip"] for r in whole.metrics]
     assert torch.equal(res.algorithm.x, whole.algorithm.x)
+
+
+def test_the_sample_level_budget_looks_ahead_by_each_clients_own_round(toy_config, tmp_path):
+    """The look-ahead adds to each client its own round of steps, at its own q_i: a client of n_i <= B has q_i = 1
+    and one step an epoch, the largest client many steps at a small q_i. Before, every client was looked ahead with
+    the most steps of any client, and the first look at the largest q_i: eps(1.0, q = 1, 19 steps) = 29.1, which
+    refused a target of 8 as 'exceeded by the first round alone', where no client's first round spends more than
+    5.78 and the whole run 4.89."""
+    parts = {"name": "dirichlet", "num_clients": 12, "alpha": 0.1, "min_size": 5}
+    schedule = {"name": "schedule", "clients": [[3], [3], [0], [3]]}
+    top = dict(partition=parts, sampler=schedule, algorithm={"name": "fedavg", "clients_per_round": 1}, rounds=4,
+               local={"epochs": 1, "batch_size": 16, "lr": 0.1})  # fmt: skip
+    free = run(load(_cfg(toy_config, {"level": "sample", "noise_multiplier": 1.0}, **top)), run_dir=tmp_path / "f")
+    algo = free.algorithm
+    rates, sizes = algo.privacy.rates, [len(p) for p in algo.ctx.partition]
+    steps = [algo.trainer.num_steps(c) for c in range(12)]
+    assert rates.max() == 1.0 and max(steps) == steps[int(np.argmax(sizes))] > 1
+    first = max(_opacus_epsilon("rdp", 1.0, float(q), s, 1e-5) for q, s in zip(rates, steps) if s)
+    eps = [r["epsilon"] for r in free.metrics]
+    assert eps[0] < first < 8.0 and eps[-1] < 8.0  # the first look: the worst client's own round
+    dp = {"level": "sample", "noise_multiplier": 1.0, "target_epsilon": 8.0}
+    capped = run(load(_cfg(toy_config, dp, **top)), run_dir=tmp_path / "c")
+    assert [r["epsilon"] for r in capped.metrics] == eps and "stopped_early" not in capped.summary
 
 
 def test_a_resumed_sample_level_run_stops_at_the_budget_where_the_uninterrupted_run_does(toy_config, tmp_path):

@@ -66,6 +66,21 @@ def test_without_amplification_an_empty_round_is_neither_drawn_nor_released(toy_
     assert all(len(algo.sample_clients(r)) for r in range(ROUNDS))
 
 
+def test_an_explicit_redraw_is_refused_where_the_proof_needs_the_empty_draw(toy_config):
+    """The privacy section keeps bernoulli's empty draw (redraw: false); a redraw: true written in the config had
+    been replaced in silence. It is refused in one line; without amplification the redraw stays as written."""
+    from fedweave.config import ConfigError
+
+    cfg = {**_star(toy_config), "sampler": {"name": "bernoulli", "redraw": True}}
+    with pytest.raises(ConfigError, match=r"^privacy: sampler.redraw: true draws a round again") as e:
+        _built(cfg)
+    assert "\n" not in str(e.value)
+    cfg["privacy"] = {**PRIVACY, "amplification": "none"}
+    assert _built(cfg).sampler.options["redraw"] is True
+    cfg = {**_star(toy_config), "sampler": {"name": "bernoulli", "redraw": False}}
+    assert _built(cfg).sampler.options["redraw"] is False
+
+
 def test_epsilon_counts_the_empty_rounds(toy_config, tmp_path):
     from opacus.accountants import RDPAccountant
 
@@ -91,6 +106,32 @@ def test_a_round_every_drawn_client_dropped_is_released_too(toy_config):
                 dropped_all.append(r)
     assert dropped_all  # somebody was drawn and nobody reported
     assert algo.privacy.releases == ROUNDS
+
+
+def test_a_sample_level_round_nobody_reported_leaves_the_model_and_the_count_alone(toy_config):
+    """At sample level the server releases nothing of its own (the clients' DP-SGD steps are what is accounted), so
+    a round whose clients all dropped out trains nobody, moves nothing and counts no step; it had stopped the run
+    with an AttributeError (SampleDP has no empty-round release to ask about)."""
+    from opacus.accountants import RDPAccountant
+
+    cfg = {**toy_config, "rounds": ROUNDS, "precision": "float64", "faults": {"dropout": 0.9}}
+    cfg["privacy"] = {"level": "sample", "noise_multiplier": 1.0, "clip": 0.5}
+    algo = _built(cfg)
+    nobody = []
+    for r in range(ROUNDS):
+        x, steps = algo.x.clone(), algo.privacy.trainer.steps_done.copy()
+        if algo.run_round(r)["reported_clients"] == 0:
+            nobody.append(r)
+            assert torch.equal(algo.x, x) and np.array_equal(algo.privacy.trainer.steps_done, steps)
+    assert nobody and len(nobody) < ROUNDS  # the seed gives both kinds of round
+    done, rates = algo.privacy.trainer.steps_done, algo.privacy.rates
+    want = []
+    for q, s in zip(rates, done):
+        if s:
+            acc = RDPAccountant()
+            acc.history = [(1.0, float(q), int(s))]
+            want.append(acc.get_epsilon(delta=1e-5))
+    assert algo.privacy.epsilon() == max(want)
 
 
 def test_the_hierarchical_client_step_releases_an_empty_round(toy_config):

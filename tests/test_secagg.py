@@ -116,6 +116,13 @@ def test_the_numbers_are_unchanged_and_nothing_is_recorded_without_the_section(t
         ({"compression": {"upload": {"name": "topk", "ratio": 0.1}}}, "compression.upload sends encoded updates"),
         ({"aggregator": "median"}, "aggregator median needs each client's update"),
         ({"algorithm": {"name": "fedavg", "clients_per_round": 1}}, "at least 2 clients per round"),
+        # the sampler's own count, not clients_per_round (4 here): a fixed client alone, a schedule's entry of one
+        ({"sampler": {"name": "fixed", "clients": 1}}, "at least 2 clients per round"),
+        ({"sampler": {"name": "schedule", "clients": [[0, 1, 2], [3]]}}, "at least 2 clients per round"),
+        (
+            {"sampler": {"name": "fixed", "clients": [0, 1, 2]}, "secure_aggregation": {"reconstruction_threshold": 4}},
+            "reconstruction_threshold (4)",
+        ),
         ({"secure_aggregation": {"num_shares": 3, "reconstruction_threshold": 5}}, "reconstruction_threshold (5)"),
         ({"secure_aggregation": {"num_shares": 2}}, "secure_aggregation.num_shares as an integer"),
         ({"secure_aggregation": {"modulus_range": 1000}}, "secure_aggregation.modulus_range must be a power of 2"),

@@ -781,6 +781,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin in (list, tuple):
         return "a list"
+    if origin is typing.Literal:  # its values, which are what a user can write (not the type's name, Literal)
+        return " or ".join(map(str, typing.get_args(tp)))
     return getattr(tp, "__name__", str(tp))
 
 

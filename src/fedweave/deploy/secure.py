@@ -97,12 +97,24 @@ def is_secure(msg: Message) -> bool:
 def masked_reply(msg: Message, header: dict[str, Any], params: torch.Tensor, start: torch.Tensor) -> Message:
     """The reply of a job of a SecAgg+ round, for Flower's mod to mask: the client's update ``params - start``
     (float64) and its weight as a ``FitRes``, fedweave's header beside it. An update that SecAgg+'s quantization
-    would clip raises ValueError (one line), never clipped in silence."""
+    would clip, or one with a NaN or infinite element, raises ValueError (one line), never masked in silence."""
     rec = msg.content.config_records[WEIGHT]
     weight, max_weight = int(rec["weight"]), float(rec["max_weight"])
     clipping, levels = float(rec["clipping_range"]), int(rec["quantization_range"])
     update = (params.reshape(-1).double() - start.reshape(-1).double()).cpu().numpy()
+    if not np.isfinite(update).all():  # Flower would quantize NaN to an arbitrary integer: a finite, wrong sum
+        bad = update[~np.isfinite(update)][0]
+        raise ValueError(
+            f"secure_aggregation: client {rec['client']}'s update has a non-finite element ({bad}), which SecAgg+ "
+            "cannot quantize: the client's training diverged (lower its step size)"
+        )
     dq = round(weight / max_weight * levels) / levels  # what the mod multiplies the update by
+    if dq == 0:  # the update would leave the weighted mean in silence
+        raise ValueError(
+            f"secure_aggregation: client {rec['client']}'s weight share ({weight} / {max_weight:g}) is below half of "
+            f"one of quantization_range's {levels} levels, so SecAgg+ would weigh its update 0; lower max_weight or "
+            "raise quantization_range"
+        )
     largest = float(np.abs(update).max()) * dq if update.size else 0.0
     if largest > clipping:
         raise ValueError(
@@ -184,6 +196,15 @@ class SecureAggregation:
         and what comes back is the weighted mean of the updates; every client's local model is ``x + mean``."""
         clients = list(map(int, call.clients))
         weights = self.int_weights(clients)
+        # each client's quantized values (its weight's factor among them) lie in [0, quantization_range] and SecAgg+
+        # sums them modulo modulus_range: a sum that can reach the modulus wraps, and the unmasked mean is wrong
+        levels, modulus = self.cfg.quantization_range, self.cfg.modulus_range
+        if len(clients) * levels >= modulus:
+            raise RunStopped(
+                f"round {call.round + 1}: secure_aggregation.quantization_range ({levels}) times the round's "
+                f"{len(clients)} clients reaches modulus_range ({modulus}), where SecAgg+'s sum of the quantized "
+                f"values wraps; lower quantization_range below {-(-modulus // len(clients))} or raise modulus_range"
+            )
         node = {c: self.clients.node_of[c] for c in clients}
         jobs = {}
         for k, c in enumerate(clients):

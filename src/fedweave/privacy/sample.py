@@ -30,7 +30,8 @@ class AccountedTrainer(PrivateTrainer):
     """A :class:`PrivateTrainer` that counts each client's DP-SGD steps for the accountant."""
 
     steps_done: np.ndarray  # per client: the local DP-SGD steps done so far
-    steps_per_round: int  # the most steps one client does in one round (the budget's look-ahead)
+    steps_per_round: int  # the most steps one client does in one round
+    round_steps: np.ndarray  # per client: the most steps it does in one round (the budget's look-ahead)
 
     def train(
         self,
@@ -44,14 +45,19 @@ class AccountedTrainer(PrivateTrainer):
         key: tuple[int, ...] = (),
     ) -> LocalResult:
         out = super().train(starts, clients, round, rule=rule, lr=lr, steps=steps, key=key)
+        ids, taken = np.asarray(clients, dtype=np.int64), out.steps.cpu().numpy().astype(np.int64)
         if len(out.steps):
             self.steps_per_round = max(self.steps_per_round, int(out.steps.max()))
-        np.add.at(self.steps_done, np.asarray(clients, dtype=np.int64), out.steps.cpu().numpy().astype(np.int64))
+            np.maximum.at(self.round_steps, ids, taken)
+        np.add.at(self.steps_done, ids, taken)
         return out
 
 
 class SampleDP:
     """The accounting of DP-SGD at every client: epsilon of the client that has spent the most."""
+
+    # the server releases nothing of its own: a round in which nobody reported trains nobody and accounts nothing
+    releases_empty_rounds = False
 
     def __init__(self, trainer: AccountedTrainer, z: float, rates: np.ndarray, accountant: Accountant) -> None:
         self.trainer, self.z, self.rates, self.accountant = trainer, float(z), rates, accountant
@@ -68,20 +74,20 @@ class SampleDP:
         return mean
 
     def epsilon_after_next(self, next_round: int | None = None) -> float:
-        """Epsilon if each client that trained did the most steps of any client's round once more (an upper
-        bound, for the budget)."""
+        """Epsilon if every client did one more round of its own steps, at its own q_i (an upper bound, for the
+        budget: whoever the next round draws)."""
         done = self.trainer.steps_done
         seen = self._seen if self._seen is not None else np.zeros_like(done)
-        # one round's steps: the most of one call, or what one client did since the last look (several calls)
-        more = max(self.trainer.steps_per_round, int((done - seen).max(initial=0)))
+        # each client's round: the most steps it did in one call (at first its planned steps), or what it did
+        # since the last look (several calls); not the most of any client, which a small client at q_i = 1 never does
+        more = np.maximum(self.trainer.round_steps, done - seen)
         self._seen = done.copy()
-        pairs = self._pairs() or [(float(self.rates.max()), 0)]
-        return max(self.accountant.epsilon([(self.z, q, s + more)]) for q, s in pairs)
+        return max((self.accountant.epsilon([(self.z, q, s)]) for q, s in self._pairs(done + more)), default=0.0)
 
-    def _pairs(self) -> list[tuple[float, int]]:
-        """The (q_i, steps_i) of the clients that trained, reduced to those no other client dominates (epsilon
-        grows with both, so the largest epsilon is among them)."""
-        steps = self.trainer.steps_done
+    def _pairs(self, steps: np.ndarray | None = None) -> list[tuple[float, int]]:
+        """The (q_i, steps_i) of the clients with steps (default: those done so far), reduced to those no other
+        client dominates (epsilon grows with both, so the largest epsilon is among them)."""
+        steps = self.trainer.steps_done if steps is None else steps
         pairs = sorted({(float(q), int(s)) for q, s in zip(self.rates, steps) if s > 0}, reverse=True)
         front, most = [], -1
         for q, s in pairs:  # by q descending: keep a pair only if it has more steps than every larger q

@@ -154,15 +154,19 @@ def make_secagg(algo: Any) -> SecAggPlus | None:
             f"secure_aggregation: aggregator {algo.config.aggregator.name} needs each client's update, which secure "
             "aggregation hides from the server (it learns only the sum); leave one out"
         )
-    per_round = algo.hp.clients_per_round
-    if per_round < 2:
+    # the counts a round takes where the sampler knows them (fixed's clients, each schedule entry the run uses),
+    # else clients_per_round: a round of one client has no sum to hide its update in, and Flower refuses it
+    counts = algo.sampler.sizes()
+    if counts[0] < 2:
         raise ConfigError(
-            "secure_aggregation: SecAgg+ needs at least 2 clients per round (algorithm.clients_per_round)"
+            f"secure_aggregation: SecAgg+ needs at least 2 clients per round (algorithm.clients_per_round, or the "
+            f"sampler's clients), got rounds of {counts[0]}"
         )
-    _, threshold, k = resolve(cfg, per_round)
-    if k < threshold:
-        raise ConfigError(
-            f"secure_aggregation: with {per_round} clients per round each client has {k} neighbours, fewer than "
-            f"reconstruction_threshold ({threshold}); lower it or raise num_shares"
-        )
+    for per_round in counts:
+        _, threshold, k = resolve(cfg, per_round)
+        if k < threshold:
+            raise ConfigError(
+                f"secure_aggregation: with {per_round} clients per round each client has {k} neighbours, fewer "
+                f"than reconstruction_threshold ({threshold}); lower it or raise num_shares"
+            )
     return SecAggPlus(cfg, algo.ctx.seeds)

@@ -148,6 +148,12 @@ def make_privacy(
         dp.upcoming = algo.sample_clients
     if dp.releases_empty_rounds and algo.sampler.name == "bernoulli":
         # Poisson sampling as the proof has it: an empty draw is kept (not drawn again) and released as noise
+        if algo.sampler.options.get("redraw") is True:  # written in the config: refused, not replaced in silence
+            raise ConfigError(
+                "privacy: sampler.redraw: true draws a round again when nobody was drawn, which is not the Poisson "
+                "sampling the accountant's amplification assumes; leave redraw out (the privacy section keeps the "
+                "empty draw) or set privacy.amplification: none"
+            )
         algo.sampler.options = {**algo.sampler.options, "redraw": False}
     check_first_release(cfg, dp)
     return dp
@@ -241,6 +247,19 @@ def _sample_level(algo: Any, cfg: PrivacyConfig, accountant: Accountant) -> Samp
         )
     local = algo.config.local
     sizes = [len(p) for p in algo.ctx.partition]
+    if local.steps is not None and not local.full_batch:
+        # fixed-size batches cut from a stream of reshuffled epochs: a batch that spans two epochs (n not a multiple
+        # of B, k B > n) can hold one sample twice, and that step's sum then moves by 2C, not the C accounted
+        bs = local.batch_size
+        for c, n in enumerate(sizes):
+            k = algo.trainer.num_steps(c)
+            if n and n % bs and k * bs > n:
+                raise ConfigError(
+                    f"privacy.level: sample with local.steps: client {c}'s {n} samples are reshuffled inside its "
+                    f"{k} batches of {bs}, so one batch can hold a sample twice and move the step by more than "
+                    "privacy.clip; use local.epochs (an epoch's batches are disjoint), local.full_batch: true, or "
+                    "local.steps * local.batch_size <= each client's samples"
+                )
     # the batches are a shuffled pass, not the Poisson batches Opacus's accountants assume: amplification: none
     # accounts each step at q = 1, a bound that holds for any batching (each step is the Gaussian mechanism on
     # whatever batch it drew); auto gives the usual q_i = B / n_i
@@ -252,6 +271,8 @@ def _sample_level(algo: Any, cfg: PrivacyConfig, accountant: Accountant) -> Samp
     trainer = AccountedTrainer.of(algo.trainer, cfg.clip, z)
     trainer.steps_done = np.zeros(algo.ctx.num_clients, dtype=np.int64)
     trainer.steps_per_round = max(trainer.num_steps(c) for c in range(algo.ctx.num_clients))
+    # each client's round of steps (none for a client without data), until a call shows it does more
+    trainer.round_steps = np.array([trainer.num_steps(c) if n else 0 for c, n in enumerate(sizes)], dtype=np.int64)
     algo.trainer = trainer
     dp = SampleDP(trainer, z, rates, accountant)
     check_first_release(cfg, dp)
