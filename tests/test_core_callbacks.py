@@ -119,6 +119,12 @@ def test_a_stopping_round_is_evaluated_and_the_run_resumes_to_the_full_one(cfg, 
     res = fedweave.run(cfg, run_dir=tmp_path / "b", callbacks=[Budget(rounds=2)])
     assert [r["round"] for r in res.metrics] == [2]  # not an evaluation round: evaluated because it is the last
     assert "budget of 2 rounds" in res.summary["stopped_early"]
+    one = fedweave.run(
+        {**cfg, "output": {**cfg["output"], "checkpoint_every": 0}},
+        run_dir=tmp_path / "one",
+        callbacks=[Budget(rounds=1)],
+    )
+    assert one.summary["stopped_early"] == "the budget of 1 round is spent"
     done = resume(tmp_path / "b")
     assert done.summary["status"] == "completed" and "stopped_early" not in done.summary
     final = {k: v for k, v in done.metrics[-1].items() if k != "wall_seconds"}

@@ -349,7 +349,7 @@ class Budget(Callback):
         if self.seconds is not None and run.wall() >= self.seconds:
             return f"the time budget of {self.seconds:g} s is spent"
         if self.rounds is not None and r + 1 - run.start_round >= self.rounds:
-            return f"the budget of {self.rounds} rounds is spent"
+            return f"the budget of {self.rounds} round{'s' * (self.rounds != 1)} is spent"
         return None
 
 
