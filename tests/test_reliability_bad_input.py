@@ -230,7 +230,7 @@ def _cases() -> list[tuple[list[str], str]]:
         (["local.grad_clip=1e41"], "local.grad_clip"),
         (["model={name: mlp, hidden: [1000000000000]}"], "does not fit in memory"),
         (["algorithm.name=cse_fsl", "model={name: split_small, hidden: 1000000000000}"], "does not fit in memory"),
-        (["algorithm.name=cse_fsl", "model={name: split_small, width: 2.0}"], "model.width must be a positive integer"),
+        (["algorithm.name=cse_fsl", "model={name: split_small, width: 2.5}"], "model.width must be an integer"),
         (["model.init_from=5"], "model.init_from must be the path"),
         (["local.lr=" + "[" * 20_000], "YAML nested deeper than 100 levels"),
         # every round's schedule entry is checked when the run is built (before: only when its round came)
