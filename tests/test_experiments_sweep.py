@@ -502,6 +502,7 @@ def test_a_baseline_from_the_sweep_section_with_the_bootstrap(algos, tmp_path):
         (["--level", "0.9"], ["--baseline"]),
         (["--baseline", "fedavg", "--correction", "sidak"], ["--correction 'sidak'", "none, holm, bonferroni"]),
         (["--correction", "holm"], ["--correction", "--baseline"]),
+        (["--baseline", "[fedavg"], ["--baseline", "'[fedavg'", "not valid YAML"]),  # the one-key shorthand
     ],
 )
 def test_a_bad_baseline_is_one_clear_line_before_anything_runs(toy_config, tmp_path, capsys, extra, words):

@@ -131,7 +131,10 @@ def resolve(
                 f"{flag} {wanted!r} must name its key when the sweep varies {len(keys)} keys "
                 f"({', '.join(keys)}): e.g. {keys[0]}={_text(values[0][0][1])}"
             )
-        wanted = {keys[0]: yaml_load(wanted)}
+        try:
+            wanted = {keys[0]: yaml_load(wanted)}
+        except (yaml.YAMLError, ConfigError) as e:  # as a KEY=VALUE baseline's value: one line, no traceback
+            raise ConfigError(f"{flag}: the value {wanted!r} is not valid YAML ({' '.join(str(e).split())})") from e
     for k in wanted:
         if k not in keys:
             raise ConfigError(f"{flag}: key {k!r} is not a key of the sweep's grid; allowed: {', '.join(keys)}")
