@@ -1113,6 +1113,9 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(problem)
 
 
+_NAMED_KEYS = (["compression", "upload"], ["compression", "download"])  # a name, or {name: ..., options}
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``a.b=value`` overrides (values parsed as YAML scalars/lists) to nested plain data."""
     if overrides and not isinstance(data, dict):
@@ -1123,7 +1126,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         node = data
         for i, p in enumerate(path[:-1]):
             cur = node.get(p)
-            if isinstance(cur, str) and p in SECTION_KEYS:  # `model: cnn` shorthand
+            # `model: cnn` shorthand, and `compression: {upload: efsign}`'s, which a mapping with a name may replace
+            if isinstance(cur, str) and (p in SECTION_KEYS or path[: i + 1] in _NAMED_KEYS):
                 cur = node[p] = {"name": cur}
             if cur is None:
                 cur = node[p] = {}
