@@ -179,7 +179,10 @@ class LocalConfig:
     lr_decay: float = 1.0  # multiplicative factor of the exponential and step schedules
     lr_schedule: Literal["exponential", "step", "cosine"] = "exponential"
     lr_step: int = 1  # step schedule: multiply by lr_decay every lr_step rounds
-    lr_min: float = 0.0  # cosine schedule: the lr of the last round
+    # cosine schedule: lr_min + (lr - lr_min) (1 + cos(pi r / rounds)) / 2 in 0-based round r (PyTorch's
+    # CosineAnnealingLR with T_max = rounds): lr_min is the value at r = rounds, one past the last round (which
+    # takes lr_min + (lr - lr_min) (1 + cos(pi (rounds - 1) / rounds)) / 2)
+    lr_min: float = 0.0
     momentum: float = 0.0
     weight_decay: float = 0.0
     grad_clip: float | None = None
