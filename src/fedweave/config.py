@@ -334,7 +334,7 @@ class EvalConfig:
 class OutputConfig:
     """What a run writes besides its metrics and summary, and where (the ``output`` section)."""
 
-    dir: str | None = None  # default: runs/<name>-<seed>-<timestamp>
+    dir: str | None = None  # default: runs/<name>-s<seed>-<timestamp> (results.default_run_dir)
     checkpoint_every: int = 0  # rounds; 0 = never
     plots: bool = True
     progress: bool = True
