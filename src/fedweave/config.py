@@ -347,6 +347,9 @@ class OutputConfig:
         bad = [t for t in self.trackers if t not in ("tensorboard", "mlflow", "wandb")]
         if bad:
             raise ConfigError(f"output.trackers: unknown tracker {bad[0]!r} (allowed: tensorboard, mlflow, wandb)")
+        twice = [t for i, t in enumerate(self.trackers) if t in self.trackers[:i]]
+        if twice:  # each name is one tracker run: a second started another run and left the first unfinished
+            raise ConfigError(f"output.trackers names {twice[0]!r} twice; give each tracker once")
 
 
 @dataclass
