@@ -237,6 +237,21 @@ def test_bad_compression_config_is_one_line(upload, alg, expect):
     assert expect in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("side", ["upload", "download"])
+def test_an_override_sets_an_option_of_a_compressor_given_by_its_name(side):
+    # docs/compression.md: `upload: efsign` is the name alone; a key=value override (or a --grid key) of one of
+    # its options works on that form as on the mapping, as it does on `model: cnn_small`
+    cfg = {**_cfg("fedavg"), "compression": {side: "int8"}}
+    got = load(cfg, [f"compression.{side}.error_feedback=true"]).compression
+    assert getattr(got, side) == {"name": "int8", "error_feedback": True}
+    mapping = load({**cfg, "compression": {side: {"name": "int8", "error_feedback": True}}}).compression
+    assert (
+        getattr(got, f"{side}_section")
+        == getattr(mapping, f"{side}_section")
+        == Section("int8", {"error_feedback": True})
+    )
+
+
 def test_flower_app_carries_a_compressed_upload(tmp_path, monkeypatch):
     """The deployment sends the encoded uploads (tests/test_deploy_inprocess.py, tests/test_deploy_flower.py)."""
     monkeypatch.chdir(tmp_path)

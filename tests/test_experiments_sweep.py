@@ -21,9 +21,10 @@ from scipy import stats
 import fedweave
 from fedweave.checkpoints import CHECKPOINT
 from fedweave.cli import main as cli_main
+from fedweave.config import load
 from fedweave.experiments import GridError, expand, parse_grid
 from fedweave.experiments.aggregate import mean_std
-from fedweave.experiments.baseline import CORRECTED, adjust, compare, levels
+from fedweave.experiments.baseline import CORRECTED, adjust, compare, levels, parse_baseline, resolve
 from fedweave.experiments.jobs import RunFailed
 from fedweave.experiments.tables import csv_text
 from fedweave.results import RunDirError
@@ -81,6 +82,18 @@ def test_zipped_keys_vary_together(toy_config):
     assert combos == [(2, 0.1, 8), (2, 0.2, 16), (3, 0.1, 8), (3, 0.2, 16)]
     with pytest.raises(GridError, match="equally many"):
         expand(toy_config, zipped={"local.lr": [0.1, 0.2], "local.batch_size": [8]})
+
+
+def test_grid_and_baseline_values_are_read_as_a_config_reads_them(toy_config):
+    # YAML 1.2, as a config file and a key=value override: 012 is 12 (not octal 10), 1e3 a number, 1:30 a string
+    grid = parse_grid(["local.batch_size=012,16", "rounds=1e0,2"])
+    assert grid == {"local.batch_size": [12, 16], "rounds": [1.0, 2]}
+    pts = expand(toy_config, grid)
+    assert [(p.config.local.batch_size, p.config.rounds) for p in pts] == [(12, 1), (12, 2), (16, 1), (16, 2)]
+    assert load(toy_config, ["local.batch_size=012"]).local.batch_size == 12  # the override it must agree with
+    assert parse_grid(["name=1:30"]) == {"name": ["1:30"]}
+    assert parse_baseline("local.batch_size=012,rounds=1e0") == {"local.batch_size": 12, "rounds": 1.0}
+    assert resolve("012", [(("local.batch_size", 12),), (("local.batch_size", 16),)]) == "local.batch_size=12"
 
 
 @pytest.mark.parametrize(
@@ -489,6 +502,7 @@ def test_a_baseline_from_the_sweep_section_with_the_bootstrap(algos, tmp_path):
         (["--level", "0.9"], ["--baseline"]),
         (["--baseline", "fedavg", "--correction", "sidak"], ["--correction 'sidak'", "none, holm, bonferroni"]),
         (["--correction", "holm"], ["--correction", "--baseline"]),
+        (["--baseline", "[fedavg"], ["--baseline", "'[fedavg'", "not valid YAML"]),  # the one-key shorthand
     ],
 )
 def test_a_bad_baseline_is_one_clear_line_before_anything_runs(toy_config, tmp_path, capsys, extra, words):

@@ -163,6 +163,8 @@ def _cases() -> list[tuple[list[str], str]]:
         (["output.checkpoint_every=-1"], "output.checkpoint_every"),
         (["output.plots=maybe"], "output.plots"),
         (["output.colour=red"], "output.colour"),
+        # a tracker named twice (before: two tracker runs of one run, the first never finished)
+        (["output.trackers=[tensorboard, tensorboard]"], "output.trackers names 'tensorboard' twice"),
         (["faults.dropout=1.5"], "faults.dropout"),
         (["faults.outage_rounds=[0]"], "faults.outage_rounds"),
         (["faults.straggler_policy=wait"], "faults.straggler_policy"),

@@ -179,7 +179,10 @@ class LocalConfig:
     lr_decay: float = 1.0  # multiplicative factor of the exponential and step schedules
     lr_schedule: Literal["exponential", "step", "cosine"] = "exponential"
     lr_step: int = 1  # step schedule: multiply by lr_decay every lr_step rounds
-    lr_min: float = 0.0  # cosine schedule: the lr of the last round
+    # cosine schedule: lr_min + (lr - lr_min) (1 + cos(pi r / rounds)) / 2 in 0-based round r (PyTorch's
+    # CosineAnnealingLR with T_max = rounds): lr_min is the value at r = rounds, one past the last round (which
+    # takes lr_min + (lr - lr_min) (1 + cos(pi (rounds - 1) / rounds)) / 2)
+    lr_min: float = 0.0
     momentum: float = 0.0
     weight_decay: float = 0.0
     grad_clip: float | None = None
@@ -331,7 +334,7 @@ class EvalConfig:
 class OutputConfig:
     """What a run writes besides its metrics and summary, and where (the ``output`` section)."""
 
-    dir: str | None = None  # default: runs/<name>-<seed>-<timestamp>
+    dir: str | None = None  # default: runs/<name>-s<seed>-<timestamp> (results.default_run_dir)
     checkpoint_every: int = 0  # rounds; 0 = never
     plots: bool = True
     progress: bool = True
@@ -344,6 +347,9 @@ class OutputConfig:
         bad = [t for t in self.trackers if t not in ("tensorboard", "mlflow", "wandb")]
         if bad:
             raise ConfigError(f"output.trackers: unknown tracker {bad[0]!r} (allowed: tensorboard, mlflow, wandb)")
+        twice = [t for i, t in enumerate(self.trackers) if t in self.trackers[:i]]
+        if twice:  # each name is one tracker run: a second started another run and left the first unfinished
+            raise ConfigError(f"output.trackers names {twice[0]!r} twice; give each tracker once")
 
 
 @dataclass
@@ -1115,6 +1121,9 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(problem)
 
 
+_NAMED_KEYS = (["compression", "upload"], ["compression", "download"])  # a name, or {name: ..., options}
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``a.b=value`` overrides (values parsed as YAML scalars/lists) to nested plain data."""
     if overrides and not isinstance(data, dict):
@@ -1125,7 +1134,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         node = data
         for i, p in enumerate(path[:-1]):
             cur = node.get(p)
-            if isinstance(cur, str) and p in SECTION_KEYS:  # `model: cnn` shorthand
+            # `model: cnn` shorthand, and `compression: {upload: efsign}`'s, which a mapping with a name may replace
+            if isinstance(cur, str) and (p in SECTION_KEYS or path[: i + 1] in _NAMED_KEYS):
                 cur = node[p] = {"name": cur}
             if cur is None:
                 cur = node[p] = {}

@@ -49,7 +49,7 @@ from typing import Any
 
 import yaml
 
-from fedweave.config import ConfigError
+from fedweave.config import ConfigError, yaml_load
 from fedweave.experiments.grid import _text
 from fedweave.experiments.verdicts import HELD, INCONCLUSIVE, NOT_HELD, TESTS, Paired
 
@@ -99,8 +99,8 @@ def parse_baseline(text: str | Mapping[str, Any], flag: str = "--baseline") -> d
         if key in out:
             raise ConfigError(f"{flag} {text!r}: key {key!r} is given twice")
         try:
-            out[key] = yaml.safe_load(raw)
-        except yaml.YAMLError as e:
+            out[key] = yaml_load(raw)  # as --grid's values and key=value overrides are read (012 is 12)
+        except (yaml.YAMLError, ConfigError) as e:
             raise ConfigError(f"{flag} {key}: the value {raw!r} is not valid YAML ({e})") from e
     return out
 
@@ -131,7 +131,10 @@ def resolve(
                 f"{flag} {wanted!r} must name its key when the sweep varies {len(keys)} keys "
                 f"({', '.join(keys)}): e.g. {keys[0]}={_text(values[0][0][1])}"
             )
-        wanted = {keys[0]: yaml.safe_load(wanted)}
+        try:
+            wanted = {keys[0]: yaml_load(wanted)}
+        except (yaml.YAMLError, ConfigError) as e:  # as a KEY=VALUE baseline's value: one line, no traceback
+            raise ConfigError(f"{flag}: the value {wanted!r} is not valid YAML ({' '.join(str(e).split())})") from e
     for k in wanted:
         if k not in keys:
             raise ConfigError(f"{flag}: key {k!r} is not a key of the sweep's grid; allowed: {', '.join(keys)}")

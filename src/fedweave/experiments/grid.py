@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from fedweave.config import ConfigError, RunConfig, apply_overrides, load, read_yaml_file
+from fedweave.config import ConfigError, RunConfig, apply_overrides, load, read_yaml_file, yaml_load
 
 
 class GridError(ConfigError):
@@ -54,7 +54,8 @@ def _text(v: Any) -> str:
 
 
 def parse_grid(items: list[str], flag: str = "--grid") -> dict[str, list[Any]]:
-    """``["KEY=V1,V2", ...]`` -> ``{KEY: [V1, V2]}``; each value is read as YAML (``0.1`` is a number)."""
+    """``["KEY=V1,V2", ...]`` -> ``{KEY: [V1, V2]}``; each value is read as a config's YAML is (``0.1`` and
+    ``1e-3`` are numbers, ``012`` is 12), so a grid value means what the same ``key=value`` override means."""
     grid: dict[str, list[Any]] = {}
     for item in items:
         if "=" not in item or not item.split("=", 1)[0]:
@@ -63,8 +64,9 @@ def parse_grid(items: list[str], flag: str = "--grid") -> dict[str, list[Any]]:
         if key in grid:
             raise GridError(f"{flag} key {key!r} is given twice")
         try:
-            values = [yaml.safe_load(v) for v in raw.split(",")]
-        except (yaml.YAMLError, RecursionError) as e:  # RecursionError: thousands of nested brackets
+            # the config's loader: PyYAML's own (YAML 1.1) read 012 as octal 10 and 1e3 as a string
+            values = [yaml_load(v) for v in raw.split(",")]
+        except (yaml.YAMLError, RecursionError, ConfigError) as e:  # RecursionError: thousands of nested brackets
             raise GridError(f"{flag} {key}: a value is not valid YAML ({e})") from e
         if not values or raw == "":
             raise GridError(f"{flag} {key!r} has no values")
