@@ -106,7 +106,7 @@ def decode_lr(value: Any) -> LR:
     if isinstance(value, dict):
         return _instance(LR_SCHEDULES, "learning-rate schedule", value.get("schedule"), value.get("scalars"))
     lr = coerce(value, float, "lr")
-    if not 0 <= lr < float("inf"):  # 0: the last round of a cosine schedule down to lr_min 0
+    if not 0 <= lr < float("inf"):  # 0: a decay that underflowed, or a schedule of its own that reaches 0
         raise ConfigError(f"lr must be a finite number >= 0, got {lr}")
     return lr
 
