@@ -300,3 +300,24 @@ def test_clients_per_round_round_halves_up(beta, k):
     cfg["partition"] = {"name": "dirichlet", "num_clients": 10, "alpha": 1.0, "min_size": 5}
     a = build_algorithm(RunContext(load(cfg)))
     assert a.k == k and len(a.sample_clients(0)) == k
+
+
+@pytest.mark.parametrize("name", ["hier_fedavg", "hier_fedprox"])
+def test_a_round_of_clients_without_samples_keeps_the_model(name):
+    # a partition may leave clients empty (min_size 0); such a client takes no step (y_i = x), so a round that
+    # samples only empty clients must leave x as it was, where N_i / sum_j N_j would be 0 / 0 (x turned NaN)
+    cfg = _config(participation=0.05, tau=2)
+    cfg["algorithm"]["name"] = name
+    cfg["algorithm"].pop("server_batch_size")
+    cfg["partition"] = {"name": "dirichlet", "num_clients": 20, "alpha": 0.01, "min_size": 0}
+    a = build_algorithm(RunContext(load(cfg)))
+    empty = [r for r in range(20) if len(a.data.parts[a.sample_clients(r)[0]]) == 0]
+    full = [r for r in range(20) if len(a.data.parts[a.sample_clients(r)[0]]) > 0]
+    assert empty and full and full[0] < empty[0]  # the fixture: a round with data, then one without
+    for r in range(empty[0]):
+        a.run_round(r)
+    before = a.x.clone()
+    assert before.abs().sum() > 0
+    out = a.run_round(empty[0])
+    assert torch.equal(a.x, before)
+    assert out["train_loss"] == 0.0  # the mean over no samples, as hier_scaffold's plain mean reports it

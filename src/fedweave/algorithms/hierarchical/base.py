@@ -631,9 +631,12 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
         return {"local_steps": float(H), "client_sgd_steps": float(H * len(jobs))}
 
     def sample_weights(self, jobs: np.ndarray) -> torch.Tensor:
-        """N_i / sum_j N_j over the jobs."""
+        """N_i / sum_j N_j over the jobs; equal weights when none of them holds a sample."""
         w = self.job_sizes[torch.as_tensor(jobs, device=self.job_sizes.device)].to(self.x.dtype)
-        return w / w.sum()
+        total = w.sum()
+        if not total > 0:  # clients without samples take no step (y_i = x): their mean keeps x, not 0 / 0 = NaN
+            return torch.full_like(w, 1.0 / len(w))
+        return w / total
 
     def client_rule(self, r: int) -> LocalRule | ClientStep:
         """The jobs' local rule, or a ``ClientStep`` for clients with state of their own (over ``self.store``);
