@@ -469,3 +469,20 @@ def test_bernoulli_sampling_is_seeded_and_has_the_right_mean_size():
     assert all(np.array_equal(a, again.sample_clients(r)) for r, a in enumerate(draws[:20]))
     algo.run_round(0)
     assert algo.ledger.bytes("up", round=0) == len(draws[0]) * D_TOY * 4
+
+
+def test_a_round_of_clients_without_samples_keeps_the_global_model():
+    """A partition may leave clients empty (dirichlet, min_size 0); they take no local step, so a round that
+    samples only empty clients keeps x, where the sample weights N_i / sum_j N_j were 0 / 0 and x turned NaN
+    for the rest of the run; rounds with data are weighted as before."""
+    cfg = _cfg("fedavg", clients_per_round=1)
+    cfg["partition"] = {"name": "dirichlet", "num_clients": 20, "alpha": 0.01, "min_size": 0}
+    a = _algo(cfg)
+    empty = [r for r in range(20) if a.sizes[a.sample_clients(r)].sum() == 0]
+    full = [r for r in range(20) if a.sizes[a.sample_clients(r)].sum() > 0]
+    e = next(r for r in empty if r > full[0])  # the fixture: a round with data, later one without
+    _rounds(a, e)
+    before = a.x.clone()
+    out = a.run_round(e)
+    assert torch.equal(a.x, before) and out["train_loss"] == 0.0
+    assert torch.isfinite(_rounds(a, 3, e + 1)).all()

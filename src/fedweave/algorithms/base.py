@@ -485,9 +485,13 @@ class RunContext:
 
 def aggregation_weights(sizes: torch.Tensor, clients: np.ndarray, weighting: str) -> torch.Tensor:
     """The round's aggregation weights over ``clients``, summing to one: proportional to their numbers of
-    samples (``weighting: samples``) or equal (``uniform``)."""
+    samples (``weighting: samples``) or equal (``uniform``, and where none of them holds a sample: such clients
+    take no step, so the mean of their unchanged models keeps the global one, where 0 / 0 would be NaN)."""
     w = sizes[clients] if weighting == "samples" else torch.ones(len(clients), dtype=sizes.dtype, device=sizes.device)
-    return w / w.sum()
+    total = w.sum()
+    if not total > 0:
+        return torch.full_like(w, 1.0 / len(w))
+    return w / total
 
 
 class _AlgorithmMeta(ABCMeta):

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from fedweave import robust
-from fedweave.algorithms.base import Algorithm, RunContext
+from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights
 from fedweave.compression import upload_compression
 from fedweave.config import ConfigError, nearest_count
 from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, check_seeded, choose_backend, evaluate_task
@@ -631,12 +631,10 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
         return {"local_steps": float(H), "client_sgd_steps": float(H * len(jobs))}
 
     def sample_weights(self, jobs: np.ndarray) -> torch.Tensor:
-        """N_i / sum_j N_j over the jobs; equal weights when none of them holds a sample."""
-        w = self.job_sizes[torch.as_tensor(jobs, device=self.job_sizes.device)].to(self.x.dtype)
-        total = w.sum()
-        if not total > 0:  # clients without samples take no step (y_i = x): their mean keeps x, not 0 / 0 = NaN
-            return torch.full_like(w, 1.0 / len(w))
-        return w / total
+        """N_i / sum_j N_j over the jobs; equal weights when none of them holds a sample (they take no step,
+        y_i = x: their mean keeps x, not 0 / 0 = NaN)."""
+        sizes = self.job_sizes.to(self.x.dtype)
+        return aggregation_weights(sizes, torch.as_tensor(jobs, device=sizes.device), "samples")
 
     def client_rule(self, r: int) -> LocalRule | ClientStep:
         """The jobs' local rule, or a ``ClientStep`` for clients with state of their own (over ``self.store``);
