@@ -146,6 +146,23 @@ WRONG_CALLS = {
         lambda cfg: fedweave.run(cfg, loss="mse"),
         r"^loss must be a function \(output, target\) -> per-sample losses .* got 'mse'; .* task\.loss",
     ),
+    # a string is truthy: progress="no" showed the bar and overwrite="no" removed the old run
+    "progress as a string": (
+        lambda cfg: fedweave.run(cfg, progress="no"),
+        r"^progress must be True, False or None, got 'no'$",
+    ),
+    "overwrite as a string": (
+        lambda cfg: fedweave.run(cfg, overwrite="no"),
+        r"^overwrite must be True or False, got 'no'$",
+    ),
+    "run_dir a number": (
+        lambda cfg: fedweave.run(cfg, run_dir=5),
+        r"^run_dir must be a directory's path \(str or Path\), got int$",
+    ),
+    "resume's run_dir a number": (
+        lambda cfg: fedweave.resume(5),
+        r"^run_dir must be a directory's path \(str or Path\), got int$",
+    ),
 }
 
 
