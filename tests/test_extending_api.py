@@ -146,6 +146,23 @@ WRONG_CALLS = {
         lambda cfg: fedweave.run(cfg, loss="mse"),
         r"^loss must be a function \(output, target\) -> per-sample losses .* got 'mse'; .* task\.loss",
     ),
+    # a string is truthy: progress="no" showed the bar and overwrite="no" removed the old run
+    "progress as a string": (
+        lambda cfg: fedweave.run(cfg, progress="no"),
+        r"^progress must be True, False or None, got 'no'$",
+    ),
+    "overwrite as a string": (
+        lambda cfg: fedweave.run(cfg, overwrite="no"),
+        r"^overwrite must be True or False, got 'no'$",
+    ),
+    "run_dir a number": (
+        lambda cfg: fedweave.run(cfg, run_dir=5),
+        r"^run_dir must be a directory's path \(str or Path\), got int$",
+    ),
+    "resume's run_dir a number": (
+        lambda cfg: fedweave.resume(5),
+        r"^run_dir must be a directory's path \(str or Path\), got int$",
+    ),
 }
 
 
@@ -486,3 +503,14 @@ def test_an_empty_split_passed_from_python_is_one_line(split, tmp_path):
             _cfg(), model=lambda: torch.nn.Linear(5, 3), dataset=(*data["train"], *data["test"]), run_dir=tmp_path / "r"
         )
     assert not (tmp_path / "r").exists()
+
+
+def test_plot_runs_given_one_path_not_a_list_says_so(tmp_path):
+    from fedweave.plots import plot_runs
+
+    # before: the path was iterated character by character ("/metrics.jsonl not found")
+    for one in (str(tmp_path), tmp_path):
+        with pytest.raises(
+            TypeError, match=r"^run_dirs must be a list of run directories, e\.g\. \[.*\]; got one path"
+        ):
+            plot_runs(one, tmp_path / "plots")

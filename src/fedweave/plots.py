@@ -31,7 +31,10 @@ def save_png(fig, path: str | Path, dpi: int = 120) -> Path:
 
 def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | None = None) -> list[Path]:
     """``metric`` vs rounds and vs total bytes (up + down + lateral) for one or more runs; by default the
-    main metric of the first run's task (its ``summary.json``), else ``test_accuracy``."""
+    main metric of the first run's task (its ``summary.json``), else ``test_accuracy``. ``run_dirs`` is a
+    list even for one run: a single path is a TypeError (it was read as one run per character)."""
+    if isinstance(run_dirs, str | Path):
+        raise TypeError(f"run_dirs must be a list of run directories, e.g. [{str(run_dirs)!r}]; got one path")
     out_dir = Path(out_dir)
     metric = metric or _main_metric(run_dirs)
     every = [(d, _rows(d)) for d in run_dirs]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import time
 from collections.abc import Iterable, Sequence
@@ -120,6 +121,13 @@ def run(
     Ctrl-C or SIGTERM ends the run with ``status: interrupted`` and raises :class:`RunInterrupted`."""
     if on_divergence not in ("raise", "return"):
         raise ValueError(f"on_divergence must be 'raise' or 'return', got {on_divergence!r}")
+    # checked here, not left to truthiness: progress="no" showed the bar, overwrite="no" removed the old run
+    if progress is not None and not isinstance(progress, bool):
+        raise ConfigError(f"progress must be True, False or None, got {progress!r}")
+    if not isinstance(overwrite, bool):
+        raise ConfigError(f"overwrite must be True or False, got {overwrite!r}")
+    if run_dir is not None and not isinstance(run_dir, str | os.PathLike):
+        raise ConfigError(f"run_dir must be a directory's path (str or Path), got {type(run_dir).__name__}")
     callbacks = _checked(callbacks)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -492,6 +500,8 @@ def resume(
     ``objects``: those the run was made with, when it was made with objects passed from Python (its config
     records ``python``; checked against its ``objects.json``, :func:`fedweave.resume`); ``callbacks``,
     ``progress`` and ``on_divergence`` as in :func:`run`."""
+    if not isinstance(run_dir, str | os.PathLike):
+        raise ConfigError(f"run_dir must be a directory's path (str or Path), got {type(run_dir).__name__}")
     path = Path(run_dir)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a run directory")
