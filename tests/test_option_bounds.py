@@ -1,0 +1,17 @@
+"""Numeric extremes of algorithm, aggregator and sampler options: one ConfigError naming the key and the
+allowed range, never a torch overflow, a hang or a 300-digit number."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedweave.algorithms.centralized.fedadam import FedOptHparams
+from fedweave.config import ConfigError
+
+
+@pytest.mark.parametrize("key", ["v_init", "tau"])
+def test_fedopt_state_options_beyond_float32_are_refused(key: str) -> None:
+    # v_init = 1e300 filled a float32 tensor (RuntimeError: overflow); tau = 1e300 became inf: no step at all
+    with pytest.raises(ConfigError, match=rf"algorithm\.{key} must be in .*3\.40282e\+38"):
+        FedOptHparams(**{key: 1e300})
+    FedOptHparams(**{key: 0.5})
