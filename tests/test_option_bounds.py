@@ -7,6 +7,7 @@ import pytest
 
 from fedweave.algorithms.centralized.fedadam import FedOptHparams
 from fedweave.config import ConfigError
+from fedweave.robust.aggregators import GeometricMedian
 
 
 @pytest.mark.parametrize("key", ["v_init", "tau"])
@@ -15,3 +16,12 @@ def test_fedopt_state_options_beyond_float32_are_refused(key: str) -> None:
     with pytest.raises(ConfigError, match=rf"algorithm\.{key} must be in .*3\.40282e\+38"):
         FedOptHparams(**{key: 1e300})
     FedOptHparams(**{key: 0.5})
+
+
+def test_geometric_median_bounds() -> None:
+    with pytest.raises(ConfigError, match=r"aggregator\.nu must be in \(0, 3\.40282e\+38\]"):
+        GeometricMedian(nu=1e300)
+    with pytest.raises(ConfigError, match=r"aggregator\.iters must be in \[1, 10,000,000\], got 1e\+300"):
+        GeometricMedian(iters=10**300)
+    with pytest.raises(ConfigError, match=r"aggregator\.tol must be >= 0"):
+        GeometricMedian(tol=-1.0)
