@@ -7,7 +7,7 @@ import pytest
 
 from fedweave.algorithms.centralized.fedadam import FedOptHparams
 from fedweave.config import ConfigError
-from fedweave.robust.aggregators import GeometricMedian
+from fedweave.robust.aggregators import CenteredClipping, GeometricMedian
 
 
 @pytest.mark.parametrize("key", ["v_init", "tau"])
@@ -25,3 +25,9 @@ def test_geometric_median_bounds() -> None:
         GeometricMedian(iters=10**300)
     with pytest.raises(ConfigError, match=r"aggregator\.tol must be >= 0"):
         GeometricMedian(tol=-1.0)
+
+
+def test_centered_clipping_iters_is_bounded() -> None:
+    # 1e300 iterations ran forever instead of being refused as local.steps is
+    with pytest.raises(ConfigError, match=r"aggregator\.iters must be in \[1, 10,000,000\], got 1e\+300"):
+        CenteredClipping(iters=10**300)

@@ -392,8 +392,8 @@ class CenteredClipping(Aggregator):
     def __init__(self, tau: float = 1.0, iters: int = 1) -> None:
         if not tau > 0:
             raise ConfigError(f"aggregator.tau must be > 0 (the clipping radius), got {tau}")
-        if iters < 1:
-            raise ConfigError(f"aggregator.iters must be >= 1, got {iters}")
+        if not 1 <= iters <= MAX_LOCAL_STEPS:  # the same typo catcher as local.steps: 1e300 would never end
+            raise ConfigError(f"aggregator.iters must be in [1, {MAX_LOCAL_STEPS:,}], got {iters:.6g}")
         self.tau, self.iters = tau, iters
         self.center: torch.Tensor | None = None
 
