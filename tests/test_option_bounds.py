@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fedweave.algorithms.centralized.fedadam import FedOptHparams
+from fedweave.algorithms.hierarchical.base import HierarchyHparams
 from fedweave.config import ConfigError
 from fedweave.robust.aggregators import CenteredClipping, GeometricMedian
 
@@ -31,3 +32,9 @@ def test_centered_clipping_iters_is_bounded() -> None:
     # 1e300 iterations ran forever instead of being refused as local.steps is
     with pytest.raises(ConfigError, match=r"aggregator\.iters must be in \[1, 10,000,000\], got 1e\+300"):
         CenteredClipping(iters=10**300)
+
+
+def test_hierarchical_tau_is_bounded() -> None:
+    # tau is the local steps per round (floor(tau (r+1)^q)): 1e300 ran forever
+    with pytest.raises(ConfigError, match=r"algorithm\.tau must be in \(0, 10,000,000\], got 1e\+300"):
+        HierarchyHparams(tau=1e300)
