@@ -3,12 +3,14 @@ allowed range, never a torch overflow, a hang or a 300-digit number."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from fedweave.algorithms.centralized.fedadam import FedOptHparams
 from fedweave.algorithms.hierarchical.base import HierarchyHparams
 from fedweave.config import ConfigError
 from fedweave.robust.aggregators import CenteredClipping, GeometricMedian
+from fedweave.topology.samplers import fixed
 
 
 @pytest.mark.parametrize("key", ["v_init", "tau"])
@@ -38,3 +40,9 @@ def test_hierarchical_tau_is_bounded() -> None:
     # tau is the local steps per round (floor(tau (r+1)^q)): 1e300 ran forever
     with pytest.raises(ConfigError, match=r"algorithm\.tau must be in \(0, 10,000,000\], got 1e\+300"):
         HierarchyHparams(tau=1e300)
+
+
+def test_fixed_sampler_clients_message_is_short() -> None:
+    with pytest.raises(ConfigError) as e:
+        fixed(10, 2, 0, np.random.default_rng(0), rounds=1, clients=10**300)
+    assert "got 1e+300" in str(e.value) and len(str(e.value)) < 120
