@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LOCAL_STEPS, MAX_LR, ConfigError
 from fedweave.registry import AGGREGATORS
 
 log = logging.getLogger(__name__)
@@ -341,10 +341,12 @@ class GeometricMedian(Aggregator):
     name = "geometric_median"
 
     def __init__(self, iters: int = 100, nu: float = 1e-6, tol: float = 1e-7) -> None:
-        if iters < 1:
-            raise ConfigError(f"aggregator.iters must be >= 1, got {iters}")
-        if nu <= 0 or tol < 0:
-            raise ConfigError(f"aggregator.nu must be > 0 and aggregator.tol >= 0, got nu={nu}, tol={tol}")
+        if not 1 <= iters <= MAX_LOCAL_STEPS:  # the same typo catcher as local.steps
+            raise ConfigError(f"aggregator.iters must be in [1, {MAX_LOCAL_STEPS:,}], got {iters:.6g}")
+        if not 0 < nu <= MAX_LR:  # clamped in float32 at most: a larger nu overflows it
+            raise ConfigError(f"aggregator.nu must be in (0, {MAX_LR:.6g}], got {nu}")
+        if tol < 0:
+            raise ConfigError(f"aggregator.tol must be >= 0, got {tol}")
         self.iters, self.nu, self.tol = iters, nu, tol
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
@@ -390,8 +392,8 @@ class CenteredClipping(Aggregator):
     def __init__(self, tau: float = 1.0, iters: int = 1) -> None:
         if not tau > 0:
             raise ConfigError(f"aggregator.tau must be > 0 (the clipping radius), got {tau}")
-        if iters < 1:
-            raise ConfigError(f"aggregator.iters must be >= 1, got {iters}")
+        if not 1 <= iters <= MAX_LOCAL_STEPS:  # the same typo catcher as local.steps: 1e300 would never end
+            raise ConfigError(f"aggregator.iters must be in [1, {MAX_LOCAL_STEPS:,}], got {iters:.6g}")
         self.tau, self.iters = tau, iters
         self.center: torch.Tensor | None = None
 

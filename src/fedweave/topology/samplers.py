@@ -73,7 +73,7 @@ def fixed(
     if isinstance(clients, int):
         k = clients or per_round
         if not 1 <= k <= num_clients:
-            raise ConfigError(f"sampler.clients must be in [1, {num_clients}] (the number of clients), got {k}")
+            raise ConfigError(f"sampler.clients must be in [1, {num_clients}] (the number of clients), got {k:.6g}")
         return np.arange(k)
     return _checked(clients, num_clients, "sampler.clients")
 

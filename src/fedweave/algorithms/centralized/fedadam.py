@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 
 from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LR, ConfigError
 from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
 
@@ -48,10 +48,13 @@ class FedOptHparams(StarHparams):
         for key in ("beta1", "beta2"):
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(f"algorithm.{key} must be in [0, 1), got {getattr(self, key)}")
-        if self.tau <= 0:
-            raise ConfigError(f"algorithm.tau must be > 0, got {self.tau}")
-        if not self.v_init >= 0:
-            raise ConfigError(f"algorithm.v_init must be >= 0 (Reddi et al.: >= tau^2), got {self.v_init}")
+        # the state is float32 at most: a larger tau or v_init overflows it (a RuntimeError, or tau = inf: no step)
+        if not 0 < self.tau <= MAX_LR:
+            raise ConfigError(f"algorithm.tau must be in (0, {MAX_LR:.6g}], got {self.tau}")
+        if not 0 <= self.v_init <= MAX_LR:
+            raise ConfigError(
+                f"algorithm.v_init must be in [0, {MAX_LR:.6g}] (Reddi et al.: >= tau^2), got {self.v_init}"
+            )
         # the options the chosen server rule never reads: set to other than their default, a sweep over one would
         # repeat the same run under another label, so they are refused (at the default: what a resolved config writes)
         default = {f.name: f.default for f in fields(self)}

@@ -30,7 +30,7 @@ import torch
 from fedweave import robust
 from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights
 from fedweave.compression import upload_compression
-from fedweave.config import ConfigError, nearest_count
+from fedweave.config import MAX_LOCAL_STEPS, ConfigError, nearest_count
 from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, check_seeded, choose_backend, evaluate_task
 from fedweave.execution.local import LR, PLAIN, ClientStep, GradFn, LocalResult
 from fedweave.ledger import nbytes
@@ -286,8 +286,8 @@ class HierarchyHparams:
             raise ConfigError(f"algorithm.participation must be in (0, 1], got {self.participation}")
         if self.test_fraction is not None and not 0 < self.test_fraction < 1:
             raise ConfigError(f"algorithm.test_fraction must be in (0, 1) or null, got {self.test_fraction}")
-        if self.tau <= 0:
-            raise ConfigError(f"algorithm.tau must be > 0, got {self.tau}")
+        if not 0 < self.tau <= MAX_LOCAL_STEPS:  # local steps per round, bounded as local.steps is
+            raise ConfigError(f"algorithm.tau must be in (0, {MAX_LOCAL_STEPS:,}], got {self.tau:.6g}")
         if self.steps_power < 0:
             raise ConfigError(f"algorithm.steps_power must be >= 0, got {self.steps_power}")
         if self.local_offset <= 0:

@@ -1,0 +1,48 @@
+"""Numeric extremes of algorithm, aggregator and sampler options: one ConfigError naming the key and the
+allowed range, never a torch overflow, a hang or a 300-digit number."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedweave.algorithms.centralized.fedadam import FedOptHparams
+from fedweave.algorithms.hierarchical.base import HierarchyHparams
+from fedweave.config import ConfigError
+from fedweave.robust.aggregators import CenteredClipping, GeometricMedian
+from fedweave.topology.samplers import fixed
+
+
+@pytest.mark.parametrize("key", ["v_init", "tau"])
+def test_fedopt_state_options_beyond_float32_are_refused(key: str) -> None:
+    # v_init = 1e300 filled a float32 tensor (RuntimeError: overflow); tau = 1e300 became inf: no step at all
+    with pytest.raises(ConfigError, match=rf"algorithm\.{key} must be in .*3\.40282e\+38"):
+        FedOptHparams(**{key: 1e300})
+    FedOptHparams(**{key: 0.5})
+
+
+def test_geometric_median_bounds() -> None:
+    with pytest.raises(ConfigError, match=r"aggregator\.nu must be in \(0, 3\.40282e\+38\]"):
+        GeometricMedian(nu=1e300)
+    with pytest.raises(ConfigError, match=r"aggregator\.iters must be in \[1, 10,000,000\], got 1e\+300"):
+        GeometricMedian(iters=10**300)
+    with pytest.raises(ConfigError, match=r"aggregator\.tol must be >= 0"):
+        GeometricMedian(tol=-1.0)
+
+
+def test_centered_clipping_iters_is_bounded() -> None:
+    # 1e300 iterations ran forever instead of being refused as local.steps is
+    with pytest.raises(ConfigError, match=r"aggregator\.iters must be in \[1, 10,000,000\], got 1e\+300"):
+        CenteredClipping(iters=10**300)
+
+
+def test_hierarchical_tau_is_bounded() -> None:
+    # tau is the local steps per round (floor(tau (r+1)^q)): 1e300 ran forever
+    with pytest.raises(ConfigError, match=r"algorithm\.tau must be in \(0, 10,000,000\], got 1e\+300"):
+        HierarchyHparams(tau=1e300)
+
+
+def test_fixed_sampler_clients_message_is_short() -> None:
+    with pytest.raises(ConfigError) as e:
+        fixed(10, 2, 0, np.random.default_rng(0), rounds=1, clients=10**300)
+    assert "got 1e+300" in str(e.value) and len(str(e.value)) < 120
