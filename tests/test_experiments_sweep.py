@@ -21,7 +21,7 @@ from scipy import stats
 import fedweave
 from fedweave.checkpoints import CHECKPOINT
 from fedweave.cli import main as cli_main
-from fedweave.config import load
+from fedweave.config import ConfigError, load
 from fedweave.experiments import GridError, expand, parse_grid
 from fedweave.experiments.aggregate import mean_std
 from fedweave.experiments.baseline import CORRECTED, adjust, compare, levels, parse_baseline, resolve
@@ -130,6 +130,14 @@ def test_a_bad_grid_from_python_is_one_clear_line_before_anything_runs(toy_confi
     with pytest.raises(GridError) as e:
         fedweave.sweep(toy_config, **kwargs, out=tmp_path / "s", progress=False)
     assert len(str(e.value).splitlines()) == 1 and all(w in str(e.value) for w in words), str(e.value)
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("progress", ["no", None, 0])
+def test_progress_that_is_not_a_boolean_is_one_line_before_anything_runs(toy_config, tmp_path, progress):
+    # a string is truthy: progress="no" showed the bar and ran the sweep
+    with pytest.raises(ConfigError, match=r"^progress must be True or False, got "):
+        fedweave.sweep(toy_config, {"local.lr": [0.1]}, out=tmp_path / "s", progress=progress)
     assert not (tmp_path / "s").exists()
 
 

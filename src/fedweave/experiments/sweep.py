@@ -75,6 +75,8 @@ def sweep(
     from fedweave.tasks import column_direction
 
     check_workers(workers)  # like the grid, before anything is written
+    if not isinstance(progress, bool):  # a string is truthy: progress="no" showed the bar
+        raise ConfigError(f"progress must be True or False, got {progress!r}")
     if target is not None and (
         isinstance(target, bool) or not isinstance(target, int | float) or not math.isfinite(target)
     ):
