@@ -122,7 +122,10 @@ def test_a_bad_grid_is_one_clear_line_before_anything_runs(toy_config, tmp_path,
         ({"grid": {"local.lr": 0.1}}, ["grid", "'local.lr': 0.1", "non-empty list"]),  # was a TypeError
         ({"grid": {"local.lr": []}}, ["grid", "'local.lr': []"]),  # was an IndexError
         ({"grid": {"local.lr": [0.1]}, "zipped": {"rounds": 2}}, ["zipped", "'rounds': 2"]),
-        ({"grid": ["local.lr=0.1,0.2"]}, ["grid", "non-empty list"]),
+        ({"grid": ["local.lr=0.1,0.2"]}, ["grid", "non-empty list", "got list ['local.lr=0.1,0.2']"]),
+        ({"grid": "local.lr=0.1,0.2"}, ["grid", "got str 'local.lr=0.1,0.2'"]),  # said "got None: ..."
+        ({"grid": 0}, ["grid", "got int 0"]),  # a falsy grid ran the base config as a sweep of one point
+        ({"grid": {"local.lr": [0.1]}, "zipped": []}, ["zipped", "got list []"]),
         ({"grid": {"local.lr": [0.1]}, "seeds": 2.0}, ["seeds", "whole number", "2.0"]),
     ],
 )

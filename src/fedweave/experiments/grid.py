@@ -86,8 +86,13 @@ def expand(
     (one list position at a time), each for ``seeds`` seeds (the base seed, +1, ...). Every config is resolved
     and validated here, so a bad key or value fails with one line naming it before anything runs."""
     for name, axes in (("grid", grid), ("zipped", zipped)):  # from Python: a scalar gave a TypeError, [] an IndexError
-        pairs = axes.items() if isinstance(axes, Mapping) else [(None, axes)] if axes else []
-        for k, v in pairs:
+        if axes is not None and not isinstance(axes, Mapping):
+            # not a key's value: a falsy one (0, [], "") ran the base config as if no grid was given
+            raise GridError(
+                f"{name} must map each key to a non-empty list of values (e.g. {{'local.lr': [0.01, 0.1]}}); "
+                f"got {type(axes).__name__} {axes!r}"[:200]
+            )
+        for k, v in (axes or {}).items():
             if not isinstance(k, str) or not isinstance(v, list | tuple) or not v:
                 raise GridError(
                     f"{name} must map each key to a non-empty list of values (e.g. {{'local.lr': [0.01, 0.1]}}); "
