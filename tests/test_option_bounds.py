@@ -54,3 +54,9 @@ def test_star_server_lr_is_bounded(name: str) -> None:
     # server_lr = 1e300 was accepted and the first round diverged (test_loss=nan) instead of being refused
     with pytest.raises(ConfigError, match=r"algorithm\.server_lr must be in \(0, 3\.40282e\+38\], got 1e\+300"):
         build_dataclass(ALGORITHMS.get(name).Hparams, {"server_lr": 1e300}, "algorithm")
+
+
+def test_pfedme_inner_steps_is_bounded() -> None:
+    # inner_steps = 1e300 was accepted and the first local step never ended
+    with pytest.raises(ConfigError, match=r"algorithm\.inner_steps must be in \[1, 10,000,000\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("pfedme").Hparams, {"inner_steps": 10**300}, "algorithm")
