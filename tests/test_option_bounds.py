@@ -60,3 +60,10 @@ def test_pfedme_inner_steps_is_bounded() -> None:
     # inner_steps = 1e300 was accepted and the first local step never ended
     with pytest.raises(ConfigError, match=r"algorithm\.inner_steps must be in \[1, 10,000,000\], got 1e\+300"):
         build_dataclass(ALGORITHMS.get("pfedme").Hparams, {"inner_steps": 10**300}, "algorithm")
+
+
+@pytest.mark.parametrize("name", ["ditto", "ditto_star"])
+def test_ditto_personal_epochs_is_bounded(name: str) -> None:
+    # personal_epochs = 1e300 was accepted and the run hung in the first personal pass
+    with pytest.raises(ConfigError, match=r"algorithm\.personal_epochs must be in \[1, 10,000\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get(name).Hparams, {"personal_epochs": 10**300}, "algorithm")
