@@ -8,7 +8,8 @@ import pytest
 
 from fedweave.algorithms.centralized.fedadam import FedOptHparams
 from fedweave.algorithms.hierarchical.base import HierarchyHparams
-from fedweave.config import ConfigError
+from fedweave.config import ConfigError, build_dataclass
+from fedweave.registry import ALGORITHMS
 from fedweave.robust.aggregators import CenteredClipping, GeometricMedian
 from fedweave.topology.samplers import fixed
 
@@ -46,3 +47,23 @@ def test_fixed_sampler_clients_message_is_short() -> None:
     with pytest.raises(ConfigError) as e:
         fixed(10, 2, 0, np.random.default_rng(0), rounds=1, clients=10**300)
     assert "got 1e+300" in str(e.value) and len(str(e.value)) < 120
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedadam", "fedavgm", "fedbuff", "afl"])
+def test_star_server_lr_is_bounded(name: str) -> None:
+    # server_lr = 1e300 was accepted and the first round diverged (test_loss=nan) instead of being refused
+    with pytest.raises(ConfigError, match=r"algorithm\.server_lr must be in \(0, 3\.40282e\+38\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get(name).Hparams, {"server_lr": 1e300}, "algorithm")
+
+
+def test_pfedme_inner_steps_is_bounded() -> None:
+    # inner_steps = 1e300 was accepted and the first local step never ended
+    with pytest.raises(ConfigError, match=r"algorithm\.inner_steps must be in \[1, 10,000,000\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("pfedme").Hparams, {"inner_steps": 10**300}, "algorithm")
+
+
+@pytest.mark.parametrize("name", ["ditto", "ditto_star"])
+def test_ditto_personal_epochs_is_bounded(name: str) -> None:
+    # personal_epochs = 1e300 was accepted and the run hung in the first personal pass
+    with pytest.raises(ConfigError, match=r"algorithm\.personal_epochs must be in \[1, 10,000\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get(name).Hparams, {"personal_epochs": 10**300}, "algorithm")

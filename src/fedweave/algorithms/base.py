@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fedweave.byo import RunObjects, describe_model
-from fedweave.config import ConfigError, RunConfig, Section, build_dataclass, check_options, load
+from fedweave.config import MAX_LOCAL_EPOCHS, ConfigError, RunConfig, Section, build_dataclass, check_options, load
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
 from fedweave.data.partition import Partition, check_parts, integral
@@ -727,8 +727,8 @@ def check_ditto(lam: float, personal_epochs: int) -> None:
     """Ditto's two options, the same in every family that runs it: lambda >= 0, personal epochs >= 1."""
     if lam < 0:
         raise ConfigError(f"algorithm.lam must be >= 0, got {lam}")
-    if personal_epochs < 1:
-        raise ConfigError(f"algorithm.personal_epochs must be >= 1, got {personal_epochs}")
+    if not 1 <= personal_epochs <= MAX_LOCAL_EPOCHS:  # bounded as local.epochs is: 1e300 would never end
+        raise ConfigError(f"algorithm.personal_epochs must be in [1, {MAX_LOCAL_EPOCHS:,}], got {personal_epochs:.6g}")
 
 
 class ProximalRule(LocalRule):

@@ -29,7 +29,7 @@ from fedweave import robust
 from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights, make_trainer
 from fedweave.compression import upload_compression
 from fedweave.compression.download import download_compression
-from fedweave.config import ConfigError, Section
+from fedweave.config import MAX_LR, ConfigError, Section
 from fedweave.data.partition import client_sizes
 from fedweave.execution import (
     LocalResult,
@@ -63,8 +63,8 @@ class StarHparams:
     def __post_init__(self) -> None:
         if self.clients_per_round < 1:
             raise ConfigError(f"algorithm.clients_per_round must be >= 1, got {self.clients_per_round}")
-        if self.server_lr <= 0:
-            raise ConfigError(f"algorithm.server_lr must be > 0, got {self.server_lr}")
+        if not 0 < self.server_lr <= MAX_LR:  # the server's step is taken in float32 too, as local.lr's is
+            raise ConfigError(f"algorithm.server_lr must be in (0, {MAX_LR:.6g}], got {self.server_lr}")
 
 
 def _aliased_sampler(ctx: RunContext, hp: StarHparams) -> str:

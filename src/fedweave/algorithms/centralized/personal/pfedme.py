@@ -35,7 +35,7 @@ import torch
 
 from fedweave.algorithms.centralized.base import Collected, StarHparams
 from fedweave.algorithms.centralized.personal.base import PersonalStar
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LOCAL_STEPS, ConfigError
 from fedweave.execution import LocalResult
 from fedweave.execution.local import GradFn, LocalRule
 from fedweave.registry import ALGORITHMS
@@ -77,8 +77,8 @@ class PFedMeHparams(StarHparams):
         super().__post_init__()
         if self.lam <= 0:
             raise ConfigError(f"algorithm.lam must be > 0, got {self.lam}")
-        if self.inner_steps < 1:
-            raise ConfigError(f"algorithm.inner_steps must be >= 1, got {self.inner_steps}")
+        if not 1 <= self.inner_steps <= MAX_LOCAL_STEPS:  # bounded as local.steps is: 1e300 would never end
+            raise ConfigError(f"algorithm.inner_steps must be in [1, {MAX_LOCAL_STEPS:,}], got {self.inner_steps:.6g}")
         if self.personal_lr <= 0:
             raise ConfigError(f"algorithm.personal_lr must be > 0, got {self.personal_lr}")
         if self.beta <= 0:
