@@ -59,6 +59,13 @@ def to_target(
     return None
 
 
+def best_trained(rows: list[dict[str, Any]], metric: str, direction: str = "max") -> float | None:
+    """The best ``metric`` over a run's rounds trained (round > 0, as ``summary.json``'s best: an
+    ``eval.at_start`` row 0 is the initial model, not a result); None if no such row has it."""
+    better = max if direction == "max" else min
+    return better((r[metric] for r in rows if r.get(metric) is not None and r["round"] > 0), default=None)
+
+
 # ---- per-cell summaries over seeds, declared by keys --------------------------------------------------------
 Stat = Callable[[list[Any]], Any]  # a cell's statistic: its records -> a value
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from fedweave.experiments.aggregate import if_all, mean_std, to_target
+from fedweave.experiments.aggregate import best_trained, if_all, mean_std, to_target
 from fedweave.experiments.baseline import BASELINE, CORRECTIONS
 from fedweave.experiments.grid import Point
 from fedweave.experiments.verdicts import TESTS
@@ -451,7 +451,7 @@ def _runs_table(src: _Source, differ: list[str]) -> str:
     from fedweave.tasks import column_direction
 
     metric = src.metric
-    better = max if column_direction(metric) == "max" else min
+    direction = column_direction(metric)
     head = ["run", *differ, "status", "rounds", f"final {metric}", f"best {metric}", "bytes total", "wall s"]
     private = _private(src.runs)
     if private:  # privacy: the epsilon spent at the run's delta
@@ -460,7 +460,7 @@ def _runs_table(src: _Source, differ: list[str]) -> str:
     for r in src.runs:
         s = r.summary or {}
         vals = [x[metric] for x in r.rows if x.get(metric) is not None]
-        best = better((x[metric] for x in r.rows if x.get(metric) is not None and x["round"] > 0), default=None)
+        best = best_trained(r.rows, metric, direction)
         final = (s.get("final") or {}).get(metric) if s else (vals[-1] if vals else None)
         last = r.rows[-1] if r.rows else {}
         name = html.escape(r.name).replace(",", ",<wbr>")  # a long run name breaks after a comma

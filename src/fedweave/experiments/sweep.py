@@ -11,7 +11,7 @@ from typing import Any
 
 from fedweave.config import ConfigError
 from fedweave.experiments import baseline as paired
-from fedweave.experiments.aggregate import if_all, mean_std, to_target
+from fedweave.experiments.aggregate import best_trained, if_all, mean_std, to_target
 from fedweave.experiments.grid import expand
 from fedweave.experiments.jobs import check_reusable, check_workers, run_points
 from fedweave.experiments.tables import markdown, write_csv
@@ -133,10 +133,7 @@ def sweep(
             "status": s["status"],
             "rounds": s["rounds"],
             f"final_{metric}": final.get(metric),
-            # over the rounds trained, as summary.json's best: an eval.at_start row 0 is the initial model
-            f"best_{metric}": better(
-                (r[metric] for r in rows if r.get(metric) is not None and r["round"] > 0), default=None
-            ),
+            f"best_{metric}": best_trained(rows, metric, column_direction(metric)),
             "bytes_total": s["communication"]["bytes_total"],
             "wall_seconds": s["wall_seconds"],
             "run_dir": f"runs/{p.slug}",
