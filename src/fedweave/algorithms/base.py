@@ -56,7 +56,7 @@ def _as_config_error(section: str) -> Iterator[None]:
 
 
 @contextmanager
-def _model_memory(name: str, options: dict) -> Iterator[None]:
+def model_memory(name: str, options: dict) -> Iterator[None]:
     """A model too large to allocate (``model.hidden: [1000000000]``) is a configuration error naming its
     options, not an allocator traceback."""
     try:
@@ -464,9 +464,9 @@ class RunContext:
                 builder = MODELS.get(self.config.model.name)
                 name = self.config.model.name
                 opts = check_options(builder, opts, "model", skip=("input_shape", "num_classes"), name=name)
-                with _model_memory(name, opts):
+                with model_memory(name, opts):
                     model = builder(tuple(ds.input_shape), ds.num_classes, **opts)
-        with _model_memory(self.config.model.name, opts):
+        with model_memory(self.config.model.name, opts):
             model = model.to(device=self.device, dtype=self.dtype)
         if init_from is not None:
             load_initial_weights(model, init_from)

@@ -42,13 +42,7 @@ from torch import nn
 
 from fedweave.accounting import split as accounting
 from fedweave.accounting.split import upload_batches
-from fedweave.algorithms.base import (
-    Algorithm,
-    RunContext,
-    _model_memory,
-    aggregation_weights,
-    checked_augment,
-)
+from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights, checked_augment, model_memory
 from fedweave.config import ConfigError
 from fedweave.execution import LocalTrainer, ParamLayout, evaluate_task
 from fedweave.ledger import nbytes
@@ -274,7 +268,7 @@ class SplitAlgorithm(Algorithm):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seeds.int_seed("model_init"))
             try:  # a part too large to allocate is one line as for the zoo's models (docs/reliability.md)
-                with _model_memory(cfg.model.name, dict(cfg.model.options)):
+                with model_memory(cfg.model.name, dict(cfg.model.options)):
                     self.parts = build_split_model(
                         cfg.model.name, tuple(ds.input_shape), ds.num_classes, cfg.model.options
                     )
