@@ -11,6 +11,9 @@ sample_rate)`` step each, and asks Opacus for epsilon at the run's delta. ``rdp`
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -41,6 +44,16 @@ def rdp() -> Any:
 def prv() -> Any:
     """Opacus's PRV accountant (numerical composition of privacy random variables; a tighter upper bound)."""
     return _opacus_accountants().PRVAccountant()
+
+
+@contextmanager
+def _orders_quiet() -> Iterator[None]:
+    """Opacus's RDP warning that the best order is the first or last of its default orders, silenced: the epsilon
+    at that order is still a valid upper bound (a wider range could only lower it; docs/privacy.md says so), and
+    the warning, printed on every call, would break a run's output and a refusal's one line."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Optimal order is the (smallest|largest) alpha", category=UserWarning)
+        yield
 
 
 class Accountant:
@@ -80,7 +93,7 @@ class Accountant:
         probe.history = [tuple(h) for h in hist]
         # at sample rate 1 Opacus's PRV evaluates both sides of an np.where, one a log of 0 it then discards: its
         # "divide by zero" warnings say nothing about the epsilon, which is right
-        with np.errstate(divide="ignore"):
+        with np.errstate(divide="ignore"), _orders_quiet():
             eps = float(probe.get_epsilon(delta=self.delta))
         self._cache = (key, eps)
         return eps
@@ -107,8 +120,9 @@ def calibrate(name: str, target_epsilon: float, delta: float, sample_rate: float
     _opacus_accountants()  # one line when Opacus is missing
     from opacus.accountants.utils import get_noise_multiplier
 
-    return float(
-        get_noise_multiplier(
-            target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps, accountant=name
+    with _orders_quiet():
+        return float(
+            get_noise_multiplier(
+                target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps, accountant=name
+            )
         )
-    )
