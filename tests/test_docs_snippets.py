@@ -283,3 +283,15 @@ def test_tasks_md_names_the_worst_client_column_personal_evaluation_writes(task,
     [worst] = [c for c in columns if c.endswith(("_min", "_worst")) and c.startswith("test_")]
     text = re.sub(r"\s+", " ", (ROOT / "docs/tasks.md").read_text(encoding="utf-8"))
     assert f"`{worst.replace('test_accuracy_worst', 'test_<main>_worst')}`" in text
+
+
+def test_reliability_md_lists_every_file_a_run_writes():
+    """The bad-input table's ``--overwrite`` row lists the files a run writes: every name and pattern of
+    ``fedweave.results.RUN_OUTPUTS`` (an asynchronous run's ``events.csv`` and ``*_vs_sim_time.png`` too)."""
+    from fedweave.results import RUN_OUTPUT_DIRS, RUN_OUTPUTS
+
+    [row] = [line for line in (ROOT / "docs/reliability.md").read_text(encoding="utf-8").splitlines() if
+             line.startswith("| `--overwrite` into a directory that holds any file no run writes")]  # fmt: skip
+    listed = set(re.findall(r"`([^`]+)`", row.split("the files a run writes are", 1)[1]))
+    assert set(RUN_OUTPUTS) - listed == set()
+    assert {f"{d}/" for d in RUN_OUTPUT_DIRS} - listed == set()
