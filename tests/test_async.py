@@ -381,15 +381,20 @@ def test_fedbuffs_aggregator_bound_is_checked_on_the_buffer_before_round_1():
         ({"staleness": "constant", "staleness_a": 0.9}, "algorithm.staleness_a: staleness 'constant' does not read it"),
         ({"faults": {"outage_rounds": [2]}}, "faults.outage_rounds: fedbuff has no round that every client misses"),
         ({"faults": {"dropout": 1.0}}, "faults.dropout must be < 1 for fedbuff"),
+        # fedasync has no buffer: its step waits for one upload (before, the line spoke of its buffer_size)
+        ({"name": "fedasync", "faults": {"outage_rounds": [2]}}, "(a server step waits for one upload)"),
+        ({"faults": {"outage_rounds": [2]}}, "(a server step waits for buffer_size uploads)"),
+        ({"name": "fedasync", "secure_aggregation": {}}, "its server steps on each upload as it arrives, which"),
+        ({"secure_aggregation": {}}, "its server steps on a buffer of uploads that arrive one by one, which"),
     ],
 )
 def test_bad_async_config_is_one_line(opts, expect):
     opts = dict(opts)
-    faults = opts.pop("faults", {})
+    faults, sections = opts.pop("faults", {}), {k: opts.pop(k) for k in ["secure_aggregation"] if k in opts}
     cfg = _async(opts.pop("name", "fedbuff"), **opts)
     with pytest.raises(ConfigError) as e:
-        _algo({**cfg, "faults": {**cfg["faults"], **faults}})
-    assert expect in str(e.value)
+        _algo({**cfg, **sections, "faults": {**cfg["faults"], **faults}})
+    assert expect in str(e.value) and "\n" not in str(e.value)
 
 
 def test_concurrency_alone_runs_fewer_clients_than_the_default_clients_per_round():
