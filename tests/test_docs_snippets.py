@@ -295,3 +295,18 @@ def test_reliability_md_lists_every_file_a_run_writes():
     listed = set(re.findall(r"`([^`]+)`", row.split("the files a run writes are", 1)[1]))
     assert set(RUN_OUTPUTS) - listed == set()
     assert {f"{d}/" for d in RUN_OUTPUT_DIRS} - listed == set()
+
+
+def test_robustness_md_names_the_centralized_methods_that_refuse_byzantine_clients():
+    """'`faults.byzantine` is handled by the centralized family (...)': the parenthesis names every centralized
+    method that does not declare the fault (FedAsync and FedBuff among them), which refuses it in one line."""
+    from fedweave.registry import ALGORITHMS
+
+    text = re.sub(r"\s+", " ", (ROOT / "docs/robustness.md").read_text(encoding="utf-8"))
+    [stated] = re.findall(r"`faults\.byzantine` is handled by the centralized family \(([^)]*)\)", text)
+    refusing = {
+        n
+        for n in ALGORITHMS.names()
+        if ALGORITHMS.get(n).family == "centralized" and "byzantine" not in ALGORITHMS.get(n).handles_faults
+    }
+    assert refusing - set(re.findall(r"`(\w+)`", stated)) == set()
