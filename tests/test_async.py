@@ -381,15 +381,20 @@ def test_fedbuffs_aggregator_bound_is_checked_on_the_buffer_before_round_1():
         ({"staleness": "constant", "staleness_a": 0.9}, "algorithm.staleness_a: staleness 'constant' does not read it"),
         ({"faults": {"outage_rounds": [2]}}, "faults.outage_rounds: fedbuff has no round that every client misses"),
         ({"faults": {"dropout": 1.0}}, "faults.dropout must be < 1 for fedbuff"),
+        # fedasync has no buffer: its step waits for one upload (before, the line spoke of its buffer_size)
+        ({"name": "fedasync", "faults": {"outage_rounds": [2]}}, "(a server step waits for one upload)"),
+        ({"faults": {"outage_rounds": [2]}}, "(a server step waits for buffer_size uploads)"),
+        ({"name": "fedasync", "secure_aggregation": {}}, "its server steps on each upload as it arrives, which"),
+        ({"secure_aggregation": {}}, "its server steps on a buffer of uploads that arrive one by one, which"),
     ],
 )
 def test_bad_async_config_is_one_line(opts, expect):
     opts = dict(opts)
-    faults = opts.pop("faults", {})
+    faults, sections = opts.pop("faults", {}), {k: opts.pop(k) for k in ["secure_aggregation"] if k in opts}
     cfg = _async(opts.pop("name", "fedbuff"), **opts)
     with pytest.raises(ConfigError) as e:
-        _algo({**cfg, "faults": {**cfg["faults"], **faults}})
-    assert expect in str(e.value)
+        _algo({**cfg, **sections, "faults": {**cfg["faults"], **faults}})
+    assert expect in str(e.value) and "\n" not in str(e.value)
 
 
 def test_concurrency_alone_runs_fewer_clients_than_the_default_clients_per_round():
@@ -652,3 +657,20 @@ def test_a_run_that_fails_mid_way_keeps_its_events_so_far(tmp_path):
     assert '"status": "failed"' in (tmp_path / "failed" / "summary.json").read_text()
     updates = [row for row in csv.DictReader(failed) if row["event"] == "update"]
     assert len(updates) == 3 and full[: len(failed)] == failed
+
+
+def test_a_latency_spread_that_would_overflow_the_clock_is_refused_in_one_line(tmp_path):
+    """A client's time is exp(speed_sigma z + speed_jitter z'): a spread past MAX_SPEED_SPREAD is refused naming
+    both keys (before, speed_jitter 1000 made the clock inf and the run 'diverged', told to lower local.lr);
+    at the bound even the largest normal the draws give (|z| <= sqrt(2 * 53 ln 2)) keeps the clock finite."""
+    for faults in ({"speed_sigma": 0.0, "speed_jitter": 1000.0}, {"speed_sigma": 30.0, "speed_jitter": 30.0}):
+        with pytest.raises(ConfigError) as e:
+            fedweave.run({**_async("fedbuff", rounds=2, buffer_size=2), "faults": faults}, run_dir=tmp_path / "r")
+        assert str(e.value).startswith("faults.speed_sigma + faults.speed_jitter must be at most 50 ")
+        assert "\n" not in str(e.value)
+    from fedweave.config import MAX_SPEED_SPREAD
+
+    z_max = float(np.sqrt(-2.0 * np.log(2.0**-53)))
+    assert np.isfinite(np.exp(MAX_SPEED_SPREAD * z_max) * 1e10 * 1e7)  # 1e10 steps of work, 1e7 rounds summed
+    at_bound = _algo({**_async("fedbuff", rounds=3, buffer_size=2), "faults": {"speed_sigma": 25, "speed_jitter": 25}})
+    assert all(np.isfinite(at_bound.run_round(r)["sim_time"]) for r in range(3))

@@ -283,3 +283,31 @@ def test_tasks_md_names_the_worst_client_column_personal_evaluation_writes(task,
     [worst] = [c for c in columns if c.endswith(("_min", "_worst")) and c.startswith("test_")]
     text = re.sub(r"\s+", " ", (ROOT / "docs/tasks.md").read_text(encoding="utf-8"))
     assert f"`{worst.replace('test_accuracy_worst', 'test_<main>_worst')}`" in text
+
+
+def test_reliability_md_lists_every_file_a_run_writes():
+    """The bad-input table's ``--overwrite`` row lists the files a run writes: every name and pattern of
+    ``fedweave.results.RUN_OUTPUTS`` (an asynchronous run's ``events.csv`` and ``*_vs_sim_time.png`` too)."""
+    from fedweave.results import RUN_OUTPUT_DIRS, RUN_OUTPUTS
+
+    [row] = [line for line in (ROOT / "docs/reliability.md").read_text(encoding="utf-8").splitlines() if
+             line.startswith("| `--overwrite` into a directory that holds any file no run writes")]  # fmt: skip
+    listed = set(re.findall(r"`([^`]+)`", row.split("the files a run writes are", 1)[1]))
+    assert set(RUN_OUTPUTS) - listed == set()
+    assert {f"{d}/" for d in RUN_OUTPUT_DIRS} - listed == set()
+
+
+def test_robustness_md_names_the_centralized_methods_that_refuse_byzantine_clients():
+    """'`faults.byzantine` is handled by the centralized family (...)': the parenthesis names every centralized
+    method that does not declare the fault (FedAsync and FedBuff among them), which refuses it in one line."""
+    from fedweave.registry import ALGORITHMS
+
+    text = re.sub(r"\s+", " ", (ROOT / "docs/robustness.md").read_text(encoding="utf-8"))
+    [stated] = re.findall(r"`faults\.byzantine` is handled by the centralized family \(([^)]*)\)", text)
+    shipped = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).__module__.startswith("fedweave.")]  # not tests'
+    refusing = {
+        n
+        for n in shipped
+        if ALGORITHMS.get(n).family == "centralized" and "byzantine" not in ALGORITHMS.get(n).handles_faults
+    }
+    assert refusing - set(re.findall(r"`(\w+)`", stated)) == set()

@@ -286,6 +286,15 @@ def test_what_the_proof_does_not_cover_is_one_line(alg, privacy, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
+def test_weighting_samples_is_refused_naming_dp_fedbuffs_weight_1_over_k():
+    """DP-FedBuff weighs each upload 1/K (K the buffer); before, its refusal of weighting: samples said 1/E, E the
+    expected clients per round, which FedBuff has not."""
+    with pytest.raises(ConfigError) as e:
+        _algo(_private(_async("fedbuff", concurrency=3, buffer_size=2, weighting="samples")))
+    assert "privacy: algorithm.weighting: samples would weigh a client by its data size" in str(e.value)
+    assert "(each upload counts 1/K, K the algorithm.buffer_size)" in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("alg", ["fedbuff", "fedasync"])
 def test_secure_aggregation_stays_refused_for_the_asynchronous_methods(alg):
     cfg = {**_async(alg, concurrency=3), "secure_aggregation": {}}

@@ -393,6 +393,12 @@ class FaultsConfig:
             v = getattr(self, key)
             if not 0.0 <= v < math.inf:
                 raise ConfigError(f"faults.{key} must be a finite number >= 0, got {v}")
+        if self.speed_sigma + self.speed_jitter > MAX_SPEED_SPREAD:
+            raise ConfigError(
+                f"faults.speed_sigma + faults.speed_jitter must be at most {MAX_SPEED_SPREAD:g} (a client's time is "
+                f"exp(speed_sigma z + speed_jitter z'), which overflows the simulated clock beyond it), got "
+                f"{self.speed_sigma:g} + {self.speed_jitter:g}"
+            )
         if self.byzantine is not None:
             _check_byzantine(self.byzantine)
 
@@ -650,6 +656,11 @@ MAX_LOCAL_EPOCHS = 10_000
 MAX_LOCAL_STEPS = 10_000_000
 MAX_BATCH_SIZE = 2**31 - 1  # torch sizes and splits are 64-bit; far beyond any dataset
 MAX_LR = 3.4028234663852886e38  # float32's largest finite number: a larger lr or clip overflows a float32 step
+# faults.speed_sigma + speed_jitter: a client's time per unit of work is exp(speed_sigma z + speed_jitter z') with
+# Box-Muller normals of |z| <= sqrt(2 * 53 ln 2) ~ 8.57 (fedweave.faults), so at most e^(50 * 8.57) ~ 1e186: the
+# clock's times and sums stay finite in float64 (beyond about 83 one draw alone overflows to inf). A log-normal
+# spread of 50 is far beyond any straggler model; a larger value is a typo.
+MAX_SPEED_SPREAD = 50.0
 
 
 def max_threads() -> int:

@@ -135,9 +135,15 @@ def make_secagg(algo: Any) -> SecAggPlus | None:
     if algo.family != "centralized":
         raise ConfigError(f"secure_aggregation: the {algo.family} family is not supported yet (star methods only)")
     if getattr(algo, "asynchronous", False):
+        # FedBuff steps on a buffer of arrivals, FedAsync on each one (it has no buffer_size)
+        steps = (
+            "a buffer of uploads that arrive one by one"
+            if hasattr(algo.hp, "buffer_size")
+            else "each upload as it arrives"
+        )
         raise ConfigError(
-            f"secure_aggregation: algorithm {name!r} is refused: its server steps on a buffer of uploads that arrive "
-            "one by one, which SecAgg+'s rounds of a fixed cohort do not model"
+            f"secure_aggregation: algorithm {name!r} is refused: its server steps on {steps}, which SecAgg+'s rounds "
+            "of a fixed cohort do not model"
         )
     if algo.dp_refusal:  # the same criterion: one model update per client, the server state from their sum
         raise ConfigError(

@@ -71,9 +71,15 @@ def make_privacy(
     if algo.dp_refusal:
         raise ConfigError(f"privacy: algorithm {name!r} is refused: {algo.dp_refusal}")
     if cfg.level == "user" and algo.config.algorithm.options.get("weighting") == "samples":
+        # DP-FedBuff's weight is per upload, over its buffer (fedweave.privacy.buffered), not per expected client
+        counts = (
+            "each upload counts 1/K, K the algorithm.buffer_size"
+            if getattr(algo, "asynchronous", False)
+            else "each client counts 1/E, E the expected clients per round"
+        )
         raise ConfigError(
             "privacy: algorithm.weighting: samples would weigh a client by its data size, which DP-FedAvg's bound "
-            "does not cover; leave it out (each client counts 1/E, E the expected clients per round)"
+            f"does not cover; leave it out ({counts})"
         )
     if getattr(algo.hp, "server_data", "none") == "client":
         raise ConfigError(

@@ -134,9 +134,10 @@ class AsyncStar(StarAlgorithm):
             )
         faults = ctx.config.faults
         if faults.outage_rounds:
+            waits = "buffer_size uploads" if hasattr(hp, "buffer_size") else "one upload"  # fedasync has no buffer
             raise ConfigError(
                 f"faults.outage_rounds: {self.name} has no round that every client misses (a server step waits for "
-                "buffer_size uploads); inject faults.dropout or faults.deadline instead"
+                f"{waits}); inject faults.dropout or faults.deadline instead"
             )
         if faults.dropout >= 1.0:
             raise ConfigError(
