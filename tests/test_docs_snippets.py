@@ -283,3 +283,15 @@ def test_tasks_md_names_the_worst_client_column_personal_evaluation_writes(task,
     [worst] = [c for c in columns if c.endswith(("_min", "_worst")) and c.startswith("test_")]
     text = re.sub(r"\s+", " ", (ROOT / "docs/tasks.md").read_text(encoding="utf-8"))
     assert f"`{worst.replace('test_accuracy_worst', 'test_<main>_worst')}`" in text
+
+
+def test_the_out_options_help_names_the_config_key_that_comes_before_its_default():
+    from fedweave.cli import parser
+
+    # before: "default: runs/<name>-s<seed>-<time>" and "default runs/sweep", while a config's output.dir (a
+    # sweep section's out) is where the run (the sweep) goes when --out is not given, as configs/demo.yaml's
+    # runs/demo does
+    sub = next(a for a in parser()._actions if a.dest == "command").choices
+    helps = {name: {a.dest: a.help for a in sub[name]._actions} for name in ("run", "sweep")}
+    assert "the config's output.dir, else runs/<name>-s<seed>-<time>" in helps["run"]["out"]
+    assert "the sweep section's out, else runs/sweep" in helps["sweep"]["out"]
