@@ -295,3 +295,35 @@ def test_the_out_options_help_names_the_config_key_that_comes_before_its_default
     helps = {name: {a.dest: a.help for a in sub[name]._actions} for name in ("run", "sweep")}
     assert "the config's output.dir, else runs/<name>-s<seed>-<time>" in helps["run"]["out"]
     assert "the sweep section's out, else runs/sweep" in helps["sweep"]["out"]
+
+
+def _md_table(text: str, after: str) -> list[list[str]]:
+    """The cells of the first markdown table after the line that holds ``after`` (bold marks dropped)."""
+    lines = text[text.index(after) :].splitlines()
+    start = next(i for i, s in enumerate(lines) if s.strip().startswith("|"))
+    rows = []
+    for s in lines[start:]:
+        if not s.strip().startswith("|"):
+            break
+        if not s.strip().startswith("|---"):
+            rows.append([c.strip().strip("*") for c in s.strip().strip("|").split("|")])
+    return rows
+
+
+def test_results_md_baseline_tables_are_what_its_sweep_prints(tmp_path):
+    """docs/results.md's sweep of algos.yaml 'prints' its table: the printed cells, four significant digits below
+    0.01 as summary.md writes them (before: 0.0032 and -0.0045, from before that rule); the --correction holm
+    table's columns likewise."""
+    from fedweave.experiments import sweep
+
+    page = (ROOT / "docs/results.md").read_text(encoding="utf-8")
+    [config] = [yaml.safe_load(c) for _, c in blocks(ROOT / "docs/results.md", "yaml") if "# algos.yaml" in c]
+    grid = {"algorithm.name": ["fedavg", "fedprox", "scaffold"]}
+    common = {"seeds": 5, "baseline": "fedavg", "workers": 2, "out": tmp_path / "algos", "progress": False}
+    plain = sweep(config, grid, **common).table()
+    shown = _md_table(page, "--seeds 5 --baseline fedavg --workers 2 --out runs/algos")
+    assert _md_table(plain, "|") == shown
+    holm = _md_table(sweep(config, grid, correction="holm", **common).table(), "|")
+    shown = _md_table(page, "`--correction holm` (the runs are reused) gives")
+    keep = [holm[0].index(c) for c in shown[0]]
+    assert [[r[i] for i in keep] for r in holm] == shown
