@@ -327,3 +327,43 @@ def test_results_md_baseline_tables_are_what_its_sweep_prints(tmp_path):
     shown = _md_table(page, "`--correction holm` (the runs are reused) gives")
     keep = [holm[0].index(c) for c in shown[0]]
     assert [[r[i] for i in keep] for r in holm] == shown
+
+
+def _suggested(text: str) -> list[list[str]]:
+    """The override sets a shipped config's header comment suggests: each alternative of a 'Compare...:'
+    sentence (comma-separated, asides in parentheses dropped), and the '[k=v ...]' after a command line."""
+    header = " ".join(s.lstrip("#").strip() for s in text.splitlines() if s.startswith("#"))
+    found = []
+    for m in re.finditer(r"Compare[^:]*:(.*?)\.(?:\s|$)", header):
+        alternatives: list[list[str]] = [[]]
+        for token in shlex.split(re.sub(r"\([^)]*\)", " , ", m.group(1))):
+            if token != ",":
+                alternatives[-1].append(token.rstrip(","))
+            if token.endswith(","):
+                alternatives.append([])
+        found += [a for a in alternatives if a]
+    found += [[t for t in m.group(1).split() if "=" in t] for m in re.finditer(r"fedweave run \S+ \[([^]]*)\]", header)]
+    return found
+
+
+SUGGESTED = [
+    (f"{p.relative_to(ROOT / 'src/fedweave/configs')}:{' '.join(s)}", p, s)
+    for p in sorted((ROOT / "src/fedweave/configs").rglob("*.yaml"))
+    for s in _suggested(p.read_text(encoding="utf-8"))
+]
+
+
+def test_the_shipped_configs_suggest_overrides():
+    assert len(SUGGESTED) >= 5
+
+
+@pytest.mark.parametrize("path,overrides", [(p, s) for _, p, s in SUGGESTED], ids=[i for i, _, _ in SUGGESTED])
+def test_a_shipped_configs_suggested_overrides_load(path, overrides):
+    """Each loads, and its algorithm section builds the method's hyper-parameters (where an option of another
+    method is refused): fedproto_mnist.yaml suggested algorithm.name=fedavg, which kept FedProto's lam in the
+    section, and the run stopped at "unknown key 'algorithm.lam'"."""
+    from fedweave.config import build_dataclass
+    from fedweave.registry import ALGORITHMS
+
+    cfg = load(str(path), overrides)
+    build_dataclass(ALGORITHMS.get(cfg.algorithm.name).Hparams, cfg.algorithm.options, "algorithm")
