@@ -707,3 +707,11 @@ def test_a_sweep_section_comparison_key_without_a_baseline_is_named_as_the_file_
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"sweep.{key} applies to a comparison" in err and "sweep.baseline" in err
     assert not (tmp_path / "s").exists()
+
+
+def test_sweep_overrides_given_as_one_string_is_one_line_before_anything_is_written(toy_config, tmp_path):
+    # before: the string was read letter by letter ("override 'r' must look like key=value"); fedweave.run says
+    # what to pass for the same mistake
+    with pytest.raises(GridError, match=r"^overrides must be a list of key=value strings, .*; got 'rounds=2'$"):
+        fedweave.sweep(toy_config, {"local.lr": [0.1]}, overrides="rounds=2", out=tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()

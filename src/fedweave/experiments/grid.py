@@ -98,6 +98,9 @@ def expand(
                     f"{name} must map each key to a non-empty list of values (e.g. {{'local.lr': [0.01, 0.1]}}); "
                     f"got {k!r}: {v!r}"[:200]
                 )
+    if overrides is not None and not isinstance(overrides, list | tuple):  # a string was read letter by letter
+        got = repr(overrides) if isinstance(overrides, str) else type(overrides).__name__
+        raise GridError(f"overrides must be a list of key=value strings, e.g. ['local.lr=0.1']; got {got}")
     grid, zipped = dict(grid or {}), dict(zipped or {})
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise GridError(f"seeds must be a whole number >= 1, got {seeds!r}")
