@@ -113,6 +113,11 @@ def expand(
     if len(set(lengths.values())) > 1:
         raise GridError(f"zipped keys must have equally many values, got {lengths}")
     data = read_yaml_file(base) if not isinstance(base, dict) else base  # duplicate keys refused, as in a run
+    if isinstance(data, dict) and "sweep" in data:  # the loader's line would speak of a single run
+        raise GridError(
+            "sweep: fedweave.sweep takes the grid, seeds and the rest as its arguments, not from a config's sweep "
+            "section; pass the config without it, or run the file with 'fedweave sweep CONFIG', which reads it"
+        )
     data = apply_overrides(data, overrides or [])
     base_seed = load(data).seed
     zip_rows = [tuple(zip(zipped, vs)) for vs in zip(*zipped.values())] or [()]
