@@ -367,3 +367,19 @@ def test_a_shipped_configs_suggested_overrides_load(path, overrides):
 
     cfg = load(str(path), overrides)
     build_dataclass(ALGORITHMS.get(cfg.algorithm.name).Hparams, cfg.algorithm.options, "algorithm")
+
+
+def test_fedweave_list_prints_every_registry_a_config_names(capsys):
+    """The README: `fedweave list` prints every registered name a config can use, i.e. each registry that
+    fedweave.registry documents (``#:``) as a config key's. Before, local.augment's augmentations were left out."""
+    from fedweave import registry
+    from fedweave.cli import main
+
+    source = (ROOT / "src/fedweave/registry.py").read_text(encoding="utf-8")
+    documented = re.findall(r"^#:[^\n]*\n(?:#[^\n]*\n)*([A-Z_]+) = Registry\(", source, flags=re.M)
+    assert "AUGMENTATIONS" in documented and "RULES" not in documented
+    assert main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for attr in documented:
+        names = ", ".join(getattr(registry, attr).names())
+        assert any(line.endswith(f": {names}") for line in lines), f"fedweave list leaves out {attr}"

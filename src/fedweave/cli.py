@@ -68,6 +68,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         AGGREGATORS,
         ALGORITHMS,
         ATTACKS,
+        AUGMENTATIONS,
         CALLBACKS,
         COMPRESSORS,
         DATASETS,
@@ -85,6 +86,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         ("partitioners", PARTITIONERS),
         ("losses", LOSSES),
         ("metrics", METRICS),
+        ("augmentations", AUGMENTATIONS),  # local.augment
         ("samplers", SAMPLERS),
         ("callbacks", CALLBACKS),
         ("aggregators", AGGREGATORS),  # robustness: the aggregator section
