@@ -311,3 +311,103 @@ def test_robustness_md_names_the_centralized_methods_that_refuse_byzantine_clien
         if ALGORITHMS.get(n).family == "centralized" and "byzantine" not in ALGORITHMS.get(n).handles_faults
     }
     assert refusing - set(re.findall(r"`(\w+)`", stated)) == set()
+
+
+def test_the_out_options_help_names_the_config_key_that_comes_before_its_default():
+    from fedweave.cli import parser
+
+    # before: "default: runs/<name>-s<seed>-<time>" and "default runs/sweep", while a config's output.dir (a
+    # sweep section's out) is where the run (the sweep) goes when --out is not given, as configs/demo.yaml's
+    # runs/demo does
+    sub = next(a for a in parser()._actions if a.dest == "command").choices
+    helps = {name: {a.dest: a.help for a in sub[name]._actions} for name in ("run", "sweep")}
+    assert "the config's output.dir, else runs/<name>-s<seed>-<time>" in helps["run"]["out"]
+    assert "the sweep section's out, else runs/sweep" in helps["sweep"]["out"]
+
+
+def _md_table(text: str, after: str) -> list[list[str]]:
+    """The cells of the first markdown table after the line that holds ``after`` (bold marks dropped)."""
+    lines = text[text.index(after) :].splitlines()
+    start = next(i for i, s in enumerate(lines) if s.strip().startswith("|"))
+    rows = []
+    for s in lines[start:]:
+        if not s.strip().startswith("|"):
+            break
+        if not s.strip().startswith("|---"):
+            rows.append([c.strip().strip("*") for c in s.strip().strip("|").split("|")])
+    return rows
+
+
+def test_results_md_baseline_tables_are_what_its_sweep_prints(tmp_path):
+    """docs/results.md's sweep of algos.yaml 'prints' its table: the printed cells, four significant digits below
+    0.01 as summary.md writes them (before: 0.0032 and -0.0045, from before that rule); the --correction holm
+    table's columns likewise."""
+    from fedweave.experiments import sweep
+
+    page = (ROOT / "docs/results.md").read_text(encoding="utf-8")
+    [config] = [yaml.safe_load(c) for _, c in blocks(ROOT / "docs/results.md", "yaml") if "# algos.yaml" in c]
+    grid = {"algorithm.name": ["fedavg", "fedprox", "scaffold"]}
+    common = {"seeds": 5, "baseline": "fedavg", "workers": 2, "out": tmp_path / "algos", "progress": False}
+    plain = sweep(config, grid, **common).table()
+    shown = _md_table(page, "--seeds 5 --baseline fedavg --workers 2 --out runs/algos")
+    assert _md_table(plain, "|") == shown
+    holm = _md_table(sweep(config, grid, correction="holm", **common).table(), "|")
+    shown = _md_table(page, "`--correction holm` (the runs are reused) gives")
+    keep = [holm[0].index(c) for c in shown[0]]
+    assert [[r[i] for i in keep] for r in holm] == shown
+
+
+def _suggested(text: str) -> list[list[str]]:
+    """The override sets a shipped config's header comment suggests: each alternative of a 'Compare...:'
+    sentence (comma-separated, asides in parentheses dropped), and the '[k=v ...]' after a command line."""
+    header = " ".join(s.lstrip("#").strip() for s in text.splitlines() if s.startswith("#"))
+    found = []
+    for m in re.finditer(r"Compare[^:]*:(.*?)\.(?:\s|$)", header):
+        alternatives: list[list[str]] = [[]]
+        for token in shlex.split(re.sub(r"\([^)]*\)", " , ", m.group(1))):
+            if token != ",":
+                alternatives[-1].append(token.rstrip(","))
+            if token.endswith(","):
+                alternatives.append([])
+        found += [a for a in alternatives if a]
+    found += [[t for t in m.group(1).split() if "=" in t] for m in re.finditer(r"fedweave run \S+ \[([^]]*)\]", header)]
+    return found
+
+
+SUGGESTED = [
+    (f"{p.relative_to(ROOT / 'src/fedweave/configs')}:{' '.join(s)}", p, s)
+    for p in sorted((ROOT / "src/fedweave/configs").rglob("*.yaml"))
+    for s in _suggested(p.read_text(encoding="utf-8"))
+]
+
+
+def test_the_shipped_configs_suggest_overrides():
+    assert len(SUGGESTED) >= 5
+
+
+@pytest.mark.parametrize("path,overrides", [(p, s) for _, p, s in SUGGESTED], ids=[i for i, _, _ in SUGGESTED])
+def test_a_shipped_configs_suggested_overrides_load(path, overrides):
+    """Each loads, and its algorithm section builds the method's hyper-parameters (where an option of another
+    method is refused): fedproto_mnist.yaml suggested algorithm.name=fedavg, which kept FedProto's lam in the
+    section, and the run stopped at "unknown key 'algorithm.lam'"."""
+    from fedweave.config import build_dataclass
+    from fedweave.registry import ALGORITHMS
+
+    cfg = load(str(path), overrides)
+    build_dataclass(ALGORITHMS.get(cfg.algorithm.name).Hparams, cfg.algorithm.options, "algorithm")
+
+
+def test_fedweave_list_prints_every_registry_a_config_names(capsys):
+    """The README: `fedweave list` prints every registered name a config can use, i.e. each registry that
+    fedweave.registry documents (``#:``) as a config key's. Before, local.augment's augmentations were left out."""
+    from fedweave import registry
+    from fedweave.cli import main
+
+    source = (ROOT / "src/fedweave/registry.py").read_text(encoding="utf-8")
+    documented = re.findall(r"^#:[^\n]*\n(?:#[^\n]*\n)*([A-Z_]+) = Registry\(", source, flags=re.M)
+    assert "AUGMENTATIONS" in documented and "RULES" not in documented
+    assert main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for attr in documented:
+        names = ", ".join(getattr(registry, attr).names())
+        assert any(line.endswith(f": {names}") for line in lines), f"fedweave list leaves out {attr}"

@@ -707,3 +707,20 @@ def test_a_sweep_section_comparison_key_without_a_baseline_is_named_as_the_file_
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"sweep.{key} applies to a comparison" in err and "sweep.baseline" in err
     assert not (tmp_path / "s").exists()
+
+
+def test_sweep_overrides_given_as_one_string_is_one_line_before_anything_is_written(toy_config, tmp_path):
+    # before: the string was read letter by letter ("override 'r' must look like key=value"); fedweave.run says
+    # what to pass for the same mistake
+    with pytest.raises(GridError, match=r"^overrides must be a list of key=value strings, .*; got 'rounds=2'$"):
+        fedweave.sweep(toy_config, {"local.lr": [0.1]}, overrides="rounds=2", out=tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+
+
+def test_fedweave_sweep_of_a_config_with_a_sweep_section_says_what_reads_it(toy_config, tmp_path):
+    # before: the single run's line ("a single run ('fedweave run', fedweave.run) takes the config without it")
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({**toy_config, "sweep": {"grid": {"local.lr": [0.1]}}}))
+    with pytest.raises(GridError, match=r"^sweep: fedweave\.sweep takes the grid, .*'fedweave sweep CONFIG'"):
+        fedweave.sweep(str(path), out=tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

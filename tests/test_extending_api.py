@@ -514,3 +514,22 @@ def test_plot_runs_given_one_path_not_a_list_says_so(tmp_path):
             TypeError, match=r"^run_dirs must be a list of run directories, e\.g\. \[.*\]; got one path"
         ):
             plot_runs(one, tmp_path / "plots")
+
+
+def test_plot_runs_of_a_confederated_run_defaults_to_the_column_its_own_plots_show(tmp_path):
+    from fedweave.plots import plot_runs
+
+    # its synthetic problem has no test set: summary.json's main_metric is null. Before, plot_runs fell back to
+    # test_accuracy and refused the run ("--metric 'test_accuracy' is not a metric of ..."), where `fedweave
+    # plot`, the run's own plots, the sweep and the report all use opt_gap
+    cfg = {
+        "dataset": {"name": "cfl_logreg"},
+        "rounds": 2,
+        "threads": 1,
+        "algorithm": {"name": "cfl_saga", "iterations_per_round": 2},
+        "output": {"progress": False, "plots": False},
+    }
+    res = fedweave.run(cfg, run_dir=tmp_path / "r")
+    assert res.summary["main_metric"] is None
+    written = plot_runs([tmp_path / "r"], tmp_path / "plots")
+    assert [p.name for p in written] == ["opt_gap_vs_rounds.png", "opt_gap_vs_bytes.png"]

@@ -130,3 +130,35 @@ def test_a_round_lasts_its_k_r_steps_on_the_simulated_clock():
     assert len(set(steps)) > 1  # the rounds' lengths differ
     np.testing.assert_allclose(ratios, ratios[0], rtol=1e-12)  # the slowest client's speed, every round
     assert ratios[0] > 1  # speeds exp(0.5 z_i): the slowest of the clients is slower than the median
+
+
+def test_the_mnist_comparison_of_centralized_md_states_each_methods_bytes(tmp_path):
+    """docs/algorithms/centralized.md compares `example:centralized/proxskip_mnist` with FedAvg and SCAFFOLD at
+    the same expected local work and said all three moved the same bytes (18.0 MiB each way); SCAFFOLD sends
+    its control variates beside the model, twice Scaffnew's bytes. The ledger's bytes depend only on the
+    model, the clients and the rounds: one round on arrays of MNIST's shape, times the config's 30 rounds."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs/algorithms/centralized.md").read_text(encoding="utf-8")
+    [para] = [p for p in text.split("\n\n") if "example:centralized/proxskip_mnist" in p]
+    para = re.sub(r"\s+", " ", para)
+    g = np.random.default_rng(0)
+    data = (g.random((400, 1, 28, 28), dtype=np.float32), g.integers(0, 10, 400))
+    data = (*data, data[0][:50], data[1][:50])
+    rounds = load("example:centralized/proxskip_mnist").rounds
+    stated = {}
+    for name, algorithm in [
+        ("proxskip", None),
+        ("fedavg", "algorithm={name: fedavg, clients_per_round: 20, weighting: uniform}"),
+        ("scaffold", "algorithm={name: scaffold, clients_per_round: 20, weighting: uniform}"),
+    ]:
+        overrides = ["rounds=1", "output.dir=null", "output.plots=false", "output.progress=false"]
+        overrides += [algorithm, "local.steps=5"] if algorithm else []
+        res = fedweave.run("example:centralized/proxskip_mnist", overrides, dataset=data, run_dir=tmp_path / name)
+        comm = res.summary["communication"]
+        assert comm["bytes_up"] == comm["bytes_down"]
+        stated[name] = f"{rounds * comm['bytes_up'] / 2**20:.1f}"
+    assert stated["proxskip"] == stated["fedavg"] == "18.0" and stated["scaffold"] == "35.9"
+    for name, mib in stated.items():
+        assert f"{mib} MiB" in para, f"{name}'s {mib} MiB is not stated"

@@ -68,6 +68,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         AGGREGATORS,
         ALGORITHMS,
         ATTACKS,
+        AUGMENTATIONS,
         CALLBACKS,
         COMPRESSORS,
         DATASETS,
@@ -85,6 +86,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         ("partitioners", PARTITIONERS),
         ("losses", LOSSES),
         ("metrics", METRICS),
+        ("augmentations", AUGMENTATIONS),  # local.augment
         ("samplers", SAMPLERS),
         ("callbacks", CALLBACKS),
         ("aggregators", AGGREGATORS),  # robustness: the aggregator section
@@ -389,7 +391,7 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run an experiment from a YAML config")
     r.add_argument("config", nargs="?", help="YAML config file, or example:NAME for a bundled one")
     r.add_argument("overrides", nargs="*", help="key=value overrides, e.g. local.lr=0.1 rounds=50")
-    r.add_argument("--out", help="run directory (default: runs/<name>-s<seed>-<time>)")
+    r.add_argument("--out", help="run directory (default: the config's output.dir, else runs/<name>-s<seed>-<time>)")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--overwrite", action="store_true", help="replace a run already in the run directory")
@@ -432,7 +434,7 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--zip", action="append", default=[], metavar="KEY=V1,V2", help="keys varied together")
     sw.add_argument("--seeds", type=positive_int, default=None, help="seeds per point (the config's seed, +1, ...)")
     sw.add_argument("--workers", type=positive_int, default=None, help="runs at once, each with its share of cores")
-    sw.add_argument("--out", default=None, help="sweep directory (default runs/sweep)")
+    sw.add_argument("--out", default=None, help="sweep directory (default: the sweep section's out, else runs/sweep)")
     sw.add_argument("--metric", default=None, help="metrics column to tabulate (default: the task's main metric)")
     sw.add_argument("--target", type=float, default=None, help="report rounds and bytes to reach this metric")
     sw.add_argument("--ray", metavar="ADDRESS", help="run the points as tasks on this existing Ray cluster")

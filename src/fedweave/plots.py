@@ -31,7 +31,9 @@ def save_png(fig, path: str | Path, dpi: int = 120) -> Path:
 
 def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | None = None) -> list[Path]:
     """``metric`` vs rounds and vs total bytes (up + down + lateral) for one or more runs; by default the
-    main metric of the first run's task (its ``summary.json``), else ``test_accuracy``. ``run_dirs`` is a
+    main metric of the first run's task (its ``summary.json``), or for a run whose rows have none (a
+    confederated run on its synthetic problem) the column its own plots show (``opt_gap``), as ``fedweave
+    plot`` does; ``test_accuracy`` when no run has a readable summary. ``run_dirs`` is a
     list even for one run: a single path is a TypeError (it was read as one run per character)."""
     if isinstance(run_dirs, str | Path):
         raise TypeError(f"run_dirs must be a list of run directories, e.g. [{str(run_dirs)!r}]; got one path")
@@ -100,13 +102,21 @@ def _rows(run_dir: str | Path) -> list[dict]:
 
 
 def _main_metric(run_dirs: list[str | Path]) -> str:
+    """The first run's own column: its task's main metric, else its algorithm's ``plot_metric`` (the column its
+    own plots show: a confederated run's rows hold no test metric), as ``fedweave.runner.run_metric`` reads it."""
+    from fedweave.registry import ALGORITHMS
+
     for d in run_dirs:
         try:
-            key = json.loads((Path(d) / "summary.json").read_text()).get("main_metric")
+            summary = json.loads((Path(d) / "summary.json").read_text())
+            key = summary.get("main_metric")
         except (OSError, ValueError, AttributeError):
             continue
         if key:
             return key
+        name = summary.get("algorithm")
+        if isinstance(name, str) and name in ALGORITHMS:
+            return ALGORITHMS.get(name).plot_metric
     return "test_accuracy"
 
 

@@ -84,7 +84,10 @@ def expand(
 ) -> list[Point]:
     """Every point of the sweep: the product of the ``grid`` keys, with all ``zipped`` keys varying together
     (one list position at a time), each for ``seeds`` seeds (the base seed, +1, ...). Every config is resolved
-    and validated here, so a bad key or value fails with one line naming it before anything runs."""
+    and validated against the config schema here, so a bad key or value of it fails with one line naming it
+    before anything runs; the options of a named object (an algorithm's, a dataset's, a partitioner's, a
+    model's) are checked when its run is built, which ends the sweep with one line naming the run and the key
+    (:class:`~fedweave.experiments.jobs.RunFailed`) before that run trains."""
     for name, axes in (("grid", grid), ("zipped", zipped)):  # from Python: a scalar gave a TypeError, [] an IndexError
         if axes is not None and not isinstance(axes, Mapping):
             # not a key's value: a falsy one (0, [], "") ran the base config as if no grid was given
@@ -98,6 +101,9 @@ def expand(
                     f"{name} must map each key to a non-empty list of values (e.g. {{'local.lr': [0.01, 0.1]}}); "
                     f"got {k!r}: {v!r}"[:200]
                 )
+    if overrides is not None and not isinstance(overrides, list | tuple):  # a string was read letter by letter
+        got = repr(overrides) if isinstance(overrides, str) else type(overrides).__name__
+        raise GridError(f"overrides must be a list of key=value strings, e.g. ['local.lr=0.1']; got {got}")
     grid, zipped = dict(grid or {}), dict(zipped or {})
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise GridError(f"seeds must be a whole number >= 1, got {seeds!r}")
@@ -110,6 +116,11 @@ def expand(
     if len(set(lengths.values())) > 1:
         raise GridError(f"zipped keys must have equally many values, got {lengths}")
     data = read_yaml_file(base) if not isinstance(base, dict) else base  # duplicate keys refused, as in a run
+    if isinstance(data, dict) and "sweep" in data:  # the loader's line would speak of a single run
+        raise GridError(
+            "sweep: fedweave.sweep takes the grid, seeds and the rest as its arguments, not from a config's sweep "
+            "section; pass the config without it, or run the file with 'fedweave sweep CONFIG', which reads it"
+        )
     data = apply_overrides(data, overrides or [])
     base_seed = load(data).seed
     zip_rows = [tuple(zip(zipped, vs)) for vs in zip(*zipped.values())] or [()]
