@@ -264,6 +264,26 @@ def test_another_family_is_refused_with_one_line(toy_config, name, family):
 
 
 # ---- 4. adaptive clipping -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "privacy",
+    [
+        {"target_quantile": 0.2},
+        {"clip_lr": 0.5},
+        {"count_noise": 3.0},
+        {"mechanism": "ftrl", "count_noise": 3.0},
+        {"mechanism": "local", "target_quantile": 0.9},
+        {"level": "sample", "clip_lr": 0.5},
+    ],
+)
+def test_an_adaptive_clipping_option_without_adaptive_clipping_is_refused_with_one_line(toy_config, privacy):
+    # read by nothing when privacy.adaptive is off: the run clipped to the fixed privacy.clip, and the target
+    # quantile the config asked for was silently ignored
+    key = next(k for k in privacy if k in ("target_quantile", "clip_lr", "count_noise"))
+    with pytest.raises(ConfigError) as e:
+        load(_cfg(toy_config, {"noise_multiplier": 1.0, **privacy}))
+    assert str(e.value).startswith(f"privacy.{key} applies to privacy.adaptive: true") and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("gamma", [0.3, 0.5, 0.8])
 def test_adaptive_clipping_tracks_the_target_quantile_of_the_norms(gamma):
     from statistics import NormalDist

@@ -573,6 +573,14 @@ class PrivacyConfig:
                         f"privacy.{key} applies to privacy.mechanism: ftrl (DP-FTRL's tree), not to "
                         f"mechanism: {self.mechanism}"
                     )
+        if not self.adaptive:  # read by adaptive clipping only: without it the clip stays privacy.clip
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for key in ("target_quantile", "clip_lr", "count_noise"):
+                if getattr(self, key) != defaults[key]:
+                    raise ConfigError(
+                        f"privacy.{key} applies to privacy.adaptive: true (adaptive clipping, Andrew et al. 2021), "
+                        "which is off: the clip stays privacy.clip; set privacy.adaptive: true or leave it out"
+                    )
         if self.restart_every is not None and not (isinstance(self.restart_every, int) and self.restart_every >= 1):
             raise ConfigError(f"privacy.restart_every must be an integer >= 1 or null, got {self.restart_every}")
         if not 0 <= self.momentum < 1:
