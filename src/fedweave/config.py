@@ -752,7 +752,9 @@ class RunConfig:
             self.secure_aggregation.validate()
         if self.privacy is not None:
             self.privacy.validate()
-            if self.aggregator != Section("mean"):  # DP's sensitivity is that of the clipped sum, not of a median
+            # DP-FedAvg's sensitivity is that of the clipped sum, not of a median; DP-SGD (level: sample) privatizes
+            # every local step at the client, and any reduction of its updates is post-processing
+            if self.privacy.level == "user" and self.aggregator != Section("mean"):
                 raise ConfigError(
                     f"aggregator: {self.aggregator.name} and privacy both decide how the server reduces the clients' "
                     "updates: DP-FedAvg's guarantee holds for the noised sum of clipped updates; leave one out"
