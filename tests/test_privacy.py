@@ -219,6 +219,14 @@ def test_the_accountant_resumes_from_its_state(toy_config):
             },
             "privacy.mechanism: local noises each update at its client before it is sent, but compression.upload",
         ),
+        (  # local DP's clipping and noise are the client's own, which an attacker does not apply; the stage order
+            # (attack, then clipping and noise) held the attackers' messages to the clip
+            {
+                "privacy": {"mechanism": "local", "noise_multiplier": 1.0},
+                "faults": {"byzantine": {"fraction": 0.25, "attack": "sign_flip", "scale": 100.0}},
+            },
+            "faults.byzantine: under privacy.mechanism: local each client clips and noises its own update",
+        ),
     ],
 )
 def test_what_the_proof_does_not_cover_is_refused_with_one_line(toy_config, change, words):

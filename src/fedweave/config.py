@@ -759,6 +759,15 @@ class RunConfig:
                     f"aggregator: {self.aggregator.name} and privacy both decide how the server reduces the clients' "
                     "updates: DP-FedAvg's guarantee holds for the noised sum of clipped updates; leave one out"
                 )
+            if self.privacy.mechanism == "local" and self.faults.byzantine:
+                # the attack stage replaces the decoded rows before the clipping-and-noise stage, which local DP runs
+                # on each client's device: the attackers' messages would be held to a clip that they do not apply
+                raise ConfigError(
+                    "faults.byzantine: under privacy.mechanism: local each client clips and noises its own update, "
+                    "which an attacker would not do, but the attack stage runs before the clipping and noise, so the "
+                    "attackers' messages would be held to privacy.clip; use mechanism: central (the server clips "
+                    "what every client sends) or leave faults.byzantine out"
+                )
 
     @property
     def num_clients(self) -> int:
