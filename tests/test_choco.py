@@ -239,3 +239,19 @@ def test_resume_under_dropout_is_bit_for_bit(tmp_path):
     keys = ("test_accuracy", "test_loss", "train_loss", "bytes_total", "reported_clients", "selected_mean")
     assert [[m[k] for k in keys] for m in resumed.metrics] == [[m[k] for k in keys] for m in full.metrics]
     assert any(m["reported_clients"] < 8 for m in full.metrics[2:])  # nodes dropped after the resume too
+
+
+@pytest.mark.parametrize("name", ["topk", "efsign"])
+def test_the_compressors_own_error_feedback_keeps_nothing_in_choco_as_the_page_says(name):
+    """CHOCO's copies x̂ are its memory: a compressor's error_feedback adds no residual of its own, so topk and
+    efsign compute the same with it off (docs/algorithms/decentralized.md)."""
+    opts = {"ratio": 0.1} if name == "topk" else {}
+    on, off = (_choco({"name": name, "error_feedback": ef, **opts}) for ef in (True, False))
+    for r in range(3):
+        on.run_round(r)
+        off.run_round(r)
+    assert torch.equal(on.W, off.W) and on.ledger.bytes() == off.ledger.bytes()
+    page = " ".join(
+        (Path(__file__).resolve().parents[1] / "docs" / "algorithms" / "decentralized.md").read_text().split()
+    )
+    assert "(`topk` and `efsign` compute the same with `error_feedback: false`)" in page

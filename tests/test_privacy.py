@@ -112,6 +112,24 @@ def test_clipped_norms_never_exceed_the_clip(per_layer):
     assert torch.equal(weights, torch.full((40,), 1 / 5, dtype=torch.float64))  # 1/E, not 1/reporting
 
 
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_an_update_whose_float32_norm_overflows_is_clipped_to_the_clip_not_zeroed(per_layer):
+    # an attacker's update of about 1e30 (sign flipping scaled up) is finite in float32, its norm (squares summed) is
+    # not: the factor C / inf was 0 and the row reached the noised sum as zeros, not as a row of norm C, so DP looked
+    # like a defence the clipping does not give; float64 is the reference
+    honest = torch.randn(6, 30, generator=torch.Generator().manual_seed(0)) * 0.01
+    u = torch.cat([honest, -1e30 * honest[:2]])
+    assert bool(torch.isfinite(u).all()) and not bool(torch.isfinite(u.norm(dim=1)).all())
+    numels = [10, 5, 15]
+    kw = {"clip": 0.7, "numels": numels if per_layer else None}
+    want, _ = _user_dp(**kw).clip(u.double(), torch.full((8,), 1 / 8, dtype=torch.float64))
+    got, _ = _user_dp(**kw).clip(u, torch.full((8,), 1 / 8))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+    assert torch.equal(got[:6], honest)  # within the bound: untouched
+    torch.testing.assert_close(got[6:].norm(dim=1), torch.full((2,), 0.7), rtol=1e-5, atol=0)
+
+
 def test_the_noise_std_is_sigma_clip_over_the_expected_clients():
     dp = _user_dp(z=1.3, clip=0.5, expected=8)
     zero = torch.zeros(500, dtype=torch.float64)
@@ -202,6 +220,14 @@ def test_the_accountant_resumes_from_its_state(toy_config):
             },
             "privacy.mechanism: local noises each update at its client before it is sent, but compression.upload",
         ),
+        (  # local DP's clipping and noise are the client's own, which an attacker does not apply; the stage order
+            # (attack, then clipping and noise) held the attackers' messages to the clip
+            {
+                "privacy": {"mechanism": "local", "noise_multiplier": 1.0},
+                "faults": {"byzantine": {"fraction": 0.25, "attack": "sign_flip", "scale": 100.0}},
+            },
+            "faults.byzantine: under privacy.mechanism: local each client clips and noises its own update",
+        ),
     ],
 )
 def test_what_the_proof_does_not_cover_is_refused_with_one_line(toy_config, change, words):
@@ -247,6 +273,26 @@ def test_another_family_is_refused_with_one_line(toy_config, name, family):
 
 
 # ---- 4. adaptive clipping -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "privacy",
+    [
+        {"target_quantile": 0.2},
+        {"clip_lr": 0.5},
+        {"count_noise": 3.0},
+        {"mechanism": "ftrl", "count_noise": 3.0},
+        {"mechanism": "local", "target_quantile": 0.9},
+        {"level": "sample", "clip_lr": 0.5},
+    ],
+)
+def test_an_adaptive_clipping_option_without_adaptive_clipping_is_refused_with_one_line(toy_config, privacy):
+    # read by nothing when privacy.adaptive is off: the run clipped to the fixed privacy.clip, and the target
+    # quantile the config asked for was silently ignored
+    key = next(k for k in privacy if k in ("target_quantile", "clip_lr", "count_noise"))
+    with pytest.raises(ConfigError) as e:
+        load(_cfg(toy_config, {"noise_multiplier": 1.0, **privacy}))
+    assert str(e.value).startswith(f"privacy.{key} applies to privacy.adaptive: true") and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("gamma", [0.3, 0.5, 0.8])
 def test_adaptive_clipping_tracks_the_target_quantile_of_the_norms(gamma):
     from statistics import NormalDist

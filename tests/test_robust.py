@@ -1222,3 +1222,23 @@ def test_a_gossip_attack_counts_the_receivers_own_row_among_the_updates_reduced(
     cfg = _with(GOSSIP, rounds=1, aggregator={"name": "median"})
     fedweave.run(cfg | {"faults": {"byzantine": {"attack": "scaled", "fraction": 0.2}}}, run_dir=tmp_path / "r")
     assert seen_n and set(seen_n) == set(reduced) == {9}
+
+
+@pytest.mark.parametrize("name", ["mean", "median", "geometric_median", "centered_clipping", "norm_bound"])
+def test_aggregator_f_is_refused_where_the_aggregator_reads_no_byzantine_count(toy_config, tmp_path, name):
+    # f sets what krum, bulyan, dnc and the trimmed mean cut; these reductions have no such count, and f: 3 was
+    # accepted and changed nothing (the run was the one without it)
+    cfg = {**toy_config, "aggregator": {"name": name, "f": 1}}
+    with pytest.raises(ConfigError) as e:
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+    msg = str(e.value)
+    assert msg.startswith(f"aggregator.f: aggregator '{name}' reads no Byzantine count") and "\n" not in msg
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("name", ["trimmed_mean", "krum", "multi_krum", "bulyan", "dnc"])
+def test_aggregator_f_is_taken_where_the_aggregator_reads_it(toy_config, name):
+    from fedweave.registry import ALGORITHMS
+    from fedweave.robust.stage import check
+
+    check(load({**toy_config, "aggregator": {"name": name, "f": 1}}), ALGORITHMS.get("fedavg"))  # no ConfigError

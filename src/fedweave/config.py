@@ -579,6 +579,14 @@ class PrivacyConfig:
                         f"privacy.{key} applies to privacy.mechanism: ftrl (DP-FTRL's tree), not to "
                         f"mechanism: {self.mechanism}"
                     )
+        if not self.adaptive:  # read by adaptive clipping only: without it the clip stays privacy.clip
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for key in ("target_quantile", "clip_lr", "count_noise"):
+                if getattr(self, key) != defaults[key]:
+                    raise ConfigError(
+                        f"privacy.{key} applies to privacy.adaptive: true (adaptive clipping, Andrew et al. 2021), "
+                        "which is off: the clip stays privacy.clip; set privacy.adaptive: true or leave it out"
+                    )
         if self.restart_every is not None and not (isinstance(self.restart_every, int) and self.restart_every >= 1):
             raise ConfigError(f"privacy.restart_every must be an integer >= 1 or null, got {self.restart_every}")
         if not 0 <= self.momentum < 1:
@@ -755,10 +763,21 @@ class RunConfig:
             self.secure_aggregation.validate()
         if self.privacy is not None:
             self.privacy.validate()
-            if self.aggregator != Section("mean"):  # DP's sensitivity is that of the clipped sum, not of a median
+            # DP-FedAvg's sensitivity is that of the clipped sum, not of a median; DP-SGD (level: sample) privatizes
+            # every local step at the client, and any reduction of its updates is post-processing
+            if self.privacy.level == "user" and self.aggregator != Section("mean"):
                 raise ConfigError(
                     f"aggregator: {self.aggregator.name} and privacy both decide how the server reduces the clients' "
                     "updates: DP-FedAvg's guarantee holds for the noised sum of clipped updates; leave one out"
+                )
+            if self.privacy.mechanism == "local" and self.faults.byzantine:
+                # the attack stage replaces the decoded rows before the clipping-and-noise stage, which local DP runs
+                # on each client's device: the attackers' messages would be held to a clip that they do not apply
+                raise ConfigError(
+                    "faults.byzantine: under privacy.mechanism: local each client clips and noises its own update, "
+                    "which an attacker would not do, but the attack stage runs before the clipping and noise, so the "
+                    "attackers' messages would be held to privacy.clip; use mechanism: central (the server clips "
+                    "what every client sends) or leave faults.byzantine out"
                 )
 
     @property

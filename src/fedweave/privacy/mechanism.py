@@ -39,12 +39,26 @@ from fedweave.registry import PRIVACY_MECHANISMS
 from fedweave.seeding import Seeds
 
 
+def clip_updates(updates: torch.Tensor, clip: float) -> torch.Tensor:
+    """Each row scaled to norm at most ``clip``, ``u min(1, C / |u|)``, as :func:`clip_rows`; where a row's norm
+    overflows the run's float width (a float32 row of about 1e30 is finite, the sum of its squares is not) the
+    norms and that scaling are taken in float64, so such a row is scaled to norm C rather than zeroed (``C / inf``
+    was 0: an attacker's scaled-up update then vanished from the sum instead of counting with norm C). Where every
+    norm is finite the result is :func:`clip_rows`' bit for bit."""
+    norms = updates.norm(dim=-1, keepdim=True)
+    if bool(torch.isfinite(norms).all()) or not bool(torch.isfinite(updates).all()):
+        # (an update that is not finite itself has no norm to scale it to: it stays as clip_rows leaves it)
+        return clip_rows(updates, clip)
+    wide = updates.double()
+    return (wide * (clip / wide.norm(dim=-1, keepdim=True).clamp_min(clip))).to(updates.dtype)
+
+
 def clip_per_layer(updates: torch.Tensor, clip: float, numels: list[int]) -> torch.Tensor:
     """Each row's part of each layer (``numels``: the layers' sizes, in the flat vector's order) clipped to
     ``clip / sqrt(layers)``, so that the whole row's norm is at most ``clip`` (McMahan et al. 2018, per-layer
     clipping with an equal share per layer)."""
     share = clip / math.sqrt(len(numels))
-    return torch.cat([clip_rows(part, share) for part in updates.split(numels, dim=-1)], dim=-1)
+    return torch.cat([clip_updates(part, share) for part in updates.split(numels, dim=-1)], dim=-1)
 
 
 def update_noise_multiplier(z: float, count_noise: float) -> float:
@@ -122,7 +136,7 @@ class UserDP:
         if self.numels is not None:
             out = clip_per_layer(updates, self.clip_norm, self.numels)
         else:
-            out = clip_rows(updates, self.clip_norm)
+            out = clip_updates(updates, self.clip_norm)
         if self.mechanism == "local" and self.z:
             out = out + self.z * self.clip_norm * self._gaussian(out.shape, out, "dp_local")
         # the fixed-denominator estimator: each reporting client counts 1/E (E does not depend on who reported)

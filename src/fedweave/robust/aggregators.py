@@ -38,6 +38,8 @@ class Aggregator:
     stateful: ClassVar[bool] = False
     translation_equivariant: ClassVar[bool] = True
     random: ClassVar[bool] = False  # it draws: called with ``rng``, the stage's seeded stream of the reduction
+    # it reads ``f`` (what it cuts or guards against); False: no Byzantine count enters it, and aggregator.f is refused
+    reads_f: ClassVar[bool] = True
 
     def min_updates(self, f: int) -> int:
         """The fewest updates with which the aggregator is defined against ``f`` Byzantine ones."""
@@ -82,6 +84,7 @@ class Mean(Aggregator):
     """The weighted mean ``sum_i w_i u_i``: the star template's reduction, bit for bit (the default)."""
 
     name = "mean"
+    reads_f = False
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
         """``weights @ updates``."""
@@ -102,6 +105,7 @@ class Median(Aggregator):
     """Coordinate-wise median (Yin et al., ICML 2018)."""
 
     name = "median"
+    reads_f = False
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
         """The coordinate-wise median of the rows."""
@@ -339,6 +343,7 @@ class GeometricMedian(Aggregator):
     updates give that update exactly."""
 
     name = "geometric_median"
+    reads_f = False
 
     def __init__(self, iters: int = 100, nu: float = 1e-6, tol: float = 1e-7) -> None:
         if not 1 <= iters <= MAX_LOCAL_STEPS:  # the same typo catcher as local.steps
@@ -386,6 +391,7 @@ class CenteredClipping(Aggregator):
     The paper's clients send momentum; here the rows are whatever the method's clients send."""
 
     name = "centered_clipping"
+    reads_f = False
     stateful = True
     translation_equivariant = False  # it clips lengths around its center
 
@@ -427,6 +433,7 @@ class NormBound(Aggregator):
     update longer than M: the weighted mean, bit for bit."""
 
     name = "norm_bound"
+    reads_f = False
     translation_equivariant = False  # it bounds lengths
 
     def __init__(self, bound: float | None = None) -> None:

@@ -99,7 +99,12 @@ def check(config: RunConfig, algorithm: type) -> None:
     section = config.aggregator
     for key in STAGE_KEYS:
         _count(section, key)
-    build_aggregator(section)
+    aggregator = build_aggregator(section)
+    if section.options.get("f") is not None and not aggregator.reads_f:  # set, and read by nothing
+        raise ConfigError(
+            f"aggregator.f: aggregator {section.name!r} reads no Byzantine count (f is what krum, multi_krum, bulyan, "
+            "dnc and trimmed_mean cut); leave it out"
+        )
     if not is_default(section) and not getattr(algorithm, "robust_aggregation", False):
         name, family = config.algorithm.name, getattr(algorithm, "family", "?")
         raise ConfigError(

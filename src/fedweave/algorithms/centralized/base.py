@@ -408,7 +408,9 @@ class StarAlgorithm(Algorithm):
         (DP clipping, robust aggregation, DP noise) plug in here, for every method at once. ``clients``: the ids
         of the updates' clients (DP-FTRL's accounting counts who took part in each leaf of its tree).
         """
-        if self.privacy is not None:  # privacy, stage 3: each client's update clipped; weights 1/E (DP-FedAvg)
+        # privacy, stage 3: each client's update clipped; weights 1/E (DP-FedAvg). Level sample has no server stage
+        # (its clients privatized every step), so a robust aggregator reduces the updates as without privacy
+        if self.privacy is not None and self.config.privacy.level == "user":
             updates, weights = self.privacy.clip(updates, weights, clients)
             # privacy, stage 5: Gaussian noise on the sum, over E (DP-FTRL: the tree's increment); one release
             return self.privacy.noise(weights @ updates)
