@@ -67,3 +67,9 @@ def test_ditto_personal_epochs_is_bounded(name: str) -> None:
     # personal_epochs = 1e300 was accepted and the run hung in the first personal pass
     with pytest.raises(ConfigError, match=r"algorithm\.personal_epochs must be in \[1, 10,000\], got 1e\+300"):
         build_dataclass(ALGORITHMS.get(name).Hparams, {"personal_epochs": 10**300}, "algorithm")
+
+
+def test_fedrep_head_epochs_is_bounded() -> None:
+    # head_epochs = 1e300 was accepted and a 1-round toy run hung in the first head pass
+    with pytest.raises(ConfigError, match=r"algorithm\.head_epochs must be in \[1, 10,000\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("fedrep").Hparams, {"head_epochs": 10**300}, "algorithm")
