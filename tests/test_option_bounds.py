@@ -73,3 +73,9 @@ def test_fedrep_head_epochs_is_bounded() -> None:
     # head_epochs = 1e300 was accepted and a 1-round toy run hung in the first head pass
     with pytest.raises(ConfigError, match=r"algorithm\.head_epochs must be in \[1, 10,000\], got 1e\+300"):
         build_dataclass(ALGORITHMS.get("fedrep").Hparams, {"head_epochs": 10**300}, "algorithm")
+
+
+def test_fedbabu_finetune_epochs_is_bounded() -> None:
+    # finetune_epochs = 1e300 was accepted and a 1-round toy run hung in the first personalized evaluation
+    with pytest.raises(ConfigError, match=r"algorithm\.finetune_epochs must be in \[1, 10,000\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("fedbabu").Hparams, {"finetune_epochs": 10**300}, "algorithm")
