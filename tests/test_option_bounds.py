@@ -86,3 +86,9 @@ def test_decentralized_finetune_epochs_is_bounded(name: str) -> None:
     # finetune_epochs = 1e300 was accepted and a 1-round toy run hung in the first evaluation's fine-tuning
     with pytest.raises(ConfigError, match=r"algorithm\.finetune_epochs must be in \[0, 10,000\], got 1e\+300"):
         build_dataclass(ALGORITHMS.get(name).Hparams, {"finetune_epochs": 10**300}, "algorithm")
+
+
+def test_afind_plus_head_epochs_is_bounded() -> None:
+    # head_epochs = 1e300 (personal: head) was accepted and a 1-round toy run hung in the first head pass
+    with pytest.raises(ConfigError, match=r"algorithm\.head_epochs must be in \[1, 10,000\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("afind_plus").Hparams, {"head_epochs": 10**300}, "algorithm")
