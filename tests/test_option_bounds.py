@@ -92,3 +92,10 @@ def test_afind_plus_head_epochs_is_bounded() -> None:
     # head_epochs = 1e300 (personal: head) was accepted and a 1-round toy run hung in the first head pass
     with pytest.raises(ConfigError, match=r"algorithm\.head_epochs must be in \[1, 10,000\], got 1e\+300"):
         build_dataclass(ALGORITHMS.get("afind_plus").Hparams, {"head_epochs": 10**300}, "algorithm")
+
+
+@pytest.mark.parametrize("name", ["cfl_saga", "cfl_admm", "gt_saga", "gt_sarah", "gt_svrg"])
+def test_confederated_iterations_per_round_is_bounded(name: str) -> None:
+    # iterations_per_round = 1e300 was accepted and a 1-round toy run never finished its round
+    with pytest.raises(ConfigError, match=r"algorithm\.iterations_per_round must be in \[1, 10,000,000\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get(name).Hparams, {"iterations_per_round": 10**300}, "algorithm")

@@ -28,7 +28,7 @@ import fedweave.data.datasets.cfl_logreg  # noqa: F401  (registers the paper's s
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.algorithms.confederated.problem import build_problem
 from fedweave.byo import PYTHON, describe_dataset
-from fedweave.config import ConfigError, check_options, nearest_count
+from fedweave.config import MAX_LOCAL_STEPS, ConfigError, check_options, nearest_count
 from fedweave.faults import mixing_without
 from fedweave.registry import SAMPLERS
 from fedweave.topology.confederation import Confederation, ConfederationHparams
@@ -61,8 +61,9 @@ class ConfederatedHparams(ConfederationHparams):
             raise ConfigError(
                 "algorithm.step_scale: algorithm.step_size sets alpha directly and step_scale / L_f is unread; keep one"
             )
-        if self.iterations_per_round < 1:
-            raise ConfigError(f"algorithm.iterations_per_round must be >= 1, got {self.iterations_per_round}")
+        if not 1 <= self.iterations_per_round <= MAX_LOCAL_STEPS:  # bounded as local.steps is: 1e300 never ends
+            got = self.iterations_per_round
+            raise ConfigError(f"algorithm.iterations_per_round must be in [1, {MAX_LOCAL_STEPS:,}], got {got:.6g}")
 
 
 @contextmanager
