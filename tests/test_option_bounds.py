@@ -99,3 +99,10 @@ def test_confederated_iterations_per_round_is_bounded(name: str) -> None:
     # iterations_per_round = 1e300 was accepted and a 1-round toy run never finished its round
     with pytest.raises(ConfigError, match=r"algorithm\.iterations_per_round must be in \[1, 10,000,000\], got 1e\+300"):
         build_dataclass(ALGORITHMS.get(name).Hparams, {"iterations_per_round": 10**300}, "algorithm")
+
+
+@pytest.mark.parametrize("name", ["hier_fedavg", "hier_fedprox", "hier_scaffold"])
+def test_hierarchical_steps_factor_is_bounded(name: str) -> None:
+    # steps_factor multiplies the local steps per round: 1e300 was accepted and a 1-round toy run hung
+    with pytest.raises(ConfigError, match=r"algorithm\.steps_factor must be in \[1, 10,000,000\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get(name).Hparams, {"steps_factor": 10**300}, "algorithm")
