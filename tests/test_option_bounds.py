@@ -106,3 +106,10 @@ def test_hierarchical_steps_factor_is_bounded(name: str) -> None:
     # steps_factor multiplies the local steps per round: 1e300 was accepted and a 1-round toy run hung
     with pytest.raises(ConfigError, match=r"algorithm\.steps_factor must be in \[1, 10,000,000\], got 1e\+300"):
         build_dataclass(ALGORITHMS.get(name).Hparams, {"steps_factor": 10**300}, "algorithm")
+
+
+@pytest.mark.parametrize("key", ["personal_lr", "lam", "beta"])
+def test_pfedme_float_options_are_bounded(key: str) -> None:
+    # personal_lr = 1e300 was accepted and the first round diverged (float32 inf) instead of being refused
+    with pytest.raises(ConfigError, match=rf"algorithm\.{key} must be in \(0, 3\.40282e\+38\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("pfedme").Hparams, {key: 1e300}, "algorithm")
