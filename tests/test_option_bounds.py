@@ -113,3 +113,10 @@ def test_pfedme_float_options_are_bounded(key: str) -> None:
     # personal_lr = 1e300 was accepted and the first round diverged (float32 inf) instead of being refused
     with pytest.raises(ConfigError, match=rf"algorithm\.{key} must be in \(0, 3\.40282e\+38\], got 1e\+300"):
         build_dataclass(ALGORITHMS.get("pfedme").Hparams, {key: 1e300}, "algorithm")
+
+
+@pytest.mark.parametrize("key", ["alpha", "delta"])
+def test_perfedavg_steps_are_bounded(key: str) -> None:
+    # alpha = 1e300 was accepted and the first round diverged (float32 inf) instead of being refused
+    with pytest.raises(ConfigError, match=rf"algorithm\.{key} must be in \(0, 3\.40282e\+38\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("perfedavg").Hparams, {key: 1e300}, "algorithm")
