@@ -120,3 +120,10 @@ def test_perfedavg_steps_are_bounded(key: str) -> None:
     # alpha = 1e300 was accepted and the first round diverged (float32 inf) instead of being refused
     with pytest.raises(ConfigError, match=rf"algorithm\.{key} must be in \(0, 3\.40282e\+38\], got 1e\+300"):
         build_dataclass(ALGORITHMS.get("perfedavg").Hparams, {key: 1e300}, "algorithm")
+
+
+def test_afl_lambda_lr_is_bounded() -> None:
+    # lambda_lr = 1e300 was accepted and the first round diverged instead of being refused
+    with pytest.raises(ConfigError, match=r"algorithm\.lambda_lr must be in \[0, 3\.40282e\+38\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("afl").Hparams, {"lambda_lr": 1e300}, "algorithm")
+    build_dataclass(ALGORITHMS.get("afl").Hparams, {"lambda_lr": 0.0}, "algorithm")  # 0: lambda stays uniform
