@@ -127,3 +127,10 @@ def test_afl_lambda_lr_is_bounded() -> None:
     with pytest.raises(ConfigError, match=r"algorithm\.lambda_lr must be in \[0, 3\.40282e\+38\], got 1e\+300"):
         build_dataclass(ALGORITHMS.get("afl").Hparams, {"lambda_lr": 1e300}, "algorithm")
     build_dataclass(ALGORITHMS.get("afl").Hparams, {"lambda_lr": 0.0}, "algorithm")  # 0: lambda stays uniform
+
+
+@pytest.mark.parametrize("key", ["server_lr", "eta"])
+def test_zo_hfl_steps_are_bounded(key: str) -> None:
+    # server_lr or eta = 1e300 was accepted and the first round diverged instead of being refused
+    with pytest.raises(ConfigError, match=rf"algorithm\.{key} must be in \(0, 3\.40282e\+38\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("zo_hfl").Hparams, {key: 1e300}, "algorithm")
