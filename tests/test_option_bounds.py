@@ -134,3 +134,10 @@ def test_zo_hfl_steps_are_bounded(key: str) -> None:
     # server_lr or eta = 1e300 was accepted and the first round diverged instead of being refused
     with pytest.raises(ConfigError, match=rf"algorithm\.{key} must be in \(0, 3\.40282e\+38\], got 1e\+300"):
         build_dataclass(ALGORITHMS.get("zo_hfl").Hparams, {key: 1e300}, "algorithm")
+
+
+@pytest.mark.parametrize("key", ["step_scale", "step_size"])
+def test_confederated_step_is_bounded(key: str) -> None:
+    # step_scale = 1e300 was accepted and a 3-round cfl_saga toy run diverged after its first round
+    with pytest.raises(ConfigError, match=rf"algorithm\.{key} must be .*3\.40282e\+38.*, got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("cfl_saga").Hparams, {key: 1e300}, "algorithm")
