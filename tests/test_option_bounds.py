@@ -141,3 +141,12 @@ def test_confederated_step_is_bounded(key: str) -> None:
     # step_scale = 1e300 was accepted and a 3-round cfl_saga toy run diverged after its first round
     with pytest.raises(ConfigError, match=rf"algorithm\.{key} must be .*3\.40282e\+38.*, got 1e\+300"):
         build_dataclass(ALGORITHMS.get("cfl_saga").Hparams, {key: 1e300}, "algorithm")
+
+
+def test_privacy_noise_multiplier_is_bounded() -> None:
+    # noise_multiplier = 1e300 passed validation and the run died in the accountant on a bare OverflowError
+    # (sigma ** 2); the noise std sigma * C is drawn in float32, as local.lr's step is taken
+    from fedweave.config import load
+
+    with pytest.raises(ConfigError, match=r"privacy\.noise_multiplier must be .*3\.40282e\+38.*, got 1e\+300"):
+        load({"privacy": {"noise_multiplier": 1e300}})

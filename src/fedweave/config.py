@@ -539,9 +539,10 @@ class PrivacyConfig:
         """Check the ``privacy`` section; raise a :class:`ConfigError` naming the first bad key and what it allows."""
         if not 0 < self.clip <= MAX_LR:
             raise ConfigError(f"privacy.clip must be a number in (0, {MAX_LR:.6g}], got {self.clip}")
-        if self.noise_multiplier != "auto" and not 0 <= self.noise_multiplier < math.inf:
+        # sigma is drawn in float32 (sigma * C) and squared by the accountants: bounded as clip is
+        if self.noise_multiplier != "auto" and not 0 <= self.noise_multiplier <= MAX_LR:
             raise ConfigError(
-                f"privacy.noise_multiplier must be a finite number >= 0 or auto, got {self.noise_multiplier}"
+                f"privacy.noise_multiplier must be a number in [0, {MAX_LR:.6g}] or auto, got {self.noise_multiplier}"
             )
         if not 0 < self.delta < 1:
             raise ConfigError(f"privacy.delta must be in (0, 1), got {self.delta}")
