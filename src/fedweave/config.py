@@ -1130,8 +1130,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     if overrides and not isinstance(data, dict):
         raise ConfigError(f"a config must be a mapping of keys to values, got {type(data).__name__}")
     data = _deepcopy(data)
+    given: dict[str, str] = {}  # each key's override: a second one is refused, as a key twice in a YAML file is
     for text in overrides:
         path, value = parse_override(text)
+        key = ".".join(path)
+        if key in given:
+            raise ConfigError(
+                f"override key {key!r} is given twice ({given[key]!r}, then {text!r}): give each key once"
+            )
+        given[key] = text
         node = data
         for i, p in enumerate(path[:-1]):
             cur = node.get(p)
