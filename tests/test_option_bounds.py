@@ -10,7 +10,7 @@ from fedweave.algorithms.centralized.fedadam import FedOptHparams
 from fedweave.algorithms.hierarchical.base import HierarchyHparams
 from fedweave.config import ConfigError, build_dataclass
 from fedweave.registry import ALGORITHMS
-from fedweave.robust.aggregators import CenteredClipping, GeometricMedian
+from fedweave.robust.aggregators import CenteredClipping, DnC, GeometricMedian
 from fedweave.topology.samplers import fixed
 
 
@@ -150,3 +150,9 @@ def test_privacy_noise_multiplier_is_bounded() -> None:
 
     with pytest.raises(ConfigError, match=r"privacy\.noise_multiplier must be .*3\.40282e\+38.*, got 1e\+300"):
         load({"privacy": {"noise_multiplier": 1e300}})
+
+
+def test_dnc_niters_is_bounded() -> None:
+    # niters = 1e300 was accepted and a 1-round toy run never finished its first reduction
+    with pytest.raises(ConfigError, match=r"aggregator\.niters must be in \[1, 10,000,000\], got 1e\+300"):
+        DnC(niters=10**300)
