@@ -3,6 +3,8 @@ allowed range, never a torch overflow, a hang or a 300-digit number."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -156,3 +158,22 @@ def test_dnc_niters_is_bounded() -> None:
     # niters = 1e300 was accepted and a 1-round toy run never finished its first reduction
     with pytest.raises(ConfigError, match=r"aggregator\.niters must be in \[1, 10,000,000\], got 1e\+300"):
         DnC(niters=10**300)
+
+
+@pytest.mark.parametrize(("clusters", "shown"), [(1e300, "1e+300"), (5, "5")])
+def test_ifca_clusters_are_at_most_the_clients(tmp_path, clusters: float, shown: str) -> None:
+    # clusters = 1e300 was accepted and a 1-round toy run hung building the cluster models, one by one
+    import fedweave
+
+    cfg = {
+        "rounds": 1,
+        "dataset": "digits",
+        "partition": {"name": "iid", "num_clients": 4},
+        "model": "logistic",
+        "algorithm": {"name": "ifca", "clients_per_round": 2, "clusters": clusters},
+        "output": {"progress": False, "plots": False},
+    }
+    with pytest.raises(
+        ConfigError, match=rf"^algorithm\.clusters \({re.escape(shown)}\) exceeds partition\.num_clients \(4\)"
+    ):
+        fedweave.run(cfg, run_dir=tmp_path / "r")
