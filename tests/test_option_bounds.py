@@ -177,3 +177,20 @@ def test_ifca_clusters_are_at_most_the_clients(tmp_path, clusters: float, shown:
         ConfigError, match=rf"^algorithm\.clusters \({re.escape(shown)}\) exceeds partition\.num_clients \(4\)"
     ):
         fedweave.run(cfg, run_dir=tmp_path / "r")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "words"),
+    [
+        ("edge_prob", 2.5, r"algorithm\.edge_prob must be in \(0, 1\], got 2\.5"),
+        ("edge_prob", -1.0, r"algorithm\.edge_prob must be in \(0, 1\], got -1\.0"),
+        ("rewire_prob", 2.5, r"algorithm\.rewire_prob must be in \[0, 1\], got 2\.5"),
+        ("rewire_prob", -1.0, r"algorithm\.rewire_prob must be in \[0, 1\], got -1\.0"),
+        ("degree", -1, r"algorithm\.degree must be >= 1, got -1"),
+        ("torus_rows", -1, r"algorithm\.torus_rows must be >= 0 \(0: the most square\), got -1"),
+    ],
+)
+def test_graph_options_are_checked_whatever_the_topology(key: str, value: float, words: str) -> None:
+    # each was checked only by the topology that reads it: with topology full, edge_prob = 2.5 ran
+    with pytest.raises(ConfigError, match=words):
+        build_dataclass(ALGORITHMS.get("gossip").Hparams, {"topology": "full", key: value}, "algorithm")
