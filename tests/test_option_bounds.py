@@ -194,3 +194,19 @@ def test_graph_options_are_checked_whatever_the_topology(key: str, value: float,
     # each was checked only by the topology that reads it: with topology full, edge_prob = 2.5 ran
     with pytest.raises(ConfigError, match=words):
         build_dataclass(ALGORITHMS.get("gossip").Hparams, {"topology": "full", key: value}, "algorithm")
+
+
+def test_clients_per_round_beyond_the_clients_is_shown_short(tmp_path) -> None:
+    # clients_per_round = 1e300 was refused with its 301 digits in the line
+    import fedweave
+
+    cfg = {
+        "rounds": 1,
+        "dataset": "digits",
+        "partition": {"name": "iid", "num_clients": 4},
+        "model": "logistic",
+        "algorithm": {"name": "fedavg", "clients_per_round": 1e300},
+        "output": {"progress": False, "plots": False},
+    }
+    with pytest.raises(ConfigError, match=r"^algorithm\.clients_per_round \(1e\+300\) exceeds partition\.num_clients"):
+        fedweave.run(cfg, run_dir=tmp_path / "r")
