@@ -210,3 +210,9 @@ def test_clients_per_round_beyond_the_clients_is_shown_short(tmp_path) -> None:
     }
     with pytest.raises(ConfigError, match=r"^algorithm\.clients_per_round \(1e\+300\) exceeds partition\.num_clients"):
         fedweave.run(cfg, run_dir=tmp_path / "r")
+
+
+def test_confederated_batch_size_is_bounded() -> None:
+    # batch_size = 1e300 was refused only by the data check, with a 300-digit product in the line
+    with pytest.raises(ConfigError, match=r"algorithm\.batch_size must be in \[1, 2,147,483,647\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("cfl_saga").Hparams, {"batch_size": 10**300}, "algorithm")

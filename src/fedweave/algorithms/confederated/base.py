@@ -28,7 +28,7 @@ import fedweave.data.datasets.cfl_logreg  # noqa: F401  (registers the paper's s
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.algorithms.confederated.problem import build_problem
 from fedweave.byo import PYTHON, describe_dataset
-from fedweave.config import MAX_LOCAL_STEPS, MAX_LR, ConfigError, check_options, nearest_count
+from fedweave.config import MAX_BATCH_SIZE, MAX_LOCAL_STEPS, MAX_LR, ConfigError, check_options, nearest_count
 from fedweave.faults import mixing_without
 from fedweave.registry import SAMPLERS
 from fedweave.topology.confederation import Confederation, ConfederationHparams
@@ -51,6 +51,8 @@ class ConfederatedHparams(ConfederationHparams):
         super().__post_init__()
         if self.batch_size < 1:
             raise ConfigError(f"algorithm.batch_size must be >= 1, got {self.batch_size}")
+        if self.batch_size > MAX_BATCH_SIZE:  # bounded as local.batch_size is
+            raise ConfigError(f"algorithm.batch_size must be in [1, {MAX_BATCH_SIZE:,}], got {self.batch_size:.6g}")
         if self.kappa <= 0:
             raise ConfigError(f"algorithm.kappa must be > 0 (strong convexity), got {self.kappa}")
         # alpha, or its multiple of 1 / L_f: a step size, bounded as local.lr is (1e300 diverged at once)
