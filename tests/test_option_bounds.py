@@ -216,3 +216,12 @@ def test_confederated_batch_size_is_bounded() -> None:
     # batch_size = 1e300 was refused only by the data check, with a 300-digit product in the line
     with pytest.raises(ConfigError, match=r"algorithm\.batch_size must be in \[1, 2,147,483,647\], got 1e\+300"):
         build_dataclass(ALGORITHMS.get("cfl_saga").Hparams, {"batch_size": 10**300}, "algorithm")
+
+
+@pytest.mark.parametrize("name", ["krum", "multi_krum"])
+def test_krum_m_beyond_the_updates_is_shown_short(name: str) -> None:
+    from fedweave.registry import AGGREGATORS
+
+    with pytest.raises(ConfigError, match=rf"aggregator '{name}' needs at least 1e\+300 client updates") as e:
+        AGGREGATORS.get(name)(m=10**300).check(6, 0)
+    assert len(str(e.value)) < 300

@@ -48,7 +48,7 @@ class Aggregator:
         need = self.min_updates(f)
         if n < need:
             raise ConfigError(
-                f"aggregator {self.name!r} needs at least {need} client updates per round against f = {f} "
+                f"aggregator {self.name!r} needs at least {need:.6g} client updates per round against f = {f} "
                 f"Byzantine ones (got {n}); lower aggregator.f, give each reduction more updates "
                 "(algorithm.clients_per_round, the sampler's clients, fedbuff's buffer_size) or choose another "
                 "aggregator"
