@@ -155,6 +155,11 @@ WRONG_CALLS = {
         lambda cfg: fedweave.run(cfg, overwrite="no"),
         r"^overwrite must be True or False, got 'no'$",
     ),
+    # a ValueError before, where every other wrong argument is a ConfigError (one line, the CLI's kind)
+    "on_divergence a typo": (
+        lambda cfg: fedweave.run(cfg, on_divergence="warn"),
+        r"^on_divergence must be 'raise' or 'return', got 'warn'$",
+    ),
     "run_dir a number": (
         lambda cfg: fedweave.run(cfg, run_dir=5),
         r"^run_dir must be a directory's path \(str or Path\), got int$",

@@ -3,6 +3,8 @@ allowed range, never a torch overflow, a hang or a 300-digit number."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,7 @@ from fedweave.algorithms.centralized.fedadam import FedOptHparams
 from fedweave.algorithms.hierarchical.base import HierarchyHparams
 from fedweave.config import ConfigError, build_dataclass
 from fedweave.registry import ALGORITHMS
-from fedweave.robust.aggregators import CenteredClipping, GeometricMedian
+from fedweave.robust.aggregators import CenteredClipping, DnC, GeometricMedian
 from fedweave.topology.samplers import fixed
 
 
@@ -67,3 +69,159 @@ def test_ditto_personal_epochs_is_bounded(name: str) -> None:
     # personal_epochs = 1e300 was accepted and the run hung in the first personal pass
     with pytest.raises(ConfigError, match=r"algorithm\.personal_epochs must be in \[1, 10,000\], got 1e\+300"):
         build_dataclass(ALGORITHMS.get(name).Hparams, {"personal_epochs": 10**300}, "algorithm")
+
+
+def test_fedrep_head_epochs_is_bounded() -> None:
+    # head_epochs = 1e300 was accepted and a 1-round toy run hung in the first head pass
+    with pytest.raises(ConfigError, match=r"algorithm\.head_epochs must be in \[1, 10,000\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("fedrep").Hparams, {"head_epochs": 10**300}, "algorithm")
+
+
+def test_fedbabu_finetune_epochs_is_bounded() -> None:
+    # finetune_epochs = 1e300 was accepted and a 1-round toy run hung in the first personalized evaluation
+    with pytest.raises(ConfigError, match=r"algorithm\.finetune_epochs must be in \[1, 10,000\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("fedbabu").Hparams, {"finetune_epochs": 10**300}, "algorithm")
+
+
+@pytest.mark.parametrize("name", ["gossip", "afind_plus", "ditto"])
+def test_decentralized_finetune_epochs_is_bounded(name: str) -> None:
+    # finetune_epochs = 1e300 was accepted and a 1-round toy run hung in the first evaluation's fine-tuning
+    with pytest.raises(ConfigError, match=r"algorithm\.finetune_epochs must be in \[0, 10,000\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get(name).Hparams, {"finetune_epochs": 10**300}, "algorithm")
+
+
+def test_afind_plus_head_epochs_is_bounded() -> None:
+    # head_epochs = 1e300 (personal: head) was accepted and a 1-round toy run hung in the first head pass
+    with pytest.raises(ConfigError, match=r"algorithm\.head_epochs must be in \[1, 10,000\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("afind_plus").Hparams, {"head_epochs": 10**300}, "algorithm")
+
+
+@pytest.mark.parametrize("name", ["cfl_saga", "cfl_admm", "gt_saga", "gt_sarah", "gt_svrg"])
+def test_confederated_iterations_per_round_is_bounded(name: str) -> None:
+    # iterations_per_round = 1e300 was accepted and a 1-round toy run never finished its round
+    with pytest.raises(ConfigError, match=r"algorithm\.iterations_per_round must be in \[1, 10,000,000\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get(name).Hparams, {"iterations_per_round": 10**300}, "algorithm")
+
+
+@pytest.mark.parametrize("name", ["hier_fedavg", "hier_fedprox", "hier_scaffold"])
+def test_hierarchical_steps_factor_is_bounded(name: str) -> None:
+    # steps_factor multiplies the local steps per round: 1e300 was accepted and a 1-round toy run hung
+    with pytest.raises(ConfigError, match=r"algorithm\.steps_factor must be in \[1, 10,000,000\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get(name).Hparams, {"steps_factor": 10**300}, "algorithm")
+
+
+@pytest.mark.parametrize("key", ["personal_lr", "lam", "beta"])
+def test_pfedme_float_options_are_bounded(key: str) -> None:
+    # personal_lr = 1e300 was accepted and the first round diverged (float32 inf) instead of being refused
+    with pytest.raises(ConfigError, match=rf"algorithm\.{key} must be in \(0, 3\.40282e\+38\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("pfedme").Hparams, {key: 1e300}, "algorithm")
+
+
+@pytest.mark.parametrize("key", ["alpha", "delta"])
+def test_perfedavg_steps_are_bounded(key: str) -> None:
+    # alpha = 1e300 was accepted and the first round diverged (float32 inf) instead of being refused
+    with pytest.raises(ConfigError, match=rf"algorithm\.{key} must be in \(0, 3\.40282e\+38\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("perfedavg").Hparams, {key: 1e300}, "algorithm")
+
+
+def test_afl_lambda_lr_is_bounded() -> None:
+    # lambda_lr = 1e300 was accepted and the first round diverged instead of being refused
+    with pytest.raises(ConfigError, match=r"algorithm\.lambda_lr must be in \[0, 3\.40282e\+38\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("afl").Hparams, {"lambda_lr": 1e300}, "algorithm")
+    build_dataclass(ALGORITHMS.get("afl").Hparams, {"lambda_lr": 0.0}, "algorithm")  # 0: lambda stays uniform
+
+
+@pytest.mark.parametrize("key", ["server_lr", "eta"])
+def test_zo_hfl_steps_are_bounded(key: str) -> None:
+    # server_lr or eta = 1e300 was accepted and the first round diverged instead of being refused
+    with pytest.raises(ConfigError, match=rf"algorithm\.{key} must be in \(0, 3\.40282e\+38\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("zo_hfl").Hparams, {key: 1e300}, "algorithm")
+
+
+@pytest.mark.parametrize("key", ["step_scale", "step_size"])
+def test_confederated_step_is_bounded(key: str) -> None:
+    # step_scale = 1e300 was accepted and a 3-round cfl_saga toy run diverged after its first round
+    with pytest.raises(ConfigError, match=rf"algorithm\.{key} must be .*3\.40282e\+38.*, got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("cfl_saga").Hparams, {key: 1e300}, "algorithm")
+
+
+def test_privacy_noise_multiplier_is_bounded() -> None:
+    # noise_multiplier = 1e300 passed validation and the run died in the accountant on a bare OverflowError
+    # (sigma ** 2); the noise std sigma * C is drawn in float32, as local.lr's step is taken
+    from fedweave.config import load
+
+    with pytest.raises(ConfigError, match=r"privacy\.noise_multiplier must be .*3\.40282e\+38.*, got 1e\+300"):
+        load({"privacy": {"noise_multiplier": 1e300}})
+
+
+def test_dnc_niters_is_bounded() -> None:
+    # niters = 1e300 was accepted and a 1-round toy run never finished its first reduction
+    with pytest.raises(ConfigError, match=r"aggregator\.niters must be in \[1, 10,000,000\], got 1e\+300"):
+        DnC(niters=10**300)
+
+
+@pytest.mark.parametrize(("clusters", "shown"), [(1e300, "1e+300"), (5, "5")])
+def test_ifca_clusters_are_at_most_the_clients(tmp_path, clusters: float, shown: str) -> None:
+    # clusters = 1e300 was accepted and a 1-round toy run hung building the cluster models, one by one
+    import fedweave
+
+    cfg = {
+        "rounds": 1,
+        "dataset": "digits",
+        "partition": {"name": "iid", "num_clients": 4},
+        "model": "logistic",
+        "algorithm": {"name": "ifca", "clients_per_round": 2, "clusters": clusters},
+        "output": {"progress": False, "plots": False},
+    }
+    with pytest.raises(
+        ConfigError, match=rf"^algorithm\.clusters \({re.escape(shown)}\) exceeds partition\.num_clients \(4\)"
+    ):
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "words"),
+    [
+        ("edge_prob", 2.5, r"algorithm\.edge_prob must be in \(0, 1\], got 2\.5"),
+        ("edge_prob", -1.0, r"algorithm\.edge_prob must be in \(0, 1\], got -1\.0"),
+        ("rewire_prob", 2.5, r"algorithm\.rewire_prob must be in \[0, 1\], got 2\.5"),
+        ("rewire_prob", -1.0, r"algorithm\.rewire_prob must be in \[0, 1\], got -1\.0"),
+        ("degree", -1, r"algorithm\.degree must be >= 1, got -1"),
+        ("torus_rows", -1, r"algorithm\.torus_rows must be >= 0 \(0: the most square\), got -1"),
+    ],
+)
+def test_graph_options_are_checked_whatever_the_topology(key: str, value: float, words: str) -> None:
+    # each was checked only by the topology that reads it: with topology full, edge_prob = 2.5 ran
+    with pytest.raises(ConfigError, match=words):
+        build_dataclass(ALGORITHMS.get("gossip").Hparams, {"topology": "full", key: value}, "algorithm")
+
+
+def test_clients_per_round_beyond_the_clients_is_shown_short(tmp_path) -> None:
+    # clients_per_round = 1e300 was refused with its 301 digits in the line
+    import fedweave
+
+    cfg = {
+        "rounds": 1,
+        "dataset": "digits",
+        "partition": {"name": "iid", "num_clients": 4},
+        "model": "logistic",
+        "algorithm": {"name": "fedavg", "clients_per_round": 1e300},
+        "output": {"progress": False, "plots": False},
+    }
+    with pytest.raises(ConfigError, match=r"^algorithm\.clients_per_round \(1e\+300\) exceeds partition\.num_clients"):
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+
+
+def test_confederated_batch_size_is_bounded() -> None:
+    # batch_size = 1e300 was refused only by the data check, with a 300-digit product in the line
+    with pytest.raises(ConfigError, match=r"algorithm\.batch_size must be in \[1, 2,147,483,647\], got 1e\+300"):
+        build_dataclass(ALGORITHMS.get("cfl_saga").Hparams, {"batch_size": 10**300}, "algorithm")
+
+
+@pytest.mark.parametrize("name", ["krum", "multi_krum"])
+def test_krum_m_beyond_the_updates_is_shown_short(name: str) -> None:
+    from fedweave.registry import AGGREGATORS
+
+    with pytest.raises(ConfigError, match=rf"aggregator '{name}' needs at least 1e\+300 client updates") as e:
+        AGGREGATORS.get(name)(m=10**300).check(6, 0)
+    assert len(str(e.value)) < 300

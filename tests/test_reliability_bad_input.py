@@ -143,6 +143,9 @@ def _cases() -> list[tuple[list[str], str]]:
         (["callbacks=[{name: stop_at_target, metric: test_acc, target: 0.5}]"], "'test_acc'"),
         # a section or key the family never reads (before: silently ignored, the run as without it)
         (["algorithm={name: hier_fedavg}", "local.epochs=3"], "local.epochs: the hierarchical family runs H_r"),
+        # an override given twice, as a key given twice in a YAML file is refused (before: the last one won in silence)
+        (["rounds=1", "rounds=2"], "override key 'rounds' is given twice ('rounds=1', then 'rounds=2')"),
+        (["local.lr=0.1", "rounds=1", "local.lr=0.1"], "override key 'local.lr' is given twice"),
         (["algorithm={name: zo_hfl}", "local.steps=3", "local.epochs=null"], "local.steps: the hierarchical family"),
         (["algorithm={name: zo_hfl}", "local.augment=[flip]"], "local.augment: the hierarchical family"),
         (

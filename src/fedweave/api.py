@@ -44,8 +44,8 @@ def run(
     ``(train_x, train_y, test_x, test_y[, train_users, test_users])`` or in-memory torch Datasets
     ``(train, test)``, ``loss`` a function ``(output, target) -> per-sample losses``. The config then records
     ``python`` for each, and ``objects.json`` in the run directory what was passed (docs/tasks.md). A config,
-    overrides, model, loss, callbacks, progress, overwrite or run_dir of another kind (a module instead of a
-    factory, a loss's name, a callback class, ``progress="no"``) is one
+    overrides, model, loss, callbacks, progress, overwrite, on_divergence or run_dir of another kind (a module
+    instead of a factory, a loss's name, a callback class, ``progress="no"``) is one
     :class:`~fedweave.config.ConfigError` saying what to pass, before anything runs.
 
     A run that meets NaN or Inf stops with ``status: diverged`` in its summary and raises ``DivergenceError``,

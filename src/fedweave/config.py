@@ -545,9 +545,10 @@ class PrivacyConfig:
         """Check the ``privacy`` section; raise a :class:`ConfigError` naming the first bad key and what it allows."""
         if not 0 < self.clip <= MAX_LR:
             raise ConfigError(f"privacy.clip must be a number in (0, {MAX_LR:.6g}], got {self.clip}")
-        if self.noise_multiplier != "auto" and not 0 <= self.noise_multiplier < math.inf:
+        # sigma is drawn in float32 (sigma * C) and squared by the accountants: bounded as clip is
+        if self.noise_multiplier != "auto" and not 0 <= self.noise_multiplier <= MAX_LR:
             raise ConfigError(
-                f"privacy.noise_multiplier must be a finite number >= 0 or auto, got {self.noise_multiplier}"
+                f"privacy.noise_multiplier must be a number in [0, {MAX_LR:.6g}] or auto, got {self.noise_multiplier}"
             )
         if not 0 < self.delta < 1:
             raise ConfigError(f"privacy.delta must be in (0, 1), got {self.delta}")
@@ -1159,8 +1160,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     if overrides and not isinstance(data, dict):
         raise ConfigError(f"a config must be a mapping of keys to values, got {type(data).__name__}")
     data = _deepcopy(data)
+    given: dict[str, str] = {}  # each key's override: a second one is refused, as a key twice in a YAML file is
     for text in overrides:
         path, value = parse_override(text)
+        key = ".".join(path)
+        if key in given:
+            raise ConfigError(
+                f"override key {key!r} is given twice ({given[key]!r}, then {text!r}): give each key once"
+            )
+        given[key] = text
         node = data
         for i, p in enumerate(path[:-1]):
             cur = node.get(p)

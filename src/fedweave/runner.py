@@ -120,7 +120,7 @@ def run(
     sweep). A directory that holds a run is refused unless ``overwrite`` (which removes the old run first).
     Ctrl-C or SIGTERM ends the run with ``status: interrupted`` and raises :class:`RunInterrupted`."""
     if on_divergence not in ("raise", "return"):
-        raise ValueError(f"on_divergence must be 'raise' or 'return', got {on_divergence!r}")
+        raise ConfigError(f"on_divergence must be 'raise' or 'return', got {on_divergence!r}")
     # checked here, not left to truthiness: progress="no" showed the bar, overwrite="no" removed the old run
     if progress is not None and not isinstance(progress, bool):
         raise ConfigError(f"progress must be True, False or None, got {progress!r}")

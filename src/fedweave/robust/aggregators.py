@@ -50,7 +50,7 @@ class Aggregator:
         need = self.min_updates(f)
         if n < need:
             raise ConfigError(
-                f"aggregator {self.name!r} needs at least {need} client updates per round against f = {f} "
+                f"aggregator {self.name!r} needs at least {need:.6g} client updates per round against f = {f} "
                 f"Byzantine ones (got {n}); lower aggregator.f, give each reduction more updates "
                 "(algorithm.clients_per_round, the sampler's clients, fedbuff's buffer_size) or choose another "
                 "aggregator"
@@ -262,6 +262,8 @@ class DnC(Aggregator):
     def __init__(self, niters: int = 5, b: int = 10000, c: float = 1.0) -> None:
         if niters < 1:
             raise ConfigError(f"aggregator.niters must be >= 1 (the subsampling iterations), got {niters}")
+        if niters > MAX_LOCAL_STEPS:  # the same typo catcher as local.steps: 1e300 would never end
+            raise ConfigError(f"aggregator.niters must be in [1, {MAX_LOCAL_STEPS:,}], got {niters:.6g}")
         if b < 1:
             raise ConfigError(f"aggregator.b must be >= 1 (the coordinates each iteration samples), got {b}")
         if not c > 0:

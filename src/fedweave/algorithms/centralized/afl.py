@@ -27,7 +27,7 @@ import torch
 
 from fedweave.algorithms.base import aggregation_weights
 from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LR, ConfigError
 from fedweave.registry import ALGORITHMS
 
 
@@ -52,8 +52,8 @@ class AFLHparams(StarHparams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.lambda_lr >= 0:
-            raise ConfigError(f"algorithm.lambda_lr must be >= 0, got {self.lambda_lr}")
+        if not 0 <= self.lambda_lr <= MAX_LR:  # a step size, bounded as local.lr is
+            raise ConfigError(f"algorithm.lambda_lr must be in [0, {MAX_LR:.6g}], got {self.lambda_lr}")
 
 
 @ALGORITHMS.register("afl")

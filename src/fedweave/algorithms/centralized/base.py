@@ -177,7 +177,7 @@ class StarAlgorithm(Algorithm):
         n = ctx.num_clients
         if hp.clients_per_round > n:
             raise ConfigError(
-                f"algorithm.clients_per_round ({hp.clients_per_round}) exceeds partition.num_clients ({n})"
+                f"algorithm.clients_per_round ({hp.clients_per_round:.6g}) exceeds partition.num_clients ({n})"
             )
         if self.every_client and hp.clients_per_round != n:
             raise ConfigError(

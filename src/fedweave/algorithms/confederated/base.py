@@ -28,7 +28,7 @@ import fedweave.data.datasets.cfl_logreg  # noqa: F401  (registers the paper's s
 from fedweave.algorithms.base import Algorithm, RunContext
 from fedweave.algorithms.confederated.problem import build_problem
 from fedweave.byo import PYTHON, describe_dataset
-from fedweave.config import ConfigError, check_options, nearest_count
+from fedweave.config import MAX_BATCH_SIZE, MAX_LOCAL_STEPS, MAX_LR, ConfigError, check_options, nearest_count
 from fedweave.faults import mixing_without
 from fedweave.registry import SAMPLERS
 from fedweave.topology.confederation import Confederation, ConfederationHparams
@@ -51,18 +51,22 @@ class ConfederatedHparams(ConfederationHparams):
         super().__post_init__()
         if self.batch_size < 1:
             raise ConfigError(f"algorithm.batch_size must be >= 1, got {self.batch_size}")
+        if self.batch_size > MAX_BATCH_SIZE:  # bounded as local.batch_size is
+            raise ConfigError(f"algorithm.batch_size must be in [1, {MAX_BATCH_SIZE:,}], got {self.batch_size:.6g}")
         if self.kappa <= 0:
             raise ConfigError(f"algorithm.kappa must be > 0 (strong convexity), got {self.kappa}")
-        if self.step_size is not None and self.step_size <= 0:
-            raise ConfigError(f"algorithm.step_size must be > 0 or null, got {self.step_size}")
-        if self.step_scale <= 0:
-            raise ConfigError(f"algorithm.step_scale must be > 0, got {self.step_scale}")
+        # alpha, or its multiple of 1 / L_f: a step size, bounded as local.lr is (1e300 diverged at once)
+        if self.step_size is not None and not 0 < self.step_size <= MAX_LR:
+            raise ConfigError(f"algorithm.step_size must be in (0, {MAX_LR:.6g}] or null, got {self.step_size}")
+        if not 0 < self.step_scale <= MAX_LR:
+            raise ConfigError(f"algorithm.step_scale must be in (0, {MAX_LR:.6g}], got {self.step_scale}")
         if self.step_size is not None and self.step_scale != ConfederatedHparams.step_scale:
             raise ConfigError(
                 "algorithm.step_scale: algorithm.step_size sets alpha directly and step_scale / L_f is unread; keep one"
             )
-        if self.iterations_per_round < 1:
-            raise ConfigError(f"algorithm.iterations_per_round must be >= 1, got {self.iterations_per_round}")
+        if not 1 <= self.iterations_per_round <= MAX_LOCAL_STEPS:  # bounded as local.steps is: 1e300 never ends
+            got = self.iterations_per_round
+            raise ConfigError(f"algorithm.iterations_per_round must be in [1, {MAX_LOCAL_STEPS:,}], got {got:.6g}")
 
 
 @contextmanager

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import Algorithm, RunContext, make_trainer, with_local  # noqa: F401 (re-exported)
-from fedweave.config import ConfigError, Section
+from fedweave.config import MAX_LOCAL_EPOCHS, ConfigError, Section
 from fedweave.execution import (
     LocalResult,
     LocalRule,
@@ -81,10 +81,22 @@ class GraphHparams:
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
             raise ConfigError(f"algorithm.topology must be one of {', '.join(TOPOLOGIES)}; got {self.topology!r}")
+        # each graph option is read by one topology only (build_graph checks it there, with the clients it needs):
+        # a value no topology could take is refused whatever the topology, not kept unread
+        if not 0 < self.edge_prob <= 1:
+            raise ConfigError(f"algorithm.edge_prob must be in (0, 1], got {self.edge_prob}")
+        if not 0 <= self.rewire_prob <= 1:
+            raise ConfigError(f"algorithm.rewire_prob must be in [0, 1], got {self.rewire_prob}")
+        if self.degree < 1:
+            raise ConfigError(f"algorithm.degree must be >= 1, got {self.degree}")
+        if self.torus_rows < 0:
+            raise ConfigError(f"algorithm.torus_rows must be >= 0 (0: the most square), got {self.torus_rows}")
         if self.neighbours < 1:
             raise ConfigError(f"algorithm.neighbours must be >= 1, got {self.neighbours}")
-        if self.finetune_epochs < 0:
-            raise ConfigError(f"algorithm.finetune_epochs must be >= 0, got {self.finetune_epochs}")
+        if not 0 <= self.finetune_epochs <= MAX_LOCAL_EPOCHS:  # bounded as local.epochs is: 1e300 would never end
+            raise ConfigError(
+                f"algorithm.finetune_epochs must be in [0, {MAX_LOCAL_EPOCHS:,}], got {self.finetune_epochs:.6g}"
+            )
         if self.dp_sigma < 0:
             raise ConfigError(f"algorithm.dp_sigma must be >= 0, got {self.dp_sigma}")
         if self.dp_clip <= 0:

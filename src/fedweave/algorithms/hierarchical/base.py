@@ -496,8 +496,10 @@ class AveragingHparams(HierarchyHparams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.steps_factor < 1:
-            raise ConfigError(f"algorithm.steps_factor must be >= 1, got {self.steps_factor}")
+        if not 1 <= self.steps_factor <= MAX_LOCAL_STEPS:  # a factor of the local steps, bounded as tau is
+            raise ConfigError(
+                f"algorithm.steps_factor must be in [1, {MAX_LOCAL_STEPS:,}], got {self.steps_factor:.6g}"
+            )
 
 
 @dataclass

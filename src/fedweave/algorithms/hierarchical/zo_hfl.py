@@ -38,7 +38,7 @@ from fedweave.algorithms.hierarchical.base import (
     unit_directions,
     zo_gradient,
 )
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LR, ConfigError
 from fedweave.registry import ALGORITHMS
 
 
@@ -68,6 +68,9 @@ class ZOHFLHparams(HierarchyHparams):
         for key in ("eta", "server_lr", "radius"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"algorithm.{key} must be > 0, got {getattr(self, key)}")
+        for key in ("eta", "server_lr"):  # the smoothing radius and the server's step, float32 as local.lr is
+            if getattr(self, key) > MAX_LR:
+                raise ConfigError(f"algorithm.{key} must be in (0, {MAX_LR:.6g}], got {getattr(self, key)}")
         if self.server_lr_power < 0:
             raise ConfigError(f"algorithm.server_lr_power must be >= 0, got {self.server_lr_power}")
         if self.server_batch_size < 1:

@@ -28,7 +28,7 @@ from fedweave.algorithms.centralized.personal.base import (
     name_mask,
     warn_if_nothing_shared,
 )
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LOCAL_EPOCHS, ConfigError
 from fedweave.execution.local import PLAIN, LocalRule
 from fedweave.registry import ALGORITHMS
 
@@ -42,8 +42,10 @@ class FedBABUHparams(StarHparams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.finetune_epochs < 1:
-            raise ConfigError(f"algorithm.finetune_epochs must be >= 1, got {self.finetune_epochs}")
+        if not 1 <= self.finetune_epochs <= MAX_LOCAL_EPOCHS:  # bounded as local.epochs is: 1e300 would never end
+            raise ConfigError(
+                f"algorithm.finetune_epochs must be in [1, {MAX_LOCAL_EPOCHS:,}], got {self.finetune_epochs:.6g}"
+            )
 
 
 @ALGORITHMS.register("fedbabu")

@@ -19,7 +19,7 @@ import torch
 from fedweave.algorithms.base import with_local
 from fedweave.algorithms.centralized.base import StarHparams
 from fedweave.algorithms.centralized.personal.base import FreezeRule, PartialSharing, head_names, name_mask
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LOCAL_EPOCHS, ConfigError
 from fedweave.execution import LocalResult
 from fedweave.registry import ALGORITHMS
 
@@ -32,8 +32,8 @@ class FedRepHparams(StarHparams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.head_epochs < 1:
-            raise ConfigError(f"algorithm.head_epochs must be >= 1, got {self.head_epochs}")
+        if not 1 <= self.head_epochs <= MAX_LOCAL_EPOCHS:  # bounded as local.epochs is: 1e300 would never end
+            raise ConfigError(f"algorithm.head_epochs must be in [1, {MAX_LOCAL_EPOCHS:,}], got {self.head_epochs:.6g}")
 
 
 @ALGORITHMS.register("fedrep")

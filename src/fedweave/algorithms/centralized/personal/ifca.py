@@ -65,6 +65,11 @@ class IFCA(PersonalStar):
                 "algorithm ifca: model.init_from would start every cluster model from the same weights, so every "
                 "client would pick cluster 0; leave model.init_from out"
             )
+        if hp.clusters > ctx.num_clients:  # k disjoint groups of the clients (Sec. 2): 1e300 built models forever
+            raise ConfigError(
+                f"algorithm.clusters ({hp.clusters:.6g}) exceeds partition.num_clients ({ctx.num_clients}): IFCA's "
+                "clusters are disjoint groups of the clients"
+            )
         super().__init__(ctx, hp)
         others = [ParamLayout(ctx.build_model(key=(j,)), ctx.placement).flatten() for j in range(1, hp.clusters)]
         # the coordinates every cluster model shares (the body, with share_body), else none

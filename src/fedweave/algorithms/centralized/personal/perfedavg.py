@@ -21,7 +21,7 @@ import torch
 from fedweave.algorithms.base import with_local
 from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams
 from fedweave.algorithms.centralized.personal.base import PersonalStar
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LR, ConfigError
 from fedweave.execution.local import GradFn, LocalRule
 from fedweave.registry import ALGORITHMS
 
@@ -55,10 +55,9 @@ class PerFedAvgHparams(StarHparams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.alpha <= 0:
-            raise ConfigError(f"algorithm.alpha must be > 0, got {self.alpha}")
-        if self.delta <= 0:
-            raise ConfigError(f"algorithm.delta must be > 0, got {self.delta}")
+        for key in ("alpha", "delta"):  # each scales a float32 step or difference, bounded as local.lr is
+            if not 0 < getattr(self, key) <= MAX_LR:
+                raise ConfigError(f"algorithm.{key} must be in (0, {MAX_LR:.6g}], got {getattr(self, key)}")
 
 
 @ALGORITHMS.register("perfedavg")

@@ -35,7 +35,7 @@ import torch
 
 from fedweave.algorithms.centralized.base import Collected, StarHparams
 from fedweave.algorithms.centralized.personal.base import PersonalStar
-from fedweave.config import MAX_LOCAL_STEPS, ConfigError
+from fedweave.config import MAX_LOCAL_STEPS, MAX_LR, ConfigError
 from fedweave.execution import LocalResult
 from fedweave.execution.local import GradFn, LocalRule
 from fedweave.registry import ALGORITHMS
@@ -75,14 +75,11 @@ class PFedMeHparams(StarHparams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.lam <= 0:
-            raise ConfigError(f"algorithm.lam must be > 0, got {self.lam}")
         if not 1 <= self.inner_steps <= MAX_LOCAL_STEPS:  # bounded as local.steps is: 1e300 would never end
             raise ConfigError(f"algorithm.inner_steps must be in [1, {MAX_LOCAL_STEPS:,}], got {self.inner_steps:.6g}")
-        if self.personal_lr <= 0:
-            raise ConfigError(f"algorithm.personal_lr must be > 0, got {self.personal_lr}")
-        if self.beta <= 0:
-            raise ConfigError(f"algorithm.beta must be > 0, got {self.beta}")
+        for key in ("lam", "personal_lr", "beta"):  # each multiplies a float32 step, as local.lr does: bounded as it is
+            if not 0 < getattr(self, key) <= MAX_LR:
+                raise ConfigError(f"algorithm.{key} must be in (0, {MAX_LR:.6g}], got {getattr(self, key)}")
 
 
 @ALGORITHMS.register("pfedme")
