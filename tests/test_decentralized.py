@@ -752,6 +752,20 @@ def test_dispfl_dense_without_evolution_is_gossip_and_sparse_messages_are_counte
     assert s.ledger.bytes(kind="mask") == 8 * 3 * -(-s.layout.numel // 8)
 
 
+def test_dispfl_fine_tunes_its_sparse_models_on_their_masks():
+    """With finetune_epochs > 0 the evaluated copy was fine-tuned by plain SGD, so DisPFL's sparse personalized
+    model was evaluated dense (every weight off its mask moved); the copy is now fine-tuned by masked SGD."""
+    algo = build("dispfl", neighbours=3, finetune_epochs=1)
+    algo.run_round(0)
+    tuned = []
+    train = algo.ft_trainer.train
+    algo.ft_trainer.train = lambda *args, **kw: tuned.append(train(*args, **kw)) or tuned[-1]
+    algo.evaluate(0)
+    mask = algo.store["mask"]
+    assert len(tuned) == 1 and not torch.equal(tuned[0].params, algo.W)  # fine-tuned ...
+    assert torch.equal(tuned[0].params * mask, tuned[0].params)  # ... on each client's own mask
+
+
 @pytest.mark.parametrize("algo_name", ["gossip", "afind_plus"])
 def test_loop_and_vmap_backends_agree(algo_name):
     models = []
