@@ -103,6 +103,12 @@ def test_torus_refuses_a_side_below_three_it_would_degenerate_on():
         assert {d for _, d in g.degree()} == {4} and nx.is_connected(g)
 
 
+def test_a_negative_torus_rows_is_refused_as_such():
+    """-3 rows for 12 clients was refused with 'must divide partition.num_clients (12)', which -3 does."""
+    with pytest.raises(ConfigError, match=r"^algorithm.torus_rows must be >= 0 \(0 = the most square"):
+        build_graph("torus", 12, 0, torus_rows=-3)
+
+
 def test_graph_edge_list_file(tmp_path):
     f = tmp_path / "edges.txt"
     f.write_text("# a path\n0 1\n1 2\n2 3  # last\n")

@@ -81,6 +81,10 @@ def build_graph(
     elif topology == "ring":
         g = nx.cycle_graph(m) if m > 2 else nx.complete_graph(m)
     elif topology == "torus":
+        if torus_rows < 0:
+            raise ConfigError(
+                f"algorithm.torus_rows must be >= 0 (0 = the most square factorization), got {torus_rows}"
+            )
         rows = torus_rows or _factor_rows(m)
         if rows < 1 or m % rows:
             raise ConfigError(f"algorithm.torus_rows ({rows}) must divide partition.num_clients ({m})")
