@@ -124,6 +124,15 @@ def test_graph_edge_list_file(tmp_path):
         build_graph("edgelist", 4, 0)
 
 
+def test_an_edge_list_line_with_a_third_field_is_refused(tmp_path):
+    """'0 1 0.5' (a weighted edge list) was read as the edge 0-1, its weight dropped without a word: the mixing
+    weights come from the graph's degrees, so such a line is refused in one line naming the file and the line."""
+    f = tmp_path / "weighted.txt"
+    f.write_text("0 1 0.5\n1 2 0.5\n")
+    with pytest.raises(ConfigError, match=r"^algorithm.edge_file .* line 1: expected 'u v'.*, got '0 1 0.5'"):
+        build_graph("edgelist", 3, 0, edge_file=str(f))
+
+
 def test_a_graph_that_leaves_a_client_alone_names_what_the_topology_reads():
     """The hint names the option of the topology at hand (before: 'a larger algorithm.edge_prob' for every one)."""
     with pytest.raises(ConfigError, match=r"^algorithm.topology 'half' left .* 'half' needs at least 4 clients"):
