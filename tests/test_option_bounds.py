@@ -67,3 +67,17 @@ def test_ditto_personal_epochs_is_bounded(name: str) -> None:
     # personal_epochs = 1e300 was accepted and the run hung in the first personal pass
     with pytest.raises(ConfigError, match=r"algorithm\.personal_epochs must be in \[1, 10,000\], got 1e\+300"):
         build_dataclass(ALGORITHMS.get(name).Hparams, {"personal_epochs": 10**300}, "algorithm")
+
+
+@pytest.mark.parametrize("name", ["gossip", "dfedavg", "choco_sgd", "dispfl", "ditto", "fomo", "pens", "afind_plus"])
+def test_decentralized_finetune_epochs_is_bounded(name: str) -> None:
+    # finetune_epochs = 1e9 was accepted and the run hung in the fine-tuning before its first evaluation
+    with pytest.raises(ConfigError, match=r"algorithm\.finetune_epochs must be in \[0, 10,000\], got 1e\+09"):
+        build_dataclass(ALGORITHMS.get(name).Hparams, {"finetune_epochs": 10**9}, "algorithm")
+    build_dataclass(ALGORITHMS.get(name).Hparams, {"finetune_epochs": 10_000}, "algorithm")
+
+
+def test_afind_plus_head_epochs_is_bounded() -> None:
+    # head_epochs = 1e9 (personal: head) was accepted and the first local update never ended
+    with pytest.raises(ConfigError, match=r"algorithm\.head_epochs must be in \[1, 10,000\], got 1e\+09"):
+        build_dataclass(ALGORITHMS.get("afind_plus").Hparams, {"head_epochs": 10**9}, "algorithm")

@@ -47,7 +47,7 @@ from fedweave.algorithms.decentralized.selection import (
     declared_layer,
     smoothed_loss,
 )
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LOCAL_EPOCHS, ConfigError
 from fedweave.execution import LocalResult, LocalRule
 from fedweave.registry import ALGORITHMS
 
@@ -98,8 +98,8 @@ class AfindPlusHparams(GraphHparams):
             raise ConfigError(f"algorithm.boltzmann_T must be > 0, got {self.boltzmann_T}")
         if self.proxy_samples is not None and self.proxy_samples < 1:
             raise ConfigError(f"algorithm.proxy_samples must be >= 1 or null, got {self.proxy_samples}")
-        if self.head_epochs < 1:
-            raise ConfigError(f"algorithm.head_epochs must be >= 1, got {self.head_epochs}")
+        if not 1 <= self.head_epochs <= MAX_LOCAL_EPOCHS:  # bounded as local.epochs is: 1e9 would never end
+            raise ConfigError(f"algorithm.head_epochs must be in [1, {MAX_LOCAL_EPOCHS:,}], got {self.head_epochs:.6g}")
         if self.personal == "head" and self.proxy_layer == "classifier":
             raise ConfigError(
                 "algorithm.proxy_layer 'classifier' is the personal head with personal 'head'; use 'featurizer'"

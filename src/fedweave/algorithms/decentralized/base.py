@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import Algorithm, RunContext, make_trainer, with_local  # noqa: F401 (re-exported)
-from fedweave.config import ConfigError, Section
+from fedweave.config import MAX_LOCAL_EPOCHS, ConfigError, Section
 from fedweave.execution import (
     LocalResult,
     LocalRule,
@@ -83,8 +83,10 @@ class GraphHparams:
             raise ConfigError(f"algorithm.topology must be one of {', '.join(TOPOLOGIES)}; got {self.topology!r}")
         if self.neighbours < 1:
             raise ConfigError(f"algorithm.neighbours must be >= 1, got {self.neighbours}")
-        if self.finetune_epochs < 0:
-            raise ConfigError(f"algorithm.finetune_epochs must be >= 0, got {self.finetune_epochs}")
+        if not 0 <= self.finetune_epochs <= MAX_LOCAL_EPOCHS:  # bounded as local.epochs is: 1e9 would never end
+            raise ConfigError(
+                f"algorithm.finetune_epochs must be in [0, {MAX_LOCAL_EPOCHS:,}], got {self.finetune_epochs:.6g}"
+            )
         if self.dp_sigma < 0:
             raise ConfigError(f"algorithm.dp_sigma must be >= 0, got {self.dp_sigma}")
         if self.dp_clip <= 0:
