@@ -103,6 +103,12 @@ def test_torus_refuses_a_side_below_three_it_would_degenerate_on():
         assert {d for _, d in g.degree()} == {4} and nx.is_connected(g)
 
 
+def test_a_negative_torus_rows_is_refused_as_such():
+    """-3 rows for 12 clients was refused with 'must divide partition.num_clients (12)', which -3 does."""
+    with pytest.raises(ConfigError, match=r"^algorithm.torus_rows must be >= 0 \(0 = the most square"):
+        build_graph("torus", 12, 0, torus_rows=-3)
+
+
 def test_graph_edge_list_file(tmp_path):
     f = tmp_path / "edges.txt"
     f.write_text("# a path\n0 1\n1 2\n2 3  # last\n")
@@ -116,6 +122,15 @@ def test_graph_edge_list_file(tmp_path):
         build_graph("edgelist", 4, 0, edge_file=str(f))
     with pytest.raises(ConfigError, match="edge_file"):
         build_graph("edgelist", 4, 0)
+
+
+def test_an_edge_list_line_with_a_third_field_is_refused(tmp_path):
+    """'0 1 0.5' (a weighted edge list) was read as the edge 0-1, its weight dropped without a word: the mixing
+    weights come from the graph's degrees, so such a line is refused in one line naming the file and the line."""
+    f = tmp_path / "weighted.txt"
+    f.write_text("0 1 0.5\n1 2 0.5\n")
+    with pytest.raises(ConfigError, match=r"^algorithm.edge_file .* line 1: expected 'u v'.*, got '0 1 0.5'"):
+        build_graph("edgelist", 3, 0, edge_file=str(f))
 
 
 def test_a_graph_that_leaves_a_client_alone_names_what_the_topology_reads():
@@ -750,6 +765,20 @@ def test_dispfl_dense_without_evolution_is_gossip_and_sparse_messages_are_counte
     expect = sum(int(M0[j].sum()) * 4 for i in range(8) for j in s.available(0, i))
     assert s.ledger.bytes(kind="model") == expect
     assert s.ledger.bytes(kind="mask") == 8 * 3 * -(-s.layout.numel // 8)
+
+
+def test_dispfl_fine_tunes_its_sparse_models_on_their_masks():
+    """With finetune_epochs > 0 the evaluated copy was fine-tuned by plain SGD, so DisPFL's sparse personalized
+    model was evaluated dense (every weight off its mask moved); the copy is now fine-tuned by masked SGD."""
+    algo = build("dispfl", neighbours=3, finetune_epochs=1)
+    algo.run_round(0)
+    tuned = []
+    train = algo.ft_trainer.train
+    algo.ft_trainer.train = lambda *args, **kw: tuned.append(train(*args, **kw)) or tuned[-1]
+    algo.evaluate(0)
+    mask = algo.store["mask"]
+    assert len(tuned) == 1 and not torch.equal(tuned[0].params, algo.W)  # fine-tuned ...
+    assert torch.equal(tuned[0].params * mask, tuned[0].params)  # ... on each client's own mask
 
 
 @pytest.mark.parametrize("algo_name", ["gossip", "afind_plus"])

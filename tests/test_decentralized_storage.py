@@ -109,3 +109,12 @@ def test_local_holds_only_the_buffer_of_its_heavy_ball_local_steps():
     algo.run_round(0)
     storage = algo.ledger.summary()["storage_peak_bytes"]
     assert storage == {"client": {"momentum": algo.layout.numel * 4}}  # and nothing beside it
+
+
+def test_fomo_with_the_afind_plugin_scores_no_boltzmann_weights_it_would_not_read():
+    """FOMO weighs what it receives by its own u~: the plug-in's Boltzmann losses F_i(w_j) of i and the selected
+    were computed all the same and counted in ``scores`` ((2 * 4 + 1 + 4) * 8 bytes with the whole pool of 4 kept);
+    now a peer holds s_ij and p_ij over the pool (4 + 4), above FOMO's own u over itself and the selected (5)."""
+    algo, storage = _built("fomo", "float32", topology="random_regular", degree=5, neighbours=4, selection="afind")
+    assert algo.selector.last_sizes == [4] * 8  # round 0: theta_i = 0 keeps the whole pool
+    assert storage["scores"] == (4 + 4) * HOST

@@ -39,10 +39,15 @@ def read_edge_list(path: str | Path, num_clients: int) -> nx.Graph:
         if not line:
             continue
         parts = line.split()
-        try:
+        try:  # exactly two ids: a third field (a weighted edge list's weight) would be dropped without a word
+            if len(parts) != 2:
+                raise ValueError
             u, v = int(parts[0]), int(parts[1])
-        except (IndexError, ValueError):
-            raise ConfigError(f"algorithm.edge_file {str(p)!r} line {lineno}: expected 'u v', got {line!r}") from None
+        except ValueError:
+            raise ConfigError(
+                f"algorithm.edge_file {str(p)!r} line {lineno}: expected 'u v' (two client ids, no weight), "
+                f"got {line!r}"
+            ) from None
         for x in (u, v):
             if not 0 <= x < num_clients:
                 raise ConfigError(
@@ -81,6 +86,10 @@ def build_graph(
     elif topology == "ring":
         g = nx.cycle_graph(m) if m > 2 else nx.complete_graph(m)
     elif topology == "torus":
+        if torus_rows < 0:
+            raise ConfigError(
+                f"algorithm.torus_rows must be >= 0 (0 = the most square factorization), got {torus_rows}"
+            )
         rows = torus_rows or _factor_rows(m)
         if rows < 1 or m % rows:
             raise ConfigError(f"algorithm.torus_rows ({rows}) must divide partition.num_clients ({m})")

@@ -107,6 +107,11 @@ class DisPFL(GraphAlgorithm):
         """The sparse model of ``sender`` as ``receiver`` holds it: the (noised) values on the sender's mask."""
         return super().as_received(models, r, sender, receiver) * self.store["mask"][sender]
 
+    def finetune_rule(self) -> LocalRule:
+        """Fine-tuning before evaluation (``finetune_epochs`` > 0) is masked SGD on each client's mask: the model
+        evaluated is the client's sparse model, as DisPFL's are, not a dense copy grown from it."""
+        return MaskedRule(self.store["mask"])
+
     def prune_rate(self, r: int) -> float:
         return self.hp.anneal / 2 * (1 + math.cos(math.pi * r / self.config.rounds))
 

@@ -54,7 +54,7 @@ class Fomo(GraphAlgorithm):
         self.losses = ProxyComputer(
             self.layout, ctx.model, ds.train_x, ds.train_y, ctx.partition, None, loss=ctx.task.loss
         )
-        self.selector = NeighbourSelector(self, hp)
+        self.selector = NeighbourSelector(self, hp, weighs=False)  # it weighs what it receives by its own u~
         n = self.num_clients
         self.affinity = torch.zeros(n, n, dtype=torch.float64, device="cpu")  # host bookkeeping
         # peer i accumulates P_ij over its graph neighbours only: the peak is the graph's max degree

@@ -338,8 +338,10 @@ class NeighbourSelector:
     phi_j(w_i) and F_j(w_i) (ledger kinds ``model``, ``feature_proxy``, ``loss``), as in AFIND+ R3.
     """
 
-    def __init__(self, algo: Any, hp: SelectionHparams) -> None:
-        self.algo, self.hp = algo, hp
+    def __init__(self, algo: Any, hp: SelectionHparams, *, weighs: bool = True) -> None:
+        """``weighs``: whether the method mixes with the weights :meth:`select` returns; one that weighs what it
+        receives by a rule of its own (FOMO's u~) gets uniform weights, and no Boltzmann losses are computed."""
+        self.algo, self.hp, self.weighs = algo, hp, weighs
         self.state: AfindState | None = None
         self.proxy: ProxyComputer | None = None
         if hp.selection != "random":
@@ -402,7 +404,7 @@ class NeighbourSelector:
             if len(avail):  # each j of B_i computes phi_j and F_j at w_i, one request at a time
                 algo.hold("requested_model", algo.layout.numel * algo.ctx.float_bytes)
             scored = 2 * len(avail)  # float64 s_ij and Eq. (8)'s p_ij over B_i
-            if hp.selection == "afind" and hp.boltzmann_weights:
+            if hp.selection == "afind" and hp.boltzmann_weights and self.weighs:
                 # i holds only what crossed the link (under dp_mode exchange a noised draw): it scores the very
                 # models it then mixes
                 held = [sent[i], *(algo.as_received(sent, r, int(j), i) for j in chosen)]
