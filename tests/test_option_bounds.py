@@ -187,7 +187,7 @@ def test_ifca_clusters_are_at_most_the_clients(tmp_path, clusters: float, shown:
         ("rewire_prob", 2.5, r"algorithm\.rewire_prob must be in \[0, 1\], got 2\.5"),
         ("rewire_prob", -1.0, r"algorithm\.rewire_prob must be in \[0, 1\], got -1\.0"),
         ("degree", -1, r"algorithm\.degree must be >= 1, got -1"),
-        ("torus_rows", -1, r"algorithm\.torus_rows must be >= 0 \(0: the most square\), got -1"),
+        ("torus_rows", -1, r"algorithm\.torus_rows must be >= 0 \(0 = the most square factorization\), got -1"),
     ],
 )
 def test_graph_options_are_checked_whatever_the_topology(key: str, value: float, words: str) -> None:

@@ -90,7 +90,9 @@ class GraphHparams:
         if self.degree < 1:
             raise ConfigError(f"algorithm.degree must be >= 1, got {self.degree}")
         if self.torus_rows < 0:
-            raise ConfigError(f"algorithm.torus_rows must be >= 0 (0: the most square), got {self.torus_rows}")
+            raise ConfigError(
+                f"algorithm.torus_rows must be >= 0 (0 = the most square factorization), got {self.torus_rows}"
+            )
         if self.neighbours < 1:
             raise ConfigError(f"algorithm.neighbours must be >= 1, got {self.neighbours}")
         if not 0 <= self.finetune_epochs <= MAX_LOCAL_EPOCHS:  # bounded as local.epochs is: 1e300 would never end
@@ -364,6 +366,11 @@ class GraphAlgorithm(Algorithm):
         """The models evaluated after round ``r`` (default: ``W``)."""
         return self.W
 
+    def finetune_rule(self) -> LocalRule:
+        """The rule of the fine-tuning before evaluation (``finetune_epochs``): plain SGD, unless the method's
+        models live on a support of their own (DisPFL's sparse masks), which the fine-tuned copy keeps."""
+        return PLAIN
+
     def evaluated_clients(self) -> np.ndarray | None:
         """The clients whose models the evaluation averages over: every one (None), or, with Byzantine peers
         (robustness), the honest ones: an attacker's own model is not what the run learns."""
@@ -379,7 +386,9 @@ class GraphAlgorithm(Algorithm):
         on a throw-away copy (afind-plus R10; training continues from the un-tuned models)."""
         models = self.eval_models(r)
         if self.hp.finetune_epochs:
-            models = self.ft_trainer.train(models, range(self.num_clients), r, key=(FINETUNE_KEY,)).params
+            models = self.ft_trainer.train(
+                models, range(self.num_clients), r, rule=self.finetune_rule(), key=(FINETUNE_KEY,)
+            ).params
         ev, task = self.config.eval, self.ctx.task
         tx, ty, parts = self.ctx.personal_test_set(self.hp.test_per_client)  # eval.holdout: the clients' own
         keep = with_samples(parts, self.evaluated_clients())  # a client without a test sample has no figure
