@@ -83,11 +83,12 @@ def test_fedbabu_finetune_epochs_is_bounded() -> None:
         build_dataclass(ALGORITHMS.get("fedbabu").Hparams, {"finetune_epochs": 10**300}, "algorithm")
 
 
-@pytest.mark.parametrize("name", ["gossip", "afind_plus", "ditto"])
+@pytest.mark.parametrize("name", ["gossip", "dfedavg", "choco_sgd", "dispfl", "ditto", "fomo", "pens", "afind_plus"])
 def test_decentralized_finetune_epochs_is_bounded(name: str) -> None:
     # finetune_epochs = 1e300 was accepted and a 1-round toy run hung in the first evaluation's fine-tuning
     with pytest.raises(ConfigError, match=r"algorithm\.finetune_epochs must be in \[0, 10,000\], got 1e\+300"):
         build_dataclass(ALGORITHMS.get(name).Hparams, {"finetune_epochs": 10**300}, "algorithm")
+    build_dataclass(ALGORITHMS.get(name).Hparams, {"finetune_epochs": 10_000}, "algorithm")
 
 
 def test_afind_plus_head_epochs_is_bounded() -> None:
