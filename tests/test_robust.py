@@ -253,6 +253,18 @@ def test_length_measuring_aggregators_scale_updates_whose_float32_norm_overflows
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("tol", [1e-7, 0.0])
+def test_geometric_median_of_float32_rows_whose_distances_overflow_is_float64s_not_nan(tol):
+    # attackers' rows of about 1e30 are finite in float32, every distance to the iterate (squares summed) is not:
+    # each Weiszfeld weight w_i / ||v - u_i|| was 0 and v = 0 / 0, so the aggregate was NaN; float64 is the reference
+    honest = torch.randn(8, 650, generator=torch.Generator().manual_seed(0)) * 0.01
+    u = torch.cat([honest, -1e30 * honest[:2]])
+    want = GeometricMedian(tol=tol)(u.double(), _uniform(10), 2)
+    got = GeometricMedian(tol=tol)(u, _uniform(10).float(), 2)
+    assert got.dtype == torch.float32 and bool(torch.isfinite(got).all())
+    assert float((got.double() - want).norm()) <= 1e-6 * float(want.norm())
+
+
 def test_norm_bounding_scales_the_long_updates_to_the_bound_by_hand():
     u, w = _rows(6, 4, seed=6), torch.tensor([0.1, 0.3, 0.2, 0.1, 0.2, 0.1], dtype=F64)
     norms = [float(r.norm()) for r in u]

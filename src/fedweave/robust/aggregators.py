@@ -361,13 +361,16 @@ class GeometricMedian(Aggregator):
         w = weights.to(z.dtype)
         v = w @ z
 
+        # _norms: in float64 where a distance overflows the run's float width (float32 attackers at about 1e30
+        # are finite, the sum of their squares is not): every b_i was w_i / inf = 0 and v = 0/0, NaN
         def objective(v: torch.Tensor) -> float:
-            return float(w @ (z - v).norm(dim=1))
+            norms = _norms(z - v)
+            return float(w.to(norms.dtype) @ norms)
 
         obj = objective(v)
         for _ in range(self.iters):
-            b = w / (z - v).norm(dim=1).clamp_min(self.nu)
-            v = (b / b.sum()) @ z
+            b = w / _norms(z - v).clamp_min(self.nu)
+            v = (b / b.sum()).to(z.dtype) @ z
             new = objective(v)
             done = abs(obj - new) <= self.tol * max(new, 1e-300)
             obj = new
