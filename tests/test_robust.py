@@ -30,6 +30,7 @@ from fedweave.robust.aggregators import (
     NormBound,
     TrimmedMean,
     bucketed,
+    krum_scores,
 )
 from fedweave.robust.attacks import AttackInfo, alie_z
 from fedweave.robust.stage import RobustStage, attackers, poisoned_data
@@ -124,6 +125,16 @@ def test_krum_scores_by_hand():
     u = torch.tensor([[0.0], [1.0], [3.0], [10.0]], dtype=F64)
     # n = 4, f = 0: n - f - 2 = 2 nearest: 0 -> 1 + 9, 1 -> 1 + 4, 3 -> 4 + 9, 10 -> 49 + 81
     assert torch.equal(Krum()(u, _uniform(4), 0), u[1])
+
+
+def test_krum_breaks_exact_ties_by_row_order():
+    # scores 3, 3, 3, 10, 5 (f = 0: the 3 nearest others): the first row is Krum's, rows 0 and 1 Multi-Krum's
+    # m = 2; the squared distances were cdist's, squared again (sqrt(2)^2 = 2.0000000000000004), and the rounding,
+    # not the row order, broke the tie: Krum took row 1
+    u = torch.tensor([[-1.0, 0.0], [-1.0, -1.0], [-1.0, 0.0], [1.0, 0.0], [0.0, -1.0]], dtype=F64)
+    assert krum_scores(u, 0).tolist() == [3.0, 3.0, 3.0, 10.0, 5.0]
+    assert Krum()(u, _uniform(5), 0).tolist() == [-1.0, 0.0]
+    assert Krum(m=2)(u, _uniform(5), 0).tolist() == [-1.0, -0.5]
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])

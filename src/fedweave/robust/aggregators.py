@@ -156,9 +156,10 @@ class TrimmedMean(Aggregator):
 
 
 def _sq_dists(updates: torch.Tensor) -> torch.Tensor:
-    """Pairwise squared Euclidean distances, computed from the differences (no ||a||^2 + ||b||^2 - 2ab
-    cancellation)."""
-    return torch.cdist(updates, updates, compute_mode="donot_use_mm_for_euclid_dist").pow(2)
+    """Pairwise squared Euclidean distances, summed from the squared differences (no ||a||^2 + ||b||^2 - 2ab
+    cancellation) and never through a square root: cdist's distance squared again is off by rounding
+    (sqrt(2)^2 is 2.0000000000000004), which broke Krum's exact ties by noise rather than by row order."""
+    return torch.stack([(updates - row).pow(2).sum(1) for row in updates])
 
 
 def krum_scores(updates: torch.Tensor, f: int) -> torch.Tensor:
