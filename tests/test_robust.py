@@ -137,6 +137,22 @@ def test_krum_breaks_exact_ties_by_row_order():
     assert Krum(m=2)(u, _uniform(5), 0).tolist() == [-1.0, -0.5]
 
 
+@pytest.mark.parametrize("agg", ["krum", "multi_krum"])
+def test_an_m_beyond_the_rounds_updates_is_refused_naming_m(toy_config, tmp_path, agg):
+    # 10 updates satisfy n > 2f + 2 for f = 0; m = 11 alone is what fails, and the line said "needs at least 11
+    # client updates per round against f = 0 Byzantine ones ...; lower aggregator.f", which cannot help
+    from fedweave.registry import ALGORITHMS
+    from fedweave.robust.stage import build, check
+
+    cfg = load({**toy_config, "aggregator": {"name": agg, "m": 11}})
+    check(cfg, ALGORITHMS.get("fedavg"))
+    with pytest.raises(ConfigError) as e:
+        build(cfg, Seeds(0), 10, 10)
+    assert str(e.value) == (
+        "aggregator.m must be at most the 10 client updates a round reduces (the updates Multi-Krum averages), got 11"
+    )
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_krum_never_picks_an_update_that_is_not_finite(bad):
     # a NaN row's score is NaN, and argmin took NaN for the least score: Krum picked the NaN update that

@@ -191,6 +191,15 @@ class Krum(Aggregator):
     def min_updates(self, f: int) -> int:
         return max(2 * f + 3, self.m)
 
+    def check(self, n: int, f: int) -> None:
+        # n > 2f + 2 holds and only m asks for more: name m (lowering f, as the general line says, cannot help)
+        if 2 * f + 3 <= n < self.m:
+            raise ConfigError(
+                f"aggregator.m must be at most the {n} client updates a round reduces (the updates Multi-Krum "
+                f"averages), got {self.m}"
+            )
+        super().check(n, f)
+
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
         """Krum's choice, or Multi-Krum's mean of the ``m`` best."""
         return self.best(updates, f, self.m)
