@@ -30,6 +30,7 @@ from fedweave.robust.aggregators import (
     NormBound,
     TrimmedMean,
     bucketed,
+    krum_scores,
 )
 from fedweave.robust.attacks import AttackInfo, alie_z
 from fedweave.robust.stage import RobustStage, attackers, poisoned_data
@@ -124,6 +125,32 @@ def test_krum_scores_by_hand():
     u = torch.tensor([[0.0], [1.0], [3.0], [10.0]], dtype=F64)
     # n = 4, f = 0: n - f - 2 = 2 nearest: 0 -> 1 + 9, 1 -> 1 + 4, 3 -> 4 + 9, 10 -> 49 + 81
     assert torch.equal(Krum()(u, _uniform(4), 0), u[1])
+
+
+def test_krum_breaks_exact_ties_by_row_order():
+    # scores 3, 3, 3, 10, 5 (f = 0: the 3 nearest others): the first row is Krum's, rows 0 and 1 Multi-Krum's
+    # m = 2; the squared distances were cdist's, squared again (sqrt(2)^2 = 2.0000000000000004), and the rounding,
+    # not the row order, broke the tie: Krum took row 1
+    u = torch.tensor([[-1.0, 0.0], [-1.0, -1.0], [-1.0, 0.0], [1.0, 0.0], [0.0, -1.0]], dtype=F64)
+    assert krum_scores(u, 0).tolist() == [3.0, 3.0, 3.0, 10.0, 5.0]
+    assert Krum()(u, _uniform(5), 0).tolist() == [-1.0, 0.0]
+    assert Krum(m=2)(u, _uniform(5), 0).tolist() == [-1.0, -0.5]
+
+
+@pytest.mark.parametrize("agg", ["krum", "multi_krum"])
+def test_an_m_beyond_the_rounds_updates_is_refused_naming_m(toy_config, tmp_path, agg):
+    # 10 updates satisfy n > 2f + 2 for f = 0; m = 11 alone is what fails, and the line said "needs at least 11
+    # client updates per round against f = 0 Byzantine ones ...; lower aggregator.f", which cannot help
+    from fedweave.registry import ALGORITHMS
+    from fedweave.robust.stage import build, check
+
+    cfg = load({**toy_config, "aggregator": {"name": agg, "m": 11}})
+    check(cfg, ALGORITHMS.get("fedavg"))
+    with pytest.raises(ConfigError) as e:
+        build(cfg, Seeds(0), 10, 10)
+    assert str(e.value) == (
+        "aggregator.m must be at most the 10 client updates a round reduces (the updates Multi-Krum averages), got 11"
+    )
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
@@ -251,6 +278,18 @@ def test_length_measuring_aggregators_scale_updates_whose_float32_norm_overflows
     got = agg(u, _uniform(10).float(), 2)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("tol", [1e-7, 0.0])
+def test_geometric_median_of_float32_rows_whose_distances_overflow_is_float64s_not_nan(tol):
+    # attackers' rows of about 1e30 are finite in float32, every distance to the iterate (squares summed) is not:
+    # each Weiszfeld weight w_i / ||v - u_i|| was 0 and v = 0 / 0, so the aggregate was NaN; float64 is the reference
+    honest = torch.randn(8, 650, generator=torch.Generator().manual_seed(0)) * 0.01
+    u = torch.cat([honest, -1e30 * honest[:2]])
+    want = GeometricMedian(tol=tol)(u.double(), _uniform(10), 2)
+    got = GeometricMedian(tol=tol)(u, _uniform(10).float(), 2)
+    assert got.dtype == torch.float32 and bool(torch.isfinite(got).all())
+    assert float((got.double() - want).norm()) <= 1e-6 * float(want.norm())
 
 
 def test_norm_bounding_scales_the_long_updates_to_the_bound_by_hand():

@@ -156,9 +156,10 @@ class TrimmedMean(Aggregator):
 
 
 def _sq_dists(updates: torch.Tensor) -> torch.Tensor:
-    """Pairwise squared Euclidean distances, computed from the differences (no ||a||^2 + ||b||^2 - 2ab
-    cancellation)."""
-    return torch.cdist(updates, updates, compute_mode="donot_use_mm_for_euclid_dist").pow(2)
+    """Pairwise squared Euclidean distances, summed from the squared differences (no ||a||^2 + ||b||^2 - 2ab
+    cancellation) and never through a square root: cdist's distance squared again is off by rounding
+    (sqrt(2)^2 is 2.0000000000000004), which broke Krum's exact ties by noise rather than by row order."""
+    return torch.stack([(updates - row).pow(2).sum(1) for row in updates])
 
 
 def krum_scores(updates: torch.Tensor, f: int) -> torch.Tensor:
@@ -189,6 +190,15 @@ class Krum(Aggregator):
 
     def min_updates(self, f: int) -> int:
         return max(2 * f + 3, self.m)
+
+    def check(self, n: int, f: int) -> None:
+        # n > 2f + 2 holds and only m asks for more: name m (lowering f, as the general line says, cannot help)
+        if 2 * f + 3 <= n < self.m:
+            raise ConfigError(
+                f"aggregator.m must be at most the {n} client updates a round reduces (the updates Multi-Krum "
+                f"averages), got {self.m}"
+            )
+        super().check(n, f)
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
         """Krum's choice, or Multi-Krum's mean of the ``m`` best."""
@@ -363,13 +373,16 @@ class GeometricMedian(Aggregator):
         w = weights.to(z.dtype)
         v = w @ z
 
+        # _norms: in float64 where a distance overflows the run's float width (float32 attackers at about 1e30
+        # are finite, the sum of their squares is not): every b_i was w_i / inf = 0 and v = 0/0, NaN
         def objective(v: torch.Tensor) -> float:
-            return float(w @ (z - v).norm(dim=1))
+            norms = _norms(z - v)
+            return float(w.to(norms.dtype) @ norms)
 
         obj = objective(v)
         for _ in range(self.iters):
-            b = w / (z - v).norm(dim=1).clamp_min(self.nu)
-            v = (b / b.sum()) @ z
+            b = w / _norms(z - v).clamp_min(self.nu)
+            v = (b / b.sum()).to(z.dtype) @ z
             new = objective(v)
             done = abs(obj - new) <= self.tol * max(new, 1e-300)
             obj = new
