@@ -196,7 +196,7 @@ class Krum(Aggregator):
         if 2 * f + 3 <= n < self.m:
             raise ConfigError(
                 f"aggregator.m must be at most the {n} client updates a round reduces (the updates Multi-Krum "
-                f"averages), got {self.m}"
+                f"averages), got {self.m:.6g}"
             )
         super().check(n, f)
 
