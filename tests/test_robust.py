@@ -1281,3 +1281,14 @@ def test_aggregator_f_is_taken_where_the_aggregator_reads_it(toy_config, name):
     from fedweave.robust.stage import check
 
     check(load({**toy_config, "aggregator": {"name": name, "f": 1}}), ALGORITHMS.get("fedavg"))  # no ConfigError
+
+
+def test_krum_distances_formed_in_blocks_equal_the_whole_differences():
+    # models of millions of parameters form the differences a block of rows at a time, not as a second copy of
+    # every update: the distances, and so Krum's picks and ties, are those of the differences formed whole
+    from fedweave.robust.aggregators import _sq_dists
+
+    torch.manual_seed(0)
+    updates = torch.randn(7, 3_000_000)  # 5 rows a block
+    whole = torch.stack([(updates - row).pow(2).sum(1) for row in updates])
+    assert torch.equal(_sq_dists(updates), whole)

@@ -158,8 +158,10 @@ class TrimmedMean(Aggregator):
 def _sq_dists(updates: torch.Tensor) -> torch.Tensor:
     """Pairwise squared Euclidean distances, summed from the squared differences (no ||a||^2 + ||b||^2 - 2ab
     cancellation) and never through a square root: cdist's distance squared again is off by rounding
-    (sqrt(2)^2 is 2.0000000000000004), which broke Krum's exact ties by noise rather than by row order."""
-    return torch.stack([(updates - row).pow(2).sum(1) for row in updates])
+    (sqrt(2)^2 is 2.0000000000000004), which broke Krum's exact ties by noise rather than by row order. The
+    differences are formed a block of rows at a time (at most 2^24 values), not as another copy of every update."""
+    block = max(1, (1 << 24) // max(updates.shape[1], 1))
+    return torch.stack([torch.cat([(part - row).pow_(2).sum(1) for part in updates.split(block)]) for row in updates])
 
 
 def krum_scores(updates: torch.Tensor, f: int) -> torch.Tensor:
