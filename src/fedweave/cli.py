@@ -173,7 +173,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 def _runs_metric(runs: list[Path]) -> str | None:
     """The first finished run's own metric (its task's main metric, or the column its plots show where its
     rows have none: the confederated family's ``opt_gap``); None when no run has a readable summary."""
-    from fedweave.runner import run_metric
+    from fedweave.plots import run_metric
 
     for d in runs:
         try:

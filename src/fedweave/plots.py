@@ -101,22 +101,29 @@ def _rows(run_dir: str | Path) -> list[dict]:
     return read_metrics(d)
 
 
-def _main_metric(run_dirs: list[str | Path]) -> str:
-    """The first run's own column: its task's main metric, else its algorithm's ``plot_metric`` (the column its
-    own plots show: a confederated run's rows hold no test metric), as ``fedweave.runner.run_metric`` reads it."""
+def run_metric(summary: dict | None) -> str | None:
+    """The column a finished run is plotted and tabulated by, from its ``summary.json``: the task's main metric,
+    or where its rows have none (the confederated family's synthetic problem has no test set) the column its
+    own plots show, its algorithm's ``plot_metric`` (``opt_gap``); None for a summary that says neither."""
     from fedweave.registry import ALGORITHMS
 
+    if not summary:
+        return None
+    if summary.get("main_metric"):
+        return str(summary["main_metric"])
+    name = summary.get("algorithm")
+    return ALGORITHMS.get(name).plot_metric if isinstance(name, str) and name in ALGORITHMS else None
+
+
+def _main_metric(run_dirs: list[str | Path]) -> str:
+    """The first run's own column (:func:`run_metric`), else ``test_accuracy``."""
     for d in run_dirs:
         try:
-            summary = json.loads((Path(d) / "summary.json").read_text())
-            key = summary.get("main_metric")
+            key = run_metric(json.loads((Path(d) / "summary.json").read_text()))
         except (OSError, ValueError, AttributeError):
             continue
         if key:
             return key
-        name = summary.get("algorithm")
-        if isinstance(name, str) and name in ALGORITHMS:
-            return ALGORITHMS.get(name).plot_metric
     return "test_accuracy"
 
 

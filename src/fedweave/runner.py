@@ -423,18 +423,6 @@ def main_metric(task: Task, rows: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def run_metric(summary: dict[str, Any] | None) -> str | None:
-    """The column a finished run is plotted and tabulated by, from its ``summary.json``: the task's main metric,
-    or where its rows have none (the confederated family's synthetic problem has no test set) the column its
-    own plots show, its algorithm's ``plot_metric`` (``opt_gap``); None for a summary that says neither."""
-    if not summary:
-        return None
-    if summary.get("main_metric"):
-        return str(summary["main_metric"])
-    name = summary.get("algorithm")
-    return ALGORITHMS.get(name).plot_metric if isinstance(name, str) and name in ALGORITHMS else None
-
-
 def _summary(state: RunState, status: str, error: str | None) -> dict[str, Any]:
     config, task, rows = state.config, state.ctx.task, state.rows
     key = main_metric(task, rows)

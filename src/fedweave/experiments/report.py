@@ -135,8 +135,8 @@ def _with_defaults(raw: Any) -> Any:
 
 def _main_metric(runs: list[_Run]) -> str:
     """The task's main metric column: a finished run's summary names it (or, where its rows have none, the
-    column its own plots show: :func:`fedweave.runner.run_metric`), else the config's task section."""
-    from fedweave.runner import run_metric
+    column its own plots show: :func:`fedweave.plots.run_metric`), else the config's task section."""
+    from fedweave.plots import run_metric
     from fedweave.tasks import build_task
 
     for r in runs:
