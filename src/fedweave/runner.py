@@ -288,9 +288,10 @@ def _check_faults(config: RunConfig) -> None:
         config.algorithm.name, getattr(ALGORITHMS.get(config.algorithm.name), "handles_faults", ())
     )
     robust.check(config, ALGORITHMS.get(config.algorithm.name))  # the attack and the aggregator (robustness)
-    late = [r for r in config.faults.outage_rounds if r > config.rounds]
+    late = [f"{r:.6g}" for r in config.faults.outage_rounds if r > config.rounds]
     if late:  # allowed (a fault switched on that hits nobody), but rarely meant
-        log.warning("faults.outage_rounds %s are after the last round (%d) and never happen", late, config.rounds)
+        shown = ", ".join(late)
+        log.warning("faults.outage_rounds [%s] are after the last round (%d) and never happen", shown, config.rounds)
     f, name = config.faults, config.algorithm.name
     cls = ALGORITHMS.get(name)
     if f.sim_time and not getattr(cls, "sim_clock", False):
