@@ -56,8 +56,11 @@ def test_mixing_matrix_properties(kind):
 def test_graph_options_and_errors():
     adj = build_graph("edges", 4, edges=[[0, 1], [1, 2], [2, 3]])
     assert adj.sum() == 6
-    with pytest.raises(ConfigError, match="not connected"):
+    # the line names the servers cut off (before: only that the graph is not connected)
+    with pytest.raises(ConfigError, match=r"not connected: server 0 cannot reach server\(s\) 2, 3$"):
         build_graph("edges", 4, edges=[[0, 1], [2, 3]])
+    with pytest.raises(ConfigError, match=r"cannot reach server\(s\) 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and 3 more$"):
+        build_graph("edges", 14, edges=[[13, 12]])
     with pytest.raises(ConfigError, match="algorithm.edges"):
         build_graph("edges", 4, edges=[[0, 4]])
     with pytest.raises(ConfigError, match="algorithm.graph"):
