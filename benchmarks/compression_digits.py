@@ -139,6 +139,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.seeds < 1:
         ap.error(f"--seeds must be at least 1, got {args.seeds}")
+    try:  # before the runs: a folder that cannot be made failed with a traceback after two minutes of them
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--out {args.out}: cannot make this folder ({e.strerror})")
     for p in render(run(args.out, args.seeds), args.out):
         print(p)
 

@@ -148,6 +148,12 @@ class Utilisation:
 
 
 # ---- the variants ---------------------------------------------------------------------------------
+ONE_ROUND = (
+    "One round only: a time per round below is round 1's, warm-up included, not the median of rounds 2..R "
+    "(give --rounds 2 or more)."
+)
+
+
 def median_round(times: list[float]) -> float:
     return statistics.median(times[1:] or times)  # round 1 pays the warm-up
 
@@ -311,6 +317,8 @@ def report(
         lines.append("Data: SYNTHETIC, of CIFAR-10's shape (timing only; the accuracy means nothing).")
     if diff is not None:
         lines.append(f"fedweave (loop) vs the hand-written loop after round 1: relative difference {diff:.1e}")
+    if any(len(row["times"]) < 2 for row in [*rows, *filter(None, (hand, flower))]):
+        lines.append(ONE_ROUND)
     lines += [
         "",
         "| variant | s / round | vs hand-written | vs Flower | GPU util | peak GPU MiB | "

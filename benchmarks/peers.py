@@ -586,6 +586,11 @@ def summarize(workload: str, rounds: int, results: dict[str, list[dict]], thread
         "| processes | final acc (%) | train GFLOP/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if rounds < 2:  # _median_rounds falls back on round 1: say so rather than label it a median of rounds 2..R
+        lines[1:1] = [
+            "One round only: per round, train / eval and CPU per round are round 1's, warm-up included, not the "
+            "median of rounds 2..R (give --rounds 2 or more).",
+        ]
     per_rep: dict[str, list[float]] = {}
     for name, runs in results.items():
         per_rep[name] = [_median_rounds([a + b for a, b in zip(r["train"], r["eval"])]) for r in runs]

@@ -30,6 +30,16 @@ if "_thirds" not in PARTITIONERS._items:
         return [np.arange(0, n), np.arange(n, 3 * n), np.arange(3 * n, 6 * n)]
 
 
+if "_half_empty" not in PARTITIONERS._items:
+
+    @PARTITIONERS.register("_half_empty")
+    def _half_empty(labels, num_clients, rng, *, users=None):
+        """Six clients of which 1, 3 and 5 hold no sample (as Dirichlet with ``min_size: 0`` may leave them)."""
+        n = len(labels) // 3
+        empty = np.arange(0)
+        return [np.arange(0, n), empty, np.arange(n, 2 * n), empty, np.arange(2 * n, 3 * n), empty]
+
+
 def _async(alg: str, rounds: int = 4, backend: str = "loop", sigma: float = 0.0, **opts) -> dict:
     cfg = _cfg(alg, rounds=rounds, backend=backend, **opts)
     return {**cfg, "faults": {"speed_sigma": sigma}}
@@ -412,6 +422,20 @@ def test_concurrency_alone_runs_fewer_clients_than_the_default_clients_per_round
             busy.discard(c)
         most = max(most, len(busy))
     assert most == 4
+
+
+@pytest.mark.parametrize("alg", ["fedasync", "fedbuff"])
+def test_only_clients_with_samples_are_dispatched(alg):
+    """A client without samples would arrive at once with the model it was sent, and its null upload would take a
+    server step (before, most steps of a run with many such clients moved nothing on a clock stuck at 0)."""
+    cfg = _async(alg, rounds=6, concurrency=3, clients_per_round=3, sigma=0.5)
+    algo = _algo({**cfg, "partition": {"name": "_half_empty", "num_clients": 6}})
+    _rounds(algo, 6)
+    dispatched = {c for _, e, c, *_ in algo.events if e == "dispatch"}
+    assert dispatched == {0, 2, 4}
+    more = {**cfg, "algorithm": {**cfg["algorithm"], "concurrency": 4}}
+    with pytest.raises(ConfigError, match=r"algorithm.concurrency \(4\) exceeds the 3 clients with training samples"):
+        _algo({**more, "partition": {"name": "_half_empty", "num_clients": 6}})
 
 
 # ---- injected faults: dropouts and a deadline ----------------------------------------------------------

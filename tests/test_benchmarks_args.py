@@ -43,6 +43,7 @@ CASES = [
     ("split_dropout_eval.py", ["--draws", "0"], "--draws must be at least 1, got 0"),
     ("split_dropout_eval.py", ["--seeds", "0", "-1"], "--seeds must be at least 0 (a run's seed), got -1"),
     ("compression_digits.py", ["--seeds", "0", "--out", "/nonexistent"], "--seeds must be at least 1, got 0"),
+    ("compression_digits.py", ["--out", "README.md/o"], "--out README.md/o: cannot make this folder (Not a directory)"),
     ("paper_scale_cost.py", ["--repeats", "0"], "--repeats must be at least 1, got 0"),
     ("paper_scale_cost.py", ["--device", "nonsense"], "--device must be cpu, cuda or cuda:N, got 'nonsense'"),
     ("privacy.py", ["run", "--workers", "0"], "--workers must be at least 1, got 0"),

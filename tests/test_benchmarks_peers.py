@@ -62,6 +62,14 @@ def test_the_summary_names_the_peer_release_each_configuration_measured(monkeypa
     monkeypatch.setattr(peers, "matmul_gflops", lambda threads: 10.0)
     text = peers.summarize("logistic", 2, results, threads=2)
     assert "Peer releases measured: flower-2x1: flwr 1.42.0." in text.splitlines()
+    assert "One round only" not in text
+    # one round: the times are round 1's, warm-up included, and the table says so (before: labelled a median
+    # of rounds 2..R)
+    one = {n: [{**r, "train": r["train"][:1], "eval": r["eval"][:1]} for r in runs] for n, runs in results.items()}
+    monkeypatch.setattr(peers, "train_flops_per_round", lambda workload, rounds: [1e9])
+    assert "One round only: per round, train / eval and CPU per round are round 1's, warm-up included" in (
+        peers.summarize("logistic", 1, one, threads=2)
+    )
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pfl") is not None, reason="this environment has pfl")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import numpy as np
@@ -55,8 +56,11 @@ def test_mixing_matrix_properties(kind):
 def test_graph_options_and_errors():
     adj = build_graph("edges", 4, edges=[[0, 1], [1, 2], [2, 3]])
     assert adj.sum() == 6
-    with pytest.raises(ConfigError, match="not connected"):
+    # the line names the servers cut off (before: only that the graph is not connected)
+    with pytest.raises(ConfigError, match=r"not connected: server 0 cannot reach server\(s\) 2, 3$"):
         build_graph("edges", 4, edges=[[0, 1], [2, 3]])
+    with pytest.raises(ConfigError, match=r"cannot reach server\(s\) 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and 3 more$"):
+        build_graph("edges", 14, edges=[[13, 12]])
     with pytest.raises(ConfigError, match="algorithm.edges"):
         build_graph("edges", 4, edges=[[0, 4]])
     with pytest.raises(ConfigError, match="algorithm.graph"):
@@ -468,3 +472,16 @@ def test_users_per_iteration_rounds_halves_up(rate, users, m):
     from fedweave.algorithms.confederated.base import users_per_iteration
 
     assert users_per_iteration(rate, users) == m
+
+
+def test_the_command_line_prints_a_confederated_runs_final_gap(tmp_path, capsys):
+    """Its synthetic problem has no test set, so no main metric: the line gives the column its plots show (before:
+    no final-metric line at all)."""
+    from fedweave.cli import main as cli_main
+
+    cfg = {"seed": 0, "rounds": 2, "dataset": SMALL_DATA, "algorithm": {"name": "cfl_saga", **SMALL}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli_main(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "r"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    gap = json.loads((tmp_path / "r" / "summary.json").read_text())["final"]["opt_gap"]
+    assert f"final opt gap {gap:.6g} (round 2)\n" in out

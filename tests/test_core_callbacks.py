@@ -285,11 +285,18 @@ def test_stop_at_target_on_a_column_the_run_never_writes_is_a_warning(cfg, tmp_p
     assert not [r for r in caplog.records if "stop_at_target" in r.getMessage()]
 
 
-def test_stop_at_target_needs_a_direction_for_a_metric_other_than_the_main_one(cfg, tmp_path):
-    with pytest.raises(ValueError, match="give direction='max' or 'min' for 'test_loss'"):
-        fedweave.run(cfg, run_dir=tmp_path / "x", callbacks=[StopAtTarget("test_loss", 0.1)])
-    res = fedweave.run(cfg, run_dir=tmp_path / "y", callbacks=[StopAtTarget("test_loss", 1e9, direction="min")])
+def test_stop_at_target_needs_a_direction_only_where_the_columns_name_says_none(cfg, tmp_path):
+    """A loss, a gap or an error is lower-is-better by its name (fedweave.tasks.column_direction, as sweeps and the
+    report read it): test_loss and the confederated opt_gap need no direction (before, every column but the main
+    one was refused without it); a name that says neither still is, and the one given is never overwritten."""
+    with pytest.raises(ValueError, match="give direction='max' or 'min' for 'test_foo' \\(its name says neither"):
+        fedweave.run(cfg, run_dir=tmp_path / "x", callbacks=[StopAtTarget("test_foo", 0.1)])
+    stop = StopAtTarget("test_loss", 1e9)
+    res = fedweave.run(cfg, run_dir=tmp_path / "y", callbacks=[stop])
     assert res.summary["rounds"] == 3  # the first evaluated round (eval.every = 3) is at most 1e9
+    assert stop.direction is None  # resolved for that run only: the object may serve a run of another task
+    res = fedweave.run(cfg, run_dir=tmp_path / "z", callbacks=[StopAtTarget("test_loss", 1e9, direction="max")])
+    assert "stopped_early" not in res.summary  # no loss is at least 1e9: the direction given is the one used
 
 
 def test_a_config_names_its_callbacks_and_a_resume_may_change_them(cfg, tmp_path):

@@ -139,6 +139,25 @@ def test_a_divergence_names_the_step_sizes_the_algorithm_reads(toy_config, tmp_p
         ) in msg
 
 
+def test_a_divergence_under_an_attack_names_the_attack_before_the_step_sizes(toy_config, tmp_path):
+    """An attacker may upload anything: a NaN model under faults.byzantine is as likely the attack's as a step
+    size's (before, the line advised lowering the step sizes alone); without attackers the advice is unchanged."""
+    from fedweave.registry import ALGORITHMS
+    from fedweave.runner import divergence_advice
+
+    cfg = {**toy_config, "aggregator": {"name": "centered_clipping"}}
+    cfg["algorithm"] = {"name": "fedavg", "clients_per_round": 12}
+    cfg["faults"] = {"byzantine": {"fraction": 0.25, "attack": "gaussian", "std": 1e38}}
+    with pytest.raises(DivergenceError, match="not finite") as e:
+        run(load(cfg), run_dir=tmp_path / "r")
+    msg = str(e.value)
+    assert "The attackers of faults.byzantine (attack 'gaussian') may be the cause" in msg and "\n" not in msg
+    assert "Otherwise: lower one of its step sizes (local.lr, algorithm.server_lr)" in msg
+    fedavg = ALGORITHMS.get("fedavg")
+    no_attacker = {"fraction": 0.0, "attack": "gaussian"}
+    assert divergence_advice(fedavg, no_attacker) == divergence_advice(fedavg)
+
+
 def test_the_step_sizes_named_after_a_divergence_are_the_algorithms_own():
     from fedweave.algorithms.base import step_size_keys
     from fedweave.registry import ALGORITHMS

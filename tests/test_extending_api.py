@@ -519,6 +519,9 @@ def test_plot_runs_given_one_path_not_a_list_says_so(tmp_path):
             TypeError, match=r"^run_dirs must be a list of run directories, e\.g\. \[.*\]; got one path"
         ):
             plot_runs(one, tmp_path / "plots")
+    # an empty list (before: ": no metrics row yet (metrics.jsonl): no run has evaluated a round to plot")
+    with pytest.raises(ValueError, match=r"^run_dirs is empty: give at least one run directory to plot$"):
+        plot_runs([], tmp_path / "plots")
 
 
 def test_plot_runs_of_a_confederated_run_defaults_to_the_column_its_own_plots_show(tmp_path):

@@ -227,3 +227,54 @@ def test_krum_m_beyond_the_updates_is_shown_short(name: str) -> None:
     with pytest.raises(ConfigError, match=r"aggregator\.m must be at most the 6 client updates .*, got 1e\+300$") as e:
         AGGREGATORS.get(name)(m=10**300).check(6, 0)
     assert len(str(e.value)) < 300
+
+
+@pytest.mark.parametrize(
+    "extra, expect",
+    [
+        ({"sampler": {"name": "power_of_choice", "d": 10**300}}, r"^sampler\.d must be an integer in \[2, 4\] "),
+        (
+            {"faults": {"byzantine": {"clients": [0], "attack": "backdoor", "size": 10**300}}},
+            r"^faults\.byzantine\.size must be at most \d+ for these samples, got 1e\+300$",
+        ),
+        (
+            {"faults": {"byzantine": {"clients": [0], "attack": "backdoor", "target": 10**300}}},
+            r"^faults\.byzantine\.target must be a class, 0\.\.9, got 1e\+300$",
+        ),
+    ],
+)
+def test_sampler_d_and_backdoor_options_beyond_range_are_shown_short(tmp_path, extra, expect) -> None:
+    # each was refused with its 301 digits in the line
+    import fedweave
+
+    cfg = {
+        "rounds": 1,
+        "dataset": "digits",
+        "partition": {"name": "iid", "num_clients": 4},
+        "model": "logistic",
+        "algorithm": {"name": "fedavg", "clients_per_round": 2},
+        "output": {"progress": False, "plots": False},
+        **extra,
+    }
+    with pytest.raises(ConfigError, match=expect) as e:
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+    assert "1e+300" in str(e.value) and len(str(e.value)) < 200
+
+
+def test_an_outage_round_far_after_the_last_is_warned_short(tmp_path, caplog) -> None:
+    import logging
+
+    import fedweave
+
+    cfg = {
+        "rounds": 1,
+        "dataset": "digits",
+        "partition": {"name": "iid", "num_clients": 4},
+        "model": "logistic",
+        "algorithm": {"name": "fedavg", "clients_per_round": 2},
+        "faults": {"outage_rounds": [10**300]},
+        "output": {"progress": False, "plots": False},
+    }
+    with caplog.at_level(logging.WARNING, logger="fedweave"):
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+    assert "faults.outage_rounds [1e+300] are after the last round (1) and never happen" in caplog.text

@@ -16,6 +16,7 @@ from pathlib import Path
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from fedweave.config import ConfigError, load, load_plugins, recorded
+    from fedweave.plots import run_metric
     from fedweave.runner import resume, run
 
     load_plugins(args.plugin)  # before the config: it may name what a plug-in registers
@@ -48,6 +49,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     elif key and s.get("final_main") is not None:
         name = key.replace("_", " ")
         print(f"final {name} {s['final_main']:.6g} (best {s['best_main']:.6g} at round {s['best_round']})")
+    elif (own := run_metric(s)) and isinstance((s.get("final") or {}).get(own), (int, float)):
+        # no test set (the confederated family's synthetic problem): the column its own plots show
+        print(f"final {own.replace('_', ' ')} {s['final'][own]:.6g} (round {s['final']['round']})")
     print(
         f"communication: {comm['bytes_up'] / 2**20:.1f} MiB up, {comm['bytes_down'] / 2**20:.1f} MiB down, "
         f"{comm['bytes_lateral'] / 2**20:.1f} MiB lateral; wall {s['wall_seconds']:.1f} s"

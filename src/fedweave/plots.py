@@ -37,6 +37,8 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
     list even for one run: a single path is a TypeError (it was read as one run per character)."""
     if isinstance(run_dirs, str | Path):
         raise TypeError(f"run_dirs must be a list of run directories, e.g. [{str(run_dirs)!r}]; got one path")
+    if not run_dirs:
+        raise ValueError("run_dirs is empty: give at least one run directory to plot")
     out_dir = Path(out_dir)
     metric = metric or _main_metric(run_dirs)
     every = [(d, _rows(d)) for d in run_dirs]

@@ -207,7 +207,8 @@ def _run_locked(
             if state.stop_reason:
                 break
     except DivergenceError as e:
-        parts = (str(e), divergence_advice(type(state.algo)), _kept(path, state.last_checkpoint, type(state.algo)))
+        advice = divergence_advice(type(state.algo), config.faults.byzantine)
+        parts = (str(e), advice, _kept(path, state.last_checkpoint, type(state.algo)))
         status, error = "diverged", " ".join(p for p in parts if p)
     except RunStopped as e:
         status, error, raised = "stopped", str(e), e
@@ -287,9 +288,10 @@ def _check_faults(config: RunConfig) -> None:
         config.algorithm.name, getattr(ALGORITHMS.get(config.algorithm.name), "handles_faults", ())
     )
     robust.check(config, ALGORITHMS.get(config.algorithm.name))  # the attack and the aggregator (robustness)
-    late = [r for r in config.faults.outage_rounds if r > config.rounds]
+    late = [f"{r:.6g}" for r in config.faults.outage_rounds if r > config.rounds]
     if late:  # allowed (a fault switched on that hits nobody), but rarely meant
-        log.warning("faults.outage_rounds %s are after the last round (%d) and never happen", late, config.rounds)
+        shown = ", ".join(late)
+        log.warning("faults.outage_rounds [%s] are after the last round (%d) and never happen", shown, config.rounds)
     f, name = config.faults, config.algorithm.name
     cls = ALGORITHMS.get(name)
     if f.sim_time and not getattr(cls, "sim_clock", False):
@@ -370,17 +372,26 @@ def _outcome(state: RunState, summary: dict[str, Any], raised: BaseException | N
     return Result(path, state.rows, summary, state.algo)
 
 
-def divergence_advice(cls: type[Algorithm]) -> str:
+def divergence_advice(cls: type[Algorithm], byzantine: dict[str, Any] | None = None) -> str:
     """What to change after a divergence, for the one line that reports it: the step sizes the algorithm
     ``cls`` reads (:func:`~fedweave.algorithms.base.step_size_keys`: a server's ``algorithm.server_lr`` diverges
     a run as well as ``local.lr``, and the confederated family reads no ``local`` key), and ``local.grad_clip``
-    where the algorithm reads it."""
+    where the algorithm reads it. Under ``faults.byzantine`` (``byzantine``) the attack is named first: an
+    attacker's upload may be anything, so a divergence there is as likely the attack's as a step size's."""
     keys = step_size_keys(cls)
     clip = " or enable local.grad_clip" if reads_local(cls, "grad_clip") else ""
     if not keys:
-        return f"Enable {clip.removeprefix(' or enable ')}." if clip else ""
-    which = keys[0] if len(keys) == 1 else f"one of its step sizes ({', '.join(keys)})"
-    return f"Lower {which}{clip}."
+        advice = f"Enable {clip.removeprefix(' or enable ')}." if clip else ""
+    else:
+        which = keys[0] if len(keys) == 1 else f"one of its step sizes ({', '.join(keys)})"
+        advice = f"Lower {which}{clip}."
+    if not byzantine or not (byzantine.get("fraction") or byzantine.get("clients")):  # fraction 0: no attacker
+        return advice
+    attack = (
+        f"The attackers of faults.byzantine (attack {byzantine.get('attack')!r}) may be the cause: an aggregator "
+        "that bounds them (aggregator; docs/robustness.md) or a weaker attack keeps the model finite."
+    )
+    return f"{attack} Otherwise: {advice[0].lower()}{advice[1:]}" if advice else attack
 
 
 def _kept(path: Path, checkpoint_round: int | None, diverged: type[Algorithm] | None = None) -> str:

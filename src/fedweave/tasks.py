@@ -364,11 +364,11 @@ class Task:
         return a > b if self.direction == "max" else a < b
 
 
-def column_direction(column: str) -> str:
+def column_direction(column: str, unknown: str | None = "max") -> str | None:
     """Whether higher (``max``) or lower (``min``) is better in a metrics column (``test_mse``,
     ``val_auc``, ``test_accuracy_min``, ``train_loss``, ...), from the registered metric it names; losses,
     gaps and errors (the confederated family's ``opt_gap``, ``objective_gap``, ``consensus_error``) are ``min``,
-    and a column that names no metric counts as ``max``."""
+    and a column that names no metric counts as ``unknown`` (``max``; None where a caller must not guess)."""
     words = column.split("_")
     if {"loss", "gap", "error"} & set(words):
         return "min"
@@ -376,7 +376,7 @@ def column_direction(column: str) -> str:
         for cls in METRICS._items.values():
             if word in cls.keys:
                 return cls.keys[word]
-    return "max"
+    return unknown
 
 
 def build_task(

@@ -212,28 +212,33 @@ class Plots(Callback):
 @CALLBACKS.register("stop_at_target")
 class StopAtTarget(Callback):
     """End the run after the first evaluated round whose ``metric`` reaches ``target`` (at least it, or at
-    most it for a metric where lower is better: the task's direction for its main metric, else
-    ``direction``)."""
+    most it for a metric where lower is better: ``direction``, else the task's for its main metric, else the
+    one the column's name says (:func:`fedweave.tasks.column_direction`: ``test_loss``, ``opt_gap`` are
+    ``min``); a column whose name says none needs ``direction``)."""
 
     def __init__(self, metric: str, target: float, direction: str | None = None, each_round: bool = False) -> None:
         if direction not in (None, "max", "min"):
             raise ValueError(f"StopAtTarget: direction must be 'max' or 'min', got {direction!r}")
         self.metric, self.target, self.direction = metric, float(target), direction
+        self._direction = direction  # as resolved for the run being built (the task's, where direction is None)
         self.each_round = each_round  # also watch the round's training metrics (a metric reported every round)
         self.reached: int | None = None
 
     def on_build(self, run):
-        # resolved when the run is built, before anything is written: a missing direction is a config error
+        # resolved when the run is built, before anything is written: a missing direction is a config error;
+        # kept apart from the one given, so that the same object on a run of another task resolves it again
+        self._direction = self.direction
         if self.direction is None:
             from fedweave.config import ConfigError
+            from fedweave.tasks import column_direction
 
             main = run.ctx.task.main_key
-            if self.metric != main:
+            self._direction = run.ctx.task.direction if self.metric == main else column_direction(self.metric, None)
+            if self._direction is None:
                 raise ConfigError(
-                    f"StopAtTarget: give direction='max' or 'min' for {self.metric!r} (the task's main metric, "
-                    f"whose direction is known, is {main!r})"
+                    f"StopAtTarget: give direction='max' or 'min' for {self.metric!r} (its name says neither; the "
+                    f"task's main metric, whose direction is known, is {main!r})"
                 )
-            self.direction = run.ctx.task.direction
 
     def on_start(self, run):
         self.reached = None
@@ -264,7 +269,7 @@ class StopAtTarget(Callback):
     def _check(self, round_: int, v: Any) -> None:
         if self.reached is not None or round_ == 0 or not isinstance(v, (int, float)):
             return
-        if (v >= self.target) if self.direction == "max" else (v <= self.target):
+        if (v >= self.target) if self._direction == "max" else (v <= self.target):
             self.reached = round_
 
     def after_round(self, run, r):

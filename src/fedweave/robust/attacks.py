@@ -158,10 +158,10 @@ class Backdoor(Attack):
 
     def poison(self, x, y, num_classes, high, rng):
         if not 0 <= self.target < num_classes:
-            raise ConfigError(f"faults.byzantine.target must be a class, 0..{num_classes - 1}, got {self.target}")
+            raise ConfigError(f"faults.byzantine.target must be a class, 0..{num_classes - 1}, got {self.target:.6g}")
         side = min(x.shape[-2:]) if x.dim() > 2 else x.shape[-1]  # an image's height and width, or a flat sample
         if self.size > side:  # the trigger would cover the whole sample (or its smaller side): not a trigger
-            raise ConfigError(f"faults.byzantine.size must be at most {side} for these samples, got {self.size}")
+            raise ConfigError(f"faults.byzantine.size must be at most {side} for these samples, got {self.size:.6g}")
         rows = torch.as_tensor(rng.permutation(len(x))[: round(self.poison_fraction * len(x))], dtype=torch.long)
         x, y = x.clone(), y.clone()
         x[rows] = stamped(x[rows], self.size, high)

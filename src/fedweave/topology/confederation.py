@@ -25,15 +25,19 @@ MIXING = ("max_degree", "optimal_constant")
 
 
 # ---- graphs ------------------------------------------------------------------------------------------
-def _connected(adj: np.ndarray) -> bool:
-    n = len(adj)
+def _reached(adj: np.ndarray) -> set[int]:
+    """The servers reachable from server 0."""
     seen, stack = {0}, [0]
     while stack:
         for j in np.flatnonzero(adj[stack.pop()]):
             if j not in seen:
                 seen.add(int(j))
                 stack.append(int(j))
-    return len(seen) == n
+    return seen
+
+
+def _connected(adj: np.ndarray) -> bool:
+    return len(_reached(adj)) == len(adj)
 
 
 def build_graph(
@@ -87,7 +91,11 @@ def build_graph(
         raise ConfigError(f"algorithm.graph must be one of {', '.join(GRAPHS)}; got {kind!r}")
     np.fill_diagonal(adj, False)
     if not _connected(adj):
-        raise ConfigError(f"algorithm.graph: the server graph ({kind}) is not connected")
+        apart = sorted(set(range(n)) - _reached(adj))
+        shown = ", ".join(map(str, apart[:10])) + (f" and {len(apart) - 10:,} more" if len(apart) > 10 else "")
+        raise ConfigError(
+            f"algorithm.graph: the server graph ({kind}) is not connected: server 0 cannot reach server(s) {shown}"
+        )
     return adj
 
 

@@ -208,7 +208,7 @@ def power_of_choice(
     if not isinstance(d, int) or not per_round <= d <= holders:
         raise ConfigError(
             f"sampler.d must be an integer in [{per_round}, {holders}] (clients_per_round .. the clients with "
-            f"data), got {d!r}"
+            f"data), got {f'{d:.6g}' if isinstance(d, int) else repr(d)}"
         )
     candidates = rng.choice(num_clients, d, replace=False, p=sizes / sizes.sum())
     loss = np.nan_to_num(context.last_loss[candidates], nan=np.inf)  # never reported: first

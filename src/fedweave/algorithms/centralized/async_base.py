@@ -7,7 +7,7 @@ injected faults (:meth:`fedweave.faults.Faults.arrival_times`: its local work in
 the mean or, under ``faults.work_unit: step``, its local steps, times ``exp(speed_sigma z_i + speed_jitter
 z_{i,b})``). Events are processed in the order (time, dispatch order):
 at each instant the arrivals come first, each one updating the server as its method says; once the instant's
-arrivals are in, the free slots are filled with clients drawn uniformly from the idle ones (the
+arrivals are in, the free slots are filled with clients drawn uniformly from the idle ones with data (the
 ``("client_sampling", b)`` stream of the ``b``-th dispatch), which train from the current model. One call of
 ``run_round`` is one server step; its metrics carry ``sim_time`` (the simulated time of the step) and the
 staleness ``t - tau`` of the updates it used. Updates staler than ``max_staleness`` are discarded on
@@ -145,6 +145,16 @@ class AsyncStar(StarAlgorithm):
                 "waits for its uploads"
             )
         self.concurrency = hp.concurrency or hp.clients_per_round
+        # only a client with training samples is dispatched: one without would arrive at once with the model it
+        # was sent, and its null upload would take a server step (pulling a stale start back into the model)
+        self.holders = np.flatnonzero(self.sizes.cpu().numpy() > 0)
+        if self.concurrency > len(self.holders):
+            key = "concurrency" if hp.concurrency is not None else "clients_per_round"
+            raise ConfigError(
+                f"algorithm.{key} ({self.concurrency}) exceeds the {len(self.holders)} clients with training samples "
+                f"({ctx.num_clients - len(self.holders)} of partition.num_clients = {ctx.num_clients} hold none): "
+                f"lower it or raise partition.min_size"
+            )
         self.now = 0.0  # the simulated clock
         self.dispatches = 0  # dispatch instants so far (the key of their streams and batches)
         self.jobs = 0  # clients dispatched so far (a job's id)
@@ -179,16 +189,17 @@ class AsyncStar(StarAlgorithm):
             self.events.append([self.now, "dispatch", c, job, r, r])
 
     def launch(self, r: int, clock: AsyncStar | SimpleNamespace) -> tuple[int, np.ndarray, np.ndarray, range] | None:
-        """Fill the free slots of ``clock`` at its time with clients drawn uniformly from the idle ones, as jobs in
-        flight that end as the latency model and the faults say: ``(b, clients, lost, jobs)`` of dispatch instant
-        ``b``, or None when no slot is free. A function of the seed, the jobs in flight and the clients' work only,
-        never of the model or the data's values, so that a copy of the clock can run ahead of the training."""
+        """Fill the free slots of ``clock`` at its time with clients drawn uniformly from the idle ones holding
+        training samples, as jobs in flight that end as the latency model and the faults say: ``(b, clients, lost,
+        jobs)`` of dispatch instant ``b``, or None when no slot is free. A function of the seed, the jobs in flight
+        and the clients' work only, never of the model or the data's values, so that a copy of the clock can run
+        ahead of the training."""
         busy = {job[2] for job in clock.in_flight}
         free = self.concurrency - len(busy)
         if free <= 0:
             return None
         b = clock.dispatches
-        idle = np.array([c for c in range(self.ctx.num_clients) if c not in busy])
+        idle = np.array([c for c in self.holders.tolist() if c not in busy])
         clients = np.sort(self.seeds.numpy("client_sampling", b).choice(idle, free, replace=False))
         # the faults of this dispatch instant (docs/reliability.md): a dropped client is lost when it would have
         # reported, one past the deadline when the deadline passes; only the others train
