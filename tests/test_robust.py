@@ -228,6 +228,25 @@ def test_geometric_median_minimizes_the_weighted_sum_of_distances():
     np.testing.assert_allclose(out, ref.x, atol=1e-5)
 
 
+def test_the_geometric_median_does_not_depend_on_which_row_comes_first():
+    # computed relative to the first row, an attacker's row at 1e6 first left float32 the honest rows only to its
+    # step there (0.0625): every coordinate came out 0.125; relative to the coordinate-wise median, the order of the
+    # rows changes nothing
+    honest = 0.1 + 0.01 * torch.randn(9, 5, generator=torch.Generator().manual_seed(0))
+    attacker = torch.full((1, 5), 1e6)
+    w = _uniform(10).float()
+    first, last = (
+        GeometricMedian()(torch.cat([attacker, honest]), w, 1),
+        GeometricMedian()(torch.cat([honest, attacker]), w, 1),
+    )
+    assert torch.equal(first, last)
+    # float64's answer to within where the relative stop leaves each (the objective is the attacker's distance)
+    want = GeometricMedian()(torch.cat([attacker, honest]).double(), w.double(), 1)
+    torch.testing.assert_close(first.double(), want, rtol=0, atol=5e-3)
+    same = honest[:1].repeat(4, 1)  # identical updates: that update exactly
+    assert torch.equal(GeometricMedian()(same, _uniform(4).float(), 0), same[0])
+
+
 def test_the_geometric_medians_relative_stop_ends_early_against_far_outliers_as_the_page_says(tmp_path):
     # RFA's stop (the objective's relative change below tol) is met far from the minimizer when the objective is
     # the attackers' distances; the page said only "the weighted geometric median" and now states the limit

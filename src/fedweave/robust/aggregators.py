@@ -353,8 +353,9 @@ class GeometricMedian(Aggregator):
     """The weighted geometric median ``argmin_v sum_i w_i ||v - u_i||`` by the smoothed Weiszfeld algorithm of
     RFA (Pillutla, Kakade & Harchaoui, IEEE TSP 2022, Alg. 3): ``v <- sum_i b_i u_i / sum_i b_i`` with
     ``b_i = w_i / max(nu, ||v - u_i||)``, from the weighted mean, for at most ``iters`` iterations or until the
-    objective improves by less than ``tol`` (relative). Computed relative to the first update, so identical
-    updates give that update exactly."""
+    objective improves by less than ``tol`` (relative). Computed relative to the coordinate-wise median of the
+    updates, so identical updates give that update exactly, and an attacker's huge row is never the origin (from
+    a first row at 1e6, float32 kept the honest rows only to its step there, 0.0625)."""
 
     name = "geometric_median"
     reads_f = False
@@ -370,7 +371,7 @@ class GeometricMedian(Aggregator):
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
         """The smoothed Weiszfeld iterations from the weighted mean."""
-        origin = updates[0]
+        origin = updates.median(dim=0).values  # within the honest rows' range while attackers are a minority
         z = updates - origin
         w = weights.to(z.dtype)
         v = w @ z
