@@ -57,6 +57,7 @@ class ClusteredFL(PersonalStar):
     name = "clustered_fl"
     Hparams = ClusteredFLHparams
     state_fields = ("models", "assignment")  # each cluster's model and each client's cluster
+    growing_state = ("models",)  # one row per cluster: a checkpoint written after a split has more rows
     undeployable: ClassVar[str] = "its server keeps a model per cluster and splits clusters in the simulation"
     keeps_personal = False  # a client's model is its cluster's
     global_model = False
@@ -72,19 +73,6 @@ class ClusteredFL(PersonalStar):
         del self.x  # no single global model
         self.assignment = torch.zeros(ctx.num_clients, dtype=torch.long, device="cpu")  # client -> cluster (host)
         self.round_index, self.splits = 0, 0  # the round being aggregated, and its splits (a metric)
-
-    def state_dict(self) -> dict:
-        # one entry per cluster: their number grows with the splits, so a checkpoint written after one holds more
-        # than a freshly built run's one, while each entry keeps the model's shape, which a resume checks
-        return {**super().state_dict(), "models": list(self.models)}
-
-    def load_state_dict(self, state: dict) -> None:
-        state = dict(state)
-        models = state.pop("models")
-        if not isinstance(models, torch.Tensor):  # a checkpoint's list of cluster models
-            models = torch.stack(list(models))
-        self.models = models.to(device=self.models.device, dtype=self.models.dtype)
-        super().load_state_dict(state)
 
     def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:
         return {"model": (self.models[0],)}  # one model per client: its cluster's (all the same size)
