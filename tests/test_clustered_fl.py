@@ -92,3 +92,17 @@ def test_loop_and_vmap_agree_across_splits():
             algo.run_round(r)
     assert torch.equal(algos[0].assignment, algos[1].assignment) and len(algos[0].models) > 2
     torch.testing.assert_close(algos[0].models, algos[1].models, rtol=1e-5, atol=1e-6)
+
+
+def test_resume_from_a_checkpoint_written_after_splits_continues_identically(tmp_path):
+    # the checkpoint of round 4 holds 4 cluster models where a freshly built run has 1
+    cfg = {**_cfg("clustered_fl", rounds=6, clients_per_round=8, warmup=2, eps1=1e9, eps2=0.0)}
+    full = fedweave.run(cfg, run_dir=tmp_path / "full")
+    cfg2 = {**cfg, "output": {**cfg["output"], "checkpoint_every": 1}}
+    part = fedweave.run({**cfg2, "rounds": 4}, run_dir=tmp_path / "part")
+    assert len(part.algorithm.models) == 4
+    resumed = run_config(load(cfg2), run_dir=tmp_path / "part", resume=True)
+    assert torch.equal(resumed.algorithm.models, full.algorithm.models)
+    assert torch.equal(resumed.algorithm.assignment, full.algorithm.assignment)
+    same = [k for k in full.summary["final"] if "seconds" not in k]
+    assert [resumed.summary["final"][k] for k in same] == [full.summary["final"][k] for k in same]

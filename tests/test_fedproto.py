@@ -12,6 +12,7 @@ from torch import nn
 import fedweave
 from fedweave.algorithms.centralized.personal.fedproto import PrototypeRule
 from fedweave.config import ConfigError, load
+from fedweave.registry import PARTITIONERS
 from fedweave.runner import run as run_config
 from tests.test_centralized import _algo, _cfg
 
@@ -160,3 +161,22 @@ def test_only_the_clients_that_report_send_prototypes_and_train():
     assert sum(e.count for e in got) == out["reported_clients"] < algo.hp.clients_per_round
     moved = (algo.store["personal"] != before).any(1)
     assert int(moved.sum()) == out["reported_clients"]  # a dropped client's model is as it was
+
+
+if "_first_empty" not in PARTITIONERS._items:  # client 0 holds no sample (a dirichlet split with min_size: 0)
+
+    @PARTITIONERS.register("_first_empty")
+    def _first_empty(labels, num_clients, rng, *, users=None):
+        return [np.arange(0), *np.array_split(np.arange(len(labels)), num_clients - 1)]
+
+
+def test_a_client_without_training_samples_trains_nothing_and_sends_no_prototype():
+    algo = _algo({**_proto(clients_per_round=8), "partition": {"name": "_first_empty", "num_clients": 8}})
+    before = algo.store["personal"][0].clone()
+    for r in range(2):
+        algo.run_round(r)
+        sent = {e.sender: e.bytes for e in algo.ledger.entries() if e.round == r}["client"]
+        classes = sum(len(np.unique(algo.ctx.dataset.train_y[algo.ctx.partition[c]])) for c in range(1, 8))
+        assert sent == classes * (algo.dim * 4 + 8)  # client 0's message holds no class
+    assert torch.equal(algo.store["personal"][0], before)
+    assert bool(algo.known.all())

@@ -140,6 +140,7 @@ def test_resume_continues_identically(tmp_path):
     [
         ({"algorithm": {"name": "ifca", "clusters": 0}}, "algorithm.clusters must be >= 1, got 0"),
         ({"model": {"name": "logistic", "init_from": "w.pt"}}, "model.init_from would start every cluster model"),
+        ({"model": {"name": "logistic", "init": "zeros"}}, "model.init: zeros would start every cluster model"),
         ({"aggregator": "median"}, "aggregator: median: algorithm 'ifca'"),
         ({"faults": {"byzantine": {"fraction": 0.25, "attack": "sign_flip"}}}, "faults.byzantine"),
         ({"privacy": {"mechanism": "central", "noise_multiplier": 1.0, "clip": 1.0}}, "privacy"),

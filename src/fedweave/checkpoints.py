@@ -226,7 +226,7 @@ def load_checkpoint(
         _check_resumable(load_config(ckpt["config"]).to_dict(), config.to_dict(), path)
     want, got = _shapes(algo.state_dict()), _shapes(ckpt["algorithm"])
     for p, shape in want.items():
-        if p in got and got[p] != shape:
+        if p in got and got[p] != shape and not (p in algo.growing_state and got[p][1:] == shape[1:]):
             raise CheckpointError(
                 f"{file}: the algorithm state '{p}' has shape {list(got[p])} but this run's is {list(shape)}; "
                 "it was written by a different model or population"

@@ -558,6 +558,9 @@ class Algorithm(metaclass=_AlgorithmMeta):
     #: (``state_fields = (*StarAlgorithm.state_fields, "m", "v")``); a name the built instance does not set is
     #: an error when the algorithm is built, not a silent miss at the first checkpoint.
     state_fields: ClassVar[tuple[str, ...]] = ()
+    #: The tensors of the state record whose first dimension grows during a run (CFL's cluster models, one row
+    #: per cluster): a checkpoint's may differ there from a freshly built run's, the other dimensions may not.
+    growing_state: ClassVar[tuple[str, ...]] = ()
     #: Whether the class runs the compression stage on its uploads (``compression.upload``); the others refuse it.
     compresses_uploads: ClassVar[bool] = False
     #: Whether a round's computation depends on the run's total ``rounds`` (an annealed schedule): a resumed

@@ -57,6 +57,7 @@ class ClusteredFL(PersonalStar):
     name = "clustered_fl"
     Hparams = ClusteredFLHparams
     state_fields = ("models", "assignment")  # each cluster's model and each client's cluster
+    growing_state = ("models",)  # one row per cluster: a checkpoint written after a split has more rows
     undeployable: ClassVar[str] = "its server keeps a model per cluster and splits clusters in the simulation"
     keeps_personal = False  # a client's model is its cluster's
     global_model = False

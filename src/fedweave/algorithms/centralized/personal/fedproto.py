@@ -126,7 +126,8 @@ class FedProto(PersonalStar):
         with torch.no_grad():
             for k, c in enumerate(clients):
                 rows = torch.as_tensor(self.ctx.partition[int(c)], dtype=torch.long, device=x.device)
-                for part in rows.split(batch):
+                # a client without a sample (a dirichlet split with min_size: 0) has no class: its sums stay 0
+                for part in rows.split(batch) if len(rows) else ():
                     z, labels = self.layout.features(params[k], x[part]), y[part]
                     sums[k].index_add_(0, labels, z.to(sums.dtype))
                     counts[k].index_add_(0, labels, torch.ones_like(labels, dtype=counts.dtype))

@@ -77,6 +77,14 @@ class IFCA(PersonalStar):
         self.shared = ~head if head is not None else torch.zeros_like(self.x, dtype=torch.bool)
         others = [torch.where(self.shared, self.x, m) for m in others]  # one body: cluster 0's
         self.models = torch.stack([self.x, *others])  # (k, P): theta_1..theta_k
+        apart = ~self.shared  # where the cluster models may differ (all of it without share_body)
+        if any(torch.equal(m[apart], self.x[apart]) for m in others):  # a deterministic init (model.init: zeros)
+            init = ctx.config.model.options.get("init")
+            key = f"model.init: {init}" if init is not None else f"model {ctx.config.model.name}'s initialization"
+            raise ConfigError(
+                f"algorithm ifca: {key} would start every cluster model from the same weights, so every client "
+                "would pick cluster 0; use a random initialization (leave model.init out)"
+            )
         del self.x  # no single global model: what reads one fails loudly instead of reading a stale copy
         self.picked: np.ndarray = np.zeros(0, dtype=np.int64)  # this round's clusters, in job order
 
