@@ -399,6 +399,35 @@ def test_a_resumed_run_keeps_the_round_trace_up_to_its_checkpoint(toy_config, tm
     assert len(trace("full")) == 7 and trace("killed") == trace("full")
 
 
+class _KillAtCheckpoint(Callback):
+    """Ends the process's run as soon as the checkpoint after round ``n`` (1-based) is on disk, before any later
+    callback hears of it: the window of a SIGKILL between the checkpoint's rename and the next write."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def on_checkpoint(self, run, next_round):
+        if next_round == self.n:
+            raise SystemExit(1)
+
+
+def test_a_kill_right_after_a_checkpoint_leaves_the_round_trace_up_to_it(toy_config, tmp_path):
+    # the trace was written only when the checkpoint was announced: a kill in between left it at the checkpoint
+    # before (rounds 1-2 of a run checkpointed at 4), and the resumed run's trace lacked rounds 3 and 4
+    toy_config.update(rounds=6)
+    toy_config["output"]["checkpoint_every"] = 2
+    fedweave.run(load(toy_config), run_dir=tmp_path / "full", progress=False, callbacks=[RoundTrace(["train_loss"])])
+    with pytest.raises(SystemExit):
+        killer = [_KillAtCheckpoint(4), RoundTrace(["train_loss"])]
+        fedweave.run(load(toy_config), run_dir=tmp_path / "killed", progress=False, callbacks=killer)
+    resume(tmp_path / "killed", callbacks=[RoundTrace(["train_loss"])])
+
+    def trace(name):  # without the wall seconds
+        return [line.rsplit(",", 1)[0] for line in (tmp_path / name / "trace.csv").read_text().splitlines()]
+
+    assert len(trace("full")) == 7 and trace("killed") == trace("full")
+
+
 def test_a_resumed_run_measures_an_explosion_against_the_same_first_loss(toy_config, tmp_path):
     """The explosion check compares a loss with its first positive value: a run killed and resumed compares with
     the same one. Before, a resumed run took it from the recorded rows, so with ``eval.every: 3`` round 3's

@@ -282,9 +282,10 @@ class StopAtTarget(Callback):
 class RoundTrace(Callback):
     """Keep the training metrics ``keys`` of every round (what an algorithm reports each round, e.g. the
     confederated methods' ``opt_gap`` and ``uploads``; the initial evaluation's values as round 0) with the
-    run's wall seconds, and write them to the run directory's ``trace.csv`` at the end: a per-round curve
-    without evaluating every round. The file is also written at each checkpoint, and a resumed run keeps its
-    rows up to the checkpoint, as it keeps the metrics rows."""
+    run's wall seconds, in the run directory's ``trace.csv``: a per-round curve without evaluating every round.
+    Each row is appended as its round ends, so the file always holds at least the rounds of the last
+    checkpoint, even after a kill between the checkpoint and anything else, and a resumed run keeps its rows up to
+    the checkpoint, as it keeps the metrics rows; the whole file is written again at the end."""
 
     FILE = "trace.csv"
 
@@ -304,9 +305,19 @@ class RoundTrace(Callback):
                     continue
                 if round_ <= run.start_round:
                     self.rows.append(row)
+        self._write(run)  # the header and the rows kept: each round's row is appended to it
 
     def _add(self, run, round_: int, values: dict[str, Any]) -> None:
-        self.rows.append({"round": round_, **{k: values.get(k) for k in self.keys}, "wall_seconds": run.wall()})
+        row = {"round": round_, **{k: values.get(k) for k in self.keys}, "wall_seconds": run.wall()}
+        self.rows.append(row)
+        buf = io.StringIO()
+        self._writer(buf).writerow(row)
+        with open(run.path / self.FILE, "a", newline="") as f:  # a line cut short by a kill is skipped on resume
+            f.write(buf.getvalue())
+
+    def _writer(self, buf: io.StringIO) -> csv.DictWriter:
+        # (a resumed run whose keys changed: a kept row's column no longer traced is left out)
+        return csv.DictWriter(buf, ["round", *self.keys, "wall_seconds"], lineterminator="\n", extrasaction="ignore")
 
     def on_row(self, run, row):
         if row["round"] == 0:
@@ -319,14 +330,10 @@ class RoundTrace(Callback):
         from fedweave.results import atomic_write
 
         buf = io.StringIO()
-        # (a resumed run whose keys changed: a kept row's column no longer traced is left out)
-        w = csv.DictWriter(buf, ["round", *self.keys, "wall_seconds"], lineterminator="\n", extrasaction="ignore")
+        w = self._writer(buf)
         w.writeheader()
         w.writerows(self.rows)
         atomic_write(run.path / self.FILE, buf.getvalue())
-
-    def on_checkpoint(self, run, next_round):
-        self._write(run)  # a run killed after this checkpoint resumes with the rows up to it
 
     def on_end(self, run, summary):
         if summary is not None:
