@@ -428,6 +428,19 @@ def test_a_failed_fetch_leaves_nothing_that_verify_calls_cached(tmp_path, monkey
     assert cli_main(["data", "verify"]) == 2
 
 
+def test_verify_checks_files_gzipped_into_the_cache_by_hand(tmp_path, mnist_blobs, capsys):
+    from fedweave.cli import main as cli_main
+
+    # the instructions allow gzipped files in the cache, unpacked on first use; verify said "missing 4 of 4 files"
+    write(tmp_path / "cache" / "mnist", mnist_blobs, gz=True)
+    assert cli_main(["data", "verify", "mnist"]) == 0
+    assert "mnist: OK" in capsys.readouterr().out
+    assert not (tmp_path / "cache" / "mnist" / "train-labels-idx1-ubyte").exists()  # checked, not unpacked
+    write(tmp_path / "cache" / "mnist", {"train-labels-idx1-ubyte": b"tampered"}, gz=True)
+    assert cli_main(["data", "verify", "mnist"]) == 2
+    assert "checksum mismatch for" in capsys.readouterr().err
+
+
 def test_fedweave_data_naming_a_file_is_one_line_naming_the_variable(tmp_path, monkeypatch, mnist_blobs):
     f = tmp_path / "not-a-dir"
     f.write_text("x")

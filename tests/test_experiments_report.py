@@ -234,6 +234,15 @@ def test_report_leaves_out_the_runs_of_an_earlier_grid_in_the_same_folder(toy_co
     assert list(_runs_by_name(build_report([out]))) == current
 
 
+def test_a_sweep_over_rounds_shows_one_rounds_column(toy_config, tmp_path):
+    # the grid's key and the runs' own column were both headed "rounds", side by side
+    out = tmp_path / "sweep"
+    _sweep({**toy_config, "rounds": 1}, {"rounds": [1, 2]}, out)
+    rows = _dom(build_report([out])).table("runs")
+    assert rows[0].count("rounds") == 1
+    assert [dict(zip(rows[0], r))["rounds"] for r in rows[1:]] == ["1", "2"]
+
+
 @pytest.mark.parametrize("what", ["empty", "file", "missing"])
 def test_report_of_a_folder_that_is_not_a_run_or_a_sweep_is_refused(tmp_path, capsys, what):
     target = tmp_path / "x"

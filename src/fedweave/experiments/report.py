@@ -452,6 +452,7 @@ def _runs_table(src: _Source, differ: list[str]) -> str:
 
     metric = src.metric
     direction = column_direction(metric)
+    differ = [k for k in differ if k != "rounds"]  # its own column shows them (reached, "of" the planned when short)
     head = ["run", *differ, "status", "rounds", f"final {metric}", f"best {metric}", "bytes total", "wall s"]
     private = _private(src.runs)
     if private:  # privacy: the epsilon spent at the run's delta
