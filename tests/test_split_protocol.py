@@ -17,7 +17,7 @@ from fedweave.algorithms.base import RunContext, build_algorithm
 from fedweave.algorithms.split.base import Upload, process_order, simulate_server
 from fedweave.config import ConfigError, from_dict
 from fedweave.data.base import Dataset
-from fedweave.registry import DATASETS
+from fedweave.registry import DATASETS, PARTITIONERS
 
 if "_toy_split" not in DATASETS._items:
 
@@ -29,6 +29,15 @@ if "_toy_split" not in DATASETS._items:
         y = torch.randint(0, 10, (n_train + n_test,), generator=g)
         x = mu[y] + 0.8 * torch.randn(len(y), channels, side, side, generator=g)
         return Dataset("_toy_split", x[:n_train], y[:n_train], x[n_train:], y[n_train:], 10, (channels, side, side))
+
+
+if "_two_thirds" not in PARTITIONERS._items:
+
+    @PARTITIONERS.register("_two_thirds")
+    def _two_thirds(labels, num_clients, rng, *, users=None):
+        """Two clients, the first with two thirds of the samples (uneven: 4 and 2 batches of 10 out of 60)."""
+        n = len(labels) // 3
+        return [np.arange(0, 2 * n), np.arange(2 * n, 3 * n)]
 
 
 torch.set_num_threads(1)
@@ -325,6 +334,29 @@ def test_aggregation_every_c_batches():
     late = _round({"name": "cse_fsl", "h": 2, "agg_every": 8})  # c = M: the default schedule
     assert torch.equal(once.xc, late.xc) and torch.equal(once.xs, late.xs)
     assert not torch.equal(once.xc, c3.xc)
+
+
+def test_a_segment_is_for_the_clients_with_batches_left_in_it(monkeypatch):
+    # clients of 4 and 2 batches, c = 2: the second segment is the first client's alone. Before, the second client,
+    # its batches done, downloaded, uploaded and was averaged unchanged into the first one's model there
+    cfg = from_dict(
+        {
+            "rounds": 1,
+            "dataset": {"name": "_toy_split", "n_train": 60},
+            "partition": {"name": "_two_thirds", "num_clients": 2},
+            "model": {"name": "split_small"},
+            "algorithm": {"name": "cse_fsl", "h": 1, "agg_every": 2},
+            "local": {"batch_size": 10, "lr": 0.05},
+        }
+    )
+    algo = build_algorithm(RunContext(cfg))
+    averaged, aggregate = [], algo.aggregate
+    monkeypatch.setattr(algo, "aggregate", lambda got, *rows: averaged.append(got.tolist()) or aggregate(got, *rows))
+    algo.run_round(0)
+    assert averaged == [[0, 1], [0]]
+    expected = round_bytes("cse_fsl", algo.split_sizes, [40, 20], 10, h=1, agg_every=2)
+    assert kinds(algo) == {k: expected[k] for k in kinds(algo)}
+    assert kinds(algo)["client_model"] == 2 * (2 + 1) * algo.split_sizes.client * 4  # trips: 2 + 1, down and up
 
 
 def test_cifar_crop_trains_on_random_crops_and_tests_on_the_centre(monkeypatch):

@@ -113,20 +113,21 @@ def round_bytes(method: str, sizes: SplitSizes, samples: Sequence[int], batch_si
                 upload_at: str = "end", epochs: int = 1, agg_every: int | None = None) -> dict[str, int]:  # fmt: skip
     """Bytes of one round by message kind (spec §7.2); ``samples`` = |D_i| of each participating client.
 
-    ``agg_every`` = c (CSE-FSL): the models go down and up every c local batches, ⌈max M_i / c⌉ times.
+    ``agg_every`` = c (CSE-FSL): the models go down and up every c local batches, ⌈M_i / c⌉ times for client i
+    (at least once: every client downloads at the round's start and is averaged after its first segment).
     """
     if agg_every is not None and agg_every < 1:
         raise ValueError(f"agg_every must be >= 1 or None, got {agg_every}")
     n = len(samples)
     up = uploaded_samples(method, samples, batch_size, h, upload_at, epochs)
-    longest = max((len(batch_sizes(s, batch_size, epochs)) for s in samples), default=1)
-    syncs = math.ceil(max(longest, 1) / agg_every) if agg_every else 1
+    batches = [len(batch_sizes(s, batch_size, epochs)) for s in samples]
+    syncs = sum(max(math.ceil(m / agg_every), 1) for m in batches) if agg_every else n  # models' trips, all clients
     out = {
         "smashed": up * sizes.smashed * FLOAT_BYTES,
         "labels": up * LABEL_BYTES,
         "gradient": up * sizes.smashed * FLOAT_BYTES if method in ("fsl_mc", "fsl_oc") else 0,
-        "client_model": 2 * n * sizes.client * FLOAT_BYTES * syncs,  # down at the start, up for aggregation
-        "aux_model": 2 * n * sizes.aux * FLOAT_BYTES * syncs if uses_aux(method) else 0,
+        "client_model": 2 * sizes.client * FLOAT_BYTES * syncs,  # down at the start, up for aggregation
+        "aux_model": 2 * sizes.aux * FLOAT_BYTES * syncs if uses_aux(method) else 0,
     }
     out["load"] = out["smashed"] + out["gradient"] + out["client_model"] + out["aux_model"]  # Table V
     return out

@@ -101,17 +101,20 @@ class CSEFSL(TimedSplit):
         on_time = self.models_on_time(r, clients)  # whose model reaches the fed server (None: everyone's)
         delivered: set[int] = set()  # clients of which something reaches a server this round
         models_in = 0
-        plan = [len(self.batcher.client_batches(int(i), r, (), None)) for i in clients]
-        longest = max(max(plan, default=0), 1)
+        plan = np.array([len(self.batcher.client_batches(int(i), r, (), None)) for i in clients], dtype=np.int64)
+        longest = max(int(plan[~dropped].max(initial=0)), 1)  # the segments of the clients that train
         period = hp.agg_every or longest  # default: aggregate once, after the local epoch(s)
         offset = 0.0  # when the segment starts on the clock
         for seg, start in enumerate(range(0, longest, period)):
             seg_end = offset
-            self.download(r, clients if seg == 0 else clients[~dropped])  # Alg. 1 line 3
+            # a later segment (agg_every) is for the clients with batches left in it: one whose batches are done
+            # (fewer samples than the others) has nothing to train, so it neither downloads, uploads nor is
+            # averaged unchanged into the others' models (eq. (14) over the clients that trained)
+            active = np.flatnonzero(~dropped) if seg == 0 else np.flatnonzero(~dropped & (plan > start))
+            self.download(r, clients if seg == 0 else clients[active])  # Alg. 1 line 3
             xc_rows = self.xc.expand(len(clients), -1).clone()
             xa_rows = self.xa.expand(len(clients), -1).clone()
             arrived = []  # positions whose model reaches the fed server
-            active = np.flatnonzero(~dropped)
             rows = (xc_rows[active], xa_rows[active])
             epochs = self.client_epochs(r, clients[active], *rows, (lr_c, lr_a), start, period, seg)
             for k, ep in zip(active.tolist(), epochs, strict=True):  # in parallel: none depends on the server
