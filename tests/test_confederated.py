@@ -483,5 +483,6 @@ def test_the_command_line_prints_a_confederated_runs_final_gap(tmp_path, capsys)
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     assert cli_main(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "r"), "--no-progress"]) == 0
     out = capsys.readouterr().out
-    gap = json.loads((tmp_path / "r" / "summary.json").read_text())["final"]["opt_gap"]
-    assert f"final opt gap {gap:.6g} (round 2)\n" in out
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert f"final opt gap {summary['final']['opt_gap']:.6g} (round 2)\n" in out
+    assert summary["execution"]["backend"] is None  # its own loop reads no backend (it recorded the config's auto)

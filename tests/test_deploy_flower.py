@@ -328,6 +328,7 @@ def test_deployed_split_learning_equals_simulation(federation, tmp_path, names):
         uploads = steps // algorithm.get("h", 1)  # smashed batches per client and round
         assert rows[-1]["server_steps"] == per_round * uploads, name
         fl, ledger = summary["flower"], summary["communication"]
+        assert summary["execution"]["backend"] == "flower", name  # (before: the config's, though no trainer ran)
         assert ledger["by_transfer"]["client->server:smashed"]["count"] == 2 * per_round * uploads, name
         assert fl["payload_received"] == ledger["bytes_up"], name
         assert fl["payload_sent"] == ledger["bytes_down"], name

@@ -468,8 +468,9 @@ def _summary(state: RunState, status: str, error: str | None) -> dict[str, Any]:
             "python": platform.python_version(),
         },
         "cpu_seconds": round(cpu_seconds() - state.cpu0, 3),
-        "execution": {  # what `backend: auto` resolved to, and the threads it ran with
-            "backend": trainer.backend if trainer is not None else config.backend,
+        "execution": {  # what `backend: auto` resolved to, and the threads it ran with; null for a family with
+            # its own loop (split, confederated), which reads no `backend` (it recorded the configured one)
+            "backend": trainer.backend if trainer is not None else None,
             "threads": torch.get_num_threads(),
         },
         "placement": state.ctx.placement.summary(),  # what `device: auto` resolved to, its name, the precision

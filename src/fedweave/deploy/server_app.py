@@ -680,6 +680,7 @@ def _main(grid: Grid, context: Context) -> None:
         _release(clients)
     summary = json.loads((out / "summary.json").read_text())
     summary["flower"] = clients.summary(summary["communication"]["bytes_total"])
+    summary["execution"]["backend"] = "flower"  # the split family's clients too, which have no local trainer
     atomic_write(out / "summary.json", json.dumps(summary, indent=2))
     if failed is not None:
         raise failed from None
