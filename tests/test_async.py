@@ -385,7 +385,7 @@ def test_fedbuffs_aggregator_bound_is_checked_on_the_buffer_before_round_1():
         ({"consistency": True}, "algorithm.consistency: fedbuff has no round of local models"),
         ({"name": "fedasync", "server_lr": 0.5}, "algorithm.server_lr: fedasync's server step is its mixing weight"),
         ({"name": "fedasync", "alpha": 0.0}, "algorithm.alpha must be in (0, 1]"),
-        ({"name": "fedasync", "rho": -0.1}, "algorithm.rho must be >= 0"),
+        ({"name": "fedasync", "rho": -0.1}, "algorithm.rho must be in [0, 3.40282e+38], got -0.1"),
         ({"name": "fedasync", "weighting": "uniform"}, "algorithm.weighting: fedasync steps on one arrival at a time"),
         ({"staleness": "polynomial", "staleness_b": 2}, "algorithm.staleness_b: staleness 'polynomial' does not read"),
         ({"staleness": "constant", "staleness_a": 0.9}, "algorithm.staleness_a: staleness 'constant' does not read it"),

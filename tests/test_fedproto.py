@@ -140,7 +140,7 @@ def test_a_model_without_features_is_refused_in_one_line(tmp_path):
 @pytest.mark.parametrize(
     ("change", "words"),
     [
-        ({"algorithm": {"name": "fedproto", "lam": -1.0}}, "algorithm.lam must be >= 0, got -1.0"),
+        ({"algorithm": {"name": "fedproto", "lam": -1.0}}, "algorithm.lam must be in [0, 3.40282e+38], got -1.0"),
         ({"algorithm": {"name": "fedproto", "server_lr": 0.5}}, "algorithm.server_lr: FedProto's server sets"),
         ({"aggregator": "median"}, "aggregator: median: algorithm 'fedproto'"),
         ({"privacy": {"mechanism": "central", "noise_multiplier": 1.0, "clip": 1.0}}, "privacy"),

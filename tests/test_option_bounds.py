@@ -278,3 +278,26 @@ def test_an_outage_round_far_after_the_last_is_warned_short(tmp_path, caplog) ->
     with caplog.at_level(logging.WARNING, logger="fedweave"):
         fedweave.run(cfg, run_dir=tmp_path / "r")
     assert "faults.outage_rounds [1e+300] are after the last round (1) and never happen" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "low"),
+    [
+        ("fedprox", "mu", "["),
+        ("hier_fedprox", "mu", "["),
+        ("moon", "mu", "["),
+        ("fedlc", "tau", "["),
+        ("feddyn", "alpha", "("),
+        ("fedproto", "lam", "["),
+        ("ditto", "lam", "["),
+        ("fedasync", "rho", "["),
+        ("fedsam", "rho", "("),
+    ],
+)
+def test_loss_coefficients_beyond_float32_are_refused(name: str, key: str, low: str) -> None:
+    # each was accepted at 1e300, became inf in float32, and the first round diverged (inf * 0 = NaN) with a line
+    # that advised lowering the step sizes
+    hp = ALGORITHMS.get(name).Hparams
+    with pytest.raises(ConfigError, match=rf"^algorithm\.{key} must be in \{low}0, 3\.40282e\+38\], got 1e\+300$"):
+        build_dataclass(hp, {key: 1e300}, "algorithm")
+    build_dataclass(hp, {key: 3e38}, "algorithm")  # finite in float32: a strong pull, not a refusal

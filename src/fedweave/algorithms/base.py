@@ -22,7 +22,16 @@ import torch
 from torch import nn
 
 from fedweave.byo import RunObjects, describe_model
-from fedweave.config import MAX_LOCAL_EPOCHS, ConfigError, RunConfig, Section, build_dataclass, check_options, load
+from fedweave.config import (
+    MAX_LOCAL_EPOCHS,
+    MAX_LR,
+    ConfigError,
+    RunConfig,
+    Section,
+    build_dataclass,
+    check_options,
+    load,
+)
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
 from fedweave.data.partition import Partition, check_parts, integral
@@ -728,8 +737,8 @@ def with_local(trainer: LocalTrainer, **changes: Any) -> LocalTrainer:
 
 def check_ditto(lam: float, personal_epochs: int) -> None:
     """Ditto's two options, the same in every family that runs it: lambda >= 0, personal epochs >= 1."""
-    if lam < 0:
-        raise ConfigError(f"algorithm.lam must be >= 0, got {lam}")
+    if not 0 <= lam <= MAX_LR:  # a larger one is inf in float32: the first step's lam * 0 is NaN
+        raise ConfigError(f"algorithm.lam must be in [0, {MAX_LR:.6g}], got {lam}")
     if not 1 <= personal_epochs <= MAX_LOCAL_EPOCHS:  # bounded as local.epochs is: 1e300 would never end
         raise ConfigError(f"algorithm.personal_epochs must be in [1, {MAX_LOCAL_EPOCHS:,}], got {personal_epochs:.6g}")
 

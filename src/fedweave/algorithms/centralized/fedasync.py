@@ -16,7 +16,7 @@ import torch
 
 from fedweave.algorithms.centralized.async_base import AsyncHparams, AsyncStar
 from fedweave.algorithms.centralized.fedprox import ProxRule
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LR, ConfigError
 from fedweave.execution.local import PLAIN, LocalRule
 from fedweave.registry import ALGORITHMS
 
@@ -30,8 +30,8 @@ class FedAsyncHparams(AsyncHparams):
         super().__post_init__()
         if not 0.0 < self.alpha <= 1.0:
             raise ConfigError(f"algorithm.alpha must be in (0, 1], got {self.alpha}")
-        if self.rho < 0:
-            raise ConfigError(f"algorithm.rho must be >= 0, got {self.rho}")
+        if not 0 <= self.rho <= MAX_LR:  # a larger one is inf in float32: the first step's rho * 0 is NaN
+            raise ConfigError(f"algorithm.rho must be in [0, {MAX_LR:.6g}], got {self.rho}")
         if self.weighting != "samples":  # never read: a step mixes one arrival, whose weight is 1
             raise ConfigError(
                 "algorithm.weighting: fedasync steps on one arrival at a time, nothing to weight; leave it out"

@@ -15,7 +15,7 @@ import torch
 
 from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams, per_job
 from fedweave.algorithms.centralized.fedprox import ProxRule
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LR, ConfigError
 from fedweave.execution import StateStore
 from fedweave.execution.local import ClientStep, GradFn, LocalResult, LocalRule
 from fedweave.ledger import nbytes
@@ -57,8 +57,8 @@ class FedDynHparams(StarHparams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.alpha <= 0:
-            raise ConfigError(f"algorithm.alpha must be > 0, got {self.alpha}")
+        if not 0 < self.alpha <= MAX_LR:  # a larger one is inf in float32: the first step's alpha * 0 is NaN
+            raise ConfigError(f"algorithm.alpha must be in (0, {MAX_LR:.6g}], got {self.alpha}")
         if self.server_lr != 1.0:  # Alg. 1's server sets theta^t outright: a step size would go unread
             raise ConfigError(
                 f"algorithm.server_lr: FedDyn's server model is mean_S theta_i - h / alpha and takes no step size, "

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams, per_job
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LR, ConfigError
 from fedweave.execution import LocalRule
 from fedweave.registry import ALGORITHMS, RULES
 
@@ -73,8 +73,8 @@ class FedLCHparams(StarHparams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.tau >= 0:
-            raise ConfigError(f"algorithm.tau must be >= 0, got {self.tau}")
+        if not 0 <= self.tau <= MAX_LR:  # a larger one is inf in float32: every calibrated logit is -inf
+            raise ConfigError(f"algorithm.tau must be in [0, {MAX_LR:.6g}], got {self.tau}")
         if not self.absent_count > 0:
             raise ConfigError(f"algorithm.absent_count must be > 0, got {self.absent_count}")
 

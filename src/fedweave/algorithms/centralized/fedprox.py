@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams, per_job
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LR, ConfigError
 from fedweave.execution import LocalRule
 from fedweave.execution.local import PLAIN, GradFn
 from fedweave.registry import ALGORITHMS, RULES
@@ -41,8 +41,8 @@ class FedProxHparams(StarHparams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.mu < 0:
-            raise ConfigError(f"algorithm.mu must be >= 0, got {self.mu}")
+        if not 0 <= self.mu <= MAX_LR:  # a larger one is inf in float32: the first step's mu * 0 is NaN
+            raise ConfigError(f"algorithm.mu must be in [0, {MAX_LR:.6g}], got {self.mu}")
 
 
 @ALGORITHMS.register("fedprox")

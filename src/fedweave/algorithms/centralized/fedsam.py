@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LR, ConfigError
 from fedweave.execution import LocalRule
 from fedweave.execution.local import GradFn
 from fedweave.registry import ALGORITHMS, RULES
@@ -45,8 +45,8 @@ class FedSAMHparams(StarHparams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.rho <= 0:
-            raise ConfigError(f"algorithm.rho must be > 0, got {self.rho}")
+        if not 0 < self.rho <= MAX_LR:  # a larger radius is inf in float32: the perturbed weights are NaN
+            raise ConfigError(f"algorithm.rho must be in (0, {MAX_LR:.6g}], got {self.rho}")
 
 
 @ALGORITHMS.register("fedsam")

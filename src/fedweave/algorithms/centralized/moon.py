@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams, per_job
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LR, ConfigError
 from fedweave.execution import LocalRule, StateStore
 from fedweave.execution.job import ClientStep
 from fedweave.ledger import nbytes
@@ -79,8 +79,8 @@ class MoonHparams(StarHparams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.mu >= 0:
-            raise ConfigError(f"algorithm.mu must be >= 0, got {self.mu}")
+        if not 0 <= self.mu <= MAX_LR:  # a larger one is inf in float32: the loss is NaN from the first step
+            raise ConfigError(f"algorithm.mu must be in [0, {MAX_LR:.6g}], got {self.mu}")
         if not self.tau > 0:
             raise ConfigError(f"algorithm.tau must be > 0, got {self.tau}")
 

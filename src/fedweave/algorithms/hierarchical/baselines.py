@@ -30,7 +30,7 @@ from fedweave.algorithms.base import RunContext
 from fedweave.algorithms.centralized.fedprox import ProxRule
 from fedweave.algorithms.centralized.scaffold import ScaffoldStep
 from fedweave.algorithms.hierarchical.base import AveragingAlgorithm, AveragingHparams, Collected
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LR, ConfigError
 from fedweave.execution import LocalRule, StateStore
 from fedweave.execution.local import LocalResult
 from fedweave.ledger import nbytes
@@ -63,8 +63,8 @@ class ProxHparams(BaselineHparams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.mu < 0:
-            raise ConfigError(f"algorithm.mu must be >= 0, got {self.mu}")
+        if not 0 <= self.mu <= MAX_LR:  # a larger one is inf in float32: the first step's mu * 0 is NaN
+            raise ConfigError(f"algorithm.mu must be in [0, {MAX_LR:.6g}], got {self.mu}")
 
 
 @ALGORITHMS.register("hier_fedavg")

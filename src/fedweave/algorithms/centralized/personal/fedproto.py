@@ -28,7 +28,7 @@ import torch
 
 from fedweave.algorithms.centralized.base import Collected, StarHparams
 from fedweave.algorithms.centralized.personal.base import PersonalStar
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LR, ConfigError
 from fedweave.execution import LocalRule
 from fedweave.execution.local import PLAIN
 from fedweave.registry import ALGORITHMS, RULES
@@ -61,8 +61,8 @@ class FedProtoHparams(StarHparams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.lam >= 0:
-            raise ConfigError(f"algorithm.lam must be >= 0, got {self.lam}")
+        if not 0 <= self.lam <= MAX_LR:  # a larger one is inf in float32: lam * 0 is NaN once prototypes exist
+            raise ConfigError(f"algorithm.lam must be in [0, {MAX_LR:.6g}], got {self.lam}")
         if self.server_lr != 1.0:  # Eq. 6 sets each global prototype to the mean: a step size would go unread
             raise ConfigError(
                 f"algorithm.server_lr: FedProto's server sets each class's prototype to the clients' mean and takes "
