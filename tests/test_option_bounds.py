@@ -16,6 +16,19 @@ from fedweave.robust.aggregators import CenteredClipping, DnC, GeometricMedian
 from fedweave.topology.samplers import fixed
 
 
+def _digits(**sections) -> dict:
+    """A one-round FedAvg run on the digits, 4 clients, 2 a round, with ``sections`` replaced or added."""
+    return {
+        "rounds": 1,
+        "dataset": "digits",
+        "partition": {"name": "iid", "num_clients": 4},
+        "model": "logistic",
+        "algorithm": {"name": "fedavg", "clients_per_round": 2},
+        "output": {"progress": False, "plots": False},
+        **sections,
+    }
+
+
 @pytest.mark.parametrize("key", ["v_init", "tau"])
 def test_fedopt_state_options_beyond_float32_are_refused(key: str) -> None:
     # v_init = 1e300 filled a float32 tensor (RuntimeError: overflow); tau = 1e300 became inf: no step at all
@@ -201,14 +214,7 @@ def test_clients_per_round_beyond_the_clients_is_shown_short(tmp_path) -> None:
     # clients_per_round = 1e300 was refused with its 301 digits in the line
     import fedweave
 
-    cfg = {
-        "rounds": 1,
-        "dataset": "digits",
-        "partition": {"name": "iid", "num_clients": 4},
-        "model": "logistic",
-        "algorithm": {"name": "fedavg", "clients_per_round": 1e300},
-        "output": {"progress": False, "plots": False},
-    }
+    cfg = _digits(algorithm={"name": "fedavg", "clients_per_round": 1e300})
     with pytest.raises(ConfigError, match=r"^algorithm\.clients_per_round \(1e\+300\) exceeds partition\.num_clients"):
         fedweave.run(cfg, run_dir=tmp_path / "r")
 
@@ -247,15 +253,7 @@ def test_sampler_d_and_backdoor_options_beyond_range_are_shown_short(tmp_path, e
     # each was refused with its 301 digits in the line
     import fedweave
 
-    cfg = {
-        "rounds": 1,
-        "dataset": "digits",
-        "partition": {"name": "iid", "num_clients": 4},
-        "model": "logistic",
-        "algorithm": {"name": "fedavg", "clients_per_round": 2},
-        "output": {"progress": False, "plots": False},
-        **extra,
-    }
+    cfg = _digits(**extra)
     with pytest.raises(ConfigError, match=expect) as e:
         fedweave.run(cfg, run_dir=tmp_path / "r")
     assert "1e+300" in str(e.value) and len(str(e.value)) < 200
@@ -266,15 +264,7 @@ def test_an_outage_round_far_after_the_last_is_warned_short(tmp_path, caplog) ->
 
     import fedweave
 
-    cfg = {
-        "rounds": 1,
-        "dataset": "digits",
-        "partition": {"name": "iid", "num_clients": 4},
-        "model": "logistic",
-        "algorithm": {"name": "fedavg", "clients_per_round": 2},
-        "faults": {"outage_rounds": [10**300]},
-        "output": {"progress": False, "plots": False},
-    }
+    cfg = _digits(faults={"outage_rounds": [10**300]})
     with caplog.at_level(logging.WARNING, logger="fedweave"):
         fedweave.run(cfg, run_dir=tmp_path / "r")
     assert "faults.outage_rounds [1e+300] are after the last round (1) and never happen" in caplog.text
