@@ -167,6 +167,15 @@ def test_pathological_errors():
         pathological(tiny, 5, np.random.default_rng(0), classes_per_client=2)
 
 
+def test_pathological_reads_a_whole_float_as_an_integer():
+    # classes_per_client: 2.0 (as YAML or a sweep may write it) is 2, as for every other integer key of the
+    # partition (num_clients, shards_per_client, min_size); it used to be refused. 2.5 still is.
+    as_float = run("pathological", classes_per_client=2.0)
+    assert all(np.array_equal(a, b) for a, b in zip(as_float, run("pathological", classes_per_client=2)))
+    with pytest.raises(ValueError, match=r"partition\.classes_per_client must be an integer .*got 2\.5"):
+        run("pathological", classes_per_client=2.5)
+
+
 def test_pathological_extra_shard_goes_to_a_class_that_can_take_it():
     # 4 clients x 2 classes = 8 slots over 3 classes: two classes get 3 shards, one gets 2. Class 0 has only
     # 2 samples, so a feasible split always exists; it used to be refused whenever the random draw gave
