@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from fedweave.data.partition import (
+    Partition,
     client_test_split,
     dirichlet,
     natural,
@@ -373,6 +374,11 @@ _OWN = {  # name -> (the parts it returns for n training samples, the error)
     "_own_beyond": (lambda n: [np.array([0, n + 5]), np.arange(2, 10)], r"client 0 holds index {n5}, outside"),
     "_own_float": (lambda n: [np.array([0.7, 1.2]), np.arange(3, 10)], r"client 0 holds float64 indices"),
     "_own_shared": (lambda n: [np.arange(0, 10), np.arange(5, 15)], r"a sample is given to more than one client"),
+    # returned as a Partition (as the built-in ones do) rather than a list: held to the same contract
+    "_own_shared_partition": (
+        lambda n: Partition.of([np.arange(0, 10), np.arange(5, 15)]),
+        r"a sample is given to more than one client",
+    ),
 }
 for _name, (_make, _) in _OWN.items():
     if _name not in PARTITIONERS._items:

@@ -412,9 +412,9 @@ class RunContext:
         opts = check_options(fn, opts, "partition", skip=("labels", "num_clients", "rng", "users"), name=part.name)
         with _as_config_error("partition"):
             parts = fn(labels, num_clients, self.seeds.numpy("partition"), users=users, **opts)
-        if isinstance(parts, Partition):  # the built-in partitioners: correct by construction
+        if isinstance(parts, Partition) and fn.__module__ == Partition.__module__:  # built-in: correct by construction
             return parts
-        try:  # a partitioner of your own: its list of arrays is checked against the contract
+        try:  # a partitioner of your own (a list of arrays or a Partition): checked against the contract
             return check_parts(parts, len(labels), part.name)
         except ValueError as e:
             raise ConfigError(str(e)) from e
