@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from fedweave.data.partition import (
+    Partition,
     client_test_split,
     dirichlet,
     natural,
@@ -165,6 +166,15 @@ def test_pathological_errors():
     tiny = np.repeat(np.arange(2), 3)  # 2 classes x 3 samples; 5 clients x 2 classes needs 5 shards per class
     with pytest.raises(ValueError, match=r"class \d has 3 samples but needs 5 shards"):
         pathological(tiny, 5, np.random.default_rng(0), classes_per_client=2)
+
+
+def test_pathological_reads_a_whole_float_as_an_integer():
+    # classes_per_client: 2.0 (as YAML or a sweep may write it) is 2, as for every other integer key of the
+    # partition (num_clients, shards_per_client, min_size); it used to be refused. 2.5 still is.
+    as_float = run("pathological", classes_per_client=2.0)
+    assert all(np.array_equal(a, b) for a, b in zip(as_float, run("pathological", classes_per_client=2)))
+    with pytest.raises(ValueError, match=r"partition\.classes_per_client must be an integer .*got 2\.5"):
+        run("pathological", classes_per_client=2.5)
 
 
 def test_pathological_extra_shard_goes_to_a_class_that_can_take_it():
@@ -364,6 +374,11 @@ _OWN = {  # name -> (the parts it returns for n training samples, the error)
     "_own_beyond": (lambda n: [np.array([0, n + 5]), np.arange(2, 10)], r"client 0 holds index {n5}, outside"),
     "_own_float": (lambda n: [np.array([0.7, 1.2]), np.arange(3, 10)], r"client 0 holds float64 indices"),
     "_own_shared": (lambda n: [np.arange(0, 10), np.arange(5, 15)], r"a sample is given to more than one client"),
+    # returned as a Partition (as the built-in ones do) rather than a list: held to the same contract
+    "_own_shared_partition": (
+        lambda n: Partition.of([np.arange(0, 10), np.arange(5, 15)]),
+        r"a sample is given to more than one client",
+    ),
 }
 for _name, (_make, _) in _OWN.items():
     if _name not in PARTITIONERS._items:

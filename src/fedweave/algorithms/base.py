@@ -413,18 +413,17 @@ class RunContext:
         elif bins is not None:
             raise ConfigError("partition.bins applies to float targets only; these targets are class labels")
         if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 0:
-            allowed = (
-                "a non-negative integer (0 = one client per natural user)"
-                if part.name == "natural"
-                else "a positive integer"
-            )
+            allowed = {  # the partitioners that read 0 as "all": theirs say so
+                "natural": "a non-negative integer (0 = one client per natural user)",
+                "from_file": "a non-negative integer (0 = every client of partition.path)",
+            }.get(part.name, "a positive integer")
             raise ConfigError(f"partition.num_clients must be {allowed}, got {num_clients!r}")
         opts = check_options(fn, opts, "partition", skip=("labels", "num_clients", "rng", "users"), name=part.name)
         with _as_config_error("partition"):
             parts = fn(labels, num_clients, self.seeds.numpy("partition"), users=users, **opts)
-        if isinstance(parts, Partition):  # the built-in partitioners: correct by construction
+        if isinstance(parts, Partition) and fn.__module__ == Partition.__module__:  # built-in: correct by construction
             return parts
-        try:  # a partitioner of your own: its list of arrays is checked against the contract
+        try:  # a partitioner of your own (a list of arrays or a Partition): checked against the contract
             return check_parts(parts, len(labels), part.name)
         except ValueError as e:
             raise ConfigError(str(e)) from e

@@ -423,7 +423,7 @@ def pathological(
     """
     labels = _check_labels(labels)
     m = _check_clients(num_clients, len(labels))
-    c = classes_per_client
+    c = integral(classes_per_client)  # 2.0 is 2, as for every integer key of the partition
     present = np.flatnonzero(np.bincount(labels)) if labels.size else np.array([], dtype=np.int64)
     if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 1 <= c <= len(present):
         raise ValueError(
