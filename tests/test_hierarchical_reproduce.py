@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
 
@@ -170,3 +171,17 @@ def test_a_budget_that_runs_out_counts_the_runs_that_finished_and_names_the_othe
     assert "sum of the 0 runs' own CPU times" in md
     unrun = md.split("\nNot run (time budget reached): ")[1].strip().split(", ")
     assert len(unrun) == 16 and "digits-a1000-b0.9-fedavg-tau1-R2-s0" in unrun  # every run, by its name
+
+
+def test_the_power_table_of_one_seed_says_the_test_cannot_run_instead_of_failing():
+    # the adult preset's report (and page block) has the power table; --seeds 1, or a time budget that left one
+    # seed, gives one paired difference per setting: no std, no power, and the report must still be written
+    from pathlib import Path
+
+    from fedweave.experiments.tables import read_csv
+
+    records = read_csv(Path(__file__).parents[1] / "docs" / "reproductions" / "zo-hfl" / "adult" / "results.csv")
+    text = zo_hfl.power_table([r for r in records if r["seed"] == 0])
+    rows = [line for line in text.splitlines() if line.startswith("| a=")]
+    assert len(rows) == 3 and all(re.fullmatch(r"\| a=.* \| 1 \| [+-]\d+\.\d\d \| — \| — \| — \|", r) for r in rows)
+    assert "| a=1000, b=90% | 5 | +0.06 | 0.10 | 0.16 | 1.00 |" in zo_hfl.power_table(records)  # unchanged

@@ -428,3 +428,24 @@ def test_zo_hfl_cost_row_of_an_invocation_that_reused_runs_counts_the_runs_it_ra
     assert meta["reused"] > 0
     row = next(line for line in zo_hfl.cost_section(PAGES / "zo-hfl").splitlines() if "last invocation" in line)
     assert row.split(" | ")[1] == f"{meta['runs'] - meta['reused']} (and {meta['reused']} reused)"
+
+
+def test_the_zo_hfl_page_names_the_std_its_tables_give():
+    # the tables' ± is the population std of the seeds (zo_hfl.TABLE_STATS, ddof=0), as is C4's "one std": a
+    # reader recomputing a cell with the sample std would find another number, so the page says which
+    import csv
+
+    import numpy as np
+
+    rows = list(csv.DictReader((PAGES / "zo-hfl" / "results.csv").open()))
+    cell = [r for r in csv.DictReader((PAGES / "zo-hfl" / "table.csv").open())][0]
+    accs = [
+        float(r["acc"])
+        for r in rows
+        if (r["dataset"], r["method"], r["part"]) == (cell["dataset"], cell["method"], "table")
+        and float(r["alpha"]) == float(cell["alpha"])
+        and float(r["beta"]) == float(cell["beta"])
+    ]
+    assert float(cell["acc_std"]) == round(float(np.std(accs)), 2) != round(float(np.std(accs, ddof=1)), 2)
+    prose = re.sub(r"<!-- generated:.*?<!-- end generated -->", "", (PAGES / "zo-hfl.md").read_text(), flags=re.S)
+    assert "mean ± std" not in prose and prose.count("mean ± population std") == 3

@@ -247,3 +247,17 @@ def test_without_out_each_scale_writes_into_its_own_folder(tmp_path, monkeypatch
     assert (tmp_path / "runs" / "reproduce-squares" / "runs" / "x2" / "s0" / "record.json").is_file()
     assert (tmp_path / "runs" / "reproduce-squares-small" / "runs" / "x2" / "s0" / "record.json").is_file()
     assert [[r["y"] for r in records] for records, _ in seen] == [[4.0], [8.0]]
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [(["cse-fsl", "--dataset", "foo"], "--dataset"), (["fedmim", "--datasets", "mnist", "foo"], "--datasets")],
+)
+def test_an_unknown_dataset_is_one_line_naming_its_option_before_anything_runs(argv, flag, tmp_path, capsys):
+    from fedweave.cli import main
+
+    out = tmp_path / "o"
+    assert main(["reproduce", *argv, "--scale", "smoke", "--workers", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{flag}: unknown dataset 'foo'" in err and "mnist" in err
+    assert not (out / "runs").exists()  # no run was started (and failed) in OUT

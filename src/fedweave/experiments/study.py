@@ -318,6 +318,16 @@ def choices(value: str | None, allowed: Sequence[str], flag: str) -> list[str] |
     return items
 
 
+def known_datasets(names: Sequence[str], flag: str) -> None:
+    """Every name of ``names`` a registered dataset: else a ``ConfigError`` of one line naming the flag, the
+    unknown name and what is allowed, before any run (a run would fail on it only once the sweep had started)."""
+    from fedweave.registry import DATASETS
+
+    for name in names:
+        if name not in DATASETS:
+            raise ConfigError(f"{flag}: unknown dataset {name!r}; allowed {', '.join(DATASETS.names())}")
+
+
 def not_run(skipped: Sequence[Point]) -> str:
     """A report's line naming the points the time budget left unrun (each by its values and seed, or by its run's
     name when it has no values), or ""."""

@@ -26,7 +26,7 @@ from fedweave.experiments.blocks import verdict_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.pages import paragraph, stated
 from fedweave.experiments.plots import plot_curves
-from fedweave.experiments.study import Claim, Plan, Report, Rows, Study, judge, not_run, option
+from fedweave.experiments.study import Claim, Plan, Report, Rows, Study, judge, known_datasets, not_run, option
 from fedweave.experiments.tables import Col, layout, markdown_table, read_csv, signed
 from fedweave.experiments.verdicts import All, Paired, Select, Threshold, Untestable, cell
 from fedweave.runner import Result
@@ -328,6 +328,7 @@ def plots(results: list[dict[str, Any]], out: Path) -> None:
 def plan(opts) -> Plan:
     """The preset of ``--scale`` / ``--dataset`` and its points; the context is the preset and the seeds."""
     dataset = opts.dataset or ("cifar10" if opts.scale == "paper" else "fashion_mnist")
+    known_datasets([dataset], "--dataset")
     p = preset(opts.scale, dataset)
     seeds = list(range(opts.seeds if opts.seeds is not None else p.seeds))
     return Plan(jobs(p, seeds, Path(opts.out)), (p, seeds, {}))

@@ -30,7 +30,19 @@ from fedweave.experiments.aggregate import (
 from fedweave.experiments.blocks import claim_table, cost_line, gap_table, run_values, same_runs_table, verdict_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Panel, plot_panels, seed_lines
-from fedweave.experiments.study import Json, Plan, Report, Rows, Study, Verdict, judge, not_run, option, reading
+from fedweave.experiments.study import (
+    Json,
+    Plan,
+    Report,
+    Rows,
+    Study,
+    Verdict,
+    judge,
+    known_datasets,
+    not_run,
+    option,
+    reading,
+)
 from fedweave.experiments.tables import Best, Col, bold_layout, indent, layout, lookup, pm_cell, read_csv
 from fedweave.experiments.verdicts import All, Paired, Select, Untestable, cell, complete_pairs
 from fedweave.runner import Result
@@ -961,6 +973,7 @@ def _round50(folder: Path) -> str:
 def study_plan(opts) -> Plan:
     p = PRESETS[opts.scale]
     seeds = tuple(range(opts.seeds)) if opts.seeds else p.seeds
+    known_datasets(opts.datasets or [], "--datasets")
     return Plan(plan(p, Path(opts.out), seeds, opts.datasets, opts.methods, opts.extend), (p, seeds))
 
 

@@ -487,14 +487,23 @@ def power_table(records: list[dict]) -> str:
     best = max(BASELINES, key=mean)
     room = mean(best) - mean("server_only")
     diffs = {s: list((at("zo_hfl", s) - at("server_only", s)).values(table, "acc").values()) for s in SETTINGS}
-    sd = lambda s: float(np.std(diffs[s], ddof=1))  # noqa: E731
+    # one paired difference (--seeds 1, or a time budget that left one seed) has no std: no test, no power ("—")
+    sd = lambda s: float(np.std(diffs[s], ddof=1)) if len(diffs[s]) >= 2 else None  # noqa: E731
     cols = [
         Col("setting", SETTING_NAMES.get),
         Col("seeds", lambda s: len(diffs[s])),
-        Col("ZO-HFL - server-only", lambda s: np.mean(diffs[s]), "+.2f"),
+        Col("ZO-HFL - server-only", lambda s: np.mean(diffs[s]) if diffs[s] else None, "+.2f"),
         Col("std of the paired differences", sd, ".2f"),
-        Col("difference found with 80 % power", lambda s: detectable(sd(s), len(diffs[s])), ".2f"),
-        Col(f"power against a gain of {room:.2f}", lambda s: paired_power(room, sd(s), len(diffs[s])), ".2f"),
+        Col(
+            "difference found with 80 % power",
+            lambda s: None if sd(s) is None else detectable(sd(s), len(diffs[s])),
+            ".2f",
+        ),
+        Col(
+            f"power against a gain of {room:.2f}",
+            lambda s: None if sd(s) is None else paired_power(room, sd(s), len(diffs[s])),
+            ".2f",
+        ),
     ]
     return (
         f"Room: the best baseline ({label(best)}) ends {room:.2f} points above the server-only control at "
