@@ -442,10 +442,14 @@ Rule = Paired | Threshold | All | Untestable
 
 
 # ---- the power of the paired t test: what a declared rule over n seeds could find ------------------------
-def paired_power(delta: float, sd: float, n: int, level: float = 0.95) -> float:
+def paired_power(delta: float, sd: float | None, n: int, level: float = 0.95) -> float | None:
     """The power of the two-sided ``level`` paired t test over ``n`` pairs to find a true mean difference
-    ``delta`` when the pairs' differences have standard deviation ``sd`` (the noncentral t)."""
+    ``delta`` when the pairs' differences have standard deviation ``sd`` (the noncentral t); None where no test
+    can run (fewer than 2 pairs, so no ``sd``)."""
     from scipy import stats
+
+    if sd is None or n < 2:
+        return None
 
     crit = stats.t.ppf((1 + level) / 2, n - 1)
     # the two-sided power is even in delta: a loss is found as often as a gain of the same size, so the
@@ -455,8 +459,12 @@ def paired_power(delta: float, sd: float, n: int, level: float = 0.95) -> float:
     return float(stats.nct.sf(crit, n - 1, nc) + (stats.nct.cdf(-crit, n - 1, nc) if abs(nc) < 10 else 0.0))
 
 
-def detectable(sd: float, n: int, power: float = 0.8, level: float = 0.95) -> float:
-    """The smallest true mean difference the paired t test finds with probability ``power`` (``paired_power``)."""
+def detectable(sd: float | None, n: int, power: float = 0.8, level: float = 0.95) -> float | None:
+    """The smallest true mean difference the paired t test finds with probability ``power`` (``paired_power``);
+    None where no test can run (fewer than 2 pairs)."""
     from scipy.optimize import brentq
+
+    if sd is None or n < 2:
+        return None
 
     return float(brentq(lambda d: paired_power(d, sd, n, level) - power, 1e-9 * sd, 30 * sd))

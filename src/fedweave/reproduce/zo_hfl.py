@@ -494,16 +494,8 @@ def power_table(records: list[dict]) -> str:
         Col("seeds", lambda s: len(diffs[s])),
         Col("ZO-HFL - server-only", lambda s: np.mean(diffs[s]) if diffs[s] else None, "+.2f"),
         Col("std of the paired differences", sd, ".2f"),
-        Col(
-            "difference found with 80 % power",
-            lambda s: None if sd(s) is None else detectable(sd(s), len(diffs[s])),
-            ".2f",
-        ),
-        Col(
-            f"power against a gain of {room:.2f}",
-            lambda s: None if sd(s) is None else paired_power(room, sd(s), len(diffs[s])),
-            ".2f",
-        ),
+        Col("difference found with 80 % power", lambda s: detectable(sd(s), len(diffs[s])), ".2f"),
+        Col(f"power against a gain of {room:.2f}", lambda s: paired_power(room, sd(s), len(diffs[s])), ".2f"),
     ]
     return (
         f"Room: the best baseline ({label(best)}) ends {room:.2f} points above the server-only control at "
