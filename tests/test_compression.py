@@ -548,3 +548,17 @@ def test_a_non_finite_message_leaves_the_error_feedback_residual_as_it_was():
     out, _ = up.transmit(3, clients, 0, "update", x3)
     assert torch.equal(out, torch.tensor([[0.0, 0.0, -1.5], [-0.5, 0.0, 0.0]]))  # top-1 of e_2 + x_3
     assert torch.equal(up.store.rows("update", clients), torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_int8_stays_finite_and_unbiased_where_the_range_leaves_the_float_range(dtype):
+    """A finite vector whose max - min overflows (float32: [-3e38, 3e38]) decoded to NaN (0 * inf); its 256
+    levels still lie between its finite bounds, and the rounding is still unbiased."""
+    big = torch.finfo(dtype).max * 0.9
+    v = torch.tensor([-big, -big / 3, 0.0, big / 7, big], dtype=dtype)
+    draws = _draws(Int8(), v, 4000)
+    assert torch.isfinite(draws).all()
+    assert torch.equal(draws[:, 0], v[0].expand(len(draws))) and torch.equal(draws[:, -1], v[-1].expand(len(draws)))
+    # in units of big (the sum of 4000 draws would overflow float64 too): the step is 1.8 / 255, sd <= step / 2
+    mean = (draws.double() / big).mean(0)
+    assert ((mean - v.double() / big).abs() <= 5 * (1.8 / 255 / 2) / math.sqrt(len(draws))).all()
