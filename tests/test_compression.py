@@ -562,3 +562,15 @@ def test_int8_stays_finite_and_unbiased_where_the_range_leaves_the_float_range(d
     # in units of big (the sum of 4000 draws would overflow float64 too): the step is 1.8 / 255, sd <= step / 2
     mean = (draws.double() / big).mean(0)
     assert ((mean - v.double() / big).abs() <= 5 * (1.8 / 255 / 2) / math.sqrt(len(draws))).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_efsign_scale_stays_finite_where_the_l1_sum_leaves_the_float_range(dtype):
+    """||v||_1 / d (Karimireddy et al. 2019, Alg. 1) of [0.9 max, 0.9 max, -0.9 max] is 0.9 max, a float; the sum
+    overflowed and the scale was inf."""
+    big = torch.finfo(dtype).max * 0.9
+    v = torch.tensor([big, big, -big], dtype=dtype)
+    c = EFSign()
+    out = c.decode(c.encode(v, None))
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out / big, torch.tensor([1.0, 1.0, -1.0], dtype=dtype))

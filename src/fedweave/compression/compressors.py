@@ -167,7 +167,9 @@ class EFSign(Compressor):
     error_feedback: bool = True
 
     def encode(self, v: torch.Tensor, rng: torch.Generator | None) -> Encoded:
-        scale = v.abs().sum() / len(v)
+        scale, peak = v.abs().sum() / len(v), v.abs().max()
+        if scale.isinf() and peak.isfinite():  # the sum overflowed, not the mean: sum in units of the peak
+            scale = (v.abs() / peak).sum() / len(v) * peak
         fields = (float_field("scale", scale.reshape(1)), uint_field("signs", (v < 0).to(torch.uint8), 1))
         return Encoded(fields, len(v), v.dtype)
 
