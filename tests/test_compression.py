@@ -518,3 +518,59 @@ def test_compressed_downloads_compose_with_the_other_server_stages(tmp_path):
     assert sum(m["byzantine_clients"] for m in got) == sum(m["byzantine_clients"] for m in dense) > 0
     for way in ("bytes_down", "bytes_up"):
         assert 0 < got[-1][way] < dense[-1][way] / 2, way
+
+
+def test_a_non_finite_message_leaves_the_error_feedback_residual_as_it_was():
+    """e_{t+1} = e_t + x_t - C(e_t + x_t) (Karimireddy et al. 2019, Alg. 2), by hand over 3 rounds with top-1 on
+    two clients; in round 2 client 0's local training gave NaN. Its NaN row still reaches the server (a robust
+    aggregator drops it, a plain mean stops the run), but its residual keeps e_2 instead of turning NaN for good:
+    round 3 sends e_2 + x_3 as a client that skipped round 2 would."""
+    from types import SimpleNamespace
+
+    from fedweave.compression import UploadCompression
+    from fedweave.execution.placement import CPU
+
+    ledger = SimpleNamespace(store=lambda *a: None)
+    ctx = SimpleNamespace(dtype=torch.float32, placement=CPU, ledger=ledger, seeds=Seeds(0), float_bytes=4)
+    up = UploadCompression(TopK(k=1), 3, 2, ctx)
+    clients = np.array([0, 1])
+    x1 = torch.tensor([[3.0, 1.0, -2.0], [0.5, -4.0, 1.0]])
+    out, _ = up.transmit(1, clients, 0, "update", x1)
+    assert torch.equal(out, torch.tensor([[3.0, 0.0, 0.0], [0.0, -4.0, 0.0]]))
+    e1 = torch.tensor([[0.0, 1.0, -2.0], [0.5, 0.0, 1.0]])
+    assert torch.equal(up.store.rows("update", clients), e1)
+    x2 = torch.tensor([[math.nan, 0.0, 0.0], [0.0, 0.0, 2.0]])
+    out, _ = up.transmit(2, clients, 0, "update", x2)
+    assert torch.isnan(out[0]).any() and torch.equal(out[1], torch.tensor([0.0, 0.0, 3.0]))
+    e2 = torch.tensor([[0.0, 1.0, -2.0], [0.5, 0.0, 0.0]])
+    assert torch.equal(up.store.rows("update", clients), e2)  # client 0 keeps e_1: the NaN message is not folded in
+    x3 = torch.tensor([[0.0, 0.0, 0.5], [-1.0, 0.0, 0.0]])
+    out, _ = up.transmit(3, clients, 0, "update", x3)
+    assert torch.equal(out, torch.tensor([[0.0, 0.0, -1.5], [-0.5, 0.0, 0.0]]))  # top-1 of e_2 + x_3
+    assert torch.equal(up.store.rows("update", clients), torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_int8_stays_finite_and_unbiased_where_the_range_leaves_the_float_range(dtype):
+    """A finite vector whose max - min overflows (float32: [-3e38, 3e38]) decoded to NaN (0 * inf); its 256
+    levels still lie between its finite bounds, and the rounding is still unbiased."""
+    big = torch.finfo(dtype).max * 0.9
+    v = torch.tensor([-big, -big / 3, 0.0, big / 7, big], dtype=dtype)
+    draws = _draws(Int8(), v, 4000)
+    assert torch.isfinite(draws).all()
+    assert torch.equal(draws[:, 0], v[0].expand(len(draws))) and torch.equal(draws[:, -1], v[-1].expand(len(draws)))
+    # in units of big (the sum of 4000 draws would overflow float64 too): the step is 1.8 / 255, sd <= step / 2
+    mean = (draws.double() / big).mean(0)
+    assert ((mean - v.double() / big).abs() <= 5 * (1.8 / 255 / 2) / math.sqrt(len(draws))).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_efsign_scale_stays_finite_where_the_l1_sum_leaves_the_float_range(dtype):
+    """||v||_1 / d (Karimireddy et al. 2019, Alg. 1) of [0.9 max, 0.9 max, -0.9 max] is 0.9 max, a float; the sum
+    overflowed and the scale was inf."""
+    big = torch.finfo(dtype).max * 0.9
+    v = torch.tensor([big, big, -big], dtype=dtype)
+    c = EFSign()
+    out = c.decode(c.encode(v, None))
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out / big, torch.tensor([1.0, 1.0, -1.0], dtype=dtype))

@@ -167,7 +167,9 @@ class EFSign(Compressor):
     error_feedback: bool = True
 
     def encode(self, v: torch.Tensor, rng: torch.Generator | None) -> Encoded:
-        scale = v.abs().sum() / len(v)
+        scale, peak = v.abs().sum() / len(v), v.abs().max()
+        if scale.isinf() and peak.isfinite():  # the sum overflowed, not the mean: sum in units of the peak
+            scale = (v.abs() / peak).sum() / len(v) * peak
         fields = (float_field("scale", scale.reshape(1)), uint_field("signs", (v < 0).to(torch.uint8), 1))
         return Encoded(fields, len(v), v.dtype)
 
@@ -193,6 +195,8 @@ class Int8(Compressor):
         u = torch.rand(len(v), generator=rng, dtype=v.dtype)
         step = (hi - lo) / self.LEVELS
         t = (v - lo) / step if step > 0 else torch.zeros_like(v)
+        if step.isinf() and lo.isfinite() and hi.isfinite():  # the range, not a value, overflowed: halves (exact)
+            t = (v / 2 - lo / 2) / ((hi / 2 - lo / 2) / self.LEVELS)
         low = t.floor()
         code = (low + (u < t - low).to(v.dtype)).clamp(0, self.LEVELS)
         fields = (float_field("bounds", torch.stack([lo, hi])), uint_field("codes", code.to(torch.int64), 8))
@@ -201,6 +205,9 @@ class Int8(Compressor):
     def decode(self, e: Encoded) -> torch.Tensor:
         lo, hi = field_floats(e["bounds"], e.dtype)
         code = torch.from_numpy(e["codes"].astype("float64")).to(e.dtype)
+        if (hi - lo).isinf() and lo.isfinite() and hi.isfinite():  # each half of the step stays in range
+            half = code * ((hi / 2 - lo / 2) / self.LEVELS)
+            return lo + half + half
         return lo + code * ((hi - lo) / self.LEVELS)
 
 

@@ -59,15 +59,19 @@ class UploadCompression:
         if ef and name not in self.store:
             self.store.create(name, self.size)  # e_i = 0 (Karimireddy et al. 2019, Alg. 2)
             self.ctx.ledger.store("client", f"residual_{name}", self.size * self.ctx.float_bytes)  # per client
-        sent = rows + self.store.rows(name, clients) if ef else rows  # p_i = v_i + e_i
+        held = self.store.rows(name, clients) if ef else None
+        sent = rows + held if ef else rows  # p_i = v_i + e_i
         out, total = torch.empty_like(sent), 0
         for j, client in enumerate(np.asarray(clients).tolist()):
             rng = self.ctx.seeds.torch("compression", key, client, index) if c.random else None
             encoded = c.encode(sent[j].detach().to("cpu"), rng)
             out[j] = c.decode(encoded).to(out.device)
             total += encoded.nbytes
-        if ef:
-            self.store.set_rows(name, clients, sent - out)  # e_i <- p_i - C(p_i)
+        if ef:  # e_i <- p_i - C(p_i); a non-finite message (a client whose training gave NaN) still goes to the
+            # server, where a robust aggregator drops it or the run stops, but is not folded into e_i: a NaN
+            # residual would make every later upload of that client NaN, a client lost for the rest of the run
+            new = sent - out
+            self.store.set_rows(name, clients, torch.where(torch.isfinite(new).all(1, keepdim=True), new, held))
         return out, total
 
     def upload(self, key: int, clients: np.ndarray, x: torch.Tensor, got: Any) -> tuple[Any, int]:
