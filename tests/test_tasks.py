@@ -239,6 +239,22 @@ def test_a_class_loss_on_float_targets_and_mse_on_labels_are_refused(tmp_path):
         fedweave.run(digits, run_dir=tmp_path / "b")
 
 
+def test_bce_with_logits_on_targets_outside_0_1_is_refused(tmp_path):
+    # diabetes' standardized targets run from about -2 to 3: a binary cross-entropy against them is unbounded
+    # below (-y log s(z) - (1 - y) log(1 - s(z)) -> -inf as z -> inf for y > 1), and the run trained on it
+    cfg = {**REGRESSION, "rounds": 1, "task": {"loss": "bce_with_logits", "metrics": ["mse"]}}
+    with pytest.raises(ConfigError, match=r"task.loss 'bce_with_logits' needs targets in \[0, 1\].*'diabetes'"):
+        fedweave.run(cfg, run_dir=tmp_path / "a")
+    x, y = torch.randn(40, 3), torch.rand(40, 2)  # soft labels in [0, 1] are targets it takes
+    test = torch.full((10, 2), 0.5)
+    test[3, 1] = -0.5  # ... in the test split too
+    ok = {**cfg, "dataset": {"name": "python"}, "partition": {"name": "iid", "num_clients": 4}}
+    ok["algorithm"] = {"name": "fedavg", "clients_per_round": 2}
+    fedweave.run(ok, dataset=(x, y, torch.randn(10, 3), torch.full((10, 2), 0.5)), run_dir=tmp_path / "b")
+    with pytest.raises(ConfigError, match=r"needs targets in \[0, 1\].*from -0\.5 to "):
+        fedweave.run(ok, dataset=(x, y, torch.randn(10, 3), test), run_dir=tmp_path / "c")
+
+
 @pytest.mark.parametrize(
     ("dataset", "task", "message"),
     [

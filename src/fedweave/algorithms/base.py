@@ -315,6 +315,17 @@ class RunContext:
                 f"task.loss {self.task.loss.name!r} needs float targets, but dataset {self.config.dataset.name!r} "
                 "has class labels; use cross_entropy (the default) or nll"
             )
+        if self.task.loss.name == "bce_with_logits" and has == "float":
+            # a target outside [0, 1] makes the binary cross-entropy unbounded below: training drives the
+            # logits to +-inf and the loss to -inf instead of fitting anything
+            lo = min(float(ds.train_y.min()), float(ds.test_y.min()))
+            hi = max(float(ds.train_y.max()), float(ds.test_y.max()))
+            if not (lo >= 0 and hi <= 1):
+                raise ConfigError(
+                    f"task.loss 'bce_with_logits' needs targets in [0, 1] (0/1 labels or probabilities), but dataset "
+                    f"{self.config.dataset.name!r} has targets from {lo:.6g} to {hi:.6g}; use mse for real-valued "
+                    "targets"
+                )
         self._check_metrics(ds, has)
         return ds
 
