@@ -255,6 +255,18 @@ def test_bce_with_logits_on_targets_outside_0_1_is_refused(tmp_path):
         fedweave.run(ok, dataset=(x, y, torch.randn(10, 3), test), run_dir=tmp_path / "c")
 
 
+def test_auc_on_a_test_split_that_is_not_0_1_is_refused_when_the_run_is_built(tmp_path):
+    # 0/1 training targets and a test split with soft labels: auc read only the training split's kind, and the
+    # first evaluation failed in scikit-learn with a traceback ("continuous format is not supported")
+    x, y = torch.randn(40, 3), (torch.rand(40, 2) > 0.5).float()
+    test = (torch.rand(10, 2) > 0.5).float()
+    test[0, 0] = 0.5
+    cfg = {**REGRESSION, "rounds": 1, "dataset": {"name": "python"}, "partition": {"name": "iid", "num_clients": 4}}
+    cfg.update(algorithm={"name": "fedavg", "clients_per_round": 2}, task={"loss": "bce_with_logits"})
+    with pytest.raises(ConfigError, match=r"task.metrics: 'auc' needs 0/1 targets"):
+        fedweave.run(cfg, dataset=(x, y, torch.randn(10, 3), test), run_dir=tmp_path / "a")
+
+
 @pytest.mark.parametrize(
     ("dataset", "task", "message"),
     [

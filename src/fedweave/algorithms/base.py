@@ -335,7 +335,7 @@ class RunContext:
         floats = has == "float"
         # a registered model gives num_classes logits, so value metrics on class labels fit only one output
         one_output = ds.num_classes == 1 or self.objects.model is not None
-        binary = floats and bool(((ds.train_y == 0) | (ds.train_y == 1)).all())
+        binary = floats and all(bool(((y == 0) | (y == 1)).all()) for y in (ds.train_y, ds.test_y))  # both splits
         fits = {"class": not floats, "float": floats or one_output, "binary": binary if floats else one_output}
         for m in self.task.metrics:
             wants = METRICS.get(m).targets
