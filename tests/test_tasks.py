@@ -498,6 +498,25 @@ def _digits_arrays():
 BACKENDS = ["loop", "vmap", "pool", pytest.param("ray", marks=pytest.mark.slow)]
 
 
+def _mse_none(out, y):
+    return nn.functional.mse_loss(out, y.reshape(out.shape), reduction="none")  # (B, 1) for one output
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+def test_a_loss_function_with_a_column_per_output_is_the_registered_mse(backend, tmp_path):
+    # reduction="none" on a one-output model gives (B, 1), not (B,): vmap's masked mean broadcast it against
+    # the (B,) mask into a (B, B) matrix, trained on a sum instead of a mean and diverged in round 1
+    cfg = {**REGRESSION, "rounds": 3, "backend": backend, "partition": {"name": "quantity_skew", "num_clients": 5}}
+    cfg.update(algorithm={"name": "fedavg", "clients_per_round": 3}, local={"epochs": 1, "batch_size": 16, "lr": 0.05})
+    ref = fedweave.run(cfg, run_dir=tmp_path / "mse")
+    byo = {k: v for k, v in cfg.items() if k != "task"}
+    res = fedweave.run(byo, loss=_mse_none, run_dir=tmp_path / "fn")
+    got, want = [r["test_loss"] for r in res.metrics], [r["test_loss"] for r in ref.metrics]
+    assert got == pytest.approx(want, rel=1e-6)
+    two = torch.tensor([[1.0, 2.0], [3.0, 5.0]])  # a column per output: its per-sample loss is their mean
+    assert build_task(_mse_none).loss.per_sample(two, torch.zeros(2, 2)).tolist() == [2.5, 17.0]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_custom_loss_and_module_are_the_same_on_every_backend(backend, tmp_path):
     if backend == "ray":
