@@ -239,6 +239,34 @@ def test_a_class_loss_on_float_targets_and_mse_on_labels_are_refused(tmp_path):
         fedweave.run(digits, run_dir=tmp_path / "b")
 
 
+def test_bce_with_logits_on_targets_outside_0_1_is_refused(tmp_path):
+    # diabetes' standardized targets run from about -2 to 3: a binary cross-entropy against them is unbounded
+    # below (-y log s(z) - (1 - y) log(1 - s(z)) -> -inf as z -> inf for y > 1), and the run trained on it
+    cfg = {**REGRESSION, "rounds": 1, "task": {"loss": "bce_with_logits", "metrics": ["mse"]}}
+    with pytest.raises(ConfigError, match=r"task.loss 'bce_with_logits' needs targets in \[0, 1\].*'diabetes'"):
+        fedweave.run(cfg, run_dir=tmp_path / "a")
+    x, y = torch.randn(40, 3), torch.rand(40, 2)  # soft labels in [0, 1] are targets it takes
+    test = torch.full((10, 2), 0.5)
+    test[3, 1] = -0.5  # ... in the test split too
+    ok = {**cfg, "dataset": {"name": "python"}, "partition": {"name": "iid", "num_clients": 4}}
+    ok["algorithm"] = {"name": "fedavg", "clients_per_round": 2}
+    fedweave.run(ok, dataset=(x, y, torch.randn(10, 3), torch.full((10, 2), 0.5)), run_dir=tmp_path / "b")
+    with pytest.raises(ConfigError, match=r"needs targets in \[0, 1\].*from -0\.5 to "):
+        fedweave.run(ok, dataset=(x, y, torch.randn(10, 3), test), run_dir=tmp_path / "c")
+
+
+def test_auc_on_a_test_split_that_is_not_0_1_is_refused_when_the_run_is_built(tmp_path):
+    # 0/1 training targets and a test split with soft labels: auc read only the training split's kind, and the
+    # first evaluation failed in scikit-learn with a traceback ("continuous format is not supported")
+    x, y = torch.randn(40, 3), (torch.rand(40, 2) > 0.5).float()
+    test = (torch.rand(10, 2) > 0.5).float()
+    test[0, 0] = 0.5
+    cfg = {**REGRESSION, "rounds": 1, "dataset": {"name": "python"}, "partition": {"name": "iid", "num_clients": 4}}
+    cfg.update(algorithm={"name": "fedavg", "clients_per_round": 2}, task={"loss": "bce_with_logits"})
+    with pytest.raises(ConfigError, match=r"task.metrics: 'auc' needs 0/1 targets"):
+        fedweave.run(cfg, dataset=(x, y, torch.randn(10, 3), test), run_dir=tmp_path / "a")
+
+
 @pytest.mark.parametrize(
     ("dataset", "task", "message"),
     [
@@ -468,6 +496,25 @@ def _digits_arrays():
 
 
 BACKENDS = ["loop", "vmap", "pool", pytest.param("ray", marks=pytest.mark.slow)]
+
+
+def _mse_none(out, y):
+    return nn.functional.mse_loss(out, y.reshape(out.shape), reduction="none")  # (B, 1) for one output
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+def test_a_loss_function_with_a_column_per_output_is_the_registered_mse(backend, tmp_path):
+    # reduction="none" on a one-output model gives (B, 1), not (B,): vmap's masked mean broadcast it against
+    # the (B,) mask into a (B, B) matrix, trained on a sum instead of a mean and diverged in round 1
+    cfg = {**REGRESSION, "rounds": 3, "backend": backend, "partition": {"name": "quantity_skew", "num_clients": 5}}
+    cfg.update(algorithm={"name": "fedavg", "clients_per_round": 3}, local={"epochs": 1, "batch_size": 16, "lr": 0.05})
+    ref = fedweave.run(cfg, run_dir=tmp_path / "mse")
+    byo = {k: v for k, v in cfg.items() if k != "task"}
+    res = fedweave.run(byo, loss=_mse_none, run_dir=tmp_path / "fn")
+    got, want = [r["test_loss"] for r in res.metrics], [r["test_loss"] for r in ref.metrics]
+    assert got == pytest.approx(want, rel=1e-6)
+    two = torch.tensor([[1.0, 2.0], [3.0, 5.0]])  # a column per output: its per-sample loss is their mean
+    assert build_task(_mse_none).loss.per_sample(two, torch.zeros(2, 2)).tolist() == [2.5, 17.0]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

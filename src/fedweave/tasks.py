@@ -117,7 +117,8 @@ class BCEWithLogits(Loss):
 
 
 class CallableLoss(Loss):
-    """A user's ``fn(out, y)`` returning per-sample losses (shape ``(B,)``) or their mean (a scalar)."""
+    """A user's ``fn(out, y)`` returning per-sample losses: shape ``(B,)``, or ``(B, ...)`` (``reduction="none"``
+    on a model with one or more outputs), averaged over the other axes as the registered losses are."""
 
     def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], targets: str = "float") -> None:
         self.fn, self.targets = fn, targets
@@ -130,7 +131,8 @@ class CallableLoss(Loss):
                 f"the loss {self.name!r} must return one loss per sample (shape (B,)), got a scalar; "
                 "compute it with reduction='none'"
             )
-        return v
+        # (B, 1) or (B, k) to (B,): a masked mean would broadcast a (B, 1) against the (B,) mask into (B, B)
+        return _rows(v)
 
     def __reduce__(self):
         return (CallableLoss, (self.fn, self.targets))

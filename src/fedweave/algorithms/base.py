@@ -324,6 +324,17 @@ class RunContext:
                 f"task.loss {self.task.loss.name!r} needs float targets, but dataset {self.config.dataset.name!r} "
                 "has class labels; use cross_entropy (the default) or nll"
             )
+        if self.task.loss.name == "bce_with_logits" and has == "float":
+            # a target outside [0, 1] makes the binary cross-entropy unbounded below: training drives the
+            # logits to +-inf and the loss to -inf instead of fitting anything
+            lo = min(float(ds.train_y.min()), float(ds.test_y.min()))
+            hi = max(float(ds.train_y.max()), float(ds.test_y.max()))
+            if not (lo >= 0 and hi <= 1):
+                raise ConfigError(
+                    f"task.loss 'bce_with_logits' needs targets in [0, 1] (0/1 labels or probabilities), but dataset "
+                    f"{self.config.dataset.name!r} has targets from {lo:.6g} to {hi:.6g}; use mse for real-valued "
+                    "targets"
+                )
         self._check_metrics(ds, has)
         return ds
 
@@ -333,7 +344,7 @@ class RunContext:
         floats = has == "float"
         # a registered model gives num_classes logits, so value metrics on class labels fit only one output
         one_output = ds.num_classes == 1 or self.objects.model is not None
-        binary = floats and bool(((ds.train_y == 0) | (ds.train_y == 1)).all())
+        binary = floats and all(bool(((y == 0) | (y == 1)).all()) for y in (ds.train_y, ds.test_y))  # both splits
         fits = {"class": not floats, "float": floats or one_output, "binary": binary if floats else one_output}
         for m in self.task.metrics:
             wants = METRICS.get(m).targets
