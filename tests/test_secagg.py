@@ -144,3 +144,14 @@ def test_another_family_is_refused_with_one_line_and_flower_deployment_runs_it(t
         _built(cfg)
     # fedweave flower-app runs Flower's SecAgg+ (tests/test_deploy_secagg.py); on-error drop is refused there
     check_deployable(load(_cfg(toy_config, {"num_shares": 1.0})), "stop")
+
+
+def test_the_documented_deployed_error_bound_divides_by_the_quantization_range_not_the_field():
+    # docs/privacy.md calls the field of the masked values R = modulus_range (2^32); the deployed mean's error
+    # bound divides by quantization_range (2^22 gives the documented 4.8e-7), which must not be called R there
+    from pathlib import Path
+
+    text = Path(__file__).parents[1].joinpath("docs", "privacy.md").read_text()
+    section = text[text.index("**Deployed, it is Flower's SecAgg+**") :][:900]
+    assert "2 c / R" not in section and "`quantization_range`" in section
+    assert abs(2 * 1.0 / SecureAggregationConfig().quantization_range - 4.8e-7) < 0.05e-7
