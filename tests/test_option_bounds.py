@@ -10,6 +10,7 @@ import pytest
 
 from fedweave.algorithms.centralized.fedadam import FedOptHparams
 from fedweave.algorithms.hierarchical.base import HierarchyHparams
+from fedweave.compression.compressors import QSGD, RandK, TopK
 from fedweave.config import ConfigError, build_dataclass
 from fedweave.registry import ALGORITHMS
 from fedweave.robust.aggregators import CenteredClipping, DnC, GeometricMedian
@@ -291,3 +292,12 @@ def test_loss_coefficients_beyond_float32_are_refused(name: str, key: str, low: 
     with pytest.raises(ConfigError, match=rf"^algorithm\.{key} must be in \{low}0, 3\.40282e\+38\], got 1e\+300$"):
         build_dataclass(hp, {key: 1e300}, "algorithm")
     build_dataclass(hp, {key: 3e38}, "algorithm")  # finite in float32: a strong pull, not a refusal
+
+
+@pytest.mark.parametrize("make", [lambda: TopK(k=10**300).check(100), lambda: RandK(k=10**300).check(100),
+                                  lambda: QSGD(levels=10**300)])  # fmt: skip
+def test_compressor_counts_beyond_range_are_shown_short(make) -> None:
+    # each was refused with its 301 digits in the line
+    with pytest.raises(ConfigError, match=r"1e\+300") as e:
+        make()
+    assert len(str(e.value)) < 150

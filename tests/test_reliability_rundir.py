@@ -327,3 +327,11 @@ def test_flower_app_writes_valid_toml_for_any_run_name(in_tmp):
     app = data["tool"]["flwr"]["app"]
     assert load(json.loads(app["config"]["fedweave-config"])).name == name
     assert app["components"] == {"serverapp": "fedweave_app:serverapp", "clientapp": "fedweave_app:clientapp"}
+
+
+def test_a_directory_holding_a_diverged_run_is_refused_naming_how_it_ended(tmp_path):
+    # the line called it "a finished run", as it did a failed one
+    diverging = {**BASE, "algorithm": {**BASE["algorithm"], "server_lr": 1e38}}
+    assert fedweave.run(diverging, run_dir=tmp_path / "r", on_divergence="return").summary["status"] == "diverged"
+    with pytest.raises(fedweave.results.RunDirError, match=r"already holds a diverged run; it has no checkpoint"):
+        fedweave.run(BASE, run_dir=tmp_path / "r")

@@ -161,6 +161,20 @@ def folder_refusal(path: str | Path) -> str | None:
     return None
 
 
+def _held_run(summary: Path) -> str:
+    """How a refusal names the run a directory holds: by how it ended (a run that failed or diverged is no
+    finished run), or as unfinished where no summary was written."""
+    if not summary.is_file():
+        return "an unfinished run"
+    try:
+        status = json.loads(summary.read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        status = None
+    if status in ("failed", "diverged", "interrupted", "stopped"):
+        return f"{'an' if status == 'interrupted' else 'a'} {status} run"
+    return "a finished run"
+
+
 def check_run_dir(path: Path, *, resume: bool = False, overwrite: bool = False) -> None:
     """Refuse, before anything is written, a run directory that cannot take this run: raise a
     :class:`RunDirError` naming the path when it (or a parent) is a file, when it holds anything but a run's
@@ -178,8 +192,7 @@ def check_run_dir(path: Path, *, resume: bool = False, overwrite: bool = False) 
             raise RunDirError(refusal)
         return
     if holds_run(path):
-        summary = path / "summary.json"
-        what = "a finished run" if summary.is_file() else "an unfinished run"
+        what = _held_run(path / "summary.json")
         # offer --resume only where it can continue: a run without checkpoint.pt has nothing to resume from
         if (path / "checkpoint.pt").is_file():
             ways = f"give another --out / output.dir, resume it with 'fedweave run --resume {path}', or replace it"

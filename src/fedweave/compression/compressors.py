@@ -69,7 +69,7 @@ class _Sparse(Compressor):
 
     def check(self, size: int) -> None:
         if self.kept(size) > size:
-            raise ConfigError(f"{KEY}.k ({self.k}) exceeds the {size} values of a message; choose k <= {size}")
+            raise ConfigError(f"{KEY}.k ({self.k:.6g}) exceeds the {size} values of a message; choose k <= {size}")
 
 
 @COMPRESSORS.register("topk")
@@ -133,7 +133,7 @@ class QSGD(Compressor):
         if self.levels < 1:
             raise ConfigError(f"{KEY}.levels must be >= 1, got {self.levels}")
         if self.levels > 2**63 - 1:  # the levels travel as int64 codes
-            raise ConfigError(f"{KEY}.levels must be at most 2^63 - 1 (the codes are int64), got {self.levels}")
+            raise ConfigError(f"{KEY}.levels must be at most 2^63 - 1 (the codes are int64), got {self.levels:.6g}")
 
     def encode(self, v: torch.Tensor, rng: torch.Generator | None) -> Encoded:
         s, norm, peak = self.levels, v.norm(), v.abs().max()
