@@ -194,9 +194,10 @@ class Int8(Compressor):
         lo, hi = v.min(), v.max()
         u = torch.rand(len(v), generator=rng, dtype=v.dtype)
         step = (hi - lo) / self.LEVELS
-        t = (v - lo) / step if step > 0 else torch.zeros_like(v)
-        if step.isinf() and lo.isfinite() and hi.isfinite():  # the range, not a value, overflowed: halves (exact)
+        if self._range_overflows(lo, hi):  # the range, not a value, left the float range: in halves (exact)
             t = (v / 2 - lo / 2) / ((hi / 2 - lo / 2) / self.LEVELS)
+        else:
+            t = (v - lo) / step if step > 0 else torch.zeros_like(v)
         low = t.floor()
         code = (low + (u < t - low).to(v.dtype)).clamp(0, self.LEVELS)
         fields = (float_field("bounds", torch.stack([lo, hi])), uint_field("codes", code.to(torch.int64), 8))
@@ -205,10 +206,15 @@ class Int8(Compressor):
     def decode(self, e: Encoded) -> torch.Tensor:
         lo, hi = field_floats(e["bounds"], e.dtype)
         code = torch.from_numpy(e["codes"].astype("float64")).to(e.dtype)
-        if (hi - lo).isinf() and lo.isfinite() and hi.isfinite():  # each half of the step stays in range
+        if self._range_overflows(lo, hi):  # each half of the step stays in range
             half = code * ((hi / 2 - lo / 2) / self.LEVELS)
             return lo + half + half
         return lo + code * ((hi - lo) / self.LEVELS)
+
+    @staticmethod
+    def _range_overflows(lo: torch.Tensor, hi: torch.Tensor) -> bool:
+        """Whether ``hi - lo`` leaves the float range though both bounds are finite (e.g. -3e38 and 3e38)."""
+        return bool((hi - lo).isinf() and lo.isfinite() and hi.isfinite())
 
 
 def received(
