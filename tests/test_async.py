@@ -209,7 +209,11 @@ def test_fedasync_mixes_with_the_staleness_weighted_alpha():
 def test_fedasync_one_client_at_a_time_is_fedavg_of_one_client(alpha, monkeypatch):
     """concurrency 1: every arrival has staleness 0, so alpha_t = alpha and x <- (1 - alpha) x + alpha y_i is
     FedAvg's x + eta_g (y_i - x) with one client a round and eta_g = alpha, draw for draw (the same client, the
-    same batches); with alpha = 1 the server takes the arriving model as it is."""
+    same batches); with alpha = 1 the server takes the arriving model as it is. The two servers' arithmetic
+    differs by rounding (x + (y - x) need not be y in floating point), so the models agree to float32 rounding
+    and only the first round, trained from the same model, has the same training loss bit for bit; after it
+    the losses agree to that rounding (which CPU's products round them alike is the machine's, not the
+    method's)."""
     sync = _algo(_async("fedavg", clients_per_round=1, server_lr=alpha))
     fa = _algo(_async("fedasync", sigma=0.5, clients_per_round=1, alpha=alpha, staleness="hinge", staleness_b=0))
     arrived, apply = [], fa.apply
@@ -221,7 +225,10 @@ def test_fedasync_one_client_at_a_time_is_fedavg_of_one_client(alpha, monkeypatc
     monkeypatch.setattr(fa, "apply", recorded)
     for r in range(4):
         m_sync, m_fa = sync.run_round(r), fa.run_round(r)
-        assert m_fa["train_loss"] == m_sync["train_loss"] and m_fa["staleness_max"] == 0
+        assert m_fa["staleness_max"] == 0
+        if r == 0:
+            assert m_fa["train_loss"] == m_sync["train_loss"]
+        assert m_fa["train_loss"] == pytest.approx(m_sync["train_loss"], rel=1e-6, abs=0)
         torch.testing.assert_close(fa.x, sync.x, rtol=0, atol=1e-6)
         if alpha == 1.0:
             assert torch.equal(fa.x, arrived[-1])
