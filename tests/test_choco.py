@@ -130,11 +130,19 @@ def test_a_lossless_q_is_exact_gossip_bit_for_bit():
 # ---- dropped nodes (faults.dropout, faults.outage_rounds) ---------------------------------------------------
 
 # configs/decentralized/choco_topk_ring.yaml shortened to 4 rounds, as measured before CHOCO-SGD took dropouts
-# (rounds 2 and 4: test_accuracy, test_loss, train_loss, bytes_total)
-PINNED = [
-    [0.7705858474393399, 0.8018765535585302, 0.9485465288162231, 977280],
-    [0.7996316083365197, 0.6619562230949668, 0.5179311633110046, 1954560],
-]
+# (rounds 2 and 4: test_accuracy, test_loss, train_loss, bytes_total), on each machine type the suite runs on:
+# float32 products round differently on the two CPUs (the code before that change gives each machine's own
+# figures, the losses apart in their 8th digit), so a run gives one of them and a change of the code neither.
+PINNED = {
+    "Intel Xeon": [
+        [0.7705858474393399, 0.8018765535585302, 0.9485465288162231, 977280],
+        [0.7996316083365197, 0.6619562230949668, 0.5179311633110046, 1954560],
+    ],
+    "AMD EPYC": [
+        [0.7705858474393399, 0.8018765796708296, 0.9485464692115784, 977280],
+        [0.7996316083365197, 0.6619562490267397, 0.5179311633110046, 1954560],
+    ],
+}
 
 
 @pytest.mark.parametrize("faults", [None, {"dropout": 0.0}, {"dropout": 0.0, "outage_rounds": [99]}])
@@ -147,7 +155,7 @@ def test_without_a_dropout_landing_the_example_run_is_unchanged_bit_for_bit(tmp_
         cfg["faults"] = faults
     metrics = fedweave.run(cfg, run_dir=tmp_path / "r").metrics
     keys = ("test_accuracy", "test_loss", "train_loss", "bytes_total")
-    assert [[m[k] for k in keys] for m in metrics] == PINNED
+    assert [[m[k] for k in keys] for m in metrics] in PINNED.values()
 
 
 def _topk(v: torch.Tensor, k: int) -> torch.Tensor:
