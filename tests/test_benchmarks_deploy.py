@@ -123,7 +123,10 @@ def test_it_runs_a_real_federation_end_to_end(tmp_path):
     accs = re.search(r"Same accuracy at the end: ([0-9.]+) deployed, ([0-9.]+) simulated", text)
     assert accs and accs.group(1) == accs.group(2)
     idle = re.search(r"its next Receiving: ([0-9.]+) to ([0-9.]+) s", text)
-    assert idle and float(idle.group(1)) >= 3.0  # Flower's SuperNode sleeps 3 s when it finds no message
+    # Flower's SuperNode sleeps 3 s when it finds no message; each line's time is taken when this process reads
+    # it from the node's pipe, so a reply line read a few ms late shortens the measured idle below 3.000 s
+    # (2.999 s measured under a load of 15)
+    assert idle and float(idle.group(1)) >= 2.95
     assert (tmp_path / "fed" / "lines.txt").is_file()
 
 
