@@ -277,6 +277,30 @@ def test_upload_counters_and_ledger():
     assert g.ledger.summary()["bytes_up"] == g.uploads * g.problem.d * 8
 
 
+def test_storage_is_what_each_method_keeps_per_server_and_per_user():
+    # d = 20 float64: one vector is 160 bytes; P = 5 users of S = 5 mini-batches each
+    vb, P, S = 20 * 8, 5, 5
+    held = {
+        "cfl_saga": ({"edge": {"x_y_g": 3 * vb}, "user": {"saga_table": (S + 2) * vb}}, {}),
+        # Algorithm 2: each user its S table entries, the server their sum g_i,sum (eq. 12)
+        "gt_saga": ({"edge": {"x_y_g": 3 * vb, "table_sum": vb}, "user": {"saga_table": S * vb}}, {}),
+        # Algorithm 1: no users; each node holds the table of its P S mini-batches and their sum
+        "gt_saga ": (
+            {"edge": {"x_y_g": 3 * vb, "saga_table": P * S * vb, "table_sum": vb}},
+            {"mode": "decentralized"},
+        ),
+        # tau_i and mu_i at the server; a user keeps tau_i from the snapshot (the inner iterations send x only)
+        "gt_svrg": ({"edge": {"x_y_g": 3 * vb, "anchor_control": 2 * vb}, "user": {"anchor": vb}}, {}),
+        "gt_sarah": ({"edge": {"x_y_g": 3 * vb}}, {}),  # x^k and x^{k+1} both go down: the users keep nothing
+        # no trackers: z_i, gamma_i and the last message of each of its P users; a user its x_ij and lambda_ij
+        "cfl_admm": ({"edge": {"z_gamma": 2 * vb, "user_messages": P * vb}, "user": {"x_lambda": 2 * vb}}, {}),
+    }
+    for name, (want, opts) in held.items():
+        algo = make(name.strip(), **opts)
+        run(algo, 2)
+        assert algo.ledger.summary()["storage_peak_bytes"] == want, name
+
+
 def test_larger_rho_uploads_less():
     uploads = []
     for rho in (0.0, 1e2, 1e4):

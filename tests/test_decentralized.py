@@ -39,6 +39,15 @@ if "_toy_dfl_groups" not in PARTITIONERS._items:
         return out
 
 
+if "_toy_dfl_first_empty" not in PARTITIONERS._items:
+
+    @PARTITIONERS.register("_toy_dfl_first_empty")
+    def _first_empty(labels, num_clients, rng, *, users=None):
+        """Test fixture: client 0 holds no sample, the others 40 each."""
+        perm = rng.permutation(len(labels))
+        return [np.zeros(0, dtype=np.int64), *(np.sort(perm[k * 40 : (k + 1) * 40]) for k in range(num_clients - 1))]
+
+
 def config(algo: str, rounds: int = 2, clients: int = 8, **opts) -> dict:
     return {
         "name": "dfl",
@@ -57,6 +66,28 @@ def build(algo: str, **kw):
     cfg = load(config(algo, **kw))
     ctx = RunContext(cfg)
     return build_algorithm(ctx)
+
+
+@pytest.mark.parametrize(
+    ("algo", "opts"),
+    [
+        ("pens", {"neighbours": 4, "m_top": 2, "phase1_rounds": 1}),
+        ("federico", {}),
+        ("fomo", {}),
+        ("afind_plus", {}),
+        ("dfedavg", {"selection": "afind"}),
+        ("ditto", {"selection": "topk", "select_k": 2}),
+    ],
+)
+def test_a_client_without_data_is_refused_in_one_line_where_peers_score_on_their_own_data(algo, opts):
+    # before: the run crashed in its first round with a traceback from the model's forward pass of no samples
+    cfg = config(algo, **opts)
+    cfg["partition"] = {"name": "_toy_dfl_first_empty", "num_clients": 8}
+    with pytest.raises(ConfigError, match=r"^partition: client 0 holds no training sample, .*min_size") as e:
+        build_algorithm(RunContext(load(cfg)))
+    assert "\n" not in str(e.value)
+    cfg["algorithm"] = {"name": "dfedavg"}  # random selection scores nothing: the empty client trains nothing
+    build_algorithm(RunContext(load(cfg))).run_round(0)
 
 
 # ------------------------------------------------------------------------------------------- graphs

@@ -241,6 +241,17 @@ def test_server_as_client_trains_on_the_server_share_without_traffic():
     assert a.ledger.count(kind="model") == 2 * a.k  # the server's own job sends nothing
 
 
+def test_scaffold_server_holds_its_own_jobs_control_variate_under_server_data_client():
+    for server_data, own in (("none", []), ("client", ["own_job_control_variate"])):
+        a = _build(name="hier_scaffold", server_data=server_data)
+        a.run_round(0)
+        d = a.dim * 4
+        storage = a.ledger.summary()["storage_peak_bytes"]
+        server = {k: v for k, v in storage["server"].items() if k != "server_data"}
+        assert server == {k: d for k in ("control_variate", *own)}  # c, and the c_i of the server's own job
+        assert storage["client"] == {"control_variate": d}
+
+
 @pytest.mark.parametrize("name", ["hier_fedavg", "hier_fedprox", "hier_scaffold"])
 @pytest.mark.parametrize("share", [0.0, 0.0005])  # 0.0005 of 600 samples rounds to none
 def test_server_as_client_without_server_data_is_refused(name, share):

@@ -6,7 +6,8 @@ fedweave uses are ``client``, ``server`` (the star's server, a split-learning se
 clients), ``user`` and ``edge`` (confederated learning). ``up`` is traffic from a
 client-like role to a server-like role, ``down`` the reverse, ``lateral`` everything else (peer-to-peer,
 server-to-server). Storage held by each role is recorded separately as a high-water mark (a
-decentralized peer's under ``client``, per peer, as a star client's).
+decentralized peer's under ``client``, per peer, as a star client's; a confederated server's and user's under
+``edge`` and ``user``, per server and per user).
 """
 
 from __future__ import annotations

@@ -188,12 +188,18 @@ class ConfederatedAlgorithm(Algorithm):
         self.uploads = 0  # user -> server vectors so far (the paper's metric)
         self.vector_bytes = d * self.X.element_size()
         self._all_users = torch.arange(pb.P, device=dev).expand(n, pb.P)
-        self.ledger.store("edge", "x_y_g", 3 * self.vector_bytes)
+        self.hold_state()
         # this round's faults (set by ``apply_faults``); None without faults, so that path stays as it was
         self.server_on: torch.Tensor | None = None  # (N,) the servers that take part
         self.user_on: torch.Tensor | None = None  # (N, P) the users that take part (not dropped, server up)
         self.W_r = self.net.W.to(dev)
         self.adj_r = self.net.adjacency
+
+    def hold_state(self) -> None:
+        """Record in the ledger's storage what the method keeps between iterations, per edge server (role
+        ``edge``) and per user (role ``user``): the skeleton's x_i, y_i and g_i at the server; a method adds its
+        own state (or, without the skeleton's trackers, replaces it)."""
+        self.ledger.store("edge", "x_y_g", 3 * self.vector_bytes)
 
     # ---- faults -------------------------------------------------------------------------------------
     def apply_faults(self, r: int) -> None:

@@ -91,6 +91,14 @@ class CFLADMM(ConfederatedAlgorithm):
         self.beta = hp.beta if hp.beta is not None else hp.beta_scale * self.L_f
         self.c = hp.c if hp.c is not None else hp.c_scale * self.L_f
 
+    def hold_state(self) -> None:
+        # no trackers: server i keeps z_i, gamma_i and the last message of each of its P users (an unselected
+        # user's is reused), a user its x_ij and lambda_ij
+        vb = self.vector_bytes
+        self.ledger.store("edge", "z_gamma", 2 * vb)
+        self.ledger.store("edge", "user_messages", self.problem.P * vb)
+        self.ledger.store("user", "x_lambda", 2 * vb)
+
     def step(self, r: int) -> None:
         pb, beta, c = self.problem, self.beta, self.c
         rows = torch.arange(pb.N, device=self.device)[:, None]

@@ -55,12 +55,20 @@ class GTSAGA(ConfederatedAlgorithm):
         dev = self.device
         self.table = torch.zeros(pb.N * pb.P * pb.S, pb.d, dtype=torch.float64, device=dev)  # entries 0 (spec A4)
         self.table_sum = torch.zeros(pb.N, pb.d, dtype=torch.float64, device=dev)  # g_i,sum, held by the server
-        self.ledger.store("user", "saga_table", pb.S * self.vector_bytes)
         if hp.mode == "decentralized" and "dropout" in self.faults.active():
             raise ConfigError(
                 "faults.dropout / faults.outage_rounds: gt_saga with algorithm.mode 'decentralized' has no users "
                 "to drop out (use faults.server_miss, or mode 'cfl')"
             )
+
+    def hold_state(self) -> None:
+        super().hold_state()
+        pb, vb = self.problem, self.vector_bytes
+        if self.hp.mode == "cfl":  # Algorithm 2: each user the table of its S mini-batches
+            self.ledger.store("user", "saga_table", pb.S * vb)
+        else:  # Algorithm 1: no users; node i holds the table of its own S~_i = P S mini-batches
+            self.ledger.store("edge", "saga_table", pb.P * pb.S * vb)
+        self.ledger.store("edge", "table_sum", vb)  # g_i,sum (eq. 12), at the server
 
     def draws_users(self, hp: GTSAGAHparams) -> str | None:
         if hp.mode == "decentralized":

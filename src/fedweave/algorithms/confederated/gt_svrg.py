@@ -62,6 +62,12 @@ class GTSVRG(ConfederatedAlgorithm):
         self.due = torch.zeros(pb.N, dtype=torch.bool, device=dev)  # a snapshot not yet completed (faults only)
         self.anchored = torch.zeros(pb.N, dtype=torch.bool, device=dev)  # a snapshot has completed once (faults only)
 
+    def hold_state(self) -> None:
+        super().hold_state()
+        if not self.recursive:  # tau_i and mu_i at the server; a user keeps tau_i (an inner iteration sends x only)
+            self.ledger.store("edge", "anchor_control", 2 * self.vector_bytes)
+            self.ledger.store("user", "anchor", self.vector_bytes)
+
     def snapshot(self, r: int, x_new: torch.Tensor) -> torch.Tensor:
         """All users upload grad f_ij(x_i^{k+1}); returns g_i^{k+1} = sum_j grad f_ij(x_i^{k+1})."""
         pb = self.problem

@@ -148,6 +148,14 @@ class ProxyComputer:
             if not idx:
                 raise ConfigError(f"algorithm.proxy_layer {layer!r}: the model has no parameters in that layer")
             self.index = torch.cat(idx)
+        empty = [i for i, p in enumerate(parts) if len(p) == 0]
+        if empty:  # a peer without data has no loss or proxy to score a model by (its forward pass is of nothing)
+            more = f" and {len(empty) - 1} more of the {len(parts)}" if len(empty) > 1 else ""
+            raise ConfigError(
+                f"partition: client {empty[0]}{more} holds no training sample, but the algorithm scores models on each "
+                "peer's own data (pens, federico, fomo, afind_plus, afind, and the selection plug-ins topk and afind); "
+                "give every client a sample (partition.min_size >= 1)"
+            )
         self.train_x, self.train_y = pl.data(train_x), pl.data(train_y)
         rng = np.random.default_rng(seed)
         self.parts = []

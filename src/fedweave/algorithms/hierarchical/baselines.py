@@ -105,6 +105,8 @@ class HierScaffold(AveragingAlgorithm):
         self.store.create("c", self.dim)
         self.ledger.store("server", "control_variate", nbytes(self.c))
         self.ledger.store("client", "control_variate", nbytes(self.c))
+        if hp.server_data == "client":  # the server's own job keeps a c_i too, held by the server itself
+            self.ledger.store("server", "own_job_control_variate", nbytes(self.c))
 
     def client_rule(self, r: int) -> HierScaffoldStep:
         # option II with a step schedule, (x - y_i) / sum_k eta_k (spec §5); a client that drops keeps its c_i
