@@ -18,6 +18,7 @@ server update; the server step's aggregate is its one ``aggregate`` seam).
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -337,6 +338,7 @@ class HierarchicalAlgorithm(Algorithm):
 
     def __init__(self, ctx: RunContext, hp: HierarchyHparams) -> None:
         super().__init__(ctx, hp)
+        self.check_local_steps(ctx.config.rounds)
         ctx.placement.check_float64("the hierarchical family (its weights and ZO-HFL's estimator)")
         self.data = split_hierarchy(ctx, hp.server_share, hp.test_fraction, hp.validation)
         self.m = len(self.data.parts)
@@ -398,6 +400,28 @@ class HierarchicalAlgorithm(Algorithm):
     def steps(self, r: int) -> int:
         """The local steps of round ``r``: H_r = floor(tau (r+1)^q), at least 1 (``local_steps``)."""
         return local_steps(self.hp.tau, r, self.hp.steps_power)
+
+    def round_steps(self, r: int) -> int:
+        """The local steps of each local solve (training job) in round ``r``: H_r (:meth:`steps`)."""
+        return self.steps(r)
+
+    def check_local_steps(self, rounds: int) -> None:
+        """H_r = floor(tau (r+1)^q) grows with r (q >= 0), so a solve's most local steps are the last round's:
+        bounded as local.steps is. Each of tau and steps_factor is, but not the schedule: steps_power 15 over 3
+        rounds asked for 3e7 steps in round 3 (a run that does not end), 1000 overflowed a float mid-run."""
+        try:
+            most = self.round_steps(rounds - 1)
+        except OverflowError:  # tau (r+1)^q past the float range
+            most = math.inf
+        if most > MAX_LOCAL_STEPS:
+            hp, factor = self.hp, getattr(self.hp, "steps_factor", 1)
+            times = f"algorithm.steps_factor {factor} x " if factor != 1 else ""
+            lower = ", algorithm.steps_factor" if factor != 1 else ""
+            raise ConfigError(
+                f"algorithm.steps_power {hp.steps_power:.6g} with algorithm.tau {hp.tau:.6g} asks for {most:.3g} local "
+                f"steps per solve in round {rounds} ({times}H_r = floor(tau (r+1)^steps_power)); at most "
+                f"{MAX_LOCAL_STEPS:,}, as local.steps: lower algorithm.steps_power, algorithm.tau{lower} or rounds"
+            )
 
     def client_round_steps(self, r: int) -> int:
         """The local steps one participating client takes in round ``r`` (each method's count; the same for

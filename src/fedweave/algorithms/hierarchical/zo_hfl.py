@@ -108,7 +108,10 @@ class ZOHFL(HierarchicalAlgorithm):
         return self.jobs_per_client * self.steps(r)
 
     def server_lr(self, r: int) -> float:
-        return self.hp.server_lr / (r + 1) ** self.hp.server_lr_power  # gamma_r (paper §IV)
+        try:
+            return self.hp.server_lr / (r + 1) ** self.hp.server_lr_power  # gamma_r (paper §IV)
+        except OverflowError:  # (r+1)^p past the float range: gamma_r underflows toward 0, no error
+            return self.hp.server_lr * (r + 1) ** -self.hp.server_lr_power
 
     def solve(self, r: int, clients: np.ndarray, inputs: torch.Tensor, H: int) -> torch.Tensor:
         """Algorithm 2 for every job: client ``clients[j // 2]`` from y_0 = its input point ``inputs[j]``
