@@ -177,6 +177,9 @@ def test_run_end_to_end_writes_metrics(tmp_path):
         ({"server_share": 1.0}, "algorithm.server_share"),
         ({"eta": 0.0}, "algorithm.eta"),
         ({"lam": -1.0}, "algorithm.lam"),
+        ({"mu": -1.0}, "algorithm.mu"),
+        # inf in float32: mu (y - x) at the first step is inf * 0 = NaN (before: a diverged run blamed on the lr)
+        ({"mu": 1e39}, r"algorithm.mu must be in \[0, 3.40282e\+38\]"),
         ({"constraint": "disk"}, "algorithm.constraint"),
         ({"lamda": 1.0}, "algorithm.lamda"),
         ({"tau": 0}, "algorithm.tau"),
