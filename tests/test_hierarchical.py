@@ -312,6 +312,20 @@ def test_validation_holds_out_training_samples_and_hides_the_test_set():
     assert torch.equal(_build(server_share=0.3).data.server, _build(server_share=0.3, validation=0.0).data.server)
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"test_fraction": 1e-4}, r"algorithm\.test_fraction 0\.0001 of the 800 pooled samples is no test sample"),
+        ({"validation": 1e-4}, r"algorithm\.validation 0\.0001 of the 600 training samples is no sample"),
+    ],
+)
+def test_a_hold_out_that_rounds_to_no_sample_is_refused(options, message):
+    # before: the run scored the empty set as test_accuracy 0 and test_loss 0 (val_* likewise) in every round
+    with pytest.raises(ConfigError, match=message):
+        _build(**options)
+    _build(**{k: 10 * v for k, v in options.items()})  # 0.001 of 800 or 600: one sample
+
+
 def test_train_loss_all_leaves_out_the_validation_hold_out():
     # A13(c): the cross-entropy of x on the training data, i.e. the N_tr samples held by the server or a
     # client; the validation hold-out is nobody's training data, so it must not enter this series

@@ -213,6 +213,11 @@ def _pooled_split(ctx: RunContext, test_fraction: float) -> tuple[torch.Tensor, 
     x, y = torch.cat([ds.train_x, ds.test_x]), torch.cat([ds.train_y, ds.test_y])
     perm = torch.as_tensor(ctx.seeds.numpy("test_split").permutation(len(y)), device="cpu")  # host data
     n_test = int(round(test_fraction * len(y)))
+    if n_test == 0:  # an empty test set scores accuracy 0 and loss 0 every round, a result nobody could tell apart
+        raise ConfigError(
+            f"algorithm.test_fraction {test_fraction:.6g} of the {len(y):,} pooled samples is no test sample; raise it "
+            "(the paper's 0.1) or set null (the dataset's own test set)"
+        )
     out = (x[perm[n_test:]], y[perm[n_test:]], x[perm[:n_test]], y[perm[:n_test]])
     _POOLED[key] = out
     weakref.finalize(ds, _POOLED.pop, key, None)  # the id may be reused once the dataset is gone
@@ -245,6 +250,11 @@ def split_hierarchy(
     if validation > 0:
         vperm = ctx.seeds.numpy("validation_split").permutation(len(held))
         n_val = int(round(validation * len(held)))
+        if n_val == 0:  # as an empty test set: val_accuracy and val_loss 0 every round
+            raise ConfigError(
+                f"algorithm.validation {validation:.6g} of the {len(held):,} training samples is no sample; raise it "
+                "or set 0 (no hold-out)"
+            )
         val, held = torch.as_tensor(np.sort(vperm[:n_val]), device="cpu"), np.sort(vperm[n_val:])
     n = len(held)
     perm = held[ctx.seeds.numpy("server_split").permutation(n)]
