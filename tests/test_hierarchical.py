@@ -326,6 +326,12 @@ def test_a_hold_out_that_rounds_to_no_sample_is_refused(options, message):
     _build(**{k: 10 * v for k, v in options.items()})  # 0.001 of 800 or 600: one sample
 
 
+def test_a_server_share_that_leaves_the_clients_no_sample_names_it():
+    # before: "partition.num_clients (6) exceeds the 0 training samples; use at most 0 clients", a count refused too
+    with pytest.raises(ConfigError, match=r"algorithm\.server_share 0\.9995 of the 600 training samples leaves the"):
+        _build(server_share=0.9995)
+
+
 def test_train_loss_all_leaves_out_the_validation_hold_out():
     # A13(c): the cross-entropy of x on the training data, i.e. the N_tr samples held by the server or a
     # client; the validation hold-out is nobody's training data, so it must not enter this series

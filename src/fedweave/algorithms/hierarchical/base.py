@@ -260,6 +260,10 @@ def split_hierarchy(
     perm = held[ctx.seeds.numpy("server_split").permutation(n)]
     n_server = int(round(server_share * n))
     server, pool = np.sort(perm[:n_server]), np.sort(perm[n_server:])
+    if len(pool) == 0:  # the partitioner would say "use at most 0 clients", which no setting satisfies
+        raise ConfigError(
+            f"algorithm.server_share {server_share:.6g} of the {n:,} training samples leaves the clients none; lower it"
+        )
 
     if ctx.config.num_clients < 1:
         raise ConfigError(f"partition.num_clients must be a positive integer, got {ctx.config.num_clients!r}")
