@@ -4,6 +4,7 @@ of the algorithm (lambda = 0 is server SGD, CRN pairs), backend equivalence, res
 from __future__ import annotations
 
 import io
+import re
 
 import numpy as np
 import pytest
@@ -176,6 +177,9 @@ def test_run_end_to_end_writes_metrics(tmp_path):
         ({"server_share": 1.0}, "algorithm.server_share"),
         ({"eta": 0.0}, "algorithm.eta"),
         ({"lam": -1.0}, "algorithm.lam"),
+        ({"mu": -1.0}, "algorithm.mu"),
+        # inf in float32: mu (y - x) at the first step is inf * 0 = NaN (before: a diverged run blamed on the lr)
+        ({"mu": 1e39}, r"algorithm.mu must be in \[0, 3.40282e\+38\]"),
         ({"constraint": "disk"}, "algorithm.constraint"),
         ({"lamda": 1.0}, "algorithm.lamda"),
         ({"tau": 0}, "algorithm.tau"),
@@ -190,6 +194,35 @@ def test_run_end_to_end_writes_metrics(tmp_path):
 def test_bad_options_name_the_key(options, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         _build(**options)
+
+
+@pytest.mark.parametrize(
+    ("options", "most"),
+    [
+        ({"steps_power": 15.0}, "2.87e+07"),  # H_2 = floor(2 * 3^15): the run would take days, not end in error
+        ({"steps_power": 1000.0}, "inf"),  # 3^1000 overflows a float
+        ({"name": "hier_fedavg", "steps_factor": 4_000_000}, "1.2e+07"),  # 4e6 x H_2 = 3
+    ],
+)
+def test_local_steps_past_the_bound_in_the_last_round_are_refused(options, most):
+    # H_r = floor(tau (r+1)^q) grows with r; its last round's (x steps_factor) is bounded as local.steps is.
+    # Before, the run was built and its first long round never ended (or a float overflow surfaced mid-run).
+    pattern = rf"algorithm\.steps_power .* {re.escape(most)} local steps .* round 3 .*10,000,000"
+    with pytest.raises(ConfigError, match=pattern):
+        _build(**options)
+    _build(steps_power=14.0)  # H_2 = floor(2 * 3^14) = 9,565,938: allowed
+
+
+def test_a_server_step_power_past_the_float_range_steps_by_zero_not_an_overflow():
+    # gamma_r = server_lr / (r+1)^p: 3^1000 overflows a float, which raised OverflowError in round 2
+    a = _build(server_lr_power=1000.0)
+    assert a.server_lr(0) == 0.01 and a.server_lr(1) == 0.01 / 2**1000
+    assert a.server_lr(2) == 0.0
+    for r in range(2):
+        a.run_round(r)
+    x = a.x.clone()
+    a.run_round(2)
+    assert torch.equal(a.x, x)
 
 
 def test_an_option_of_another_variant_at_its_default_builds():
@@ -288,6 +321,26 @@ def test_validation_holds_out_training_samples_and_hides_the_test_set():
     assert "val_accuracy" in out and "val_loss" in out and "test_accuracy" not in out
     # without validation the split is the one it always was (same streams)
     assert torch.equal(_build(server_share=0.3).data.server, _build(server_share=0.3, validation=0.0).data.server)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"test_fraction": 1e-4}, r"algorithm\.test_fraction 0\.0001 of the 800 pooled samples is no test sample"),
+        ({"validation": 1e-4}, r"algorithm\.validation 0\.0001 of the 600 training samples is no sample"),
+    ],
+)
+def test_a_hold_out_that_rounds_to_no_sample_is_refused(options, message):
+    # before: the run scored the empty set as test_accuracy 0 and test_loss 0 (val_* likewise) in every round
+    with pytest.raises(ConfigError, match=message):
+        _build(**options)
+    _build(**{k: 10 * v for k, v in options.items()})  # 0.001 of 800 or 600: one sample
+
+
+def test_a_server_share_that_leaves_the_clients_no_sample_names_it():
+    # before: "partition.num_clients (6) exceeds the 0 training samples; use at most 0 clients", a count refused too
+    with pytest.raises(ConfigError, match=r"algorithm\.server_share 0\.9995 of the 600 training samples leaves the"):
+        _build(server_share=0.9995)
 
 
 def test_train_loss_all_leaves_out_the_validation_hold_out():

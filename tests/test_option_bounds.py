@@ -276,6 +276,7 @@ def test_an_outage_round_far_after_the_last_is_warned_short(tmp_path, caplog) ->
     [
         ("fedprox", "mu", "["),
         ("hier_fedprox", "mu", "["),
+        ("zo_hfl", "mu", "["),  # its lower level's proximal weight
         ("moon", "mu", "["),
         ("fedlc", "tau", "["),
         ("feddyn", "alpha", "("),

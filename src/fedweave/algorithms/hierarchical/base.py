@@ -18,6 +18,7 @@ server update; the server step's aggregate is its one ``aggregate`` seam).
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -212,6 +213,11 @@ def _pooled_split(ctx: RunContext, test_fraction: float) -> tuple[torch.Tensor, 
     x, y = torch.cat([ds.train_x, ds.test_x]), torch.cat([ds.train_y, ds.test_y])
     perm = torch.as_tensor(ctx.seeds.numpy("test_split").permutation(len(y)), device="cpu")  # host data
     n_test = int(round(test_fraction * len(y)))
+    if n_test == 0:  # an empty test set scores accuracy 0 and loss 0 every round, a result nobody could tell apart
+        raise ConfigError(
+            f"algorithm.test_fraction {test_fraction:.6g} of the {len(y):,} pooled samples is no test sample; raise it "
+            "(the paper's 0.1) or set null (the dataset's own test set)"
+        )
     out = (x[perm[n_test:]], y[perm[n_test:]], x[perm[:n_test]], y[perm[:n_test]])
     _POOLED[key] = out
     weakref.finalize(ds, _POOLED.pop, key, None)  # the id may be reused once the dataset is gone
@@ -244,11 +250,20 @@ def split_hierarchy(
     if validation > 0:
         vperm = ctx.seeds.numpy("validation_split").permutation(len(held))
         n_val = int(round(validation * len(held)))
+        if n_val == 0:  # as an empty test set: val_accuracy and val_loss 0 every round
+            raise ConfigError(
+                f"algorithm.validation {validation:.6g} of the {len(held):,} training samples is no sample; raise it "
+                "or set 0 (no hold-out)"
+            )
         val, held = torch.as_tensor(np.sort(vperm[:n_val]), device="cpu"), np.sort(vperm[n_val:])
     n = len(held)
     perm = held[ctx.seeds.numpy("server_split").permutation(n)]
     n_server = int(round(server_share * n))
     server, pool = np.sort(perm[:n_server]), np.sort(perm[n_server:])
+    if len(pool) == 0:  # the partitioner would say "use at most 0 clients", which no setting satisfies
+        raise ConfigError(
+            f"algorithm.server_share {server_share:.6g} of the {n:,} training samples leaves the clients none; lower it"
+        )
 
     if ctx.config.num_clients < 1:
         raise ConfigError(f"partition.num_clients must be a positive integer, got {ctx.config.num_clients!r}")
@@ -337,6 +352,7 @@ class HierarchicalAlgorithm(Algorithm):
 
     def __init__(self, ctx: RunContext, hp: HierarchyHparams) -> None:
         super().__init__(ctx, hp)
+        self.check_local_steps(ctx.config.rounds)
         ctx.placement.check_float64("the hierarchical family (its weights and ZO-HFL's estimator)")
         self.data = split_hierarchy(ctx, hp.server_share, hp.test_fraction, hp.validation)
         self.m = len(self.data.parts)
@@ -398,6 +414,28 @@ class HierarchicalAlgorithm(Algorithm):
     def steps(self, r: int) -> int:
         """The local steps of round ``r``: H_r = floor(tau (r+1)^q), at least 1 (``local_steps``)."""
         return local_steps(self.hp.tau, r, self.hp.steps_power)
+
+    def round_steps(self, r: int) -> int:
+        """The local steps of each local solve (training job) in round ``r``: H_r (:meth:`steps`)."""
+        return self.steps(r)
+
+    def check_local_steps(self, rounds: int) -> None:
+        """H_r = floor(tau (r+1)^q) grows with r (q >= 0), so a solve's most local steps are the last round's:
+        bounded as local.steps is. Each of tau and steps_factor is, but not the schedule: steps_power 15 over 3
+        rounds asked for 3e7 steps in round 3 (a run that does not end), 1000 overflowed a float mid-run."""
+        try:
+            most = self.round_steps(rounds - 1)
+        except OverflowError:  # tau (r+1)^q past the float range
+            most = math.inf
+        if most > MAX_LOCAL_STEPS:
+            hp, factor = self.hp, getattr(self.hp, "steps_factor", 1)
+            times = f"algorithm.steps_factor {factor} x " if factor != 1 else ""
+            lower = ", algorithm.steps_factor" if factor != 1 else ""
+            raise ConfigError(
+                f"algorithm.steps_power {hp.steps_power:.6g} with algorithm.tau {hp.tau:.6g} asks for {most:.3g} local "
+                f"steps per solve in round {rounds} ({times}H_r = floor(tau (r+1)^steps_power)); at most "
+                f"{MAX_LOCAL_STEPS:,}, as local.steps: lower algorithm.steps_power, algorithm.tau{lower} or rounds"
+            )
 
     def client_round_steps(self, r: int) -> int:
         """The local steps one participating client takes in round ``r`` (each method's count; the same for

@@ -62,9 +62,10 @@ class ZOHFLHparams(HierarchyHparams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("lam", "mu"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"algorithm.{key} must be >= 0, got {getattr(self, key)}")
+        if self.lam < 0:
+            raise ConfigError(f"algorithm.lam must be >= 0, got {self.lam}")
+        if not 0 <= self.mu <= MAX_LR:  # as FedProx's: a larger one is inf in float32, the first step's mu * 0 NaN
+            raise ConfigError(f"algorithm.mu must be in [0, {MAX_LR:.6g}], got {self.mu}")
         for key in ("eta", "server_lr", "radius"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"algorithm.{key} must be > 0, got {getattr(self, key)}")
@@ -108,7 +109,10 @@ class ZOHFL(HierarchicalAlgorithm):
         return self.jobs_per_client * self.steps(r)
 
     def server_lr(self, r: int) -> float:
-        return self.hp.server_lr / (r + 1) ** self.hp.server_lr_power  # gamma_r (paper §IV)
+        try:
+            return self.hp.server_lr / (r + 1) ** self.hp.server_lr_power  # gamma_r (paper §IV)
+        except OverflowError:  # (r+1)^p past the float range: gamma_r underflows toward 0, no error
+            return self.hp.server_lr * (r + 1) ** -self.hp.server_lr_power
 
     def solve(self, r: int, clients: np.ndarray, inputs: torch.Tensor, H: int) -> torch.Tensor:
         """Algorithm 2 for every job: client ``clients[j // 2]`` from y_0 = its input point ``inputs[j]``
