@@ -9,6 +9,12 @@ library's, and on the machine that wrote them the committed number comes back (r
 record is rerun on this machine type and committed with a line in its page's history, and its case becomes a
 strict replay again (CSE-FSL digits h = 1, AFIND+ FedAvg Path 2 and FedMIM MNIST FedAvg, 26 Nov 2026).
 
+The suite runs on two machine types, an Intel Xeon and an AMD EPYC, whose float32 products round differently;
+the records of 26 Nov 2026 were written on the Intel one. Four cells give other numbers on the AMD one, and the
+code of the commit that wrote them (fd9a6f7) gives those same numbers there (measured 28 Nov 2026), so those
+cases name the AMD numbers as ``known`` (``ON_AMD``): a strict replay on the Intel machine type, the expected
+failure on the AMD one, and a failure on either the day the code gives a third number.
+
 The pages' other committed records are not replayed: the ZO-HFL presets' per-seed rows are new (the Adult
 preset's are replayed below). A test downloads nothing: a cell whose data set is not in the cache is skipped,
 unless FEDWEAVE_TEST_DATA names it (``make test`` fetches the data sets of these cells first and names them
@@ -87,6 +93,21 @@ class NotReplayed(Exception):
     """A committed record that today's code does not give, while it gives what it gave when this was found."""
 
 
+# the values of a cell that differ on the AMD machine type (the others are the committed ones there too)
+ON_AMD: dict[str, dict[str, Any]] = {
+    "afind mnist-path2 FedAvg 0": {"final": 0.14306930693069306},
+    "fedmim mnist dir0.1 fedavg 0": {"final_acc": "96.8", "best_acc": "96.8", "consistency_last20": "0.162551"},
+    "fedmim epochs fedcm E=1 0": {
+        "final_acc": "77.12",
+        "best_acc": "77.12",
+        "last3_acc": "75.1567",
+        "consistency_last20": "0.0185275",
+    },
+    "cse-fsl digits h=1 0": {"final": "97.73"},
+}
+MACHINE = pytest.mark.xfail(raises=NotReplayed, strict=False, reason="written on the other machine type (ON_AMD)")
+
+
 def same(now: Any, committed: Any, known: Any = None) -> None:
     """``now`` is the committed value; or, for a record known not to replay (``known``: what today's code gave
     when that was found), ``NotReplayed`` as long as it still gives ``known``, and a failure once it gives any
@@ -131,7 +152,8 @@ AFIND_KEYS = ("best", "final", "selected", "overlap_selected", "bytes")  # all b
 
 
 @pytest.mark.slow  # about 5 s on an idle 2-core machine, 11-20 s on a loaded one
-@pytest.mark.parametrize("seed", [0, 2])  # seed 0 rerun on this machine type on 26 Nov 2026 (the page's history)
+# seed 0 rerun on the Intel machine type on 26 Nov 2026 (the page's history)
+@pytest.mark.parametrize("seed", [pytest.param(0, marks=MACHINE), 2])
 def test_afind_mnist_path2_fedavg_replays(seed, tmp_path):
     cached("mnist")
     cell = ("mnist-path2", "FedAvg", seed)
@@ -143,7 +165,8 @@ def test_afind_mnist_path2_fedavg_replays(seed, tmp_path):
     )
     records = json.loads((PAGES / "afind" / "results.json").read_text(encoding="utf-8"))
     [committed] = [r for r in records if (r["setting"], r["label"], r["seed"]) == cell]
-    same({k: got[k] for k in AFIND_KEYS}, {k: committed[k] for k in AFIND_KEYS})
+    want = {k: committed[k] for k in AFIND_KEYS}
+    same({k: got[k] for k in AFIND_KEYS}, want, {**want, **ON_AMD["afind mnist-path2 FedAvg 0"]} if seed == 0 else None)
 
 
 # ---- FedMIM: results.csv, one row per run, written with 6 significant digits ------------------------------
@@ -159,6 +182,7 @@ def _csv_row(record: dict[str, Any], keys: list[str], path: Path) -> dict[str, s
 
 
 @pytest.mark.slow  # about 85 s: 50 rounds of 10 clients
+@MACHINE
 def test_fedmim_mnist_dir01_fedavg_seed_0_replays(tmp_path):
     cached("mnist")
     cell = ("mnist", "dir0.1", "fedavg", "0")
@@ -170,14 +194,16 @@ def test_fedmim_mnist_dir01_fedavg_seed_0_replays(tmp_path):
     )
     with open(PAGES / "fedmim" / "results.csv", encoding="utf-8") as f:
         [committed] = [r for r in csv.DictReader(f) if (r["dataset"], r["split"], r["method"], r["seed"]) == cell]
-    # rerun on this machine type on 26 Nov 2026 (the page's history): 96.79 % before, 96.81 % since
+    # rerun on the Intel machine type on 26 Nov 2026 (the page's history): 96.79 % before, 96.81 % since
     assert committed["final_acc"] == "96.81"
-    same(_csv_row(got, FEDMIM_KEYS, tmp_path / "replay.csv"), {k: committed[k] for k in FEDMIM_KEYS})
+    want = {k: committed[k] for k in FEDMIM_KEYS}
+    same(_csv_row(got, FEDMIM_KEYS, tmp_path / "replay.csv"), want, {**want, **ON_AMD["fedmim mnist dir0.1 fedavg 0"]})
 
 
 @pytest.mark.slow  # about 15-30 s: 50 rounds of 10 clients
+@MACHINE
 def test_fedmim_epochs_fashion_mnist_fedcm_e1_seed_0_replays(tmp_path):
-    # Table II's cell of the small preset's Dir-0.1 Fashion-MNIST configuration, run on this machine type on
+    # Table II's cell of the small preset's Dir-0.1 Fashion-MNIST configuration, run on the Intel machine type on
     # 26 Nov 2026 with the extended methods (the page's history)
     cached("fashion_mnist")
     cell = ("fedcm", "E=1", "0")
@@ -190,7 +216,8 @@ def test_fedmim_epochs_fashion_mnist_fedcm_e1_seed_0_replays(tmp_path):
     with open(PAGES / "fedmim" / "epochs" / "results.csv", encoding="utf-8") as f:
         [committed] = [r for r in csv.DictReader(f) if (r["method"], r["variant"], r["seed"]) == cell]
     keys = [*FEDMIM_KEYS[:3], "variant", *FEDMIM_KEYS[3:]]
-    same(_csv_row(got, keys, tmp_path / "replay.csv"), {k: committed[k] for k in keys})
+    want = {k: committed[k] for k in keys}
+    same(_csv_row(got, keys, tmp_path / "replay.csv"), want, {**want, **ON_AMD["fedmim epochs fedcm E=1 0"]})
 
 
 # ---- CSE-FSL: table-digits.md, the per-seed final accuracies (%, 2 decimals) ------------------------------
@@ -224,11 +251,13 @@ def test_cse_fsl_digits_fsl_mc_seed_0_replays(tmp_path):
 
 
 @pytest.mark.slow  # about 15 s: 30 rounds of 5 clients
+@MACHINE
 def test_cse_fsl_digits_h1_seed_0_replays(tmp_path):
-    # rerun on this machine type on 26 Nov 2026 (the page's history): 97.73 % before, 97.48 % since
+    # rerun on the Intel machine type on 26 Nov 2026 (the page's history): 97.73 % before (the AMD machine
+    # type's), 97.48 % since
     now, committed = _cse_fsl_digits("cse_fsl h=1", tmp_path)
     assert committed == "97.48"
-    same(now, committed)
+    same(now, committed, ON_AMD["cse-fsl digits h=1 0"]["final"])
 
 
 def test_a_record_known_not_to_replay_is_expected_to_fail_only_while_the_numbers_stay_as_measured():
