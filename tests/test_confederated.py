@@ -463,6 +463,30 @@ def test_non_finite_features_are_refused_in_one_line(tmp_path, split, bad):
         fedweave.run(cfg, dataset=(x[:150], y[:150], x[150:], y[150:]), run_dir=tmp_path)
 
 
+@pytest.mark.parametrize(("split", "bad"), [("training", -1), ("test", 2), ("test", -1)])
+def test_labels_other_than_0_and_1_are_refused_in_either_split(tmp_path, split, bad):
+    """Eq. (48) takes 0/1 labels b, and the test split is scored as 0/1 too (accuracy: z > 0 == b). A test label
+    of 2 or -1 was accepted and the test accuracy reported 0, silently."""
+    import fedweave
+    from fedweave.data.base import Dataset
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(200, 6, generator=g, dtype=torch.float64)
+    y = (x[:, 0] > 0).long()
+    y[3 if split == "training" else 160] = bad
+    ds = Dataset(
+        name="binary", train_x=x[:150], train_y=y[:150], test_x=x[150:], test_y=y[150:], num_classes=2, input_shape=(6,)
+    )
+    cfg = {
+        "rounds": 1,
+        "output": {"progress": False, "plots": False},
+        "algorithm": {"name": "gt_saga", "num_servers": 3, "users_per_server": 2, "batch_size": 5},
+    }
+    with pytest.raises(ConfigError, match=f"^dataset 'binary': its {split} labels must be 0 or 1 ") as e:
+        fedweave.run(cfg, dataset=ds, run_dir=tmp_path)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize(
     "rate,users,m", [(0.5, 5, 3), (0.1, 25, 3), (0.3, 5, 2), (0.25, 20, 5), (0.05, 5, 1), (0.45, 20, 9), (1.0, 7, 7)]
 )

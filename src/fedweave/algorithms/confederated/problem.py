@@ -173,8 +173,12 @@ def build_problem(
     x = ds.train_x.reshape(len(ds.train_x), width).to(torch.float64)
     tx = ds.test_x.reshape(len(ds.test_x), width).to(torch.float64)
     y, ty = ds.train_y.to(torch.float64), ds.test_y.to(torch.float64)
-    if not bool(((y == 0) | (y == 1)).all()):
-        raise ConfigError(f"dataset {ds.name!r}: labels must be 0 or 1")
+    for split, labels in (("training", y), ("test", ty)):  # the test split's are scored as 0/1 too (z > 0 == b)
+        if not bool(((labels == 0) | (labels == 1)).all()):
+            raise ConfigError(
+                f"dataset {ds.name!r}: its {split} labels must be 0 or 1 (the confederated family solves binary "
+                "logistic regression, eq. (48))"
+            )
     for split, feats in (("training", x), ("test", tx)):  # else L_f's eigensolver or Newton fails on them
         if not bool(torch.isfinite(feats).all()):
             raise ConfigError(
