@@ -487,6 +487,32 @@ def test_labels_other_than_0_and_1_are_refused_in_either_split(tmp_path, split, 
     assert "\n" not in str(e.value)
 
 
+def test_float_labels_get_the_familys_own_message_not_a_task_it_refuses(tmp_path):
+    """The family reads no task section, so the default task's check of the targets does not apply: 0/1 labels
+    held as floats in a two-class Dataset are solved as integer ones, and float targets passed as arrays (one
+    regression output) are refused in the family's words. Before, both were told to set task.loss, which the
+    family then refused."""
+    import fedweave
+    from fedweave.data.base import Dataset
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(200, 6, generator=g, dtype=torch.float64)
+    y = (x[:, 0] > 0).long()
+    cfg = {
+        "rounds": 2,
+        "output": {"progress": False, "plots": False},
+        "algorithm": {"name": "gt_saga", "num_servers": 3, "users_per_server": 2, "batch_size": 5},
+    }
+    runs = {}
+    for kind, labels in (("long", y), ("double", y.double())):
+        ds = Dataset("binary", x[:150], labels[:150], x[150:], labels[150:], num_classes=2, input_shape=(6,))
+        runs[kind] = fedweave.run(cfg, dataset=ds, run_dir=tmp_path / kind).algorithm
+    assert torch.equal(runs["long"].x_star, runs["double"].x_star) and torch.equal(runs["long"].X, runs["double"].X)
+    arrays = (x[:150], y[:150].double() / 2, x[150:], y[150:].double() / 2)  # not the data solved above
+    with pytest.raises(ConfigError, match=r"^dataset 'python' has float targets; the confederated family solves"):
+        fedweave.run(cfg, dataset=arrays, run_dir=tmp_path / "arrays")
+
+
 @pytest.mark.parametrize(
     "rate,users,m", [(0.5, 5, 3), (0.1, 25, 3), (0.3, 5, 2), (0.25, 20, 5), (0.05, 5, 1), (0.45, 20, 9), (1.0, 7, 7)]
 )

@@ -162,10 +162,11 @@ def build_problem(
     Every user gets S = floor(n / (N P B)) mini-batches (equal sizes, as in the paper's experiments); the
     samples are assigned by a permutation from ``rng`` and the n - N P S B left over are not used.
     """
-    if ds.num_classes != 2:
+    if ds.num_classes != 2:  # float targets passed from Python are a regression output, not two classes
+        has = "float targets" if ds.train_y.is_floating_point() else f"{ds.num_classes} classes"
         raise ConfigError(
-            f"dataset {ds.name!r} has {ds.num_classes} classes; the confederated family solves binary logistic "
-            "regression (datasets: cfl_logreg, adult, mushroom, breast_cancer)"
+            f"dataset {ds.name!r} has {has}; the confederated family solves binary logistic regression: give it "
+            "integer labels 0 and 1 (datasets: cfl_logreg, adult, mushroom, breast_cancer)"
         )
     if feature_scaling not in FEATURE_SCALINGS:
         raise ConfigError(f"algorithm.feature_scaling must be one of {', '.join(FEATURE_SCALINGS)}")
