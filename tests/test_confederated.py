@@ -71,6 +71,14 @@ def test_graph_options_and_errors():
     assert np.allclose(w.sum(1), 1) and spectral_sigma(w) < 1
 
 
+def test_a_mistyped_number_of_servers_is_refused_by_the_data_before_the_graph_is_built():
+    """N x P x B samples must exist: 10^7 servers are refused in one line naming the option, where the N x N
+    adjacency was allocated first and failed with a MemoryError traceback (10^14 bytes)."""
+    with pytest.raises(ConfigError, match=r"fewer than num_servers x users_per_server x batch_size") as e:
+        make("gt_saga", num_servers=10**7)
+    assert "\n" not in str(e.value)
+
+
 def test_optimal_constant_weights_as_documented():
     """docs/algorithms/confederated.md: tau = (lambda_max + lambda_2)/2 gives the smallest sigma of any tau, and
     negative diagonal entries on the random graph of graph_seed 1 (smallest -0.41), not on the ring or full."""
