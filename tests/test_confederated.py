@@ -507,8 +507,9 @@ def test_labels_other_than_0_and_1_are_refused_in_either_split(tmp_path, split, 
 def test_float_labels_get_the_familys_own_message_not_a_task_it_refuses(tmp_path):
     """The family reads no task section, so the default task's check of the targets does not apply: 0/1 labels
     held as floats in a two-class Dataset are solved as integer ones, and float targets passed as arrays (one
-    regression output) are refused in the family's words. Before, both were told to set task.loss, which the
-    family then refused."""
+    regression output) are refused in the family's words, even right after the same arrays were solved as a
+    two-class Dataset (the memoized problem is told apart by the classes too). Before, both were told to set
+    task.loss, which the family then refused."""
     import fedweave
     from fedweave.data.base import Dataset
 
@@ -525,7 +526,7 @@ def test_float_labels_get_the_familys_own_message_not_a_task_it_refuses(tmp_path
         ds = Dataset("binary", x[:150], labels[:150], x[150:], labels[150:], num_classes=2, input_shape=(6,))
         runs[kind] = fedweave.run(cfg, dataset=ds, run_dir=tmp_path / kind).algorithm
     assert torch.equal(runs["long"].x_star, runs["double"].x_star) and torch.equal(runs["long"].X, runs["double"].X)
-    arrays = (x[:150], y[:150].double() / 2, x[150:], y[150:].double() / 2)  # not the data solved above
+    arrays = (x[:150], y[:150].double(), x[150:], y[150:].double())  # the data just solved, with 1 output
     with pytest.raises(ConfigError, match=r"^dataset 'python' has float targets; the confederated family solves"):
         fedweave.run(cfg, dataset=arrays, run_dir=tmp_path / "arrays")
 

@@ -103,8 +103,10 @@ def _problem(ctx: RunContext, hp: ConfederatedHparams, rng: np.random.Generator)
     hyper-parameters on one problem pay the Newton solve once (the problem is never modified in place). The
     data are told apart by the config's dataset section, and a dataset passed from Python by its contents."""
     cfg = ctx.config
-    # a dataset passed from Python is named ``python`` whatever it holds: its data's hash tells two apart
-    data = describe_dataset(ctx.dataset)["sha256"] if cfg.dataset.name == PYTHON else None
+    # a dataset passed from Python is named ``python`` whatever it holds: its data's hash tells two apart, and
+    # its number of classes, which the hash leaves out and build_problem checks (float labels as arrays are 1)
+    described = describe_dataset(ctx.dataset) if cfg.dataset.name == PYTHON else None
+    data = (described["sha256"], described["outputs"]) if described else None
     key = (
         cfg.dataset.name, repr(sorted(cfg.dataset.options.items())), data, cfg.seed, hp.num_servers,
         hp.users_per_server, hp.batch_size, hp.kappa, hp.feature_scaling, hp.intercept,
