@@ -330,18 +330,6 @@ def test_single_level_gt_saga_stores_its_tables_at_the_servers():
     assert make("gt_saga").ledger.summary()["storage_peak_bytes"]["user"] == {"saga_table": 5 * vec}
 
 
-def test_the_storage_record_holds_each_methods_own_state():
-    """Beyond x, y and g: GT-SVRG's server holds tau_i and mu_i and its users tau_i; GT-SARAH receives x^k with
-    x^{k+1} and holds neither; CFL-ADMM's users hold x_ij and lambda_ij, its servers the last message of each
-    of their P users and gamma_i. The record had none of them."""
-    vec = 20 * 8  # one d-vector of float64 (d = 20)
-    storage = {name: make(name).ledger.summary()["storage_peak_bytes"] for name in ("gt_svrg", "gt_sarah", "cfl_admm")}
-    assert storage["gt_svrg"]["edge"]["anchor_and_mean"] == 2 * vec and storage["gt_svrg"]["user"] == {"anchor": vec}
-    assert storage["gt_sarah"] == {"edge": {"x_y_g": 3 * vec}}
-    assert storage["cfl_admm"]["user"] == {"primal_dual": 2 * vec}
-    assert storage["cfl_admm"]["edge"]["messages_and_dual"] == (5 + 1) * vec  # P = 5
-
-
 def test_drift_reading_of_the_trigger_does_not_converge():
     """Spec A2: Delta against the last *uploaded* estimate converges; against the last fresh one it stalls."""
     lag = run(make("cfl_saga", rho=1e3), 600)

@@ -90,9 +90,6 @@ class CFLADMM(ConfederatedAlgorithm):
         self.adj, self.deg = adj, adj.sum(1, keepdim=True)
         self.beta = hp.beta if hp.beta is not None else hp.beta_scale * self.L_f
         self.c = hp.c if hp.c is not None else hp.c_scale * self.L_f
-        self.ledger.store("user", "primal_dual", 2 * self.vector_bytes)  # x_ij and lambda_ij
-        # the server reuses the last message of each of its P users (unselected ones upload nothing) and has gamma_i
-        self.ledger.store("edge", "messages_and_dual", (pb.P + 1) * self.vector_bytes)
 
     def step(self, r: int) -> None:
         pb, beta, c = self.problem, self.beta, self.c

@@ -61,9 +61,6 @@ class GTSVRG(ConfederatedAlgorithm):
         self.mu = torch.zeros(pb.N, pb.d, dtype=torch.float64, device=dev)  # sum_j grad f_ij(tau_i)
         self.due = torch.zeros(pb.N, dtype=torch.bool, device=dev)  # a snapshot not yet completed (faults only)
         self.anchored = torch.zeros(pb.N, dtype=torch.bool, device=dev)  # a snapshot has completed once (faults only)
-        if not self.recursive:  # the server holds tau_i and mu_i, a user tau_i (its inner differences are at it)
-            self.ledger.store("edge", "anchor_and_mean", 2 * self.vector_bytes)
-            self.ledger.store("user", "anchor", self.vector_bytes)
 
     def snapshot(self, r: int, x_new: torch.Tensor) -> torch.Tensor:
         """All users upload grad f_ij(x_i^{k+1}); returns g_i^{k+1} = sum_j grad f_ij(x_i^{k+1})."""
