@@ -321,15 +321,6 @@ def test_single_level_gt_saga_converges_without_user_uploads():
     assert slope < 0 and r2 > 0.95
 
 
-def test_single_level_gt_saga_stores_its_tables_at_the_servers():
-    """Algorithm 1 has no users: each server holds its S~_i = P S table entries and their sum. The storage
-    record said each (absent) user held S entries, and the servers none."""
-    vec = 20 * 8  # one d-vector of float64 (d = 20)
-    storage = make("gt_saga", mode="decentralized").ledger.summary()["storage_peak_bytes"]
-    assert "user" not in storage and storage["edge"]["saga_table"] == (5 * 5 + 1) * vec  # P = 5, S = 5
-    assert make("gt_saga").ledger.summary()["storage_peak_bytes"]["user"] == {"saga_table": 5 * vec}
-
-
 def test_drift_reading_of_the_trigger_does_not_converge():
     """Spec A2: Delta against the last *uploaded* estimate converges; against the last fresh one it stalls."""
     lag = run(make("cfl_saga", rho=1e3), 600)

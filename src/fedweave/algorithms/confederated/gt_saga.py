@@ -55,10 +55,7 @@ class GTSAGA(ConfederatedAlgorithm):
         dev = self.device
         self.table = torch.zeros(pb.N * pb.P * pb.S, pb.d, dtype=torch.float64, device=dev)  # entries 0 (spec A4)
         self.table_sum = torch.zeros(pb.N, pb.d, dtype=torch.float64, device=dev)  # g_i,sum, held by the server
-        if hp.mode == "cfl":  # each user holds its S entries (Algorithm 2)
-            self.ledger.store("user", "saga_table", pb.S * self.vector_bytes)
-        else:  # Algorithm 1 has no users: the server is the node and holds its S~_i = P S entries and their sum
-            self.ledger.store("edge", "saga_table", (pb.P * pb.S + 1) * self.vector_bytes)
+        self.ledger.store("user", "saga_table", pb.S * self.vector_bytes)
         if hp.mode == "decentralized" and "dropout" in self.faults.active():
             raise ConfigError(
                 "faults.dropout / faults.outage_rounds: gt_saga with algorithm.mode 'decentralized' has no users "
