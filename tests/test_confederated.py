@@ -71,6 +71,14 @@ def test_graph_options_and_errors():
     assert np.allclose(w.sum(1), 1) and spectral_sigma(w) < 1
 
 
+def test_a_mistyped_number_of_servers_is_refused_by_the_data_before_the_graph_is_built():
+    """N x P x B samples must exist: 10^7 servers are refused in one line naming the option, where the N x N
+    adjacency was allocated first and failed with a MemoryError traceback (10^14 bytes)."""
+    with pytest.raises(ConfigError, match=r"fewer than num_servers x users_per_server x batch_size") as e:
+        make("gt_saga", num_servers=10**7)
+    assert "\n" not in str(e.value)
+
+
 def test_optimal_constant_weights_as_documented():
     """docs/algorithms/confederated.md: tau = (lambda_max + lambda_2)/2 gives the smallest sigma of any tau, and
     negative diagonal entries on the random graph of graph_seed 1 (smallest -0.41), not on the ring or full."""
@@ -485,6 +493,57 @@ def test_non_finite_features_are_refused_in_one_line(tmp_path, split, bad):
     }
     with pytest.raises(ConfigError, match=f"dataset 'python': its {split} features hold NaN or infinite values"):
         fedweave.run(cfg, dataset=(x[:150], y[:150], x[150:], y[150:]), run_dir=tmp_path)
+
+
+@pytest.mark.parametrize(("split", "bad"), [("training", -1), ("test", 2), ("test", -1)])
+def test_labels_other_than_0_and_1_are_refused_in_either_split(tmp_path, split, bad):
+    """Eq. (48) takes 0/1 labels b, and the test split is scored as 0/1 too (accuracy: z > 0 == b). A test label
+    of 2 or -1 was accepted and the test accuracy reported 0, silently."""
+    import fedweave
+    from fedweave.data.base import Dataset
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(200, 6, generator=g, dtype=torch.float64)
+    y = (x[:, 0] > 0).long()
+    y[3 if split == "training" else 160] = bad
+    ds = Dataset(
+        name="binary", train_x=x[:150], train_y=y[:150], test_x=x[150:], test_y=y[150:], num_classes=2, input_shape=(6,)
+    )
+    cfg = {
+        "rounds": 1,
+        "output": {"progress": False, "plots": False},
+        "algorithm": {"name": "gt_saga", "num_servers": 3, "users_per_server": 2, "batch_size": 5},
+    }
+    with pytest.raises(ConfigError, match=f"^dataset 'binary': its {split} labels must be 0 or 1 ") as e:
+        fedweave.run(cfg, dataset=ds, run_dir=tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_float_labels_get_the_familys_own_message_not_a_task_it_refuses(tmp_path):
+    """The family reads no task section, so the default task's check of the targets does not apply: 0/1 labels
+    held as floats in a two-class Dataset are solved as integer ones, and float targets passed as arrays (one
+    regression output) are refused in the family's words, even right after the same arrays were solved as a
+    two-class Dataset (the memoized problem is told apart by the classes too). Before, both were told to set
+    task.loss, which the family then refused."""
+    import fedweave
+    from fedweave.data.base import Dataset
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(200, 6, generator=g, dtype=torch.float64)
+    y = (x[:, 0] > 0).long()
+    cfg = {
+        "rounds": 2,
+        "output": {"progress": False, "plots": False},
+        "algorithm": {"name": "gt_saga", "num_servers": 3, "users_per_server": 2, "batch_size": 5},
+    }
+    runs = {}
+    for kind, labels in (("long", y), ("double", y.double())):
+        ds = Dataset("binary", x[:150], labels[:150], x[150:], labels[150:], num_classes=2, input_shape=(6,))
+        runs[kind] = fedweave.run(cfg, dataset=ds, run_dir=tmp_path / kind).algorithm
+    assert torch.equal(runs["long"].x_star, runs["double"].x_star) and torch.equal(runs["long"].X, runs["double"].X)
+    arrays = (x[:150], y[:150].double(), x[150:], y[150:].double())  # the data just solved, with 1 output
+    with pytest.raises(ConfigError, match=r"^dataset 'python' has float targets; the confederated family solves"):
+        fedweave.run(cfg, dataset=arrays, run_dir=tmp_path / "arrays")
 
 
 @pytest.mark.parametrize(

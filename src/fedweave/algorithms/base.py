@@ -311,7 +311,11 @@ class RunContext:
         )
 
     def _checked(self, ds: Dataset) -> Dataset:
-        """The task's loss must fit the targets: class losses need integer labels, the others float ones."""
+        """The task's loss must fit the targets: class losses need integer labels, the others float ones. A
+        family with a fixed task (``Algorithm.fixed_task``) reads no task section and checks its data itself."""
+        name = self.config.algorithm.name
+        if name in ALGORITHMS and ALGORITHMS.get(name).fixed_task:  # the default task's advice would not apply
+            return ds
         wants = self.task.loss.targets
         has = "float" if ds.train_y.is_floating_point() else "class"
         if wants == "class" and has == "float":

@@ -103,8 +103,10 @@ def _problem(ctx: RunContext, hp: ConfederatedHparams, rng: np.random.Generator)
     hyper-parameters on one problem pay the Newton solve once (the problem is never modified in place). The
     data are told apart by the config's dataset section, and a dataset passed from Python by its contents."""
     cfg = ctx.config
-    # a dataset passed from Python is named ``python`` whatever it holds: its data's hash tells two apart
-    data = describe_dataset(ctx.dataset)["sha256"] if cfg.dataset.name == PYTHON else None
+    # a dataset passed from Python is named ``python`` whatever it holds: its data's hash tells two apart, and
+    # its number of classes, which the hash leaves out and build_problem checks (float labels as arrays are 1)
+    described = describe_dataset(ctx.dataset) if cfg.dataset.name == PYTHON else None
+    data = (described["sha256"], described["outputs"]) if described else None
     key = (
         cfg.dataset.name, repr(sorted(cfg.dataset.options.items())), data, cfg.seed, hp.num_servers,
         hp.users_per_server, hp.batch_size, hp.kappa, hp.feature_scaling, hp.intercept,
@@ -152,7 +154,6 @@ class ConfederatedAlgorithm(Algorithm):
 
     def __init__(self, ctx: RunContext, hp: ConfederatedHparams) -> None:
         super().__init__(ctx, hp)
-        self.net = Confederation(hp, self.seeds.numpy("server_graph"), self.ledger)
         ctx.placement.check_float64("the confederated family (its problems are float64 by design)")
         ctx.placement.computes_in = "float64"  # whatever the precision: summary.json says so
         if ctx.placement.precision == "bf16-mixed":  # its gradients are closed-form float64: nothing autocasts
@@ -162,6 +163,9 @@ class ConfederatedAlgorithm(Algorithm):
             )
         # built and solved on the CPU (cached per dataset and options), then moved where the run computes
         pb_host, x_star, self.f_star, self.L_f = _problem(ctx, hp, self.seeds.numpy("partition"))
+        # the graph after the data: N x P x B samples must exist, so a mistyped num_servers is refused in one
+        # line before the N x N adjacency and mixing matrix are allocated (1e6 servers asked for 1e12 bytes)
+        self.net = Confederation(hp, self.seeds.numpy("server_graph"), self.ledger)
         dev = self.device = ctx.device
         self.problem, self.x_star = pb_host.to(dev), x_star.to(dev)
         self.alpha = hp.step_size if hp.step_size is not None else hp.step_scale / self.L_f

@@ -162,10 +162,11 @@ def build_problem(
     Every user gets S = floor(n / (N P B)) mini-batches (equal sizes, as in the paper's experiments); the
     samples are assigned by a permutation from ``rng`` and the n - N P S B left over are not used.
     """
-    if ds.num_classes != 2:
+    if ds.num_classes != 2:  # float targets passed from Python are a regression output, not two classes
+        has = "float targets" if ds.train_y.is_floating_point() else f"{ds.num_classes} classes"
         raise ConfigError(
-            f"dataset {ds.name!r} has {ds.num_classes} classes; the confederated family solves binary logistic "
-            "regression (datasets: cfl_logreg, adult, mushroom, breast_cancer)"
+            f"dataset {ds.name!r} has {has}; the confederated family solves binary logistic regression: give it "
+            "integer labels 0 and 1 (datasets: cfl_logreg, adult, mushroom, breast_cancer)"
         )
     if feature_scaling not in FEATURE_SCALINGS:
         raise ConfigError(f"algorithm.feature_scaling must be one of {', '.join(FEATURE_SCALINGS)}")
@@ -173,8 +174,12 @@ def build_problem(
     x = ds.train_x.reshape(len(ds.train_x), width).to(torch.float64)
     tx = ds.test_x.reshape(len(ds.test_x), width).to(torch.float64)
     y, ty = ds.train_y.to(torch.float64), ds.test_y.to(torch.float64)
-    if not bool(((y == 0) | (y == 1)).all()):
-        raise ConfigError(f"dataset {ds.name!r}: labels must be 0 or 1")
+    for split, labels in (("training", y), ("test", ty)):  # the test split's are scored as 0/1 too (z > 0 == b)
+        if not bool(((labels == 0) | (labels == 1)).all()):
+            raise ConfigError(
+                f"dataset {ds.name!r}: its {split} labels must be 0 or 1 (the confederated family solves binary "
+                "logistic regression, eq. (48))"
+            )
     for split, feats in (("training", x), ("test", tx)):  # else L_f's eigensolver or Newton fails on them
         if not bool(torch.isfinite(feats).all()):
             raise ConfigError(
