@@ -404,6 +404,21 @@ def test_fedweave_run_and_resume(tmp_path):
     # the default precision is float32, but the family computes in float64: summary.json says both
     assert full.summary["placement"]["precision"] == "float32"
     assert full.summary["placement"]["computes_in"] == "float64"
+    # its iterations run on one torch thread unless the config sets threads (compute_threads): the summary says
+    # so, not the process's count, which it said before
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        one = fedweave.run(load({**base, "rounds": 1}), run_dir=tmp_path / "one")
+    finally:
+        torch.set_num_threads(before)
+    assert one.summary["execution"]["threads"] == 1
+    assert (
+        fedweave.run(load({**base, "rounds": 1, "threads": 2}), run_dir=tmp_path / "two").summary["execution"][
+            "threads"
+        ]
+        == 2
+    )
     part = fedweave.run(load({**base, "rounds": 3}), run_dir=tmp_path / "b")  # checkpoint after round 3
     (tmp_path / "b" / "config.yaml").write_text(yaml.safe_dump(load(base).to_dict()))  # continue to 6 rounds
     resumed = resume(tmp_path / "b")

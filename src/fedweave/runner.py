@@ -471,7 +471,7 @@ def _summary(state: RunState, status: str, error: str | None) -> dict[str, Any]:
         "execution": {  # what `backend: auto` resolved to, and the threads it ran with; null for a family with
             # its own loop (split, confederated), which reads no `backend` (it recorded the configured one)
             "backend": trainer.backend if trainer is not None else None,
-            "threads": torch.get_num_threads(),
+            "threads": state.algo.compute_threads,  # what the rounds computed on (a family may use fewer)
         },
         "placement": state.ctx.placement.summary(),  # what `device: auto` resolved to, its name, the precision
     }

@@ -600,6 +600,12 @@ class Algorithm(metaclass=_AlgorithmMeta):
         return self.ctx.config
 
     @property
+    def compute_threads(self) -> int:
+        """The torch threads the rounds compute on (``summary.json``'s ``execution.threads``): the process's, which
+        the runner sets from ``threads``; a family that computes on others says so."""
+        return torch.get_num_threads()
+
+    @property
     def seeds(self) -> Seeds:
         """The run's named random streams (``ctx.seeds``): every draw of the algorithm comes from one of them."""
         return self.ctx.seeds

@@ -152,6 +152,11 @@ class ConfederatedAlgorithm(Algorithm):
     handles_faults = ("dropout", "server_miss", "link_loss")
     state_fields = ("X", "Y", "G", "k", "uploads")  # the skeleton's; a method adds its own
 
+    @property
+    def compute_threads(self) -> int:
+        """One unless the config sets ``threads`` (:func:`compute_threads`, around every iteration)."""
+        return self.config.threads if self.config.threads is not None else 1
+
     def __init__(self, ctx: RunContext, hp: ConfederatedHparams) -> None:
         super().__init__(ctx, hp)
         ctx.placement.check_float64("the confederated family (its problems are float64 by design)")
