@@ -392,6 +392,30 @@ def test_a_sweep_refused_for_another_configs_run_leaves_the_sweep_directory_as_i
     assert {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()} == before
 
 
+def test_a_sweep_run_again_with_another_local_lr_does_not_take_the_old_runs_as_its_own(toy_config, tmp_path):
+    # a resume may change local.lr (a diverged run continued more gently): each finished run, checkpointed, was
+    # resumed with the new lr, ran no round, wrote the new lr into its config.yaml and was reported under it
+    cfg = {**toy_config, "output": {"progress": False, "plots": False, "checkpoint_every": 2}}
+    grid = {"algorithm.clients_per_round": [3, 4]}
+    fedweave.sweep(cfg, grid, out=tmp_path / "s", progress=False)
+    before = {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()}
+    with pytest.raises(RunFailed, match="RunDirError: .* already holds a finished run of another config") as e:
+        fedweave.sweep(cfg, grid, out=tmp_path / "s", progress=False, overrides=["local.lr=0.3"])
+    assert "algorithm.clients_per_round=3" in str(e.value)
+    assert {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()} == before
+    # what the sweep must give: runs trained with lr 0.3 (a sweep of it elsewhere), not the lr 0.1 runs relabelled
+    new = fedweave.sweep(cfg, grid, out=tmp_path / "t", progress=False, overrides=["local.lr=0.3"])
+    assert all(load(tmp_path / "t" / r["run_dir"] / "config.yaml").local.lr == 0.3 for r in new.records)
+    # a killed run reached by a worker (no up-front refusal) is not continued with the new lr either
+    from fedweave.experiments.jobs import run_points
+
+    points = expand(cfg, grid, overrides=["local.lr=0.3"])
+    (tmp_path / "s" / "runs" / points[0].slug / "summary.json").unlink()
+    with pytest.raises(RunFailed, match="already holds an unfinished run of another config"):
+        run_points(points[:1], tmp_path / "s" / "runs", progress=False)
+    assert load(tmp_path / "s" / "runs" / points[0].slug / "config.yaml").local.lr == 0.1
+
+
 # ---- every point against a baseline point, paired by seed (--baseline) ----------------------------------------
 ALGOS = ["--grid", "algorithm.name=fedavg,fedprox,scaffold", "--seeds", "3"]
 
