@@ -416,6 +416,24 @@ def test_a_sweep_run_again_with_another_local_lr_does_not_take_the_old_runs_as_i
     assert load(tmp_path / "s" / "runs" / points[0].slug / "config.yaml").local.lr == 0.1
 
 
+def test_a_sweep_into_a_run_directory_or_over_a_users_tables_is_refused(toy_config, tmp_path):
+    # the sweep's plots bear the names of a run's own (test_accuracy_vs_rounds.png): into a run directory they
+    # replaced the run's, silently, and summary.md / summary.csv of the user's were replaced as well
+    fedweave.run({**toy_config, "output": {"progress": False, "plots": True}}, run_dir=tmp_path / "r")
+    (tmp_path / "u").mkdir()
+    (tmp_path / "u" / "summary.md").write_text("my notes")
+    for folder, why in (("r", "holds a run"), ("u", "holds summary.md, which the sweep would replace")):
+        before = {p: p.read_bytes() for p in (tmp_path / folder).rglob("*") if p.is_file()}
+        with pytest.raises(ConfigError, match=f"^--out: .*{folder} {why}"):
+            fedweave.sweep(toy_config, {"local.lr": [0.05]}, out=tmp_path / folder, progress=False)
+        assert {p: p.read_bytes() for p in (tmp_path / folder).rglob("*") if p.is_file()} == before
+    # a sweep's own folder is continued, and a folder of other files takes a sweep
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "notes.txt").write_text("x")
+    for folder in ("s", "s", "o"):
+        fedweave.sweep(toy_config, {"local.lr": [0.05]}, out=tmp_path / folder, progress=False)
+
+
 # ---- every point against a baseline point, paired by seed (--baseline) ----------------------------------------
 ALGOS = ["--grid", "algorithm.name=fedavg,fedprox,scaffold", "--seeds", "3"]
 
