@@ -229,6 +229,18 @@ def test_a_resumed_run_continues_each_tracker_run_which_holds_exactly_metrics_cs
         assert [(h["_step"], h[k]) for h in history if k in h] == pairs, k
 
 
+def test_a_resumed_runs_tensorboard_directory_removed_since_is_written_again_in_full(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = [{"round": r, "test_accuracy": r / 10, "bytes_total": 100 * r} for r in (1, 2, 3)]
+    (tmp_path / "trackers.json").write_text(json.dumps({"tensorboard": {"run_id": "tensorboard", "rows": 2}}))
+    t = Trackers(["tensorboard"], {"name": "x", "output": {"checkpoint_every": 1}}, tmp_path, resumed_rows=rows)
+    t.finish({"status": "completed", "communication": {"bytes_total": 300}}, [])
+    ev = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    ev.Reload()
+    assert [e.step for e in ev.Scalars("test_accuracy")] == [1, 2, 3]
+
+
 def test_mlflow_sends_no_telemetry_and_writes_nothing_outside_the_run_directory(tmp_path):
     """MLflow 3 records usage telemetry by default (an installation id in ~/.config/mlflow, events sent to its
     servers): a run's MLflow store must stay local, so the tracker turns it off unless the user chose.

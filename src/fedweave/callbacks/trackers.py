@@ -188,6 +188,8 @@ def _tensorboard_scalars(logdir: Path) -> Counter[tuple[str, int]]:
     """(tag, step) of every scalar the event files in ``logdir`` hold, as many times as each was written."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    if not logdir.is_dir():  # removed since: it holds nothing (the accumulator would raise)
+        return Counter()
     # purge_orphaned_data off: a step written twice is counted twice, not hidden
     ev = EventAccumulator(str(logdir), size_guidance={"scalars": 0}, purge_orphaned_data=False)
     ev.Reload()
