@@ -135,6 +135,25 @@ def test_resume_without_a_checkpoint_is_a_clear_cli_error(toy_config, tmp_path, 
     assert "checkpoint.pt not found" in err and len(err.strip().splitlines()) == 1
 
 
+def test_resume_without_a_checkpoint_says_why_where_the_run_checkpoints_or_is_a_sweep(toy_config, tmp_path, capsys):
+    # both were told to set output.checkpoint_every: a run that had it, killed before its first checkpoint, and
+    # a sweep directory, whose runs the sweep resumes
+    cfg = {**toy_config, "output": {"progress": False, "plots": False, "checkpoint_every": 3}}
+    fedweave.run(cfg, run_dir=tmp_path / "r")
+    (tmp_path / "r" / CHECKPOINT).unlink()  # as a run killed in round 1 or 2
+    (tmp_path / "r" / "summary.json").unlink()
+    fedweave.sweep(toy_config, {"local.lr": [0.05]}, out=tmp_path / "s", progress=False)
+    for d, want in (
+        ("r", "the run stopped before its first checkpoint (output.checkpoint_every: 3); start it again with "
+              f"'fedweave run {tmp_path / 'r' / 'config.yaml'} --out {tmp_path / 'r'} --overwrite'"),
+        ("s", "it is a sweep directory; run the sweep again (same --out) to resume its runs"),
+    ):  # fmt: skip
+        assert cli_main(["run", "--resume", str(tmp_path / d), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.endswith(want) and "set output.checkpoint_every" not in err, err
+    assert cli_main(["run", str(tmp_path / "r" / "config.yaml"), "--out", str(tmp_path / "r"), "--overwrite"]) == 0
+
+
 def test_a_fresh_run_removes_a_stale_checkpoint(toy_config, tmp_path):
     cfg = {**toy_config, "output": {"progress": False, "plots": False, "checkpoint_every": 1}}
     fedweave.run(cfg, run_dir=tmp_path / "r")
