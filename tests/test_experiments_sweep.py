@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -432,6 +433,18 @@ def test_a_sweep_into_a_run_directory_or_over_a_users_tables_is_refused(toy_conf
     (tmp_path / "o" / "notes.txt").write_text("x")
     for folder in ("s", "s", "o"):
         fedweave.sweep(toy_config, {"local.lr": [0.05]}, out=tmp_path / folder, progress=False)
+
+
+def test_a_grid_value_too_long_for_a_file_name_gets_a_short_distinct_run_directory(toy_config, tmp_path):
+    # the run directory was the label as it is: a long list value (or many keys) made a name past the 255 bytes
+    # a file name may have, and the sweep ended in an OSError traceback (File name too long) at its first run
+    longs = [list(range(10, 130)), list(range(10, 131))]  # outages after the last round: no round is touched
+    res = fedweave.sweep(toy_config, {"faults.outage_rounds": longs}, seeds=2, out=tmp_path / "s", progress=False)
+    dirs = [r["run_dir"] for r in res.records]
+    assert len(set(dirs)) == 4 and all(len(Path(d).name) <= 200 for d in dirs)
+    assert [d.rsplit(",seed=", 1)[1] for d in dirs] == ["3", "4", "3", "4"]
+    assert all(r["status"] == "completed" for r in res.records) and len(res.summary) == 2
+    assert [load(tmp_path / "s" / d / "config.yaml").faults.outage_rounds for d in dirs[::2]] == longs
 
 
 # ---- every point against a baseline point, paired by seed (--baseline) ----------------------------------------
