@@ -447,6 +447,21 @@ def test_a_grid_value_too_long_for_a_file_name_gets_a_short_distinct_run_directo
     assert [load(tmp_path / "s" / d / "config.yaml").faults.outage_rounds for d in dirs[::2]] == longs
 
 
+def test_a_sweep_with_fewer_rounds_than_its_checkpointed_runs_leaves_the_sweep_directory_as_it_was(
+    toy_config, tmp_path
+):
+    # a completed run's checkpoint is of its last round, which a resume may not go below: its worker refused it,
+    # but only after sweep.json had been rewritten for the new grid (the report then read the old runs by it)
+    cfg = {**toy_config, "output": {"progress": False, "plots": False, "checkpoint_every": 2}}
+    fedweave.sweep(cfg, {"local.lr": [0.05, 0.1]}, out=tmp_path / "s", progress=False)
+    before = {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()}
+    with pytest.raises(RunFailed, match="already holds a finished run of another config"):
+        fedweave.sweep({**cfg, "rounds": 2}, {"local.lr": [0.05, 0.2]}, out=tmp_path / "s", progress=False)
+    assert {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()} == before
+    longer = fedweave.sweep({**cfg, "rounds": 5}, {"local.lr": [0.05, 0.1]}, out=tmp_path / "s", progress=False)
+    assert [r["rounds"] for r in longer.records] == [5, 5]  # extended, as before
+
+
 # ---- every point against a baseline point, paired by seed (--baseline) ----------------------------------------
 ALGOS = ["--grid", "algorithm.name=fedavg,fedprox,scaffold", "--seeds", "3"]
 
