@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -390,6 +391,75 @@ def test_a_sweep_refused_for_another_configs_run_leaves_the_sweep_directory_as_i
     assert len(err.splitlines()) == 1 and "already holds a finished run of another config" in err, err
     assert "local.lr=0.05,seed=3" in err
     assert {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()} == before
+
+
+def test_a_sweep_run_again_with_another_local_lr_does_not_take_the_old_runs_as_its_own(toy_config, tmp_path):
+    # a resume may change local.lr (a diverged run continued more gently): each finished run, checkpointed, was
+    # resumed with the new lr, ran no round, wrote the new lr into its config.yaml and was reported under it
+    cfg = {**toy_config, "output": {"progress": False, "plots": False, "checkpoint_every": 2}}
+    grid = {"algorithm.clients_per_round": [3, 4]}
+    fedweave.sweep(cfg, grid, out=tmp_path / "s", progress=False)
+    before = {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()}
+    with pytest.raises(RunFailed, match="RunDirError: .* already holds a finished run of another config") as e:
+        fedweave.sweep(cfg, grid, out=tmp_path / "s", progress=False, overrides=["local.lr=0.3"])
+    assert "algorithm.clients_per_round=3" in str(e.value)
+    assert {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()} == before
+    # what the sweep must give: runs trained with lr 0.3 (a sweep of it elsewhere), not the lr 0.1 runs relabelled
+    new = fedweave.sweep(cfg, grid, out=tmp_path / "t", progress=False, overrides=["local.lr=0.3"])
+    assert all(load(tmp_path / "t" / r["run_dir"] / "config.yaml").local.lr == 0.3 for r in new.records)
+    # a killed run reached by a worker (no up-front refusal) is not continued with the new lr either
+    from fedweave.experiments.jobs import run_points
+
+    points = expand(cfg, grid, overrides=["local.lr=0.3"])
+    (tmp_path / "s" / "runs" / points[0].slug / "summary.json").unlink()
+    with pytest.raises(RunFailed, match="already holds an unfinished run of another config"):
+        run_points(points[:1], tmp_path / "s" / "runs", progress=False)
+    assert load(tmp_path / "s" / "runs" / points[0].slug / "config.yaml").local.lr == 0.1
+
+
+def test_a_sweep_into_a_run_directory_or_over_a_users_tables_is_refused(toy_config, tmp_path):
+    # the sweep's plots bear the names of a run's own (test_accuracy_vs_rounds.png): into a run directory they
+    # replaced the run's, silently, and summary.md / summary.csv of the user's were replaced as well
+    fedweave.run({**toy_config, "output": {"progress": False, "plots": True}}, run_dir=tmp_path / "r")
+    (tmp_path / "u").mkdir()
+    (tmp_path / "u" / "summary.md").write_text("my notes")
+    for folder, why in (("r", "holds a run"), ("u", "holds summary.md, which the sweep would replace")):
+        before = {p: p.read_bytes() for p in (tmp_path / folder).rglob("*") if p.is_file()}
+        with pytest.raises(ConfigError, match=f"^--out: .*{folder} {why}"):
+            fedweave.sweep(toy_config, {"local.lr": [0.05]}, out=tmp_path / folder, progress=False)
+        assert {p: p.read_bytes() for p in (tmp_path / folder).rglob("*") if p.is_file()} == before
+    # a sweep's own folder is continued, and a folder of other files takes a sweep
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "notes.txt").write_text("x")
+    for folder in ("s", "s", "o"):
+        fedweave.sweep(toy_config, {"local.lr": [0.05]}, out=tmp_path / folder, progress=False)
+
+
+def test_a_grid_value_too_long_for_a_file_name_gets_a_short_distinct_run_directory(toy_config, tmp_path):
+    # the run directory was the label as it is: a long list value (or many keys) made a name past the 255 bytes
+    # a file name may have, and the sweep ended in an OSError traceback (File name too long) at its first run
+    longs = [list(range(10, 130)), list(range(10, 131))]  # outages after the last round: no round is touched
+    res = fedweave.sweep(toy_config, {"faults.outage_rounds": longs}, seeds=2, out=tmp_path / "s", progress=False)
+    dirs = [r["run_dir"] for r in res.records]
+    assert len(set(dirs)) == 4 and all(len(Path(d).name) <= 200 for d in dirs)
+    assert [d.rsplit(",seed=", 1)[1] for d in dirs] == ["3", "4", "3", "4"]
+    assert all(r["status"] == "completed" for r in res.records) and len(res.summary) == 2
+    assert [load(tmp_path / "s" / d / "config.yaml").faults.outage_rounds for d in dirs[::2]] == longs
+
+
+def test_a_sweep_with_fewer_rounds_than_its_checkpointed_runs_leaves_the_sweep_directory_as_it_was(
+    toy_config, tmp_path
+):
+    # a completed run's checkpoint is of its last round, which a resume may not go below: its worker refused it,
+    # but only after sweep.json had been rewritten for the new grid (the report then read the old runs by it)
+    cfg = {**toy_config, "output": {"progress": False, "plots": False, "checkpoint_every": 2}}
+    fedweave.sweep(cfg, {"local.lr": [0.05, 0.1]}, out=tmp_path / "s", progress=False)
+    before = {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()}
+    with pytest.raises(RunFailed, match="already holds a finished run of another config"):
+        fedweave.sweep({**cfg, "rounds": 2}, {"local.lr": [0.05, 0.2]}, out=tmp_path / "s", progress=False)
+    assert {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()} == before
+    longer = fedweave.sweep({**cfg, "rounds": 5}, {"local.lr": [0.05, 0.1]}, out=tmp_path / "s", progress=False)
+    assert [r["rounds"] for r in longer.records] == [5, 5]  # extended, as before
 
 
 # ---- every point against a baseline point, paired by seed (--baseline) ----------------------------------------

@@ -229,6 +229,18 @@ def test_a_resumed_run_continues_each_tracker_run_which_holds_exactly_metrics_cs
         assert [(h["_step"], h[k]) for h in history if k in h] == pairs, k
 
 
+def test_a_resumed_runs_tensorboard_directory_removed_since_is_written_again_in_full(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = [{"round": r, "test_accuracy": r / 10, "bytes_total": 100 * r} for r in (1, 2, 3)]
+    (tmp_path / "trackers.json").write_text(json.dumps({"tensorboard": {"run_id": "tensorboard", "rows": 2}}))
+    t = Trackers(["tensorboard"], {"name": "x", "output": {"checkpoint_every": 1}}, tmp_path, resumed_rows=rows)
+    t.finish({"status": "completed", "communication": {"bytes_total": 300}}, [])
+    ev = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    ev.Reload()
+    assert [e.step for e in ev.Scalars("test_accuracy")] == [1, 2, 3]
+
+
 def test_mlflow_sends_no_telemetry_and_writes_nothing_outside_the_run_directory(tmp_path):
     """MLflow 3 records usage telemetry by default (an installation id in ~/.config/mlflow, events sent to its
     servers): a run's MLflow store must stay local, so the tracker turns it off unless the user chose.
@@ -251,3 +263,51 @@ def test_mlflow_sends_no_telemetry_and_writes_nothing_outside_the_run_directory(
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True"]
     assert not list((home / ".config").rglob("*")), "MLflow wrote outside the run directory"
+
+
+def test_a_run_stopped_while_it_sent_a_checkpoints_rows_resumes_with_each_row_once(toy_config, tmp_path, monkeypatch):
+    """Ctrl-C (or SIGKILL) while the trackers were sent the rows 4-6 of the round-6 checkpoint: TensorBoard had
+    them all and MLflow row 4, but trackers.json still counted 3 rows; the resume sent rows 4-6 again, so
+    TensorBoard held them twice and MLflow row 4. Each tracker that reads its run back logs what it lacks."""
+    import numpy as np
+
+    from fedweave.callbacks.trackers import MLflowTracker
+    from fedweave.errors import RunInterrupted
+    from fedweave.runner import resume
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    out = {"progress": False, "plots": False, "trackers": ["tensorboard", "mlflow"], "checkpoint_every": 3}
+    cfg = {**toy_config, "rounds": 9, "output": out}
+    log = MLflowTracker.log_metrics
+
+    def stop_after_row_4(self, row):
+        log(self, row)
+        if row["round"] == 4:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(MLflowTracker, "log_metrics", stop_after_row_4)
+    with pytest.raises(RunInterrupted):
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+    assert json.loads((tmp_path / "r" / "trackers.json").read_text())["mlflow"]["rows"] == 3
+    monkeypatch.setattr(MLflowTracker, "log_metrics", log)
+    res = resume(tmp_path / "r")
+    assert [r["round"] for r in res.metrics] == list(range(1, 10))
+    want = {k: [(r["round"], float(r[k])) for r in res.metrics if r.get(k) is not None] for k in res.metrics[0]}
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = EventAccumulator(str(res.run_dir / "tensorboard"), size_guidance={"scalars": 0}, purge_orphaned_data=False)
+    ev.Reload()
+    for k, pairs in want.items():  # TensorBoard keeps float32
+        assert [(e.step, e.value) for e in ev.Scalars(k)] == [(s, float(np.float32(v))) for s, v in pairs], k
+    assert [e.step for e in ev.Scalars("by_bytes/test_accuracy")] == [r["bytes_total"] for r in res.metrics]
+
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=(res.run_dir / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("toy").experiment_id])
+    for k, pairs in want.items():
+        assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)] == pairs, k
+    by_bytes = client.get_metric_history(run.info.run_id, "by_bytes.test_accuracy")
+    assert [m.step for m in by_bytes] == [r["bytes_total"] for r in res.metrics]
+    assert run.info.status == "FINISHED"

@@ -113,11 +113,45 @@ def test_resume_refuses_a_changed_config_but_may_extend_rounds(toy_config, tmp_p
     assert resume(tmp_path / "r", progress=False).metrics[-1]["round"] == 5
 
 
+def test_a_finished_run_resumed_with_another_lr_and_no_round_left_is_refused(toy_config, tmp_path):
+    # no round was left to train with it: the resume wrote local.lr=0.9 into config.yaml beside the numbers of
+    # local.lr=0.1, and a reader (or `fedweave run config.yaml`) took them for lr 0.9's
+    cfg = {**toy_config, "output": {"progress": False, "plots": False, "checkpoint_every": 1}}
+    first = fedweave.run(cfg, run_dir=tmp_path / "r")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "r").iterdir() if p.is_file()}
+    for change in ("local.lr=0.9", "local.grad_clip=1.0"):
+        with pytest.raises(ConfigError, match=f"^{change.split('=')[0]}: the checkpoint holds all 4 rounds"):
+            resume(tmp_path / "r", [change], progress=False)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "r").iterdir() if p.is_file()} == before
+    # with rounds to train, the new value trains them (a diverged run continued more gently)
+    res = resume(tmp_path / "r", ["local.lr=0.9", "rounds=5"], progress=False)
+    assert res.metrics[:4] == first.metrics and [r["round"] for r in res.metrics] == [1, 2, 3, 4, 5]
+
+
 def test_resume_without_a_checkpoint_is_a_clear_cli_error(toy_config, tmp_path, capsys):
     fedweave.run(toy_config, run_dir=tmp_path / "r")  # checkpoint_every = 0
     assert cli_main(["run", "--resume", str(tmp_path / "r"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "checkpoint.pt not found" in err and len(err.strip().splitlines()) == 1
+
+
+def test_resume_without_a_checkpoint_says_why_where_the_run_checkpoints_or_is_a_sweep(toy_config, tmp_path, capsys):
+    # both were told to set output.checkpoint_every: a run that had it, killed before its first checkpoint, and
+    # a sweep directory, whose runs the sweep resumes
+    cfg = {**toy_config, "output": {"progress": False, "plots": False, "checkpoint_every": 3}}
+    fedweave.run(cfg, run_dir=tmp_path / "r")
+    (tmp_path / "r" / CHECKPOINT).unlink()  # as a run killed in round 1 or 2
+    (tmp_path / "r" / "summary.json").unlink()
+    fedweave.sweep(toy_config, {"local.lr": [0.05]}, out=tmp_path / "s", progress=False)
+    for d, want in (
+        ("r", "the run stopped before its first checkpoint (output.checkpoint_every: 3); start it again with "
+              f"'fedweave run {tmp_path / 'r' / 'config.yaml'} --out {tmp_path / 'r'} --overwrite'"),
+        ("s", "it is a sweep directory; run the sweep again (same --out) to resume its runs"),
+    ):  # fmt: skip
+        assert cli_main(["run", "--resume", str(tmp_path / d), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.endswith(want) and "set output.checkpoint_every" not in err, err
+    assert cli_main(["run", str(tmp_path / "r" / "config.yaml"), "--out", str(tmp_path / "r"), "--overwrite"]) == 0
 
 
 def test_a_fresh_run_removes_a_stale_checkpoint(toy_config, tmp_path):

@@ -282,6 +282,14 @@ def restore_checkpoint(path: Path, algo: Algorithm, ctx: RunContext) -> dict[str
                 f"rounds: cannot change from {saved.rounds} to {config.rounds} on resume because the "
                 f"schedule depends on the total ({why}); start a new run with rounds={config.rounds}"
             )
+        changed = [f"local.{k}" for k in RESUMABLE_LOCAL if getattr(saved.local, k) != getattr(config.local, k)]
+        if changed and ckpt["next_round"] >= config.rounds:
+            # no round is left to take the new value: the resume only wrote it into config.yaml, beside the
+            # numbers of the old one
+            raise ConfigError(
+                f"{changed[0]}: the checkpoint holds all {config.rounds} rounds of the run, so no round would train "
+                f"with the new value; give more rounds (rounds=N) to continue with it, or start a new run"
+            )
     try:
         algo.load_state_dict(ckpt["algorithm"])
         ctx.ledger.load_state_dict(ckpt["ledger"])

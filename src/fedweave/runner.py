@@ -484,6 +484,24 @@ def _summary(state: RunState, status: str, error: str | None) -> dict[str, Any]:
     return summary
 
 
+def _no_checkpoint(path: Path) -> str:
+    """Why the directory ``path`` has no checkpoint, and what to do: a sweep's runs are resumed by the sweep; a
+    run that checkpoints stopped before its first checkpoint (telling it to set output.checkpoint_every, which
+    it had, sent its user looking for a setting that was there)."""
+    if (path / "sweep.json").is_file():
+        return "it is a sweep directory; run the sweep again (same --out) to resume its runs"
+    try:
+        every = load_config(path / "config.yaml").output.checkpoint_every
+    except (ConfigError, OSError):  # no readable config: say what a run needs in general
+        every = 0
+    if every:
+        return (
+            f"the run stopped before its first checkpoint (output.checkpoint_every: {every}); start it again with "
+            f"'fedweave run {path / 'config.yaml'} --out {path} --overwrite'"
+        )
+    return "the run has no checkpoint to resume from (set output.checkpoint_every)"
+
+
 def resume(
     run_dir: str | Path,
     overrides: list[str] | None = None,
@@ -506,9 +524,7 @@ def resume(
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a run directory")
     if not (path / CHECKPOINT).is_file():
-        raise CheckpointError(
-            f"{path / CHECKPOINT} not found: the run has no checkpoint to resume from (set output.checkpoint_every)"
-        )
+        raise CheckpointError(f"{path / CHECKPOINT} not found: {_no_checkpoint(path)}")
     config = load_config(path / "config.yaml", overrides)
     check_resumed_objects(config, objects)
     return run(

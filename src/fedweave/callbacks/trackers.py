@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,16 @@ class Tracker:
     the summary); ``finish`` ends a completed one."""
 
     run_id: str | None = None
+    #: a continued run's (name, step) of every value it already holds, each taken off once as it comes again; None
+    #: where the tracker cannot read its run back (then trackers.json's count of rows sent is trusted)
+    held: Counter[tuple[str, int]] | None = None
+
+    def new(self, name: str, step: int) -> bool:
+        """Whether the value ``name`` at ``step`` is to be logged: not when the continued run holds it already."""
+        if self.held is None or self.held[name, step] <= 0:
+            return True
+        self.held[name, step] -= 1
+        return False
 
     def start(self, config: dict[str, Any], run_dir: Path, group: str | None, run_id: str | None = None) -> None: ...
     def log_metrics(self, row: dict[str, Any]) -> None: ...
@@ -59,6 +70,8 @@ class TensorBoardTracker(Tracker):
     def start(self, config, run_dir, group, run_id=None):
         from torch.utils.tensorboard import SummaryWriter
 
+        if run_id is not None:  # what the directory holds, read before this run's event file is added
+            self.held = _tensorboard_scalars(run_dir / "tensorboard")
         # a resumed run adds an event file to the same directory: TensorBoard reads them as one run
         self.w = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         self.run_id = "tensorboard"
@@ -69,8 +82,9 @@ class TensorBoardTracker(Tracker):
 
     def log_metrics(self, row):
         for k, v in _numbers(row).items():
-            self.w.add_scalar(k, v, global_step=int(row["round"]))
-            if k != "bytes_total":
+            if self.new(k, int(row["round"])):
+                self.w.add_scalar(k, v, global_step=int(row["round"]))
+            if k != "bytes_total" and self.new(f"by_bytes/{k}", int(row["bytes_total"])):
                 self.w.add_scalar(f"by_bytes/{k}", v, global_step=int(row["bytes_total"]))
 
     def finish(self, summary, artifacts):
@@ -106,6 +120,9 @@ class MLflowTracker(Tracker):
                 self.run = self.client.get_run(run_id)
                 self.client.update_run(run_id, status="RUNNING")
                 logged = self.run.data.params
+                self.held = Counter(
+                    (k, m.step) for k in self.run.data.metrics for m in self.client.get_metric_history(run_id, k)
+                )
             except MlflowException:  # the store was removed: start a new MLflow run
                 run_id = None
         if run_id is None:
@@ -121,8 +138,9 @@ class MLflowTracker(Tracker):
 
     def log_metrics(self, row):
         for k, v in _numbers(row).items():
-            self.client.log_metric(self.id, _mlflow_key(k), v, step=int(row["round"]))
-            if k != "bytes_total":
+            if self.new(_mlflow_key(k), int(row["round"])):
+                self.client.log_metric(self.id, _mlflow_key(k), v, step=int(row["round"]))
+            if k != "bytes_total" and self.new(_mlflow_key(f"by_bytes.{k}"), int(row["bytes_total"])):
                 self.client.log_metric(self.id, _mlflow_key(f"by_bytes.{k}"), v, step=int(row["bytes_total"]))
 
     def finish(self, summary, artifacts):
@@ -164,6 +182,18 @@ class WandbTracker(Tracker):
 
     def close(self, status):
         self.run.finish(exit_code=1)
+
+
+def _tensorboard_scalars(logdir: Path) -> Counter[tuple[str, int]]:
+    """(tag, step) of every scalar the event files in ``logdir`` hold, as many times as each was written."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not logdir.is_dir():  # removed since: it holds nothing (the accumulator would raise)
+        return Counter()
+    # purge_orphaned_data off: a step written twice is counted twice, not hidden
+    ev = EventAccumulator(str(logdir), size_guidance={"scalars": 0}, purge_orphaned_data=False)
+    ev.Reload()
+    return Counter((tag, e.step) for tag in ev.Tags()["scalars"] for e in ev.Scalars(tag))
 
 
 def _mlflow_key(name: str) -> str:
@@ -224,9 +254,12 @@ class Trackers:
             t = _KINDS[name]()
             t.start(config, Path(run_dir), sweep_group(Path(run_dir)), saved.get(name, {}).get("run_id"))
             self.items[name] = t
-            # a tracker continuing its run holds its first rows already; one added on resume gets them all
+            # a tracker continuing its run holds its first rows already; one added on resume gets them all. A
+            # tracker that reads its run back is sent every row and logs what it does not hold: a process killed
+            # (or interrupted) while it sent a checkpoint's rows left some of them there but not in trackers.json,
+            # and they came twice; TensorBoard's writer, killed, lost rows trackers.json counted
             rows = saved.get(name, {}).get("rows", 0)
-            self.sent[name] = min(rows, len(self.rows)) if isinstance(rows, int) else 0
+            self.sent[name] = 0 if t.held is not None else min(rows, len(self.rows)) if isinstance(rows, int) else 0
         self._send(first=True)
 
     def _saved(self) -> dict[str, Any]:

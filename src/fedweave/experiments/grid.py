@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import re
 from collections.abc import Mapping
@@ -12,6 +13,8 @@ from typing import Any
 import yaml
 
 from fedweave.config import ConfigError, RunConfig, apply_overrides, load, read_yaml_file, yaml_load
+
+SLUG_MAX = 200  # characters (ASCII) of a run directory's name: below the 255 bytes a file name may have
 
 
 class GridError(ConfigError):
@@ -43,10 +46,15 @@ class Point:
     @property
     def slug(self) -> str:
         """This run's directory under the runs directory: its ``name``, else the label and the seed made
-        filesystem-safe."""
+        filesystem-safe; a label too long for a file name (255 bytes: a long list value, many keys) is cut and
+        told apart by a digest of it, the seed kept last."""
         if self.name is not None:
             return self.name
-        return re.sub(r"[^A-Za-z0-9_.=,-]+", "_", f"{self.label},seed={self.seed}")
+        slug = re.sub(r"[^A-Za-z0-9_.=,-]+", "_", f"{self.label},seed={self.seed}")
+        if len(slug) <= SLUG_MAX:
+            return slug
+        digest = hashlib.sha256(self.label.encode()).hexdigest()[:16]
+        return f"{slug[: SLUG_MAX - 48]}~{digest},seed={self.seed}"
 
 
 def _text(v: Any) -> str:

@@ -42,7 +42,7 @@ def _run_point(config: dict[str, Any], run_dir: str, threads: int, overwrite: bo
     cfg = load(config)
     if cfg.threads is None:
         torch.set_num_threads(threads)
-    if (Path(run_dir) / CHECKPOINT).is_file():
+    if (Path(run_dir) / CHECKPOINT).is_file() and same_local(run_dir, cfg):
         try:
             res = run(cfg, run_dir=run_dir, progress=False, resume=True, on_divergence="return")
             return Result(res.run_dir, res.metrics, res.summary)
@@ -62,6 +62,21 @@ def _run_point(config: dict[str, Any], run_dir: str, threads: int, overwrite: bo
             "give the sweep another --out, or move that directory away"
         ) from e
     return Result(res.run_dir, res.metrics, res.summary)
+
+
+def same_local(run_dir: str | Path, config: Any) -> bool:
+    """Whether the run in ``run_dir`` trains with ``config``'s (a RunConfig) ``local`` section, as its
+    ``config.yaml`` says (unreadable: True, its resume decides). A resume may change ``local.lr`` and
+    ``local.grad_clip`` (checkpoints.RESUMABLE_LOCAL: a diverged run continued more gently), which changes the
+    numbers from the resumed round on, so a checkpointed run of other values is not this point's run: a sweep run
+    again with another ``local.lr`` took each finished run as its own, ran no round, wrote the new value into
+    its config.yaml and reported the old value's numbers under it."""
+    from fedweave.config import ConfigError, load
+
+    try:
+        return load(Path(run_dir) / "config.yaml").to_dict()["local"] == config.to_dict()["local"]
+    except (ConfigError, OSError):
+        return True
 
 
 def unfinished_run(run_dir: str | Path, config: Any) -> bool:
@@ -88,15 +103,18 @@ def unfinished_run(run_dir: str | Path, config: Any) -> bool:
 
 def check_reusable(points: Iterable[Point], runs_dir: str | Path) -> None:
     """Refuse, before anything is written, a point whose directory holds a run of another config that the sweep
-    would refuse once it reached it (one without a checkpoint: a run with one is left to its worker, which
-    resumes it where the changes are those a resumed run may make, as ``rounds``). A refused sweep rewrote the
-    sweep directory's ``sweep.json`` first, and a report then read the earlier sweep's runs by the new grid."""
+    would refuse once it reached it (one without a checkpoint, checkpointed with another ``local`` section,
+    :func:`same_local`, or completed with more rounds than the point's: any other run with one is left to its
+    worker, which resumes it where the changes are those a resumed run may make, as ``rounds`` extended). A
+    refused sweep rewrote the sweep directory's ``sweep.json`` first, and a report then read the earlier sweep's
+    runs by the new grid."""
     from fedweave.results import RunDirError, holds_run
     from fedweave.runner import CHECKPOINT
 
     for p in points:
         path = Path(runs_dir) / p.slug
-        if not path.is_dir() or not holds_run(path) or (path / CHECKPOINT).is_file():
+        resumable = (path / CHECKPOINT).is_file() and same_local(path, p.config) and not _longer(path, p.config)
+        if not path.is_dir() or not holds_run(path) or resumable:
             continue
         if finished_run(path, p.config) is None and not unfinished_run(path, p.config):
             what = "a finished run" if (path / "summary.json").is_file() else "an unfinished run"
@@ -105,6 +123,19 @@ def check_reusable(points: Iterable[Point], runs_dir: str | Path) -> None:
                 "it: give the sweep another --out, or move that directory away"
             )  # the line its worker gave, and the same exception
             raise RunFailed(f"run {path} (point {p.label}, seed {p.seed}) failed: RunDirError: {e}") from e
+
+
+def _longer(path: Path, config: Any) -> bool:
+    """Whether ``path`` holds a completed run of more rounds than ``config`` (a RunConfig) has: its checkpoint is
+    of its last round, which a resume may not go below, so its worker would refuse it after sweep.json had been
+    rewritten (a run killed part-way has a checkpoint of an earlier round and is left to its worker)."""
+    import json
+
+    try:
+        summary = json.loads((path / "summary.json").read_text())
+        return summary.get("status") == "completed" and int(summary.get("rounds") or 0) > config.rounds
+    except (OSError, ValueError, TypeError, AttributeError):  # none (killed), or unreadable: the worker decides
+        return False
 
 
 def check_workers(workers: object) -> None:

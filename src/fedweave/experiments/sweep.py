@@ -15,7 +15,7 @@ from fedweave.experiments.aggregate import best_trained, if_all, mean_std, to_ta
 from fedweave.experiments.grid import expand
 from fedweave.experiments.jobs import check_reusable, check_workers, run_points
 from fedweave.experiments.tables import markdown, write_csv
-from fedweave.results import atomic_write, file_in_the_way, read_metrics
+from fedweave.results import atomic_write, file_in_the_way, holds_run, read_metrics
 
 
 @dataclass
@@ -99,6 +99,8 @@ def sweep(
     out = Path(out)
     if what := file_in_the_way(out):
         raise ConfigError(f"--out: {out} {what}; give a folder (made if missing)")
+    if what := _not_a_sweep(out):
+        raise ConfigError(f"--out: {out} {what}; give another folder (a new one, or an earlier sweep's)")
     check_reusable(points, out / "runs")  # before sweep.json is rewritten: a refused sweep leaves it as it was
     out.mkdir(parents=True, exist_ok=True)
     spec = {"grid": grid or {}, "zipped": zipped or {}, "seeds": seeds, "metric": metric, "target": target}
@@ -188,6 +190,21 @@ def sweep(
 
     plot_sweep(curves, out, metric)
     return SweepResult(out, records, summary, best)
+
+
+def _not_a_sweep(out: Path) -> str | None:
+    """Why the existing folder ``out``, holding no ``sweep.json``, cannot take a sweep: it holds a run, or files
+    the sweep writes (its tables and plots would replace them: a run's own ``test_accuracy_vs_rounds.png`` was
+    replaced by the sweep's, silently); None when it can (a new or an earlier sweep's folder, or another one)."""
+    if not out.is_dir() or (out / "sweep.json").is_file():
+        return None
+    if holds_run(out):
+        return "holds a run (its config.yaml, metrics or summary), not a sweep, whose plots the sweep's would replace"
+    ours = [n for n in ("sweep.csv", "summary.csv", "summary.md") if (out / n).exists()]
+    ours += sorted(p.name for p in (*out.glob("*_vs_rounds.png"), *out.glob("*_vs_bytes.png")))
+    if ours:
+        return f"holds {', '.join(ours[:3])}, which the sweep would replace, and no sweep.json (no sweep's folder)"
+    return None
 
 
 def _main_column(config) -> str:
