@@ -536,3 +536,22 @@ def test_best_of_a_run_counts_the_rounds_trained_not_the_initial_model(toy_confi
     assert res.records[0]["best_test_loss"] == trained
     (run,) = _runs_by_name(build_report([res.out_dir])).values()
     assert run["best test_loss"] == _num(trained)
+
+
+def test_a_point_with_a_diverged_seed_is_not_the_best_in_the_sweep_or_the_report(toy_config, tmp_path):
+    """The best point is chosen among the points whose every run completed: the mean over the seeds that did not
+    diverge made a point with one good seed of several the sweep's and the report's best."""
+    out = tmp_path / "s"
+    grid = {"local.lr": [0.05, 0.2]}
+    first = fedweave.sweep({**toy_config, "rounds": 2}, grid, seeds=2, out=out, progress=False)
+    best = first.summary[first.best]["point"]
+    # one seed of the best point diverged (as a run that met NaN writes it); its other seed keeps the best mean
+    run = next(r for r in first.records if r["point"] == best and r["seed"] == first.records[0]["seed"])
+    summary = json.loads((out / run["run_dir"] / "summary.json").read_text())
+    (out / run["run_dir"] / "summary.json").write_text(json.dumps({**summary, "status": "diverged"}))
+    again = fedweave.sweep({**toy_config, "rounds": 2}, grid, seeds=2, out=out, progress=False)
+    other = next(r["point"] for r in again.summary if r["point"] != best)
+    assert again.summary[again.best]["point"] == other
+    dom = _dom(build_report([out]))
+    [(_, rows, marked)] = [t for t in dom.tables if t[0] == "summary"]
+    assert [rows[i][0] for i in marked] == [other]

@@ -70,6 +70,14 @@ def best_trained(rows: list[dict[str, Any]], metric: str, direction: str = "max"
 Stat = Callable[[list[Any]], Any]  # a cell's statistic: its records -> a value
 
 
+def best_point(means: list[float], whole: list[bool], direction: str = "max") -> int | None:
+    """The index of a sweep's best point: the best finite mean (``direction``: max or min) among the points
+    whose every run completed (``whole``), so that a mean over the one seed of five that did not diverge does
+    not make a point best; None when no point qualifies."""
+    scored = [i for i, (m, w) in enumerate(zip(means, whole, strict=True)) if w and not math.isnan(m)]
+    return (max if direction == "max" else min)(scored, key=lambda i: means[i]) if scored else None
+
+
 def per_cell(records: list[Any], by: tuple[str, ...], stats: dict[str, Stat]) -> list[dict[str, Any]]:
     """One row per cell (the records that share their values of ``by``, e.g. a grid point's seeds), cells in
     order of first appearance: the cell's values of ``by``, then each named statistic of its records."""

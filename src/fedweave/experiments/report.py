@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from fedweave.experiments.aggregate import best_trained, if_all, mean_std, to_target
+from fedweave.experiments.aggregate import best_point, best_trained, if_all, mean_std, to_target
 from fedweave.experiments.baseline import BASELINE, CORRECTIONS
 from fedweave.experiments.grid import Point
 from fedweave.experiments.verdicts import TESTS
@@ -391,8 +391,8 @@ def _point_summary(src: _Source) -> tuple[list[str], list[Any]]:
                     cells += _td("-") if x is None else _td(_num(x), repr(x))
             cells += _td("-" if c.outcome == BASELINE else c.n) + _td(c.outcome) + _td(c.unpaired or "-")
         rows.append(cells)
-    scored = [i for i, m in enumerate(means) if not math.isnan(m)]
-    best = (max if direction == "max" else min)(scored, key=lambda i: means[i]) if scored else None
+    whole = [all(r.status == "completed" for r in runs) for runs in by_point.values()]
+    best = best_point(means, whole, direction)
     if best is not None:
         rows[best] = ("best", rows[best])
     return head, rows

@@ -11,7 +11,7 @@ from typing import Any
 
 from fedweave.config import ConfigError
 from fedweave.experiments import baseline as paired
-from fedweave.experiments.aggregate import best_trained, if_all, mean_std, to_target
+from fedweave.experiments.aggregate import best_point, best_trained, if_all, mean_std, to_target
 from fedweave.experiments.grid import expand
 from fedweave.experiments.jobs import check_reusable, check_workers, run_points
 from fedweave.experiments.tables import markdown, write_csv
@@ -25,7 +25,7 @@ class SweepResult:
     out_dir: Path  #: the sweep's directory (``out``)
     records: list[dict[str, Any]]  #: one per run: its point, values, seed, status, final and best metric, bytes
     summary: list[dict[str, Any]]  #: one per point: the metric's mean and std over the seeds, ``best`` marked
-    best: int | None  #: the index in ``summary`` of the best point (None when no point completed)
+    best: int | None  #: the index in ``summary`` of the best point among those whose every run completed (or None)
 
     def table(self) -> str:
         """The summary as a markdown table, the best point in bold."""
@@ -95,7 +95,6 @@ def sweep(
         base = paired.resolve(paired.parse_baseline(baseline), [p.values for p in points])
     defaulted = metric is None
     metric = metric or _main_column(points[0].config)
-    better = max if column_direction(metric) == "max" else min
     out = Path(out)
     if what := file_in_the_way(out):
         raise ConfigError(f"--out: {out} {what}; give a folder (made if missing)")
@@ -119,7 +118,7 @@ def sweep(
         # set): tabulate the column the runs' own plots show, as `fedweave plot` and the report do
         own = next((m for p in points if (m := run_metric(results[p.slug].summary))), None)
         if own is not None:
-            metric, better = own, max if column_direction(own) == "max" else min
+            metric = own
             spec["metric"] = metric
             atomic_write(out / "sweep.json", json.dumps(spec, indent=2, default=str))
 
@@ -178,8 +177,8 @@ def sweep(
         if base is not None:
             row.update(paired.row(compared[label], metric, correction))
         summary.append(row)
-    scored = [i for i, r in enumerate(summary) if not math.isnan(r[f"{metric}_mean"])]
-    best = better(scored, key=lambda i: summary[i][f"{metric}_mean"]) if scored else None
+    whole = [all(r["status"] == "completed" for r in by_point[row["point"]]) for row in summary]
+    best = best_point([row[f"{metric}_mean"] for row in summary], whole, column_direction(metric))
     for i, r in enumerate(summary):
         r["best"] = i == best
 
