@@ -94,6 +94,10 @@ def test_loop_and_vmap_agree_and_resume_continues_identically(tmp_path):
         ({"local": {"momentum": 0.9}}, "leave local.steps, local.epochs and local.momentum out"),
         ({"faults": {"dropout": 0.1}}, "algorithm 'proxskip' does not handle this fault (it handles: none)"),
         ({"privacy": {"mechanism": "central", "noise_multiplier": 1.0, "clip": 1.0}}, "privacy"),
+        (
+            {"partition": {"name": "dirichlet", "num_clients": 8, "alpha": 0.01, "min_size": 0}},
+            "client(s) (client 0 first) hold no training sample; set partition.min_size to 1 or more",
+        ),
     ],
 )
 def test_what_scaffnew_needs_is_checked_in_one_line(change, words, tmp_path):
