@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams, per_job
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LOCAL_STEPS, ConfigError
 from fedweave.execution import LocalRule, StateStore
 from fedweave.execution.local import GradFn
 from fedweave.ledger import nbytes
@@ -50,6 +50,11 @@ class ProxSkipHparams(StarHparams):
         super().__post_init__()
         if not 0 < self.p <= 1:
             raise ConfigError(f"algorithm.p must be in (0, 1], got {self.p}")
+        if self.p < 1 / MAX_LOCAL_STEPS:  # p = 1e-300 drew 2^63 - 1 local steps: the round never ended
+            raise ConfigError(
+                f"algorithm.p must be >= {1 / MAX_LOCAL_STEPS:g}: a round takes 1/p local steps on average, and "
+                f"local.steps is at most {MAX_LOCAL_STEPS:,} (a larger value runs for days); got {self.p:g}"
+            )
         if self.weighting != "uniform":
             raise ConfigError(
                 "algorithm.weighting: proxskip averages with equal weights (its h_i sum to 0); use uniform"
