@@ -334,6 +334,60 @@ def test_qfedavg_refuses_a_server_step_size(tmp_path):
         _run(tmp_path, "qfedavg", server_lr=0.5)
 
 
+@pytest.mark.parametrize("name", ["qfedavg", "afl"])
+def test_a_client_without_samples_has_loss_zero_under_a_regression_task(name, tmp_path):
+    """q-FFL's F_k and AFL's L_k of a client without a training sample are 0 under any task, as under cross-entropy:
+    a regression's evaluation of no sample stopped the round with a TypeError (its metric sums were None). One round
+    of every client by hand in float64: q-FFL floors F_k = 0 at 1e-10; AFL's lambda_0 (n_k / n) of the empty client is
+    0 and its g_k = 0, so lambda's step and w's are the other clients'."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(12, 3, generator=g, dtype=torch.float64)
+    y = a @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + 0.1 * torch.randn(
+        12, generator=g, dtype=torch.float64
+    )
+    parts = [range(0, 4), range(0), range(4, 9), range(9, 12)]  # client 1 holds no sample
+    (tmp_path / "parts.json").write_text(json.dumps([list(p) for p in parts]))
+
+    cfg = {
+        "rounds": 1,
+        "precision": "float64",
+        "partition": {"name": "from_file", "num_clients": 4, "path": str(tmp_path / "parts.json")},
+        "algorithm": {"name": name, "clients_per_round": 4, **({"q": 2.0} if name == "qfedavg" else {})},
+        "task": {"loss": "mse", "loss_options": {"half": True}},
+        "local": {"steps": 3, "full_batch": True, "lr": 0.05},
+        "output": {"progress": False, "plots": False},
+    }
+    res = fedweave.run(cfg, model=_zero_linear, dataset=(a, y, a[:2], y[:2]), run_dir=tmp_path / name)
+
+    w0 = torch.zeros(3, dtype=torch.float64)
+    local, loss = [], []
+    for p in parts:
+        ap, yp, w = a[list(p)], y[list(p)], w0.clone()
+        for _ in range(3 if len(p) else 0):  # full-batch gradient steps on 0.5 mean (a w - y)^2
+            w = w - 0.05 * ap.T @ (ap @ w - yp) / len(p)
+        local.append(w)
+        loss.append(float(0.5 * (ap @ w0 - yp).pow(2).mean()) if len(p) else 0.0)
+    if name == "qfedavg":
+        dw = [(w0 - w) / 0.05 for w in local]  # L (x - wbar_k), L = 1 / lr
+        f = [max(v, 1e-10) for v in loss]
+        h = sum(2.0 * fk * float(d @ d) + fk**2 / 0.05 for fk, d in zip(f, dw))
+        want = w0 - sum(fk**2 * d for fk, d in zip(f, dw)) / h
+    else:
+        lam = torch.tensor([len(p) / 12 for p in parts], dtype=torch.float64)  # lambda_0 = n_k / n
+        want = w0 + sum(lk * (w - w0) for lk, w in zip(lam, local))
+        torch.testing.assert_close(
+            res.algorithm.lam, project_simplex(lam + 0.01 * torch.tensor(loss, dtype=torch.float64)), rtol=1e-12, atol=0
+        )
+        assert float(res.algorithm.lam[1]) == 0.0
+    torch.testing.assert_close(res.algorithm.x, want, rtol=1e-12, atol=1e-15)
+
+
+def _zero_linear() -> torch.nn.Module:
+    model = torch.nn.Linear(3, 1, bias=False)  # starts at w = 0
+    torch.nn.init.zeros_(model.weight)
+    return model
+
+
 # ---- AFL --------------------------------------------------------------------------------------------------
 def test_simplex_projection_by_hand():
     # v = (0.5, 0.3, 0.6): every entry stays; theta = (1.4 - 1) / 3

@@ -284,6 +284,8 @@ def test_an_outage_round_far_after_the_last_is_warned_short(tmp_path, caplog) ->
         ("ditto", "lam", "["),
         ("fedasync", "rho", "["),
         ("fedsam", "rho", "("),
+        ("fedcm", "sam_rho", "["),
+        ("mofedsam", "sam_rho", "["),
     ],
 )
 def test_loss_coefficients_beyond_float32_are_refused(name: str, key: str, low: str) -> None:

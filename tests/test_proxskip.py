@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fedweave
+from fedweave.algorithms.centralized.proxskip import ProxSkipHparams
 from fedweave.config import ConfigError, load
 from fedweave.runner import run as run_config
 from tests.test_centralized import M_Q, _algo, _cfg, _quad_cfg, _quad_optimum, _squared
@@ -94,6 +95,10 @@ def test_loop_and_vmap_agree_and_resume_continues_identically(tmp_path):
         ({"local": {"momentum": 0.9}}, "leave local.steps, local.epochs and local.momentum out"),
         ({"faults": {"dropout": 0.1}}, "algorithm 'proxskip' does not handle this fault (it handles: none)"),
         ({"privacy": {"mechanism": "central", "noise_multiplier": 1.0, "clip": 1.0}}, "privacy"),
+        (
+            {"partition": {"name": "dirichlet", "num_clients": 8, "alpha": 0.01, "min_size": 0}},
+            "client(s) (client 0 first) hold no training sample; set partition.min_size to 1 or more",
+        ),
     ],
 )
 def test_what_scaffnew_needs_is_checked_in_one_line(change, words, tmp_path):
@@ -101,6 +106,17 @@ def test_what_scaffnew_needs_is_checked_in_one_line(change, words, tmp_path):
     with pytest.raises(ConfigError) as err:
         fedweave.run(cfg, run_dir=tmp_path / "run")
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_probability_whose_mean_round_exceeds_local_steps_bound_is_refused():
+    # p = 1e-300 drew K_r = 2^63 - 1 local steps: the first round never ended
+    with pytest.raises(ConfigError) as err:
+        ProxSkipHparams(clients_per_round=8, p=1e-300)
+    assert str(err.value) == (
+        "algorithm.p must be >= 1e-07: a round takes 1/p local steps on average, and local.steps is at most "
+        "10,000,000 (a larger value runs for days); got 1e-300"
+    )
+    ProxSkipHparams(clients_per_round=8, p=1e-7)
 
 
 @pytest.mark.parametrize("name", ["proxskip", "ifca", "fedproto", "clustered_fl"])

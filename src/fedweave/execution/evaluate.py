@@ -212,9 +212,15 @@ def evaluate_clients_task(
     x, y = pl.data(x), pl.data(y)  # placed once; each client's rows are gathered where they live
     rows = []
     for k, idx in enumerate(parts):
+        if len(idx) == 0:
+            # a client without a sample (AFL's, q-FFL's L_k): loss 0, as evaluate_clients counts it; a metric of no
+            # sample has no value (a regression metric's sums were None: a TypeError)
+            rows.append({"loss": 0.0})
+            continue
         t = torch.as_tensor(idx, dtype=torch.long, device=x.device)
         rows.append(evaluate_task(layout, params[k] if params.dim() == 2 else params, x[t], y[t], task, batch_size))
-    return {key: np.array([r[key] for r in rows]) for key in rows[0]} if rows else {}
+    keys = dict.fromkeys(key for r in rows for key in r)  # the task's values, in their order; NaN where none
+    return {key: np.array([r.get(key, np.nan) for r in rows]) for key in keys}
 
 
 def evaluate_clients(

@@ -15,7 +15,7 @@ import torch
 
 from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams, regularized
 from fedweave.algorithms.centralized.fedsam import sam_gradient
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LR, ConfigError
 from fedweave.execution import LocalRule
 from fedweave.execution.local import PLAIN, GradFn
 from fedweave.ledger import nbytes
@@ -57,8 +57,8 @@ class FedCMHparams(StarHparams):
         super().__post_init__()
         if not 0 < self.alpha <= 1:
             raise ConfigError(f"algorithm.alpha must be in (0, 1], got {self.alpha}")
-        if self.sam_rho < 0:
-            raise ConfigError(f"algorithm.sam_rho must be >= 0, got {self.sam_rho}")
+        if not 0 <= self.sam_rho <= MAX_LR:  # as FedSAM's rho: inf in float32, the perturbed weights are NaN
+            raise ConfigError(f"algorithm.sam_rho must be in [0, {MAX_LR:.6g}], got {self.sam_rho}")
         if self.K_ref is not None and self.K_ref < 1:
             raise ConfigError(f"algorithm.K_ref must be >= 1 or null, got {self.K_ref}")
 

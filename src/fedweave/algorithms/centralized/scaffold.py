@@ -38,9 +38,15 @@ class ScaffoldRule(LocalRule):
 def option_ii(
     c_local: torch.Tensor, c_global: torch.Tensor, x: torch.Tensor, y: torch.Tensor, steps: torch.Tensor, lr: float
 ) -> torch.Tensor:
-    """New client control variates ``c_i - c + (x - y_i) / (K_i eta_l)`` (SCAFFOLD Eq. option II)."""
-    k = steps.clamp_min(1).to(y.dtype).unsqueeze(1)
-    return c_local - c_global + (x - y) / (k * lr)
+    """New client control variates ``c_i - c + (x - y_i) / (K_i eta_l)`` (SCAFFOLD Eq. option II).
+
+    A client that took no step (no training sample) keeps its ``c_i``: option II is the mean of its K_i corrected
+    gradients ``g_i - c_i + c`` plus ``c_i - c``, and with K_i = 0 there is no gradient to average; the formula
+    with K_i clamped to 1 gave ``c_i - c``, so each round it took part pulled the server's c towards 0 by c / N
+    and SCAFFOLD no longer reached the optimum."""
+    k = steps.to(y.dtype).unsqueeze(1)
+    new = c_local - c_global + (x - y) / (k.clamp_min(1) * lr)
+    return torch.where(k > 0, new, c_local)
 
 
 @CLIENT_STEPS.register("scaffold")
