@@ -366,6 +366,24 @@ def test_clients_per_round_round_halves_up(beta, k):
     assert a.k == k and len(a.sample_clients(0)) == k
 
 
+def test_scaffold_clients_without_samples_keep_their_control_variate():
+    # such a client takes no step, so option II has no gradient to average: its c_i stays as it was (0), and c
+    # stays (1/m) sum_i c_i; it used to become c_i - c, pulling c towards 0 by c / m each round it took part
+    cfg = _config(participation=0.5, tau=2)
+    cfg["algorithm"]["name"] = "hier_scaffold"
+    cfg["algorithm"].pop("server_batch_size")
+    cfg["partition"] = {"name": "dirichlet", "num_clients": 20, "alpha": 0.01, "min_size": 0}
+    a = build_algorithm(RunContext(load(cfg)))
+    empty = [i for i in range(20) if len(a.data.parts[i]) == 0]
+    sampled = set()
+    for r in range(6):
+        sampled |= set(a.sample_clients(r).tolist())
+        a.run_round(r)
+    assert sampled & set(empty) and a.c.abs().sum() > 0  # the fixture: empty clients took part, c moved
+    assert torch.equal(a.store["c"][empty], torch.zeros_like(a.store["c"][empty]))
+    torch.testing.assert_close(a.c, a.store["c"].sum(0) / a.m)
+
+
 @pytest.mark.parametrize("name", ["hier_fedavg", "hier_fedprox"])
 def test_a_round_of_clients_without_samples_keeps_the_model(name):
     # a partition may leave clients empty (min_size 0); such a client takes no step (y_i = x), so a round that

@@ -48,7 +48,10 @@ class HierScaffoldStep(ScaffoldStep):
         self.c_global, self.step_sizes_sum = c_global, float(step_sizes_sum)
 
     def control(self, c_i: torch.Tensor, start: torch.Tensor, result: LocalResult) -> torch.Tensor:
-        return c_i - self.c_global + (start - result.params) / self.step_sizes_sum
+        """c_i+ by option II; a client that took no step (no training sample) keeps its c_i, as the star's
+        SCAFFOLD does (``option_ii``): its c_i - c pulled the server's c towards 0 each round it took part."""
+        new = c_i - self.c_global + (start - result.params) / self.step_sizes_sum
+        return torch.where(result.steps.unsqueeze(1) > 0, new, c_i)
 
     def local_model(self, start: torch.Tensor, upload: dict[str, torch.Tensor]) -> torch.Tensor:
         return start + upload["dy"]
