@@ -864,6 +864,23 @@ def test_dispfl_keeps_the_trained_model_and_regrown_weights_start_from_the_neigh
     assert float(mixed[3]) == 0.0  # pruned: off the mask it trains on now
 
 
+def test_dispfl_with_proxy_selection_sends_its_sparse_model_for_the_proxies():
+    """With top-k (or afind) selection each available neighbour computes a proxy at w_i, which DisPFL sends as it
+    sends its model everywhere: the values on its mask (4 bytes each) plus the mask as a bitmap, not a dense row
+    (1,328 bytes a message here against 172 * 4 + 42 = 730)."""
+    algo = build("dispfl", neighbours=3, selection="topk", select_k=2)
+    M0, bitmap = algo.store["mask"].clone(), -(-algo.layout.numel // 8)
+    picks = []
+    select = algo.selector.select
+    algo.selector.select = lambda *a: picks.extend(select(*a)) or picks
+    algo.run_round(0)
+    asked = [len(algo.available(0, i)) for i in range(algo.num_clients)]
+    proxy = sum(k * int(M0[i].sum()) * 4 for i, k in enumerate(asked))
+    mixed = sum(int(M0[j].sum()) * 4 for chosen, _ in picks for j in chosen)
+    assert algo.ledger.bytes(kind="model") == proxy + mixed
+    assert algo.ledger.bytes(kind="mask") == (sum(asked) + sum(len(c) for c, _ in picks)) * bitmap
+
+
 @pytest.mark.parametrize("algo_name", ["gossip", "afind_plus"])
 def test_loop_and_vmap_backends_agree(algo_name):
     models = []

@@ -128,6 +128,12 @@ class DisPFL(GraphAlgorithm):
     def sparse_bytes(self, j: int, mask: torch.Tensor) -> int:
         return int(mask[j].sum()) * self.ctx.float_bytes
 
+    def send_model(self, r: int, sender: int, count: int) -> None:
+        """A client's sparse model goes out as its non-zero values plus its mask as a bitmap, also when a
+        neighbour selection asks for it to compute a proxy at it."""
+        self.peer(r, "model", self.sparse_bytes(sender, self.store["mask"]), count)
+        self.peer(r, "mask", math.ceil(self.layout.numel / 8), count)
+
     def _gradient(self, w: torch.Tensor, client: int, r: int) -> torch.Tensor:
         """Dense gradient of F_i at w on one local batch (for regrowth)."""
         idx = self.trainer.client_batches(client, r, (2,), 1)[0]
