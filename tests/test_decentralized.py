@@ -812,6 +812,106 @@ def test_dispfl_fine_tunes_its_sparse_models_on_their_masks():
     assert torch.equal(tuned[0].params * mask, tuned[0].params)  # ... on each client's own mask
 
 
+def _dispfl_steered(anneal: float, trained: list[float], grad: dict[int, float]):
+    """DisPFL whose client 0 holds 5 active weights (positions 0-4) in its first masked layer, trains them to
+    ``trained`` and sees the gradient ``grad`` (position -> value, 0.01 elsewhere) there in round 0. Returns
+    the algorithm, the layer's bounds and what each later round trains: (starts, mask) of every client."""
+    algo = build("dispfl", neighbours=3, anneal=anneal)
+    lo, hi = algo.layers[0]
+    for name in ("mask", "next_mask"):  # every mask it holds
+        if name in algo.store:
+            algo.store[name][0, lo:hi] = 0.0
+            algo.store[name][0, lo : lo + 5] = 1.0
+    algo.W.mul_(algo.store["mask"])
+    inner_train, inner_grad = algo.train_up, algo._gradient
+    later = []
+
+    def train_up(r, trainer, starts, rule, key=()):
+        if r > 0:
+            later.append((starts.clone(), rule.masks.clone()))
+        res = inner_train(r, trainer, starts, rule=rule, key=key)
+        if r == 0:
+            res.params[0, lo : lo + 5] = torch.tensor(trained, dtype=res.params.dtype)
+        return res
+
+    def gradient(w, client, r):
+        g = inner_grad(w, client, r)
+        if client == 0 and r == 0:
+            g[lo:hi] = 0.01
+            for pos, v in grad.items():
+                g[lo + pos] = v
+        return g
+
+    algo.train_up, algo._gradient = train_up, gradient
+    return algo, lo, hi, later
+
+
+def test_dispfl_prunes_the_ceiling_of_the_rate_times_the_active_weights():
+    """r_0 = alpha = 0.3 of 5 active weights is 1.5: ceil(1.5) = 2 are pruned (the authors' fire_mask), the two
+    smallest |w| (positions 1 and 3), and 2 regrown (the largest |g|: 7 and 8), so client 0 trains round 1 on
+    {0, 2, 4, 7, 8}. int() pruned one only."""
+    algo, lo, hi, later = _dispfl_steered(0.3, [0.5, 0.1, 0.4, 0.2, 0.3], {7: 5.0, 8: 1.0})
+    algo.run_round(0)
+    algo.run_round(1)
+    assert torch.nonzero(later[0][1][0, lo:hi]).flatten().tolist() == [0, 2, 4, 7, 8]
+
+
+def test_dispfl_may_regrow_a_weight_it_just_pruned():
+    """Regrowth picks the largest |g| among every weight off the pruned mask (RigL; the authors' regrow_mask on
+    the pruned mask): position 1, pruned for its small |w| (0.4 * 5 = 2 pruned: 1 and 3), comes back with the
+    largest gradient, beside 7. It could only grow among the weights inactive before the pruning (7 and 8)."""
+    algo, lo, hi, later = _dispfl_steered(0.4, [0.5, 0.1, 0.4, 0.2, 0.3], {1: 9.0, 7: 5.0, 8: 1.0})
+    algo.run_round(0)
+    algo.run_round(1)
+    assert torch.nonzero(later[0][1][0, lo:hi]).flatten().tolist() == [0, 1, 2, 4, 7]
+
+
+def test_dispfl_keeps_the_trained_model_and_regrown_weights_start_from_the_neighbours():
+    """The model kept, sent and evaluated is the trained one on the mask it was trained on (the authors' code
+    shares the trained weights with that mask); the evolved mask applies at the next aggregation, where a
+    regrown weight takes the average of the models that hold it. Before, the pruned model was committed with its
+    regrown weights at 0, and that 0 counted in the next average on i's own mask."""
+    trained = [0.5, 0.1, 0.4, 0.2, 0.3]
+    algo, lo, hi, later = _dispfl_steered(0.4, trained, {1: 9.0, 7: 5.0, 8: 1.0})
+    algo.run_round(0)
+    W1, S1 = algo.W.clone(), algo.store["mask"].clone()
+    assert W1[0, lo : lo + 5].tolist() == pytest.approx(trained)  # position 3, pruned, still holds 0.2
+    assert torch.equal(algo.eval_models(0), W1)  # ... and is evaluated so
+    picks = []
+    select = algo.selector.select
+    algo.selector.select = lambda *a: picks.extend(select(*a)) or picks
+    algo.run_round(1)
+    chosen = picks[0][0].tolist()
+    mixed = later[0][0][0, lo:hi]
+    held = [j for j in chosen if S1[j, lo + 7] > 0]
+    assert held  # some neighbour holds position 7 (the masks are drawn with the run's seed)
+    # regrown: 1 was on the support client 0 sent (its own 0.1 counts), 7 was not (only the neighbours' count)
+    assert float(mixed[1]) == pytest.approx(
+        (0.1 + sum(float(W1[j, lo + 1]) for j in chosen if S1[j, lo + 1] > 0))
+        / (1 + sum(1 for j in chosen if S1[j, lo + 1] > 0)),
+        abs=1e-6,
+    )
+    assert float(mixed[7]) == pytest.approx(sum(float(W1[j, lo + 7]) for j in held) / len(held), abs=1e-6)
+    assert float(mixed[3]) == 0.0  # pruned: off the mask it trains on now
+
+
+def test_dispfl_with_proxy_selection_sends_its_sparse_model_for_the_proxies():
+    """With top-k (or afind) selection each available neighbour computes a proxy at w_i, which DisPFL sends as it
+    sends its model everywhere: the values on its mask (4 bytes each) plus the mask as a bitmap, not a dense row
+    (1,328 bytes a message here against 172 * 4 + 42 = 730)."""
+    algo = build("dispfl", neighbours=3, selection="topk", select_k=2)
+    M0, bitmap = algo.store["mask"].clone(), -(-algo.layout.numel // 8)
+    picks = []
+    select = algo.selector.select
+    algo.selector.select = lambda *a: picks.extend(select(*a)) or picks
+    algo.run_round(0)
+    asked = [len(algo.available(0, i)) for i in range(algo.num_clients)]
+    proxy = sum(k * int(M0[i].sum()) * 4 for i, k in enumerate(asked))
+    mixed = sum(int(M0[j].sum()) * 4 for chosen, _ in picks for j in chosen)
+    assert algo.ledger.bytes(kind="model") == proxy + mixed
+    assert algo.ledger.bytes(kind="mask") == (sum(asked) + sum(len(c) for c, _ in picks)) * bitmap
+
+
 @pytest.mark.parametrize("algo_name", ["gossip", "afind_plus"])
 def test_loop_and_vmap_backends_agree(algo_name):
     models = []

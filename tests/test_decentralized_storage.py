@@ -77,7 +77,8 @@ def test_ditto_holds_its_personal_model_and_the_models_it_mixes(precision):
 def test_dispfl_holds_its_mask_at_the_stores_dtype_and_the_received_masks(precision):
     algo, storage = _built("dispfl", precision, topology="random_regular", degree=3)
     row = algo.layout.numel * WIDTH[precision]
-    assert storage == {"mask": row, "received_models": 3 * row, "received_masks": 3 * row}
+    # the mask its model is on (sent with it) and the evolved one it applies at the next aggregation
+    assert storage == {"mask": row, "next_mask": row, "received_models": 3 * row, "received_masks": 3 * row}
 
 
 @pytest.mark.parametrize("precision", ["float32", "float64"])

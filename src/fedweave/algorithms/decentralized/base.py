@@ -327,6 +327,11 @@ class GraphAlgorithm(Algorithm):
         if count:
             self.ledger.record(r, "peer", "peer", kind, nbytes_each * count, count)
 
+    def send_model(self, r: int, sender: int, count: int) -> None:
+        """``count`` messages carrying ``sender``'s round-start model, e.g. to neighbours that compute a proxy
+        at it: one model row, unless the method's models are sparse (DisPFL sends values and a bitmap)."""
+        self.peer(r, "model", self.model_bytes, count)
+
     def noisy(self, x: torch.Tensor, r: int, sender: int, receiver: int, what: int = 0) -> torch.Tensor:
         """The tensor as received under ``dp_mode: exchange``: x + N(0, (sigma_2 C / L)^2 I) (A27), else x."""
         if not self.hp.dp_sigma or self.hp.dp_mode != "exchange":

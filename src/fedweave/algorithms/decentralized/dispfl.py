@@ -1,14 +1,20 @@
 """DisPFL (Dai, Shen, He, Tian, Tao 2022): decentralized sparse training with personalized masks.
 
 Each client i holds a binary mask M_i (density ``density``, Erdos-Renyi-Kernel layer densities, drawn
-per client) and a sparse model w_i = M_i * w_i. Per round (spec 5):
-  1. receive the sparse models (and masks) of the selected neighbours (random by default; AFIND+ plug-in
-     with ``selection: afind``) and average each coordinate over the models whose masks hold it:
-     w_i[c] <- sum_j a_j M_j[c] w_j[c] / sum_j a_j M_j[c] over {i} + R_i, then w_i <- M_i * w_i;
-  2. K local epochs of masked SGD (the gradient and the iterate are masked);
-  3. evolve the mask: in every masked layer prune the r_t fraction of active weights with the smallest
-     magnitude and regrow as many inactive ones with the largest gradient magnitude (set to 0), with the
-     cosine-annealed rate r_t = (alpha/2)(1 + cos(pi t / T)) (``anneal`` alpha = 0.5).
+per client) and a sparse model w_i on it. Per round t (Alg. 1):
+  1. receive the sparse models w_j of the selected neighbours with their supports S_j (random by default;
+     AFIND+ plug-in with ``selection: afind``) and average each coordinate over the models that hold it, then
+     apply its own mask: w_i[c] <- M_i[c] sum_j a_j S_j[c] w_j[c] / sum_j a_j S_j[c] over {i} + R_i;
+  2. K local epochs of masked SGD on M_i (the gradient and the iterate are masked);
+  3. evolve the mask: in every masked layer prune the ceil(r_t |M_i|) active weights of smallest magnitude,
+     then regrow as many with the largest gradient magnitude among all weights inactive after the pruning
+     (a weight just pruned may come back, as in RigL), with the cosine-annealed rate
+     r_t = (alpha/2)(1 + cos(pi t / T)) (``anneal`` alpha = 0.5).
+The model a client keeps, sends and is evaluated with is the trained one, on the mask it was trained on
+(store ``mask``, its support S_i); the evolved mask (store ``next_mask``) takes effect at the next round's
+aggregation, where a regrown weight starts from the neighbours' average (0 if none holds it). This is the
+authors' code (rong-dai/DisPFL: ``fire_mask`` takes ceil, ``regrow_mask`` grows on the pruned mask, and the
+trained weights are shared with the mask they were trained on), where the paper leaves it open.
 Weights of conv and linear layers are masked; biases stay dense. Messages: the non-zero values (float32)
 plus the mask as a bitmap (ledger kinds ``model`` and ``mask``).
 """
@@ -100,7 +106,11 @@ class DisPFL(GraphAlgorithm):
                 row[torch.randperm(hi - lo, generator=g, device="cpu")[:k]] = 1.0
                 masks[i, lo:hi] = row.to(masks.device)
         self.W.mul_(masks)
-        self.hold("mask", masks[0].numel() * masks.element_size())  # M_i, held at the state store's dtype
+        # ``mask``: the support of the model a client holds and sends (the mask it was trained on); ``next_mask``:
+        # the evolved mask it applies at the next aggregation (the same at the start)
+        self.store.create("next_mask", P, fill=1.0, on_device=True).copy_(masks)
+        self.hold("mask", masks[0].numel() * masks.element_size())  # held at the state store's dtype
+        self.hold("next_mask", masks[0].numel() * masks.element_size())
         self.selector = NeighbourSelector(self, hp)
 
     def as_received(self, models: torch.Tensor, r: int, sender: int, receiver: int) -> torch.Tensor:
@@ -118,6 +128,12 @@ class DisPFL(GraphAlgorithm):
     def sparse_bytes(self, j: int, mask: torch.Tensor) -> int:
         return int(mask[j].sum()) * self.ctx.float_bytes
 
+    def send_model(self, r: int, sender: int, count: int) -> None:
+        """A client's sparse model goes out as its non-zero values plus its mask as a bitmap, also when a
+        neighbour selection asks for it to compute a proxy at it."""
+        self.peer(r, "model", self.sparse_bytes(sender, self.store["mask"]), count)
+        self.peer(r, "mask", math.ceil(self.layout.numel / 8), count)
+
     def _gradient(self, w: torch.Tensor, client: int, r: int) -> torch.Tensor:
         """Dense gradient of F_i at w on one local batch (for regrowth)."""
         idx = self.trainer.client_batches(client, r, (2,), 1)[0]
@@ -133,7 +149,7 @@ class DisPFL(GraphAlgorithm):
     def run_round(self, r: int) -> dict[str, float]:
         if self.all_down(r):
             return self.round_fault_metrics(r)
-        n, W0, M0 = self.num_clients, self.W, self.store["mask"].clone()
+        n, W0, M0, Mi = self.num_clients, self.W, self.store["mask"].clone(), self.store["next_mask"].clone()
         mask_bytes = math.ceil(self.layout.numel / 8)
         mixed = torch.empty_like(W0)
         picks = self.selector.select(r, W0)
@@ -148,32 +164,35 @@ class DisPFL(GraphAlgorithm):
             rows = torch.stack([W0[i], *(self.as_received(W0, r, int(j), i) for j in chosen)])
             a = self.on_device(wts, W0)[:, None] * M0[group]
             num, den = (a * rows).sum(0), a.sum(0)
-            mixed[i] = torch.where(den > 0, num / den.clamp_min(1e-12), W0[i]) * M0[i]
-        own = self.train_up(r, self.trainer, mixed, rule=MaskedRule(M0))
-        new_w, new_m = own.params.clone(), M0.clone()
+            # averaged over the models' own supports, then put on i's (evolved) mask
+            mixed[i] = torch.where(den > 0, num / den.clamp_min(1e-12), W0[i]) * Mi[i]
+        own = self.train_up(r, self.trainer, mixed, rule=MaskedRule(Mi))
+        new_w, new_m = own.params.clone(), Mi.clone()
         rate = self.prune_rate(r)
         for i in range(n):  # mask evolution: magnitude prune, gradient regrow
-            if not self.is_up(r, i):  # dropped out: model and mask unchanged
-                new_w[i] = W0[i]
+            if not self.is_up(r, i):  # dropped out: model and masks unchanged
+                new_w[i], Mi[i] = W0[i], M0[i]
                 continue
             g = self._gradient(new_w[i], i, r)
             for lo, hi in self.layers:
                 m, w, gr = new_m[i, lo:hi], new_w[i, lo:hi], g[lo:hi]
                 active = m.bool()
-                k = int(rate * int(active.sum()))
-                k = min(k, int((~active).sum()))
+                k = math.ceil(rate * int(active.sum()))  # the authors' fire_mask rounds up
                 if k == 0:
                     continue
                 mag = torch.where(active, w.abs(), torch.full_like(w, float("inf")))
-                drop = torch.topk(mag, k, largest=False).indices
-                grow_score = torch.where(active, torch.full_like(gr, -1.0), gr.abs())
-                grow = torch.topk(grow_score, k).indices
-                m[drop] = 0.0
-                m[grow] = 1.0
-                w[drop] = 0.0
-                w[grow] = 0.0
-        self.commit("model", new_w * new_m)
-        self.commit("mask", new_m)
+                kept = active.clone()
+                kept[torch.topk(mag, k, largest=False).indices] = False
+                # regrow among every weight off the pruned mask, the k just pruned included (RigL's
+                # ArgTopK over i not in theta minus I_drop; the authors' regrow_mask on the pruned mask)
+                grow_score = torch.where(kept, torch.full_like(gr, -1.0), gr.abs())
+                kept[torch.topk(grow_score, k).indices] = True
+                m.copy_(kept.to(m.dtype))
+        # the trained models stay on the masks they were trained on, which go out with them; the evolved masks
+        # apply from the next aggregation
+        self.commit("model", new_w)
+        self.commit("mask", Mi)
+        self.commit("next_mask", new_m)
         sizes = torch.tensor([float(len(c)) for c, _ in picks], dtype=torch.float64, device="cpu")
         return {
             "train_loss": self.mean_over_up(r, own.loss),

@@ -401,7 +401,7 @@ class NeighbourSelector:
             w_i = W[i]
             phis, _ = self.proxy.proxies(w_i, [i, *avail.tolist()])
             phis = torch.stack([algo.noisy(phis[q], r, int(c), i, 1) for q, c in enumerate([i, *avail])])
-            algo.peer(r, "model", algo.model_bytes, len(avail))  # w_i -> each j in B_i
+            algo.send_model(r, i, len(avail))  # w_i -> each j in B_i
             algo.peer(r, "feature_proxy", self.proxy.size * algo.ctx.float_bytes, len(avail))
             algo.peer(r, "loss", algo.ctx.float_bytes, len(avail))  # F_j(w_i): one value at the model's width
             sims = cosine(phis[0], phis[1:]).cpu()  # selection is host bookkeeping
