@@ -16,6 +16,7 @@ from fedweave.algorithms.decentralized.selection import (
     ProxyComputer,
     boltzmann,
     eq9_update,
+    pair_similarities,
     sampling_probs,
     synthetic_selection,
     threshold,
@@ -553,6 +554,16 @@ def test_larger_tau_selects_fewer_neighbours():
         out = synthetic_selection(AfindOptions(tau=tau), num_clients=40, groups=4, rounds=6, seed=2)
         sizes.append(np.mean(out["selected"][2:]))
     assert sizes[0] > sizes[1] > sizes[2]
+
+
+def test_the_synthetic_pair_effect_has_the_specs_spread_and_is_symmetric():
+    # spec 2.7: similarity 0.7 within a group, 0 across, plus N(0, 0.1^2); averaging the draws with their
+    # transpose gave each pair N(0, 0.1^2 / 2) (std 0.071)
+    group = np.arange(100) % 10
+    base = pair_similarities(group, 0.7, 0.0, 0.1, np.random.default_rng(0))
+    assert np.array_equal(base, base.T)
+    effect = (base - np.where(group[:, None] == group[None, :], 0.7, 0.0))[np.triu_indices(100, 1)]
+    assert 0.097 < effect.std() < 0.103  # 4,950 pairs: the std's standard error is about 0.001
 
 
 def test_literal_reading_is_degenerate_as_the_spec_says():

@@ -437,6 +437,18 @@ class NeighbourSelector:
 
 
 # ------------------------------------------------------------------------ the selection rule in isolation
+def pair_similarities(
+    group: np.ndarray, within: float, across: float, noise: float, rng: np.random.Generator
+) -> np.ndarray:
+    """Spec 2.7's proxy similarities: ``within`` for two clients of one group, ``across`` otherwise, plus one
+    N(0, noise^2) effect per pair, the same both ways. (Averaging a matrix of draws with its transpose, as this
+    did until 28 Nov 2026, left the effect N(0, noise^2 / 2): std 0.071 for the spec's 0.1.) It draws an m x m
+    matrix, so the draws after it are what they were."""
+    m = len(group)
+    pair = np.triu(rng.normal(0, noise, (m, m)), 1)
+    return np.where(group[:, None] == group[None, :], within, across) + pair + pair.T
+
+
 def synthetic_selection(
     opts: AfindOptions,
     *,
@@ -460,8 +472,7 @@ def synthetic_selection(
     rng = np.random.default_rng(seed)
     m = num_clients
     group = np.arange(m) % groups
-    base = np.where(group[:, None] == group[None, :], within, across) + rng.normal(0, noise, (m, m))
-    base = (base + base.T) / 2
+    base = pair_similarities(group, within, across, noise, rng)
     neighbours = [np.delete(np.arange(m), i) for i in range(m)]
     state = AfindState(neighbours, opts)
     sizes, purity = [], []
