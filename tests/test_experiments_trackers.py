@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -311,3 +312,48 @@ def test_a_run_stopped_while_it_sent_a_checkpoints_rows_resumes_with_each_row_on
     by_bytes = client.get_metric_history(run.info.run_id, "by_bytes.test_accuracy")
     assert [m.step for m in by_bytes] == [r["bytes_total"] for r in res.metrics]
     assert run.info.status == "FINISHED"
+
+
+def test_runs_and_a_sweeps_runs_write_nothing_outside_their_run_directories(toy_config, tmp_path, monkeypatch):
+    """W&B logs through one service process per Python process, which wrote its own logs to
+    ~/.cache/wandb/logs. With every tracker, a run and each run of a sweep (in this process, and in worker
+    processes) write nothing to an empty home; each run directory holds its W&B offline run and the logs of
+    the service that wrote it."""
+    import matplotlib.font_manager  # noqa: F401
+
+    from fedweave.results import read_metrics
+
+    # matplotlib finds its config and font cache directories (in the home) once, at import: imported first, its
+    # cache stays where it was; what the trackers write is the question here
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for var, sub in [("XDG_CONFIG_HOME", ".config"), ("XDG_CACHE_HOME", ".cache"),
+                     ("XDG_DATA_HOME", ".local/share"), ("XDG_STATE_HOME", ".local/state")]:  # fmt: skip
+        monkeypatch.setenv(var, str(home / sub))
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    trackers = ["tensorboard", "mlflow", "wandb"]
+    cfg = {**toy_config, "rounds": 2, "output": {"progress": False, "plots": True, "trackers": trackers}}
+    run_dirs = [fedweave.run(cfg, run_dir=tmp_path / "one").run_dir]
+    for workers in (1, 2):
+        res = fedweave.sweep(
+            cfg, {"local.lr": [0.05, 0.1]}, out=tmp_path / f"sweep-{workers}", workers=workers, progress=False
+        )
+        run_dirs += [res.out_dir / rec["run_dir"] for rec in res.records]
+    written = sorted(str(p.relative_to(home)) for p in home.rglob("*"))
+    assert not written, f"written outside the run directories: {written}"
+    assert "WANDB_CACHE_DIR" not in os.environ  # the caller's environment, as it was
+    for run_dir in run_dirs:
+        (offline,) = (run_dir / "wandb").glob("offline-run-*")
+        (datafile,) = offline.glob("*.wandb")
+        history = [
+            {_key(i): json.loads(i.value_json) for i in rec.history.item}
+            for rec in _wandb_read(datafile)
+            if rec.WhichOneof("record_type") == "history"
+        ]
+        _same([(h["_step"], h["test_accuracy"]) for h in history if "test_accuracy" in h], read_metrics(run_dir))
+        logs = sorted(p.name.split("-")[0] for p in (run_dir / "wandb" / "cache").rglob("*-debug-*.log"))
+        assert logs == ["core", "symon"], run_dir  # this run's own service, ended with the run

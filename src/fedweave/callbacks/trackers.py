@@ -13,6 +13,7 @@ ends otherwise than completed keeps its tracker runs open for the resume.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -156,16 +157,30 @@ class MLflowTracker(Tracker):
 
 
 class WandbTracker(Tracker):
+    #: whether this run started the process's W&B service, and so ends it with the run
+    owns_service = False
+
     def start(self, config, run_dir, group, run_id=None):
         import wandb
+        from wandb.env import CACHE_DIR, SERVICE
 
         self.wandb = wandb
+        # W&B logs through one service process per Python process, started by the first wandb.init; the service
+        # writes its own logs (core-debug-*.log, symon-debug-*.log) to WANDB_CACHE_DIR/wandb/logs, by default
+        # ~/.cache/wandb/logs. Unless the process already has a service (its own wandb.init, or a parent's named
+        # by WANDB_SERVICE), the run starts one with WANDB_CACHE_DIR in its W&B directory and ends it with the
+        # run, so that each run of a sweep (in this process or in a worker) has its own, and its logs stay in
+        # that run's directory. WANDB_CACHE_DIR is set only while the service starts (it reads its environment
+        # then), and only where the user has not set it.
+        self.owns_service = not os.environ.get(SERVICE)
+        scoped = {CACHE_DIR: str(run_dir.resolve() / "wandb" / "cache")} if self.owns_service else {}
         # a resumed run continues the W&B run of the same id (an offline run writes a second directory for it,
         # which `wandb sync --append` adds to the first)
-        self.run = wandb.init(
-            project="fedweave", dir=str(run_dir), mode="offline", config=config, group=group,
-            name=run_dir.name, reinit="create_new", id=run_id, resume="allow" if run_id else None,
-        )  # fmt: skip
+        with _environ_default(scoped):
+            self.run = wandb.init(
+                project="fedweave", dir=str(run_dir), mode="offline", config=config, group=group,
+                name=run_dir.name, reinit="create_new", id=run_id, resume="allow" if run_id else None,
+            )  # fmt: skip
         self.run_id = self.run.id
         self.run.define_metric("bytes_total")
 
@@ -179,9 +194,30 @@ class WandbTracker(Tracker):
         if images:
             self.run.log(images)
         self.run.finish()
+        self._end_service()
 
     def close(self, status):
         self.run.finish(exit_code=1)
+        self._end_service()
+
+    def _end_service(self) -> None:
+        """End the service this run started: it holds its log files in this run's directory, and the next run
+        (of a sweep) starts its own in its directory."""
+        if self.owns_service:
+            self.owns_service = False
+            self.wandb.teardown()
+
+
+@contextlib.contextmanager
+def _environ_default(values: dict[str, str]):
+    """``os.environ`` with each of ``values`` that is not set already, restored as it was afterwards."""
+    added = [k for k in values if k not in os.environ]
+    os.environ.update({k: values[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def _tensorboard_scalars(logdir: Path) -> Counter[tuple[str, int]]:
