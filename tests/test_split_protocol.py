@@ -403,3 +403,84 @@ def test_center_crop_offsets_are_torchvisions():
     assert torch.equal(center_crop(x, 31), x[..., 0:31, :])  # 0.5 rounds to 0 (half to even)
     with pytest.raises(ValueError, match="does not fit"):
         center_crop(x, 33)
+
+
+# ---- the updates against a plain float64 transcription of the paper's equations --------------------------
+def _reference_round(algo, r, method, h):
+    """One round of ``method`` written directly from eqs. (8), (11), (14) (and SFLV1/V2's exchange), with
+    functional calls on copies of the templates: each client from x_c^t (a_c^t), its batches in order; CSE-FSL's
+    server steps window by window, clients in order; FSL_MC/FSL_AN average their copies (A18)."""
+    from torch.func import functional_call
+
+    def params(module, flat):
+        out, o = {}, 0
+        for name, p in module.named_parameters():
+            out[name] = flat[o : o + p.numel()].view_as(p).clone().requires_grad_(True)
+            o += p.numel()
+        return out
+
+    def sgd(ps, grads, lr):
+        with torch.no_grad():
+            for v, g in zip(ps.values(), grads, strict=True):
+                v.sub_(lr * g)
+
+    def ce(module, ps, x, y):
+        return torch.nn.functional.cross_entropy(functional_call(module, ps, (x,)), y)
+
+    C, S, A = algo.client, algo.server, algo.aux
+    clients = algo.sample_clients(r)
+    lr_c, lr_a, lr_s = algo.lrs(r)
+    sizes = torch.tensor([len(algo.ctx.partition[int(i)]) for i in clients], dtype=torch.float64)
+    p = sizes / sizes.sum()
+    shared = params(S, algo.xs)  # FSL_OC's and CSE-FSL's one server-side model
+    order = list(range(len(clients)))
+    if method == "fsl_oc":
+        order = algo.seeds.numpy("client_order", r).permutation(len(clients)).tolist()
+    rows, queue = {}, []
+    for k in order:
+        pc, pa = params(C, algo.xc), params(A, algo.xa)
+        ps = params(S, algo.xs) if method in ("fsl_mc", "fsl_an") else shared
+        for m, (x, y) in enumerate(algo.local_batches(r, int(clients[k]))):
+            a = functional_call(C, pc, (x,))
+            if method in ("cse_fsl", "fsl_an"):  # eq. (8): the local loss through the auxiliary net
+                g = torch.autograd.grad(ce(A, pa, a, y), [*pc.values(), *pa.values()])
+                sgd(pc, g[: len(pc)], lr_c)
+                sgd(pa, g[len(pc) :], lr_a)
+                if method == "fsl_an":
+                    sgd(ps, torch.autograd.grad(ce(S, ps, a.detach(), y), list(ps.values())), lr_s)  # copy k
+                elif (m + 1) % h == 0:
+                    queue.append(((m + 1) // h, k, a.detach(), y))
+            else:  # the server steps on the smashed batch and sends dL/dA back down
+                ad = a.detach().requires_grad_(True)
+                g = torch.autograd.grad(ce(S, ps, ad, y), [ad, *ps.values()])
+                sgd(ps, g[1:], lr_s)
+                sgd(pc, torch.autograd.grad(a, list(pc.values()), g[0]), lr_c)
+        rows[k] = [torch.cat([v.detach().reshape(-1) for v in d.values()]) for d in (pc, pa, ps)]
+    for _, _, a, y in sorted(queue, key=lambda q: q[:2]):  # eq. (11), window by window, clients in order
+        sgd(shared, torch.autograd.grad(ce(S, shared, a, y), list(shared.values())), lr_s)
+    xc, xa, xs = (sum(p[k] * rows[k][j] for k in rows) for j in range(3))  # eq. (14)
+    if method in ("cse_fsl", "fsl_oc"):
+        xs = torch.cat([v.detach().reshape(-1) for v in shared.values()])
+    return xc, xa, xs
+
+
+@pytest.mark.parametrize(
+    "algorithm, h",
+    [
+        ({"name": "cse_fsl", "h": 3, "client_lr": 0.03, "aux_lr": 0.2, "server_lr": 0.07}, 3),
+        ("fsl_an", 1),
+        ("fsl_mc", 1),
+        ({"name": "fsl_oc", "clip": None}, 1),
+    ],
+)
+def test_rounds_equal_the_equations_in_float64(algorithm, h):
+    # 3 clients of 133/133/134 samples, B = 64: a short last batch, unequal weights; lr decay 0.5 from round 1
+    algo = make(algorithm, clients=3, batch=64, lr=0.1, precision="float64", lr_decay=0.5)
+    method = algo.name
+    for r in range(2):
+        xc, xa, xs = _reference_round(algo, r, method, h)
+        algo.run_round(r)
+        assert torch.allclose(algo.xc, xc, rtol=0, atol=1e-12)
+        assert torch.allclose(algo.xs, xs, rtol=0, atol=1e-12)
+        if algo.uses_aux:
+            assert torch.allclose(algo.xa, xa, rtol=0, atol=1e-12)
