@@ -304,3 +304,23 @@ def test_compressor_counts_beyond_range_are_shown_short(make) -> None:
     with pytest.raises(ConfigError, match=r"1e\+300") as e:
         make()
     assert len(str(e.value)) < 150
+
+
+@pytest.mark.parametrize(
+    "name,key,allowed,largest",
+    [
+        ("fedexp", "eps", r"\(0, 3\.40282e\+38\]", 3e38),
+        ("moon", "tau", r"\(0, 3\.40282e\+38\]", 3e38),
+        ("fedlc", "absent_count", r"\(0, 1\]", 1.0),
+        ("qffl", "q", r"\[0, 3\.40282e\+38\]", 3e38),
+        ("qffl", "lipschitz", r"\(0, 3\.40282e\+38\] \(or null: 1 / local\.lr\)", 3e38),
+    ],
+)
+def test_method_options_that_undo_the_method_are_refused(name: str, key: str, allowed: str, largest: float) -> None:
+    # each was accepted at 1e300: FedExP's eps, MOON's tau and FedLC's absent_count (every count lifted to it: equal
+    # margins) ran FedAvg under the method's name; q-FFL's q or lipschitz made its first step NaN, and the line
+    # advised lowering local.lr
+    hp = ALGORITHMS.get(name).Hparams
+    with pytest.raises(ConfigError, match=rf"^algorithm\.{key} must be in {allowed}, got 1e\+300$"):
+        build_dataclass(hp, {key: 1e300}, "algorithm")
+    build_dataclass(hp, {key: largest}, "algorithm")
