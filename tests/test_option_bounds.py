@@ -105,6 +105,19 @@ def test_decentralized_finetune_epochs_is_bounded(name: str) -> None:
     build_dataclass(ALGORITHMS.get(name).Hparams, {"finetune_epochs": 10_000}, "algorithm")
 
 
+@pytest.mark.parametrize("name", ["dfedavg", "dispfl", "afind_plus"])
+def test_decentralized_test_per_client_is_bounded(name: str) -> None:
+    # test_per_client = 1e12 was accepted and a 1-round digits run died in numpy ("Unable to allocate 621. GiB")
+    hp = ALGORITHMS.get(name).Hparams
+    with pytest.raises(
+        ConfigError, match=r"^algorithm\.test_per_client must be in \[1, 2,147,483,647\] or null, got 1e\+12$"
+    ):
+        build_dataclass(hp, {"test_per_client": 10**12}, "algorithm")
+    with pytest.raises(ConfigError, match=r"got 0$"):
+        build_dataclass(hp, {"test_per_client": 0}, "algorithm")
+    assert build_dataclass(hp, {"test_per_client": 2**31 - 1}, "algorithm").test_per_client == 2**31 - 1
+
+
 def test_afind_plus_head_epochs_is_bounded() -> None:
     # head_epochs = 1e300 (personal: head) was accepted and a 1-round toy run hung in the first head pass
     with pytest.raises(ConfigError, match=r"algorithm\.head_epochs must be in \[1, 10,000\], got 1e\+300"):
