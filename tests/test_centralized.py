@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import numpy as np
@@ -516,5 +517,34 @@ def test_a_round_of_clients_without_samples_keeps_the_global_model():
     _rounds(a, e)
     before = a.x.clone()
     out = a.run_round(e)
-    assert torch.equal(a.x, before) and out["train_loss"] == 0.0
+    assert torch.equal(a.x, before) and "train_loss" not in out  # skipped: no client trained
     assert torch.isfinite(_rounds(a, 3, e + 1)).all()
+
+
+def _same_state(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same_state, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("alg", ["fedavgm", "fedadam", "fedcm", "feddyn"])
+def test_a_round_of_only_clients_without_samples_is_skipped_as_one_nobody_reports(alg):
+    # the aggregate of clients without samples is 0, yet a server step on it moved FedAvgM's and FedAdam's model
+    # along their momentum, FedDyn's by -h/alpha, and zeroed FedCM's momentum; now the round leaves every state
+    # as it was and sends nothing up, as a round in which no client reports
+    cfg = _cfg(alg, clients_per_round=1)
+    cfg["partition"] = {"name": "dirichlet", "num_clients": 20, "alpha": 0.01, "min_size": 0}
+    a = _algo(cfg)
+    empty = [r for r in range(20) if a.sizes[a.sample_clients(r)].sum() == 0]
+    full = [r for r in range(20) if a.sizes[a.sample_clients(r)].sum() > 0]
+    e = next(r for r in empty if r > full[0])  # after a round with data: the server state is not its initial one
+    _rounds(a, e)
+    before = copy.deepcopy(a.state_dict())
+    assert any(v.abs().sum() > 0 for k, v in before.items() if k not in ("x", "client_state"))
+    a.run_round(e)
+    assert _same_state(before, a.state_dict())
+    assert a.ledger.bytes("up", round=e) == 0

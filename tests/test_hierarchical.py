@@ -231,6 +231,29 @@ def test_an_option_of_another_variant_at_its_default_builds():
     _build(local_schedule="constant", local_offset=1.0)
 
 
+@pytest.mark.parametrize(("low", "high"), [(float("-inf"), 0.5), (-0.5, float("inf"))])
+def test_a_one_sided_box_builds_and_projects_on_its_one_side(low, high):
+    # box_high .inf was accepted but box_low -.inf refused ("must be a finite number"): {y <= high} is a box too
+    a = _build(constraint="box", box_low=low, box_high=high)
+    y = torch.tensor([-1e30, -1.0, 0.0, 1.0, 1e30])
+    torch.testing.assert_close(a.projection(y, y), y.clamp(low, high))
+    a.run_round(0)
+    assert torch.isfinite(a.x).all()
+
+
+@pytest.mark.parametrize(
+    ("options", "shown"),
+    [
+        ({"box_low": float("inf")}, r"algorithm\.box_low must be a finite number or -inf, got inf"),
+        ({"box_high": float("-inf")}, r"algorithm\.box_high must be a finite number or inf, got -inf"),
+    ],
+)
+def test_a_box_bound_at_the_other_infinity_is_refused(options, shown):
+    # the box would be empty, or every coordinate clamped to +-inf
+    with pytest.raises(ConfigError, match=shown):
+        _build(constraint="box", **options)
+
+
 # ---- the baselines in the same server-data setting ----------------------------------------------------------
 
 

@@ -105,6 +105,19 @@ def test_decentralized_finetune_epochs_is_bounded(name: str) -> None:
     build_dataclass(ALGORITHMS.get(name).Hparams, {"finetune_epochs": 10_000}, "algorithm")
 
 
+@pytest.mark.parametrize("name", ["dfedavg", "dispfl", "afind_plus"])
+def test_decentralized_test_per_client_is_bounded(name: str) -> None:
+    # test_per_client = 1e12 was accepted and a 1-round digits run died in numpy ("Unable to allocate 621. GiB")
+    hp = ALGORITHMS.get(name).Hparams
+    with pytest.raises(
+        ConfigError, match=r"^algorithm\.test_per_client must be in \[1, 2,147,483,647\] or null, got 1e\+12$"
+    ):
+        build_dataclass(hp, {"test_per_client": 10**12}, "algorithm")
+    with pytest.raises(ConfigError, match=r"got 0$"):
+        build_dataclass(hp, {"test_per_client": 0}, "algorithm")
+    assert build_dataclass(hp, {"test_per_client": 2**31 - 1}, "algorithm").test_per_client == 2**31 - 1
+
+
 def test_afind_plus_head_epochs_is_bounded() -> None:
     # head_epochs = 1e300 (personal: head) was accepted and a 1-round toy run hung in the first head pass
     with pytest.raises(ConfigError, match=r"algorithm\.head_epochs must be in \[1, 10,000\], got 1e\+300"):
@@ -304,3 +317,23 @@ def test_compressor_counts_beyond_range_are_shown_short(make) -> None:
     with pytest.raises(ConfigError, match=r"1e\+300") as e:
         make()
     assert len(str(e.value)) < 150
+
+
+@pytest.mark.parametrize(
+    "name,key,allowed,largest",
+    [
+        ("fedexp", "eps", r"\(0, 3\.40282e\+38\]", 3e38),
+        ("moon", "tau", r"\(0, 3\.40282e\+38\]", 3e38),
+        ("fedlc", "absent_count", r"\(0, 1\]", 1.0),
+        ("qffl", "q", r"\[0, 3\.40282e\+38\]", 3e38),
+        ("qffl", "lipschitz", r"\(0, 3\.40282e\+38\] \(or null: 1 / local\.lr\)", 3e38),
+    ],
+)
+def test_method_options_that_undo_the_method_are_refused(name: str, key: str, allowed: str, largest: float) -> None:
+    # each was accepted at 1e300: FedExP's eps, MOON's tau and FedLC's absent_count (every count lifted to it: equal
+    # margins) ran FedAvg under the method's name; q-FFL's q or lipschitz made its first step NaN, and the line
+    # advised lowering local.lr
+    hp = ALGORITHMS.get(name).Hparams
+    with pytest.raises(ConfigError, match=rf"^algorithm\.{key} must be in {allowed}, got 1e\+300$"):
+        build_dataclass(hp, {key: 1e300}, "algorithm")
+    build_dataclass(hp, {key: largest}, "algorithm")

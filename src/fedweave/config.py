@@ -894,11 +894,20 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
 
 
-def _check_finite(value: Any, default: Any, key: str) -> Any:
-    """NaN is never a setting, and +-inf only where the default is infinite (a box bound, say): anything
-    else would pass validation and surface later as a diverged run blamed on the learning rate."""
-    infinite_default = isinstance(default, float) and math.isinf(default)
-    if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and not infinite_default)):
+def _check_finite(value: Any, default: Any, key: str, infinite: int | None = None) -> Any:
+    """NaN is never a setting, and +-inf only where the default is infinite, or, for a dataclass field whose
+    metadata ``infinite`` is +1 or -1, that one infinity (a bound that may be left open: a box's ``box_low``
+    -inf, ``box_high`` +inf): anything else would pass validation and surface later as a diverged run blamed
+    on the learning rate."""
+    if not isinstance(value, float) or math.isfinite(value):
+        return value
+    if math.isnan(value):
+        raise ConfigError(f"{key} must be a finite number, got {value}")
+    if infinite is not None:
+        if value == infinite * math.inf:
+            return value
+        raise ConfigError(f"{key} must be a finite number or {'-' if infinite < 0 else ''}inf, got {value}")
+    if not (isinstance(default, float) and math.isinf(default)):
         raise ConfigError(f"{key} must be a finite number, got {value}")
     return value
 
@@ -931,11 +940,13 @@ def build_dataclass(cls: type, data: dict[str, Any] | None, key: str) -> Any:
     for k in data:
         if k not in names:
             raise _unknown(key, k, names)
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for k, v in data.items():
         where = f"{key}.{k}" if key else k
-        kwargs[k] = _check_finite(coerce(v, hints[k], where), defaults.get(k), where)
+        f = fields.get(k)
+        default, infinite = (f.default, f.metadata.get("infinite")) if f is not None else (None, None)
+        kwargs[k] = _check_finite(coerce(v, hints[k], where), default, where, infinite)
     try:
         obj = cls(**kwargs)
     except (TypeError, ValueError) as e:

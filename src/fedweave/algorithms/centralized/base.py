@@ -195,6 +195,7 @@ class StarAlgorithm(Algorithm):
         self.x = self.layout.flatten()  # the global model x_t
         sizes = client_sizes(ctx.partition)
         self.sizes = torch.from_numpy(sizes).to(dtype=self.x.dtype, device=self.x.device)
+        self.holds_data = sizes > 0  # (N,) bool, on the host: run_round reads it every round without a device sync
         # what a sampler that reads the clients' context sees: sizes, last reported losses and rounds
         self.client_history = ClientHistory(sizes)
         self.sampler = make_sampler(
@@ -276,8 +277,10 @@ class StarAlgorithm(Algorithm):
         here for every method. Clients that drop out or miss the deadline (``reporting``: simulated arrival
         times from ``client_work``) were sent the round's message but deliver nothing; the weights re-weight
         over those that reported. A round nobody reports leaves every state as it was, and the runner logs
-        it as skipped (``reported_clients = 0``). Under ``faults.sim_time`` the round advances the simulated
-        clock by :meth:`round_time` and its metrics carry ``sim_time``.
+        it as skipped (``reported_clients = 0``). A round whose reporting clients all hold no sample
+        (``partition.min_size: 0``) is one nobody reports: they take no step and have no update to send. Under
+        ``faults.sim_time`` the round advances the simulated clock by :meth:`round_time` and its metrics carry
+        ``sim_time``.
         """
         clients = self.sample_clients(r)
         if self.download is None:
@@ -292,6 +295,11 @@ class StarAlgorithm(Algorithm):
                 )
                 self.ledger.record(r, "server", "client", kind, nbytes, len(recipients))
         sampled, clients = clients, self.reporting(r, clients)  # dropouts and stragglers deliver nothing
+        if len(clients) and not self.holds_data[clients].any():
+            # only clients without samples: there is no update, and a server step on the aggregate 0 would still
+            # move FedAvgM's, FedAdam's or FedDyn's model (momentum, h) and zero FedCM's momentum. As a round
+            # nobody reports, it leaves every state as it was
+            clients = clients[:0]
         if self.clocked:
             self.now += self.round_time(r, sampled)
         if len(clients) == 0:

@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 
 from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LR, ConfigError
 from fedweave.registry import ALGORITHMS
 
 
@@ -35,8 +35,9 @@ class FedExPHparams(StarHparams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.eps > 0:
-            raise ConfigError(f"algorithm.eps must be > 0, got {self.eps}")
+        # a larger eps is inf in float32: the step size is 1 whatever the updates, FedAvg under FedExP's name
+        if not 0 < self.eps <= MAX_LR:
+            raise ConfigError(f"algorithm.eps must be in (0, {MAX_LR:.6g}], got {self.eps}")
 
 
 def fedexp_step_size(updates: torch.Tensor, mean: torch.Tensor, eps: float) -> float:

@@ -75,8 +75,10 @@ class FedLCHparams(StarHparams):
         super().__post_init__()
         if not 0 <= self.tau <= MAX_LR:  # a larger one is inf in float32: every calibrated logit is -inf
             raise ConfigError(f"algorithm.tau must be in [0, {MAX_LR:.6g}], got {self.tau}")
-        if not self.absent_count > 0:
-            raise ConfigError(f"algorithm.absent_count must be > 0, got {self.absent_count}")
+        # a class the client holds counts at least 1: an absent one counting more would lift the counts below it
+        # to absent_count (calibration's clamp), and beyond every count all margins are equal: no calibration
+        if not 0 < self.absent_count <= 1:
+            raise ConfigError(f"algorithm.absent_count must be in (0, 1], got {self.absent_count}")
 
 
 @ALGORITHMS.register("fedlc")

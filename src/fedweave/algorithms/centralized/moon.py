@@ -81,8 +81,9 @@ class MoonHparams(StarHparams):
         super().__post_init__()
         if not 0 <= self.mu <= MAX_LR:  # a larger one is inf in float32: the loss is NaN from the first step
             raise ConfigError(f"algorithm.mu must be in [0, {MAX_LR:.6g}], got {self.mu}")
-        if not self.tau > 0:
-            raise ConfigError(f"algorithm.tau must be > 0, got {self.tau}")
+        # a larger tau is inf in float32: every sim / tau of Eq. 3 is 0 and the contrastive term has no gradient
+        if not 0 < self.tau <= MAX_LR:
+            raise ConfigError(f"algorithm.tau must be in (0, {MAX_LR:.6g}], got {self.tau}")
 
 
 @ALGORITHMS.register("moon")

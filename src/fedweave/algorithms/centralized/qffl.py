@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams
-from fedweave.config import ConfigError
+from fedweave.config import MAX_LR, ConfigError
 from fedweave.registry import ALGORITHMS
 
 
@@ -36,15 +36,18 @@ class QFFLHparams(StarHparams):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.q >= 0:
-            raise ConfigError(f"algorithm.q must be >= 0, got {self.q}")
+        # a larger q or L is inf in float32: F^q or L (w - wbar_k) is inf and the first step is NaN, whatever local.lr
+        if not 0 <= self.q <= MAX_LR:
+            raise ConfigError(f"algorithm.q must be in [0, {MAX_LR:.6g}], got {self.q}")
         if self.server_lr != 1.0:
             raise ConfigError(
                 f"algorithm.server_lr: q-FedAvg's server step is sum Delta_k / sum h_k and takes no step size, "
                 f"got {self.server_lr}"
             )
-        if self.lipschitz is not None and not self.lipschitz > 0:
-            raise ConfigError(f"algorithm.lipschitz must be > 0 (or null: 1 / local.lr), got {self.lipschitz}")
+        if self.lipschitz is not None and not 0 < self.lipschitz <= MAX_LR:
+            raise ConfigError(
+                f"algorithm.lipschitz must be in (0, {MAX_LR:.6g}] (or null: 1 / local.lr), got {self.lipschitz}"
+            )
 
 
 def qffl_client(

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from fedweave.algorithms.base import Algorithm, RunContext, make_trainer, with_local  # noqa: F401 (re-exported)
-from fedweave.config import MAX_LOCAL_EPOCHS, ConfigError, Section
+from fedweave.config import MAX_BATCH_SIZE, MAX_LOCAL_EPOCHS, ConfigError, Section
 from fedweave.execution import (
     LocalResult,
     LocalRule,
@@ -103,8 +103,11 @@ class GraphHparams:
             raise ConfigError(f"algorithm.dp_sigma must be >= 0, got {self.dp_sigma}")
         if self.dp_clip <= 0:
             raise ConfigError(f"algorithm.dp_clip must be > 0, got {self.dp_clip}")
-        if self.test_per_client is not None and self.test_per_client < 1:
-            raise ConfigError(f"algorithm.test_per_client must be >= 1 or null, got {self.test_per_client}")
+        # a sample count, bounded as local.batch_size is: 1e12 indices per client ended in numpy's allocation error
+        if self.test_per_client is not None and not 1 <= self.test_per_client <= MAX_BATCH_SIZE:
+            raise ConfigError(
+                f"algorithm.test_per_client must be in [1, {MAX_BATCH_SIZE:,}] or null, got {self.test_per_client:.6g}"
+            )
 
 
 # ------------------------------------------------------------------------------------------ algorithm

@@ -23,7 +23,7 @@ own step on f1 is unaffected: in a round nobody reports in, x still moves along 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -55,8 +55,9 @@ class ZOHFLHparams(HierarchyHparams):
     crn: bool = True  # the +/- solves of a client share their mini-batch sequence (spec A5)
     constraint: Literal["none", "ball", "box"] = "none"  # Y_i(x) (spec A17); the ball is centred at x
     radius: float = 1.0  # ball radius
-    box_low: float = 0.0
-    box_high: float = float("inf")
+    # either side may be open: -inf or inf leaves it unbounded (clamp's one-sided box {y <= high}, {y >= low})
+    box_low: float = field(default=0.0, metadata={"infinite": -1})
+    box_high: float = field(default=float("inf"), metadata={"infinite": 1})
     direction_message: Literal["vector", "seed"] = "vector"  # send v_i itself (Alg. 1) or its 8-byte seed
     upload: Literal["models", "values"] = "models"  # y^+/y^- (Alg. 1 line 5) or the two f2 values (A24)
 
@@ -76,6 +77,12 @@ class ZOHFLHparams(HierarchyHparams):
             raise ConfigError(f"algorithm.server_lr_power must be >= 0, got {self.server_lr_power}")
         if self.server_batch_size < 1:
             raise ConfigError(f"algorithm.server_batch_size must be >= 1, got {self.server_batch_size}")
+        # an open side is its own infinity; the other one would make the box empty (every coordinate at +-inf)
+        if self.box_low == float("inf") or self.box_high == float("-inf"):
+            raise ConfigError(
+                f"algorithm.box_low must be finite or -inf and algorithm.box_high finite or inf, got "
+                f"[{self.box_low}, {self.box_high}]"
+            )
         if self.box_low > self.box_high:
             raise ConfigError(f"algorithm.box_low ({self.box_low}) must be <= algorithm.box_high ({self.box_high})")
         # a constraint's own bounds, set for another constraint, would be ignored: refused instead
