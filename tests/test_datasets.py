@@ -438,6 +438,44 @@ def test_leaf_bad_layout(tmp_path):
         DATASETS.get("leaf")(root=tmp_path)
 
 
+def test_leaf_fractional_labels_are_refused_not_truncated(tmp_path):
+    # int64 conversion truncated 1.7 to class 1 and 0.5 to class 0, in silence; a whole float is its class
+    write_leaf(tmp_path, "train", {"u": ([[0.0, 1.0], [1.0, 0.0]], [0.5, 1.7])}, 0)
+    write_leaf(tmp_path, "test", {"u": ([[1.0, 1.0]], [1])}, 0)
+    with pytest.raises(leaf.LEAFFormatError, match=r"train: label 0.5 is not a whole-number class"):
+        DATASETS.get("leaf")(root=tmp_path)
+    write_leaf(tmp_path, "train", {"u": ([[0.0, 1.0], [1.0, 0.0]], [0.0, 1.0])}, 0)
+    assert DATASETS.get("leaf")(root=tmp_path).train_y.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "train, match",
+    [
+        ("truncated", r"a.json: not valid JSON \(Unterminated string"),
+        ({"u": ([[0.0, 1.0], [1.0, 0.0, 3.0]], [0, 1])}, r"train: samples must be lists of numbers, all of one length"),
+        ({"u": ([[0.0, 1.0], [1.0, 0.0]], ["a", "b"])}, r"train: label 'a' is not a whole-number class"),
+        ({"u": ([0.5, 1.5], [0, 1])}, r"train: samples must be lists of numbers, got shape \(2,\)"),
+        ({"users": ["u"], "user_data": []}, r"a.json: expected keys 'users' and 'user_data'"),
+    ],
+)
+def test_leaf_bad_file_names_the_file(tmp_path, train, match):
+    # a truncated JSON, ragged rows or string labels raised json's or numpy's message, naming no file
+    write_leaf(tmp_path, "test", {"u": ([[1.0, 1.0]], [1])}, 0)
+    (tmp_path / "train").mkdir()
+    good = {"users": ["u"], "num_samples": [1], "user_data": {"u": {"x": [[1.0, 1.0]], "y": [1]}}}
+    if train == "truncated":
+        text = json.dumps(good)[:-10]
+    elif "users" in train:
+        text = json.dumps(train)
+    else:
+        write_leaf(tmp_path, "train", train, 0)
+        text = None
+    if text is not None:
+        (tmp_path / "train" / "a.json").write_text(text)
+    with pytest.raises(leaf.LEAFFormatError, match=match):
+        DATASETS.get("leaf")(root=tmp_path)
+
+
 # ------------------------------------------------------------------------------------------------ LIBSVM
 SVM = "\n".join(f"{'+1' if i % 2 else '-1'} 1:{i} 3:{i / 10}" for i in range(10)) + "\n"
 
