@@ -510,6 +510,29 @@ def test_an_empty_split_passed_from_python_is_one_line(split, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        # a NaN feature made round 1's loss NaN, reported as a divergence to be cured by a smaller step size
+        ("train_x", np.nan, r"dataset: train_x holds 1 NaN or infinite value\(s\)"),
+        ("test_x", np.inf, r"dataset: test_x holds 1 NaN or infinite value\(s\)"),
+        # integer train labels and a float test split: 1.5 was cast to class 1 and scored as such
+        ("test_y", 1.5, r"dataset: train_y holds integer class labels but test_y holds 1.5, which is no class"),
+    ],
+)
+def test_data_from_python_with_a_value_that_is_no_number_or_class_is_one_line(key, value, message, tmp_path):
+    g = np.random.default_rng(0)
+    data = {"train_x": g.normal(size=(40, 5)), "train_y": g.integers(0, 3, 40)}
+    data.update(test_x=g.normal(size=(10, 5)), test_y=g.integers(0, 3, 10).astype(np.float64))
+    data[key] = data[key].astype(np.float64)
+    data[key].flat[3] = value
+    with pytest.raises(ConfigError, match=message):
+        fedweave.run(_cfg(), model=lambda: torch.nn.Linear(5, 3), dataset=tuple(data.values()), run_dir=tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+    data[key].flat[3] = 1.0  # whole float test labels are the classes they name
+    fedweave.run(_cfg(), model=lambda: torch.nn.Linear(5, 3), dataset=tuple(data.values()), run_dir=tmp_path / "s")
+
+
 def test_plot_runs_given_one_path_not_a_list_says_so(tmp_path):
     from fedweave.plots import plot_runs
 

@@ -93,6 +93,20 @@ def as_dataset(data: Any, name: str = "python") -> Dataset:
                 f"dataset: {split}_x has no samples; the run trains on the train split and evaluates every model on "
                 "the test split: give each at least one sample"
             )
+    for key, t in (("train_x", tx), ("train_y", ty), ("test_x", vx), ("test_y", vy)):
+        # a NaN or Inf in the data made the first round's loss NaN, reported as a divergence to be cured by a
+        # smaller step size
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ConfigError(f"dataset: {key} holds {bad} NaN or infinite value(s); give finite numbers")
+    if not ty.is_floating_point() and vy.is_floating_point():
+        # class labels in train_y: a float test_y is cast to them, and a 1.5 would silently become class 1
+        frac = vy[vy != vy.round()]
+        if len(frac):
+            raise ConfigError(
+                f"dataset: train_y holds integer class labels but test_y holds {float(frac[0])!r}, which is no "
+                "class; give whole-number test labels (or float targets in both splits)"
+            )
     # floating data keep their dtype here; the run casts them to its precision
     if ty.is_floating_point():  # regression or multi-label targets: float, one column per output
         num_outputs = 1 if ty.dim() == 1 else int(np.prod(ty.shape[1:]))
