@@ -504,6 +504,25 @@ def test_libsvm_errors(tmp_path):
     assert libsvm.map_labels(np.array([2.0, 7.0, 2.0]))[0][0].tolist() == [0, 1, 0]
 
 
+def test_libsvm_errors_name_the_file_that_fails(tmp_path):
+    # a broken test_path was reported as "cannot parse <path>", the training file, which was fine; a bad
+    # test_fraction as "cannot parse" the file too
+    (tmp_path / "a.txt").write_text(SVM)
+    (tmp_path / "bad.txt").write_text("+1 1:0.5\n-1 2:x\n")
+    (tmp_path / "r.txt").write_text("0.5 1:1\n1 1:2\n")
+    (tmp_path / "wide.txt").write_text("+1 9:1\n-1 1:1\n")
+    a = str(tmp_path / "a.txt")
+    for test, message in (
+        ("bad.txt", r"cannot parse \S*bad.txt: could not convert"),
+        ("r.txt", r"'libsvm': \S*r.txt: libsvm labels must be integers"),
+        ("wide.txt", r"cannot parse \S*wide.txt: n_features was set to 3"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            DATASETS.get("libsvm")(path=a, test_path=str(tmp_path / test), n_features=3)
+    with pytest.raises(OptionError, match=r"^dataset 'libsvm': option 'test_fraction' must be a number in \(0, 1\)"):
+        DATASETS.get("libsvm")(path=a, test_fraction=2)
+
+
 # ---------------------------------------------------------------------------------------------- Mushroom
 def mushroom_frame():
     pd = pytest.importorskip("pandas")
