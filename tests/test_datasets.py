@@ -165,6 +165,9 @@ def test_cifar10_half_stats_are_the_cse_fsl_authors_normalisation(cifar10_root):
     torch.testing.assert_close(ds.test_x, 2 * raw.test_x - 1)
     with pytest.raises(ValueError, match="stats"):
         DATASETS.get("cifar10")(root=cifar10_root, stats="imagenet")
+    # with normalize: false the pixels stay in [0, 1] whatever stats says: stats: half was read by nothing
+    with pytest.raises(OptionError, match=r"option 'stats' \('half'\) is the mean/std of normalize, which is false"):
+        DATASETS.get("cifar10")(root=cifar10_root, stats="half", normalize=False)
 
 
 def test_cifar100_fine_and_coarse(tmp_path, monkeypatch):
