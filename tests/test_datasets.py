@@ -345,6 +345,14 @@ def test_shakespeare_leaf_json(tmp_path):
     assert ds.train_x.shape == (2, 5) and ds.num_classes == 80
     assert ds.train_y.tolist() == [shakespeare.VOCAB.index("o"), shakespeare.VOCAB.index(" ")]
     assert ds.test_users.tolist() == [0]
+    # the options that window and split the plays: read by nothing for LEAF JSON (the run took every sample)
+    with pytest.raises(OptionError, match=r"option\(s\) 'max_samples_per_user' build samples from the plays"):
+        DATASETS.get("shakespeare")(root=tmp_path, max_samples_per_user=1)
+    with pytest.raises(OptionError, match=r"option\(s\) 'train_fraction' build samples from the plays"):
+        DATASETS.get("shakespeare")(root=tmp_path, train_fraction=0.5)
+    with pytest.raises(OptionError, match=r"option 'seq_len' is 10 but the LEAF JSON .* holds windows of 5 characters"):
+        DATASETS.get("shakespeare")(root=tmp_path, seq_len=10)
+    assert DATASETS.get("shakespeare")(root=tmp_path, seq_len=5).train_x.shape == (2, 5)
 
 
 # ----------------------------------------------------------------------------------------------- Adult
