@@ -532,6 +532,9 @@ def test_libsvm_errors_name_the_file_that_fails(tmp_path):
             DATASETS.get("libsvm")(path=a, test_path=str(tmp_path / test), n_features=3)
     with pytest.raises(OptionError, match=r"^dataset 'libsvm': option 'test_fraction' must be a number in \(0, 1\)"):
         DATASETS.get("libsvm")(path=a, test_fraction=2)
+    # with test_path the test split is that file: test_fraction and split_seed were read by nothing
+    with pytest.raises(OptionError, match=r"option\(s\) 'test_fraction', 'split_seed' split the one file of 'path'"):
+        DATASETS.get("libsvm")(path=a, test_path=a, test_fraction=0.5, split_seed=3)
 
 
 # ---------------------------------------------------------------------------------------------- Mushroom

@@ -85,6 +85,13 @@ def load_libsvm(
     do_standardize = opt_bool("libsvm", "standardize", standardize)
     train_file = _path(root, path, "path")
     if test_path is not None:
+        # the test file is the split: a test_fraction or split_seed beside it would be read by nothing
+        unread = [k for k, v, d in (("test_fraction", test_fraction, 0.2), ("split_seed", split_seed, 0)) if v != d]
+        if unread:
+            raise OptionError(
+                f"dataset 'libsvm': option(s) {', '.join(map(repr, unread))} split the one file of 'path'; with "
+                "'test_path' the test split is that file: leave them out"
+            )
         test_file = _path(root, test_path, "test_path")
         # read together, so that both files get one width and one index base (zero_based="auto")
         try:
