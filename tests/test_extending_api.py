@@ -510,6 +510,40 @@ def test_an_empty_split_passed_from_python_is_one_line(split, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        # a NaN feature made round 1's loss NaN, reported as a divergence to be cured by a smaller step size
+        ("train_x", np.nan, r"dataset 'python': its training features hold NaN or infinite values \(1\)"),
+        ("test_x", np.inf, r"dataset 'python': its test features hold NaN or infinite values \(1\)"),
+        # integer train labels and a float test split: 1.5 was cast to class 1 and scored as such
+        ("test_y", 1.5, r"dataset: train_y holds integer class labels but test_y holds 1.5, which is no class"),
+    ],
+)
+def test_data_from_python_with_a_value_that_is_no_number_or_class_is_one_line(key, value, message, tmp_path):
+    g = np.random.default_rng(0)
+    data = {"train_x": g.normal(size=(40, 5)), "train_y": g.integers(0, 3, 40)}
+    data.update(test_x=g.normal(size=(10, 5)), test_y=g.integers(0, 3, 10).astype(np.float64))
+    data[key] = data[key].astype(np.float64)
+    data[key].flat[3] = value
+    with pytest.raises(ConfigError, match=message):
+        fedweave.run(_cfg(), model=lambda: torch.nn.Linear(5, 3), dataset=tuple(data.values()), run_dir=tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+    data[key].flat[3] = 1.0  # whole float test labels are the classes they name
+    fedweave.run(_cfg(), model=lambda: torch.nn.Linear(5, 3), dataset=tuple(data.values()), run_dir=tmp_path / "s")
+
+
+def test_a_fedweave_dataset_passed_from_python_is_checked_as_tuples_are(tmp_path):
+    # a Dataset object skipped the checks: its empty test split was scored test_accuracy 0.0, test_loss 0.0
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 5, generator=g), torch.randint(0, 3, (40,), generator=g)
+    with pytest.raises(ConfigError, match="dataset: test_x has no samples"):
+        fedweave.run(_cfg(), dataset=Dataset("mine", x, y, x[:0], y[:0], 3, (5,)), run_dir=tmp_path / "a")
+    x[3, 1] = float("nan")
+    with pytest.raises(ConfigError, match=r"dataset 'mine': its training features hold NaN or infinite values \(1\)"):
+        fedweave.run(_cfg(), dataset=Dataset("mine", x, y, x[:10], y[:10], 3, (5,)), run_dir=tmp_path / "b")
+
+
 def test_plot_runs_given_one_path_not_a_list_says_so(tmp_path):
     from fedweave.plots import plot_runs
 

@@ -71,9 +71,37 @@ def _stack(ds: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([_tensor(x, f"{what} x") for x in xs]), torch.stack([_tensor(y, f"{what} y") for y in ys])
 
 
+def _check_splits(name: str, tx: torch.Tensor, ty: torch.Tensor, vx: torch.Tensor, vy: torch.Tensor) -> None:
+    """Data a run can train and evaluate on: samples in each split, finite numbers, test labels that are classes."""
+    for split, x in (("train", tx), ("test", vx)):
+        if len(x) == 0:  # an empty test set would be reported as test_accuracy 0.0 and test_loss 0.0 each round
+            raise ConfigError(
+                f"dataset: {split}_x has no samples; the run trains on the train split and evaluates every model on "
+                "the test split: give each at least one sample"
+            )
+    for split, what, t in (("training", "features", tx), ("training", "targets", ty), ("test", "features", vx),
+                           ("test", "targets", vy)):  # fmt: skip
+        # a NaN or Inf in the data made the first round's loss NaN, reported as a divergence to be cured by a
+        # smaller step size
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ConfigError(
+                f"dataset {name!r}: its {split} {what} hold NaN or infinite values ({bad}); give finite numbers"
+            )
+    if not ty.is_floating_point() and vy.is_floating_point():
+        # class labels in train_y: a float test_y is cast to them, and a 1.5 would silently become class 1
+        frac = vy[vy != vy.round()]
+        if len(frac):
+            raise ConfigError(
+                f"dataset: train_y holds integer class labels but test_y holds {float(frac[0])!r}, which is no "
+                "class; give whole-number test labels (or float targets in both splits)"
+            )
+
+
 def as_dataset(data: Any, name: str = "python") -> Dataset:
     """A fedweave Dataset from what ``fedweave.run(dataset=...)`` accepts (see the module docstring)."""
-    if isinstance(data, Dataset):
+    if isinstance(data, Dataset):  # checked as the tuples are: an empty test split scored 0.0 here too
+        _check_splits(data.name, data.train_x, data.train_y, data.test_x, data.test_y)
         return data
     users = (None, None)
     if isinstance(data, tuple | list) and len(data) == 2 and isinstance(data[0], torch.utils.data.Dataset):
@@ -87,12 +115,7 @@ def as_dataset(data: Any, name: str = "python") -> Dataset:
             "dataset must be a fedweave Dataset, (train_x, train_y, test_x, test_y[, train_users, test_users]) "
             f"arrays or tensors, or (train, test) torch Datasets; got {type(data).__name__}"
         )
-    for split, x in (("train", tx), ("test", vx)):
-        if len(x) == 0:  # an empty test set would be reported as test_accuracy 0.0 and test_loss 0.0 each round
-            raise ConfigError(
-                f"dataset: {split}_x has no samples; the run trains on the train split and evaluates every model on "
-                "the test split: give each at least one sample"
-            )
+    _check_splits(name, tx, ty, vx, vy)
     # floating data keep their dtype here; the run casts them to its precision
     if ty.is_floating_point():  # regression or multi-label targets: float, one column per output
         num_outputs = 1 if ty.dim() == 1 else int(np.prod(ty.shape[1:]))

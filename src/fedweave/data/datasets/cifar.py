@@ -16,6 +16,7 @@ import numpy as np
 from fedweave.data import sources
 from fedweave.data.base import Dataset
 from fedweave.data.datasets._common import (
+    OptionError,
     as_tensors,
     head,
     open_maybe_gz,
@@ -139,12 +140,18 @@ def _finish(
 
 
 def _limits(name: str, normalize, max_train, max_test, stats) -> tuple[bool, int | None, int | None, str]:
-    return (
+    out = (
         opt_bool(name, "normalize", normalize),
         opt_int(name, "max_train", max_train, allow_none=True),
         opt_int(name, "max_test", max_test, allow_none=True),
         opt_choice(name, "stats", stats, STATS_CHOICES),
     )
+    if not out[0] and out[3] != "dataset":  # normalize: false keeps [0, 1]: stats would be read by nothing
+        raise OptionError(
+            f"dataset {name!r}: option 'stats' ({out[3]!r}) is the mean/std of normalize, which is false; "
+            "leave stats out or set normalize: true"
+        )
+    return out
 
 
 @DATASETS.register("cifar10")

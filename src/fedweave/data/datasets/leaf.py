@@ -52,13 +52,25 @@ def read_split(directory: Path) -> dict[str, dict[str, list]]:
         raise FileNotFoundError(f"no LEAF JSON files (*.json) in {directory}")
     users: dict[str, dict[str, list]] = {}
     for f in files:
-        with open(f, encoding="utf-8") as fh:
-            blob = json.load(fh)
-        if not isinstance(blob, dict) or "user_data" not in blob or "users" not in blob:
+        try:
+            with open(f, encoding="utf-8") as fh:
+                blob = json.load(fh)
+        except ValueError as e:  # a truncated or hand-edited file: json's message alone names no file
+            raise LEAFFormatError(f"{f}: not valid JSON ({e})") from e
+        if (
+            not isinstance(blob, dict)
+            or not isinstance(blob.get("users"), list)
+            or not isinstance(blob.get("user_data"), dict)
+        ):
             raise LEAFFormatError(f"{f}: expected keys 'users' and 'user_data' (LEAF layout)")
         for u in blob["users"]:
-            d = blob["user_data"].get(u)
-            if d is None or "x" not in d or "y" not in d or len(d["x"]) != len(d["y"]):
+            d = blob["user_data"].get(u) if isinstance(u, str) else None
+            if (
+                not isinstance(d, dict)
+                or not isinstance(d.get("x"), list)
+                or not isinstance(d.get("y"), list)
+                or len(d["x"]) != len(d["y"])
+            ):
                 raise LEAFFormatError(f"{f}: user {u!r} lacks equal-length 'x' and 'y'")
             entry = users.setdefault(str(u), {"x": [], "y": []})
             entry["x"].extend(d["x"])
@@ -78,7 +90,12 @@ def _encode_x(xs: list, kind: str, source: str) -> torch.Tensor:
         space = VOCAB.index(" ")
         ids = encode("".join(xs), unknown=space).astype(np.int64)
         return torch.from_numpy(ids.reshape(len(xs), -1))
-    arr = np.asarray(xs, dtype=np.float32)
+    try:
+        arr = np.asarray(xs, dtype=np.float32)
+    except (ValueError, TypeError) as e:  # ragged rows or non-numbers: numpy's message names no file
+        raise LEAFFormatError(f"{source}: samples must be lists of numbers, all of one length ({e})") from e
+    if arr.ndim < 2:  # a bare number per sample is not a feature vector
+        raise LEAFFormatError(f"{source}: samples must be lists of numbers, got shape {arr.shape}")
     if kind == "image":
         if arr.ndim != 2 or arr.shape[1] != 784:
             raise LEAFFormatError(f"{source}: image samples must have 784 values, got shape {arr.shape}")
@@ -86,11 +103,16 @@ def _encode_x(xs: list, kind: str, source: str) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-def _encode_y(ys: list, kind: str) -> np.ndarray:
+def _encode_y(ys: list, kind: str, source: str) -> np.ndarray:
     if kind == "text":
         if any(not isinstance(c, str) or len(c) != 1 for c in ys):
-            raise LEAFFormatError("text labels must be single characters")
+            raise LEAFFormatError(f"{source}: text labels must be single characters")
         return encode("".join(ys), unknown=VOCAB.index(" ")).astype(np.int64)
+    # Class labels are whole numbers: int64 conversion would truncate 1.7 to class 1 and fail on "a" without
+    # naming the file. A float that is whole (3.0) is the class it names.
+    for y in ys:
+        if isinstance(y, bool) or not isinstance(y, (int, float)) or not (abs(y) < 2**63 and float(y).is_integer()):
+            raise LEAFFormatError(f"{source}: label {y!r} is not a whole-number class")
     return np.asarray(ys, dtype=np.int64)
 
 
@@ -135,7 +157,11 @@ def load_leaf_dir(
                 us.append(np.full(len(d["y"]), ids[u], np.int64))
         if not xs:
             raise LEAFFormatError(f"{root / split}: no samples for the selected users")
-        parts[split] = (_encode_x(xs, kind, str(root / split)), _encode_y(ys, kind), np.concatenate(us))
+        parts[split] = (
+            _encode_x(xs, kind, str(root / split)),
+            _encode_y(ys, kind, str(root / split)),
+            np.concatenate(us),
+        )
     ymax = max(int(parts[s][1].max()) for s in parts)
     if num_classes is None:
         num_classes = len(VOCAB) if kind == "text" else 62 if kind == "image" and ymax < 62 else ymax + 1

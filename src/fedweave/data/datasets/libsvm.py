@@ -32,13 +32,29 @@ def _path(root, value, option: str) -> Path:
     return p
 
 
-def map_labels(*label_arrays: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
-    """Map the distinct labels of all arrays, sorted, to 0..C-1 (e.g. {-1, +1} -> {0, 1})."""
-    allv = np.concatenate(label_arrays)
-    if not np.all(np.isfinite(allv)) or not np.all(allv == np.round(allv)):
-        raise ValueError("libsvm labels must be integers (classification); regression files are not supported")
-    classes = np.unique(allv)
+def map_labels(*label_arrays: np.ndarray, files: tuple[Path, ...] = ()) -> tuple[list[np.ndarray], np.ndarray]:
+    """Map the distinct labels of all arrays, sorted, to 0..C-1 (e.g. {-1, +1} -> {0, 1}). ``files`` name the
+    file of each array, for the message when one holds a label that is not an integer."""
+    for i, a in enumerate(label_arrays):
+        if not np.all(np.isfinite(a)) or not np.all(a == np.round(a)):
+            where = f"dataset 'libsvm': {files[i]}: " if i < len(files) else ""
+            raise ValueError(
+                f"{where}libsvm labels must be integers (classification); regression files are not supported"
+            )
+    classes = np.unique(np.concatenate(label_arrays))
     return [np.searchsorted(classes, a).astype(np.int64) for a in label_arrays], classes
+
+
+def _failing(train_file: Path, test_file: Path, n_features: int | None) -> str:
+    """The file of the two that fails to parse on its own (both, when each parses alone)."""
+    from sklearn.datasets import load_svmlight_file
+
+    for f in (train_file, test_file):
+        try:
+            load_svmlight_file(str(f), n_features=n_features)
+        except ValueError:
+            return str(f)
+    return f"{train_file} and {test_file}"
 
 
 @DATASETS.register("libsvm")
@@ -68,24 +84,37 @@ def load_libsvm(
     n_features = opt_int("libsvm", "n_features", n_features, allow_none=True)
     do_standardize = opt_bool("libsvm", "standardize", standardize)
     train_file = _path(root, path, "path")
-    try:
-        if test_path is not None:
-            test_file = _path(root, test_path, "test_path")
-            xtr, ytr, xte, yte = load_svmlight_files([str(train_file), str(test_file)], n_features=n_features)
-            (ytr, yte), classes = map_labels(ytr, yte)
-            xtr, xte = xtr.toarray(), xte.toarray()
-        else:
-            test_fraction = opt_float(
-                "libsvm", "test_fraction", test_fraction, low=0, high=1, low_open=True, high_open=True
+    if test_path is not None:
+        # the test file is the split: a test_fraction or split_seed beside it would be read by nothing
+        unread = [k for k, v, d in (("test_fraction", test_fraction, 0.2), ("split_seed", split_seed, 0)) if v != d]
+        if unread:
+            raise OptionError(
+                f"dataset 'libsvm': option(s) {', '.join(map(repr, unread))} split the one file of 'path'; with "
+                "'test_path' the test split is that file: leave them out"
             )
-            split_seed = opt_int("libsvm", "split_seed", split_seed, minimum=0)
+        test_file = _path(root, test_path, "test_path")
+        # read together, so that both files get one width and one index base (zero_based="auto")
+        try:
+            xtr, ytr, xte, yte = load_svmlight_files([str(train_file), str(test_file)], n_features=n_features)
+        except ValueError as e:  # name the file that fails on its own, not always the training file
+            failing = _failing(train_file, test_file, n_features)
+            raise ValueError(f"dataset 'libsvm': cannot parse {failing}: {e}") from e
+        (ytr, yte), classes = map_labels(ytr, yte, files=(train_file, test_file))
+        xtr, xte = xtr.toarray(), xte.toarray()
+    else:
+        # checked before the file is read: a bad value is the option's error, not "cannot parse" the file
+        test_fraction = opt_float(
+            "libsvm", "test_fraction", test_fraction, low=0, high=1, low_open=True, high_open=True
+        )
+        split_seed = opt_int("libsvm", "split_seed", split_seed, minimum=0)
+        try:
             x, y = load_svmlight_file(str(train_file), n_features=n_features)
-            (y,), classes = map_labels(y)
-            tr, te = stratified_split(y, test_fraction, split_seed)
-            x = x.toarray()
-            xtr, ytr, xte, yte = x[tr], y[tr], x[te], y[te]
-    except ValueError as e:
-        raise ValueError(f"dataset 'libsvm': cannot parse {train_file}: {e}") from e
+        except ValueError as e:
+            raise ValueError(f"dataset 'libsvm': cannot parse {train_file}: {e}") from e
+        (y,), classes = map_labels(y, files=(train_file,))
+        tr, te = stratified_split(y, test_fraction, split_seed)
+        x = x.toarray()
+        xtr, ytr, xte, yte = x[tr], y[tr], x[te], y[te]
     if len(classes) < 2:
         raise ValueError(f"dataset 'libsvm': {train_file} has a single label {classes.tolist()}")
     xtr, xte = xtr.astype(np.float32), xte.astype(np.float32)

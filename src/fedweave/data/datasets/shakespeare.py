@@ -23,7 +23,14 @@ import torch
 
 from fedweave.data import sources
 from fedweave.data.base import Dataset
-from fedweave.data.datasets._common import open_maybe_gz, opt_choice, opt_float, opt_int, reject_unknown
+from fedweave.data.datasets._common import (
+    OptionError,
+    open_maybe_gz,
+    opt_choice,
+    opt_float,
+    opt_int,
+    reject_unknown,
+)
 from fedweave.data.datasets.leaf import VOCAB, encode, load_leaf_dir
 from fedweave.registry import DATASETS
 from fedweave.seeding import Seeds
@@ -169,7 +176,28 @@ def load_shakespeare(
     if source == "leaf" or (source == "auto" and _is_leaf(root)):
         if root is None:
             raise ValueError("dataset 'shakespeare': source='leaf' needs root=DIR holding train/*.json, test/*.json")
-        return load_leaf_dir(Path(root), name=name, kind="text", max_users=max_users, seed=seed)
+        # LEAF's JSON comes windowed and split: the options that build windows and splits from the plays would
+        # be read by nothing (a max_samples_per_user: 100 run trained on every sample)
+        unread = [
+            k
+            for k, v, d in (
+                ("train_fraction", train_fraction, 0.8),
+                ("max_samples_per_user", max_samples_per_user, None),
+            )
+            if v != d
+        ]
+        if unread:
+            raise OptionError(
+                f"dataset {name!r}: option(s) {', '.join(map(repr, unread))} build samples from the plays; LEAF JSON "
+                f"under {root} holds its own windows and train/test split: leave them out, or use source: plays"
+            )
+        ds = load_leaf_dir(Path(root), name=name, kind="text", max_users=max_users, seed=seed)
+        if seq_len != 80 and ds.input_shape != (seq_len,):  # 80 is the default, and LEAF's own length
+            raise OptionError(
+                f"dataset {name!r}: option 'seq_len' is {seq_len} but the LEAF JSON under {root} holds windows of "
+                f"{ds.input_shape[0]} characters; leave seq_len out (or give {ds.input_shape[0]})"
+            )
+        return ds
 
     files = sources.resolve(name, root).files
     texts = [t for _, _, t in read_plays(files) if len(t) > seq_len]
