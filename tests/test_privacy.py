@@ -629,13 +629,16 @@ def test_a_resumed_sample_level_run_stops_at_the_budget_where_the_uninterrupted_
     from the checkpoint, as the uninterrupted run's does, not from the run's start (which would stop it early)."""
     from fedweave.runner import resume
 
-    privacy = {"level": "sample", "noise_multiplier": 1.5, "clip": 0.5, "target_epsilon": 14.0}
-    cfg = _cfg(toy_config, privacy, sampler="bernoulli", precision="float64", rounds=8)
+    # The uninterrupted run's looks reach 4 rounds' steps (epsilon 6.44); a resumed look counted from the run's
+    # start after round 3 would see 3 + 3 = 6 rounds' (7.94): the target lies between. (At 8 rounds resumed
+    # after 5 with a target of 14, the miscounted look, 10 rounds' steps, stayed below the target.)
+    privacy = {"level": "sample", "noise_multiplier": 1.5, "clip": 0.5, "target_epsilon": 7.0}
+    cfg = _cfg(toy_config, privacy, sampler="bernoulli", precision="float64", rounds=4)
     whole = run(load(cfg), run_dir=tmp_path / "whole")
-    part = {**cfg, "rounds": 5, "output": {**cfg["output"], "checkpoint_every": 1}}
+    part = {**cfg, "rounds": 3, "output": {**cfg["output"], "checkpoint_every": 1}}
     run(load(part), run_dir=tmp_path / "part")
-    res = resume(tmp_path / "part", ["rounds=8"])
-    assert len(whole.metrics) == 8  # the budget holds for all 8 rounds
+    res = resume(tmp_path / "part", ["rounds=4"])
+    assert len(whole.metrics) == 4  # the budget holds for all 4 rounds
     assert [r["epsilon"] for r in res.metrics] == [r["epsilon"] for r in whole.metrics]
     assert torch.equal(res.algorithm.x, whole.algorithm.x)
 
