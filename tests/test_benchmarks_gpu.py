@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +19,21 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=900)
 
 
+def _run_here(capsys, monkeypatch, *args: str) -> subprocess.CompletedProcess:
+    """The script run as ``__main__`` in this interpreter (what it prints and its exit status, as ``_run``'s),
+    without a fresh interpreter's seconds of importing torch: where its output, not its start, is tested."""
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), *args])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the repository first
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess([str(SCRIPT), *args], done.value.code, out.out, out.err)
+
+
 @pytest.mark.skipif(any(d.startswith("cuda") for d in available_devices()), reason="this machine has a CUDA GPU")
-def test_without_a_gpu_it_says_so_and_exits_0():
-    out = _run()
+def test_without_a_gpu_it_says_so_and_exits_0(capsys, monkeypatch):
+    out = _run_here(capsys, monkeypatch)
     assert out.returncode == 0, out.stderr
     assert "no CUDA GPU on this machine (available: cpu" in out.stdout
     assert "nothing measured" in out.stdout
@@ -48,10 +61,10 @@ def test_it_runs_end_to_end_on_the_cpu():
     assert re.search(r"FedMIM, CIFAR-10 setting .* s a round, .* 1000 rounds \+ 100 evaluations = [0-9.]+ h", text)
 
 
-def test_a_device_this_machine_lacks_is_one_line():
+def test_a_device_this_machine_lacks_is_one_line(capsys, monkeypatch):
     if "mps" in available_devices():
         pytest.skip("this machine has MPS")
-    out = _run("--device", "mps", "--quick")
+    out = _run_here(capsys, monkeypatch, "--device", "mps", "--quick")
     assert out.returncode == 2
     assert out.stdout.strip().splitlines() == [
         "benchmarks/gpu.py: device: 'mps' is not available on this machine (available: "
@@ -62,7 +75,7 @@ def test_a_device_this_machine_lacks_is_one_line():
 @pytest.mark.parametrize(
     "precision, hand", [("bf16-mixed", "hand-written loop bf16-mixed"), ("float32", "hand-written loop")]
 )
-def test_the_hand_written_row_names_the_precision_it_ran_in(precision, hand):
+def test_the_hand_written_row_names_the_precision_it_ran_in(precision, hand, capsys, monkeypatch):
     """The hand-written loop autocasts as fedweave's first precision does: ``--precision bf16-mixed`` alone
     compares like with like, and its row says so."""
     from fedweave.data.sources import DataNotFoundError, resolve
@@ -72,7 +85,7 @@ def test_the_hand_written_row_names_the_precision_it_ran_in(precision, hand):
     except DataNotFoundError:
         pytest.skip("mnist is not in the data cache (fedweave data fetch mnist)")
     args = ("--device", "cpu", "--quick", "--workload", "mlp", "--rounds", "1", "--no-flower", "--no-projection")
-    out = _run(*args, "--precision", precision)
+    out = _run_here(capsys, monkeypatch, *args, "--precision", precision)
     assert out.returncode == 0, out.stderr
     assert "One round only: a time per round below is round 1's, warm-up included" in out.stdout  # --rounds 1
     assert (
