@@ -20,12 +20,17 @@ from fedweave.cli import main as cli_main
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONAL = ["ray", "flwr", "matplotlib", "tensorboard", "mlflow", "wandb", "opacus"]
 
+# One fresh interpreter: the modules after `import fedweave`, after a plain run, and after a run that writes a
+# plot (the plot's run comes last: what it loads is in neither earlier list)
 LOADED = """
 import json, sys
 import fedweave
 after_import = sorted(sys.modules)
-res = fedweave.run(json.loads(sys.argv[1]), run_dir=sys.argv[2])
-print(json.dumps({"import": after_import, "run": sorted(sys.modules), "status": res.summary["status"]}))
+res = fedweave.run(json.loads(sys.argv[1]), run_dir=sys.argv[3])
+after_run = sorted(sys.modules)
+plotted = fedweave.run(json.loads(sys.argv[2]), run_dir=sys.argv[4])
+print(json.dumps({"import": after_import, "run": after_run, "plot": sorted(sys.modules),
+                  "status": res.summary["status"], "plot_status": plotted.summary["status"]}))
 """
 
 TINY = {
@@ -44,9 +49,12 @@ def _top(modules: list[str]) -> set[str]:
     return {m.split(".")[0] for m in modules}
 
 
-def _loaded(cfg: dict, tmp_path: Path) -> dict:
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("loaded")
+    plot = {**TINY, "output": {"progress": False, "plots": True}}
     out = subprocess.run(
-        [sys.executable, "-c", LOADED, json.dumps(cfg), str(tmp_path / "run")],
+        [sys.executable, "-c", LOADED, json.dumps(TINY), json.dumps(plot), str(tmp / "run"), str(tmp / "plot")],
         capture_output=True,
         text=True,
         check=True,
@@ -54,16 +62,17 @@ def _loaded(cfg: dict, tmp_path: Path) -> dict:
     return json.loads(out.stdout.splitlines()[-1])
 
 
-def test_import_and_a_plain_run_load_no_optional_extra(tmp_path):
-    got = _loaded(TINY, tmp_path)
+def test_import_and_a_plain_run_load_no_optional_extra(loaded):
+    got = loaded
     assert got["status"] == "completed"
     assert "torch" not in _top(got["import"])  # `import fedweave` is cheap: torch loads on first use
     assert not _top(got["run"]) & set(OPTIONAL), sorted(_top(got["run"]) & set(OPTIONAL))
 
 
-def test_writing_a_plot_is_what_loads_matplotlib(tmp_path):
-    got = _loaded({**TINY, "output": {"progress": False, "plots": True}}, tmp_path)
-    assert "matplotlib" in _top(got["run"])  # the check above can fail
+def test_writing_a_plot_is_what_loads_matplotlib(loaded):
+    got = loaded
+    assert got["plot_status"] == "completed"
+    assert "matplotlib" in _top(got["plot"])  # the check above can fail
 
 
 def test_version(capsys):
