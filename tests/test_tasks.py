@@ -517,8 +517,28 @@ def test_a_loss_function_with_a_column_per_output_is_the_registered_mse(backend,
     assert build_task(_mse_none).loss.per_sample(two, torch.zeros(2, 2)).tolist() == [2.5, 17.0]
 
 
+BYO = {
+    "name": "byo",
+    "rounds": 3,
+    "threads": 2,
+    "partition": {"name": "iid", "num_clients": 6},
+    "algorithm": {"name": "fedavg", "clients_per_round": 4},
+    "local": {"batch_size": 32, "lr": 0.1},
+    "ray": {"num_workers": 2},
+    "output": {"progress": False, "plots": False},
+}
+
+
+@pytest.fixture(scope="module")
+def byo_on_the_loop(tmp_path_factory):
+    """The loop backend's run of BYO, the reference each backend's run is compared with (run once)."""
+    cfg = {**BYO, "backend": "loop"}
+    run_dir = tmp_path_factory.mktemp("byo") / "loop"
+    return fedweave.run(cfg, model=SmallNet, dataset=_digits_arrays(), loss=smoothed_ce, run_dir=run_dir)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_custom_loss_and_module_are_the_same_on_every_backend(backend, tmp_path):
+def test_custom_loss_and_module_are_the_same_on_every_backend(backend, byo_on_the_loop, tmp_path):
     if backend == "ray":
         pytest.importorskip("ray")
         import sys
@@ -527,22 +547,9 @@ def test_custom_loss_and_module_are_the_same_on_every_backend(backend, tmp_path)
 
         # Ray's workers cannot import this test module: ship its objects by value (docs/tasks.md)
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cfg = {
-        "name": "byo",
-        "rounds": 3,
-        "backend": backend,
-        "threads": 2,
-        "partition": {"name": "iid", "num_clients": 6},
-        "algorithm": {"name": "fedavg", "clients_per_round": 4},
-        "local": {"batch_size": 32, "lr": 0.1},
-        "ray": {"num_workers": 2},
-        "output": {"progress": False, "plots": False},
-    }
-    data = _digits_arrays()
-    ref = fedweave.run(
-        {**cfg, "backend": "loop"}, model=SmallNet, dataset=data, loss=smoothed_ce, run_dir=tmp_path / "loop"
-    )
-    res = fedweave.run(cfg, model=SmallNet, dataset=data, loss=smoothed_ce, run_dir=tmp_path / "b")
+    cfg = {**BYO, "backend": backend}
+    ref = byo_on_the_loop
+    res = fedweave.run(cfg, model=SmallNet, dataset=_digits_arrays(), loss=smoothed_ce, run_dir=tmp_path / "b")
     torch.testing.assert_close(res.algorithm.x, ref.algorithm.x, rtol=1e-4, atol=1e-5)
     assert res.metrics[-1]["test_accuracy"] == pytest.approx(ref.metrics[-1]["test_accuracy"], abs=0.01)
     assert ref.metrics[-1]["test_accuracy"] > 0.5
