@@ -184,7 +184,8 @@ def test_error_feedback_converges_to_the_uncompressed_optimum():
     def distance(name: str | None = None, **opts) -> float:
         algo = _algo(_with(_quad_cfg("scaffold"), name, **opts))
         algo.trainer.loss_fn = _squared
-        return float((_rounds(algo, 100) - opt).norm() / opt.norm())
+        # 80 rounds: within 1e-5 by round 60, about 1e-7 (float32 rounding) at 80; without feedback 0.28 and more
+        return float((_rounds(algo, 80) - opt).norm() / opt.norm())
 
     opt = _quad_optimum()
     assert distance() < 1e-5
@@ -412,7 +413,8 @@ def test_scaffold_with_compressed_downloads_and_uploads_reaches_the_optimum():
     def distance(compression: dict) -> float:
         algo = _algo({**_quad_cfg("scaffold"), "compression": compression})
         algo.trainer.loss_fn = _squared
-        return float((_rounds(algo, 100) - opt).norm() / opt.norm())
+        # 80 rounds: within 1e-6 by round 70, about 1e-7 (float32 rounding) at 80
+        return float((_rounds(algo, 80) - opt).norm() / opt.norm())
 
     opt = _quad_optimum()
     for name, opts in (("topk", {"k": 1}), ("efsign", {})):
