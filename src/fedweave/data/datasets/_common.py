@@ -32,6 +32,13 @@ def reject_unknown(dataset: str, unknown: Mapping[str, Any], loader: Callable[..
     )
 
 
+def set_options(loader: Callable[..., Any], **values: Any) -> list[str]:
+    """The names among ``values`` given other than ``loader``'s default for them: options that a branch of the
+    loader reads by nothing are refused when set (the defaults are read from its signature, not copied)."""
+    params = inspect.signature(loader).parameters
+    return [k for k, v in values.items() if v != params[k].default]
+
+
 def opt_int(dataset: str, option: str, value: Any, *, minimum: int = 1, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
         return None

@@ -17,6 +17,7 @@ from fedweave.data.datasets._common import (
     opt_float,
     opt_int,
     reject_unknown,
+    set_options,
     stratified_split,
 )
 from fedweave.data.datasets._common import standardize as standardize_features
@@ -86,7 +87,7 @@ def load_libsvm(
     train_file = _path(root, path, "path")
     if test_path is not None:
         # the test file is the split: a test_fraction or split_seed beside it would be read by nothing
-        unread = [k for k, v, d in (("test_fraction", test_fraction, 0.2), ("split_seed", split_seed, 0)) if v != d]
+        unread = set_options(load_libsvm, test_fraction=test_fraction, split_seed=split_seed)
         if unread:
             raise OptionError(
                 f"dataset 'libsvm': option(s) {', '.join(map(repr, unread))} split the one file of 'path'; with "

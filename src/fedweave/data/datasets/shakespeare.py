@@ -30,6 +30,7 @@ from fedweave.data.datasets._common import (
     opt_float,
     opt_int,
     reject_unknown,
+    set_options,
 )
 from fedweave.data.datasets.leaf import VOCAB, encode, load_leaf_dir
 from fedweave.registry import DATASETS
@@ -178,14 +179,7 @@ def load_shakespeare(
             raise ValueError("dataset 'shakespeare': source='leaf' needs root=DIR holding train/*.json, test/*.json")
         # LEAF's JSON comes windowed and split: the options that build windows and splits from the plays would
         # be read by nothing (a max_samples_per_user: 100 run trained on every sample)
-        unread = [
-            k
-            for k, v, d in (
-                ("train_fraction", train_fraction, 0.8),
-                ("max_samples_per_user", max_samples_per_user, None),
-            )
-            if v != d
-        ]
+        unread = set_options(load_shakespeare, train_fraction=train_fraction, max_samples_per_user=max_samples_per_user)
         if unread:
             raise OptionError(
                 f"dataset {name!r}: option(s) {', '.join(map(repr, unread))} build samples from the plays; LEAF JSON "
