@@ -324,6 +324,22 @@ def test_fewer_batches_than_h_uploads_nothing():
     assert np.isfinite(m["train_loss"])
 
 
+def test_windows_restart_each_local_epoch(monkeypatch):
+    # 5 × 70 samples, B = 10 → M_i = 7; E = 2, h = 4: one window per epoch (batches 3 and 10 of the round), its 3
+    # trailing batches trained, not uploaded. Before, the windows ran on across the epochs: batches 3, 7, 11,
+    # three uploads a client, the second window holding the end of epoch 1 and the start of epoch 2
+    algo = make({"name": "cse_fsl", "h": 4}, data={"n_train": 350}, epochs=2)
+    sent, epoch = [], algo.client_epoch
+    monkeypatch.setattr(algo, "client_epoch", lambda *a: (ep := epoch(*a)) and sent.append(ep.uploads) or ep)
+    m = algo.run_round(0)
+    assert [[(w, b) for w, b, _, _ in ups] for ups in sent] == [[(0, 3), (1, 10)]] * 5
+    assert m["server_steps"] == 5 * 2 == server_steps("cse_fsl", [70] * 5, 10, h=4, epochs=2)
+    expected = round_bytes("cse_fsl", algo.split_sizes, [70] * 5, 10, h=4, epochs=2)
+    assert kinds(algo) == {k: expected[k] for k in kinds(algo)}
+    steps = make({"name": "cse_fsl", "h": 4}, data={"n_train": 350}, steps=14, epochs=None)
+    assert steps.run_round(0)["server_steps"] == 5 * 3  # local.steps: no epochs, one run of windows
+
+
 def test_aggregation_every_c_batches():
     # 5 × 80 samples, B = 10 → M = 8; c = 3 → the models go down and up ⌈8/3⌉ = 3 times
     c3 = _round({"name": "cse_fsl", "h": 2, "agg_every": 3})

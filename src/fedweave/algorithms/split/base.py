@@ -529,12 +529,14 @@ class SplitAlgorithm(Algorithm):
     ) -> ClientEpoch:  # fmt: skip
         """One client's local work in segment ``seg`` of round ``r`` (CSE-FSL, FSL_AN): local steps of its
         client-side model and auxiliary net (eq. 8) over its batches ``start .. start + period``, and the
-        smashed data of the last batch of each h-window (Alg. 1 lines 10-13; FSL_AN: of every batch).
+        smashed data of the last batch of each h-window (Alg. 1 lines 10-13; FSL_AN: of every batch). The
+        windows restart with each local epoch (:meth:`epoch_batches`); the k-th upload of the round is window k.
         Nothing here depends on the servers."""
         lr_c, lr_a = lrs
         self.load_client(xc, xa)
         batches = self.local_batches(r, client)
-        window = {m: w for w, m in enumerate(upload_batches(len(batches), self.upload_every, self.upload_at))}
+        sent = upload_batches(len(batches), self.upload_every, self.upload_at, self.epoch_batches(len(batches)))
+        window = {m: w for w, m in enumerate(sent)}
         uploads, losses = [], []
         with self.stream("dropout", r, client, *((seg,) if seg else ())):
             for m in range(start, min(start + period, len(batches))):
@@ -547,6 +549,15 @@ class SplitAlgorithm(Algorithm):
                     uploads.append((window[m], m, a, y))
         # the epoch's losses come to the host once (a step keeps its loss on the device)
         return ClientEpoch(self.lc.flatten(), self.la.flatten(), uploads, host_floats(losses), len(batches))
+
+    def epoch_batches(self, batches: int) -> int | None:
+        """M_i, the batches of one local epoch of a client with ``batches`` local batches in the round (its
+        ``local.epochs`` epochs have as many batches each); None for a round of ``local.steps`` steps, which has
+        no epochs. Alg. 1 counts m from 0 over one pass of D_i (line 3), so the h-windows restart each epoch, as
+        in the authors' code, whose rounds are one epoch with the count restarted (spec §2.5: ⌊M_i/h⌋ uploads
+        per epoch)."""
+        loc = self.config.local
+        return batches // loc.epochs if loc.steps is None and batches else None
 
     def client_epochs(
         self, r: int, clients: np.ndarray, xc: torch.Tensor, xa: torch.Tensor, lrs: tuple[float, float], start: int,
