@@ -150,11 +150,12 @@ def storage_params(method: str, sizes: SplitSizes, n: int, *, streaming: bool = 
     """Server storage in parameters (spec §7.3).
 
     Buffered (Table V): server-side copies plus the n received client-side models (and auxiliary nets).
-    Streaming (Table II style, spec A7): the aggregation keeps one running sum instead of n models.
+    Streaming (Table II style, spec A7): the aggregation keeps one running sum instead of n models (none for
+    n = 0, where nothing is summed: never more than the buffered figure).
     """
     copies = server_copies(method, n)
     per_client = sizes.client + (sizes.aux if uses_aux(method) else 0)
-    return copies * sizes.server + (per_client if streaming else n * per_client)
+    return copies * sizes.server + (min(n, 1) if streaming else n) * per_client
 
 
 # The paper's Table V (accuracy IID, accuracy non-IID, load GiB, storage M params); CSE rows keyed by h.

@@ -674,7 +674,9 @@ class SplitAlgorithm(Algorithm):
             "smashed_uploads_per_client": led.count(kind="smashed") / (self.sampler.expected() or 1),
             "load_bytes": load,  # Table V load: smashed + gradients + models, labels excluded
             "storage_params": self.server_copies * self.ls.numel + n * per,  # Table V convention
-            "storage_params_streaming": self.server_copies * self.ls.numel + per,  # running-sum aggregation
+            # running-sum aggregation: one buffer while models arrive, none in a round no client's model reached
+            # the fed server (CSE-FSL under faults), which must not hold more than the buffered figure's n = 0
+            "storage_params_streaming": self.server_copies * self.ls.numel + min(n, 1) * per,
         }
 
     def evaluate(self, r: int) -> dict[str, float]:
