@@ -310,6 +310,9 @@ def test_event_clock_waits_for_each_aggregation(monkeypatch):
         # the CNN+MLP head's width beside the MLP head, which has none (before: silently not read)
         ("cse_fsl", {"name": "split_small", "aux_channels": 4}, {}, "model.aux_channels applies to model.aux: cnn"),
         ("fsl_an", {"name": "split_small", "aux": "mlp", "aux_channels": 4}, {}, "model.aux_channels applies"),
+        # a decay period without a decay: lrs reads it as 1 ** (r // 10) (before: silently not read)
+        ({"name": "cse_fsl", "lr_decay_every": 10}, "split_small", {}, r"algorithm.lr_decay_every \(10\) spaces"),
+        ({"name": "fsl_an", "lr_decay_every": 10}, "split_small", {"lr_decay": 1.0}, "set local.lr_decay below 1"),
     ],
 )
 def test_config_errors(algorithm, model, local, match):

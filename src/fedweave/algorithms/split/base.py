@@ -257,6 +257,11 @@ class SplitAlgorithm(Algorithm):
                 "local.momentum and local.weight_decay must be 0 for split algorithms "
                 "(the paper trains every part with plain SGD)"
             )
+        if hp.lr_decay_every != 1 and cfg.local.lr_decay == 1:  # lrs: 1 ** (r // every) reads it for nothing
+            raise ConfigError(
+                f"algorithm.lr_decay_every ({hp.lr_decay_every}) spaces the decays of local.lr_decay, which is 1 "
+                "(a constant rate); set local.lr_decay below 1 or leave algorithm.lr_decay_every out"
+            )
         ds = ctx.dataset
         n = ctx.num_clients
         self.per_round = hp.clients_per_round or n
