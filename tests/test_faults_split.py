@@ -17,7 +17,7 @@ import torch
 import yaml
 
 import fedweave
-from fedweave.accounting.split import round_bytes
+from fedweave.accounting.split import CIFAR, round_bytes, storage_params
 from fedweave.algorithms.base import RunContext, build_algorithm
 from fedweave.config import ConfigError, from_dict, load
 from fedweave.data.base import Dataset
@@ -198,6 +198,21 @@ def test_cse_fsl_late_uploads_join_a_later_round_queue():
     assert m1["late_uploads"] == from_round0
     assert m1["server_steps"] == from_round0 + int((on_time1 == 0).sum())
     assert algo.ledger.count(kind="smashed") == m0["server_steps"] + m1["server_steps"]  # delivered in round 1
+
+
+def test_cse_fsl_round_no_client_trains_holds_no_aggregation_buffer(monkeypatch):
+    # round 1: every client drops out, only round 0's late uploads reach the server (a round, not a skip). No
+    # client's model reaches the fed server, so neither storage figure holds one; before, the streaming figure
+    # counted its running-sum buffer, P_s + P_c + P_a, above the buffered P_s
+    faults = {"deadline": 0.8, "straggler_policy": "late", "speed_sigma": 0.6}
+    algo = make({"name": "cse_fsl", "h": 1, "server_order": "event"}, faults, clients=5)
+    algo.run_round(0)
+    assert any(f.due == 1 for f in algo.in_flight)
+    monkeypatch.setattr(algo, "dropped", lambda r, clients: np.ones(len(clients), dtype=bool))
+    m = algo.run_round(1)
+    assert m["late_uploads"] > 0 and m["server_steps"] == m["late_uploads"]
+    assert m["storage_params"] == m["storage_params_streaming"] == algo.ls.numel
+    assert storage_params("cse_fsl", CIFAR, 0, streaming=True) == storage_params("cse_fsl", CIFAR, 0) == CIFAR.server
 
 
 def test_cse_fsl_resume_with_uploads_in_flight_is_exact(tmp_path):

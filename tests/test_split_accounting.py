@@ -199,6 +199,18 @@ def test_upload_windows():
         server_copies("fsl_xx", 3)
 
 
+def test_upload_windows_restart_each_epoch():
+    # E = 2 epochs of M_i = 7 batches, h = 4: Alg. 1's m restarts with each pass over D_i, so each epoch uploads
+    # its batch 3 and trains its last 3 unsent (A27). Before, one run of windows over the 14 batches uploaded
+    # batches 3, 7 and 11: a window held the end of one epoch and the start of the next
+    assert upload_batches(14, 4, epoch=7) == [3, 10]
+    assert upload_batches(14, 4, "start", epoch=7) == [0, 4, 7, 11]  # ⌈M_i/h⌉ per epoch
+    assert upload_batches(14, 4) == [3, 7, 11]  # no epochs (local.steps): one run over the round
+    assert server_steps("cse_fsl", [70, 40], 10, h=4, epochs=2) == 2 * 1 + 2 * 1
+    assert round_bytes("cse_fsl", CIFAR, [70], 10, h=4, epochs=2)["labels"] == 2 * 10 * 8
+    assert server_steps("cse_fsl", [80], 10, h=4, epochs=3) == 3 * 2  # h | M_i: the same as one run
+
+
 @pytest.mark.parametrize(
     "kwargs, expect",
     [

@@ -310,6 +310,9 @@ def test_event_clock_waits_for_each_aggregation(monkeypatch):
         # the CNN+MLP head's width beside the MLP head, which has none (before: silently not read)
         ("cse_fsl", {"name": "split_small", "aux_channels": 4}, {}, "model.aux_channels applies to model.aux: cnn"),
         ("fsl_an", {"name": "split_small", "aux": "mlp", "aux_channels": 4}, {}, "model.aux_channels applies"),
+        # a decay period without a decay: lrs reads it as 1 ** (r // 10) (before: silently not read)
+        ({"name": "cse_fsl", "lr_decay_every": 10}, "split_small", {}, r"algorithm.lr_decay_every \(10\) spaces"),
+        ({"name": "fsl_an", "lr_decay_every": 10}, "split_small", {"lr_decay": 1.0}, "set local.lr_decay below 1"),
     ],
 )
 def test_config_errors(algorithm, model, local, match):
@@ -322,6 +325,22 @@ def test_fewer_batches_than_h_uploads_nothing():
     m = algo.run_round(0)
     assert m["server_steps"] == 0 and "server_loss" not in m and kinds(algo)["smashed"] == 0
     assert np.isfinite(m["train_loss"])
+
+
+def test_windows_restart_each_local_epoch(monkeypatch):
+    # 5 × 70 samples, B = 10 → M_i = 7; E = 2, h = 4: one window per epoch (batches 3 and 10 of the round), its 3
+    # trailing batches trained, not uploaded. Before, the windows ran on across the epochs: batches 3, 7, 11,
+    # three uploads a client, the second window holding the end of epoch 1 and the start of epoch 2
+    algo = make({"name": "cse_fsl", "h": 4}, data={"n_train": 350}, epochs=2)
+    sent, epoch = [], algo.client_epoch
+    monkeypatch.setattr(algo, "client_epoch", lambda *a: (ep := epoch(*a)) and sent.append(ep.uploads) or ep)
+    m = algo.run_round(0)
+    assert [[(w, b) for w, b, _, _ in ups] for ups in sent] == [[(0, 3), (1, 10)]] * 5
+    assert m["server_steps"] == 5 * 2 == server_steps("cse_fsl", [70] * 5, 10, h=4, epochs=2)
+    expected = round_bytes("cse_fsl", algo.split_sizes, [70] * 5, 10, h=4, epochs=2)
+    assert kinds(algo) == {k: expected[k] for k in kinds(algo)}
+    steps = make({"name": "cse_fsl", "h": 4}, data={"n_train": 350}, steps=14, epochs=None)
+    assert steps.run_round(0)["server_steps"] == 5 * 3  # local.steps: no epochs, one run of windows
 
 
 def test_aggregation_every_c_batches():

@@ -53,19 +53,26 @@ def uses_aux(method: str) -> bool:
     return method in ("fsl_an", "cse_fsl")
 
 
-def upload_batches(num_batches: int, h: int, upload_at: str = "end") -> list[int]:
+def upload_batches(num_batches: int, h: int, upload_at: str = "end", epoch: int | None = None) -> list[int]:
     """Indices m of the local batches whose smashed data is uploaded (spec A4, §2.6 item 2).
 
     ``end``: the last batch of each full h-window, (m+1) mod h == 0, ⌊M/h⌋ uploads (the authors' code);
     ``start``: m mod h == 0 as Alg. 1 is written, ⌈M/h⌉ uploads.
+    ``epoch``: the batches of one local epoch, M_i. The windows restart at each epoch's first batch, so an epoch
+    uploads ⌊M_i/h⌋ (``start``: ⌈M_i/h⌉) batches and its trailing M_i mod h batches are trained, not uploaded
+    (Alg. 1 counts m from 0 over one pass of D_i, line 3; spec §2.5, A27, §7.1's U_i per epoch). None: one run of
+    windows over all ``num_batches`` (a round of ``local.steps`` steps, which has no epochs).
     """
     if h < 1:
         raise ValueError(f"h must be >= 1, got {h}")
+    if upload_at not in ("end", "start"):
+        raise ValueError(f"upload_at must be 'end' or 'start', got {upload_at!r}")
+    if epoch is not None and epoch < 1:
+        raise ValueError(f"epoch must be >= 1 or None, got {epoch}")
+    span = epoch or max(num_batches, 1)
     if upload_at == "end":
-        return [m for m in range(num_batches) if (m + 1) % h == 0]
-    if upload_at == "start":
-        return [m for m in range(num_batches) if m % h == 0]
-    raise ValueError(f"upload_at must be 'end' or 'start', got {upload_at!r}")
+        return [m for m in range(num_batches) if (m % span + 1) % h == 0]
+    return [m for m in range(num_batches) if m % span % h == 0]
 
 
 def batch_sizes(samples: int, batch_size: int, epochs: int = 1) -> list[int]:
@@ -92,7 +99,7 @@ def uploaded_samples(method: str, samples: Sequence[int], batch_size: int, h: in
     for s in samples:
         sizes = batch_sizes(s, batch_size, epochs)
         if method == "cse_fsl":
-            total += sum(sizes[m] for m in upload_batches(len(sizes), h, upload_at))
+            total += sum(sizes[m] for m in upload_batches(len(sizes), h, upload_at, len(sizes) // epochs or None))
         else:
             total += sum(sizes)
     return total
@@ -105,7 +112,7 @@ def server_steps(method: str, samples: Sequence[int], batch_size: int, h: int = 
     total = 0
     for s in samples:
         m = len(batch_sizes(s, batch_size, epochs))
-        total += len(upload_batches(m, h, upload_at)) if method == "cse_fsl" else m
+        total += len(upload_batches(m, h, upload_at, m // epochs or None)) if method == "cse_fsl" else m
     return total
 
 
@@ -143,11 +150,12 @@ def storage_params(method: str, sizes: SplitSizes, n: int, *, streaming: bool = 
     """Server storage in parameters (spec §7.3).
 
     Buffered (Table V): server-side copies plus the n received client-side models (and auxiliary nets).
-    Streaming (Table II style, spec A7): the aggregation keeps one running sum instead of n models.
+    Streaming (Table II style, spec A7): the aggregation keeps one running sum instead of n models (none for
+    n = 0, where nothing is summed: never more than the buffered figure).
     """
     copies = server_copies(method, n)
     per_client = sizes.client + (sizes.aux if uses_aux(method) else 0)
-    return copies * sizes.server + (per_client if streaming else n * per_client)
+    return copies * sizes.server + (min(n, 1) if streaming else n) * per_client
 
 
 # The paper's Table V (accuracy IID, accuracy non-IID, load GiB, storage M params); CSE rows keyed by h.

@@ -257,6 +257,11 @@ class SplitAlgorithm(Algorithm):
                 "local.momentum and local.weight_decay must be 0 for split algorithms "
                 "(the paper trains every part with plain SGD)"
             )
+        if hp.lr_decay_every != 1 and cfg.local.lr_decay == 1:  # lrs: 1 ** (r // every) reads it for nothing
+            raise ConfigError(
+                f"algorithm.lr_decay_every ({hp.lr_decay_every}) spaces the decays of local.lr_decay, which is 1 "
+                "(a constant rate); set local.lr_decay below 1 or leave algorithm.lr_decay_every out"
+            )
         ds = ctx.dataset
         n = ctx.num_clients
         self.per_round = hp.clients_per_round or n
@@ -529,12 +534,14 @@ class SplitAlgorithm(Algorithm):
     ) -> ClientEpoch:  # fmt: skip
         """One client's local work in segment ``seg`` of round ``r`` (CSE-FSL, FSL_AN): local steps of its
         client-side model and auxiliary net (eq. 8) over its batches ``start .. start + period``, and the
-        smashed data of the last batch of each h-window (Alg. 1 lines 10-13; FSL_AN: of every batch).
+        smashed data of the last batch of each h-window (Alg. 1 lines 10-13; FSL_AN: of every batch). The
+        windows restart with each local epoch (:meth:`epoch_batches`); the k-th upload of the round is window k.
         Nothing here depends on the servers."""
         lr_c, lr_a = lrs
         self.load_client(xc, xa)
         batches = self.local_batches(r, client)
-        window = {m: w for w, m in enumerate(upload_batches(len(batches), self.upload_every, self.upload_at))}
+        sent = upload_batches(len(batches), self.upload_every, self.upload_at, self.epoch_batches(len(batches)))
+        window = {m: w for w, m in enumerate(sent)}
         uploads, losses = [], []
         with self.stream("dropout", r, client, *((seg,) if seg else ())):
             for m in range(start, min(start + period, len(batches))):
@@ -547,6 +554,15 @@ class SplitAlgorithm(Algorithm):
                     uploads.append((window[m], m, a, y))
         # the epoch's losses come to the host once (a step keeps its loss on the device)
         return ClientEpoch(self.lc.flatten(), self.la.flatten(), uploads, host_floats(losses), len(batches))
+
+    def epoch_batches(self, batches: int) -> int | None:
+        """M_i, the batches of one local epoch of a client with ``batches`` local batches in the round (its
+        ``local.epochs`` epochs have as many batches each); None for a round of ``local.steps`` steps, which has
+        no epochs. Alg. 1 counts m from 0 over one pass of D_i (line 3), so the h-windows restart each epoch, as
+        in the authors' code, whose rounds are one epoch with the count restarted (spec §2.5: ⌊M_i/h⌋ uploads
+        per epoch)."""
+        loc = self.config.local
+        return batches // loc.epochs if loc.steps is None and batches else None
 
     def client_epochs(
         self, r: int, clients: np.ndarray, xc: torch.Tensor, xa: torch.Tensor, lrs: tuple[float, float], start: int,
@@ -663,7 +679,9 @@ class SplitAlgorithm(Algorithm):
             "smashed_uploads_per_client": led.count(kind="smashed") / (self.sampler.expected() or 1),
             "load_bytes": load,  # Table V load: smashed + gradients + models, labels excluded
             "storage_params": self.server_copies * self.ls.numel + n * per,  # Table V convention
-            "storage_params_streaming": self.server_copies * self.ls.numel + per,  # running-sum aggregation
+            # running-sum aggregation: one buffer while models arrive, none in a round no client's model reached
+            # the fed server (CSE-FSL under faults), which must not hold more than the buffered figure's n = 0
+            "storage_params_streaming": self.server_copies * self.ls.numel + min(n, 1) * per,
         }
 
     def evaluate(self, r: int) -> dict[str, float]:

@@ -8,7 +8,8 @@ models and auxiliary nets (eq. 14). Inference uses x_s ∘ x_c; the auxiliary ne
 
 Resolutions of the spec (cse-fsl §2.5, §8): uploads at the end of each full h-window with the pre-update
 activations (A4, code parity; ``upload_at='start'`` is Alg. 1 as written, ``recompute_smashed`` uses the
-updated client model); trailing batches are trained but not uploaded (A27); ``server_order`` picks the
+updated client model); the windows restart with each local epoch (Alg. 1's m counts one pass over D_i),
+and an epoch's trailing batches are trained but not uploaded (A27); ``server_order`` picks the
 dataQueue discipline and the simulated clock (``ordered``, ``random``, ``event``, ``sync``; §1.6).
 
 Faults (docs/reliability.md), on the family's simulated clock (``TimedSplit`` in base.py, which also times
