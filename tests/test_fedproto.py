@@ -96,17 +96,23 @@ def test_the_prototype_term_pulls_the_clients_representations_towards_the_global
 
 
 def test_the_ledger_bills_the_known_prototypes_down_and_each_clients_classes_up():
-    algo = _algo(_proto())
+    """Counted by hand: up, each client's classes at D float32 values and 8 bytes (class id, count); down, the
+    classes known before the round at D values and their 4-byte class ids (before: the ids went unbilled)."""
+    cfg = {**_proto(), "partition": {"name": "pathological", "num_clients": 8, "classes_per_client": 1}}
+    algo = _algo(cfg)
     algo.run_round(0)
     algo.run_round(1)
     d, n = algo.dim, algo.hp.clients_per_round
     rows = {(e.round, e.sender, e.kind): e.bytes for e in algo.ledger.entries()}
+    held = [{int(j) for j in algo.ctx.dataset.train_y[algo.ctx.partition[int(c)]].unique()} for c in algo.sampler(0)]
+    known = set().union(*held)  # the classes round 0's clients reported: round 1's global prototypes
+    assert (d, n, len(known), algo.num_classes) == (8, 3, 3, 4)  # three of the four classes known in round 1
     assert rows[(0, "server", "prototypes")] == 0  # nothing known yet
-    assert rows[(1, "server", "prototypes")] == n * int(algo.known.sum()) * d * 4
+    assert rows[(1, "server", "prototypes")] == n * len(known) * (d * 4 + 4) == 3 * 3 * 36  # 324 (288 without ids)
     for r in (0, 1):
         clients = algo.sampler(r)
         classes = sum(len(np.unique(algo.ctx.dataset.train_y[algo.ctx.partition[int(c)]])) for c in clients)
-        assert rows[(r, "client", "prototypes")] == classes * (d * 4 + 8)
+        assert rows[(r, "client", "prototypes")] == classes * (d * 4 + 8) == 3 * 40  # one class each
 
 
 def test_loop_and_vmap_agree():

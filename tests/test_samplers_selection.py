@@ -91,6 +91,18 @@ def test_oort_explores_the_unheard_first_and_then_exploits():
     assert len(oort(6, 4, 0, _rng(), rounds=5, context=_context([10] * 6))) == 4
 
 
+@pytest.mark.parametrize("eps,per_round,fresh", [(0.5, 5, 3), (0.5, 3, 2), (0.3, 4, 2), (0.25, 8, 2)])
+def test_oort_exploits_the_slots_rounded_down_and_explores_the_rest(eps, per_round, fresh):
+    """The authors' getTopK takes exploitLen = int(K (1 - eps)) and explores the other slots: eps K = 2.5 of 5
+    explores 3 (Python's round took 2.5 to 2, and 1.2 of 4 to 1); 0.25 of 8, a whole 2, stays 2."""
+    # clients 0-7 reported (utility 8 down to 1), 8-15 never did
+    ctx = _context([1] * 16, [8.0 - c for c in range(8)] + [float("nan")] * 8, [0] * 16)
+    for seed in range(5):
+        got = oort(16, per_round, 1, _rng(seed), rounds=5, context=ctx, explore=eps, explore_decay=1.0, explore_min=eps)
+        assert len(got) == per_round and int((got >= 8).sum()) == fresh
+        assert got[got < 8].tolist() == list(range(per_round - fresh))  # the highest utilities
+
+
 @pytest.mark.parametrize(
     "opts,key",
     [({"explore": 1.5}, "explore"), ({"explore_min": 0.95}, "explore_min"), ({"staleness": -1}, "staleness")],

@@ -232,9 +232,11 @@ def oort(
     """A loss-based utility sampler in the spirit of Oort (Lai, Zhu, Madhyastha and Chowdhury, OSDI 2021),
     statistical utility only (no system speed).
 
-    A fraction ``eps_r = max(explore_min, explore * explore_decay^r)`` of the round's slots goes to clients
-    never heard from (uniformly at random among them, while there are any); the other slots go to the
-    explored clients of highest utility
+    Of the round's ``K`` slots, ``int(K (1 - eps_r))`` (rounded down, as the authors' ``getTopK`` computes
+    ``exploitLen``), with ``eps_r = max(explore_min, explore * explore_decay^r)``, go to the explored clients of
+    highest utility, and the rest (``eps_r K`` rounded up, up to float rounding in ``1 - eps_r``) to clients
+    never heard from (uniformly at random among them, while there are any; while fewer clients are explored,
+    they all are taken and the unheard fill the rest). The utility is
 
         U_i = n_i l_i + sqrt(staleness * log(R) / L_i)
 
@@ -253,7 +255,10 @@ def oort(
     seen = context.last_round[order] >= 0
     fresh, known = order[~seen], order[seen]
     eps = max(explore_min, explore * explore_decay**r)
-    n_fresh = min(len(fresh), max(round(eps * per_round), per_round - len(known)))
+    # the authors' exploitLen = int(numOfSamples * (1.0 - exploration)) (oort/oort.py, getTopK), in the same
+    # float arithmetic: exploration takes the remaining slots, eps K rounded up (2.5 of 5 slots: 3), never to even
+    n_exploit = min(int(per_round * (1.0 - eps)), len(known))
+    n_fresh = min(len(fresh), per_round - n_exploit)
     last = context.last_round[known].astype(np.float64) + 1
     utility = context.sizes[known] * context.last_loss[known] + np.sqrt(staleness * np.log(r + 1) / last)
     best = known[np.argsort(-utility, kind="stable")[: per_round - n_fresh]]

@@ -100,7 +100,11 @@ class FedProto(PersonalStar):
         self.reported: tuple[torch.Tensor, torch.Tensor] | None = None  # this round's sums and counts
 
     def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:
-        return {"prototypes": (self.protos[self.known].reshape(-1),)}  # the known Cbar^(j), to each client
+        """The known global prototypes Cbar^(j) and the classes j they are of (the authors' server sends its
+        {label: prototype} dict): D values and a 4-byte class id per known class, billed as the upload bills
+        each class it names (:meth:`transmit_uploads`)."""
+        ids = self.known.nonzero().squeeze(1).to(torch.int32)  # a client reads which class each prototype is
+        return {"prototypes": (self.protos[self.known].reshape(-1), ids)}
 
     def client_rule(self, lr: float) -> LocalRule:
         if self.hp.lam == 0 or not bool(self.known.any()):  # no L_R term: plain local SGD keeps its fast paths
@@ -134,8 +138,8 @@ class FedProto(PersonalStar):
         return sums, counts
 
     def transmit_uploads(self, r: int, got: Collected) -> Collected:
-        """Each reporting client sends the prototypes of its classes: D values and 8 bytes (the class and its
-        count) per class it has."""
+        """Each reporting client sends the prototypes of its classes: D values and 8 bytes (the class id and its
+        count, 4 bytes each) per class it has."""
         _, counts = self.reported
         classes = int((counts > 0).sum())
         self.ledger.record(
