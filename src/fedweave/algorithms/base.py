@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedweave.byo import RunObjects, describe_model
+from fedweave.byo import RunObjects, check_loaded, describe_model
 from fedweave.config import (
     MAX_LOCAL_EPOCHS,
     MAX_LR,
@@ -275,6 +275,11 @@ class RunContext:
                 f"dataset {self.config.dataset.name!r}: a registered dataset returns a fedweave.data.base.Dataset "
                 f"(its training and test tensors, classes and input shape), got {type(ds).__name__}"
             )
+        # a plug-in's NaN feature ran to a NaN round-1 loss, advised as a step-size divergence, and its empty
+        # test split was scored 0.0 each round. The built-in loaders check their own options (cfl_logreg has
+        # no test split by default, as in its paper), and scanning their data each run would cost time.
+        if not getattr(loader, "__module__", "").startswith("fedweave."):
+            check_loaded(self.config.dataset.name, ds)
         return ds
 
     @cached_property
