@@ -191,7 +191,7 @@ def _run_locked(
         for r in range(state.start_round if not state.stop_reason else config.rounds, config.rounds):
             metrics = state.algo.run_round(r)
             cbs.after_training(state, r, metrics)
-            if metrics.get("reported_clients", 1) == 0:
+            if metrics.get("reported_clients", 1) == 0 or state.algo.nobody_reported:
                 state.skipped.append(r + 1)
                 log.warning("round %d: no client reported; the round was skipped (no client update used)", r + 1)
             evaluated = (r + 1) % config.eval.every == 0 or r == config.rounds - 1

@@ -594,6 +594,9 @@ class Algorithm(metaclass=_AlgorithmMeta):
     #: Whether a round's computation depends on the run's total ``rounds`` (an annealed schedule): a resumed
     #: run may then not change ``rounds``, which would change the rounds still to come.
     uses_total_rounds: ClassVar[bool] = False
+    #: True after a round nobody reported, faults or none (the star's clients all without samples): the runner
+    #: logs it as skipped, as it does a round whose ``reported_clients`` is 0 under faults
+    nobody_reported: bool = False
 
     def __init__(self, ctx: RunContext, hp: Any) -> None:
         self.ctx = ctx
