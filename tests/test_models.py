@@ -124,6 +124,10 @@ def test_featurizer_and_classifier_layers() -> None:
     # afind-plus §9.1: MLP ϕ = the hidden layer (784×64 + 64); §4.3: FMNIST CNN featurizer = conv2.
     assert size(_build("mlp", MNIST), "featurizer") == 784 * 64 + 64
     assert layer_parameter_names(_build("cnn_fmnist", MNIST), "featurizer") == ["conv2.weight", "conv2.bias"]
+    # with norm: batch the features leave conv2 through bn2, whose affine weights end the layer (as ResNet's
+    # norm2 ends its featurizer); before, the featurizer stopped at conv2 and the proxy left bn2 out
+    batch = _build("cnn_fmnist", MNIST, norm="batch")
+    assert layer_parameter_names(batch, "featurizer") == ["conv2.weight", "conv2.bias", "bn2.weight", "bn2.bias"]
 
 
 # The CIFAR-stem ResNet keeps full-resolution maps in its first stage: a small input keeps these fast.
