@@ -578,6 +578,9 @@ class Algorithm(metaclass=_AlgorithmMeta):
     #: Hparams fields named as step sizes (``lr``, ``*_lr``, ``step_size``, ``step_scale``). A method whose
     #: ``server_lr`` must stay 1 declares its own, so the advice never names an option the run refuses.
     step_sizes: ClassVar[tuple[str, ...] | None] = None
+    #: What else a divergence of the method may come from, a sentence that names the option to change; the
+    #: line that reports a divergence gives it before the step sizes. None by default.
+    divergence_hint: ClassVar[str] = ""
     #: The column a run's plots show when the task's main metric is not among its rows (a fixed task's own).
     plot_metric: ClassVar[str] = "test_loss"
     #: The state record: the attributes that a resumed run needs beyond the context, which the default
