@@ -158,6 +158,17 @@ def test_a_divergence_under_an_attack_names_the_attack_before_the_step_sizes(toy
     assert divergence_advice(fedavg, no_attacker) == divergence_advice(fedavg)
 
 
+def test_a_q_ffl_divergence_names_algorithm_q_before_the_step_size(toy_config, tmp_path):
+    """q = 200 makes F_k^q inf in float32 (the first round's model NaN) whatever the step size; before, the line
+    advised only "Lower local.lr or enable local.grad_clip", which cannot help."""
+    toy_config["algorithm"] = {"name": "qffl", "clients_per_round": 4, "q": 200.0}
+    with pytest.raises(DivergenceError, match="not finite") as e:
+        run(load(toy_config), run_dir=tmp_path / "r")
+    msg = str(e.value)
+    assert "lower algorithm.q" in msg and "Otherwise: lower local.lr or enable local.grad_clip." in msg
+    assert msg.index("algorithm.q") < msg.index("local.lr") and "\n" not in msg
+
+
 def test_the_step_sizes_named_after_a_divergence_are_the_algorithms_own():
     from fedweave.algorithms.base import step_size_keys
     from fedweave.registry import ALGORITHMS

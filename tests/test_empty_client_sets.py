@@ -86,3 +86,19 @@ def test_the_decentralized_mean_leaves_the_empty_clients_out(tmp_path):
     accs, losses = evaluate_clients(algo.layout, models, tx, ty, [parts[i] for i in kept], 2048)
     assert res.metrics[-1]["test_accuracy"] == float(accs.mean())
     assert res.metrics[-1]["test_loss"] == float(losses.mean())
+
+
+def test_a_round_of_only_clients_without_samples_is_logged_as_skipped_with_or_without_faults(tmp_path, caplog):
+    # before: only under faults (reported_clients 0) was such a round logged and listed as skipped; without them
+    # it passed silently
+    cfg = copy.deepcopy(EMPTY)
+    cfg.update(rounds=8, eval={"every": 8}, algorithm={"name": "fedavg", "clients_per_round": 1})
+    plain = fedweave.run(load(cfg), run_dir=tmp_path / "plain")
+    empty = [r + 1 for r in range(8) if not plain.algorithm.holds_data[plain.algorithm.sample_clients(r)].any()]
+    assert empty  # the fixture: rounds that sample only a client without samples
+    assert plain.summary["skipped_rounds"] == empty
+    assert all(f"round {r}: no client reported" in caplog.text for r in empty)
+    caplog.clear()
+    faulty = fedweave.run(load({**cfg, "faults": {"outage_rounds": [99]}}), run_dir=tmp_path / "faulty")
+    assert faulty.summary["skipped_rounds"] == empty
+    assert all(f"round {r}: no client reported" in caplog.text for r in empty)

@@ -324,6 +324,32 @@ def test_a_registered_dataset_that_returns_something_else_is_one_line(what, monk
     assert not (tmp_path / "run").exists()
 
 
+_NAN_X = _X.clone()
+_NAN_X[5, 1] = float("nan")
+BAD_DATA = {  # before: a NaN ran to round 1's NaN loss, advised as a step-size divergence; no test set scored 0.0
+    "a NaN feature": (
+        lambda: Dataset("d", _NAN_X, _Y, _X, _Y, 3, (3,)),
+        r"^dataset '_data': its training features hold NaN or infinite values \(1\); give finite numbers$",
+    ),
+    "an empty test split": (
+        lambda: Dataset("d", _X, _Y, _X[:0], _Y[:0], 3, (3,)),
+        r"^dataset '_data': test_x has no samples; .* give each at least one sample$",
+    ),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_DATA))
+def test_a_registered_dataset_is_checked_as_data_from_python_are(what, monkeypatch, tmp_path):
+    DATASETS.names()
+    monkeypatch.setattr(DATASETS, "_items", dict(DATASETS._items))
+    loader, message = BAD_DATA[what]
+    DATASETS.register("_data")(loader)
+    cfg = _cfg(dataset={"name": "_data"}, partition={"name": "iid", "num_clients": 4})
+    with pytest.raises(ConfigError, match=message):
+        fedweave.run(cfg, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("name", [3, "", "  ", None])
 def test_a_name_no_config_could_give_is_refused_at_registration(name):
     """Before, SAMPLERS.register(3) registered the function under 3, which no config could ever name."""
@@ -503,7 +529,7 @@ def test_an_empty_split_passed_from_python_is_one_line(split, tmp_path):
         "test": [g.normal(size=(10, 5)), g.integers(0, 3, 10)],
     }
     data[split] = [a[:0] for a in data[split]]
-    with pytest.raises(ConfigError, match=f"dataset: {split}_x has no samples"):
+    with pytest.raises(ConfigError, match=f"dataset 'python': {split}_x has no samples"):
         fedweave.run(
             _cfg(), model=lambda: torch.nn.Linear(5, 3), dataset=(*data["train"], *data["test"]), run_dir=tmp_path / "r"
         )
@@ -517,7 +543,11 @@ def test_an_empty_split_passed_from_python_is_one_line(split, tmp_path):
         ("train_x", np.nan, r"dataset 'python': its training features hold NaN or infinite values \(1\)"),
         ("test_x", np.inf, r"dataset 'python': its test features hold NaN or infinite values \(1\)"),
         # integer train labels and a float test split: 1.5 was cast to class 1 and scored as such
-        ("test_y", 1.5, r"dataset: train_y holds integer class labels but test_y holds 1.5, which is no class"),
+        (
+            "test_y",
+            1.5,
+            r"dataset 'python': train_y holds integer class labels but test_y holds 1\.5, which is no class",
+        ),
     ],
 )
 def test_data_from_python_with_a_value_that_is_no_number_or_class_is_one_line(key, value, message, tmp_path):
@@ -537,7 +567,7 @@ def test_a_fedweave_dataset_passed_from_python_is_checked_as_tuples_are(tmp_path
     # a Dataset object skipped the checks: its empty test split was scored test_accuracy 0.0, test_loss 0.0
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(40, 5, generator=g), torch.randint(0, 3, (40,), generator=g)
-    with pytest.raises(ConfigError, match="dataset: test_x has no samples"):
+    with pytest.raises(ConfigError, match="dataset 'mine': test_x has no samples"):
         fedweave.run(_cfg(), dataset=Dataset("mine", x, y, x[:0], y[:0], 3, (5,)), run_dir=tmp_path / "a")
     x[3, 1] = float("nan")
     with pytest.raises(ConfigError, match=r"dataset 'mine': its training features hold NaN or infinite values \(1\)"):

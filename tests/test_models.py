@@ -124,6 +124,10 @@ def test_featurizer_and_classifier_layers() -> None:
     # afind-plus §9.1: MLP ϕ = the hidden layer (784×64 + 64); §4.3: FMNIST CNN featurizer = conv2.
     assert size(_build("mlp", MNIST), "featurizer") == 784 * 64 + 64
     assert layer_parameter_names(_build("cnn_fmnist", MNIST), "featurizer") == ["conv2.weight", "conv2.bias"]
+    # with norm: batch the features leave conv2 through bn2, whose affine weights end the layer (as ResNet's
+    # norm2 ends its featurizer); before, the featurizer stopped at conv2 and the proxy left bn2 out
+    batch = _build("cnn_fmnist", MNIST, norm="batch")
+    assert layer_parameter_names(batch, "featurizer") == ["conv2.weight", "conv2.bias", "bn2.weight", "bn2.bias"]
 
 
 # The CIFAR-stem ResNet keeps full-resolution maps in its first stage: a small input keeps these fast.
@@ -373,3 +377,12 @@ def test_a_token_id_beyond_the_vocabulary_is_refused_when_the_run_is_built(tmp_p
     cfg |= {"algorithm": {"name": "fedavg", "clients_per_round": 2}, "output": {"progress": False, "plots": False}}
     with pytest.raises(ConfigError, match=r"char_lstm.*does not fit.*ids 0\.\.12.*index out of range"):
         fedweave.run(cfg, dataset=(x, y, x, y), run_dir=tmp_path / "r")
+
+
+def test_split_smalls_second_pool_follows_the_height_its_docstring_names():
+    # the docstring said "8 pixels wide" where the code reads the height: a tall narrow and a short wide map differ
+    from fedweave.models.split import split_small
+
+    assert split_small((1, 16, 40), 10).cut_shape == (32, 4, 10)  # 8 high after the first pool: pooled again
+    assert split_small((1, 8, 40), 10).cut_shape == (32, 4, 20)  # 4 high, 20 wide: not
+    assert "pixels high" in split_small.__doc__

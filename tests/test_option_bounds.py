@@ -118,6 +118,24 @@ def test_decentralized_test_per_client_is_bounded(name: str) -> None:
     assert build_dataclass(hp, {"test_per_client": 2**31 - 1}, "algorithm").test_per_client == 2**31 - 1
 
 
+def test_decentralized_test_per_client_is_at_most_the_test_split(tmp_path) -> None:
+    # any value up to 2**31 - 1 passed the bound above: 10**8 drew 10**8 test indices per client and evaluated
+    # each client on them (a 4-client run: 3.2 GB of indices alone). A client's test set is drawn from the test
+    # split, so more than it holds only repeats its samples
+    import fedweave
+
+    for per_client, ok in ((100_000, False), (359, True)):
+        cfg = _digits(algorithm={"name": "dfedavg", "test_per_client": per_client}, local={"batch_size": 32})
+        if ok:  # digits' test split: 359 of its 1,797 samples
+            fedweave.run(cfg, run_dir=tmp_path / "ok")
+            continue
+        with pytest.raises(
+            ConfigError,
+            match=r"^algorithm\.test_per_client must be at most the test split's 359 samples .*, got 100,000$",
+        ):
+            fedweave.run(cfg, run_dir=tmp_path / "big")
+
+
 def test_afind_plus_head_epochs_is_bounded() -> None:
     # head_epochs = 1e300 (personal: head) was accepted and a 1-round toy run hung in the first head pass
     with pytest.raises(ConfigError, match=r"algorithm\.head_epochs must be in \[1, 10,000\], got 1e\+300"):

@@ -1163,3 +1163,23 @@ def test_opacus_order_warning_stays_out_of_the_output():
         eps = acc.epsilon()
     assert [str(w.message) for w in caught] == []
     assert 19.9 < eps <= 20.0
+
+
+def test_the_budget_message_shows_epsilon_and_its_target_at_one_precision():
+    # before: "epsilon 4.479 > privacy.target_epsilon 4.47922", epsilon rounded to 4 digits and the target to 6, so
+    # the value that exceeds the target read as the smaller one
+    from types import SimpleNamespace
+
+    from fedweave.callbacks.builtin import PrivacyBudget
+
+    dp = SimpleNamespace(epsilon_after_next=lambda r: 4.479226, epsilon=lambda: 4.2)
+    run = SimpleNamespace(
+        algo=SimpleNamespace(privacy=dp),
+        config=SimpleNamespace(privacy=SimpleNamespace(target_epsilon=4.47922, delta=1e-5)),
+        is_last=lambda r: False,
+    )
+    stop = PrivacyBudget().after_round(run, 0)
+    assert "epsilon 4.47923 > privacy.target_epsilon 4.47922 (spent 4.2 at delta 1e-05)" in stop
+    dp.epsilon_after_next = lambda r: 5.2051
+    run.config.privacy.target_epsilon = 5.0  # told apart at 4 digits, as before
+    assert "epsilon 5.205 > privacy.target_epsilon 5 (" in PrivacyBudget().after_round(run, 0)

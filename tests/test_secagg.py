@@ -155,3 +155,15 @@ def test_the_documented_deployed_error_bound_divides_by_the_quantization_range_n
     section = text[text.index("**Deployed, it is Flower's SecAgg+**") :][:900]
     assert "2 c / R" not in section and "`quantization_range`" in section
     assert abs(2 * 1.0 / SecureAggregationConfig().quantization_range - 4.8e-7) < 0.05e-7
+
+
+def test_a_quoted_number_of_shares_is_read_as_its_unquoted_spelling(toy_config):
+    # before: a quoted "3" was read by the float branch as 3.0, a fraction, and refused as "num_shares as a fraction
+    # must be in (0, 1], got 3.0"; a quoted number is taken as the number its unquoted spelling is
+    cfg = load(_cfg(toy_config, {"num_shares": "3", "reconstruction_threshold": "2"}))
+    assert cfg.secure_aggregation.num_shares == 3 and isinstance(cfg.secure_aggregation.num_shares, int)
+    assert isinstance(cfg.secure_aggregation.reconstruction_threshold, int)
+    cfg = load(_cfg(toy_config, {"num_shares": "0.5", "reconstruction_threshold": "0.5"}))
+    assert cfg.secure_aggregation.num_shares == 0.5 and cfg.secure_aggregation.reconstruction_threshold == 0.5
+    with pytest.raises(ConfigError, match=r"^secure_aggregation\.num_shares must be int or float, got 'three'$"):
+        load(_cfg(toy_config, {"num_shares": "three"}))

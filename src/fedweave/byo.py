@@ -76,8 +76,8 @@ def _check_splits(name: str, tx: torch.Tensor, ty: torch.Tensor, vx: torch.Tenso
     for split, x in (("train", tx), ("test", vx)):
         if len(x) == 0:  # an empty test set would be reported as test_accuracy 0.0 and test_loss 0.0 each round
             raise ConfigError(
-                f"dataset: {split}_x has no samples; the run trains on the train split and evaluates every model on "
-                "the test split: give each at least one sample"
+                f"dataset {name!r}: {split}_x has no samples; the run trains on the train split and evaluates every "
+                "model on the test split: give each at least one sample"
             )
     for split, what, t in (("training", "features", tx), ("training", "targets", ty), ("test", "features", vx),
                            ("test", "targets", vy)):  # fmt: skip
@@ -93,9 +93,14 @@ def _check_splits(name: str, tx: torch.Tensor, ty: torch.Tensor, vx: torch.Tenso
         frac = vy[vy != vy.round()]
         if len(frac):
             raise ConfigError(
-                f"dataset: train_y holds integer class labels but test_y holds {float(frac[0])!r}, which is no "
-                "class; give whole-number test labels (or float targets in both splits)"
+                f"dataset {name!r}: train_y holds integer class labels but test_y holds {float(frac[0])!r}, which is "
+                "no class; give whole-number test labels (or float targets in both splits)"
             )
+
+
+def check_loaded(name: str, ds: Dataset) -> None:
+    """A registered loader's data, checked as the data passed from Python are (one line naming ``name``)."""
+    _check_splits(name, ds.train_x, ds.train_y, ds.test_x, ds.test_y)
 
 
 def as_dataset(data: Any, name: str = "python") -> Dataset:

@@ -9,6 +9,7 @@ plug-ins the config names (``plugins:``) are imported (:func:`load_plugins`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import hashlib
@@ -835,6 +836,12 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(f"{key} must be a mapping of {tp.__name__} keys, got {value!r}")
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
+        if isinstance(value, str) and {int, float} <= set(typing.get_args(tp)):
+            # a quoted number is the number its unquoted spelling is ("3" an int, "0.5" a float, as YAML reads
+            # them): where an int and a float mean different things (secure_aggregation.num_shares: 3 shares,
+            # 0.5 a fraction), the float branch made "3" a fraction 3.0
+            with contextlib.suppress(ValueError):
+                value = int(value)
         lists = []  # what a list value failed on as a list: the entry that is wrong, e.g. "algorithm.edges[0]"
         for arg in typing.get_args(tp):
             try:

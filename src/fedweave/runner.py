@@ -191,7 +191,7 @@ def _run_locked(
         for r in range(state.start_round if not state.stop_reason else config.rounds, config.rounds):
             metrics = state.algo.run_round(r)
             cbs.after_training(state, r, metrics)
-            if metrics.get("reported_clients", 1) == 0:
+            if metrics.get("reported_clients", 1) == 0 or state.algo.nobody_reported:
                 state.skipped.append(r + 1)
                 log.warning("round %d: no client reported; the round was skipped (no client update used)", r + 1)
             evaluated = (r + 1) % config.eval.every == 0 or r == config.rounds - 1
@@ -376,7 +376,8 @@ def divergence_advice(cls: type[Algorithm], byzantine: dict[str, Any] | None = N
     """What to change after a divergence, for the one line that reports it: the step sizes the algorithm
     ``cls`` reads (:func:`~fedweave.algorithms.base.step_size_keys`: a server's ``algorithm.server_lr`` diverges
     a run as well as ``local.lr``, and the confederated family reads no ``local`` key), and ``local.grad_clip``
-    where the algorithm reads it. Under ``faults.byzantine`` (``byzantine``) the attack is named first: an
+    where the algorithm reads it, after the method's own :attr:`~fedweave.algorithms.base.Algorithm.divergence_hint`.
+    Under ``faults.byzantine`` (``byzantine``) the attack is named first: an
     attacker's upload may be anything, so a divergence there is as likely the attack's as a step size's."""
     keys = step_size_keys(cls)
     clip = " or enable local.grad_clip" if reads_local(cls, "grad_clip") else ""
@@ -385,6 +386,8 @@ def divergence_advice(cls: type[Algorithm], byzantine: dict[str, Any] | None = N
     else:
         which = keys[0] if len(keys) == 1 else f"one of its step sizes ({', '.join(keys)})"
         advice = f"Lower {which}{clip}."
+    if cls.divergence_hint:  # a cause of the method's own, which no step size cures (q-FFL's F_k^q)
+        advice = f"{cls.divergence_hint} Otherwise: {advice[0].lower()}{advice[1:]}" if advice else cls.divergence_hint
     if not byzantine or not (byzantine.get("fraction") or byzantine.get("clients")):  # fraction 0: no attacker
         return advice
     attack = (

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedweave.byo import RunObjects, describe_model
+from fedweave.byo import RunObjects, check_loaded, describe_model
 from fedweave.config import (
     MAX_LOCAL_EPOCHS,
     MAX_LR,
@@ -275,6 +275,11 @@ class RunContext:
                 f"dataset {self.config.dataset.name!r}: a registered dataset returns a fedweave.data.base.Dataset "
                 f"(its training and test tensors, classes and input shape), got {type(ds).__name__}"
             )
+        # a plug-in's NaN feature ran to a NaN round-1 loss, advised as a step-size divergence, and its empty
+        # test split was scored 0.0 each round. The built-in loaders check their own options (cfl_logreg has
+        # no test split by default, as in its paper), and scanning their data each run would cost time.
+        if not getattr(loader, "__module__", "").startswith("fedweave."):
+            check_loaded(self.config.dataset.name, ds)
         return ds
 
     @cached_property
@@ -573,6 +578,9 @@ class Algorithm(metaclass=_AlgorithmMeta):
     #: Hparams fields named as step sizes (``lr``, ``*_lr``, ``step_size``, ``step_scale``). A method whose
     #: ``server_lr`` must stay 1 declares its own, so the advice never names an option the run refuses.
     step_sizes: ClassVar[tuple[str, ...] | None] = None
+    #: What else a divergence of the method may come from, a sentence that names the option to change; the
+    #: line that reports a divergence gives it before the step sizes. None by default.
+    divergence_hint: ClassVar[str] = ""
     #: The column a run's plots show when the task's main metric is not among its rows (a fixed task's own).
     plot_metric: ClassVar[str] = "test_loss"
     #: The state record: the attributes that a resumed run needs beyond the context, which the default
@@ -589,6 +597,9 @@ class Algorithm(metaclass=_AlgorithmMeta):
     #: Whether a round's computation depends on the run's total ``rounds`` (an annealed schedule): a resumed
     #: run may then not change ``rounds``, which would change the rounds still to come.
     uses_total_rounds: ClassVar[bool] = False
+    #: True after a round nobody reported, faults or none (the star's clients all without samples): the runner
+    #: logs it as skipped, as it does a round whose ``reported_clients`` is 0 under faults
+    nobody_reported: bool = False
 
     def __init__(self, ctx: RunContext, hp: Any) -> None:
         self.ctx = ctx

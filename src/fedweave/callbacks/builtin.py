@@ -380,9 +380,12 @@ class PrivacyBudget(Callback):
             return None
         after = dp.epsilon_after_next(r + 1)  # DP-FTRL asks the sampler who round r + 1 draws
         if after > target:
+            from fedweave.privacy.accountant import against_target
+
+            after_shown, target_shown = against_target(after, target)
             return (
-                f"privacy budget: one more round would spend epsilon {after:.4g} > privacy.target_epsilon "
-                f"{target:g} (spent {dp.epsilon():.4g} at delta {run.config.privacy.delta:g})"
+                f"privacy budget: one more round would spend epsilon {after_shown} > privacy.target_epsilon "
+                f"{target_shown} (spent {dp.epsilon():.4g} at delta {run.config.privacy.delta:g})"
             )
         return None
 

@@ -91,8 +91,10 @@ class TwoConvCNN(HeadedModel):
         self.fcs = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
         last = len(self.fcs) - 1
         self.classifier = (f"fcs.{last}",)
-        # The "output layer of the featurizer" (afind-plus A4): the last layer before the classifier.
-        self.featurizer = (f"fcs.{last - 1}",) if hidden else ("conv2",)
+        # The "output layer of the featurizer" (afind-plus A4): the last layer before the classifier; under
+        # norm: batch conv2's output passes bn2, whose affine weights end that layer (as ResNet's norm2 does)
+        conv2 = ("conv2", "bn2") if norm == "batch" else ("conv2",)
+        self.featurizer = (f"fcs.{last - 1}",) if hidden else conv2
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         # ReLU after the pool: relu(maxpool(z)) == maxpool(relu(z)) exactly, values and gradients (ReLU is

@@ -224,8 +224,9 @@ def split_small(
     """A small conv client and MLP server for MNIST-sized data and the 8×8 digits (spec §9.3 "digits-mini").
 
     Client: conv3(C→w) ReLU maxpool2 conv3(w→w) ReLU, plus a second maxpool2 when the map is still
-    >= 8 pixels wide (28×28 → 32×7×7), so the cut layer stays large relative to the client model as in
-    the paper's CIFAR model. Server: Linear(q, hidden) ReLU Linear(hidden, K).
+    >= 8 pixels high after the first (28×28 → 32×7×7; its height decides, whatever its width), so the cut
+    layer stays large relative to the client model as in the paper's CIFAR model. Server: Linear(q, hidden)
+    ReLU Linear(hidden, K).
     """
     c, h, _ = _check_image("split_small", tuple(input_shape), num_classes)
     if width < 1 or hidden < 1:

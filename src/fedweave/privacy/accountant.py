@@ -22,6 +22,18 @@ from fedweave.config import ConfigError
 from fedweave.registry import ACCOUNTANTS
 
 
+def against_target(epsilon: float, target: float) -> tuple[str, str]:
+    """``epsilon`` and ``target`` printed at one precision: the target as configured (``:g``), epsilon to at
+    least 4 digits, and more digits for both until they differ ("4.479 > 4.47922" read as the smaller one
+    exceeding the larger; now "4.47923 > 4.47922")."""
+    shown = float(f"{target:g}")
+    for p in range(4, 18):
+        a, b = f"{epsilon:.{p}g}", f"{target:.{p}g}"
+        if a != b and float(b) == shown:
+            return a, b
+    return repr(epsilon), repr(target)
+
+
 def _opacus_accountants() -> Any:
     """Opacus's ``accountants`` module, or one ConfigError that says how to install it."""
     try:

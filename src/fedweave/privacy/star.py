@@ -18,7 +18,7 @@ import numpy as np
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from fedweave.config import ConfigError, PrivacyConfig
-from fedweave.privacy.accountant import Accountant, calibrate
+from fedweave.privacy.accountant import Accountant, against_target, calibrate
 from fedweave.privacy.buffered import BufferedDP
 from fedweave.privacy.ftrl import FTRLDP, planned_sensitivity
 from fedweave.privacy.mechanism import UserDP
@@ -291,8 +291,9 @@ def check_first_release(cfg: PrivacyConfig, dp: UserDP | SampleDP) -> None:
         return
     first = dp.epsilon_after_next()
     if first > cfg.target_epsilon:
-        shown = "inf (no noise)" if math.isinf(first) else f"{first:.4g}"
+        shown, target = against_target(first, cfg.target_epsilon)
+        shown = "inf (no noise)" if math.isinf(first) else shown
         raise ConfigError(
-            f"privacy.target_epsilon ({cfg.target_epsilon:g}) is exceeded by the first round alone (epsilon {shown}); "
+            f"privacy.target_epsilon ({target}) is exceeded by the first round alone (epsilon {shown}); "
             "raise privacy.noise_multiplier or use noise_multiplier: auto"
         )

@@ -277,10 +277,10 @@ class StarAlgorithm(Algorithm):
         here for every method. Clients that drop out or miss the deadline (``reporting``: simulated arrival
         times from ``client_work``) were sent the round's message but deliver nothing; the weights re-weight
         over those that reported. A round nobody reports leaves every state as it was, and the runner logs
-        it as skipped (``reported_clients = 0``). A round whose reporting clients all hold no sample
-        (``partition.min_size: 0``) is one nobody reports: they take no step and have no update to send. Under
-        ``faults.sim_time`` the round advances the simulated clock by :meth:`round_time` and its metrics carry
-        ``sim_time``.
+        it as skipped (:attr:`nobody_reported`; under faults its ``reported_clients`` is 0 too). A round whose
+        reporting clients all hold no sample (``partition.min_size: 0``) is one nobody reports: they take no
+        step and have no update to send. Under ``faults.sim_time`` the round advances the simulated clock by
+        :meth:`round_time` and its metrics carry ``sim_time``.
         """
         clients = self.sample_clients(r)
         if self.download is None:
@@ -302,6 +302,7 @@ class StarAlgorithm(Algorithm):
             clients = clients[:0]
         if self.clocked:
             self.now += self.round_time(r, sampled)
+        self.nobody_reported = len(clients) == 0  # logged as skipped without faults too (no reported_clients)
         if len(clients) == 0:
             if self.secagg is not None:  # secure aggregation: its first stages ran before anybody dropped
                 self.secagg.record(r, self.ledger, sampled, clients, 0)

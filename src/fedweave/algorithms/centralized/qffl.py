@@ -78,6 +78,11 @@ class QFedAvg(StarAlgorithm):
     uploads_start_loss = True  # F_k(w^t): deployed, each node computes it on its data, in the training job
     Hparams = QFFLHparams
     step_sizes = ()  # server_lr must stay 1: the step is sum Delta_k / sum h_k, h_k from algorithm.lipschitz
+    # F_k^q overflows float32 (3.4e38) once q is large, whatever the step size: q = 200 at a loss of 1.6
+    divergence_hint = (
+        "q-FedAvg weights each client's update by F_k^q, its loss to the power algorithm.q, which is infinite in "
+        "float32 (above 3.4e38) once q is large: lower algorithm.q (or use precision: float64)."
+    )
     uplink = "update+h"  # Delta_k and h_k
     # its server step is sum Delta_k / sum h_k, not a reduction of the updates to one: an aggregator, a
     # Byzantine attack on the updates or a compressor of the (Delta_k, h_k) pair would be silently bypassed

@@ -159,6 +159,14 @@ class GraphAlgorithm(Algorithm):
                 f"choose the peers it hears from), so sampler {ctx.config.sampler.name} would be ignored; leave the "
                 "sampler section out"
             )
+        # a client's test set is drawn from the test split (spec 4.2): more than the split holds only repeats its
+        # samples, and 10**8 (under the hparams' bound) drew 10**8 indices per client and evaluated on them all
+        n_test = len(ctx.dataset.test_y)
+        if hp.test_per_client is not None and hp.test_per_client > n_test:
+            raise ConfigError(
+                f"algorithm.test_per_client must be at most the test split's {n_test:,} samples (or null: "
+                f"ceil(N_test / m)), got {hp.test_per_client:,}"
+            )
         n = ctx.num_clients
         self.num_clients = n
         self.graph = build_graph(
