@@ -409,6 +409,20 @@ def test_perfedavg_local_step_uses_the_independent_batches_the_plan_drew(variant
         torch.testing.assert_close(plain[c], x0 - beta * a.T @ (a @ x0 - y) / bs, rtol=1e-12, atol=1e-12)
 
 
+def test_dp_sgd_around_perfedavg_privatizes_every_draw_and_the_backends_agree():
+    from fedweave.execution.dpsgd import PrivateTrainer
+
+    got = []
+    for backend in ("loop", "vmap"):
+        cfg = {**_quad_cfg("perfedavg", variant="hf"), "precision": "float64", "backend": backend}
+        cfg["local"] = {"steps": 2, "batch_size": 8, "lr": 0.1}
+        algo = _algo(cfg)
+        algo.trainer.loss_fn = _squared
+        tr = PrivateTrainer.of(algo.trainer, 1.0, 0.5)
+        got.append(tr.train(algo.x, [0, 1, 2], 0, rule=algo.client_rule(0.1)).params)
+    torch.testing.assert_close(got[0], got[1], rtol=1e-12, atol=1e-12)
+
+
 def test_a_rule_that_asks_for_a_draw_it_did_not_declare_is_told_in_one_line():
     cfg = {**_quad_cfg("perfedavg"), "backend": "loop"}
     cfg["local"] = {"steps": 1, "batch_size": 8, "lr": 0.1}

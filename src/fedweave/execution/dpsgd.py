@@ -95,7 +95,7 @@ class DPSGD(LocalRule):
     def private(self, v: torch.Tensor, grad: StepGradient, jobs: int | torch.Tensor, draw: int = 0) -> torch.Tensor:
         """The privatized mean gradient at ``v`` on the step's batch, or its draw ``draw`` (``grad.batches``
         from the backend)."""
-        x, y, mask = grad.batches[draw]
+        x, y, mask = grad.batch if draw == 0 else grad.batches[draw]
         g, losses = self.per_sample(v, x, y)
         valid = torch.ones(y.shape, dtype=g.dtype, device=g.device) if mask is None else mask.to(g.dtype)
         count = valid.sum(-1).clamp_min(1.0)  # B: the real samples of the batch (padding excluded)
