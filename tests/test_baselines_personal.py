@@ -342,7 +342,7 @@ def _quadratic():
     a = m @ m.T + torch.eye(5, dtype=torch.float64)  # f(w) = w'Aw/2 + b'w: grad Aw + b, Hessian A
     b = torch.randn(5, generator=g, dtype=torch.float64)
     w = torch.randn(5, generator=g, dtype=torch.float64)
-    return a, b, w, (lambda v: a @ v + b if v.dim() == 1 else v @ a + b)
+    return a, b, w, (lambda v, draw=0: a @ v + b if v.dim() == 1 else v @ a + b)
 
 
 def test_perfedavg_first_order_step_is_the_closed_form_on_a_quadratic():
@@ -360,6 +360,78 @@ def test_perfedavg_hessian_free_product_is_exact_on_a_quadratic():
     fo = a @ (w - alpha * (a @ w + b)) + b
     hf = PerFedAvgRule(alpha, "hf", 1e-3).direction(w, grad, 0)
     torch.testing.assert_close(hf, fo - alpha * a @ fo, rtol=1e-9, atol=1e-9)
+
+
+def _perfedavg_step_closed_form(x0, batches, alpha, beta, variant):
+    """Alg. 1 lines 6-7 of one local step on f(w; D) = (1/2|D|)||A_D w - y_D||^2 from ``x0`` with the draws
+    ``batches`` = D, D' (and D''): w - beta (I - alpha H(w; D'')) grad f(w - alpha grad f(w; D); D')."""
+    ds = _quad_data()
+    a, y = ds.train_x.double(), ds.train_y.double()
+
+    def grad(v, rows):
+        return a[rows].T @ (a[rows] @ v - y[rows]) / len(rows)
+
+    g = grad(x0 - alpha * grad(x0, batches[0]), batches[1])  # line 6, then grad f(w~; D')
+    if variant == "hf":  # (I - alpha H(w; D'')) with the exact Hessian of D''
+        g = g - alpha * a[batches[2]].T @ (a[batches[2]] @ g) / len(batches[2])
+    return x0 - beta * g
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap", "pool"])
+@pytest.mark.parametrize("variant", ["fo", "hf"])
+def test_perfedavg_local_step_uses_the_independent_batches_the_plan_drew(variant, backend):
+    alpha, beta, bs = 0.05, 0.1, 8
+    cfg = {**_quad_cfg("perfedavg", variant=variant, alpha=alpha), "precision": "float64", "backend": backend}
+    cfg["local"] = {"steps": 1, "batch_size": bs, "lr": beta}  # one step on batches of 8 of a client's 40 samples
+    algo = _algo(cfg)
+    tr = algo.trainer
+    tr.loss_fn = _squared
+    rule = algo.client_rule(beta)
+    assert rule.draws == (3 if variant == "hf" else 2)
+    g = torch.Generator().manual_seed(1)
+    x0 = torch.randn(D_Q, generator=g, dtype=torch.float64)
+    clients = list(range(N_Q))
+    got = tr.train(x0, clients, 2, rule=rule).params
+    for c in clients:
+        batches = [tr.client_batches(c, 2, (), None, draw=j)[0] for j in range(rule.draws)]
+        assert all(len(b) == bs for b in batches)
+        assert not torch.equal(batches[0], batches[1])  # independent draws, not the step's batch reused
+        if variant == "hf":
+            assert not torch.equal(batches[1], batches[2]) and not torch.equal(batches[0], batches[2])
+        expect = _perfedavg_step_closed_form(x0, batches, alpha, beta, variant)
+        tol = 1e-12 if variant == "fo" else 1e-8  # HF: the central difference of Eq. 14, exact to rounding
+        torch.testing.assert_close(got[c], expect, rtol=tol, atol=tol)
+    # draw 0 is the step's batch every rule sees: plain SGD from x0 on it is FedAvg's step
+    plain = tr.train(x0, clients, 2).params
+    for c in clients:
+        b = tr.client_batches(c, 2, (), None)[0]
+        a, y = _quad_data().train_x.double()[b], _quad_data().train_y.double()[b]
+        torch.testing.assert_close(plain[c], x0 - beta * a.T @ (a @ x0 - y) / bs, rtol=1e-12, atol=1e-12)
+
+
+def test_dp_sgd_around_perfedavg_privatizes_every_draw_and_the_backends_agree():
+    from fedweave.execution.dpsgd import PrivateTrainer
+
+    got = []
+    for backend in ("loop", "vmap"):
+        cfg = {**_quad_cfg("perfedavg", variant="hf"), "precision": "float64", "backend": backend}
+        cfg["local"] = {"steps": 2, "batch_size": 8, "lr": 0.1}
+        algo = _algo(cfg)
+        algo.trainer.loss_fn = _squared
+        tr = PrivateTrainer.of(algo.trainer, 1.0, 0.5)
+        got.append(tr.train(algo.x, [0, 1, 2], 0, rule=algo.client_rule(0.1)).params)
+    torch.testing.assert_close(got[0], got[1], rtol=1e-12, atol=1e-12)
+
+
+def test_a_rule_that_asks_for_a_draw_it_did_not_declare_is_told_in_one_line():
+    cfg = {**_quad_cfg("perfedavg"), "backend": "loop"}
+    cfg["local"] = {"steps": 1, "batch_size": 8, "lr": 0.1}
+    algo = _algo(cfg)
+    algo.trainer.loss_fn = _squared
+    rule = PerFedAvgRule(0.05)
+    rule.draws = 1  # declares one batch a step, asks for D' (draw 1)
+    with pytest.raises(ValueError, match="asked for the gradient on draw 1 of a step that drew 1 batch"):
+        algo.trainer.train(algo.x, [0], 0, rule=rule)
 
 
 def test_apfl_rule_steps_v_and_alpha_as_the_paper():

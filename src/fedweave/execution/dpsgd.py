@@ -88,9 +88,14 @@ class DPSGD(LocalRule):
             out.append(torch.randn(numel, generator=g, dtype=dtype, device="cpu"))
         return (out[0] if isinstance(jobs, int) else torch.stack(out)).to(device, non_blocking=True)
 
-    def private(self, v: torch.Tensor, grad: StepGradient, jobs: int | torch.Tensor) -> torch.Tensor:
-        """The privatized mean gradient at ``v`` on the step's batch (``grad.batch`` from the backend)."""
-        x, y, mask = grad.batch
+    @property
+    def draws(self) -> int:  # the base rule's: each of its draws is privatized as the step's batch is
+        return self.base.draws
+
+    def private(self, v: torch.Tensor, grad: StepGradient, jobs: int | torch.Tensor, draw: int = 0) -> torch.Tensor:
+        """The privatized mean gradient at ``v`` on the step's batch, or its draw ``draw`` (``grad.batches``
+        from the backend)."""
+        x, y, mask = grad.batch if draw == 0 else grad.batches[draw]
         g, losses = self.per_sample(v, x, y)
         valid = torch.ones(y.shape, dtype=g.dtype, device=g.device) if mask is None else mask.to(g.dtype)
         count = valid.sum(-1).clamp_min(1.0)  # B: the real samples of the batch (padding excluded)
@@ -101,8 +106,8 @@ class DPSGD(LocalRule):
         return total / count.unsqueeze(-1)
 
     def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
-        def private_grad(v: torch.Tensor) -> torch.Tensor:
-            return self.private(v, grad, jobs)
+        def private_grad(v: torch.Tensor, draw: int = 0) -> torch.Tensor:
+            return self.private(v, grad, jobs, draw)
 
         return self.base.direction(w, private_grad, jobs)
 

@@ -27,25 +27,46 @@ from fedweave.registry import RULES
 if TYPE_CHECKING:
     from fedweave.execution.params import ParamLayout
 
-GradFn = Callable[[torch.Tensor], torch.Tensor]
+# grad(w): the gradient of the step's batch loss at w; grad(w, j): of its draw j (LocalRule.draws)
+GradFn = Callable[..., torch.Tensor]
 LR = float | Callable[[int], float]  # a constant, or the step size of local step t (t = 0, 1, ... per call)
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # features, labels, validity mask (None: all)
 
 
 class StepGradient:
     """The gradient oracle of one local step, as a rule's :meth:`LocalRule.direction` receives it: call it
-    with parameters ``w`` for the gradient of the step's batch loss at ``w``. Rules that need the samples
-    themselves (per-sample gradients, DP-SGD) read :attr:`batch` (features, labels and, on the vmap
-    backend, the validity mask of padded rows) and pass the mean loss they computed to :meth:`report`, in
-    place of calling the oracle."""
+    with parameters ``w`` for the gradient of the step's batch loss at ``w``, and with ``(w, j)`` for the
+    gradient on the step's independent draw ``j`` (``j < rule.draws``; draw 0 is the step's batch). Rules
+    that need the samples themselves (per-sample gradients, DP-SGD) read :attr:`batch` (features, labels
+    and, on the vmap backend, the validity mask of padded rows; :attr:`batches` holds one per draw) and pass
+    the mean loss they computed to :meth:`report`, in place of calling the oracle."""
 
-    __slots__ = ("fn", "batch", "report")
+    __slots__ = ("fn", "batches", "report")
 
-    def __init__(self, fn: GradFn, batch: Batch, report: Callable[[torch.Tensor], Any]) -> None:
-        self.fn, self.batch, self.report = fn, batch, report
+    def __init__(
+        self, fn: Callable[[torch.Tensor, int], torch.Tensor], batches: Sequence[Batch], report: Callable[..., Any]
+    ) -> None:
+        self.fn, self.batches, self.report = fn, tuple(batches), report
 
-    def __call__(self, w: torch.Tensor) -> torch.Tensor:
-        return self.fn(w)
+    @property
+    def batch(self) -> Batch:
+        """The step's batch (draw 0)."""
+        return self.batches[0]
+
+    def __call__(self, w: torch.Tensor, draw: int = 0) -> torch.Tensor:
+        if not 0 <= draw < len(self.batches):
+            raise ValueError(
+                f"a local rule asked for the gradient on draw {draw} of a step that drew {len(self.batches)} "
+                f"batch(es): set the rule's draws to the independent batches its step uses (LocalRule.draws)"
+            )
+        return self.fn(w, draw)
+
+
+def draw_stream(name: str, draw: int) -> str:
+    """The name of the stream of a step's draw ``draw``: ``name`` itself for draw 0 (the batches every rule
+    sees, the same as before rules could draw more), ``name/j`` for further draw ``j``, under the same keys
+    ``(round, client, *key)``: a stream of its own, so no draw shares a stream with any call's batches."""
+    return name if draw == 0 else f"{name}/{draw}"
 
 
 @RULES.register("plain")
@@ -56,6 +77,13 @@ class LocalRule:
     on the loop backend, and with ``w`` of shape ``(K, P)`` and ``jobs`` a ``LongTensor`` of job positions
     on the vmap backend. A rule that a deployment sends is registered by name at its definition
     (``@fedweave.registry.RULES.register(name)``); its state is its attributes (tensors and scalars)."""
+
+    #: the independent batches each local step draws: the step's oracle ``grad(w, j)`` is the gradient on
+    #: draw ``j`` (``j < draws``), ``grad(w)`` on draw 0, the step's batch. Draw ``j`` is a batch plan of its
+    #: own, cut as draw 0's (same steps and sizes) from the stream ``("batches/j", round, client, *key)``
+    #: (:func:`draw_stream`), augmented from ``("augment/j", ...)``; draw 0 and its streams are every rule's.
+    #: Per-FedAvg's MAML step uses 2 (Alg. 1's D and D') or 3 (and D'' for the Hessian-vector product).
+    draws: int = 1
 
     def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
         """The step direction at parameters ``w``: ``grad(w)``, the stochastic gradient of the step's batch.
@@ -101,13 +129,14 @@ PLAIN = LocalRule()
 
 
 def plain_rule(rule: LocalRule) -> bool:
-    """True when ``rule`` changes neither the direction, the projection nor the loss (FedAvg's local step):
-    it does not depend on the job, and the loop backend may take its fast paths."""
+    """True when ``rule`` changes neither the direction, the projection nor the loss and draws one batch a
+    step (FedAvg's local step): it does not depend on the job, and the loop backend may take its fast paths."""
     cls = type(rule)
     return (
         cls.direction is LocalRule.direction
         and cls.project is LocalRule.project
         and cls.extra_loss is LocalRule.extra_loss
+        and rule.draws == 1
     )
 
 
@@ -166,6 +195,10 @@ class Reindexed(LocalRule):
 
     def __init__(self, rule: LocalRule, positions: torch.Tensor) -> None:
         self.rule, self.positions = rule, positions
+
+    @property
+    def draws(self) -> int:  # the wrapped rule's: its steps draw the batches it asks for
+        return self.rule.draws
 
     def _map(self, jobs: int | torch.Tensor) -> int | torch.Tensor:
         if isinstance(jobs, int):

@@ -36,6 +36,7 @@ from fedweave.execution.job import (  # noqa: F401  (re-exported: the rule inter
     Reindexed,
     StepGradient,
     backend_run,
+    draw_stream,
     plain_rule,
     reindexed,
     summed_losses,
@@ -140,23 +141,34 @@ class LocalTrainer:
         n = len(self.parts[client])
         return self.local.epochs * math.ceil(n / self.local.batch_size)
 
-    def client_batches(self, client: int, round: int, key: tuple[int, ...], steps: int | None) -> list[torch.Tensor]:
-        """Indices (into the training set) of each local batch of ``client`` in ``round``."""
-        flat, sizes = self.flat_batches(client, round, key, steps)
+    def client_batches(
+        self, client: int, round: int, key: tuple[int, ...], steps: int | None, draw: int = 0
+    ) -> list[torch.Tensor]:
+        """Indices (into the training set) of each local batch of ``client`` in ``round`` (of the steps' draw
+        ``draw``: :attr:`LocalRule.draws`)."""
+        flat, sizes = self.flat_batches(client, round, key, steps, draw=draw)
         return list(flat.split(sizes)) if sizes else []
 
-    def batch_streams(self, clients: Sequence[int], round: int, key: tuple[int, ...]) -> list[torch.Generator]:
-        """The ``batches`` streams of ``clients`` in ``round``, their seeds derived all at once
-        (``Seeds.torches``)."""
-        return self.seeds.torches("batches", [(round, int(c), *key) for c in clients])
+    def batch_streams(
+        self, clients: Sequence[int], round: int, key: tuple[int, ...], draw: int = 0
+    ) -> list[torch.Generator]:
+        """The ``batches`` streams of ``clients`` in ``round`` (``batches/j`` for the steps' draw ``j``:
+        ``job.draw_stream``), their seeds derived all at once (``Seeds.torches``)."""
+        return self.seeds.torches(draw_stream("batches", draw), [(round, int(c), *key) for c in clients])
 
     def flat_batches(
-        self, client: int, round: int, key: tuple[int, ...], steps: int | None, stream: torch.Generator | None = None
+        self,
+        client: int,
+        round: int,
+        key: tuple[int, ...],
+        steps: int | None,
+        stream: torch.Generator | None = None,
+        draw: int = 0,
     ) -> tuple[torch.Tensor, list[int]]:
         """The batches of :meth:`client_batches` one after another in one index tensor, and their sizes (one
         tensor a job instead of one a batch: the loop backend gathers the rows of many jobs at once).
         ``stream``: the client's ``batches`` stream of the round, fresh, where the caller made it already
-        (:meth:`batch_streams`)."""
+        (:meth:`batch_streams`); ``draw``: the steps' draw whose batches these are (:attr:`LocalRule.draws`)."""
         idx = self.parts[client]
         n, bs = len(idx), self.local.batch_size
         if n == 0:
@@ -165,7 +177,7 @@ class LocalTrainer:
         if self.local.full_batch:  # gradient descent: every step sees the client's whole data, in order
             k = fixed if fixed is not None else self.local.epochs
             return idx.repeat(k), [n] * k
-        g = stream if stream is not None else self.seeds.torch("batches", round, client, *key)
+        g = stream if stream is not None else self.seeds.torch(draw_stream("batches", draw), round, client, *key)
         # epochs: reshuffle every epoch, keep the last partial batch; a fixed number of full batches: drawn from
         # a stream of reshuffled epochs, as many as they need
         draws = self.local.epochs if fixed is None else -(-fixed * bs // n)
@@ -176,10 +188,13 @@ class LocalTrainer:
             return idx[order], ([bs] * whole + ([rest] if rest else [])) * draws
         return idx[order[: fixed * bs]], [bs] * fixed
 
-    def plan(self, clients: Sequence[int], round: int, key: tuple[int, ...], steps: int | None) -> Batches:
+    def plan(
+        self, clients: Sequence[int], round: int, key: tuple[int, ...], steps: int | None, draw: int = 0
+    ) -> Batches:
         """The batch plan of one call: the local batches of each of ``clients`` in ``round`` (drawn from the
-        ``batches`` stream of the round, client and ``key``), padded to the longest job, as index and mask
-        tensors of shape ``(T, K, B)``.
+        ``batches`` stream of the round, client and ``key``; ``batches/j`` for the steps' draw ``j``), padded
+        to the longest job, as index and mask tensors of shape ``(T, K, B)``. Every draw of a call has the
+        same shape, steps and masks: only the samples differ.
 
         The same batches as :meth:`client_batches` gives job by job, built for the whole call at once: the
         only loop over the jobs draws each client's permutations from its own stream (one ``randperm`` per
@@ -207,7 +222,7 @@ class LocalTrainer:
         else:
             draws, lengths = [], np.zeros(K, dtype=np.int64)
             drawn = np.flatnonzero(n > 0)
-            for k, g in zip(drawn, self.batch_streams(c[drawn].tolist(), round, key)):  # one stream per client
+            for k, g in zip(drawn, self.batch_streams(c[drawn].tolist(), round, key, draw)):  # one stream per client
                 nk = int(n[k])
                 perms = self.local.epochs if fixed is None else -(-fixed * bs // nk)  # epochs, or enough for fixed
                 draws.extend(torch.randperm(nk, generator=g, device="cpu") for _ in range(perms))
@@ -237,15 +252,17 @@ class LocalTrainer:
         return Batches(index, torch.from_numpy(valid), torch.from_numpy(count.astype(np.int64)))
 
     def batch_data(
-        self, index: torch.Tensor, client: int, round: int, key: tuple[int, ...], gens: dict
+        self, index: torch.Tensor, client: int, round: int, key: tuple[int, ...], gens: dict, draw: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The samples ``index``, on the device, augmented from the client's own stream (its random
-        choices are drawn on the CPU and applied where the batch is: the same on every device)."""
+        choices are drawn on the CPU and applied where the batch is: the same on every device); a step's
+        draw ``j`` from a stream of its own, ``augment/j``."""
         x, y = self.placement.rows(self.train_x, index), self.placement.rows(self.train_y, index)
         if self.augment is not None:
-            g = gens.get(client)
+            at = client if draw == 0 else (client, draw)
+            g = gens.get(at)
             if g is None:
-                g = gens[client] = self.seeds.torch("augment", round, client, *key)
+                g = gens[at] = self.seeds.torch(draw_stream("augment", draw), round, client, *key)
             x = self.augment(x, g)
         return x, y
 

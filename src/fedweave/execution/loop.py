@@ -122,9 +122,14 @@ def run(tr: LocalTrainer, call: LocalCall) -> LocalResult:
     # the fused kernel's gathered jobs leave their losses' reduction to the end of the call (job_losses)
     dots: list[torch.Tensor] | None = [] if train_job is _train_fused else None
     deferred: list[tuple[int, torch.Tensor]] = []  # (job, its batch sizes): not the rows, which may go
+    draws = rule.draws  # the rule's independent batches per step: draw 0 is ``batches``, the others drawn here
     for k, (c, batches) in enumerate(zip(call.clients, jobs)):
         if dots is not None:
             out[k], total = _train_fused(tr, comp, starts[k], batches, c, round, key, lr, rule, call.offset + k, dots)
+        elif draws > 1:
+            more = [tr.client_batches(c, round, key, steps, j) for j in range(1, draws)]
+            job = call.offset + k
+            out[k], total = _train_with_rule(tr, comp, starts[k], batches, c, round, key, lr, rule, job, more)
         else:
             out[k], total = train_job(tr, comp, starts[k], batches, c, round, key, lr, rule, call.offset + k)
         counts.append(len(batches))
@@ -149,19 +154,24 @@ def run(tr: LocalTrainer, call: LocalCall) -> LocalResult:
     return LocalResult(out, nsteps, losses)
 
 
-def _train_with_rule(tr, comp, start, batches, c, round, key, lr, rule, job) -> tuple[torch.Tensor, torch.Tensor]:
+def _train_with_rule(
+    tr, comp, start, batches, c, round, key, lr, rule, job, more=()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One job's local steps with the rule's direction and projection and the configured SGD; returns the
-    final parameters and the summed batch losses (a float64 0-d tensor on the device)."""
+    final parameters and the summed batch losses (a float64 0-d tensor on the device). ``more``: the batches
+    of the steps' further draws 1, 2, ... (``LocalRule.draws``), each a list as long as ``batches``."""
     value, gradbuf = comp.value, comp.gradbuf
     gens: dict = {}
     w, buf, step_losses = start.clone(), None, []
     zero = None
     extra = uses_loss(rule)
     for t, b in enumerate(batches):
-        x, y = tr.batch_data(b, c, round, key, gens)
+        data = [tr.batch_data(b, c, round, key, gens)]
+        data += [tr.batch_data(drawn[t], c, round, key, gens, j) for j, drawn in enumerate(more, 1)]
         last = {}
 
-        def grad_at(v: torch.Tensor, x=x, y=y, last=last) -> torch.Tensor:
+        def grad_at(v: torch.Tensor, draw: int = 0, data=data, last=last) -> torch.Tensor:
+            x, y = data[draw]
             value.copy_(v)  # the compute model's parameters are views of `value`
             gradbuf.zero_()
             loss = comp.loss_backward(tr.loss_fn, x, y).detach()
@@ -172,7 +182,8 @@ def _train_with_rule(tr, comp, start, batches, c, round, key, lr, rule, job) -> 
             last.setdefault("loss", loss)
             return g
 
-        grad = StepGradient(grad_at, (x, y, None), lambda loss, last=last: last.setdefault("loss", loss))
+        batch = [(x, y, None) for x, y in data]
+        grad = StepGradient(grad_at, batch, lambda loss, last=last: last.setdefault("loss", loss))
         d = rule.direction(w, grad, job)
         w, buf = tr.sgd_update(w, d, buf, tr.step_lr(lr, t))
         w = rule.project(w, job)

@@ -57,15 +57,15 @@ def run(tr: LocalTrainer, call: LocalCall) -> LocalResult:
     return LocalResult(cat([o.params for o in outs]), cat([o.steps for o in outs]), cat([o.loss for o in outs]))
 
 
-def _batch(tr: LocalTrainer, index, mask, clients, active, round, key, gens):
-    """Stacked inputs of the active jobs at one step: (A, B, ...) features, labels and validity mask.
-    ``index`` and ``mask`` are on the device; ``active`` (job positions) on the CPU."""
+def _batch(tr: LocalTrainer, index, mask, clients, active, round, key, gens, draw=0):
+    """Stacked inputs of the active jobs at one step (of its draw ``draw``): (A, B, ...) features, labels and
+    validity mask. ``index`` and ``mask`` are on the device; ``active`` (job positions) on the CPU."""
     if tr.augment is None:
         return tr.placement.rows(tr.train_x, index), tr.placement.rows(tr.train_y, index), mask
     xs = []
     for row, k in enumerate(active.tolist()):  # augmentation draws from each client's own stream
         m = mask[row]
-        x, _ = tr.batch_data(index[row][m], clients[k], round, key, gens)
+        x, _ = tr.batch_data(index[row][m], clients[k], round, key, gens, draw)
         pad = index.shape[1] - x.shape[0]
         xs.append(torch.cat([x, x[:1].expand(pad, *x.shape[1:])]) if pad else x)
     return torch.stack(xs), tr.placement.rows(tr.train_y, index), mask
@@ -80,7 +80,10 @@ def _run_chunk(tr: LocalTrainer, call: LocalCall) -> LocalResult:
     layout, pl = tr.layout, tr.placement
     dev = starts.device
     plan = tr.plan(clients, round, key, steps)  # drawn on the CPU
+    # the steps' further draws (LocalRule.draws): plans of the same shape, steps and masks, other samples
+    more = [tr.plan(clients, round, key, steps, j).index for j in range(1, rule.draws)]
     index, mask = pl.to(plan.index), pl.to(plan.mask)  # (T, K, B), once per chunk
+    more = [pl.to(i) for i in more]
     steps_dev = pl.to(plan.steps)
     jobs = torch.arange(offset, offset + len(clients), device=dev)
     dtype = starts.dtype
@@ -106,10 +109,13 @@ def _run_chunk(tr: LocalTrainer, call: LocalCall) -> LocalResult:
     for t in range(plan.index.shape[0]):
         active_cpu = (plan.steps > t).nonzero().squeeze(1)  # on the CPU: no device synchronisation
         active = active_cpu if pl.on_cpu else pl.to(active_cpu)
-        X, Y, M = _batch(tr, index[t, active], mask[t, active], clients, active_cpu, round, key, gens)
+        M = mask[t, active]
+        data = [_batch(tr, index[t, active], M, clients, active_cpu, round, key, gens)]
+        data += [_batch(tr, i[t, active], M, clients, active_cpu, round, key, gens, j) for j, i in enumerate(more, 1)]
         seen: list[torch.Tensor] = []
 
-        def grad_at(v, X=X, Y=Y, M=M, seen=seen, J=jobs[active] if extra else None):
+        def grad_at(v, draw=0, data=data, seen=seen, J=jobs[active] if extra else None):
+            X, Y, M = data[draw]
             g, loss = batched(v, X, Y, M)
             if extra:
                 g_extra, term = extra_loss_grad(rule, layout, v, X, Y, M, J)
@@ -117,7 +123,7 @@ def _run_chunk(tr: LocalTrainer, call: LocalCall) -> LocalResult:
             seen.append(loss)
             return g
 
-        grad = StepGradient(grad_at, (X, Y, M), seen.append)
+        grad = StepGradient(grad_at, data, seen.append)
         wa = w[active]
         d = rule.direction(wa, grad, jobs[active])
         new, buf_a = tr.sgd_update(wa, d, None if buf is None else buf[active], tr.step_lr(lr, t))

@@ -1,12 +1,12 @@
 """Per-FedAvg (Fallah, Mokhtari, Ozdaglar, NeurIPS 2020): FedAvg on the MAML objective
 F_i(w) = f_i(w - alpha grad f_i(w)), so that one local gradient step from the global model personalizes it.
 
-Each local step of client i (Alg. 1, with the step's batch D standing for the paper's independent batches
-D, D', D''):
+Each local step of client i (Alg. 1), on the step's independent batches D, D' and (HF) D'' of the client's
+data (the rule's ``draws``: the trainer draws each from a stream of its own, ``LocalRule.draws``):
   w~ <- w - alpha grad f_i(w; D)                                                  (line 6)
-  FO: w <- w - beta grad f_i(w~; D)                                    (first-order, Sec. 5 "Per-FedAvg (FO)")
-  HF: w <- w - beta (I - alpha d_i(w)) grad f_i(w~; D), with the Hessian-vector product
-      d_i(w) g = (grad f_i(w + delta g) - grad f_i(w - delta g)) / (2 delta)       (Hessian-free, Eq. 14)
+  FO: w <- w - beta grad f_i(w~; D')                                   (first-order, Sec. 5 "Per-FedAvg (FO)")
+  HF: w <- w - beta (I - alpha d_i(w; D'')) grad f_i(w~; D'), with the Hessian-vector product
+      d_i(w; D'') g = (grad f_i(w + delta g; D'') - grad f_i(w - delta g; D'')) / (2 delta)   (Hessian-free, Eq. 14)
 with beta the local learning rate; the server averages as FedAvg. A client's personal model is the global
 model after one local SGD step of size alpha on its own data (the paper's evaluation).
 """
@@ -34,16 +34,17 @@ def hessian_vector(grad: GradFn, w: torch.Tensor, v: torch.Tensor, delta: float)
 
 
 class PerFedAvgRule(LocalRule):
-    """The MAML step's direction (lines 6-8): ``grad f(w - alpha grad f(w))``, times ``(I - alpha H(w))``
-    for the Hessian-free variant."""
+    """The MAML step's direction (lines 6-8): ``grad f(w - alpha grad f(w; D); D')``, times
+    ``(I - alpha H(w; D''))`` for the Hessian-free variant; D, D', D'' the step's draws 0, 1, 2."""
 
     def __init__(self, alpha: float, variant: str = "fo", delta: float = 1e-3) -> None:
         self.alpha, self.variant, self.delta = float(alpha), variant, float(delta)
+        self.draws = 3 if variant == "hf" else 2  # Alg. 1's independent batches: D, D' (and D'' for HF)
 
     def direction(self, w: torch.Tensor, grad: GradFn, jobs: int | torch.Tensor) -> torch.Tensor:
-        g = grad(w - self.alpha * grad(w))  # grad f(w~), w~ = w - alpha grad f(w)
+        g = grad(w - self.alpha * grad(w, 0), 1)  # grad f(w~; D'), w~ = w - alpha grad f(w; D)
         if self.variant == "hf":
-            g = g - self.alpha * hessian_vector(grad, w, g, self.delta)
+            g = g - self.alpha * hessian_vector(lambda v: grad(v, 2), w, g, self.delta)  # on D''
         return g
 
 
