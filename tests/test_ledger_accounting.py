@@ -1,0 +1,52 @@
+"""The ledger's accounting of what the protocol moves and keeps, counted by hand on the centralized toy (8
+clients of 60 samples, 3 a round, a logistic model of 148 float32 parameters, 4 classes): the losses that a
+sampler selecting by the clients' context reads, the server state of AFL, IFCA, CFL and FedProto, and
+compressed SCAFFOLD's messages beside the dense ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.test_centralized import _algo, _cfg, _rounds
+
+F32 = 4
+MLP = {"name": "mlp", "hidden": [8]}  # 36 -> 8 -> 4: body 36*8 + 8 = 296 values, head 8*4 + 4 = 36
+
+
+def _storage(algo) -> dict:
+    return algo.ledger.summary()["storage_peak_bytes"]
+
+
+# ---- the losses a context sampler reads --------------------------------------------------------------------
+@pytest.mark.parametrize("sampler", [{"name": "power_of_choice", "d": 6}, {"name": "oort"}])
+@pytest.mark.parametrize("alg", ["fedavg", "fedper", "pfedme"])
+def test_a_context_sampler_bills_each_reporting_clients_loss_and_keeps_the_table(sampler, alg):
+    """Each of the 3 reporting clients sends its mean training loss with its upload: 3 float32 up per round,
+    no message of its own; the server keeps a float64 loss and an int64 round for each of the 8 clients. The
+    three places that feed the table (the template, the personalized one, pFedMe's) all bill it."""
+    algo = _algo({**_cfg(alg, rounds=2), "sampler": sampler})
+    plain = _algo(_cfg(alg, rounds=2))
+    _rounds(algo, 2)
+    _rounds(plain, 2)
+    for r in (0, 1):
+        assert algo.ledger.bytes("up", round=r, kind="train_loss") == 3 * F32
+        assert algo.ledger.bytes("up", round=r) == plain.ledger.bytes("up", round=r) + 3 * F32
+    assert algo.ledger.count(kind="train_loss") == 0  # it rides in the upload: no message of its own
+    assert algo.ledger.count(sender="client") == plain.ledger.count(sender="client") == 2 * 3
+    assert _storage(algo)["server"]["client_history"] == 8 * (8 + 8)
+
+
+def test_a_context_sampler_bills_only_the_clients_that_report():
+    algo = _algo({**_cfg("fedavg", rounds=4), "sampler": {"name": "oort"}, "faults": {"dropout": 0.5}})
+    for r in range(4):
+        algo.run_round(r)
+        reported = int(np.count_nonzero(algo.client_history.last_round == r))
+        assert algo.ledger.bytes("up", round=r, kind="train_loss") == reported * F32
+
+
+def test_a_sampler_without_a_context_bills_no_loss_and_keeps_no_table():
+    algo = _algo(_cfg("fedavg"))
+    _rounds(algo, 2)
+    assert algo.ledger.bytes(kind="train_loss") == 0
+    assert "client_history" not in _storage(algo).get("server", {})
