@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.test_centralized import _algo, _cfg, _rounds
+from tests.test_centralized import D_TOY, _algo, _cfg, _rounds
 
 F32 = 4
 MLP = {"name": "mlp", "hidden": [8]}  # 36 -> 8 -> 4: body 36*8 + 8 = 296 values, head 8*4 + 4 = 36
@@ -50,3 +50,35 @@ def test_a_sampler_without_a_context_bills_no_loss_and_keeps_no_table():
     _rounds(algo, 2)
     assert algo.ledger.bytes(kind="train_loss") == 0
     assert "client_history" not in _storage(algo).get("server", {})
+
+
+# ---- server state in the storage figures -------------------------------------------------------------------
+def test_afl_keeps_its_mixture_weights_on_the_server():
+    algo = _algo(_cfg("afl"))
+    assert _storage(algo)["server"] == {"mixture_weights": 8 * F32}  # lambda, one per client
+
+
+@pytest.mark.parametrize("clusters", [1, 3])
+def test_ifca_keeps_its_cluster_models_on_the_server(clusters):
+    algo = _algo(_cfg("ifca", clusters=clusters))
+    assert _storage(algo)["server"] == {"cluster_models": clusters * D_TOY * F32}
+
+
+def test_ifca_sharing_its_body_keeps_one_body_and_a_head_per_cluster():
+    algo = _algo({**_cfg("ifca", clusters=2, share_body=True), "model": MLP})
+    assert _storage(algo)["server"] == {"cluster_models": (296 + 2 * 36) * F32}
+
+
+def test_cfl_keeps_a_model_per_cluster_at_its_peak_and_each_clients_cluster():
+    # every client each round; eps1 above any mean update and eps2 = 0: the one cluster of 8 splits in round 1
+    algo = _algo(_cfg("clustered_fl", clients_per_round=8, eps1=1e9, eps2=0.0, warmup=0))
+    assert _storage(algo)["server"] == {"cluster_models": D_TOY * F32, "cluster_assignment": 8 * 8}
+    out = algo.run_round(0)
+    assert out["clusters"] == 2.0
+    assert _storage(algo)["server"] == {"cluster_models": 2 * D_TOY * F32, "cluster_assignment": 8 * 8}
+
+
+def test_fedproto_keeps_its_global_prototypes_on_the_server():
+    algo = _algo({**_cfg("fedproto"), "model": MLP})
+    # 4 classes x D = 8 float32 values, and one byte per class saying whether it has a prototype yet
+    assert _storage(algo)["server"] == {"prototypes": 4 * 8 * F32 + 4}
