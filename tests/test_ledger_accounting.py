@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.test_centralized import D_TOY, _algo, _cfg, _rounds
+from tests.test_compression import _with
 
 F32 = 4
 MLP = {"name": "mlp", "hidden": [8]}  # 36 -> 8 -> 4: body 36*8 + 8 = 296 values, head 8*4 + 4 = 36
@@ -82,3 +83,17 @@ def test_fedproto_keeps_its_global_prototypes_on_the_server():
     algo = _algo({**_cfg("fedproto"), "model": MLP})
     # 4 classes x D = 8 float32 values, and one byte per class saying whether it has a prototype yet
     assert _storage(algo)["server"] == {"prototypes": 4 * 8 * F32 + 4}
+
+
+# ---- compressed SCAFFOLD -----------------------------------------------------------------------------------
+def test_compressed_scaffold_counts_the_messages_the_dense_run_counts():
+    """SCAFFOLD's client sends (Delta y_i, Delta c_i) in one upload (Alg. 1 line 13), dense or compressed: one
+    message per reporting client either way, the compressed one carrying its two encoded tensors (efsign: 32
+    bits of scale and a sign per value, each)."""
+    dense, packed = _algo(_cfg("scaffold")), _algo(_with(_cfg("scaffold"), "efsign"))
+    _rounds(dense, 2)
+    _rounds(packed, 2)
+    kind = "update+control_delta"
+    assert packed.ledger.count(kind=kind) == dense.ledger.count(kind=kind) == 2 * 3
+    assert dense.ledger.bytes("up", round=1) == 3 * 2 * D_TOY * F32
+    assert packed.ledger.bytes("up", round=1) == 3 * 2 * ((32 + D_TOY + 7) // 8)
