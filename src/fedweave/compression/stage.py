@@ -3,8 +3,9 @@ upload, bill the encoded bytes, decode on the server, keep each client's error-f
 
 What is compressed is what the method transmits: the update ``y_i - x_t`` of a method whose clients send
 their model (the server knows ``x_t``, so sending the displacement is the same message), and each tensor of a
-stateful client's upload as it is (SCAFFOLD's ``Delta y_i`` and ``Delta c_i``, each its own message). The
-residuals are client state (one table per message, rows by client id), saved in the algorithm's checkpoint.
+stateful client's upload as it is (SCAFFOLD's ``Delta y_i`` and ``Delta c_i``, each encoded on its own with its own
+residual, in the one upload the client sends, as its dense upload is one message). The residuals are client
+state (one table per tensor, rows by client id), saved in the algorithm's checkpoint.
 """
 
 from __future__ import annotations

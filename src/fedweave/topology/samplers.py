@@ -18,7 +18,9 @@ with equal weights rather than weighing them by their sizes a second time (:func
 A sampler that selects by what it knows of the clients (the built-in ``power_of_choice`` and ``oort``) declares
 a ``context`` keyword and gets a read-only :class:`SamplerContext`: each client's number of training samples,
 its last reported training loss and the round it last reported, as of the start of round ``r``. The
-centralized family gives one (``StarAlgorithm.client_history``); the others refuse such a sampler with one line.
+centralized family gives one (``StarAlgorithm.client_history``; its ledger bills each reported loss, one float
+up with the client's upload, and keeps the table as server storage: ``StarAlgorithm.report_losses``); the others
+refuse such a sampler with one line.
 
 The confederated family keeps its own vectorised uniform draw of ``m = sample_rate * P`` users per edge
 server (spec A13) under the default; any other sampler is asked by each edge server for exactly m of its

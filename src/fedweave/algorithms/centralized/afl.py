@@ -28,6 +28,7 @@ import torch
 from fedweave.algorithms.base import aggregation_weights
 from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, StarHparams
 from fedweave.config import MAX_LR, ConfigError
+from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
 
 
@@ -69,6 +70,7 @@ class AFL(StarAlgorithm):
         super().__init__(ctx, hp)
         everyone = np.arange(ctx.num_clients)
         self.lam = aggregation_weights(self.sizes, everyone, hp.weighting)  # lambda_0 in the simplex
+        self.ledger.store("server", "mixture_weights", nbytes(self.lam))  # lambda, one per client, kept by the server
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:
         lam = self.lam[torch.as_tensor(clients, dtype=torch.long, device=self.lam.device)]

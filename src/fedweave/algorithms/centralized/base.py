@@ -201,6 +201,9 @@ class StarAlgorithm(Algorithm):
         self.sampler = make_sampler(
             ctx, hp.clients_per_round, default=_aliased_sampler(ctx, hp), context=self.client_history.context
         )
+        if self.sampler.reads_context:  # the server keeps each client's last loss and round for it
+            h = self.client_history
+            self.ledger.store("server", "client_history", h.last_loss.nbytes + h.last_round.nbytes)
         # a sampler that draws by size gets equal weights: every reader of hp.weighting (weights(), AFL's lambda_0,
         # the clustered methods, the deployment's secure aggregation) then follows the draw's analysis
         hp.weighting = weighting_under(ctx, self.sampler, hp.weighting)
@@ -396,9 +399,20 @@ class StarAlgorithm(Algorithm):
             local, upload = self.trainer.train_with_state(start, clients, r, rule, self.store, lr=lr)
         else:
             local, upload = self.trainer.train(start, clients, r, rule=rule, lr=lr), {}
-        if self.sampler.reads_context:  # a copy of the losses to the host: no number changes
-            self.client_history.record(r, clients, local.loss)
+        self.report_losses(r, clients, local.loss)
         return Collected(r, clients, lr, local, upload, self.weights(clients), start=starts)
+
+    def report_losses(self, r: int, clients: np.ndarray, loss: torch.Tensor) -> None:
+        """Under a sampler that reads the clients' context (``power_of_choice``, ``oort``): each reporting client's
+        mean training loss reaches the server's :class:`ClientHistory`, which later rounds select by. The loss is
+        protocol traffic then, one float of the run's width per reporting client, sent with its upload: billed as
+        ``client->server:train_loss`` with no message of its own (count 0). The papers' candidates report a loss
+        too (Cho et al. 2022: each of the d candidates its loss of x_t, a round trip this sampler does not take);
+        here it is the last one reported. Under any other sampler the loss is the run's metric only, not billed."""
+        if not self.sampler.reads_context:
+            return
+        self.client_history.record(r, clients, loss)  # a copy to the host: no trained number changes
+        self.ledger.record(r, "client", "server", "train_loss", len(clients) * self.ctx.float_bytes, 0)
 
     def client_updates(self, got: Collected) -> torch.Tensor:
         """Each reporting client's update, one row per client: what the server pipeline reduces.

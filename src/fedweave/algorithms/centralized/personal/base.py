@@ -206,8 +206,7 @@ class PartialSharing(PersonalStar):
         lr = self.trainer.lr(r)
         local = self.local_train(r, clients, self.starts(clients), lr)
         self.store.set_rows("personal", clients, local.params)  # the personal part is read from here next time
-        if self.sampler.reads_context:
-            self.client_history.record(r, clients, local.loss)
+        self.report_losses(r, clients, local.loss)
         upload = {"shared": local.params[:, self.shared]} if self.partial else {}  # what the ledger counts
         return Collected(r, clients, lr, local, upload, self.weights(clients))
 

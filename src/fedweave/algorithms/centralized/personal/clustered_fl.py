@@ -27,6 +27,7 @@ from fedweave.algorithms.base import aggregation_weights
 from fedweave.algorithms.centralized.base import Collected, StarHparams
 from fedweave.algorithms.centralized.personal.base import PersonalStar
 from fedweave.config import ConfigError
+from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
 
 
@@ -73,6 +74,13 @@ class ClusteredFL(PersonalStar):
         del self.x  # no single global model
         self.assignment = torch.zeros(ctx.num_clients, dtype=torch.long, device="cpu")  # client -> cluster (host)
         self.round_index, self.splits = 0, 0  # the round being aggregated, and its splits (a metric)
+        self.store_clusters()
+
+    def store_clusters(self) -> None:
+        """The server's state in the ledger's storage: a model per cluster (its peak: after the last split) and
+        each client's cluster."""
+        self.ledger.store("server", "cluster_models", nbytes(self.models))
+        self.ledger.store("server", "cluster_assignment", nbytes(self.assignment))
 
     def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:
         return {"model": (self.models[0],)}  # one model per client: its cluster's (all the same size)
@@ -100,6 +108,8 @@ class ClusteredFL(PersonalStar):
                 self.models = torch.cat([self.models, self.models[c : c + 1]])
                 self.splits += 1
         self.assignment[torch.as_tensor(clients, device="cpu")] = torch.as_tensor(cluster, device="cpu")
+        if self.splits:
+            self.store_clusters()
         means = torch.zeros_like(self.models)
         for c in np.unique(cluster):
             mine = np.flatnonzero(cluster == c)

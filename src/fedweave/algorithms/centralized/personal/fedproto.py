@@ -31,6 +31,7 @@ from fedweave.algorithms.centralized.personal.base import PersonalStar
 from fedweave.config import MAX_LR, ConfigError
 from fedweave.execution import LocalRule
 from fedweave.execution.local import PLAIN
+from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS, RULES
 
 
@@ -97,6 +98,7 @@ class FedProto(PersonalStar):
         dev = self.store["personal"].device
         self.protos = torch.zeros(self.num_classes, self.dim, dtype=probe.dtype, device=dev)  # Cbar
         self.known = torch.zeros(self.num_classes, dtype=torch.bool, device=dev)  # classes with a Cbar
+        self.ledger.store("server", "prototypes", nbytes(self.protos, self.known))  # Cbar and its classes, kept
         self.reported: tuple[torch.Tensor, torch.Tensor] | None = None  # this round's sums and counts
 
     def downlink(self) -> dict[str, tuple[torch.Tensor, ...]]:

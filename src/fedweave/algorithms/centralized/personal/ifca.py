@@ -31,6 +31,7 @@ from fedweave.algorithms.centralized.base import Collected, StarHparams
 from fedweave.algorithms.centralized.personal.base import PersonalStar, head_names, name_mask
 from fedweave.config import ConfigError
 from fedweave.execution import ParamLayout
+from fedweave.ledger import nbytes
 from fedweave.registry import ALGORITHMS
 
 
@@ -86,6 +87,9 @@ class IFCA(PersonalStar):
                 "would pick cluster 0; use a random initialization (leave model.init out)"
             )
         del self.x  # no single global model: what reads one fails loudly instead of reading a stale copy
+        # the server keeps the k cluster models in place of one global model (with share_body the body once and
+        # the k heads): what its downlink sends, billed as it is
+        self.ledger.store("server", "cluster_models", nbytes(*self.downlink()["model"]))
         self.picked: np.ndarray = np.zeros(0, dtype=np.int64)  # this round's clusters, in job order
 
     def cluster_losses(self, clients: np.ndarray | range) -> np.ndarray:

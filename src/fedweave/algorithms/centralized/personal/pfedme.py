@@ -119,8 +119,7 @@ class PFedMe(PersonalStar):
         if hp.train_all:  # Alg. 1's S^t: only the sampled clients send their w_{i,R}
             at = torch.as_tensor(clients, dtype=torch.long, device=local.params.device)
             local = LocalResult(local.params[at], local.steps[at], local.loss[at])
-        if self.sampler.reads_context:  # what the sampled clients reported: the default's context
-            self.client_history.record(r, clients, local.loss)
+        self.report_losses(r, clients, local.loss)  # what the sampled clients reported: the default's context
         return Collected(r, clients, lr, local, {}, self.weights(clients))
 
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
