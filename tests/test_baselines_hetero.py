@@ -218,6 +218,39 @@ def test_one_fedexp_server_step_is_the_closed_form():
     torch.testing.assert_close(algo.x.double(), x0.double() + eta * d.mean(0), rtol=1e-5, atol=1e-7)
 
 
+def test_fedexp_weighted_step_size_is_the_closed_form():
+    # p = (1/2, 1/4, 1/4), Delta_1 = (4, 0), Delta_2 = (-2, 0), Delta_3 = (0, 2): sum_i p_i ||Delta_i||^2 =
+    # 8 + 1 + 1 = 10, Delta = (3/2, 1/2), ||Delta||^2 = 5/2: eta_g = 10 / (2 (5/2 + 1/2)) = 5/3 (the plain count
+    # M = 3 beside the weighted mean gave 24 / (2 * 3 * 3) = 4/3)
+    updates = torch.tensor([[4.0, 0.0], [-2.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+    p = torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64)
+    assert fedexp_step_size(updates, p @ updates, eps=0.5, weights=p) == pytest.approx(5 / 3, rel=1e-15)
+    # equal weights: the paper's formula (16 / 15 on the rows of the closed-form test above)
+    rows = torch.tensor([[3.0, 0.0], [-1.0, 2.0], [1.0, 1.0]], dtype=torch.float64)
+    equal = torch.full((3,), 1 / 3, dtype=torch.float64)
+    assert fedexp_step_size(rows, rows.mean(0), eps=0.5, weights=equal) == pytest.approx(16 / 15, rel=1e-15)
+
+
+def test_one_fedexp_server_step_under_sample_weights_is_the_weighted_closed_form():
+    """weighting: samples: Delta = sum_i p_i Delta_i with p_i = n_i / sum_j n_j, and eta_g its weighted form
+    sum_i p_i ||Delta_i||^2 / (2 (||Delta||^2 + eps)), the clients' sizes unequal on the Dirichlet split."""
+    cfg = {**CFG, "rounds": 1, "algorithm": {"name": "fedexp", "clients_per_round": 4, "weighting": "samples"}}
+    algo = build_algorithm(RunContext(load(cfg)))
+    x0 = algo.x.clone()
+    got = algo.train_clients(0, algo.sample_clients(0))
+    algo.server_update(algo.aggregate(algo.client_updates(got), got.weights), got)
+    d = (got.local.params - x0).double()
+    n = algo.sizes[got.clients].double()
+    p = n / n.sum()
+    assert len(set(n.tolist())) > 1  # unequal sizes: the weights are not 1/M
+    mean = p @ d
+    eta = max(1.0, float(p @ (d**2).sum(1) / (2 * ((mean**2).sum() + 1e-3))))
+    plain = max(1.0, float((d**2).sum() / (2 * 4 * ((mean**2).sum() + 1e-3))))
+    assert eta > 1 and abs(eta - plain) > 1e-3 * eta  # the example extrapolates, and not as the count M did
+    assert algo.last_step_size == pytest.approx(eta, rel=1e-5)
+    torch.testing.assert_close(algo.x.double(), x0.double() + eta * mean, rtol=1e-5, atol=1e-7)
+
+
 def test_fedexp_steps_by_the_updates_the_server_received_under_an_attack():
     """eta_g is the server's: computed from the rows it received (a Gaussian attacker's noise in place of its
     update), the same rows its aggregate reduces, not from the updates the attackers computed and never sent."""
