@@ -137,6 +137,50 @@ def test_fednova_one_round_on_least_squares_with_unequal_steps_is_the_closed_for
     assert float((want - fedavg).norm()) > 1e-3 * float(want.norm())  # unequal steps: not FedAvg's answer
 
 
+if "_blocks_one_empty" not in PARTITIONERS._items:
+
+    @PARTITIONERS.register("_blocks_one_empty")
+    def _blocks_one_empty(labels, num_clients, rng, *, users=None):
+        """The least-squares toy's rows in blocks of 20, 60, 0 and 80: 1, 3, 0 and 4 steps of batch 20."""
+        return list(np.split(np.arange(len(labels)), [20, 80, 80]))
+
+
+def test_nova_scale_counts_an_empty_client_as_no_step_and_no_direction():
+    # uniform p = 1/4, tau = (2, 4, 0, 0): tau_eff = (2 + 4) / 4 = 1.5; the clients that stepped share the
+    # direction's weight 1/2, so the coefficients are 1.5 / (tau_i / 2) = (1.5, 0.75) and 0 for the empty ones
+    p = torch.full((4,), 0.25)
+    torch.testing.assert_close(nova_scale(p, torch.tensor([2, 4, 0, 0])), torch.tensor([1.5, 0.75, 0.0, 0.0]))
+    # equal steps among the clients that stepped: coefficient 1, FedAvg's uniform mean (empty clients' Delta = 0)
+    assert torch.equal(nova_scale(p, torch.tensor([3, 3, 0, 0])), torch.tensor([1.0, 1.0, 0.0, 0.0]))
+
+
+def test_fednova_round_with_an_empty_client_under_uniform_weights_is_the_closed_form():
+    """tau = (1, 3, 0, 4), p = 1/4: the empty client adds 0 to tau_eff = 8 / 4 = 2 (it counted as one step,
+    tau_eff 9 / 4) and has no normalized update, so x+ = x + sum_{i: tau_i > 0} (1/3) (2 / tau_i) Delta_i."""
+    cfg = _quad_cfg("fednova")
+    cfg["partition"] = {"name": "_blocks_one_empty", "num_clients": N_Q}
+    cfg["local"] = {"epochs": 1, "batch_size": 20, "lr": 0.05}
+    algo = build_algorithm(RunContext(load(cfg)))
+    algo.trainer.loss_fn = _squared
+    x0 = algo.x.double().clone()
+    algo.run_round(0)
+
+    ds = _quad_data()
+    a_all, y_all = ds.train_x.double(), ds.train_y.double()
+    want, taus = x0.clone(), []
+    for c in range(N_Q):
+        w = x0.clone()
+        batches = algo.trainer.client_batches(c, 0, (), None)
+        for b in batches:
+            a, y = a_all[b], y_all[b]
+            w = w - 0.05 * a.T @ (a @ w - y) / len(b)
+        taus.append(len(batches))
+        if batches:
+            want = want + (2 / len(batches)) * (w - x0) / 3
+    assert taus == [1, 3, 0, 4]
+    torch.testing.assert_close(algo.x.double(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_fednova_refuses_local_momentum(tmp_path):
     with pytest.raises(ConfigError, match="algorithm fednova .* local.momentum must be 0"):
         _run(tmp_path, "fednova", local={**CFG["local"], "momentum": 0.9})
@@ -172,6 +216,39 @@ def test_one_fedexp_server_step_is_the_closed_form():
     eta = max(1.0, float((d**2).sum() / (2 * 4 * ((d.mean(0) ** 2).sum() + 1e-3))))
     assert eta > 1 and algo.last_step_size == pytest.approx(eta, rel=1e-5)  # the example extrapolates
     torch.testing.assert_close(algo.x.double(), x0.double() + eta * d.mean(0), rtol=1e-5, atol=1e-7)
+
+
+def test_fedexp_weighted_step_size_is_the_closed_form():
+    # p = (1/2, 1/4, 1/4), Delta_1 = (4, 0), Delta_2 = (-2, 0), Delta_3 = (0, 2): sum_i p_i ||Delta_i||^2 =
+    # 8 + 1 + 1 = 10, Delta = (3/2, 1/2), ||Delta||^2 = 5/2: eta_g = 10 / (2 (5/2 + 1/2)) = 5/3 (the plain count
+    # M = 3 beside the weighted mean gave 24 / (2 * 3 * 3) = 4/3)
+    updates = torch.tensor([[4.0, 0.0], [-2.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+    p = torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64)
+    assert fedexp_step_size(updates, p @ updates, eps=0.5, weights=p) == pytest.approx(5 / 3, rel=1e-15)
+    # equal weights: the paper's formula (16 / 15 on the rows of the closed-form test above)
+    rows = torch.tensor([[3.0, 0.0], [-1.0, 2.0], [1.0, 1.0]], dtype=torch.float64)
+    equal = torch.full((3,), 1 / 3, dtype=torch.float64)
+    assert fedexp_step_size(rows, rows.mean(0), eps=0.5, weights=equal) == pytest.approx(16 / 15, rel=1e-15)
+
+
+def test_one_fedexp_server_step_under_sample_weights_is_the_weighted_closed_form():
+    """weighting: samples: Delta = sum_i p_i Delta_i with p_i = n_i / sum_j n_j, and eta_g its weighted form
+    sum_i p_i ||Delta_i||^2 / (2 (||Delta||^2 + eps)), the clients' sizes unequal on the Dirichlet split."""
+    cfg = {**CFG, "rounds": 1, "algorithm": {"name": "fedexp", "clients_per_round": 4, "weighting": "samples"}}
+    algo = build_algorithm(RunContext(load(cfg)))
+    x0 = algo.x.clone()
+    got = algo.train_clients(0, algo.sample_clients(0))
+    algo.server_update(algo.aggregate(algo.client_updates(got), got.weights), got)
+    d = (got.local.params - x0).double()
+    n = algo.sizes[got.clients].double()
+    p = n / n.sum()
+    assert len(set(n.tolist())) > 1  # unequal sizes: the weights are not 1/M
+    mean = p @ d
+    eta = max(1.0, float(p @ (d**2).sum(1) / (2 * ((mean**2).sum() + 1e-3))))
+    plain = max(1.0, float((d**2).sum() / (2 * 4 * ((mean**2).sum() + 1e-3))))
+    assert eta > 1 and abs(eta - plain) > 1e-3 * eta  # the example extrapolates, and not as the count M did
+    assert algo.last_step_size == pytest.approx(eta, rel=1e-5)
+    torch.testing.assert_close(algo.x.double(), x0.double() + eta * mean, rtol=1e-5, atol=1e-7)
 
 
 def test_fedexp_steps_by_the_updates_the_server_received_under_an_attack():

@@ -521,6 +521,35 @@ def test_a_round_of_clients_without_samples_keeps_the_global_model():
     assert torch.isfinite(_rounds(a, 3, e + 1)).all()
 
 
+if "_blocks_with_empty" not in PARTITIONERS._items:
+
+    @PARTITIONERS.register("_blocks_with_empty")
+    def _blocks_with_empty(labels, num_clients, rng, *, users=None):
+        """The least-squares toy's rows in blocks of 20, 60, 0 and 80: 1, 3, 0 and 4 steps of batch 20."""
+        return list(np.split(np.arange(len(labels)), [20, 80, 80]))
+
+
+@pytest.mark.parametrize("alg", ["fedcm", "fedmim"])
+def test_the_default_k_counts_only_the_clients_that_hold_data(alg):
+    """K normalizes FedCM's Delta_{t+1} = -mean / (eta_l K) and FedMIM's delta = (x_{t-1} - x_t) / K: the
+    steps an active client runs. Steps (1, 3, 0, 4): K = round(8 / 3) = 3 over the clients that step (the
+    empty client's 0 made it round(8 / 4) = 2), and after round 0 the direction is -(x_1 - x_0) / (eta_l 3),
+    resp. (x_0 - x_1) / 3."""
+    cfg = _quad_cfg(alg)
+    cfg["partition"] = {"name": "_blocks_with_empty", "num_clients": N_Q}
+    cfg["local"] = {"epochs": 1, "batch_size": 20, "lr": 0.05}
+    a = _algo(cfg)
+    assert [a.trainer.num_steps(c) for c in range(N_Q)] == [1, 3, 0, 4]
+    assert a.K == 3
+    a.trainer.loss_fn = _squared
+    x0 = a.x.clone()
+    a.run_round(0)
+    if alg == "fedcm":
+        torch.testing.assert_close(a.momentum, -(a.x - x0) / (0.05 * 3))
+    else:
+        torch.testing.assert_close(a.deltas()[0], (x0 - a.x) / 3)
+
+
 def _same_state(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and torch.equal(a, b)

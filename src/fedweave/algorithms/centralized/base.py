@@ -488,8 +488,9 @@ class StarAlgorithm(Algorithm):
 
     @cached_property
     def mean_round_steps(self) -> int:
-        """The unit ``round``'s reference: :meth:`reference_steps` and, for a method with :meth:`personal_steps`,
-        the rounded mean of the two together (the same rounding). Counted once over the population: a client's
+        """The unit ``round``'s reference: the rounded mean over every client, one without samples included, of
+        its local steps and, for a method with :meth:`personal_steps`, those too (:meth:`reference_steps`, the
+        papers' K, counts the clients that hold data only). Counted once over the population: a client's
         steps depend on its data and the config only, and the asynchronous clock asks at every dispatch."""
         ks = [self.trainer.num_steps(c) + self.personal_steps(c) for c in range(self.ctx.num_clients)]
         return max(1, round(sum(ks) / len(ks)))
@@ -508,8 +509,12 @@ class StarAlgorithm(Algorithm):
 
     def reference_steps(self) -> int:
         """K of the papers that normalize by it: local.steps, else E*ceil(n_i/B), the same for every client
-        of a balanced split; for unbalanced splits the rounded mean over clients (fedmim spec A5)."""
-        ks = [self.trainer.num_steps(c) for c in range(self.ctx.num_clients)]
+        of a balanced split; for unbalanced splits the rounded mean over the clients that hold data (fedmim
+        spec A5). K is the number of local steps an active client runs (FedCM Alg. 1's ``eta_l K`` of
+        ``Delta_{t+1}``; the spec's §1): a client without samples (``partition.min_size: 0``) runs none, and its 0
+        steps would only shrink K and inflate FedCM's momentum ``-Delta / (eta_l K)`` and FedMIM's deltas."""
+        held = np.flatnonzero(self.holds_data)
+        ks = [self.trainer.num_steps(int(c)) for c in (held if len(held) else range(self.ctx.num_clients))]
         return max(1, round(sum(ks) / len(ks)))
 
     def local_metrics(self, local: LocalResult, p: torch.Tensor) -> dict[str, float]:

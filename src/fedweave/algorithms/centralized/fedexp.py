@@ -8,10 +8,18 @@ The server step size adapts to the round's updates like a projection onto convex
 
 ``eta_g`` is large when the clients' updates disagree (their mean is short beside them) and 1 (FedAvg) when
 they agree. ``eps`` keeps it finite when the updates cancel (the paper takes 1e-3). The paper averages the
-updates with equal weights, so ``weighting`` defaults to ``uniform`` here; with ``samples`` Delta is the
-weighted mean. ``extrapolate: false`` fixes eta_g at 1 (FedAvg bit for bit); ``server_lr`` (default 1, the paper's)
-multiplies eta_g. The paper evaluates the average
-of the last two iterates to damp the oscillation of the extrapolated steps; this file evaluates x_t itself.
+updates with equal weights, so ``weighting`` defaults to ``uniform`` here. With ``samples`` Delta is the
+weighted mean ``sum_i p_i Delta_i`` and the step size its weighted analogue
+
+    eta_g = max(1, sum_i p_i ||Delta_i||^2 / (2 (||sum_i p_i Delta_i||^2 + eps)))
+
+which is the paper's at p_i = 1/M. The extrapolated parallel projection method FedExP builds on (Pierra;
+Combettes) takes this ratio with any convex weights, and by Jensen ``sum_i p_i ||Delta_i||^2 >=
+||sum_i p_i Delta_i||^2``, so eta_g still grows with the updates' disagreement and is 1 when they agree. The
+plain count M beside weighted rows mixed two means: a client with few samples raised eta_g as much as one with
+many. ``extrapolate: false`` fixes eta_g at 1 (FedAvg bit for bit); ``server_lr`` (default 1, the paper's)
+multiplies eta_g. The paper evaluates the average of the last two iterates to damp the oscillation of the
+extrapolated steps; this file evaluates x_t itself.
 docs/extending.md shows this method written as a plug-in.
 """
 
@@ -40,11 +48,16 @@ class FedExPHparams(StarHparams):
             raise ConfigError(f"algorithm.eps must be in (0, {MAX_LR:.6g}], got {self.eps}")
 
 
-def fedexp_step_size(updates: torch.Tensor, mean: torch.Tensor, eps: float) -> float:
+def fedexp_step_size(
+    updates: torch.Tensor, mean: torch.Tensor, eps: float, weights: torch.Tensor | None = None
+) -> float:
     """``max(1, sum_i ||Delta_i||^2 / (2 M (||Delta||^2 + eps)))`` for the M rows of ``updates`` and their
-    aggregate ``mean`` (FedExP's server step size)."""
-    m = updates.shape[0]
-    return max(1.0, float(updates.pow(2).sum() / (2 * m * (mean.pow(2).sum() + eps))))
+    aggregate ``mean`` (FedExP's server step size); with ``weights`` p (summing to one, the aggregate's), its
+    weighted form ``max(1, sum_i p_i ||Delta_i||^2 / (2 (||Delta||^2 + eps)))``, the same at p_i = 1/M."""
+    if weights is None:
+        m = updates.shape[0]
+        return max(1.0, float(updates.pow(2).sum() / (2 * m * (mean.pow(2).sum() + eps))))
+    return max(1.0, float(weights @ updates.pow(2).sum(1) / (2 * (mean.pow(2).sum() + eps))))
 
 
 @ALGORITHMS.register("fedexp")
@@ -56,7 +69,9 @@ class FedExP(StarAlgorithm):
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
         # the rows the server received (an attacker's in place of its own update), else as the clients computed them
         rows = got.received if got.received is not None else self.client_updates(got)
-        eta = fedexp_step_size(rows, mean, self.hp.eps) if self.hp.extrapolate else 1.0
+        # weighting uniform: the paper's formula as printed; samples: its weighted form with the aggregate's p_i
+        p = got.weights if self.hp.weighting == "samples" else None
+        eta = fedexp_step_size(rows, mean, self.hp.eps, p) if self.hp.extrapolate else 1.0
         self.last_step_size = eta
         self.x = self.x + self.hp.server_lr * eta * mean  # x_{t+1} = x_t + eta_g Delta (server_lr 1: the paper's)
 

@@ -17,6 +17,14 @@ model as in FedAvg, and its step count with it, as every client's reply does (``
 in simulation and from a deployment's nodes). Local momentum
 changes ``a_i`` (the paper's Sec. 5 gives its norm); this file implements the plain-SGD version and refuses
 ``local.momentum``.
+
+A client without samples (``partition.min_size: 0``) takes no step: ``tau_i = 0``, so it adds nothing to
+``tau_eff = sum_i p_i tau_i``, and it has no normalized gradient (``G_i a_i / ||a_i||_1`` is 0 / 0). The
+generalized update (Sec. 4) is ``x+ = x - tau_eff eta sum_i w_i d_i`` with weights ``w_i`` summing to one
+over the clients' ``d_i``, FedNova's ``w_i = p_i`` (Sec. 5): the clients that stepped get the weights
+``p_i / sum_{j: tau_j > 0} p_j`` and the one that did not gets 0. ``tau_eff`` stays FedAvg's own, with the
+empty client's zero steps in it (under ``weighting: samples`` its ``p_i`` is 0 and nothing changes), so
+with equal steps among the clients that stepped FedNova is still FedAvg under the same weighting.
 """
 
 from __future__ import annotations
@@ -29,15 +37,19 @@ from fedweave.registry import ALGORITHMS
 
 
 def nova_scale(p: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """The coefficients ``tau_eff / tau_i`` of each client's update, ``tau_eff = sum_j p_j tau_j``.
+    """The coefficients ``tau_eff / (tau_i sum_{j: tau_j > 0} p_j)`` of each client's update,
+    ``tau_eff = sum_j p_j tau_j``; 0 for a client that took no step (it has no normalized gradient).
 
-    Computed in float64 as ``sum_j p_j tau_j / (tau_i sum_j p_j)``: the p_j sum to one, and dividing by their
-    computed sum makes every coefficient exactly 1 when all tau_i are equal (the products and sums of
-    float32 weights and step counts are exact in float64), so FedNova is then FedAvg bit for bit.
+    Computed in float64 as ``sum_j p_j tau_j / (tau_i sum_{j: tau_j > 0} p_j)``: the p_j sum to one, and
+    dividing by their computed sum makes every coefficient exactly 1 when all tau_i are equal (the products
+    and sums of float32 weights and step counts are exact in float64), so FedNova is then FedAvg bit for bit.
     """
     p64 = p.to(torch.float64)
-    tau = steps.clamp_min(1).to(torch.float64)
-    return ((p64 @ tau) / (tau * p64.sum())).to(p.dtype)
+    tau = steps.to(torch.float64)
+    stepped = tau > 0
+    # tau_eff counts an empty client's 0 steps; its weight leaves the normalized direction (module docstring)
+    coef = (p64 @ tau) / (tau.clamp_min(1) * torch.where(stepped, p64, 0.0).sum())
+    return torch.where(stepped, coef, 0.0).to(p.dtype)
 
 
 @ALGORITHMS.register("fednova")
