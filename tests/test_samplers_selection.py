@@ -219,3 +219,16 @@ def test_a_registered_sampler_that_draws_by_size_gets_equal_weights_or_is_refuse
         "sampler '_by_size' draws clients in proportion to their sizes, and the hierarchical"
     )
     assert "\n" not in str(e.value) and not (tmp_path / "h").exists()
+
+
+def test_oort_decays_the_exploration_before_every_selection():
+    """The authors' getTopK multiplies the factor by the decay before it selects, the first selection included:
+    round r (from 0) explores with explore * decay^(r + 1). Clients 0-3 reported, 4-7 never did; of 4 slots,
+    int(4 (1 - eps)) are exploited."""
+    ctx = _context([10] * 8, [4.0, 3.0, 2.0, 1.0] + [float("nan")] * 4, [0] * 8)
+    # explore 0.5, decay 0.5, round 0: eps 0.25, 3 exploited and 1 explored (before: eps 0.5, 2 and 2)
+    got = oort(8, 4, 0, _rng(), rounds=5, context=ctx, explore=0.5, explore_decay=0.5, explore_min=0.0)
+    assert int((got < 4).sum()) == 3
+    # explore 0.9, decay 0.5, round 0: eps 0.45, int(2.2) = 2 exploited (before: eps 0.9, none)
+    got = oort(8, 4, 0, _rng(), rounds=5, context=ctx, explore=0.9, explore_decay=0.5, explore_min=0.0)
+    assert int((got < 4).sum()) == 2

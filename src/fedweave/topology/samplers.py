@@ -233,7 +233,8 @@ def oort(
     statistical utility only (no system speed).
 
     Of the round's ``K`` slots, ``int(K (1 - eps_r))`` (rounded down, as the authors' ``getTopK`` computes
-    ``exploitLen``), with ``eps_r = max(explore_min, explore * explore_decay^r)``, go to the explored clients of
+    ``exploitLen``), with ``eps_r = max(explore_min, explore * explore_decay^(r + 1))`` (decayed before every
+    selection, the first included, as the authors' code does), go to the explored clients of
     highest utility, and the rest (``eps_r K`` rounded up, up to float rounding in ``1 - eps_r``) to clients
     never heard from (uniformly at random among them, while there are any; while fewer clients are explored,
     they all are taken and the unheard fill the rest). The utility is
@@ -254,7 +255,9 @@ def oort(
     order = rng.permutation(num_clients)  # a random order breaks ties
     seen = context.last_round[order] >= 0
     fresh, known = order[~seen], order[seen]
-    eps = max(explore_min, explore * explore_decay**r)
+    # the authors decay the factor before every selection (getTopK: exploration = max(exploration * decay, min)),
+    # so the first selection already uses explore * decay: round r (from 0) is selection r + 1
+    eps = max(explore_min, explore * explore_decay ** (r + 1))
     # the authors' exploitLen = int(numOfSamples * (1.0 - exploration)) (oort/oort.py, getTopK), in the same
     # float arithmetic: exploration takes the remaining slots, eps K rounded up (2.5 of 5 slots: 3), never to even
     n_exploit = min(int(per_round * (1.0 - eps)), len(known))
