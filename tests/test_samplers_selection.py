@@ -1,5 +1,5 @@
-"""The samplers that select by what they know of the clients: power-of-choice (Cho et al. 2022) and an
-Oort-like loss utility (Lai et al. 2021). Each on a constructed context whose answer is known, seeded by the
+"""The samplers that select by what they know of the clients: power-of-choice (Cho et al. 2022) and
+Oort's training selector (Lai et al. 2021). Each on a constructed context whose answer is known, seeded by the
 round's own stream, and resumed from a checkpoint as if never interrupted."""
 
 from __future__ import annotations
@@ -65,29 +65,51 @@ def test_power_of_choice_with_fewer_clients_with_data_than_the_round_names_clien
         assert str(e.value).startswith("algorithm.clients_per_round (4) must be at most 3 under sampler power_of")
 
 
-# ---- Oort-like utility -------------------------------------------------------------------------------
-def test_oort_without_exploration_takes_the_highest_utility():
-    # U_i = n_i l_i + sqrt(0.1 log(R) / L_i) at round r = 3 (R = 4), L_i = last round + 1
-    sizes, losses, last = [10, 10, 40, 20, 10], [1.0, 2.0, 0.2, 0.5, 1.9], [2, 2, 2, 2, 0]
-    ctx = _context(sizes, losses, last)
-    util = [n * loss + math.sqrt(0.1 * math.log(4) / (r + 1)) for n, loss, r in zip(sizes, losses, last)]
-    want = sorted(np.argsort(util)[::-1][:2].tolist())  # 20 + bonus, 19 + the larger bonus of a stale client
-    assert want == [1, 4]
-    got = oort(5, 2, 3, _rng(), rounds=5, context=ctx, explore=0.0, explore_min=0.0)
-    assert got.tolist() == want
+# ---- Oort's training selector ------------------------------------------------------------------------------
+def _share(picks: list[list[int]], client: int) -> float:
+    return sum(client in p for p in picks) / len(picks)
 
 
-def test_oort_staleness_decides_between_equal_losses():
-    ctx = _context([10, 10, 10], [1.0, 1.0, 1.0], [5, 1, 5])  # client 1 was last heard from long ago
-    assert oort(3, 1, 6, _rng(), rounds=9, context=ctx, explore=0.0, explore_min=0.0).tolist() == [1]
+def _pair_share(p: np.ndarray, i: int) -> float:
+    """The chance that client ``i`` is among 2 drawn without replacement with probabilities ``p``."""
+    return p[i] + sum(p[j] * p[i] / (1 - p[j]) for j in range(len(p)) if j != i)
 
 
-def test_oort_explores_the_unheard_first_and_then_exploits():
+def test_oort_exploits_in_proportion_to_utility_above_the_cut_off():
+    """The authors' getTopK: the explored clients whose score reaches cut_off (0.7) times the score of the
+    (exploitLen + 1)-th best, drawn in proportion to their scores. Rewards n_i l_i = 8, 6, 4, 2, 1 (sizes 1,
+    no staleness bonus): clip is the largest (rank int(0.98 * 5) = 4), R_min = 0.999, range 7.001, so the
+    scores are (R_i - 0.999) / 7.001; 2 slots: the cut-off is 0.7 of client 2's score, which 3 and 4 miss
+    (before: always the two highest, [0, 1])."""
+    rewards = [8.0, 6.0, 4.0, 2.0, 1.0]
+    ctx = _context([1] * 5, rewards, [2] * 5)
+    picks = [
+        oort(5, 2, 3, _rng(s), rounds=5, context=ctx, explore=0.0, explore_min=0.0, staleness=0.0).tolist()
+        for s in range(3000)
+    ]
+    assert not any({3, 4} & set(p) for p in picks)
+    score = (np.array(rewards[:3]) - 0.999) / 7.001
+    p = score / score.sum()
+    for c in range(3):
+        assert abs(_share(picks, c) - _pair_share(p, c)) < 0.03
+
+
+def test_oort_staleness_bonus_is_the_authors_temporal_uncertainty():
+    """sqrt(staleness * log(T) / L_i), T = r + 1, L_i = last round + 1: equal rewards (normalised to 1 each),
+    client 1 last heard from in round 1, clients 0 and 2 in round 5, at round 6; one slot drawn in proportion."""
+    ctx = _context([10, 10, 10], [1.0, 1.0, 1.0], [5, 1, 5])
+    picks = [oort(3, 1, 6, _rng(s), rounds=9, context=ctx, explore=0.0, explore_min=0.0).tolist() for s in range(3000)]
+    score = 1.0 + np.sqrt(0.1 * math.log(7) / np.array([6.0, 2.0, 6.0]))
+    assert abs(_share(picks, 1) - score[1] / score.sum()) < 0.03
+
+
+def test_oort_explores_the_unheard_and_exploits_the_heard():
     ctx = _context([10] * 6, [1.0, 3.0, 2.0, float("nan"), float("nan"), float("nan")], [0, 0, 0, 0, 0, 0])
-    # eps = 0.5 of 4 slots: 2 of the 3 unheard (random), then the 2 highest utilities (1 and 2)
-    got = oort(6, 4, 1, _rng(3), rounds=5, context=ctx, explore=0.5, explore_decay=1.0, explore_min=0.5)
-    assert {1, 2} <= set(got.tolist()) and len(set(got.tolist()) & {3, 4, 5}) == 2
-    # before anyone reported, everything is exploration: a uniform draw
+    # eps = 0.5 of 4 slots: 2 of the 3 heard from, 2 of the 3 unheard
+    for s in range(10):
+        got = set(oort(6, 4, 1, _rng(s), rounds=5, context=ctx, explore=0.5, explore_decay=1.0, explore_min=0.5))
+        assert len(got & {0, 1, 2}) == 2 and len(got & {3, 4, 5}) == 2
+    # before anyone reported, everything is exploration
     assert len(oort(6, 4, 0, _rng(), rounds=5, context=_context([10] * 6))) == 4
 
 
@@ -100,12 +122,17 @@ def test_oort_exploits_the_slots_rounded_down_and_explores_the_rest(eps, per_rou
     for seed in range(5):
         got = oort(16, per_round, 1, _rng(seed), rounds=5, context=ctx, explore=eps, explore_decay=1.0, explore_min=eps)
         assert len(got) == per_round and int((got >= 8).sum()) == fresh
-        assert got[got < 8].tolist() == list(range(per_round - fresh))  # the highest utilities
 
 
 @pytest.mark.parametrize(
     "opts,key",
-    [({"explore": 1.5}, "explore"), ({"explore_min": 0.95}, "explore_min"), ({"staleness": -1}, "staleness")],
+    [
+        ({"explore": 1.5}, "explore"),
+        ({"explore_min": 0.95}, "explore_min"),
+        ({"staleness": -1}, "staleness"),
+        ({"cut_off": 1.5}, "cut_off"),
+        ({"clip_bound": -0.1}, "clip_bound"),
+    ],
 )
 def test_oort_refuses_bad_options(opts, key):
     with pytest.raises(ConfigError, match=f"sampler.{key} must be"):

@@ -228,30 +228,42 @@ def oort(
     explore_decay: float = 0.98,
     explore_min: float = 0.3,
     staleness: float = 0.1,
+    cut_off: float = 0.7,
+    clip_bound: float = 0.98,
 ) -> np.ndarray:
-    """A loss-based utility sampler in the spirit of Oort (Lai, Zhu, Madhyastha and Chowdhury, OSDI 2021),
-    statistical utility only (no system speed).
+    """A loss-based utility sampler after Oort (Lai, Zhu, Madhyastha and Chowdhury, OSDI 2021), statistical
+    utility only (no system speed), exploiting as the authors' code does (SymbioticLab/Oort, oort/oort.py,
+    ``_training_selector.getTopK``).
 
-    Of the round's ``K`` slots, ``int(K (1 - eps_r))`` (rounded down, as the authors' ``getTopK`` computes
-    ``exploitLen``), with ``eps_r = max(explore_min, explore * explore_decay^(r + 1))`` (decayed before every
-    selection, the first included, as the authors' code does), go to the explored clients of
-    highest utility, and the rest (``eps_r K`` rounded up, up to float rounding in ``1 - eps_r``) to clients
-    never heard from (uniformly at random among them, while there are any; while fewer clients are explored,
-    they all are taken and the unheard fill the rest). The utility is
+    Of the round's ``K`` slots, ``int(K (1 - eps_r))`` (``exploitLen``), with ``eps_r = max(explore_min,
+    explore * explore_decay^(r + 1))`` (decayed before every selection, the first included), go to explored
+    clients (those that reported before), at most as many as there are. Each explored client's score is
 
-        U_i = n_i l_i + sqrt(staleness * log(R) / L_i)
+        U_i = (min(R_i, clip) - R_min) / range + sqrt(staleness * log(T) / L_i)
 
-    with ``n_i`` the client's size, ``l_i`` its last reported mean training loss, ``R = r + 1`` the round and
-    ``L_i`` the round it last reported in (both counted from 1): Oort's ``|B_i| sqrt(mean of squared losses)``
-    with the mean loss standing in for the root mean square (the context keeps the mean), and its staleness
-    bonus, which grows for clients not heard from in a long time. Ties keep a random order."""
-    for key, v, lo, hi in (("explore", explore, 0, 1), ("explore_decay", explore_decay, 0, 1)):
+    with ``R_i = n_i l_i`` its reward (``n_i`` its size, ``l_i`` its last reported mean training loss),
+    ``T = r + 1`` the selection and ``L_i`` the round it last reported in (both counted from 1). ``clip``,
+    ``R_min`` and ``range`` come from the positive rewards of all the clients, an unexplored one's reward
+    being its size (the authors' initial reward): ``clip`` the value at rank ``int(clip_bound * count)`` of
+    them sorted, ``R_min`` 0.999 times the least, ``range`` the largest minus ``R_min``, at least 1e-4. The
+    exploited clients are drawn without replacement with probability proportional to ``U_i`` among those
+    whose score is at least ``cut_off`` times the score of the ``(exploitLen + 1)``-th best (all of them when
+    there is no such client). The rest (``eps_r K`` rounded up) go to clients never heard from, uniformly at
+    random among them, while there are any; while fewer are unheard, the explored of highest score not yet
+    drawn fill the rest. Ties keep a random order."""
+    for key, v, lo, hi in (
+        ("explore", explore, 0, 1),
+        ("explore_decay", explore_decay, 0, 1),
+        ("cut_off", cut_off, 0, 1),
+        ("clip_bound", clip_bound, 0, 1),
+    ):
         if not lo <= v <= hi:
             raise ConfigError(f"sampler.{key} must be in [{lo}, {hi}], got {v}")
     if not 0 <= explore_min <= explore:
         raise ConfigError(f"sampler.explore_min must be in [0, explore = {explore}], got {explore_min}")
     if not staleness >= 0:
         raise ConfigError(f"sampler.staleness must be >= 0, got {staleness}")
+    sizes = context.sizes.astype(np.float64)
     order = rng.permutation(num_clients)  # a random order breaks ties
     seen = context.last_round[order] >= 0
     fresh, known = order[~seen], order[seen]
@@ -262,10 +274,36 @@ def oort(
     # float arithmetic: exploration takes the remaining slots, eps K rounded up (2.5 of 5 slots: 3), never to even
     n_exploit = min(int(per_round * (1.0 - eps)), len(known))
     n_fresh = min(len(fresh), per_round - n_exploit)
+    # the rewards: n_i l_i for an explored client, its size for an unexplored one (the authors' initial reward)
+    reward = np.where(context.last_round >= 0, sizes * context.last_loss, sizes)
+    positive = np.sort(reward[order][reward[order] > 0])
+    if len(positive):  # the authors' get_norm(clip_bound) over the positive rewards
+        clip = positive[min(int(len(positive) * clip_bound), len(positive) - 1)]
+        low = positive[0] * 0.999
+        span = max(positive[-1] - low, 1e-4)
+    else:
+        clip, low, span = 0.0, 0.0, 1e-4
     last = context.last_round[known].astype(np.float64) + 1
-    utility = context.sizes[known] * context.last_loss[known] + np.sqrt(staleness * np.log(r + 1) / last)
-    best = known[np.argsort(-utility, kind="stable")[: per_round - n_fresh]]
-    return np.sort(np.concatenate([fresh[:n_fresh], best]))
+    score = (np.minimum(reward[known], clip) - low) / span + np.sqrt(staleness * np.log(r + 1) / last)
+    ranked = np.argsort(-score, kind="stable")
+    candidates = ranked
+    if n_exploit < len(known):  # the cut-off: a fraction of the score just past the top exploitLen
+        candidates = ranked[score[ranked] >= score[ranked[n_exploit]] * cut_off]
+    exploited = _proportional(rng, known[candidates], score[candidates], n_exploit)
+    more = known[ranked][~np.isin(known[ranked], exploited)][: per_round - n_fresh - n_exploit]
+    return np.sort(np.concatenate([fresh[:n_fresh], exploited, more]))
+
+
+def _proportional(rng: np.random.Generator, ids: np.ndarray, weight: np.ndarray, k: int) -> np.ndarray:
+    """``k`` of ``ids`` drawn without replacement with probability proportional to ``weight`` (numpy's
+    ``choice(p=...)``, as the authors draw); where fewer than ``k`` weigh more than nothing, those are all
+    taken and the rest drawn uniformly from the others."""
+    w = np.maximum(weight, 0.0)
+    pos = w > 0
+    n = min(k, int(pos.sum()))
+    first = rng.choice(ids[pos], n, replace=False, p=w[pos] / w[pos].sum()) if n else ids[:0]
+    rest = rng.choice(ids[~pos], k - n, replace=False) if k > n else ids[:0]
+    return np.concatenate([first, rest])
 
 
 # the arguments fedweave gives a sampler; the other keywords are its options (the ``sampler`` section)
