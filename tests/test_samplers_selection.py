@@ -103,6 +103,40 @@ def test_oort_staleness_bonus_is_the_authors_temporal_uncertainty():
     assert abs(_share(picks, 1) - score[1] / score.sum()) < 0.03
 
 
+def test_oort_explores_by_size_among_the_largest_unexplored():
+    """Unexplored clients are drawn in proportion to their sizes (the authors' initial reward) among the
+    int(sample_window * exploreLen) largest: one slot, window 2, sizes 100, 90, 80, 1, 1, 1: only clients 0 and
+    1, in ratio 100 : 90 (before: uniformly among all six)."""
+    ctx = _context([100, 90, 80, 1, 1, 1])
+    picks = [oort(6, 1, 0, _rng(s), rounds=5, context=ctx, sample_window=2.0).tolist() for s in range(3000)]
+    assert all(p in ([0], [1]) for p in picks)
+    assert abs(_share(picks, 0) - 100 / 190) < 0.03
+
+
+def test_oort_fills_the_slots_left_by_exploration_at_random():
+    """Fewer unexplored clients than exploration slots: the authors fill the rest with any other client,
+    uniformly. Of 4 slots with eps 0.5, 2 exploited among clients 0-2 (3 and 4 are below the cut-off), 1 to
+    the only unexplored client 5, and the last to any client not yet picked, 3 and 4 included (before: the
+    next highest utility, never 3 or 4)."""
+    ctx = _context([1] * 6, [8.0, 7.0, 6.0, 0.5, 0.4, float("nan")], [0] * 6)
+    picks = [
+        oort(6, 4, 1, _rng(s), rounds=5, context=ctx, explore=0.5, explore_decay=1.0, explore_min=0.5).tolist()
+        for s in range(600)
+    ]
+    assert all(5 in p and len(set(p) & {0, 1, 2}) >= 2 for p in picks)
+    assert 0.5 < sum(bool({3, 4} & set(p)) for p in picks) / len(picks) < 0.8  # 2 of the 3 left: 2/3
+
+
+def test_oort_selects_among_the_clients_with_data():
+    """Clients without data are not registered (the authors register only clients with enough samples): never
+    selected, and a round larger than the clients with data is refused in one line."""
+    ctx = _context([0, 5, 5, 5])
+    assert all(oort(4, 3, 0, _rng(s), rounds=1, context=ctx).tolist() == [1, 2, 3] for s in range(20))
+    with pytest.raises(ConfigError) as e:
+        oort(4, 4, 0, _rng(), rounds=1, context=ctx)
+    assert str(e.value).startswith("algorithm.clients_per_round (4) must be at most 3 under sampler oort")
+
+
 def test_oort_explores_the_unheard_and_exploits_the_heard():
     ctx = _context([10] * 6, [1.0, 3.0, 2.0, float("nan"), float("nan"), float("nan")], [0, 0, 0, 0, 0, 0])
     # eps = 0.5 of 4 slots: 2 of the 3 heard from, 2 of the 3 unheard
@@ -132,6 +166,7 @@ def test_oort_exploits_the_slots_rounded_down_and_explores_the_rest(eps, per_rou
         ({"staleness": -1}, "staleness"),
         ({"cut_off": 1.5}, "cut_off"),
         ({"clip_bound": -0.1}, "clip_bound"),
+        ({"sample_window": 0.5}, "sample_window"),
     ],
 )
 def test_oort_refuses_bad_options(opts, key):

@@ -229,15 +229,16 @@ def oort(
     explore_min: float = 0.3,
     staleness: float = 0.1,
     cut_off: float = 0.7,
+    sample_window: float = 5.0,
     clip_bound: float = 0.98,
 ) -> np.ndarray:
-    """A loss-based utility sampler after Oort (Lai, Zhu, Madhyastha and Chowdhury, OSDI 2021), statistical
-    utility only (no system speed), exploiting as the authors' code does (SymbioticLab/Oort, oort/oort.py,
-    ``_training_selector.getTopK``).
+    """Oort's training selector (Lai, Zhu, Madhyastha and Chowdhury, OSDI 2021), statistical utility only, as
+    the authors' code selects (SymbioticLab/Oort, oort/oort.py, ``_training_selector.getTopK``).
 
-    Of the round's ``K`` slots, ``int(K (1 - eps_r))`` (``exploitLen``), with ``eps_r = max(explore_min,
-    explore * explore_decay^(r + 1))`` (decayed before every selection, the first included), go to explored
-    clients (those that reported before), at most as many as there are. Each explored client's score is
+    The clients are those holding data (the authors register only clients with enough samples). Of the
+    round's ``K`` slots, ``int(K (1 - eps_r))`` (``exploitLen``), with ``eps_r = max(explore_min, explore *
+    explore_decay^(r + 1))`` (decayed before every selection, the first included), go to explored clients
+    (those that reported before), at most as many as there are. Each explored client's score is
 
         U_i = (min(R_i, clip) - R_min) / range + sqrt(staleness * log(T) / L_i)
 
@@ -248,9 +249,16 @@ def oort(
     them sorted, ``R_min`` 0.999 times the least, ``range`` the largest minus ``R_min``, at least 1e-4. The
     exploited clients are drawn without replacement with probability proportional to ``U_i`` among those
     whose score is at least ``cut_off`` times the score of the ``(exploitLen + 1)``-th best (all of them when
-    there is no such client). The rest (``eps_r K`` rounded up) go to clients never heard from, uniformly at
-    random among them, while there are any; while fewer are unheard, the explored of highest score not yet
-    drawn fill the rest. Ties keep a random order."""
+    there is no such client). The other slots go to unexplored clients, drawn without replacement with
+    probability proportional to their sizes among the ``int(sample_window * exploreLen)`` largest; slots
+    still empty (fewer unexplored clients than slots) go to the remaining clients uniformly at random. Ties
+    in any ordering keep a random order.
+
+    Not the authors' selector: the reward uses the mean training loss where the authors take the root mean
+    square of the per-sample losses (the context keeps the mean) and the client's full size where they cap it
+    at the samples one round trains on (a fedweave round goes over the client's data); there is no system
+    utility (no client speed model, so the authors' duration penalty and its pacer, which only moves the
+    preferred round duration, do not apply), and no blacklist (off by default in the authors' code)."""
     for key, v, lo, hi in (
         ("explore", explore, 0, 1),
         ("explore_decay", explore_decay, 0, 1),
@@ -263,17 +271,23 @@ def oort(
         raise ConfigError(f"sampler.explore_min must be in [0, explore = {explore}], got {explore_min}")
     if not staleness >= 0:
         raise ConfigError(f"sampler.staleness must be >= 0, got {staleness}")
+    if not sample_window >= 1:  # the window must hold the clients to explore
+        raise ConfigError(f"sampler.sample_window must be >= 1, got {sample_window}")
     sizes = context.sizes.astype(np.float64)
+    holders = int((sizes > 0).sum())
+    if per_round > holders:
+        raise ConfigError(
+            f"algorithm.clients_per_round ({per_round}) must be at most {holders} under sampler oort "
+            f"(the clients with data, from which it selects)"
+        )
     order = rng.permutation(num_clients)  # a random order breaks ties
+    order = order[sizes[order] > 0]
     seen = context.last_round[order] >= 0
     fresh, known = order[~seen], order[seen]
-    # the authors decay the factor before every selection (getTopK: exploration = max(exploration * decay, min)),
-    # so the first selection already uses explore * decay: round r (from 0) is selection r + 1
     eps = max(explore_min, explore * explore_decay ** (r + 1))
     # the authors' exploitLen = int(numOfSamples * (1.0 - exploration)) (oort/oort.py, getTopK), in the same
     # float arithmetic: exploration takes the remaining slots, eps K rounded up (2.5 of 5 slots: 3), never to even
     n_exploit = min(int(per_round * (1.0 - eps)), len(known))
-    n_fresh = min(len(fresh), per_round - n_exploit)
     # the rewards: n_i l_i for an explored client, its size for an unexplored one (the authors' initial reward)
     reward = np.where(context.last_round >= 0, sizes * context.last_loss, sizes)
     positive = np.sort(reward[order][reward[order] > 0])
@@ -286,12 +300,16 @@ def oort(
     last = context.last_round[known].astype(np.float64) + 1
     score = (np.minimum(reward[known], clip) - low) / span + np.sqrt(staleness * np.log(r + 1) / last)
     ranked = np.argsort(-score, kind="stable")
-    candidates = ranked
     if n_exploit < len(known):  # the cut-off: a fraction of the score just past the top exploitLen
-        candidates = ranked[score[ranked] >= score[ranked[n_exploit]] * cut_off]
-    exploited = _proportional(rng, known[candidates], score[candidates], n_exploit)
-    more = known[ranked][~np.isin(known[ranked], exploited)][: per_round - n_fresh - n_exploit]
-    return np.sort(np.concatenate([fresh[:n_fresh], exploited, more]))
+        ranked = ranked[score[ranked] >= score[ranked[n_exploit]] * cut_off]
+    exploited = _proportional(rng, known[ranked], score[ranked], n_exploit)
+    n_explore = min(len(fresh), per_round - n_exploit)
+    window = fresh[np.argsort(-sizes[fresh], kind="stable")][: min(int(sample_window * n_explore), len(fresh))]
+    explored = _proportional(rng, window, sizes[window], n_explore)
+    picked = np.concatenate([exploited, explored])
+    rest = np.setdiff1d(order, picked)  # slots still empty: any other client, uniformly (the authors' fill)
+    filled = rng.choice(rest, per_round - len(picked), replace=False)
+    return np.sort(np.concatenate([picked, filled]))
 
 
 def _proportional(rng: np.random.Generator, ids: np.ndarray, weight: np.ndarray, k: int) -> np.ndarray:
