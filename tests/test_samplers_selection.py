@@ -158,6 +158,35 @@ def test_oort_exploits_the_slots_rounded_down_and_explores_the_rest(eps, per_rou
         assert len(got) == per_round and int((got >= 8).sum()) == fresh
 
 
+def test_oort_stops_exploring_for_good_once_every_client_was_explored():
+    """The authors' getTopK sets the factor and its floor to 0 in the first selection that finds nobody
+    unexplored; that selection still used the decayed factor. All 5 clients reported in round 0: round 1's
+    selection finds nobody unexplored and keeps eps 0.5 (1 of 2 slots exploited, the other to any client,
+    3 and 4 included); from round 2 both slots are exploited above the cut-off, never 3 or 4 (before: eps
+    stayed at explore_min 0.5 and the free slot went to any client in every round)."""
+    ctx = _context([1] * 5, [8.0, 7.0, 6.0, 0.5, 0.4], [0] * 5)
+    assert ctx.all_reported.tolist() == [0]
+    opts = {"explore": 0.5, "explore_decay": 1.0, "explore_min": 0.5}
+    first = [oort(5, 2, 1, _rng(s), rounds=9, context=ctx, **opts).tolist() for s in range(300)]
+    assert any({3, 4} & set(p) for p in first)
+    for r in (2, 5):
+        later = [oort(5, 2, r, _rng(s), rounds=9, context=ctx, **opts).tolist() for s in range(300)]
+        assert not any({3, 4} & set(p) for p in later)
+
+
+def test_the_history_keeps_the_round_by_which_every_client_with_data_reported():
+    h = ClientHistory([5, 0, 5, 5])
+    h.record(0, np.array([0, 2]), np.array([1.0, 1.0]))
+    h.record(1, np.array([0, 2]), np.array([1.0, 1.0]))
+    assert h.context.all_reported.tolist() == [-1]  # client 3 never reported (client 1 holds no data)
+    h.record(2, np.array([3]), np.array([1.0]))
+    h.record(3, np.array([0, 3]), np.array([1.0, 1.0]))
+    assert h.context.all_reported.tolist() == [2]
+    again = ClientHistory([5, 0, 5, 5])
+    again.load_state_dict(h.state_dict())
+    assert again.context.all_reported.tolist() == [2] and again.unheard == 0
+
+
 @pytest.mark.parametrize(
     "opts,key",
     [

@@ -17,7 +17,8 @@ with equal weights rather than weighing them by their sizes a second time (:func
 
 A sampler that selects by what it knows of the clients (the built-in ``power_of_choice`` and ``oort``) declares
 a ``context`` keyword and gets a read-only :class:`SamplerContext`: each client's number of training samples,
-its last reported training loss and the round it last reported, as of the start of round ``r``. The
+its last reported training loss and the round it last reported, and the round by which every client with data
+had reported, as of the start of round ``r``. The
 centralized family gives one (``StarAlgorithm.client_history``); the others refuse such a sampler with one line.
 
 The confederated family keeps its own vectorised uniform draw of ``m = sample_rate * P`` users per edge
@@ -237,8 +238,9 @@ def oort(
 
     The clients are those holding data (the authors register only clients with enough samples). Of the
     round's ``K`` slots, ``int(K (1 - eps_r))`` (``exploitLen``), with ``eps_r = max(explore_min, explore *
-    explore_decay^(r + 1))`` (decayed before every selection, the first included), go to explored clients
-    (those that reported before), at most as many as there are. Each explored client's score is
+    explore_decay^(r + 1))`` (decayed before every selection, the first included; 0 for good from the
+    selection after the first that finds every client explored), go to explored clients (those that reported
+    before), at most as many as there are. Each explored client's score is
 
         U_i = (min(R_i, clip) - R_min) / range + sqrt(staleness * log(T) / L_i)
 
@@ -285,6 +287,12 @@ def oort(
     seen = context.last_round[order] >= 0
     fresh, known = order[~seen], order[seen]
     eps = max(explore_min, explore * explore_decay ** (r + 1))
+    # the authors set the factor and its floor to 0 for good in the first selection that finds no client left
+    # unexplored (getTopK's else branch; that selection itself still used the decayed factor). A client once
+    # explored stays so, so this happened before round r exactly when every client with data had first
+    # reported before round r - 1
+    if 0 <= context.all_reported[0] <= r - 2:
+        eps = 0.0
     # the authors' exploitLen = int(numOfSamples * (1.0 - exploration)) (oort/oort.py, getTopK), in the same
     # float arithmetic: exploration takes the remaining slots, eps K rounded up (2.5 of 5 slots: 3), never to even
     n_exploit = min(int(per_round * (1.0 - eps)), len(known))
@@ -342,6 +350,7 @@ class SamplerContext:
     sizes: np.ndarray  # (n,) int64: each client's number of training samples
     last_loss: np.ndarray  # (n,) float64: each client's last reported mean training loss; NaN if it never reported
     last_round: np.ndarray  # (n,) int64: the last round in which each client reported; -1 if it never did
+    all_reported: np.ndarray  # (1,) int64: the round in which the last client with data first reported; -1 before
 
 
 @dataclass
@@ -351,18 +360,28 @@ class ClientHistory:
     sizes: np.ndarray
     last_loss: np.ndarray = field(init=False)
     last_round: np.ndarray = field(init=False)
-    context: SamplerContext = field(init=False)  # read-only views of the three
+    all_reported: np.ndarray = field(init=False)
+    unheard: int = field(init=False)  # the clients with data that never reported
+    context: SamplerContext = field(init=False)  # read-only views of the four
 
     def __post_init__(self) -> None:
         self.sizes = np.asarray(self.sizes, dtype=np.int64)
         self.last_loss = np.full(len(self.sizes), np.nan)
         self.last_round = np.full(len(self.sizes), -1, dtype=np.int64)
-        self.context = SamplerContext(_read_only(self.sizes), _read_only(self.last_loss), _read_only(self.last_round))
+        self.all_reported = np.full(1, -1, dtype=np.int64)  # one number, not one per client (no memory per client)
+        self.unheard = int((self.sizes > 0).sum())
+        views = (self.sizes, self.last_loss, self.last_round, self.all_reported)
+        self.context = SamplerContext(*(_read_only(a) for a in views))
 
     def record(self, r: int, clients: np.ndarray, losses: Any) -> None:
         """The clients that reported in round ``r`` and their mean training losses (a tensor or an array)."""
         if isinstance(losses, torch.Tensor):  # wherever it was computed: a copy, the computation is untouched
             losses = losses.detach().to("cpu", torch.float64).numpy()
+        if self.unheard:
+            new = np.unique(clients[(self.last_round[clients] < 0) & (self.sizes[clients] > 0)])
+            self.unheard -= len(new)
+            if not self.unheard:
+                self.all_reported[0] = r
         self.last_loss[clients] = losses
         self.last_round[clients] = r
 
@@ -371,12 +390,20 @@ class ClientHistory:
         return {
             "last_loss": torch.tensor(self.last_loss, device="cpu"),  # host bookkeeping; checkpoints hold CPU tensors
             "last_round": torch.tensor(self.last_round, device="cpu"),
+            "all_reported": torch.tensor(self.all_reported, device="cpu"),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take the losses and rounds recorded before a checkpoint (:meth:`state_dict`'s tensors)."""
         self.last_loss[:] = state["last_loss"].cpu().numpy()  # in place: the context's views stay valid
         self.last_round[:] = state["last_round"].cpu().numpy()
+        holders = self.sizes > 0
+        self.unheard = int((self.last_round[holders] < 0).sum())
+        if "all_reported" in state:
+            self.all_reported[:] = state["all_reported"].cpu().numpy()
+        else:  # a checkpoint from before it was kept: the latest last round bounds it (the sampler that reads it,
+            # oort, selected otherwise then, so such a run does not continue as it was whatever is taken here)
+            self.all_reported[0] = -1 if self.unheard or not holders.any() else int(self.last_round[holders].max())
 
 
 def reads_context(fn: Callable[..., Any]) -> bool:
