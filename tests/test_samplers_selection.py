@@ -158,6 +158,14 @@ def test_oort_exploits_the_slots_rounded_down_and_explores_the_rest(eps, per_rou
         assert len(got) == per_round and int((got >= 8).sum()) == fresh
 
 
+def test_oort_defaults_are_the_authors():
+    """The authors' argParser: exploration 0.9, decay 0.95, floor 0.2 (before: 0.98 and 0.3). At round 20 with
+    10 slots, eps = max(0.2, 0.9 * 0.95^21) = 0.305: 6 exploited (before: eps 0.591, 4)."""
+    ctx = _context([1] * 20, [1.0 + c for c in range(10)] + [float("nan")] * 10, [0] * 20)
+    for s in range(5):
+        assert int((oort(20, 10, 20, _rng(s), rounds=30, context=ctx) < 10).sum()) == 6
+
+
 def test_oort_stops_exploring_for_good_once_every_client_was_explored():
     """The authors' getTopK sets the factor and its floor to 0 in the first selection that finds nobody
     unexplored; that selection still used the decayed factor. All 5 clients reported in round 0: round 1's

@@ -226,8 +226,8 @@ def oort(
     rounds: int,
     context: SamplerContext,
     explore: float = 0.9,
-    explore_decay: float = 0.98,
-    explore_min: float = 0.3,
+    explore_decay: float = 0.95,
+    explore_min: float = 0.2,
     staleness: float = 0.1,
     cut_off: float = 0.7,
     sample_window: float = 5.0,
@@ -254,7 +254,9 @@ def oort(
     there is no such client). The other slots go to unexplored clients, drawn without replacement with
     probability proportional to their sizes among the ``int(sample_window * exploreLen)`` largest; slots
     still empty (fewer unexplored clients than slots) go to the remaining clients uniformly at random. Ties
-    in any ordering keep a random order.
+    in any ordering keep a random order. The defaults are the authors' (``training/argParser.py``:
+    exploration_factor, exploration_decay, exploration_min, cut_off_util, sample_window, clip_bound; the 0.1
+    of the staleness bonus is written into their getTopK).
 
     Not the authors' selector: the reward uses the mean training loss where the authors take the root mean
     square of the per-sample losses (the context keeps the mean) and the client's full size where they cap it
