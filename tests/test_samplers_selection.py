@@ -166,6 +166,15 @@ def test_oort_defaults_are_the_authors():
         assert int((oort(20, 10, 20, _rng(s), rounds=30, context=ctx) < 10).sum()) == 6
 
 
+def test_oort_selects_past_a_diverged_client():
+    """A NaN last loss (a diverged client) scores nothing and an infinite one is clipped like any large reward:
+    the selection goes on (before: the draw failed on a NaN probability, "a cannot be empty")."""
+    ctx = _context([1] * 4, [float("nan"), float("inf"), 1.0, 2.0], [0] * 4)
+    for s in range(20):
+        assert oort(4, 3, 3, _rng(s), rounds=5, context=ctx, explore=0.0, explore_min=0.0).tolist() == [1, 2, 3]
+    assert oort(4, 4, 3, _rng(), rounds=5, context=ctx, explore=0.0, explore_min=0.0).tolist() == [0, 1, 2, 3]
+
+
 def test_oort_stops_exploring_for_good_once_every_client_was_explored():
     """The authors' getTopK sets the factor and its floor to 0 in the first selection that finds nobody
     unexplored; that selection still used the decayed factor. All 5 clients reported in round 0: round 1's

@@ -300,7 +300,8 @@ def oort(
     n_exploit = min(int(per_round * (1.0 - eps)), len(known))
     # the rewards: n_i l_i for an explored client, its size for an unexplored one (the authors' initial reward)
     reward = np.where(context.last_round >= 0, sizes * context.last_loss, sizes)
-    positive = np.sort(reward[order][reward[order] > 0])
+    positive = reward[order]
+    positive = np.sort(positive[np.isfinite(positive) & (positive > 0)])  # an infinite loss is clipped below
     if len(positive):  # the authors' get_norm(clip_bound) over the positive rewards
         clip = positive[min(int(len(positive) * clip_bound), len(positive) - 1)]
         low = positive[0] * 0.999
@@ -309,6 +310,9 @@ def oort(
         clip, low, span = 0.0, 0.0, 1e-4
     last = context.last_round[known].astype(np.float64) + 1
     score = (np.minimum(reward[known], clip) - low) / span + np.sqrt(staleness * np.log(r + 1) / last)
+    # a client whose last loss is NaN (its training diverged) has no score: last in line, weight 0 (taken only
+    # when the others cannot fill its slots), where the draw would otherwise fail on a NaN probability
+    score = np.where(np.isnan(score), -np.inf, score)
     ranked = np.argsort(-score, kind="stable")
     if n_exploit < len(known):  # the cut-off: a fraction of the score just past the top exploitLen
         ranked = ranked[score[ranked] >= score[ranked[n_exploit]] * cut_off]
