@@ -175,6 +175,16 @@ def test_oort_selects_past_a_diverged_client():
     assert oort(4, 4, 3, _rng(), rounds=5, context=ctx, explore=0.0, explore_min=0.0).tolist() == [0, 1, 2, 3]
 
 
+def test_oort_exploits_clients_whose_loss_is_zero():
+    """A loss of 0 gives a reward below R_min (0.999 times the least positive reward, here the unexplored
+    client's size) and so a negative score, which times cut_off lies above itself: the top exploitLen + 1 are
+    kept whatever the cut-off, and drawn uniformly as none weighs more than nothing (before: no client passed
+    the cut-off and the draw failed)."""
+    ctx = _context([1, 1, 1, 5], [0.0, 0.0, 0.0, float("nan")], [0] * 4)
+    picks = [oort(4, 2, 3, _rng(s), rounds=5, context=ctx, explore=0.0, explore_min=0.0).tolist() for s in range(60)]
+    assert {tuple(p) for p in picks} == {(0, 1), (0, 2), (1, 2)}
+
+
 def test_oort_stops_exploring_for_good_once_every_client_was_explored():
     """The authors' getTopK sets the factor and its floor to 0 in the first selection that finds nobody
     unexplored; that selection still used the decayed factor. All 5 clients reported in round 0: round 1's

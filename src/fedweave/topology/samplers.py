@@ -315,7 +315,10 @@ def oort(
     score = np.where(np.isnan(score), -np.inf, score)
     ranked = np.argsort(-score, kind="stable")
     if n_exploit < len(known):  # the cut-off: a fraction of the score just past the top exploitLen
-        ranked = ranked[score[ranked] >= score[ranked[n_exploit]] * cut_off]
+        passed = int((score >= score[ranked[n_exploit]] * cut_off).sum())  # a prefix of the ranking
+        # never fewer than those exploitLen + 1: a negative score (a loss of 0, below R_min) times cut_off is
+        # above itself, and would pass none of them (the authors' draw then fails on an empty list)
+        ranked = ranked[: max(n_exploit + 1, passed)]
     exploited = _proportional(rng, known[ranked], score[ranked], n_exploit)
     n_explore = min(len(fresh), per_round - n_exploit)
     window = fresh[np.argsort(-sizes[fresh], kind="stable")][: min(int(sample_window * n_explore), len(fresh))]
