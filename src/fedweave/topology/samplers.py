@@ -262,7 +262,12 @@ def oort(
     square of the per-sample losses (the context keeps the mean) and the client's full size where they cap it
     at the samples one round trains on (a fedweave round goes over the client's data); there is no system
     utility (no client speed model, so the authors' duration penalty and its pacer, which only moves the
-    preferred round duration, do not apply), and no blacklist (off by default in the authors' code)."""
+    preferred round duration, do not apply), and no blacklist (off by default in the authors' code). Round 0
+    is selected by it too, all exploration, where the authors' training harness draws its first round's
+    clients uniformly before the selector's first call. Where the authors' code stops on an error, this
+    goes on: when every explored client is exploited there is no score past them to cut at (all are
+    candidates), the cut-off keeps at least the top ``exploitLen + 1`` (a loss of 0 scores below zero), and a
+    NaN loss scores nothing (weight 0)."""
     for key, v, lo, hi in (
         ("explore", explore, 0, 1),
         ("explore_decay", explore_decay, 0, 1),
