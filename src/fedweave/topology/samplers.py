@@ -17,10 +17,10 @@ with equal weights rather than weighing them by their sizes a second time (:func
 
 A sampler that selects by what it knows of the clients (the built-in ``power_of_choice`` and ``oort``) declares
 a ``context`` keyword and gets a read-only :class:`SamplerContext`: each client's number of training samples,
-its last reported training loss and the round it last reported, as of the start of round ``r``. The
-centralized family gives one (``StarAlgorithm.client_history``; its ledger bills each reported loss, one float
-up with the client's upload, and keeps the table as server storage: ``StarAlgorithm.report_losses``); the others
-refuse such a sampler with one line.
+its last reported training loss and the round it last reported, and the round by which every client with data
+had reported, as of the start of round ``r``. The centralized family gives one (``StarAlgorithm.client_history``;
+its ledger bills each reported loss, one float up with the client's upload, and keeps the table as server
+storage: ``StarAlgorithm.report_losses``); the others refuse such a sampler with one line.
 
 The confederated family keeps its own vectorised uniform draw of ``m = sample_rate * P`` users per edge
 server (spec A13) under the default; any other sampler is asked by each edge server for exactly m of its
@@ -227,44 +227,124 @@ def oort(
     rounds: int,
     context: SamplerContext,
     explore: float = 0.9,
-    explore_decay: float = 0.98,
-    explore_min: float = 0.3,
+    explore_decay: float = 0.95,
+    explore_min: float = 0.2,
     staleness: float = 0.1,
+    cut_off: float = 0.7,
+    sample_window: float = 5.0,
+    clip_bound: float = 0.98,
 ) -> np.ndarray:
-    """A loss-based utility sampler in the spirit of Oort (Lai, Zhu, Madhyastha and Chowdhury, OSDI 2021),
-    statistical utility only (no system speed).
+    """Oort's training selector (Lai, Zhu, Madhyastha and Chowdhury, OSDI 2021), statistical utility only, as
+    the authors' code selects (SymbioticLab/Oort, oort/oort.py, ``_training_selector.getTopK``).
 
-    Of the round's ``K`` slots, ``int(K (1 - eps_r))`` (rounded down, as the authors' ``getTopK`` computes
-    ``exploitLen``), with ``eps_r = max(explore_min, explore * explore_decay^r)``, go to the explored clients of
-    highest utility, and the rest (``eps_r K`` rounded up, up to float rounding in ``1 - eps_r``) to clients
-    never heard from (uniformly at random among them, while there are any; while fewer clients are explored,
-    they all are taken and the unheard fill the rest). The utility is
+    The clients are those holding data (the authors register only clients with enough samples). Of the
+    round's ``K`` slots, ``int(K (1 - eps_r))`` (``exploitLen``), with ``eps_r = max(explore_min, explore *
+    explore_decay^(r + 1))`` (decayed before every selection, the first included; 0 for good from the
+    selection after the first that finds every client explored), go to explored clients (those that reported
+    before), at most as many as there are. Each explored client's score is
 
-        U_i = n_i l_i + sqrt(staleness * log(R) / L_i)
+        U_i = (min(R_i, clip) - R_min) / range + sqrt(staleness * log(T) / L_i)
 
-    with ``n_i`` the client's size, ``l_i`` its last reported mean training loss, ``R = r + 1`` the round and
-    ``L_i`` the round it last reported in (both counted from 1): Oort's ``|B_i| sqrt(mean of squared losses)``
-    with the mean loss standing in for the root mean square (the context keeps the mean), and its staleness
-    bonus, which grows for clients not heard from in a long time. Ties keep a random order."""
-    for key, v, lo, hi in (("explore", explore, 0, 1), ("explore_decay", explore_decay, 0, 1)):
+    with ``R_i = n_i l_i`` its reward (``n_i`` its size, ``l_i`` its last reported mean training loss),
+    ``T = r + 1`` the selection and ``L_i`` the round it last reported in (both counted from 1). ``clip``,
+    ``R_min`` and ``range`` come from the positive rewards of all the clients, an unexplored one's reward
+    being its size (the authors' initial reward): ``clip`` the value at rank ``int(clip_bound * count)`` of
+    them sorted, ``R_min`` 0.999 times the least, ``range`` the largest minus ``R_min``, at least 1e-4. The
+    exploited clients are drawn without replacement with probability proportional to ``U_i`` among those
+    whose score is at least ``cut_off`` times the score of the ``(exploitLen + 1)``-th best (all of them when
+    there is no such client). The other slots go to unexplored clients, drawn without replacement with
+    probability proportional to their sizes among the ``int(sample_window * exploreLen)`` largest; slots
+    still empty (fewer unexplored clients than slots) go to the remaining clients uniformly at random. Ties
+    in any ordering keep a random order. The defaults are the authors' (``training/argParser.py``:
+    exploration_factor, exploration_decay, exploration_min, cut_off_util, sample_window, clip_bound; the 0.1
+    of the staleness bonus is written into their getTopK).
+
+    Not the authors' selector: the reward uses the mean training loss where the authors take the root mean
+    square of the per-sample losses (the context keeps the mean) and the client's full size where they cap it
+    at the samples one round trains on (a fedweave round goes over the client's data); there is no system
+    utility (no client speed model, so the authors' duration penalty and its pacer, which only moves the
+    preferred round duration, do not apply), and no blacklist (off by default in the authors' code). Round 0
+    is selected by it too, all exploration, where the authors' training harness draws its first round's
+    clients uniformly before the selector's first call. Where the authors' code stops on an error, this
+    goes on: when every explored client is exploited there is no score past them to cut at (all are
+    candidates), the cut-off keeps at least the top ``exploitLen + 1`` (a loss of 0 scores below zero), and a
+    NaN loss scores nothing (weight 0)."""
+    for key, v, lo, hi in (
+        ("explore", explore, 0, 1),
+        ("explore_decay", explore_decay, 0, 1),
+        ("cut_off", cut_off, 0, 1),
+        ("clip_bound", clip_bound, 0, 1),
+    ):
         if not lo <= v <= hi:
             raise ConfigError(f"sampler.{key} must be in [{lo}, {hi}], got {v}")
     if not 0 <= explore_min <= explore:
         raise ConfigError(f"sampler.explore_min must be in [0, explore = {explore}], got {explore_min}")
     if not staleness >= 0:
         raise ConfigError(f"sampler.staleness must be >= 0, got {staleness}")
+    if not sample_window >= 1:  # the window must hold the clients to explore
+        raise ConfigError(f"sampler.sample_window must be >= 1, got {sample_window}")
+    sizes = context.sizes.astype(np.float64)
+    holders = int((sizes > 0).sum())
+    if per_round > holders:
+        raise ConfigError(
+            f"algorithm.clients_per_round ({per_round}) must be at most {holders} under sampler oort "
+            f"(the clients with data, from which it selects)"
+        )
     order = rng.permutation(num_clients)  # a random order breaks ties
+    order = order[sizes[order] > 0]
     seen = context.last_round[order] >= 0
     fresh, known = order[~seen], order[seen]
-    eps = max(explore_min, explore * explore_decay**r)
+    eps = max(explore_min, explore * explore_decay ** (r + 1))
+    # the authors set the factor and its floor to 0 for good in the first selection that finds no client left
+    # unexplored (getTopK's else branch; that selection itself still used the decayed factor). A client once
+    # explored stays so, so this happened before round r exactly when every client with data had first
+    # reported before round r - 1
+    if 0 <= context.all_reported[0] <= r - 2:
+        eps = 0.0
     # the authors' exploitLen = int(numOfSamples * (1.0 - exploration)) (oort/oort.py, getTopK), in the same
     # float arithmetic: exploration takes the remaining slots, eps K rounded up (2.5 of 5 slots: 3), never to even
     n_exploit = min(int(per_round * (1.0 - eps)), len(known))
-    n_fresh = min(len(fresh), per_round - n_exploit)
+    # the rewards: n_i l_i for an explored client, its size for an unexplored one (the authors' initial reward)
+    reward = np.where(context.last_round >= 0, sizes * context.last_loss, sizes)
+    positive = reward[order]
+    positive = np.sort(positive[np.isfinite(positive) & (positive > 0)])  # an infinite loss is clipped below
+    if len(positive):  # the authors' get_norm(clip_bound) over the positive rewards
+        clip = positive[min(int(len(positive) * clip_bound), len(positive) - 1)]
+        low = positive[0] * 0.999
+        span = max(positive[-1] - low, 1e-4)
+    else:
+        clip, low, span = 0.0, 0.0, 1e-4
     last = context.last_round[known].astype(np.float64) + 1
-    utility = context.sizes[known] * context.last_loss[known] + np.sqrt(staleness * np.log(r + 1) / last)
-    best = known[np.argsort(-utility, kind="stable")[: per_round - n_fresh]]
-    return np.sort(np.concatenate([fresh[:n_fresh], best]))
+    score = (np.minimum(reward[known], clip) - low) / span + np.sqrt(staleness * np.log(r + 1) / last)
+    # a client whose last loss is NaN (its training diverged) has no score: last in line, weight 0 (taken only
+    # when the others cannot fill its slots), where the draw would otherwise fail on a NaN probability
+    score = np.where(np.isnan(score), -np.inf, score)
+    ranked = np.argsort(-score, kind="stable")
+    if n_exploit < len(known):  # the cut-off: a fraction of the score just past the top exploitLen
+        passed = int((score >= score[ranked[n_exploit]] * cut_off).sum())  # a prefix of the ranking
+        # never fewer than those exploitLen + 1: a negative score (a loss of 0, below R_min) times cut_off is
+        # above itself, and would pass none of them (the authors' draw then fails on an empty list)
+        ranked = ranked[: max(n_exploit + 1, passed)]
+    exploited = _proportional(rng, known[ranked], score[ranked], n_exploit)
+    n_explore = min(len(fresh), per_round - n_exploit)
+    window = fresh[np.argsort(-sizes[fresh], kind="stable")][: min(int(sample_window * n_explore), len(fresh))]
+    explored = _proportional(rng, window, sizes[window], n_explore)
+    picked = np.concatenate([exploited, explored])
+    rest = np.setdiff1d(order, picked)  # slots still empty: any other client, uniformly (the authors' fill)
+    filled = rng.choice(rest, per_round - len(picked), replace=False)
+    return np.sort(np.concatenate([picked, filled]))
+
+
+def _proportional(rng: np.random.Generator, ids: np.ndarray, weight: np.ndarray, k: int) -> np.ndarray:
+    """``k`` of ``ids`` drawn without replacement with probability proportional to ``weight`` (numpy's
+    ``choice(p=...)``, as the authors draw); where fewer than ``k`` weigh more than nothing, those are all
+    taken and the rest drawn uniformly from the others."""
+    w = np.maximum(weight, 0.0)
+    pos = w > 0
+    n = min(k, int(pos.sum()))
+    first = rng.choice(ids[pos], n, replace=False, p=w[pos] / w[pos].sum()) if n else ids[:0]
+    rest = rng.choice(ids[~pos], k - n, replace=False) if k > n else ids[:0]
+    return np.concatenate([first, rest])
 
 
 # the arguments fedweave gives a sampler; the other keywords are its options (the ``sampler`` section)
@@ -285,6 +365,7 @@ class SamplerContext:
     sizes: np.ndarray  # (n,) int64: each client's number of training samples
     last_loss: np.ndarray  # (n,) float64: each client's last reported mean training loss; NaN if it never reported
     last_round: np.ndarray  # (n,) int64: the last round in which each client reported; -1 if it never did
+    all_reported: np.ndarray  # (1,) int64: the round in which the last client with data first reported; -1 before
 
 
 @dataclass
@@ -294,18 +375,28 @@ class ClientHistory:
     sizes: np.ndarray
     last_loss: np.ndarray = field(init=False)
     last_round: np.ndarray = field(init=False)
-    context: SamplerContext = field(init=False)  # read-only views of the three
+    all_reported: np.ndarray = field(init=False)
+    unheard: int = field(init=False)  # the clients with data that never reported
+    context: SamplerContext = field(init=False)  # read-only views of the four
 
     def __post_init__(self) -> None:
         self.sizes = np.asarray(self.sizes, dtype=np.int64)
         self.last_loss = np.full(len(self.sizes), np.nan)
         self.last_round = np.full(len(self.sizes), -1, dtype=np.int64)
-        self.context = SamplerContext(_read_only(self.sizes), _read_only(self.last_loss), _read_only(self.last_round))
+        self.all_reported = np.full(1, -1, dtype=np.int64)  # one number, not one per client (no memory per client)
+        self.unheard = int((self.sizes > 0).sum())
+        views = (self.sizes, self.last_loss, self.last_round, self.all_reported)
+        self.context = SamplerContext(*(_read_only(a) for a in views))
 
     def record(self, r: int, clients: np.ndarray, losses: Any) -> None:
         """The clients that reported in round ``r`` and their mean training losses (a tensor or an array)."""
         if isinstance(losses, torch.Tensor):  # wherever it was computed: a copy, the computation is untouched
             losses = losses.detach().to("cpu", torch.float64).numpy()
+        if self.unheard:
+            new = np.unique(clients[(self.last_round[clients] < 0) & (self.sizes[clients] > 0)])
+            self.unheard -= len(new)
+            if not self.unheard:
+                self.all_reported[0] = r
         self.last_loss[clients] = losses
         self.last_round[clients] = r
 
@@ -314,12 +405,20 @@ class ClientHistory:
         return {
             "last_loss": torch.tensor(self.last_loss, device="cpu"),  # host bookkeeping; checkpoints hold CPU tensors
             "last_round": torch.tensor(self.last_round, device="cpu"),
+            "all_reported": torch.tensor(self.all_reported, device="cpu"),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take the losses and rounds recorded before a checkpoint (:meth:`state_dict`'s tensors)."""
         self.last_loss[:] = state["last_loss"].cpu().numpy()  # in place: the context's views stay valid
         self.last_round[:] = state["last_round"].cpu().numpy()
+        holders = self.sizes > 0
+        self.unheard = int((self.last_round[holders] < 0).sum())
+        if "all_reported" in state:
+            self.all_reported[:] = state["all_reported"].cpu().numpy()
+        else:  # a checkpoint from before it was kept: the latest last round bounds it (the sampler that reads it,
+            # oort, selected otherwise then, so such a run does not continue as it was whatever is taken here)
+            self.all_reported[0] = -1 if self.unheard or not holders.any() else int(self.last_round[holders].max())
 
 
 def reads_context(fn: Callable[..., Any]) -> bool:
