@@ -131,6 +131,34 @@ def test_zo_step_matches_a_hand_computation():
     assert torch.allclose(a.x.double(), x0.double() - 0.3 * g, atol=1e-5)
 
 
+def test_global_loss_is_f1_and_the_f2_estimate_at_the_model_the_round_sent():
+    # spec A13: round r's global loss is f1(x^_r) + f2^_r, f2^_r from the y^+/- solved around x^_r. x^_0 = 0
+    # gives every class probability 1/3, so f1(x^_0) = ln 3 on any data; the step then moves x (server_loss,
+    # f1(x^_1), is no longer ln 3), and f1(x^_1) + f2^_0 would mix two models
+    from fedweave.algorithms.hierarchical.base import unit_directions
+
+    lam, eta = 4.0, 0.2
+    a = _build(lam=lam, eta=eta, server_lr=0.3)
+    assert "global_loss" not in a.evaluate(-1)  # the initial model: no f2 estimate before round 0's solves
+    r, x0 = 0, a.x.clone()
+    clients = a.sample_clients(r)
+    v = unit_directions(a.seeds, r, a.m, a.dim)[clients]
+    inputs = torch.stack([x0 + eta * v, x0 - eta * v], 1).reshape(-1, a.dim)
+    y = a.solve(r, clients, inputs, a.steps(r)).reshape(len(clients), 2, a.dim).double().numpy()
+    plus, minus = inputs[0::2].double().numpy() - y[:, 0], inputs[1::2].double().numpy() - y[:, 1]
+    w = a.rho[clients].numpy()
+    # (lambda/2) sum_{i in S_r} w_i (m/k_r) 1/2 (||a_i||^2 + ||b_i||^2)
+    f2 = float((lam / 2 * w * 0.5 * ((plus**2).sum(1) + (minus**2).sum(1))).sum() * a.m / len(clients))
+    assert a.run_round(r)["penalty"] == pytest.approx(f2, rel=1e-6)
+    ev = a.evaluate(r)
+    assert abs(ev["server_loss"] - np.log(3)) > 1e-2
+    assert ev["global_loss"] == pytest.approx(np.log(3) + f2, rel=1e-6)
+    b = _build(lam=0.0, server_lr=0.3)  # lambda = 0: f2 = 0 at every model, f1 of the same x^_r
+    assert b.evaluate(-1)["global_loss"] == pytest.approx(np.log(3), rel=1e-6)
+    b.run_round(0)
+    assert b.evaluate(0)["global_loss"] == pytest.approx(np.log(3), rel=1e-6)
+
+
 def test_loop_and_vmap_backends_agree_and_auto_resolves():
     a, b = _build(backend="loop"), _build(backend="vmap")
     # softmax regression with 2 x 6 jobs per call at one thread (conftest): the loop's fused kernel

@@ -417,17 +417,29 @@ def test_the_paper_scale_benchmark_without_a_gpu_is_one_line(monkeypatch, capsys
     assert not out.exists()
 
 
-def test_zo_hfl_cost_row_of_an_invocation_that_reused_runs_counts_the_runs_it_ran():
+def test_zo_hfl_cost_row_of_an_invocation_that_reused_runs_counts_the_runs_it_ran(tmp_path):
     """The wall and CPU time of an invocation that reused earlier runs are those of the runs it ran: its row
-    says how many it ran and how many it reused, not only the preset's total."""
+    says how many it ran and how many it reused, not only the preset's total (the committed invocation reused
+    none: its row is the total)."""
     import json
+    import shutil
 
     from fedweave.reproduce import zo_hfl
 
+    def row(folder: Path) -> str:
+        line = next(line for line in zo_hfl.cost_section(folder).splitlines() if "last invocation" in line)
+        return line.split(" | ")[1]
+
     meta = json.loads((PAGES / "zo-hfl" / "claims.json").read_text(encoding="utf-8"))["meta"]
-    assert meta["reused"] > 0
-    row = next(line for line in zo_hfl.cost_section(PAGES / "zo-hfl").splitlines() if "last invocation" in line)
-    assert row.split(" | ")[1] == f"{meta['runs'] - meta['reused']} (and {meta['reused']} reused)"
+    assert row(PAGES / "zo-hfl") == (
+        f"{meta['runs'] - meta['reused']} (and {meta['reused']} reused)" if meta["reused"] else str(meta["runs"])
+    )
+    for name in ("claims.json", "tune.md", "tune.csv", "table.csv"):
+        shutil.copy(PAGES / "zo-hfl" / name, tmp_path / name)
+    saved = json.loads((tmp_path / "claims.json").read_text(encoding="utf-8"))
+    saved["meta"]["reused"] = 407  # an invocation into the --out of an earlier one that had run 407 of them
+    (tmp_path / "claims.json").write_text(json.dumps(saved), encoding="utf-8")
+    assert row(tmp_path) == f"{meta['runs'] - 407} (and 407 reused)"
 
 
 def test_the_zo_hfl_page_names_the_std_its_tables_give():

@@ -39,6 +39,7 @@ from fedweave.algorithms.hierarchical.base import (
     zo_gradient,
 )
 from fedweave.config import MAX_LR, ConfigError
+from fedweave.execution import evaluate_task
 from fedweave.registry import ALGORITHMS
 
 
@@ -105,6 +106,8 @@ class ZOHFL(HierarchicalAlgorithm):
         w = self.rho if hp.weights == "data" else uniform
         self.w = w
         self.projection = make_projection(hp.constraint, hp.radius, hp.box_low, hp.box_high)
+        # (x^_r, f2^_r) of the last round whose f2 was estimated (A13; ``run_round``): none before round 0
+        self._estimate: tuple[torch.Tensor, float] | None = None
 
     def client_round_steps(self, r: int) -> int:
         """A client's local steps: its two calls of Algorithm 2, H_{i,r} projected SGD steps each (Alg. 1 line 5;
@@ -175,21 +178,41 @@ class ZOHFL(HierarchicalAlgorithm):
                 zo_norm=float(scale * gz.norm()),
             )
         step = self.server_lr(r) * g
+        sent = self.x  # x^_r, the model this round's y^+/- were solved around (the step makes a new tensor)
         # x^_{r+1} = x^_r - gamma_r g^_r (Alg. 1 line 8), in float64, stored in the run's precision
         self.x = (self.x.double() - step).to(self.x.dtype)
         metrics["step_norm"] = float(step.norm())  # ||gamma_r g^|| (stability diagnostic, A1)
-        if "penalty" in metrics or hp.lam == 0:  # no solution arrived: keep the last f2 estimate (A13(b))
-            self._penalty = metrics.get("penalty", 0.0)
+        # A13: the global loss of round r is (a) f1(x^_r) + (b) f2^_r, both at x^_r: f2^_r is estimated from the
+        # y^+/- returned around x^_r, so f1 is taken there too, not at x^_{r+1} (Fig. 2 plots one model's f1 + f2
+        # per round). lambda = 0: f2 = 0 at every model, the same x^_r for the same meaning of the row. A round
+        # in which no solution arrived keeps the last pair (model, estimate), never one model's f1 with
+        # another's f2.
+        if "penalty" in metrics or hp.lam == 0:
+            self._estimate = (sent, metrics.get("penalty", 0.0))
         return metrics
 
     def evaluate(self, r: int) -> dict[str, float]:
         out = super().evaluate(r)
-        out["global_loss"] = out.get("server_loss", 0.0) + getattr(self, "_penalty", 0.0)  # A13: f1 + f2 estimate
+        estimate = self._estimate
+        if estimate is None and self.hp.lam == 0:  # the initial model (eval.at_start): f2 = 0 is exact there too
+            estimate = (self.x, 0.0)
+        if estimate is None:  # the initial model with lambda > 0: no f2 estimate exists before round 0's solves
+            return out
+        x, f2 = estimate
+        f1 = 0.0  # server_share: 0 drops f1
+        if len(self.server_y):
+            f1 = evaluate_task(self.layout, x, self.server_x, self.server_y, self.ctx.task, self.config.eval.batch_size)
+            f1 = f1["loss"]
+        out["global_loss"] = f1 + f2  # A13: f1(x^_r) + f2^_r, the last round r whose f2 was estimated
         return out
 
     def state_dict(self) -> dict:
-        return {"x": self.x, "penalty": float(getattr(self, "_penalty", 0.0))}
+        out = {"x": self.x}
+        if self._estimate is not None:  # the global loss's model x^_r and its f2 estimate (A13)
+            out |= {"penalty_x": self._estimate[0], "penalty": float(self._estimate[1])}
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self.x = state["x"].clone()
-        self._penalty = float(state["penalty"])
+        # a checkpoint without the estimate's model (written before any round, or before it was kept) has none
+        self._estimate = (state["penalty_x"].clone(), float(state["penalty"])) if "penalty_x" in state else None
