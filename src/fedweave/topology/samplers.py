@@ -18,9 +18,12 @@ with equal weights rather than weighing them by their sizes a second time (:func
 A sampler that selects by what it knows of the clients (the built-in ``power_of_choice`` and ``oort``) declares
 a ``context`` keyword and gets a read-only :class:`SamplerContext`: each client's number of training samples,
 its last reported training loss and the round it last reported, and the round by which every client with data
-had reported, as of the start of round ``r``. The centralized family gives one (``StarAlgorithm.client_history``;
-its ledger bills each reported loss, one float up with the client's upload, and keeps the table as server
-storage: ``StarAlgorithm.report_losses``); the others refuse such a sampler with one line.
+had reported, as of the start of round ``r``, and a callable ``loss_at_model`` that has given clients evaluate
+the current global model on their training data. The centralized family gives one
+(``StarAlgorithm.client_history``; its ledger bills each reported loss, one float up with the client's upload,
+and keeps the table as server storage: ``StarAlgorithm.report_losses``; and each ``loss_at_model`` call as the
+model down to each client and its loss up: ``StarAlgorithm.candidate_losses``); the others refuse such a
+sampler with one line.
 
 The confederated family keeps its own vectorised uniform draw of ``m = sample_rate * P`` users per edge
 server (spec A13) under the default; any other sampler is asked by each edge server for exactly m of its
@@ -187,15 +190,24 @@ def power_of_choice(
     rounds: int,
     context: SamplerContext,
     d: int | None = None,
+    variant: str = "rpow-d",
+    batch: int | None = None,
 ) -> np.ndarray:
     """Power-of-choice (Cho, Wang and Joshi, AISTATS 2022, pi_pow-d): ``d`` candidates drawn without replacement
     with probability proportional to their sizes, then the ``per_round`` of them with the highest loss.
 
-    The paper's candidates compute their loss of the current global model; here each candidate's loss is the
-    last mean training loss it reported (the context's ``last_loss``), so no extra computation is needed, and a
-    candidate never heard from counts as the highest. Ties keep the candidates' random order. ``d`` (default
-    ``2 * per_round``, at most the number of clients with data) must be at least ``per_round``;
-    ``d = per_round`` is a size-proportional draw, larger ``d`` selects more by loss.
+    Which loss is the paper's ``variant`` (its Algorithm 1 and Sec. 4):
+
+    - ``rpow-d`` (the default): each candidate's last reported mean training loss (the context's ``last_loss``),
+      no extra round trip; a candidate never heard from counts as the highest;
+    - ``pow-d``: the server sends the current global model to the d candidates and each computes its loss
+      ``F_k(w)`` on its whole training data (the context's ``loss_at_model``);
+    - ``cpow-d``: the same on a mini-batch of ``batch`` of its samples (all of them where it holds fewer).
+
+    Ties keep the candidates' random order. ``d`` (default ``2 * per_round``, at most the number of clients with
+    data) must be at least ``per_round``; ``d = per_round`` is a size-proportional draw, larger ``d`` selects
+    more by loss. ``pow-d`` and ``cpow-d`` need a family whose context evaluates the global model (the
+    centralized family, which bills the model down to each candidate and its loss up).
 
     The draw already counts the sizes, so the selected clients are averaged with equal weights, the paper's
     ``(1/m) sum_{k in S}`` (its update rule, Sec. 2): declared with :func:`by_size`."""
@@ -212,9 +224,33 @@ def power_of_choice(
             f"sampler.d must be an integer in [{per_round}, {holders}] (clients_per_round .. the clients with "
             f"data), got {f'{d:.6g}' if isinstance(d, int) else repr(d)}"
         )
+    _check_variant(variant, batch)
     candidates = rng.choice(num_clients, d, replace=False, p=sizes / sizes.sum())
-    loss = np.nan_to_num(context.last_loss[candidates], nan=np.inf)  # never reported: first
+    if variant == "rpow-d":
+        loss = np.nan_to_num(context.last_loss[candidates], nan=np.inf)  # never reported: first
+    else:  # Algorithm 1, lines 3-4: the candidates' losses of the current global model, top per_round train
+        if context.loss_at_model is None:
+            raise ConfigError(
+                f"sampler.variant: {variant} has the candidates evaluate the global model, which this family's "
+                "context does not do; use it with a centralized algorithm, or variant: rpow-d"
+            )
+        loss = np.asarray(context.loss_at_model(candidates, r, batch), dtype=np.float64)
     return np.sort(candidates[np.argsort(-loss, kind="stable")[:per_round]])
+
+
+POWER_OF_CHOICE_VARIANTS = ("rpow-d", "pow-d", "cpow-d")  # Cho et al. 2022, Sec. 4
+
+
+def _check_variant(variant: Any, batch: Any) -> None:
+    """One line for a ``variant`` the paper does not name, or a ``batch`` that is not cpow-d's mini-batch."""
+    if variant not in POWER_OF_CHOICE_VARIANTS:
+        raise ConfigError(f"sampler.variant must be one of {', '.join(POWER_OF_CHOICE_VARIANTS)}, got {variant!r}")
+    if variant != "cpow-d" and batch is not None:
+        raise ConfigError(
+            f"sampler.batch is cpow-d's mini-batch size; set variant: cpow-d or leave batch out (variant: {variant})"
+        )
+    if variant == "cpow-d" and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ConfigError(f"sampler.batch (cpow-d's mini-batch size b) must be an integer >= 1, got {batch!r}")
 
 
 @SAMPLERS.register("oort")
@@ -366,6 +402,10 @@ class SamplerContext:
     last_loss: np.ndarray  # (n,) float64: each client's last reported mean training loss; NaN if it never reported
     last_round: np.ndarray  # (n,) int64: the last round in which each client reported; -1 if it never did
     all_reported: np.ndarray  # (1,) int64: the round in which the last client with data first reported; -1 before
+    # (candidates, r, batch) -> (len(candidates),) float64: each candidate's mean training loss of the current
+    # global model (on a mini-batch of ``batch`` of its samples; None: all of them), as a float of the run's
+    # width, evaluated only when called (power_of_choice's pow-d and cpow-d); None where the family gives none
+    loss_at_model: Callable[[np.ndarray, int, int | None], np.ndarray] | None = None
 
 
 @dataclass
@@ -373,11 +413,12 @@ class ClientHistory:
     """The family's record behind a :class:`SamplerContext`: it writes, the sampler reads (``context``)."""
 
     sizes: np.ndarray
+    loss_at_model: Callable[[np.ndarray, int, int | None], np.ndarray] | None = None  # the context's, as given
     last_loss: np.ndarray = field(init=False)
     last_round: np.ndarray = field(init=False)
     all_reported: np.ndarray = field(init=False)
     unheard: int = field(init=False)  # the clients with data that never reported
-    context: SamplerContext = field(init=False)  # read-only views of the four
+    context: SamplerContext = field(init=False)  # read-only views of the four, and loss_at_model
 
     def __post_init__(self) -> None:
         self.sizes = np.asarray(self.sizes, dtype=np.int64)
@@ -386,7 +427,7 @@ class ClientHistory:
         self.all_reported = np.full(1, -1, dtype=np.int64)  # one number, not one per client (no memory per client)
         self.unheard = int((self.sizes > 0).sum())
         views = (self.sizes, self.last_loss, self.last_round, self.all_reported)
-        self.context = SamplerContext(*(_read_only(a) for a in views))
+        self.context = SamplerContext(*(_read_only(a) for a in views), self.loss_at_model)
 
     def record(self, r: int, clients: np.ndarray, losses: Any) -> None:
         """The clients that reported in round ``r`` and their mean training losses (a tensor or an array)."""

@@ -171,6 +171,7 @@ class StarAlgorithm(Algorithm):
     asynchronous: ClassVar[bool] = False
     sim_clock: ClassVar[bool] = True  # faults.sim_time applies (round_time)
     counts_steps: ClassVar[bool] = True  # a client's work is its local steps (faults.work_unit: step applies)
+    global_model: ClassVar[bool] = True  # False where the method keeps no single global model x_t (IFCA, CFL, ...)
 
     def __init__(self, ctx: RunContext, hp: StarHparams) -> None:
         super().__init__(ctx, hp)
@@ -196,11 +197,20 @@ class StarAlgorithm(Algorithm):
         sizes = client_sizes(ctx.partition)
         self.sizes = torch.from_numpy(sizes).to(dtype=self.x.dtype, device=self.x.device)
         self.holds_data = sizes > 0  # (N,) bool, on the host: run_round reads it every round without a device sync
-        # what a sampler that reads the clients' context sees: sizes, last reported losses and rounds
-        self.client_history = ClientHistory(sizes)
+        # what a sampler that reads the clients' context sees: sizes, last reported losses and rounds, and the
+        # candidates' losses of x_t on request (candidate_losses: power_of_choice's pow-d and cpow-d)
+        self.client_history = ClientHistory(sizes, self.candidate_losses)
+        self.probes = False  # the sampler had candidates evaluate x_t in its check draw (make_sampler's round 0)
+        self.sampler_built = False  # until then a probe is that check draw, not a round's: not billed
         self.sampler = make_sampler(
             ctx, hp.clients_per_round, default=_aliased_sampler(ctx, hp), context=self.client_history.context
         )
+        self.sampler_built = True
+        if self.probes and not self.global_model:
+            raise ConfigError(
+                f"sampler {self.sampler.name!r} has its candidates evaluate the global model, and {self.name} keeps "
+                "none (one model per cluster or client); use power_of_choice's variant: rpow-d or another sampler"
+            )
         if self.sampler.reads_context:  # the server keeps each client's last loss and round for it
             h = self.client_history
             self.ledger.store("server", "client_history", h.last_loss.nbytes + h.last_round.nbytes)
@@ -213,6 +223,12 @@ class StarAlgorithm(Algorithm):
         self.client_values: dict | None = None  # eval.distribution: the last evaluation's per-client values
         self.compression = upload_compression(ctx, self.num_params, n)  # None unless compression.upload is set
         self.download = download_compression(self)  # None unless compression.download is set (compression)
+        if self.probes and self.download is not None:
+            raise ConfigError(
+                f"sampler {self.sampler.name!r} sends the global model to its candidates, a download that "
+                "compression.download does not encode (its clients' replicas would drift from what they were sent); "
+                "use power_of_choice's variant: rpow-d, or leave compression.download out"
+            )
         self.privacy = make_privacy(self)  # privacy: the DP stages of the round (None without a privacy section)
         self.secagg = make_secagg(self)  # secure aggregation: SecAgg+'s messages in the ledger (None: not billed)
         # faults.sim_time: the synchronous rounds on the simulated clock (round_time); an asynchronous method's
@@ -413,6 +429,36 @@ class StarAlgorithm(Algorithm):
             return
         self.client_history.record(r, clients, loss)  # a copy to the host: no trained number changes
         self.ledger.record(r, "client", "server", "train_loss", len(clients) * self.ctx.float_bytes, 0)
+
+    def candidate_losses(self, candidates: np.ndarray, r: int, batch: int | None = None) -> np.ndarray:
+        """The sampler context's ``loss_at_model``: each candidate's mean training loss of the global model x_t,
+        power-of-choice's probe (Cho et al. 2022, Algorithm 1: the server sends w^(t) to the d candidates, each
+        computes F_k(w^(t)) and sends it back). On the candidate's whole training data (pow-d), or on ``batch`` of
+        its samples drawn without replacement from the ``("candidate_batch", r, client)`` stream (cpow-d; all
+        of them where it holds fewer). Computed where each candidate would compute it (:meth:`client_losses`'s
+        evaluation, the same on every backend) and returned as the float of the run's width it sends.
+
+        Billed as the protocol moves it: x_t down to each candidate (``server->client:candidate_model``, one
+        message each) and one loss float up each (``client->server:candidate_loss``, a message of its own: the
+        probe is a round trip before training). The selected candidates are then sent the round's message as
+        under any sampler. Like the other evaluations a client makes (AFL's and q-FFL's start losses, IFCA's
+        cluster losses), the forward passes are not local steps: the clock's work units do not count them.
+        The sampler's check draw when the run is built (round 0, drawn once) is not a round: evaluated, not billed.
+        """
+        parts = [self.ctx.partition[int(c)] for c in candidates]
+        if batch is not None:  # cpow-d: a mini-batch of b samples, keyed on (round, client) as the batches are
+            rngs = [self.seeds.numpy("candidate_batch", r, int(c)) for c in candidates]
+            parts = [p if len(p) <= batch else p[g.choice(len(p), batch, replace=False)] for g, p in zip(rngs, parts)]
+        tr, ev = self.trainer, self.config.eval
+        loss = evaluate_clients_task(self.layout, self.x, tr.train_x, tr.train_y, parts, self.ctx.task, ev.batch_size)
+        sent = torch.as_tensor(loss["loss"], dtype=self.x.dtype)  # one float of the run's width each
+        if self.sampler_built:
+            n = len(candidates)
+            self.ledger.record(r, "server", "client", "candidate_model", n * _size((self.x,)), n)
+            self.ledger.record(r, "client", "server", "candidate_loss", n * self.ctx.float_bytes, n)
+        else:  # the check draw of make_sampler, before the run: the run is built knowing the sampler probes
+            self.probes = True
+        return sent.to(torch.float64).numpy()
 
     def client_updates(self, got: Collected) -> torch.Tensor:
         """Each reporting client's update, one row per client: what the server pipeline reduces.
