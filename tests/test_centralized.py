@@ -550,6 +550,33 @@ def test_the_default_k_counts_only_the_clients_that_hold_data(alg):
         torch.testing.assert_close(a.deltas()[0], (x0 - a.x) / 3)
 
 
+@pytest.mark.parametrize("local", [{"steps": 3, "batch_size": 20}, {"steps": 3, "full_batch": True}])
+def test_a_client_without_samples_takes_no_step(local):
+    """Blocks of 20, 60, 0 and 80 rows: the empty client has no batch, so its steps are 0 whatever local.steps
+    (or a call's ``steps``) asks, as the trainer reports them (it counted local.steps for it before)."""
+    cfg = _quad_cfg("fedavg")
+    cfg["partition"] = {"name": "_blocks_with_empty", "num_clients": N_Q}
+    cfg["local"] = {**local, "lr": 0.05}
+    a = _algo(cfg)
+    assert [a.trainer.num_steps(c) for c in range(N_Q)] == [3, 3, 0, 3]
+    assert [a.trainer.num_steps(c, 5) for c in range(N_Q)] == [5, 5, 0, 5]
+    a.trainer.loss_fn = _squared
+    got = a.trainer.train(a.x.expand(N_Q, -1), np.arange(N_Q), 0, lr=0.05)
+    assert got.steps.tolist() == [a.trainer.num_steps(c) for c in range(N_Q)]
+
+
+def test_the_clocks_unit_is_the_mean_round_of_a_client_with_data():
+    """``faults.work_unit: round`` times a client's steps over the mean client's round: steps (1, 3, 0, 4) make
+    it round(8 / 3) = 3 over the clients that step, K as reference_steps counts it (the empty client's 0 made it
+    round(8 / 4) = 2, so a client of 3 steps took 1.5 mean rounds)."""
+    cfg = _quad_cfg("fedavg")
+    cfg["partition"] = {"name": "_blocks_with_empty", "num_clients": N_Q}
+    cfg["local"] = {"epochs": 1, "batch_size": 20, "lr": 0.05}
+    a = _algo(cfg)
+    assert a.mean_round_steps == a.reference_steps() == 3
+    np.testing.assert_array_equal(a.relative_work(a.client_steps(0, np.arange(N_Q))), [1 / 3, 1.0, 0.0, 4 / 3])
+
+
 def _same_state(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and torch.equal(a, b)

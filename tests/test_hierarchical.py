@@ -399,12 +399,28 @@ def test_train_loss_all_leaves_out_the_validation_hold_out():
     # client; the validation hold-out is nobody's training data, so it must not enter this series
     a = _build(server_share=0.3, validation=0.2, eval_train_loss=True, server_lr=2.0)
     a.run_round(0)  # move x away from 0, where every sample's loss is log 3
+    x1 = a.x.clone()  # x^_1, the model round 1 sends, whose global loss (and so this series) round 1 reports
+    a.run_round(1)
     d = a.data
     held = torch.cat([d.server, *(torch.as_tensor(p) for p in d.parts)])
     assert len(held) == d.num_train
-    logits = d.train_x[held].flatten(1).double() @ a.x.double().view(3, 16).T
+    logits = d.train_x[held].flatten(1).double() @ x1.double().view(3, 16).T
     expected = float(torch.nn.functional.cross_entropy(logits, d.train_y[held]))
     assert a.evaluate(1)["train_loss_all"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_train_loss_all_is_taken_at_the_model_of_the_global_loss():
+    # A13(c) cross-checks (a) + (b): the cross-entropy of the same x^_r, the model round r sent, not of x^_{r+1}.
+    # x^_0 = 0 gives every class probability 1/3, so round 0's train_loss_all is ln 3 whatever the step did
+    # (before, it was taken at x^_1 after the step)
+    a = _build(server_share=0.3, eval_train_loss=True, server_lr=2.0)
+    a.run_round(0)
+    ev = a.evaluate(0)
+    assert abs(ev["server_loss"] - np.log(3)) > 1e-2  # the step moved x: x^_1's loss is not ln 3
+    assert ev["train_loss_all"] == pytest.approx(np.log(3), rel=1e-6)
+    b = _build(server_share=0.3, eval_train_loss=True, name="hier_fedavg")  # one model per round: its x, as before
+    b.run_round(0)
+    assert b.evaluate(0)["train_loss_all"] == pytest.approx(b.train_loss_at(b.x), rel=1e-12)
 
 
 @pytest.mark.parametrize(("beta", "k"), [(0.25, 3), (0.35, 4), (0.45, 5), (0.15, 2), (0.05, 1), (0.9, 9), (0.5, 5)])

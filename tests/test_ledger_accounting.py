@@ -97,3 +97,17 @@ def test_compressed_scaffold_counts_the_messages_the_dense_run_counts():
     assert packed.ledger.count(kind=kind) == dense.ledger.count(kind=kind) == 2 * 3
     assert dense.ledger.bytes("up", round=1) == 3 * 2 * D_TOY * F32
     assert packed.ledger.bytes("up", round=1) == 3 * 2 * ((32 + D_TOY + 7) // 8)
+
+
+def test_fedasync_keeps_the_version_each_client_in_flight_was_sent():
+    # concurrency 2: two clients in flight, an int64 version tau each, which their staleness t - tau reads
+    algo = _algo(_cfg("fedasync", concurrency=2))
+    _rounds(algo, 2)
+    assert _storage(algo)["server"] == {"in_flight_versions": 2 * 8}
+
+
+def test_fedbuff_keeps_its_buffer_of_k_updates_and_the_versions_in_flight():
+    # K = 2 updates of D_TOY float32 values in the buffer; 3 clients in flight (clients_per_round), a version each
+    algo = _algo(_cfg("fedbuff", buffer_size=2))
+    _rounds(algo, 2)
+    assert _storage(algo)["server"] == {"update_buffer": 2 * D_TOY * F32, "in_flight_versions": 3 * 8}

@@ -14,13 +14,15 @@ import numpy as np
 import pytest
 
 import fedweave
-from fedweave.config import ConfigError, load
+from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.config import ConfigError, from_dict, load
 from fedweave.faults import Faults
+from fedweave.registry import PARTITIONERS
 from fedweave.runner import run as run_config
 from fedweave.seeding import Seeds
 from tests.test_async import _three
 from tests.test_centralized import _algo, _cfg
-from tests.test_faults_split import make
+from tests.test_faults_split import B, cfg_dict, make
 
 STEPS = np.array([1.0, 2.0, 3.0])  # the _thirds clients' local steps (one epoch of 1/6, 2/6, 3/6 of the data)
 
@@ -108,6 +110,26 @@ def test_a_proxskip_round_lasts_its_k_r_steps():
             now = row["sim_time"]
             steps.append(row["local_steps"])
         assert len(set(steps)) > 1  # the rounds' lengths differ
+
+
+if "_split_blocks_with_empty" not in PARTITIONERS._items:
+
+    @PARTITIONERS.register("_split_blocks_with_empty")
+    def _split_blocks_with_empty(labels, num_clients, rng, *, users=None):
+        """Blocks of B, 3 B, 0 and the rest of the rows: 1, 3, 0 and 36 batches of B on 400 rows."""
+        return list(np.split(np.arange(len(labels)), [B, 4 * B, 4 * B]))
+
+
+def test_the_split_familys_unit_is_the_mean_batches_of_a_client_with_data():
+    """Under ``round`` a split client's work is its local batches over the mean client's: batches (1, 3, 0, 36)
+    make it round(40 / 3) = 13 over the clients that train, as the star family's mean_round_steps (the empty
+    client's 0 made it round(40 / 4) = 10); the empty client's 0 batches are 0 work."""
+    cfg = cfg_dict({"name": "fsl_mc"}, {"work_unit": "round"}, clients=4)
+    cfg["partition"] = {"name": "_split_blocks_with_empty", "num_clients": 4}
+    algo = build_algorithm(RunContext(from_dict(cfg)))
+    assert [algo.batcher.num_steps(c) for c in range(4)] == [1, 3, 0, 36]
+    assert algo.reference_batches == 13
+    np.testing.assert_array_equal(algo.relative_work(algo.client_steps(0, np.arange(4))), np.array([1, 3, 0, 36]) / 13)
 
 
 def test_cse_fsl_times_its_uploads_in_batches():

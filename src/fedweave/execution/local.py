@@ -131,14 +131,17 @@ class LocalTrainer:
     def num_steps(self, client: int, steps: int | None = None) -> int:
         """The local steps ``client`` takes in a round: ``steps`` when given, else ``local.steps``, else
         ``local.epochs`` passes over its data in batches of ``local.batch_size`` (one step per epoch with
-        ``local.full_batch``)."""
+        ``local.full_batch``); 0 for a client without samples, which has no batch to step on (the steps
+        :meth:`plan` gives it and a call's ``LocalResult.steps`` report)."""
+        n = len(self.parts[client])
+        if n == 0:
+            return 0
         if steps is not None:
             return steps
         if self.local.steps is not None:
             return self.local.steps
         if self.local.full_batch:
             return self.local.epochs
-        n = len(self.parts[client])
         return self.local.epochs * math.ceil(n / self.local.batch_size)
 
     def client_batches(

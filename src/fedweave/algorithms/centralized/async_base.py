@@ -166,6 +166,11 @@ class AsyncStar(StarAlgorithm):
         self.ys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.lost: dict[int, str] = {}  # the jobs in flight that deliver nothing: job id -> "drop" or "timeout"
         self.lost_in_a_row = 0  # jobs lost since the last upload that arrived
+        # what the protocol keeps on the server: per client in flight the version tau of the model it was sent,
+        # which its upload's staleness t - tau reads (an int64 each; FedAsync Alg. 1's "Updater" and FedBuff
+        # Alg. 1 keep no more per client: the upload carries the model or the displacement, so the server does
+        # not hold x_tau). ``starts`` and ``ys`` are the simulation's stand-in for the clients' own memory.
+        self.ledger.store("server", "in_flight_versions", self.concurrency * np.dtype(np.int64).itemsize)
 
     def reduced_per_round(self) -> tuple[int, ...]:
         return (1,)  # a server step takes one arrival (FedBuff's: one buffer of them)

@@ -534,11 +534,15 @@ class StarAlgorithm(Algorithm):
 
     @cached_property
     def mean_round_steps(self) -> int:
-        """The unit ``round``'s reference: the rounded mean over every client, one without samples included, of
-        its local steps and, for a method with :meth:`personal_steps`, those too (:meth:`reference_steps`, the
-        papers' K, counts the clients that hold data only). Counted once over the population: a client's
-        steps depend on its data and the config only, and the asynchronous clock asks at every dispatch."""
-        ks = [self.trainer.num_steps(c) + self.personal_steps(c) for c in range(self.ctx.num_clients)]
+        """The unit ``round``'s reference: the rounded mean over the clients that hold training samples of their
+        local steps and, for a method with :meth:`personal_steps`, those too, as :meth:`reference_steps` (the
+        papers' K) counts them. A client without samples takes no step and is never dispatched by the
+        asynchronous clock (``async_base``): its 0 would only shrink the mean client's round, the unit, and
+        stretch every other client's time in it. Counted once over the population: a client's steps depend on
+        its data and the config only, and the asynchronous clock asks at every dispatch."""
+        held = np.flatnonzero(self.holds_data)
+        who = held.tolist() if len(held) else range(self.ctx.num_clients)
+        ks = [self.trainer.num_steps(c) + self.personal_steps(c) for c in who]
         return max(1, round(sum(ks) / len(ks)))
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:

@@ -46,6 +46,9 @@ class FedBuff(AsyncStar):
     def __init__(self, ctx, hp: FedBuffHparams) -> None:
         super().__init__(ctx, hp)
         self.buffer_size = hp.buffer_size
+        # the buffer of K decoded updates Delta_i (d values each) the server holds until its step (Alg. 1): kept
+        # row by row, as a robust aggregator and DP-FedBuff's per-upload clipping read every row
+        self.ledger.store("server", "update_buffer", hp.buffer_size * self.num_params * ctx.float_bytes)
         if self.privacy is not None:  # the budget replays the schedule to learn whose uploads the next step takes
             self.privacy.upcoming = self.upcoming_clients
             check_first_release(ctx.config.privacy, self.privacy)

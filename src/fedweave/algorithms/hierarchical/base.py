@@ -516,13 +516,19 @@ class HierarchicalAlgorithm(Algorithm):
             out = {f"val_{k}": v for k, v in val.items()}
         if len(self.server_y):
             out["server_loss"] = scores(self.server_x, self.server_y)["loss"]  # f1(x^_r)
-        if self.hp.eval_train_loss:  # A13(c): the N_tr samples of the server and the clients, the hold-out left out
-            if d.validation is None:
-                out["train_loss_all"] = scores(d.train_x, d.train_y)["loss"]
-            else:
-                held = torch.cat([d.server, *(torch.as_tensor(p, device="cpu") for p in d.parts)])
-                out["train_loss_all"] = scores(d.train_x[held], d.train_y[held])["loss"]
+        if self.hp.eval_train_loss:
+            out["train_loss_all"] = self.train_loss_at(self.x)
         return out
+
+    def train_loss_at(self, params: torch.Tensor) -> float:
+        """A13(c): the cross-entropy of ``params`` on the N_tr samples of the server and the clients, the
+        validation hold-out left out."""
+        d = self.data
+        x, y = d.train_x, d.train_y
+        if d.validation is not None:
+            held = torch.cat([d.server, *(torch.as_tensor(p, device="cpu") for p in d.parts)])
+            x, y = x[held], y[held]
+        return evaluate_task(self.layout, params, x, y, self.ctx.task, self.config.eval.batch_size)["loss"]
 
 
 @dataclass

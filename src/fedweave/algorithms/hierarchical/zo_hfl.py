@@ -204,6 +204,8 @@ class ZOHFL(HierarchicalAlgorithm):
             f1 = evaluate_task(self.layout, x, self.server_x, self.server_y, self.ctx.task, self.config.eval.batch_size)
             f1 = f1["loss"]
         out["global_loss"] = f1 + f2  # A13: f1(x^_r) + f2^_r, the last round r whose f2 was estimated
+        if self.hp.eval_train_loss:  # A13(c), the cross-check of (a) + (b): at the same model x^_r
+            out["train_loss_all"] = self.train_loss_at(x)
         return out
 
     def state_dict(self) -> dict:

@@ -309,8 +309,10 @@ class SplitAlgorithm(Algorithm):
         )
         self.sizes = torch.tensor([len(p) for p in ctx.partition], dtype=ctx.dtype, device=ctx.device)
         self.server_copies = 1
-        n = ctx.num_clients  # the mean local batches per client: the unit of a client's work under faults
-        self.reference_batches = max(1, round(sum(self.batcher.num_steps(c) for c in range(n)) / n))
+        # the mean local batches of a client that holds data: the unit of a client's work under faults (one
+        # without samples takes none, and its 0 would shrink the unit, as the star family's mean_round_steps)
+        held = [c for c in range(ctx.num_clients) if len(ctx.partition[c])] or list(range(ctx.num_clients))
+        self.reference_batches = max(1, round(sum(self.batcher.num_steps(c) for c in held) / len(held)))
         self.privacy = split_privacy(self)  # privacy: DP-FedAvg on the client-side models (None without a section)
 
     def state_dict(self) -> dict[str, Any]:
