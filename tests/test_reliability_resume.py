@@ -17,7 +17,7 @@ import fedweave
 from fedweave.algorithms.base import Algorithm, RunContext, build_algorithm
 from fedweave.algorithms.centralized.base import StarAlgorithm
 from fedweave.algorithms.centralized.fedavg import FedAvg
-from fedweave.checkpoints import CHECKPOINT, read_checkpoint, save_checkpoint
+from fedweave.checkpoints import CHECKPOINT, encode_checkpoint, read_checkpoint, save_checkpoint
 from fedweave.cli import main as cli_main
 from fedweave.config import ConfigError, from_dict
 from fedweave.registry import ALGORITHMS
@@ -90,6 +90,35 @@ def test_sigkill_mid_run_then_resume_equals_an_uninterrupted_run(tmp_path):
     assert summary["status"] == "completed" and summary["communication"] == full.summary["communication"]
     a, b = _checkpoint(run_dir)["algorithm"]["x"], _checkpoint(tmp_path / "full")["algorithm"]["x"]
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("method", "role", "what"), [("afl", "server", "mixture_weights"), ("scaffold", "client", "control_variate")]
+)
+def test_resume_keeps_the_storage_the_algorithm_declares_that_the_checkpoint_lacks(
+    toy_config, tmp_path, method, role, what
+):
+    # an algorithm declares its storage when it is built (AFL's lambda, SCAFFOLD's control variates); a checkpoint
+    # written before it declared an entry (here: the entry deleted from a saved one) lacks it, and the resumed
+    # run's storage is still the uninterrupted run's: the checkpoint's figures and the declarations it lacks
+    cfg = {
+        **toy_config,
+        "algorithm": {"name": method, "clients_per_round": 4},
+        "output": {"progress": False, "plots": False, "checkpoint_every": 1},
+    }
+    full = fedweave.run(cfg, run_dir=tmp_path / "full")
+    fedweave.run({**cfg, "rounds": 2}, run_dir=tmp_path / "r")  # as if killed after round 2
+    ck = tmp_path / "r" / CHECKPOINT
+    state = read_checkpoint(ck)
+    storage = state["ledger"]["storage"]
+    assert [role, what] in [e[:2] for e in storage]
+    state["ledger"]["storage"] = [e for e in storage if e[:2] != [role, what]]
+    ck.write_bytes(encode_checkpoint(state))
+    res = resume(tmp_path / "r", ["rounds=4"], progress=False)
+    assert _strip(res.metrics) == _strip(full.metrics)
+    assert res.summary["communication"]["storage_peak_bytes"] == full.summary["communication"]["storage_peak_bytes"]
+    assert res.summary["communication"] == full.summary["communication"]
+    assert what in res.summary["communication"]["storage_peak_bytes"][role]
 
 
 def test_checkpoint_is_safe_to_load_and_holds_what_resume_needs(toy_config, tmp_path):

@@ -292,7 +292,7 @@ def restore_checkpoint(path: Path, algo: Algorithm, ctx: RunContext) -> dict[str
             )
     try:
         algo.load_state_dict(ckpt["algorithm"])
-        ctx.ledger.load_state_dict(ckpt["ledger"])
+        ctx.ledger.load_state_dict(ckpt["ledger"], keep_storage=True)  # the storage declared at start-up too
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path / CHECKPOINT} does not fit this run ({type(e).__name__}: {e})") from e
     return ckpt

@@ -132,9 +132,16 @@ class Ledger:
             "storage": [[*k, v] for k, v in self._storage.items()],
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, keep_storage: bool = False) -> None:
+        """Replace the ledger by ``state`` (exactly: a round computed again starts from the state before it).
+
+        With ``keep_storage`` a storage entry ``state`` lacks keeps this ledger's figure: a resumed run's ledger
+        holds what its algorithm declared when it was built, and a checkpoint written before the algorithm
+        declared an entry does not hold it. For the entries it holds, the checkpoint's figures (peaks reached
+        before it was written) replace this ledger's."""
         self._totals.clear()
-        self._storage.clear()
+        if not keep_storage:
+            self._storage.clear()
         for r, s, t, k, b, c in state["totals"]:
             self._totals[(int(r), s, t, k)] = [int(b), int(c)]
         for role, what, b in state["storage"]:
