@@ -121,9 +121,9 @@ class Faults:
 
         ``work`` is the client's amount of local work in the clock's unit (``faults.work_unit``, applied by the
         family's ``client_work``): relative to a reference round (``round``: e.g. its local steps over the
-        mean), or its local steps (``step``), so a client with twice the data takes twice as long. A client's
-        time per unit of work is ``exp(speed_sigma * z_i + speed_jitter * z_{i,r})`` with z standard normal: a
-        fixed speed per client (median 1) and an optional per-round jitter.
+        mean of the clients that hold data), or its local steps (``step``), so a client with twice the data takes
+        twice as long. A client's time per unit of work is ``exp(speed_sigma * z_i + speed_jitter * z_{i,r})``
+        with z standard normal: a fixed speed per client (median 1) and an optional per-round jitter.
         """
         clients = np.asarray(list(clients) if not isinstance(clients, np.ndarray) else clients, dtype=np.int64)
         c = self.config

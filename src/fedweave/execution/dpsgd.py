@@ -9,7 +9,8 @@ with g_b the gradient of sample b's loss (per-sample gradients from ``torch.func
 C / B, and the noise on the step has standard deviation sigma * C / B per coordinate. The noise of job k's
 n-th gradient call comes from the stream ``("dp_sgd", round, client, *key, n)``: the same on every backend.
 
-It wraps another rule (FedProx, a mask, ...): that rule sees the privatized gradient as its oracle.
+It wraps another rule (FedProx, a mask, ...): that rule sees the privatized gradient as its oracle, on the
+step's batch and on each further draw of a rule that draws several (``LocalRule.draws``).
 :class:`PrivateTrainer` is a :class:`LocalTrainer` whose every ``train`` call runs DP-SGD.
 """
 

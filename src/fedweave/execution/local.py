@@ -3,7 +3,8 @@
 A *job* is one client's local work in a round: start parameters, the client's data, a number of SGD steps.
 The batch sequence of a job comes from the named stream ``("batches", round, client, *key)`` and its
 augmentation from ``("augment", round, client, *key)``, so the ``loop`` and ``vmap`` backends see exactly
-the same samples in the same order.
+the same samples in the same order. A rule whose step draws independent batches (``LocalRule.draws``,
+Per-FedAvg's D, D', D'') gets its further draw ``j`` from ``("batches/j", ...)`` and ``("augment/j", ...)``.
 
 Algorithms change the local update through a :class:`LocalRule` (``fedweave.execution.job``): it maps the
 current iterate and a gradient oracle to the direction the optimizer applies (FedProx adds a proximal term,

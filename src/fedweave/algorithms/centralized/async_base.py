@@ -4,8 +4,8 @@
 The server keeps ``concurrency`` clients training at once. A client dispatched at simulated time ``s`` with
 the server's model ``x_tau`` (server step ``tau``) reports at ``s + d``, where ``d`` is the latency model of
 injected faults (:meth:`fedweave.faults.Faults.arrival_times`: its local work in the clock's unit, relative to
-the mean or, under ``faults.work_unit: step``, its local steps, times ``exp(speed_sigma z_i + speed_jitter
-z_{i,b})``). Events are processed in the order (time, dispatch order):
+the mean round of the clients that hold data or, under ``faults.work_unit: step``, its local steps, times
+``exp(speed_sigma z_i + speed_jitter z_{i,b})``). Events are processed in the order (time, dispatch order):
 at each instant the arrivals come first, each one updating the server as its method says; once the instant's
 arrivals are in, the free slots are filled with clients drawn uniformly from the idle ones with data (the
 ``("client_sampling", b)`` stream of the ``b``-th dispatch), which train from the current model. One call of

@@ -423,8 +423,9 @@ class StarAlgorithm(Algorithm):
         mean training loss reaches the server's :class:`ClientHistory`, which later rounds select by. The loss is
         protocol traffic then, one float of the run's width per reporting client, sent with its upload: billed as
         ``client->server:train_loss`` with no message of its own (count 0). The papers' candidates report a loss
-        too (Cho et al. 2022: each of the d candidates its loss of x_t, a round trip this sampler does not take);
-        here it is the last one reported. Under any other sampler the loss is the run's metric only, not billed."""
+        too (Cho et al. 2022: each of the d candidates its loss of x_t, a round trip that power_of_choice's
+        ``pow-d`` and ``cpow-d`` take, :meth:`candidate_losses`); its default ``rpow-d`` ranks by the last one
+        reported, as ``oort`` does. Under any other sampler the loss is the run's metric only, not billed."""
         if not self.sampler.reads_context:
             return
         self.client_history.record(r, clients, loss)  # a copy to the host: no trained number changes

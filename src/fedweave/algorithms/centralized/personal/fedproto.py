@@ -3,7 +3,7 @@ prototypes, not parameters.
 
 Client i's prototype of class j is the mean representation of its samples of that class,
 ``C_i^(j) = 1/|D_ij| sum_{(x,y) in D_ij} f(phi_i; x)`` (Eq. 3). Round t (Alg. 1):
-  the server sends the global prototypes Cbar to the sampled clients
+  the server sends the global prototypes Cbar, each with its class id, to the sampled clients
   each trains its own model on L_S(F(w_i; x), y) + lambda L_R                                   (Eqs. 7-8)
   with L_R, as the authors' code computes it, the squared distance of each sample's representation to its
   class's global prototype, averaged over the representation's coordinates and the batch (samples of a
