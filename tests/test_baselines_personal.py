@@ -423,6 +423,20 @@ def test_dp_sgd_around_perfedavg_privatizes_every_draw_and_the_backends_agree():
     torch.testing.assert_close(got[0], got[1], rtol=1e-12, atol=1e-12)
 
 
+def test_the_accounted_dp_sgd_refuses_a_rule_of_several_draws_in_one_line():
+    # each draw is a noisy gradient of its own; the accountant counts one per step, so it would under-count
+    from fedweave.config import ConfigError
+    from fedweave.privacy.sample import AccountedTrainer
+
+    cfg = {**_quad_cfg("perfedavg"), "backend": "loop"}
+    cfg["local"] = {"steps": 1, "batch_size": 8, "lr": 0.1}
+    algo = _algo(cfg)
+    algo.trainer.loss_fn = _squared
+    tr = AccountedTrainer.of(algo.trainer, 1.0, 0.5)
+    with pytest.raises(ConfigError, match="draws 2 independent batches a step, each a noisy gradient"):
+        tr.train(algo.x, [0], 0, rule=algo.client_rule(0.1))
+
+
 def test_a_rule_that_asks_for_a_draw_it_did_not_declare_is_told_in_one_line():
     cfg = {**_quad_cfg("perfedavg"), "backend": "loop"}
     cfg["local"] = {"steps": 1, "batch_size": 8, "lr": 0.1}

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedweave.config import ConfigError
 from fedweave.execution.dpsgd import PrivateTrainer
 from fedweave.execution.local import LR, PLAIN, LocalResult, LocalRule
 from fedweave.privacy.accountant import Accountant
@@ -44,6 +45,11 @@ class AccountedTrainer(PrivateTrainer):
         steps: int | None = None,
         key: tuple[int, ...] = (),
     ) -> LocalResult:
+        if rule.draws > 1:  # each draw is a noisy gradient of its own, and the accountant counts one per step
+            raise ConfigError(
+                f"privacy.level: sample: the method's local rule draws {rule.draws} independent batches a step, "
+                "each a noisy gradient, where the accountant counts one per step; use privacy.level: user"
+            )
         out = super().train(starts, clients, round, rule=rule, lr=lr, steps=steps, key=key)
         ids, taken = np.asarray(clients, dtype=np.int64), out.steps.cpu().numpy().astype(np.int64)
         if len(out.steps):
