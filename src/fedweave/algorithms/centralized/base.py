@@ -452,7 +452,7 @@ class StarAlgorithm(Algorithm):
             parts = [p if len(p) <= batch else p[g.choice(len(p), batch, replace=False)] for g, p in zip(rngs, parts)]
         tr, ev = self.trainer, self.config.eval
         loss = evaluate_clients_task(self.layout, self.x, tr.train_x, tr.train_y, parts, self.ctx.task, ev.batch_size)
-        sent = torch.as_tensor(loss["loss"], dtype=self.x.dtype)  # one float of the run's width each
+        sent = torch.as_tensor(loss["loss"], dtype=self.x.dtype, device="cpu")  # one float of the run's width each
         if self.sampler_built:
             n = len(candidates)
             self.ledger.record(r, "server", "client", "candidate_model", n * _size((self.x,)), n)
