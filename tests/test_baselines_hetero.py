@@ -107,6 +107,23 @@ if "_blocks_uneven" not in PARTITIONERS._items:
         return list(np.split(np.arange(len(labels)), [20, 60, 120]))
 
 
+def _gd_by_hand(algo, x0: torch.Tensor, lr: float) -> tuple[list[torch.Tensor], list[int]]:
+    """Each client's round-0 displacement by local gradient steps on 0.5 (a^T w - y)^2, in float64 from the
+    trainer's batch plan, and its number of steps."""
+    ds = _quad_data()
+    a_all, y_all = ds.train_x.double(), ds.train_y.double()
+    deltas, taus = [], []
+    for c in range(N_Q):
+        w = x0.clone()
+        batches = algo.trainer.client_batches(c, 0, (), None)
+        for b in batches:
+            a, y = a_all[b], y_all[b]
+            w = w - lr * a.T @ (a @ w - y) / len(b)
+        deltas.append(w - x0)
+        taus.append(len(batches))
+    return deltas, taus
+
+
 def test_fednova_one_round_on_least_squares_with_unequal_steps_is_the_closed_form():
     """One round of local gradient steps on 0.5 (a^T w - y)^2, by hand in float64 from the trainer's batch plan:
     x+ = x + sum_i p_i (tau_eff / tau_i) Delta_i with tau = (1, 2, 3, 2), p uniform, tau_eff = 2."""
@@ -118,18 +135,8 @@ def test_fednova_one_round_on_least_squares_with_unequal_steps_is_the_closed_for
     x0 = algo.x.double().clone()
     algo.run_round(0)
 
-    ds = _quad_data()
-    a_all, y_all = ds.train_x.double(), ds.train_y.double()
-    deltas, taus = [], []
-    for c in range(N_Q):
-        w = x0.clone()
-        batches = algo.trainer.client_batches(c, 0, (), None)
-        for b in batches:
-            a, y = a_all[b], y_all[b]
-            w = w - 0.05 * a.T @ (a @ w - y) / len(b)
-        deltas.append(w - x0)
-        taus.append(len(batches))
-    assert taus == [1, 2, 3, 2] and len(y_all) == 4 * M_Q
+    deltas, taus = _gd_by_hand(algo, x0, 0.05)
+    assert taus == [1, 2, 3, 2] and len(_quad_data().train_y) == 4 * M_Q
     tau_eff = sum(taus) / N_Q
     want = x0 + sum((tau_eff / t) * d for t, d in zip(taus, deltas)) / N_Q
     torch.testing.assert_close(algo.x.double(), want, rtol=1e-5, atol=1e-6)
@@ -165,18 +172,8 @@ def test_fednova_round_with_an_empty_client_under_uniform_weights_is_the_closed_
     x0 = algo.x.double().clone()
     algo.run_round(0)
 
-    ds = _quad_data()
-    a_all, y_all = ds.train_x.double(), ds.train_y.double()
-    want, taus = x0.clone(), []
-    for c in range(N_Q):
-        w = x0.clone()
-        batches = algo.trainer.client_batches(c, 0, (), None)
-        for b in batches:
-            a, y = a_all[b], y_all[b]
-            w = w - 0.05 * a.T @ (a @ w - y) / len(b)
-        taus.append(len(batches))
-        if batches:
-            want = want + (2 / len(batches)) * (w - x0) / 3
+    deltas, taus = _gd_by_hand(algo, x0, 0.05)
+    want = x0 + sum((2 / t) * d / 3 for t, d in zip(taus, deltas) if t)
     assert taus == [1, 3, 0, 4]
     torch.testing.assert_close(algo.x.double(), want, rtol=1e-5, atol=1e-6)
 
