@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -107,9 +108,17 @@ if "_blocks_uneven" not in PARTITIONERS._items:
         return list(np.split(np.arange(len(labels)), [20, 60, 120]))
 
 
-def _gd_by_hand(algo, x0: torch.Tensor, lr: float) -> tuple[list[torch.Tensor], list[int]]:
-    """Each client's round-0 displacement by local gradient steps on 0.5 (a^T w - y)^2, in float64 from the
-    trainer's batch plan, and its number of steps."""
+def _fednova_round_by_hand(partition: str, lr: float = 0.05) -> tuple[Any, torch.Tensor, list, list[int]]:
+    """One FedNova round on the least-squares toy under ``partition`` (epochs of batch 20), and each client's
+    round-0 displacement by local gradient steps on 0.5 (a^T w - y)^2 by hand, in float64 from the trainer's
+    batch plan, with its number of steps: (algorithm after the round, x0, displacements, steps)."""
+    cfg = _quad_cfg("fednova")
+    cfg["partition"] = {"name": partition, "num_clients": N_Q}
+    cfg["local"] = {"epochs": 1, "batch_size": 20, "lr": lr}
+    algo = build_algorithm(RunContext(load(cfg)))
+    algo.trainer.loss_fn = _squared
+    x0 = algo.x.double().clone()
+    algo.run_round(0)
     ds = _quad_data()
     a_all, y_all = ds.train_x.double(), ds.train_y.double()
     deltas, taus = [], []
@@ -121,21 +130,13 @@ def _gd_by_hand(algo, x0: torch.Tensor, lr: float) -> tuple[list[torch.Tensor], 
             w = w - lr * a.T @ (a @ w - y) / len(b)
         deltas.append(w - x0)
         taus.append(len(batches))
-    return deltas, taus
+    return algo, x0, deltas, taus
 
 
 def test_fednova_one_round_on_least_squares_with_unequal_steps_is_the_closed_form():
     """One round of local gradient steps on 0.5 (a^T w - y)^2, by hand in float64 from the trainer's batch plan:
     x+ = x + sum_i p_i (tau_eff / tau_i) Delta_i with tau = (1, 2, 3, 2), p uniform, tau_eff = 2."""
-    cfg = _quad_cfg("fednova")
-    cfg["partition"] = {"name": "_blocks_uneven", "num_clients": N_Q}
-    cfg["local"] = {"epochs": 1, "batch_size": 20, "lr": 0.05}
-    algo = build_algorithm(RunContext(load(cfg)))
-    algo.trainer.loss_fn = _squared
-    x0 = algo.x.double().clone()
-    algo.run_round(0)
-
-    deltas, taus = _gd_by_hand(algo, x0, 0.05)
+    algo, x0, deltas, taus = _fednova_round_by_hand("_blocks_uneven")
     assert taus == [1, 2, 3, 2] and len(_quad_data().train_y) == 4 * M_Q
     tau_eff = sum(taus) / N_Q
     want = x0 + sum((tau_eff / t) * d for t, d in zip(taus, deltas)) / N_Q
@@ -164,15 +165,7 @@ def test_nova_scale_counts_an_empty_client_as_no_step_and_no_direction():
 def test_fednova_round_with_an_empty_client_under_uniform_weights_is_the_closed_form():
     """tau = (1, 3, 0, 4), p = 1/4: the empty client adds 0 to tau_eff = 8 / 4 = 2 (it counted as one step,
     tau_eff 9 / 4) and has no normalized update, so x+ = x + sum_{i: tau_i > 0} (1/3) (2 / tau_i) Delta_i."""
-    cfg = _quad_cfg("fednova")
-    cfg["partition"] = {"name": "_blocks_one_empty", "num_clients": N_Q}
-    cfg["local"] = {"epochs": 1, "batch_size": 20, "lr": 0.05}
-    algo = build_algorithm(RunContext(load(cfg)))
-    algo.trainer.loss_fn = _squared
-    x0 = algo.x.double().clone()
-    algo.run_round(0)
-
-    deltas, taus = _gd_by_hand(algo, x0, 0.05)
+    algo, x0, deltas, taus = _fednova_round_by_hand("_blocks_one_empty")
     want = x0 + sum((2 / t) * d / 3 for t, d in zip(taus, deltas) if t)
     assert taus == [1, 3, 0, 4]
     torch.testing.assert_close(algo.x.double(), want, rtol=1e-5, atol=1e-6)
