@@ -110,6 +110,14 @@ def client_sizes(parts: Sequence[Any]) -> np.ndarray:
     return np.array([len(p) for p in parts], dtype=np.int64)
 
 
+def clients_with_data(parts: Sequence[Any]) -> np.ndarray:
+    """The clients of a partition that hold training samples (every client where none does): those whose local
+    steps a per-client mean counts (the papers' K, the simulated clock's unit). A client without samples takes
+    no step, and its 0 would only shrink the mean."""
+    held = np.flatnonzero(client_sizes(parts) > 0)
+    return held if len(held) else np.arange(len(parts))
+
+
 def check_parts(parts: Sequence[Any], n: int, name: str) -> Partition:
     """The per-client index arrays of a partitioner of your own as a :class:`Partition`, held to the contract of
     ``docs/partitioning.md``: whole-number indices into the ``n`` training samples, no sample on two clients.

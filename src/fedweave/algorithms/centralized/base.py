@@ -30,7 +30,7 @@ from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights,
 from fedweave.compression import upload_compression
 from fedweave.compression.download import download_compression
 from fedweave.config import MAX_LR, ConfigError, Section
-from fedweave.data.partition import client_sizes
+from fedweave.data.partition import client_sizes, clients_with_data
 from fedweave.execution import (
     LocalResult,
     ParamLayout,
@@ -541,9 +541,9 @@ class StarAlgorithm(Algorithm):
         asynchronous clock (``async_base``): its 0 would only shrink the mean client's round, the unit, and
         stretch every other client's time in it. Counted once over the population: a client's steps depend on
         its data and the config only, and the asynchronous clock asks at every dispatch."""
-        held = np.flatnonzero(self.holds_data)
-        who = held.tolist() if len(held) else range(self.ctx.num_clients)
-        ks = [self.trainer.num_steps(c) + self.personal_steps(c) for c in who]
+        ks = [
+            self.trainer.num_steps(c) + self.personal_steps(c) for c in clients_with_data(self.ctx.partition).tolist()
+        ]
         return max(1, round(sum(ks) / len(ks)))
 
     def weights(self, clients: np.ndarray) -> torch.Tensor:
@@ -564,8 +564,7 @@ class StarAlgorithm(Algorithm):
         spec A5). K is the number of local steps an active client runs (FedCM Alg. 1's ``eta_l K`` of
         ``Delta_{t+1}``; the spec's §1): a client without samples (``partition.min_size: 0``) runs none, and its 0
         steps would only shrink K and inflate FedCM's momentum ``-Delta / (eta_l K)`` and FedMIM's deltas."""
-        held = np.flatnonzero(self.holds_data)
-        ks = [self.trainer.num_steps(int(c)) for c in (held if len(held) else range(self.ctx.num_clients))]
+        ks = [self.trainer.num_steps(c) for c in clients_with_data(self.ctx.partition).tolist()]
         return max(1, round(sum(ks) / len(ks)))
 
     def local_metrics(self, local: LocalResult, p: torch.Tensor) -> dict[str, float]:

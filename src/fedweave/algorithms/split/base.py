@@ -44,6 +44,7 @@ from fedweave.accounting import split as accounting
 from fedweave.accounting.split import upload_batches
 from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights, checked_augment, model_memory
 from fedweave.config import ConfigError
+from fedweave.data.partition import clients_with_data
 from fedweave.execution import LocalTrainer, ParamLayout, evaluate_task
 from fedweave.ledger import nbytes
 from fedweave.models.split import build_split_model
@@ -311,7 +312,7 @@ class SplitAlgorithm(Algorithm):
         self.server_copies = 1
         # the mean local batches of a client that holds data: the unit of a client's work under faults (one
         # without samples takes none, and its 0 would shrink the unit, as the star family's mean_round_steps)
-        held = [c for c in range(ctx.num_clients) if len(ctx.partition[c])] or list(range(ctx.num_clients))
+        held = clients_with_data(ctx.partition).tolist()
         self.reference_batches = max(1, round(sum(self.batcher.num_steps(c) for c in held) / len(held)))
         self.privacy = split_privacy(self)  # privacy: DP-FedAvg on the client-side models (None without a section)
 
