@@ -83,6 +83,24 @@ def test_a_method_that_draws_no_users_refuses_a_sampler_and_a_sample_rate():
     make({"name": "uniform"}, name="cfl_saga")  # the default section names no sampler
 
 
+@pytest.mark.parametrize("name", ["gt_svrg", "gt_sarah"])
+def test_inner_loop_1_refuses_a_sample_rate_and_a_sampler(name):
+    """With inner_loop 1 every iteration of GT-SVRG / GT-SARAH is a snapshot (all users upload), so sample_rate
+    and a sampler section were accepted and never read (before: silently ignored); refused in one line."""
+    system = {k: v for k, v in _ALGO.items() if k != "sample_rate"}
+
+    def make(sampler: dict | None = None, **algo):
+        cfg = {"seed": 0, "rounds": 2, "dataset": _DATA, "algorithm": {**system, "name": name, **algo}}
+        return build_algorithm(RunContext(load({**cfg, **({"sampler": sampler} if sampler else {})})))
+
+    with pytest.raises(ConfigError, match=r"^algorithm.sample_rate: with inner_loop 1 every iteration is a snapshot"):
+        make(inner_loop=1, sample_rate=0.4)
+    with pytest.raises(ConfigError, match=rf"^sampler: {name} with inner_loop 1 draws no users"):
+        make({"name": "fixed"}, inner_loop=1)
+    make(inner_loop=1), make(inner_loop=1, sample_rate=0.15)  # left out, or written out as the default: accepted
+    make(inner_loop=2, sample_rate=0.4)  # read by the inner iterations
+
+
 def test_a_schedule_without_cycling_must_cover_every_iteration():
     """The edge servers ask the sampler every iteration k, not every round: a schedule of 2 entries with cycle
     false was accepted for 2 rounds of 3 iterations and silently cycled over the 6 iterations."""

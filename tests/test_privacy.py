@@ -265,6 +265,48 @@ def test_bad_privacy_values_are_one_line(toy_config, privacy, words):
     assert words in str(e.value)
 
 
+_CLIENTS = "n = 12 clients, the units user-level DP protects"
+_SAMPLES = "n = 1200 training samples of all clients, the units sample-level DP protects"
+
+
+@pytest.mark.parametrize(
+    ("build", "privacy", "units"),
+    [
+        ("star", {"sampler": "bernoulli"}, _CLIENTS),
+        ("star", {"mechanism": "local"}, _CLIENTS),
+        ("star", {"mechanism": "ftrl"}, _CLIENTS),
+        ("star", {"level": "sample", "delta": 1e-3}, _SAMPLES),
+        ("fedbuff", {}, _CLIENTS),
+        ("hier", {}, _CLIENTS),
+        ("dfl", {"level": "sample", "delta": 1e-3}, _SAMPLES),
+    ],
+)
+def test_a_delta_not_below_one_over_the_protected_units_is_one_warning(toy_config, caplog, build, privacy, units):
+    # delta: 0.5 ran without a word, though publishing one of the n protected units at random is (0, 1/n)-DP
+    privacy = {"noise_multiplier": 1.0, "delta": 0.1, **privacy}
+    sampler = privacy.pop("sampler", "uniform")
+    cfg = {
+        "star": lambda: _cfg(toy_config, privacy, sampler=sampler),
+        "fedbuff": lambda: _cfg(toy_config, privacy, algorithm={"name": "fedbuff", "concurrency": 4, "buffer_size": 2}),
+        "hier": lambda: _hier(toy_config, privacy),
+        "dfl": lambda: _dfl(toy_config, {}, privacy),
+    }[build]()
+    with caplog.at_level("WARNING", logger="fedweave"):
+        _built(cfg)
+    said = [r.getMessage() for r in caplog.records if "privacy.delta" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert said[0].startswith(f"privacy.delta {privacy['delta']:g} is not below 1/n = ") and f"({units})" in said[0]
+
+
+@pytest.mark.parametrize("privacy", [{"delta": 0.08}, {"level": "sample", "delta": 8e-4}, {}])
+def test_a_delta_below_one_over_the_protected_units_is_not_warned_about(toy_config, caplog, privacy):
+    # 1/12 clients = 0.083 and 1/1200 samples = 8.3e-4: just below is allowed without a word (as the default 1e-5)
+    cfg = _cfg(toy_config, {"noise_multiplier": 1.0, **privacy}, sampler="bernoulli")
+    with caplog.at_level("WARNING", logger="fedweave"):
+        _built(cfg)
+    assert "privacy.delta" not in caplog.text
+
+
 @pytest.mark.parametrize(("name", "family"), [("cfl_admm", "confederated")])
 def test_another_family_is_refused_with_one_line(toy_config, name, family):
     cfg = _cfg(toy_config, {"noise_multiplier": 1.0}, algorithm={"name": name})

@@ -115,6 +115,15 @@ def test_epsilon_is_opacus_called_directly_with_poisson_sampling(tmp_path, accou
     assert res.summary["privacy"]["expected_clients"] == 3
 
 
+def test_a_delta_not_below_one_over_the_clients_is_one_warning(caplog):
+    # the fed server's DP-FedAvg protects each of the 6 clients: delta 0.2 >= 1/6 ran without a word
+    privacy = {"noise_multiplier": 1.0, "clip": 0.5, "delta": 0.2, "amplification": "none"}
+    with caplog.at_level("WARNING", logger="fedweave"):
+        _built(_cfg("fsl_an", privacy, clients_per_round=3))
+    said = [r.getMessage() for r in caplog.records if "privacy.delta" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("privacy.delta 0.2 is not below 1/n = 0.167 (n = 6 clients, ")
+
+
 def test_the_split_samplers_are_accounted_as_the_stars():
     """q = 1 for fixed clients, every client every round and any sampler under amplification: none; the default
     fixed-size uniform sample of fewer clients than N is refused in one line, as for the star (docs/privacy.md)."""

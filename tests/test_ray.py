@@ -137,6 +137,16 @@ def test_fedavg_on_ray_equals_loop(local_ray, toy_config, tmp_path):
 
 
 @needs_ray
+def test_more_workers_than_a_running_sessions_cpus_are_refused_before_the_run_writes(local_ray, toy_config, tmp_path):
+    """In a Ray session already up (2 CPUs), ray.num_workers: 3 was refused only at the first training call, after
+    the run had written its config and a failed summary; now one line when the run is built, nothing written."""
+    cfg = load({**toy_config, "backend": "ray", "ray": {"num_workers": 3}})
+    with pytest.raises(ConfigError, match=r"^ray\.num_workers \(3\) exceeds the CPUs of the Ray cluster \(2\)$"):
+        run(cfg, run_dir=tmp_path / "r")
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+
+
+@needs_ray
 def test_scaffold_on_ray_equals_loop(local_ray, toy_config, tmp_path):
     # uneven clients (Dirichlet 0.5), momentum: the control variates c_i are indexed by global job position
     config = {

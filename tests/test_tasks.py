@@ -473,6 +473,31 @@ def test_nll_on_log_probabilities_equals_cross_entropy_on_logits(tmp_path):
     assert nll.metrics[-1]["test_accuracy"] == ce.metrics[-1]["test_accuracy"] > 0.5
 
 
+@pytest.mark.parametrize("how", ["factory", "registered"])
+def test_nll_on_a_model_that_outputs_logits_is_one_line(tmp_path, toy_config, how):
+    # nll_loss of logits is -z_y, unbounded below: the run trained to a negative, meaningless loss without a word
+    if how == "factory":
+        cfg = {
+            "rounds": 1,
+            "partition": {"name": "iid", "num_clients": 4},
+            "algorithm": {"name": "fedavg", "clients_per_round": 2},
+            "task": {"loss": "nll"},
+            "output": {"progress": False, "plots": False},
+        }
+        kw = {"model": SmallNet, "dataset": _digits_arrays()}
+        name = "'python'"
+    else:
+        cfg, kw, name = {**toy_config, "task": {"loss": "nll"}}, {}, "'logistic'"
+    with pytest.raises(ConfigError) as e:
+        fedweave.run(cfg, run_dir=tmp_path / "r", **kw)
+    msg = str(e.value)
+    assert msg.startswith(
+        f"task.loss: nll needs a model that outputs log-probabilities (ending in log_softmax), "
+        f"but the outputs of model {name} on two training samples are not"
+    )
+    assert msg.endswith("for logits use task.loss: cross_entropy") and "\n" not in msg
+
+
 # ---- a custom loss and the user's own nn.Module on every backend -------------------------------------
 class SmallNet(nn.Module):
     def __init__(self) -> None:

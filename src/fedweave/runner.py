@@ -22,6 +22,7 @@ from fedweave.checkpoints import CHECKPOINT, RESUMABLE_LOCAL, restore_checkpoint
 from fedweave.config import ConfigError, FaultsConfig, RunConfig
 from fedweave.config import load as load_config
 from fedweave.errors import CheckpointError, DivergenceError, RunInterrupted, RunStopped
+from fedweave.execution.ray import check_session
 from fedweave.faults import Faults
 from fedweave.memory import cpu_seconds
 from fedweave.registry import ALGORITHMS
@@ -134,6 +135,8 @@ def run(
     path = Path(run_dir or config.output.dir or default_run_dir(config.name, config.seed))
     check_run_dir(path, resume=resume, overwrite=overwrite)
     _check_faults(config)
+    if config.backend == "ray":  # against a Ray session already up; one not yet started is checked as it starts
+        check_session(config.ray)
     ctx = RunContext(config, objects)
     # a config problem found while building ends here, before anything is written
     state = RunState(config, ctx, build_algorithm(ctx), resumed=resume)

@@ -44,7 +44,7 @@ from fedweave.ledger import Ledger
 from fedweave.registry import ALGORITHMS, DATASETS, METRICS, MODELS, PARTITIONERS
 from fedweave.robust import poisoned_data
 from fedweave.seeding import Seeds
-from fedweave.tasks import CallableLoss, Loss, Task, build_task
+from fedweave.tasks import NLL, CallableLoss, Loss, Task, build_task
 
 
 @dataclasses.dataclass
@@ -130,13 +130,16 @@ def check_model_fits(
     dataset_name: str,
     device: torch.device | None = None,
     classes: int | None = None,
+    log_probs: bool = False,
 ) -> None:
     """One forward pass on two training samples (on ``device``), so that a model that cannot read the
     dataset's input (a character LSTM on images, say) is a configuration error now rather than a traceback
     in round 1. For integer inputs (token ids) the samples holding the smallest and largest id are passed too:
     an id beyond an embedding's vocabulary failed only when a batch first held it. ``classes``: the logits a
     cross-entropy task needs per sample, checked against a ``(B, K)`` output (a model built for fewer classes
-    fails in round 1, on a GPU with a device-side assert)."""
+    fails in round 1, on a GPU with a device-side assert). ``log_probs`` (``task.loss: nll``): each sample's
+    outputs must be log-probabilities, ``logsumexp`` over the classes 0; on logits ``nll_loss`` is ``-z_y``,
+    unbounded below, and a run trained to a negative, meaningless loss without a word."""
     x, kind = ds.train_x[:2], str(ds.train_x.dtype)
     if len(ds.train_x) and not ds.train_x.is_floating_point():
         flat = ds.train_x.reshape(len(ds.train_x), -1)
@@ -150,6 +153,16 @@ def check_model_fits(
             f"model {model_name!r} gives {out.shape[1]} logits per sample, but dataset {dataset_name!r} has "
             f"{classes} classes; build the model for {classes} outputs"
         )
+    if e is None and log_probs and isinstance(out, torch.Tensor) and out.dim() >= 2 and out.is_floating_point():
+        # 1e-3: far above the rounding of a float32 log_softmax (~1e-6), far below what logits give by chance
+        mass = torch.logsumexp(out.double(), 1)
+        if not bool((mass.abs() <= 1e-3).all()):
+            worst = float(mass.abs().max())
+            raise ConfigError(
+                f"task.loss: nll needs a model that outputs log-probabilities (ending in log_softmax), but the outputs "
+                f"of model {model_name!r} on two training samples are not (logsumexp over the classes "
+                f"{worst:.4g} from 0, largest output {float(out.max()):.4g}); for logits use task.loss: cross_entropy"
+            )
     if e is not None:
         raise ConfigError(
             f"model {model_name!r} does not fit dataset {dataset_name!r}: its input is "
@@ -500,7 +513,8 @@ class RunContext:
             load_initial_weights(model, init_from)
         # the built-in class losses index the logits by label (a loss of one's own may read fewer outputs)
         classes = ds.num_classes if self.objects.loss is None and self.task.loss.name in CLASS_LOSSES else None
-        check_model_fits(model, ds, self.config.model.name, self.config.dataset.name, self.device, classes)
+        nll = isinstance(self.task.loss, NLL)  # the built-in nll (by name or passed from Python) reads log-probs
+        check_model_fits(model, ds, self.config.model.name, self.config.dataset.name, self.device, classes, nll)
         if self.objects.model is not None and not key:  # objects.json: what the factory gave for the run's model
             self.objects.built_model = describe_model(model)
         return model

@@ -27,6 +27,7 @@ import copy
 import math
 import os
 import re
+import sys
 import uuid
 import warnings
 import weakref
@@ -126,12 +127,29 @@ def _start_ray(ray: Any, cfg: RayConfig, data_bytes: int) -> None:
 _ACTORS: dict[tuple[str, str, float], list] = {}  # (job id, node id, GPUs each) -> the actors of that session
 
 
-def actors(ray: Any, n: int, num_gpus: float = 0.0) -> list:
-    """``n`` worker actors of the current Ray session holding ``num_gpus`` GPUs each (a fraction lets
-    several share one), started on first need and then reused."""
+def _check_cpus(ray: Any, n: int) -> None:
+    """``n`` one-CPU actors must fit in the Ray session's CPUs: one line naming ``ray.num_workers`` if not."""
     cpus = int(ray.cluster_resources().get("CPU", 0))
     if n > cpus:
         raise ConfigError(f"ray.num_workers ({n}) exceeds the CPUs of the Ray cluster ({cpus})")
+
+
+def check_session(cfg: RayConfig) -> None:
+    """``ray.num_workers`` against a Ray session already up in this process (the caller's ``ray.init``, or the
+    local Ray an earlier run of a notebook or in-process sweep started with its own number of CPUs), when the
+    run is built: at its first training call the run had already written its files. A session not yet up is
+    not started here: fedweave starts a local one with ``num_workers`` CPUs (nothing to exceed), and a
+    cluster's CPUs (``ray.address``) are known only once connected, at the first training call."""
+    ray = sys.modules.get("ray")  # never imported: no session (and no import cost)
+    if ray is None or cfg.num_workers is None or not ray.is_initialized():
+        return
+    _check_cpus(ray, cfg.num_workers)
+
+
+def actors(ray: Any, n: int, num_gpus: float = 0.0) -> list:
+    """``n`` worker actors of the current Ray session holding ``num_gpus`` GPUs each (a fraction lets
+    several share one), started on first need and then reused."""
+    _check_cpus(ray, n)
     gpus = float(ray.cluster_resources().get("GPU", 0))
     if num_gpus and n * num_gpus > gpus + 1e-9:
         raise ConfigError(

@@ -11,6 +11,7 @@ gets q = 1. A sampler that chooses by the clients' losses would leak them throug
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -25,6 +26,24 @@ from fedweave.privacy.mechanism import UserDP
 from fedweave.privacy.sample import AccountedTrainer, SampleDP, sample_rates
 
 NO_AMPLIFICATION = ("fixed", "schedule")  # the samplers whose clients are known in advance: q = 1
+
+log = logging.getLogger(__name__)
+
+
+def check_delta(cfg: PrivacyConfig, n: int, units: str) -> None:
+    """One warning when ``privacy.delta`` is not below 1/n, n the number of protected ``units`` (the clients at
+    user level, the training samples at sample level): publishing one unit's data in the clear, chosen at random,
+    is (0, 1/n)-DP, so an epsilon at such a delta rules out no disclosure (Dwork and Roth 2014, §2.3). Allowed
+    (the config may mean it), but rarely meant."""
+    if n > 0 and cfg.delta >= 1 / n:
+        log.warning(
+            "privacy.delta %g is not below 1/n = %.3g (n = %d %s): publishing one of them, drawn at random, in the "
+            "clear is (0, 1/n)-DP, so epsilon at this delta guarantees little; choose delta well below 1/n",
+            cfg.delta,
+            1 / n,
+            n,
+            units,
+        )
 
 
 def sampling(
@@ -115,6 +134,7 @@ def make_privacy(
         # nothing here and only has to be blind to the losses (privacy.amplification is about the batches)
         _loss_blind(algo.sampler)
         return _sample_level(algo, cfg, accountant)
+    check_delta(cfg, population, "clients, the units user-level DP protects")
     # local DP and DP-FTRL get no amplification: q = 1 whatever the (loss-blind) sampler
     q, expected = sampling(cfg, algo.sampler, per_round, population, amplify=cfg.mechanism == "central")
     count_noise = cfg.count_noise if cfg.count_noise is not None else expected / 20  # Andrew et al.: m / 20
@@ -185,6 +205,7 @@ def _buffered(algo: Any, cfg: PrivacyConfig) -> BufferedDP:
             f"privacy.noise_multiplier: auto needs the clients' contributions in advance, which {name}'s schedule "
             "decides as it runs; set a noise_multiplier (privacy.target_epsilon then stops the run at the budget)"
         )
+    check_delta(cfg, algo.ctx.num_clients, "clients, the units user-level DP protects")
     return BufferedDP(
         num_clients=algo.ctx.num_clients,
         clip=cfg.clip,
@@ -253,6 +274,8 @@ def _sample_level(algo: Any, cfg: PrivacyConfig, accountant: Accountant) -> Samp
         )
     local = algo.config.local
     sizes = [len(p) for p in algo.ctx.partition]
+    # one sample of one client is what differs between neighbouring datasets: the units are all clients' samples
+    check_delta(cfg, sum(sizes), "training samples of all clients, the units sample-level DP protects")
     if local.steps is not None and not local.full_batch:
         # fixed-size batches cut from a stream of reshuffled epochs: a batch that spans two epochs (n not a multiple
         # of B, k B > n) can hold one sample twice, and that step's sum then moves by 2C, not the C accounted

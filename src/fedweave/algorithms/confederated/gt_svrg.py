@@ -43,6 +43,15 @@ class GTSVRGHparams(ConfederatedHparams):
         check_rate("sample_rate", self.sample_rate)
         if self.inner_loop < 1:
             raise ConfigError(f"algorithm.inner_loop must be >= 1, got {self.inner_loop}")
+        # T = 1: every iteration is a snapshot (k % 1 == 0), whose full upload selects no users, so SR is never
+        # read; a sample_rate set to other than its default is refused, never ignored (one written out as the
+        # default, 0.15, is not: the config cannot be told from one that leaves it out)
+        if self.inner_loop == 1 and self.sample_rate != GTSVRGHparams.sample_rate:
+            raise ConfigError(
+                f"algorithm.sample_rate: with inner_loop 1 every iteration is a snapshot (all users upload their "
+                f"full gradients), so no users are selected and sample_rate ({self.sample_rate:g}) is never read; "
+                "leave it out or set inner_loop >= 2"
+            )
 
 
 @ALGORITHMS.register("gt_svrg")
@@ -61,6 +70,11 @@ class GTSVRG(ConfederatedAlgorithm):
         self.mu = torch.zeros(pb.N, pb.d, dtype=torch.float64, device=dev)  # sum_j grad f_ij(tau_i)
         self.due = torch.zeros(pb.N, dtype=torch.bool, device=dev)  # a snapshot not yet completed (faults only)
         self.anchored = torch.zeros(pb.N, dtype=torch.bool, device=dev)  # a snapshot has completed once (faults only)
+
+    def draws_users(self, hp: GTSVRGHparams) -> str | None:
+        if hp.inner_loop == 1:  # every iteration a snapshot: all users upload, none is selected
+            return "with inner_loop 1 draws no users (every iteration is a snapshot: all users upload)"
+        return None
 
     def hold_state(self) -> None:
         super().hold_state()
