@@ -118,20 +118,58 @@ def test_rpow_d_named_is_the_default_bit_for_bit():
 # ---- the ledger: the model down to each candidate, one loss float up each ----------------------------------------
 @pytest.mark.parametrize("variant,batch", [("pow-d", None), ("cpow-d", 8)])
 def test_the_probe_is_billed_by_hand_count(variant, batch):
+    """Per round: x_t down to each of the D candidates and one loss up each; the 3 selected train from the x_t
+    they evaluated (Algorithm 1), so the round's message reaches them without it (FedAvg's holds nothing else:
+    3 messages of 0 bytes), then their 3 models and 3 training losses up. Before, x_t went down twice to them."""
     opts = {"variant": variant, **({"batch": batch} if batch else {})}
     algo = _algo({**_cfg("fedavg", rounds=2), "sampler": _sampler(**opts)})
     plain = _algo({**_cfg("fedavg", rounds=2), "sampler": _sampler()})
+    model = algo.num_params * F32  # 148 float32
+    assert algo.num_params == D_TOY
     assert algo.ledger.bytes(kind="candidate_model") == 0  # the check draw when the run is built: not a round
     for r in range(2):
         algo.run_round(r)
         plain.run_round(r)
-        assert algo.ledger.bytes("down", round=r, kind="candidate_model") == D * D_TOY * F32
+        assert algo.ledger.bytes("down", round=r, kind="candidate_model") == D * model
         assert algo.ledger.bytes("up", round=r, kind="candidate_loss") == D * F32
-        assert algo.ledger.bytes("down", round=r) == plain.ledger.bytes("down", round=r) + D * D_TOY * F32
+        assert algo.ledger.bytes("down", round=r, kind="model") == 0
+        assert algo.ledger.bytes("down", round=r) == D * model
+        assert algo.ledger.bytes("up", round=r) == 3 * model + 3 * F32 + D * F32  # models, train losses, the probe's
+        assert plain.ledger.bytes("down", round=r) == 3 * model  # rpow-d: no probe, the model to the 3
         assert algo.ledger.bytes("up", round=r) == plain.ledger.bytes("up", round=r) + D * F32
     assert algo.ledger.count(kind="candidate_model") == algo.ledger.count(kind="candidate_loss") == 2 * D
+    assert algo.ledger.count(kind="model", sender="server") == 2 * 3  # the call to train still reaches each
     # the forward passes are evaluation, not local steps: the clients' work is what it was
     assert algo.client_work(0, np.arange(8)).tolist() == plain.client_work(0, np.arange(8)).tolist()
+
+
+def test_the_rest_of_the_rounds_message_is_still_sent_to_the_selected():
+    """SCAFFOLD's message is (x, c): the selected candidates hold x_t from the probe and get c alone."""
+    algo = _algo({**_cfg("scaffold", rounds=2), "sampler": _sampler(variant="pow-d")})
+    model = algo.num_params * F32
+    for r in range(2):
+        algo.run_round(r)
+        assert algo.ledger.bytes("down", round=r, kind="candidate_model") == D * model
+        assert algo.ledger.bytes("down", round=r, kind="model+control") == 3 * model  # c, not x_t again
+        assert algo.ledger.bytes("down", round=r) == (D + 3) * model
+
+
+def test_a_model_changed_after_the_probe_is_sent_and_billed_again(monkeypatch):
+    """Were x_t to change between the probe and the round's message, the selected candidates would not hold what
+    they are sent: it is billed in full."""
+    algo = _algo({**_cfg("fedavg", rounds=1), "sampler": _sampler(variant="pow-d")})
+    sample = algo.sample_clients
+
+    def sample_then_move(r):
+        clients = sample(r)
+        algo.x.add_(1.0)  # after the probe, before the round's message
+        return clients
+
+    monkeypatch.setattr(algo, "sample_clients", sample_then_move)
+    algo.run_round(0)
+    model = algo.num_params * F32
+    assert algo.ledger.bytes("down", round=0, kind="model") == 3 * model
+    assert algo.ledger.bytes("down", round=0) == (D + 3) * model
 
 
 # ---- the same picks on every backend, and after a resume ---------------------------------------------------------

@@ -201,7 +201,8 @@ def power_of_choice(
     - ``rpow-d`` (the default): each candidate's last reported mean training loss (the context's ``last_loss``),
       no extra round trip; a candidate never heard from counts as the highest;
     - ``pow-d``: the server sends the current global model to the d candidates and each computes its loss
-      ``F_k(w)`` on its whole training data (the context's ``loss_at_model``);
+      ``F_k(w)`` on its whole training data (the context's ``loss_at_model``); the selected ones train from
+      the model they evaluated, which is not sent to them again;
     - ``cpow-d``: the same on a mini-batch of ``batch`` of its samples (all of them where it holds fewer).
 
     Ties keep the candidates' random order. ``d`` (default ``2 * per_round``, at most the number of clients with

@@ -201,6 +201,9 @@ class StarAlgorithm(Algorithm):
         # candidates' losses of x_t on request (candidate_losses: power_of_choice's pow-d and cpow-d)
         self.client_history = ClientHistory(sizes, self.candidate_losses)
         self.probes = False  # the sampler had candidates evaluate x_t in its check draw (make_sampler's round 0)
+        # the last probe: (round, the candidates sent the model, the model as sent), so that the round's own
+        # message does not bill x_t again to a candidate that holds it (send); None before any
+        self.probed: tuple[int, np.ndarray, torch.Tensor] | None = None
         self.sampler_built = False  # until then a probe is that check draw, not a round's: not billed
         self.sampler = make_sampler(
             ctx, hp.clients_per_round, default=_aliased_sampler(ctx, hp), context=self.client_history.context
@@ -441,9 +444,10 @@ class StarAlgorithm(Algorithm):
 
         Billed as the protocol moves it: x_t down to each candidate (``server->client:candidate_model``, one
         message each) and one loss float up each (``client->server:candidate_loss``, a message of its own: the
-        probe is a round trip before training). The selected candidates are then sent the round's message as
-        under any sampler. Like the other evaluations a client makes (AFL's and q-FFL's start losses, IFCA's
-        cluster losses), the forward passes are not local steps: the clock's work units do not count them.
+        probe is a round trip before training). The selected candidates then train from the x_t they hold
+        (Algorithm 1, line 5): the round's message still reaches them, without x_t (:meth:`send`). Like the
+        other evaluations a client makes (AFL's and q-FFL's start losses, IFCA's cluster losses), the forward
+        passes are not local steps: the clock's work units do not count them.
         The sampler's check draw when the run is built (round 0, drawn once) is not a round: evaluated, not billed.
         """
         parts = [self.ctx.partition[int(c)] for c in candidates]
@@ -457,6 +461,10 @@ class StarAlgorithm(Algorithm):
             n = len(candidates)
             self.ledger.record(r, "server", "client", "candidate_model", n * _size((self.x,)), n)
             self.ledger.record(r, "client", "server", "candidate_loss", n * self.ctx.float_bytes, n)
+            candidates = np.asarray(candidates)
+            if self.probed is not None and self.probed[0] == r and torch.equal(self.probed[2], self.x):
+                candidates = np.union1d(self.probed[1], candidates)  # a second probe of the round, same model
+            self.probed = (r, candidates, self.x.clone())
         else:  # the check draw of make_sampler, before the run: the run is built knowing the sampler probes
             self.probes = True
         return sent.to(torch.float64).numpy()
@@ -551,8 +559,17 @@ class StarAlgorithm(Algorithm):
         return aggregation_weights(self.sizes, clients, self.hp.weighting)
 
     def send(self, r: int, clients: np.ndarray, kind: str, *per_client: torch.Tensor) -> None:
-        """Server -> each client of ``clients``: the given tensors (their size is per client)."""
-        self.ledger.record(r, "server", "client", kind, len(clients) * _size(per_client), len(clients))
+        """Server -> each client of ``clients``: the given tensors (their size is per client). A tensor equal to
+        the model that round ``r``'s probe sent (power-of-choice's pow-d and cpow-d, :meth:`candidate_losses`) is
+        not sent again to the candidates that hold it (Cho et al. 2022, Algorithm 1: the selected candidates
+        train from the w^(t) they evaluated); they still get the message, with the rest of it. A model changed
+        since the probe is another tensor: sent and billed again."""
+        nbytes = len(clients) * _size(per_client)
+        if self.probed is not None and self.probed[0] == r:
+            _, holders, model = self.probed
+            held = tuple(t for t in per_client if _same(t, model))
+            nbytes -= int(np.isin(clients, holders).sum()) * _size(held)
+        self.ledger.record(r, "server", "client", kind, nbytes, len(clients))
 
     def receive(self, r: int, clients: np.ndarray, kind: str, *per_client: torch.Tensor) -> None:
         """Each client of ``clients`` -> server: the given tensors (their size is per client)."""
@@ -665,6 +682,11 @@ class StarAlgorithm(Algorithm):
 def _elements(got: Collected) -> int:
     # the values of one client's upload (what SecAgg+ masks): its upload's rows, else its model
     return sum(t[0].numel() if t.dim() == 2 else t.numel() for t in (tuple(got.upload.values()) or (got.local.params,)))
+
+
+def _same(t: torch.Tensor, model: torch.Tensor) -> bool:
+    # the same values as ``model`` (a client holding ``model`` holds ``t``)
+    return t.shape == model.shape and t.dtype == model.dtype and t.device == model.device and torch.equal(t, model)
 
 
 def _size(tensors: tuple[torch.Tensor, ...]) -> int:
