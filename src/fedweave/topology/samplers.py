@@ -201,8 +201,14 @@ def power_of_choice(
     - ``rpow-d`` (the default): each candidate's last reported mean training loss (the context's ``last_loss``),
       no extra round trip; a candidate never heard from counts as the highest;
     - ``pow-d``: the server sends the current global model to the d candidates and each computes its loss
-      ``F_k(w)`` on its whole training data (the context's ``loss_at_model``);
+      ``F_k(w)`` on its whole training data (the context's ``loss_at_model``); the selected ones train from
+      the model they evaluated, which is not sent to them again;
     - ``cpow-d``: the same on a mini-batch of ``batch`` of its samples (all of them where it holds fewer).
+
+    Under faults a candidate that drops out of round ``r`` sends no loss (NaN from ``loss_at_model``) and is
+    not selected: the ``per_round`` highest of the losses that arrived train (all of them where fewer arrived;
+    none in an outage round). ``rpow-d`` asks nothing in the round, so it ranks by the last reported losses
+    as without faults; a selected client that drops out keeps its older loss in the table.
 
     Ties keep the candidates' random order. ``d`` (default ``2 * per_round``, at most the number of clients with
     data) must be at least ``per_round``; ``d = per_round`` is a size-proportional draw, larger ``d`` selects
@@ -235,7 +241,11 @@ def power_of_choice(
                 "context does not do; use it with a centralized algorithm, or variant: rpow-d"
             )
         loss = np.asarray(context.loss_at_model(candidates, r, batch), dtype=np.float64)
-    return np.sort(candidates[np.argsort(-loss, kind="stable")[:per_round]])
+    order = np.argsort(-loss, kind="stable")
+    # a candidate that sent no loss (NaN: it dropped out of round r, so it would not train either) is not
+    # selectable; fewer than per_round answers: the round takes those that answered
+    order = order[~np.isnan(loss[order])]
+    return np.sort(candidates[order[:per_round]])
 
 
 POWER_OF_CHOICE_VARIANTS = ("rpow-d", "pow-d", "cpow-d")  # Cho et al. 2022, Sec. 4
@@ -404,7 +414,8 @@ class SamplerContext:
     all_reported: np.ndarray  # (1,) int64: the round in which the last client with data first reported; -1 before
     # (candidates, r, batch) -> (len(candidates),) float64: each candidate's mean training loss of the current
     # global model (on a mini-batch of ``batch`` of its samples; None: all of them), as a float of the run's
-    # width, evaluated only when called (power_of_choice's pow-d and cpow-d); None where the family gives none
+    # width, evaluated only when called (power_of_choice's pow-d and cpow-d); NaN for a candidate that sent
+    # none (it dropped out of round r under faults); None where the family gives none
     loss_at_model: Callable[[np.ndarray, int, int | None], np.ndarray] | None = None
 
 

@@ -201,6 +201,9 @@ class StarAlgorithm(Algorithm):
         # candidates' losses of x_t on request (candidate_losses: power_of_choice's pow-d and cpow-d)
         self.client_history = ClientHistory(sizes, self.candidate_losses)
         self.probes = False  # the sampler had candidates evaluate x_t in its check draw (make_sampler's round 0)
+        # the last probe: (round, the candidates sent the model, the model as sent), so that the round's own
+        # message does not bill x_t again to a candidate that holds it (send); None before any
+        self.probed: tuple[int, np.ndarray, torch.Tensor] | None = None
         self.sampler_built = False  # until then a probe is that check draw, not a round's: not billed
         self.sampler = make_sampler(
             ctx, hp.clients_per_round, default=_aliased_sampler(ctx, hp), context=self.client_history.context
@@ -440,26 +443,45 @@ class StarAlgorithm(Algorithm):
         evaluation, the same on every backend) and returned as the float of the run's width it sends.
 
         Billed as the protocol moves it: x_t down to each candidate (``server->client:candidate_model``, one
-        message each) and one loss float up each (``client->server:candidate_loss``, a message of its own: the
-        probe is a round trip before training). The selected candidates are then sent the round's message as
-        under any sampler. Like the other evaluations a client makes (AFL's and q-FFL's start losses, IFCA's
-        cluster losses), the forward passes are not local steps: the clock's work units do not count them.
+        message each) and one loss float up each that answers (``client->server:candidate_loss``, a message of its
+        own: the probe is a round trip before training). The selected candidates then train from the x_t they
+        hold (Algorithm 1, line 5): the round's message still reaches them, without x_t (:meth:`send`). Like
+        the other evaluations a client makes (AFL's and q-FFL's start losses, IFCA's cluster losses), the
+        forward passes are not local steps: the clock's work units do not count them.
+
+        Faults (docs/reliability.md): a candidate that drops out of round ``r`` (``faults.dropout``,
+        ``faults.outage_rounds``) is unavailable for the whole round, the probe included: it was sent x_t and
+        sends no loss back, NaN here, and the sampler selects among the candidates that answered. The probe takes
+        no time on the clock (no local step), so ``faults.deadline`` does not cut it: a straggler answers, and if
+        selected misses the deadline with its update as under any sampler.
         The sampler's check draw when the run is built (round 0, drawn once) is not a round: evaluated, not billed.
         """
-        parts = [self.ctx.partition[int(c)] for c in candidates]
+        candidates = np.asarray(candidates)
+        answers = ~self.faults.dropped(r, candidates) if self.faulty else np.ones(len(candidates), dtype=bool)
+        asked = candidates[answers]  # a dropped candidate computes nothing
+        parts = [self.ctx.partition[int(c)] for c in asked]
         if batch is not None:  # cpow-d: a mini-batch of b samples, keyed on (round, client) as the batches are
-            rngs = [self.seeds.numpy("candidate_batch", r, int(c)) for c in candidates]
+            rngs = [self.seeds.numpy("candidate_batch", r, int(c)) for c in asked]
             parts = [p if len(p) <= batch else p[g.choice(len(p), batch, replace=False)] for g, p in zip(rngs, parts)]
         tr, ev = self.trainer, self.config.eval
-        loss = evaluate_clients_task(self.layout, self.x, tr.train_x, tr.train_y, parts, self.ctx.task, ev.batch_size)
-        sent = torch.as_tensor(loss["loss"], dtype=self.x.dtype, device="cpu")  # one float of the run's width each
+        out = np.full(len(candidates), np.nan)  # NaN: no answer
+        if len(asked):
+            task = self.ctx.task
+            loss = evaluate_clients_task(self.layout, self.x, tr.train_x, tr.train_y, parts, task, ev.batch_size)
+            sent = torch.as_tensor(loss["loss"], dtype=self.x.dtype, device="cpu")  # one float of the run's width
+            # a loss that is not a number (a diverged model) is an answer all the same: -inf, so that NaN means only
+            # "no answer"; it still ranks last, where the sort puts a NaN
+            out[answers] = np.nan_to_num(sent.to(torch.float64).numpy(), nan=-np.inf, posinf=np.inf, neginf=-np.inf)
         if self.sampler_built:
-            n = len(candidates)
+            n, k = len(candidates), len(asked)
             self.ledger.record(r, "server", "client", "candidate_model", n * _size((self.x,)), n)
-            self.ledger.record(r, "client", "server", "candidate_loss", n * self.ctx.float_bytes, n)
+            self.ledger.record(r, "client", "server", "candidate_loss", k * self.ctx.float_bytes, k)
+            if self.probed is not None and self.probed[0] == r and torch.equal(self.probed[2], self.x):
+                candidates = np.union1d(self.probed[1], candidates)  # a second probe of the round, same model
+            self.probed = (r, candidates, self.x.clone())
         else:  # the check draw of make_sampler, before the run: the run is built knowing the sampler probes
             self.probes = True
-        return sent.to(torch.float64).numpy()
+        return out
 
     def client_updates(self, got: Collected) -> torch.Tensor:
         """Each reporting client's update, one row per client: what the server pipeline reduces.
@@ -551,8 +573,17 @@ class StarAlgorithm(Algorithm):
         return aggregation_weights(self.sizes, clients, self.hp.weighting)
 
     def send(self, r: int, clients: np.ndarray, kind: str, *per_client: torch.Tensor) -> None:
-        """Server -> each client of ``clients``: the given tensors (their size is per client)."""
-        self.ledger.record(r, "server", "client", kind, len(clients) * _size(per_client), len(clients))
+        """Server -> each client of ``clients``: the given tensors (their size is per client). A tensor equal to
+        the model that round ``r``'s probe sent (power-of-choice's pow-d and cpow-d, :meth:`candidate_losses`) is
+        not sent again to the candidates that hold it (Cho et al. 2022, Algorithm 1: the selected candidates
+        train from the w^(t) they evaluated); they still get the message, with the rest of it. A model changed
+        since the probe is another tensor: sent and billed again."""
+        nbytes = len(clients) * _size(per_client)
+        if self.probed is not None and self.probed[0] == r:
+            _, holders, model = self.probed
+            held = tuple(t for t in per_client if _same(t, model))
+            nbytes -= int(np.isin(clients, holders).sum()) * _size(held)
+        self.ledger.record(r, "server", "client", kind, nbytes, len(clients))
 
     def receive(self, r: int, clients: np.ndarray, kind: str, *per_client: torch.Tensor) -> None:
         """Each client of ``clients`` -> server: the given tensors (their size is per client)."""
@@ -665,6 +696,11 @@ class StarAlgorithm(Algorithm):
 def _elements(got: Collected) -> int:
     # the values of one client's upload (what SecAgg+ masks): its upload's rows, else its model
     return sum(t[0].numel() if t.dim() == 2 else t.numel() for t in (tuple(got.upload.values()) or (got.local.params,)))
+
+
+def _same(t: torch.Tensor, model: torch.Tensor) -> bool:
+    # the same values as ``model`` (a client holding ``model`` holds ``t``)
+    return t.shape == model.shape and t.dtype == model.dtype and t.device == model.device and torch.equal(t, model)
 
 
 def _size(tensors: tuple[torch.Tensor, ...]) -> int:
