@@ -147,6 +147,87 @@ def test_more_workers_than_a_running_sessions_cpus_are_refused_before_the_run_wr
 
 
 @needs_ray
+def test_an_object_store_size_a_running_session_was_not_started_with_is_one_warning(
+    local_ray, toy_config, tmp_path, caplog
+):
+    """ray.object_store_memory_mb was silently ignored in a Ray session already up (here the caller's, started
+    with 128 MB): now one warning line when the run is built, none when the session has that store."""
+    for mb, warned in ((200, True), (128, False)):
+        ray = {"num_workers": 2, "object_store_memory_mb": mb}
+        cfg = load({**toy_config, "backend": "ray", "rounds": 1, "ray": ray})
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="fedweave"):
+            run(cfg, run_dir=tmp_path / str(mb))
+        lines = [r.getMessage() for r in caplog.records if "object_store_memory_mb" in r.getMessage()]
+        want = [
+            "ray.object_store_memory_mb (200) changes nothing: the run uses the Ray session already up in this "
+            "process, whose object store (128 MB) was sized when it started"
+        ]
+        assert lines == (want if warned else []), lines
+
+
+# Runs of one process on the local Ray that fedweave starts (a fresh process each: the module's Ray is the caller's);
+# each argument is a run's ray.num_workers, or num_workers:object_store_memory_mb
+RUNS = """
+import json, sys
+import ray, torch
+from tests.conftest import TOY_CONFIG
+from fedweave.config import load
+from fedweave.execution.ray import pool
+from fedweave.runner import run
+
+out = sys.argv[1]
+for i, arg in enumerate(sys.argv[2:]):
+    n, _, mb = arg.partition(":")
+    section = {"num_workers": int(n), "object_store_memory_mb": int(mb) if mb else None}
+    cfg = load({**TOY_CONFIG, "model": {"name": "_toy_cnn"}, "rounds": 2, "backend": "ray", "ray": section})
+    res = run(cfg, run_dir=f"{out}/run{i}")
+    torch.save(res.algorithm.x, f"{out}/x{i}.pt")
+    have = ray.cluster_resources()
+    print(json.dumps({
+        "actors": len(pool(res.algorithm.trainer).actors), "cpus": have["CPU"],
+        "store_mb": have["object_store_memory"] / 2**20, "session": ray.get_runtime_context().get_session_name(),
+        "losses": [m.get("train_loss") for m in res.metrics],
+    }), flush=True)
+"""
+
+
+def _runs_in_a_fresh_process(out: Path, *runs: str) -> list[dict]:
+    import json
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd() / "src"), str(Path.cwd())])}
+    out.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", RUNS, str(out), *runs],
+        capture_output=True, text=True, env=env, timeout=600, cwd=Path(__file__).parents[1],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+@needs_ray
+def test_a_later_run_asking_more_workers_restarts_the_local_ray_fedweave_started(toy_config, tmp_path):
+    """Runs of one process with no ray.address, 1 then 2 workers: the second was refused (`ray.num_workers (2)
+    exceeds the CPUs of the Ray cluster (1)`) because the 1-CPU local Ray the first run started was reused. That
+    session is fedweave's own: it is started again with 2 CPUs, and each run computes what it computes alone. A
+    run asking fewer workers reuses the session; one asking another object store starts it again with that
+    store (and the CPUs it had)."""
+    runs = _runs_in_a_fresh_process(tmp_path / "one", "1", "2", "1", "2:100")
+    alone = _runs_in_a_fresh_process(tmp_path / "alone", "2")
+    seen = [(r["actors"], r["cpus"], r["store_mb"]) for r in runs]
+    assert seen == [(1, 1.0, 128.0), (2, 2.0, 128.0), (1, 2.0, 128.0), (2, 2.0, 100.0)]
+    sessions = [r["session"] for r in runs]
+    assert sessions[0] != sessions[1] == sessions[2] != sessions[3]
+    assert runs[1]["losses"] == runs[3]["losses"] == alone[0]["losses"]  # the 2-worker run alone
+    assert torch.equal(torch.load(tmp_path / "one/x1.pt"), torch.load(tmp_path / "alone/x0.pt"))
+    # the 1-worker runs (the first is the first of its process) against the loop backend, as any run on Ray
+    loop = run(load({**toy_config, "model": {"name": "_toy_cnn"}, "rounds": 2}), run_dir=tmp_path / "loop")
+    for i in range(4):
+        torch.testing.assert_close(torch.load(tmp_path / f"one/x{i}.pt"), loop.algorithm.x, rtol=1e-5, atol=1e-6)
+
+
+@needs_ray
 def test_scaffold_on_ray_equals_loop(local_ray, toy_config, tmp_path):
     # uneven clients (Dirichlet 0.5), momentum: the control variates c_i are indexed by global job position
     config = {

@@ -11,12 +11,14 @@ import io
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from fedweave.accounting.split import round_bytes, server_copies, server_steps, storage_params
 from fedweave.algorithms.base import RunContext, build_algorithm
 from fedweave.algorithms.split.base import Upload, process_order, simulate_server
 from fedweave.config import ConfigError, from_dict
 from fedweave.data.base import Dataset
+from fedweave.models.split import SPLIT_MODELS, SplitModel, split_small
 from fedweave.registry import DATASETS, PARTITIONERS
 
 if "_toy_split" not in DATASETS._items:
@@ -320,6 +322,56 @@ def test_config_errors(algorithm, model, local, match):
         make(algorithm, model=model, **local)
 
 
+if "_split_log_probs" not in SPLIT_MODELS._items:
+
+    @SPLIT_MODELS.register("_split_log_probs")
+    def _split_log_probs(input_shape: tuple[int, ...], num_classes: int, aux_log_probs: bool = True) -> SplitModel:
+        """split_small whose server part (and auxiliary net, with aux_log_probs) end in log_softmax."""
+        m = split_small(input_shape, num_classes)
+        aux = nn.Sequential(m.aux, nn.LogSoftmax(1)) if aux_log_probs else m.aux
+        return SplitModel(m.client, nn.Sequential(m.server, nn.LogSoftmax(1)), aux, m.cut_shape)
+
+
+def make_nll(algorithm: str, model: dict) -> object:
+    cfg = from_dict(
+        {
+            "rounds": 1,
+            "dataset": {"name": "_toy_split", "n_train": 400},
+            "partition": {"name": "iid", "num_clients": 5},
+            "model": model,
+            "algorithm": {"name": algorithm},
+            "local": {"batch_size": 10, "lr": 0.05},
+            "task": {"loss": "nll"},
+        }
+    )
+    return build_algorithm(RunContext(cfg))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_nll_on_split_parts_that_output_logits_is_one_line(method):
+    """task.loss: nll reads log-probabilities; the split family built its parts without the run's model check, so
+    split_small (logits) trained to train losses -13.2, nan, nan (fsl_an, cse_fsl) or -2.2, -27.8, -120.3
+    (fsl_oc) without a word. Now one line when the run is built, from the check of the run's model: on x_s ∘ x_c,
+    and on a_c ∘ x_c for the methods with an auxiliary net; parts that end in log_softmax train."""
+    with pytest.raises(ConfigError) as e:
+        make_nll(method, {"name": "split_small"})
+    msg = str(e.value)
+    assert msg.startswith(
+        "task.loss: nll needs a model that outputs log-probabilities (ending in log_softmax), but the outputs of "
+        "model 'split_small' on two training samples are not"
+    )
+    assert "\n" not in msg
+    # a server part ending in log_softmax, the auxiliary net on logits: refused where the net is trained
+    logits_aux = {"name": "_split_log_probs", "aux_log_probs": False}
+    if method in ("fsl_an", "cse_fsl"):
+        with pytest.raises(ConfigError, match=r"outputs of model '_split_log_probs \(client part and auxiliary net\)'"):
+            make_nll(method, logits_aux)
+    else:
+        make_nll(method, logits_aux)
+    m = make_nll(method, {"name": "_split_log_probs"}).run_round(0)
+    assert "train_loss" in m and all(0 < m[k] < 5 for k in ("train_loss", "server_loss") if k in m), m
+
+
 def test_fewer_batches_than_h_uploads_nothing():
     algo = make({"name": "cse_fsl", "h": 50}, data={"n_train": 100})  # 2 batches per client < h
     m = algo.run_round(0)
@@ -402,6 +454,7 @@ def test_cifar_crop_trains_on_random_crops_and_tests_on_the_centre(monkeypatch):
                 data={**CIFAR_DATA, "side": 32}, batch=5, lr=0.01, **crop)  # fmt: skip
     sizes = algo.split_sizes
     assert (sizes.client, sizes.server, sizes.aux, sizes.smashed) == (107_328, 960_970, 23_050, 2304)
+    seen.clear()  # the model check's forward passes when the run was built (two whole training images)
     algo.run_round(0)
     assert seen and set(seen) == {(24, 24)}  # training batches arrive as random 24×24 crops
     expected = round_bytes("cse_fsl", sizes, [20] * 5, 5, h=2)

@@ -511,13 +511,19 @@ class RunContext:
             model = model.to(device=self.device, dtype=self.dtype)
         if init_from is not None:
             load_initial_weights(model, init_from)
-        # the built-in class losses index the logits by label (a loss of one's own may read fewer outputs)
-        classes = ds.num_classes if self.objects.loss is None and self.task.loss.name in CLASS_LOSSES else None
-        nll = isinstance(self.task.loss, NLL)  # the built-in nll (by name or passed from Python) reads log-probs
-        check_model_fits(model, ds, self.config.model.name, self.config.dataset.name, self.device, classes, nll)
+        self.check_model(model, self.config.model.name)
         if self.objects.model is not None and not key:  # objects.json: what the factory gave for the run's model
             self.objects.built_model = describe_model(model)
         return model
+
+    def check_model(self, model: nn.Module, name: str) -> None:
+        """:func:`check_model_fits` for a model of this run whose outputs the task's loss reads (the run's model,
+        or a family's own, such as the split family's x_s ∘ x_c and a_c ∘ x_c), named ``name`` in its errors."""
+        ds = self.dataset
+        # the built-in class losses index the logits by label (a loss of one's own may read fewer outputs)
+        classes = ds.num_classes if self.objects.loss is None and self.task.loss.name in CLASS_LOSSES else None
+        nll = isinstance(self.task.loss, NLL)  # the built-in nll (by name or passed from Python) reads log-probs
+        check_model_fits(model, ds, name, self.config.dataset.name, self.device, classes, nll)
 
     @cached_property
     def model(self) -> nn.Module:

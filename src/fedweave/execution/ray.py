@@ -24,6 +24,7 @@ nodes must have fedweave installed.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 import re
@@ -47,6 +48,7 @@ from fedweave.execution.shards import run_shard, split_call
 # Set for a Ray that fedweave starts itself (the user's environment wins).
 LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
 MB = 2**20
+log = logging.getLogger("fedweave")
 
 
 def import_ray() -> Any:
@@ -111,17 +113,50 @@ class Worker:
         return os.getpid()
 
 
+# The local Ray that fedweave started in this process (none: the caller's ``ray.init``, a cluster, or none up)
+_OWN: dict[str, Any] = {}
+
+
+def _own_session(ray: Any) -> bool:
+    """Whether the Ray session up in this process is the local one fedweave started, which it may shut down and
+    start again: never the caller's ``ray.init`` or a cluster's. Its session name is unique to each start (a
+    caller who shut it down and started their own has another one); the process id keeps a forked child, which
+    shares the parent's handles, from shutting down the parent's Ray."""
+    if not _OWN or not ray.is_initialized() or _OWN["pid"] != os.getpid():
+        return False
+    return ray.get_runtime_context().get_session_name() == _OWN["session"]
+
+
+def _wanted_cpus(cfg: RayConfig) -> int:
+    return cfg.num_workers or len(os.sched_getaffinity(0))
+
+
+def _restart_own(cfg: RayConfig) -> bool:
+    """Whether fedweave's own local Ray must be started again for this run: it asks for more workers than it
+    has CPUs (one actor each), or for another object store cap than the one it was started with."""
+    store = cfg.object_store_memory_mb
+    return _wanted_cpus(cfg) > _OWN["cpus"] or (store is not None and store != _OWN["store_mb"])
+
+
 def _start_ray(ray: Any, cfg: RayConfig, data_bytes: int) -> None:
-    if ray.is_initialized():  # the user's (or an earlier run's) Ray
-        return
+    cpus = _wanted_cpus(cfg)
+    if ray.is_initialized():  # the user's, a cluster's, or the local Ray an earlier run of the process started
+        if cfg.address is not None or not _own_session(ray) or not _restart_own(cfg):
+            return
+        # fedweave's own session, too small for this run (or with another store cap): one sized for both the
+        # earlier runs and this one replaces it (the earlier runs' actors go with it; a new trainer starts its own)
+        cpus = max(cpus, _OWN["cpus"])
+        ray.shutdown()
+        _OWN.clear()
     if cfg.address is not None:
         ray.init(address=cfg.address)
         return
     for k, v in LOCAL_RAY_ENV.items():
         os.environ.setdefault(k, v)
-    cpus = cfg.num_workers or len(os.sched_getaffinity(0))
     store_mb = cfg.object_store_memory_mb or max(128, math.ceil(1.25 * data_bytes / MB) + 64)
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, object_store_memory=store_mb * MB)
+    session = ray.get_runtime_context().get_session_name()
+    _OWN.update(pid=os.getpid(), session=session, cpus=cpus, store_mb=store_mb)
 
 
 _ACTORS: dict[tuple[str, str, float], list] = {}  # (job id, node id, GPUs each) -> the actors of that session
@@ -135,15 +170,29 @@ def _check_cpus(ray: Any, n: int) -> None:
 
 
 def check_session(cfg: RayConfig) -> None:
-    """``ray.num_workers`` against a Ray session already up in this process (the caller's ``ray.init``, or the
-    local Ray an earlier run of a notebook or in-process sweep started with its own number of CPUs), when the
-    run is built: at its first training call the run had already written its files. A session not yet up is
+    """The ``ray`` section against a Ray session already up in this process, when the run is built: at its first
+    training call the run had already written its files. ``ray.num_workers`` must fit in the CPUs of a session
+    fedweave did not start (the caller's ``ray.init``, a cluster), which fedweave never shuts down; and
+    ``ray.object_store_memory_mb`` cannot change its store: one warning line, unless it was started with that
+    store. The local Ray that an earlier run of a notebook or an in-process sweep started is started again
+    with more CPUs or the asked store when the run first trains (:func:`_start_ray`). A session not yet up is
     not started here: fedweave starts a local one with ``num_workers`` CPUs (nothing to exceed), and a
     cluster's CPUs (``ray.address``) are known only once connected, at the first training call."""
     ray = sys.modules.get("ray")  # never imported: no session (and no import cost)
-    if ray is None or cfg.num_workers is None or not ray.is_initialized():
+    if ray is None or not ray.is_initialized():
         return
-    _check_cpus(ray, cfg.num_workers)
+    if cfg.address is None and _own_session(ray):
+        return
+    store = cfg.object_store_memory_mb
+    have = ray.cluster_resources().get("object_store_memory", 0)
+    if store is not None and have != store * MB:  # a session started with this store is what was asked for
+        log.warning(
+            "ray.object_store_memory_mb (%d) changes nothing: the run uses the Ray session already up in this "
+            "process, whose object store (%d MB) was sized when it started",
+            store, round(have / MB),
+        )  # fmt: skip
+    if cfg.num_workers is not None:
+        _check_cpus(ray, cfg.num_workers)
 
 
 def actors(ray: Any, n: int, num_gpus: float = 0.0) -> list:

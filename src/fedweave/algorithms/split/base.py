@@ -302,6 +302,11 @@ class SplitAlgorithm(Algorithm):
         )
         self.full = ParamLayout(nn.Sequential(self.client, self.server), pl)  # the inference model x_s ∘ x_c
         self.local_model = ParamLayout(nn.Sequential(self.client, self.aux), pl)  # a_c ∘ x_c (the local loss)
+        # the task's loss reads the outputs of x_s ∘ x_c (the server's loss) and of a_c ∘ x_c (the local loss):
+        # the run's model check (on logits under task.loss: nll, a split model trained to a negative loss, then NaN)
+        ctx.check_model(self.full.model, cfg.model.name)
+        if self.uses_aux:
+            ctx.check_model(self.local_model.model, f"{cfg.model.name} (client part and auxiliary net)")
         self.xc, self.xs, self.xa = self.lc.flatten(), self.ls.flatten(), self.la.flatten()
         augment = checked_augment(ctx)  # the split parts read the crop (a model may centre-crop its test images)
         # only the batch plan (named ``batches`` stream) and augmentation of the foundation trainer are used
