@@ -206,6 +206,7 @@ def _runs_in_a_fresh_process(out: Path, *runs: str) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow  # five local Ray sessions started in two fresh processes: about 25 s
 @needs_ray
 def test_a_later_run_asking_more_workers_restarts_the_local_ray_fedweave_started(toy_config, tmp_path):
     """Runs of one process with no ray.address, 1 then 2 workers: the second was refused (`ray.num_workers (2)
