@@ -1099,7 +1099,11 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
             "sweep: a config's sweep section is read by 'fedweave sweep CONFIG', which runs its grid; a single run "
             "('fedweave run', fedweave.run) takes the config without it"
         )
-    sections = {k: _section(data.pop(k), k) for k in SECTION_KEYS if k in data}
+    # a section given as null (`sampler:` in a file, `sampler=null` or `sampler=` on the command line) is the
+    # section left out, its default, as `local: null` and the other unnamed sections are: the command line's
+    # one way to undo a file's section
+    given = {k: data.pop(k) for k in SECTION_KEYS if k in data}
+    sections = {k: _section(v, k) for k, v in given.items() if v is not None}
     callbacks = data.pop("callbacks", None) or []
     if not isinstance(callbacks, list):
         raise ConfigError(f"callbacks must be a list of callback names or {{name: ..., options}}, got {callbacks!r}")
