@@ -97,9 +97,40 @@ def test_grid_and_baseline_values_are_read_as_a_config_reads_them(toy_config):
     assert resolve("012", [(("local.batch_size", 12),), (("local.batch_size", 16),)]) == "local.batch_size=12"
 
 
+def test_a_list_or_mapping_is_one_grid_value(toy_config):
+    # a cut at every comma read [128,64] as the values '[128' and '64]': "a value is not valid YAML"
+    grid = parse_grid(["model.hidden=[64],[128,64]"])
+    assert grid == {"model.hidden": [[64], [128, 64]]}
+    toy_config["model"] = {"name": "mlp", "hidden": [8]}
+    pts = expand(toy_config, grid, seeds=2)
+    assert [(p.config.model.options["hidden"], p.seed) for p in pts] == [
+        ([64], 3),
+        ([64], 4),
+        ([128, 64], 3),
+        ([128, 64], 4),
+    ]
+    assert [p.label for p in pts[::2]] == ["model.hidden=[64]", "model.hidden=[128, 64]"]
+    zipped = parse_grid(["model.hidden=[128, 64],[32]", "rounds=2,3"], "--zip")
+    pts = expand(toy_config, zipped=zipped)
+    assert [(p.config.model.options["hidden"], p.config.rounds) for p in pts] == [([128, 64], 2), ([32], 3)]
+    assert parse_grid(["x={a: 1, b: [2, 3]},{c: 4}"]) == {"x": [{"a": 1, "b": [2, 3]}, {"c": 4}]}
+    assert parse_grid(["""name="a,b",'c,''d',e"""]) == {"name": ["a,b", "c,'d", "e"]}
+    # a bracket or a quote inside a plain value is text, as before: only a value's first character opens one
+    assert parse_grid(["name=a[1,2],it's,x"]) == {"name": ["a[1", "2]", "it's", "x"]}
+    assert parse_grid(["x=[a'b, c],1,,"]) == {"x": [["a'b", "c"], 1, None, None]}
+    # the baseline names a point by the same values (resolve took the points as dict keys: unhashable list)
+    assert parse_baseline("model.hidden=[128,64],rounds=2") == {"model.hidden": [128, 64], "rounds": 2}
+    points = [(("model.hidden", [64]),), (("model.hidden", [128, 64]),)]
+    assert resolve({"model.hidden": [128, 64]}, points) == "model.hidden=[128, 64]"
+    assert resolve("[64]", points) == "model.hidden=[64]"
+
+
 @pytest.mark.parametrize(
     "grid, words",
     [
+        (["model.hidden=[64],[128,64"], ["--grid model.hidden", "'[128,64'", "'[' is not closed"]),
+        (["model.hidden=[64],{a: [1}"], ["--grid model.hidden", "'}' at character 7 does not close '['"]),
+        (["name='a,b"], ["--grid name", "quote ' is not closed"]),
         (["local.lrr=0.1,0.2"], ["lrr"]),
         (["local.lr=0.1,abc"], ["local.lr", "abc"]),
         (["local.lr"], ["--grid", "KEY=V1,V2"]),
@@ -586,6 +617,8 @@ def test_a_baseline_from_the_sweep_section_with_the_bootstrap(algos, tmp_path):
         (["--baseline", "fedavg", "--correction", "sidak"], ["--correction 'sidak'", "none, holm, bonferroni"]),
         (["--correction", "holm"], ["--correction", "--baseline"]),
         (["--baseline", "[fedavg"], ["--baseline", "'[fedavg'", "not valid YAML"]),  # the one-key shorthand
+        (["--baseline", "algorithm.name=[fedavg"], ["--baseline", "'[fedavg'", "'[' is not closed"]),
+        (["--zip", "local.lr=[0.1,0.2"], ["--zip local.lr", "'[0.1,0.2'", "'[' is not closed"]),
     ],
 )
 def test_a_bad_baseline_is_one_clear_line_before_anything_runs(toy_config, tmp_path, capsys, extra, words):

@@ -340,6 +340,21 @@ def test_a_colon_number_is_not_read_in_base_60(tmp_path):
         load(BASE, ["seed=1:30"])
 
 
+@pytest.mark.parametrize("unset", ["null", "", "~"])
+@pytest.mark.parametrize("key", ["dataset", "partition", "model", "algorithm", "sampler", "aggregator"])
+def test_a_named_section_set_to_null_is_the_section_left_out(tmp_path, key, unset):
+    # before: "sampler must be a mapping with a 'name' key (or just the name), got None", so no override could
+    # undo a file's section
+    data = {**BASE, "model": {"name": "mlp", "hidden": [8]}, "sampler": {"name": "bernoulli", "p": 0.5}}
+    data["aggregator"] = {"name": "median"}
+    without = {k: v for k, v in data.items() if k != key}
+    assert load(data, [f"{key}={unset}"]) == load(without) != load(data)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({**data, key: None}))
+    assert load(tmp_path / "c.yaml") == load(without)
+    with pytest.raises(ConfigError, match=f"{key} has options but no name"):  # null, then an option: no name
+        load(data, [f"{key}={unset}", f"{key}.x=1"])
+
+
 def test_quoted_numbers_are_numbers_too():
     assert load(BASE, ["local.lr='1e-3'"]).local.lr == 1e-3
 

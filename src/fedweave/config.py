@@ -144,6 +144,76 @@ def yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506  (a SafeLoader subclass)
 
 
+_CLOSER = {"[": "]", "{": "}"}
+
+
+def split_values(text: str, after: str = "") -> list[str]:
+    """``text`` cut at its top-level commas: those outside a ``[...]``/``{...}`` value and a quoted one, so
+    ``[64],[128, 64]`` is two values and ``"a,b",c`` two. As in YAML, a bracket or a quote opens a value only
+    where the value starts (after ``after``, e.g. ``=`` of ``KEY=VALUE`` pieces, when given, and spaces):
+    ``a[1,2]`` is the plain texts ``a[1`` and ``2]``, as a cut at every comma gave. A value that opens a bracket
+    or a quote and does not close it raises a one-line :class:`ConfigError` quoting it."""
+    pieces: list[str] = []
+    start, n = 0, len(text)
+    while True:
+        i = start
+        if after:  # the value starts after the piece's first `after`; a piece without one has no value
+            while i < n and text[i] not in (after, ","):
+                i += 1
+        if not after or (i < n and text[i] == after):
+            i = _value_end(text, i + bool(after))
+        comma = text.find(",", i)
+        if comma < 0:
+            return [*pieces, text[start:]]
+        pieces.append(text[start:comma])
+        start = comma + 1
+
+
+def _value_end(text: str, i: int) -> int:
+    """Where the bracketed or quoted value starting at ``i`` (after spaces) ends; ``i`` for a plain one."""
+    while i < len(text) and text[i] in " \t":
+        i += 1
+    if i == len(text) or text[i] not in "[{'\"":
+        return i
+    if text[i] in "'\"":
+        return _quote_end(text, i)
+    stack: list[str] = []
+    j = i
+    while j < len(text):
+        c = text[j]
+        if c in "[{":
+            stack.append(c)
+        elif c in "]}":
+            if _CLOSER[stack[-1]] != c:
+                raise ConfigError(f"{text[i:]!r}: {c!r} at character {j - i + 1} does not close {stack[-1]!r}")
+            stack.pop()
+            if not stack:
+                return j + 1
+        elif c in "'\"" and text[j - 1] in "[{,:? \t":  # a quote inside starts a node only (it's, [a'b] are plain)
+            j = _quote_end(text, j) - 1
+        j += 1
+    raise ConfigError(
+        f"{text[i:]!r}: {stack[-1]!r} is not closed (a list or mapping value closes its brackets, e.g. [128, 64])"
+    )
+
+
+def _quote_end(text: str, i: int) -> int:
+    """The index after the quoted scalar that opens at ``i`` (``''`` inside '...' and ``\\"`` inside "..."
+    are the quote itself, as YAML reads them)."""
+    q, j = text[i], i + 1
+    while j < len(text):
+        if q == '"' and text[j] == "\\":
+            j += 2
+            continue
+        if text[j] == q:
+            if q == "'" and text[j + 1 : j + 2] == "'":
+                j += 2
+                continue
+            return j + 1
+        j += 1
+    raise ConfigError(f"{text[i:]!r}: the quote {q} is not closed")
+
+
 class ConfigError(ValueError):
     """A configuration problem; the message names the key and what is allowed.
 
@@ -1029,7 +1099,11 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
             "sweep: a config's sweep section is read by 'fedweave sweep CONFIG', which runs its grid; a single run "
             "('fedweave run', fedweave.run) takes the config without it"
         )
-    sections = {k: _section(data.pop(k), k) for k in SECTION_KEYS if k in data}
+    # a section given as null (`sampler:` in a file, `sampler=null` or `sampler=` on the command line) is the
+    # section left out, its default, as `local: null` and the other unnamed sections are: the command line's
+    # one way to undo a file's section
+    given = {k: data.pop(k) for k in SECTION_KEYS if k in data}
+    sections = {k: _section(v, k) for k, v in given.items() if v is not None}
     callbacks = data.pop("callbacks", None) or []
     if not isinstance(callbacks, list):
         raise ConfigError(f"callbacks must be a list of callback names or {{name: ..., options}}, got {callbacks!r}")

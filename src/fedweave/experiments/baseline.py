@@ -49,7 +49,7 @@ from typing import Any
 
 import yaml
 
-from fedweave.config import ConfigError, yaml_load
+from fedweave.config import ConfigError, split_values, yaml_load
 from fedweave.experiments.grid import _text
 from fedweave.experiments.verdicts import HELD, INCONCLUSIVE, NOT_HELD, TESTS, Paired
 
@@ -80,9 +80,10 @@ class Comparison:
 
 
 def parse_baseline(text: str | Mapping[str, Any], flag: str = "--baseline") -> dict[str, Any] | str:
-    """``"KEY=VALUE[,KEY=VALUE]"`` -> ``{KEY: VALUE}`` (values read as YAML, as ``--grid``'s are); a mapping
-    is taken as it is; a bare ``"VALUE"`` (no ``=``) is returned as a string, the one-axis shorthand that
-    :func:`resolve` accepts when the sweep varies one key."""
+    """``"KEY=VALUE[,KEY=VALUE]"`` -> ``{KEY: VALUE}`` (values read as YAML, the pairs cut at the commas
+    outside brackets and quotes, as ``--grid``'s values are); a mapping is taken as it is; a bare ``"VALUE"``
+    (no ``=``) is returned as a string, the one-axis shorthand that :func:`resolve` accepts when the sweep varies
+    one key."""
     if isinstance(text, Mapping):
         if not text or not all(isinstance(k, str) for k in text):
             raise ConfigError(f"{flag} must name a grid point as KEY: VALUE entries, got {dict(text)!r}")
@@ -92,7 +93,11 @@ def parse_baseline(text: str | Mapping[str, Any], flag: str = "--baseline") -> d
     if "=" not in text:
         return text
     out: dict[str, Any] = {}
-    for item in text.split(","):
+    try:
+        items = split_values(text, after="=")  # a list value (model.hidden=[128,64]) is one pair's
+    except ConfigError as e:
+        raise ConfigError(f"{flag} {text!r}: {e}") from e
+    for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"{flag} {text!r}: {item!r} must look like KEY=VALUE (e.g. algorithm.name=fedavg)")
@@ -121,7 +126,8 @@ def resolve(
     """The label (``key=value,...``, a point's ``label``) of the one grid point ``wanted`` names, among the
     ``points`` (each its grid values, in the sweep's order). A key that is not a grid or zipped key, a value
     no point has, or keys that leave several points are one ``ConfigError`` line naming what is allowed."""
-    values = list(dict.fromkeys(points))
+    # the points by their labels: a list or mapping value ([128, 64]) cannot be a dict key itself
+    values = list({_label(p): p for p in points}.values())
     keys = list(dict.fromkeys(k for p in values for k, _ in p))
     if not keys:
         raise ConfigError(f"{flag}: the sweep has no grid, so there is no other point to compare with a baseline")
@@ -149,7 +155,12 @@ def resolve(
         raise ConfigError(
             f"{flag} {text} names {len(chosen)} points of the sweep's grid; add a value for {', '.join(rest)}"
         )
-    return ",".join(f"{k}={_text(v)}" for k, v in chosen[0])
+    return _label(chosen[0])
+
+
+def _label(point: Sequence[tuple[str, Any]]) -> str:
+    """A point's values as its label (``Point.label``): ``key=value,...``."""
+    return ",".join(f"{k}={_text(v)}" for k, v in point)
 
 
 def check_test(level: Any, test: Any, flag: str = "--") -> tuple[float, str]:

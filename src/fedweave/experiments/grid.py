@@ -12,7 +12,15 @@ from typing import Any
 
 import yaml
 
-from fedweave.config import ConfigError, RunConfig, apply_overrides, load, read_yaml_file, yaml_load
+from fedweave.config import (
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    load,
+    read_yaml_file,
+    split_values,
+    yaml_load,
+)
 
 SLUG_MAX = 200  # characters (ASCII) of a run directory's name: below the 255 bytes a file name may have
 
@@ -63,7 +71,9 @@ def _text(v: Any) -> str:
 
 def parse_grid(items: list[str], flag: str = "--grid") -> dict[str, list[Any]]:
     """``["KEY=V1,V2", ...]`` -> ``{KEY: [V1, V2]}``; each value is read as a config's YAML is (``0.1`` and
-    ``1e-3`` are numbers, ``012`` is 12), so a grid value means what the same ``key=value`` override means."""
+    ``1e-3`` are numbers, ``012`` is 12), so a grid value means what the same ``key=value`` override means.
+    The values are cut at the commas outside brackets and quotes (:func:`~fedweave.config.split_values`), so a
+    list or a mapping is one value: ``model.hidden=[64],[128,64]`` has the two values ``[64]`` and ``[128, 64]``."""
     grid: dict[str, list[Any]] = {}
     for item in items:
         if "=" not in item or not item.split("=", 1)[0]:
@@ -72,8 +82,12 @@ def parse_grid(items: list[str], flag: str = "--grid") -> dict[str, list[Any]]:
         if key in grid:
             raise GridError(f"{flag} key {key!r} is given twice")
         try:
+            pieces = split_values(raw)  # a cut at every comma broke [128,64] into '[128' and '64]'
+        except ConfigError as e:
+            raise GridError(f"{flag} {key}: {e}") from e
+        try:
             # the config's loader: PyYAML's own (YAML 1.1) read 012 as octal 10 and 1e3 as a string
-            values = [yaml_load(v) for v in raw.split(",")]
+            values = [yaml_load(v) for v in pieces]
         except (yaml.YAMLError, RecursionError, ConfigError) as e:  # RecursionError: thousands of nested brackets
             raise GridError(f"{flag} {key}: a value is not valid YAML ({e})") from e
         if not values or raw == "":

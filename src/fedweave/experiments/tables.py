@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,14 +55,20 @@ def read_csv(path: str | Path) -> list[dict[str, Any]]:
         return [{k: _typed(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
+# A number as csv_text writes one: an int's str, a float's repr or its float_format (e, f, g; E, F, G). int() and
+# float() read more (1_000, " 7", "007", "+1", "Infinity", other scripts' digits), which would take a text cell
+# such as a label "1_000" for the number 1000.
+_INT_CELL = re.compile(r"-?(?:0|[1-9][0-9]*)")
+_FLOAT_CELL = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-][0-9]+)?|-?(?:inf|INF)|nan|NAN")
+
+
 def _typed(v: str) -> Any:
     if v in ("", "True", "False"):
         return None if v == "" else v == "True"
-    for t in (int, float):
-        try:
-            return t(v)
-        except ValueError:
-            pass
+    if _INT_CELL.fullmatch(v):
+        return int(v)
+    if _FLOAT_CELL.fullmatch(v):
+        return float(v)
     return v
 
 
