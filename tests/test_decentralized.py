@@ -156,6 +156,17 @@ def test_graph_edge_list_file(tmp_path):
         build_graph("edgelist", 4, 0)
 
 
+def test_an_edge_list_file_under_home_is_read_as_the_other_file_options_are(tmp_path, monkeypatch):
+    """An edge file "~/edges.txt" was taken as a folder named "~" in the working directory (model.init_from,
+    partition.path and sampler.file expand it); a missing one is still named as written."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "edges.txt").write_text("0 1\n1 2\n")
+    g = build_graph("edgelist", 3, 0, edge_file="~/edges.txt")
+    assert [list(nb) for nb in neighbour_lists(g)] == [[1], [0, 2], [1]]
+    with pytest.raises(ConfigError, match=r"^algorithm.edge_file '~/none.txt' does not exist$"):
+        build_graph("edgelist", 3, 0, edge_file="~/none.txt")
+
+
 def test_an_edge_list_line_with_a_third_field_is_refused(tmp_path):
     """'0 1 0.5' (a weighted edge list) was read as the edge 0-1, its weight dropped without a word: the mixing
     weights come from the graph's degrees, so such a line is refused in one line naming the file and the line."""

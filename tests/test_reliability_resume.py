@@ -343,3 +343,134 @@ def test_a_state_record_must_be_a_tuple_of_distinct_attribute_names(fields):
     with pytest.raises(TypeError, match="state_fields"):
         type("Bad", (FedAvg,), {"state_fields": fields})
     assert Algorithm.state_fields == ()
+
+
+# ---- file options: recorded by absolute path, so that a resume from anywhere reads the same files -------------
+def _files_run(toy_config: dict, rounds: int) -> dict:
+    """The toy run with its initial weights, partition and client schedule read from files named relative to the
+    working directory, as a user writes them."""
+    return {
+        **toy_config,
+        "rounds": rounds,
+        "partition": {"name": "from_file", "path": "parts.json", "num_clients": 0},
+        "model": {"name": "logistic", "init_from": "w.pt"},
+        "sampler": {"name": "schedule", "file": "plan.json"},
+        "output": {"progress": False, "plots": False, "checkpoint_every": 1},
+    }
+
+
+def _write_files(where, toy_config: dict, seed: int) -> None:
+    """``w.pt``, ``parts.json`` and ``plan.json`` in ``where``, drawn from ``seed`` (another seed: other files of
+    the same names, which a resume from that directory must not read)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    parts = np.array_split(rng.permutation(1200), 6)
+    (where / "parts.json").write_text(json.dumps([sorted(p.tolist()) for p in parts]))
+    (where / "plan.json").write_text(json.dumps([sorted(rng.choice(6, 3, replace=False).tolist()) for _ in range(4)]))
+    model = RunContext(from_dict({**toy_config, "partition": {"name": "iid", "num_clients": 6}})).build_model()
+    torch.manual_seed(seed)
+    torch.save({k: torch.randn_like(v) for k, v in model.state_dict().items()}, where / "w.pt")
+
+
+def test_file_options_are_recorded_by_absolute_path_and_a_resume_from_elsewhere_reads_the_same_files(
+    toy_config, tmp_path, monkeypatch
+):
+    """Before: config.yaml and the checkpoint recorded 'parts.json', 'w.pt' and 'plan.json' as written, so a
+    resume from another directory read that directory's files of those names (another partition, another
+    schedule: other numbers, silently) or failed on a file it did not hold."""
+    launch, elsewhere = tmp_path / "launch", tmp_path / "elsewhere"
+    launch.mkdir(), elsewhere.mkdir()
+    _write_files(launch, toy_config, seed=1)
+    _write_files(elsewhere, toy_config, seed=2)  # the worst case: files of the same names, other contents
+    monkeypatch.chdir(launch)
+    full = fedweave.run(_files_run(toy_config, 4), run_dir=tmp_path / "full")
+    fedweave.run(_files_run(toy_config, 2), run_dir=tmp_path / "r")
+    recorded = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
+    in_checkpoint = _checkpoint(tmp_path / "r")["config"]
+    for conf in (recorded, in_checkpoint):
+        assert conf["partition"]["path"] == str(launch / "parts.json")
+        assert conf["model"]["init_from"] == str(launch / "w.pt")
+        assert conf["sampler"]["file"] == str(launch / "plan.json")
+    monkeypatch.chdir(elsewhere)
+    assert cli_main(["run", "--resume", str(tmp_path / "r"), "rounds=4", "--no-progress"]) == 0
+    assert _strip(read_metrics(tmp_path / "r")) == _strip(full.metrics)
+
+
+@pytest.mark.parametrize("config_yaml", ["relative", "absolute"])
+def test_a_checkpoint_that_records_file_options_relative_still_resumes_from_its_directory(
+    toy_config, tmp_path, monkeypatch, config_yaml
+):
+    """A checkpoint written before file options were recorded by absolute path holds them as written: resumed
+    from the directory it was launched in, it is the same run (its config.yaml relative too, or already
+    rewritten absolute by a resume that was killed before its next checkpoint)."""
+    monkeypatch.chdir(tmp_path)
+    _write_files(tmp_path, toy_config, seed=1)
+    full = fedweave.run(_files_run(toy_config, 4), run_dir=tmp_path / "full")
+    fedweave.run(_files_run(toy_config, 2), run_dir=tmp_path / "r")
+    as_written = {k: v for k, v in _files_run(toy_config, 2).items() if k in ("partition", "model", "sampler")}
+    ck = tmp_path / "r" / CHECKPOINT
+    state = read_checkpoint(ck)
+    state["config"] = {**state["config"], **as_written}
+    ck.write_bytes(encode_checkpoint(state))
+    if config_yaml == "relative":
+        path = tmp_path / "r" / "config.yaml"
+        path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **as_written}, sort_keys=False))
+    res = resume(tmp_path / "r", ["rounds=4"], progress=False)
+    assert _strip(res.metrics) == _strip(full.metrics)
+    assert yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())["model"]["init_from"] == str(tmp_path / "w.pt")
+
+
+def test_a_finished_run_with_relative_file_options_is_recognised_by_its_config(toy_config, tmp_path, monkeypatch):
+    """A sweep or a reproduction takes a finished run for its point when the run's config.yaml is the point's
+    config: recorded absolute, it is still the config that names the files relative."""
+    from fedweave.experiments.jobs import unfinished_run
+    from fedweave.runner import finished_run
+
+    monkeypatch.chdir(tmp_path)
+    _write_files(tmp_path, toy_config, seed=1)
+    cfg = {**_files_run(toy_config, 2), "output": {"progress": False, "plots": False}}
+    fedweave.run(cfg, run_dir=tmp_path / "r")
+    assert finished_run(tmp_path / "r", cfg) is not None
+    (tmp_path / "r" / "summary.json").unlink()  # killed before its end: the point's run, started again
+    assert unfinished_run(tmp_path / "r", from_dict(cfg))
+
+
+def test_an_error_about_a_file_option_names_the_file_as_written(toy_config, tmp_path, monkeypatch):
+    """Only what a run records is absolute: the config keeps what the user wrote, which its errors name."""
+    monkeypatch.chdir(tmp_path)
+    cfg = {**toy_config, "model": {"name": "logistic", "init_from": "nofile.pt"}}
+    with pytest.raises(ConfigError, match=r"^model.init_from: 'nofile.pt' is not a file$"):
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+    assert from_dict(cfg).model.options["init_from"] == "nofile.pt"
+
+
+def test_the_recorded_config_holds_every_file_option_by_absolute_path(tmp_path, monkeypatch):
+    """Each option that names an input file or a data directory, as its reader takes it (relative to the working
+    directory, "~" expanded); LIBSVM's files under a root= stay relative to it, and a plug-in's options (the
+    test data set's) mean what the plug-in says, so they stay as written."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = from_dict(
+        {
+            "dataset": {"name": "libsvm", "path": "a9a.txt", "test_path": "~/a9a.t"},
+            "partition": {"name": "from_file", "path": "sub/parts.npz", "num_clients": 0},
+            "model": {"name": "logistic", "init_from": "../w.pt"},
+            "algorithm": {"name": "dsgd", "topology": "edgelist", "edge_file": "~/edges.txt"},
+            "sampler": {"name": "schedule", "file": str(tmp_path / "plan.json")},
+        }
+    )
+    rec = cfg.recorded()
+    assert rec["dataset"]["path"] == str(tmp_path / "a9a.txt")
+    assert rec["dataset"]["test_path"] == f"{tmp_path}/home/a9a.t"
+    assert rec["partition"]["path"] == str(tmp_path / "sub" / "parts.npz")
+    assert rec["model"]["init_from"] == f"{tmp_path}/../w.pt"
+    assert rec["algorithm"]["edge_file"] == f"{tmp_path}/home/edges.txt"
+    assert rec["sampler"]["file"] == str(tmp_path / "plan.json")
+    assert from_dict(rec).recorded() == rec  # read back from a run and recorded again: the same
+    assert cfg.to_dict()["model"]["init_from"] == "../w.pt"  # the config keeps what was written
+    under_root = from_dict({"dataset": {"name": "libsvm", "root": "data", "path": "a9a.txt"}}).recorded()["dataset"]
+    assert under_root == {"name": "libsvm", "root": str(tmp_path / "data"), "path": "a9a.txt"}
+    mnist = from_dict({"dataset": {"name": "mnist", "root": "~/d"}})
+    assert mnist.recorded()["dataset"]["root"] == f"{tmp_path}/home/d"
+    assert from_dict({"dataset": {"name": "_toy", "root": "d"}}).recorded()["dataset"]["root"] == "d"

@@ -222,8 +222,9 @@ def load_checkpoint(
     if "config" in ckpt:
         # before the state: a config changed where a resume may not change it (faults.sim_time switched on, a
         # compression section added) also changes the state's keys, and the key is what the line must name
-        # (re-resolved, so keys added to the config schema since then, with their defaults, are no change)
-        _check_resumable(load_config(ckpt["config"]).to_dict(), config.to_dict(), path)
+        # (re-resolved, so keys added to the config schema since then, with their defaults, are no change; as
+        # recorded, so a file option an older run recorded relative is its absolute form here, in its directory)
+        _check_resumable(load_config(ckpt["config"]).recorded(), config.recorded(), path)
     want, got = _shapes(algo.state_dict()), _shapes(ckpt["algorithm"])
     for p, shape in want.items():
         if p in got and got[p] != shape and not (p in algo.growing_state and got[p][1:] == shape[1:]):

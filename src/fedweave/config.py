@@ -23,13 +23,14 @@ import sys
 import types
 import typing
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from fedweave.registry import ACCOUNTANTS, AUGMENTATIONS, LOSSES, METRICS, UnknownNameError
+from fedweave.registry import ACCOUNTANTS, AUGMENTATIONS, DATASETS, LOSSES, METRICS, UnknownNameError
 
 
 class _Loader(yaml.SafeLoader):
@@ -878,6 +879,43 @@ class RunConfig:
             else:
                 out[f.name] = v
         return out
+
+    def recorded(self) -> dict[str, Any]:
+        """The config as a run records it (``config.yaml``, the checkpoint, a tracker's parameters): :meth:`to_dict`
+        with each option that names an input file or data directory by its absolute path (:data:`FILE_OPTIONS`),
+        so that ``fedweave run --resume RUN_DIR`` reads the same files from any working directory (a relative
+        path means the directory the command ran in). The config itself keeps the paths as written, which its
+        error messages name. Also what two configs are compared by where one of them was read back from a run."""
+        out = self.to_dict()
+        for section, names in FILE_OPTIONS.items():
+            s = out[section]
+            for option in names(s):
+                value = s.get(option)
+                if isinstance(value, str | os.PathLike) and str(value):  # (a bad value is validation's to name)
+                    # as the readers take it ("~" expanded); absolute(), not resolve(): a link stays the link
+                    s[option] = str(Path(value).expanduser().absolute())
+        return out
+
+
+def _dataset_files(s: dict[str, Any]) -> tuple[str, ...]:
+    """The options of a built-in dataset that name files: ``root`` (a directory) and LIBSVM's ``path`` and
+    ``test_path``, which are under root when it is given (then they stay as written, root carries the place). A
+    plug-in's options mean what the plug-in says."""
+    if s["name"] not in DATASETS or not getattr(DATASETS.get(s["name"]), "__module__", "").startswith("fedweave."):
+        return ()
+    return ("path", "test_path") if s["name"] == "libsvm" and s.get("root") is None else ("root",)
+
+
+#: The options that name an input file, by section: a function of the section's recorded dict (name and
+#: options) giving the keys to record by absolute path (:meth:`RunConfig.recorded`). ``plugins`` are recorded by
+#: absolute path when the config is read (:func:`recorded`).
+FILE_OPTIONS: dict[str, Callable[[dict[str, Any]], tuple[str, ...]]] = {
+    "dataset": _dataset_files,
+    "partition": lambda s: ("path",) if s["name"] == "from_file" else (),
+    "model": lambda s: ("init_from",),  # read for every model (Algorithm.build_model)
+    "algorithm": lambda s: ("edge_file",),  # the decentralized family's topology: edgelist
+    "sampler": lambda s: ("file",) if s["name"] == "schedule" else (),
+}
 
 
 # ---- type checking --------------------------------------------------------------------------------

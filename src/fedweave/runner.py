@@ -91,7 +91,8 @@ def finished_run(run_dir: str | Path, config: RunConfig | dict[str, Any]) -> Res
     except ConfigError:  # written by a version whose keys no longer exist: not this run
         return None
     summary = json.loads((path / "summary.json").read_text())
-    if saved.to_dict() != want.to_dict() or summary.get("status") not in ("completed", "diverged"):
+    # as recorded (config.yaml holds file options by absolute path; a config may name them relative)
+    if saved.recorded() != want.recorded() or summary.get("status") not in ("completed", "diverged"):
         return None
     rows = read_metrics(path) if (path / "metrics.jsonl").is_file() else []  # diverged before any evaluation
     return Result(path, rows, summary, None)
@@ -175,7 +176,7 @@ def _run_locked(
         clear_run(path)
     state.out = out = RunDir(path)
     wall_before, cpu_before = _continue(state, ckpt)
-    out.write_config(config.to_dict())
+    out.write_config(config.recorded())  # file options by absolute path: resumable from anywhere
     if objects is not None and objects.describe():
         out.write_json(OBJECTS_FILE, objects.describe())  # what was passed from Python in place of names
     state.t0 = time.perf_counter() - wall_before

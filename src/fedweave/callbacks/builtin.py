@@ -132,7 +132,7 @@ class Checkpointer(Callback):
         from fedweave.checkpoints import save_checkpoint, signals_held
         from fedweave.memory import cpu_seconds
 
-        extra = {"config": run.config.to_dict(), "skipped_rounds": run.skipped, "loss_reference": run.loss_reference}
+        extra = {"config": run.config.recorded(), "skipped_rounds": run.skipped, "loss_reference": run.loss_reference}
         extra["cpu_seconds"] = cpu_seconds() - run.cpu0
         # a signal between the checkpoint's rename and its record would make summary.json name the previous
         # round: held until both are done

@@ -350,7 +350,7 @@ class TrackerCallback(Callback):
         self.trackers: Trackers | None = None
 
     def on_start(self, run):
-        config = run.config.to_dict()
+        config = run.config.recorded()
         self.trackers = Trackers(self.names, config, run.path, run.rows if run.resumed else None)
 
     def on_row(self, run, row):

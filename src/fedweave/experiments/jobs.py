@@ -91,7 +91,7 @@ def unfinished_run(run_dir: str | Path, config: Any) -> bool:
     if not (path / "config.yaml").is_file():
         return False
     try:
-        if load(path / "config.yaml").to_dict() != config.to_dict():
+        if load(path / "config.yaml").recorded() != config.recorded():  # file options as runs record them
             return False
         status = (
             json.loads((path / "summary.json").read_text()).get("status") if (path / "summary.json").is_file() else None

@@ -29,9 +29,10 @@ def _factor_rows(n: int) -> int:
 
 def read_edge_list(path: str | Path, num_clients: int) -> nx.Graph:
     """An undirected graph from a text file of ``u v`` lines (0-based client ids; ``#`` comments)."""
-    p = Path(path)
+    p = Path(path).expanduser()  # "~" as for every other file option (model.init_from, partition.path, ...)
+    shown = str(path)  # the file as written, which the messages name
     if not p.is_file():
-        raise ConfigError(f"algorithm.edge_file {str(p)!r} does not exist")
+        raise ConfigError(f"algorithm.edge_file {shown!r} does not exist")
     g = nx.Graph()
     g.add_nodes_from(range(num_clients))
     for lineno, line in enumerate(p.read_text().splitlines(), 1):
@@ -45,13 +46,12 @@ def read_edge_list(path: str | Path, num_clients: int) -> nx.Graph:
             u, v = int(parts[0]), int(parts[1])
         except ValueError:
             raise ConfigError(
-                f"algorithm.edge_file {str(p)!r} line {lineno}: expected 'u v' (two client ids, no weight), "
-                f"got {line!r}"
+                f"algorithm.edge_file {shown!r} line {lineno}: expected 'u v' (two client ids, no weight), got {line!r}"
             ) from None
         for x in (u, v):
             if not 0 <= x < num_clients:
                 raise ConfigError(
-                    f"algorithm.edge_file {str(p)!r} line {lineno}: client {x} is outside [0, {num_clients})"
+                    f"algorithm.edge_file {shown!r} line {lineno}: client {x} is outside [0, {num_clients})"
                 )
         if u != v:
             g.add_edge(u, v)
