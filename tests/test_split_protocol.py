@@ -322,14 +322,12 @@ def test_config_errors(algorithm, model, local, match):
         make(algorithm, model=model, **local)
 
 
-if "_split_log_probs" not in SPLIT_MODELS._items:
-
-    @SPLIT_MODELS.register("_split_log_probs")
-    def _split_log_probs(input_shape: tuple[int, ...], num_classes: int, aux_log_probs: bool = True) -> SplitModel:
-        """split_small whose server part (and auxiliary net, with aux_log_probs) end in log_softmax."""
-        m = split_small(input_shape, num_classes)
-        aux = nn.Sequential(m.aux, nn.LogSoftmax(1)) if aux_log_probs else m.aux
-        return SplitModel(m.client, nn.Sequential(m.server, nn.LogSoftmax(1)), aux, m.cut_shape)
+def _split_log_probs(input_shape: tuple[int, ...], num_classes: int, aux_log_probs: bool = True) -> SplitModel:
+    """split_small whose server part (and auxiliary net, with aux_log_probs) end in log_softmax; registered for
+    the test that uses it only (the registry is the process's: `fedweave list` in the same worker lists it)."""
+    m = split_small(input_shape, num_classes)
+    aux = nn.Sequential(m.aux, nn.LogSoftmax(1)) if aux_log_probs else m.aux
+    return SplitModel(m.client, nn.Sequential(m.server, nn.LogSoftmax(1)), aux, m.cut_shape)
 
 
 def make_nll(algorithm: str, model: dict) -> object:
@@ -348,11 +346,12 @@ def make_nll(algorithm: str, model: dict) -> object:
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_nll_on_split_parts_that_output_logits_is_one_line(method):
+def test_nll_on_split_parts_that_output_logits_is_one_line(method, monkeypatch):
     """task.loss: nll reads log-probabilities; the split family built its parts without the run's model check, so
     split_small (logits) trained to train losses -13.2, nan, nan (fsl_an, cse_fsl) or -2.2, -27.8, -120.3
     (fsl_oc) without a word. Now one line when the run is built, from the check of the run's model: on x_s ∘ x_c,
     and on a_c ∘ x_c for the methods with an auxiliary net; parts that end in log_softmax train."""
+    monkeypatch.setitem(SPLIT_MODELS._items, "_split_log_probs", _split_log_probs)
     with pytest.raises(ConfigError) as e:
         make_nll(method, {"name": "split_small"})
     msg = str(e.value)
