@@ -272,6 +272,6 @@ def test_a_runner_point_its_run_would_refuse_is_refused_before_any_run_starts(tm
     configs = [{**TOY_CONFIG, "rounds": 1, "model": {"name": m}} for m in ("logistic", "logistik", "mlp")]
     plan = Plan([Point.of(c, name=f"m{i}", model=c["model"]["name"]) for i, c in enumerate(configs)])
     s = Study("toys", "test", ("smoke",), lambda opts: plan, lambda p, r, plan: r, lambda *a: 0, "smoke")
-    with pytest.raises(GridError, match="^reproduction point model=logistik: unknown model 'logistik'"):
+    with pytest.raises(GridError, match=r"^reproduction point m1 \(model=logistik\): unknown model 'logistik'"):
         s.records(plan, tmp_path / "o", workers=1)
     assert not (tmp_path / "o").exists()

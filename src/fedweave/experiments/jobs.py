@@ -146,7 +146,9 @@ def check_points(points: Iterable[Point], what: str = "sweep point") -> None:
             try:
                 check_run(p.config)
             except (ConfigError, KeyError, ValueError, TypeError) as e:  # KeyError: a registry's UnknownNameError
-                raise GridError(f"{what} {p.label}: {' '.join(str(e).split()) or type(e).__name__}") from e
+                # a reproduction's point is named by its run directory, and may set no grid values at all
+                who = p.label if p.name is None else p.name if not p.values else f"{p.name} ({p.label})"
+                raise GridError(f"{what} {who}: {' '.join(str(e).split()) or type(e).__name__}") from e
     finally:
         log.setLevel(level)
 
