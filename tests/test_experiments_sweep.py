@@ -168,6 +168,54 @@ def test_a_bad_grid_from_python_is_one_clear_line_before_anything_runs(toy_confi
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize(
+    "grid, point, words",
+    [
+        ("algorithm.name=fedavg,fedavgg,fedprox", "algorithm.name=fedavgg", ["unknown algorithm 'fedavgg'"]),
+        ("dataset.name=_toy,_toyy,digits", "dataset.name=_toyy", ["unknown dataset '_toyy'"]),
+        ("model.name=logistic,logistik,mlp", "model.name=logistik", ["unknown model 'logistik'"]),
+        (
+            "partition.name=dirichlet,dirichlett,dirichlet_balanced",
+            "partition.name=dirichlett",
+            ["unknown partitioner"],
+        ),
+        ("sampler.name=uniform,uniformm,bernoulli", "sampler.name=uniformm", ["unknown sampler 'uniformm'"]),
+        ("algorithm.clients_per_round=4,0,2", "algorithm.clients_per_round=0", ["clients_per_round must be >= 1"]),
+    ],
+)
+def test_a_point_the_run_would_refuse_is_refused_before_any_run_starts(
+    toy_config, tmp_path, capsys, grid, point, words
+):
+    # the 2nd of 3 points names what no run accepts: the 1st point's run was made and run to its end first, and
+    # only then did the sweep stop, at the run of the 2nd (in a parallel sweep, hours of runs before it)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(toy_config))
+    args = ["sweep", str(cfg), "--grid", grid, "--out", str(tmp_path / "s"), "--no-progress", "--workers", "2"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"sweep point {point}:" in err and all(w in err for w in words), err
+    assert not (tmp_path / "s").exists()  # no run directory, no sweep.json
+    with pytest.raises(GridError, match=f"^sweep point {point}: "):
+        fedweave.sweep(toy_config, parse_grid([grid]), out=tmp_path / "p", progress=False)
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_point_naming_a_plug_ins_model_is_checked_after_the_config_imports_it(toy_config, tmp_path):
+    # the config's plug-ins register before its points are checked, as before its runs
+    plugin = tmp_path / "my_models.py"
+    plugin.write_text(
+        "from fedweave.models.linear import build_logistic\n"
+        "from fedweave.registry import MODELS\n"
+        "MODELS.register('sweep_logistic')(build_logistic)\n"
+    )
+    cfg = {**toy_config, "rounds": 1, "plugins": [str(plugin)]}
+    res = fedweave.sweep(cfg, {"model.name": ["logistic", "sweep_logistic"]}, out=tmp_path / "s", progress=False)
+    assert [r["status"] for r in res.records] == ["completed", "completed"]
+    assert res.records[0]["final_test_accuracy"] == res.records[1]["final_test_accuracy"]  # one model, two names
+    with pytest.raises(GridError, match="^sweep point model.name=sweep_logistik: unknown model"):
+        fedweave.sweep(cfg, {"model.name": ["sweep_logistik"]}, out=tmp_path / "t", progress=False)
+
+
 @pytest.mark.parametrize("progress", ["no", None, 0])
 def test_progress_that_is_not_a_boolean_is_one_line_before_anything_runs(toy_config, tmp_path, progress):
     # a string is truthy: progress="no" showed the bar and ran the sweep

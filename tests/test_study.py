@@ -261,3 +261,17 @@ def test_an_unknown_dataset_is_one_line_naming_its_option_before_anything_runs(a
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{flag}: unknown dataset 'foo'" in err and "mnist" in err
     assert not (out / "runs").exists()  # no run was started (and failed) in OUT
+
+
+def test_a_runner_point_its_run_would_refuse_is_refused_before_any_run_starts(tmp_path):
+    # a study's points are runner runs too: the 2nd names a model no run accepts; before, the 1st point's run was
+    # run to its end before the 2nd's failed
+    from fedweave.experiments.grid import GridError, Point
+    from tests.conftest import TOY_CONFIG
+
+    configs = [{**TOY_CONFIG, "rounds": 1, "model": {"name": m}} for m in ("logistic", "logistik", "mlp")]
+    plan = Plan([Point.of(c, name=f"m{i}", model=c["model"]["name"]) for i, c in enumerate(configs)])
+    s = Study("toys", "test", ("smoke",), lambda opts: plan, lambda p, r, plan: r, lambda *a: 0, "smoke")
+    with pytest.raises(GridError, match=r"^reproduction point m1 \(model=logistik\): unknown model 'logistik'"):
+        s.records(plan, tmp_path / "o", workers=1)
+    assert not (tmp_path / "o").exists()

@@ -15,7 +15,14 @@ from typing import Any, Literal
 import torch
 
 from fedweave import __version__, robust
-from fedweave.algorithms.base import Algorithm, RunContext, build_algorithm, reads_local, step_size_keys
+from fedweave.algorithms.base import (
+    Algorithm,
+    RunContext,
+    build_algorithm,
+    check_config,
+    reads_local,
+    step_size_keys,
+)
 from fedweave.byo import OBJECTS_FILE, RunObjects, check_resumed_objects, check_same_objects
 from fedweave.callbacks import Callback, CallbackList, RunState, default_callbacks
 from fedweave.checkpoints import CHECKPOINT, RESUMABLE_LOCAL, restore_checkpoint
@@ -135,9 +142,7 @@ def run(
         torch.set_num_threads(config.threads)
     path = Path(run_dir or config.output.dir or default_run_dir(config.name, config.seed))
     check_run_dir(path, resume=resume, overwrite=overwrite)
-    _check_faults(config)
-    if config.backend == "ray":  # against a Ray session already up; one not yet started is checked as it starts
-        check_session(config.ray)
+    check_run(config, objects)
     ctx = RunContext(config, objects)
     # a config problem found while building ends here, before anything is written
     state = RunState(config, ctx, build_algorithm(ctx), resumed=resume)
@@ -149,6 +154,17 @@ def run(
         # again, under the lock: a run into the same directory may have ended while this one was being built
         check_run_dir(path, resume=resume, overwrite=overwrite)
         return _run_locked(state, path, overwrite=overwrite, objects=objects, on_divergence=on_divergence)
+
+
+def check_run(config: RunConfig, objects: RunObjects | None = None) -> None:
+    """The checks :func:`run` makes of ``config`` before it builds anything, none of which needs the data, a
+    device or a round: the faults and the robustness stage against the algorithm, a Ray session already up,
+    and every name the config gives with its options and the rules between keys
+    (:func:`~fedweave.algorithms.base.check_config`). A sweep makes them for every point before its first run."""
+    _check_faults(config)
+    if config.backend == "ray":  # against a Ray session already up; one not yet started is checked as it starts
+        check_session(config.ray)
+    check_config(config, objects)
 
 
 def _checked(callbacks: Sequence[Callback]) -> list[Callback]:

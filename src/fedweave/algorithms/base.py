@@ -45,6 +45,7 @@ from fedweave.registry import ALGORITHMS, DATASETS, METRICS, MODELS, PARTITIONER
 from fedweave.robust import poisoned_data
 from fedweave.seeding import Seeds
 from fedweave.tasks import NLL, CallableLoss, Loss, Task, build_task
+from fedweave.topology.samplers import sampler_options
 
 
 @dataclasses.dataclass
@@ -231,6 +232,39 @@ LABEL_FREE_PARTITIONERS = ("iid", "quantity_skew", "natural", "from_file")
 TARGET_BINS = 10  # quantile bins that stand for classes where float targets need labels
 
 
+def dataset_loader(config: RunConfig) -> tuple[Callable[..., Dataset], dict[str, Any]]:
+    """The loader registered as ``dataset.name`` and its checked options (nothing loaded)."""
+    loader = DATASETS.get(config.dataset.name)
+    return loader, check_options(loader, config.dataset.options, "dataset", name=config.dataset.name)
+
+
+def partitioner(config: RunConfig) -> tuple[Callable[..., Any], dict[str, Any], Any, Any]:
+    """The partitioner registered as ``partition.name``, its other options checked, ``partition.num_clients``
+    and ``partition.bins`` (which one applies depends on the data's targets: :meth:`RunContext.partition_of`)."""
+    part = config.partition
+    fn = PARTITIONERS.get(part.name)
+    opts = dict(part.options)
+    num_clients, bins = (integral(opts.pop(k, None)) for k in ("num_clients", "bins"))
+    if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 0:
+        allowed = {  # the partitioners that read 0 as "all": theirs say so
+            "natural": "a non-negative integer (0 = one client per natural user)",
+            "from_file": "a non-negative integer (0 = every client of partition.path)",
+        }.get(part.name, "a positive integer")
+        raise ConfigError(f"partition.num_clients must be {allowed}, got {num_clients!r}")
+    opts = check_options(fn, opts, "partition", skip=("labels", "num_clients", "rng", "users"), name=part.name)
+    return fn, opts, num_clients, bins
+
+
+def zoo_model(config: RunConfig) -> tuple[Callable[..., nn.Module], dict[str, Any]]:
+    """The builder registered as ``model.name`` and its checked options, less ``init_from`` (nothing built)."""
+    opts = dict(config.model.options)
+    opts.pop("init_from", None)  # the weights loaded into the built model, not a builder's option
+    with _as_config_error("model"):
+        name = config.model.name
+        builder = MODELS.get(name)
+        return builder, check_options(builder, opts, "model", skip=("input_shape", "num_classes"), name=name)
+
+
 class RunContext:
     """The pieces of a run, built lazily from the config so that a family uses only what it needs.
 
@@ -279,8 +313,7 @@ class RunContext:
         """The dataset as its loader (or the Python caller) gave it."""
         if self.objects.dataset is not None:
             return self.objects.dataset
-        loader = DATASETS.get(self.config.dataset.name)
-        opts = check_options(loader, self.config.dataset.options, "dataset", name=self.config.dataset.name)
+        loader, opts = dataset_loader(self.config)
         with _as_config_error("dataset"):
             ds = loader(**opts)
         if not isinstance(ds, Dataset):  # a plug-in's loader that returned its tensors or nothing
@@ -428,9 +461,7 @@ class RunContext:
         """Split samples with these labels over the clients with the configured partitioner
         (indices into ``labels``); the ``partition`` stream makes it deterministic."""
         part = self.config.partition
-        fn = PARTITIONERS.get(part.name)
-        opts = dict(part.options)
-        num_clients, bins = (integral(opts.pop(k, None)) for k in ("num_clients", "bins"))
+        fn, opts, num_clients, bins = partitioner(self.config)
         if not np.issubdtype(np.asarray(labels).dtype, np.integer):  # float targets (regression, multi-label)
             if part.name in LABEL_FREE_PARTITIONERS:
                 labels = np.zeros(len(labels), dtype=np.int64)  # these partitioners read only the sample count
@@ -445,13 +476,6 @@ class RunContext:
                 labels = self.label_view(labels, bins)
         elif bins is not None:
             raise ConfigError("partition.bins applies to float targets only; these targets are class labels")
-        if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 0:
-            allowed = {  # the partitioners that read 0 as "all": theirs say so
-                "natural": "a non-negative integer (0 = one client per natural user)",
-                "from_file": "a non-negative integer (0 = every client of partition.path)",
-            }.get(part.name, "a positive integer")
-            raise ConfigError(f"partition.num_clients must be {allowed}, got {num_clients!r}")
-        opts = check_options(fn, opts, "partition", skip=("labels", "num_clients", "rng", "users"), name=part.name)
         with _as_config_error("partition"):
             parts = fn(labels, num_clients, self.seeds.numpy("partition"), users=users, **opts)
         if isinstance(parts, Partition) and fn.__module__ == Partition.__module__:  # built-in: correct by construction
@@ -502,9 +526,8 @@ class RunContext:
                 if not isinstance(model, nn.Module):
                     raise ConfigError(f"model: the factory must return an nn.Module, got {type(model).__name__}")
             else:
-                builder = MODELS.get(self.config.model.name)
+                builder, opts = zoo_model(self.config)
                 name = self.config.model.name
-                opts = check_options(builder, opts, "model", skip=("input_shape", "num_classes"), name=name)
                 with model_memory(name, opts):
                     model = builder(tuple(ds.input_shape), ds.num_classes, **opts)
         with model_memory(self.config.model.name, opts):
@@ -620,6 +643,12 @@ class Algorithm(metaclass=_AlgorithmMeta):
     #: True after a round nobody reported, faults or none (the star's clients all without samples): the runner
     #: logs it as skipped, as it does a round whose ``reported_clients`` is 0 under faults
     nobody_reported: bool = False
+
+    @classmethod
+    def check_model(cls, config: RunConfig) -> None:
+        """Look up ``model.name`` and check its options as the run will build it, building nothing: a model of
+        the zoo (:meth:`RunContext.build_model`); a family that builds its models otherwise says so here."""
+        zoo_model(config)
 
     def __init__(self, ctx: RunContext, hp: Any) -> None:
         self.ctx = ctx
@@ -849,16 +878,51 @@ def reads_local(cls: type[Algorithm], key: str) -> bool:
 
 def build_algorithm(ctx: RunContext) -> Algorithm:
     """Look up ``algorithm.name``, validate its options against its ``Hparams``, construct it."""
-    section = ctx.config.algorithm
+    cls, hp = check_algorithm(ctx.config, ctx.objects)
+    algo = cls(ctx, hp)
+    trainer = getattr(algo, "trainer", None)
+    if trainer is not None:  # after the method's own checks, which may refuse such a model in their words (FedBN)
+        check_running_stats(trainer.layout.model)
+    if ctx.config.secure_aggregation is not None and getattr(algo, "secagg", None) is None:  # a round of its own
+        name = ctx.config.algorithm.name
+        raise ConfigError(f"secure_aggregation: algorithm {name!r} runs a round of its own, not billed yet")
+    return algo
+
+
+def check_config(config: RunConfig, objects: RunObjects | None = None) -> None:
+    """The checks of a run's sections that need neither its data nor its device: the registered names (the
+    config's plug-ins were imported by its loader), their options and the rules between keys that
+    :func:`build_algorithm` and the :class:`RunContext` apply when they look the names up. The runner makes them
+    before it builds anything and a sweep for every point before its first run; a section the algorithm never
+    reads (its ``unread_config``, refused when set) or that ``objects`` replace is not looked up."""
+    objects = objects or RunObjects()
+    cls, _ = check_algorithm(config, objects)
+    if objects.dataset is None:
+        dataset_loader(config)
+    if "partition" not in cls.unread_config:
+        partitioner(config)
+    if objects.model is None and "model" not in cls.unread_config:
+        cls.check_model(config)
+    if config.sampler != Section("uniform"):
+        # a family that takes a sampler looks it up so (one that takes none refuses the section when built)
+        sampler_options(config.sampler.name, config.sampler.options)
+
+
+def check_algorithm(config: RunConfig, objects: RunObjects | None = None) -> tuple[type[Algorithm], Any]:
+    """The class registered as ``algorithm.name`` and its ``Hparams`` from the section's options, after the
+    rules between its family and the other sections (compression, task, privacy, secure aggregation, the keys
+    it never reads); nothing is built."""
+    objects = objects or RunObjects()
+    section = config.algorithm
     cls = ALGORITHMS.get(section.name)
     hp = build_dataclass(cls.Hparams, section.options, "algorithm")
-    if ctx.config.compression.upload is not None and not cls.compresses_uploads:
+    if config.compression.upload is not None and not cls.compresses_uploads:
         raise ConfigError(
             f"compression.upload: algorithm {section.name!r} ({cls.family}) does not compress its uploads yet; the "
             "star methods, the hierarchical model-averaging baselines and choco_sgd (compressed gossip) do "
             "(docs/compression.md); remove the section"
         )
-    if ctx.config.compression.download is not None and not getattr(cls, "compresses_downloads", False):
+    if config.compression.download is not None and not getattr(cls, "compresses_downloads", False):
         why = (  # the reason where there is one to give
             " (its asynchronous rounds keep no per-client copy of the server's model)"
             if getattr(cls, "asynchronous", False)
@@ -871,29 +935,23 @@ def build_algorithm(ctx: RunContext) -> Algorithm:
             f"{why}; fedavg, the fedopt family, fedsam, scaffold, fedcm and mofedsam do (docs/compression.md); "
             "remove compression.download"
         )
-    if cls.fixed_task and (ctx.config.task != type(ctx.config.task)() or ctx.objects.loss is not None):
+    if cls.fixed_task and (config.task != type(config.task)() or objects.loss is not None):
         raise ConfigError(f"task: the {cls.family} family {cls.fixed_task}; leave the task section out")
     private = ("centralized", "decentralized", "hierarchical", "split")  # privacy: the families it runs in
-    if ctx.config.privacy is not None and cls.family not in private:
+    if config.privacy is not None and cls.family not in private:
         raise ConfigError(
             f"privacy: the {cls.family} family is not supported yet (differential privacy runs on the centralized, "
             "hierarchical and split families' rounds and, at sample level, in the decentralized family); leave the "
             "privacy section out"
         )
-    secure = ctx.config.secure_aggregation is not None
+    secure = config.secure_aggregation is not None
     if secure and cls.family != "centralized":  # secure aggregation: its cost is billed on the star round only
         raise ConfigError(
             f"secure_aggregation: the {cls.family} family is not supported yet (the star methods whose server needs "
             "only the sum of the updates); leave the section out"
         )
     for key, why in cls.unread_config.items():
-        changed = changed_keys(ctx.config, key)
+        changed = changed_keys(config, key)
         if changed:
             raise ConfigError(f"{changed[0]}: the {cls.family} family {why}; leave it out")
-    algo = cls(ctx, hp)
-    trainer = getattr(algo, "trainer", None)
-    if trainer is not None:  # after the method's own checks, which may refuse such a model in their words (FedBN)
-        check_running_stats(trainer.layout.model)
-    if secure and getattr(algo, "secagg", None) is None:  # a star method with a round of its own
-        raise ConfigError(f"secure_aggregation: algorithm {section.name!r} runs a round of its own, not billed yet")
-    return algo
+    return cls, hp

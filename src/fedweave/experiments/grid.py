@@ -107,9 +107,9 @@ def expand(
     """Every point of the sweep: the product of the ``grid`` keys, with all ``zipped`` keys varying together
     (one list position at a time), each for ``seeds`` seeds (the base seed, +1, ...). Every config is resolved
     and validated against the config schema here, so a bad key or value of it fails with one line naming it
-    before anything runs; the options of a named object (an algorithm's, a dataset's, a partitioner's, a
-    model's) are checked when its run is built, which ends the sweep with one line naming the run and the key
-    (:class:`~fedweave.experiments.jobs.RunFailed`) before that run trains."""
+    before anything runs; the names a point gives (an algorithm, a dataset, a partitioner, a model, a sampler)
+    and their options are the runner's to check, which :func:`~fedweave.experiments.jobs.check_points` does for
+    every point before a sweep's first run starts."""
     for name, axes in (("grid", grid), ("zipped", zipped)):  # from Python: a scalar gave a TypeError, [] an IndexError
         if axes is not None and not isinstance(axes, Mapping):
             # not a key's value: a falsy one (0, [], "") ran the base config as if no grid was given

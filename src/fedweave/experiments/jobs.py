@@ -125,6 +125,34 @@ def check_reusable(points: Iterable[Point], runs_dir: str | Path) -> None:
             raise RunFailed(f"run {path} (point {p.label}, seed {p.seed}) failed: RunDirError: {e}") from e
 
 
+def check_points(points: Iterable[Point], what: str = "sweep point") -> None:
+    """Refuse, before any run starts or anything is written, a point whose config its run would refuse before
+    training: a name no algorithm, dataset, model, partitioner or sampler is registered under (the config's
+    plug-ins imported by its loader), an option out of its bounds, keys that exclude each other. These are the
+    runner's own checks (:func:`fedweave.runner.check_run`), which need no data; without this a parallel sweep
+    met the bad point only when its run started, after the runs before it had run. The refusal is one
+    :class:`~fedweave.experiments.grid.GridError` line: ``what``, the point's label and the run's own message."""
+    import logging
+
+    from fedweave.config import ConfigError
+    from fedweave.experiments.grid import GridError
+    from fedweave.runner import check_run
+
+    log = logging.getLogger("fedweave")
+    level = log.level
+    log.setLevel(logging.ERROR)  # a run's start-up warnings are its own, given when it starts: not twice
+    try:
+        for p in points:
+            try:
+                check_run(p.config)
+            except (ConfigError, KeyError, ValueError, TypeError) as e:  # KeyError: a registry's UnknownNameError
+                # a reproduction's point is named by its run directory, and may set no grid values at all
+                who = p.label if p.name is None else p.name if not p.values else f"{p.name} ({p.label})"
+                raise GridError(f"{what} {who}: {' '.join(str(e).split()) or type(e).__name__}") from e
+    finally:
+        log.setLevel(level)
+
+
 def _longer(path: Path, config: Any) -> bool:
     """Whether ``path`` holds a completed run of more rounds than ``config`` (a RunConfig) has: its checkpoint is
     of its last round, which a resume may not go below, so its worker would refuse it after sweep.json had been

@@ -39,7 +39,7 @@ import numpy as np
 from fedweave.config import ConfigError, positive_int, positive_minutes
 from fedweave.experiments import pages
 from fedweave.experiments.grid import Point
-from fedweave.experiments.jobs import finished, parallel_map, run_points
+from fedweave.experiments.jobs import check_points, finished, parallel_map, run_points
 from fedweave.experiments.tables import csv_text, markdown_table
 from fedweave.experiments.verdicts import Rule
 from fedweave.results import atomic_write, folder_refusal
@@ -263,6 +263,8 @@ class Study:
         """Run the plan's points into ``out/runs`` (``run_points``: a finished run of the same config is reused
         and marked in ``plan.reused``, a killed one resumes; no run starts after ``budget_s``) and return the
         record of every finished run, in the plan's order."""
+        if plan.solve is None:  # runner runs: each point as its run will check it, before anything is written
+            check_points(plan.points, "reproduction point")
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         workers = plan.workers or workers

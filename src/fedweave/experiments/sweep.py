@@ -13,7 +13,7 @@ from fedweave.config import ConfigError
 from fedweave.experiments import baseline as paired
 from fedweave.experiments.aggregate import best_point, best_trained, if_all, mean_std, to_target
 from fedweave.experiments.grid import expand
-from fedweave.experiments.jobs import check_reusable, check_workers, run_points
+from fedweave.experiments.jobs import check_points, check_reusable, check_workers, run_points
 from fedweave.experiments.tables import markdown, write_csv
 from fedweave.results import atomic_write, file_in_the_way, holds_run, read_metrics
 
@@ -87,6 +87,7 @@ def sweep(
             "--level, --test and --correction apply to a comparison with a --baseline point; give --baseline"
         )
     points = expand(config, grid, zipped=zipped, seeds=seeds, overrides=overrides)
+    check_points(points)  # every point as its run will check it, before the first run starts
     base = None
     if baseline is not None:  # checked before anything runs, like the grid
         level, test = paired.check_test(0.95 if level is None else level, "t" if test is None else test)

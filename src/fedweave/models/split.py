@@ -19,7 +19,7 @@ Auxiliary heads (``aux``): ``mlp`` = Linear(q, K) (CIFAR 23,050; F-EMNIST 571,45
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,6 +249,13 @@ def build_split_model(
     name: str, input_shape: tuple[int, ...], num_classes: int, options: Mapping[str, Any] | None = None
 ) -> SplitModel:
     """Build split model ``name``; unknown names and options raise errors naming ``model.<key>``."""
+    builder, options = split_builder(name, options)
+    return builder(tuple(input_shape), num_classes, **options)
+
+
+def split_builder(name: str, options: Mapping[str, Any] | None = None) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """The builder of split model ``name`` and its checked ``options`` (no model built); unknown names and
+    options raise errors naming ``model.<key>``."""
     import inspect
 
     builder = SPLIT_MODELS.get(name) if name in SPLIT_MODELS._items else None
@@ -264,5 +271,4 @@ def build_split_model(
             raise ValueError(f"unknown option model.{k} for split model {name!r}; allowed: {', '.join(allowed)}")
     # the values against the builder's annotations, one line naming the key: a float width or crop would fail in
     # torch without naming it, and a string such as "no" would be taken as true
-    options = check_options(builder, options, "model", skip=("input_shape", "num_classes"), name=name)
-    return builder(tuple(input_shape), num_classes, **options)
+    return builder, check_options(builder, options, "model", skip=("input_shape", "num_classes"), name=name)

@@ -567,6 +567,15 @@ class Sampler:
         return ids
 
 
+def sampler_options(name: str, options: dict[str, Any]) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """The sampler registered as ``name`` and its ``options`` checked against its signature: what needs no
+    data nor client count (a run's :func:`make_sampler`, and a sweep's check of its points before any runs)."""
+    fn = SAMPLERS.get(name)
+    opts = check_options(fn, options, "sampler", skip=SAMPLER_ARGS, name=name)
+    check_signature(name, fn, opts)
+    return fn, opts
+
+
 def make_sampler(
     ctx,
     per_round: int,
@@ -582,9 +591,7 @@ def make_sampler(
     that reads one; without it such a sampler is refused (``family`` names the family in that line)."""
     section = ctx.config.sampler
     name = default if section.name == "uniform" and not section.options else section.name
-    fn = SAMPLERS.get(name)
-    opts = check_options(fn, section.options, "sampler", skip=SAMPLER_ARGS, name=name)
-    check_signature(name, fn, opts)
+    fn, opts = sampler_options(name, section.options)
     if context is None:
         refuse_context(name, fn, family or "this")
     n = ctx.num_clients if num_clients is None else num_clients

@@ -43,11 +43,11 @@ from torch import nn
 from fedweave.accounting import split as accounting
 from fedweave.accounting.split import upload_batches
 from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights, checked_augment, model_memory
-from fedweave.config import ConfigError
+from fedweave.config import ConfigError, RunConfig
 from fedweave.data.partition import clients_with_data
 from fedweave.execution import LocalTrainer, ParamLayout, evaluate_task
 from fedweave.ledger import nbytes
-from fedweave.models.split import build_split_model
+from fedweave.models.split import build_split_model, split_builder
 from fedweave.privacy.split import private_average, split_privacy
 from fedweave.topology.samplers import make_sampler, weighting_under
 
@@ -249,6 +249,14 @@ class SplitAlgorithm(Algorithm):
         "its clients train on gradients from a server-side model fitted to every client's smashed data, so one "
         "client's data move the other clients' updates; use fsl_an or cse_fsl (local loss, no gradient back)"
     )
+
+    @classmethod
+    def check_model(cls, config: RunConfig) -> None:
+        """A split model (:data:`~fedweave.models.split.SPLIT_MODELS`), not the zoo's: its name and options."""
+        try:
+            split_builder(config.model.name, config.model.options)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
 
     def __init__(self, ctx: RunContext, hp: SplitHparams) -> None:
         super().__init__(ctx, hp)
