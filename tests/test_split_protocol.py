@@ -555,3 +555,26 @@ def test_rounds_equal_the_equations_in_float64(algorithm, h):
         assert torch.allclose(algo.xs, xs, rtol=0, atol=1e-12)
         if algo.uses_aux:
             assert torch.allclose(algo.xa, xa, rtol=0, atol=1e-12)
+
+
+def test_a_model_passed_from_python_is_one_line_naming_the_split_models(tmp_path):
+    """The split family builds its parts from a split model; a model passed from Python was refused as
+    "model.name 'python' is not a split model", which named no cause."""
+    import fedweave
+
+    cfg = {
+        "rounds": 1,
+        "dataset": {"name": "_toy_split", "n_train": 100},
+        "partition": {"name": "iid", "num_clients": 2},
+        "algorithm": {"name": "fsl_mc"},
+        "local": {"batch_size": 10, "lr": 0.05},
+        "output": {"progress": False},
+    }
+    with pytest.raises(ConfigError) as e:
+        fedweave.run(cfg, model=lambda: nn.Linear(64, 10), run_dir=tmp_path / "run")
+    assert str(e.value) == (
+        "model: algorithm 'fsl_mc' builds its client and server parts (and auxiliary net) from a split model "
+        f"(model.name: one of {', '.join(sorted(SPLIT_MODELS._items))}, or one registered with "
+        "fedweave.models.split.SPLIT_MODELS.register), so it takes no model from Python"
+    )
+    assert not (tmp_path / "run").exists()  # refused before the run wrote anything

@@ -47,7 +47,7 @@ from fedweave.config import ConfigError, RunConfig
 from fedweave.data.partition import clients_with_data
 from fedweave.execution import LocalTrainer, ParamLayout, evaluate_task
 from fedweave.ledger import nbytes
-from fedweave.models.split import build_split_model, split_builder
+from fedweave.models.split import SPLIT_MODELS, build_split_model, split_builder
 from fedweave.privacy.split import private_average, split_privacy
 from fedweave.topology.samplers import make_sampler, weighting_under
 
@@ -259,6 +259,13 @@ class SplitAlgorithm(Algorithm):
             raise ConfigError(str(e)) from e
 
     def __init__(self, ctx: RunContext, hp: SplitHparams) -> None:
+        if ctx.objects.model is not None:  # before: "model.name 'python' is not a split model", naming no cause
+            raise ConfigError(
+                f"model: algorithm {ctx.config.algorithm.name!r} builds its client and server parts (and auxiliary "
+                "net) from a split model (model.name: one of "
+                f"{', '.join(sorted(SPLIT_MODELS._items))}, or one registered with "
+                "fedweave.models.split.SPLIT_MODELS.register), so it takes no model from Python"
+            )
         super().__init__(ctx, hp)
         cfg = ctx.config
         if cfg.local.momentum or cfg.local.weight_decay:
