@@ -650,6 +650,14 @@ class Algorithm(metaclass=_AlgorithmMeta):
         the zoo (:meth:`RunContext.build_model`); a family that builds its models otherwise says so here."""
         zoo_model(config)
 
+    @classmethod
+    def check_sampler(cls, config: RunConfig, hp: Any) -> None:
+        """Look up ``sampler.name`` and check its options as the run will make the sampler (:func:`make_sampler`),
+        drawing nothing; a family whose own keys also choose the clients checks them against it first."""
+        if config.sampler != Section("uniform"):
+            # a family that takes a sampler looks it up so (one that takes none refuses the section when built)
+            sampler_options(config.sampler.name, config.sampler.options)
+
     def __init__(self, ctx: RunContext, hp: Any) -> None:
         self.ctx = ctx
         self.hp = hp
@@ -896,16 +904,14 @@ def check_config(config: RunConfig, objects: RunObjects | None = None) -> None:
     before it builds anything and a sweep for every point before its first run; a section the algorithm never
     reads (its ``unread_config``, refused when set) or that ``objects`` replace is not looked up."""
     objects = objects or RunObjects()
-    cls, _ = check_algorithm(config, objects)
+    cls, hp = check_algorithm(config, objects)
     if objects.dataset is None:
         dataset_loader(config)
     if "partition" not in cls.unread_config:
         partitioner(config)
     if objects.model is None and "model" not in cls.unread_config:
         cls.check_model(config)
-    if config.sampler != Section("uniform"):
-        # a family that takes a sampler looks it up so (one that takes none refuses the section when built)
-        sampler_options(config.sampler.name, config.sampler.options)
+    cls.check_sampler(config, hp)
 
 
 def check_algorithm(config: RunConfig, objects: RunObjects | None = None) -> tuple[type[Algorithm], Any]:

@@ -29,7 +29,7 @@ from fedweave import robust
 from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights, make_trainer
 from fedweave.compression import upload_compression
 from fedweave.compression.download import download_compression
-from fedweave.config import MAX_LR, ConfigError, Section
+from fedweave.config import MAX_LR, ConfigError, RunConfig, Section
 from fedweave.data.partition import client_sizes, clients_with_data
 from fedweave.execution import (
     LocalResult,
@@ -67,14 +67,14 @@ class StarHparams:
             raise ConfigError(f"algorithm.server_lr must be in (0, {MAX_LR:.6g}], got {self.server_lr}")
 
 
-def _aliased_sampler(ctx: RunContext, hp: StarHparams) -> str:
+def _aliased_sampler(config: RunConfig, hp: StarHparams) -> str:
     """The sampler that ``algorithm.sampling`` names: ``bernoulli`` (fedmim spec A6) is another name for
     ``sampler: bernoulli``, and a sampler section that names another one is refused (one knob decides who
     takes part); ``fixed``, the default, leaves the choice to the section. The default section (``uniform``,
     no options) counts as none: it is what every run's resolved config records, so a run resumes."""
     if getattr(hp, "sampling", "fixed") != "bernoulli":
         return "uniform"
-    section = ctx.config.sampler
+    section = config.sampler
     if section.name != "bernoulli" and section != Section("uniform"):
         raise ConfigError(
             f"algorithm.sampling: bernoulli and sampler: {section.name} both choose the round's clients; keep one "
@@ -173,6 +173,12 @@ class StarAlgorithm(Algorithm):
     counts_steps: ClassVar[bool] = True  # a client's work is its local steps (faults.work_unit: step applies)
     global_model: ClassVar[bool] = True  # False where the method keeps no single global model x_t (IFCA, CFL, ...)
 
+    @classmethod
+    def check_sampler(cls, config: RunConfig, hp: StarHparams) -> None:
+        """``algorithm.sampling`` against the sampler section first, as the run makes its sampler."""
+        _aliased_sampler(config, hp)
+        super().check_sampler(config, hp)
+
     def __init__(self, ctx: RunContext, hp: StarHparams) -> None:
         super().__init__(ctx, hp)
         n = ctx.num_clients
@@ -206,7 +212,7 @@ class StarAlgorithm(Algorithm):
         self.probed: tuple[int, np.ndarray, torch.Tensor] | None = None
         self.sampler_built = False  # until then a probe is that check draw, not a round's: not billed
         self.sampler = make_sampler(
-            ctx, hp.clients_per_round, default=_aliased_sampler(ctx, hp), context=self.client_history.context
+            ctx, hp.clients_per_round, default=_aliased_sampler(ctx.config, hp), context=self.client_history.context
         )
         self.sampler_built = True
         if self.probes and not self.global_model:
