@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import warnings
 
 import pytest
 
@@ -135,6 +136,17 @@ def test_the_power_of_the_paired_test():
     assert zo_hfl.detectable(1.0, 3) == pytest.approx(3.264, abs=0.01)
     assert zo_hfl.paired_power(zo_hfl.detectable(0.35, 3), 0.35, 3) == pytest.approx(0.8)
     assert zo_hfl.detectable(1.0, 10) == pytest.approx(0.996, abs=0.01)
+
+
+def test_the_power_of_the_paired_test_without_spread():
+    """Pairs whose differences are all equal (sd 0): the power was NaN (a division by zero) and the detectable
+    difference a ValueError. The paired rule's interval is then the one point, which excludes 0 unless the
+    difference is 0: any true difference but 0 is found, and none is found where there is none."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert zo_hfl.paired_power(0.5, 0.0, 3) == 1.0
+        assert zo_hfl.paired_power(0.0, 0.0, 3) == 0.0
+        assert zo_hfl.detectable(0.0, 3) == 0.0
 
 
 def test_seed_rows_leave_out_the_runs_a_time_budget_did_not_start(tmp_path):

@@ -374,6 +374,8 @@ _OWN = {  # name -> (the parts it returns for n training samples, the error)
     "_own_beyond": (lambda n: [np.array([0, n + 5]), np.arange(2, 10)], r"client 0 holds index {n5}, outside"),
     "_own_float": (lambda n: [np.array([0.7, 1.2]), np.arange(3, 10)], r"client 0 holds float64 indices"),
     "_own_shared": (lambda n: [np.arange(0, 10), np.arange(5, 15)], r"a sample is given to more than one client"),
+    # one client where partition.num_clients asks for 2: the run went on with 1
+    "_own_fewer": (lambda n: [np.arange(0, 10)], r"1 clients returned where partition.num_clients is 2"),
     # returned as a Partition (as the built-in ones do) rather than a list: held to the same contract
     "_own_shared_partition": (
         lambda n: Partition.of([np.arange(0, 10), np.arange(5, 15)]),

@@ -19,7 +19,7 @@ import torch
 from fedweave.algorithms.base import RunContext, build_algorithm
 from fedweave.config import ConfigError, LocalConfig, load
 from fedweave.execution import LocalRule, LocalTrainer
-from fedweave.execution.ray import pool
+from fedweave.execution.ray import LOCAL_RAY_ENV, pool
 from fedweave.execution.shards import shard_bounds
 from fedweave.memory import memory, process_tree
 from fedweave.runner import run
@@ -96,8 +96,6 @@ def local_ray():
         pytest.skip("Ray is not installed (pip install 'fedweave[ray]')")
     import ray
 
-    from fedweave.execution.ray import LOCAL_RAY_ENV
-
     for k, v in LOCAL_RAY_ENV.items():
         os.environ.setdefault(k, v)
     # the rules defined here travel by value: Ray's workers cannot import this test module
@@ -166,6 +164,36 @@ def test_an_object_store_size_a_running_session_was_not_started_with_is_one_warn
         assert lines == (want if warned else []), lines
 
 
+@needs_ray
+def test_a_ray_address_other_than_the_session_up_is_refused_before_the_run_writes(local_ray, toy_config, tmp_path):
+    """In the caller's Ray session, a run naming another cluster in ray.address silently ran on the session up;
+    now one line when the run is built, nothing written. The session's own GCS address (also written with a
+    loopback host) and ``auto`` use it."""
+    gcs = local_ray.get_runtime_context().gcs_address
+    port = gcs.rpartition(":")[2]
+    for other in (f"{gcs.rpartition(':')[0]}:{int(port) + 1}", "no-such-host.invalid:" + port):
+        cfg = load({**toy_config, "backend": "ray", "rounds": 1, "ray": {"num_workers": 2, "address": other}})
+        want = rf"^ray\.address '{re.escape(other)}' is not the Ray session already up in this process \({gcs}\)"
+        with pytest.raises(ConfigError, match=want):
+            run(cfg, run_dir=tmp_path / "r")
+        assert not (tmp_path / "r").exists()
+    for i, same in enumerate((gcs, f"127.0.0.1:{port}", "auto")):
+        cfg = load({**toy_config, "backend": "ray", "rounds": 1, "ray": {"num_workers": 2, "address": same}})
+        run(cfg, run_dir=tmp_path / f"same{i}")
+        assert local_ray.get_runtime_context().gcs_address == gcs
+
+
+# A Ray cluster of its own (two CPUs) in another process, until its standard input closes
+CLUSTER = """
+import sys
+import ray
+ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
+
+
 # Runs of one process on the local Ray that fedweave starts (a fresh process each: the module's Ray is the caller's);
 # each argument is a run's ray.num_workers, or num_workers:object_store_memory_mb
 RUNS = """
@@ -178,8 +206,9 @@ from fedweave.runner import run
 
 out = sys.argv[1]
 for i, arg in enumerate(sys.argv[2:]):
+    arg, _, address = arg.partition("@")
     n, _, mb = arg.partition(":")
-    section = {"num_workers": int(n), "object_store_memory_mb": int(mb) if mb else None}
+    section = {"num_workers": int(n), "object_store_memory_mb": int(mb) if mb else None, "address": address or None}
     cfg = load({**TOY_CONFIG, "model": {"name": "_toy_cnn"}, "rounds": 2, "backend": "ray", "ray": section})
     res = run(cfg, run_dir=f"{out}/run{i}")
     torch.save(res.algorithm.x, f"{out}/x{i}.pt")
@@ -187,6 +216,7 @@ for i, arg in enumerate(sys.argv[2:]):
     print(json.dumps({
         "actors": len(pool(res.algorithm.trainer).actors), "cpus": have["CPU"],
         "store_mb": have["object_store_memory"] / 2**20, "session": ray.get_runtime_context().get_session_name(),
+        "gcs": ray.get_runtime_context().gcs_address,
         "losses": [m.get("train_loss") for m in res.metrics],
     }), flush=True)
 """
@@ -226,6 +256,30 @@ def test_a_later_run_asking_more_workers_restarts_the_local_ray_fedweave_started
     loop = run(load({**toy_config, "model": {"name": "_toy_cnn"}, "rounds": 2}), run_dir=tmp_path / "loop")
     for i in range(4):
         torch.testing.assert_close(torch.load(tmp_path / f"one/x{i}.pt"), loop.algorithm.x, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow  # a Ray cluster in a process of its own and a local Ray in another: about 30 s
+@needs_ray
+def test_a_run_naming_a_cluster_leaves_the_local_ray_an_earlier_run_started(toy_config, tmp_path):
+    """A process whose first run started fedweave's own local Ray, then a run with ray.address naming a cluster:
+    the second run silently stayed on the local Ray. Now that session is shut down and the cluster connected
+    to, and the run computes what it computes on the local Ray."""
+    import subprocess
+
+    env = {**LOCAL_RAY_ENV, **os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd() / "src"), str(Path.cwd())])}
+    cluster = subprocess.Popen(
+        [sys.executable, "-c", CLUSTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        cwd=Path(__file__).parents[1],
+    )  # fmt: skip
+    try:
+        gcs = cluster.stdout.readline().strip()
+        assert re.fullmatch(r"[\d.]+:\d+", gcs), gcs
+        runs = _runs_in_a_fresh_process(tmp_path / "one", "2", f"2@{gcs}")
+    finally:
+        cluster.stdin.close()
+        cluster.wait(timeout=120)
+    assert runs[0]["gcs"] != gcs and runs[1]["gcs"] == gcs
+    assert runs[0]["losses"] == runs[1]["losses"]
 
 
 @needs_ray

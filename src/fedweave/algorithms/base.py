@@ -481,7 +481,7 @@ class RunContext:
         if isinstance(parts, Partition) and fn.__module__ == Partition.__module__:  # built-in: correct by construction
             return parts
         try:  # a partitioner of your own (a list of arrays or a Partition): checked against the contract
-            return check_parts(parts, len(labels), part.name)
+            return check_parts(parts, len(labels), part.name, num_clients)
         except ValueError as e:
             raise ConfigError(str(e)) from e
 

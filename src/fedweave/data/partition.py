@@ -118,13 +118,20 @@ def clients_with_data(parts: Sequence[Any]) -> np.ndarray:
     return held if len(held) else np.arange(len(parts))
 
 
-def check_parts(parts: Sequence[Any], n: int, name: str) -> Partition:
+def check_parts(parts: Sequence[Any], n: int, name: str, num_clients: int = 0) -> Partition:
     """The per-client index arrays of a partitioner of your own as a :class:`Partition`, held to the contract of
-    ``docs/partitioning.md``: whole-number indices into the ``n`` training samples, no sample on two clients.
+    ``docs/partitioning.md``: ``num_clients`` arrays (any number when 0, as ``partition.num_clients: 0`` asks),
+    whole-number indices into the ``n`` training samples, no sample on two clients.
 
     Without this a float index was truncated to another sample, a negative one wrapped around to the last
-    samples, and a shared sample was trained on by two clients. Raises ``ValueError`` naming the partitioner.
+    samples, a shared sample was trained on by two clients, and another number of clients than the config's ran
+    without a word. Raises ``ValueError`` naming the partitioner.
     """
+    if num_clients and len(parts) != num_clients:
+        raise ValueError(
+            f"partition {name!r}: {len(parts)} clients returned where partition.num_clients is {num_clients}; a "
+            "partitioner returns one index array per client"
+        )
     arrays = []
     for i, p in enumerate(parts):
         a = np.asarray(p.cpu() if hasattr(p, "cpu") else p).reshape(-1)

@@ -24,10 +24,12 @@ nodes must have fedweave installed.
 from __future__ import annotations
 
 import copy
+import ipaddress
 import logging
 import math
 import os
 import re
+import socket
 import sys
 import uuid
 import warnings
@@ -141,10 +143,14 @@ def _restart_own(cfg: RayConfig) -> bool:
 def _start_ray(ray: Any, cfg: RayConfig, data_bytes: int) -> None:
     cpus = _wanted_cpus(cfg)
     if ray.is_initialized():  # the user's, a cluster's, or the local Ray an earlier run of the process started
-        if cfg.address is not None or not _own_session(ray) or not _restart_own(cfg):
+        if not _own_session(ray):  # never shut down; a conflicting ray.address was refused by check_session
             return
-        # fedweave's own session, too small for this run (or with another store cap): one sized for both the
-        # earlier runs and this one replaces it (the earlier runs' actors go with it; a new trainer starts its own)
+        if cfg.address is None and not _restart_own(cfg):
+            return
+        # fedweave's own local session, and this run names a cluster (before, the run silently stayed on the
+        # local Ray), or the session is too small for this run (or has another store cap): it is shut down,
+        # and the cluster connected to or a local one sized for both the earlier runs and this one started
+        # (the earlier runs' actors go with it; a new trainer starts its own)
         cpus = max(cpus, _OWN["cpus"])
         ray.shutdown()
         _OWN.clear()
@@ -174,15 +180,16 @@ def check_session(cfg: RayConfig) -> None:
     training call the run had already written its files. ``ray.num_workers`` must fit in the CPUs of a session
     fedweave did not start (the caller's ``ray.init``, a cluster), which fedweave never shuts down; and
     ``ray.object_store_memory_mb`` cannot change its store: one warning line, unless it was started with that
-    store. The local Ray that an earlier run of a notebook or an in-process sweep started is started again
-    with more CPUs or the asked store when the run first trains (:func:`_start_ray`). A session not yet up is
+    store; ``ray.address`` must name that session (:func:`_check_address`). The local Ray that an earlier run
+    of a notebook or an in-process sweep started is started again with more CPUs or the asked store, or left
+    for the cluster ``ray.address`` names, when the run first trains (:func:`_start_ray`). A session not yet up is
     not started here: fedweave starts a local one with ``num_workers`` CPUs (nothing to exceed), and a
     cluster's CPUs (``ray.address``) are known only once connected, at the first training call."""
     ray = sys.modules.get("ray")  # never imported: no session (and no import cost)
-    if ray is None or not ray.is_initialized():
+    if ray is None or not ray.is_initialized() or _own_session(ray):  # fedweave's own: started again as needed
         return
-    if cfg.address is None and _own_session(ray):
-        return
+    if cfg.address is not None:
+        _check_address(ray, cfg.address)
     store = cfg.object_store_memory_mb
     have = ray.cluster_resources().get("object_store_memory", 0)
     if store is not None and have != store * MB:  # a session started with this store is what was asked for
@@ -193,6 +200,36 @@ def check_session(cfg: RayConfig) -> None:
         )  # fmt: skip
     if cfg.num_workers is not None:
         _check_cpus(ray, cfg.num_workers)
+
+
+def _check_address(ray: Any, address: str) -> None:
+    """``ray.address`` against the caller's Ray session already up in this process, which fedweave uses and
+    never shuts down: one line when it names another cluster (before, the run silently used the session up).
+    ``auto`` is any session; a ``ray://`` client address names a client server, not a cluster's GCS address,
+    and cannot be compared; ``host:port`` must be the session's GCS address (a loopback host standing for this
+    machine)."""
+    if address == "auto" or "://" in address:
+        return
+    gcs = ray.get_runtime_context().gcs_address
+    if not _same_gcs(address, gcs, ray.util.get_node_ip_address()):
+        raise ConfigError(
+            f"ray.address {address!r} is not the Ray session already up in this process ({gcs}): drop "
+            f"ray.address to use that session, or call ray.shutdown() first to connect to {address!r}"
+        )
+
+
+def _same_gcs(address: str, gcs: str, node_ip: str) -> bool:
+    """Whether ``host:port`` names the GCS at ``gcs`` (``ip:port``); ``node_ip`` is this machine's address,
+    which a loopback host stands for."""
+    host, _, port = address.rpartition(":")
+    gcs_host, _, gcs_port = gcs.rpartition(":")
+    if port != gcs_port:
+        return False
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError:  # a host name that does not resolve names no session here
+        return False
+    return ip == gcs_host or (ipaddress.ip_address(ip).is_loopback and gcs_host == node_ip)
 
 
 def actors(ray: Any, n: int, num_gpus: float = 0.0) -> list:

@@ -450,7 +450,8 @@ def paired_power(delta: float, sd: float | None, n: int, level: float = 0.95) ->
 
     if sd is None or n < 2:
         return None
-
+    if sd == 0:  # no spread: the paired rule's interval is the one point, which excludes 0 unless delta is 0
+        return float(delta != 0)  # (before: NaN, from a division by zero)
     crit = stats.t.ppf((1 + level) / 2, n - 1)
     # the two-sided power is even in delta: a loss is found as often as a gain of the same size, so the
     # noncentrality is taken positive (and the far tail below is the negligible one)
@@ -466,5 +467,6 @@ def detectable(sd: float | None, n: int, power: float = 0.8, level: float = 0.95
 
     if sd is None or n < 2:
         return None
-
+    if sd == 0:  # any difference but 0 is found (``paired_power``); before: a ValueError from the solver
+        return 0.0
     return float(brentq(lambda d: paired_power(d, sd, n, level) - power, 1e-9 * sd, 30 * sd))
