@@ -16,7 +16,7 @@ from fedweave.cli import main as cli_main
 from fedweave.config import ConfigError
 from fedweave.registry import ALGORITHMS, SAMPLERS
 from fedweave.runner import resume
-from fedweave.tasks import LOSSES, METRICS, build_task
+from fedweave.tasks import LOSSES, METRICS, Loss, build_task
 
 # ---- a deterministic federated least-squares problem -------------------------------------------------
 D, SIZES, K, LR, ROUNDS = 4, (7, 12, 5, 20, 9), 3, 0.05, 6
@@ -926,6 +926,29 @@ def test_full_batch_steps_and_the_large_batch_warning(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="fedweave"):
         build_algorithm(RunContext(load({**base, "local": {"steps": 2, "epochs": None, "batch_size": 64}})))
     assert "local.full_batch" in caplog.text
+
+
+class _CrossEntropyColumn(Loss):
+    """Cross-entropy per sample as a column, (B, 1): the shape per_sample must not have."""
+
+    name = "ce_column"
+    targets = "class"
+
+    def per_sample(self, out, y):
+        return nn.functional.cross_entropy(out, y, reduction="none")[:, None]
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+def test_a_loss_class_whose_per_sample_is_a_column_is_refused(backend, tmp_path):
+    """A Loss class of one's own returning (B, 1): the vmap backend's masked mean broadcast it against the (B,)
+    mask into (B, B) and trained on a sum (the loop backend, without a mask, on the mean); now one line when the
+    run is built, on every backend."""
+    cfg = {"rounds": 1, "backend": backend, "dataset": {"name": "digits"}, "model": {"name": "logistic"}}
+    cfg |= {"partition": {"name": "iid", "num_clients": 3}, "algorithm": {"name": "fedavg", "clients_per_round": 3}}
+    want = r"^loss 'ce_column': per_sample must return one loss per sample, shape \(B,\), but returns \(2, 1\) for 2"
+    with pytest.raises(ConfigError, match=want):
+        fedweave.run(cfg, loss=_CrossEntropyColumn(), run_dir=tmp_path / "r")
+    assert not (tmp_path / "r").exists()
 
 
 # ---- plug-ins and the listing ---------------------------------------------------------------------------

@@ -132,6 +132,7 @@ def check_model_fits(
     device: torch.device | None = None,
     classes: int | None = None,
     log_probs: bool = False,
+    loss: Loss | None = None,
 ) -> None:
     """One forward pass on two training samples (on ``device``), so that a model that cannot read the
     dataset's input (a character LSTM on images, say) is a configuration error now rather than a traceback
@@ -140,7 +141,9 @@ def check_model_fits(
     cross-entropy task needs per sample, checked against a ``(B, K)`` output (a model built for fewer classes
     fails in round 1, on a GPU with a device-side assert). ``log_probs`` (``task.loss: nll``): each sample's
     outputs must be log-probabilities, ``logsumexp`` over the classes 0; on logits ``nll_loss`` is ``-z_y``,
-    unbounded below, and a run trained to a negative, meaningless loss without a word."""
+    unbounded below, and a run trained to a negative, meaningless loss without a word. ``loss``, a ``Loss``
+    class of one's own: its ``per_sample`` must give one loss per sample, ``(B,)``; a ``(B, 1)`` was broadcast
+    against the ``(B,)`` mask of a padded batch into ``(B, B)``, and ``vmap`` trained on a sum of B losses."""
     x, kind = ds.train_x[:2], str(ds.train_x.dtype)
     if len(ds.train_x) and not ds.train_x.is_floating_point():
         flat = ds.train_x.reshape(len(ds.train_x), -1)
@@ -163,6 +166,14 @@ def check_model_fits(
                 f"task.loss: nll needs a model that outputs log-probabilities (ending in log_softmax), but the outputs "
                 f"of model {model_name!r} on two training samples are not (logsumexp over the classes "
                 f"{worst:.4g} from 0, largest output {float(out.max()):.4g}); for logits use task.loss: cross_entropy"
+            )
+    if e is None and isinstance(out, torch.Tensor) and loss is not None and type(loss).__module__ != Loss.__module__:
+        n = min(2, len(out), len(ds.train_y))  # the first rows of x are the first training samples
+        shape = tuple(loss.per_sample(out[:n], ds.train_y[:n].to(out.device)).shape)
+        if shape != (n,):
+            raise ConfigError(
+                f"loss {loss.name!r}: per_sample must return one loss per sample, shape (B,), but returns {shape} "
+                f"for {n} training samples; reduce its other axes (e.g. .mean(1))"
             )
     if e is not None:
         raise ConfigError(
@@ -546,7 +557,7 @@ class RunContext:
         # the built-in class losses index the logits by label (a loss of one's own may read fewer outputs)
         classes = ds.num_classes if self.objects.loss is None and self.task.loss.name in CLASS_LOSSES else None
         nll = isinstance(self.task.loss, NLL)  # the built-in nll (by name or passed from Python) reads log-probs
-        check_model_fits(model, ds, name, self.config.dataset.name, self.device, classes, nll)
+        check_model_fits(model, ds, name, self.config.dataset.name, self.device, classes, nll, self.task.loss)
 
     @cached_property
     def model(self) -> nn.Module:
