@@ -97,22 +97,25 @@ def _file_verdicts(md: str, verdict_col: int) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "block, result_file",
+    "block, result_file, storage_file",
     [
-        ("claims-fashion_mnist", "table-fashion_mnist.md"),
-        ("claims-fashion_mnist-noniid", "table-fashion_mnist-noniid.md"),
-        ("claims-digits", "table-digits.md"),
+        ("claims-fashion_mnist", "table-fashion_mnist.md", "storage-fashion_mnist.md"),
+        ("claims-fashion_mnist-noniid", "table-fashion_mnist-noniid.md", "storage-fashion_mnist.md"),
+        ("claims-digits", "table-digits.md", "storage-digits.md"),
     ],
     ids=["fashion", "fashion-noniid", "digits"],
 )
-def test_cse_fsl_verdicts_are_the_files(block, result_file):
+def test_cse_fsl_verdicts_are_the_files(block, result_file, storage_file):
     """The page's claim table of each committed Table V gives, for every claim, the verdict its table file
-    states (the declared rule's, with its interval), and every claim of the file is on the page."""
+    states (the declared rule's, with its interval), and every claim of the file is on the page; C5's is the
+    one its model's storage measurement states (a Table V alone judges only its ratio at its one n)."""
     from fedweave.experiments.pages import blocks
 
     [page] = claim_tables(blocks((PAGES / "cse-fsl.md").read_text(encoding="utf-8"))[block])
     verdicts = _file_verdicts((PAGES / "cse-fsl" / result_file).read_text(encoding="utf-8"), 1)
-    assert {_claim_id(row[0]): row[-1] for row in page} == verdicts
+    storage = _file_verdicts((PAGES / "cse-fsl" / storage_file).read_text(encoding="utf-8"), 1)
+    assert set(storage) == {"C5"} and storage["C5"].startswith("all of 10: CSE-FSL copies at n=2")
+    assert {_claim_id(row[0]): row[-1] for row in page} == verdicts | storage
 
 
 def test_afind_verdicts_are_the_files():

@@ -108,3 +108,66 @@ def test_a_time_budget_that_leaves_runs_unrun_is_one_line_not_a_traceback():
     plan = Plan([], context=(p, [0], {}), skipped=[SimpleNamespace(values={"key": "fsl_mc"}, seed=0)])
     with pytest.raises(ConfigError, match=r"Table V needs every run; Not run \(time budget reached\): fsl_mc-0"):
         cse_fsl.report([], plan, SimpleNamespace(scale="smoke"), 0.0)
+
+
+def test_storage_scale_measures_every_method_at_several_n_and_judges_c5(tmp_path):
+    """``--scale storage``: one round of the four methods at each n of ``STORAGE_CLIENTS``, their measured storage
+    and copies beside the closed forms, and C5 judged on them."""
+    from fedweave.reproduce.cse_fsl import STORAGE_CLIENTS
+
+    torch.set_num_threads(1)
+    rc = main(["--scale", "storage", "--dataset", "_toy_split_tiny", "--workers", "1", "--out", str(tmp_path)])
+    assert rc == 0  # every measured storage and copy count is its closed form
+    rows = list(csv.DictReader((tmp_path / "storage.csv").open()))
+    assert {(r["method"], int(r["clients"])) for r in rows} == {
+        (m, n) for m in ("fsl_mc", "fsl_oc", "fsl_an", "cse_fsl") for n in STORAGE_CLIENTS
+    }
+    assert all(r["storage_params"] == r["storage_formula"] for r in rows)
+    md = (tmp_path / "storage.md").read_text()
+    assert "| C5 CSE-FSL keeps one server-side model at n = 2, 5, 10;" in md and md.rstrip().endswith("n=1: held |")
+
+
+def _storage(sizes, cse_growth=None, cse_copies=1) -> list[dict]:
+    """Storage rows as ``storage_rows`` writes them, from the closed forms; CSE-FSL's growth per added client
+    replaced where given (its storage at n = 5 kept, so its ratio to FSL_AN there is the closed form's), and its
+    server copies."""
+    from fedweave.accounting.split import server_copies, storage_params
+    from fedweave.reproduce.cse_fsl import STORAGE_CLIENTS
+
+    rows = []
+    for m in ("fsl_mc", "fsl_oc", "fsl_an", "cse_fsl"):
+        for n in STORAGE_CLIENTS:
+            s, c = storage_params(m, sizes, n), server_copies(m, n)
+            if m == "cse_fsl":
+                s = s if cse_growth is None else storage_params(m, sizes, 5) + (n - 5) * cse_growth
+                c = cse_copies
+            parts = {"client_params": sizes.client, "server_params": sizes.server, "aux_params": sizes.aux}
+            rows.append({"method": m, "clients": n, "storage_params": s, "server_copies": c, **parts})
+    return rows
+
+
+def test_c5_fails_when_cse_fsl_storage_grows_like_a_model_per_client():
+    """C5 tests the spec's whole claim on the storage measurement: CSE-FSL's storage growing by |w| per added
+    client, or two server copies at one n, makes it fail though its ratio to FSL_AN at n = 5 still holds
+    (before: C5 was that ratio alone, and held)."""
+    from fedweave.accounting.split import SplitSizes
+    from fedweave.experiments.study import judge
+    from fedweave.reproduce.cse_fsl import C5
+
+    sizes = SplitSizes(client=9_568, server=66_954, aux=5_130, smashed=512)  # spec §9.3's digits-mini
+    table = [{"method": "fsl_an", "storage_m": 0.408260}, {"method": "cse_fsl h=4", "storage_m": 0.140444}]
+
+    def c5(**rows):
+        p = preset("small", "digits")
+        p.storage = _storage(sizes, **rows)
+        return judge([C5], table, p)[0]
+
+    assert c5().outcome == "held"
+    whole = c5(cse_growth=sizes.client + sizes.server)  # |w| per client
+    assert whole.outcome == "did not hold" and "n=5: 0.34 × FSL_AN's storage < 0.40, single run: held" in whole.interval
+    assert "CSE-FSL n=2→5: 76522 params per client (= P_c + P_a) == 14698, single run: did not hold" in whole.interval
+    assert c5(cse_copies=2).outcome == "did not hold"
+    off = c5(cse_growth=sizes.client + sizes.aux + 1)  # one parameter per client too many
+    assert off.outcome == "did not hold"
+    p = preset("small", "digits")  # a Table V alone (no storage measurement): the ratio at its one n, as before
+    assert judge([C5], table, p)[0].interval == "0.34 × FSL_AN's storage < 0.40, single run: held"

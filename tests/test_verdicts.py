@@ -308,6 +308,28 @@ def test_a_conjunction_whose_parts_have_their_own_bounds_names_each_not_the_firs
     assert same.endswith("; 95 % paired t, within ±0.50, n=3: held") and same.count("±") == 1
 
 
+def test_a_conjunction_of_thresholds_states_each_part_and_fails_on_one():
+    """A claim about several deterministic quantities (CSE-FSL's C5: copies and storage growth at several n) is an
+    ``All`` of ``Threshold`` parts, each shown by its own line (before: a TypeError, a threshold has no
+    interval's bound)."""
+    from fedweave.experiments.verdicts import All
+
+    records = [{"q": "copies", "copies": 1}, {"q": "growth", "growth": 14698.0}]
+    rule = All(
+        (
+            ("copies:", Threshold("copies", "==", 1, {"q": "copies"}, digits=0)),
+            ("growth:", Threshold("growth", "==", 14698, {"q": "growth"}, unit="params", digits=0)),
+        )
+    )
+    d = rule.judge(records)
+    assert d.outcome == "held" and d.text == (
+        "all of 2: copies: 1 == 1, single run: held; growth: 14698 params == 14698, single run: held; "
+        "single run, n=1: held"
+    )
+    records[1]["growth"] = 81652.0  # grows by a whole model per client
+    assert rule.judge(records).outcome == "did not hold"
+
+
 def test_a_side_with_one_common_seed_is_untestable_not_an_error():
     """A time budget can leave one side of a comparison with a single seed that both sides ran: the claim is
     untestable, said in its line, and the report goes on (before: a ConfigError ended the report)."""

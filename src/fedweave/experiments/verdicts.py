@@ -389,14 +389,24 @@ class Threshold:
         text = f"{v:.{nd}f}{unit} {self.op} {float(self.bound):.{nd}f}, single run: {outcome}"
         return Decision(outcome, v, None, None, 1, text, f"{v:.{nd}f}{unit}")
 
+    # as a part of ``All`` (a claim about several deterministic quantities): each part's line states its own
+    # value and bound, and the conjunction's line ends in what they are, single runs
+    def test_name(self) -> str:
+        return "single run"
+
+    def describe(self) -> str:
+        return self.test_name()
+
 
 @dataclass(frozen=True)
 class All:
     """A claim that is a conjunction of paired comparisons (an ordering, "best of the methods run"): ``parts``,
     (label, ``Paired``) pairs, all with the same test. **held** when every part held, **did not hold** when one
-    did not hold, **inconclusive** otherwise; its line gives each part's estimate, interval and outcome."""
+    did not hold, **inconclusive** otherwise; its line gives each part's estimate, interval and outcome. The
+    parts may also be ``Threshold`` rules (a claim about several deterministic quantities, e.g. storage at
+    several client counts), each shown by its own line."""
 
-    parts: tuple[tuple[str, Paired], ...]  # any iterable of them, kept as a tuple
+    parts: tuple[tuple[str, Paired | Threshold], ...]  # any iterable of them, kept as a tuple
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "parts", tuple(self.parts))
@@ -412,16 +422,19 @@ class All:
         first, nd = self.parts[0][1], self.parts[0][1].digits
         # parts with bounds of their own (ZO-HFL's C4: one std per setting) each name theirs, and the line's
         # end only the test: the first part's bound there would misstate the others'
-        own = len({rule.bound() for _, rule in self.parts}) > 1
-        bounds = [f" {rule.bound()}" if own and rule.bound() else "" for _, rule in self.parts]
+        bound = [
+            rule.bound() if isinstance(rule, Paired) else "" for _, rule in self.parts
+        ]  # a threshold's: its line's
+        own = len(set(bound)) > 1
+        bounds = [f" {b}" if own and b else "" for b in bound]
         each = "; ".join(
             f"{label} {d.estimate:+.{nd}f} [{d.low:.{nd}f}, {d.high:.{nd}f}]{b} {d.outcome}"
             if d.low is not None
-            else f"{label} {d.text}"  # untestable: no interval
+            else f"{label} {d.text}"  # untestable, or a threshold: no interval
             for (label, d), b in zip(got, bounds)
         )
         n = min(d.n for _, d in got)
-        unit = f" ({first.unit})" if first.unit else ""
+        unit = f" ({first.unit})" if first.unit and isinstance(first, Paired) else ""  # a threshold states its own
         text = f"all of {len(got)}{unit}: {each}; {first.test_name() if own else first.describe()}, n={n}: {outcome}"
         return Decision(outcome, min(d.estimate for _, d in got), None, None, n, text, "")
 

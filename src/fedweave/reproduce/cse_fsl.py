@@ -11,7 +11,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import product
 from operator import attrgetter, itemgetter
 from pathlib import Path
@@ -19,7 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from fedweave.accounting.split import FLOAT_BYTES, GIB, PAPER_TABLE_V, SplitSizes, round_bytes, storage_params
+from fedweave.accounting.split import (
+    FLOAT_BYTES,
+    GIB,
+    PAPER_TABLE_V,
+    SplitSizes,
+    round_bytes,
+    server_copies,
+    storage_params,
+)
 from fedweave.config import ConfigError, RunConfig
 from fedweave.experiments.aggregate import group, if_all, mean_std, seed_gaps, to_target
 from fedweave.experiments.blocks import verdict_cell
@@ -33,6 +41,10 @@ from fedweave.runner import Result
 
 NONIID_NOTE = ", its non-IID column: 2 label-sorted shards per client"
 NONIID_GAP = 3.0  # C8: "well below" FSL_MC = further below than C2's "similar accuracy" tolerance of 3 pp
+# C5 (spec §9.3's extra sweep): the server's storage at n = 2, 5, 10 clients, one round of each method; C5's
+# ratio to FSL_AN is the spec's at n = 5
+STORAGE_CLIENTS = (2, 5, 10)
+STORAGE_N = 5
 
 
 @dataclass
@@ -52,6 +64,9 @@ class Preset:
     partition: dict[str, Any] = field(default_factory=lambda: {"name": "iid"})
     # the per-seed final accuracies the claims' declared rules read (``seed_records`` of table.md; ``markdown``)
     records: list[dict[str, Any]] = field(default_factory=list)
+    # the storage measurement's rows (``storage_rows``: one per method and client count) that C5 reads; none
+    # beside a Table V alone, whose runs have one n
+    storage: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def noniid(self) -> bool:
@@ -85,19 +100,29 @@ def preset(scale: str, dataset: str) -> Preset:
         p = Preset({"name": dataset}, {"name": "split_small"}, 5, 10, 0.05, 2, [1, 4], 4, 0.5, 1)
     if scale == "smoke":
         p.rounds, p.seeds, p.hs = 2, 1, p.hs[:1] + p.hs[-1:]
+    if scale == "storage":  # C5: one round at each of STORAGE_CLIENTS (storage needs no training to converge)
+        p.rounds, p.seeds = 1, 1
     if scale == "noniid":  # Table V's non-IID column: label-sorted shards, 2 per client (spec A11)
         p.partition = {"name": "shards", "shards_per_client": 2}
     return p
 
 
-def jobs(p: Preset, seeds: list[int], out: Path) -> list[Point]:
-    """One run per (method variant, seed), in ``OUT/runs/<variant>-s<seed>``."""
+def jobs(p: Preset, seeds: list[int], out: Path, storage: bool = False) -> list[Point]:
+    """One run per (method variant, seed), in ``OUT/runs/<variant>-s<seed>``; ``storage``: the four methods
+    (CSE-FSL at the random run's h) at each of ``STORAGE_CLIENTS``, in ``OUT/runs/n<n>-<method>-s<seed>``."""
     variants: list[tuple[str, dict[str, Any]]] = [(m, {"name": m}) for m in ("fsl_mc", "fsl_oc", "fsl_an")]
+    if storage:
+        variants.append((f"cse_fsl h={p.random_h}", {"name": "cse_fsl", "h": p.random_h}))
+        return [pt for n in STORAGE_CLIENTS for pt in _points(replace(p, clients=n), variants, seeds, out, f"n{n}-")]
     variants += [(f"cse_fsl h={h}", {"name": "cse_fsl", "h": h}) for h in p.hs]
     variants.append((f"cse_fsl h={p.random_h} random", {"name": "cse_fsl", "h": p.random_h, "server_order": "random"}))
+    return _points(p, variants, seeds, out)
+
+
+def _points(p: Preset, variants: list[tuple[str, dict[str, Any]]], seeds: list[int], out: Path, prefix: str = ""):
     points = []
     for (key, algo), s in product(variants, seeds):
-        tag = key.replace(" ", "_").replace("=", "")
+        tag = prefix + key.replace(" ", "_").replace("=", "")
         config = {
             "name": f"cse-fsl-{tag}",
             "seed": s,
@@ -203,8 +228,73 @@ def _mismatches(table) -> int:
 
 
 def _storage_ratio(table) -> float:
-    """C5's value: CSE-FSL's server-side storage over FSL_AN's."""
+    """C5's value on a Table V alone: CSE-FSL's server-side storage over FSL_AN's."""
     return _cse(table)[0]["storage_m"] / _by(table)["fsl_an"]["storage_m"]
+
+
+# C5's growth per added client, by the spec: (method, its label, the growth's name, its value from the parts'
+# parameter counts P_c, P_s, P_a); the spec's |w| is P_c + P_s and |a| is P_a (named so: a "|" splits a table cell)
+GROWTH = (
+    ("cse_fsl", "CSE-FSL", "P_c + P_a", lambda s: s["client_params"] + s["aux_params"]),
+    ("fsl_mc", "FSL_MC", "P_c + P_s", lambda s: s["client_params"] + s["server_params"]),
+    ("fsl_an", "FSL_AN", "P_c + P_s + P_a", lambda s: s["client_params"] + s["server_params"] + s["aux_params"]),
+)
+
+
+def _c5_records(table, p: Preset) -> list[dict[str, Any]]:
+    """What C5's rule reads: with a storage measurement (``p.storage``), CSE-FSL's server copies at each n, each
+    method's measured storage growth per added client between consecutive n, and CSE-FSL's storage over FSL_AN's
+    at ``STORAGE_N``; without one (a Table V alone, one n), the ratio on the table."""
+    if not p.storage:
+        return [{"quantity": "ratio", "ratio": _storage_ratio(table)}]
+    at = {(r["method"], r["clients"]): r for r in p.storage}
+    ns = sorted({r["clients"] for r in p.storage})
+    out = [{"quantity": "copies", "clients": n, "server_copies": at["cse_fsl", n]["server_copies"]} for n in ns]
+    for m, *_ in GROWTH:
+        out += [
+            {"quantity": "growth", "method": m, "step": (a, b),
+             "growth": (at[m, b]["storage_params"] - at[m, a]["storage_params"]) / (b - a)}
+            for a, b in zip(ns, ns[1:])
+        ]  # fmt: skip
+    if STORAGE_N in ns:
+        out.append({"quantity": "ratio", "ratio": at["cse_fsl", STORAGE_N]["storage_params"]
+                    / at["fsl_an", STORAGE_N]["storage_params"]})  # fmt: skip
+    return out
+
+
+def _c5_rule(table, p: Preset) -> Threshold | All:
+    """The spec's C5 on the storage measurement: CSE-FSL one server-side model at every n; its storage grows by
+    exactly P_c + P_a per added client, FSL_MC's by |w| = P_c + P_s and FSL_AN's by |w| + |a| (every step
+    between consecutive n; the parameter counts are the runs' model's); and CSE-FSL's storage below 0.4×
+    FSL_AN's at n = 5 (``SHARED``). Without a storage measurement (a Table V alone, one n) only the ratio can be
+    judged: ``SHARED`` on the table, as before the measurement."""
+    if not p.storage:
+        return SHARED
+    sizes, ns = p.storage[0], sorted({r["clients"] for r in p.storage})
+    parts = [
+        (
+            f"CSE-FSL copies at n={n}:",
+            Threshold("server_copies", "==", 1, {"quantity": "copies", "clients": n}, digits=0),
+        )
+        for n in ns
+    ]
+    for m, label, name, grows in GROWTH:
+        parts += [
+            (f"{label} n={a}→{b}:", Threshold("growth", "==", grows(sizes), {"quantity": "growth", "method": m,
+             "step": (a, b)}, unit=f"params per client (= {name})", digits=0))
+            for a, b in zip(ns, ns[1:])
+        ]  # fmt: skip
+    return All([*parts, (f"n={STORAGE_N}:", SHARED)])
+
+
+def _c5_text(table, p: Preset) -> str:
+    if not p.storage:
+        return "C5 CSE-FSL keeps one server-side model; storage < 0.4× FSL_AN"
+    ns = ", ".join(str(n) for n in sorted({r["clients"] for r in p.storage}))
+    return (
+        f"C5 CSE-FSL keeps one server-side model at n = {ns}; its storage grows by P_c + P_a per client, FSL_MC's "
+        f"by P_c + P_s (the whole model), FSL_AN's by P_c + P_s + P_a; < 0.4× FSL_AN at n = {STORAGE_N}"
+    )
 
 
 def _c2_rule(table, p) -> All:
@@ -260,17 +350,19 @@ def _one(text: str, rule: Threshold | Untestable, value: Callable | None = None)
 NO_SEEDS = Untestable("the load to reach the target has no per-seed record (the table: its seed mean)")
 NO_PAIRS = Untestable("fewer than 2 seeds, no paired test")
 EXACT = Threshold("mismatches", "==", 0, digits=0, unit="methods off the closed form")
-SHARED = Threshold("ratio", "<", 0.4, unit="× FSL_AN's storage")
+SHARED = Threshold("ratio", "<", 0.4, {"quantity": "ratio"}, unit="× FSL_AN's storage")
 C8 = "C8 non-IID: CSE-FSL h={h} more than {gap:g} pp below FSL_MC (paper, h=5: 42.33 vs 61.17 %)"
 # Each claim's one verdict is its declared rule's (``Claim.declared``) on the per-seed final accuracies
-# (``records``: a table's ``seeds``, see ``seed_records``) or, for the deterministic C1 and C5, a threshold on
-# the table. Minimum effects: the spec's 3 pp of "similar accuracy" (C2, one-sided: a CSE row above FSL_AN is
-# no failure), 1.5 pp of Fig. 6's order invariance (C6), the 1 pp of C7, NONIID_GAP (C8), 0 for C9's order.
+# (``records``: a table's ``seeds``, see ``seed_records``) or, for the deterministic C1 and C5, thresholds (C1
+# on the table, C5 on the storage measurement at several n, ``_c5_rule``). Minimum effects: the spec's 3 pp of
+# "similar accuracy" (C2, one-sided: a CSE row above FSL_AN is no failure), 1.5 pp of Fig. 6's order
+# invariance (C6), the 1 pp of C7, NONIID_GAP (C8), 0 for C9's order.
+C5 = Claim(_c5_text, None, declared=_c5_rule, records=_c5_records)
 CLAIMS = [
     _one("C1 measured bytes equal the closed forms (every method, every round)", EXACT, _mismatches),
     seeded("C2 CSE-FSL with small h within 3 pp of FSL_AN at equal rounds", _c2_rule),
     _one("C3 less load to reach {target:.0f} % test accuracy: CSE (h>1) < FSL_AN < FSL_MC", NO_SEEDS),
-    _one("C5 CSE-FSL keeps one server-side model; storage < 0.4× FSL_AN", SHARED, _storage_ratio),
+    C5,
     seeded("C6 ordered vs randomly ordered server within 1.5 pp (Fig. 6)", _c6_rule),
     seeded("C7 CSE-FSL h=1 >= FSL_OC (+clip) - 1 pp (testable only if FSL_OC is > 1 pp below FSL_MC/AN)", _c7_rule),
     seeded(C8, _c8_rule, noniid=True),
@@ -330,8 +422,10 @@ def plan(opts) -> Plan:
     dataset = opts.dataset or ("cifar10" if opts.scale == "paper" else "fashion_mnist")
     known_datasets([dataset], "--dataset")
     p = preset(opts.scale, dataset)
+    if opts.scale == "storage" and opts.seeds not in (None, 1):
+        raise ConfigError(f"--seeds: the storage scale runs one seed (storage is deterministic); got {opts.seeds}")
     seeds = list(range(opts.seeds if opts.seeds is not None else p.seeds))
-    return Plan(jobs(p, seeds, Path(opts.out)), (p, seeds, {}))
+    return Plan(jobs(p, seeds, Path(opts.out), storage=opts.scale == "storage"), (p, seeds, {}))
 
 
 def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
@@ -348,6 +442,7 @@ def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
         "key": dict(point.values)["key"],
         "seed": point.seed,
         "method": c.algorithm.name,
+        "clients": len(samples),
         "h": c.algorithm.options.get("h", 1),
         "status": res.summary["status"],
         "run_dir": str(res.run_dir),
@@ -362,13 +457,89 @@ def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Repo
     """Table V (markdown and CSV), the claims and the figures; exit 1 when a measured load is not its formula."""
     p, seeds, _ = plan.context
     if plan.skipped:  # Table V's load ratios and per-seed lists need every run (the finished ones are kept)
-        raise ConfigError(f"cse-fsl: Table V needs every run; {not_run(plan.skipped).strip()}; rerun to finish them")
+        what = "the storage measurement" if opts.scale == "storage" else "Table V"
+        raise ConfigError(f"cse-fsl: {what} needs every run; {not_run(plan.skipped).strip()}; rerun to finish them")
+    if opts.scale == "storage":
+        return storage_report(results, p, wall)
     table = summarize(results, p)
     md = markdown(table, p, opts.scale, seeds, wall)
     status = 0 if all(t["load_exact"] for t in table) else 1
     files = {"table.md": md, "table.csv": Rows(table, CSV_COLUMNS)}
     return Report(files, "table.md", status, figures=lambda out: plots(results, out))
 
+
+# ---- C5: the storage measurement (``--scale storage``) ---------------------------------------------------
+def storage_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per run of the storage measurement: the method, n, the storage (parameters) and server-side
+    copies the run measured (its last round) beside their closed forms, and the parts' parameter counts
+    (P_c, P_s, P_a: what C5's growth per client is compared with)."""
+    rows = []
+    for r in results:
+        m, n, sizes, last = r["method"], r["clients"], r["sizes"], r["rows"][-1]
+        rows.append(
+            {
+                "method": m,
+                "clients": n,
+                "storage_params": last["storage_params"],
+                "storage_formula": storage_params(m, sizes, n),
+                "server_copies": last["server_copies"],
+                "copies_formula": server_copies(m, n),
+                "client_params": sizes.client,
+                "server_params": sizes.server,
+                "aux_params": sizes.aux,
+            }
+        )
+    return rows
+
+
+STORAGE_COLUMNS = ["method", "clients", "storage_params", "storage_formula", "server_copies", "copies_formula"]
+STORAGE_COLUMNS += ["client_params", "server_params", "aux_params"]
+
+
+def storage_table(rows: list[dict[str, Any]]) -> str:
+    """The storage measurement as the page shows it: per method and n, the measured storage and copies beside
+    the closed forms, and the growth per added client since the previous n."""
+    prev: dict[str, dict[str, Any]] = {}
+    growth = {}
+    for r in sorted(rows, key=itemgetter("clients")):
+        if (q := prev.get(r["method"])) is not None:
+            growth[r["method"], r["clients"]] = (r["storage_params"] - q["storage_params"]) / (
+                r["clients"] - q["clients"]
+            )
+        prev[r["method"]] = r
+    cols = [
+        Col("method", lambda r: _label(r["method"])),
+        Col("n", "clients"),
+        Col("storage (params)", "storage_params", ","),
+        Col("storage, closed form", "storage_formula", ","),
+        Col("server copies", "server_copies"),
+        Col("copies, closed form", "copies_formula"),
+        Col("growth per added client", lambda r: growth.get((r["method"], r["clients"])), ",.0f"),
+    ]
+    return layout(cols, rows)
+
+
+def storage_report(results: list[dict[str, Any]], p: Preset, wall: float) -> Report:
+    """The storage measurement (``storage.md``, ``storage.csv``) and C5 judged on it; exit 1 when a measured
+    storage or copy count is not its closed form."""
+    rows = storage_rows(results)
+    p.storage = rows
+    s = rows[0]
+    head = (
+        f"# CSE-FSL server storage at several n (claim C5)\n\nScale `storage`, dataset `{p.dataset['name']}` "
+        f"(model `{p.model['name']}`: P_c = {s['client_params']:,}, P_s = {s['server_params']:,}, "
+        f"P_a = {s['aux_params']:,}; IID clients, B = {p.batch_size}, {p.rounds} round, seed 0, CSE-FSL h = "
+        f"{p.random_h}), n = {', '.join(map(str, STORAGE_CLIENTS))}, wall {wall:.0f} s.\nStorage is the server's "
+        "in parameters, Table V's convention: its server-side copies and the received client models (and "
+        "auxiliary nets).\n\n"
+    )
+    md = head + storage_table(rows) + "\n## Claim C5 (spec §9.3)\n\n" + layout(CLAIM_COLS, judge([C5], [], p))
+    ok = all(r["storage_params"] == r["storage_formula"] and r["server_copies"] == r["copies_formula"] for r in rows)
+    return Report({"storage.md": md, "storage.csv": Rows(rows, STORAGE_COLUMNS)}, "storage.md", 0 if ok else 1)
+
+
+# the committed storage measurement of each dataset's model (``--scale storage``), which C5 reads on the page
+STORAGE_FILE = "storage-{}.csv"
 
 # the page's generated claim tables: (block, the committed Table V beside the page, its scale and dataset)
 PAGE_TABLES = (
@@ -385,7 +556,10 @@ def sections(folder: Path) -> dict[str, str]:
     for block, f, scale, dataset in PAGE_TABLES:
         table, p = read_csv(folder / f), preset(scale, dataset)
         p.records = seed_records((folder / f).with_suffix(".md").read_text(encoding="utf-8"))
+        p.storage = read_csv(folder / STORAGE_FILE.format(dataset))
         out |= {block: claims_table(table, p), block.replace("claims", "table"): page_table(table, p)}
+    for dataset in dict.fromkeys(d for *_, d in PAGE_TABLES):
+        out[f"storage-{dataset}"] = storage_table(read_csv(folder / STORAGE_FILE.format(dataset)))
     return out | prose_sections(folder)
 
 
@@ -571,8 +745,9 @@ def prose_sections(folder: Path) -> dict[str, str]:
 STUDY = Study(
     name="cse-fsl",
     description=__doc__.split("\n\n")[0],
-    scales=("smoke", "small", "noniid", "paper"),
-    scale_help="noniid: the small preset with 2 label-sorted shards per client (Table V's non-IID column)",
+    scales=("smoke", "small", "noniid", "paper", "storage"),
+    scale_help="noniid: the small preset with 2 label-sorted shards per client (Table V's non-IID column); "
+    "storage: the dataset's model at n = 2, 5, 10, one round of each method (claim C5)",
     seeds_help="number of seeds, 0..N-1 (default 3; paper 5)",
     options=(option("--dataset", default=None, help="fashion_mnist (small default), mnist, digits, or cifar10"),),
     plan=plan,
