@@ -53,6 +53,8 @@ CASES = [
     ("peers.py", ["--rounds", "0", "--only", "fedweave"], "--rounds must be at least 1, got 0"),
     ("peers.py", ["--json", "/nonexistent/m.json", "--only", "fedweave"], "--json /nonexistent/m.json: its folder"),
     ("gpu.py", ["--rounds", "0", "--device", "cpu", "--quick"], "--rounds must be at least 1, got 0"),
+    ("accounting.py", ["--clients", "0"], "--clients must be at least 1, got 0"),
+    ("accounting.py", ["--rounds", "-1"], "--rounds must be at least 1, got -1"),
 ]
 
 

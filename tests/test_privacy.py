@@ -162,6 +162,41 @@ def test_epsilon_of_a_poisson_sampled_run_is_opacus_called_directly(toy_config, 
     assert "epsilon" in (tmp_path / "r" / "metrics.csv").read_text().splitlines()[0]
 
 
+def test_rdp_epsilon_is_opacus_bit_for_bit_with_each_rate_evaluated_once(monkeypatch):
+    """The RDP accountant's epsilon of any history equals Opacus's RDPAccountant.get_epsilon exactly, while the
+    one-release RDP of each (noise multiplier, rate) is evaluated once per run (it was evaluated again on every
+    call, about 0.08 s each, and sample-level DP asks once per client rate every round)."""
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis import rdp as analysis
+
+    from fedweave.privacy import Accountant
+
+    histories = [
+        [(1.1, 0.05, 1)],
+        [(1.1, 0.05, 37)],
+        [(1.1, 0.05, 37), (0.7, 1.0, 3)],
+        [(0.7, 1.0, 3), (1.1, 0.05, 37), (1.1, 0.3, 1000)],
+        [(2.0, 0.013, 12345)],
+    ]
+    want = []
+    for hist in histories:
+        opacus = RDPAccountant()
+        opacus.history = list(hist)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want.append(opacus.get_epsilon(delta=1e-5))
+    calls, compute = [], analysis.compute_rdp
+
+    def counted(**kw):
+        calls.append((kw["noise_multiplier"], kw["q"]))
+        return compute(**kw)
+
+    monkeypatch.setattr(analysis, "compute_rdp", counted)
+    acc = Accountant("rdp", 1e-5)
+    assert [acc.epsilon(h) for h in histories] == want
+    assert sorted(calls) == sorted({(z, q) for h in histories for z, q, _ in h})  # once each (Opacus: per entry)
+
+
 def test_a_fixed_size_sample_is_accounted_without_amplification_when_asked(toy_config, tmp_path):
     res = run(load(_cfg(toy_config, {"noise_multiplier": 2.0, "amplification": "none"})), run_dir=tmp_path / "r")
     assert res.summary["privacy"]["epsilon"] == _opacus_epsilon("rdp", 2.0, 1.0, 3, 1e-5)

@@ -75,6 +75,7 @@ class Accountant:
         self.name, self.delta = name, float(delta)
         self.impl = ACCOUNTANTS.get(name)()
         self._cache: tuple[tuple, float] | None = None  # (history, epsilon): epsilon is asked for every row
+        self._one_step: dict[tuple[float, float], Any] = {}  # RDP: (z, q) -> one release's RDP at every order
 
     @property
     def history(self) -> list[tuple[float, float, int]]:
@@ -101,14 +102,32 @@ class Accountant:
         key = tuple(hist)
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
-        probe = ACCOUNTANTS.get(self.name)()
-        probe.history = [tuple(h) for h in hist]
         # at sample rate 1 Opacus's PRV evaluates both sides of an np.where, one a log of 0 it then discards: its
         # "divide by zero" warnings say nothing about the epsilon, which is right
         with np.errstate(divide="ignore"), _orders_quiet():
-            eps = float(probe.get_epsilon(delta=self.delta))
+            if type(self.impl) is _opacus_accountants().RDPAccountant:
+                eps = self._rdp_epsilon(hist)
+            else:
+                probe = ACCOUNTANTS.get(self.name)()
+                probe.history = [tuple(h) for h in hist]
+                eps = float(probe.get_epsilon(delta=self.delta))
         self._cache = (key, eps)
         return eps
+
+    def _rdp_epsilon(self, hist: list[tuple[float, float, int]]) -> float:
+        """Opacus's ``RDPAccountant.get_epsilon`` of ``hist``, the same arithmetic with each ``(z, q)``'s RDP of
+        one release computed once per run: Opacus's ``compute_rdp`` is that vector times the steps, and evaluating
+        it (one series per order) took about 0.08 s a call, where sample-level DP asks for one epsilon per client
+        rate every round (the largest of them), and per-row metrics ask again."""
+        from opacus.accountants.analysis import rdp as analysis
+
+        orders = self.impl.DEFAULT_ALPHAS
+        for z, q, _ in hist:
+            if (z, q) not in self._one_step:
+                self._one_step[z, q] = analysis.compute_rdp(q=q, noise_multiplier=z, steps=1, orders=orders)
+        rdp = sum([self._one_step[z, q] * s for z, q, s in hist])  # compute_rdp's ``rdp * steps``, summed as Opacus
+        eps, _ = analysis.get_privacy_spent(orders=orders, rdp=rdp, delta=self.delta)
+        return float(eps)
 
     def epsilon_after_next(self, noise_multiplier: float, sample_rate: float) -> float:
         """Epsilon if one more such release were made (for stopping before a budget is exceeded)."""
