@@ -263,7 +263,7 @@ def test_a_later_run_asking_more_workers_restarts_the_local_ray_fedweave_started
 def test_a_run_naming_a_cluster_leaves_the_local_ray_an_earlier_run_started(toy_config, tmp_path):
     """A process whose first run started fedweave's own local Ray, then a run with ray.address naming a cluster:
     the second run silently stayed on the local Ray. Now that session is shut down and the cluster connected
-    to, and the run computes what it computes on the local Ray."""
+    to, and the run computes what it computes on the local Ray; ``auto`` (any session up) keeps the local one."""
     import subprocess
 
     env = {**LOCAL_RAY_ENV, **os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd() / "src"), str(Path.cwd())])}
@@ -274,12 +274,13 @@ def test_a_run_naming_a_cluster_leaves_the_local_ray_an_earlier_run_started(toy_
     try:
         gcs = cluster.stdout.readline().strip()
         assert re.fullmatch(r"[\d.]+:\d+", gcs), gcs
-        runs = _runs_in_a_fresh_process(tmp_path / "one", "2", f"2@{gcs}")
+        runs = _runs_in_a_fresh_process(tmp_path / "one", "2", "2@auto", f"2@{gcs}")
     finally:
         cluster.stdin.close()
         cluster.wait(timeout=120)
-    assert runs[0]["gcs"] != gcs and runs[1]["gcs"] == gcs
-    assert runs[0]["losses"] == runs[1]["losses"]
+    # "auto" is any session up: the local one stays
+    assert runs[0]["session"] == runs[1]["session"] and runs[0]["gcs"] == runs[1]["gcs"] != gcs == runs[2]["gcs"]
+    assert runs[0]["losses"] == runs[1]["losses"] == runs[2]["losses"]
 
 
 @needs_ray

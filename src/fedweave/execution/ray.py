@@ -147,6 +147,8 @@ def _start_ray(ray: Any, cfg: RayConfig, data_bytes: int) -> None:
             return
         if cfg.address is None and not _restart_own(cfg):
             return
+        if cfg.address is not None and (cfg.address == "auto" or _names_gcs(ray, cfg.address)):
+            return  # "auto" (any session up) or the session's own address: it is the cluster named
         # fedweave's own local session, and this run names a cluster (before, the run silently stayed on the
         # local Ray), or the session is too small for this run (or has another store cap): it is shut down,
         # and the cluster connected to or a local one sized for both the earlier runs and this one started
@@ -211,25 +213,27 @@ def _check_address(ray: Any, address: str) -> None:
     if address == "auto" or "://" in address:
         return
     gcs = ray.get_runtime_context().gcs_address
-    if not _same_gcs(address, gcs, ray.util.get_node_ip_address()):
+    if not _names_gcs(ray, address):
         raise ConfigError(
             f"ray.address {address!r} is not the Ray session already up in this process ({gcs}): drop "
             f"ray.address to use that session, or call ray.shutdown() first to connect to {address!r}"
         )
 
 
-def _same_gcs(address: str, gcs: str, node_ip: str) -> bool:
-    """Whether ``host:port`` names the GCS at ``gcs`` (``ip:port``); ``node_ip`` is this machine's address,
-    which a loopback host stands for."""
+def _names_gcs(ray: Any, address: str) -> bool:
+    """Whether ``address`` (``host:port``) names the GCS of the Ray session up in this process (``ip:port``); a
+    loopback host stands for this machine's address. A ``ray://`` client address names no GCS."""
+    if "://" in address:
+        return False
     host, _, port = address.rpartition(":")
-    gcs_host, _, gcs_port = gcs.rpartition(":")
+    gcs_host, _, gcs_port = ray.get_runtime_context().gcs_address.rpartition(":")
     if port != gcs_port:
         return False
     try:
         ip = socket.gethostbyname(host)
     except OSError:  # a host name that does not resolve names no session here
         return False
-    return ip == gcs_host or (ipaddress.ip_address(ip).is_loopback and gcs_host == node_ip)
+    return ip == gcs_host or (ipaddress.ip_address(ip).is_loopback and gcs_host == ray.util.get_node_ip_address())
 
 
 def actors(ray: Any, n: int, num_gpus: float = 0.0) -> list:
