@@ -51,6 +51,26 @@ def test_another_configs_run_is_refused_unless_overwrite(toy_config, tmp_path):
     assert res["lr0.05/s3"].summary["rounds"] == 3
 
 
+def test_a_moved_folders_finished_runs_are_reused_and_only_they(toy_config, tmp_path):
+    # a reproduction names each run's directory in its config (output.dir, by absolute path): after its --out was
+    # moved, every finished run was taken for another config's and ran again
+    def placed(runs_dir, lr=0.05):
+        (pt,) = _points(toy_config, (lr,))
+        return Point.of({**pt.config.to_dict(), "output": {"dir": str(runs_dir / pt.slug)}}, pt.slug, lr=lr)
+
+    old, new = tmp_path / "a" / "runs", tmp_path / "b" / "runs"
+    first = run_points([placed(old)], old, progress=False)
+    (tmp_path / "a").rename(tmp_path / "b")
+    mtime = (new / "lr0.05/s3/summary.json").stat().st_mtime_ns
+    assert set(finished([placed(new)], new)) == {"lr0.05/s3"}
+    again = run_points([placed(new)], new, progress=False, overwrite=True)
+    assert (new / "lr0.05/s3/summary.json").stat().st_mtime_ns == mtime  # reused, not rerun
+    assert again["lr0.05/s3"].metrics == first["lr0.05/s3"].metrics and again["lr0.05/s3"].run_dir == new / "lr0.05/s3"
+    # anything else that differs is still another run: another lr in that directory, or more rounds
+    assert finished([Point.of(placed(new, 0.2).config.to_dict(), "lr0.05/s3")], new) == {}
+    assert finished([Point.of({**placed(new).config.to_dict(), "rounds": 3}, "lr0.05/s3")], new) == {}
+
+
 def test_no_run_starts_after_the_budget_but_finished_runs_count(toy_config, tmp_path):
     pts = _points(toy_config)
     run_points(pts[:1], tmp_path, progress=False)

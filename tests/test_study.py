@@ -263,6 +263,25 @@ def test_an_unknown_dataset_is_one_line_naming_its_option_before_anything_runs(a
     assert not (out / "runs").exists()  # no run was started (and failed) in OUT
 
 
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        # the smoke preset has one dataset: the names after the first replaced none and were dropped
+        (["--datasets", "mnist", "fashion_mnist"], "--datasets: 2 names, but preset 'smoke' has 1 dataset(s) (mnist)"),
+        # a method the preset does not run was dropped: with none left, the report was written with empty tables
+        (["--methods", "fedavg", "scaffold"], "--methods: preset 'smoke' runs no scaffold; it runs fedavg, fedmim"),
+    ],
+)
+def test_a_fedmim_name_the_preset_does_not_take_is_one_line_before_anything_runs(argv, line, tmp_path, capsys):
+    from fedweave.cli import main
+
+    out = tmp_path / "o"
+    assert main(["reproduce", "fedmim", "--scale", "smoke", *argv, "--workers", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and line in err
+    assert not out.exists() or not any(out.iterdir())  # nothing run, no report written
+
+
 def test_a_runner_point_its_run_would_refuse_is_refused_before_any_run_starts(tmp_path):
     # a study's points are runner runs too: the 2nd names a model no run accepts; before, the 1st point's run was
     # run to its end before the 2nd's failed

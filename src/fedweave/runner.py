@@ -98,11 +98,21 @@ def finished_run(run_dir: str | Path, config: RunConfig | dict[str, Any]) -> Res
     except ConfigError:  # written by a version whose keys no longer exist: not this run
         return None
     summary = json.loads((path / "summary.json").read_text())
-    # as recorded (config.yaml holds file options by absolute path; a config may name them relative)
-    if saved.recorded() != want.recorded() or summary.get("status") not in ("completed", "diverged"):
+    # as recorded (config.yaml holds file options by absolute path; a config may name them relative), wherever
+    # the run's directory lies now
+    same = placeless(saved.recorded()) == placeless(want.recorded())
+    if not same or summary.get("status") not in ("completed", "diverged"):
         return None
     rows = read_metrics(path) if (path / "metrics.jsonl").is_file() else []  # diverged before any evaluation
     return Result(path, rows, summary, None)
+
+
+def placeless(recorded: dict[str, Any]) -> dict[str, Any]:
+    """A recorded config (:meth:`RunConfig.recorded`) without ``output.dir``, the directory its run writes into:
+    where a run lies is no part of what it computed, so a finished run is the same run after its folder was
+    moved (a reproduction names each run's directory by its absolute path, and a moved ``--out`` ran every run
+    again). Every other key still counts."""
+    return {**recorded, "output": {k: v for k, v in recorded.get("output", {}).items() if k != "dir"}}
 
 
 def run(
