@@ -259,7 +259,7 @@ def plan(p: Preset, out: Path, seeds: tuple, datasets: list | None, methods: lis
     ``OUT/runs/<dataset>-<split>-<method>-s<seed>``; in a variant preset seed, then grid entry, variant and
     method (a time budget leaves whole seeds), each in ``OUT/runs/<dataset>-<split>-<method>-<variant>-s<seed>``."""
     grid = p.grid + (p.extension if extend else [])
-    names = preset_datasets(p, extend)
+    names = list(dict.fromkeys(d for d, _, _ in grid))
     # the preset's datasets after the names given are not run (more names than it has are refused: study_plan)
     rename = dict(zip(names, datasets)) if datasets else {d: d for d in names}
     variants = [v for v, _ in p.variants] or [""]
@@ -271,9 +271,11 @@ def plan(p: Preset, out: Path, seeds: tuple, datasets: list | None, methods: lis
     return [_point(p, out, rename[d], split, m, seed, v) for seed, d, split, v, m in runs if d in rename]
 
 
-def preset_datasets(p: Preset, extend: bool = False) -> list[str]:
-    """The preset's datasets in the order ``--datasets`` replaces them (with ``--extend``, its extension's too)."""
-    return list(dict.fromkeys(d for d, _, _ in p.grid + (p.extension if extend else [])))
+def preset_names(p: Preset, extend: bool = False) -> tuple[list[str], list[str]]:
+    """The preset's datasets, in the order ``--datasets`` replaces them, and its methods (with ``--extend``, its
+    extension's too)."""
+    grid = p.grid + (p.extension if extend else [])
+    return list(dict.fromkeys(d for d, _, _ in grid)), list(dict.fromkeys(m for _, _, ms in grid for m in ms))
 
 
 def _point(p: Preset, out: Path, dataset: str, split: str, method: str, seed: int, variant: str) -> Point:
@@ -982,13 +984,13 @@ def study_plan(opts) -> Plan:
     seeds = tuple(range(opts.seeds)) if opts.seeds else p.seeds
     known_datasets(opts.datasets or [], "--datasets")
     # a name beyond the preset's datasets replaced none of them and was dropped without a word
-    if opts.datasets and len(opts.datasets) > len(takes := preset_datasets(p, opts.extend)):
+    takes, runs = preset_names(p, opts.extend)
+    if opts.datasets and len(opts.datasets) > len(takes):
         raise ConfigError(
             f"--datasets: {len(opts.datasets)} names, but preset {opts.scale!r} has {len(takes)} dataset(s) "
             f"({', '.join(takes)}), which the names replace in order; give at most {len(takes)}"
         )
     # a method the preset does not run was dropped too: with none left the report's tables were written empty
-    runs = list(dict.fromkeys(m for _, _, group in p.grid + (p.extension if opts.extend else []) for m in group))
     if bad := [m for m in opts.methods or [] if m not in runs]:
         more = [m for _, _, group in p.extension for m in group if m not in runs]
         raise ConfigError(
