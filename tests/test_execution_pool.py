@@ -30,6 +30,7 @@ from fedweave.execution.evaluate import (
 )
 from fedweave.execution.params import ParamLayout
 from fedweave.execution.pool import _serve, pool, pool_for
+from fedweave.execution.shards import shard_bounds
 from tests.conftest import make_toy
 from tests.test_core_engine import ProxLookAhead, _models, _trainer
 
@@ -176,7 +177,12 @@ def test_the_drivers_ends_of_the_pipes_live_in_the_driver_only(uneven_parts):
     (two such orphans were found holding 0.6 GB each)."""
     tr = _trainer(next(_models()), uneven_parts, "pool", epochs=1, batch_size=16, lr=0.1)
     p = pool(tr, workers=3)
-    tr.train(tr.layout.flatten(), [0, 1, 2, 3], 0)  # every worker has answered: it runs its loop
+    # a worker closes the copies first thing in its loop: only one that has answered has surely run it. The
+    # call gets a shard for every worker (clients 0-3, whose local steps are 1, 3, 1 and 10, filled two shards
+    # only, and the third worker, given nothing, could still be waiting for the processor when it was looked at)
+    clients = [3, 4, 5, 6]
+    assert len(shard_bounds([tr.num_steps(c, None) for c in clients], 3)) == 3
+    tr.train(tr.layout.flatten(), clients, 0)
     for i, conn in enumerate(p.conns):
         inode = os.fstat(conn.fileno()).st_ino
         for pid in p.pids():
