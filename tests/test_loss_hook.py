@@ -1,5 +1,6 @@
-"""LocalRule.extra_loss: a term of the loss built from the representations of several models, on the loop
-and vmap backends (batched over the jobs), and the default hook that changes nothing."""
+"""LocalRule.extra_loss: a term of the loss built from the representations of several models, and
+LocalRule.loss: a loss in place of the task's, on the loop and vmap backends (batched over the jobs), and the
+default hooks that change nothing."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from fedweave.config import LocalConfig
 from fedweave.deploy.jobs import decode_job, encode_header, encode_job
 from fedweave.execution import LocalRule, LocalTrainer
 from fedweave.execution.dpsgd import DPSGD
-from fedweave.execution.job import PLAIN, LocalCall, plain_rule, reindexed, uses_loss
+from fedweave.execution.job import PLAIN, LocalCall, own_loss, plain_rule, reindexed, uses_loss
 from fedweave.execution.pool import pool
 from fedweave.models.head import HeadedModel
 from fedweave.models.linear import MLP
@@ -36,6 +37,27 @@ class Contrast(LocalRule):
             z_prev = model.features(per_job(self.prev, jobs), x)
         sims = torch.stack([F.cosine_similarity(z, z_glob, dim=-1), F.cosine_similarity(z, z_prev, dim=-1)], -1)
         return self.mu * (torch.logsumexp(sims / self.tau, -1) - sims[..., 0] / self.tau)
+
+
+@RULES.register("_test_focal")
+class Focal(LocalRule):
+    """A loss in place of the task's: the focal loss (gamma 2), which down-weights the samples the model gets
+    right; ``gamma = 0`` is the cross-entropy."""
+
+    def __init__(self, gamma: float) -> None:
+        self.gamma = gamma
+
+    def loss(self, w, x, y, jobs, model):
+        ce = F.cross_entropy(model.functional(w, x), y, reduction="none")
+        return (1 - torch.exp(-ce)) ** self.gamma * ce
+
+
+class FocalContrast(Focal, Contrast):
+    """Both hooks: the focal loss with the model-contrastive term added."""
+
+    def __init__(self, gamma: float, mu: float, glob: torch.Tensor, prev: torch.Tensor) -> None:
+        Focal.__init__(self, gamma)
+        Contrast.__init__(self, mu, glob, prev)
 
 
 class Identity(LocalRule):
@@ -96,6 +118,49 @@ def test_loop_and_vmap_agree_on_a_term_from_several_models(uneven_parts, cnn, lo
     torch.testing.assert_close(out["loop"].loss, out["vmap"].loss, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cnn, local", [(False, {}), (True, {"grad_clip": 1.0})], ids=["mlp-sgd", "cnn-clip"])
+def test_a_loss_in_place_of_the_tasks_trains_the_same_on_loop_and_vmap(uneven_parts, cnn, local):
+    out = {}
+    for backend in ("loop", "vmap"):
+        tr = _trainer(uneven_parts, backend, cnn, **local)
+        w0 = tr.layout.flatten()
+        out[backend] = tr.train(w0, CLIENTS, 1, rule=Focal(2.0))
+        plain = tr.train(w0, CLIENTS, 1)
+        assert (out[backend].params - plain.params).abs().max() > 1e-3  # the focal loss moved the models
+        assert (out[backend].loss < plain.loss).all()  # ... and is the reported loss: below the cross-entropy
+        # gamma 0 is the task's cross-entropy: its gradient through autograd, the plain rule's to rounding
+        torch.testing.assert_close(tr.train(w0, CLIENTS, 1, rule=Focal(0.0)).params, plain.params, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out["loop"].params, out["vmap"].params, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["loop"].loss, out["vmap"].loss, rtol=1e-5, atol=1e-6)
+
+
+def test_a_rules_own_loss_takes_its_extra_term_too(uneven_parts):
+    """loss + extra_loss: the gradient of their sum; with gamma 0 that is the term added to the task's loss."""
+    for backend in ("loop", "vmap"):
+        tr = _trainer(uneven_parts, backend)
+        w0, contrast = tr.layout.flatten(), _rule(tr, 1.0)
+        both = tr.train(w0, CLIENTS, 1, rule=FocalContrast(0.0, 1.0, contrast.glob, contrast.prev))
+        added = tr.train(w0, CLIENTS, 1, rule=contrast)
+        torch.testing.assert_close(both.params, added.params, rtol=0, atol=1e-6)
+        torch.testing.assert_close(both.loss, added.loss, rtol=1e-6, atol=1e-6)
+        focal = tr.train(w0, CLIENTS, 1, rule=Focal(0.0))
+        assert (both.params - focal.params).abs().max() > 1e-3  # the extra term counted
+
+
+def test_the_pool_backend_equals_the_loop_with_a_rules_own_loss(uneven_parts):
+    loop, pooled = _trainer(uneven_parts, "loop"), _trainer(uneven_parts, "pool")
+    pool(pooled, workers=2)
+    w0 = loop.layout.flatten()
+    a, b = (tr.train(w0, CLIENTS, 1, rule=Focal(2.0)) for tr in (loop, pooled))
+    assert torch.equal(a.params, b.params) and torch.equal(a.loss, b.loss)
+
+
+def test_dp_sgd_refuses_a_rule_with_a_loss_of_its_own(uneven_parts):
+    tr = _trainer(uneven_parts, "loop")
+    with pytest.raises(ValueError, match=r"local rule Focal trains on a loss of its own \(loss\)"):
+        DPSGD(tr.layout, 1.0, 0.0, Seeds(0), 0, CLIENTS, base=Focal(2.0))
+
+
 def test_a_zero_term_changes_no_bit(uneven_parts):
     """mu = 0 adds exact zeros: vmap equals plain SGD (its closed-form MLP gradients stay), and the loop
     equals its general path (the fused kernel steps aside for a rule that uses the hook)."""
@@ -112,6 +177,9 @@ def test_the_default_hook_is_no_term():
     assert plain_rule(PLAIN) and not uses_loss(PLAIN) and not uses_loss(Identity())
     rule = Contrast(1.0, torch.zeros(3), torch.zeros(2, 3))
     assert uses_loss(rule) and not plain_rule(rule) and uses_loss(reindexed(rule, [1]))
+    assert PLAIN.loss(torch.zeros(3), torch.zeros(2, 3), torch.zeros(2), 0, None) is None and not own_loss(PLAIN)
+    assert own_loss(Focal(2.0)) and not uses_loss(Focal(2.0)) and own_loss(reindexed(Focal(2.0), [1]))
+    assert not plain_rule(Focal(2.0)) and not own_loss(rule)
 
 
 def test_a_shard_of_a_call_indexes_the_rows_of_the_whole_call(uneven_parts):

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.func import grad_and_value, vmap
 
-from fedweave.execution.job import StepGradient, uses_loss
+from fedweave.execution.job import StepGradient, own_loss, uses_loss
 from fedweave.execution.local import LR, PLAIN, GradFn, LocalResult, LocalRule, LocalTrainer, cross_entropy
 from fedweave.execution.params import ParamLayout
 from fedweave.seeding import Seeds
@@ -54,10 +54,11 @@ class DPSGD(LocalRule):
             raise ValueError(f"DP-SGD clip must be > 0, got {clip}")
         if not sigma >= 0:
             raise ValueError(f"DP-SGD sigma must be >= 0, got {sigma}")
-        if uses_loss(base):  # its term's gradient would reach the step unclipped and without noise
+        if uses_loss(base) or own_loss(base):  # its gradient would reach the step unclipped and without noise
+            how = "trains on a loss of its own (loss)" if own_loss(base) else "adds a term to the loss (extra_loss)"
             raise ValueError(
-                f"DP-SGD clips per-sample gradients of the task loss only; local rule {type(base).__name__} adds a "
-                "term to the loss (extra_loss), which it cannot privatize: run that rule without DP-SGD"
+                f"DP-SGD clips per-sample gradients of the task loss only; local rule {type(base).__name__} {how}, "
+                "which it cannot privatize: run that rule without DP-SGD"
             )
         self.clip, self.sigma, self.base = float(clip), float(sigma), base
         self.seeds, self.round, self.clients, self.key = seeds, round, list(map(int, clients)), tuple(key)

@@ -115,6 +115,20 @@ class LocalRule:
         does not override this method keeps every backend's usual path, fast kernels included."""
         return None
 
+    def loss(
+        self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, jobs: int | torch.Tensor, model: ParamLayout
+    ) -> torch.Tensor | None:
+        """Each sample's loss, ``(B,)``, in place of the task's (FedLC's calibrated cross-entropy); None (the
+        default): the task's. Written and called as :meth:`extra_loss` (one job; under ``torch.func.vmap`` on the
+        vmap backend) and computed, as it is, in the parameters' dtype; the task loss is then not computed
+        at all, and :meth:`extra_loss`'s term, if any, is added to this one.
+
+        A loss that differs from the task's in some terms belongs here rather than in an :meth:`extra_loss` that
+        subtracts the task's: the gradients of the task loss and of that term cancel only to rounding where
+        their true sum is 0 (FedLC's classes a client does not hold), and what is left is noise whose sign
+        depends on the backend's order of operations, which a sign compressor turns into full-size steps."""
+        return None
+
     #: attributes each client derives from its own data (FedLC's label margins): a deployment does not send
     #: them, and the node derives them with :meth:`at_client`
     client_derived: tuple[str, ...] = ()
@@ -136,16 +150,27 @@ def plain_rule(rule: LocalRule) -> bool:
         cls.direction is LocalRule.direction
         and cls.project is LocalRule.project
         and cls.extra_loss is LocalRule.extra_loss
+        and cls.loss is LocalRule.loss
         and rule.draws == 1
     )
+
+
+def _unwrapped(rule: LocalRule) -> type:
+    while isinstance(rule, Reindexed):
+        rule = rule.rule
+    return type(rule)
 
 
 def uses_loss(rule: LocalRule) -> bool:
     """True when ``rule`` (or the rule a :class:`Reindexed` wraps) adds a term to the loss
     (:meth:`LocalRule.extra_loss`): the backends then add its gradient to the task gradient."""
-    while isinstance(rule, Reindexed):
-        rule = rule.rule
-    return type(rule).extra_loss is not LocalRule.extra_loss
+    return _unwrapped(rule).extra_loss is not LocalRule.extra_loss
+
+
+def own_loss(rule: LocalRule) -> bool:
+    """True when ``rule`` (or the rule a :class:`Reindexed` wraps) trains on a loss of its own in place of the
+    task's (:meth:`LocalRule.loss`): the backends then take its gradient and never compute the task's."""
+    return _unwrapped(rule).loss is not LocalRule.loss
 
 
 def _valid_mean(losses: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -156,7 +181,7 @@ def _valid_mean(losses: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor
     return (losses * m).sum() / m.sum().clamp_min(1.0)
 
 
-def extra_loss_grad(
+def rule_loss_grad(
     rule: LocalRule,
     model: ParamLayout,
     w: torch.Tensor,
@@ -164,23 +189,29 @@ def extra_loss_grad(
     y: torch.Tensor,
     mask: torch.Tensor | None,
     jobs: int | torch.Tensor,
+    hook: str = "extra_loss",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradient and value of the mean of ``rule``'s :meth:`~LocalRule.extra_loss` over a step's real rows:
-    for one job (``w`` ``(P,)``, ``jobs`` an int, ``mask`` None) or, batched with ``torch.func.vmap``, for
-    the jobs of rows ``w`` ``(K, P)`` with batches ``x`` ``(K, B, ...)``, masks ``(K, B)`` and positions
-    ``jobs`` ``(K,)``."""
+    """Gradient and value of the mean of ``rule``'s per-sample loss ``hook`` (:meth:`~LocalRule.extra_loss`,
+    or :meth:`~LocalRule.loss` plus its extra term if it has one) over a step's real rows: for one job (``w``
+    ``(P,)``, ``jobs`` an int, ``mask`` None) or, batched with ``torch.func.vmap``, for the jobs of rows ``w``
+    ``(K, P)`` with batches ``x`` ``(K, B, ...)``, masks ``(K, B)`` and positions ``jobs`` ``(K,)``."""
     while isinstance(rule, Reindexed):  # map the positions here, outside the vmap
         jobs, rule = rule._map(jobs), rule.rule
+    hooks = [hook] + (["extra_loss"] if hook == "loss" and uses_loss(rule) else [])
 
-    def mean_term(v, xb, yb, mb, job):
-        term = rule.extra_loss(v, xb, yb, job, model)
+    def one_term(name, v, xb, yb, job):
+        term = getattr(rule, name)(v, xb, yb, job, model)
         if not isinstance(term, torch.Tensor) or term.shape != xb.shape[:1]:
             # a scalar or a (B, D) term would be averaged otherwise on one backend and fail on the other
             got = f"shape {tuple(term.shape)}" if isinstance(term, torch.Tensor) else type(term).__name__
             raise ValueError(
-                f"{type(rule).__name__}.extra_loss must return one term per sample, shape ({xb.shape[0]},), got {got}"
+                f"{type(rule).__name__}.{name} must return one term per sample, shape ({xb.shape[0]},), got {got}"
             )
-        return _valid_mean(term, mb)
+        return term
+
+    def mean_term(v, xb, yb, mb, job):
+        terms = [one_term(name, v, xb, yb, job) for name in hooks]
+        return _valid_mean(terms[0] if len(terms) == 1 else terms[0] + terms[1], mb)
 
     one = torch.func.grad_and_value(mean_term)
     if w.dim() == 1:
@@ -218,6 +249,9 @@ class Reindexed(LocalRule):
 
     def extra_loss(self, w, x, y, jobs, model):
         return self.rule.extra_loss(w, x, y, self._map(jobs), model)
+
+    def loss(self, w, x, y, jobs, model):
+        return self.rule.loss(w, x, y, self._map(jobs), model)
 
 
 def reindexed(rule: LocalRule, positions: Sequence[int] | torch.Tensor) -> LocalRule:

@@ -26,8 +26,9 @@ from fedweave.execution.job import (
     LocalResult,
     StepGradient,
     backend,
-    extra_loss_grad,
+    own_loss,
     plain_rule,
+    rule_loss_grad,
     summed_losses,
     uses_loss,
 )
@@ -164,7 +165,7 @@ def _train_with_rule(
     gens: dict = {}
     w, buf, step_losses = start.clone(), None, []
     zero = None
-    extra = uses_loss(rule)
+    extra, own = uses_loss(rule), own_loss(rule)
     for t, b in enumerate(batches):
         data = [tr.batch_data(b, c, round, key, gens)]
         data += [tr.batch_data(drawn[t], c, round, key, gens, j) for j, drawn in enumerate(more, 1)]
@@ -172,12 +173,16 @@ def _train_with_rule(
 
         def grad_at(v: torch.Tensor, draw: int = 0, data=data, last=last) -> torch.Tensor:
             x, y = data[draw]
+            if own:  # the rule's loss in place of the task's (LocalRule.loss), its extra term included
+                g, loss = rule_loss_grad(rule, tr.layout, v, x, y, None, job, "loss")
+                last.setdefault("loss", loss)
+                return g
             value.copy_(v)  # the compute model's parameters are views of `value`
             gradbuf.zero_()
             loss = comp.loss_backward(tr.loss_fn, x, y).detach()
             g = gradbuf.clone()
             if extra:  # the rule's own term of the loss (LocalRule.extra_loss), added to the task's
-                g_extra, term = extra_loss_grad(rule, tr.layout, v, x, y, None, job)
+                g_extra, term = rule_loss_grad(rule, tr.layout, v, x, y, None, job)
                 g, loss = g + g_extra, loss + term
             last.setdefault("loss", loss)
             return g

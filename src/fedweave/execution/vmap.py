@@ -20,7 +20,7 @@ import torch
 from torch.func import grad_and_value, vmap
 
 from fedweave.execution.batched import batched_grad
-from fedweave.execution.job import LocalCall, LocalResult, StepGradient, backend, extra_loss_grad, uses_loss
+from fedweave.execution.job import LocalCall, LocalResult, StepGradient, backend, own_loss, rule_loss_grad, uses_loss
 from fedweave.tasks import cross_entropy
 
 if TYPE_CHECKING:
@@ -102,6 +102,7 @@ def _run_chunk(tr: LocalTrainer, call: LocalCall) -> LocalResult:
     fast = batched_grad(layout) if tr.loss_fn is cross_entropy and pl.autocast_dtype is None else None
     batched = fast or vmap(grad_and_value(loss_one))
     extra = uses_loss(rule)  # the rule adds a term to the loss: its gradient, batched, joins the task's
+    own = own_loss(rule)  # the rule's loss in place of the task's: the task's is not computed
     gens: dict = {}
     w = starts.clone()
     buf = None
@@ -114,12 +115,15 @@ def _run_chunk(tr: LocalTrainer, call: LocalCall) -> LocalResult:
         data += [_batch(tr, i[t, active], M, clients, active_cpu, round, key, gens, j) for j, i in enumerate(more, 1)]
         seen: list[torch.Tensor] = []
 
-        def grad_at(v, draw=0, data=data, seen=seen, J=jobs[active] if extra else None):
+        def grad_at(v, draw=0, data=data, seen=seen, J=jobs[active] if extra or own else None):
             X, Y, M = data[draw]
-            g, loss = batched(v, X, Y, M)
-            if extra:
-                g_extra, term = extra_loss_grad(rule, layout, v, X, Y, M, J)
-                g, loss = g + g_extra, loss + term
+            if own:  # its extra term included
+                g, loss = rule_loss_grad(rule, layout, v, X, Y, M, J, "loss")
+            else:
+                g, loss = batched(v, X, Y, M)
+                if extra:
+                    g_extra, term = rule_loss_grad(rule, layout, v, X, Y, M, J)
+                    g, loss = g + g_extra, loss + term
             seen.append(loss)
             return g
 

@@ -13,8 +13,9 @@ hold counts ``absent_count`` (default 1e-8: its logit is lowered by ``100 tau`` 
 softmax). The server is FedAvg's. ``tau: 0`` is FedAvg. Classification with cross-entropy only (the
 calibration is of logits).
 
-The rule adds ``L_cal - CE`` per sample to the task's cross-entropy through the loss hook
-(``LocalRule.extra_loss``), so the local gradient is that of ``L_cal`` on every backend.
+The rule's loss replaces the task's cross-entropy (``LocalRule.loss``): the local gradient is that of ``L_cal``
+alone on every backend (an absent class's, about ``exp(-100 tau)`` times the input, is computed, not left as
+the rounding residue of two cancelling gradients, whose sign a sign compressor would send at full size).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def calibrated_loss(logits: torch.Tensor, y: torch.Tensor, margins: torch.Tensor
 
 @RULES.register("fedlc")
 class LogitCalibration(LocalRule):
-    """Adds ``L_cal - CE`` to each sample's cross-entropy, so the local loss is FedLC's ``L_cal``.
+    """Trains each job on FedLC's ``L_cal`` in place of the task's cross-entropy.
 
     Args:
         margins: ``(K, C)``, each job's class margins ``tau n_{i,y}^{-1/4}``.
@@ -61,9 +62,8 @@ class LogitCalibration(LocalRule):
         margins = calibration(counts, self.tau, self.absent_count).to(device=y.device)
         return LogitCalibration(margins, self.tau, self.absent_count)
 
-    def extra_loss(self, w, x, y, jobs, model):
-        logits = model.functional(w, x)
-        return calibrated_loss(logits, y, per_job(self.margins, jobs)) - F.cross_entropy(logits, y, reduction="none")
+    def loss(self, w, x, y, jobs, model):
+        return calibrated_loss(model.functional(w, x), y, per_job(self.margins, jobs))
 
 
 @dataclass
