@@ -94,3 +94,16 @@ def test_choices_is_one_line_naming_the_flag_and_what_is_allowed():
         choices("a,c", ["a", "b"], "--x")
     with pytest.raises(ConfigError, match=r"^--x: unknown \[','\]; allowed a, b$"):
         choices(",", ["a", "b"], "--x")
+
+
+def test_one_value_is_shown_without_a_spread():
+    """A cell over one finite value (one seed that reached the target, four of five diverged) printed
+    ``53.5 ± 0.0`` and ``+1.88±0.00 (4/5 diverged)``, a spread of zero that nothing measured."""
+    from fedweave.experiments.tables import mean_std_cell
+
+    assert mean_std_cell([53.48], nd=1) == "53.5"
+    assert mean_std_cell([1.88, math.nan, math.nan, math.nan, math.nan], sep="±") == "1.88 (4/5 diverged)"
+    assert mean_std_cell([53.48, 53.48], nd=1) == "53.5 ± 0.0"  # two equal values: a spread measured as zero
+    row = {"seeds": 3, "diverged": 2, "acc_mean": 91.234, "acc_std": 0.0}
+    assert pm_cell(row, "acc") == "91.23 (2/3 diverged)"
+    assert pm_cell({**row, "diverged": 1, "acc_std": 0.5}, "acc") == "91.23 ± 0.50 (1/3 diverged)"

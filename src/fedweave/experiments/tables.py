@@ -139,7 +139,8 @@ def pm(mean: float, std: float, sep: str = " ± ", nd: int = 2) -> str:
 def mean_std_cell(
     values: Sequence[float], scale: float = 1.0, ddof: int = 1, sep: str = " ± ", nd: int = 2, empty: str = "-"
 ) -> str:
-    """``mean<sep>std`` of ``values`` times ``scale`` at ``nd`` decimals, over the finite ones; the runs that
+    """``mean<sep>std`` of ``values`` times ``scale`` at ``nd`` decimals, over the finite ones (the mean alone when
+    one is finite: one value has no spread, and ``± 0.00`` would say it had none); the runs that
     diverged (a NaN or infinite value) are counted, ``(k/n diverged)``, and none finite is ``diverged (n/n)``;
     no values at all is ``empty``."""
     if not values:
@@ -148,7 +149,7 @@ def mean_std_cell(
     if not ok:
         return f"diverged ({bad}/{bad})"
     m, sd = mean_std(ok, ddof=ddof)
-    cell = pm(m, sd, sep, nd)
+    cell = f"{m:.{nd}f}" if len(ok) == 1 else pm(m, sd, sep, nd)  # one value has no spread to show
     return cell if not bad else f"{cell} ({bad}/{len(values)} diverged)"
 
 
@@ -261,6 +262,9 @@ def lookup(by: Mapping[Any, Any], value: str | Callable[[Any], Any], missing: An
 
 
 def pm_cell(row: Mapping[str, Any], key: str) -> str:
-    """A per-cell row's ``<key>_mean ± <key>_std`` and, when some of its ``seeds`` ran diverged, how many."""
+    """A per-cell row's ``<key>_mean ± <key>_std`` (the mean alone when one seed completed: one value has no
+    spread to show) and, when some of its ``seeds`` ran diverged, how many."""
     failed = f" ({row['diverged']}/{row['seeds']} diverged)" if row["diverged"] else ""
+    if row["seeds"] - row["diverged"] == 1:
+        return f"{row[f'{key}_mean']:.2f}{failed}"
     return pm(row[f"{key}_mean"], row[f"{key}_std"]) + failed
