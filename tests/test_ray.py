@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from fedweave.algorithms.base import RunContext, build_algorithm
+from fedweave.algorithms.centralized.base import per_job
 from fedweave.config import ConfigError, LocalConfig, load
 from fedweave.execution import LocalRule, LocalTrainer
 from fedweave.execution.ray import LOCAL_RAY_ENV, pool
@@ -329,11 +330,24 @@ class PerJobRule(LocalRule):
         return w.clamp(-0.3, 0.3)
 
 
+class PerJobLoss(LocalRule):
+    """A loss in place of the task's (LocalRule.loss) that pulls each job to its own anchor: wrong job indexing
+    inside a shard changes the result."""
+
+    def __init__(self, anchors: torch.Tensor) -> None:
+        self.anchors = anchors
+
+    def loss(self, w, x, y, jobs, model):
+        pull = 0.5 * ((w - per_job(self.anchors, jobs)) ** 2).sum()
+        return torch.nn.functional.cross_entropy(model.functional(w, x), y, reduction="none") + pull
+
+
 @needs_ray
 # linear: the loop's fused kernel inside the actors (at their one thread `auto` never picks vmap on a CPU, so
 # run_shard's vmap branch is reached by GPU actors only); cnn: the channels-last twin
+@pytest.mark.parametrize("rule", [PerJobRule, PerJobLoss], ids=["direction", "loss"])
 @pytest.mark.parametrize("model", ["linear", "cnn"])
-def test_trainer_shards_equal_loop_with_a_per_job_rule(local_ray, model, uneven_parts):
+def test_trainer_shards_equal_loop_with_a_per_job_rule(local_ray, model, rule, uneven_parts):
     torch.manual_seed(0)
     if model == "linear":
         net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(36, 4))
@@ -348,7 +362,7 @@ def test_trainer_shards_equal_loop_with_a_per_job_rule(local_ray, model, uneven_
         tr = LocalTrainer(copy.deepcopy(net), ds.train_x, ds.train_y, uneven_parts, local, Seeds(5), backend=backend)
         starts = tr.layout.flatten() + 0.01 * torch.arange(len(clients), dtype=torch.float32)[:, None]
         anchors = torch.randn(len(clients), tr.layout.numel, generator=torch.Generator().manual_seed(1)) * 0.1
-        out[backend] = tr.train(starts, clients, round=1, rule=PerJobRule(anchors))
+        out[backend] = tr.train(starts, clients, round=1, rule=rule(anchors))
     a, b = out["loop"], out["ray"]
     assert torch.equal(a.steps, b.steps)
     torch.testing.assert_close(b.params, a.params, rtol=1e-5, atol=1e-5)
