@@ -14,6 +14,7 @@ from fedweave.deploy.jobs import decode_job, encode_header, encode_job
 from fedweave.execution import LocalRule, LocalTrainer
 from fedweave.execution.dpsgd import DPSGD
 from fedweave.execution.job import PLAIN, LocalCall, own_loss, plain_rule, reindexed, uses_loss
+from fedweave.execution.placement import resolve_placement
 from fedweave.execution.pool import pool
 from fedweave.models.head import HeadedModel
 from fedweave.models.linear import MLP
@@ -153,6 +154,46 @@ def test_the_pool_backend_equals_the_loop_with_a_rules_own_loss(uneven_parts):
     w0 = loop.layout.flatten()
     a, b = (tr.train(w0, CLIENTS, 1, rule=Focal(2.0)) for tr in (loop, pooled))
     assert torch.equal(a.params, b.params) and torch.equal(a.loss, b.loss)
+
+
+class Seen(Focal):
+    """The focal loss, keeping the dtype its model's output came in."""
+
+    seen: list[torch.dtype] = []
+
+    def loss(self, w, x, y, jobs, model):
+        Seen.seen.append(model.functional(w, x).dtype)
+        return super().loss(w, x, y, jobs, model)
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+def test_a_loss_in_place_of_the_tasks_is_autocast_as_the_tasks_under_bf16_mixed(uneven_parts, backend):
+    """precision: bf16-mixed runs the task's forward passes in bfloat16; a rule's own loss replaces the task's,
+    so it runs as that does (FedLC trained in float32 under bf16-mixed otherwise, the only method that did)."""
+    ds = make_toy()
+    cfg = LocalConfig(epochs=1, batch_size=16, lr=0.1)
+    cfg.validate()
+    out = {}
+    for precision in ("float32", "bf16-mixed"):
+        Seen.seen = []
+        torch.manual_seed(0)  # the same initial model
+        tr = LocalTrainer(
+            MLP(36, (8,), 4, True),
+            ds.train_x,
+            ds.train_y,
+            uneven_parts,
+            cfg,
+            Seeds(3),
+            backend=backend,
+            placement=resolve_placement("cpu", precision),
+        )
+        out[precision] = tr.train(tr.layout.flatten(), CLIENTS, 1, rule=Seen(2.0))
+        want = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+        assert Seen.seen and set(Seen.seen) == {want}
+        assert out[precision].params.dtype == torch.float32 and out[precision].loss.dtype == torch.float32
+    # the same training to bfloat16's rounding (0.007 here; the plain rule's differs by 0.004)
+    torch.testing.assert_close(out["bf16-mixed"].params, out["float32"].params, rtol=0, atol=0.02)
+    assert not torch.equal(out["bf16-mixed"].params, out["float32"].params)
 
 
 def test_dp_sgd_refuses_a_rule_with_a_loss_of_its_own(uneven_parts):

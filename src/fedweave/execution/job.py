@@ -120,7 +120,8 @@ class LocalRule:
     ) -> torch.Tensor | None:
         """Each sample's loss, ``(B,)``, in place of the task's (FedLC's calibrated cross-entropy); None (the
         default): the task's. Written and called as :meth:`extra_loss` (one job; under ``torch.func.vmap`` on the
-        vmap backend) and computed, as it is, in the parameters' dtype; the task loss is then not computed
+        vmap backend), but computed as the task's loss is: autocast under ``precision: bf16-mixed`` (the
+        forward passes in bfloat16), then reduced in the parameters' dtype. The task loss is then not computed
         at all, and :meth:`extra_loss`'s term, if any, is added to this one.
 
         A loss that differs from the task's in some terms belongs here rather than in an :meth:`extra_loss` that
@@ -200,14 +201,18 @@ def rule_loss_grad(
     hooks = [hook] + (["extra_loss"] if hook == "loss" and uses_loss(rule) else [])
 
     def one_term(name, v, xb, yb, job):
-        term = getattr(rule, name)(v, xb, yb, job, model)
+        if name == "loss":  # in place of the task's loss: computed as that is (autocast under bf16-mixed)
+            with model.placement.autocast():
+                term = rule.loss(v, xb, yb, job, model)
+        else:
+            term = rule.extra_loss(v, xb, yb, job, model)
         if not isinstance(term, torch.Tensor) or term.shape != xb.shape[:1]:
             # a scalar or a (B, D) term would be averaged otherwise on one backend and fail on the other
             got = f"shape {tuple(term.shape)}" if isinstance(term, torch.Tensor) else type(term).__name__
             raise ValueError(
                 f"{type(rule).__name__}.{name} must return one term per sample, shape ({xb.shape[0]},), got {got}"
             )
-        return term
+        return term.to(v.dtype)
 
     def mean_term(v, xb, yb, mb, job):
         terms = [one_term(name, v, xb, yb, job) for name in hooks]
