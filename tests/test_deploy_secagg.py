@@ -124,7 +124,7 @@ class Recorder:
         monkeypatch.setattr(secure.SecureAggregation, "run_jobs", run_jobs_)
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedadam"])
+@pytest.mark.parametrize("name", ["fedavg", "fedadam", "fedlc"])
 def test_each_secure_mean_is_the_mean_of_the_updates_within_the_quantization_bound(tmp_path, name, monkeypatch):
     seen = Recorder(monkeypatch)
     summary, _ = _deploy(_cfg(name), tmp_path)

@@ -58,7 +58,7 @@ def test_without_privacy_the_config_records_no_privacy_key(toy_config):
     assert _built(toy_config).privacy is None
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedadam", "fedavgm"])
+@pytest.mark.parametrize("name", ["fedavg", "fedadam", "fedavgm", "fedlc"])
 def test_no_noise_and_a_huge_clip_is_the_method_bit_for_bit(toy_config, name):
     algorithm = {"name": name, "clients_per_round": 4, "weighting": "uniform"}
     plain = _rounds(_built(_cfg(toy_config, algorithm=algorithm)), 3)
@@ -517,6 +517,26 @@ def test_the_sam_methods_are_refused_at_sample_level(toy_config):
         toy_config, {"level": "sample"}, sampler="bernoulli", algorithm={"name": "fedsam", "clients_per_round": 4}
     )
     with pytest.raises(ConfigError, match=r"^privacy.level: sample with algorithm 'fedsam'"):
+        _built(cfg)
+
+
+def test_fedlc_is_dp_fedavg_at_user_level_and_refused_in_one_line_at_sample_level(toy_config):
+    """Its clients send one model update each and its server is FedAvg's; its own loss (the calibrated
+    cross-entropy) is outside what DP-SGD clips, so sample level stops at its first round with one line."""
+    algorithm = {"name": "fedlc", "clients_per_round": 4}
+    user = _built(_cfg(toy_config, {"noise_multiplier": 1.0}, sampler="bernoulli", algorithm=algorithm))
+    _rounds(user, 2)
+    assert user.privacy.metrics()["epsilon"] > 0
+    sample = _built(_cfg(toy_config, {"level": "sample"}, sampler="bernoulli", algorithm=algorithm))
+    with pytest.raises(
+        ConfigError, match=r"^privacy.level: sample: the method's local rule trains on a loss of its own"
+    ):
+        _rounds(sample, 1)
+
+
+def test_moon_is_refused_for_its_client_state_in_one_line(toy_config):
+    cfg = _cfg(toy_config, {"noise_multiplier": 1.0}, sampler="bernoulli", algorithm={"name": "moon"})
+    with pytest.raises(ConfigError, match=r"^privacy: algorithm 'moon' is refused: its clients keep their previous"):
         _built(cfg)
 
 

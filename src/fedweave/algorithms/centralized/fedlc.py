@@ -85,6 +85,9 @@ class FedLCHparams(StarHparams):
 class FedLC(StarAlgorithm):
     name = "fedlc"
     Hparams = FedLCHparams
+    # privacy: one model update per client, FedAvg's server step on the noised mean; the margins are each client's
+    # own label counts, used in its local training only (user level: the whole update is clipped whatever made it)
+    dp_refusal = None
 
     def __init__(self, ctx, hp: FedLCHparams) -> None:
         if not ctx.task.is_default:
