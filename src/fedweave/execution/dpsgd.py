@@ -34,6 +34,14 @@ def clip_rows(g: torch.Tensor, clip: float) -> torch.Tensor:
     return g * (clip / g.norm(dim=-1, keepdim=True).clamp_min(clip))
 
 
+def unprivatized_loss(rule: LocalRule) -> str | None:
+    """What of ``rule``'s loss DP-SGD, which clips and noises the task loss's per-sample gradients, would leave
+    unprivatized (a loss of its own, or a term added to the task's), in words; None when it has neither."""
+    if own_loss(rule):
+        return "trains on a loss of its own (loss)"
+    return "adds a term to the loss (extra_loss)" if uses_loss(rule) else None
+
+
 class DPSGD(LocalRule):
     """DP-SGD around ``base``: per-sample clipping to ``clip``, Gaussian noise ``sigma * clip`` on the sum."""
 
@@ -54,8 +62,7 @@ class DPSGD(LocalRule):
             raise ValueError(f"DP-SGD clip must be > 0, got {clip}")
         if not sigma >= 0:
             raise ValueError(f"DP-SGD sigma must be >= 0, got {sigma}")
-        if uses_loss(base) or own_loss(base):  # its gradient would reach the step unclipped and without noise
-            how = "trains on a loss of its own (loss)" if own_loss(base) else "adds a term to the loss (extra_loss)"
+        if how := unprivatized_loss(base):  # its gradient would reach the step unclipped and without noise
             raise ValueError(
                 f"DP-SGD clips per-sample gradients of the task loss only; local rule {type(base).__name__} {how}, "
                 "which it cannot privatize: run that rule without DP-SGD"

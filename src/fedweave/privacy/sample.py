@@ -22,8 +22,7 @@ import numpy as np
 import torch
 
 from fedweave.config import ConfigError
-from fedweave.execution.dpsgd import PrivateTrainer
-from fedweave.execution.job import own_loss, uses_loss
+from fedweave.execution.dpsgd import PrivateTrainer, unprivatized_loss
 from fedweave.execution.local import LR, PLAIN, LocalResult, LocalRule
 from fedweave.privacy.accountant import Accountant
 
@@ -51,8 +50,7 @@ class AccountedTrainer(PrivateTrainer):
                 f"privacy.level: sample: the method's local rule draws {rule.draws} independent batches a step, "
                 "each a noisy gradient, where the accountant counts one per step; use privacy.level: user"
             )
-        if uses_loss(rule) or own_loss(rule):  # DP-SGD clips per-sample gradients of the task's loss only
-            how = "trains on a loss of its own" if own_loss(rule) else "adds a term to the task's loss"
+        if how := unprivatized_loss(rule):  # DP-SGD clips per-sample gradients of the task's loss only
             raise ConfigError(
                 f"privacy.level: sample: the method's local rule {how}, whose gradient DP-SGD (which clips and "
                 "noises the task loss's per-sample gradients) would not privatize; use privacy.level: user"

@@ -258,8 +258,8 @@ def plan(p: Preset, out: Path, seeds: tuple, datasets: list | None, methods: lis
     """The runs of a preset in priority order (grid entry, then seed, then method), each in
     ``OUT/runs/<dataset>-<split>-<method>-s<seed>``; in a variant preset seed, then grid entry, variant and
     method (a time budget leaves whole seeds), each in ``OUT/runs/<dataset>-<split>-<method>-<variant>-s<seed>``."""
-    grid = p.grid + (p.extension if extend else [])
-    names = list(dict.fromkeys(d for d, _, _ in grid))
+    grid = _grid(p, extend)
+    names = preset_names(p, extend)[0]
     # the preset's datasets after the names given are not run (more names than it has are refused: study_plan)
     rename = dict(zip(names, datasets)) if datasets else {d: d for d in names}
     variants = [v for v, _ in p.variants] or [""]
@@ -271,10 +271,15 @@ def plan(p: Preset, out: Path, seeds: tuple, datasets: list | None, methods: lis
     return [_point(p, out, rename[d], split, m, seed, v) for seed, d, split, v, m in runs if d in rename]
 
 
+def _grid(p: Preset, extend: bool) -> list:
+    """The preset's (dataset, split, methods) cells, with ``--extend`` its extension's after them."""
+    return p.grid + (p.extension if extend else [])
+
+
 def preset_names(p: Preset, extend: bool = False) -> tuple[list[str], list[str]]:
     """The preset's datasets, in the order ``--datasets`` replaces them, and its methods (with ``--extend``, its
     extension's too)."""
-    grid = p.grid + (p.extension if extend else [])
+    grid = _grid(p, extend)
     return list(dict.fromkeys(d for d, _, _ in grid)), list(dict.fromkeys(m for _, _, ms in grid for m in ms))
 
 
