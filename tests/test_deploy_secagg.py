@@ -335,3 +335,13 @@ def test_the_ledger_bills_what_the_deployed_protocol_sends(tmp_path):
     assert "client->server:model" not in ledger
     assert summary["flower"]["payload_sent"] == ledger["server->client:model"]["bytes"]
     assert summary["flower"]["payload_received"] == 0  # no reply carries fedweave's tensors: only masked values
+
+
+def test_a_stateful_client_step_is_refused_by_the_deployed_secure_trainer(tmp_path, monkeypatch):
+    """A method with a ``ClientStep`` whose ``dp_refusal`` were missing would pass the checks; the deployed trainer
+    still refuses to send its jobs, whose uploads would reach the server in the clear."""
+    from fedweave.algorithms.centralized.moon import Moon
+
+    monkeypatch.setattr(Moon, "dp_refusal", None)
+    with pytest.raises(server_app.RunFailed, match="not started: secure_aggregation: algorithm .moon. trains"):
+        _deploy(_cfg("moon"), tmp_path)

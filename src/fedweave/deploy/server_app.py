@@ -514,6 +514,11 @@ class FlowerTrainer(LocalTrainer):
         the state version it used (``store`` stays unused: there is none on the server)."""
         if isinstance(self, PrivateTrainer):  # the privacy section refuses stateful methods; DP-SGD must not vanish
             raise DeploymentError("DP-SGD around a stateful client step cannot be deployed")
+        if self.secure is not None:  # each node's upload would reach the server in the clear, outside SecAgg+
+            raise DeploymentError(
+                f"secure_aggregation: algorithm {self.secure.algo.name!r} trains a stateful client step, whose "
+                "uploads SecAgg+ does not mask; a method with a ClientStep declares a dp_refusal, which refuses it"
+            )
         clients = list(map(int, clients))
         starts = self.checked_starts(starts, clients)
         lr = self.lr(round) if lr is None else lr
