@@ -326,6 +326,10 @@ PRIVATE = {
         **small("fedavg", per_round=3),
         "privacy": {"noise_multiplier": 1.0, "clip": 1.0, "amplification": "none"},
     },  # fmt: skip
+    "moon-user-level": lambda: {  # its clients' previous models stay on their nodes
+        **small("moon", per_round=3, rounds=3),
+        "privacy": {"noise_multiplier": 1.0, "clip": 1.0, "amplification": "none"},
+    },  # fmt: skip
     "dfedavg-privacy": lambda: gossip({"name": "dfedavg"}, privacy=SAMPLE_DP),
     "dfedavg-dp_sigma": lambda: gossip({"name": "dfedavg", "dp_sigma": 1.0, "dp_clip": 1.0}),
 }

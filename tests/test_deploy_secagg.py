@@ -115,16 +115,16 @@ class Recorder:
             self.means.append(mean)
             return mean, results
 
-        def run_jobs_(this, trainer, call):
+        def run_jobs_(this, trainer, call, **kw):
             self.algo = this.algo
-            return run_jobs(this, trainer, call)
+            return run_jobs(this, trainer, call, **kw)
 
         monkeypatch.setattr(secure, "masked_reply", masked_reply)
         monkeypatch.setattr(secure.SecureAggregation, "aggregate", aggregate_)
         monkeypatch.setattr(secure.SecureAggregation, "run_jobs", run_jobs_)
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedadam", "fedlc"])
+@pytest.mark.parametrize("name", ["fedavg", "fedadam", "fedlc", "moon"])
 def test_each_secure_mean_is_the_mean_of_the_updates_within_the_quantization_bound(tmp_path, name, monkeypatch):
     seen = Recorder(monkeypatch)
     summary, _ = _deploy(_cfg(name), tmp_path)
@@ -337,11 +337,47 @@ def test_the_ledger_bills_what_the_deployed_protocol_sends(tmp_path):
     assert summary["flower"]["payload_received"] == 0  # no reply carries fedweave's tensors: only masked values
 
 
-def test_a_stateful_client_step_is_refused_by_the_deployed_secure_trainer(tmp_path, monkeypatch):
-    """A method with a ``ClientStep`` whose ``dp_refusal`` were missing would pass the checks; the deployed trainer
-    still refuses to send its jobs, whose uploads would reach the server in the clear."""
-    from fedweave.algorithms.centralized.moon import Moon
+def test_a_stateful_client_step_keeps_its_state_on_its_node_under_secagg(tmp_path, monkeypatch):
+    """MOON's clients keep their previous model on their nodes: a client that trains again starts from the state
+    version its node wrote when it last took part, and the run is the simulated one within the bound (three rounds
+    over five clients, so that clients come back)."""
+    seen = Recorder(monkeypatch)
+    sent = []
+    encode = secure.encode_job
 
-    monkeypatch.setattr(Moon, "dp_refusal", None)
-    with pytest.raises(server_app.RunFailed, match="not started: secure_aggregation: algorithm .moon. trains"):
-        _deploy(_cfg("moon"), tmp_path)
+    def encode_job(call, k, **kw):
+        sent.append((call.round, int(call.clients[k]), kw["state_round"]))
+        return encode(call, k, **kw)
+
+    monkeypatch.setattr(secure, "encode_job", encode_job)
+    cfg = {**_cfg("moon"), "rounds": 3}
+    summary, _ = _deploy(cfg, tmp_path)
+    assert summary["status"] == "completed"
+    last: dict[int, int] = {}
+    for r, c, state_round in sent:
+        assert state_round == last.get(c, -1)  # the round the client last trained in (-1: never)
+        last[c] = r
+    assert any(s >= 0 for _, _, s in sent)  # some client came back
+    sim = run(load(cfg), run_dir=tmp_path / "sim").algorithm
+    assert (seen.algo.x.double() - sim.x.double()).abs().max().item() <= 1e-4  # three rounds of quantized means
+
+
+def test_a_client_step_that_uploads_more_than_its_model_is_refused_on_its_node(tmp_path, monkeypatch):
+    """SecAgg+ masks one vector: a step whose upload has more (SCAFFOLD's control variate) would send the rest in
+    the clear. Its method is refused before any app (its ``dp_refusal``); were it not, each node would refuse."""
+    from fedweave.algorithms.centralized.scaffold import Scaffold
+
+    monkeypatch.setattr(Scaffold, "dp_refusal", None)
+    with pytest.raises(
+        server_app.RunFailed, match=r"alone; client step ScaffoldStep uploads \[.dc., .dy.\]"
+    ):
+        _deploy(_cfg("scaffold"), tmp_path)
+
+
+def test_a_stateful_client_step_under_sample_level_dp_is_refused_in_one_line(tmp_path):
+    """A node runs DP-SGD around a rule it rebuilds, never around a client step (MOON's is refused in simulation
+    too, for its contrastive term); the deployed run stops before its first round with one line."""
+    cfg = {**_cfg("moon", None), "privacy": {"level": "sample", "noise_multiplier": 1.0, "amplification": "none"}}
+    with pytest.raises(server_app.RunFailed, match=r"not started: privacy.level: sample: client step MoonStep") as e:
+        _deploy(cfg, tmp_path)
+    assert "\n" not in str(e.value)

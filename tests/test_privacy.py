@@ -58,7 +58,7 @@ def test_without_privacy_the_config_records_no_privacy_key(toy_config):
     assert _built(toy_config).privacy is None
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedadam", "fedavgm", "fedlc"])
+@pytest.mark.parametrize("name", ["fedavg", "fedadam", "fedavgm", "fedlc", "moon"])
 def test_no_noise_and_a_huge_clip_is_the_method_bit_for_bit(toy_config, name):
     algorithm = {"name": name, "clients_per_round": 4, "weighting": "uniform"}
     plain = _rounds(_built(_cfg(toy_config, algorithm=algorithm)), 3)
@@ -534,10 +534,17 @@ def test_fedlc_is_dp_fedavg_at_user_level_and_refused_in_one_line_at_sample_leve
         _rounds(sample, 1)
 
 
-def test_moon_is_refused_for_its_client_state_in_one_line(toy_config):
-    cfg = _cfg(toy_config, {"noise_multiplier": 1.0}, sampler="bernoulli", algorithm={"name": "moon"})
-    with pytest.raises(ConfigError, match=r"^privacy: algorithm 'moon' is refused: its clients keep their previous"):
-        _built(cfg)
+def test_moon_is_dp_fedavg_at_user_level_and_refused_in_one_line_at_sample_level(toy_config):
+    """Its clients send one model update each (their previous model stays with them) and its server is FedAvg's;
+    its contrastive term is outside what DP-SGD clips, so sample level stops at its first round with one line."""
+    algorithm = {"name": "moon", "clients_per_round": 4}
+    user = _built(_cfg(toy_config, {"noise_multiplier": 1.0}, sampler="bernoulli", algorithm=algorithm))
+    _rounds(user, 2)
+    assert user.privacy.metrics()["epsilon"] > 0
+    assert user.store.rows("prev", np.arange(user.ctx.num_clients)).abs().sum() > 0  # its clients kept their models
+    sample = _built(_cfg(toy_config, {"level": "sample"}, sampler="bernoulli", algorithm=algorithm))
+    with pytest.raises(ConfigError, match=r"^privacy.level: sample: the method's local rule adds a term to the loss"):
+        _rounds(sample, 1)
 
 
 def test_batches_that_can_hold_a_sample_twice_are_refused_at_sample_level(toy_config):

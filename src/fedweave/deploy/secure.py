@@ -48,7 +48,7 @@ from fedweave.deploy.jobs import encode_job
 from fedweave.deploy.node_state import INITIAL
 from fedweave.deploy.wire import to_records
 from fedweave.errors import RunStopped
-from fedweave.execution.job import LocalCall, LocalResult
+from fedweave.execution.job import ClientStep, LocalCall, LocalResult
 
 WEIGHT = "fedweave.secagg"  # the job's config record under secure aggregation: the client's weight and the ranges
 POLL = 0.25  # seconds between two looks for replies
@@ -191,9 +191,11 @@ class SecureAggregation:
             raise RunStopped(f"secure_aggregation: algorithm {self.algo.name!r} weighs its clients in its own way")
         return w
 
-    def run_jobs(self, trainer: Any, call: LocalCall) -> LocalResult:
+    def run_jobs(self, trainer: Any, call: LocalCall, step: ClientStep | None = None) -> LocalResult:
         """The call's jobs through one SecAgg+ round: each client's job goes with the collect stage's message,
-        and what comes back is the weighted mean of the updates; every client's local model is ``x + mean``."""
+        and what comes back is the weighted mean of the updates; every client's local model is ``x + mean``.
+        ``step``: a stateful algorithm's client step, run on each node over its own state (a step that uploads
+        more than its model is refused on the node: SecAgg+ masks the model update alone)."""
         clients = list(map(int, call.clients))
         weights = self.int_weights(clients)
         # each client's quantized values (its weight's factor among them) lie in [0, quantization_range] and SecAgg+
@@ -208,7 +210,8 @@ class SecureAggregation:
         node = {c: self.clients.node_of[c] for c in clients}
         jobs = {}
         for k, c in enumerate(clients):
-            header, tensors = encode_job(call, k, local=trainer.local, state_round=INITIAL,
+            state_round = INITIAL if step is None else trainer.clients.accepted.get(c, INITIAL)
+            header, tensors = encode_job(call, k, local=trainer.local, step=step, state_round=state_round,
                                          num_classes=trainer.num_classes)  # fmt: skip
             content = to_records(header, tensors)
             content.config_records[WEIGHT] = ConfigRecord({
@@ -219,6 +222,8 @@ class SecureAggregation:
             jobs[node[c]] = content
         mean, results = self.aggregate(call.round, jobs)
         by_node = {proxy.node_id: fit for proxy, fit in results}
+        if step is not None:  # the state version each delivering node wrote for this round is the one used
+            trainer.clients.accepted.update({c: call.round for c in clients if node[c] in by_node})
         starts = call.starts
         params = starts + torch.as_tensor(mean, dtype=starts.dtype, device=starts.device)
         heads = [json.loads(str(by_node[node[c]].metrics["json"])) for c in clients]

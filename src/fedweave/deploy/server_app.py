@@ -512,18 +512,19 @@ class FlowerTrainer(LocalTrainer):
         """A stateful algorithm's jobs: each node starts from its own copy of its client's state and
         replies with what the client uploads in the paper; the server keeps only, per client, the round of
         the state version it used (``store`` stays unused: there is none on the server)."""
-        if isinstance(self, PrivateTrainer):  # the privacy section refuses stateful methods; DP-SGD must not vanish
-            raise DeploymentError("DP-SGD around a stateful client step cannot be deployed")
-        if self.secure is not None:  # each node's upload would reach the server in the clear, outside SecAgg+
+        if isinstance(self, PrivateTrainer):  # a node runs DP-SGD around a rule it rebuilds, never around a step's
             raise DeploymentError(
-                f"secure_aggregation: algorithm {self.secure.algo.name!r} trains a stateful client step, whose "
-                "uploads SecAgg+ does not mask; a method with a ClientStep declares a dp_refusal, which refuses it"
+                f"privacy.level: sample: client step {type(step).__name__} (clients with state of their own) is "
+                "not deployed under DP-SGD; use privacy.level: user"
             )
         clients = list(map(int, clients))
         starts = self.checked_starts(starts, clients)
         lr = self.lr(round) if lr is None else lr
         if not clients:
             return LocalResult(starts[:0].clone(), torch.zeros(0, dtype=torch.long), torch.zeros(0)), {}
+        if self.secure is not None:  # one SecAgg+ round; each node keeps its state, its model update is masked
+            call = LocalCall(starts, clients, round, PLAIN, lr, steps, key)
+            return self.secure.run_jobs(self, call, step=step), {}
         remote, here = self._split(clients)
         parts, uploads = [], []
         if remote:

@@ -90,12 +90,9 @@ class MoonHparams(StarHparams):
 class Moon(StarAlgorithm):
     name = "moon"
     Hparams = MoonHparams
-    # its messages fit DP-FedAvg (one model update each, FedAvg's server), but a deployment runs stateful client
-    # steps outside the DP and secure-aggregation paths, which the simulation must not promise
-    dp_refusal = (
-        "its clients keep their previous model as state, which the deployed DP and secure-aggregation paths do not "
-        "carry yet"
-    )
+    # DP-FedAvg and SecAgg+ see what FedAvg's clients send, one model update each, and its server is FedAvg's;
+    # the previous model stays with its client (on its node when deployed), used in its local training only
+    dp_refusal = None
 
     def __init__(self, ctx, hp: MoonHparams) -> None:
         super().__init__(ctx, hp)
