@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import math
 import io
 import json
 import os
@@ -882,3 +883,15 @@ def test_fedweave_sweep_of_a_config_with_a_sweep_section_says_what_reads_it(toy_
     with pytest.raises(GridError, match=r"^sweep: fedweave\.sweep takes the grid, .*'fedweave sweep CONFIG'"):
         fedweave.sweep(str(path), out=tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_point_with_one_completed_run_shows_no_spread(toy_config, tmp_path):
+    """A sample std needs two runs: one seed's point has std NaN (``-`` in summary.md, empty of meaning as 0.0)."""
+    out = fedweave.sweep(toy_config, parse_grid(["local.lr=0.05,0.2"]), seeds=1, out=tmp_path / "s", progress=False)
+    for row in out.summary:
+        assert row["seeds"] == 1 and math.isfinite(row["test_accuracy_mean"]) and math.isnan(row["test_accuracy_std"])
+    lines = (tmp_path / "s" / "summary.md").read_text().splitlines()
+    std = lines[0].split("|").index(" test_accuracy_std ")
+    assert [line.split("|")[std].strip().strip("*") for line in lines[2:]] == ["-", "-"]
+    rows = list(csv.DictReader(open(tmp_path / "s" / "summary.csv")))
+    assert all(math.isnan(float(r["test_accuracy_std"] or "nan")) for r in rows)

@@ -169,9 +169,11 @@ def sweep(
 
     summary = []
     for label, recs in by_point.items():
-        m, sd = mean_std([r[f"final_{metric}"] for r in recs if r["status"] == "completed"])
+        done = [r[f"final_{metric}"] for r in recs if r["status"] == "completed"]
+        m, sd = mean_std(done)
         row = {"point": label, "seeds": len(recs), "diverged": sum(r["status"] == "diverged" for r in recs)}
-        row[f"{metric}_mean"], row[f"{metric}_std"] = m, sd
+        # one completed run has no spread to show (a sample std needs two): NaN, "-" in summary.md, not 0.0
+        row[f"{metric}_mean"], row[f"{metric}_std"] = m, sd if len(done) > 1 else math.nan
         if target is not None:
             for x in ("rounds_to_target", "bytes_to_target"):
                 row[f"{x}_mean"] = if_all([r[x] for r in recs], lambda v: mean_std(v)[0])  # all seeds reached it
