@@ -124,7 +124,7 @@ class Recorder:
         monkeypatch.setattr(secure.SecureAggregation, "run_jobs", run_jobs_)
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedadam", "fedlc", "moon"])
+@pytest.mark.parametrize("name", ["fedavg", "fedadam", "fedlc", "moon", "feddyn"])
 def test_each_secure_mean_is_the_mean_of_the_updates_within_the_quantization_bound(tmp_path, name, monkeypatch):
     seen = Recorder(monkeypatch)
     summary, _ = _deploy(_cfg(name), tmp_path)
@@ -202,6 +202,7 @@ def test_the_server_never_holds_an_individual_update(tmp_path, monkeypatch):
             "secure_aggregation: algorithm 'scaffold'",
         ),
         ({"algorithm": {"name": "hier_fedavg", "tau": 2}}, "stop", "secure_aggregation: algorithm 'hier_fedavg'"),
+        ({"algorithm": {"name": "feddyn", "clients_per_round": 3}}, "stop", "secure_aggregation: algorithm 'feddyn'"),
     ],
 )
 def test_what_secure_aggregation_cannot_deploy_is_refused_with_one_line(change, app, words):
@@ -337,10 +338,11 @@ def test_the_ledger_bills_what_the_deployed_protocol_sends(tmp_path):
     assert summary["flower"]["payload_received"] == 0  # no reply carries fedweave's tensors: only masked values
 
 
-def test_a_stateful_client_step_keeps_its_state_on_its_node_under_secagg(tmp_path, monkeypatch):
-    """MOON's clients keep their previous model on their nodes: a client that trains again starts from the state
-    version its node wrote when it last took part, and the run is the simulated one within the bound (three rounds
-    over five clients, so that clients come back)."""
+@pytest.mark.parametrize("name", ["moon", "feddyn"])
+def test_a_stateful_client_step_keeps_its_state_on_its_node_under_secagg(tmp_path, monkeypatch, name):
+    """MOON's clients keep their previous model on their nodes, FedDyn's their grad L_i: a client that trains again
+    starts from the state version its node wrote when it last took part, and the run is the simulated one within
+    the quantization (three rounds over five clients, so that clients come back)."""
     seen = Recorder(monkeypatch)
     sent = []
     encode = secure.encode_job
@@ -350,7 +352,7 @@ def test_a_stateful_client_step_keeps_its_state_on_its_node_under_secagg(tmp_pat
         return encode(call, k, **kw)
 
     monkeypatch.setattr(secure, "encode_job", encode_job)
-    cfg = {**_cfg("moon"), "rounds": 3}
+    cfg = {**_cfg(name), "rounds": 3}
     summary, _ = _deploy(cfg, tmp_path)
     assert summary["status"] == "completed"
     last: dict[int, int] = {}
@@ -368,9 +370,7 @@ def test_a_client_step_that_uploads_more_than_its_model_is_refused_on_its_node(t
     from fedweave.algorithms.centralized.scaffold import Scaffold
 
     monkeypatch.setattr(Scaffold, "dp_refusal", None)
-    with pytest.raises(
-        server_app.RunFailed, match=r"alone; client step ScaffoldStep uploads \[.dc., .dy.\]"
-    ):
+    with pytest.raises(server_app.RunFailed, match=r"alone; client step ScaffoldStep uploads \[.dc., .dy.\]"):
         _deploy(_cfg("scaffold"), tmp_path)
 
 

@@ -109,6 +109,25 @@ def test_the_numbers_are_unchanged_and_nothing_is_recorded_without_the_section(t
     assert not any(kind.startswith("secagg") for (_, _, _, kind) in plain.ledger._totals)
 
 
+@pytest.mark.parametrize("name", ["moon", "feddyn"])
+def test_a_method_with_client_state_is_unchanged_by_the_section(toy_config, name):
+    """MOON and FedDyn keep state on their clients and send one model each; FedDyn's server needs the sum of the
+    models, which the mean gives under equal weights (its Alg. 1): bit for bit the method without the section."""
+    algorithm = {"name": name, "clients_per_round": 4, "weighting": "uniform"}
+    plain = _built(_cfg(toy_config, algorithm=algorithm))
+    secure = _built(_cfg(toy_config, {"num_shares": 1.0}, algorithm=algorithm))
+    for r in range(3):
+        plain.run_round(r)
+        secure.run_round(r)
+    assert secure.secagg is not None and torch.equal(plain.x, secure.x)
+
+
+def test_feddyn_weighted_by_samples_is_refused_with_one_line(toy_config):
+    cfg = _cfg(toy_config, {"num_shares": 1.0}, algorithm={"name": "feddyn", "clients_per_round": 4})
+    with pytest.raises(ConfigError, match=r"^secure_aggregation: algorithm 'feddyn' is refused: .* h sums the"):
+        _built(cfg)
+
+
 @pytest.mark.parametrize(
     ("change", "words"),
     [

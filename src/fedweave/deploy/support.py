@@ -87,8 +87,12 @@ def secure_refusal(config: RunConfig, on_error: str) -> str | None:
     """Why a run with ``secure_aggregation`` cannot run Flower's SecAgg+ deployed, or None (the rest of the
     simulation's own refusals come when the algorithm is built)."""
     cls = ALGORITHMS.get(config.algorithm.name)
-    if cls.family != "centralized" or getattr(cls, "dp_refusal", None):  # make_secagg's criterion, before any app
-        why = cls.dp_refusal if cls.family == "centralized" else f"the {cls.family} family is not supported yet"
+    weighting = config.algorithm.options.get("weighting", "samples")
+    if cls.family == "centralized":  # make_secagg's criterion, before any app
+        why = cls.secure_refusal(weighting)
+    else:
+        why = f"the {cls.family} family is not supported yet"
+    if why:
         return (
             f"secure_aggregation: algorithm {config.algorithm.name!r} cannot run Flower's SecAgg+, whose server learns "
             f"only the weighted mean of the updates ({why})"

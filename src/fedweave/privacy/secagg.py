@@ -145,10 +145,10 @@ def make_secagg(algo: Any) -> SecAggPlus | None:
             f"secure_aggregation: algorithm {name!r} is refused: its server steps on {steps}, which SecAgg+'s rounds "
             "of a fixed cohort do not model"
         )
-    if algo.dp_refusal:  # the same criterion: one model update per client, the server state from their sum
+    if why := algo.secure_refusal(algo.hp.weighting):  # one model update per client, the server state from their sum
         raise ConfigError(
             f"secure_aggregation: algorithm {name!r} is refused: its server needs more than the sum of the "
-            f"clients' updates ({algo.dp_refusal})"
+            f"clients' updates ({why})"
         )
     if algo.config.compression.upload is not None:
         raise ConfigError(

@@ -174,6 +174,13 @@ class StarAlgorithm(Algorithm):
     global_model: ClassVar[bool] = True  # False where the method keeps no single global model x_t (IFCA, CFL, ...)
 
     @classmethod
+    def secure_refusal(cls, weighting: str) -> str | None:
+        """Why secure aggregation, whose server learns only the weighted mean of the updates (weighted by
+        ``weighting``), cannot serve this method, or None. By default ``dp_refusal``'s criterion: one model update
+        per client and the server state a function of their mean."""
+        return cls.dp_refusal
+
+    @classmethod
     def check_sampler(cls, config: RunConfig, hp: StarHparams) -> None:
         """``algorithm.sampling`` against the sampler section first, as the run makes its sampler."""
         _aliased_sampler(config, hp)

@@ -76,6 +76,16 @@ class FedDyn(StarAlgorithm):
     state_fields = (*StarAlgorithm.state_fields, "h")
     updates_are_models = True  # the server averages the local models (an attack acts on theta_i - x_t)
 
+    @classmethod
+    def secure_refusal(cls, weighting: str) -> str | None:
+        # h and x_{t+1} need sum_S theta_i: |S| times the mean that SecAgg+ gives when the weights are equal (Alg. 1)
+        if weighting != "uniform":
+            return (
+                "its server state h sums the clients' models unweighted, which the weighted mean gives only under "
+                "algorithm.weighting: uniform (Alg. 1's average)"
+            )
+        return None
+
     def __init__(self, ctx, hp: FedDynHparams) -> None:
         super().__init__(ctx, hp)
         self.h = torch.zeros_like(self.x)
