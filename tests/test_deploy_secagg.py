@@ -381,3 +381,15 @@ def test_a_stateful_client_step_under_sample_level_dp_is_refused_in_one_line(tmp
     with pytest.raises(server_app.RunFailed, match=r"not started: privacy.level: sample: client step MoonStep") as e:
         _deploy(cfg, tmp_path)
     assert "\n" not in str(e.value)
+
+
+def test_feddyn_under_a_sampler_that_draws_by_size_is_deployable_as_it_is_simulated():
+    """Power-of-choice draws by size, so the run weighs its clients equally without ``weighting: uniform``: the
+    check before any app reads the weighting the run will use, as the simulation does."""
+    from fedweave.deploy.support import secure_refusal
+
+    cfg = {**_cfg("feddyn"), "sampler": {"name": "power_of_choice", "d": 4}}
+    del cfg["algorithm"]["weighting"]
+    assert secure_refusal(load(cfg), "stop") is None
+    without = {**cfg, "sampler": {"name": "uniform"}}
+    assert "algorithm.weighting: uniform" in secure_refusal(load(without), "stop")

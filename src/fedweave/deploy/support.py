@@ -5,7 +5,8 @@
 from __future__ import annotations
 
 from fedweave.config import ConfigError, RunConfig
-from fedweave.registry import ALGORITHMS
+from fedweave.registry import ALGORITHMS, SAMPLERS
+from fedweave.topology.samplers import draws_by_size
 
 POLICIES = ("stop", "drop")  # the app config's on-error
 FAMILIES = ("centralized", "split", "hierarchical", "decentralized")  # the families a deployment can run
@@ -87,7 +88,9 @@ def secure_refusal(config: RunConfig, on_error: str) -> str | None:
     """Why a run with ``secure_aggregation`` cannot run Flower's SecAgg+ deployed, or None (the rest of the
     simulation's own refusals come when the algorithm is built)."""
     cls = ALGORITHMS.get(config.algorithm.name)
-    weighting = config.algorithm.options.get("weighting", "samples")
+    # the weighting the run will use: equal weights under a sampler that draws by size (weighting_under)
+    by_size = draws_by_size(SAMPLERS.get(config.sampler.name))
+    weighting = config.algorithm.options.get("weighting", "uniform" if by_size else "samples")
     if cls.family == "centralized":  # make_secagg's criterion, before any app
         why = cls.secure_refusal(weighting)
     else:
