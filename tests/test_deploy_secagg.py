@@ -98,33 +98,25 @@ class Recorder:
         self.updates: dict[int, dict[int, np.ndarray]] = {}  # round -> client -> its update
         self.means: list[np.ndarray] = []
         self.algo = None
-        reply, aggregate, run_jobs = (
-            secure.masked_reply,
-            secure.SecureAggregation.aggregate,
-            secure.SecureAggregation.run_jobs,
-        )
+        reply, aggregate = secure.masked_reply, secure.SecureAggregation.aggregate
 
-        def masked_reply(msg, header, params, start):
+        def masked_reply(msg, header, update):
             r = json.loads(str(msg.content["header"]["json"]))["round"]
             c = int(msg.content.config_records[secure.WEIGHT]["client"])
-            self.updates.setdefault(r, {})[c] = (params.reshape(-1).double() - start.reshape(-1).double()).numpy()
-            return reply(msg, header, params, start)
+            self.updates.setdefault(r, {})[c] = update.reshape(-1).double().numpy()
+            return reply(msg, header, update)
 
         def aggregate_(this, round, jobs):
+            self.algo = this.algo
             mean, results = aggregate(this, round, jobs)
             self.means.append(mean)
             return mean, results
 
-        def run_jobs_(this, trainer, call, **kw):
-            self.algo = this.algo
-            return run_jobs(this, trainer, call, **kw)
-
         monkeypatch.setattr(secure, "masked_reply", masked_reply)
         monkeypatch.setattr(secure.SecureAggregation, "aggregate", aggregate_)
-        monkeypatch.setattr(secure.SecureAggregation, "run_jobs", run_jobs_)
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedadam", "fedlc", "moon", "feddyn"])
+@pytest.mark.parametrize("name", ["fedavg", "fedadam", "fedlc", "moon", "feddyn", "scaffold"])
 def test_each_secure_mean_is_the_mean_of_the_updates_within_the_quantization_bound(tmp_path, name, monkeypatch):
     seen = Recorder(monkeypatch)
     summary, _ = _deploy(_cfg(name), tmp_path)
@@ -230,9 +222,9 @@ def test_an_update_that_is_not_finite_is_refused_on_its_node(bad):
     msg = Message(content, dst_node_id=5, message_type="train")
     msg.metadata.__dict__["_message_id"] = msg.object_id
     with pytest.raises(ValueError, match=r"^secure_aggregation: client 2's update has a non-finite element") as e:
-        secure.masked_reply(msg, {"steps": 1, "loss": 0.5}, torch.tensor([bad, 0.1, -0.1]), torch.zeros(3))
+        secure.masked_reply(msg, {"steps": 1, "loss": 0.5}, torch.tensor([bad, 0.1, -0.1]))
     assert "\n" not in str(e.value)
-    reply = secure.masked_reply(msg, {"steps": 1, "loss": 0.5}, torch.tensor([0.2, 0.1, -0.1]), torch.zeros(3))
+    reply = secure.masked_reply(msg, {"steps": 1, "loss": 0.5}, torch.tensor([0.2, 0.1, -0.1]))
     assert not reply.has_error()
 
 
@@ -248,10 +240,10 @@ def test_a_weight_share_that_rounds_to_zero_is_refused_on_its_node():
     msg.metadata.__dict__["_message_id"] = msg.object_id
     assert round(1 / 1000 * 256) == 0
     with pytest.raises(ValueError, match=r"^secure_aggregation: client 2's weight share \(1 / 1000\)") as e:
-        secure.masked_reply(msg, {"steps": 1, "loss": 0.5}, torch.tensor([0.2, 0.1, -0.1]), torch.zeros(3))
+        secure.masked_reply(msg, {"steps": 1, "loss": 0.5}, torch.tensor([0.2, 0.1, -0.1]))
     assert "\n" not in str(e.value)
     content.config_records[secure.WEIGHT]["weight"] = 2  # 2 / 1000 * 256 = 0.512: one level
-    assert not secure.masked_reply(msg, {"steps": 1, "loss": 0.5}, torch.tensor([0.2]), torch.zeros(1)).has_error()
+    assert not secure.masked_reply(msg, {"steps": 1, "loss": 0.5}, torch.tensor([0.2])).has_error()
 
 
 def test_a_round_whose_quantized_sum_would_wrap_around_the_modulus_is_refused(tmp_path, monkeypatch):
@@ -323,26 +315,31 @@ def _protocol_bytes(grid: Watching) -> dict[str, int]:
     return out
 
 
-def test_the_ledger_bills_what_the_deployed_protocol_sends(tmp_path):
+@pytest.mark.parametrize(
+    ("name", "down", "up"), [("fedavg", "model", "model"), ("scaffold", "model+control", "update+control_delta")]
+)
+def test_the_ledger_bills_what_the_deployed_protocol_sends(tmp_path, name, down, up):
     """The simulation's SecAgg+ cost (fedweave.privacy.secagg), which the deployed run's ledger records too, is
-    what the deployed messages carry, stage by stage; the uploads are masked, never dense, and the downloads
-    (the jobs' start vectors) are the ledger's model bytes."""
-    summary, grid = _deploy(_cfg("fedavg"), tmp_path)
+    what the deployed messages carry, stage by stage; the uploads are masked, never dense (SCAFFOLD's Delta y_i
+    and Delta c_i as one masked vector of 2d + 1 values), and the downloads (the jobs' start vectors, and
+    SCAFFOLD's c) are the ledger's bytes."""
+    summary, grid = _deploy(_cfg(name), tmp_path)
     ledger = summary["communication"]["by_transfer"]
     sent = _protocol_bytes(grid)
     assert len(sent) == 8
     for kind, n in sent.items():
         assert ledger[kind]["bytes"] == n, kind
-    assert "client->server:model" not in ledger
-    assert summary["flower"]["payload_sent"] == ledger["server->client:model"]["bytes"]
+    assert f"client->server:{up}" not in ledger
+    assert summary["flower"]["payload_sent"] == ledger[f"server->client:{down}"]["bytes"]
     assert summary["flower"]["payload_received"] == 0  # no reply carries fedweave's tensors: only masked values
 
 
-@pytest.mark.parametrize("name", ["moon", "feddyn"])
+@pytest.mark.parametrize("name", ["moon", "feddyn", "scaffold"])
 def test_a_stateful_client_step_keeps_its_state_on_its_node_under_secagg(tmp_path, monkeypatch, name):
-    """MOON's clients keep their previous model on their nodes, FedDyn's their grad L_i: a client that trains again
-    starts from the state version its node wrote when it last took part, and the run is the simulated one within
-    the quantization (three rounds over five clients, so that clients come back)."""
+    """MOON's clients keep their previous model on their nodes, FedDyn's their grad L_i, SCAFFOLD's their c_i (and
+    mask Delta y_i and Delta c_i as one vector): a client that trains again starts from the state version its node
+    wrote when it last took part, and the run is the simulated one within the quantization (three rounds over five
+    clients, so that clients come back)."""
     seen = Recorder(monkeypatch)
     sent = []
     encode = secure.encode_job
@@ -364,13 +361,13 @@ def test_a_stateful_client_step_keeps_its_state_on_its_node_under_secagg(tmp_pat
     assert (seen.algo.x.double() - sim.x.double()).abs().max().item() <= 1e-4  # three rounds of quantized means
 
 
-def test_a_client_step_that_uploads_more_than_its_model_is_refused_on_its_node(tmp_path, monkeypatch):
-    """SecAgg+ masks one vector: a step whose upload has more (SCAFFOLD's control variate) would send the rest in
-    the clear. Its method is refused before any app (its ``dp_refusal``); were it not, each node would refuse."""
-    from fedweave.algorithms.centralized.scaffold import Scaffold
+def test_a_client_step_whose_upload_is_not_what_it_declares_is_refused_on_its_node(tmp_path, monkeypatch):
+    """The server splits SecAgg+'s mean of a step's upload by the names the step declares (``uploads``): a step
+    that sends other names is refused on its node with one line, never split wrongly."""
+    from fedweave.algorithms.centralized.scaffold import ScaffoldStep
 
-    monkeypatch.setattr(Scaffold, "dp_refusal", None)
-    with pytest.raises(server_app.RunFailed, match=r"alone; client step ScaffoldStep uploads \[.dc., .dy.\]"):
+    monkeypatch.setattr(ScaffoldStep, "uploads", ())
+    with pytest.raises(server_app.RunFailed, match=r"client step ScaffoldStep uploads \[.dc., .dy.\], not what it"):
         _deploy(_cfg("scaffold"), tmp_path)
 
 

@@ -109,10 +109,11 @@ def test_the_numbers_are_unchanged_and_nothing_is_recorded_without_the_section(t
     assert not any(kind.startswith("secagg") for (_, _, _, kind) in plain.ledger._totals)
 
 
-@pytest.mark.parametrize("name", ["moon", "feddyn"])
+@pytest.mark.parametrize("name", ["moon", "feddyn", "scaffold"])
 def test_a_method_with_client_state_is_unchanged_by_the_section(toy_config, name):
-    """MOON and FedDyn keep state on their clients and send one model each; FedDyn's server needs the sum of the
-    models, which the mean gives under equal weights (its Alg. 1): bit for bit the method without the section."""
+    """MOON, FedDyn and SCAFFOLD keep state on their clients; FedDyn's server needs the sum of the models and
+    SCAFFOLD's the sum of the control deltas, which the mean gives under equal weights (their Alg. 1): bit for bit
+    the method without the section."""
     algorithm = {"name": name, "clients_per_round": 4, "weighting": "uniform"}
     plain = _built(_cfg(toy_config, algorithm=algorithm))
     secure = _built(_cfg(toy_config, {"num_shares": 1.0}, algorithm=algorithm))
@@ -122,9 +123,10 @@ def test_a_method_with_client_state_is_unchanged_by_the_section(toy_config, name
     assert secure.secagg is not None and torch.equal(plain.x, secure.x)
 
 
-def test_feddyn_weighted_by_samples_is_refused_with_one_line(toy_config):
-    cfg = _cfg(toy_config, {"num_shares": 1.0}, algorithm={"name": "feddyn", "clients_per_round": 4})
-    with pytest.raises(ConfigError, match=r"^secure_aggregation: algorithm 'feddyn' is refused: .* h sums the"):
+@pytest.mark.parametrize(("name", "what"), [("feddyn", "h sums the"), ("scaffold", "sums the control-variate")])
+def test_a_method_that_needs_a_sum_weighted_by_samples_is_refused_with_one_line(toy_config, name, what):
+    cfg = _cfg(toy_config, {"num_shares": 1.0}, algorithm={"name": name, "clients_per_round": 4})
+    with pytest.raises(ConfigError, match=rf"^secure_aggregation: algorithm '{name}' is refused: .* {what}"):
         _built(cfg)
 
 

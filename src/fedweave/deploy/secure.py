@@ -94,14 +94,22 @@ def is_secure(msg: Message) -> bool:
     return WEIGHT in msg.content.config_records
 
 
-def masked_reply(msg: Message, header: dict[str, Any], params: torch.Tensor, start: torch.Tensor) -> Message:
-    """The reply of a job of a SecAgg+ round, for Flower's mod to mask: the client's update ``params - start``
-    (float64) and its weight as a ``FitRes``, fedweave's header beside it. An update that SecAgg+'s quantization
+def update_of(sent: dict[str, torch.Tensor], start: torch.Tensor) -> torch.Tensor:
+    """What a client of a SecAgg+ round masks, one float64 vector: its model's update ``params - start``, or a client
+    step's upload (SCAFFOLD's ``dc`` and ``dy``) in the order of its names, as the server splits the mean."""
+    if set(sent) == {"params"}:
+        return sent["params"].reshape(-1).double() - start.reshape(-1).double()
+    return torch.cat([sent[name].reshape(-1).double() for name in sorted(sent)])
+
+
+def masked_reply(msg: Message, header: dict[str, Any], update: torch.Tensor) -> Message:
+    """The reply of a job of a SecAgg+ round, for Flower's mod to mask: the client's ``update`` (:func:`update_of`,
+    float64) and its weight as a ``FitRes``, fedweave's header beside it. An update that SecAgg+'s quantization
     would clip, or one with a NaN or infinite element, raises ValueError (one line), never masked in silence."""
     rec = msg.content.config_records[WEIGHT]
     weight, max_weight = int(rec["weight"]), float(rec["max_weight"])
     clipping, levels = float(rec["clipping_range"]), int(rec["quantization_range"])
-    update = (params.reshape(-1).double() - start.reshape(-1).double()).cpu().numpy()
+    update = update.reshape(-1).double().cpu().numpy()
     if not np.isfinite(update).all():  # Flower would quantize NaN to an arbitrary integer: a finite, wrong sum
         bad = update[~np.isfinite(update)][0]
         raise ValueError(
@@ -191,11 +199,35 @@ class SecureAggregation:
             raise RunStopped(f"secure_aggregation: algorithm {self.algo.name!r} weighs its clients in its own way")
         return w
 
-    def run_jobs(self, trainer: Any, call: LocalCall, step: ClientStep | None = None) -> LocalResult:
+    def run_jobs(self, trainer: Any, call: LocalCall) -> LocalResult:
         """The call's jobs through one SecAgg+ round: each client's job goes with the collect stage's message,
-        and what comes back is the weighted mean of the updates; every client's local model is ``x + mean``.
-        ``step``: a stateful algorithm's client step, run on each node over its own state (a step that uploads
-        more than its model is refused on the node: SecAgg+ masks the model update alone)."""
+        and what comes back is the weighted mean of the updates; every client's local model is ``x + mean``."""
+        mean, result = self._round(trainer, call, None)
+        result.params = call.starts + torch.as_tensor(mean, dtype=call.starts.dtype, device=call.starts.device)
+        return result
+
+    def run_steps(self, trainer: Any, call: LocalCall, step: ClientStep) -> tuple[LocalResult, dict[str, torch.Tensor]]:
+        """A stateful algorithm's jobs through one SecAgg+ round: each node runs ``step`` over its own state and
+        masks what it uploads (its model's update, or the upload ``step.uploads`` names, in their order); returns
+        every client's local model and upload as the mean gives them (each row the mean: the server learns no
+        more), as ``train_with_state`` returns them."""
+        mean, result = self._round(trainer, call, step)
+        starts = call.starts
+        mean = torch.as_tensor(mean, dtype=starts.dtype, device=starts.device)
+        if not step.uploads:  # the model's update
+            result.params = starts + mean
+            return result, {}
+        parts = mean.split(starts.shape[-1])  # each named upload has the model's size (ClientStep.uploads)
+        if len(parts) != len(step.uploads):
+            raise ValueError(f"client step {type(step).__name__}: a mean of {mean.numel()} values for its uploads "
+                             f"{sorted(step.uploads)} of {starts.shape[-1]} each")  # fmt: skip
+        upload = {name: part.expand(len(call), -1) for name, part in zip(sorted(step.uploads), parts)}
+        result.params = step.local_model(starts, upload)
+        return result, upload
+
+    def _round(self, trainer: Any, call: LocalCall, step: ClientStep | None) -> tuple[np.ndarray, LocalResult]:
+        """The weighted mean of what the call's clients mask, and their local result but the models (their steps
+        and losses; ``params`` the starts until the caller sets them)."""
         clients = list(map(int, call.clients))
         weights = self.int_weights(clients)
         # each client's quantized values (its weight's factor among them) lie in [0, quantization_range] and SecAgg+
@@ -225,10 +257,9 @@ class SecureAggregation:
         if step is not None:  # the state version each delivering node wrote for this round is the one used
             trainer.clients.accepted.update({c: call.round for c in clients if node[c] in by_node})
         starts = call.starts
-        params = starts + torch.as_tensor(mean, dtype=starts.dtype, device=starts.device)
         heads = [json.loads(str(by_node[node[c]].metrics["json"])) for c in clients]
-        return LocalResult(
-            params,
+        return mean, LocalResult(
+            starts,
             torch.tensor([int(h["steps"]) for h in heads], dtype=torch.long, device=starts.device),
             torch.tensor([float(h["loss"]) for h in heads], dtype=starts.dtype, device=starts.device),
         )

@@ -522,9 +522,8 @@ class FlowerTrainer(LocalTrainer):
         lr = self.lr(round) if lr is None else lr
         if not clients:
             return LocalResult(starts[:0].clone(), torch.zeros(0, dtype=torch.long), torch.zeros(0)), {}
-        if self.secure is not None:  # one SecAgg+ round; each node keeps its state, its model update is masked
-            call = LocalCall(starts, clients, round, PLAIN, lr, steps, key)
-            return self.secure.run_jobs(self, call, step=step), {}
+        if self.secure is not None:  # one SecAgg+ round; each node keeps its state, what it uploads is masked
+            return self.secure.run_steps(self, LocalCall(starts, clients, round, PLAIN, lr, steps, key), step)
         remote, here = self._split(clients)
         parts, uploads = [], []
         if remote:

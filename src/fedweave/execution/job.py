@@ -331,6 +331,9 @@ class ClientStep:
     """
 
     state: tuple[str, ...] = ()  #: the per-client state rows, each of the model's size, zero at the start
+    #: the names of its upload, each of the model's size (empty: it sends its model); under secure aggregation
+    #: a node masks them as one vector and the server splits their mean by these names
+    uploads: tuple[str, ...] = ()
 
     def rule(self, state: dict[str, torch.Tensor]) -> LocalRule:
         """The local rule of jobs whose state rows are ``state[name]`` (shape ``(K, P)``)."""

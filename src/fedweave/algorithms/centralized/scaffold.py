@@ -55,6 +55,7 @@ class ScaffoldStep(ClientStep):
     ``c_i+`` by option II; it uploads ``Delta y_i`` and ``Delta c_i`` and keeps ``c_i+``."""
 
     state = ("c",)
+    uploads = ("dy", "dc")
 
     def __init__(self, c_global: torch.Tensor, lr: float) -> None:
         self.c_global, self.lr = c_global, float(lr)
@@ -83,6 +84,17 @@ class Scaffold(StarAlgorithm):
     dp_refusal = "its clients also upload control-variate deltas, which the server sums into c unclipped and unnoised"
     uplink = "update+control_delta"  # Delta y_i and Delta c_i (line 13)
     state_fields = (*StarAlgorithm.state_fields, "c")
+
+    @classmethod
+    def secure_refusal(cls, weighting: str) -> str | None:
+        # lines 16-17 need the mean of the Delta y_i and the sum of the Delta c_i: |S| times their mean, which
+        # SecAgg+ gives of both (one vector each client) when the weights are equal (Alg. 1's 1/|S|)
+        if weighting != "uniform":
+            return (
+                "its server sums the control-variate deltas unweighted, which the weighted mean gives only under "
+                "algorithm.weighting: uniform (Alg. 1's average)"
+            )
+        return None
 
     def __init__(self, ctx, hp) -> None:
         super().__init__(ctx, hp)
