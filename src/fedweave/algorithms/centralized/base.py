@@ -172,13 +172,24 @@ class StarAlgorithm(Algorithm):
     sim_clock: ClassVar[bool] = True  # faults.sim_time applies (round_time)
     counts_steps: ClassVar[bool] = True  # a client's work is its local steps (faults.work_unit: step applies)
     global_model: ClassVar[bool] = True  # False where the method keeps no single global model x_t (IFCA, CFL, ...)
+    # secure aggregation: what the server sums unweighted over the round's clients (FedDyn's h, SCAFFOLD's c), which
+    # is |S| times the mean SecAgg+ gives under equal weights; None: its server needs the mean only (dp_refusal)
+    sums_unweighted: ClassVar[str | None] = None
 
     @classmethod
     def secure_refusal(cls, weighting: str) -> str | None:
         """Why secure aggregation, whose server learns only the weighted mean of the updates (weighted by
-        ``weighting``), cannot serve this method, or None. By default ``dp_refusal``'s criterion: one model update
-        per client and the server state a function of their mean."""
-        return cls.dp_refusal
+        ``weighting``), cannot serve this method, or None: ``dp_refusal``'s criterion (one model update per client
+        and the server state a function of their mean), or, for a method whose server sums an upload
+        (``sums_unweighted``), equal weights."""
+        if cls.sums_unweighted is None:
+            return cls.dp_refusal
+        if weighting == "uniform":
+            return None
+        return (
+            f"its server {cls.sums_unweighted} unweighted, which the weighted mean gives only under "
+            "algorithm.weighting: uniform (Alg. 1's average)"
+        )
 
     @classmethod
     def check_sampler(cls, config: RunConfig, hp: StarHparams) -> None:

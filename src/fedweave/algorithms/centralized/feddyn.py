@@ -75,16 +75,7 @@ class FedDyn(StarAlgorithm):
     step_sizes = ()  # server_lr must stay 1: the server sets its model outright
     state_fields = (*StarAlgorithm.state_fields, "h")
     updates_are_models = True  # the server averages the local models (an attack acts on theta_i - x_t)
-
-    @classmethod
-    def secure_refusal(cls, weighting: str) -> str | None:
-        # h and x_{t+1} need sum_S theta_i: |S| times the mean that SecAgg+ gives when the weights are equal (Alg. 1)
-        if weighting != "uniform":
-            return (
-                "its server state h sums the clients' models unweighted, which the weighted mean gives only under "
-                "algorithm.weighting: uniform (Alg. 1's average)"
-            )
-        return None
+    sums_unweighted = "state h sums the clients' models"  # secure aggregation: h needs sum_S theta_i (Alg. 1)
 
     def __init__(self, ctx, hp: FedDynHparams) -> None:
         super().__init__(ctx, hp)

@@ -83,18 +83,8 @@ class Scaffold(StarAlgorithm):
     # privacy: the control-variate deltas Delta c_i are a second, unclipped upload summed into c
     dp_refusal = "its clients also upload control-variate deltas, which the server sums into c unclipped and unnoised"
     uplink = "update+control_delta"  # Delta y_i and Delta c_i (line 13)
+    sums_unweighted = "sums the control-variate deltas"  # secure aggregation: line 17's sum of the Delta c_i
     state_fields = (*StarAlgorithm.state_fields, "c")
-
-    @classmethod
-    def secure_refusal(cls, weighting: str) -> str | None:
-        # lines 16-17 need the mean of the Delta y_i and the sum of the Delta c_i: |S| times their mean, which
-        # SecAgg+ gives of both (one vector each client) when the weights are equal (Alg. 1's 1/|S|)
-        if weighting != "uniform":
-            return (
-                "its server sums the control-variate deltas unweighted, which the weighted mean gives only under "
-                "algorithm.weighting: uniform (Alg. 1's average)"
-            )
-        return None
 
     def __init__(self, ctx, hp) -> None:
         super().__init__(ctx, hp)
