@@ -202,32 +202,30 @@ class SecureAggregation:
     def run_jobs(self, trainer: Any, call: LocalCall) -> LocalResult:
         """The call's jobs through one SecAgg+ round: each client's job goes with the collect stage's message,
         and what comes back is the weighted mean of the updates; every client's local model is ``x + mean``."""
-        mean, result = self._round(trainer, call, None)
-        result.params = call.starts + torch.as_tensor(mean, dtype=call.starts.dtype, device=call.starts.device)
-        return result
+        mean, steps, loss = self._round(trainer, call, None)
+        return LocalResult(call.starts + mean, steps, loss)
 
     def run_steps(self, trainer: Any, call: LocalCall, step: ClientStep) -> tuple[LocalResult, dict[str, torch.Tensor]]:
         """A stateful algorithm's jobs through one SecAgg+ round: each node runs ``step`` over its own state and
         masks what it uploads (its model's update, or the upload ``step.uploads`` names, in their order); returns
         every client's local model and upload as the mean gives them (each row the mean: the server learns no
         more), as ``train_with_state`` returns them."""
-        mean, result = self._round(trainer, call, step)
+        mean, steps, loss = self._round(trainer, call, step)
         starts = call.starts
-        mean = torch.as_tensor(mean, dtype=starts.dtype, device=starts.device)
         if not step.uploads:  # the model's update
-            result.params = starts + mean
-            return result, {}
+            return LocalResult(starts + mean, steps, loss), {}
         parts = mean.split(starts.shape[-1])  # each named upload has the model's size (ClientStep.uploads)
         if len(parts) != len(step.uploads):
             raise ValueError(f"client step {type(step).__name__}: a mean of {mean.numel()} values for its uploads "
                              f"{sorted(step.uploads)} of {starts.shape[-1]} each")  # fmt: skip
         upload = {name: part.expand(len(call), -1) for name, part in zip(sorted(step.uploads), parts)}
-        result.params = step.local_model(starts, upload)
-        return result, upload
+        return LocalResult(step.local_model(starts, upload), steps, loss), upload
 
-    def _round(self, trainer: Any, call: LocalCall, step: ClientStep | None) -> tuple[np.ndarray, LocalResult]:
-        """The weighted mean of what the call's clients mask, and their local result but the models (their steps
-        and losses; ``params`` the starts until the caller sets them)."""
+    def _round(
+        self, trainer: Any, call: LocalCall, step: ClientStep | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One SecAgg+ round of the call's jobs: the weighted mean of what its clients mask (in the starts' dtype),
+        and each client's local steps and training loss."""
         clients = list(map(int, call.clients))
         weights = self.int_weights(clients)
         # each client's quantized values (its weight's factor among them) lie in [0, quantization_range] and SecAgg+
@@ -258,8 +256,8 @@ class SecureAggregation:
             trainer.clients.accepted.update({c: call.round for c in clients if node[c] in by_node})
         starts = call.starts
         heads = [json.loads(str(by_node[node[c]].metrics["json"])) for c in clients]
-        return mean, LocalResult(
-            starts,
+        return (
+            torch.as_tensor(mean, dtype=starts.dtype, device=starts.device),
             torch.tensor([int(h["steps"]) for h in heads], dtype=torch.long, device=starts.device),
             torch.tensor([float(h["loss"]) for h in heads], dtype=starts.dtype, device=starts.device),
         )
