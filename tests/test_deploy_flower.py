@@ -456,3 +456,25 @@ def test_deployed_secure_aggregation_is_the_simulation_within_the_quantization_b
     assert fl["payload_received"] == 0  # no tensors of fedweave's in any reply: the server holds no update
     assert "client->server:model" not in ledger and ledger["client->server:secagg_masked_input"]["count"] == CLIENTS
     assert rows[0]["test_accuracy"] == pytest.approx(sim[0]["test_accuracy"], abs=0.01)
+
+
+def test_deployed_scaffold_under_secure_aggregation_keeps_its_state_on_the_nodes(federation, tmp_path):
+    """SCAFFOLD under SecAgg+ across the real processes: each node keeps its c_i in its state directory between
+    the rounds and masks Delta y_i and Delta c_i as one vector; two rounds, so that the second starts from the
+    state each node wrote in the first. The server's x and c equal the simulation's within the quantization
+    (two rounds of it), and no reply carries an array of fedweave's."""
+    from fedweave.checkpoints import read_checkpoint
+
+    cfg = config({"name": "scaffold", "weighting": "uniform"}, rounds=2)
+    cfg["secure_aggregation"] = {"num_shares": 1.0, "max_weight": 1.0, "clipping_range": 1.0}
+    cfg["output"] = {**cfg["output"], "checkpoint_every": 1}
+    run, _ = deployed_and_simulated(federation, cfg, tmp_path)
+    summary, rows = run.results()
+    assert summary["status"] == "completed" and len(rows) == 2
+    deployed = read_checkpoint(run.run_dir / "checkpoint.pt")["algorithm"]
+    sim = read_checkpoint(tmp_path / "sim" / "checkpoint.pt")["algorithm"]
+    for name in ("x", "c"):
+        diff = (deployed[name].double() - sim[name].double()).abs().max().item()
+        assert 0 < diff <= 1e-4, name  # quantized, and within two rounds of SecAgg+'s bound
+    assert summary["flower"]["payload_received"] == 0
+    assert summary["communication"]["by_transfer"]["client->server:secagg_masked_input"]["count"] == 2 * CLIENTS
