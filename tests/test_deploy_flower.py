@@ -430,6 +430,19 @@ def test_deployed_hierarchical_runs_equal_simulation(federation, tmp_path):
         federation.supernode(DATA_NODE)
 
 
+def _secure_run(federation, tmp_path, name: str, rounds: int):
+    """A run of ``name`` (equal weights) under SecAgg+ deployed and simulated: its config, both runs, and the
+    algorithm state of each one's last checkpoint."""
+    from fedweave.checkpoints import read_checkpoint
+
+    cfg = config({"name": name, "weighting": "uniform"}, rounds=rounds)
+    cfg["secure_aggregation"] = {"num_shares": 1.0, "max_weight": 1.0, "clipping_range": 1.0}
+    cfg["output"] = {**cfg["output"], "checkpoint_every": 1}
+    run, sim = deployed_and_simulated(federation, cfg, tmp_path)
+    states = [read_checkpoint(d / "checkpoint.pt")["algorithm"] for d in (run.run_dir, tmp_path / "sim")]
+    return cfg, run, sim, states
+
+
 def test_deployed_secure_aggregation_is_the_simulation_within_the_quantization_bound(federation, tmp_path):
     """Flower's SecAgg+ across the real processes (fedweave.deploy.secure): the SuperLink carries the four
     stages' messages, each node's ClientApp runs Flower's secaggplus_mod. The round's model equals the
@@ -438,17 +451,12 @@ def test_deployed_secure_aggregation_is_the_simulation_within_the_quantization_b
     ledger bills the protocol, not a dense upload."""
     import torch
 
-    from fedweave.checkpoints import read_checkpoint
     from fedweave.deploy.secure import error_bound
 
-    cfg = config({"name": "fedavg", "weighting": "uniform"}, rounds=1)
-    cfg["secure_aggregation"] = {"num_shares": 1.0, "max_weight": 1.0, "clipping_range": 1.0}
-    cfg["output"] = {**cfg["output"], "checkpoint_every": 1}
-    run, sim = deployed_and_simulated(federation, cfg, tmp_path)
+    cfg, run, sim, (deployed, simulated) = _secure_run(federation, tmp_path, "fedavg", rounds=1)
     summary, rows = run.results()
     assert summary["status"] == "completed" and len(rows) == 1
-    deployed_x = read_checkpoint(run.run_dir / "checkpoint.pt")["algorithm"]["x"].double()
-    sim_x = read_checkpoint(tmp_path / "sim" / "checkpoint.pt")["algorithm"]["x"].double()
+    deployed_x, sim_x = deployed["x"].double(), simulated["x"].double()
     bound = error_bound(load(cfg).secure_aggregation, np.ones(CLIENTS))  # 2c / R for equal weights
     assert 0 < (deployed_x - sim_x).abs().max().item() <= bound + 1e-6  # + float32 rounding of mean and model
     assert not torch.equal(deployed_x, sim_x)
@@ -463,18 +471,11 @@ def test_deployed_scaffold_under_secure_aggregation_keeps_its_state_on_the_nodes
     the rounds and masks Delta y_i and Delta c_i as one vector; two rounds, so that the second starts from the
     state each node wrote in the first. The server's x and c equal the simulation's within the quantization
     (two rounds of it), and no reply carries an array of fedweave's."""
-    from fedweave.checkpoints import read_checkpoint
-
-    cfg = config({"name": "scaffold", "weighting": "uniform"}, rounds=2)
-    cfg["secure_aggregation"] = {"num_shares": 1.0, "max_weight": 1.0, "clipping_range": 1.0}
-    cfg["output"] = {**cfg["output"], "checkpoint_every": 1}
-    run, _ = deployed_and_simulated(federation, cfg, tmp_path)
+    _, run, _, (deployed, simulated) = _secure_run(federation, tmp_path, "scaffold", rounds=2)
     summary, rows = run.results()
     assert summary["status"] == "completed" and len(rows) == 2
-    deployed = read_checkpoint(run.run_dir / "checkpoint.pt")["algorithm"]
-    sim = read_checkpoint(tmp_path / "sim" / "checkpoint.pt")["algorithm"]
     for name in ("x", "c"):
-        diff = (deployed[name].double() - sim[name].double()).abs().max().item()
+        diff = (deployed[name].double() - simulated[name].double()).abs().max().item()
         assert 0 < diff <= 1e-4, name  # quantized, and within two rounds of SecAgg+'s bound
     assert summary["flower"]["payload_received"] == 0
     assert summary["communication"]["by_transfer"]["client->server:secagg_masked_input"]["count"] == 2 * CLIENTS
