@@ -213,13 +213,8 @@ def train(msg: Message, context: Context) -> Message:
     if job.start_loss:  # the client's loss of the model it received, on all its data (AFL, q-FFL)
         sent = {**sent, "start_loss": _start_loss(tr, config_json, job)}
     if secure.is_secure(msg):  # secure aggregation: the update, for Flower's SecAgg+ mod to mask (deploy/secure.py)
-        declared = set(getattr(job.step, "uploads", ())) or {"params"}
-        if set(sent) != declared:  # the server would split the mean otherwise (and nothing travels beside it)
-            raise ValueError(  # as masked_reply's refusals: Flower's mod answers the exception with an error reply
-                f"secure_aggregation: client step {type(job.step).__name__} uploads {sorted(sent)}, not what it "
-                f"declares in uploads ({sorted(declared)}), by which the server splits SecAgg+'s mean"
-            )
-        return secure.masked_reply(msg, header, secure.update_of(sent, job.call.starts))
+        # a refusal raises, as masked_reply's do: Flower's mod answers the exception with an error reply
+        return secure.masked_reply(msg, header, secure.update_of(job.step, sent, job.call.starts))
     compressor = compressed.run_compressor(config_json)
     if compressor is not None:  # compression.upload: the encoded messages travel, not the dense ones
         root = state_dir(context)

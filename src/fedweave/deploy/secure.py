@@ -94,12 +94,20 @@ def is_secure(msg: Message) -> bool:
     return WEIGHT in msg.content.config_records
 
 
-def update_of(sent: dict[str, torch.Tensor], start: torch.Tensor) -> torch.Tensor:
-    """What a client of a SecAgg+ round masks, one float64 vector: its model's update ``params - start``, or a client
-    step's upload (SCAFFOLD's ``dc`` and ``dy``) in the order of its names, as the server splits the mean."""
-    if set(sent) == {"params"}:
+def update_of(step: ClientStep | None, sent: dict[str, torch.Tensor], start: torch.Tensor) -> torch.Tensor:
+    """What a client of a SecAgg+ round masks, one float64 vector: its model's update ``params - start``, or its
+    client step's upload (``step.uploads``: SCAFFOLD's ``dc`` and ``dy``) in the order of their names, by which the
+    server splits the mean. An upload that is not what the step declares raises ValueError (one line): the server
+    would split the mean wrongly, and nothing may travel beside the masked vector."""
+    declared = sorted(getattr(step, "uploads", ())) or ["params"]
+    if sorted(sent) != declared:
+        raise ValueError(
+            f"secure_aggregation: client step {type(step).__name__} uploads {sorted(sent)}, not what it declares in "
+            f"uploads ({declared}), by which the server splits SecAgg+'s mean"
+        )
+    if declared == ["params"]:
         return sent["params"].reshape(-1).double() - start.reshape(-1).double()
-    return torch.cat([sent[name].reshape(-1).double() for name in sorted(sent)])
+    return torch.cat([sent[name].reshape(-1).double() for name in declared])
 
 
 def masked_reply(msg: Message, header: dict[str, Any], update: torch.Tensor) -> Message:
