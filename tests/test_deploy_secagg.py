@@ -390,3 +390,41 @@ def test_feddyn_under_a_sampler_that_draws_by_size_is_deployable_as_it_is_simula
     assert secure_refusal(load(cfg), "stop") is None
     without = {**cfg, "sampler": {"name": "uniform"}}
     assert "algorithm.weighting: uniform" in secure_refusal(load(without), "stop")
+
+
+class Silent(Watching):
+    """The node of the first job of a secure round trains but never answers (lost after SecAgg+'s key sharing):
+    the protocol recovers without it (the others' shares unmask their sum), so the round has a mean."""
+
+    lost: int | None = None
+
+    def push_messages(self, msgs):
+        ids = super().push_messages(msgs)
+        for msg, i in zip(msgs, ids):
+            if secure.WEIGHT in msg.content.config_records:
+                self.lost = self.lost or msg.metadata.dst_node_id
+                if msg.metadata.dst_node_id == self.lost:
+                    self.replies.pop(i)
+        return ids
+
+
+def test_a_node_lost_within_a_secure_round_stops_the_run_naming_its_client(tmp_path, monkeypatch):
+    """SecAgg+ unmasks the sum of the clients that delivered when one is lost after sharing its keys; the mean is
+    then over fewer clients than the round sampled, which the simulation never computes, and a secure round cannot
+    be repeated. Under on-error stop the run stops with one line naming the lost client (before: a KeyError)."""
+    cfg = {**_cfg("fedavg"), "rounds": 1}
+    config_json = json.dumps(load(cfg).to_dict())
+    seen = Recorder(monkeypatch)
+    grid = Silent(config_json, tmp_path)
+    run_config = {"fedweave-config": config_json, "run-dir": str(tmp_path / "deployed"), "reply-timeout": 1.0,
+                  "node-wait": 5.0, "on-error": "stop"}  # fmt: skip
+    with pytest.raises(server_app.RunFailed) as e:
+        server_app.main(grid, Context(7, 0, {}, RecordDict(), run_config))
+    client = grid.lost - 1  # the stand-in Grid's node of client c is c + 1
+    assert client in seen.algo.sample_clients(0)
+    line = str(e.value)
+    assert line.startswith(f"fedweave run stopped: round 1: client {client}: its node sent no masked update")
+    assert "(deployment on-error: stop)" in line and "\n" not in line
+    summary = json.loads((tmp_path / "deployed" / "summary.json").read_text())
+    assert summary["status"] != "completed" and f"client {client}" in summary["error"]
+    assert len(seen.means) == 1  # SecAgg+ itself succeeded: the mean of the two others came back

@@ -260,6 +260,15 @@ class SecureAggregation:
             jobs[node[c]] = content
         mean, results = self.aggregate(call.round, jobs)
         by_node = {proxy.node_id: fit for proxy, fit in results}
+        if lost := [c for c in clients if node[c] not in by_node]:
+            # SecAgg+ recovers from a node lost after sharing its keys and unmasks the others' sum: a mean over
+            # fewer clients than the round sampled, which the simulation never computes, and the round cannot be
+            # repeated with the same masks (on-error stop is the only policy here)
+            why = "its node sent no masked update within reply-timeout (SecAgg+ unmasked the others' sum only)"
+            raise RunStopped(
+                f"round {call.round + 1}: " + ", ".join(f"client {c}: {why}" for c in lost)
+                + " (deployment on-error: stop)"
+            )  # fmt: skip
         if step is not None:  # the state version each delivering node wrote for this round is the one used
             trainer.clients.accepted.update({c: call.round for c in clients if node[c] in by_node})
         starts = call.starts
