@@ -428,3 +428,22 @@ def test_a_node_lost_within_a_secure_round_stops_the_run_naming_its_client(tmp_p
     summary = json.loads((tmp_path / "deployed" / "summary.json").read_text())
     assert summary["status"] != "completed" and f"client {client}" in summary["error"]
     assert len(seen.means) == 1  # SecAgg+ itself succeeded: the mean of the two others came back
+
+
+def test_a_sampled_client_without_a_connected_node_stops_the_secure_round_before_it_starts(tmp_path):
+    """As for plain jobs, the secure round first looks for nodes that joined since (a restarted node comes back
+    under a new id) and then names a sampled client whose node is not connected, before SecAgg+'s first stage
+    (before: the stages were sent to the node's old id, whose messages nobody pulls)."""
+    cfg = _cfg("fedavg")
+    config_json = json.dumps(load(cfg).to_dict())
+    away = int(run(load(cfg), run_dir=tmp_path / "sim").algorithm.sample_clients(1)[0])
+    grid = Watching(config_json, tmp_path)
+    grid.offline, grid.offline_after = {away + 1}, 4 * 3  # its node leaves after round 1's four stages
+    run_config = {"fedweave-config": config_json, "run-dir": str(tmp_path / "deployed"), "reply-timeout": 60.0,
+                  "node-wait": 5.0, "on-error": "stop"}  # fmt: skip
+    with pytest.raises(server_app.RunFailed) as e:
+        server_app.main(grid, Context(7, 0, {}, RecordDict(), run_config))
+    line = str(e.value)
+    assert line.startswith(f"fedweave run stopped: round 2: client {away}: no SuperNode holding it is connected")
+    assert "(deployment on-error: stop)" in line and "\n" not in line
+    assert grid.jobs == 4 * 3  # nothing of round 2 was sent

@@ -179,6 +179,13 @@ class _Keeper:
         return None, {}
 
 
+def _stopped(round: int, clients: list[int], why: str) -> RunStopped:
+    """The one line that stops a run whose secure round lost ``clients`` (``on-error: stop`` is the only policy
+    under SecAgg+, whose round cannot be repeated with the same masks), worded as for plain jobs."""
+    lost = ", ".join(f"client {c}: {why}" for c in clients)
+    return RunStopped(f"round {round + 1}: {lost} (deployment on-error: stop)")
+
+
 class SecureAggregation:
     """The ServerApp's side of SecAgg+ for an algorithm whose server needs only the weighted mean of the updates."""
 
@@ -245,6 +252,10 @@ class SecureAggregation:
                 f"{len(clients)} clients reaches modulus_range ({modulus}), where SecAgg+'s sum of the quantized "
                 f"values wraps; lower quantization_range below {-(-modulus // len(clients))} or raise modulus_range"
             )
+        self.clients.refresh()  # as for plain jobs: a node that restarted since joins again under a new id
+        online = set(self.clients.grid.get_node_ids())
+        if away := [c for c in clients if self.clients.node_of.get(c) not in online]:
+            raise _stopped(call.round, away, "no SuperNode holding it is connected")
         node = {c: self.clients.node_of[c] for c in clients}
         jobs = {}
         for k, c in enumerate(clients):
@@ -265,10 +276,7 @@ class SecureAggregation:
             # fewer clients than the round sampled, which the simulation never computes, and the round cannot be
             # repeated with the same masks (on-error stop is the only policy here)
             why = "its node sent no masked update within reply-timeout (SecAgg+ unmasked the others' sum only)"
-            raise RunStopped(
-                f"round {call.round + 1}: " + ", ".join(f"client {c}: {why}" for c in lost)
-                + " (deployment on-error: stop)"
-            )  # fmt: skip
+            raise _stopped(call.round, lost, why)
         if step is not None:  # the state version each delivering node wrote for this round is the one used
             trainer.clients.accepted.update({c: call.round for c in clients if node[c] in by_node})
         starts = call.starts
