@@ -412,6 +412,32 @@ def test_report_replaces_an_earlier_report_but_no_other_file(tmp_path, capsys):
     assert cli_main(["report", str(tmp_path / "run"), "--out", str(out)]) == 0  # its own earlier report: replaced
 
 
+def test_plot_replaces_an_earlier_plot_but_no_other_file(tmp_path, capsys):
+    """``fedweave plot --out DIR`` wrote over a file of the user's that had a plot's name (before: in silence);
+    it now replaces only a PNG it wrote (marked in a text chunk), in a run directory its own plots as before."""
+    from fedweave.plots import is_plot
+
+    cfg = {"name": "r", "rounds": 1, "dataset": {"name": "digits"}, "partition": {"name": "iid", "num_clients": 4},
+           "model": {"name": "logistic"}, "algorithm": {"name": "fedavg", "clients_per_round": 2},
+           "output": {"progress": False, "plots": True}}  # fmt: skip
+    fedweave.run(cfg, run_dir=tmp_path / "run")
+    assert is_plot(tmp_path / "run" / "test_accuracy_vs_rounds.png")
+    folder = tmp_path / "figures"
+    folder.mkdir()
+    mine = folder / "test_accuracy_vs_bytes.png"
+    mine.write_bytes(b"\x89PNG my own figure")
+    assert cli_main(["plot", str(tmp_path / "run"), "--out", str(folder)]) == 2
+    err = capsys.readouterr().err.strip()
+    said = "exists and is not a fedweave plot; give another folder (an earlier plot is replaced)"
+    assert err == f"fedweave: error: {mine} {said}"
+    assert mine.read_bytes() == b"\x89PNG my own figure" and not (folder / "test_accuracy_vs_rounds.png").exists()
+    mine.unlink()
+    for _ in range(2):  # its own earlier plots: replaced
+        assert cli_main(["plot", str(tmp_path / "run"), "--out", str(folder)]) == 0
+    assert is_plot(mine) and not is_plot(tmp_path / "run" / "config.yaml")
+    assert cli_main(["plot", str(tmp_path / "run")]) == 0  # the run's own plots, in its directory
+
+
 def test_report_renders_a_sweeps_comparison_with_its_baseline_from_the_runs_files(toy_config, tmp_path):
     import html as _html
 

@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from fedweave.results import atomic_write, read_metrics  # noqa: E402
+from fedweave.results import atomic_write, holds_run, read_metrics  # noqa: E402
 
 log = logging.getLogger("fedweave")
 
@@ -20,13 +20,28 @@ log = logging.getLogger("fedweave")
 CLOCK_LABELS = {"round": "simulated time", "step": "simulated time (local steps of a median-speed client)"}
 
 
+# a text chunk of every PNG written here: a later plot may replace such a file, never one without it
+PNG_MARK = {"fedweave": "plot"}
+
+
 def save_png(fig, path: str | Path, dpi: int = 120) -> Path:
-    """Write ``fig`` as a PNG, atomically, and close it."""
+    """Write ``fig`` as a PNG (marked as fedweave's: :func:`is_plot`), atomically, and close it."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight", metadata=PNG_MARK)
     plt.close(fig)
     atomic_write(path, buf.getvalue())
     return Path(path)
+
+
+def is_plot(path: str | Path) -> bool:
+    """Whether ``path`` is a PNG that :func:`save_png` wrote (its text chunk says so)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return image.format == "PNG" and all(image.text.get(k) == v for k, v in PNG_MARK.items())
+    except (OSError, UnidentifiedImageError):
+        return False
 
 
 def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | None = None) -> list[Path]:
@@ -69,6 +84,12 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
         label = clock_label(drawn)
         if label is not None:
             axes.append(("sim_time", label, f"{metric}_vs_sim_time.png"))
+    # outside a run directory (whose plots are its own files) a file that is not a fedweave plot is never replaced
+    mine = [] if holds_run(out_dir) else [f for *_, f in axes if (out_dir / f).exists() and not is_plot(out_dir / f)]
+    if mine:
+        raise ValueError(
+            f"{out_dir / mine[0]} exists and is not a fedweave plot; give another folder (an earlier plot is replaced)"
+        )
     for xkey, xlabel, fname in axes:
         fig, ax = plt.subplots(figsize=(6, 4))
         for label, rows in series:
