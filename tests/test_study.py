@@ -237,6 +237,30 @@ def test_another_scales_runs_in_out_are_refused_not_replaced(tmp_path):
     assert s.main(["--xs", "2", "--scale", "small", "--out", str(tmp_path / "other"), "--workers", "1"]) == 0
 
 
+def test_a_folder_of_the_users_files_is_refused_not_written_into(tmp_path):
+    """A folder with files but no runs/ is the user's: the report's files would land among theirs and replace those
+    of the same name (before: a user's table.md and results.csv were replaced in silence). An empty folder, or
+    an earlier reproduction's (its runs/), is written into."""
+    seen: list = []
+    s = _study(seen)
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    for name in ("table.md", "results.csv"):
+        (mine / name).write_text("mine")
+    with pytest.raises(ConfigError) as e:
+        s.main(["--xs", "2", "--out", str(mine), "--workers", "1"])
+    assert str(e.value) == (
+        f"--out: {mine} holds files but no reproduction's runs/ (results.csv, table.md), which its report could "
+        "replace; give a new or empty folder, or an earlier reproduction's"
+    )
+    assert sorted(p.name for p in mine.iterdir()) == ["results.csv", "table.md"] and not seen
+    assert (mine / "table.md").read_text() == "mine"
+    (tmp_path / "empty").mkdir()
+    for _ in range(2):  # an empty folder, then the reproduction's own (its runs/)
+        assert s.main(["--xs", "2", "--out", str(tmp_path / "empty"), "--workers", "1"]) == 0
+    assert len(seen) == 2
+
+
 def test_without_out_each_scale_writes_into_its_own_folder(tmp_path, monkeypatch):
     seen: list = []
     s = _study(seen)

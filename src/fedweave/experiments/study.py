@@ -245,6 +245,8 @@ class Study:
         results_folder(opts.out, self.name, opts.scale)  # a bad --out is one line before any work
         t0 = time.perf_counter()
         plan = self.plan(opts)
+        if plan.points:
+            users_folder(opts.out)
         budget = None if opts.budget_minutes is None else 60 * opts.budget_minutes
         records = self.records(plan, opts.out, workers=opts.workers, budget_s=budget, scale=opts.scale)
         if plan.skipped:
@@ -307,6 +309,20 @@ def results_folder(out: str | Path, name: str, scale: str) -> Path:
             "replace; give another folder for it"
         )
     return out
+
+
+def users_folder(out: str | Path) -> None:
+    """A ``ConfigError`` of one line when ``--out`` is a folder with files but no ``runs/``: a reproduction that
+    runs points makes its ``runs/`` at once, so such a folder is the user's, among which the report's files
+    (``table.md``, ``results.csv``, ...) would land and replace theirs. (A report rebuilt without running, such as
+    ``cfl-saga --report-only``, reads an earlier invocation's records there, which its plan checks.)"""
+    out = Path(out)
+    if out.is_dir() and not (out / "runs").is_dir() and (entries := sorted(p.name for p in out.iterdir())):
+        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+        raise ConfigError(
+            f"--out: {out} holds files but no reproduction's runs/ ({shown}), which its report could replace; give a "
+            "new or empty folder, or an earlier reproduction's"
+        )
 
 
 def choices(value: str | None, allowed: Sequence[str], flag: str) -> list[str] | None:
