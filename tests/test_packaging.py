@@ -75,6 +75,15 @@ def test_writing_a_plot_is_what_loads_matplotlib(loaded):
     assert "matplotlib" in _top(got["plot"])  # the check above can fail
 
 
+def test_the_lazy_public_names_are_listed_by_dir():
+    """``fedweave.run`` and the other names ``__getattr__`` loads on first use are in ``dir(fedweave)`` (completion
+    and ``help(fedweave)`` read it; before: only the submodules already imported and ``annotations``)."""
+    import fedweave
+
+    assert set(fedweave.__all__) <= set(dir(fedweave))
+    assert "annotations" not in fedweave.__all__
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["--version"])

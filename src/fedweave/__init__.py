@@ -17,3 +17,7 @@ def __getattr__(name: str):  # lazy: `import fedweave` stays cheap, torch loads 
 
         return getattr(callbacks, name)
     raise AttributeError(name)
+
+
+def __dir__() -> list[str]:  # the lazy names too, for completion and help(fedweave)
+    return sorted(set(globals()) | set(__all__))
