@@ -255,6 +255,13 @@ def test_a_folder_of_the_users_files_is_refused_not_written_into(tmp_path):
     )
     assert sorted(p.name for p in mine.iterdir()) == ["results.csv", "table.md"] and not seen
     assert (mine / "table.md").read_text() == "mine"
+    s.plan = lambda opts: Plan([])  # a report from records given elsewhere (baselines' --from-records): refused too
+    with pytest.raises(ConfigError, match="holds files but no reproduction's runs/"):
+        s.main(["--xs", "2", "--out", str(mine), "--workers", "1"])
+    s.plan = lambda opts: Plan([], rebuilds_out=True)  # from an earlier invocation's records there (--report-only)
+    assert s.main(["--xs", "2", "--out", str(mine), "--workers", "1"]) == 0 and len(seen) == 1
+    seen.clear()
+    s.plan = _study(seen).plan
     (tmp_path / "empty").mkdir()
     for _ in range(2):  # an empty folder, then the reproduction's own (its runs/)
         assert s.main(["--xs", "2", "--out", str(tmp_path / "empty"), "--workers", "1"]) == 0

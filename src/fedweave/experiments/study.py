@@ -170,6 +170,9 @@ class Plan:
     # point, which has a ``slug`` and is a dataclass (its fields are the run's identity); see ``Study.records``
     solve: Callable[[Any], dict[str, Any]] | None = None
     progress: Callable[[dict[str, Any]], str] | None = None  # a finished solve's line of progress
+    # the report is rebuilt from an earlier invocation's records in --out (which the plan checked): --out is that
+    # invocation's folder, not a user's (users_folder)
+    rebuilds_out: bool = False
     reused: set[str] = field(default_factory=set)  # the points an earlier invocation ran (set by the pipeline)
     skipped: list[Point] = field(default_factory=list)  # the points not run: the time budget ran out (idem)
 
@@ -245,8 +248,10 @@ class Study:
         results_folder(opts.out, self.name, opts.scale)  # a bad --out is one line before any work
         t0 = time.perf_counter()
         plan = self.plan(opts)
-        if plan.points:
+        if not plan.rebuilds_out:
             users_folder(opts.out)
+        Path(opts.out).mkdir(parents=True, exist_ok=True)  # marked as a reproduction's folder (users_folder)
+        atomic_write(Path(opts.out) / OWNER, json.dumps({"study": self.name, "scale": opts.scale}) + "\n")
         budget = None if opts.budget_minutes is None else 60 * opts.budget_minutes
         records = self.records(plan, opts.out, workers=opts.workers, budget_s=budget, scale=opts.scale)
         if plan.skipped:
@@ -312,12 +317,13 @@ def results_folder(out: str | Path, name: str, scale: str) -> Path:
 
 
 def users_folder(out: str | Path) -> None:
-    """A ``ConfigError`` of one line when ``--out`` is a folder with files but no ``runs/``: a reproduction that
-    runs points makes its ``runs/`` at once, so such a folder is the user's, among which the report's files
-    (``table.md``, ``results.csv``, ...) would land and replace theirs. (A report rebuilt without running, such as
-    ``cfl-saga --report-only``, reads an earlier invocation's records there, which its plan checks.)"""
+    """A ``ConfigError`` of one line when ``--out`` is a folder with files but neither ``runs/`` nor the mark
+    ``.reproduction`` (each invocation writes it): such a folder is the user's, among which the report's files
+    (``table.md``, ``results.csv``, ...) would land and replace theirs. Not asked of a plan that ``rebuilds_out``
+    (``cfl-saga --report-only`` reads an earlier invocation's records there)."""
     out = Path(out)
-    if out.is_dir() and not (out / "runs").is_dir() and (entries := sorted(p.name for p in out.iterdir())):
+    ours = (out / "runs").is_dir() or (out / OWNER).is_file()
+    if out.is_dir() and not ours and (entries := sorted(p.name for p in out.iterdir())):
         shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
         raise ConfigError(
             f"--out: {out} holds files but no reproduction's runs/ ({shown}), which its report could replace; give a "

@@ -767,7 +767,7 @@ def study_plan(opts) -> Plan:
                 f"--report-only: {out} holds no {' and no '.join(missing)} of an earlier cfl-saga invocation; give "
                 "that invocation's --out, or run without --report-only"
             )
-        return Plan([], ([], json.loads((out / "meta.json").read_text())))
+        return Plan([], ([], json.loads((out / "meta.json").read_text())), rebuilds_out=True)
     jobs = synthetic_jobs(opts.scale, seeds) if opts.part in ("all", "synthetic") else []
     if opts.scale != "smoke" and opts.part in ("all", "real"):
         jobs += real_jobs(seeds[0])
