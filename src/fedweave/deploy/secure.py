@@ -181,7 +181,8 @@ class _Keeper:
 
 def _stopped(round: int, clients: list[int], why: str) -> RunStopped:
     """The one line that stops a run whose secure round lost ``clients`` (``on-error: stop`` is the only policy
-    under SecAgg+, whose round cannot be repeated with the same masks), worded as for plain jobs."""
+    under SecAgg+: a round run again over fewer clients would give two sums whose difference is a client's update),
+    worded as for plain jobs."""
     lost = ", ".join(f"client {c}: {why}" for c in clients)
     return RunStopped(f"round {round + 1}: {lost} (deployment on-error: stop)")
 
@@ -273,8 +274,8 @@ class SecureAggregation:
         by_node = {proxy.node_id: fit for proxy, fit in results}
         if lost := [c for c in clients if node[c] not in by_node]:
             # SecAgg+ recovers from a node lost after sharing its keys and unmasks the others' sum: a mean over
-            # fewer clients than the round sampled, which the simulation never computes, and the round cannot be
-            # repeated with the same masks (on-error stop is the only policy here)
+            # fewer clients than the round sampled, which the simulation never computes; running the round again
+            # without them would reveal by difference (on-error stop is the only policy here)
             why = "its node sent no masked update within reply-timeout (SecAgg+ unmasked the others' sum only)"
             raise _stopped(call.round, lost, why)
         if step is not None:  # the state version each delivering node wrote for this round is the one used

@@ -112,7 +112,7 @@ def secure_refusal(config: RunConfig, on_error: str) -> str | None:
         )
     if on_error != "stop":
         return (
-            "secure_aggregation: on-error drop would compute a round again without a lost client, but a SecAgg+ round "
-            "cannot be repeated with the same masks; use on-error stop"
+            "secure_aggregation: on-error drop would run a round again without its lost clients, and the secure sums "
+            "of two attempts over sets that differ by one client reveal that client's update; use on-error stop"
         )
     return None
