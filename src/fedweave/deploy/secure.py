@@ -179,25 +179,22 @@ class _Keeper:
         return None, {}
 
 
-def _stopped(round: int, clients: list[int], why: str) -> RunStopped:
-    """The one line that stops a run whose secure round lost ``clients`` (``on-error: stop`` is the only policy
-    under SecAgg+: a round run again over fewer clients would give two sums whose difference is a client's update),
-    worded as for plain jobs."""
-    lost = ", ".join(f"client {c}: {why}" for c in clients)
-    return RunStopped(f"round {round + 1}: {lost} (deployment on-error: stop)")
-
-
 class SecureAggregation:
     """The ServerApp's side of SecAgg+ for an algorithm whose server needs only the weighted mean of the updates."""
 
-    def __init__(self, algo: Any, clients: Any) -> None:
+    def __init__(self, algo: Any, clients: Any, lost: type[Exception]) -> None:
         self.algo, self.clients, self.cfg = algo, clients, algo.config.secure_aggregation
         self.weighting = getattr(algo.hp, "weighting", "uniform")
+        self.lost = lost  # the ServerApp's ClientsLost(round, reasons, unsent): its error policy decides
+        # round -> (the clients that delivered, what the round gives them): the mean SecAgg+ recovered without a
+        # lost client, which the round computed again without it (on-error: drop) takes instead of a second sum
+        self.recovered: dict[int, tuple[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
     @classmethod
-    def of(cls, algo: Any, clients: Any) -> SecureAggregation | None:
-        """The run's SecAgg+ (None without a ``secure_aggregation`` section)."""
-        return None if algo.config.secure_aggregation is None else cls(algo, clients)
+    def of(cls, algo: Any, clients: Any, lost: type[Exception]) -> SecureAggregation | None:
+        """The run's SecAgg+ (None without a ``secure_aggregation`` section); ``lost``: the exception that names the
+        clients a round lost (``ClientsLost``)."""
+        return None if algo.config.secure_aggregation is None else cls(algo, clients, lost)
 
     def int_weights(self, clients: list[int]) -> np.ndarray:
         """Each client's weight as the integer Flower's mod takes (its samples, or 1 under ``weighting:
@@ -241,8 +238,19 @@ class SecureAggregation:
         self, trainer: Any, call: LocalCall, step: ClientStep | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One SecAgg+ round of the call's jobs: the weighted mean of what its clients mask (in the starts' dtype),
-        and each client's local steps and training loss."""
+        and each client's local steps and training loss. A client without a connected node, or one whose node is
+        lost within the protocol, raises ``self.lost`` naming it; SecAgg+ recovers from the latter, and its mean
+        of the others is what the round computed again without the lost clients gets (``recovered``): one secure
+        sum a round, since two over sets that differ by one client would reveal that client's update."""
         clients = list(map(int, call.clients))
+        if call.round in self.recovered:
+            kept, result = self.recovered.pop(call.round)
+            if kept != tuple(clients):  # never reached: the policy drops exactly the clients it was told of
+                raise RunStopped(
+                    f"round {call.round + 1}: SecAgg+ recovered the sum of clients {list(kept)}; a second secure sum "
+                    f"over clients {clients} would reveal an update by difference"
+                )
+            return result
         weights = self.int_weights(clients)
         # each client's quantized values (its weight's factor among them) lie in [0, quantization_range] and SecAgg+
         # sums them modulo modulus_range: a sum that can reach the modulus wraps, and the unmasked mean is wrong
@@ -255,8 +263,8 @@ class SecureAggregation:
             )
         self.clients.refresh()  # as for plain jobs: a node that restarted since joins again under a new id
         online = set(self.clients.grid.get_node_ids())
-        if away := [c for c in clients if self.clients.node_of.get(c) not in online]:
-            raise _stopped(call.round, away, "no SuperNode holding it is connected")
+        if away := [c for c in clients if self.clients.node_of.get(c) not in online]:  # before any message
+            raise self.lost(call.round, dict.fromkeys(away, "no SuperNode holding it is connected"), set(away))
         node = {c: self.clients.node_of[c] for c in clients}
         jobs = {}
         for k, c in enumerate(clients):
@@ -272,21 +280,22 @@ class SecureAggregation:
             jobs[node[c]] = content
         mean, results = self.aggregate(call.round, jobs)
         by_node = {proxy.node_id: fit for proxy, fit in results}
-        if lost := [c for c in clients if node[c] not in by_node]:
-            # SecAgg+ recovers from a node lost after sharing its keys and unmasks the others' sum: a mean over
-            # fewer clients than the round sampled, which the simulation never computes; running the round again
-            # without them would reveal by difference (on-error stop is the only policy here)
-            why = "its node sent no masked update within reply-timeout (SecAgg+ unmasked the others' sum only)"
-            raise _stopped(call.round, lost, why)
+        delivered = [c for c in clients if node[c] in by_node]
         if step is not None:  # the state version each delivering node wrote for this round is the one used
-            trainer.clients.accepted.update({c: call.round for c in clients if node[c] in by_node})
+            trainer.clients.accepted.update(dict.fromkeys(delivered, call.round))
         starts = call.starts
-        heads = [json.loads(str(by_node[node[c]].metrics["json"])) for c in clients]
-        return (
+        heads = [json.loads(str(by_node[node[c]].metrics["json"])) for c in delivered]
+        result = (
             torch.as_tensor(mean, dtype=starts.dtype, device=starts.device),
             torch.tensor([int(h["steps"]) for h in heads], dtype=torch.long, device=starts.device),
             torch.tensor([float(h["loss"]) for h in heads], dtype=starts.dtype, device=starts.device),
         )
+        if lost := [c for c in clients if c not in delivered]:
+            # SecAgg+ recovered from nodes lost after sharing their keys: the mean is the others' (a dropout's)
+            self.recovered[call.round] = (tuple(delivered), result)
+            why = "its node sent no masked update within reply-timeout (SecAgg+ unmasked the others' sum)"
+            raise self.lost(call.round, dict.fromkeys(lost, why))
+        return result
 
     def aggregate(self, round: int, jobs: dict[int, RecordDict]) -> tuple[np.ndarray, list]:
         """One SecAgg+ round over the nodes of ``jobs`` (node id -> the job's records): Flower's four stages;

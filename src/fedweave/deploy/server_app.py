@@ -257,9 +257,7 @@ class FlowerClients(Callback):
 
     def attach(self, algo: Algorithm) -> None:
         """Make ``algo``'s local trainer send its jobs to the nodes and apply the error policy to its rounds."""
-        why = support.unsupported(algo.name, algo.family, self.on_error) or support.undeployable_parts(
-            algo.config, self.on_error
-        )
+        why = support.unsupported(algo.name, algo.family, self.on_error) or support.undeployable_parts(algo.config)
         if why is not None:  # fedweave flower-app refuses these already; --run-config may change on-error
             raise DeploymentError(why)
         _log_progress(algo)
@@ -273,7 +271,7 @@ class FlowerClients(Callback):
         if trainer is None:
             raise DeploymentError(f"algorithm {algo.name!r} ({algo.family}) has no local trainer to deploy")
         remote = self.remote(trainer, algo)
-        remote.secure = secure.SecureAggregation.of(algo, self)  # Flower's SecAgg+ (None without the section)
+        remote.secure = secure.SecureAggregation.of(algo, self, ClientsLost)  # Flower's SecAgg+ (None: no section)
         num_clients = len(trainer.parts)
         if algo.family == "hierarchical":  # the server's own share trains here (its job m), not on a node
             num_clients = algo.m
@@ -364,6 +362,15 @@ class FlowerClients(Callback):
             clients = np.asarray(clients)
             return send(r, clients[~np.isin(clients, sorted(gone))] if gone else clients, *args, **kwargs)
 
+        secagg = getattr(algo, "secagg", None)  # SecAgg+'s messages in the ledger (fedweave.privacy.secagg)
+        record_secagg = secagg.record if secagg is not None else None
+
+        def secagg_among_reached(r: int, ledger, sampled, delivered, elements: int) -> None:
+            # SecAgg+ ran among the clients whose node was connected: one that was sent nothing is billed nothing
+            gone, sampled = self.unsent.get(r), np.asarray(sampled)
+            reached = sampled[~np.isin(sampled, sorted(gone))] if gone else sampled
+            return record_secagg(r, ledger, reached, delivered, elements)
+
         evaluate = algo.evaluate
 
         def evaluate_or_stop(r: int) -> dict[str, float]:
@@ -377,6 +384,8 @@ class FlowerClients(Callback):
             algo.reporting = reporting_without_lost
             algo.fault_metrics = fault_metrics_with_reports
             algo.send = send_to_reached
+            if secagg is not None:
+                secagg.record = secagg_among_reached
 
     def summary(self, ledger_total: int) -> dict:
         """summary.json's ``flower`` section: Flower's bytes beside the ledger's (docs/deployment.md, 'Byte

@@ -30,8 +30,8 @@ def unsupported(algorithm: str, family: str, on_error: str) -> str | None:
     return None
 
 
-def undeployable_parts(config: RunConfig, on_error: str = "stop") -> str | None:
-    """Why a part of ``config`` beside the algorithm's family cannot be deployed yet (under ``on_error``), or None."""
+def undeployable_parts(config: RunConfig) -> str | None:
+    """Why a part of ``config`` beside the algorithm's family cannot be deployed yet, or None."""
     if getattr(ALGORITHMS.get(config.algorithm.name), "asynchronous", False):
         return (
             f"algorithm {config.algorithm.name!r} runs its asynchrony on the simulated clock and cannot be deployed "
@@ -48,7 +48,7 @@ def undeployable_parts(config: RunConfig, on_error: str = "stop") -> str | None:
     if why is not None:
         return why
     if config.secure_aggregation is not None:  # Flower's SecAgg+ (deploy/secure.py): the server sees only the mean
-        why = secure_refusal(config, on_error)
+        why = secure_refusal(config)
         if why is not None:
             return why
     if config.compression.download is not None:  # the nodes would need the model replica the server keeps for them
@@ -79,12 +79,12 @@ def _decentralized_refusal(config: RunConfig) -> str | None:
 def check_deployable(config: RunConfig, on_error: str) -> None:
     """Raise :class:`ConfigError` (one line) when the run of ``config`` cannot be deployed under ``on_error``."""
     name = config.algorithm.name
-    why = unsupported(name, ALGORITHMS.get(name).family, on_error) or undeployable_parts(config, on_error)
+    why = unsupported(name, ALGORITHMS.get(name).family, on_error) or undeployable_parts(config)
     if why is not None:
         raise ConfigError(why)
 
 
-def secure_refusal(config: RunConfig, on_error: str) -> str | None:
+def secure_refusal(config: RunConfig) -> str | None:
     """Why a run with ``secure_aggregation`` cannot run Flower's SecAgg+ deployed, or None (the rest of the
     simulation's own refusals come when the algorithm is built)."""
     cls = ALGORITHMS.get(config.algorithm.name)
@@ -109,10 +109,5 @@ def secure_refusal(config: RunConfig, on_error: str) -> str | None:
         return (
             "secure_aggregation with faults cannot be deployed yet: the ledger bills SecAgg+'s first stages to the "
             "clients an injected fault drops, which a deployed round never contacts; remove the faults section"
-        )
-    if on_error != "stop":
-        return (
-            "secure_aggregation: on-error drop would run a round again without its lost clients, and the secure sums "
-            "of two attempts over sets that differ by one client reveal that client's update; use on-error stop"
         )
     return None
