@@ -392,18 +392,25 @@ def test_feddyn_under_a_sampler_that_draws_by_size_is_deployable_as_it_is_simula
 
 
 class Silent(Watching):
-    """The node of the first job of a secure round trains but never answers (lost after SecAgg+'s key sharing):
-    the protocol recovers without it (the others' shares unmask their sum), so the round has a mean."""
+    """The node that gets the first message of SecAgg+'s ``stage`` (by default the one that carries the jobs) in
+    a round never answers it nor anything after it in that round (its ClientApp runs; the reply is lost)."""
 
-    lost: int | None = None
+    def __init__(self, *a, stage: str = "collect_masked_vectors", **kw) -> None:
+        super().__init__(*a, **kw)
+        self.stage, self.lost, self.gone = stage, None, False
 
     def push_messages(self, msgs):
+        from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
         ids = super().push_messages(msgs)
         for msg, i in zip(msgs, ids):
-            if secure.WEIGHT in msg.content.config_records:
-                self.lost = self.lost or msg.metadata.dst_node_id
-                if msg.metadata.dst_node_id == self.lost:
-                    self.replies.pop(i)
+            stage = msg.content.config_records.get(RECORD_KEY_CONFIGS, {}).get(Key.STAGE)
+            if stage == "setup":  # a new round: the node answers again until it reaches the stage
+                self.gone = False
+            if stage == self.stage and (self.lost is None or msg.metadata.dst_node_id == self.lost):
+                self.lost, self.gone = msg.metadata.dst_node_id, True
+            if self.gone and msg.metadata.dst_node_id == self.lost:
+                self.replies.pop(i)
         return ids
 
 
@@ -471,18 +478,25 @@ def _simulated_with_dropouts(cfg: dict, tmp_path, dropped: dict[str, list[int]])
     return run(load(cfg), run_dir=tmp_path / "sim", callbacks=[Drop()]).algorithm
 
 
-@pytest.mark.parametrize("name", ["fedavg", "scaffold"])
+@pytest.mark.parametrize(
+    ("name", "stage"),
+    [("fedavg", "collect_masked_vectors"), ("scaffold", "collect_masked_vectors"), ("fedavg", "setup"),
+     ("fedavg", "share_keys")],
+)  # fmt: skip
 def test_under_drop_a_node_lost_within_a_secure_round_is_a_dropout_of_the_sum_secagg_recovered(
-    tmp_path, monkeypatch, name
+    tmp_path, monkeypatch, name, stage
 ):
-    """``on-error: drop``: SecAgg+ recovers from a node lost after sharing its keys and unmasks the others' sum;
-    the round, computed again without the lost client as a dropout, takes that mean instead of a second secure sum
-    (two sums over sets that differ by one client would reveal its update): one SecAgg+ round a round. The run
-    equals the simulation in which the client drops out of those rounds within the quantization bound (SCAFFOLD's
-    c too), and the ledger bills what the protocol sent, stage by stage."""
+    """``on-error: drop``: SecAgg+ recovers from a node lost within the protocol and unmasks the others' sum (also
+    for a node lost before it shared its keys, which Flower's unmask stage counted as dead: its survivors then
+    failed on the key shares they never got); the round, computed again without the lost client as a dropout,
+    takes that mean instead of a second secure sum (two sums over sets that differ by one client would reveal its
+    update): one SecAgg+ round a round. The run equals the simulation in which the client drops out of those
+    rounds within the quantization bound (SCAFFOLD's c too), and for a node lost after sharing its keys the ledger
+    bills what the protocol sent, stage by stage (one lost before is billed its first stages, as a dropout in the
+    simulation: they ran before anybody dropped)."""
     cfg = {**_cfg(name), "rounds": 3}
     seen = Recorder(monkeypatch)
-    grid = Silent(json.dumps(load(cfg).to_dict()), tmp_path)
+    grid = Silent(json.dumps(load(cfg).to_dict()), tmp_path, stage=stage)
     summary = _deploy_on(grid, cfg, tmp_path, "drop", reply_timeout=1.0)
     assert summary["status"] == "completed"
     client = grid.lost - 1  # the stand-in Grid's node of client c is c + 1
@@ -498,7 +512,7 @@ def test_under_drop_a_node_lost_within_a_secure_round_is_a_dropout_of_the_sum_se
         assert (seen.algo.c.double() - sim.c.double()).abs().max().item() <= bound
     ledger = summary["communication"]["by_transfer"]
     for kind, n in _protocol_bytes(grid).items():
-        assert ledger[kind]["bytes"] == n, kind
+        assert stage != "collect_masked_vectors" or ledger[kind]["bytes"] == n, kind
     assert ledger["client->server:secagg_masked_input"]["count"] == sum(
         len(seen.algo.sample_clients(r)) for r in range(3)
     ) - sum(map(len, dropped.values()))
@@ -524,4 +538,26 @@ def test_under_drop_a_sampled_client_without_a_connected_node_is_a_dropout_sent_
     assert fl["payload_sent"] == ledger["server->client:model"]["bytes"]  # the downloads that left
     sim = _simulated_with_dropouts(cfg, tmp_path, fl["dropped"])
     bound = 3 * secure.error_bound(load(cfg).secure_aggregation, np.ones(3)) + 1e-6
+    assert (seen.algo.x.double() - sim.x.double()).abs().max().item() <= bound
+
+
+def test_a_protocol_that_halts_after_a_node_was_lost_is_run_again_without_it_under_drop(tmp_path, monkeypatch):
+    """With ``reconstruction_threshold: 1.0`` every neighbour must answer: a node lost at the collect stage halts
+    the protocol, and the server learned no sum. Under stop the run stops naming the client; under drop the client
+    is a dropout and the round's protocol runs again among the others (the one sum the round gives: the halted
+    attempt gave none), equal to the simulation in which it drops out within the quantization bound."""
+    section = {**SECURE, "reconstruction_threshold": 1.0}
+    cfg = {**_cfg("fedavg", section), "rounds": 2}
+    with pytest.raises(server_app.RunFailed) as e:
+        _deploy_on(Silent(json.dumps(load(cfg).to_dict()), tmp_path / "stop"), cfg, tmp_path / "stop", "stop", 1.0)
+    assert "its node did not answer SecAgg+ within reply-timeout, and the protocol halted" in str(e.value)
+    assert "(deployment on-error: stop)" in str(e.value) and "\n" not in str(e.value)
+    seen = Recorder(monkeypatch)
+    grid = Silent(json.dumps(load(cfg).to_dict()), tmp_path)
+    summary = _deploy_on(grid, cfg, tmp_path, "drop", reply_timeout=1.0)
+    assert summary["status"] == "completed" and len(seen.means) == 2  # the halted attempts returned no mean
+    dropped = summary["flower"]["dropped"]
+    assert "1" in dropped and all(cs == [grid.lost - 1] for cs in dropped.values())
+    sim = _simulated_with_dropouts(cfg, tmp_path, dropped)
+    bound = 2 * secure.error_bound(load(cfg).secure_aggregation, np.ones(3)) + 1e-6
     assert (seen.algo.x.double() - sim.x.double()).abs().max().item() <= bound

@@ -149,9 +149,12 @@ class _Grid:
 
     def __init__(self, clients: Any) -> None:
         self.clients = clients
+        self.silent: set[int] = set()  # the nodes that did not answer a stage's message in time
 
     def send_and_receive(self, messages: list[Message], *, timeout: float | None = None) -> list[Message]:
-        ids = self.clients.push(list(messages))
+        messages = list(messages)
+        ids = self.clients.push(messages)
+        to = {i: m.metadata.dst_node_id for i, m in zip(ids, messages, strict=True)}
         pending, got = set(ids), []
         deadline = time.monotonic() + (timeout if timeout is not None else self.clients.reply_timeout)
         while pending and time.monotonic() < deadline:
@@ -160,7 +163,16 @@ class _Grid:
                 got.append(reply)
             if pending:
                 time.sleep(POLL)
+        self.silent.update(to[i] for i in pending)
         return got
+
+
+class Halted(RuntimeError):
+    """A SecAgg+ round that halted (no sum came back) after ``silent`` nodes did not answer in time."""
+
+    def __init__(self, silent: list[int], why: str) -> None:
+        super().__init__(why)
+        self.silent, self.why = silent, why
 
 
 class _Keeper:
@@ -278,7 +290,12 @@ class SecureAggregation:
                 "quantization_range": int(self.cfg.quantization_range),
             })  # fmt: skip
             jobs[node[c]] = content
-        mean, results = self.aggregate(call.round, jobs)
+        try:
+            mean, results = self.aggregate(call.round, jobs)
+        except Halted as e:  # Flower's protocol halts on a node lost before its keys were shared: no sum learned
+            client = {n: c for c, n in node.items()}
+            why = f"its node did not answer SecAgg+ within reply-timeout, and the protocol halted ({e.why})"
+            raise self.lost(call.round, {client[n]: why for n in e.silent}) from None
         by_node = {proxy.node_id: fit for proxy, fit in results}
         delivered = [c for c in clients if node[c] in by_node]
         if step is not None:  # the state version each delivering node wrote for this round is the one used
@@ -315,11 +332,16 @@ class SecureAggregation:
             state=state, strategy=keeper, client_manager=SimpleNamespace(num_available=lambda: len(jobs))
         )
         grid, wf = _Grid(self.clients), WorkflowState()
-        stages = (workflow.share_keys_stage, workflow.collect_masked_vectors_stage, workflow.unmask_stage)
         ok = workflow.setup_stage(grid, context, wf)
         if ok:
             wf.nid_to_fitins = dict(jobs)  # fedweave's jobs go with the collect stage's message
-        for stage in stages:
+        ok = ok and workflow.share_keys_stage(grid, context, wf)
+        if ok:
+            # a node that did not share its keys (lost at setup or since) masks nothing and its neighbours hold no
+            # share of its key: it is not one of the unmask stage's dead nodes, whose key shares the survivors send.
+            # Flower 1.42 counts every sampled node there, and each survivor's mod then fails on the missing share
+            wf.sampled_node_ids &= wf.active_node_ids
+        for stage in (workflow.collect_masked_vectors_stage, workflow.unmask_stage):
             ok = ok and stage(grid, context, wf)
         if not ok or not keeper.results:
             # a node's error reply says why (Flower's runtime puts the exception's line in its reason)
@@ -328,6 +350,8 @@ class SecureAggregation:
                 f"{len(jobs)} clients took part; SecAgg+ needs at least 2, each with reconstruction_threshold "
                 "neighbours that answer"
             )
+            if silent := sorted(grid.silent & set(jobs)):  # lost nodes: no sum was learned, the others may go on
+                raise Halted(silent, why)
             raise RunStopped(f"round {round + 1}: secure aggregation (SecAgg+) halted: {why}")
         params = keeper.results[0][1].parameters
         return np.concatenate([a.reshape(-1) for a in parameters_to_ndarrays(params)]), keeper.results
