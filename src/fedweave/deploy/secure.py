@@ -22,6 +22,11 @@ for every client, so the round template runs unchanged and its mean is the secur
 SecAgg+ quantizes (stochastic rounding to ``quantization_range`` levels of ``[-clipping_range,
 clipping_range]``), so the deployed mean differs from the simulation's by at most :func:`error_bound` per
 element (float rounding aside). An update that quantization would clip is refused on its node with one line.
+
+A client lost in a round (no connected node, or a node silent within the protocol) is named to the ServerApp's
+error policy: ``stop`` ends the run; ``drop`` computes the round again without it, and where SecAgg+ recovered
+the others' sum, that computation takes it rather than run the protocol again: the server learns one secure sum a
+round (two over sets that differ by one client would give that client's update).
 """
 
 from __future__ import annotations
@@ -292,7 +297,7 @@ class SecureAggregation:
             jobs[node[c]] = content
         try:
             mean, results = self.aggregate(call.round, jobs)
-        except Halted as e:  # Flower's protocol halts on a node lost before its keys were shared: no sum learned
+        except Halted as e:  # halted after a node went silent (too few left to unmask): no sum was learned
             client = {n: c for c, n in node.items()}
             why = f"its node did not answer SecAgg+ within reply-timeout, and the protocol halted ({e.why})"
             raise self.lost(call.round, {client[n]: why for n in e.silent}) from None
@@ -308,7 +313,7 @@ class SecureAggregation:
             torch.tensor([float(h["loss"]) for h in heads], dtype=starts.dtype, device=starts.device),
         )
         if lost := [c for c in clients if c not in delivered]:
-            # SecAgg+ recovered from nodes lost after sharing their keys: the mean is the others' (a dropout's)
+            # SecAgg+ recovered from nodes lost within the protocol: the mean is the others' (a dropout's)
             self.recovered[call.round] = (tuple(delivered), result)
             why = "its node sent no masked update within reply-timeout (SecAgg+ unmasked the others' sum)"
             raise self.lost(call.round, dict.fromkeys(lost, why))
