@@ -339,6 +339,30 @@ def test_deployed_split_learning_equals_simulation(federation, tmp_path, names):
             assert fl["jobs"] == 2 * per_round, name
 
 
+def run_killing_node_2(federation, app: Path, run_dir: Path) -> tuple[dict, list[dict], str]:
+    """Run ``app`` (4 rounds, ``on-error: drop``), SIGKILL the node of client 2 once round 1 is done and restart it
+    with its state directory (Flower's default isolation: a fresh ClientApp process per message); summary.json,
+    the metrics rows and ``flwr run``'s output. Client 2 is a dropout of round 2 only: it took part before, and
+    from round 3 its restarted node (a new id) takes part again."""
+    flwr = federation.flwr_run(app, wait=False)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "metrics.jsonl").is_file() and time.monotonic() < deadline and flwr.poll() is None:
+            time.sleep(0.2)
+        federation.kill(2)
+        federation.supernode(2, isolation="subprocess")  # the same partition and state-dir: a new node id
+        output, _ = flwr.communicate(timeout=400)
+    finally:
+        if flwr.poll() is None:
+            flwr.kill()
+    summary, rows = results(run_dir, output, federation)
+    dropped = summary["flower"]["dropped"]
+    assert dropped.get("2") == [2], (dropped, output)
+    assert "1" not in dropped and "4" not in dropped, dropped
+    assert rows[1]["reported_clients"] == CLIENTS - 1 and rows[-1]["reported_clients"] == CLIENTS
+    return summary, rows, output
+
+
 def test_a_killed_node_is_a_dropout_and_rejoins_with_its_state(federation, tmp_path):
     """SCAFFOLD under ``on-error: drop``. SIGKILL the node of client 2 once round 1 is done; restart it with its
     state directory (and Flower's default isolation: a fresh ClientApp process per message). Round 2 goes on
@@ -350,22 +374,8 @@ def test_a_killed_node_is_a_dropout_and_rejoins_with_its_state(federation, tmp_p
     cfg = config({"name": "scaffold"}, rounds=4)
     app, run_dir = write(cfg, tmp_path, on_error="drop")
     earlier_runs = {c: set((federation.root / f"state-{c}").glob("run-*")) for c in range(CLIENTS)}  # others' runs
-    flwr = federation.flwr_run(app, wait=False)
-    try:
-        deadline = time.monotonic() + 240
-        while not (run_dir / "metrics.jsonl").is_file() and time.monotonic() < deadline and flwr.poll() is None:
-            time.sleep(0.2)
-        federation.kill(2)
-        federation.supernode(2, isolation="subprocess")  # the same partition and state-dir: a new node id
-        output, _ = flwr.communicate(timeout=300)
-    finally:
-        if flwr.poll() is None:
-            flwr.kill()
-    summary, rows = results(run_dir, output, federation)
+    summary, rows, _ = run_killing_node_2(federation, app, run_dir)
     dropped = summary["flower"]["dropped"]
-    assert dropped.get("2") == [2], (dropped, output)
-    assert "1" not in dropped and "4" not in dropped, dropped  # it took part before, and again after
-    assert rows[1]["reported_clients"] == CLIENTS - 1 and rows[-1]["reported_clients"] == CLIENTS
     sim = simulated(cfg, tmp_path, dropped)
     # a lost job sent to the killed node is a download in both runs; one never sent (the node was not
     # connected when the round began) is in the simulation's ledger only
@@ -496,23 +506,9 @@ def test_a_node_killed_under_secure_aggregation_is_a_dropout_of_the_sum_secagg_r
                                  "clipping_range": 1.0}  # fmt: skip
     cfg["output"] = {**cfg["output"], "checkpoint_every": 1}
     app, run_dir = write(cfg, tmp_path, on_error="drop", reply_timeout=20.0)
-    flwr = federation.flwr_run(app, wait=False)
-    try:
-        deadline = time.monotonic() + 240
-        while not (run_dir / "metrics.jsonl").is_file() and time.monotonic() < deadline and flwr.poll() is None:
-            time.sleep(0.2)
-        federation.kill(2)
-        federation.supernode(2, isolation="subprocess")  # the same partition and state-dir: a new node id
-        output, _ = flwr.communicate(timeout=400)
-    finally:
-        if flwr.poll() is None:
-            flwr.kill()
-    summary, rows = results(run_dir, output, federation)
+    summary, rows, _ = run_killing_node_2(federation, app, run_dir)
     assert summary["status"] == "completed" and len(rows) == 4
     dropped = summary["flower"]["dropped"]
-    assert dropped.get("2") == [2], (dropped, output)
-    assert "1" not in dropped and "4" not in dropped, dropped  # it took part before, and again after
-    assert rows[1]["reported_clients"] == CLIENTS - 1 and rows[-1]["reported_clients"] == CLIENTS
     masked = summary["communication"]["by_transfer"]["client->server:secagg_masked_input"]["count"]
     assert masked == 4 * CLIENTS - sum(map(len, dropped.values()))  # one protocol a round: nothing sent twice
     simulated(cfg, tmp_path, dropped)
