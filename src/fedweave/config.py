@@ -447,7 +447,7 @@ class FaultsConfig:
     # client, at most the deadline, and each metrics row gets sim_time; the asynchronous methods always have it
     sim_time: bool = False
     # the unit of the clock (deadline, sim_time, arrival times): round = a mean client's round (a client's work is
-    # its local steps over the run's mean); step = one local step of a median-speed client (its local steps)
+    # its local steps over those of the run's mean client round); step = one local step of a median-speed client
     work_unit: Literal["round", "step"] = "round"
 
     def validate(self) -> None:
