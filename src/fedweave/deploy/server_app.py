@@ -64,6 +64,12 @@ class ClientsLost(RuntimeError):
         super().__init__(f"round {round + 1}: {first}")
 
 
+def _without(clients, gone: set[int] | None) -> np.ndarray:
+    """``clients`` (order kept) without those of ``gone`` (a round's lost or unsent clients; None: none)."""
+    clients = np.asarray(clients)
+    return clients[~np.isin(clients, sorted(gone))] if gone else clients
+
+
 def _digest(header: dict, tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
     for name in sorted(tensors):
@@ -347,9 +353,7 @@ class FlowerClients(Callback):
                     ledger.load_state_dict(ledger_state)
 
         def reporting_without_lost(r: int, clients: np.ndarray) -> np.ndarray:
-            kept = reporting(r, clients)
-            gone = self.dropped.get(r)
-            return kept[~np.isin(kept, sorted(gone))] if gone else kept
+            return _without(reporting(r, clients), self.dropped.get(r))
 
         def fault_metrics_with_reports(reported: int | np.ndarray) -> dict[str, float]:
             n = reported if isinstance(reported, int) else len(reported)
@@ -358,18 +362,14 @@ class FlowerClients(Callback):
         def send_to_reached(r: int, clients, *args, **kwargs) -> None:
             # the ledger counts a download only where one left: a job whose node was not connected was never
             # sent (a dropout in simulation did receive its download)
-            gone = self.unsent.get(r)
-            clients = np.asarray(clients)
-            return send(r, clients[~np.isin(clients, sorted(gone))] if gone else clients, *args, **kwargs)
+            return send(r, _without(clients, self.unsent.get(r)), *args, **kwargs)
 
         secagg = getattr(algo, "secagg", None)  # SecAgg+'s messages in the ledger (fedweave.privacy.secagg)
         record_secagg = secagg.record if secagg is not None else None
 
         def secagg_among_reached(r: int, ledger, sampled, delivered, elements: int) -> None:
             # SecAgg+ ran among the clients whose node was connected: one that was sent nothing is billed nothing
-            gone, sampled = self.unsent.get(r), np.asarray(sampled)
-            reached = sampled[~np.isin(sampled, sorted(gone))] if gone else sampled
-            return record_secagg(r, ledger, reached, delivered, elements)
+            return record_secagg(r, ledger, _without(sampled, self.unsent.get(r)), delivered, elements)
 
         evaluate = algo.evaluate
 
