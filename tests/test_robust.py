@@ -1311,3 +1311,21 @@ def test_krum_distances_formed_in_blocks_equal_the_whole_differences():
     updates = torch.randn(7, 3_000_000)  # 5 rows a block
     whole = torch.stack([(updates - row).pow(2).sum(1) for row in updates])
     assert torch.equal(_sq_dists(updates), whole)
+
+
+def test_the_robustness_report_never_writes_into_a_folder_of_the_users(tmp_path, capsys):
+    from pathlib import Path
+
+    from fedweave.robust.report import main
+
+    records = Path(__file__).resolve().parents[1] / "docs" / "robustness" / "records.csv"
+    users = tmp_path / "mine"
+    users.mkdir()
+    (users / "table.md").write_text("my notes\n")
+    with pytest.raises(SystemExit):
+        main(["--records", str(records), "--out", str(users)])
+    assert "--out" in capsys.readouterr().err and (users / "table.md").read_text() == "my notes\n"
+    assert not (users / "accuracy.png").exists()
+    # an earlier report's folder (its records.csv) and a new one are written
+    assert main(["--records", str(records), "--out", str(tmp_path / "new")]) == 0
+    assert main(["--records", str(records), "--out", str(tmp_path / "new")]) == 0

@@ -21,6 +21,7 @@ from fedweave.results import atomic_write
 
 FIELDS = ("aggregator", "attack", "fraction", "seed", "status", "final_test_accuracy", "final_backdoor_success")
 CLEAN = "none"  # the attack column of the runs without attackers
+CAPTION = "Final test accuracy (%), mean ± std"  # how table.md begins
 BACKDOOR = "backdoor"  # the attack whose runs also record their final test_backdoor_success
 
 
@@ -97,7 +98,7 @@ def table(rows: list[dict[str, str]]) -> str:
     fractions = sorted({float(r["fraction"]) for r in rows if r["attack"] != CLEAN})
     seeds = len({r["seed"] for r in rows})
     out = [
-        f"Final test accuracy (%), mean ± std over {seeds} seeds; column: the fraction of Byzantine clients "
+        f"{CAPTION} over {seeds} seeds; column: the fraction of Byzantine clients "
         "(0: no attacker); -: not run (the aggregator's bound fails there: Bulyan's n >= 4f + 3, Krum's n >= 2f + 3).\n"
     ]
     for attack in attacks:
@@ -156,6 +157,23 @@ def plot(rows: list[dict[str, str]], path: Path) -> None:
     save_png(fig, path)
 
 
+def ours(out: Path) -> bool:
+    """Whether ``out`` is new, empty, or an earlier report's folder (its ``records.csv`` has this module's columns,
+    or its ``table.md`` this module's caption): elsewhere the report's files could replace files of the user's."""
+    if not out.exists():
+        return True
+    if not out.is_dir():
+        return False
+    records, caption = out / "records.csv", out / "table.md"
+    if records.is_file():
+        with open(records, newline="") as f:
+            return tuple(next(csv.reader(f), ())) == FIELDS
+    if caption.is_file():
+        with open(caption, encoding="utf-8", errors="replace") as f:
+            return f.readline().startswith(CAPTION)
+    return not any(out.iterdir())
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line of the module docstring."""
     p = argparse.ArgumentParser(prog="python -m fedweave.robust.report", description=__doc__.splitlines()[0])
@@ -164,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="where records.csv, table.md and accuracy.png go")
     args = p.parse_args(argv)
     out = Path(args.out)
+    if not ours(out):
+        p.error(
+            f"--out: {out} is neither empty nor an earlier report's (no records.csv or table.md of its own); "
+            "give a new folder"
+        )
     if args.records:
         rows = read_records(Path(args.records))
     elif len(args.sweeps) >= 2:
