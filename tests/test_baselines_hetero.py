@@ -114,7 +114,7 @@ def _fednova_round_by_hand(partition: str, lr: float = 0.05) -> tuple[Any, torch
     round-0 displacement by local gradient steps on 0.5 (a^T w - y)^2 by hand, in float64 from the trainer's
     batch plan, with its number of steps: (algorithm after the round, x0, displacements, steps)."""
     cfg = _quad_cfg("fednova")
-    cfg["partition"] = {"name": partition, "num_clients": N_Q}
+    cfg["partition"] = {**cfg["partition"], "name": partition}
     cfg["local"] = {"epochs": 1, "batch_size": 20, "lr": lr}
     algo = build_algorithm(RunContext(load(cfg)))
     algo.trainer.loss_fn = _squared

@@ -33,14 +33,14 @@ N_Q, M_Q, D_Q = 4, 40, 3  # clients, samples per client, features of the least-s
 
 def _quad_data() -> Dataset:
     """Client i: features scaled by (i+2)/3 and its own linear target map, so the client Hessians and
-    optima differ (heterogeneity). Integer targets, since labels are int64."""
+    optima differ (heterogeneity). Whole-number float targets (the half squared error's)."""
     g = torch.Generator().manual_seed(7)
     xs, ys = [], []
     for i in range(N_Q):
         a = torch.randn(M_Q, D_Q, generator=g) * (i + 2) / 3
         w = torch.randn(D_Q, generator=g) * 2
         xs.append(a)
-        ys.append((a @ w).round().long())
+        ys.append((a @ w).round())
     x, y = torch.cat(xs), torch.cat(ys)
     return Dataset("_quad_central", x, y, x[:4], y[:4], 1, (D_Q,))
 
@@ -214,10 +214,11 @@ def _quad_cfg(alg: str, **opts) -> dict:
         "rounds": 1,
         "backend": "vmap",
         "dataset": {"name": "_quad_central"},
-        "partition": {"name": "_blocks", "num_clients": N_Q},
+        "partition": {"name": "_blocks", "num_clients": N_Q, "bins": 2},  # bins: float targets; _blocks reads none
         "model": {"name": "_quad_lin"},
         "algorithm": {"name": alg, "clients_per_round": N_Q, "weighting": "uniform", **opts},
         "local": {"steps": 5, "batch_size": M_Q, "lr": 0.1},  # full-batch gradient descent
+        "task": {"loss": "mse", "loss_options": {"half": True}},  # _squared, which tests set as the trainer's loss
         "output": {"progress": False, "plots": False},
     }
 
@@ -536,7 +537,7 @@ def test_the_default_k_counts_only_the_clients_that_hold_data(alg):
     empty client's 0 made it round(8 / 4) = 2), and after round 0 the direction is -(x_1 - x_0) / (eta_l 3),
     resp. (x_0 - x_1) / 3."""
     cfg = _quad_cfg(alg)
-    cfg["partition"] = {"name": "_blocks_with_empty", "num_clients": N_Q}
+    cfg["partition"] = {**cfg["partition"], "name": "_blocks_with_empty"}
     cfg["local"] = {"epochs": 1, "batch_size": 20, "lr": 0.05}
     a = _algo(cfg)
     assert [a.trainer.num_steps(c) for c in range(N_Q)] == [1, 3, 0, 4]
@@ -555,7 +556,7 @@ def test_a_client_without_samples_takes_no_step(local):
     """Blocks of 20, 60, 0 and 80 rows: the empty client has no batch, so its steps are 0 whatever local.steps
     (or a call's ``steps``) asks, as the trainer reports them (it counted local.steps for it before)."""
     cfg = _quad_cfg("fedavg")
-    cfg["partition"] = {"name": "_blocks_with_empty", "num_clients": N_Q}
+    cfg["partition"] = {**cfg["partition"], "name": "_blocks_with_empty"}
     cfg["local"] = {**local, "lr": 0.05}
     a = _algo(cfg)
     assert [a.trainer.num_steps(c) for c in range(N_Q)] == [3, 3, 0, 3]
@@ -570,7 +571,7 @@ def test_the_clocks_unit_is_the_mean_round_of_a_client_with_data():
     it round(8 / 3) = 3 over the clients that step, K as reference_steps counts it (the empty client's 0 made it
     round(8 / 4) = 2, so a client of 3 steps took 1.5 mean rounds)."""
     cfg = _quad_cfg("fedavg")
-    cfg["partition"] = {"name": "_blocks_with_empty", "num_clients": N_Q}
+    cfg["partition"] = {**cfg["partition"], "name": "_blocks_with_empty"}
     cfg["local"] = {"epochs": 1, "batch_size": 20, "lr": 0.05}
     a = _algo(cfg)
     assert a.mean_round_steps == a.reference_steps() == 3

@@ -529,7 +529,12 @@ def test_labels_other_than_0_and_1_are_refused_in_either_split(tmp_path, split, 
         "output": {"progress": False, "plots": False},
         "algorithm": {"name": "gt_saga", "num_servers": 3, "users_per_server": 2, "batch_size": 5},
     }
-    with pytest.raises(ConfigError, match=f"^dataset 'binary': its {split} labels must be 0 or 1 ") as e:
+    # a label outside the Dataset's declared two classes: refused as every family's data are, when loaded
+    where = "train_y" if split == "training" else "test_y"
+    want = (
+        rf"^dataset 'binary': {where} holds labels -?\d\.\.\d, but the Dataset declares num_classes 2 \(labels 0\.\.1\)"
+    )
+    with pytest.raises(ConfigError, match=want) as e:
         fedweave.run(cfg, dataset=ds, run_dir=tmp_path)
     assert "\n" not in str(e.value)
 

@@ -7,7 +7,9 @@ import json
 import logging
 import re
 
+import numpy as np
 import pytest
+import torch
 
 import fedweave
 from fedweave.callbacks import Budget, Callback, Checkpointer, DivergenceGuard, ProgressBar, RoundTrace, StopAtTarget
@@ -163,6 +165,42 @@ def test_a_divergence_raised_by_a_callback_keeps_the_row_out(cfg, tmp_path):
     assert [r["round"] for r in res.metrics] == [0, 3]
     rows = [json.loads(x) for x in (tmp_path / "d" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 3]
+
+
+class Adds(Callback):
+    """Adds ``value`` to the evaluation of round 4 (0-based 3) as ``extra``."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def on_evaluation(self, run, r, values):
+        if r == 3:
+            values["extra"] = self.value
+
+
+def test_a_nan_a_callback_adds_is_a_divergence_and_its_row_stays_out(cfg, tmp_path):
+    """The guard checks the values before the callbacks after it add theirs: a NaN added there was recorded and
+    the run ended completed."""
+    res = fedweave.run(cfg, run_dir=tmp_path / "d", callbacks=[Adds(float("nan"))], on_divergence="return")
+    assert res.summary["status"] == "diverged" and "extra=nan" in res.summary["error"]
+    assert [r["round"] for r in read_metrics(tmp_path / "d")] == [0, 3]
+
+
+@pytest.mark.parametrize("value", [np.float32(0.5), np.int64(2), torch.tensor(0.5), torch.tensor([2])])
+def test_numpy_and_torch_numbers_a_callback_adds_are_recorded_as_numbers(value, cfg, tmp_path):
+    res = fedweave.run(cfg, run_dir=tmp_path / "n", callbacks=[Adds(value)])
+    (row,) = [r for r in read_metrics(tmp_path / "n") if "extra" in r]
+    assert row["extra"] == value.item() and type(row["extra"]) is type(value.item())
+    assert res.metrics[-1]["extra"] == value.item()
+
+
+def test_a_value_no_row_can_hold_is_one_error_naming_it_and_no_half_written_row(cfg, tmp_path):
+    """An array added in on_evaluation failed in the JSON writer: metrics.csv had the row, metrics.jsonl not."""
+    with pytest.raises(TypeError, match=r"^round 4: the evaluation's value 'extra' is a ndarray; a metrics row holds"):
+        fedweave.run(cfg, run_dir=tmp_path / "a", callbacks=[Adds(np.zeros(3))])
+    assert [r["round"] for r in read_metrics(tmp_path / "a")] == [0, 3]
+    assert (tmp_path / "a" / "metrics.csv").read_text().count("\n") == 1 + 2  # the header and the two rows
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["status"] == "failed"
 
 
 def test_an_unexpected_error_in_a_hook_still_ends_every_callback(cfg, tmp_path):

@@ -22,6 +22,13 @@ def test_the_page_has_examples():
     assert EXAMPLES
 
 
+def test_no_two_examples_write_one_run_directory():
+    """A reader runs the examples one after another in one folder: two writing runs/fedavg stopped the second on
+    the first's finished run."""
+    named = re.findall(r'run_dir=f?"([^"]+)"', TEXT)
+    assert len(named) >= len(EXAMPLES) and len(set(named)) == len(named), sorted(named)
+
+
 @pytest.mark.parametrize("code", EXAMPLES, ids=[f"example-{i}" for i in range(len(EXAMPLES))])
 def test_an_example_runs_as_written(code, tmp_path, monkeypatch):
     """Run as a module of its own (dataclasses look their module up), without this file's __future__ flags. What

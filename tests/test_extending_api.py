@@ -4,6 +4,8 @@ is one clear line naming the thing and what is allowed, nothing runs on silently
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -201,6 +203,17 @@ class _Net(HeadedModel):
         return self.out(z)
 
 
+class _TanhNet(_Net):
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.body(x.flatten(1)))
+
+
+def _NetWithTanh() -> _Net:  # noqa: N802 - a factory named as the class it builds
+    net = _Net()
+    net.act = torch.nn.Tanh()  # a layer without parameters: the same weights, printed otherwise
+    return net
+
+
 class _StopAfter(fedweave.Callback):
     def __init__(self, rounds: int) -> None:
         self.rounds = rounds
@@ -222,8 +235,14 @@ def test_a_run_with_python_objects_and_callbacks_resumes_with_them_through_fedwe
     assert part.summary["rounds"] == 1
     with pytest.raises(ConfigError, match=r"^the run was made with a model passed from Python .* model=\.\.\.\)$"):
         fedweave.resume(tmp_path / "part")
-    with pytest.raises(ConfigError, match=r"^the model passed is not the one the run was made with: the SHA-256"):
+    with pytest.raises(ConfigError, match=r"^the model passed is not the one the run was made with: its initial w"):
         fedweave.resume(tmp_path / "part", model=lambda: _Net(hidden=9))
+    # the same weights, another forward (the run went on silently with it): the class tells them apart
+    with pytest.raises(ConfigError, match=r"^the model passed is not .*: its class is test_extending_api\._TanhNet, "):
+        fedweave.resume(tmp_path / "part", model=_TanhNet)
+    # the same class and weights, other layers
+    with pytest.raises(ConfigError, match=r"^the model passed is not .*: its layers' SHA-256 \(as torch prints them\)"):
+        fedweave.resume(tmp_path / "part", model=_NetWithTanh)
     with pytest.raises(ConfigError, match=r"^loss= was passed, but the run was made with the loss its config names"):
         fedweave.resume(tmp_path / "part", model=_Net, loss=torch.nn.CrossEntropyLoss(reduction="none"))
     again = fedweave.resume(tmp_path / "part", model=_Net, callbacks=[_StopAfter(1)])  # ends where it ended
@@ -277,6 +296,14 @@ def test_an_extra_loss_of_another_shape_than_one_term_per_sample_is_one_line_on_
         fedweave.run(cfg, run_dir=tmp_path / "run")
     with pytest.raises(ValueError, match=rf"shape \(32,\), got shape {got}$"):
         fedweave.run(cfg, run_dir=tmp_path / "again")
+
+
+def test_an_option_for_an_algorithm_without_options_names_the_algorithm(algorithms, tmp_path):
+    from fedweave.algorithms.base import NoHparams
+
+    cfg = _cfg(algorithm={"name": algorithms("_bare", hparams=NoHparams)["name"], "mu": 1})
+    with pytest.raises(ConfigError, match=r"^unknown key 'algorithm\.mu': algorithm '_bare' takes no options$"):
+        fedweave.run(cfg, run_dir=tmp_path / "run")
 
 
 def test_a_client_rule_that_is_no_rule_is_one_line(algorithms, tmp_path):
@@ -339,6 +366,42 @@ def test_a_registered_dataset_that_returns_something_else_is_one_line(what, monk
     assert not (tmp_path / "run").exists()
 
 
+class _Triples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return torch.zeros(3), i % 2, i  # (x, y, index)
+
+
+class _Ragged(_Triples):
+    def __getitem__(self, i):
+        return torch.zeros(3 + i % 2), i % 2
+
+
+_PAIR = torch.utils.data.TensorDataset(_X, _Y)
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (
+            (_X, np.array(["a"] * len(_Y)), _X, _Y),
+            r"^dataset: train_y holds <U1 values, not numbers; ",
+        ),
+        ((_X, 5, _X, _Y), r"^dataset: train_y must hold one row per sample, got a single value \(5\)$"),
+        ((_Triples(), _PAIR), r"^dataset: item 0 of the train torch Dataset is 3 values, not an \(x, y\) pair$"),
+        ((_Ragged(), _PAIR), r"^dataset: the train torch Dataset's x items differ in shape \(\[\(3,\), \(4,\)\]\)"),
+    ],
+)
+def test_data_from_python_torch_cannot_hold_is_one_line(data, message, tmp_path):
+    """Before: 'train_y must be an array or a tensor, got ndarray' for string labels, 'len() of a 0-d tensor',
+    'too many values to unpack' and torch.stack's error."""
+    with pytest.raises(ConfigError, match=message):
+        fedweave.run(_cfg(), dataset=data, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("name", [3, "", "  ", None])
 def test_a_name_no_config_could_give_is_refused_at_registration(name):
     """Before, SAMPLERS.register(3) registered the function under 3, which no config could ever name."""
@@ -347,11 +410,38 @@ def test_a_name_no_config_could_give_is_refused_at_registration(name):
 
 
 def test_registering_a_taken_name_never_replaces_the_registered_object():
-    with pytest.raises(ValueError, match=r"^sampler 'uniform' is registered twice$"):
+    want = r"^sampler 'uniform' is registered twice: fedweave.topology.samplers.uniform and test_extending_api\."
+    with pytest.raises(ValueError, match=want):
         SAMPLERS.register("uniform")(lambda num_clients, per_round, r, rng, *, rounds: [0])
     from fedweave.topology.samplers import uniform
 
     assert SAMPLERS.get("uniform") is uniform
+
+
+def test_a_built_ins_name_taken_before_the_built_ins_load_is_refused_at_registration(tmp_path):
+    """A script's first lines registering a sampler 'fixed': the registration went through, and the built-in's own
+    registration then failed inside the import of the samplers, on every later run of the process (a run with no
+    sampler too, on 'uniform')."""
+    script = """
+import sys
+
+import fedweave
+from fedweave.registry import SAMPLERS
+try:
+    SAMPLERS.register("fixed")(lambda num_clients, per_round, r, rng, *, rounds: [0])
+except ValueError as e:
+    print("refused:", e)
+cfg = {"rounds": 1, "dataset": {"name": "digits"}, "model": {"name": "logistic"},
+       "partition": {"name": "iid", "num_clients": 3}, "algorithm": {"name": "fedavg", "clients_per_round": 2},
+       "output": {"progress": False, "plots": False}}
+print(fedweave.run(cfg, run_dir=sys.argv[1]).summary["status"])
+"""
+    run = [sys.executable, "-c", script, str(tmp_path / "run")]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("refused: sampler 'fixed' is registered twice: fedweave.topology.samplers.")
+    assert lines[-1] == "completed"
 
 
 class _Corrected(LocalRule):
@@ -451,6 +541,72 @@ def test_a_model_with_dropout_is_refused_by_the_families_that_seed_local_trainin
 
     runs = [fedweave.run(_cfg(backend=backend), model=no_dropout, run_dir=tmp_path / f"p0-{i}") for i in range(2)]
     assert runs[0].metrics[-1]["test_loss"] == runs[1].metrics[-1]["test_loss"]
+
+
+@pytest.mark.parametrize("backend", ["loop", "vmap"])
+def test_a_forward_that_draws_from_torchs_generator_is_refused(backend, tmp_path):
+    """F.dropout in forward (no dropout module to see): on loop the same seed gave other numbers, on vmap torch's
+    randomness error in round 1, a failed run directory left."""
+
+    class Drops(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 16), torch.nn.Linear(16, 10)
+
+        def forward(self, x):
+            return self.b(torch.nn.functional.dropout(self.a(x), 0.5, self.training))
+
+    state = torch.random.get_rng_state()
+    with pytest.raises(ConfigError, match=r"^model: its forward pass in training mode draws random numbers from torc"):
+        fedweave.run(_cfg(backend=backend), model=Drops, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists() and torch.equal(torch.random.get_rng_state(), state)
+
+
+class _Branches(torch.nn.Module):
+    """A Python branch on a tensor's value in forward: the loop runs it, vmap cannot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        out = self.fc(x)
+        return out.clamp(-1e6, 1e6) if out.abs().max() > 1e6 else out
+
+
+def test_what_vmap_cannot_batch_names_the_backend_and_what_runs_it(tmp_path):
+    """Before: torch's own 'vmap: It looks like you're either (1) calling .item() ...' from round 1."""
+    want = r"^backend vmap cannot train this model or loss \(vmap: .*\): .*; choose backend: loop or pool$"
+    with pytest.raises(RuntimeError, match=want):
+        fedweave.run(_cfg(backend="vmap"), model=_Branches, run_dir=tmp_path / "vmap")
+    assert json.loads((tmp_path / "vmap" / "summary.json").read_text())["status"] == "failed"
+    assert (
+        fedweave.run(_cfg(backend="loop"), model=_Branches, run_dir=tmp_path / "loop").summary["status"] == "completed"
+    )
+
+
+def test_class_labels_beyond_the_declared_classes_are_one_line(tmp_path):
+    """Before: an IndexError from inside round 1's fused kernel, a failed run directory left."""
+    from fedweave.data.datasets.bundled import load_digits
+
+    ds = load_digits()
+    fewer = Dataset("fewer", ds.train_x, ds.train_y, ds.test_x, ds.test_y, 8, ds.input_shape)
+    with pytest.raises(ConfigError, match=r"^dataset 'fewer': train_y holds labels 0\.\.9, but the Dataset declares "):
+        fedweave.run(_cfg(), dataset=fewer, run_dir=tmp_path / "run")
+    x, y = ds.train_x, ds.train_y.clone()
+    y[0] = -1
+    with pytest.raises(ConfigError, match=r"^dataset 'python': train_y holds labels -1\.\.9"):
+        fedweave.run(_cfg(), dataset=(x, y, ds.test_x, ds.test_y), run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_taken_run_directory_of_a_python_run_offers_pythons_resume(tmp_path):
+    """The refusal offered 'fedweave run --resume', which refuses a run of objects passed from Python."""
+    cfg = _cfg(output={"progress": False, "plots": False, "checkpoint_every": 1}, rounds=1)
+    fedweave.run(cfg, model=_Net, run_dir=tmp_path / "r")
+    with pytest.raises(fedweave.results.RunDirError, match=r"resume it from Python with fedweave\.resume\(") as e:
+        fedweave.run(cfg, model=_Net, run_dir=tmp_path / "r")
+    assert "--resume" not in str(e.value) and "overwrite=True" in str(e.value) and "run_dir=" in str(e.value)
 
 
 def test_a_callback_that_changes_its_row_changes_nothing_recorded(tmp_path):

@@ -540,6 +540,56 @@ def test_a_loss_function_with_a_column_per_output_is_the_registered_mse(backend,
     assert got == pytest.approx(want, rel=1e-6)
     two = torch.tensor([[1.0, 2.0], [3.0, 5.0]])  # a column per output: its per-sample loss is their mean
     assert build_task(_mse_none).loss.per_sample(two, torch.zeros(2, 2)).tolist() == [2.5, 17.0]
+    # written as torch's examples write it, without reshaping (B,) targets to the (B, 1) output: they come in the
+    # output's shape, as the registered losses take them (broadcast, the run trained on all B x B pairs)
+    written = fedweave.run(byo, loss=_mse_as_written, run_dir=tmp_path / "as-written")
+    assert [r["test_loss"] for r in written.metrics] == got
+
+
+def _mse_as_written(out, y):
+    return nn.functional.mse_loss(out, y, reduction="none")
+
+
+def _mean_kept(out, y):
+    return nn.functional.cross_entropy(out, y).reshape(1)  # a mean kept as (1,): one loss for the whole batch
+
+
+class _Flat(nn.Module):  # one output per sample as (B,): cross-entropy cannot read it
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 1)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1)).flatten(0)
+
+
+class _Pair(SmallNet):  # logits and features: a tuple
+    def forward(self, x):
+        return self.body(x.flatten(1)), x
+
+
+class _Trailing(SmallNet):  # (B, C, 1)
+    def forward(self, x):
+        return self.body(x.flatten(1))[..., None]
+
+
+@pytest.mark.parametrize(
+    "model, loss, want",
+    [
+        (SmallNet, _mean_kept, r"loss '_mean_kept' cannot read .*returns \(1,\) for an output of \(2, 10\)"),
+        (_Flat, None, r"loss 'cross_entropy' cannot read the output of model 'python' \(\(2,\) for 2 samples\)"),
+        (_Pair, None, r"loss 'cross_entropy' cannot read .*\(tuple for 2 samples\).*returns a tuple, not a tensor"),
+        (_Trailing, None, r"loss 'cross_entropy' cannot read the output of model 'python' \(\(2, 10, 1\) for 2"),
+    ],
+)
+def test_an_output_or_loss_the_task_cannot_read_is_one_line_when_the_run_is_built(model, loss, want, tmp_path):
+    """A model output of the wrong shape or kind failed in round 1 with torch's error, a run directory left
+    behind; a loss returning (1,) trained and reported a test loss about N times too small."""
+    cfg = {"rounds": 1, "partition": {"name": "iid", "num_clients": 3}, "output": {"progress": False, "plots": False}}
+    cfg["algorithm"] = {"name": "fedavg", "clients_per_round": 3}
+    with pytest.raises(ConfigError, match=want):
+        fedweave.run(cfg, model=model, dataset=_digits_arrays(), loss=loss, run_dir=tmp_path / "r")
+    assert not (tmp_path / "r").exists()
 
 
 BYO = {

@@ -21,9 +21,9 @@ from torch import nn
 
 from fedweave.config import ConfigError
 from fedweave.data.base import Dataset
+from fedweave.results import OBJECTS_FILE  # what was passed, in the run directory (re-exported)
 
 PYTHON = "python"  # the name a config records for an object passed from Python
-OBJECTS_FILE = "objects.json"  # what was passed, in the run directory
 
 
 @dataclass
@@ -52,13 +52,24 @@ def _qualname(obj: Any) -> str:
     return f"{target.__module__}.{target.__qualname__}"
 
 
-def _tensor(a: Any, what: str) -> torch.Tensor:
+def _tensor(a: Any, what: str, rows: bool = True) -> torch.Tensor:
+    """``a`` as a CPU tensor of numbers; ``rows``: one row per sample (a split, not one sample's item)."""
     if isinstance(a, torch.Tensor):
-        return a.detach().cpu()
-    try:
-        return torch.as_tensor(np.asarray(a))
-    except Exception as e:
-        raise ConfigError(f"dataset: {what} must be an array or a tensor, got {type(a).__name__}") from e
+        t = a.detach().cpu()
+    else:
+        try:
+            values = np.asarray(a)
+        except Exception as e:
+            raise ConfigError(f"dataset: {what} must be an array or a tensor, got {type(a).__name__}") from e
+        if values.dtype.kind not in "biuf":  # strings, objects: torch holds no tensor of them
+            raise ConfigError(
+                f"dataset: {what} holds {values.dtype} values, not numbers; give numbers (class labels 0..K-1, or "
+                "float features and targets)"
+            )
+        t = torch.as_tensor(values)
+    if rows and t.dim() == 0:
+        raise ConfigError(f"dataset: {what} must hold one row per sample, got a single value ({t.item()!r})")
+    return t
 
 
 def _stack(ds: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,8 +78,25 @@ def _stack(ds: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(ds)
     except TypeError as e:
         raise ConfigError(f"dataset: the {what} torch Dataset must have a length (an in-memory Dataset)") from e
-    xs, ys = zip(*(ds[i] for i in range(n)), strict=True) if n else ((), ())
-    return torch.stack([_tensor(x, f"{what} x") for x in xs]), torch.stack([_tensor(y, f"{what} y") for y in ys])
+    items = [ds[i] for i in range(n)]
+    pairs = [isinstance(item, tuple | list) and len(item) == 2 for item in items]
+    if not all(pairs):
+        odd = items[pairs.index(False)]
+        got = f"{len(odd)} values" if isinstance(odd, tuple | list) else f"a {type(odd).__name__}"
+        raise ConfigError(
+            f"dataset: item {pairs.index(False)} of the {what} torch Dataset is {got}, not an (x, y) pair"
+        )
+    stacked = []
+    for k, part in enumerate(("x", "y")):
+        values = [_tensor(item[k], f"{what} {part}", False) for item in items]
+        try:
+            stacked.append(torch.stack(values) if values else torch.empty(0))
+        except RuntimeError as e:
+            shapes = sorted({tuple(v.shape) for v in values})[:3]
+            raise ConfigError(
+                f"dataset: the {what} torch Dataset's {part} items differ in shape ({shapes}); give one shape"
+            ) from e
+    return stacked[0], stacked[1]
 
 
 def _check_splits(name: str, tx: torch.Tensor, ty: torch.Tensor, vx: torch.Tensor, vy: torch.Tensor) -> None:
@@ -101,12 +129,26 @@ def _check_splits(name: str, tx: torch.Tensor, ty: torch.Tensor, vx: torch.Tenso
 def check_loaded(name: str, ds: Dataset) -> None:
     """A registered loader's data, checked as the data passed from Python are (one line naming ``name``)."""
     _check_splits(name, ds.train_x, ds.train_y, ds.test_x, ds.test_y)
+    _check_classes(name, ds)
+
+
+def _check_classes(name: str, ds: Dataset) -> None:
+    """Class labels within the ``num_classes`` the Dataset declares, the outputs the models are built with: a
+    label beyond them failed in round 1, inside the loss (an index error, on a GPU a device-side assert)."""
+    for split, y in (("train_y", ds.train_y), ("test_y", ds.test_y)):
+        if len(y) and not y.is_floating_point() and not (int(y.min()) >= 0 and int(y.max()) < ds.num_classes):
+            raise ConfigError(
+                f"dataset {name!r}: {split} holds labels {int(y.min())}..{int(y.max())}, but the Dataset declares "
+                f"num_classes {ds.num_classes} (labels 0..{ds.num_classes - 1}); give labels in that range or the "
+                "number of classes they need"
+            )
 
 
 def as_dataset(data: Any, name: str = "python") -> Dataset:
     """A fedweave Dataset from what ``fedweave.run(dataset=...)`` accepts (see the module docstring)."""
     if isinstance(data, Dataset):  # checked as the tuples are: an empty test split scored 0.0 here too
         _check_splits(data.name, data.train_x, data.train_y, data.test_x, data.test_y)
+        _check_classes(data.name, data)
         return data
     users = (None, None)
     if isinstance(data, tuple | list) and len(data) == 2 and isinstance(data[0], torch.utils.data.Dataset):
@@ -127,7 +169,9 @@ def as_dataset(data: Any, name: str = "python") -> Dataset:
     else:
         ty, vy = ty.long(), vy.long()
         num_outputs = int(max(int(ty.max()), int(vy.max()) if len(vy) else 0)) + 1 if len(ty) else 0
-    return Dataset(name, tx, ty, vx, vy, num_outputs, tuple(tx.shape[1:]), *users)
+    ds = Dataset(name, tx, ty, vx, vy, num_outputs, tuple(tx.shape[1:]), *users)
+    _check_classes(name, ds)  # a negative label
+    return ds
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -138,8 +182,9 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def describe_model(model: nn.Module) -> dict[str, Any]:
-    """The module a factory returned: its class, its number of parameters and a SHA-256 of its initial
-    state (names, shapes, dtypes and values), so two runs started from other weights can be told apart."""
+    """The module a factory returned: its class, its number of parameters, a SHA-256 of its initial state (names,
+    shapes, dtypes and values) and one of its layers as torch prints them, so two runs started from other weights
+    or other layers can be told apart."""
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
         h.update(str((name, tuple(t.shape), str(t.dtype))).encode())
@@ -148,6 +193,8 @@ def describe_model(model: nn.Module) -> dict[str, Any]:
         "class": _qualname(model),
         "parameters": sum(p.numel() for p in model.parameters()),
         "sha256": h.hexdigest(),
+        # its layers as torch prints them: a ReLU and a Tanh network of one shape start from the same weights
+        "structure": hashlib.sha256(repr(model).encode()).hexdigest(),
     }
 
 
@@ -194,14 +241,21 @@ def check_resumed_objects(config: Any, objects: RunObjects | None) -> None:
 
 
 def check_same_objects(saved: dict[str, Any], objects: RunObjects) -> None:
-    """The model and data passed to a resumed run are those it was made with: the SHA-256 digests of the model's
-    initial weights and of the data equal those ``objects.json`` recorded (``saved``); else one line."""
+    """The model and data passed to a resumed run are those it was made with: the model's class and the SHA-256
+    digests of its initial weights, of its layers as torch prints them, and of the data equal those
+    ``objects.json`` recorded (``saved``; a record without the layers' digest is not checked on them); else one
+    line."""
     now = objects.describe()
-    for key, what in (("model", "initial weights"), ("dataset", "data")):
-        was, got = saved.get(key, {}).get("sha256"), now.get(key, {}).get("sha256")
+    for key, field, what in (
+        ("model", "class", "class"),
+        ("model", "sha256", "initial weights' SHA-256"),
+        ("model", "structure", "layers' SHA-256 (as torch prints them)"),
+        ("dataset", "sha256", "data's SHA-256"),
+    ):
+        was, got = saved.get(key, {}).get(field), now.get(key, {}).get(field)
         if was and got and was != got:
+            shown = (got, was) if field == "class" else (f"{got[:12]}...", f"{was[:12]}... ({saved[key].get('class')})")
             raise ConfigError(
-                f"the {key} passed is not the one the run was made with: the SHA-256 of its {what} is {got[:12]}..., "
-                f"{OBJECTS_FILE} recorded {was[:12]}... ({saved[key].get('class')}); a resumed run continues with the "
-                f"same {key}"
+                f"the {key} passed is not the one the run was made with: its {what} is {shown[0]}, {OBJECTS_FILE} "
+                f"recorded {shown[1]}; a resumed run continues with the same {key}"
             )

@@ -1038,8 +1038,9 @@ def _unknown(key: str, bad: Any, allowed: list[str], name: str | None = None) ->
     return ConfigError(f"unknown key {shown}.{hint} Allowed: {', '.join(sorted(map(str, allowed)))}")
 
 
-def build_dataclass(cls: type, data: dict[str, Any] | None, key: str) -> Any:
-    """Instantiate dataclass ``cls`` from ``data``, checking names and types; errors name ``key.field``.
+def build_dataclass(cls: type, data: dict[str, Any] | None, key: str, name: str | None = None) -> Any:
+    """Instantiate dataclass ``cls`` from ``data``, checking names and types; errors name ``key.field`` (and
+    ``name``, the registered object's name, where ``cls`` has no option at all).
 
     A subclass of a dataclass that declares fields but is not decorated itself (a plug-in's ``Hparams``) is a
     TypeError naming them: its fields would otherwise be unknown keys, and their defaults used silently."""
@@ -1054,7 +1055,7 @@ def build_dataclass(cls: type, data: dict[str, Any] | None, key: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     for k in data:
         if k not in names:
-            raise _unknown(key, k, names)
+            raise _unknown(key, k, names, name)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for k, v in data.items():

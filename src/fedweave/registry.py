@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,10 @@ class UnknownNameError(KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message; show it plainly
         return str(self.args[0])
+
+
+def _named(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
 
 
 class Registry:
@@ -29,14 +34,23 @@ class Registry:
 
     def register(self, name: str) -> Callable[[Any], Any]:
         """A decorator that registers the decorated object under ``name`` and returns it unchanged.
-        Registering another object under a taken name raises ValueError, and so does a name that a config
-        could not give (not a non-empty string)."""
+        Registering another object under a taken name raises ValueError, a built-in's name too (a registration
+        from outside fedweave loads the built-ins first), and so does a name that a config could not give (not a
+        non-empty string)."""
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"a {self.kind} is registered under a non-empty string, its config name; got {name!r}")
 
+        # a plug-in's registration (from outside fedweave): the built-ins register first, so that a plug-in taking a
+        # built-in's name is refused here, not later in the built-in module's import (which failed every later run)
+        plugin = not str(sys._getframe(1).f_globals.get("__name__", "")).startswith("fedweave")
+
         def deco(obj: Any) -> Any:
+            if plugin:
+                _load_builtins()
             if name in self._items and self._items[name] is not obj:
-                raise ValueError(f"{self.kind} {name!r} is registered twice")
+                raise ValueError(
+                    f"{self.kind} {name!r} is registered twice: {_named(self._items[name])} and {_named(obj)}"
+                )
             self._items[name] = obj
             return obj
 

@@ -175,6 +175,9 @@ def _held_run(summary: Path) -> str:
     return "a finished run"
 
 
+OBJECTS_FILE = "objects.json"  # what a run took from Python in place of registered names (fedweave.byo)
+
+
 def check_run_dir(path: Path, *, resume: bool = False, overwrite: bool = False) -> None:
     """Refuse, before anything is written, a run directory that cannot take this run: raise a
     :class:`RunDirError` naming the path when it (or a parent) is a file, when it holds anything but a run's
@@ -193,12 +196,18 @@ def check_run_dir(path: Path, *, resume: bool = False, overwrite: bool = False) 
         return
     if holds_run(path):
         what = _held_run(path / "summary.json")
-        # offer --resume only where it can continue: a run without checkpoint.pt has nothing to resume from
-        if (path / "checkpoint.pt").is_file():
-            ways = f"give another --out / output.dir, resume it with 'fedweave run --resume {path}', or replace it"
+        # the command line's and Python's ways each (the same check refuses both); --resume offered only where it
+        # can continue (a run without checkpoint.pt has nothing to resume from), and a run of objects passed from
+        # Python resumes from Python only
+        elsewhere = "give another --out / output.dir (run_dir=)"
+        replace = "replace it with --overwrite (overwrite=True)"
+        if not (path / "checkpoint.pt").is_file():
+            ways = f"it has no checkpoint to resume from; {elsewhere}, or {replace}"
+        elif (path / OBJECTS_FILE).is_file():
+            ways = f"{elsewhere}, resume it from Python with fedweave.resume({str(path)!r}, ...), or {replace}"
         else:
-            ways = "it has no checkpoint to resume from; give another --out / output.dir, or replace it"
-        raise RunDirError(f"{str(path)!r} already holds {what}; {ways} with --overwrite")
+            ways = f"{elsewhere}, resume it with 'fedweave run --resume {path}' (fedweave.resume), or {replace}"
+        raise RunDirError(f"{str(path)!r} already holds {what}; {ways}")
     foreign = foreign_entries(path)
     if foreign:  # a user's folder: the run's files would land among (and over same-named) files of theirs
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from fedweave import __version__, robust
@@ -25,6 +26,7 @@ from fedweave.algorithms.base import (
 )
 from fedweave.byo import OBJECTS_FILE, RunObjects, check_resumed_objects, check_same_objects
 from fedweave.callbacks import Callback, CallbackList, RunState, default_callbacks
+from fedweave.callbacks.builtin import check_finite
 from fedweave.checkpoints import CHECKPOINT, RESUMABLE_LOCAL, restore_checkpoint
 from fedweave.config import ConfigError, FaultsConfig, RunConfig
 from fedweave.config import load as load_config
@@ -371,6 +373,7 @@ def _evaluate(state: RunState, r: int, metrics: dict[str, Any]) -> None:
     callbacks. The bytes are the ledger's totals up to that round."""
     ev = state.algo.evaluate(r)
     state.callbacks.on_evaluation(state, r, ev)
+    ev = _recordable(ev, r)
     ledger = state.ctx.ledger
     row = {
         "round": r + 1,
@@ -386,6 +389,25 @@ def _evaluate(state: RunState, r: int, metrics: dict[str, Any]) -> None:
         row["skipped_rounds"] = len(state.skipped)  # cumulative: rounds without eval are counted too
     state.out.add_metrics(row)
     state.callbacks.on_row(state, row)
+
+
+def _recordable(values: dict[str, Any], r: int) -> dict[str, Any]:
+    """The evaluation's values as a metrics row records them, callbacks' additions included: a numpy number or a
+    one-element tensor as the Python number it holds; any other kind one error naming its key (it failed in the
+    JSON writer, the row half-written); a NaN or Inf the divergence it is (the guard saw the values before the
+    callbacks after it added theirs)."""
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, np.generic) or (isinstance(v, torch.Tensor) and v.numel() == 1):
+            v = v.item()
+        if not isinstance(v, int | float | str | None):
+            raise TypeError(
+                f"round {r + 1}: the evaluation's value {k!r} is a {type(v).__name__}; a metrics row holds numbers "
+                "or text (a callback's on_evaluation adds float(...))"
+            )
+        out[k] = v
+    check_finite(out, r, "an evaluation metric")
+    return out
 
 
 def _outcome(state: RunState, summary: dict[str, Any], raised: BaseException | None, on_divergence: str) -> Result:

@@ -117,19 +117,34 @@ class BCEWithLogits(Loss):
 
 
 class CallableLoss(Loss):
-    """A user's ``fn(out, y)`` returning per-sample losses: shape ``(B,)``, or ``(B, ...)`` (``reduction="none"``
-    on a model with one or more outputs), averaged over the other axes as the registered losses are."""
+    """A user's ``fn(out, y)`` returning per-sample losses: shape ``(B,)``, or the output's shape ``(B, ...)``
+    (``reduction="none"`` on a model with one or more outputs), averaged over the other axes as the registered
+    losses are. Float targets come in the output's shape, as the registered losses take them (``(B,)`` targets of a
+    ``(B, 1)`` output as ``(B, 1)``: else ``mse_loss(out, y, reduction="none")`` broadcast them to ``(B, B)`` and
+    trained on every pair)."""
 
     def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], targets: str = "float") -> None:
         self.fn, self.targets = fn, targets
         self.name = getattr(fn, "__name__", type(fn).__name__)
 
     def per_sample(self, out, y):
+        if self.targets == "float" and y.shape != out.shape and y.numel() == out.numel():
+            y = y.reshape(out.shape)
         v = self.fn(out, y)
-        if v.dim() == 0:
+        if not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.dim() == 0:
+            got = (
+                f"a {type(v).__name__}"
+                if not isinstance(v, torch.Tensor)
+                else f"a {v.dtype} tensor of {tuple(v.shape)}"
+            )
             raise ValueError(
-                f"the loss {self.name!r} must return one loss per sample (shape (B,)), got a scalar; "
-                "compute it with reduction='none'"
+                f"the loss {self.name!r} must return a float tensor with one loss per sample (shape (B,)), got "
+                f"{got}; compute it with reduction='none'"
+            )
+        if v.shape != out.shape and v.shape != out.shape[:1]:
+            raise ValueError(
+                f"the loss {self.name!r} returns {tuple(v.shape)} for an output of {tuple(out.shape)}: one loss per "
+                f"sample is {tuple(out.shape[:1])} (or the output's shape, averaged over its columns)"
             )
         # (B, 1) or (B, k) to (B,): a masked mean would broadcast a (B, 1) against the (B,) mask into (B, B)
         return _rows(v)

@@ -141,9 +141,10 @@ def check_model_fits(
     cross-entropy task needs per sample, checked against a ``(B, K)`` output (a model built for fewer classes
     fails in round 1, on a GPU with a device-side assert). ``log_probs`` (``task.loss: nll``): each sample's
     outputs must be log-probabilities, ``logsumexp`` over the classes 0; on logits ``nll_loss`` is ``-z_y``,
-    unbounded below, and a run trained to a negative, meaningless loss without a word. ``loss``, a ``Loss``
-    class of one's own: its ``per_sample`` must give one loss per sample, ``(B,)``; a ``(B, 1)`` was broadcast
-    against the ``(B,)`` mask of a padded batch into ``(B, B)``, and ``vmap`` trained on a sum of B losses."""
+    unbounded below, and a run trained to a negative, meaningless loss without a word. ``loss``: the task's loss
+    must read the output against the targets (an output of the wrong shape or kind failed in round 1 with torch's
+    error) and give one loss per sample, ``(B,)``; a ``(B, 1)`` was broadcast against the ``(B,)`` mask of a
+    padded batch into ``(B, B)``, and ``vmap`` trained on a sum of B losses."""
     x, kind = ds.train_x[:2], str(ds.train_x.dtype)
     if len(ds.train_x) and not ds.train_x.is_floating_point():
         flat = ds.train_x.reshape(len(ds.train_x), -1)
@@ -167,9 +168,19 @@ def check_model_fits(
                 f"of model {model_name!r} on two training samples are not (logsumexp over the classes "
                 f"{worst:.4g} from 0, largest output {float(out.max()):.4g}); for logits use task.loss: cross_entropy"
             )
-    if e is None and isinstance(out, torch.Tensor) and loss is not None and type(loss).__module__ != Loss.__module__:
-        n = min(2, len(out), len(ds.train_y))  # the first rows of x are the first training samples
-        shape = tuple(loss.per_sample(out[:n], ds.train_y[:n].to(out.device)).shape)
+    if e is None and loss is not None:
+        n = min(2, len(ds.train_y))  # the first rows of x are the first training samples
+        try:
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"the model returns a {type(out).__name__}, not a tensor")
+            shape = tuple(loss.per_sample(out[:n], ds.train_y[:n].to(out.device)).shape)
+        except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as err:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ConfigError(
+                f"loss {loss.name!r} cannot read the output of model {model_name!r} ({got} for {n} samples) against "
+                f"the targets of dataset {dataset_name!r} ({tuple(ds.train_y[:n].shape)}, {ds.train_y.dtype}): "
+                f"{_first_line(err)}"
+            ) from err
         if shape != (n,):
             raise ConfigError(
                 f"loss {loss.name!r}: per_sample must return one loss per sample, shape (B,), but returns {shape} "
@@ -800,7 +811,7 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
     local = cfg.local
     if regularize_in_rule:
         local = dataclasses.replace(local, weight_decay=0.0, grad_clip=None)
-    check_seeded(ctx.model)
+    check_seeded(ctx.model, ctx.dataset.train_x[:2].to(ctx.device))
     augment = checked_augment(ctx, ctx.model)
     ds = ctx.dataset
     backend = choose_backend(cfg.backend, ctx.model, jobs_per_call, device=ctx.device)
@@ -932,7 +943,7 @@ def check_algorithm(config: RunConfig, objects: RunObjects | None = None) -> tup
     objects = objects or RunObjects()
     section = config.algorithm
     cls = ALGORITHMS.get(section.name)
-    hp = build_dataclass(cls.Hparams, section.options, "algorithm")
+    hp = build_dataclass(cls.Hparams, section.options, "algorithm", section.name)
     if config.compression.upload is not None and not cls.compresses_uploads:
         raise ConfigError(
             f"compression.upload: algorithm {section.name!r} ({cls.family}) does not compress its uploads yet; the "

@@ -64,7 +64,7 @@ def trial_parts(config: RunConfig, ctx=None) -> tuple[torch.Tensor, torch.Tensor
     if cls.family == "hierarchical":
         from fedweave.algorithms.hierarchical.base import split_hierarchy
 
-        hp = build_dataclass(cls.Hparams, config.algorithm.options, "algorithm")
+        hp = build_dataclass(cls.Hparams, config.algorithm.options, "algorithm", config.algorithm.name)
         d = split_hierarchy(ctx, hp.server_share, hp.test_fraction, hp.validation)
         x, y, parts = d.train_x, d.train_y, d.parts
     else:

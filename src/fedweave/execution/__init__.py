@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -92,10 +94,12 @@ def batch_statistics(model: nn.Module) -> bool:
 DROPOUTS = (nn.modules.dropout._DropoutNd,)  # Dropout, Dropout1d/2d/3d, AlphaDropout, FeatureAlphaDropout
 
 
-def check_seeded(model: nn.Module) -> None:
+def check_seeded(model: nn.Module, sample: torch.Tensor | None = None) -> None:
     """Local training draws every random number from the run's named streams; a dropout module draws its masks
     from torch's global generator instead, so the same seed would give other numbers on the loop backend
-    (silently) and the vmap backend could not draw them at all. One ConfigError naming the module."""
+    (silently) and the vmap backend could not draw them at all. One ConfigError naming the module. With a
+    ``sample`` of training inputs, a forward pass in training mode that draws from the global generator some
+    other way (``F.dropout`` in ``forward``, ``torch.rand``) is one ConfigError too."""
     drops = [repr(n or type(m).__name__) for n, m in model.named_modules() if isinstance(m, DROPOUTS) and m.p > 0]
     if drops:
         raise ConfigError(
@@ -103,6 +107,31 @@ def check_seeded(model: nn.Module) -> None:
             "the run's seed, so a seed would not give the same numbers (and backend vmap cannot draw them); remove it "
             "or set p=0 (the split family draws its models' dropout from the run's streams)"
         )
+    if sample is not None and draws_global_random(model, sample):
+        raise ConfigError(
+            "model: its forward pass in training mode draws random numbers from torch's global generator (as "
+            "F.dropout or torch.rand in forward do), not from the run's seed, so a seed would not give the same "
+            "numbers (and backend vmap cannot draw them); draw nothing at random in forward"
+        )
+
+
+def draws_global_random(model: nn.Module, sample: torch.Tensor) -> bool:
+    """Whether a training-mode forward pass of ``sample`` through a copy of ``model`` (no batch-norm statistics of
+    the run's model move) moves torch's global generator: the CPU's, and the sample's CUDA device's. The
+    generators are put back as they were; a model that cannot read the sample is another check's to report."""
+    trial = copy.deepcopy(model).train()
+    cuda = [sample.device.index or 0] if sample.device.type == "cuda" else []
+
+    def states() -> list[torch.Tensor]:
+        return [torch.random.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in cuda)]
+
+    with torch.random.fork_rng(devices=cuda), torch.no_grad():
+        before = states()
+        try:
+            trial(sample)
+        except (RuntimeError, ValueError, IndexError, TypeError):
+            return False
+        return not all(torch.equal(a, b) for a, b in zip(before, states()))
 
 
 def check_running_stats(model: nn.Module) -> None:

@@ -46,7 +46,16 @@ def run(tr: LocalTrainer, call: LocalCall) -> LocalResult:
             pl.reset_peak()
             before = pl.allocated_bytes()
         chunk_call = replace(call, starts=call.starts[lo:hi], clients=clients[lo:hi], offset=call.offset + lo)
-        outs.append(_run_chunk(tr, chunk_call))
+        try:
+            outs.append(_run_chunk(tr, chunk_call))
+        except RuntimeError as e:
+            if not str(e).startswith("vmap:"):
+                raise
+            raise RuntimeError(
+                f"backend vmap cannot train this model or loss ({str(e).splitlines()[0][:160]}): it trains the clients "
+                "in one batched computation (torch.func.vmap), which allows no .item() or Python branch on a "
+                "tensor's value and no draw from torch's global generator; choose backend: loop or pool"
+            ) from e
         if measure:  # the memory one job takes, from the first chunk's peak: later chunks fill half the free
             pl.synchronize()
             per_job = max(1, (pl.peak_bytes() - before) // (hi - lo))

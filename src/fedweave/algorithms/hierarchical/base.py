@@ -358,7 +358,7 @@ class HierarchicalAlgorithm(Algorithm):
         self.m = len(self.data.parts)
         self.k = max(1, nearest_count(hp.participation, self.m))  # spec A20: k = max(1, round(beta m)), halves up
         cfg = ctx.config
-        check_seeded(ctx.model)
+        check_seeded(ctx.model, ctx.dataset.train_x[:2].to(ctx.device))
         backend = choose_backend(cfg.backend, ctx.model, self.jobs_per_client * self.k, device=ctx.device)
         d = self.data
         # trainer data index m is the server's own share (a baseline control trains on it as a client)
