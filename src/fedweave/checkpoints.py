@@ -30,6 +30,9 @@ CHECKPOINT = "checkpoint.pt"
 RESUMABLE_CHANGES = ("rounds", "output", "threads", "eval", "backend", "device", "memory", "callbacks")
 # ...and these change what it computes from the resumed round on (a smaller lr after a divergence, say).
 RESUMABLE_LOCAL = ("lr", "grad_clip")
+# ...but not these keys of a resumable section: eval.holdout takes each client's test samples out of its training
+# data, so a changed one trained the resumed rounds on other samples (a run of neither holdout, labelled the new)
+FIXED_KEYS = {"eval": ("holdout",)}
 
 
 def floating_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -166,8 +169,17 @@ def _check_resumable(saved: dict[str, Any], now: dict[str, Any], path: Path) -> 
         for k in set(saved) | set(now)
         if k not in RESUMABLE_CHANGES and (local(saved) != local(now) if k == "local" else saved.get(k) != now.get(k))
     )
+    changed += [
+        f"{section}.{k}"
+        for section, keys in FIXED_KEYS.items()
+        for k in keys
+        if saved.get(section, {}).get(k) != now.get(section, {}).get(k)
+    ]
     if changed:
-        allowed = ", ".join([*RESUMABLE_CHANGES, *(f"local.{k}" for k in RESUMABLE_LOCAL)])
+        fixed = [f"{section}.{k}" for section, keys in FIXED_KEYS.items() for k in keys]
+        allowed = (
+            ", ".join([*RESUMABLE_CHANGES, *(f"local.{k}" for k in RESUMABLE_LOCAL)]) + f" (not {', '.join(fixed)})"
+        )
         raise ConfigError(
             f"{path / 'config.yaml'}: {', '.join(changed)} changed since the checkpoint was written; a resumed "
             f"run may change only {allowed}. Start a new run instead"
