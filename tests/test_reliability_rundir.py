@@ -65,7 +65,9 @@ def test_overwrite_refuses_a_directory_of_user_files_with_a_config(in_tmp, capsy
     (d / ".bashrc").write_text("export X=1")
     before = _files(d)
     code = cli_main(["run", "c.yaml", "--out", "project", "--overwrite", "--no-progress"])
-    _one_line_error(capsys, code, "'project'", ".bashrc, notes.txt", "--overwrite replaces only a run directory")
+    _one_line_error(
+        capsys, code, "'project'", ".bashrc, config.yaml, notes.txt", "--overwrite replaces only a run direc"
+    )
     assert _files(d) == before and sorted(p.name for p in d.iterdir()) == sorted(before)
 
 
@@ -74,8 +76,22 @@ def test_overwrite_refuses_a_directory_holding_only_a_users_config(in_tmp, capsy
     d.mkdir()
     (d / "config.yaml").write_text(yaml.safe_dump(BASE))
     code = cli_main(["run", "exp/config.yaml", "--out", "exp", "--overwrite", "--no-progress"])
-    _one_line_error(capsys, code, "'exp' is not a fedweave run directory")
+    _one_line_error(capsys, code, "'exp' holds files that are not a fedweave run's (config.yaml)")
     assert (d / "config.yaml").read_text() == yaml.safe_dump(BASE) and len(list(d.iterdir())) == 1
+
+
+@pytest.mark.parametrize("name", ["partition.png", "test_accuracy_vs_rounds.png", "metrics.csv", "events.csv"])
+def test_a_users_file_named_as_a_runs_is_never_written_over(name, in_tmp, capsys):
+    """A folder of the user's is no run's, whatever its files are called: a plain run replaced their own
+    partition.png (the names alone made the folder look empty), and with notes.txt beside their metrics.csv it
+    was told the folder held an unfinished run, to be replaced with --overwrite, which then refused."""
+    d = in_tmp / "mine"
+    d.mkdir()
+    (d / name).write_bytes(b"the user's own")
+    for extra in ([], ["--overwrite"]):
+        code = cli_main(["run", "c.yaml", "output.plots=true", "--out", "mine", "--no-progress", *extra])
+        _one_line_error(capsys, code, f"'mine' holds files that are not a fedweave run's ({name})")
+        assert [p.name for p in d.iterdir()] == [name] and (d / name).read_bytes() == b"the user's own"
 
 
 def test_overwrite_of_the_working_directory(in_tmp, capsys, monkeypatch):
@@ -196,6 +212,7 @@ def test_a_planted_probe_link_is_not_followed(tmp_path):
     victim.write_text("precious")
     run = tmp_path / "r"
     run.mkdir()
+    (run / fedweave.results.LOCK).touch()  # a run's directory (in a folder that is no run's, the link is refused)
     (run / f".write-probe-{os.getpid()}.tmp").symlink_to(victim)
     fedweave.run(BASE, run_dir=run)
     assert victim.read_text() == "precious"

@@ -84,17 +84,33 @@ ASIDE = ".overwritten-"  # prefix of the folder an overwrite moves the old run i
 _OWNED = (*RUN_OUTPUTS, *RUN_OUTPUT_DIRS, *TEMP_FILES, LOCK, f"{ASIDE}*")
 
 
+# what only a run writes (its lock first of all): a folder without any is no run's, whatever its files are named
+RUN_MARKS = (LOCK, "summary.json", "metrics.jsonl", "checkpoint.pt")
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether directory ``path`` is (or was) a run's: it holds the lock a run takes before writing anything, or
+    a run's results. A folder of the user's with files named as a run's (their own ``partition.png`` or
+    ``metrics.csv``) is not."""
+    return any((path / f).exists() for f in RUN_MARKS)
+
+
 def holds_run(path: Path) -> bool:
-    """Whether directory ``path`` holds any of a run's files (config, summary, metrics or checkpoint)."""
-    return any((path / f).exists() for f in RUN_FILES)
+    """Whether directory ``path`` holds a run: it is a run's (:func:`is_run_dir`) and holds any of a run's files
+    (config, summary, metrics or checkpoint)."""
+    return is_run_dir(path) and any((path / f).exists() for f in RUN_FILES)
 
 
 REPORT = "report.html"  # `fedweave report RUN` writes its page into the run directory by default
 
 
 def foreign_entries(path: Path) -> list[str]:
-    """The names in ``path`` that no fedweave run writes (a user's files): --overwrite never removes them. The
-    page ``fedweave report`` leaves there by default is the run's (a report.html of the user's own is not)."""
+    """The names in ``path`` that no fedweave run wrote (a user's files): --overwrite never removes them, and a run
+    never writes among them. In a folder that is no run's (:func:`is_run_dir`) that is every name, run files'
+    names too (a run replaced a user's own ``partition.png``); in a run's, the names no run writes. The page
+    ``fedweave report`` leaves there by default is the run's (a report.html of the user's own is not)."""
+    if not is_run_dir(path):
+        return sorted(e.name for e in path.iterdir())
     return sorted(e.name for e in path.iterdir() if not _owned(e))
 
 
@@ -121,20 +137,14 @@ def _owned(entry: Path) -> bool:
 def _overwrite_refusal(path: Path) -> str | None:
     """Why ``--overwrite`` may not replace ``path``, or None: only an empty directory or a run directory (one
     that holds nothing but a fedweave run's files) may be replaced."""
-    names = sorted(e.name for e in path.iterdir())
-    if not names:
-        return None
     foreign = foreign_entries(path)
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        what = f"holds files that are not a fedweave run's ({shown})"
-    elif not any((path / f).exists() for f in (LOCK, "summary.json", "metrics.jsonl", "checkpoint.pt")):
-        what = f"is not a fedweave run directory (it holds {', '.join(names[:3])} but no run's results)"
-    else:
+    if not foreign:
         return None
+    shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
     return (
-        f"{str(path)!r} {what}; --overwrite replaces only a run directory (one that holds nothing but a fedweave "
-        "run's files) and deleted nothing: move those files out or give a new --out / output.dir"
+        f"{str(path)!r} holds files that are not a fedweave run's ({shown}); --overwrite replaces only a run "
+        "directory (one that holds nothing but a fedweave run's files) and deleted nothing: move those files out or "
+        "give a new --out / output.dir"
     )
 
 
