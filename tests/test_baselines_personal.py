@@ -557,6 +557,31 @@ def test_eval_holdout_trains_without_and_evaluates_on_the_clients_own_samples(tm
     assert {"test_accuracy", "test_accuracy_personal", "test_accuracy_personal_min"} <= set(res.summary["final"])
 
 
+@pytest.mark.parametrize(
+    "algorithm, evaluation, tail",
+    [
+        ("fedavg", {}, "set eval.personal_test or eval.distribution to evaluate them, or leave it out"),
+        ("hier_fedavg", {}, "nothing would evaluate the held-out samples; leave it out"),  # it never read it
+        ("cse_fsl", {}, "nothing would evaluate the held-out samples; leave it out"),  # it trained without them
+    ],
+)
+def test_a_holdout_nothing_evaluates_is_refused(algorithm, evaluation, tail, tmp_path):
+    """Before: FedAvg without personal_test trained without the held-out samples and evaluated only the test split,
+    the hierarchical and confederated families ignored the key, the split family trained without the samples."""
+    cfg = {"rounds": 1, "dataset": {"name": "digits"}, "model": {"name": "logistic"}, "algorithm": {"name": algorithm}}
+    cfg |= {"partition": {"name": "iid", "num_clients": 10}, "output": {"progress": False, "plots": False}}
+    cfg["eval"] = {"holdout": 0.25, **evaluation}
+    with pytest.raises(
+        ConfigError, match=rf"^eval\.holdout: algorithm '{algorithm}' \(\w+\) evaluates no client's own .*{tail}$"
+    ):
+        fedweave.run(cfg, run_dir=tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+    if algorithm == "fedavg":  # asked for, it runs
+        for asked in ({"personal_test": True}, {"distribution": True}):
+            cfg["eval"] = {"holdout": 0.25, **asked}
+            assert fedweave.run(cfg, run_dir=tmp_path / str(asked)).summary["status"] == "completed"
+
+
 @pytest.mark.parametrize("bad", [1.0, -0.1])
 def test_a_bad_holdout_names_the_key(bad):
     with pytest.raises(ConfigError, match=r"^eval.holdout must be in \[0, 1\)"):

@@ -146,6 +146,7 @@ def test_resume_refuses_another_holdout_though_it_may_change_the_rest_of_eval(to
     """eval.holdout takes each client's test samples out of its training data: a resume that changed it trained
     its rounds on other samples and relabelled the whole run (and a sweep run again with it reused the run)."""
     cfg = {**toy_config, "rounds": 3, "output": {"progress": False, "plots": False, "checkpoint_every": 1}}
+    cfg["eval"] = {"personal_test": True}  # the global model on each client's own test set: what holdout draws
     fedweave.run({**cfg, "rounds": 2}, run_dir=tmp_path / "r")
     with pytest.raises(ConfigError, match=r"eval\.holdout changed since the checkpoint .* \(not eval\.holdout\)"):
         resume(tmp_path / "r", ["rounds=3", "eval.holdout=0.5"], progress=False)
@@ -153,7 +154,13 @@ def test_resume_refuses_another_holdout_though_it_may_change_the_rest_of_eval(to
     grid = {"local.lr": [0.1]}
     fedweave.sweep(cfg, grid, workers=1, out=tmp_path / "s", progress=False)
     with pytest.raises(Exception, match=r"already holds a finished run of another config"):
-        fedweave.sweep({**cfg, "eval": {"holdout": 0.5}}, grid, workers=1, out=tmp_path / "s", progress=False)
+        fedweave.sweep(
+            {**cfg, "eval": {"personal_test": True, "holdout": 0.5}},
+            grid,
+            workers=1,
+            out=tmp_path / "s",
+            progress=False,
+        )
 
 
 def test_a_finished_run_resumed_with_another_lr_and_no_round_left_is_refused(toy_config, tmp_path):

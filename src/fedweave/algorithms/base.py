@@ -639,6 +639,11 @@ class Algorithm(metaclass=_AlgorithmMeta):
     #: Config keys the class never reads (a section such as ``model``, or one key such as ``local.steps``), each
     #: with why: set to other than its default it is refused, naming the key, when the run is built.
     unread_config: ClassVar[dict[str, str]] = {}
+    #: Whether the class evaluates on each client's own test set whatever the ``eval`` section says (personal
+    #: models, the decentralized family's): where it does not, and neither ``eval.personal_test`` nor
+    #: ``eval.distribution`` asks for it, ``eval.holdout`` is refused (its samples would leave training, read by
+    #: nothing).
+    own_test_sets: ClassVar[bool] = False
     #: The ``algorithm`` options that scale a step of the method (named when a run diverges); None: its
     #: Hparams fields named as step sizes (``lr``, ``*_lr``, ``step_size``, ``step_scale``). A method whose
     #: ``server_lr`` must stay 1 declares its own, so the advice never names an option the run refuses.
@@ -982,4 +987,11 @@ def check_algorithm(config: RunConfig, objects: RunObjects | None = None) -> tup
         changed = changed_keys(config, key)
         if changed:
             raise ConfigError(f"{changed[0]}: the {cls.family} family {why}; leave it out")
+    ev = config.eval
+    if ev.holdout and not (cls.own_test_sets or ev.personal_test or ev.distribution):
+        ask = "set eval.personal_test or eval.distribution to evaluate them, or " if cls.family == "centralized" else ""
+        raise ConfigError(
+            f"eval.holdout: algorithm {section.name!r} ({cls.family}) evaluates no client's own test set here, so "
+            f"nothing would evaluate the held-out samples; {ask}leave it out"
+        )
     return cls, hp

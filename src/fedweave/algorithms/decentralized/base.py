@@ -132,6 +132,7 @@ class GraphAlgorithm(Algorithm):
     """
 
     family = "decentralized"
+    own_test_sets = True  # every client's model on its own test set (eval.holdout: its held-out samples)
     Hparams = GraphHparams
     # deployed on Flower, the ServerApp relays the gossip (docs/deployment.md): a method whose peers compute on
     # their own data only through their local trainers deploys, and says so with None here

@@ -41,6 +41,7 @@ class PersonalStar(StarAlgorithm):
     # personal models in the server's store, so they are refused for deployment (fedweave.deploy.support)
     undeployable: ClassVar[str] = "its clients' personal models are kept by the simulation's state store"
 
+    own_test_sets = True  # the personal models are evaluated on the clients' own test sets
     keeps_personal: ClassVar[bool] = True  # False: the personal models are derived, not kept (Per-FedAvg)
     # False: the method has no global model (IFCA, FedProto), so its test metrics are the personal models' on the
     # clients' own test sets, under the plain names (test_accuracy, ...), as eval.personal_test names them
