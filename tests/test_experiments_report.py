@@ -318,6 +318,36 @@ def test_report_of_a_damaged_file_names_it(toy_config, tmp_path, capsys, damaged
     assert len(err) == 1 and err[0].startswith(f"fedweave: error: {res.out_dir / damaged} cannot be read")
 
 
+RUN = "runs/local.lr=0.1,seed=3"
+
+
+@pytest.mark.parametrize(
+    "damaged, text",
+    [
+        (f"{RUN}/summary.json", "[1, 2]"),
+        (f"{RUN}/summary.json", "{}"),
+        (f"{RUN}/metrics.jsonl", '"str"'),
+        (f"{RUN}/metrics.jsonl", '{"round": "x"}'),
+        (f"{RUN}/config.yaml", "- a list"),
+        ("sweep.json", "[1]"),
+        ("sweep.json", '{"grid": 5}'),
+        ("sweep.csv", "point,run_dir\ngarbage,\n"),
+    ],
+)
+def test_report_and_plot_of_a_file_of_the_wrong_shape_name_it(toy_config, tmp_path, capsys, damaged, text):
+    """Files that parse but hold other than what a run or sweep writes: a TypeError, KeyError or AttributeError
+    traceback, some with status 0."""
+    res = _sweep({**toy_config, "rounds": 1}, {"local.lr": [0.1]}, tmp_path / "sweep")
+    capsys.readouterr()
+    (res.out_dir / damaged).write_text(text)
+    for cmd in (["report", str(res.out_dir), "--out", str(tmp_path / "r.html")], ["plot", str(res.out_dir / RUN)]):
+        if cmd[0] == "plot" and not damaged.endswith("metrics.jsonl"):
+            continue  # a plot reads a run's rows
+        assert cli_main([*cmd, "--out", str(tmp_path / "p")] if cmd[0] == "plot" else cmd) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"fedweave: error: {res.out_dir / damaged} cannot be read"), err
+
+
 # ---- a report that reads well ------------------------------------------------------------------------------
 
 PM = re.compile(r"^(\d+\.\d+) ± (\d+\.\d+)$")

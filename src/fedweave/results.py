@@ -365,11 +365,30 @@ class RunDir:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The metrics rows of a run directory (from ``metrics.jsonl``)."""
+    """The metrics rows of a run directory (from ``metrics.jsonl``); a file that holds other than rows is one
+    ValueError naming it."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: is {run_dir} a fedweave run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        return metrics_rows(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})") from e
+
+
+def metrics_rows(text: str) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` text: each line a JSON object with an integer ``round``; anything else (a
+    file edited or damaged by hand: the run writes it atomically) is a ValueError naming the line."""
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        r = row.get("round") if isinstance(row, dict) else None
+        if not isinstance(r, int) or isinstance(r, bool):
+            raise ValueError(f"line {n} is not a metrics row (a JSON object with an integer round): {line[:60]!r}")
+        rows.append(row)
+    return rows
 
 
 def _jsonable(o: Any) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import csv
 import html
+import io
 import itertools
 import json
 import logging
@@ -31,7 +32,7 @@ from fedweave.experiments.aggregate import best_point, best_trained, if_all, mea
 from fedweave.experiments.baseline import BASELINE, CORRECTIONS
 from fedweave.experiments.grid import Point
 from fedweave.experiments.verdicts import TESTS
-from fedweave.results import GENERATOR, RunDirError, atomic_write, is_report
+from fedweave.results import GENERATOR, RunDirError, atomic_write, is_report, metrics_rows
 
 log = logging.getLogger("fedweave")
 
@@ -103,16 +104,27 @@ def _load(path: Path, parse: Any, default: Any = None) -> Any:
         raise RunDirError(f"{path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})") from e
 
 
-def _jsonl(text: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+def _mapping(parse: Any, *keys: str) -> Any:
+    """``parse``, and then its result must be a mapping holding ``keys`` (None, an empty file, stands for none)."""
+
+    def checked(text: str) -> Any:
+        value = parse(text)
+        if value is None and not keys:
+            return {}
+        if not isinstance(value, dict) or any(k not in value for k in keys):
+            what = f"a mapping with {', '.join(keys)}" if keys else "a mapping"
+            raise ValueError(f"not {what}: {text.strip()[:60]!r}")
+        return value
+
+    return checked
 
 
 def _read_run(path: Path, label: str | None = None) -> _Run:
     if not path.is_dir():
         return _Run(path, path.name, label or path.name, NOT_STARTED)
-    raw = _load(path / "config.yaml", yaml.safe_load, {})
-    rows = _load(path / "metrics.jsonl", _jsonl, [])
-    summary = _load(path / "summary.json", json.loads)
+    raw = _load(path / "config.yaml", _mapping(yaml.safe_load), {})
+    rows = _load(path / "metrics.jsonl", metrics_rows, [])
+    summary = _load(path / "summary.json", _mapping(json.loads, "status"))
     status = str(summary["status"]) if summary is not None else UNFINISHED
     return _Run(path, path.name, label or path.name, status, _flat(_with_defaults(raw or {})), rows, summary)
 
@@ -162,8 +174,7 @@ def _current_points(d: Path, spec: dict[str, Any]) -> list[tuple[str, str]]:
     found among the run directories of those points (such a sweep.json holds no base seed)."""
     table, record = d / "sweep.csv", d / "sweep.json"
     if table.is_file() and table.stat().st_mtime_ns >= record.stat().st_mtime_ns:
-        with open(table, newline="") as f:
-            return [(r["run_dir"].removeprefix("runs/"), r["point"]) for r in csv.DictReader(f)]
+        return _load(table, _sweep_table)
     if isinstance(spec.get("runs"), list):  # written by this release: the runs themselves
         return [(str(r["run_dir"]).removeprefix("runs/"), str(r["point"])) for r in spec["runs"]]
     grid, zipped = spec.get("grid") or {}, spec.get("zipped") or {}
@@ -185,8 +196,36 @@ def sweep_runs(d: str | Path) -> list[Path]:
     sweep's order (:func:`_current_points`): what ``fedweave plot`` draws of a sweep, as the report does; the
     directories an earlier grid left in ``runs/`` are not the sweep's."""
     d = Path(d)
-    points = _current_points(d, _load(d / "sweep.json", json.loads))
+    points = _current_points(d, _load(d / "sweep.json", _sweep_spec))
     return [d / "runs" / name for name, _ in points if (d / "runs" / name).is_dir()]
+
+
+def _sweep_spec(text: str) -> dict[str, Any]:
+    """A ``sweep.json``: a mapping whose ``grid`` and ``zipped`` are mappings of lists and ``runs`` a list of
+    ``{run_dir, point}`` (else a ValueError: the file was edited or damaged by hand)."""
+    spec = _mapping(json.loads)(text)
+    for key in ("grid", "zipped"):
+        axes = spec.get(key) or {}
+        if not isinstance(axes, dict) or not all(isinstance(v, list) for v in axes.values()):
+            raise ValueError(f"its {key} is not a mapping of value lists: {axes!r:.60}")
+    runs = spec.get("runs")
+    if runs is not None and not (
+        isinstance(runs, list) and all(isinstance(r, dict) and {"run_dir", "point"} <= set(r) for r in runs)
+    ):
+        raise ValueError("its runs are not a list of {run_dir, point}")
+    return spec
+
+
+def _sweep_table(text: str) -> list[tuple[str, str]]:
+    """``(run directory name, point label)`` of each row of a ``sweep.csv`` (its ``run_dir`` and ``point``
+    columns; a row without them is a ValueError)."""
+    rows = list(csv.DictReader(io.StringIO(text)))
+    for n, r in enumerate(rows, 2):
+        if not (isinstance(r.get("run_dir"), str) and r["run_dir"] and isinstance(r.get("point"), str)):
+            raise ValueError(f"line {n} has no run_dir and point")
+    if not rows:
+        raise ValueError("it has no run's row")
+    return [(r["run_dir"].removeprefix("runs/"), r["point"]) for r in rows]
 
 
 def _check_baseline(path: Path, baseline: Any, labels: set[str]) -> None:
@@ -221,7 +260,7 @@ def _read_source(d: Path) -> _Source:
         raise RunDirError(f"{d} {what}: give run directories (with {_or(RUN_FILES)}) or sweep directories (with "
                           "sweep.json)")  # fmt: skip
     if (d / "sweep.json").is_file():
-        spec = _load(d / "sweep.json", json.loads)
+        spec = _load(d / "sweep.json", _sweep_spec)
         points = _current_points(d, spec)
         _check_baseline(d / "sweep.json", spec.get("baseline"), {label for _, label in points})
         runs = [_read_run(d / "runs" / name, label) for name, label in points]
