@@ -46,11 +46,19 @@ def test_fixed_users_every_iteration():
     assert listed.select_users(0, 2).tolist() == [[2, 4]] * 6
 
 
-def test_a_sampler_must_pick_m_users_per_server():
+def test_a_sampler_must_pick_m_users_per_server(tmp_path):
+    # iteration 0 is drawn when the method is built: before, the first iteration found it, the run directory
+    # (config.yaml, a failed summary.json) written, and a retry into it needed --overwrite
     with pytest.raises(ConfigError, match=r"picked 3 users of edge server 0 at iteration 0; .* exactly m = 2"):
-        _make(sampler={"name": "fixed", "clients": 3}).select_users(0, 2)
-    algo = _make(sampler={"name": "bernoulli"})  # a random number of users: some server soon differs from m
+        _make(sampler={"name": "fixed", "clients": 3})
+    import fedweave
+
+    cfg = {"seed": 0, "rounds": 1, "dataset": _DATA, "algorithm": {"name": "gt_svrg", **_ALGO}}
+    with pytest.raises(ConfigError, match=r"picked 3 users of edge server 0 at iteration 0"):
+        fedweave.run({**cfg, "sampler": {"name": "fixed", "clients": [0, 1, 2]}}, run_dir=tmp_path / "r")
+    assert not (tmp_path / "r").exists()
     with pytest.raises(ConfigError, match=r"picked \d users of edge server \d at iteration \d+"):
+        algo = _make(sampler={"name": "bernoulli"})  # a random number of users: some server soon differs from m
         for k in range(50):
             algo.select_users(k, 2)
 

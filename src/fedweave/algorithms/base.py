@@ -754,6 +754,10 @@ class Algorithm(metaclass=_AlgorithmMeta):
             return clients
         return self.faults.reporting(r, clients, self.client_work(r, clients))
 
+    def check_built(self) -> None:
+        """Checks that need the whole method built (a subclass's ``__init__`` done), made once by
+        :func:`build_algorithm` before anything is written; a problem is a :class:`ConfigError`."""
+
     def start_metrics(self) -> dict[str, float]:
         """What the initial model's row (``eval.at_start``) carries beside its evaluation; nothing by default."""
         return {}
@@ -915,6 +919,7 @@ def build_algorithm(ctx: RunContext) -> Algorithm:
     """Look up ``algorithm.name``, validate its options against its ``Hparams``, construct it."""
     cls, hp = check_algorithm(ctx.config, ctx.objects)
     algo = cls(ctx, hp)
+    algo.check_built()
     trainer = getattr(algo, "trainer", None)
     if trainer is not None:  # after the method's own checks, which may refuse such a model in their words (FedBN)
         check_running_stats(trainer.layout.model)

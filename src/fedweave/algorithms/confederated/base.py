@@ -254,6 +254,13 @@ class ConfederatedAlgorithm(Algorithm):
         pb = self.problem
         return torch.from_numpy(self.seeds.numpy("batches", k).integers(pb.S, size=(pb.N, pb.P))).to(self.device)
 
+    def check_built(self) -> None:
+        """A ``sampler`` section's users of iteration 0 drawn once now, for every server (their number is the
+        method's m, known once it is built): a sampler picking another number failed at iteration 0, the run
+        directory written."""
+        if (self.config.sampler.name != "uniform" or self.config.sampler.options) and hasattr(self, "m"):
+            self._sampled_users(0, self.m)
+
     def draws_users(self, hp: ConfederatedHparams) -> str | None:
         """None when the method draws m random users per server and iteration (:meth:`select_users`, where a
         ``sampler`` section applies), else why it draws none (the section is then refused)."""
