@@ -1124,6 +1124,13 @@ def test_column_directions():
         "opt_gap": "min",
         "objective_gap": "min",
         "consensus_error": "min",
+        # costs: lower is better (before: "max", so a sweep's best wall_seconds was its slowest point)
+        "wall_seconds": "min",
+        "bytes_total": "min",
+        "bytes_up": "min",
+        "sim_time": "min",
+        "epsilon": "min",
+        "smashed_uploads_per_client": "min",
     }
     assert {k: column_direction(k) for k in want} == want
 

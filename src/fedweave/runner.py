@@ -508,7 +508,7 @@ def _summary(state: RunState, status: str, error: str | None) -> dict[str, Any]:
         "seed": config.seed,
         "rounds": rows[-1]["round"] if rows else 0,
         "main_metric": key,
-        "direction": task.direction,
+        "direction": task.direction if key is not None else None,  # of the main metric: none, no direction
         "final_main": scored[-1][key] if scored else None,
         "best_main": best[key] if best else None,
         "best_round": best["round"] if best else None,
