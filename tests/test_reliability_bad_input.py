@@ -367,6 +367,14 @@ def test_infinity_is_kept_where_the_default_is_infinite():
         build_dataclass(ALGORITHMS.get("zo_hfl").Hparams, {"box_high": float("nan")}, "algorithm")
 
 
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "\n\n"])
+def test_an_empty_config_file_is_refused_not_run_with_every_default(text, in_tmp, capsys):
+    """Before: an empty file ran 100 rounds of the defaults without a word (a wrong file, most likely)."""
+    (in_tmp / "e.yaml").write_text(text)
+    _one_line_error(capsys, cli_main(["run", "e.yaml", "--out", "r"]), "e.yaml: the config file holds no key")
+    assert not (in_tmp / "r").exists()
+
+
 def test_duplicate_yaml_keys_are_an_error_naming_the_key(in_tmp, capsys):
     (in_tmp / "d.yaml").write_text("name: x\nlocal:\n  lr: 0.1\n  lr: 0.2\n")
     line = _one_line_error(capsys, cli_main(["run", "d.yaml"]), "duplicate key 'lr' at line 4")

@@ -1380,5 +1380,6 @@ def load(source: str | Path | dict[str, Any], overrides: list[str] | None = None
         data = source
     else:
         data = read_yaml_file(source)
-        data = {} if data is None else data
+        if data is None:  # an empty file (or comments only): the wrong file, not a request for every default
+            raise ConfigError(f"{source}: the config file holds no key (it is empty); give a config's keys")
     return from_dict(apply_overrides(data, overrides or []))
