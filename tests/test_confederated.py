@@ -589,3 +589,20 @@ def test_the_command_line_prints_a_confederated_runs_final_gap(tmp_path, capsys)
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert f"final opt gap {summary['final']['opt_gap']:.6g} (round 2)\n" in out
     assert summary["execution"]["backend"] is None  # its own loop reads no backend (it recorded the config's auto)
+
+
+def test_an_optimality_gap_that_explodes_ends_the_run_as_diverged(tmp_path):
+    """Steps far too large grew opt_gap from 0.47 to 1e54 and on, finite, and the run completed (only losses were
+    watched); now it stops as a loss does, at eval.explode_factor times its first value."""
+    import fedweave
+
+    cfg = {"seed": 0, "rounds": 4, "dataset": {"name": "cfl_logreg", "num_samples": 300, "dim": 20, "seed": 1}}
+    cfg["algorithm"] = {"name": "cfl_saga", "num_servers": 6, "users_per_server": 5, "batch_size": 2}
+    cfg["output"] = {"progress": False, "plots": False}
+    wild = fedweave.run({**cfg, "algorithm": {**cfg["algorithm"], "step_scale": 1e6}}, run_dir=tmp_path / "w",
+                        on_divergence="return")  # fmt: skip
+    assert wild.summary["status"] == "diverged" and "opt_gap = " in wild.summary["error"]
+    assert "exploded (over eval.explode_factor = 10000 times its first value" in wild.summary["error"]
+    assert [r["round"] for r in wild.metrics] == [1]
+    calm = fedweave.run(cfg, run_dir=tmp_path / "c")  # the default step: the gap falls, nothing stops it
+    assert calm.summary["status"] == "completed" and calm.metrics[-1]["opt_gap"] < calm.metrics[0]["opt_gap"]

@@ -28,12 +28,19 @@ def check_finite(values: dict[str, Any], r: int, what: str) -> None:
         )  # the runner adds which step sizes to lower: the algorithm's own (fedweave.runner.divergence_advice)
 
 
+def watched(key: str) -> bool:
+    """Whether a metrics column is one whose growth means a blown-up run: a loss, or an optimality or objective gap
+    (the confederated family's ``opt_gap``, ``objective_gap``: a solver whose steps are too large grew them to
+    1e227, finite, the run completed)."""
+    return key.endswith("loss") or key.endswith("_gap")
+
+
 def check_explosion(values: dict[str, Any], first: dict[str, float], r: int, factor: float | None) -> None:
-    """A loss far above its first value means the run has blown up, long before it overflows to Inf."""
+    """A loss or gap far above its first value means the run has blown up, long before it overflows to Inf."""
     if factor is None:
         return
     for key, v in values.items():
-        if not key.endswith("loss") or not isinstance(v, float):
+        if not watched(key) or not isinstance(v, float):
             continue
         if v > 0:
             first.setdefault(key, v)  # the first positive value (a round nobody reported may give 0)
@@ -46,8 +53,9 @@ def check_explosion(values: dict[str, Any], first: dict[str, float], r: int, fac
 
 
 class DivergenceGuard(Callback):
-    """NaN or Inf in a training or evaluation metric, or a loss above ``explode_factor`` times its first
-    positive value, ends the run as ``diverged`` before the bad row is recorded (docs/reliability.md)."""
+    """NaN or Inf in a training or evaluation metric, or a loss or gap (:func:`watched`) above ``explode_factor``
+    times its first positive value, ends the run as ``diverged`` before the bad row is recorded
+    (docs/reliability.md)."""
 
     def __init__(self, explode_factor: float | None) -> None:
         self.factor = explode_factor
@@ -62,7 +70,7 @@ class DivergenceGuard(Callback):
 
     def _remember(self, row: dict[str, Any]) -> None:
         for k, v in row.items():
-            if k.endswith("loss") and isinstance(v, float) and v > 0:
+            if watched(k) and isinstance(v, float) and v > 0:
                 self.first.setdefault(k, v)
 
     def after_training(self, run, r, metrics):
