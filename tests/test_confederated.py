@@ -589,6 +589,10 @@ def test_the_command_line_prints_a_confederated_runs_final_gap(tmp_path, capsys)
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert f"final opt gap {summary['final']['opt_gap']:.6g} (round 2)\n" in out
     assert summary["execution"]["backend"] is None  # its own loop reads no backend (it recorded the config's auto)
+    cfg["backend"] = "pool"  # so a backend set is refused (before: accepted and silently not used)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli_main(["run", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "p"), "--no-progress"]) == 2
+    assert "backend: the confederated family runs its solver's iterations in its own loop" in capsys.readouterr().err
 
 
 def test_an_optimality_gap_that_explodes_ends_the_run_as_diverged(tmp_path):

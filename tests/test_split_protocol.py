@@ -429,15 +429,20 @@ def test_a_segment_is_for_the_clients_with_batches_left_in_it(monkeypatch):
     assert kinds(algo)["client_model"] == 2 * (2 + 1) * algo.split_sizes.client * 4  # trips: 2 + 1, down and up
 
 
-def test_a_split_runs_summary_records_no_backend(tmp_path):
-    # the family's own loop reads no backend: its summary recorded the configured one (auto, or vmap if set)
+def test_a_split_run_reads_no_backend_and_refuses_one(tmp_path):
+    # the family's own loop reads no backend: its summary records none, and a backend set is refused (before: a
+    # backend: vmap was accepted and silently not used)
     import fedweave
+    from fedweave.config import ConfigError
 
-    cfg = {"rounds": 1, "backend": "vmap", "dataset": {"name": "_toy_split", "n_train": 100},
+    cfg = {"rounds": 1, "dataset": {"name": "_toy_split", "n_train": 100},
            "partition": {"name": "iid", "num_clients": 2}, "model": {"name": "split_small"},
            "algorithm": {"name": "cse_fsl", "h": 1}, "local": {"batch_size": 10, "lr": 0.05},
            "output": {"progress": False, "plots": False}}  # fmt: skip
     assert fedweave.run(cfg, run_dir=tmp_path / "r").summary["execution"]["backend"] is None
+    for key, value in (("backend", "vmap"), ("memory", {"vmap_chunk": 4})):
+        with pytest.raises(ConfigError, match=rf"^{key}(\.vmap_chunk)?: the split family trains its client and server"):
+            fedweave.run({**cfg, key: value}, run_dir=tmp_path / key)
 
 
 def test_cifar_crop_trains_on_random_crops_and_tests_on_the_centre(monkeypatch):

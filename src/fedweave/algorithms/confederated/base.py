@@ -147,6 +147,9 @@ class ConfederatedAlgorithm(Algorithm):
         "the centralized family's",
         "eval.per_client": "evaluates the servers' average model on the test split; per-client evaluation is "
         "the centralized family's",
+        # before: accepted and silently not used (the summary recorded no backend)
+        "backend": "runs its solver's iterations in its own loop, on no execution backend",
+        "memory.vmap_chunk": "runs its solver's iterations in its own loop, on no execution backend",
     }
     Hparams = ConfederatedHparams
     handles_faults = ("dropout", "server_miss", "link_loss")

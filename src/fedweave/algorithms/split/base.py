@@ -232,6 +232,9 @@ class SplitAlgorithm(Algorithm):
         "local.lr_schedule": "decays its rates by local.lr_decay every algorithm.lr_decay_every rounds (exponential)",
         "eval.personal_test": GLOBAL_EVAL_ONLY,
         "eval.per_client": GLOBAL_EVAL_ONLY,
+        # before: accepted and silently not used (the summary recorded no backend)
+        "backend": "trains its client and server parts in its own loop, on no execution backend",
+        "memory.vmap_chunk": "trains its client and server parts in its own loop, on no execution backend",
     }
     # the synchronous template waits for its clients: a client past the deadline is dropped like a dropout
     handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "deadline")
