@@ -42,7 +42,8 @@ class Registry:
 
         # a plug-in's registration (from outside fedweave): the built-ins register first, so that a plug-in taking a
         # built-in's name is refused here, not later in the built-in module's import (which failed every later run)
-        plugin = not str(sys._getframe(1).f_globals.get("__name__", "")).startswith("fedweave")
+        caller = str(sys._getframe(1).f_globals.get("__name__", ""))
+        plugin = caller != "fedweave" and not caller.startswith("fedweave.")  # (a fedweave_ext package is a plug-in)
 
         def deco(obj: Any) -> Any:
             if plugin:
