@@ -32,7 +32,7 @@ RESUMABLE_CHANGES = ("rounds", "output", "threads", "eval", "backend", "device",
 RESUMABLE_LOCAL = ("lr", "grad_clip")
 # ...but not these keys of a resumable section: eval.holdout takes each client's test samples out of its training
 # data, so a changed one trained the resumed rounds on other samples (a run of neither holdout, labelled the new)
-FIXED_KEYS = {"eval": ("holdout",)}
+FIXED_KEYS = ("eval.holdout",)
 
 
 def floating_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -169,17 +169,15 @@ def _check_resumable(saved: dict[str, Any], now: dict[str, Any], path: Path) -> 
         for k in set(saved) | set(now)
         if k not in RESUMABLE_CHANGES and (local(saved) != local(now) if k == "local" else saved.get(k) != now.get(k))
     )
-    changed += [
-        f"{section}.{k}"
-        for section, keys in FIXED_KEYS.items()
-        for k in keys
-        if saved.get(section, {}).get(k) != now.get(section, {}).get(k)
-    ]
+
+    def at(d: dict[str, Any], dotted: str) -> Any:
+        section, key = dotted.split(".")
+        return d.get(section, {}).get(key)
+
+    changed += [k for k in FIXED_KEYS if at(saved, k) != at(now, k)]
     if changed:
-        fixed = [f"{section}.{k}" for section, keys in FIXED_KEYS.items() for k in keys]
-        allowed = (
-            ", ".join([*RESUMABLE_CHANGES, *(f"local.{k}" for k in RESUMABLE_LOCAL)]) + f" (not {', '.join(fixed)})"
-        )
+        allowed = ", ".join([*RESUMABLE_CHANGES, *(f"local.{k}" for k in RESUMABLE_LOCAL)])
+        allowed += f" (not {', '.join(FIXED_KEYS)})"
         raise ConfigError(
             f"{path / 'config.yaml'}: {', '.join(changed)} changed since the checkpoint was written; a resumed "
             f"run may change only {allowed}. Start a new run instead"

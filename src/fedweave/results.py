@@ -95,6 +95,17 @@ def is_run_dir(path: Path) -> bool:
     return any((path / f).exists() for f in RUN_MARKS)
 
 
+def first_names(names: list[str], k: int = 3) -> str:
+    """The first ``k`` of ``names`` for a one-line message: ``a, b, c and 4 more``."""
+    return ", ".join(names[:k]) + (f" and {len(names) - k} more" if len(names) > k else "")
+
+
+def unreadable(path: Path, e: Exception) -> str:
+    """The one line for a file of a run or sweep that does not read as what they write (edited or damaged by hand:
+    they write their files atomically)."""
+    return f"{path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})"
+
+
 def holds_run(path: Path) -> bool:
     """Whether directory ``path`` holds a run: it is a run's (:func:`is_run_dir`) and holds any of a run's files
     (config, summary, metrics or checkpoint)."""
@@ -140,7 +151,7 @@ def _overwrite_refusal(path: Path) -> str | None:
     foreign = foreign_entries(path)
     if not foreign:
         return None
-    shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+    shown = first_names(foreign)
     return (
         f"{str(path)!r} holds files that are not a fedweave run's ({shown}); --overwrite replaces only a run "
         "directory (one that holds nothing but a fedweave run's files) and deleted nothing: move those files out or "
@@ -220,7 +231,7 @@ def check_run_dir(path: Path, *, resume: bool = False, overwrite: bool = False) 
         raise RunDirError(f"{str(path)!r} already holds {what}; {ways}")
     foreign = foreign_entries(path)
     if foreign:  # a user's folder: the run's files would land among (and over same-named) files of theirs
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        shown = first_names(foreign)
         raise RunDirError(
             f"{str(path)!r} holds files that are not a fedweave run's ({shown}); a run writes into a new or empty "
             "directory or its own run directory: give another --out / output.dir"
@@ -373,7 +384,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     try:
         return metrics_rows(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})") from e
+        raise ValueError(unreadable(path, e)) from e
 
 
 def metrics_rows(text: str) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ from fedweave.experiments.aggregate import best_point, best_trained, if_all, mea
 from fedweave.experiments.baseline import BASELINE, CORRECTIONS
 from fedweave.experiments.grid import Point
 from fedweave.experiments.verdicts import TESTS
-from fedweave.results import GENERATOR, RunDirError, atomic_write, is_report, metrics_rows
+from fedweave.results import GENERATOR, RunDirError, atomic_write, is_report, metrics_rows, unreadable
 
 log = logging.getLogger("fedweave")
 
@@ -101,7 +101,7 @@ def _load(path: Path, parse: Any, default: Any = None) -> Any:
     try:
         return parse(path.read_text())
     except (ValueError, yaml.YAMLError, UnicodeDecodeError) as e:
-        raise RunDirError(f"{path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})") from e
+        raise RunDirError(unreadable(path, e)) from e
 
 
 def _mapping(parse: Any, *keys: str) -> Any:

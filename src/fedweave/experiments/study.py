@@ -42,7 +42,7 @@ from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import check_points, finished, parallel_map, run_points
 from fedweave.experiments.tables import csv_text, markdown_table
 from fedweave.experiments.verdicts import Rule
-from fedweave.results import atomic_write, folder_refusal
+from fedweave.results import atomic_write, first_names, folder_refusal
 from fedweave.runner import Result
 
 
@@ -324,7 +324,7 @@ def users_folder(out: str | Path) -> None:
     out = Path(out)
     ours = (out / "runs").is_dir() or (out / OWNER).is_file()
     if out.is_dir() and not ours and (entries := sorted(p.name for p in out.iterdir())):
-        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+        shown = first_names(entries)
         raise ConfigError(
             f"--out: {out} holds files but no reproduction's runs/ ({shown}), which its report could replace; give a "
             "new or empty folder, or an earlier reproduction's"
