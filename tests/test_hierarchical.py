@@ -198,6 +198,22 @@ def test_run_end_to_end_writes_metrics(tmp_path):
     assert last["client_sgd_steps"] == 2 * 3 * last["local_steps"] and last["zo_evaluations"] == 6
 
 
+def test_run_writes_the_clients_partition_report(tmp_path):
+    # the clients' shares of the pool, as docs/results.md promises for every run (before: no partition.csv)
+    from fedweave.runner import run
+
+    cfg = _config(server_share=0.3, test_fraction=0.1)
+    cfg["rounds"], cfg["output"]["dir"] = 1, str(tmp_path / "run")
+    run(load(cfg))
+    d = _build(server_share=0.3, test_fraction=0.1).data
+    rows = (tmp_path / "run" / "partition.csv").read_text().splitlines()
+    assert rows[0] == "client,n,class_0,class_1,class_2" and len(rows) == 1 + len(d.parts)
+    for i, (row, part) in enumerate(zip(rows[1:], d.parts, strict=True)):
+        counts = np.bincount(d.train_y.numpy()[part], minlength=3)
+        assert row == ",".join(map(str, [i, len(part), *counts]))
+    assert sum(int(r.split(",")[1]) for r in rows[1:]) == 720 - 216  # the pool: no server or test sample
+
+
 @pytest.mark.parametrize(
     ("options", "key"),
     [

@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import re
 from abc import ABCMeta, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import cached_property
 from typing import Any, ClassVar
@@ -753,6 +753,14 @@ class Algorithm(metaclass=_AlgorithmMeta):
         if not self.faulty:
             return clients
         return self.faults.reporting(r, clients, self.client_work(r, clients))
+
+    def client_samples(self) -> tuple[Sequence[np.ndarray], torch.Tensor] | None:
+        """The training samples each client holds, as index arrays into the targets returned with them, for the
+        run's partition report (``partition.csv``); None where no partitioner spread samples over clients. By
+        default the run's partition of the training set, once a method has read it."""
+        if "partition" not in self.ctx.__dict__:
+            return None
+        return self.ctx.partition, self.ctx.dataset.train_y
 
     def check_built(self) -> None:
         """Checks that need the whole method built (a subclass's ``__init__`` done), made once by

@@ -156,17 +156,17 @@ class PartitionReport(Callback):
     """A new run that partitioned a dataset writes how the classes (or target bins) fell to the clients."""
 
     def on_start(self, run):
-        ctx = run.ctx
-        if "partition" not in ctx.__dict__ or run.resumed:
+        held = None if run.resumed else run.algo.client_samples()
+        if held is None:
             return
         from fedweave.data.report import write_partition_report
 
-        ds = ctx.dataset
-        labels = ctx.label_view(ds.train_y.numpy())  # float targets: their quantile bins
-        floats = ds.train_y.is_floating_point()
+        ctx, (parts, targets) = run.ctx, held
+        labels = ctx.label_view(targets.numpy())  # float targets: their quantile bins
+        floats = targets.is_floating_point()
         edges = ctx.target_bin_edges() if floats else None
-        classes = len(edges) + 1 if floats else ds.num_classes
-        write_partition_report(ctx.partition, labels, classes, run.path, plot=run.config.output.plots, bin_edges=edges)
+        classes = len(edges) + 1 if floats else ctx.dataset.num_classes
+        write_partition_report(parts, labels, classes, run.path, plot=run.config.output.plots, bin_edges=edges)
 
 
 class ClientRecord(Callback):

@@ -502,6 +502,10 @@ class HierarchicalAlgorithm(Algorithm):
         (g,) = torch.autograd.grad(loss, w)
         return g, float(loss.detach())
 
+    def client_samples(self) -> tuple[list[np.ndarray], torch.Tensor]:
+        """The clients' shares of the pool (the server's share and a validation hold-out are no client's)."""
+        return self.data.parts, self.data.train_y
+
     def evaluate(self, r: int) -> dict[str, float]:
         bs, task = self.config.eval.batch_size, self.ctx.task
         d = self.data
