@@ -298,6 +298,21 @@ def test_what_the_proof_does_not_cover_is_refused_with_one_line(toy_config, chan
     assert "privacy" in msg and words in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize(("attack", "mechanism"), [("alie", "central"), ("ipm", "central"), ("min_max", "ftrl")])
+def test_an_attack_that_reads_honest_updates_is_refused_under_user_level_dp(toy_config, tmp_path, attack, mechanism):
+    # one honest client's data move every omniscient attacker's message too: the noised sum's sensitivity is no
+    # longer C, so the epsilon the accountant reports would not bound that client (before: reported all the same)
+    cfg = _cfg(toy_config, {"noise_multiplier": 1.0, "mechanism": mechanism}, sampler="bernoulli")
+    cfg["faults"] = {"byzantine": {"fraction": 0.25, "attack": attack}}
+    with pytest.raises(ConfigError) as e:
+        run(load(cfg), run_dir=tmp_path / "r")
+    msg = str(e.value)
+    assert msg.startswith(f"faults.byzantine.attack: {attack} reads the round's honest updates") and "\n" not in msg
+    assert "sign_flip" in msg and "alie" not in msg.split("(")[1] and not (tmp_path / "r").exists()
+    cfg["faults"]["byzantine"]["attack"] = "sign_flip"  # reads only its own update: accounted as before
+    assert run(load(cfg), run_dir=tmp_path / "own").summary["status"] == "completed"
+
+
 @pytest.mark.parametrize(
     ("privacy", "words"),
     [

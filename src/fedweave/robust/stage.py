@@ -95,7 +95,19 @@ def check(config: RunConfig, algorithm: type) -> None:
     """Before anything is built: the attack and aggregator exist and take their options, and a non-default
     aggregator is refused for an algorithm whose server does not reduce client updates (one line naming it)."""
     if config.faults.byzantine:
-        build_attack(config.faults.byzantine)
+        attack = build_attack(config.faults.byzantine)
+        privacy = config.privacy
+        if attack.omniscient and privacy is not None and privacy.level == "user":
+            # the attackers' messages are functions of the round's honest updates: one honest client's data then
+            # moves its own clipped row and every attacker's, and the sum's sensitivity is no longer C
+            name = byzantine_parts(config.faults.byzantine)[0]
+            own = ", ".join(n for n in ATTACKS.names() if not ATTACKS.get(n).omniscient)
+            raise ConfigError(
+                f"faults.byzantine.attack: {name} reads the round's honest updates, so one client's data would move "
+                "the attackers' messages too and the noised sum's sensitivity would exceed privacy.clip, which "
+                f"user-level DP accounts; use an attack that reads only its own update ({own}), privacy.level: "
+                "sample, or leave privacy out"
+            )
     section = config.aggregator
     for key in STAGE_KEYS:
         _count(section, key)
