@@ -232,6 +232,13 @@ def test_the_target_epsilon_stops_the_run_before_it_is_exceeded(toy_config, tmp_
     assert res.summary["stopped_early"].startswith("privacy budget: one more round would spend epsilon")
 
 
+def test_the_prv_accountant_calibrates_below_the_rdp_floor(toy_config):
+    # the target the rdp accountant cannot report (its floor 0.1029 at delta 1e-5) is within reach of prv's
+    algo = _built(_cfg(toy_config, {"noise_multiplier": "auto", "target_epsilon": 0.1, "accountant": "prv"},
+                       sampler="bernoulli"))  # fmt: skip
+    assert 0.09 <= _opacus_epsilon("prv", algo.privacy.z, 4 / 12, 3, 1e-5) <= 0.1
+
+
 def test_noise_multiplier_auto_spends_the_target_in_the_planned_rounds(toy_config):
     algo = _built(_cfg(toy_config, {"noise_multiplier": "auto", "target_epsilon": 2.0}, sampler="bernoulli", rounds=20))
     eps = _opacus_epsilon("rdp", algo.privacy.z, 4 / 12, 20, 1e-5)
@@ -262,6 +269,16 @@ def test_the_accountant_resumes_from_its_state(toy_config):
             {"sampler": "bernoulli", "privacy": {"noise_multiplier": 0.1, "target_epsilon": 1.0}},
             "exceeded by the first round alone",
         ),
+        # below the RDP accountant's floor (its orders end at 63: 0.1029 at delta 1e-5) no noise reaches the target
+        # (before: Opacus's traceback under auto, and advice to raise the noise that no noise follows)
+        *[
+            (
+                {"sampler": "bernoulli", "privacy": {"noise_multiplier": z, "target_epsilon": 0.1, "level": level}},
+                "privacy.target_epsilon (0.1) is below the least epsilon the rdp accountant reports at privacy.delta "
+                "1e-05 with any noise (0.1029 at noise multiplier 1e+06); use privacy.accountant: prv",
+            )
+            for z, level in (("auto", "user"), (1e6, "user"), ("auto", "sample"))
+        ],
         ({"sampler": "bernoulli", "privacy": {"adaptive": True, "count_noise": 0.4}}, "privacy.count_noise (0.4)"),
         ({"sampler": {"name": "power_of_choice"}}, "chooses clients by their losses"),
         (  # local DP's noise must be on what the client sends, and the compression stage encodes before it

@@ -154,13 +154,40 @@ class Accountant:
 
 def calibrate(name: str, target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
     """The noise multiplier that spends ``target_epsilon`` at ``delta`` in ``steps`` releases sampled at
-    ``sample_rate`` (Opacus's ``get_noise_multiplier``, to within its tolerance of 0.01 in epsilon)."""
+    ``sample_rate`` (Opacus's ``get_noise_multiplier``, to within its tolerance of 0.01 in epsilon); a target
+    below what the accountant reports at any noise is one ConfigError (:func:`below_floor`)."""
     _opacus_accountants()  # one line when Opacus is missing
     from opacus.accountants.utils import get_noise_multiplier
 
-    with _orders_quiet():
-        return float(
-            get_noise_multiplier(
-                target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps, accountant=name
+    try:
+        with _orders_quiet():
+            return float(
+                get_noise_multiplier(
+                    target_epsilon=target_epsilon,
+                    target_delta=delta,
+                    sample_rate=sample_rate,
+                    steps=steps,
+                    accountant=name,
+                )
             )
-        )
+    except ValueError as e:  # Opacus: "The privacy budget is too low." (no noise up to its ceiling reaches it)
+        raise ConfigError(below_floor(name, target_epsilon, delta) or f"privacy.target_epsilon: {e}") from e
+
+
+# the largest noise multiplier Opacus's calibration tries (its ``MAX_SIGMA``)
+NOISE_CEILING = 1e6
+
+
+def below_floor(name: str, target_epsilon: float, delta: float) -> str | None:
+    """The line that says ``target_epsilon`` is below the least epsilon accountant ``name`` reports at ``delta``
+    whatever the noise (None when it is not): the RDP accountant's orders end at 63, so its epsilon never goes
+    below about (ln(1/delta) - ln 63) / 62, 0.103 at delta 1e-5, where no noise multiplier would help."""
+    floor = Accountant(name, delta).epsilon([(NOISE_CEILING, 1.0, 1)])
+    if floor <= target_epsilon:
+        return None
+    other = "privacy.accountant: prv (a tighter bound), " if name == "rdp" else ""
+    return (
+        f"privacy.target_epsilon ({target_epsilon:g}) is below the least epsilon the {name} accountant reports at "
+        f"privacy.delta {delta:g} with any noise ({floor:.4g} at noise multiplier {NOISE_CEILING:g}); use "
+        f"{other}a larger privacy.delta or a larger target"
+    )

@@ -19,7 +19,7 @@ import numpy as np
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from fedweave.config import ConfigError, PrivacyConfig
-from fedweave.privacy.accountant import Accountant, against_target, calibrate
+from fedweave.privacy.accountant import Accountant, against_target, below_floor, calibrate
 from fedweave.privacy.buffered import BufferedDP
 from fedweave.privacy.ftrl import FTRLDP, planned_sensitivity
 from fedweave.privacy.mechanism import UserDP
@@ -314,6 +314,8 @@ def check_first_release(cfg: PrivacyConfig, dp: UserDP | SampleDP) -> None:
         return
     first = dp.epsilon_after_next()
     if first > cfg.target_epsilon:
+        if floor := below_floor(cfg.accountant, cfg.target_epsilon, cfg.delta):  # no noise multiplier would do
+            raise ConfigError(floor)
         shown, target = against_target(first, cfg.target_epsilon)
         shown = "inf (no noise)" if math.isinf(first) else shown
         raise ConfigError(
