@@ -103,7 +103,11 @@ def _cmd_list(args: argparse.Namespace) -> int:
     print(f"split models: {', '.join(SPLIT_MODELS.names())}")
     from fedweave.registry import ACCOUNTANTS, PRIVACY_MECHANISMS  # privacy (the privacy section)
 
-    print(f"privacy mechanisms: {', '.join(PRIVACY_MECHANISMS.names())}")
+    # two of the mechanisms are switched on by their own keys; privacy.mechanism refuses their names
+    switched = {"adaptive": "privacy.adaptive: true", "dpsgd": "privacy.level: sample"}
+    keyed = [n for n in PRIVACY_MECHANISMS.names() if n not in switched]
+    also = "; ".join(f"{n} ({key})" for n, key in switched.items())
+    print(f"privacy mechanisms (privacy.mechanism): {', '.join(keyed)}; {also}")
     print(f"privacy accountants: {', '.join(ACCOUNTANTS.names())}")
     print(f"reproductions: {', '.join(available())}")
     print(f"example configs (fedweave run example:NAME): {', '.join(examples())}")
