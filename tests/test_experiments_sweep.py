@@ -480,28 +480,41 @@ def test_a_sweep_refused_for_another_configs_run_leaves_the_sweep_directory_as_i
     assert {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()} == before
 
 
-def test_a_sweep_run_again_with_another_local_lr_does_not_take_the_old_runs_as_its_own(toy_config, tmp_path):
-    # a resume may change local.lr (a diverged run continued more gently): each finished run, checkpointed, was
-    # resumed with the new lr, ran no round, wrote the new lr into its config.yaml and was reported under it
+@pytest.mark.parametrize(
+    ("override", "recorded"),
+    [
+        ("local.lr=0.3", lambda c: c.local.lr == 0.3),
+        # before: the old runs relabelled too, their test_accuracy the global model's under personal_test: true
+        ("eval.personal_test=true", lambda c: c.eval.personal_test),
+        # before: the old runs' 4 rounds reported under a callback that would have stopped them earlier
+        ("callbacks=[{name: stop_at_target, metric: test_accuracy, target: 0.1}]", lambda c: len(c.callbacks) == 1),
+    ],
+)
+def test_a_sweep_run_again_with_another_local_lr_does_not_take_the_old_runs_as_its_own(
+    toy_config, tmp_path, override, recorded
+):
+    # a resume may change local.lr (a diverged run continued more gently), eval and callbacks: each finished run,
+    # checkpointed, was resumed with the new value, ran no round, wrote it into its config.yaml and was reported
+    # under it
     cfg = {**toy_config, "output": {"progress": False, "plots": False, "checkpoint_every": 2}}
     grid = {"algorithm.clients_per_round": [3, 4]}
     fedweave.sweep(cfg, grid, out=tmp_path / "s", progress=False)
     before = {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()}
     with pytest.raises(RunFailed, match="RunDirError: .* already holds a finished run of another config") as e:
-        fedweave.sweep(cfg, grid, out=tmp_path / "s", progress=False, overrides=["local.lr=0.3"])
+        fedweave.sweep(cfg, grid, out=tmp_path / "s", progress=False, overrides=[override])
     assert "algorithm.clients_per_round=3" in str(e.value)
     assert {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()} == before
-    # what the sweep must give: runs trained with lr 0.3 (a sweep of it elsewhere), not the lr 0.1 runs relabelled
-    new = fedweave.sweep(cfg, grid, out=tmp_path / "t", progress=False, overrides=["local.lr=0.3"])
-    assert all(load(tmp_path / "t" / r["run_dir"] / "config.yaml").local.lr == 0.3 for r in new.records)
-    # a killed run reached by a worker (no up-front refusal) is not continued with the new lr either
+    # what the sweep must give: runs made with the new value (a sweep of it elsewhere), not the old runs relabelled
+    new = fedweave.sweep(cfg, grid, out=tmp_path / "t", progress=False, overrides=[override])
+    assert all(recorded(load(tmp_path / "t" / r["run_dir"] / "config.yaml")) for r in new.records)
+    # a killed run reached by a worker (no up-front refusal) is not continued with the new value either
     from fedweave.experiments.jobs import run_points
 
-    points = expand(cfg, grid, overrides=["local.lr=0.3"])
+    points = expand(cfg, grid, overrides=[override])
     (tmp_path / "s" / "runs" / points[0].slug / "summary.json").unlink()
     with pytest.raises(RunFailed, match="already holds an unfinished run of another config"):
         run_points(points[:1], tmp_path / "s" / "runs", progress=False)
-    assert load(tmp_path / "s" / "runs" / points[0].slug / "config.yaml").local.lr == 0.1
+    assert not recorded(load(tmp_path / "s" / "runs" / points[0].slug / "config.yaml"))
 
 
 def test_a_sweep_into_a_run_directory_or_over_a_users_tables_is_refused(toy_config, tmp_path):

@@ -169,8 +169,11 @@ def test_a_finished_run_resumed_with_another_lr_and_no_round_left_is_refused(toy
     cfg = {**toy_config, "output": {"progress": False, "plots": False, "checkpoint_every": 1}}
     first = fedweave.run(cfg, run_dir=tmp_path / "r")
     before = {p.name: p.read_bytes() for p in (tmp_path / "r").iterdir() if p.is_file()}
-    for change in ("local.lr=0.9", "local.grad_clip=1.0"):
-        with pytest.raises(ConfigError, match=f"^{change.split('=')[0]}: the checkpoint holds all 4 rounds"):
+    # eval and callbacks too: a finished run has no round left to measure or stop by them (before: relabelled)
+    stop = "callbacks=[{name: stop_at_target, metric: test_accuracy, target: 0.1}]"
+    changes = {"local.lr=0.9": "local.lr", "local.grad_clip=1.0": "local.grad_clip", "eval.every=2": "eval"}
+    for change, named in {**changes, stop: "callbacks"}.items():
+        with pytest.raises(ConfigError, match=f"^{named}: the checkpoint holds all 4 rounds"):
             resume(tmp_path / "r", [change], progress=False)
     assert {p.name: p.read_bytes() for p in (tmp_path / "r").iterdir() if p.is_file()} == before
     # with rounds to train, the new value trains them (a diverged run continued more gently)

@@ -30,6 +30,9 @@ CHECKPOINT = "checkpoint.pt"
 RESUMABLE_CHANGES = ("rounds", "output", "threads", "eval", "backend", "device", "memory", "callbacks")
 # ...and these change what it computes from the resumed round on (a smaller lr after a divergence, say).
 RESUMABLE_LOCAL = ("lr", "grad_clip")
+# ...and these change what is measured or when the run stops, from the resumed round on: a finished run has no
+# round left to take them
+RESUMABLE_REPORTING = ("eval", "callbacks")
 # ...but not these keys of a resumable section: eval.holdout takes each client's test samples out of its training
 # data, so a changed one trained the resumed rounds on other samples (a run of neither holdout, labelled the new)
 FIXED_KEYS = ("eval.holdout",)
@@ -294,11 +297,13 @@ def restore_checkpoint(path: Path, algo: Algorithm, ctx: RunContext) -> dict[str
                 f"schedule depends on the total ({why}); start a new run with rounds={config.rounds}"
             )
         changed = [f"local.{k}" for k in RESUMABLE_LOCAL if getattr(saved.local, k) != getattr(config.local, k)]
+        was, now = saved.to_dict(), config.to_dict()
+        changed += [k for k in RESUMABLE_REPORTING if was[k] != now[k]]
         if changed and ckpt["next_round"] >= config.rounds:
             # no round is left to take the new value: the resume only wrote it into config.yaml, beside the
-            # numbers of the old one
+            # numbers of the old one (another eval's columns, a stop the run never made)
             raise ConfigError(
-                f"{changed[0]}: the checkpoint holds all {config.rounds} rounds of the run, so no round would train "
+                f"{changed[0]}: the checkpoint holds all {config.rounds} rounds of the run, so no round would run "
                 f"with the new value; give more rounds (rounds=N) to continue with it, or start a new run"
             )
     try:

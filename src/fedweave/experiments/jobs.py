@@ -42,7 +42,7 @@ def _run_point(config: dict[str, Any], run_dir: str, threads: int, overwrite: bo
     cfg = load(config)
     if cfg.threads is None:
         torch.set_num_threads(threads)
-    if (Path(run_dir) / CHECKPOINT).is_file() and same_local(run_dir, cfg):
+    if (Path(run_dir) / CHECKPOINT).is_file() and same_numbers(run_dir, cfg):
         try:
             res = run(cfg, run_dir=run_dir, progress=False, resume=True, on_divergence="return")
             return Result(res.run_dir, res.metrics, res.summary)
@@ -64,19 +64,23 @@ def _run_point(config: dict[str, Any], run_dir: str, threads: int, overwrite: bo
     return Result(res.run_dir, res.metrics, res.summary)
 
 
-def same_local(run_dir: str | Path, config: Any) -> bool:
-    """Whether the run in ``run_dir`` trains with ``config``'s (a RunConfig) ``local`` section, as its
-    ``config.yaml`` says (unreadable: True, its resume decides). A resume may change ``local.lr`` and
-    ``local.grad_clip`` (checkpoints.RESUMABLE_LOCAL: a diverged run continued more gently), which changes the
+def same_numbers(run_dir: str | Path, config: Any) -> bool:
+    """Whether the run in ``run_dir`` trains, measures and stops as ``config`` (a RunConfig) does: the same
+    ``local``, ``eval`` and ``callbacks`` sections, as its ``config.yaml`` says (unreadable: True, its resume
+    decides). A resume may change ``local.lr`` and ``local.grad_clip`` (checkpoints.RESUMABLE_LOCAL: a diverged
+    run continued more gently) and ``eval`` and ``callbacks`` (checkpoints.RESUMABLE_REPORTING), which change the
     numbers from the resumed round on, so a checkpointed run of other values is not this point's run: a sweep run
-    again with another ``local.lr`` took each finished run as its own, ran no round, wrote the new value into
-    its config.yaml and reported the old value's numbers under it."""
+    again with another ``local.lr`` (or ``eval.personal_test``, or a ``stop_at_target`` callback) took each
+    finished run as its own, ran no round, wrote the new value into its config.yaml and reported the old numbers
+    under it."""
+    from fedweave.checkpoints import RESUMABLE_REPORTING
     from fedweave.config import ConfigError, load
 
     try:
-        return load(Path(run_dir) / "config.yaml").to_dict()["local"] == config.to_dict()["local"]
+        was, now = load(Path(run_dir) / "config.yaml").to_dict(), config.to_dict()
     except (ConfigError, OSError):
         return True
+    return all(was[k] == now[k] for k in ("local", *RESUMABLE_REPORTING))
 
 
 def unfinished_run(run_dir: str | Path, config: Any) -> bool:
@@ -103,17 +107,17 @@ def unfinished_run(run_dir: str | Path, config: Any) -> bool:
 
 def check_reusable(points: Iterable[Point], runs_dir: str | Path) -> None:
     """Refuse, before anything is written, a point whose directory holds a run of another config that the sweep
-    would refuse once it reached it (one without a checkpoint, checkpointed with another ``local`` section,
-    :func:`same_local`, or completed with more rounds than the point's: any other run with one is left to its
-    worker, which resumes it where the changes are those a resumed run may make, as ``rounds`` extended). A
-    refused sweep rewrote the sweep directory's ``sweep.json`` first, and a report then read the earlier sweep's
-    runs by the new grid."""
+    would refuse once it reached it (one without a checkpoint, checkpointed with another ``local``, ``eval`` or
+    ``callbacks`` section, :func:`same_numbers`, or completed with more rounds than the point's: any other run with
+    one is left to its worker, which resumes it where the changes are those a resumed run may make, as ``rounds``
+    extended). A refused sweep rewrote the sweep directory's ``sweep.json`` first, and a report then read the
+    earlier sweep's runs by the new grid."""
     from fedweave.results import RunDirError, holds_run
     from fedweave.runner import CHECKPOINT
 
     for p in points:
         path = Path(runs_dir) / p.slug
-        resumable = (path / CHECKPOINT).is_file() and same_local(path, p.config) and not _longer(path, p.config)
+        resumable = (path / CHECKPOINT).is_file() and same_numbers(path, p.config) and not _longer(path, p.config)
         if not path.is_dir() or not holds_run(path) or resumable:
             continue
         if finished_run(path, p.config) is None and not unfinished_run(path, p.config):
