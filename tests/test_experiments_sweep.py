@@ -29,6 +29,7 @@ from fedweave.experiments.aggregate import mean_std
 from fedweave.experiments.baseline import CORRECTED, adjust, compare, levels, parse_baseline, resolve
 from fedweave.experiments.jobs import RunFailed
 from fedweave.experiments.tables import csv_text
+from fedweave.plots import plot_runs
 from fedweave.results import RunDirError
 from fedweave.runner import Result
 from fedweave.tasks import column_direction
@@ -374,6 +375,15 @@ def test_plot_of_several_runs_without_out_does_not_replace_the_first_directorys_
     assert own and {p.name: p.read_bytes() for p in (tmp_path / "s").glob("*.png")} == own
     assert cli_main(["plot", str(run)]) == 0  # one run: its own plots, drawn again
     assert cli_main(["plot", str(tmp_path / "s"), "--out", str(tmp_path / "p")]) == 0
+    # --out naming another run's directory: its own plots were replaced by these runs' curves, without a word
+    other, mine = sorted((tmp_path / "s" / "runs").iterdir())
+    plot_runs([mine], mine)  # (drawn, so that its plots are there to be replaced)
+    kept = {p.name: p.read_bytes() for p in mine.glob("*.png")}
+    for dirs in ([other], [other, mine]):
+        assert cli_main(["plot", *map(str, dirs), "--out", str(mine)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{mine} holds a run, whose own plots" in err, err
+    assert kept and {p.name: p.read_bytes() for p in mine.glob("*.png")} == kept
 
 
 def test_killed_sweep_resumes_to_the_same_tables_as_an_uninterrupted_one(tmp_path):

@@ -84,7 +84,13 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
         label = clock_label(drawn)
         if label is not None:
             axes.append(("sim_time", label, f"{metric}_vs_sim_time.png"))
-    # outside a run directory (whose plots are its own files) a file that is not a fedweave plot is never replaced
+    # a run directory's plots are its own: redrawn from its own rows only, never replaced by other runs' curves
+    if holds_run(out_dir) and [Path(d).resolve() for d in run_dirs] != [out_dir.resolve()]:
+        raise ValueError(
+            f"{out_dir} holds a run, whose own plots ({axes[0][2]}, ...) these curves would replace; give another "
+            "folder"
+        )
+    # outside a run directory a file that is not a fedweave plot is never replaced
     mine = [] if holds_run(out_dir) else [f for *_, f in axes if (out_dir / f).exists() and not is_plot(out_dir / f)]
     if mine:
         raise ValueError(
