@@ -272,9 +272,16 @@ def test_a_metric_no_run_has_is_one_clear_line_and_the_runs_are_reused(toy_confi
     assert not (tmp_path / "s" / "summary.csv").exists()
     run = next((tmp_path / "s" / "runs").glob("*/summary.json"))
     mtime = run.stat().st_mtime_ns
+    # the refused sweep's sweep.json names the column a sweep without --metric tabulates, not the refused one
+    assert json.loads((tmp_path / "s" / "sweep.json").read_text())["metric"] == "test_accuracy"
     assert cli_main([*args, "--metric", "test_loss"]) == 0
     assert run.stat().st_mtime_ns == mtime  # the finished run was reused
     assert _read(tmp_path / "s" / "summary.csv")[0]["test_loss_mean"] != "nan"
+    # a typo after that leaves sweep.json as it was, beside the summary.csv it describes (before: the report
+    # read the refused metric from it and showed every column of the finished sweep blank)
+    spec = (tmp_path / "s" / "sweep.json").read_bytes()
+    assert cli_main([*args, "--metric", "test_los"]) == 2
+    assert (tmp_path / "s" / "sweep.json").read_bytes() == spec
 
 
 def test_a_diverging_point_is_recorded_and_the_sweep_goes_on(toy_config, tmp_path):

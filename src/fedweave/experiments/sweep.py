@@ -112,16 +112,18 @@ def sweep(
         spec["baseline"] = {"point": base, "level": level, "test": test}
         if correction is not None:  # only when given, so a sweep without it writes the sweep.json it did
             spec["baseline"]["correction"] = correction
+    earlier = (out / "sweep.json").read_bytes() if (out / "sweep.json").is_file() else None
     atomic_write(out / "sweep.json", json.dumps(spec, indent=2, default=str))
     results = run_points(points, out / "runs", workers=workers, progress=progress, ray_address=ray_address)
-    if defaulted and not any(results[p.slug].summary.get("main_metric") for p in points):
-        # no run's rows hold the task's main metric (the confederated family's synthetic problem has no test
-        # set): tabulate the column the runs' own plots show, as `fedweave plot` and the report do
+    # no run's rows hold the task's main metric (the confederated family's synthetic problem has no test set):
+    # tabulate the column the runs' own plots show, as `fedweave plot` and the report do
+    own = None
+    if not any(results[p.slug].summary.get("main_metric") for p in points):
         own = next((m for p in points if (m := run_metric(results[p.slug].summary))), None)
-        if own is not None:
-            metric = own
-            spec["metric"] = metric
-            atomic_write(out / "sweep.json", json.dumps(spec, indent=2, default=str))
+    if defaulted and own is not None:
+        metric = own
+        spec["metric"] = metric
+        atomic_write(out / "sweep.json", json.dumps(spec, indent=2, default=str))
 
     records, by_point, curves = [], {}, {}
     for p in points:
@@ -153,6 +155,10 @@ def sweep(
         # column reuses them (runs that wrote no rows at all prove nothing either way); the columns offered are
         # the measured ones (floats, as `fedweave plot` lists them), not the counts
         known = sorted({k for k, v in written if isinstance(v, float)})
+        # sweep.json as it was (or, new, with the column a sweep without --metric tabulates): a report reads its
+        # metric, and it named the refused one beside the earlier summary.csv, every column of its tables blank
+        spec["metric"] = own or _main_column(points[0].config)
+        atomic_write(out / "sweep.json", earlier or json.dumps(spec, indent=2, default=str))
         raise ConfigError(
             f"--metric {metric!r} is not a column of the sweep's runs in {out / 'runs'}; choose one of "
             f"{', '.join(known)} (run the sweep again with it: its finished runs are reused)"
