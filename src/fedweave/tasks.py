@@ -381,14 +381,32 @@ class Task:
         return a > b if self.direction == "max" else a < b
 
 
+# the words of a column in which lower is better: losses, gaps, errors, costs, an attack's success, a spread
+LOWER_IS_BETTER = {
+    "loss",
+    "gap",
+    "error",
+    "seconds",
+    "bytes",
+    "time",
+    "epsilon",
+    "uploads",
+    "upload",
+    "backdoor",
+    "std",
+}
+
+
 def column_direction(column: str, unknown: str | None = "max") -> str | None:
     """Whether higher (``max``) or lower (``min``) is better in a metrics column (``test_mse``,
     ``val_auc``, ``test_accuracy_min``, ``train_loss``, ...), from the registered metric it names; losses,
     gaps and errors (the confederated family's ``opt_gap``, ``objective_gap``, ``consensus_error``) are ``min``,
-    and so are costs (``wall_seconds``, ``bytes_total``, ``sim_time``, ``epsilon``, ``smashed_uploads_per_client``);
-    a column that names no metric counts as ``unknown`` (``max``; None where a caller must not guess)."""
+    and so are costs (``wall_seconds``, ``bytes_total``, ``sim_time``, ``epsilon``, ``smashed_uploads_per_client``,
+    the confederated ``upload_fraction``), an attack's success (``test_backdoor_success``) and a spread across
+    clients (``client_test_accuracy_std``); a column that names no metric counts as ``unknown`` (``max``; None
+    where a caller must not guess)."""
     words = column.split("_")
-    if {"loss", "gap", "error", "seconds", "bytes", "time", "epsilon", "uploads"} & set(words):
+    if LOWER_IS_BETTER & set(words):
         return "min"
     for word in words:
         for cls in METRICS._items.values():
