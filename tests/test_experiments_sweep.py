@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -904,6 +905,26 @@ def test_sweep_overrides_given_as_one_string_is_one_line_before_anything_is_writ
     with pytest.raises(GridError, match=r"^overrides must be a list of key=value strings, .*; got 'rounds=2'$"):
         fedweave.sweep(toy_config, {"local.lr": [0.1]}, overrides="rounds=2", out=tmp_path / "s", progress=False)
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "grid_key"),
+    [("local.lr=0.5", "local.lr"), ("local={lr: 0.5}", "local.lr"), ("local.lr=0.5", "local"), ("rounds=2", "rounds")],
+)
+def test_an_override_of_a_key_the_grid_sets_is_one_line_before_anything_is_written(
+    toy_config, tmp_path, override, grid_key
+):
+    # before: the grid's values were set over the override, which was never used, without a word
+    values = [{"lr": 0.1}, {"lr": 0.2}] if grid_key == "local" else [1, 2] if grid_key == "rounds" else [0.1, 0.2]
+    key = override.partition("=")[0]
+    want = f"^override '{re.escape(override)}' sets '{key}', and the sweep's grid sets '{grid_key}' for every point"
+    for axes in ({"grid": {grid_key: values}}, {"zipped": {grid_key: values}}):
+        with pytest.raises(GridError, match=want):
+            fedweave.sweep(toy_config, **axes, overrides=[override], out=tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+    # another key of the section, or one whose name only begins alike, is an override as before
+    (point,) = expand(toy_config, {"local.lr": [0.1]}, overrides=["local.epochs=2", "local.lr_schedule=cosine"])
+    assert point.config.local.epochs == 2 and point.config.local.lr == 0.1
 
 
 def test_fedweave_sweep_of_a_config_with_a_sweep_section_says_what_reads_it(toy_config, tmp_path):

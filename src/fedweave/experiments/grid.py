@@ -96,6 +96,11 @@ def parse_grid(items: list[str], flag: str = "--grid") -> dict[str, list[Any]]:
     return grid
 
 
+def _overlap(a: str, b: str) -> bool:
+    """Whether dotted keys ``a`` and ``b`` are one key or one holds the other (``local`` and ``local.lr``)."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
 def expand(
     base: str | Path | dict[str, Any],
     grid: dict[str, list[Any]] | None = None,
@@ -143,6 +148,13 @@ def expand(
             "sweep: fedweave.sweep takes the grid, seeds and the rest as its arguments, not from a config's sweep "
             "section; pass the config without it, or run the file with 'fedweave sweep CONFIG', which reads it"
         )
+    for o in overrides or []:  # the grid's values are set over the overrides: an override of a grid key was lost
+        key = str(o).partition("=")[0].strip()
+        if hit := next((k for k in (*grid, *zipped) if _overlap(k, key)), None):
+            raise GridError(
+                f"override {o!r} sets {key!r}, and the sweep's grid sets {hit!r} for every point over it (the "
+                "override's value would never be used); give each key's values in one place"
+            )
     data = apply_overrides(data, overrides or [])
     base_seed = load(data).seed
     zip_rows = [tuple(zip(zipped, vs)) for vs in zip(*zipped.values())] or [()]
