@@ -9,7 +9,7 @@ import time
 import pytest
 
 import fedweave
-from fedweave.callbacks.trackers import Trackers
+from fedweave.callbacks.trackers import HISTORY, Trackers, wandb_records, wandb_steps
 from fedweave.config import ConfigError
 
 
@@ -17,26 +17,6 @@ def _same(pairs, rows):
     """(step, value) pairs equal the rows' (round, test_accuracy); TensorBoard keeps values as float32."""
     assert [p[0] for p in pairs] == [r["round"] for r in rows]
     assert [p[1] for p in pairs] == pytest.approx([r["test_accuracy"] for r in rows], rel=1e-6)
-
-
-def _wandb_records(raw: bytes):
-    """The protobuf records of a W&B run file: a 7-byte ':W&B' header, then LevelDB-style log blocks of 32 KiB
-    whose records carry a 7-byte header (crc32c, little-endian length, type: 1 full, 2 first, 3 middle, 4 last)."""
-    assert raw[:4] == b":W&B"
-    pos, part = 7, b""
-    while pos + 7 <= len(raw):
-        room = 32768 - pos % 32768
-        if room < 7:  # a block's tail too short for a header is padding
-            pos += room
-            continue
-        length, kind = int.from_bytes(raw[pos + 4 : pos + 6], "little"), raw[pos + 6]
-        if length == 0 and kind == 0:
-            break
-        part += raw[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):
-            yield part
-            part = b""
 
 
 def _key(item) -> str:
@@ -88,7 +68,7 @@ def _wandb_read(datafile):
     deadline = time.monotonic() + 30
     while True:
         records = []
-        for data in _wandb_records(datafile.read_bytes()):
+        for data in wandb_records(datafile.read_bytes()):
             rec = wandb_internal_pb2.Record()
             rec.ParseFromString(data)
             records.append(rec)
@@ -240,6 +220,35 @@ def test_a_resumed_runs_tensorboard_directory_removed_since_is_written_again_in_
     ev = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
     ev.Reload()
     assert [e.step for e in ev.Scalars("test_accuracy")] == [1, 2, 3]
+
+
+def test_a_resumed_wandb_run_gets_the_rows_its_killed_session_never_wrote(tmp_path, monkeypatch):
+    # W&B's service writes the offline run file on its own time: a process killed with SIGKILL lost rows that
+    # trackers.json counted as sent, and the resume sent only the rows after the count (a run killed at its
+    # 19th row held rounds 19 to 30 only). The resume now reads the earlier sessions' files back.
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    rows = [{"round": r, "test_accuracy": r / 10, "bytes_total": 100 * r} for r in (1, 2, 3)]
+    cfg = {"name": "x", "output": {"checkpoint_every": 1}}
+    first = Trackers(["wandb"], cfg, tmp_path)
+    first.log_metrics(rows[0])
+    first.checkpointed()
+    first.finish({"status": "interrupted"}, [])
+    run_id = json.loads((tmp_path / "trackers.json").read_text())["wandb"]["run_id"]
+    (session,) = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}")
+    _wandb_read(session / f"run-{run_id}.wandb")  # (once W&B has written it)
+    assert wandb_steps(tmp_path / "wandb", run_id) == {(HISTORY, 1): 1}
+    # as after a kill: rows 2 and 3 counted as sent, never written
+    (tmp_path / "trackers.json").write_text(json.dumps({"wandb": {"run_id": run_id, "rows": 3}}))
+    time.sleep(1.1)  # a session's directory is named by its start to the second: a resume's own one
+    resumed = Trackers(["wandb"], cfg, tmp_path, resumed_rows=rows)
+    resumed.finish({"status": "completed", "communication": {"bytes_total": 300}}, [])
+    sessions = sorted((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
+    history = []
+    for d in sessions:
+        for rec in _wandb_read(d / f"run-{run_id}.wandb"):
+            if rec.WhichOneof("record_type") == "history":
+                history.append({_key(i): json.loads(i.value_json) for i in rec.history.item})
+    assert len(sessions) == 2 and [(h["_step"], h["test_accuracy"]) for h in history] == [(1, 0.1), (2, 0.2), (3, 0.3)]
 
 
 def test_mlflow_sends_no_telemetry_and_writes_nothing_outside_the_run_directory(tmp_path):

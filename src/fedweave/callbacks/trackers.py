@@ -18,6 +18,7 @@ import json
 import os
 import re
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -183,9 +184,13 @@ class WandbTracker(Tracker):
             )  # fmt: skip
         self.run_id = self.run.id
         self.run.define_metric("bytes_total")
+        if run_id is not None:  # what the earlier sessions' files hold (this session's holds no row yet)
+            self.held = wandb_steps(run_dir / "wandb", run_id)
 
     def log_metrics(self, row):
-        self.run.log(_numbers(row), step=int(row["round"]))
+        # a W&B row is one history record: held (as a row) or not
+        if self.new(HISTORY, int(row["round"])):
+            self.run.log(_numbers(row), step=int(row["round"]))
 
     def finish(self, summary, artifacts):
         self.run.summary.update(_numbers({"communication": summary["communication"]}))
@@ -230,6 +235,55 @@ def _tensorboard_scalars(logdir: Path) -> Counter[tuple[str, int]]:
     ev = EventAccumulator(str(logdir), size_guidance={"scalars": 0}, purge_orphaned_data=False)
     ev.Reload()
     return Counter((tag, e.step) for tag in ev.Tags()["scalars"] for e in ev.Scalars(tag))
+
+
+HISTORY = "history"  # the name of a W&B run's rows in its tracker's ``held``
+
+
+def wandb_steps(wandb_dir: Path, run_id: str) -> Counter[tuple[str, int]]:
+    """(``HISTORY``, step) of every row the offline W&B run ``run_id`` holds in ``wandb_dir``'s session files: a
+    process killed with SIGKILL lost the rows its W&B service had not written yet, which trackers.json counted
+    as sent. Each record is decoded by W&B's own protobuf ``Record``; a torn last record ends the file."""
+    from google.protobuf.message import DecodeError
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    held: Counter[tuple[str, int]] = Counter()
+    for path in sorted(wandb_dir.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")):
+        for data in wandb_records(path.read_bytes()):
+            rec = Record()
+            try:
+                rec.ParseFromString(data)
+            except DecodeError:
+                break
+            if rec.WhichOneof("record_type") == "history":
+                # an item's name is its key, or its nested key's parts (how W&B 0.31 writes them)
+                steps = [
+                    json.loads(i.value_json) for i in rec.history.item if (i.key or "/".join(i.nested_key)) == "_step"
+                ]
+                held.update((HISTORY, int(s)) for s in steps)
+    return held
+
+
+def wandb_records(raw: bytes) -> Iterator[bytes]:
+    """The records of a W&B run file (its transaction log): a 7-byte ``:W&B`` header, then LevelDB-style log
+    blocks of 32 KiB whose records carry a 7-byte header (crc32c, little-endian length, type: 1 full, 2 first,
+    3 middle, 4 last); a block's tail too short for a header is padding, and a record cut short ends the log."""
+    if raw[:4] != b":W&B":
+        return
+    pos, part = 7, b""
+    while pos + 7 <= len(raw):
+        room = 32768 - pos % 32768
+        if room < 7:
+            pos += room
+            continue
+        length, kind = int.from_bytes(raw[pos + 4 : pos + 6], "little"), raw[pos + 6]
+        if (length == 0 and kind == 0) or pos + 7 + length > len(raw):
+            return
+        part += raw[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            yield part
+            part = b""
 
 
 def _mlflow_key(name: str) -> str:
