@@ -238,6 +238,13 @@ def _cases() -> list[tuple[list[str], str]]:
         (["algorithm.name=cse_fsl", "model={name: split_small, width: 2.5}"], "model.width must be an integer"),
         (["model.init_from=5"], "model.init_from must be the path"),
         (["local.lr=" + "[" * 20_000], "YAML nested deeper than 100 levels"),
+        # the decentralized family's evaluation is its clients' models on their own test sets (before: accepted and
+        # ignored, without a column or a word)
+        (["algorithm={name: dfedavg}", "eval.per_client=true"], "eval.per_client: the decentralized family evaluates"),
+        (
+            ["algorithm={name: dfedavg, test_per_client: 5}", "eval.holdout=0.25"],
+            "algorithm.test_per_client: under eval.holdout (0.25) each client is evaluated on its own held-out",
+        ),
         # every round's schedule entry is checked when the run is built (before: only when its round came)
         (["sampler={name: schedule, clients: [[0, 1], [2, 3], [0, 9]]}"], "sampler.clients[2]"),
     ]

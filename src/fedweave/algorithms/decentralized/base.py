@@ -134,6 +134,10 @@ class GraphAlgorithm(Algorithm):
     family = "decentralized"
     own_test_sets = True  # every client's model on its own test set (eval.holdout: its held-out samples)
     Hparams = GraphHparams
+    unread_config = {  # the family's evaluation is its clients' models on their own test sets (docs/algorithms)
+        "eval.per_client": "evaluates every client's own model on its own test set (test_accuracy their mean, "
+        "test_accuracy_min the worst) and reports no accuracy on the clients' training data",
+    }
     # deployed on Flower, the ServerApp relays the gossip (docs/deployment.md): a method whose peers compute on
     # their own data only through their local trainers deploys, and says so with None here
     undeployable: ClassVar[str | None] = (
@@ -163,6 +167,11 @@ class GraphAlgorithm(Algorithm):
         # a client's test set is drawn from the test split (spec 4.2): more than the split holds only repeats its
         # samples, and 10**8 (under the hparams' bound) drew 10**8 indices per client and evaluated on them all
         n_test = len(ctx.dataset.test_y)
+        if hp.test_per_client is not None and ctx.config.eval.holdout:  # the test sets are not the test split's
+            raise ConfigError(
+                f"algorithm.test_per_client: under eval.holdout ({ctx.config.eval.holdout:g}) each client is "
+                "evaluated on its own held-out training samples, not on a draw from the test split; leave it out"
+            )
         if hp.test_per_client is not None and hp.test_per_client > n_test:
             raise ConfigError(
                 f"algorithm.test_per_client must be at most the test split's {n_test:,} samples (or null: "
