@@ -245,6 +245,13 @@ def _cases() -> list[tuple[list[str], str]]:
             ["algorithm={name: dfedavg, test_per_client: 5}", "eval.holdout=0.25"],
             "algorithm.test_per_client: under eval.holdout (0.25) each client is evaluated on its own held-out",
         ),
+        # CSE-FSL's h beyond every client's batches of an epoch: no upload, a main server that never trained and a
+        # run at chance, without a word (before)
+        (["algorithm={name: cse_fsl, h: 1000}", "model.name=split_small"], "algorithm.h (1000) is more than the"),
+        (
+            ["algorithm={name: cse_fsl, h: 2}", "model.name=split_small", "local.full_batch=true"],
+            "algorithm.h (2) is more than the 1 batch of the largest client's local epoch",
+        ),
         # every round's schedule entry is checked when the run is built (before: only when its round came)
         (["sampler={name: schedule, clients: [[0, 1], [2, 3], [0, 9]]}"], "sampler.clients[2]"),
     ]

@@ -371,11 +371,14 @@ def test_nll_on_split_parts_that_output_logits_is_one_line(method, monkeypatch):
     assert "train_loss" in m and all(0 < m[k] < 5 for k in ("train_loss", "server_loss") if k in m), m
 
 
-def test_fewer_batches_than_h_uploads_nothing():
-    algo = make({"name": "cse_fsl", "h": 50}, data={"n_train": 100})  # 2 batches per client < h
+def test_an_h_beyond_every_clients_batches_is_refused_and_h_at_them_uploads_once():
+    # 2 batches per client < h: no client uploaded, the main server never trained and the run went on at chance
+    # without a word (before); with h = 2 each client uploads its epoch's last batch
+    with pytest.raises(ConfigError, match=r"^algorithm\.h \(50\) is more than the 2 batches of the largest client"):
+        make({"name": "cse_fsl", "h": 50}, data={"n_train": 100})
+    algo = make({"name": "cse_fsl", "h": 2}, data={"n_train": 100})
     m = algo.run_round(0)
-    assert m["server_steps"] == 0 and "server_loss" not in m and kinds(algo)["smashed"] == 0
-    assert np.isfinite(m["train_loss"])
+    assert m["server_steps"] == 5 and np.isfinite(m["server_loss"]) and np.isfinite(m["train_loss"])
 
 
 def test_windows_restart_each_local_epoch(monkeypatch):

@@ -39,9 +39,9 @@ def test_smoke_writes_table_and_plots(tmp_path):
                  "accuracy_vs_uploads.png"):  # fmt: skip
         assert (tmp_path / name).stat().st_size > 0, name
     rows = {r["method"]: r for r in csv.DictReader((tmp_path / "table.csv").open())}
-    assert set(rows) == {"fsl_mc", "fsl_oc", "fsl_an", "cse_fsl h=1", "cse_fsl h=4", "cse_fsl h=4 random"}
+    assert set(rows) == {"fsl_mc", "fsl_oc", "fsl_an", "cse_fsl h=1", "cse_fsl h=2", "cse_fsl h=2 random"}
     assert all(r["load_exact"] == "True" for r in rows.values())
-    assert [rows[m]["server_copies"] for m in ("fsl_mc", "fsl_an", "fsl_oc", "cse_fsl h=4")] == ["5", "5", "1", "1"]
+    assert [rows[m]["server_copies"] for m in ("fsl_mc", "fsl_an", "fsl_oc", "cse_fsl h=2")] == ["5", "5", "1", "1"]
     assert float(rows["cse_fsl h=1"]["load_gib"]) == float(rows["fsl_an"]["load_gib"])
     assert "Claims" in (tmp_path / "table.md").read_text()
 

@@ -96,8 +96,8 @@ def preset(scale: str, dataset: str) -> Preset:
         data = {"name": dataset, "max_train": 3000, "max_test": 2000}
         target = 0.75 if dataset == "fashion_mnist" else 0.90
         p = Preset(data, {"name": "split_small", "width": 16}, 5, 20, 0.1, 15, [1, 5, 15], 5, target, 3)
-    else:  # any registered image dataset (tests use a synthetic one); smoke-sized
-        p = Preset({"name": dataset}, {"name": "split_small"}, 5, 10, 0.05, 2, [1, 4], 4, 0.5, 1)
+    else:  # any registered image dataset (tests use a synthetic one); smoke-sized, h at most its 2 batches a client
+        p = Preset({"name": dataset}, {"name": "split_small"}, 5, 10, 0.05, 2, [1, 2], 2, 0.5, 1)
     if scale == "smoke":
         p.rounds, p.seeds, p.hs = 2, 1, p.hs[:1] + p.hs[-1:]
     if scale == "storage":  # C5: one round at each of STORAGE_CLIENTS (storage needs no training to converge)

@@ -581,6 +581,25 @@ class SplitAlgorithm(Algorithm):
         # the epoch's losses come to the host once (a step keeps its loss on the device)
         return ClientEpoch(self.lc.flatten(), self.la.flatten(), uploads, host_floats(losses), len(batches))
 
+    def check_built(self) -> None:
+        """A method that uploads the smashed data of every h-th batch (CSE-FSL's ``h``) must upload some: where
+        even the client with the most batches has no full h-window (``upload_at: end``), the main server never
+        trains and the run goes on at chance without a word."""
+        super().check_built()
+        if self.upload_every == 1:
+            return
+        most = max(self.batcher.num_steps(c) for c in clients_with_data(self.ctx.partition).tolist())
+        if upload_batches(most, self.upload_every, self.upload_at, self.epoch_batches(most)):
+            return
+        window = self.epoch_batches(most) or most
+        what = "local epoch" if self.epoch_batches(most) else "round"
+        raise ConfigError(
+            f"algorithm.h ({self.upload_every}) is more than the {window} batch{'es' * (window != 1)} of the largest "
+            f"client's {what}, "
+            f"so no client would upload smashed data (upload_at: {self.upload_at}: the last batch of each full "
+            f"h-window) and the main server would never train; give h <= {window}, or more batches per {what}"
+        )
+
     def epoch_batches(self, batches: int) -> int | None:
         """M_i, the batches of one local epoch of a client with ``batches`` local batches in the round (its
         ``local.epochs`` epochs have as many batches each); None for a round of ``local.steps`` steps, which has
