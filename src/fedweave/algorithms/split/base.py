@@ -591,13 +591,12 @@ class SplitAlgorithm(Algorithm):
         most = max(self.batcher.num_steps(c) for c in clients_with_data(self.ctx.partition).tolist())
         if upload_batches(most, self.upload_every, self.upload_at, self.epoch_batches(most)):
             return
-        window = self.epoch_batches(most) or most
-        what = "local epoch" if self.epoch_batches(most) else "round"
+        window, what = (self.epoch_batches(most), "local epoch") if self.epoch_batches(most) else (most, "round")
+        batches = f"{window} batch{'es' * (window != 1)}"
         raise ConfigError(
-            f"algorithm.h ({self.upload_every}) is more than the {window} batch{'es' * (window != 1)} of the largest "
-            f"client's {what}, "
-            f"so no client would upload smashed data (upload_at: {self.upload_at}: the last batch of each full "
-            f"h-window) and the main server would never train; give h <= {window}, or more batches per {what}"
+            f"algorithm.h ({self.upload_every}) is more than the {batches} of the largest client's {what}, so no "
+            f"client would upload smashed data (upload_at: {self.upload_at}: the last batch of each full h-window) "
+            f"and the main server would never train; give h <= {window}, or more batches per {what}"
         )
 
     def epoch_batches(self, batches: int) -> int | None:
