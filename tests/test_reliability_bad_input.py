@@ -252,6 +252,13 @@ def _cases() -> list[tuple[list[str], str]]:
             ["algorithm={name: cse_fsl, h: 2}", "model.name=split_small", "local.full_batch=true"],
             "algorithm.h (2) is more than the 1 batch of the largest client's local epoch",
         ),
+        # a built-in loader's split that rounds to no sample (before: accuracy 0.0 and loss 0.0 every round, or numpy's
+        # warning and a line naming partition.num_clients)
+        (
+            ["dataset={name: digits, test_fraction: 0.002}"],
+            "dataset.test_fraction 0.002 of the 1,797 samples leaves the test",
+        ),
+        (["dataset={name: digits, test_fraction: 0.998}"], "leaves the training split empty"),
         # every round's schedule entry is checked when the run is built (before: only when its round came)
         (["sampler={name: schedule, clients: [[0, 1], [2, 3], [0, 9]]}"], "sampler.clients[2]"),
     ]

@@ -203,6 +203,14 @@ def test_label_partitioners_refuse_float_targets_without_bins(name, tmp_path):
         fedweave.run({**REGRESSION, "partition": {"name": name, "num_clients": 4}}, run_dir=tmp_path / "r")
 
 
+@pytest.mark.parametrize("bins", [7, -3, "foo"])
+def test_label_free_partitioners_refuse_bins_they_never_read(bins, tmp_path):
+    # before: accepted whatever its value, recorded in config.yaml and never read (the counts are all iid reads)
+    part = {"name": "iid", "num_clients": 4, "bins": bins}
+    with pytest.raises(ConfigError, match="^partition.bins: partition 'iid' reads only the sample counts"):
+        fedweave.run({**REGRESSION, "partition": part}, run_dir=tmp_path / "r")
+
+
 def _diabetes_arrays():
     from fedweave.data.datasets.bundled import load_diabetes
 
@@ -219,6 +227,10 @@ def test_regression_with_user_ids_from_python_and_a_partition_file(tmp_path):
     res = fedweave.run(cfg, dataset=(x, y, tx, ty, users, test_users), run_dir=tmp_path / "nat")
     parts = res.algorithm.ctx.partition
     assert [sorted(p.tolist()) for p in parts] == [np.flatnonzero(users == u).tolist() for u in range(0, 50, 10)]
+    # num_clients left out takes every user too, as docs/partitioning.md says (before: "got None")
+    left_out = {**cfg, "rounds": 1, "partition": {"name": "natural"}}
+    again = fedweave.run(left_out, dataset=(x, y, tx, ty, users, test_users), run_dir=tmp_path / "nat0")
+    assert [p.tolist() for p in again.algorithm.ctx.partition] == [p.tolist() for p in parts]
     assert res.summary["main_metric"] == "test_mse" and res.metrics[-1]["test_mse"] < res.metrics[0]["test_mse"]
     described = json.loads((res.run_dir / "objects.json").read_text())
     assert described["dataset"]["train_users"] == [[len(y)], str(users.dtype)]

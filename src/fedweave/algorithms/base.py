@@ -267,6 +267,8 @@ def partitioner(config: RunConfig) -> tuple[Callable[..., Any], dict[str, Any], 
     fn = PARTITIONERS.get(part.name)
     opts = dict(part.options)
     num_clients, bins = (integral(opts.pop(k, None)) for k in ("num_clients", "bins"))
+    if num_clients is None and part.name in ("natural", "from_file"):  # left out: every user (or file's client)
+        num_clients = 0
     if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 0:
         allowed = {  # the partitioners that read 0 as "all": theirs say so
             "natural": "a non-negative integer (0 = one client per natural user)",
@@ -486,6 +488,11 @@ class RunContext:
         fn, opts, num_clients, bins = partitioner(self.config)
         if not np.issubdtype(np.asarray(labels).dtype, np.integer):  # float targets (regression, multi-label)
             if part.name in LABEL_FREE_PARTITIONERS:
+                if bins is not None:  # accepted and never read, any value (bins: -3 too) before
+                    raise ConfigError(
+                        f"partition.bins: partition {part.name!r} reads only the sample counts, not the targets; "
+                        "leave it out (it splits float targets by quantile for the label-skew partitioners)"
+                    )
                 labels = np.zeros(len(labels), dtype=np.int64)  # these partitioners read only the sample count
             elif bins is None:
                 raise ConfigError(

@@ -102,7 +102,14 @@ def stratified_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np
         k = int(round(test_fraction * len(idx)))
         test.append(idx[:k])
         train.append(idx[k:])
-    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+    train_idx, test_idx = np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+    for split, idx in (("test", test_idx), ("training", train_idx)):
+        if not len(idx):  # an empty test split scored accuracy 0.0 and loss 0.0 every round, without a word
+            raise ValueError(
+                f"dataset.test_fraction {test_fraction:g} of the {len(y):,} samples leaves the {split} split empty "
+                "(each class's share is rounded to whole samples); give a fraction that leaves both splits samples"
+            )
+    return train_idx, test_idx
 
 
 def standardize(train: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
