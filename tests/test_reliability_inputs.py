@@ -186,7 +186,12 @@ def test_a_genuine_batch_layout_still_loads(tmp_path):
         ({"name": "natural", "num_clients": -3}, r"must be a non-negative integer \(0 = one client per natural user\)"),
         ({"name": "iid", "num_clients": "many"}, r"partition\.num_clients"),
         # from_file takes 0 for every client of its file: the message must not ask for a positive integer
-        ({"name": "from_file", "path": "p.json"}, r"non-negative integer \(0 = every client of partition\.path\)"),
+        (
+            {"name": "from_file", "path": "p.json", "num_clients": -1},
+            r"non-negative integer \(0 = every client of partition\.path\)",
+        ),
+        # left out, it takes every client of the file (as 0 does): the file is what is read next
+        ({"name": "from_file", "path": "p.json"}, r"partition\.path must name a JSON or \.npz file"),
         ({"name": "iid", "num_clients": 10.5}, r"partition\.num_clients must be a positive integer, got 10\.5"),
         ({"name": "dirichlet", "num_clients": 5, "alpha": 1, "min_size": 2.5}, r"partition\.min_size .*got 2\.5"),
     ],
