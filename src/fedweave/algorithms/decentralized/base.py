@@ -134,7 +134,8 @@ class GraphAlgorithm(Algorithm):
     family = "decentralized"
     own_test_sets = True  # every client's model on its own test set (eval.holdout: its held-out samples)
     Hparams = GraphHparams
-    unread_config = {  # the family's evaluation is its clients' models on their own test sets (docs/algorithms)
+    # the family evaluates its clients' models on their own test sets (docs/algorithms/decentralized.md)
+    unread_config = {
         "eval.per_client": "evaluates every client's own model on its own test set (test_accuracy their mean, "
         "test_accuracy_min the worst) and reports no accuracy on the clients' training data",
     }

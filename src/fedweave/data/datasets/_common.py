@@ -93,7 +93,8 @@ def opt_choice(dataset: str, option: str, value: Any, allowed: Sequence[str]) ->
 def stratified_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Deterministic train/test indices: within each class, ``round(test_fraction * n_c)`` go to test.
 
-    Depends only on the labels and ``seed`` (named stream ``"split"``), so every run sees the same split.
+    Depends only on the labels and ``seed`` (named stream ``"split"``), so every run sees the same split. A
+    fraction that leaves either split empty is a ValueError naming ``dataset.test_fraction``.
     """
     rng = Seeds(seed).numpy("split")
     train, test = [], []
