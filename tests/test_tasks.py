@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import yaml
 from torch import nn
 
 import fedweave
@@ -1202,3 +1203,25 @@ def test_plot_sweep_and_report_of_a_solver_run_follow_its_optimality_gap(tmp_pat
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["opt_gap_vs_bytes.png", "opt_gap_vs_rounds.png"]
     assert cli_main(["report", str(run), "--out", str(tmp_path / "r.html")]) == 0
     assert "final opt_gap" in (tmp_path / "r.html").read_text()
+
+
+def test_a_metric_undefined_on_its_evaluation_set_is_nan_not_a_divergence(tmp_path, caplog, capsys):
+    """R^2 is undefined on fewer than two samples (NaN, as scikit-learn's): a client's held-out test set of one
+    sample, or a test split of one, gave NaN and stopped the run as diverged with step-size advice, its losses
+    finite. It is NaN in its column now, one warning says why, and the run completes; best is over the rounds
+    that define it."""
+    cfg = {**REGRESSION, "rounds": 2, "partition": {"name": "iid", "num_clients": 4}}
+    with caplog.at_level("WARNING", logger="fedweave"):
+        res = fedweave.run({**cfg, "eval": {"holdout": 0.01, "personal_test": True}}, run_dir=tmp_path / "own")
+    assert res.summary["status"] == "completed" and len(res.metrics) == 2
+    assert all(math.isnan(r["test_r2"]) and math.isfinite(r["test_mse"]) for r in res.metrics)
+    assert all(math.isfinite(r["test_r2_global"]) for r in res.metrics)  # the global model on the pooled sets
+    warned = [m for m in caplog.messages if m.startswith("test_r2 is NaN")]
+    assert len(warned) == 1 and "undefined on the set it scored" in warned[0]
+
+    one = {**cfg, "dataset": {"name": "diabetes", "test_fraction": 0.003}, "task": {"loss": "mse", "main": "r2"}}
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump(one))
+    assert cli_main(["run", str(tmp_path / "one.yaml"), "--out", str(tmp_path / "one")]) == 0
+    assert "final test r2 nan (best undefined in every round)" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["best_main"] is None and summary["best_round"] is None

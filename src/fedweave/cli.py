@@ -48,7 +48,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"final test accuracy {acc:.4f} (best {s['best_test_accuracy']:.4f} at round {s['best_round']})")
     elif key and s.get("final_main") is not None:
         name = key.replace("_", " ")
-        print(f"final {name} {s['final_main']:.6g} (best {s['best_main']:.6g} at round {s['best_round']})")
+        best = (
+            "undefined in every round" if s["best_main"] is None else f"{s['best_main']:.6g} at round {s['best_round']}"
+        )
+        print(f"final {name} {s['final_main']:.6g} (best {best})")
     elif (own := run_metric(s)) and isinstance((s.get("final") or {}).get(own), (int, float)):
         # no test set (the confederated family's synthetic problem): the column its own plots show
         print(f"final {own.replace('_', ' ')} {s['final'][own]:.6g} (round {s['final']['round']})")

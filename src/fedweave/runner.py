@@ -26,7 +26,7 @@ from fedweave.algorithms.base import (
 )
 from fedweave.byo import OBJECTS_FILE, RunObjects, check_resumed_objects, check_same_objects
 from fedweave.callbacks import Callback, CallbackList, RunState, default_callbacks
-from fedweave.callbacks.builtin import check_finite
+from fedweave.callbacks.builtin import check_finite, defined
 from fedweave.checkpoints import CHECKPOINT, RESUMABLE_LOCAL, restore_checkpoint
 from fedweave.config import ConfigError, FaultsConfig, RunConfig
 from fedweave.config import load as load_config
@@ -395,7 +395,7 @@ def _recordable(values: dict[str, Any], r: int) -> dict[str, Any]:
     """The evaluation's values as a metrics row records them, callbacks' additions included: a numpy number or a
     one-element tensor as the Python number it holds; any other kind one error naming its key (it failed in the
     JSON writer, the row half-written); a NaN or Inf the divergence it is (the guard saw the values before the
-    callbacks after it added theirs)."""
+    callbacks after it added theirs), but for a metric undefined on its set (``defined``)."""
     out = {}
     for k, v in values.items():
         if isinstance(v, np.generic) or (isinstance(v, torch.Tensor) and v.numel() == 1):
@@ -406,7 +406,7 @@ def _recordable(values: dict[str, Any], r: int) -> dict[str, Any]:
                 "or text (a callback's on_evaluation adds float(...))"
             )
         out[k] = v
-    check_finite(out, r, "an evaluation metric")
+    check_finite(defined(out), r, "an evaluation metric")
     return out
 
 
@@ -494,7 +494,9 @@ def _summary(state: RunState, status: str, error: str | None) -> dict[str, Any]:
     key = main_metric(task, rows)
     scored = [r for r in rows if key is not None and r.get(key) is not None and r["round"] > 0]
     best = None
-    for r in scored:  # the first round that reached the best value
+    for r in scored:  # the first round that reached the best value; NaN (a metric undefined on its set) is none
+        if r[key] != r[key]:
+            continue
         if best is None or task.better(r[key], best[key]):
             best = r
     accs = [r for r in rows if r.get("test_accuracy") is not None and r["round"] > 0]

@@ -167,6 +167,9 @@ class Metric:
     # the targets it reads, checked against the dataset when a run is built: "class" (int64 indices),
     # "float" (values shaped like the output), "binary" (0/1 values shaped like the output); None: unchecked
     targets: str | None = None
+    # the keys that are NaN where the evaluation set does not define them (R^2 on fewer than two samples): a NaN
+    # there, its losses finite, is not a divergence (fedweave.callbacks.builtin.undefined_metrics)
+    undefined: frozenset[str] = frozenset()
 
     def update(self, out: torch.Tensor, y: torch.Tensor) -> None:
         """Add one batch: the model's output ``out`` and its targets ``y``."""
@@ -279,6 +282,7 @@ class R2(_Errors):
     """Coefficient of determination, 1 - SSE/SST per output column, averaged."""
 
     keys = {"r2": "max"}
+    undefined = frozenset({"r2"})  # on fewer than two samples
 
 
 @METRICS.register("auc")
@@ -288,6 +292,7 @@ class AUC(Metric):
 
     keys = {"auc": "max"}
     targets = "binary"
+    undefined = frozenset({"auc"})  # where no label has both classes
 
     def __init__(self) -> None:
         self.scores: list[np.ndarray] = []
@@ -413,6 +418,13 @@ def column_direction(column: str, unknown: str | None = "max") -> str | None:
             if word in cls.keys:
                 return cls.keys[word]
     return unknown
+
+
+def may_be_undefined(column: str) -> bool:
+    """Whether a metrics column (``test_r2``, ``test_r2_personal``, ``client_test_auc_mean``, ...) names a key a
+    registered metric declares NaN where its set does not define it (:attr:`Metric.undefined`)."""
+    words = set(column.split("_"))
+    return any(words & cls.undefined for cls in METRICS._items.values())
 
 
 def build_task(

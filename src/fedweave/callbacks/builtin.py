@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from fedweave.callbacks import Callback
 from fedweave.errors import DivergenceError
 from fedweave.registry import CALLBACKS
+from fedweave.tasks import may_be_undefined
 
 if TYPE_CHECKING:
     from fedweave.config import RunConfig, Section
@@ -35,6 +36,23 @@ def watched(key: str) -> bool:
     return key.endswith("loss") or key.endswith("_gap")
 
 
+def undefined_metrics(values: dict[str, Any]) -> list[str]:
+    """The columns of one evaluation that are NaN while each of its losses is finite, of a metric that its set may
+    leave undefined (R^2 on fewer than two samples, AUC where no label has both classes: ``Metric.undefined``):
+    not a blown-up model, whose outputs would make its losses NaN or Inf too. None where the evaluation reports
+    no loss; any other NaN (a callback's value included) stays a divergence."""
+    losses = [v for k, v in values.items() if watched(k) and isinstance(v, float)]
+    if not losses or not all(math.isfinite(v) for v in losses):
+        return []
+    return [k for k, v in values.items() if isinstance(v, float) and math.isnan(v) and may_be_undefined(k)]
+
+
+def defined(values: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation's values less those :func:`undefined_metrics` names: what the finiteness check reads."""
+    undefined = undefined_metrics(values)
+    return {k: v for k, v in values.items() if k not in undefined}
+
+
 def check_explosion(values: dict[str, Any], first: dict[str, float], r: int, factor: float | None) -> None:
     """A loss or gap far above its first value means the run has blown up, long before it overflows to Inf."""
     if factor is None:
@@ -53,13 +71,14 @@ def check_explosion(values: dict[str, Any], first: dict[str, float], r: int, fac
 
 
 class DivergenceGuard(Callback):
-    """NaN or Inf in a training or evaluation metric, or a loss or gap (:func:`watched`) above ``explode_factor``
-    times its first positive value, ends the run as ``diverged`` before the bad row is recorded
-    (docs/reliability.md)."""
+    """NaN or Inf in a training or evaluation metric (but for a metric undefined on its set,
+    :func:`undefined_metrics`, warned of once), or a loss or gap (:func:`watched`) above ``explode_factor`` times
+    its first positive value, ends the run as ``diverged`` before the bad row is recorded (docs/reliability.md)."""
 
     def __init__(self, explode_factor: float | None) -> None:
         self.factor = explode_factor
         self.first: dict[str, float] = {}
+        self.undefined: set[str] = set()  # the columns already reported undefined (one warning each)
 
     def on_start(self, run):
         # a resumed run's reference: the first losses it reported, as its checkpoint keeps them (the rows hold
@@ -78,6 +97,15 @@ class DivergenceGuard(Callback):
         check_explosion(metrics, self.first, r, self.factor)
 
     def on_evaluation(self, run, r, values):
+        undefined = undefined_metrics(values)
+        for key in sorted(set(undefined) - self.undefined):
+            logging.getLogger("fedweave").warning(
+                f"{key} is NaN in round {max(r + 1, 0)} while the evaluation's losses are finite: the metric is "
+                "undefined on the set it scored (R^2 needs 2 samples or more, AUC a label with both classes); kept "
+                "as NaN in metrics.csv, the run goes on."
+            )
+        self.undefined |= set(undefined)
+        values = defined(values)
         if r < 0:  # the initial model: its losses are the reference, not checked against one
             check_finite(values, r, "an evaluation metric of the initial model")
             return
