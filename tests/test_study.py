@@ -238,9 +238,10 @@ def test_another_scales_runs_in_out_are_refused_not_replaced(tmp_path):
 
 
 def test_a_folder_of_the_users_files_is_refused_not_written_into(tmp_path):
-    """A folder with files but no runs/ is the user's: the report's files would land among theirs and replace those
-    of the same name (before: a user's table.md and results.csv were replaced in silence). An empty folder, or
-    an earlier reproduction's (its runs/), is written into."""
+    """A folder with files but no reproduction's mark is the user's, a runs/ of its own too (before: taken for a
+    reproduction's): the report's files would land among theirs and replace those of the same name (before: a
+    user's table.md and results.csv were replaced in silence). An empty folder, or an earlier reproduction's (its
+    mark), is written into."""
     seen: list = []
     s = _study(seen)
     mine = tmp_path / "notes"
@@ -250,14 +251,18 @@ def test_a_folder_of_the_users_files_is_refused_not_written_into(tmp_path):
     with pytest.raises(ConfigError) as e:
         s.main(["--xs", "2", "--out", str(mine), "--workers", "1"])
     assert str(e.value) == (
-        f"--out: {mine} holds files but no reproduction's runs/ (results.csv, table.md), which its report could "
-        "replace; give a new or empty folder, or an earlier reproduction's"
+        f"--out: {mine} holds files but no reproduction's mark .reproduction (results.csv, table.md), which its "
+        "report could replace; give a new or empty folder, or an earlier reproduction's"
     )
     assert sorted(p.name for p in mine.iterdir()) == ["results.csv", "table.md"] and not seen
     assert (mine / "table.md").read_text() == "mine"
     s.plan = lambda opts: Plan([])  # a report from records given elsewhere (baselines' --from-records): refused too
-    with pytest.raises(ConfigError, match="holds files but no reproduction's runs/"):
+    with pytest.raises(ConfigError, match="holds files but no reproduction's mark"):
         s.main(["--xs", "2", "--out", str(mine), "--workers", "1"])
+    (mine / "runs" / "myexp").mkdir(parents=True)  # fedweave run's own default folder is not a reproduction's
+    with pytest.raises(ConfigError, match=r"holds files but no reproduction's mark .reproduction \(results.csv, runs"):
+        s.main(["--xs", "2", "--out", str(mine), "--workers", "1"])
+    assert (mine / "table.md").read_text() == "mine" and not seen
     s.plan = lambda opts: Plan([], rebuilds_out=True)  # from an earlier invocation's records there (--report-only)
     assert s.main(["--xs", "2", "--out", str(mine), "--workers", "1"]) == 0 and len(seen) == 1
     seen.clear()

@@ -317,17 +317,18 @@ def results_folder(out: str | Path, name: str, scale: str) -> Path:
 
 
 def users_folder(out: str | Path) -> None:
-    """A ``ConfigError`` of one line when ``--out`` is a folder with files but neither ``runs/`` nor the mark
-    ``.reproduction`` (each invocation writes it): such a folder is the user's, among which the report's files
-    (``table.md``, ``results.csv``, ...) would land and replace theirs. Not asked of a plan that ``rebuilds_out``
-    (``cfl-saga --report-only`` reads an earlier invocation's records there)."""
+    """A ``ConfigError`` of one line when ``--out`` is a folder with files but without the mark ``.reproduction``
+    that each invocation writes (in it and in its ``runs/``): such a folder is the user's, among which the report's
+    files (``table.md``, ``results.csv``, ...) would land and replace theirs. A ``runs/`` of its own does not make it
+    a reproduction's: ``fedweave run`` and ``sweep`` write ``runs/`` by default. Not asked of a plan that
+    ``rebuilds_out`` (``cfl-saga --report-only`` reads an earlier invocation's records there)."""
     out = Path(out)
-    ours = (out / "runs").is_dir() or (out / OWNER).is_file()
+    ours = (out / OWNER).is_file() or (out / "runs" / OWNER).is_file()
     if out.is_dir() and not ours and (entries := sorted(p.name for p in out.iterdir())):
         shown = first_names(entries)
         raise ConfigError(
-            f"--out: {out} holds files but no reproduction's runs/ ({shown}), which its report could replace; give a "
-            "new or empty folder, or an earlier reproduction's"
+            f"--out: {out} holds files but no reproduction's mark {OWNER} ({shown}), which its report could replace; "
+            "give a new or empty folder, or an earlier reproduction's"
         )
 
 
