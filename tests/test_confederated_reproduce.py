@@ -114,3 +114,16 @@ def test_a_budget_that_runs_out_names_the_runs_it_left_unrun(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     unrun = summary.split("\nNot run (time budget reached): ")[1]
     assert all(f"-{dict(p.values)['method']}-" in unrun for p in cfl_saga.synthetic_jobs("smoke", [0]))
+
+
+@pytest.mark.slow  # two smoke reproductions, 10 s
+def test_a_part_run_with_other_seeds_names_the_seeds_its_records_hold(tmp_path):
+    """``--part synthetic --seeds 2`` over a one-seed folder: the records held seeds 0 and 1 and the verdicts said
+    n = 2, while summary.md and meta.json kept the first invocation's ``Seeds [0]``."""
+    assert cfl_saga.main(["--scale", "smoke", "--out", str(tmp_path), "--workers", "1"]) == 0
+    argv = ["--scale", "smoke", "--out", str(tmp_path), "--workers", "1", "--part", "synthetic", "--seeds", "2"]
+    assert cfl_saga.main(argv) == 0
+    rows = list(csv.DictReader((tmp_path / "runs.csv").open()))
+    assert sorted({int(r["seed"]) for r in rows}) == [0, 1]
+    assert "Seeds [0, 1] (synthetic)" in (tmp_path / "summary.md").read_text()
+    assert json.loads((tmp_path / "meta.json").read_text())["seeds"] == [0, 1]

@@ -794,6 +794,8 @@ def report(rows: list[dict], plan: Plan, opts, wall: float) -> Report:
         save_records(out / "raw.json", out / "curves.npz", rows, "_curve", "gus")  # what --report-only reads
         meta["runs"].append({"part": opts.part, "argv": opts.argv, "wall_seconds": wall, "workers": opts.workers})
         files = {"meta.json": Json(meta, indent=None, end="\n")}
+    # the seeds the synthetic records hold: a --part run with other --seeds keeps the other parts' rows beside them
+    meta["seeds"] = sorted({r["seed"] for r in rows if r["problem"] == "synthetic"}) or meta["seeds"]
     aggs = aggregate(rows)
     files |= {"runs.csv": Rows(rows), "summary.csv": Rows(aggs), "claims.csv": Rows(claims(aggs, rows), CLAIM_COLUMNS)}
     files["summary.md"] = summary_md(aggs, rows, meta) + not_run(plan.skipped)  # what a time budget left unrun
