@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -330,3 +331,19 @@ def test_a_runner_point_its_run_would_refuse_is_refused_before_any_run_starts(tm
     with pytest.raises(GridError, match=r"^reproduction point m1 \(model=logistik\): unknown model 'logistik'"):
         s.records(plan, tmp_path / "o", workers=1)
     assert not (tmp_path / "o").exists()
+
+
+def test_another_studys_page_is_one_line_naming_page_before_anything_runs(tmp_path, capsys):
+    """``--page`` with another paper's page rendered this study's sections from that page's records after every
+    run: a KeyError or TypeError traceback (fedmim, zo-hfl), or an Errno line not naming --page (cse-fsl)."""
+    from fedweave.cli import main
+
+    pages = Path(__file__).resolve().parents[1] / "docs" / "reproductions"
+    for study, other in (("fedmim", "zo-hfl"), ("zo-hfl", "fedmim"), ("cse-fsl", "cfl-saga")):
+        out = tmp_path / study
+        assert (
+            main(["reproduce", study, "--scale", "smoke", "--out", str(out), "--page", str(pages / f"{other}.md")]) == 2
+        )
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--page: {pages / other}.md is not a page that '{study}' renders" in err
+        assert not out.exists()

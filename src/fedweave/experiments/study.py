@@ -245,6 +245,8 @@ class Study:
             raise ConfigError(
                 f"--page: {page} is not a file (the study's page: docs/reproductions/<paper>.md, docs/benchmarks.md)"
             )
+        if page is not None and self.sections is not None:
+            self._check_page(page, Path(opts.out))
         results_folder(opts.out, self.name, opts.scale)  # a bad --out is one line before any work
         t0 = time.perf_counter()
         plan = self.plan(opts)
@@ -263,6 +265,21 @@ class Study:
         if page is not None and self.sections is not None and pages.update(page, self.sections(page.with_suffix(""))):
             print(f"rewrote the generated sections of {page}")
         return status
+
+    def _check_page(self, page: Path, out: Path) -> None:
+        """``--page`` rendered from the records beside it before any run: another study's page (its folder holds
+        other records, its blocks other names) is one ``ConfigError`` naming --page, not a traceback after the
+        runs. Not where ``--out`` is that folder (the runs write the records the sections read)."""
+        folder = page.with_suffix("")
+        if out.resolve() == folder.resolve():
+            return
+        try:
+            pages.fill(page.read_text(encoding="utf-8"), self.sections(folder), str(page))
+        except Exception as e:  # the study's renderer on records that are not its own: any error says so
+            raise ConfigError(
+                f"--page: {page} is not a page that '{self.name}' renders from the records in {folder} "
+                f"({type(e).__name__}: {e}); give its own page, docs/reproductions/<paper>.md"
+            ) from None
 
     def records(
         self, plan: Plan, out: str | Path, workers: int = 1, budget_s: float | None = None, scale: str = ""
