@@ -209,6 +209,26 @@ def test_fig5b_needs_the_pathological_setting(capsys):
     assert "--primary-only leaves out the pathological setting" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "line"),
+    [
+        ("--tables", ",", "--tables: unknown [','];"),
+        ("--tables", "", "--tables: unknown [''];"),
+        ("--only", ",", "--only: unknown [','];"),
+        ("--only", "Gossip,Foo", "--only: unknown ['Foo']; allowed Gossip, Local, AFIND+, FedAvg"),
+    ],
+)
+def test_an_empty_or_unknown_list_is_one_line_naming_its_flag(flag, value, line, tmp_path, capsys):
+    """``--tables ,`` (or an empty ``--tables``) ran nothing, wrote an empty report and exited 0; ``--only``'s
+    refusal named no allowed label."""
+    from fedweave.cli import main
+
+    argv = ["reproduce", "afind", "--scale", "smoke", "--tables", "1", flag, value, "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and line in err and not (tmp_path / "o").exists()
+
+
 def test_table_3_and_fedavg_below_local_are_judged_by_declared_rules():
     """The page's verdicts on Table 3's ordering and on FedAvg below Local (pathological) were read from the
     means; each is now a declared rule on the committed per-seed records."""

@@ -23,7 +23,7 @@ from fedweave.experiments.aggregate import group, seed_gaps
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished
 from fedweave.experiments.plots import plot_curves
-from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, judge, not_run, option
+from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, choices, judge, not_run, option
 from fedweave.experiments.tables import markdown_table, mean_std_cell
 from fedweave.experiments.verdicts import All, Paired, Select, cell, mean
 from fedweave.runner import Result
@@ -583,9 +583,7 @@ def study_plan(opts) -> Plan:
     if opts.rounds is not None:
         for s in p.settings:
             s.base["rounds"] = opts.rounds
-    wanted = {t.strip() for t in opts.tables.split(",") if t.strip()}
-    if bad := wanted - set(TABLES):
-        raise ConfigError(f"--tables: unknown {sorted(bad)}; allowed {', '.join(TABLES)}")
+    wanted = set(choices(opts.tables, TABLES, "--tables"))  # an empty list too is one line
     if opts.primary_only and "fig5b" in wanted:
         raise ConfigError("--primary-only leaves out the pathological setting that --tables fig5b runs")
     if opts.primary_only:
@@ -595,10 +593,8 @@ def study_plan(opts) -> Plan:
     grid = points(jobs, p)
     done = finished(grid, Path(opts.out) / "runs") if opts.only or opts.collect else {}
     if opts.only:
-        keep = {x.strip() for x in opts.only.split(",")}
+        keep = set(choices(opts.only, list(dict.fromkeys(dict(pt.values)["label"] for pt in grid)), "--only"))
         grid = [pt for pt in grid if dict(pt.values)["label"] in keep or pt.slug in done]
-        if unknown := keep - {dict(pt.values)["label"] for pt in grid}:
-            raise ConfigError(f"--only: unknown method label(s) {sorted(unknown)}")
     if opts.collect:
         grid = [pt for pt in grid if pt.slug in done]
     return Plan(grid, (p, rows, seeds), workers=1 if opts.scale == "smoke" else None)
