@@ -44,6 +44,10 @@ def test_smoke_writes_table_and_plots(tmp_path):
     assert [rows[m]["server_copies"] for m in ("fsl_mc", "fsl_an", "fsl_oc", "cse_fsl h=2")] == ["5", "5", "1", "1"]
     assert float(rows["cse_fsl h=1"]["load_gib"]) == float(rows["fsl_an"]["load_gib"])
     assert "Claims" in (tmp_path / "table.md").read_text()
+    # one seed has no spread: no std in table.csv, "—" in the table (before: 0.00, two seeds that agreed exactly)
+    assert all(r["accuracy_std"] == "" for r in rows.values())
+    line = next(x for x in (tmp_path / "table.md").read_text().splitlines() if x.startswith("| FSL_MC |"))
+    assert line.split(" | ")[2] == "—"
 
 
 def test_noniid_preset_deals_label_shards_and_checks_table_v_noniid_column(tmp_path):

@@ -165,7 +165,7 @@ def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
             {
                 "method": key,
                 "accuracy": acc_m,
-                "accuracy_std": acc_s,
+                "accuracy_std": acc_s if len(accs) > 1 else None,  # one seed has no spread to show ("—")
                 "load_gib": last["load_bytes"] / GIB,
                 "load_formula_gib": formulas[0] * last["round"] / GIB,
                 "load_exact": all(x["load_bytes"] == f * x["round"] for r, f in zip(rs, formulas) for x in r["rows"]),

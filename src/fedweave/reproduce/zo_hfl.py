@@ -28,7 +28,7 @@ from fedweave.experiments.jobs import load_average
 from fedweave.experiments.pages import paragraph, stated
 from fedweave.experiments.plots import Panel, plot_panels, seed_lines
 from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, Verdict, judge, not_run, option
-from fedweave.experiments.tables import Col, Grid, csv_text, layout, markdown_table, parse_csv, pm, read_csv
+from fedweave.experiments.tables import Col, Grid, csv_text, layout, markdown_table, parse_csv, pm_cell, read_csv
 from fedweave.experiments.verdicts import All, Paired, Rule, Select, Untestable, cell, detectable, paired_power
 from fedweave.memory import cpu_seconds
 from fedweave.runner import Result
@@ -442,7 +442,7 @@ def table1(p: Preset, rows: list[dict], dataset: str) -> str:
     def cell(r: dict) -> str:
         last = "" if r["method"] == "server_only_long" else f" [{r['acc_last10_mean']:.2f}]"
         paper = "" if r["paper_acc"] is None else f" / {r['paper_acc']:.2f}"
-        return f"{pm(r['acc_mean'], r['acc_std'])}{last}{paper}"
+        return f"{pm_cell(r, 'acc')}{last}{paper}"
 
     labels = {m: table1_label(m, p) for m in p.methods if m not in p.sensitivity}
     head = lambda s: f"alpha={s[0]:g}, beta={100 * s[1]:.0f}%"  # noqa: E731
@@ -457,7 +457,7 @@ SENSITIVITY_LABELS = {m: label(m) for m in SENSITIVITY} | {"zo_hfl_nocrn": "ZO-H
 def sensitivity(rows: list[dict]) -> str:
     """The sensitivity rows of ``table.csv``: mean ± std per dataset and setting."""
     head = lambda c: f"{DATASET_LABELS[c[0]]} {c[1]:g}/{100 * c[2]:.0f}%"  # noqa: E731
-    cell = lambda r: pm(r["acc_mean"], r["acc_std"])  # noqa: E731
+    cell = lambda r: pm_cell(r, "acc")  # noqa: E731
     return Grid("method", "method", SENSITIVITY_LABELS, itemgetter(*CELL[:3]), head, cell).render(rows)
 
 
