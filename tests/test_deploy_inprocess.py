@@ -665,6 +665,42 @@ def test_a_node_refuses_a_job_whose_settings_or_tensors_are_not_the_runs(tmp_pat
     assert got.error.reason == "malformed fedweave split job message: the job's client must be an integer, got '0'"
 
 
+def test_a_node_trains_with_the_runs_threads(tmp_path):
+    """The simulation's runner sets ``threads`` (``torch.set_num_threads``); the node trained on torch's default,
+    and a deployed ``threads: 1`` run differed from its simulation in the 8th digit of every loss. Each job now
+    sets the run's count, a star job and a split one alike."""
+    from fedweave.config import LocalConfig
+    from fedweave.deploy.jobs import encode_job
+    from fedweave.deploy.wire import to_records
+    from fedweave.execution.local import PLAIN, LocalCall
+
+    def node(cfg: dict) -> Context:
+        config_json = json.dumps(load(cfg).to_dict())
+        return Context(
+            7, 1, {"partition-id": 0, "state-dir": str(tmp_path)}, RecordDict(), {"fedweave-config": config_json}
+        )
+
+    def send(context: Context, header: dict, tensors: dict) -> Message:
+        msg = Message(to_records(header, tensors), dst_node_id=1, message_type="train")
+        msg.metadata.__dict__["_message_id"] = msg.object_id
+        return client_app.app(msg, context)
+
+    call = LocalCall(torch.zeros(650)[None], [0], 0, PLAIN, 0.1, 2, (1,))
+    star = encode_job(call, 0, local=LocalConfig(steps=2, batch_size=16, lr=0.1), num_classes=10)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 1):
+            torch.set_num_threads(3 - threads)
+            assert not send(node({**small("fedavg"), "threads": threads}), *star).has_error()
+            assert torch.get_num_threads() == threads
+        torch.set_num_threads(2)
+        split = {"kind": "split_epoch", "client": 0}  # refused as malformed after the run's threads are set
+        assert send(node({**small("fedavg"), "threads": 1}), split, {}).has_error()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(
     "node_config, why",
     [

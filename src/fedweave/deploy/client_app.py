@@ -98,6 +98,20 @@ def samples_file(context: Context, config_json: str, client: int) -> str:
 
 
 @lru_cache(maxsize=2)
+def _threads(config_json: str) -> int | None:
+    return load_config(json.loads(config_json)).threads
+
+
+def use_run_threads(config_json: str) -> None:
+    """Compute with the run's ``threads``, as the simulation's runner does (``torch.set_num_threads``): a product's
+    summation order follows the thread count, so a node on torch's default trained a ``threads: 1`` run to other
+    bits (its losses apart in the 8th digit). Set for every job: a warm executor may serve runs of other settings."""
+    threads = _threads(config_json)
+    if threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+@lru_cache(maxsize=2)
 def _trainer(config_json: str, data: str, client: int, num_classes: int | None) -> LocalTrainer:
     """The node's trainer over its client's samples (built once per run config and data file); only the
     model's outputs come from the server."""
@@ -175,6 +189,7 @@ def train(msg: Message, context: Context) -> Message:
         return _error(msg, WRONG_NODE, f"job for client {job.client} sent to the node holding {mine}")
     config_json = str(context.run_config["fedweave-config"])
     try:
+        use_run_threads(config_json)
         tr = _trainer(config_json, samples_file(context, config_json, mine), mine, job.num_classes)
     except MalformedJobError as e:
         return _error(msg, MALFORMED, str(e))
@@ -244,6 +259,7 @@ def _split_job(msg: Message, context: Context, h: dict, tensors: dict[str, torch
         return _error(msg, WRONG_NODE, f"job for client {client} sent to the node holding {mine}")
     config_json = str(context.run_config["fedweave-config"])
     try:
+        use_run_threads(config_json)
         data = samples_file(context, config_json, mine)
         if h["kind"] == split.EPOCH:
             header, out = split.run_epoch(h, tensors, config_json, data, mine)
