@@ -491,6 +491,19 @@ def test_a_refused_or_stopped_run_raises_so_that_flower_records_it_as_failed(tmp
     assert summary["flower"]["jobs"] == CLIENTS
 
 
+def test_a_diverged_run_raises_once_its_results_and_flower_section_are_written(tmp_path):
+    """A deployed run that diverged let the runner's ``DivergenceError`` through the ServerApp: a traceback of its
+    own in the stream and a summary.json without the ``flower`` section. It is ``RunFailed`` now, as a stopped run
+    is, once both are written."""
+    cfg = {**small("fedavg"), "local": {"steps": 2, "batch_size": 16, "lr": 1e38}}
+    with pytest.raises(server_app.RunFailed, match=r"^fedweave run diverged: round 1: .* is not finite") as e:
+        deployed(cfg, tmp_path)
+    assert str(e.value).endswith(f"Results so far are in {tmp_path / 'deployed'}")
+    summary = json.loads((tmp_path / "deployed" / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["flower"]["jobs"] == CLIENTS
+    assert summary["execution"]["backend"] == "flower"
+
+
 @pytest.mark.parametrize(
     "key, value, match",
     [

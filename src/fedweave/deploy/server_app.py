@@ -652,8 +652,8 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Run the app's fedweave config on the SuperNodes. A run that fedweave refuses or stops raises
-    :class:`RunFailed` once its results are written, so that Flower records it as failed."""
+    """Run the app's fedweave config on the SuperNodes. A run that fedweave refuses, stops or finds diverged
+    raises :class:`RunFailed` once its results are written, so that Flower records it as failed."""
     with _logs_to_flower():
         _main(grid, context)
 
@@ -674,8 +674,10 @@ def _main(grid: Grid, context: Context) -> None:
     run_dir = run_dir or None
     failed = None
     try:
-        result = runner.run(config, run_dir=run_dir, callbacks=[clients], progress=False)
+        result = runner.run(config, run_dir=run_dir, callbacks=[clients], progress=False, on_divergence="return")
         out = Path(result.run_dir)
+        if result.summary["status"] == "diverged":  # results so far and the flower section, then one line
+            failed = RunFailed(f"fedweave run diverged: {result.summary['error']} Results so far are in {out}")
     except (DeploymentError, ConfigError) as e:  # before the first round: nothing was written
         # a ConfigError is what building the run finds (an option only the partitioner or model checks), past
         # fedweave flower-app's checks of the config's form and of what the deployment carries
