@@ -1337,3 +1337,21 @@ def test_the_budget_message_shows_epsilon_and_its_target_at_one_precision():
     dp.epsilon_after_next = lambda r: 5.2051
     run.config.privacy.target_epsilon = 5.0  # told apart at 4 digits, as before
     assert "epsilon 5.205 > privacy.target_epsilon 5 (" in PrivacyBudget().after_round(run, 0)
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch and Opacus, 8 s
+def test_the_accountant_leaves_the_root_logger_as_it_was():
+    """Opacus calls ``logging.basicConfig`` when imported: a deployed run's ServerApp (a process whose root logger
+    had no handler) printed each of its lines twice in Flower's stream. Checked in a fresh interpreter, where
+    nothing has imported Opacus yet."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging\n"
+        "from fedweave.privacy.accountant import calibrate, rdp\n"
+        "rdp(); calibrate('rdp', 5.0, 1e-5, 0.1, 10)\n"
+        "print(len(logging.getLogger().handlers))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "0"

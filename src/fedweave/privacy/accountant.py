@@ -10,6 +10,7 @@ sample_rate)`` step each, and asks Opacus for epsilon at the run's delta. ``rdp`
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Iterator
@@ -35,7 +36,12 @@ def against_target(epsilon: float, target: float) -> tuple[str, str]:
 
 
 def _opacus_accountants() -> Any:
-    """Opacus's ``accountants`` module, or one ConfigError that says how to install it."""
+    """Opacus's ``accountants`` module, or one ConfigError that says how to install it. Importing Opacus calls
+    ``logging.basicConfig`` (``opacus.utils.module_utils``): in a process whose root logger had no handler (a
+    deployed run's ServerApp, a user's script) every library's records, fedweave's and Flower's, were then
+    printed a second time; the handler it adds is taken off again."""
+    root = logging.getLogger()
+    before = list(root.handlers)
     try:
         from opacus import accountants
     except ImportError as e:
@@ -43,6 +49,9 @@ def _opacus_accountants() -> Any:
             "privacy: the accountants need Opacus, an optional dependency; install it with "
             "pip install 'fedweave[privacy]'"
         ) from e
+    finally:
+        for handler in [h for h in root.handlers if h not in before]:
+            root.removeHandler(handler)
     return accountants
 
 
