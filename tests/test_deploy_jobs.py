@@ -581,6 +581,19 @@ def test_the_executor_refuses_a_flower_whose_runtime_api_it_does_not_speak(monke
     assert "this is Flower 1.4.2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("address", ["notanaddress", "127.0.0.1:99999", "127.0.0.1:0", ":9094", "host:port"])
+def test_the_executor_refuses_an_address_that_is_not_host_and_port(address, capsys):
+    """Flower's client retried such an address forever, saying only that a connection attempt failed."""
+    from fedweave.cli import main
+
+    assert main(["flower-executor", "--runtime-api-address", address, "--insecure"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "fedweave: error: --runtime-api-address must be HOST:PORT with a port from 1 to 65535 (the SuperNode's "
+        f"Runtime API, its --port), got {address!r}\n"
+    )
+
+
 @pytest.mark.parametrize("module", ["flwr", "tomli_w"])
 def test_the_flower_commands_without_the_flower_extra_say_so_in_one_line(
     tmp_path, toy_config, monkeypatch, capsys, module

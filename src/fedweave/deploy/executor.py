@@ -68,9 +68,21 @@ def _run_child(run_clientapp, address: str, token: str, insecure: bool, certific
         os._exit(code)
 
 
+def check_address(address: str) -> None:
+    """``HOST:PORT`` with a port 1 to 65535, else one ExecutorError naming the flag: Flower's client retried
+    ``notanaddress`` or ``127.0.0.1:99999`` forever, saying only that a connection attempt failed."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ExecutorError(
+            f"--runtime-api-address must be HOST:PORT with a port from 1 to 65535 (the SuperNode's Runtime API, "
+            f"its --port), got {address!r}"
+        )
+
+
 def serve(address: str, *, insecure: bool, root_certificates: str | None = None, poll: float = POLL) -> None:
     """Ask the SuperNode's Runtime API at ``address`` for ClientApp tasks and run each in a forked child,
     until interrupted (SIGINT/SIGTERM)."""
+    check_address(address)
     (AcquireTaskRequest, TaskType, VersionInterceptor, retry_invoker, RuntimeHttpClient, resolve_certificates,
      run_clientapp) = _flower()  # fmt: skip
     import torch  # noqa: F401  (warm: the children inherit the imports)
