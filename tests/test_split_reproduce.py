@@ -175,3 +175,17 @@ def test_c5_fails_when_cse_fsl_storage_grows_like_a_model_per_client():
     assert off.outcome == "did not hold"
     p = preset("small", "digits")  # a Table V alone (no storage measurement): the ratio at its one n, as before
     assert judge([C5], table, p)[0].interval == "0.34 × FSL_AN's storage < 0.40, single run: held"
+
+
+def test_a_dataset_of_other_samples_than_images_is_one_line_naming_dataset(tmp_path, capsys):
+    """``--dataset diabetes`` passed the registry check and failed in the first run, after the sweep had started
+    (``model 'split_small' needs image inputs``), leaving its runs/ folder behind."""
+    from fedweave.cli import main as cli
+
+    assert cli(["reproduce", "cse-fsl", "--scale", "smoke", "--dataset", "diabetes", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "fedweave: error: --dataset: 'diabetes' holds samples of shape (10,), not images (C, H, W), which the split "
+        "models take; give an image dataset such as fashion_mnist, mnist, digits or cifar10\n"
+    )
+    assert not (tmp_path / "o").exists()
