@@ -34,6 +34,10 @@ def test_smoke_reproduction_writes_tables_and_plots(tmp_path):
     mtime, runs = trace.stat().st_mtime_ns, (tmp_path / "runs.csv").read_text()
     assert cfl_saga.main(["--scale", "smoke", "--out", str(tmp_path), "--workers", "1"]) == 0
     assert trace.stat().st_mtime_ns == mtime and (tmp_path / "runs.csv").read_text() == runs
+    # without GT-SAGA's runs (a time budget left them unrun) the best CFL-SAGA has no reduction, not a bold "****"
+    aggs = [a for a in cfl_saga.aggregate(cfl_saga.load_raw(tmp_path)) if not a["method"].startswith("GT-SAGA")]
+    table = cfl_saga.problem_table(aggs, "synthetic")
+    assert "**" in table and "****" not in table
 
 
 def test_tail_fit_recovers_a_linear_rate():
@@ -113,7 +117,8 @@ def test_a_budget_that_runs_out_names_the_runs_it_left_unrun(tmp_path):
     assert cfl_saga.main(["--scale", "smoke", "--out", str(tmp_path), "--workers", "1", "--budget-minutes", "0"]) == 0
     summary = (tmp_path / "summary.md").read_text()
     unrun = summary.split("\nNot run (time budget reached): ")[1]
-    assert all(f"-{dict(p.values)['method']}-" in unrun for p in cfl_saga.synthetic_jobs("smoke", [0]))
+    assert all(f"-{dict(p.values)['method']}-curve-0" in unrun for p in cfl_saga.synthetic_jobs("smoke", [0]))
+    assert "True" not in unrun and "False" not in unrun  # a flag by its key (before: "...-GT-SAGA SR=0.6-True-0")
 
 
 @pytest.mark.slow  # two smoke reproductions, 10 s

@@ -375,8 +375,13 @@ def not_run(skipped: Sequence[Point]) -> str:
     name when it has no values), or ""."""
     if not skipped:
         return ""
-    # a point labelled by no values (a run config written out in full, named by its run) is named by its run
-    names = ("-".join(map(str, [*dict(pt.values).values(), pt.seed])) if pt.values else pt.slug for pt in skipped)
+
+    # a point labelled by no values (a run config written out in full, named by its run) is named by its run; a
+    # flag among the values by its key where it is set (cfl-saga's ``curve``), not as "True" or "False"
+    def words(pt: Point) -> list[Any]:
+        return [k if v is True else v for k, v in dict(pt.values).items() if v is not False]
+
+    names = ("-".join(map(str, [*words(pt), pt.seed])) if pt.values else pt.slug for pt in skipped)
     return "\nNot run (time budget reached): " + ", ".join(names) + "\n"
 
 

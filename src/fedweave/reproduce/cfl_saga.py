@@ -526,7 +526,7 @@ def problem_table(aggs: list[dict], problem: str) -> str:
             ]
             red = f"{best_g[DEEP] / a[DEEP]:.1f}×" if best_g and a.get(DEEP) else ""
             if a is best_c:
-                counts[-1], red = f"**{counts[-1]}**", f"**{red}**"
+                counts[-1], red = f"**{counts[-1]}**", f"**{red}**" if red else ""  # no GT-SAGA ran: no reduction
             up = f"{a[PER_IT]:.0f}" if a[PER_IT] == int(a[PER_IT]) and a[PER_IT] >= 100 else f"{a[PER_IT]:.1f}"
             body.append([topo, label, *counts, red, up, f"{a[CPU]:.2f}"])
     header = ["topology", "method", *(f"{w} → {t}" for t in ("1e-4", "1e-6", "1e-8") for w in ("it", "uploads"))]
