@@ -230,3 +230,13 @@ def test_example_configs_that_name_the_small_setting_are_it(tmp_path):
             assert cfg.get(key) == ref[key], (f.name, key)
         if method in repro.METHODS:
             assert _options(cfg["algorithm"]) == _options(ref["algorithm"]), f.name
+
+
+def test_a_budget_that_lets_no_run_finish_says_no_claim_is_testable(tmp_path):
+    """With no run finished (``--budget-minutes 0`` on a new folder) claims.json was ``[]`` and the claims table a
+    header without rows, where too few seeds give an untestable row."""
+    import json
+
+    assert repro.main(["--scale", "smoke", "--out", str(tmp_path), "--workers", "1", "--budget-minutes", "0"]) == 0
+    claims = json.loads((tmp_path / "claims.json").read_text())
+    assert claims == [{"claim": "spec §9.2", "verdict": "untestable", "measured": "no claim testable: no run finished"}]
