@@ -638,3 +638,22 @@ def test_under_dropout_only_the_reporting_clients_personal_models_change(alg):
     assert metrics["reported_clients"] == len(reported)
     changed = {int(c) for c in np.flatnonzero((algo.store["personal"] != before["personal"]).any(1).numpy())}
     assert changed and changed <= set(reported.tolist())
+
+
+@pytest.mark.parametrize(("alg", "opts", "backend"), [("apfl", {}, "loop"), ("pfedme", {}, "loop"),
+                                                       ("apfl", {"adaptive": False}, "pool")])  # fmt: skip
+def test_auto_never_gives_a_rule_that_keeps_client_state_the_pool(alg, opts, backend):
+    """With the default ``backend: auto`` a convolutional model on 2 threads resolved to the pool, which APFL's
+    adaptive alpha and pFedMe's personalized models then refused: a default config failed, naming a backend the
+    user never chose. ``auto`` picks the loop for them; APFL without the alpha steps keeps the pool."""
+    cfg = {**_pcfg(alg, {"name": "cnn_small"}, **opts), "backend": "auto", "threads": 2}
+    cfg["dataset"], cfg["partition"] = (
+        {"name": "mnist", "max_train": 160, "max_test": 40},
+        {"name": "iid", "num_clients": 8},
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # what the runner sets from threads: 2 (the trainer reads the process's count)
+    try:
+        assert _algo(cfg).trainer.backend == backend
+    finally:
+        torch.set_num_threads(before)

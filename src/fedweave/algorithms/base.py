@@ -825,11 +825,15 @@ def _saved(value: Any) -> Any:
     return value.state_dict() if _stateful(value) else value
 
 
-def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: bool = False) -> LocalTrainer:
+def make_trainer(
+    ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: bool = False, in_process: bool = False
+) -> LocalTrainer:
     """The local trainer of a run: its data, partition, local config, augmentation and backend.
 
     With ``regularize_in_rule`` the trainer applies neither weight decay nor clipping: the algorithm's
     rule adds them to the loss gradient itself (see :func:`fedweave.algorithms.centralized.base.regularized`).
+    With ``in_process`` (a rule that keeps the method's state inside the local steps) ``backend: auto`` resolves
+    to ``loop`` where it would pick the pool, whose workers would keep that state to themselves.
     """
     cfg = ctx.config
     local = cfg.local
@@ -839,6 +843,8 @@ def make_trainer(ctx: RunContext, jobs_per_call: int, *, regularize_in_rule: boo
     augment = checked_augment(ctx, ctx.model)
     ds = ctx.dataset
     backend = choose_backend(cfg.backend, ctx.model, jobs_per_call, device=ctx.device)
+    if in_process and cfg.backend == "auto" and backend == "pool":  # an explicit pool or ray is the method's to refuse
+        backend = "loop"
     if backend == "vmap" and batch_statistics(ctx.model) and (local.steps is None or local.full_batch):
         raise ConfigError(
             "backend: vmap pads short local batches with rows the loss leaves out, but the model's batch norm "

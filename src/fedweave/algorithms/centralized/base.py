@@ -148,6 +148,9 @@ class StarAlgorithm(Algorithm):
     Hparams = StarHparams
     # True: the local rule applies weight decay and clipping to the loss gradient (see ``regularized``)
     regularize_in_rule: ClassVar[bool] = False
+    # True: the local rule keeps state of the method's own inside the local steps (APFL's adaptive alpha, pFedMe's
+    # personalized models), which a worker process would keep to itself: ``backend: auto`` then never picks the pool
+    trains_in_process: ClassVar[bool] = False
     # Injected faults (fedweave.faults) the round template handles; the runner refuses the others. A
     # subclass that writes its own run_round declares what that handles.
     handles_faults: ClassVar[tuple[str, ...]] = ("dropout", "deadline", "byzantine")
@@ -197,6 +200,12 @@ class StarAlgorithm(Algorithm):
         _aliased_sampler(config, hp)
         super().check_sampler(config, hp)
 
+    @classmethod
+    def in_process(cls, hp: StarHparams) -> bool:
+        """Whether the local rule must run in this process (:attr:`trains_in_process`; a method whose rule keeps
+        such state only under some options says which)."""
+        return cls.trains_in_process
+
     def __init__(self, ctx: RunContext, hp: StarHparams) -> None:
         super().__init__(ctx, hp)
         n = ctx.num_clients
@@ -215,7 +224,9 @@ class StarAlgorithm(Algorithm):
                 f"sampler: {self.name} {self.every_client}, but sampler {name} chooses the round's clients; leave "
                 "the sampler section and algorithm.sampling out"
             )
-        self.trainer = make_trainer(ctx, hp.clients_per_round, regularize_in_rule=self.regularize_in_rule)
+        self.trainer = make_trainer(
+            ctx, hp.clients_per_round, regularize_in_rule=self.regularize_in_rule, in_process=self.in_process(hp)
+        )
         self.layout: ParamLayout = self.trainer.layout
         self.x = self.layout.flatten()  # the global model x_t
         sizes = client_sizes(ctx.partition)

@@ -75,6 +75,10 @@ class APFL(PersonalStar):
     name = "apfl"
     Hparams = APFLHparams
 
+    @classmethod
+    def in_process(cls, hp: APFLHparams) -> bool:
+        return hp.adaptive  # alpha_i is updated inside the local steps (Eq. 10)
+
     def __init__(self, ctx, hp: APFLHparams) -> None:
         super().__init__(ctx, hp)
         if hp.adaptive and self.trainer.backend in ("pool", "ray"):

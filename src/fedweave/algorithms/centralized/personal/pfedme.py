@@ -86,6 +86,7 @@ class PFedMeHparams(StarHparams):
 class PFedMe(PersonalStar):
     name = "pfedme"
     Hparams = PFedMeHparams
+    trains_in_process = True  # each client's personalized model theta_i is kept from inside the local steps
 
     def __init__(self, ctx, hp: PFedMeHparams) -> None:
         super().__init__(ctx, hp)
