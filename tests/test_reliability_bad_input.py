@@ -173,6 +173,9 @@ def _cases() -> list[tuple[list[str], str]]:
         (["faults.straggler_policy=wait"], "faults.straggler_policy"),
         (["ray.num_workers=0"], "ray.num_workers"),
         (["ray.object_store_memory_mb=1"], "ray.object_store_memory_mb"),
+        # an address Ray cannot parse (before: its traceback at round 1's first training call, the run's files written)
+        (["backend=ray", "ray.address=foo"], "ray.address must be 'auto', 'local', 'HOST:PORT' or 'ray://HOST:PORT'"),
+        (["backend=ray", "ray.address='host:99999'"], "(a port from 1 to 65535), got 'host:99999'"),
         (["algorithm.name=nosuch"], "nosuch"),
         (["algorithm.clients_per_round=-2"], "clients_per_round"),
         (["algorithm.colour=red"], "algorithm.colour"),
@@ -444,6 +447,8 @@ OTHER_COMMANDS = [
     (["sweep", "c.yaml", "--workers"], "--workers"),
     (["sweep", "c.yaml", "--seeds", "0", "--out", "sw"], "--seeds: '0' is not a whole number >= 1"),
     (["sweep", "c.yaml", "--workers", "-1", "--out", "sw"], "--workers: '-1' is not a whole number >= 1"),
+    (["sweep", "c.yaml", "--ray", "foo", "--out", "sw"], "--ray must be 'auto', 'local', 'HOST:PORT' or 'ray://HOST"),
+    (["sweep", "c.yaml", "--ray", "", "--out", "sw"], "--ray must be 'auto', 'local', 'HOST:PORT' or 'ray://HOST:P"),
     (["reproduce", "nosuch"], "unknown reproduction 'nosuch'"),
     (["reproduce", "fedmim", "--bogus"], "unrecognized arguments: --bogus"),
     (["reproduce", "zo-hfl", "--scale", "nope"], "invalid choice: 'nope'"),

@@ -537,6 +537,21 @@ class CompressionConfig:
         _ = self.upload_section, self.download_section
 
 
+def ray_address_error(address: Any) -> str | None:
+    """What is wrong with a Ray cluster address (``ray.address``, ``sweep --ray``), or None: Ray takes ``auto``,
+    ``local``, ``HOST:PORT`` or ``ray://HOST:PORT`` (a port from 1 to 65535) and raised ``Invalid address format``
+    on anything else only once the first round trained, after the run directory was written."""
+    allowed = "'auto', 'local', 'HOST:PORT' or 'ray://HOST:PORT'"
+    if not isinstance(address, str) or not address.strip():
+        return f"must be {allowed}, got {address!r}"
+    if address in ("auto", "local"):
+        return None
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"must be {allowed} (a port from 1 to 65535), got {address!r}"
+    return None
+
+
 @dataclass
 class RayConfig:
     """The ``ray`` backend: where its workers run (see docs/performance.md)."""
@@ -549,8 +564,8 @@ class RayConfig:
 
     def validate(self) -> None:
         """Check the ``ray`` section; raise a :class:`ConfigError` naming the first bad key and what it allows."""
-        if self.address is not None and not self.address.strip():
-            raise ConfigError("ray.address must be a non-empty string (e.g. 'auto' or 'ray://host:10001') or null")
+        if self.address is not None and (why := ray_address_error(self.address)):
+            raise ConfigError(f"ray.address {why} (null: start a local Ray)")
         if self.num_workers is not None and self.num_workers < 1:
             raise ConfigError(f"ray.num_workers must be >= 1 or null, got {self.num_workers}")
         if self.object_store_memory_mb is not None and self.object_store_memory_mb < 80:

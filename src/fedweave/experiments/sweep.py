@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedweave.config import ConfigError
+from fedweave.config import ConfigError, ray_address_error
 from fedweave.experiments import baseline as paired
 from fedweave.experiments.aggregate import best_point, best_trained, if_all, mean_std, to_target
 from fedweave.experiments.grid import expand
@@ -75,6 +75,8 @@ def sweep(
     from fedweave.tasks import column_direction
 
     check_workers(workers)  # like the grid, before anything is written
+    if ray_address is not None and (why := ray_address_error(ray_address)):
+        raise ConfigError(f"--ray {why}")
     if not isinstance(progress, bool):  # a string is truthy: progress="no" showed the bar
         raise ConfigError(f"progress must be True or False, got {progress!r}")
     if target is not None and (
