@@ -553,6 +553,9 @@ def test_a_run_dir_holding_a_finished_run_is_refused_at_start_in_one_line(tmp_pa
     with pytest.raises(server_app.RunFailed, match=r"^fedweave run not started: .* already holds a finished run") as e:
         deployed(cfg, tmp_path)
     assert "\n" not in str(e.value)
+    # the ways out of the command line (--out, --overwrite) and Python's are not a deployed run's: another run-dir
+    assert str(e.value).endswith("already holds a finished run; give another run-dir, e.g. flwr run ... --run-config "
+                                 "\"run-dir='DIR'\"")  # fmt: skip
     assert (tmp_path / "deployed" / "summary.json").read_bytes() == summary
 
 

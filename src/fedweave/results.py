@@ -23,7 +23,11 @@ CORE_COLUMNS = ["round", "test_accuracy", "test_loss", "bytes_up", "bytes_down",
 
 class RunDirError(OSError):
     """A run directory that cannot be used (it holds a finished run, is a file, is not writable, the disk is
-    full); the message is one line naming the path and what to do."""
+    full); the message is one line naming the path and what to do. ``held``: for a directory that holds a run,
+    that part alone (``'DIR' already holds a finished run``), for a caller whose ways out differ (a deployed run
+    has neither ``--out`` nor ``--overwrite``)."""
+
+    held: str | None = None
 
 
 def _umask() -> int:
@@ -228,7 +232,9 @@ def check_run_dir(path: Path, *, resume: bool = False, overwrite: bool = False) 
             ways = f"{elsewhere}, resume it from Python with fedweave.resume({str(path)!r}, ...), or {replace}"
         else:
             ways = f"{elsewhere}, resume it with 'fedweave run --resume {path}' (fedweave.resume), or {replace}"
-        raise RunDirError(f"{str(path)!r} already holds {what}; {ways}")
+        err = RunDirError(f"{str(path)!r} already holds {what}; {ways}")
+        err.held = f"{str(path)!r} already holds {what}"
+        raise err
     foreign = foreign_entries(path)
     if foreign:  # a user's folder: the run's files would land among (and over same-named) files of theirs
         shown = first_names(foreign)

@@ -683,10 +683,10 @@ def _main(grid: Grid, context: Context) -> None:
         # fedweave flower-app's checks of the config's form and of what the deployment carries
         raise RunFailed(f"fedweave run not started: {e}") from None
     except RunDirError as e:  # the results directory cannot take the run (it holds a finished one, say)
-        raise RunFailed(
-            f"fedweave run not started: {e} (deployed: give another run-dir, e.g. flwr run ... --run-config "
-            "\"run-dir='DIR'\")"
-        ) from None
+        example = "flwr run ... --run-config \"run-dir='DIR'\""
+        if e.held:  # a run it holds: only another run-dir helps (a deployed run has no --out, --overwrite or --resume)
+            raise RunFailed(f"fedweave run not started: {e.held}; give another run-dir, e.g. {example}") from None
+        raise RunFailed(f"fedweave run not started: {e} (deployed: give another run-dir, e.g. {example})") from None
     except RunStopped as e:
         failed = RunFailed(f"fedweave run stopped: {e}")
         if e.run_dir is None:
