@@ -61,6 +61,8 @@ def main() -> None:
     for flag in ("rounds", "threads", "clients", "per-round", "batch-size", "reps"):
         if (value := getattr(args, flag.replace("-", "_"))) < 1:
             ap.error(f"--{flag} must be at least 1, got {value}")
+    if args.clients * 10 > 60_000:  # the partition's min_size of 10 samples a client, of MNIST's 60,000
+        ap.error(f"--clients must be at most 6000 (10 of MNIST's 60,000 samples each), got {args.clients}")
     if args.per_round > args.clients:
         ap.error(f"--per-round must be at most --clients ({args.clients}), got {args.per_round}")
     torch.set_num_threads(args.threads)

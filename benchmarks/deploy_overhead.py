@@ -216,6 +216,8 @@ def main() -> None:
         ap.exit(2, "deploy_overhead.py: error: --rounds must be at least 2 (round 1 pays the nodes' first job)\n")
     if args.keep is not None and args.keep.exists():
         ap.exit(2, f"deploy_overhead.py: error: --keep {args.keep} exists; give a new folder\n")
+    if args.keep is not None and (file := next((p for p in args.keep.parents if p.exists() and not p.is_dir()), None)):
+        ap.exit(2, f"deploy_overhead.py: error: --keep {args.keep}: {file} is a file, not a folder\n")
     # checked first: without the extra the SuperLink died at once and the run ended a minute later in a traceback
     missing = [m for m in ("flwr", "tomli_w") if importlib.util.find_spec(m) is None]
     if missing or not (BIN / "flower-superlink").exists():

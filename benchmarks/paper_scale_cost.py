@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats must be at least 1, got {opts.repeats}")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", opts.device):  # another name reached torch as a traceback
         parser.error(f"--device must be cpu, cuda or cuda:N, got {opts.device!r}")
+    if opts.out is not None and Path(opts.out).is_dir():  # else a traceback after every row was timed
+        parser.error(f"--out {opts.out} is a folder; give the path of a CSV file")
     if opts.out is None:  # the GPU rows never land in the CPU file by default
         opts.out = (
             "docs/reproductions/paper-scale.csv" if opts.device == "cpu" else "docs/reproductions/paper-scale-gpu.csv"

@@ -693,6 +693,8 @@ def main() -> None:
             ap.error(f"--{flag} must be at least 1, got {value}")
     if args.json is not None and not args.json.parent.is_dir():  # else the measurements were lost at the end
         ap.error(f"--json {args.json}: its folder {args.json.parent} does not exist")
+    if args.json is not None and args.json.is_dir() and not args.child:  # the same: a traceback after every run
+        ap.error(f"--json {args.json} is a folder; give the path of a file")
     if args.child:
         spec = CONFIGS[args.child]
         fn = globals()[RUNNERS[spec["framework"]]]
@@ -700,6 +702,9 @@ def main() -> None:
         args.out.write_text(json.dumps(res))
         return
     chosen = {n for w in args.workload for n in (args.only or DEFAULT_CONFIGS[w])}
+    gpu = sorted(n for n in chosen if "gpu" in n)
+    if gpu and not __import__("torch").cuda.is_available():  # Flower's GPU actors never start: it waited forever
+        ap.exit(2, f"peers.py: error: --only {', '.join(gpu)} needs a CUDA GPU, and torch sees none here\n")
     if why := check_bench_extra(chosen):
         ap.exit(2, f"peers.py: error: {why}\n")
     if any(CONFIGS[n]["framework"] == "pfl" for n in chosen) and (why := check_pfl(args.pfl_python)):

@@ -47,6 +47,7 @@ def child_env() -> dict[str, str]:
 
 
 PER_ROUND = 10  # clients per round, in every part: no population may be smaller
+MNIST_TRAIN = 60_000  # the iid partition of parts (a) and (b) gives each client one sample at least
 
 
 def config(algorithm: str, clients: int, rounds: int, threads: int) -> dict:
@@ -216,6 +217,9 @@ def main() -> None:
     for flag in ("clients", "small"):
         if (value := getattr(args, flag)) < PER_ROUND:
             ap.error(f"--{flag} must be at least {PER_ROUND} (the clients of a round), got {value}")
+    if (value := max(args.clients, args.small)) > MNIST_TRAIN:  # one sample a client at least
+        flag = "--clients" if value == args.clients else "--small"
+        ap.error(f"{flag} must be at most {MNIST_TRAIN} (MNIST's training samples, one a client), got {value}")
     if args.curve and min(args.curve) < PER_ROUND:
         ap.error(f"--curve populations must be at least {PER_ROUND} (the clients of a round), got {min(args.curve)}")
     if args.child:

@@ -53,6 +53,13 @@ CASES = [
     ("peers.py", ["--rounds", "0", "--only", "fedweave"], "--rounds must be at least 1, got 0"),
     ("peers.py", ["--json", "/nonexistent/m.json", "--only", "fedweave"], "--json /nonexistent/m.json: its folder"),
     ("gpu.py", ["--rounds", "0", "--device", "cpu", "--quick"], "--rounds must be at least 1, got 0"),
+    # limits found only after the measurement, or in a child's traceback
+    ("peers.py", ["--json", "benchmarks", "--only", "fedweave"], "--json benchmarks is a folder; give the path of a"),
+    ("paper_scale_cost.py", ["--out", "benchmarks"], "--out benchmarks is a folder; give the path of a CSV file"),
+    ("population.py", ["--clients", "70000"], "--clients must be at most 60000 (MNIST's training samples, one a"),
+    ("batch_plans.py", ["--clients", "7000"], "--clients must be at most 6000 (10 of MNIST's 60,000 samples each)"),
+    ("precision.py", ["--model", "char_lstm"], "--model char_lstm: model 'char_lstm': input_shape must be"),
+    ("deploy_overhead.py", ["--keep", "README.md/x"], "--keep README.md/x: README.md is a file, not a folder"),
     ("accounting.py", ["--clients", "0"], "--clients must be at least 1, got 0"),
     ("accounting.py", ["--rounds", "-1"], "--rounds must be at least 1, got -1"),
 ]
@@ -97,3 +104,13 @@ def test_privacy_without_opacus_is_one_line_and_keeps_the_records(tmp_path):
         "'fedweave[privacy]'\n"
     )
     assert records.read_bytes() == before
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is of a machine without CUDA")
+def test_a_gpu_peer_without_cuda_is_one_line(capsys, monkeypatch):
+    """``peers.py --only flower-gpu-4x0.25`` without a GPU: Flower's actors never started and the simulation waited
+    for them until killed."""
+    test_bad_counts_get_one_error_line(
+        "peers.py", ["--only", "flower-gpu-4x0.25", "--rounds", "1"],
+        "--only flower-gpu-4x0.25 needs a CUDA GPU, and torch sees none here", capsys, monkeypatch,
+    )  # fmt: skip
