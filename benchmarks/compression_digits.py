@@ -134,7 +134,8 @@ def render(records: Path, out: Path) -> list[Path]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("docs/compression"))
+    # the committed folder of the checkout, wherever the script is run from (not ./docs/compression of the cwd)
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "compression")
     ap.add_argument("--seeds", type=int, default=3)
     args = ap.parse_args()
     if args.seeds < 1:
