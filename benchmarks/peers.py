@@ -702,9 +702,11 @@ def main() -> None:
         args.out.write_text(json.dumps(res))
         return
     chosen = {n for w in args.workload for n in (args.only or DEFAULT_CONFIGS[w])}
-    gpu = sorted(n for n in chosen if "gpu" in n)
-    if gpu and not __import__("torch").cuda.is_available():  # Flower's GPU actors never start: it waited forever
-        ap.exit(2, f"peers.py: error: --only {', '.join(gpu)} needs a CUDA GPU, and torch sees none here\n")
+    if gpu := sorted(n for n in chosen if "gpu" in n):
+        import torch  # the parent's one use of torch (its measurements run in children)
+
+        if not torch.cuda.is_available():  # Flower's GPU actors never start: its simulation waited forever
+            ap.exit(2, f"peers.py: error: --only {', '.join(gpu)} needs a CUDA GPU, and torch sees none here\n")
     if why := check_bench_extra(chosen):
         ap.exit(2, f"peers.py: error: {why}\n")
     if any(CONFIGS[n]["framework"] == "pfl" for n in chosen) and (why := check_pfl(args.pfl_python)):

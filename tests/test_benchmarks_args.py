@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,7 +107,7 @@ def test_privacy_without_opacus_is_one_line_and_keeps_the_records(tmp_path):
     assert records.read_bytes() == before
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is of a machine without CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a machine without CUDA")
 def test_a_gpu_peer_without_cuda_is_one_line(capsys, monkeypatch):
     """``peers.py --only flower-gpu-4x0.25`` without a GPU: Flower's actors never started and the simulation waited
     for them until killed."""

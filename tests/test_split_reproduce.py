@@ -189,3 +189,9 @@ def test_a_dataset_of_other_samples_than_images_is_one_line_naming_dataset(tmp_p
         "models take; give an image dataset such as fashion_mnist, mnist, digits or cifar10\n"
     )
     assert not (tmp_path / "o").exists()
+    # digits is flat, but its preset loads it as 8x8 images (as_image), which the split models take
+    from types import SimpleNamespace
+
+    from fedweave.reproduce.cse_fsl import plan
+
+    assert plan(SimpleNamespace(dataset="digits", scale="smoke", seeds=None, out=str(tmp_path / "d"))).points

@@ -537,6 +537,12 @@ class CompressionConfig:
         _ = self.upload_section, self.download_section
 
 
+def is_host_port(address: str) -> bool:
+    """Whether ``address`` is ``HOST:PORT``: a host and a port from 1 to 65535."""
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
+
+
 def ray_address_error(address: Any) -> str | None:
     """What is wrong with a Ray cluster address (``ray.address``, ``sweep --ray``), or None: Ray takes ``auto``,
     ``local``, ``HOST:PORT`` or ``ray://HOST:PORT`` (a port from 1 to 65535) and raised ``Invalid address format``
@@ -546,8 +552,7 @@ def ray_address_error(address: Any) -> str | None:
         return f"must be {allowed}, got {address!r}"
     if address in ("auto", "local"):
         return None
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not is_host_port(address.removeprefix("ray://")):
         return f"must be {allowed} (a port from 1 to 65535), got {address!r}"
     return None
 

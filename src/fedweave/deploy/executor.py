@@ -22,6 +22,8 @@ import logging
 import os
 import time
 
+from fedweave.config import is_host_port
+
 log = logging.getLogger("fedweave")
 FLOWER = (1, 42)  # the Flower release (major, minor) whose Runtime API this speaks: pyproject pins flwr to it
 POLL = 0.2  # seconds between two asks for a task
@@ -71,8 +73,7 @@ def _run_child(run_clientapp, address: str, token: str, insecure: bool, certific
 def check_address(address: str) -> None:
     """``HOST:PORT`` with a port 1 to 65535, else one ExecutorError naming the flag: Flower's client retried
     ``notanaddress`` or ``127.0.0.1:99999`` forever, saying only that a connection attempt failed."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not is_host_port(address):
         raise ExecutorError(
             f"--runtime-api-address must be HOST:PORT with a port from 1 to 65535 (the SuperNode's Runtime API, "
             f"its --port), got {address!r}"

@@ -417,15 +417,17 @@ def plots(results: list[dict[str, Any]], out: Path) -> None:
         plot_curves(curves, out / f"{name}.png", x=x, xlabel=xlabel, logx=logx, xscale=xscale, **common)
 
 
-def _images(dataset: str) -> None:
-    """The split models take images (C, H, W): a dataset of other samples is one line naming --dataset before any
-    run (before: the first run failed after the sweep had started, not naming the flag)."""
+def _images(data: dict[str, Any]) -> None:
+    """The split models take images (C, H, W): a preset's dataset section (digits ``as_image``) of other samples
+    is one line naming --dataset before any run (before: the first run failed after the sweep had started, not
+    naming the flag)."""
     from fedweave.registry import DATASETS
 
-    if len(shape := DATASETS.get(dataset)().input_shape) != 3:
+    options = {k: v for k, v in data.items() if k != "name"}
+    if len(shape := DATASETS.get(data["name"])(**options).input_shape) != 3:
         raise ConfigError(
-            f"--dataset: {dataset!r} holds samples of shape {shape}, not images (C, H, W), which the split models "
-            "take; give an image dataset such as fashion_mnist, mnist, digits or cifar10"
+            f"--dataset: {data['name']!r} holds samples of shape {shape}, not images (C, H, W), which the split "
+            "models take; give an image dataset such as fashion_mnist, mnist, digits or cifar10"
         )
 
 
@@ -433,8 +435,8 @@ def plan(opts) -> Plan:
     """The preset of ``--scale`` / ``--dataset`` and its points; the context is the preset and the seeds."""
     dataset = opts.dataset or ("cifar10" if opts.scale == "paper" else "fashion_mnist")
     known_datasets([dataset], "--dataset")
-    _images(dataset)
     p = preset(opts.scale, dataset)
+    _images(p.dataset)
     if opts.scale == "storage" and opts.seeds not in (None, 1):
         raise ConfigError(f"--seeds: the storage scale runs one seed (storage is deterministic); got {opts.seeds}")
     seeds = list(range(opts.seeds if opts.seeds is not None else p.seeds))
