@@ -126,6 +126,7 @@ def _same_metrics(a, b) -> None:
 
 
 @needs_ray
+@pytest.mark.slow  # a local Ray session and two backends' runs: about 45 s
 def test_fedavg_on_ray_equals_loop(local_ray, toy_config, tmp_path):
     config = {**toy_config, "model": {"name": "_toy_cnn"}, "rounds": 3}
     res = _both(config, tmp_path)
@@ -285,6 +286,7 @@ def test_a_run_naming_a_cluster_leaves_the_local_ray_an_earlier_run_started(toy_
 
 
 @needs_ray
+@pytest.mark.slow  # two backends' SCAFFOLD runs on the session: about 27 s
 def test_scaffold_on_ray_equals_loop(local_ray, toy_config, tmp_path):
     # uneven clients (Dirichlet 0.5), momentum: the control variates c_i are indexed by global job position
     config = {
