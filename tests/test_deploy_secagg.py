@@ -7,6 +7,7 @@ SuperLink/SuperNode processes is in test_deploy_flower."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -537,6 +538,53 @@ def test_under_drop_a_sampled_client_without_a_connected_node_is_a_dropout_sent_
         assert ledger[kind]["bytes"] == n, kind
     assert fl["payload_sent"] == ledger["server->client:model"]["bytes"]  # the downloads that left
     sim = _simulated_with_dropouts(cfg, tmp_path, fl["dropped"])
+    bound = 3 * secure.error_bound(load(cfg).secure_aggregation, np.ones(3)) + 1e-6
+    assert (seen.algo.x.double() - sim.x.double()).abs().max().item() <= bound
+
+
+class Restarts(Watching):
+    """The node that gets the first message of round 2's collect stage (the one that carries the jobs) restarts
+    then: its old self never answers again, and a new node (id ``100 + client``, the same partition-id and
+    state-dir) joins, as a SIGKILLed SuperNode started again does."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.collects, self.lost = 0, None
+
+    def push_messages(self, msgs):
+        from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+        ids = super().push_messages(msgs)
+        stages = {m.content.config_records.get(RECORD_KEY_CONFIGS, {}).get(Key.STAGE) for m in msgs}
+        if "collect_masked_vectors" in stages:
+            self.collects += 1
+            if self.collects == 2 and self.lost is None:
+                self.lost = msgs[0].metadata.dst_node_id
+                old = self.contexts[self.lost]
+                self.contexts[100 + self.lost] = Context(7, 100 + self.lost, old.node_config, RecordDict(),
+                                                         old.run_config)  # fmt: skip
+        for msg, i in zip(msgs, ids):
+            if self.lost is not None and msg.metadata.dst_node_id == self.lost:
+                self.replies.pop(i)
+        return ids
+
+
+def test_a_secure_stage_stops_waiting_for_a_node_that_restarted(tmp_path, monkeypatch):
+    """A node SIGKILLed within round 2's protocol and started again joins under a new id; its old self never
+    answers. As for plain jobs, the stage stops waiting for it once the new node said which client it holds,
+    not after reply-timeout (before: the stage waited the whole reply-timeout, during which a fast run's later
+    rounds could start before the new node was known). The client is a dropout of round 2 only: from round 3
+    its new node takes part, and the run equals the simulation with that dropout within the quantization bound."""
+    cfg = {**_cfg("fedavg"), "rounds": 3}
+    seen = Recorder(monkeypatch)
+    grid = Restarts(json.dumps(load(cfg).to_dict()), tmp_path)
+    started = time.monotonic()
+    summary = _deploy_on(grid, cfg, tmp_path, "drop", reply_timeout=600.0)
+    assert time.monotonic() - started < 120  # well before the 600 s reply-timeout
+    client = grid.lost - 1  # the stand-in Grid's node of client c is c + 1
+    assert summary["status"] == "completed" and summary["flower"]["dropped"] == {"2": [client]}
+    assert len(seen.means) == 3
+    sim = _simulated_with_dropouts(cfg, tmp_path, summary["flower"]["dropped"])
     bound = 3 * secure.error_bound(load(cfg).secure_aggregation, np.ones(3)) + 1e-6
     assert (seen.algo.x.double() - sim.x.double()).abs().max().item() <= bound
 

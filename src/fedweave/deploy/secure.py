@@ -162,10 +162,18 @@ class _Grid:
         to = {i: m.metadata.dst_node_id for i, m in zip(ids, messages, strict=True)}
         pending, got = set(ids), []
         deadline = time.monotonic() + (timeout if timeout is not None else self.clients.reply_timeout)
+        next_look = time.monotonic() + 1.0
         while pending and time.monotonic() < deadline:
             for reply in self.clients.pull(sorted(pending)):
                 pending.discard(reply.metadata.reply_to_message_id)
                 got.append(reply)
+            if pending and time.monotonic() > next_look:
+                # as for plain jobs: a node that restarted joined under a new id, its old self never answers
+                self.clients.refresh()
+                next_look = time.monotonic() + 1.0
+                restarted = {i for i in pending if to[i] not in self.clients.node_of.values()}
+                self.silent.update(to[i] for i in restarted)
+                pending -= restarted
             if pending:
                 time.sleep(POLL)
         self.silent.update(to[i] for i in pending)
