@@ -90,6 +90,7 @@ def test_table4_rows_run_dp_sgd():
             assert algo["dp_mode"] == "sgd" and algo["dp_clip"] == 1.0 and algo["dp_sigma"] in p.dp_sigmas
 
 
+@pytest.mark.slow  # a table's runs: about 5 s of CPU
 def test_a_diverged_run_is_a_table_entry_not_fatal(tmp_path, monkeypatch):
     """A sweep point that diverges (Table 4 at a large sigma_2) is reported as diverged; the reproduction
     goes on and reuses the diverged run on the next invocation."""

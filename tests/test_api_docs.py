@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A page of the reference and objects it must describe (the anchors autodoc writes for them).
@@ -35,6 +37,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow  # a whole Sphinx build: about 16 s of CPU
 def test_api_reference_builds_without_warnings(tmp_path: Path) -> None:
     import sphinx  # noqa: F401  (not installed: the test skips, naming fedweave[docs]; see conftest.py)
 

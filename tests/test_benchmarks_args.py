@@ -90,6 +90,7 @@ def test_bad_counts_get_one_error_line(script, args, message, capsys, monkeypatc
     assert out.out == ""
 
 
+@pytest.mark.slow  # a fresh interpreter running the benchmark: about 6 s of CPU
 def test_privacy_without_opacus_is_one_line_and_keeps_the_records(tmp_path):
     """The run's ConfigError (Opacus missing) came back from the worker pool as a traceback."""
     records = ROOT / "benchmarks" / "privacy" / "records.json"

@@ -15,6 +15,7 @@ from fedweave.reproduce import cfl_saga
 CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/confederated/*.yaml"))
 
 
+@pytest.mark.slow  # the smoke reproduction with its plots: about 11 s of CPU
 def test_smoke_reproduction_writes_tables_and_plots(tmp_path):
     assert cfl_saga.main(["--scale", "smoke", "--out", str(tmp_path), "--workers", "1"]) == 0
     rows = list(csv.DictReader((tmp_path / "runs.csv").open()))

@@ -100,6 +100,7 @@ def test_state_store_rows_fill_and_mmap(tmp_path):
         store["missing"]
 
 
+@pytest.mark.slow  # a fresh interpreter per family: about 6 s of CPU
 def test_looking_up_an_algorithm_imports_only_the_families_up_to_its_own():
     code = (
         "import sys; from fedweave.registry import ALGORITHMS; ALGORITHMS.get('fedavg'); "
@@ -149,6 +150,7 @@ def test_every_algorithm_module_is_imported_by_its_family_and_registered():
     assert registration_problems(SRC) == []
 
 
+@pytest.mark.slow  # a copy of the package checked in fresh interpreters: about 6 s of CPU
 def test_a_method_file_nobody_imports_fails_the_registration_check(tmp_path):
     shutil.copytree(SRC / "fedweave", tmp_path / "fedweave", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "fedweave" / "algorithms" / "centralized" / "fednew.py").write_text(

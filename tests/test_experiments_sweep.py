@@ -394,6 +394,7 @@ def test_plot_of_several_runs_without_out_does_not_replace_the_first_directorys_
     assert kept and {p.name: p.read_bytes() for p in mine.glob("*.png")} == kept
 
 
+@pytest.mark.slow  # a sweep killed in a fresh process and run twice more: about 13 s of CPU
 def test_killed_sweep_resumes_to_the_same_tables_as_an_uninterrupted_one(tmp_path):
     cfg = tmp_path / "digits.yaml"
     cfg.write_text(yaml.safe_dump(DIGITS))

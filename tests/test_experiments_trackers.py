@@ -251,6 +251,7 @@ def test_a_resumed_wandb_run_gets_the_rows_its_killed_session_never_wrote(tmp_pa
     assert len(sessions) == 2 and [(h["_step"], h["test_accuracy"]) for h in history] == [(1, 0.1), (2, 0.2), (3, 0.3)]
 
 
+@pytest.mark.slow  # a fresh interpreter with MLflow: about 5 s of CPU
 def test_mlflow_sends_no_telemetry_and_writes_nothing_outside_the_run_directory(tmp_path):
     """MLflow 3 records usage telemetry by default (an installation id in ~/.config/mlflow, events sent to its
     servers): a run's MLflow store must stay local, so the tracker turns it off unless the user chose.
@@ -323,6 +324,7 @@ def test_a_run_stopped_while_it_sent_a_checkpoints_rows_resumes_with_each_row_on
     assert run.info.status == "FINISHED"
 
 
+@pytest.mark.slow  # runs and a sweep with every tracker: about 6 s of CPU
 def test_runs_and_a_sweeps_runs_write_nothing_outside_their_run_directories(toy_config, tmp_path, monkeypatch):
     """W&B logs through one service process per Python process, which wrote its own logs to
     ~/.cache/wandb/logs. With every tracker, a run and each run of a sweep (in this process, and in worker

@@ -417,6 +417,7 @@ def test_registering_a_taken_name_never_replaces_the_registered_object():
     assert SAMPLERS.get("uniform") is uniform
 
 
+@pytest.mark.slow  # fresh interpreters: about 5 s of CPU
 def test_a_built_ins_name_taken_before_the_built_ins_load_is_refused_at_registration(tmp_path):
     """A script's first lines registering a sampler 'fixed': the registration went through, and the built-in's own
     registration then failed inside the import of the samplers, on every later run of the process (a run with no

@@ -62,6 +62,7 @@ def loaded(tmp_path_factory) -> dict:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow  # a fresh interpreter running a run: about 6 s of CPU
 def test_import_and_a_plain_run_load_no_optional_extra(loaded):
     got = loaded
     assert got["status"] == "completed"

@@ -29,6 +29,9 @@ from tests.conftest import make_toy
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None
 needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="Ray is not installed (pip install 'fedweave[ray]')")
+# the tests on the module's local Ray session: starting it and its actors costs about a minute of CPU on two
+# cores, more than any other file of the suite, so they run under CI and `make test SLOW=1`
+ON_THE_SESSION = pytest.mark.slow
 
 
 # ---- without Ray -------------------------------------------------------------------------------------
@@ -136,6 +139,7 @@ def test_fedavg_on_ray_equals_loop(local_ray, toy_config, tmp_path):
     _same_metrics(res["loop"], res["ray"])
 
 
+@ON_THE_SESSION
 @needs_ray
 def test_more_workers_than_a_running_sessions_cpus_are_refused_before_the_run_writes(local_ray, toy_config, tmp_path):
     """In a Ray session already up (2 CPUs), ray.num_workers: 3 was refused only at the first training call, after
@@ -146,6 +150,7 @@ def test_more_workers_than_a_running_sessions_cpus_are_refused_before_the_run_wr
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
 
 
+@ON_THE_SESSION
 @needs_ray
 def test_an_object_store_size_a_running_session_was_not_started_with_is_one_warning(
     local_ray, toy_config, tmp_path, caplog
@@ -166,6 +171,7 @@ def test_an_object_store_size_a_running_session_was_not_started_with_is_one_warn
         assert lines == (want if warned else []), lines
 
 
+@ON_THE_SESSION
 @needs_ray
 def test_a_ray_address_other_than_the_session_up_is_refused_before_the_run_writes(local_ray, toy_config, tmp_path):
     """In the caller's Ray session, a run naming another cluster in ray.address silently ran on the session up;
@@ -305,6 +311,7 @@ def test_scaffold_on_ray_equals_loop(local_ray, toy_config, tmp_path):
     _same_metrics(res["loop"], res["ray"])
 
 
+@ON_THE_SESSION
 @needs_ray
 def test_decentralized_dfedavgm_on_ray_equals_loop(local_ray, toy_config, tmp_path):
     # a trainer copy with other local settings (momentum) shares the actors of the original
@@ -344,6 +351,7 @@ class PerJobLoss(LocalRule):
         return torch.nn.functional.cross_entropy(model.functional(w, x), y, reduction="none") + pull
 
 
+@ON_THE_SESSION
 @needs_ray
 # linear: the loop's fused kernel inside the actors (at their one thread `auto` never picks vmap on a CPU, so
 # run_shard's vmap branch is reached by GPU actors only); cnn: the channels-last twin
@@ -384,6 +392,7 @@ def _simulation_pids(actors: list[int]) -> set[int]:
     return pids
 
 
+@ON_THE_SESSION
 @needs_ray
 def test_memory_is_bounded_over_100_rounds(local_ray, toy_config):
     """Resident memory of the simulation (driver, actors, Ray's daemons) after round 100 is within 10% of
@@ -401,6 +410,7 @@ def test_memory_is_bounded_over_100_rounds(local_ray, toy_config):
     assert rss[100] <= 1.10 * rss[10], report
 
 
+@ON_THE_SESSION
 @needs_ray
 def test_an_actor_that_died_is_one_line_and_the_next_trainer_gets_a_live_one(local_ray, uneven_parts):
     """An actor killed from outside (the out-of-memory killer) ended the run in Ray's ActorDiedError of seven
