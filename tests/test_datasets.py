@@ -537,6 +537,41 @@ def test_libsvm_errors_name_the_file_that_fails(tmp_path):
         DATASETS.get("libsvm")(path=a, test_path=a, test_fraction=0.5, split_seed=3)
 
 
+@pytest.mark.parametrize(
+    ("dataset", "message"),
+    [
+        ({"path": "nan.svm"}, r"^dataset 'libsvm': its training features hold NaN or infinite values \(1\)"),
+        ({"path": "a.svm", "test_path": "inf.svm"}, r"^dataset 'libsvm': its test features hold NaN or infinite"),
+        ({"path": "empty.svm"}, r"^dataset: dataset 'libsvm': \S*empty.svm holds no samples"),
+        ({"path": "a.svm", "test_path": "empty.svm"}, r"^dataset: dataset 'libsvm': \S*empty.svm holds no samples"),
+        ({"name": "leaf"}, r"^dataset 'leaf': its training features hold NaN or infinite values \(4\)"),
+    ],
+    ids=["nan", "inf-in-test", "empty-path", "empty-test-path", "leaf-nan"],
+)
+def test_a_users_file_with_no_samples_or_non_finite_features_is_one_line(tmp_path, dataset, message):
+    """The built-in loaders that read the user's own files were not checked as a plug-in's data are: a NaN in a
+    libsvm or LEAF file ran to a NaN loss, advised as a step-size divergence (or, on a client not sampled,
+    completed without a word), an empty test file was scored 0.0 each round, and an empty training file said
+    'need at least one array to concatenate'."""
+    import fedweave
+    from fedweave.config import ConfigError
+
+    (tmp_path / "a.svm").write_text(SVM)
+    (tmp_path / "nan.svm").write_text(SVM + "+1 1:nan 3:1\n")
+    (tmp_path / "inf.svm").write_text("-1 1:inf\n+1 1:2\n")
+    (tmp_path / "empty.svm").write_text("")
+    img = lambda v: [float(v)] * 4  # noqa: E731
+    write_leaf(tmp_path / "leaf", "train", {"f0": ([img(1), img(float("nan"))], [0, 1]), "f1": ([img(0)], [1])}, 0)
+    write_leaf(tmp_path / "leaf", "test", {"f0": ([img(1)], [0])}, 0)
+    ds = {"name": "leaf", "root": str(tmp_path / "leaf")} if dataset.get("name") == "leaf" else {"name": "libsvm"}
+    ds.update({k: str(tmp_path / v) for k, v in dataset.items() if k != "name"})
+    cfg = {"rounds": 1, "dataset": ds, "partition": {"name": "iid", "num_clients": 2}, "model": {"name": "logistic"},
+           "algorithm": {"name": "fedavg"}, "output": {"progress": False, "plots": False}}  # fmt: skip
+    with pytest.raises(ConfigError, match=message):
+        fedweave.run(cfg, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
 # ---------------------------------------------------------------------------------------------- Mushroom
 def mushroom_frame():
     pd = pytest.importorskip("pandas")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -443,6 +445,44 @@ def test_a_checkpoint_that_records_file_options_relative_still_resumes_from_its_
     res = resume(tmp_path / "r", ["rounds=4"], progress=False)
     assert _strip(res.metrics) == _strip(full.metrics)
     assert yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())["model"]["init_from"] == str(tmp_path / "w.pt")
+
+
+@pytest.mark.parametrize("changed", ["partition", "sampler", "dataset"])
+def test_a_resume_refuses_user_files_that_changed_since_the_checkpoint(toy_config, tmp_path, monkeypatch, changed):
+    """The config names the user's files by path only: a from_file partition, a schedule file or a libsvm data
+    file edited between a checkpoint and the resume trained the rounds to come on other clients' samples or
+    other samples, silently (rc 0). The checkpoint records a SHA-256 of what the run read; a resume on other
+    contents is one line naming the key, and on the same contents (a file merely rewritten) it is the same run."""
+    monkeypatch.chdir(tmp_path)
+    _write_files(tmp_path, toy_config, seed=1)
+    rng = np.random.default_rng(0)
+    rows = [f"{y % 3} " + " ".join(f"{j + 1}:{v:.3f}" for j, v in enumerate(rng.normal(size=4))) for y in range(240)]
+    (tmp_path / "d.svm").write_text("\n".join(rows) + "\n")
+    cfg = {**_files_run(toy_config, 2), "model": {"name": "logistic"}}
+    if changed == "dataset":
+        cfg["dataset"] = {"name": "libsvm", "path": "d.svm", "test_fraction": 0.25}
+        cfg["partition"] = {"name": "iid", "num_clients": 6}
+    full = fedweave.run({**cfg, "rounds": 4}, run_dir=tmp_path / "full")
+    fedweave.run(cfg, run_dir=tmp_path / "r")
+    file = tmp_path / {"partition": "parts.json", "sampler": "plan.json", "dataset": "d.svm"}[changed]
+    kept = file.read_text()
+    if changed == "partition":  # two clients trade a sample
+        parts = json.loads(kept)
+        parts[0][0], parts[1][0] = parts[1][0], parts[0][0]
+        file.write_text(json.dumps(parts))
+    elif changed == "sampler":  # other clients in round 3
+        plan = json.loads(kept)
+        plan[2] = [c for c in range(6) if c not in plan[2]][:3]
+        file.write_text(json.dumps(plan))
+    else:  # one feature of one sample
+        first, rest = kept.split("\n", 1)
+        file.write_text(first.replace(" 1:", " 1:9", 1) + "\n" + rest)
+    key = {"partition": "partition.path", "sampler": "sampler.file", "dataset": "dataset 'libsvm'"}[changed]
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: .* changed since the checkpoint \(SHA-256 "):
+        resume(tmp_path / "r", ["rounds=4"], progress=False)
+    file.write_text(kept if changed == "dataset" else json.dumps(json.loads(kept), indent=2))  # the same contents
+    res = resume(tmp_path / "r", ["rounds=4"], progress=False)
+    assert _strip(res.metrics) == _strip(full.metrics)
 
 
 def test_a_finished_run_with_relative_file_options_is_recognised_by_its_config(toy_config, tmp_path, monkeypatch):

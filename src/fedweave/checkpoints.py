@@ -282,6 +282,28 @@ def _over_the_total(config: RunConfig, algo: Algorithm, saved_rounds: int) -> st
     return None
 
 
+def _check_user_files(saved: Any, ctx: RunContext) -> None:
+    """What the run read from the user's own files (``RunContext.user_files``) is what its checkpoint recorded:
+    the config names files by path only, so a data or partition file edited since would silently train the
+    rounds still to come on other samples; one line instead. A checkpoint without the record is not checked."""
+    if not isinstance(saved, dict):
+        return
+    what = {
+        "dataset": (f"dataset {ctx.config.dataset.name!r}", "the data it loaded"),
+        "partition": ("partition.path", "the from_file partition"),
+        "sampler": ("sampler.file", "the schedule"),
+    }
+    for key, now in ctx.user_files.items():
+        was = saved.get(key)
+        if was and was != now:
+            name, thing = what[key]
+            raise ConfigError(
+                f"{name}: {thing} changed since the checkpoint (SHA-256 {now[:12]}..., the run was made with "
+                f"{was[:12]}...); a resumed run continues on the files it started with: restore them, or start a "
+                "new run"
+            )
+
+
 def restore_checkpoint(path: Path, algo: Algorithm, ctx: RunContext) -> dict[str, Any]:
     """Load ``path``'s checkpoint into the freshly built ``algo`` and the run's ledger, after checking that
     it belongs to this run (:func:`load_checkpoint`) and that the config changed only where a resumed run may
@@ -306,6 +328,7 @@ def restore_checkpoint(path: Path, algo: Algorithm, ctx: RunContext) -> dict[str
                 f"{changed[0]}: the checkpoint holds all {config.rounds} rounds of the run, so no round would run "
                 f"with the new value; give more rounds (rounds=N) to continue with it, or start a new run"
             )
+    _check_user_files(ckpt.get("user_files"), ctx)
     try:
         algo.load_state_dict(ckpt["algorithm"])
         ctx.ledger.load_state_dict(ckpt["ledger"], keep_storage=True)  # the storage declared at start-up too

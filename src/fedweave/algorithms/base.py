@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
 import re
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import cached_property
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
-from fedweave.byo import RunObjects, check_loaded, describe_model
+from fedweave.byo import RunObjects, check_loaded, describe_dataset, describe_model
 from fedweave.config import (
     MAX_LOCAL_EPOCHS,
     MAX_LR,
@@ -254,6 +257,11 @@ LABEL_FREE_PARTITIONERS = ("iid", "quantity_skew", "natural", "from_file")
 TARGET_BINS = 10  # quantile bins that stand for classes where float targets need labels
 
 
+def _reads_user_files(loader: Callable[..., Any]) -> bool:
+    """A plug-in's loader, or a built-in one marked as reading the user's own files (``reads_user_files``)."""
+    return not getattr(loader, "__module__", "").startswith("fedweave.") or getattr(loader, "reads_user_files", False)
+
+
 def dataset_loader(config: RunConfig) -> tuple[Callable[..., Dataset], dict[str, Any]]:
     """The loader registered as ``dataset.name`` and its checked options (nothing loaded)."""
     loader = DATASETS.get(config.dataset.name)
@@ -346,11 +354,35 @@ class RunContext:
                 f"(its training and test tensors, classes and input shape), got {type(ds).__name__}"
             )
         # a plug-in's NaN feature ran to a NaN round-1 loss, advised as a step-size divergence, and its empty
-        # test split was scored 0.0 each round. The built-in loaders check their own options (cfl_logreg has
-        # no test split by default, as in its paper), and scanning their data each run would cost time.
-        if not getattr(loader, "__module__", "").startswith("fedweave."):
+        # test split was scored 0.0 each round. The built-in loaders of verified downloads check their own
+        # options (cfl_logreg has no test split by default, as in its paper), and scanning their data each run
+        # would cost time; those that read the user's own files (libsvm, leaf) are checked as a plug-in's are.
+        if _reads_user_files(loader):
             check_loaded(self.config.dataset.name, ds)
         return ds
+
+    @cached_property
+    def user_files(self) -> dict[str, str]:
+        """SHA-256 digests of what the run read from the user's own files, which no download check guards and
+        whose rounds to come depend on them: the data of a loader that reads them (``libsvm``, ``leaf``, a
+        plug-in's), a ``from_file`` partition and a ``schedule`` sampler's file. A checkpoint records them, and a
+        resume refuses files that changed since (``fedweave.checkpoints``). (``model.init_from`` is read at the
+        start only: a resume continues from the checkpoint's weights.)"""
+        out = {}
+        if self.objects.dataset is None and _reads_user_files(dataset_loader(self.config)[0]):
+            out["dataset"] = describe_dataset(self._loaded)["sha256"]
+        if self.config.partition.name == "from_file":
+            h = hashlib.sha256()
+            for part in (np.asarray(self.partition.indices), self.partition.offsets):
+                h.update(np.ascontiguousarray(part, dtype=np.int64).tobytes())
+            out["partition"] = h.hexdigest()
+        if self.config.sampler.name == "schedule" and self.config.sampler.options.get("file"):
+            try:  # the plan as the sampler reads it (not its spacing); a file gone since is the sampler's to name
+                plan = json.loads(Path(self.config.sampler.options["file"]).expanduser().read_text())
+                out["sampler"] = hashlib.sha256(json.dumps(plan).encode()).hexdigest()
+            except (OSError, ValueError):
+                pass
+        return out
 
     @cached_property
     def dataset(self) -> Dataset:

@@ -170,6 +170,7 @@ class Checkpointer(Callback):
 
         extra = {"config": run.config.recorded(), "skipped_rounds": run.skipped, "loss_reference": run.loss_reference}
         extra["cpu_seconds"] = cpu_seconds() - run.cpu0
+        extra["user_files"] = run.ctx.user_files  # digests of what the run read from the user's own files
         # a signal between the checkpoint's rename and its record would make summary.json name the previous
         # round: held until both are done
         with signals_held():

@@ -32,6 +32,14 @@ def reject_unknown(dataset: str, unknown: Mapping[str, Any], loader: Callable[..
     )
 
 
+def reads_user_files(loader: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a built-in loader whose data come from the user's own files (not from a verified download): the run
+    checks what it loaded as it checks a plug-in's data (samples in each split, finite numbers, labels within
+    the classes), and a checkpoint records a SHA-256 of it, so that a resume after the files changed is refused."""
+    loader.reads_user_files = True  # type: ignore[attr-defined]
+    return loader
+
+
 def set_options(loader: Callable[..., Any], **values: Any) -> list[str]:
     """The names among ``values`` given other than ``loader``'s default for them: options that a branch of the
     loader reads by nothing are refused when set (the defaults are read from its signature, not copied)."""

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fedweave.data.base import Dataset
-from fedweave.data.datasets._common import opt_choice, opt_int, reject_unknown
+from fedweave.data.datasets._common import opt_choice, opt_int, reads_user_files, reject_unknown
 from fedweave.registry import DATASETS
 from fedweave.seeding import Seeds
 
@@ -182,6 +182,7 @@ def load_leaf_dir(
 
 
 @DATASETS.register("leaf")
+@reads_user_files
 def load_leaf(
     root=None,
     *,

@@ -16,6 +16,7 @@ from fedweave.data.datasets._common import (
     opt_bool,
     opt_float,
     opt_int,
+    reads_user_files,
     reject_unknown,
     set_options,
     stratified_split,
@@ -58,7 +59,14 @@ def _failing(train_file: Path, test_file: Path, n_features: int | None) -> str:
     return f"{train_file} and {test_file}"
 
 
+def _not_empty(file: Path, y: np.ndarray) -> None:
+    """A file without a sample line: its split would be empty (an empty test split was scored 0.0 each round)."""
+    if len(y) == 0:
+        raise ValueError(f"dataset 'libsvm': {file} holds no samples; give a file with at least one line")
+
+
 @DATASETS.register("libsvm")
+@reads_user_files
 def load_libsvm(
     root=None,
     *,
@@ -100,6 +108,8 @@ def load_libsvm(
         except ValueError as e:  # name the file that fails on its own, not always the training file
             failing = _failing(train_file, test_file, n_features)
             raise ValueError(f"dataset 'libsvm': cannot parse {failing}: {e}") from e
+        for file, y in ((train_file, ytr), (test_file, yte)):
+            _not_empty(file, y)
         (ytr, yte), classes = map_labels(ytr, yte, files=(train_file, test_file))
         xtr, xte = xtr.toarray(), xte.toarray()
     else:
@@ -112,6 +122,7 @@ def load_libsvm(
             x, y = load_svmlight_file(str(train_file), n_features=n_features)
         except ValueError as e:
             raise ValueError(f"dataset 'libsvm': cannot parse {train_file}: {e}") from e
+        _not_empty(train_file, y)
         (y,), classes = map_labels(y, files=(train_file,))
         tr, te = stratified_split(y, test_fraction, split_seed)
         x = x.toarray()
