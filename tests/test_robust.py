@@ -519,6 +519,30 @@ def test_dnc_cuts_an_update_that_is_not_finite(bad):
     assert torch.equal(out, honest.mean(0))  # every iteration cuts c f = 2 rows: the attackers'
 
 
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+@pytest.mark.parametrize("name", ["geometric_median", "centered_clipping", "norm_bound"])
+def test_the_length_measuring_aggregators_drop_an_update_that_is_not_finite(name, bad, tmp_path):
+    """Weiszfeld's weights, centered clipping's and norm bounding's scale of a row of no finite length are 0, and
+    0 * inf (or anything * NaN) is NaN: one attacker's overflowing update made the aggregate NaN, where the median,
+    Krum and DnC held (the run ended diverged in round 1 under sign_flip scaled past float32's range). Such a row
+    is dropped: the aggregate of the others, bit for bit."""
+    honest = _rows(9, 4, seed=5).float()
+    updates = torch.cat([honest[:3], torch.full((1, 4), bad), honest[3:]])
+    weights = torch.full((10,), 0.1)
+    options = {"norm_bound": {"bound": 1.0}}.get(name, {})
+    got = AGGREGATORS.get(name)(**options)(updates, weights, 1)
+    assert torch.equal(
+        got, AGGREGATORS.get(name)(**options)(honest, torch.full((9,), 0.1) / torch.full((9,), 0.1).sum(), 1)
+    )
+    cfg = {"name": "d", "rounds": 2, "backend": "loop", "dataset": {"name": "digits"},
+           "partition": {"name": "iid", "num_clients": 10}, "model": {"name": "logistic"},
+           "local": {"epochs": 1, "batch_size": 32, "lr": 0.1}, "aggregator": {"name": name, **options},
+           "algorithm": {"name": "fedavg", "clients_per_round": 10}, "output": {"progress": False, "plots": False},
+           "faults": {"byzantine": {"clients": [3], "attack": "sign_flip", "scale": 1e39}}}  # fmt: skip
+    res = fedweave.run(cfg, run_dir=tmp_path / "a", on_divergence="return")
+    assert res.summary["status"] == "completed" and all(math.isfinite(r["test_loss"]) for r in res.metrics)
+
+
 def test_dnc_holds_against_updates_whose_svd_overflows_float32(tmp_path):
     # sign flipping scaled by 1e30: the SVD of the float32 updates came back NaN and DnC kept the attackers (the
     # run diverged in round 2 where the median and Krum held); now it keeps the honest updates

@@ -371,6 +371,7 @@ class GeometricMedian(Aggregator):
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
         """The smoothed Weiszfeld iterations from the weighted mean."""
+        updates, weights = _finite_rows(updates, weights)  # a row of no finite length: no distance to weigh
         origin = updates.median(dim=0).values  # within the honest rows' range while attackers are a minority
         z = updates - origin
         w = weights.to(z.dtype)
@@ -402,6 +403,18 @@ def _norms(rows: torch.Tensor) -> torch.Tensor:
     return norms if bool(torch.isfinite(norms).all()) else rows.double().norm(dim=1)
 
 
+def _finite_rows(updates: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows with every entry finite, their weights renormalised. An aggregator that measures lengths cannot
+    scale a row of no finite length (``M / inf * inf`` and any NaN are NaN): such a row, which one attacker's
+    overflowing update is, is dropped, as the scoring aggregators (Krum, DnC) rank it last; without one the
+    rows are returned as they are (and where no row is finite the round diverges, as the mean would)."""
+    finite = torch.isfinite(updates).all(dim=1)
+    if bool(finite.all()) or not bool(finite.any()):
+        return updates, weights
+    kept = weights[finite]
+    return updates[finite], kept / kept.sum()
+
+
 @AGGREGATORS.register("centered_clipping")
 class CenteredClipping(Aggregator):
     """Centered clipping (Karimireddy, He & Jaggi, ICML 2021, eq. 2): from the center ``v`` (the previous
@@ -423,6 +436,7 @@ class CenteredClipping(Aggregator):
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
         """``iters`` clipping steps from the last round's aggregate; the result is the next round's center."""
+        updates, weights = _finite_rows(updates, weights)  # a row of no finite length cannot be clipped to tau
         v = self.center if self.center is not None else torch.zeros_like(updates[0])
         w = weights.to(updates.dtype)
         for _ in range(self.iters):
@@ -461,6 +475,7 @@ class NormBound(Aggregator):
 
     def reduce(self, updates: torch.Tensor, weights: torch.Tensor, f: int) -> torch.Tensor:
         """The weighted mean of the updates, each scaled to norm at most M."""
+        updates, weights = _finite_rows(updates, weights)  # a row of no finite length cannot be scaled to M
         norms = _norms(updates)
         m = self.bound if self.bound is not None else _median(norms.sort().values)
         long = norms > m
