@@ -122,7 +122,10 @@ class QSGD(Compressor):
     """QSGD with s levels (Alistarh et al. 2017, Sec. 3.1): ``||v||_2 sign(v_i) xi_i / s`` with ``xi_i`` the
     stochastic rounding of ``s |v_i| / ||v||_2`` to a neighbouring integer (unbiased). On the wire: the norm
     at the float width, one sign bit and ``ceil(log2(s + 1))`` level bits per value (fixed-width codes, not
-    the paper's Elias coding)."""
+    the paper's Elias coding). With error feedback the server scales the decoded vector by ``1 / (1 + omega)``,
+    ``omega = min(d / s^2, sqrt(d) / s)`` the variance bound of Lemma 3.1: the contraction error feedback's
+    analysis needs (Stich et al. 2018; Karimireddy et al. 2019), as random-k then drops its d/k; unscaled, the
+    residual grew without bound once ``omega > 1`` (d > s^2)."""
 
     levels: int = 4
     error_feedback: bool = False
@@ -154,7 +157,11 @@ class QSGD(Compressor):
         norm = field_floats(e["norm"], e.dtype)
         sign = 1.0 - 2.0 * torch.from_numpy(e["signs"].astype("float64")).to(e.dtype)
         level = torch.from_numpy(e["levels"].astype("float64")).to(e.dtype)
-        return norm * sign * level / self.levels
+        out = norm * sign * level / self.levels
+        if self.error_feedback:
+            omega = min(e.size / self.levels**2, math.sqrt(e.size) / self.levels)
+            out = out / (1 + omega)
+        return out
 
 
 @COMPRESSORS.register("efsign")
