@@ -708,6 +708,18 @@ def test_data_from_python_with_a_value_that_is_no_number_or_class_is_one_line(ke
     fedweave.run(_cfg(), model=lambda: torch.nn.Linear(5, 3), dataset=tuple(data.values()), run_dir=tmp_path / "s")
 
 
+def test_float_training_targets_with_integer_test_labels_are_one_line_naming_both_kinds(tmp_path):
+    """Float train_y make a task of one output per column: integer test labels were then refused as "labels 0..2,
+    but the Dataset declares num_classes 1", which named neither split's kind."""
+    g = np.random.default_rng(0)
+    data = (g.normal(size=(40, 5)), g.normal(size=40), g.normal(size=(10, 5)), g.integers(0, 3, 10))
+    want = (
+        r"^dataset 'python': train_y holds float targets \(a regression or multi-label task\) but test_y holds integers"
+    )
+    with pytest.raises(ConfigError, match=want):
+        fedweave.run(_cfg(), model=lambda: torch.nn.Linear(5, 1), dataset=data, run_dir=tmp_path / "r")
+
+
 def test_a_fedweave_dataset_passed_from_python_is_checked_as_tuples_are(tmp_path):
     # a Dataset object skipped the checks: its empty test split was scored test_accuracy 0.0, test_loss 0.0
     g = torch.Generator().manual_seed(0)

@@ -116,6 +116,14 @@ def _check_splits(name: str, tx: torch.Tensor, ty: torch.Tensor, vx: torch.Tenso
             raise ConfigError(
                 f"dataset {name!r}: its {split} {what} hold NaN or infinite values ({bad}); give finite numbers"
             )
+    if ty.is_floating_point() and not vy.is_floating_point() and len(vy):
+        # float training targets make a regression (or multi-label) task of one output per column: integer test
+        # labels were then checked against "num_classes 1", which named neither split's kind
+        raise ConfigError(
+            f"dataset {name!r}: train_y holds float targets (a regression or multi-label task) but test_y holds "
+            f"integers ({vy.dtype}); give both splits the same kind: float test targets, or integer class labels "
+            "in train_y"
+        )
     if not ty.is_floating_point() and vy.is_floating_point():
         # class labels in train_y: a float test_y is cast to them, and a 1.5 would silently become class 1
         frac = vy[vy != vy.round()]
