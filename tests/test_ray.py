@@ -93,6 +93,24 @@ def test_ray_config_is_validated(toy_config):
         load({**toy_config, "ray": {"adress": "auto"}})
 
 
+@needs_ray
+@pytest.mark.parametrize("scheme", ["", "ray://"])
+def test_a_ray_address_where_nothing_listens_is_one_line_before_the_run_writes(toy_config, tmp_path, scheme):
+    """ray.init retried for minutes against an address where nothing listens, after the run had written its
+    files; now one line when the run is built. (Outside any Ray session: the check connects, nothing starts.)"""
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"{scheme}127.0.0.1:{port}"
+    cfg = load({**toy_config, "backend": "ray", "rounds": 1, "ray": {"num_workers": 2, "address": address}})
+    want = rf"^ray\.address '{re.escape(address)}': nothing accepts a connection there \(Connection refused\)"
+    with pytest.raises(ConfigError, match=want):
+        run(cfg, run_dir=tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
 # ---- on a local 2-CPU Ray ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def local_ray():

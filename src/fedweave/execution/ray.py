@@ -157,6 +157,7 @@ def _start_ray(ray: Any, cfg: RayConfig, data_bytes: int) -> None:
         ray.shutdown()
         _OWN.clear()
     if cfg.address is not None:
+        _check_listening(cfg.address)
         ray.init(address=cfg.address)
         return
     for k, v in LOCAL_RAY_ENV.items():
@@ -182,13 +183,16 @@ def check_session(cfg: RayConfig) -> None:
     training call the run had already written its files. ``ray.num_workers`` must fit in the CPUs of a session
     fedweave did not start (the caller's ``ray.init``, a cluster), which fedweave never shuts down; and
     ``ray.object_store_memory_mb`` cannot change its store: one warning line, unless it was started with that
-    store; ``ray.address`` must name that session (:func:`_check_address`). The local Ray that an earlier run
+    store; ``ray.address`` must name that session (:func:`_check_address`), and without one, an address where
+    something listens (:func:`_check_listening`). The local Ray that an earlier run
     of a notebook or an in-process sweep started is started again with more CPUs or the asked store, or left
     for the cluster ``ray.address`` names, when the run first trains (:func:`_start_ray`). A session not yet up is
     not started here: fedweave starts a local one with ``num_workers`` CPUs (nothing to exceed), and a
     cluster's CPUs (``ray.address``) are known only once connected, at the first training call."""
     ray = sys.modules.get("ray")  # never imported: no session (and no import cost)
     if ray is None or not ray.is_initialized() or _own_session(ray):  # fedweave's own: started again as needed
+        if cfg.address is not None:  # the cluster the first training call connects to: before the run writes
+            _check_listening(cfg.address)
         return
     if cfg.address is not None:
         _check_address(ray, cfg.address)
@@ -202,6 +206,22 @@ def check_session(cfg: RayConfig) -> None:
         )  # fmt: skip
     if cfg.num_workers is not None:
         _check_cpus(ray, cfg.num_workers)
+
+
+def _check_listening(address: str) -> None:
+    """A ``HOST:PORT`` (or ``ray://HOST:PORT``) cluster address where something accepts a connection: with
+    nothing listening there, ``ray.init`` retried for minutes before its own error. ``auto`` and ``local`` are
+    Ray's to resolve."""
+    host, _, port = address.split("://")[-1].rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as e:
+        raise ConfigError(
+            f"ray.address {address!r}: nothing accepts a connection there ({e.strerror or e}); start the cluster "
+            "first (ray start --head) or drop ray.address to run on a local Ray"
+        ) from None
 
 
 def _check_address(ray: Any, address: str) -> None:
