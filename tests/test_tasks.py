@@ -1225,3 +1225,32 @@ def test_a_metric_undefined_on_its_evaluation_set_is_nan_not_a_divergence(tmp_pa
     assert "final test r2 nan (best undefined in every round)" in capsys.readouterr().out
     summary = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["best_main"] is None and summary["best_round"] is None
+
+
+def test_a_client_whose_own_test_set_cannot_define_the_metric_is_left_out_of_the_summaries(tmp_path):
+    """One client's held-out set of one sample (R^2 undefined there: NaN) made test_r2, test_r2_worst and the
+    distribution's mean and std NaN for every client, while worst10 (sorted, NaN last) quietly left it out. The
+    summaries over clients now leave that client out, as they leave out a client without a test sample: each is
+    the figure over the clients that define it, computed from the run's per-client values."""
+    from sklearn.metrics import r2_score
+
+    rng = np.random.default_rng(0)
+    perm, sizes = rng.permutation(354), [10, 100, 100, 100]
+    parts = [sorted(int(i) for i in perm[sum(sizes[:k]) : sum(sizes[: k + 1])]) for k in range(4)]
+    (tmp_path / "parts.json").write_text(json.dumps(parts))
+    cfg = {**REGRESSION, "rounds": 1, "task": {"loss": "mse", "main": "r2"},
+           "partition": {"name": "from_file", "path": str(tmp_path / "parts.json"), "num_clients": 0},
+           "eval": {"holdout": 0.1, "personal_test": True, "distribution": True}}  # fmt: skip
+    res = fedweave.run(cfg, run_dir=tmp_path / "run")
+    algo, row = res.algorithm, res.metrics[-1]
+    tx, ty, own = algo.ctx.personal_test_set()
+    model = algo.layout.load_(algo.x).eval()
+    with torch.no_grad():
+        out = model(tx.to(algo.x.dtype)).double().reshape(-1).numpy()
+    assert [len(p) for p in own] == [1, 10, 10, 10]
+    r2 = [r2_score(ty[p].numpy(), out[p]) for p in own[1:]]  # the client of one sample defines none
+    assert row["test_r2"] == pytest.approx(np.mean(r2), rel=1e-5)
+    assert row["test_r2_worst"] == pytest.approx(min(r2), rel=1e-5)
+    assert row["client_test_r2_mean"] == pytest.approx(np.mean(r2), rel=1e-5)
+    assert row["client_test_r2_std"] == pytest.approx(np.std(r2), rel=1e-4)
+    assert res.summary["status"] == "completed" and math.isfinite(res.summary["final_main"])

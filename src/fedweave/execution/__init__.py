@@ -9,6 +9,7 @@ from torch import nn
 
 from fedweave.config import ConfigError
 from fedweave.execution.evaluate import (
+    client_means,
     client_spread,
     evaluate,
     evaluate_clients,
@@ -37,6 +38,7 @@ __all__ = [
     "evaluate",
     "evaluate_task",
     "evaluate_clients_task",
+    "client_means",
     "client_spread",
     "evaluate_clients",
     "with_samples",

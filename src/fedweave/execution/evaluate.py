@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -256,11 +257,35 @@ def with_samples(parts: Sequence[np.ndarray], ids: np.ndarray | None = None) -> 
     return kept
 
 
+def _defined(values: Any) -> np.ndarray:
+    """The clients' values that are defined: a metric a client's own test set cannot define (the R² of one
+    sample, the AUC where no label has both classes) is NaN there, and a summary over clients leaves that client
+    out, as it leaves out a client without a test sample (an infinite loss stays: it is a value, a divergence)."""
+    v = np.asarray(values, dtype=np.float64)
+    return v[~np.isnan(v)] if np.isnan(v).any() else v
+
+
+def client_means(per: dict[str, Any], main: str, direction: str = "max") -> tuple[dict[str, float], float]:
+    """Each value's mean over the clients where it is defined, and the worst client's ``main`` metric (the
+    lowest where higher is better, ``direction`` "max"); NaN only where no client defines it. Before, one
+    client's undefined R² or AUC made every summary over the clients NaN."""
+    means = {}
+    for k, v in per.items():
+        d = _defined(v)
+        means[k] = float(d.mean()) if len(d) else math.nan
+    d = _defined(per[main])
+    worst = math.nan if not len(d) else float(d.min() if direction == "max" else d.max())
+    return means, worst
+
+
 def client_spread(values: np.ndarray, direction: str = "max", worst: float = 0.1) -> dict[str, float]:
     """How a metric is spread over clients: its ``mean``, ``worst10`` (the mean over the worst ``worst``
     fraction of the clients, at least one: the lowest values when higher is better, ``direction`` "max", the
-    highest otherwise, as q-FFL reports its "worst 10 %") and ``std`` (over the clients, ddof 0)."""
-    v = np.asarray(values, dtype=np.float64)  # in client order: the mean is that of personal_test's mean
+    highest otherwise, as q-FFL reports its "worst 10 %") and ``std`` (over the clients, ddof 0), over the
+    clients where it is defined (:func:`_defined`; NaN where none is)."""
+    v = _defined(values)  # in client order: the mean is that of personal_test's mean
+    if not len(v):
+        return {"mean": math.nan, "worst10": math.nan, "std": math.nan}
     k = max(1, int(np.ceil(worst * len(v))))
     ordered = np.sort(v)
     tail = ordered[:k] if direction == "max" else ordered[-k:]

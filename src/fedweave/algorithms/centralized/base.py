@@ -35,6 +35,7 @@ from fedweave.execution import (
     LocalResult,
     ParamLayout,
     StateStore,
+    client_means,
     client_spread,
     evaluate,
     evaluate_clients,
@@ -685,16 +686,16 @@ class StarAlgorithm(Algorithm):
             parts, ids = self.evaluated(parts)
             per = evaluate_clients_task(self.layout, self.x, tx, ty, parts, task, ev.batch_size)
             if ev.personal_test:
-                out = {f"test_{k}": float(v.mean()) for k, v in per.items()}
-                worst = per[task.main].min() if task.direction == "max" else per[task.main].max()
-                out[f"test_{task.main}_worst"] = float(worst)
+                means, worst = client_means(per, task.main, task.direction)
+                out = {f"test_{k}": v for k, v in means.items()}
+                out[f"test_{task.main}_worst"] = worst
                 out.update({f"test_{k}_global": v for k, v in glob.items()})
             if ev.distribution:
                 out.update(self.client_distribution(r, per, ids))
         if ev.per_client:
             parts, _ = self.evaluated(self.ctx.partition)
             per = evaluate_clients_task(self.layout, self.x, ds.train_x, ds.train_y, parts, task, ev.batch_size)
-            out[f"client_train_{task.main}_mean"] = float(per[task.main].mean())
+            out[f"client_train_{task.main}_mean"] = client_means(per, task.main, task.direction)[0][task.main]
         return {**out, **self.backdoor_metrics()}
 
     def evaluated_ids(self) -> np.ndarray | None:

@@ -39,6 +39,7 @@ from fedweave.execution import (
     LocalTrainer,
     ParamLayout,
     StateStore,
+    client_means,
     evaluate_clients,
     evaluate_clients_task,
     with_samples,
@@ -423,9 +424,9 @@ class GraphAlgorithm(Algorithm):
             models, parts = models[torch.as_tensor(keep, device=models.device)], [parts[k] for k in keep]
         if not task.is_default:  # any task: each value's mean over clients, and the worst client's main metric
             per = evaluate_clients_task(self.layout, models, tx, ty, parts, task, ev.batch_size)
-            out = {f"test_{k}": float(v.mean()) for k, v in per.items()}
-            worst = per[task.main].min() if task.direction == "max" else per[task.main].max()
-            return {**out, f"test_{task.main}_worst": float(worst), **self.model_metrics(models)}
+            means, worst = client_means(per, task.main, task.direction)
+            out = {f"test_{k}": v for k, v in means.items()}
+            return {**out, f"test_{task.main}_worst": worst, **self.model_metrics(models)}
         accs, losses = evaluate_clients(self.layout, models, tx, ty, parts, ev.batch_size)
         return {
             "test_accuracy": float(accs.mean()),

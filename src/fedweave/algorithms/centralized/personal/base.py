@@ -28,7 +28,7 @@ import torch
 
 from fedweave.algorithms.centralized.base import Collected, StarAlgorithm, per_job
 from fedweave.config import ConfigError
-from fedweave.execution import LocalResult, StateStore, evaluate_clients, evaluate_clients_task
+from fedweave.execution import LocalResult, StateStore, client_means, evaluate_clients, evaluate_clients_task
 from fedweave.execution.local import LocalRule
 from fedweave.execution.params import ParamLayout
 
@@ -112,9 +112,9 @@ class PersonalStar(StarAlgorithm):
             }
             return out, {"accuracy": accs, "loss": losses}, ids
         per = evaluate_clients_task(self.layout, models, x, y, parts, task, ev.batch_size)
-        out = {f"test_{k}{suffix}": float(v.mean()) for k, v in per.items()}
-        worst = per[task.main].min() if task.direction == "max" else per[task.main].max()
-        out[f"test_{task.main}{suffix}_worst"] = float(worst)
+        means, worst = client_means(per, task.main, task.direction)
+        out = {f"test_{k}{suffix}": v for k, v in means.items()}
+        out[f"test_{task.main}{suffix}_worst"] = worst
         return out, per, ids
 
 
