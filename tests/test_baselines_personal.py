@@ -12,7 +12,7 @@ import fedweave
 from fedweave.algorithms.base import ProximalRule
 from fedweave.algorithms.centralized.personal.apfl import APFLRule
 from fedweave.algorithms.centralized.personal.base import PartialSharing, PersonalStar
-from fedweave.algorithms.centralized.personal.perfedavg import PerFedAvgRule, hessian_vector
+from fedweave.algorithms.centralized.personal.perfedavg import ADAPT_KEY, PerFedAvgRule, hessian_vector
 from fedweave.config import ConfigError, load
 from fedweave.data.partition import holdout_split
 from fedweave.deploy.support import unsupported
@@ -657,3 +657,37 @@ def test_auto_never_gives_a_rule_that_keeps_client_state_the_pool(alg, opts, bac
         assert _algo(cfg).trainer.backend == backend
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    "regularized", [{"weight_decay": 0.05}, {"grad_clip": 1e-3}], ids=["weight_decay", "grad_clip"]
+)
+def test_perfedavg_evaluates_the_personalization_step_it_trains_for(regularized):
+    """Per-FedAvg's personal model is one step w - alpha grad f(w; D) from the global model (Alg. 1 line 6), the
+    raw gradient its rule's inner step takes: local.weight_decay and local.grad_clip shape the outer step only.
+    The evaluation's step applied them too (a different adaptation from the one meta-trained, 7-8 % of the
+    step). From the same global model the personal models are the unregularized run's, on a quadratic the
+    closed form x - alpha A^T (A x - y) / B on the client's first batch."""
+    alpha, bs = 0.05, 8
+    plain = {**_quad_cfg("perfedavg", alpha=alpha), "precision": "float64"}
+    plain["local"] = {"steps": 1, "batch_size": bs, "lr": 0.1}
+    x0 = torch.randn(D_Q, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    models = []
+    for local in (plain["local"], {**plain["local"], **regularized}):
+        algo = _algo({**plain, "local": local})
+        algo.adapt_trainer.loss_fn = _squared
+        algo.x = x0.clone()
+        models.append(algo.personal_models(1))
+    torch.testing.assert_close(models[1], models[0], rtol=0, atol=0)
+    tr = algo.adapt_trainer
+    for c in range(N_Q):
+        b = tr.client_batches(c, 1, (ADAPT_KEY,), None)[0]
+        a, y = _quad_data().train_x.double()[b], _quad_data().train_y.double()[b]
+        torch.testing.assert_close(models[1][c], x0 - alpha * a.T @ (a @ x0 - y) / len(b), rtol=1e-12, atol=1e-12)
+
+
+def test_perfedavg_first_order_refuses_the_hessian_free_difference_step():
+    """algorithm.delta is read by variant hf only: under fo it was accepted and changed nothing."""
+    with pytest.raises(ConfigError, match=r"^algorithm\.delta \(0\.5\) is the Hessian-free variant's"):
+        _algo({**_quad_cfg("perfedavg", variant="fo", delta=0.5)})
+    _algo({**_quad_cfg("perfedavg", variant="hf", delta=0.5)})

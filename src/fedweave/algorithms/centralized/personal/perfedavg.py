@@ -59,6 +59,11 @@ class PerFedAvgHparams(StarHparams):
         for key in ("alpha", "delta"):  # each scales a float32 step or difference, bounded as local.lr is
             if not 0 < getattr(self, key) <= MAX_LR:
                 raise ConfigError(f"algorithm.{key} must be in (0, {MAX_LR:.6g}], got {getattr(self, key)}")
+        if self.variant == "fo" and self.delta != PerFedAvgHparams.delta:  # accepted and never read before
+            raise ConfigError(
+                f"algorithm.delta ({self.delta:g}) is the Hessian-free variant's difference step; variant fo reads "
+                "no Hessian: leave it out, or set variant: hf"
+            )
 
 
 @ALGORITHMS.register("perfedavg")
@@ -71,7 +76,9 @@ class PerFedAvg(PersonalStar):
 
     def __init__(self, ctx, hp: PerFedAvgHparams) -> None:
         super().__init__(ctx, hp)
-        self.adapt_trainer = with_local(self.trainer, steps=1, momentum=0.0)
+        # the step the meta-objective trains for (line 6: w - alpha grad f(w; D)), the raw gradient as in the
+        # rule's inner step: local.weight_decay and local.grad_clip shape the outer step only
+        self.adapt_trainer = with_local(self.trainer, steps=1, momentum=0.0, weight_decay=0.0, grad_clip=None)
 
     def client_rule(self, lr: float) -> LocalRule:
         return PerFedAvgRule(self.hp.alpha, self.hp.variant, self.hp.delta)
