@@ -1254,3 +1254,23 @@ def test_a_client_whose_own_test_set_cannot_define_the_metric_is_left_out_of_the
     assert row["client_test_r2_mean"] == pytest.approx(np.mean(r2), rel=1e-5)
     assert row["client_test_r2_std"] == pytest.approx(np.std(r2), rel=1e-4)
     assert res.summary["status"] == "completed" and math.isfinite(res.summary["final_main"])
+
+
+@pytest.mark.parametrize("metric", ["auc", "f1", "mse"])
+def test_a_value_metric_on_class_labels_with_a_python_model_of_several_outputs_is_refused_when_built(metric, tmp_path):
+    """Value metrics on class labels read one output per sample. A registered model's width is known from the
+    dataset, but a model passed from Python was taken to have one: ten logits trained round 1 and the first
+    evaluation failed (``shape '[256, 10]' is invalid for input of size 256``). The forward pass made when the run
+    is built reads its width: one line, nothing written."""
+    from fedweave.data.datasets.bundled import load_digits
+
+    d = load_digits()
+    cfg = {"rounds": 1, "partition": {"name": "iid", "num_clients": 2},
+           "algorithm": {"name": "fedavg", "clients_per_round": 2},
+           "task": {"loss": "cross_entropy", "metrics": ["accuracy", metric]},
+           "output": {"progress": False, "plots": False}}  # fmt: skip
+    want = rf"^task\.metrics: '{metric}' on class labels needs a model with one output, but model 'python' gives 10"
+    with pytest.raises(ConfigError, match=want):
+        fedweave.run(cfg, model=lambda: nn.Sequential(nn.Flatten(), nn.Linear(64, 10)),
+                     dataset=(d.train_x, d.train_y, d.test_x, d.test_y), run_dir=tmp_path / "r")  # fmt: skip
+    assert not (tmp_path / "r").exists()

@@ -136,6 +136,7 @@ def check_model_fits(
     classes: int | None = None,
     log_probs: bool = False,
     loss: Loss | None = None,
+    one_output_for: Sequence[str] = (),
 ) -> None:
     """One forward pass on two training samples (on ``device``), so that a model that cannot read the
     dataset's input (a character LSTM on images, say) is a configuration error now rather than a traceback
@@ -147,7 +148,9 @@ def check_model_fits(
     unbounded below, and a run trained to a negative, meaningless loss without a word. ``loss``: the task's loss
     must read the output against the targets (an output of the wrong shape or kind failed in round 1 with torch's
     error) and give one loss per sample, ``(B,)``; a ``(B, 1)`` was broadcast against the ``(B,)`` mask of a
-    padded batch into ``(B, B)``, and ``vmap`` trained on a sum of B losses."""
+    padded batch into ``(B, B)``, and ``vmap`` trained on a sum of B losses. ``one_output_for``: the task's value
+    metrics on class labels (``auc``, ``f1``, ``mse``, ...), which read one output per sample: a model passed
+    from Python with more failed at the first evaluation, after round 1 had trained."""
     x, kind = ds.train_x[:2], str(ds.train_x.dtype)
     if len(ds.train_x) and not ds.train_x.is_floating_point():
         flat = ds.train_x.reshape(len(ds.train_x), -1)
@@ -160,6 +163,13 @@ def check_model_fits(
         raise ConfigError(
             f"model {model_name!r} gives {out.shape[1]} logits per sample, but dataset {dataset_name!r} has "
             f"{classes} classes; build the model for {classes} outputs"
+        )
+    width = out.reshape(len(out), -1).shape[1] if e is None and isinstance(out, torch.Tensor) and len(out) else 1
+    if one_output_for and width != 1:
+        raise ConfigError(
+            f"task.metrics: {one_output_for[0]!r} on class labels needs a model with one output, but model "
+            f"{model_name!r} gives {width} outputs per sample; leave it out (accuracy and top-k read the logits), or "
+            "give the model one output (binary labels)"
         )
     if e is None and log_probs and isinstance(out, torch.Tensor) and out.dim() >= 2 and out.is_floating_point():
         # 1e-3: far above the rounding of a float32 log_softmax (~1e-6), far below what logits give by chance
@@ -607,7 +617,12 @@ class RunContext:
         # the built-in class losses index the logits by label (a loss of one's own may read fewer outputs)
         classes = ds.num_classes if self.objects.loss is None and self.task.loss.name in CLASS_LOSSES else None
         nll = isinstance(self.task.loss, NLL)  # the built-in nll (by name or passed from Python) reads log-probs
-        check_model_fits(model, ds, name, self.config.dataset.name, self.device, classes, nll, self.task.loss)
+        # value metrics on class labels read one output; a registered model's width is known (_check_metrics)
+        values = [m for m in self.task.metrics if METRICS.get(m).targets in ("float", "binary")]
+        one_output_for = values if self.objects.model is not None and not ds.train_y.is_floating_point() else ()
+        check_model_fits(
+            model, ds, name, self.config.dataset.name, self.device, classes, nll, self.task.loss, one_output_for
+        )
 
     @cached_property
     def model(self) -> nn.Module:
