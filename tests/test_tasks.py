@@ -1274,3 +1274,23 @@ def test_a_value_metric_on_class_labels_with_a_python_model_of_several_outputs_i
         fedweave.run(cfg, model=lambda: nn.Sequential(nn.Flatten(), nn.Linear(64, 10)),
                      dataset=(d.train_x, d.train_y, d.test_x, d.test_y), run_dir=tmp_path / "r")  # fmt: skip
     assert not (tmp_path / "r").exists()
+
+
+def test_partition_bins_on_two_valued_targets_keep_the_values_apart(tmp_path):
+    """bins: 2 on 0/1 float targets whose median is 0: the one quantile edge, 0, put both values in one bin, so
+    pathological with one class per client gave every client about half of each (no skew at all). Each
+    value is a bin of its own now, and every client holds one value only."""
+    from fedweave.data.datasets.bundled import load_digits
+
+    d = load_digits()
+    parity = lambda y: (y % 2 == 0).double().reshape(-1, 1)  # noqa: E731  (49.6 % even: the median is 0)
+    data = (d.train_x, parity(d.train_y), d.test_x, parity(d.test_y))
+    cfg = {"rounds": 1, "model": {"name": "logistic"}, "task": {"loss": "bce_with_logits"},
+           "partition": {"name": "pathological", "num_clients": 4, "classes_per_client": 1, "bins": 2},
+           "algorithm": {"name": "fedavg", "clients_per_round": 4},
+           "output": {"progress": False, "plots": False}}  # fmt: skip
+    res = fedweave.run(cfg, dataset=data, run_dir=tmp_path / "r")
+    y = data[1].reshape(-1).numpy()
+    assert np.quantile(y, 0.5) == 0.0  # the case: the one quantile edge is the lower value
+    held = [set(np.unique(y[p]).tolist()) for p in res.algorithm.ctx.partition]
+    assert all(len(h) == 1 for h in held) and set().union(*held) == {0.0, 1.0}

@@ -518,10 +518,17 @@ class RunContext:
         return np.searchsorted(self.target_bin_edges(bins), first, side="right").astype(np.int64)
 
     def target_bin_edges(self, bins: int = TARGET_BINS) -> np.ndarray:
-        """The inner edges of ``bins`` quantile bins of the first training-target column (ties merged)."""
+        """The inner edges of ``bins`` quantile bins of the first training-target column (ties merged). Where the
+        column holds at most ``bins`` distinct values and the quantile edges do not keep them apart (0/1 targets
+        whose median is 0: the one edge, 0, put both values in one bin, and a label-skew partition had no skew),
+        the midpoints between the values: each value a bin of its own."""
         train = self.dataset.train_y.numpy()
         ref = train.reshape(len(train), -1)[:, 0] if train.ndim > 1 else train
-        return np.unique(np.quantile(ref, np.linspace(0, 1, bins + 1)[1:-1]))
+        edges = np.unique(np.quantile(ref, np.linspace(0, 1, bins + 1)[1:-1]))
+        values = np.unique(ref)
+        if len(values) <= bins and len(np.unique(np.searchsorted(edges, values, side="right"))) < len(values):
+            return (values[:-1] + values[1:]) / 2
+        return edges
 
     def partition_of(self, labels: np.ndarray, users: np.ndarray | None = None) -> Partition:
         """Split samples with these labels over the clients with the configured partitioner
