@@ -1294,3 +1294,17 @@ def test_partition_bins_on_two_valued_targets_keep_the_values_apart(tmp_path):
     assert np.quantile(y, 0.5) == 0.0  # the case: the one quantile edge is the lower value
     held = [set(np.unique(y[p]).tolist()) for p in res.algorithm.ctx.partition]
     assert all(len(h) == 1 for h in held) and set().union(*held) == {0.0, 1.0}
+
+
+def test_only_a_metric_that_may_be_undefined_is_summarised_over_the_clients_that_define_it():
+    """A NaN R^2 or AUC is a set the metric cannot define, left out of the summaries over clients; a NaN loss or
+    accuracy is a client's diverged model, and the summary stays NaN so that the run's divergence guard stops it."""
+    from fedweave.execution import client_means, client_spread
+
+    means, worst = client_means({"r2": np.array([np.nan, 0.1, 0.3]), "mse": np.array([1.0, np.nan, 2.0])}, "r2")
+    assert means["r2"] == pytest.approx(0.2) and worst == 0.1 and math.isnan(means["mse"])
+    means, worst = client_means({"accuracy": np.array([np.nan, 0.5]), "loss": np.array([1.0, 2.0])}, "accuracy")
+    assert math.isnan(means["accuracy"]) and math.isnan(worst) and means["loss"] == 1.5
+    assert client_spread(np.array([np.nan, 0.1, 0.3]), metric="auc")["mean"] == pytest.approx(0.2)
+    assert math.isnan(client_spread(np.array([np.nan, 0.1, 0.3]), metric="accuracy")["mean"])
+    assert all(math.isnan(v) for v in client_spread(np.array([np.nan, np.nan]), metric="r2").values())

@@ -28,7 +28,7 @@ from torch import nn
 from fedweave.config import ConfigError
 from fedweave.execution.batched import mlp_layers
 from fedweave.execution.params import ParamLayout
-from fedweave.tasks import Task, evaluate_batches
+from fedweave.tasks import Task, evaluate_batches, may_be_undefined
 
 # Rows per forward pass at most: beyond this the activations of a CNN fall out of the CPU caches (MNIST CNN,
 # one thread: 256 rows ran 1.7x faster than 2048; docs/performance.md). ``batch_size`` only lowers it.
@@ -257,33 +257,37 @@ def with_samples(parts: Sequence[np.ndarray], ids: np.ndarray | None = None) -> 
     return kept
 
 
-def _defined(values: Any) -> np.ndarray:
-    """The clients' values that are defined: a metric a client's own test set cannot define (the R² of one
-    sample, the AUC where no label has both classes) is NaN there, and a summary over clients leaves that client
-    out, as it leaves out a client without a test sample (an infinite loss stays: it is a value, a divergence)."""
+def _defined(values: Any, metric: str | None) -> np.ndarray:
+    """The clients' values of ``metric`` that are defined: a metric that declares NaN where a set cannot define it
+    (:attr:`fedweave.tasks.Metric.undefined`: the R² of one sample, the AUC where no label has both classes) is
+    NaN on such a client's own test set, and a summary over clients leaves that client out, as it leaves out a
+    client without a test sample. Any other NaN (a loss, an accuracy: a client's model diverged) stays, so that
+    the summary is NaN and the run's divergence guard sees it."""
     v = np.asarray(values, dtype=np.float64)
-    return v[~np.isnan(v)] if np.isnan(v).any() else v
+    return v[~np.isnan(v)] if metric is not None and may_be_undefined(metric) and np.isnan(v).any() else v
 
 
 def client_means(per: dict[str, Any], main: str, direction: str = "max") -> tuple[dict[str, float], float]:
-    """Each value's mean over the clients where it is defined, and the worst client's ``main`` metric (the
-    lowest where higher is better, ``direction`` "max"); NaN only where no client defines it. Before, one
-    client's undefined R² or AUC made every summary over the clients NaN."""
+    """Each value's mean over the clients, and the worst client's ``main`` metric (the lowest where higher is
+    better, ``direction`` "max"), a metric that may be undefined taken over the clients that define it (NaN only
+    where none does; before, one client's undefined R² or AUC made every summary over the clients NaN)."""
     means = {}
     for k, v in per.items():
-        d = _defined(v)
+        d = _defined(v, k)
         means[k] = float(d.mean()) if len(d) else math.nan
-    d = _defined(per[main])
+    d = _defined(per[main], main)
     worst = math.nan if not len(d) else float(d.min() if direction == "max" else d.max())
     return means, worst
 
 
-def client_spread(values: np.ndarray, direction: str = "max", worst: float = 0.1) -> dict[str, float]:
+def client_spread(
+    values: np.ndarray, direction: str = "max", worst: float = 0.1, metric: str | None = None
+) -> dict[str, float]:
     """How a metric is spread over clients: its ``mean``, ``worst10`` (the mean over the worst ``worst``
     fraction of the clients, at least one: the lowest values when higher is better, ``direction`` "max", the
-    highest otherwise, as q-FFL reports its "worst 10 %") and ``std`` (over the clients, ddof 0), over the
-    clients where it is defined (:func:`_defined`; NaN where none is)."""
-    v = _defined(values)  # in client order: the mean is that of personal_test's mean
+    highest otherwise, as q-FFL reports its "worst 10 %") and ``std`` (over the clients, ddof 0); a ``metric``
+    that may be undefined over the clients that define it (:func:`_defined`; NaN where none does)."""
+    v = _defined(values, metric)  # in client order: the mean is that of personal_test's mean
     if not len(v):
         return {"mean": math.nan, "worst10": math.nan, "std": math.nan}
     k = max(1, int(np.ceil(worst * len(v))))

@@ -568,7 +568,7 @@ def _clients_section(path: Path) -> str:
     rows = []
     for e in entries[-CLIENT_ROUNDS:]:
         v = e[e["metric"]]
-        sp = client_spread(v, e.get("direction", "max"))
+        sp = client_spread(v, e.get("direction", "max"), metric=e["metric"])
         cells = [e["round"], len(v), sp["mean"], sp["worst10"], sp["std"], min(v), max(v)]
         rows.append("".join(_cell(c) for c in cells))
     head = ["round", "clients", "mean", "worst 10 %", "std", "min", "max"]

@@ -725,7 +725,7 @@ class StarAlgorithm(Algorithm):
             "clients": list(range(len(per[task.main]))) if ids is None else [int(i) for i in ids],
             **{k: [float(x) for x in v] for k, v in per.items()},
         }
-        spread = client_spread(per[task.main], task.direction)
+        spread = client_spread(per[task.main], task.direction, metric=task.main)
         return {f"client_test_{task.main}_{k}": v for k, v in spread.items()}
 
 
