@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 from fedweave.algorithms.centralized.fedavg import FedAvg
 from fedweave.experiments.aggregate import finite, if_all, mean_std, to_target
@@ -303,3 +304,21 @@ def test_workers_divide_the_cores_this_process_may_run_on(monkeypatch):
     assert [threads_per_worker(w) for w in (1, 2, 3, 8)] == [4, 2, 1, 1]
     monkeypatch.delattr(jobs.os, "sched_getaffinity")  # a platform without affinity: the machine's cores
     assert threads_per_worker(2) == 64
+
+
+def test_the_dataset_cache_of_a_worker_never_memoizes_a_loader_of_the_users_files(monkeypatch, tmp_path):
+    """``cache_datasets`` memoizes the loaders of a process that runs many points (one worker: the caller's own):
+    a libsvm file edited afterwards was never read again in that process, so a resume was refused against the
+    checkpoint of the file as it then was (and a new run trained on the old contents). The loaders of the
+    user's own files read them every run; the verified downloads' loaders are memoized as before."""
+    from fedweave.experiments.jobs import cache_datasets
+    from fedweave.registry import DATASETS
+
+    monkeypatch.setattr(DATASETS, "_items", dict(DATASETS._items))  # this process's registry, restored after
+    cache_datasets()
+    assert not hasattr(DATASETS.get("libsvm"), "cache_info") and not hasattr(DATASETS.get("leaf"), "cache_info")
+    assert hasattr(DATASETS.get("digits"), "cache_info") and hasattr(DATASETS.get("mnist"), "cache_info")
+    (tmp_path / "a.svm").write_text("".join(f"{i % 2} 1:{i}\n" for i in range(10)))
+    first = DATASETS.get("libsvm")(path=str(tmp_path / "a.svm"))
+    (tmp_path / "a.svm").write_text("".join(f"{i % 2} 1:{2 * i}\n" for i in range(10)))
+    assert not torch.equal(DATASETS.get("libsvm")(path=str(tmp_path / "a.svm")).train_x, first.train_x)

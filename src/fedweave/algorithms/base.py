@@ -37,6 +37,7 @@ from fedweave.config import (
 )
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
+from fedweave.data.datasets._common import loads_user_files
 from fedweave.data.partition import Partition, check_parts, integral
 from fedweave.execution import LocalTrainer, batch_statistics, check_running_stats, check_seeded, choose_backend
 from fedweave.execution.evaluate import share_with_workers
@@ -267,11 +268,6 @@ LABEL_FREE_PARTITIONERS = ("iid", "quantity_skew", "natural", "from_file")
 TARGET_BINS = 10  # quantile bins that stand for classes where float targets need labels
 
 
-def _reads_user_files(loader: Callable[..., Any]) -> bool:
-    """A plug-in's loader, or a built-in one marked as reading the user's own files (``reads_user_files``)."""
-    return not getattr(loader, "__module__", "").startswith("fedweave.") or getattr(loader, "reads_user_files", False)
-
-
 def dataset_loader(config: RunConfig) -> tuple[Callable[..., Dataset], dict[str, Any]]:
     """The loader registered as ``dataset.name`` and its checked options (nothing loaded)."""
     loader = DATASETS.get(config.dataset.name)
@@ -367,7 +363,7 @@ class RunContext:
         # test split was scored 0.0 each round. The built-in loaders of verified downloads check their own
         # options (cfl_logreg has no test split by default, as in its paper), and scanning their data each run
         # would cost time; those that read the user's own files (libsvm, leaf) are checked as a plug-in's are.
-        if _reads_user_files(loader):
+        if loads_user_files(loader):
             check_loaded(self.config.dataset.name, ds)
         return ds
 
@@ -379,7 +375,7 @@ class RunContext:
         resume refuses files that changed since (``fedweave.checkpoints``). (``model.init_from`` is read at the
         start only: a resume continues from the checkpoint's weights.)"""
         out = {}
-        if self.objects.dataset is None and _reads_user_files(dataset_loader(self.config)[0]):
+        if self.objects.dataset is None and loads_user_files(dataset_loader(self.config)[0]):
             out["dataset"] = describe_dataset(self._loaded)["sha256"]
         if self.config.partition.name == "from_file":
             h = hashlib.sha256()

@@ -433,13 +433,17 @@ def _on_ray(calls: list[tuple], address: str, done: Callable[[int, Any], None] |
 
 def cache_datasets() -> None:
     """A worker initializer: memoize the dataset loaders (per process, per option set), so that the dozens of
-    runs a worker takes share their data."""
+    runs a worker takes share their data. Not those that read the user's own files (``libsvm``, ``leaf``, a
+    plug-in's): memoized in the process that runs the points (one worker), a file edited later in that process
+    was never read again, and a resume refused the checkpoint of the file as it is."""
     import functools
 
+    from fedweave.data.datasets._common import loads_user_files
     from fedweave.registry import DATASETS
 
     for name in DATASETS.names():
-        DATASETS._items[name] = functools.lru_cache(maxsize=2)(DATASETS._items[name])
+        if not loads_user_files(DATASETS._items[name]):
+            DATASETS._items[name] = functools.lru_cache(maxsize=2)(DATASETS._items[name])
 
 
 def load_average() -> str:

@@ -40,6 +40,11 @@ def reads_user_files(loader: Callable[..., Any]) -> Callable[..., Any]:
     return loader
 
 
+def loads_user_files(loader: Callable[..., Any]) -> bool:
+    """A plug-in's loader (registered from outside fedweave), or a built-in one marked :func:`reads_user_files`."""
+    return not getattr(loader, "__module__", "").startswith("fedweave.") or getattr(loader, "reads_user_files", False)
+
+
 def set_options(loader: Callable[..., Any], **values: Any) -> list[str]:
     """The names among ``values`` given other than ``loader``'s default for them: options that a branch of the
     loader reads by nothing are refused when set (the defaults are read from its signature, not copied)."""
