@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedweave.config import ConfigError, LocalConfig, RayConfig
+from fedweave.config import ConfigError, LocalConfig, RayConfig, is_host_port
 from fedweave.errors import WorkerLost
 from fedweave.execution.job import PLAIN, LocalCall, LocalResult, LocalRule, backend
 from fedweave.execution.local import LocalTrainer
@@ -156,8 +156,7 @@ def _start_ray(ray: Any, cfg: RayConfig, data_bytes: int) -> None:
         cpus = max(cpus, _OWN["cpus"])
         ray.shutdown()
         _OWN.clear()
-    if cfg.address is not None:
-        _check_listening(cfg.address)
+    if cfg.address is not None:  # (where nothing listens was refused when the run was built: check_session)
         ray.init(address=cfg.address)
         return
     for k, v in LOCAL_RAY_ENV.items():
@@ -212,9 +211,10 @@ def _check_listening(address: str) -> None:
     """A ``HOST:PORT`` (or ``ray://HOST:PORT``) cluster address where something accepts a connection: with
     nothing listening there, ``ray.init`` retried for minutes before its own error. ``auto`` and ``local`` are
     Ray's to resolve."""
-    host, _, port = address.split("://")[-1].rpartition(":")
-    if not host or not port.isdigit():
+    target = address.split("://")[-1]
+    if not is_host_port(target):
         return
+    host, _, port = target.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
     except OSError as e:
