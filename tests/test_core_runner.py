@@ -95,6 +95,7 @@ def test_misspelled_key_is_named(tmp_path, toy_config, capsys):
         ("algorithm.name=fedavgg", "unknown algorithm 'fedavgg'. Did you mean 'fedavg'"),
         ("model.depth=3", "model.depth"),
         ("backend=gpu", "backend must be one of"),
+        ("backend=null", r"backend must be one of \['auto', 'loop'"),  # said "must be a string", without the names
         ("partition.alpha=-1", "partition.alpha"),
         # set by the run from the dataset: through the builder's **options they used to arrive twice (TypeError)
         ("model.num_classes=1", r"model\.num_classes is not an option: the run passes it to model 'logistic'"),

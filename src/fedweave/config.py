@@ -748,7 +748,8 @@ class SecureAggregationConfig:
             raise ConfigError(f"secure_aggregation.max_weight must be a finite number > 0, got {self.max_weight}")
 
 
-BACKENDS = ("auto", "loop", "vmap", "ray", "pool")
+Backend = Literal["auto", "loop", "vmap", "ray", "pool"]
+BACKENDS: tuple[str, ...] = typing.get_args(Backend)
 DEVICE = re.compile(r"auto|cpu|mps|cuda(:[0-9]+)?")
 PRECISIONS = ("float32", "float64", "bf16-mixed")
 # Upper bounds that catch a typo (1e12 rounds or epochs would run forever) long before they bind real work.
@@ -791,7 +792,7 @@ class RunConfig:
     name: str = "run"
     seed: int = 0
     rounds: int = 100
-    backend: str = "auto"
+    backend: Backend = "auto"
     threads: int | None = None  # torch intra-op threads; null = torch's default
     # where the run computes: auto (cuda if available, else mps, else cpu), cpu, cuda, cuda:N or mps
     device: str = "auto"
