@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--device must be cpu, cuda or cuda:N, got {opts.device!r}")
     if opts.out is not None and Path(opts.out).is_dir():  # else a traceback after every row was timed
         parser.error(f"--out {opts.out} is a folder; give the path of a CSV file")
+    if opts.out is not None and Path(opts.out).exists():  # the default is the page's own record, rewritten on purpose
+        parser.error(f"--out {opts.out} exists; give a new file (without --out the page's CSV is rewritten)")
     if opts.out is None:  # the GPU rows never land in the CPU file by default; the checkout's, from any folder
         pages = Path(__file__).resolve().parents[1] / "docs" / "reproductions"
         opts.out = str(pages / ("paper-scale.csv" if opts.device == "cpu" else "paper-scale-gpu.csv"))

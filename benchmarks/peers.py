@@ -695,6 +695,8 @@ def main() -> None:
         ap.error(f"--json {args.json}: its folder {args.json.parent} does not exist")
     if args.json is not None and args.json.is_dir() and not args.child:  # the same: a traceback after every run
         ap.error(f"--json {args.json} is a folder; give the path of a file")
+    if args.json is not None and args.json.exists() and not args.child:  # an earlier sitting's measurements
+        ap.error(f"--json {args.json} exists; give a new file (the measurements of a sitting are never replaced)")
     if args.child:
         spec = CONFIGS[args.child]
         fn = globals()[RUNNERS[spec["framework"]]]

@@ -57,6 +57,9 @@ CASES = [
     # limits found only after the measurement, or in a child's traceback
     ("peers.py", ["--json", "benchmarks", "--only", "fedweave"], "--json benchmarks is a folder; give the path of a"),
     ("paper_scale_cost.py", ["--out", "benchmarks"], "--out benchmarks is a folder; give the path of a CSV file"),
+    # an existing file was replaced by the new sitting's measurements without a word
+    ("peers.py", ["--json", "README.md", "--only", "fedweave"], "--json README.md exists; give a new file"),
+    ("paper_scale_cost.py", ["--out", "README.md"], "--out README.md exists; give a new file"),
     ("population.py", ["--clients", "70000"], "--clients must be at most 60000 (MNIST's training samples, one a"),
     ("batch_plans.py", ["--clients", "7000"], "--clients must be at most 6000 (10 of MNIST's 60,000 samples each)"),
     ("precision.py", ["--model", "char_lstm"], "--model char_lstm: model 'char_lstm': input_shape must be"),
