@@ -184,6 +184,8 @@ def test_a_budget_that_runs_out_counts_the_runs_that_finished_and_names_the_othe
     assert "sum of the 0 runs' own CPU times" in md
     unrun = md.split("\nNot run (time budget reached): ")[1].strip().split(", ")
     assert len(unrun) == 16 and "digits-a1000-b0.9-fedavg-tau1-R2-s0" in unrun  # every run, by its name
+    # the header gave the seeds asked (1) as if they had run
+    assert meta["seeds_run"] == 0 and "1 seed(s) asked, 0 with every Table I run finished," in md
 
 
 def test_the_power_table_of_one_seed_says_the_test_cannot_run_instead_of_failing():
