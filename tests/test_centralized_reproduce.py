@@ -66,7 +66,9 @@ def test_claims_and_ranks_follow_the_declared_rules():
         _rec("iid", "fedmim", 0, 80.5, 0.8),
     ]
     table, verdicts = repro.summarize(recs)
-    accuracy, consistency = verdicts  # one IID seed: the IID claim has no pairs and is left out
+    # one IID seed: the IID claim has no pairs, and says so (before: left out without a word)
+    accuracy, consistency, iid = verdicts
+    assert iid.outcome == "untestable" and iid.measured == "fewer than 2 seeds finished every run it compares"
     # +1.50 on average, ahead on 2 of 3 seeds, but the seeds' 95 % interval includes the +1.0 bound
     assert accuracy.measured == "FedMIM - FedAvg +1.50 points, ahead on 2/3 seeds"
     assert accuracy.outcome == "inconclusive" and accuracy.interval.startswith("+1.50 points [-2.98, 5.98]")
@@ -74,6 +76,23 @@ def test_claims_and_ranks_follow_the_declared_rules():
     cell = next(t for t in table if (t["split"], t["method"]) == ("dir0.1", "fedmim"))
     assert cell["rank"] == 1 and cell["paper_rank"] == 1 and cell["paper_cifar10"] == 80.82
     assert cell["final_acc_std"] == pytest.approx(0.7637626, rel=1e-6)
+
+
+def test_a_claim_whose_seeds_diverged_is_untestable_not_dropped():
+    """Two of three FedAvg IID runs diverged (NaN final accuracy): the IID claim has one pair left. It is shown as
+    untestable, as the declared rule's own n < 2 says; it was left out of the claims without a word. A claim on
+    cells the preset did not run at all stays out."""
+    nan = float("nan")
+    recs = [
+        _rec(split, method, seed, nan if (split, method) == ("iid", "fedavg") and seed else 70.0 + seed + 3 * (
+            method == "fedmim"), 1.0 if method == "fedmim" else 3.0)
+        for split in ("dir0.1", "iid") for method in repro.MAIN for seed in range(3)
+    ]  # fmt: skip
+    got = {v.claim.split(": ", 1)[1][:20]: v for v in repro.claim_verdicts(recs)}
+    assert [v.outcome for v in got.values()] == ["held", "held", "untestable"]
+    assert got["FedMIM's gain over F"].interval.startswith("untestable by a declared rule: its paired rule needs 2")
+    only_dir = [r for r in recs if r["split"] == "dir0.1"]  # no IID cell run: the IID claim is left out
+    assert [v.outcome for v in repro.claim_verdicts(only_dir)] == ["held", "held"]
 
 
 @pytest.mark.parametrize("scale", sorted(repro.PRESETS))
