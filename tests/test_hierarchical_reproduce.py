@@ -111,7 +111,7 @@ def test_declared_rules_read_the_per_seed_records():
     acc |= {("scaffold", extreme): [75.0, 76.0, 77.0]}
     acc |= {("zo_hfl", s): [79.0, 80.5, 80.9] for s in zo_hfl.SETTINGS}
     acc |= {("server_only", s): [79.1, 80.4, 81.0] for s in zo_hfl.SETTINGS}
-    records = _records(acc)
+    records = [r | {"status": "completed"} for r in _records(acc)]
     rows = {v.claim[:2]: v.interval for v in zo_hfl.verdicts(records)}
     assert set(rows) == {"C1", "C2", "C4"}  # no tau sweep: no C3
     # C1: ZO-HFL ahead of FedAvg and FedProx on every seed by 10-20 points and its drop 0 against 7.5 at half
@@ -126,6 +126,27 @@ def test_declared_rules_read_the_per_seed_records():
     # with one seed every claim is untestable
     got = zo_hfl.verdicts([r for r in records if r["seed"] == 0])
     assert len(got) == 3 and all(v.interval.startswith("untestable by a declared rule: fewer than 2") for v in got)
+
+
+def test_a_diverged_run_is_no_pair_in_the_claims():
+    """One FedAvg run at (0.1, 10%) diverged: before any evaluation (its accuracy NaN) every verdict of the
+    dataset stopped with a NaN line; later (its last accuracy finite) it was paired like a finished run. Now its
+    seed leaves the comparisons it is a side of, and the others keep their pairs."""
+    homo, mid, extreme = zo_hfl.SETTINGS
+    acc = {(m, s): [80.0, 81.0, 82.0] for m in zo_hfl.BASELINES for s in (homo, mid)}
+    acc |= {(m, extreme): [60.0, 70.0, 65.0] for m in zo_hfl.BASELINES}
+    acc |= {(m, s): [79.0, 80.5, 80.9] for m in ("zo_hfl", "server_only") for s in zo_hfl.SETTINGS}
+    for diverged_acc in (float("nan"), 10.0):
+        records = [
+            r | {"status": "diverged" if (r["method"], r["alpha"], r["seed"]) == ("fedavg", extreme[0], 2) else
+                 "completed"} | ({"acc": diverged_acc} if r["method"] == "fedavg" and r["alpha"] == extreme[0] and
+                                 r["seed"] == 2 else {})
+            for r in _records(acc)
+        ]  # fmt: skip
+        c1 = next(v for v in zo_hfl.verdicts(records) if v.claim.startswith("C1"))
+        # seeds 0 and 1 against FedAvg (+19.0, +10.5), all three against FedProx (+19.0, +10.5, +15.9)
+        assert "ZO-HFL - FedAvg at (0.1, 10%) +14.75 [-39.25, 68.75]" in c1.interval, c1.interval
+        assert "ZO-HFL - FedProx at (0.1, 10%) +15.13 [4.45, 25.82] held" in c1.interval
 
 
 def test_the_power_of_the_paired_test():

@@ -417,8 +417,11 @@ CLAIMS = [
 
 
 def verdicts(records: list[dict[str, Any]]) -> list[Verdict]:
-    """The claims' verdicts by their declared rules on each dataset of the per-seed ``records``."""
-    by = group(records, itemgetter("dataset"))
+    """The claims' verdicts by their declared rules on each dataset of the per-seed ``records``. A diverged run
+    is no pair: its seed leaves every comparison it is a side of (before: a run that diverged before any
+    evaluation stopped every verdict of its dataset with a NaN line, and one that diverged later was paired
+    with its last accuracy)."""
+    by = group([r for r in records if r["status"] != "diverged"], itemgetter("dataset"))
     return [v for ds, rs in by.items() for v in judge(CLAIMS, rs, DATASET_LABELS.get(ds, ds))]
 
 
