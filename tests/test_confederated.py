@@ -53,6 +53,20 @@ def test_mixing_matrix_properties(kind):
         assert adj.sum() // 2 == 51 and round(s, 3) == 0.902
 
 
+@pytest.mark.parametrize(
+    ("graph", "opts"), [("full", {"edge_prob": 0.01}), ("ring", {"edge_prob": 0.9}), ("random", {"edges": [[0, 1]]})]
+)
+def test_a_graph_option_the_server_graph_does_not_read_is_refused(graph, opts):
+    """``edge_prob`` is read by the random graph only, ``edges`` by ``edges`` only: set under another kind they
+    were silently unused (a full graph gave the same run at edge_prob 0.01 and 0.9)."""
+    from fedweave.topology.confederation import ConfederationHparams
+
+    key = next(iter(opts))
+    with pytest.raises(ConfigError, match=rf"^algorithm\.{key}: graph '{graph}' does not read it \(only graph "):
+        ConfederationHparams(graph=graph, **opts)
+    ConfederationHparams(graph=graph, graph_seed=3)  # a grid over graphs may fix the seed of whichever is random
+
+
 def test_graph_options_and_errors():
     adj = build_graph("edges", 4, edges=[[0, 1], [1, 2], [2, 3]])
     assert adj.sum() == 6

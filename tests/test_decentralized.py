@@ -296,6 +296,26 @@ def test_every_family_option_written_out_at_its_default_builds(algo):
     build(algo, **opts)
 
 
+@pytest.mark.parametrize(
+    ("opts", "key"),
+    [
+        ({"edge_file": "no_such_graph.txt"}, "edge_file"),  # trained on the full graph; the file never opened
+        ({"degree": 3}, "degree"),
+        ({"topology": "ring", "degree": 6}, "degree"),
+        ({"topology": "random_regular", "edge_prob": 0.1}, "edge_prob"),
+        ({"rewire_prob": 0.9}, "rewire_prob"),
+        ({"topology": "small_world", "torus_rows": 7}, "torus_rows"),
+    ],
+)
+def test_a_graph_option_the_topology_does_not_read_is_refused(opts, key):
+    """Each graph option is read by its topology only: set under another, it was silently unused."""
+    with pytest.raises(ConfigError) as e:
+        build("gossip", **opts)
+    topology = opts.get("topology", "full")
+    assert str(e.value).startswith(f"algorithm.{key}: topology {topology!r} does not read it (only ")
+    build("gossip", topology=topology)  # the same topology without the option builds
+
+
 def test_afind_ledger_counts_match_selected_neighbours():
     algo = build("afind_plus", neighbours=4)
     P, d_phi = algo.layout.numel, algo.proxy.size

@@ -148,6 +148,15 @@ class ConfederationHparams:
             raise ConfigError(f"algorithm.edge_prob must be in (0, 1], got {self.edge_prob}")
         if self.graph_seed is not None and self.graph_seed < 0:
             raise ConfigError(f"algorithm.graph_seed must be >= 0 or null, got {self.graph_seed}")
+        # an option of one graph kind, set under another, was silently unused (graph: full with edge_prob 0.01);
+        # graph_seed may be set for every graph of a grid (it fixes whichever graph is random)
+        unread = {"edge_prob": (self.edge_prob != 0.2, "random"), "edges": (self.edges is not None, "edges")}
+        for key, (given, reader) in unread.items():
+            if given and self.graph != reader:
+                raise ConfigError(
+                    f"algorithm.{key}: graph {self.graph!r} does not read it (only graph {reader!r} does); set "
+                    f"algorithm.graph or leave {key} out"
+                )
 
 
 class Confederation:

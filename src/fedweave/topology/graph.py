@@ -19,6 +19,14 @@ from fedweave.config import ConfigError
 
 TOPOLOGIES = ("full", "half", "erdos_renyi", "ring", "torus", "random_regular", "small_world", "edgelist")
 Topology = Literal["full", "half", "erdos_renyi", "ring", "torus", "random_regular", "small_world", "edgelist"]
+# the one topology option each topology reads (the others' are not read: set, they are refused)
+READ_BY = {
+    "edge_prob": ("erdos_renyi",),
+    "degree": ("random_regular", "small_world"),
+    "rewire_prob": ("small_world",),
+    "torus_rows": ("torus",),
+    "edge_file": ("edgelist",),
+}
 
 
 # ---------------------------------------------------------------------------------------------- graphs

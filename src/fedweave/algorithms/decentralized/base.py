@@ -47,7 +47,7 @@ from fedweave.execution import (
 from fedweave.execution.dpsgd import PrivateTrainer
 from fedweave.execution.local import PLAIN, reindexed
 from fedweave.privacy import graph_privacy
-from fedweave.topology.graph import TOPOLOGIES, Topology, build_graph, neighbour_lists
+from fedweave.topology.graph import READ_BY, TOPOLOGIES, Topology, build_graph, neighbour_lists
 
 # batch-stream keys (``("batches", round, client, *key)``) of the jobs a DFL round may run besides the
 # client's own training (key ()): fine-tuning before evaluation, and copies trained for another client.
@@ -160,6 +160,14 @@ class GraphAlgorithm(Algorithm):
         for key, why in self.unread_options(hp).items():
             if getattr(hp, key) != defaults[key]:
                 raise ConfigError(f"algorithm.{key}: {why}; leave it out")
+        # a graph option the topology does not read, likewise (a forgotten topology: edgelist trained on the full
+        # graph, its edge_file never opened)
+        for key, readers in READ_BY.items():
+            if hp.topology not in readers and getattr(hp, key) != defaults[key]:
+                raise ConfigError(
+                    f"algorithm.{key}: topology {hp.topology!r} does not read it (only {' and '.join(readers)} "
+                    f"do); set algorithm.topology or leave {key} out"
+                )
         if ctx.config.sampler != Section("uniform"):  # the section would be ignored: nobody samples here
             raise ConfigError(
                 f"sampler: the decentralized family has every client train every round (the graph and the method "
