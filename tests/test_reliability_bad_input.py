@@ -479,6 +479,13 @@ OTHER_COMMANDS = [
         ["flower-app", "c.yaml", "app", "algorithm.name=cse_fsl", "model.name=split_small", "--on-error", "drop"],
         "on-error drop is not built for the split family yet (algorithm 'cse_fsl'); use on-error stop",
     ),
+    # an empty --out (an unset $OUT in a script) wrote into a default folder under ./runs/
+    (["run", "c.yaml", "--out", ""], "--out '': an empty path; give a directory"),
+    (["run", "c.yaml", "output.dir=''"], "output.dir must be a directory's path or null"),
+    (["sweep", "c.yaml", "--grid", "local.lr=0.1,0.2", "--out", " "], "--out ' ': an empty path; give a directory"),
+    (["report", "c.yaml", "--out", ""], "--out '': an empty path; give a file"),
+    (["plot", "c.yaml", "--out", ""], "--out '': an empty path; give a directory"),
+    (["reproduce", "fedmim", "--out", ""], "--out '': an empty path; give a directory"),
     (["nosuch"], "nosuch"),
     ([], "command"),
 ]
@@ -680,6 +687,24 @@ def test_stale_temporary_files_are_removed_when_a_run_resumes(tmp_path):
     stale.write_bytes(b"\0" * 1024)
     assert cli_main(["run", "--resume", str(tmp_path / "r"), "--no-progress"]) == 0
     assert not stale.exists()
+
+
+def test_a_resume_keeps_its_directory_and_its_progress_setting(tmp_path, capsys):
+    """``output.dir=X`` on a resume was accepted: the run went on in RUN_DIR and its config.yaml named X. And a
+    resume showed the progress bar whatever ``output.progress`` said (a new run follows it)."""
+    cfg = {**BASE, "output": {**BASE["output"], "checkpoint_every": 1, "progress": False}}
+    fedweave.run(cfg, run_dir=tmp_path / "r")
+    capsys.readouterr()
+    _one_line_error(
+        capsys,
+        cli_main(["run", "--resume", str(tmp_path / "r"), "rounds=3", "output.dir=elsewhere"]),
+        f"output.dir does not apply to a resumed run: it continues in {tmp_path / 'r'}",
+    )
+    assert load(tmp_path / "r" / "config.yaml").output.dir is None and not (tmp_path / "elsewhere").exists()
+    assert cli_main(["run", "--resume", str(tmp_path / "r"), "rounds=3"]) == 0
+    assert "3/3" not in capsys.readouterr().err  # no bar
+    assert cli_main(["run", "--resume", str(tmp_path / "r"), "rounds=4", "output.progress=true"]) == 0
+    assert "4/4" in capsys.readouterr().err  # the override shows it
 
 
 def _read_only_dir(path: Path):

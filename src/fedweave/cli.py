@@ -31,7 +31,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             )
         if args.out or args.overwrite:
             raise ConfigError("--out and --overwrite do not apply to --resume (the run continues in RUN_DIR)")
-        res = resume(args.resume, overrides, progress=not args.no_progress)
+        # the run's output.progress (or an override of it) decides, as for a new run (before: always a bar)
+        res = resume(args.resume, overrides, progress=False if args.no_progress else None)
     else:
         if not args.config:
             raise ConfigError("fedweave run needs a CONFIG file (or --resume RUN_DIR)")
@@ -617,6 +618,8 @@ def _main(argv: list[str] | None) -> int:
         args.overrides += extra  # key=value overrides after the options (`run C --out D rounds=5`)
     elif extra:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if getattr(args, "out", None) is not None and not args.out.strip():  # an unset $OUT wrote into ./runs/
+        p.error(f"--out {args.out!r}: an empty path; give a {'file' if args.command == 'report' else 'directory'}")
     if args.command == "sweep":  # remember which were given, so they win over a YAML `sweep:` section
         args.seeds_given, args.workers_given, args.out_given = args.seeds, args.workers, args.out
         args.seeds, args.workers, args.out = args.seeds or 1, args.workers or 1, args.out or "runs/sweep"

@@ -414,6 +414,10 @@ class OutputConfig:
 
     def validate(self) -> None:
         """Check the ``output`` section; raise a :class:`ConfigError` naming the first bad key and what it allows."""
+        if self.dir is not None and not self.dir.strip():  # an unset variable in a script wrote into ./runs/
+            raise ConfigError(
+                f"output.dir must be a directory's path or null (runs/<name>-s<seed>-<time>), got {self.dir!r}"
+            )
         if self.checkpoint_every < 0:
             raise ConfigError(f"output.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         bad = [t for t in self.trackers if t not in ("tensorboard", "mlflow", "wandb")]

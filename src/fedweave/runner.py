@@ -583,6 +583,9 @@ def resume(
     if not (path / CHECKPOINT).is_file():
         raise CheckpointError(f"{path / CHECKPOINT} not found: {_no_checkpoint(path)}")
     config = load_config(path / "config.yaml", overrides)
+    if overrides and config.output.dir != load_config(path / "config.yaml").output.dir:
+        # accepted before: the run went on in run_dir and its config.yaml named the other folder
+        raise ConfigError(f"output.dir does not apply to a resumed run: it continues in {path}")
     check_resumed_objects(config, objects)
     return run(
         config,

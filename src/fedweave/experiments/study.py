@@ -238,6 +238,8 @@ class Study:
         """Plan, run the points (resumable, parallel, within the budget), record every finished run, report.
         ``argv``, the command line's options, is kept as ``opts.argv`` (a report may name its command)."""
         opts.argv = list(argv or [])
+        if opts.out is not None and not opts.out.strip():  # an unset $OUT: "." and its files
+            raise ConfigError(f"--out {opts.out!r}: an empty path; give a directory")
         if opts.out is None:  # each scale its own folder: scales share run names, whose runs would be replaced
             opts.out = f"runs/reproduce-{self.name}" + ("" if opts.scale == self.default_scale else f"-{opts.scale}")
         page = Path(opts.page) if getattr(opts, "page", None) else None
