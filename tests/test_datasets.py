@@ -320,8 +320,18 @@ def test_shakespeare_samples(plays_root):
                 decode(shakespeare.VOCAB[c] for c in ds.test_x[te[0]].tolist())
                 == text[n_train + seq : n_train + 2 * seq]
             )
-    capped = DATASETS.get("shakespeare")(root=plays_root, seq_len=seq, max_samples_per_user=10, max_users=2, seed=1)
-    assert len(set(capped.train_users.tolist())) == 2 and capped.num_train == 2 * 8
+    # a role needs n samples with n - floor(0.8 n) > seq_len for one test window: 26 at seq_len 5 (the second
+    # role drawn has 18 samples: 14 to train, none to test)
+    capped = DATASETS.get("shakespeare")(root=plays_root, seq_len=seq, max_samples_per_user=26, max_users=2, seed=1)
+    assert len(set(capped.train_users.tolist())) == 2 and capped.num_train == 20 + 14 and len(capped.test_y) == 1
+    # fewer left the test split empty: a run scored 0.0 on nothing every round and completed
+    with pytest.raises(
+        OptionError,
+        match=r"no test samples: .* a role needs 26 samples; raise max_samples_per_user \(got 25\) to at least 26$",
+    ):
+        DATASETS.get("shakespeare")(root=plays_root, seq_len=seq, max_samples_per_user=25)
+    with pytest.raises(OptionError, match=r"train_fraction 1 leaves none after them; give train_fraction < 1$"):
+        DATASETS.get("shakespeare")(root=plays_root, seq_len=seq, train_fraction=1.0)
 
 
 def test_shakespeare_plays_gzipped_in_root(plays_root, tmp_path):

@@ -125,6 +125,8 @@ def build_samples(
         uid += 1
     if uid == 0:
         raise ValueError(f"no role has more than seq_len={seq_len} characters")
+    if not sum(map(len, te_starts)):  # a run scored 0.0 on nothing every round and completed
+        raise OptionError(_no_test_samples(seq_len, train_fraction, max_samples_per_user))
     allc = np.concatenate(codes)
     tx, ty = _windows(allc, np.concatenate(tr_starts), seq_len)
     vx, vy = _windows(allc, np.concatenate(te_starts), seq_len)
@@ -136,6 +138,19 @@ def build_samples(
         "train_users": np.concatenate(tr_users),
         "test_users": np.concatenate(te_users),
     }
+
+
+def _no_test_samples(seq_len: int, train_fraction: float, cap: int | None) -> str:
+    """Why no role has a test sample: its test windows begin ``seq_len`` after its last training target (no
+    overlap), so a role needs n samples with n - max(1, floor(train_fraction n)) > seq_len."""
+    head = f"dataset 'shakespeare': no test samples: a role's test windows begin seq_len ({seq_len}) after its "
+    if train_fraction >= 1:
+        return head + "training samples, and train_fraction 1 leaves none after them; give train_fraction < 1"
+    n = seq_len + 1
+    while n - max(1, int(np.floor(train_fraction * n))) <= seq_len:
+        n += 1
+    fix = f"raise max_samples_per_user (got {cap}) to at least {n}" if cap is not None else "use more roles' text"
+    return head + f"training samples, so at train_fraction {train_fraction:g} a role needs {n} samples; {fix}"
 
 
 def _is_leaf(root) -> bool:
