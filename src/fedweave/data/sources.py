@@ -479,10 +479,13 @@ def _verify_all(name: str, found: dict[str, Path]) -> None:
 
 
 def _read_stamp(directory: Path) -> dict:
+    """The stamp of the files last verified, or none (every file is hashed again): unreadable, or not the
+    mapping it is written as (a stamp of ``null`` ended every command, the repair too, in a traceback)."""
     try:
-        return json.loads((directory / STAMP).read_text())
+        stamp = json.loads((directory / STAMP).read_text())
     except (OSError, ValueError):
         return {}
+    return stamp if isinstance(stamp, dict) else {}
 
 
 def _identity(st: os.stat_result) -> dict[str, int]:
@@ -512,7 +515,7 @@ def _check_cache(spec: DataSpec, directory: Path, *, rehash: bool = False) -> di
         raise SourceFailed(_missing_reason(missing, len(spec.files)))
     stamp, rehashed = _read_stamp(directory), False
     for rel, p in found.items():
-        s = stamp.get(rel, {})
+        s = stamp.get(rel)
         if not rehash and s == {"digest": pinned[rel], **_identity(p.stat())}:
             continue
         verify_file(p, pinned[rel], decompress=False, hint=_fix_hint(spec.name))
