@@ -525,6 +525,16 @@ def test_libsvm_errors(tmp_path):
     assert libsvm.map_labels(np.array([2.0, 7.0, 2.0]))[0][0].tolist() == [0, 1, 0]
 
 
+def test_libsvm_with_a_mistyped_huge_index_is_one_line(tmp_path):
+    """One index of 2e9 asked numpy for a dense 894 GiB matrix: a MemoryError traceback."""
+    (tmp_path / "a.txt").write_text(SVM + "+1 1:1 2000000000:1\n")
+    with pytest.raises(ValueError, match=r"a.txt: feature indices up to 2,000,000,000 make a dense matrix of 11 x "):
+        DATASETS.get("libsvm")(path=str(tmp_path / "a.txt"))
+    (tmp_path / "b.txt").write_text(SVM)
+    with pytest.raises(ValueError, match=r"a.txt: feature indices up to 2,000,000,000 .* a mistyped index$"):
+        DATASETS.get("libsvm")(path=str(tmp_path / "b.txt"), test_path=str(tmp_path / "a.txt"))
+
+
 def test_libsvm_errors_name_the_file_that_fails(tmp_path):
     # a broken test_path was reported as "cannot parse <path>", the training file, which was fine; a bad
     # test_fraction as "cannot parse" the file too
@@ -668,6 +678,16 @@ def test_synthetic_deterministic_and_federated():
     # A user's data depend only on (seed, user): fewer users give a prefix of the same data.
     few = DATASETS.get("synthetic")(alpha=0.5, beta=0.5, seed=3, max_size=300, num_users=4)
     assert torch.equal(few.train_x, a.train_x[: few.num_train])
+
+
+@pytest.mark.parametrize("size_mean", [22.0, 1000.0])
+def test_synthetic_sizes_beyond_memory_are_one_line(size_mean):
+    """A size_mean of 22 asked numpy for 2.35 TiB, one of 1000 overflowed int(): tracebacks. Capped by max_size,
+    the same draw is a user of max_size samples."""
+    with pytest.raises(OptionError, match=r"^dataset 'synthetic': user 0 draws .* lower size_mean or size_sigma"):
+        DATASETS.get("synthetic")(size_mean=size_mean, num_users=2)
+    capped = DATASETS.get("synthetic")(size_mean=size_mean, num_users=2, max_size=60)
+    assert capped.num_train + len(capped.test_y) == 2 * 60
 
 
 def test_synthetic_covariance_and_labels():

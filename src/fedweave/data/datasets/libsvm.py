@@ -5,6 +5,7 @@ LIBSVM files (a9a, w8a, covtype, ijcnn1, ...) are not on a package registry; pas
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +66,20 @@ def _not_empty(file: Path, y: np.ndarray) -> None:
         raise ValueError(f"dataset 'libsvm': {file} holds no samples; give a file with at least one line")
 
 
+def _dense(file: Path, x) -> np.ndarray:
+    """The sparse rows of ``file`` as the dense matrix training reads, refused in one line where it would not fit
+    in half of this machine's memory (one mistyped index of 2e9 asked numpy for 894 GiB, a traceback)."""
+    need = x.shape[0] * x.shape[1] * 8  # float64, as scipy densifies
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > memory // 2:
+        raise ValueError(
+            f"dataset 'libsvm': {file}: feature indices up to {x.shape[1]:,} make a dense matrix of {x.shape[0]:,} x "
+            f"{x.shape[1]:,} ({need / 2**30:,.1f} GiB), more than half of this machine's memory "
+            f"({memory / 2**30:,.1f} GiB); fedweave trains on dense features: check the file for a mistyped index"
+        )
+    return x.toarray()
+
+
 @DATASETS.register("libsvm")
 @reads_user_files
 def load_libsvm(
@@ -111,7 +126,9 @@ def load_libsvm(
         for file, y in ((train_file, ytr), (test_file, yte)):
             _not_empty(file, y)
         (ytr, yte), classes = map_labels(ytr, yte, files=(train_file, test_file))
-        xtr, xte = xtr.toarray(), xte.toarray()
+        # both files take the width of the larger index: the line names the file that holds it
+        wide = max((train_file, xtr), (test_file, xte), key=lambda fx: fx[1].indices.max(initial=-1))[0]
+        xtr, xte = _dense(wide, xtr), _dense(wide, xte)
     else:
         # checked before the file is read: a bad value is the option's error, not "cannot parse" the file
         test_fraction = opt_float(
@@ -125,7 +142,7 @@ def load_libsvm(
         _not_empty(train_file, y)
         (y,), classes = map_labels(y, files=(train_file,))
         tr, te = stratified_split(y, test_fraction, split_seed)
-        x = x.toarray()
+        x = _dense(train_file, x)
         xtr, ytr, xte, yte = x[tr], y[tr], x[te], y[te]
     if len(classes) < 2:
         raise ValueError(f"dataset 'libsvm': {train_file} has a single label {classes.tolist()}")

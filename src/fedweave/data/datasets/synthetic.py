@@ -15,10 +15,12 @@ Each user's first ``floor(train_fraction * n_k)`` samples train (0.9 as in FedPr
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from fedweave.data.base import Dataset
-from fedweave.data.datasets._common import as_tensors, opt_bool, opt_float, opt_int, reject_unknown
+from fedweave.data.datasets._common import OptionError, as_tensors, opt_bool, opt_float, opt_int, reject_unknown
 from fedweave.registry import DATASETS
 from fedweave.seeding import Seeds
 
@@ -45,9 +47,14 @@ def generate(
     users = []
     for k in range(num_users):
         rng = seeds.numpy("synthetic-user", k)
-        n = int(rng.lognormal(size_mean, size_sigma)) + min_size
-        if max_size is not None:
-            n = min(n, max_size)
+        raw = rng.lognormal(size_mean, size_sigma)
+        if max_size is not None and raw >= max_size:  # capped (an infinite draw too, which int() refused)
+            n = max_size
+        else:
+            _check_size(k, raw, num_features, size_mean, size_sigma)
+            n = int(raw) + min_size
+            if max_size is not None:
+                n = min(n, max_size)
         u_k, big_b_k = rng.normal(0, alpha), rng.normal(0, beta)
         if iid:
             w, b, v = w_iid, b_iid, np.zeros(num_features)
@@ -59,6 +66,18 @@ def generate(
         y = np.argmax(x @ w + b, axis=1)  # argmax of softmax = argmax of the logits
         users.append((x.astype(np.float32), y.astype(np.int64)))
     return users
+
+
+def _check_size(k: int, raw: float, num_features: int, size_mean: float, size_sigma: float) -> None:
+    """User ``k``'s drawn size ``raw`` must leave its features within half of this machine's memory: one line
+    otherwise (a size_mean of 22 asked numpy for 2.35 TiB, one of 1000 overflowed int(): tracebacks)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if not raw * num_features * 8 <= memory // 2:
+        raise OptionError(
+            f"dataset 'synthetic': user {k} draws {raw:.3g} samples (lognormal with size_mean {size_mean:g}, "
+            f"size_sigma {size_sigma:g}), whose features would not fit in half of this machine's memory "
+            f"({memory / 2**30:,.1f} GiB); lower size_mean or size_sigma, or set max_size"
+        )
 
 
 @DATASETS.register("synthetic")
