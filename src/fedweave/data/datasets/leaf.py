@@ -9,6 +9,7 @@ root= at the directory LEAF's preprocessing scripts wrote (e.g. ``leaf/data/femn
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,10 @@ def read_split(directory: Path) -> dict[str, dict[str, list]]:
             or not isinstance(blob.get("user_data"), dict)
         ):
             raise LEAFFormatError(f"{f}: expected keys 'users' and 'user_data' (LEAF layout)")
+        listed = Counter(u for u in blob["users"] if isinstance(u, str))  # another kind is refused below
+        if twice := next((u for u, times in listed.items() if times > 1), None):
+            # its samples were added once per listing, without a word (across files merging is the layout's)
+            raise LEAFFormatError(f"{f}: user {twice!r} is listed twice in 'users'; list each user once")
         for u in blob["users"]:
             d = blob["user_data"].get(u) if isinstance(u, str) else None
             if (
