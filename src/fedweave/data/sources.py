@@ -92,10 +92,18 @@ def cache_root() -> Path:
     """``$FEDWEAVE_DATA``, else ``$XDG_CACHE_HOME/fedweave``, else ``~/.cache/fedweave``."""
     if os.environ.get(ENV_DIR):
         root = Path(os.environ[ENV_DIR]).expanduser()
-        if root.exists() and not root.is_dir():  # else a bare "File exists" from a mkdir, naming no variable
+        # else a bare "File exists" or "Not a directory" from a mkdir, naming no variable
+        existing = next(p for p in (root, *root.parents) if p.exists() or p.is_symlink())
+        what = (
+            f"is a link to {os.readlink(root)}, which does not exist" if root.is_symlink() and not root.exists()
+            else "is not a directory" if existing == root and not root.is_dir()
+            else f"lies under {existing}, which is not a directory" if not existing.is_dir()
+            else ""
+        )  # fmt: skip
+        if what:
             raise DataSourceError(
-                f"{ENV_DIR}={os.environ[ENV_DIR]} is not a directory; set it to the directory that holds (or "
-                "will hold) the dataset cache, or unset it (then $XDG_CACHE_HOME/fedweave or ~/.cache/fedweave)"
+                f"{ENV_DIR}={os.environ[ENV_DIR]} {what}; set it to the directory that holds (or will hold) the "
+                "dataset cache, or unset it (then $XDG_CACHE_HOME/fedweave or ~/.cache/fedweave)"
             )
         return root
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -566,6 +574,19 @@ def _instructions(spec: DataSpec, cache: Path) -> str:
     return "\n".join(lines)
 
 
+def _work_dir(cache: Path) -> Path:
+    """A fresh directory beside ``cache`` to fetch or unpack into; one line naming the cache where it cannot be
+    made (a read-only cache named a random temporary directory that was never made)."""
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{cache.name}-", dir=cache.parent))
+    except OSError as e:
+        raise DataSourceError(
+            f"cannot write the dataset cache {cache.parent} ({e.strerror}); make it writable or set {ENV_DIR} to a "
+            "directory that is"
+        ) from e
+
+
 def resolve(
     name: str, root: str | Path | None = None, *, offline: bool | None = None, rehash: bool = False
 ) -> Resolved:
@@ -595,6 +616,8 @@ def resolve(
         if not (spec.archive and (root / spec.archive).is_file()):
             warnings.warn(f"ignoring root={root}: {reason}", stacklevel=2)
 
+    if cache.exists() and not cache.is_dir():  # else "missing 4 of 4 files", to be put under a file
+        raise DataSourceError(f"the dataset cache {cache} is a file, not a directory; move it away (see docs/data.md)")
     src = f"cache {cache}"
     failed: ChecksumError | None = None  # a cached file that failed: the next source overwrites it
     try:
@@ -629,8 +652,7 @@ def resolve(
             if not tarball.is_file():
                 continue
             src = f"archive {tarball}"
-            cache.mkdir(parents=True, exist_ok=True)
-            work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache.parent))
+            work = _work_dir(cache)
             try:
                 found, missing = locate(extract_archive(tarball, work, hint=_fix_hint(name)), rels)
                 if missing:
@@ -660,8 +682,7 @@ def resolve(
         if _offline(offline):
             attempts.append(Attempt(desc, f"skipped: offline ({ENV_OFFLINE} is set)"))
             continue
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache.parent))
+        work = _work_dir(cache)
         try:
             got = fetcher(work, rels) if by_url else fetcher(work)
             found, missing = locate(got, rels) if got.is_dir() else ({}, rels)
