@@ -11,6 +11,7 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import re
 import tarfile
 import warnings
@@ -505,3 +506,16 @@ def test_a_cache_that_cannot_be_written_is_one_line_naming_it(tmp_path, monkeypa
     monkeypatch.setattr(sources.tempfile, "mkdtemp", refused)
     with pytest.raises(sources.DataSourceError, match=r"^cannot write the dataset cache \S+ \(Permission denied\)"):
         sources.resolve("mnist")
+
+
+def test_the_program_writes_its_own_warnings_in_one_line(tmp_path):
+    """``ignoring root=...`` came in Python's two lines (a path inside the package, then its source line)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "wrong").mkdir()
+    env = {**os.environ, "FEDWEAVE_OFFLINE": "1", "FEDWEAVE_DATA": str(tmp_path / "data")}
+    cmd = [sys.executable, "-m", "fedweave", "data", "fetch", "mnist", "--root", str(tmp_path / "wrong")]
+    err = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120).stderr.splitlines()
+    assert err[0].startswith(f"fedweave: warning: ignoring root={tmp_path / 'wrong'}: missing 4 of 4 files"), err
+    assert len(err) == 2 and err[1].startswith("fedweave: error: dataset 'mnist' is not available"), err

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 
@@ -557,6 +558,18 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+_PACKAGE = Path(__file__).resolve().parent
+_python_warning = warnings.formatwarning
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """fedweave's own warnings (``ignoring root=...``, a replaced cache file) as one line, as its errors are;
+    the others as Python writes them (two lines: where, and the source line)."""
+    if category is UserWarning and Path(filename).resolve().is_relative_to(_PACKAGE):
+        return f"fedweave: warning: {message}\n"
+    return _python_warning(message, category, filename, lineno, line)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line (``argv``: its arguments; None: this process's own, as the program). Bad input ends
     in one line and status 2; Ctrl-C or SIGTERM, at any moment from the first import on, in one line and
@@ -567,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         previous = signal.getsignal(signal.SIGINT), signal.signal(signal.SIGTERM, _sigterm)
         if argv is None:  # registered first, so that it runs after every exit handler of what is imported later
             atexit.register(_end)
+            warnings.formatwarning = _one_line_warning
     code = 1  # the status of an exception not handled here
     try:
         code = _main(argv)
