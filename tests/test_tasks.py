@@ -289,6 +289,10 @@ def test_auc_on_a_test_split_that_is_not_0_1_is_refused_when_the_run_is_built(tm
         ("diabetes", {"loss": "mse", "metrics": ["auc"]}, r"'auc' needs 0/1 targets.*float targets; .*mse"),
         ("digits", {"metrics": ["accuracy", "mse"]}, r"'mse' needs float targets.*class labels \(10 classes\)"),
         ("digits", {"metrics": ["f1"]}, r"task\.metrics: 'f1' needs 0/1 targets.*accuracy"),
+        # top-k of k or fewer classes reported 1 in every round, whatever the model
+        ("breast_cancer", {"metrics": ["accuracy", "top3"]}, r"^task\.metrics: 'top3' is 1 whatever the model when"),
+        ("breast_cancer", {"metrics": ["top5"]}, r"at most 5 classes, and dataset 'breast_cancer' has 2; use accuracy$"),
+        ("digits", {"metrics": ["accuracy", "top3", "accuracy"]}, r"^task\.metrics names 'accuracy' twice"),
     ],
 )
 def test_a_metric_that_does_not_fit_the_targets_is_refused(tmp_path, dataset, task, message):

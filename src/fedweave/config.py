@@ -353,6 +353,8 @@ def check_task(loss: Any, metrics: list[str] | None, main: str | None) -> tuple[
     for i, m in enumerate(metrics):
         if m not in METRICS:
             raise ConfigError(f"task.metrics[{i}] must be one of {', '.join(METRICS.names())}, got {m!r}")
+        if m in metrics[:i]:  # refused as a duplicate key is anywhere else (before: silently once)
+            raise ConfigError(f"task.metrics names {m!r} twice; give each metric once")
     directions = {"loss": "min"}
     for m in metrics:
         directions.update(METRICS.get(m).keys)

@@ -464,6 +464,12 @@ class RunContext:
         binary = floats and all(bool(((y == 0) | (y == 1)).all()) for y in (ds.train_y, ds.test_y))  # both splits
         fits = {"class": not floats, "float": floats or one_output, "binary": binary if floats else one_output}
         for m in self.task.metrics:
+            # top-k of k or fewer classes is 1 whatever the model: a run reported a perfect score
+            if not floats and ds.num_classes <= (k := getattr(METRICS.get(m), "k", 1)) and k > 1:
+                raise ConfigError(
+                    f"task.metrics: {m!r} is 1 whatever the model when there are at most {k} classes, and dataset "
+                    f"{self.config.dataset.name!r} has {ds.num_classes}; use accuracy"
+                )
             wants = METRICS.get(m).targets
             if wants is None or fits[wants]:
                 continue
