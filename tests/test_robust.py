@@ -593,6 +593,14 @@ def test_attackers_come_from_the_seed_and_label_flip_poisons_only_their_samples(
     assert torch.equal(y, torch.tensor([0, 1, 2, 3, 4, 5]))  # the dataset is untouched
 
 
+def test_a_fraction_that_rounds_to_no_attacker_is_refused():
+    """0.1 of 4 clients is 0 attackers: the run went unattacked, its rows saying byzantine_clients 0."""
+    with pytest.raises(ConfigError, match=r"^faults\.byzantine\.fraction 0\.1 of 4 clients is 0 attackers .* 0\.125"):
+        attackers({"fraction": 0.1, "attack": "sign_flip"}, 4, Seeds(0))
+    assert len(attackers({"fraction": 0.125, "attack": "sign_flip"}, 4, Seeds(0))) == 1
+    assert len(attackers({"fraction": 0.0, "attack": "sign_flip"}, 4, Seeds(0))) == 0  # none, as asked
+
+
 @pytest.mark.parametrize(
     ("fraction", "n", "want"),
     [(0.25, 10, 3), (0.35, 10, 4), (0.15, 10, 2), (0.05, 10, 1), (0.07, 50, 4), (0.24, 10, 2)],

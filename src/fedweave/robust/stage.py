@@ -87,7 +87,13 @@ def attackers(spec: dict[str, Any] | None, num_clients: int, seeds: Seeds) -> np
                 f"(ids 0..{num_clients - 1})"
             )
         return ids
-    f = attacker_count(float(spec.get("fraction") or 0.0), num_clients)
+    fraction = float(spec.get("fraction") or 0.0)
+    f = attacker_count(fraction, num_clients)
+    if fraction > 0 and f == 0:  # the run went unattacked without a word, its rows saying byzantine_clients 0
+        raise ConfigError(
+            f"faults.byzantine.fraction {fraction:g} of {num_clients} clients is 0 attackers (rounded to the nearest "
+            f"whole number); give at least {0.5 / num_clients:.3g} for one attacker, or 0 for none"
+        )
     return np.sort(seeds.numpy("byzantine").choice(num_clients, f, replace=False)).astype(np.int64)
 
 
