@@ -88,6 +88,14 @@ def test_zipped_keys_vary_together(toy_config):
         expand(toy_config, zipped={"local.lr": [0.1, 0.2], "local.batch_size": [8]})
 
 
+@pytest.mark.parametrize("grid, zipped", [({"output.dir": ["x", "y"]}, None), (None, {"output": [{"dir": "x"}]})])
+def test_the_grid_may_not_place_the_runs(toy_config, grid, zipped):
+    """A grid over output.dir made points that ran alike in the sweep's folder, each config.yaml naming a folder
+    nothing was written to."""
+    with pytest.raises(GridError, match=r"^the grid may not set 'output(\.dir)?': each point runs in the sweep's"):
+        expand(toy_config, grid, zipped=zipped)
+
+
 def test_grid_and_baseline_values_are_read_as_a_config_reads_them(toy_config):
     # YAML 1.2, as a config file and a key=value override: 012 is 12 (not octal 10), 1e3 a number, 1:30 a string
     grid = parse_grid(["local.batch_size=012,16", "rounds=1e0,2"])

@@ -136,6 +136,9 @@ def expand(
         raise GridError(f"seeds must be a whole number >= 1, got {seeds!r}")
     if "seed" in grid or "seed" in zipped:
         raise GridError("the grid may not set 'seed': use seeds N (runs the base seed and the next N-1)")
+    if swept := next((k for k in (*grid, *zipped) if k in ("output", "output.dir")), None):
+        # the sweep places each point's run itself: the points ran alike, and config.yaml named a folder never used
+        raise GridError(f"the grid may not set {swept!r}: each point runs in the sweep's folder, runs/<point>")
     both = set(grid) & set(zipped)
     if both:
         raise GridError(f"key {sorted(both)[0]!r} is both a grid key and a zipped key")
