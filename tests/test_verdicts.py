@@ -369,3 +369,50 @@ def test_the_p_value_is_where_the_interval_leaves_zero(test):
     assert seen > 20
     assert Paired("acc", {}, {}, test=test).p_value(np.zeros(4)) == 1.0  # all 0: the interval is [0, 0]
     assert Paired("acc", {}, {}, test=test).p_value(np.full(4, 0.2)) == 0.0  # no spread, not 0: any level
+
+
+def test_a_number_may_stand_on_either_side_of_a_selector():
+    """The docs combine selectors "with a number": ``0.5 * cell(...)`` and ``1 - cell(...)`` were TypeErrors."""
+    from fedweave.experiments.verdicts import cell
+
+    recs = [{"method": "a", "seed": s, "acc": v} for s, v in enumerate((1.0, 2.0, 4.0))]
+    a = cell(method="a")
+    assert (0.5 * a).values(recs, "acc") == (a * 0.5).values(recs, "acc") == {0: 0.5, 1: 1.0, 2: 2.0}
+    assert (1 - a).values(recs, "acc") == {0: 0.0, 1: -1.0, 2: -3.0}
+    assert (1 + a).values(recs, "acc") == (a + 1).values(recs, "acc")
+
+
+@pytest.mark.parametrize("name", ["mean", "median"])
+def test_a_mean_or_median_of_no_selector_is_one_line(name):
+    """``mean()`` was an IndexError when the rule was judged."""
+    from fedweave.experiments import verdicts
+
+    with pytest.raises(ConfigError, match=rf"^verdict rule: {name}\(\) needs at least one selector"):
+        getattr(verdicts, name)()
+
+
+def test_a_missing_value_counts_as_no_finite_value():
+    """A record read back without its value (None) raised a TypeError in the pairing, the ranks and the cells'
+    counts; it is a run without a finite value, as a NaN is."""
+    from fedweave.experiments.aggregate import diverged, finite_runs, ranks
+    from fedweave.experiments.verdicts import complete_pairs
+
+    recs = [{"m": m, "seed": s, "acc": None if (m, s) == ("b", 2) else 1.0 + s} for m in "ab" for s in range(3)]
+    assert {r["seed"] for r in complete_pairs(recs, lambda r: r["m"], ("acc",))} == {0, 1}
+    assert ranks({"a": None, "b": 1.0, "c": np.float32(2.0)}) == {"c": 1, "b": 2, "a": 3}
+    assert diverged("acc")(recs) == 1 and len(finite_runs("acc")(recs)) == 5
+
+
+def test_all_of_paired_and_threshold_parts_counts_the_pairs():
+    """A threshold's single run (n=1) made the line end "n=1" beside a paired part of 3 pairs."""
+    from fedweave.experiments.verdicts import All
+
+    recs = [{"m": m, "seed": s, "acc": v + s} for m, v in (("a", 5.0), ("b", 1.0)) for s in range(3)]
+    rule = All(
+        (
+            ("a - b", Paired("acc", {"m": "a"}, {"m": "b"})),
+            ("a at 0", Threshold("acc", ">=", 0.5, where={"m": "a", "seed": 0})),
+        )
+    )
+    got = rule.judge(recs)
+    assert got.n == 3 and got.text.endswith("n=3: held"), got.text

@@ -4,6 +4,7 @@ statistic that needs every seed, and rounds/bytes to reach a target."""
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -36,9 +37,15 @@ def seed_gaps(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> lis
     return [y[s] - x[s] for s in sorted(set(x) & set(y))]
 
 
+def is_finite(value: Any) -> bool:
+    """A finite number: not NaN or infinite (a diverged run), nor missing (None: a record read back without it,
+    on which ``math.isfinite`` raised a TypeError)."""
+    return isinstance(value, numbers.Real) and math.isfinite(value)  # numpy's scalars too
+
+
 def finite(values: list[float]) -> tuple[list[float], int]:
     """The finite values (the runs that did not diverge), and how many others there were."""
-    ok = [v for v in values if math.isfinite(v)]
+    ok = [v for v in values if is_finite(v)]
     return ok, len(values) - len(ok)
 
 
@@ -126,7 +133,7 @@ def finite_runs(key: str, by_seed: bool = False, or_all: bool = False) -> Callab
     with ``or_all`` all of them when none is (the cell then reads NaN)."""
 
     def runs(rs: list[Any]) -> list[Any]:
-        ok = [r for r in rs if math.isfinite(r[key])]
+        ok = [r for r in rs if is_finite(r[key])]
         if by_seed:
             return sorted(ok, key=lambda r: r["seed"])
         return (ok or rs) if or_all else ok
@@ -136,7 +143,7 @@ def finite_runs(key: str, by_seed: bool = False, or_all: bool = False) -> Callab
 
 def diverged(key: str) -> Stat:
     """How many of a cell's records have no finite ``key`` (runs that diverged)."""
-    return lambda rs: sum(not math.isfinite(r[key]) for r in rs)
+    return lambda rs: sum(not is_finite(r[key]) for r in rs)
 
 
 def ranks(values: dict[Any, float]) -> dict[Any, int]:
@@ -144,7 +151,7 @@ def ranks(values: dict[Any, float]) -> dict[Any, int]:
     every seed diverged) ranks after every number."""
 
     def order(k: Any) -> tuple[bool, float]:  # a NaN compares false with everything and would scramble the sort
-        nan = math.isnan(values[k])
+        nan = not isinstance(values[k], numbers.Real) or math.isnan(values[k])  # None (missing) as a NaN
         return nan, 0.0 if nan else -values[k]
 
     return {k: i + 1 for i, k in enumerate(sorted(values, key=order))}

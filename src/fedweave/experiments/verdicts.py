@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from fedweave.config import ConfigError
+from fedweave.experiments.aggregate import is_finite
 
 HELD, NOT_HELD, INCONCLUSIVE, UNTESTABLE = "held", "did not hold", "inconclusive", "untestable"
 TESTS = {"t": "paired t", "bootstrap": "paired bootstrap"}  # a test's name -> its name in a verdict's line
@@ -115,6 +116,14 @@ class Select:
     def __mul__(self, other: Select | float) -> Select:
         return Select(op=operator.mul, args=(self, other))
 
+    # a number on the left, as the module docstring's "combined with a number" reads (0.5 * cell(...) was a
+    # TypeError)
+    def __rsub__(self, other: float) -> Select:
+        return Select(op=operator.sub, args=(other, self))
+
+    __radd__ = __add__
+    __rmul__ = __mul__
+
     def __repr__(self) -> str:
         if self.op is None:
             return f"cell({', '.join(f'{k}={v!r}' for k, v in self.where.items())})"
@@ -126,9 +135,15 @@ def cell(**where: Any) -> Select:
     return Select(where)
 
 
+def _sides(name: str, sides: tuple) -> tuple:
+    if not sides or not any(isinstance(s, Select) for s in sides):  # else an IndexError when judged
+        raise ConfigError(f"verdict rule: {name}() needs at least one selector, e.g. {name}(cell(method='a'))")
+    return sides
+
+
 def mean(*sides: Select) -> Select:
     """The mean of several selectors' values, pair by pair (e.g. a gain averaged over several methods)."""
-    return Select(op=_mean, args=sides)
+    return Select(op=_mean, args=_sides("mean", sides))
 
 
 def _mean(*values: float) -> float:
@@ -137,7 +152,7 @@ def _mean(*values: float) -> float:
 
 def median(*sides: Select) -> Select:
     """The median of several selectors' values, pair by pair (e.g. over every CFL-SAGA setting of a seed)."""
-    return Select(op=_median, args=sides)
+    return Select(op=_median, args=_sides("median", sides))
 
 
 def _median(*values: float) -> float:
@@ -150,7 +165,7 @@ def complete_pairs(
     """The records with finite ``metrics`` of the ``pair`` values (seeds) that have such a record in every cell
     (``cell(record)``) of ``records``: the pairs of a paired rule; none when fewer than 2 seeds do (a paired
     claim cannot be tested on one)."""
-    ok = [r for r in records if all(math.isfinite(r[k]) for k in metrics)]
+    ok = [r for r in records if all(is_finite(r[k]) for k in metrics)]
     cells = {cell(r) for r in records}
     seeds = {s for s in {r[pair] for r in ok} if {cell(r) for r in ok if r[pair] == s} == cells}
     return [r for r in ok if r[pair] in seeds] if len(seeds) >= 2 else []
@@ -433,7 +448,9 @@ class All:
             else f"{label} {d.text}"  # untestable, or a threshold: no interval
             for (label, d), b in zip(got, bounds)
         )
-        n = min(d.n for _, d in got)
+        # the pairs of the paired parts (a threshold's single run, n=1, said "n=1" beside n=3 pairs)
+        paired = [d.n for (_, d), (_, rule) in zip(got, self.parts) if isinstance(rule, Paired)]
+        n = min(paired or [d.n for _, d in got])
         unit = f" ({first.unit})" if first.unit and isinstance(first, Paired) else ""  # a threshold states its own
         text = f"all of {len(got)}{unit}: {each}; {first.test_name() if own else first.describe()}, n={n}: {outcome}"
         return Decision(outcome, min(d.estimate for _, d in got), None, None, n, text, "")
