@@ -366,6 +366,17 @@ def test_a_colon_number_is_not_read_in_base_60(tmp_path):
         load(BASE, ["seed=1:30"])
 
 
+def test_booleans_are_read_by_yaml_1_2s_rule(tmp_path):
+    """YAML 1.1 read yes/no/on/off as booleans: a run named ``no`` was refused as "got False", and
+    ``output.plots: no`` passed for a boolean nobody wrote; 1.2 reads them as the strings they are."""
+    (tmp_path / "c.yaml").write_text("name: no\noutput: {plots: false, progress: FALSE}\n")
+    cfg = load(tmp_path / "c.yaml")
+    assert (cfg.name, cfg.output.plots, cfg.output.progress) == ("no", False, False)
+    assert load(BASE, ["name=off"]).name == "off" and load(BASE, ["output.plots=True"]).output.plots is True
+    with pytest.raises(ConfigError, match="output.plots must be true or false, got 'no'"):
+        load(BASE, ["output.plots=no"])
+
+
 @pytest.mark.parametrize("unset", ["null", "", "~"])
 @pytest.mark.parametrize("key", ["dataset", "partition", "model", "algorithm", "sampler", "aggregator"])
 def test_a_named_section_set_to_null_is_the_section_left_out(tmp_path, key, unset):

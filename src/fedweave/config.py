@@ -112,6 +112,15 @@ _Loader.yaml_implicit_resolvers = {
 }
 _Loader.add_implicit_resolver("tag:yaml.org,2002:int", _INT, list("-+0123456789"))
 
+# YAML 1.2's booleans: PyYAML's 1.1 rule also reads yes/no/on/off (and y/n's cousins) as booleans, so a run named
+# `no` was refused as "got False" and `topology: off` named a value nobody wrote; 1.2 reads them as strings
+_BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in _Loader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", _BOOL, list("tTfF"))
+
 
 def _int_1_2(loader: _Loader, node: yaml.ScalarNode) -> int:
     text = loader.construct_scalar(node).replace("_", "")
