@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import csv
+import math
+import re
+import shutil
+from pathlib import Path
 
 import torch
 
+from fedweave.accounting.split import SplitSizes
 from fedweave.data.base import Dataset
 from fedweave.registry import DATASETS
 from fedweave.reproduce.cse_fsl import main, preset
@@ -195,3 +200,147 @@ def test_a_dataset_of_other_samples_than_images_is_one_line_naming_dataset(tmp_p
     from fedweave.reproduce.cse_fsl import plan
 
     assert plan(SimpleNamespace(dataset="digits", scale="smoke", seeds=None, out=str(tmp_path / "d"))).points
+
+
+# ---- diverged runs: reported, never paired ----------------------------------------------------------------
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "reproductions" / "cse-fsl"
+SIZES = SplitSizes(client=9_568, server=66_954, aux=5_130, smashed=512)  # spec §9.3's digits-mini
+
+
+def _runs(p, seeds: int = 3, diverged: dict | None = None) -> list[dict]:
+    """Records as ``record`` writes them for every run of ``p`` over 3 rounds, their load and storage the closed
+    forms', accuracies spread by method and seed; ``diverged``: (key, seed) -> the rounds it evaluated before
+    diverging (0: none)."""
+    from fedweave.accounting.split import round_bytes, server_copies, storage_params
+
+    keys = [(m, m, 1) for m in ("fsl_mc", "fsl_oc", "fsl_an")] + [(f"cse_fsl h={h}", "cse_fsl", h) for h in p.hs]
+    keys.append((f"cse_fsl h={p.random_h} random", "cse_fsl", p.random_h))
+    out, samples = [], [280] * p.clients
+    for i, (key, method, h) in enumerate(keys):
+        load = round_bytes(method, SIZES, samples, p.batch_size, h=h)["load"]
+        for s in range(seeds):
+            n = (diverged or {}).get((key, s), 3)
+            acc = 0.9 - 0.01 * i + 0.004 * s + ((7 * i + 3 * s) % 5) / 1000
+            rows = [{"round": r, "load_bytes": load * r, "test_accuracy": acc,
+                     "storage_params": storage_params(method, SIZES, p.clients),
+                     "server_copies": server_copies(method, p.clients), "smashed_uploads_per_client": 28 * r / h}
+                    for r in range(1, n + 1)]  # fmt: skip
+            status = "completed" if n == 3 else "diverged"
+            out.append({"key": key, "seed": s, "method": method, "clients": p.clients, "h": h, "status": status,
+                        "rows": rows, "sizes": SIZES, "samples": samples})  # fmt: skip
+    return out
+
+
+def _line(md: str, start: str) -> str:
+    return next(x for x in md.splitlines() if x.startswith(start))
+
+
+def test_a_diverged_seed_leaves_the_pairs_not_its_method():
+    """A seed of FSL_AN that diverged (``nan`` in a table's per-seed list): its good seeds stay, C2 pairs the other
+    9 (before: the regex dropped the whole line, so C2, which compares FSL_AN, vanished from the claims); with
+    fewer than 2 seeds where FSL_AN completed, C2 is shown untestable."""
+    from fedweave.experiments.tables import read_csv
+    from fedweave.reproduce.cse_fsl import claims_table, seed_records
+
+    md = (DOCS / "table-digits.md").read_text(encoding="utf-8").replace("- fsl_an: 96.73,", "- fsl_an: nan,")
+    p = preset("small", "digits")
+    p.records, p.storage = seed_records(md), read_csv(DOCS / "storage-digits.csv")
+    an = [r for r in p.records if r["method"] == "fsl_an"]
+    assert [r["seed"] for r in an] == list(range(10)) and math.isnan(an[0]["accuracy"]) and an[1]["accuracy"] == 99.24
+    table = read_csv(DOCS / "table-digits.csv")
+    c2 = _line(claims_table(table, p), "| C2 ")
+    assert c2.endswith("95 % paired t, n=9: held |"), c2
+    assert "+3.18 [" not in c2  # seed 0 left the pairs: not the 10-seed interval of the committed table
+    # only seed 9 of FSL_AN completed: one pair, untestable (said so), not left out and not an error
+    md = re.sub(r"^- fsl_an: .*$", "- fsl_an: " + "diverged, " * 9 + "97.48", md, flags=re.M)
+    p.records = seed_records(md)
+    c2 = _line(claims_table(table, p), "| C2 ")
+    assert "untestable" in c2 and "fewer than 2 seeds" in c2, c2
+    assert "n=10" in _line(claims_table(table, p), "| C6 ")  # a claim not comparing FSL_AN keeps its 10 pairs
+
+
+def test_the_page_shows_a_diverged_seed_as_diverged(tmp_path):
+    """The page's generated sections on a committed table with a diverged seed of FSL_AN (IID and non-IID):
+    written, the seed shown as diverged (before: ``KeyError: 'fsl_an'`` in the non-IID Table V)."""
+    from fedweave.reproduce.cse_fsl import sections
+
+    folder = tmp_path / "cse-fsl"
+    shutil.copytree(DOCS, folder)
+    for f, first in (("table-fashion_mnist.md", "83.30"), ("table-fashion_mnist-noniid.md", "73.75")):
+        text = (folder / f).read_text(encoding="utf-8")
+        (folder / f).write_text(text.replace(f"- fsl_an: {first},", "- fsl_an: nan,"), encoding="utf-8")
+    out = sections(folder)
+    row = _line(out["table-fashion_mnist-noniid"], "| FSL_AN |")
+    assert "(1/5 diverged)" in row and "| diverged, 70.15, 74.35, 70.75, 70.85 |" in row, row
+    assert "higher on 4 of the 4" in out["h1-vs-an"], out["h1-vs-an"]  # the seeds both completed
+    assert "(1/5 diverged)" in _line(out["table-fashion_mnist"], "| FSL_AN |")
+
+
+def test_a_run_that_diverged_before_its_first_evaluation_is_a_diverged_record(tmp_path):
+    """A run with no metric rows (diverged before its first evaluation) is a record marked diverged (before:
+    ``SystemExit: nothing to tabulate``, which stopped the report and every rerun); Table V counts it as diverged,
+    its seed leaves the claims' pairs, and FSL_MC's load is its completed runs' (not lost with the run)."""
+    from types import SimpleNamespace
+
+    from fedweave.experiments.study import Plan
+    from fedweave.reproduce.cse_fsl import jobs, record, report
+    from fedweave.runner import Result
+
+    p = preset("smoke", "_toy_split_tiny")
+    point = jobs(p, [0], tmp_path)[0]
+    res = Result(tmp_path, [], {"status": "diverged", "wall_seconds": 0.5})
+    got = record(point, res, Plan([point], (p, [0], {})))
+    assert (got["status"], got["rows"], got["key"]) == ("diverged", [], "fsl_mc")
+
+    p = preset("noniid", "fashion_mnist")
+    results = _runs(p, diverged={("fsl_mc", 1): 0})
+    report_ = report(results, Plan([], (p, [0, 1, 2], {})), SimpleNamespace(scale="noniid"), 1.0)
+    md = report_.files["table.md"]
+    assert "- fsl_mc: 90.00, diverged, 90.90\n" in md
+    row = _line(md, "| FSL_MC |")
+    assert row.startswith("| FSL_MC | 90.45 (1/3 diverged) | 0.64 | 90.00, diverged, 90.90 | 1.000 |"), row
+    # seed 1 left the pairs of the claims comparing FSL_MC: 2 seeds paired, not 3 (nor an error)
+    assert _line(md, "| C8 ").endswith("n=2: held |") and ", n=2: " in _line(md, "| C9 ")
+
+
+def test_table_v_reads_load_and_storage_from_a_completed_run():
+    """Table V's load and storage are a completed run's: FSL_MC's seed 0 diverging after 1 of 3 rounds leaves its
+    load, storage and every load ratio as they were (before: read from that run's last row, a third of the load,
+    so every load / FSL_MC tripled); a method none of whose runs completed has none (—), not a partial one."""
+    from fedweave.reproduce.cse_fsl import markdown, summarize
+
+    p = preset("small", "digits")
+    whole = {t["method"]: t for t in summarize(_runs(p), p)}
+    div = {("fsl_mc", 0): 1} | {("fsl_oc", s): 2 for s in range(3)}
+    table = summarize(_runs(p, diverged=div), p)
+    got = {t["method"]: t for t in table}
+    keys = ("load_gib", "load_formula_gib", "load_ratio", "storage_m", "server_copies", "uploads_per_client")
+    for m in ("fsl_mc", "fsl_an", "cse_fsl h=4"):
+        assert [got[m][k] for k in keys] == [whole[m][k] for k in keys], m
+    assert got["fsl_mc"]["load_exact"] and got["fsl_oc"]["load_exact"]  # the rows they have are the closed form's
+    assert [got["fsl_oc"][k] for k in keys] == [None] * len(keys)
+    assert math.isnan(got["fsl_oc"]["accuracy"]) and got["fsl_oc"]["accuracy_std"] is None
+    md = markdown(table, p, "small", [0, 1, 2], 1.0)
+    assert _line(md, "| FSL_OC (+clip) |").startswith("| FSL_OC (+clip) | diverged (3/3) | — | — | — | — | — |")
+    row = _line(md, "| FSL_MC |")
+    assert row.startswith("| FSL_MC | 90.80 (1/3 diverged) | 0.14 | ") and " | 1.000 | " in row, row
+    assert "- fsl_oc: diverged, diverged, diverged\n" in md
+
+
+def test_a_diverged_run_of_the_storage_measurement_is_shown_and_leaves_c5_untestable():
+    """A run of ``--scale storage`` that diverged before its one evaluation (now a record, not a stop) measured
+    nothing: its cells read diverged, C5 is untestable (said so) and the others are still checked against the
+    closed forms."""
+    from fedweave.reproduce.cse_fsl import storage_report
+
+    results = []
+    for r in _storage(SIZES):
+        bad = (r["method"], r["clients"]) == ("fsl_an", 5)
+        rows = [] if bad else [{"round": 1, "storage_params": r["storage_params"], "server_copies": r["server_copies"]}]
+        results.append({"method": r["method"], "clients": r["clients"], "sizes": SIZES, "rows": rows,
+                        "status": "diverged" if bad else "completed"})  # fmt: skip
+    got = storage_report(results, preset("storage", "digits"), 1.0)
+    md = got.files["storage.md"]
+    assert got.status == 0 and "| FSL_AN | 5 | diverged | 408,260 | diverged | 5 | — |" in md
+    assert md.rstrip().endswith("untestable by a declared rule: a run of the storage measurement diverged: "
+                                "no storage measured there |")  # fmt: skip

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 from operator import attrgetter, itemgetter
@@ -29,14 +29,14 @@ from fedweave.accounting.split import (
     storage_params,
 )
 from fedweave.config import ConfigError, RunConfig
-from fedweave.experiments.aggregate import group, if_all, mean_std, seed_gaps, to_target
+from fedweave.experiments.aggregate import finite, group, if_all, mean_std, seed_gaps, to_target
 from fedweave.experiments.blocks import verdict_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.pages import paragraph, stated
 from fedweave.experiments.plots import plot_curves
 from fedweave.experiments.study import Claim, Plan, Report, Rows, Study, judge, known_datasets, not_run, option
 from fedweave.experiments.tables import Col, layout, markdown_table, read_csv, signed
-from fedweave.experiments.verdicts import All, Paired, Select, Threshold, Untestable, cell
+from fedweave.experiments.verdicts import All, Decision, Paired, Select, Threshold, Untestable, cell, complete_pairs
 from fedweave.runner import Result
 
 NONIID_NOTE = ", its non-IID column: 2 label-sorted shards per client"
@@ -150,30 +150,41 @@ def split_facts(config: RunConfig) -> tuple[SplitSizes, list[int]]:
 
 
 # ---- summaries ---------------------------------------------------------------------------------------------
+def completed(run: dict[str, Any]) -> bool:
+    """Whether a run's record is of a completed run: a diverged one has no final accuracy, and its load stops at
+    the round it diverged in (none at all before its first evaluation)."""
+    return run["status"] == "completed" and bool(run["rows"])
+
+
 def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
-    """Table V's rows, one per method variant over its seeds: final accuracy (mean, std, per seed), the measured
-    load and storage beside their closed forms, the load to reach the target and the paper's CIFAR-10 numbers."""
+    """Table V's rows, one per method variant over its seeds: final accuracy (mean and std over the seeds that
+    completed, and per seed: NaN where a run diverged), the measured load and storage of a completed run beside
+    their closed forms (None where none completed), the load to reach the target (over the completed runs) and
+    the paper's CIFAR-10 numbers."""
     table = []
     for key, rs in group(results, lambda r: r["key"]).items():
-        method, h, sizes, last = rs[0]["method"], rs[0]["h"], rs[0]["sizes"], rs[0]["rows"][-1]
-        accs = [100 * r["rows"][-1]["test_accuracy"] if r["status"] == "completed" else math.nan for r in rs]
-        acc_m, acc_s = mean_std(accs)
+        method, h, sizes = rs[0]["method"], rs[0]["h"], rs[0]["sizes"]
+        done = [r for r in rs if completed(r)]
+        accs = [100 * r["rows"][-1]["test_accuracy"] if completed(r) else math.nan for r in rs]
+        ok, _ = finite(accs)
+        acc_m, acc_s = mean_std(ok)
         formulas = [round_bytes(method, sizes, r["samples"], p.batch_size, h=h)["load"] for r in rs]  # per round
-        reach = if_all([to_target(r["rows"], "test_accuracy", p.target, "load_bytes") for r in rs], np.mean)
+        reach = if_all([to_target(r["rows"], "test_accuracy", p.target, "load_bytes") for r in done], np.mean)
         paper = PAPER_TABLE_V["cifar10"].get(key) or (None,) * 4  # (IID acc, non-IID acc, load, storage)
+        m = _measured(done, p)
         table.append(
             {
                 "method": key,
                 "accuracy": acc_m,
-                "accuracy_std": acc_s if len(accs) > 1 else None,  # one seed has no spread to show ("—")
-                "load_gib": last["load_bytes"] / GIB,
-                "load_formula_gib": formulas[0] * last["round"] / GIB,
+                "accuracy_std": acc_s if len(ok) > 1 else None,  # one completed seed has no spread to show ("—")
+                "load_gib": m["load_gib"],
+                "load_formula_gib": m["load_formula_gib"],
                 "load_exact": all(x["load_bytes"] == f * x["round"] for r, f in zip(rs, formulas) for x in r["rows"]),
-                "storage_m": last["storage_params"] / 1e6,
-                "storage_formula_m": storage_params(method, sizes, len(rs[0]["samples"])) / 1e6,
-                "server_copies": last["server_copies"],
+                "storage_m": m["storage_m"],
+                "storage_formula_m": m["storage_formula_m"],
+                "server_copies": m["server_copies"],
                 "load_to_target_gib": float(reach) / GIB if reach is not None else None,
-                "uploads_per_client": last["smashed_uploads_per_client"],
+                "uploads_per_client": m["uploads_per_client"],
                 "paper_acc": paper[1] if p.noniid else paper[0],
                 "paper_load": paper[2],
                 "paper_storage": paper[3],
@@ -182,9 +193,31 @@ def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
         )
     mc = next(t for t in table if t["method"] == "fsl_mc")
     for t in table:
-        t["load_ratio"] = t["load_gib"] / mc["load_gib"]
+        t["load_ratio"] = t["load_gib"] / mc["load_gib"] if None not in (t["load_gib"], mc["load_gib"]) else None
         t["paper_load_ratio"] = t["paper_load"] / mc["paper_load"] if t["paper_load"] and mc["paper_load"] else None
     return table
+
+
+MEASURED = ("load_gib", "load_formula_gib", "storage_m", "storage_formula_m", "server_copies", "uploads_per_client")
+
+
+def _measured(done: list[dict[str, Any]], p: Preset) -> dict[str, Any]:
+    """A method's measured load and storage in Table V beside their closed forms, read from the first of its
+    completed runs ``done``: the same on every completed seed (the presets' partitions, equal IID shares and equal
+    label shards, give every seed the same samples per client). A diverged run's numbers stop at the round it
+    diverged in, so a method none of whose runs completed has none (None: not available, no partial numbers)."""
+    if not done:
+        return dict.fromkeys(MEASURED)
+    run, last = done[0], done[0]["rows"][-1]
+    per_round = round_bytes(run["method"], run["sizes"], run["samples"], p.batch_size, h=run["h"])["load"]
+    return {
+        "load_gib": last["load_bytes"] / GIB,
+        "load_formula_gib": per_round * last["round"] / GIB,
+        "storage_m": last["storage_params"] / 1e6,
+        "storage_formula_m": storage_params(run["method"], run["sizes"], len(run["samples"])) / 1e6,
+        "server_copies": last["server_copies"],
+        "uploads_per_client": last["smashed_uploads_per_client"],
+    }
 
 
 def _by(table: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -201,12 +234,29 @@ def _mid(table) -> list[dict[str, Any]]:
     return [t for t in _cse(table) if 1 < int(t["method"].split("h=")[1]) <= 5] or _cse(table)
 
 
+# a seed's final accuracy in a table's per-seed list: a number, or ``diverged`` (``nan`` in a table written before
+# diverged runs were named so)
+SEED_ACC = r"(?:[\d.]+|nan|diverged)"
+
+
 def seed_records(md: str) -> list[dict[str, Any]]:
     """The per-seed final accuracies a ``table-*.md`` lists (``- METHOD: a, b, c`` under its seeds
-    ``[0, 1, 2]``, at the 2 decimals it prints), one record per method and seed: what the claims' rules read."""
+    ``[0, 1, 2]``, at the 2 decimals it prints), one record per method and seed: what the claims' rules read.
+    A seed whose run diverged is listed ``diverged``: its record's accuracy is NaN, which the rules leave out of
+    their pairs (``CompletedPairs``)."""
     seeds = json.loads(re.search(r"seeds (\[[\d, ]*\])", md)[1])
-    per = re.findall(r"^- (.+): ([\d., ]+)$", md.split("Per-seed final accuracies (%):", 1)[1], re.M)
-    return [{"method": m, "seed": s, "accuracy": float(a)} for m, accs in per for s, a in zip(seeds, accs.split(", "))]
+    listing = md.split("Per-seed final accuracies (%):", 1)[1]
+    per = re.findall(rf"^- (.+): ({SEED_ACC}(?:, {SEED_ACC})*)$", listing, re.M)
+    return [
+        {"method": m, "seed": s, "accuracy": math.nan if a == "diverged" else float(a)}
+        for m, accs in per
+        for s, a in zip(seeds, accs.split(", "))
+    ]
+
+
+def _seed_acc(a: float) -> str:
+    """A seed's final accuracy as a table lists it: 2 decimals, or ``diverged`` (no accuracy)."""
+    return f"{a:.2f}" if math.isfinite(a) else "diverged"
 
 
 def _acc(a: str | Select, b: str | Select, direction: str = "greater", min_effect: float = 0.0) -> Paired:
@@ -227,9 +277,17 @@ def _mismatches(table) -> int:
     return sum(not r["load_exact"] for r in table)
 
 
-def _storage_ratio(table) -> float:
-    """C5's value on a Table V alone: CSE-FSL's server-side storage over FSL_AN's."""
-    return _cse(table)[0]["storage_m"] / _by(table)["fsl_an"]["storage_m"]
+def _storage_ratio(table) -> float | None:
+    """C5's value on a Table V alone: CSE-FSL's server-side storage over FSL_AN's (the same for every h); None
+    where no run of CSE-FSL or of FSL_AN completed (a diverged run's storage is not read)."""
+    cse = next((t["storage_m"] for t in _cse(table) if t["storage_m"] is not None), None)
+    an = _by(table)["fsl_an"]["storage_m"]
+    return None if cse is None or an is None else cse / an
+
+
+def _storage_diverged(p: Preset) -> bool:
+    """Whether a run of the storage measurement diverged (its row has no measured storage or copies)."""
+    return any(r["storage_params"] is None or r["server_copies"] is None for r in p.storage)
 
 
 # C5's growth per added client, by the spec: (method, its label, the growth's name, its value from the parts'
@@ -247,6 +305,8 @@ def _c5_records(table, p: Preset) -> list[dict[str, Any]]:
     at ``STORAGE_N``; without one (a Table V alone, one n), the ratio on the table."""
     if not p.storage:
         return [{"quantity": "ratio", "ratio": _storage_ratio(table)}]
+    if _storage_diverged(p):  # C5 is untestable (``_c5_rule``): no growth from a run without a measurement
+        return []
     at = {(r["method"], r["clients"]): r for r in p.storage}
     ns = sorted({r["clients"] for r in p.storage})
     out = [{"quantity": "copies", "clients": n, "server_copies": at["cse_fsl", n]["server_copies"]} for n in ns]
@@ -269,7 +329,9 @@ def _c5_rule(table, p: Preset) -> Threshold | All:
     FSL_AN's at n = 5 (``SHARED``). Without a storage measurement (a Table V alone, one n) only the ratio can be
     judged: ``SHARED`` on the table, as before the measurement."""
     if not p.storage:
-        return SHARED
+        return SHARED if _storage_ratio(table) is not None else NO_STORAGE
+    if _storage_diverged(p):
+        return STORAGE_DIVERGED
     sizes, ns = p.storage[0], sorted({r["clients"] for r in p.storage})
     parts = [
         (
@@ -311,7 +373,11 @@ def _c7_rule(table, p):
     """C7 needs the problem it claims to fix: FSL_OC more than 1 pp below the better of FSL_MC / FSL_AN in the
     means (the paper: 73.74 vs 80.55 on CIFAR); otherwise untestable."""
     by = _by(table)
-    if by["fsl_oc"]["accuracy"] >= max(by["fsl_mc"]["accuracy"], by["fsl_an"]["accuracy"]) - 1:
+    # the means are over the seeds that completed; a method none of whose seeds did has none (NaN)
+    oc, best = by["fsl_oc"]["accuracy"], finite([by["fsl_mc"]["accuracy"], by["fsl_an"]["accuracy"]])[0]
+    if not (math.isfinite(oc) and best):
+        return Untestable("no run of FSL_OC, or none of FSL_MC and FSL_AN, completed: no means to compare")
+    if oc >= max(best) - 1:
         return Untestable("FSL_OC is not more than 1 pp below FSL_MC/AN in the means: no problem to fix")
     return All((("h=1 vs FSL_OC - 1 pp", _acc("cse_fsl h=1", below("fsl_oc", 1.0))),))
 
@@ -334,11 +400,47 @@ def _text(text: str) -> Callable[[Any, Preset], str]:
     return lambda t, p: text.format(h=p.random_h, target=100 * p.target, gap=NONIID_GAP)
 
 
+def compared(side: Any) -> set[str]:
+    """The methods a paired rule (``Paired``, ``All`` of them) or a side of one (a selector, a mapping, a number)
+    compares."""
+    if isinstance(side, All):
+        return set().union(*(compared(rule) for _, rule in side.parts))
+    if isinstance(side, Paired):
+        return compared(side.a) | compared(side.b)
+    if isinstance(side, Select):
+        return {side.where["method"]} if side.op is None else set().union(*map(compared, side.args))
+    return {side["method"]} if isinstance(side, Mapping) else set()
+
+
+@dataclass(frozen=True)
+class CompletedPairs:
+    """A seeded claim's paired rule on the seeds whose runs of every method it compares completed: a seed with a
+    diverged run (no accuracy: NaN) leaves the pairs of all of them, never paired silently nor an error; fewer
+    than 2 such seeds is ``UNPAIRED`` (said so); a method the preset did not run leaves the claim out."""
+
+    rule: Paired | All
+
+    def judge(self, records: Sequence[Mapping[str, Any]]) -> Decision | None:
+        methods = compared(self.rule)
+        ran = [r for r in records if r["method"] in methods]
+        if {r["method"] for r in ran} != methods:
+            return None
+        pairs = complete_pairs(ran, itemgetter("method"), ("accuracy",))
+        return self.rule.judge(pairs) if pairs else UNPAIRED.judge(pairs)
+
+
 def seeded(text: str, declared, noniid: bool = False) -> Claim:
     """A claim whose declared rule reads the per-seed final accuracies (``Preset.records``; untestable with fewer
-    than 2 seeds); a ``noniid`` claim reads none on an IID preset, so it is left out there."""
+    than 2 seeds) of the seeds that completed every run it compares (``CompletedPairs``); a ``noniid`` claim reads
+    none on an IID preset, so it is left out there."""
     records = lambda t, p: p.records if p.noniid or not noniid else []  # noqa: E731
-    rule = lambda t, p: NO_PAIRS if len({r["seed"] for r in records(t, p)}) == 1 else declared(t, p)  # noqa: E731
+
+    def rule(t, p) -> Untestable | CompletedPairs:
+        if len({r["seed"] for r in records(t, p)}) == 1:
+            return NO_PAIRS
+        got = declared(t, p)
+        return got if isinstance(got, Untestable) else CompletedPairs(got)
+
     return Claim(_text(text), None, declared=rule, records=records)
 
 
@@ -349,6 +451,9 @@ def _one(text: str, rule: Threshold | Untestable, value: Callable | None = None)
 
 NO_SEEDS = Untestable("the load to reach the target has no per-seed record (the table: its seed mean)")
 NO_PAIRS = Untestable("fewer than 2 seeds, no paired test")
+UNPAIRED = Untestable("fewer than 2 seeds completed every run it compares (a diverged run is no pair)")
+NO_STORAGE = Untestable("no run of CSE-FSL or of FSL_AN completed: no storage to compare")
+STORAGE_DIVERGED = Untestable("a run of the storage measurement diverged: no storage measured there")
 EXACT = Threshold("mismatches", "==", 0, digits=0, unit="methods off the closed form")
 SHARED = Threshold("ratio", "<", 0.4, {"quantity": "ratio"}, unit="× FSL_AN's storage")
 C8 = "C8 non-IID: CSE-FSL h={h} more than {gap:g} pp below FSL_MC (paper, h=5: 42.33 vs 61.17 %)"
@@ -390,7 +495,7 @@ def markdown(table, p: Preset, scale: str, seeds: list[int], wall: float) -> str
         "the storage structure are.\n\n"
     )
     listing = "Per-seed final accuracies (%):\n\n" + "".join(
-        f"- {t['method']}: {', '.join(f'{a:.2f}' for a in t['accs'])}\n" for t in table
+        f"- {t['method']}: {', '.join(map(_seed_acc, t['accs']))}\n" for t in table
     )
     p.records = seed_records(head + listing)
     return head + page_table(table, p) + "\n## Claims (spec §9.3)\n\n" + claims_table(table, p) + "\n" + listing
@@ -404,8 +509,9 @@ CSV_COLUMNS += ["load_formula_gib", "load_exact", "storage_formula_m", "uploads_
 
 def plots(results: list[dict[str, Any]], out: Path) -> None:
     """Fig. 9a (accuracy against load), accuracy against rounds and against smashed uploads (Fig. 4), each the
-    mean over seeds with a band; the randomly ordered server dashed."""
-    curves = {k: [r["rows"] for r in rs] for k, rs in group(results, lambda r: r["key"]).items()}
+    mean over the seeds that completed with a band (a diverged run's curve would cut the others short); the
+    randomly ordered server dashed."""
+    curves = {k: [r["rows"] for r in rs if completed(r)] for k, rs in group(results, lambda r: r["key"]).items()}
     styles = {k: {"ls": "--"} for k in curves if "random" in k}
     common = {"y": "test_accuracy", "yscale": 100, "ylabel": "test accuracy (%), mean over seeds", "styles": styles}
     figures = {  # file -> x, its label, whether its axis is logarithmic, its scale
@@ -445,9 +551,8 @@ def plan(opts) -> Plan:
 
 def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
     """A run as a record: its rows with the split model's sizes and the clients' samples (the same for every
-    method at one data, model and seed: built once per those)."""
-    if not res.metrics:
-        raise SystemExit(f"{res.run_dir}: the run diverged before its first evaluation; nothing to tabulate")
+    method at one data, model and seed: built once per those). A run that diverged before its first evaluation
+    has no rows: a record marked diverged, reported as such beside the others."""
     c, facts = point.config, plan.context[2]
     key = json.dumps([c.dataset.to_dict(), c.partition.to_dict(), c.model.to_dict(), c.seed], sort_keys=True)
     if key not in facts:
@@ -459,7 +564,7 @@ def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
         "method": c.algorithm.name,
         "clients": len(samples),
         "h": c.algorithm.options.get("h", 1),
-        "status": res.summary["status"],
+        "status": res.summary["status"] if res.metrics else "diverged",
         "run_dir": str(res.run_dir),
         "rows": res.metrics,
         "sizes": sizes,
@@ -487,17 +592,18 @@ def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Repo
 def storage_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per run of the storage measurement: the method, n, the storage (parameters) and server-side
     copies the run measured (its last round) beside their closed forms, and the parts' parameter counts
-    (P_c, P_s, P_a: what C5's growth per client is compared with)."""
+    (P_c, P_s, P_a: what C5's growth per client is compared with). A run that diverged measured none (None)."""
     rows = []
     for r in results:
-        m, n, sizes, last = r["method"], r["clients"], r["sizes"], r["rows"][-1]
+        m, n, sizes = r["method"], r["clients"], r["sizes"]
+        last = r["rows"][-1] if completed(r) else {}
         rows.append(
             {
                 "method": m,
                 "clients": n,
-                "storage_params": last["storage_params"],
+                "storage_params": last.get("storage_params"),
                 "storage_formula": storage_params(m, sizes, n),
-                "server_copies": last["server_copies"],
+                "server_copies": last.get("server_copies"),
                 "copies_formula": server_copies(m, n),
                 "client_params": sizes.client,
                 "server_params": sizes.server,
@@ -513,11 +619,11 @@ STORAGE_COLUMNS += ["client_params", "server_params", "aux_params"]
 
 def storage_table(rows: list[dict[str, Any]]) -> str:
     """The storage measurement as the page shows it: per method and n, the measured storage and copies beside
-    the closed forms, and the growth per added client since the previous n."""
+    the closed forms, and the growth per added client since the previous n (none beside a run that diverged)."""
     prev: dict[str, dict[str, Any]] = {}
     growth = {}
     for r in sorted(rows, key=itemgetter("clients")):
-        if (q := prev.get(r["method"])) is not None:
+        if (q := prev.get(r["method"])) is not None and None not in (q["storage_params"], r["storage_params"]):
             growth[r["method"], r["clients"]] = (r["storage_params"] - q["storage_params"]) / (
                 r["clients"] - q["clients"]
             )
@@ -525,9 +631,9 @@ def storage_table(rows: list[dict[str, Any]]) -> str:
     cols = [
         Col("method", lambda r: _label(r["method"])),
         Col("n", "clients"),
-        Col("storage (params)", "storage_params", ","),
+        Col("storage (params)", "storage_params", ",", "diverged"),
         Col("storage, closed form", "storage_formula", ","),
-        Col("server copies", "server_copies"),
+        Col("server copies", "server_copies", "", "diverged"),
         Col("copies, closed form", "copies_formula"),
         Col("growth per added client", lambda r: growth.get((r["method"], r["clients"])), ",.0f"),
     ]
@@ -536,7 +642,7 @@ def storage_table(rows: list[dict[str, Any]]) -> str:
 
 def storage_report(results: list[dict[str, Any]], p: Preset, wall: float) -> Report:
     """The storage measurement (``storage.md``, ``storage.csv``) and C5 judged on it; exit 1 when a measured
-    storage or copy count is not its closed form."""
+    storage or copy count is not its closed form (a run that diverged measured none: C5 is untestable)."""
     rows = storage_rows(results)
     p.storage = rows
     s = rows[0]
@@ -549,7 +655,11 @@ def storage_report(results: list[dict[str, Any]], p: Preset, wall: float) -> Rep
         "auxiliary nets).\n\n"
     )
     md = head + storage_table(rows) + "\n## Claim C5 (spec §9.3)\n\n" + layout(CLAIM_COLS, judge([C5], [], p))
-    ok = all(r["storage_params"] == r["storage_formula"] and r["server_copies"] == r["copies_formula"] for r in rows)
+    ok = all(
+        r["storage_params"] == r["storage_formula"] and r["server_copies"] == r["copies_formula"]
+        for r in rows
+        if r["storage_params"] is not None
+    )
     return Report({"storage.md": md, "storage.csv": Rows(rows, STORAGE_COLUMNS)}, "storage.md", 0 if ok else 1)
 
 
@@ -588,25 +698,39 @@ def _mib(t: dict[str, Any]) -> float | None:
     return None if t["load_to_target_gib"] is None else 1024 * t["load_to_target_gib"]
 
 
-# the page's Table V, declared: the columns of every table of it, then the load's
-V5 = [
-    Col("method", lambda t: _label(t["method"])),
-    Col("acc (%)", "accuracy", ".2f"),
-    Col("± std", "accuracy_std", ".2f"),
-]
-LOAD = Col("load / FSL_MC", "load_ratio", ".3f")
+def _acc_cell(t: dict[str, Any], seeds: list[dict[str, Any]]) -> str:
+    """Table V's accuracy: the mean over the seeds that completed and how many of its ``seeds`` (records)
+    diverged, ``(k/n diverged)``; ``diverged (n/n)`` when none completed."""
+    bad = sum(not math.isfinite(r["accuracy"]) for r in seeds)
+    if not math.isfinite(t["accuracy"]):
+        return f"diverged ({bad}/{len(seeds)})"
+    return f"{t['accuracy']:.2f}" + (f" ({bad}/{len(seeds)} diverged)" if bad else "")
+
+
+def _v5(per: dict[str, list[dict[str, Any]]]) -> list[Col]:
+    """The page's Table V's first columns, of every table of it: the method and its accuracy (mean, std) over
+    the seeds that completed, its per-seed records ``per`` counting those that diverged."""
+    return [
+        Col("method", lambda t: _label(t["method"])),
+        Col("acc (%)", lambda t: _acc_cell(t, per.get(t["method"], []))),
+        Col("± std", "accuracy_std", ".2f"),
+    ]
+
+
+LOAD = Col("load / FSL_MC", "load_ratio", ".3f")  # the load's column; None (—) where no run completed
 
 
 def page_table(table: list[dict[str, Any]], p: Preset) -> str:
     """The page's Table V of one committed ``table-*.csv``: accuracy (mean, std), load and storage with the
-    paper's CIFAR-10 numbers (the non-IID column: accuracy per seed and the paper's non-IID accuracy)."""
+    paper's CIFAR-10 numbers (the non-IID column: accuracy per seed and the paper's non-IID accuracy); a run that
+    diverged is counted beside the accuracy, and a load or storage of a method none of whose runs completed is —."""
     per = group(p.records, lambda r: r["method"])
     if p.noniid:
-        seeds = Col("per seed", lambda t: ", ".join(f"{r['accuracy']:.2f}" for r in per[t["method"]]))
-        return layout([*V5, seeds, LOAD, Col("paper non-IID acc (%)", "paper_acc", ".2f")], table)
+        seeds = Col("per seed", lambda t: ", ".join(_seed_acc(r["accuracy"]) for r in per.get(t["method"], [])))
+        return layout([*_v5(per), seeds, LOAD, Col("paper non-IID acc (%)", "paper_acc", ".2f")], table)
     digits = p.dataset["name"] == "digits"
     cols = [
-        *V5,
+        *_v5(per),
         Col("load (GiB)", "load_gib", ".4f"),
         LOAD,
         Col("storage (M)" if digits else "storage (M params)", "storage_m", ".4f"),
@@ -713,13 +837,18 @@ def digits_bytes_section() -> str:
 
 def h1_vs_an_section(folder: Path) -> str:
     """Fig. 9a's CSE-FSL h = 1 against FSL_AN at their equal load on IID Fashion-MNIST: the seed means and the
-    per-seed gaps of the committed table."""
+    per-seed gaps of the committed table, on the seeds where both completed (a diverged run has no accuracy)."""
     table = _by(read_csv(folder / "table-fashion_mnist.csv"))
-    per = group(seed_records((folder / "table-fashion_mnist.md").read_text(encoding="utf-8")), itemgetter("method"))
-    gaps = seed_gaps(per["fsl_an"], per["cse_fsl h=1"], "accuracy")
+    records = seed_records((folder / "table-fashion_mnist.md").read_text(encoding="utf-8"))
+    per = group([r for r in records if math.isfinite(r["accuracy"])], itemgetter("method"))
+    gaps = seed_gaps(per.get("fsl_an", []), per.get("cse_fsl h=1", []), "accuracy")
+    means = (
+        f"{_seed_acc(table['cse_fsl h=1']['accuracy'])} vs {_seed_acc(table['fsl_an']['accuracy'])} % in the seed means"
+    )
+    if not gaps:
+        return paragraph(f"CSE-FSL h = 1 against FSL_AN at their equal load: {means}; no seed where both completed.")
     return paragraph(
-        f"CSE-FSL h = 1 against FSL_AN at their equal load: {table['cse_fsl h=1']['accuracy']:.2f} vs "
-        f"{table['fsl_an']['accuracy']:.2f} % in the seed means, higher on {sum(g > 0 for g in gaps)} of the "
+        f"CSE-FSL h = 1 against FSL_AN at their equal load: {means}, higher on {sum(g > 0 for g in gaps)} of the "
         f"{len(gaps)} seeds (per-seed gaps {signed(min(gaps))} to {signed(max(gaps))} pp)."
     )
 
@@ -732,7 +861,10 @@ def gaps_section(folder: Path) -> str:
     acc |= {
         f"paper CIFAR-10 {x} (pp)": {k: v[i] for k, v in PAPER_TABLE_V["cifar10"].items()} for i, x in enumerate(ours)
     }
-    gap = lambda a: lambda k: signed(a[k] - a["fsl_mc"]) if k in a else "—"  # noqa: E731
+
+    def gap(a: dict[str, float]) -> Callable[[str], str]:  # none where a method did not run or no seed completed
+        return lambda k: signed(a[k] - a["fsl_mc"]) if k in a and math.isfinite(a[k] - a["fsl_mc"]) else "—"
+
     methods = [k for k in ours["non-IID"] if k != "fsl_mc"]
     return layout([Col("method", _label), *(Col(h, gap(a)) for h, a in acc.items())], methods)
 
