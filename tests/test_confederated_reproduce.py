@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
+import math
+import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -133,3 +136,87 @@ def test_a_part_run_with_other_seeds_names_the_seeds_its_records_hold(tmp_path):
     assert sorted({int(r["seed"]) for r in rows}) == [0, 1]
     assert "Seeds [0, 1] (synthetic)" in (tmp_path / "summary.md").read_text()
     assert json.loads((tmp_path / "meta.json").read_text())["seeds"] == [0, 1]
+
+
+# ---- a diverged run: recorded as diverged, in no median and in no claim's pairs ---------------------------------
+PAPER = Path(__file__).resolve().parents[1] / "docs" / "reproductions" / "cfl-saga" / "paper"
+RHO10 = ("synthetic", "random", "CFL-SAGA rho=10")
+
+
+def _record(tmp_path: Path, seed: int, status: str = "diverged") -> dict:
+    """``record`` of a CFL-SAGA rho=10 run on the random graph whose opg falls to 1e-5 over 5 iterations and
+    then, where it diverged, is NaN (the trace as a diverged run leaves it)."""
+    gaps = [10.0**-k for k in range(6)] + ([math.nan] if status == "diverged" else [])
+    run = tmp_path / f"s{seed}"
+    run.mkdir()
+    lines = (f"{k},{g},{'' if k == 0 else 300 * k},{0.01 * k}\n" for k, g in enumerate(gaps))
+    (run / "trace.csv").write_text("round,opt_gap,uploads,wall_seconds\n" + "".join(lines))
+    point = cfl_saga.job(*RHO10, "cfl_saga", {"rho": 10.0}, seed, 8000, curve=False)
+    first = {"num_users": 400, "sigma": 0.9, "step_size": 0.01}
+    summary = {"status": status, "wall_seconds": 1.0, "cpu_seconds": 1.0}
+    return cfl_saga.record(point, SimpleNamespace(run_dir=run, metrics=[first, first], summary=summary))
+
+
+def _with_diverged(rows: list[dict], diverged: dict[int, dict]) -> list[dict]:
+    """The committed paper records with the rho=10 random-graph runs of ``diverged``'s seeds replaced."""
+    key = ("problem", "topology", "method")
+    return [diverged.get(r["seed"], r) if tuple(r[k] for k in key) == RHO10 else r for r in rows]
+
+
+def _claims(rows: list[dict]) -> dict[str, tuple[str, str]]:
+    return {c: (m, v) for c, _, m, v in cfl_saga.claims(cfl_saga.aggregate(rows), rows)}
+
+
+def test_a_diverged_run_is_recorded_as_diverged_without_its_partial_per_iteration_values(tmp_path):
+    """A diverged run's row says so and has no uploads per iteration, upload fraction, CPU or wall time per
+    iteration, tail fit or target reached (before: no status, and all of them from its partial trace, so the
+    records could not tell it from a run that missed the target); a completed run's row has no ``status`` key,
+    the committed raw.json's layout."""
+    row = _record(tmp_path, 2)
+    assert row["status"] == "diverged" and math.isnan(row["final_opt_gap"])
+    assert (row["iterations"], row["uploads"]) == (6, 1800)  # what it ran before it diverged
+    assert all(row[k] is None for k in cfl_saga.PARTIAL) and "iters_1e-04" in cfl_saga.PARTIAL
+    done = _record(tmp_path, 3, "completed")
+    assert "status" not in done and done["iters_1e-04"] == 4 and done[cfl_saga.PER_IT] == 300.0
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["record", "older-record"])
+def test_a_diverged_seed_leaves_every_claims_pairs_and_the_medians(older, tmp_path):
+    """One seed of CFL-SAGA rho=10 on the random graph diverged: C8 and C7 paired it (n=5, on the uploads and CPU
+    time of its partial trace), C5 was untestable although the other 4 seeds reached 1e-8, and the cell's median
+    final opg was taken over a NaN. Now its seed leaves those claims' pairs (n=4), the medians are the other
+    seeds', and the claims name it. ``older``: a row of the earlier ``record`` (no status, a NaN final opg, the
+    partial per-iteration values)."""
+    raw = json.loads((PAPER / "raw.json").read_text(encoding="utf-8"))
+    [was] = [r for r in raw if (r["problem"], r["topology"], r["method"], r["seed"]) == (*RHO10, 2)]
+    gone = {**was, "final_opt_gap": math.nan, cfl_saga.IT: None, cfl_saga.DEEP: None} if older else _record(tmp_path, 2)
+    rows = _with_diverged(raw, {2: gone})
+    claims = _claims(rows)
+    for name in ("C8 paper-nominal rho=10, random", "C5 iterations vs GT-SAGA SR 0.45, random (Fig. 4 a,c)"):
+        measured, verdict = claims[name]
+        assert "n=4: " in verdict and "untestable" not in verdict, name
+        assert measured.endswith("; diverged, not paired: CFL-SAGA rho=10 seed 2"), name
+    assert all("n=4: held" in claims[f"C7 runtime, GT-SAGA SR={sr} (Fig. 5)"][1] for sr in ("0.05", "0.15", "0.25"))
+    assert claims["C8 paper-nominal rho=10, full"][1].endswith("n=5: did not hold")  # the other graphs as before
+    cell = next(a for a in cfl_saga.aggregate(rows) if (a["problem"], a["topology"], a["method"]) == RHO10)
+    others = [r for r in raw if (r["problem"], r["topology"], r["method"]) == RHO10 and r["seed"] != 2]
+    assert cell["final_opt_gap"] == statistics.median(r["final_opt_gap"] for r in others)
+    assert cell["upload_fraction"] == statistics.median(r["upload_fraction"] for r in others)
+    assert cell["diverged"] == 1 and cell["seeds"] == 5  # summary.csv says how many diverged
+    assert all("diverged" not in a for a in cfl_saga.aggregate(raw))  # no committed run diverged: no column
+
+
+def test_a_setting_whose_every_seed_diverged_leaves_its_claims_untestable_not_out(tmp_path):
+    """Every seed of CFL-SAGA rho=10 on the random graph diverged: the preset ran the cells, so C5, C7 and C8 show
+    "untestable" with the reason (before: judged on the partial traces, n=5), and the report's table marks it."""
+    raw = json.loads((PAPER / "raw.json").read_text(encoding="utf-8"))
+    rows = _with_diverged(raw, {s: _record(tmp_path, s) for s in range(5)})
+    claims = _claims(rows)
+    why = "untestable: 0 seeds with both sides finished (CFL-SAGA rho=10: 5 of 5 diverged); a paired t test needs 2"
+    assert claims["C8 paper-nominal rho=10, random"][1] == why
+    assert claims["C8 paper-nominal rho=10, random"][0].startswith("every run diverged; diverged, not paired: ")
+    assert claims["C5 iterations vs GT-SAGA SR 0.45, random (Fig. 4 a,c)"][1] == why
+    assert claims["C7 runtime, GT-SAGA SR=0.05 (Fig. 5)"][1] == why
+    meta = {"scale": "paper", "seeds": list(range(5)), "runs": []}
+    summary = cfl_saga.summary_md(cfl_saga.aggregate(rows), rows, meta)
+    assert "| random | CFL-SAGA ρ=10 (5/5 diverged) | – | – | – | – | – | – |  | – | – |" in summary

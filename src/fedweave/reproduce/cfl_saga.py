@@ -37,7 +37,17 @@ from fedweave.experiments.study import (
     save_records,
 )
 from fedweave.experiments.tables import markdown_table, read_csv
-from fedweave.experiments.verdicts import All, Paired, Select, Threshold, Untestable, cell, median
+from fedweave.experiments.verdicts import (
+    UNTESTABLE,
+    All,
+    Decision,
+    Paired,
+    Select,
+    Threshold,
+    Untestable,
+    cell,
+    median,
+)
 from fedweave.runner import Result
 
 TARGETS = (1e-4, 1e-6, 1e-8)
@@ -71,7 +81,10 @@ def job(problem, topo, method, algo, options, seed, kmax, stop=1e-8, data=PAPER_
 
 def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any]:
     """A run's row: iterations and uploads at each target, the tail fit, the costs per iteration, and its
-    per-iteration trace (``_curve``: opg, uploads, wall seconds) where the plots need it."""
+    per-iteration trace (``_curve``: opg, uploads, wall seconds) where the plots need it. A diverged run's row
+    says so (``status: diverged``; a completed run's has no ``status``, the committed records' layout) and has
+    no final opg or accuracy (NaN), no costs per iteration and no target reached (None): its partial trace is no
+    run to the target, so it enters no median and no claim's pairs (``_diverged``)."""
     trace = read_csv(Path(res.run_dir) / "trace.csv")
     gaps = [float(t["opt_gap"]) for t in trace]
     ups = [int(t["uploads"] or 0) for t in trace]  # the initial model: no upload yet
@@ -99,9 +112,23 @@ def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any
     if "x_star_test_accuracy" in first:  # sanity of the real problems: accuracy of the servers' average model
         row["test_accuracy"] = math.nan if diverged else last["test_accuracy"]
         row["test_accuracy_x_star"] = first["x_star_test_accuracy"]
+    if diverged:  # "iterations" and "uploads" stay: what it ran before it diverged
+        row |= {"status": "diverged"} | dict.fromkeys(PARTIAL)
     if v["curve"]:
         row["_curve"] = (np.array(gaps), np.array(ups), np.array([float(t["wall_seconds"]) for t in trace]))
     return row
+
+
+# a diverged run's fields that its partial trace would make look like a finished run's (None in its row)
+PARTIAL = (PER_IT, "upload_fraction", "ms_per_iteration_wall", CPU, "tail_slope", "tail_r2")
+PARTIAL += tuple(f"{w}_{t:.0e}" for t in TARGETS for w in ("iters", "uploads"))
+
+
+def _diverged(r: dict) -> bool:
+    """Whether the run of the row ``r`` diverged: its ``status``, or in a row without one (an older record) its
+    NaN final opg, which only a diverged run has."""
+    gap = r.get("final_opt_gap")
+    return r.get("status") == "diverged" or (isinstance(gap, float) and math.isnan(gap))
 
 
 def tail_fit(gaps: list[float], hi: float = 1e-3, lo: float = 1e-8) -> tuple[float | None, float | None]:
@@ -204,16 +231,36 @@ def alpha_jobs(seed: int) -> list[Point]:
 
 # ---- the seeds' medians --------------------------------------------------------------------------------
 MEDIANS = ("iterations", PER_IT, "upload_fraction", "ms_per_iteration_wall", CPU, "final_opt_gap", "tail_r2")
-# per (problem, topology, method), medians over the seeds; a target counts only if every seed reached it
-CELL = {"seeds": len, **{k: median_of(k) for k in MEDIANS}}
+
+
+def _over_finished(stat):
+    """``stat`` over the runs of a cell that did not diverge (a diverged run has no value to take a median of)."""
+    return lambda rs: stat([r for r in rs if not _diverged(r)])
+
+
+# per (problem, topology, method), medians over the seeds that finished; a target counts only if every one of
+# them reached it; how many diverged, where any did
+CELL = {"seeds": len, **{k: _over_finished(median_of(k)) for k in MEDIANS}}
 for _t in (f"{t:.0e}" for t in TARGETS):
-    CELL |= {f"iters_{_t}": median_of(f"iters_{_t}"), f"uploads_{_t}": median_of(f"uploads_{_t}")}
-    CELL[f"uploads_{_t}_iqr"] = iqr_of(f"uploads_{_t}")
+    CELL |= {
+        f"iters_{_t}": _over_finished(median_of(f"iters_{_t}")),
+        f"uploads_{_t}": _over_finished(median_of(f"uploads_{_t}")),
+    }
+    CELL[f"uploads_{_t}_iqr"] = _over_finished(iqr_of(f"uploads_{_t}"))
+CELL["diverged"] = lambda rs: sum(map(_diverged, rs))
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
-    """Median over seeds per (problem, topology, method) (``CELL``), and the IQR of the uploads to each target."""
-    return per_cell(rows, ("problem", "topology", "method"), CELL)
+    """Median over the seeds that finished per (problem, topology, method) (``CELL``), the IQR of the uploads to
+    each target, and ``diverged``, how many of its runs diverged, only in a cell where any did (the committed
+    summary.csv files, of runs none of which diverged, keep their columns)."""
+    aggs = per_cell(rows, ("problem", "topology", "method"), CELL)
+    return [a if a["diverged"] else {k: v for k, v in a.items() if k != "diverged"} for a in aggs]
+
+
+def _all_diverged(a: dict) -> bool:
+    """Whether every run of the cell ``a`` (a row of ``aggregate``) diverged."""
+    return bool(a.get("diverged")) and a["diverged"] == a["seeds"]
 
 
 def _synthetic(rows: list[dict]) -> list[dict]:
@@ -252,16 +299,57 @@ def _fmt(v: Any) -> str:
 # of the uploads to 1e-8), the bounds 20 uploads per iteration and 20 % of users, 0 for orderings.
 def _pair(metric: str, a: str, b: str | float | Select, direction: str = "greater", min_effect=0.0, unit="") -> Paired:
     """``a`` against ``b`` (a method, a constant bound or a selector) on ``metric``, paired by seed."""
-    return Paired(metric, {"method": a}, {"method": b} if isinstance(b, str) else b, direction, min_effect, unit=unit)
+    side = {"method": b} if isinstance(b, str) else b
+    return _Finished(metric, {"method": a}, side, direction, min_effect, unit=unit)
+
+
+def _leaves(side: Any) -> list[dict]:
+    """The selections (``{"method": ...}``) of a rule's side: a mapping, a selector's leaves, none for a bound."""
+    if isinstance(side, Select):
+        return [dict(side.where)] if side.op is None else [w for a in side.args for w in _leaves(a)]
+    return [dict(side)] if isinstance(side, dict) else []
+
+
+def _methods(rule: Any) -> set[str]:
+    """The methods whose runs a declared rule compares."""
+    if isinstance(rule, All):
+        return set().union(*(_methods(r) for _, r in rule.parts))
+    return {w["method"] for w in _leaves(rule.a) + _leaves(rule.b)} if isinstance(rule, Paired) else set()
+
+
+class _Finished(Paired):
+    """A paired rule on the runs that finished with a value of its metric: a diverged run (``_diverged``) or one
+    that missed the target is no pair, its seed leaves the pairs; where fewer than 2 seeds are left of cells the
+    preset ran, the verdict is untestable and names the runs that left (``Paired`` alone would leave the claim
+    out when a side has no record left: kept for a cell the preset did not run)."""
+
+    def judge(self, records: list[dict]) -> Decision | None:
+        got = super().judge([r for r in records if not _diverged(r) and r.get(self.metric) is not None])
+        if got is not None and got.outcome != UNTESTABLE:
+            return got
+        gone, ran = [], True
+        for w in _leaves(self.a) + _leaves(self.b):
+            rs = [r for r in records if all(r.get(k) == v for k, v in w.items())]
+            ran &= bool(rs)
+            bad = sum(map(_diverged, rs)), sum(not _diverged(r) and r.get(self.metric) is None for r in rs)
+            if any(bad):
+                counts = zip(bad, ("diverged", f"without {self.metric}"))
+                gone.append(f"{w['method']}: " + ", ".join(f"{k} of {len(rs)} {what}" for k, what in counts if k))
+        if not (ran and gone):  # a cell the preset did not run (left out), or no run left: the rule's own verdict
+            return got
+        n, why = (got.n if got else 0), "; ".join(gone)
+        text = f"untestable: {n} seed{'s' * (n != 1)} with both sides finished ({why}); a paired t test needs 2"
+        return Decision(UNTESTABLE, math.nan, None, None, n, text)
 
 
 R2 = 0.98  # C1: a median tail R^2 above it reads as linear
 
 
 def _c1_settings(aggs: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
-    """C1's CFL-SAGA settings, those that reached 1e-8 and those of them whose median tail R^2 is not above R2."""
+    """C1's CFL-SAGA settings, those that reached 1e-8 (on every seed: none diverged) and those of them whose
+    median tail R^2 is not above R2."""
     cfl = _of(_synthetic(aggs), "CFL-SAGA")
-    reached = [a for a in cfl if a.get(IT) is not None]
+    reached = [a for a in cfl if a.get(IT) is not None and not a.get("diverged")]
     return cfl, reached, [a for a in reached if not (a.get("tail_r2") or 0) > R2]
 
 
@@ -291,8 +379,10 @@ def _c2(topo, on):
 
 
 def _c4(topo, on):
-    if not ((best_c := _best(on, "CFL-SAGA")) and _best(on, "GT-SAGA")):
+    if not (_of(on, "CFL-SAGA") and _best(on, "GT-SAGA")):
         return None
+    if not (best_c := _best(on, "CFL-SAGA")):  # e.g. every run of each setting diverged: ran, so untestable
+        return f"no CFL-SAGA setting reached {DEEP[8:]}", Untestable("no CFL-SAGA setting reached 1e-08")
     rule = _pair(PER_IT, best_c["method"], 20, "less", unit="above 20")
     return f"{best_c['method']}: {best_c[PER_IT]:.1f} per iteration", rule
 
@@ -301,17 +391,20 @@ def _c5(topo, on):
     c10, g45, mid = (_method(on, m) for m in ("CFL-SAGA rho=10", "GT-SAGA SR=0.45", "CFL-SAGA rho=10000"))
     if not (c10 and g45 and topo in ("random", "full")):
         return None
-    reached = c10.get(IT) is not None  # the paper fixes rho = 10 for Fig. 4 (§VIII-B): the claim is that setting's
+    # the paper fixes rho = 10 for Fig. 4 (§VIII-B): the claim is that setting's; a setting whose every run
+    # diverged is untestable by the rule itself, which says so
+    reached = c10.get(IT) is not None or _all_diverged(c10)
     measured = f"rho=10: {_fmt(c10.get(IT))}, rho=1e4: {_fmt(mid and mid.get(IT))}, GT-SAGA 0.45: {_fmt(g45.get(IT))}"
     rule = _pair(IT, c10["method"], "GT-SAGA SR=0.45", "less") if reached else Untestable("rho=10 did not reach 1e-08")
     return measured, rule
 
 
 def _c8(topo, on):
-    if not ((c10 := _method(on, "CFL-SAGA rho=10")) and c10.get("upload_fraction") is not None):
+    if not (c10 := _method(on, "CFL-SAGA rho=10")) or (c10.get("upload_fraction") is None and not _all_diverged(c10)):
         return None
-    measured = f"uploads {100 * c10['upload_fraction']:.0f}% of users per iteration (full upload: 100%)"
-    return measured, _pair("upload_fraction", "CFL-SAGA rho=10", 0.2, "less", unit="above 0.2")
+    frac = c10.get("upload_fraction")  # None: every run diverged (the rule says it is untestable)
+    measured = f"uploads {100 * frac:.0f}% of users per iteration (full upload: 100%)" if frac is not None else None
+    return measured or "every run diverged", _pair("upload_fraction", "CFL-SAGA rho=10", 0.2, "less", unit="above 0.2")
 
 
 def _fewer(factor: float, family: str | None = None):
@@ -319,12 +412,14 @@ def _fewer(factor: float, family: str | None = None):
     claim's argument where None), on log10 of the uploads; untestable where no run of the family reached 1e-8."""
 
     def judge(arg, on):
-        best_c, runs = _best(on, "CFL-SAGA"), _of(on, family or arg)
-        if not (best_c and runs):
+        cfl, runs = _of(on, "CFL-SAGA"), _of(on, family or arg)
+        if not (cfl and runs):
             return None
-        if (base := _best(runs)) is None:
-            txt = "; ".join(f"{a['method']}: opg {a['final_opt_gap']:.1e} after {a['iterations']:.0f} it" for a in runs)
-            return f"did not reach {DEEP[8:]}: {txt}", Untestable(f"no {family or arg} run reached 1e-08")
+        best_c, base = _best(cfl), _best(runs)
+        if best_c is None or base is None:  # ran, and no setting reached 1e-8 on every seed that finished
+            who, missed = ("CFL-SAGA", cfl) if best_c is None else (family or arg, runs)
+            txt = "; ".join(map(_short_of, missed))
+            return f"did not reach {DEEP[8:]}: {txt}", Untestable(f"no {who} run reached 1e-08")
         missed = ", ".join(a["method"] for a in runs if a.get(DEEP) is None)
         full = _method(on, "CFL-SAGA rho=0")
         vs_full = f"; {full[DEEP] / best_c[DEEP]:.1f}x fewer than full upload" if full and full.get(DEEP) else ""
@@ -339,35 +434,55 @@ def _fewer(factor: float, family: str | None = None):
     return judge
 
 
+def _short_of(a: dict) -> str:
+    """A cell that did not reach 1e-8: its final opg and iterations (medians), or that every run diverged."""
+    if _all_diverged(a):
+        return f"{a['method']}: every run diverged"
+    return f"{a['method']}: opg {a['final_opt_gap']:.1e} after {a['iterations']:.0f} it"
+
+
+def _ms(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}"  # None: every run of the cell diverged
+
+
 def _c7(method, on):
     if not ((a := _method(on, method)) and (cfl := _of(on, "CFL-SAGA"))):
         return None
-    ms = statistics.median(c[CPU] for c in cfl)
+    ms = statistics.median(got) if (got := [c[CPU] for c in cfl if c[CPU] is not None]) else None
     ref = median(*(cell(method=c["method"]) for c in cfl))  # per seed, the median over the CFL-SAGA settings
-    return f"{a[CPU]:.2f} vs {ms:.2f} ms CPU per iteration", _pair(CPU, method, ref, "less", unit="ms")
+    return f"{_ms(a[CPU])} vs {_ms(ms)} ms CPU per iteration", _pair(CPU, method, ref, "less", unit="ms")
 
 
-def _claim(topo: str, arg: str, text: str, paper: str, key: str, judge_on) -> Claim:
+def _claim(topo: str, arg: str, text: str, paper: str, judge_on) -> Claim:
     """The claim ``text`` (``{}``: ``arg``) on the synthetic problem's graph ``topo``: ``judge_on(arg, medians)``
-    gives what was measured and the declared rule, which reads that graph's per-seed runs with a ``key`` (a
-    target missed is no value to pair), each with ``log_up``, log10 of its uploads to 1e-8."""
+    gives what was measured and the declared rule, which reads that graph's per-seed runs, each with ``log_up``,
+    log10 of its uploads to 1e-8 (its rule pairs the runs that finished with a value, ``_Finished``); what was
+    measured names the diverged runs of the methods the rule compares (none of them is paired)."""
 
     def runs(aggs, raw):
-        rs = [r for r in _on(topo, raw) if r.get(key) is not None]
-        return [{**r, "log_up": math.log10(r[DEEP]) if r.get(DEEP) else None} for r in rs]
+        return [{**r, "log_up": math.log10(r[DEEP]) if r.get(DEEP) else None} for r in _on(topo, raw)]
 
-    return reading(text.format(arg), lambda aggs, _: judge_on(arg, _on(topo, aggs)), runs, paper)
+    def read(aggs, raw):
+        if (got := judge_on(arg, _on(topo, aggs))) is None or not raw:
+            return got
+        measured, rule = got
+        gone = [
+            f"{r['method']} seed {r['seed']}" for r in _on(topo, raw) if _diverged(r) and r["method"] in _methods(rule)
+        ]
+        return (f"{measured}; diverged, not paired: {', '.join(gone)}" if gone else measured), rule
+
+    return reading(text.format(arg), read, runs, paper)
 
 
-PER_GRAPH = (  # the claims judged on every graph: the claim, the paper's statement, the field its runs need
-    ("C2 rho trade-off, {} (Fig. 3)", "larger rho: fewer uploads, more iterations", IT, _c2),
-    ("C3 uploads vs GT-SAGA, {} (Fig. 4 d-f)", "orders of magnitude fewer uploads", DEEP, _fewer(10, "GT-SAGA")),
-    ("C4 uploads per iteration, {} (§VIII-B)", "fewer than GT-SAGA at SR 0.05 (20/iteration)", PER_IT, _c4),
-    ("C5 iterations vs GT-SAGA SR 0.45, {} (Fig. 4 a,c)", "CFL-SAGA (rho=10) faster", IT, _c5),
-    ("C8 paper-nominal rho=10, {}", "rho=10 gives high communication efficiency", "upload_fraction", _c8),
+PER_GRAPH = (  # the claims judged on every graph: the claim, the paper's statement, its judge
+    ("C2 rho trade-off, {} (Fig. 3)", "larger rho: fewer uploads, more iterations", _c2),
+    ("C3 uploads vs GT-SAGA, {} (Fig. 4 d-f)", "orders of magnitude fewer uploads", _fewer(10, "GT-SAGA")),
+    ("C4 uploads per iteration, {} (§VIII-B)", "fewer than GT-SAGA at SR 0.05 (20/iteration)", _c4),
+    ("C5 iterations vs GT-SAGA SR 0.45, {} (Fig. 4 a,c)", "CFL-SAGA (rho=10) faster", _c5),
+    ("C8 paper-nominal rho=10, {}", "rho=10 gives high communication efficiency", _c8),
 )
-C6 = ("C6 vs {}, random (Figs. 6-7)", "similar iterations, many more uploads", DEEP, _fewer(2.5))
-C7 = ("C7 runtime, {} (Fig. 5)", "GT-SAGA cheaper per iteration than CFL-SAGA", CPU, _c7)
+C6 = ("C6 vs {}, random (Figs. 6-7)", "similar iterations, many more uploads", _fewer(2.5))
+C7 = ("C7 runtime, {} (Fig. 5)", "GT-SAGA cheaper per iteration than CFL-SAGA", _c7)
 
 
 def claim_list(aggs: list[dict]) -> list[Claim]:
@@ -519,6 +634,8 @@ def problem_table(aggs: list[dict], problem: str) -> str:
             label = _short(a["method"])
             if label == "CFL-SAGA ρ=0" and first_full:
                 label, first_full = label + " (full upload)", False
+            if a.get("diverged"):  # its medians are the other seeds'
+                label += f" ({a['diverged']}/{a['seeds']} diverged)"
             counts = [
                 "–" if (v := a[f"{w}_{t:.0e}"]) is None else f"{v:{',' if w == 'uploads' else ''}.0f}"
                 for t in TARGETS
@@ -527,8 +644,11 @@ def problem_table(aggs: list[dict], problem: str) -> str:
             red = f"{best_g[DEEP] / a[DEEP]:.1f}×" if best_g and a.get(DEEP) else ""
             if a is best_c:
                 counts[-1], red = f"**{counts[-1]}**", f"**{red}**" if red else ""  # no GT-SAGA ran: no reduction
-            up = f"{a[PER_IT]:.0f}" if a[PER_IT] == int(a[PER_IT]) and a[PER_IT] >= 100 else f"{a[PER_IT]:.1f}"
-            body.append([topo, label, *counts, red, up, f"{a[CPU]:.2f}"])
+            if (up := a[PER_IT]) is None:  # every run diverged
+                up = "–"
+            else:
+                up = f"{up:.0f}" if up == int(up) and up >= 100 else f"{up:.1f}"
+            body.append([topo, label, *counts, red, up, _ms(a[CPU])])
     header = ["topology", "method", *(f"{w} → {t}" for t in ("1e-4", "1e-6", "1e-8") for w in ("it", "uploads"))]
     return markdown_table([*header, "reduction", "uploads/it", "ms/it"], body)
 
@@ -677,8 +797,8 @@ def runtime_section(paper: list[dict]) -> str:
     """CPU and wall seconds per 1000 iterations on the synthetic problem's random graph at the paper scale,
     from the runs' own per-iteration times (``summary.csv``: medians over the seeds)."""
 
-    def secs(prefix: str, col: str) -> str:
-        return f"{statistics.median(a[col] for a in _of(_on('random', paper), prefix)):.2f} s"
+    def secs(prefix: str, col: str) -> str:  # a cell whose every run diverged has no time per iteration
+        return f"{statistics.median(a[col] for a in _of(_on('random', paper), prefix) if a[col] is not None):.2f} s"
 
     rows = [[label, secs(m, CPU), secs(m, "ms_per_iteration_wall")] for label, m in RUNTIME_ROWS.items()]
     return markdown_table(["method", "CPU time for 1000 iterations", "wall time"], rows)
@@ -784,13 +904,21 @@ def study_plan(opts) -> Plan:
     return Plan(jobs, (kept, meta))
 
 
+def _statuses(rows: list[dict]) -> list[dict]:
+    """``rows``, each with its ``status`` where any run diverged (raw.json's and runs.csv's column then reads
+    completed or diverged, not blank); as they are where none did (the committed records' layout)."""
+    if not any(map(_diverged, rows)):
+        return rows
+    return [{**r, "status": "diverged" if _diverged(r) else "completed"} for r in rows]
+
+
 def report(rows: list[dict], plan: Plan, opts, wall: float) -> Report:
     """raw.json, meta.json and the report (tables, claims, figures); ``--report-only``: the report from them."""
     out, (kept, meta) = Path(opts.out), plan.context
     if opts.report_only:
-        rows, files = load_raw(out), {}
+        rows, files = _statuses(load_raw(out)), {}
     else:
-        rows = kept + rows
+        rows = _statuses(kept + rows)
         save_records(out / "raw.json", out / "curves.npz", rows, "_curve", "gus")  # what --report-only reads
         meta["runs"].append({"part": opts.part, "argv": opts.argv, "wall_seconds": wall, "workers": opts.workers})
         files = {"meta.json": Json(meta, indent=None, end="\n")}
