@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -255,3 +259,68 @@ def test_a_budget_that_runs_out_counts_the_runs_that_finished_and_names_the_othe
     md = (tmp_path / "results.md").read_text()
     assert md.splitlines()[2].startswith("0 runs, 1 seed(s), ")
     assert md.endswith("\nNot run (time budget reached): synthetic-Local-0, synthetic-FedAvg-0\n")
+
+
+# ---- a run that diverged before evaluating: untestable claims, no made-up table values ---------------------------
+AFIND_PAGE = Path(__file__).parents[1] / "docs" / "reproductions" / "afind"
+BIG = "Table 4: the largest sigma_2 run above 5 hurts more than each sigma_2 <= 5"
+
+
+def _unevaluated(setting: str, label: str, seed: int) -> dict:
+    """The record ``collect`` keeps of a run that diverged before its first evaluation."""
+    nan = math.nan
+    return {"setting": setting, "label": label, "seed": seed, "status": "diverged", "best": nan, "final": nan,
+            "selected": nan, "overlap_selected": nan, "bytes": nan, "wall": 1.0}  # fmt: skip
+
+
+def test_a_cell_whose_every_seed_diverged_before_evaluating_leaves_its_claim_untestable_not_out():
+    """Every seed of the preset's sigma_2 = 50 run diverged before evaluating: the claim that it hurts more than
+    each sigma_2 <= 5 vanished from the claims (no record of that side left to pair, so the rule returned
+    nothing); the preset ran the cell, so it is untestable and says why. The other claims are as before."""
+    from fedweave.reproduce import afind_plus as af
+
+    results, p = af.committed(AFIND_PAGE)
+    assert 50.0 in p.dp_sigmas and not any(r["label"] == "AFIND+ dp=50" for r in results)
+    before = dict(af.claim_rows(results, p))
+    assert BIG not in before  # the committed folder ran no sigma_2 above 5
+    seeds = sorted({r["seed"] for r in results if r["label"] == "AFIND+"})
+    got = dict(af.claim_rows(results + [_unevaluated(p.primary, "AFIND+ dp=50", s) for s in seeds], p))
+    why = (
+        f"untestable: 0 seeds with both sides evaluated (AFIND+ dp=50: {len(seeds)} of {len(seeds)} diverged before "
+        "evaluating); a paired t test needs 2"
+    )
+    assert (
+        got.pop(BIG) == f"all of 2 (points): sigma 50 vs 2 {why}; sigma 50 vs 5 {why}; 95 % paired t, n=0: untestable"
+    )
+    assert got == before
+    # one seed evaluated: still untestable, and the line says why the others are no pair
+    one = [_unevaluated(p.primary, "AFIND+ dp=50", s) for s in seeds[1:]]
+    one.append({**one[0], "seed": seeds[0], "status": "completed", "best": 0.1, "final": 0.1})
+    line = dict(af.claim_rows(results + one, p))[BIG]
+    assert f"untestable: 1 seed with both sides evaluated (AFIND+ dp=50: {len(seeds) - 1} of {len(seeds)}" in line
+
+
+def test_a_run_that_diverged_before_evaluating_adds_no_value_to_mean_selected_or_mb_sent():
+    """``collect`` of a run with no metric rows (diverged before evaluating) gave "mean selected" a made-up 0 and
+    "MB sent" the bytes of its partial run, unmarked; it now gives NaN, and the table marks the cell as it marks
+    best and final ("(k/n diverged)"). A run that evaluated but selects no one (Local) still has 0 selected."""
+    from fedweave.reproduce import afind_plus as af
+
+    p = af.preset("smoke")
+    jobs, rows = af.plan(p, 2, {"tau"})
+    point = next(pt for pt in af.points(jobs, p) if dict(pt.values)["label"] == "AFIND+" and pt.seed == 1)
+    summary = {"status": "diverged", "best_test_accuracy": None, "final_test_accuracy": None, "wall_seconds": 1.0}
+    summary["communication"] = {"bytes_total": 3 * 2**20}
+    gone = af.collect(point, SimpleNamespace(metrics=[], summary=summary))
+    assert gone["status"] == "diverged" and all(math.isnan(gone[k]) for k in ("best", "selected", "bytes"))
+    one_row = [{"round": 1, "test_accuracy": 0.5}]
+    local = af.collect(point, SimpleNamespace(metrics=one_row, summary={**summary, "status": "completed"}))
+    assert (local["selected"], local["bytes"]) == (0.0, 3 * 2**20)
+    done = {"best": 0.5, "final": 0.5, "selected": 3.0, "overlap_selected": 0.8, "bytes": 2**20, "status": "completed"}
+    results = [{"setting": s, "label": lb, "seed": seed, **done} for _, s, lb in rows["tau"] for seed in (0, 1)]
+    results = [gone if (r["label"], r["seed"]) == ("AFIND+", 1) else r for r in results]
+    header, body = af.tables(results, rows, p)["tau"]
+    cells = dict(zip(header, next(b for b in body if b[0] == "0.5")))
+    assert cells["best"] == "50.00 (1/2 diverged)"
+    assert cells["mean selected"] == "3.00 (1/2 diverged)" and cells["MB sent"] == "1.00 (1/2 diverged)"
+    assert cells["label overlap of selected"] == "0.80 (1/2 diverged)"

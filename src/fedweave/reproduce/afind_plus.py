@@ -25,7 +25,7 @@ from fedweave.experiments.jobs import finished
 from fedweave.experiments.plots import plot_curves
 from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, choices, judge, not_run, option
 from fedweave.experiments.tables import markdown_table, mean_std_cell
-from fedweave.experiments.verdicts import All, Paired, Select, cell, mean
+from fedweave.experiments.verdicts import UNTESTABLE, All, Decision, Paired, Select, cell, mean
 from fedweave.runner import Result
 
 # ------------------------------------------------------------------------------- the paper's numbers
@@ -287,11 +287,13 @@ def points(jobs: list[Job], p: Preset) -> list[Point]:
 
 
 def collect(point: Point, res: Result) -> dict[str, Any]:
-    """One run's record for the tables; its metric rows are kept under ``_rows`` for the plots."""
+    """One run's record for the tables; its metric rows are kept under ``_rows`` for the plots. A run that
+    diverged before evaluating (no rows) has no value (NaN) of any measured column, not a mean selected of 0 or
+    the bytes of its partial run, which its cells would average in unmarked: a cell counts a NaN as diverged."""
     rows, summary = res.metrics, res.summary  # no rows: diverged before evaluating
     sel = [float(r["selected_mean"]) for r in rows if r.get("selected_mean") not in (None, "")]
     ov = [float(r["overlap_selected"]) for r in rows if r.get("overlap_selected") not in (None, "")]
-    return {
+    record = {
         **dict(point.values),
         "seed": point.seed,
         "status": summary["status"],
@@ -304,6 +306,8 @@ def collect(point: Point, res: Result) -> dict[str, Any]:
         "wall": summary["wall_seconds"],
         "_rows": rows,
     }
+    # its best and final are NaN already (no evaluation, no final model)
+    return record if rows else record | dict.fromkeys(("selected", "overlap_selected", "bytes"), math.nan)
 
 
 # ------------------------------------------------------------------------------------------- tables
@@ -390,22 +394,55 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
 
 
 # ------------------------------------------------------------------------------------------- claims
-def _finite(where: str):
-    """The records of the setting ``p.<where>`` that evaluated (a run that diverged before evaluating has no
-    best-round accuracy to pair; the verdict's n says how many seeds were paired)."""
-    return lambda results, p: [r for r in results if r["setting"] == getattr(p, where) and math.isfinite(r["best"])]
+def _setting(where: str):
+    """The records of the setting ``p.<where>``, those of runs that diverged before evaluating too: a rule pairs
+    only the evaluated ones (``_Evaluated``), and the others tell it that the preset ran their cell."""
+    return lambda results, p: [r for r in results if r["setting"] == getattr(p, where)]
 
 
 def _on(text: str, rule: Any, where: str = "primary") -> Claim:
     """The claim ``text`` judged by its declared ``rule`` on the evaluated runs of the setting ``p.<where>``."""
-    return Claim(text, None, declared=rule, records=_finite(where))
+    return Claim(text, None, declared=rule, records=_setting(where))
+
+
+def _leaves(side: Any) -> list[dict]:
+    """The selections (``{"label": ...}``) of a rule's side: a mapping, a selector's leaves, none for a bound."""
+    if isinstance(side, Select):
+        return [dict(side.where)] if side.op is None else [w for a in side.args for w in _leaves(a)]
+    return [dict(side)] if isinstance(side, dict) else []
+
+
+class _Evaluated(Paired):
+    """A paired rule on the runs that evaluated (a finite best-round accuracy and metric): a run that diverged
+    before evaluating has nothing to pair, its seed leaves the pairs. Where fewer than 2 seeds are left of cells
+    the preset ran, the verdict is untestable and says which runs left (``Paired`` alone would leave the claim
+    out when a side has no record left: kept for a cell the preset did not run)."""
+
+    def judge(self, records: list[dict]) -> Decision | None:
+        def evaluated(r: dict) -> bool:
+            return all(isinstance(r[k], int | float) and math.isfinite(r[k]) for k in ("best", self.metric))
+
+        got = super().judge([r for r in records if evaluated(r)])
+        if got is not None and got.outcome != UNTESTABLE:
+            return got
+        gone, ran = [], True
+        for w in _leaves(self.a) + _leaves(self.b):
+            rs = [r for r in records if all(r.get(k) == v for k, v in w.items())]
+            ran &= bool(rs)
+            if k := sum(not evaluated(r) for r in rs):
+                gone.append(f"{w['label']}: {k} of {len(rs)} diverged before evaluating")
+        if not (ran and gone):  # a cell the preset did not run (left out), or no run left: the rule's own verdict
+            return got
+        n, why = (got.n if got else 0), "; ".join(gone)
+        text = f"untestable: {n} seed{'s' * (n != 1)} with both sides evaluated ({why}); a paired t test needs 2"
+        return Decision(UNTESTABLE, math.nan, None, None, n, text)
 
 
 def _vs(a: str, b: str | Select, direction: str = "greater", min_effect: float = 0.0, metric: str = "best") -> Paired:
     """``a`` against ``b`` (a label or a selector) on ``metric`` (best-round accuracy in points), paired by seed,
     95 % paired t: 3 seeds, too few for a percentile bootstrap."""
     side, unit = {"label": b} if isinstance(b, str) else b, "" if metric == "selected" else "points"
-    return Paired(metric, {"label": a}, side, direction, min_effect, scale=100 if unit else 1, unit=unit)
+    return _Evaluated(metric, {"label": a}, side, direction, min_effect, scale=100 if unit else 1, unit=unit)
 
 
 def _dp_claims(mode: str, what: str) -> list[Claim]:
@@ -443,7 +480,7 @@ def _fig5_claims(fig: str, section: str, where: str) -> list[Claim]:
     gain = mean(*(cell(label=k + " + AFIND+") - cell(label=k) for k in PLUGINS)) - CLAIMED_PLUGIN_GAIN / 100
     lo, hi = CLAIMED_PLUGIN_GAIN / 2, 1.5 * CLAIMED_PLUGIN_GAIN
     every = All((k, _vs(k + " + AFIND+", k)) for k in PLUGINS)
-    about = Paired("best", gain, 0.0, "within", lo, scale=100, unit="points from +3")
+    about = _Evaluated("best", gain, 0.0, "within", lo, scale=100, unit="points from +3")
     about_text = f"{section}: the improvement is about +3 points (mean gain over the plug-ins in [{lo:g}, {hi:g}])"
     return [
         _on(f"{fig}: AFIND+ selection improves every plug-in method (mean best-round gain > 0)", every, where),
