@@ -286,7 +286,7 @@ def test_a_cell_whose_every_seed_diverged_before_evaluating_leaves_its_claim_unt
     seeds = sorted({r["seed"] for r in results if r["label"] == "AFIND+"})
     got = dict(af.claim_rows(results + [_unevaluated(p.primary, "AFIND+ dp=50", s) for s in seeds], p))
     why = (
-        f"untestable: 0 seeds with both sides evaluated (AFIND+ dp=50: {len(seeds)} of {len(seeds)} diverged before "
+        f"untestable: 0 seeds with both sides run (AFIND+ dp=50: {len(seeds)} of {len(seeds)} diverged before "
         "evaluating); a paired t test needs 2"
     )
     assert (
@@ -297,7 +297,7 @@ def test_a_cell_whose_every_seed_diverged_before_evaluating_leaves_its_claim_unt
     one = [_unevaluated(p.primary, "AFIND+ dp=50", s) for s in seeds[1:]]
     one.append({**one[0], "seed": seeds[0], "status": "completed", "best": 0.1, "final": 0.1})
     line = dict(af.claim_rows(results + one, p))[BIG]
-    assert f"untestable: 1 seed with both sides evaluated (AFIND+ dp=50: {len(seeds) - 1} of {len(seeds)}" in line
+    assert f"untestable: 1 seed with both sides run (AFIND+ dp=50: {len(seeds) - 1} of {len(seeds)}" in line
 
 
 def test_a_run_that_diverged_before_evaluating_adds_no_value_to_mean_selected_or_mb_sent():

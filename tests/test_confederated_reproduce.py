@@ -212,7 +212,7 @@ def test_a_setting_whose_every_seed_diverged_leaves_its_claims_untestable_not_ou
     raw = json.loads((PAPER / "raw.json").read_text(encoding="utf-8"))
     rows = _with_diverged(raw, {s: _record(tmp_path, s) for s in range(5)})
     claims = _claims(rows)
-    why = "untestable: 0 seeds with both sides finished (CFL-SAGA rho=10: 5 of 5 diverged); a paired t test needs 2"
+    why = "untestable: 0 seeds with both sides run (CFL-SAGA rho=10: 5 of 5 diverged); a paired t test needs 2"
     assert claims["C8 paper-nominal rho=10, random"][1] == why
     assert claims["C8 paper-nominal rho=10, random"][0].startswith("every run diverged; diverged, not paired: ")
     assert claims["C5 iterations vs GT-SAGA SR 0.45, random (Fig. 4 a,c)"][1] == why

@@ -416,3 +416,20 @@ def test_all_of_paired_and_threshold_parts_counts_the_pairs():
     )
     got = rule.judge(recs)
     assert got.n == 3 and got.text.endswith("n=3: held"), got.text
+
+
+def test_a_run_that_is_no_pair_leaves_its_seed_and_is_counted_when_too_few_are_left():
+    """``no_pair``: a diverged run's seed leaves the pairs; with fewer than 2 left the verdict is untestable and
+    says which runs left; a side the records never ran leaves the claim out."""
+    recs = [
+        {"m": m, "seed": s, "acc": v + s, "status": "diverged" if (m, s) == ("b", 0) else "completed"}
+        for m, v in (("a", 5.0), ("b", 1.0))
+        for s in range(3)
+    ]
+    rule = Paired("acc", {"m": "a"}, {"m": "b"}, no_pair=lambda r: "diverged" if r["status"] == "diverged" else None)
+    assert rule.judge(recs).n == 2 and Paired("acc", {"m": "a"}, {"m": "b"}).judge(recs).n == 3
+    two_gone = [r | {"status": "diverged"} if (r["m"], r["seed"]) == ("b", 1) else r for r in recs]
+    assert rule.judge(two_gone).text == (
+        "untestable: 1 seed with both sides run (b: 2 of 3 diverged); a paired t test needs 2"
+    )
+    assert rule.judge([r for r in recs if r["m"] == "a"]) is None  # b never ran: left out

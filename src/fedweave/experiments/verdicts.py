@@ -37,6 +37,11 @@ A bad declaration (an unknown test or direction, a level outside (0, 1), a negat
 2 pairs given to ``decide``, a value that is not finite) is a ``ConfigError`` of one line naming the rule. Records
 on which fewer than 2 seeds ran both sides (a time budget stopped a preset part-way) are no error: the rule's
 verdict is **untestable**, and says why; a conjunction with such a part is untestable unless another did not hold.
+
+A run that diverged has no value to pair: a rule given ``no_pair`` (a function of a record: why it is no pair,
+e.g. ``"diverged"``, or None) leaves such a run's seed out of its pairs, and where fewer than 2 pairs are left
+its verdict is untestable and counts, per side, the runs that left and why. A side that selects no record at all
+(the preset did not run it) still leaves the claim out.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from __future__ import annotations
 import math
 import operator
 import statistics
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,6 +112,12 @@ class Select:
             return _finite(who or metric, f"{metric} at {pair} {k}", side[k]) if isinstance(side, dict) else side
 
         return {k: self.op(*(at(s, k) for s in sides)) for k in maps[0] if all(k in m for m in maps)}
+
+    def leaves(self) -> list[Mapping[str, Any]]:
+        """The selections (``where``) of the leaves under this selector, in order."""
+        if self.op is None:
+            return [self.where]
+        return [w for a in self.args if isinstance(a, Select) for w in a.leaves()]
 
     def __sub__(self, other: Select | float) -> Select:
         return Select(op=operator.sub, args=(self, other))
@@ -218,6 +230,8 @@ class Paired:
     seed: int = 0
     digits: int = 2
     name: str = field(default="", compare=False)
+    # why a record is no pair (a run that diverged: "diverged"), or None: a run with a value (module docstring)
+    no_pair: Callable[[Mapping[str, Any]], str | None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         who = self.name or self.metric
@@ -243,16 +257,44 @@ class Paired:
 
     def judge(self, records: Sequence[Mapping[str, Any]]) -> Decision | None:
         """The decision on ``records`` (A's and B's paired by ``pair``), or None when A or B has no record
-        (the records cannot test the claim, e.g. a variant the preset does not run)."""
+        (the records cannot test the claim, e.g. a variant the preset does not run). With ``no_pair``, the runs
+        it names leave the pairs first (module docstring)."""
+        sides = self.selections()
+        if self.no_pair is not None and all(_where(records, w) for w in sides):
+            kept = [r for r in records if self.no_pair(r) is None]
+            got = self._judge(kept)
+            if got is not None and got.outcome != UNTESTABLE:
+                return got
+            left = "; ".join(filter(None, (self._left(_where(records, w), w) for w in sides)))
+            return self._untestable(got.n if got else 0, left) if left else got
+        return self._judge(records)
+
+    def _left(self, records: Sequence[Mapping[str, Any]], where: Mapping[str, Any]) -> str:
+        """How many of a side's ``records`` are no pair, and why (``fedavg: 2 of 3 diverged``); "" if none."""
+        whys = Counter(why for r in records if (why := self.no_pair(r)) is not None)
+        counts = ", ".join(f"{k} of {len(records)} {why}" for why, k in whys.items())
+        return f"{', '.join(map(str, where.values()))}: {counts}" if whys else ""
+
+    def _judge(self, records: Sequence[Mapping[str, Any]]) -> Decision | None:
         a = self._values(records, self.a, "A")
         constant = isinstance(self.b, int | float)  # a bound, the same at every pairing value of A
         b = dict.fromkeys(a, self.b) if constant else self._values(records, self.b, "B")
         if not (a and b):
             return None
         if (n := len(set(a) & set(b))) < 2:  # a side's other seeds did not run (a time budget): no test, said so
-            why = f"untestable: {n} {self.pair} with both sides run; a {TESTS[self.test]} test needs 2"
-            return Decision(UNTESTABLE, math.nan, None, None, n, why)
+            return self._untestable(n)
         return self.decide(a, b)
+
+    def _untestable(self, n: int, left: str = "") -> Decision:
+        """Fewer than 2 pairs: ``n`` seeds with both sides run, and ``left``, the runs that were no pair."""
+        why = f"untestable: {n} {self.pair}{'s' * (n != 1 and bool(left))} with both sides run"
+        why += f" ({left})" if left else ""
+        return Decision(UNTESTABLE, math.nan, None, None, n, f"{why}; a {TESTS[self.test]} test needs 2")
+
+    def selections(self) -> list[Mapping[str, Any]]:
+        """The selections (fields and values) of the records its sides read, A's then B's (none for a bound)."""
+        return [w for side in (self.a, self.b) for w in (side.leaves() if isinstance(side, Select) else [side])
+                if isinstance(w, Mapping)]  # fmt: skip
 
     def _values(self, records: Sequence[Mapping[str, Any]], where: Mapping[str, Any] | Select, side: str) -> dict:
         who = self.name or self.metric
@@ -469,6 +511,14 @@ class Untestable:
 
 
 Rule = Paired | Threshold | All | Untestable
+
+
+def selections(rule: Any) -> list[Mapping[str, Any]]:
+    """The selections (fields and values) of the records a declared rule compares: a ``Paired`` rule's sides, an
+    ``All``'s parts'; none for another rule."""
+    if isinstance(rule, All):
+        return [w for _, part in rule.parts for w in selections(part)]
+    return rule.selections() if isinstance(rule, Paired) else []
 
 
 # ---- the power of the paired t test: what a declared rule over n seeds could find ------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -19,13 +20,13 @@ from typing import Any
 import numpy as np
 
 from fedweave.config import ConfigError
-from fedweave.experiments.aggregate import group, seed_gaps
+from fedweave.experiments.aggregate import group, is_finite, seed_gaps
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished
 from fedweave.experiments.plots import plot_curves
 from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, choices, judge, not_run, option
 from fedweave.experiments.tables import markdown_table, mean_std_cell
-from fedweave.experiments.verdicts import UNTESTABLE, All, Decision, Paired, Select, cell, mean
+from fedweave.experiments.verdicts import All, Paired, Select, cell, mean
 from fedweave.runner import Result
 
 # ------------------------------------------------------------------------------- the paper's numbers
@@ -396,7 +397,7 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
 # ------------------------------------------------------------------------------------------- claims
 def _setting(where: str):
     """The records of the setting ``p.<where>``, those of runs that diverged before evaluating too: a rule pairs
-    only the evaluated ones (``_Evaluated``), and the others tell it that the preset ran their cell."""
+    only the evaluated ones (``_unevaluated``), and the others tell it that the preset ran their cell."""
     return lambda results, p: [r for r in results if r["setting"] == getattr(p, where)]
 
 
@@ -405,44 +406,20 @@ def _on(text: str, rule: Any, where: str = "primary") -> Claim:
     return Claim(text, None, declared=rule, records=_setting(where))
 
 
-def _leaves(side: Any) -> list[dict]:
-    """The selections (``{"label": ...}``) of a rule's side: a mapping, a selector's leaves, none for a bound."""
-    if isinstance(side, Select):
-        return [dict(side.where)] if side.op is None else [w for a in side.args for w in _leaves(a)]
-    return [dict(side)] if isinstance(side, dict) else []
-
-
-class _Evaluated(Paired):
-    """A paired rule on the runs that evaluated (a finite best-round accuracy and metric): a run that diverged
-    before evaluating has nothing to pair, its seed leaves the pairs. Where fewer than 2 seeds are left of cells
-    the preset ran, the verdict is untestable and says which runs left (``Paired`` alone would leave the claim
-    out when a side has no record left: kept for a cell the preset did not run)."""
-
-    def judge(self, records: list[dict]) -> Decision | None:
-        def evaluated(r: dict) -> bool:
-            return all(isinstance(r[k], int | float) and math.isfinite(r[k]) for k in ("best", self.metric))
-
-        got = super().judge([r for r in records if evaluated(r)])
-        if got is not None and got.outcome != UNTESTABLE:
-            return got
-        gone, ran = [], True
-        for w in _leaves(self.a) + _leaves(self.b):
-            rs = [r for r in records if all(r.get(k) == v for k, v in w.items())]
-            ran &= bool(rs)
-            if k := sum(not evaluated(r) for r in rs):
-                gone.append(f"{w['label']}: {k} of {len(rs)} diverged before evaluating")
-        if not (ran and gone):  # a cell the preset did not run (left out), or no run left: the rule's own verdict
-            return got
-        n, why = (got.n if got else 0), "; ".join(gone)
-        text = f"untestable: {n} seed{'s' * (n != 1)} with both sides evaluated ({why}); a paired t test needs 2"
-        return Decision(UNTESTABLE, math.nan, None, None, n, text)
+def _unevaluated(metric: str) -> Callable[[dict], str | None]:
+    """Why a record is no pair of a rule on ``metric``: a run that diverged before evaluating has no best-round
+    accuracy (nor a value of the metric); its seed leaves the pairs (``Paired.no_pair``)."""
+    return lambda r: None if all(is_finite(r[k]) for k in ("best", metric)) else "diverged before evaluating"
 
 
 def _vs(a: str, b: str | Select, direction: str = "greater", min_effect: float = 0.0, metric: str = "best") -> Paired:
     """``a`` against ``b`` (a label or a selector) on ``metric`` (best-round accuracy in points), paired by seed,
     95 % paired t: 3 seeds, too few for a percentile bootstrap."""
     side, unit = {"label": b} if isinstance(b, str) else b, "" if metric == "selected" else "points"
-    return _Evaluated(metric, {"label": a}, side, direction, min_effect, scale=100 if unit else 1, unit=unit)
+    scale = 100 if unit else 1
+    return Paired(
+        metric, {"label": a}, side, direction, min_effect, scale=scale, unit=unit, no_pair=_unevaluated(metric)
+    )
 
 
 def _dp_claims(mode: str, what: str) -> list[Claim]:
@@ -480,7 +457,7 @@ def _fig5_claims(fig: str, section: str, where: str) -> list[Claim]:
     gain = mean(*(cell(label=k + " + AFIND+") - cell(label=k) for k in PLUGINS)) - CLAIMED_PLUGIN_GAIN / 100
     lo, hi = CLAIMED_PLUGIN_GAIN / 2, 1.5 * CLAIMED_PLUGIN_GAIN
     every = All((k, _vs(k + " + AFIND+", k)) for k in PLUGINS)
-    about = _Evaluated("best", gain, 0.0, "within", lo, scale=100, unit="points from +3")
+    about = Paired("best", gain, 0.0, "within", lo, scale=100, unit="points from +3", no_pair=_unevaluated("best"))
     about_text = f"{section}: the improvement is about +3 points (mean gain over the plug-ins in [{lo:g}, {hi:g}])"
     return [
         _on(f"{fig}: AFIND+ selection improves every plug-in method (mean best-round gain > 0)", every, where),

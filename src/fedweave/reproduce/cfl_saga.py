@@ -37,17 +37,7 @@ from fedweave.experiments.study import (
     save_records,
 )
 from fedweave.experiments.tables import markdown_table, read_csv
-from fedweave.experiments.verdicts import (
-    UNTESTABLE,
-    All,
-    Decision,
-    Paired,
-    Select,
-    Threshold,
-    Untestable,
-    cell,
-    median,
-)
+from fedweave.experiments.verdicts import All, Paired, Select, Threshold, Untestable, cell, median, selections
 from fedweave.runner import Result
 
 TARGETS = (1e-4, 1e-6, 1e-8)
@@ -298,48 +288,14 @@ def _fmt(v: Any) -> str:
 # ``measured`` gives. Minimum effects: 10x for "orders of magnitude", 2.5x for "many more uploads" (both on log10
 # of the uploads to 1e-8), the bounds 20 uploads per iteration and 20 % of users, 0 for orderings.
 def _pair(metric: str, a: str, b: str | float | Select, direction: str = "greater", min_effect=0.0, unit="") -> Paired:
-    """``a`` against ``b`` (a method, a constant bound or a selector) on ``metric``, paired by seed."""
+    """``a`` against ``b`` (a method, a constant bound or a selector) on ``metric``, paired by seed: a run that
+    diverged, or missed the target the metric counts to, is no pair (its seed leaves the pairs)."""
+
+    def no_pair(r: dict) -> str | None:
+        return "diverged" if _diverged(r) else f"without {metric}" if r.get(metric) is None else None
+
     side = {"method": b} if isinstance(b, str) else b
-    return _Finished(metric, {"method": a}, side, direction, min_effect, unit=unit)
-
-
-def _leaves(side: Any) -> list[dict]:
-    """The selections (``{"method": ...}``) of a rule's side: a mapping, a selector's leaves, none for a bound."""
-    if isinstance(side, Select):
-        return [dict(side.where)] if side.op is None else [w for a in side.args for w in _leaves(a)]
-    return [dict(side)] if isinstance(side, dict) else []
-
-
-def _methods(rule: Any) -> set[str]:
-    """The methods whose runs a declared rule compares."""
-    if isinstance(rule, All):
-        return set().union(*(_methods(r) for _, r in rule.parts))
-    return {w["method"] for w in _leaves(rule.a) + _leaves(rule.b)} if isinstance(rule, Paired) else set()
-
-
-class _Finished(Paired):
-    """A paired rule on the runs that finished with a value of its metric: a diverged run (``_diverged``) or one
-    that missed the target is no pair, its seed leaves the pairs; where fewer than 2 seeds are left of cells the
-    preset ran, the verdict is untestable and names the runs that left (``Paired`` alone would leave the claim
-    out when a side has no record left: kept for a cell the preset did not run)."""
-
-    def judge(self, records: list[dict]) -> Decision | None:
-        got = super().judge([r for r in records if not _diverged(r) and r.get(self.metric) is not None])
-        if got is not None and got.outcome != UNTESTABLE:
-            return got
-        gone, ran = [], True
-        for w in _leaves(self.a) + _leaves(self.b):
-            rs = [r for r in records if all(r.get(k) == v for k, v in w.items())]
-            ran &= bool(rs)
-            bad = sum(map(_diverged, rs)), sum(not _diverged(r) and r.get(self.metric) is None for r in rs)
-            if any(bad):
-                counts = zip(bad, ("diverged", f"without {self.metric}"))
-                gone.append(f"{w['method']}: " + ", ".join(f"{k} of {len(rs)} {what}" for k, what in counts if k))
-        if not (ran and gone):  # a cell the preset did not run (left out), or no run left: the rule's own verdict
-            return got
-        n, why = (got.n if got else 0), "; ".join(gone)
-        text = f"untestable: {n} seed{'s' * (n != 1)} with both sides finished ({why}); a paired t test needs 2"
-        return Decision(UNTESTABLE, math.nan, None, None, n, text)
+    return Paired(metric, {"method": a}, side, direction, min_effect, unit=unit, no_pair=no_pair)
 
 
 R2 = 0.98  # C1: a median tail R^2 above it reads as linear
@@ -456,7 +412,7 @@ def _c7(method, on):
 def _claim(topo: str, arg: str, text: str, paper: str, judge_on) -> Claim:
     """The claim ``text`` (``{}``: ``arg``) on the synthetic problem's graph ``topo``: ``judge_on(arg, medians)``
     gives what was measured and the declared rule, which reads that graph's per-seed runs, each with ``log_up``,
-    log10 of its uploads to 1e-8 (its rule pairs the runs that finished with a value, ``_Finished``); what was
+    log10 of its uploads to 1e-8 (its rule pairs the runs that finished with a value, ``_pair``); what was
     measured names the diverged runs of the methods the rule compares (none of them is paired)."""
 
     def runs(aggs, raw):
@@ -466,9 +422,8 @@ def _claim(topo: str, arg: str, text: str, paper: str, judge_on) -> Claim:
         if (got := judge_on(arg, _on(topo, aggs))) is None or not raw:
             return got
         measured, rule = got
-        gone = [
-            f"{r['method']} seed {r['seed']}" for r in _on(topo, raw) if _diverged(r) and r["method"] in _methods(rule)
-        ]
+        compared = {w["method"] for w in selections(rule)}
+        gone = [f"{r['method']} seed {r['seed']}" for r in _on(topo, raw) if _diverged(r) and r["method"] in compared]
         return (f"{measured}; diverged, not paired: {', '.join(gone)}" if gone else measured), rule
 
     return reading(text.format(arg), read, runs, paper)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import product
 from operator import attrgetter, itemgetter
@@ -36,7 +36,7 @@ from fedweave.experiments.pages import paragraph, stated
 from fedweave.experiments.plots import plot_curves
 from fedweave.experiments.study import Claim, Plan, Report, Rows, Study, judge, known_datasets, not_run, option
 from fedweave.experiments.tables import Col, layout, markdown_table, read_csv, signed
-from fedweave.experiments.verdicts import All, Decision, Paired, Select, Threshold, Untestable, cell, complete_pairs
+from fedweave.experiments.verdicts import All, Paired, Select, Threshold, Untestable, cell
 from fedweave.runner import Result
 
 NONIID_NOTE = ", its non-IID column: 2 label-sorted shards per client"
@@ -243,7 +243,7 @@ def seed_records(md: str) -> list[dict[str, Any]]:
     """The per-seed final accuracies a ``table-*.md`` lists (``- METHOD: a, b, c`` under its seeds
     ``[0, 1, 2]``, at the 2 decimals it prints), one record per method and seed: what the claims' rules read.
     A seed whose run diverged is listed ``diverged``: its record's accuracy is NaN, which the rules leave out of
-    their pairs (``CompletedPairs``)."""
+    their pairs (``_diverged``)."""
     seeds = json.loads(re.search(r"seeds (\[[\d, ]*\])", md)[1])
     listing = md.split("Per-seed final accuracies (%):", 1)[1]
     per = re.findall(rf"^- (.+): ({SEED_ACC}(?:, {SEED_ACC})*)$", listing, re.M)
@@ -263,7 +263,12 @@ def _acc(a: str | Select, b: str | Select, direction: str = "greater", min_effec
     """``a`` against ``b`` (methods, or selectors such as ``below("fsl_an", 3)``) on the final accuracy (%),
     paired by seed, 95 % paired t: 3 to 10 seeds, too few for a percentile bootstrap."""
     side = lambda m: cell(method=m) if isinstance(m, str) else m  # noqa: E731
-    return Paired("accuracy", side(a), side(b), direction, min_effect, unit="pp")
+    return Paired("accuracy", side(a), side(b), direction, min_effect, unit="pp", no_pair=_diverged)
+
+
+def _diverged(r: dict[str, Any]) -> str | None:
+    """Why a seed's record is no pair: its run diverged (no final accuracy, NaN), or None (``Paired.no_pair``)."""
+    return None if math.isfinite(r["accuracy"]) else "diverged"
 
 
 def below(method: str, pp: float) -> Select:
@@ -400,46 +405,14 @@ def _text(text: str) -> Callable[[Any, Preset], str]:
     return lambda t, p: text.format(h=p.random_h, target=100 * p.target, gap=NONIID_GAP)
 
 
-def compared(side: Any) -> set[str]:
-    """The methods a paired rule (``Paired``, ``All`` of them) or a side of one (a selector, a mapping, a number)
-    compares."""
-    if isinstance(side, All):
-        return set().union(*(compared(rule) for _, rule in side.parts))
-    if isinstance(side, Paired):
-        return compared(side.a) | compared(side.b)
-    if isinstance(side, Select):
-        return {side.where["method"]} if side.op is None else set().union(*map(compared, side.args))
-    return {side["method"]} if isinstance(side, Mapping) else set()
-
-
-@dataclass(frozen=True)
-class CompletedPairs:
-    """A seeded claim's paired rule on the seeds whose runs of every method it compares completed: a seed with a
-    diverged run (no accuracy: NaN) leaves the pairs of all of them, never paired silently nor an error; fewer
-    than 2 such seeds is ``UNPAIRED`` (said so); a method the preset did not run leaves the claim out."""
-
-    rule: Paired | All
-
-    def judge(self, records: Sequence[Mapping[str, Any]]) -> Decision | None:
-        methods = compared(self.rule)
-        ran = [r for r in records if r["method"] in methods]
-        if {r["method"] for r in ran} != methods:
-            return None
-        pairs = complete_pairs(ran, itemgetter("method"), ("accuracy",))
-        return self.rule.judge(pairs) if pairs else UNPAIRED.judge(pairs)
-
-
 def seeded(text: str, declared, noniid: bool = False) -> Claim:
     """A claim whose declared rule reads the per-seed final accuracies (``Preset.records``; untestable with fewer
-    than 2 seeds) of the seeds that completed every run it compares (``CompletedPairs``); a ``noniid`` claim reads
+    than 2 seeds); a run that diverged is no pair (``_diverged``: its seed leaves the pairs); a ``noniid`` claim reads
     none on an IID preset, so it is left out there."""
     records = lambda t, p: p.records if p.noniid or not noniid else []  # noqa: E731
 
-    def rule(t, p) -> Untestable | CompletedPairs:
-        if len({r["seed"] for r in records(t, p)}) == 1:
-            return NO_PAIRS
-        got = declared(t, p)
-        return got if isinstance(got, Untestable) else CompletedPairs(got)
+    def rule(t, p) -> Untestable | Paired | All:
+        return NO_PAIRS if len({r["seed"] for r in records(t, p)}) == 1 else declared(t, p)
 
     return Claim(_text(text), None, declared=rule, records=records)
 
@@ -451,7 +424,6 @@ def _one(text: str, rule: Threshold | Untestable, value: Callable | None = None)
 
 NO_SEEDS = Untestable("the load to reach the target has no per-seed record (the table: its seed mean)")
 NO_PAIRS = Untestable("fewer than 2 seeds, no paired test")
-UNPAIRED = Untestable("fewer than 2 seeds completed every run it compares (a diverged run is no pair)")
 NO_STORAGE = Untestable("no run of CSE-FSL or of FSL_AN completed: no storage to compare")
 STORAGE_DIVERGED = Untestable("a run of the storage measurement diverged: no storage measured there")
 EXACT = Threshold("mismatches", "==", 0, digits=0, unit="methods off the closed form")
