@@ -15,7 +15,7 @@ import fedweave
 from fedweave.callbacks import Budget, Callback, Checkpointer, DivergenceGuard, ProgressBar, RoundTrace, StopAtTarget
 from fedweave.callbacks import default_callbacks as defaults
 from fedweave.checkpoints import read_checkpoint
-from fedweave.config import load
+from fedweave.config import ConfigError, load
 from fedweave.errors import DivergenceError
 from fedweave.results import read_metrics
 from fedweave.runner import resume
@@ -201,6 +201,67 @@ def test_a_value_no_row_can_hold_is_one_error_naming_it_and_no_half_written_row(
     assert [r["round"] for r in read_metrics(tmp_path / "a")] == [0, 3]
     assert (tmp_path / "a" / "metrics.csv").read_text().count("\n") == 1 + 2  # the header and the two rows
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["status"] == "failed"
+
+
+class Meddles(Callback):
+    """Writes ``key`` into the training metrics (``after_training``) or the evaluation (``on_evaluation``)."""
+
+    def __init__(self, hook: str, key: str, value) -> None:
+        self.hook, self.key, self.value = hook, key, value
+
+    def after_training(self, run, r, metrics):
+        if self.hook == "after_training":
+            metrics[self.key] = self.value
+
+    def on_evaluation(self, run, r, values):
+        if self.hook == "on_evaluation":
+            values[self.key] = self.value
+
+
+@pytest.mark.parametrize("value", [float("nan"), np.zeros(3), 99])
+def test_the_training_metrics_a_callback_sees_are_its_own_copy(value, cfg, tmp_path):
+    """``after_training`` handed the live metrics: a NaN put there was recorded in a completed run, an array ended it
+    without a summary, and ``round`` replaced the round's number."""
+    key = "round" if isinstance(value, int) else "mine"
+    res = fedweave.run(cfg, run_dir=tmp_path / "c", callbacks=[Meddles("after_training", key, value)])
+    assert res.summary["status"] == "completed" and [r["round"] for r in res.metrics] == [0, 3, 4]
+    assert all("mine" not in r for r in res.metrics)
+
+
+@pytest.mark.parametrize("key", ["round", "wall_seconds", "bytes_up", "train_loss"])
+def test_an_evaluation_value_the_row_records_itself_is_one_error(key, cfg, tmp_path):
+    """``round`` set in on_evaluation made every row round 99; ``train_loss`` or ``wall_seconds`` were replaced by
+    the row's own without a word."""
+    with pytest.raises(ValueError, match=rf"^round 3: a callback's on_evaluation set '{key}', which the metrics row"):
+        fedweave.run(
+            {**cfg, "eval": {"every": 3}}, run_dir=tmp_path / "e", callbacks=[Meddles("on_evaluation", key, 99)]
+        )
+
+
+class Returns(Callback):
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def after_round(self, run, r):
+        return self.value
+
+
+@pytest.mark.parametrize("value", [{"stop": False}, 0.5, [1], torch.tensor([False, False])])
+def test_after_round_returns_a_reason_true_or_nothing(value, cfg, tmp_path):
+    """``{"stop": False}`` or 0.5 ended the run (``stopped_early: "{'stop': False}"``); a tensor of two raised
+    torch's "ambiguous" error, naming no callback."""
+    with pytest.raises(TypeError, match=r"^Returns\.after_round returned .*; return a reason \(a non-empty string\)"):
+        fedweave.run(cfg, run_dir=tmp_path / "s", callbacks=[Returns(value)])
+    for fine in (None, False, ""):
+        assert fedweave.run(cfg, run_dir=tmp_path / f"f{fine!r}", callbacks=[Returns(fine)]).summary["rounds"] == 4
+
+
+def test_the_same_callback_object_twice_is_refused(cfg, tmp_path):
+    """Every hook ran twice: a RoundTrace wrote each round twice."""
+    trace = RoundTrace(["train_loss"])
+    with pytest.raises(ConfigError, match=r"^callbacks\[1\] is the object callbacks\[0\] again; pass it once"):
+        fedweave.run(cfg, run_dir=tmp_path / "t", callbacks=[trace, trace])
+    assert not (tmp_path / "t").exists()
 
 
 def test_an_unexpected_error_in_a_hook_still_ends_every_callback(cfg, tmp_path):

@@ -190,6 +190,8 @@ def _checked(callbacks: Sequence[Callback]) -> list[Callback]:
             raise ConfigError(f"callbacks[{i}] is the class {c.__name__}, not an object of it: pass {c.__name__}()")
         if not isinstance(c, Callback):
             raise ConfigError(f"callbacks[{i}] must be a fedweave.Callback object (a subclass's), got {c!r}")
+        if any(c is d for d in callbacks[:i]):  # every hook ran twice (a RoundTrace wrote each round twice)
+            raise ConfigError(f"callbacks[{i}] is the object callbacks[{callbacks.index(c)}] again; pass it once")
     return callbacks
 
 
@@ -372,7 +374,9 @@ def _evaluate(state: RunState, r: int, metrics: dict[str, Any]) -> None:
     """Evaluate round ``r`` (``-1``: the initial model, recorded as round 0), record its row and tell the
     callbacks. The bytes are the ledger's totals up to that round."""
     ev = state.algo.evaluate(r)
+    own = dict(ev)
     state.callbacks.on_evaluation(state, r, ev)
+    _check_added(ev, own, metrics, r)
     ev = _recordable(ev, r)
     ledger = state.ctx.ledger
     row = {
@@ -389,6 +393,22 @@ def _evaluate(state: RunState, r: int, metrics: dict[str, Any]) -> None:
         row["skipped_rounds"] = len(state.skipped)  # cumulative: rounds without eval are counted too
     state.out.add_metrics(row)
     state.callbacks.on_row(state, row)
+
+
+# what a metrics row records itself, beside the evaluation's values
+ROW_KEYS = ("round", "bytes_up", "bytes_down", "bytes_lateral", "bytes_total", "wall_seconds", "skipped_rounds")
+
+
+def _check_added(values: dict[str, Any], own: dict[str, Any], metrics: dict[str, Any], r: int) -> None:
+    """What the callbacks' ``on_evaluation`` set in ``values`` (the evaluation's ``own`` values before them): a key
+    the row records itself, or a training metric, is one error naming it (``round`` set to 99 made every row round
+    99, a ``train_loss`` was silently replaced by the round's own)."""
+    for k, v in values.items():
+        if (k in ROW_KEYS or k in metrics) and not (k in own and v is own[k]):
+            raise ValueError(
+                f"round {r + 1}: a callback's on_evaluation set {k!r}, which the metrics row records itself; add "
+                "a value under a name of its own"
+            )
 
 
 def _recordable(values: dict[str, Any], r: int) -> dict[str, Any]:

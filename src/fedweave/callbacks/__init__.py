@@ -91,7 +91,8 @@ class Callback:
         it."""
 
     def after_training(self, run: RunState, r: int, metrics: dict[str, Any]) -> None:
-        """Round ``r`` (0-based) trained; ``metrics`` are its training metrics, before any evaluation."""
+        """Round ``r`` (0-based) trained; ``metrics`` are its training metrics, before any evaluation: a copy,
+        so changing it changes nothing recorded (values are added in :meth:`on_evaluation`)."""
 
     def on_evaluation(self, run: RunState, r: int, values: dict[str, Any]) -> None:
         """The evaluation of round ``r`` (``-1``: the initial model) before it is recorded; raising here
@@ -135,8 +136,8 @@ class CallbackList(Callback):
             c.on_start(run)
 
     def after_training(self, run, r, metrics):
-        for c in self.callbacks:
-            c.after_training(run, r, metrics)
+        for c in self.callbacks:  # each its own copy: a NaN or an array put there went unchecked into the row
+            c.after_training(run, r, dict(metrics))
 
     def on_evaluation(self, run, r, values):
         for c in self.callbacks:
@@ -148,6 +149,13 @@ class CallbackList(Callback):
 
     def after_round(self, run, r):
         reasons = [c.after_round(run, r) for c in self.callbacks]  # every callback hears of every round
+        for c, why in zip(self.callbacks, reasons):
+            # only a reason or True asks to stop (``{"stop": False}`` or 0.5 ended the run, a tensor raised)
+            if not (why is None or isinstance(why, bool | str)):
+                raise TypeError(
+                    f"{type(c).__name__}.after_round returned {why!r:.80}; return a reason (a non-empty string) or "
+                    "True to end the run, None or False to go on"
+                )
         asked = [f"{type(c).__name__}" if why is True else str(why) for c, why in zip(self.callbacks, reasons) if why]
         return "; ".join(asked) or None
 
