@@ -350,3 +350,24 @@ def test_oort_decays_the_exploration_before_every_selection():
     # explore 0.9, decay 0.5, round 0: eps 0.45, int(2.2) = 2 exploited (before: eps 0.9, none)
     got = oort(8, 4, 0, _rng(), rounds=5, context=ctx, explore=0.9, explore_decay=0.5, explore_min=0.0)
     assert int((got < 4).sum()) == 2
+
+
+def test_a_plug_in_sampler_that_ignores_its_rng_is_refused_in_round_one(tmp_path):
+    """A sampler drawing from numpy's global generator ran to the end, and two runs of one seed differed. Round 0
+    is drawn when the run is built and again in round 1: the two must agree."""
+    if "_global_rng" not in SAMPLERS._items:
+
+        @SAMPLERS.register("_global_rng")
+        def _global_rng(num_clients, per_round, r, rng, *, rounds):
+            return np.sort(np.random.choice(num_clients, per_round, replace=False))
+
+    from test_precision import family_config
+
+    np.random.seed(3)  # a draw of 2 of 8 that repeats on the second call would pass: make it not
+    cfg = {
+        **family_config("fedavg"),
+        "sampler": {"name": "_global_rng"},
+        "partition": {"name": "iid", "num_clients": 8},
+    }
+    with pytest.raises(ConfigError, match=r"^sampler '_global_rng' chose clients \[.*\] for round 1 and then \[.*\]"):
+        fedweave.run(cfg, run_dir=tmp_path / "g")

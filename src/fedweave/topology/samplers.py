@@ -515,10 +515,13 @@ class Sampler:
     reads_context: bool = field(init=False)  # the function declares a ``context`` keyword
     draws_by_size: bool = field(init=False)  # the function draws clients in proportion to their sizes (by_size)
     empty: set[int] = field(init=False, default_factory=set)  # the rounds it chose nobody for (said once each)
+    first: np.ndarray | None = field(init=False, default=None)  # round 0's draw when the run was built
+    user_made: bool = field(init=False)  # a plug-in's function, not one of fedweave's
 
     def __post_init__(self) -> None:
         self.reads_context = reads_context(self.fn)
         self.draws_by_size = draws_by_size(self.fn)
+        self.user_made = not getattr(self.fn, "__module__", "").startswith("fedweave.")
 
     def fewest(self) -> int:
         """The fewest clients the sampler gives in a round of the run, where that is known when the run is built:
@@ -561,6 +564,18 @@ class Sampler:
         rng = self.seeds.numpy("client_sampling", r)
         ids = self.fn(self.num_clients, self.per_round, r, rng, rounds=self.rounds, **extra, **self.options)
         ids = drawn(ids, self.num_clients, f"sampler {self.name!r} (round {r + 1})")
+        if r == 0 and self.first is None:
+            self.first = ids
+        elif r == 0 and self.user_made and not self.reads_context and not np.array_equal(ids, self.first):
+            # round 0 is drawn when the run is built and again in round 1: a plug-in sampler drawing from another
+            # source than its rng (numpy's global one, a counter) ran, and the same seed gave other numbers (a
+            # built-in one may draw again by design, an empty round's redraw; one that reads the context may see
+            # the round's own)
+            raise ConfigError(
+                f"sampler {self.name!r} chose clients {self.first.tolist()[:8]} for round 1 and then "
+                f"{ids.tolist()[:8]} when asked again: it must choose from its rng argument (and the context) only, "
+                "so that the same seed gives the same run"
+            )
         if len(ids) == 0 and r not in self.empty:  # a round nobody trains in is said, not only seen in the rows
             self.empty.add(r)
             log.warning("round %d: sampler %r chose no client; nobody trains in this round", r + 1, self.name)
