@@ -550,3 +550,32 @@ def test_a_resumed_run_measures_an_explosion_against_the_same_first_loss(toy_con
         return [{k: v for k, v in r.items() if k != "wall_seconds"} for r in rows]
 
     assert numbers(again.metrics) == numbers(full.metrics)
+
+
+def test_an_interrupt_between_the_metrics_files_leaves_them_and_the_summary_one_row_apart_no_more(cfg, tmp_path):
+    """A SIGTERM or Ctrl-C landing after metrics.csv and before metrics.jsonl was written left summary.json at round
+    126, metrics.csv at 126 and metrics.jsonl at 125: the signal now waits until both files hold the row."""
+    import signal
+
+    from fedweave import results
+    from fedweave.errors import RunInterrupted
+
+    write, calls = results.atomic_write, []
+
+    def interrupted_between(path, data):
+        write(path, data)
+        calls.append(path.name)
+        if path.name == "metrics.csv" and calls.count("metrics.csv") == 2:  # the second row, between the two files
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(results, "atomic_write", interrupted_between)
+    try:
+        with pytest.raises(RunInterrupted):
+            fedweave.run(cfg, run_dir=tmp_path / "i")
+    finally:
+        monkeypatch.undo()
+    summary = json.loads((tmp_path / "i" / "summary.json").read_text())
+    csv_rounds = [int(line.split(",")[0]) for line in (tmp_path / "i" / "metrics.csv").read_text().splitlines()[1:]]
+    assert [r["round"] for r in read_metrics(tmp_path / "i")] == csv_rounds == [0, 3]
+    assert summary["status"] == "interrupted" and summary["final"]["round"] == 3

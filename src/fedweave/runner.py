@@ -27,7 +27,7 @@ from fedweave.algorithms.base import (
 from fedweave.byo import OBJECTS_FILE, RunObjects, check_resumed_objects, check_same_objects
 from fedweave.callbacks import Callback, CallbackList, RunState, default_callbacks
 from fedweave.callbacks.builtin import check_finite, defined
-from fedweave.checkpoints import CHECKPOINT, RESUMABLE_LOCAL, restore_checkpoint
+from fedweave.checkpoints import CHECKPOINT, RESUMABLE_LOCAL, restore_checkpoint, signals_held
 from fedweave.config import ConfigError, FaultsConfig, RunConfig
 from fedweave.config import load as load_config
 from fedweave.errors import CheckpointError, DivergenceError, RunInterrupted, RunStopped
@@ -391,7 +391,8 @@ def _evaluate(state: RunState, r: int, metrics: dict[str, Any]) -> None:
     }
     if "reported_clients" in metrics:
         row["skipped_rounds"] = len(state.skipped)  # cumulative: rounds without eval are counted too
-    state.out.add_metrics(row)
+    with signals_held():  # a Ctrl-C or SIGTERM between the two files left them, and summary.json, a row apart
+        state.out.add_metrics(row)
     state.callbacks.on_row(state, row)
 
 
