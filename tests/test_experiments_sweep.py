@@ -400,6 +400,11 @@ def test_plot_of_several_runs_without_out_does_not_replace_the_first_directorys_
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and f"{mine} holds a run, whose own plots" in err, err
     assert kept and {p.name: p.read_bytes() for p in mine.glob("*.png")} == kept
+    # --out naming a sweep's folder: its own figures (bands over the seeds) were replaced by these curves
+    assert cli_main(["plot", str(other), "--out", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--out {tmp_path / 's'} holds a sweep, whose own plots" in err, err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "s").glob("*.png")} == own
 
 
 @pytest.mark.slow  # a sweep killed in a fresh process and run twice more: about 13 s of CPU

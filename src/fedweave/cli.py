@@ -159,6 +159,11 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(args.run_dirs[0])
     if args.out:
         _out_under_no_file(out, "give a folder (made if missing)", folder=True)
+        if (out / "sweep.json").is_file():  # as a run's folder is refused: its figures were replaced without a word
+            raise ConfigError(
+                f"--out {out} holds a sweep, whose own plots (its points' bands over the seeds) these curves would "
+                "replace; give another folder"
+            )
     runs = []  # a sweep directory stands for the runs of its current grid, as in its report
     for d in map(Path, args.run_dirs):
         if not (d / "sweep.json").is_file():
