@@ -250,6 +250,22 @@ def test_a_run_with_python_objects_and_callbacks_resumes_with_them_through_fedwe
     assert [r["test_loss"] for r in resumed.metrics] == [r["test_loss"] for r in whole.metrics]
 
 
+def test_a_run_with_a_python_loss_resumes_with_it(tmp_path):
+    """docs/tasks.md: a run made with ``loss=`` resumes with it passed again; the resume failed with "task.loss:
+    unknown loss 'python'" before the loss was read. A config naming ``python`` itself is one line."""
+    cfg = _cfg(rounds=3, output={"progress": False, "plots": False, "checkpoint_every": 1})
+
+    def loss(out, y):
+        return torch.nn.functional.cross_entropy(out, y, reduction="none")
+
+    whole = fedweave.run(cfg, loss=loss, run_dir=tmp_path / "whole")
+    fedweave.run({**cfg, "rounds": 2}, loss=loss, run_dir=tmp_path / "part")
+    resumed = fedweave.resume(tmp_path / "part", ["rounds=3"], loss=loss)
+    assert [r["test_loss"] for r in resumed.metrics] == [r["test_loss"] for r in whole.metrics]
+    with pytest.raises(ConfigError, match=r"^task\.loss: python names a loss passed from Python"):
+        fedweave.run({**cfg, "task": {"loss": "python"}}, run_dir=tmp_path / "yaml")
+
+
 @pytest.fixture
 def algorithms(monkeypatch):
     """Register a test's algorithms in a copy of the registry, forgotten after the test."""

@@ -340,6 +340,10 @@ class TaskConfig:
     def validate(self) -> None:
         """Check that the loss, its options and the metrics exist and fit together; raise a
         :class:`ConfigError` naming the first bad key and what it allows."""
+        if self.loss == "python":  # a resumed run's loss passed from Python: checked with it when the run is built
+            if self.metrics is not None:
+                check_task(None, self.metrics, self.main)
+            return
         try:
             cls = LOSSES.get(self.loss)
         except UnknownNameError as e:

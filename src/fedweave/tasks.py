@@ -434,6 +434,11 @@ def build_task(
     main: str | None = None,
 ) -> Task:
     """A :class:`Task` from a registered loss name (with options) or a Loss/callable, checked."""
+    if loss == "python":  # what a run records for a loss passed from Python, read back without that loss
+        raise ConfigError(
+            "task.loss: python names a loss passed from Python (fedweave.run(..., loss=fn), and fedweave.resume with "
+            f"the same one); a config names a registered loss: {', '.join(LOSSES.names())}"
+        )
     if isinstance(loss, str):
         cls = LOSSES.get(loss)
         opts = check_options(cls, options or {}, "task.loss_options")
