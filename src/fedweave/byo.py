@@ -10,6 +10,7 @@ and of the model's initial weights), so a run can be told apart from another mad
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,19 +27,52 @@ from fedweave.results import OBJECTS_FILE  # what was passed, in the run directo
 PYTHON = "python"  # the name a config records for an object passed from Python
 
 
+class FreshModels:
+    """A model factory whose every call gives a module of the run's own: a deep copy of what ``factory`` returns.
+
+    The run trains the module it is given in place. A factory that returns the same object each call (``lambda:
+    m``), or a module holding one it keeps (a shared pretrained part), would have its first run train the caller's
+    weights, and the next run from the same seed start from where that one ended; a resumed run's model would no
+    longer match the initial weights its ``objects.json`` recorded. The copy holds the values the factory gave (no
+    random number is drawn), so a factory that builds a fresh module each call gives the same numbers as before."""
+
+    def __init__(self, factory: Callable[[], nn.Module]) -> None:
+        self.factory = factory
+
+    def __call__(self) -> Any:
+        made = self.factory()
+        if not isinstance(made, nn.Module):  # the run names what it got in its own words
+            return made
+        try:
+            return copy.deepcopy(made)
+        except Exception as e:  # whatever an attribute of the module raises when copied
+            why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise ConfigError(
+                f"model: the {type(made).__name__} the factory returns cannot be copied ({why}); the run trains a "
+                "copy, so that the module the factory returns is never changed: keep what copy.deepcopy cannot copy "
+                "out of the module"
+            ) from e
+
+
 @dataclass
 class RunObjects:
-    """Objects that replace what the config's ``model``, ``dataset`` and ``task.loss`` would name."""
+    """Objects that replace what the config's ``model``, ``dataset`` and ``task.loss`` would name. The model
+    factory is kept as :class:`FreshModels` of it: the run trains a copy of each module it returns."""
 
     model: Callable[[], nn.Module] | None = None
     dataset: Dataset | None = None
     loss: Callable | None = None
     built_model: dict[str, Any] | None = None  # what the factory returned (set when the run builds it)
 
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, FreshModels):
+            self.model = FreshModels(self.model)
+
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if self.model is not None:
-            out["model"] = {"factory": _qualname(self.model), **(self.built_model or {})}
+            factory = self.model.factory if isinstance(self.model, FreshModels) else self.model
+            out["model"] = {"factory": _qualname(factory), **(self.built_model or {})}
         if self.dataset is not None:
             out["dataset"] = describe_dataset(self.dataset)
         if self.loss is not None:

@@ -151,7 +151,18 @@ def check_model_fits(
     error) and give one loss per sample, ``(B,)``; a ``(B, 1)`` was broadcast against the ``(B,)`` mask of a
     padded batch into ``(B, B)``, and ``vmap`` trained on a sum of B losses. ``one_output_for``: the task's value
     metrics on class labels (``auc``, ``f1``, ``mse``, ...), which read one output per sample: a model passed
-    from Python with more failed at the first evaluation, after round 1 had trained."""
+    from Python with more failed at the first evaluation, after round 1 had trained. The loss is called with
+    gradients on, as training calls it, and must carry a gradient back to the output: a loss that detaches it
+    failed in round 1 with autograd's ``element 0 of tensors does not require grad``, a failed run left behind.
+    Complex features are refused (a model check's ``min`` failed on them; NumPy data of complex numbers already
+    were, as not real numbers)."""
+    for split, t in (("train_x", ds.train_x), ("test_x", ds.test_x)):
+        if t.is_complex():
+            raise ConfigError(
+                f"dataset {dataset_name!r}: its {split} holds {str(t.dtype).removeprefix('torch.')} values, complex "
+                "numbers, which the models, losses and metrics do not compute with; give real numbers (the real and "
+                "imaginary parts as two features: torch.view_as_real)"
+            )
     x, kind = ds.train_x[:2], str(ds.train_x.dtype)
     if len(ds.train_x) and not ds.train_x.is_floating_point():
         flat = ds.train_x.reshape(len(ds.train_x), -1)
@@ -184,10 +195,16 @@ def check_model_fits(
             )
     if e is None and loss is not None:
         n = min(2, len(ds.train_y))  # the first rows of x are the first training samples
+        given: torch.Tensor | None = None  # the output as a leaf that takes a gradient (a float output)
         try:
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"the model returns a {type(out).__name__}, not a tensor")
-            shape = tuple(loss.per_sample(out[:n], ds.train_y[:n].to(out.device)).shape)
+            if out.is_floating_point():
+                given = out[:n].detach().clone().requires_grad_()
+            with torch.enable_grad():
+                # a copy of the leaf: the output in training is no leaf, and a loss may work on it in place
+                per = loss.per_sample(given.clone() if given is not None else out[:n], ds.train_y[:n].to(out.device))
+            shape = tuple(per.shape)
         except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as err:
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise ConfigError(
@@ -200,12 +217,29 @@ def check_model_fits(
                 f"loss {loss.name!r}: per_sample must return one loss per sample, shape (B,), but returns {shape} "
                 f"for {n} training samples; reduce its other axes (e.g. .mean(1))"
             )
+        if given is not None and not _reaches(per, given):
+            raise ConfigError(
+                f"loss {loss.name!r} does not depend on the model's output: its losses on {n} training samples carry "
+                "no gradient back to it (a .detach(), .item(), torch.no_grad() or NumPy round trip in the loss), so "
+                "local training would have no gradient to step with; compute the loss from the output with torch "
+                "operations"
+            )
     if e is not None:
         raise ConfigError(
             f"model {model_name!r} does not fit dataset {dataset_name!r}: its input is "
             f"{tuple(ds.train_x.shape[1:])} ({kind}) with {ds.num_classes} classes, and the model "
             f"fails on it ({_first_line(e)}); choose a model for this kind of input (fedweave list)"
         ) from e
+
+
+def _reaches(losses: torch.Tensor, output: torch.Tensor) -> bool:
+    """Whether ``losses`` carry a gradient back to ``output`` (a leaf that requires one)."""
+    if not losses.requires_grad:
+        return False
+    try:
+        return torch.autograd.grad(losses.sum(), output, allow_unused=True)[0] is not None
+    except RuntimeError:  # a graph autograd cannot differentiate (an op without a derivative): no gradient either
+        return False
 
 
 def trial_forward(model: nn.Module, x: torch.Tensor) -> tuple[Any, Exception | None]:

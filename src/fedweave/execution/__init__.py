@@ -101,7 +101,12 @@ def check_seeded(model: nn.Module, sample: torch.Tensor | None = None) -> None:
     from torch's global generator instead, so the same seed would give other numbers on the loop backend
     (silently) and the vmap backend could not draw them at all. One ConfigError naming the module. With a
     ``sample`` of training inputs, a forward pass in training mode that draws from the global generator some
-    other way (``F.dropout`` in ``forward``, ``torch.rand``) is one ConfigError too."""
+    other way (``F.dropout`` in ``forward``, ``torch.rand``) is one ConfigError too, and so is one that changes a
+    buffer of the model (an instance norm's running statistics, a spectral norm's power-iteration vectors, a
+    counter): the flat parameter vector that every backend trains, the server averages and a checkpoint holds does
+    not carry buffers, so the pool's and Ray's workers would each move their own and a resumed run would start
+    from the built model's, and the same seed would give other numbers (batch norm's running statistics are
+    :func:`check_running_stats`'s to refuse, in its words, after a method's own checks)."""
     drops = [repr(n or type(m).__name__) for n, m in model.named_modules() if isinstance(m, DROPOUTS) and m.p > 0]
     if drops:
         raise ConfigError(
@@ -109,11 +114,26 @@ def check_seeded(model: nn.Module, sample: torch.Tensor | None = None) -> None:
             "the run's seed, so a seed would not give the same numbers (and backend vmap cannot draw them); remove it "
             "or set p=0 (the split family draws its models' dropout from the run's streams)"
         )
-    if sample is not None and draws_global_random(model, sample):
+    if sample is None:
+        return
+    trial = training_trial(model, sample)
+    if trial is None:  # the model cannot read the sample: another check names that
+        return
+    draws, changed = trial
+    if draws:
         raise ConfigError(
             "model: its forward pass in training mode draws random numbers from torch's global generator (as "
             "F.dropout or torch.rand in forward do), not from the run's seed, so a seed would not give the same "
             "numbers (and backend vmap cannot draw them); draw nothing at random in forward"
+        )
+    if changed is not None:
+        owner, kind, buffer = changed
+        where = repr(owner) if owner else "(the model itself)"
+        raise ConfigError(
+            f"model: its {kind} {where} changes its buffer {buffer!r} in training, and buffers are not parameters: "
+            "no backend carries them from client to server, no checkpoint holds them, and the pool's and Ray's "
+            "workers would each keep their own, so a seed would not give the same numbers; keep what training "
+            "changes in parameters and only constants in buffers (a norm layer: track_running_stats=False)"
         )
 
 
@@ -121,19 +141,58 @@ def draws_global_random(model: nn.Module, sample: torch.Tensor) -> bool:
     """Whether a training-mode forward pass of ``sample`` through a copy of ``model`` (no batch-norm statistics of
     the run's model move) moves torch's global generator: the CPU's, and the sample's CUDA device's. The
     generators are put back as they were; a model that cannot read the sample is another check's to report."""
+    trial = training_trial(model, sample)
+    return trial is not None and trial[0]
+
+
+def training_trial(model: nn.Module, sample: torch.Tensor) -> tuple[bool, tuple[str, str, str] | None] | None:
+    """One training-mode forward pass of ``sample`` through a deep copy of ``model``, without gradients, so that
+    nothing of the run's model moves: whether it moved torch's global generator (the CPU's, and the sample's CUDA
+    device's; both are put back as they were), and the first buffer it changed, as ``(module name, module class,
+    buffer name)``, or None. Batch norm's running statistics are left out (:func:`check_running_stats` refuses
+    them). None when the model cannot read the sample, which is another check's to report."""
     trial = copy.deepcopy(model).train()
     cuda = [sample.device.index or 0] if sample.device.type == "cuda" else []
+    owners = _buffer_owners(trial)
 
     def states() -> list[torch.Tensor]:
         return [torch.random.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in cuda)]
 
     with torch.random.fork_rng(devices=cuda), torch.no_grad():
-        before = states()
+        # clones: a buffer updated in place would otherwise compare equal to itself
+        before = {n: b.clone() for n, b in trial.named_buffers() if n in owners}
+        rng = states()
         try:
             trial(sample)
         except (RuntimeError, ValueError, IndexError, TypeError):
-            return False
-        return not all(torch.equal(a, b) for a, b in zip(before, states()))
+            return None
+        draws = not all(torch.equal(a, b) for a, b in zip(rng, states()))
+    owners |= _buffer_owners(trial)  # a buffer registered during the pass (a lazily built one) is a change too
+    after = {n: b for n, b in trial.named_buffers() if n in owners}
+    for n in [*before, *(n for n in after if n not in before)]:
+        if n not in after or not _same(before.get(n), after[n]):
+            return draws, owners[n]
+    return draws, None
+
+
+def _buffer_owners(model: nn.Module) -> dict[str, tuple[str, str, str]]:
+    """The buffers of ``model`` by their full names, each as ``(module name, module class, buffer name)``, less
+    batch norm's running statistics (:func:`check_running_stats` refuses those in its own words)."""
+    return {
+        f"{name}.{b}" if name else b: (name, type(m).__name__, b)
+        for name, m in model.named_modules()
+        if not (isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats)
+        for b, _ in m.named_buffers(recurse=False)
+    }
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    """Whether two buffers hold the same values (NaN equal to NaN: a constant NaN is not a change)."""
+    if a is None or a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if torch.equal(a, b):
+        return True
+    return (a.is_floating_point() or a.is_complex()) and bool(torch.isclose(a, b, 0, 0, equal_nan=True).all())
 
 
 def check_running_stats(model: nn.Module) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fedweave.config import ConfigError
 from fedweave.execution.placement import CPU, Placement
 
 
@@ -43,7 +44,16 @@ class ParamLayout:
         return self._bound
 
     def flatten(self) -> torch.Tensor:
-        """The template model's current parameters as a new flat vector."""
+        """The template model's current parameters as a new flat vector. A model without trainable parameters
+        is one :class:`ConfigError` (every family flattens its model when it is built, before anything is
+        written): there would be nothing to train, average or save, and torch's ``cat`` of no tensors failed."""
+        if not self.names:
+            total = sum(1 for _ in self.model.parameters())
+            why = f"none of its {total} requires grad" if total else "it has none"
+            raise ConfigError(
+                f"model: the {type(self.model).__name__} has no trainable parameters ({why}), so training would "
+                "change nothing; give it at least one parameter with requires_grad=True"
+            )
         return torch.cat([p.detach().reshape(-1) for p in self.model.parameters() if p.requires_grad])
 
     def unflatten(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
