@@ -262,6 +262,16 @@ def test_a_run_with_a_python_loss_resumes_with_it(tmp_path):
     fedweave.run({**cfg, "rounds": 2}, loss=loss, run_dir=tmp_path / "part")
     resumed = fedweave.resume(tmp_path / "part", ["rounds=3"], loss=loss)
     assert [r["test_loss"] for r in resumed.metrics] == [r["test_loss"] for r in whole.metrics]
+
+    # another loss passed again was accepted without a word (objects.json held only its name)
+    def other(out, y):
+        return torch.nn.functional.cross_entropy(out, y, reduction="none", label_smoothing=0.1)
+
+    with pytest.raises(ConfigError, match=r"^the loss passed is not the one the run was made with: its callable is "):
+        fedweave.resume(tmp_path / "part", ["rounds=4"], loss=other)
+    other.__qualname__ = loss.__qualname__  # the same name, other code
+    with pytest.raises(ConfigError, match=r"^the loss passed is not the one .*: its source's SHA-256 is "):
+        fedweave.resume(tmp_path / "part", ["rounds=4"], loss=other)
     with pytest.raises(ConfigError, match=r"^task\.loss: python names a loss passed from Python"):
         fedweave.run({**cfg, "task": {"loss": "python"}}, run_dir=tmp_path / "yaml")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -76,8 +77,23 @@ class RunObjects:
         if self.dataset is not None:
             out["dataset"] = describe_dataset(self.dataset)
         if self.loss is not None:
-            out["loss"] = {"callable": _qualname(self.loss)}
+            out["loss"] = {"callable": _qualname(self.loss), "sha256": _source_digest(self.loss)}
         return out
+
+
+def _source_digest(fn: Any) -> str:
+    """A SHA-256 of what a loss computes: the source of the function (of a callable object's class, with its
+    attributes' values as ``repr`` prints them), or its bytecode where Python keeps no source (a lambda typed
+    at a prompt); what a resumed run's loss is compared by, as a model by its weights."""
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
+    try:
+        text = inspect.getsource(target)
+    except (OSError, TypeError):  # no source file: the code itself
+        code = getattr(target, "__code__", None)
+        text = repr((code.co_code, code.co_consts, code.co_names)) if code is not None else _qualname(target)
+    if target is not fn:  # an object: its settings too (CrossEntropyLoss(reduction="none") against "mean")
+        text += repr(sorted((k, repr(v)) for k, v in vars(fn).items() if isinstance(v, int | float | str | None)))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _qualname(obj: Any) -> str:
@@ -293,10 +309,13 @@ def check_same_objects(saved: dict[str, Any], objects: RunObjects) -> None:
         ("model", "sha256", "initial weights' SHA-256"),
         ("model", "structure", "layers' SHA-256 (as torch prints them)"),
         ("dataset", "sha256", "data's SHA-256"),
+        ("loss", "callable", "callable"),
+        ("loss", "sha256", "source's SHA-256"),
     ):
         was, got = saved.get(key, {}).get(field), now.get(key, {}).get(field)
         if was and got and was != got:
-            shown = (got, was) if field == "class" else (f"{got[:12]}...", f"{was[:12]}... ({saved[key].get('class')})")
+            named = field in ("class", "callable")  # a name, shown whole; a digest, its start
+            shown = (got, was) if named else (f"{got[:12]}...", f"{was[:12]}... ({saved[key].get('class')})")
             raise ConfigError(
                 f"the {key} passed is not the one the run was made with: its {what} is {shown[0]}, {OBJECTS_FILE} "
                 f"recorded {shown[1]}; a resumed run continues with the same {key}"
