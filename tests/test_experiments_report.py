@@ -612,3 +612,148 @@ def test_a_point_with_a_diverged_seed_is_not_the_best_in_the_sweep_or_the_report
     dom = _dom(build_report([out]))
     [(_, rows, marked)] = [t for t in dom.tables if t[0] == "summary"]
     assert [rows[i][0] for i in marked] == [other]
+
+
+DIGITS_RUN = {  # scikit-learn's digits (nothing to download), a fraction of a second a round
+    "name": "base", "rounds": 3, "dataset": {"name": "digits"}, "partition": {"name": "iid", "num_clients": 4},
+    "model": {"name": "logistic"}, "algorithm": {"name": "fedavg", "clients_per_round": 4},
+    "local": {"epochs": 1, "batch_size": 16, "lr": 0.05}, "output": {"progress": False, "plots": False},
+}  # fmt: skip
+
+
+class _RaiseAt(fedweave.Callback):
+    """Raises ``error`` in training round ``at`` (0-based): a divergence or a Ctrl-C mid-round, the round's
+    transfers already in the ledger but its row never written."""
+
+    def __init__(self, at: int, error: BaseException) -> None:
+        self.at, self.error = at, error
+
+    def after_training(self, run, r, metrics):
+        if r == self.at:
+            raise self.error
+
+
+def _all_runs(page: str) -> dict[str, dict[str, str]]:
+    """The rows of every runs table of the page (one per directory given), by run name."""
+    out = {}
+    for cls, rows, _ in _dom(page).tables:
+        if cls == "runs":
+            out.update({r[0]: dict(zip(rows[0], r)) for r in rows[1:]})
+    return out
+
+
+def test_report_bytes_total_is_the_summarys_for_a_diverged_or_interrupted_run(tmp_path):
+    """The runs table's bytes total is summary.json's communication total, as sweep.csv's: it counts the round a
+    run diverged or was interrupted in (before: the last metrics row's total, a round short, and ``-`` for a run
+    that diverged before its first row)."""
+    from fedweave.errors import DivergenceError
+    from fedweave.experiments.report import _size
+
+    res = fedweave.sweep(DIGITS_RUN, {"local.lr": [0.05, 1e38]}, out=tmp_path / "s", progress=False)
+    diverged = tmp_path / "d"
+    fedweave.run(DIGITS_RUN, run_dir=diverged, callbacks=[_RaiseAt(2, DivergenceError("boom"))], on_divergence="return")
+    interrupted = tmp_path / "i"
+    with pytest.raises(KeyboardInterrupt):
+        fedweave.run(DIGITS_RUN, run_dir=interrupted, callbacks=[_RaiseAt(2, KeyboardInterrupt())])
+    runs = _all_runs(build_report([res.out_dir, diverged, interrupted]))
+    with open(res.out_dir / "sweep.csv", newline="") as f:
+        for rec in csv.DictReader(f):
+            assert runs[rec["run_dir"].split("/")[-1]]["bytes total"] == _size(rec["bytes_total"]), rec
+    assert runs["local.lr=1.0e_38,seed=0"]["bytes total"] != "-"  # diverged in round 1, no row
+    for d in (diverged, interrupted):
+        summary = json.loads((d / "summary.json").read_text())
+        rows = fedweave.results.read_metrics(d)
+        assert summary["communication"]["bytes_total"] > rows[-1]["bytes_total"]  # the premise: round 3 sent
+        assert runs[d.name]["bytes total"] == _size(summary["communication"]["bytes_total"])
+
+
+def test_report_says_why_a_run_stopped_early(tmp_path):
+    """A run a callback ended (a target reached, the privacy budget) says why beside its status and in its
+    detail, as summary.json's ``stopped_early`` (before: ``completed`` and ``3 of 10`` with no reason), the
+    reason escaped as all the page's text is."""
+    from fedweave.callbacks import StopAtTarget
+
+    fedweave.run({**DIGITS_RUN, "rounds": 10}, run_dir=tmp_path / "t", callbacks=[StopAtTarget("test_accuracy", 0.5)])
+
+    class Enough(fedweave.Callback):
+        def after_round(self, run, r):
+            return "loss < 1 & <b>enough</b>" if r == 1 else None
+
+    fedweave.run({**DIGITS_RUN, "rounds": 10}, run_dir=tmp_path / "e", callbacks=[Enough()])
+    fedweave.run(DIGITS_RUN, run_dir=tmp_path / "full")
+    page = build_report([tmp_path / "t", tmp_path / "e", tmp_path / "full"])
+    runs = _all_runs(page)
+    reason = json.loads((tmp_path / "t" / "summary.json").read_text())["stopped_early"]
+    assert reason.startswith("test_accuracy reached 0.5 at round ")
+    assert runs["t"]["status"] == f"completed, stopped early: {reason}"
+    assert runs["e"]["status"] == "completed, stopped early: loss < 1 & <b>enough</b>"
+    assert runs["e"]["rounds"] == "2 of 10" and runs["full"]["status"] == "completed"
+    assert "<b>enough</b>" not in page and "loss &lt; 1 &amp; &lt;b&gt;enough&lt;/b&gt;" in page
+    details = re.findall(r"<p>status: (.*?)</p>", page)
+    assert details[0].startswith(f"completed, stopped early: {reason}, rounds: ")
+    assert details[1].startswith("completed, stopped early: loss &lt; 1 &amp; &lt;b&gt;enough&lt;/b&gt;, rounds: 2")
+    assert details[2].startswith("completed, rounds: 3")
+
+
+@pytest.fixture
+def overlay(monkeypatch) -> dict[str, dict]:
+    """Each figure of the report's overlay, by file name: its lines' labels, point counts and markers and its
+    legend's texts; then it is drawn as before."""
+    import fedweave.experiments.plots
+
+    drawn: dict[str, dict] = {}
+    save = fedweave.experiments.plots.save_png
+
+    def keep(fig, path, dpi=120):
+        ax = fig.axes[0]
+        drawn[path.name] = {
+            "lines": [(line.get_label(), len(line.get_xdata()), line.get_marker()) for line in ax.get_lines()],
+            "legend": [t.get_text() for t in ax.get_legend().get_texts()],
+        }
+        return save(fig, path, dpi)
+
+    monkeypatch.setattr(fedweave.experiments.plots, "save_png", keep)
+    return drawn
+
+
+def test_report_overlay_marks_a_run_of_one_row(tmp_path, overlay):
+    """A run (or a sweep point) with one metrics row is a marker on the overlay (before: a line of one point, not
+    drawn: only its legend entry); a run of several rows keeps its plain line."""
+    fedweave.run({**DIGITS_RUN, "rounds": 1}, run_dir=tmp_path / "one")
+    res = fedweave.sweep({**DIGITS_RUN, "rounds": 1}, {"local.lr": [0.05, 0.1]}, seeds=2, out=tmp_path / "s",
+                         progress=False)  # fmt: skip
+    fedweave.run(DIGITS_RUN, run_dir=tmp_path / "three")
+    page = build_report([tmp_path / "one", res.out_dir, tmp_path / "three"])
+    (section,) = re.findall(r'<section class="overlay">(.*?)</section>', page)
+    figures = dict(re.findall(r'alt="([^"]+)" src="data:image/png;base64,([^"]+)"', section))
+    for name in ("test_accuracy_vs_rounds.png", "test_accuracy_vs_bytes.png"):
+        drawn = _colours(base64.b64decode(figures[name]))
+        assert all(drawn[c] > 60 for c in ("#1f77b4", "#ff7f0e", "#2ca02c")), (name, drawn)  # over a legend handle
+        *short, three = overlay[name]["lines"]
+        assert [(label, n) for label, n, _ in short] == [("one", 1), ("s: local.lr=0.05", 1), ("s: local.lr=0.1", 1)]
+        assert all(marker not in ("None", "", " ", None) for *_, marker in short)
+        assert three == ("three", 3, "None")
+
+
+def test_report_overlay_labels_a_diverged_run(tmp_path, overlay):
+    """A diverged run is ``(diverged)`` in the overlay's legend, as an unfinished one is ``(unfinished)``; a sweep
+    point of which some seeds diverged says how many (before: both as a completed run)."""
+    from fedweave.errors import DivergenceError
+
+    def boom() -> list:
+        return [_RaiseAt(2, DivergenceError("boom"))]
+
+    fedweave.run(DIGITS_RUN, run_dir=tmp_path / "ok")
+    fedweave.run(DIGITS_RUN, run_dir=tmp_path / "bad", callbacks=boom(), on_divergence="return")
+    page = build_report([tmp_path / "ok", tmp_path / "bad"])
+    assert 'alt="test_accuracy_vs_rounds.png"' in page
+    for name in ("test_accuracy_vs_rounds.png", "test_accuracy_vs_bytes.png"):
+        assert overlay[name]["legend"] == ["ok", "bad (diverged)"], name
+
+    res = fedweave.sweep(DIGITS_RUN, {"local.lr": [0.05, 0.1]}, seeds=2, out=tmp_path / "s", progress=False)
+    one = res.out_dir / res.records[-1]["run_dir"]  # the second seed of local.lr=0.1
+    summary = json.loads((one / "summary.json").read_text())
+    (one / "summary.json").write_text(json.dumps({**summary, "status": "diverged"}))
+    overlay.clear()
+    build_report([res.out_dir])
+    assert overlay["test_accuracy_vs_rounds.png"]["legend"] == ["local.lr=0.05", "local.lr=0.1 (1 of 2 diverged)"]

@@ -6,6 +6,7 @@ import io
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -33,6 +34,16 @@ def save_png(fig, path: str | Path, dpi: int = 120) -> Path:
     return Path(path)
 
 
+def lone_marker(points: int, style: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The line style ``style`` of a curve of ``points`` points, with a marker where it has fewer than 2 (a run of
+    one evaluated round): a line needs two points, so one alone would draw nothing but its legend entry. A curve
+    of two points or more, or one whose style names its own marker, is drawn as styled."""
+    style = dict(style or {})
+    if points < 2:
+        style.setdefault("marker", "o")
+    return style
+
+
 def is_plot(path: str | Path) -> bool:
     """Whether ``path`` is a PNG that :func:`save_png` wrote (its text chunk says so)."""
     from PIL import Image, UnidentifiedImageError
@@ -49,7 +60,9 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
     main metric of the first run's task (its ``summary.json``), or for a run whose rows have none (a
     confederated run on its synthetic problem) the column its own plots show (``opt_gap``), as ``fedweave
     plot`` does; ``test_accuracy`` when no run has a readable summary. ``run_dirs`` is a
-    list even for one run: a single path is a TypeError (it was read as one run per character)."""
+    list even for one run: a single path is a TypeError (it was read as one run per character). A run of one
+    row is a marker (:func:`lone_marker`); a diverged run is labelled ``(diverged)`` (:func:`_status_mark`), in a
+    legend even when it is drawn alone."""
     if isinstance(run_dirs, str | Path):
         raise TypeError(f"run_dirs must be a list of run directories, e.g. [{str(run_dirs)!r}]; got one path")
     if not run_dirs:
@@ -60,11 +73,13 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
     if not any(rows for _, rows in every):
         given = ", ".join(map(str, run_dirs))
         raise ValueError(f"{given}: no metrics row yet (metrics.jsonl): no run has evaluated a round to plot")
-    series, left, drawn = [], [], []
+    series, left, drawn, marked = [], [], [], False
     for (d, all_rows), label in zip(every, _labels(run_dirs)):
         rows = [r for r in all_rows if r.get(metric) is not None]
         if rows:
-            series.append((label, rows))
+            mark = _status_mark(d)
+            marked |= bool(mark)
+            series.append((label + mark, rows))
             drawn.append(d)
         else:
             left.append(str(d))
@@ -102,15 +117,29 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
             xs = [r.get(xkey, r.get("bytes_up", 0) + r.get("bytes_down", 0)) for r in rows]
             if xkey == "bytes_total":
                 xs = [x / 2**20 for x in xs]
-            ax.plot(xs, [r[metric] for r in rows], label=label)
+            ax.plot(xs, [r[metric] for r in rows], label=label, **lone_marker(len(rows)))
         ax.set_xlabel(xlabel)
         ax.set_ylabel(metric.replace("_", " "))
         ax.grid(alpha=0.3)
-        if len(series) > 1:
+        # one run needs no legend to tell its line, but a diverged one needs it to say so
+        if len(series) > 1 or marked:
             ax.legend(fontsize=7)
         save_png(fig, out_dir / fname)
         written.append(out_dir / fname)
     return written
+
+
+DIVERGED_MARK = " (diverged)"  # after a diverged run's legend label: its curve ends where it blew up
+
+
+def _status_mark(run_dir: str | Path) -> str:
+    """:data:`DIVERGED_MARK` for a run whose ``summary.json`` says ``diverged``, else nothing (a completed run, one
+    without a readable summary)."""
+    try:
+        status = json.loads((Path(run_dir) / "summary.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return DIVERGED_MARK if status == "diverged" else ""
 
 
 def _labels(run_dirs: list[str | Path]) -> list[str]:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from fedweave.experiments.aggregate import group
-from fedweave.plots import plt, save_png
+from fedweave.plots import lone_marker, plt, save_png
 
 
 def band(
@@ -28,11 +28,13 @@ def band(
 ) -> bool:
     """Draw ``y`` against ``x`` for one grid point on ``ax``: the mean over its seeds' metric rows and a +-1
     std band (sample std; none for one seed). Rows without ``y`` are left out and the seeds are cut to the
-    shortest; x is the seeds' mean (bytes differ between seeds). False when there is nothing to draw."""
+    shortest; x is the seeds' mean (bytes differ between seeds). A curve of one point is a marker
+    (:func:`lone_marker`). False when there is nothing to draw."""
     runs = [[r for r in rows if r.get(y) is not None] for rows in runs]
     n = min((len(r) for r in runs), default=0)
     if n == 0:
         return False
+    line = lone_marker(n, line)
     xs = np.array([[r[x] for r in rows[:n]] for rows in runs], dtype=float).mean(0) * xscale
     ys = np.array([[r[y] for r in rows[:n]] for rows in runs], dtype=float) * yscale
     m, sd = ys.mean(0), ys.std(0, ddof=1) if len(runs) > 1 else np.zeros(n)

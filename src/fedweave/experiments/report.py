@@ -282,9 +282,11 @@ def _or(names: tuple[str, ...]) -> str:
 # ---- formatting --------------------------------------------------------------------------------------------
 
 
-def _td(text: Any, title: str | None = None) -> str:
-    """A table cell; ``title``: what a reader sees on hovering over it (the exact value of a rounded one)."""
+def _td(text: Any, title: str | None = None, cls: str | None = None) -> str:
+    """A table cell; ``title``: what a reader sees on hovering over it (the exact value of a rounded one);
+    ``cls``: its class in the page's style."""
     attrs = f' title="{html.escape(title)}"' if title else ""
+    attrs += f' class="{html.escape(cls)}"' if cls else ""
     return f"<td{attrs}>{html.escape(str(text))}</td>"
 
 
@@ -364,10 +366,19 @@ def _left(runs: list[_Run]) -> list[tuple[str, int]]:
 
 
 def _status_text(r: _Run) -> str:
+    """A run's status as its row and detail say it: an unfinished run whether it can resume, a run that a
+    callback ended before its rounds (a target reached, the privacy budget) why (:func:`_early`)."""
     if r.status == UNFINISHED:
         resumable = " (resumes from checkpoint.pt)" if (r.path / "checkpoint.pt").is_file() else ""
         return _STATUS_WORDS[UNFINISHED] + resumable
-    return r.status
+    return r.status + _early(r)
+
+
+def _early(r: _Run) -> str:
+    """``, stopped early: REASON`` for a run whose summary.json has ``stopped_early``, else nothing: such a run is
+    ``completed`` with fewer rounds than planned, and the reason is what tells it from one cut short."""
+    reason = (r.summary or {}).get("stopped_early")
+    return f", stopped early: {reason}" if reason else ""
 
 
 def _rounds_text(r: _Run) -> str:
@@ -484,9 +495,10 @@ def _epsilon(r: _Run) -> float | None:
 
 
 def _runs_table(src: _Source, differ: list[str]) -> str:
-    """One row per run: the config keys in ``differ``, its status and rounds, the final and best metric (as in
-    sweep.csv and summary.json: the best over its evaluated rounds after training began, so an ``eval.at_start``
-    row 0 is not a result), the bytes sent and its wall time."""
+    """One row per run: the config keys in ``differ``, its status (and why it stopped early, when a callback
+    ended it) and rounds, the final and best metric (as in sweep.csv and summary.json: the best over its
+    evaluated rounds after training began, so an ``eval.at_start`` row 0 is not a result), the bytes sent (as in
+    sweep.csv: :func:`_bytes_total`) and its wall time."""
     from fedweave.tasks import column_direction
 
     metric = src.metric
@@ -505,14 +517,25 @@ def _runs_table(src: _Source, differ: list[str]) -> str:
         last = r.rows[-1] if r.rows else {}
         name = html.escape(r.name).replace(",", ",<wbr>")  # a long run name breaks after a comma
         cells = f"<td>{name}</td>" + "".join(_td(_config_text(r.config.get(k))) for k in differ)
-        cells += _td(_status_text(r)) + _td(_rounds_text(r))
+        # a reason for stopping early (a privacy budget's is a sentence) wraps rather than widening the table
+        cells += _td(_status_text(r), cls="why" if _early(r) else None) + _td(_rounds_text(r))
         cells += _td(_num(final), repr(final)) + _td(_num(best), repr(best))
-        cells += _td(_size(last.get("bytes_total"))) + _td(_num(s.get("wall_seconds", last.get("wall_seconds"))))
+        cells += _td(_size(_bytes_total(r))) + _td(_num(s.get("wall_seconds", last.get("wall_seconds"))))
         if private:
             eps = _epsilon(r)
             cells += _td(_num(eps), repr(eps)) + _td(_num((s.get("privacy") or {}).get("delta")))
         rows.append(cells if r.status == "completed" else (r.status.replace(" ", "-"), cells))  # others stand out
     return _table(head, rows, "runs")
+
+
+def _bytes_total(r: _Run) -> Any:
+    """The bytes a run sent: its summary's communication total, as sweep.csv's, else (a run still going) its last
+    row's. A run that diverged or was interrupted sent the transfers of the round it stopped in, which has no row:
+    the last row's total is a round short, and a run stopped in its first round has none."""
+    total = ((r.summary or {}).get("communication") or {}).get("bytes_total")
+    if total is not None:
+        return total
+    return r.rows[-1].get("bytes_total") if r.rows else None
 
 
 def _config_text(v: Any) -> str:
@@ -527,7 +550,8 @@ def _run_detail(r: _Run) -> str:
     parts = [f'<details class="run"><summary>{html.escape(head)}</summary>']
     if r.summary is not None:
         s = r.summary
-        parts.append(f"<p>status: {html.escape(str(s['status']))}, rounds: {s['rounds']}, wall {s['wall_seconds']} s"
+        status = html.escape(str(s["status"]) + _early(r))
+        parts.append(f"<p>status: {status}, rounds: {s['rounds']}, wall {s['wall_seconds']} s"
                      + (f"<br>{html.escape(str(s['error']))}" if s.get("error") else "") + "</p>")  # fmt: skip
         kinds = s["communication"].get("by_transfer", {})
         rows = [_td(k) + _td(v["count"]) + _td(v["bytes"], _size(v["bytes"])) for k, v in kinds.items()]
@@ -593,7 +617,8 @@ def _overlay(sources: list[_Source]) -> str:
     """The main metric against rounds and bytes (and, for private runs, against epsilon, and epsilon against
     rounds): one line per sweep point (a band over its seeds) or run,
     every directory given on one figure. A point's curve uses its finished runs (an unfinished seed would cut
-    the band short), or its unfinished ones while none has finished."""
+    the band short), or its unfinished ones while none has finished (``(unfinished)``); its diverged runs are
+    said in its label (:func:`_diverged_mark`), and a curve of one point is a marker."""
     from fedweave.experiments.plots import plot_curves
     from fedweave.plots import clock_label
 
@@ -607,7 +632,7 @@ def _overlay(sources: list[_Source]) -> str:
         curves = by_metric.setdefault(src.metric, {})
         for label, runs in points.items():
             done = [r for r in runs if r.finished]
-            name = prefix + label + ("" if done else " (unfinished)")
+            name = prefix + label + ("" if done else " (unfinished)") + _diverged_mark(done)
             while name in curves:  # two runs of the same name, from different folders
                 name += "'"
             curves[name] = [r.rows for r in done or runs]
@@ -637,6 +662,18 @@ def _overlay(sources: list[_Source]) -> str:
                 if path is not None:
                     figures.append(_img(name, path.read_bytes()))
     return f'<section class="overlay">{"".join(figures)}</section>' if figures else ""
+
+
+def _diverged_mark(runs: list[_Run]) -> str:
+    """What a curve's legend label says of the diverged runs among those it is drawn from: `` (diverged)`` when
+    all are (as ``fedweave plot`` labels one), `` (K of N diverged)`` for some seeds of a point (the band ends
+    with the shortest of them), nothing when none is."""
+    from fedweave.plots import DIVERGED_MARK
+
+    k = sum(r.status == "diverged" for r in runs)
+    if k == 0:
+        return ""
+    return DIVERGED_MARK if k == len(runs) else f" ({k} of {len(runs)} diverged)"
 
 
 def _notes(src: _Source) -> list[str]:
@@ -692,7 +729,7 @@ STYLE = (
     "table{border-collapse:collapse;margin:.4em 0}td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px;"
     "text-align:left;white-space:nowrap}th{background:#f2f2f2}td[title]{cursor:help}tr.best{font-weight:bold;background:#dfd}"
     "tr.unfinished,tr.not-started,tr.interrupted,tr.stopped{background:#fff3cd}tr.diverged,tr.failed{background:#f8d7da}"
-    "table.runs td:first-child{white-space:normal;min-width:14em}"
+    "table.runs td:first-child{white-space:normal;min-width:14em}td.why{white-space:normal;min-width:18em}"
     ".note{background:#fff3cd;padding:.3em .6em;border-left:4px solid #e0a800}"
     "img{max-width:540px}figure{display:inline-block;margin:.3em}figcaption{font-size:12px;color:#666}"
     "details{margin:.2em 0}summary{cursor:pointer}details.run>summary{font-size:13px}"
