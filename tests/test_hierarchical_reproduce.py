@@ -149,6 +149,23 @@ def test_a_diverged_run_is_no_pair_in_the_claims():
         assert "ZO-HFL - FedProx at (0.1, 10%) +15.13 [4.45, 25.82] held" in c1.interval
 
 
+def test_a_cell_whose_every_run_diverged_makes_its_claims_untestable_not_absent():
+    """Every FedAvg run at (0.1, 10%) diverged: its claims were left out (the cell's records were dropped before
+    the rules read them, as if the preset had not run it); they are untestable and say which runs left."""
+    homo, mid, extreme = zo_hfl.SETTINGS
+    acc = {(m, s): [80.0, 81.0, 82.0] for m in zo_hfl.BASELINES for s in (homo, mid)}
+    acc |= {(m, extreme): [60.0, 70.0, 65.0] for m in zo_hfl.BASELINES}
+    acc |= {(m, s): [79.0, 80.5, 80.9] for m in ("zo_hfl", "server_only") for s in zo_hfl.SETTINGS}
+    records = [
+        r | {"status": "diverged" if (r["method"], r["alpha"]) == ("fedavg", extreme[0]) else "completed"}
+        for r in _records(acc)
+    ]
+    c1 = next(v for v in zo_hfl.verdicts(records) if v.claim.startswith("C1"))
+    assert "ZO-HFL - FedAvg at (0.1, 10%) untestable: 0 seeds with both sides run (fedavg, 0.1, 0.1, table: 3 of 3 " \
+        "diverged)" in c1.interval, c1.interval  # fmt: skip
+    assert c1.outcome == "untestable"
+
+
 def test_the_power_of_the_paired_test():
     # no true difference: the test rejects at its level; far more pairs: the normal approximation's
     # (1.96 + 0.84) sd / sqrt(n) for 80 % power

@@ -337,12 +337,18 @@ def drop(m: str) -> Select:
     return at(m, HOMO) - at(m, EXTREME)
 
 
+def _diverged(r: dict[str, Any]) -> str | None:
+    """Why a run's record is no pair of a claim's rule: it diverged (``Paired.no_pair``)."""
+    return "diverged" if r["status"] == "diverged" else None
+
+
 def _acc(a: Select, b: Select, direction: str = "greater", min_effect: float = 0.0) -> Paired:
-    return Paired("acc", a, b, direction, min_effect)
+    return Paired("acc", a, b, direction, min_effect, no_pair=_diverged)
 
 
 def _accs(records, m: str, s: tuple[float, float]) -> list[float]:
-    return list(at(m, s).values(records, "acc").values())
+    """Method ``m``'s final accuracies in setting ``s``, of its runs that did not diverge."""
+    return list(at(m, s).values([r for r in records if not _diverged(r)], "acc").values())
 
 
 C1_RULE = All(
@@ -356,7 +362,7 @@ C1_RULE = All(
 
 def _c2_rule(records) -> All:
     """Against the baseline with the best mean final accuracy at (1000, 90%)."""
-    best = max(BASELINES, key=lambda m: np.mean(_accs(records, m, HOMO)))
+    best = max(BASELINES, key=lambda m: np.mean(a) if (a := _accs(records, m, HOMO)) else -np.inf)
     rule = _acc(at("zo_hfl", HOMO), at(best, HOMO) - C2_MARGIN)
     return All(((f"ZO-HFL - ({label(best)} - {C2_MARGIN:g}) at (1000, 90%)", rule),))
 
@@ -367,7 +373,8 @@ def _c3_rule(key: str, moderate: bool):
 
     def step(s: tuple[float, float], a: float, b: float) -> tuple[str, Paired]:
         sweep = lambda tau: at("zo_hfl", s, "sweep", tau=tau)  # noqa: E731
-        return f"{SETTING_NAMES[s]}: tau {a:g} - tau {b:g}", Paired(key, sweep(a), sweep(b), unit="", digits=5)
+        rule = Paired(key, sweep(a), sweep(b), unit="", digits=5, no_pair=_diverged)
+        return f"{SETTING_NAMES[s]}: tau {a:g} - tau {b:g}", rule
 
     def rule(records):
         taus = sorted({r["tau"] for r in records if r["part"] == "sweep"})
@@ -381,7 +388,8 @@ def _c3_rule(key: str, moderate: bool):
 def _c4_rule(records) -> All:
     """Within one std in every setting: the bound is the larger of the two methods' seed std (population) in
     that setting."""
-    bound = {s: max(*(float(np.std(_accs(records, m, s))) for m in ("zo_hfl", "server_only")), 0.01) for s in SETTINGS}
+    std = lambda m, s: float(np.std(a)) if (a := _accs(records, m, s)) else 0.0  # noqa: E731 (none: all diverged)
+    bound = {s: max(std("zo_hfl", s), std("server_only", s), 0.01) for s in SETTINGS}
     rule = lambda s: _acc(at("zo_hfl", s), at("server_only", s), "within", bound[s])  # noqa: E731
     return All((SETTING_NAMES[s], rule(s)) for s in SETTINGS)  # each part names its bound (``All``)
 
@@ -421,7 +429,7 @@ def verdicts(records: list[dict[str, Any]]) -> list[Verdict]:
     is no pair: its seed leaves every comparison it is a side of (before: a run that diverged before any
     evaluation stopped every verdict of its dataset with a NaN line, and one that diverged later was paired
     with its last accuracy)."""
-    by = group([r for r in records if r["status"] != "diverged"], itemgetter("dataset"))
+    by = group(records, itemgetter("dataset"))
     return [v for ds, rs in by.items() for v in judge(CLAIMS, rs, DATASET_LABELS.get(ds, ds))]
 
 
