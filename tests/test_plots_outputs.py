@@ -107,3 +107,26 @@ def test_plot_labels_a_diverged_run_as_diverged(digits, tmp_path, figures):
     figures.clear()
     assert cli_main(["plot", str(tmp_path / "ok"), "--out", str(tmp_path / "r")]) == 0
     assert figures["test_accuracy_vs_rounds.png"]["legend"] is None  # one completed run: no legend, as before
+
+
+def test_a_round_axis_has_whole_numbers_only(digits, tmp_path):
+    """A short run's round axis read 1.25, 2.5."""
+    from fedweave.plots import plot_runs
+
+    fedweave.run(digits, run_dir=tmp_path / "r")
+    fig_ticks = []
+    real_save = fedweave.plots.save_png
+
+    def keep_ticks(fig, path, dpi=120):
+        fig_ticks.append(
+            [t for t in fig.axes[0].get_xticks() if fig.axes[0].get_xlim()[0] <= t <= fig.axes[0].get_xlim()[1]]
+        )
+        return real_save(fig, path, dpi)
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(fedweave.plots, "save_png", keep_ticks)
+    try:
+        plot_runs([tmp_path / "r"], tmp_path / "p")
+    finally:
+        monkeypatch.undo()
+    assert fig_ticks[0] and all(float(t).is_integer() for t in fig_ticks[0]), fig_ticks[0]

@@ -119,6 +119,8 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
                 xs = [x / 2**20 for x in xs]
             ax.plot(xs, [r[metric] for r in rows], label=label, **lone_marker(len(rows)))
         ax.set_xlabel(xlabel)
+        if xkey == "round":  # rounds are whole numbers (a short run's axis read 1.25, 2.5)
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_ylabel(metric.replace("_", " "))
         ax.grid(alpha=0.3)
         # one run needs no legend to tell its line, but a diverged one needs it to say so
