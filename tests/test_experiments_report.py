@@ -757,3 +757,17 @@ def test_report_overlay_labels_a_diverged_run(tmp_path, overlay):
     overlay.clear()
     build_report([res.out_dir])
     assert overlay["test_accuracy_vs_rounds.png"]["legend"] == ["local.lr=0.05", "local.lr=0.1 (1 of 2 diverged)"]
+
+
+def test_the_report_of_one_run_says_so_and_hovers_over_values_only(toy_config, tmp_path):
+    """One run's page said "Config shared by all 1 runs", and a cell without a value hovered "None"; a sweep point
+    of one completed run hovered "std 0.0" where summary.csv has none."""
+    from fedweave.experiments.report import write_report
+
+    fedweave.run({**toy_config, "rounds": 2}, run_dir=tmp_path / "r")
+    page = write_report([tmp_path / "r"], tmp_path / "one.html").read_text()
+    assert "Config of the run (" in page and "shared by all 1 runs" not in page
+    assert 'title="None"' not in page
+    fedweave.sweep({**toy_config, "rounds": 2}, {"local.lr": [0.05, 0.1]}, out=tmp_path / "s", progress=False)
+    page = write_report([tmp_path / "s"], tmp_path / "s.html").read_text()
+    assert "over 1 completed run" in page and "std 0.0" not in page and 'title="None"' not in page

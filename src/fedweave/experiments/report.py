@@ -285,7 +285,7 @@ def _or(names: tuple[str, ...]) -> str:
 def _td(text: Any, title: str | None = None, cls: str | None = None) -> str:
     """A table cell; ``title``: what a reader sees on hovering over it (the exact value of a rounded one);
     ``cls``: its class in the page's style."""
-    attrs = f' title="{html.escape(title)}"' if title else ""
+    attrs = f' title="{html.escape(title)}"' if title and title != "None" else ""  # no value: nothing to show
     attrs += f' class="{html.escape(cls)}"' if cls else ""
     return f"<td{attrs}>{html.escape(str(text))}</td>"
 
@@ -419,7 +419,9 @@ def _point_summary(src: _Source) -> tuple[list[str], list[Any]]:
         n = sum(f is not None for f in finals)
         state = f"{sum(r.finished for r in runs)}/{len(runs)}" + "".join(f", {c} {k}" for k, c in _left(runs))
         cells = _td(label) + _td(state) + _td(sum(r.status == "diverged" for r in runs))
-        cells += _td(_pm(m, sd, n), f"mean {m!r}, std {sd!r} over {n} completed runs")
+        # one run has no spread: summary.csv's std is NaN there, and the cell shows the mean alone
+        spread = f", std {sd!r}" if n > 1 else ""
+        cells += _td(_pm(m, sd, n), f"mean {m!r}{spread} over {n} completed run{'s' * (n != 1)}")
         if private:
             eps = [_epsilon(r) for r in runs if r.status == "completed" and r.summary]
             em, esd = mean_std(eps)
@@ -748,7 +750,11 @@ def build_report(dirs: list[str | Path]) -> str:
     shared_yaml = yaml.safe_dump(_nest(shared), sort_keys=False)
     body = [_overlay(sources)]
     if runs:
-        what = f"Config shared by all {len(runs)} runs ({len(shared)} keys; those that differ are columns below)"
+        what = (
+            f"Config shared by all {len(runs)} runs ({len(shared)} keys; those that differ are columns below)"
+            if len(runs) > 1
+            else f"Config of the run ({len(shared)} keys)"  # "shared by all 1 runs"
+        )
         body.append(f"<details><summary>{what}</summary><pre>{html.escape(shared_yaml)}</pre></details>")
     body += [_source_section(s, differ) for s in sources]
     given = ", ".join(html.escape(s.name) for s in sources)
