@@ -477,6 +477,8 @@ def test_leaf_fractional_labels_are_refused_not_truncated(tmp_path):
         ({"u": ([[0.0, 1.0], [1.0, 0.0]], ["a", "b"])}, r"train: label 'a' is not a whole-number class"),
         ({"u": ([0.5, 1.5], [0, 1])}, r"train: samples must be lists of numbers, got shape \(2,\)"),
         ({"users": ["u"], "user_data": []}, r"a.json: expected keys 'users' and 'user_data'"),
+        # a string sample beside a list one: str.join's "sequence item 1: expected str instance", naming no file
+        ({"u": (["ab", [1.0, 2.0]], [0, 1])}, r"train: text samples must all be strings .* got a list$"),
         # its samples were added once per listing, silently
         (
             {"users": ["u", "u"], "user_data": {"u": {"x": [[1.0, 1.0]], "y": [1]}}},

@@ -89,6 +89,11 @@ def _kind_of(sample: Any) -> str:
 
 def _encode_x(xs: list, kind: str, source: str) -> torch.Tensor:
     if kind == "text":
+        if others := [s for s in xs if not isinstance(s, str)]:  # else str.join's message, naming no file
+            raise LEAFFormatError(
+                f"{source}: text samples must all be strings (the first sample is one), got a "
+                f"{type(others[0]).__name__}"
+            )
         lengths = {len(s) for s in xs}
         if len(lengths) > 1:
             raise LEAFFormatError(f"{source}: text samples have different lengths {sorted(lengths)[:5]}")
