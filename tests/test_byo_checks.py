@@ -216,6 +216,11 @@ def test_complex_features_are_one_line(tmp_path):
     x = torch.randn(40, 8, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
     y = torch.arange(40) % 3
     # before: "min(): does not support complex input" from the model check
-    with pytest.raises(ConfigError, match=r"^dataset 'python': its train_x holds complex64 values") as e:
+    with pytest.raises(ConfigError, match=r"^dataset: train_x holds torch\.complex64 values, complex numbers") as e:
         fedweave.run(_cfg(), model=lambda: nn.Linear(8, 3), dataset=(x, y, x[:9], y[:9]), run_dir=tmp_path / "r")
     assert "\n" not in str(e.value)
+    # complex labels kept their real part without a word (.long())
+    real = x.real.contiguous()
+    with pytest.raises(ConfigError, match=r"^dataset: train_y holds torch\.complex64 values, complex numbers"):
+        fedweave.run(_cfg(), model=lambda: nn.Linear(8, 3), dataset=(real, y.to(torch.complex64), real, y),
+                     run_dir=tmp_path / "y")  # fmt: skip

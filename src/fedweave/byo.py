@@ -106,6 +106,8 @@ def _tensor(a: Any, what: str, rows: bool = True) -> torch.Tensor:
     """``a`` as a CPU tensor of numbers; ``rows``: one row per sample (a split, not one sample's item)."""
     if isinstance(a, torch.Tensor):
         t = a.detach().cpu()
+        if t.is_complex():  # as numpy's complex arrays below: labels kept their real part without a word
+            raise ConfigError(f"dataset: {what} holds {t.dtype} values, complex numbers; give real numbers")
     else:
         try:
             values = np.asarray(a)
