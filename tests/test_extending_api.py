@@ -3,6 +3,7 @@ is one clear line naming the thing and what is allowed, nothing runs on silently
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -269,9 +270,15 @@ def test_a_run_with_a_python_loss_resumes_with_it(tmp_path):
 
     with pytest.raises(ConfigError, match=r"^the loss passed is not the one the run was made with: its callable is "):
         fedweave.resume(tmp_path / "part", ["rounds=4"], loss=other)
-    other.__qualname__ = loss.__qualname__  # the same name, other code
-    with pytest.raises(ConfigError, match=r"^the loss passed is not the one .*: its source's SHA-256 is "):
-        fedweave.resume(tmp_path / "part", ["rounds=4"], loss=other)
+    # a partial names its function and arguments: two partials of other functions were one record
+    smooth = functools.partial(torch.nn.functional.cross_entropy, reduction="none", label_smoothing=0.1)
+    fedweave.run({**cfg, "rounds": 1}, loss=smooth, run_dir=tmp_path / "partial")
+    plain = functools.partial(torch.nn.functional.cross_entropy, reduction="none")
+    with pytest.raises(ConfigError, match=r"^the loss passed is not .*: its callable is functools\.partial\(torch"):
+        fedweave.resume(tmp_path / "partial", ["rounds=2"], loss=plain)
+    # a lambda written again, on another line, is the same loss
+    fedweave.run({**cfg, "rounds": 1}, loss=lambda o, y: loss(o, y), run_dir=tmp_path / "lambda")
+    fedweave.resume(tmp_path / "lambda", ["rounds=2"], loss=lambda o, y: loss(o, y))
     with pytest.raises(ConfigError, match=r"^task\.loss: python names a loss passed from Python"):
         fedweave.run({**cfg, "task": {"loss": "python"}}, run_dir=tmp_path / "yaml")
 

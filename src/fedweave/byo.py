@@ -11,8 +11,8 @@ and of the model's initial weights), so a run can be told apart from another mad
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -77,23 +77,18 @@ class RunObjects:
         if self.dataset is not None:
             out["dataset"] = describe_dataset(self.dataset)
         if self.loss is not None:
-            out["loss"] = {"callable": _qualname(self.loss), "sha256": _source_digest(self.loss)}
+            out["loss"] = {"callable": _loss_name(self.loss)}
         return out
 
 
-def _source_digest(fn: Any) -> str:
-    """A SHA-256 of what a loss computes: the source of the function (of a callable object's class, with its
-    attributes' values as ``repr`` prints them), or its bytecode where Python keeps no source (a lambda typed
-    at a prompt); what a resumed run's loss is compared by, as a model by its weights."""
-    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
-    try:
-        text = inspect.getsource(target)
-    except (OSError, TypeError):  # no source file: the code itself
-        code = getattr(target, "__code__", None)
-        text = repr((code.co_code, code.co_consts, code.co_names)) if code is not None else _qualname(target)
-    if target is not fn:  # an object: its settings too (CrossEntropyLoss(reduction="none") against "mean")
-        text += repr(sorted((k, repr(v)) for k, v in vars(fn).items() if isinstance(v, int | float | str | None)))
-    return hashlib.sha256(text.encode()).hexdigest()
+def _loss_name(fn: Any) -> str:
+    """What a resumed run's loss is compared by: its function's or class's name, a partial's function with its
+    arguments (as repr prints them). Its code is not compared (a lambda's source is the line it sits on, its
+    bytecode another on each Python): another function of the same name passes, as a model's same-named class
+    with another forward does."""
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({_loss_name(fn.func)}, *{fn.args!r}, **{fn.keywords!r})"
+    return _qualname(fn)
 
 
 def _qualname(obj: Any) -> str:
@@ -312,7 +307,6 @@ def check_same_objects(saved: dict[str, Any], objects: RunObjects) -> None:
         ("model", "structure", "layers' SHA-256 (as torch prints them)"),
         ("dataset", "sha256", "data's SHA-256"),
         ("loss", "callable", "callable"),
-        ("loss", "sha256", "source's SHA-256"),
     ):
         was, got = saved.get(key, {}).get(field), now.get(key, {}).get(field)
         if was and got and was != got:
