@@ -18,6 +18,7 @@ The external commands go through :func:`run_command` and :func:`download`; tests
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import glob
 import gzip
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import urllib.request
 import warnings
 import zipfile
@@ -576,35 +578,29 @@ def _instructions(spec: DataSpec, cache: Path) -> str:
     return "\n".join(lines)
 
 
+# a work directory this old is a killed fetch's: no fetch or unpack runs a day
+STALE_WORK_SECONDS = 24 * 3600
+
+
 def _work_dir(cache: Path) -> Path:
-    """A fresh directory beside ``cache`` to fetch or unpack into, named after this machine and process
-    (``.mnist-HOST-PID-xxxx``), and the work directories this machine's processes that no longer run left there
-    removed first (a killed fetch left 23 MB each, never removed); one line naming the cache where it cannot be
-    made (a read-only cache named a random temporary directory that was never made)."""
-    mine = f".{cache.name}-{socket.gethostname()}-"
+    """A fresh directory beside ``cache`` to fetch or unpack into (``.mnist-HOST-PID-xxxx``), the work
+    directories of earlier fetches that are a day old removed first (a killed fetch left 23 MB each, never
+    removed; by age, not by process id, which another container or machine of the same name may reuse); one line
+    naming the cache where it cannot be made (a read-only cache named a random temporary directory never made)."""
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        for left in cache.parent.glob(glob.escape(mine) + "*"):
-            pid = left.name[len(mine) :].partition("-")[0]
-            if pid.isdigit() and not _running(int(pid)) and left.is_dir() and not left.is_symlink():
-                shutil.rmtree(left, ignore_errors=True)
-        return Path(tempfile.mkdtemp(prefix=f"{mine}{os.getpid()}-", dir=cache.parent))
+        now = time.time()
+        for left in cache.parent.glob(glob.escape(f".{cache.name}-") + "*"):
+            with contextlib.suppress(OSError):  # another fetch may remove it first
+                if left.is_dir() and not left.is_symlink() and now - left.stat().st_mtime > STALE_WORK_SECONDS:
+                    shutil.rmtree(left, ignore_errors=True)
+        prefix = f".{cache.name}-{socket.gethostname()}-{os.getpid()}-"
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=cache.parent))
     except OSError as e:
         raise DataSourceError(
             f"cannot write the dataset cache {cache.parent} ({e.strerror}); make it writable or set {ENV_DIR} to a "
             "directory that is"
         ) from e
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` of this machine runs (one of another user's counts as running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def resolve(
