@@ -254,6 +254,9 @@ def test_after_round_returns_a_reason_true_or_nothing(value, cfg, tmp_path):
         fedweave.run(cfg, run_dir=tmp_path / "s", callbacks=[Returns(value)])
     for fine in (None, False, ""):
         assert fedweave.run(cfg, run_dir=tmp_path / f"f{fine!r}", callbacks=[Returns(fine)]).summary["rounds"] == 4
+    # a numpy comparison (``return acc >= 0.9``) stops the run as True does
+    stopped = fedweave.run(cfg, run_dir=tmp_path / "np", callbacks=[Returns(np.True_)]).summary
+    assert stopped["rounds"] == 1 and stopped["stopped_early"] == "Returns"
 
 
 def test_the_same_callback_object_twice_is_refused(cfg, tmp_path):

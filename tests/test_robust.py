@@ -599,6 +599,10 @@ def test_a_fraction_that_rounds_to_no_attacker_is_refused():
         attackers({"fraction": 0.1, "attack": "sign_flip"}, 4, Seeds(0))
     assert len(attackers({"fraction": 0.125, "attack": "sign_flip"}, 4, Seeds(0))) == 1
     assert len(attackers({"fraction": 0.0, "attack": "sign_flip"}, 4, Seeds(0))) == 0  # none, as asked
+    # the fraction the line suggests gives one attacker (rounded down, 0.0714 of 7 clients gave none again)
+    with pytest.raises(ConfigError, match=r"give at least 0\.0715 for one attacker"):
+        attackers({"fraction": 0.05, "attack": "sign_flip"}, 7, Seeds(0))
+    assert len(attackers({"fraction": 0.0715, "attack": "sign_flip"}, 7, Seeds(0))) == 1
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     from fedweave.algorithms.base import Algorithm, RunContext
     from fedweave.config import RunConfig
@@ -151,12 +153,14 @@ class CallbackList(Callback):
         reasons = [c.after_round(run, r) for c in self.callbacks]  # every callback hears of every round
         for c, why in zip(self.callbacks, reasons):
             # only a reason or True asks to stop (``{"stop": False}`` or 0.5 ended the run, a tensor raised)
-            if not (why is None or isinstance(why, bool | str)):
+            if not (why is None or isinstance(why, bool | str | np.bool_)):  # np.bool_: ``return acc >= 0.9``
                 raise TypeError(
                     f"{type(c).__name__}.after_round returned {why!r:.80}; return a reason (a non-empty string) or "
                     "True to end the run, None or False to go on"
                 )
-        asked = [f"{type(c).__name__}" if why is True else str(why) for c, why in zip(self.callbacks, reasons) if why]
+        asked = [
+            str(why) if isinstance(why, str) else type(c).__name__ for c, why in zip(self.callbacks, reasons) if why
+        ]
         return "; ".join(asked) or None
 
     def on_round_end(self, run, r):

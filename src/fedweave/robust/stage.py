@@ -92,7 +92,7 @@ def attackers(spec: dict[str, Any] | None, num_clients: int, seeds: Seeds) -> np
     if fraction > 0 and f == 0:  # the run went unattacked without a word, its rows saying byzantine_clients 0
         raise ConfigError(
             f"faults.byzantine.fraction {fraction:g} of {num_clients} clients is 0 attackers (rounded to the nearest "
-            f"whole number); give at least {0.5 / num_clients:.3g} for one attacker, or 0 for none"
+            f"whole number); give at least {math.ceil(5000 / num_clients) / 10000:g} for one attacker, or 0 for none"
         )
     return np.sort(seeds.numpy("byzantine").choice(num_clients, f, replace=False)).astype(np.int64)
 

@@ -521,7 +521,7 @@ class Sampler:
     def __post_init__(self) -> None:
         self.reads_context = reads_context(self.fn)
         self.draws_by_size = draws_by_size(self.fn)
-        self.user_made = not getattr(self.fn, "__module__", "").startswith("fedweave.")
+        self.user_made = not (getattr(self.fn, "__module__", None) or "").startswith("fedweave.")
 
     def fewest(self) -> int:
         """The fewest clients the sampler gives in a round of the run, where that is known when the run is built:

@@ -146,9 +146,12 @@ def _no_test_samples(seq_len: int, train_fraction: float, cap: int | None) -> st
     head = f"dataset 'shakespeare': no test samples: a role's test windows begin seq_len ({seq_len}) after its "
     if train_fraction >= 1:
         return head + "training samples, and train_fraction 1 leaves none after them; give train_fraction < 1"
-    n = seq_len + 1
-    while n - max(1, int(np.floor(train_fraction * n))) <= seq_len:
-        n += 1
+    # n - max(1, floor(f n)) never falls as n grows, and exceeds seq_len by n = (seq_len + 2) / (1 - f): bisect
+    lo, hi = seq_len + 1, int((seq_len + 2) / (1 - train_fraction)) + 2
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if mid - max(1, int(np.floor(train_fraction * mid))) > seq_len else (mid + 1, hi)
+    n = lo
     fix = f"raise max_samples_per_user (got {cap}) to at least {n}" if cap is not None else "use more roles' text"
     return head + f"training samples, so at train_fraction {train_fraction:g} a role needs {n} samples; {fix}"
 
