@@ -497,6 +497,10 @@ OTHER_COMMANDS = [
     (["report", "c.yaml", "--out", ""], "--out '': an empty path; give a file"),
     (["plot", "c.yaml", "--out", ""], "--out '': an empty path; give a directory"),
     (["reproduce", "fedmim", "--out", ""], "--out '': an empty path; give a directory"),
+    # an option twice took the last without a word; an unknown option before any command said only that one is due
+    (["run", "c.yaml", "--out", "a", "--out", "b"], "--out is given twice ('a', then 'b'); give it once"),
+    (["sweep", "c.yaml", "--grid", "local.lr=0.1", "--out", "a", "--out", "b"], "--out is given twice"),
+    (["--bogus"], "unrecognized arguments: --bogus; a command is required: one of run, list, data"),
     (["nosuch"], "nosuch"),
     ([], "command"),
 ]

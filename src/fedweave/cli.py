@@ -387,6 +387,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"fedweave: error: {' '.join(message.split())} (see '{self.prog} --help')\n")
 
 
+class Once(argparse.Action):
+    """An option given at most once: ``--out a --out b`` took the last without a word."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault("_given_once", {})
+        if self.dest in given:
+            parser.error(f"{option_string} is given twice ({given[self.dest]!r}, then {values!r}); give it once")
+        given[self.dest] = values
+        setattr(namespace, self.dest, values)
+
+
 def positive_seconds(text: str) -> float:
     """An argparse type: a number of seconds > 0."""
     try:
@@ -404,12 +415,14 @@ def parser() -> argparse.ArgumentParser:
 
     p = Parser(prog="fedweave", description="Federated learning simulator.")
     p.add_argument("--version", action="version", version=f"fedweave {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command")  # required: checked in _main, naming an unknown option first
 
     r = sub.add_parser("run", help="run an experiment from a YAML config")
     r.add_argument("config", nargs="?", help="YAML config file, or example:NAME for a bundled one")
     r.add_argument("overrides", nargs="*", help="key=value overrides, e.g. local.lr=0.1 rounds=50")
-    r.add_argument("--out", help="run directory (default: the config's output.dir, else runs/<name>-s<seed>-<time>)")
+    r.add_argument(
+        "--out", action=Once, help="run directory (default: the config's output.dir, else runs/<name>-s<seed>-<time>)"
+    )
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--overwrite", action="store_true", help="replace a run already in the run directory")
@@ -441,7 +454,9 @@ def parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="plot one or more run directories")
     pl.add_argument("run_dirs", nargs="+")
-    pl.add_argument("--out", help="where to write the PNGs (default: the run directory, when one run is plotted)")
+    pl.add_argument(
+        "--out", action=Once, help="where to write the PNGs (default: the run directory, when one run is plotted)"
+    )
     pl.add_argument("--metric", default=None, help="metrics column (default: the run's main metric)")
     pl.set_defaults(fn=_cmd_plot)
 
@@ -452,7 +467,9 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--zip", action="append", default=[], metavar="KEY=V1,V2", help="keys varied together")
     sw.add_argument("--seeds", type=positive_int, default=None, help="seeds per point (the config's seed, +1, ...)")
     sw.add_argument("--workers", type=positive_int, default=None, help="runs at once, each with its share of cores")
-    sw.add_argument("--out", default=None, help="sweep directory (default: the sweep section's out, else runs/sweep)")
+    sw.add_argument(
+        "--out", default=None, action=Once, help="sweep directory (default: the sweep section's out, else runs/sweep)"
+    )
     sw.add_argument("--metric", default=None, help="metrics column to tabulate (default: the task's main metric)")
     sw.add_argument("--target", type=float, default=None, help="report rounds and bytes to reach this metric")
     sw.add_argument("--ray", metavar="ADDRESS", help="run the points as tasks on this existing Ray cluster")
@@ -478,7 +495,7 @@ def parser() -> argparse.ArgumentParser:
         "report", help="one self-contained HTML page for run and sweep directories (finished or not), curves overlaid"
     )
     rep.add_argument("dirs", nargs="+", metavar="RUN_OR_SWEEP_DIR")
-    rep.add_argument("--out", help="the HTML file (default: report.html in the first directory)")
+    rep.add_argument("--out", action=Once, help="the HTML file (default: report.html in the first directory)")
     rep.set_defaults(fn=_cmd_report)
 
     rp = sub.add_parser("reproduce", help="reproduce a paper's experiments at a chosen scale")
@@ -633,6 +650,10 @@ def _interrupted(e: KeyboardInterrupt, on_main_thread: bool) -> int:
 def _main(argv: list[str] | None) -> int:
     p = parser()
     args, extra = p.parse_known_args(argv)
+    if args.command is None:  # `fedweave --bogus` said only that a command is required
+        commands = ", ".join(p._subparsers._group_actions[0].choices)
+        unknown = f"unrecognized arguments: {' '.join(extra)}; " if extra else ""
+        p.error(f"{unknown}a command is required: one of {commands}")
     if extra and hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
         args.overrides += extra  # key=value overrides after the options (`run C --out D rounds=5`)
     elif extra:
