@@ -90,7 +90,9 @@ def test_a_claim_whose_seeds_diverged_is_untestable_not_dropped():
     ]  # fmt: skip
     got = {v.claim.split(": ", 1)[1][:20]: v for v in repro.claim_verdicts(recs)}
     assert [v.outcome for v in got.values()] == ["held", "held", "untestable"]
-    assert got["FedMIM's gain over F"].interval.startswith("untestable by a declared rule: its paired rule needs 2")
+    assert got["FedMIM's gain over F"].interval == (
+        "untestable: 1 seed with both sides run (iid, fedavg: 2 of 3 diverged); a paired t test needs 2"
+    )
     only_dir = [r for r in recs if r["split"] == "dir0.1"]  # no IID cell run: the IID claim is left out
     assert [v.outcome for v in repro.claim_verdicts(only_dir)] == ["held", "held"]
 
