@@ -115,28 +115,21 @@ def preset(scale: str) -> Preset:
         local = {"epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.9}
         model = {"name": "cnn_small"}
         m, per = 20, 100
-
-        def ds(name: str) -> dict:
-            return {"name": name, "max_train": m * per, "max_test": m * per}
-
+        cap = {"max_train": m * per, "max_test": m * per}
         dir03 = {"name": "dirichlet_balanced", "num_clients": m, "alpha": 0.3}
         path2 = {"name": "pathological", "num_clients": m, "classes_per_client": 2}
         settings = [
-            Setting("fmnist-dir0.3", "FMNIST Dir0.3", _base(ds("fashion_mnist"), dir03, model, 20, local, 2)),
-            Setting("mnist-path2", "MNIST Path2", _base(ds("mnist"), path2, model, 20, local, 2)),
+            Setting(
+                "fmnist-dir0.3", "FMNIST Dir0.3", _base({"name": "fashion_mnist", **cap}, dir03, model, 20, local, 2)
+            ),
+            Setting("mnist-path2", "MNIST Path2", _base({"name": "mnist", **cap}, path2, model, 20, local, 2)),
         ]
         # proxy data: a fixed random half of each client's 100 images (spec A4 option), for CPU time
         dp, extra = [2.0, 5.0, 10.0, 50.0], {"proxy_samples": 50}
         return Preset(settings, "fmnist-dir0.3", 10, 5, [0.1, 1.5], dp, 3, extra, [2.0, 5.0], "mnist-path2")
     if scale == "paper":  # spec 9.2 (needs the CIFAR files)
-        local = {
-            "epochs": 5,
-            "batch_size": 128,
-            "lr": 0.01,
-            "momentum": 0.9,
-            "weight_decay": 5e-4,
-            "augment": ["crop", "flip"],
-        }
+        local = {"epochs": 5, "batch_size": 128, "lr": 0.01, "momentum": 0.9, "weight_decay": 5e-4}
+        local["augment"] = ["crop", "flip"]
         kinds = {"dir": ("dirichlet_balanced", "alpha"), "path": ("pathological", "classes_per_client")}
         settings = []
         for name, model, cols in (
@@ -155,6 +148,7 @@ def methods(p: Preset) -> dict[str, dict[str, Any]]:
     """Row label -> algorithm section (spec 9.1 methods and 2.6 variants)."""
     afind = {"neighbours": p.pool, "tau": 0.5, "upsilon": 0.1, "loss_gamma": 0.9, "boltzmann_T": 1.0, **p.extra}
     clients = p.settings[0].base["partition"]["num_clients"]
+    phase1 = max(1, round(0.1 * p.settings[0].base["rounds"]))  # PENS's first phase: T_1 = 10% of the rounds (spec 5)
     plug = {k: afind[k] for k in ("tau", "upsilon", "boltzmann_T")}
     return {
         "Local": {"name": "local"},
@@ -167,7 +161,7 @@ def methods(p: Preset) -> dict[str, dict[str, Any]]:
         },
         "Gossip": {"name": "gossip", "neighbours": p.budget},
         # n_s = the pool, m_top = the budget below n_s (spec 5: n_s = 10, m_top = 5; keeping all n_s selects nothing)
-        "PENS": {"name": "pens", "neighbours": p.pool, "m_top": min(p.budget, p.pool // 2), "phase1_rounds": 0},
+        "PENS": {"name": "pens", "neighbours": p.pool, "m_top": min(p.budget, p.pool // 2), "phase1_rounds": phase1},
         "FedeRiCo": {"name": "federico", "neighbours": p.budget},
         "+i (top-k)": {"name": "afind_plus", **afind, "selection": "topk", "topk": p.budget, "aggregation": "uniform"},
         "+i+ii (AFIND)": {"name": "afind", **afind},
@@ -208,67 +202,45 @@ def dp_label(sigma: float, mode: str) -> str:
     return "AFIND+" if sigma == 0 else f"AFIND+ {'exchange ' if mode == 'exchange' else ''}dp={sigma:g}"
 
 
-def table_rows(p: Preset, meth: dict[str, dict[str, Any]]) -> dict[str, list[tuple[str, str, str, dict]]]:
-    """Per table of ``--tables``, its rows: (row label, setting, run label, algorithm section)."""
+def plan(p: Preset, seeds: int, tables: set[str]) -> tuple[list[Job], dict[str, list[tuple[str, str, str]]]]:
+    """All runs, deduplicated, and per table of ``tables`` (``--tables``) its rows as (row label, setting, job
+    label), in the order of results.md."""
+    meth = methods(p)
     plus, first = meth["AFIND+"], p.primary
 
     # Table 4 (spec A27): ``sgd``, its resolution, per-sample clipped DP-SGD (C = 1) on every local step that
     # yields a shared model; ``exchange``, the paper's own mechanism, N(0, (sigma_2 C / L)^2 I) on every sent tensor
-    def private(s: float, mode: str) -> dict[str, Any]:
-        return {**plus, "dp_sigma": s, "dp_clip": 1.0, "dp_mode": mode} if s else plus
+    def private(s: float, mode: str) -> tuple[str, str, str, dict[str, Any]]:
+        algo = {**plus, "dp_sigma": s, "dp_clip": 1.0, "dp_mode": mode} if s else plus
+        return f"{s:g}", first, dp_label(s, mode), algo
 
-    dp = {
-        mode: [(f"{s:g}", first, dp_label(s, mode), private(s, mode)) for s in [0.0, *sigmas]]
-        for mode, sigmas in (("sgd", p.dp_sigmas), ("exchange", p.dpx_sigmas))
-    }
     ablation = [("FedAvg-FT", "Gossip"), ("+i (top-k)", "+i (top-k)"), ("+i+ii (AFIND)", "+i+ii (AFIND)")]
-    return {
-        "1": [
-            (lb, s.key, lb, meth[lb])
-            for s in p.settings
-            for lb in ("Local", "FedAvg", "Gossip", "PENS", "FedeRiCo", "AFIND+")
-        ],
-        "2": [(row, first, lb, meth[lb]) for row, lb in [*ablation, ("+i+ii+iii (AFIND+)", "AFIND+")]],
-        "3": [
-            (lb, first, f"{lb} [half]", {**meth[lb], "topology": "half"})
-            for lb in ("Gossip", "PENS", "FedeRiCo", "AFIND+")
-        ],
+    every = {  # per table: (row label, setting, run label, algorithm section)
+        "table1": [(lb, s.key, lb, meth[lb]) for s in p.settings for lb in PAPER_T1],
+        "table2": [(row, first, lb, meth[lb]) for row, lb in [*ablation, ("+i+ii+iii (AFIND+)", "AFIND+")]],
+        "table3": [(lb, first, f"{lb} [half]", {**meth[lb], "topology": "half"}) for lb in PAPER_T3],
         "tau": [(f"{t:g}", first, tau_label(t), {**plus, "tau": t}) for t in sorted({*p.taus, 0.5})],
-        "dp": dp["sgd"],
         "fig5": [(lb, first, lb, meth[lb]) for lb in PLUGIN_RUNS],
-        "dpx": dp["exchange"],  # Table 4 with the paper's mechanism
+        "dp": [private(s, "sgd") for s in [0.0, *p.dp_sigmas]],
         "fig5b": [(lb, p.pathological, lb, meth[lb]) for lb in PLUGIN_RUNS],  # Fig. 5(b), the pathological panel
+        "dpx": [private(s, "exchange") for s in [0.0, *p.dpx_sigmas]],  # Table 4 with the paper's mechanism
     }
-
-
-def plan(p: Preset, seeds: int, tables: set[str]) -> tuple[list[Job], dict[str, list[tuple[str, str, str]]]]:
-    """All runs, deduplicated, and per table its rows as (row label, setting, job label)."""
-    meth = methods(p)
-    # PENS's first phase: T_1 = 10% of the rounds (spec 5)
-    meth["PENS"]["phase1_rounds"] = max(1, round(0.1 * p.settings[0].base["rounds"]))
-    rows: dict[str, list[tuple[str, str, str]]] = {}
-    algos: dict[str, dict[str, Any]] = {}
-    for key, entries in table_rows(p, meth).items():
-        if key in tables:
-            rows[f"table{key}" if key.isdigit() else key] = [(row, s, lb) for row, s, lb, _ in entries]
-            algos |= {lb: algo for _, _, lb, algo in entries}
+    chosen = {name: entries for name, entries in every.items() if name.removeprefix("table") in tables}
+    algos = {lb: algo for entries in chosen.values() for _, _, lb, algo in entries}
     jobs = {
         Job(setting, label, seed, json.dumps(algos[label], sort_keys=True))
-        for table in rows.values()
-        for _, setting, label in table
+        for entries in chosen.values()
+        for _, setting, label, _ in entries
         for seed in range(seeds)
     }
     # seed by seed; within a seed the primary setting first, the partial topology last, what the claims need
-    # most (``FIRST``) before the other labels
-    rank = {label: i for i, label in enumerate(FIRST)}
+    # most before the other labels
+    rank = {label: i for i, label in enumerate(("Gossip", "Local", "AFIND+", "+i+ii (AFIND)", "+i (top-k)"))}
 
     def order(j: Job) -> tuple:
         return j.seed, j.setting != p.primary, "[half]" in j.label, rank.get(j.label, len(rank)), j.label
 
-    return sorted(jobs, key=order), rows
-
-
-FIRST = ["Gossip", "Local", "AFIND+", "+i+ii (AFIND)", "+i (top-k)"]
+    return sorted(jobs, key=order), {name: [e[:3] for e in entries] for name, entries in chosen.items()}
 
 
 # --------------------------------------------------------------------------------------------- runs
@@ -333,18 +305,17 @@ def column(runs: list[dict[str, Any]], header: str) -> str:
 
 
 MEASURED = ["best", "final", "mean selected", "MB sent", "seeds"]
-DP = ("sigma_2", ["best", "final"], lambda row, lb: PAPER_T4.get(float(row), []))
-# Tables 2 to 4 and the tau sweep, declared: (first column, columns, the paper's numbers of a row and label)
+DP = ("sigma_2", ["best", "final"], lambda row: PAPER_T4.get(float(row), []))
+# Tables 2 to 4 and the tau sweep, declared: (first column, columns, the paper's numbers of a row)
 LAYOUTS = {
-    "table2": ("method", MEASURED, lambda row, lb: PAPER_T2[row]),
-    "table3": ("method", MEASURED, lambda row, lb: PAPER_T3[lb.replace(" [half]", "")]),
+    "table2": ("method", MEASURED, PAPER_T2.get),
+    "table3": ("method", MEASURED, PAPER_T3.get),
     "tau": ("tau", ["mean selected", "best", "final", "label overlap of selected", "MB sent", "seeds"], None),
     "dp": DP,
     "dpx": DP,
 }
 FIG5 = ["method", "best without", "best with AFIND+", "gain (best), per seed", "final without", "final with AFIND+"]
 FIG5 += ["gain (final)", "mean selected with AFIND+", "MB sent without / with", "seeds"]
-ORDER = ("table1", "table2", "table3", "tau", "fig5", "dp", "fig5b", "dpx")  # of the tables in results.md
 
 
 def plugin_gain(plain: list[dict[str, Any]], plug: list[dict[str, Any]], key: str) -> str:
@@ -354,8 +325,7 @@ def plugin_gain(plain: list[dict[str, Any]], plug: list[dict[str, Any]], key: st
 
 
 def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> dict[str, tuple[list, list]]:
-    """Per table of ``rows`` (``plan``), its header and body, in the order of ``ORDER``: the report's tables
-    and the page's."""
+    """Per table of ``rows`` (``plan``), in its order, its header and body: the report's tables and the page's."""
     by = defaultdict(list, group(results, lambda r: (r["setting"], r["label"])))
     out: dict[str, tuple[list, list]] = {}
     if "table1" in rows:
@@ -367,16 +337,15 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
             [lb, *(column(by[(s, lb)], c) for c in ("best", "final") for s in settings)]
             + [column(by[(settings[0], lb)], c) for c in ("mean selected", "MB sent")]
             + ["/".join(str(len(by[(s, lb)])) for s in settings)]
-            + [f"{v:.2f}" if v is not None else "-" for v in PAPER_T1.get(lb, [None] * 8)]
-            for lb in dict.fromkeys(lb for _, _, lb in rows["table1"])
+            + [f"{v:.2f}" for v in PAPER_T1[lb]]
+            for lb in PAPER_T1
         ]
         out["table1"] = header, body
     for name, (first, cols, paper) in LAYOUTS.items():
         if name in rows:
             header = [first, *cols, *(f"paper {c}" for c in PAPER_T23_COLUMNS if paper)]
-            theirs = paper or (lambda row, lb: [])
             body = [
-                [row, *(column(by[(s, lb)], c) for c in cols), *(f"{v:.2f}" for v in theirs(row, lb))]
+                [row, *(column(by[(s, lb)], c) for c in cols), *(f"{v:.2f}" for v in (paper(row) if paper else []))]
                 for row, s, lb in rows[name]
             ]
             out[name] = header, body
@@ -391,19 +360,19 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
                 sent = f"{column(plain, 'MB sent')} / {column(plug, 'MB sent')}"
                 body.append([lb, *cells, column(plug, "mean selected"), sent, f"{len(plain)} / {len(plug)}"])
             out[name] = FIG5, body
-    return {k: out[k] for k in ORDER if k in out}
+    return {name: out[name] for name in rows}
 
 
 # ------------------------------------------------------------------------------------------- claims
-def _setting(where: str):
-    """The records of the setting ``p.<where>``, those of runs that diverged before evaluating too: a rule pairs
-    only the evaluated ones (``_unevaluated``), and the others tell it that the preset ran their cell."""
-    return lambda results, p: [r for r in results if r["setting"] == getattr(p, where)]
-
-
 def _on(text: str, rule: Any, where: str = "primary") -> Claim:
-    """The claim ``text`` judged by its declared ``rule`` on the evaluated runs of the setting ``p.<where>``."""
-    return Claim(text, None, declared=rule, records=_setting(where))
+    """The claim ``text`` judged by its declared ``rule`` on the records of the setting ``p.<where>``, those of
+    runs that diverged before evaluating too: a rule pairs only the evaluated ones (``_unevaluated``), and the
+    others tell it that the preset ran their cell."""
+
+    def setting(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
+        return [r for r in results if r["setting"] == getattr(p, where)]
+
+    return Claim(text, None, declared=rule, records=setting)
 
 
 def _unevaluated(metric: str) -> Callable[[dict], str | None]:
@@ -415,8 +384,8 @@ def _unevaluated(metric: str) -> Callable[[dict], str | None]:
 def _vs(a: str, b: str | Select, direction: str = "greater", min_effect: float = 0.0, metric: str = "best") -> Paired:
     """``a`` against ``b`` (a label or a selector) on ``metric`` (best-round accuracy in points), paired by seed,
     95 % paired t: 3 seeds, too few for a percentile bootstrap."""
-    side, unit = {"label": b} if isinstance(b, str) else b, "" if metric == "selected" else "points"
-    scale = 100 if unit else 1
+    side = {"label": b} if isinstance(b, str) else b
+    unit, scale = ("", 1) if metric == "selected" else ("points", 100)
     return Paired(
         metric, {"label": a}, side, direction, min_effect, scale=scale, unit=unit, no_pair=_unevaluated(metric)
     )
@@ -429,21 +398,22 @@ def _dp_claims(mode: str, what: str) -> list[Claim]:
     sigma_2 run costs more than each sigma_2 <= 5."""
 
     def ran(t, p) -> list[float]:  # the preset's sigma_2 run on a seed that plain AFIND+ ran too (diverged or not)
-        primary = [r for r in t if r["setting"] == p.primary]
-        seeds = {lb: {r["seed"] for r in rs} for lb, rs in group(primary, lambda r: r["label"]).items()}
+        def seeds(label: str) -> set[int]:
+            return {r["seed"] for r in t if r["setting"] == p.primary and r["label"] == label}
+
         sigmas = p.dp_sigmas if mode == "sgd" else p.dpx_sigmas
-        return [s for s in sigmas if seeds.get(dp_label(s, mode), set()) & seeds.get("AFIND+", set())]
+        return [s for s in sigmas if seeds(dp_label(s, mode)) & seeds("AFIND+")]
 
     def small(t, p) -> All:
-        vs = [(f"sigma {s:g}", _vs(dp_label(s, mode), cell(label="AFIND+") - 0.03)) for s in ran(t, p) if s <= 5]
-        return All(vs)
+        return All((f"sigma {s:g}", _vs(dp_label(s, mode), cell(label="AFIND+") - 0.03)) for s in ran(t, p) if s <= 5)
 
     def big(t, p) -> All:
-        if not (big := [s for s in ran(t, p) if s > 5]):
+        if not (above := [s for s in ran(t, p) if s > 5]):
             return All(())  # no part: the claim is left out
-        b = max(big)
-        vs = [(f"sigma {b:g} vs {s:g}", _vs(dp_label(b, mode), dp_label(s, mode), "less")) for s in ran(t, p) if s <= 5]
-        return All(vs)
+        b = max(above)
+        return All(
+            (f"sigma {b:g} vs {s:g}", _vs(dp_label(b, mode), dp_label(s, mode), "less")) for s in ran(t, p) if s <= 5
+        )
 
     return [
         _on(f"Table 4{what}: DP noise sigma_2 <= 5 costs at most 3 points (paper: <= 2.84)", small),
@@ -469,17 +439,19 @@ def _fig5_claims(fig: str, section: str, where: str) -> list[Claim]:
 # 95 % paired t). Minimum effects: 2 points where spec 9.1 states it, 3 points for Table 4's "at most 3", 1.5
 # points either side of the claimed +3 (the spec's [1.5, 4.5]), 0 for the paper's orderings (they state no
 # size). ">=" is tested as "above": an interval wholly below 0 fails it, one that includes 0 decides nothing.
-TAU = (("tau 0.1 > 0.5", _vs("AFIND+ tau=0.1", "AFIND+", metric="selected")),)
-TAU += (("tau 0.5 > 1.5", _vs("AFIND+", "AFIND+ tau=1.5", metric="selected")),)
+TAU = All(
+    (f"tau {a:g} > {b:g}", _vs(tau_label(a), tau_label(b), metric="selected")) for a, b in pairwise((0.1, 0.5, 1.5))
+)
 T3 = pairwise(("AFIND+", "FedeRiCo", "PENS", "Gossip"))  # Table 3's order; "[half]": each client linked to half
-HALF, PATH = All((f"{a} > {b}", _vs(f"{a} [half]", f"{b} [half]")) for a, b in T3), _vs("FedAvg", "Local", "less")
+HALF = All((f"{a} > {b}", _vs(f"{a} [half]", f"{b} [half]")) for a, b in T3)
+PATH = _vs("FedAvg", "Local", "less")
 CLAIMS = [
     _on("AFIND+ > Gossip by >= 2 points", _vs("AFIND+", "Gossip", min_effect=2.0)),
     _on("AFIND+ >= Local", _vs("AFIND+", "Local")),
     _on("FedAvg below Local on the pathological split (paper, C10 Path 2: 59.81 vs 86.52)", PATH, "pathological"),
     _on("AFIND+ > AFIND (Boltzmann beats uniform aggregation)", _vs("AFIND+", "+i+ii (AFIND)")),
     _on("Table 3, each client linked to half of the others: AFIND+ > FedeRiCo > PENS > Gossip", HALF),
-    _on("mean coreset size strictly decreasing in tau", All(TAU)),
+    _on("mean coreset size strictly decreasing in tau", TAU),
     *_dp_claims("sgd", ""),
     *_fig5_claims("Fig. 5", "Section 5", "primary"),
     # Table 4 with the paper's own mechanism, and Fig. 5(b) (the paper's "approximately 3%" is said of Fig. 5)
@@ -536,7 +508,7 @@ TITLES = {  # a table's heading in results.md
     "dpx": "Table 4 with noise on the exchanged tensors (dp_mode exchange): sigma_2 (primary setting)",
     "fig5b": "Fig. 5(b): personalised methods without and with AFIND+'s neighbour selection (pathological "
     "setting, {pathological})",
-    "selection": "Selection rule alone (spec 2.7: 100 clients, 10 groups, no training)",
+    "selection_simulation": "Selection rule alone (spec 2.7: 100 clients, 10 groups, no training)",
 }
 HEAD = (
     "{n_runs} runs, {seeds} seed(s), {wall:.0f} s wall. Accuracy: best-round and final-round mean of per-client test "
@@ -564,13 +536,12 @@ def results_report(
         md.append("**Smoke scale: generated (synthetic) data; these numbers mean nothing.**\n")
     pathological = {s.key: s.title for s in p.settings}.get(p.pathological, p.pathological)
     files: dict[str, Any] = {}
-    for name, (header, body) in tables(results, rows, p).items():
+    got = tables(results, rows, p)
+    if scale != "smoke":
+        got["selection_simulation"] = selection_simulation()
+    for name, (header, body) in got.items():
         md += [f"## {TITLES[name].format(pathological=pathological)}\n", markdown_table(header, body)]
         files[f"{name}.csv"] = Rows(body, header)
-    if scale != "smoke":
-        header, body = selection_simulation()
-        md += [f"## {TITLES['selection']}\n", markdown_table(header, body)]
-        files["selection_simulation.csv"] = Rows(body, header)
     if len({r["seed"] for r in results}) < 2:  # a paired test needs 2 seeds
         md.append("## Claims\n\nNone judged: every claim's declared rule is a paired test over 2 seeds or more.\n")
     elif checks := claim_rows(results, p):
@@ -668,7 +639,7 @@ STUDY = Study(
         option(
             "--tables",
             default="1,2,tau",
-            help="comma list of 1,2,3,tau,dp,fig5,dpx,fig5b (3 = partial topology, dp = Table 4 with DP-SGD, dpx = "
+            help=f"comma list of {','.join(TABLES)} (3 = partial topology, dp = Table 4 with DP-SGD, dpx = "
             "Table 4 with noise on the exchanged tensors, fig5 = the personalised methods Ditto, FOMO, DisPFL with "
             "and without AFIND+'s selection, fig5b = the same on the pathological setting)",
         ),
