@@ -11,7 +11,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import product
 from operator import attrgetter, itemgetter
 from pathlib import Path
@@ -28,7 +28,7 @@ from fedweave.accounting.split import (
     server_copies,
     storage_params,
 )
-from fedweave.config import ConfigError, RunConfig
+from fedweave.config import ConfigError
 from fedweave.experiments.aggregate import finite, group, if_all, mean_std, seed_gaps, to_target
 from fedweave.experiments.blocks import verdict_cell
 from fedweave.experiments.grid import Point
@@ -39,7 +39,6 @@ from fedweave.experiments.tables import Col, layout, markdown_table, read_csv, s
 from fedweave.experiments.verdicts import All, Paired, Select, Threshold, Untestable, cell
 from fedweave.runner import Result
 
-NONIID_NOTE = ", its non-IID column: 2 label-sorted shards per client"
 NONIID_GAP = 3.0  # C8: "well below" FSL_MC = further below than C2's "similar accuracy" tolerance of 3 pp
 # C5 (spec §9.3's extra sweep): the server's storage at n = 2, 5, 10 clients, one round of each method; C5's
 # ratio to FSL_AN is the spec's at n = 5
@@ -62,26 +61,18 @@ class Preset:
     local: dict[str, Any] = field(default_factory=dict)
     algorithm: dict[str, Any] = field(default_factory=dict)
     partition: dict[str, Any] = field(default_factory=lambda: {"name": "iid"})
-    # the per-seed final accuracies the claims' declared rules read (``seed_records`` of table.md; ``markdown``)
+    # the per-seed final accuracies the claims' declared rules read (``seed_records`` of table.md)
     records: list[dict[str, Any]] = field(default_factory=list)
-    # the storage measurement's rows (``storage_rows``: one per method and client count) that C5 reads; none
-    # beside a Table V alone, whose runs have one n
+    # the storage measurement's rows (``storage_rows``) that C5 reads; none beside a Table V alone (one n)
     storage: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def noniid(self) -> bool:
         return self.partition["name"] != "iid"
 
-    @property
-    def split_text(self) -> str:
-        if self.partition["name"] == "iid":
-            return f"{self.clients} IID clients"
-        return f"{self.clients} non-IID clients ({self.partition['shards_per_client']} label-sorted shards each)"
-
 
 def preset(scale: str, dataset: str) -> Preset:
-    """The preset of ``scale`` on ``dataset``: ``Preset(dataset, model, clients, batch_size, lr, rounds, hs, random_h,
-    target, seeds, ...)``."""
+    """The preset of ``scale`` on ``dataset``."""
     if scale == "paper":
         # spec §3: random 24×24 crops and flips to train, the centre crop to test (q = 2304); the authors'
         # Normalize(0.5, 0.5) (docs/algorithms/split.md)
@@ -113,15 +104,14 @@ def jobs(p: Preset, seeds: list[int], out: Path, storage: bool = False) -> list[
     variants: list[tuple[str, dict[str, Any]]] = [(m, {"name": m}) for m in ("fsl_mc", "fsl_oc", "fsl_an")]
     if storage:
         variants.append((f"cse_fsl h={p.random_h}", {"name": "cse_fsl", "h": p.random_h}))
-        return [pt for n in STORAGE_CLIENTS for pt in _points(replace(p, clients=n), variants, seeds, out, f"n{n}-")]
-    variants += [(f"cse_fsl h={h}", {"name": "cse_fsl", "h": h}) for h in p.hs]
-    variants.append((f"cse_fsl h={p.random_h} random", {"name": "cse_fsl", "h": p.random_h, "server_order": "random"}))
-    return _points(p, variants, seeds, out)
-
-
-def _points(p: Preset, variants: list[tuple[str, dict[str, Any]]], seeds: list[int], out: Path, prefix: str = ""):
+        clients = [(n, f"n{n}-") for n in STORAGE_CLIENTS]
+    else:
+        variants += [(f"cse_fsl h={h}", {"name": "cse_fsl", "h": h}) for h in p.hs]
+        random = {"name": "cse_fsl", "h": p.random_h, "server_order": "random"}
+        variants.append((f"cse_fsl h={p.random_h} random", random))
+        clients = [(p.clients, "")]
     points = []
-    for (key, algo), s in product(variants, seeds):
+    for (n, prefix), (key, algo), s in product(clients, variants, seeds):
         tag = prefix + key.replace(" ", "_").replace("=", "")
         config = {
             "name": f"cse-fsl-{tag}",
@@ -129,7 +119,7 @@ def _points(p: Preset, variants: list[tuple[str, dict[str, Any]]], seeds: list[i
             "rounds": p.rounds,
             "threads": 1,
             "dataset": p.dataset,
-            "partition": {**p.partition, "num_clients": p.clients},
+            "partition": {**p.partition, "num_clients": n},
             "model": p.model,
             "algorithm": {**algo, **p.algorithm},
             "local": {"epochs": 1, "batch_size": p.batch_size, "lr": p.lr, **p.local},
@@ -138,15 +128,6 @@ def _points(p: Preset, variants: list[tuple[str, dict[str, Any]]], seeds: list[i
         }
         points.append(Point.of(config, f"{tag}-s{s}", key=key))
     return points
-
-
-def split_facts(config: RunConfig) -> tuple[SplitSizes, list[int]]:
-    """The parameter counts of the split model's parts and every client's samples, rebuilt from a run's
-    config (a run read back from disk has no algorithm object): what the closed forms need."""
-    from fedweave.algorithms.base import RunContext, build_algorithm
-
-    algo = build_algorithm(RunContext(config))
-    return algo.split_sizes, [len(part) for part in algo.ctx.partition]
 
 
 # ---- summaries ---------------------------------------------------------------------------------------------
@@ -159,10 +140,10 @@ def completed(run: dict[str, Any]) -> bool:
 def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
     """Table V's rows, one per method variant over its seeds: final accuracy (mean and std over the seeds that
     completed, and per seed: NaN where a run diverged), the measured load and storage of a completed run beside
-    their closed forms (None where none completed), the load to reach the target (over the completed runs) and
-    the paper's CIFAR-10 numbers."""
+    their closed forms (``_measured``), the load to reach the target (over the completed runs) and the paper's
+    CIFAR-10 numbers."""
     table = []
-    for key, rs in group(results, lambda r: r["key"]).items():
+    for key, rs in group(results, itemgetter("key")).items():
         method, h, sizes = rs[0]["method"], rs[0]["h"], rs[0]["sizes"]
         done = [r for r in rs if completed(r)]
         accs = [100 * r["rows"][-1]["test_accuracy"] if completed(r) else math.nan for r in rs]
@@ -171,20 +152,14 @@ def summarize(results: list[dict[str, Any]], p: Preset) -> list[dict[str, Any]]:
         formulas = [round_bytes(method, sizes, r["samples"], p.batch_size, h=h)["load"] for r in rs]  # per round
         reach = if_all([to_target(r["rows"], "test_accuracy", p.target, "load_bytes") for r in done], np.mean)
         paper = PAPER_TABLE_V["cifar10"].get(key) or (None,) * 4  # (IID acc, non-IID acc, load, storage)
-        m = _measured(done, p)
         table.append(
             {
                 "method": key,
                 "accuracy": acc_m,
                 "accuracy_std": acc_s if len(ok) > 1 else None,  # one completed seed has no spread to show ("—")
-                "load_gib": m["load_gib"],
-                "load_formula_gib": m["load_formula_gib"],
                 "load_exact": all(x["load_bytes"] == f * x["round"] for r, f in zip(rs, formulas) for x in r["rows"]),
-                "storage_m": m["storage_m"],
-                "storage_formula_m": m["storage_formula_m"],
-                "server_copies": m["server_copies"],
+                **_measured(done, p),
                 "load_to_target_gib": float(reach) / GIB if reach is not None else None,
-                "uploads_per_client": m["uploads_per_client"],
                 "paper_acc": paper[1] if p.noniid else paper[0],
                 "paper_load": paper[2],
                 "paper_storage": paper[3],
@@ -202,10 +177,9 @@ MEASURED = ("load_gib", "load_formula_gib", "storage_m", "storage_formula_m", "s
 
 
 def _measured(done: list[dict[str, Any]], p: Preset) -> dict[str, Any]:
-    """A method's measured load and storage in Table V beside their closed forms, read from the first of its
-    completed runs ``done``: the same on every completed seed (the presets' partitions, equal IID shares and equal
-    label shards, give every seed the same samples per client). A diverged run's numbers stop at the round it
-    diverged in, so a method none of whose runs completed has none (None: not available, no partial numbers)."""
+    """A method's measured load and storage beside their closed forms, read from the first of its completed runs
+    ``done`` (the presets' equal IID shares and label shards give every seed the same samples per client). A
+    diverged run's numbers stop where it diverged, so a method none of whose runs completed has none (None)."""
     if not done:
         return dict.fromkeys(MEASURED)
     run, last = done[0], done[0]["rows"][-1]
@@ -227,11 +201,6 @@ def _by(table: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def _cse(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The CSE-FSL rows with the ordered server, by h."""
     return [t for t in table if t["method"].startswith("cse_fsl") and "random" not in t["method"]]
-
-
-def _mid(table) -> list[dict[str, Any]]:
-    """C2's "small h": the CSE-FSL rows with 1 < h <= 5 (all of them when there are none)."""
-    return [t for t in _cse(table) if 1 < int(t["method"].split("h=")[1]) <= 5] or _cse(table)
 
 
 # a seed's final accuracy in a table's per-seed list: a number, or ``diverged`` (``nan`` in a table written before
@@ -259,22 +228,17 @@ def _seed_acc(a: float) -> str:
     return f"{a:.2f}" if math.isfinite(a) else "diverged"
 
 
+# ---- claims (spec §9.3) ------------------------------------------------------------------------------------
 def _acc(a: str | Select, b: str | Select, direction: str = "greater", min_effect: float = 0.0) -> Paired:
-    """``a`` against ``b`` (methods, or selectors such as ``below("fsl_an", 3)``) on the final accuracy (%),
-    paired by seed, 95 % paired t: 3 to 10 seeds, too few for a percentile bootstrap."""
-    side = lambda m: cell(method=m) if isinstance(m, str) else m  # noqa: E731
-    return Paired("accuracy", side(a), side(b), direction, min_effect, unit="pp", no_pair=_diverged)
+    """``a`` against ``b`` (methods, or selectors such as ``cell(method="fsl_an") - 3``) on the final accuracy
+    (%), paired by seed, 95 % paired t: 3 to 10 seeds, too few for a percentile bootstrap."""
+    a, b = (cell(method=m) if isinstance(m, str) else m for m in (a, b))
+    return Paired("accuracy", a, b, direction, min_effect, unit="pp", no_pair=_diverged)
 
 
 def _diverged(r: dict[str, Any]) -> str | None:
     """Why a seed's record is no pair: its run diverged (no final accuracy, NaN), or None (``Paired.no_pair``)."""
     return None if math.isfinite(r["accuracy"]) else "diverged"
-
-
-def below(method: str, pp: float) -> Select:
-    """``method``'s accuracy per seed less ``pp`` points: a row above it is less than ``pp`` below ``method`` (a
-    one-sided "at most ``pp`` below")."""
-    return cell(method=method) - pp
 
 
 def _mismatches(table) -> int:
@@ -295,62 +259,49 @@ def _storage_diverged(p: Preset) -> bool:
     return any(r["storage_params"] is None or r["server_copies"] is None for r in p.storage)
 
 
-# C5's growth per added client, by the spec: (method, its label, the growth's name, its value from the parts'
-# parameter counts P_c, P_s, P_a); the spec's |w| is P_c + P_s and |a| is P_a (named so: a "|" splits a table cell)
-GROWTH = (
-    ("cse_fsl", "CSE-FSL", "P_c + P_a", lambda s: s["client_params"] + s["aux_params"]),
-    ("fsl_mc", "FSL_MC", "P_c + P_s", lambda s: s["client_params"] + s["server_params"]),
-    ("fsl_an", "FSL_AN", "P_c + P_s + P_a", lambda s: s["client_params"] + s["server_params"] + s["aux_params"]),
-)
+# C5's growth per added client by the spec, in the parts' parameter counts: the spec's |w| is P_c + P_s and |a|
+# is P_a (named so: a "|" splits a table cell)
+GROWTH = {"cse_fsl": "P_c + P_a", "fsl_mc": "P_c + P_s", "fsl_an": "P_c + P_s + P_a"}
+PARTS = {"P_c": "client_params", "P_s": "server_params", "P_a": "aux_params"}
 
 
 def _c5_records(table, p: Preset) -> list[dict[str, Any]]:
-    """What C5's rule reads: with a storage measurement (``p.storage``), CSE-FSL's server copies at each n, each
-    method's measured storage growth per added client between consecutive n, and CSE-FSL's storage over FSL_AN's
-    at ``STORAGE_N``; without one (a Table V alone, one n), the ratio on the table."""
+    """What C5's rule reads: the storage measurement's rows (``p.storage``) with their growth per added client,
+    and CSE-FSL's storage over FSL_AN's at ``STORAGE_N``; without a measurement (a Table V alone, one n), the
+    ratio on the table."""
     if not p.storage:
         return [{"quantity": "ratio", "ratio": _storage_ratio(table)}]
-    if _storage_diverged(p):  # C5 is untestable (``_c5_rule``): no growth from a run without a measurement
+    if _storage_diverged(p):  # C5 is untestable (``_c5_rule``)
         return []
-    at = {(r["method"], r["clients"]): r for r in p.storage}
-    ns = sorted({r["clients"] for r in p.storage})
-    out = [{"quantity": "copies", "clients": n, "server_copies": at["cse_fsl", n]["server_copies"]} for n in ns]
-    for m, *_ in GROWTH:
-        out += [
-            {"quantity": "growth", "method": m, "step": (a, b),
-             "growth": (at[m, b]["storage_params"] - at[m, a]["storage_params"]) / (b - a)}
-            for a, b in zip(ns, ns[1:])
-        ]  # fmt: skip
-    if STORAGE_N in ns:
-        out.append({"quantity": "ratio", "ratio": at["cse_fsl", STORAGE_N]["storage_params"]
-                    / at["fsl_an", STORAGE_N]["storage_params"]})  # fmt: skip
-    return out
+    growth = _growth(p.storage)
+    rows = [{**r, "growth": growth.get((r["method"], r["clients"]))} for r in p.storage]
+    at = {(r["method"], r["clients"]): r["storage_params"] for r in p.storage}
+    if STORAGE_N in (r["clients"] for r in p.storage):
+        rows.append({"quantity": "ratio", "ratio": at["cse_fsl", STORAGE_N] / at["fsl_an", STORAGE_N]})
+    return rows
 
 
-def _c5_rule(table, p: Preset) -> Threshold | All:
-    """The spec's C5 on the storage measurement: CSE-FSL one server-side model at every n; its storage grows by
-    exactly P_c + P_a per added client, FSL_MC's by |w| = P_c + P_s and FSL_AN's by |w| + |a| (every step
-    between consecutive n; the parameter counts are the runs' model's); and CSE-FSL's storage below 0.4×
-    FSL_AN's at n = 5 (``SHARED``). Without a storage measurement (a Table V alone, one n) only the ratio can be
-    judged: ``SHARED`` on the table, as before the measurement."""
+def _c5_rule(table, p: Preset) -> Threshold | All | Untestable:
+    """The spec's C5 on the storage measurement: CSE-FSL one server-side model at every n; between consecutive n
+    its storage grows by exactly P_c + P_a per added client, FSL_MC's by |w| = P_c + P_s and FSL_AN's by |w| + |a|
+    (the runs' model's counts); CSE-FSL's storage below 0.4× FSL_AN's at n = 5 (``SHARED``). A Table V alone
+    (one n) judges only that ratio."""
     if not p.storage:
-        return SHARED if _storage_ratio(table) is not None else NO_STORAGE
+        if _storage_ratio(table) is None:
+            return Untestable("no run of CSE-FSL or of FSL_AN completed: no storage to compare")
+        return SHARED
     if _storage_diverged(p):
-        return STORAGE_DIVERGED
+        return Untestable("a run of the storage measurement diverged: no storage measured there")
     sizes, ns = p.storage[0], sorted({r["clients"] for r in p.storage})
-    parts = [
-        (
-            f"CSE-FSL copies at n={n}:",
-            Threshold("server_copies", "==", 1, {"quantity": "copies", "clients": n}, digits=0),
-        )
-        for n in ns
-    ]
-    for m, label, name, grows in GROWTH:
-        parts += [
-            (f"{label} n={a}→{b}:", Threshold("growth", "==", grows(sizes), {"quantity": "growth", "method": m,
-             "step": (a, b)}, unit=f"params per client (= {name})", digits=0))
-            for a, b in zip(ns, ns[1:])
-        ]  # fmt: skip
+
+    def exact(metric: str, bound: int, method: str, n: int, unit: str = "") -> Threshold:  # a single run's value
+        return Threshold(metric, "==", bound, {"method": method, "clients": n}, unit=unit, digits=0)
+
+    parts = [(f"CSE-FSL copies at n={n}:", exact("server_copies", 1, "cse_fsl", n)) for n in ns]
+    for m, name in GROWTH.items():
+        grows = sum(sizes[PARTS[x]] for x in name.split(" + "))
+        unit = f"params per client (= {name})"
+        parts += [(f"{_label(m)} n={a}→{b}:", exact("growth", grows, m, b, unit)) for a, b in zip(ns, ns[1:])]
     return All([*parts, (f"n={STORAGE_N}:", SHARED)])
 
 
@@ -365,8 +316,10 @@ def _c5_text(table, p: Preset) -> str:
 
 
 def _c2_rule(table, p) -> All:
-    """Each CSE-FSL row of small h at most 3 pp below FSL_AN, paired by seed."""
-    return All((f"{x['method']} vs FSL_AN - 3 pp", _acc(x["method"], below("fsl_an", 3.0))) for x in _mid(table))
+    """Each CSE-FSL row of small h (1 < h <= 5; all of them when there are none) at most 3 pp below FSL_AN,
+    paired by seed."""
+    small = [t for t in _cse(table) if 1 < int(t["method"].split("h=")[1]) <= 5] or _cse(table)
+    return All((f"{x['method']} vs FSL_AN - 3 pp", _acc(x["method"], cell(method="fsl_an") - 3.0)) for x in small)
 
 
 def _c6_rule(table, p) -> Paired:
@@ -384,7 +337,7 @@ def _c7_rule(table, p):
         return Untestable("no run of FSL_OC, or none of FSL_MC and FSL_AN, completed: no means to compare")
     if oc >= max(best) - 1:
         return Untestable("FSL_OC is not more than 1 pp below FSL_MC/AN in the means: no problem to fix")
-    return All((("h=1 vs FSL_OC - 1 pp", _acc("cse_fsl h=1", below("fsl_oc", 1.0))),))
+    return All((("h=1 vs FSL_OC - 1 pp", _acc("cse_fsl h=1", cell(method="fsl_oc") - 1.0)),))
 
 
 def _c8_rule(table, p) -> Paired:
@@ -407,8 +360,8 @@ def _text(text: str) -> Callable[[Any, Preset], str]:
 
 def seeded(text: str, declared, noniid: bool = False) -> Claim:
     """A claim whose declared rule reads the per-seed final accuracies (``Preset.records``; untestable with fewer
-    than 2 seeds); a run that diverged is no pair (``_diverged``: its seed leaves the pairs); a ``noniid`` claim reads
-    none on an IID preset, so it is left out there."""
+    than 2 seeds; a diverged run's seed leaves the pairs); a ``noniid`` claim reads none on an IID preset, so it
+    is left out there."""
     records = lambda t, p: p.records if p.noniid or not noniid else []  # noqa: E731
 
     def rule(t, p) -> Untestable | Paired | All:
@@ -424,8 +377,6 @@ def _one(text: str, rule: Threshold | Untestable, value: Callable | None = None)
 
 NO_SEEDS = Untestable("the load to reach the target has no per-seed record (the table: its seed mean)")
 NO_PAIRS = Untestable("fewer than 2 seeds, no paired test")
-NO_STORAGE = Untestable("no run of CSE-FSL or of FSL_AN completed: no storage to compare")
-STORAGE_DIVERGED = Untestable("a run of the storage measurement diverged: no storage measured there")
 EXACT = Threshold("mismatches", "==", 0, digits=0, unit="methods off the closed form")
 SHARED = Threshold("ratio", "<", 0.4, {"quantity": "ratio"}, unit="× FSL_AN's storage")
 C8 = "C8 non-IID: CSE-FSL h={h} more than {gap:g} pp below FSL_MC (paper, h=5: 42.33 vs 61.17 %)"
@@ -445,26 +396,29 @@ CLAIMS = [
     seeded(C8, _c8_rule, noniid=True),
     seeded("C9 non-IID ordering of Table V: FSL_MC > FSL_AN > FSL_OC > CSE-FSL h={h}", _c9_rule, noniid=True),
 ]
-
-
 CLAIM_COLS = [Col("claim", attrgetter("claim")), Col("verdict (declared rule)", verdict_cell)]
 
 
 def claims_table(table: list[dict[str, Any]], p: Preset) -> str:
-    """The claims (spec §9.3) on Table V and its per-seed records (``p.records``), each with its declared rule's
-    verdict and interval: ``table.md``'s and the page's claim table."""
+    """The claims on Table V and its per-seed records (``p.records``), each with its declared rule's verdict and
+    interval: ``table.md``'s and the page's claim table."""
     return layout(CLAIM_COLS, judge(CLAIMS, table, p))
 
 
+# ---- the report: table.md, table.csv and the figures -------------------------------------------------------
 def markdown(table, p: Preset, scale: str, seeds: list[int], wall: float) -> str:
     """``table.md``: Table V and the claims as the page shows them, and the per-seed final accuracies the claims'
     rules read (``seed_records`` of this file: the page reads them from it too)."""
+    split, noniid = f"{p.clients} IID clients", ""
+    if p.noniid:
+        split = f"{p.clients} non-IID clients ({p.partition['shards_per_client']} label-sorted shards each)"
+        noniid = ", its non-IID column: 2 label-sorted shards per client"
     head = (
         f"# CSE-FSL reproduction (Table V / Fig. 9 style)\n\nScale `{scale}`, dataset `{p.dataset['name']}` "
-        f"({p.split_text}, B = {p.batch_size}, lr {p.lr}, {p.rounds} rounds, model `{p.model['name']}`), seeds "
+        f"({split}, B = {p.batch_size}, lr {p.lr}, {p.rounds} rounds, model `{p.model['name']}`), seeds "
         f"{seeds}, wall {wall:.0f} s.\nThe paper's columns are its CIFAR-10 Table V (5 clients, 200 epochs"
-        f"{NONIID_NOTE if p.noniid else ''}); accuracies are not comparable across datasets, the load *ratios* and "
-        "the storage structure are.\n\n"
+        f"{noniid}); accuracies are not comparable across datasets, the load *ratios* and the storage structure "
+        "are.\n\n"
     )
     listing = "Per-seed final accuracies (%):\n\n" + "".join(
         f"- {t['method']}: {', '.join(map(_seed_acc, t['accs']))}\n" for t in table
@@ -483,7 +437,7 @@ def plots(results: list[dict[str, Any]], out: Path) -> None:
     """Fig. 9a (accuracy against load), accuracy against rounds and against smashed uploads (Fig. 4), each the
     mean over the seeds that completed with a band (a diverged run's curve would cut the others short); the
     randomly ordered server dashed."""
-    curves = {k: [r["rows"] for r in rs if completed(r)] for k, rs in group(results, lambda r: r["key"]).items()}
+    curves = {k: [r["rows"] for r in rs if completed(r)] for k, rs in group(results, itemgetter("key")).items()}
     styles = {k: {"ls": "--"} for k in curves if "random" in k}
     common = {"y": "test_accuracy", "yscale": 100, "ylabel": "test accuracy (%), mean over seeds", "styles": styles}
     figures = {  # file -> x, its label, whether its axis is logarithmic, its scale
@@ -495,26 +449,20 @@ def plots(results: list[dict[str, Any]], out: Path) -> None:
         plot_curves(curves, out / f"{name}.png", x=x, xlabel=xlabel, logx=logx, xscale=xscale, **common)
 
 
-def _images(data: dict[str, Any]) -> None:
-    """The split models take images (C, H, W): a preset's dataset section (digits ``as_image``) of other samples
-    is one line naming --dataset before any run (before: the first run failed after the sweep had started, not
-    naming the flag)."""
-    from fedweave.registry import DATASETS
-
-    options = {k: v for k, v in data.items() if k != "name"}
-    if len(shape := DATASETS.get(data["name"])(**options).input_shape) != 3:
-        raise ConfigError(
-            f"--dataset: {data['name']!r} holds samples of shape {shape}, not images (C, H, W), which the split "
-            "models take; give an image dataset such as fashion_mnist, mnist, digits or cifar10"
-        )
-
-
 def plan(opts) -> Plan:
     """The preset of ``--scale`` / ``--dataset`` and its points; the context is the preset and the seeds."""
+    from fedweave.registry import DATASETS
+
     dataset = opts.dataset or ("cifar10" if opts.scale == "paper" else "fashion_mnist")
     known_datasets([dataset], "--dataset")
     p = preset(opts.scale, dataset)
-    _images(p.dataset)
+    # the split models take images (C, H, W): other samples are one line naming --dataset before any run
+    options = {k: v for k, v in p.dataset.items() if k != "name"}
+    if len(shape := DATASETS.get(p.dataset["name"])(**options).input_shape) != 3:
+        raise ConfigError(
+            f"--dataset: {p.dataset['name']!r} holds samples of shape {shape}, not images (C, H, W), which the split "
+            "models take; give an image dataset such as fashion_mnist, mnist, digits or cifar10"
+        )
     if opts.scale == "storage" and opts.seeds not in (None, 1):
         raise ConfigError(f"--seeds: the storage scale runs one seed (storage is deterministic); got {opts.seeds}")
     seeds = list(range(opts.seeds if opts.seeds is not None else p.seeds))
@@ -522,13 +470,16 @@ def plan(opts) -> Plan:
 
 
 def record(point: Point, res: Result, plan: Plan) -> dict[str, Any]:
-    """A run as a record: its rows with the split model's sizes and the clients' samples (the same for every
-    method at one data, model and seed: built once per those). A run that diverged before its first evaluation
-    has no rows: a record marked diverged, reported as such beside the others."""
+    """A run as a record: its rows with the split model's sizes and the clients' samples, rebuilt from its config
+    (a run read back from disk has no algorithm object) once per data, model and seed. A run that diverged before
+    its first evaluation has no rows: a record marked diverged, reported as such beside the others."""
+    from fedweave.algorithms.base import RunContext, build_algorithm
+
     c, facts = point.config, plan.context[2]
     key = json.dumps([c.dataset.to_dict(), c.partition.to_dict(), c.model.to_dict(), c.seed], sort_keys=True)
     if key not in facts:
-        facts[key] = split_facts(c)
+        algo = build_algorithm(RunContext(c))
+        facts[key] = algo.split_sizes, [len(part) for part in algo.ctx.partition]
     sizes, samples = facts[key]
     return {
         "key": dict(point.values)["key"],
@@ -554,9 +505,8 @@ def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Repo
     if opts.scale == "storage":
         return storage_report(results, p, wall)
     table = summarize(results, p)
-    md = markdown(table, p, opts.scale, seeds, wall)
     status = 0 if all(t["load_exact"] for t in table) else 1
-    files = {"table.md": md, "table.csv": Rows(table, CSV_COLUMNS)}
+    files = {"table.md": markdown(table, p, opts.scale, seeds, wall), "table.csv": Rows(table, CSV_COLUMNS)}
     return Report(files, "table.md", status, figures=lambda out: plots(results, out))
 
 
@@ -585,21 +535,21 @@ def storage_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-STORAGE_COLUMNS = ["method", "clients", "storage_params", "storage_formula", "server_copies", "copies_formula"]
-STORAGE_COLUMNS += ["client_params", "server_params", "aux_params"]
+def _growth(rows: list[dict[str, Any]]) -> dict[tuple[str, int], float]:
+    """Each method's measured storage growth per added client since its previous n, by (method, n); none beside
+    a run that diverged."""
+    growth = {}
+    for m, rs in group(sorted(rows, key=itemgetter("clients")), itemgetter("method")).items():
+        for q, r in zip(rs, rs[1:]):
+            if None not in (q["storage_params"], r["storage_params"]):
+                growth[m, r["clients"]] = (r["storage_params"] - q["storage_params"]) / (r["clients"] - q["clients"])
+    return growth
 
 
 def storage_table(rows: list[dict[str, Any]]) -> str:
     """The storage measurement as the page shows it: per method and n, the measured storage and copies beside
-    the closed forms, and the growth per added client since the previous n (none beside a run that diverged)."""
-    prev: dict[str, dict[str, Any]] = {}
-    growth = {}
-    for r in sorted(rows, key=itemgetter("clients")):
-        if (q := prev.get(r["method"])) is not None and None not in (q["storage_params"], r["storage_params"]):
-            growth[r["method"], r["clients"]] = (r["storage_params"] - q["storage_params"]) / (
-                r["clients"] - q["clients"]
-            )
-        prev[r["method"]] = r
+    the closed forms, and the growth per added client since the previous n."""
+    growth = _growth(rows)
     cols = [
         Col("method", lambda r: _label(r["method"])),
         Col("n", "clients"),
@@ -615,8 +565,7 @@ def storage_table(rows: list[dict[str, Any]]) -> str:
 def storage_report(results: list[dict[str, Any]], p: Preset, wall: float) -> Report:
     """The storage measurement (``storage.md``, ``storage.csv``) and C5 judged on it; exit 1 when a measured
     storage or copy count is not its closed form (a run that diverged measured none: C5 is untestable)."""
-    rows = storage_rows(results)
-    p.storage = rows
+    rows = p.storage = storage_rows(results)
     s = rows[0]
     head = (
         f"# CSE-FSL server storage at several n (claim C5)\n\nScale `storage`, dataset `{p.dataset['name']}` "
@@ -632,32 +581,37 @@ def storage_report(results: list[dict[str, Any]], p: Preset, wall: float) -> Rep
         for r in rows
         if r["storage_params"] is not None
     )
-    return Report({"storage.md": md, "storage.csv": Rows(rows, STORAGE_COLUMNS)}, "storage.md", 0 if ok else 1)
+    return Report({"storage.md": md, "storage.csv": Rows(rows)}, "storage.md", 0 if ok else 1)
 
 
-# the committed storage measurement of each dataset's model (``--scale storage``), which C5 reads on the page
-STORAGE_FILE = "storage-{}.csv"
-
-# the page's generated claim tables: (block, the committed Table V beside the page, its scale and dataset)
-PAGE_TABLES = (
-    ("claims-fashion_mnist", "table-fashion_mnist.csv", "small", "fashion_mnist"),
-    ("claims-fashion_mnist-noniid", "table-fashion_mnist-noniid.csv", "noniid", "fashion_mnist"),
-    ("claims-digits", "table-digits.csv", "small", "digits"),
-)
+# ---- the page's generated sections -------------------------------------------------------------------------
+# the committed Tables V beside the page, ``table-<name>.csv`` and ``.md``: (name, its scale and dataset), each
+# judged with the storage measurement of its dataset's model (``storage-<dataset>.csv``, ``--scale storage``)
+PAGE_TABLES = (("fashion_mnist", "small", "fashion_mnist"), ("fashion_mnist-noniid", "noniid", "fashion_mnist"))
+PAGE_TABLES += (("digits", "small", "digits"),)
 
 
 def sections(folder: Path) -> dict[str, str]:
-    """docs/reproductions/cse-fsl.md's generated claim tables: the claims judged again on each committed
-    Table V (``table-*.csv``) with its preset."""
-    out = {}
-    for block, f, scale, dataset in PAGE_TABLES:
-        table, p = read_csv(folder / f), preset(scale, dataset)
-        p.records = seed_records((folder / f).with_suffix(".md").read_text(encoding="utf-8"))
-        p.storage = read_csv(folder / STORAGE_FILE.format(dataset))
-        out |= {block: claims_table(table, p), block.replace("claims", "table"): page_table(table, p)}
-    for dataset in dict.fromkeys(d for *_, d in PAGE_TABLES):
-        out[f"storage-{dataset}"] = storage_table(read_csv(folder / STORAGE_FILE.format(dataset)))
-    return out | prose_sections(folder)
+    """docs/reproductions/cse-fsl.md's generated sections: the closed forms of §1 and the readings of the
+    committed tables that the prose states; each storage measurement; and per committed Table V, the claims
+    judged again with its preset, the page's Table V and the wall time its file states."""
+    out = {
+        "models": models_section(),
+        "table-v": table_v_section(),
+        "digits-bytes": digits_bytes_section(),
+        "h1-vs-an": h1_vs_an_section(folder),
+        "noniid-gaps": gaps_section(folder),
+    }
+    storage = {d: read_csv(folder / f"storage-{d}.csv") for *_, d in PAGE_TABLES}
+    out |= {f"storage-{d}": storage_table(rows) for d, rows in storage.items()}
+    for name, scale, dataset in PAGE_TABLES:
+        table, p = read_csv(folder / f"table-{name}.csv"), preset(scale, dataset)
+        p.records = seed_records((folder / f"table-{name}.md").read_text(encoding="utf-8"))
+        p.storage = storage[dataset]
+        out[f"claims-{name}"] = claims_table(table, p)
+        out[f"table-{name}"] = page_table(table, p)
+        out[f"wall-{name}"] = wall_section(folder, f"table-{name}.md")
+    return out
 
 
 def _label(method: str) -> str:
@@ -679,36 +633,28 @@ def _acc_cell(t: dict[str, Any], seeds: list[dict[str, Any]]) -> str:
     return f"{t['accuracy']:.2f}" + (f" ({bad}/{len(seeds)} diverged)" if bad else "")
 
 
-def _v5(per: dict[str, list[dict[str, Any]]]) -> list[Col]:
-    """The page's Table V's first columns, of every table of it: the method and its accuracy (mean, std) over
-    the seeds that completed, its per-seed records ``per`` counting those that diverged."""
-    return [
-        Col("method", lambda t: _label(t["method"])),
-        Col("acc (%)", lambda t: _acc_cell(t, per.get(t["method"], []))),
-        Col("± std", "accuracy_std", ".2f"),
-    ]
-
-
-LOAD = Col("load / FSL_MC", "load_ratio", ".3f")  # the load's column; None (—) where no run completed
-
-
 def page_table(table: list[dict[str, Any]], p: Preset) -> str:
     """The page's Table V of one committed ``table-*.csv``: accuracy (mean, std), load and storage with the
     paper's CIFAR-10 numbers (the non-IID column: accuracy per seed and the paper's non-IID accuracy); a run that
     diverged is counted beside the accuracy, and a load or storage of a method none of whose runs completed is —."""
-    per = group(p.records, lambda r: r["method"])
+    per = group(p.records, itemgetter("method"))
+    cols = [
+        Col("method", lambda t: _label(t["method"])),
+        Col("acc (%)", lambda t: _acc_cell(t, per.get(t["method"], []))),
+        Col("± std", "accuracy_std", ".2f"),
+    ]
+    load = Col("load / FSL_MC", "load_ratio", ".3f")
     if p.noniid:
         seeds = Col("per seed", lambda t: ", ".join(_seed_acc(r["accuracy"]) for r in per.get(t["method"], [])))
-        return layout([*_v5(per), seeds, LOAD, Col("paper non-IID acc (%)", "paper_acc", ".2f")], table)
+        return layout([*cols, seeds, load, Col("paper non-IID acc (%)", "paper_acc", ".2f")], table)
     digits = p.dataset["name"] == "digits"
-    cols = [
-        *_v5(per),
+    cols += [
         Col("load (GiB)", "load_gib", ".4f"),
-        LOAD,
+        load,
         Col("storage (M)" if digits else "storage (M params)", "storage_m", ".4f"),
+        Col("copies" if digits else "server copies", "server_copies"),
+        Col(f"load to reach {100 * p.target:.0f} % (MiB)", _mib, ".1f"),
     ]
-    cols.append(Col("copies" if digits else "server copies", "server_copies"))
-    cols.append(Col(f"load to reach {100 * p.target:.0f} % (MiB)", _mib, ".1f"))
     if not digits:
         cols += [Col("paper CIFAR acc", "paper_acc", ".2f"), Col("paper load / FSL_MC", "paper_load_ratio", ".3f")]
         cols.append(Col("paper storage (M)", "paper_storage", ".2f"))
@@ -724,7 +670,6 @@ PAPER_MODELS = (
 )
 DIGITS_MODEL = ("split_small", (1, 8, 8), 10)  # spec §9.3's digits-mini
 DIGITS_TRAIN = 1400  # spec §9.3: the digits preset's training images (the rest of the 1,797 are its test set)
-TABLE_V_CSE = {"cifar10": (5, 10, 25, 50), "femnist": (2, 4, 5)}  # Table V's CSE-FSL columns, by h
 
 
 def _sizes(name: str, shape: tuple[int, ...], classes: int, **options: Any) -> SplitSizes:
@@ -758,13 +703,12 @@ def table_v_section() -> str:
 
     out = []
     for dataset, name in (("cifar10", "CIFAR-10"), ("femnist", "F-EMNIST")):
-        keys = ["fsl_mc", "fsl_oc", "fsl_an"] + [f"cse_fsl h={h}" for h in TABLE_V_CSE[dataset]]
-        paper = PAPER_TABLE_V[dataset]
-        computed = [table_v_row(dataset, k) for k in keys]
-        hs = [f"h={h}" for h in TABLE_V_CSE[dataset]]
-        lines = ["| | FSL_MC | FSL_OC | FSL_AN | CSE " + " | ".join(hs) + " |", "|" + "---|" * (len(keys) + 1)]
+        paper = PAPER_TABLE_V[dataset]  # its keys: the three baselines, then CSE-FSL by h
+        computed = [table_v_row(dataset, k) for k in paper]
+        hs = [k.removeprefix("cse_fsl ") for k in list(paper)[3:]]
+        lines = ["| | FSL_MC | FSL_OC | FSL_AN | CSE " + " | ".join(hs) + " |", "|" + "---|" * (len(paper) + 1)]
         for i, what in ((0, "load (GiB)"), (1, "storage (M)")):
-            mine, theirs = [c[i] for c in computed], [paper[k][2 + i] for k in keys]
+            mine, theirs = [c[i] for c in computed], [v[2 + i] for v in paper.values()]
             if [round(x, 2) for x in mine] == theirs:
                 lines.append(_v_row(f"{name} {what}, computed = paper", mine))
             else:
@@ -846,19 +790,6 @@ def wall_section(folder: Path, f: str) -> str:
     from an earlier invocation count nothing)."""
     wall = int(stated(folder / f, r"wall (\d+) s\.")[0])
     return paragraph(f"Wall time of the invocation that wrote `cse-fsl/{f}`: {wall:,} s ({wall / 60:.0f} min).")
-
-
-def prose_sections(folder: Path) -> dict[str, str]:
-    """The page's generated numbers outside its tables of results: the closed forms of §1 and the readings of
-    the committed tables that the prose states."""
-    return {
-        "models": models_section(),
-        "table-v": table_v_section(),
-        "digits-bytes": digits_bytes_section(),
-        "h1-vs-an": h1_vs_an_section(folder),
-        "noniid-gaps": gaps_section(folder),
-        **{b.replace("claims", "wall"): wall_section(folder, f.replace(".csv", ".md")) for b, f, *_ in PAGE_TABLES},
-    }
 
 
 STUDY = Study(
