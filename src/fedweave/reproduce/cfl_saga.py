@@ -30,6 +30,7 @@ from fedweave.experiments.study import (
     Rows,
     Study,
     Verdict,
+    judge,
     load_records,
     not_run,
     option,
@@ -70,11 +71,10 @@ def job(problem, topo, method, algo, options, seed, kmax, stop=1e-8, data=PAPER_
 
 
 def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any]:
-    """A run's row: iterations and uploads at each target, the tail fit, the costs per iteration, and its
-    per-iteration trace (``_curve``: opg, uploads, wall seconds) where the plots need it. A diverged run's row
-    says so (``status: diverged``; a completed run's has no ``status``, the committed records' layout) and has
-    no final opg or accuracy (NaN), no costs per iteration and no target reached (None): its partial trace is no
-    run to the target, so it enters no median and no claim's pairs (``_diverged``)."""
+    """A run's row: iterations and uploads to each target, the tail fit, the costs per iteration and, for the
+    plots, its trace (``_curve``: opg, uploads, wall seconds). A diverged run's row has ``status: diverged`` (a
+    completed run's none: the committed records' layout), NaN final opg and accuracy and None for ``PARTIAL``:
+    its partial trace enters no median and no claim's pairs (``_diverged``)."""
     trace = read_csv(Path(res.run_dir) / "trace.csv")
     gaps = [float(t["opt_gap"]) for t in trace]
     ups = [int(t["uploads"] or 0) for t in trace]  # the initial model: no upload yet
@@ -110,8 +110,8 @@ def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any
 
 
 # a diverged run's fields that its partial trace would make look like a finished run's (None in its row)
-PARTIAL = (PER_IT, "upload_fraction", "ms_per_iteration_wall", CPU, "tail_slope", "tail_r2")
-PARTIAL += tuple(f"{w}_{t:.0e}" for t in TARGETS for w in ("iters", "uploads"))
+TO_TARGET = tuple(f"{w}_{t:.0e}" for t in TARGETS for w in ("iters", "uploads"))
+PARTIAL = (PER_IT, "upload_fraction", "ms_per_iteration_wall", CPU, "tail_slope", "tail_r2", *TO_TARGET)
 
 
 def _diverged(r: dict) -> bool:
@@ -144,30 +144,35 @@ KMAX = {"cfl_saga": 8000, "gt_saga": 10_000, "gt_svrg": 5000, "gt_sarah": 5000, 
 SMOKE_KMAX = {"cfl_saga": 500, "gt_saga": 500, "gt_svrg": 500, "gt_sarah": 500, "cfl_admm": 100}
 
 
+def saga_runs(rhos, rates, k_cfl: int, k_gt: int) -> list[tuple[str, str, dict[str, Any], int]]:
+    """(method, algorithm, options, kmax) of CFL-SAGA per rho and GT-SAGA per sampling rate; SR 0.05 needs ~4.5k
+    iterations to 1e-8, so it runs three times ``k_gt``."""
+    runs = [(f"CFL-SAGA rho={r:g}", "cfl_saga", {"rho": r}, k_cfl) for r in rhos]
+    return runs + [(f"GT-SAGA SR={r:g}", "gt_saga", {"sample_rate": r}, k_gt * (3 if r <= 0.05 else 1)) for r in rates]
+
+
 def synthetic_jobs(scale: str, seeds: list[int]) -> list[Point]:
-    """The synthetic problem's runs at ``scale`` (``GRIDS``); the first seed's keep their traces."""
+    """The synthetic problem's runs at ``scale`` (``GRIDS``): CFL-SAGA and GT-SAGA on every graph, the other
+    baselines on the random one; the first seed's keep their traces."""
     topologies, rhos, rates, inner, stop = GRIDS[scale]
     data, system, kmax = (SMOKE_DATA, SMOKE_SYSTEM, SMOKE_KMAX) if scale == "smoke" else (PAPER_DATA, {}, KMAX)
-
-    def run(seed: int, topo: str, method: str, algo: str, options: dict[str, Any], k: int | None = None) -> Point:
-        k = k or kmax[algo]
-        return job("synthetic", topo, method, algo, options, seed, k, stop, data, system, seed == seeds[0])
-
-    jobs = []
-    for seed in seeds:
-        for topo in topologies:
-            jobs += [run(seed, topo, f"CFL-SAGA rho={r:g}", "cfl_saga", {"rho": r}) for r in rhos]
-            for sr in rates:  # SR 0.05 needs ~4.5k iterations to 1e-8
-                k = kmax["gt_saga"] * (3 if sr <= 0.05 else 1)
-                jobs.append(run(seed, topo, f"GT-SAGA SR={sr:g}", "gt_saga", {"sample_rate": sr}, k))
-        for t in inner:
-            for name, algo in (("GT-SVRG", "gt_svrg"), ("GT-SARAH", "gt_sarah")):
-                jobs.append(run(seed, "random", f"{name} SR=0.15 T={t}", algo, {"sample_rate": 0.15, "inner_loop": t}))
-        admm = "CFL-ADMM (reconstructed{}) SR=0.3"
-        jobs.append(run(seed, "random", admm.format(""), "cfl_admm", {"sample_rate": 0.3}))
-        exact = {"sample_rate": 0.3, "local_gradient": "full", "beta_scale": 2.0}
-        jobs.append(run(seed, "random", admm.format(", exact local gradients"), "cfl_admm", exact))
-    return jobs
+    exact = {"sample_rate": 0.3, "local_gradient": "full", "beta_scale": 2.0}
+    baselines = [
+        (f"{name} SR=0.15 T={t}", algo, {"sample_rate": 0.15, "inner_loop": t}, kmax[algo])
+        for t in inner
+        for name, algo in (("GT-SVRG", "gt_svrg"), ("GT-SARAH", "gt_sarah"))
+    ]
+    baselines += [
+        ("CFL-ADMM (reconstructed) SR=0.3", "cfl_admm", {"sample_rate": 0.3}, kmax["cfl_admm"]),
+        ("CFL-ADMM (reconstructed, exact local gradients) SR=0.3", "cfl_admm", exact, kmax["cfl_admm"]),
+    ]
+    saga = saga_runs(rhos, rates, kmax["cfl_saga"], kmax["gt_saga"])
+    runs = [(topo, run) for topo in topologies for run in saga] + [("random", run) for run in baselines]
+    return [
+        job("synthetic", topo, method, algo, opts, seed, k, stop, data, system, seed == seeds[0])
+        for seed in seeds
+        for topo, (method, algo, opts, k) in runs
+    ]
 
 
 REAL_SYSTEM = {"num_servers": 20, "users_per_server": 20, "batch_size": 5}
@@ -187,36 +192,31 @@ REAL_RHOS = (0.0, 1e2, 1e4, 1e6, 1e8)
 
 def real_jobs(seed: int) -> list[Point]:
     """The real problems' runs on the random graph, one seed, at ``REAL_STEP_SCALE``."""
-    jobs = []
-    for tag, (data, system) in REAL.items():
-        runs = [(f"CFL-SAGA rho={rho:g}", "cfl_saga", {"rho": rho}, 4000) for rho in REAL_RHOS]
-        runs += [(f"GT-SAGA SR={r:g}", "gt_saga", {"sample_rate": r}, 12_000 if r <= 0.05 else 4000) for r in RATES]
-        for method, algo, opts, k in runs:
-            opts = {**opts, "step_scale": REAL_STEP_SCALE}
-            jobs.append(job(tag, "random", method, algo, opts, seed, k, data=data, system=system))
-    return jobs
+    return [
+        job(tag, "random", method, algo, {**opts, "step_scale": REAL_STEP_SCALE}, seed, k, data=data, system=system)
+        for tag, (data, system) in REAL.items()
+        for method, algo, opts, k in saga_runs(REAL_RHOS, RATES, 4000, 4000)
+    ]
 
 
-ALPHA_GRID = (0.02, 0.05, 0.1, 0.2)  # alpha = scale / L_f (spec A5)
-ALPHA_METHODS = (
-    ("CFL-SAGA rho=1e+05", "cfl_saga", {"rho": 1e5}),
-    ("CFL-SAGA rho=1e+06", "cfl_saga", {"rho": 1e6}),
-    ("GT-SAGA SR=0.05", "gt_saga", {"sample_rate": 0.05}),
-    ("GT-SAGA SR=0.25", "gt_saga", {"sample_rate": 0.25}),
-    ("GT-SAGA SR=0.45", "gt_saga", {"sample_rate": 0.45}),
-    ("GT-SVRG SR=0.15 T=100", "gt_svrg", {"sample_rate": 0.15, "inner_loop": 100}),
+ALPHA, ALPHA_GRID = "synthetic, alpha grid", (0.02, 0.05, 0.1, 0.2)  # alpha = scale / L_f (spec A5)
+ALPHA_RUNS = (  # (method, algorithm, options, kmax), as saga_runs
+    ("CFL-SAGA rho=1e+05", "cfl_saga", {"rho": 1e5}, 10_000),
+    ("CFL-SAGA rho=1e+06", "cfl_saga", {"rho": 1e6}, 10_000),
+    ("GT-SAGA SR=0.05", "gt_saga", {"sample_rate": 0.05}, 30_000),
+    ("GT-SAGA SR=0.25", "gt_saga", {"sample_rate": 0.25}, 10_000),
+    ("GT-SAGA SR=0.45", "gt_saga", {"sample_rate": 0.45}, 10_000),
+    ("GT-SVRG SR=0.15 T=100", "gt_svrg", {"sample_rate": 0.15, "inner_loop": 100}, 10_000),
 )
 
 
 def alpha_jobs(seed: int) -> list[Point]:
     """The spec's step-size grid on the random graph: does the reduction survive tuning alpha per method?"""
-    jobs = []
-    for a in ALPHA_GRID:
-        for name, algo, opts in ALPHA_METHODS:
-            k = 30_000 if algo == "gt_saga" and opts["sample_rate"] <= 0.05 else 10_000
-            method, opts = f"{name} alpha={a:g}/L_f", {**opts, "step_scale": a}
-            jobs.append(job("synthetic, alpha grid", "random", method, algo, opts, seed, k, curve=False))
-    return jobs
+    return [
+        job(ALPHA, "random", f"{name} alpha={a:g}/L_f", algo, {**opts, "step_scale": a}, seed, k, curve=False)
+        for a in ALPHA_GRID
+        for name, algo, opts, k in ALPHA_RUNS
+    ]
 
 
 # ---- the seeds' medians --------------------------------------------------------------------------------
@@ -228,22 +228,19 @@ def _over_finished(stat):
     return lambda rs: stat([r for r in rs if not _diverged(r)])
 
 
-# per (problem, topology, method), medians over the seeds that finished; a target counts only if every one of
-# them reached it; how many diverged, where any did
+# per (problem, topology, method), medians over the seeds that finished (a target counts only if every one of
+# them reached it), the IQR of the uploads to each target, and how many diverged
 CELL = {"seeds": len, **{k: _over_finished(median_of(k)) for k in MEDIANS}}
 for _t in (f"{t:.0e}" for t in TARGETS):
-    CELL |= {
-        f"iters_{_t}": _over_finished(median_of(f"iters_{_t}")),
-        f"uploads_{_t}": _over_finished(median_of(f"uploads_{_t}")),
-    }
+    CELL[f"iters_{_t}"] = _over_finished(median_of(f"iters_{_t}"))
+    CELL[f"uploads_{_t}"] = _over_finished(median_of(f"uploads_{_t}"))
     CELL[f"uploads_{_t}_iqr"] = _over_finished(iqr_of(f"uploads_{_t}"))
 CELL["diverged"] = lambda rs: sum(map(_diverged, rs))
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
-    """Median over the seeds that finished per (problem, topology, method) (``CELL``), the IQR of the uploads to
-    each target, and ``diverged``, how many of its runs diverged, only in a cell where any did (the committed
-    summary.csv files, of runs none of which diverged, keep their columns)."""
+    """``CELL`` per (problem, topology, method); ``diverged`` only in a cell where any run did (the committed
+    summary.csv files, none of whose runs diverged, keep their columns)."""
     aggs = per_cell(rows, ("problem", "topology", "method"), CELL)
     return [a if a["diverged"] else {k: v for k, v in a.items() if k != "diverged"} for a in aggs]
 
@@ -397,8 +394,8 @@ def _short_of(a: dict) -> str:
     return f"{a['method']}: opg {a['final_opt_gap']:.1e} after {a['iterations']:.0f} it"
 
 
-def _ms(v: float | None) -> str:
-    return "–" if v is None else f"{v:.2f}"  # None: every run of the cell diverged
+def _num(v: float | None, spec: str = ".2f") -> str:
+    return "–" if v is None else format(v, spec)  # None: not reached, or every run of the cell diverged
 
 
 def _c7(method, on):
@@ -406,14 +403,13 @@ def _c7(method, on):
         return None
     ms = statistics.median(got) if (got := [c[CPU] for c in cfl if c[CPU] is not None]) else None
     ref = median(*(cell(method=c["method"]) for c in cfl))  # per seed, the median over the CFL-SAGA settings
-    return f"{_ms(a[CPU])} vs {_ms(ms)} ms CPU per iteration", _pair(CPU, method, ref, "less", unit="ms")
+    return f"{_num(a[CPU])} vs {_num(ms)} ms CPU per iteration", _pair(CPU, method, ref, "less", unit="ms")
 
 
 def _claim(topo: str, arg: str, text: str, paper: str, judge_on) -> Claim:
     """The claim ``text`` (``{}``: ``arg``) on the synthetic problem's graph ``topo``: ``judge_on(arg, medians)``
-    gives what was measured and the declared rule, which reads that graph's per-seed runs, each with ``log_up``,
-    log10 of its uploads to 1e-8 (its rule pairs the runs that finished with a value, ``_pair``); what was
-    measured names the diverged runs of the methods the rule compares (none of them is paired)."""
+    gives what was measured and the declared rule, which reads that graph's per-seed runs with ``log_up`` (log10
+    of the uploads to 1e-8); what was measured names the compared methods' diverged runs (none is paired)."""
 
     def runs(aggs, raw):
         return [{**r, "log_up": math.log10(r[DEEP]) if r.get(DEEP) else None} for r in _on(topo, raw)]
@@ -462,13 +458,12 @@ CLAIM_COLUMNS = ["claim", "paper", "measured", "verdict"]
 def claims(aggs: list[dict], raw: list[dict] | None) -> list[tuple[str, str, str, str]]:
     """(claim, paper statement, measured on the medians ``aggs``, the declared rule's verdict with its interval on
     the per-seed ``raw``) of every claim the medians can test; untestable without two seeds' records."""
-    seeds = {r["seed"] for r in raw or []}
-    why = "" if len(seeds) > 1 else "one seed (a paired test needs two)" if raw else NO_SEEDS
+    if not raw:
+        why = "no per-seed records (summary.csv holds medians over the seeds)"
+    else:
+        why = "" if len({r["seed"] for r in raw}) > 1 else "one seed (a paired test needs two)"
     rules = [replace(c, declared=Untestable(why), records=None) if why else c for c in claim_list(aggs)]
     return [(v.claim, c.paper, v.measured, v.interval) for c in rules if (v := c.verdict(aggs, raw))]
-
-
-NO_SEEDS = "no per-seed records (summary.csv holds medians over the seeds)"
 
 
 # ---- the page's two readings of the claims in words, the small preset's and the paper scale's. In a row, {KEY} of
@@ -591,19 +586,13 @@ def problem_table(aggs: list[dict], problem: str) -> str:
                 label, first_full = label + " (full upload)", False
             if a.get("diverged"):  # its medians are the other seeds'
                 label += f" ({a['diverged']}/{a['seeds']} diverged)"
-            counts = [
-                "–" if (v := a[f"{w}_{t:.0e}"]) is None else f"{v:{',' if w == 'uploads' else ''}.0f}"
-                for t in TARGETS
-                for w in ("iters", "uploads")
-            ]
+            counts = [_num(a[k], ",.0f" if k.startswith("uploads") else ".0f") for k in TO_TARGET]
             red = f"{best_g[DEEP] / a[DEEP]:.1f}×" if best_g and a.get(DEEP) else ""
             if a is best_c:
                 counts[-1], red = f"**{counts[-1]}**", f"**{red}**" if red else ""  # no GT-SAGA ran: no reduction
-            if (up := a[PER_IT]) is None:  # every run diverged
-                up = "–"
-            else:
-                up = f"{up:.0f}" if up == int(up) and up >= 100 else f"{up:.1f}"
-            body.append([topo, label, *counts, red, up, _ms(a[CPU])])
+            up = a[PER_IT]
+            up = _num(up, ".0f" if up is not None and up == int(up) and up >= 100 else ".1f")
+            body.append([topo, label, *counts, red, up, _num(a[CPU])])
     header = ["topology", "method", *(f"{w} → {t}" for t in ("1e-4", "1e-6", "1e-8") for w in ("it", "uploads"))]
     return markdown_table([*header, "reduction", "uploads/it", "ms/it"], body)
 
@@ -620,7 +609,7 @@ def real_section(aggs: list[dict]) -> str:
 def alpha_section(aggs: list[dict]) -> str:
     """The step-size grid (the ``synthetic, alpha grid`` rows): per method and alpha, iterations / uploads to
     1e-8, each method's fewest uploads in bold; CFL-SAGA first; "" where the grid did not run."""
-    rows = [(*a["method"].rsplit(" alpha=", 1), a) for a in aggs if a["problem"] == "synthetic, alpha grid"]
+    rows = [(*a["method"].rsplit(" alpha=", 1), a) for a in aggs if a["problem"] == ALPHA]
     alphas, body = list(dict.fromkeys(alpha for _, alpha, _ in rows)), []
     by = group(rows, lambda r: r[0])
     for method in sorted(by, key=lambda m: not m.startswith("CFL-SAGA")):  # stable: the others in order
@@ -649,32 +638,31 @@ def x_star_section(raw: list[dict]) -> str:
     return table + f"\nRuns that reached 1e-8 without the test accuracy of x\\*: {runs}.\n"
 
 
-def claims_table(aggs: list[dict], raw: list[dict] | None) -> str:
-    """The claims' table (``claims``)."""
-    return markdown_table(CLAIM_COLUMNS, claims(aggs, raw))
-
-
 # ---- the page's blocks: the small preset's sections, the paper scale's claims and checks -----------------
 def sections(folder: Path) -> dict[str, str]:
     """docs/reproductions/cfl-saga.md's generated sections, from the committed small (``summary.csv``) and paper
     scale (``paper/summary.csv``, ``paper/raw.json``) records: the claims judged again, the tables and checks."""
     small, paper = read_csv(folder / "summary.csv"), read_csv(folder / "paper" / "summary.csv")
     raw = json.loads((folder / "paper" / "raw.json").read_text(encoding="utf-8"))
-    out = {"claims-paper": claims_table(paper, raw), "synthetic": problem_table(small, "synthetic")}
-    out |= {"real": real_section(small), "pilot": pilot_section(small), "alpha": alpha_section(small)}
-    out |= {
+    sigma = {r["topology"]: r["sigma"] for r in _synthetic(raw)}  # sigma = ||W - 11^T/N||_2 as the runs record it
+    seeds = len({r["seed"] for r in _synthetic(raw)})
+    return {
+        "claims-paper": markdown_table(CLAIM_COLUMNS, claims(paper, raw)),
+        "synthetic": problem_table(small, "synthetic"),
+        "real": real_section(small),
+        "pilot": pilot_section(small),
+        "alpha": alpha_section(small),
         "alpha-ratios": alpha_ratios(small),
         "runs": runs_section(folder),
         "runs-paper": runs_section(folder / "paper"),
+        **readings((small, paper), judge(claim_list(paper), paper, raw), seeds),
+        "graphs": "  " + ", ".join(f"{topo} {sigma[topo]:.3f}" for topo in GRAPHS) + ".\n  ",  # in a list item
+        "runtime": runtime_section(paper),
+        "x-star": x_star_section(raw),
     }
-    judged = [v for c in claim_list(paper) if (v := c.verdict(paper, raw))]
-    out |= readings((small, paper), judged, len({r["seed"] for r in _synthetic(raw)}))
-    sigma = {r["topology"]: r["sigma"] for r in _synthetic(raw)}  # sigma = ||W - 11^T/N||_2 as the runs record it
-    out["graphs"] = "  " + ", ".join(f"{topo} {sigma[topo]:.3f}" for topo in GRAPHS) + ".\n  "  # in a list item
-    return out | {"runtime": runtime_section(paper), "x-star": x_star_section(raw)}
 
 
-PARTS = {"synthetic": "synthetic", "real": "on the real data sets", "synthetic, alpha grid": "of the step-size grid"}
+PARTS = {"synthetic": "synthetic", "real": "on the real data sets", ALPHA: "of the step-size grid"}
 
 
 def runs_section(folder: Path) -> str:
@@ -699,7 +687,7 @@ def runs_section(folder: Path) -> str:
 def alpha_ratios(aggs: list[dict]) -> str:
     """The step-size grid's best CFL-SAGA against the best GT-SAGA and GT-SVRG (each over its alphas), beside
     the reduction at the fixed alpha (the random graph's best GT-SAGA over its best CFL-SAGA)."""
-    grid, fixed = [a for a in aggs if a["problem"] == "synthetic, alpha grid"], _on("random", aggs)
+    grid, fixed = [a for a in aggs if a["problem"] == ALPHA], _on("random", aggs)
     cfl, gt, svrg = (_best(grid, m) for m in ("CFL-SAGA", "GT-SAGA", "GT-SVRG"))
     was = _best(fixed, "GT-SAGA")[DEEP] / _best(fixed, "CFL-SAGA")[DEEP]
     return (
@@ -826,7 +814,7 @@ def summary_md(aggs: list[dict], raw: list[dict] | None, meta: dict) -> str:
         "real data (one seed, random graph)": real_section(aggs),
         "step-size grid (one seed, random graph)": alpha_section(aggs),
         "test accuracy of x*": x_star_section(raw or []),
-        "The paper's claims (synthetic problem)": claims_table(aggs, raw),
+        "The paper's claims (synthetic problem)": markdown_table(CLAIM_COLUMNS, claims(aggs, raw)),
     }
     return "\n".join(md + [f"## {title}\n\n{text}" for title, text in parts.items() if text])
 
@@ -852,7 +840,7 @@ def study_plan(opts) -> Plan:
     if opts.part != "all" and (out / "raw.json").is_file():
         meta = json.loads((out / "meta.json").read_text())
         meta["runs"] = [r for r in meta["runs"] if r["part"] != opts.part]
-        part_of = {"synthetic": "synthetic", "synthetic, alpha grid": "alpha"}
+        part_of = {"synthetic": "synthetic", ALPHA: "alpha"}
         kept = [r for r in load_raw(out) if part_of.get(r["problem"], "real") != opts.part]
     # heaviest first; the problem of a seed is solved once per worker
     jobs.sort(key=lambda p: (dict(p.values)["problem"] != "synthetic", p.seed, -p.config.rounds))
@@ -870,13 +858,11 @@ def _statuses(rows: list[dict]) -> list[dict]:
 def report(rows: list[dict], plan: Plan, opts, wall: float) -> Report:
     """raw.json, meta.json and the report (tables, claims, figures); ``--report-only``: the report from them."""
     out, (kept, meta) = Path(opts.out), plan.context
-    if opts.report_only:
-        rows, files = _statuses(load_raw(out)), {}
-    else:
-        rows = _statuses(kept + rows)
+    rows, files = _statuses(load_raw(out) if opts.report_only else kept + rows), {}
+    if not opts.report_only:
         save_records(out / "raw.json", out / "curves.npz", rows, "_curve", "gus")  # what --report-only reads
         meta["runs"].append({"part": opts.part, "argv": opts.argv, "wall_seconds": wall, "workers": opts.workers})
-        files = {"meta.json": Json(meta, indent=None, end="\n")}
+        files["meta.json"] = Json(meta, indent=None, end="\n")
     # the seeds the synthetic records hold: a --part run with other --seeds keeps the other parts' rows beside them
     meta["seeds"] = sorted({r["seed"] for r in rows if r["problem"] == "synthetic"}) or meta["seeds"]
     aggs = aggregate(rows)
