@@ -1,9 +1,8 @@
 """Reproduce ZO-HFL's Table I and Fig. 2 (Qiu, Kim, Yousefian, 2025) at a chosen scale (spec zo-hfl §9).
 
-The presets (``smoke``, ``small``, ``adult``, ``long``, ``paper``; ``--tune`` searches lambda and mu on a
-validation split, spec A1), the paper's Table I, the tables' layouts (one renderer: a preset's ``table.md`` holds
-the page's sections of that preset) and the claims C1-C4 of spec §9.2, each judged by its declared rule on the
-per-seed records; what each scale runs and what the outputs hold is on the page, docs/reproductions/zo-hfl.md.
+The presets (``--tune`` searches lambda and mu on a validation split, spec A1), the paper's Table I, the tables'
+layouts (a preset's ``table.md`` holds the page's sections of that preset) and the claims C1-C4 of spec §9.2, each
+judged by its declared rule on the per-seed records; what each scale runs is on docs/reproductions/zo-hfl.md.
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ LABELS = {
     "zo_hfl": "ZO-HFL",
     "server_only": "server-only (lambda=0)",
     "fedavg_server": "FedAvg + server as client",
-    "zo_hfl_nocrn": "ZO-HFL, independent +/- batches (crn: false)",
+    "zo_hfl_nocrn": "ZO-HFL, `crn: false`",  # independent +/- batches (spec A5)
     "zo_hfl_fast": f"ZO-HFL, gamma_0 = {FAST_SERVER_LR:g} (not the paper's)",
     "server_only_fast": f"server-only, gamma_0 = {FAST_SERVER_LR:g} (not the paper's)",
 }
@@ -282,8 +281,8 @@ def seed_rows(p: Preset, results: dict[str, dict[str, Any]], seeds: list[int], o
             continue  # not run: the time budget ran out (``plan.skipped``); its rules pair the seeds that ran
         losses = [float(r["rows"][-1].get(k, float("nan"))) for k in ("test_loss", "global_loss")]
         values = [ds, *s, m, part, tau, rounds, seed, 100 * _final(r), 100 * _last10(r, rounds), *losses, r["status"]]
-        rows.append({**dict(zip(SEED_COLUMNS, values)), "seconds": r["seconds"], "cpu": r.get("cpu", 0.0)})
-        rows[-1]["_rows"] = r["rows"]  # the run's metric rows, for the plots
+        # ``_rows``: the run's metric rows, for the plots
+        rows.append({**dict(zip(SEED_COLUMNS, values)), "seconds": r["seconds"], "cpu": r["cpu"], "_rows": r["rows"]})
     return rows
 
 
@@ -386,8 +385,7 @@ def _c3_rule(key: str, moderate: bool):
 
 
 def _c4_rule(records) -> All:
-    """Within one std in every setting: the bound is the larger of the two methods' seed std (population) in
-    that setting."""
+    """Within one std in every setting: the larger of the two methods' seed std (population) there."""
     std = lambda m, s: float(np.std(a)) if (a := _accs(records, m, s)) else 0.0  # noqa: E731 (none: all diverged)
     bound = {s: max(std("zo_hfl", s), std("server_only", s), 0.01) for s in SETTINGS}
     rule = lambda s: _acc(at("zo_hfl", s), at("server_only", s), "within", bound[s])  # noqa: E731
@@ -425,10 +423,8 @@ CLAIMS = [
 
 
 def verdicts(records: list[dict[str, Any]]) -> list[Verdict]:
-    """The claims' verdicts by their declared rules on each dataset of the per-seed ``records``. A diverged run
-    is no pair: its seed leaves every comparison it is a side of (before: a run that diverged before any
-    evaluation stopped every verdict of its dataset with a NaN line, and one that diverged later was paired
-    with its last accuracy)."""
+    """The claims' verdicts by their declared rules on each dataset of the per-seed ``records``; a diverged run
+    is no pair (``_diverged``): its seed leaves every comparison it is a side of."""
     by = group(records, itemgetter("dataset"))
     return [v for ds, rs in by.items() for v in judge(CLAIMS, rs, DATASET_LABELS.get(ds, ds))]
 
@@ -437,14 +433,6 @@ def verdicts(records: list[dict[str, Any]]) -> list[Verdict]:
 # the claims' table: per (records file, verdict), the claim, the file and its declared rule's verdict
 CLAIM_COLS = [Col("claim", lambda sv: sv[1].claim), Col("source", lambda sv: f"`{sv[0]}`")]
 CLAIM_COLS += [Col("verdict (declared rule)", lambda sv: verdict_cell(sv[1]))]
-
-
-def table1_label(m: str, p: Preset) -> str:
-    """A method's row in Table I."""
-    if m.startswith("zo_hfl_lam"):
-        return f"ZO-HFL (lambda = {m.removeprefix('zo_hfl_lam')})"
-    special = {"zo_hfl": f"ZO-HFL (lambda = {p.lam:g}, mu = {p.mu:g})", "server_only": "server-only (lambda = 0)"}
-    return (special | {"server_only_long": f"server-only, {p.long_server_only} rounds"}).get(m) or LABELS[m]
 
 
 def table1(p: Preset, rows: list[dict], dataset: str) -> str:
@@ -456,21 +444,20 @@ def table1(p: Preset, rows: list[dict], dataset: str) -> str:
         paper = "" if r["paper_acc"] is None else f" / {r['paper_acc']:.2f}"
         return f"{pm_cell(r, 'acc')}{last}{paper}"
 
-    labels = {m: table1_label(m, p) for m in p.methods if m not in p.sensitivity}
+    special = {"zo_hfl": f"ZO-HFL (lambda = {p.lam:g}, mu = {p.mu:g})", "server_only": "server-only (lambda = 0)"}
+    special["server_only_long"] = f"server-only, {p.long_server_only} rounds"
+    lam = lambda m: f"ZO-HFL (lambda = {m.removeprefix('zo_hfl_lam')})"  # noqa: E731
+    labels = {m: special.get(m) or LABELS.get(m) or lam(m) for m in p.methods if m not in p.sensitivity}
     head = lambda s: f"alpha={s[0]:g}, beta={100 * s[1]:.0f}%"  # noqa: E731
     grid = Grid("method", "method", labels, itemgetter("alpha", "beta"), head, cell)
     return grid.render([r for r in rows if r["dataset"] == dataset])
 
 
-# the sensitivity rows (spec §9.2, A5, A11)
-SENSITIVITY_LABELS = {m: label(m) for m in SENSITIVITY} | {"zo_hfl_nocrn": "ZO-HFL, `crn: false`"}
-
-
 def sensitivity(rows: list[dict]) -> str:
-    """The sensitivity rows of ``table.csv``: mean ± std per dataset and setting."""
+    """The sensitivity rows of ``table.csv`` (spec §9.2, A5, A11): mean ± std per dataset and setting."""
+    labels = {m: label(m) for m in SENSITIVITY}
     head = lambda c: f"{DATASET_LABELS[c[0]]} {c[1]:g}/{100 * c[2]:.0f}%"  # noqa: E731
-    cell = lambda r: pm_cell(r, "acc")  # noqa: E731
-    return Grid("method", "method", SENSITIVITY_LABELS, itemgetter(*CELL[:3]), head, cell).render(rows)
+    return Grid("method", "method", labels, itemgetter(*CELL[:3]), head, partial(pm_cell, key="acc")).render(rows)
 
 
 def fig2(losses: dict[str, Any]) -> str:
@@ -517,9 +504,8 @@ def power_table(records: list[dict]) -> str:
 
 
 def preset_sections(p: Preset, records: list[dict], table: list[dict], losses: dict[str, Any]) -> dict[str, str]:
-    """A preset's tables, by name: Table I per dataset, the sensitivity rows, Fig. 2's final losses per
-    sweep dataset and (``Preset.power``) the paired test's power, from its per-seed ``records``, ``table.csv``'s
-    rows and ``fig2_means``: its ``table.md`` and the page's blocks (under the preset's folder)."""
+    """A preset's tables by name (its ``table.md``'s and the page's blocks): Table I per dataset, the sensitivity
+    rows, Fig. 2's final losses per sweep dataset and (``Preset.power``) the paired test's power."""
     datasets = list(dict.fromkeys(r["dataset"] for r in table))
     out = {f"table1-{ds}": table1(p, table, ds) for ds in datasets}
     out |= {"sensitivity": sensitivity(table)} if p.sensitivity else {}
@@ -535,11 +521,13 @@ HEADINGS |= {"fig2": "Fig. 2, final losses (means over the sweep's seeds)", "pow
 
 def table_md(p: Preset, parts: dict[str, str], claims: str, meta: dict) -> str:
     """``table.md``: the preset's settings, its tables (``preset_sections``), the claims and the invocation's cost."""
+    # where a time budget left runs unrun: how many of the seeds asked finished every Table I run
+    asked = f" asked, {meta['seeds_run']} with every Table I run finished" if "seeds_run" in meta else ""
     lines = [
         "# ZO-HFL Table I at our scale, beside the paper's",
         "",
         f"Scale `{meta['scale']}`: {meta['rounds']} rounds, tau = {p.tau:g} (paper: 500 rounds, tau = 20), "
-        f"{meta['seeds']} seed(s){_seeds_run(meta)}, lambda = {p.lam:g}, mu = {p.mu:g}, eta = 0.1, "
+        f"{meta['seeds']} seed(s){asked}, lambda = {p.lam:g}, mu = {p.mu:g}, eta = 0.1, "
         f"gamma_r = {p.server_lr:g}/sqrt(r+1), "
         f"local 0.1/(t+1), batch {p.batch_size}. Table I's cells: final test accuracy % of the global model, mean "
         "± std over seeds [mean over the last 10 rounds] / the paper's.",
@@ -559,11 +547,6 @@ def table_md(p: Preset, parts: dict[str, str], claims: str, meta: dict) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def _seeds_run(meta: dict) -> str:
-    """How many of the seeds asked finished every Table I run, where a time budget left runs unrun."""
-    return "" if "seeds_run" not in meta else f" asked, {meta['seeds_run']} with every Table I run finished"
 
 
 def preset_report(p: Preset, records: list[dict], table: list[dict], losses: dict[str, Any], meta: dict) -> Report:
@@ -677,12 +660,12 @@ def tune_md(rows: list[dict[str, Any]], p: Preset, seeds: list[int], workers: in
 
 def study_plan(opts) -> Plan:
     """Table I and the tau sweep of ``--scale`` (or, with ``--tune``, the lambda/mu grid)."""
-    p = dataclasses.replace(PRESETS[opts.scale])  # a copy: the presets stay as defined
-    p.rounds = opts.rounds if opts.rounds is not None else p.rounds
-    seeds = list(range(opts.seeds if opts.seeds is not None else (1 if opts.scale == "smoke" else 3)))
-    p.sweep = dataclasses.replace(p.sweep, seeds=min(p.sweep.seeds, len(seeds)))
-    if opts.tune:
-        seeds = seeds if opts.seeds is not None else [0]
+    p = PRESETS[opts.scale]
+    default = 1 if opts.scale == "smoke" or opts.tune else 3
+    seeds = list(range(opts.seeds if opts.seeds is not None else default))
+    rounds = opts.rounds if opts.rounds is not None else p.rounds
+    sweep = dataclasses.replace(p.sweep, seeds=min(p.sweep.seeds, len(seeds)))
+    p = dataclasses.replace(p, rounds=rounds, sweep=sweep)  # a copy: the presets stay as defined
     configs = (tune_configs if opts.tune else plan)(p, seeds, Path(opts.out))
     return Plan([Point.of(c, c["name"]) for c in configs], (p, seeds, configs), initializer=_cache_datasets)
 
@@ -726,15 +709,23 @@ PAGE_PRESETS = {"adult/": "adult", "": "small", "long/": "long"}  # the page's p
 
 
 def sections(folder: Path) -> dict[str, str]:
-    """docs/reproductions/zo-hfl.md's generated sections from the committed files in ``folder``: each preset's
-    tables (``preset_sections``, named under its folder), one claim table of every preset's claims judged by
-    their declared rules on its committed per-seed records, the cost and the Adult tuning."""
-    out, judged = {"cost": cost_section(folder), "adult-tune": adult_tune_section(folder / "adult" / "tune.csv")}, []
+    """docs/reproductions/zo-hfl.md's generated sections from the committed files in ``folder``: the costs, what
+    the prose reads from the grids, each preset's tables (``preset_sections``, named under its folder) and one
+    table of every preset's claims judged by their declared rules on its committed per-seed records."""
+    out = {
+        "cost": cost_section(folder),
+        "tune": tune_section(folder / "tune.csv"),
+        "adult-tune": adult_tune_section(folder / "adult" / "tune.csv"),
+        "adult-tune-best": adult_best_section(folder / "adult" / "tune.csv"),
+        "long-cost": long_cost_section(folder),
+        "paper-scale": paper_scale_section(folder),
+    }
+    judged = []
     for prefix, scale in PAGE_PRESETS.items():
         p, records, table, losses, _ = committed(folder / prefix, scale)
         out |= {prefix + name: body for name, body in preset_sections(p, records, table, losses).items()}
         judged += [(f"{prefix}results.csv", v) for v in verdicts(records)]
-    return out | {"claims": layout(CLAIM_COLS, judged)} | prose_sections(folder)
+    return out | {"claims": layout(CLAIM_COLS, judged)}
 
 
 COST_HEADER = ["invocation", "runs", "wall (2 workers)", "CPU time (workers, start-up and data loading included)"]
@@ -792,21 +783,18 @@ def tune_section(path: Path) -> str:
     """The small preset's lambda x mu grid (``tune.csv``, validation accuracy, one seed): the mean over the six
     cells per (lambda, mu), the best in bold, and what the sentence after it reads from the grid."""
     rows = read_csv(path)
-    mus = sorted({r["mu"] for r in rows if r["mu"] != "-"}, key=float)
-    cell = {(r["lam"], r["mu"]): r for r in rows}
     best = max(rows, key=lambda r: r["mean"])
     base = next(r for r in rows if r["lam"] == 0)
-
-    def shown(lam: float, mu: float) -> str:  # the server-only control (mu unused) in the first mu's column
-        r = cell.get((lam, "-" if lam == 0 and mu == mus[0] else mu))
-        return "" if r is None else f"**{r['mean']:.2f}**" if r is best else f"{r['mean']:.2f}"
-
-    name = lambda lam: f"**{lam:g}**" if lam == best["lam"] else f"{lam:g}"  # noqa: E731
-    cols = [
-        Col("lambda", lambda lam: name(lam) + " (server-only)" * (lam == 0)),
-        *(Col(f"mu = {float(mu):g}", partial(shown, mu=mu)) for mu in mus),
-    ]
-    table = layout(cols, sorted({r["lam"] for r in rows}))
+    mus = sorted({r["mu"] for r in rows if r["mu"] != "-"}, key=float)
+    mu = lambda r: mus[0] if r["mu"] == "-" else r["mu"]  # noqa: E731 (server-only, mu unused: the first mu's column)
+    bold = lambda text, top: f"**{text}**" if top else text  # noqa: E731
+    lams = {
+        lam: bold(f"{lam:g}", lam == best["lam"]) + " (server-only)" * (lam == 0)
+        for lam in sorted({r["lam"] for r in rows})
+    }
+    mean = lambda r: bold(f"{r['mean']:.2f}", r is best)  # noqa: E731
+    grid = Grid("lambda", "lam", lams, mu, lambda m: f"mu = {float(m):g}", mean, missing="")
+    table = grid.render(sorted(rows, key=lambda r: float(mu(r))))
     small = [r for r in rows if 0 < r["lam"] <= best["lam"]]
     mu_effect = max(
         max(r["mean"] for r in small if r["lam"] == lam) - min(r["mean"] for r in small if r["lam"] == lam)
@@ -899,17 +887,6 @@ def paper_scale_section(folder: Path) -> str:
         f"Fashion-MNIST together and {hours(cifar):.1f} h for CIFAR-10; the tau sweep's {len(sweep)} runs (tau "
         f"{taus}) about {hours(sweep):.0f} h: about {hours(configs):.0f} CPU core-hours in all."
     )
-
-
-def prose_sections(folder: Path) -> dict[str, str]:
-    """The page's generated numbers outside its tables of results: what its prose reads from the committed
-    grids and invocations."""
-    return {
-        "tune": tune_section(folder / "tune.csv"),
-        "adult-tune-best": adult_best_section(folder / "adult" / "tune.csv"),
-        "long-cost": long_cost_section(folder),
-        "paper-scale": paper_scale_section(folder),
-    }
 
 
 STUDY = Study(
