@@ -33,6 +33,7 @@ from fedweave.experiments.blocks import claim_table, cost_line, gap_table, run_v
 from fedweave.experiments.grid import Point
 from fedweave.experiments.plots import Panel, plot_panels, seed_lines
 from fedweave.experiments.study import (
+    Claim,
     Json,
     Plan,
     Report,
@@ -112,18 +113,17 @@ class Preset:
     table: str = ""  # the variant table this preset writes: "epochs", "ablation" or "participation"
 
 
-SMOKE_LOCAL = {"steps": 2, "batch_size": 16, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3}
 PRESETS: dict[str, Preset] = {
     "smoke": Preset(
         [("mnist", "dir0.1", MAIN), ("mnist", "iid", MAIN)],
         "smoke preset: a few rounds on a tiny slice; checks the pipeline, not the paper",
-        (0,),
-        3,
-        10,
-        3,
-        "logistic",
-        SMOKE_LOCAL,
-        {"max_train": 600, "max_test": 200},
+        seeds=(0,),
+        rounds=3,
+        num_clients=10,
+        clients_per_round=3,
+        model="logistic",
+        local={"steps": 2, "batch_size": 16, "lr": 0.1, "lr_decay": 0.998, "weight_decay": 1e-3},
+        dataset_options={"max_train": 600, "max_test": 200},
         eval_every=1,
     ),
     # Spec §9 priority: (1) FedMIM vs FedAvg at Dir-0.1 and the IID control, (2) FedCM (FedMIM's J = 1
@@ -149,8 +149,8 @@ PRESETS: dict[str, Preset] = {
     "paper": Preset(
         [(d, s, METHODS) for d in ("cifar10", "cifar100") for s in ("iid", "dir0.3", "dir0.1")],
         "paper preset: Table I settings (spec §9.4); needs the CIFAR files and a fast machine",
-        (0,),
-        1000,
+        seeds=(0,),
+        rounds=1000,
         model="resnet18_gn",
         eval_every=10,
         dataset_options={},
@@ -256,31 +256,29 @@ def run_config(p: Preset, dataset: str, split: str, method: str, seed: int, run_
 
 
 def plan(p: Preset, out: Path, seeds: tuple, datasets: list | None, methods: list | None, extend=False) -> list[Point]:
-    """The runs of a preset in priority order (grid entry, then seed, then method), each in
-    ``OUT/runs/<dataset>-<split>-<method>-s<seed>``; in a variant preset seed, then grid entry, variant and
-    method (a time budget leaves whole seeds), each in ``OUT/runs/<dataset>-<split>-<method>-<variant>-s<seed>``."""
-    grid = _grid(p, extend)
+    """The runs of a preset in priority order: grid entry, seed, variant, method (a variant preset: seed first),
+    each in ``OUT/runs/<dataset>-<split>-<method>[-<variant>]-s<seed>``."""
     names = preset_names(p, extend)[0]
-    # the preset's datasets after the names given are not run (more names than it has are refused: study_plan)
+    # the preset's datasets after the names given are not run (study_plan refuses more names than it has)
     rename = dict(zip(names, datasets)) if datasets else {d: d for d in names}
     variants = [v for v, _ in p.variants] or [""]
-    if p.variants:
-        runs = [(seed, entry, v, m) for seed in seeds for entry in grid for v in variants for m in entry[2]]
-    else:
-        runs = [(seed, entry, v, m) for entry in grid for seed in seeds for v in variants for m in entry[2]]
-    runs = [(seed, d, split, v, m) for seed, (d, split, _), v, m in runs if methods is None or m in methods]
-    return [_point(p, out, rename[d], split, m, seed, v) for seed, d, split, v, m in runs if d in rename]
-
-
-def _grid(p: Preset, extend: bool) -> list:
-    """The preset's (dataset, split, methods) cells, with ``--extend`` its extension's after them."""
-    return p.grid + (p.extension if extend else [])
+    runs = [
+        (seed, d, split, v, m)
+        for d, split, ms in p.grid + (p.extension if extend else [])
+        for seed in seeds
+        for v in variants
+        for m in ms
+        if d in rename and (methods is None or m in methods)
+    ]
+    if p.variants:  # seed first (a stable sort): a time budget leaves whole seeds
+        runs.sort(key=lambda run: seeds.index(run[0]))
+    return [_point(p, out, rename[d], split, m, seed, v) for seed, d, split, v, m in runs]
 
 
 def preset_names(p: Preset, extend: bool = False) -> tuple[list[str], list[str]]:
     """The preset's datasets, in the order ``--datasets`` replaces them, and its methods (with ``--extend``, its
     extension's too)."""
-    grid = _grid(p, extend)
+    grid = p.grid + (p.extension if extend else [])
     return list(dict.fromkeys(d for d, _, _ in grid)), list(dict.fromkeys(m for _, _, ms in grid for m in ms))
 
 
@@ -294,13 +292,12 @@ def _point(p: Preset, out: Path, dataset: str, split: str, method: str, seed: in
 
 def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any]:
     """One run's row of results.csv; a diverged run (NaN/Inf) is kept as such, with no final accuracy."""
-    rows, summary = res.metrics, res.summary
-    if summary.get("status") == "diverged" or not rows:  # counted as chance-level failure, flagged
-        rows = rows or [{"round": 0, "test_accuracy": float("nan")}]
+    rows, summary = res.metrics or [{"round": 0, "test_accuracy": float("nan")}], res.summary
+    status = summary.get("status", "completed")
     last = rows[-1]["round"]
     tail = [r for r in rows if r["round"] > last - 20 and r.get("local_consistency") is not None]
     accs = [100 * r["test_accuracy"] for r in rows]
-    if summary.get("status") == "diverged":  # no final model: the run is reported as diverged
+    if status == "diverged":  # no final model: the run is reported as diverged
         accs = [*accs, float("nan")]
     return {
         **dict(point.values),
@@ -311,7 +308,7 @@ def record(point: Point, res: Result, plan: Plan | None = None) -> dict[str, Any
         "consistency_last20": sum(r["local_consistency"] for r in tail) / len(tail) if tail else float("nan"),
         "wall_seconds": summary.get("wall_seconds"),
         "cpu_seconds": summary.get("cpu_seconds"),
-        "status": summary.get("status", "completed"),
+        "status": status,
         "rounds_done": last,
         "_rows": res.metrics,
     }
@@ -327,8 +324,9 @@ _ok = finite_runs("final_acc", by_seed=True)  # the same in seed order, without 
 
 
 def _auc(rs: list[dict]) -> float:
-    """The mean over the finished runs of their mean test accuracy (%) over the evaluated rounds."""
-    return mean_std([100 * sum(x["test_accuracy"] for x in r["_rows"]) / len(r["_rows"]) for r in _ok(rs)])[0]
+    """The mean over the finished runs of their mean test accuracy (%) over the evaluated rounds, to 2 decimals."""
+    means = [100 * sum(x["test_accuracy"] for x in r["_rows"]) / len(r["_rows"]) for r in _ok(rs)]
+    return round(mean_std(means)[0], 2)
 
 
 TABLE_STATS = {
@@ -345,7 +343,7 @@ VARIANT_STATS = {
     "diverged": diverged("final_acc"),
     "final_acc_mean": mean_of("final_acc", _ok, nd=2),
     "final_acc_std": std_of("final_acc", _ok, nd=2),
-    "mean_acc_over_rounds": lambda rs: round(_auc(rs), 2),
+    "mean_acc_over_rounds": _auc,
     "consistency_last20": mean_of("consistency_last20", _ok, nd=4),
     "final_acc_per_seed": per_seed("final_acc"),
 }
@@ -356,22 +354,17 @@ def summarize(records: list[dict]) -> tuple[list[dict], list[Verdict]]:
     paper's CIFAR-10 number and rank beside them (``table.csv``); and the claims' verdicts (``claim_verdicts``)."""
     table = per_cell(records, ("dataset", "split", "method"), TABLE_STATS)
     for (_, s), col in group(table, lambda t: (t["dataset"], t["split"])).items():
-        paper = {
-            t["method"]: TABLE_I[t["method"]][("cifar10", s)] for t in col if ("cifar10", s) in TABLE_I[t["method"]]
-        }
+        paper = {t["method"]: TABLE_I[t["method"]][("cifar10", s)] for t in col}
         ours, paper_ranks = ranks({t["method"]: t["final_acc_mean"] for t in col}), ranks(paper)
         for t in col:
-            t.update(
-                paper_cifar10=paper.get(t["method"]), rank=ours[t["method"]], paper_rank=paper_ranks.get(t["method"])
-            )
+            t.update(paper_cifar10=paper[t["method"]], rank=ours[t["method"]], paper_rank=paper_ranks[t["method"]])
     return table, claim_verdicts(records)
 
 
 def variant_summary(records: list[dict], p: Preset) -> list[dict]:
-    """Per (variant, method), in the preset's order: final accuracy mean ± std over seeds (diverged runs
-    counted apart), the mean accuracy over the evaluated rounds (how fast it converges), the local
-    consistency of the last 20 rounds, the per-seed finals, and the paper's number where it has one."""
-    methods = list(dict.fromkeys(m for _, _, group in p.grid + p.extension for m in group))
+    """Per (variant, method), in the preset's order: ``VARIANT_STATS`` (diverged runs counted apart) and the
+    paper's number where it has one."""
+    methods = preset_names(p, extend=True)[1]
     cells = {(c["variant"], c["method"]): c for c in per_cell(records, ("variant", "method"), VARIANT_STATS)}
     paper = {"epochs": lambda i, m: TABLE_II_C10[m][i], "ablation": lambda i, m: TABLE_III[i][2]}.get(p.table)
     rows = [(i, v, m) for i, (v, _) in enumerate(p.variants) for m in methods if (v, m) in cells]
@@ -380,15 +373,8 @@ def variant_summary(records: list[dict], p: Preset) -> list[dict]:
 
 # ---- the claims: each verdict by its declared rule, 95 % paired t over the seeds (3 to 5 of them: too few for a
 # percentile bootstrap); ``measured`` says what the seed means show ---------------------------------------------
-def _reading(text: str, read: Callable, records: Callable | None = None):
-    """``reading``: a claim from ``read(table, ctx) -> (measured, declared rule)``; on a variant preset's ``Cells``
-    (whose paired runs its rule reads by default) ``{lo}`` and ``{hi}`` in ``text`` are its first and last
-    variant, ``{labels[i]}`` any."""
-
-    def claim(t: Any, _) -> str:
-        return text.format(lo=t.labels[0], hi=t.labels[-1], labels=t.labels) if isinstance(t, Cells) else text
-
-    return reading(claim, read, records or (lambda c, _: c.records))
+DIR_FEDMIM, DIR_FEDAVG = cell(split="dir0.1", method="fedmim"), cell(split="dir0.1", method="fedavg")
+UNPAIRED = "fewer than 2 seeds finished every run it compares"  # what was measured, where the rule is untestable
 
 
 def _cells(*splits: str) -> Callable[[list[dict], str], list[dict]]:
@@ -414,9 +400,6 @@ def _no_pair(r: dict) -> str | None:
     return None if is_finite(r["final_acc"]) and is_finite(r["log_cons"]) else "diverged"
 
 
-UNPAIRED = "fewer than 2 seeds finished every run it compares"  # what was measured, where the rule is untestable
-
-
 def _gap(split: str) -> Select:
     """Per seed, FedMIM's final accuracy minus FedAvg's on ``split`` (the same seed: the same partition)."""
     return cell(split=split, method="fedmim") - cell(split=split, method="fedavg")
@@ -431,9 +414,7 @@ def _mean_gap(records: list[dict], split: str) -> tuple[float, int, int] | None:
 
 def _accuracy(records: list[dict], d: str) -> tuple:
     g = _mean_gap(_of("dir0.1")(records, d), "dir0.1")
-    rule = Paired(
-        "final_acc", cell(**DIR, method="fedmim"), cell(**DIR, method="fedavg"), min_effect=1.0, no_pair=_no_pair
-    )
+    rule = Paired("final_acc", DIR_FEDMIM, DIR_FEDAVG, min_effect=1.0, no_pair=_no_pair)
     return "FedMIM - FedAvg {:+.2f} points, ahead on {}/{} seeds".format(*g) if g else UNPAIRED, rule
 
 
@@ -445,8 +426,7 @@ def _dispersion(records: list[dict], d: str) -> tuple:
 
     at, iid = ratio("dir0.1"), ratio("iid")
     measured = UNPAIRED if at is None else f"FedMIM / FedAvg {at:.3f}" + ("" if iid is None else f" (IID {iid:.3f})")
-    fedmim, fedavg = cell(**DIR, method="fedmim"), cell(**DIR, method="fedavg")
-    return measured, Paired("log_cons", fedmim, fedavg, "less", math.log(2), unit="ln ratio", no_pair=_no_pair)
+    return measured, Paired("log_cons", DIR_FEDMIM, DIR_FEDAVG, "less", math.log(2), unit="ln ratio", no_pair=_no_pair)
 
 
 def _iid(records: list[dict], d: str) -> tuple:
@@ -456,23 +436,22 @@ def _iid(records: list[dict], d: str) -> tuple:
     return measured, Paired("final_acc", _gap("dir0.1"), _gap("iid"), "greater", 0.0, no_pair=_no_pair)
 
 
-DIR = {"split": "dir0.1"}
 # spec §9.2 on one dataset (the table: the per-seed records, the context: the dataset), by key
 TABLE_I_CLAIMS = {
     # min effect 1.0 point: spec §9.2's bar; a smaller gain is within what another partition moves at this scale
-    "claim_accuracy": _reading(
+    "claim_accuracy": reading(
         "Dir-0.1 FedMIM beats FedAvg by more than 1.0 point (final accuracy, paired by seed)",
         _accuracy,
         _cells("dir0.1"),
     ),
     # the ratio is tested on its log, paired by seed; min effect ln 2: the spec's "less than half"
-    "claim_consistency": _reading(
+    "claim_consistency": reading(
         "Dir-0.1 FedMIM's local dispersion < 0.5 x FedAvg's (log of the ratio, paired by seed)",
         _dispersion,
         _cells("dir0.1"),
     ),
     # the paper: the advantage shrinks without heterogeneity; any shrinking counts (min effect 0), per seed
-    "claim_iid_smaller": _reading(
+    "claim_iid_smaller": reading(
         "FedMIM's gain over FedAvg is larger on Dir-0.1 than on IID (difference of the seed gaps)",
         _iid,
         _cells("dir0.1", "iid"),
@@ -536,6 +515,24 @@ def variant_verdicts(rows: list[dict], p: Preset, records: list[dict]) -> list[V
     return judge(VARIANT_CLAIMS[p.table], cells) if cells.records else [Verdict("the paper's readings", NO_PAIRS, None)]
 
 
+# the paper's readings of each variant table, by ``reads`` (the table: its ``Cells``)
+VARIANT_CLAIMS: dict[str, list[Claim]] = {}
+
+
+def reads(table: str, text: str, records: Callable | None = None) -> Callable:
+    """Declare the decorated ``read(cells, ctx) -> (measured, declared rule)`` a reading of the variant ``table``
+    whose rule reads ``records`` (default: the paired runs); ``{lo}``, ``{hi}``, ``{labels[i]}`` name variants."""
+
+    def claim(c: Cells, _) -> str:
+        return text.format(lo=c.labels[0], hi=c.labels[-1], labels=c.labels)
+
+    def declare(read: Callable) -> Callable:
+        VARIANT_CLAIMS.setdefault(table, []).append(reading(claim, read, records or (lambda c, _: c.records)))
+        return read
+
+    return declare
+
+
 def _gt(a: str, b: str, m: str = "fedmim", n: str | None = None) -> Paired:
     """Variant ``a`` of method ``m`` beats variant ``b`` of method ``n`` (by default ``m``) on the final accuracy,
     paired by seed. Min effect 0: the paper states orders, not sizes, so any difference in the claimed direction
@@ -548,6 +545,7 @@ def _changed(a: str, b: str, direction: str = "greater") -> Paired:
     return Paired("change", {"method": a}, {"method": b}, direction)
 
 
+@reads("epochs", "FedMIM is the most accurate of the methods run at every E (paper: best in all 9 columns)")
 def _e_best(c: Cells, _) -> tuple:
     best = {v: max(c.methods, key=lambda m: c.acc[(v, m)]) for v in c.labels}
     where = [f"{v}: FedMIM {c.acc[(v, 'fedmim')]:.2f}, best {LABELS[b]} {c.acc[(v, b)]:.2f}" for v, b in best.items()]
@@ -555,44 +553,49 @@ def _e_best(c: Cells, _) -> tuple:
     return "; ".join(where), All((f"{v} vs {LABELS[m]}", _gt(v, v, "fedmim", m)) for v in c.labels for m in others)
 
 
+@reads("epochs", "accuracy falls as E grows, for every method run (paper: all but one)")
 def _e_falls(c: Cells, _) -> tuple:
     steps = list(zip(c.labels, c.labels[1:]))
 
     def trend(m: str) -> str:
-        falls = all(c.acc[(a, m)] > c.acc[(b, m)] for a, b in steps)
-        return (
-            f"{LABELS[m]} " + " / ".join(f"{c.acc[(v, m)]:.2f}" for v in c.labels) + ("" if falls else " (not falling)")
-        )
+        accs = [c.acc[(v, m)] for v in c.labels]
+        falls = all(a > b for a, b in zip(accs, accs[1:]))
+        return f"{LABELS[m]} " + " / ".join(f"{a:.2f}" for a in accs) + ("" if falls else " (not falling)")
 
     rule = All((f"{LABELS[m]} {a} > {b}", _gt(a, b, m)) for m in c.methods for a, b in steps)
     return "; ".join(map(trend, c.methods)), rule
 
 
 # Table III's rows in TABLE_III's order: 0 J = 0 (FedAvg); 1-2 J = 1; 3-5 J = 2 without beta; 6-8 J = 2 with beta
+@reads("ablation", "every inertial row (J >= 1) beats J = 0 (FedAvg)")
 def _a_inertial(c: Cells, _) -> tuple:
     a, lb = c.fedmim(), c.labels
     rest = [a[v] for v in lb[1:]]
     return f"J = 0: {a[lb[0]]:.2f}; J >= 1: {min(rest):.2f} to {max(rest):.2f}", All((v, _gt(v, lb[0])) for v in lb[1:])
 
 
+@reads("ablation", "J = 2 is best: the best J = 2 row beats the best J = 1 row (rows chosen by their seed means)")
 def _a_j2(c: Cells, _) -> tuple:
     a = c.fedmim()
     j1, j2 = max(c.labels[1:3], key=a.get), max(c.labels[3:], key=a.get)
     return f"best J = 2 ({j2}) {a[j2]:.2f} vs best J = 1 ({j1}) {a[j1]:.2f}", _gt(j2, j1)
 
 
+@reads("ablation", "the paper's best row ({labels[6]}) is the best row")
 def _a_top(c: Cells, _) -> tuple:
     a, paper = c.fedmim(), c.labels[6]
     top, rule = max(c.labels, key=a.get), All((f"vs {v}", _gt(paper, v)) for v in c.labels if v != paper)
     return f"{a[paper]:.2f}; best row {top} {a[top]:.2f}", rule
 
 
+@reads("ablation", "beta weighted to the adjacent step is best: beta (0.9, 0.1) > (0.5, 0.5) > (0.1, 0.9)")
 def _a_beta(c: Cells, _) -> tuple:
     a, lb = c.fedmim(), c.labels
     rule = All((f"b={x.split('b=')[1]} > b={y.split('b=')[1]}", _gt(x, y)) for x, y in zip(lb[6:8], lb[7:9]))
     return " / ".join(f"{a[v]:.2f}" for v in lb[6:9]), rule
 
 
+@reads("ablation", "a large alpha and a proper beta: adding beta (0.9, 0.1) to alpha (0.6, 0.3) helps")
 def _a_alpha_beta(c: Cells, _) -> tuple:
     a, lb = c.fedmim(), c.labels
     return f"{a[lb[6]]:.2f} with beta vs {a[lb[4]]:.2f} without", _gt(lb[6], lb[4])
@@ -602,17 +605,27 @@ def _changes(c: Cells, ms: list[str]) -> str:
     return ", ".join(f"{LABELS[m]} {c.change(m):.2f}" for m in ms) + " points"
 
 
+@reads(
+    "participation", "FedAvg loses the most convergence speed: the lowest mean accuracy over the rounds at both ratios"
+)
 def _p_fedavg_slowest(c: Cells, _) -> tuple:
     slowest = {v: min(c.methods, key=lambda m: c.auc[(v, m)]) for v in c.labels}
     measured = "; ".join(f"{v}: lowest {LABELS[m]} {c.auc[(v, m)]:.2f}" for v, m in slowest.items())
     return measured, Untestable("no per-seed records of the mean accuracy over the rounds (results.csv: finals)")
 
 
+@reads(
+    "participation",
+    "FedAdam, FedCM and FedDyn are highly sensitive to the participation ratio: each changes more between "
+    "{lo} and {hi} than FedMIM",
+    Cells.changes,
+)
 def _p_sensitive(c: Cells, _) -> tuple:
     named = [m for m in ("fedadam", "fedcm", "feddyn") if m in c.methods]
     return _changes(c, [*named, "fedmim"]), All((f"{LABELS[m]} vs FedMIM", _changed(m, "fedmim")) for m in named)
 
 
+@reads("participation", "SCAFFOLD performs well at the higher participation: among the two most accurate at {hi}")
 def _p_scaffold(c: Cells, _) -> tuple:
     hi = c.labels[-1]
     ranked = sorted(c.methods, key=lambda m: -c.acc[(hi, m)])
@@ -622,45 +635,14 @@ def _p_scaffold(c: Cells, _) -> tuple:
     return measured, _gt(hi, hi, "scaffold", others[1]) if len(others) > 1 else few
 
 
+@reads(
+    "participation",
+    "FedMIM is very stable: the smallest change between {lo} and {hi} of the methods run",
+    Cells.changes,
+)
 def _p_stable(c: Cells, _) -> tuple:
     rule = All((f"vs {LABELS[m]}", _changed("fedmim", m, "less")) for m in c.methods if m != "fedmim")
     return _changes(c, sorted(c.methods, key=c.change)), rule
-
-
-# the paper's readings of each variant table (the table: its ``Cells``)
-VARIANT_CLAIMS = {
-    "epochs": [
-        _reading("FedMIM is the most accurate of the methods run at every E (paper: best in all 9 columns)", _e_best),
-        _reading("accuracy falls as E grows, for every method run (paper: all but one)", _e_falls),
-    ],
-    "ablation": [
-        _reading("every inertial row (J >= 1) beats J = 0 (FedAvg)", _a_inertial),
-        _reading("J = 2 is best: the best J = 2 row beats the best J = 1 row (rows chosen by their seed means)", _a_j2),
-        _reading("the paper's best row ({labels[6]}) is the best row", _a_top),
-        _reading("beta weighted to the adjacent step is best: beta (0.9, 0.1) > (0.5, 0.5) > (0.1, 0.9)", _a_beta),
-        _reading("a large alpha and a proper beta: adding beta (0.9, 0.1) to alpha (0.6, 0.3) helps", _a_alpha_beta),
-    ],
-    "participation": [
-        _reading(
-            "FedAvg loses the most convergence speed: the lowest mean accuracy over the rounds at both ratios",
-            _p_fedavg_slowest,
-        ),
-        _reading(
-            "FedAdam, FedCM and FedDyn are highly sensitive to the participation ratio: each changes more between "
-            "{lo} and {hi} than FedMIM",
-            _p_sensitive,
-            Cells.changes,
-        ),
-        _reading(
-            "SCAFFOLD performs well at the higher participation: among the two most accurate at {hi}", _p_scaffold
-        ),
-        _reading(
-            "FedMIM is very stable: the smallest change between {lo} and {hi} of the methods run",
-            _p_stable,
-            Cells.changes,
-        ),
-    ],
-}
 
 
 # ---- the tables: one layout each, for a preset's report and the page's generated sections ---------------------
@@ -670,27 +652,23 @@ ABLATION_AS = {"J=0 a=- b=-": "fedavg", "J=2 a=0.6,0.3 b=0.9,0.1": "fedmim"}
 
 def _same_cell(folder: Path) -> dict[str, dict[tuple[str, int], float]]:
     """Per committed preset, the accuracy (%) after 50 rounds of each (method, seed) run of the small preset's
-    Dir-0.1 Fashion-MNIST configuration: the small preset's finals, the ``long`` preset at round 50
-    (``long/gaps.csv``), Table II's E = 1 column and Table III's J = 0 and default rows."""
-    small = read_csv(folder / "results.csv")
+    Dir-0.1 Fashion-MNIST configuration (Table II's E = 1 column, Table III's J = 0 and default rows)."""
+    small, epochs, ablation = (
+        read_csv(folder / f) for f in ("results.csv", "epochs/results.csv", "ablation/results.csv")
+    )
     return {
         "`small`": run_values(small, "final_acc", lambda r: (r["dataset"], r["split"]) == _CELL),
         "`long`, round 50": run_values(read_csv(folder / "long" / "gaps.csv"), "accuracy", lambda r: r["round"] == 50),
-        "`epochs`, E = 1": run_values(
-            read_csv(folder / "epochs/results.csv"), "final_acc", lambda r: r["variant"] == "E=1"
-        ),
+        "`epochs`, E = 1": run_values(epochs, "final_acc", lambda r: r["variant"] == "E=1"),
         "`ablation`, J = 0 and default rows": run_values(
-            read_csv(folder / "ablation/results.csv"),
-            "final_acc",
-            lambda r: r["variant"] in ABLATION_AS,
-            lambda r: ABLATION_AS[r["variant"]],
+            ablation, "final_acc", lambda r: r["variant"] in ABLATION_AS, lambda r: ABLATION_AS[r["variant"]]
         ),
     }
 
 
 def _same_cell_table(folder: Path) -> str:
-    """For every two presets of ``_same_cell``: the methods of their common runs, how many give the same
-    accuracy and the largest difference (``same_runs_table``)."""
+    """For every two presets of ``_same_cell``: their common runs' methods, how many are equal, the largest
+    difference."""
     return same_runs_table(_same_cell(folder), lambda k: (CORE_ROWS.index(k[0]), k[1]), LABELS.get)
 
 
@@ -698,14 +676,12 @@ def _cost(folder: Path, name: str) -> str:
     """What a preset's committed runs cost (``cost_line``), per variant where the variants change the work per
     run (Table II's E, Fig. 2a's ratio)."""
     by = "variant" if name in ("epochs", "participation") else None
-    label = lambda v: v.replace("=", " = ").replace("%", " %")  # noqa: E731
-    return cost_line(read_csv(folder / name / "results.csv"), f"{name}/results.csv", by, label)
+    return cost_line(read_csv(folder / name / "results.csv"), f"{name}/results.csv", by, _spaced)
 
 
 def _fedadam_settings() -> str:
-    """The FedAdam baseline's server settings as every preset runs them (``METHOD_OPTIONS`` over the
-    algorithm's defaults, in a list item: indented), and where ``v_init``, its second moment's start, comes
-    from: the presets do not set it, so a change of the default changes the page."""
+    """The FedAdam baseline's server settings as every preset runs them, indented for a list item; ``v_init`` is
+    the algorithm's default unless ``METHOD_OPTIONS`` sets it, so a change of the default changes the page."""
     from fedweave.algorithms.centralized.fedadam import FedOptHparams
 
     hp = FedOptHparams(**METHOD_OPTIONS["fedadam"])
@@ -718,6 +694,13 @@ def _fedadam_settings() -> str:
 
 
 ACC = "test accuracy (%)"
+
+
+def _spaced(variant: str) -> str:
+    """A Table II or Fig. 2a variant as the page writes it: ``E = 1``, ``5 %``."""
+    return variant.replace("=", " = ").replace("%", " %")
+
+
 _acc = partial(pm_cell, key="final_acc")  # a row's final accuracy, mean ± std over seeds
 
 
@@ -726,9 +709,8 @@ CORE_ROWS = ["fedavg", "scaffold", "fedcm", "fedmim"]  # the rows of the page's 
 
 
 def table_i(rows: list[dict], dataset: str, methods=METHODS, paper: bool = True) -> str:
-    """Table I's layout of ``dataset``'s rows (``summarize``, ``table.csv``): one row per method of ``methods``
-    that ran and, per split, the final accuracy (the split's best in bold) and the consistency, with ``paper``
-    also our rank, the paper's CIFAR-10 number for the split and its rank, ranks among these rows."""
+    """Table I's layout of ``dataset``'s rows (``table.csv``): per method that ran and split, the final accuracy
+    (best in bold) and the consistency; with ``paper`` also our rank and the paper's CIFAR-10 number and rank."""
     ran = [r for r in rows if r["dataset"] == dataset and r["method"] in methods]
     keys = [m for m in methods if any(r["method"] == m for r in ran)]
     cols = [Col("method", LABELS.get)]
@@ -777,7 +759,7 @@ def _per_variant(rows: list[dict]) -> dict[str, dict[str, dict]]:
 def _epochs(rows: list[dict]) -> str:
     """Table II: per method, ours at each E and the paper's three numbers."""
     per = _per_variant(rows)
-    cols = [Col("method", LABELS.get), *(Col(v.replace("=", " = "), lookup(by, _acc)) for v, by in per.items())]
+    cols = [Col("method", LABELS.get), *(Col(_spaced(v), lookup(by, _acc)) for v, by in per.items())]
     paper = [lookup(by, lambda r: f"{r['paper_c10']:.2f}", "–") for by in per.values()]
     cols.append(
         Col("paper C10 E = " + " / ".join(v.split("=")[1] for v in per), lambda m: " / ".join(f(m) for f in paper))
@@ -790,19 +772,18 @@ def _participation(rows: list[dict]) -> str:
     the change of the final accuracy between the first and the last ratio."""
     per, cols = _per_variant(rows), [Col("method", LABELS.get)]
     for v, by in per.items():
-        cols += [Best(v.replace("%", " %"), lookup(by, _acc), key=lookup(by, "final_acc_mean", -math.inf))]
+        cols += [Best(_spaced(v), lookup(by, _acc), key=lookup(by, "final_acc_mean", -math.inf))]
         cols += [Col("mean over rounds", lookup(by, "mean_acc_over_rounds"), ".2f")]
     (lo, a), (hi, b) = list(per.items())[0], list(per.items())[-1]
 
     def change(m: str) -> float | None:
         return abs(b[m]["final_acc_mean"] - a[m]["final_acc_mean"]) if m in a and m in b else None
 
-    cols.append(Col(f"change {lo} → {hi}".replace("%", " %"), change, ".2f"))
+    cols.append(Col(f"change {_spaced(lo)} → {_spaced(hi)}", change, ".2f"))
     return bold_layout(cols, list(dict.fromkeys(r["method"] for r in rows)))
 
 
-VARIANT_TABLES = {"ablation": lambda rows: bold_layout(ABLATION_COLS, rows), "epochs": _epochs}
-VARIANT_TABLES["participation"] = _participation
+VARIANT_TABLES = {"ablation": partial(bold_layout, ABLATION_COLS), "epochs": _epochs, "participation": _participation}
 
 
 # ---- a preset's report: its records and summaries, the tables above, the claims, the curves ----------------------
@@ -832,12 +813,8 @@ GAP_KEYS = ["dataset", "split", "method", "seed", "round", "accuracy", "fedmim_m
 def _setting(p: Preset, wall: float, records: list[dict]) -> str:
     """A report's line on its preset and cost: the runs share the machine, so their summed CPU time (when every
     run has it) says what the preset costs on idle cores."""
-    cpus = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
-    cpu = (
-        f"; CPU time of the runs {sum(cpus) / 60:.1f} min (one thread each)"
-        if cpus and len(cpus) == len(records)
-        else ""
-    )
+    cpus = [r.get("cpu_seconds") for r in records]
+    cpu = f"; CPU time of the runs {sum(cpus) / 60:.1f} min (one thread each)" if cpus and None not in cpus else ""
     per_round = " unless the column says otherwise" if p.variants else ""
     horizon = "" if p.variants else f", T = {p.rounds}"
     return (
@@ -847,10 +824,8 @@ def _setting(p: Preset, wall: float, records: list[dict]) -> str:
 
 
 def report_files(records: list[dict], rows: list[dict], name: str, p: Preset, wall: float, skipped=(), gaps=None):
-    """A preset's report files from its per-seed ``records`` and per-cell ``rows`` (``summarize`` or
-    ``variant_summary``; read back from the committed CSV files, they rebuild the committed report): results.csv,
-    the rows as CSV, their table (the page's layout) with the settings line and the claims by their declared
-    rules as markdown, claims.json, and with the ``long`` preset's ``gaps`` rows gaps.csv and gaps.md."""
+    """A preset's report files from its per-seed ``records`` and per-cell ``rows`` (read back from the committed
+    CSV files, they rebuild the committed report); with the ``long`` preset's ``gaps`` rows gaps.csv and gaps.md."""
     md = [f"# FedMIM {TITLES.get(p.table, 'reproduction')}, preset `{name}`", "", _setting(p, wall, records), ""]
     if p.variants:
         keys, csv_name = RESULT_KEYS, f"{name}.csv"
@@ -901,9 +876,8 @@ def _width(method: str) -> dict[str, float]:
 
 
 def plot(records: list[dict], p: Preset, name: str, out: Path) -> list[Path]:
-    """``OUT/curves-<dataset>.png`` (a variant preset: ``curves-NAME.png``): test accuracy against rounds, the mean
-    over seeds with a band, one panel per split or variant, each method a line (Table III: one panel, each row a
-    line); below it, for Table I, the local consistency."""
+    """``OUT/curves-<dataset>.png`` (a variant preset: ``curves-NAME.png``): test accuracy (mean over seeds, band)
+    per split or variant, a line per method (Table III: per row); below, for Table I, the local consistency."""
     key, paths = "variant" if p.variants else "split", []
     for d, rs in sorted(group(records, lambda r: r["dataset"]).items()):
         panels = [v for v, _ in p.variants] or [s for s in SPLIT_NAMES if any(r["split"] == s for r in rs)]
@@ -926,9 +900,8 @@ PAGE_FOLDERS = ("", "long", "ablation", "epochs", "participation")
 
 
 def page_verdicts(folder: Path) -> list[tuple[str, Verdict]]:
-    """(source, verdict) of every claim of the page, judged again by its declared rule from the committed
-    per-seed records (``results.csv``) of each folder of ``PAGE_FOLDERS`` under ``folder``; a variant preset's
-    seed means from its committed ``NAME.csv``."""
+    """(source, verdict) of every claim of the page, judged again from the committed ``results.csv`` (and a
+    variant preset's ``NAME.csv``) of each folder of ``PAGE_FOLDERS`` under ``folder``."""
     out = []
     for name in PAGE_FOLDERS:
         p, d = PRESETS[name or "small"], folder / name
@@ -1017,10 +990,10 @@ def study_plan(opts) -> Plan:
         )
     # a method the preset does not run was dropped too: with none left the report's tables were written empty
     if bad := [m for m in opts.methods or [] if m not in runs]:
-        more = [m for _, _, group in p.extension for m in group if m not in runs]
+        more = [m for m in preset_names(p, extend=True)[1] if m not in runs]
         raise ConfigError(
             f"--methods: preset {opts.scale!r} runs no {', '.join(bad)}; it runs {', '.join(runs)}"
-            + (f" (with --extend also {', '.join(dict.fromkeys(more))})" if more else "")
+            + (f" (with --extend also {', '.join(more)})" if more else "")
         )
     return Plan(plan(p, Path(opts.out), seeds, opts.datasets, opts.methods, opts.extend), (p, seeds))
 
