@@ -107,7 +107,7 @@ def _base(dataset: dict, partition: dict, model: dict, rounds: int, local: dict,
 def preset(scale: str) -> Preset:
     if scale == "smoke":  # generated data: a pipeline check, not a result
         ds = {"name": "synthetic", "iid": True, "num_users": 20, "num_features": 20, "num_classes": 3, "seed": 0}
-        part = {"name": "dirichlet_balanced", "num_clients": 6, "alpha": 0.3}
+        part = {"name": "dirichlet_balanced", "num_clients": 8, "alpha": 0.3}  # Table 3: a 3-regular "half" graph
         base = _base(ds, part, {"name": "mlp", "hidden": [8]}, 2, {"epochs": 1, "batch_size": 32, "lr": 0.05}, 1)
         synthetic = [Setting("synthetic", "Synthetic (generated) Dir0.3", base)]
         return Preset(synthetic, "synthetic", 4, 2, [0.1, 1.5], [5.0], 1, dpx_sigmas=[5.0], pathological="synthetic")
@@ -141,7 +141,7 @@ def preset(scale: str) -> Preset:
                 settings.append(Setting(key, key, _base({"name": name}, part, model, 500, local, 5)))
         dp = [2.0, 5.0, 10.0, 50.0]
         return Preset(settings, "cifar10-dir0.1", 10, 10, [0.1, 0.5, 0.8, 1.0, 1.5], dp, 3, {}, dp, "cifar10-path2")
-    raise SystemExit(f"--scale must be smoke, small or paper; got {scale!r}")
+    raise ConfigError(f"--scale must be smoke, small or paper; got {scale!r}")
 
 
 def methods(p: Preset) -> dict[str, dict[str, Any]]:
