@@ -220,3 +220,26 @@ def test_a_setting_whose_every_seed_diverged_leaves_its_claims_untestable_not_ou
     meta = {"scale": "paper", "seeds": list(range(5)), "runs": []}
     summary = cfl_saga.summary_md(cfl_saga.aggregate(rows), rows, meta)
     assert "| random | CFL-SAGA ρ=10 (5/5 diverged) | – | – | – | – | – | – |  | – | – |" in summary
+
+
+@pytest.mark.parametrize("part", ["real", "alpha"])
+def test_the_paper_sized_parts_are_refused_at_smoke_scale(part, tmp_path, capsys):
+    """``--part real --scale smoke`` ran nothing and said nothing; ``--part alpha --scale smoke`` ran the
+    paper-sized step-size grid (10,000-30,000 iterations a run) under the smoke scale's name."""
+    from fedweave.cli import main
+
+    out = tmp_path / "o"
+    assert main(["reproduce", "cfl-saga", "--scale", "smoke", "--part", part, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--part {part}: its runs have the paper's problem size" in err
+    assert not out.exists()
+
+
+def test_a_part_beside_raw_records_without_their_meta_is_one_line(tmp_path, capsys):
+    """``--part`` into a folder holding raw.json but no meta.json ended in a traceback (FileNotFoundError)."""
+    from fedweave.cli import main
+
+    (tmp_path / "raw.json").write_text("[]")
+    assert main(["reproduce", "cfl-saga", "--scale", "smoke", "--part", "synthetic", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--part synthetic: {tmp_path} holds raw.json but no meta.json" in err

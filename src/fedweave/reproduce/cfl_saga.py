@@ -831,6 +831,11 @@ def study_plan(opts) -> Plan:
                 "that invocation's --out, or run without --report-only"
             )
         return Plan([], ([], json.loads((out / "meta.json").read_text())), rebuilds_out=True)
+    if opts.scale == "smoke" and opts.part in ("real", "alpha"):  # those parts have one size, the paper's
+        raise ConfigError(
+            f"--part {opts.part}: its runs have the paper's problem size at every --scale (minutes each); the smoke "
+            "scale runs only the synthetic part: give --scale small or paper"
+        )
     jobs = synthetic_jobs(opts.scale, seeds) if opts.part in ("all", "synthetic") else []
     if opts.scale != "smoke" and opts.part in ("all", "real"):
         jobs += real_jobs(seeds[0])
@@ -838,6 +843,11 @@ def study_plan(opts) -> Plan:
         jobs = alpha_jobs(seeds[0])
     meta: dict[str, Any] = {"scale": opts.scale, "seeds": seeds, "runs": []}
     if opts.part != "all" and (out / "raw.json").is_file():
+        if not (out / "meta.json").is_file():
+            raise ConfigError(
+                f"--part {opts.part}: {out} holds raw.json but no meta.json of an earlier cfl-saga invocation; give "
+                "that invocation's whole --out, or a new one"
+            )
         meta = json.loads((out / "meta.json").read_text())
         meta["runs"] = [r for r in meta["runs"] if r["part"] != opts.part]
         part_of = {"synthetic": "synthetic", ALPHA: "alpha"}
@@ -882,7 +892,8 @@ STUDY = Study(
             choices=("all", "synthetic", "real", "alpha"),
             default="all",
             help="run only one part; the other parts' runs already in OUT are kept. 'alpha' (never part of "
-            "'all') runs the spec's step-size grid on the random graph",
+            "'all') runs the spec's step-size grid on the random graph; 'real' and 'alpha' have the paper's size at "
+            "every scale and are refused at smoke",
         ),
         option(
             "--report-only", action="store_true", help="rebuild the report from OUT/raw.json (its figures: curves.npz)"
