@@ -261,3 +261,17 @@ def test_a_budget_that_lets_no_run_finish_says_no_claim_is_testable(tmp_path):
     assert repro.main(["--scale", "smoke", "--out", str(tmp_path), "--workers", "1", "--budget-minutes", "0"]) == 0
     claims = json.loads((tmp_path / "claims.json").read_text())
     assert claims == [{"claim": "spec §9.2", "verdict": "untestable", "measured": "no claim testable: no run finished"}]
+
+
+def test_the_iid_claim_is_left_out_when_the_iid_control_did_not_run_beside_a_diverged_run():
+    """A Dir-0.1 run that diverged and no IID run (a time budget, or ``--datasets``/``--methods`` leaving it
+    out) ended FedMIM's report with ``ConfigError: verdict rule final_acc: final_acc at seed 0 is nan``."""
+    from fedweave.reproduce import fedmim as fm
+
+    def run(method: str, seed: int, acc: float) -> dict:
+        return {"dataset": "d", "split": "dir0.1", "method": method, "seed": seed, "final_acc": acc}
+
+    recs = [run("fedavg", 0, float("nan")), run("fedavg", 1, 50.0), run("fedmim", 0, 55.0), run("fedmim", 1, 56.0)]
+    recs = [{**r, "consistency_last20": 0.5} for r in recs]
+    assert fm.TABLE_I_CLAIMS["claim_iid_smaller"].verdict(recs, "d") is None
+    assert fm.TABLE_I_CLAIMS["claim_accuracy"].verdict(recs, "d").outcome == "untestable"

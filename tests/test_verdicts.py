@@ -433,3 +433,20 @@ def test_a_run_that_is_no_pair_leaves_its_seed_and_is_counted_when_too_few_are_l
         "untestable: 1 seed with both sides run (b: 2 of 3 diverged); a paired t test needs 2"
     )
     assert rule.judge([r for r in recs if r["m"] == "a"]) is None  # b never ran: left out
+
+
+def test_a_side_that_never_ran_leaves_the_claim_out_beside_a_diverged_run_of_the_other():
+    """A difference of selectors on one side, a diverged (NaN) run on it and no records at all on the other: the
+    claim is left out (before: the rule read the unfiltered records and refused the NaN, ``ConfigError: verdict
+    rule acc: acc at seed 0 is nan``, which ended FedMIM's report when its IID control had not run)."""
+    from fedweave.experiments.verdicts import cell
+
+    nan = float("nan")
+    recs = [
+        {"s": "dir", "m": m, "seed": k, "acc": v}
+        for m, vs in (("a", (nan, 5.0)), ("b", (1.0, 2.0)))
+        for k, v in enumerate(vs)
+    ]
+    gap = lambda s: cell(s=s, m="a") - cell(s=s, m="b")  # noqa: E731
+    rule = Paired("acc", gap("dir"), gap("iid"), no_pair=lambda r: None if math.isfinite(r["acc"]) else "diverged")
+    assert rule.judge(recs) is None

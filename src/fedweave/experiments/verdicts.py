@@ -260,7 +260,9 @@ class Paired:
         (the records cannot test the claim, e.g. a variant the preset does not run). With ``no_pair``, the runs
         it names leave the pairs first (module docstring)."""
         sides = self.selections()
-        if self.no_pair is not None and all(_where(records, w) for w in sides):
+        if self.no_pair is not None:
+            if not all(_where(records, w) for w in sides):
+                return None  # a side without records: nothing to pair (the other side's no-pair runs are not read)
             kept = [r for r in records if self.no_pair(r) is None]
             got = self._judge(kept)
             if got is not None and got.outcome != UNTESTABLE:
