@@ -238,3 +238,19 @@ def test_the_power_table_of_one_seed_says_the_test_cannot_run_instead_of_failing
     rows = [line for line in text.splitlines() if line.startswith("| a=")]
     assert len(rows) == 3 and all(re.fullmatch(r"\| a=.* \| 1 \| [+-]\d+\.\d\d \| — \| — \| — \|", r) for r in rows)
     assert "| a=1000, b=90% | 5 | +0.06 | 0.10 | 0.16 | 1.00 |" in zo_hfl.power_table(records)  # unchanged
+
+
+def test_the_power_table_pairs_only_the_runs_that_did_not_diverge():
+    """The adult preset's power table read every run: one diverged run ended its report (``ConfigError: verdict
+    rule acc: acc at seed 0 is nan``), and a baseline whose every run diverged was ranked on a NaN mean."""
+    from pathlib import Path
+
+    folder = Path(__file__).parents[1] / "docs" / "reproductions" / "zo-hfl" / "adult"
+    _, records, *_ = zo_hfl.committed(folder, "adult")
+    first = next(r for r in records if r["method"] == "zo_hfl" and r["part"] == "table" and r["alpha"] == 1000)
+    one = [{**r, "acc": float("nan"), "status": "diverged"} if r is first else r for r in records]
+    rows = {line.split(" | ")[0]: line for line in zo_hfl.power_table(one).splitlines()}
+    assert rows["| a=1000, b=90%"].split(" | ")[1] == "4"  # of 5 seeds, the diverged one's pair left out
+    assert rows["| a=1, b=50%"].split(" | ")[1] == "5"
+    gone = [{**r, "acc": float("nan"), "status": "diverged"} if r["method"] == "server_only" else r for r in records]
+    assert zo_hfl.power_table(gone).startswith("Room: not measured (at (1000, 90%) the server-only control's runs")

@@ -481,9 +481,12 @@ def power_table(records: list[dict]) -> str:
     above the server-only control's at (1000, 90%)) and what the paired test at its seeds could find: per
     setting, the seed std of the paired differences ZO-HFL - server-only, the difference detected with 80 %
     power by the 95 % paired t, and the power against a gain as large as that room."""
-    table = [r for r in records if r["part"] == "table"]
+    table = [r for r in records if r["part"] == "table" and not _diverged(r)]  # a diverged run: no accuracy to pair
     mean = lambda m: float(np.mean(_accs(table, m, HOMO)))  # noqa: E731
-    best = max(BASELINES, key=mean)
+    ran = [m for m in BASELINES if _accs(table, m, HOMO)]
+    if not ran or not _accs(table, "server_only", HOMO):  # every run of a side diverged: no room to measure
+        return "Room: not measured (at (1000, 90%) the server-only control's runs, or every baseline's, diverged).\n"
+    best = max(ran, key=mean)
     room = mean(best) - mean("server_only")
     diffs = {s: list((at("zo_hfl", s) - at("server_only", s)).values(table, "acc").values()) for s in SETTINGS}
     # one paired difference (--seeds 1, or a time budget that left one seed) has no std: no test, no power ("—")
