@@ -947,12 +947,14 @@ def _small_cost(folder: Path, results: list[dict]) -> str:
     wall = re.search(r"Wall time ([\d.]+) min", (folder / "table.md").read_text(encoding="utf-8"))[1]
     cpu = [r["cpu_seconds"] for r in results if r["dataset"] == "mnist"]
     mean = sum(cpu) / len(cpu)
+    small = PRESETS["small"]
+    runs, extended = (len(plan(small, Path(), small.seeds, None, None, extend)) for extend in (False, True))
     return (
         f"Runtime: {wall} min wall (`table.md`) on the 2-core machine while it was shared with several other jobs.\n"
         f"Its cost on idle cores, from the CPU time of the {len(cpu)} MNIST runs that recorded\n"
         f"it ({sum(cpu):.0f} CPU-seconds, {min(cpu):.0f}–{max(cpu):.0f} s per run, {mean:.0f} s on average), is about\n"
-        f"{36 * mean / 2 / 60:.0f} minutes for the default preset's 36 runs on 2 idle cores and about"
-        f" {66 * mean / 2 / 60:.0f} minutes\nwith `--extend` (66 runs).\n"
+        f"{runs * mean / 2 / 60:.0f} minutes for the default preset's {runs} runs on 2 idle cores and about"
+        f" {extended * mean / 2 / 60:.0f} minutes\nwith `--extend` ({extended} runs).\n"
     )
 
 

@@ -745,7 +745,8 @@ def cost_section(folder: Path) -> str:
     meta = json.loads((folder / "claims.json").read_text(encoding="utf-8"))["meta"]
     invocation = [f"{meta['wall_seconds']:.0f} s", f"{meta['cpu_seconds']:.0f} s", meta["load_at_end"]]
     wall, cpu, load = stated(folder / "tune.md", TUNE_COST)  # its last line (``tune_md``)
-    tune_runs = len(read_csv(folder / "tune.csv")) * 6  # one run per (lambda, mu) and setting, 1 seed
+    tune = read_csv(folder / "tune.csv")  # a row per (lambda, mu, gamma_0): its lam, mu, server_lr, mean and cells
+    tune_runs = len(tune) * (len(tune[0]) - 4)  # one run per row and cell (dataset and setting), 1 seed
     body = [["`--tune`", tune_runs, f"{wall} s", f"{cpu} s", load]]
     # the invocation's wall and CPU time are those of the runs it ran (and its rebuild), not of the ones it reused
     ran = f"{meta['runs'] - meta['reused']} (and {meta['reused']} reused)" if meta.get("reused") else meta["runs"]
@@ -776,8 +777,8 @@ def adult_tune_section(path: Path) -> str:
     top = max(((r[c], r, c) for r in rows for c in cols), key=lambda x: x[0])
     return (
         f"At the paper's gamma_0 = 0.01 the server-only control stays at the majority class ({base[cols[0]]:.2f} %) in"
-        f" 100 rounds,\nand no cell gets far from it: the best is {top[0]:.2f} % (lambda = {top[1]['lam']:g}, mu ="
-        f" {top[1]['mu']}, {top[2][6:]}),\nso gamma_0 was tuned too.\n"
+        f" {PRESETS['adult'].rounds} rounds,\nand no cell gets far from it: the best is {top[0]:.2f} % (lambda = "
+        f"{top[1]['lam']:g}, mu = {top[1]['mu']}, {top[2].removeprefix('adult ')}),\nso gamma_0 was tuned too.\n"
     )
 
 
