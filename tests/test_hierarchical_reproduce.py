@@ -254,3 +254,66 @@ def test_the_power_table_pairs_only_the_runs_that_did_not_diverge():
     assert rows["| a=1, b=50%"].split(" | ")[1] == "5"
     gone = [{**r, "acc": float("nan"), "status": "diverged"} if r["method"] == "server_only" else r for r in records]
     assert zo_hfl.power_table(gone).startswith("Room: not measured (at (1000, 90%) the server-only control's runs")
+
+
+def _committed_small():
+    from pathlib import Path
+
+    return zo_hfl.committed(Path(__file__).parents[1] / "docs" / "reproductions" / "zo-hfl", "small")
+
+
+def test_table_i_means_leave_a_diverged_run_out_and_name_a_cell_none_of_whose_runs_finished():
+    """A diverged run's record keeps its last accuracy before diverging: Table I averaged it in (``82.78 ± 4.03
+    (1/3 diverged)`` was the mean of all three runs) and printed ``nan ± nan`` where none finished."""
+    p, records, *_ = _committed_small()
+    records = [{**r, "seconds": 1.0, "cpu": 1.0} for r in records]  # what a run's record adds to results.csv's
+    cell = ("mnist", 1000, 0.9, "fedavg")
+    mine = [r for r in records if r["part"] == "table" and tuple(r[k] for k in zo_hfl.CELL) == cell]
+    one = [{**r, "acc": 10.0, "status": "diverged"} if r is mine[0] else r for r in records]
+    table = zo_hfl.per_cell([r for r in one if r["part"] == "table"], zo_hfl.CELL, zo_hfl.TABLE_STATS)
+    row = next(t for t in table if tuple(t[k] for k in zo_hfl.CELL) == cell)
+    assert row["acc_mean"] == round(sum(r["acc"] for r in mine[1:]) / (len(mine) - 1), 2) and row["diverged"] == 1
+    every = [{**r, "acc": 10.0, "status": "diverged"} if r in mine else r for r in records]
+    table = zo_hfl.per_cell([r for r in every if r["part"] == "table"], zo_hfl.CELL, zo_hfl.TABLE_STATS)
+    shown = zo_hfl.table1(p, table, "mnist")
+    line = next(x for x in shown.splitlines() if x.startswith("| FedAvg"))
+    assert f"diverged ({len(mine)}/{len(mine)})" in line and "nan" not in shown
+
+
+def test_fig_2_means_leave_diverged_sweep_runs_out_and_count_them():
+    """Fig. 2's final losses averaged a diverged sweep run's last losses in, unmarked, and printed ``nan`` for a
+    run that diverged before evaluating."""
+    _, records, *_ = _committed_small()
+    sweep = [r for r in records if r["part"] == "sweep"]
+    first = sweep[0]
+    same = [r for r in sweep if all(r[k] == first[k] for k in ("dataset", "alpha", "beta", "tau"))]
+    one = [{**r, "test_loss": 99.0, "status": "diverged"} if r is first else r for r in records]
+    means = zo_hfl.fig2_means(one)[first["dataset"]]
+    setting, tau = zo_hfl.SETTING_NAMES[(first["alpha"], first["beta"])], f"{first['tau']:g}"
+    assert means["test_loss"][setting][tau] == round(sum(r["test_loss"] for r in same[1:]) / (len(same) - 1), 5)
+    assert means["diverged"][setting][tau] == [1, len(same)]
+    assert f" (1/{len(same)} diverged)" in zo_hfl.fig2(means)
+    every = [{**r, "test_loss": float("nan"), "status": "diverged"} if r in same else r for r in records]
+    shown = zo_hfl.fig2(zo_hfl.fig2_means(every)[first["dataset"]])
+    assert f"diverged ({len(same)}/{len(same)})" in shown and "nan" not in shown
+
+
+def test_the_tuning_grid_leaves_out_diverged_and_unrun_runs_and_names_them(tmp_path):
+    """``--tune`` under a time budget ended in ``KeyError`` (every planned run was read), a run that diverged
+    before evaluating in ``KeyError: 'val_accuracy'``, and one that diverged later was scored on its last
+    validation accuracy."""
+    import dataclasses
+
+    p = dataclasses.replace(zo_hfl.PRESETS["smoke"], tune_lams=[0.0, 1.0], tune_mus=[0.1])
+    configs = zo_hfl.tune_configs(p, [0], tmp_path)
+    results = {c["name"]: {"status": "completed", "rows": [{"round": 2, "val_accuracy": 0.5}]} for c in configs}
+    lam1 = [c["name"] for c in configs if c["algorithm"]["lam"] == 1.0]
+    results[lam1[0]] = {"status": "diverged", "rows": [{"round": 0, "test_accuracy": float("nan")}]}
+    results[lam1[1]] = {"status": "diverged", "rows": [{"round": 1, "val_accuracy": 0.99}]}
+    del results[lam1[2]]
+    rows = zo_hfl.tune_summary(configs, results)
+    assert [(r["lam"], r["mean"]) for r in rows] == [(0.0, 50.0), (1.0, None)]  # the incomplete row last
+    assert sum(v is None for v in rows[1].values()) == 4 and 99.0 not in rows[1].values()
+    left = zo_hfl.tune_left(configs, results)
+    assert left == f"Diverged: {lam1[0]}, {lam1[1]}.\nNot run (time budget): {lam1[2]}.\n\n"
+    assert "| 1.0 | 0.1 | 0.01 | – |" in zo_hfl.tune_md(rows, p, [0], 1, 1.0, left)

@@ -263,7 +263,9 @@ def lookup(by: Mapping[Any, Any], value: str | Callable[[Any], Any], missing: An
 
 def pm_cell(row: Mapping[str, Any], key: str) -> str:
     """A per-cell row's ``<key>_mean ± <key>_std`` (the mean alone when one seed completed: one value has no
-    spread to show) and, when some of its ``seeds`` ran diverged, how many."""
+    spread to show) and, when some of its ``seeds`` ran diverged, how many; ``diverged (n/n)`` when all did."""
+    if row["diverged"] and row["diverged"] == row["seeds"]:  # no finished run: no mean to show
+        return f"diverged ({row['diverged']}/{row['seeds']})"
     failed = f" ({row['diverged']}/{row['seeds']} diverged)" if row["diverged"] else ""
     if row["seeds"] - row["diverged"] == 1:
         return f"{row[f'{key}_mean']:.2f}{failed}"

@@ -292,10 +292,15 @@ def paper_acc(r: dict[str, Any]) -> float | None:
     return paper[SETTINGS.index((r["alpha"], r["beta"]))] if paper else None
 
 
-TABLE_STATS = {  # table.csv's columns per cell (dataset, setting, method) over its seeds (population std)
-    "acc_mean": mean_of("acc", ddof=0, nd=2),
-    "acc_std": std_of("acc", ddof=0, nd=2),
-    "acc_last10_mean": mean_of("acc_last10", ddof=0, nd=2),
+def _finished(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of runs that did not diverge (a diverged run's accuracy is its last before diverging)."""
+    return [r for r in records if r["status"] != "diverged"]
+
+
+TABLE_STATS = {  # table.csv's columns per cell (dataset, setting, method) over its finished seeds (population std)
+    "acc_mean": mean_of("acc", _finished, ddof=0, nd=2),
+    "acc_std": std_of("acc", _finished, ddof=0, nd=2),
+    "acc_last10_mean": mean_of("acc_last10", _finished, ddof=0, nd=2),
     "paper_acc": lambda rs: paper_acc(rs[0]),
     "seeds": len,
     "seconds_mean": mean_of("seconds", nd=1),
@@ -307,13 +312,17 @@ CELL = ("dataset", "alpha", "beta", "method")
 
 def fig2_means(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Fig. 2's final global and test loss per tau-sweep dataset, setting and tau: the means over the sweep's
-    seeds, to 5 decimals (``claims.json``'s ``fig2``, from the runs' full-precision values)."""
+    seeds that did not diverge, to 5 decimals (``claims.json``'s ``fig2``, from the runs' full-precision values;
+    None where every seed diverged), and under ``diverged``, where any did, how many of how many."""
     out: dict[str, Any] = {}
     sweep = [r for r in records if r["part"] == "sweep"]
     for (ds, a, b, tau), rs in group(sweep, itemgetter(*CELL[:3], "tau")).items():
+        setting, done = SETTING_NAMES[(a, b)], _finished(rs)
         for key in ("global_loss", "test_loss"):
-            per = out.setdefault(ds, {}).setdefault(key, {}).setdefault(SETTING_NAMES[(a, b)], {})
-            per[f"{tau:g}"] = round(float(np.mean([r[key] for r in rs])), 5)
+            per = out.setdefault(ds, {}).setdefault(key, {}).setdefault(setting, {})
+            per[f"{tau:g}"] = round(float(np.mean([r[key] for r in done])), 5) if done else None
+        if len(done) < len(rs):
+            out[ds].setdefault("diverged", {}).setdefault(setting, {})[f"{tau:g}"] = [len(rs) - len(done), len(rs)]
     return out
 
 
@@ -440,7 +449,8 @@ def table1(p: Preset, rows: list[dict], dataset: str) -> str:
     setting, mean ± std [the mean of the last 10 rounds] / the paper's number (the long control: mean ± std)."""
 
     def cell(r: dict) -> str:
-        last = "" if r["method"] == "server_only_long" else f" [{r['acc_last10_mean']:.2f}]"
+        shown = r["method"] != "server_only_long" and r["seeds"] > r["diverged"]  # every seed diverged: no mean
+        last = f" [{r['acc_last10_mean']:.2f}]" if shown else ""
         paper = "" if r["paper_acc"] is None else f" / {r['paper_acc']:.2f}"
         return f"{pm_cell(r, 'acc')}{last}{paper}"
 
@@ -462,16 +472,27 @@ def sensitivity(rows: list[dict]) -> str:
 
 def fig2(losses: dict[str, Any]) -> str:
     """Fig. 2's final global and test loss of one dataset per setting and tau (``fig2_means``)."""
-    glob, test = losses["global_loss"], losses["test_loss"]
+    glob, test, diverged = losses["global_loss"], losses["test_loss"], losses.get("diverged", {})
     # every tau of any setting, each cell in that order: a setting whose run of a tau the time budget left unrun
     # shows "–" there, not its other taus' values shifted under the wrong tau
     order = sorted({t for per in test.values() for t in per}, key=float)
     taus = " / ".join(order)
-    cells = lambda per, f: " / ".join(f"{per[t]:{f}}" if t in per else "–" for t in order)  # noqa: E731
+
+    def value(s: str, per: dict[str, float | None], t: str, f: str) -> str:
+        if t not in per:
+            return "–"
+        bad, n = diverged.get(s, {}).get(t, (0, 0))
+        if per[t] is None:
+            return f"diverged ({bad}/{n})"
+        return f"{per[t]:{f}}" + (f" ({bad}/{n} diverged)" if bad else "")
+
+    def cells(s: str, per: dict[str, float | None], f: str) -> str:
+        return " / ".join(value(s, per, t, f) for t in order)
+
     cols = [
         Col("setting", lambda s: s.replace("a=", "alpha=").replace("b=", "beta=")),
-        Col(f"global loss, tau = {taus}", lambda s: cells(glob[s], ".4f")),
-        Col(f"test loss, tau = {taus}", lambda s: cells(test[s], ".5f")),
+        Col(f"global loss, tau = {taus}", lambda s: cells(s, glob[s], ".4f")),
+        Col(f"test loss, tau = {taus}", lambda s: cells(s, test[s], ".5f")),
     ]
     return layout(cols, list(test))
 
@@ -634,31 +655,48 @@ def tune_configs(p: Preset, seeds: list[int], out: Path) -> list[dict[str, Any]]
 
 
 def tune_summary(configs: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (lambda, mu, gamma_0): final validation accuracy per dataset and setting (seed mean) and overall."""
+    """Per (lambda, mu, gamma_0): final validation accuracy per dataset and setting (the mean over the seeds that
+    finished; None where none did: every run diverged, or the time budget left them unrun) and overall (None
+    unless every cell has one: such a row is ranked last, not on the cells it has)."""
     cells: dict[tuple, dict[str, list[float]]] = {}
     for c in configs:
         a = c["algorithm"]
         key = (a["lam"], a["mu"] if a["lam"] > 0 else "-", a["server_lr"])
         col = f"{c['dataset']['name']} {SETTING_NAMES[(c['partition']['alpha'], a['participation'])]}"
-        cells.setdefault(key, {}).setdefault(col, []).append(100 * _final(results[c["name"]], "val_accuracy"))
+        got = cells.setdefault(key, {}).setdefault(col, [])
+        if (run := results.get(c["name"])) is not None and run["status"] != "diverged":
+            got.append(100 * _final(run, "val_accuracy"))
     rows = []
     for (lam, mu, g), cols in cells.items():
-        means = {col: round(float(np.mean(v)), 2) for col, v in cols.items()}
+        means = {col: round(float(np.mean(v)), 2) if v else None for col, v in cols.items()}
         rows.append({"lam": lam, "mu": mu, "server_lr": g, **means})
-        rows[-1]["mean"] = round(float(np.mean(list(means.values()))), 2)
-    return sorted(rows, key=lambda r: -r["mean"])
+        whole = None not in means.values()
+        rows[-1]["mean"] = round(float(np.mean(list(means.values()))), 2) if whole else None
+    return sorted(rows, key=lambda r: (r["mean"] is None, -(r["mean"] or 0.0)))
 
 
-def tune_md(rows: list[dict[str, Any]], p: Preset, seeds: list[int], workers: int, wall: float) -> str:
-    """``tune.md``: the validation accuracy of every (lambda, mu, gamma_0), best first, and the invocation's cost."""
+def tune_md(rows: list[dict[str, Any]], p: Preset, seeds: list[int], workers: int, wall: float, left: str) -> str:
+    """``tune.md``: the validation accuracy of every (lambda, mu, gamma_0), best first, the runs ``left`` out of it
+    (diverged or not run) and the invocation's cost."""
+    body = [["–" if r[c] is None else r[c] for c in rows[0]] for r in rows]
     return (
         "# ZO-HFL: lambda and mu chosen on a validation split (spec A1)\n\n"
         f"Final validation accuracy % (10% of the training set held out; the test set is not used), {p.rounds} "
         f"rounds, tau = {p.tau:g}, {len(seeds)} seed(s); best first. lambda = 0 is the server-only control (mu "
-        f"unused).\n\n{markdown_table(list(rows[0]), [[r[c] for c in rows[0]] for r in rows])}\n"
+        f"unused).\n\n{markdown_table(list(rows[0]), body)}\n{left}"
         f"Wall time {wall:.0f} s with {workers} worker(s); CPU time of the invocation (workers included) "
         f"{cpu_seconds():.0f} s; load average at the end {load_average()}.\n"
     )
+
+
+def tune_left(configs: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> str:
+    """The grid's runs that no cell's mean holds (``–``, or a mean over fewer seeds): those that diverged and
+    those the time budget left unrun, by name; "" when every run finished."""
+    diverged = [c["name"] for c in configs if results.get(c["name"], {}).get("status") == "diverged"]
+    unrun = [c["name"] for c in configs if c["name"] not in results]
+    lines = [f"Diverged: {', '.join(diverged)}."] if diverged else []
+    lines += [f"Not run (time budget): {', '.join(unrun)}."] if unrun else []
+    return "\n".join(lines) + "\n\n" if lines else ""
 
 
 def study_plan(opts) -> Plan:
@@ -678,8 +716,8 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> Rep
     p, seeds, configs = plan_.context
     results = {r["name"]: r for r in records}
     if opts.tune:
-        rows = tune_summary(configs, results)
-        return Report({"tune.csv": Rows(rows), "tune.md": tune_md(rows, p, seeds, opts.workers, wall)}, show="tune.md")
+        rows, left = tune_summary(configs, results), tune_left(configs, results)
+        return Report({"tune.csv": Rows(rows), "tune.md": tune_md(rows, p, seeds, opts.workers, wall, left)}, "tune.md")
     meta = {
         "scale": opts.scale,
         "rounds": p.rounds,
