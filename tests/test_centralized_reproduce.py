@@ -275,3 +275,48 @@ def test_the_iid_claim_is_left_out_when_the_iid_control_did_not_run_beside_a_div
     recs = [{**r, "consistency_last20": 0.5} for r in recs]
     assert fm.TABLE_I_CLAIMS["claim_iid_smaller"].verdict(recs, "d") is None
     assert fm.TABLE_I_CLAIMS["claim_accuracy"].verdict(recs, "d").outcome == "untestable"
+
+
+def _variant_records(table: str, diverged_seeds: tuple[int, ...]) -> tuple[list[dict], object]:
+    """A variant preset's records as ``record`` writes them, FedMIM's first variant diverged on ``diverged_seeds``
+    (after 4 evaluations)."""
+    import random
+    from pathlib import Path
+
+    from fedweave.runner import Result
+
+    p, rng, records = repro.PRESETS[table], random.Random(0), []
+    for pt in repro.plan(p, Path("unused"), (0, 1, 2), None, None):
+        rows = [{"round": r, "test_accuracy": 0.6 + r / 200 + rng.uniform(0, 0.05)} for r in range(5, 55, 5)]
+        v, status = dict(pt.values), "completed"
+        if v["variant"] == p.variants[0][0] and v["method"] == "fedmim" and pt.seed in diverged_seeds:
+            rows, status = rows[:4], "diverged"
+        summary = {"status": status, "wall_seconds": 1.0, "cpu_seconds": 1.0}
+        records.append(repro.record(pt, Result(Path("unused"), rows, summary)))
+    return records, p
+
+
+@pytest.mark.parametrize("table", ["ablation", "epochs", "participation"])
+def test_a_variant_cell_whose_every_run_diverged_is_named_not_printed_as_nan(table):
+    """Every run of one cell diverged: the tables printed ``nan ± nan`` and ``nan`` per seed and over the rounds,
+    and the readings said ``not every cell ran`` although every cell ran."""
+    records, p = _variant_records(table, (0, 1, 2))
+    md = repro.report_files(records, repro.variant_summary(records, p), table, p, 1.0)[f"{table}.md"]
+    assert "nan" not in md and "diverged (3/3)" in md
+    assert "not every cell ran" not in md and f"every run of {p.variants[0][0]} FedMIM diverged (see the table)" in md
+    one, _ = _variant_records(table, (1,))
+    rows = repro.variant_summary(one, p)
+    assert next(r for r in rows if r["method"] == "fedmim")["final_acc_per_seed"].split(" / ")[1] == "diverged"
+
+
+def test_a_table_i_cell_whose_every_run_diverged_shows_no_mean_and_no_consistency():
+    """Table I printed ``nan ± nan (3/3 diverged)`` beside a consistency averaged over the diverged runs."""
+    nan = float("nan")
+    records = [
+        {"dataset": "d", "split": split, "method": m, "seed": s, "final_acc": nan if m == "fedavg" else 60.0 + s,
+         "best_acc": 61.0, "consistency_last20": 0.5}
+        for split in ("dir0.1", "iid") for m in ("fedavg", "fedmim") for s in range(3)
+    ]  # fmt: skip
+    table, _ = repro.summarize(records)
+    line = next(x for x in repro.table_i(table, "d", repro.MAIN).splitlines() if x.startswith("| FedAvg"))
+    assert "nan" not in line and line.count("diverged (3/3)") == 2 and "0.5" not in line

@@ -108,8 +108,9 @@ def _round(x: float, nd: int | None) -> float:
 
 
 def per_seed(key: str, fmt: str = ".2f", sep: str = " / ") -> Stat:
-    """A cell's values of ``key`` in seed order, each formatted, joined by ``sep``."""
-    return lambda rs: sep.join(format(r[key], fmt) for r in sorted(rs, key=lambda r: r["seed"]))
+    """A cell's values of ``key`` in seed order, each formatted (``diverged`` where not finite), joined by ``sep``."""
+    cell = lambda v: format(v, fmt) if is_finite(v) else "diverged"  # noqa: E731
+    return lambda rs: sep.join(cell(r[key]) for r in sorted(rs, key=lambda r: r["seed"]))
 
 
 def median_of(key: str) -> Stat:

@@ -181,7 +181,8 @@ def indent(table: str, prefix: str = "  ") -> str:
 @dataclass(frozen=True)
 class Col:
     """A column of a table declared as data: its header and, per row, its value (a key of the row or a
-    function of it) formatted by ``fmt`` (a format spec); a value None is ``none``."""
+    function of it) formatted by ``fmt`` (a format spec); a value None, or NaN (a statistic of no finished run),
+    is ``none``."""
 
     header: str
     value: str | Callable[[Any], Any]
@@ -190,7 +191,7 @@ class Col:
 
     def cell(self, row: Any) -> str:
         v = row[self.value] if isinstance(self.value, str) else self.value(row)
-        return self.none if v is None else format(v, self.fmt)
+        return self.none if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, self.fmt)
 
 
 def layout(cols: Sequence[Col], rows: Sequence[Any]) -> str:

@@ -319,7 +319,7 @@ RESULT_KEYS += ["consistency_last20", "status", "rounds_done", "wall_seconds", "
 
 
 # ---- the per-cell summaries: Table I's (table.csv) and a variant preset's (NAME.csv) ------------------------
-_finished = finite_runs("final_acc", or_all=True)  # a cell's runs that did not diverge (all: the cell reads NaN)
+_finished = finite_runs("final_acc")  # a cell's runs that did not diverge (none: its statistics are NaN, shown —)
 _ok = finite_runs("final_acc", by_seed=True)  # the same in seed order, without the fallback
 
 
@@ -506,8 +506,14 @@ def variant_verdicts(rows: list[dict], p: Preset, records: list[dict]) -> list[V
     ``records`` (a ``results.csv``), what was measured from the seed means of ``rows`` (its ``NAME.csv``)."""
     acc = {(r["variant"], r["method"]): r["final_acc_mean"] for r in rows if r["diverged"] < r["seeds"]}
     labels, methods = [v for v, _ in p.variants], list(dict.fromkeys(r["method"] for r in rows))
-    if "fedmim" not in methods or not all((v, m) in acc for v in labels for m in methods):
-        return [Verdict("every cell of the preset ran", "not every cell ran (see the table)", None)]
+    ran = {(r["variant"], r["method"]) for r in rows}
+    cells = [(v, m) for v in labels for m in methods]
+    gone = [f"{v} {LABELS[m]}" for v, m in cells if (v, m) in ran and (v, m) not in acc]
+    unrun = [f"{v} {LABELS[m]}" for v, m in cells if (v, m) not in ran]
+    if "fedmim" not in methods or gone or unrun:  # the readings compare every cell's seed means
+        why = [f"every run of {', '.join(gone)} diverged"] if gone else []
+        why += [f"not run: {', '.join(unrun)}"] if unrun else []
+        return [Verdict("every cell of the preset ran", f"{'; '.join(why) or 'FedMIM not run'} (see the table)", None)]
     auc = {(r["variant"], r["method"]): r["mean_acc_over_rounds"] for r in rows}
     cells = Cells(
         acc, auc, labels, methods, complete_pairs(records, lambda r: (r["variant"], r["method"]), ("final_acc",))
@@ -946,6 +952,8 @@ def _small_cost(folder: Path, results: list[dict]) -> str:
     the runs that recorded it) as the page states them."""
     wall = re.search(r"Wall time ([\d.]+) min", (folder / "table.md").read_text(encoding="utf-8"))[1]
     cpu = [r["cpu_seconds"] for r in results if r["dataset"] == "mnist"]
+    if not cpu:
+        raise ConfigError(f"{folder / 'results.csv'} holds no MNIST run: the page's cost is read from its CPU time")
     mean = sum(cpu) / len(cpu)
     small = PRESETS["small"]
     runs, extended = (len(plan(small, Path(), small.seeds, None, None, extend)) for extend in (False, True))
