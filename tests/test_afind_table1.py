@@ -343,3 +343,12 @@ def test_an_unknown_scale_is_a_config_error_not_an_exit():
 
     with pytest.raises(ConfigError, match=r"^--scale must be smoke, small or paper; got 'big'$"):
         af.preset("big")
+
+
+def test_a_diverged_seed_of_a_plugin_gain_is_named_not_printed_as_nan():
+    """Fig. 5's per-seed gains printed ``(nan, 0.63)`` for a seed whose run without AFIND+ diverged."""
+    from fedweave.reproduce import afind_plus as af
+
+    plain = [{"seed": 0, "best": math.nan}, {"seed": 1, "best": 0.60}]
+    plug = [{"seed": 0, "best": 0.62}, {"seed": 1, "best": 0.6063}]
+    assert af.seed_gains(plain, plug, "best") == "diverged, 0.63"

@@ -324,6 +324,11 @@ def plugin_gain(plain: list[dict[str, Any]], plug: list[dict[str, Any]], key: st
     return f"+{text}" if text[0].isdigit() else text
 
 
+def seed_gains(plain: list[dict[str, Any]], plug: list[dict[str, Any]], key: str) -> str:
+    """The gain of ``key`` in points per seed both ran, ``diverged`` where either run of the seed did."""
+    return ", ".join(f"{100 * g:.2f}" if math.isfinite(g) else "diverged" for g in seed_gaps(plain, plug, key))
+
+
 def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> dict[str, tuple[list, list]]:
     """Per table of ``rows`` (``plan``), in its order, its header and body: the report's tables and the page's."""
     by = defaultdict(list, group(results, lambda r: (r["setting"], r["label"])))
@@ -354,7 +359,7 @@ def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> d
             setting, body = rows[name][0][1], []
             for lb in PLUGINS:
                 plain, plug = by[(setting, lb)], by[(setting, lb + " + AFIND+")]
-                per = ", ".join(f"{100 * g:.2f}" for g in seed_gaps(plain, plug, "best"))
+                per = seed_gains(plain, plug, "best")
                 cells = [column(plain, "best"), column(plug, "best"), f"{plugin_gain(plain, plug, 'best')} ({per})"]
                 cells += [column(plain, "final"), column(plug, "final"), plugin_gain(plain, plug, "final")]
                 sent = f"{column(plain, 'MB sent')} / {column(plug, 'MB sent')}"
