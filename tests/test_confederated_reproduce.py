@@ -243,3 +243,29 @@ def test_a_part_beside_raw_records_without_their_meta_is_one_line(tmp_path, caps
     assert main(["reproduce", "cfl-saga", "--scale", "smoke", "--part", "synthetic", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--part synthetic: {tmp_path} holds raw.json but no meta.json" in err
+
+
+def _graph_rows(methods: dict[str, float | None]) -> tuple[list[dict], list[dict]]:
+    """Three seeds' runs on the ring graph and their medians: per method, its uploads to 1e-8 (None: short of it);
+    every run 10 uploads per iteration."""
+    raw = [
+        {"problem": "synthetic", "topology": "ring", "method": m, "seed": s, cfl_saga.IT: up and up / 10,
+         cfl_saga.DEEP: up and up + s, cfl_saga.PER_IT: 10.0 + s}
+        for m, up in methods.items() for s in range(3)
+    ]  # fmt: skip
+    aggs = [{"problem": "synthetic", "topology": "ring", "method": m, cfl_saga.IT: up and up / 10, cfl_saga.DEEP: up,
+             cfl_saga.PER_IT: 11.0, "final_opt_gap": 1e-9 if up else 1e-6, "iterations": 1000}
+            for m, up in methods.items()]  # fmt: skip
+    return raw, aggs
+
+
+def test_c4_is_judged_where_gt_saga_ran_short_of_the_target_and_c2_needs_a_cfl_saga_run():
+    """C4 (uploads per iteration below GT-SAGA SR 0.05's 20) vanished when no GT-SAGA run reached 1e-08, though its
+    bound does not need one to; a graph with GT-SAGA runs and no CFL-SAGA run (a time budget) ended the report in
+    ``IndexError`` (C2)."""
+    raw, aggs = _graph_rows({"CFL-SAGA rho=10": 500.0, "GT-SAGA SR=0.05": None})
+    judged = {c.text: c.verdict(aggs, raw) for c in cfl_saga.claim_list(aggs) if "ring" in c.text}
+    c4 = judged["C4 uploads per iteration, ring (§VIII-B)"]
+    assert c4 is not None and c4.interval.endswith("n=3: held")
+    raw, aggs = _graph_rows({"GT-SAGA SR=0.05": 500.0})
+    assert all(c.verdict(aggs, raw) is None for c in cfl_saga.claim_list(aggs) if "ring" in c.text)
