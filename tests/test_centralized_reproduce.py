@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 
 import pytest
 
@@ -320,3 +321,21 @@ def test_a_table_i_cell_whose_every_run_diverged_shows_no_mean_and_no_consistenc
     table, _ = repro.summarize(records)
     line = next(x for x in repro.table_i(table, "d", repro.MAIN).splitlines() if x.startswith("| FedAvg"))
     assert "nan" not in line and line.count("diverged (3/3)") == 2 and "0.5" not in line
+
+
+def test_a_rerun_that_reuses_its_runs_says_so_beside_its_wall_time(tmp_path):
+    """A second identical invocation reused every run and wrote ``Wall time 0.0 min`` as if that were the preset's
+    runtime, which the page's prose then read; it now says how many runs it reused, and the page's line says it."""
+    out = tmp_path / "o"
+    argv = ["--scale", "smoke", "--out", str(out), "--workers", "1"]
+    assert repro.main(argv) == 0
+    first = (out / "table.md").read_text(encoding="utf-8")
+    assert "reused" not in first
+    assert repro.main(argv) == 0
+    again = (out / "table.md").read_text(encoding="utf-8")
+    runs = len(list((out / "runs").glob("*/summary.json")))
+    note = f" ({runs} of {runs} runs reused from an earlier invocation, not in this time)"
+    assert f" min{note}" in again
+    results = [{"dataset": "mnist", "cpu_seconds": 10.0}]
+    line = repro._small_cost(out, results).splitlines()[0]
+    assert re.fullmatch(r"Runtime: [\d.]+ min wall \(`table.md`\)" + re.escape(note) + " on the 2-core .*", line)

@@ -74,7 +74,8 @@ def test_cfl_saga_small_report_is_rebuilt_from_the_summary():
 
     committed = PAGES / "cfl-saga"
     summary = (committed / "summary.md").read_text(encoding="utf-8")
-    runs = [{"argv": c.split()[3:], "wall_seconds": 60 * float(t)} for c, t in cfl_saga.COMMANDS.findall(summary)]
+    commands = cfl_saga.COMMANDS.findall(summary)  # each command, its wall time and its note of reused runs
+    runs = [{"argv": c.split()[3:], "wall_seconds": 60 * float(t), "reused": r} for c, t, r in commands]
     meta = {"scale": "small", "seeds": [0, 1, 2], "runs": runs}
     aggs = read_csv(committed / "summary.csv")
     assert cfl_saga.summary_md(aggs, None, meta) == summary

@@ -115,6 +115,11 @@ def prose_numbers(page: str) -> list[tuple[int, str]]:
     return out
 
 
+# what a report says after its wall time where its invocation reused runs (``study.Plan.reused_note``): a pattern's
+# optional group, so that the page's prose reads the note beside the seconds it qualifies
+REUSED_NOTE = r"( \(\d+ of \d+ runs reused from an earlier invocation, not in this time\))?"
+
+
 def stated(path: str | Path, pattern: str) -> tuple[str, ...]:
     """The groups of the first match of ``pattern`` in the committed file at ``path``: values its report states
     (a wall time, a count of runs) that a page's prose reads; a ConfigError naming the file and the pattern when it

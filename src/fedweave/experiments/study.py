@@ -176,6 +176,14 @@ class Plan:
     reused: set[str] = field(default_factory=set)  # the points an earlier invocation ran (set by the pipeline)
     skipped: list[Point] = field(default_factory=list)  # the points not run: the time budget ran out (idem)
 
+    def reused_note(self) -> str:
+        """What a report says beside this invocation's wall time where it reused runs (``K of N runs reused from
+        an earlier invocation, not in this time``), so that a rerun's seconds are not read as the runs' cost;
+        "" where it ran every run."""
+        if not self.reused:
+            return ""
+        return f" ({len(self.reused)} of {len(self.points)} runs reused from an earlier invocation, not in this time)"
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse for Python callers of ``Study.main``: a usage error is a ``ConfigError`` (one line)."""

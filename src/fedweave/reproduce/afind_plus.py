@@ -516,10 +516,10 @@ TITLES = {  # a table's heading in results.md
     "selection_simulation": "Selection rule alone (spec 2.7: 100 clients, 10 groups, no training)",
 }
 HEAD = (
-    "{n_runs} runs, {seeds} seed(s), {wall:.0f} s wall. Accuracy: best-round and final-round mean of per-client test "
-    "accuracy (after 1 fine-tune epoch; FedAvg's global model without), % mean±std over seeds (population std). "
-    "The paper's numbers are on CIFAR-10/100 with 100 clients and 500 rounds; they are shown for the pattern, not "
-    "for a like-for-like comparison.\n"
+    "{n_runs} runs, {seeds} seed(s), {wall:.0f} s wall{reused}. Accuracy: best-round and final-round mean of "
+    "per-client test accuracy (after 1 fine-tune epoch; FedAvg's global model without), % mean±std over seeds "
+    "(population std). The paper's numbers are on CIFAR-10/100 with 100 clients and 500 rounds; they are shown "
+    "for the pattern, not for a like-for-like comparison.\n"
 )
 
 
@@ -532,11 +532,12 @@ def results_report(
     n_runs: int,
     seeds: int,
     wall: float,
+    reused: str = "",
 ) -> Report:
     """The tables (CSV), results.md, results.json (the records without their rows: the tables are made of
     them) and the plots (drawn into ``out``)."""
     md = [f"# AFIND+ reproduction ({scale} scale, {p.settings[0].base['rounds']} rounds)\n"]
-    md.append(HEAD.format(n_runs=n_runs, seeds=seeds, wall=wall))
+    md.append(HEAD.format(n_runs=n_runs, seeds=seeds, wall=wall, reused=reused))
     if scale == "smoke":
         md.append("**Smoke scale: generated (synthetic) data; these numbers mean nothing.**\n")
     pathological = {s.key: s.title for s in p.settings}.get(p.pathological, p.pathological)
@@ -593,7 +594,7 @@ def study_plan(opts) -> Plan:
 def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Report:
     p, rows, seeds = plan.context
     # the runs of the tables: a time budget may leave some of the plan's points unrun, named after the tables
-    got = results_report(Path(opts.out), results, rows, p, opts.scale, len(results), seeds, wall)
+    got = results_report(Path(opts.out), results, rows, p, opts.scale, len(results), seeds, wall, plan.reused_note())
     got.files["results.md"] += not_run(plan.skipped)
     return got
 

@@ -21,6 +21,7 @@ import numpy as np
 from fedweave.config import ConfigError
 from fedweave.experiments.aggregate import group, iqr_of, median_of, per_cell
 from fedweave.experiments.grid import Point
+from fedweave.experiments.pages import REUSED_NOTE
 from fedweave.experiments.plots import Lines, plot_lines
 from fedweave.experiments.study import (
     Claim,
@@ -671,13 +672,13 @@ def runs_section(folder: Path) -> str:
     holds per part, and the range of wall-clock over CPU time per iteration of its synthetic cells."""
     text = (folder / "summary.md").read_text(encoding="utf-8")
     commands = COMMANDS.findall(text)
-    width, aggs = max(len(c) for c, _ in commands) + 2, read_csv(folder / "summary.csv")
+    width, aggs = max(len(c) for c, *_ in commands) + 2, read_csv(folder / "summary.csv")
     part = group(aggs, lambda a: a["problem"] if a["problem"].startswith("synthetic") else "real")
     runs = {k: sum(a["seeds"] for a in part[k]) for k in PARTS if k in part}
     ratio = [a["ms_per_iteration_wall"] / a[CPU] for a in _synthetic(aggs)]
     seeds = max(a["seeds"] for a in part["synthetic"])
     return (
-        "```bash\n" + "".join(f"{c:<{width}}# {t} min\n" for c, t in commands) + "```\n\n"
+        "```bash\n" + "".join(f"{c:<{width}}# {t} min{reused}\n" for c, t, reused in commands) + "```\n\n"
         f"{sum(runs.values())} runs ({seeds} seeds of the synthetic problem, one of the others): "
         + ", ".join(f"{n} {PARTS[k]}" for k, n in runs.items())
         + f".\nPer iteration, the synthetic runs' wall-clock time was {min(ratio):.1f}–{max(ratio):.1f}× their CPU "
@@ -789,8 +790,10 @@ def load_raw(out: Path) -> list[dict]:
 
 
 # summary.md's line of each command, and what the page's runs block reads back from it
-COMMAND = "Command: `fedweave reproduce cfl-saga {}`: wall time {:.1f} min."
-COMMANDS = re.compile(r"^Command: `(fedweave reproduce cfl-saga .+)`: wall time ([\d.]+) min\.$", re.M)
+COMMAND = "Command: `fedweave reproduce cfl-saga {}`: wall time {:.1f} min{}."
+COMMANDS = re.compile(
+    r"^Command: `(fedweave reproduce cfl-saga .+)`: wall time ([\d.]+) min" + REUSED_NOTE + r"\.$", re.M
+)
 
 
 def summary_md(aggs: list[dict], raw: list[dict] | None, meta: dict) -> str:
@@ -801,7 +804,7 @@ def summary_md(aggs: list[dict], raw: list[dict] | None, meta: dict) -> str:
     md = [f"# CFL-SAGA reproduction ({scale})", ""]
     if scale == "smoke":
         md += ["**Smoke scale: a tiny synthetic problem for testing; these numbers mean nothing.**", ""]
-    md += [COMMAND.format(" ".join(r["argv"]), r["wall_seconds"] / 60) for r in meta["runs"]]
+    md += [COMMAND.format(" ".join(r["argv"]), r["wall_seconds"] / 60, r.get("reused", "")) for r in meta["runs"]]
     md += [
         f"Seeds {seeds} (synthetic); real data: seed {seeds[0]}.",
         "The paper gives no numeric tables, only Figs. 3-7 and statements; its claims are in the last table.",
@@ -873,6 +876,8 @@ def report(rows: list[dict], plan: Plan, opts, wall: float) -> Report:
     if not opts.report_only:
         save_records(out / "raw.json", out / "curves.npz", rows, "_curve", "gus")  # what --report-only reads
         meta["runs"].append({"part": opts.part, "argv": opts.argv, "wall_seconds": wall, "workers": opts.workers})
+        if note := plan.reused_note():  # the runs an earlier invocation ran: their time is not in this one's
+            meta["runs"][-1]["reused"] = note
         files["meta.json"] = Json(meta, indent=None, end="\n")
     # the seeds the synthetic records hold: a --part run with other --seeds keeps the other parts' rows beside them
     meta["seeds"] = sorted({r["seed"] for r in rows if r["problem"] == "synthetic"}) or meta["seeds"]

@@ -32,7 +32,7 @@ from fedweave.config import ConfigError
 from fedweave.experiments.aggregate import finite, group, if_all, mean_std, seed_gaps, to_target
 from fedweave.experiments.blocks import verdict_cell
 from fedweave.experiments.grid import Point
-from fedweave.experiments.pages import paragraph, stated
+from fedweave.experiments.pages import REUSED_NOTE, paragraph, stated
 from fedweave.experiments.plots import plot_curves
 from fedweave.experiments.study import Claim, Plan, Report, Rows, Study, judge, known_datasets, not_run, option
 from fedweave.experiments.tables import Col, layout, markdown_table, read_csv, signed
@@ -406,7 +406,7 @@ def claims_table(table: list[dict[str, Any]], p: Preset) -> str:
 
 
 # ---- the report: table.md, table.csv and the figures -------------------------------------------------------
-def markdown(table, p: Preset, scale: str, seeds: list[int], wall: float) -> str:
+def markdown(table, p: Preset, scale: str, seeds: list[int], wall: float, reused: str = "") -> str:
     """``table.md``: Table V and the claims as the page shows them, and the per-seed final accuracies the claims'
     rules read (``seed_records`` of this file: the page reads them from it too)."""
     split, noniid = f"{p.clients} IID clients", ""
@@ -416,7 +416,7 @@ def markdown(table, p: Preset, scale: str, seeds: list[int], wall: float) -> str
     head = (
         f"# CSE-FSL reproduction (Table V / Fig. 9 style)\n\nScale `{scale}`, dataset `{p.dataset['name']}` "
         f"({split}, B = {p.batch_size}, lr {p.lr}, {p.rounds} rounds, model `{p.model['name']}`), seeds "
-        f"{seeds}, wall {wall:.0f} s.\nThe paper's columns are its CIFAR-10 Table V (5 clients, 200 epochs"
+        f"{seeds}, wall {wall:.0f} s{reused}.\nThe paper's columns are its CIFAR-10 Table V (5 clients, 200 epochs"
         f"{noniid}); accuracies are not comparable across datasets, the load *ratios* and the storage structure "
         "are.\n\n"
     )
@@ -503,10 +503,11 @@ def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Repo
         what = "the storage measurement" if opts.scale == "storage" else "Table V"
         raise ConfigError(f"cse-fsl: {what} needs every run; {not_run(plan.skipped).strip()}; rerun to finish them")
     if opts.scale == "storage":
-        return storage_report(results, p, wall)
+        return storage_report(results, p, wall, plan.reused_note())
     table = summarize(results, p)
     status = 0 if all(t["load_exact"] for t in table) else 1
-    files = {"table.md": markdown(table, p, opts.scale, seeds, wall), "table.csv": Rows(table, CSV_COLUMNS)}
+    md = markdown(table, p, opts.scale, seeds, wall, plan.reused_note())
+    files = {"table.md": md, "table.csv": Rows(table, CSV_COLUMNS)}
     return Report(files, "table.md", status, figures=lambda out: plots(results, out))
 
 
@@ -562,7 +563,7 @@ def storage_table(rows: list[dict[str, Any]]) -> str:
     return layout(cols, rows)
 
 
-def storage_report(results: list[dict[str, Any]], p: Preset, wall: float) -> Report:
+def storage_report(results: list[dict[str, Any]], p: Preset, wall: float, reused: str = "") -> Report:
     """The storage measurement (``storage.md``, ``storage.csv``) and C5 judged on it; exit 1 when a measured
     storage or copy count is not its closed form (a run that diverged measured none: C5 is untestable)."""
     rows = p.storage = storage_rows(results)
@@ -571,8 +572,8 @@ def storage_report(results: list[dict[str, Any]], p: Preset, wall: float) -> Rep
         f"# CSE-FSL server storage at several n (claim C5)\n\nScale `storage`, dataset `{p.dataset['name']}` "
         f"(model `{p.model['name']}`: P_c = {s['client_params']:,}, P_s = {s['server_params']:,}, "
         f"P_a = {s['aux_params']:,}; IID clients, B = {p.batch_size}, {p.rounds} round, seed 0, CSE-FSL h = "
-        f"{p.random_h}), n = {', '.join(map(str, STORAGE_CLIENTS))}, wall {wall:.0f} s.\nStorage is the server's "
-        "in parameters, Table V's convention: its server-side copies and the received client models (and "
+        f"{p.random_h}), n = {', '.join(map(str, STORAGE_CLIENTS))}, wall {wall:.0f} s{reused}.\nStorage is "
+        "the server's in parameters, Table V's convention: its server-side copies and the received client models (and "
         "auxiliary nets).\n\n"
     )
     md = head + storage_table(rows) + "\n## Claim C5 (spec §9.3)\n\n" + layout(CLAIM_COLS, judge([C5], [], p))
@@ -787,9 +788,13 @@ def gaps_section(folder: Path) -> str:
 
 def wall_section(folder: Path, f: str) -> str:
     """The wall time the committed table file states: that of the invocation that wrote it (runs it reused
-    from an earlier invocation count nothing)."""
-    wall = int(stated(folder / f, r"wall (\d+) s\.")[0])
-    return paragraph(f"Wall time of the invocation that wrote `cse-fsl/{f}`: {wall:,} s ({wall / 60:.0f} min).")
+    from an earlier invocation count nothing: its note says how many there were)."""
+    wall, reused = stated(folder / f, r"wall (\d+) s" + REUSED_NOTE + r"\.")
+    seconds = int(wall)
+    text = (
+        f"Wall time of the invocation that wrote `cse-fsl/{f}`: {seconds:,} s ({seconds / 60:.0f} min){reused or ''}."
+    )
+    return paragraph(text)
 
 
 STUDY = Study(

@@ -31,6 +31,7 @@ from fedweave.experiments.aggregate import (
 )
 from fedweave.experiments.blocks import claim_table, cost_line, gap_table, run_values, same_runs_table, verdict_cell
 from fedweave.experiments.grid import Point
+from fedweave.experiments.pages import REUSED_NOTE, stated
 from fedweave.experiments.plots import Panel, plot_panels, seed_lines
 from fedweave.experiments.study import (
     Claim,
@@ -816,23 +817,26 @@ GAPS_TEXT = "Test accuracy (%) at each round, mean ± std over the seeds that re
 GAP_KEYS = ["dataset", "split", "method", "seed", "round", "accuracy", "fedmim_minus_method"]
 
 
-def _setting(p: Preset, wall: float, records: list[dict]) -> str:
+def _setting(p: Preset, wall: float, records: list[dict], reused: str = "") -> str:
     """A report's line on its preset and cost: the runs share the machine, so their summed CPU time (when every
-    run has it) says what the preset costs on idle cores."""
+    run has it) says what the preset costs on idle cores; ``reused``: ``Plan.reused_note``."""
     cpus = [r.get("cpu_seconds") for r in records]
     cpu = f"; CPU time of the runs {sum(cpus) / 60:.1f} min (one thread each)" if cpus and None not in cpus else ""
     per_round = " unless the column says otherwise" if p.variants else ""
     horizon = "" if p.variants else f", T = {p.rounds}"
     return (
         f"{p.note}. {p.num_clients} clients, {p.clients_per_round} per round{per_round}, model `{p.model}`, "
-        f"local {p.local}{horizon}. Wall time {wall / 60:.1f} min{cpu}."
+        f"local {p.local}{horizon}. Wall time {wall / 60:.1f} min{reused}{cpu}."
     )
 
 
-def report_files(records: list[dict], rows: list[dict], name: str, p: Preset, wall: float, skipped=(), gaps=None):
+def report_files(
+    records: list[dict], rows: list[dict], name: str, p: Preset, wall: float, skipped=(), gaps=None, reused: str = ""
+):
     """A preset's report files from its per-seed ``records`` and per-cell ``rows`` (read back from the committed
     CSV files, they rebuild the committed report); with the ``long`` preset's ``gaps`` rows gaps.csv and gaps.md."""
-    md = [f"# FedMIM {TITLES.get(p.table, 'reproduction')}, preset `{name}`", "", _setting(p, wall, records), ""]
+    title = f"# FedMIM {TITLES.get(p.table, 'reproduction')}, preset `{name}`"
+    md = [title, "", _setting(p, wall, records, reused), ""]
     if p.variants:
         keys, csv_name = RESULT_KEYS, f"{name}.csv"
         table = VARIANT_TABLES[p.table](rows) if rows else "No run finished.\n"
@@ -950,7 +954,8 @@ def _page_per_seed(rows: list[dict]) -> str:
 def _small_cost(folder: Path, results: list[dict]) -> str:
     """The small preset's wall time (its ``table.md``) and CPU cost (the ``cpu_seconds`` of its MNIST runs,
     the runs that recorded it) as the page states them."""
-    wall = re.search(r"Wall time ([\d.]+) min", (folder / "table.md").read_text(encoding="utf-8"))[1]
+    # its invocation's wall time, and what it says of runs an earlier invocation ran (their time is not in it)
+    wall, reused = stated(folder / "table.md", r"Wall time ([\d.]+) min" + REUSED_NOTE)
     cpu = [r["cpu_seconds"] for r in results if r["dataset"] == "mnist"]
     if not cpu:
         raise ConfigError(f"{folder / 'results.csv'} holds no MNIST run: the page's cost is read from its CPU time")
@@ -958,7 +963,8 @@ def _small_cost(folder: Path, results: list[dict]) -> str:
     small = PRESETS["small"]
     runs, extended = (len(plan(small, Path(), small.seeds, None, None, extend)) for extend in (False, True))
     return (
-        f"Runtime: {wall} min wall (`table.md`) on the 2-core machine while it was shared with several other jobs.\n"
+        f"Runtime: {wall} min wall (`table.md`){reused or ''} on the 2-core machine while it was shared with several "
+        "other jobs.\n"
         f"Its cost on idle cores, from the CPU time of the {len(cpu)} MNIST runs that recorded\n"
         f"it ({sum(cpu):.0f} CPU-seconds, {min(cpu):.0f}–{max(cpu):.0f} s per run, {mean:.0f} s on average), is about\n"
         f"{runs * mean / 2 / 60:.0f} minutes for the default preset's {runs} runs on 2 idle cores and about"
@@ -1013,7 +1019,7 @@ def report(records: list[dict], plan_: Plan, opts, wall: float) -> Report:
     p, seeds = plan_.context
     rows = variant_summary(records, p) if p.variants else summarize(records)[0]
     gap_rows = gaps(Path(opts.out), p, seeds) if p.report_rounds else None
-    files = report_files(records, rows, opts.scale, p, wall, plan_.skipped, gap_rows)
+    files = report_files(records, rows, opts.scale, p, wall, plan_.skipped, gap_rows, plan_.reused_note())
     show = f"{opts.scale}.md" if p.variants else "table.md"
     return Report(files, show=show, figures=lambda out: plot(records, p, opts.scale, out))
 

@@ -25,7 +25,7 @@ from fedweave.experiments.blocks import verdict_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import cache_datasets as _cache_datasets
 from fedweave.experiments.jobs import load_average
-from fedweave.experiments.pages import paragraph, stated
+from fedweave.experiments.pages import REUSED_NOTE, paragraph, stated
 from fedweave.experiments.plots import Panel, plot_panels, seed_lines
 from fedweave.experiments.study import Claim, Json, Plan, Report, Rows, Study, Verdict, judge, not_run, option
 from fedweave.experiments.tables import Col, Grid, csv_text, layout, markdown_table, parse_csv, pm_cell, read_csv
@@ -675,16 +675,18 @@ def tune_summary(configs: list[dict[str, Any]], results: dict[str, dict[str, Any
     return sorted(rows, key=lambda r: (r["mean"] is None, -(r["mean"] or 0.0)))
 
 
-def tune_md(rows: list[dict[str, Any]], p: Preset, seeds: list[int], workers: int, wall: float, left: str) -> str:
+def tune_md(
+    rows: list[dict[str, Any]], p: Preset, seeds: list[int], workers: int, wall: float, left: str, reused: str = ""
+) -> str:
     """``tune.md``: the validation accuracy of every (lambda, mu, gamma_0), best first, the runs ``left`` out of it
-    (diverged or not run) and the invocation's cost."""
+    (diverged or not run) and the invocation's cost (``reused``: ``Plan.reused_note``)."""
     body = [["–" if r[c] is None else r[c] for c in rows[0]] for r in rows]
     return (
         "# ZO-HFL: lambda and mu chosen on a validation split (spec A1)\n\n"
         f"Final validation accuracy % (10% of the training set held out; the test set is not used), {p.rounds} "
         f"rounds, tau = {p.tau:g}, {len(seeds)} seed(s); best first. lambda = 0 is the server-only control (mu "
         f"unused).\n\n{markdown_table(list(rows[0]), body)}\n{left}"
-        f"Wall time {wall:.0f} s with {workers} worker(s); CPU time of the invocation (workers included) "
+        f"Wall time {wall:.0f} s{reused} with {workers} worker(s); CPU time of the invocation (workers included) "
         f"{cpu_seconds():.0f} s; load average at the end {load_average()}.\n"
     )
 
@@ -717,7 +719,8 @@ def report(records: list[dict[str, Any]], plan_: Plan, opts, wall: float) -> Rep
     results = {r["name"]: r for r in records}
     if opts.tune:
         rows, left = tune_summary(configs, results), tune_left(configs, results)
-        return Report({"tune.csv": Rows(rows), "tune.md": tune_md(rows, p, seeds, opts.workers, wall, left)}, "tune.md")
+        md = tune_md(rows, p, seeds, opts.workers, wall, left, plan_.reused_note())
+        return Report({"tune.csv": Rows(rows), "tune.md": md}, "tune.md")
     meta = {
         "scale": opts.scale,
         "rounds": p.rounds,
@@ -771,7 +774,7 @@ def sections(folder: Path) -> dict[str, str]:
 
 COST_HEADER = ["invocation", "runs", "wall (2 workers)", "CPU time (workers, start-up and data loading included)"]
 COST_HEADER += ["load average at the end (1, 5, 15 min)"]
-TUNE_COST = r"Wall time (\d+) s.*?CPU time [^;]*?(\d+) s; load average at the end ([\d. ]+)\."
+TUNE_COST = r"Wall time (\d+) s" + REUSED_NOTE + r".*?CPU time [^;]*?(\d+) s; load average at the end ([\d. ]+)\."
 COST_ROWS = ("Table I core rows (FedAvg, FedProx, SCAFFOLD, ZO-HFL, server-only)", "the sensitivity rows of spec §9.2")
 COST_ROWS += ("the extra rows (ZO-HFL at other lambdas, FedAvg with the server's share, server-only long)",)
 
@@ -782,10 +785,10 @@ def cost_section(folder: Path) -> str:
     of rows; the tau sweep is the rest of the runs' total)."""
     meta = json.loads((folder / "claims.json").read_text(encoding="utf-8"))["meta"]
     invocation = [f"{meta['wall_seconds']:.0f} s", f"{meta['cpu_seconds']:.0f} s", meta["load_at_end"]]
-    wall, cpu, load = stated(folder / "tune.md", TUNE_COST)  # its last line (``tune_md``)
+    wall, reused, cpu, load = stated(folder / "tune.md", TUNE_COST)  # its last line (``tune_md``)
     tune = read_csv(folder / "tune.csv")  # a row per (lambda, mu, gamma_0): its lam, mu, server_lr, mean and cells
     tune_runs = len(tune) * (len(tune[0]) - 4)  # one run per row and cell (dataset and setting), 1 seed
-    body = [["`--tune`", tune_runs, f"{wall} s", f"{cpu} s", load]]
+    body = [["`--tune`", f"{tune_runs}{reused or ''}", f"{wall} s", f"{cpu} s", load]]
     # the invocation's wall and CPU time are those of the runs it ran (and its rebuild), not of the ones it reused
     ran = f"{meta['runs'] - meta['reused']} (and {meta['reused']} reused)" if meta.get("reused") else meta["runs"]
     body += [["`--scale small` (the last invocation)", ran, *invocation]]
