@@ -94,10 +94,14 @@ def test_smoke_runs_the_study_writes_records_tables_and_the_page(tmp_path):
     assert main([*argv, "--out", str(tmp_path / "o2"), "--from-records", str(out / "records.csv"),
                  "--page", str(again)]) == 0  # fmt: skip
     assert again.read_text(encoding="utf-8") == text
-    # a grid with a record missing names the missing run on the page
-    assert main([*argv, "--seeds", "2", "--out", str(tmp_path / "o3"), "--from-records", str(out / "records.csv"),
+    # a grid with a record missing names the missing run on the page, as what the records file lacks (before: "the
+    # time budget ran out", though no budget was given)
+    records = out / "records.csv"
+    assert main([*argv, "--seeds", "2", "--out", str(tmp_path / "o3"), "--from-records", str(records),
                  "--page", str(again)]) == 0  # fmt: skip
-    assert "Not run (the time budget ran out): _toy_bench/dir0.1/fedavg/1," in again.read_text(encoding="utf-8")
+    rebuilt = again.read_text(encoding="utf-8")
+    assert f"No record in {records} (--from-records) of _toy_bench/dir0.1/fedavg/1," in rebuilt
+    assert "time budget" not in rebuilt
 
 
 def test_bad_options_are_one_line(tmp_path):
@@ -131,4 +135,18 @@ def test_a_scale_without_a_target_says_so_rather_than_not_reached():
 def test_an_unknown_smoke_dataset_is_one_line_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match=r"--datasets: unknown \['cifar11'\]; allowed .*_toy_bench"):
         main(["--scale", "smoke", "--datasets", "_toy_bench,cifar11", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_records_of_another_study_and_a_dataset_without_images_are_one_line(tmp_path):
+    """``--from-records`` given another study's CSV ended in ``KeyError: 'global_acc'`` after ``--out`` was made; a
+    smoke dataset of flat samples failed in its first run on the CNN, not naming ``--datasets``."""
+    other = tmp_path / "results.csv"
+    other.write_text("dataset,split,method,seed,final_acc\nmnist,iid,fedavg,0,50.0\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"^--from-records: .*results.csv is not a records.csv of this study \(no "
+                       r"column 'status'\)"):  # fmt: skip
+        main(["--from-records", str(other), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match=r"^--datasets: 'synthetic' holds samples of shape \(60,\), not images"):
+        main(["--scale", "smoke", "--datasets", "synthetic", "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()

@@ -77,23 +77,35 @@ class Preset:
     targets: dict[str, float]
     local: dict[str, Any] = field(default_factory=lambda: {"epochs": 1, "batch_size": 32, "lr": 0.05})
     eval_every: int = 5
-    dataset_options: dict[str, Any] = field(default_factory=dict)
+    dataset_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per dataset: its own options
     clients: int = 100
     per_round: int = 10
     seeds: int = 3
 
 
 # paper: the papers' CNNs; small: cnn_small and fewer rounds, 20,000 training images (15,000 after the hold-out)
-# keeping a run near 20 s on a loaded 2-core machine; smoke: seconds, for the tests (any registered dataset)
+# keeping a run near 20 s on a loaded 2-core machine; smoke: a pipeline check of about a second a run, on 2,000
+# training images (or any registered image dataset, as the tests' own)
+SMALL_MNIST, SMOKE_MNIST = {"max_train": 20000}, {"max_train": 2000, "max_test": 500}
 PRESETS = {
     "paper": Preset({"mnist": "cnn_mnist", "fashion_mnist": "cnn_fmnist"}, 200, {"mnist": 0.95, "fashion_mnist": 0.80}),
     "small": Preset(
         {"mnist": "cnn_small", "fashion_mnist": "cnn_small"},
         20,
         {"mnist": 0.80, "fashion_mnist": 0.70},
-        dataset_options={"max_train": 20000},
+        dataset_options={"mnist": SMALL_MNIST, "fashion_mnist": SMALL_MNIST},
     ),
-    "smoke": Preset({}, 2, {}, {"epochs": 1, "batch_size": 16, "lr": 0.05}, 1, clients=10, per_round=5, seeds=1),
+    "smoke": Preset(
+        {},
+        2,
+        {},
+        {"epochs": 1, "batch_size": 16, "lr": 0.05},
+        1,
+        {"mnist": SMOKE_MNIST, "fashion_mnist": SMOKE_MNIST},
+        clients=10,
+        per_round=5,
+        seeds=1,
+    ),
 }
 
 
@@ -108,7 +120,7 @@ def jobs(p: Preset, datasets: list[str], methods: list[Method], seeds: list[int]
             "seed": s,
             "rounds": p.rounds,
             "threads": 1,
-            "dataset": {"name": ds, **p.dataset_options},
+            "dataset": {"name": ds, **p.dataset_options.get(ds, {})},
             "partition": {**partition, "num_clients": p.clients},
             "model": {"name": p.models.get(ds, "cnn_small"), **m.model},
             "algorithm": {"name": m.key, "clients_per_round": p.per_round},
@@ -192,9 +204,10 @@ COLS = [Col("method", "method"), Col("kind", lambda c: KIND[c["method"]])]
 COLS += [Col("seeds", "seeds"), *(Col(head, key) for key, head in ACCURACIES.items())]
 
 
-def section(records: list[dict[str, Any]], context: dict[str, Any]) -> str:
+def section(records: list[dict[str, Any]], context: dict[str, Any], source: str = "") -> str:
     """The tables (one per dataset and split, a row per method in the records' order, ``COLS`` then the MiB to
-    the scale's target and the published number) and the runs of the grid that have no record."""
+    the scale's target and the published number) and the runs of the grid that have no record: those a time
+    budget left unrun, or, rebuilt from the records file ``source``, those it does not hold."""
     parts = []
     cells = per_cell(records, ("dataset", "split", "method"), CELL)
     for (ds, split), rows in group(cells, itemgetter("dataset", "split")).items():
@@ -205,8 +218,9 @@ def section(records: list[dict[str, Any]], context: dict[str, Any]) -> str:
         parts.append(f"### {ds}, {SPLIT_TEXT.get(split, split)}\n\n{table}")
     have = {(r["dataset"], r["split"], r["method"], int(r["seed"])) for r in records}
     grid = product(context["datasets"], SPLITS, [m.key for m in context["methods"]], context["seeds"])
-    gone = ["/".join(map(str, run)) for run in grid if run not in have]
-    return "\n".join(parts) + (f"\nNot run (the time budget ran out): {', '.join(gone)}.\n" if gone else "")
+    gone = ", ".join("/".join(map(str, run)) for run in grid if run not in have)
+    why = f"No record in {source} (--from-records) of" if source else "Not run (the time budget ran out):"
+    return "\n".join(parts) + (f"\n{why} {gone}.\n" if gone else "")
 
 
 # ---- the study ---------------------------------------------------------------------------------------------
@@ -215,15 +229,20 @@ def plan(opts) -> Plan:
     ``--from-records``. The files named are checked before anything runs (``--page``'s existence by the pipeline,
     its block here)."""
     p = PRESETS[opts.scale]
-    if opts.scale == "smoke":  # any registered dataset (the tests use a synthetic one), checked before anything runs
+    if opts.scale == "smoke":  # any registered image dataset (the tests use a synthetic one), checked before a run
         datasets = choices(opts.datasets, DATASETS.names(), "--datasets") or ["mnist"]
+        if opts.datasets and (flat := [d for d in datasets if len(_shape(d, p)) != 3]):
+            raise ConfigError(
+                f"--datasets: {flat[0]!r} holds samples of shape {_shape(flat[0], p)}, not images (C, H, W), which "
+                "the page's CNNs take; give an image dataset"
+            )
     else:
         datasets = choices(opts.datasets, list(p.models), "--datasets") or list(p.models)
     methods = [BY_KEY[k] for k in choices(opts.methods, list(BY_KEY), "--methods") or BY_KEY]
     seeds = list(range(opts.seeds if opts.seeds is not None else p.seeds))
     context = {"preset": p, "datasets": datasets, "methods": methods, "seeds": seeds}
-    if opts.from_records and not Path(opts.from_records).is_file():
-        raise ConfigError(f"--from-records: {opts.from_records} is not a file (a records.csv of this study)")
+    if opts.from_records:
+        _check_records(opts.from_records)
     if opts.page:
         pages.fill(Path(opts.page).read_text(encoding="utf-8"), {NAME: ""}, f"--page {opts.page}")
     if opts.from_records:
@@ -231,11 +250,29 @@ def plan(opts) -> Plan:
     return Plan(jobs(p, context["datasets"], methods, seeds, Path(opts.out)), context)
 
 
+def _shape(dataset: str, p: Preset) -> tuple[int, ...]:
+    """A dataset's sample shape, with the preset's options for it."""
+    return DATASETS.get(dataset)(**p.dataset_options.get(dataset, {})).input_shape
+
+
+def _check_records(path: str) -> None:
+    """``--from-records``: a records.csv this study wrote (a file with its columns), else one line naming it."""
+    if not Path(path).is_file():
+        raise ConfigError(f"--from-records: {path} is not a file (a records.csv of this study)")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        header = f.readline().strip().split(",")
+    if missing := [c for c in COLUMNS if c not in header]:
+        raise ConfigError(
+            f"--from-records: {path} is not a records.csv of this study (no column {missing[0]!r}); give the "
+            "records.csv a `fedweave reproduce baselines` invocation wrote"
+        )
+
+
 def report(records: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Report:
     """``records.csv`` and ``tables.md`` in ``--out``; the page's generated block with ``--page``."""
     records = read_csv(opts.from_records) if opts.from_records else records
     files: dict[str, Any] = {} if opts.from_records else {"records.csv": Rows(records, COLUMNS)}
-    files["tables.md"] = text = section(records, plan.context)
+    files["tables.md"] = text = section(records, plan.context, opts.from_records or "")
     if opts.page:
         pages.update(opts.page, {NAME: f"\n{text}\n"})
     return Report(files, show="tables.md", say=f"{len(records)} records, wall {wall:.0f} s")
