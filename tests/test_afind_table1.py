@@ -352,3 +352,13 @@ def test_a_diverged_seed_of_a_plugin_gain_is_named_not_printed_as_nan():
     plain = [{"seed": 0, "best": math.nan}, {"seed": 1, "best": 0.60}]
     plug = [{"seed": 0, "best": 0.62}, {"seed": 1, "best": 0.6063}]
     assert af.seed_gains(plain, plug, "best") == "diverged, 0.63"
+
+
+def test_primary_only_with_fig5b_runs_where_the_pathological_setting_is_the_primary(tmp_path):
+    """At smoke scale the pathological setting is the primary one: ``--primary-only --tables fig5b`` was refused for
+    leaving it out."""
+    from fedweave.reproduce import afind_plus as af
+
+    opts = SimpleNamespace(scale="smoke", rounds=None, tables="fig5b", primary_only=True, seeds=1, only=None,
+                           collect=False, out=str(tmp_path))  # fmt: skip
+    assert len(af.study_plan(opts).points) == 2 * len(af.PLUGINS)  # each plug-in method without and with AFIND+

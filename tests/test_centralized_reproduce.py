@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from fedweave.config import ConfigError
 from fedweave.experiments.jobs import run_points
 from fedweave.experiments.study import Report
 from fedweave.registry import DATASETS
@@ -339,3 +340,12 @@ def test_a_rerun_that_reuses_its_runs_says_so_beside_its_wall_time(tmp_path):
     results = [{"dataset": "mnist", "cpu_seconds": 10.0}]
     line = repro._small_cost(out, results).splitlines()[0]
     assert re.fullmatch(r"Runtime: [\d.]+ min wall \(`table.md`\)" + re.escape(note) + " on the 2-core .*", line)
+
+
+def test_extend_on_a_preset_without_lower_priority_cells_is_one_line(tmp_path):
+    """``--extend`` on a preset with no extension (smoke, ablation, long, paper) was ignored without a word."""
+    with pytest.raises(
+        ConfigError, match=r"^--extend: preset 'smoke' has no lower-priority cells; presets with some: "
+    ):
+        repro.main(["--scale", "smoke", "--extend", "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()

@@ -344,3 +344,13 @@ def test_a_diverged_run_of_the_storage_measurement_is_shown_and_leaves_c5_untest
     assert got.status == 0 and "| FSL_AN | 5 | diverged | 408,260 | diverged | 5 | — |" in md
     assert md.rstrip().endswith("untestable by a declared rule: a run of the storage measurement diverged: "
                                 "no storage measured there |")  # fmt: skip
+
+
+def test_the_storage_runs_a_budget_left_unrun_are_named_with_their_clients(tmp_path):
+    """The storage scale's unrun runs were named ``fsl_mc-0`` three times, once per n, not told apart."""
+    from fedweave.experiments.study import not_run
+    from fedweave.reproduce import cse_fsl
+
+    points = cse_fsl.jobs(cse_fsl.preset("storage", "fashion_mnist"), [0], tmp_path, storage=True)
+    names = not_run(points).split(": ")[1].strip().split(", ")
+    assert len(set(names)) == len(names) == 12 and names[0] == "n=2-fsl_mc-0"

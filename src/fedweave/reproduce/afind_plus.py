@@ -575,7 +575,7 @@ def study_plan(opts) -> Plan:
         for s in p.settings:
             s.base["rounds"] = opts.rounds
     wanted = set(choices(opts.tables, TABLES, "--tables"))  # an empty list too is one line
-    if opts.primary_only and "fig5b" in wanted:
+    if opts.primary_only and "fig5b" in wanted and p.pathological != p.primary:
         raise ConfigError("--primary-only leaves out the pathological setting that --tables fig5b runs")
     if opts.primary_only:
         p.settings = [s for s in p.settings if s.key == p.primary]

@@ -126,7 +126,8 @@ def jobs(p: Preset, seeds: list[int], out: Path, storage: bool = False) -> list[
             "eval": {"every": 1},
             "output": {"dir": str(out / "runs" / f"{tag}-s{s}"), "plots": False, "progress": False},
         }
-        points.append(Point.of(config, f"{tag}-s{s}", key=key))
+        at = {"clients": f"n={n}"} if storage else {}  # the storage runs of one method differ by n alone
+        points.append(Point.of(config, f"{tag}-s{s}", **at, key=key))
     return points
 
 

@@ -997,6 +997,9 @@ def study_plan(opts) -> Plan:
     p = PRESETS[opts.scale]
     seeds = tuple(range(opts.seeds)) if opts.seeds else p.seeds
     known_datasets(opts.datasets or [], "--datasets")
+    if opts.extend and not p.extension:  # it was ignored without a word
+        with_one = ", ".join(k for k, q in PRESETS.items() if q.extension)
+        raise ConfigError(f"--extend: preset {opts.scale!r} has no lower-priority cells; presets with some: {with_one}")
     # a name beyond the preset's datasets replaced none of them and was dropped without a word
     takes, runs = preset_names(p, opts.extend)
     if opts.datasets and len(opts.datasets) > len(takes):
