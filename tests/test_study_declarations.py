@@ -43,7 +43,7 @@ def test_per_cell_summarizes_each_cell_in_order_of_first_appearance():
     }
     # b: one seed diverged (left out of the mean, counted), one never reached the target (no median)
     assert (b["method"], b["mean"], b["std"], b["diverged"], b["reach"]) == ("b", 60.0, 0.0, 1, None)
-    assert b["per_seed"] == "60.0 / nan"
+    assert b["per_seed"] == "60.0 / diverged"  # a seed without a finite value is named, not printed as nan
 
 
 def test_ranks_put_the_largest_first_and_keep_ties_in_order():
