@@ -349,3 +349,15 @@ def test_extend_on_a_preset_without_lower_priority_cells_is_one_line(tmp_path):
     ):
         repro.main(["--scale", "smoke", "--extend", "--out", str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()
+
+
+def test_the_pages_per_seed_line_names_a_diverged_run():
+    """The page's per-seed line printed ``72.56 → nan`` for a FedMIM run that diverged."""
+    nan = float("nan")
+    rows = [
+        {"dataset": "fashion_mnist", "split": "dir0.1", "method": m, "seed": s,
+         "final_acc": nan if (m, s) == ("fedmim", 1) else 70.0 + s, "best_acc": 71.0 + s}
+        for m in ("fedavg", "fedmim") for s in range(3)
+    ]  # fmt: skip
+    line = repro._page_per_seed(rows).splitlines()[0]
+    assert line.endswith("(final accuracy, FedAvg → FedMIM): 70.00 → 70.00, 71.00 → diverged, 72.00 → 72.00.")

@@ -317,3 +317,20 @@ def test_the_tuning_grid_leaves_out_diverged_and_unrun_runs_and_names_them(tmp_p
     left = zo_hfl.tune_left(configs, results)
     assert left == f"Diverged: {lam1[0]}, {lam1[1]}.\nNot run (time budget): {lam1[2]}.\n\n"
     assert "| 1.0 | 0.1 | 0.01 | – |" in zo_hfl.tune_md(rows, p, [0], 1, 1.0, left)
+
+
+def test_the_pages_readings_of_a_tuning_grid_with_an_unfinished_cell_are_one_line(tmp_path):
+    """``--tune`` now writes an empty cell where no run finished; the page's readings of the grid compared it with
+    numbers (``TypeError: '>' not supported between instances of 'NoneType' and 'float'``)."""
+    from pathlib import Path
+
+    from fedweave.config import ConfigError
+
+    committed = Path(__file__).parents[1] / "docs" / "reproductions" / "zo-hfl" / "tune.csv"
+    lines = committed.read_text(encoding="utf-8").splitlines()
+    cells = lines[1].split(",")
+    cells[4] = ""  # the second setting's cell of the best row: none of its runs finished
+    (tmp_path / "tune.csv").write_text("\n".join([lines[0], ",".join(cells), *lines[2:]]) + "\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"tune.csv: no run of lambda = 1, mu = 0.01, gamma_0 = 0.01 finished in "):
+        zo_hfl.tune_section(tmp_path / "tune.csv")
+    assert "lambda = 1, mu = 0.01 is the best mean" in zo_hfl.tune_section(committed)  # the whole grid reads

@@ -943,8 +943,12 @@ def _page_per_seed(rows: list[dict]) -> str:
     """The small preset's Dir-0.1 Fashion-MNIST finals and best accuracies per seed, FedAvg against FedMIM."""
     by = {(r["method"], r["seed"]): r for r in rows if (r["dataset"], r["split"]) == _CELL}
     seeds = sorted(s for m, s in by if m == "fedmim")
-    pairs = ", ".join(f"{by[('fedavg', s)]['final_acc']:.2f} → {by[('fedmim', s)]['final_acc']:.2f}" for s in seeds)
-    best = {m: " / ".join(f"{by[(m, s)]['best_acc']:.2f}" for s in seeds) for m in MAIN}
+
+    def acc(method: str, seed: int, key: str) -> str:  # a run that diverged has no final accuracy
+        return f"{v:.2f}" if is_finite(v := by[(method, seed)][key]) else "diverged"
+
+    pairs = ", ".join(f"{acc('fedavg', s, 'final_acc')} → {acc('fedmim', s, 'final_acc')}" for s in seeds)
+    best = {m: " / ".join(acc(m, s, "best_acc") for s in seeds) for m in MAIN}
     return (
         f"Per seed at Dir-0.1 (final accuracy, FedAvg → FedMIM): {pairs}.\n"
         f"FedMIM's best accuracy over the evaluated rounds is {best['fedmim']}, against FedAvg's\n{best['fedavg']}.\n"

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from fedweave.config import ConfigError
 from fedweave.experiments.aggregate import group, mean_of, per_cell, std_of
 from fedweave.experiments.blocks import verdict_cell
 from fedweave.experiments.grid import Point
@@ -809,10 +810,23 @@ def cost_section(folder: Path) -> str:
     )
 
 
+def whole_grid(path: Path) -> list[dict[str, Any]]:
+    """A committed ``tune.csv`` whose every cell has a finished run: the page's prose reads given cells of it (a
+    cell of none, ``tune_summary``'s empty field, is a ConfigError naming the file and the cell)."""
+    rows = read_csv(path)
+    if gap := next(((r, k) for r in rows for k, v in r.items() if v is None), None):
+        r, k = gap
+        raise ConfigError(
+            f"{path}: no run of lambda = {r['lam']:g}, mu = {r['mu']}, gamma_0 = {r['server_lr']:g} finished in "
+            f"{k!r} (diverged or not run); the page reads every cell: rerun --tune into its folder to finish them"
+        )
+    return rows
+
+
 def adult_tune_section(path: Path) -> str:
     """What the Adult grid gives at the paper's server step gamma_0 = 0.01 (``adult/tune.csv``): the server-only
     control's validation accuracy in every setting, and the best any cell reaches."""
-    rows = [r for r in read_csv(path) if r["server_lr"] == 0.01]
+    rows = [r for r in whole_grid(path) if r["server_lr"] == 0.01]
     cols = [k for k in rows[0] if k.startswith("adult ")]
     base = next(r for r in rows if r["lam"] == 0)
     top = max(((r[c], r, c) for r in rows for c in cols), key=lambda x: x[0])
@@ -827,7 +841,7 @@ def adult_tune_section(path: Path) -> str:
 def tune_section(path: Path) -> str:
     """The small preset's lambda x mu grid (``tune.csv``, validation accuracy, one seed): the mean over the six
     cells per (lambda, mu), the best in bold, and what the sentence after it reads from the grid."""
-    rows = read_csv(path)
+    rows = whole_grid(path)
     best = max(rows, key=lambda r: r["mean"])
     base = next(r for r in rows if r["lam"] == 0)
     mus = sorted({r["mu"] for r in rows if r["mu"] != "-"}, key=float)
@@ -864,7 +878,7 @@ def tune_section(path: Path) -> str:
 
 def adult_best_section(path: Path) -> str:
     """The best cell of the Adult grid (``adult/tune.csv``) against the server-only control at its gamma_0."""
-    rows = read_csv(path)
+    rows = whole_grid(path)
     best = max(rows, key=lambda r: r["mean"])
     same = [r for r in rows if r["server_lr"] == best["server_lr"]]
     base = next(r for r in same if r["lam"] == 0)
