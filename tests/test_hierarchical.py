@@ -486,3 +486,97 @@ def test_a_round_of_clients_without_samples_keeps_the_model(name):
     out = a.run_round(empty[0])
     assert torch.equal(a.x, before)
     assert out["train_loss"] == 0.0  # the mean over no samples, as hier_scaffold's plain mean reports it
+
+
+def _register_stateful_method() -> None:
+    """A hierarchical method whose clients keep their last local model (a ``ClientStep`` over ``self.store``) and
+    train proximally to it: what a researcher's own method with client state writes (docs/architecture.md)."""
+    from dataclasses import dataclass
+
+    from fedweave.algorithms.hierarchical.base import AveragingAlgorithm, AveragingHparams
+    from fedweave.execution import LocalRule, StateStore
+    from fedweave.execution.job import ClientStep
+    from fedweave.registry import ALGORITHMS, CLIENT_STEPS, RULES
+
+    if "_test_hier_prev" in ALGORITHMS._items:
+        return
+
+    @RULES.register("_test_hier_prox")
+    class Prox(LocalRule):
+        def __init__(self, prev: torch.Tensor) -> None:
+            self.prev = prev
+
+        def direction(self, w, grad, jobs):
+            return grad(w) + (w - self.prev[jobs])
+
+    @CLIENT_STEPS.register("_test_hier_step")
+    class Step(ClientStep):
+        state = ("prev",)
+
+        def __init__(self, x: torch.Tensor) -> None:
+            self.x = x
+
+        def rule(self, state):
+            prev = state["prev"]
+            return Prox(torch.where((prev == 0).all(1, keepdim=True), self.x, prev))
+
+        def finish(self, state, start, result):
+            return {}, {"prev": result.params}
+
+    @dataclass
+    class Hparams(AveragingHparams):
+        pass
+
+    @ALGORITHMS.register("_test_hier_prev")
+    class Prev(AveragingAlgorithm):
+        name = "_test_hier_prev"
+
+        def __init__(self, ctx, hp) -> None:
+            super().__init__(ctx, hp)
+            self.store = StateStore(self.m + 1, dtype=ctx.dtype, placement=ctx.placement)
+            self.store.create("prev", self.dim)
+
+        def client_rule(self, r: int):
+            return Step(self.x)
+
+        def server_update(self, mean, got) -> None:
+            self.x = mean
+
+    Prev.Hparams = Hparams
+
+
+def test_a_methods_own_client_state_is_in_the_checkpoint():
+    """A method's per-client ``StateStore`` was not saved by the family base (only hier_scaffold saved its own
+    c_i): a resumed run restarted its clients' state and its numbers differed from the uninterrupted run's."""
+    _register_stateful_method()
+    a = _build(name="_test_hier_prev")
+    for r in range(3):
+        a.run_round(r)
+    b = _build(name="_test_hier_prev")
+    b.run_round(0)
+    buf = io.BytesIO()
+    torch.save(b.state_dict(), buf)
+    buf.seek(0)
+    c = _build(name="_test_hier_prev")
+    c.load_state_dict(torch.load(buf, weights_only=True))
+    assert torch.equal(c.store["prev"], b.store["prev"]) and c.store["prev"].abs().sum() > 0
+    for r in (1, 2):
+        c.run_round(r)
+    assert torch.equal(a.x, c.x)
+
+
+def test_hier_scaffold_reads_a_checkpoint_of_its_c_i_written_before_the_family_saved_client_state():
+    """hier_scaffold's c_i moved into the family's ``client_state``; a checkpoint that holds them as ``c_i`` (its
+    own key before) still resumes to the same state."""
+    a = _build(name="hier_scaffold")
+    a.run_round(0)
+    state = a.state_dict()
+    old = {k: v for k, v in state.items() if k != "client_state"} | {"c_i": a.store["c"].clone()}
+    b, c = _build(name="hier_scaffold"), _build(name="hier_scaffold")
+    b.load_state_dict(state)
+    c.load_state_dict(old)
+    assert (
+        a.store["c"].abs().sum() > 0
+        and torch.equal(b.store["c"], a.store["c"])
+        and torch.equal(c.store["c"], a.store["c"])
+    )

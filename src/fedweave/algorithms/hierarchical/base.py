@@ -32,7 +32,15 @@ from fedweave import robust
 from fedweave.algorithms.base import Algorithm, RunContext, aggregation_weights
 from fedweave.compression import upload_compression
 from fedweave.config import MAX_LOCAL_STEPS, ConfigError, nearest_count
-from fedweave.execution import LocalRule, LocalTrainer, ParamLayout, check_seeded, choose_backend, evaluate_task
+from fedweave.execution import (
+    LocalRule,
+    LocalTrainer,
+    ParamLayout,
+    StateStore,
+    check_seeded,
+    choose_backend,
+    evaluate_task,
+)
 from fedweave.execution.local import LR, PLAIN, ClientStep, GradFn, LocalResult
 from fedweave.ledger import nbytes
 from fedweave.privacy import make_privacy
@@ -585,6 +593,9 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
 
     def __init__(self, ctx: RunContext, hp: AveragingHparams) -> None:
         super().__init__(ctx, hp)
+        # per-client state of a method whose ``client_rule`` is a ``ClientStep`` (one row per job), created by that
+        # method; saved in the checkpoint with the rest
+        self.store: StateStore | None = None
         if hp.server_data == "client" and len(self.data.server) == 0:
             # an empty job trains nothing, yet it would count in a plain mean, in train_loss and in the step counters
             raise ConfigError(
@@ -600,6 +611,8 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
 
     def state_dict(self) -> dict:
         out = super().state_dict()
+        if self.store is not None:  # the clients' own state (before: not saved, so a resume restarted it)
+            out["client_state"] = self.store.state_dict()
         if self.compression is not None:  # the clients' error-feedback residuals
             out["compression"] = self.compression.state_dict()
         if self.robust is not None and self.robust.stateful:  # a stateful aggregator's state (robustness)
@@ -608,6 +621,9 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
+        clients = state.pop("client_state", None)
+        if clients is not None and self.store is not None:
+            self.store.load_state_dict(clients)
         residuals, robust_state = state.pop("compression", None), state.pop("robust", None)
         super().load_state_dict(state)
         if residuals is not None and self.compression is not None:

@@ -126,10 +126,11 @@ class HierScaffold(AveragingAlgorithm):
         self.c = self.c + got.upload["dc"].sum(0) / (self.m + (self.hp.server_data == "client"))
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "c": self.c, "c_i": self.store["c"].clone()}
+        return {**super().state_dict(), "c": self.c}  # the c_i: the family's ``client_state``
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
-        self.c, c_i = state.pop("c").clone(), state.pop("c_i")
-        self.store["c"].copy_(c_i)
+        self.c, c_i = state.pop("c").clone(), state.pop("c_i", None)
+        if c_i is not None:  # a checkpoint written before the family saved its clients' state
+            self.store["c"].copy_(c_i)
         super().load_state_dict({**state, "x": state["x"].clone()})
