@@ -795,3 +795,27 @@ def test_plot_runs_of_a_confederated_run_defaults_to_the_column_its_own_plots_sh
     assert res.summary["main_metric"] is None
     written = plot_runs([tmp_path / "r"], tmp_path / "plots")
     assert [p.name for p in written] == ["opt_gap_vs_rounds.png", "opt_gap_vs_bytes.png"]
+
+
+def test_a_method_without_the_step_its_family_calls_is_one_line_when_it_is_built(monkeypatch):
+    """A star method without ``server_update`` ended in Python's ``TypeError: Can't instantiate abstract class``
+    traceback; a hierarchical one without it failed at round 1 in a bare ``NotImplementedError``, its run directory
+    written. Both are one line now, when the algorithm is built."""
+    from fedweave.algorithms.hierarchical.base import AveragingAlgorithm
+
+    ALGORITHMS.names()
+    monkeypatch.setattr(ALGORITHMS, "_items", dict(ALGORITHMS._items))
+
+    @ALGORITHMS.register("_no_server_step")
+    class NoServer(StarAlgorithm):
+        name = "_no_server_step"
+
+    @ALGORITHMS.register("_no_hier_step")
+    class NoHier(AveragingAlgorithm):
+        name = "_no_hier_step"
+
+    with pytest.raises(ConfigError, match=r"^algorithm '_no_server_step' \(.*NoServer\) does not define server_update"):
+        build_algorithm(RunContext(load(_cfg(algorithm={"name": "_no_server_step", "clients_per_round": 3}))))
+    hier = {"name": "_no_hier_step", "tau": 2, "participation": 0.5}
+    with pytest.raises(ConfigError, match=r"^algorithm '_no_hier_step' \(.*NoHier\) does not define server_update"):
+        build_algorithm(RunContext(load(_cfg(algorithm=hier))))

@@ -697,6 +697,11 @@ class _AlgorithmMeta(ABCMeta):
             raise TypeError(f"{name}.state_fields names an attribute twice: {fields!r}")
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if abstract := sorted(getattr(cls, "__abstractmethods__", ())):  # a method its family calls, not written
+            raise ConfigError(
+                f"algorithm {getattr(cls, 'name', cls.__name__)!r} ({cls.__module__}.{cls.__qualname__}) does not "
+                f"define {', '.join(abstract)}, which its family's round calls (docs/extending.md)"
+            )
         algo = super().__call__(*args, **kwargs)
         missing = [f for f in cls.state_fields if not hasattr(algo, f)]
         if missing:

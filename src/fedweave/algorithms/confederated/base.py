@@ -309,7 +309,8 @@ class ConfederatedAlgorithm(Algorithm):
     # ---- the iteration ------------------------------------------------------------------------------
     def estimate(self, r: int, k: int, x_new: torch.Tensor, x_old: torch.Tensor) -> torch.Tensor:
         """g^{k+1} (N, d): the method's estimate of grad f_i(x_i^{k+1}); records its transfers."""
-        raise NotImplementedError
+        # not abstract: a method may write its own step instead (CFL-ADMM)
+        raise NotImplementedError(f"{type(self).__qualname__} defines neither estimate nor a step of its own")
 
     def step(self, r: int) -> None:
         """One iteration k -> k+1 of the gradient-tracking skeleton (eq. 56)."""

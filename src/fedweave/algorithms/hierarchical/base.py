@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -738,6 +739,6 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
             return self.robust.aggregate(updates, w, self.x if self.updates_are_models else None)
         return weights @ updates if weights is not None else updates.mean(0)
 
+    @abstractmethod
     def server_update(self, mean: torch.Tensor, got: Collected) -> None:
         """The method's server step from ``mean``, the aggregate of the updates."""
-        raise NotImplementedError

@@ -401,7 +401,8 @@ class SplitAlgorithm(Algorithm):
         """The method's exchanges of round ``r`` between the reporting ``clients`` (starting from the models
         they downloaded, ``xc_rows``/``xa_rows``) and the main server, which updates its own model(s) here;
         ``lrs``: the (client, auxiliary, server) learning rates."""
-        raise NotImplementedError
+        # not abstract: a method may write its own round instead (CSE-FSL)
+        raise NotImplementedError(f"{type(self).__qualname__} defines neither train_round nor a round of its own")
 
     # ---- clients, weights, learning rates ------------------------------------------------------------
     def sample_clients(self, r: int) -> np.ndarray:
