@@ -78,6 +78,18 @@ def plot_curves(
     return save_png(fig, path, dpi)
 
 
+def diverged_mark(statuses: list[str]) -> str:
+    """What a curve's legend label says of the diverged runs among the ``statuses`` of every run of its point:
+    `` (diverged)`` when all are (as ``fedweave plot`` labels one), `` (K of N diverged)`` for some seeds (their
+    band ends with the shortest of them), nothing when none is."""
+    from fedweave.plots import DIVERGED_MARK
+
+    k = statuses.count("diverged")
+    if k == 0:
+        return ""
+    return DIVERGED_MARK if k == len(statuses) else f" ({k} of {len(statuses)} diverged)"
+
+
 def plot_sweep(curves: dict[str, list[list[dict[str, Any]]]], out_dir: str | Path, metric: str) -> list[Path]:
     """``metric`` against rounds and against bytes, ``curves`` mapping a point's label to its seeds' rows."""
     out_dir = Path(out_dir)

@@ -147,12 +147,13 @@ def _with_defaults(raw: Any) -> Any:
 
 def _main_metric(runs: list[_Run]) -> str:
     """The task's main metric column: a finished run's summary names it (or, where its rows have none, the
-    column its own plots show: :func:`fedweave.plots.run_metric`), else the config's task section."""
+    column its own plots show: :func:`fedweave.plots.run_metric`), else the config's task section. A run without
+    rows (diverged before its first evaluation) names no column."""
     from fedweave.plots import run_metric
     from fedweave.tasks import build_task
 
     for r in runs:
-        if r.summary is not None and run_metric(r.summary):
+        if r.summary is not None and r.rows and run_metric(r.summary):
             return str(run_metric(r.summary))
     for r in runs:
         t = r.config
@@ -620,21 +621,25 @@ def _overlay(sources: list[_Source]) -> str:
     rounds): one line per sweep point (a band over its seeds) or run,
     every directory given on one figure. A point's curve uses its finished runs (an unfinished seed would cut
     the band short), or its unfinished ones while none has finished (``(unfinished)``); its diverged runs are
-    said in its label (:func:`_diverged_mark`), and a curve of one point is a marker."""
-    from fedweave.experiments.plots import plot_curves
+    said in its label (:func:`fedweave.experiments.plots.diverged_mark`, counting those without rows), and a
+    curve of one point is a marker."""
+    from fedweave.experiments.plots import diverged_mark, plot_curves
     from fedweave.plots import clock_label
 
     by_metric: dict[str, dict[str, list[list[dict[str, Any]]]]] = {}
     for src in sources:
         prefix = f"{src.name}: " if len(sources) > 1 and src.spec is not None else ""
         points: dict[str, list[_Run]] = {}
+        everyone: dict[str, list[_Run]] = {}  # a point's runs, those diverged before their first row too
         for r in src.runs:
+            everyone.setdefault(r.label, []).append(r)
             if r.rows:
                 points.setdefault(r.label, []).append(r)
         curves = by_metric.setdefault(src.metric, {})
         for label, runs in points.items():
             done = [r for r in runs if r.finished]
-            name = prefix + label + ("" if done else " (unfinished)") + _diverged_mark(done)
+            ended = [r.status for r in everyone[label] if r.finished]
+            name = prefix + label + ("" if done else " (unfinished)") + diverged_mark(ended)
             while name in curves:  # two runs of the same name, from different folders
                 name += "'"
             curves[name] = [r.rows for r in done or runs]
@@ -664,18 +669,6 @@ def _overlay(sources: list[_Source]) -> str:
                 if path is not None:
                     figures.append(_img(name, path.read_bytes()))
     return f'<section class="overlay">{"".join(figures)}</section>' if figures else ""
-
-
-def _diverged_mark(runs: list[_Run]) -> str:
-    """What a curve's legend label says of the diverged runs among those it is drawn from: `` (diverged)`` when
-    all are (as ``fedweave plot`` labels one), `` (K of N diverged)`` for some seeds of a point (the band ends
-    with the shortest of them), nothing when none is."""
-    from fedweave.plots import DIVERGED_MARK
-
-    k = sum(r.status == "diverged" for r in runs)
-    if k == 0:
-        return ""
-    return DIVERGED_MARK if k == len(runs) else f" ({k} of {len(runs)} diverged)"
 
 
 def _notes(src: _Source) -> list[str]:

@@ -119,15 +119,16 @@ def sweep(
     results = run_points(points, out / "runs", workers=workers, progress=progress, ray_address=ray_address)
     # no run's rows hold the task's main metric (the confederated family's synthetic problem has no test set):
     # tabulate the column the runs' own plots show, as `fedweave plot` and the report do
-    own = None
-    if not any(results[p.slug].summary.get("main_metric") for p in points):
-        own = next((m for p in points if (m := run_metric(results[p.slug].summary))), None)
+    # (a run that wrote no rows, diverged before its first evaluation, says nothing of its columns)
+    own, wrote = None, [p for p in points if (out / "runs" / p.slug / "metrics.jsonl").is_file()]
+    if wrote and not any(results[p.slug].summary.get("main_metric") for p in points):
+        own = next((m for p in wrote if (m := run_metric(results[p.slug].summary))), None)
     if defaulted and own is not None:
         metric = own
         spec["metric"] = metric
         atomic_write(out / "sweep.json", json.dumps(spec, indent=2, default=str))
 
-    records, by_point, curves = [], {}, {}
+    records, by_point, curves, statuses = [], {}, {}, {}
     for p in points:
         s = results[p.slug].summary
         rows = read_metrics(out / "runs" / p.slug) if (out / "runs" / p.slug / "metrics.jsonl").is_file() else []
@@ -149,7 +150,9 @@ def sweep(
             rec["bytes_to_target"] = to_target(rows, metric, target, "bytes_total", column_direction(metric))
         records.append(rec)
         by_point.setdefault(p.label, []).append(rec)
-        curves.setdefault(p.label, []).append(rows)
+        statuses.setdefault(p.label, []).append(s["status"])
+        if rows:  # a run diverged before its first row draws nothing (it would empty its point's band)
+            curves.setdefault(p.label, []).append(rows)
 
     written = [(k, v) for rows in curves.values() for rs in rows for r in rs for k, v in r.items() if v is not None]
     if not defaulted and written and metric not in {k for k, _ in written}:
@@ -196,9 +199,9 @@ def sweep(
     write_csv(out / "sweep.csv", records)
     write_csv(out / "summary.csv", summary)
     atomic_write(out / "summary.md", markdown(summary, best))
-    from fedweave.experiments.plots import plot_sweep
+    from fedweave.experiments.plots import diverged_mark, plot_sweep
 
-    plot_sweep(curves, out, metric)
+    plot_sweep({label + diverged_mark(statuses[label]): rows for label, rows in curves.items()}, out, metric)
     return SweepResult(out, records, summary, best)
 
 
