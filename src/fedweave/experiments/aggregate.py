@@ -107,10 +107,14 @@ def _round(x: float, nd: int | None) -> float:
     return x if nd is None else round(x, nd)
 
 
+def seed_value(value: Any, fmt: str = ".2f") -> str:
+    """One seed's value as a table lists it: formatted, or ``diverged`` where it is not finite (the run has none)."""
+    return format(value, fmt) if is_finite(value) else "diverged"
+
+
 def per_seed(key: str, fmt: str = ".2f", sep: str = " / ") -> Stat:
-    """A cell's values of ``key`` in seed order, each formatted (``diverged`` where not finite), joined by ``sep``."""
-    cell = lambda v: format(v, fmt) if is_finite(v) else "diverged"  # noqa: E731
-    return lambda rs: sep.join(cell(r[key]) for r in sorted(rs, key=lambda r: r["seed"]))
+    """A cell's values of ``key`` in seed order, each a ``seed_value``, joined by ``sep``."""
+    return lambda rs: sep.join(seed_value(r[key], fmt) for r in sorted(rs, key=lambda r: r["seed"]))
 
 
 def median_of(key: str) -> Stat:

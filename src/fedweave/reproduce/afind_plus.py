@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from fedweave.config import ConfigError
-from fedweave.experiments.aggregate import group, is_finite, seed_gaps
+from fedweave.experiments.aggregate import group, is_finite, seed_gaps, seed_value
 from fedweave.experiments.grid import Point
 from fedweave.experiments.jobs import finished
 from fedweave.experiments.plots import plot_curves
@@ -326,7 +326,7 @@ def plugin_gain(plain: list[dict[str, Any]], plug: list[dict[str, Any]], key: st
 
 def seed_gains(plain: list[dict[str, Any]], plug: list[dict[str, Any]], key: str) -> str:
     """The gain of ``key`` in points per seed both ran, ``diverged`` where either run of the seed did."""
-    return ", ".join(f"{100 * g:.2f}" if math.isfinite(g) else "diverged" for g in seed_gaps(plain, plug, key))
+    return ", ".join(seed_value(100 * g) for g in seed_gaps(plain, plug, key))
 
 
 def tables(results: list[dict[str, Any]], rows: dict[str, list], p: Preset) -> dict[str, tuple[list, list]]:

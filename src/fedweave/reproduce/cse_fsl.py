@@ -29,7 +29,7 @@ from fedweave.accounting.split import (
     storage_params,
 )
 from fedweave.config import ConfigError
-from fedweave.experiments.aggregate import finite, group, if_all, mean_std, seed_gaps, to_target
+from fedweave.experiments.aggregate import finite, group, if_all, mean_std, seed_gaps, seed_value, to_target
 from fedweave.experiments.blocks import verdict_cell
 from fedweave.experiments.grid import Point
 from fedweave.experiments.pages import REUSED_NOTE, paragraph, stated
@@ -226,7 +226,7 @@ def seed_records(md: str) -> list[dict[str, Any]]:
 
 def _seed_acc(a: float) -> str:
     """A seed's final accuracy as a table lists it: 2 decimals, or ``diverged`` (no accuracy)."""
-    return f"{a:.2f}" if math.isfinite(a) else "diverged"
+    return seed_value(a)
 
 
 # ---- claims (spec §9.3) ------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from fedweave.experiments.aggregate import (
     per_cell,
     per_seed,
     ranks,
+    seed_value,
     std_of,
 )
 from fedweave.experiments.blocks import claim_table, cost_line, gap_table, run_values, same_runs_table, verdict_cell
@@ -945,7 +946,7 @@ def _page_per_seed(rows: list[dict]) -> str:
     seeds = sorted(s for m, s in by if m == "fedmim")
 
     def acc(method: str, seed: int, key: str) -> str:  # a run that diverged has no final accuracy
-        return f"{v:.2f}" if is_finite(v := by[(method, seed)][key]) else "diverged"
+        return seed_value(by[(method, seed)][key])
 
     pairs = ", ".join(f"{acc('fedavg', s, 'final_acc')} → {acc('fedmim', s, 'final_acc')}" for s in seeds)
     best = {m: " / ".join(acc(m, s, "best_acc") for s in seeds) for m in MAIN}

@@ -357,7 +357,7 @@ def _acc(a: Select, b: Select, direction: str = "greater", min_effect: float = 0
 
 def _accs(records, m: str, s: tuple[float, float]) -> list[float]:
     """Method ``m``'s final accuracies in setting ``s``, of its runs that did not diverge."""
-    return list(at(m, s).values([r for r in records if not _diverged(r)], "acc").values())
+    return list(at(m, s).values(_finished(records), "acc").values())
 
 
 C1_RULE = All(
@@ -503,7 +503,7 @@ def power_table(records: list[dict]) -> str:
     above the server-only control's at (1000, 90%)) and what the paired test at its seeds could find: per
     setting, the seed std of the paired differences ZO-HFL - server-only, the difference detected with 80 %
     power by the 95 % paired t, and the power against a gain as large as that room."""
-    table = [r for r in records if r["part"] == "table" and not _diverged(r)]  # a diverged run: no accuracy to pair
+    table = _finished([r for r in records if r["part"] == "table"])  # a diverged run: no accuracy to pair
     mean = lambda m: float(np.mean(_accs(table, m, HOMO)))  # noqa: E731
     ran = [m for m in BASELINES if _accs(table, m, HOMO)]
     if not ran or not _accs(table, "server_only", HOMO):  # every run of a side diverged: no room to measure
