@@ -498,7 +498,7 @@ def test_report_renders_a_sweeps_comparison_with_its_baseline_from_the_runs_file
     half = stats.t.ppf(0.975, 1) * d.std(ddof=1) / np.sqrt(2)
     assert other[cols["test_accuracy − baseline"]] == f"{d.mean():.4g}"
     assert other[cols["95 % paired t interval"]] == f"[{d.mean() - half:.4g}, {d.mean() + half:.4g}]"
-    assert (other[cols["pairs"]], other[cols["unpaired"]]) == ("2", "5 unfinished")
+    assert (other[cols["pairs"]], other[cols["unpaired"]]) == ("2", "seed 5 unfinished")
 
 
 def test_report_renders_a_holm_corrected_comparison_as_summary_csv_holds_it(toy_config, tmp_path):

@@ -275,9 +275,15 @@ def test_a_metric_no_run_has_is_one_clear_line_and_the_runs_are_reused(toy_confi
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({**toy_config, "rounds": 1}))
     args = ["sweep", str(cfg), "--grid", "local.lr=0.1", "--out", str(tmp_path / "s"), "--no-progress"]
+    # a test column the task does not log is refused before any run (tests/test_sweep_edges.py)
     assert cli_main([*args, "--metric", "test_acc"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--metric 'test_acc'" in err and "test_accuracy" in err, err
+    assert not (tmp_path / "s").exists()
+    # a column only the runs can tell (the algorithm's): refused once they have run, and they are reused
+    assert cli_main([*args, "--metric", "train_los"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--metric 'train_los'" in err and "train_loss" in err, err
     assert not (tmp_path / "s" / "summary.csv").exists()
     run = next((tmp_path / "s" / "runs").glob("*/summary.json"))
     mtime = run.stat().st_mtime_ns
@@ -289,7 +295,7 @@ def test_a_metric_no_run_has_is_one_clear_line_and_the_runs_are_reused(toy_confi
     # a typo after that leaves sweep.json as it was, beside the summary.csv it describes (before: the report
     # read the refused metric from it and showed every column of the finished sweep blank)
     spec = (tmp_path / "s" / "sweep.json").read_bytes()
-    assert cli_main([*args, "--metric", "test_los"]) == 2
+    assert cli_main([*args, "--metric", "train_los"]) == 2
     assert (tmp_path / "s" / "sweep.json").read_bytes() == spec
 
 
@@ -736,7 +742,7 @@ def test_a_diverged_run_is_not_paired_and_one_pair_is_n_below_2(toy_config, tmp_
                          baseline="local.lr=0.1")  # fmt: skip
     blown = res.summary[1]
     assert (blown["vs_baseline"], blown["pairs"], blown["test_accuracy_diff"]) == ("n < 2", 0, None)
-    assert blown["unpaired"] == "3 diverged; 4 diverged"
+    assert blown["unpaired"] == "seed 3 diverged; seed 4 diverged"  # not "3 diverged": a count beside the column
     assert [r["diff_final_test_accuracy"] for r in res.records[2:]] == [None, None]
 
 
@@ -747,7 +753,7 @@ def test_a_completed_run_that_ended_on_nan_is_named_not_paired():
     ]
     recs[4]["v"] = float("nan")  # b, seed 2
     got = compare(recs, "v", "a", "max")
-    assert (got["b"].n, got["b"].unpaired) == (2, "2 v nan")
+    assert (got["b"].n, got["b"].unpaired) == (2, "seed 2 v nan")
     assert got["b"].diff == pytest.approx(0.2)  # seeds 1 and 3: +0.1 and +0.3
     only = compare(recs[:2] + recs[3:5], "v", "a", "max")  # seeds 1 and 2, seed 2 NaN: one pair
     assert (only["b"].outcome, only["b"].n, only["b"].low) == ("n < 2", 1, None)

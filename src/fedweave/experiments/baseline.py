@@ -64,7 +64,7 @@ class Comparison:
     """A point against the baseline: the mean of the per-seed differences (point minus baseline) ``diff``,
     its interval ``low``-``high`` (None with fewer than 2 pairs), the pairs ``n``, the ``outcome`` (better,
     worse, inconclusive, ``n < 2``, or ``baseline`` for the baseline itself), ``unpaired``, the seeds of
-    either point left out and why (``5 diverged``, ``6 baseline unfinished``), and, for a point with 2 or more
+    either point left out and why (``seed 5 diverged``, ``seed 6 baseline unfinished``), and, for a point with 2 or more
     pairs, ``level``, the confidence level of its interval (the one asked for, or the corrected one), ``p``, the
     two-sided p-value of a zero difference, and ``p_adjusted``, that p-value after the correction."""
 
@@ -267,9 +267,9 @@ def compare(
         a = {r["seed"]: _value(r, key) for r in records if r["point"] == point}
         b = {r["seed"]: _value(r, key) for r in records if r["point"] == baseline}
         pairs = sorted(s for s in set(a) & set(b) if a[s][0] is not None and b[s][0] is not None)
-        left = [f"{s} {a[s][1]}" for s in sorted(a, key=str) if a[s][0] is None]
-        left += [f"{s} baseline {b[s][1]}" for s in sorted(b, key=str) if b[s][0] is None and s in a]
-        left += [f"{s} no baseline run" for s in sorted(set(a) - set(b), key=str) if a[s][0] is not None]
+        left = [f"seed {s} {a[s][1]}" for s in sorted(a, key=str) if a[s][0] is None]
+        left += [f"seed {s} baseline {b[s][1]}" for s in sorted(b, key=str) if b[s][0] is None and s in a]
+        left += [f"seed {s} no baseline run" for s in sorted(set(a) - set(b), key=str) if a[s][0] is not None]
         unpaired = "; ".join(left)
         if len(pairs) < 2:
             diff = a[pairs[0]][0] - b[pairs[0]][0] if pairs else None  # type: ignore[operator]

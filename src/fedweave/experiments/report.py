@@ -78,10 +78,11 @@ class _Source:
     runs: list[_Run]
     spec: dict[str, Any] | None = None  # sweep.json, for a sweep
     stale: list[str] = field(default_factory=list)  # run directories of an earlier grid, left out
+    shown: str | None = None  # its name on the page where another directory given has its name (_shown_names)
 
     @property
     def name(self) -> str:
-        return self.path.resolve().name
+        return self.shown or self.path.resolve().name
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -640,7 +641,7 @@ def _overlay(sources: list[_Source]) -> str:
             done = [r for r in runs if r.finished]
             ended = [r.status for r in everyone[label] if r.finished]
             name = prefix + label + ("" if done else " (unfinished)") + diverged_mark(ended)
-            while name in curves:  # two runs of the same name, from different folders
+            while name in curves:  # a run directory named as another curve (e.g. "s: lr=0.1"); never replaced
                 name += "'"
             curves[name] = [r.rows for r in done or runs]
     figures = []
@@ -735,7 +736,16 @@ STYLE = (
 def build_report(dirs: list[str | Path]) -> str:
     """The HTML page for run and sweep directories (finished or not). Raises :class:`RunDirError` for a path
     that is neither."""
+    seen: set[Path] = set()
+    for d in map(Path, dirs):  # one directory twice drew two identical curves and tabulated its runs twice
+        if d.resolve() in seen:
+            raise RunDirError(f"{d} is given twice; give each directory once")
+        seen.add(d.resolve())
     sources = [_read_source(Path(d)) for d in dirs]
+    for src, shown in zip(sources, _shown_names([s.path for s in sources])):
+        src.shown = shown
+        if src.spec is None:  # a run given itself: its legend label, its row and its detail
+            src.runs[0].name = src.runs[0].label = shown
     runs = [r for s in sources for r in s.runs if r.config]
     keys = sorted({k for r in runs for k in r.config})
     differ = [k for k in keys if len({json.dumps(r.config.get(k), default=str) for r in runs}) > 1]
@@ -755,6 +765,19 @@ def build_report(dirs: list[str | Path]) -> str:
         f"<head><meta charset='utf-8'>{GENERATOR}<title>fedweave report: {given}</title><style>{STYLE}</style></head>"
     )
     return f"<!DOCTYPE html><html>{head}<body><h1>fedweave report: {given}</h1>{''.join(body)}</body></html>"
+
+
+def _shown_names(paths: list[Path]) -> list[str]:
+    """Each directory's name on the page: its own, or where others given share it (``a/ok``, ``b/ok``: a grid's
+    point in two sweeps) its last parts as far as they tell it apart from those."""
+    parts = [p.resolve().parts for p in paths]
+    out = []
+    for ps in parts:
+        k = 1
+        while k < len(ps) and sum(q[-k:] == ps[-k:] for q in parts) > 1:
+            k += 1
+        out.append(str(Path(*ps[-k:])))
+    return out
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:

@@ -97,6 +97,8 @@ def sweep(
             correction = paired.check_correction(correction)
         base = paired.resolve(paired.parse_baseline(baseline), [p.values for p in points])
     defaulted = metric is None
+    if metric is not None and (why := _unlogged(metric, points)):  # before a run: it would be refused after all
+        raise ConfigError(why)
     metric = metric or _main_column(points[0].config)
     out = Path(out)
     if what := file_in_the_way(out):
@@ -218,6 +220,34 @@ def _not_a_sweep(out: Path) -> str | None:
     if ours:
         return f"holds {', '.join(ours[:3])}, which the sweep would replace, and no sweep.json (no sweep's folder)"
     return None
+
+
+def _unlogged(metric: str, points: list) -> str | None:
+    """Why ``--metric`` is no column any point's run can log, where the config says so before a run: a test
+    column (``test_<key>``, with a suffix such as ``_min``, ``_personal``; per client ``client_test_...``) of a
+    key no metric of its task gives, or a bare metric name (``accuracy``); None where it may be one (any other
+    column is the algorithm's, known once a run has written it; a plug-in algorithm's own columns too)."""
+    from fedweave.registry import ALGORITHMS, METRICS
+    from fedweave.tasks import build_task
+
+    first = None
+    for p in points:
+        if not ALGORITHMS.get(p.config.algorithm.name).__module__.startswith("fedweave."):
+            return None
+        t = p.config.task
+        task = build_task(t.loss, t.loss_options, t.metrics, t.main)
+        keys = [k for m in task.metrics for k in METRICS.get(m).keys] + ["loss"]
+        column = metric.removeprefix("client_")
+        logged = column == "test_backdoor_success" or any(column == f"test_{k}" or column.startswith(f"test_{k}_")
+                                                          for k in keys)  # fmt: skip
+        if logged or not (column.startswith("test_") or metric in keys):
+            return None
+        first = first or (task.metrics, [f"test_{k}" for k in keys])
+    metrics, columns = first
+    return (
+        f"--metric {metric!r} is not a column the config's task logs (task.metrics: {', '.join(metrics)}); choose "
+        f"one of {', '.join(columns)}, or another column of the runs (train_loss, bytes_total, ...)"
+    )
 
 
 def _main_column(config) -> str:
