@@ -38,7 +38,7 @@ from fedweave.config import (
 from fedweave.data.augment import augment_for
 from fedweave.data.base import Dataset
 from fedweave.data.datasets._common import loads_user_files
-from fedweave.data.partition import Partition, check_parts, integral
+from fedweave.data.partition import Partition, check_parts, integral, is_label_free
 from fedweave.execution import LocalTrainer, batch_statistics, check_running_stats, check_seeded, choose_backend
 from fedweave.execution.evaluate import share_with_workers
 from fedweave.execution.local import LocalRule
@@ -297,8 +297,6 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0][:160] if text else type(e).__name__
 
 
-# partitioners that use only the number of samples (or the users), never the labels
-LABEL_FREE_PARTITIONERS = ("iid", "quantity_skew", "natural", "from_file")
 TARGET_BINS = 10  # quantile bins that stand for classes where float targets need labels
 
 
@@ -396,20 +394,21 @@ class RunContext:
         # a plug-in's NaN feature ran to a NaN round-1 loss, advised as a step-size divergence, and its empty
         # test split was scored 0.0 each round. The built-in loaders of verified downloads check their own
         # options (cfl_logreg has no test split by default, as in its paper), and scanning their data each run
-        # would cost time; those that read the user's own files (libsvm, leaf) are checked as a plug-in's are.
-        if loads_user_files(loader):
+        # would cost time; those that read the user's own files (libsvm, leaf, shakespeare's LEAF JSON) are
+        # checked as a plug-in's are.
+        if loads_user_files(loader, opts):
             check_loaded(self.config.dataset.name, ds)
         return ds
 
     @cached_property
     def user_files(self) -> dict[str, str]:
         """SHA-256 digests of what the run read from the user's own files, which no download check guards and
-        whose rounds to come depend on them: the data of a loader that reads them (``libsvm``, ``leaf``, a
-        plug-in's), a ``from_file`` partition and a ``schedule`` sampler's file. A checkpoint records them, and a
-        resume refuses files that changed since (``fedweave.checkpoints``). (``model.init_from`` is read at the
-        start only: a resume continues from the checkpoint's weights.)"""
+        whose rounds to come depend on them: the data of a loader that reads them (``libsvm``, ``leaf``,
+        ``shakespeare`` from LEAF JSON, a plug-in's), a ``from_file`` partition and a ``schedule`` sampler's file.
+        A checkpoint records them, and a resume refuses files that changed since (``fedweave.checkpoints``).
+        (``model.init_from`` is read at the start only: a resume continues from the checkpoint's weights.)"""
         out = {}
-        if self.objects.dataset is None and loads_user_files(dataset_loader(self.config)[0]):
+        if self.objects.dataset is None and loads_user_files(*dataset_loader(self.config)):
             out["dataset"] = describe_dataset(self._loaded)["sha256"]
         if self.config.partition.name == "from_file":
             h = hashlib.sha256()
@@ -572,7 +571,7 @@ class RunContext:
         part = self.config.partition
         fn, opts, num_clients, bins = partitioner(self.config)
         if not np.issubdtype(np.asarray(labels).dtype, np.integer):  # float targets (regression, multi-label)
-            if part.name in LABEL_FREE_PARTITIONERS:
+            if is_label_free(fn):  # (fedweave.data.partition.label_free)
                 if bins is not None:  # accepted and never read, any value (bins: -3 too) before
                     raise ConfigError(
                         f"partition.bins: partition {part.name!r} reads only the sample counts, not the targets; "
@@ -580,9 +579,10 @@ class RunContext:
                     )
                 labels = np.zeros(len(labels), dtype=np.int64)  # these partitioners read only the sample count
             elif bins is None:
+                free = [n for n in PARTITIONERS.names() if is_label_free(PARTITIONERS.get(n))]
                 raise ConfigError(
-                    f"partition {part.name!r} splits by class label, but the targets are floats; use iid, "
-                    "quantity_skew, natural or from_file, or give partition.bins: N to split by N target quantiles"
+                    f"partition {part.name!r} splits by class label, but the targets are floats; use "
+                    f"{', '.join(free[:-1])} or {free[-1]}, or give partition.bins: N to split by N target quantiles"
                 )
             elif not isinstance(bins, int) or isinstance(bins, bool) or bins < 2:
                 raise ConfigError(f"partition.bins must be an integer >= 2, got {bins!r}")

@@ -38,6 +38,13 @@ class Dataset:
                     )
             if len(x) != len(y):
                 raise ValueError(f"dataset {self.name!r}: {split}_x has {len(x)} rows but {split}_y has {len(y)}")
+            if not (y.dtype == torch.int64 or y.is_floating_point()):
+                # uint8 labels passed the loss's check (cross-entropy takes Byte) and ended in round 1 in an
+                # index_select's RuntimeError; int32 and bool were named by the loss, as its dtype, not the data's
+                raise ValueError(
+                    f"dataset {self.name!r}: {split}_y holds {y.dtype} values; class labels are int64 (.long() "
+                    "converts them), regression or multi-label targets floating point"
+                )
             users = getattr(self, f"{split}_users")
             # one user id per sample: a shorter or longer list would give a natural partition's clients (and
             # their per-client test sets) other samples than their users', with no error

@@ -274,7 +274,22 @@ def _shuffled_by_class(labels: np.ndarray, rng: np.random.Generator) -> tuple[np
 # ------------------------------------------------------------------------------------------ partitioners
 
 
+def label_free(fn: Any) -> Any:
+    """Mark a partitioner that reads only the number of samples (or the users, or a file), never the labels: on
+    float targets (a regression) it is called with placeholder labels and refuses ``partition.bins``, where the
+    others split by class label and need ``bins`` (``RunContext.partition_of``). Under the registration:
+    ``@PARTITIONERS.register("name")`` over ``@label_free``."""
+    fn.label_free = True
+    return fn
+
+
+def is_label_free(fn: Any) -> bool:
+    """Whether partitioner ``fn`` is marked :func:`label_free`."""
+    return getattr(fn, "label_free", False) is True
+
+
 @PARTITIONERS.register("iid")
+@label_free
 def iid(
     labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, users: np.ndarray | None = None
 ) -> Partition:
@@ -512,6 +527,7 @@ def shards(
 
 
 @PARTITIONERS.register("quantity_skew")
+@label_free
 def quantity_skew(
     labels: np.ndarray,
     num_clients: int,
@@ -545,6 +561,7 @@ def quantity_skew(
 
 
 @PARTITIONERS.register("natural")
+@label_free
 def natural(
     labels: np.ndarray,
     num_clients: int | None,
@@ -702,6 +719,7 @@ def partition_stats(parts: Sequence[np.ndarray], labels: np.ndarray, num_classes
 
 
 @PARTITIONERS.register("from_file")
+@label_free
 def from_file(
     labels: np.ndarray,
     num_clients: int | None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import gzip
 import inspect
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,10 @@ import numpy as np
 import torch
 
 from fedweave.seeding import Seeds
+
+#: A loader's ``root`` (a directory): its annotation, so that the config names ``dataset.root`` when it is given
+#: another type (5 ended in Path's "expected str, bytes or os.PathLike object, not int", naming no key).
+Root = str | os.PathLike | None
 
 
 class OptionError(ValueError):
@@ -32,17 +37,28 @@ def reject_unknown(dataset: str, unknown: Mapping[str, Any], loader: Callable[..
     )
 
 
-def reads_user_files(loader: Callable[..., Any]) -> Callable[..., Any]:
+def reads_user_files(loader: Callable[..., Any] | None = None, *, when: Callable[..., bool] | None = None) -> Any:
     """Mark a built-in loader whose data come from the user's own files (not from a verified download): the run
     checks what it loaded as it checks a plug-in's data (samples in each split, finite numbers, labels within
-    the classes), and a checkpoint records a SHA-256 of it, so that a resume after the files changed is refused."""
-    loader.reads_user_files = True  # type: ignore[attr-defined]
-    return loader
+    the classes), and a checkpoint records a SHA-256 of it, so that a resume after the files changed is refused.
+    ``@reads_user_files(when=f)``: only when ``f(**options)`` holds (Shakespeare's LEAF JSON, not its plays)."""
+
+    def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn.reads_user_files = True if when is None else when  # type: ignore[attr-defined]
+        return fn
+
+    return mark if loader is None else mark(loader)
 
 
-def loads_user_files(loader: Callable[..., Any]) -> bool:
-    """A plug-in's loader (registered from outside fedweave), or a built-in one marked :func:`reads_user_files`."""
-    return not getattr(loader, "__module__", "").startswith("fedweave.") or getattr(loader, "reads_user_files", False)
+def loads_user_files(loader: Callable[..., Any], options: Mapping[str, Any] | None = None) -> bool:
+    """A plug-in's loader (registered from outside fedweave), or a built-in one marked :func:`reads_user_files`
+    (with ``when``: for these ``options``; without options, whether it may)."""
+    if not getattr(loader, "__module__", "").startswith("fedweave."):
+        return True
+    mark = getattr(loader, "reads_user_files", False)
+    if callable(mark):
+        return True if options is None else bool(mark(**options))
+    return bool(mark)
 
 
 def set_options(loader: Callable[..., Any], **values: Any) -> list[str]:

@@ -15,7 +15,7 @@ import numpy as np
 
 from fedweave.data import sources
 from fedweave.data.base import Dataset
-from fedweave.data.datasets._common import as_tensors, open_maybe_gz, opt_int, reject_unknown
+from fedweave.data.datasets._common import Root, as_tensors, open_maybe_gz, opt_int, reject_unknown
 from fedweave.registry import DATASETS
 
 COLUMNS = (
@@ -90,7 +90,7 @@ def binarize(train_rows: list[list[str]], test_rows: list[list[str]], bins: int 
 
 
 @DATASETS.register("adult")
-def load_adult(root=None, *, bins: int = 5, **unknown) -> Dataset:
+def load_adult(root: Root = None, *, bins: int = 5, **unknown) -> Dataset:
     """UCI Adult: 32,561 train / 16,281 test rows, 121 binary float32 features, labels {0, 1} (>50K).
 
     Options: ``bins`` (quantile bins per continuous attribute, default 5). Files ``adult.data`` and

@@ -17,6 +17,7 @@ from fedweave.data import sources
 from fedweave.data.base import Dataset
 from fedweave.data.datasets._common import (
     OptionError,
+    Root,
     as_tensors,
     head,
     open_maybe_gz,
@@ -156,7 +157,7 @@ def _limits(name: str, normalize, max_train, max_test, stats) -> tuple[bool, int
 
 @DATASETS.register("cifar10")
 def load_cifar10(
-    root=None,
+    root: Root = None,
     *,
     normalize: bool = True,
     stats: str = "dataset",
@@ -183,7 +184,7 @@ def load_cifar10(
 
 @DATASETS.register("cifar100")
 def load_cifar100(
-    root=None,
+    root: Root = None,
     *,
     labels: str = "fine",
     normalize: bool = True,

@@ -9,7 +9,7 @@ import numpy as np
 
 from fedweave.data import sources
 from fedweave.data.base import Dataset
-from fedweave.data.datasets._common import as_tensors, head, opt_bool, opt_int, reject_unknown
+from fedweave.data.datasets._common import Root, as_tensors, head, opt_bool, opt_int, reject_unknown
 from fedweave.registry import DATASETS
 
 # IDX type byte -> numpy dtype (big-endian, as the format defines).
@@ -79,7 +79,7 @@ def _load_idx(name: str, root, normalize, max_train, max_test) -> Dataset:
 
 @DATASETS.register("mnist")
 def load_mnist(
-    root=None, *, normalize: bool = True, max_train: int | None = None, max_test: int | None = None, **unknown
+    root: Root = None, *, normalize: bool = True, max_train: int | None = None, max_test: int | None = None, **unknown
 ) -> Dataset:
     """MNIST: 60,000 + 10,000 images, float32 (N, 1, 28, 28), standardized with mean 0.1307 and std 0.3081.
 
@@ -92,7 +92,7 @@ def load_mnist(
 
 @DATASETS.register("fashion_mnist")
 def load_fashion_mnist(
-    root=None, *, normalize: bool = True, max_train: int | None = None, max_test: int | None = None, **unknown
+    root: Root = None, *, normalize: bool = True, max_train: int | None = None, max_test: int | None = None, **unknown
 ) -> Dataset:
     """Fashion-MNIST: 60,000 + 10,000 images, float32 (N, 1, 28, 28), standardized (mean 0.2860, std 0.3530).
 

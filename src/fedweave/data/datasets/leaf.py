@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from fedweave.data.base import Dataset
-from fedweave.data.datasets._common import opt_choice, opt_int, reads_user_files, reject_unknown
+from fedweave.data.datasets._common import Root, opt_choice, opt_int, reads_user_files, reject_unknown
 from fedweave.registry import DATASETS
 from fedweave.seeding import Seeds
 
@@ -194,7 +194,7 @@ def load_leaf_dir(
 @DATASETS.register("leaf")
 @reads_user_files
 def load_leaf(
-    root=None,
+    root: Root = None,
     *,
     kind: str = "auto",
     num_classes: int | None = None,

@@ -13,6 +13,7 @@ import numpy as np
 from fedweave.data.base import Dataset
 from fedweave.data.datasets._common import (
     OptionError,
+    Root,
     as_tensors,
     opt_bool,
     opt_float,
@@ -48,6 +49,11 @@ def map_labels(*label_arrays: np.ndarray, files: tuple[Path, ...] = ()) -> tuple
     return [np.searchsorted(classes, a).astype(np.int64) for a in label_arrays], classes
 
 
+# what the svmlight parser raises on a file it cannot read: OverflowError for an index or a count beyond its
+# integers (an index of 99999999999 ended in a traceback)
+_PARSE_ERRORS = (ValueError, OverflowError)
+
+
 def _failing(train_file: Path, test_file: Path, n_features: int | None) -> str:
     """The file of the two that fails to parse on its own (both, when each parses alone)."""
     from sklearn.datasets import load_svmlight_file
@@ -55,7 +61,7 @@ def _failing(train_file: Path, test_file: Path, n_features: int | None) -> str:
     for f in (train_file, test_file):
         try:
             load_svmlight_file(str(f), n_features=n_features)
-        except ValueError:
+        except _PARSE_ERRORS:
             return str(f)
     return f"{train_file} and {test_file}"
 
@@ -83,7 +89,7 @@ def _dense(file: Path, x) -> np.ndarray:
 @DATASETS.register("libsvm")
 @reads_user_files
 def load_libsvm(
-    root=None,
+    root: Root = None,
     *,
     path: str | None = None,
     test_path: str | None = None,
@@ -120,7 +126,7 @@ def load_libsvm(
         # read together, so that both files get one width and one index base (zero_based="auto")
         try:
             xtr, ytr, xte, yte = load_svmlight_files([str(train_file), str(test_file)], n_features=n_features)
-        except ValueError as e:  # name the file that fails on its own, not always the training file
+        except _PARSE_ERRORS as e:  # name the file that fails on its own, not always the training file
             failing = _failing(train_file, test_file, n_features)
             raise ValueError(f"dataset 'libsvm': cannot parse {failing}: {e}") from e
         for file, y in ((train_file, ytr), (test_file, yte)):
@@ -137,7 +143,7 @@ def load_libsvm(
         split_seed = opt_int("libsvm", "split_seed", split_seed, minimum=0)
         try:
             x, y = load_svmlight_file(str(train_file), n_features=n_features)
-        except ValueError as e:
+        except _PARSE_ERRORS as e:
             raise ValueError(f"dataset 'libsvm': cannot parse {train_file}: {e}") from e
         _not_empty(train_file, y)
         (y,), classes = map_labels(y, files=(train_file,))

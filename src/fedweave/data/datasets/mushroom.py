@@ -13,7 +13,7 @@ import numpy as np
 
 from fedweave.data import sources
 from fedweave.data.base import Dataset
-from fedweave.data.datasets._common import as_tensors, opt_float, opt_int, reject_unknown, stratified_split
+from fedweave.data.datasets._common import Root, as_tensors, opt_float, opt_int, reject_unknown, stratified_split
 from fedweave.registry import DATASETS
 
 
@@ -54,7 +54,7 @@ def one_hot_frame(df, label_column: str = "class", positive: str = "poisonous") 
 
 
 @DATASETS.register("mushroom")
-def load_mushroom(root=None, *, test_fraction: float = 0.2, split_seed: int = 0, **unknown) -> Dataset:
+def load_mushroom(root: Root = None, *, test_fraction: float = 0.2, split_seed: int = 0, **unknown) -> Dataset:
     """UCI Mushroom: 8,124 rows, 116 binary float32 features, labels {0 edible, 1 poisonous}.
 
     Options: ``test_fraction`` (stratified, default 0.2) and ``split_seed`` (default 0) fix the split.

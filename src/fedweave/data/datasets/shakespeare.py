@@ -25,10 +25,12 @@ from fedweave.data import sources
 from fedweave.data.base import Dataset
 from fedweave.data.datasets._common import (
     OptionError,
+    Root,
     open_maybe_gz,
     opt_choice,
     opt_float,
     opt_int,
+    reads_user_files,
     reject_unknown,
     set_options,
 )
@@ -160,9 +162,15 @@ def _is_leaf(root) -> bool:
     return root is not None and (Path(root) / "train").is_dir() and any((Path(root) / "train").glob("*.json"))
 
 
+def _reads_leaf(root=None, *, source="auto", **_) -> bool:
+    """The options read the user's LEAF JSON, as the loader decides it (the plays are verified downloads)."""
+    return source == "leaf" or (source == "auto" and _is_leaf(None if root is None else Path(root).expanduser()))
+
+
 @DATASETS.register("shakespeare")
+@reads_user_files(when=_reads_leaf)
 def load_shakespeare(
-    root=None,
+    root: Root = None,
     *,
     source: str = "auto",
     seq_len: int = 80,
@@ -192,7 +200,7 @@ def load_shakespeare(
     seed = opt_int(name, "seed", seed, minimum=0)
     root = None if root is None else Path(root).expanduser()  # "~" as for the plays' sources.resolve
 
-    if source == "leaf" or (source == "auto" and _is_leaf(root)):
+    if _reads_leaf(root, source=source):
         if root is None:
             raise ValueError("dataset 'shakespeare': source='leaf' needs root=DIR holding train/*.json, test/*.json")
         # LEAF's JSON comes windowed and split: the options that build windows and splits from the plays would
