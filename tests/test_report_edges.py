@@ -112,3 +112,32 @@ def test_one_directory_given_twice_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == f"fedweave: error: {tmp_path / 'ok'} is given twice; give each directory once"
     assert not out.exists()
+
+
+def test_fedweave_plot_of_many_runs_tells_each_apart_and_wraps_a_long_name(tmp_path, monkeypatch):
+    """``fedweave plot`` overlaying more than ten runs drew the 11th as the 1st (matplotlib's cycle) and put a long
+    run name's legend over the axes: it styles and places its legend as the report does."""
+    import fedweave.plots
+
+    drawn = {}
+    save = fedweave.plots.save_png
+
+    def keep(fig, path, dpi=120):
+        ax = fig.axes[0]
+        fig.canvas.draw()
+        lines = {(to_hex(ln.get_color()), ln.get_linestyle(), ln.get_marker()) for ln in ax.get_lines()}
+        drawn[path.name] = (len(ax.get_lines()), len(lines), ax.get_legend().get_window_extent().overlaps(
+            ax.get_window_extent()), [t.get_text() for t in ax.get_legend().get_texts()])  # fmt: skip
+        return save(fig, path, dpi)
+
+    monkeypatch.setattr(fedweave.plots, "save_png", keep)
+    long = "a-run-whose-name-is-much-longer-than-a-legend-line-holds"
+    runs = []
+    for k in range(12):
+        name = long if k == 0 else f"r{k}"  # a run's label is its directory's name
+        res = fedweave.run({**DIGITS_RUN, "seed": k, "output": {**DIGITS_RUN["output"], "dir": str(tmp_path / name)}})
+        runs.append(res.run_dir)
+    assert cli_main(["plot", *map(str, runs), "--out", str(tmp_path / "plots")]) == 0
+    n, distinct, covers, texts = drawn["test_accuracy_vs_rounds.png"]
+    assert (n, distinct, covers) == (12, 12, False)
+    assert "\n" in texts[0] and texts[0].replace("\n", "") == long

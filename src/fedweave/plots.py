@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,56 @@ def lone_marker(points: int, style: dict[str, Any] | None = None) -> dict[str, A
     if points < 2:
         style.setdefault("marker", "o")
     return style
+
+
+CYCLE = 10  # matplotlib's default colours, after which its cycle repeats them
+LINE_STYLES = ("-", "--", ":", "-.")
+MARKERS = ("s", "^", "D", "v", "P", "X", "*")  # not "o", a lone point's own (lone_marker)
+LEGEND_WIDTH = 40  # characters of a legend line: a longer label is wrapped
+
+
+def curve_style(k: int, lone: bool = False) -> dict[str, Any]:
+    """The style of the ``k``-th curve drawn on one figure: the first :data:`CYCLE` as matplotlib draws them (its
+    colours in turn, solid), then each further ten again in those colours with the next line style, so that no
+    two of ``CYCLE * len(LINE_STYLES)`` curves look alike, and past those with a marker as well. A ``lone`` curve
+    (one point: a marker, no line to style) past the first ten has the next marker instead."""
+    if k < CYCLE:
+        return {}
+    turn = k // CYCLE
+    style = {"color": plt.rcParams["axes.prop_cycle"].by_key()["color"][k % CYCLE]}
+    if lone:
+        return {**style, "marker": MARKERS[(turn - 1) % len(MARKERS)]}
+    style["linestyle"] = LINE_STYLES[turn % len(LINE_STYLES)]
+    if turn >= len(LINE_STYLES):
+        style["marker"] = MARKERS[(turn - len(LINE_STYLES)) % len(MARKERS)]
+    return style
+
+
+def wrap_label(label: str, width: int = LEGEND_WIDTH) -> str:
+    """``label`` in lines of at most ``width`` characters, broken after a comma where one is (a sweep point's
+    ``key=value,...``), else cut: a long run name no longer widens the figure; the whole name is kept."""
+    lines, line = [], ""
+    for piece in re.findall(r"[^,]*,|[^,]+", label):
+        while len(piece) > width:  # a part without a comma to break at
+            room = width - len(line)
+            lines.append(line + piece[:room])
+            line, piece = "", piece[room:]
+        if len(line) + len(piece) > width:
+            lines.append(line)
+            line = ""
+        line += piece
+    return "\n".join([*lines, line]) if lines else label
+
+
+def place_legend(ax, labels: list[str]) -> None:
+    """The legend of ``ax``'s curves, labelled ``labels`` (as :func:`wrap_label` gives them): inside the axes, as
+    matplotlib places it, for up to :data:`CYCLE` one-line labels; else below the axes, which it would cover, in
+    as many columns as the figure's width holds."""
+    if len(labels) <= CYCLE and all("\n" not in lb for lb in labels):
+        ax.legend(fontsize=7)
+        return
+    widest = max(len(line) for lb in labels for line in lb.splitlines())
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=max(1, 96 // (widest + 8)))
 
 
 def is_plot(path: str | Path) -> bool:
@@ -113,11 +164,12 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
         )
     for xkey, xlabel, fname in axes:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for label, rows in series:
+        for k, (label, rows) in enumerate(series):
             xs = [r.get(xkey, r.get("bytes_up", 0) + r.get("bytes_down", 0)) for r in rows]
             if xkey == "bytes_total":
                 xs = [x / 2**20 for x in xs]
-            ax.plot(xs, [r[metric] for r in rows], label=label, **lone_marker(len(rows)))
+            style = lone_marker(len(rows), curve_style(k, len(rows) < 2))
+            ax.plot(xs, [r[metric] for r in rows], label=wrap_label(label), **style)
         ax.set_xlabel(xlabel)
         if xkey == "round":  # rounds are whole numbers (a short run's axis read 1.25, 2.5)
             ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
@@ -125,7 +177,7 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
         ax.grid(alpha=0.3)
         # one run needs no legend to tell its line, but a diverged one needs it to say so
         if len(series) > 1 or marked:
-            ax.legend(fontsize=7)
+            place_legend(ax, [wrap_label(label) for label, _ in series])
         save_png(fig, out_dir / fname)
         written.append(out_dir / fname)
     return written

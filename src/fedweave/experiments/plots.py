@@ -4,7 +4,6 @@ own figures and panels."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from fedweave.experiments.aggregate import group
-from fedweave.plots import lone_marker, plt, save_png
+from fedweave.plots import curve_style, lone_marker, place_legend, plt, save_png, wrap_label
 
 
 def band(
@@ -78,52 +77,8 @@ def plot_curves(
     if title:
         ax.set_title(title)
     ax.grid(alpha=0.3)
-    labels = [wrap_label(lb) for lb, d in zip(curves, drawn) if d]
-    if len(labels) <= CYCLE and all("\n" not in lb for lb in labels):
-        ax.legend(fontsize=7)  # as it always was
-    else:  # below the axes, which it would cover, in as many columns as the figure's width holds
-        widest = max(len(line) for lb in labels for line in lb.splitlines())
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=max(1, 96 // (widest + 8)))
+    place_legend(ax, [wrap_label(lb) for lb, d in zip(curves, drawn) if d])
     return save_png(fig, path, dpi)
-
-
-CYCLE = 10  # matplotlib's default colours, after which its cycle repeats them
-LINE_STYLES = ("-", "--", ":", "-.")
-MARKERS = ("s", "^", "D", "v", "P", "X", "*")  # not "o", a lone point's own (lone_marker)
-LEGEND_WIDTH = 40  # characters of a legend line: a longer label is wrapped
-
-
-def curve_style(k: int, lone: bool = False) -> dict[str, Any]:
-    """The style of the ``k``-th curve drawn on one figure: the first :data:`CYCLE` as matplotlib draws them (its
-    colours in turn, solid), then each further ten again in those colours with the next line style, so that no
-    two of ``CYCLE * len(LINE_STYLES)`` curves look alike, and past those with a marker as well. A ``lone`` curve
-    (one point: a marker, no line to style) past the first ten has the next marker instead."""
-    if k < CYCLE:
-        return {}
-    turn = k // CYCLE
-    style = {"color": plt.rcParams["axes.prop_cycle"].by_key()["color"][k % CYCLE]}
-    if lone:
-        return {**style, "marker": MARKERS[(turn - 1) % len(MARKERS)]}
-    style["linestyle"] = LINE_STYLES[turn % len(LINE_STYLES)]
-    if turn >= len(LINE_STYLES):
-        style["marker"] = MARKERS[(turn - len(LINE_STYLES)) % len(MARKERS)]
-    return style
-
-
-def wrap_label(label: str, width: int = LEGEND_WIDTH) -> str:
-    """``label`` in lines of at most ``width`` characters, broken after a comma where one is (a sweep point's
-    ``key=value,...``), else cut: a long run name no longer widens the figure; the whole name is kept."""
-    lines, line = [], ""
-    for piece in re.findall(r"[^,]*,|[^,]+", label):
-        while len(piece) > width:  # a part without a comma to break at
-            room = width - len(line)
-            lines.append(line + piece[:room])
-            line, piece = "", piece[room:]
-        if len(line) + len(piece) > width:
-            lines.append(line)
-            line = ""
-        line += piece
-    return "\n".join([*lines, line]) if lines else label
 
 
 def diverged_mark(statuses: list[str]) -> str:
