@@ -362,3 +362,21 @@ def test_primary_only_with_fig5b_runs_where_the_pathological_setting_is_the_prim
     opts = SimpleNamespace(scale="smoke", rounds=None, tables="fig5b", primary_only=True, seeds=1, only=None,
                            collect=False, out=str(tmp_path))  # fmt: skip
     assert len(af.study_plan(opts).points) == 2 * len(af.PLUGINS)  # each plug-in method without and with AFIND+
+
+
+def test_the_smoke_scale_runs_on_the_workers_given_with_the_same_numbers(tmp_path, capsys):
+    """``--workers 2`` at smoke scale runs on two workers, as its header says (before: one, whatever --workers
+    said, and the header ``1 worker(s)``), and its records and tables are those of one worker, wall times aside."""
+    import json
+
+    from fedweave.reproduce.afind_plus import main
+
+    got = {}
+    for workers in ("1", "2"):
+        out = tmp_path / workers
+        argv = ["--scale", "smoke", "--out", str(out), "--tables", "1", "--seeds", "2", "--only", "FedAvg,Local"]
+        assert main([*argv, "--workers", workers]) == 0
+        assert f": 4 runs, {workers} worker(s) -> {out}" in capsys.readouterr().out
+        records = [{k: v for k, v in r.items() if k != "wall"} for r in json.loads((out / "results.json").read_text())]
+        got[workers] = records, (out / "table1.csv").read_bytes()
+    assert got["2"] == got["1"] and len(got["1"][0]) == 4

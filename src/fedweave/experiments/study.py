@@ -159,13 +159,11 @@ def reading(
 @dataclass
 class Plan:
     """What a study runs for one invocation: its points, what its records and report need of the preset
-    (``context``), an ``initializer`` run once per worker (e.g. a dataset cache), and ``workers`` when the
-    preset fixes them (e.g. 1 at a smoke scale, where forking costs more than it saves)."""
+    (``context``) and an ``initializer`` run once per worker (e.g. a dataset cache)."""
 
     points: list[Point]
     context: Any = None
     initializer: Callable[[], None] | None = None
-    workers: int | None = None
     # a study whose runs are not runner runs (a solver loop to a target): ``solve(point) -> record`` runs one
     # point, which has a ``slug`` and is a dataclass (its fields are the run's identity); see ``Study.records``
     solve: Callable[[Any], dict[str, Any]] | None = None
@@ -301,7 +299,6 @@ class Study:
             check_points(plan.points, "reproduction point")
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        workers = plan.workers or workers
         print(f"{self.name} reproduction, scale {scale}: {len(plan.points)} runs, {workers} worker(s) -> {out}",
               flush=True)  # fmt: skip
         if not plan.points:  # e.g. a report rebuilt from its records: nothing to run, no runs/ made

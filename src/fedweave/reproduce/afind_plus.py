@@ -588,7 +588,7 @@ def study_plan(opts) -> Plan:
         grid = [pt for pt in grid if dict(pt.values)["label"] in keep or pt.slug in done]
     if opts.collect:
         grid = [pt for pt in grid if pt.slug in done]
-    return Plan(grid, (p, rows, seeds), workers=1 if opts.scale == "smoke" else None)
+    return Plan(grid, (p, rows, seeds))
 
 
 def report(results: list[dict[str, Any]], plan: Plan, opts, wall: float) -> Report:

@@ -13,6 +13,7 @@ import math
 import re
 import statistics
 from dataclasses import replace
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -239,10 +240,13 @@ for _t in (f"{t:.0e}" for t in TARGETS):
 CELL["diverged"] = lambda rs: sum(map(_diverged, rs))
 
 
+KEY = ("problem", "topology", "method")  # a cell of the medians
+
+
 def aggregate(rows: list[dict]) -> list[dict]:
     """``CELL`` per (problem, topology, method); ``diverged`` only in a cell where any run did (the committed
     summary.csv files, none of whose runs diverged, keep their columns)."""
-    aggs = per_cell(rows, ("problem", "topology", "method"), CELL)
+    aggs = per_cell(rows, KEY, CELL)
     return [a if a["diverged"] else {k: v for k, v in a.items() if k != "diverged"} for a in aggs]
 
 
@@ -569,8 +573,9 @@ def _short(method: str) -> str:
 
 def _it_up(a: dict, bold: bool = False) -> str:
     """Iterations / uploads to 1e-8 (the uploads in bold where ``bold``), or – where the run did not reach it."""
-    up = f"**{a[DEEP]:,.0f}**" if bold else f"{a[DEEP]:,.0f}"
-    return f"{a[IT]:.0f} / {up}" if a.get(DEEP) else "–"
+    if not a.get(DEEP):
+        return "–"
+    return f"{a[IT]:.0f} / " + (f"**{a[DEEP]:,.0f}**" if bold else f"{a[DEEP]:,.0f}")
 
 
 def problem_table(aggs: list[dict], problem: str) -> str:
@@ -644,6 +649,7 @@ def x_star_section(raw: list[dict]) -> str:
 def sections(folder: Path) -> dict[str, str]:
     """docs/reproductions/cfl-saga.md's generated sections, from the committed small (``summary.csv``) and paper
     scale (``paper/summary.csv``, ``paper/raw.json``) records: the claims judged again, the tables and checks."""
+    _page_parts(folder)
     small, paper = read_csv(folder / "summary.csv"), read_csv(folder / "paper" / "summary.csv")
     raw = json.loads((folder / "paper" / "raw.json").read_text(encoding="utf-8"))
     sigma = {r["topology"]: r["sigma"] for r in _synthetic(raw)}  # sigma = ||W - 11^T/N||_2 as the runs record it
@@ -664,6 +670,29 @@ def sections(folder: Path) -> dict[str, str]:
     }
 
 
+PAGE_PARTS = {"": ("small", ("synthetic", "real", "alpha")), "paper": ("paper", ("synthetic", "real"))}
+
+
+def _page_parts(folder: Path) -> None:
+    """A ``ConfigError`` of one line where ``folder`` (the small preset's records) or its ``paper/`` lacks a part
+    of its scale that the page reads (a partial invocation's folder): the part, a cell it lacks or its missing file,
+    and the command that runs it there."""
+    cell = itemgetter(*KEY)
+    for sub, (scale, parts) in PAGE_PARTS.items():
+        d = folder / sub
+        files = ("summary.csv", "summary.md", "raw.json") if sub else ("summary.csv", "summary.md")
+        lacks = next((f for f in files if not (d / f).is_file()), None)
+        cells = set() if lacks else set(map(cell, read_csv(d / "summary.csv")))
+        jobs = {"synthetic": synthetic_jobs(scale, [0]), "real": real_jobs(0), "alpha": alpha_jobs(0)}
+        for part in parts:
+            if gone := [c for p in jobs[part] if (c := cell(dict(p.values))) not in cells]:
+                what = f"no {lacks}" if lacks else f"{len(gone)} of its {len(jobs[part])} cells: {', '.join(gone[0])}…"
+                raise ConfigError(
+                    f"{d}: the page's sections read the {scale} scale's {part} runs, which it lacks ({what}); run "
+                    f"them with `fedweave reproduce cfl-saga --scale {scale} --part {part} --out {d}`"
+                )
+
+
 PARTS = {"synthetic": "synthetic", "real": "on the real data sets", ALPHA: "of the step-size grid"}
 
 
@@ -675,7 +704,7 @@ def runs_section(folder: Path) -> str:
     width, aggs = max(len(c) for c, *_ in commands) + 2, read_csv(folder / "summary.csv")
     part = group(aggs, lambda a: a["problem"] if a["problem"].startswith("synthetic") else "real")
     runs = {k: sum(a["seeds"] for a in part[k]) for k in PARTS if k in part}
-    ratio = [a["ms_per_iteration_wall"] / a[CPU] for a in _synthetic(aggs)]
+    ratio = [a["ms_per_iteration_wall"] / a[CPU] for a in _synthetic(aggs) if a[CPU]]  # None: every run diverged
     seeds = max(a["seeds"] for a in part["synthetic"])
     return (
         "```bash\n" + "".join(f"{c:<{width}}# {t} min{reused}\n" for c, t, reused in commands) + "```\n\n"
@@ -688,10 +717,15 @@ def runs_section(folder: Path) -> str:
 
 def alpha_ratios(aggs: list[dict]) -> str:
     """The step-size grid's best CFL-SAGA against the best GT-SAGA and GT-SVRG (each over its alphas), beside
-    the reduction at the fixed alpha (the random graph's best GT-SAGA over its best CFL-SAGA)."""
+    the reduction at the fixed alpha (the random graph's best GT-SAGA over its best CFL-SAGA); where any of
+    them reached no 1e-8, which (no ratio to state)."""
     grid, fixed = [a for a in aggs if a["problem"] == ALPHA], _on("random", aggs)
-    cfl, gt, svrg = (_best(grid, m) for m in ("CFL-SAGA", "GT-SAGA", "GT-SVRG"))
-    was = _best(fixed, "GT-SAGA")[DEEP] / _best(fixed, "CFL-SAGA")[DEEP]
+    need = [(m, "of the step-size grid", grid) for m in ("CFL-SAGA", "GT-SAGA", "GT-SVRG")]
+    need += [(m, "at the fixed α", fixed) for m in ("GT-SAGA", "CFL-SAGA")]
+    cfl, gt, svrg, fixed_gt, fixed_cfl = best = [_best(rows, m) for m, _, rows in need]
+    if None in best:
+        return "".join(f"- No {m} setting {w} reached {DEEP[8:]}.\n" for (m, w, _), a in zip(need, best) if a is None)
+    was = fixed_gt[DEEP] / fixed_cfl[DEEP]
     return (
         f"- CFL-SAGA ({cfl[DEEP]:,.0f}) needs **{gt[DEEP] / cfl[DEEP]:.1f}×** fewer uploads than GT-SAGA "
         f"({gt[DEEP]:,.0f}); the fixed α gave {was:.1f}×.\n"
@@ -714,12 +748,13 @@ PILOT = {
 
 def pilot_section(aggs: list[dict]) -> str:
     """The cross-check against the spec's pilot: this run's medians beside the pilot's numbers, and the largest
-    relative difference (in iterations or uploads)."""
+    relative difference (in iterations or uploads) of those that reached 1e-8."""
     rows, worst = [], (0.0, "")
     for (topo, method, label), (its, ups) in PILOT.items():
         a = _method(_on(topo, aggs), method)
-        rows.append([label, f"{a[IT]:.0f} it / {a[DEEP]:,.0f} uploads", f"{its:,} / {ups:,}"])
-        for what, ours, theirs in (("iterations", a[IT], its), ("uploads", a[DEEP], ups)):
+        reached = a.get(DEEP) is not None
+        rows.append([label, f"{a[IT]:.0f} it / {a[DEEP]:,.0f} uploads" if reached else "–", f"{its:,} / {ups:,}"])
+        for what, ours, theirs in (("iterations", a[IT], its), ("uploads", a[DEEP], ups)) if reached else ():
             worst = max(worst, (abs(ours / theirs - 1), f"{label}, {what}"))
     return (
         "The ring and complete graphs are deterministic, so they can be compared with the pilot directly. The\n"
@@ -743,7 +778,8 @@ def runtime_section(paper: list[dict]) -> str:
     from the runs' own per-iteration times (``summary.csv``: medians over the seeds)."""
 
     def secs(prefix: str, col: str) -> str:  # a cell whose every run diverged has no time per iteration
-        return f"{statistics.median(a[col] for a in _of(_on('random', paper), prefix) if a[col] is not None):.2f} s"
+        got = [a[col] for a in _of(_on("random", paper), prefix) if a[col] is not None]
+        return f"{statistics.median(got):.2f} s" if got else "–"
 
     rows = [[label, secs(m, CPU), secs(m, "ms_per_iteration_wall")] for label, m in RUNTIME_ROWS.items()]
     return markdown_table(["method", "CPU time for 1000 iterations", "wall time"], rows)

@@ -360,13 +360,15 @@ def _text(text: str) -> Callable[[Any, Preset], str]:
 
 
 def seeded(text: str, declared, noniid: bool = False) -> Claim:
-    """A claim whose declared rule reads the per-seed final accuracies (``Preset.records``; untestable with fewer
-    than 2 seeds; a diverged run's seed leaves the pairs); a ``noniid`` claim reads none on an IID preset, so it
-    is left out there."""
+    """A claim whose declared rule reads the per-seed final accuracies (``Preset.records``; untestable without
+    them or with fewer than 2 seeds; a diverged run's seed leaves the pairs); a ``noniid`` claim reads none on an
+    IID preset, so it is left out there."""
     records = lambda t, p: p.records if p.noniid or not noniid else []  # noqa: E731
 
     def rule(t, p) -> Untestable | Paired | All:
-        return NO_PAIRS if len({r["seed"] for r in records(t, p)}) == 1 else declared(t, p)
+        if not (seeds := {r["seed"] for r in records(t, p)}) and (p.noniid or not noniid):
+            return NO_RECORDS
+        return NO_PAIRS if len(seeds) == 1 else declared(t, p)
 
     return Claim(_text(text), None, declared=rule, records=records)
 
@@ -378,6 +380,7 @@ def _one(text: str, rule: Threshold | Untestable, value: Callable | None = None)
 
 NO_SEEDS = Untestable("the load to reach the target has no per-seed record (the table: its seed mean)")
 NO_PAIRS = Untestable("fewer than 2 seeds, no paired test")
+NO_RECORDS = Untestable("no per-seed records (Preset.records: the seeds of table.md); Table V holds their means")
 EXACT = Threshold("mismatches", "==", 0, digits=0, unit="methods off the closed form")
 SHARED = Threshold("ratio", "<", 0.4, {"quantity": "ratio"}, unit="× FSL_AN's storage")
 C8 = "C8 non-IID: CSE-FSL h={h} more than {gap:g} pp below FSL_MC (paper, h=5: 42.33 vs 61.17 %)"
@@ -597,6 +600,14 @@ def sections(folder: Path) -> dict[str, str]:
     """docs/reproductions/cse-fsl.md's generated sections: the closed forms of §1 and the readings of the
     committed tables that the prose states; each storage measurement; and per committed Table V, the claims
     judged again with its preset, the page's Table V and the wall time its file states."""
+    reports = {f"storage-{d}.csv": ("storage", d, "storage.csv") for *_, d in PAGE_TABLES}
+    reports |= {f"table-{n}.{x}": (s, d, f"table.{x}") for n, s, d in PAGE_TABLES for x in ("csv", "md")}
+    if gone := next((f for f in reports if not (folder / f).is_file()), None):
+        scale, dataset, written = reports[gone]
+        raise ConfigError(
+            f"{folder / gone} is missing: the page's sections read it, the {written} that `fedweave reproduce cse-fsl "
+            f"--scale {scale} --dataset {dataset}` writes, copied there"
+        )
     out = {
         "models": models_section(),
         "table-v": table_v_section(),
