@@ -328,17 +328,25 @@ def test_a_run_stopped_while_it_sent_a_checkpoints_rows_resumes_with_each_row_on
 def test_runs_and_a_sweeps_runs_write_nothing_outside_their_run_directories(toy_config, tmp_path, monkeypatch):
     """W&B logs through one service process per Python process, which wrote its own logs to
     ~/.cache/wandb/logs. With every tracker, a run and each run of a sweep (in this process, and in worker
-    processes) write nothing to an empty home; each run directory holds its W&B offline run and the logs of
-    the service that wrote it."""
+    processes) write nothing to an empty home, and leave nothing in an empty temporary directory; each run
+    directory holds its W&B offline run and the logs of the service that wrote it. (Worker processes of a
+    process that has not imported W&B yet: tests/test_trackers_edges.py.)"""
+    import tempfile
+
     import matplotlib.font_manager  # noqa: F401
+    import wandb  # noqa: F401
 
     from fedweave.results import read_metrics
 
-    # matplotlib finds its config and font cache directories (in the home) once, at import: imported first, its
-    # cache stays where it was; what the trackers write is the question here
-    home = tmp_path / "home"
+    # matplotlib finds its config and font cache directories (in the home) once, at import, and W&B makes its
+    # staging folders in the temporary directory at import, removed when this process exits: imported first,
+    # they stay where they were; what the trackers write is the question here
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
     home.mkdir()
+    tmp.mkdir()
     monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # read once, at the first use
     for var, sub in [("XDG_CONFIG_HOME", ".config"), ("XDG_CACHE_HOME", ".cache"),
                      ("XDG_DATA_HOME", ".local/share"), ("XDG_STATE_HOME", ".local/state")]:  # fmt: skip
         monkeypatch.setenv(var, str(home / sub))
@@ -356,6 +364,8 @@ def test_runs_and_a_sweeps_runs_write_nothing_outside_their_run_directories(toy_
         run_dirs += [res.out_dir / rec["run_dir"] for rec in res.records]
     written = sorted(str(p.relative_to(home)) for p in home.rglob("*"))
     assert not written, f"written outside the run directories: {written}"
+    left = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*"))
+    assert not left, f"left in the temporary directory: {left}"
     assert "WANDB_CACHE_DIR" not in os.environ  # the caller's environment, as it was
     for run_dir in run_dirs:
         (offline,) = (run_dir / "wandb").glob("offline-run-*")

@@ -125,7 +125,7 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
         given = ", ".join(map(str, run_dirs))
         raise ValueError(f"{given}: no metrics row yet (metrics.jsonl): no run has evaluated a round to plot")
     series, left, drawn, marked = [], [], [], False
-    for (d, all_rows), label in zip(every, _labels(run_dirs)):
+    for (d, all_rows), label in zip(every, distinct_names(run_dirs)):
         rows = [r for r in all_rows if r.get(metric) is not None]
         if rows:
             mark = _status_mark(d)
@@ -196,11 +196,17 @@ def _status_mark(run_dir: str | Path) -> str:
     return DIVERGED_MARK if status == "diverged" else ""
 
 
-def _labels(run_dirs: list[str | Path]) -> list[str]:
-    """Each run's legend label: its directory's name ('.' resolved), or the path as given where two runs share
-    a name (the same grid point of two sweeps), so that no two lines carry one label."""
-    names = [Path(d).resolve().name for d in run_dirs]
-    return [str(d) if names.count(n) > 1 else n for d, n in zip(run_dirs, names)]
+def distinct_names(paths: list[str | Path]) -> list[str]:
+    """Each directory's name as a legend or a page shows it: its own ('.' resolved), or where others given share
+    it (``a/ok``, ``b/ok``: a grid's point in two sweeps) its last parts as far as they tell it apart from those."""
+    parts = [Path(p).resolve().parts for p in paths]
+    out = []
+    for ps in parts:
+        k = 1
+        while k < len(ps) and sum(q[-k:] == ps[-k:] for q in parts) > 1:
+            k += 1
+        out.append(str(Path(*ps[-k:])))
+    return out
 
 
 def _rows(run_dir: str | Path) -> list[dict]:

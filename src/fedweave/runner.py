@@ -27,6 +27,7 @@ from fedweave.algorithms.base import (
 from fedweave.byo import OBJECTS_FILE, RunObjects, check_resumed_objects, check_same_objects
 from fedweave.callbacks import Callback, CallbackList, RunState, default_callbacks
 from fedweave.callbacks.builtin import check_finite, defined
+from fedweave.callbacks.trackers import check_installed
 from fedweave.checkpoints import CHECKPOINT, RESUMABLE_LOCAL, restore_checkpoint, signals_held
 from fedweave.config import ConfigError, FaultsConfig, RunConfig
 from fedweave.config import load as load_config
@@ -171,9 +172,10 @@ def run(
 def check_run(config: RunConfig, objects: RunObjects | None = None) -> None:
     """The checks :func:`run` makes of ``config`` before it builds anything, none of which needs the data, a
     device or a round: the faults and the robustness stage against the algorithm, a Ray session already up,
-    and every name the config gives with its options and the rules between keys
-    (:func:`~fedweave.algorithms.base.check_config`). A sweep makes them for every point before its first run."""
+    the packages of ``output.trackers``, and every name the config gives with its options and the rules between
+    keys (:func:`~fedweave.algorithms.base.check_config`). A sweep makes them for every point before its first run."""
     _check_faults(config)
+    check_installed(config.output.trackers)  # else found as the trackers start, the run directory written
     if config.backend == "ray":  # against a Ray session already up; one not yet started is checked as it starts
         check_session(config.ray)
     check_config(config, objects)

@@ -8,12 +8,14 @@ and W&B an offline run, both inside the run directory. A run inside a sweep dire
 A resumed run continues the same tracker runs (their ids are kept in the run directory's ``trackers.json``)
 and the trackers end up holding exactly the rows of ``metrics.csv``: with checkpoints on, a row reaches the
 trackers once a checkpoint holds it (rows after the last checkpoint are recomputed on resume), and a run that
-ends otherwise than completed keeps its tracker runs open for the resume.
+ends otherwise than completed keeps its tracker runs open for the resume. A run that ended otherwise than
+completed is never a success in any tracker (:func:`mlflow_status`, W&B's exit code 1).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -25,7 +27,31 @@ from typing import Any
 from fedweave.callbacks import Callback
 from fedweave.config import ConfigError
 
-_EXTRA = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+_EXTRA = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}  # tracker -> its package, its extra
+
+
+def _missing(name: str) -> str:
+    package = _EXTRA[name]
+    return f"output.trackers: {name} needs the {package} package; install it with pip install 'fedweave[{package}]'"
+
+
+def check_installed(names: list[str]) -> None:
+    """Refuse a tracker whose package is not installed, one :class:`ConfigError` line, without importing it: a run
+    checks this before it writes anything (:func:`fedweave.runner.check_run`), a sweep for every point before
+    its first run (the run directory held a failed run, and its first trackers' runs were left open)."""
+    for name in names:
+        try:
+            found = importlib.util.find_spec(_EXTRA[name]) is not None
+        except ValueError:  # imported already, without a spec (a module made in memory): present
+            found = True
+        if not found:
+            raise ConfigError(_missing(name))
+
+
+def mlflow_status(status: str) -> str:
+    """The MLflow status of a run that ended with ``status``, with checkpoints or without: completed FINISHED,
+    interrupted or stopped (from outside) KILLED, diverged or failed FAILED."""
+    return "FINISHED" if status == "completed" else "KILLED" if status in ("interrupted", "stopped") else "FAILED"
 
 
 def _numbers(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -90,9 +116,13 @@ class TensorBoardTracker(Tracker):
                 self.w.add_scalar(f"by_bytes/{k}", v, global_step=int(row["bytes_total"]))
 
     def finish(self, summary, artifacts):
+        # at the run's last round: a completed run extended with --resume adds the totals of its new end, and the
+        # totals of one end are held once
+        step = _last_round(summary)
         for k, v in _numbers({"communication": summary["communication"]}).items():
-            self.w.add_scalar(k, v, global_step=0)
-        self.w.add_text("summary", "```\n" + json.dumps(summary, indent=2, default=str) + "\n```")
+            if self.new(k, step):
+                self.w.add_scalar(k, v, global_step=step)
+        self.w.add_text("summary", "```\n" + json.dumps(summary, indent=2, default=str) + "\n```", global_step=step)
         for p in artifacts:
             import numpy as np
             from PIL import Image
@@ -146,15 +176,17 @@ class MLflowTracker(Tracker):
                 self.client.log_metric(self.id, _mlflow_key(f"by_bytes.{k}"), v, step=int(row["bytes_total"]))
 
     def finish(self, summary, artifacts):
+        step = _last_round(summary)  # as TensorBoard's
         for k, v in _numbers({"communication": summary["communication"]}).items():
-            self.client.log_metric(self.id, _mlflow_key(k.replace("/", ".")), v)
+            if self.new(_mlflow_key(k.replace("/", ".")), step):
+                self.client.log_metric(self.id, _mlflow_key(k.replace("/", ".")), v, step=step)
         self.client.log_dict(self.id, summary, "summary.json")
         for p in artifacts:
             self.client.log_artifact(self.id, str(p))
-        self.client.set_terminated(self.id, "FINISHED" if summary["status"] == "completed" else "FAILED")
+        self.client.set_terminated(self.id, mlflow_status(summary["status"]))
 
     def close(self, status):
-        self.client.set_terminated(self.id, "KILLED" if status in ("interrupted", "stopped") else "FAILED")
+        self.client.set_terminated(self.id, mlflow_status(status))
 
 
 class WandbTracker(Tracker):
@@ -198,7 +230,7 @@ class WandbTracker(Tracker):
         images = {p.stem: self.wandb.Image(str(p)) for p in artifacts}
         if images:
             self.run.log(images)
-        self.run.finish()
+        self.run.finish(exit_code=0 if summary["status"] == "completed" else 1)  # else W&B records a success
         self._end_service()
 
     def close(self, status):
@@ -211,6 +243,11 @@ class WandbTracker(Tracker):
         if self.owns_service:
             self.owns_service = False
             self.wandb.teardown()
+
+
+def _last_round(summary: dict[str, Any]) -> int:
+    """The round of the run's last row (0: none), the step of its summary's values."""
+    return int(summary.get("rounds") or 0)
 
 
 @contextlib.contextmanager
@@ -326,24 +363,22 @@ class Trackers:
         self.path = Path(run_dir) / IDS
         self.rows: list[dict[str, Any]] = list(resumed_rows or [])
         self.held_back = bool((config.get("output") or {}).get("checkpoint_every"))
+        #: whether a checkpoint holds the run (a resumed run's, or one written since): else a run that ends
+        #: otherwise than completed can never be resumed, and the rows held back would reach no tracker
+        self.resumable = resumed_rows is not None
         saved = self._saved() if resumed_rows is not None else {}
         self.sent: dict[str, int] = {}
-        for name in names:
-            module = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}[name]
-            if name == "mlflow":
-                # MLflow 3 sends usage telemetry by default, and importing it writes an installation id to
-                # ~/.config/mlflow: the run stays local unless the user chose otherwise (read at import and call)
-                os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-            try:
-                __import__(module)
-            except ImportError as e:
-                raise ConfigError(
-                    f"output.trackers: {name} needs the {module} package; install it with "
-                    f"pip install 'fedweave[{_EXTRA[name]}]'"
-                ) from e
-            t = _KINDS[name]()
-            t.start(config, Path(run_dir), sweep_group(Path(run_dir)), saved.get(name, {}).get("run_id"))
-            self.items[name] = t
+        try:
+            for name in names:
+                self.items[name] = self._started(name, config, Path(run_dir), saved.get(name, {}).get("run_id"))
+        except BaseException:
+            # a tracker that failed to start ends the run: those started before it are not left open (an MLflow
+            # run RUNNING for ever)
+            for t in self.items.values():
+                with contextlib.suppress(Exception):
+                    t.close("failed")
+            raise
+        for name, t in self.items.items():
             # a tracker continuing its run holds its first rows already; one added on resume gets them all. A
             # tracker that reads its run back is sent every row and logs what it does not hold: a process killed
             # (or interrupted) while it sent a checkpoint's rows left some of them there but not in trackers.json,
@@ -351,6 +386,21 @@ class Trackers:
             rows = saved.get(name, {}).get("rows", 0)
             self.sent[name] = 0 if t.held is not None else min(rows, len(self.rows)) if isinstance(rows, int) else 0
         self._send(first=True)
+
+    @staticmethod
+    def _started(name: str, config: dict[str, Any], run_dir: Path, run_id: str | None) -> Tracker:
+        """The tracker ``name``, its run started (or continued: ``run_id``)."""
+        if name == "mlflow":
+            # MLflow 3 sends usage telemetry by default, and importing it writes an installation id to
+            # ~/.config/mlflow: the run stays local unless the user chose otherwise (read at import and call)
+            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        try:  # checked before the run (check_installed); an install that fails to import is found here
+            __import__(_EXTRA[name])
+        except ImportError as e:
+            raise ConfigError(_missing(name)) from e
+        t = _KINDS[name]()
+        t.start(config, run_dir, sweep_group(run_dir), run_id)
+        return t
 
     def _saved(self) -> dict[str, Any]:
         try:
@@ -380,12 +430,14 @@ class Trackers:
 
     def checkpointed(self) -> None:
         """A checkpoint holding every row so far was written: send the rows held back."""
+        self.resumable = True
         self._send()
 
     def finish(self, summary: dict[str, Any], artifacts: list[Path]) -> None:
-        """End the tracker runs: a completed run (or one that cannot be resumed) with every row and the
-        summary; otherwise with the rows its last checkpoint holds, open to a resume."""
-        if summary["status"] == "completed" or not self.held_back:
+        """End the tracker runs: a completed run, or one that cannot be resumed (no checkpoint: without them, or
+        stopped before the first), with every row and the summary; otherwise with the rows its last checkpoint
+        holds, open to a resume."""
+        if summary["status"] == "completed" or not self.held_back or not self.resumable:
             self._send()
             for t in self.items.values():
                 t.finish(summary, artifacts)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -228,10 +230,14 @@ def _die_with(parent: int) -> None:
         threading.Thread(target=watch, name="fedweave-parent-watch", daemon=True).start()
 
 
-def _worker_start(parent: int, threads: int, initializer: Callable[[], None] | None) -> None:
+def _worker_start(parent: int, threads: int, initializer: Callable[[], None] | None, scratch: str) -> None:
     import torch
 
     _die_with(parent)
+    # a worker ends through os._exit, without Python's exit handlers, which remove what libraries leave in the
+    # temporary directory (W&B's staging folders, made as it is imported): its temporary files go to the pool's
+    # own folder, which the sweep's process removes once the workers are done (its subprocesses too: TMPDIR)
+    tempfile.tempdir = os.environ["TMPDIR"] = scratch
     torch.set_num_threads(threads)
     if initializer is not None:
         initializer()
@@ -263,26 +269,30 @@ def _schedule(
             if on_done is not None:
                 on_done(i, out[i])
         return out
-    # fork: the workers see what this process registered (datasets, models, algorithms)
-    with ProcessPoolExecutor(
-        max_workers=workers,
-        mp_context=mp.get_context("fork"),
-        initializer=_worker_start,
-        initargs=(os.getpid(), threads_per_worker(workers), initializer),
-    ) as pool:
-        queue = iter(enumerate(calls))
-        running: dict[Any, int] = {}
-        while True:
-            while len(running) < workers and not over() and (nxt := next(queue, None)) is not None:
-                running[pool.submit(fn, *nxt[1])] = nxt[0]
-            if not running:
-                break
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for f in done:
-                i = running.pop(f)
-                out[i] = f.result()
-                if on_done is not None:
-                    on_done(i, out[i])
+    scratch = tempfile.mkdtemp(prefix="fedweave-workers-")  # the workers' temporary directory (_worker_start)
+    try:
+        # fork: the workers see what this process registered (datasets, models, algorithms)
+        with ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=mp.get_context("fork"),
+            initializer=_worker_start,
+            initargs=(os.getpid(), threads_per_worker(workers), initializer, scratch),
+        ) as pool:
+            queue = iter(enumerate(calls))
+            running: dict[Any, int] = {}
+            while True:
+                while len(running) < workers and not over() and (nxt := next(queue, None)) is not None:
+                    running[pool.submit(fn, *nxt[1])] = nxt[0]
+                if not running:
+                    break
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for f in done:
+                    i = running.pop(f)
+                    out[i] = f.result()
+                    if on_done is not None:
+                        on_done(i, out[i])
+    finally:  # once the pool's exit has joined every worker
+        shutil.rmtree(scratch, ignore_errors=True)
     return out
 
 
@@ -433,17 +443,39 @@ def _on_ray(calls: list[tuple], address: str, done: Callable[[int, Any], None] |
 
 def cache_datasets() -> None:
     """A worker initializer: memoize the dataset loaders (per process, per option set), so that the dozens of
-    runs a worker takes share their data. Not those that read the user's own files (``libsvm``, ``leaf``, a
-    plug-in's): memoized in the process that runs the points (one worker), a file edited later in that process
-    was never read again, and a resume refused the checkpoint of the file as it is."""
+    runs a worker takes share their data. Not what is read from the user's own files (``libsvm``, ``leaf``,
+    ``shakespeare`` from LEAF JSON, a plug-in's): memoized in the process that runs the points (one worker), a
+    file edited later in that process was never read again, and a resume refused the checkpoint of the file as
+    it is. A loader that reads them only for some options (Shakespeare's plays are a verified download) is
+    asked at each call, with that call's options."""
     import functools
 
     from fedweave.data.datasets._common import loads_user_files
     from fedweave.registry import DATASETS
 
     for name in DATASETS.names():
-        if not loads_user_files(DATASETS._items[name]):
-            DATASETS._items[name] = functools.lru_cache(maxsize=2)(DATASETS._items[name])
+        loader = DATASETS._items[name]
+        if not loads_user_files(loader):  # for no options
+            DATASETS._items[name] = functools.lru_cache(maxsize=2)(loader)
+        elif callable(getattr(loader, "reads_user_files", None)):  # for some: asked with each call's
+            DATASETS._items[name] = _memoized(loader)
+
+
+def _memoized(loader: Callable[..., Any]) -> Callable[..., Any]:
+    """``loader`` memoized for the options that read no user file (its ``reads_user_files`` condition)."""
+    import functools
+
+    from fedweave.data.datasets._common import loads_user_files
+
+    memo = functools.lru_cache(maxsize=2)(loader)
+
+    @functools.wraps(loader)  # its name, module, signature (the options checked) and mark
+    def load(*args: Any, **options: Any) -> Any:
+        if args:  # called by position (the runner passes options by name): not memoized
+            return loader(*args, **options)
+        return loader(**options) if loads_user_files(loader, options) else memo(**options)
+
+    return load
 
 
 def load_average() -> str:

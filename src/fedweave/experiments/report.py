@@ -78,7 +78,7 @@ class _Source:
     runs: list[_Run]
     spec: dict[str, Any] | None = None  # sweep.json, for a sweep
     stale: list[str] = field(default_factory=list)  # run directories of an earlier grid, left out
-    shown: str | None = None  # its name on the page where another directory given has its name (_shown_names)
+    shown: str | None = None  # its name on the page where another directory given has its name (distinct_names)
 
     @property
     def name(self) -> str:
@@ -741,8 +741,10 @@ def build_report(dirs: list[str | Path]) -> str:
         if d.resolve() in seen:
             raise RunDirError(f"{d} is given twice; give each directory once")
         seen.add(d.resolve())
+    from fedweave.plots import distinct_names
+
     sources = [_read_source(Path(d)) for d in dirs]
-    for src, shown in zip(sources, _shown_names([s.path for s in sources])):
+    for src, shown in zip(sources, distinct_names([s.path for s in sources])):
         src.shown = shown
         if src.spec is None:  # a run given itself: its legend label, its row and its detail
             src.runs[0].name = src.runs[0].label = shown
@@ -765,19 +767,6 @@ def build_report(dirs: list[str | Path]) -> str:
         f"<head><meta charset='utf-8'>{GENERATOR}<title>fedweave report: {given}</title><style>{STYLE}</style></head>"
     )
     return f"<!DOCTYPE html><html>{head}<body><h1>fedweave report: {given}</h1>{''.join(body)}</body></html>"
-
-
-def _shown_names(paths: list[Path]) -> list[str]:
-    """Each directory's name on the page: its own, or where others given share it (``a/ok``, ``b/ok``: a grid's
-    point in two sweeps) its last parts as far as they tell it apart from those."""
-    parts = [p.resolve().parts for p in paths]
-    out = []
-    for ps in parts:
-        k = 1
-        while k < len(ps) and sum(q[-k:] == ps[-k:] for q in parts) > 1:
-            k += 1
-        out.append(str(Path(*ps[-k:])))
-    return out
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
