@@ -102,3 +102,46 @@ def test_a_round_of_only_clients_without_samples_is_logged_as_skipped_with_or_wi
     faulty = fedweave.run(load({**cfg, "faults": {"outage_rounds": [99]}}), run_dir=tmp_path / "faulty")
     assert faulty.summary["skipped_rounds"] == empty
     assert all(f"round {r}: no client reported" in caplog.text for r in empty)
+
+
+def test_train_loss_averages_the_clients_that_trained_under_uniform_weights():
+    """A client without samples takes no step and reports a loss of 0; under ``weighting: uniform`` that 0 entered
+    ``train_loss`` with a weight of 1/m and pulled it down. It is the mean over the clients that trained; with
+    every client trained the weights are the same (no renormalisation)."""
+    from fedweave.algorithms.base import RunContext, build_algorithm
+
+    cfg = copy.deepcopy(EMPTY)
+    cfg["algorithm"] = {"name": "fedavg", "clients_per_round": 5, "weighting": "uniform"}
+    algo = build_algorithm(RunContext(load(cfg)))
+    sizes = algo.ctx.partition.sizes
+    clients = np.concatenate([np.flatnonzero(sizes == 0)[:2], np.flatnonzero(sizes > 0)[:3]])
+    res = algo.trainer.train(algo.x, clients, 0)
+    assert res.steps.tolist()[:2] == [0, 0] and min(res.steps.tolist()[2:]) > 0
+    got = algo.local_metrics(res, algo.weights(clients))["train_loss"]
+    assert got == pytest.approx(float(res.loss[2:].mean()), rel=1e-6)
+    full = np.flatnonzero(sizes > 0)[:5]
+    res = algo.trainer.train(algo.x, full, 0)
+    p = algo.weights(full)
+    assert algo.local_metrics(res, p)["train_loss"] == float(p @ res.loss)
+
+
+def test_the_decentralized_train_loss_averages_the_clients_that_trained(tmp_path):
+    """The decentralized family's ``train_loss`` averaged every client's loss, an empty client's 0 among them."""
+    from fedweave.execution import LocalTrainer
+
+    seen = []
+    train = LocalTrainer.train
+
+    def spy(self, *args, **kwargs):
+        seen.append(train(self, *args, **kwargs))
+        return seen[-1]
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(LocalTrainer, "train", spy)
+    try:
+        res = _run(tmp_path, {"name": "dfedavg"})
+    finally:
+        mp.undo()
+    first = seen[0]  # round 1's local training of every client (dfedavg trains once a round)
+    assert (first.steps == 0).any() and (first.steps > 0).any()
+    assert res.metrics[0]["train_loss"] == pytest.approx(float(first.loss[first.steps > 0].mean()), rel=1e-6)

@@ -332,7 +332,7 @@ class AfindPlus(GraphAlgorithm):
         self.commit("model", new)
         out = {
             **self.round_fault_metrics(r),
-            "train_loss": self.mean_over_up(r, own.loss),
+            "train_loss": self.train_loss(r, own),
             "selected_mean": float(np.mean(sizes)),
             "selected_min": float(np.min(sizes)),
             "selected_max": float(np.max(sizes)),

@@ -337,6 +337,15 @@ class GraphAlgorithm(Algorithm):
         """``reported_clients`` (those that took part in round ``r``) when faults are injected; 0 = skipped."""
         return self.fault_metrics(int(self.up(r).sum()) if self.faulty else 0)
 
+    def train_loss(self, r: int, local: LocalResult) -> float:
+        """``train_loss`` of round ``r``: the mean of ``local``'s losses over the clients that trained. One without
+        samples (``partition.min_size: 0``) takes no step, and its loss of 0 would only shrink the mean
+        (``clients_with_data``); a dropped one has none (:meth:`fill_dropped`)."""
+        trained = local.steps > 0
+        if bool(trained.all()) or not bool(trained.any()):  # every client trained (the same bits), or none did
+            return self.mean_over_up(r, local.loss)
+        return float(local.loss[trained].mean())
+
     def mean_over_up(self, r: int, values: torch.Tensor) -> float:
         """Mean of a per-client quantity over the clients that took part in round ``r``."""
         if not self.faulty:

@@ -147,4 +147,4 @@ class ChocoSGD(GraphAlgorithm):
         self.commit(PUBLIC, public)
         # the consensus step; a dropped node keeps its x (its row of W^(t) is e_j: held all the same)
         self.commit("model", self.hold_dropped(r, own.params + self.hp.gamma * mixed, self.W))
-        return {"train_loss": self.mean_over_up(r, own.loss), "selected_mean": k, **self.round_fault_metrics(r)}
+        return {"train_loss": self.train_loss(r, own), "selected_mean": k, **self.round_fault_metrics(r)}

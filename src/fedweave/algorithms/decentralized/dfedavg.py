@@ -169,7 +169,7 @@ class DFedAvg(GraphAlgorithm):
             own = self.train_up(r, self.trainer, W0)
             new, k = self.mix(r, W0, own.params)  # a dropped peer trained nothing and sends nothing
         self.commit("model", self.hold_dropped(r, new, W0))  # ... and does not update
-        out = {"train_loss": self.mean_over_up(r, own.loss), "selected_mean": k, **self.round_fault_metrics(r)}
+        out = {"train_loss": self.train_loss(r, own), "selected_mean": k, **self.round_fault_metrics(r)}
         if self.robust is not None and self.robust.attack_fn is not None:  # the attackers taking part this round
             out["byzantine_clients"] = float(np.isin(self.clients_up(r), self.robust.attackers).sum())
         return out

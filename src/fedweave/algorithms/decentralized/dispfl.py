@@ -195,7 +195,7 @@ class DisPFL(GraphAlgorithm):
         self.commit("next_mask", new_m)
         sizes = torch.tensor([float(len(c)) for c, _ in picks], dtype=torch.float64, device="cpu")
         return {
-            "train_loss": self.mean_over_up(r, own.loss),
+            "train_loss": self.train_loss(r, own),
             "selected_mean": self.mean_over_up(r, sizes),
             "density": float(new_m.mean()),
             **self.round_fault_metrics(r),

@@ -72,7 +72,7 @@ class Ditto(GraphAlgorithm):
         self.commit("personal", personal.params)  # a dropped client's v_i: untrained, unchanged
         sizes = torch.tensor([float(len(c)) for c, _ in picks], dtype=torch.float64, device="cpu")
         return {
-            "train_loss": self.mean_over_up(r, personal.loss),
+            "train_loss": self.train_loss(r, personal),
             "selected_mean": self.mean_over_up(r, sizes),
             **self.round_fault_metrics(r),
         }

@@ -112,7 +112,7 @@ class Fomo(GraphAlgorithm):
         self.commit("model", new)
         sizes = torch.tensor([float(len(c)) for c in chosen_all], dtype=torch.float64, device="cpu")
         return {
-            "train_loss": self.mean_over_up(r, own.loss),
+            "train_loss": self.train_loss(r, own),
             "selected_mean": self.mean_over_up(r, sizes),
             **self.round_fault_metrics(r),
         }

@@ -27,4 +27,4 @@ class Local(GraphAlgorithm):
             return self.round_fault_metrics(r)
         own = self.train_up(r, self.trainer, self.W)  # K local epochs from the own model (a dropped client: none)
         self.commit("model", own.params)
-        return {"train_loss": self.mean_over_up(r, own.loss), **self.round_fault_metrics(r)}
+        return {"train_loss": self.train_loss(r, own), **self.round_fault_metrics(r)}

@@ -115,7 +115,7 @@ class PENS(GraphAlgorithm):
         own = self.train_up(r, self.trainer, mixed)  # aggregate, then train
         self.commit("model", self.hold_dropped(r, own.params, W0))
         return {
-            "train_loss": self.mean_over_up(r, own.loss),
+            "train_loss": self.train_loss(r, own),
             "selected_mean": float(np.mean(sizes)),
             **self.round_fault_metrics(r),
         }
