@@ -371,7 +371,8 @@ def _cmd_flower_executor(args: argparse.Namespace) -> int:
     from fedweave.deploy.executor import ExecutorError, serve
 
     try:
-        serve(args.runtime_api_address, insecure=args.insecure, root_certificates=args.root_certificates)
+        serve(args.runtime_api_address, insecure=args.insecure, root_certificates=args.root_certificates,
+              node_wait=args.node_wait)  # fmt: skip
     except ExecutorError as e:
         print(f"fedweave: error: {e}", file=sys.stderr)
         return 2
@@ -507,18 +508,19 @@ def parser() -> argparse.ArgumentParser:
     fa.add_argument("config", help="YAML config file")
     fa.add_argument("dir", help="directory for the app project")
     fa.add_argument("overrides", nargs="*", help="key=value overrides")
-    fa.add_argument("--run-dir", help="results directory on the SuperLink's machine (default: the config's)")
-    fa.add_argument("--on-error", choices=("stop", "drop"), default="stop",
+    fa.add_argument("--run-dir", action=Once,
+                    help="results directory on the SuperLink's machine (default: the config's)")  # fmt: skip
+    fa.add_argument("--on-error", choices=("stop", "drop"), default="stop", action=Once,
                     help="a client's error reply or missing reply: stop the run, or go on without the client "
                     "for that round as a dropout (default: stop)")  # fmt: skip
-    fa.add_argument("--reply-timeout", type=positive_seconds, default=600.0,
+    fa.add_argument("--reply-timeout", type=positive_seconds, default=600.0, action=Once,
                     help="seconds a round waits for its replies")  # fmt: skip
-    fa.add_argument("--node-wait", type=positive_seconds, default=120.0,
+    fa.add_argument("--node-wait", type=positive_seconds, default=120.0, action=Once,
                     help="seconds to wait for the SuperNodes at start")  # fmt: skip
     fa.add_argument("--overwrite", action="store_true",
                     help="write into a directory that is not empty (its pyproject.toml and fedweave_app.py are "
                     "replaced; its other files are left alone)")  # fmt: skip
-    fa.add_argument("--node-data", metavar="DIR",
+    fa.add_argument("--node-data", metavar="DIR", action=Once,
                     help="also write each client's training samples as DIR/client-N.npz, data files for the nodes "
                     "(a trial of nodes that hold their own data)")  # fmt: skip
     fa.set_defaults(fn=_cmd_flower_app)
@@ -526,10 +528,14 @@ def parser() -> argparse.ArgumentParser:
     fx = sub.add_parser("flower-executor",
                         help="run the ClientApp tasks of a SuperNode started with --isolation process, one forked "
                         "child per message from one warm process")  # fmt: skip
-    fx.add_argument("--runtime-api-address", required=True, metavar="HOST:PORT",
+    fx.add_argument("--runtime-api-address", required=True, metavar="HOST:PORT", action=Once,
                     help="the SuperNode's Runtime API (its --port)")  # fmt: skip
     fx.add_argument("--insecure", action="store_true", help="talk to the SuperNode without TLS")
-    fx.add_argument("--root-certificates", metavar="FILE", help="CA certificate of the SuperNode's Runtime API")
+    fx.add_argument("--root-certificates", metavar="FILE", action=Once,
+                    help="CA certificate of the SuperNode's Runtime API")  # fmt: skip
+    fx.add_argument("--node-wait", type=positive_seconds, default=None, action=Once, metavar="SECONDS",
+                    help="give up when the SuperNode has not answered for this long, at start or later (default: "
+                    "wait for it)")  # fmt: skip
     fx.set_defaults(fn=_cmd_flower_executor)
     return p
 
@@ -660,6 +666,12 @@ def _main(argv: list[str] | None) -> int:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "out", None) is not None and not args.out.strip():  # an unset $OUT wrote into ./runs/
         p.error(f"--out {args.out!r}: an empty path; give a {'file' if args.command == 'report' else 'directory'}")
+    if args.command == "flower-app":  # an unset $APP wrote the app into ./; --node-data "" wrote no data
+        for flag, path in (("DIR", args.dir), ("--run-dir", args.run_dir), ("--node-data", args.node_data)):
+            if path is not None and not path.strip():
+                p._subparsers._group_actions[0].choices[args.command].error(
+                    f"{flag} {path!r}: an empty path; give a directory"
+                )
     if args.command == "sweep":  # remember which were given, so they win over a YAML `sweep:` section
         args.seeds_given, args.workers_given, args.out_given = args.seeds, args.workers, args.out
         args.seeds, args.workers, args.out = args.seeds or 1, args.workers or 1, args.out or "runs/sweep"
