@@ -145,3 +145,31 @@ def test_the_decentralized_train_loss_averages_the_clients_that_trained(tmp_path
     first = seen[0]  # round 1's local training of every client (dfedavg trains once a round)
     assert (first.steps == 0).any() and (first.steps > 0).any()
     assert res.metrics[0]["train_loss"] == pytest.approx(float(first.loss[first.steps > 0].mean()), rel=1e-6)
+
+
+def test_the_hierarchical_train_loss_averages_the_jobs_that_trained(tmp_path):
+    """``hier_scaffold`` (a plain mean: no weights) averaged every job's loss, an empty client's 0 among them."""
+    from fedweave.execution import LocalTrainer
+
+    seen = []
+    mp = pytest.MonkeyPatch()
+    for name in ("train", "train_with_state"):
+        original = getattr(LocalTrainer, name)
+
+        def spy(self, *args, _original=original, **kwargs):
+            out = _original(self, *args, **kwargs)
+            seen.append(out[0] if isinstance(out, tuple) else out)
+            return out
+
+        mp.setattr(LocalTrainer, name, spy)
+    cfg = copy.deepcopy(EMPTY)
+    cfg["model"] = {"name": "logistic"}
+    cfg["algorithm"] = {"name": "hier_scaffold", "participation": 1.0, "server_share": 0.3, "test_fraction": 0.1,
+                        "tau": 3, "server_data": "none"}  # fmt: skip
+    try:
+        res = fedweave.run(load(cfg), run_dir=tmp_path / "h")
+    finally:
+        mp.undo()
+    first = next(s for s in seen if len(s.steps) > 1)  # round 1's jobs
+    assert (first.steps == 0).any() and (first.steps > 0).any()
+    assert res.metrics[0]["train_loss"] == pytest.approx(float(first.loss[first.steps > 0].mean()), rel=1e-6)

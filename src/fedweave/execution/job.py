@@ -308,6 +308,20 @@ class LocalResult:
     #: client computed it (a deployed node asked for it: AFL's L_k(w_t), q-FFL's F_k(w^t)); None: not asked for
     start_loss: torch.Tensor | None = None
 
+    def trained_loss(self, weights: torch.Tensor | None = None) -> float:
+        """The round's ``train_loss``: the jobs' losses averaged (with ``weights``, else plainly) over those that
+        trained. A client without samples (``partition.min_size: 0``) takes no step and reports 0, which would
+        only shrink the mean (``clients_with_data``); a dropped one has none. Where every job trained (or none
+        did) the mean is taken as it always was: the same bits."""
+        idle = self.steps == 0
+        some = bool(idle.any()) and not bool(idle.all())
+        if weights is None:
+            return float((self.loss[~idle] if some else self.loss).mean())
+        if some and bool((weights[idle] != 0).any()):
+            weights = torch.where(idle, torch.zeros_like(weights), weights)
+            weights = weights / weights.sum()
+        return float(weights @ self.loss)
+
 
 def summed_losses(losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The sum of a job's per-step losses (0-d tensors) in float64, added one after another (a cumulative

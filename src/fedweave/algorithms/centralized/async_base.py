@@ -48,6 +48,7 @@ import torch
 
 from fedweave.algorithms.centralized.base import StarAlgorithm, StarHparams
 from fedweave.config import ConfigError, Section
+from fedweave.errors import DivergenceError
 
 EVENTS_FILE = "events.csv"
 EVENT_COLUMNS = ("time", "event", "client", "job", "version", "server_step")
@@ -57,6 +58,20 @@ MAX_LOST_IN_A_ROW = 10_000
 # the state of the schedule, which :meth:`AsyncStar.schedule` advances: the simulated time, the dispatch instants
 # and jobs so far, the jobs in flight and those of them that deliver nothing, the jobs lost in a row
 CLOCK_FIELDS = ("now", "dispatches", "jobs", "in_flight", "lost", "lost_in_a_row")
+
+
+def check_results(r: int, clients: np.ndarray, params: torch.Tensor, loss: torch.Tensor) -> None:
+    """Raise :class:`DivergenceError` naming server step ``r`` (0-based) when a job's local model (a row of
+    ``params``) or loss holds NaN or Inf. Such a result would sit in flight until it arrives, possibly after the
+    run's last step, and in every checkpoint until then; it ends the run at the step that made it instead, as a
+    synchronous round's does."""
+    finite = torch.isfinite(params).all(1) & torch.isfinite(loss).to(params.device)
+    if not bool(finite.all()):
+        bad = clients[~finite.cpu().numpy()].tolist()
+        raise DivergenceError(
+            f"round {r + 1}: the local training of client{'s' * (len(bad) > 1)} {', '.join(map(str, bad))} "
+            "(dispatched in this server step) is not finite (NaN or Inf in its model or loss); the run stopped."
+        )  # the runner adds which step sizes to lower (fedweave.runner.divergence_advice)
 
 
 def staleness_weight(kind: str, tau: int, a: float, b: int) -> float:
@@ -186,6 +201,8 @@ class AsyncStar(StarAlgorithm):
         kept = lost == ""
         lr = self.trainer.lr(r)
         local = self.trainer.train(self.x, clients[kept], b, rule=self.client_rule(lr), lr=lr) if kept.any() else None
+        if local is not None:
+            check_results(r, clients[kept], local.params, local.loss)
         row = np.cumsum(kept) - 1  # each kept client's row of the training call
         for j, (c, job) in enumerate(zip(clients.tolist(), jobs)):
             if kept[j]:

@@ -635,14 +635,9 @@ class StarAlgorithm(Algorithm):
         return max(1, round(sum(ks) / len(ks)))
 
     def local_metrics(self, local: LocalResult, p: torch.Tensor) -> dict[str, float]:
-        """Per-round metrics of the local results: weighted train loss, optionally local consistency. The loss
-        is weighted over the clients that trained: one without samples (``partition.min_size: 0``) takes no step,
-        and its loss of 0 under ``weighting: uniform`` would only shrink the mean (``clients_with_data``)."""
-        idle = local.steps == 0
-        if bool((p[idle] != 0).any()) and not bool(idle.all()):  # renormalised only then: the same bits otherwise
-            p = torch.where(idle, torch.zeros_like(p), p)
-            p = p / p.sum()
-        out = {"train_loss": float(p @ local.loss)}
+        """Per-round metrics of the local results: the train loss weighted over the clients that trained
+        (:meth:`~fedweave.execution.LocalResult.trained_loss`), optionally local consistency."""
+        out = {"train_loss": local.trained_loss(p)}
         if self.hp.consistency:
             out["local_consistency"] = local_consistency(local.params)
         return out

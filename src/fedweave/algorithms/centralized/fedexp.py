@@ -53,11 +53,14 @@ def fedexp_step_size(
 ) -> float:
     """``max(1, sum_i ||Delta_i||^2 / (2 M (||Delta||^2 + eps)))`` for the M rows of ``updates`` and their
     aggregate ``mean`` (FedExP's server step size); with ``weights`` p (summing to one, the aggregate's), its
-    weighted form ``max(1, sum_i p_i ||Delta_i||^2 / (2 (||Delta||^2 + eps)))``, the same at p_i = 1/M."""
+    weighted form ``max(1, sum_i p_i ||Delta_i||^2 / (2 (||Delta||^2 + eps)))``, the same at p_i = 1/M. A ratio
+    that is NaN (a row holding NaN) stays NaN, as an infinite one stays infinite: the step diverges the run."""
     if weights is None:
         m = updates.shape[0]
-        return max(1.0, float(updates.pow(2).sum() / (2 * m * (mean.pow(2).sum() + eps))))
-    return max(1.0, float(weights @ updates.pow(2).sum(1) / (2 * (mean.pow(2).sum() + eps))))
+        ratio = float(updates.pow(2).sum() / (2 * m * (mean.pow(2).sum() + eps)))
+    else:
+        ratio = float(weights @ updates.pow(2).sum(1) / (2 * (mean.pow(2).sum() + eps)))
+    return 1.0 if ratio <= 1.0 else ratio  # not max(1.0, ratio), which is 1.0 for a NaN ratio
 
 
 @ALGORITHMS.register("fedexp")

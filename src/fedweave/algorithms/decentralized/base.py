@@ -338,13 +338,11 @@ class GraphAlgorithm(Algorithm):
         return self.fault_metrics(int(self.up(r).sum()) if self.faulty else 0)
 
     def train_loss(self, r: int, local: LocalResult) -> float:
-        """``train_loss`` of round ``r``: the mean of ``local``'s losses over the clients that trained. One without
-        samples (``partition.min_size: 0``) takes no step, and its loss of 0 would only shrink the mean
-        (``clients_with_data``); a dropped one has none (:meth:`fill_dropped`)."""
-        trained = local.steps > 0
-        if bool(trained.all()) or not bool(trained.any()):  # every client trained (the same bits), or none did
+        """``train_loss`` of round ``r``: the mean of ``local``'s losses over the clients that trained
+        (:meth:`~fedweave.execution.LocalResult.trained_loss`: a dropped one has none, :meth:`fill_dropped`)."""
+        if not bool((local.steps > 0).any()):  # none trained (live clients without samples): as it always was
             return self.mean_over_up(r, local.loss)
-        return float(local.loss[trained].mean())
+        return local.trained_loss()
 
     def mean_over_up(self, r: int, values: torch.Tensor) -> float:
         """Mean of a per-client quantity over the clients that took part in round ``r``."""

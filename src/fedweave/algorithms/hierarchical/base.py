@@ -662,8 +662,7 @@ class AveragingAlgorithm(HierarchicalAlgorithm):
         if self.robust is not None:  # robustness: Byzantine clients replace their (decoded) updates
             updates = self.robust.attack(r, got.jobs, updates, self.x if self.updates_are_models else None)
         self.server_update(self.aggregate(updates, got.weights), got)
-        p, loss = got.weights, got.local.loss
-        train_loss = float(p @ loss) if p is not None else float(loss.mean())
+        train_loss = got.local.trained_loss(got.weights)  # over the jobs that trained
         out = {"train_loss": train_loss, **self.counters(r, jobs), **self.fault_metrics(clients)}
         return {**out, **self.robust.metrics()} if self.robust is not None else out
 
