@@ -40,3 +40,15 @@ def test_a_metric_the_task_logs_or_an_algorithm_column_is_not_refused_up_front(t
         args = ["sweep", str(cfg), "--grid", "local.lr=0.05", "--out", str(out), "--no-progress", "--metric", metric]
         assert cli_main(args) == 0
         assert (out / "summary.csv").is_file()
+
+
+def test_a_confederated_sweeps_metric_is_checked_against_its_runs_columns(tmp_path, capsys):
+    """A confederated run logs no test column (its rows are opt_gap's): the up-front check advised test_accuracy,
+    which then ran every point to be refused after; such a family's --metric is checked against its runs."""
+    from pathlib import Path
+
+    cfg = Path(__file__).resolve().parents[1] / "configs" / "confederated" / "cfl_saga.yaml"
+    args = ["sweep", str(cfg), "--grid", "algorithm.rho=10", "rounds=1", "--out", str(tmp_path / "s"), "--no-progress"]
+    assert cli_main([*args, "--metric", "test_acc"]) == 2
+    err = capsys.readouterr().err
+    assert "test_accuracy" not in err and "opt_gap" in err, err

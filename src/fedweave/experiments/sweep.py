@@ -232,8 +232,9 @@ def _unlogged(metric: str, points: list) -> str | None:
 
     first = None
     for p in points:
-        if not ALGORITHMS.get(p.config.algorithm.name).__module__.startswith("fedweave."):
-            return None
+        algorithm = ALGORITHMS.get(p.config.algorithm.name)
+        if not algorithm.__module__.startswith("fedweave.") or not algorithm.plot_metric.startswith("test_"):
+            return None  # a plug-in's columns, or a family whose rows are not the task's (confederated: opt_gap)
         t = p.config.task
         task = build_task(t.loss, t.loss_options, t.metrics, t.main)
         keys = [k for m in task.metrics for k in METRICS.get(m).keys] + ["loss"]
