@@ -366,3 +366,23 @@ def test_flower_app_takes_each_option_once(tmp_path, toy_config, capsys, monkeyp
     code, lines = command(capsys, ["flower-app", config, str(tmp_path / "app"), *argv])
     assert code == 2 and len(lines) == 1 and "is given twice" in lines[0], lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+
+
+@pytest.mark.parametrize("host", ["node1.example:9100", "tls-node.example:9100", "ssl.cluster.local:9100"])
+def test_a_node_starting_behind_a_host_named_tls_is_retried_not_blamed_on_tls(host):
+    """An HTTP status's message holds the URL: a 503 from a host named ``tls-node`` (a node still starting) was
+    taken for a TLS failure, not retried, and a 404 from it named TLS, not the address, as the trouble."""
+    import httpx
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+
+    from fedweave.deploy.executor import Link
+
+    def status(code: int) -> httpx.HTTPStatusError:
+        request = httpx.Request("POST", f"http://{host}/v1/runtime/acquire-task")
+        response = httpx.Response(code, request=request)
+        message = f"Server error '{code}' for url '{request.url}'"
+        return httpx.HTTPStatusError(message, request=request, response=response)
+
+    link = Link(host, insecure=True, root_certificates=None, node_wait=None, report=lambda _: None)
+    assert link.invoker(make_simple_http_retry_invoker).should_giveup(status(503)) is False
+    assert str(link.error(status(404))).startswith(f"{host} is not a SuperNode's Runtime API")

@@ -226,8 +226,11 @@ class Link:
 
 
 def _tls_failure(e: Exception) -> bool:
-    """Flower's test for a TLS failure (``make_simple_http_retry_invoker``), which it does not retry."""
-    return any(term in str(e).lower() for term in ("certificate", "ssl", "tls"))
+    """Flower's test for a TLS failure (``make_simple_http_retry_invoker``), which it does not retry; never an
+    HTTP status, whose message holds the URL (a host named ``tls-node`` answering 503 as it starts is retried)."""
+    import httpx
+
+    return not isinstance(e, httpx.HTTPStatusError) and any(t in str(e).lower() for t in ("certificate", "ssl", "tls"))
 
 
 def _stderr(line: str) -> None:
