@@ -141,3 +141,12 @@ def test_fedweave_plot_of_many_runs_tells_each_apart_and_wraps_a_long_name(tmp_p
     n, distinct, covers, texts = drawn["test_accuracy_vs_rounds.png"]
     assert (n, distinct, covers) == (12, 12, False)
     assert "\n" in texts[0] and texts[0].replace("\n", "") == long
+
+
+def test_fedweave_plot_of_one_run_given_twice_is_one_line(tmp_path, capsys):
+    """Two identical curves under one label, as the report drew them before it refused a directory given twice."""
+    res = fedweave.run({**DIGITS_RUN, "output": {**DIGITS_RUN["output"], "dir": str(tmp_path / "r")}})
+    assert cli_main(["plot", str(res.run_dir), str(tmp_path / "." / "r"), "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"fedweave: error: {tmp_path / 'r'} is given twice; give each run directory once"
+    assert not (tmp_path / "p").exists()

@@ -137,6 +137,18 @@ def test_trackers_started_before_one_that_fails_to_start_are_closed(tmp_path, mo
     assert run.info.status == "FAILED"
 
 
+def test_trackers_started_before_an_interrupt_in_another_s_start_are_closed_as_killed(tmp_path, monkeypatch):
+    # Ctrl-C (or SIGTERM) while W&B starts: the run ends interrupted, as MLflow then says (it said FAILED)
+    def interrupted(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(WandbTracker, "start", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Trackers(["mlflow", "wandb"], {"name": "x"}, tmp_path)
+    _, run = _mlflow_run(tmp_path, "x")
+    assert run.info.status == "KILLED"
+
+
 def test_an_extended_run_holds_the_communication_totals_once_per_end(tmp_path):
     # a completed run extended with --resume logged the totals again at step 0: the stale and the new ones both
     # held at one step

@@ -118,6 +118,9 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, metric: str | Non
         raise TypeError(f"run_dirs must be a list of run directories, e.g. [{str(run_dirs)!r}]; got one path")
     if not run_dirs:
         raise ValueError("run_dirs is empty: give at least one run directory to plot")
+    resolved = [Path(d).resolve() for d in run_dirs]
+    if twice := next((d for d, p in zip(run_dirs, resolved) if resolved.count(p) > 1), None):
+        raise ValueError(f"{twice} is given twice; give each run directory once")  # two curves of one run
     out_dir = Path(out_dir)
     metric = metric or _main_metric(run_dirs)
     every = [(d, _rows(d)) for d in run_dirs]

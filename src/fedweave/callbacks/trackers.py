@@ -371,12 +371,13 @@ class Trackers:
         try:
             for name in names:
                 self.items[name] = self._started(name, config, Path(run_dir), saved.get(name, {}).get("run_id"))
-        except BaseException:
+        except BaseException as e:
             # a tracker that failed to start ends the run: those started before it are not left open (an MLflow
-            # run RUNNING for ever)
+            # run RUNNING for ever), and say why it ended (Ctrl-C or SIGTERM while one starts: interrupted)
+            status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
             for t in self.items.values():
                 with contextlib.suppress(Exception):
-                    t.close("failed")
+                    t.close(status)
             raise
         for name, t in self.items.items():
             # a tracker continuing its run holds its first rows already; one added on resume gets them all. A
