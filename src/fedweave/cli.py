@@ -17,7 +17,6 @@ from pathlib import Path
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from fedweave.config import ConfigError, load, load_plugins, recorded
-    from fedweave.plots import run_metric
     from fedweave.runner import resume, run
 
     load_plugins(args.plugin)  # before the config: it may name what a plug-in registers
@@ -41,6 +40,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         # the run's config.yaml names the plug-ins of --plugin too, so that `--resume` needs nothing more
         cfg.plugins += [p for p in map(recorded, args.plugin) if p not in cfg.plugins]
         res = run(cfg, run_dir=args.out, progress=False if args.no_progress else None, overwrite=args.overwrite)
+    # only now: importing the plotting writes matplotlib's font cache and config folder (bad input writes nothing)
+    from fedweave.plots import run_metric
+
     s = res.summary
     comm = s["communication"]
     print(f"run directory: {res.run_dir}")

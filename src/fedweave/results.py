@@ -330,14 +330,22 @@ def make_run_dir(path: Path) -> None:
 
 
 def default_run_dir(name: str, seed: int) -> Path:
-    """The run directory of a config without ``output.dir``: ``runs/<name>-s<seed>-<timestamp>``, with
-    ``-1``, ``-2``, ... appended when that exists already (nothing is created)."""
+    """The run directory of a config without ``output.dir``, claimed: ``runs/<name>-s<seed>-<timestamp>``, with
+    ``-1``, ``-2``, ... appended when that exists already, created (empty) here. The name is taken by creating
+    it, which succeeds for one caller only: runs started in the same second each get their own (before, they
+    all picked the same free name and the second was refused as in use)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = Path("runs") / f"{name}-s{seed}-{stamp}"
     path, i = base, 1
-    while path.exists():
-        path, i = Path(f"{base}-{i}"), i + 1
-    return path
+    while True:
+        try:
+            path.mkdir(parents=True)
+            return path
+        except OSError as e:
+            if not isinstance(e, FileExistsError) or not os.path.lexists(path):  # not a name taken: no retry
+                check_run_dir(path)  # a parent that is a file: the line that names it
+                raise RunDirError(f"cannot create the run directory {str(path)!r}: {e.strerror or e}") from e
+            path, i = Path(f"{base}-{i}"), i + 1
 
 
 def metrics_csv(rows: list[dict[str, Any]]) -> str:

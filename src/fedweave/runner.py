@@ -153,16 +153,21 @@ def run(
     callbacks = _checked(callbacks)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    path = Path(run_dir or config.output.dir or default_run_dir(config.name, config.seed))
-    check_run_dir(path, resume=resume, overwrite=overwrite)
+    given = run_dir or config.output.dir
+    path = Path(given) if given else None
+    if path is not None:
+        check_run_dir(path, resume=resume, overwrite=overwrite)
     check_run(config, objects)
     ctx = RunContext(config, objects)
     # a config problem found while building ends here, before anything is written
     state = RunState(config, ctx, build_algorithm(ctx), resumed=resume)
-    if resume and objects is not None and (path / OBJECTS_FILE).is_file():  # the same model and data as before
+    # the same model and data as before
+    if resume and objects is not None and path is not None and (path / OBJECTS_FILE).is_file():
         check_same_objects(json.loads((path / OBJECTS_FILE).read_text()), objects)
     state.callbacks = cbs = CallbackList([*default_callbacks(config, progress), *callbacks])
     cbs.on_build(state)
+    if path is None:  # claimed (created) only now: a config refused while building leaves no empty directory
+        path = default_run_dir(config.name, config.seed)
     with locked_run_dir(path):  # held until the run's last file is written (a second run here is refused)
         # again, under the lock: a run into the same directory may have ended while this one was being built
         check_run_dir(path, resume=resume, overwrite=overwrite)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from fedweave.config import ConfigError, RunConfig
-from fedweave.results import folder_refusal
+from fedweave.results import UMASK, folder_refusal
 
 
 class NodeDataError(ValueError):
@@ -79,14 +79,18 @@ def own_parts(client: int, samples: int, num_clients: int) -> list[np.ndarray]:
     return [np.arange(samples) if i == client else empty for i in range(max(num_clients, client + 1))]
 
 
-def write_samples(path: str | Path, x: torch.Tensor, y: torch.Tensor) -> None:
-    """A node data file of ``x`` and ``y``, written atomically (a reader sees no half-written file)."""
+def write_samples(path: str | Path, x: torch.Tensor, y: torch.Tensor, *, shared: bool = False) -> None:
+    """A node data file of ``x`` and ``y``, written atomically (a reader sees no half-written file). ``shared``:
+    with the user's usual permissions, as the run's files (an exported file, handed to a node); else 0600, as
+    the node's other state files."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # as NodeState names it
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, x=x.cpu().numpy(), y=y.cpu().numpy())
+        if shared:
+            os.chmod(tmp, 0o666 & ~UMASK)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -124,7 +128,7 @@ def plan_export(config: RunConfig, directory: str | Path, clients: list[int] | N
             if path.exists():  # appeared since the check
                 raise FileExistsError(f"{path} exists; remove it or choose another directory")
             idx = torch.as_tensor(parts[c], dtype=torch.long)
-            write_samples(path, train_x[idx], train_y[idx])
+            write_samples(path, train_x[idx], train_y[idx], shared=True)
             paths.append(path)
         return paths
 

@@ -17,20 +17,27 @@ the results equal the ``loop`` backend's to float tolerance whatever the number 
 (DESIGN principles 4 and 6).
 
 Ray is optional (``pip install 'fedweave[ray]'``). By default fedweave starts a local Ray with one CPU per
-worker, no dashboard and usage statistics off; ``ray.address`` connects to an existing cluster instead, whose
-nodes must have fedweave installed.
+worker, no dashboard and usage statistics off, whose files (logs, sockets, port files) are in a folder of its
+own under the temporary directory, removed with the session: when a later run starts it again, or when the
+process exits (the session shut down first, so that none of its processes outlives the process).
+``ray.address`` connects to an existing cluster instead, whose nodes must have fedweave installed; fedweave
+never shuts down or removes anything of a session it did not start.
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
 import ipaddress
 import logging
 import math
 import os
 import re
+import shutil
 import socket
 import sys
+import tempfile
+import time
 import uuid
 import warnings
 import weakref
@@ -51,6 +58,12 @@ from fedweave.execution.shards import run_shard, split_call
 LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
 MB = 2**20
 log = logging.getLogger("fedweave")
+# The room a socket path has (AF_UNIX, the terminating NUL aside), and the longest one Ray makes below its
+# temporary folder: the session's folder (named by the time and the driver's pid), then the object store's socket
+SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
+RAY_SOCKET_TAIL = "/session_2026-01-01_00-00-00_000000_{pid}/sockets/plasma_store"
+# short: under a sweep worker's TMPDIR (/tmp/fedweave-workers-XXXXXXXX) the socket paths take all 107 bytes
+TEMP_PREFIX = "ray"
 
 
 def import_ray() -> Any:
@@ -117,6 +130,7 @@ class Worker:
 
 # The local Ray that fedweave started in this process (none: the caller's ``ray.init``, a cluster, or none up)
 _OWN: dict[str, Any] = {}
+_OWN_EXIT: list[int] = []  # the exit handler is registered (once a process)
 
 
 def _own_session(ray: Any) -> bool:
@@ -127,6 +141,47 @@ def _own_session(ray: Any) -> bool:
     if not _OWN or not ray.is_initialized() or _OWN["pid"] != os.getpid():
         return False
     return ray.get_runtime_context().get_session_name() == _OWN["session"]
+
+
+def _temp_dir() -> str:
+    """A new folder of fedweave's own for the local Ray it starts (Ray's ``_temp_dir``; Ray's default is
+    ``$TMPDIR/ray``, shared by every session and never cleaned): under ``RAY_TMPDIR``, else the temporary
+    directory, else ``/tmp`` where those are too deep for the Unix sockets Ray makes in it."""
+    base = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
+    tail = f"/{TEMP_PREFIX}xxxxxxxx" + RAY_SOCKET_TAIL.format(pid=os.getpid())
+    if len(os.fsencode(base + tail)) > SOCKET_PATH_MAX:
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=base)
+
+
+def _remove(folder: str) -> None:
+    """Remove a shut-down session's folder. Its processes end on their own just after ``ray.shutdown`` returns
+    (the raylet stops its agents as it exits), and may write a last log line meanwhile: tried again briefly."""
+    for _ in range(50):
+        shutil.rmtree(folder, ignore_errors=True)
+        if not os.path.lexists(folder):
+            return
+        time.sleep(0.1)
+    log.warning("could not remove the local Ray session's folder %s", folder)
+
+
+def _shutdown_own(ray: Any) -> None:
+    """Shut down the local Ray that fedweave started in this process and remove its folder."""
+    ray.shutdown()
+    _remove(_OWN["temp_dir"])
+    _OWN.clear()
+
+
+def _end_own() -> None:
+    """At exit (before Ray's own exit handler, registered earlier): shut down fedweave's own local Ray, if up,
+    and remove its folder; a folder of one the caller shut down is removed too. Never another process's (a
+    forked child inherits the handler)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and _own_session(ray):
+        _shutdown_own(ray)
+    elif _OWN.get("pid") == os.getpid():
+        _remove(_OWN["temp_dir"])
+        _OWN.clear()
 
 
 def _wanted_cpus(cfg: RayConfig) -> int:
@@ -154,7 +209,9 @@ def _start_ray(ray: Any, cfg: RayConfig, data_bytes: int) -> None:
         # and the cluster connected to or a local one sized for both the earlier runs and this one started
         # (the earlier runs' actors go with it; a new trainer starts its own)
         cpus = max(cpus, _OWN["cpus"])
-        ray.shutdown()
+        _shutdown_own(ray)
+    elif _OWN.get("pid") == os.getpid():  # the caller shut fedweave's session down: its folder goes now
+        _remove(_OWN["temp_dir"])
         _OWN.clear()
     if cfg.address is not None:  # (where nothing listens was refused when the run was built: check_session)
         ray.init(address=cfg.address)
@@ -162,9 +219,22 @@ def _start_ray(ray: Any, cfg: RayConfig, data_bytes: int) -> None:
     for k, v in LOCAL_RAY_ENV.items():
         os.environ.setdefault(k, v)
     store_mb = cfg.object_store_memory_mb or max(128, math.ceil(1.25 * data_bytes / MB) + 64)
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, object_store_memory=store_mb * MB)
+    temp = _temp_dir()
+    try:
+        ray.init(
+            address="local", num_cpus=cpus, include_dashboard=False, object_store_memory=store_mb * MB,
+            _temp_dir=temp,
+        )  # fmt: skip
+    except BaseException:
+        if ray.is_initialized():
+            ray.shutdown()
+        _remove(temp)
+        raise
     session = ray.get_runtime_context().get_session_name()
-    _OWN.update(pid=os.getpid(), session=session, cpus=cpus, store_mb=store_mb)
+    _OWN.update(pid=os.getpid(), session=session, cpus=cpus, store_mb=store_mb, temp_dir=temp)
+    if not _OWN_EXIT:  # registered after Ray's import, so run before Ray's own exit handler
+        atexit.register(_end_own)
+        _OWN_EXIT.append(os.getpid())
 
 
 _ACTORS: dict[tuple[str, str, float], list] = {}  # (job id, node id, GPUs each) -> the actors of that session
@@ -286,6 +356,9 @@ def _drop(actor: Any) -> None:
 
 
 def _forget(actors: list, setup_id: str) -> None:
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():  # shut down (at exit, say): a call would start a new local Ray
+        return
     try:
         for a in actors:
             a.forget.remote(setup_id)
