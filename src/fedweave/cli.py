@@ -41,7 +41,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         cfg.plugins += [p for p in map(recorded, args.plugin) if p not in cfg.plugins]
         res = run(cfg, run_dir=args.out, progress=False if args.no_progress else None, overwrite=args.overwrite)
     # only now: importing the plotting writes matplotlib's font cache and config folder (bad input writes nothing)
-    from fedweave.plots import run_metric
+    from fedweave.results import run_metric
 
     s = res.summary
     comm = s["communication"]
@@ -193,7 +193,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 def _runs_metric(runs: list[Path]) -> str | None:
     """The first finished run's own metric (its task's main metric, or the column its plots show where its
     rows have none: the confederated family's ``opt_gap``); None when no run has a readable summary."""
-    from fedweave.plots import run_metric
+    from fedweave.results import run_metric
 
     for d in runs:
         try:

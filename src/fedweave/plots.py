@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from fedweave.results import atomic_write, holds_run, read_metrics  # noqa: E402
+from fedweave.results import atomic_write, holds_run, read_metrics, run_metric  # noqa: E402
 
 log = logging.getLogger("fedweave")
 
@@ -220,20 +220,6 @@ def _rows(run_dir: str | Path) -> list[dict]:
     if not (d / "metrics.jsonl").is_file() and any((d / f).is_file() for f in ("config.yaml", "summary.json")):
         return []
     return read_metrics(d)
-
-
-def run_metric(summary: dict | None) -> str | None:
-    """The column a finished run is plotted and tabulated by, from its ``summary.json``: the task's main metric,
-    or where its rows have none (the confederated family's synthetic problem has no test set) the column its
-    own plots show, its algorithm's ``plot_metric`` (``opt_gap``); None for a summary that says neither."""
-    from fedweave.registry import ALGORITHMS
-
-    if not summary:
-        return None
-    if summary.get("main_metric"):
-        return str(summary["main_metric"])
-    name = summary.get("algorithm")
-    return ALGORITHMS.get(name).plot_metric if isinstance(name, str) and name in ALGORITHMS else None
 
 
 def _main_metric(run_dirs: list[str | Path]) -> str:

@@ -424,3 +424,18 @@ def _jsonable(o: Any) -> Any:
     if isinstance(o, Path):
         return str(o)
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def run_metric(summary: dict | None) -> str | None:
+    """The column a finished run is plotted and tabulated by (here, not in :mod:`fedweave.plots`: reading it loads
+    no plotting library, which writes its caches as it is imported), from its ``summary.json``: the task's main metric,
+    or where its rows have none (the confederated family's synthetic problem has no test set) the column its
+    own plots show, its algorithm's ``plot_metric`` (``opt_gap``); None for a summary that says neither."""
+    from fedweave.registry import ALGORITHMS
+
+    if not summary:
+        return None
+    if summary.get("main_metric"):
+        return str(summary["main_metric"])
+    name = summary.get("algorithm")
+    return ALGORITHMS.get(name).plot_metric if isinstance(name, str) and name in ALGORITHMS else None

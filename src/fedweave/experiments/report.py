@@ -148,9 +148,9 @@ def _with_defaults(raw: Any) -> Any:
 
 def _main_metric(runs: list[_Run]) -> str:
     """The task's main metric column: a finished run's summary names it (or, where its rows have none, the
-    column its own plots show: :func:`fedweave.plots.run_metric`), else the config's task section. A run without
+    column its own plots show: :func:`fedweave.results.run_metric`), else the config's task section. A run without
     rows (diverged before its first evaluation) names no column."""
-    from fedweave.plots import run_metric
+    from fedweave.results import run_metric
     from fedweave.tasks import build_task
 
     for r in runs:

@@ -71,7 +71,7 @@ def sweep(
     number (:mod:`fedweave.experiments.baseline`); not given, none is made and the files are those of a sweep
     run before the option existed; given (``"none"`` too), summary.csv gains the interval's level, the p-value,
     the adjusted p-value and the correction, and ``sweep.json`` records it."""
-    from fedweave.plots import run_metric
+    from fedweave.results import run_metric
     from fedweave.tasks import column_direction
 
     check_workers(workers)  # like the grid, before anything is written
