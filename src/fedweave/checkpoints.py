@@ -51,18 +51,20 @@ def floating_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tens
             yield from floating_tensors(v, f"{path}.{k}" if path else str(k))
 
 
-def finite_tensors(state: Any) -> set[str]:
-    """Paths of the floating tensors of ``state`` that hold no NaN or Inf.
+def nan_markers(state: Any) -> frozenset[str]:
+    """Paths of the floating tensors of ``state`` that hold NaN or Inf.
 
-    Taken from the freshly built algorithm, it separates the tensors that must stay finite (models,
-    momenta, control variates) from those that use NaN/Inf as a marker (e.g. 'no loss tracked yet').
+    Taken from the freshly built algorithm: a tensor a method builds with NaN uses it as a marker ('no loss
+    tracked yet'), which a state may keep. Every other floating tensor of a state must stay finite, those the
+    state gains later included (an asynchronous method's jobs in flight, a robust aggregator's center).
     """
-    return {p for p, t in floating_tensors(state) if bool(torch.isfinite(t).all())}
+    return frozenset(p for p, t in floating_tensors(state) if not bool(torch.isfinite(t).all()))
 
 
-def _diverged(state: Any, must_be_finite: set[str] | None) -> str | None:
+def _diverged(state: Any, markers: frozenset[str]) -> str | None:
+    """The first floating tensor of ``state`` outside ``markers`` that holds NaN or Inf, or None (one pass)."""
     for p, t in floating_tensors(state):
-        if (must_be_finite is None or p in must_be_finite) and not bool(torch.isfinite(t).all()):
+        if p not in markers and not bool(torch.isfinite(t).all()):
             return p
     return None
 
@@ -75,17 +77,17 @@ def save_checkpoint(
     *,
     extra: dict[str, Any] | None = None,
     verify: bool = False,
-    must_be_finite: set[str] | None = None,
+    markers: frozenset[str] = frozenset(),
 ) -> None:
     """Write the state after round ``next_round - 1`` atomically (temp file + rename).
 
-    A state whose tensors ``must_be_finite`` (paths; default: all) hold NaN/Inf is never written (it
-    raises :class:`DivergenceError`), so the checkpoint on disk is always the last good one. With
-    ``verify`` the bytes are read back with ``weights_only=True`` first, so a state that could not be
-    resumed fails now rather than at resume time.
+    A state with NaN/Inf in a floating tensor other than the ``markers`` (paths, :func:`nan_markers`; default:
+    none) is never written (it raises :class:`DivergenceError`), so the checkpoint on disk is always the last
+    good one. With ``verify`` the bytes are read back with ``weights_only=True`` first, so a state that could
+    not be resumed fails now rather than at resume time.
     """
     algo_state = algo.state_dict()
-    bad = _diverged(algo_state, must_be_finite)
+    bad = _diverged(algo_state, markers)
     if bad:
         raise DivergenceError(
             f"round {next_round}: the algorithm state '{bad}' is not finite; the run stopped before checkpointing it."
@@ -248,9 +250,9 @@ def load_checkpoint(
     absent = [k for k in algo.state_dict() if k not in ckpt["algorithm"]]
     if absent:
         raise CheckpointError(f"{file}: the algorithm state lacks {', '.join(map(repr, absent))}")
-    # a checkpoint is never written with NaN/Inf where the run needs finite tensors (save_checkpoint refuses):
-    # one that holds them is damaged, not a reason to lower the learning rate
-    bad = _diverged(ckpt["algorithm"], finite_tensors(algo.state_dict()))
+    # a checkpoint is never written with NaN/Inf outside the markers the fresh algorithm holds (save_checkpoint
+    # refuses): one that holds them is damaged, not a reason to lower the learning rate
+    bad = _diverged(ckpt["algorithm"], nan_markers(algo.state_dict()))
     if bad:
         raise CheckpointError(
             f"{file} is damaged: its algorithm state '{bad}' holds NaN or Inf, which no checkpoint is written "

@@ -149,18 +149,19 @@ class ProgressBar(Callback):
 
 
 class Checkpointer(Callback):
-    """``checkpoint.pt`` after every ``every`` rounds and after the last (docs/reliability.md): only states
-    whose tensors that were finite when the algorithm was built are still finite are written."""
+    """``checkpoint.pt`` after every ``every`` rounds and after the last (docs/reliability.md): only states whose
+    floating tensors are all finite are written, but for those that held NaN when the algorithm was built (its
+    markers)."""
 
     def __init__(self, every: int) -> None:
         self.every = every
-        self.must_be_finite: set[str] = set()
+        self.markers: frozenset[str] = frozenset()
         self.verified = False
 
     def on_build(self, run):
-        from fedweave.checkpoints import finite_tensors
+        from fedweave.checkpoints import nan_markers
 
-        self.must_be_finite = finite_tensors(run.algo.state_dict())  # before a checkpoint's state is loaded
+        self.markers = nan_markers(run.algo.state_dict())  # before a checkpoint's state is loaded
 
     def on_round_end(self, run, r):
         if not ((r + 1) % self.every == 0 or run.is_last(r)):
@@ -175,7 +176,7 @@ class Checkpointer(Callback):
         # round: held until both are done
         with signals_held():
             save_checkpoint(run.out, run.algo, r + 1, run.wall(), extra=extra, verify=not self.verified,
-                            must_be_finite=self.must_be_finite)  # fmt: skip
+                            markers=self.markers)  # fmt: skip
             run.last_checkpoint = r + 1
         self.verified = True
         run.callbacks.on_checkpoint(run, r + 1)

@@ -27,10 +27,9 @@ from fedweave.byo import RunObjects
 from fedweave.config import ConfigError
 from fedweave.config import load as load_config
 from fedweave.data.augment import augment_for
-from fedweave.data.base import Dataset
 from fedweave.deploy import compressed, secure, split
 from fedweave.deploy.jobs import Job, MalformedJobError, UnknownRuleError, check_tensors, decode_job, whole
-from fedweave.deploy.node_data import NodeDataError, load_node_data, own_parts, trial_parts, write_samples
+from fedweave.deploy.node_data import NodeDataError, load_node_data, node_dataset, own_parts, trial_parts, write_samples
 from fedweave.deploy.node_state import NodeState, StateMissingError
 from fedweave.deploy.wire import from_records, to_records
 from fedweave.execution.dpsgd import DPSGD
@@ -116,10 +115,9 @@ def _trainer(config_json: str, data: str, client: int, num_classes: int | None) 
     """The node's trainer over its client's samples (built once per run config and data file); only the
     model's outputs come from the server."""
     config = load_config(json.loads(config_json))
-    x, y = load_node_data(data)
     if num_classes is None:
         raise MalformedJobError("the job does not name the model's num_classes, which the node builds its model for")
-    ds = Dataset(f"node data {Path(data).name}", x, y, x[:0], y[:0], num_classes, tuple(x.shape[1:]))
+    ds = node_dataset(data, num_classes, f"node data {Path(data).name}")
     ctx = RunContext(config, RunObjects(dataset=ds))
     x, y = ctx.dataset.train_x, ctx.dataset.train_y  # in the run's precision
     return LocalTrainer(

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from fedweave.config import ConfigError, RunConfig
+from fedweave.data.base import Dataset
 from fedweave.results import UMASK, folder_refusal
 
 
@@ -71,6 +72,18 @@ def trial_parts(config: RunConfig, ctx=None) -> tuple[torch.Tensor, torch.Tensor
         x, y, parts = ctx.dataset.train_x, ctx.dataset.train_y, ctx.partition
     x, y = poisoned_data(config, ctx.seeds, x, y, parts, ctx.dataset.num_classes)
     return x, y, parts
+
+
+def node_dataset(path: str, num_classes: int, name: str) -> Dataset:
+    """A node data file as the dataset ``name`` its node trains on (no test split: the server evaluates), checked
+    as a plug-in's data are, naming the file: a NaN feature trained the node to NaN, a label beyond
+    ``num_classes`` failed inside the loss (the training split stands in for the test split it has none of)."""
+    from fedweave.byo import check_loaded
+
+    x, y = load_node_data(path)
+    shape = tuple(x.shape[1:])
+    check_loaded(f"node data {path}", Dataset(f"node data {path}", x, y, x, y, num_classes, shape))
+    return Dataset(name, x, y, x[:0], y[:0], num_classes, shape)
 
 
 def own_parts(client: int, samples: int, num_clients: int) -> list[np.ndarray]:

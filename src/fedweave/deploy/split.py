@@ -140,8 +140,7 @@ def node_algorithm(config_json: str, data: str | None, client: int, num_classes:
     from fedweave.algorithms.base import RunContext, build_algorithm
     from fedweave.byo import RunObjects
     from fedweave.config import load as load_config
-    from fedweave.data.base import Dataset
-    from fedweave.deploy.node_data import load_node_data, own_parts
+    from fedweave.deploy.node_data import node_dataset, own_parts
     from fedweave.registry import ALGORITHMS
 
     config = load_config(json.loads(config_json))
@@ -149,11 +148,10 @@ def node_algorithm(config_json: str, data: str | None, client: int, num_classes:
         raise ValueError(f"this node runs split-learning clients only, not {config.algorithm.name!r}")
     if data is None:  # the configured dataset's partition, in memory
         return build_algorithm(RunContext(config))
-    x, y = load_node_data(data)
-    ds = Dataset(f"node data {data}", x, y, x[:0], y[:0], num_classes, tuple(x.shape[1:]))
+    ds = node_dataset(data, num_classes, f"node data {data}")
     ctx = RunContext(config, RunObjects(dataset=ds))
     # the node's file is its client's data: the client's partition is all of it
-    ctx.partition = own_parts(client, len(x), config.num_clients)
+    ctx.partition = own_parts(client, len(ds.train_x), config.num_clients)
     return build_algorithm(ctx)
 
 
