@@ -95,16 +95,20 @@ def test_a_config_error_leaves_no_default_run_dir(toy_config, tmp_path, monkeypa
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("command", [["run"], ["sweep", "--grid", "local.lr=0.1"]])
-def test_bad_input_writes_no_plotting_cache_or_config(tmp_path, command):
-    """`fedweave run tiny.yaml nosuch.key=1` (and `fedweave sweep`) wrote matplotlib's font cache and an empty
-    ~/.config/matplotlib before the override was refused: the command imported the plotting first. Bad input
-    writes nothing."""
+@pytest.mark.parametrize(
+    "argv",
+    [["run", "c.yaml", "nosuch.key=1", "--no-progress"], ["sweep", "c.yaml", "nosuch.key=1", "--grid", "local.lr=0.1"],
+     ["report", "nosuch"]],
+    ids=["run", "sweep", "report"],
+)  # fmt: skip
+def test_bad_input_writes_no_plotting_cache_or_config(tmp_path, argv):
+    """`fedweave run tiny.yaml nosuch.key=1` (and `fedweave sweep`, `fedweave report` of no directory) wrote
+    matplotlib's font cache and an empty ~/.config/matplotlib before the input was refused: the command imported
+    the plotting first. Bad input writes nothing."""
     (tmp_path / "c.yaml").write_text(yaml.safe_dump({"name": "tiny", "dataset": {"name": "digits"}}))
     home = tmp_path / "home"
     home.mkdir()
     env = {k: v for k, v in ENV.items() if k not in ("MPLCONFIGDIR", "XDG_CONFIG_HOME", "XDG_CACHE_HOME")}
-    argv = [command[0], str(tmp_path / "c.yaml"), "nosuch.key=1", *command[1:], "--no-progress"]
     done = subprocess.run(
         [sys.executable, "-m", "fedweave.cli", *argv],
         capture_output=True, text=True, env={**env, "HOME": str(home)}, cwd=tmp_path, timeout=300,

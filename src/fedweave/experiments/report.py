@@ -741,9 +741,9 @@ def build_report(dirs: list[str | Path]) -> str:
         if d.resolve() in seen:
             raise RunDirError(f"{d} is given twice; give each directory once")
         seen.add(d.resolve())
-    from fedweave.plots import distinct_names
-
     sources = [_read_source(Path(d)) for d in dirs]
+    from fedweave.plots import distinct_names  # after the directories are read: bad input loads no plotting
+
     for src, shown in zip(sources, distinct_names([s.path for s in sources])):
         src.shown = shown
         if src.spec is None:  # a run given itself: its legend label, its row and its detail
