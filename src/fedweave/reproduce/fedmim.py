@@ -924,6 +924,7 @@ def page_verdicts(folder: Path) -> list[tuple[str, Verdict]]:
 def sections(folder: Path) -> dict[str, str]:
     """docs/reproductions/fedmim.md's generated sections, from the committed files in ``folder``: the claim table
     (every claim's verdict by its declared rule, ``page_verdicts``), the tables and the prose with numbers."""
+    _page_parts(folder)
     table, results = read_csv(folder / "table.csv"), read_csv(folder / "results.csv")
     return {
         "claims": claim_table(page_verdicts(folder)),
@@ -938,6 +939,28 @@ def sections(folder: Path) -> dict[str, str]:
         **{f"{name}-cost": _cost(folder, name) for name in PAGE_FOLDERS[1:]},
         "same-cell": _same_cell_table(folder),
     }
+
+
+CELL_KEY = ("dataset", "split", "method", "variant")  # a run's cell (no variant: "")
+
+
+def _page_parts(folder: Path) -> None:
+    """A ``ConfigError`` of one line where a folder of ``PAGE_FOLDERS`` lacks a file of its preset's report that
+    the page reads, or a cell its preset runs (a smoke scale's folder, ``--datasets``, a time budget): the folder,
+    what it lacks and the command that runs it there."""
+    for name, scale in ((n, n or "small") for n in PAGE_FOLDERS):
+        p, d = PRESETS[scale], folder / name
+        files = ["results.csv", *((f"{name}.csv", f"{name}.md") if p.variants else ("table.csv", "table.md"))]
+        lacks = next((f"no {f}" for f in files + ["gaps.csv"] * bool(p.report_rounds) if not (d / f).is_file()), None)
+        have = set() if lacks else {tuple(r.get(k, "") for k in CELL_KEY) for r in read_csv(d / "results.csv")}
+        cells = dict.fromkeys(tuple(dict(q.values).get(k, "") for k in CELL_KEY) for q in plan(p, d, (0,), None, None))
+        if gone := [] if lacks else [c for c in cells if c not in have]:
+            lacks = f"{len(gone)} of its {len(cells)} cells: {', '.join(filter(None, gone[0]))}…"
+        if lacks:
+            raise ConfigError(
+                f"{d}: the page's sections read the {scale} preset's runs, which it lacks ({lacks}); run them with "
+                f"`fedweave reproduce fedmim --scale {scale} --out {d}`"
+            )
 
 
 def _page_per_seed(rows: list[dict]) -> str:

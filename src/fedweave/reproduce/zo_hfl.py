@@ -757,6 +757,7 @@ def sections(folder: Path) -> dict[str, str]:
     """docs/reproductions/zo-hfl.md's generated sections from the committed files in ``folder``: the costs, what
     the prose reads from the grids, each preset's tables (``preset_sections``, named under its folder) and one
     table of every preset's claims judged by their declared rules on its committed per-seed records."""
+    _page_parts(folder)
     out = {
         "cost": cost_section(folder),
         "tune": tune_section(folder / "tune.csv"),
@@ -771,6 +772,29 @@ def sections(folder: Path) -> dict[str, str]:
         out |= {prefix + name: body for name, body in preset_sections(p, records, table, losses).items()}
         judged += [(f"{prefix}results.csv", v) for v in verdicts(records)]
     return out | {"claims": layout(CLAIM_COLS, judged)}
+
+
+def _page_parts(folder: Path) -> None:
+    """A ``ConfigError`` of one line where a preset's folder beside the page lacks a file the page reads, or holds
+    another scale's (a smoke scale's: its ``claims.json``'s meta, its ``tune.csv``'s columns): the folder, what it
+    lacks and the command that writes it there."""
+    for prefix, scale in PAGE_PRESETS.items():
+        d, cols = folder / prefix, [f"{ds} {SETTING_NAMES[s]}" for ds in PRESETS[scale].datasets for s in SETTINGS]
+        parts = {"": ["claims.json", "results.csv", "table.csv"] + ["table.md"] * (scale == "long")}
+        parts |= {} if scale == "long" else {" --tune": ["tune.csv", "tune.md"]}
+        for tune, files in parts.items():
+            lacks = next((f"no {f}" for f in files if not (d / f).is_file()), None)
+            if lacks is None and tune:  # another scale's grid: its columns name other data sets
+                head = (read_csv(d / "tune.csv") or [{}])[0]
+                lacks = next((f"no column {c!r}" for c in cols if c not in head), None)
+            elif lacks is None:
+                got = json.loads((d / "claims.json").read_text(encoding="utf-8"))["meta"]["scale"]
+                lacks = None if got == scale else f"its claims.json is the {got} scale's"
+            if lacks:
+                raise ConfigError(
+                    f"{d}: the page's sections read the {scale} scale's{tune} runs, which it lacks ({lacks}); "
+                    f"run them with `fedweave reproduce zo-hfl --scale {scale}{tune} --out {d}`"
+                )
 
 
 COST_HEADER = ["invocation", "runs", "wall (2 workers)", "CPU time (workers, start-up and data loading included)"]
