@@ -296,16 +296,19 @@ def locked_run_dir(path: Path) -> Iterator[None]:
         fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     except OSError as e:
         raise RunDirError(f"cannot lock the run directory {str(path)!r}: {e.strerror or e}") from e
+    yield from _held(fd, f"{str(path)!r} is in use by another fedweave run{{who}}; wait for it to end or give "
+                         "another --out / output.dir")  # fmt: skip
+
+
+def _held(fd: int, busy: str) -> Iterator[None]:
+    """Hold the flock of the open lock file ``fd``, its holder's pid written inside, until the caller's block ends;
+    one held by another process is a :class:`RunDirError` of ``busy`` (``{who}``: `` (process N)``)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
-        who = f" (process {holder})" if holder.isdigit() else ""
-        raise RunDirError(
-            f"{str(path)!r} is in use by another fedweave run{who}; wait for it to end or give another "
-            "--out / output.dir"
-        ) from None
+        raise RunDirError(busy.replace("{who}", f" (process {holder})" if holder.isdigit() else "")) from None
     _HELD.add(fd)
     try:
         os.ftruncate(fd, 0)
@@ -314,6 +317,20 @@ def locked_run_dir(path: Path) -> Iterator[None]:
     finally:
         _HELD.discard(fd)
         os.close(fd)
+
+
+SWEEP_LOCK = ".fedweave-sweep.lock"  # held (flock) by the sweep writing the directory (not a run's mark)
+
+
+@contextlib.contextmanager
+def locked_sweep_dir(out: Path) -> Iterator[None]:
+    """Make ``out`` and hold its sweep lock (an flock on ``out/.fedweave-sweep.lock``) for the life of a sweep, as
+    :func:`locked_run_dir` a run's: a second sweep into it is refused with a :class:`RunDirError` naming the
+    process holding it (two of different grids left it mixed: sweep.json the second's, the tables the first's)."""
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / SWEEP_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    yield from _held(fd, f"--out: {out} is in use by another fedweave sweep{{who}}; wait for it to end or give "
+                         "another --out")  # fmt: skip
 
 
 def make_run_dir(path: Path) -> None:

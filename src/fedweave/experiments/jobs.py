@@ -4,9 +4,11 @@ that are not runner runs (a reproduction's own solver loops) on workers of the s
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -231,16 +233,117 @@ def _die_with(parent: int) -> None:
 
 
 def _worker_start(parent: int, threads: int, initializer: Callable[[], None] | None, scratch: str) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):  # first: a signal from now on interrupts the worker's first call
+        if callable(handler := signal.getsignal(sig)):  # the sweep's (the command line's: SIGTERM raises too)
+            _RAISES[sig] = handler
+            signal.signal(sig, _worker_signal)
     import torch
 
     _die_with(parent)
     # a worker ends through os._exit, without Python's exit handlers, which remove what libraries leave in the
     # temporary directory (W&B's staging folders, made as it is imported): its temporary files go to the pool's
-    # own folder, which the sweep's process removes once the workers are done (its subprocesses too: TMPDIR)
+    # own folder, which the sweep's process removes once the workers are done (its subprocesses too: TMPDIR), or
+    # the next sweep when this one is killed (_scratch)
     tempfile.tempdir = os.environ["TMPDIR"] = scratch
     torch.set_num_threads(threads)
     if initializer is not None:
         initializer()
+
+
+_RAISES: dict[int, Callable[..., Any]] = {}  # in a worker: the handler it inherited for each signal it passes on
+_busy = False  # in a worker: a call is running
+_signalled = 0  # in a worker: the signal that interrupted it (0: none yet)
+
+
+def _worker_signal(signum: int, frame: Any) -> None:
+    """A worker's Ctrl-C or SIGTERM, from its sweep's process or the whole process group (both, for Ctrl-C in a
+    terminal: they are one interrupt): the call in progress is interrupted as the sweep's process would be (a
+    run ends ``interrupted``, resumable from its checkpoint); an idle worker's next call is."""
+    global _signalled
+    if _signalled:
+        return
+    _signalled = signum
+    if _busy:  # not while idle: raised in the pool's own loop, it would end the worker and break the pool
+        _RAISES[signum](signum, frame)
+
+
+def _in_worker(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a worker, interruptible by :func:`_worker_signal`."""
+    global _busy
+    _busy = True
+    try:
+        if _signalled:  # interrupted before the call started: it does not
+            _RAISES[_signalled](_signalled, None)
+        return fn(*args)
+    finally:
+        _busy = False
+
+
+def _signal_workers(pool: ProcessPoolExecutor, interrupt: KeyboardInterrupt) -> None:
+    """Pass the signal that interrupted the sweep's process on to its workers: a signal to that process alone
+    (``kill PID``, a scheduler, ``docker stop``) reached none of them, and their runs went on to their end."""
+    sig = signal.SIGTERM if getattr(interrupt, "signal_name", "SIGINT") == "SIGTERM" else signal.SIGINT
+    for pid in list(getattr(pool, "_processes", None) or {}):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _close(pool: ProcessPoolExecutor, interrupt: KeyboardInterrupt | None) -> None:
+    """Shut ``pool`` down once its calls have ended. ``interrupt``: this process was interrupted, and so are the
+    calls in progress, which end as an interrupted run does. A signal meanwhile is the first (it interrupts them)
+    or the second, which ends the workers at once with SIGKILL, leaving their runs as a killed sweep does
+    (resumable; before, the pool's shutdown then waited for good on an idle worker)."""
+    if interrupt is not None:
+        _signal_workers(pool, interrupt)
+    try:
+        pool.shutdown(wait=True, cancel_futures=True)
+    except KeyboardInterrupt as e:
+        if interrupt is None:
+            _close(pool, e)
+            raise
+        for p in list((getattr(pool, "_processes", None) or {}).values()):
+            p.kill()
+        pool.shutdown(wait=True)  # dead workers: at once
+        raise
+
+
+SCRATCH = "fedweave-workers-"  # the workers' temporary folder in the system's: SCRATCH<pid>-<random>
+
+
+def _scratch() -> tuple[str, int]:
+    """A new temporary folder for the workers, and a descriptor holding its lock (flock) while this process or a
+    worker of it lives; then the folders that sweeps killed with SIGKILL left (their own clean-up never ran) are
+    removed: those of the same form whose lock no process holds. A folder is locked before it takes that form, so
+    a sweep starting meanwhile never takes another's new folder for a stale one."""
+    import fcntl
+
+    new = tempfile.mkdtemp(prefix=f".{SCRATCH}{os.getpid()}-")
+    fd = os.open(new, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    head, tail = os.path.split(new)
+    path = os.path.join(head, tail.removeprefix("."))
+    os.rename(new, path)
+    for old in Path(head).glob(f"{SCRATCH}*-*"):  # an earlier release's folders (no pid) were never locked
+        _remove_stale(old, fcntl)
+    return path, fd
+
+
+def _remove_stale(path: Path, fcntl: Any) -> None:
+    """Remove ``path``, a workers' folder, if no process holds its lock (and it is this user's)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # gone, a link, not a folder
+        return
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            return
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: its sweep (or a worker of it) still runs
+        return
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        os.close(fd)
 
 
 def _schedule(
@@ -255,7 +358,9 @@ def _schedule(
     """``fn(*calls[i])`` for every i, at most ``workers`` at a time in forked processes, each with its share
     of the cores (one worker: in this process, whose threads are left as they are). No call starts after
     ``budget_s`` seconds; returns ``{i: result}`` of the calls that ran. ``initializer`` runs once in each
-    worker process (with one worker, in this process)."""
+    worker process (with one worker, in this process). Ctrl-C or SIGTERM to this process, alone or with its
+    group, interrupts the calls in progress with that signal, waits for them and is raised; a second one kills
+    the workers and is raised at once."""
     t0 = time.perf_counter()
     over = lambda: budget_s is not None and time.perf_counter() - t0 > budget_s  # noqa: E731
     out: dict[int, Any] = {}
@@ -269,20 +374,21 @@ def _schedule(
             if on_done is not None:
                 on_done(i, out[i])
         return out
-    scratch = tempfile.mkdtemp(prefix="fedweave-workers-")  # the workers' temporary directory (_worker_start)
+    scratch, held = _scratch()  # the workers' temporary directory (_worker_start)
     try:
         # fork: the workers see what this process registered (datasets, models, algorithms)
-        with ProcessPoolExecutor(
+        pool = ProcessPoolExecutor(
             max_workers=workers,
             mp_context=mp.get_context("fork"),
             initializer=_worker_start,
             initargs=(os.getpid(), threads_per_worker(workers), initializer, scratch),
-        ) as pool:
+        )
+        try:
             queue = iter(enumerate(calls))
             running: dict[Any, int] = {}
             while True:
                 while len(running) < workers and not over() and (nxt := next(queue, None)) is not None:
-                    running[pool.submit(fn, *nxt[1])] = nxt[0]
+                    running[pool.submit(_in_worker, fn, *nxt[1])] = nxt[0]
                 if not running:
                     break
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
@@ -291,8 +397,16 @@ def _schedule(
                     out[i] = f.result()
                     if on_done is not None:
                         on_done(i, out[i])
-    finally:  # once the pool's exit has joined every worker
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM, to this process alone or to its whole group
+            _close(pool, e)
+            raise
+        except BaseException:  # a run failed: the others run to their end, as before
+            _close(pool, None)
+            raise
+        _close(pool, None)
+    finally:  # once every worker has ended
         shutil.rmtree(scratch, ignore_errors=True)
+        os.close(held)
     return out
 
 

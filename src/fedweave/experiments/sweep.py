@@ -15,7 +15,7 @@ from fedweave.experiments.aggregate import best_point, best_trained, if_all, mea
 from fedweave.experiments.grid import expand
 from fedweave.experiments.jobs import check_points, check_reusable, check_workers, run_points
 from fedweave.experiments.tables import markdown, write_csv
-from fedweave.results import atomic_write, file_in_the_way, holds_run, read_metrics
+from fedweave.results import atomic_write, file_in_the_way, holds_run, locked_sweep_dir, read_metrics
 
 
 @dataclass
@@ -105,106 +105,108 @@ def sweep(
         raise ConfigError(f"--out: {out} {what}; give a folder (made if missing)")
     if what := _not_a_sweep(out):
         raise ConfigError(f"--out: {out} {what}; give another folder (a new one, or an earlier sweep's)")
-    check_reusable(points, out / "runs")  # before sweep.json is rewritten: a refused sweep leaves it as it was
-    out.mkdir(parents=True, exist_ok=True)
-    spec = {"grid": grid or {}, "zipped": zipped or {}, "seeds": seeds, "metric": metric, "target": target}
-    # the base config's seed and every run's directory and point, so that a report of a running or killed
-    # sweep reads its runs from here rather than expanding the grid again
-    spec["base_seed"] = points[0].seed
-    spec["runs"] = [{"run_dir": f"runs/{p.slug}", "point": p.label} for p in points]
-    if base is not None:  # only then, so that a sweep without one writes the sweep.json it always did
-        spec["baseline"] = {"point": base, "level": level, "test": test}
-        if correction is not None:  # only when given, so a sweep without it writes the sweep.json it did
-            spec["baseline"]["correction"] = correction
-    earlier = (out / "sweep.json").read_bytes() if (out / "sweep.json").is_file() else None
-    atomic_write(out / "sweep.json", json.dumps(spec, indent=2, default=str))
-    results = run_points(points, out / "runs", workers=workers, progress=progress, ray_address=ray_address)
-    # no run's rows hold the task's main metric (the confederated family's synthetic problem has no test set):
-    # tabulate the column the runs' own plots show, as `fedweave plot` and the report do
-    # (a run that wrote no rows, diverged before its first evaluation, says nothing of its columns)
-    own, wrote = None, [p for p in points if (out / "runs" / p.slug / "metrics.jsonl").is_file()]
-    if wrote and not any(results[p.slug].summary.get("main_metric") for p in points):
-        own = next((m for p in wrote if (m := run_metric(results[p.slug].summary))), None)
-    if defaulted and own is not None:
-        metric = own
-        spec["metric"] = metric
+    # for its whole life, before anything is written: two sweeps of different grids on one --out at once left
+    # it mixed (sweep.json the second's, the tables the first's), and the report then mislabelled them
+    with locked_sweep_dir(out):
+        check_reusable(points, out / "runs")  # before sweep.json is rewritten: a refused sweep leaves it as it was
+        spec = {"grid": grid or {}, "zipped": zipped or {}, "seeds": seeds, "metric": metric, "target": target}
+        # the base config's seed and every run's directory and point, so that a report of a running or killed
+        # sweep reads its runs from here rather than expanding the grid again
+        spec["base_seed"] = points[0].seed
+        spec["runs"] = [{"run_dir": f"runs/{p.slug}", "point": p.label} for p in points]
+        if base is not None:  # only then, so that a sweep without one writes the sweep.json it always did
+            spec["baseline"] = {"point": base, "level": level, "test": test}
+            if correction is not None:  # only when given, so a sweep without it writes the sweep.json it did
+                spec["baseline"]["correction"] = correction
+        earlier = (out / "sweep.json").read_bytes() if (out / "sweep.json").is_file() else None
         atomic_write(out / "sweep.json", json.dumps(spec, indent=2, default=str))
+        results = run_points(points, out / "runs", workers=workers, progress=progress, ray_address=ray_address)
+        # no run's rows hold the task's main metric (the confederated family's synthetic problem has no test set):
+        # tabulate the column the runs' own plots show, as `fedweave plot` and the report do
+        # (a run that wrote no rows, diverged before its first evaluation, says nothing of its columns)
+        own, wrote = None, [p for p in points if (out / "runs" / p.slug / "metrics.jsonl").is_file()]
+        if wrote and not any(results[p.slug].summary.get("main_metric") for p in points):
+            own = next((m for p in wrote if (m := run_metric(results[p.slug].summary))), None)
+        if defaulted and own is not None:
+            metric = own
+            spec["metric"] = metric
+            atomic_write(out / "sweep.json", json.dumps(spec, indent=2, default=str))
 
-    records, by_point, curves, statuses = [], {}, {}, {}
-    for p in points:
-        s = results[p.slug].summary
-        rows = read_metrics(out / "runs" / p.slug) if (out / "runs" / p.slug / "metrics.jsonl").is_file() else []
-        final = s.get("final") or {}
-        rec = {
-            "point": p.label,
-            **dict(p.values),
-            "seed": p.seed,
-            "status": s["status"],
-            "rounds": s["rounds"],
-            f"final_{metric}": final.get(metric),
-            f"best_{metric}": best_trained(rows, metric, column_direction(metric)),
-            "bytes_total": s["communication"]["bytes_total"],
-            "wall_seconds": s["wall_seconds"],
-            "run_dir": f"runs/{p.slug}",
-        }
-        if target is not None:
-            rec["rounds_to_target"] = to_target(rows, metric, target, "round", column_direction(metric))
-            rec["bytes_to_target"] = to_target(rows, metric, target, "bytes_total", column_direction(metric))
-        records.append(rec)
-        by_point.setdefault(p.label, []).append(rec)
-        statuses.setdefault(p.label, []).append(s["status"])
-        if rows:  # a run diverged before its first row draws nothing (it would empty its point's band)
-            curves.setdefault(p.label, []).append(rows)
+        records, by_point, curves, statuses = [], {}, {}, {}
+        for p in points:
+            s = results[p.slug].summary
+            rows = read_metrics(out / "runs" / p.slug) if (out / "runs" / p.slug / "metrics.jsonl").is_file() else []
+            final = s.get("final") or {}
+            rec = {
+                "point": p.label,
+                **dict(p.values),
+                "seed": p.seed,
+                "status": s["status"],
+                "rounds": s["rounds"],
+                f"final_{metric}": final.get(metric),
+                f"best_{metric}": best_trained(rows, metric, column_direction(metric)),
+                "bytes_total": s["communication"]["bytes_total"],
+                "wall_seconds": s["wall_seconds"],
+                "run_dir": f"runs/{p.slug}",
+            }
+            if target is not None:
+                rec["rounds_to_target"] = to_target(rows, metric, target, "round", column_direction(metric))
+                rec["bytes_to_target"] = to_target(rows, metric, target, "bytes_total", column_direction(metric))
+            records.append(rec)
+            by_point.setdefault(p.label, []).append(rec)
+            statuses.setdefault(p.label, []).append(s["status"])
+            if rows:  # a run diverged before its first row draws nothing (it would empty its point's band)
+                curves.setdefault(p.label, []).append(rows)
 
-    written = [(k, v) for rows in curves.values() for rs in rows for r in rs for k, v in r.items() if v is not None]
-    if not defaulted and written and metric not in {k for k, _ in written}:
-        # a misspelt --metric used to give a table of nan; the runs stay, so running again with the right
-        # column reuses them (runs that wrote no rows at all prove nothing either way); the columns offered are
-        # the measured ones (floats, as `fedweave plot` lists them), not the counts
-        known = sorted({k for k, v in written if isinstance(v, float)})
-        # sweep.json as it was (or, new, with the column a sweep without --metric tabulates): a report reads its
-        # metric, and it named the refused one beside the earlier summary.csv, every column of its tables blank
-        spec["metric"] = own or _main_column(points[0].config)
-        atomic_write(out / "sweep.json", earlier or json.dumps(spec, indent=2, default=str))
-        raise ConfigError(
-            f"--metric {metric!r} is not a column of the sweep's runs in {out / 'runs'}; choose one of "
-            f"{', '.join(known)} (run the sweep again with it: its finished runs are reused)"
-        )
+        written = [(k, v) for rows in curves.values() for rs in rows for r in rs for k, v in r.items() if v is not None]
+        if not defaulted and written and metric not in {k for k, _ in written}:
+            # a misspelt --metric used to give a table of nan; the runs stay, so running again with the right
+            # column reuses them (runs that wrote no rows at all prove nothing either way); the columns offered are
+            # the measured ones (floats, as `fedweave plot` lists them), not the counts
+            known = sorted({k for k, v in written if isinstance(v, float)})
+            # sweep.json as it was (or, new, with the column a sweep without --metric tabulates): a report reads its
+            # metric, and it named the refused one beside the earlier summary.csv, every column of its tables blank
+            spec["metric"] = own or _main_column(points[0].config)
+            atomic_write(out / "sweep.json", earlier or json.dumps(spec, indent=2, default=str))
+            raise ConfigError(
+                f"--metric {metric!r} is not a column of the sweep's runs in {out / 'runs'}; choose one of "
+                f"{', '.join(known)} (run the sweep again with it: its finished runs are reused)"
+            )
 
-    compared = {}
-    if base is not None:  # each point against the baseline, paired by seed, on the final metric
-        diffs = paired.per_seed(records, f"final_{metric}", base)
-        for rec in records:  # the run's final metric minus the baseline's at its seed (empty: not paired)
-            rec[f"diff_final_{metric}"] = diffs.get((rec["point"], rec["seed"]))
-        compared = paired.compare(
-            records, f"final_{metric}", base, column_direction(metric), level, test, correction or "none"
-        )
+        compared = {}
+        if base is not None:  # each point against the baseline, paired by seed, on the final metric
+            diffs = paired.per_seed(records, f"final_{metric}", base)
+            for rec in records:  # the run's final metric minus the baseline's at its seed (empty: not paired)
+                rec[f"diff_final_{metric}"] = diffs.get((rec["point"], rec["seed"]))
+            compared = paired.compare(
+                records, f"final_{metric}", base, column_direction(metric), level, test, correction or "none"
+            )
 
-    summary = []
-    for label, recs in by_point.items():
-        done = [r[f"final_{metric}"] for r in recs if r["status"] == "completed"]
-        m, sd = mean_std(done)
-        row = {"point": label, "seeds": len(recs), "diverged": sum(r["status"] == "diverged" for r in recs)}
-        # one completed run has no spread to show (a sample std needs two): NaN, "-" in summary.md, not 0.0
-        row[f"{metric}_mean"], row[f"{metric}_std"] = m, sd if len(done) > 1 else math.nan
-        if target is not None:
-            for x in ("rounds_to_target", "bytes_to_target"):
-                row[f"{x}_mean"] = if_all([r[x] for r in recs], lambda v: mean_std(v)[0])  # all seeds reached it
-        if base is not None:
-            row.update(paired.row(compared[label], metric, correction))
-        summary.append(row)
-    whole = [all(r["status"] == "completed" for r in by_point[row["point"]]) for row in summary]
-    best = best_point([row[f"{metric}_mean"] for row in summary], whole, column_direction(metric))
-    for i, r in enumerate(summary):
-        r["best"] = i == best
+        summary = []
+        for label, recs in by_point.items():
+            done = [r[f"final_{metric}"] for r in recs if r["status"] == "completed"]
+            m, sd = mean_std(done)
+            row = {"point": label, "seeds": len(recs), "diverged": sum(r["status"] == "diverged" for r in recs)}
+            # one completed run has no spread to show (a sample std needs two): NaN, "-" in summary.md, not 0.0
+            row[f"{metric}_mean"], row[f"{metric}_std"] = m, sd if len(done) > 1 else math.nan
+            if target is not None:
+                for x in ("rounds_to_target", "bytes_to_target"):
+                    row[f"{x}_mean"] = if_all([r[x] for r in recs], lambda v: mean_std(v)[0])  # all seeds reached it
+            if base is not None:
+                row.update(paired.row(compared[label], metric, correction))
+            summary.append(row)
+        whole = [all(r["status"] == "completed" for r in by_point[row["point"]]) for row in summary]
+        best = best_point([row[f"{metric}_mean"] for row in summary], whole, column_direction(metric))
+        for i, r in enumerate(summary):
+            r["best"] = i == best
 
-    write_csv(out / "sweep.csv", records)
-    write_csv(out / "summary.csv", summary)
-    atomic_write(out / "summary.md", markdown(summary, best))
-    from fedweave.experiments.plots import diverged_mark, plot_sweep
+        write_csv(out / "sweep.csv", records)
+        write_csv(out / "summary.csv", summary)
+        atomic_write(out / "summary.md", markdown(summary, best))
+        from fedweave.experiments.plots import diverged_mark, plot_sweep
 
-    plot_sweep({label + diverged_mark(statuses[label]): rows for label, rows in curves.items()}, out, metric)
-    return SweepResult(out, records, summary, best)
+        plot_sweep({label + diverged_mark(statuses[label]): rows for label, rows in curves.items()}, out, metric)
+        return SweepResult(out, records, summary, best)
 
 
 def _not_a_sweep(out: Path) -> str | None:
