@@ -377,4 +377,6 @@ def test_runs_and_a_sweeps_runs_write_nothing_outside_their_run_directories(toy_
         ]
         _same([(h["_step"], h["test_accuracy"]) for h in history if "test_accuracy" in h], read_metrics(run_dir))
         logs = sorted(p.name.split("-")[0] for p in (run_dir / "wandb" / "cache").rglob("*-debug-*.log"))
-        assert logs == ["core", "symon"], run_dir  # this run's own service, ended with the run
+        # this run's own service (one core), ended with the run; W&B's system monitor may start again within
+        # the service under load (a second, empty symon log a second later), which is W&B's own
+        assert logs.count("core") == 1 and set(logs) == {"core", "symon"}, (run_dir, logs)
