@@ -165,23 +165,18 @@ def _remove(folder: str) -> None:
     log.warning("could not remove the local Ray session's folder %s", folder)
 
 
-def _shutdown_own(ray: Any) -> None:
-    """Shut down the local Ray that fedweave started in this process and remove its folder."""
-    ray.shutdown()
+def _end_own(ray: Any = None) -> None:
+    """Shut down fedweave's own local Ray, if it is up, remove its folder and forget it; a folder of one the
+    caller shut down goes too. Never another process's (a forked child inherits ``_OWN`` and the exit handler),
+    nor a session fedweave did not start. Also the exit handler (registered after Ray's import, so run before
+    Ray's own): ``ray`` then read from the loaded modules."""
+    ray = ray or sys.modules.get("ray")
+    if ray is not None and _own_session(ray):
+        ray.shutdown()
+    elif _OWN.get("pid") != os.getpid():
+        return
     _remove(_OWN["temp_dir"])
     _OWN.clear()
-
-
-def _end_own() -> None:
-    """At exit (before Ray's own exit handler, registered earlier): shut down fedweave's own local Ray, if up,
-    and remove its folder; a folder of one the caller shut down is removed too. Never another process's (a
-    forked child inherits the handler)."""
-    ray = sys.modules.get("ray")
-    if ray is not None and _own_session(ray):
-        _shutdown_own(ray)
-    elif _OWN.get("pid") == os.getpid():
-        _remove(_OWN["temp_dir"])
-        _OWN.clear()
 
 
 def _wanted_cpus(cfg: RayConfig) -> int:
@@ -209,10 +204,7 @@ def _start_ray(ray: Any, cfg: RayConfig, data_bytes: int) -> None:
         # and the cluster connected to or a local one sized for both the earlier runs and this one started
         # (the earlier runs' actors go with it; a new trainer starts its own)
         cpus = max(cpus, _OWN["cpus"])
-        _shutdown_own(ray)
-    elif _OWN.get("pid") == os.getpid():  # the caller shut fedweave's session down: its folder goes now
-        _remove(_OWN["temp_dir"])
-        _OWN.clear()
+    _end_own(ray)  # fedweave's own session, shut down here; or none up: the folder of one the caller shut down
     if cfg.address is not None:  # (where nothing listens was refused when the run was built: check_session)
         ray.init(address=cfg.address)
         return
